@@ -1,0 +1,301 @@
+"""Configuration: the one place a Hugging Face ``config.json`` is read.
+
+``ModelConfig.from_hf`` turns the raw dict into a frozen dataclass and validates it;
+everything downstream reads the dataclass, never the dict. ``EngineConfig`` holds the
+serving knobs (cache, scheduler, backend).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# Architectures we can run, by family. DeepSeek is parsed for ``inspect`` and MLA.
+LLAMA_FAMILY = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+}
+DEEPSEEK_FAMILY = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY | DEEPSEEK_FAMILY
+
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
+               "fp8": 1, "float8": 1}
+
+
+class ConfigError(ValueError):
+    """A model config that cannot be used, with a message a user can act on."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rope scaling as HF writes it; ``rope_type`` is one of default, linear, llama3, yarn."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    # yarn (DeepSeek)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    @staticmethod
+    def from_dict(d: dict[str, Any] | None) -> RopeScaling | None:
+        if not d:
+            return None
+        rope_type = d.get("rope_type", d.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise ConfigError(
+                f"rope_scaling type {rope_type!r} is not supported "
+                "(supported: default, linear, llama3, yarn)"
+            )
+        known = {f.name for f in fields(RopeScaling)}
+        kwargs = {k: v for k, v in d.items() if k in known and v is not None}
+        kwargs["rope_type"] = rope_type
+        return RopeScaling(**kwargs)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q, k and v
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    torch_dtype: str = "bfloat16"
+    # MLA (DeepSeek-V2/V3)
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # MoE (DeepSeek-V2/V3)
+    n_routed_experts: int | None = None
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    scoring_func: str = "softmax"
+    norm_topk_prob: bool = False
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ loading
+    @staticmethod
+    def from_hf(source: str | os.PathLike[str] | dict[str, Any]) -> ModelConfig:
+        """Read a HF ``config.json`` (a path to the file or its folder, or the dict)."""
+        if isinstance(source, dict):
+            d = dict(source)
+            where = "config"
+        else:
+            path = os.fspath(source)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            where = path
+            if not os.path.isfile(path):
+                raise ConfigError(f"no config.json at {path}")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: expected a JSON object")
+        return ModelConfig._from_dict(d, where)
+
+    @staticmethod
+    def _from_dict(d: dict[str, Any], where: str) -> ModelConfig:
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(d.get("model_type", ""), "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"{where}: architecture {arch or d.get('model_type')!r} is not supported; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
+        if arch in LLAMA_FAMILY:
+            required.append("intermediate_size")
+        missing = [k for k in required if d.get(k) is None]
+        if missing:
+            raise ConfigError(f"{where}: missing required field(s): {', '.join(missing)}")
+        for k in required:
+            if not isinstance(d[k], int) or d[k] <= 0:
+                raise ConfigError(f"{where}: {k} must be a positive integer, got {d[k]!r}")
+
+        heads = d["num_attention_heads"]
+        kv_heads = d.get("num_key_value_heads") or heads
+        if heads % kv_heads != 0:
+            raise ConfigError(
+                f"{where}: num_attention_heads ({heads}) is not a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        eos = d.get("eos_token_id")
+        eos_t: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        model_type = d.get("model_type", "")
+        sliding = d.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+            sliding = None
+        is_deepseek = arch in DEEPSEEK_FAMILY
+        return ModelConfig(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d.get("intermediate_size") or 0,
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=d.get("max_position_embeddings") or 2048,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_scaling=RopeScaling.from_dict(d.get("rope_scaling")),
+            hidden_act=d.get("hidden_act", "silu"),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos_t,
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            kv_lora_rank=d.get("kv_lora_rank") if is_deepseek else d.get("kv_lora_rank"),
+            q_lora_rank=d.get("q_lora_rank"),
+            qk_nope_head_dim=d.get("qk_nope_head_dim") or 0,
+            qk_rope_head_dim=d.get("qk_rope_head_dim") or 0,
+            v_head_dim=d.get("v_head_dim") or 0,
+            n_routed_experts=d.get("n_routed_experts"),
+            n_shared_experts=d.get("n_shared_experts") or 0,
+            num_experts_per_tok=d.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=d.get("moe_intermediate_size") or 0,
+            first_k_dense_replace=d.get("first_k_dense_replace") or 0,
+            moe_layer_freq=d.get("moe_layer_freq") or 1,
+            routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+            topk_method=d.get("topk_method") or "greedy",
+            n_group=d.get("n_group") or 1,
+            topk_group=d.get("topk_group") or 1,
+            scoring_func=d.get("scoring_func") or "softmax",
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            raw=d,
+        )
+
+    # --------------------------------------------------------------- attention
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def attention_kind(self) -> str:
+        """MLA if ``kv_lora_rank`` is set (whatever the head counts say), else MHA/MQA/GQA."""
+        if self.is_mla:
+            return "MLA"
+        if self.num_key_value_heads == self.num_attention_heads:
+            return "MHA"
+        if self.num_key_value_heads == 1:
+            return "MQA"
+        return "GQA"
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (for MLA: all heads share the one latent)."""
+        if self.is_mla:
+            return self.num_attention_heads
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def kv_values_per_token_per_layer(self) -> int:
+        """Number of cached scalars per token per layer."""
+        if self.is_mla:
+            assert self.kv_lora_rank is not None
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_key_value_heads * self.head_dim
+
+    @property
+    def mha_values_per_token_per_layer(self) -> int:
+        """Cached scalars per token per layer of the MHA form of the same model."""
+        if self.is_mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            return self.num_attention_heads * (qk + self.v_head_dim)
+        return 2 * self.num_attention_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype: str = "bfloat16", per_layer: bool = False) -> int:
+        nbytes = dtype_bytes(dtype)
+        per = self.kv_values_per_token_per_layer * nbytes
+        return per if per_layer else per * self.num_hidden_layers
+
+
+def dtype_bytes(dtype: str) -> int:
+    key = str(dtype).replace("torch.", "").lower()
+    if key not in DTYPE_BYTES:
+        raise ConfigError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16, fp8")
+    return DTYPE_BYTES[key]
+
+
+@dataclass
+class EngineConfig:
+    """Serving knobs. Defaults follow vLLM's where a user would expect them."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: str = "auto"
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None: sized from memory
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
