@@ -1,0 +1,318 @@
+"""``flashpage inspect``: what a model's KV cache costs, from its config alone.
+
+For a ``config.json`` (or its folder) or a GGUF file, report the attention kind, the
+head counts and dims, the KV bytes per token (per layer and over all layers), the
+reduction against the MHA form of the same model, and how many tokens fit in a given
+amount of memory. Nothing is loaded but the config.
+
+Definitions (each figure can be checked by hand):
+
+* KV values per token per layer: ``2 * num_kv_heads * head_dim`` for MHA/MQA/GQA;
+  ``kv_lora_rank + qk_rope_head_dim`` for MLA (one latent, shared by all heads).
+* The MHA form of a model caches K and V for every query head: ``2 * heads * head_dim``;
+  for MLA, the K and V that prefill expands the latent into:
+  ``heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)``.
+  DeepSeek-V3 in bf16: 128 * (192 + 128) * 2 B = 81,920 B against 576 * 2 = 1,152 B, 71.1x.
+* Equivalent GQA groups of MLA (DeepSeek-V2 paper, Table 1): MLA caches
+  ``d_c + d_h^R`` values per token per layer, GQA with ``n_g`` groups caches
+  ``2 * n_g * d_h``; so ``n_g = (kv_lora_rank + qk_rope_head_dim) / (2 * qk_nope_head_dim)``
+  with the paper's per-head dim ``d_h = qk_nope_head_dim``. DeepSeek-V2 and V3:
+  d_c = 4 d_h = 512, d_h^R = d_h / 2 = 64, d_h = 128: (512 + 64) / 256 = 2.25.
+* Tokens in memory: ``memory // kv_bytes_per_token``, the KV cache alone; the same
+  after subtracting the weights' size (``param_count * dtype bytes``), clamped at 0.
+* Parameters are counted from the config: embeddings, attention (MLA's low-rank
+  projections and norms included), MLP (MoE routed and shared experts, router),
+  norms, and the LM head unless tied. DeepSeek-V3's multi-token-prediction layers
+  (``num_nextn_predict_layers``) are not part of the model that serves, and are left
+  out: 671B for V3, as its paper counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Any
+
+from flashpage.config import ConfigError, ModelConfig, dtype_bytes
+
+DEFAULT_MEMORY = "80GiB"
+DEFAULT_DTYPE = "bf16"
+
+# Binary for K/M/G/T, KiB/MiB/GiB/TiB and the bare letters (K, M, G, T: what
+# accelerator specs mean, "141G" of HBM is 141 GiB); decimal for KB/MB/GB/TB.
+_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgt", start=1):
+    _UNITS[_p] = _UNITS[f"{_p}ib"] = 1024**_i
+    _UNITS[f"{_p}b"] = 1000**_i
+_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory(s: str) -> int:
+    """Bytes in a memory size: "80GiB", "80G" (both 80 * 2**30), "80GB" (80 * 10**9),
+    "512MiB", "1.5TiB", "4096" (bytes). Units are case-insensitive."""
+    m = _MEMORY_RE.match(str(s))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read memory size {s!r}: use a number with an optional unit, "
+            "e.g. 80GiB, 80G (GiB), 80GB (10^9 bytes), 512MiB, 1TiB or plain bytes"
+        )
+    nbytes = int(float(m.group(1)) * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"memory size must be positive, got {s!r}")
+    return nbytes
+
+
+# ------------------------------------------------------------------ parameters
+def _attention_params(cfg: ModelConfig) -> int:
+    h = cfg.hidden_size
+    heads = cfg.num_attention_heads
+    if cfg.is_mla:
+        assert cfg.kv_lora_rank is not None
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:  # q_a_proj, q_a_layernorm, q_b_proj
+            q = h * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * heads * qk
+        else:  # q_proj
+            q = h * heads * qk
+        kv_a = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank  # + kv_a_layernorm
+        kv_b = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        o = heads * cfg.v_head_dim * h
+        return q + kv_a + kv_b + o
+    d = cfg.head_dim
+    q_dim, kv_dim = heads * d, cfg.num_key_value_heads * d
+    n = h * q_dim + 2 * h * kv_dim + q_dim * h
+    if cfg.attention_bias:
+        n += q_dim + 2 * kv_dim
+        if cfg.model_type != "qwen2":  # Llama's attention_bias also puts a bias on o_proj
+            n += h
+    if cfg.qk_norm:
+        n += 2 * d
+    return n
+
+
+def _is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    return (
+        cfg.n_routed_experts is not None
+        and layer >= cfg.first_k_dense_replace
+        and layer % cfg.moe_layer_freq == 0
+    )
+
+
+def _mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
+    """(total, active per token) parameters of one layer's MLP."""
+    h = cfg.hidden_size
+    if not _is_moe_layer(cfg, layer):
+        n = 3 * h * cfg.intermediate_size
+        return n, n
+    assert cfg.n_routed_experts is not None
+    expert = 3 * h * cfg.moe_intermediate_size
+    router = cfg.n_routed_experts * h
+    if cfg.topk_method == "noaux_tc":  # e_score_correction_bias
+        router += cfg.n_routed_experts
+    shared = cfg.n_shared_experts * expert
+    total = router + shared + cfg.n_routed_experts * expert
+    active = router + shared + cfg.num_experts_per_tok * expert
+    return total, active
+
+
+def param_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active per token) parameters of the model, from its config alone."""
+    h = cfg.hidden_size
+    embed = cfg.vocab_size * h
+    fixed = embed + h + (0 if cfg.tie_word_embeddings else embed)  # + final norm, lm_head
+    total = active = fixed
+    attn = _attention_params(cfg) + 2 * h  # + input and post-attention norms
+    for layer in range(cfg.num_hidden_layers):
+        mlp_total, mlp_active = _mlp_params(cfg, layer)
+        total += attn + mlp_total
+        active += attn + mlp_active
+    return total, active
+
+
+# --------------------------------------------------------------------- report
+def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTYPE) -> dict[str, Any]:
+    """Every figure ``flashpage inspect`` reports, as a JSON-serializable dict."""
+    nbytes = dtype_bytes(dtype)
+    layers = cfg.num_hidden_layers
+    kv_values = cfg.kv_values_per_token_per_layer
+    mha_values = cfg.mha_values_per_token_per_layer
+    kv_per_layer = kv_values * nbytes
+    kv_total = kv_per_layer * layers
+    total_params, active_params = param_counts(cfg)
+    weights_bytes = total_params * nbytes
+    info: dict[str, Any] = {
+        "architecture": cfg.architecture,
+        "model_type": cfg.model_type,
+        "attention_kind": cfg.attention_kind,
+        "num_hidden_layers": layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        # MLA caches one latent shared by all heads, whatever num_key_value_heads says
+        "cached_kv_heads": 1 if cfg.is_mla else cfg.num_key_value_heads,
+        "group_size": cfg.group_size,
+        "head_dim": None if cfg.is_mla else cfg.head_dim,
+        "mla": None,
+        "sliding_window": cfg.sliding_window,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "dtype": dtype,
+        "dtype_bytes": nbytes,
+        "kv_values_per_token_per_layer": kv_values,
+        "kv_bytes_per_token_per_layer": kv_per_layer,
+        "kv_bytes_per_token": kv_total,
+        "mha_kv_values_per_token_per_layer": mha_values,
+        "mha_kv_bytes_per_token_per_layer": mha_values * nbytes,
+        "mha_kv_bytes_per_token": mha_values * nbytes * layers,
+        "kv_reduction_vs_mha": mha_values / kv_values,
+        "memory_bytes": memory_bytes,
+        "tokens_in_memory": memory_bytes // kv_total,
+        "param_count": total_params,
+        "active_param_count": active_params,
+        "weights_bytes": weights_bytes,
+        "tokens_in_memory_after_weights": max(0, memory_bytes - weights_bytes) // kv_total,
+    }
+    if cfg.is_mla:
+        assert cfg.kv_lora_rank is not None
+        info["mla"] = {
+            "kv_lora_rank": cfg.kv_lora_rank,
+            "q_lora_rank": cfg.q_lora_rank,
+            "qk_nope_head_dim": cfg.qk_nope_head_dim,
+            "qk_rope_head_dim": cfg.qk_rope_head_dim,
+            "v_head_dim": cfg.v_head_dim,
+            "equivalent_gqa_groups": kv_values / (2 * cfg.qk_nope_head_dim),
+        }
+    return info
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_report(info: dict[str, Any]) -> str:
+    """``inspect_config``'s dict as a two-column text table."""
+    dt = info["dtype"]
+    layers = info["num_hidden_layers"]
+    heads, kv_heads = info["num_attention_heads"], info["num_key_value_heads"]
+    rows: list[tuple[str, str]] = []
+    if info.get("source"):
+        rows.append(("model", str(info["source"])))
+    rows += [
+        ("architecture", f"{info['architecture']} ({info['model_type']})"),
+        ("attention", info["attention_kind"]),
+        ("layers", str(layers)),
+        ("query heads", str(heads)),
+    ]
+    mla = info["mla"]
+    if mla:
+        rows += [
+            ("KV heads", f"1 latent shared by all {heads} heads "
+                         f"(config's num_key_value_heads={kv_heads} is not what is cached)"),
+            ("group size", f"{info['group_size']} (every query head reads the one latent)"),
+            ("kv_lora_rank", str(mla["kv_lora_rank"])),
+            ("q_lora_rank", str(mla["q_lora_rank"])),
+            ("qk head dims", f"nope {mla['qk_nope_head_dim']} + rope {mla['qk_rope_head_dim']}"),
+            ("v_head_dim", str(mla["v_head_dim"])),
+        ]
+    else:
+        rows += [
+            ("KV heads", str(kv_heads)),
+            ("group size", str(info["group_size"])),
+            ("head_dim", str(info["head_dim"])),
+        ]
+    if info["sliding_window"]:
+        rows.append(("sliding window", f"{info['sliding_window']} (figures below cache every token)"))
+    rows += [
+        (f"KV per token per layer ({dt})",
+         f"{info['kv_values_per_token_per_layer']:,} values = "
+         f"{info['kv_bytes_per_token_per_layer']:,} B"),
+        (f"KV per token, {layers} layers",
+         f"{info['kv_bytes_per_token']:,} B ({_size(info['kv_bytes_per_token'])})"),
+        ("MHA form per token", f"{info['mha_kv_bytes_per_token']:,} B "
+                               f"({info['mha_kv_bytes_per_token_per_layer']:,} B per layer)"),
+        ("reduction vs MHA", f"{info['kv_reduction_vs_mha']:.2f}x"),
+    ]
+    if mla:
+        rows.append(("equivalent GQA groups", f"{mla['equivalent_gqa_groups']:.2f} "
+                                               "((kv_lora_rank + rope) / (2 * qk_nope_head_dim))"))
+    mem = _size(info["memory_bytes"])
+    rows += [
+        (f"tokens in {mem}", f"{info['tokens_in_memory']:,} (KV cache alone)"),
+        ("parameters", f"{info['param_count'] / 1e9:.3f} B"
+         + (f" ({info['active_param_count'] / 1e9:.3f} B active per token)"
+            if info["active_param_count"] != info["param_count"] else "")),
+        (f"weights ({dt})", _size(info["weights_bytes"])),
+        (f"tokens in {mem} - weights", f"{info['tokens_in_memory_after_weights']:,}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+# ------------------------------------------------------------------------ CLI
+def load_model_config(model: str | None) -> tuple[ModelConfig, str]:
+    """A ModelConfig from a config.json, a folder holding one (or one .gguf file), or a
+    GGUF file; the default model when ``model`` is None. Returns it with its source."""
+    from flashpage.models.gguf_config import default_model_path, gguf_to_hf_config, is_gguf_file
+
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return ModelConfig.from_hf(path), os.path.join(path, "config.json")
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) != 1:
+            raise ConfigError(f"{path} holds no config.json and "
+                              f"{'no' if not ggufs else len(ggufs)} .gguf files; name one")
+        path = os.path.join(path, ggufs[0])
+    if not os.path.isfile(path):
+        raise ConfigError(f"no such file or folder: {path} "
+                          "(give a config.json, a folder holding one, or a .gguf file)")
+    if is_gguf_file(path):
+        return ModelConfig.from_hf(gguf_to_hf_config(path)), path
+    return ModelConfig.from_hf(path), path
+
+
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_or_config", nargs="?", default=None, metavar="MODEL_OR_CONFIG",
+                        help="config.json, a folder holding one, or a .gguf file "
+                             "(default: the embedded SmolLM2-135M-Instruct GGUF)")
+    parser.add_argument("--model", dest="model_option", default=None,
+                        help="the same as MODEL_OR_CONFIG")
+    parser.add_argument("--memory", default=DEFAULT_MEMORY,
+                        help="memory to fill: 80GiB, 80G (= GiB), 80GB (10^9), 512MiB, bytes "
+                             f"(default {DEFAULT_MEMORY})")
+    parser.add_argument("--dtype", default=DEFAULT_DTYPE,
+                        help=f"KV cache and weight dtype: fp32, fp16, bf16, fp8 (default {DEFAULT_DTYPE})")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Print the report; 0 on success, 2 with a message on stderr for bad input."""
+    positional, option = getattr(args, "model_or_config", None), getattr(args, "model_option", None)
+    if positional and option and positional != option:
+        print(f"flashpage inspect: error: two models given ({positional!r} and --model {option!r})",
+              file=sys.stderr)
+        return 2
+    try:
+        memory = parse_memory(args.memory)
+        cfg, source = load_model_config(positional or option)
+        info = inspect_config(cfg, memory, args.dtype)
+    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
+        print(f"flashpage inspect: error: {e}", file=sys.stderr)
+        return 2
+    info = {"source": source, **info}
+    print(json.dumps(info, indent=2) if args.json else format_report(info))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flashpage inspect", description=__doc__.splitlines()[0])
+    add_inspect_arguments(parser)
+    return run_inspect(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

