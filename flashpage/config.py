@@ -171,7 +171,12 @@ class ModelConfig:
         sliding = d.get("sliding_window")
         if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
             sliding = None
-        is_deepseek = arch in DEEPSEEK_FAMILY
+        # transformers >= 5 writes rope_theta and the scaling under rope_parameters.
+        rope_params = d.get("rope_parameters") or {}
+        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_scaling = d.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
         return ModelConfig(
             architecture=arch,
             model_type=model_type,
@@ -184,8 +189,8 @@ class ModelConfig:
             head_dim=head_dim,
             max_position_embeddings=d.get("max_position_embeddings") or 2048,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
-            rope_scaling=RopeScaling.from_dict(d.get("rope_scaling")),
+            rope_theta=float(rope_theta),
+            rope_scaling=RopeScaling.from_dict(rope_scaling),
             hidden_act=d.get("hidden_act", "silu"),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
@@ -194,7 +199,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos_t,
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
-            kv_lora_rank=d.get("kv_lora_rank") if is_deepseek else d.get("kv_lora_rank"),
+            kv_lora_rank=d.get("kv_lora_rank"),
             q_lora_rank=d.get("q_lora_rank"),
             qk_nope_head_dim=d.get("qk_nope_head_dim") or 0,
             qk_rope_head_dim=d.get("qk_rope_head_dim") or 0,
