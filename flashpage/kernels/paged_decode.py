@@ -1,0 +1,319 @@
+"""Paged decode attention: one query token per sequence, K/V read through block tables.
+
+Cache layout (one pair per layer)::
+
+    key_cache, value_cache : [num_blocks, block_size, num_kv_heads, head_dim]
+    token p of sequence b  -> key_cache[block_tables[b, p // block_size], p % block_size]
+
+Decode is memory-bound: every step streams each running sequence's whole K/V once.
+So one program handles *all* the query heads that share a KV head (a GQA group,
+padded to at least 16 rows for ``tl.dot``) and every K/V byte is read exactly once.
+
+Grid ``(batch, num_kv_heads, num_splits)``. With few sequences and long contexts
+the keys of one sequence are split into ``num_splits`` ranges (flash-decoding);
+each program writes its partial result normalised by its own softmax sum plus its
+log-sum-exp, and a second small kernel merges the splits. With one split the main
+kernel writes the output directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+# Tile defaults (keys per loop iteration, warps, pipeline depth), chosen on an H200;
+# see benchmarks/attention_decode.py for the sweep that picked them.
+_DEFAULT_CONFIG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 3)}
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    sm_scale_log2,  # sm_scale * log2(e): the softmax runs in base 2
+    window,  # keys j >= seq_len - window (ignored unless HAS_WINDOW)
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_btb,
+    stride_ob, stride_oh,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,  # block_size of the cache
+    BLOCK_N: tl.constexpr,  # keys per iteration (may span several pages or part of one)
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 inputs: exact dots, not tf32
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    # This split's key range: an equal share of the sequence, a multiple of BLOCK_N long.
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    head = kvh * GROUP + offs_h
+    b64 = b.to(tl.int64)
+
+    q_ptrs = q_ptr + b64 * stride_qb + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    bt_row = block_tables_ptr + b64 * stride_btb
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        tok = (offs_n % PAGE).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_off = blk * stride_kb + tok * stride_kt + kvh * stride_kh
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v_off = blk * stride_vb + tok * stride_vt + kvh * stride_vh
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(n_mask[None, :], qk * sm_scale_log2, float("-inf"))
+        # Every tile holds at least one valid key, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has_keys = l_i > 0.0  # false for an empty split (or an empty sequence)
+    o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    if NUM_SPLITS == 1:
+        out_ptrs = out_ptr + b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        # mid_o [B, Hq, NUM_SPLITS, HEAD_DIM] fp32; mid_lse [B, Hq, NUM_SPLITS] fp32 (base 2)
+        row = (b64 * (tl.num_programs(1) * GROUP) + head.to(tl.int64)) * NUM_SPLITS + split
+        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=h_mask[:, None] & d_mask[None, :])
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(mid_lse_ptr + row, lse, mask=h_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    num_q_heads, stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # b * Hq + h
+    b = row // num_q_heads
+    h = row % num_q_heads
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+
+    lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights all 0
+    w = tl.exp2(lse - m)
+    o = tl.load(mid_o_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # the CPU interpreter: small, so that small tests exercise splitting
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Splits along the keys so that the grid has at least ~4 programs per SM.
+
+    Each split keeps at least 256 keys, so the extra partial results stay far
+    smaller than the K/V bytes read. ``max_context`` is an upper bound (the block
+    table's width times the block size), so no device-to-host sync is needed.
+    """
+    programs = batch * num_kv_heads
+    want = triton.cdiv(4 * num_sms, programs)
+    return max(1, min(want, max_context // 256, 128))
+
+
+def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out):
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {tuple(q.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    if not (q.dtype == key_cache.dtype == value_cache.dtype):
+        raise ValueError(f"dtype mismatch: q {q.dtype}, key_cache {key_cache.dtype}, "
+                         f"value_cache {value_cache.dtype}")
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = key_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"head_dim mismatch: q has {head_dim}, the cache {cache_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be int32 [batch={batch}, max_blocks], got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must be int32 [batch={batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be contiguous in its last dimension")
+    if window_size is not None and window_size < 1:
+        raise ValueError(f"window_size must be >= 1 or None, got {window_size}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with a contiguous last dimension")
+
+
+def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
+            num_splits, block_n=None, num_warps=None, num_stages=None):
+    """paged_decode with explicit tile settings (the benchmark sweeps them)."""
+    _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out)
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_q_heads // num_kv_heads
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
+        if window_size is not None:
+            max_context = min(max_context, window_size)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, _num_sms(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    d_block, d_warps, d_stages = _DEFAULT_CONFIG.get(triton.next_power_of_2(head_dim), (32, 4, 2))
+    block_n = block_n or d_block
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_h = max(16, triton.next_power_of_2(group))
+
+    if num_splits > 1:
+        mid_o = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out  # unused
+    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
+        sm_scale * _LOG2E, window_size or 0,
+        q.stride(0), q.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=block_size,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_WINDOW=window_size is not None,
+        IEEE=q.dtype == torch.float32,
+        num_warps=num_warps or d_warps, num_stages=num_stages or d_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(batch * num_q_heads,)](
+            mid_o, mid_lse, out, num_q_heads, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
+def paged_decode(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    window_size: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence over its paged context.
+
+    q            [B, Hq, D]  the query of sequence b sits at position seq_lens[b] - 1
+    key_cache    [num_blocks, block_size, Hkv, D]   (value_cache the same)
+    block_tables int32 [B, max_blocks]; entries past seq_lens are never read
+    seq_lens     int32 [B]   context length, the query's own token included
+    window_size  W: only keys j > (seq_lens[b] - 1) - W are attended
+    num_splits   key-range splits per sequence; None picks from the batch size and
+                 the block table's width (no device sync)
+    returns out  [B, Hq, D] in q's dtype (written into ``out`` when given)
+    """
+    return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
+                   window_size=window_size, out=out, num_splits=num_splits)
+
+
+def paged_decode_ref(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    window_size: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Pure-torch paged_decode, in fp32, one sequence at a time. num_splits is ignored."""
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_q_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    res = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        seq_len = int(seq_lens[b])
+        lo = 0 if window_size is None else max(0, seq_len - window_size)
+        if seq_len <= lo:
+            continue
+        blocks = block_tables[b, : triton.cdiv(seq_len, block_size)].long()
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[lo:seq_len].float()
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[lo:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
+        res[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+    res = res.to(q.dtype)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res

@@ -1,0 +1,100 @@
+"""RMSNorm, optionally fused with the residual add that precedes it in every decoder layer.
+
+    no residual:  out = rmsnorm(x) * weight
+    residual:     r = x + residual;  returns (rmsnorm(r) * weight, r)
+
+Rounding follows HF Llama exactly: the sum r is rounded to x's dtype, the norm runs
+in fp32, is rounded to x's dtype, and only then multiplied by weight
+(y = (r.float() * rsqrt(mean(r.float()^2) + eps)).to(dtype) * weight).
+One program per row, the whole row in registers: x and residual are read once,
+out and r written once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / HIDDEN + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H], weight [H], residual like x (or None).
+
+    Returns out (x's shape and dtype), or (out, x + residual) when residual is given.
+    Inputs are not modified.
+    """
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual must match x ({x.dtype} {tuple(x.shape)}), got "
+                         f"{residual.dtype} {tuple(residual.shape)}")
+    if hidden > _MAX_HIDDEN:
+        raise ValueError(f"hidden size {hidden} is larger than the supported {_MAX_HIDDEN}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be floating point, got {x.dtype}")
+    x2 = x.reshape(-1, hidden)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        r2 = residual.reshape(-1, hidden)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        res_out = torch.empty_like(out)
+    else:
+        r2 = res_out = x2  # unused
+    weight = weight if weight.stride(0) == 1 else weight.contiguous()
+    block = triton.next_power_of_2(hidden)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, res_out,
+            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+            eps, HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+            num_warps=min(16, max(4, block // 512)),
+        )
+    out = out.view(x.shape)
+    if residual is None:
+        return out
+    return out, res_out.view(x.shape)
+
+
+def rms_norm_ref(x, weight, eps, residual=None):
+    """Pure-torch rms_norm, written as HF Llama writes it."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = (y * weight).to(x.dtype)
+    return out if residual is None else (out, x)

@@ -1,0 +1,308 @@
+"""The small fused kernels against their references (and against HF transformers where
+the layout must match it): cache writes, rotary (+ cache write), RMSNorm, SiLU-and-mul."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashpage.kernels.cache_write import (
+    write_kv_cache,
+    write_kv_cache_ref,
+    write_mla_cache,
+    write_mla_cache_ref,
+)
+from flashpage.kernels.rms_norm import rms_norm, rms_norm_ref
+from flashpage.kernels.rotary import (
+    apply_rotary,
+    apply_rotary_ref,
+    compute_cos_sin_cache,
+    rotary_and_cache_write,
+    rotary_and_cache_write_ref,
+)
+from flashpage.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+gpu_only = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+DTYPES = [torch.bfloat16] if GPU else [torch.float32, torch.float16]
+
+
+def gen(seed):
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def randn(*shape, dtype, g):
+    return torch.randn(*shape, generator=g, device=DEVICE).to(dtype)
+
+
+def random_slots(num_tokens, num_blocks, block_size, g, *, num_skipped):
+    """Distinct random slots in the pool, with num_skipped tokens set to -1."""
+    slots = torch.randperm(num_blocks * block_size, generator=g, device=DEVICE)[:num_tokens]
+    skip = torch.randperm(num_tokens, generator=g, device=DEVICE)[:num_skipped]
+    slots[skip] = -1
+    return slots
+
+
+def qkv_views(n, hq, hkv, d, dtype, g):
+    """q, k, v as strided views of one fused projection output, as the model produces them."""
+    qkv = randn(n, (hq + 2 * hkv) * d, dtype=dtype, g=g)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
+
+
+def assert_untouched(cache, before, slot_mapping):
+    """Every cache entry that no valid slot names still holds its old contents."""
+    flat, old = cache.flatten(0, 1), before.flatten(0, 1)
+    written = torch.zeros(flat.shape[0], dtype=torch.bool, device=cache.device)
+    written[slot_mapping[slot_mapping >= 0]] = True
+    assert torch.equal(flat[~written].isnan(), old[~written].isnan())
+    assert torch.equal(flat[~written].nan_to_num(), old[~written].nan_to_num())
+
+
+# ---------------------------------------------------------------- cache writes
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,hkv,d", [(16, 2, 64), (256, 1, 128), (32, 4, 256)])
+def test_write_kv_cache(dtype, block_size, hkv, d):
+    g = gen(block_size + d)
+    n, num_blocks = 37, 5
+    _, k, v = qkv_views(n, 4, hkv, d, dtype, g)
+    key_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device=DEVICE)
+    value_cache = torch.full_like(key_cache, float("nan"))
+    slots = random_slots(n, num_blocks, block_size, g, num_skipped=6)
+    kc_ref, vc_ref = key_cache.clone(), value_cache.clone()
+    write_kv_cache(k, v, key_cache, value_cache, slots)
+    write_kv_cache_ref(k, v, kc_ref, vc_ref, slots)
+    torch.testing.assert_close(key_cache, kc_ref, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(value_cache, vc_ref, atol=0, rtol=0, equal_nan=True)
+    assert_untouched(key_cache, torch.full_like(key_cache, float("nan")), slots)
+    assert not key_cache.flatten(0, 1)[slots[slots >= 0]].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_mla_cache(dtype):
+    g = gen(1)
+    n, num_blocks, block_size, width = 29, 3, 16, 512 + 64
+    latent = randn(n, width, dtype=dtype, g=g)
+    kv_cache = randn(num_blocks, block_size, width, dtype=dtype, g=g)
+    before = kv_cache.clone()
+    slots = random_slots(n, num_blocks, block_size, g, num_skipped=4)
+    ref = kv_cache.clone()
+    write_mla_cache(latent, kv_cache, slots)
+    write_mla_cache_ref(latent, ref, slots)
+    assert torch.equal(kv_cache, ref)
+    assert_untouched(kv_cache, before, slots)
+
+
+def test_cache_write_rejects_bad_inputs():
+    k = torch.zeros(4, 2, 64)
+    cache = torch.zeros(2, 16, 2, 64)
+    with pytest.raises(ValueError, match="slot_mapping must be int64"):
+        write_kv_cache(k, k, cache, cache, torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="do not match"):
+        write_kv_cache(k[:, :1], k[:, :1], cache, cache, torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="latent must be"):
+        write_mla_cache(torch.zeros(4, 576), torch.zeros(2, 16, 512), torch.zeros(4, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------- rotary
+
+
+def llama3_inv_freq(head_dim, theta, factor, low_freq_factor, high_freq_factor, original_max_pos):
+    """Llama 3.1 rope scaling, written from Meta's description: long wavelengths divided by
+    `factor`, short ones kept, a smooth blend in between."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original_max_pos / low_freq_factor
+    high_freq_wavelen = original_max_pos / high_freq_factor
+    smooth = (original_max_pos / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, inv_freq, out)
+
+
+def test_rotary_matches_hf_llama31_scaling():
+    """Layout and scaling against transformers' own Llama rotary (fp32, CPU)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    d, hq, hkv, theta = 64, 4, 2, 500000.0
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    config = LlamaConfig(hidden_size=d * hq, num_attention_heads=hq, num_key_value_heads=hkv,
+                         head_dim=d, max_position_embeddings=131072, rope_theta=theta,
+                         rope_scaling=scaling)
+    hf_rope = LlamaRotaryEmbedding(config)
+    inv_freq = llama3_inv_freq(d, theta, 8.0, 1.0, 4.0, 8192)
+    # The scaled frequencies really differ from plain rope, and match HF's.
+    assert not torch.allclose(inv_freq, 1.0 / theta ** (torch.arange(0, d, 2).float() / d))
+    torch.testing.assert_close(inv_freq, hf_rope.inv_freq, atol=0, rtol=1e-6)
+
+    g = torch.Generator().manual_seed(0)
+    positions = torch.cat([torch.tensor([0, 1, 8191, 8192, 131071]), torch.randint(0, 131072, (11,), generator=g)])
+    n = positions.numel()
+    q = torch.randn(n, hq, d, generator=g)
+    k = torch.randn(n, hkv, d, generator=g)
+    cos, sin = hf_rope(q, positions[None])  # [1, n, d]
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+
+    cache = compute_cos_sin_cache(inv_freq.to(DEVICE), 131072)
+    q_ours, k_ours = apply_rotary(positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), cache)
+    torch.testing.assert_close(q_ours.cpu(), q_hf[0].transpose(0, 1))
+    torch.testing.assert_close(k_ours.cpu(), k_hf[0].transpose(0, 1))
+
+
+def test_interleaved_rotary_is_complex_multiplication():
+    """GPT-J/DeepSeek layout: (x[2i], x[2i+1]) as one complex number times e^(i p f_i)."""
+    g = torch.Generator().manual_seed(1)
+    n, h, d = 9, 3, 64
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    positions = torch.randint(0, 4096, (n,), generator=g)
+    q = torch.randn(n, h, d, generator=g)
+    k = torch.randn(n, 1, d, generator=g)
+    freqs_cis = torch.polar(torch.ones(n, d // 2), positions[:, None].float() * inv_freq)
+    want_q = torch.view_as_real(torch.view_as_complex(q.view(n, h, d // 2, 2)) * freqs_cis[:, None]).flatten(-2)
+    apply_rotary(positions, q, k, compute_cos_sin_cache(inv_freq, 4096), is_neox=False)
+    torch.testing.assert_close(q, want_q, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("d,rot_dim", [(64, 64), (128, 64), (96, 96)])
+def test_apply_rotary(dtype, is_neox, d, rot_dim):
+    g = gen(d + rot_dim)
+    n, hq, hkv = 11, 8, 2
+    q, k, _ = qkv_views(n, hq, hkv, d, dtype, g)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2, device=DEVICE).float() / rot_dim)
+    cache = compute_cos_sin_cache(inv_freq, 2048, mscale=1.1)
+    positions = torch.randint(0, 2048, (n,), generator=g, device=DEVICE)
+    q_in, q_ref, k_ref = q.clone(), q.clone(), k.clone()
+    apply_rotary(positions, q, k, cache, is_neox=is_neox)
+    apply_rotary_ref(positions, q_ref, k_ref, cache, is_neox=is_neox)
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(k, k_ref)
+    assert torch.equal(q[..., rot_dim:], q_in[..., rot_dim:])  # dims past rot_dim untouched
+    assert not torch.equal(q[..., :rot_dim], q_in[..., :rot_dim])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox,d,rot_dim,block_size", [(True, 64, 64, 16), (False, 128, 64, 32),
+                                                          (True, 128, 128, 256)])
+def test_rotary_and_cache_write(dtype, is_neox, d, rot_dim, block_size):
+    g = gen(7 + d)
+    n, hq, hkv, num_blocks = 21, 4, 2, 3
+    q, k, v = qkv_views(n, hq, hkv, d, dtype, g)
+    positions = torch.randint(0, 1024, (n,), generator=g, device=DEVICE, dtype=torch.int32)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2, device=DEVICE).float() / rot_dim)
+    cache = compute_cos_sin_cache(inv_freq, 1024)
+    key_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device=DEVICE)
+    value_cache = torch.full_like(key_cache, float("nan"))
+    slots = random_slots(n, num_blocks, block_size, g, num_skipped=5)
+    refs = [t.clone() for t in (q, k, v, key_cache, value_cache)]
+    rotary_and_cache_write(positions, q, k, v, cache, key_cache, value_cache, slots, is_neox=is_neox)
+    rotary_and_cache_write_ref(positions, *refs[:3], cache, *refs[3:], slots, is_neox=is_neox)
+    torch.testing.assert_close(q, refs[0])
+    torch.testing.assert_close(k, refs[1])  # skipped tokens' k is rotated too
+    torch.testing.assert_close(key_cache, refs[3], equal_nan=True)
+    torch.testing.assert_close(value_cache, refs[4], atol=0, rtol=0, equal_nan=True)
+    assert_untouched(key_cache, torch.full_like(key_cache, float("nan")), slots)
+    assert_untouched(value_cache, torch.full_like(value_cache, float("nan")), slots)
+
+
+# ---------------------------------------------------------------- RMSNorm, SiLU·mul
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 1000, 4096])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, hidden, with_residual):
+    g = gen(hidden)
+    x = randn(2, 5, hidden, dtype=dtype, g=g) * 3
+    weight = randn(hidden, dtype=dtype, g=g)
+    residual = randn(2, 5, hidden, dtype=dtype, g=g) if with_residual else None
+    x_before = x.clone()
+    got = rms_norm(x, weight, 1e-6, residual)
+    want = rms_norm_ref(x, weight, 1e-6, residual)
+    if with_residual:
+        torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)  # the sum, rounded once
+        got, want = got[0], want[0]
+    # The kernel's fp32 sum of squares runs in another order than torch's; allow one
+    # rounding step of the dtype on the normalised value.
+    tol = {torch.float32: (1e-5, 1.3e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
+    torch.testing.assert_close(got, want, atol=tol[dtype][0], rtol=tol[dtype][1])
+    assert torch.equal(x, x_before)
+
+
+def test_rms_norm_matches_hf():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(256, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(256))
+    x = torch.randn(7, 256)
+    torch.testing.assert_close(rms_norm(x.to(DEVICE), norm.weight.detach().to(DEVICE), 1e-5).cpu(),
+                               norm(x).detach())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 1500])
+def test_silu_and_mul(dtype, inter):
+    g = gen(inter)
+    x = randn(3, 4, 2 * inter, dtype=dtype, g=g) * 4
+    got = silu_and_mul(x)
+    assert got.shape == (3, 4, inter)
+    tol = {torch.float32: (1e-5, 1.3e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
+    torch.testing.assert_close(got, silu_and_mul_ref(x), atol=tol[dtype][0], rtol=tol[dtype][1])
+
+
+def test_fused_ops_reject_bad_inputs():
+    with pytest.raises(ValueError, match="weight must be"):
+        rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="must be even"):
+        silu_and_mul(torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="rot_dim"):
+        apply_rotary(torch.zeros(2, dtype=torch.long), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8),
+                     torch.zeros(4, 10))
+
+
+# ---------------------------------------------------------------- GPU: a pool past 2^31 elements
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_cache_writes_pool_past_2_pow_31_elements():
+    bs, hkv, d, n = 16, 8, 128, 40
+    num_blocks = (1 << 31) // (bs * hkv * d) + 4
+    key_cache = torch.zeros(num_blocks, bs, hkv, d, dtype=torch.bfloat16, device="cuda")
+    value_cache = torch.zeros_like(key_cache)
+    g = gen(5)
+    slots = (num_blocks - 4) * bs + torch.randperm(4 * bs, generator=g, device="cuda")[:n]
+    slots[3] = -1
+    assert int(slots.max()) * hkv * d > (1 << 31)
+    q, k, v = qkv_views(n, 32, hkv, d, torch.bfloat16, g)
+    write_kv_cache(k, v, key_cache, value_cache, slots)
+    keep = slots >= 0
+    flat_k, flat_v = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+    assert torch.equal(flat_k[slots[keep]], k[keep]) and torch.equal(flat_v[slots[keep]], v[keep])
+
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, device="cuda").float() / d)
+    cache = compute_cos_sin_cache(inv_freq, 4096)
+    positions = torch.randint(0, 4096, (n,), generator=g, device="cuda")
+    k_ref = k.clone()
+    apply_rotary_ref(positions, q.clone(), k_ref, cache)
+    rotary_and_cache_write(positions, q, k, v, cache, key_cache, value_cache, slots)
+    assert torch.equal(flat_k[slots[keep]], k[keep])
+    torch.testing.assert_close(k, k_ref)
+    del key_cache, value_cache
+
+    width = 576
+    mla_blocks = (1 << 31) // (bs * width) + 4
+    kv_cache = torch.zeros(mla_blocks, bs, width, dtype=torch.bfloat16, device="cuda")
+    latent = randn(n, width, dtype=torch.bfloat16, g=g)
+    slots = (mla_blocks - 4) * bs + torch.randperm(4 * bs, generator=g, device="cuda")[:n]
+    write_mla_cache(latent, kv_cache, slots)
+    assert torch.equal(kv_cache.flatten(0, 1)[slots], latent)

@@ -1,0 +1,183 @@
+"""paged_decode against its pure-torch reference.
+
+CPU (Triton interpreter): fp32 and fp16, small shapes. GPU: bf16, a larger grid, a pool
+past 2^31 elements, CUDA-graph capture. Unused cache slots and padded block-table
+entries hold NaN, so any read past a sequence's context shows up in the output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpage.kernels.paged_decode import choose_num_splits, paged_decode, paged_decode_ref
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+gpu_only = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+
+# ||out - ref|| / ||ref||: the kernel rounds the probabilities to the input dtype before P @ V.
+REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+
+
+def make_case(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, *,
+              device=DEVICE, extra_blocks=3, seed=0):
+    """A paged cache holding random K/V for each sequence at random blocks; everything else NaN."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    nblocks = [-(-int(n) // block_size) for n in seq_lens]
+    num_blocks = sum(nblocks) + extra_blocks
+    max_blocks = max(nblocks) + 1  # one padded column: never read
+    perm = torch.randperm(num_blocks, generator=g)
+    block_tables = torch.full((len(seq_lens), max_blocks), num_blocks - 1, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    used = 0
+    for b, n in enumerate(seq_lens):
+        ids = perm[used : used + nblocks[b]]
+        used += nblocks[b]
+        block_tables[b, : nblocks[b]] = ids
+        for p in range(0, n, block_size):
+            rows = min(block_size, n - p)
+            blk = int(ids[p // block_size])
+            key_cache[blk, :rows] = torch.randn(rows, num_kv_heads, head_dim, generator=g).to(dtype)
+            value_cache[blk, :rows] = torch.randn(rows, num_kv_heads, head_dim, generator=g).to(dtype)
+    # The padded column points at a never-used block, full of NaN.
+    q = torch.randn(len(seq_lens), num_q_heads, head_dim, generator=g).to(dtype)
+    to = dict(device=device)
+    return (q.to(**to), key_cache.to(**to), value_cache.to(**to), block_tables.to(**to), lens.to(**to))
+
+
+def check(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not out.isnan().any(), "NaN in the output: unwritten rows or keys read past the context"
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < REL_TOL[dtype], f"relative error {err:.2e} >= {REL_TOL[dtype]:.0e}"
+
+
+def run_and_check(seq_lens, hq, hkv, d, bs, dtype, *, num_splits=None, window_size=None, seed=0,
+                  device=DEVICE):
+    q, kc, vc, bt, lens = make_case(seq_lens, hq, hkv, d, bs, dtype, seed=seed, device=device)
+    out = torch.full_like(q, float("nan"))  # every element must be written
+    paged_decode(q, kc, vc, bt, lens, out=out, num_splits=num_splits, window_size=window_size)
+    ref = paged_decode_ref(q, kc, vc, bt, lens, window_size=window_size)
+    check(out, ref, dtype)
+
+
+# (seq_lens, q heads, kv heads, head_dim, block_size, num_splits, window)
+CPU_CASES = [
+    ([1, 17, 40], 4, 4, 64, 16, None, None),  # MHA; context of 1; not multiples of 16
+    ([33, 64, 5], 8, 2, 64, 16, 1, None),  # GQA 4, one split
+    ([100, 1], 8, 1, 64, 32, 3, None),  # all query heads on one KV head, 3 splits
+    ([70, 129], 16, 2, 64, 16, 8, None),  # GQA 8, more splits than key tiles (empty splits)
+    ([300], 4, 1, 128, 256, 2, None),  # block 256: one page spans several key tiles
+    ([45, 90], 4, 2, 256, 64, None, None),  # head_dim 256
+    ([97, 3, 64], 8, 2, 64, 16, 2, 20),  # sliding window, across block boundaries
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-d{c[3]}-bs{c[4]}-s{c[5]}-w{c[6]}")
+def test_paged_decode_matches_reference(case, dtype):
+    seq_lens, hq, hkv, d, bs, splits, window = case
+    run_and_check(seq_lens, hq, hkv, d, bs, dtype, num_splits=splits, window_size=window)
+
+
+def test_splits_agree_with_one_split():
+    q, kc, vc, bt, lens = make_case([150, 61], 8, 2, 64, 16, torch.float32, seed=3)
+    one = paged_decode(q, kc, vc, bt, lens, num_splits=1)
+    for splits in (2, 5):
+        torch.testing.assert_close(paged_decode(q, kc, vc, bt, lens, num_splits=splits), one,
+                                   atol=1e-6, rtol=1e-5)
+
+
+def test_custom_scale():
+    q, kc, vc, bt, lens = make_case([40, 9], 4, 2, 64, 16, torch.float32, seed=4)
+    out = paged_decode(q, kc, vc, bt, lens, sm_scale=0.3, num_splits=2)
+    check(out, paged_decode_ref(q, kc, vc, bt, lens, sm_scale=0.3), torch.float32)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(128, 8, 2048, 132) == 1  # the batch fills the GPU
+    assert choose_num_splits(1, 8, 65536, 132) == 66  # one long sequence: ~4 programs per SM
+    assert choose_num_splits(1, 8, 300, 132) == 1  # short contexts are not split
+    assert choose_num_splits(4, 8, 1 << 20, 132) == 17
+
+
+def test_rejects_bad_inputs():
+    q, kc, vc, bt, lens = make_case([5], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_decode(q[:, :3], kc, vc, bt, lens)
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        paged_decode(q, kc, vc, bt.long(), lens)
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        paged_decode(q, kc, vc, bt, lens.long())
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        paged_decode(q.half(), kc, vc, bt, lens)
+    with pytest.raises(ValueError, match="head_dim mismatch"):
+        paged_decode(q[..., :32], kc, vc, bt, lens)
+
+
+# ---------------------------------------------------------------- GPU, bf16
+
+GPU_CASES = [
+    (hq, hkv, d, bs)
+    for d in (64, 128, 256)
+    for bs in (16, 64, 256)
+    for hq, hkv in ((8, 8), (32, 8), (32, 4), (32, 1))
+]
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-bs{c[3]}")
+def test_paged_decode_gpu_bf16(case):
+    hq, hkv, d, bs = case
+    g = torch.Generator().manual_seed(hash(case) % 1000)
+    seq_lens = [1, 2047, bs + 1] + torch.randint(1, 3000, (5,), generator=g).tolist()
+    for splits in (None, 1, 7):
+        run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, num_splits=splits, seed=hash(case) % 97)
+    run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, window_size=500)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_paged_decode_gpu_long_context_few_sequences():
+    run_and_check([40000, 12345], 32, 8, 128, 16, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_paged_decode_pool_past_2_pow_31_elements():
+    """key/value caches of > 2^31 elements (4.3 GB each in bf16); tables point at the last blocks."""
+    bs, hkv, d, hq = 16, 8, 128, 32
+    num_blocks = (1 << 31) // (bs * hkv * d) + 64
+    kc = torch.empty(num_blocks, bs, hkv, d, dtype=torch.bfloat16, device="cuda")
+    vc = torch.empty_like(kc)
+    last = torch.arange(num_blocks - 64, num_blocks, device="cuda")
+    kc[last] = torch.randn(64, bs, hkv, d, device="cuda").bfloat16()
+    vc[last] = torch.randn(64, bs, hkv, d, device="cuda").bfloat16()
+    seq_lens = torch.tensor([500, 333], dtype=torch.int32, device="cuda")
+    perm = last[torch.randperm(64, device="cuda")]
+    bt = torch.stack([perm[:32], perm[32:]]).int()
+    assert int(bt.min()) * bs * hkv * d > (1 << 31)
+    q = torch.randn(2, hq, d, device="cuda").bfloat16()
+    for splits in (1, 4):
+        out = paged_decode(q, kc, vc, bt, seq_lens, num_splits=splits)
+        check(out, paged_decode_ref(q, kc, vc, bt, seq_lens), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_paged_decode_cuda_graph():
+    q, kc, vc, bt, lens = make_case([900, 20, 2000], 32, 8, 128, 16, torch.bfloat16)
+    out = torch.empty_like(q)
+    paged_decode(q, kc, vc, bt, lens, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode(q, kc, vc, bt, lens, out=out)
+    q.copy_(torch.randn_like(q))
+    lens.copy_(torch.tensor([850, 20, 1500], dtype=torch.int32))
+    graph.replay()
+    check(out, paged_decode_ref(q, kc, vc, bt, lens), torch.bfloat16)
