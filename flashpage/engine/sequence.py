@@ -1,0 +1,140 @@
+"""A request's state as the scheduler and the KV cache manager see it.
+
+A request has ``num_tokens`` (prompt + output so far) and ``num_computed_tokens``
+(those whose K/V are in the cache). There is no prefill or decode phase: each step
+the scheduler gives a request some ``num_new_tokens`` (the token positions
+``[num_computed_tokens, num_computed_tokens + num_new_tokens)``), and the request
+needs a sampled token exactly when that range reaches ``num_tokens``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+
+from flashpage.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished (see ``is_finished``).
+    FINISHED_STOPPED = 3  # eos or a stop token id / stop string
+    FINISHED_LENGTH = 4  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6  # never ran (kept for vLLM parity; we raise RequestRefused instead)
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status >= RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASON.get(status)
+
+
+_FINISH_REASON: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+class RequestRefused(ValueError):
+    """A request that can never run (too long for the model or for the whole KV cache)."""
+
+
+class Request:
+    """One generation request (one sample: ``n > 1`` is several requests).
+
+    ``all_token_ids`` is ``prompt_token_ids + output_token_ids`` and is kept in sync by
+    ``append_output_token``; a preempted request is recomputed from it, so its output
+    never changes. ``block_hashes`` caches the chained hashes of its full blocks (filled
+    lazily by the KV cache manager; hashes depend only on token ids, so they survive
+    preemption).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | Sequence[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        if eos_token_id is None:
+            self._eos_ids: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self._eos_ids = frozenset((eos_token_id,))
+        else:
+            self._eos_ids = frozenset(eos_token_id)
+        self._stop_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 before
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[bytes] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self.status)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finish status the last appended token causes, or None to go on.
+
+        Order: stop token ids and eos (both only once ``min_tokens`` outputs exist, as in
+        vLLM; eos not with ``ignore_eos``), then length (``max_tokens`` outputs, or
+        ``max_model_len`` tokens in all). Sets ``stop_reason`` to the stop token id.
+        """
+        sp = self.sampling_params
+        n_out = len(self.output_token_ids)
+        if n_out and n_out >= sp.min_tokens:
+            last = self.output_token_ids[-1]
+            if last in self._stop_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+            if last in self._eos_ids and not sp.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or (
+            len(self.all_token_ids) >= max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,261 @@
+"""Block tables, slot mapping and prefix sharing for requests (pure Python).
+
+A request's block table maps logical block ``i`` (positions ``[i*B, (i+1)*B)``) to a
+physical block id; token ``p`` lives in slot ``table[p // B] * B + p % B``::
+
+    positions  0 .. B-1 | B .. 2B-1 | 2B .. (partial)
+    table      [   7    ,     2     ,    9   ]       -> slot of p=B+3 is 2*B + 3
+
+Blocks are allocated only when a step schedules tokens that need them, and returned
+when the request finishes, is aborted or preempted. With prefix caching (default), a
+block becomes findable by its chained hash as soon as it is allocated for tokens that
+fill it in this step: a request admitted later in the SAME step may hit it, which is
+safe because the engine writes every new token's K/V of a layer before attention reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from flashpage.kv_cache import prefix_cache
+from flashpage.kv_cache.block_pool import BlockPool, KVCacheBlock
+
+if TYPE_CHECKING:
+    from flashpage.engine.sequence import Request
+
+
+def validate_block_size(block_size: object) -> int:
+    if (not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1
+            or block_size > 256 or block_size & (block_size - 1)):
+        raise ValueError(
+            f"block_size must be a power of two from 1 to 256 (1, 2, 4, ..., 256), "
+            f"got {block_size!r}"
+        )
+    return block_size
+
+
+def slot_mapping_for(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Physical slots of token positions ``[start, end)`` for a request with table ``block_ids``.
+
+    ``slot = block_ids[p // block_size] * block_size + p % block_size``; the table must
+    cover position ``end - 1``.
+    """
+    if end > len(block_ids) * block_size:
+        raise ValueError(f"block table of {len(block_ids)} blocks does not cover position {end - 1}")
+    B = block_size
+    out: list[int] = []
+    p = start
+    while p < end:
+        i, off = divmod(p, B)
+        n = min(B - off, end - p)
+        base = block_ids[i] * B + off
+        out.extend(range(base, base + n))
+        p += n
+    return out
+
+
+@dataclass
+class KVCacheStats:
+    num_blocks: int
+    block_size: int
+    blocks_used: int  # held by at least one request
+    blocks_free: int  # free queue length (includes cached ones)
+    blocks_cached_free: int  # free, but still holding a findable prefix
+    tokens_stored: int  # distinct token states held (a shared block counts once)
+    slots_allocated: int  # blocks_used * block_size
+    utilization: float  # tokens_stored / slots_allocated (1.0 when nothing is allocated)
+    usage: float  # blocks_used / num_blocks
+    prefix_queries: int  # prompt tokens looked up (admissions that succeeded)
+    prefix_hits: int  # of which found in the cache
+    prefix_hit_rate: float
+    num_evictions: int
+
+
+class KVCacheManager:
+    """Allocates blocks to requests; shares full blocks of equal prefixes.
+
+    Per request the manager keeps its blocks (``get_block_ids``) and how many tokens
+    they will hold after the current step (set by ``allocate_slots``).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = validate_block_size(block_size)
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._blocks: dict[str, list[KVCacheBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}
+        self._num_stored: dict[str, int] = {}
+        self._num_registered: dict[str, int] = {}  # leading full blocks already hashed
+        self._pending_query: dict[str, tuple[int, int]] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.free_queue.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached free blocks count as free)."""
+        return 1.0 - self.pool.free_queue.num_free / self.num_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table. The list is live: read it, do not mutate it."""
+        return self._block_ids.get(request_id, [])
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self._blocks.get(request_id, [])
+
+    def num_stored_tokens(self, request_id: str) -> int:
+        return self._num_stored.get(request_id, 0)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --------------------------------------------------------------- allocation
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Cached blocks holding the longest prefix of ``request.all_token_ids``.
+
+        Never the whole sequence: at least its last token is recomputed so that the step
+        produces logits. Returns ``(blocks, num_tokens_hit)``; nothing is taken yet (pass
+        the blocks to ``allocate_slots``).
+        """
+        if not self.enable_prefix_caching or request.request_id in self._blocks:
+            return [], 0
+        B = self.block_size
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // B
+        prefix_cache.update_block_hashes(request.block_hashes, tokens, B, max_blocks)
+        hits = prefix_cache.find_longest_cache_hit(self.pool, request.block_hashes, tokens, B,
+                                                   max_blocks)
+        self._pending_query[request.request_id] = (len(tokens), len(hits) * B)
+        return hits, len(hits) * B
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None
+                       ) -> list[KVCacheBlock] | None:
+        """Make the table cover ``num_computed_tokens + hit + num_new_tokens`` positions.
+
+        ``new_computed_blocks`` (from ``get_computed_blocks``, first admission only) are
+        taken with a reference and put at the head of the table. Returns the newly
+        allocated blocks (possibly ``[]``), or None if there are not enough free blocks
+        -- then nothing has changed.
+        """
+        rid = request.request_id
+        blocks = self._blocks.get(rid)
+        num_hit = len(new_computed_blocks) if new_computed_blocks else 0
+        if num_hit and (blocks is not None or request.num_computed_tokens):
+            raise ValueError(f"request {rid}: prefix-hit blocks are only taken at admission")
+        B = self.block_size
+        total = request.num_computed_tokens + num_hit * B + num_new_tokens
+        num_needed = -(-total // B) - (len(blocks) if blocks is not None else 0) - num_hit
+        pool = self.pool
+        # Free cached blocks we are about to touch cannot also serve as new blocks.
+        num_evictable_hits = (
+            sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if num_hit and new_computed_blocks is not None else 0
+        )
+        if num_needed > pool.free_queue.num_free - num_evictable_hits:
+            return None
+
+        if blocks is None:
+            blocks = self._blocks[rid] = []
+            self._block_ids[rid] = []
+            self._num_stored[rid] = 0
+            self._num_registered[rid] = 0
+        ids = self._block_ids[rid]
+        if num_hit and new_computed_blocks is not None:
+            pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            ids.extend(b.block_id for b in new_computed_blocks)
+            self._num_registered[rid] = num_hit
+        new_blocks = pool.get_new_blocks(num_needed) if num_needed > 0 else []
+        if new_blocks:
+            blocks.extend(new_blocks)
+            ids.extend(b.block_id for b in new_blocks)
+        if total > self._num_stored[rid]:
+            self._num_stored[rid] = total
+        if rid in self._pending_query:
+            queried, hit = self._pending_query.pop(rid)
+            self.prefix_queries += queried
+            self.prefix_hits += hit
+        if self.enable_prefix_caching and total // B > self._num_registered[rid]:
+            self._register_full_blocks(request, blocks, total // B)
+        return new_blocks
+
+    def _register_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
+                              num_full: int) -> None:
+        rid = request.request_id
+        B = self.block_size
+        tokens = request.all_token_ids
+        hashes = prefix_cache.update_block_hashes(request.block_hashes, tokens, B, num_full)
+        start = self._num_registered[rid]
+        parent_cid = blocks[start - 1].content_id if start else None
+        for i in range(start, num_full):
+            b = blocks[i]
+            self.pool.register(b, hashes[i], tuple(tokens[i * B:(i + 1) * B]), parent_cid)
+            parent_cid = b.content_id
+        self._num_registered[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks (finish, abort or preemption).
+
+        Freed in reverse order, so a request's tail blocks are evicted before its head
+        (a shorter prefix is more likely to be shared). Blocks with a hash stay cached.
+        """
+        rid = request.request_id
+        blocks = self._blocks.pop(rid, None)
+        self._pending_query.pop(rid, None)
+        if blocks is None:
+            return
+        del self._block_ids[rid]
+        del self._num_stored[rid]
+        del self._num_registered[rid]
+        self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (only when no block is in use). Returns success."""
+        if self.pool.free_queue.num_free != self.num_blocks:
+            return False
+        for b in self.pool.blocks:
+            b.reset_content()
+        self.pool.cached.clear()
+        return True
+
+    # -------------------------------------------------------------------- stats
+    def tokens_stored(self) -> int:
+        """Distinct token states in blocks held by requests (a shared block counts once)."""
+        B = self.block_size
+        fill: dict[int, int] = {}
+        for rid, blocks in self._blocks.items():
+            n = self._num_stored[rid]
+            for i, b in enumerate(blocks):
+                f = min(B, n - i * B)
+                if f > fill.get(b.block_id, 0):
+                    fill[b.block_id] = f
+        return sum(fill.values())
+
+    def stats(self) -> KVCacheStats:
+        free = self.pool.free_queue.num_free
+        used = self.num_blocks - free
+        stored = self.tokens_stored()
+        slots = used * self.block_size
+        cached_free = sum(1 for b in self.pool.cached.values() if b.ref_cnt == 0)
+        return KVCacheStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            blocks_used=used,
+            blocks_free=free,
+            blocks_cached_free=cached_free,
+            tokens_stored=stored,
+            slots_allocated=slots,
+            utilization=stored / slots if slots else 1.0,
+            usage=used / self.num_blocks,
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            prefix_hit_rate=self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
+            num_evictions=self.pool.num_evictions,
+        )

@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import hashlib
+
+from flashpage.engine.sequence import Request
+from flashpage.kv_cache import prefix_cache
+from flashpage.kv_cache.kv_cache_manager import KVCacheManager
+from flashpage.kv_cache.prefix_cache import hash_block_tokens, update_block_hashes
+from flashpage.sampling_params import SamplingParams
+
+
+def req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=4))
+
+
+def test_hash_is_128_bit_stable_and_chained():
+    h0 = hash_block_tokens(None, [1, 2, 3, 4])
+    assert isinstance(h0, bytes) and len(h0) == 16
+    assert h0 == hash_block_tokens(None, (1, 2, 3, 4))  # list or tuple: same bytes
+    # Pinned value: the encoding is blake2b-128(ROOT || little-endian int64 ids).
+    expect = hashlib.blake2b(b"flashpage-root-0" + b"".join(
+        t.to_bytes(8, "little") for t in (1, 2, 3, 4)), digest_size=16).digest()
+    assert h0 == expect
+    h1 = hash_block_tokens(h0, [5, 6, 7, 8])
+    # Same tokens, different parent -> different hash; order of tokens matters.
+    assert h1 != hash_block_tokens(None, [5, 6, 7, 8])
+    assert h1 != hash_block_tokens(hash_block_tokens(None, [1, 2, 3, 5]), [5, 6, 7, 8])
+    assert hash_block_tokens(None, [1, 2]) != hash_block_tokens(None, [2, 1])
+    # Large ids (vocab > 2^31) are encoded without loss.
+    assert hash_block_tokens(None, [2**40]) != hash_block_tokens(None, [0])
+
+
+def test_equal_prefixes_give_equal_hash_chains():
+    a = list(range(10))
+    b = list(range(8)) + [99, 98, 97]
+    ha = update_block_hashes([], a, 4, 2)
+    hb = update_block_hashes([], b, 4, 2)
+    assert ha == hb and len(ha) == 2
+    assert ha[1] == hash_block_tokens(ha[0], [4, 5, 6, 7])
+    # Incremental: extending keeps the existing entries.
+    hb3 = update_block_hashes(list(hb), b + [0], 4, 3)
+    assert hb3[:2] == hb and hb3[2] == hash_block_tokens(hb[1], [99, 98, 97, 0])
+    assert hb3[2] != update_block_hashes([], a + [0, 0], 4, 3)[2]
+
+
+def test_forced_collision_token_mismatch_is_a_miss(monkeypatch):
+    # Every block hashes the same: only the token-id check stands between B and A's K/V.
+    monkeypatch.setattr(prefix_cache, "hash_block_tokens", lambda parent, toks: b"\0" * 16)
+    kv = KVCacheManager(8, 4)
+    a = req("a", [1, 2, 3, 4, 0])
+    assert [b.block_id for b in kv.allocate_slots(a, 5)] == [0, 1]
+    b = req("b", [5, 6, 7, 8, 0])
+    blocks, n = kv.get_computed_blocks(b)
+    assert blocks == [] and n == 0
+    kv.allocate_slots(b, 5)
+    assert kv.get_block_ids("b") == [2, 3]
+    # c has a's tokens but the (single) slot of the map now holds b's block: still a miss,
+    # and never b's block.
+    c = req("c", [1, 2, 3, 4, 0])
+    assert kv.get_computed_blocks(c) == ([], 0)
+    # d has b's tokens: a genuine hit on b's block.
+    d = req("d", [5, 6, 7, 8, 1])
+    blocks, n = kv.get_computed_blocks(d)
+    assert [x.block_id for x in blocks] == [2] and n == 4
+
+
+def test_forced_collision_parent_mismatch_is_a_miss(monkeypatch):
+    # The hash ignores the tokens: level 0 blocks all collide, as do level 1 blocks.
+    def weak(parent, toks):
+        return hashlib.blake2b(parent or b"root", digest_size=16).digest()
+
+    monkeypatch.setattr(prefix_cache, "hash_block_tokens", weak)
+    kv = KVCacheManager(16, 4)
+    a = req("a", [1, 2, 3, 4, 9, 9, 9, 9, 0])
+    kv.allocate_slots(a, 9)  # a0 = block 0 (1234), a1 = block 1 (9999 after 1234)
+    assert kv.get_block_ids("a") == [0, 1, 2]
+    b = req("b", [5, 6, 7, 8, 0])
+    assert kv.get_computed_blocks(b) == ([], 0)  # 1234 != 5678
+    kv.allocate_slots(b, 5)  # b0 = block 3 (5678) takes the level-0 slot of the map
+    assert kv.get_block_ids("b") == [3, 4]
+    # c = 5678 9999 ...: level 0 hits b0 (tokens equal). The level-1 candidate is a1:
+    # same tokens 9999, same hash, but its K/V was computed after 1234. Must miss.
+    c = req("c", [5, 6, 7, 8, 9, 9, 9, 9, 0])
+    blocks, n = kv.get_computed_blocks(c)
+    assert [x.block_id for x in blocks] == [3] and n == 4
+    kv.allocate_slots(c, 5, blocks)
+    assert kv.get_block_ids("c") == [3, 5, 6]
+    # Now c's block 5 owns the level-1 slot; a request with c's prefix hits both.
+    d = req("d", [5, 6, 7, 8, 9, 9, 9, 9, 7, 7])
+    blocks, n = kv.get_computed_blocks(d)
+    assert [x.block_id for x in blocks] == [3, 5] and n == 8
+    # ... and one with a's prefix hits nothing (level 0 slot holds 5678).
+    e = req("e", [1, 2, 3, 4, 9, 9, 9, 9, 7])
+    assert kv.get_computed_blocks(e) == ([], 0)
