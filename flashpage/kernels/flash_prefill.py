@@ -1,0 +1,502 @@
+"""FlashAttention-style prefill/extend attention over a ragged batch, in Triton.
+
+One fused kernel: each program owns BLOCK_M queries of one (sequence, q head),
+keeps them in SRAM, and streams the keys/values of its kv head through an online
+softmax, so no seqlen x seqlen matrix ever reaches HBM. Keys come either from
+contiguous ragged tensors (`flash_attn_varlen`) or from the paged KV cache through
+block tables (`paged_prefill`, chunked prefill and prefix hits).
+
+Masking is bottom-right aligned: in a sequence with Lq queries and Lk keys, query
+i sits at key position i + Lk - Lq and sees keys j with
+
+    j <= i + Lk - Lq                (causal)
+    j >  i + Lk - Lq - window_size  (sliding window, optional)
+
+A query that sees no key (causal with Lq > Lk) gets a zero output and lse = -inf.
+
+Key tiles of one program fall into three loop stages so that only the few tiles
+that need a mask pay for it:
+
+    keys:  [lo ........ s1)[s1 ............ s2)[s2 ...... hi)
+            window edge,     every key visible   causal diagonal,
+            masked           (no mask)           masked (+ ragged end)
+
+Tiles left of `lo` (outside the window) and right of `hi` (in the future) are
+never loaded. Programs run heaviest query tile first (causal work grows with the
+tile index), which shortens the tail of the grid.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # host-side TMA descriptors (Hopper and newer)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+# KV_MODE: how a tile of keys is read.
+_KV_CONTIG, _KV_CONTIG_TMA, _KV_PAGED, _KV_PAGED_TMA = 0, 1, 2, 3
+
+
+@triton.jit
+def _kv_rows(bt_row, kpos, start_n, k_start, seq_k, KV_MODE: tl.constexpr,
+             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Row (token slot) indices of a key tile: int64 [BLOCK_N], or an int32 scalar for TMA."""
+    if KV_MODE == 0:
+        return (k_start + kpos).to(tl.int64)
+    elif KV_MODE == 1:
+        return k_start + start_n
+    elif KV_MODE == 2:
+        if PAGE_SIZE >= BLOCK_N:  # the whole tile sits in one page
+            blk = tl.load(bt_row + start_n // PAGE_SIZE).to(tl.int64)
+            return blk * PAGE_SIZE + (kpos % PAGE_SIZE)
+        else:  # the tile spans BLOCK_N // PAGE_SIZE pages: gather per key
+            if MASKED:
+                blk = tl.load(bt_row + kpos // PAGE_SIZE, mask=kpos < seq_k, other=0)
+            else:
+                blk = tl.load(bt_row + kpos // PAGE_SIZE)
+            return blk.to(tl.int64) * PAGE_SIZE + (kpos % PAGE_SIZE)
+    else:  # paged, PAGE_SIZE % BLOCK_N == 0: one TMA box inside one page
+        blk = tl.load(bt_row + start_n // PAGE_SIZE)
+        return blk * PAGE_SIZE + start_n % PAGE_SIZE
+
+
+@triton.jit
+def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start, seq_k,
+                kv_col, qpos, qk_scale, window, stride_kt, stride_vt,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, WARP_SPEC: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        kpos = start_n + offs_n
+        rows = _kv_rows(bt_row, kpos, start_n, k_start, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N, MASKED)
+        if KV_MODE == 1 or KV_MODE == 3:
+            k = desc_k.load([rows, kv_col])
+        else:
+            k_ptrs = K + rows[:, None] * stride_kt + kv_col + offs_d[None, :]
+            if MASKED:
+                k = tl.load(k_ptrs, mask=(kpos < seq_k)[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        if MASKED:
+            mask = (kpos < seq_k)[None, :]
+            if CAUSAL:
+                mask = mask & (kpos[None, :] <= qpos[:, None])
+            if HAS_WINDOW:
+                mask = mask & (kpos[None, :] > qpos[:, None] - window)
+            qk = tl.where(mask, qk * qk_scale, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            # a row with no visible key so far keeps m = -inf; subtract 0 there, not -inf
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            p = tl.math.exp2(qk - m_sub[:, None])
+            alpha = tl.math.exp2(m_i - m_sub)
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+            alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if KV_MODE == 1 or KV_MODE == 3:
+            v = desc_v.load([rows, kv_col])
+            if MASKED and KV_MODE == 3:  # slots past seq_k in the last page hold garbage (maybe NaN)
+                v = tl.where((kpos < seq_k)[:, None], v, 0.0)
+        else:
+            v_ptrs = V + rows[:, None] * stride_vt + kv_col + offs_d[None, :]
+            if MASKED:
+                v = tl.load(v_ptrs, mask=(kpos < seq_k)[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+# lengths-dependent ints must not trigger recompiles (Triton specializes ints == 1 and % 16)
+@triton.jit(do_not_specialize=["window", "group", "stride_lse", "stride_bt"])
+def _prefill_fwd(
+    Q, K, V, Out, Lse, desc_q, desc_k, desc_v,
+    cu_q, cu_k, seq_lens, block_tables,
+    qk_scale, window, group,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_lse, stride_bt,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_MODE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+):
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    m0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M  # heaviest tile first
+    q_start = tl.load(cu_q + b)
+    seq_q = tl.load(cu_q + b + 1) - q_start
+    if m0 >= seq_q:
+        return
+    if KV_MODE >= 2:
+        k_start = 0
+        seq_k = tl.load(seq_lens + b)
+    else:
+        k_start = tl.load(cu_k + b)
+        seq_k = tl.load(cu_k + b + 1) - k_start
+    bt_row = block_tables + b.to(tl.int64) * stride_bt
+    kvh = h // group
+    shift = seq_k - seq_q  # query i sits at key position i + shift
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if KV_MODE == 1 or KV_MODE == 3:
+        q = desc_q.load([q_start + m0, h * HEAD_DIM])
+    else:
+        q_ptrs = Q + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=(offs_m < seq_q)[:, None], other=0.0)
+
+    # key-tile ranges of the three stages (see the module docstring)
+    last_row = tl.minimum(m0 + BLOCK_M, seq_q) - 1
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(seq_k, last_row + shift + 1), 0)
+        full_end = tl.minimum(hi // BLOCK_N, tl.maximum(m0 + shift + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        hi = seq_k
+        full_end = (hi // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW:
+        lo = (tl.maximum(m0 + shift - window + 1, 0) // BLOCK_N) * BLOCK_N
+        win_full = tl.cdiv(tl.maximum(last_row + shift - window + 1, 0), BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+        win_full = 0
+    s1 = tl.maximum(lo, tl.minimum(win_full, full_end))
+    s2 = tl.maximum(s1, full_end)
+
+    qpos = offs_m + shift
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    kv_col = kvh * HEAD_DIM  # TMA column of this kv head in the [rows, Hkv * D] view
+    K = K + kvh.to(tl.int64) * stride_kh
+    V = V + kvh.to(tl.int64) * stride_vh
+    if not (KV_MODE == 1 or KV_MODE == 3):
+        kv_col = 0  # pointer paths fold the head offset into K and V
+    if HAS_WINDOW:
+        acc, l_i, m_i = _attn_stage(
+            acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, s1, k_start, seq_k, kv_col, qpos,
+            qk_scale, window, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, IEEE, False)
+    acc, l_i, m_i = _attn_stage(
+        acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s1, s2, k_start, seq_k, kv_col, qpos,
+        qk_scale, window, stride_kt, stride_vt, False, CAUSAL, HAS_WINDOW, KV_MODE,
+        PAGE_SIZE, BLOCK_N, HEAD_DIM, IEEE, WARP_SPEC)
+    acc, l_i, m_i = _attn_stage(
+        acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s2, hi, k_start, seq_k, kv_col, qpos,
+        qk_scale, window, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
+        PAGE_SIZE, BLOCK_N, HEAD_DIM, IEEE, False)
+
+    row_ok = offs_m < seq_q
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    o_ptrs = Out + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if RETURN_LSE:
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        tl.store(Lse + h.to(tl.int64) * stride_lse + q_start + offs_m, lse, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tile shape and launch options; `use_tma` needs compute capability >= 9."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool = False
+    warp_specialize: bool = False
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_config(device: torch.device, head_dim: int, dtype: torch.dtype,
+                   causal: bool) -> PrefillConfig:
+    """The tile configuration per GPU generation (tuned on an H200 for capability 9.x)."""
+    if device.type != "cuda" or _interpreting():
+        return PrefillConfig(32, 16, 4, 1)  # small tiles: many tiles and diagonals in tiny tests
+    major, _ = torch.cuda.get_device_capability(device)
+    if dtype == torch.float32:
+        return PrefillConfig(64, 32, 4, 2)
+    if major == 9:
+        if head_dim <= 64:
+            return PrefillConfig(128, 128, 8, 3, use_tma=True)
+        if head_dim <= 128:
+            return PrefillConfig(128, 128, 8, 2, use_tma=True)
+        return PrefillConfig(128, 64, 8, 2, use_tma=True)
+    if major >= 8:
+        if head_dim <= 128:
+            return PrefillConfig(128, 64, 4, 3)
+        return PrefillConfig(64, 32, 4, 2)
+    return PrefillConfig(64, 32, 4, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+
+
+def _check_cu(name: str, t: torch.Tensor, device: torch.device) -> int:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 2:
+        raise ValueError(f"{name} must be an int32 tensor [batch + 1], got "
+                         f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, q on {device}")
+    return t.numel() - 1
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_name: str) -> tuple[int, int, int]:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [total_q, num_q_heads, head_dim], got shape {tuple(q.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q dtype {q.dtype} unsupported (float16, bfloat16, float32)")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, {kv_name} dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"{kv_name} shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q and {kv_name} are on different devices")
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[-2]
+    if k.shape[-1] != d:
+        raise ValueError(f"head_dim of q ({d}) and {kv_name} ({k.shape[-1]}) differ")
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256] (64, 128, 256), got {d}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+    for name, t in (("q", q), (kv_name.split(",")[0], k), (kv_name.split(",")[-1].strip(), v)):
+        if t.stride(-1) != 1 or t.stride(-2) != d:
+            raise ValueError(f"{name} must have contiguous [heads, head_dim] rows, strides {t.stride()}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError("Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
+    return hq, hkv, d
+
+
+def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if out.stride(-1) != 1:
+        raise ValueError("out's last dimension must be contiguous")
+    return out
+
+
+def _check_window(window_size: int | None) -> int:
+    if window_size is None:
+        return 0
+    if int(window_size) < 1:
+        raise ValueError(f"window_size must be >= 1 or None, got {window_size}")
+    return int(window_size)
+
+
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    return TensorDescriptor is not None and all(
+        t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in ts)
+
+
+def _desc(t: torch.Tensor, rows: int, heads: int, d: int, box_rows: int):
+    """TMA descriptor over the [rows, heads * head_dim] view of a token-major tensor."""
+    return TensorDescriptor(t, [max(rows, 1), heads * d], [t.stride(0), 1], [box_rows, d])
+
+
+def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, batch,
+            max_seqlen_q, causal, sm_scale, window, cfg: PrefillConfig | None):
+    total_q, hq, d = q.shape
+    hkv = k.shape[-2]
+    paged = block_tables is not None
+    if cfg is None:
+        cfg = default_config(q.device, d, q.dtype, causal)
+    use_tma = cfg.use_tma and q.dtype != torch.float32
+    use_tma = use_tma and _tma_ok(q, k, v)
+    if paged:
+        use_tma = use_tma and page_size % cfg.block_n == 0 and k.shape[0] < 2**31
+        mode = _KV_PAGED_TMA if use_tma else _KV_PAGED
+    else:
+        mode = _KV_CONTIG_TMA if use_tma else _KV_CONTIG
+    desc_q = desc_k = desc_v = None
+    if use_tma:
+        desc_q = _desc(q, total_q, hq, d, cfg.block_m)
+        desc_k = _desc(k, k.shape[0], hkv, d, cfg.block_n)
+        desc_v = _desc(v, v.shape[0], hkv, d, cfg.block_n)
+    if lse is None:
+        lse_arg, stride_lse = out, 0  # never written (RETURN_LSE is off)
+    else:
+        lse_arg, stride_lse = lse, lse.stride(0)
+    scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * _LOG2E
+    grid = (hq, batch, triton.cdiv(max(int(max_seqlen_q), 1), cfg.block_m))
+    _prefill_fwd[grid](
+        q, k, v, out, lse_arg, desc_q, desc_k, desc_v,
+        cu_q, cu_k if cu_k is not None else cu_q,
+        seq_lens if seq_lens is not None else cu_q,
+        block_tables if paged else cu_q,
+        scale, window, hq // hkv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), stride_lse, block_tables.stride(0) if paged else 0,
+        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
+        HAS_WINDOW=window > 0, KV_MODE=mode, PAGE_SIZE=page_size if paged else 1,
+        RETURN_LSE=lse is not None, IEEE=q.dtype == torch.float32,
+        WARP_SPEC=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                      causal=True, sm_scale=None, window_size=None, return_lse=False, out=None,
+                      _config: PrefillConfig | None = None):
+    """Attention over a ragged batch with contiguous keys/values.
+
+    q [total_q, Hq, D]; k, v [total_k, Hkv, D] (Hq % Hkv == 0, q head h reads kv head
+    h // (Hq // Hkv)); cu_seqlens_q/k int32 [B + 1] (sequence b owns rows
+    cu[b]:cu[b+1]); max_seqlen_q sizes the grid and must be >= every query length.
+    Returns out [total_q, Hq, D] in q's dtype, and lse [Hq, total_q] fp32 (natural
+    log of the softmax denominator, -inf for a query that sees no key) if return_lse.
+    """
+    hq, _, _ = _check_qkv(q, k, v, "k, v")
+    if k.dim() != 3:
+        raise ValueError(f"k, v must be [total_k, num_kv_heads, head_dim], got {tuple(k.shape)}")
+    batch = _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
+    if _check_cu("cu_seqlens_k", cu_seqlens_k, q.device) != batch:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k differ in length: {batch + 1} vs "
+                         f"{cu_seqlens_k.numel()}")
+    window = _check_window(window_size)
+    out = _check_out(out, q)
+    lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
+    if q.shape[0] > 0 and batch > 0:
+        _launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, None, 0, batch,
+                max_seqlen_q, causal, sm_scale, window, _config)
+    return (out, lse) if return_lse else out
+
+
+def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                  max_seqlen_q, max_seqlen_k, *, causal=True, sm_scale=None,
+                  window_size=None, return_lse=False, out=None,
+                  _config: PrefillConfig | None = None):
+    """Attention of new tokens over the paged KV cache (chunked prefill, prefix hits).
+
+    q [total_q, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D]
+    (block_size a power of two); block_tables int32 [B, max_blocks]; seq_lens int32
+    [B] (context after this step: cached prefix + new tokens, whose K/V are already
+    in the cache). Key p of sequence b lives in slot block_tables[b, p // bs] * bs +
+    p % bs; query i of b sits at position seq_lens[b] - q_len_b + i. Returns as
+    `flash_attn_varlen`.
+    """
+    if key_cache.dim() != 4:
+        raise ValueError(f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(key_cache.shape)}")
+    hq, hkv, d = _check_qkv(q, key_cache, value_cache, "key_cache, value_cache")
+    page_size = key_cache.shape[1]
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {page_size}")
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.stride(0) != page_size * c.stride(1):
+            raise ValueError(f"{name} blocks must be contiguous, strides {c.stride()}")
+    batch = _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (batch,) or seq_lens.device != q.device:
+        raise ValueError(f"seq_lens must be int32 [{batch}] on {q.device}, got {seq_lens.dtype} "
+                         f"{tuple(seq_lens.shape)}")
+    if (block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch
+            or block_tables.stride(1) != 1 or block_tables.device != q.device):
+        raise ValueError(f"block_tables must be int32 [{batch}, max_blocks] with contiguous rows, "
+                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.shape[1] * page_size < max_seqlen_k:
+        raise ValueError(f"block_tables has {block_tables.shape[1]} blocks of {page_size} tokens, "
+                         f"fewer than max_seqlen_k={max_seqlen_k}")
+    window = _check_window(window_size)
+    out = _check_out(out, q)
+    lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
+    if q.shape[0] > 0 and batch > 0:
+        slots_k = key_cache.view(-1, hkv, d) if key_cache.is_contiguous() else \
+            key_cache.flatten(0, 1)
+        slots_v = value_cache.view(-1, hkv, d) if value_cache.is_contiguous() else \
+            value_cache.flatten(0, 1)
+        _launch(q, slots_k, slots_v, out, lse, cu_seqlens_q, None, seq_lens, block_tables,
+                page_size, batch, max_seqlen_q, causal, sm_scale, window, _config)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# pure-torch references (fp32, materialize one sequence's scores at a time)
+
+
+def _attend_ref(q, k, v, causal, sm_scale, window):
+    """q [Lq, Hq, D], k/v [Lk, Hkv, D] -> out [Lq, Hq, D] fp32, lse [Hq, Lq] fp32."""
+    lq, hq, d = q.shape
+    lk, hkv = k.shape[0], k.shape[1]
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    qf = q.float().transpose(0, 1)
+    kf = k.float().transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+    vf = v.float().transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+    s = (qf @ kf.transpose(1, 2)) * scale  # [Hq, Lq, Lk]
+    qpos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+    kpos = torch.arange(lk, device=q.device)[None, :]
+    visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= kpos <= qpos
+    if window:
+        visible &= kpos > qpos - window
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # -inf where nothing is visible
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return (p @ vf).transpose(0, 1), lse
+
+
+def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                          causal=True, sm_scale=None, window_size=None, return_lse=False, out=None):
+    """Reference for `flash_attn_varlen`, same signature, computed in fp32."""
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        o, l_ = _attend_ref(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
+                            causal, sm_scale, window_size)
+        out[cq[b]:cq[b + 1]] = o.to(out.dtype)
+        lse[:, cq[b]:cq[b + 1]] = l_
+    return (out, lse) if return_lse else out
+
+
+def paged_prefill_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                      max_seqlen_q, max_seqlen_k, *, causal=True, sm_scale=None,
+                      window_size=None, return_lse=False, out=None):
+    """Reference for `paged_prefill`: gathers each sequence's keys, then attends in fp32."""
+    bs = key_cache.shape[1]
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    cq, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b in range(len(lens)):
+        pos = torch.arange(lens[b], device=q.device)
+        blk = block_tables[b].long()[pos // bs]
+        k = key_cache[blk, pos % bs]
+        v = value_cache[blk, pos % bs]
+        o, l_ = _attend_ref(q[cq[b]:cq[b + 1]], k, v, causal, sm_scale, window_size)
+        out[cq[b]:cq[b + 1]] = o.to(out.dtype)
+        lse[:, cq[b]:cq[b + 1]] = l_
+    return (out, lse) if return_lse else out

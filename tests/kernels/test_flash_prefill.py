@@ -1,0 +1,260 @@
+"""flash_attn_varlen / paged_prefill against their fp32 references.
+
+CPU (no CUDA): Triton's interpreter, fp32 and fp16, small shapes with small tiles
+(32 x 16), so that ragged ends, diagonals and windows cross several tiles.
+GPU (marked gpu): bf16 over head dims, GQA ratios, ragged lengths, block sizes
+16-128 and prefixes up to a few thousand tokens, with the GPU's own tile configs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported by the kernel module
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from flashpage.kernels.flash_prefill import (  # noqa: E402
+    PrefillConfig,
+    flash_attn_varlen,
+    flash_attn_varlen_ref,
+    paged_prefill,
+    paged_prefill_ref,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+DEV = "cuda" if HAS_CUDA else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+
+
+def _ragged(q_lens, prefixes, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    k_lens = [lq + p for lq, p in zip(q_lens, prefixes, strict=True)]
+    q = torch.randn(sum(q_lens), hq, d, generator=g, device=DEV).to(dtype)
+    k = torch.randn(sum(k_lens), hkv, d, generator=g, device=DEV).to(dtype)
+    v = torch.randn(sum(k_lens), hkv, d, generator=g, device=DEV).to(dtype)
+    return q, k, v, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens)
+
+
+def _to_paged(k, v, cu_k, block_size, seed=0):
+    """Scatter contiguous ragged K/V into a shuffled block pool; returns caches, tables, seq_lens."""
+    lens = (cu_k[1:] - cu_k[:-1]).tolist()
+    nblk = [(n + block_size - 1) // block_size for n in lens]
+    total = sum(nblk) + 3  # spare blocks that no table points at
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(total, generator=g).tolist()
+    tables = torch.zeros(len(lens), max(nblk) + 1, dtype=torch.int32)
+    # poison: slots no sequence owns must never reach the output
+    kc = torch.full((total, block_size, *k.shape[1:]), float("nan"), dtype=k.dtype, device=DEV)
+    vc = torch.full_like(kc, float("nan"))
+    start = cu_k.tolist()
+    for b, n in enumerate(lens):
+        ids = perm[:nblk[b]]
+        perm = perm[nblk[b]:]
+        tables[b, :nblk[b]] = torch.tensor(ids, dtype=torch.int32)
+        pos = torch.arange(n)
+        blk = torch.tensor(ids, dtype=torch.long)[pos // block_size]
+        kc[blk.to(DEV), (pos % block_size).to(DEV)] = k[start[b]:start[b] + n]
+        vc[blk.to(DEV), (pos % block_size).to(DEV)] = v[start[b]:start[b] + n]
+    return kc, vc, tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+def _close(out, ref, dtype):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all(), "non-finite output"
+    err = (out.float() - ref.float()).abs().max().item()
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err <= 8 * TOL[dtype] and rel <= TOL[dtype], f"max abs {err:.2e}, rel {rel:.2e}"
+
+
+def _check_varlen(q_lens, prefixes, hq, hkv, d, dtype, causal=True, window=None, cfg=None,
+                  lse=True):
+    q, k, v, cq, ck, mq, mk = _ragged(q_lens, prefixes, hq, hkv, d, dtype)
+    kw = dict(causal=causal, window_size=window, return_lse=lse)
+    out = torch.full_like(q, float("nan"))  # every row must be written
+    res = flash_attn_varlen(q, k, v, cq, ck, mq, mk, out=out, _config=cfg, **kw)
+    ref = flash_attn_varlen_ref(q, k, v, cq, ck, mq, mk, **kw)
+    if lse:
+        _close(res[0], ref[0], dtype)
+        torch.testing.assert_close(res[1], ref[1], atol=1e-4 if dtype == torch.float32 else 2e-3,
+                                   rtol=1e-4)
+        assert res[0] is out
+    else:
+        _close(res, ref, dtype)
+
+
+def _check_paged(q_lens, prefixes, hq, hkv, d, dtype, block_size, causal=True, window=None,
+                 cfg=None):
+    q, k, v, cq, ck, mq, mk = _ragged(q_lens, prefixes, hq, hkv, d, dtype, seed=1)
+    kc, vc, tables, seq_lens = _to_paged(k, v, ck, block_size)
+    kw = dict(causal=causal, window_size=window, return_lse=True)
+    out, lse = paged_prefill(q, kc, vc, tables, cq, seq_lens, mq, mk, _config=cfg, **kw)
+    ref, ref_lse = paged_prefill_ref(q, kc, vc, tables, cq, seq_lens, mq, mk, **kw)
+    _close(out, ref, dtype)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4 if dtype == torch.float32 else 2e-3,
+                               rtol=1e-4)
+    # the paged kernel must agree with the contiguous one on the same keys
+    flat = flash_attn_varlen(q, k, v, cq, ck, mq, mk, causal=causal, window_size=window, _config=cfg)
+    _close(out, flat, dtype)
+
+
+# ----------------------------------------------------------------------------- CPU (interpreter)
+# lengths: 1, non-multiples of the 32 x 16 tiles, and one longer than two query tiles
+LENS = [1, 37, 16, 70]
+cpu_only = pytest.mark.skipif(HAS_CUDA, reason="interpreter grid; the GPU grid covers this")
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (8, 2), (4, 1)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_cpu(dtype, hq, hkv, causal):
+    _check_varlen(LENS, [0, 5, 33, 0], hq, hkv, 64, dtype, causal=causal)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_head_dim_128_cpu(dtype):
+    _check_varlen([19, 40], [3, 0], 4, 2, 128, dtype)
+
+
+@cpu_only
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_cpu(causal):
+    _check_varlen([50, 7, 33], [20, 41, 0], 4, 2, 64, torch.float32, causal=causal, window=24)
+
+
+@cpu_only
+@pytest.mark.parametrize("cfg", [PrefillConfig(16, 32, 4, 1), PrefillConfig(64, 16, 4, 1)])
+def test_other_tiles_cpu(cfg):
+    """BLOCK_N > BLOCK_M, and a tall BLOCK_M whose diagonal spans four key tiles."""
+    _check_varlen(LENS, [0, 9, 60, 3], 4, 2, 64, torch.float32, cfg=cfg)
+    _check_varlen([45, 20], [10, 2], 4, 2, 64, torch.float32, window=13, cfg=cfg)
+
+
+@cpu_only
+def test_tma_descriptors_cpu():
+    """The Hopper path (TMA tensor descriptors for Q, K, V; paged pages read as one box)."""
+    cfg = PrefillConfig(32, 16, 4, 1, use_tma=True)
+    _check_varlen(LENS, [0, 5, 33, 0], 4, 2, 64, torch.float16, cfg=cfg)
+    _check_paged(LENS, [0, 21, 40, 3], 4, 2, 64, torch.float16, 32, cfg=cfg)
+    _check_paged([30, 9], [45, 0], 4, 2, 64, torch.float16, 16, window=20, cfg=cfg)
+
+
+@cpu_only
+def test_more_queries_than_keys_cpu():
+    """Causal with Lq > Lk: the first Lq - Lk queries see nothing -> 0 and lse -inf."""
+    q, k, v, cq, _, mq, _ = _ragged([20, 9], [0, 0], 2, 1, 64, torch.float32)
+    ck = _cu([12, 9])
+    k, v = k[:21], v[:21]
+    out, lse = flash_attn_varlen(q, k, v, cq, ck, mq, 12, return_lse=True)
+    ref, ref_lse = flash_attn_varlen_ref(q, k, v, cq, ck, mq, 12, return_lse=True)
+    assert (out[:8] == 0).all() and torch.isneginf(lse[:, :8]).all()
+    _close(out, ref, torch.float32)
+    torch.testing.assert_close(lse, ref_lse)
+
+
+@cpu_only
+def test_scale_and_out_cpu():
+    q, k, v, cq, ck, mq, mk = _ragged([33, 5], [4, 0], 4, 4, 64, torch.float32)
+    out = torch.empty_like(q)
+    res = flash_attn_varlen(q, k, v, cq, ck, mq, mk, sm_scale=0.3, out=out)
+    ref = flash_attn_varlen_ref(q, k, v, cq, ck, mq, mk, sm_scale=0.3)
+    assert res is out
+    _close(out, ref, torch.float32)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_cpu(dtype, block_size):
+    _check_paged(LENS, [0, 21, 40, 3], 4, 2, 64, dtype, block_size)
+
+
+@cpu_only
+@pytest.mark.parametrize("block_size,cfg", [
+    (1, PrefillConfig(32, 16, 4, 1)),     # a page per token: gather every row
+    (8, PrefillConfig(32, 16, 4, 1)),     # tile spans two pages
+    (64, PrefillConfig(16, 32, 4, 1)),    # tile inside one page
+])
+def test_paged_block_sizes_cpu(block_size, cfg):
+    _check_paged([1, 30, 17], [50, 7, 0], 2, 1, 64, torch.float32, block_size, cfg=cfg)
+    _check_paged([40], [25], 2, 1, 64, torch.float32, block_size, window=20, cfg=cfg)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def test_rejects_bad_inputs():
+    def z(*shape):
+        return torch.zeros(*shape, device=DEV)
+
+    q = z(10, 4, 64)
+    k = z(10, 2, 64)
+    cu = torch.tensor([0, 10], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="int32"):
+        flash_attn_varlen(q, k, k, cu.long(), cu, 10, 10)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        flash_attn_varlen(q, z(10, 3, 64), z(10, 3, 64), cu, cu, 10, 10)
+    with pytest.raises(ValueError, match="head_dim"):
+        flash_attn_varlen(z(10, 4, 48), z(10, 2, 48), z(10, 2, 48), cu, cu, 10, 10)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        flash_attn_varlen(q, k.half(), k.half(), cu, cu, 10, 10)
+    with pytest.raises(ValueError, match="contiguous"):
+        flash_attn_varlen(q.transpose(0, 1).contiguous().transpose(0, 1), k, k, cu, cu, 10, 10)
+    with pytest.raises(ValueError, match="window_size"):
+        flash_attn_varlen(q, k, k, cu, cu, 10, 10, window_size=0)
+    with pytest.raises(ValueError, match="out must be"):
+        flash_attn_varlen(q, k, k, cu, cu, 10, 10, out=z(10, 4, 32))
+    cache = z(4, 12, 2, 64)
+    tables = torch.zeros(1, 2, dtype=torch.int32, device=DEV)
+    lens = torch.tensor([10], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_prefill(q, cache, cache, tables, cu, lens, 10, 10)
+    cache = z(4, 4, 2, 64)
+    with pytest.raises(ValueError, match="fewer than max_seqlen_k"):
+        paged_prefill(q, cache, cache, tables, cu, lens, 10, 10)
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_prefill(q, cache, cache, tables, cu, lens.long(), 10, 8)
+
+
+# ----------------------------------------------------------------------------- GPU (bf16)
+BF16 = torch.bfloat16
+GQA = [(8, 8), (8, 2), (16, 2), (8, 1)]  # ratios 1, 4, 8, all heads on one
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("hq,hkv", GQA)
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_gpu(d, hq, hkv, causal):
+    _check_varlen([1, 300, 128, 1000, 77], [0, 0, 2000, 37, 3500], hq, hkv, d, BF16, causal=causal)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_window_gpu(d):
+    _check_varlen([1, 700, 2048], [4000, 0, 333], 8, 2, d, BF16, window=512)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,block_size", [(128, 16), (128, 32), (128, 64), (128, 128),
+                                          (64, 16), (64, 128), (256, 16), (256, 128)])
+def test_paged_gpu(d, block_size):
+    _check_paged([1, 513, 64, 1000], [0, 3000, 2047, 129], 8, 2, d, BF16, block_size)
+
+
+@gpu
+@pytest.mark.gpu
+def test_paged_window_gpu():
+    _check_paged([1, 900], [5000, 100], 8, 1, 128, BF16, 16, window=1024)
