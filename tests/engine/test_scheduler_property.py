@@ -1,0 +1,165 @@
+"""Property test: random arrivals, lengths, shared prefixes, aborts and caches small enough
+to force preemption. The invariants are checked after every step; at the end every block
+is free with ref 0 and every request that was not aborted produced exactly the output of
+an unbatched, uncached run of the fake model (see test_scheduler.FakeRunner).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from flashpage.engine.scheduler import Scheduler
+from flashpage.engine.sequence import Request, RequestRefused, RequestStatus
+from flashpage.kv_cache.kv_cache_manager import KVCacheManager
+from flashpage.sampling_params import SamplingParams
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_scheduler import VOCAB, FakeRunner, expected_output  # noqa: E402
+
+EXAMPLES = int(os.environ.get("FLASHPAGE_PROPERTY_EXAMPLES", "1000"))
+
+
+@dataclass
+class Spec:
+    arrival: int  # step at which it is added
+    prompt: list[int]
+    max_tokens: int | None
+    min_tokens: int
+    eos: int | None
+    stop_ids: list[int]
+    abort_at: int | None  # step after its arrival at which it is aborted
+    abort_mid_step: bool  # abort between the runner and update_from_output
+
+
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 20, 21], [30] * 9]
+
+
+@st.composite
+def request_spec(draw) -> Spec:
+    prefix = draw(st.sampled_from([[], *PREFIXES, *PREFIXES]))
+    cut = draw(st.one_of(st.just(len(prefix)), st.integers(0, len(prefix))))
+    suffix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if cut else 1, max_size=20))
+    max_tokens = draw(st.one_of(st.none(), st.integers(1, 16)))
+    return Spec(
+        arrival=draw(st.integers(0, 6)),
+        prompt=prefix[:cut] + suffix,
+        max_tokens=max_tokens,
+        min_tokens=draw(st.integers(0, min(max_tokens or 3, 3))),
+        eos=draw(st.one_of(st.none(), st.integers(0, VOCAB - 1))),
+        stop_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)),
+        abort_at=draw(st.one_of(st.none(), st.none(), st.integers(0, 20))),
+        abort_mid_step=draw(st.booleans()),
+    )
+
+
+def check_invariants(s: Scheduler, kv: KVCacheManager, scheduled_tokens: int) -> None:
+    B = kv.block_size
+    assert scheduled_tokens <= s.max_num_batched_tokens
+    assert len(s.running) <= s.max_num_seqs
+    in_queue = set(kv.pool.free_queue.block_ids())
+    assert len(in_queue) == kv.num_free_blocks
+    holders = [0] * kv.num_blocks
+    for rid, ids in kv._block_ids.items():
+        assert [b.block_id for b in kv.get_blocks(rid)] == ids
+        for i in ids:
+            holders[i] += 1
+    for b in kv.pool.blocks:
+        # no block both free and in use; ref count == number of tables holding it
+        assert (b.block_id in in_queue) == (b.ref_cnt == 0), b
+        assert b.ref_cnt == holders[b.block_id], b
+    for h, b in kv.pool.cached.items():
+        assert b.block_hash == h and b.token_ids is not None and len(b.token_ids) == B
+    assert set(kv._block_ids) == {r.request_id for r in s.running}
+    for r in s.running:
+        assert r.status == RequestStatus.RUNNING
+        assert len(kv.get_block_ids(r.request_id)) * B >= r.num_computed_tokens
+        assert r.num_computed_tokens <= r.num_tokens
+    for r in s.waiting:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert r.num_computed_tokens == 0 and kv.get_block_ids(r.request_id) == []
+    assert set(s.requests) == {r.request_id for r in s.running} | {r.request_id for r in s.waiting}
+
+
+def refused_expected(spec: Spec, B: int, num_blocks: int, max_model_len: int) -> bool:
+    n = len(spec.prompt)
+    if n > max_model_len:
+        return True
+    # The request ends with at most this many tokens; the last one is never written.
+    final = n + (spec.max_tokens if spec.max_tokens is not None else 10**9)
+    final = min(final, max(max_model_len, n + 1))
+    return -(-(final - 1) // B) > num_blocks if final - 1 > n else -(-n // B) > num_blocks
+
+
+@settings(max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    extra_blocks=st.integers(-3, 8),  # cache = about one max_model_len: forces preemption
+    max_num_seqs=st.integers(1, 8),
+    budget=st.integers(1, 24),
+    max_model_len=st.integers(4, 40),
+    prefix=st.booleans(),
+    specs=st.lists(request_spec(), min_size=1, max_size=10),
+)
+def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs, budget,
+                                          max_model_len, prefix, specs):
+    num_blocks = max(1, -(-max_model_len // block_size) + extra_blocks)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    s = Scheduler(max_num_seqs, budget, max_model_len, kv)
+    runner = FakeRunner(kv)
+    reqs: dict[str, tuple[Request, Spec]] = {}
+    aborted: set[str] = set()
+    pending = sorted(enumerate(specs), key=lambda t: t[1].arrival)
+    step = 0
+    while pending or s.has_unfinished_requests():
+        assert step < 5000, "no progress"
+        while pending and pending[0][1].arrival <= step:
+            i, spec = pending.pop(0)
+            rid = f"r{i}"
+            r = Request(rid, spec.prompt, SamplingParams(
+                max_tokens=spec.max_tokens, min_tokens=spec.min_tokens,
+                stop_token_ids=spec.stop_ids), eos_token_id=spec.eos)
+            expect_refusal = refused_expected(spec, block_size, num_blocks, max_model_len)
+            try:
+                s.add_request(r)
+            except RequestRefused:
+                assert expect_refusal, spec
+                event("some request refused")
+                continue
+            assert not expect_refusal, spec
+            reqs[rid] = (r, spec)
+        mid_step_aborts = []
+        for rid, (_r, spec) in reqs.items():
+            if spec.abort_at is not None and step == spec.arrival + spec.abort_at:
+                if spec.abort_mid_step:
+                    mid_step_aborts.append(rid)
+                elif s.abort_requests([rid]):
+                    aborted.add(rid)
+        out = s.schedule()
+        sampled = runner.execute(out)
+        for rid in mid_step_aborts:
+            if s.abort_requests(rid):
+                aborted.add(rid)
+        s.update_from_output(out, sampled)
+        check_invariants(s, kv, out.total_num_scheduled_tokens)
+        assert out.total_num_scheduled_tokens == sum(n for _, n in out.scheduled)
+        step += 1
+
+    event(f"preemptions: {'0' if not s.num_preemptions else '1-4' if s.num_preemptions < 5 else '5+'}")
+    event(f"prefix hits: {kv.prefix_hits > 0}")
+    event(f"aborted: {len(aborted) > 0}")
+    assert kv.num_free_blocks == num_blocks
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    for rid, (r, spec) in reqs.items():
+        assert r.is_finished()
+        if rid in aborted:
+            assert r.finish_reason == "abort"
+            continue
+        out_ids, reason = expected_output(spec.prompt, r.sampling_params, max_model_len, spec.eos)
+        assert r.output_token_ids == out_ids, (rid, spec)
+        assert r.finish_reason == reason
