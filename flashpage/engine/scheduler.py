@@ -155,7 +155,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
             if num_new <= 0:  # defensive: a running request always has >= 1 token to do
                 i += 1
                 continue

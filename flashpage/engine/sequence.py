@@ -75,7 +75,12 @@ class Request:
             self._eos_ids = frozenset((eos_token_id,))
         else:
             self._eos_ids = frozenset(eos_token_id)
+        # Cached for check_stop, which runs for every request every step.
         self._stop_ids = frozenset(sampling_params.stop_token_ids or ())
+        self._min_tokens = max(1, sampling_params.min_tokens)
+        self._max_tokens = (sampling_params.max_tokens if sampling_params.max_tokens is not None
+                            else 1 << 62)
+        self._ignore_eos = sampling_params.ignore_eos
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
         self.output_token_ids: list[int] = []
@@ -118,18 +123,16 @@ class Request:
         vLLM; eos not with ``ignore_eos``), then length (``max_tokens`` outputs, or
         ``max_model_len`` tokens in all). Sets ``stop_reason`` to the stop token id.
         """
-        sp = self.sampling_params
-        n_out = len(self.output_token_ids)
-        if n_out and n_out >= sp.min_tokens:
-            last = self.output_token_ids[-1]
+        out = self.output_token_ids
+        n_out = len(out)
+        if n_out >= self._min_tokens:
+            last = out[-1]
             if last in self._stop_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-            if last in self._eos_ids and not sp.ignore_eos:
+            if last in self._eos_ids and not self._ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or (
-            len(self.all_token_ids) >= max_model_len
-        ):
+        if n_out >= self._max_tokens or len(self.all_token_ids) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -146,10 +146,19 @@ class KVCacheManager:
         """
         rid = request.request_id
         blocks = self._blocks.get(rid)
+        B = self.block_size
+        if blocks is not None and not new_computed_blocks:
+            # Fast path (most decode steps): the table already covers the new tokens.
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(blocks) * B:
+                if total > self._num_stored[rid]:
+                    self._num_stored[rid] = total
+                if self.enable_prefix_caching and total // B > self._num_registered[rid]:
+                    self._register_full_blocks(request, blocks, total // B)
+                return []
         num_hit = len(new_computed_blocks) if new_computed_blocks else 0
         if num_hit and (blocks is not None or request.num_computed_tokens):
             raise ValueError(f"request {rid}: prefix-hit blocks are only taken at admission")
-        B = self.block_size
         total = request.num_computed_tokens + num_hit * B + num_new_tokens
         num_needed = -(-total // B) - (len(blocks) if blocks is not None else 0) - num_hit
         pool = self.pool
@@ -194,9 +203,10 @@ class KVCacheManager:
         hashes = prefix_cache.update_block_hashes(request.block_hashes, tokens, B, num_full)
         start = self._num_registered[rid]
         parent_cid = blocks[start - 1].content_id if start else None
+        register = self.pool.register
         for i in range(start, num_full):
             b = blocks[i]
-            self.pool.register(b, hashes[i], tuple(tokens[i * B:(i + 1) * B]), parent_cid)
+            register(b, hashes[i], tuple(tokens[i * B:(i + 1) * B]), parent_cid)
             parent_cid = b.content_id
         self._num_registered[rid] = num_full
 

@@ -2,7 +2,9 @@
 
 Block ``i`` of a request (token positions ``[i*B, (i+1)*B)``), once full, has the hash
 
-    h_i = blake2b-128( h_{i-1} || little-endian int64 token ids of block i ),  h_{-1} = ROOT
+    h_i = first 16 bytes of blake2b( h_{i-1} || little-endian int64 ids of block i ),  h_{-1} = ROOT
+
+(128 bits of blake2b-512; the ``digest_size=16`` variant is 2x slower to call in CPython)
 
 so equal prefixes give equal hashes and a block's hash depends on everything before it.
 The hash only finds a candidate: a hit is taken only if the cached block's token ids
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 from flashpage.kv_cache.block_pool import BlockPool, KVCacheBlock
@@ -24,20 +28,41 @@ ROOT_HASH = b"flashpage-root-0"
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
     """16-byte chained hash of one full block (stable across runs and processes)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(ROOT_HASH if parent_hash is None else parent_hash)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
+    data = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return hashlib.blake2b((ROOT_HASH if parent_hash is None else parent_hash) + data).digest()[:16]
+
+
+_default_hash = hash_block_tokens
+
+
+def _pack_le(token_ids: Sequence[int]) -> bytes:
+    a = array("q", token_ids)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
 
 
 def update_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], block_size: int,
                         num_blocks: int) -> list[bytes]:
     """Extend ``block_hashes`` in place to cover the first ``num_blocks`` full blocks."""
-    for i in range(len(block_hashes), num_blocks):
-        parent = block_hashes[i - 1] if i else None
-        # A module global, looked up at call time: tests monkeypatch it to force collisions.
+    start = len(block_hashes)
+    if start >= num_blocks:
+        return block_hashes
+    B = block_size
+    if hash_block_tokens is _default_hash:
+        # Same bytes as hash_block_tokens, packed once for all blocks (~4x faster).
+        data = _pack_le(token_ids[start * B:num_blocks * B])
+        step = 8 * B
+        parent = block_hashes[start - 1] if start else ROOT_HASH
+        blake2b = hashlib.blake2b
+        for off in range(0, len(data), step):
+            parent = blake2b(parent + data[off:off + step]).digest()[:16]
+            block_hashes.append(parent)
+        return block_hashes
+    # A replaced hash function (tests force collisions this way): call it per block.
+    for i in range(start, num_blocks):
         block_hashes.append(
-            hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+            hash_block_tokens(block_hashes[i - 1] if i else None, token_ids[i * B:(i + 1) * B])
         )
     return block_hashes
 
