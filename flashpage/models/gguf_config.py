@@ -13,6 +13,7 @@ tensor rather than as metadata; the loader must read that tensor when it is pres
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import Any
@@ -81,6 +82,19 @@ def _field_value(field: Any) -> Any:
     return one(field.parts[field.data[0]], vtype)
 
 
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, size: int, mtime: float) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(path, "r")
+
+
+def open_gguf(path: str) -> Any:
+    """A GGUFReader, shared between the config and weight readers (parsing costs seconds)."""
+    st = os.stat(path)
+    return _open_gguf(os.path.abspath(path), st.st_size, st.st_mtime)
+
+
 def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a GGUF file's metadata into a HF ``config.json`` style dict.
 
@@ -98,10 +112,8 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"no GGUF file at {path}")
     if not is_gguf_file(path):
         raise ConfigError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(path, "r")
+        reader = open_gguf(path)
     except Exception as e:  # the reader raises ValueError, struct errors, IndexError...
         raise ConfigError(f"{path}: cannot read GGUF metadata ({type(e).__name__}: {e})") from e
 

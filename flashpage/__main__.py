@@ -1,0 +1,3 @@
+from flashpage.cli import main
+
+raise SystemExit(main())

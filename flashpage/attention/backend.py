@@ -1,0 +1,82 @@
+"""The attention backend interface and the per-step metadata every backend reads.
+
+A backend has three parts (docs/architecture.md):
+1. ``unsupported_reasons``: what it cannot run, as reasons the selector can print;
+2. ``prepare``: work done once per step on the shared metadata;
+3. ``forward``: called once per attention layer.
+MLA backends add ``forward_mla_prefill`` / ``forward_mla_decode``. CUDA-graph capture
+and replay go through ``supports_cuda_graphs`` and the fixed-address metadata buffers
+the model runner owns.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from flashpage.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """One flat ragged batch; requests ordered decodes first.
+
+    ::
+
+        query_start_loc  [0, 1, 2, 7, 12]   two decodes, then two 5-token chunks
+        seq_lens         [40, 17, 5, 133]   cached prefix + this step's tokens
+        block_tables     [num_seqs, max_blocks] int32, padded with 0
+        slot_mapping     [num_tokens] int64, -1 = do not write
+    """
+
+    num_actual_tokens: int
+    num_seqs: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    num_decode_tokens: int
+    query_lens_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific, set in prepare()
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+    supports_cuda_graphs: ClassVar[bool] = False
+
+    def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+
+    @classmethod
+    @abstractmethod
+    def unsupported_reasons(
+        cls, model_config: ModelConfig, device: torch.device, dtype: torch.dtype
+    ) -> list[str]:
+        """Why this backend cannot run this model here; empty when it can."""
+
+    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        return metadata
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D]: write k/v to the cache, attend, return [N, Hq, D]."""

@@ -1,0 +1,72 @@
+"""Attention backends by name, imported lazily, and the choice among them.
+
+A forced backend (argument or FLASHPAGE_ATTENTION_BACKEND) that cannot run stops with
+its reasons; it never silently falls back. The default is the fastest backend that can
+run this model here: ours (``triton``) on CUDA, ``torch_native`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashpage import envs
+
+if TYPE_CHECKING:
+    from flashpage.attention.backend import AttentionBackend
+    from flashpage.config import ModelConfig
+
+BACKENDS: dict[str, tuple[str, str]] = {
+    "torch_native": ("flashpage.attention.torch_native", "TorchNativeBackend"),
+    "triton": ("flashpage.attention.triton", "TritonBackend"),
+    "flex": ("flashpage.attention.flex", "FlexBackend"),
+}
+# Preference order for the default choice.
+PREFERENCE = ["triton", "flex", "torch_native"]
+
+
+class BackendUnavailable(RuntimeError):
+    """A requested attention backend cannot run this model on this device."""
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    if name not in BACKENDS:
+        raise BackendUnavailable(
+            f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def backend_reasons(name: str, config: ModelConfig, device: torch.device,
+                    dtype: torch.dtype) -> list[str]:
+    """Why backend ``name`` cannot run here (empty: it can)."""
+    try:
+        cls = backend_class(name)
+    except ImportError as e:
+        return [f"cannot import it: {e}"]
+    return cls.unsupported_reasons(config, device, dtype)
+
+
+def select_backend(requested: str | None, config: ModelConfig, device: torch.device,
+                   dtype: torch.dtype) -> tuple[type[AttentionBackend], str]:
+    """The backend class to use and a sentence saying why."""
+    requested = requested or envs.attention_backend()
+    if requested:
+        reasons = backend_reasons(requested, config, device, dtype)
+        if reasons:
+            raise BackendUnavailable(
+                f"attention backend {requested!r} cannot run {config.architecture} "
+                f"({config.attention_kind}) on {device.type} in {str(dtype).replace('torch.', '')}: "
+                + "; ".join(reasons))
+        return backend_class(requested), f"{requested} (requested)"
+    skipped = []
+    for name in PREFERENCE:
+        reasons = backend_reasons(name, config, device, dtype)
+        if not reasons:
+            why = f"{name} (default on {device.type}"
+            why += f"; skipped {', '.join(skipped)})" if skipped else ")"
+            return backend_class(name), why
+        skipped.append(f"{name}: {reasons[0]}")
+    raise BackendUnavailable("no attention backend can run this model: " + "; ".join(skipped))

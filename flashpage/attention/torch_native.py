@@ -1,0 +1,102 @@
+"""Plain-PyTorch paged attention: runs on any device, reads K/V through the block tables.
+
+Decodes (query length 1) are gathered into one padded batch; longer queries (prompt
+chunks, prefix hits) are handled one request at a time with an explicit causal mask
+offset by the cached prefix.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from flashpage.attention.backend import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from flashpage.config import ModelConfig
+
+
+def write_kv_cache_torch(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v [N, Hkv, D] into slots ``slot_mapping`` [N] of the paged cache (-1 skipped)."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    hkv, d = key_cache.shape[-2:]
+    key_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
+    value_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+
+
+def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` entries of one request's cache: [length, *cache.shape[2:]]."""
+    block_size = cache.shape[1]
+    nblocks = (length + block_size - 1) // block_size
+    # index_select: advanced indexing takes a slow path on large caches (ms instead of us).
+    return cache.index_select(0, block_table[:nblocks].long()).flatten(0, 1)[:length]
+
+
+def causal_mask(q_len: int, k_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """True where query i (at position k_len - q_len + i) may see key j."""
+    qpos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    kpos = torch.arange(k_len, device=device)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    return mask
+
+
+class TorchNativeBackend(AttentionBackend):
+    name = "torch_native"
+
+    @classmethod
+    def unsupported_reasons(cls, model_config: ModelConfig, device: torch.device,
+                            dtype: torch.dtype) -> list[str]:
+        return []
+
+    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        n = metadata.num_actual_tokens
+        write_kv_cache_torch(k[:n], v[:n], key_cache, value_cache, metadata.slot_mapping[:n])
+        out = torch.empty_like(q)
+        nd = metadata.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], key_cache, value_cache, metadata, scale, sliding_window)
+        start = metadata.num_decode_tokens
+        for i in range(nd, metadata.num_seqs):
+            q_len = metadata.query_lens_cpu[i]
+            k_len = metadata.seq_lens_cpu[i]
+            bt = metadata.block_tables[i]
+            kk = gather_paged(key_cache, bt, k_len)
+            vv = gather_paged(value_cache, bt, k_len)
+            mask = causal_mask(q_len, k_len, sliding_window, q.device)
+            qi = q[start:start + q_len].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qi, kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask, scale=scale,
+                enable_gqa=True)
+            out[start:start + q_len] = o.transpose(0, 1)
+            start += q_len
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+        nd = q.shape[0]
+        lens = md.seq_lens[:nd].long()
+        max_len = max(md.seq_lens_cpu[:nd])
+        block_size = key_cache.shape[1]
+        nblocks = (max_len + block_size - 1) // block_size
+        bt = md.block_tables[:nd, :nblocks].reshape(-1).long()
+        shape = (nd, nblocks * block_size, *key_cache.shape[2:])
+        kk = key_cache.index_select(0, bt).view(shape)[:, :max_len]  # [nd, L, Hkv, D]
+        vv = value_cache.index_select(0, bt).view(shape)[:, :max_len]
+        pos = torch.arange(max_len, device=q.device)[None, :]
+        mask = pos < lens[:, None]
+        if window is not None:
+            mask &= pos > (lens[:, None] - 1 - window)
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :], kk.transpose(1, 2), vv.transpose(1, 2),
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+        return o[:, :, 0, :]

@@ -1,0 +1,210 @@
+"""``flashpage generate | chat | inspect | serve | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+from flashpage import envs
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, float16, bfloat16")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (power of two, 1-256)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    g.add_argument("--attention-backend", default=None,
+                   help="torch_native, triton or flex (default: the fastest that runs here; "
+                        "or FLASHPAGE_ATTENTION_BACKEND)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def build_llm(args: argparse.Namespace) -> Any:
+    from flashpage.llm import LLM
+
+    return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+               block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               enable_prefix_caching=not args.no_prefix_caching,
+               attention_backend=args.attention_backend, num_gpu_blocks=args.num_gpu_blocks,
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               enforce_eager=args.enforce_eager, seed=args.seed)
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    from flashpage.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = build_llm(args)
+    params = sampling_params(args)
+    if args.chat:
+        prompts: list[Any] = [llm.chat_prompt_ids([{"role": "user", "content": p}]) for p in args.prompt]
+    else:
+        prompts = list(args.prompt)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(args.prompt, outs, strict=True):
+        if out.error:
+            print(f"error: {out.error}", file=sys.stderr)
+            return 2
+        o = out.outputs[0]
+        if len(args.prompt) > 1:
+            print(f"### {prompt}")
+        print(o.text)
+        m = out.metrics
+        if args.verbose and m is not None and m.finished_time is not None:
+            dt = m.finished_time - m.arrival_time
+            print(f"[{len(o.token_ids)} tokens, finish={o.finish_reason}, {dt:.2f}s, "
+                  f"{len(o.token_ids) / max(dt, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive chat; tokens are printed as they are produced."""
+    llm = build_llm(args)
+    engine = llm.engine
+    params = sampling_params(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    one_shot = args.message is not None
+    while True:
+        if one_shot:
+            user = args.message
+        else:
+            try:
+                user = input("you> ")
+            except EOFError:
+                print()
+                return 0
+            if user.strip() in ("/exit", "/quit"):
+                return 0
+            if not user.strip():
+                continue
+        history.append({"role": "user", "content": user})
+        ids = llm.chat_prompt_ids(history)
+        rid = engine.add_request(None, ids, params)
+        if not one_shot:
+            print("assistant> ", end="", flush=True)
+        reply = ""
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id == rid:
+                        delta = out.new_text[0]
+                        reply += delta
+                        print(delta, end="", flush=True)
+        except KeyboardInterrupt:
+            engine.abort_request(rid)
+        print()
+        history.append({"role": "assistant", "content": reply})
+        if one_shot:
+            return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from flashpage.inspect import run_inspect
+
+    return run_inspect(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from flashpage.server.api_server import run_server
+
+    return run_server(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = {"memory": "benchmarks.memory_efficiency", "throughput": "flashpage.bench.throughput",
+              "latency": "flashpage.bench.latency", "serve": "flashpage.bench.serve"}[args.what]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        print(f"error: `flashpage bench {args.what}` is not available here: {e}", file=sys.stderr)
+        return 2
+    return int(mod.main(args.rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="flashpage", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate text for one or more prompts")
+    p.add_argument("prompt", nargs="+")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("-v", "--verbose", action="store_true", help="print token counts and speed")
+    add_engine_arguments(p)
+    add_sampling_arguments(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat with the model (interactive, streaming)")
+    p.add_argument("message", nargs="?", default=None, help="one message to answer, then exit")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_engine_arguments(p)
+    add_sampling_arguments(p)
+    p.set_defaults(func=cmd_chat)
+
+    from flashpage.inspect import add_inspect_arguments
+
+    p = sub.add_parser("inspect", help="attention kind and KV cache cost of a model")
+    add_inspect_arguments(p)
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("model_path", nargs="?", default=None, help="model (same as --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model-name", default=None)
+    add_engine_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="benchmarks: memory, throughput, latency, serve")
+    p.add_argument("what", choices=["memory", "throughput", "latency", "serve"])
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    p.set_defaults(func=cmd_bench)
+
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, RuntimeError, OSError) as e:
+        logging.getLogger("flashpage").debug("failed after %.1fs", time.perf_counter() - t0, exc_info=True)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""LLMEngine: requests in, one scheduler step and one forward pass per ``step()``, outputs out.
+
+``add_request`` validates and tokenizes (a bad request raises ValueError naming the
+problem, and nothing else is touched); ``step`` schedules, runs the model, samples,
+detokenizes, applies stop strings and returns a RequestOutput for every request that
+changed. ``n > 1`` is handled as n child requests sharing the prompt's cached blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashpage.attention.registry import select_backend
+from flashpage.config import EngineConfig, ModelConfig, dtype_bytes
+from flashpage.engine.model_runner import ModelRunner
+from flashpage.engine.scheduler import Scheduler
+from flashpage.engine.sequence import Request, RequestStatus
+from flashpage.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from flashpage.kv_cache.kv_cache_manager import KVCacheManager
+from flashpage.layers import ops
+from flashpage.models.loader import ModelSource, load_model, resolve_model
+from flashpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from flashpage.sampling_params import SamplingParams
+
+logger = logging.getLogger("flashpage")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA GPU is available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, float16 or bfloat16")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class _Child:
+    """Engine-side state of one sample (one scheduler Request)."""
+
+    request: Request
+    parent_id: str
+    index: int
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    sent: int = 0  # characters of text already reported
+    stop_reason: int | str | None = None
+    logprobs: list[Any] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_Child]
+    metrics: RequestMetrics
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, random_config: str | None = None,
+                 tokenizer: str | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        t0 = time.perf_counter()
+        self.source: ModelSource = resolve_model(config.model, random_config)
+        self.model_config: ModelConfig = self.source.config
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        backend_cls, why = select_backend(config.attention_backend, mc, self.device, self.dtype)
+        logger.info("attention backend: %s", why)
+        self.backend_name = backend_cls.name
+        ops.set_fused_ops(backend_cls.name == "triton" and self.device.type == "cuda")
+        self.model = load_model(self.source, self.dtype, self.device,
+                                max_positions=self.max_model_len, seed=config.seed)
+        self.tokenizer = load_tokenizer(self.source, tokenizer)
+        self.eos_token_ids = self._eos_ids()
+        self.num_blocks = config.num_gpu_blocks or self._num_blocks()
+        capacity = self.num_blocks * config.block_size
+        if config.max_model_len is None and capacity < self.max_model_len:
+            logger.info("max_model_len lowered from %d to %d: what the KV cache holds",
+                        self.max_model_len, capacity)
+            self.max_model_len = capacity
+        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size,
+                                         config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, self.kv_manager)
+        backend = backend_cls(mc, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
+                                  config.block_size, self.device, self.dtype)
+        self._children: dict[str, _Child] = {}
+        self._parents: dict[str, _Parent] = {}
+        self._counter = 0
+        logger.info("loaded %s (%s, %s) on %s in %.1fs; KV cache: %d blocks of %d tokens",
+                    mc.architecture, mc.attention_kind, str(self.dtype).replace("torch.", ""),
+                    self.device, time.perf_counter() - t0, self.num_blocks, config.block_size)
+
+    # ------------------------------------------------------------------ setup helpers
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_id)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(tok_eos, int):
+            ids.add(tok_eos)
+        return tuple(sorted(ids))
+
+    def _num_blocks(self) -> int:
+        mc, cfg = self.model_config, self.config
+        per_block = mc.kv_bytes_per_token(str(self.dtype).replace("torch.", "")) * cfg.block_size
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = self._activation_bytes()
+            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
+        else:
+            budget = cfg.cpu_kv_cache_bytes
+        # Never more blocks than max_num_seqs full-length requests could use.
+        cap = cfg.max_num_seqs * ((self.max_model_len + cfg.block_size - 1) // cfg.block_size) + 1
+        n = min(budget // per_block, cap)
+        if n < 1:
+            raise ValueError(
+                f"no memory left for the KV cache (needs {per_block} bytes per block); "
+                "raise gpu_memory_utilization or lower max_num_batched_tokens")
+        return int(n)
+
+    def _activation_bytes(self) -> int:
+        mc, cfg = self.model_config, self.config
+        nbytes = dtype_bytes(str(self.dtype).replace("torch.", ""))
+        width = 4 * mc.hidden_size + 3 * max(mc.intermediate_size, mc.moe_intermediate_size) \
+            + 4 * mc.num_attention_heads * mc.head_dim
+        return cfg.max_num_batched_tokens * width * nbytes * 2 \
+            + cfg.max_num_seqs * mc.vocab_size * 12 + (512 << 20)
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; raises ValueError (naming the problem) if it can never run."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id is None:
+            request_id = str(self._counter)
+            self._counter += 1
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            text: str | None = prompt
+            ids = self.tokenize(prompt)
+        else:
+            text, ids = None, list(prompt)
+        self._validate_ids(ids)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                "no room for any output token")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        parent = _Parent(request_id, text, ids, params, [], RequestMetrics(arrival))
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = _child_params(params, i)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, ids, child_params, self.eos_token_ids, arrival)
+            try:
+                self.scheduler.add_request(req)
+            except ValueError:
+                self.scheduler.abort_requests([c.request.request_id for c in parent.children])
+                raise
+            detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+                     if self.tokenizer is not None else None)
+            child = _Child(req, request_id, i, detok)
+            parent.children.append(child)
+        self._parents[request_id] = parent
+        for c in parent.children:
+            self._children[c.request.request_id] = c
+        return request_id
+
+    def _validate_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"prompt token id {t!r} at position {i} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for pid in ids:
+            parent = self._parents.pop(pid, None)
+            if parent is None:
+                continue
+            child_ids = [c.request.request_id for c in parent.children]
+            self.scheduler.abort_requests(child_ids)
+            for cid in child_ids:
+                self._children.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        now = time.monotonic()
+        for req, _ in out.scheduled:
+            child = self._children.get(req.request_id)
+            if child is not None:
+                m = self._parents[child.parent_id].metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = now
+                    m.num_cached_tokens = max(req.num_cached_tokens, 0)
+        sampled_reqs, sampler_out = self.runner.execute(out)
+        sampled: dict[str, int] = {}
+        if sampler_out is not None:
+            sampled = {r.request_id: t for r, t in
+                       zip(sampled_reqs, sampler_out.token_ids, strict=True)}
+        finished = {r.request_id for r in self.scheduler.update_from_output(out, sampled)}
+        now = time.monotonic()
+        touched: dict[str, None] = {}
+        for i, req in enumerate(sampled_reqs):
+            child = self._children.get(req.request_id)
+            if child is None:
+                continue
+            touched[child.parent_id] = None
+            assert sampler_out is not None
+            lp = sampler_out.logprobs[i]
+            if lp is not None:
+                child.logprobs.append(lp)
+                child.cumulative_logprob += lp.logprob
+            self._detokenize(child, sampled[req.request_id], req.request_id in finished)
+            m = self._parents[child.parent_id].metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+        return [self._make_output(pid, now) for pid in touched]
+
+    def _detokenize(self, child: _Child, token: int, finished: bool) -> None:
+        req = child.request
+        if finished and req.status == RequestStatus.FINISHED_STOPPED and token in req.sampling_params.stop_token_ids:
+            child.stop_reason = token
+        if child.detok is None:
+            return
+        child.detok.add(token)
+        text = child.detok.text
+        stops = req.sampling_params.stop_strings
+        if stops:
+            start = max(0, len(child.text) - max(len(s) for s in stops) + 1)
+            hit = _find_stop(text, stops, start)
+            if hit is not None:
+                pos, s = hit
+                keep = pos + len(s) if req.sampling_params.include_stop_str_in_output else pos
+                text = text[:keep]
+                child.stop_reason = s
+                if finished:  # also hit max_tokens this step: the stop string wins
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        child.text = text
+
+    def _make_output(self, parent_id: str, now: float) -> RequestOutput:
+        parent = self._parents[parent_id]
+        outs, new_text = [], []
+        for c in parent.children:
+            r = c.request
+            reason = RequestStatus.finish_reason(r.status) if r.is_finished() else None
+            # Hold back a tail that might be the start of a stop string.
+            visible = c.text if reason or not r.sampling_params.stop_strings else \
+                c.text[: max(c.sent, len(c.text) - max(len(s) for s in r.sampling_params.stop_strings) + 1)]
+            new_text.append(visible[c.sent:])
+            c.sent = len(visible)
+            outs.append(CompletionOutput(
+                index=c.index, text=visible, token_ids=list(r.output_token_ids),
+                finish_reason=reason, stop_reason=c.stop_reason,
+                logprobs=list(c.logprobs) if r.sampling_params.logprobs is not None else None,
+                cumulative_logprob=c.cumulative_logprob if c.logprobs else None))
+        done = all(o.finish_reason is not None for o in outs)
+        if done:
+            parent.metrics.finished_time = now
+            del self._parents[parent_id]
+            for c in parent.children:
+                self._children.pop(c.request.request_id, None)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
+                             finished=done, metrics=parent.metrics, new_text=new_text)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        kv = self.kv_manager.stats()
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_cache": kv,
+        }
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    import dataclasses
+
+    child = dataclasses.replace(params, n=1)
+    if params.seed is not None:
+        child.seed = params.seed + index
+    return child
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for s in stops:
+        pos = text.find(s, start)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, s)
+    return best

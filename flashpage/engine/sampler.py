@@ -1,0 +1,140 @@
+"""Turn each request's logits into its next token.
+
+Order of processing, as in vLLM: penalties (repetition, presence, frequency) ->
+temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the exponential race
+(argmax of p / Exp(1) noise), which needs no cumulative sum and is exact. A request
+with a seed draws its noise from a generator seeded by (seed, output position), so its
+tokens do not depend on what else is in the batch, nor on preemption.
+
+Logprobs are those of the model's raw distribution (log_softmax of the logits before
+any processing), as vLLM returns by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashpage.engine.sequence import Request
+from flashpage.sampling_params import SamplingParams
+
+_SEED_MIX = 1_000_003
+
+
+@dataclass
+class Logprobs:
+    """The chosen token's logprob and rank, and the top-k alternatives (token, logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]
+
+
+def _needs_processing(p: SamplingParams) -> bool:
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits [n, >=V] (any float dtype) for ``requests`` in the same order."""
+        logits = logits[:, : self.vocab_size].float()
+        params = [r.sampling_params for r in requests]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+        if any(_needs_processing(p) for p in params):
+            logits = logits.clone()
+            for i, (r, p) in enumerate(zip(requests, params, strict=True)):
+                if _needs_processing(p):
+                    self._apply_penalties(logits[i], r, p)
+
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, requests, params, greedy)
+        token_list = tokens.tolist()
+        lps: list[Logprobs | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for i, p in enumerate(params):
+                if p.logprobs is not None:
+                    lps[i] = self._logprobs(raw_logprobs[i], token_list[i], p.logprobs)
+        return SamplerOutput(token_list, lps)
+
+    @staticmethod
+    def _apply_penalties(row: torch.Tensor, r: Request, p: SamplingParams) -> None:
+        dev = row.device
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.all_token_ids)), device=dev, dtype=torch.long)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+            out = torch.tensor(r.output_token_ids, device=dev, dtype=torch.long)
+            counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request],
+                params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
+        n, dev = logits.shape[0], logits.device
+        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                             device=dev)
+        argmax = logits.argmax(dim=-1)
+        x = logits / temps[:, None]
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        if any(top_k) or any(p.top_p < 1.0 for p in params) or any(p.min_p > 0 for p in params):
+            x = self._filter(x, top_k, [p.top_p for p in params], [p.min_p for p in params])
+        probs = torch.softmax(x, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            idx = torch.tensor(unseeded, device=dev)
+            noise[idx] = torch.empty((len(unseeded), probs.shape[1]), device=dev).exponential_()
+        for i, (r, p) in enumerate(zip(requests, params, strict=True)):
+            if p.seed is not None:
+                g = torch.Generator(device=dev)
+                g.manual_seed((p.seed * _SEED_MIX + r.num_output_tokens) % (1 << 63))
+                noise[i].exponential_(generator=g)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor(greedy, device=dev)
+        return torch.where(is_greedy, argmax, sampled).view(n)
+
+    @staticmethod
+    def _filter(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+        dev = x.device
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        vocab = x.shape[1]
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=dev)[:, None]
+        remove = ranks >= k
+        sorted_probs = torch.softmax(sorted_x.masked_fill(remove, float("-inf")), dim=-1)
+        p = torch.tensor(top_p, device=dev)[:, None]
+        # Keep the smallest prefix whose mass reaches p (always keeps the top token).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        remove |= mass_before >= p
+        mp = torch.tensor(min_p, device=dev)[:, None]
+        remove |= sorted_probs < mp * sorted_probs[:, :1]
+        sorted_x = sorted_x.masked_fill(remove, float("-inf"))
+        return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+    @staticmethod
+    def _logprobs(row: torch.Tensor, token: int, k: int) -> Logprobs:
+        lp = float(row[token])
+        rank = int((row > row[token]).sum()) + 1
+        top: list[tuple[int, float]] = []
+        if k > 0:
+            vals, ids = row.topk(k)
+            top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+        return Logprobs(token, lp, rank, top)

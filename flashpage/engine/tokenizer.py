@@ -1,0 +1,82 @@
+"""Tokenizer loading and incremental detokenization.
+
+The tokenizer comes from the model's own files: a HF folder's tokenizer files, or the
+vocabulary and chat template stored in a GGUF file (converted by transformers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+from flashpage import envs
+from flashpage.models.loader import ModelSource
+
+
+def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any | None:
+    """A HF tokenizer for the model, or None when it has none (token-id prompts only)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if source.kind == "gguf" and source.path:
+        return _gguf_tokenizer(source.path)
+    if source.kind == "hf" and source.path:
+        files = os.listdir(source.path)
+        if any(f in files for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+            return AutoTokenizer.from_pretrained(source.path)
+    return None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a short window (a few tokens already shown, then the new ones) rather than
+    the whole output each step, and holds back text ending in a partial UTF-8
+    character ("\\ufffd") until the next token completes it.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-6:])
+        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
+        full = dec(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+
+def _gguf_tokenizer(path: str) -> Any:
+    """The tokenizer stored in a GGUF file, converted once and kept under ~/.cache/flashpage
+    (the conversion parses the whole vocabulary and takes seconds)."""
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = os.path.join(envs.cache_dir(), "tokenizers", key)
+    if os.path.isfile(os.path.join(cache, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cache)
+        except Exception:  # a damaged cache: convert again below
+            pass
+    folder, name = os.path.split(path)
+    tok = AutoTokenizer.from_pretrained(folder or ".", gguf_file=name)
+    with contextlib.suppress(OSError):  # read-only home: convert each time
+        tok.save_pretrained(cache)
+    return tok

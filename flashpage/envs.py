@@ -1,0 +1,21 @@
+"""Every FLASHPAGE_* environment variable, typed, in one place."""
+
+from __future__ import annotations
+
+import os
+
+
+def attention_backend() -> str | None:
+    """FLASHPAGE_ATTENTION_BACKEND: force an attention backend (torch_native, triton, flex)."""
+    return os.environ.get("FLASHPAGE_ATTENTION_BACKEND") or None
+
+
+def log_level() -> str:
+    """FLASHPAGE_LOG_LEVEL: logging level name (default INFO)."""
+    return os.environ.get("FLASHPAGE_LOG_LEVEL", "INFO").upper()
+
+
+def cache_dir() -> str:
+    """FLASHPAGE_CACHE_DIR: where converted tokenizers are kept (default ~/.cache/flashpage)."""
+    return os.environ.get("FLASHPAGE_CACHE_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "flashpage"))

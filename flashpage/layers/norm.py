@@ -1,0 +1,26 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flashpage.layers import ops
+
+
+class RMSNorm(nn.Module):
+    """``forward(x)`` -> rmsnorm(x) * weight; ``forward(x, residual)`` -> (rmsnorm(x + residual) * weight, x + residual).
+
+    Computed in fp32 and cast back before the weight multiply, as HF Llama does, so
+    fp32 and bf16 outputs match transformers bit for bit on the torch path.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return ops.rms_norm(x, self.weight, self.eps, residual)

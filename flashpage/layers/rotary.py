@@ -1,0 +1,93 @@
+"""Rotary position embedding: inv_freq per scaling type, a cos/sin cache, and its application.
+
+``cos_sin_cache`` is ``[max_positions, rot_dim]`` fp32: cos in the first half, sin in
+the second (the layout the Triton rotary kernel reads).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from flashpage.config import ModelConfig, RopeScaling
+from flashpage.layers import ops
+
+
+def default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    # Same expression as transformers, so fp32 values match bit for bit.
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+
+
+def scaled_inv_freq(base: float, dim: int, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = default_inv_freq(base, dim)
+    if scaling is None or scaling.rope_type == "default":
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings or 8192
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope type {scaling.rope_type!r} has no inv_freq rule here (yarn is MLA's)")
+
+
+def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, mscale: float = 1.0) -> torch.Tensor:
+    t = torch.arange(max_positions, dtype=torch.float)
+    freqs = torch.outer(t, inv_freq.float())
+    return torch.cat([freqs.cos() * mscale, freqs.sin() * mscale], dim=-1)
+
+
+def apply_rotary_torch(
+    positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+) -> torch.Tensor:
+    """x [N, H, D] -> rotated copy. neox: rotate halves (HF Llama); else interleaved pairs."""
+    cos_sin = cos_sin_cache.index_select(0, positions)
+    half = cos_sin.shape[-1] // 2
+    cos = cos_sin[:, None, :half].to(x.dtype)
+    sin = cos_sin[:, None, half:].to(x.dtype)
+    rot = 2 * half
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    if is_neox:
+        x1, x2 = x_rot[..., :half], x_rot[..., half:]
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    else:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rot_dim: int, max_positions: int, base: float,
+                 scaling: RopeScaling | None = None, is_neox: bool = True) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.is_neox = is_neox
+        inv_freq = scaled_inv_freq(base, rot_dim, scaling)
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(inv_freq, max_positions),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [N, Hq, D], k [N, Hkv, D] -> rotated (q, k)."""
+        if ops.fused_ops_enabled() and q.is_cuda:
+            from flashpage.kernels.rotary import apply_rotary
+
+            q, k = q.contiguous(), k.contiguous()
+            return apply_rotary(positions, q, k, self.cos_sin_cache, self.is_neox)
+        return (apply_rotary_torch(positions, q, self.cos_sin_cache, self.is_neox),
+                apply_rotary_torch(positions, k, self.cos_sin_cache, self.is_neox))
+
+
+def get_rope(config: ModelConfig, max_positions: int) -> RotaryEmbedding:
+    return RotaryEmbedding(config.head_dim, config.head_dim, max_positions, config.rope_theta,
+                           config.rope_scaling, is_neox=True)

@@ -1,0 +1,132 @@
+"""The offline API people know from vLLM: ``LLM(model).generate(prompts, SamplingParams)``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from flashpage.config import EngineConfig
+from flashpage.engine.llm_engine import LLMEngine
+from flashpage.outputs import RequestOutput
+from flashpage.sampling_params import SamplingParams
+
+logger = logging.getLogger("flashpage")
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine plus a loop. ``model=None`` is the default model (SmolLM2-135M-Instruct).
+
+    Example::
+
+        llm = LLM()
+        out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+        print(out[0].outputs[0].text)
+    """
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
+                 dtype: str = "auto", device: str = "auto", block_size: int = 16,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 attention_backend: str | None = None, num_gpu_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
+                 enforce_eager: bool = False, seed: int = 0,
+                 random_weights_config: str | None = None) -> None:
+        cfg = EngineConfig(
+            model=model, dtype=dtype, device=device, block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+            attention_backend=attention_backend, enforce_eager=enforce_eager, seed=seed)
+        if kv_cache_memory is not None:
+            cfg.cpu_kv_cache_bytes = kv_cache_memory
+        self.engine = LLMEngine(cfg, random_config=random_weights_config, tokenizer=tokenizer)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}).
+
+        Outputs come back in prompt order. A prompt that cannot run (empty, too long,
+        token ids outside the vocabulary, ...) gets an output whose ``error`` says why;
+        the others still complete.
+        """
+        plist = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(plist)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts")
+        return self._run(plist, params, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list) and generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = [self.chat_prompt_ids(c, add_generation_prompt) for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt_ids(self, conversation: list[dict[str, str]],
+                        add_generation_prompt: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                      tokenize=True, return_dict=False)
+        return list(ids)
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            rid = f"gen-{id(self)}-{engine._counter}-{i}"
+            order.append(rid)
+            ids_or_text = p["prompt_token_ids"] if isinstance(p, dict) else p
+            try:
+                engine.add_request(rid, ids_or_text, sp)
+            except ValueError as e:
+                logger.warning("request %d refused: %s", i, e)
+                results[rid] = RequestOutput(rid, p if isinstance(p, str) else None,
+                                             [] if isinstance(p, str) else list(ids_or_text),
+                                             [], finished=True, error=str(e))
+        engine._counter += 1
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts) - len(results), desc="generate", unit="req",
+                       dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            pending = [rid for rid in order if rid not in results]
+            if pending:  # interrupted: leave nothing behind in the cache
+                engine.abort_request(pending)
+        return [results[rid] for rid in order]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    plist = list(prompts)
+    if plist and all(isinstance(t, int) and not isinstance(t, bool) for t in plist):
+        return [plist]  # one prompt given as token ids
+    return plist

@@ -1,0 +1,203 @@
+"""Find a model's files and load its weights: HF safetensors (single or sharded), GGUF, or random.
+
+``resolve_model`` decides what a ``model`` argument names; ``load_model`` builds the
+module on the target device and fills it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from flashpage.config import ConfigError, ModelConfig
+from flashpage.models.registry import model_class
+
+
+class ModelLoadError(RuntimeError):
+    """A model's files are missing, unreadable or do not fit its config."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "hf" | "gguf" | "random"
+    path: str | None  # folder (hf), file (gguf), None (random)
+    config: ModelConfig
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        return self.path
+
+
+def resolve_model(model: str | None, random_config: str | None = None) -> ModelSource:
+    """None -> the default model (SmolLM2-135M-Instruct GGUF); a .gguf file; a HF folder;
+    or, with ``random_config``, a config.json whose weights will be random."""
+    from flashpage.models.gguf_config import default_model_path, gguf_to_hf_config
+
+    if random_config is not None:
+        return ModelSource("random", None, ModelConfig.from_hf(random_config))
+    if model is None:
+        model = default_model_path()
+    if not os.path.exists(model):
+        raise ModelLoadError(f"model path {model!r} does not exist")
+    if os.path.isdir(model):
+        if os.path.isfile(os.path.join(model, "config.json")):
+            return ModelSource("hf", model, ModelConfig.from_hf(model))
+        ggufs = sorted(glob.glob(os.path.join(model, "*.gguf")))
+        if ggufs:
+            model = ggufs[0]
+        else:
+            raise ModelLoadError(f"{model} has neither config.json nor a .gguf file")
+    if model.endswith(".gguf"):
+        try:
+            cfg = gguf_to_hf_config(model)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"{model} is not a readable GGUF file: {e}") from e
+        return ModelSource("gguf", model, ModelConfig.from_hf(cfg))
+    raise ModelLoadError(f"{model!r} is neither a model folder nor a .gguf file")
+
+
+# ----------------------------------------------------------------------------- safetensors
+def _safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index} is corrupt: {e}") from e
+        files = sorted({os.path.join(folder, v) for v in weight_map.values()})
+        missing = [p for p in files if not os.path.isfile(p)]
+        if missing:
+            raise ModelLoadError(f"shard(s) named in {index} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {folder}")
+    return files
+
+
+def iter_safetensors(folder: str, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for path in _safetensors_files(folder):
+        try:
+            with safe_open(path, framework="pt", device=device) as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{path} is corrupt or not a safetensors file: {e}") from e
+
+
+# ----------------------------------------------------------------------------- GGUF
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved rope pairs -> HF's halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+    import numpy as np
+
+    from flashpage.models.gguf_config import open_gguf
+
+    try:
+        reader = open_gguf(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path} is corrupt or not a GGUF file: {e}") from e
+    for t in reader.tensors:
+        if t.name in _GGUF_NAMES:
+            name = _GGUF_NAMES[t.name]
+        elif t.name.startswith("blk."):
+            _, layer, rest = t.name.split(".", 2)
+            if rest not in _GGUF_LAYER_NAMES:
+                raise ModelLoadError(f"{path}: unknown GGUF tensor {t.name!r}")
+            name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        else:
+            continue  # e.g. rope_freqs: recomputed from the config
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}") from e
+        shape = tuple(int(x) for x in reversed(t.shape))
+        w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
+        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            w = _unpermute_rope(w, config.num_attention_heads)
+        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            w = _unpermute_rope(w, config.num_key_value_heads)
+        yield name, w
+
+
+# ----------------------------------------------------------------------------- build + load
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
+               max_positions: int | None = None, seed: int = 0) -> nn.Module:
+    cls = model_class(source.config)
+    with torch.device(device):
+        model = cls(source.config, max_positions)  # type: ignore[call-arg]
+    model.to(dtype)
+    _keep_fp32_buffers(model)
+    if source.kind == "random":
+        init_random_(model, seed)
+    else:
+        assert source.path is not None
+        weights = (iter_gguf(source.path, source.config) if source.kind == "gguf"
+                   else iter_safetensors(source.path, "cpu"))
+        loaded = model.load_weights(weights)  # type: ignore[operator]
+        expected = {n for n, _ in model.named_parameters()}
+        if source.config.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ModelLoadError(f"{source.path}: {len(missing)} weight(s) missing from the checkpoint: {shown}")
+    return model.eval()
+
+
+def _keep_fp32_buffers(model: nn.Module) -> None:
+    # cos/sin caches stay fp32 whatever the model dtype.
+    for mod in model.modules():
+        if hasattr(mod, "cos_sin_cache"):
+            mod.cos_sin_cache = mod.cos_sin_cache.float()
+
+
+@torch.no_grad()
+def init_random_(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of the model's real shape, for benchmarks: N(0, 0.02), norms at 1."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            p.fill_(1.0)
+        else:
+            g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            p.normal_(0.0, 0.02, generator=g)

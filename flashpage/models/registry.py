@@ -1,0 +1,28 @@
+"""Architecture name -> model class, imported lazily so a family loads only when used."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from flashpage.config import ConfigError, ModelConfig
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    "DeepseekV2ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
+    "DeepseekV3ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
+}
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    if config.architecture not in _MODELS:
+        raise ConfigError(f"no model implementation for architecture {config.architecture!r}")
+    module, name = _MODELS[config.architecture]
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{config.architecture} is not available in this build: {e}") from e

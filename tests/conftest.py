@@ -1,0 +1,84 @@
+"""Shared test fixtures: tiny random HF checkpoints and their transformers reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SHARED_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
+
+# name -> (HF config class name, extra config kwargs)
+TINY_MODELS: dict[str, tuple[str, dict]] = {
+    "llama2_mha": ("LlamaConfig", dict(num_key_value_heads=4)),
+    "llama31_gqa": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+    "mqa": ("LlamaConfig", dict(num_key_value_heads=1)),
+    "qwen2_bias": ("Qwen2Config", dict(num_key_value_heads=2)),
+    "qwen3_qknorm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16)),
+    "tied": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "mistral_window": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=24)),
+}
+
+
+def build_tiny_checkpoint(path: Path, name: str, seed: int = 0) -> Path:
+    """Save a tiny random HF checkpoint (fp32 safetensors + config.json) under ``path``."""
+    import transformers
+
+    cls_name, extra = TINY_MODELS[name]
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    base.update(extra)
+    config = getattr(transformers, cls_name)(**base)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init is small; widen it so logits are far from ties.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" not in n:
+                p.normal_(0, 0.2)
+            else:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = build_tiny_checkpoint(tmp_path_factory.mktemp(name), name)
+        return cache[name]
+
+    return get
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (fp32, CPU, one at a time)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lens]
