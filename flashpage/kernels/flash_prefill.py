@@ -72,29 +72,43 @@ def _kv_rows(bt_row, kpos, start_n, k_start, seq_k, KV_MODE: tl.constexpr,
 
 
 @triton.jit
+def _load_tile(X, desc, rows, kpos, seq_k, kv_col, stride_t, HEAD_DIM: tl.constexpr,
+               KV_MODE: tl.constexpr, MASKED: tl.constexpr):
+    """[BLOCK_N, HEAD_DIM] keys or values at `rows`; masked tiles zero rows >= seq_k."""
+    if KV_MODE == 1 or KV_MODE == 3:
+        x = desc.load([rows, kv_col])
+        if MASKED and KV_MODE == 3:  # slots past seq_k in the last page hold garbage (maybe NaN)
+            x = tl.where((kpos < seq_k)[:, None], x, 0.0)
+    else:
+        ptrs = X + rows[:, None] * stride_t + kv_col + tl.arange(0, HEAD_DIM)[None, :]
+        if MASKED:
+            x = tl.load(ptrs, mask=(kpos < seq_k)[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start, seq_k,
                 kv_col, qpos, qk_scale, window, stride_kt, stride_vt,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, WARP_SPEC: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         kpos = start_n + offs_n
         rows = _kv_rows(bt_row, kpos, start_n, k_start, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N, MASKED)
-        if KV_MODE == 1 or KV_MODE == 3:
-            k = desc_k.load([rows, kv_col])
-        else:
-            k_ptrs = K + rows[:, None] * stride_kt + kv_col + offs_d[None, :]
-            if MASKED:
-                k = tl.load(k_ptrs, mask=(kpos < seq_k)[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptrs)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
+        k = _load_tile(K, desc_k, rows, kpos, seq_k, kv_col, stride_kt, HEAD_DIM, KV_MODE, MASKED)
+        qk = _dot(q, tl.trans(k), None, IEEE)
         if MASKED:
             mask = (kpos < seq_k)[None, :]
             if CAUSAL:
@@ -107,27 +121,20 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
             m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
             p = tl.math.exp2(qk - m_sub[:, None])
             alpha = tl.math.exp2(m_i - m_sub)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = _load_tile(V, desc_v, rows, kpos, seq_k, kv_col, stride_vt, HEAD_DIM, KV_MODE, True)
+            acc = _dot(p.to(v.dtype), v, acc, IEEE)
+            m_i = m_ij
         else:
             m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
             alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if KV_MODE == 1 or KV_MODE == 3:
-            v = desc_v.load([rows, kv_col])
-            if MASKED and KV_MODE == 3:  # slots past seq_k in the last page hold garbage (maybe NaN)
-                v = tl.where((kpos < seq_k)[:, None], v, 0.0)
-        else:
-            v_ptrs = V + rows[:, None] * stride_vt + kv_col + offs_d[None, :]
-            if MASKED:
-                v = tl.load(v_ptrs, mask=(kpos < seq_k)[:, None], other=0.0)
-            else:
-                v = tl.load(v_ptrs)
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_ij
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = _load_tile(V, desc_v, rows, kpos, seq_k, kv_col, stride_vt, HEAD_DIM, KV_MODE, False)
+            acc = _dot(p.to(v.dtype), v, acc, IEEE)
+            m_i = m_ij
     return acc, l_i, m_i
 
 
