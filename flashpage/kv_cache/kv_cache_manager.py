@@ -237,7 +237,13 @@ class KVCacheManager:
 
     # -------------------------------------------------------------------- stats
     def tokens_stored(self) -> int:
-        """Distinct token states in blocks held by requests (a shared block counts once)."""
+        """Distinct token states in blocks held by requests (a shared block counts once).
+
+        Counts the tokens scheduled in the current step as stored. O(blocks in use) with
+        prefix caching (shared blocks must be deduplicated), O(requests) without.
+        """
+        if not self.enable_prefix_caching:
+            return sum(self._num_stored.values())
         B = self.block_size
         fill: dict[int, int] = {}
         for rid, blocks in self._blocks.items():
