@@ -23,7 +23,8 @@ that need a mask pay for it:
 
 Tiles left of `lo` (outside the window) and right of `hi` (in the future) are
 never loaded. Programs run heaviest query tile first (causal work grows with the
-tile index), which shortens the tail of the grid.
+tile index), which shortens the tail of the grid, and the query tiles of one
+(sequence, head) are launched side by side so that they share its K/V in L2.
 """
 
 from __future__ import annotations
@@ -49,26 +50,21 @@ _KV_CONTIG, _KV_CONTIG_TMA, _KV_PAGED, _KV_PAGED_TMA = 0, 1, 2, 3
 
 
 @triton.jit
-def _kv_rows(bt_row, kpos, start_n, k_start, seq_k, KV_MODE: tl.constexpr,
-             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Row (token slot) indices of a key tile: int64 [BLOCK_N], or an int32 scalar for TMA."""
-    if KV_MODE == 0:
-        return (k_start + kpos).to(tl.int64)
-    elif KV_MODE == 1:
-        return k_start + start_n
-    elif KV_MODE == 2:
-        if PAGE_SIZE >= BLOCK_N:  # the whole tile sits in one page
-            blk = tl.load(bt_row + start_n // PAGE_SIZE).to(tl.int64)
-            return blk * PAGE_SIZE + (kpos % PAGE_SIZE)
-        else:  # the tile spans BLOCK_N // PAGE_SIZE pages: gather per key
-            if MASKED:
-                blk = tl.load(bt_row + kpos // PAGE_SIZE, mask=kpos < seq_k, other=0)
-            else:
-                blk = tl.load(bt_row + kpos // PAGE_SIZE)
+def _page_rows(bt_row, start_n, hi, KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Cache slots of keys [start_n, start_n + BLOCK_N): int64 [BLOCK_N], or, for a TMA box
+    inside one page, the int32 slot of its first key. Table entries at or past `hi` are
+    not read (they may lie past the table's row)."""
+    kpos = start_n + tl.arange(0, BLOCK_N)
+    if KV_MODE == 3 or PAGE_SIZE >= BLOCK_N:  # the whole tile sits in one page
+        blk = tl.load(bt_row + start_n // PAGE_SIZE, mask=start_n < hi, other=0)
+        if KV_MODE == 3:
+            return blk * PAGE_SIZE + start_n % PAGE_SIZE
+        else:
             return blk.to(tl.int64) * PAGE_SIZE + (kpos % PAGE_SIZE)
-    else:  # paged, PAGE_SIZE % BLOCK_N == 0: one TMA box inside one page
-        blk = tl.load(bt_row + start_n // PAGE_SIZE)
-        return blk * PAGE_SIZE + start_n % PAGE_SIZE
+    else:  # the tile spans BLOCK_N // PAGE_SIZE pages: one table entry per key
+        blk = tl.load(bt_row + kpos // PAGE_SIZE, mask=kpos < hi, other=0)
+        return blk.to(tl.int64) * PAGE_SIZE + (kpos % PAGE_SIZE)
 
 
 @triton.jit
@@ -103,10 +99,21 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
                 KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, WARP_SPEC: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
+    if KV_MODE >= 2:
+        # paged: block-table entries are read one tile ahead and carried into the next
+        # iteration, so the K/V loads' addresses never wait on a load; an address computed
+        # from a load in the same iteration makes Triton's pipeliner drop a buffer stage
+        next_rows = _page_rows(bt_row, lo, hi, KV_MODE, PAGE_SIZE, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         kpos = start_n + offs_n
-        rows = _kv_rows(bt_row, kpos, start_n, k_start, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N, MASKED)
+        if KV_MODE >= 2:
+            rows = next_rows
+            next_rows = _page_rows(bt_row, start_n + BLOCK_N, hi, KV_MODE, PAGE_SIZE, BLOCK_N)
+        elif KV_MODE == 1:
+            rows = k_start + start_n
+        else:
+            rows = (k_start + kpos).to(tl.int64)
         k = _load_tile(K, desc_k, rows, kpos, seq_k, kv_col, stride_kt, HEAD_DIM, KV_MODE, MASKED)
         qk = _dot(q, tl.trans(k), None, IEEE)
         if MASKED:
@@ -149,11 +156,17 @@ def _prefill_fwd(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_MODE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
+    WARP_SPEC: tl.constexpr, M_FASTEST: tl.constexpr,
 ):
-    h = tl.program_id(0)
-    b = tl.program_id(1)
-    m0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M  # heaviest tile first
+    # heaviest query tile first: causal work grows with the tile index
+    if M_FASTEST:  # the tiles of one head run side by side and share its K/V in L2
+        m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+    else:
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        m0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
     q_start = tl.load(cu_q + b)
     seq_q = tl.load(cu_q + b + 1) - q_start
     if m0 >= seq_q:
@@ -240,6 +253,7 @@ class PrefillConfig:
     num_stages: int
     use_tma: bool = False
     warp_specialize: bool = False
+    m_fastest: bool = True  # grid order: query tiles of one head adjacent (else heads)
 
 
 def _interpreting() -> bool:
@@ -254,11 +268,11 @@ def default_config(device: torch.device, head_dim: int, dtype: torch.dtype,
     major, _ = torch.cuda.get_device_capability(device)
     if dtype == torch.float32:
         return PrefillConfig(64, 32, 4, 2)
-    if major == 9:
+    if major == 9:  # H200, 2026-11-30: best of a small sweep (benchmarks/attention_prefill.py)
         if head_dim <= 64:
-            return PrefillConfig(128, 128, 8, 3, use_tma=True)
+            return PrefillConfig(128, 64, 4, 3, use_tma=True)
         if head_dim <= 128:
-            return PrefillConfig(128, 128, 8, 2, use_tma=True)
+            return PrefillConfig(128, 128, 8, 3, use_tma=True)
         return PrefillConfig(128, 64, 8, 2, use_tma=True)
     if major >= 8:
         if head_dim <= 128:
@@ -360,7 +374,10 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, ba
     else:
         lse_arg, stride_lse = lse, lse.stride(0)
     scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * _LOG2E
-    grid = (hq, batch, triton.cdiv(max(int(max_seqlen_q), 1), cfg.block_m))
+    num_m = triton.cdiv(max(int(max_seqlen_q), 1), cfg.block_m)
+    grid = (num_m, hq, batch) if cfg.m_fastest else (hq, batch, num_m)
+    if max(grid[1:]) > 65535:
+        raise ValueError(f"grid {grid} too large: batch and heads must be <= 65535")
     _prefill_fwd[grid](
         q, k, v, out, lse_arg, desc_q, desc_k, desc_v,
         cu_q, cu_k if cu_k is not None else cu_q,
@@ -372,7 +389,7 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, ba
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
         HAS_WINDOW=window > 0, KV_MODE=mode, PAGE_SIZE=page_size if paged else 1,
         RETURN_LSE=lse is not None, IEEE=q.dtype == torch.float32,
-        WARP_SPEC=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WARP_SPEC=cfg.warp_specialize, M_FASTEST=cfg.m_fastest, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

@@ -132,9 +132,11 @@ def test_window_cpu(causal):
 
 
 @cpu_only
-@pytest.mark.parametrize("cfg", [PrefillConfig(16, 32, 4, 1), PrefillConfig(64, 16, 4, 1)])
+@pytest.mark.parametrize("cfg", [PrefillConfig(16, 32, 4, 1), PrefillConfig(64, 16, 4, 1),
+                                 PrefillConfig(32, 16, 4, 1, m_fastest=False)])
 def test_other_tiles_cpu(cfg):
-    """BLOCK_N > BLOCK_M, and a tall BLOCK_M whose diagonal spans four key tiles."""
+    """BLOCK_N > BLOCK_M, a tall BLOCK_M whose diagonal spans four key tiles, and the
+    heads-first grid order."""
     _check_varlen(LENS, [0, 9, 60, 3], 4, 2, 64, torch.float32, cfg=cfg)
     _check_varlen([45, 20], [10, 2], 4, 2, 64, torch.float32, window=13, cfg=cfg)
 
