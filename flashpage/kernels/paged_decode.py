@@ -41,13 +41,14 @@ def _paged_decode_kernel(
     stride_vb, stride_vt, stride_vh,
     stride_btb,
     stride_ob, stride_oh,
+    num_splits,  # a runtime value: a new split count compiles nothing new
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,  # block_size of the cache
     BLOCK_N: tl.constexpr,  # keys per iteration (may span several pages or part of one)
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partial results for the merge kernel
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: exact dots, not tf32
 ):
@@ -60,7 +61,7 @@ def _paged_decode_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
     # This split's key range: an equal share of the sequence, a multiple of BLOCK_N long.
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -109,12 +110,12 @@ def _paged_decode_kernel(
 
     has_keys = l_i > 0.0  # false for an empty split (or an empty sequence)
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out_ptrs = out_ptr + b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
     else:
-        # mid_o [B, Hq, NUM_SPLITS, HEAD_DIM] fp32; mid_lse [B, Hq, NUM_SPLITS] fp32 (base 2)
-        row = (b64 * (tl.num_programs(1) * GROUP) + head.to(tl.int64)) * NUM_SPLITS + split
+        # mid_o [B, Hq, num_splits, HEAD_DIM] fp32; mid_lse [B, Hq, num_splits] fp32 (base 2)
+        row = (b64 * (tl.num_programs(1) * GROUP) + head.to(tl.int64)) * num_splits + split
         tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
                  mask=h_mask[:, None] & d_mask[None, :])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
@@ -124,9 +125,8 @@ def _paged_decode_kernel(
 @triton.jit
 def _merge_splits_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr,
-    num_q_heads, stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    num_q_heads, stride_ob, stride_oh, num_splits,
+    SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -135,14 +135,14 @@ def _merge_splits_kernel(
     h = row % num_q_heads
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
 
-    lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    lse = tl.load(mid_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights all 0
     w = tl.exp2(lse - m)
-    o = tl.load(mid_o_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+    o = tl.load(mid_o_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     total = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
@@ -240,16 +240,16 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), num_splits,
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=block_size,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_WINDOW=window_size is not None,
+        BLOCK_N=block_n, SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None,
         IEEE=q.dtype == torch.float32,
         num_warps=num_warps or d_warps, num_stages=num_stages or d_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch * num_q_heads,)](
-            mid_o, mid_lse, out, num_q_heads, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            mid_o, mid_lse, out, num_q_heads, out.stride(0), out.stride(1), num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
         )
     return out

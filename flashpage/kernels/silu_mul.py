@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 1024
+_BLOCK = 1024  # elements of I per program; benchmarks/fused_ops.py sweeps it
 
 
 @triton.jit

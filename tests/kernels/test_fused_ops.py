@@ -234,6 +234,8 @@ def test_rms_norm(dtype, hidden, with_residual):
     # rounding step of the dtype on the normalised value.
     tol = {torch.float32: (1e-5, 1.3e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
     torch.testing.assert_close(got, want, atol=tol[dtype][0], rtol=tol[dtype][1])
+    if dtype != torch.float32:  # HF's rounding steps are reproduced: nearly all bits equal
+        assert (got == want).float().mean() > 0.99
     assert torch.equal(x, x_before)
 
 
@@ -256,7 +258,10 @@ def test_silu_and_mul(dtype, inter):
     got = silu_and_mul(x)
     assert got.shape == (3, 4, inter)
     tol = {torch.float32: (1e-5, 1.3e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
-    torch.testing.assert_close(got, silu_and_mul_ref(x), atol=tol[dtype][0], rtol=tol[dtype][1])
+    want = silu_and_mul_ref(x)
+    torch.testing.assert_close(got, want, atol=tol[dtype][0], rtol=tol[dtype][1])
+    if dtype != torch.float32:  # HF's rounding steps are reproduced: nearly all bits equal
+        assert (got == want).float().mean() > 0.99
 
 
 def test_fused_ops_reject_bad_inputs():

@@ -121,11 +121,12 @@ def test_rejects_bad_inputs():
 
 # ---------------------------------------------------------------- GPU, bf16
 
+# (q heads, kv heads, head_dim, block_size): every head_dim, block size and GQA ratio
+# (1, 4, 8, all on one) appears, without the full cross product (each is a compile).
 GPU_CASES = [
-    (hq, hkv, d, bs)
-    for d in (64, 128, 256)
-    for bs in (16, 64, 256)
-    for hq, hkv in ((8, 8), (32, 8), (32, 4), (32, 1))
+    (8, 8, 64, 16), (32, 8, 64, 256), (32, 4, 64, 64), (32, 1, 64, 32),
+    (8, 8, 128, 256), (32, 8, 128, 16), (32, 4, 128, 128), (32, 1, 128, 64),
+    (8, 8, 256, 64), (32, 8, 256, 32), (32, 4, 256, 16), (32, 1, 256, 256),
 ]
 
 
@@ -134,11 +135,11 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-bs{c[3]}")
 def test_paged_decode_gpu_bf16(case):
     hq, hkv, d, bs = case
-    g = torch.Generator().manual_seed(hash(case) % 1000)
+    g = torch.Generator().manual_seed(sum(case))
     seq_lens = [1, 2047, bs + 1] + torch.randint(1, 3000, (5,), generator=g).tolist()
     for splits in (None, 1, 7):
-        run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, num_splits=splits, seed=hash(case) % 97)
-    run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, window_size=500)
+        run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, num_splits=splits, seed=sum(case))
+    run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, window_size=500, seed=sum(case))
 
 
 @pytest.mark.gpu

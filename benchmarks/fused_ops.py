@@ -1,0 +1,178 @@
+"""Fused small ops benchmark (GPU): GB/s of each kernel beside the unfused PyTorch sequence
+it replaces and the copy bandwidth, all in one run.
+
+Llama-3-8B shapes, bf16, 16384 tokens (a full prefill chunk; every tensor is far larger
+than the 60 MB L2): hidden 4096, intermediate 14336, 32 q / 8 kv heads of 128, a paged
+cache of block_size 16 written at random slots. GB/s counts the bytes each op must move:
+every input read once, every output written once. Times are triton.testing.do_bench
+medians.
+
+    python benchmarks/fused_ops.py --out $OUT
+
+writes $OUT/fused_ops.json and $OUT/fused_ops.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from flashpage.kernels import silu_mul
+from flashpage.kernels.cache_write import (
+    write_kv_cache,
+    write_kv_cache_ref,
+    write_mla_cache,
+    write_mla_cache_ref,
+)
+from flashpage.kernels.rms_norm import rms_norm
+from flashpage.kernels.rotary import apply_rotary, compute_cos_sin_cache, rotary_and_cache_write
+from flashpage.kernels.silu_mul import silu_and_mul
+
+N, HIDDEN, INTER, HQ, HKV, D, BS = 16384, 4096, 14336, 32, 8, 128, 16
+MLA_WIDTH = 512 + 64
+DT = torch.bfloat16
+E = 2  # bytes per bf16 element
+DEV = "cuda"
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+
+
+def hf_rms_norm(x, weight, eps, residual=None):
+    """What HF Llama runs: the residual add, then six elementwise kernels."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    out = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def hf_rope(positions, q, k, cos_sin):
+    """HF's apply_rotary_pos_emb on a flat batch (cos/sin gathered per token), in place."""
+    half = cos_sin.shape[1] // 2
+    cs = cos_sin[positions]
+    cos = torch.cat([cs[:, :half], cs[:, :half]], -1).to(q.dtype)[:, None]
+    sin = torch.cat([cs[:, half:], cs[:, half:]], -1).to(q.dtype)[:, None]
+    q.copy_(q * cos + rotate_half(q) * sin)
+    k.copy_(k * cos + rotate_half(k) * sin)
+
+
+def copy_bandwidth() -> float:
+    big = torch.randn(2 * 1024**3, device=DEV).to(DT)  # 4 GiB
+    dst = torch.empty_like(big)
+    return 2 * big.numel() * E / bench(lambda: dst.copy_(big)) / 1e9
+
+
+def record(rows, name, nbytes, fused, unfused, note=""):
+    row = dict(op=name, mbytes=round(nbytes / 1e6, 1), note=note)
+    for label, fn in (("fused", fused), ("torch", unfused)):
+        if fn is None:
+            row[label] = "-"
+            continue
+        try:
+            row[label] = round(nbytes / bench(fn) / 1e9)
+        except Exception as ex:  # keep going: one failure must not hide the rest
+            row[label] = f"n/a: {type(ex).__name__}: {str(ex)[:80]}"
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def bench_norm(rows):
+    x = torch.randn(N, HIDDEN, device=DEV, dtype=DT)
+    res = torch.randn_like(x)
+    w = torch.randn(HIDDEN, device=DEV, dtype=DT)
+    record(rows, "rms_norm", 2 * x.numel() * E, lambda: rms_norm(x, w, 1e-5), lambda: hf_rms_norm(x, w, 1e-5))
+    record(rows, "rms_norm + residual", 4 * x.numel() * E, lambda: rms_norm(x, w, 1e-5, res),
+           lambda: hf_rms_norm(x, w, 1e-5, res), "reads x, residual; writes out, x + residual")
+
+
+def bench_silu(rows):
+    gu = torch.randn(N, 2 * INTER, device=DEV, dtype=DT)
+    record(rows, "silu_and_mul", 3 * N * INTER * E, lambda: silu_and_mul(gu),
+           lambda: F.silu(gu[:, :INTER]) * gu[:, INTER:], f"[{N}, 2×{INTER}] -> [{N}, {INTER}]")
+    default = silu_mul._BLOCK
+    for block in (2048, 4096):  # tile-size sweep, reported beside the default
+        silu_mul._BLOCK = block
+        record(rows, f"silu_and_mul (BLOCK {block})", 3 * N * INTER * E, lambda: silu_and_mul(gu),
+               None, "tile sweep")
+    silu_mul._BLOCK = default
+
+
+def bench_rotary_and_cache(rows):
+    """q, k, v are views of one qkv projection output, as in the model."""
+    qkv = torch.randn(N, (HQ + 2 * HKV) * D, device=DEV, dtype=DT)
+    q, k, v = (t.view(N, -1, D) for t in qkv.split([HQ * D, HKV * D, HKV * D], dim=-1))
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, D, 2, device=DEV).float() / D)
+    cos_sin = compute_cos_sin_cache(inv_freq, 131072)
+    positions = torch.randint(0, 131072, (N,), device=DEV)
+    num_blocks = 2 * N // BS
+    key_cache = torch.zeros(num_blocks, BS, HKV, D, device=DEV, dtype=DT)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.randperm(num_blocks * BS, device=DEV)[:N]
+    qk_bytes = (q.numel() + k.numel()) * E
+    table_bytes = N * D * 4  # one fp32 cos/sin row per token
+    record(rows, "rotary (q, k in place)", 2 * qk_bytes + table_bytes,
+           lambda: apply_rotary(positions, q, k, cos_sin), lambda: hf_rope(positions, q, k, cos_sin))
+    record(rows, "write_kv_cache", 4 * k.numel() * E,
+           lambda: write_kv_cache(k, v, key_cache, value_cache, slots),
+           lambda: write_kv_cache_ref(k, v, key_cache, value_cache, slots))
+    record(rows, "rotary + kv cache write", 2 * qk_bytes + table_bytes + 3 * v.numel() * E,
+           lambda: rotary_and_cache_write(positions, q, k, v, cos_sin, key_cache, value_cache, slots),
+           lambda: (hf_rope(positions, q, k, cos_sin), write_kv_cache_ref(k, v, key_cache, value_cache, slots)),
+           "reads q, k, v; writes q, k, key/value cache")
+
+
+def bench_mla_write(rows):
+    latent = torch.randn(N, MLA_WIDTH, device=DEV, dtype=DT)
+    num_blocks = 2 * N // BS
+    kv_cache = torch.zeros(num_blocks, BS, MLA_WIDTH, device=DEV, dtype=DT)
+    slots = torch.randperm(num_blocks * BS, device=DEV)[:N]
+    record(rows, "write_mla_cache", 2 * latent.numel() * E, lambda: write_mla_cache(latent, kv_cache, slots),
+           lambda: write_mla_cache_ref(latent, kv_cache, slots), "latent 512 + 64")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    copy = copy_bandwidth()
+    print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
+    rows: list[dict] = []
+    for section in (bench_norm, bench_silu, bench_rotary_and_cache, bench_mla_write):
+        section(rows)
+        torch.cuda.empty_cache()
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                copy_gbps=round(copy), tokens=N)
+    with open(os.path.join(args.out, "fused_ops.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    lines = [f"Fused ops, Llama-3-8B shapes, {N} tokens, bf16, {meta['gpu']}, torch {meta['torch']}, "
+             f"triton {meta['triton']}. GB/s of the bytes each op must move; copy bandwidth "
+             f"{round(copy)} GB/s.", "",
+             "| op | MB moved | fused (ours) | % of copy | unfused torch | speed-up | note |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ok = isinstance(r["fused"], int)
+        pct = f"{100 * r['fused'] / copy:.0f}%" if ok else "-"
+        up = f"{r['fused'] / r['torch']:.1f}×" if ok and isinstance(r["torch"], int) and r["torch"] else "-"
+        lines.append(f"| {r['op']} | {r['mbytes']} | {r['fused']} | {pct} | {r['torch']} | {up} | {r['note']} |")
+    with open(os.path.join(args.out, "fused_ops.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
