@@ -1,0 +1,275 @@
+"""AsyncEngine: one LLMEngine driven by one thread, fed from asyncio.
+
+The engine is not thread-safe, so every call into it (add, abort, step, stats) happens
+on the engine thread. The asyncio side talks to that thread through a command queue and
+gets each request's outputs back on its own asyncio.Queue::
+
+    event loop (uvicorn)                         engine thread
+    ───────────────────                          ─────────────
+    add_request ── ("add", ..., future) ──►  ┐
+    stream.abort ─ ("abort", id) ─────────►  ├ drain commands
+    stats() ────── ("stats", future) ─────►  ┘
+                                              step() while there is work, else sleep
+    RequestStream._queue ◄── call_soon_threadsafe(put_nowait, RequestOutput)
+
+A stream whose consumer goes away (client disconnect, CancelledError, GeneratorExit,
+or the stream object being garbage-collected) aborts its request at once: the abort is
+the next command the engine thread runs, between two steps, and it frees the request's
+KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from flashpage.outputs import RequestOutput
+from flashpage.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from flashpage.engine.llm_engine import LLMEngine
+    from flashpage.server.metrics import ServerMetrics
+
+logger = logging.getLogger("flashpage.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed or was shut down; the request cannot complete."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of RequestOutput deltas.
+
+    Each item is the RequestOutput the engine produced in one step (``new_text[i]`` is
+    the text choice ``i`` gained that step); the last one has ``finished=True``.
+    Leaving the iteration early (or calling :meth:`abort`) aborts the request.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self.finished = False
+        self._aborted = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        """Called from the engine thread."""
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody listens
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (idempotent, never blocks)."""
+        if not self.finished and not self._aborted:
+            self._aborted = True
+            self._engine._submit(("abort", self.request_id))
+
+    def __del__(self) -> None:
+        # Safety net: a stream dropped without being drained must not keep its blocks.
+        with contextlib.suppress(Exception):
+            self.abort()
+
+
+class AsyncEngine:
+    """Wraps one LLMEngine; start() launches the engine thread, shutdown() stops it."""
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
+                 idle_wait_s: float = 1.0) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self.dead: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="flashpage-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort every request, stop the engine thread and wait for it."""
+        if self._thread is None:
+            return
+        self._submit(("shutdown",))
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    # ------------------------------------------------------------------ asyncio side
+    async def add_request(self, request_id: str, prompt: str | list[int],
+                          params: SamplingParams, arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; raises ValueError (the engine's message) if it cannot run."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        stream = RequestStream(self, request_id)
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._submit(("add", request_id, prompt, params, arrival_time, stream, fut))
+        try:
+            await asyncio.wrap_future(fut)
+        except ValueError:
+            stream.finished = True  # never added: nothing to abort
+            raise
+        except BaseException:
+            stream.abort()  # cancelled while queued: the add (if it ran) is undone
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams, arrival_time: float | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        """add_request, then yield the request's outputs; leaving early aborts it."""
+        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def stats(self) -> dict[str, Any]:
+        """engine.stats(), taken on the engine thread between two steps."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        fut: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        self._submit(("stats", fut))
+        return await asyncio.wrap_future(fut)
+
+    def _submit(self, cmd: tuple[Any, ...]) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop:
+            self._drain_commands()
+            if self._stop:
+                break
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # a bug or a device error: fail what runs, keep serving
+                    logger.exception("engine step failed; aborting %d requests", len(self._streams))
+                    self._fail_all(EngineDeadError(f"engine step failed: {e}"))
+                    continue
+                self._deliver(outputs)
+            else:
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = cmd[0]
+            if kind == "add":
+                self._do_add(*cmd[1:])
+            elif kind == "abort":
+                self._do_abort(cmd[1])
+            elif kind == "stats":
+                fut = cmd[1]
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(self.engine.stats())
+                    except Exception as e:
+                        fut.set_exception(e)
+            elif kind == "shutdown":
+                self._stop = True
+
+    def _do_add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                arrival_time: float | None, stream: RequestStream,
+                fut: concurrent.futures.Future[None]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return  # the caller gave up before we got here
+        try:
+            self.engine.add_request(request_id, prompt, params, arrival_time)
+        except ValueError as e:
+            fut.set_exception(e)
+            return
+        except Exception as e:  # anything else is our bug, but must not kill the loop
+            logger.exception("add_request failed")
+            fut.set_exception(EngineDeadError(f"could not add the request: {e}"))
+            return
+        self._streams[request_id] = stream
+        if self.metrics is not None:
+            self.metrics.on_added(request_id, params.n)
+        fut.set_result(None)
+
+    def _do_abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is None:
+            return  # finished (or never added) meanwhile
+        self.engine.abort_request(request_id)
+        if self.metrics is not None:
+            self.metrics.on_aborted(request_id)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            if self.metrics is not None:
+                self.metrics.on_output(out, now)
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            if stream is not None:
+                stream._put(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        if self._stop:  # shutting down: refuse new requests (a failed step does not)
+            self.dead = error
+        ids = list(self._streams)
+        for rid, stream in self._streams.items():
+            stream._put(error)
+            if self.metrics is not None:
+                self.metrics.on_aborted(rid)
+        self._streams.clear()
+        with contextlib.suppress(Exception):
+            self.engine.abort_request(ids)

@@ -1,0 +1,128 @@
+"""Request bodies of the OpenAI API as flashpage accepts them (pydantic), and the errors.
+
+Field names are OpenAI's (plus vLLM's extras top_k, min_p, ignore_eos, ...). Unknown
+fields are ignored, as OpenAI-compatible servers do. Numbers are strict: ``true`` is not
+an integer, ``"1"`` is not a number, NaN and infinities are refused. Bounds that depend
+on the model (max_tokens vs the context, logprobs vs the vocabulary, n vs the server's
+limit) are checked by the handlers, which know the model.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+Str = Annotated[str, Strict()]
+Bool = Annotated[bool, Strict()]
+TokenIds = list[Int]
+
+# Sampling seeds and top_k end up in torch tensors / generators: keep them in int64.
+_I64 = 2**63 - 1
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, None)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(_Body):
+    include_usage: Bool = False
+
+
+class _SamplingFields(_Body):
+    model: Str | None = None
+    max_tokens: Int | None = Field(default=None, ge=1)
+    temperature: Float | None = Field(default=None, ge=0.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    n: Int = Field(default=1, ge=1)
+    stop: Str | list[Str] | None = None
+    seed: Int | None = Field(default=None, ge=-_I64 - 1, le=_I64)
+    presence_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
+    stream: Bool | None = False
+    stream_options: StreamOptions | None = None
+    user: Any = None
+    # vLLM's extras
+    top_k: Int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    min_p: Float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: Float | None = Field(default=None, gt=0.0)
+    ignore_eos: Bool | None = False
+    min_tokens: Int | None = Field(default=None, ge=0)
+    include_stop_str_in_output: Bool | None = False
+    skip_special_tokens: Bool | None = True
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. ``prompt``: text, texts, token ids, or lists of token ids."""
+
+    prompt: Str | list[Str] | TokenIds | list[TokenIds]
+    logprobs: Int | None = Field(default=None, ge=0, le=20)
+    echo: Bool | None = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: Str
+
+
+class ChatMessage(_Body):
+    role: Str
+    content: Str | list[TextPart] | None = None
+    name: Str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    logprobs: Bool | None = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field."""
+    errs = e.errors(include_url=False)
+    if not errs:
+        return bad_request("invalid request body")
+    err = errs[0]
+    loc = ".".join(str(x) for x in err.get("loc", ()) if not _is_type_tag(x))
+    msg = err.get("msg", "invalid value")
+    more = f" (and {len(errs) - 1} more problems)" if len(errs) > 1 else ""
+    return bad_request(f"{loc or 'body'}: {msg}{more}", param=loc or None)
+
+
+def _is_type_tag(x: object) -> bool:
+    # pydantic names the union member it tried ("str", "list[int]", ...) inside loc.
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "function-after")
+                                   or x.startswith(("list[", "constrained-")))

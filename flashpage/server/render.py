@@ -1,0 +1,84 @@
+"""Response pieces in OpenAI's shapes: server-sent events, per-choice stream state,
+logprobs for /v1/completions and /v1/chat/completions."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from flashpage.engine.sampler import Logprobs
+from flashpage.outputs import CompletionOutput
+
+_FLOOR = -9999.0  # JSON has no -inf: what OpenAI-compatible servers send instead
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event: ``data: {json}`` and a blank line."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else _FLOOR
+
+
+@dataclass
+class ChoiceState:
+    """What one streamed choice has sent so far."""
+
+    tokens: int = 0  # generated tokens already reported
+    finished: bool = False
+    role_sent: bool = False  # chat: the first delta carries the role
+    text_offset: int = 0  # completions logprobs: characters of token text so far
+
+    def advance(self, new_text: str, o: CompletionOutput) -> tuple[str | None, int, str | None]:
+        """(text delta, number of new tokens, finish reason) for this step's output of the
+        choice, or (None, 0, None) when there is nothing to send (also after finishing)."""
+        if self.finished:
+            return None, 0, None
+        new_tokens = len(o.token_ids) - self.tokens
+        self.tokens = len(o.token_ids)
+        finish = o.finish_reason
+        if finish is not None:
+            self.finished = True
+        if not new_text and new_tokens <= 0 and finish is None:
+            return None, 0, None
+        return new_text, max(new_tokens, 0), finish
+
+
+def completion_logprobs(tok: Any, lps: list[Logprobs], st: ChoiceState,
+                        want: bool) -> dict[str, Any] | None:
+    """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` for ``lps``; the
+    sampled token is always among its position's top_logprobs (so up to k + 1 entries)."""
+    if not want:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        s = tok.token_str(lp.token_id)
+        tokens.append(s)
+        token_lps.append(_lp(lp.logprob))
+        top = {tok.token_str(t): _lp(v) for t, v in lp.top}
+        top.setdefault(s, _lp(lp.logprob))
+        tops.append(top)
+        offsets.append(st.text_offset)
+        st.text_offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tok: Any, lps: list[Logprobs], want: bool) -> dict[str, Any] | None:
+    """``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
+    if not want:
+        return None
+
+    def entry(token_id: int, value: float) -> dict[str, Any]:
+        s = tok.token_str(token_id)
+        return {"token": s, "logprob": _lp(value), "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for lp in lps:
+        e = entry(lp.token_id, lp.logprob)
+        e["top_logprobs"] = [entry(t, v) for t, v in lp.top]
+        content.append(e)
+    return {"content": content, "refusal": None}

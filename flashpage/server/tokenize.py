@@ -1,0 +1,60 @@
+"""The server's own tokenizer handle: prompts and chat templates, off the event loop.
+
+The engine thread decodes with the engine's tokenizer while requests are tokenized here;
+a HF fast tokenizer is not safe to share between threads (encoding may reconfigure it),
+so the server encodes with its own copy on one worker thread, one call at a time, and
+renders logprob tokens with a third copy on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from typing import Any
+
+from flashpage.server.protocol import bad_request
+
+
+class ServerTokenizer:
+    def __init__(self, tokenizer: Any | None) -> None:
+        self._tok = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        # A second copy for token strings (logprobs), used on the event loop thread.
+        self._dec = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashpage-tokenize")
+        self.token_str = lru_cache(maxsize=1 << 16)(self._token_str)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def encode(self, text: str) -> list[int]:
+        if self._tok is None:
+            raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
+        return await self._run(self._encode, text)
+
+    def _encode(self, text: str) -> list[int]:
+        # Same call as LLMEngine.tokenize, so served and offline prompts are the same ids.
+        return list(self._tok.encode(text, add_special_tokens=True))
+
+    async def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
+        if self._tok is None or not getattr(self._tok, "chat_template", None):
+            raise bad_request("this model has no chat template: use /v1/completions", "messages")
+        return await self._run(self._chat, conversation)
+
+    def _chat(self, conversation: list[dict[str, str]]) -> list[int]:
+        try:
+            ids = self._tok.apply_chat_template(conversation, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+        except Exception as e:  # the template refused the conversation (roles, order, ...)
+            raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
+        return list(ids)
+
+    def _token_str(self, token_id: int) -> str:
+        """The text of one token, as logprobs show it ("token_id:N" without a tokenizer)."""
+        if self._dec is None:
+            return f"token_id:{token_id}"
+        return self._dec.decode([token_id], skip_special_tokens=False)

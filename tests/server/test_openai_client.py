@@ -1,0 +1,186 @@
+"""The official `openai` client against a live server: answers equal offline LLM.generate."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from flashpage import SamplingParams
+
+PROMPTS = ["the quick brown fox", "hello world, how are", "one two three four five six"]
+CONVERSATION = [{"role": "system", "content": "you are a fox"},
+                {"role": "user", "content": "hello, how are you today?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def test_models(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model]
+
+
+def test_completions_greedy_equals_offline(client, server, offline_llm):
+    expected = offline_llm.generate(PROMPTS, greedy(24), use_tqdm=False)
+    r = client.completions.create(model=server.model, prompt=PROMPTS, max_tokens=24, temperature=0)
+    assert len(r.choices) == len(PROMPTS)
+    for choice, exp in zip(sorted(r.choices, key=lambda c: c.index), expected, strict=True):
+        assert choice.text == exp.outputs[0].text
+        assert choice.finish_reason == exp.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    assert r.usage.completion_tokens == sum(len(e.outputs[0].token_ids) for e in expected)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completions_token_id_prompts(client, server, offline_llm):
+    prompts = [[5, 17, 99, 3, 200], [42] * 9]
+    expected = offline_llm.generate(prompts, greedy(12, ignore_eos=True), use_tqdm=False)
+    r = client.completions.create(model=server.model, prompt=prompts, max_tokens=12,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    got = {c.index: c for c in r.choices}
+    for i, exp in enumerate(expected):
+        assert got[i].text == exp.outputs[0].text
+        assert got[i].finish_reason == "length"
+    assert r.usage.completion_tokens == 24
+
+
+def test_completions_stream_equals_offline(client, server, offline_llm):
+    prompt = PROMPTS[0]
+    exp = offline_llm.generate(prompt, greedy(30), use_tqdm=False)[0].outputs[0]
+    chunks = list(client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=30, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == exp.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == exp.finish_reason and all(f is None for f in finishes[:-1])
+    assert len(chunks) > 3  # streamed, not one blob
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == len(exp.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_equals_offline(client, server, offline_llm):
+    exp = offline_llm.chat(CONVERSATION, greedy(20), use_tqdm=False)[0]
+    r = client.chat.completions.create(model=server.model, messages=CONVERSATION,
+                                       max_completion_tokens=20, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == exp.outputs[0].text
+    assert r.choices[0].finish_reason == exp.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == len(exp.prompt_token_ids)
+
+    stream = client.chat.completions.create(model=server.model, messages=CONVERSATION,
+                                            max_tokens=20, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == exp.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == exp.outputs[0].finish_reason
+
+
+def test_chat_default_max_tokens_fills_context(client, server, offline_llm):
+    """No max_tokens: the rest of the context (as vLLM), so 'length' ends exactly there."""
+    from tests.server.conftest import MAX_MODEL_LEN
+
+    exp = offline_llm.chat(CONVERSATION, SamplingParams(temperature=0, max_tokens=None,
+                                                        ignore_eos=True), use_tqdm=False)[0]
+    r = client.chat.completions.create(model=server.model, messages=CONVERSATION, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.total_tokens == MAX_MODEL_LEN
+    assert r.choices[0].message.content == exp.outputs[0].text
+
+
+def test_n_greater_than_one_seeded(client, server, offline_llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    exp = offline_llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+    texts = [o.text for o in sorted(exp.outputs, key=lambda o: o.index)]
+    assert len(set(texts)) > 1  # the samples differ, so the index mapping is tested
+
+    r = client.completions.create(model=server.model, prompt=PROMPTS[1], n=3, temperature=1.0,
+                                  seed=1234, max_tokens=16, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == texts
+
+    got = ["", "", ""]
+    finishes: dict[int, str] = {}
+    for chunk in client.completions.create(model=server.model, prompt=PROMPTS[1], n=3,
+                                           temperature=1.0, seed=1234, max_tokens=16,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            got[c.index] += c.text
+            if c.finish_reason:
+                assert c.index not in finishes
+                finishes[c.index] = c.finish_reason
+    assert got == texts and finishes == {0: "length", 1: "length", 2: "length"}
+
+    chat = offline_llm.chat(CONVERSATION, params, use_tqdm=False)[0]
+    r = client.chat.completions.create(model=server.model, messages=CONVERSATION, n=3,
+                                       temperature=1.0, seed=1234, max_tokens=16,
+                                       extra_body={"ignore_eos": True})
+    assert [c.message.content for c in r.choices] == \
+        [o.text for o in sorted(chat.outputs, key=lambda o: o.index)]
+
+
+def test_stop_strings(client, server, offline_llm):
+    prompt = PROMPTS[2]
+    full = offline_llm.generate(prompt, greedy(40, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), full
+    exp = offline_llm.generate(prompt, greedy(40, ignore_eos=True, stop=[stop, "\x00never"]),
+                               use_tqdm=False)[0].outputs[0]
+    assert exp.finish_reason == "stop" and exp.text == full[: full.index(stop)]
+
+    r = client.completions.create(model=server.model, prompt=prompt, max_tokens=40, temperature=0,
+                                  stop=[stop, "\x00never"], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == exp.text and r.choices[0].finish_reason == "stop"
+
+    chunks = list(client.completions.create(model=server.model, prompt=prompt, max_tokens=40,
+                                            temperature=0, stop=stop, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == exp.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs(client, server, offline_llm):
+    prompt = PROMPTS[0]
+    exp = offline_llm.generate(prompt, greedy(10, logprobs=3, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model=server.model, prompt=prompt, max_tokens=10, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in exp.logprobs], abs=1e-5)
+    for tops, x, tok in zip(lp.top_logprobs, exp.logprobs, lp.tokens, strict=True):
+        assert 3 <= len(tops) <= 4 and tok in tops
+        # greedy: the sampled token is the most likely one
+        assert tops[tok] == pytest.approx(max(tops.values()))
+        assert sorted(tops.values(), reverse=True)[:3] == pytest.approx([v for _, v in x.top], abs=1e-5)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+    streamed = []
+    for chunk in client.completions.create(model=server.model, prompt=prompt, max_tokens=10,
+                                           temperature=0, logprobs=3, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        streamed += chunk.choices[0].logprobs.token_logprobs
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+def test_chat_logprobs(client, server):
+    r = client.chat.completions.create(model=server.model, messages=CONVERSATION, max_tokens=8,
+                                       temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy
+        assert entry.bytes == list(entry.token.encode())
+        assert entry.logprob <= 0
+    r = client.chat.completions.create(model=server.model, messages=CONVERSATION, max_tokens=4,
+                                       temperature=0)
+    assert r.choices[0].logprobs is None
