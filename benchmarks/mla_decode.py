@@ -1,0 +1,271 @@
+"""MLA decode benchmark (GPU): GB/s of latent read, beside torch and the copy bandwidth.
+
+Everything in one run, so ratios hold when the machine's speed drifts:
+
+- the device-to-device copy bandwidth (bytes read + written, as tools/gpu_baselines.py);
+- our Triton kernel over a paged latent cache (bf16, 512 + 64, random block tables);
+- the PyTorch reference on a contiguous latent: two batched matmuls and a softmax
+  (SDPA has no kernel for a 576 head dim).
+
+Each figure is the median over CUDA-graph replays of several calls; the calls rotate
+over independent latents (>= 256 MB in all) so small shapes are not timed out of L2.
+GB/s = batch * context * 576 * 2 bytes / time. ``--sweep`` also times tile configs and
+split counts. Usage: ``python benchmarks/mla_decode.py --out $OUT/mla.jsonl [--sweep]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+from flashpage.kernels.mla_decode import (
+    MLADecodeConfig,
+    default_config,
+    mla_decode,
+    mla_decode_flops,
+    pick_num_splits,
+)
+
+RANK, ROPE = 512, 64
+D = RANK + ROPE
+SHAPES = [(1, 1024), (1, 4096), (1, 32768), (4, 8192), (8, 32768), (16, 16384), (32, 4096),
+          (64, 8192), (128, 1024), (128, 2048), (128, 4096)]
+SWEEP_CONFIGS = {
+    16: [MLADecodeConfig(16, 32, 4, 3), MLADecodeConfig(16, 32, 8, 3),
+         MLADecodeConfig(16, 32, 4, 4), MLADecodeConfig(16, 64, 8, 3),
+         MLADecodeConfig(16, 16, 4, 6)],
+    128: [MLADecodeConfig(64, 32, 8, 2), MLADecodeConfig(64, 32, 8, 3),
+          MLADecodeConfig(64, 16, 8, 4), MLADecodeConfig(32, 32, 8, 3)],
+}
+ROT_BYTES = 256 * 2**20
+
+
+def _compile_one(job: tuple[int, int, bool, MLADecodeConfig]) -> str:
+    """Compile one kernel variant by running it once on tiny inputs (fills Triton's cache)."""
+    heads, page, split, cfg = job
+    t = time.time()
+    q = torch.randn(1, heads, D, dtype=torch.bfloat16, device="cuda")
+    kv = torch.randn(4, page, D, dtype=torch.bfloat16, device="cuda")
+    tables = torch.arange(4, dtype=torch.int32, device="cuda")[None]
+    lens = torch.tensor([3 * page], dtype=torch.int32, device="cuda")
+    mla_decode(q, kv, tables, lens, kv_lora_rank=RANK, sm_scale=0.1, config=cfg,
+               num_splits=2 if split else 1)
+    torch.cuda.synchronize()
+    return f"{heads} {page} {split} {cfg}: {time.time() - t:.1f}s"
+
+
+def precompile(workers: int, sweep: bool, pages: list[int]) -> None:
+    """Compile every variant the run needs in parallel processes (compiles take seconds)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    jobs = []
+    for heads in (16, 128):
+        cfgs = {default_config(heads), *(SWEEP_CONFIGS[heads] if sweep else [])}
+        for cfg in cfgs:
+            for page in pages if cfg == default_config(heads) else pages[:1]:
+                jobs += [(heads, page, split, cfg) for split in (False, True)]
+    t = time.time()
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for msg in ex.map(_compile_one, jobs):
+            print("  compiled", msg, flush=True)
+    print(f"precompiled {len(jobs)} variants in {time.time() - t:.0f} s", flush=True)
+
+
+def emit(f, **row) -> None:
+    line = json.dumps(row)
+    f.write(line + "\n")
+    f.flush()
+
+
+def time_graph(fn, reps: int = 15) -> float:
+    """Median seconds of one replay of a graph that runs ``fn`` once (after warm-up)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    n = 4 * 1024**3 // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    t = time_graph(lambda: b.copy_(a))
+    return 2 * n * 2 / t / 1e9
+
+
+class Case:
+    """``rot`` independent paged latents + contiguous copies, and queries, for one shape."""
+
+    def __init__(self, batch: int, ctx: int, heads: int, page: int) -> None:
+        self.batch, self.ctx, self.heads, self.page = batch, ctx, heads, page
+        self.bytes = batch * ctx * D * 2
+        self.rot = max(1, min(32, math.ceil(ROT_BYTES / self.bytes)))
+        nblk = math.ceil(ctx / page)
+        total = self.rot * batch * nblk
+        self.pool = torch.randn(total, page, D, dtype=torch.bfloat16, device="cuda")
+        perm = torch.randperm(total, device="cuda").int()
+        self.tables = [perm[i * batch * nblk:(i + 1) * batch * nblk].view(batch, nblk)
+                       for i in range(self.rot)]
+        self.lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        self.q = [torch.randn(batch, heads, D, dtype=torch.bfloat16, device="cuda")
+                  for _ in range(self.rot)]
+        self.out = torch.empty(batch, heads, RANK, dtype=torch.bfloat16, device="cuda")
+        self.scale = 1.0 / math.sqrt(192)
+
+    def ours(self, config=None, num_splits=None):
+        def fn():
+            for i in range(self.rot):
+                mla_decode(self.q[i], self.pool, self.tables[i], self.lens, kv_lora_rank=RANK,
+                           sm_scale=self.scale, out=self.out, config=config,
+                           num_splits=num_splits)
+        return fn
+
+    def contiguous(self, i: int) -> torch.Tensor:
+        flat = self.pool.view(-1, D)
+        pos = torch.arange(self.ctx, device="cuda")
+        t = self.tables[i].long()
+        slots = t[:, pos // self.page] * self.page + pos % self.page
+        return flat[slots]  # [B, ctx, D]
+
+    def torch_ref(self):
+        lat = [self.contiguous(i) for i in range(self.rot)]
+
+        def fn():
+            for i in range(self.rot):
+                s = torch.bmm(self.q[i], lat[i].transpose(1, 2)).float() * self.scale
+                p = torch.softmax(s, dim=-1).to(torch.bfloat16)
+                torch.bmm(p, lat[i][..., :RANK], out=self.out)
+        return fn, lat
+
+    def check(self, lat0: torch.Tensor, config=None) -> float:
+        """‖ours - fp32 reference‖ / ‖reference‖ on the first rotation (output poisoned)."""
+        self.out.fill_(float("nan"))
+        mla_decode(self.q[0], self.pool, self.tables[0], self.lens, kv_lora_rank=RANK,
+                   sm_scale=self.scale, out=self.out, config=config)
+        got = self.out.float()
+        s = torch.bmm(self.q[0].float(), lat0.float().transpose(1, 2)) * self.scale
+        ref = torch.bmm(torch.softmax(s, -1), lat0[..., :RANK].float())
+        return float((got - ref).norm() / ref.norm())
+
+
+def gbps(case: Case, t: float) -> float:
+    return case.bytes * case.rot / t / 1e9
+
+
+def tflops(case: Case, t: float) -> float:
+    return mla_decode_flops(case.heads, case.batch * case.ctx, RANK, ROPE) * case.rot / t / 1e12
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="mla_decode.jsonl")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--precompile", type=int, default=0, metavar="WORKERS",
+                    help="compile the kernel variants in this many processes, then exit")
+    args = ap.parse_args()
+    if args.precompile:
+        precompile(args.precompile, args.sweep, [args.page, 16])
+        return
+    with open(args.out, "w") as f:
+        run(f, args)
+
+
+def run(f, args) -> None:
+    t0 = time.time()
+    dev = torch.cuda.get_device_name()
+    copy = copy_bandwidth()
+    torch.cuda.empty_cache()
+    emit(f, section="env", gpu=dev, torch=torch.__version__, copy_gbps=round(copy))
+    print(f"{dev}  copy {copy:.0f} GB/s", flush=True)
+
+    rows = []
+    for heads in (16, 128):
+        for batch, ctx in SHAPES:
+            for page in sorted({args.page, 16}) if (batch, ctx) in ((32, 4096), (8, 32768)) \
+                    else [args.page]:
+                case = Case(batch, ctx, heads, page)
+                fn_ref, lat = case.torch_ref()
+                err = case.check(lat[0])
+                head_blocks = math.ceil(heads / default_config(heads).block_h)
+                splits = pick_num_splits(batch, head_blocks, ctx, torch.device("cuda"))
+                t_ours = time_graph(case.ours())
+                t_ref = time_graph(fn_ref)
+                row = dict(section="mla", heads=heads, batch=batch, ctx=ctx, page=page,
+                           splits=splits, rel_err=float(f"{err:.1e}"),
+                           ours_gbps=round(gbps(case, t_ours)),
+                           ours_tflops=round(tflops(case, t_ours), 1),
+                           torch_gbps=round(gbps(case, t_ref)),
+                           pct_copy=round(100 * gbps(case, t_ours) / copy, 1),
+                           us=round(t_ours / case.rot * 1e6, 1))
+                if args.sweep and page == args.page:
+                    for cfg in SWEEP_CONFIGS[heads]:
+                        key = f"{cfg.block_h}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+                        try:
+                            e = case.check(lat[0], cfg)
+                            row["cfg_" + key] = round(gbps(case, time_graph(case.ours(cfg))))
+                            row["err_" + key] = float(f"{e:.1e}")
+                        except Exception as ex:  # out of resources etc.: record, go on
+                            row["cfg_" + key] = f"err {type(ex).__name__}: {str(ex)[:80]}"
+                    if batch * head_blocks < 264:
+                        for s in (1, 2, 4, 8, 16, 32, 64, 128):
+                            row[f"split_{s}"] = round(gbps(case, time_graph(case.ours(
+                                num_splits=s))))
+                emit(f, **row)
+                rows.append(row)
+                print(f"H{heads} {batch}x{ctx} page {page}: ours {row['ours_gbps']} GB/s "
+                      f"({row['pct_copy']}% copy), torch {row['torch_gbps']}, err {err:.1e}",
+                      flush=True)
+                del case, lat, fn_ref
+                torch.cuda.empty_cache()
+
+    print(f"\n# MLA decode, bf16, latent {RANK}+{ROPE}, {dev}, copy {copy:.0f} GB/s "
+          f"({time.time() - t0:.0f} s)")
+    print("| heads | batch x ctx | page | splits | ours GB/s | % copy | TFLOP/s | torch GB/s "
+          "| ours/torch | rel err |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['heads']} | {r['batch']} x {r['ctx']} | {r['page']} | {r['splits']} "
+              f"| {r['ours_gbps']} | {r['pct_copy']} | {r['ours_tflops']} | {r['torch_gbps']} "
+              f"| {r['ours_gbps'] / max(r['torch_gbps'], 1):.2f} | {r['rel_err']:.0e} |")
+    if args.sweep:
+        print("\n# sweep (GB/s): tile configs, then num_splits with the default tiles")
+        for r in rows:
+            cfgs = {k[4:]: v for k, v in r.items() if k.startswith("cfg_")}
+            splits = {k[6:]: v for k, v in r.items() if k.startswith("split_")}
+            errs = max((v for k, v in r.items() if k.startswith("err_")), default=0.0)
+            if cfgs:
+                print(f"H{r['heads']} {r['batch']}x{r['ctx']}: "
+                      + " ".join(f"{k}={v}" for k, v in cfgs.items())
+                      + f" | max err {errs:.0e}"
+                      + (" | splits " + " ".join(f"{k}={v}" for k, v in splits.items())
+                         if splits else ""))
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    main()

@@ -1,0 +1,341 @@
+"""MLA decode attention over the paged latent cache (DeepSeek-V2/V3, absorbed form).
+
+Cache layout (one tensor per layer)::
+
+    kv_cache : [num_blocks, block_size, kv_lora_rank + rope_dim]
+               entry = [ c_kv (kv_lora_rank) | k_pe (rope_dim) ]
+    token p of sequence b -> kv_cache[block_tables[b, p // block_size], p % block_size]
+
+With W_UK absorbed into the query and W_UV applied after attention, every head
+attends over the same single latent entry (MQA with head dim 576, value dim 512)::
+
+    score[h, j] = sm_scale * (q[b, h, :] . entry_j)              (all R + rope dims)
+    out[b, h]   = sum_j softmax_j(score[h, :]) * entry_j[:R]       (first R dims)
+
+Decode streams each sequence's latents once per step, so the kernel is built to read
+every latent byte once: one program takes a block of BLOCK_H heads (16, 32 or 64), loads
+a tile of BLOCK_N entries and uses it twice, as K^T for ``Q K^T`` and as V for ``P V``
+(both ``tl.dot``). Grid ``(head_blocks, batch, num_splits)``: head blocks vary fastest,
+so the programs that share a sequence's latents run together and the second one reads
+them from L2. With few sequences and long contexts the keys are split into
+``num_splits`` ranges (flash-decoding); each split writes its normalised partial output
+and log-sum-exp, and a second kernel merges them. One split writes ``out`` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Tile shape of the main kernel; ``None`` fields are picked by the launcher."""
+
+    block_h: int = 16  # heads per program (power of two >= 16)
+    block_n: int = 32  # latent entries per loop iteration
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(num_heads: int) -> MLADecodeConfig:
+    """Tile defaults for a head count (H200, bf16, 512 + 64); see benchmarks/mla_decode.py.
+
+    Register and shared-memory use per config (ptxas, sm_90a) is in benchmarks/results/mla.md.
+    """
+    if num_heads <= 16:
+        return MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3)
+    if num_heads <= 32:
+        return MLADecodeConfig(block_h=32, block_n=32, num_warps=8, num_stages=3)
+    return MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=3)
+
+
+# Sizes that vary from step to step are not specialised on, so one compiled kernel
+# serves every batch (a block-table width that happens to be a multiple of 16 would
+# otherwise compile a second copy).
+@triton.jit(do_not_specialize=["num_heads", "num_splits", "stride_btb"])
+def _mla_decode_kernel(
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    sm_scale_log2,  # sm_scale * log2(e): the softmax runs in base 2
+    num_heads, num_splits,
+    stride_qb, stride_qh,
+    stride_kvb, stride_kvt,
+    stride_btb,
+    stride_ob, stride_oh,
+    RANK: tl.constexpr,  # kv_lora_rank: value dims, the first RANK of each entry
+    ROPE: tl.constexpr,  # rope dims after them
+    BLOCK_R: tl.constexpr,  # RANK padded to a power of two
+    BLOCK_P: tl.constexpr,  # ROPE padded to a power of two >= 16
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,  # block_size of the cache
+    SPLIT: tl.constexpr,  # write partial results (num_splits > 1) instead of out
+    IEEE: tl.constexpr,  # fp32 inputs: exact dots, not tf32
+):
+    hb = tl.program_id(0)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    # This split's key range: an equal share of the sequence, a multiple of BLOCK_N long.
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    h_mask = offs_h < num_heads
+    r_mask = offs_r < RANK
+    p_mask = offs_p < ROPE
+    b64 = b.to(tl.int64)
+
+    q_row = q_ptr + b64 * stride_qb + offs_h[:, None].to(tl.int64) * stride_qh
+    q_nope = tl.load(q_row + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+    q_pe = tl.load(q_row + RANK + offs_p[None, :], mask=h_mask[:, None] & p_mask[None, :],
+                   other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    bt_row = block_tables_ptr + b64 * stride_btb
+
+    # The block ids of the next tile are loaded one iteration ahead, by hand: when the
+    # latent load's address comes from a load in the same iteration, Triton's pipeliner
+    # gives it a single shared-memory buffer (no overlap of loads); carried across
+    # iterations it gets num_stages - 1 buffers.
+    offs_n = tl.arange(0, BLOCK_N)
+    blk_next = tl.load(bt_row + (start + offs_n) // PAGE, mask=start + offs_n < end, other=0)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        blk = blk_next.to(tl.int64)
+        nxt = pos + BLOCK_N
+        blk_next = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0)
+        row = kv_ptr + blk * stride_kvb + (pos % PAGE).to(tl.int64) * stride_kvt
+        kv = tl.load(row[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
+                     other=0.0)
+        pe = tl.load(row[:, None] + RANK + offs_p[None, :],
+                     mask=n_mask[:, None] & p_mask[None, :], other=0.0)
+        if IEEE:
+            qk = tl.dot(q_nope, tl.trans(kv), input_precision="ieee")
+            qk = tl.dot(q_pe, tl.trans(pe), acc=qk, input_precision="ieee")
+        else:
+            qk = tl.dot(q_nope, tl.trans(kv))
+            qk = tl.dot(q_pe, tl.trans(pe), acc=qk)
+        qk = tl.where(n_mask[None, :], qk * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if IEEE:
+            acc = tl.dot(p.to(kv.dtype), kv, acc=acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(kv.dtype), kv, acc=acc)
+        m_i = m_new
+
+    # An empty range (a split past the end of a short sequence) leaves l_i == 0.
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / safe_l[:, None]
+    o_mask = h_mask[:, None] & r_mask[None, :]
+    if SPLIT:
+        # mid_o [B, H, S, BLOCK_R] fp32, mid_lse [B, H, S] fp32 (base 2), contiguous
+        mid = (b64 * num_heads + offs_h.to(tl.int64)) * num_splits + split
+        tl.store(mid_o_ptr + mid[:, None] * BLOCK_R + offs_r[None, :], o, mask=o_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(mid_lse_ptr + mid, lse, mask=h_mask)
+    else:
+        o_ptrs = out_ptr + b64 * stride_ob + offs_h[:, None].to(tl.int64) * stride_oh + offs_r[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit(do_not_specialize=["num_heads", "num_splits"])
+def _mla_merge_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    num_heads, num_splits,
+    stride_ob, stride_oh,
+    RANK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
+):
+    """One program per (sequence, head): out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b.to(tl.int64) * num_heads + h
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(mid_lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: output zeros
+    offs_r = tl.arange(0, BLOCK_R)
+    den = tl.sum(tl.exp2(lse - m), 0)
+    den = tl.where(den > 0.0, den, 1.0)
+    # One split at a time: [num_splits, 512] fp32 at once would not fit in registers.
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s in range(0, num_splits):
+        w = tl.exp2(tl.load(mid_lse_ptr + row * num_splits + s) - m)
+        acc += w * tl.load(mid_o_ptr + (row * num_splits + s) * BLOCK_R + offs_r)
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_r
+    tl.store(o_ptrs, (acc / den).to(out_ptr.dtype.element_ty), mask=offs_r < RANK)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: keep split grids small
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def pick_num_splits(batch: int, head_blocks: int, max_context: int, device: torch.device,
+                    *, min_keys_per_split: int = 256) -> int:
+    """Splits along the keys so that about two programs run per SM.
+
+    ``max_context`` is an upper bound known on the host (``max_blocks * block_size``):
+    reading ``seq_lens`` would cost a device sync and break CUDA-graph capture.
+    """
+    programs = batch * head_blocks
+    target = 2 * _num_sms(device)
+    if programs >= target:
+        return 1
+    by_fill = triton.cdiv(target, programs)
+    by_len = max(1, max_context // min_keys_per_split)
+    return max(1, min(by_fill, by_len, 128))
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: MLADecodeConfig | None = None,
+) -> torch.Tensor:
+    """MLA decode over the paged latent cache.
+
+    q            : [B, H, kv_lora_rank + rope_dim]  absorbed query (q_nope @ W_UK, then q_pe)
+    kv_cache     : [num_blocks, block_size, kv_lora_rank + rope_dim]  (last dim contiguous)
+    block_tables : int32 [B, max_blocks]; entries past ``seq_lens[b]`` are never read
+    seq_lens     : int32 [B], >= 1; the query sits at position ``seq_lens[b] - 1``
+    returns out  : [B, H, kv_lora_rank] in q's dtype
+    """
+    if q.dim() != 3 or kv_cache.dim() != 3:
+        raise ValueError(f"q must be [B, H, D] and kv_cache [num_blocks, block_size, D], got "
+                         f"{tuple(q.shape)} and {tuple(kv_cache.shape)}")
+    B, H, D = q.shape
+    _, page, dk = kv_cache.shape
+    rope = D - kv_lora_rank
+    if dk != D or rope <= 0:
+        raise ValueError(f"q's last dim ({D}) and kv_cache's ({dk}) must both be "
+                         f"kv_lora_rank ({kv_lora_rank}) + rope_dim (> 0)")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q ({q.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype")
+    if page & (page - 1):
+        raise ValueError(f"block_size must be a power of two, got {page}")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables and seq_lens must be int32")
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError(f"block_tables must be [B={B}, max_blocks] and seq_lens [B], got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("q, kv_cache and block_tables need a contiguous last dim")
+    if out is None:
+        out = torch.empty(B, H, kv_lora_rank, dtype=q.dtype, device=q.device)
+    elif out.shape != (B, H, kv_lora_rank) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{B}, {H}, {kv_lora_rank}] with a contiguous last dim")
+    if B == 0:
+        return out
+
+    cfg = config or default_config(H)
+    block_r = triton.next_power_of_2(kv_lora_rank)
+    block_p = max(16, triton.next_power_of_2(rope))
+    head_blocks = triton.cdiv(H, cfg.block_h)
+    if num_splits is None:
+        num_splits = pick_num_splits(B, head_blocks, block_tables.shape[1] * page, q.device)
+    num_splits = max(1, int(num_splits))
+    split = num_splits > 1
+    if split:
+        mid_o = torch.empty(B, H, num_splits, block_r, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out  # unused
+    _mla_decode_kernel[(head_blocks, B, num_splits)](
+        q, kv_cache, block_tables, seq_lens, out, mid_o, mid_lse,
+        sm_scale * _LOG2E,
+        H, num_splits,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        RANK=kv_lora_rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE=page, SPLIT=split,
+        IEEE=q.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        _mla_merge_kernel[(B, H)](
+            mid_o, mid_lse, out, H, num_splits, out.stride(0), out.stride(1),
+            RANK=kv_lora_rank, BLOCK_R=block_r, BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+    return out
+
+
+def mla_decode_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: MLADecodeConfig | None = None,
+) -> torch.Tensor:
+    """Pure-PyTorch reference, fp32 math; same contract as :func:`mla_decode`."""
+    del num_splits, config  # the reference does not split
+    B, H, D = q.shape
+    page = kv_cache.shape[1]
+    flat = kv_cache.reshape(-1, D)
+    res = torch.empty(B, H, kv_lora_rank, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        n = int(seq_lens[b])
+        pos = torch.arange(n, device=q.device)
+        slots = block_tables[b, pos // page].long() * page + pos % page
+        ent = flat[slots].float()  # [n, D]
+        p = torch.softmax((q[b].float() @ ent.T) * sm_scale, dim=-1)  # [H, n]
+        res[b] = p @ ent[:, :kv_lora_rank]
+    if out is None:
+        return res.to(q.dtype)
+    out.copy_(res)
+    return out
+
+
+def mla_decode_flops(num_heads: int, total_keys: int, kv_lora_rank: int, rope_dim: int) -> int:
+    """FLOPs of one call: QK^T over all dims plus PV over the value dims."""
+    return 2 * num_heads * total_keys * (2 * kv_lora_rank + rope_dim)
+
+
+__all__ = [
+    "MLADecodeConfig",
+    "default_config",
+    "mla_decode",
+    "mla_decode_flops",
+    "mla_decode_ref",
+    "pick_num_splits",
+]

@@ -1,0 +1,171 @@
+"""MLA decode kernel against its pure-PyTorch reference.
+
+CPU (Triton interpreter): fp32 and fp16, small ranks plus one case with DeepSeek's real
+512 + 64 entry. GPU: bf16 over batch, context, heads (16, 128) and block size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashpage.kernels.mla_decode import (
+    MLADecodeConfig,
+    mla_decode,
+    mla_decode_ref,
+    pick_num_splits,
+)
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# ‖out - ref‖ / ‖ref‖ bounds: exact fp32 dots; fp16/bf16 operands (P is rounded too).
+REL_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def make_case(seq_lens: list[int], heads: int, rank: int, rope: int, page: int,
+              dtype: torch.dtype, device: str, seed: int = 0):
+    """Random latents in a shuffled block pool; spare blocks hold NaN so a stray read shows."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(seq_lens)
+    D = rank + rope
+    blocks_per = [math.ceil(n / page) for n in seq_lens]
+    max_blocks = max(blocks_per) + 1  # one padding column, never read
+    num_blocks = sum(blocks_per) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    kv = torch.full((num_blocks, page, D), float("nan"), dtype=torch.float32)
+    tables = torch.zeros(B, max_blocks, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(seq_lens):
+        ids = perm[used:used + blocks_per[b]]
+        used += blocks_per[b]
+        tables[b, : len(ids)] = ids.int()
+        for i, blk in enumerate(ids.tolist()):
+            valid = min(page, n - i * page)
+            kv[blk, :valid] = torch.randn(valid, D, generator=g)
+    q = torch.randn(B, heads, D, generator=g)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return (q.to(dtype).to(device), kv.to(dtype).to(device), tables.to(device), lens.to(device))
+
+
+def check(seq_lens, heads, rank, rope, page, dtype, device, num_splits=None, config=None):
+    q, kv, tables, lens = make_case(seq_lens, heads, rank, rope, page, dtype, device)
+    scale = 1.0 / math.sqrt(rank + rope)
+    ref = mla_decode_ref(q, kv, tables, lens, kv_lora_rank=rank, sm_scale=scale).float()
+    # Poison the output: every element must be written.
+    out = torch.full((len(seq_lens), heads, rank), float("nan"), dtype=dtype, device=device)
+    mla_decode(q, kv, tables, lens, kv_lora_rank=rank, sm_scale=scale, out=out,
+               num_splits=num_splits, config=config)
+    assert not out.isnan().any()
+    err = (out.float() - ref).norm() / ref.norm()
+    assert err < REL_TOL[dtype], f"rel err {err:.2e}"
+
+
+# ------------------------------------------------------------------ CPU / interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "seq_lens,heads,page,num_splits",
+    [
+        ([1], 16, 16, 1),  # a single key
+        ([37, 5, 64], 4, 16, 1),  # heads padded to BLOCK_H; ragged lengths
+        ([50, 1, 130], 16, 8, 3),  # splits, one of them empty for the length-1 sequence
+        ([100], 20, 32, 2),  # two head blocks, the second partial
+    ],
+)
+def test_mla_decode_small(seq_lens, heads, page, num_splits, dtype):
+    cfg = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    check(seq_lens, heads, 64, 16, page, dtype, "cpu", num_splits=num_splits, config=cfg)
+
+
+def test_mla_decode_non_pow2_rank():
+    cfg = MLADecodeConfig(block_h=16, block_n=16)
+    check([23, 9], 3, 48, 8, 4, torch.float32, "cpu", num_splits=2, config=cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mla_decode_deepseek_dims(dtype):
+    """DeepSeek-V2/V3 latent entry (512 + 64) with a tiny batch and context."""
+    cfg = MLADecodeConfig(block_h=16, block_n=16)
+    check([33, 7], 16, 512, 64, 16, dtype, "cpu", num_splits=2, config=cfg)
+
+
+def test_mla_decode_rejects_bad_inputs():
+    q, kv, tables, lens = make_case([4], 4, 64, 16, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        mla_decode(q, kv, tables, lens, kv_lora_rank=96, sm_scale=1.0)
+    with pytest.raises(ValueError, match="int32"):
+        mla_decode(q, kv, tables.long(), lens, kv_lora_rank=64, sm_scale=1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        mla_decode(q.half(), kv, tables, lens, kv_lora_rank=64, sm_scale=1.0)
+
+
+def test_pick_num_splits():
+    cpu = torch.device("cpu")
+    assert pick_num_splits(64, 1, 32768, cpu) == 1  # enough programs already
+    assert pick_num_splits(1, 1, 32768, cpu) == 8  # fill 2 * 4 interpreter "SMs"
+    assert pick_num_splits(1, 1, 300, cpu) == 1  # too short to split
+
+
+# ------------------------------------------------------------------ GPU, bf16
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize(
+    "seq_lens",
+    [
+        [1],
+        [4096],  # one long sequence: split along the keys
+        [1, 17, 300, 2048, 1000, 64, 65, 5],  # ragged batch
+        [513] * 64,  # many sequences: no split
+    ],
+)
+def test_mla_decode_gpu_bf16(seq_lens, heads, page):
+    check(seq_lens, heads, 512, 64, page, torch.bfloat16, "cuda")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 7, 32])
+def test_mla_decode_gpu_forced_splits(num_splits):
+    check([3000, 100, 1], 128, 512, 64, 16, torch.bfloat16, "cuda", num_splits=num_splits)
+
+
+@gpu
+@pytest.mark.gpu
+def test_mla_decode_gpu_large_offsets():
+    """A pool past 2^31 elements: block ids near the end need int64 offsets."""
+    D, page = 576, 64
+    num_blocks = (2**31) // (page * D) + 8  # ~2.4 GB of bf16
+    kv = torch.empty(num_blocks, page, D, dtype=torch.bfloat16, device="cuda")
+    kv[-4:].normal_()
+    tables = torch.tensor([[num_blocks - 1, num_blocks - 3]], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([100], dtype=torch.int32, device="cuda")
+    q = torch.randn(1, 16, D, dtype=torch.bfloat16, device="cuda")
+    ref = mla_decode_ref(q, kv, tables, lens, kv_lora_rank=512, sm_scale=0.05).float()
+    out = mla_decode(q, kv, tables, lens, kv_lora_rank=512, sm_scale=0.05).float()
+    assert (out - ref).norm() / ref.norm() < REL_TOL[torch.bfloat16]
+
+
+# Every tile config the benchmark sweeps, so whichever becomes a default is tested.
+CANDIDATE_CONFIGS = [
+    MLADecodeConfig(16, 32, 4, 3), MLADecodeConfig(16, 32, 8, 3), MLADecodeConfig(16, 32, 4, 4),
+    MLADecodeConfig(16, 64, 8, 3), MLADecodeConfig(16, 16, 4, 6), MLADecodeConfig(64, 32, 8, 2),
+    MLADecodeConfig(64, 32, 8, 3), MLADecodeConfig(64, 16, 8, 4), MLADecodeConfig(32, 32, 8, 3),
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CANDIDATE_CONFIGS, ids=str)
+def test_mla_decode_gpu_configs(config):
+    from triton.runtime.errors import OutOfResources
+
+    heads = 16 if config.block_h == 16 else 128  # the head count each config is meant for
+    for splits in (1, 3):
+        try:
+            check([1, 700, 3000], heads, 512, 64, 64, torch.bfloat16, "cuda", num_splits=splits,
+                  config=config)
+        except OutOfResources as e:
+            pytest.skip(f"{config} does not fit: {e}")
