@@ -1,0 +1,220 @@
+"""DeepSeek-V2/V3 mixture of experts: a top-k gate, routed experts, shared experts.
+
+Parameter names are those of transformers 5.x, so its state_dicts load by name::
+
+    gate.weight                    [E, hidden]          fp32 (kept fp32, as HF does)
+    gate.e_score_correction_bias   [E]                  fp32, V3 (noaux_tc) only
+    experts.gate_up_proj           [E, 2 * I, hidden]   gate rows first, then up
+    experts.down_proj              [E, hidden, I]
+    shared_experts.{gate,up,down}_proj.weight           intermediate I * n_shared_experts
+
+Checkpoints on disk (original DeepSeek ones, and those ``save_pretrained`` writes) hold
+one tensor per expert, ``experts.{e}.{gate,up,down}_proj.weight``; the experts module
+fuses those on load (see ``FusedExperts._load_from_state_dict``).
+
+Routing, as transformers computes it (fp32 logits):
+
+- V2 (``softmax``): ``greedy`` = top-k of the softmax; ``group_limited_greedy`` = keep the
+  ``topk_group`` groups with the highest max score, then top-k. Weights are the softmax
+  scores times ``routed_scaling_factor``; transformers ignores ``norm_topk_prob`` here
+  (every V2 checkpoint sets it false), and so do we, to stay token-identical.
+- V3 (``sigmoid`` + ``noaux_tc``): choose with ``sigmoid + e_score_correction_bias``;
+  groups are ranked by the sum of their two best, the best ``topk_group`` kept, top-k
+  within; weights are the *uncorrected* sigmoid scores, normalised if
+  ``norm_topk_prob``, times ``routed_scaling_factor``. transformers' V3 always routes
+  this way, whatever ``topk_method``/``scoring_func`` say (its config has neither).
+
+Experts run grouped: the (token, slot) pairs are sorted by expert, each expert runs one
+matmul over its contiguous slice, and the weighted results are summed back per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashpage.config import ModelConfig
+
+
+def routing_method(config: ModelConfig) -> str:
+    """'greedy', 'group_limited_greedy' (softmax scoring) or 'noaux_tc' (sigmoid)."""
+    if config.model_type == "deepseek_v3" or config.topk_method == "noaux_tc":
+        return "noaux_tc"
+    if config.topk_method in ("greedy", "group_limited_greedy"):
+        return config.topk_method
+    raise ValueError(f"unsupported MoE topk_method {config.topk_method!r} "
+                     "(supported: greedy, group_limited_greedy, noaux_tc)")
+
+
+class _Fp32ParamsMixin:
+    """Keep this module's parameters and buffers in fp32 through ``model.to(dtype)``.
+
+    Routing picks among near-equal scores; in bf16 the choices flip, and transformers
+    keeps the router in fp32 (``_keep_in_fp32_modules_strict``) for that reason.
+    """
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # detach(): keeps the old storage even when ``param.data`` is swapped in place.
+        before = {n: t.detach() for n, t in [*self._parameters.items(), *self._buffers.items()]
+                  if t is not None}
+        super()._apply(fn, recurse)  # type: ignore[misc]
+        for name, old in before.items():
+            new = getattr(self, name)
+            if new.dtype != torch.float32 and new.is_floating_point():
+                # Move only: converting back from the cast copy would lose precision.
+                new.data = old.to(device=new.device, dtype=torch.float32)
+        return self
+
+
+class MoEGate(_Fp32ParamsMixin, nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if not config.n_routed_experts:
+            raise ValueError("MoEGate needs n_routed_experts")
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.method = routing_method(config)
+        self.n_group = config.n_group or 1
+        self.topk_group = config.topk_group or 1
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        if self.method != "greedy" and self.num_experts % self.n_group:
+            raise ValueError(f"n_routed_experts ({self.num_experts}) must be a multiple of "
+                             f"n_group ({self.n_group})")
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size,
+                                               dtype=torch.float32))
+        if self.method == "noaux_tc":
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(self.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> (weights fp32 [N, top_k], expert ids int64 [N, top_k])."""
+        logits = F.linear(x.float(), self.weight.float())
+        n = logits.shape[0]
+        if self.method == "noaux_tc":
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            per_group = choice.view(n, self.n_group, -1)
+            group_scores = per_group.topk(2, dim=-1).values.sum(-1)
+            choice = self._mask_groups(choice, group_scores, float("-inf"))
+            ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+            weights = scores.gather(1, ids)
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        else:
+            scores = logits.softmax(dim=-1)
+            if self.method == "group_limited_greedy":
+                group_scores = scores.view(n, self.n_group, -1).amax(-1)
+                scores = self._mask_groups(scores, group_scores, 0.0)
+            weights, ids = scores.topk(self.top_k, dim=-1, sorted=False)
+        return weights * self.routed_scaling_factor, ids
+
+    def _mask_groups(self, scores: torch.Tensor, group_scores: torch.Tensor,
+                     fill: float) -> torch.Tensor:
+        """Set the scores of experts outside the ``topk_group`` best groups to ``fill``."""
+        keep = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        mask = mask.repeat_interleave(self.num_experts // self.n_group, dim=1)
+        return scores.masked_fill(~mask, fill)
+
+
+class FusedExperts(nn.Module):
+    """All routed experts' weights as 3-D tensors; forward runs them grouped by expert."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        assert config.n_routed_experts
+        self.num_experts = config.n_routed_experts
+        self.intermediate = config.moe_intermediate_size
+        h = config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate, h))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, h, self.intermediate))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden], weights fp32 [N, K], ids [N, K] -> sum_k weights * expert_k(x)."""
+        n, k = ids.shape
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        token = order // k
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one sync
+        xs = x.index_select(0, token)
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            seg = xs[start:start + c]
+            gate, up = F.linear(seg, self.gate_up_proj[e]).chunk(2, dim=-1)
+            ys[start:start + c] = F.linear(F.silu(gate) * up, self.down_proj[e])
+            start += c
+        # Weight in fp32, then back to the model dtype before the sum (as transformers).
+        ys = (ys * weights.reshape(-1)[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
+        """Accept per-expert tensors (``experts.{e}.gate_proj.weight`` ...) and fuse them."""
+        key = f"{prefix}0.gate_proj.weight"
+        if key in state_dict and f"{prefix}gate_up_proj" not in state_dict:
+            gate_up, down = [], []
+            for e in range(self.num_experts):
+                p = f"{prefix}{e}."
+                gate_up.append(torch.cat([state_dict.pop(p + "gate_proj.weight"),
+                                          state_dict.pop(p + "up_proj.weight")], dim=0))
+                down.append(state_dict.pop(p + "down_proj.weight"))
+            state_dict[f"{prefix}gate_up_proj"] = torch.stack(gate_up)
+            state_dict[f"{prefix}down_proj"] = torch.stack(down)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class DeepseekMLP(nn.Module):
+    """SiLU-gated MLP: the shared experts, and the dense layers before ``first_k_dense_replace``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts plus shared experts; forward takes [..., hidden] and keeps the shape."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"DeepSeek MoE supports hidden_act 'silu', got {config.hidden_act!r}")
+        if not 0 < config.num_experts_per_tok <= (config.n_routed_experts or 0):
+            raise ValueError(f"num_experts_per_tok ({config.num_experts_per_tok}) must be in "
+                             f"1..n_routed_experts ({config.n_routed_experts})")
+        self.gate = MoEGate(config)
+        self.experts = FusedExperts(config)
+        self.shared_experts = (
+            DeepseekMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts > 0 else None
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
+        # transformers builds a zero-width shared MLP when n_shared_experts == 0.
+        if self.shared_experts is None:
+            for key in [k for k in state_dict if k.startswith(f"{prefix}shared_experts.")]:
+                if state_dict[key].numel() == 0:
+                    del state_dict[key]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+__all__ = ["DeepseekMLP", "DeepseekMoE", "FusedExperts", "MoEGate", "routing_method"]

@@ -1,0 +1,156 @@
+"""DeepseekMoE against transformers' DeepseekV2Moe / DeepseekV3MoE (tiny, random, fp32)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import DeepseekV2Config, DeepseekV3Config
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3ForCausalLM,
+    DeepseekV3MoE,
+)
+
+from flashpage.config import ModelConfig
+from flashpage.layers.moe import DeepseekMoE, routing_method
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, moe_intermediate_size=24,
+              max_position_embeddings=128)
+
+
+def v2_config(**kw) -> DeepseekV2Config:
+    args = dict(COMMON, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2,
+                routed_scaling_factor=1.5)
+    args.update(kw)
+    return DeepseekV2Config(**args)
+
+
+def v3_config(**kw) -> DeepseekV3Config:
+    args = dict(COMMON, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    args.update(kw)
+    return DeepseekV3Config(**args)
+
+
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            t.copy_(torch.randn(t.shape, generator=g) * 0.3)
+
+
+def ours_from(hf_module: torch.nn.Module, hf_config) -> DeepseekMoE:
+    cfg = ModelConfig.from_hf(hf_config.to_dict())
+    ours = DeepseekMoE(cfg)
+    ours.load_state_dict(hf_module.state_dict(), strict=True)
+    return ours
+
+
+def assert_same(ours: torch.nn.Module, hf: torch.nn.Module, hidden: int, seed: int) -> None:
+    x = torch.randn(3, 41, hidden, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want = hf(x)
+        got = ours(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(topk_method="greedy"),
+        dict(topk_method="group_limited_greedy", n_group=4, topk_group=2),
+        dict(topk_method="greedy", n_shared_experts=0, num_experts_per_tok=1),
+    ],
+    ids=["greedy", "group_limited", "no_shared_top1"],
+)
+def test_v2_moe_matches_hf(kw):
+    conf = v2_config(**kw)
+    hf = DeepseekV2Moe(conf).eval()
+    randomize(hf, 0)
+    ours = ours_from(hf, conf)
+    assert routing_method(ours_cfg := ModelConfig.from_hf(conf.to_dict())) == kw["topk_method"]
+    assert ours_cfg.scoring_func == "softmax"
+    assert_same(ours, hf, conf.hidden_size, 1)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(norm_topk_prob=False, routed_scaling_factor=1.0),
+        dict(n_group=1, topk_group=1, num_experts_per_tok=2, n_shared_experts=2),
+    ],
+    ids=["grouped", "unnormalised", "one_group"],
+)
+def test_v3_moe_matches_hf(kw):
+    conf = v3_config(**kw)
+    hf = DeepseekV3MoE(conf).eval()
+    randomize(hf, 2)  # includes a non-zero e_score_correction_bias
+    assert hf.gate.e_score_correction_bias.abs().sum() > 0
+    ours = ours_from(hf, conf)
+    assert ours.gate.method == "noaux_tc"
+    assert_same(ours, hf, conf.hidden_size, 3)
+
+
+def test_v3_correction_bias_changes_the_choice():
+    """The bias steers which experts are chosen but not their weights: a test that ignored
+    it would pass the comparison above only by luck, so check it matters here."""
+    conf = v3_config()
+    hf = DeepseekV3MoE(conf).eval()
+    randomize(hf, 4)
+    ours = ours_from(hf, conf)
+    x = torch.randn(64, conf.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        _, ids_with = ours.gate(x)
+        ours.gate.e_score_correction_bias.zero_()
+        _, ids_without = ours.gate(x)
+    assert not torch.equal(ids_with.sort(-1).values, ids_without.sort(-1).values)
+
+
+def test_router_stays_fp32_and_bf16_runs():
+    conf = v3_config()
+    hf = DeepseekV3MoE(conf)
+    randomize(hf, 6)
+    ours = ours_from(hf, conf)
+    w = ours.gate.weight.detach().clone()
+    ours = ours.to(torch.bfloat16)
+    assert ours.gate.weight.dtype == torch.float32
+    assert ours.gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(ours.gate.weight, w)  # not rounded through bf16
+    assert ours.experts.gate_up_proj.dtype == torch.bfloat16
+    x = torch.randn(5, conf.hidden_size, dtype=torch.bfloat16)
+    assert ours(x).dtype == torch.bfloat16
+
+
+def test_loads_per_expert_checkpoint(tmp_path):
+    """save_pretrained writes experts.{e}.gate_proj.weight etc.; the experts fuse on load."""
+    conf = v3_config(first_k_dense_replace=1)
+    torch.manual_seed(7)
+    model = DeepseekV3ForCausalLM(conf).eval()
+    randomize(model.model.layers[1].mlp, 8)
+    model.save_pretrained(tmp_path)
+    sd = load_file(os.path.join(tmp_path, "model.safetensors"))
+    prefix = "model.layers.1.mlp."
+    layer_sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+    assert "experts.0.gate_proj.weight" in layer_sd  # the on-disk form really is per expert
+    ours = DeepseekMoE(ModelConfig.from_hf(conf.to_dict()))
+    ours.load_state_dict(layer_sd, strict=True)
+    assert_same(ours, model.model.layers[1].mlp, conf.hidden_size, 9)
+
+
+def test_grouped_experts_handle_unused_experts_and_empty_batch():
+    conf = v2_config(n_routed_experts=16, num_experts_per_tok=1)
+    hf = DeepseekV2Moe(conf).eval()
+    randomize(hf, 10)
+    ours = ours_from(hf, conf)
+    assert_same(ours, hf, conf.hidden_size, 11)  # 123 tokens, most experts hit, maybe not all
+    with torch.no_grad():
+        x = torch.randn(2, conf.hidden_size)
+        assert torch.allclose(ours(x), hf(x), atol=1e-5)  # at most 2 experts used
+        assert ours(torch.empty(0, conf.hidden_size)).shape == (0, conf.hidden_size)
