@@ -50,20 +50,21 @@ _KV_CONTIG, _KV_CONTIG_TMA, _KV_PAGED, _KV_PAGED_TMA = 0, 1, 2, 3
 
 
 @triton.jit
-def _page_rows(bt_row, start_n, hi, KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+def _page_rows(bt_row, start_n, seq_k, KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """Cache slots of keys [start_n, start_n + BLOCK_N): int64 [BLOCK_N], or, for a TMA box
-    inside one page, the int32 slot of its first key. Table entries at or past `hi` are
-    not read (they may lie past the table's row)."""
+    inside one page, the int32 slot of its first key. Keys at or past seq_k have no table
+    entry (their rows are masked or zeroed by the caller); every key before it must map to
+    its own slot, even one the causal mask hides, since its V row still meets p = 0."""
     kpos = start_n + tl.arange(0, BLOCK_N)
     if KV_MODE == 3 or PAGE_SIZE >= BLOCK_N:  # the whole tile sits in one page
-        blk = tl.load(bt_row + start_n // PAGE_SIZE, mask=start_n < hi, other=0)
+        blk = tl.load(bt_row + start_n // PAGE_SIZE, mask=start_n < seq_k, other=0)
         if KV_MODE == 3:
             return blk * PAGE_SIZE + start_n % PAGE_SIZE
         else:
             return blk.to(tl.int64) * PAGE_SIZE + (kpos % PAGE_SIZE)
     else:  # the tile spans BLOCK_N // PAGE_SIZE pages: one table entry per key
-        blk = tl.load(bt_row + kpos // PAGE_SIZE, mask=kpos < hi, other=0)
+        blk = tl.load(bt_row + kpos // PAGE_SIZE, mask=kpos < seq_k, other=0)
         return blk.to(tl.int64) * PAGE_SIZE + (kpos % PAGE_SIZE)
 
 
@@ -103,13 +104,13 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
         # paged: block-table entries are read one tile ahead and carried into the next
         # iteration, so the K/V loads' addresses never wait on a load; an address computed
         # from a load in the same iteration makes Triton's pipeliner drop a buffer stage
-        next_rows = _page_rows(bt_row, lo, hi, KV_MODE, PAGE_SIZE, BLOCK_N)
+        next_rows = _page_rows(bt_row, lo, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         kpos = start_n + offs_n
         if KV_MODE >= 2:
             rows = next_rows
-            next_rows = _page_rows(bt_row, start_n + BLOCK_N, hi, KV_MODE, PAGE_SIZE, BLOCK_N)
+            next_rows = _page_rows(bt_row, start_n + BLOCK_N, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
         elif KV_MODE == 1:
             rows = k_start + start_n
         else:

@@ -47,9 +47,9 @@ def _to_paged(k, v, cu_k, block_size, seed=0):
     """Scatter contiguous ragged K/V into a shuffled block pool; returns caches, tables, seq_lens."""
     lens = (cu_k[1:] - cu_k[:-1]).tolist()
     nblk = [(n + block_size - 1) // block_size for n in lens]
-    total = sum(nblk) + 3  # spare blocks that no table points at
+    total = sum(nblk) + 3  # spare blocks that no table points at, block 0 among them
     g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(total, generator=g).tolist()
+    perm = (torch.randperm(total - 1, generator=g) + 1).tolist()
     tables = torch.zeros(len(lens), max(nblk) + 1, dtype=torch.int32)
     # poison: slots no sequence owns must never reach the output
     kc = torch.full((total, block_size, *k.shape[1:]), float("nan"), dtype=k.dtype, device=DEV)
