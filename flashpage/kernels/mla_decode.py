@@ -35,23 +35,27 @@ _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class MLADecodeConfig:
-    """Tile shape of the main kernel; ``None`` fields are picked by the launcher."""
+    """Tile shape of the main kernel, and how many of its programs fit on one SM."""
 
     block_h: int = 16  # heads per program (power of two >= 16)
     block_n: int = 32  # latent entries per loop iteration
     num_warps: int = 4
     num_stages: int = 3
+    # Resident programs per SM (shared memory and registers, from ptxas): the split
+    # heuristic fills one wave of programs_per_sm * num_SMs programs.
+    programs_per_sm: int = 1
 
 
 def default_config(num_heads: int) -> MLADecodeConfig:
-    """Tile defaults for a head count (H200, bf16, 512 + 64); see benchmarks/mla_decode.py.
-
-    Register and shared-memory use per config (ptxas, sm_90a) is in benchmarks/results/mla.md.
-    """
+    """Tile defaults for a head count (H200, bf16, 512 + 64), from the sweep in
+    benchmarks/mla_decode.py; benchmarks/results/mla.md has the figures."""
     if num_heads <= 16:
-        return MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3)
+        # 93 KB shared memory, 242 registers x 128 threads: two programs per SM.
+        return MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3,
+                               programs_per_sm=2)
     if num_heads <= 32:
         return MLADecodeConfig(block_h=32, block_n=32, num_warps=8, num_stages=3)
+    # 184 KB shared memory (q tile and three latent buffers): one program per SM.
     return MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=3)
 
 
@@ -198,18 +202,22 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_num_splits(batch: int, head_blocks: int, max_context: int, device: torch.device,
-                    *, min_keys_per_split: int = 256) -> int:
-    """Splits along the keys so that about two programs run per SM.
+                    *, programs_per_sm: int = 1) -> int:
+    """Splits along the keys so that the grid fills one wave of resident programs.
 
+    One full wave, not more: with B * head_blocks * splits just over the resident
+    slots, a second, nearly empty wave costs as much as the first (on an H200,
+    128 x 4096 at 16 heads: 2 splits 3.65 TB/s, 3 splits 2.80). Splits keep >= 256 keys
+    (>= 64 when even that leaves the grid under half the SMs: one short sequence).
     ``max_context`` is an upper bound known on the host (``max_blocks * block_size``):
     reading ``seq_lens`` would cost a device sync and break CUDA-graph capture.
     """
+    sms = _num_sms(device)
     programs = batch * head_blocks
-    target = 2 * _num_sms(device)
-    if programs >= target:
-        return 1
-    by_fill = triton.cdiv(target, programs)
-    by_len = max(1, max_context // min_keys_per_split)
+    by_fill = max(1, programs_per_sm * sms // programs)
+    by_len = triton.cdiv(max_context, 256)
+    if programs * by_len < sms // 2:
+        by_len = triton.cdiv(max_context, 64)
     return max(1, min(by_fill, by_len, 128))
 
 
@@ -265,7 +273,8 @@ def mla_decode(
     block_p = max(16, triton.next_power_of_2(rope))
     head_blocks = triton.cdiv(H, cfg.block_h)
     if num_splits is None:
-        num_splits = pick_num_splits(B, head_blocks, block_tables.shape[1] * page, q.device)
+        num_splits = pick_num_splits(B, head_blocks, block_tables.shape[1] * page, q.device,
+                                     programs_per_sm=cfg.programs_per_sm)
     num_splits = max(1, int(num_splits))
     split = num_splits > 1
     if split:

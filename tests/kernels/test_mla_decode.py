@@ -101,10 +101,13 @@ def test_mla_decode_rejects_bad_inputs():
 
 
 def test_pick_num_splits():
-    cpu = torch.device("cpu")
+    cpu = torch.device("cpu")  # the interpreter counts 4 SMs
     assert pick_num_splits(64, 1, 32768, cpu) == 1  # enough programs already
-    assert pick_num_splits(1, 1, 32768, cpu) == 8  # fill 2 * 4 interpreter "SMs"
-    assert pick_num_splits(1, 1, 300, cpu) == 1  # too short to split
+    assert pick_num_splits(1, 1, 32768, cpu) == 4  # one wave: 4 SMs x 1 program
+    assert pick_num_splits(1, 1, 32768, cpu, programs_per_sm=2) == 8
+    assert pick_num_splits(3, 1, 32768, cpu, programs_per_sm=2) == 2  # 6 of 8 slots, not 9
+    assert pick_num_splits(1, 1, 64, cpu) == 1  # too short to split
+    assert pick_num_splits(1, 1, 200, cpu) == 4  # a lone short sequence: 64-key splits
 
 
 # ------------------------------------------------------------------ GPU, bf16
@@ -150,9 +153,9 @@ def test_mla_decode_gpu_large_offsets():
 
 # Every tile config the benchmark sweeps, so whichever becomes a default is tested.
 CANDIDATE_CONFIGS = [
-    MLADecodeConfig(16, 32, 4, 3), MLADecodeConfig(16, 32, 8, 3), MLADecodeConfig(16, 32, 4, 4),
-    MLADecodeConfig(16, 64, 8, 3), MLADecodeConfig(16, 16, 4, 6), MLADecodeConfig(64, 32, 8, 2),
-    MLADecodeConfig(64, 32, 8, 3), MLADecodeConfig(64, 16, 8, 4), MLADecodeConfig(32, 32, 8, 3),
+    MLADecodeConfig(16, 32, 4, 3, 2), MLADecodeConfig(16, 32, 8, 3, 2),
+    MLADecodeConfig(16, 32, 4, 5), MLADecodeConfig(16, 64, 4, 3), MLADecodeConfig(64, 32, 8, 3),
+    MLADecodeConfig(64, 32, 8, 4), MLADecodeConfig(64, 64, 8, 2), MLADecodeConfig(64, 32, 8, 2),
 ]
 
 
