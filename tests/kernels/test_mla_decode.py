@@ -13,6 +13,7 @@ import torch
 
 from flashpage.kernels.mla_decode import (
     MLADecodeConfig,
+    default_config,
     mla_decode,
     mla_decode_ref,
     pick_num_splits,
@@ -76,6 +77,13 @@ def check(seq_lens, heads, rank, rope, page, dtype, device, num_splits=None, con
 def test_mla_decode_small(seq_lens, heads, page, num_splits, dtype):
     cfg = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
     check(seq_lens, heads, 64, 16, page, dtype, "cpu", num_splits=num_splits, config=cfg)
+
+
+@pytest.mark.parametrize("heads", [16, 70])
+def test_mla_decode_default_configs(heads):
+    """The GPU default tiles (64-entry tiles over 16-token pages for many heads)."""
+    check([150, 3, 64], heads, 64, 16, 16, torch.float32, "cpu", num_splits=2,
+          config=default_config(heads))
 
 
 def test_mla_decode_non_pow2_rank():
