@@ -5,7 +5,8 @@
     key_cache, value_cache : [num_blocks, block_size, num_kv_heads, head_dim]
     kv_cache (MLA)         : [num_blocks, block_size, kv_lora_rank + rope_dim]
 
-One program per token: a skipped token reads and writes nothing. Offsets are int64
+Each program moves a tile of several tokens; a skipped token is masked out of the
+loads and stores, so it reads and writes nothing. Offsets are int64
 because a pool can pass 2^31 elements.
 """
 
@@ -19,48 +20,57 @@ import triton.language as tl
 @triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    num_heads,
+    num_tokens,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kcb, stride_kct, stride_kch,
     stride_vcb, stride_vct, stride_vch,
     PAGE: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per program
+    BLOCK_E: tl.constexpr,  # elements of a token's [NUM_HEADS, HEAD_DIM] per step
 ):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + t)
-    if slot >= 0:
-        blk = slot // PAGE
-        off = slot % PAGE
-        offs_d = tl.arange(0, BLOCK_D)
-        for h0 in range(0, num_heads, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            mask = (offs_h < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
-            k = tl.load(k_ptr + t * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-            v = tl.load(v_ptr + t * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-            kc = key_cache_ptr + blk * stride_kcb + off * stride_kct
-            vc = value_cache_ptr + blk * stride_vcb + off * stride_vct
-            tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
-            tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
+    """A tile of BLOCK_T tokens x BLOCK_E elements of their flattened heads; skipped
+    tokens are masked out of both the loads and the stores."""
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+    slot = tl.load(slot_mapping_ptr + offs_t, mask=t_mask, other=-1)
+    t_mask = slot >= 0
+    blk = tl.where(t_mask, slot, 0) // PAGE
+    off = tl.where(t_mask, slot, 0) % PAGE
+    k_row = k_ptr + offs_t * stride_kn
+    v_row = v_ptr + offs_t * stride_vn
+    kc_row = key_cache_ptr + blk * stride_kcb + off * stride_kct
+    vc_row = value_cache_ptr + blk * stride_vcb + off * stride_vct
+    for e0 in tl.static_range(0, NUM_HEADS * HEAD_DIM, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        h = e // HEAD_DIM
+        d = e % HEAD_DIM
+        mask = t_mask[:, None] & (e < NUM_HEADS * HEAD_DIM)[None, :]
+        k = tl.load(k_row[:, None] + (h * stride_kh + d)[None, :], mask=mask)
+        v = tl.load(v_row[:, None] + (h * stride_vh + d)[None, :], mask=mask)
+        tl.store(kc_row[:, None] + (h * stride_kch + d)[None, :], k, mask=mask)
+        tl.store(vc_row[:, None] + (h * stride_vch + d)[None, :], v, mask=mask)
 
 
 @triton.jit
 def _write_mla_kernel(
     latent_ptr, kv_cache_ptr, slot_mapping_ptr,
-    stride_ln, stride_cb, stride_ct,
+    num_tokens, stride_ln, stride_cb, stride_ct,
     PAGE: tl.constexpr,
     WIDTH: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + t)
-    if slot >= 0:
-        offs = tl.arange(0, BLOCK)
-        mask = offs < WIDTH
-        x = tl.load(latent_ptr + t * stride_ln + offs, mask=mask)
-        dst = kv_cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
-        tl.store(dst + offs, x, mask=mask)
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_mapping_ptr + offs_t, mask=offs_t < num_tokens, other=-1)
+    t_mask = slot >= 0
+    slot = tl.where(t_mask, slot, 0)
+    offs = tl.arange(0, BLOCK)
+    mask = t_mask[:, None] & (offs < WIDTH)[None, :]
+    x = tl.load(latent_ptr + offs_t[:, None] * stride_ln + offs[None, :], mask=mask)
+    dst = kv_cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
+    tl.store(dst[:, None] + offs[None, :], x, mask=mask)
 
 
 def _check_slots(slot_mapping: torch.Tensor, num_tokens: int) -> None:
@@ -90,11 +100,11 @@ def _check_kv(k, v, key_cache, value_cache, slot_mapping) -> None:
     _check_slots(slot_mapping, k.shape[0])
 
 
-def _head_tile(num_heads: int, head_dim: int) -> tuple[int, int]:
-    block_d = triton.next_power_of_2(head_dim)
-    # About 2K elements per tile: enough bytes in flight, few registers.
-    block_h = min(triton.next_power_of_2(num_heads), max(1, 2048 // block_d))
-    return block_h, block_d
+def _token_tile(row: int) -> tuple[int, int]:
+    """(tokens per program, elements per step) for rows of ``row`` elements: ~4K
+    elements per tensor per program, so each program moves enough bytes to hide latency."""
+    block_e = min(triton.next_power_of_2(row), 2048)
+    return max(1, 4096 // block_e), block_e
 
 
 def write_kv_cache(
@@ -113,14 +123,14 @@ def write_kv_cache(
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    block_h, block_d = _head_tile(num_heads, head_dim)
-    _write_kv_kernel[(num_tokens,)](
-        k, v, key_cache, value_cache, slot_mapping, num_heads,
+    block_t, block_e = _token_tile(num_heads * head_dim)
+    _write_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
+        k, v, key_cache, value_cache, slot_mapping, num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        PAGE=key_cache.shape[1], HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4,
+        PAGE=key_cache.shape[1], NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=8,
     )
 
 
@@ -150,9 +160,11 @@ def write_mla_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: 
     num_tokens, width = latent.shape
     if num_tokens == 0:
         return
-    _write_mla_kernel[(num_tokens,)](
-        latent, kv_cache, slot_mapping, latent.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        PAGE=kv_cache.shape[1], WIDTH=width, BLOCK=triton.next_power_of_2(width), num_warps=4,
+    block_t, block = _token_tile(width)
+    _write_mla_kernel[(triton.cdiv(num_tokens, block_t),)](
+        latent, kv_cache, slot_mapping, num_tokens, latent.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        PAGE=kv_cache.shape[1], WIDTH=width, BLOCK_T=block_t, BLOCK=triton.next_power_of_2(width),
+        num_warps=8,
     )
 
 

@@ -26,9 +26,48 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 
-# Tile defaults (keys per loop iteration, warps, pipeline depth), chosen on an H200;
-# see benchmarks/attention_decode.py for the sweep that picked them.
-_DEFAULT_CONFIG = {64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 3)}
+# Tile defaults by head_dim: (keys per iteration, warps, num_stages, hand prefetch), chosen
+# on an H200; see benchmarks/attention_decode.py for the sweep that picked them.
+_DEFAULT_CONFIG = {64: (64, 4, 1, True), 128: (64, 4, 1, True), 256: (32, 4, 1, True)}
+
+
+@triton.jit
+def _block_ids(bt_row, offs_n, end, PAGE: tl.constexpr):
+    """Physical block of each key position (0 past ``end``: never dereferenced)."""
+    return tl.load(bt_row + offs_n // PAGE, mask=offs_n < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_kv(k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, kvh,
+             blk, offs_n, end, offs_d, d_mask, PAGE: tl.constexpr):
+    """K and V rows [BLOCK_N, BLOCK_D] of one KV head at key positions offs_n (0 past end)."""
+    tok = (offs_n % PAGE).to(tl.int64)
+    mask = (offs_n < end)[:, None] & d_mask[None, :]
+    k_off = blk * stride_kb + tok * stride_kt + kvh * stride_kh
+    v_off = blk * stride_vb + tok * stride_vt + kvh * stride_vh
+    k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constexpr):
+    """One online-softmax step over a tile of keys (base-2 exponentials)."""
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = tl.where(n_mask[None, :], qk * sm_scale_log2, float("-inf"))
+    # Every tile holds at least one valid key, so m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -51,6 +90,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,  # num_splits > 1: write partial results for the merge kernel
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: exact dots, not tf32
+    PREFETCH: tl.constexpr,  # hand-pipelined loads (use with num_stages=1)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -80,33 +120,26 @@ def _paged_decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
     bt_row = block_tables_ptr + b64 * stride_btb
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        blk = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        tok = (offs_n % PAGE).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_off = blk * stride_kb + tok * stride_kt + kvh * stride_kh
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v_off = blk * stride_vb + tok * stride_vt + kvh * stride_vh
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(n_mask[None, :], qk * sm_scale_log2, float("-inf"))
-        # Every tile holds at least one valid key, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    kv_args = (k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, kvh)
+    if PREFETCH:
+        # Software pipeline in registers: while tile i is computed, tile i+1's K/V and
+        # tile i+2's block ids are in flight, so no load waits on another load.
+        offs0 = start + tl.arange(0, BLOCK_N)
+        blk_next = _block_ids(bt_row, offs0 + BLOCK_N, end, PAGE)
+        k, v = _load_kv(*kv_args, _block_ids(bt_row, offs0, end, PAGE), offs0, end, offs_d, d_mask, PAGE)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            blk_after = _block_ids(bt_row, offs_n + 2 * BLOCK_N, end, PAGE)
+            k_next, v_next = _load_kv(*kv_args, blk_next, offs_n + BLOCK_N, end, offs_d, d_mask, PAGE)
+            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
+            k, v, blk_next = k_next, v_next, blk_after
+    else:
+        # Triton's pipeliner overlaps the loads (num_stages >= 5 buffers K/V twice).
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            blk = _block_ids(bt_row, offs_n, end, PAGE)
+            k, v = _load_kv(*kv_args, blk, offs_n, end, offs_d, d_mask, PAGE)
+            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
 
     has_keys = l_i > 0.0  # false for an empty split (or an empty sequence)
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
@@ -157,15 +190,15 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Splits along the keys so that the grid has at least ~4 programs per SM.
-
-    Each split keeps at least 256 keys, so the extra partial results stay far
-    smaller than the K/V bytes read. ``max_context`` is an upper bound (the block
-    table's width times the block size), so no device-to-host sync is needed.
-    """
+    """Splits along the keys so that the grid has >= ~4-8 programs per SM (a few waves, so the
+    last one's tail is short), each split keeping >= 128 keys so the partial results
+    stay far smaller than the K/V bytes read. ``max_context`` is an upper bound (the
+    block table's width times the block size): no device-to-host sync is needed."""
     programs = batch * num_kv_heads
-    want = triton.cdiv(4 * num_sms, programs)
-    return max(1, min(want, max_context // 256, 128))
+    if programs >= 4 * num_sms:  # enough programs already; a split only adds the merge
+        return 1
+    want = triton.cdiv(8 * num_sms, programs)
+    return max(1, min(want, max_context // 128, 256))
 
 
 def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out):
@@ -203,7 +236,7 @@ def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out):
 
 
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
-            num_splits, block_n=None, num_warps=None, num_stages=None):
+            num_splits, block_n=None, num_warps=None, num_stages=None, prefetch=None):
     """paged_decode with explicit tile settings (the benchmark sweeps them)."""
     _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out)
     batch, num_q_heads, head_dim = q.shape
@@ -223,8 +256,10 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
-    d_block, d_warps, d_stages = _DEFAULT_CONFIG.get(triton.next_power_of_2(head_dim), (32, 4, 2))
+    d_block, d_warps, d_stages, d_prefetch = _DEFAULT_CONFIG.get(triton.next_power_of_2(head_dim),
+                                                                 (32, 4, 1, True))
     block_n = block_n or d_block
+    prefetch = d_prefetch if prefetch is None else prefetch
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(group))
 
@@ -243,7 +278,7 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         out.stride(0), out.stride(1), num_splits,
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=block_size,
         BLOCK_N=block_n, SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, PREFETCH=prefetch,
         num_warps=num_warps or d_warps, num_stages=num_stages or d_stages,
     )
     if num_splits > 1:

@@ -166,8 +166,9 @@ def test_interleaved_rotary_is_complex_multiplication():
     k = torch.randn(n, 1, d, generator=g)
     freqs_cis = torch.polar(torch.ones(n, d // 2), positions[:, None].float() * inv_freq)
     want_q = torch.view_as_real(torch.view_as_complex(q.view(n, h, d // 2, 2)) * freqs_cis[:, None]).flatten(-2)
-    apply_rotary(positions, q, k, compute_cos_sin_cache(inv_freq, 4096), is_neox=False)
-    torch.testing.assert_close(q, want_q, atol=2e-5, rtol=1e-5)
+    q_out, _ = apply_rotary(positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE),
+                            compute_cos_sin_cache(inv_freq.to(DEVICE), 4096), is_neox=False)
+    torch.testing.assert_close(q_out.cpu(), want_q, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -10,7 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashpage.kernels.paged_decode import choose_num_splits, paged_decode, paged_decode_ref
+from flashpage.kernels.paged_decode import (
+    _launch,
+    choose_num_splits,
+    paged_decode,
+    paged_decode_ref,
+)
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -100,9 +105,20 @@ def test_custom_scale():
 
 def test_choose_num_splits():
     assert choose_num_splits(128, 8, 2048, 132) == 1  # the batch fills the GPU
-    assert choose_num_splits(1, 8, 65536, 132) == 66  # one long sequence: ~4 programs per SM
-    assert choose_num_splits(1, 8, 300, 132) == 1  # short contexts are not split
-    assert choose_num_splits(4, 8, 1 << 20, 132) == 17
+    assert choose_num_splits(1, 8, 65536, 132) == 132  # one long sequence: ~8 programs per SM
+    assert choose_num_splits(1, 8, 200, 132) == 1  # short contexts are not split
+    assert choose_num_splits(1, 8, 4096, 132) == 32  # >= 128 keys per split
+    assert choose_num_splits(4, 8, 1 << 20, 132) == 33
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_both_load_pipelines(prefetch):
+    """The hand-prefetched loop and the one left to Triton's pipeliner agree with the reference."""
+    q, kc, vc, bt, lens = make_case([77, 1, 200], 8, 2, 64, 16, torch.float16, seed=5)
+    for splits, block_n in ((1, 32), (3, 64)):
+        out = _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=None, out=None, num_splits=splits,
+                      block_n=block_n, num_warps=4, num_stages=1 if prefetch else 3, prefetch=prefetch)
+        check(out, paged_decode_ref(q, kc, vc, bt, lens), torch.float16)
 
 
 def test_rejects_bad_inputs():
@@ -162,7 +178,7 @@ def test_paged_decode_pool_past_2_pow_31_elements():
     seq_lens = torch.tensor([500, 333], dtype=torch.int32, device="cuda")
     perm = last[torch.randperm(64, device="cuda")]
     bt = torch.stack([perm[:32], perm[32:]]).int()
-    assert int(bt.min()) * bs * hkv * d > (1 << 31)
+    assert int(bt.min()) * bs * hkv * d >= (1 << 31)  # every offset is past int32
     q = torch.randn(2, hq, d, device="cuda").bfloat16()
     for splits in (1, 4):
         out = paged_decode(q, kc, vc, bt, seq_lens, num_splits=splits)
