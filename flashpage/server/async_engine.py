@@ -253,6 +253,7 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
             if self.metrics is not None:
                 self.metrics.on_output(out, now)
@@ -260,7 +261,11 @@ class AsyncEngine:
             if out.finished:
                 self._streams.pop(out.request_id, None)
             if stream is not None:
-                stream._put(out)
+                batches.setdefault(stream._loop, []).append((stream, out))
+        # One wake-up of each event loop per step, not one per request.
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens
+                loop.call_soon_threadsafe(_dispatch, items)
 
     def _fail_all(self, error: BaseException) -> None:
         if self._stop:  # shutting down: refuse new requests (a failed step does not)
@@ -273,3 +278,9 @@ class AsyncEngine:
         self._streams.clear()
         with contextlib.suppress(Exception):
             self.engine.abort_request(ids)
+
+
+def _dispatch(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """On the event loop: hand one step's outputs to their streams."""
+    for stream, out in items:
+        stream._queue.put_nowait(out)

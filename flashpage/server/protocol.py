@@ -110,13 +110,28 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
 
 
+# Fields that take one of several shapes: one sentence beats pydantic's error per shape.
+_SHAPES = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "content": 'a string or a list of {"type": "text", "text": ...} parts',
+}
+
+
 def validation_error(e: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming the field."""
     errs = e.errors(include_url=False)
     if not errs:
         return bad_request("invalid request body")
     err = errs[0]
-    loc = ".".join(str(x) for x in err.get("loc", ()) if not _is_type_tag(x))
+    path = [x for x in err.get("loc", ()) if not _is_type_tag(x)]
+    loc = ".".join(str(x) for x in path)
+    # The field itself, before any list index inside it (prompt.0.1 -> prompt).
+    field = next((str(x) for x in reversed(path) if str(x) in _SHAPES), None)
+    if field is not None:
+        cut = max(i for i, x in enumerate(path) if str(x) == field)
+        loc = ".".join(str(x) for x in path[: cut + 1])
+        return bad_request(f"{loc} must be {_SHAPES[field]}", param=loc)
     msg = err.get("msg", "invalid value")
     more = f" (and {len(errs) - 1} more problems)" if len(errs) > 1 else ""
     return bad_request(f"{loc or 'body'}: {msg}{more}", param=loc or None)
