@@ -159,3 +159,32 @@ def test_api_key(keyed_server):
         bad.completions.create(model=s.model, prompt="hi", max_tokens=2)
     good = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret-key", max_retries=0)
     assert good.completions.create(model=s.model, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_failed_step_fails_its_requests_and_the_server_goes_on(server, monkeypatch):
+    """A step that raises (a bug, a device error) ends the requests in it with 503 / an SSE
+    error event; the engine thread survives and the next request is served."""
+    engine = server.async_engine.engine
+    real_step = engine.step
+    fail = {"left": 0}
+
+    def step():
+        if fail["left"]:
+            fail["left"] -= 1
+            raise RuntimeError("injected failure")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 4}
+    fail["left"] = 1
+    err = assert_error(post(server, "/v1/completions", body), 503, "injected failure")
+    assert err["type"] == "server_error"
+    fail["left"] = 1
+    r = post(server, "/v1/completions", dict(body, stream=True))
+    assert r.status_code == 200
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert "injected failure" in events[-2] and events[-1] == "[DONE]"
+    assert server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert httpx.get(server.url + "/health").status_code == 200

@@ -49,6 +49,18 @@ def test_completions_token_id_prompts(client, server, offline_llm):
         assert got[i].finish_reason == "length"
     assert r.usage.completion_tokens == 24
 
+    # Several prompts with n = 2, streamed: choice prompt_index * n + i, as offline.
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    exp = offline_llm.generate(prompts, params, use_tqdm=False)
+    want = {p * 2 + o.index: o.text for p, e in enumerate(exp) for o in e.outputs}
+    got_text: dict[int, str] = {}
+    for chunk in client.completions.create(model=server.model, prompt=prompts, n=2, seed=7,
+                                           temperature=1.0, max_tokens=8, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            got_text[c.index] = got_text.get(c.index, "") + c.text
+    assert got_text == want
+
 
 def test_completions_stream_equals_offline(client, server, offline_llm):
     prompt = PROMPTS[0]
