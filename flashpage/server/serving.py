@@ -1,0 +1,345 @@
+"""The two generation endpoints: a validated request in, engine requests out, and their
+outputs back as one JSON answer or as server-sent events.
+
+A /v1/completions request with several prompts is one engine request per prompt; each
+engine request carries its ``n`` choices, numbered ``prompt_index * n + i`` in the answer.
+Every engine request is aborted when the answer is abandoned: the client closes its
+stream, or drops the connection while a non-streamed answer is being generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from flashpage.engine.sampler import Logprobs
+from flashpage.outputs import RequestOutput
+from flashpage.sampling_params import SamplingParams
+from flashpage.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from flashpage.server.metrics import ServerMetrics
+from flashpage.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+)
+from flashpage.server.render import ChoiceState, chat_logprobs, completion_logprobs, sse
+from flashpage.server.tokenize import ServerTokenizer
+
+logger = logging.getLogger("flashpage.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# (choice index, its stream state, text delta, logprobs of the new tokens, finish reason)
+# -> one entry of a chunk's "choices"
+ChoiceRenderer = Callable[[int, ChoiceState, str, list[Logprobs], str | None], dict[str, Any]]
+
+
+class ServerState:
+    """What the handlers share: the engine, the served name, limits, metrics, tokenizer."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None,
+                 max_n: int, max_body_bytes: int, max_prompts: int) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.api_key = api_key.encode() if api_key else None
+        self.max_n = max_n
+        self.max_body_bytes = max_body_bytes
+        self.max_prompts = max_prompts
+        self.metrics: ServerMetrics = engine.metrics or ServerMetrics()
+        engine.metrics = self.metrics
+        self.tokenizer = ServerTokenizer(engine.tokenizer)
+        self.created = int(time.time())
+
+
+# ---------------------------------------------------------------------------- /v1/completions
+async def completions(state: ServerState, request: Request, req: CompletionRequest,
+                      arrival: float) -> Response:
+    if req.echo:
+        raise bad_request("echo is not supported", "echo")
+    raw = req.prompt
+    one = isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw))
+    items: list[Any] = [raw] if one else list(raw)
+    if not items:
+        raise bad_request("the prompt is empty", "prompt")
+    if len(items) > state.max_prompts:
+        raise bad_request(f"at most {state.max_prompts} prompts per request, got {len(items)}",
+                          "prompt")
+    max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+    params = sampling_params(state, req, max_tokens, req.logprobs)
+    prompts: list[list[int]] = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("the prompt is empty", "prompt")
+            ids = await state.tokenizer.encode(item)
+        else:
+            ids = list(item)
+        check_length(state, len(ids), max_tokens)
+        prompts.append(ids)
+    streams = await start(state, "cmpl", prompts, params, arrival)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    n_prompt = sum(len(p) for p in prompts)
+    tok, want_lp = state.tokenizer, req.logprobs is not None
+
+    if req.stream:
+        def choice(idx: int, st: ChoiceState, delta: str, lps: list[Logprobs],
+                   finish: str | None) -> dict[str, Any]:
+            return {"index": idx, "text": delta,
+                    "logprobs": completion_logprobs(tok, lps, st, want_lp),
+                    "finish_reason": finish}
+
+        return stream_response(state, streams, params.n, rid, "text_completion", n_prompt,
+                               bool(req.stream_options and req.stream_options.include_usage),
+                               choice)
+
+    async def answer() -> Response:
+        finals = await collect(streams)
+        choices, completion_tokens = [], 0
+        for p, out in enumerate(finals):
+            for o in out.outputs:
+                completion_tokens += len(o.token_ids)
+                choices.append({"index": p * params.n + o.index, "text": o.text,
+                                "logprobs": completion_logprobs(tok, o.logprobs or [],
+                                                                ChoiceState(), want_lp),
+                                "finish_reason": o.finish_reason})
+        choices.sort(key=lambda c: c["index"])
+        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                             "model": state.model_name, "choices": choices,
+                             "usage": usage(n_prompt, completion_tokens)})
+
+    return await unless_disconnected(request, answer())
+
+
+# ---------------------------------------------------------------------------- /v1/chat
+async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
+               arrival: float) -> Response:
+    conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+    ids = await state.tokenizer.apply_chat_template(conversation)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    max_tokens = check_length(state, len(ids), max_tokens)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    want_lp = bool(req.logprobs)
+    params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if want_lp else None)
+    streams = await start(state, "chatcmpl", [ids], params, arrival)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    tok = state.tokenizer
+
+    if req.stream:
+        def choice(idx: int, st: ChoiceState, delta: str, lps: list[Logprobs],
+                   finish: str | None) -> dict[str, Any]:
+            d: dict[str, Any] = {"content": delta}
+            if not st.role_sent:  # the first chunk of each choice names the role
+                st.role_sent = True
+                d = {"role": "assistant", "content": delta}
+            return {"index": idx, "delta": d, "logprobs": chat_logprobs(tok, lps, want_lp),
+                    "finish_reason": finish}
+
+        return stream_response(state, streams, params.n, rid, "chat.completion.chunk", len(ids),
+                               bool(req.stream_options and req.stream_options.include_usage),
+                               choice)
+
+    async def answer() -> Response:
+        out = (await collect(streams))[0]
+        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": chat_logprobs(tok, o.logprobs or [], want_lp),
+                    "finish_reason": o.finish_reason} for o in out.outputs]
+        completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                             "model": state.model_name, "choices": choices,
+                             "usage": usage(len(ids), completion_tokens)})
+
+    return await unless_disconnected(request, answer())
+
+
+# ---------------------------------------------------------------------------- shared steps
+def sampling_params(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
+                    max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if req.n > state.max_n:
+        raise bad_request(f"n must be at most {state.max_n}, got {req.n}", "n")
+    vocab = state.engine.vocab_size
+    if logprobs is not None and logprobs > vocab:
+        raise bad_request(f"logprobs must be at most the vocabulary size {vocab}", "logprobs")
+    kw: dict[str, Any] = dict(
+        n=req.n, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop, seed=req.seed,
+        ignore_eos=bool(req.ignore_eos),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        skip_special_tokens=req.skip_special_tokens is not False)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "min_tokens"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:  # SamplingParams names the field first
+        raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+
+
+def check_length(state: ServerState, n_prompt: int, max_tokens: int | None) -> int:
+    """The max_tokens to use; 400 (stating both numbers) when it does not fit the context.
+    No max_tokens (chat): the rest of the context, as vLLM does."""
+    limit = state.engine.max_model_len
+    if n_prompt == 0:
+        raise bad_request("the prompt is empty", "prompt")
+    if max_tokens is None:
+        if n_prompt >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens; the prompt has "
+                f"{n_prompt} tokens, which leaves no room for output.", "messages")
+        return limit - n_prompt
+    if n_prompt + max_tokens > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens; the prompt has "
+            f"{n_prompt} tokens and max_tokens asks for {max_tokens} ({n_prompt + max_tokens} "
+            "in all). Shorten the prompt or lower max_tokens.", "max_tokens")
+    return max_tokens
+
+
+async def start(state: ServerState, prefix: str, prompts: list[list[int]],
+                params: SamplingParams, arrival: float) -> list[RequestStream]:
+    """Add one engine request per prompt; if one is refused, abort the others (400)."""
+    streams: list[RequestStream] = []
+    base = f"{prefix}-{uuid.uuid4().hex}"
+    try:
+        for i, ids in enumerate(prompts):
+            streams.append(await state.engine.add_request(f"{base}-{i}", ids, params, arrival))
+    except BaseException as e:
+        for s in streams:
+            s.abort()
+        if isinstance(e, EngineDeadError):
+            raise APIError(503, str(e), "server_error") from None
+        if isinstance(e, ValueError):
+            raise bad_request(str(e), "prompt") from None
+        raise
+    return streams
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come; one stream: no tasks.
+    Leaving early aborts every stream."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+            q.put_nowait((i, None))
+        except Exception as e:
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final output of each stream, in prompt order."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async for i, out in merged(streams):
+            finals[i] = out
+    except EngineDeadError as e:
+        raise APIError(503, str(e), "server_error") from None
+    return [f for f in finals if f is not None]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def stream_response(state: ServerState, streams: list[RequestStream], n: int, rid: str,
+                    obj: str, prompt_tokens: int, include_usage: bool,
+                    render: ChoiceRenderer) -> StreamingResponse:
+    """Server-sent events: a chunk per choice per step that gave it tokens, its finish
+    reason on its last chunk, the usage chunk if asked, then ``data: [DONE]``."""
+    states = [ChoiceState() for _ in range(len(streams) * n)]
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        c: dict[str, Any] = {"id": rid, "object": obj, "created": created,
+                             "model": state.model_name, "choices": choices}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for p, out in merged(streams):
+                for o in out.outputs:
+                    idx = p * n + o.index
+                    st = states[idx]
+                    delta, new_tokens, finish = st.advance(out.new_text[o.index], o)
+                    if delta is None:
+                        continue
+                    lps = o.logprobs[len(o.logprobs) - new_tokens:] if o.logprobs and new_tokens \
+                        else []
+                    yield sse(chunk([render(idx, st, delta, lps, finish)]))
+            if include_usage:
+                last = chunk([])
+                last["usage"] = usage(prompt_tokens, sum(s.tokens for s in states))
+                yield sse(last)
+        except EngineDeadError as e:
+            yield sse(APIError(503, str(e), "server_error").body())
+        except Exception:  # a bug: say so in the stream rather than cutting it
+            logger.exception("streaming %s failed", rid)
+            yield sse(APIError(500, "internal server error", "server_error").body())
+        finally:
+            for s in streams:
+                s.abort()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def unless_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
+    """Await ``answer``, but cancel it (aborting its requests) if the client goes away."""
+    task = asyncio.ensure_future(answer)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task})  # let it unwind (its streams abort) without raising here
+    return Response(status_code=499)  # nobody is there to read it
