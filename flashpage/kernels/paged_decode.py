@@ -26,9 +26,11 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 
-# Tile defaults by head_dim: (keys per iteration, warps, num_stages, hand prefetch), chosen
-# on an H200; see benchmarks/attention_decode.py for the sweep that picked them.
-_DEFAULT_CONFIG = {64: (64, 4, 1, True), 128: (64, 4, 1, True), 256: (32, 4, 1, True)}
+# Tile defaults by head_dim: (keys per iteration, warps, num_stages, hand prefetch). The
+# loop left to Triton's pipeliner with (64, 4, 3) is the one measured on an H200
+# (benchmarks/results/decode.md). The hand-prefetched loop (PREFETCH, num_stages=1) passes
+# the same tests but has not been timed on a GPU yet: `attention_decode.py --sweep` does.
+_DEFAULT_CONFIG = {64: (64, 4, 3, False), 128: (64, 4, 3, False), 256: (32, 4, 3, False)}
 
 
 @triton.jit
@@ -190,15 +192,20 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Splits along the keys so that the grid has >= ~4-8 programs per SM (a few waves, so the
-    last one's tail is short), each split keeping >= 128 keys so the partial results
-    stay far smaller than the K/V bytes read. ``max_context`` is an upper bound (the
-    block table's width times the block size): no device-to-host sync is needed."""
+    """Splits along the keys for grids too small to fill the GPU.
+
+    On an H200 the decode kernel streamed fastest with >= ~4 programs per SM and a few
+    waves of them (benchmarks/results/decode.md: 32 x 4096 at 3 splits 3,461 GB/s, at 6
+    splits 3,850). So: no split once batch * kv_heads >= 4 per SM, else ~8 programs per
+    SM, each split keeping >= 64 keys (one tile), at most 64 splits (the merge kernel has
+    one program per query head and reads every split). ``max_context`` is an upper bound
+    (the block table's width times the block size): no device-to-host sync is needed.
+    """
     programs = batch * num_kv_heads
-    if programs >= 4 * num_sms:  # enough programs already; a split only adds the merge
+    if programs >= 4 * num_sms:
         return 1
     want = triton.cdiv(8 * num_sms, programs)
-    return max(1, min(want, max_context // 128, 256))
+    return max(1, min(want, max_context // 64, 64))
 
 
 def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out):
@@ -257,7 +264,7 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
     d_block, d_warps, d_stages, d_prefetch = _DEFAULT_CONFIG.get(triton.next_power_of_2(head_dim),
-                                                                 (32, 4, 1, True))
+                                                                 (32, 4, 3, False))
     block_n = block_n or d_block
     prefetch = d_prefetch if prefetch is None else prefetch
     block_d = max(16, triton.next_power_of_2(head_dim))

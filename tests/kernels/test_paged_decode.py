@@ -105,10 +105,11 @@ def test_custom_scale():
 
 def test_choose_num_splits():
     assert choose_num_splits(128, 8, 2048, 132) == 1  # the batch fills the GPU
-    assert choose_num_splits(1, 8, 65536, 132) == 132  # one long sequence: ~8 programs per SM
-    assert choose_num_splits(1, 8, 200, 132) == 1  # short contexts are not split
-    assert choose_num_splits(1, 8, 4096, 132) == 32  # >= 128 keys per split
-    assert choose_num_splits(4, 8, 1 << 20, 132) == 33
+    assert choose_num_splits(32, 8, 4096, 132) == 5  # ~8 programs per SM
+    assert choose_num_splits(4, 8, 65536, 132) == 33
+    assert choose_num_splits(1, 8, 65536, 132) == 64  # at most 64 splits
+    assert choose_num_splits(1, 8, 4096, 132) == 64  # 64 keys each
+    assert choose_num_splits(1, 8, 100, 132) == 1  # short contexts are not split
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
