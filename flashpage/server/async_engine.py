@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -48,7 +49,8 @@ class RequestStream:
     """The outputs of one request, as an async iterator of RequestOutput deltas.
 
     Each item is the RequestOutput the engine produced in one step (``new_text[i]`` is
-    the text choice ``i`` gained that step); the last one has ``finished=True``.
+    the text choice ``i`` gained that step), or several consecutive steps merged when
+    the consumer fell behind; the last one has ``finished=True``.
     Leaving the iteration early (or calling :meth:`abort`) aborts the request.
     """
 
@@ -59,6 +61,7 @@ class RequestStream:
         self._loop = asyncio.get_running_loop()
         self.finished = False
         self._aborted = False
+        self._pending: BaseException | None = None
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         """Called from the engine thread."""
@@ -71,14 +74,24 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:  # cancelled while waiting: the consumer is gone
-            self.abort()
-            raise
+        if self._pending is not None:
+            item, self._pending = self._pending, None
+        else:
+            try:
+                item = await self._queue.get()
+            except BaseException:  # cancelled while waiting: the consumer is gone
+                self.abort()
+                raise
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        # A consumer that fell behind gets the steps it missed as one output.
+        while not item.finished and not self._queue.empty():
+            nxt = self._queue.get_nowait()
+            if isinstance(nxt, BaseException):
+                self._pending = nxt
+                break
+            item = _merge(item, nxt)
         if item.finished:
             self.finished = True
         return item
@@ -187,6 +200,12 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         engine = self.engine
+        device = getattr(engine, "device", None)
+        if device is not None and device.type == "cuda":
+            import torch
+
+            # The current CUDA device is per thread; this one must run on the engine's.
+            torch.cuda.set_device(device)
         while not self._stop:
             self._drain_commands()
             if self._stop:
@@ -278,6 +297,13 @@ class AsyncEngine:
         self._streams.clear()
         with contextlib.suppress(Exception):
             self.engine.abort_request(ids)
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: b's state (outputs carry the whole
+    text, token ids and logprobs so far), with the text deltas of both."""
+    new_text = [x + y for x, y in zip(a.new_text, b.new_text, strict=True)]
+    return dataclasses.replace(b, new_text=new_text)
 
 
 def _dispatch(items: list[tuple[RequestStream, RequestOutput]]) -> None:

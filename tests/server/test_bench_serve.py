@@ -35,10 +35,11 @@ def test_bench_against_live_server(server, tmp_path):
     assert server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
 
 
-def test_bench_starts_its_own_server(tiny_model_dir, tmp_path, capsys):
-    """No --url: a server subprocess on loopback, engine flags passed through, then stopped."""
+def test_bench_starts_its_own_server(tiny_model_dir, tmp_path):
+    """No --url: a server subprocess on loopback (random weights of a config, as on the GPU),
+    engine flags passed through, then stopped."""
     out = tmp_path / "serve.json"
-    rc = bench_serve.main(["--model", str(tiny_model_dir), "--num-prompts", "4",
+    rc = bench_serve.main(["--config", str(tiny_model_dir / "config.json"), "--num-prompts", "4",
                            "--input-len", "8", "--output-len", "4", "--warmup-requests", "1",
                            "--json-out", str(out), "--dtype", "float32", "--device", "cpu",
                            "--max-model-len", "64", "--server-timeout", "120"])
