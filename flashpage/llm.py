@@ -109,7 +109,7 @@ class LLM:
                        dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                for out in engine.step(final_only=True):
                     if out.finished:
                         results[out.request_id] = out
                         if bar is not None:

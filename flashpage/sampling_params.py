@@ -25,6 +25,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (benchmarks; stop strings need text)
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +67,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self._stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
         if any(not isinstance(s, str) or not s for s in self._stop):
             raise ValueError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):

@@ -71,11 +71,16 @@ class TorchNativeBackend(AttentionBackend):
             bt = metadata.block_tables[i]
             kk = gather_paged(key_cache, bt, k_len)
             vv = gather_paged(value_cache, bt, k_len)
-            mask = causal_mask(q_len, k_len, sliding_window, q.device)
             qi = q[start:start + q_len].transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                qi, kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask, scale=scale,
-                enable_gqa=True)
+            if q_len == k_len and sliding_window is None:  # no cached prefix: plain causal
+                o = F.scaled_dot_product_attention(
+                    qi, kk.transpose(0, 1), vv.transpose(0, 1), is_causal=True, scale=scale,
+                    enable_gqa=True)
+            else:
+                mask = causal_mask(q_len, k_len, sliding_window, q.device)
+                o = F.scaled_dot_product_attention(
+                    qi, kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask, scale=scale,
+                    enable_gqa=True)
             out[start:start + q_len] = o.transpose(0, 1)
             start += q_len
         return out
@@ -96,7 +101,11 @@ class TorchNativeBackend(AttentionBackend):
         mask = pos < lens[:, None]
         if window is not None:
             mask &= pos > (lens[:, None] - 1 - window)
-        o = F.scaled_dot_product_attention(
-            q[:, :, None, :], kk.transpose(1, 2), vv.transpose(1, 2),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-        return o[:, :, 0, :]
+        # Plain matmuls: SDPA with a mask takes a slow path on the CPU for one query.
+        hkv, d = kk.shape[2], kk.shape[3]
+        qg = q.view(nd, hkv, -1, d)  # [nd, Hkv, G, D]: GQA without repeating K/V
+        scores = torch.matmul(qg, kk.permute(0, 2, 3, 1)).float() * scale  # [nd, Hkv, G, L]
+        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(vv.dtype)
+        o = torch.matmul(probs, vv.transpose(1, 2))  # [nd, Hkv, G, D]
+        return o.reshape(nd, -1, d)

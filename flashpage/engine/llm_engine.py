@@ -111,6 +111,12 @@ class LLMEngine:
         backend = backend_cls(mc, self.device, self.dtype)
         self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
                                   config.block_size, self.device, self.dtype)
+        if (self.device.type == "cuda" and backend_cls.supports_cuda_graphs
+                and not config.enforce_eager):
+            t1 = time.perf_counter()
+            self.runner.capture_decode_graphs(min(config.max_num_seqs, 512), self.max_model_len)
+            logger.info("captured decode CUDA graphs for %d batch sizes in %.1fs",
+                        len(self.runner.graphs.buckets), time.perf_counter() - t1)  # type: ignore[union-attr]
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
         self._counter = 0
@@ -195,7 +201,7 @@ class LLMEngine:
                 self.scheduler.abort_requests([c.request.request_id for c in parent.children])
                 raise
             detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-                     if self.tokenizer is not None else None)
+                     if self.tokenizer is not None and params.detokenize else None)
             child = _Child(req, request_id, i, detok)
             parent.children.append(child)
         self._parents[request_id] = parent
@@ -230,7 +236,9 @@ class LLMEngine:
         return len(self._parents)
 
     # ------------------------------------------------------------------ step
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One scheduler step. Returns an output for every request that got a token (or,
+        with ``final_only``, only for requests that finished: cheaper for offline use)."""
         out = self.scheduler.schedule()
         now = time.monotonic()
         for req, _ in out.scheduled:
@@ -263,7 +271,12 @@ class LLMEngine:
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
+        if final_only:
+            return [self._make_output(pid, now) for pid in touched if self._is_done(pid)]
         return [self._make_output(pid, now) for pid in touched]
+
+    def _is_done(self, parent_id: str) -> bool:
+        return all(c.request.is_finished() for c in self._parents[parent_id].children)
 
     def _detokenize(self, child: _Child, token: int, finished: bool) -> None:
         req = child.request

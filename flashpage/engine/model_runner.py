@@ -16,6 +16,7 @@ from torch import nn
 
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata
 from flashpage.config import ModelConfig
+from flashpage.engine.cuda_graph import DecodeGraphs
 from flashpage.engine.sampler import Sampler, SamplerOutput
 from flashpage.engine.scheduler import SchedulerOutput
 from flashpage.engine.sequence import Request
@@ -45,12 +46,27 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size)
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         self.pin = device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
+        self._rows: dict[str, np.ndarray] = {}
+
+    def capture_decode_graphs(self, max_bs: int, max_model_len: int) -> None:
+        """Capture decode-step CUDA graphs (needs a backend without host syncs)."""
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, max_bs, max_blocks, self.device)
+        self.graphs.capture()
 
     # ------------------------------------------------------------------ cache
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor]:
         layers = self.model.attention_layers()  # type: ignore[operator]
-        caches = []
+        caches: list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor] = []
         for layer in layers:
+            if getattr(layer, "is_mla", False):  # MLA: one latent tensor per layer
+                latent = torch.zeros(layer.kv_cache_shape(num_blocks, self.block_size),
+                                     dtype=self.dtype, device=self.device)
+                layer.kv_cache = latent
+                layer.backend = self.backend
+                caches.append(latent)
+                continue
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             kc = torch.zeros(shape, dtype=self.dtype, device=self.device)
             vc = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -66,52 +82,72 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
+    def _table_row(self, req: Request) -> np.ndarray:
+        """The request's block table as int32, cached; blocks are only ever appended."""
+        ids = self.kv_manager.get_block_ids(req.request_id)
+        row = self._rows.get(req.request_id)
+        if row is None or len(row) != len(ids) or (len(ids) and row[0] != ids[0]):
+            row = np.fromiter(ids, dtype=np.int32, count=len(ids))
+            self._rows[req.request_id] = row
+        return row
+
     def prepare(self, out: SchedulerOutput) -> StepInputs:
+        for rid in (*out.finished_request_ids, *out.preempted_request_ids):
+            self._rows.pop(rid, None)
         # Decodes (one new token) first; the kernels dispatch on that split.
         sched = sorted(out.scheduled, key=lambda rn: rn[1] != 1)
         num_seqs = len(sched)
-        total = sum(n for _, n in sched)
+        total = out.total_num_scheduled_tokens
         bs = self.block_size
-        input_ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
-        slot_mapping = np.empty(total, dtype=np.int64)
-        qsl = np.zeros(num_seqs + 1, dtype=np.int32)
-        seq_lens = np.empty(num_seqs, dtype=np.int32)
-        tables = []
-        logits_idx: list[int] = []
+        # One int64 staging array -> one host-to-device copy per step:
+        # [input_ids | positions | slot_mapping | qsl | seq_lens | logits_idx | block_tables]
+        rows = [self._table_row(r) for r, _ in sched]
+        width = max(max((len(r) for r in rows), default=1), 1)
+        n_logits = sum(1 for r, n in sched if r.num_computed_tokens + n == r.num_tokens)
+        sizes = [total, total, total, num_seqs + 1, num_seqs, n_logits, num_seqs * width]
+        offs = np.cumsum([0, *sizes])
+        buf = np.zeros(int(offs[-1]), dtype=np.int64)
+        input_ids, positions, slot_mapping, qsl, seq_lens, logits_idx, tables = (
+            buf[offs[i]:offs[i + 1]] for i in range(7))
+        tables2d = tables.reshape(num_seqs, width)
         sample_reqs: list[Request] = []
         num_decodes = 0
         t = 0
+        k = 0
         for i, (req, n) in enumerate(sched):
             start = req.num_computed_tokens
             end = start + n
-            input_ids[t:t + n] = req.all_token_ids[start:end]
-            pos = np.arange(start, end, dtype=np.int64)
-            positions[t:t + n] = pos
-            block_ids = self.kv_manager.get_block_ids(req.request_id)
-            table = np.asarray(block_ids, dtype=np.int64)
-            slot_mapping[t:t + n] = table[pos // bs] * bs + pos % bs
-            tables.append(block_ids)
+            row = rows[i]
+            tables2d[i, : len(row)] = row
+            if n == 1:
+                input_ids[t] = req.all_token_ids[start]
+                positions[t] = start
+                slot_mapping[t] = int(row[start // bs]) * bs + start % bs
+                if num_decodes == i:
+                    num_decodes += 1
+            else:
+                input_ids[t:t + n] = req.all_token_ids[start:end]
+                pos = np.arange(start, end, dtype=np.int64)
+                positions[t:t + n] = pos
+                slot_mapping[t:t + n] = row[pos // bs].astype(np.int64) * bs + pos % bs
             seq_lens[i] = end
             t += n
             qsl[i + 1] = t
-            if n == 1 and num_decodes == i:
-                num_decodes += 1
             if end == req.num_tokens:
-                logits_idx.append(t - 1)
+                logits_idx[k] = t - 1
+                k += 1
                 sample_reqs.append(req)
-        max_blocks = max((len(b) for b in tables), default=1)
-        block_tables = np.zeros((num_seqs, max(max_blocks, 1)), dtype=np.int32)
-        for i, b in enumerate(tables):
-            block_tables[i, : len(b)] = b
+        dev = self._to_device(buf)
+        d_input_ids, d_positions, d_slots, d_qsl, d_seq_lens, d_logits, d_tables = (
+            dev[offs[i]:offs[i + 1]] for i in range(7))
         qlens = np.diff(qsl)
         md = AttentionMetadata(
             num_actual_tokens=total,
             num_seqs=num_seqs,
-            query_start_loc=self._to_device(qsl),
-            seq_lens=self._to_device(seq_lens),
-            block_tables=self._to_device(block_tables),
-            slot_mapping=self._to_device(slot_mapping),
+            query_start_loc=d_qsl.to(torch.int32),
+            seq_lens=d_seq_lens.to(torch.int32),
+            block_tables=d_tables.view(num_seqs, width).to(torch.int32),
+            slot_mapping=d_slots,
             max_query_len=int(qlens.max()) if num_seqs else 0,
             max_seq_len=int(seq_lens.max()) if num_seqs else 0,
             num_decodes=num_decodes,
@@ -120,8 +156,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
         )
         md = self.backend.prepare(md)
-        return StepInputs(self._to_device(input_ids), self._to_device(positions), md,
-                          self._to_device(np.asarray(logits_idx, dtype=np.int64)), sample_reqs)
+        return StepInputs(d_input_ids, d_positions, md, d_logits, sample_reqs)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -130,8 +165,17 @@ class ModelRunner:
         if not out.scheduled:
             return [], None
         inp = self.prepare(out)
-        hidden = self.model(inp.input_ids, inp.positions, inp.metadata)
+        md = inp.metadata
+        if (self.graphs is not None and md.num_decodes == md.num_seqs
+                and self.graphs.bucket(md.num_seqs) is not None):
+            # One token per request: token index == row of the captured logits.
+            logits = self.graphs.run(inp.input_ids, inp.positions, md, md.num_seqs)
+            logits = logits[inp.logits_indices]
+        else:
+            hidden = self.model(inp.input_ids, inp.positions, md)
+            if not inp.sample_requests:
+                return [], None
+            logits = self.model.compute_logits(hidden[inp.logits_indices])  # type: ignore[operator]
         if not inp.sample_requests:
             return [], None
-        logits = self.model.compute_logits(hidden[inp.logits_indices])  # type: ignore[operator]
         return inp.sample_requests, self.sampler(logits, inp.sample_requests)

@@ -45,15 +45,27 @@ def test_triton_backend_matches_torch_native_interpreted(tiny_checkpoint, monkey
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_triton_backend_matches_torch_native_gpu(tiny_checkpoint, dtype):
+    """fp32: identical tokens (CUDA graphs included). bf16: the backends round differently,
+    so greedy paths may part, but only where the reference's top two tokens were nearly
+    tied, and the token we chose there must be the reference's runner-up."""
     path = tiny_checkpoint("head64_gqa")
     prompts = random_prompts(12, 1, 120, seed=9)
     prompts.append(prompts[3] + [5, 6, 7])
-    ref = _run(path, "torch_native", "cuda", dtype, prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    ref_llm = LLM(str(path), dtype=dtype, device="cuda", attention_backend="torch_native",
+                  block_size=16, max_num_batched_tokens=32)
+    ref = ref_llm.generate(prompts, params, use_tqdm=False)
+    del ref_llm
     got = _run(path, "triton", "cuda", dtype, prompts)
     if dtype == "float32":
-        assert got == ref
-    else:  # bf16 rounding may flip a near-tie late in a sequence: compare the first tokens
-        same_first = sum(g[0] == r[0] for g, r in zip(got, ref, strict=True))
-        assert same_first >= len(ref) - 1
-        agree = sum(a == b for g, r in zip(got, ref, strict=True) for a, b in zip(g, r, strict=True))
-        assert agree >= 0.9 * sum(len(r) for r in ref)
+        assert got == [o.outputs[0].token_ids for o in ref]
+        return
+    for g, r in zip(got, ref, strict=True):
+        rt = r.outputs[0].token_ids
+        diverge = next((i for i, (a, b) in enumerate(zip(g, rt, strict=True)) if a != b), None)
+        if diverge is None:
+            continue
+        lp = r.outputs[0].logprobs[diverge]
+        (t1, l1), (t2, l2) = lp.top
+        assert g[diverge] == t2, "the triton backend chose a token outside the reference's top 2"
+        assert l1 - l2 < 0.1, f"parted at a clear choice (gap {l1 - l2:.3f} nats)"

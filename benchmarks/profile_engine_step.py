@@ -1,0 +1,79 @@
+"""Where a decode step's time goes: scheduler, input preparation, forward (graph or eager),
+sampler, and the rest, each timed with a device sync around it (so the sum is slower
+than a real step; the split is what matters).
+
+Usage: python benchmarks/profile_engine_step.py --config llama-3-8b --batch 256 --context 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from flashpage.bench.common import make_workload, resolve_config
+from flashpage.llm import LLM
+from flashpage.sampling_params import SamplingParams
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="llama-3-8b")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    args = p.parse_args()
+    llm = LLM(random_weights_config=resolve_config(args.config),
+              gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(args.batch))
+    eng = llm.engine
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = defaultdict(list)
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            sync()
+            t0 = time.perf_counter()
+            r = fn(*a, **k)
+            sync()
+            times[name].append(time.perf_counter() - t0)
+            return r
+        return wrapper
+
+    runner = eng.runner
+    runner.prepare = timed("prepare", runner.prepare)
+    runner.sampler.__class__.__call__  # noqa: B018
+    orig_sampler = runner.sampler
+    runner.sampler = timed("sampler", orig_sampler)
+    if runner.graphs is not None:
+        runner.graphs.run = timed("forward_graph", runner.graphs.run)
+    runner.model.forward = timed("forward_eager", runner.model.forward)
+    eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
+    eng.scheduler.update_from_output = timed("update", eng.scheduler.update_from_output)
+    for bs in args.batch:
+        wl = make_workload(bs, (args.context, args.context), (args.steps, args.steps),
+                           eng.model_config.vocab_size)
+        params = SamplingParams(temperature=0.6, max_tokens=args.steps, ignore_eos=True,
+                                detokenize=False)
+        eng_steps: list[float] = []
+        for rid, prompt in enumerate(wl.prompts):
+            eng.add_request(f"b{bs}-{rid}", prompt, params)
+        # Prefill steps first (not timed), then decode steps.
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+            eng.step(final_only=True)
+        times.clear()
+        while eng.has_unfinished_requests():
+            t0 = time.perf_counter()
+            eng.step(final_only=True)
+            eng_steps.append(time.perf_counter() - t0)
+        print(f"batch {bs}, context {args.context}: step median {statistics.median(eng_steps) * 1e3:.2f} ms "
+              f"(synced parts below)")
+        for name, ts in sorted(times.items()):
+            print(f"  {name:14s} {statistics.median(ts) * 1e3:8.3f} ms  x{len(ts)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""What the throughput and latency benchmarks share: model choice, workload, HF baseline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_REPO = Path(__file__).resolve().parents[2]
+# Real configs: ../shared/configs beside the checkout, and copies in benchmarks/configs
+# (the GPU machine gets the repository only).
+CONFIG_DIRS = [_REPO.parent / "shared" / "configs", _REPO / "benchmarks" / "configs"]
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None,
+                   help="random weights of this shape: a config.json, its folder, or a name "
+                        "under ../shared/configs (e.g. llama-3-8b)")
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run transformers' generate on the same prompts (default on)")
+    p.add_argument("--json-out", default=None, help="write the results as JSON here")
+
+
+def resolve_config(name: str | None) -> str | None:
+    if name is None:
+        return None
+    if os.path.exists(name):
+        return name
+    for d in CONFIG_DIRS:
+        if (d / name).exists():
+            return str(d / name)
+    raise ValueError(f"--config {name!r}: not a path, nor a folder under "
+                     + " or ".join(str(d) for d in CONFIG_DIRS))
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def make_workload(num: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int,
+                  seed: int = 0) -> Workload:
+    """nano-vllm's benchmark workload: lengths uniform in the ranges, random token ids."""
+    g = torch.Generator().manual_seed(seed)
+    ins = torch.randint(in_range[0], in_range[1] + 1, (num,), generator=g).tolist()
+    outs = torch.randint(out_range[0], out_range[1] + 1, (num,), generator=g).tolist()
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in ins]
+    return Workload(prompts, outs)
+
+
+def hf_model(engine: Any) -> Any:
+    """A transformers model of the engine's shape and weights (same dtype and device)."""
+    import transformers
+
+    src = engine.source
+    dtype, device = engine.dtype, engine.device
+    if src.kind == "hf":
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            src.path, dtype=dtype).to(device).eval()
+    if src.kind == "gguf":
+        folder, name = os.path.split(src.path)
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=dtype).to(device).eval()
+    cfg = transformers.AutoConfig.for_model(**_hf_config_dict(engine.model_config.raw))
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    # Same weights as ours (the speed does not depend on them, but it costs nothing).
+    ours = dict(engine.model.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in ours and ours[name].shape == p.shape:
+                p.copy_(ours[name])
+    return model.eval()
+
+
+def _hf_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
+    d = dict(raw)
+    d.pop("architectures", None)
+    return d
+
+
+@torch.inference_mode()
+def hf_generate_throughput(model: Any, wl: Workload, batch_size: int, pad_id: int = 0) -> dict[str, Any]:
+    """transformers' generate over the workload in batches (left-padded, ignoring eos).
+
+    Each batch generates until its longest requested output; only the requested output
+    tokens are counted, so padding and over-generation count against it, as they would
+    for a user serving this workload with it."""
+    device = next(model.parameters()).device
+    model.generation_config.eos_token_id = None
+    total_time, done = 0.0, 0
+    for start in range(0, len(wl.prompts), batch_size):
+        prompts = wl.prompts[start:start + batch_size]
+        outs = wl.output_lens[start:start + batch_size]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        _sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(outs),
+                       min_new_tokens=max(outs), do_sample=False, pad_token_id=pad_id)
+        _sync(device)
+        total_time += time.perf_counter() - t0
+        done += sum(outs)
+    return {"requests": len(wl.prompts), "output_tokens": done, "seconds": total_time,
+            "output_tok_per_s": done / total_time}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")

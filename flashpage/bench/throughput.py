@@ -1,0 +1,152 @@
+"""`flashpage bench throughput`: offline output tokens/s on nano-vllm's workload, beside
+transformers' generate on the same prompts in the same run, and the roofline estimate.
+
+Default workload: 256 requests, input and output lengths uniform in 100-1024, random
+token ids, ignore_eos (every request generates exactly its output length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+import torch
+
+from flashpage.bench.common import (
+    add_model_arguments,
+    device_name,
+    hf_generate_throughput,
+    hf_model,
+    make_workload,
+    resolve_config,
+    weight_bytes,
+    write_json,
+)
+
+
+def roofline(engine, wl, bandwidth: float | None, flops: float | None, batch: int) -> dict:
+    """Lower bound on time: every decode step reads all weights once (steps = output tokens
+    / batch) plus the KV cache it attends to; every token costs 2 x params FLOPs."""
+    mc = engine.model_config
+    wbytes = weight_bytes(engine.model)
+    params = wbytes / engine.model.lm_head.weight.element_size()
+    tokens = wl.num_prompt_tokens + wl.num_output_tokens
+    steps = wl.num_output_tokens / batch
+    kv_per_token = mc.kv_bytes_per_token(str(engine.dtype).replace("torch.", ""))
+    # Mean context during decode ~ prompt + half the output; KV read once per output token.
+    kv_bytes = sum((len(p) + o / 2) * o for p, o in zip(wl.prompts, wl.output_lens, strict=True)) * kv_per_token
+    out = {"weight_bytes": wbytes, "decode_steps_at_batch": steps}
+    if bandwidth:
+        out["memory_seconds"] = (steps * wbytes + kv_bytes) / bandwidth
+    if flops:
+        out["compute_seconds"] = 2 * params * tokens / flops
+    if "memory_seconds" in out or "compute_seconds" in out:
+        t = max(out.get("memory_seconds", 0.0), out.get("compute_seconds", 0.0))
+        out["roofline_output_tok_per_s"] = wl.num_output_tokens / t
+    return out
+
+
+def measure_ceilings(device: torch.device) -> tuple[float | None, float | None]:
+    if device.type != "cuda":
+        return None, None
+    import triton.testing
+
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), return_mode="median")
+    bw = 2 * n / (ms * 1e-3)
+    x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: x @ x, return_mode="median")
+    fl = 2 * 8192**3 / (ms * 1e-3)
+    return bw, fl
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flashpage.cli import add_engine_arguments, build_llm
+    from flashpage.sampling_params import SamplingParams
+
+    p = argparse.ArgumentParser(prog="flashpage bench throughput", description=__doc__)
+    add_model_arguments(p)
+    add_engine_arguments(p)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--input-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
+    p.add_argument("--temperature", type=float, default=0.6, help="nano-vllm's benchmark uses 0.6")
+    p.add_argument("--hf-requests", type=int, default=None,
+                   help="run transformers on only the first N requests (it is slow); scaled as tok/s")
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--workload-seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    args.model = args.model
+    config = resolve_config(args.config)
+    llm = _build(build_llm, args, config)
+    engine = llm.engine
+    wl = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len),
+                       engine.model_config.vocab_size, args.workload_seed)
+    params = [SamplingParams(temperature=args.temperature, max_tokens=o, ignore_eos=True,
+                             detokenize=False) for o in wl.output_lens]
+    # Warm-up: compile kernels, capture graphs, touch the allocator.
+    llm.generate(wl.prompts[:4], [SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)] * 4,
+                 use_tqdm=False)
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    outs = llm.generate(wl.prompts, params, use_tqdm=True)
+    _sync(engine.device)
+    dt = time.perf_counter() - t0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == wl.num_output_tokens, (produced, wl.num_output_tokens)
+    result = {
+        "benchmark": "throughput",
+        "date": datetime.date.today().isoformat(),
+        "device": device_name(engine.device),
+        "model": config or args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "attention_backend": engine.backend_name,
+        "workload": {"requests": args.num_requests, "input_len": list(args.input_len),
+                     "output_len": list(args.output_len), "prompt_tokens": wl.num_prompt_tokens,
+                     "output_tokens": wl.num_output_tokens, "temperature": args.temperature},
+        "flashpage": {"seconds": dt, "output_tok_per_s": produced / dt,
+                      "total_tok_per_s": (produced + wl.num_prompt_tokens) / dt,
+                      "preemptions": engine.scheduler.num_preemptions,
+                      "kv_blocks": engine.num_blocks},
+    }
+    bw, fl = measure_ceilings(engine.device)
+    if bw:
+        result["ceilings"] = {"copy_GBps": bw / 1e9, "bf16_matmul_TFLOPs": fl / 1e12}
+    result["roofline"] = roofline(engine, wl, bw, fl, min(args.max_num_seqs, args.num_requests))
+    if args.hf:
+        n = args.hf_requests or args.num_requests
+        sub = type(wl)(wl.prompts[:n], wl.output_lens[:n])
+        model = hf_model(engine)
+        hf = hf_generate_throughput(model, sub, args.hf_batch_size)
+        hf["subset"] = n < args.num_requests
+        hf["batch_size"] = args.hf_batch_size
+        result["transformers"] = hf
+        result["speedup_vs_transformers"] = result["flashpage"]["output_tok_per_s"] / hf["output_tok_per_s"]
+    write_json(args.json_out, result)
+    return 0
+
+
+def _build(build_llm, args, config):
+    if config is None:
+        return build_llm(args)
+    from flashpage.llm import LLM
+
+    return LLM(None, dtype=args.dtype, device=args.device, block_size=args.block_size,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+               attention_backend=args.attention_backend, num_gpu_blocks=args.num_gpu_blocks,
+               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+               seed=args.seed, random_weights_config=config)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
