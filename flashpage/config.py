@@ -159,7 +159,9 @@ class ModelConfig:
 
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
-        if heads % kv_heads != 0:
+        # MLA caches one latent shared by all heads: num_key_value_heads means nothing there
+        # (transformers' DeepseekV3Config defaults it to 128 whatever the head count).
+        if d.get("kv_lora_rank") is None and heads % kv_heads != 0:
             raise ConfigError(
                 f"{where}: num_attention_heads ({heads}) is not a multiple of "
                 f"num_key_value_heads ({kv_heads})"
