@@ -1,0 +1,163 @@
+"""DeepSeek-V2/V3: multi-head latent attention (MLA) and mixture-of-experts layers.
+
+Parameter names are transformers' (``model.layers.N.self_attn.kv_a_proj_with_mqa`` ...),
+so checkpoints load by name. Layer N's MLP is the MoE when N >= ``first_k_dense_replace``
+and N % ``moe_layer_freq`` == 0 (DeepSeek's rule; every released checkpoint has
+``moe_layer_freq`` 1), else a dense SiLU MLP of ``intermediate_size``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import cast
+
+import torch
+from torch import nn
+
+from flashpage.attention.backend import AttentionMetadata
+from flashpage.config import ModelConfig
+from flashpage.layers.linear import ColumnParallelLinear, VocabEmbedding
+from flashpage.layers.mla_attention import MLAAttention, MLARotaryEmbedding
+from flashpage.layers.moe import DeepseekMLP, DeepseekMoE
+from flashpage.layers.norm import RMSNorm
+
+# Checkpoints hold one tensor per routed expert; we keep them fused, [E, ...] per layer.
+_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def is_moe_layer(config: ModelConfig, layer_idx: int) -> bool:
+    return (bool(config.n_routed_experts) and layer_idx >= config.first_k_dense_replace
+            and layer_idx % max(config.moe_layer_freq, 1) == 0)
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: MLARotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLAAttention(config, layer_idx, rotary_emb)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module = (DeepseekMoE(config) if is_moe_layer(config, layer_idx)
+                               else DeepseekMLP(config.hidden_size, config.intermediate_size))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, md)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        # One cos/sin cache for all layers: [max_positions, rope] fp32 each would add up.
+        self.rotary_emb = MLARotaryEmbedding(config, max_positions)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i, self.rotary_emb)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, md)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class DeepseekForCausalLM(nn.Module):
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (the differences live in the config:
+    q_lora_rank, routing method, rope layout)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        if not config.is_mla:
+            raise ValueError(f"{config.architecture} config has no kv_lora_rank")
+        if config.raw.get("mlp_bias"):
+            raise ValueError("DeepSeek MLPs with mlp_bias are not supported")
+        self.config = config
+        self.model = DeepseekModel(config, max_positions or config.max_position_embeddings)
+        self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_layers(self) -> list[MLAAttention]:
+        return [cast(DeepseekDecoderLayer, layer).self_attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, md)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy (HF name, tensor) pairs into parameters and persistent buffers (V3's
+        ``e_score_correction_bias``); returns the names loaded. Per-expert tensors go into
+        their slice of the fused expert weights, which count as loaded once complete."""
+        targets = self.state_dict(keep_vars=True)
+        loaded: set[str] = set()
+        expert_pieces: dict[str, set[tuple[int, str]]] = {}
+        for name, tensor in weights:
+            if "rotary_emb." in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            layer = _LAYER.match(name)
+            if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
+                continue  # V3's multi-token-prediction layer: not used for generation
+            m = _EXPERT.match(name)
+            if m and name not in targets:
+                self._load_expert(targets, m, tensor, expert_pieces, loaded)
+                continue
+            if ".shared_experts." in name and tensor.numel() == 0 and name not in targets:
+                continue  # transformers writes a zero-width shared MLP when there is none
+            if name not in targets:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            target = targets[name]
+            loader = getattr(target, "weight_loader", None)
+            if loader is not None:
+                loader(target, tensor.to(target.dtype))
+            else:
+                if target.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
+                                     f"!= {tuple(target.shape)}")
+                target.data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def _load_expert(self, targets: dict[str, torch.Tensor], m: re.Match[str], tensor: torch.Tensor,
+                     pieces: dict[str, set[tuple[int, str]]], loaded: set[str]) -> None:
+        """``...experts.{e}.{gate,up,down}_proj.weight`` -> gate_up_proj[e] rows [:I] / [I:],
+        down_proj[e]."""
+        prefix, e, proj = m["prefix"], int(m["e"]), m["proj"]
+        fused = f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}"
+        if fused not in targets:
+            raise ValueError(f"checkpoint tensor {m.string!r} has no place in {type(self).__name__}")
+        param = targets[fused]
+        num_experts = param.shape[0]
+        if e >= num_experts:
+            raise ValueError(f"{m.string}: expert {e} >= n_routed_experts ({num_experts})")
+        dst = param.data[e]
+        if proj != "down":
+            inter = dst.shape[0] // 2
+            dst = dst[:inter] if proj == "gate" else dst[inter:]
+        if dst.shape != tensor.shape:
+            raise ValueError(f"{m.string}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        got = pieces.setdefault(fused, set())
+        got.add((e, proj))
+        if len(got) == num_experts * (1 if proj == "down" else 2):
+            loaded.add(fused)
+
+
+__all__ = ["DeepseekForCausalLM", "is_moe_layer"]
