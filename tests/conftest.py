@@ -80,6 +80,67 @@ def build_tiny_checkpoint(path: Path, name: str, seed: int = 0) -> Path:
     return path
 
 
+# DeepSeek (MLA + MoE), kept apart from TINY_MODELS, whose tests assume Llama-like heads.
+# name -> (HF config class name, extra config kwargs)
+_MLA_BASE = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                 qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                 n_shared_experts=1, moe_intermediate_size=32)
+TINY_MLA_MODELS: dict[str, tuple[str, dict]] = {
+    # V2: q_proj (no q_lora_rank), softmax greedy routing, every layer MoE, DeepSeek YaRN
+    # with an attention factor (mscale != mscale_all_dim) and a softmax-scale fix.
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        _MLA_BASE, q_lora_rank=None, first_k_dense_replace=0, topk_method="greedy",
+        routed_scaling_factor=1.5, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+            beta_fast=32, beta_slow=1, mscale=0.9, mscale_all_dim=0.7))),
+    # V3: q_lora_rank, a dense first layer, sigmoid noaux_tc over 2 groups with a
+    # correction bias, normalised top-k weights, interleaved rope.
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        _MLA_BASE, q_lora_rank=24, first_k_dense_replace=1, n_group=2, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=2.5)),
+}
+
+
+def build_tiny_mla_checkpoint(path: Path, name: str, seed: int = 0) -> Path:
+    """Save a tiny random DeepSeek checkpoint (fp32 safetensors + config.json) under ``path``."""
+    import transformers
+
+    cls_name, extra = TINY_MLA_MODELS[name]
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    base.update(extra)
+    config = getattr(transformers, cls_name)(**base)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Widen the small random init so logits are far from ties (as build_tiny_checkpoint).
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif "gate.weight" in n:
+                p.normal_(0, 0.5)  # router logits far apart: no near-tied expert choices
+            else:
+                p.normal_(0, 0.2)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.uniform_(-0.3, 0.3)  # V3 chooses with it but weights without it
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_checkpoint(tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = build_tiny_mla_checkpoint(tmp_path_factory.mktemp(name), name)
+        return cache[name]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     cache: dict[str, Path] = {}

@@ -1,0 +1,218 @@
+"""DeepSeek-V2/V3 (MLA + MoE) in the engine: token for token with transformers (fp32, CPU),
+the absorbed (decode) and expanded (prefill) attention paths agree, one latent cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpage import LLM, SamplingParams
+from flashpage.attention.backend import AttentionMetadata
+from flashpage.config import EngineConfig
+from flashpage.engine.llm_engine import LLMEngine
+from flashpage.layers.mla_attention import MLAAttention, mla_decode_torch, mla_prefill_torch
+from flashpage.models.loader import iter_safetensors, load_model, resolve_model
+from tests.conftest import TINY_MLA_MODELS, hf_greedy, random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+NAMES = sorted(TINY_MLA_MODELS)
+
+
+def latent_dim(cfg) -> int:
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_matches_transformers_with_one_latent_cached(tiny_mla_checkpoint, name):
+    path = tiny_mla_checkpoint(name)
+    prompts = random_prompts(3, 5, 40, seed=1)
+    expected = hf_greedy(path, prompts, GREEDY.max_tokens)
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=8,
+              attention_backend="torch_native")
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    engine = llm.engine
+    assert engine.kv_manager.stats().blocks_used == 0
+
+    # The cache: one [num_blocks, block_size, R + rope] tensor per layer, nothing else.
+    cfg = engine.model_config
+    shape = (engine.num_blocks, 8, latent_dim(cfg))
+    caches = engine.runner.kv_caches
+    assert len(caches) == cfg.num_hidden_layers
+    assert all(isinstance(c, torch.Tensor) and c.shape == shape for c in caches)
+    layers = engine.model.attention_layers()
+    assert all(isinstance(la, MLAAttention) and la.kv_cache is c for la, c in zip(layers, caches, strict=True))
+    cached_bytes = sum(c.numel() * c.element_size() for c in caches)
+    # All the KV memory is latents: (R + rope) values per token per layer, no K or V.
+    assert cached_bytes == engine.num_blocks * 8 * cfg.kv_bytes_per_token("float32")
+    assert cfg.kv_bytes_per_token("float32") == 4 * latent_dim(cfg) * cfg.num_hidden_layers
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny_mla_checkpoint, name):
+    """10 prompts (4 sharing a 32-token prefix) arrive over several steps into a cache too
+    small for all of them: chunked prefill (expanded path over a cached prefix), preemption
+    and prefix hits all happen, decodes share steps with chunks, and every output still
+    equals transformers'."""
+    path = tiny_mla_checkpoint(name)
+    shared = random_prompts(1, 32, 32, seed=7)[0]
+    prompts = random_prompts(6, 3, 60, seed=3) + [shared + p for p in random_prompts(4, 1, 20, seed=4)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = hf_greedy(path, prompts, params.max_tokens)
+
+    cfg = EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=4,
+                       num_gpu_blocks=40, max_num_batched_tokens=24, max_num_seqs=6,
+                       attention_backend="torch_native")
+    engine = LLMEngine(cfg)
+    chunks: list[tuple[str, int, int]] = []
+    mixed_steps = 0
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        nonlocal mixed_steps
+        out = schedule()
+        lens = [n for _, n in out.scheduled]
+        mixed_steps += 1 in lens and any(n > 1 for n in lens)
+        for r, n in out.scheduled:
+            remaining = r.num_tokens - r.num_computed_tokens
+            if remaining > 1 and n < remaining:
+                chunks.append((r.request_id, n, remaining))
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    got: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if step % 2 == 0:  # two new requests every other step
+            for _ in range(2):
+                if pending:
+                    i, p = pending.pop(0)
+                    engine.add_request(str(i), p, params)
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = o.outputs[0].token_ids
+        step += 1
+        assert step < 2000
+    assert chunks, "the token budget was meant to force chunked prefill"
+    assert mixed_steps > 0, "decodes and prompt chunks were meant to share steps"
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    assert engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
+    kv = engine.kv_manager.stats()
+    assert kv.prefix_hits > 0, "the shared prefix was meant to hit the cache"
+    assert kv.blocks_used == 0
+
+
+# ----------------------------------------------------------------- the two paths, one step
+class SpyBackend:
+    """Routes MLA attention through the backend hooks, counting which path ran."""
+
+    def __init__(self) -> None:
+        self.calls = {"decode": 0, "prefill": 0}
+
+    def forward_mla_decode(self, *args, **kwargs):
+        self.calls["decode"] += 1
+        return mla_decode_torch(*args, **kwargs)
+
+    def forward_mla_prefill(self, *args, **kwargs):
+        self.calls["prefill"] += 1
+        return mla_prefill_torch(*args, **kwargs)
+
+
+def metadata(q_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
+             num_decodes: int) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata of one step (and the positions of its tokens) as the model runner builds it."""
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(q_lens, seq_lens, strict=True)])
+    slots = torch.cat([torch.tensor(t)[torch.arange(s - q, s) // block_size] * block_size
+                       + torch.arange(s - q, s) % block_size
+                       for q, s, t in zip(q_lens, seq_lens, tables, strict=True)])
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    md = AttentionMetadata(
+        num_actual_tokens=sum(q_lens), num_seqs=len(q_lens), query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=bt,
+        slot_mapping=slots.long(), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        num_decodes=num_decodes, num_decode_tokens=num_decodes, query_lens_cpu=list(q_lens),
+        seq_lens_cpu=list(seq_lens))
+    return md, positions
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_absorbed_and_expanded_paths_agree_on_the_same_step(tiny_mla_checkpoint, name):
+    """Three requests prefilled into scattered blocks, then one decode step run twice: as
+    decodes (absorbed query over the latent, MQA) and as 1-token prefills (latents expanded
+    to per-head K/V). Hidden states agree within fp32 rounding; both match transformers."""
+    import transformers
+
+    path = tiny_mla_checkpoint(name)
+    source = resolve_model(str(path))
+    cfg = source.config
+    model = load_model(source, torch.float32, torch.device("cpu"))
+    block_size, num_blocks = 4, 32
+    spy = SpyBackend()
+    for layer in model.attention_layers():
+        layer.kv_cache = torch.full(layer.kv_cache_shape(num_blocks, block_size), float("nan"))
+        layer.backend = spy
+
+    lens = [6, 13, 21]
+    prompts = [random_prompts(1, n, n, seed=20 + i)[0] for i, n in enumerate(lens)]
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(5)).tolist()
+    tables, used = [], 0
+    for n in lens:
+        k = (n + 1 + block_size - 1) // block_size  # room for the decoded token
+        tables.append(perm[used:used + k])
+        used += k
+
+    with torch.no_grad():
+        md, pos = metadata(lens, lens, tables, block_size, num_decodes=0)
+        hidden = model(torch.tensor(sum(prompts, [])), pos, md)
+        last = torch.tensor(lens).cumsum(0) - 1
+        next_ids = model.compute_logits(hidden[last]).argmax(-1)
+        assert spy.calls == {"decode": 0, "prefill": cfg.num_hidden_layers}
+
+        outs = {}
+        for nd in (3, 0):
+            spy.calls = {"decode": 0, "prefill": 0}
+            md, pos = metadata([1, 1, 1], [n + 1 for n in lens], tables, block_size, num_decodes=nd)
+            outs[nd] = model(next_ids, pos, md)
+            path_ran = "decode" if nd else "prefill"
+            assert spy.calls[path_ran] == cfg.num_hidden_layers and sum(spy.calls.values()) == spy.calls[path_ran]
+        absorbed, expanded = outs[3], outs[0]
+        assert torch.isfinite(absorbed).all()
+        torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
+
+        # Both equal transformers' logits at the decoded position.
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([p + [int(next_ids[i])]])
+            want = hf(ids).logits[0, -1]
+            for h in (absorbed, expanded):
+                torch.testing.assert_close(model.compute_logits(h[i]), want, rtol=1e-4, atol=1e-4)
+
+
+def test_load_weights_fuses_experts_and_reports_what_is_missing(tiny_mla_checkpoint):
+    path = tiny_mla_checkpoint("deepseek_v3")
+    source = resolve_model(str(path))
+    model = load_model(source, torch.float32, torch.device("cpu"))
+    ref = dict(iter_safetensors(str(path)))
+    # Expert 5 of layer 1, gate and up rows, ended up in their slices of the fused weight.
+    fused = model.model.layers[1].mlp.experts.gate_up_proj
+    inter = fused.shape[1] // 2
+    assert torch.equal(fused[5, :inter], ref["model.layers.1.mlp.experts.5.gate_proj.weight"])
+    assert torch.equal(fused[5, inter:], ref["model.layers.1.mlp.experts.5.up_proj.weight"])
+    bias = model.model.layers[2].mlp.gate.e_score_correction_bias
+    assert torch.equal(bias, ref["model.layers.2.mlp.gate.e_score_correction_bias"])
+    assert bias.abs().sum() > 0  # the checkpoint's bias, not the zero init
+
+    # One expert piece short: the fused weight is not reported loaded.
+    partial = [(n, t) for n, t in ref.items() if n != "model.layers.2.mlp.experts.7.up_proj.weight"]
+    loaded = model.load_weights(partial)
+    assert "model.layers.2.mlp.experts.gate_up_proj" not in loaded
+    assert "model.layers.2.mlp.experts.down_proj" in loaded
+    # V3 checkpoints carry a multi-token-prediction layer past num_hidden_layers: skipped.
+    n = source.config.num_hidden_layers
+    model.load_weights([(f"model.layers.{n}.eh_proj.weight", torch.zeros(2, 2))])
+    with pytest.raises(ValueError, match="has no place"):
+        model.load_weights([("model.layers.0.self_attn.k_proj.weight", torch.zeros(2, 2))])
