@@ -103,9 +103,11 @@ class TorchNativeBackend(AttentionBackend):
             mask &= pos > (lens[:, None] - 1 - window)
         # Plain matmuls: SDPA with a mask takes a slow path on the CPU for one query.
         hkv, d = kk.shape[2], kk.shape[3]
-        qg = q.view(nd, hkv, -1, d)  # [nd, Hkv, G, D]: GQA without repeating K/V
-        scores = torch.matmul(qg, kk.permute(0, 2, 3, 1)).float() * scale  # [nd, Hkv, G, L]
+        # fp32 throughout, as SDPA and the kernels accumulate: a bf16 QK^T rounds the
+        # scores before the softmax and makes this reference the least accurate backend.
+        qg = q.view(nd, hkv, -1, d).float()  # [nd, Hkv, G, D]: GQA without repeating K/V
+        scores = torch.matmul(qg, kk.float().permute(0, 2, 3, 1)) * scale  # [nd, Hkv, G, L]
         scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(vv.dtype)
-        o = torch.matmul(probs, vv.transpose(1, 2))  # [nd, Hkv, G, D]
-        return o.reshape(nd, -1, d)
+        probs = scores.softmax(dim=-1)
+        o = torch.matmul(probs, vv.float().transpose(1, 2))  # [nd, Hkv, G, D]
+        return o.reshape(nd, -1, d).to(q.dtype)

@@ -199,13 +199,31 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # never leave clients waiting on a dead thread
+            logger.exception("engine thread died")
+            self._stop = True
+            error = EngineDeadError(f"engine thread died: {e}")
+            self._fail_all(error)
+            while True:  # commands queued before the death: fail their futures
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                fut = cmd[-1] if cmd[0] == "add" else cmd[1] if cmd[0] == "stats" else None
+                if isinstance(fut, concurrent.futures.Future) and fut.set_running_or_notify_cancel():
+                    fut.set_exception(error)
+
+    def _loop(self) -> None:
         engine = self.engine
         device = getattr(engine, "device", None)
         if device is not None and device.type == "cuda":
             import torch
 
             # The current CUDA device is per thread; this one must run on the engine's.
-            torch.cuda.set_device(device)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_device(index)
         while not self._stop:
             self._drain_commands()
             if self._stop:

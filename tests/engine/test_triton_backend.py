@@ -41,31 +41,39 @@ def test_triton_backend_matches_torch_native_interpreted(tiny_checkpoint, monkey
     assert got == ref
 
 
+def _leading_agreement(got: list[list[int]], truth: list[list[int]]) -> int:
+    """Tokens each sequence matches the truth for, before its first difference."""
+    total = 0
+    for g, t in zip(got, truth, strict=True):
+        for a, b in zip(g, t, strict=True):
+            if a != b:
+                break
+            total += 1
+    return total
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_triton_backend_matches_torch_native_gpu(tiny_checkpoint, dtype):
-    """fp32: identical tokens (CUDA graphs included). bf16: the backends round differently,
-    so greedy paths may part, but only where the reference's top two tokens were nearly
-    tied, and the token we chose there must be the reference's runner-up."""
+def test_triton_backend_matches_torch_native_gpu_fp32(tiny_checkpoint):
+    """fp32: identical tokens, CUDA graphs and fused kernels included."""
     path = tiny_checkpoint("head64_gqa")
     prompts = random_prompts(12, 1, 120, seed=9)
     prompts.append(prompts[3] + [5, 6, 7])
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    ref_llm = LLM(str(path), dtype=dtype, device="cuda", attention_backend="torch_native",
-                  block_size=16, max_num_batched_tokens=32)
-    ref = ref_llm.generate(prompts, params, use_tqdm=False)
-    del ref_llm
-    got = _run(path, "triton", "cuda", dtype, prompts)
-    if dtype == "float32":
-        assert got == [o.outputs[0].token_ids for o in ref]
-        return
-    for g, r in zip(got, ref, strict=True):
-        rt = r.outputs[0].token_ids
-        diverge = next((i for i, (a, b) in enumerate(zip(g, rt, strict=True)) if a != b), None)
-        if diverge is None:
-            continue
-        lp = r.outputs[0].logprobs[diverge]
-        (t1, l1), (t2, l2) = lp.top
-        assert g[diverge] == t2, "the triton backend chose a token outside the reference's top 2"
-        assert l1 - l2 < 0.1, f"parted at a clear choice (gap {l1 - l2:.3f} nats)"
+    assert _run(path, "triton", "cuda", "float32", prompts) == \
+        _run(path, "torch_native", "cuda", "float32", prompts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_backend_bf16_as_close_to_fp32_as_torch_native(tiny_checkpoint):
+    """bf16 rounds differently in every backend, and greedy paths of a tiny random model
+    part at near-ties, so neither bf16 run equals the fp32 one. Ours must follow the
+    fp32 tokens at least about as far as the reference backend in bf16 does."""
+    path = tiny_checkpoint("head64_gqa")
+    prompts = random_prompts(24, 1, 120, seed=9)
+    truth = _run(path, "torch_native", "cuda", "float32", prompts)
+    ref16 = _leading_agreement(_run(path, "torch_native", "cuda", "bfloat16", prompts), truth)
+    ours16 = _leading_agreement(_run(path, "triton", "cuda", "bfloat16", prompts), truth)
+    total = sum(len(t) for t in truth)
+    assert ours16 >= ref16 - 0.05 * total, (ours16, ref16, total)
+    assert ours16 >= 0.5 * total, (ours16, total)

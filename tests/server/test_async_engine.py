@@ -107,3 +107,35 @@ def test_slow_consumer_gets_merged_steps(aengine, offline_llm):
     assert len(outs) < 30  # several steps arrived as one
     assert "".join(o.new_text[0] for o in outs) == exp.text
     assert outs[-1].outputs[0].token_ids == exp.token_ids
+
+
+class _DyingEngine:
+    """An engine whose loop breaks after a moment, as a bad CUDA device did on the H200:
+    a request queued meanwhile must fail, not wait forever."""
+
+    device = None
+    tokenizer = None
+
+    def has_unfinished_requests(self) -> bool:
+        time.sleep(0.5)
+        raise RuntimeError("device lost")
+
+    def abort_request(self, ids) -> None:
+        pass
+
+
+def test_dead_engine_thread_fails_requests_instead_of_hanging():
+    from flashpage.server.async_engine import EngineDeadError
+
+    ae = AsyncEngine(_DyingEngine())  # type: ignore[arg-type]
+    ae.start()
+
+    async def go():  # queued while the engine thread is about to die
+        return await asyncio.wait_for(ae.add_request("x", [1, 2], SamplingParams()), 5)
+
+    with pytest.raises(EngineDeadError, match="device lost"):
+        asyncio.run(go())
+    ae._thread.join(5)  # type: ignore[union-attr]
+    assert not ae.is_running
+    with pytest.raises(EngineDeadError):  # and later ones are refused at once
+        asyncio.run(go())
