@@ -29,6 +29,7 @@ from torch import nn
 
 from flashpage.attention.torch_native import causal_mask, gather_paged
 from flashpage.config import ModelConfig
+from flashpage.layers.fp32 import KeepFp32
 from flashpage.layers.linear import ColumnParallelLinear, RowParallelLinear
 from flashpage.layers.mla import (
     mla_absorb_output,
@@ -38,7 +39,6 @@ from flashpage.layers.mla import (
     mla_softmax_scale,
     yarn_inv_freq_and_mscale,
 )
-from flashpage.layers.moe import _Fp32ParamsMixin
 from flashpage.layers.norm import RMSNorm
 from flashpage.layers.rotary import apply_rotary_torch, build_cos_sin_cache
 
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 LATENT_NORM_EPS = 1e-6
 
 
-class MLARotaryEmbedding(_Fp32ParamsMixin, nn.Module):
+class MLARotaryEmbedding(KeepFp32, nn.Module):
     """DeepSeek rope over the ``qk_rope_head_dim`` dims, shared by every layer.
 
     ``cos_sin_cache`` [max_positions, rope] fp32 (cos half, then sin half), both halves

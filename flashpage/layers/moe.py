@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpage.config import ModelConfig
+from flashpage.layers.fp32 import KeepFp32
 
 
 def routing_method(config: ModelConfig) -> str:
@@ -47,27 +48,7 @@ def routing_method(config: ModelConfig) -> str:
                      "(supported: greedy, group_limited_greedy, noaux_tc)")
 
 
-class _Fp32ParamsMixin:
-    """Keep this module's parameters and buffers in fp32 through ``model.to(dtype)``.
-
-    Routing picks among near-equal scores; in bf16 the choices flip, and transformers
-    keeps the router in fp32 (``_keep_in_fp32_modules_strict``) for that reason.
-    """
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        # detach(): keeps the old storage even when ``param.data`` is swapped in place.
-        before = {n: t.detach() for n, t in [*self._parameters.items(), *self._buffers.items()]
-                  if t is not None}
-        super()._apply(fn, recurse)  # type: ignore[misc]
-        for name, old in before.items():
-            new = getattr(self, name)
-            if new.dtype != torch.float32 and new.is_floating_point():
-                # Move only: converting back from the cast copy would lose precision.
-                new.data = old.to(device=new.device, dtype=torch.float32)
-        return self
-
-
-class MoEGate(_Fp32ParamsMixin, nn.Module):
+class MoEGate(KeepFp32, nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if not config.n_routed_experts:

@@ -13,6 +13,7 @@ from torch import nn
 
 from flashpage.config import ModelConfig, RopeScaling
 from flashpage.layers import ops
+from flashpage.layers.fp32 import KeepFp32
 
 
 def default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -66,7 +67,7 @@ def apply_rotary_torch(
     return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(KeepFp32, nn.Module):
     def __init__(self, head_dim: int, rot_dim: int, max_positions: int, base: float,
                  scaling: RopeScaling | None = None, is_neox: bool = True) -> None:
         super().__init__()

@@ -165,8 +165,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     cls = model_class(source.config)
     with torch.device(device):
         model = cls(source.config, max_positions)  # type: ignore[call-arg]
-    model.to(dtype)
-    _keep_fp32_buffers(model)
+    model.to(dtype)  # modules with KeepFp32 (rotary caches, MoE router) stay fp32
     if source.kind == "random":
         init_random_(model, seed)
     else:
@@ -174,7 +173,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         weights = (iter_gguf(source.path, source.config) if source.kind == "gguf"
                    else iter_safetensors(source.path, "cpu"))
         loaded = model.load_weights(weights)  # type: ignore[operator]
-        expected = {n for n, _ in model.named_parameters()}
+        # Parameters and persistent buffers (e.g. DeepSeek-V3's e_score_correction_bias).
+        expected = set(model.state_dict().keys())
         if source.config.tie_word_embeddings:
             expected.discard("lm_head.weight")
         missing = sorted(expected - loaded)
@@ -182,13 +182,6 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ModelLoadError(f"{source.path}: {len(missing)} weight(s) missing from the checkpoint: {shown}")
     return model.eval()
-
-
-def _keep_fp32_buffers(model: nn.Module) -> None:
-    # cos/sin caches stay fp32 whatever the model dtype.
-    for mod in model.modules():
-        if hasattr(mod, "cos_sin_cache"):
-            mod.cos_sin_cache = mod.cos_sin_cache.float()
 
 
 @torch.no_grad()

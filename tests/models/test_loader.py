@@ -1,0 +1,38 @@
+"""Loader: fp32 tensors survive a bf16 model, and every persistent tensor must be loaded."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from flashpage.layers.rotary import build_cos_sin_cache, scaled_inv_freq
+from flashpage.models.loader import ModelLoadError, load_model, resolve_model
+
+
+def test_rotary_cache_stays_exact_fp32_in_a_bf16_model(tiny_checkpoint):
+    src = resolve_model(str(tiny_checkpoint("llama31_gqa")))
+    model = load_model(src, torch.bfloat16, torch.device("cpu"), max_positions=512)
+    cfg = src.config
+    want = build_cos_sin_cache(scaled_inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling), 512)
+    rope = model.model.layers[0].self_attn.rotary_emb
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert rope.cos_sin_cache.dtype == torch.float32
+    assert torch.equal(rope.cos_sin_cache, want)  # a bf16 round trip would change it
+
+
+def test_missing_persistent_buffer_is_an_error(tmp_path, tiny_mla_checkpoint):
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_mla_checkpoint("deepseek_v3")
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    sd = load_file(str(src / "model.safetensors"))
+    dropped = [k for k in sd if k.endswith("e_score_correction_bias")]
+    assert dropped, "the V3 checkpoint should carry the router's correction bias"
+    del sd[dropped[0]]
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="e_score_correction_bias"):
+        load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
