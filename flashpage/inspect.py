@@ -249,7 +249,16 @@ def format_report(info: dict[str, Any]) -> str:
         (f"tokens in {mem} - weights", f"{info['tokens_in_memory_after_weights']:,}"),
     ]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    if "backends" in info:
+        b = info["backends"]
+        lines = [f"\nattention backends on {b['device']} ({b['dtype']}):"]
+        for e in b["backends"]:
+            mark = "default" if e["default"] else ("can run" if e["can_run"] else "cannot run")
+            why = f": {'; '.join(e['reasons'])}" if e["reasons"] else ""
+            lines.append(f"  {e['name']:<13} {mark}{why}")
+        text += "\n".join(lines)
+    return text
 
 
 # ------------------------------------------------------------------------ CLI
@@ -287,6 +296,11 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=DEFAULT_DTYPE,
                         help=f"KV cache and weight dtype: fp32, fp16, bf16, fp8 (default {DEFAULT_DTYPE})")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--backends", action="store_true",
+                        help="also say which attention backends can run this model on this "
+                             "machine, and why the others cannot")
+    parser.add_argument("--device", dest="backend_device", default="auto",
+                        help="device for --backends: auto, cpu, cuda (default auto)")
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -304,8 +318,28 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"flashpage inspect: error: {e}", file=sys.stderr)
         return 2
     info = {"source": source, **info}
+    if getattr(args, "backends", False):
+        try:
+            info["backends"] = _backends(cfg, args.backend_device, args.dtype)
+        except ValueError as e:
+            print(f"flashpage inspect: error: {e}", file=sys.stderr)
+            return 2
     print(json.dumps(info, indent=2) if args.json else format_report(info))
     return 0
+
+
+def _backends(cfg: ModelConfig, device: str, dtype: str) -> dict[str, Any]:
+    """The attention backends on this machine for ``cfg`` (what the engine would choose)."""
+    import torch
+
+    from flashpage.attention.registry import backend_report
+    from flashpage.engine.llm_engine import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    tdtype: torch.dtype = resolve_dtype(
+        {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(dtype, dtype), dev)
+    return {"device": str(dev), "dtype": str(tdtype).replace("torch.", ""),
+            "backends": backend_report(cfg, dev, tdtype)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 
 A forced backend (argument or FLASHPAGE_ATTENTION_BACKEND) that cannot run stops with
 its reasons; it never silently falls back. The default is the fastest backend that can
-run this model here: ours (``triton``) on CUDA, ``torch_native`` elsewhere.
+run this model here: ours (``triton``) on CUDA, ``torch_native`` elsewhere. (A ``flex``
+backend, FlexAttention over the paged cache, is planned: docs/features.md.)
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ if TYPE_CHECKING:
 BACKENDS: dict[str, tuple[str, str]] = {
     "torch_native": ("flashpage.attention.torch_native", "TorchNativeBackend"),
     "triton": ("flashpage.attention.triton", "TritonBackend"),
-    "flex": ("flashpage.attention.flex", "FlexBackend"),
 }
-# Preference order for the default choice.
-PREFERENCE = ["triton", "flex", "torch_native"]
+# Preference order for the default choice, by device type. On the CPU the Triton
+# interpreter can run our kernels, but only when asked for: it is for tests, not speed.
+PREFERENCE = {"cuda": ["triton", "torch_native"], "cpu": ["torch_native"]}
 
 
 class BackendUnavailable(RuntimeError):
@@ -62,7 +63,7 @@ def select_backend(requested: str | None, config: ModelConfig, device: torch.dev
                 + "; ".join(reasons))
         return backend_class(requested), f"{requested} (requested)"
     skipped = []
-    for name in PREFERENCE:
+    for name in PREFERENCE.get(device.type, ["torch_native"]):
         reasons = backend_reasons(name, config, device, dtype)
         if not reasons:
             why = f"{name} (default on {device.type}"
@@ -70,3 +71,15 @@ def select_backend(requested: str | None, config: ModelConfig, device: torch.dev
             return backend_class(name), why
         skipped.append(f"{name}: {reasons[0]}")
     raise BackendUnavailable("no attention backend can run this model: " + "; ".join(skipped))
+
+
+def backend_report(config: ModelConfig, device: torch.device,
+                   dtype: torch.dtype) -> list[dict[str, object]]:
+    """Every backend, whether it can run this model here and why not; the default marked."""
+    try:
+        default: str | None = select_backend(None, config, device, dtype)[0].name
+    except BackendUnavailable:
+        default = None
+    return [{"name": name, "can_run": not reasons, "reasons": reasons, "default": name == default}
+            for name in BACKENDS
+            for reasons in [backend_reasons(name, config, device, dtype)]]
