@@ -3,6 +3,9 @@
 Per layer: the KV-cache write kernel, then the paged decode kernel for the leading
 decode requests and the FlashAttention-style paged prefill kernel for the rest (prompt
 chunks and prefix hits), both reading K/V through the block tables.
+
+MLA: decodes run the MLA decode kernel over the latent cache (absorbed queries, MQA
+over 576-wide entries); prompt chunks use the layer's expanded torch path.
 """
 
 from __future__ import annotations
@@ -38,9 +41,7 @@ class TritonBackend(AttentionBackend):
         if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
             reasons.append(f"needs a CUDA GPU (device is {device.type}; "
                            "TRITON_INTERPRET=1 runs it on the CPU, slowly)")
-        if model_config.is_mla:
-            reasons.append("MLA models need the MLA attention path (not in this backend yet)")
-        elif model_config.head_dim not in SUPPORTED_HEAD_DIMS:
+        if not model_config.is_mla and model_config.head_dim not in SUPPORTED_HEAD_DIMS:
             reasons.append(f"head_dim {model_config.head_dim} is not one of {SUPPORTED_HEAD_DIMS}")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             reasons.append(f"dtype {dtype} is not supported")
@@ -77,3 +78,12 @@ class TritonBackend(AttentionBackend):
                           causal=True, sm_scale=scale, window_size=sliding_window,
                           out=out[ndt:n])
         return out
+
+    def forward_mla_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                           *, kv_lora_rank: int, scale: float) -> torch.Tensor:
+        """q [nd, H, R + rope] absorbed queries of the leading decodes -> [nd, H, R]."""
+        from flashpage.kernels.mla_decode import mla_decode
+
+        nd = q.shape[0]
+        return mla_decode(q.contiguous(), kv_cache, md.block_tables[:nd], md.seq_lens[:nd],
+                          kv_lora_rank=kv_lora_rank, sm_scale=scale)

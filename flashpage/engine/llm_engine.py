@@ -116,8 +116,9 @@ class LLMEngine:
         backend = backend_cls(mc, self.device, self.dtype)
         self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
                                   config.block_size, self.device, self.dtype)
+        # A model can opt out (DeepSeek's MoE syncs with the host once per layer).
         if (self.device.type == "cuda" and backend_cls.supports_cuda_graphs
-                and not config.enforce_eager):
+                and getattr(self.model, "supports_cuda_graphs", True) and not config.enforce_eager):
             t1 = time.perf_counter()
             self.runner.capture_decode_graphs(min(config.max_num_seqs, 512), self.max_model_len)
             logger.info("captured decode CUDA graphs for %d batch sizes in %.1fs",

@@ -110,10 +110,12 @@ def mla_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetad
     # Slots past a request's length hold anything (other requests' data, never-written
     # memory): zero them, since a masked probability of 0 times a NaN is still NaN.
     ent = ent.masked_fill(~valid[..., None], 0)
-    scores = torch.matmul(q, ent.transpose(1, 2)).float() * scale  # [nd, H, L]
+    # fp32 scores and sums, as the kernel accumulates (bf16 scores would round before softmax).
+    ent = ent.float()
+    scores = torch.matmul(q.float(), ent.transpose(1, 2)) * scale  # [nd, H, L]
     scores.masked_fill_(~valid[:, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(ent.dtype)
-    return torch.matmul(probs, ent[..., :kv_lora_rank])  # every head reads the one latent
+    probs = scores.softmax(dim=-1)
+    return torch.matmul(probs, ent[..., :kv_lora_rank]).to(q.dtype)  # every head reads the one latent
 
 
 def mla_prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,

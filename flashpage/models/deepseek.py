@@ -77,6 +77,9 @@ class DeepseekForCausalLM(nn.Module):
     """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (the differences live in the config:
     q_lora_rank, routing method, rope layout)."""
 
+    # The MoE layer groups tokens by expert with one host sync per layer: not capturable.
+    supports_cuda_graphs = False
+
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         if not config.is_mla:

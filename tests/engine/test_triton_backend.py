@@ -41,6 +41,33 @@ def test_triton_backend_matches_torch_native_interpreted(tiny_checkpoint, monkey
     assert got == ref
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_triton_mla_decode_matches_torch_native_interpreted(tiny_mla_checkpoint, name):
+    """DeepSeek on the triton backend: decodes go through the MLA decode kernel."""
+    pytest.importorskip("triton")
+    path = tiny_mla_checkpoint(name)
+    prompts = random_prompts(2, 3, 40, seed=5)
+    prompts.append(prompts[1][:33] + [7, 8])  # a prefix hit
+    calls = []
+    from flashpage.attention.triton import TritonBackend
+
+    original = TritonBackend.forward_mla_decode
+
+    def counting(self, q, *a, **k):
+        calls.append(q.shape[0])
+        return original(self, q, *a, **k)
+
+    TritonBackend.forward_mla_decode = counting
+    try:
+        got = _run(path, "triton", "cpu", "float32", prompts)
+    finally:
+        TritonBackend.forward_mla_decode = original
+    assert calls, "the MLA decode kernel was never called"
+    assert got == _run(path, "torch_native", "cpu", "float32", prompts)
+
+
 def _leading_agreement(got: list[list[int]], truth: list[list[int]]) -> int:
     """Tokens each sequence matches the truth for, before its first difference."""
     total = 0
