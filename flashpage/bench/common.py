@@ -80,7 +80,8 @@ def hf_model(engine: Any) -> Any:
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     # Same weights as ours (the speed does not depend on them, but it costs nothing).
-    ours = dict(engine.model.named_parameters())
+    named = getattr(engine.model, "hf_weights", engine.model.named_parameters)
+    ours = dict(named())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in ours and ours[name].shape == p.shape:

@@ -1,6 +1,9 @@
 """The Llama family: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
-Parameter names are HF's, so a checkpoint's state dict loads without a renaming table.
+Parameter names are HF's, except two merged projections: ``qkv_proj`` holds q_proj,
+k_proj and v_proj stacked, ``gate_up_proj`` holds gate_proj and up_proj (one GEMM each
+instead of five, and SiLU·mul reads its [N, 2I] input without a copy). ``load_weights``
+takes HF's names and places each tensor in its slice; ``hf_weights`` gives them back.
 """
 
 from __future__ import annotations
@@ -24,10 +27,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
-        bias = config.attention_bias
-        self.q_proj = ColumnParallelLinear(config.hidden_size, h * d, bias=bias)
-        self.k_proj = ColumnParallelLinear(config.hidden_size, kv * d, bias=bias)
-        self.v_proj = ColumnParallelLinear(config.hidden_size, kv * d, bias=bias)
+        self.q_size, self.kv_size = h * d, kv * d
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, (h + 2 * kv) * d,
+                                             bias=config.attention_bias)
         self.o_proj = RowParallelLinear(h * d, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
@@ -38,9 +40,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -52,13 +54,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, 2 * intermediate_size)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -119,24 +120,77 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def _shards(self) -> dict[str, tuple[str, int, int]]:
+        """HF suffix -> (our suffix, row offset, rows) for the merged projections."""
+        c = self.config
+        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
+            c.intermediate_size
+        out = {}
+        for kind in ("weight", "bias"):
+            out[f"self_attn.q_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", 0, q)
+            out[f"self_attn.k_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", q, kv)
+            out[f"self_attn.v_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", q + kv, kv)
+        out["mlp.gate_proj.weight"] = ("mlp.gate_up_proj.weight", 0, inter)
+        out["mlp.up_proj.weight"] = ("mlp.gate_up_proj.weight", inter, inter)
+        return out
+
+    def _split_name(self, name: str) -> tuple[str, int, int] | None:
+        """model.layers.N.<HF piece> -> (merged parameter name, row offset, rows), or None."""
+        parts = name.split(".")
+        if len(parts) < 5 or parts[1] != "layers":
+            return None
+        shard = self._shards().get(".".join(parts[3:]))
+        return None if shard is None else (".".join(parts[:3] + [shard[0]]), shard[1], shard[2])
+
+    def _pieces(self, merged: str) -> list[str]:
+        """The HF names that make up merged parameter ``merged``."""
+        parts = merged.split(".")
+        prefix, sub = ".".join(parts[:3]), ".".join(parts[3:])
+        return [f"{prefix}.{hf}" for hf, (ours, _, _) in self._shards().items() if ours == sub]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy (HF name, tensor) pairs into the parameters; returns the names loaded."""
+        """Copy (HF name, tensor) pairs into the parameters; returns the names loaded.
+
+        A merged parameter counts as loaded once all its HF pieces have arrived; a piece
+        that never arrives is reported under its HF name by the loader."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        # merged param -> HF pieces still missing
+        pending = {n: set(self._pieces(n)) for n in params if n.split(".")[1:2] == ["layers"]
+                   and self._pieces(n)}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            split = self._split_name(name)
+            if split is not None:
+                target, offset, rows = split
+                param = params[target]
+                if tensor.shape[0] != rows or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not fit "
+                                     f"rows {offset}:{offset + rows} of {target} {tuple(param.shape)}")
+                param.data[offset:offset + rows].copy_(tensor)
+                pending[target].discard(name)
+                if not pending[target]:
+                    loaded.add(target)
+                continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param = params[name]
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor.to(param.dtype))
-            else:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-                param.data.copy_(tensor)
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            param.data.copy_(tensor)
             loaded.add(name)
+        self.missing_pieces = sorted(p for ps in pending.values() for p in ps)
         return loaded
+
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The parameters under HF's names (the merged ones split back into their pieces)."""
+        for name, p in self.named_parameters():
+            pieces = self._pieces(name) if name.split(".")[1:2] == ["layers"] else []
+            if not pieces:
+                yield name, p.data
+            for hf in pieces:
+                _, off, rows = self._split_name(hf)  # type: ignore[misc]
+                yield hf, p.data[off:off + rows]

@@ -179,6 +179,10 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
             expected.discard("lm_head.weight")
         missing = sorted(expected - loaded)
         if missing:
+            # Merged parameters (qkv_proj, gate_up_proj): name the checkpoint's own tensors.
+            pieces = getattr(model, "_pieces", lambda name: [])
+            missing = sorted({m for m in missing if not pieces(m)}
+                             | set(getattr(model, "missing_pieces", [])))
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ModelLoadError(f"{source.path}: {len(missing)} weight(s) missing from the checkpoint: {shown}")
     return model.eval()

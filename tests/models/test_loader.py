@@ -17,7 +17,7 @@ def test_rotary_cache_stays_exact_fp32_in_a_bf16_model(tiny_checkpoint):
     cfg = src.config
     want = build_cos_sin_cache(scaled_inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling), 512)
     rope = model.model.layers[0].self_attn.rotary_emb
-    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     assert rope.cos_sin_cache.dtype == torch.float32
     assert torch.equal(rope.cos_sin_cache, want)  # a bf16 round trip would change it
 
@@ -36,3 +36,16 @@ def test_missing_persistent_buffer_is_an_error(tmp_path, tiny_mla_checkpoint):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="e_score_correction_bias"):
         load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"))
+
+
+def test_merged_projections_round_trip_hf_names(tiny_checkpoint):
+    """q/k/v and gate/up load into qkv_proj / gate_up_proj slices and come back unchanged."""
+    from safetensors.torch import load_file
+
+    path = tiny_checkpoint("qwen2_bias")  # with q/k/v biases
+    model = load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+    theirs = load_file(str(path / "model.safetensors"))
+    ours = dict(model.hf_weights())
+    assert set(ours) == set(theirs)
+    for name, t in theirs.items():
+        assert torch.equal(ours[name], t), name
