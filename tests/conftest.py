@@ -129,28 +129,26 @@ def build_tiny_mla_checkpoint(path: Path, name: str, seed: int = 0) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def tiny_mla_checkpoint(tmp_path_factory):
+def _checkpoints(tmp_path_factory, build):
+    """name -> checkpoint folder, each built once per session."""
     cache: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in cache:
-            cache[name] = build_tiny_mla_checkpoint(tmp_path_factory.mktemp(name), name)
+            cache[name] = build(tmp_path_factory.mktemp(name), name)
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_checkpoint(tmp_path_factory):
+    return _checkpoints(tmp_path_factory, build_tiny_mla_checkpoint)
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    cache: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            cache[name] = build_tiny_checkpoint(tmp_path_factory.mktemp(name), name)
-        return cache[name]
-
-    return get
+    return _checkpoints(tmp_path_factory, build_tiny_checkpoint)
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -173,3 +171,49 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int = 256, seed: int = 0) ->
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+def staggered_prompts() -> list[list[int]]:
+    """10 prompts, the last 4 sharing a 32-token prefix (for prefix hits)."""
+    shared = random_prompts(1, 32, 32, seed=7)[0]
+    return random_prompts(6, 3, 60, seed=3) + [shared + p for p in random_prompts(4, 1, 20, seed=4)]
+
+
+def run_staggered(engine, prompts: list[list[int]], params) -> dict:
+    """Feed two prompts every other step and step until all finish.
+
+    Returns the outputs by prompt index, the prompt chunks that were shorter than what
+    their request still had to compute (chunked prefill), and how many steps mixed
+    decodes with longer chunks."""
+    chunks: list[tuple[str, int, int]] = []
+    mixed_steps = 0
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        nonlocal mixed_steps
+        out = schedule()
+        lens = [n for _, n in out.scheduled]
+        mixed_steps += 1 in lens and any(n > 1 for n in lens)
+        for r, n in out.scheduled:
+            remaining = r.num_tokens - r.num_computed_tokens
+            if remaining > 1 and n < remaining:
+                chunks.append((r.request_id, n, remaining))
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    got: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if step % 2 == 0:
+            for _ in range(2):
+                if pending:
+                    i, p = pending.pop(0)
+                    engine.add_request(str(i), p, params)
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = o.outputs[0].token_ids
+        step += 1
+        assert step < 2000, "the engine stopped making progress"
+    return {"outputs": [got[str(i)] for i in range(len(prompts))], "chunks": chunks,
+            "mixed_steps": mixed_steps}

@@ -21,6 +21,7 @@ from flashpage.layers.linear import ColumnParallelLinear, VocabEmbedding
 from flashpage.layers.mla_attention import MLAAttention, MLARotaryEmbedding
 from flashpage.layers.moe import DeepseekMLP, DeepseekMoE
 from flashpage.layers.norm import RMSNorm
+from flashpage.models.common import DecoderStack, PreNormDecoderLayer
 
 # Checkpoints hold one tensor per routed expert; we keep them fused, [E, ...] per layer.
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
@@ -32,7 +33,7 @@ def is_moe_layer(config: ModelConfig, layer_idx: int) -> bool:
             and layer_idx % max(config.moe_layer_freq, 1) == 0)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: MLARotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -41,19 +42,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.mlp: nn.Module = (DeepseekMoE(config) if is_moe_layer(config, layer_idx)
                                else DeepseekMLP(config.hidden_size, config.intermediate_size))
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, md)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
-
-class DeepseekModel(nn.Module):
+class DeepseekModel(DecoderStack):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
@@ -62,15 +52,6 @@ class DeepseekModel(nn.Module):
         self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i, self.rotary_emb)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, md)
-        x, _ = self.norm(x, residual)
-        return x
 
 
 class DeepseekForCausalLM(nn.Module):

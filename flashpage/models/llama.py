@@ -20,6 +20,7 @@ from flashpage.layers.attention import Attention
 from flashpage.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
 from flashpage.layers.norm import RMSNorm
 from flashpage.layers.rotary import get_rope
+from flashpage.models.common import DecoderStack, PreNormDecoderLayer
 
 
 class LlamaAttention(nn.Module):
@@ -62,7 +63,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -70,34 +71,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, md)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
-
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, max_positions) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, md)
-        x, _ = self.norm(x, residual)
-        return x
 
 
 class LlamaForCausalLM(nn.Module):

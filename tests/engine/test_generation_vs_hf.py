@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flashpage import LLM, SamplingParams
-from tests.conftest import TINY_MODELS, hf_greedy, random_prompts
+from tests.conftest import TINY_MODELS, hf_greedy, random_prompts, run_staggered, staggered_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -31,44 +31,16 @@ def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny_checkpoin
     from flashpage.engine.llm_engine import LLMEngine
 
     path = tiny_checkpoint("llama31_gqa")
-    shared = random_prompts(1, 32, 32, seed=7)[0]
-    prompts = random_prompts(6, 3, 60, seed=3) + [shared + p for p in random_prompts(4, 1, 20, seed=4)]
+    prompts = staggered_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     expected = hf_greedy(path, prompts, params.max_tokens)
-
     cfg = EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=4,
                        num_gpu_blocks=40, max_num_batched_tokens=24, max_num_seqs=6)
     engine = LLMEngine(cfg)
-    # Record every prompt chunk that is shorter than what the request still has to compute.
-    chunks: list[tuple[str, int, int]] = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        for r, n in out.scheduled:
-            remaining = r.num_tokens - r.num_computed_tokens
-            if remaining > 1 and n < remaining:
-                chunks.append((r.request_id, n, remaining))
-        return out
-
-    engine.scheduler.schedule = recording_schedule
-    got: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        # Two new requests every other step.
-        if step % 2 == 0:
-            for _ in range(2):
-                if pending:
-                    i, p = pending.pop(0)
-                    engine.add_request(str(i), p, params)
-        for o in engine.step():
-            if o.finished:
-                got[o.request_id] = o.outputs[0].token_ids
-        step += 1
-        assert step < 2000
-    assert chunks, "the token budget was meant to force chunked prefill"
-    assert [got[str(i)] for i in range(len(prompts))] == expected
+    run = run_staggered(engine, prompts, params)
+    assert run["chunks"], "the token budget was meant to force chunked prefill"
+    assert run["mixed_steps"] > 0, "decodes and prompt chunks were meant to share steps"
+    assert run["outputs"] == expected
     assert engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
     kv = engine.kv_manager.stats()
     assert kv.prefix_hits > 0, "the shared prefix was meant to hit the cache"

@@ -12,7 +12,13 @@ from flashpage.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine
 from flashpage.layers.mla_attention import MLAAttention, mla_decode_torch, mla_prefill_torch
 from flashpage.models.loader import iter_safetensors, load_model, resolve_model
-from tests.conftest import TINY_MLA_MODELS, hf_greedy, random_prompts
+from tests.conftest import (
+    TINY_MLA_MODELS,
+    hf_greedy,
+    random_prompts,
+    run_staggered,
+    staggered_prompts,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 NAMES = sorted(TINY_MLA_MODELS)
@@ -55,48 +61,17 @@ def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny_mla_check
     and prefix hits all happen, decodes share steps with chunks, and every output still
     equals transformers'."""
     path = tiny_mla_checkpoint(name)
-    shared = random_prompts(1, 32, 32, seed=7)[0]
-    prompts = random_prompts(6, 3, 60, seed=3) + [shared + p for p in random_prompts(4, 1, 20, seed=4)]
+    prompts = staggered_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     expected = hf_greedy(path, prompts, params.max_tokens)
-
     cfg = EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=4,
                        num_gpu_blocks=40, max_num_batched_tokens=24, max_num_seqs=6,
                        attention_backend="torch_native")
     engine = LLMEngine(cfg)
-    chunks: list[tuple[str, int, int]] = []
-    mixed_steps = 0
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        nonlocal mixed_steps
-        out = schedule()
-        lens = [n for _, n in out.scheduled]
-        mixed_steps += 1 in lens and any(n > 1 for n in lens)
-        for r, n in out.scheduled:
-            remaining = r.num_tokens - r.num_computed_tokens
-            if remaining > 1 and n < remaining:
-                chunks.append((r.request_id, n, remaining))
-        return out
-
-    engine.scheduler.schedule = recording_schedule
-    got: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        if step % 2 == 0:  # two new requests every other step
-            for _ in range(2):
-                if pending:
-                    i, p = pending.pop(0)
-                    engine.add_request(str(i), p, params)
-        for o in engine.step():
-            if o.finished:
-                got[o.request_id] = o.outputs[0].token_ids
-        step += 1
-        assert step < 2000
-    assert chunks, "the token budget was meant to force chunked prefill"
-    assert mixed_steps > 0, "decodes and prompt chunks were meant to share steps"
-    assert [got[str(i)] for i in range(len(prompts))] == expected
+    run = run_staggered(engine, prompts, params)
+    assert run["chunks"], "the token budget was meant to force chunked prefill"
+    assert run["mixed_steps"] > 0, "decodes and prompt chunks were meant to share steps"
+    assert run["outputs"] == expected
     assert engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
     kv = engine.kv_manager.stats()
     assert kv.prefix_hits > 0, "the shared prefix was meant to hit the cache"

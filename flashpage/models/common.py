@@ -1,0 +1,50 @@
+"""What every decoder-only family here shares: the pre-norm layer with the residual add
+fused into the next norm, and the embed -> layers -> final norm stack."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flashpage.attention.backend import AttentionMetadata
+
+
+class PreNormDecoderLayer(nn.Module):
+    """Subclasses set ``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``.
+
+    The residual stream is carried beside the hidden state: each RMSNorm adds it in
+    (``norm(x, residual)``), so no layer writes ``x + residual`` on its own.
+    """
+
+    input_layernorm: nn.Module
+    self_attn: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, md)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderStack(nn.Module):
+    """Subclasses set ``embed_tokens``, ``layers`` (of PreNormDecoderLayer) and ``norm``."""
+
+    embed_tokens: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, md)
+        x, _ = self.norm(x, residual)
+        return x
