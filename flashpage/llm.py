@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from flashpage.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine
@@ -97,8 +97,8 @@ class LLM:
                 engine.add_request(rid, ids_or_text, sp)
             except ValueError as e:
                 logger.warning("request %d refused: %s", i, e)
-                results[rid] = RequestOutput(rid, p if isinstance(p, str) else None,
-                                             [] if isinstance(p, str) else list(ids_or_text),
+                ids = [] if isinstance(ids_or_text, str) else list(cast(list[int], ids_or_text))
+                results[rid] = RequestOutput(rid, p if isinstance(p, str) else None, ids,
                                              [], finished=True, error=str(e))
         engine._counter += 1
         bar = None
@@ -128,5 +128,5 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     plist = list(prompts)
     if plist and all(isinstance(t, int) and not isinstance(t, bool) for t in plist):
-        return [plist]  # one prompt given as token ids
-    return plist
+        return [cast(list[int], plist)]  # one prompt given as token ids
+    return cast(list[Prompt], plist)

@@ -62,7 +62,7 @@ def select_backend(requested: str | None, config: ModelConfig, device: torch.dev
                 f"({config.attention_kind}) on {device.type} in {str(dtype).replace('torch.', '')}: "
                 + "; ".join(reasons))
         return backend_class(requested), f"{requested} (requested)"
-    skipped = []
+    skipped: list[str] = []
     for name in PREFERENCE.get(device.type, ["torch_native"]):
         reasons = backend_reasons(name, config, device, dtype)
         if not reasons:

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                       "kv_blocks": engine.num_blocks},
     }
     bw, fl = measure_ceilings(engine.device)
-    if bw:
+    if bw and fl:
         result["ceilings"] = {"copy_GBps": bw / 1e9, "bf16_matmul_TFLOPs": fl / 1e12}
     result["roofline"] = roofline(engine, wl, bw, fl, min(args.max_num_seqs, args.num_requests))
     if args.hf:

@@ -12,6 +12,8 @@ touch no request's cache.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -40,7 +42,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=i32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool: Any = None  # the shared graph memory pool handle (torch's _POOL_HANDLE)
 
     def metadata(self, bs: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(

@@ -286,7 +286,8 @@ class LLMEngine:
 
     def _detokenize(self, child: _Child, token: int, finished: bool) -> None:
         req = child.request
-        if finished and req.status == RequestStatus.FINISHED_STOPPED and token in req.sampling_params.stop_token_ids:
+        if (finished and req.status == RequestStatus.FINISHED_STOPPED
+                and token in (req.sampling_params.stop_token_ids or ())):
             child.stop_reason = token
         if child.detok is None:
             return

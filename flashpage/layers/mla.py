@@ -110,8 +110,8 @@ def yarn_inv_freq_and_mscale(config: ModelConfig) -> tuple[torch.Tensor, float]:
     def correction_dim(rotations: float) -> float:
         return dim * math.log(orig_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    low = float(max(math.floor(correction_dim(beta_fast)), 0))
+    high = float(min(math.ceil(correction_dim(beta_slow)), dim - 1))
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

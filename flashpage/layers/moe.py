@@ -77,7 +77,9 @@ class MoEGate(KeepFp32, nn.Module):
         n = logits.shape[0]
         if self.method == "noaux_tc":
             scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
+            bias = self.e_score_correction_bias
+            assert bias is not None  # registered for noaux_tc
+            choice = scores + bias
             per_group = choice.view(n, self.n_group, -1)
             group_scores = per_group.topk(2, dim=-1).values.sum(-1)
             choice = self._mask_groups(choice, group_scores, float("-inf"))

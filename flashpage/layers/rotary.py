@@ -68,6 +68,8 @@ def apply_rotary_torch(
 
 
 class RotaryEmbedding(KeepFp32, nn.Module):
+    cos_sin_cache: torch.Tensor
+
     def __init__(self, head_dim: int, rot_dim: int, max_positions: int, base: float,
                  scaling: RopeScaling | None = None, is_neox: bool = True) -> None:
         super().__init__()

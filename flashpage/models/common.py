@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from flashpage.attention.backend import AttentionMetadata
+from flashpage.layers.linear import VocabEmbedding
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -36,7 +37,7 @@ class PreNormDecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """Subclasses set ``embed_tokens``, ``layers`` (of PreNormDecoderLayer) and ``norm``."""
 
-    embed_tokens: nn.Module
+    embed_tokens: VocabEmbedding
     layers: nn.ModuleList
     norm: nn.Module
 

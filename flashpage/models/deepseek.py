@@ -34,6 +34,7 @@ def is_moe_layer(config: ModelConfig, layer_idx: int) -> bool:
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):
+    self_attn: MLAAttention
     def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: MLARotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

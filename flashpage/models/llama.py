@@ -9,6 +9,7 @@ takes HF's names and places each tensor in its slice; ``hf_weights`` gives them 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -64,6 +65,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
+    self_attn: LlamaAttention
     def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -92,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -180,7 +180,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         missing = sorted(expected - loaded)
         if missing:
             # Merged parameters (qkv_proj, gate_up_proj): name the checkpoint's own tensors.
-            pieces = getattr(model, "_pieces", lambda name: [])
+            pieces: Callable[[str], list[str]] = getattr(model, "_pieces", lambda name: [])
             missing = sorted({m for m in missing if not pieces(m)}
                              | set(getattr(model, "missing_pieces", [])))
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

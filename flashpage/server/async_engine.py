@@ -74,6 +74,7 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
+        item: RequestOutput | BaseException
         if self._pending is not None:
             item, self._pending = self._pending, None
         else:

@@ -110,7 +110,7 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
                                 "logprobs": completion_logprobs(tok, o.logprobs or [],
                                                                 ChoiceState(), want_lp),
                                 "finish_reason": o.finish_reason})
-        choices.sort(key=lambda c: c["index"])
+        choices.sort(key=lambda c: int(c["index"]))  # type: ignore[call-overload]
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": state.model_name, "choices": choices,
                              "usage": usage(n_prompt, completion_tokens)})

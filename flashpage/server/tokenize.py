@@ -38,6 +38,7 @@ class ServerTokenizer:
 
     def _encode(self, text: str) -> list[int]:
         # Same call as LLMEngine.tokenize, so served and offline prompts are the same ids.
+        assert self._tok is not None  # checked by encode()
         return list(self._tok.encode(text, add_special_tokens=True))
 
     async def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
@@ -46,6 +47,7 @@ class ServerTokenizer:
         return await self._run(self._chat, conversation)
 
     def _chat(self, conversation: list[dict[str, str]]) -> list[int]:
+        assert self._tok is not None  # checked by apply_chat_template()
         try:
             ids = self._tok.apply_chat_template(conversation, add_generation_prompt=True,
                                                 tokenize=True, return_dict=False)
