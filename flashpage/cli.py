@@ -30,6 +30,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "or FLASHPAGE_ATTENTION_BACKEND)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--random-weights-config", default=None, metavar="CONFIG",
+                   help="random weights of this config.json's shape (benchmarks; no tokenizer)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,7 +55,8 @@ def build_llm(args: argparse.Namespace) -> Any:
                enable_prefix_caching=not args.no_prefix_caching,
                attention_backend=args.attention_backend, num_gpu_blocks=args.num_gpu_blocks,
                gpu_memory_utilization=args.gpu_memory_utilization,
-               enforce_eager=args.enforce_eager, seed=args.seed)
+               enforce_eager=args.enforce_eager, seed=args.seed,
+               random_weights_config=getattr(args, "random_weights_config", None))
 
 
 def sampling_params(args: argparse.Namespace) -> Any:

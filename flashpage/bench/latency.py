@@ -21,7 +21,7 @@ from flashpage.bench.common import (
     weight_bytes,
     write_json,
 )
-from flashpage.bench.throughput import _build, _sync, measure_ceilings
+from flashpage.bench.throughput import _sync, measure_ceilings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=3)
     args = p.parse_args(argv)
     config = resolve_config(args.config)
-    llm = _build(build_llm, args, config)
+    args.random_weights_config = config
+    llm = build_llm(args)
     engine = llm.engine
     wl = make_workload(args.batch_size, (args.input_len, args.input_len),
                        (args.output_len, args.output_len), engine.model_config.vocab_size)

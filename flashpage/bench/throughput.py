@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload-seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    args.model = args.model
     config = resolve_config(args.config)
-    llm = _build(build_llm, args, config)
+    args.random_weights_config = config
+    llm = build_llm(args)
     engine = llm.engine
     wl = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len),
                        engine.model_config.vocab_size, args.workload_seed)
@@ -128,19 +128,6 @@ def main(argv: list[str] | None = None) -> int:
         result["speedup_vs_transformers"] = result["flashpage"]["output_tok_per_s"] / hf["output_tok_per_s"]
     write_json(args.json_out, result)
     return 0
-
-
-def _build(build_llm, args, config):
-    if config is None:
-        return build_llm(args)
-    from flashpage.llm import LLM
-
-    return LLM(None, dtype=args.dtype, device=args.device, block_size=args.block_size,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-               attention_backend=args.attention_backend, num_gpu_blocks=args.num_gpu_blocks,
-               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-               seed=args.seed, random_weights_config=config)
 
 
 def _sync(device: torch.device) -> None:

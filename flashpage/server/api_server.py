@@ -194,20 +194,7 @@ def run_server(args: argparse.Namespace) -> int:
             raise ValueError(f"two models given: {model_path!r} and --model {args.model!r}")
         args.model = model_path
     random_cfg = getattr(args, "random_weights_config", None)
-    if random_cfg is not None:
-        from flashpage.llm import LLM
-
-        llm = LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-                  block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=args.max_model_len,
-                  enable_prefix_caching=not args.no_prefix_caching,
-                  attention_backend=args.attention_backend, num_gpu_blocks=args.num_gpu_blocks,
-                  gpu_memory_utilization=args.gpu_memory_utilization,
-                  enforce_eager=args.enforce_eager, seed=args.seed,
-                  random_weights_config=random_cfg)
-    else:
-        llm = build_llm(args)
+    llm = build_llm(args)
     name = args.served_model_name or _default_name(args.model, random_cfg)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who reaches it can use it",
@@ -232,8 +219,7 @@ def _default_name(model: str | None, random_cfg: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m flashpage.server.api_server``: ``flashpage serve`` plus
-    --random-weights-config (random weights of a given config.json, for benchmarks)."""
+    """``python -m flashpage.server.api_server``: the same as ``flashpage serve``."""
     from flashpage import envs
     from flashpage.cli import add_engine_arguments
 
@@ -244,8 +230,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--random-weights-config", default=None,
-                   help="config.json (or its folder) whose shape to serve with random weights")
     add_engine_arguments(p)
     return run_server(p.parse_args(argv))
 
