@@ -112,7 +112,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size,
                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.kv_manager)
+                                   self.max_model_len, self.kv_manager,
+                                   watermark=config.kv_watermark)
         backend = backend_cls(mc, self.device, self.dtype)
         self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
                                   config.block_size, self.device, self.dtype)

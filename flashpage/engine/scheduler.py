@@ -48,13 +48,18 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 kv_cache_manager: KVCacheManager) -> None:
+                 kv_cache_manager: KVCacheManager, watermark: float = 0.0) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
+        # Admission keeps this many blocks free for the running requests to grow into, so
+        # a full pool does not turn the next steps' growth into preemptions (recompute).
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.watermark_blocks = int(watermark * kv_cache_manager.num_blocks)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
@@ -179,6 +184,12 @@ class Scheduler:
                 req = waiting[0]
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
                 num_new = min(req.num_tokens - num_hit, budget)
+                if running and self.watermark_blocks:
+                    # Blocks this admission may take from the free queue: the fresh ones and
+                    # (at most) the cached hits, which may be sitting in it.
+                    need = kv.blocks_needed(num_hit + num_new)
+                    if kv.num_free_blocks - need < self.watermark_blocks:
+                        break
                 if kv.allocate_slots(req, num_new, hit_blocks) is None:
                     break
                 waiting.popleft()

@@ -397,3 +397,23 @@ def test_counters():
     assert s.has_unfinished_requests()
     run_all(s, runner)
     assert not s.has_unfinished_requests() and s.num_running == 0
+
+
+def test_watermark_keeps_blocks_free_for_running_requests():
+    """Admission stops while it would leave fewer than the watermark's blocks free; a
+    request alone is admitted regardless (no deadlock for one that needs the pool)."""
+    kv = KVCacheManager(20, 4, enable_prefix_caching=False)
+    s = Scheduler(8, 1000, 200, kv, watermark=0.25)  # keep 5 of 20 blocks free
+    assert s.watermark_blocks == 5
+    params = SamplingParams(max_tokens=4)
+    for i in range(3):
+        s.add_request(Request(f"r{i}", list(range(1, 25)), params))  # 24 tokens = 6 blocks
+    out = s.schedule()
+    # r0 (6 blocks, alone) and r1 (6 more: 8 left >= 5) run; r2 would leave 2 < 5.
+    assert [r.request_id for r, _ in out.scheduled] == ["r0", "r1"]
+    assert kv.num_free_blocks == 8 and s.num_waiting == 1
+    alone = Scheduler(8, 1000, 200, KVCacheManager(20, 4), watermark=0.25)
+    alone.add_request(Request("big", list(range(1, 73)), params))  # 18 of 20 blocks
+    assert [r.request_id for r, _ in alone.schedule().scheduled] == ["big"]
+    with pytest.raises(ValueError, match="watermark"):
+        Scheduler(8, 1000, 200, kv, watermark=1.5)
