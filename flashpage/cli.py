@@ -26,7 +26,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--attention-backend", default=None,
-                   help="torch_native or triton (default: the fastest that runs here; "
+                   help="torch_native, triton or flex (default: the fastest that runs here; "
                         "or FLASHPAGE_ATTENTION_BACKEND)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed", type=int, default=0)

@@ -64,6 +64,10 @@ class AttentionBackend(ABC):
     ) -> list[str]:
         """Why this backend cannot run this model here; empty when it can."""
 
+    def bind_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Called once by the model runner when the cache exists."""
+        self.num_blocks, self.block_size = num_blocks, block_size
+
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         return metadata
 

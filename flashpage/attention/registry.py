@@ -2,8 +2,8 @@
 
 A forced backend (argument or FLASHPAGE_ATTENTION_BACKEND) that cannot run stops with
 its reasons; it never silently falls back. The default is the fastest backend that can
-run this model here: ours (``triton``) on CUDA, ``torch_native`` elsewhere. (A ``flex``
-backend, FlexAttention over the paged cache, is planned: docs/features.md.)
+run this model here: ours (``triton``) on CUDA, ``torch_native`` elsewhere. ``flex``
+(PyTorch's FlexAttention over the same paged cache) runs only when asked for.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 BACKENDS: dict[str, tuple[str, str]] = {
     "torch_native": ("flashpage.attention.torch_native", "TorchNativeBackend"),
     "triton": ("flashpage.attention.triton", "TritonBackend"),
+    "flex": ("flashpage.attention.flex", "FlexBackend"),  # a peer's kernel, for comparison
 }
 # Preference order for the default choice, by device type. On the CPU the Triton
 # interpreter can run our kernels, but only when asked for: it is for tests, not speed.

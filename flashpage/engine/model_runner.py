@@ -57,6 +57,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ cache
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor]:
+        self.backend.bind_kv_cache(num_blocks, self.block_size)
         layers = self.model.attention_layers()  # type: ignore[operator]
         caches: list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor] = []
         for layer in layers:

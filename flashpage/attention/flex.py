@@ -1,0 +1,117 @@
+"""PyTorch's FlexAttention over our paged KV cache, so a peer's kernel can be compared
+with ours inside the same engine (``--attention-backend flex``).
+
+Keys and values are the whole cache pool viewed as one long sequence ``[1, Hkv, S, D]``
+(S = num_blocks * block_size); queries are the step's flat batch, padded to 128-token
+tiles. Once per step a BlockMask is built straight from the block tables: query tile t
+may only visit the physical blocks of the requests whose tokens it holds (nothing dense
+over S is ever evaluated), and ``mask_mod`` keeps, inside those blocks, the keys the
+token's own request owns at logical positions up to its own (and inside the sliding
+window). A block shared through the prefix cache sits at the same logical index in
+every table that holds it, so one physical -> logical map serves the whole step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from flashpage.attention.backend import AttentionBackend, AttentionMetadata
+from flashpage.attention.torch_native import write_kv_cache_torch
+
+if TYPE_CHECKING:
+    from flashpage.config import ModelConfig
+
+Q_TILE = 128
+
+
+class FlexBackend(AttentionBackend):
+    name = "flex"
+
+    def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(model_config, device, dtype)
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # Compiled on the GPU (eager flex is a dense reference); eager on the CPU (tests).
+        self._flex: Any = torch.compile(flex_attention, dynamic=True) if device.type == "cuda" \
+            else flex_attention
+
+    @classmethod
+    def unsupported_reasons(cls, model_config: ModelConfig, device: torch.device,
+                            dtype: torch.dtype) -> list[str]:
+        reasons = []
+        try:
+            from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+        except ImportError as e:
+            reasons.append(f"this torch has no FlexAttention ({e})")
+        if model_config.is_mla:
+            reasons.append("MLA is not supported by the flex backend")
+        return reasons
+
+    def prepare(self, md: AttentionMetadata) -> AttentionMetadata:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        bs, nblocks = self.block_size, self.num_blocks
+        n = md.num_actual_tokens
+        padded = -(-n // Q_TILE) * Q_TILE
+        tables = md.block_tables.cpu().numpy()
+        q_req = np.full(padded, -1, dtype=np.int64)
+        q_pos = np.zeros(padded, dtype=np.int64)
+        logical = np.full(nblocks, -1, dtype=np.int64)
+        t = 0
+        used: list[np.ndarray] = []
+        for i, (ql, length) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu, strict=True)):
+            q_req[t:t + ql] = i
+            q_pos[t:t + ql] = np.arange(length - ql, length)
+            t += ql
+            blocks = tables[i, : -(-length // bs)]
+            logical[blocks] = np.arange(len(blocks))
+            used.append(blocks)
+        n_tiles = padded // Q_TILE
+        kv_num = np.zeros((1, 1, n_tiles), dtype=np.int32)
+        kv_idx = np.zeros((1, 1, n_tiles, nblocks), dtype=np.int32)
+        for tile in range(n_tiles):
+            reqs = np.unique(q_req[tile * Q_TILE:(tile + 1) * Q_TILE])
+            blocks = np.unique(np.concatenate([used[r] for r in reqs if r >= 0]))
+            kv_num[0, 0, tile] = len(blocks)
+            kv_idx[0, 0, tile, : len(blocks)] = blocks
+        dev = md.block_tables.device
+        d_req, d_pos, d_logical = (torch.from_numpy(a).to(dev) for a in (q_req, q_pos, logical))
+        d_tables = md.block_tables.long()
+        window = self.model_config.sliding_window
+
+        def mask_mod(b, h, qi, ki):  # noqa: ANN001 (FlexAttention's signature)
+            r = d_req[qi]
+            pb = ki // bs
+            j = d_logical[pb]
+            owns = (r >= 0) & (j >= 0) & (d_tables[r.clamp(min=0), j.clamp(min=0)] == pb)
+            pos = j * bs + ki % bs
+            keep = owns & (pos <= d_pos[qi])
+            if window is not None:
+                keep = keep & (pos > d_pos[qi] - window)
+            return keep
+
+        md.extra["flex_mask"] = BlockMask.from_kv_blocks(
+            torch.from_numpy(kv_num).to(dev), torch.from_numpy(kv_idx).to(dev),
+            BLOCK_SIZE=(Q_TILE, bs), mask_mod=mask_mod, seq_lengths=(padded, nblocks * bs))
+        md.extra["flex_padded"] = padded
+        return md
+
+    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        md = metadata
+        n = md.num_actual_tokens
+        write_kv_cache_torch(k[:n], v[:n], key_cache, value_cache, md.slot_mapping[:n])
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        hkv, d = key_cache.shape[2], key_cache.shape[3]
+        qq = q.new_zeros(1, q.shape[1], md.extra["flex_padded"], d)
+        qq[0, :, :n] = q[:n].transpose(0, 1)
+        k4 = key_cache.view(1, num_slots, hkv, d).transpose(1, 2)
+        v4 = value_cache.view(1, num_slots, hkv, d).transpose(1, 2)
+        o = self._flex(qq, k4, v4, block_mask=md.extra["flex_mask"], scale=scale, enable_gqa=True)
+        out = torch.empty_like(q)
+        out[:n] = o[0, :, :n].transpose(0, 1)
+        return out
