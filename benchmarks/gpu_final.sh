@@ -18,3 +18,6 @@ timeout 45 python3 benchmarks/fused_ops.py --out "$OUT/k" 2>&1 | tail -n 12
 timeout 60 python3 benchmarks/mla_decode.py --out "$OUT/k/mla.jsonl" 2>&1 | tail -n 14
 timeout 80 $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 64 \
   --json-out "$OUT/latency_8b.json" 2>&1 | grep -E "tok_per_s|speedup|fraction|Error"
+# The same workload through PyTorch's FlexAttention inside our engine (a peer's kernel).
+timeout 200 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --attention-backend flex \
+  --no-hf --json-out "$OUT/throughput_8b_flex.json" 2>&1 | grep -E "tok_per_s|Error"

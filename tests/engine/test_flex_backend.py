@@ -35,3 +35,18 @@ def test_flex_refuses_mla(tiny_mla_checkpoint):
 
     with pytest.raises(BackendUnavailable, match="MLA is not supported by the flex backend"):
         LLM(str(tiny_mla_checkpoint("deepseek_v2")), device="cpu", attention_backend="flex")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_flex_matches_torch_native_gpu_fp32(tiny_checkpoint):
+    """Compiled FlexAttention on the GPU, fp32: the same tokens as torch_native."""
+    path = tiny_checkpoint("head64_gqa")
+    prompts = random_prompts(6, 2, 100, seed=22)
+    prompts.append(prompts[0][:24] + [9, 8, 7])
+    runs = []
+    for backend in ("flex", "torch_native"):
+        llm = LLM(str(path), dtype="float32", device="cuda", attention_backend=backend,
+                  block_size=16, max_num_batched_tokens=64, enforce_eager=True)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert runs[0] == runs[1]
