@@ -11,8 +11,8 @@ timeout 90 $PT -x -m gpu tests/engine 2>&1 | tail -n 12 | tee "$OUT/engine_gpu_t
 timeout 100 python3 benchmarks/profile_engine_step.py --batch 1 256 --context 1024 --steps 30 2>&1 \
   | grep -v Warning | tail -n 16 | tee "$OUT/profile.txt"
 timeout 170 $PT -n 12 -m gpu tests/kernels 2>&1 | tail -n 15 | tee "$OUT/kernel_gpu_tests.txt"
-timeout 150 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
-  --hf-requests 8 --hf-batch-size 8 --json-out "$OUT/throughput_8b.json" 2>&1 | grep -E "tok_per_s|speedup|seconds|Error" 
+timeout 240 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+  --hf-requests 32 --hf-batch-size 32 --json-out "$OUT/throughput_8b.json" 2>&1 | grep -E "tok_per_s|speedup|seconds|Error" 
 timeout 45 python3 benchmarks/attention_decode.py --out "$OUT/k" 2>&1 | tail -n 12
 timeout 45 python3 benchmarks/fused_ops.py --out "$OUT/k" 2>&1 | tail -n 12
 timeout 60 python3 benchmarks/mla_decode.py --out "$OUT/k/mla.jsonl" 2>&1 | tail -n 14

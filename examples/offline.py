@@ -1,0 +1,18 @@
+"""Offline generation with the default model (SmolLM2-135M-Instruct): text, chat, sampling."""
+
+from flashpage import LLM, SamplingParams
+
+llm = LLM()  # or LLM("path/to/hf_folder_or_file.gguf", dtype="bfloat16")
+
+greedy = SamplingParams(temperature=0.0, max_tokens=32)
+for out in llm.generate(["The three primary colors are", "def fibonacci(n):"], greedy):
+    print(repr(out.outputs[0].text), out.outputs[0].finish_reason)
+
+chat = llm.chat([{"role": "user", "content": "Give me one tip for writing clear code."}],
+                SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64, seed=1))
+print(chat[0].outputs[0].text)
+
+# Several samples of one prompt share its cached KV blocks.
+samples = llm.generate("Once upon a time", SamplingParams(n=3, temperature=1.0, max_tokens=20, seed=0))
+for s in samples[0].outputs:
+    print(s.index, repr(s.text))
