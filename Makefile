@@ -19,7 +19,7 @@ install-test: install
 	$(PIP) -e ".[test,serve]" triton==3.6.0 accelerate
 
 lint:
-	ruff check flashpage tests benchmarks
+	ruff check flashpage tests benchmarks examples
 	mypy
 
 test: install-test lint
