@@ -160,8 +160,13 @@ class LLMEngine:
     def _activation_bytes(self) -> int:
         mc, cfg = self.model_config, self.config
         nbytes = dtype_bytes(str(self.dtype).replace("torch.", ""))
+        if mc.is_mla:  # per-head q and the K/V a prompt chunk expands its latents into
+            heads = mc.num_attention_heads * (2 * (mc.qk_nope_head_dim + mc.qk_rope_head_dim)
+                                              + mc.v_head_dim)
+        else:
+            heads = 4 * mc.num_attention_heads * mc.head_dim
         width = 4 * mc.hidden_size + 3 * max(mc.intermediate_size, mc.moe_intermediate_size) \
-            + 4 * mc.num_attention_heads * mc.head_dim
+            + heads
         return cfg.max_num_batched_tokens * width * nbytes * 2 \
             + cfg.max_num_seqs * mc.vocab_size * 12 + (512 << 20)
 
