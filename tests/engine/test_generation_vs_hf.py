@@ -45,3 +45,33 @@ def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny_checkpoin
     kv = engine.kv_manager.stats()
     assert kv.prefix_hits > 0, "the shared prefix was meant to hit the cache"
     assert kv.blocks_used == 0
+
+
+def test_sharded_checkpoint_loads(tiny_checkpoint, tmp_path):
+    """A checkpoint saved in several shards with an index gives the same tokens."""
+    import transformers
+
+    src = tiny_checkpoint("llama2_mha")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src)
+    model.save_pretrained(tmp_path, max_shard_size="60KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    prompts = random_prompts(2, 5, 20, seed=2)
+    one = LLM(str(src), dtype="float32", device="cpu").generate(prompts, GREEDY, use_tqdm=False)
+    many = LLM(str(tmp_path), dtype="float32", device="cpu").generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in many]
+
+
+def test_n_samples_share_the_prompt_blocks(tiny_checkpoint):
+    """n > 1: the samples differ (seeded), and all but the first find the prompt's full
+    blocks in the prefix cache instead of computing them again."""
+    llm = LLM(str(tiny_checkpoint("llama2_mha")), dtype="float32", device="cpu", block_size=4)
+    prompt = random_prompts(1, 41, 41, seed=5)[0]  # 10 full blocks + 1 token
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=3, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    kv = llm.engine.kv_manager.stats()
+    assert kv.prefix_hits >= 3 * 40  # three samples reuse the 40 tokens of full blocks
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
