@@ -144,8 +144,14 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
             if rest not in _GGUF_LAYER_NAMES:
                 raise ModelLoadError(f"{path}: unknown GGUF tensor {t.name!r}")
             name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        elif t.name == "rope_freqs.weight":
+            # llama.cpp stores Llama 3.1's rope scaling as per-frequency factors; running
+            # without them would be silently wrong at every position.
+            raise ModelLoadError(
+                f"{path}: GGUF rope frequency factors (rope_freqs, e.g. Llama 3.1 scaling) are "
+                "not supported yet; use the model's HF safetensors checkpoint")
         else:
-            continue  # e.g. rope_freqs: recomputed from the config
+            raise ModelLoadError(f"{path}: unknown GGUF tensor {t.name!r}")
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:

@@ -49,3 +49,28 @@ def test_merged_projections_round_trip_hf_names(tiny_checkpoint):
     assert set(ours) == set(theirs)
     for name, t in theirs.items():
         assert torch.equal(ours[name], t), name
+
+
+def test_gguf_rope_frequency_factors_are_refused(tmp_path):
+    """A GGUF carrying rope_freqs (how llama.cpp stores Llama 3.1 scaling) must not load
+    as if it had none."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [(w.add_block_count, 1), (w.add_context_length, 256),
+                       (w.add_embedding_length, 64), (w.add_feed_forward_length, 128),
+                       (w.add_head_count, 4), (w.add_head_count_kv, 2),
+                       (w.add_rope_freq_base, 500000.0), (w.add_layer_norm_rms_eps, 1e-5),
+                       (w.add_vocab_size, 32)]:
+        add(value)
+    w.add_token_list([f"t{i}" for i in range(32)])
+    w.add_tensor("token_embd.weight", np.ones((32, 64), dtype=np.float32))
+    w.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="rope_freqs"):
+        load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
