@@ -22,6 +22,10 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any | N
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer)
     if source.kind == "gguf" and source.path:
+        from flashpage.models.gguf_config import open_gguf
+
+        if "tokenizer.ggml.model" not in open_gguf(source.path).fields:
+            return None  # weights only: prompts must be token ids
         return _gguf_tokenizer(source.path)
     if source.kind == "hf" and source.path:
         files = os.listdir(source.path)

@@ -75,9 +75,19 @@ class RotaryEmbedding(KeepFp32, nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.is_neox = is_neox
-        inv_freq = scaled_inv_freq(base, rot_dim, scaling)
-        self.register_buffer("cos_sin_cache", build_cos_sin_cache(inv_freq, max_positions),
+        self.max_positions = max_positions
+        self.inv_freq = scaled_inv_freq(base, rot_dim, scaling)
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(self.inv_freq, max_positions),
                              persistent=False)
+
+    def set_frequency_factors(self, factors: torch.Tensor) -> None:
+        """Divide each frequency by a factor, as llama.cpp stores Llama 3.1's scaling in GGUF
+        files (``rope_freqs``: one factor per rotated pair)."""
+        if factors.shape != self.inv_freq.shape:
+            raise ValueError(f"rope_freqs has shape {tuple(factors.shape)}, expected "
+                             f"{tuple(self.inv_freq.shape)} (one factor per rotated pair)")
+        cache = build_cos_sin_cache(self.inv_freq / factors.float().cpu(), self.max_positions)
+        self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,8 +7,8 @@ GGUF model goes through the same validation as a ``config.json`` one.
 Supported GGUF architectures: the Llama family as llama.cpp writes it (``llama``, which
 also covers Mistral, ``qwen2``, ``qwen3``). Anything else is a ``ConfigError`` naming it.
 
-Not carried over: Llama 3.1's rope scaling, which llama.cpp stores as a ``rope_freqs``
-tensor rather than as metadata; the loader must read that tensor when it is present.
+Llama 3.1's rope scaling is not in the metadata: llama.cpp stores it as a ``rope_freqs``
+tensor of frequency divisors, which the weight loader applies to the rotary caches.
 """
 
 from __future__ import annotations

@@ -144,6 +144,10 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if name == "rope_freqs":  # GGUF: Llama 3.1 scaling as frequency factors
+                for layer in self.model.layers:
+                    cast(LlamaDecoderLayer, layer).self_attn.rotary_emb.set_frequency_factors(tensor)
+                continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             split = self._split_name(name)

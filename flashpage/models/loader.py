@@ -145,11 +145,8 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
                 raise ModelLoadError(f"{path}: unknown GGUF tensor {t.name!r}")
             name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
         elif t.name == "rope_freqs.weight":
-            # llama.cpp stores Llama 3.1's rope scaling as per-frequency factors; running
-            # without them would be silently wrong at every position.
-            raise ModelLoadError(
-                f"{path}: GGUF rope frequency factors (rope_freqs, e.g. Llama 3.1 scaling) are "
-                "not supported yet; use the model's HF safetensors checkpoint")
+            # llama.cpp stores Llama 3.1's rope scaling as per-frequency factors.
+            name = "rope_freqs"
         else:
             raise ModelLoadError(f"{path}: unknown GGUF tensor {t.name!r}")
         try:

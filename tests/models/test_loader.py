@@ -51,26 +51,84 @@ def test_merged_projections_round_trip_hf_names(tiny_checkpoint):
         assert torch.equal(ours[name], t), name
 
 
-def test_gguf_rope_frequency_factors_are_refused(tmp_path):
-    """A GGUF carrying rope_freqs (how llama.cpp stores Llama 3.1 scaling) must not load
-    as if it had none."""
+def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's conversion of HF q/k rows (halves -> interleaved rope pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_factors(base: float, dim: int, factor: float, low: float, high: float,
+                         old_len: int) -> list[float]:
+    """llama.cpp's rope_freqs for Llama 3.1 scaling: one divisor per frequency."""
+    import math
+
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi / (1.0 / base ** (i / dim))
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def test_gguf_with_rope_frequency_factors_equals_transformers(tiny_checkpoint, tmp_path):
+    """A Llama 3.1-style model converted to GGUF as llama.cpp does (permuted q/k, scaling
+    as rope_freqs) gives transformers' greedy tokens on the original checkpoint."""
     import gguf
     import numpy as np
+    from safetensors.torch import load_file
 
-    path = tmp_path / "m.gguf"
+    from flashpage import LLM, SamplingParams
+    from flashpage.config import ModelConfig
+    from tests.conftest import hf_greedy, random_prompts
+
+    src = tiny_checkpoint("llama31_gqa")
+    cfg = ModelConfig.from_hf(src)
+    rs = cfg.rope_scaling
+    assert rs is not None and rs.rope_type == "llama3"
+    sd = load_file(str(src / "model.safetensors"))
+    path = tmp_path / "llama31.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    for add, value in [(w.add_block_count, 1), (w.add_context_length, 256),
-                       (w.add_embedding_length, 64), (w.add_feed_forward_length, 128),
-                       (w.add_head_count, 4), (w.add_head_count_kv, 2),
-                       (w.add_rope_freq_base, 500000.0), (w.add_layer_norm_rms_eps, 1e-5),
-                       (w.add_vocab_size, 32)]:
-        add(value)
-    w.add_token_list([f"t{i}" for i in range(32)])
-    w.add_tensor("token_embd.weight", np.ones((32, 64), dtype=np.float32))
-    w.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                 "mlp.down_proj.weight": "ffn_down.weight"}
+    for name, t in sd.items():
+        if name in names:
+            out = names[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            out = f"blk.{layer}.{per_layer[rest]}"
+            if rest == "self_attn.q_proj.weight":
+                t = _llama_cpp_permute(t, cfg.num_attention_heads)
+            elif rest == "self_attn.k_proj.weight":
+                t = _llama_cpp_permute(t, cfg.num_key_value_heads)
+        w.add_tensor(out, t.float().numpy())
+    factors = _llama3_rope_factors(cfg.rope_theta, cfg.head_dim, rs.factor, rs.low_freq_factor,
+                                   rs.high_freq_factor, rs.original_max_position_embeddings or 8192)
+    assert any(f != 1.0 for f in factors)  # the scaling must matter at this size
+    w.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match="rope_freqs"):
-        load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+
+    prompts = random_prompts(3, 20, 90, seed=13)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = LLM(str(path), dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == hf_greedy(src, prompts, 12)
