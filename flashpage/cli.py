@@ -149,7 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    module = {"memory": "benchmarks.memory_efficiency", "throughput": "flashpage.bench.throughput",
+    module = {"memory": "flashpage.bench.memory", "throughput": "flashpage.bench.throughput",
               "latency": "flashpage.bench.latency", "serve": "flashpage.bench.serve"}[args.what]
     try:
         mod = importlib.import_module(module)

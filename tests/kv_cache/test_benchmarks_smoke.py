@@ -19,7 +19,8 @@ def _load(name: str):
 
 
 def test_memory_efficiency_orders_the_policies(tmp_path):
-    me = _load("memory_efficiency")
+    from flashpage.bench import memory as me
+
     results, sharing, wl, _ = me.run(num_requests=150, pool_slots=16384, max_model_len=2048,
                                      shared_len=256, block_sizes=(16, 128))
     by = {r.policy: r for r in results}

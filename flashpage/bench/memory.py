@@ -26,7 +26,7 @@ Metrics are averaged over the steps while requests are still queued (memory-boun
 A second run: many requests sharing a long system prompt, paged (B=16) with and without
 prefix caching: logical tokens per physical slot and requests that fit at once.
 
-Usage: python benchmarks/memory_efficiency.py [--requests 1000] [--out benchmarks/results/memory.md]
+Usage: flashpage bench memory [--requests 1000] [--out benchmarks/results/memory.md] [--plot F.png]
        [--plot benchmarks/results/memory.png]
 """
 
@@ -319,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     results, sharing, wl, shared = run(args.requests, args.pool_slots, args.max_model_len,
                                        args.shared_prompt_len)
     text = markdown(results, sharing, wl, shared, args.pool_slots, args.max_model_len)
-    cmd = "python benchmarks/memory_efficiency.py " + " ".join(argv if argv is not None
-                                                               else sys.argv[1:])
+    cmd = "flashpage bench memory " + " ".join(argv if argv is not None else sys.argv[1:])
     text = (f"# KV memory efficiency (CPU simulation, no GPU needed)\n\n`{cmd.strip()}` "
             f"({time.strftime('%Y-%m-%d')})\n\n" + text)
     print(text)
