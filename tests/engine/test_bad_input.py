@@ -127,3 +127,17 @@ def test_corrupt_config(tmp_path):
 def test_bad_block_size(bs):
     with pytest.raises(ValueError, match="power of two"):
         EngineConfig(block_size=bs)
+
+
+def test_invalid_params_in_a_batch_fail_alone(llm, tiny_checkpoint):
+    """SamplingParams are checked again when a request is added: one made invalid after
+    construction fails with its message while the rest of the batch completes."""
+    prompts = random_prompts(3, 4, 12, seed=12)
+    good = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    bad = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    bad.top_p = 0.0
+    outs = llm.generate(prompts, [good, bad, good], use_tqdm=False)
+    assert outs[1].error is not None and "top_p" in outs[1].error
+    expected = hf_greedy(tiny_checkpoint("llama2_mha"), [prompts[0], prompts[2]], 5)
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == expected
+    assert llm.engine.kv_manager.stats().blocks_used == 0
