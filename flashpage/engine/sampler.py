@@ -88,44 +88,41 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request],
                 params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
-        n, dev = logits.shape[0], logits.device
-        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
-                             device=dev)
+        n, vocab, dev = logits.shape[0], logits.shape[1], logits.device
+        # Every row's parameters in one host-to-device copy (each copy from the host
+        # waits for the stream, so six small tensors cost six waits).
+        table = torch.tensor(
+            [[1.0 if g else p.temperature, float(p.top_k if p.top_k > 0 else vocab),
+              p.top_p, p.min_p, float(g)] for p, g in zip(params, greedy, strict=True)],
+            dtype=torch.float32).to(dev)
+        temps, top_k, top_p, min_p = table[:, 0:1], table[:, 1:2].long(), table[:, 2:3], table[:, 3:4]
         argmax = logits.argmax(dim=-1)
-        x = logits / temps[:, None]
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-        if any(top_k) or any(p.top_p < 1.0 for p in params) or any(p.min_p > 0 for p in params):
-            x = self._filter(x, top_k, [p.top_p for p in params], [p.min_p for p in params])
+        x = logits / temps
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
+            x = self._filter(x, top_k, top_p, min_p)
         probs = torch.softmax(x, dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            idx = torch.tensor(unseeded, device=dev)
-            noise[idx] = torch.empty((len(unseeded), probs.shape[1]), device=dev).exponential_()
+        noise = torch.empty_like(probs).exponential_()
         for i, (r, p) in enumerate(zip(requests, params, strict=True)):
-            if p.seed is not None:
+            if p.seed is not None:  # its own stream: independent of the batch around it
                 g = torch.Generator(device=dev)
                 g.manual_seed((p.seed * _SEED_MIX + r.num_output_tokens) % (1 << 63))
                 noise[i].exponential_(generator=g)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor(greedy, device=dev)
-        return torch.where(is_greedy, argmax, sampled).view(n)
+        return torch.where(table[:, 4] > 0, argmax, sampled).view(n)
 
     @staticmethod
-    def _filter(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
-        dev = x.device
+    def _filter(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor) -> torch.Tensor:
+        """x [n, V]; top_k [n, 1] (V = off), top_p and min_p [n, 1] -> x with the
+        filtered-out tokens at -inf."""
         sorted_x, order = x.sort(dim=-1, descending=True)
-        vocab = x.shape[1]
-        ranks = torch.arange(vocab, device=dev)[None, :]
-        k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=dev)[:, None]
-        remove = ranks >= k
+        ranks = torch.arange(x.shape[1], device=x.device)[None, :]
+        remove = ranks >= top_k
         sorted_probs = torch.softmax(sorted_x.masked_fill(remove, float("-inf")), dim=-1)
-        p = torch.tensor(top_p, device=dev)[:, None]
         # Keep the smallest prefix whose mass reaches p (always keeps the top token).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        remove |= mass_before >= p
-        mp = torch.tensor(min_p, device=dev)[:, None]
-        remove |= sorted_probs < mp * sorted_probs[:, :1]
+        remove |= mass_before >= top_p
+        remove |= sorted_probs < min_p * sorted_probs[:, :1]
         sorted_x = sorted_x.masked_fill(remove, float("-inf"))
         return torch.empty_like(x).scatter_(1, order, sorted_x)
 
