@@ -55,36 +55,53 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-        if any(_needs_processing(p) for p in params):
+        pen_rows = [i for i, p in enumerate(params) if _needs_processing(p)]
+        if pen_rows:
             logits = logits.clone()
-            for i, (r, p) in enumerate(zip(requests, params, strict=True)):
-                if _needs_processing(p):
-                    self._apply_penalties(logits[i], r, p)
+            self._apply_penalties(logits, pen_rows, requests)
 
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, requests, params, greedy)
-        token_list = tokens.tolist()
         lps: list[Logprobs | None] = [None] * len(requests)
-        if raw_logprobs is not None:
-            for i, p in enumerate(params):
-                if p.logprobs is not None:
-                    lps[i] = self._logprobs(raw_logprobs[i], token_list[i], p.logprobs)
+        if raw_logprobs is None:
+            return SamplerOutput(tokens.tolist(), lps)
+        token_list, lp_rows = self._logprobs(raw_logprobs, tokens, params)
+        for i, entry in lp_rows.items():
+            lps[i] = entry
         return SamplerOutput(token_list, lps)
 
     @staticmethod
-    def _apply_penalties(row: torch.Tensor, r: Request, p: SamplingParams) -> None:
-        dev = row.device
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.all_token_ids)), device=dev, dtype=torch.long)
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-            out = torch.tensor(r.output_token_ids, device=dev, dtype=torch.long)
-            counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    def _apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
+        """Repetition (over prompt + output), presence and frequency (over output) penalties
+        of ``rows``, for all of them at once: one host-to-device copy, no per-request sync."""
+        dev, vocab = logits.device, logits.shape[1]
+        reqs = [requests[i] for i in rows]
+        width = max(max(len(r.all_token_ids) for r in reqs), 1)
+        # ids [m, width]: each row's prompt + output ids, padded with vocab (a dummy column);
+        # out_start[m]: where its output begins.
+        ids = torch.full((len(reqs), width), vocab, dtype=torch.long)
+        knobs = torch.empty((len(reqs), 4), dtype=torch.float32)
+        for j, r in enumerate(reqs):
+            ids[j, : len(r.all_token_ids)] = torch.tensor(r.all_token_ids)
+            p = r.sampling_params
+            knobs[j] = torch.tensor([p.repetition_penalty, p.presence_penalty,
+                                     p.frequency_penalty, r.num_prompt_tokens])
+        ids, knobs = ids.to(dev), knobs.to(dev)
+        rep, pres, freq = knobs[:, 0:1], knobs[:, 1:2], knobs[:, 2:3]
+        is_output = torch.arange(width, device=dev)[None, :] >= knobs[:, 3:4]
+        seen = torch.zeros((len(reqs), vocab + 1), dtype=torch.bool, device=dev)
+        seen.scatter_(1, ids, True)
+        counts = torch.zeros((len(reqs), vocab + 1), dtype=logits.dtype, device=dev)
+        counts.scatter_add_(1, ids, is_output.to(logits.dtype))
+        seen, counts = seen[:, :vocab], counts[:, :vocab]
+        index = torch.tensor(rows, device=dev)
+        sub = logits.index_select(0, index)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+        logits.index_copy_(0, index, sub)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request],
                 params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
@@ -127,11 +144,23 @@ class Sampler:
         return torch.empty_like(x).scatter_(1, order, sorted_x)
 
     @staticmethod
-    def _logprobs(row: torch.Tensor, token: int, k: int) -> Logprobs:
-        lp = float(row[token])
-        rank = int((row > row[token]).sum()) + 1
-        top: list[tuple[int, float]] = []
-        if k > 0:
-            vals, ids = row.topk(k)
-            top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-        return Logprobs(token, lp, rank, top)
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+                  ) -> tuple[list[int], dict[int, Logprobs]]:
+        """The chosen tokens, and for rows that asked: the chosen token's logprob and rank
+        and the top-k, computed for all rows together (a fixed number of syncs per step)."""
+        chosen = raw.gather(1, tokens[:, None])
+        ranks = (raw > chosen).sum(dim=1) + 1
+        kmax = max((p.logprobs or 0) for p in params)
+        top_vals, top_ids = raw.topk(kmax, dim=-1) if kmax else (None, None)
+        token_list = tokens.tolist()
+        chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
+        vals_l = top_vals.tolist() if top_vals is not None else None
+        ids_l = top_ids.tolist() if top_ids is not None else None
+        out: dict[int, Logprobs] = {}
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                continue
+            k = p.logprobs
+            top = list(zip(ids_l[i][:k], vals_l[i][:k], strict=True)) if k and ids_l and vals_l else []
+            out[i] = Logprobs(token_list[i], chosen_l[i], ranks_l[i], top)
+        return token_list, out

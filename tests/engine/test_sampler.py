@@ -84,3 +84,28 @@ def test_penalties_change_the_choice():
     assert s(logits.clone(), [r]).token_ids == [1]
     r = _req(SamplingParams(temperature=0, frequency_penalty=0.05), out=[0])
     assert s(logits.clone(), [r]).token_ids == [0]  # 2.0 - .05 still beats 1.9
+
+
+def test_batched_penalties_equal_a_per_row_reference():
+    """Rows with different penalties (and one without) processed together equal the
+    penalties applied row by row, as vLLM defines them."""
+    torch.manual_seed(0)
+    vocab = 50
+    specs = [
+        (SamplingParams(repetition_penalty=1.3), [1, 2, 3, 3], [4, 4, 9]),
+        (SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [7, 8], [8, 8, 8, 11]),
+        (SamplingParams(), [5], [6]),
+        (SamplingParams(repetition_penalty=0.8, presence_penalty=-0.3), [0], []),
+    ]
+    reqs = [_req(p, str(i), out=o, prompt=tuple(pr)) for i, (p, pr, o) in enumerate(specs)]
+    logits = torch.randn(len(reqs), vocab)
+    want = logits.clone()
+    for i, (p, prompt, out) in enumerate(specs):
+        row = want[i]
+        for t in set(prompt + out):
+            row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+        for t in set(out):
+            row[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+    got = logits.clone()
+    Sampler._apply_penalties(got, [0, 1, 3], reqs)
+    torch.testing.assert_close(got, want)
