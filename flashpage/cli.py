@@ -68,8 +68,8 @@ def sampling_params(args: argparse.Namespace) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # before loading the model: a bad flag fails at once
     llm = build_llm(args)
-    params = sampling_params(args)
     if args.chat:
         prompts: list[Any] = [llm.chat_prompt_ids([{"role": "user", "content": p}]) for p in args.prompt]
     else:
@@ -93,9 +93,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive chat; tokens are printed as they are produced."""
+    params = sampling_params(args)
     llm = build_llm(args)
     engine = llm.engine
-    params = sampling_params(args)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
