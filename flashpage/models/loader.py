@@ -132,6 +132,9 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
 
     from flashpage.models.gguf_config import open_gguf
 
+    # llama.cpp permutes q/k rows only for Llama-style models (llama, mistral); Qwen2 and
+    # Qwen3 are converted as they are (their rope is neox-style in llama.cpp too).
+    permuted = config.model_type in ("llama", "mistral")
     try:
         reader = open_gguf(path)
     except Exception as e:
@@ -155,9 +158,9 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
             raise ModelLoadError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}") from e
         shape = tuple(int(x) for x in reversed(t.shape))
         w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute_rope(w, config.num_attention_heads)
-        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute_rope(w, config.num_key_value_heads)
         yield name, w
 

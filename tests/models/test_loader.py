@@ -74,60 +74,76 @@ def _llama3_rope_factors(base: float, dim: int, factor: float, low: float, high:
     return out
 
 
-def test_gguf_with_rope_frequency_factors_equals_transformers(tiny_checkpoint, tmp_path):
-    """A Llama 3.1-style model converted to GGUF as llama.cpp does (permuted q/k, scaling
-    as rope_freqs) gives transformers' greedy tokens on the original checkpoint."""
+def _hf_to_gguf(src, path, arch: str, rope_factors: list[float] | None = None) -> None:
+    """Write HF checkpoint ``src`` as an f32 GGUF the way llama.cpp converts it: Llama
+    q/k rows permuted (not Qwen's), Llama 3.1 scaling as rope_freqs."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
 
-    from flashpage import LLM, SamplingParams
     from flashpage.config import ModelConfig
-    from tests.conftest import hf_greedy, random_prompts
 
-    src = tiny_checkpoint("llama31_gqa")
     cfg = ModelConfig.from_hf(src)
-    rs = cfg.rope_scaling
-    assert rs is not None and rs.rope_type == "llama3"
-    sd = load_file(str(src / "model.safetensors"))
-    path = tmp_path / "llama31.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-                 "mlp.down_proj.weight": "ffn_down.weight"}
-    for name, t in sd.items():
-        if name in names:
-            out = names[name]
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                 "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+                 "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name in top:
+            out = top[name]
         else:
             _, _, layer, rest = name.split(".", 3)
-            out = f"blk.{layer}.{per_layer[rest]}"
-            if rest == "self_attn.q_proj.weight":
+            module, kind = rest.rsplit(".", 1)
+            out = f"blk.{layer}.{per_layer[module]}.{kind}"
+            if arch == "llama" and module == "self_attn.q_proj":
                 t = _llama_cpp_permute(t, cfg.num_attention_heads)
-            elif rest == "self_attn.k_proj.weight":
+            elif arch == "llama" and module == "self_attn.k_proj":
                 t = _llama_cpp_permute(t, cfg.num_key_value_heads)
         w.add_tensor(out, t.float().numpy())
-    factors = _llama3_rope_factors(cfg.rope_theta, cfg.head_dim, rs.factor, rs.low_freq_factor,
-                                   rs.high_freq_factor, rs.original_max_position_embeddings or 8192)
-    assert any(f != 1.0 for f in factors)  # the scaling must matter at this size
-    w.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))
+    if rope_factors is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_factors, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
+
+@pytest.mark.parametrize("name, arch", [("llama31_gqa", "llama"), ("qwen2_bias", "qwen2"),
+                                        ("qwen3_qknorm", "qwen3")])
+def test_gguf_conversions_equal_transformers(tiny_checkpoint, tmp_path, name, arch):
+    """Checkpoints converted to GGUF as llama.cpp does (Llama: permuted q/k and Llama 3.1
+    scaling as rope_freqs; Qwen2 with biases and Qwen3 with q/k norms: not permuted) give
+    transformers' greedy tokens on the originals."""
+    from flashpage import LLM, SamplingParams
+    from flashpage.config import ModelConfig
+    from tests.conftest import hf_greedy, random_prompts
+
+    src = tiny_checkpoint(name)
+    cfg = ModelConfig.from_hf(src)
+    factors = None
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        assert rs.rope_type == "llama3"
+        factors = _llama3_rope_factors(cfg.rope_theta, cfg.head_dim, rs.factor, rs.low_freq_factor,
+                                       rs.high_freq_factor, rs.original_max_position_embeddings or 8192)
+        assert any(f != 1.0 for f in factors)  # the scaling must matter at this size
+    path = tmp_path / f"{name}.gguf"
+    _hf_to_gguf(src, path, arch, factors)
     prompts = random_prompts(3, 20, 90, seed=13)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got = LLM(str(path), dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
