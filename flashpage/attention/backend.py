@@ -82,5 +82,7 @@ class AttentionBackend(ABC):
         *,
         scale: float,
         sliding_window: int | None = None,
+        write_kv: bool = True,
     ) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D]: write k/v to the cache, attend, return [N, Hq, D]."""
+        """q [N, Hq, D], k/v [N, Hkv, D]: write k/v to the cache (unless the caller already
+        did, ``write_kv=False``), attend, return [N, Hq, D]."""

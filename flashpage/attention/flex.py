@@ -100,11 +100,12 @@ class FlexBackend(AttentionBackend):
         return md
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, write_kv: bool = True) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         md = metadata
         n = md.num_actual_tokens
-        write_kv_cache_torch(k[:n], v[:n], key_cache, value_cache, md.slot_mapping[:n])
+        if write_kv:
+            write_kv_cache_torch(k[:n], v[:n], key_cache, value_cache, md.slot_mapping[:n])
         num_slots = key_cache.shape[0] * key_cache.shape[1]
         hkv, d = key_cache.shape[2], key_cache.shape[3]
         qq = q.new_zeros(1, q.shape[1], md.extra["flex_padded"], d)

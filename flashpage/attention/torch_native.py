@@ -56,10 +56,11 @@ class TorchNativeBackend(AttentionBackend):
         return []
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, write_kv: bool = True) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         n = metadata.num_actual_tokens
-        write_kv_cache_torch(k[:n], v[:n], key_cache, value_cache, metadata.slot_mapping[:n])
+        if write_kv:
+            write_kv_cache_torch(k[:n], v[:n], key_cache, value_cache, metadata.slot_mapping[:n])
         out = torch.empty_like(q)
         nd = metadata.num_decodes
         if nd:

@@ -57,7 +57,7 @@ class TritonBackend(AttentionBackend):
         return md
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, write_kv: bool = True) -> torch.Tensor:
         from flashpage.kernels.cache_write import write_kv_cache
         from flashpage.kernels.flash_prefill import paged_prefill
         from flashpage.kernels.paged_decode import paged_decode
@@ -65,7 +65,8 @@ class TritonBackend(AttentionBackend):
         key_cache, value_cache = kv_cache
         md = metadata
         n = md.num_actual_tokens
-        write_kv_cache(k[:n], v[:n], key_cache, value_cache, md.slot_mapping[:n])
+        if write_kv:
+            write_kv_cache(k[:n], v[:n], key_cache, value_cache, md.slot_mapping[:n])
         out = torch.empty_like(q)
         nd, ndt = md.num_decodes, md.num_decode_tokens
         if nd:

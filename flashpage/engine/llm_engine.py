@@ -98,9 +98,10 @@ class LLMEngine:
         backend_cls, why = select_backend(config.attention_backend, mc, self.device, self.dtype)
         logger.info("attention backend: %s", why)
         self.backend_name = backend_cls.name
-        ops.set_fused_ops(backend_cls.name == "triton" and self.device.type == "cuda")
         self.model = load_model(self.source, self.dtype, self.device,
                                 max_positions=self.max_model_len, seed=config.seed)
+        # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
+        ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.tokenizer = load_tokenizer(self.source, tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.num_blocks = config.num_gpu_blocks or self._num_blocks()

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from flashpage.layers import ops
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(ops.FusedOpsModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.silu_and_mul(x)
+        return ops.silu_and_mul(x, fused=self.fused)

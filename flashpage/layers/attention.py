@@ -9,6 +9,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from flashpage.attention.backend import AttentionBackend, AttentionMetadata
+    from flashpage.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -29,13 +30,29 @@ class Attention(nn.Module):
         self.backend: AttentionBackend | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+                metadata: AttentionMetadata, *, positions: torch.Tensor | None = None,
+                rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+        """With ``rotary``, q and k are rotated here first: by the fused rotary + cache-write
+        kernel when the rotary layer runs our kernels (then the backend writes nothing)."""
         if self.kv_cache is None or self.backend is None:
             raise RuntimeError("attention layer used before the model runner bound its KV cache")
         n = q.shape[0]
-        out = self.backend.forward(
-            q.view(n, self.num_heads, self.head_dim),
-            k.view(n, self.num_kv_heads, self.head_dim),
-            v.view(n, self.num_kv_heads, self.head_dim),
-            self.kv_cache, metadata, scale=self.scale, sliding_window=self.sliding_window)
-        return out.view(n, self.num_heads * self.head_dim)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        write_kv = True
+        if rotary is not None:
+            assert positions is not None
+            if rotary.fused:
+                from flashpage.kernels.rotary import rotary_and_cache_write
+
+                q, k = q.contiguous(), k.contiguous()
+                key_cache, value_cache = self.kv_cache
+                rotary_and_cache_write(positions, q, k, v, rotary.cos_sin_cache, key_cache,
+                                       value_cache, metadata.slot_mapping[:n], rotary.is_neox)
+                write_kv = False
+            else:
+                q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.kv_cache, metadata, scale=self.scale,
+                                   sliding_window=self.sliding_window, write_kv=write_kv)
+        return out.reshape(n, self.num_heads * self.head_dim)

@@ -8,7 +8,7 @@ from torch import nn
 from flashpage.layers import ops
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(ops.FusedOpsModule):
     """``forward(x)`` -> rmsnorm(x) * weight; ``forward(x, residual)`` -> (rmsnorm(x + residual) * weight, x + residual).
 
     Computed in fp32 and cast back before the weight multiply, as HF Llama does, so
@@ -23,4 +23,4 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+        return ops.rms_norm(x, self.weight, self.eps, residual, fused=self.fused)

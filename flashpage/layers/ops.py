@@ -1,33 +1,37 @@
 """Small ops with two implementations: plain PyTorch, and our fused Triton kernels.
 
-The model layers call these functions; which implementation runs is decided once,
-per process, by :func:`set_fused_ops` (the engine turns the Triton path on when its
-attention backend is ``triton`` on a CUDA device). The torch path follows HF Llama's
-arithmetic exactly, so fp32 outputs equal transformers'.
+Each layer that uses one carries ``fused`` (False by default); :func:`set_fused_ops`
+sets it on every such module of one model (the engine does so when its attention
+backend is ``triton``). Nothing is global: two engines in one process keep their own
+choice. The torch path follows HF Llama's arithmetic exactly, so fp32 outputs equal
+transformers'.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-_use_triton = False
-
-
-def set_fused_ops(enabled: bool) -> None:
-    """Use the Triton kernels for CUDA tensors (True) or plain PyTorch everywhere (False)."""
-    global _use_triton
-    _use_triton = enabled
+from torch import nn
 
 
-def fused_ops_enabled() -> bool:
-    return _use_triton
+class FusedOpsModule(nn.Module):
+    """A layer that can run our Triton kernels instead of plain PyTorch."""
+
+    fused: bool = False
+
+
+def set_fused_ops(model: nn.Module, enabled: bool) -> None:
+    """Use the Triton kernels (True) or plain PyTorch (False) in every layer of ``model``."""
+    for m in model.modules():
+        if isinstance(m, FusedOpsModule):
+            m.fused = enabled
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    fused: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    if _use_triton and x.is_cuda:
+    if fused:
         from flashpage.kernels.rms_norm import rms_norm as rms_norm_kernel
 
         return rms_norm_kernel(x, weight, eps, residual)
@@ -41,8 +45,8 @@ def rms_norm(
     return out if residual is None else (out, residual)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if _use_triton and x.is_cuda:
+def silu_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    if fused:
         from flashpage.kernels.silu_mul import silu_and_mul as silu_and_mul_kernel
 
         return silu_and_mul_kernel(x)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from flashpage.config import ModelConfig, RopeScaling
 from flashpage.layers import ops
@@ -67,7 +66,7 @@ def apply_rotary_torch(
     return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
 
 
-class RotaryEmbedding(KeepFp32, nn.Module):
+class RotaryEmbedding(KeepFp32, ops.FusedOpsModule):
     cos_sin_cache: torch.Tensor
 
     def __init__(self, head_dim: int, rot_dim: int, max_positions: int, base: float,
@@ -92,7 +91,7 @@ class RotaryEmbedding(KeepFp32, nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [N, Hq, D], k [N, Hkv, D] -> rotated (q, k)."""
-        if ops.fused_ops_enabled() and q.is_cuda:
+        if self.fused:
             from flashpage.kernels.rotary import apply_rotary
 
             q, k = q.contiguous(), k.contiguous()

@@ -48,8 +48,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q.reshape(n, -1), k.reshape(n, -1), v, md)
+        o = self.attn(q, k, v, md, positions=positions, rotary=self.rotary_emb)
         return self.o_proj(o)
 
 

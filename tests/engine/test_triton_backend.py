@@ -36,8 +36,26 @@ def test_triton_backend_matches_torch_native_interpreted(tiny_checkpoint, monkey
     # Decodes, a 40-token prompt chunked by the 32-token budget, and a prefix hit.
     prompts = random_prompts(2, 3, 40, seed=5)
     prompts.append(prompts[1][:33] + [7, 8])
+    import flashpage.kernels.rms_norm as rms_mod
+    import flashpage.kernels.rotary as rot_mod
+    import flashpage.kernels.silu_mul as silu_mod
+
+    calls = {"rope+cache write": 0, "rms_norm": 0, "silu_and_mul": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    monkeypatch.setattr(rot_mod, "rotary_and_cache_write",
+                        counted("rope+cache write", rot_mod.rotary_and_cache_write))
+    monkeypatch.setattr(rms_mod, "rms_norm", counted("rms_norm", rms_mod.rms_norm))
+    monkeypatch.setattr(silu_mod, "silu_and_mul", counted("silu_and_mul", silu_mod.silu_and_mul))
     ref = _run(path, "torch_native", "cpu", "float32", prompts)
+    assert not any(calls.values()), "torch_native must not run our kernels"
     got = _run(path, "triton", "cpu", "float32", prompts)
+    assert all(calls.values()), f"the triton engine skipped a fused kernel: {calls}"
     assert got == ref
 
 
