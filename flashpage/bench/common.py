@@ -18,6 +18,25 @@ _REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIRS = [_REPO.parent / "shared" / "configs", _REPO / "benchmarks" / "configs"]
 
 
+def bench_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's parser with the model choice and every engine flag."""
+    from flashpage.cli import add_engine_arguments
+
+    p = argparse.ArgumentParser(prog=prog, description=doc)
+    add_model_arguments(p)
+    add_engine_arguments(p)
+    return p
+
+
+def build_bench_llm(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """The LLM a benchmark runs (random weights when --config names a shape), and that config."""
+    from flashpage.cli import build_llm
+
+    config = resolve_config(args.config)
+    args.random_weights_config = config
+    return build_llm(args), config
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None,
                    help="random weights of this shape: a config.json, its folder, or a name "

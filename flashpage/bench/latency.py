@@ -5,7 +5,6 @@ prompt in the same run and the weight-read limit (copy bandwidth / weight bytes)
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import statistics
 import time
@@ -13,11 +12,11 @@ import time
 import torch
 
 from flashpage.bench.common import (
-    add_model_arguments,
+    bench_parser,
+    build_bench_llm,
     device_name,
     hf_model,
     make_workload,
-    resolve_config,
     weight_bytes,
     write_json,
 )
@@ -25,20 +24,15 @@ from flashpage.bench.throughput import _sync, measure_ceilings
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flashpage.cli import add_engine_arguments, build_llm
     from flashpage.sampling_params import SamplingParams
 
-    p = argparse.ArgumentParser(prog="flashpage bench latency", description=__doc__)
-    add_model_arguments(p)
-    add_engine_arguments(p)
+    p = bench_parser("flashpage bench latency", __doc__)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
     args = p.parse_args(argv)
-    config = resolve_config(args.config)
-    args.random_weights_config = config
-    llm = build_llm(args)
+    llm, config = build_bench_llm(args)
     engine = llm.engine
     wl = make_workload(args.batch_size, (args.input_len, args.input_len),
                        (args.output_len, args.output_len), engine.model_config.vocab_size)

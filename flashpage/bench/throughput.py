@@ -7,19 +7,18 @@ token ids, ignore_eos (every request generates exactly its output length).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import time
 
 import torch
 
 from flashpage.bench.common import (
-    add_model_arguments,
+    bench_parser,
+    build_bench_llm,
     device_name,
     hf_generate_throughput,
     hf_model,
     make_workload,
-    resolve_config,
     weight_bytes,
     write_json,
 )
@@ -64,12 +63,9 @@ def measure_ceilings(device: torch.device) -> tuple[float | None, float | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flashpage.cli import add_engine_arguments, build_llm
     from flashpage.sampling_params import SamplingParams
 
-    p = argparse.ArgumentParser(prog="flashpage bench throughput", description=__doc__)
-    add_model_arguments(p)
-    add_engine_arguments(p)
+    p = bench_parser("flashpage bench throughput", __doc__)
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--input-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
@@ -80,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload-seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    config = resolve_config(args.config)
-    args.random_weights_config = config
-    llm = build_llm(args)
+    llm, config = build_bench_llm(args)
     engine = llm.engine
     wl = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len),
                        engine.model_config.vocab_size, args.workload_seed)
