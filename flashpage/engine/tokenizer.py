@@ -37,20 +37,37 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any | N
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
-    Decodes a short window (a few tokens already shown, then the new ones) rather than
-    the whole output each step, and holds back text ending in a partial UTF-8
-    character ("\\ufffd") until the next token completes it.
+    With a fast tokenizer it uses the ``tokenizers`` library's ``DecodeStream`` (one step
+    per token, ~1 us), seeded with the prompt's last tokens so the first word gets its
+    leading space right. Otherwise it decodes a short window (a few tokens already shown,
+    then the new ones) and holds back text ending in a partial UTF-8 character
+    ("\ufffd") until the next token completes it.
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
+        self.text = ""
+        self._stream: Any = None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            try:
+                from tokenizers.decoders import DecodeStream
+
+                self._stream = DecodeStream(ids=list(prompt_ids[-6:]),
+                                            skip_special_tokens=skip_special_tokens)
+                self._backend = backend
+            except (ImportError, TypeError):  # an older tokenizers: the window below
+                self._stream = None
         self.ids: list[int] = list(prompt_ids[-6:])
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
-        self.text = ""
 
     def add(self, token_id: int) -> str:
+        if self._stream is not None:
+            delta = self._stream.step(self._backend, token_id) or ""
+            self.text += delta
+            return delta
         self.ids.append(token_id)
         dec = self.tokenizer.decode
         prefix = dec(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
