@@ -37,6 +37,21 @@ def build_bench_llm(args: argparse.Namespace) -> tuple[Any, str | None]:
     return build_llm(args), config
 
 
+def result_header(benchmark: str, engine: Any, config: str | None,
+                  args: argparse.Namespace) -> dict[str, Any]:
+    """What every benchmark result starts with: what ran, where, and when."""
+    import datetime
+
+    return {
+        "benchmark": benchmark,
+        "date": datetime.date.today().isoformat(),
+        "device": device_name(engine.device),
+        "model": config or args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "attention_backend": engine.backend_name,
+    }
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None,
                    help="random weights of this shape: a config.json, its folder, or a name "

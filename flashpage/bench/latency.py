@@ -5,7 +5,6 @@ prompt in the same run and the weight-read limit (copy bandwidth / weight bytes)
 
 from __future__ import annotations
 
-import datetime
 import statistics
 import time
 
@@ -14,9 +13,9 @@ import torch
 from flashpage.bench.common import (
     bench_parser,
     build_bench_llm,
-    device_name,
     hf_model,
     make_workload,
+    result_header,
     weight_bytes,
     write_json,
 )
@@ -54,12 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ttft = statistics.median(ttfts) if ttfts else 0.0
     decode_tps = args.batch_size * (args.output_len - 1) / max(total - ttft, 1e-9)
     result = {
-        "benchmark": "latency",
-        "date": datetime.date.today().isoformat(),
-        "device": device_name(engine.device),
-        "model": config or args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
-        "dtype": str(engine.dtype).replace("torch.", ""),
-        "attention_backend": engine.backend_name,
+        **result_header("latency", engine, config, args),
         "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
         "flashpage": {"seconds": total, "ttft_s": ttft, "decode_tok_per_s": decode_tps,
                       "output_tok_per_s": args.batch_size * args.output_len / total},

@@ -7,7 +7,6 @@ token ids, ignore_eos (every request generates exactly its output length).
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import torch
@@ -15,10 +14,10 @@ import torch
 from flashpage.bench.common import (
     bench_parser,
     build_bench_llm,
-    device_name,
     hf_generate_throughput,
     hf_model,
     make_workload,
+    result_header,
     weight_bytes,
     write_json,
 )
@@ -93,12 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == wl.num_output_tokens, (produced, wl.num_output_tokens)
     result = {
-        "benchmark": "throughput",
-        "date": datetime.date.today().isoformat(),
-        "device": device_name(engine.device),
-        "model": config or args.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
-        "dtype": str(engine.dtype).replace("torch.", ""),
-        "attention_backend": engine.backend_name,
+        **result_header("throughput", engine, config, args),
         "workload": {"requests": args.num_requests, "input_len": list(args.input_len),
                      "output_len": list(args.output_len), "prompt_tokens": wl.num_prompt_tokens,
                      "output_tokens": wl.num_output_tokens, "temperature": args.temperature},
