@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU work of one session, in parts small enough for one device call each:
 #   bash benchmarks/gpu_final.sh engine    GPU tests of the engine, a decode-step breakdown,
-#                                          8B-shape throughput (ours, flex) and latency beside HF
+#                                          8B-shape throughput and latency beside HF
 #   bash benchmarks/gpu_final.sh kernels   kernel GPU tests and the kernel benchmarks
-#   bash benchmarks/gpu_final.sh serve     bench serve on the 8B shape (needs the .whl carry:
+#   bash benchmarks/gpu_final.sh serve     flex throughput, then bench serve on the 8B shape (needs the .whl carry:
 #                                          fastapi==0.115.12, starlette==0.46.2, pydantic, ...)
 #   bash benchmarks/gpu_final.sh deepseek  the DeepSeek-V2-Lite shape (MLA + MoE) end to end
 # Results under $OUT; the last lines of each step are printed.
@@ -16,13 +16,11 @@ PT="python3 -m pytest -q -p no:cacheprovider"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 case "$PART" in
 engine)
-  timeout 150 $PT -m gpu tests/engine 2>&1 | tail -n 12 | tee "$OUT/engine_gpu_tests.txt"
-  timeout 100 python3 benchmarks/profile_engine_step.py --batch 1 256 --context 1024 --steps 30 2>&1 \
-    | grep -v Warning | tail -n 16 | tee "$OUT/profile.txt"
+  timeout 150 $PT -m gpu tests/engine tests/models 2>&1 | tail -n 12 | tee "$OUT/engine_gpu_tests.txt"
+  timeout 130 python3 benchmarks/profile_engine_step.py --batch 1 256 --context 1024 --steps 30 --kernel-table 2>&1 \
+    | grep -v Warning | tail -n 50 | tee "$OUT/profile.txt"
   timeout 240 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
     --hf-requests 32 --hf-batch-size 32 --json-out "$OUT/throughput_8b.json" 2>&1 | grep -E "tok_per_s|speedup|seconds|Error"
-  timeout 200 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --attention-backend flex \
-    --no-hf --json-out "$OUT/throughput_8b_flex.json" 2>&1 | grep -E "tok_per_s|Error"
   timeout 80 $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 64 \
     --json-out "$OUT/latency_8b.json" 2>&1 | grep -E "tok_per_s|speedup|fraction|Error" ;;
 kernels)
@@ -32,6 +30,8 @@ kernels)
   timeout 80 python3 benchmarks/mla_decode.py --out "$OUT/k/mla.jsonl" 2>&1 | tail -n 14
   timeout 200 python3 benchmarks/attention_prefill.py --jobs 12 --out "$OUT/k" 2>&1 | tail -n 16 ;;
 serve)
+  timeout 200 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --attention-backend flex \
+    --no-hf --json-out "$OUT/throughput_8b_flex.json" 2>&1 | grep -E "tok_per_s|Error"
   timeout 240 $FP bench serve --config llama-3-8b --num-prompts 300 --request-rate 16 \
     --input-len 512 --output-len 128 --json-out "$OUT/serve_8b.json" 2>&1 | grep -v "INFO:" | tail -n 40 ;;
 deepseek)

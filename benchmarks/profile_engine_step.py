@@ -26,6 +26,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    p.add_argument("--kernel-table", action="store_true",
+                   help="also list the GPU kernels of a few decode steps per batch (torch.profiler)")
     args = p.parse_args()
     llm = LLM(random_weights_config=resolve_config(args.config),
               gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(args.batch))
@@ -65,7 +67,11 @@ def main() -> None:
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
             eng.step(final_only=True)
         times.clear()
+        profiled = 0
         while eng.has_unfinished_requests():
+            if args.kernel_table and profiled == 0 and len(eng_steps) == args.steps // 2:
+                profiled = _kernel_table(eng, bs, steps=5)
+                continue
             t0 = time.perf_counter()
             eng.step(final_only=True)
             eng_steps.append(time.perf_counter() - t0)
@@ -73,6 +79,25 @@ def main() -> None:
               f"(synced parts below)")
         for name, ts in sorted(times.items()):
             print(f"  {name:14s} {statistics.median(ts) * 1e3:8.3f} ms  x{len(ts)}")
+
+
+def _kernel_table(eng, bs: int, steps: int) -> int:
+    """Profile `steps` engine steps and print the kernels that take the GPU time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step(final_only=True)
+        torch.cuda.synchronize()
+    # Kernels carry their own device time; CPU ops only their children's (self time 0).
+    rows = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in rows)
+    print(f"  kernels at batch {bs}: {total / steps / 1e3:.3f} ms of GPU time per step")
+    for e in rows[:14]:
+        print(f"    {e.self_device_time_total / steps:9.1f} us/step  x{e.count // steps:<4d} {e.key[:90]}")
+    return steps
 
 
 if __name__ == "__main__":
