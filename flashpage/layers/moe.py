@@ -24,8 +24,22 @@ Routing, as transformers computes it (fp32 logits):
   ``norm_topk_prob``, times ``routed_scaling_factor``. transformers' V3 always routes
   this way, whatever ``topk_method``/``scoring_func`` say (its config has neither).
 
-Experts run grouped: the (token, slot) pairs are sorted by expert, each expert runs one
-matmul over its contiguous slice, and the weighted results are summed back per token.
+Experts run one of two ways, chosen by the token count alone (a shape, so a CUDA graph
+captured for a batch size always replays the same path):
+
+- **grouped** (more than ``sync_free_max_tokens`` tokens: long prompt chunks): the
+  (token, slot) pairs are sorted by expert, each expert runs one matmul over its
+  contiguous slice. The slice sizes are read back to the host once per layer, which is
+  cheap in eager mode but cannot be captured;
+- **sync-free** (decode batches and short chunks): static shapes, no host sync.
+  For very few pairs (``3 * tokens * top_k <= E``) each pair's expert weights are
+  gathered and run as batched matmuls (less weight traffic than reading every expert);
+  otherwise every expert runs on every token as one batched matmul per projection and
+  each token keeps the outputs of its top-k. Up to ~200 tokens per expert this costs the
+  same memory traffic as the grouped path (every expert read once); past that the
+  wasted FLOPs grow, hence the limit.
+
+Both weight each expert output in fp32, round it to the model dtype, then sum per token.
 """
 
 from __future__ import annotations
@@ -104,20 +118,66 @@ class MoEGate(KeepFp32, nn.Module):
         return scores.masked_fill(~mask, fill)
 
 
+# The engine captures decode graphs for batches of up to 512 requests (one token each,
+# engine/cuda_graph.py): every captured size must take the sync-free path.
+SYNC_FREE_MAX_TOKENS = 512
+
+
 class FusedExperts(nn.Module):
-    """All routed experts' weights as 3-D tensors; forward runs them grouped by expert."""
+    """All routed experts' weights as 3-D tensors; forward runs them sync-free or grouped."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         assert config.n_routed_experts
         self.num_experts = config.n_routed_experts
         self.intermediate = config.moe_intermediate_size
+        self.sync_free_max_tokens = SYNC_FREE_MAX_TOKENS
         h = config.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate, h))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, h, self.intermediate))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden], weights fp32 [N, K], ids [N, K] -> sum_k weights * expert_k(x)."""
+        """x [N, hidden], weights fp32 [N, K], ids int64 [N, K] -> sum_k weights * expert_k(x)."""
+        if x.shape[0] <= self.sync_free_max_tokens:
+            return self.forward_sync_free(x, weights, ids)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"MoE over {x.shape[0]} tokens syncs with the host and cannot be captured in a "
+                f"CUDA graph; capture at most {self.sync_free_max_tokens} tokens")
+        return self.forward_grouped(x, weights, ids)
+
+    def forward_sync_free(self, x: torch.Tensor, weights: torch.Tensor,
+                          ids: torch.Tensor) -> torch.Tensor:
+        """Same contract as :meth:`forward`; static shapes, no host sync (CUDA-graph safe)."""
+        n, k = ids.shape
+        if 3 * n * k <= self.num_experts:
+            ys = self._gathered(x, ids)
+        else:
+            ys = self._all_experts(x, ids)
+        return (ys * weights[..., None]).to(x.dtype).sum(1)
+
+    def _gathered(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each (token, slot) pair with its own expert's weights: -> [N, K, hidden]."""
+        n, k = ids.shape
+        flat = ids.reshape(-1)
+        xs = x[:, None, :].expand(n, k, x.shape[1]).reshape(n * k, 1, x.shape[1])
+        h = torch.bmm(xs, self.gate_up_proj.index_select(0, flat).transpose(1, 2))  # [P, 1, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, self.down_proj.index_select(0, flat).transpose(1, 2))
+        return y.view(n, k, x.shape[1])
+
+    def _all_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, then each token's top-k picked: -> [N, K, hidden]."""
+        n, k = ids.shape
+        h = torch.matmul(x, self.gate_up_proj.transpose(1, 2))  # [E, N, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.matmul(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, N, hidden]
+        rows = ids * n + torch.arange(n, device=x.device)[:, None]  # row of (expert, token)
+        return y.view(-1, x.shape[1]).index_select(0, rows.reshape(-1)).view(n, k, x.shape[1])
+
+    def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor,
+                        ids: torch.Tensor) -> torch.Tensor:
+        """Same contract as :meth:`forward`; one matmul per used expert, one host sync."""
         n, k = ids.shape
         flat_ids = ids.reshape(-1)
         order = flat_ids.argsort(stable=True)  # (token, slot) pairs grouped by expert
@@ -200,4 +260,5 @@ class DeepseekMoE(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-__all__ = ["DeepseekMLP", "DeepseekMoE", "FusedExperts", "MoEGate", "routing_method"]
+__all__ = ["SYNC_FREE_MAX_TOKENS", "DeepseekMLP", "DeepseekMoE", "FusedExperts", "MoEGate",
+           "routing_method"]

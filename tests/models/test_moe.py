@@ -15,7 +15,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from flashpage.config import ModelConfig
-from flashpage.layers.moe import DeepseekMoE, routing_method
+from flashpage.layers.moe import SYNC_FREE_MAX_TOKENS, DeepseekMoE, FusedExperts, routing_method
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
@@ -44,11 +44,16 @@ def randomize(module: torch.nn.Module, seed: int) -> None:
             t.copy_(torch.randn(t.shape, generator=g) * 0.3)
 
 
-def ours_from(hf_module: torch.nn.Module, hf_config) -> DeepseekMoE:
+def ours_from(hf_module: torch.nn.Module, hf_config, path: str = "sync_free") -> DeepseekMoE:
+    """Our MoE with HF's weights, forced onto one expert path whatever the token count."""
     cfg = ModelConfig.from_hf(hf_config.to_dict())
     ours = DeepseekMoE(cfg)
     ours.load_state_dict(hf_module.state_dict(), strict=True)
+    ours.experts.sync_free_max_tokens = 10**9 if path == "sync_free" else -1
     return ours
+
+
+PATHS = pytest.mark.parametrize("path", ["sync_free", "grouped"])
 
 
 def assert_same(ours: torch.nn.Module, hf: torch.nn.Module, hidden: int, seed: int) -> None:
@@ -69,11 +74,12 @@ def assert_same(ours: torch.nn.Module, hf: torch.nn.Module, hidden: int, seed: i
     ],
     ids=["greedy", "group_limited", "no_shared_top1"],
 )
-def test_v2_moe_matches_hf(kw):
+@PATHS
+def test_v2_moe_matches_hf(kw, path):
     conf = v2_config(**kw)
     hf = DeepseekV2Moe(conf).eval()
     randomize(hf, 0)
-    ours = ours_from(hf, conf)
+    ours = ours_from(hf, conf, path)
     assert routing_method(ours_cfg := ModelConfig.from_hf(conf.to_dict())) == kw["topk_method"]
     assert ours_cfg.scoring_func == "softmax"
     assert_same(ours, hf, conf.hidden_size, 1)
@@ -88,12 +94,13 @@ def test_v2_moe_matches_hf(kw):
     ],
     ids=["grouped", "unnormalised", "one_group"],
 )
-def test_v3_moe_matches_hf(kw):
+@PATHS
+def test_v3_moe_matches_hf(kw, path):
     conf = v3_config(**kw)
     hf = DeepseekV3MoE(conf).eval()
     randomize(hf, 2)  # includes a non-zero e_score_correction_bias
     assert hf.gate.e_score_correction_bias.abs().sum() > 0
-    ours = ours_from(hf, conf)
+    ours = ours_from(hf, conf, path)
     assert ours.gate.method == "noaux_tc"
     assert_same(ours, hf, conf.hidden_size, 3)
 
@@ -144,13 +151,82 @@ def test_loads_per_expert_checkpoint(tmp_path):
     assert_same(ours, model.model.layers[1].mlp, conf.hidden_size, 9)
 
 
-def test_grouped_experts_handle_unused_experts_and_empty_batch():
+@PATHS
+def test_experts_handle_unused_experts_and_empty_batch(path):
     conf = v2_config(n_routed_experts=16, num_experts_per_tok=1)
     hf = DeepseekV2Moe(conf).eval()
     randomize(hf, 10)
-    ours = ours_from(hf, conf)
+    ours = ours_from(hf, conf, path)
     assert_same(ours, hf, conf.hidden_size, 11)  # 123 tokens, most experts hit, maybe not all
     with torch.no_grad():
         x = torch.randn(2, conf.hidden_size)
         assert torch.allclose(ours(x), hf(x), atol=1e-5)  # at most 2 experts used
         assert ours(torch.empty(0, conf.hidden_size)).shape == (0, conf.hidden_size)
+
+
+# ----------------------------------------------------------------- sync-free vs grouped
+def random_experts(num_experts: int, hidden: int, inter: int, seed: int) -> FusedExperts:
+    conf = v2_config(n_routed_experts=num_experts, hidden_size=hidden, moe_intermediate_size=inter)
+    experts = FusedExperts(ModelConfig.from_hf(conf.to_dict()))
+    randomize(experts, seed)
+    return experts
+
+
+def crowded_routing(n: int, k: int, num_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids (distinct within a token) drawn from a few popular experts, so that many
+    tokens share an expert, plus random fp32 weights."""
+    g = torch.Generator().manual_seed(seed)
+    popular = min(num_experts, k + 2)
+    ids = torch.stack([torch.randperm(popular, generator=g)[:k] for _ in range(n)])
+    ids[: n // 2] = torch.randperm(num_experts, generator=g)[:k]  # half the batch: one choice
+    weights = torch.rand(n, k, generator=g) * 2
+    return ids, weights
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "num_experts", "sub_path"),
+    [(1, 2, 16, "_gathered"), (2, 2, 16, "_gathered"), (3, 2, 16, "_all_experts"),
+     (1, 3, 8, "_all_experts"), (37, 3, 8, "_all_experts"), (64, 6, 24, "_all_experts")],
+)
+def test_sync_free_path_equals_grouped(n, k, num_experts, sub_path, monkeypatch):
+    experts = random_experts(num_experts, 32, 24, seed=n + k)
+    x = torch.randn(n, 32, generator=torch.Generator().manual_seed(1))
+    ids, weights = crowded_routing(n, k, num_experts, seed=2)
+    assert (ids[:, :1] == ids[0, 0]).sum() >= n // 2  # one expert picked by many tokens
+    used = []
+    original = getattr(FusedExperts, sub_path)
+
+    def spy(self, *a):
+        used.append(sub_path)
+        return original(self, *a)
+
+    monkeypatch.setattr(FusedExperts, sub_path, spy)
+    with torch.no_grad():
+        want = experts.forward_grouped(x, weights, ids)
+        got = experts.forward_sync_free(x, weights, ids)
+    assert used == [sub_path], "the expected sync-free variant did not run"
+    assert got.shape == want.shape == (n, 32)
+    # fp32; only the summation order inside the matmuls differs (outputs are O(10)).
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_path_is_chosen_by_token_count(monkeypatch):
+    experts = random_experts(8, 16, 8, seed=3)
+    ran = []
+    monkeypatch.setattr(FusedExperts, "forward_grouped", lambda self, *a: ran.append("grouped"))
+    monkeypatch.setattr(FusedExperts, "forward_sync_free", lambda self, *a: ran.append("sync_free"))
+    for n in (1, SYNC_FREE_MAX_TOKENS, SYNC_FREE_MAX_TOKENS + 1):
+        ids = torch.zeros(n, 2, dtype=torch.long)
+        experts(torch.zeros(n, 16), torch.zeros(n, 2), ids)
+    assert ran == ["sync_free", "sync_free", "grouped"]
+
+
+def test_sync_free_bf16_follows_grouped():
+    """bf16: both paths round each weighted expert output to bf16 before the sum."""
+    experts = random_experts(8, 64, 32, seed=4).to(torch.bfloat16)
+    x = torch.randn(29, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    ids, weights = crowded_routing(29, 3, 8, seed=6)
+    with torch.no_grad():
+        want = experts.forward_grouped(x, weights, ids).float()
+        got = experts.forward_sync_free(x, weights, ids).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
