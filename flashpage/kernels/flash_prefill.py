@@ -14,6 +14,11 @@ i sits at key position i + Lk - Lq and sees keys j with
 
 A query that sees no key (causal with Lq > Lk) gets a zero output and lse = -inf.
 
+Q/K and V may have different head dims (MLA prefill: qk 192 = 128 nope + 64 rope, v 128),
+and neither needs to be a power of two: each is padded to a power-of-two tile width
+(>= 16) and the padding columns are masked on load (zeros, so they add nothing to QK^T)
+and on store. Only equal power-of-two dims take the TMA path.
+
 Key tiles of one program fall into three loop stages so that only the few tiles
 that need a mask pay for it:
 
@@ -70,15 +75,22 @@ def _page_rows(bt_row, start_n, seq_k, KV_MODE: tl.constexpr, PAGE_SIZE: tl.cons
 
 @triton.jit
 def _load_tile(X, desc, rows, kpos, seq_k, kv_col, stride_t, HEAD_DIM: tl.constexpr,
-               KV_MODE: tl.constexpr, MASKED: tl.constexpr):
-    """[BLOCK_N, HEAD_DIM] keys or values at `rows`; masked tiles zero rows >= seq_k."""
+               DIM: tl.constexpr, KV_MODE: tl.constexpr, MASKED: tl.constexpr):
+    """[BLOCK_N, HEAD_DIM] keys or values at `rows`; masked tiles zero rows >= seq_k.
+    Columns DIM..HEAD_DIM (tile padding of a non-power-of-two head dim) load as zeros."""
     if KV_MODE == 1 or KV_MODE == 3:
         x = desc.load([rows, kv_col])
         if MASKED and KV_MODE == 3:  # slots past seq_k in the last page hold garbage (maybe NaN)
             x = tl.where((kpos < seq_k)[:, None], x, 0.0)
     else:
-        ptrs = X + rows[:, None] * stride_t + kv_col + tl.arange(0, HEAD_DIM)[None, :]
-        if MASKED:
+        offs_d = tl.arange(0, HEAD_DIM)
+        ptrs = X + rows[:, None] * stride_t + kv_col + offs_d[None, :]
+        if DIM < HEAD_DIM:
+            if MASKED:
+                x = tl.load(ptrs, mask=(kpos < seq_k)[:, None] & (offs_d < DIM)[None, :], other=0.0)
+            else:
+                x = tl.load(ptrs, mask=(offs_d < DIM)[None, :], other=0.0)
+        elif MASKED:
             x = tl.load(ptrs, mask=(kpos < seq_k)[:, None], other=0.0)
         else:
             x = tl.load(ptrs)
@@ -98,7 +110,8 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
                 kv_col, qpos, qk_scale, window, stride_kt, stride_vt,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                HEAD_DIM: tl.constexpr, IEEE: tl.constexpr, WARP_SPEC: tl.constexpr):
+                HEAD_DIM: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                V_DIM: tl.constexpr, IEEE: tl.constexpr, WARP_SPEC: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     if KV_MODE >= 2:
         # paged: block-table entries are read one tile ahead and carried into the next
@@ -115,7 +128,8 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
             rows = k_start + start_n
         else:
             rows = (k_start + kpos).to(tl.int64)
-        k = _load_tile(K, desc_k, rows, kpos, seq_k, kv_col, stride_kt, HEAD_DIM, KV_MODE, MASKED)
+        k = _load_tile(K, desc_k, rows, kpos, seq_k, kv_col, stride_kt, HEAD_DIM, QK_DIM, KV_MODE,
+                       MASKED)
         qk = _dot(q, tl.trans(k), None, IEEE)
         if MASKED:
             mask = (kpos < seq_k)[None, :]
@@ -131,7 +145,8 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
             alpha = tl.math.exp2(m_i - m_sub)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-            v = _load_tile(V, desc_v, rows, kpos, seq_k, kv_col, stride_vt, HEAD_DIM, KV_MODE, True)
+            v = _load_tile(V, desc_v, rows, kpos, seq_k, kv_col, stride_vt, HEAD_DIM_V, V_DIM,
+                           KV_MODE, True)
             acc = _dot(p.to(v.dtype), v, acc, IEEE)
             m_i = m_ij
         else:
@@ -140,7 +155,8 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
             alpha = tl.math.exp2(m_i - m_ij)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-            v = _load_tile(V, desc_v, rows, kpos, seq_k, kv_col, stride_vt, HEAD_DIM, KV_MODE, False)
+            v = _load_tile(V, desc_v, rows, kpos, seq_k, kv_col, stride_vt, HEAD_DIM_V, V_DIM,
+                           KV_MODE, False)
             acc = _dot(p.to(v.dtype), v, acc, IEEE)
             m_i = m_ij
     return acc, l_i, m_i
@@ -155,6 +171,7 @@ def _prefill_fwd(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lse, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, V_DIM: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_MODE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
     WARP_SPEC: tl.constexpr, M_FASTEST: tl.constexpr,
@@ -188,7 +205,10 @@ def _prefill_fwd(
         q = desc_q.load([q_start + m0, h * HEAD_DIM])
     else:
         q_ptrs = Q + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=(offs_m < seq_q)[:, None], other=0.0)
+        q_mask = (offs_m < seq_q)[:, None]
+        if QK_DIM < HEAD_DIM:  # padded tile: zero columns add nothing to QK^T
+            q_mask = q_mask & (offs_d < QK_DIM)[None, :]
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
     # key-tile ranges of the three stages (see the module docstring)
     last_row = tl.minimum(m0 + BLOCK_M, seq_q) - 1
@@ -210,7 +230,7 @@ def _prefill_fwd(
     qpos = offs_m + shift
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     kv_col = kvh * HEAD_DIM  # TMA column of this kv head in the [rows, Hkv * D] view
     K = K + kvh.to(tl.int64) * stride_kh
     V = V + kvh.to(tl.int64) * stride_vh
@@ -220,21 +240,25 @@ def _prefill_fwd(
         acc, l_i, m_i = _attn_stage(
             acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, s1, k_start, seq_k, kv_col, qpos,
             qk_scale, window, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, IEEE, False)
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False)
     acc, l_i, m_i = _attn_stage(
         acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s1, s2, k_start, seq_k, kv_col, qpos,
         qk_scale, window, stride_kt, stride_vt, False, CAUSAL, HAS_WINDOW, KV_MODE,
-        PAGE_SIZE, BLOCK_N, HEAD_DIM, IEEE, WARP_SPEC)
+        PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, WARP_SPEC)
     acc, l_i, m_i = _attn_stage(
         acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s2, hi, k_start, seq_k, kv_col, qpos,
         qk_scale, window, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
-        PAGE_SIZE, BLOCK_N, HEAD_DIM, IEEE, False)
+        PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False)
 
     row_ok = offs_m < seq_q
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    o_ptrs = Out + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    o_ptrs = Out + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_dv[None, :]
+    o_mask = row_ok[:, None]
+    if V_DIM < HEAD_DIM_V:
+        o_mask = o_mask & (offs_dv < V_DIM)[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
     if RETURN_LSE:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
         tl.store(Lse + h.to(tl.int64) * stride_lse + q_start + offs_m, lse, mask=row_ok)
@@ -295,38 +319,45 @@ def _check_cu(name: str, t: torch.Tensor, device: torch.device) -> int:
     return t.numel() - 1
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_name: str) -> tuple[int, int, int]:
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_name: str) -> tuple[int, int, int, int]:
+    """-> (Hq, Hkv, qk head dim, v head dim)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [total_q, num_q_heads, head_dim], got shape {tuple(q.shape)}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q dtype {q.dtype} unsupported (float16, bfloat16, float32)")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, {kv_name} dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"{kv_name} shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{kv_name} shapes differ: {tuple(k.shape)} vs {tuple(v.shape)} "
+                         "(only their head dims may differ)")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q and {kv_name} are on different devices")
     hq, d = q.shape[1], q.shape[2]
-    hkv = k.shape[-2]
+    hkv, dv = k.shape[-2], v.shape[-1]
     if k.shape[-1] != d:
         raise ValueError(f"head_dim of q ({d}) and {kv_name} ({k.shape[-1]}) differ")
-    if d < 16 or d > 256 or d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two in [16, 256] (64, 128, 256), got {d}")
+    for what, dim in (("head_dim", d), ("v head_dim", dv)):
+        if not 1 <= dim <= 256:
+            raise ValueError(f"{what} must be in [1, 256] (tiles pad it to a power of two), got {dim}")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
-    for name, t in (("q", q), (kv_name.split(",")[0], k), (kv_name.split(",")[-1].strip(), v)):
-        if t.stride(-1) != 1 or t.stride(-2) != d:
+    for name, t, td in (("q", q, d), (kv_name.split(",")[0], k, d),
+                        (kv_name.split(",")[-1].strip(), v, dv)):
+        if t.stride(-1) != 1 or t.stride(-2) != td:
             raise ValueError(f"{name} must have contiguous [heads, head_dim] rows, strides {t.stride()}")
     if q.device.type != "cuda" and not _interpreting():
         raise ValueError("Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
-    return hq, hkv, d
+    return hq, hkv, d, dv
 
 
-def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+def _check_out(out: torch.Tensor | None, q: torch.Tensor, dv: int) -> torch.Tensor:
+    """out [total_q, Hq, v head dim] in q's dtype (q's shape when the head dims agree)."""
+    shape = (*q.shape[:2], dv)
     if out is None:
-        return torch.empty_like(q)
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got "
+        return q.new_empty(shape)
+    if out.shape != shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be {shape} {q.dtype} on {q.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if out.stride(-1) != 1:
         raise ValueError("out's last dimension must be contiguous")
@@ -354,12 +385,16 @@ def _desc(t: torch.Tensor, rows: int, heads: int, d: int, box_rows: int):
 def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, batch,
             max_seqlen_q, causal, sm_scale, window, cfg: PrefillConfig | None):
     total_q, hq, d = q.shape
-    hkv = k.shape[-2]
+    hkv, dv = k.shape[-2], v.shape[-1]
     paged = block_tables is not None
+    # Tile widths: powers of two >= 16 (tl.dot's smallest), padding masked in the kernel.
+    block_d = max(16, triton.next_power_of_2(d))
+    block_dv = max(16, triton.next_power_of_2(dv))
     if cfg is None:
-        cfg = default_config(q.device, d, q.dtype, causal)
+        cfg = default_config(q.device, max(block_d, block_dv), q.dtype, causal)
     use_tma = cfg.use_tma and q.dtype != torch.float32
-    use_tma = use_tma and _tma_ok(q, k, v)
+    # TMA boxes are [rows, head_dim] of one width for Q, K and V: unpadded, equal dims only.
+    use_tma = use_tma and d == dv == block_d and _tma_ok(q, k, v)
     if paged:
         use_tma = use_tma and page_size % cfg.block_n == 0 and k.shape[0] < 2**31
         mode = _KV_PAGED_TMA if use_tma else _KV_PAGED
@@ -387,7 +422,8 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, ba
         scale, window, hq // hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), stride_lse, block_tables.stride(0) if paged else 0,
-        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
+        HEAD_DIM=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        QK_DIM=d, HEAD_DIM_V=block_dv, V_DIM=dv, CAUSAL=bool(causal),
         HAS_WINDOW=window > 0, KV_MODE=mode, PAGE_SIZE=page_size if paged else 1,
         RETURN_LSE=lse is not None, IEEE=q.dtype == torch.float32,
         WARP_SPEC=cfg.warp_specialize, M_FASTEST=cfg.m_fastest, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -399,13 +435,15 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                       _config: PrefillConfig | None = None):
     """Attention over a ragged batch with contiguous keys/values.
 
-    q [total_q, Hq, D]; k, v [total_k, Hkv, D] (Hq % Hkv == 0, q head h reads kv head
+    q [total_q, Hq, D]; k [total_k, Hkv, D], v [total_k, Hkv, Dv] (Dv may differ from D,
+    as in MLA prefill; both <= 256; Hq % Hkv == 0, q head h reads kv head
     h // (Hq // Hkv)); cu_seqlens_q/k int32 [B + 1] (sequence b owns rows
     cu[b]:cu[b+1]); max_seqlen_q sizes the grid and must be >= every query length.
-    Returns out [total_q, Hq, D] in q's dtype, and lse [Hq, total_q] fp32 (natural
+    Returns out [total_q, Hq, Dv] in q's dtype, and lse [Hq, total_q] fp32 (natural
     log of the softmax denominator, -inf for a query that sees no key) if return_lse.
+    The default sm_scale is D ** -0.5.
     """
-    hq, _, _ = _check_qkv(q, k, v, "k, v")
+    hq, _, _, dv = _check_qkv(q, k, v, "k, v")
     if k.dim() != 3:
         raise ValueError(f"k, v must be [total_k, num_kv_heads, head_dim], got {tuple(k.shape)}")
     batch = _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
@@ -413,7 +451,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k differ in length: {batch + 1} vs "
                          f"{cu_seqlens_k.numel()}")
     window = _check_window(window_size)
-    out = _check_out(out, q)
+    out = _check_out(out, q, dv)
     lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
     if q.shape[0] > 0 and batch > 0:
         _launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, None, 0, batch,
@@ -427,8 +465,8 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
                   _config: PrefillConfig | None = None):
     """Attention of new tokens over the paged KV cache (chunked prefill, prefix hits).
 
-    q [total_q, Hq, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D]
-    (block_size a power of two); block_tables int32 [B, max_blocks]; seq_lens int32
+    q [total_q, Hq, D]; key_cache [num_blocks, block_size, Hkv, D], value_cache
+    [num_blocks, block_size, Hkv, Dv] (block_size a power of two; Dv may differ from D); block_tables int32 [B, max_blocks]; seq_lens int32
     [B] (context after this step: cached prefix + new tokens, whose K/V are already
     in the cache). Key p of sequence b lives in slot block_tables[b, p // bs] * bs +
     p % bs; query i of b sits at position seq_lens[b] - q_len_b + i. Returns as
@@ -437,7 +475,7 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
     if key_cache.dim() != 4:
         raise ValueError(f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
                          f"got {tuple(key_cache.shape)}")
-    hq, hkv, d = _check_qkv(q, key_cache, value_cache, "key_cache, value_cache")
+    hq, hkv, d, dv = _check_qkv(q, key_cache, value_cache, "key_cache, value_cache")
     page_size = key_cache.shape[1]
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"block_size must be a power of two, got {page_size}")
@@ -456,12 +494,12 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
         raise ValueError(f"block_tables has {block_tables.shape[1]} blocks of {page_size} tokens, "
                          f"fewer than max_seqlen_k={max_seqlen_k}")
     window = _check_window(window_size)
-    out = _check_out(out, q)
+    out = _check_out(out, q, dv)
     lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
     if q.shape[0] > 0 and batch > 0:
         slots_k = key_cache.view(-1, hkv, d) if key_cache.is_contiguous() else \
             key_cache.flatten(0, 1)
-        slots_v = value_cache.view(-1, hkv, d) if value_cache.is_contiguous() else \
+        slots_v = value_cache.view(-1, hkv, dv) if value_cache.is_contiguous() else \
             value_cache.flatten(0, 1)
         _launch(q, slots_k, slots_v, out, lse, cu_seqlens_q, None, seq_lens, block_tables,
                 page_size, batch, max_seqlen_q, causal, sm_scale, window, _config)
@@ -473,7 +511,7 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
 
 
 def _attend_ref(q, k, v, causal, sm_scale, window):
-    """q [Lq, Hq, D], k/v [Lk, Hkv, D] -> out [Lq, Hq, D] fp32, lse [Hq, Lq] fp32."""
+    """q [Lq, Hq, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv] -> out [Lq, Hq, Dv] fp32, lse [Hq, Lq] fp32."""
     lq, hq, d = q.shape
     lk, hkv = k.shape[0], k.shape[1]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
@@ -497,7 +535,7 @@ def _attend_ref(q, k, v, causal, sm_scale, window):
 def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                           causal=True, sm_scale=None, window_size=None, return_lse=False, out=None):
     """Reference for `flash_attn_varlen`, same signature, computed in fp32."""
-    out = torch.empty_like(q) if out is None else out
+    out = q.new_empty(*q.shape[:2], v.shape[-1]) if out is None else out
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
@@ -513,7 +551,7 @@ def paged_prefill_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq
                       window_size=None, return_lse=False, out=None):
     """Reference for `paged_prefill`: gathers each sequence's keys, then attends in fp32."""
     bs = key_cache.shape[1]
-    out = torch.empty_like(q) if out is None else out
+    out = q.new_empty(*q.shape[:2], value_cache.shape[-1]) if out is None else out
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     cq, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for b in range(len(lens)):

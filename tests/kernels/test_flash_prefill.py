@@ -4,6 +4,7 @@ CPU (no CUDA): Triton's interpreter, fp32 and fp16, small shapes with small tile
 (32 x 16), so that ragged ends, diagonals and windows cross several tiles.
 GPU (marked gpu): bf16 over head dims, GQA ratios, ragged lengths, block sizes
 16-128 and prefixes up to a few thousand tokens, with the GPU's own tile configs.
+MLA prefill shapes (qk dim 192 = 128 + 64 padded to a 256 tile, v dim 128) on both.
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ def _cu(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
 
 
-def _ragged(q_lens, prefixes, hq, hkv, d, dtype, seed=0):
+def _ragged(q_lens, prefixes, hq, hkv, d, dtype, seed=0, dv=None):
     g = torch.Generator(device=DEV).manual_seed(seed)
     k_lens = [lq + p for lq, p in zip(q_lens, prefixes, strict=True)]
     q = torch.randn(sum(q_lens), hq, d, generator=g, device=DEV).to(dtype)
     k = torch.randn(sum(k_lens), hkv, d, generator=g, device=DEV).to(dtype)
-    v = torch.randn(sum(k_lens), hkv, d, generator=g, device=DEV).to(dtype)
+    v = torch.randn(sum(k_lens), hkv, dv or d, generator=g, device=DEV).to(dtype)
     return q, k, v, _cu(q_lens), _cu(k_lens), max(q_lens), max(k_lens)
 
 
@@ -53,7 +54,7 @@ def _to_paged(k, v, cu_k, block_size, seed=0):
     tables = torch.zeros(len(lens), max(nblk) + 1, dtype=torch.int32)
     # poison: slots no sequence owns must never reach the output
     kc = torch.full((total, block_size, *k.shape[1:]), float("nan"), dtype=k.dtype, device=DEV)
-    vc = torch.full_like(kc, float("nan"))
+    vc = torch.full((total, block_size, *v.shape[1:]), float("nan"), dtype=v.dtype, device=DEV)
     start = cu_k.tolist()
     for b, n in enumerate(lens):
         ids = perm[:nblk[b]]
@@ -75,10 +76,10 @@ def _close(out, ref, dtype):
 
 
 def _check_varlen(q_lens, prefixes, hq, hkv, d, dtype, causal=True, window=None, cfg=None,
-                  lse=True):
-    q, k, v, cq, ck, mq, mk = _ragged(q_lens, prefixes, hq, hkv, d, dtype)
+                  lse=True, dv=None):
+    q, k, v, cq, ck, mq, mk = _ragged(q_lens, prefixes, hq, hkv, d, dtype, dv=dv)
     kw = dict(causal=causal, window_size=window, return_lse=lse)
-    out = torch.full_like(q, float("nan"))  # every row must be written
+    out = q.new_full((*q.shape[:2], v.shape[-1]), float("nan"))  # every row must be written
     res = flash_attn_varlen(q, k, v, cq, ck, mq, mk, out=out, _config=cfg, **kw)
     ref = flash_attn_varlen_ref(q, k, v, cq, ck, mq, mk, **kw)
     if lse:
@@ -91,8 +92,8 @@ def _check_varlen(q_lens, prefixes, hq, hkv, d, dtype, causal=True, window=None,
 
 
 def _check_paged(q_lens, prefixes, hq, hkv, d, dtype, block_size, causal=True, window=None,
-                 cfg=None):
-    q, k, v, cq, ck, mq, mk = _ragged(q_lens, prefixes, hq, hkv, d, dtype, seed=1)
+                 cfg=None, dv=None):
+    q, k, v, cq, ck, mq, mk = _ragged(q_lens, prefixes, hq, hkv, d, dtype, seed=1, dv=dv)
     kc, vc, tables, seq_lens = _to_paged(k, v, ck, block_size)
     kw = dict(causal=causal, window_size=window, return_lse=True)
     out, lse = paged_prefill(q, kc, vc, tables, cq, seq_lens, mq, mk, _config=cfg, **kw)
@@ -191,6 +192,32 @@ def test_paged_block_sizes_cpu(block_size, cfg):
     _check_paged([40], [25], 2, 1, 64, torch.float32, block_size, window=20, cfg=cfg)
 
 
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d,dv", [(192, 128), (24, 16), (40, 8)])
+def test_separate_v_head_dim_cpu(dtype, d, dv):
+    """MLA prefill: qk dim 192 (padded to a 256 tile) with v dim 128; the tiny test
+    checkpoints' 24 / 16; and a v dim below tl.dot's 16. Prefixes, ragged ends, GQA."""
+    _check_varlen([1, 37, 20], [0, 12, 33], 4, 2 if d != 192 else 1, d, dtype, dv=dv)
+
+
+@cpu_only
+def test_separate_v_head_dim_paged_and_window_cpu():
+    _check_paged([30, 9], [21, 0], 2, 1, 192, torch.float32, 16, dv=128)
+    _check_varlen([45, 20], [10, 2], 4, 2, 24, torch.float32, window=13, dv=16)
+
+
+@cpu_only
+def test_padded_head_dims_never_read_past_a_row():
+    """The padding columns of a 192 row are the next head's first 64: if they were read
+    (not masked), head 0 would see head 1's values. Poison head 1 and check head 0."""
+    q, k, v, cq, ck, mq, mk = _ragged([20], [7], 2, 2, 192, torch.float32, dv=128)
+    want = flash_attn_varlen_ref(q[:, :1], k[:, :1], v[:, :1], cq, ck, mq, mk)
+    q[:, 1], k[:, 1], v[:, 1] = 1e30, float("nan"), float("nan")
+    got = flash_attn_varlen(q, k, v, cq, ck, mq, mk)
+    _close(got[:, :1].contiguous(), want, torch.float32)
+
+
 # ----------------------------------------------------------------------------- validation
 
 
@@ -206,7 +233,13 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         flash_attn_varlen(q, z(10, 3, 64), z(10, 3, 64), cu, cu, 10, 10)
     with pytest.raises(ValueError, match="head_dim"):
-        flash_attn_varlen(z(10, 4, 48), z(10, 2, 48), z(10, 2, 48), cu, cu, 10, 10)
+        flash_attn_varlen(z(10, 4, 320), z(10, 2, 320), z(10, 2, 320), cu, cu, 10, 10)
+    with pytest.raises(ValueError, match="v head_dim"):
+        flash_attn_varlen(q, k, z(10, 2, 512), cu, cu, 10, 10)
+    with pytest.raises(ValueError, match="shapes differ"):
+        flash_attn_varlen(q, k, z(10, 1, 64), cu, cu, 10, 10)
+    with pytest.raises(ValueError, match="out must be"):
+        flash_attn_varlen(q, k, z(10, 2, 32), cu, cu, 10, 10, out=z(10, 4, 64))
     with pytest.raises(ValueError, match="dtypes differ"):
         flash_attn_varlen(q, k.half(), k.half(), cu, cu, 10, 10)
     with pytest.raises(ValueError, match="contiguous"):
@@ -260,3 +293,13 @@ def test_paged_gpu(d, block_size):
 @pytest.mark.gpu
 def test_paged_window_gpu():
     _check_paged([1, 900], [5000, 100], 8, 1, 128, BF16, 16, window=1024)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq", [16, 128])
+def test_mla_prefill_dims_gpu(hq):
+    """DeepSeek-V2/V3 prefill: qk 192 (128 nope + 64 rope), v 128, one kv head per q head."""
+    _check_varlen([1, 300, 128, 1000, 77], [0, 0, 2000, 37, 1500], hq, hq, 192, BF16, dv=128)
+    _check_varlen([1, 300, 128, 1000, 77], [0, 0, 2000, 37, 1500], hq, hq, 192, torch.float32,
+                  dv=128)
