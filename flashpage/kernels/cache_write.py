@@ -59,18 +59,22 @@ def _write_mla_kernel(
     num_tokens, stride_ln, stride_cb, stride_ct,
     PAGE: tl.constexpr,
     WIDTH: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per program
+    CHUNK: tl.constexpr,  # elements of a row per step (a power of two)
 ):
+    """A tile of BLOCK_T tokens, CHUNK elements of their rows at a time: with CHUNK
+    dividing WIDTH (64 for 512 + 64) no lane is masked off for padding."""
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_mapping_ptr + offs_t, mask=offs_t < num_tokens, other=-1)
     t_mask = slot >= 0
     slot = tl.where(t_mask, slot, 0)
-    offs = tl.arange(0, BLOCK)
-    mask = t_mask[:, None] & (offs < WIDTH)[None, :]
-    x = tl.load(latent_ptr + offs_t[:, None] * stride_ln + offs[None, :], mask=mask)
+    src = latent_ptr + offs_t * stride_ln
     dst = kv_cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
-    tl.store(dst[:, None] + offs[None, :], x, mask=mask)
+    for c0 in tl.static_range(0, WIDTH, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        mask = t_mask[:, None] & (offs < WIDTH)[None, :]
+        x = tl.load(src[:, None] + offs[None, :], mask=mask)
+        tl.store(dst[:, None] + offs[None, :], x, mask=mask)
 
 
 def _check_slots(slot_mapping: torch.Tensor, num_tokens: int) -> None:
@@ -100,11 +104,17 @@ def _check_kv(k, v, key_cache, value_cache, slot_mapping) -> None:
     _check_slots(slot_mapping, k.shape[0])
 
 
-def _token_tile(row: int) -> tuple[int, int]:
-    """(tokens per program, elements per step) for rows of ``row`` elements: ~4K
-    elements per tensor per program, so each program moves enough bytes to hide latency."""
+# Tile settings (elements per tensor per program, warps), from the H200 sweep in
+# benchmarks/fused_ops.py; benchmarks/results/fused_ops.md has the figures.
+KV_TILE = (4096, 8)
+MLA_TILE = (4096, 8)
+
+
+def _token_tile(row: int, elems: int) -> tuple[int, int]:
+    """(tokens per program, elements per step) for rows of ``row`` elements and about
+    ``elems`` elements per tensor per program (enough bytes to hide latency)."""
     block_e = min(triton.next_power_of_2(row), 2048)
-    return max(1, 4096 // block_e), block_e
+    return max(1, elems // block_e), block_e
 
 
 def write_kv_cache(
@@ -119,18 +129,22 @@ def write_kv_cache(
     k, v [N, Hkv, D] (rows may be strided, e.g. views of a fused qkv projection);
     caches [num_blocks, block_size, Hkv, D]; slot_mapping int64 [N].
     """
+    _write_kv(k, v, key_cache, value_cache, slot_mapping, *KV_TILE)
+
+
+def _write_kv(k, v, key_cache, value_cache, slot_mapping, elems: int, num_warps: int) -> None:
     _check_kv(k, v, key_cache, value_cache, slot_mapping)
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    block_t, block_e = _token_tile(num_heads * head_dim)
+    block_t, block_e = _token_tile(num_heads * head_dim, elems)
     _write_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
         k, v, key_cache, value_cache, slot_mapping, num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         PAGE=key_cache.shape[1], NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=8,
+        BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps,
     )
 
 
@@ -149,6 +163,10 @@ def write_mla_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: 
     latent [N, Dl + Dr] (c_kv after its norm, then k_pe with rope applied);
     kv_cache [num_blocks, block_size, Dl + Dr]; slot_mapping int64 [N].
     """
+    _write_mla(latent, kv_cache, slot_mapping, *MLA_TILE)
+
+
+def _write_mla(latent, kv_cache, slot_mapping, elems: int, num_warps: int) -> None:
     if latent.dim() != 2 or kv_cache.dim() != 3 or latent.shape[1] != kv_cache.shape[2]:
         raise ValueError(f"latent must be [N, W] and kv_cache [num_blocks, block_size, W], got "
                          f"{tuple(latent.shape)} and {tuple(kv_cache.shape)}")
@@ -160,11 +178,13 @@ def write_mla_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: 
     num_tokens, width = latent.shape
     if num_tokens == 0:
         return
-    block_t, block = _token_tile(width)
+    chunk = min(width & -width, 256)  # the largest power of two dividing the width, <= 256
+    if chunk < 16:  # an odd width: one masked tile per row rather than many tiny steps
+        chunk = triton.next_power_of_2(width)
+    block_t = max(1, elems // triton.next_power_of_2(width))
     _write_mla_kernel[(triton.cdiv(num_tokens, block_t),)](
         latent, kv_cache, slot_mapping, num_tokens, latent.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        PAGE=kv_cache.shape[1], WIDTH=width, BLOCK_T=block_t, BLOCK=triton.next_power_of_2(width),
-        num_warps=8,
+        PAGE=kv_cache.shape[1], WIDTH=width, BLOCK_T=block_t, CHUNK=chunk, num_warps=num_warps,
     )
 
 

@@ -24,6 +24,7 @@ and log-sum-exp, and a second kernel merges them. One split writes ``out`` direc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,18 +47,41 @@ class MLADecodeConfig:
     programs_per_sm: int = 1
 
 
-def default_config(num_heads: int) -> MLADecodeConfig:
-    """Tile defaults for a head count (H200, bf16, 512 + 64), from the sweep in
-    benchmarks/mla_decode.py; benchmarks/results/mla.md has the figures."""
+def default_config(num_heads: int, device: torch.device | None = None) -> MLADecodeConfig:
+    """Tile defaults for a head count, by GPU generation (bf16, 512 + 64).
+
+    Hopper (and the interpreter, which only checks correctness): the H200 sweep in
+    benchmarks/mla_decode.py (benchmarks/results/mla.md has the figures). Other GPUs:
+    smaller tiles of the same shape, which fit their shared memory (~100-164 KB).
+    """
+    hopper = True
+    if device is not None and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        hopper = torch.cuda.get_device_capability(device)[0] == 9
     if num_heads <= 16:
         # 93 KB shared memory, 242 registers x 128 threads: two programs per SM.
         return MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3,
-                               programs_per_sm=2)
-    if num_heads <= 32:
-        return MLADecodeConfig(block_h=32, block_n=32, num_warps=8, num_stages=3)
+                               programs_per_sm=2 if hopper else 1)
+    if num_heads <= 32 or not hopper:
+        return MLADecodeConfig(block_h=32 if num_heads <= 32 else 64, block_n=32, num_warps=8,
+                               num_stages=3 if num_heads <= 32 else 2)
     # 221 KB shared memory (the q tile and two 64-entry latent buffers): one program per
     # SM. ptxas spills 76 bytes, yet it ran 5-14% faster than 64 x 32 with three buffers.
     return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
+
+
+# What benchmarks/mla_decode.py --sweep times on Hopper (16 heads: block_h 16; 128 heads:
+# block_h 64); programs_per_sm estimated from shared memory (228 KB per SM) and registers.
+# The GPU tests run each one, so whichever becomes a default has been tested.
+CANDIDATE_CONFIGS = [
+    MLADecodeConfig(16, 32, 4, 3, 2), MLADecodeConfig(16, 32, 4, 2, 2), MLADecodeConfig(16, 32, 4, 4, 1),
+    MLADecodeConfig(16, 64, 4, 2, 2), MLADecodeConfig(16, 64, 8, 2, 2), MLADecodeConfig(16, 64, 8, 3, 1),
+    MLADecodeConfig(16, 16, 4, 5, 2),
+    MLADecodeConfig(64, 64, 8, 2, 1), MLADecodeConfig(64, 32, 8, 3, 1),
+]
+
+
+def config_name(cfg: MLADecodeConfig) -> str:
+    return f"{cfg.block_h}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}p{cfg.programs_per_sm}"
 
 
 # Sizes that vary from step to step are not specialised on, so one compiled kernel
@@ -166,28 +190,31 @@ def _mla_merge_kernel(
     num_heads, num_splits,
     stride_ob, stride_oh,
     RANK: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # row stride of mid_o
     BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
+    CHUNK_R: tl.constexpr,  # value dims per program
 ):
-    """One program per (sequence, head): out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max)."""
+    """One program per (sequence, head, chunk of value dims):
+    out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max). All splits are loaded at once
+    (a [BLOCK_S, CHUNK_R] tile): a loop over the splits waits on one load after another."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b.to(tl.int64) * num_heads + h
     offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(mid_lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits,
-                  other=float("-inf"))
+    s_mask = offs_s < num_splits
+    lse = tl.load(mid_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: output zeros
-    offs_r = tl.arange(0, BLOCK_R)
-    den = tl.sum(tl.exp2(lse - m), 0)
+    w = tl.exp2(lse - m)
+    den = tl.sum(w, 0)
     den = tl.where(den > 0.0, den, 1.0)
-    # One split at a time: [num_splits, 512] fp32 at once would not fit in registers.
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for s in range(0, num_splits):
-        w = tl.exp2(tl.load(mid_lse_ptr + row * num_splits + s) - m)
-        acc += w * tl.load(mid_o_ptr + (row * num_splits + s) * BLOCK_R + offs_r)
+    offs_r = tl.program_id(2) * CHUNK_R + tl.arange(0, CHUNK_R)
+    r_mask = offs_r < RANK
+    o = tl.load(mid_o_ptr + (row * num_splits + offs_s)[:, None] * BLOCK_R + offs_r[None, :],
+                mask=s_mask[:, None] & r_mask[None, :], other=0.0)
+    acc = tl.sum(o * w[:, None], 0)
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_r
-    tl.store(o_ptrs, (acc / den).to(out_ptr.dtype.element_ty), mask=offs_r < RANK)
+    tl.store(o_ptrs, (acc / den).to(out_ptr.dtype.element_ty), mask=r_mask)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -269,7 +296,7 @@ def mla_decode(
     if B == 0:
         return out
 
-    cfg = config or default_config(H)
+    cfg = config or default_config(H, q.device)
     block_r = triton.next_power_of_2(kv_lora_rank)
     block_p = max(16, triton.next_power_of_2(rope))
     head_blocks = triton.cdiv(H, cfg.block_h)
@@ -297,10 +324,11 @@ def mla_decode(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
-        _mla_merge_kernel[(B, H)](
+        block_s = triton.next_power_of_2(num_splits)
+        chunk_r = min(block_r, max(16, 4096 // block_s))  # <= 4K fp32 per program
+        _mla_merge_kernel[(B, H, triton.cdiv(kv_lora_rank, chunk_r))](
             mid_o, mid_lse, out, H, num_splits, out.stride(0), out.stride(1),
-            RANK=kv_lora_rank, BLOCK_R=block_r, BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
-            num_warps=4,
+            RANK=kv_lora_rank, BLOCK_R=block_r, BLOCK_S=block_s, CHUNK_R=chunk_r, num_warps=4,
         )
     return out
 
@@ -342,7 +370,9 @@ def mla_decode_flops(num_heads: int, total_keys: int, kv_lora_rank: int, rope_di
 
 
 __all__ = [
+    "CANDIDATE_CONFIGS",
     "MLADecodeConfig",
+    "config_name",
     "default_config",
     "mla_decode",
     "mla_decode_flops",

@@ -19,6 +19,8 @@ kernel writes the output directly.
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -26,11 +28,50 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 
-# Tile defaults by head_dim: (keys per iteration, warps, num_stages, hand prefetch). The
-# loop left to Triton's pipeliner with (64, 4, 3) is the one measured on an H200
-# (benchmarks/results/decode.md). The hand-prefetched loop (PREFETCH, num_stages=1) passes
-# the same tests but has not been timed on a GPU yet: `attention_decode.py --sweep` does.
-_DEFAULT_CONFIG = {64: (64, 4, 3, False), 128: (64, 4, 3, False), 256: (32, 4, 3, False)}
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile settings of the main kernel (the benchmark sweeps them)."""
+
+    block_n: int = 64  # keys per loop iteration
+    num_warps: int = 4
+    num_stages: int = 3
+    prefetch: bool = False  # hand-pipelined K/V loads (use with num_stages=1)
+    heads_fastest: bool = False  # grid order: the KV heads of one sequence launch together
+
+
+def default_config(device: torch.device, head_dim: int) -> DecodeConfig:
+    """Tile defaults per GPU generation and head_dim.
+
+    Hopper (capability 9.x): the H200 measurements in benchmarks/results/decode.md.
+    Elsewhere (and in the interpreter): the loop left to Triton's pipeliner, 64 keys and
+    4 warps, which compiles everywhere (32 keys for head_dim 256 to bound registers).
+    """
+    if device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        major, _ = torch.cuda.get_device_capability(device)
+        if major == 9:
+            return _HOPPER_CONFIG.get(triton.next_power_of_2(head_dim), DecodeConfig(32, 4, 3))
+    return DecodeConfig(32, 4, 3) if head_dim > 128 else DecodeConfig(64, 4, 3)
+
+
+# H200, bf16, GQA 32/8: see benchmarks/results/decode.md for the sweep behind each entry.
+_HOPPER_CONFIG = {64: DecodeConfig(64, 4, 3), 128: DecodeConfig(64, 4, 3), 256: DecodeConfig(32, 4, 3)}
+
+# What benchmarks/attention_decode.py --sweep times (head_dim 128); the GPU tests run each
+# one in bf16, so whichever becomes a default has been tested.
+CANDIDATE_CONFIGS = [
+    DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 5), DecodeConfig(64, 4, 5), DecodeConfig(64, 8, 3),
+    DecodeConfig(128, 4, 3), DecodeConfig(128, 8, 3),
+    DecodeConfig(32, 4, 1, prefetch=True), DecodeConfig(64, 4, 1, prefetch=True),
+    DecodeConfig(64, 8, 1, prefetch=True), DecodeConfig(128, 8, 1, prefetch=True),
+    DecodeConfig(64, 4, 3, heads_fastest=True), DecodeConfig(128, 4, 3, heads_fastest=True),
+    DecodeConfig(64, 4, 1, prefetch=True, heads_fastest=True),
+]
+
+
+def config_name(cfg: DecodeConfig) -> str:
+    """n{keys}w{warps}s{stages}, then p (hand prefetch) and h (heads fastest)."""
+    return (f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{'p' if cfg.prefetch else ''}"
+            f"{'h' if cfg.heads_fastest else ''}")
 
 
 @triton.jit
@@ -72,7 +113,9 @@ def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constex
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
+# Sizes that change from call to call are not specialised on (a split count of 16 or a
+# table width that happens to be a multiple of 16 would otherwise compile another copy).
+@triton.jit(do_not_specialize=["window", "stride_btb", "num_splits"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     sm_scale_log2,  # sm_scale * log2(e): the softmax runs in base 2
@@ -93,9 +136,16 @@ def _paged_decode_kernel(
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: exact dots, not tf32
     PREFETCH: tl.constexpr,  # hand-pipelined loads (use with num_stages=1)
+    HEADS_FASTEST: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S)
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FASTEST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + b)
@@ -150,14 +200,14 @@ def _paged_decode_kernel(
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
     else:
         # mid_o [B, Hq, num_splits, HEAD_DIM] fp32; mid_lse [B, Hq, num_splits] fp32 (base 2)
-        row = (b64 * (tl.num_programs(1) * GROUP) + head.to(tl.int64)) * num_splits + split
+        row = (b64 * (num_kv_heads * GROUP) + head.to(tl.int64)) * num_splits + split
         tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
                  mask=h_mask[:, None] & d_mask[None, :])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(mid_lse_ptr + row, lse, mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr,
     num_q_heads, stride_ob, stride_oh, num_splits,
@@ -191,21 +241,22 @@ def _num_sms(device: torch.device) -> int:
     return 8  # the CPU interpreter: small, so that small tests exercise splitting
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int, *,
+                      full_per_sm: int = 4, target_per_sm: int = 8, min_keys: int = 64,
+                      max_splits: int = 64) -> int:
     """Splits along the keys for grids too small to fill the GPU.
 
-    On an H200 the decode kernel streamed fastest with >= ~4 programs per SM and a few
-    waves of them (benchmarks/results/decode.md: 32 x 4096 at 3 splits 3,461 GB/s, at 6
-    splits 3,850). So: no split once batch * kv_heads >= 4 per SM, else ~8 programs per
-    SM, each split keeping >= 64 keys (one tile), at most 64 splits (the merge kernel has
-    one program per query head and reads every split). ``max_context`` is an upper bound
-    (the block table's width times the block size): no device-to-host sync is needed.
+    No split once batch * kv_heads >= ``full_per_sm`` programs per SM; otherwise about
+    ``target_per_sm`` programs per SM, each split keeping >= ``min_keys`` keys, at most
+    ``max_splits`` (the merge kernel reads every split of a head at once). The defaults
+    come from the H200 sweep (benchmarks/results/decode.md). ``max_context`` is an upper
+    bound (the block table's width times the block size): no device-to-host sync is needed.
     """
     programs = batch * num_kv_heads
-    if programs >= 4 * num_sms:
+    if programs >= full_per_sm * num_sms:
         return 1
-    want = triton.cdiv(8 * num_sms, programs)
-    return max(1, min(want, max_context // 64, 64))
+    want = triton.cdiv(target_per_sm * num_sms, programs)
+    return max(1, min(want, max_context // min_keys, max_splits))
 
 
 def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out):
@@ -243,8 +294,8 @@ def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out):
 
 
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
-            num_splits, block_n=None, num_warps=None, num_stages=None, prefetch=None):
-    """paged_decode with explicit tile settings (the benchmark sweeps them)."""
+            num_splits, config: DecodeConfig | None = None):
+    """paged_decode with an explicit tile config (the benchmark sweeps them)."""
     _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -263,10 +314,7 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
-    d_block, d_warps, d_stages, d_prefetch = _DEFAULT_CONFIG.get(triton.next_power_of_2(head_dim),
-                                                                 (32, 4, 3, False))
-    block_n = block_n or d_block
-    prefetch = d_prefetch if prefetch is None else prefetch
+    cfg = config or default_config(q.device, head_dim)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(group))
 
@@ -275,7 +323,8 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out  # unused
-    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, batch, num_splits) if cfg.heads_fastest else (batch, num_kv_heads, num_splits)
+    _paged_decode_kernel[grid](
         q, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
         sm_scale * _LOG2E, window_size or 0,
         q.stride(0), q.stride(1),
@@ -284,9 +333,9 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         block_tables.stride(0),
         out.stride(0), out.stride(1), num_splits,
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=block_size,
-        BLOCK_N=block_n, SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None,
-        IEEE=q.dtype == torch.float32, PREFETCH=prefetch,
-        num_warps=num_warps or d_warps, num_stages=num_stages or d_stages,
+        BLOCK_N=cfg.block_n, SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None,
+        IEEE=q.dtype == torch.float32, PREFETCH=cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch * num_q_heads,)](

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from flashpage.kernels.cache_write import (
+    _write_kv,
+    _write_mla,
     write_kv_cache,
     write_kv_cache_ref,
     write_mla_cache,
@@ -83,16 +85,42 @@ def test_write_kv_cache(dtype, block_size, hkv, d):
     assert not key_cache.flatten(0, 1)[slots[slots >= 0]].isnan().any()
 
 
+# Tile settings the benchmark sweeps: (elements per tensor per program, warps).
+WRITE_TILES = [(2048, 4), (4096, 8), (16384, 8)]
+
+
+@pytest.mark.parametrize("tile", WRITE_TILES)
+def test_write_kv_cache_tiles(tile):
+    dtype = DTYPES[-1]
+    g = gen(tile[0])
+    n, num_blocks, block_size, hkv, d = 45, 6, 16, 8, 128
+    _, k, v = qkv_views(n, 4, hkv, d, dtype, g)
+    key_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device=DEVICE)
+    value_cache = torch.full_like(key_cache, float("nan"))
+    slots = random_slots(n, num_blocks, block_size, g, num_skipped=5)
+    kc_ref, vc_ref = key_cache.clone(), value_cache.clone()
+    _write_kv(k, v, key_cache, value_cache, slots, *tile)
+    write_kv_cache_ref(k, v, kc_ref, vc_ref, slots)
+    torch.testing.assert_close(key_cache, kc_ref, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(value_cache, vc_ref, atol=0, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_write_mla_cache(dtype):
-    g = gen(1)
-    n, num_blocks, block_size, width = 29, 3, 16, 512 + 64
+@pytest.mark.parametrize("width,tile", [(512 + 64, None), (512 + 64, (2048, 4)), (512 + 64, (16384, 8)),
+                                        (80, None), (33, None)])
+def test_write_mla_cache(dtype, width, tile):
+    """DeepSeek's 512 + 64 (64-wide steps), a width of 16-wide steps and an odd one."""
+    g = gen(width)
+    n, num_blocks, block_size = 29, 3, 16
     latent = randn(n, width, dtype=dtype, g=g)
     kv_cache = randn(num_blocks, block_size, width, dtype=dtype, g=g)
     before = kv_cache.clone()
     slots = random_slots(n, num_blocks, block_size, g, num_skipped=4)
     ref = kv_cache.clone()
-    write_mla_cache(latent, kv_cache, slots)
+    if tile is None:
+        write_mla_cache(latent, kv_cache, slots)
+    else:
+        _write_mla(latent, kv_cache, slots, *tile)
     write_mla_cache_ref(latent, ref, slots)
     assert torch.equal(kv_cache, ref)
     assert_untouched(kv_cache, before, slots)

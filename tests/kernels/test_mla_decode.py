@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from flashpage.kernels.mla_decode import (
+    CANDIDATE_CONFIGS,
     MLADecodeConfig,
+    config_name,
     default_config,
     mla_decode,
     mla_decode_ref,
@@ -72,6 +74,7 @@ def check(seq_lens, heads, rank, rope, page, dtype, device, num_splits=None, con
         ([37, 5, 64], 4, 16, 1),  # heads padded to BLOCK_H; ragged lengths
         ([50, 1, 130], 16, 8, 3),  # splits, one of them empty for the length-1 sequence
         ([100], 20, 32, 2),  # two head blocks, the second partial
+        ([300, 2], 16, 16, 100),  # 100 splits: the merge takes the value dims in chunks
     ],
 )
 def test_mla_decode_small(seq_lens, heads, page, num_splits, dtype):
@@ -159,22 +162,14 @@ def test_mla_decode_gpu_large_offsets():
     assert (out - ref).norm() / ref.norm() < REL_TOL[torch.bfloat16]
 
 
-# Every tile config the benchmark sweeps, so whichever becomes a default is tested.
-CANDIDATE_CONFIGS = [
-    MLADecodeConfig(16, 32, 4, 3, 2), MLADecodeConfig(16, 32, 8, 3, 2),
-    MLADecodeConfig(16, 32, 4, 5), MLADecodeConfig(16, 64, 4, 3), MLADecodeConfig(64, 32, 8, 3),
-    MLADecodeConfig(64, 32, 8, 4), MLADecodeConfig(64, 64, 8, 2), MLADecodeConfig(64, 32, 8, 2),
-]
-
-
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", CANDIDATE_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", CANDIDATE_CONFIGS, ids=config_name)
 def test_mla_decode_gpu_configs(config):
     from triton.runtime.errors import OutOfResources
 
     heads = 16 if config.block_h == 16 else 128  # the head count each config is meant for
-    for splits in (1, 3):
+    for splits in (1, 3, 40):
         try:
             check([1, 700, 3000], heads, 512, 64, 64, torch.bfloat16, "cuda", num_splits=splits,
                   config=config)

@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from flashpage.kernels.paged_decode import (
+    CANDIDATE_CONFIGS,
+    DecodeConfig,
     _launch,
     choose_num_splits,
+    config_name,
     paged_decode,
     paged_decode_ref,
 )
@@ -112,13 +115,17 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 8, 100, 132) == 1  # short contexts are not split
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_both_load_pipelines(prefetch):
-    """The hand-prefetched loop and the one left to Triton's pipeliner agree with the reference."""
+# The loop shapes the GPU benchmark sweeps: Triton's pipeliner or the hand prefetch, and
+# either grid order (heads of one sequence adjacent or sequences adjacent).
+@pytest.mark.parametrize("config", [DecodeConfig(32, 4, 3), DecodeConfig(64, 4, 1, prefetch=True),
+                                    DecodeConfig(32, 4, 1, prefetch=True, heads_fastest=True),
+                                    DecodeConfig(64, 4, 3, heads_fastest=True)], ids=str)
+def test_tile_configs(config):
     q, kc, vc, bt, lens = make_case([77, 1, 200], 8, 2, 64, 16, torch.float16, seed=5)
-    for splits, block_n in ((1, 32), (3, 64)):
-        out = _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=None, out=None, num_splits=splits,
-                      block_n=block_n, num_warps=4, num_stages=1 if prefetch else 3, prefetch=prefetch)
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=None, out=out, num_splits=splits,
+                config=config)
         check(out, paged_decode_ref(q, kc, vc, bt, lens), torch.float16)
 
 
@@ -199,3 +206,17 @@ def test_paged_decode_cuda_graph():
     lens.copy_(torch.tensor([850, 20, 1500], dtype=torch.int32))
     graph.replay()
     check(out, paged_decode_ref(q, kc, vc, bt, lens), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("config", CANDIDATE_CONFIGS, ids=config_name)
+def test_paged_decode_gpu_candidate_configs(config):
+    """Every config the benchmark sweeps, in bf16 at the benchmark's shape, with splits."""
+    q, kc, vc, bt, lens = make_case([1, 700, 3000, 64], 32, 8, 128, 16, torch.bfloat16, seed=11)
+    ref = paged_decode_ref(q, kc, vc, bt, lens)
+    for splits in (1, 5):
+        out = torch.full_like(q, float("nan"))
+        _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=None, out=out, num_splits=splits,
+                config=config)
+        check(out, ref, torch.bfloat16)
