@@ -3,18 +3,22 @@
 GQA 32 query heads / 8 KV heads / head_dim 128, bf16, block_size 16, random block
 tables. Measured in one run, so the ratios hold when the machine's speed drifts:
 
-- copy: a 4 GiB device-to-device copy (bytes read + written), the memory ceiling;
-- ours: flashpage.kernels.paged_decode (auto num_splits) on the paged cache;
+- copy: a 4 GiB device-to-device copy (bytes read + written), the memory ceiling, timed
+  with events outside a graph after a warm-up (a graph-captured ``copy_`` read only
+  ~2.7 TB/s on an H200: not a ceiling), at the start and at the end of the run;
+- ours: flashpage.kernels.paged_decode with its default config and split rule;
 - cudnn, flash: SDPA on a contiguous [B, Hkv, ctx, D] K/V (enable_gqa);
 - gather_sdpa: the paged cache gathered through the block table, then SDPA.
 
 GB/s = 2 * batch * context * Hkv * D * 2 bytes (the real context only) / time.
 Each time is the median over CUDA-graph replays of a graph holding several calls that
 rotate over independent inputs (>= 256 MB in all), so no shape is timed out of the L2
-and Python launch overhead is not counted. ``--sweep`` also times tile configs and
-split counts for our kernel.
+and Python launch overhead is not counted. ``--sweep`` also times every candidate config
+(``paged_decode.CANDIDATE_CONFIGS``) at every split count up to ~32 programs per SM, and
+prints, per shape, the default beside the best and the best split count of each config.
 
-    python benchmarks/attention_decode.py --out $OUT [--sweep]
+    python benchmarks/attention_decode.py --precompile 12 --sweep   # fill Triton's cache
+    python benchmarks/attention_decode.py --out $OUT --sweep [--budget-s 150]
 
 writes $OUT/decode.json and $OUT/decode.md.
 """
@@ -25,20 +29,34 @@ import argparse
 import json
 import os
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashpage.kernels.paged_decode import _launch, choose_num_splits
+from flashpage.kernels.paged_decode import (
+    CANDIDATE_CONFIGS,
+    _launch,
+    choose_num_splits,
+    config_name,
+    default_config,
+)
 
 HQ, HKV, D, BS = 32, 8, 128, 16
-SHAPES = [(1, 4096), (32, 4096), (128, 2048), (8, 32768), (1, 32768), (4, 65536)]
+# The target shapes (batch >= 32 with context >= 2k; batch 1-8 with context >= 32k), then
+# shapes between them for the split rule.
+SHAPES = [(32, 2048), (32, 4096), (64, 4096), (128, 2048), (128, 8192),
+          (1, 32768), (2, 32768), (4, 65536), (8, 32768), (1, 131072),
+          (1, 4096), (2, 8192), (4, 16384), (8, 8192), (16, 4096), (16, 16384)]
+SPLIT_LADDER = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256]
 ROTATE_BYTES = 256 * 2**20
-# (keys per iteration, warps, num_stages, hand prefetch): the hand-prefetched loop, and the
-# loop left to Triton's pipeliner (which buffers K/V twice only from num_stages=5 on).
-SWEEP_CONFIGS = [(32, 4, 1, True), (64, 4, 1, True), (64, 8, 1, True), (128, 8, 1, True),
-                 (64, 4, 3, False), (64, 4, 5, False), (128, 4, 3, False), (32, 4, 5, False)]
+
+
+def split_options(batch: int, ctx: int, sms: int) -> list[int]:
+    """Split counts worth timing: up to ~32 programs per SM, >= 64 keys per split."""
+    cap = min(ctx // 64, max(1, -(-32 * sms // (batch * HKV))))
+    return [s for s in SPLIT_LADDER if s <= cap]
 
 
 def time_graph(fn, calls: int, reps: int = 20) -> float:
@@ -69,13 +87,59 @@ def time_graph(fn, calls: int, reps: int = 20) -> float:
 
 
 def copy_bandwidth() -> float:
-    """A 4 GiB device-to-device copy; the clocks are warmed first (an idle GPU starts slow)."""
-    a = torch.randn(2 * 1024**3, device="cuda").to(torch.bfloat16)
+    """A 4 GiB device-to-device copy, bytes read + written per second.
+
+    Events around each copy, outside a graph (as tools/gpu_baselines.py and
+    benchmarks/fused_ops.py do), median of 20 after 100 warm-up copies that bring the
+    clocks up.
+    """
+    n = 2 * 1024**3
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
     b = torch.empty_like(a)
-    for _ in range(50):
+    for _ in range(100):
         b.copy_(a)
-    t = time_graph(lambda: b.copy_(a), calls=1)
-    return 2 * a.numel() * 2 / t / 1e9
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / statistics.median(times) / 1e9
+
+
+def _compile_one(job) -> str:
+    """Run one config once on tiny inputs of the benchmark's layout (fills Triton's cache)."""
+    cfg, splits = job
+    t = time.time()
+    kc = torch.randn(8, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, HQ, D, device="cuda", dtype=torch.bfloat16)
+    tables = torch.arange(8, dtype=torch.int32, device="cuda")[None]
+    lens = torch.tensor([100], dtype=torch.int32, device="cuda")
+    for s in splits:
+        _launch(q, kc, kc, tables, lens, sm_scale=None, window_size=None, out=None, num_splits=s,
+                config=cfg)
+    torch.cuda.synchronize()
+    return f"{config_name(cfg) if cfg else 'merge'} {splits}: {time.time() - t:.1f}s"
+
+
+def precompile(workers: int, sweep: bool) -> None:
+    """Compile the variants the run needs in parallel processes (each takes seconds)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    cfgs = {default_config(torch.device("cuda"), D), *(CANDIDATE_CONFIGS if sweep else [])}
+    jobs = [(cfg, (1, 2)) for cfg in cfgs]
+    # The merge kernel compiles once per power-of-two split count.
+    jobs += [(default_config(torch.device("cuda"), D), (3, 5, 9, 17, 33, 65, 129, 256))]
+    t = time.time()
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for msg in ex.map(_compile_one, jobs):
+            print("  compiled", msg, flush=True)
+    print(f"precompiled {len(jobs)} jobs in {time.time() - t:.0f} s", flush=True)
 
 
 class Shape:
@@ -104,11 +168,12 @@ class Shape:
         # Every copy in turn, repeated until a graph reads >= 1 GB (~0.25 ms at 4 TB/s).
         return self.copies * max(1, -(-(2**30) // (self.copies * self.kv_bytes)))
 
-    def ours(self, **kw):
+    def ours(self, num_splits=None, config=None):
         def fn():
             i = self.next()
             _launch(self.q[i], self.key_cache, self.value_cache, self.tables[i], self.seq_lens,
-                    sm_scale=None, window_size=None, out=self.out, **kw)
+                    sm_scale=None, window_size=None, out=self.out, num_splits=num_splits,
+                    config=config)
         return fn
 
     def contiguous(self):
@@ -149,60 +214,101 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=150.0,
+                    help="stop sweeping new shapes after this many seconds of sweep")
+    ap.add_argument("--precompile", type=int, default=0, metavar="WORKERS",
+                    help="compile the kernel variants in this many processes, then exit")
     args = ap.parse_args()
+    if args.precompile:
+        precompile(args.precompile, args.sweep)
+        return
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
+    dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default = default_config(dev, D)
     copy_before = copy_bandwidth()
-    print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)
+    print(f"copy bandwidth {copy_before:.0f} GB/s; default config {config_name(default)}", flush=True)
+
+    # Phase 1: the default path and the PyTorch baselines, for every shape.
     rows = []
     for batch, ctx in SHAPES:
         shape = Shape(batch, ctx)
         splits = choose_num_splits(batch, HKV, ctx, sms)
         row = dict(batch=batch, context=ctx, kv_gb=round(shape.kv_bytes / 1e9, 3), auto_splits=splits,
-                   ours=gbps(shape, shape.ours(num_splits=None)))
+                   default_config=config_name(default), ours=gbps(shape, shape.ours()))
         k, v = shape.contiguous()
         row["cudnn"] = gbps(shape, shape.sdpa(k, v, SDPBackend.CUDNN_ATTENTION))
         row["flash"] = gbps(shape, shape.sdpa(k, v, SDPBackend.FLASH_ATTENTION))
         del k, v
         row["gather_sdpa"] = gbps(shape, shape.gather_sdpa())
-        if args.sweep:
-            sweep = {}
-            split_options = sorted({1, max(1, splits // 2), splits, 2 * splits})
-            for bn, warps, stages, prefetch in SWEEP_CONFIGS:
-                for s in split_options:
-                    key = f"n{bn}w{warps}s{stages}{'p' if prefetch else ''}/sp{s}"
-                    sweep[key] = gbps(shape, shape.ours(num_splits=s, block_n=bn, num_warps=warps,
-                                                        num_stages=stages, prefetch=prefetch))
-            best = max((k_ for k_ in sweep if isinstance(sweep[k_], int)), key=sweep.get)
-            row["sweep_best"], row["sweep_best_gbps"] = best, sweep[best]
-            row["sweep"] = sweep
         rows.append(row)
-        print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "sweep"}), flush=True)
+        print(json.dumps(row), flush=True)
         del shape
         torch.cuda.empty_cache()
+
+    # Phase 2: every candidate config at every split count, shape by shape, within a budget.
+    if args.sweep:
+        t0 = time.time()
+        for row in rows:
+            if time.time() - t0 > args.budget_s:
+                print(f"sweep budget spent: {row['batch']} x {row['context']} and later not swept", flush=True)
+                break
+            shape = Shape(row["batch"], row["context"])
+            sweep = {}
+            for cfg in CANDIDATE_CONFIGS:
+                for s in split_options(row["batch"], row["context"], sms):
+                    sweep[f"{config_name(cfg)}/sp{s}"] = gbps(shape, shape.ours(num_splits=s, config=cfg))
+            row["sweep"] = sweep
+            ok = {k_: v_ for k_, v_ in sweep.items() if isinstance(v_, int)}
+            if not ok:
+                print(f"{row['batch']} x {row['context']}: every swept config failed", flush=True)
+                continue
+            best = max(ok, key=ok.get)
+            row["sweep_best"], row["sweep_best_gbps"] = best, ok[best]
+            per_cfg = {}
+            for cfg in CANDIDATE_CONFIGS:
+                name = config_name(cfg)
+                pts = {k_: v_ for k_, v_ in ok.items() if k_.startswith(name + "/")}
+                if pts:
+                    k_best = max(pts, key=pts.get)
+                    per_cfg[name] = (k_best.split("/sp")[1], pts[k_best])
+            row["best_split_per_config"] = per_cfg
+            print(f"{row['batch']} x {row['context']}: default {row['ours']} ({row['auto_splits']} sp), "
+                  f"best {best} {ok[best]}; per config " + ", ".join(
+                      f"{n} sp{s_}={g}" for n, (s_, g) in per_cfg.items()), flush=True)
+            del shape
+            torch.cuda.empty_cache()
+        print(f"sweep took {time.time() - t0:.0f} s", flush=True)
 
     copy_after = copy_bandwidth()
     copy = max(copy_before, copy_after)  # the ceiling: the better of two measurements
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, copy_gbps=round(copy),
                 copy_before_gbps=round(copy_before), copy_after_gbps=round(copy_after),
+                default_config=config_name(default), sms=sms,
                 shape=f"GQA {HQ}/{HKV} heads, head_dim {D}, block_size {BS}, bf16")
     with open(os.path.join(args.out, "decode.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [f"Paged decode, {meta['shape']}, {meta['gpu']}, torch {meta['torch']}, "
              f"triton {meta['triton']}. GB/s of K+V read; copy bandwidth {round(copy)} GB/s "
              f"(measured before and after: {round(copy_before)}, {round(copy_after)}).", "",
-             "| batch × context | ours (auto splits) | % of copy | × cuDNN | SDPA cuDNN (contiguous) "
-             "| SDPA flash (contiguous) | gather + SDPA (paged) | best swept config |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"| batch × context | ours ({meta['default_config']}, auto splits) | % of copy | × cuDNN "
+             "| SDPA cuDNN (contiguous) | SDPA flash (contiguous) | gather + SDPA (paged) "
+             "| best swept | % of copy | × cuDNN |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def pct(x):
+        return f"{100 * x / copy:.0f}%" if isinstance(x, int) else "-"
+
+    def vs(x, c):
+        return f"{x / c:.2f}×" if isinstance(x, int) and isinstance(c, int) else "-"
+
     for r in rows:
-        ours = r["ours"]
-        pct = f"{100 * ours / copy:.0f}%" if isinstance(ours, int) else "-"
-        vs = f"{ours / r['cudnn']:.2f}×" if isinstance(ours, int) and isinstance(r["cudnn"], int) else "-"
-        best = f"{r['sweep_best']}: {r['sweep_best_gbps']}" if "sweep_best" in r else "-"
-        lines.append(f"| {r['batch']} × {r['context']} | {ours} ({r['auto_splits']} splits) | {pct} | {vs} "
-                     f"| {r['cudnn']} | {r['flash']} | {r['gather_sdpa']} | {best} |")
+        ours, best = r["ours"], r.get("sweep_best_gbps", "-")
+        lines.append(f"| {r['batch']} × {r['context']} | {ours} ({r['auto_splits']} sp) | {pct(ours)} "
+                     f"| {vs(ours, r['cudnn'])} | {r['cudnn']} | {r['flash']} | {r['gather_sdpa']} "
+                     f"| {r.get('sweep_best', '-')}: {best} | {pct(best)} | {vs(best, r['cudnn'])} |")
     with open(os.path.join(args.out, "decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
