@@ -4,8 +4,11 @@ Per layer: the KV-cache write kernel, then the paged decode kernel for the leadi
 decode requests and the FlashAttention-style paged prefill kernel for the rest (prompt
 chunks and prefix hits), both reading K/V through the block tables.
 
-MLA: decodes run the MLA decode kernel over the latent cache (absorbed queries, MQA
-over 576-wide entries); prompt chunks use the layer's expanded torch path.
+MLA: the latent-cache write kernel; decodes run the MLA decode kernel over the latent
+cache (absorbed queries, MQA over 576-wide entries); prompt chunks and prefix hits run
+the prefill kernel over the latents the layer expanded into per-head K (qk dim
+nope + rope, 192) and V (128). The decode part (write + decode kernel) has static shapes
+and no host sync, so DeepSeek decode steps are captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ class TritonBackend(AttentionBackend):
             md.extra["prefill_qsl"] = md.query_start_loc[nd:] - md.num_decode_tokens
             md.extra["prefill_max_q"] = max(md.query_lens_cpu[nd:])
             md.extra["prefill_max_k"] = max(md.seq_lens_cpu[nd:])
+            if self.model_config.is_mla:
+                # MLA expands each request's whole context back to back: its offsets.
+                cu_k = torch.zeros(md.num_seqs - nd + 1, dtype=torch.int32, device=self.device)
+                torch.cumsum(md.seq_lens[nd:], 0, out=cu_k[1:])
+                md.extra["prefill_cu_k"] = cu_k
         return md
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
@@ -79,6 +87,25 @@ class TritonBackend(AttentionBackend):
                           causal=True, sm_scale=scale, window_size=sliding_window,
                           out=out[ndt:n])
         return out
+
+    def write_mla_cache(self, latent: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+        """latent [N, R + rope] into slots ``slot_mapping`` [N] (-1 skipped); no host sync."""
+        from flashpage.kernels.cache_write import write_mla_cache
+
+        write_mla_cache(latent, kv_cache, slot_mapping)
+
+    def forward_mla_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            md: AttentionMetadata, *, scale: float) -> torch.Tensor:
+        """The non-decode requests: q [Nq, H, nope + rope] their new tokens; k [Nk, H,
+        nope + rope], v [Nk, H, v_dim] their whole expanded contexts (lengths
+        ``seq_lens[num_decodes:]``) -> [Nq, H, v_dim], bottom-right causal."""
+        from flashpage.kernels.flash_prefill import flash_attn_varlen
+
+        return flash_attn_varlen(q.contiguous(), k.contiguous(), v.contiguous(),
+                                 md.extra["prefill_qsl"], md.extra["prefill_cu_k"],
+                                 md.extra["prefill_max_q"], md.extra["prefill_max_k"],
+                                 causal=True, sm_scale=scale)
 
     def forward_mla_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                            *, kv_lora_rank: int, scale: float) -> torch.Tensor:

@@ -101,11 +101,13 @@ def mla_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetad
     ``seq_lens[:nd]``.
     """
     nd = q.shape[0]
-    max_len = max(md.seq_lens_cpu[:nd])
     block_size, dim = kv_cache.shape[1], kv_cache.shape[2]
-    nblocks = (max_len + block_size - 1) // block_size
-    bt = md.block_tables[:nd, :nblocks].reshape(-1).long()
-    ent = kv_cache.index_select(0, bt).view(nd, nblocks * block_size, dim)[:, :max_len]
+    # Every block of the table, not just up to the longest context: the width is a shape,
+    # so no host-side lengths are needed (CUDA-graph metadata carries none).
+    nblocks = md.block_tables.shape[1]
+    max_len = nblocks * block_size
+    bt = md.block_tables[:nd].reshape(-1).long()
+    ent = kv_cache.index_select(0, bt).view(nd, max_len, dim)
     valid = torch.arange(max_len, device=q.device)[None, :] < md.seq_lens[:nd, None]
     # Slots past a request's length hold anything (other requests' data, never-written
     # memory): zero them, since a masked probability of 0 times a NaN is still NaN.
@@ -150,9 +152,14 @@ class MLAAttention(nn.Module):
     """DeepSeek's ``self_attn``: x [N, hidden] -> [N, hidden] over the paged latent cache.
 
     The model runner sees ``is_mla`` and binds ``kv_cache`` (one tensor of
-    :meth:`kv_cache_shape`) and ``backend``. A backend with ``forward_mla_decode`` /
-    ``forward_mla_prefill`` (signatures of :func:`mla_decode_torch` /
-    :func:`mla_prefill_torch`) runs that path; otherwise the torch functions here do.
+    :meth:`kv_cache_shape`) and ``backend``. A backend with ``write_mla_cache`` /
+    ``forward_mla_decode`` / ``forward_mla_prefill`` (signatures of
+    :func:`write_mla_cache_torch` / :func:`mla_decode_torch` / :func:`mla_prefill_torch`)
+    runs that part; otherwise the torch functions here do.
+
+    CUDA graphs (decode-only steps): with a backend that has ``write_mla_cache`` and
+    ``forward_mla_decode`` free of host syncs, the decode path has static shapes and no
+    host sync (the torch cache write checks its slots on the host, so it is not capturable).
     """
 
     is_mla = True
@@ -206,7 +213,8 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe[:, None, :])
         latent = torch.cat([c_kv, k_pe[:, 0]], dim=-1)  # [N, R + rope]: the cache entry
         n_act = md.num_actual_tokens
-        write_mla_cache_torch(latent[:n_act], self.kv_cache, md.slot_mapping[:n_act])
+        write = getattr(self.backend, "write_mla_cache", None) or write_mla_cache_torch
+        write(latent[:n_act], self.kv_cache, md.slot_mapping[:n_act])
         out = self.attend(q_nope, q_pe, md)
         return self.o_proj(out.reshape(n, h * self.v_head_dim))
 

@@ -59,8 +59,9 @@ class DeepseekForCausalLM(nn.Module):
     """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (the differences live in the config:
     q_lora_rank, routing method, rope layout)."""
 
-    # The MoE layer groups tokens by expert with one host sync per layer: not capturable.
-    supports_cuda_graphs = False
+    # Decode steps are capturable: the MoE runs sync-free up to SYNC_FREE_MAX_TOKENS (the
+    # engine's largest graph batch) and MLA decode has static shapes (layers/mla_attention).
+    supports_cuda_graphs = True
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()

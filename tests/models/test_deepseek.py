@@ -1,5 +1,6 @@
 """DeepSeek-V2/V3 (MLA + MoE) in the engine: token for token with transformers (fp32, CPU),
-the absorbed (decode) and expanded (prefill) attention paths agree, one latent cached."""
+the absorbed (decode) and expanded (prefill) attention paths agree, one latent cached,
+and a decode step has no host sync (so it can be captured in a CUDA graph)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from flashpage.attention.backend import AttentionMetadata
+from flashpage.attention.triton import TritonBackend
 from flashpage.config import EngineConfig
+from flashpage.engine.cuda_graph import DecodeGraphs
 from flashpage.engine.llm_engine import LLMEngine
 from flashpage.layers.mla_attention import MLAAttention, mla_decode_torch, mla_prefill_torch
 from flashpage.models.loader import iter_safetensors, load_model, resolve_model
@@ -191,3 +194,51 @@ def test_load_weights_fuses_experts_and_reports_what_is_missing(tiny_mla_checkpo
     model.load_weights([(f"model.layers.{n}.eh_proj.weight", torch.zeros(2, 2))])
     with pytest.raises(ValueError, match="has no place"):
         model.load_weights([("model.layers.0.self_attn.k_proj.weight", torch.zeros(2, 2))])
+
+
+# ----------------------------------------------------------------- CUDA-graph safety
+class ShapeOnlyMLABackend:
+    """The triton backend's MLA decode hooks (cache write, decode kernel) as shape-only
+    stand-ins: what runs on meta tensors is then the model's own code."""
+
+    def write_mla_cache(self, latent, kv_cache, slot_mapping) -> None:
+        assert latent.shape[0] == slot_mapping.shape[0]
+
+    def forward_mla_decode(self, q, kv_cache, md, *, kv_lora_rank, scale):
+        return q.new_empty(*q.shape[:2], kv_lora_rank)
+
+
+def meta_decode_step(model, bs: int, width: int = 4) -> torch.Tensor:
+    """One decode step of ``bs`` requests on meta tensors with the metadata the CUDA-graph
+    runner captures with (no host-side lengths). Meta tensors hold no data: ``.item()``,
+    ``bool()``, ``.tolist()`` and data-dependent shapes (bincount, nonzero, masks) raise."""
+    meta = torch.device("meta")
+    for layer in model.attention_layers():
+        layer.kv_cache = torch.empty(layer.kv_cache_shape(8, 4), device=meta)
+        layer.backend = ShapeOnlyMLABackend()
+    graphs = DecodeGraphs(model, bs, width, meta)
+    md = graphs.metadata(bs, width * 4)
+    assert md.seq_lens_cpu == [] and md.query_lens_cpu == []
+    with torch.inference_mode():
+        hidden = model(graphs.input_ids[:bs], graphs.positions[:bs], md)
+        return model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_step_has_no_host_sync(tiny_mla_checkpoint, name):
+    """What makes DeepSeek capturable: the MoE's sync-free path, the MLA decode path with
+    static shapes, the backend's cache-write and decode hooks (triton has both)."""
+    path = tiny_mla_checkpoint(name)
+    model = load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+    assert model.supports_cuda_graphs
+    for hook in ("write_mla_cache", "forward_mla_decode"):
+        assert callable(getattr(TritonBackend, hook, None)), hook
+    model = model.to("meta")
+    for bs in (1, 3, 16):  # gathered-weights MoE at 1, all-experts above
+        assert meta_decode_step(model, bs).shape == (bs, model.config.vocab_size)
+    # The check bites: the grouped MoE path reads its expert sizes back to the host.
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.experts.sync_free_max_tokens = -1
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        meta_decode_step(model, 3)
