@@ -105,9 +105,12 @@ def _check_kv(k, v, key_cache, value_cache, slot_mapping) -> None:
 
 
 # Tile settings (elements per tensor per program, warps), from the H200 sweep in
-# benchmarks/fused_ops.py; benchmarks/results/fused_ops.md has the figures.
+# benchmarks/fused_ops.py (2026-11-30; benchmarks/results/fused_ops.md). K/V: every tile
+# within 78-82% of copy, (4096, 8) among the best. MLA: the 64-wide steps give each
+# thread BLOCK_T * 64 / (32 * warps) elements, so (4096, 8) moved 2 bytes per access
+# (34% of copy) and (16384, 8), 8 bytes per access, the most of those timed (54-68%).
 KV_TILE = (4096, 8)
-MLA_TILE = (4096, 8)
+MLA_TILE = (16384, 8)
 
 
 def _token_tile(row: int, elems: int) -> tuple[int, int]:

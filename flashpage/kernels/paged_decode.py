@@ -9,7 +9,9 @@ Decode is memory-bound: every step streams each running sequence's whole K/V onc
 So one program handles *all* the query heads that share a KV head (a GQA group,
 padded to at least 16 rows for ``tl.dot``) and every K/V byte is read exactly once.
 
-Grid ``(batch, num_kv_heads, num_splits)``. With few sequences and long contexts
+Grid ``(batch, num_kv_heads, num_splits)``, or ``(num_kv_heads, batch, num_splits)``
+(``heads_fastest``: the KV heads of a sequence, which share its cache rows, launch
+together). With few sequences and long contexts
 the keys of one sequence are split into ``num_splits`` ranges (flash-decoding);
 each program writes its partial result normalised by its own softmax sum plus its
 log-sum-exp, and a second small kernel merges the splits. With one split the main
@@ -37,29 +39,38 @@ class DecodeConfig:
     num_stages: int = 3
     prefetch: bool = False  # hand-pipelined K/V loads (use with num_stages=1)
     heads_fastest: bool = False  # grid order: the KV heads of one sequence launch together
+    # Splitting fills one wave of programs_per_sm * num_SMs programs, no more (a second,
+    # part-empty wave costs as much as a full one): see choose_num_splits.
+    programs_per_sm: int = 4
 
 
-def default_config(device: torch.device, head_dim: int) -> DecodeConfig:
-    """Tile defaults per GPU generation and head_dim.
+def default_config(device: torch.device, head_dim: int, programs: int | None = None) -> DecodeConfig:
+    """Tile defaults per GPU generation, head_dim and grid size (``programs`` = batch *
+    num_kv_heads before splitting; None: a large batch).
 
-    Hopper (capability 9.x): the H200 measurements in benchmarks/results/decode.md.
-    Elsewhere (and in the interpreter): the loop left to Triton's pipeliner, 64 keys and
-    4 warps, which compiles everywhere (32 keys for head_dim 256 to bound registers).
+    Hopper (capability 9.x), head_dim 128, from the H200 sweep of 2026-11-30
+    (benchmarks/results/decode.md): up to 2 programs per SM before splitting, 5 stages
+    (Triton double-buffers the gathered K/V from 5 on) and splits up to one wave of 2 per
+    SM (P x splits = 256 was the best count at every P it was timed at); above that, 3
+    stages with a sequence's KV heads launched together, unsplit. Elsewhere (other
+    generations, other head dims, the interpreter): the pipelined loop with 64 keys and 4
+    warps (32 keys for head_dim 256), splits filling ~4 programs per SM (the best of that
+    config at every shape of the same sweep).
     """
     if device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         major, _ = torch.cuda.get_device_capability(device)
-        if major == 9:
-            return _HOPPER_CONFIG.get(triton.next_power_of_2(head_dim), DecodeConfig(32, 4, 3))
+        if major == 9 and triton.next_power_of_2(head_dim) == 128:
+            if programs is not None and programs <= 2 * _num_sms(device):
+                return DecodeConfig(64, 4, 5, programs_per_sm=2)
+            return DecodeConfig(64, 4, 3, heads_fastest=True)
     return DecodeConfig(32, 4, 3) if head_dim > 128 else DecodeConfig(64, 4, 3)
 
-
-# H200, bf16, GQA 32/8: see benchmarks/results/decode.md for the sweep behind each entry.
-_HOPPER_CONFIG = {64: DecodeConfig(64, 4, 3), 128: DecodeConfig(64, 4, 3), 256: DecodeConfig(32, 4, 3)}
 
 # What benchmarks/attention_decode.py --sweep times (head_dim 128); the GPU tests run each
 # one in bf16, so whichever becomes a default has been tested.
 CANDIDATE_CONFIGS = [
-    DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 5), DecodeConfig(64, 4, 5), DecodeConfig(64, 8, 3),
+    DecodeConfig(64, 4, 3), DecodeConfig(32, 4, 5), DecodeConfig(64, 4, 5, programs_per_sm=2),
+    DecodeConfig(64, 8, 3),
     DecodeConfig(128, 4, 3), DecodeConfig(128, 8, 3),
     DecodeConfig(32, 4, 1, prefetch=True), DecodeConfig(64, 4, 1, prefetch=True),
     DecodeConfig(64, 8, 1, prefetch=True), DecodeConfig(128, 8, 1, prefetch=True),
@@ -235,27 +246,30 @@ def _merge_splits_kernel(
              mask=d_mask)
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the CPU interpreter: small, so that small tests exercise splitting
+    if device.type != "cuda":
+        return 8  # the CPU interpreter: small, so that small tests exercise splitting
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int, *,
-                      full_per_sm: int = 4, target_per_sm: int = 8, min_keys: int = 64,
-                      max_splits: int = 64) -> int:
+                      programs_per_sm: int = 4, min_keys: int = 64, max_splits: int = 128) -> int:
     """Splits along the keys for grids too small to fill the GPU.
 
-    No split once batch * kv_heads >= ``full_per_sm`` programs per SM; otherwise about
-    ``target_per_sm`` programs per SM, each split keeping >= ``min_keys`` keys, at most
-    ``max_splits`` (the merge kernel reads every split of a head at once). The defaults
-    come from the H200 sweep (benchmarks/results/decode.md). ``max_context`` is an upper
-    bound (the block table's width times the block size): no device-to-host sync is needed.
+    As many splits as fit in one wave of ``programs_per_sm * num_sms`` programs (the
+    config's, see DecodeConfig), each split keeping >= ``min_keys`` keys, at most
+    ``max_splits`` (the merge kernel loads every split of a head at once). On an H200 the
+    sweep's best split count sat at one full wave for every grid size it timed
+    (benchmarks/results/decode.md); just past a wave the time jumps. ``max_context`` is an
+    upper bound (the block table's width times the block size): no device-to-host sync.
     """
-    programs = batch * num_kv_heads
-    if programs >= full_per_sm * num_sms:
-        return 1
-    want = triton.cdiv(target_per_sm * num_sms, programs)
+    want = programs_per_sm * num_sms // (batch * num_kv_heads)
     return max(1, min(want, max_context // min_keys, max_splits))
 
 
@@ -306,15 +320,15 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         out = torch.empty_like(q)
     if batch == 0:
         return out
+    cfg = config or default_config(q.device, head_dim, batch * num_kv_heads)
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
         if window_size is not None:
             max_context = min(max_context, window_size)
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context, _num_sms(q.device))
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, _num_sms(q.device),
+                                       programs_per_sm=cfg.programs_per_sm)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-
-    cfg = config or default_config(q.device, head_dim)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(group))
 

@@ -107,12 +107,35 @@ def test_custom_scale():
 
 
 def test_choose_num_splits():
+    # One wave of programs_per_sm * SMs programs, no more.
     assert choose_num_splits(128, 8, 2048, 132) == 1  # the batch fills the GPU
-    assert choose_num_splits(32, 8, 4096, 132) == 5  # ~8 programs per SM
-    assert choose_num_splits(4, 8, 65536, 132) == 33
-    assert choose_num_splits(1, 8, 65536, 132) == 64  # at most 64 splits
+    assert choose_num_splits(32, 8, 4096, 132) == 2  # 4 per SM: 512 of 528 slots
+    assert choose_num_splits(32, 8, 4096, 132, programs_per_sm=2) == 1
+    assert choose_num_splits(4, 8, 65536, 132, programs_per_sm=2) == 8  # 256 of 264
+    assert choose_num_splits(1, 8, 65536, 132, programs_per_sm=2) == 33
     assert choose_num_splits(1, 8, 4096, 132) == 64  # 64 keys each
+    assert choose_num_splits(1, 1, 1 << 20, 132) == 128  # at most 128 splits
     assert choose_num_splits(1, 8, 100, 132) == 1  # short contexts are not split
+
+
+def test_default_config_by_generation(monkeypatch):
+    """Hopper with head_dim 128: 5 stages (then splits up to 2 programs per SM) for grids
+    of <= 2 programs per SM, 3 stages with heads adjacent above; elsewhere one config."""
+    from flashpage.kernels import paged_decode as mod
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(mod._SM_COUNT, 0, 132)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    small, large = mod.default_config(cuda, 128, 264), mod.default_config(cuda, 128, 265)
+    assert (small.num_stages, small.programs_per_sm, small.heads_fastest) == (5, 2, False)
+    assert (large.num_stages, large.programs_per_sm, large.heads_fastest) == (3, 4, True)
+    assert mod.default_config(cuda, 128) == large
+    assert mod.default_config(cuda, 64, 8) == DecodeConfig(64, 4, 3)  # not measured: generic
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert mod.default_config(cuda, 128, 8) == DecodeConfig(64, 4, 3)
+    assert mod.default_config(cuda, 256, 8) == DecodeConfig(32, 4, 3)
+    assert mod.default_config(torch.device("cpu"), 128, 8) == DecodeConfig(64, 4, 3)
 
 
 # The loop shapes the GPU benchmark sweeps: Triton's pipeliner or the hand prefetch, and
