@@ -47,14 +47,13 @@ def main() -> None:
 
     runner = eng.runner
     runner.prepare = timed("prepare", runner.prepare)
-    runner.sampler.__class__.__call__  # noqa: B018
-    orig_sampler = runner.sampler
-    runner.sampler = timed("sampler", orig_sampler)
+    runner.sampler.launch = timed("sampler", runner.sampler.launch)
     if runner.graphs is not None:
         runner.graphs.run = timed("forward_graph", runner.graphs.run)
     runner.model.forward = timed("forward_eager", runner.model.forward)
     eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
-    eng.scheduler.update_from_output = timed("update", eng.scheduler.update_from_output)
+    eng.scheduler.advance = timed("advance", eng.scheduler.advance)
+    eng.scheduler.resolve = timed("resolve", eng.scheduler.resolve)
     for bs in args.batch:
         wl = make_workload(bs, (args.context, args.context), (args.steps, args.steps),
                            eng.model_config.vocab_size)

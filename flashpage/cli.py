@@ -29,6 +29,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch_native, triton or flex (default: the fastest that runs here; "
                         "or FLASHPAGE_ATTENTION_BACKEND)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while the GPU runs step N (default: on with CUDA)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--random-weights-config", default=None, metavar="CONFIG",
                    help="random weights of this config.json's shape (benchmarks; no tokenizer)")
@@ -55,8 +57,8 @@ def build_llm(args: argparse.Namespace) -> Any:
                enable_prefix_caching=not args.no_prefix_caching,
                attention_backend=args.attention_backend, num_gpu_blocks=args.num_gpu_blocks,
                gpu_memory_utilization=args.gpu_memory_utilization,
-               enforce_eager=args.enforce_eager, seed=args.seed,
-               random_weights_config=getattr(args, "random_weights_config", None))
+               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+               seed=args.seed, random_weights_config=getattr(args, "random_weights_config", None))
 
 
 def sampling_params(args: argparse.Namespace) -> Any:

@@ -294,6 +294,9 @@ class EngineConfig:
     kv_watermark: float = 0.01
     attention_backend: str | None = None
     enforce_eager: bool = False
+    # Schedule and prepare step N+1 while the device runs step N (its sampled tokens feed
+    # step N+1 on the device); None: on for CUDA, off on the CPU, where nothing overlaps.
+    async_scheduling: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ import torch
 from flashpage.attention.registry import select_backend
 from flashpage.config import EngineConfig, ModelConfig, dtype_bytes
 from flashpage.engine.model_runner import ModelRunner
+from flashpage.engine.sampler import PendingSample, needs_known_tokens
 from flashpage.engine.scheduler import Scheduler
 from flashpage.engine.sequence import Request, RequestStatus
 from flashpage.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -71,6 +72,14 @@ class _Child:
     stop_reason: int | str | None = None
     logprobs: list[Any] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+
+
+@dataclass
+class _Inflight:
+    """A launched step: the requests that get a token, in the sampler's row order."""
+
+    requests: list[Request]
+    pending: PendingSample
 
 
 @dataclass
@@ -128,6 +137,10 @@ class LLMEngine:
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
         self._counter = 0
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._inflight: _Inflight | None = None  # the launched step not yet read back
+        self._sync_ids: set[str] = set()  # requests whose sampling needs every token known
         logger.info("loaded %s (%s, %s) on %s in %.1fs; KV cache: %d blocks of %d tokens",
                     mc.architecture, mc.attention_kind, str(self.dtype).replace("torch.", ""),
                     self.device, time.perf_counter() - t0, self.num_blocks, config.block_size)
@@ -217,6 +230,8 @@ class LLMEngine:
                      if self.tokenizer is not None and params.detokenize else None)
             child = _Child(req, request_id, i, detok)
             parent.children.append(child)
+            if needs_known_tokens(child_params):
+                self._sync_ids.add(rid)
         self._parents[request_id] = parent
         for c in parent.children:
             self._children[c.request.request_id] = c
@@ -241,6 +256,7 @@ class LLMEngine:
             self.scheduler.abort_requests(child_ids)
             for cid in child_ids:
                 self._children.pop(cid, None)
+                self._sync_ids.discard(cid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -251,7 +267,17 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One scheduler step. Returns an output for every request that got a token (or,
-        with ``final_only``, only for requests that finished: cheaper for offline use)."""
+        with ``final_only``, only for requests that finished: cheaper for offline use).
+
+        With async scheduling the step launched here is read back by the NEXT call (its
+        outputs come one call later): meanwhile the host schedules and prepares that next
+        step, and the device feeds the sampled tokens into it without a round trip. A
+        request that stops on a token thereby gets one more token computed, discarded.
+        """
+        outputs: list[RequestOutput] = []
+        if self._inflight is not None and (not self.async_scheduling or self._sync_ids):
+            outputs = self._read_back(self._inflight, final_only)  # penalties: tokens first
+            self._inflight = None
         out = self.scheduler.schedule()
         now = time.monotonic()
         for req, _ in out.scheduled:
@@ -261,25 +287,35 @@ class LLMEngine:
                 if m.first_scheduled_time is None:
                     m.first_scheduled_time = now
                     m.num_cached_tokens = max(req.num_cached_tokens, 0)
-        sampled_reqs, sampler_out = self.runner.execute(out)
-        sampled: dict[str, int] = {}
-        if sampler_out is not None:
-            sampled = {r.request_id: t for r, t in
-                       zip(sampled_reqs, sampler_out.token_ids, strict=True)}
-        finished = {r.request_id for r in self.scheduler.update_from_output(out, sampled)}
+        sampled_reqs, pending = self.runner.execute(out)
+        self.scheduler.advance(out, sampled_reqs)
+        previous, self._inflight = self._inflight, (
+            _Inflight(sampled_reqs, pending) if pending is not None else None)
+        if previous is not None:
+            outputs += self._read_back(previous, final_only)
+        if self._inflight is not None and not self.async_scheduling:
+            outputs += self._read_back(self._inflight, final_only)
+            self._inflight = None
+        return outputs
+
+    def _read_back(self, step: _Inflight, final_only: bool) -> list[RequestOutput]:
+        """Wait for a launched step's tokens; append them, stop requests, detokenize."""
+        result = step.pending.result()
+        reqs = step.requests
+        finished = {r.request_id for r in self.scheduler.resolve(reqs, result.token_ids)}
         now = time.monotonic()
         touched: dict[str, None] = {}
-        for i, req in enumerate(sampled_reqs):
+        for i, req in enumerate(reqs):
             child = self._children.get(req.request_id)
-            if child is None:
+            # Skipped: aborted, or finished by an earlier token while this one was computed.
+            if child is None or (req.is_finished() and req.request_id not in finished):
                 continue
             touched[child.parent_id] = None
-            assert sampler_out is not None
-            lp = sampler_out.logprobs[i]
+            lp = result.logprobs[i]
             if lp is not None:
                 child.logprobs.append(lp)
                 child.cumulative_logprob += lp.logprob
-            self._detokenize(child, sampled[req.request_id], req.request_id in finished)
+            self._detokenize(child, result.token_ids[i], req.request_id in finished)
             m = self._parents[child.parent_id].metrics
             if m.first_token_time is None:
                 m.first_token_time = now
@@ -337,6 +373,7 @@ class LLMEngine:
             del self._parents[parent_id]
             for c in parent.children:
                 self._children.pop(c.request.request_id, None)
+                self._sync_ids.discard(c.request.request_id)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
                              finished=done, metrics=parent.metrics, new_text=new_text)
 

@@ -17,9 +17,9 @@ from torch import nn
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata
 from flashpage.config import ModelConfig
 from flashpage.engine.cuda_graph import DecodeGraphs
-from flashpage.engine.sampler import Sampler, SamplerOutput
+from flashpage.engine.sampler import PendingSample, Sampler
 from flashpage.engine.scheduler import SchedulerOutput
-from flashpage.engine.sequence import Request
+from flashpage.engine.sequence import PLACEHOLDER, Request
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 
 
@@ -48,6 +48,10 @@ class ModelRunner:
         self.pin = device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         self._rows: dict[str, np.ndarray] = {}
+        # The last launched step's sampled tokens (on the device) and each request's row
+        # in them: a next step's input that is still a PLACEHOLDER is read from there.
+        self._prev_tokens: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
 
     def capture_decode_graphs(self, max_bs: int, max_model_len: int) -> None:
         """Capture decode-step CUDA graphs (needs a backend without host syncs)."""
@@ -105,11 +109,16 @@ class ModelRunner:
         rows = [self._table_row(r) for r, _ in sched]
         width = max(max((len(r) for r in rows), default=1), 1)
         n_logits = sum(1 for r, n in sched if r.num_computed_tokens + n == r.num_tokens)
-        sizes = [total, total, total, num_seqs + 1, num_seqs, n_logits, num_seqs * width]
+        # Decodes whose input token is still being sampled by the previous step.
+        pending = [i for i, (r, n) in enumerate(sched)
+                   if n == 1 and r.all_token_ids[r.num_computed_tokens] == PLACEHOLDER]
+        n_pend = len(pending)
+        sizes = [total, total, total, num_seqs + 1, num_seqs, n_logits, num_seqs * width,
+                 n_pend, n_pend]
         offs = np.cumsum([0, *sizes])
         buf = np.zeros(int(offs[-1]), dtype=np.int64)
-        input_ids, positions, slot_mapping, qsl, seq_lens, logits_idx, tables = (
-            buf[offs[i]:offs[i + 1]] for i in range(7))
+        input_ids, positions, slot_mapping, qsl, seq_lens, logits_idx, tables, pend_dst, \
+            pend_src = (buf[offs[i]:offs[i + 1]] for i in range(9))
         tables2d = tables.reshape(num_seqs, width)
         sample_reqs: list[Request] = []
         num_decodes = 0
@@ -138,9 +147,15 @@ class ModelRunner:
                 logits_idx[k] = t - 1
                 k += 1
                 sample_reqs.append(req)
+        for j, i in enumerate(pending):  # decodes come first: token index == row
+            pend_dst[j] = i
+            pend_src[j] = self._prev_rows[sched[i][0].request_id]
         dev = self._to_device(buf)
-        d_input_ids, d_positions, d_slots, d_qsl, d_seq_lens, d_logits, d_tables = (
-            dev[offs[i]:offs[i + 1]] for i in range(7))
+        d_input_ids, d_positions, d_slots, d_qsl, d_seq_lens, d_logits, d_tables, d_dst, \
+            d_src = (dev[offs[i]:offs[i + 1]] for i in range(9))
+        if n_pend:
+            assert self._prev_tokens is not None
+            d_input_ids[d_dst] = self._prev_tokens[d_src]
         qlens = np.diff(qsl)
         md = AttentionMetadata(
             num_actual_tokens=total,
@@ -161,8 +176,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
-        """Run one step; returns the requests that got a token and the sampler's output."""
+    def execute(self, out: SchedulerOutput) -> tuple[list[Request], PendingSample | None]:
+        """Launch one step without waiting for the device; returns the requests that get
+        a token and their pending sample (``result()`` reads the tokens back)."""
+        reqs, pending = self._execute(out)
+        if pending is not None:
+            self._prev_tokens = pending.tokens
+            self._prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
+        return reqs, pending
+
+    def _execute(self, out: SchedulerOutput) -> tuple[list[Request], PendingSample | None]:
         if not out.scheduled:
             return [], None
         inp = self.prepare(out)
@@ -179,4 +202,4 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inp.logits_indices])  # type: ignore[operator]
         if not inp.sample_requests:
             return [], None
-        return inp.sample_requests, self.sampler(logits, inp.sample_requests)
+        return inp.sample_requests, self.sampler.launch(logits, inp.sample_requests)

@@ -38,18 +38,77 @@ class SamplerOutput:
     logprobs: list[Logprobs | None]
 
 
+class PendingSample:
+    """A step's sampled tokens (and logprob tensors), still on the device.
+
+    ``tokens`` [n] stays on the device for the next step to read its inputs from; the
+    host copies are started at once (pinned, non-blocking) with an event behind them, so
+    ``result()`` waits for this step only, never for a step launched after it.
+    """
+
+    def __init__(self, tokens: torch.Tensor, params: list[SamplingParams],
+                 lp: tuple[torch.Tensor, ...] | None) -> None:
+        self.tokens = tokens
+        self._params = params
+        self._host = [_to_host(t) for t in (tokens, *(lp or ()))]
+        self._has_lp = lp is not None
+        self._event: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._result: SamplerOutput | None = None
+
+    def result(self) -> SamplerOutput:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            token_list = self._host[0].tolist()
+            lps: list[Logprobs | None] = [None] * len(token_list)
+            if self._has_lp:
+                chosen, ranks, *top = (h.tolist() for h in self._host[1:])
+                vals_l, ids_l = (top[0], top[1]) if top else (None, None)
+                for i, p in enumerate(self._params):
+                    if p.logprobs is None:
+                        continue
+                    k = p.logprobs
+                    pairs = list(zip(ids_l[i][:k], vals_l[i][:k], strict=True)) \
+                        if k and ids_l and vals_l else []
+                    lps[i] = Logprobs(token_list[i], chosen[i], ranks[i], pairs)
+            self._result = SamplerOutput(token_list, lps)
+        return self._result
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_cuda:
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 def _needs_processing(p: SamplingParams) -> bool:
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0)
+
+
+def needs_known_tokens(p: SamplingParams) -> bool:
+    """Sampling reads the request's earlier tokens on the host (penalties): async
+    scheduling must read each step back before the next one is sampled."""
+    return _needs_processing(p)
 
 
 class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits [n, >=V] (any float dtype) for ``requests`` in the same order."""
+        return self.launch(logits, requests).result()
+
+    @torch.no_grad()
+    def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+        """Sample without waiting for the device: the tokens and logprobs come back
+        through ``PendingSample.result()``."""
         logits = logits[:, : self.vocab_size].float()
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
@@ -65,13 +124,9 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, requests, params, greedy)
-        lps: list[Logprobs | None] = [None] * len(requests)
         if raw_logprobs is None:
-            return SamplerOutput(tokens.tolist(), lps)
-        token_list, lp_rows = self._logprobs(raw_logprobs, tokens, params)
-        for i, entry in lp_rows.items():
-            lps[i] = entry
-        return SamplerOutput(token_list, lps)
+            return PendingSample(tokens, params, None)
+        return PendingSample(tokens, params, self._logprobs(raw_logprobs, tokens, params))
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
@@ -111,7 +166,8 @@ class Sampler:
         table = torch.tensor(
             [[1.0 if g else p.temperature, float(p.top_k if p.top_k > 0 else vocab),
               p.top_p, p.min_p, float(g)] for p, g in zip(params, greedy, strict=True)],
-            dtype=torch.float32).to(dev)
+            dtype=torch.float32)
+        table = table.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else table
         temps, top_k, top_p, min_p = table[:, 0:1], table[:, 1:2].long(), table[:, 2:3], table[:, 3:4]
         argmax = logits.argmax(dim=-1)
         x = logits / temps
@@ -145,22 +201,13 @@ class Sampler:
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
-                  ) -> tuple[list[int], dict[int, Logprobs]]:
-        """The chosen tokens, and for rows that asked: the chosen token's logprob and rank
-        and the top-k, computed for all rows together (a fixed number of syncs per step)."""
+                  ) -> tuple[torch.Tensor, ...]:
+        """For all rows together, on the device: the chosen token's logprob [n] and rank
+        [n], and the top-k values and ids [n, kmax] when some row asked for alternatives."""
         chosen = raw.gather(1, tokens[:, None])
         ranks = (raw > chosen).sum(dim=1) + 1
         kmax = max((p.logprobs or 0) for p in params)
-        top_vals, top_ids = raw.topk(kmax, dim=-1) if kmax else (None, None)
-        token_list = tokens.tolist()
-        chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
-        vals_l = top_vals.tolist() if top_vals is not None else None
-        ids_l = top_ids.tolist() if top_ids is not None else None
-        out: dict[int, Logprobs] = {}
-        for i, p in enumerate(params):
-            if p.logprobs is None:
-                continue
-            k = p.logprobs
-            top = list(zip(ids_l[i][:k], vals_l[i][:k], strict=True)) if k and ids_l and vals_l else []
-            out[i] = Logprobs(token_list[i], chosen_l[i], ranks_l[i], top)
-        return token_list, out
+        if not kmax:
+            return chosen[:, 0], ranks
+        top_vals, top_ids = raw.topk(kmax, dim=-1)
+        return chosen[:, 0], ranks, top_vals, top_ids

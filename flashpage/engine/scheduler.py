@@ -144,6 +144,7 @@ class Scheduler:
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.drop_unresolved()
         req.status = status
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
@@ -160,6 +161,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.num_unresolved and req.length_capped(self.max_model_len):
+                i += 1  # finishes when its last token is read back: nothing left to run
+                continue
             num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
             if num_new <= 0:  # defensive: a running request always has >= 1 token to do
                 i += 1
@@ -182,6 +186,8 @@ class Scheduler:
             waiting = self.waiting
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 req = waiting[0]
+                if req.num_unresolved:  # preempted with a token still in flight: next step
+                    break
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
                 num_new = min(req.num_tokens - num_hit, budget)
                 if running and self.watermark_blocks:
@@ -221,6 +227,37 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------- update
+    def advance(self, out: SchedulerOutput, sampled: list[Request]) -> None:
+        """Async scheduling, right after a step is launched: its tokens count as computed
+        and each request in ``sampled`` holds a placeholder for the token being sampled,
+        so the next ``schedule()`` can run before that token is read back."""
+        for req, n in out.scheduled:
+            if req.status == RequestStatus.RUNNING:
+                req.num_computed_tokens += n
+        for req in sampled:
+            if req.status == RequestStatus.RUNNING:
+                req.append_placeholder()
+
+    def resolve(self, sampled: list[Request], tokens: list[int]) -> list[Request]:
+        """Async scheduling: the launched step's tokens, read back. Fills each request's
+        oldest placeholder and finishes (and frees) the requests that stop on it; requests
+        finished or aborted meanwhile are skipped. Returns the requests that finished."""
+        max_model_len = self.max_model_len
+        finished: list[Request] = []
+        for req, token in zip(sampled, tokens, strict=True):
+            if req.is_finished() or not req.num_unresolved:
+                continue
+            status = req.resolve_next(token, max_model_len)
+            if status is None:
+                continue
+            if req.status != RequestStatus.RUNNING:  # preempted while its token was in flight
+                self.waiting.remove(req)
+            self._finish(req, status)  # running ones leave self.running below, in one pass
+            finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return finished
+
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance the scheduled requests, append sampled tokens, finish and free.
 

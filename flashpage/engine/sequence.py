@@ -43,6 +43,11 @@ _FINISH_REASON: dict[RequestStatus, str] = {
 }
 
 
+# Stands in ``all_token_ids`` for a token sampled on the GPU but not yet read back (async
+# scheduling): the next step feeds the model that token straight from the GPU.
+PLACEHOLDER = -1
+
+
 class RequestRefused(ValueError):
     """A request that can never run (too long for the model or for the whole KV cache)."""
 
@@ -84,6 +89,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
         self.output_token_ids: list[int] = []
+        self.num_resolved_outputs = 0  # leading outputs known on the host (async scheduling)
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
@@ -105,9 +111,42 @@ class Request:
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens
 
+    @property
+    def num_unresolved(self) -> int:
+        """Outputs sampled on the GPU whose values the host has not read yet (0, 1 or 2)."""
+        return len(self.output_token_ids) - self.num_resolved_outputs
+
+    def length_capped(self, max_model_len: int) -> bool:
+        """max_tokens (or max_model_len) is already reached counting unresolved outputs:
+        the request finishes when they resolve, so it must not be scheduled again."""
+        return bool(self.num_unresolved) and (
+            len(self.output_token_ids) >= self._max_tokens
+            or len(self.all_token_ids) >= max_model_len)
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.num_resolved_outputs = len(self.output_token_ids)
+
+    def append_placeholder(self) -> None:
+        """A token sampled on the GPU in the step just launched; ``resolve_next`` fills it."""
+        self.output_token_ids.append(PLACEHOLDER)
+        self.all_token_ids.append(PLACEHOLDER)
+
+    def resolve_next(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """Fill the oldest unresolved output and return the finish status it causes."""
+        i = self.num_resolved_outputs
+        self.output_token_ids[i] = token_id
+        self.all_token_ids[self.num_prompt_tokens + i] = token_id
+        self.num_resolved_outputs = i + 1
+        return self._stop_status(i + 1, max_model_len)
+
+    def drop_unresolved(self) -> None:
+        """Forget outputs sampled after the one that finished the request."""
+        k = self.num_unresolved
+        if k:
+            del self.output_token_ids[-k:]
+            del self.all_token_ids[-k:]
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
@@ -123,16 +162,18 @@ class Request:
         vLLM; eos not with ``ignore_eos``), then length (``max_tokens`` outputs, or
         ``max_model_len`` tokens in all). Sets ``stop_reason`` to the stop token id.
         """
-        out = self.output_token_ids
-        n_out = len(out)
+        return self._stop_status(len(self.output_token_ids), max_model_len)
+
+    def _stop_status(self, n_out: int, max_model_len: int) -> RequestStatus | None:
+        """check_stop as if the request held only its first ``n_out`` outputs."""
         if n_out >= self._min_tokens:
-            last = out[-1]
+            last = self.output_token_ids[n_out - 1]
             if last in self._stop_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
             if last in self._eos_ids and not self._ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= self._max_tokens or len(self.all_token_ids) >= max_model_len:
+        if n_out >= self._max_tokens or self.num_prompt_tokens + n_out >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

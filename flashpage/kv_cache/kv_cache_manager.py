@@ -200,6 +200,11 @@ class KVCacheManager:
         rid = request.request_id
         B = self.block_size
         tokens = request.all_token_ids
+        # A block holding a token still being sampled on the GPU (async scheduling) is
+        # hashed by a later step, once that token is known.
+        num_full = min(num_full, (len(tokens) - request.num_unresolved) // B)
+        if num_full <= self._num_registered[rid]:
+            return
         hashes = prefix_cache.update_block_hashes(request.block_hashes, tokens, B, num_full)
         start = self._num_registered[rid]
         parent_cid = blocks[start - 1].content_id if start else None

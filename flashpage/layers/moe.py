@@ -169,9 +169,12 @@ class FusedExperts(nn.Module):
     def _all_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, then each token's top-k picked: -> [N, K, hidden]."""
         n, k = ids.shape
-        h = torch.matmul(x, self.gate_up_proj.transpose(1, 2))  # [E, N, 2I]
+        e, two_i, hidden = self.gate_up_proj.shape
+        # One GEMM against all experts' gate/up rows at once: [N, E * 2I].
+        h = F.linear(x, self.gate_up_proj.view(e * two_i, hidden)).view(n, e, two_i)
         gate, up = h.chunk(2, dim=-1)
-        y = torch.matmul(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, N, hidden]
+        act = (F.silu(gate) * up).transpose(0, 1)  # [E, N, I] (a strided view, no copy)
+        y = torch.bmm(act, self.down_proj.transpose(1, 2))  # [E, N, hidden]
         rows = ids * n + torch.arange(n, device=x.device)[:, None]  # row of (expert, token)
         return y.view(-1, x.shape[1]).index_select(0, rows.reshape(-1)).view(n, k, x.shape[1])
 
