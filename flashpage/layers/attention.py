@@ -46,7 +46,8 @@ class Attention(nn.Module):
             if rotary.fused:
                 from flashpage.kernels.rotary import rotary_and_cache_write
 
-                q, k = q.contiguous(), k.contiguous()
+                # q and k stay strided views of the fused projection: the kernels take
+                # strides, and a copy of each would cost two more kernels per layer.
                 key_cache, value_cache = self.kv_cache
                 rotary_and_cache_write(positions, q, k, v, rotary.cos_sin_cache, key_cache,
                                        value_cache, metadata.slot_mapping[:n], rotary.is_neox)

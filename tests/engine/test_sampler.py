@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flashpage.engine.sampler import Sampler
@@ -109,3 +110,17 @@ def test_batched_penalties_equal_a_per_row_reference():
     got = logits.clone()
     Sampler._apply_penalties(got, [0, 1, 3], reqs)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_row_argmax_matches_torch_on_gpu():
+    """The chunked argmax for few rows: same index as torch's, ties and padding included."""
+    from flashpage.engine.sampler import row_argmax
+
+    for n, v in ((1, 128256), (3, 32768), (7, 151936), (32, 50000)):
+        x = torch.randn(n, v, device="cuda")
+        x[0, v - 1] = 100.0  # in the padded last chunk
+        if n > 1:
+            x[1, 5] = x[1, v // 2] = 50.0  # a tie: the first index wins
+        assert torch.equal(row_argmax(x), x.argmax(dim=-1)), (n, v)
