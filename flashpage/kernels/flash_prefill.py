@@ -292,7 +292,8 @@ def default_config(device: torch.device, head_dim: int, dtype: torch.dtype,
         return PrefillConfig(32, 16, 4, 1)  # small tiles: many tiles and diagonals in tiny tests
     major, _ = torch.cuda.get_device_capability(device)
     if dtype == torch.float32:
-        return PrefillConfig(64, 32, 4, 2)
+        # fp32 dots run on FMAs with both operands in registers: wide heads get short tiles.
+        return PrefillConfig(64, 32, 4, 2) if head_dim <= 128 else PrefillConfig(32, 32, 4, 2)
     if major == 9:  # H200, 2026-11-30: best of a small sweep (benchmarks/attention_prefill.py)
         if head_dim <= 64:
             return PrefillConfig(128, 64, 4, 3, use_tma=True)
