@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_final.sh serve     flex throughput, then bench serve on the 8B shape (needs the .whl carry:
 #                                          fastapi==0.115.12, starlette==0.46.2, pydantic, ...)
 #   bash benchmarks/gpu_final.sh deepseek  the DeepSeek-V2-Lite shape (MLA + MoE) end to end
+#   bash benchmarks/gpu_final.sh final     changed GPU tests, serve, V2-Lite, flex in one call
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -16,11 +17,11 @@ PT="python3 -m pytest -q -p no:cacheprovider"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 case "$PART" in
 engine)
-  timeout 150 $PT -m gpu tests/engine tests/models 2>&1 | tail -n 12 | tee "$OUT/engine_gpu_tests.txt"
+  timeout 150 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 12
   timeout 130 python3 benchmarks/profile_engine_step.py --batch 1 256 --context 1024 --steps 30 --kernel-table 2>&1 \
     | grep -v Warning | tail -n 50 | tee "$OUT/profile.txt"
   timeout 240 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
-    --hf-requests 32 --hf-batch-size 32 --json-out "$OUT/throughput_8b.json" 2>&1 | grep -E "tok_per_s|speedup|seconds|Error"
+    --hf-requests 16 --hf-batch-size 16 --json-out "$OUT/throughput_8b.json" 2>&1 | grep -E "tok_per_s|speedup|seconds|Error"
   timeout 80 $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 64 \
     --json-out "$OUT/latency_8b.json" 2>&1 | grep -E "tok_per_s|speedup|fraction|Error" ;;
 kernels)
@@ -40,5 +41,14 @@ deepseek)
     | grep -E "tok_per_s|speedup|seconds|Error"
   timeout 120 $FP bench latency --config deepseek-v2-lite --gpu-memory-utilization 0.6 --max-num-seqs 8 \
     --json-out "$OUT/latency_v2lite.json" 2>&1 | grep -E "tok_per_s|speedup|fraction|Error" ;;
+final)  # session 2's closing call: changed tests, serve, V2-Lite, flex (needs the .whl carry)
+  timeout 150 $PT -n 8 -m gpu tests/engine tests/models tests/kernels -rf 2>&1 | tee "$OUT/gpu_tests.txt" | tail -n 8
+  timeout 140 $FP bench serve --config llama-3-8b --num-prompts 300 --request-rate 16 \
+    --input-len 512 --output-len 128 --json-out "$OUT/serve_8b.json" 2>&1 | grep -v "INFO:" | tail -n 25
+  timeout 180 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.75 \
+    --num-requests 64 --hf-requests 4 --hf-batch-size 4 --json-out "$OUT/throughput_v2lite.json" 2>&1 \
+    | grep -E "tok_per_s|speedup|seconds|Error"
+  timeout 90 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --attention-backend flex \
+    --num-requests 64 --no-hf --json-out "$OUT/throughput_8b_flex.json" 2>&1 | grep -E "tok_per_s|Error" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -19,6 +19,10 @@ def test_bench_throughput_with_transformers(tiny_checkpoint, tmp_path, capsys):
     assert ours["output_tok_per_s"] > 0 and hf["output_tokens"] == wl["output_tokens"]
     assert abs(r["speedup_vs_transformers"] - ours["output_tok_per_s"] / hf["output_tok_per_s"]) < 1e-9
     assert r["attention_backend"] == "torch_native" and not hf["subset"]
+    steps = ours["steps"]  # every step of the run, split by kind, adds up to the run
+    assert steps["with_prompt_tokens"]["steps"] >= 1
+    assert sum(g["seconds"] for g in steps.values()) <= ours["seconds"] + 1e-3
+    assert sum(g["seconds"] for g in steps.values()) >= 0.5 * ours["seconds"]
 
 
 def test_bench_latency(tiny_checkpoint, tmp_path):

@@ -37,6 +37,9 @@ class FlexBackend(AttentionBackend):
         # Compiled on the GPU (eager flex is a dense reference); eager on the CPU (tests).
         self._flex: Any = torch.compile(flex_attention, dynamic=True) if device.type == "cuda" \
             else flex_attention
+        # The compiled kernel's tiles must divide the mask's (128 queries x one KV block);
+        # its default key tile (64 or 128) would not divide a 16-token block.
+        self._kernel_options: dict[str, Any] | None = None
 
     @classmethod
     def unsupported_reasons(cls, model_config: ModelConfig, device: torch.device,
@@ -49,6 +52,14 @@ class FlexBackend(AttentionBackend):
         if model_config.is_mla:
             reasons.append("MLA is not supported by the flex backend")
         return reasons
+
+    def bind_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        super().bind_kv_cache(num_blocks, block_size)
+        if self.device.type == "cuda":
+            if block_size < 16:
+                raise ValueError(f"the flex backend on CUDA needs block_size >= 16 (its key "
+                                 f"tiles are one block), got {block_size}")
+            self._kernel_options = {"BLOCK_M": 64, "BLOCK_N": min(block_size, 64)}
 
     def prepare(self, md: AttentionMetadata) -> AttentionMetadata:
         from torch.nn.attention.flex_attention import BlockMask
@@ -112,7 +123,8 @@ class FlexBackend(AttentionBackend):
         qq[0, :, :n] = q[:n].transpose(0, 1)
         k4 = key_cache.view(1, num_slots, hkv, d).transpose(1, 2)
         v4 = value_cache.view(1, num_slots, hkv, d).transpose(1, 2)
-        o = self._flex(qq, k4, v4, block_mask=md.extra["flex_mask"], scale=scale, enable_gqa=True)
+        o = self._flex(qq, k4, v4, block_mask=md.extra["flex_mask"], scale=scale, enable_gqa=True,
+                       kernel_options=self._kernel_options)
         out = torch.empty_like(q)
         out[:n] = o[0, :, :n].transpose(0, 1)
         return out

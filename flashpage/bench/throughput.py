@@ -85,10 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate(wl.prompts[:4], [SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)] * 4,
                  use_tqdm=False)
     _sync(engine.device)
+    timeline = _record_steps(engine)
     t0 = time.perf_counter()
     outs = llm.generate(wl.prompts, params, use_tqdm=True)
     _sync(engine.device)
     dt = time.perf_counter() - t0
+    timeline.append((time.perf_counter(), 0, 0))
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == wl.num_output_tokens, (produced, wl.num_output_tokens)
     result = {
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         "flashpage": {"seconds": dt, "output_tok_per_s": produced / dt,
                       "total_tok_per_s": (produced + wl.num_prompt_tokens) / dt,
                       "preemptions": engine.scheduler.num_preemptions,
-                      "kv_blocks": engine.num_blocks},
+                      "kv_blocks": engine.num_blocks,
+                      "steps": _step_summary(timeline)},
     }
     bw, fl = measure_ceilings(engine.device)
     if bw and fl:
@@ -116,6 +119,37 @@ def main(argv: list[str] | None = None) -> int:
         result["speedup_vs_transformers"] = result["flashpage"]["output_tok_per_s"] / hf["output_tok_per_s"]
     write_json(args.json_out, result)
     return 0
+
+
+def _record_steps(engine) -> list[tuple[float, int, int]]:
+    """(time scheduled, requests, tokens) of every step from now on. Consecutive
+    schedule() calls are one step apart (with async scheduling, one launch apart)."""
+    steps: list[tuple[float, int, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        steps.append((time.perf_counter(), len(out.scheduled), out.total_num_scheduled_tokens))
+        return out
+
+    engine.scheduler.schedule = recording
+    return steps
+
+
+def _step_summary(timeline: list[tuple[float, int, int]]) -> dict:
+    """Where the wall time went: steps with prompt tokens vs decode-only steps by batch."""
+    groups: dict[str, list[float]] = {}
+    for (t, seqs, tokens), (t_next, _, _) in zip(timeline, timeline[1:], strict=False):
+        if not seqs:
+            continue
+        if tokens > seqs:
+            key = "with_prompt_tokens"
+        else:
+            key = next(f"decode_batch_{lo}_{hi}" for lo, hi in
+                       ((1, 31), (32, 127), (128, 1 << 20)) if lo <= seqs <= hi)
+        groups.setdefault(key, []).append(t_next - t)
+    return {k: {"steps": len(v), "seconds": round(sum(v), 3),
+                "ms_per_step": round(1e3 * sum(v) / len(v), 3)} for k, v in sorted(groups.items())}
 
 
 def _sync(device: torch.device) -> None:

@@ -119,16 +119,17 @@ def test_cuda_graphs_match_eager_fp32(tiny_mla_checkpoint, name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", NAMES)
 def test_cuda_graphs_bf16_as_close_to_fp32_as_eager(tiny_mla_checkpoint, name):
-    """bf16 greedy paths of a tiny random model part from fp32 at near-ties; with graphs
-    they must follow the fp32 tokens about as far as the eager bf16 run does."""
+    """bf16 greedy paths of a tiny random MoE model part from fp32 at near-ties (expert
+    routing flips too); with graphs they must follow the fp32 tokens about as far as the
+    eager bf16 run does. Each first token comes from the (uncaptured) prefill, the same
+    code in both runs: those must be equal."""
     path = tiny_mla_checkpoint(name)
     prompts = random_prompts(16, 1, 120, seed=11)
     params = _staggered_params(len(prompts))
     truth, _ = _tokens(path, "torch_native", "cuda", "float32", prompts, params)
-    eager16 = _leading_agreement(_tokens(path, "triton", "cuda", "bfloat16", prompts, params,
-                                         enforce_eager=True)[0], truth)
-    graphs16 = _leading_agreement(_tokens(path, "triton", "cuda", "bfloat16", prompts, params,
-                                          max_num_seqs=16)[0], truth)
+    eager_toks = _tokens(path, "triton", "cuda", "bfloat16", prompts, params, enforce_eager=True)[0]
+    graph_toks = _tokens(path, "triton", "cuda", "bfloat16", prompts, params, max_num_seqs=16)[0]
+    assert [t[0] for t in graph_toks] == [t[0] for t in eager_toks]
+    eager16, graphs16 = _leading_agreement(eager_toks, truth), _leading_agreement(graph_toks, truth)
     total = sum(len(t) for t in truth)
     assert graphs16 >= eager16 - 0.05 * total, (graphs16, eager16, total)
-    assert graphs16 >= 0.5 * total, (graphs16, total)

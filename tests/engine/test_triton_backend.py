@@ -113,9 +113,11 @@ def test_triton_backend_matches_torch_native_gpu_fp32(tiny_checkpoint):
 def test_triton_backend_bf16_as_close_to_fp32_as_torch_native(tiny_checkpoint):
     """bf16 rounds differently in every backend, and greedy paths of a tiny random model
     part at near-ties, so neither bf16 run equals the fp32 one. Ours must follow the
-    fp32 tokens at least about as far as the reference backend in bf16 does."""
+    fp32 tokens at least about as far as the reference backend in bf16 does (whose
+    attention math is fp32). 64 prompts: with 24, two paths parting at a near-tie
+    more or less moved the count by 5%."""
     path = tiny_checkpoint("head64_gqa")
-    prompts = random_prompts(24, 1, 120, seed=9)
+    prompts = random_prompts(64, 1, 120, seed=9)
     truth = _run(path, "torch_native", "cuda", "float32", prompts)
     ref16 = _leading_agreement(_run(path, "torch_native", "cuda", "bfloat16", prompts), truth)
     ours16 = _leading_agreement(_run(path, "triton", "cuda", "bfloat16", prompts), truth)
