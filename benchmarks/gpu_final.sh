@@ -45,7 +45,7 @@ final)  # session 2's closing call: changed tests, serve, V2-Lite, flex (needs t
   timeout 150 $PT -n 8 -m gpu tests/engine tests/models tests/kernels -rf 2>&1 | tee "$OUT/gpu_tests.txt" | tail -n 8
   timeout 140 $FP bench serve --config llama-3-8b --num-prompts 300 --request-rate 16 \
     --input-len 512 --output-len 128 --json-out "$OUT/serve_8b.json" 2>&1 | grep -v "INFO:" | tail -n 25
-  timeout 180 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.75 \
+  timeout 180 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 \
     --num-requests 64 --hf-requests 4 --hf-batch-size 4 --json-out "$OUT/throughput_v2lite.json" 2>&1 \
     | grep -E "tok_per_s|speedup|seconds|Error"
   timeout 90 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --attention-backend flex \
