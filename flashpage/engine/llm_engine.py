@@ -141,9 +141,35 @@ class LLMEngine:
                                  else config.async_scheduling)
         self._inflight: _Inflight | None = None  # the launched step not yet read back
         self._sync_ids: set[str] = set()  # requests whose sampling needs every token known
+        if self.device.type == "cuda":
+            t1 = time.perf_counter()
+            self.warm_up()
+            logger.info("warmed up (kernels compiled) in %.1fs", time.perf_counter() - t1)
         logger.info("loaded %s (%s, %s) on %s in %.1fs; KV cache: %d blocks of %d tokens",
                     mc.architecture, mc.attention_kind, str(self.dtype).replace("torch.", ""),
                     self.device, time.perf_counter() - t0, self.num_blocks, config.block_size)
+
+    def warm_up(self) -> None:
+        """Run a few throwaway requests so the kernels of every step kind compile now, not
+        inside the first users' time to first token: a prompt alone, decodes (graphs),
+        and a chunk beside decodes. Leaves no trace: no blocks, cached prefixes or counts."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("warm_up() needs an idle engine")
+        vocab = self.model_config.vocab_size
+        chunk = max(1, min(self.config.max_num_batched_tokens // 2, self.max_model_len // 2, 512))
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
+        prompt = [i % vocab for i in range(1, chunk + 1)]
+        self.add_request("__warmup_0", prompt[: max(1, chunk // 4)], params)
+        self.add_request("__warmup_1", prompt[: max(1, chunk // 4)][::-1], params)
+        for _ in range(2):  # the prompts, then a decode step
+            self.step()
+        self.add_request("__warmup_2", prompt, params)  # a chunk beside decodes
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv_manager.reset_prefix_cache()
+        kv = self.kv_manager
+        kv.prefix_queries = kv.prefix_hits = kv.pool.num_evictions = 0
+        self.scheduler.num_preemptions = self.scheduler.num_steps = 0
 
     # ------------------------------------------------------------------ setup helpers
     def _eos_ids(self) -> tuple[int, ...]:

@@ -1,0 +1,48 @@
+"""LLMEngine.warm_up (run at start-up on CUDA so kernels compile before the first user
+request) leaves no trace: no blocks, no cached prefix, no counts, same outputs after."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashpage import SamplingParams
+from flashpage.config import EngineConfig
+from flashpage.engine.llm_engine import LLMEngine
+from tests.conftest import random_prompts
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_warm_up_leaves_no_trace(tiny_checkpoint, async_scheduling):
+    path = tiny_checkpoint("head64_gqa")
+    cfg = dict(model=str(path), dtype="float32", device="cpu", block_size=8,
+               max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    warmed, fresh = LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg))
+    steps = []
+    schedule = warmed.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        steps.append(sorted(n for _, n in out.scheduled))
+        return out
+
+    warmed.scheduler.schedule = spy
+    warmed.warm_up()
+    warmed.scheduler.schedule = schedule
+    assert any(len(s) > 1 and s[0] == 1 and s[-1] > 1 for s in steps)  # a chunk beside decodes
+    kv = warmed.kv_manager.stats()
+    assert kv.blocks_used == 0 and kv.blocks_cached_free == 0 and kv.prefix_queries == 0
+    assert warmed.scheduler.num_steps == 0 and not warmed.has_unfinished_requests()
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for name, eng in (("warmed", warmed), ("fresh", fresh)):
+        for i, p in enumerate(random_prompts(3, 4, 30, seed=4)):
+            eng.add_request(str(i), p, params)
+        got = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    got[o.request_id] = o.outputs[0].token_ids
+        outs[name] = got
+        assert eng.kv_manager.stats().prefix_hits == 0
+    assert outs["warmed"] == outs["fresh"]
