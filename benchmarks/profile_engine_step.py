@@ -57,7 +57,10 @@ def main() -> None:
     for bs in args.batch:
         wl = make_workload(bs, (args.context, args.context), (args.steps, args.steps),
                            eng.model_config.vocab_size)
-        params = SamplingParams(temperature=0.6, max_tokens=args.steps, ignore_eos=True,
+        # More tokens than will be timed: every request is still running when the timed
+        # steps end (the first run let early admissions finish, so its "batch 256" steps
+        # had ~100 requests); the rest is aborted.
+        params = SamplingParams(temperature=0.6, max_tokens=4 * args.steps + 64, ignore_eos=True,
                                 detokenize=False)
         eng_steps: list[float] = []
         for rid, prompt in enumerate(wl.prompts):
@@ -66,16 +69,18 @@ def main() -> None:
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
             eng.step(final_only=True)
         times.clear()
-        profiled = 0
-        while eng.has_unfinished_requests():
-            if args.kernel_table and profiled == 0 and len(eng_steps) == args.steps // 2:
-                profiled = _kernel_table(eng, bs, steps=5)
-                continue
+        while len(eng_steps) < args.steps:
+            assert eng.scheduler.num_running == bs, "a request stopped running: lower --batch"
             t0 = time.perf_counter()
             eng.step(final_only=True)
             eng_steps.append(time.perf_counter() - t0)
-        print(f"batch {bs}, context {args.context}: step median {statistics.median(eng_steps) * 1e3:.2f} ms "
-              f"(synced parts below)")
+        if args.kernel_table:
+            _kernel_table(eng, bs, steps=5)
+        eng.abort_request([f"b{bs}-{rid}" for rid in range(bs)])
+        while eng.has_unfinished_requests():
+            eng.step(final_only=True)
+        print(f"batch {bs} (all running), context {args.context}: step median "
+              f"{statistics.median(eng_steps) * 1e3:.2f} ms (synced parts below)")
         for name, ts in sorted(times.items()):
             print(f"  {name:14s} {statistics.median(ts) * 1e3:8.3f} ms  x{len(ts)}")
 
