@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.kv_cache_write import write_kv_rows
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -132,7 +134,8 @@ def write_kv_cache(
     k, v [N, Hkv, D] (rows may be strided, e.g. views of a fused qkv projection);
     caches [num_blocks, block_size, Hkv, D]; slot_mapping int64 [N].
     """
-    _write_kv(k, v, key_cache, value_cache, slot_mapping, *KV_TILE)
+    _check_kv(k, v, key_cache, value_cache, slot_mapping)
+    write_kv_rows(k, v, key_cache, value_cache, slot_mapping)  # old: _write_kv(..., *KV_TILE)
 
 
 def _write_kv(k, v, key_cache, value_cache, slot_mapping, elems: int, num_warps: int) -> None:

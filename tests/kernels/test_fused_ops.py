@@ -16,6 +16,12 @@ from flashpage.kernels.cache_write import (
     write_mla_cache,
     write_mla_cache_ref,
 )
+from flashpage.kernels.kv_cache_write import (
+    KV_WRITE_VARIANTS,
+    KVWriteConfig,
+    kv_write_name,
+    write_kv_rows,
+)
 from flashpage.kernels.rms_norm import rms_norm, rms_norm_ref
 from flashpage.kernels.rotary import (
     apply_rotary,
@@ -103,6 +109,28 @@ def test_write_kv_cache_tiles(tile):
     write_kv_cache_ref(k, v, kc_ref, vc_ref, slots)
     torch.testing.assert_close(key_cache, kc_ref, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(value_cache, vc_ref, atol=0, rtol=0, equal_nan=True)
+
+
+# The row kernel's variants (the benchmark times them): tokens per program, K/V split or
+# joint; strided rows out of a fused qkv (heads adjacent: the flat path) and a v whose
+# heads are not adjacent (the head/dim path); a token count that is not a multiple of
+# the tile.
+@pytest.mark.parametrize("cfg", KV_WRITE_VARIANTS + [KVWriteConfig(1, 1, True)], ids=kv_write_name)
+def test_write_kv_rows_variants(cfg):
+    dtype = DTYPES[-1]
+    g = gen(cfg.block_t + 7 * cfg.split_kv)
+    n, num_blocks, block_size, hkv, d = 29, 5, 16, 2, 64
+    _, k, v = qkv_views(n, 4, hkv, d, dtype, g)
+    v_heads_apart = randn(n, hkv, 2 * d, dtype=dtype, g=g)[..., :d]  # head stride 2 * d
+    for vv in (v, v_heads_apart):
+        key_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device=DEVICE)
+        value_cache = torch.full_like(key_cache, float("nan"))
+        slots = random_slots(n, num_blocks, block_size, g, num_skipped=4)
+        kc_ref, vc_ref = key_cache.clone(), value_cache.clone()
+        write_kv_rows(k, vv, key_cache, value_cache, slots, cfg)
+        write_kv_cache_ref(k, vv, kc_ref, vc_ref, slots)
+        torch.testing.assert_close(key_cache, kc_ref, atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(value_cache, vc_ref, atol=0, rtol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -340,3 +368,23 @@ def test_cache_writes_pool_past_2_pow_31_elements():
     slots = (mla_blocks - 4) * bs + torch.randperm(4 * bs, generator=g, device="cuda")[:n]
     write_mla_cache(latent, kv_cache, slots)
     assert torch.equal(kv_cache.flatten(0, 1)[slots], latent)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("cfg", KV_WRITE_VARIANTS, ids=kv_write_name)
+def test_write_kv_rows_gpu_bf16(cfg):
+    """Every row-kernel variant the benchmark times, in bf16 at its shape (Llama-3-8B K/V
+    views of a qkv output, block_size 16), against the reference: an exact copy."""
+    g = gen(cfg.block_t)
+    n, num_blocks, bs, hkv, d = 1000, 200, 16, 8, 128
+    _, k, v = qkv_views(n, 32, hkv, d, torch.bfloat16, g)
+    key_cache = torch.full((num_blocks, bs, hkv, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    value_cache = torch.full_like(key_cache, float("nan"))
+    slots = random_slots(n, num_blocks, bs, g, num_skipped=37)
+    kc_ref, vc_ref = key_cache.clone(), value_cache.clone()
+    write_kv_rows(k, v, key_cache, value_cache, slots, cfg)
+    write_kv_cache_ref(k, v, kc_ref, vc_ref, slots)
+    assert torch.equal(key_cache.nan_to_num(), kc_ref.nan_to_num())
+    assert torch.equal(value_cache.nan_to_num(), vc_ref.nan_to_num())
+    assert torch.equal(key_cache.isnan(), kc_ref.isnan())
