@@ -10,6 +10,17 @@ medians.
     python benchmarks/fused_ops.py --out $OUT
 
 writes $OUT/fused_ops.json and $OUT/fused_ops.md.
+
+    python benchmarks/fused_ops.py --only kv_write --out $OUT
+
+times only the K/V cache write, old tile kernel beside the row kernel and its variants,
+two ways (kv_write.json / kv_write.md): do_bench as above (triton zeroes a 256 MB buffer
+before each call, so up to an L2's worth of its dirty lines is written back during the
+timed call: a fixed cost that weighs on a 134 MB op), and CUDA-graph replays rotating
+over 3 independent sets of inputs and caches (no buffer zeroed in between; each call
+pays only for its own bytes, as in a model). Beside them, a plain copy of the same bytes
+timed both ways, the ceiling of that method at that size. Slots: random (as above) and
+prefill-like (random blocks, the tokens of a block in order).
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from flashpage.kernels.cache_write import (
     write_mla_cache,
     write_mla_cache_ref,
 )
+from flashpage.kernels.kv_cache_write import KV_WRITE_VARIANTS, kv_write_name, write_kv_rows
 from flashpage.kernels.rms_norm import rms_norm
 from flashpage.kernels.rotary import apply_rotary, compute_cos_sin_cache, rotary_and_cache_write
 from flashpage.kernels.silu_mul import silu_and_mul
@@ -163,12 +175,133 @@ def bench_mla_write_tokens(rows, n):
                lambda tile=tile: _write_mla(latent, kv_cache, slots, *tile), None, "tile sweep")
 
 
+def time_graph(fn, calls: int, reps: int = 20) -> float:
+    """Median seconds of one ``fn()`` call: a CUDA graph of ``calls`` calls, replayed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+KV_SETS = 3  # independent inputs + caches rotated in the graph: 3 x 134 MB, far past the L2
+
+
+def kv_write_sets(pattern: str):
+    """KV_SETS of (k, v, key_cache, value_cache, slots): k, v views of a qkv output."""
+    sets = []
+    for _ in range(KV_SETS):
+        qkv = torch.randn(N, (HQ + 2 * HKV) * D, device=DEV, dtype=DT)
+        _, k, v = (t.view(N, -1, D) for t in qkv.split([HQ * D, HKV * D, HKV * D], dim=-1))
+        num_blocks = 2 * N // BS
+        key_cache = torch.zeros(num_blocks, BS, HKV, D, device=DEV, dtype=DT)
+        value_cache = torch.zeros_like(key_cache)
+        if pattern == "random slots":
+            slots = torch.randperm(num_blocks * BS, device=DEV)[:N]
+        else:  # prefill-like: random blocks, the tokens of each block in order
+            blocks = torch.randperm(num_blocks, device=DEV)[: N // BS]
+            slots = (blocks[:, None] * BS + torch.arange(BS, device=DEV)).flatten()
+        sets.append((k, v, key_cache, value_cache, slots))
+    return sets
+
+
+def bench_kv_write() -> list[dict]:
+    """Old tile kernel, the row kernel's default and variants, and a same-size copy, each
+    timed by do_bench and by graph replays rotating over KV_SETS sets."""
+    rows = []
+    for pattern in ("random slots", "prefill-like slots"):
+        rows += bench_kv_write_pattern(pattern)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_kv_write_pattern(pattern: str) -> list[dict]:
+    nbytes = 4 * N * HKV * D * E
+    sets = kv_write_sets(pattern)
+    src = [torch.randn(nbytes // 2 // E, device=DEV).to(DT) for _ in range(KV_SETS)]
+    dst = [torch.empty_like(x) for x in src]
+    impls = {"tile (4096, 8): old default": lambda i: _write_kv(*sets[i], 4096, 8),
+             "write_kv_cache: new default": lambda i: write_kv_cache(*sets[i])}
+    for cfg in KV_WRITE_VARIANTS:
+        impls[f"rows {kv_write_name(cfg)}"] = lambda i, cfg=cfg: write_kv_rows(*sets[i], cfg)
+    impls["copy of the same bytes"] = lambda i: dst[i].copy_(src[i])
+    rows = []
+    for name, call in impls.items():
+        state = {"i": 0}
+
+        def rotate(call=call, state=state):
+            state["i"] = (state["i"] + 1) % KV_SETS
+            call(state["i"])
+        row = dict(op=name, slots=pattern, mbytes=round(nbytes / 1e6, 1))
+        try:
+            row["do_bench"] = round(nbytes / bench(lambda call=call: call(0)) / 1e9)
+            row["graph"] = round(nbytes / time_graph(rotate, 4 * KV_SETS) / 1e9)
+        except Exception as ex:  # keep going: one failure must not hide the rest
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:100]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def kv_write_main(out: str) -> None:
+    copy = copy_bandwidth()
+    torch.cuda.empty_cache()
+    print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
+    rows = bench_kv_write()
+    copy_end = copy_bandwidth()
+    print(f"copy bandwidth at the end {copy_end:.0f} GB/s", flush=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                copy_gbps=round(max(copy, copy_end)), copy_start_gbps=round(copy),
+                copy_end_gbps=round(copy_end), tokens=N)
+    copy = max(copy, copy_end)
+    with open(os.path.join(out, "kv_write.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+    def pct(x):
+        return f"{100 * x / copy:.0f}%" if isinstance(x, int) else "-"
+    lines = [f"write_kv_cache, {N} tokens, K/V [{N}, {HKV}, {D}] views of a qkv output, block_size {BS}, "
+             f"bf16, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}. GB/s of bytes moved "
+             f"(K, V read once, written once); 4 GiB copy {round(copy)} GB/s (the better of start "
+             f"{meta['copy_start_gbps']} and end {round(copy_end)}).", "",
+             "| kernel | slots | do_bench (L2 zeroed before) | % of copy | graph, 3 sets rotated | % of copy |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        db, gr = r.get("do_bench", r.get("error", "-")), r.get("graph", "-")
+        lines.append(f"| {r['op']} | {r['slots']} | {db} | {pct(db)} | {gr} | {pct(gr)} |")
+    with open(os.path.join(out, "kv_write.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
+    ap.add_argument("--only", choices=["kv_write"], default=None,
+                    help="time only the K/V cache write, old and new, two ways")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
+    if args.only == "kv_write":
+        kv_write_main(args.out)
+        return
     copy = copy_bandwidth()
     torch.cuda.empty_cache()
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
