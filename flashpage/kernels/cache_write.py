@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from flashpage.kernels.kv_cache_write import write_kv_rows
+from flashpage.kernels.mla_cache_write import write_mla_cache_vec
 
 
 @triton.jit
@@ -169,7 +170,7 @@ def write_mla_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: 
     latent [N, Dl + Dr] (c_kv after its norm, then k_pe with rope applied);
     kv_cache [num_blocks, block_size, Dl + Dr]; slot_mapping int64 [N].
     """
-    _write_mla(latent, kv_cache, slot_mapping, *MLA_TILE)
+    write_mla_cache_vec(latent, kv_cache, slot_mapping)  # old: _write_mla(..., *MLA_TILE)
 
 
 def _write_mla(latent, kv_cache, slot_mapping, elems: int, num_warps: int) -> None:
