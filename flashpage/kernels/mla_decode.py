@@ -19,7 +19,11 @@ a tile of BLOCK_N entries and uses it twice, as K^T for ``Q K^T`` and as V for `
 so the programs that share a sequence's latents run together and the second one reads
 them from L2. With few sequences and long contexts the keys are split into
 ``num_splits`` ranges (flash-decoding); each split writes its normalised partial output
-and log-sum-exp, and a second kernel merges them. One split writes ``out`` directly.
+and log-sum-exp, and they are merged either by a second kernel or, with few splits
+(``MLADecodeConfig.fuse_merge_max_splits``), inside the main kernel: each split counts
+itself in (an atomic counter per sequence and head block) and the last one to arrive
+merges, then sets the counter back to 0, so a captured CUDA graph replays from a clean
+state. One split writes ``out`` directly.
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ class MLADecodeConfig:
     # Resident programs per SM (shared memory and registers, from ptxas): the split
     # heuristic fills one wave of programs_per_sm * num_SMs programs.
     programs_per_sm: int = 1
+    # Merge the splits inside the main kernel (the last split of a head block to finish
+    # merges) when there are at most this many; more go through the merge kernel. The
+    # last program reads the other splits' partials one after another, so this pays off
+    # only for few splits; 0 keeps the two-kernel path (the one timed in mla.md).
+    fuse_merge_max_splits: int = 0
 
 
 def default_config(num_heads: int, device: torch.device | None = None) -> MLADecodeConfig:
@@ -60,7 +69,7 @@ def default_config(num_heads: int, device: torch.device | None = None) -> MLADec
     if num_heads <= 16:
         # 93 KB shared memory, 242 registers x 128 threads: two programs per SM.
         return MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3,
-                               programs_per_sm=2 if hopper else 1)
+                               programs_per_sm=2 if hopper else 1, fuse_merge_max_splits=4)
     if num_heads <= 32 or not hopper:
         return MLADecodeConfig(block_h=32 if num_heads <= 32 else 64, block_n=32, num_warps=8,
                                num_stages=3 if num_heads <= 32 else 2)
@@ -81,7 +90,8 @@ CANDIDATE_CONFIGS = [
 
 
 def config_name(cfg: MLADecodeConfig) -> str:
-    return f"{cfg.block_h}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}p{cfg.programs_per_sm}"
+    name = f"{cfg.block_h}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}p{cfg.programs_per_sm}"
+    return name + (f"f{cfg.fuse_merge_max_splits}" if cfg.fuse_merge_max_splits else "")
 
 
 # Sizes that vary from step to step are not specialised on, so one compiled kernel
@@ -90,6 +100,7 @@ def config_name(cfg: MLADecodeConfig) -> str:
 @triton.jit(do_not_specialize=["num_heads", "num_splits", "stride_btb"])
 def _mla_decode_kernel(
     q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    counter_ptr,  # int32 [B * head_blocks], all 0 on entry and on exit (FUSED only)
     sm_scale_log2,  # sm_scale * log2(e): the softmax runs in base 2
     num_heads, num_splits,
     stride_qb, stride_qh,
@@ -104,6 +115,7 @@ def _mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,  # block_size of the cache
     SPLIT: tl.constexpr,  # write partial results (num_splits > 1) instead of out
+    FUSED: tl.constexpr,  # SPLIT, and the last split of a head block merges them into out
     IEEE: tl.constexpr,  # fp32 inputs: exact dots, not tf32
 ):
     hb = tl.program_id(0)
@@ -179,9 +191,50 @@ def _mla_decode_kernel(
         tl.store(mid_o_ptr + mid[:, None] * BLOCK_R + offs_r[None, :], o, mask=o_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(mid_lse_ptr + mid, lse, mask=h_mask)
+        if FUSED:
+            _merge_if_last(mid_o_ptr, mid_lse_ptr, counter_ptr, out_ptr, o, lse, mid - split,
+                           b64 * tl.num_programs(0) + hb, split, num_splits,
+                           b64 * stride_ob + offs_h.to(tl.int64) * stride_oh, h_mask, r_mask,
+                           offs_r, BLOCK_R)
     else:
         o_ptrs = out_ptr + b64 * stride_ob + offs_h[:, None].to(tl.int64) * stride_oh + offs_r[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _merge_if_last(mid_o_ptr, mid_lse_ptr, counter_ptr, out_ptr, o, lse, mid0, group, split,
+                   num_splits, out_row, h_mask, r_mask, offs_r, BLOCK_R: tl.constexpr):
+    """Count this split in; the last of the group's ``num_splits`` merges every split's
+    partial (its own from registers, the others' from mid_o / mid_lse at rows
+    ``mid0 + s``) into out, and resets the group's counter for the next call."""
+    # Every thread's partial stores are issued before thread 0's release (the atomic is
+    # done once per program); the acquire side reads L2 (.cg): L1 is not coherent.
+    tl.debug_barrier()
+    count = tl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
+    if count == num_splits - 1:
+        tl.atomic_xchg(counter_ptr + group, 0, sem="relaxed", scope="gpu")
+        # Online merge, as in the main loop: m the running max of the lse (base 2), den
+        # and acc the sums of 2^(lse_s - m) and 2^(lse_s - m) * o_s.
+        m = lse
+        den = tl.where(lse > float("-inf"), 1.0, 0.0)
+        acc = o
+        for s in range(0, num_splits):
+            other = h_mask & (s != split)
+            lse_s = tl.load(mid_lse_ptr + mid0 + s, mask=other, other=float("-inf"),
+                            cache_modifier=".cg")
+            o_s = tl.load(mid_o_ptr + (mid0 + s)[:, None] * BLOCK_R + offs_r[None, :],
+                          mask=other[:, None] & r_mask[None, :], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far
+            alpha = tl.exp2(m - m_safe)
+            beta = tl.exp2(lse_s - m_safe)
+            acc = acc * alpha[:, None] + o_s * beta[:, None]
+            den = den * alpha + beta
+            m = m_new
+        den = tl.where(den > 0.0, den, 1.0)  # every split empty: output zeros
+        tl.store(out_ptr + out_row[:, None] + offs_r[None, :],
+                 (acc / den[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=h_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_splits"])
@@ -218,6 +271,25 @@ def _mla_merge_kernel(
 
 
 _SM_COUNT: dict[int, int] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n int32 zeros that stay zero between calls (each fused call resets what it used).
+
+    One buffer per device, reused by every call and layer: calls on one stream run one
+    after another, so they never share a counter at the same time. Allocated outside a
+    CUDA-graph capture; one needed first inside a capture is allocated (and zeroed) by the
+    graph itself, every replay, and not kept.
+    """
+    buf = _COUNTERS.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    zeros = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return zeros
+    _COUNTERS[device] = zeros
+    return zeros
 
 
 def _num_sms(device: torch.device) -> int:
@@ -305,13 +377,15 @@ def mla_decode(
                                      programs_per_sm=cfg.programs_per_sm)
     num_splits = max(1, int(num_splits))
     split = num_splits > 1
+    fused = split and num_splits <= cfg.fuse_merge_max_splits
     if split:
         mid_o = torch.empty(B, H, num_splits, block_r, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out  # unused
+    counters = _merge_counters(q.device, B * head_blocks) if fused else seq_lens  # else unused
     _mla_decode_kernel[(head_blocks, B, num_splits)](
-        q, kv_cache, block_tables, seq_lens, out, mid_o, mid_lse,
+        q, kv_cache, block_tables, seq_lens, out, mid_o, mid_lse, counters,
         sm_scale * _LOG2E,
         H, num_splits,
         q.stride(0), q.stride(1),
@@ -319,11 +393,11 @@ def mla_decode(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         RANK=kv_lora_rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE=page, SPLIT=split,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE=page, SPLIT=split, FUSED=fused,
         IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split:
+    if split and not fused:
         block_s = triton.next_power_of_2(num_splits)
         chunk_r = min(block_r, max(16, 4096 // block_s))  # <= 4K fp32 per program
         _mla_merge_kernel[(B, H, triton.cdiv(kv_lora_rank, chunk_r))](

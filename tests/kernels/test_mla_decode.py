@@ -52,8 +52,9 @@ def make_case(seq_lens: list[int], heads: int, rank: int, rope: int, page: int,
     return (q.to(dtype).to(device), kv.to(dtype).to(device), tables.to(device), lens.to(device))
 
 
-def check(seq_lens, heads, rank, rope, page, dtype, device, num_splits=None, config=None):
-    q, kv, tables, lens = make_case(seq_lens, heads, rank, rope, page, dtype, device)
+def check(seq_lens, heads, rank, rope, page, dtype, device, num_splits=None, config=None,
+          seed=0):
+    q, kv, tables, lens = make_case(seq_lens, heads, rank, rope, page, dtype, device, seed)
     scale = 1.0 / math.sqrt(rank + rope)
     ref = mla_decode_ref(q, kv, tables, lens, kv_lora_rank=rank, sm_scale=scale).float()
     # Poison the output: every element must be written.
@@ -80,6 +81,49 @@ def check(seq_lens, heads, rank, rope, page, dtype, device, num_splits=None, con
 def test_mla_decode_small(seq_lens, heads, page, num_splits, dtype):
     cfg = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
     check(seq_lens, heads, 64, 16, page, dtype, "cpu", num_splits=num_splits, config=cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "seq_lens,heads,page,num_splits",
+    [
+        ([50, 1, 130], 16, 8, 3),  # one split empty for the length-1 sequence
+        ([100], 20, 32, 2),  # two head blocks (two counters), the second partial
+        ([300, 2], 16, 16, 40),  # many splits, most of them empty for the short one
+        ([1, 1], 16, 16, 4),  # every split but the first empty
+    ],
+)
+def test_mla_decode_fused_merge(seq_lens, heads, page, num_splits, dtype):
+    """The last split to arrive merges inside the main kernel, and leaves its counters at
+    0: a second call (as a CUDA-graph replay would make) is right too."""
+    from flashpage.kernels.mla_decode import _COUNTERS
+
+    cfg = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1,
+                          fuse_merge_max_splits=64)
+    for seed in (0, 1):
+        check(seq_lens, heads, 64, 16, page, dtype, "cpu", num_splits=num_splits, config=cfg,
+              seed=seed)
+        assert not _COUNTERS[torch.device("cpu")].any()
+
+
+def test_mla_decode_fused_merge_threshold(monkeypatch):
+    """Splits above fuse_merge_max_splits go through the merge kernel, at or below not."""
+    import flashpage.kernels.mla_decode as mod
+
+    launched = []
+    real = mod._mla_merge_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(mod, "_mla_merge_kernel", Spy())
+    cfg = MLADecodeConfig(block_h=16, block_n=16, fuse_merge_max_splits=2)
+    check([40, 9], 16, 64, 16, 16, torch.float32, "cpu", num_splits=2, config=cfg)
+    assert not launched
+    check([40, 9], 16, 64, 16, 16, torch.float32, "cpu", num_splits=3, config=cfg)
+    assert len(launched) == 1
 
 
 @pytest.mark.parametrize("heads", [16, 70])
@@ -175,3 +219,43 @@ def test_mla_decode_gpu_configs(config):
                   config=config)
         except OutOfResources as e:
             pytest.skip(f"{config} does not fit: {e}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [2, 3, 4, 7, 40])
+def test_mla_decode_gpu_fused_merge(num_splits):
+    """The in-kernel merge on the GPU, where splits finish in any order."""
+    from dataclasses import replace
+
+    cfg = replace(default_config(16, torch.device("cuda")), fuse_merge_max_splits=64)
+    check([1, 17, 300, 2048, 1000, 64, 65, 5] * 4, 16, 512, 64, 64, torch.bfloat16, "cuda",
+          num_splits=num_splits, config=cfg)
+
+
+@gpu
+@pytest.mark.gpu
+def test_mla_decode_gpu_fused_merge_graph_replays():
+    """Captured once, replayed with new queries: the counters the kernel resets itself
+    leave every replay as right as the first call."""
+    from dataclasses import replace
+
+    cfg = replace(default_config(16, torch.device("cuda")), fuse_merge_max_splits=64)
+    q, kv, tables, lens = make_case([700, 3000, 1, 129] * 8, 16, 512, 64, 64, torch.bfloat16,
+                                    "cuda")
+    out = torch.empty(q.shape[0], 16, 512, dtype=q.dtype, device="cuda")
+
+    def run():
+        mla_decode(q, kv, tables, lens, kv_lora_rank=512, sm_scale=0.05, out=out, num_splits=4,
+                   config=cfg)
+
+    run()  # compile, and allocate the counters outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    for _ in range(3):
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        g.replay()
+        ref = mla_decode_ref(q, kv, tables, lens, kv_lora_rank=512, sm_scale=0.05).float()
+        assert (out.float() - ref).norm() / ref.norm() < REL_TOL[torch.bfloat16]
