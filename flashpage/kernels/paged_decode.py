@@ -14,8 +14,17 @@ Grid ``(batch, num_kv_heads, num_splits)``, or ``(num_kv_heads, batch, num_split
 together). With few sequences and long contexts
 the keys of one sequence are split into ``num_splits`` ranges (flash-decoding);
 each program writes its partial result normalised by its own softmax sum plus its
-log-sum-exp, and a second small kernel merges the splits. With one split the main
-kernel writes the output directly.
+log-sum-exp, and the splits are merged: with ``fused_merge`` by the last program of each
+(sequence, KV head) to finish (a per-group counter, atomically incremented after the
+partial is stored, says which one; it resets the counter to 0 for the next call), so
+the merge starts as soon as that group's last split ends and no second launch waits
+for the whole grid; otherwise by a second small kernel. With one split the main kernel
+writes the output directly.
+
+The counters are one int32 buffer per device, kept between calls (zero between calls):
+calls on concurrent streams must not overlap (the engine runs one stream). Inside a
+CUDA-graph capture the buffer is not allocated; a call that would need it there falls
+back to the merge kernel.
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ class DecodeConfig:
     # Splitting fills one wave of programs_per_sm * num_SMs programs, no more (a second,
     # part-empty wave costs as much as a full one): see choose_num_splits.
     programs_per_sm: int = 4
+    # Split results merged by the last program of each (sequence, KV head) instead of a
+    # second kernel (no effect with one split).
+    fused_merge: bool = False
 
 
 def default_config(device: torch.device, head_dim: int, programs: int | None = None) -> DecodeConfig:
@@ -61,9 +73,15 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
         major, _ = torch.cuda.get_device_capability(device)
         if major == 9 and triton.next_power_of_2(head_dim) == 128:
             if programs is not None and programs <= 2 * _num_sms(device):
-                return DecodeConfig(64, 4, 5, programs_per_sm=2)
+                return DecodeConfig(64, 4, 5, programs_per_sm=2, fused_merge=FUSED_MERGE_DEFAULT)
             return DecodeConfig(64, 4, 3, heads_fastest=True)
     return DecodeConfig(32, 4, 3) if head_dim > 128 else DecodeConfig(64, 4, 3)
+
+
+# The in-kernel merge for split grids (issue 6: 1 x 32768 at 77% of copy, fixed costs
+# weigh). Not yet timed on a GPU as a default: benchmarks/attention_decode.py --compare
+# times it beside the merge kernel in one run. Set False to go back.
+FUSED_MERGE_DEFAULT = True
 
 
 # What benchmarks/attention_decode.py --sweep times (head_dim 128); the GPU tests run each
@@ -80,9 +98,9 @@ CANDIDATE_CONFIGS = [
 
 
 def config_name(cfg: DecodeConfig) -> str:
-    """n{keys}w{warps}s{stages}, then p (hand prefetch) and h (heads fastest)."""
+    """n{keys}w{warps}s{stages}, then p (hand prefetch), h (heads fastest), m (fused merge)."""
     return (f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{'p' if cfg.prefetch else ''}"
-            f"{'h' if cfg.heads_fastest else ''}")
+            f"{'h' if cfg.heads_fastest else ''}{'m' if cfg.fused_merge else ''}")
 
 
 @triton.jit
@@ -129,6 +147,7 @@ def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constex
 @triton.jit(do_not_specialize=["window", "stride_btb", "num_splits"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    counter_ptr,  # int32 [>= B * Hkv], zero on entry (FUSED_MERGE only)
     sm_scale_log2,  # sm_scale * log2(e): the softmax runs in base 2
     window,  # keys j >= seq_len - window (ignored unless HAS_WINDOW)
     stride_qb, stride_qh,
@@ -148,6 +167,9 @@ def _paged_decode_kernel(
     IEEE: tl.constexpr,  # fp32 inputs: exact dots, not tf32
     PREFETCH: tl.constexpr,  # hand-pipelined loads (use with num_stages=1)
     HEADS_FASTEST: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S)
+    FUSED_MERGE: tl.constexpr,  # the last split of each (b, kvh) merges (SPLIT only)
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two (the merge's rows)
+    MERGE_CHUNK: tl.constexpr,  # splits the merge loads at once
 ):
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
@@ -216,6 +238,58 @@ def _paged_decode_kernel(
                  mask=h_mask[:, None] & d_mask[None, :])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(mid_lse_ptr + row, lse, mask=h_mask)
+        if FUSED_MERGE:
+            # Every thread's partial is stored before the (one-thread) release below.
+            tl.debug_barrier()
+            count_ptr = counter_ptr + b * num_kv_heads + kvh
+            done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:  # the last split of this group: merge them all
+                tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
+                _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b64, kvh * GROUP, num_kv_heads * GROUP,
+                             stride_ob, stride_oh, num_splits, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D,
+                             MERGE_CHUNK)
+
+
+@triton.jit
+def _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b64, head0, num_q_heads, stride_ob, stride_oh,
+                 num_splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+    """out[b, head0 : head0 + GROUP] from the num_splits partials of those heads.
+
+    Weights exp2(lse_s - max_s lse_s), normalised by their sum; an empty split has
+    lse -inf (weight 0). Loads bypass L1 (.cg): the partials were written by other
+    programs, published by the counter's release/acquire.
+    """
+    offs_g = tl.arange(0, GROUP_PAD)
+    g_mask = offs_g < GROUP
+    rows = (b64 * num_q_heads + head0 + offs_g) * num_splits  # first split of each head
+    offs_c = tl.arange(0, MERGE_CHUNK)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    # Pass 1: the largest lse of each head.
+    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    for s0 in tl.range(0, num_splits, MERGE_CHUNK, num_stages=1):
+        sm = g_mask[:, None] & (s0 + offs_c < num_splits)[None, :]
+        lse = tl.load(mid_lse_ptr + rows[:, None] + s0 + offs_c[None, :], mask=sm, other=float("-inf"),
+                      cache_modifier=".cg")
+        m = tl.maximum(m, tl.max(lse, 1))
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
+    # Pass 2: the weighted sum, MERGE_CHUNK splits at a time.
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    for s0 in tl.range(0, num_splits, MERGE_CHUNK, num_stages=1):
+        sm = g_mask[:, None] & (s0 + offs_c < num_splits)[None, :]
+        r = rows[:, None] + s0 + offs_c[None, :]  # [GROUP_PAD, MERGE_CHUNK]
+        lse = tl.load(mid_lse_ptr + r, mask=sm, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(lse - m[:, None])
+        o = tl.load(mid_o_ptr + r[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                    mask=sm[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(o * w[:, :, None], 1)
+        total += tl.sum(w, 1)
+    res = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    head = (head0 + offs_g).to(tl.int64)
+    tl.store(out_ptr + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -247,6 +321,24 @@ def _merge_splits_kernel(
 
 
 _SM_COUNT: dict[int, int] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The device's zeroed int32 counters (>= n), kept between calls; None where one would
+    have to be allocated inside a CUDA-graph capture (the caller then uses the merge kernel)."""
+    key = torch.device(device.type, device.index if device.index is not None or device.type != "cuda"
+                       else torch.cuda.current_device())
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if buf is not None:  # a captured graph may still point at it: never freed
+            _RETIRED_COUNTERS.append(buf)
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=key)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def _num_sms(device: torch.device) -> int:
@@ -337,9 +429,15 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out  # unused
+    counters = _split_counters(q.device, batch * num_kv_heads) if num_splits > 1 and cfg.fused_merge else None
+    fused_merge = counters is not None
+    group_pad = triton.next_power_of_2(group)
+    # The merge loads [GROUP_PAD, MERGE_CHUNK, BLOCK_D] fp32 at once: <= 8K values.
+    merge_chunk = max(1, min(triton.next_power_of_2(num_splits), 8192 // (group_pad * block_d)))
     grid = (num_kv_heads, batch, num_splits) if cfg.heads_fastest else (batch, num_kv_heads, num_splits)
     _paged_decode_kernel[grid](
         q, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
+        counters if fused_merge else seq_lens,
         sm_scale * _LOG2E, window_size or 0,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -349,9 +447,10 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=block_size,
         BLOCK_N=cfg.block_n, SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None,
         IEEE=q.dtype == torch.float32, PREFETCH=cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
+        FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused_merge:
         _merge_splits_kernel[(batch * num_q_heads,)](
             mid_o, mid_lse, out, num_q_heads, out.stride(0), out.stride(1), num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),

@@ -130,6 +130,7 @@ def test_default_config_by_generation(monkeypatch):
     small, large = mod.default_config(cuda, 128, 264), mod.default_config(cuda, 128, 265)
     assert (small.num_stages, small.programs_per_sm, small.heads_fastest) == (5, 2, False)
     assert (large.num_stages, large.programs_per_sm, large.heads_fastest) == (3, 4, True)
+    assert small.fused_merge == mod.FUSED_MERGE_DEFAULT and not large.fused_merge
     assert mod.default_config(cuda, 128) == large
     assert mod.default_config(cuda, 64, 8) == DecodeConfig(64, 4, 3)  # not measured: generic
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
@@ -142,7 +143,9 @@ def test_default_config_by_generation(monkeypatch):
 # either grid order (heads of one sequence adjacent or sequences adjacent).
 @pytest.mark.parametrize("config", [DecodeConfig(32, 4, 3), DecodeConfig(64, 4, 1, prefetch=True),
                                     DecodeConfig(32, 4, 1, prefetch=True, heads_fastest=True),
-                                    DecodeConfig(64, 4, 3, heads_fastest=True)], ids=str)
+                                    DecodeConfig(64, 4, 3, heads_fastest=True),
+                                    DecodeConfig(32, 4, 3, fused_merge=True),
+                                    DecodeConfig(64, 4, 3, heads_fastest=True, fused_merge=True)], ids=str)
 def test_tile_configs(config):
     q, kc, vc, bt, lens = make_case([77, 1, 200], 8, 2, 64, 16, torch.float16, seed=5)
     for splits in (1, 3):
@@ -150,6 +153,31 @@ def test_tile_configs(config):
         _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=None, out=out, num_splits=splits,
                 config=config)
         check(out, paged_decode_ref(q, kc, vc, bt, lens), torch.float16)
+
+
+# (seq_lens, q heads, kv heads, head_dim, splits): GQA 1 / 4 / all on one KV head (merge
+# rows of 1, 4 and 8; 8 x 64 x 8 splits loads chunks of 2), empty splits, a split count
+# that is not a power of two, and an empty sequence.
+@pytest.mark.parametrize("case", [([150, 61], 4, 4, 64, 5), ([300, 1, 20], 8, 2, 64, 9),
+                                  ([200], 8, 1, 64, 24), ([0, 77], 4, 2, 64, 3)], ids=str)
+def test_fused_merge_matches_merge_kernel(case, monkeypatch):
+    """The in-kernel merge (last split of each group) against the merge kernel and the
+    reference; run twice, so a counter not reset to 0 would show in the second call."""
+    from flashpage.kernels import paged_decode as mod
+
+    seq_lens, hq, hkv, d, splits = case
+    q, kc, vc, bt, lens = make_case(seq_lens, hq, hkv, d, 16, torch.float32, seed=7)
+    kw = dict(sm_scale=None, window_size=None, num_splits=splits)
+    two = _launch(q, kc, vc, bt, lens, out=None, config=DecodeConfig(32, 4, 3), **kw)
+    monkeypatch.setattr(mod, "_merge_splits_kernel", None)  # the fused path must not launch it
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        _launch(q, kc, vc, bt, lens, out=out, config=DecodeConfig(32, 4, 3, fused_merge=True), **kw)
+        torch.testing.assert_close(out, two, atol=1e-6, rtol=1e-5)
+    if min(seq_lens) > 0:
+        check(out, paged_decode_ref(q, kc, vc, bt, lens), torch.float32)
+    else:
+        assert torch.equal(out[0], torch.zeros_like(out[0]))  # no keys: zeros, as the merge kernel
 
 
 def test_rejects_bad_inputs():
@@ -218,17 +246,41 @@ def test_paged_decode_pool_past_2_pow_31_elements():
 
 @pytest.mark.gpu
 @gpu_only
-def test_paged_decode_cuda_graph():
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_paged_decode_cuda_graph(fused_merge):
+    """Split (24 programs before splitting), captured, replayed with new inputs: with the
+    fused merge, each replay must find its counters back at 0."""
     q, kc, vc, bt, lens = make_case([900, 20, 2000], 32, 8, 128, 16, torch.bfloat16)
     out = torch.empty_like(q)
-    paged_decode(q, kc, vc, bt, lens, out=out)  # compile outside the capture
+    cfg = DecodeConfig(64, 4, 5, programs_per_sm=2, fused_merge=fused_merge)
+    kw = dict(sm_scale=None, window_size=None, out=out, num_splits=None, config=cfg)
+    _launch(q, kc, vc, bt, lens, **kw)  # compile (and allocate the counters) outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_decode(q, kc, vc, bt, lens, out=out)
-    q.copy_(torch.randn_like(q))
-    lens.copy_(torch.tensor([850, 20, 1500], dtype=torch.int32))
-    graph.replay()
-    check(out, paged_decode_ref(q, kc, vc, bt, lens), torch.bfloat16)
+        _launch(q, kc, vc, bt, lens, **kw)
+    for new_lens in ([850, 20, 1500], [1, 2000, 64], [899, 899, 899]):
+        q.copy_(torch.randn_like(q))
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        check(out, paged_decode_ref(q, kc, vc, bt, lens), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("case", [(32, 8, 128, 16), (32, 1, 64, 32), (8, 8, 256, 64), (32, 4, 256, 16)],
+                         ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-bs{c[3]}")
+def test_paged_decode_gpu_fused_merge(case):
+    """The in-kernel merge in bf16: GQA 4, all heads on one KV head (merge chunks of 4
+    splits), MHA at head_dim 256; split counts of 7 and 33 (empty splits), each twice."""
+    hq, hkv, d, bs = case
+    q, kc, vc, bt, lens = make_case([1, 2047, bs + 1, 4000, 333], hq, hkv, d, bs, torch.bfloat16, seed=sum(case))
+    ref = paged_decode_ref(q, kc, vc, bt, lens)
+    for splits in (7, 33, 33):
+        out = torch.full_like(q, float("nan"))
+        _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=None, out=out, num_splits=splits,
+                config=DecodeConfig(64, 4, 5, programs_per_sm=2, fused_merge=True))
+        check(out, ref, torch.bfloat16)
 
 
 @pytest.mark.gpu
