@@ -11,11 +11,19 @@ Each figure is the median over CUDA-graph replays of several calls; the calls ro
 over independent latents (>= 256 MB in all) so small shapes are not timed out of L2.
 GB/s = batch * context * 576 * 2 bytes / time. ``--sweep`` also times tile configs and
 split counts. Usage: ``python benchmarks/mla_decode.py --out $OUT/mla.jsonl [--sweep]``.
+
+``--final`` (issue 4 / 6, benchmarks/mla_final.sh) times, at 16 heads over batch 8-128 and
+contexts 4k-32k, the old two-kernel split merge (``fuse_merge_max_splits=0``) beside the
+new default (the merge inside the main kernel for <= 4 splits) and both at a ladder of
+split counts; then the MLA cache write, the old 64-wide tile kernel beside the 16-byte
+unit kernel and its candidate tiles (``triton.testing.do_bench`` medians, as
+benchmarks/fused_ops.py). The copy bandwidth is measured at the start and the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -24,6 +32,7 @@ import time
 
 import torch
 
+from flashpage.kernels import cache_write, mla_cache_write
 from flashpage.kernels.mla_decode import (
     CANDIDATE_CONFIGS,
     MLADecodeConfig,
@@ -48,6 +57,17 @@ def _compile_one(job: tuple[int, int, bool | tuple[int, ...], MLADecodeConfig]) 
     """Compile one kernel variant by running it once on tiny inputs (fills Triton's cache)."""
     heads, page, split, cfg = job
     t = time.time()
+    if heads == "write":  # a cache-write kernel: cfg is the tile (None: the old kernel)
+        # 48 tokens: a multiple of 16, as the timed sizes (Triton specialises on it)
+        lat = torch.randn(48, D, dtype=torch.bfloat16, device="cuda")
+        kv = torch.zeros(8, 16, D, dtype=torch.bfloat16, device="cuda")
+        slots = torch.randperm(128, device="cuda")[:48]
+        if cfg is None:
+            cache_write._write_mla(lat, kv, slots, *cache_write.MLA_TILE)
+        else:
+            mla_cache_write.write_mla_cache_vec(lat, kv, slots, cfg)
+        torch.cuda.synchronize()
+        return f"write {cfg}: {time.time() - t:.1f}s"
     splits = split if isinstance(split, tuple) else (2 if split else 1,)
     q = torch.randn(1, heads, D, dtype=torch.bfloat16, device="cuda")
     kv = torch.randn(4, page, D, dtype=torch.bfloat16, device="cuda")
@@ -78,6 +98,29 @@ def precompile(workers: int, sweep: bool, pages: list[int]) -> None:
         for msg in ex.map(_compile_one, jobs):
             print("  compiled", msg, flush=True)
     print(f"precompiled {len(jobs)} variants in {time.time() - t:.0f} s", flush=True)
+
+
+def precompile_final(workers: int) -> None:
+    """The kernels of ``--final``: the old path with every merge size its ladder uses,
+    the fused path, and the cache-write kernels (old tile, every new tile)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    old, new = final_configs()
+    jobs: list = [(16, 64, (1, 2), old), (16, 64, (2,), new)]
+    jobs += [(16, 64, (s,), old) for s in (3, 5, 9, 17, 33)]  # merge kernels by power of two
+    jobs += [("write", None, None, tile) for tile in [None, *mla_cache_write.CANDIDATE_TILES]]
+    t = time.time()
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for msg in ex.map(_compile_one, jobs):
+            print("  compiled", msg, flush=True)
+    print(f"precompiled {len(jobs)} variants in {time.time() - t:.0f} s", flush=True)
+
+
+def final_configs() -> tuple[MLADecodeConfig, MLADecodeConfig]:
+    """(old, new) at 16 heads: the new default, and it with the merge kernel always."""
+    new = default_config(16, torch.device("cuda"))
+    return dataclasses.replace(new, fuse_merge_max_splits=0), new
 
 
 def emit(f, **row) -> None:
@@ -204,9 +247,18 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--precompile", type=int, default=0, metavar="WORKERS",
                     help="compile the kernel variants in this many processes, then exit")
+    ap.add_argument("--final", action="store_true",
+                    help="old vs new split merge at 16 heads, then the MLA cache write")
     args = ap.parse_args()
     if args.precompile:
-        precompile(args.precompile, args.sweep, [args.page, 16])
+        if args.final:
+            precompile_final(args.precompile)
+        else:
+            precompile(args.precompile, args.sweep, [args.page, 16])
+        return
+    if args.final:
+        with open(args.out, "w") as f:
+            run_final(f, args)
         return
     with open(args.out, "w") as f:
         run(f, args)
@@ -298,6 +350,122 @@ def run(f, args) -> None:
                   f"best {r['best']}={r['best_gbps']} ({100 * r['best_gbps'] / copy:.0f}%) | "
                   + " ".join(f"{n}/sp{sp}={v}" for n, (sp, v) in per.items())
                   + f" | max err {errs:.0e}")
+
+
+FINAL_SHAPES = [(8, 4096), (8, 32768), (16, 16384), (32, 4096), (32, 32768), (64, 8192),
+                (128, 4096), (128, 32768)]
+FINAL_SPLITS = (1, 2, 4, 8, 16, 33)  # full waves of the 264 slots at the batches timed
+
+
+def run_final(f, args) -> None:
+    """Old vs new at 16 heads (page ``args.page``), then the cache write; one table each."""
+    t0 = time.time()
+    dev = torch.cuda.get_device_name()
+    copy_start = copy_bandwidth()
+    torch.cuda.empty_cache()
+    emit(f, section="env", gpu=dev, torch=torch.__version__, copy_gbps=round(copy_start))
+    print(f"{dev}  copy {copy_start:.0f} GB/s", flush=True)
+    old, new = final_configs()
+    always = dataclasses.replace(new, fuse_merge_max_splits=1 << 20)
+    rows = []
+    for batch, ctx in FINAL_SHAPES:
+        case = Case(batch, ctx, 16, args.page)
+        splits = pick_num_splits(batch, 1, ctx, torch.device("cuda"),
+                                 programs_per_sm=new.programs_per_sm)
+        lat0 = case.contiguous(0)
+        row = dict(section="final", heads=16, batch=batch, ctx=ctx, page=args.page,
+                   splits=splits, err_old=float(f"{case.check(lat0, old):.1e}"),
+                   err_new=float(f"{case.check(lat0, new):.1e}"),
+                   err_fused=float(f"{case.check(lat0, always):.1e}"))
+        del lat0
+        row["old"] = round(gbps(case, time_graph(case.ours(old))))
+        row["new"] = round(gbps(case, time_graph(case.ours(new))))
+        cap = min(ctx // 256, 4 * 2 * 132 // batch)
+        for s_ in sorted({*(s for s in FINAL_SPLITS if s <= cap), splits}):
+            row[f"unfused/sp{s_}"] = round(gbps(case, time_graph(case.ours(old, s_))))
+            if s_ > 1:
+                row[f"fused/sp{s_}"] = round(gbps(case, time_graph(case.ours(always, s_))))
+        pts = {k: v for k, v in row.items() if "/sp" in k}
+        row["best"] = max(pts, key=pts.get)
+        emit(f, **row)
+        rows.append(row)
+        print(f"{batch}x{ctx}: old {row['old']} new {row['new']} GB/s (sp{splits}), best "
+              f"{row['best']} {pts[row['best']]}, err {row['err_old']}/{row['err_new']}"
+              f"/{row['err_fused']}", flush=True)
+        del case
+        torch.cuda.empty_cache()
+
+    writes = bench_write(f)
+    copy_end = copy_bandwidth()
+    copy = max(copy_start, copy_end)
+    emit(f, section="env", copy_gbps_end=round(copy_end))
+
+    def pct(v: float) -> str:
+        return f"{v:,} ({100 * v / copy:.0f}%)"
+
+    print(f"\n# MLA decode, 16 heads, bf16, 512+64, page {args.page}, {dev}: GB/s of latent "
+          f"read (% of copy {copy:.0f} GB/s: start {copy_start:.0f}, end {copy_end:.0f}); "
+          f"{time.time() - t0:.0f} s")
+    print("| batch x ctx | splits | old: merge kernel | new default | best of ladder | "
+          "rel err old / new / fused |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['batch']} x {r['ctx']} | {r['splits']} | {pct(r['old'])} | {pct(r['new'])} "
+              f"| {r['best']}: {pct(r[r['best']])} | {r['err_old']:.0e} / {r['err_new']:.0e} / "
+              f"{r['err_fused']:.0e} |")
+    print("\nladder (GB/s), unfused | fused, by split count:")
+    for r in rows:
+        print(f"{r['batch']}x{r['ctx']}: " + " ".join(
+            f"sp{k.split('/sp')[1]}={r[k]}" + (f"|{r.get('fused/sp' + k.split('/sp')[1])}"
+                                               if "fused/sp" + k.split("/sp")[1] in r else "")
+            for k in r if k.startswith("unfused/")))
+    print("\n# MLA cache write, bf16, 576-wide rows, block size 16, random slots: GB/s of "
+          "latent read + written (% of copy)")
+    print("| tokens | MB moved | old (_write_mla, tile "
+          f"{cache_write.MLA_TILE}) | new default {mla_cache_write.MLA_WRITE_TILE} | "
+          "new tiles (units, warps) |")
+    print("| --- | --- | --- | --- | --- |")
+    for w in writes:
+        tiles = " ".join(f"{k[4:]}={pct(v)}" for k, v in w.items() if k.startswith("new "))
+        print(f"| {w['tokens']} | {w['mbytes']} | {pct(w['old'])} | {pct(w['new'])} | {tiles} |")
+
+
+def bench_write(f) -> list[dict]:
+    """Old and new MLA cache write at a prefill chunk (16384 tokens) and at 4x that,
+    measured as benchmarks/fused_ops.py does; every written row is checked first."""
+    from triton.testing import do_bench
+
+    def bench(fn) -> float:
+        return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+
+    rows = []
+    for n in (16384, 65536):
+        rows.append(_bench_write_tokens(f, n, bench))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _bench_write_tokens(f, n: int, bench) -> dict:
+    latent = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
+    num_blocks = 2 * n // 16
+    kv = torch.zeros(num_blocks, 16, D, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(num_blocks * 16, device="cuda")[:n]
+    nbytes = 2 * latent.numel() * 2
+    mla_cache_write.write_mla_cache_vec(latent, kv, slots)
+    ok = bool(torch.equal(kv.view(-1, D)[slots], latent))
+
+    def gb(fn) -> int:
+        return round(nbytes / bench(fn) / 1e9)
+
+    row = dict(section="write", tokens=n, mbytes=round(nbytes / 1e6, 1), correct=ok,
+               old=gb(lambda: cache_write._write_mla(latent, kv, slots, *cache_write.MLA_TILE)),
+               new=gb(lambda: mla_cache_write.write_mla_cache_vec(latent, kv, slots)))
+    for tile in mla_cache_write.CANDIDATE_TILES:
+        row[f"new {tile}"] = gb(
+            lambda tile=tile: mla_cache_write.write_mla_cache_vec(latent, kv, slots, tile))
+    emit(f, **row)
+    print(f"write {n} tokens: old {row['old']} new {row['new']} GB/s, correct {ok}", flush=True)
+    return row
 
 
 if __name__ == "__main__":

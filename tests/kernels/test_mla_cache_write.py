@@ -74,7 +74,7 @@ def test_write_mla_cache_vec_rejects_bad_inputs():
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", CANDIDATE_TILES, ids=str)
+@pytest.mark.parametrize("tile", CANDIDATE_TILES, ids=lambda t: f"{t[0]}u{t[1]}w")
 def test_write_mla_cache_vec_gpu_bf16(tile):
     for n, pad in ((1, 0), (3000, 0), (777, 64)):  # 777 rows of a wider projection output
         latent, kv, slots = make_case(n, 576, pad, 2 * n // 16 + 2, 16, torch.bfloat16, "cuda",
