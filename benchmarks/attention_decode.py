@@ -21,11 +21,20 @@ prints, per shape, the default beside the best and the best split count of each 
     python benchmarks/attention_decode.py --out $OUT --sweep [--budget-s 150]
 
 writes $OUT/decode.json and $OUT/decode.md.
+
+    python benchmarks/attention_decode.py --precompile 8 --compare
+    python benchmarks/attention_decode.py --out $OUT --compare
+
+times, per COMPARE_SHAPES shape, the previous default (the same config with the split
+merge kernel) beside the current default (``paged_decode`` as called, in-kernel merge on
+Hopper small grids) and a few variants of the new path, with SDPA cuDNN and the copy
+bandwidth of the same run (compare.json / compare.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,6 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashpage.kernels.paged_decode import (
     CANDIDATE_CONFIGS,
+    DecodeConfig,
     _launch,
     choose_num_splits,
     config_name,
@@ -51,6 +61,80 @@ SHAPES = [(32, 2048), (32, 4096), (64, 4096), (128, 2048), (128, 8192),
           (1, 4096), (2, 8192), (4, 16384), (8, 8192), (16, 4096), (16, 16384)]
 SPLIT_LADDER = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256]
 ROTATE_BYTES = 256 * 2**20
+
+
+# Issue 6's rows: the split target (1 x 32768), batch >= 32 against cuDNN, and a split
+# grid already at ~99%.
+COMPARE_SHAPES = [(1, 32768), (32, 4096), (128, 2048), (8, 32768)]
+# Variants of the new path timed beside the defaults at split shapes: (config, splits).
+COMPARE_VARIANTS = [
+    (DecodeConfig(64, 4, 5, programs_per_sm=2, fused_merge=True), 32),
+    (DecodeConfig(64, 4, 5, programs_per_sm=2, fused_merge=True), 64),
+    (DecodeConfig(32, 4, 5, fused_merge=True), 64),
+    (DecodeConfig(64, 4, 3, fused_merge=True), 64),
+]
+
+
+def compare_jobs(dev) -> list:
+    """(config, splits) pairs --compare runs, for precompile (splits only pick the merge)."""
+    old = dataclasses.replace(default_config(dev, D, 8), fused_merge=False)
+    cfgs = {old, default_config(dev, D, 8), default_config(dev, D), *(c for c, _ in COMPARE_VARIANTS)}
+    # Split counts 1 (unsplit), 2, 4 and 33: the merge chunk / merge kernel's padded split count.
+    return [(c, (1, 2, 4, 33)) for c in cfgs]
+
+
+def compare(args, dev, sms) -> None:
+    """Old default vs new default (and variants) on COMPARE_SHAPES, one run."""
+    copy_before = copy_bandwidth()
+    print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)
+    rows = []
+    for batch, ctx in COMPARE_SHAPES:
+        shape = Shape(batch, ctx)
+        new = default_config(dev, D, batch * HKV)
+        old = dataclasses.replace(new, fused_merge=False)
+        splits = choose_num_splits(batch, HKV, ctx, sms, programs_per_sm=new.programs_per_sm)
+        row = dict(batch=batch, context=ctx, auto_splits=splits, new_config=config_name(new),
+                   old_config=config_name(old),
+                   old=gbps(shape, shape.ours(num_splits=splits, config=old)),
+                   new=gbps(shape, shape.ours()))  # exactly what paged_decode picks
+        if splits > 1:
+            row["variants"] = {f"{config_name(c)}/sp{s_}": gbps(shape, shape.ours(num_splits=s_, config=c))
+                               for c, s_ in COMPARE_VARIANTS if s_ * batch * HKV <= 4 * sms * 2}
+        k, v = shape.contiguous()
+        row["cudnn"] = gbps(shape, shape.sdpa(k, v, SDPBackend.CUDNN_ATTENTION))
+        del k, v
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del shape
+        torch.cuda.empty_cache()
+    copy_after = copy_bandwidth()
+    copy = max(copy_before, copy_after)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, copy_gbps=round(copy),
+                copy_before_gbps=round(copy_before), copy_after_gbps=round(copy_after))
+    with open(os.path.join(args.out, "compare.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+    def pct(x):
+        return f"{100 * x / copy:.0f}%" if isinstance(x, int) else "-"
+
+    def vs(x, c):
+        return f"{x / c:.2f}×" if isinstance(x, int) and isinstance(c, int) else "-"
+    lines = [f"Paged decode, old vs new default, GQA {HQ}/{HKV}, head_dim {D}, block_size {BS}, bf16, "
+             f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}. GB/s of K+V read, CUDA-graph "
+             f"replays over rotated inputs; copy {round(copy)} GB/s (before {round(copy_before)}, "
+             f"after {round(copy_after)}).", "",
+             "| batch × context | old default | GB/s | % of copy | × cuDNN | new default | GB/s | % of copy "
+             "| × cuDNN | SDPA cuDNN | variants (GB/s, % of copy) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        var = ", ".join(f"{n_} {g} ({pct(g)})" for n_, g in r.get("variants", {}).items()) or "-"
+        lines.append(f"| {r['batch']} × {r['context']} | {r['old_config']}/sp{r['auto_splits']} | {r['old']} "
+                     f"| {pct(r['old'])} | {vs(r['old'], r['cudnn'])} | {r['new_config']}/sp{r['auto_splits']} "
+                     f"| {r['new']} | {pct(r['new'])} | {vs(r['new'], r['cudnn'])} | {r['cudnn']} | {var} |")
+    with open(os.path.join(args.out, "compare.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def split_options(batch: int, ctx: int, sms: int) -> list[int]:
@@ -126,16 +210,19 @@ def _compile_one(job) -> str:
     return f"{config_name(cfg) if cfg else 'merge'} {splits}: {time.time() - t:.1f}s"
 
 
-def precompile(workers: int, sweep: bool) -> None:
+def precompile(workers: int, sweep: bool, compare_only: bool = False) -> None:
     """Compile the variants the run needs in parallel processes (each takes seconds)."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
     dev = torch.device("cuda")
-    cfgs = {default_config(dev, D), default_config(dev, D, 1), *(CANDIDATE_CONFIGS if sweep else [])}
-    jobs = [(cfg, (1, 2)) for cfg in cfgs]
-    # The merge kernel compiles once per power-of-two split count.
-    jobs += [(default_config(torch.device("cuda"), D), (3, 5, 9, 17, 33, 65, 129, 256))]
+    if compare_only:
+        jobs = compare_jobs(dev)
+    else:
+        cfgs = {default_config(dev, D), default_config(dev, D, 1), *(CANDIDATE_CONFIGS if sweep else [])}
+        jobs = [(cfg, (1, 2)) for cfg in cfgs]
+        # The merge kernel compiles once per power-of-two split count.
+        jobs += [(default_config(torch.device("cuda"), D), (3, 5, 9, 17, 33, 65, 129, 256))]
     t = time.time()
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
         for msg in ex.map(_compile_one, jobs):
@@ -219,14 +306,19 @@ def main() -> None:
                     help="stop sweeping new shapes after this many seconds of sweep")
     ap.add_argument("--precompile", type=int, default=0, metavar="WORKERS",
                     help="compile the kernel variants in this many processes, then exit")
+    ap.add_argument("--compare", action="store_true",
+                    help="old vs new default on COMPARE_SHAPES only (compare.json / compare.md)")
     args = ap.parse_args()
     if args.precompile:
-        precompile(args.precompile, args.sweep)
+        precompile(args.precompile, args.sweep, args.compare)
         return
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if args.compare:
+        compare(args, dev, sms)
+        return
     copy_before = copy_bandwidth()
     print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)
 

@@ -377,7 +377,7 @@ def test_write_kv_rows_gpu_bf16(cfg):
     """Every row-kernel variant the benchmark times, in bf16 at its shape (Llama-3-8B K/V
     views of a qkv output, block_size 16), against the reference: an exact copy."""
     g = gen(cfg.block_t)
-    n, num_blocks, bs, hkv, d = 1000, 200, 16, 8, 128
+    n, num_blocks, bs, hkv, d = 1000, 200, 16, 8, 128  # 1000: a partial last tile
     _, k, v = qkv_views(n, 32, hkv, d, torch.bfloat16, g)
     key_cache = torch.full((num_blocks, bs, hkv, d), float("nan"), dtype=torch.bfloat16, device="cuda")
     value_cache = torch.full_like(key_cache, float("nan"))
