@@ -50,7 +50,10 @@ def _write_mla_vec_kernel(
     src = tl.multiple_of(tok.to(tl.int64) * stride_ln + col, VEC)
     dst = tl.multiple_of((slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + col, VEC)
     offs_v = tl.arange(0, VEC)
-    x = tl.load(latent_ptr + src[:, None] + offs_v[None, :], mask=keep[:, None])
+    # Masked by the range only, not by the slot: the latent load then need not wait for
+    # the slot load (one memory round trip, not two). A skipped token's row is read (it
+    # exists) but not written.
+    x = tl.load(latent_ptr + src[:, None] + offs_v[None, :], mask=u_mask[:, None])
     tl.store(kv_cache_ptr + dst[:, None] + offs_v[None, :], x, mask=keep[:, None])
 
 
