@@ -389,7 +389,8 @@ class LLMEngine:
             new_text.append(visible[c.sent:])
             c.sent = len(visible)
             outs.append(CompletionOutput(
-                index=c.index, text=visible, token_ids=list(r.output_token_ids),
+                index=c.index, text=visible,
+                token_ids=r.output_token_ids[: r.num_resolved_outputs],  # no placeholders
                 finish_reason=reason, stop_reason=c.stop_reason,
                 logprobs=list(c.logprobs) if r.sampling_params.logprobs is not None else None,
                 cumulative_logprob=c.cumulative_logprob if c.logprobs else None))

@@ -134,3 +134,21 @@ def test_stop_string_on_the_default_model():
         assert llm.engine.kv_manager.stats().blocks_used == 0
     assert runs[True] == runs[False]
     assert runs[True][3] == "Paris" and "Paris" not in runs[True][0]
+
+
+def test_streamed_outputs_never_show_a_placeholder(tiny_checkpoint):
+    """Every intermediate output holds only tokens read back, each with its logprob (the
+    step launched meanwhile has already appended its placeholder)."""
+    path = tiny_checkpoint("head64_gqa")
+    engine = _engine(path, True)
+    for i, p in enumerate(random_prompts(3, 4, 12, seed=6)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=6, logprobs=1,
+                                                     ignore_eos=True))
+    seen = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            c = o.outputs[0]
+            assert PLACEHOLDER not in c.token_ids
+            assert len(c.logprobs) == len(c.token_ids)
+            seen += 1
+    assert seen >= 3 * 6
