@@ -75,12 +75,24 @@ COMPARE_VARIANTS = [
 ]
 
 
+# Several KV heads per program (contiguous 512 B-2 KB pieces of each cache row), for the
+# batch >= 32 rows against cuDNN: {batch: [(config, splits)]}, ~128-512 programs each.
+ROWS_2 = DecodeConfig(32, 4, 3, heads_per_program=2)
+ROWS_4 = DecodeConfig(16, 4, 3, heads_per_program=4)
+ROWS_8 = DecodeConfig(16, 8, 3, heads_per_program=8)
+COMPARE_ROW_VARIANTS = {
+    32: [(ROWS_2, 1), (ROWS_2, 2), (ROWS_4, 2), (ROWS_4, 4), (ROWS_8, 8)],
+    128: [(ROWS_2, 1), (ROWS_4, 1), (ROWS_4, 2), (ROWS_8, 2)],
+}
+
+
 def compare_jobs(dev) -> list:
     """(config, splits) pairs --compare runs, for precompile (splits only pick the merge)."""
     old = dataclasses.replace(default_config(dev, D, 8), fused_merge=False)
     cfgs = {old, default_config(dev, D, 8), default_config(dev, D), *(c for c, _ in COMPARE_VARIANTS)}
     # Split counts 1 (unsplit), 2, 4 and 33: the merge chunk / merge kernel's padded split count.
-    return [(c, (1, 2, 4, 33)) for c in cfgs]
+    jobs = [(c, (1, 2, 4, 33)) for c in cfgs]
+    return jobs + [(ROWS_2, (1, 2)), (ROWS_4, (1, 2, 4)), (ROWS_8, (2, 8))]
 
 
 def compare(args, dev, sms) -> None:
@@ -97,9 +109,10 @@ def compare(args, dev, sms) -> None:
                    old_config=config_name(old),
                    old=gbps(shape, shape.ours(num_splits=splits, config=old)),
                    new=gbps(shape, shape.ours()))  # exactly what paged_decode picks
-        if splits > 1:
-            row["variants"] = {f"{config_name(c)}/sp{s_}": gbps(shape, shape.ours(num_splits=s_, config=c))
-                               for c, s_ in COMPARE_VARIANTS if s_ * batch * HKV <= 4 * sms * 2}
+        variants = [(c, s_) for c, s_ in COMPARE_VARIANTS if splits > 1 and s_ * batch * HKV <= 8 * sms]
+        variants += COMPARE_ROW_VARIANTS.get(batch, [])
+        row["variants"] = {f"{config_name(c)}/sp{s_}": gbps(shape, shape.ours(num_splits=s_, config=c))
+                           for c, s_ in variants}
         k, v = shape.contiguous()
         row["cudnn"] = gbps(shape, shape.sdpa(k, v, SDPBackend.CUDNN_ATTENTION))
         del k, v

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
+
 _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class DecodeConfig:
     # Split results merged by the last program of each (sequence, KV head) instead of a
     # second kernel (no effect with one split).
     fused_merge: bool = False
+    # KV heads per program (paged_decode_rows.py): contiguous HPB * D pieces of each cache
+    # row instead of D; 1 is the main kernel. Split results go through the merge kernel.
+    heads_per_program: int = 1
 
 
 def default_config(device: torch.device, head_dim: int, programs: int | None = None) -> DecodeConfig:
@@ -98,9 +103,11 @@ CANDIDATE_CONFIGS = [
 
 
 def config_name(cfg: DecodeConfig) -> str:
-    """n{keys}w{warps}s{stages}, then p (hand prefetch), h (heads fastest), m (fused merge)."""
+    """n{keys}w{warps}s{stages}, then p (hand prefetch), h (heads fastest), m (fused merge),
+    r{n} (n KV heads per program)."""
     return (f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{'p' if cfg.prefetch else ''}"
-            f"{'h' if cfg.heads_fastest else ''}{'m' if cfg.fused_merge else ''}")
+            f"{'h' if cfg.heads_fastest else ''}{'m' if cfg.fused_merge else ''}"
+            f"{f'r{cfg.heads_per_program}' if cfg.heads_per_program > 1 else ''}")
 
 
 @triton.jit
@@ -413,11 +420,15 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
     if batch == 0:
         return out
     cfg = config or default_config(q.device, head_dim, batch * num_kv_heads)
+    hpb = cfg.heads_per_program
+    if hpb > 1 and (num_kv_heads % hpb or head_dim & (head_dim - 1) or head_dim < 16
+                    or key_cache.stride(2) != head_dim or value_cache.stride(2) != head_dim):
+        hpb = 1  # the row kernel's conditions (paged_decode_rows.py) do not hold
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
         if window_size is not None:
             max_context = min(max_context, window_size)
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context, _num_sms(q.device),
+        num_splits = choose_num_splits(batch, num_kv_heads // hpb, max_context, _num_sms(q.device),
                                        programs_per_sm=cfg.programs_per_sm)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -429,6 +440,21 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out  # unused
+    if hpb > 1:
+        _paged_decode_rows_kernel[(batch, num_kv_heads // hpb, num_splits)](
+            q, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
+            sm_scale * _LOG2E, window_size or 0,
+            q.stride(0), q.stride(1),
+            key_cache.stride(0), key_cache.stride(1), value_cache.stride(0), value_cache.stride(1),
+            block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
+            GROUP=group, HPB=hpb, ROWS_PAD=max(16, triton.next_power_of_2(hpb * group)),
+            HEAD_DIM=head_dim, WIDTH=hpb * head_dim, PAGE=block_size, BLOCK_N=cfg.block_n,
+            SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None, IEEE=q.dtype == torch.float32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if num_splits > 1:
+            _merge(mid_o, mid_lse, out, num_splits, block_d)
+        return out
     counters = _split_counters(q.device, batch * num_kv_heads) if num_splits > 1 and cfg.fused_merge else None
     fused_merge = counters is not None
     group_pad = triton.next_power_of_2(group)
@@ -451,12 +477,18 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1 and not fused_merge:
-        _merge_splits_kernel[(batch * num_q_heads,)](
-            mid_o, mid_lse, out, num_q_heads, out.stride(0), out.stride(1), num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
-        )
+        _merge(mid_o, mid_lse, out, num_splits, block_d)
     return out
+
+
+def _merge(mid_o, mid_lse, out, num_splits: int, block_d: int) -> None:
+    """The merge kernel over mid_o [B, Hq, num_splits, D] and mid_lse [B, Hq, num_splits]."""
+    batch, num_q_heads, _, head_dim = mid_o.shape
+    _merge_splits_kernel[(batch * num_q_heads,)](
+        mid_o, mid_lse, out, num_q_heads, out.stride(0), out.stride(1), num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+    )
 
 
 def paged_decode(

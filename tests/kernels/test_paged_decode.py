@@ -180,6 +180,32 @@ def test_fused_merge_matches_merge_kernel(case, monkeypatch):
         assert torch.equal(out[0], torch.zeros_like(out[0]))  # no keys: zeros, as the merge kernel
 
 
+# Several KV heads per program (paged_decode_rows.py): GQA 4 with 2 and 4 heads a program
+# (8 and 16 rows), MHA with 4 (4 rows padded to 16), all 8 heads of GQA 2 at once,
+# splits with empty ones, a sliding window, block sizes under and over the key tile.
+@pytest.mark.parametrize("case", [
+    ([77, 1, 200], 16, 4, 64, 16, 2, 1, None), ([150, 61], 16, 4, 64, 16, 4, 3, None),
+    ([90, 33], 4, 4, 32, 32, 4, 2, None), ([300], 16, 8, 32, 64, 8, 5, 100),
+    ([129, 5], 8, 2, 64, 8, 2, 9, None),
+], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_heads_per_program(case, dtype):
+    seq_lens, hq, hkv, d, bs, hpb, splits, window = case
+    q, kc, vc, bt, lens = make_case(seq_lens, hq, hkv, d, bs, dtype, seed=9)
+    out = torch.full_like(q, float("nan"))
+    _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=window, out=out, num_splits=splits,
+            config=DecodeConfig(32, 4, 3, heads_per_program=hpb))
+    check(out, paged_decode_ref(q, kc, vc, bt, lens, window_size=window), dtype)
+
+
+def test_heads_per_program_falls_back():
+    """A head count the program's heads do not divide: one head per program, same result."""
+    q, kc, vc, bt, lens = make_case([50, 20], 6, 3, 64, 16, torch.float32, seed=10)
+    out = _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=None, out=None, num_splits=2,
+                  config=DecodeConfig(32, 4, 3, heads_per_program=2))
+    check(out, paged_decode_ref(q, kc, vc, bt, lens), torch.float32)
+
+
 def test_rejects_bad_inputs():
     q, kc, vc, bt, lens = make_case([5], 4, 2, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
@@ -291,6 +317,23 @@ def test_paged_decode_gpu_candidate_configs(config):
     q, kc, vc, bt, lens = make_case([1, 700, 3000, 64], 32, 8, 128, 16, torch.bfloat16, seed=11)
     ref = paged_decode_ref(q, kc, vc, bt, lens)
     for splits in (1, 5):
+        out = torch.full_like(q, float("nan"))
+        _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=None, out=out, num_splits=splits,
+                config=config)
+        check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("config", [DecodeConfig(32, 4, 3, heads_per_program=2),
+                                    DecodeConfig(16, 4, 3, heads_per_program=4),
+                                    DecodeConfig(16, 8, 3, heads_per_program=8)], ids=config_name)
+def test_paged_decode_gpu_heads_per_program(config):
+    """The several-heads-per-program configs the benchmark times, bf16 at its shape (GQA
+    32/8, head_dim 128, block 16), unsplit and split."""
+    q, kc, vc, bt, lens = make_case([1, 700, 3000, 64], 32, 8, 128, 16, torch.bfloat16, seed=12)
+    ref = paged_decode_ref(q, kc, vc, bt, lens)
+    for splits in (1, 2, 8):
         out = torch.full_like(q, float("nan"))
         _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=None, out=out, num_splits=splits,
                 config=config)
