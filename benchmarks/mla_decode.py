@@ -12,12 +12,13 @@ over independent latents (>= 256 MB in all) so small shapes are not timed out of
 GB/s = batch * context * 576 * 2 bytes / time. ``--sweep`` also times tile configs and
 split counts. Usage: ``python benchmarks/mla_decode.py --out $OUT/mla.jsonl [--sweep]``.
 
-``--final`` (issue 4 / 6, benchmarks/mla_final.sh) times, at 16 heads over batch 8-128 and
-contexts 4k-32k, the old two-kernel split merge (``fuse_merge_max_splits=0``) beside the
-new default (the merge inside the main kernel for <= 4 splits) and both at a ladder of
-split counts; then the MLA cache write, the old 64-wide tile kernel beside the 16-byte
-unit kernel and its candidate tiles (``triton.testing.do_bench`` medians, as
-benchmarks/fused_ops.py). The copy bandwidth is measured at the start and the end.
+``--final`` (issue 4 / 6, benchmarks/mla_final.sh) times the MLA cache write, the old
+64-wide tile kernel beside the 16-byte unit kernel and its candidate tiles
+(``triton.testing.do_bench`` medians, as benchmarks/fused_ops.py); then, at 16 heads over
+batch 8-128 and contexts 4k-32k, the old two-kernel split merge
+(``fuse_merge_max_splits=0``) beside the new default (the merge inside the main kernel
+for <= 4 splits) and both at a ladder of split counts (dropped past ``--budget-s``).
+The copy bandwidth is measured at the start and the end.
 """
 
 from __future__ import annotations
@@ -248,7 +249,9 @@ def main() -> None:
     ap.add_argument("--precompile", type=int, default=0, metavar="WORKERS",
                     help="compile the kernel variants in this many processes, then exit")
     ap.add_argument("--final", action="store_true",
-                    help="old vs new split merge at 16 heads, then the MLA cache write")
+                    help="the MLA cache write, then old vs new split merge at 16 heads")
+    ap.add_argument("--budget-s", type=float, default=1e9,
+                    help="--final: past this many seconds, time only old and new, no ladder")
     args = ap.parse_args()
     if args.precompile:
         if args.final:
@@ -365,6 +368,7 @@ def run_final(f, args) -> None:
     torch.cuda.empty_cache()
     emit(f, section="env", gpu=dev, torch=torch.__version__, copy_gbps=round(copy_start))
     print(f"{dev}  copy {copy_start:.0f} GB/s", flush=True)
+    writes = bench_write(f)  # first: short, and its own table
     old, new = final_configs()
     always = dataclasses.replace(new, fuse_merge_max_splits=1 << 20)
     rows = []
@@ -381,12 +385,15 @@ def run_final(f, args) -> None:
         row["old"] = round(gbps(case, time_graph(case.ours(old))))
         row["new"] = round(gbps(case, time_graph(case.ours(new))))
         cap = min(ctx // 256, 4 * 2 * 132 // batch)
-        for s_ in sorted({*(s for s in FINAL_SPLITS if s <= cap), splits}):
+        if time.time() - t0 > args.budget_s:
+            cap = 0  # out of time: old and new only
+        for s_ in sorted({*(s for s in FINAL_SPLITS if s <= cap), *([splits] if cap else [])}):
             row[f"unfused/sp{s_}"] = round(gbps(case, time_graph(case.ours(old, s_))))
             if s_ > 1:
                 row[f"fused/sp{s_}"] = round(gbps(case, time_graph(case.ours(always, s_))))
         pts = {k: v for k, v in row.items() if "/sp" in k}
-        row["best"] = max(pts, key=pts.get)
+        row["best"] = max(pts, key=pts.get) if pts else "new"
+        pts.setdefault("new", row["new"])
         emit(f, **row)
         rows.append(row)
         print(f"{batch}x{ctx}: old {row['old']} new {row['new']} GB/s (sp{splits}), best "
@@ -395,7 +402,6 @@ def run_final(f, args) -> None:
         del case
         torch.cuda.empty_cache()
 
-    writes = bench_write(f)
     copy_end = copy_bandwidth()
     copy = max(copy_start, copy_end)
     emit(f, section="env", copy_gbps_end=round(copy_end))
