@@ -19,3 +19,9 @@ def cache_dir() -> str:
     """FLASHPAGE_CACHE_DIR: where converted tokenizers are kept (default ~/.cache/flashpage)."""
     return os.environ.get("FLASHPAGE_CACHE_DIR",
                           os.path.join(os.path.expanduser("~"), ".cache", "flashpage"))
+
+
+def skinny_gemm() -> bool:
+    """FLASHPAGE_SKINNY_GEMM=0: never use our decode-batch GEMM (kernels/gemv.py), not even
+    where it beat cuBLAS at start-up."""
+    return os.environ.get("FLASHPAGE_SKINNY_GEMM", "1") != "0"

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from flashpage import envs
 from flashpage.attention.registry import select_backend
 from flashpage.config import EngineConfig, ModelConfig, dtype_bytes
 from flashpage.engine.model_runner import ModelRunner
@@ -24,6 +25,7 @@ from flashpage.engine.sequence import Request, RequestStatus
 from flashpage.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.layers import ops
+from flashpage.layers.linear import tune_skinny_gemms
 from flashpage.models.loader import ModelSource, load_model, resolve_model
 from flashpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from flashpage.sampling_params import SamplingParams
@@ -127,7 +129,14 @@ class LLMEngine:
         backend = backend_cls(mc, self.device, self.dtype)
         self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
                                   config.block_size, self.device, self.dtype)
-        # A model can opt out (DeepSeek's MoE syncs with the host once per layer).
+        # Decode-batch GEMMs: ours where it beats cuBLAS on this GPU (timed now, before the
+        # graphs capture whichever is chosen); only beside our fused kernels.
+        if (self.device.type == "cuda" and backend_cls.name == "triton" and envs.skinny_gemm()
+                and self.dtype in (torch.float16, torch.bfloat16)):
+            t1 = time.perf_counter()
+            tune_skinny_gemms(self.model, tuple(b for b in (1, 2, 4, 8) if b <= config.max_num_seqs))
+            logger.info("decode GEMMs timed against cuBLAS in %.1fs", time.perf_counter() - t1)
+        # A model can opt out of graphs (none does today).
         if (self.device.type == "cuda" and backend_cls.supports_cuda_graphs
                 and getattr(self.model, "supports_cuda_graphs", True) and not config.enforce_eager):
             t1 = time.perf_counter()

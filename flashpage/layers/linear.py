@@ -8,18 +8,30 @@ world size > 1 arrives.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+logger = logging.getLogger("flashpage")
+
 
 class _ParallelLinear(nn.Module):
+    """``skinny``: {rows: GemvConfig} where our decode-batch GEMM (kernels/gemv.py) beat
+    cuBLAS at start-up (``tune_skinny_gemms``); empty = always cuBLAS. ``silu_input``
+    marks an MLP's down projection, whose ``silu_mul_forward`` takes the gate/up output."""
+
     split_dim: int = 0
+    skinny: dict[int, Any]
+    silu_input: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.skinny = {}
         shape = [out_features, in_features]
         if shape[self.split_dim] % tp_size:
             raise ValueError(f"dimension {shape[self.split_dim]} is not divisible by tp_size {tp_size}")
@@ -43,7 +55,47 @@ class _ParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skinny and x.dim() == 2 and (cfg := self.skinny.get(x.shape[0])) is not None:
+            from flashpage.kernels.gemv import skinny_linear
+
+            return skinny_linear(x, self.weight, self.bias, cfg)
         return F.linear(x, self.weight, self.bias)
+
+    def silu_mul_forward(self, h: torch.Tensor) -> torch.Tensor | None:
+        """linear(silu(gate) * up) from the gate/up output h [M, 2K] in one kernel, when
+        tuned for M rows; None otherwise (the caller runs SiLU·mul, then ``forward``)."""
+        if self.skinny and h.dim() == 2 and (cfg := self.skinny.get(h.shape[0])) is not None:
+            from flashpage.kernels.gemv import skinny_linear
+
+            return skinny_linear(h, self.weight, self.bias, cfg, silu_mul=True)
+        return None
+
+
+def tune_skinny_gemms(model: nn.Module, rows: tuple[int, ...] = (1, 2, 4, 8)) -> dict[str, Any]:
+    """Time our decode-batch GEMM against cuBLAS for every distinct linear shape of
+    ``model`` (on the GPU, 16-bit weights) at each row count, and route the layers to ours
+    where it wins. Returns {shape: {rows: (config name or "cublas", {candidate: us})}}."""
+    from flashpage.kernels.gemv import pick_config
+
+    layers = [m for m in model.modules() if isinstance(m, _ParallelLinear)]
+    groups: dict[tuple[Any, ...], list[_ParallelLinear]] = {}
+    for m in layers:
+        w = m.weight
+        if w.is_cuda and w.dtype in (torch.float16, torch.bfloat16):
+            groups.setdefault((tuple(w.shape), w.dtype, m.silu_input), []).append(m)
+    report: dict[str, Any] = {}
+    for (shape, _, silu), mods in groups.items():
+        key = f"{shape[0]}x{shape[1]}{' (silu_mul)' if silu else ''}"
+        report[key] = {}
+        for m_rows in rows:
+            cfg, times = pick_config(mods[0].weight, m_rows, silu_mul=silu)
+            report[key][m_rows] = (cfg.name if cfg else "cublas", times)
+            if cfg is not None:
+                for mod in mods:
+                    mod.skinny[m_rows] = cfg
+        picks = {r: v[0] for r, v in report[key].items()}
+        logger.info("decode GEMM %s x%d layers: %s", key, len(mods), picks)
+    return report
 
 
 class ColumnParallelLinear(_ParallelLinear):

@@ -57,10 +57,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden_size, 2 * intermediate_size)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.down_proj.silu_input = True
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        y = self.down_proj.silu_mul_forward(h)  # one kernel at tuned decode batches
+        return y if y is not None else self.down_proj(self.act(h))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
