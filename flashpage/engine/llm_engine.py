@@ -106,6 +106,7 @@ class LLMEngine:
         self.model_config: ModelConfig = self.source.config
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.skinny_report: dict[str, Any] = {}
         backend_cls, why = select_backend(config.attention_backend, mc, self.device, self.dtype)
         logger.info("attention backend: %s", why)
         self.backend_name = backend_cls.name
@@ -134,7 +135,8 @@ class LLMEngine:
         if (self.device.type == "cuda" and backend_cls.name == "triton" and envs.skinny_gemm()
                 and self.dtype in (torch.float16, torch.bfloat16)):
             t1 = time.perf_counter()
-            tune_skinny_gemms(self.model, tuple(b for b in (1, 2, 4, 8) if b <= config.max_num_seqs))
+            self.skinny_report = tune_skinny_gemms(
+                self.model, tuple(b for b in (1, 2, 4, 8) if b <= config.max_num_seqs))
             logger.info("decode GEMMs timed against cuBLAS in %.1fs", time.perf_counter() - t1)
         # A model can opt out of graphs (none does today).
         if (self.device.type == "cuda" and backend_cls.supports_cuda_graphs
