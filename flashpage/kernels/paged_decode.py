@@ -263,9 +263,11 @@ def _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b64, head0, num_q_heads, strid
                  BLOCK_D: tl.constexpr, MERGE_CHUNK: tl.constexpr):
     """out[b, head0 : head0 + GROUP] from the num_splits partials of those heads.
 
-    Weights exp2(lse_s - max_s lse_s), normalised by their sum; an empty split has
-    lse -inf (weight 0). Loads bypass L1 (.cg): the partials were written by other
-    programs, published by the counter's release/acquire.
+    Weights exp2(lse_s - max lse), normalised by their sum, in one pass over chunks of
+    MERGE_CHUNK splits (a running max rescales what came before, so each chunk costs one
+    round trip to L2); an empty split has lse -inf (weight 0). Loads bypass L1 (.cg):
+    the partials were written by other programs, published by the counter's
+    release/acquire.
     """
     offs_g = tl.arange(0, GROUP_PAD)
     g_mask = offs_g < GROUP
@@ -273,26 +275,22 @@ def _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b64, head0, num_q_heads, strid
     offs_c = tl.arange(0, MERGE_CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    # Pass 1: the largest lse of each head.
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    for s0 in tl.range(0, num_splits, MERGE_CHUNK, num_stages=1):
-        sm = g_mask[:, None] & (s0 + offs_c < num_splits)[None, :]
-        lse = tl.load(mid_lse_ptr + rows[:, None] + s0 + offs_c[None, :], mask=sm, other=float("-inf"),
-                      cache_modifier=".cg")
-        m = tl.maximum(m, tl.max(lse, 1))
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
-    # Pass 2: the weighted sum, MERGE_CHUNK splits at a time.
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     total = tl.zeros([GROUP_PAD], dtype=tl.float32)
     for s0 in tl.range(0, num_splits, MERGE_CHUNK, num_stages=1):
         sm = g_mask[:, None] & (s0 + offs_c < num_splits)[None, :]
         r = rows[:, None] + s0 + offs_c[None, :]  # [GROUP_PAD, MERGE_CHUNK]
         lse = tl.load(mid_lse_ptr + r, mask=sm, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(lse - m[:, None])
         o = tl.load(mid_o_ptr + r[:, :, None] * HEAD_DIM + offs_d[None, None, :],
                     mask=sm[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(o * w[:, :, None], 1)
-        total += tl.sum(w, 1)
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights 0
+        scale = tl.exp2(m - m_safe)  # exp2(-inf) = 0 on the first chunk
+        w = tl.exp2(lse - m_safe[:, None])
+        acc = acc * scale[:, None] + tl.sum(o * w[:, :, None], 1)
+        total = total * scale + tl.sum(w, 1)
+        m = m_new
     res = acc / tl.where(total > 0.0, total, 1.0)[:, None]
     head = (head0 + offs_g).to(tl.int64)
     tl.store(out_ptr + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :],

@@ -156,10 +156,12 @@ def test_tile_configs(config):
 
 
 # (seq_lens, q heads, kv heads, head_dim, splits): GQA 1 / 4 / all on one KV head (merge
-# rows of 1, 4 and 8; 8 x 64 x 8 splits loads chunks of 2), empty splits, a split count
-# that is not a power of two, and an empty sequence.
+# rows of 1, 4 and 8), empty splits, a split count that is not a power of two, an empty
+# sequence, and 32 non-empty splits of 8 heads x 64 dims (chunks of 16: the running max
+# rescales the first chunk).
 @pytest.mark.parametrize("case", [([150, 61], 4, 4, 64, 5), ([300, 1, 20], 8, 2, 64, 9),
-                                  ([200], 8, 1, 64, 24), ([0, 77], 4, 2, 64, 3)], ids=str)
+                                  ([200], 8, 1, 64, 24), ([0, 77], 4, 2, 64, 3),
+                                  ([2000], 8, 1, 64, 40)], ids=str)
 def test_fused_merge_matches_merge_kernel(case, monkeypatch):
     """The in-kernel merge (last split of each group) against the merge kernel and the
     reference; run twice, so a counter not reset to 0 would show in the second call."""
