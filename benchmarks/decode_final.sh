@@ -20,25 +20,26 @@ stamp() { echo "== $(( $(date +%s) - T0 )) s: $*" | tee -a "$LOG"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader >>"$LOG" 2>&1
 stamp "untimed: GPU tests (bf16) + benchmark kernels compile, in parallel"
-# Timeouts bound the whole script to ~105 s (50 + 30 + 25); expected ~75-85 s.
-PT="python3 -m pytest -q -p no:cacheprovider"  # -n: pytest-xdist (on the device image)
+# Timeouts bound the whole script to ~100 s (52 + 25 + 22); expected ~75-85 s.
+PT="python3 -m pytest -v -rfE -p no:cacheprovider"  # -n: pytest-xdist (on the device image); -v: results even if killed
 timeout 45 python3 benchmarks/attention_decode.py --precompile 5 --compare >"$OUT/precompile_decode.txt" 2>&1 &
 timeout 45 python3 benchmarks/fused_ops.py --only kv_write --precompile >"$OUT/precompile_kv.txt" 2>&1 &
 # paged decode: the gpu-marked tests (bf16, every candidate config, fused merge, graphs, 2^31 pool);
 # fused ops: the gpu-marked ones plus the cache-write tests, which run in bf16 on a GPU.
-timeout 50 $PT -n 8 -m gpu tests/kernels/test_paged_decode.py >"$OUT/tests_decode.txt" 2>&1 &
-timeout 50 $PT -n 2 -k "write_kv or pool" tests/kernels/test_fused_ops.py >"$OUT/tests_fused.txt" 2>&1 &
+timeout 52 $PT -n 10 -m gpu tests/kernels/test_paged_decode.py >"$OUT/tests_decode.txt" 2>&1 &
+timeout 52 $PT -n 2 -k "write_kv or pool" tests/kernels/test_fused_ops.py >"$OUT/tests_fused.txt" 2>&1 &
 wait
 tail -n 2 "$OUT/precompile_decode.txt" "$OUT/precompile_kv.txt" | tee -a "$LOG"
 for f in tests_decode tests_fused; do
     echo "$f: $(grep -E "passed|failed|error" "$OUT/$f.txt" | tail -n 1)" | tee -a "$LOG"
+    grep -E "^(FAILED|ERROR) " "$OUT/$f.txt" | head -n 20 | tee -a "$LOG"
 done
 
 stamp "paged decode: old vs new default"
-timeout 30 python3 benchmarks/attention_decode.py --compare --out "$OUT" >>"$LOG" 2>&1
+timeout 25 python3 benchmarks/attention_decode.py --compare --out "$OUT" >>"$LOG" 2>&1
 cat "$OUT/compare.md" 2>/dev/null
 
 stamp "write_kv_cache: old vs new"
-timeout 25 python3 benchmarks/fused_ops.py --only kv_write --out "$OUT" >>"$LOG" 2>&1
+timeout 22 python3 benchmarks/fused_ops.py --only kv_write --out "$OUT" >>"$LOG" 2>&1
 cat "$OUT/kv_write.md" 2>/dev/null
 stamp "done"
