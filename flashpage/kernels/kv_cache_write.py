@@ -31,6 +31,9 @@ class KVWriteConfig:
     block_t: int = 8  # tokens per program (a power of two)
     num_warps: int = 4
     split_kv: bool = True  # K and V in separate programs (2-D grid)
+    # Loads evict-first, stores .cs (streaming: evict-first in L1 and L2): the op's bytes
+    # leave the L2 first, whatever else it holds stays (timed as a variant, not a default).
+    streaming: bool = False
 
 
 # Not yet timed on a GPU against the tile kernel: benchmarks/fused_ops.py --only kv_write
@@ -39,17 +42,19 @@ KV_WRITE_DEFAULT = KVWriteConfig()
 KV_WRITE_VARIANTS = [
     KVWriteConfig(8, 4, True), KVWriteConfig(4, 4, True), KVWriteConfig(16, 8, True),
     KVWriteConfig(8, 4, False), KVWriteConfig(16, 8, False),
+    KVWriteConfig(8, 4, True, streaming=True), KVWriteConfig(8, 4, False, streaming=True),
 ]
 
 
 def kv_write_name(cfg: KVWriteConfig) -> str:
-    return f"t{cfg.block_t}w{cfg.num_warps}{'s' if cfg.split_kv else 'j'}"
+    """t{tokens}w{warps}, then s (K, V split) or j (joint), then c (streaming hints)."""
+    return f"t{cfg.block_t}w{cfg.num_warps}{'s' if cfg.split_kv else 'j'}{'c' if cfg.streaming else ''}"
 
 
 @triton.jit
 def _copy_rows(src_ptr, stride_sn, stride_sh, dst_ptr, stride_db, stride_dt, stride_dh,
                offs_t, blk, off, mask,
-               HEAD_DIM: tl.constexpr, ROW_PAD: tl.constexpr, FLAT: tl.constexpr):
+               HEAD_DIM: tl.constexpr, ROW_PAD: tl.constexpr, FLAT: tl.constexpr, STREAM: tl.constexpr):
     """dst[blk, off] = src[offs_t] for a [BLOCK_T, ROW_PAD] tile of whole rows."""
     e = tl.arange(0, ROW_PAD)
     if FLAT:  # heads adjacent in both source and cache: one contiguous run per token
@@ -60,8 +65,12 @@ def _copy_rows(src_ptr, stride_sn, stride_sh, dst_ptr, stride_db, stride_dt, str
         d_off = (e // HEAD_DIM) * stride_dh + e % HEAD_DIM
     src = src_ptr + offs_t * stride_sn
     dst = dst_ptr + blk * stride_db + off * stride_dt
-    x = tl.load(src[:, None] + s_off[None, :], mask=mask)
-    tl.store(dst[:, None] + d_off[None, :], x, mask=mask)
+    if STREAM:
+        x = tl.load(src[:, None] + s_off[None, :], mask=mask, eviction_policy="evict_first")
+        tl.store(dst[:, None] + d_off[None, :], x, mask=mask, cache_modifier=".cs")
+    else:
+        x = tl.load(src[:, None] + s_off[None, :], mask=mask)
+        tl.store(dst[:, None] + d_off[None, :], x, mask=mask)
 
 
 @triton.jit
@@ -78,6 +87,7 @@ def _write_kv_rows_kernel(
     BLOCK_T: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     FLAT: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_mapping_ptr + offs_t, mask=offs_t < num_tokens, other=-1)
@@ -89,15 +99,15 @@ def _write_kv_rows_kernel(
     if SPLIT_KV:
         if tl.program_id(1) == 0:
             _copy_rows(k_ptr, stride_kn, stride_kh, key_cache_ptr, stride_kcb, stride_kct, stride_kch,
-                       offs_t, blk, off, mask, HEAD_DIM, ROW_PAD, FLAT)
+                       offs_t, blk, off, mask, HEAD_DIM, ROW_PAD, FLAT, STREAM)
         else:
             _copy_rows(v_ptr, stride_vn, stride_vh, value_cache_ptr, stride_vcb, stride_vct, stride_vch,
-                       offs_t, blk, off, mask, HEAD_DIM, ROW_PAD, FLAT)
+                       offs_t, blk, off, mask, HEAD_DIM, ROW_PAD, FLAT, STREAM)
     else:
         _copy_rows(k_ptr, stride_kn, stride_kh, key_cache_ptr, stride_kcb, stride_kct, stride_kch,
-                   offs_t, blk, off, mask, HEAD_DIM, ROW_PAD, FLAT)
+                   offs_t, blk, off, mask, HEAD_DIM, ROW_PAD, FLAT, STREAM)
         _copy_rows(v_ptr, stride_vn, stride_vh, value_cache_ptr, stride_vcb, stride_vct, stride_vch,
-                   offs_t, blk, off, mask, HEAD_DIM, ROW_PAD, FLAT)
+                   offs_t, blk, off, mask, HEAD_DIM, ROW_PAD, FLAT, STREAM)
 
 
 def write_kv_rows(
@@ -128,5 +138,6 @@ def write_kv_rows(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         PAGE=key_cache.shape[1], NUM_HEADS=num_heads, HEAD_DIM=head_dim, ROW_PAD=row_pad,
-        BLOCK_T=block_t, SPLIT_KV=cfg.split_kv, FLAT=flat, num_warps=cfg.num_warps,
+        BLOCK_T=block_t, SPLIT_KV=cfg.split_kv, FLAT=flat, STREAM=cfg.streaming,
+        num_warps=cfg.num_warps,
     )
