@@ -7,6 +7,8 @@
 #                                          fastapi==0.115.12, starlette==0.46.2, pydantic, ...)
 #   bash benchmarks/gpu_final.sh deepseek  the DeepSeek-V2-Lite shape (MLA + MoE) end to end
 #   bash benchmarks/gpu_final.sh final     changed GPU tests, serve, V2-Lite, flex in one call
+#   bash benchmarks/gpu_final.sh final2    decode GEMM tests, 8B latency + throughput, decode
+#                                          and MLA kernels old vs new (helpers' final scripts)
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -50,5 +52,17 @@ final)  # session 2's closing call: changed tests, serve, V2-Lite, flex (needs t
     | grep -E "tok_per_s|speedup|seconds|Error"
   timeout 90 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --attention-backend flex \
     --num-requests 64 --no-hf --json-out "$OUT/throughput_8b_flex.json" 2>&1 | grep -E "tok_per_s|Error" ;;
+final2)  # session 2's last call: decode GEMM, engine, decode and MLA kernels (old vs new)
+  F=/tmp/final; mkdir -p $F/engine
+  timeout 50 $PT -m gpu tests/kernels/test_gemv.py tests/engine/test_triton_backend.py -rf 2>&1 \
+    | tee $F/engine/tests.txt | tail -n 4
+  timeout 110 $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 64 \
+    --json-out "$OUT/latency_8b.json" 2>&1 | grep -E "decode GEMM|tok_per_s|speedup|fraction|Error"
+  timeout 165 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+    --hf-requests 8 --hf-batch-size 8 --json-out "$OUT/throughput_8b.json" 2>&1 \
+    | grep -E "tok_per_s|speedup|seconds|Error"
+  OUT=$F/decode timeout 95 bash benchmarks/decode_final.sh 2>&1 | tail -n 30
+  OUT=$F/mla timeout 95 bash benchmarks/mla_final.sh 2>&1 | tail -n 30
+  tar czf "$OUT/final_kernels.tgz" -C $F . ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
