@@ -22,6 +22,7 @@ def cache_dir() -> str:
 
 
 def skinny_gemm() -> bool:
-    """FLASHPAGE_SKINNY_GEMM=0: never use our decode-batch GEMM (kernels/gemv.py), not even
-    where it beat cuBLAS at start-up."""
-    return os.environ.get("FLASHPAGE_SKINNY_GEMM", "1") != "0"
+    """FLASHPAGE_SKINNY_GEMM=1: time our decode-batch GEMM (kernels/gemv.py) against cuBLAS
+    at start-up and use it where it wins. Off by default: it won per call (qkv and the LM
+    head at one row) but has not yet been shown to win end to end (BENCHMARKS.md)."""
+    return os.environ.get("FLASHPAGE_SKINNY_GEMM", "0") == "1"

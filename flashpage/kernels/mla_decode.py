@@ -69,7 +69,9 @@ def default_config(num_heads: int, device: torch.device | None = None) -> MLADec
     if num_heads <= 16:
         # 93 KB shared memory, 242 registers x 128 threads: two programs per SM.
         return MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3,
-                               programs_per_sm=2 if hopper else 1, fuse_merge_max_splits=4)
+                               # in-kernel merge off: in the H200 run of 2026-11-30 the
+                               # merge kernel won at every split count (2-33)
+                               programs_per_sm=2 if hopper else 1, fuse_merge_max_splits=0)
     if num_heads <= 32 or not hopper:
         return MLADecodeConfig(block_h=32 if num_heads <= 32 else 64, block_n=32, num_warps=8,
                                num_stages=3 if num_heads <= 32 else 2)

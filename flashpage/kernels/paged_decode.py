@@ -84,9 +84,10 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
 
 
 # The in-kernel merge for split grids (issue 6: 1 x 32768 at 77% of copy, fixed costs
-# weigh). Not yet timed on a GPU as a default: benchmarks/attention_decode.py --compare
-# times it beside the merge kernel in one run. Set False to go back.
-FUSED_MERGE_DEFAULT = True
+# weigh). Off: in the H200 run of 2026-11-30 (attention_decode.py --compare) it was
+# slower than the merge kernel, 3,158 vs 3,308 GB/s at 1 x 32768 and 4,206 vs 4,252 at
+# 8 x 32768.
+FUSED_MERGE_DEFAULT = False
 
 
 # What benchmarks/attention_decode.py --sweep times (head_dim 128); the GPU tests run each
