@@ -49,7 +49,7 @@ class FakeRunner:
             assert n >= 1 and end <= req.num_tokens, (req, n)
             ids = kv.get_block_ids(req.request_id)
             assert len(ids) * B >= end, "block table does not cover the scheduled tokens"
-            fps = fingerprints(req.all_token_ids[:end])
+            fps = fingerprints(self.tokens_of(req)[:end])
             for p, slot in zip(range(start, end), slot_mapping_for(ids, start, end, B), strict=True):
                 self.cache[slot] = fps[p]
             ranges.append((req, end, fps))
@@ -62,6 +62,10 @@ class FakeRunner:
                 sampled[req.request_id] = next_token(ctx[-1])
         self.num_steps += 1
         return sampled
+
+    def tokens_of(self, req: Request) -> list[int]:
+        """The request's tokens as the model sees them (the async runner fills placeholders)."""
+        return req.all_token_ids
 
 
 def expected_output(prompt: list[int], sp: SamplingParams, max_model_len: int,

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from flashpage.engine.scheduler import Scheduler
-from flashpage.engine.sequence import Request, RequestRefused, RequestStatus
+from flashpage.engine.scheduler import Scheduler, SchedulerOutput
+from flashpage.engine.sequence import PLACEHOLDER, Request, RequestRefused, RequestStatus
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.sampling_params import SamplingParams
 
@@ -22,6 +22,27 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_scheduler import VOCAB, FakeRunner, expected_output  # noqa: E402
 
 EXAMPLES = int(os.environ.get("FLASHPAGE_PROPERTY_EXAMPLES", "1000"))
+
+
+class AsyncFakeRunner(FakeRunner):
+    """The fake model under async scheduling: a decode's input may still be a PLACEHOLDER
+    on the host; the "device" fills it with what it sampled for that request last step."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        super().__init__(kv)
+        self.last: dict[str, int] = {}
+
+    def tokens_of(self, req: Request) -> list[int]:
+        ids = list(req.all_token_ids)
+        for p in range(len(ids) - req.num_unresolved, len(ids)):
+            assert p == len(ids) - 1, "only the newest token may be unknown to the host"
+            ids[p] = self.last[req.request_id]
+        return ids
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        sampled = super().execute(out)
+        self.last.update(sampled)
+        return sampled
 
 
 @dataclass
@@ -74,6 +95,7 @@ def check_invariants(s: Scheduler, kv: KVCacheManager, scheduled_tokens: int) ->
         assert b.ref_cnt == holders[b.block_id], b
     for h, b in kv.pool.cached.items():
         assert b.block_hash == h and b.token_ids is not None and len(b.token_ids) == B
+        assert PLACEHOLDER not in b.token_ids  # a block is hashed only once its tokens are known
     assert set(kv._block_ids) == {r.request_id for r in s.running}
     for r in s.running:
         assert r.status == RequestStatus.RUNNING
@@ -105,18 +127,22 @@ def refused_expected(spec: Spec, B: int, num_blocks: int, max_model_len: int) ->
     max_model_len=st.integers(4, 40),
     prefix=st.booleans(),
     specs=st.lists(request_spec(), min_size=1, max_size=10),
+    async_mode=st.booleans(),
 )
 def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs, budget,
-                                          max_model_len, prefix, specs):
+                                          max_model_len, prefix, specs, async_mode):
+    """With ``async_mode`` the loop is the engine's async one: advance() right after the
+    step is "launched", the previous step's tokens resolve()d only then."""
     num_blocks = max(1, -(-max_model_len // block_size) + extra_blocks)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
     s = Scheduler(max_num_seqs, budget, max_model_len, kv)
-    runner = FakeRunner(kv)
+    runner = AsyncFakeRunner(kv) if async_mode else FakeRunner(kv)
+    inflight: tuple[list[Request], list[int]] | None = None
     reqs: dict[str, tuple[Request, Spec]] = {}
     aborted: set[str] = set()
     pending = sorted(enumerate(specs), key=lambda t: t[1].arrival)
     step = 0
-    while pending or s.has_unfinished_requests():
+    while pending or s.has_unfinished_requests() or inflight:
         assert step < 5000, "no progress"
         while pending and pending[0][1].arrival <= step:
             i, spec = pending.pop(0)
@@ -145,7 +171,15 @@ def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs
         for rid in mid_step_aborts:
             if s.abort_requests(rid):
                 aborted.add(rid)
-        s.update_from_output(out, sampled)
+        if async_mode:
+            sampled_reqs = [r for r, _ in out.scheduled if r.request_id in sampled]
+            s.advance(out, sampled_reqs)
+            if inflight is not None:
+                s.resolve(*inflight)
+            inflight = (sampled_reqs, [sampled[r.request_id] for r in sampled_reqs]) \
+                if sampled_reqs else None
+        else:
+            s.update_from_output(out, sampled)
         check_invariants(s, kv, out.total_num_scheduled_tokens)
         assert out.total_num_scheduled_tokens == sum(n for _, n in out.scheduled)
         step += 1
@@ -153,6 +187,7 @@ def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs
     event(f"preemptions: {'0' if not s.num_preemptions else '1-4' if s.num_preemptions < 5 else '5+'}")
     event(f"prefix hits: {kv.prefix_hits > 0}")
     event(f"aborted: {len(aborted) > 0}")
+    event(f"async: {async_mode}")
     assert kv.num_free_blocks == num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     for rid, (r, spec) in reqs.items():
