@@ -1,0 +1,300 @@
+"""Fused MoE experts for decode-sized batches: only the routed experts' weights are read,
+with static shapes and no host sync (CUDA-graph capturable).
+
+Three launches and one torch sum::
+
+    topk_ids [T, K] ──align──► sorted_pairs [R] int32, block_expert [NB] int32
+                               (R = NB * BLOCK_M rows, NB static: see num_blocks)
+
+    sorted_pairs, grouped by expert, each expert's run padded to BLOCK_M rows:
+      block 0     block 1     block 2          block NB-1
+    | e0 e0 e0 · | e3 e3 · · | e5 e5 e5 e5 | … | · · · · |     · = padding (pair id P)
+    block_expert:   0           3           5    …   -1 (nothing: the program exits)
+
+    gate_up:  act[r, :]  = silu(x[tok(r)] @ Wgu[e, :I].T) * (x[tok(r)] @ Wgu[e, I:].T)
+    down:     ys[pair(r)] = round(w[pair(r)] * round(act[r] @ Wd[e].T))      fp32 product
+    out       = ys.view(T, K, H).sum(1)
+
+A pair is ``t * K + k`` (slot k of token t). Every (block, N-tile) program reads one
+tile of its own expert's weights: an expert no token chose owns no block, so its weights
+are never read; blocks past the last used one exit before loading anything.
+
+Rounding is that of ``flashpage.layers.moe.FusedExperts`` (and transformers): each
+projection's output is rounded to the model dtype, silu in fp32 rounded to the dtype
+then times ``up`` rounded again, each expert output times its fp32 weight rounded to the
+dtype, and the K slots summed by torch (``.sum(1)``, as the sync-free path does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    block_m: int = 16  # rows (token, slot pairs) per block; tl.dot needs >= 16
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(num_pairs: int, num_experts: int) -> FusedMoEConfig:
+    """By shape only: rows per block near the mean pairs per expert (each block reads its
+    expert's weights once, so fewer, fuller blocks mean less weight traffic)."""
+    mean = triton.cdiv(max(num_pairs, 1), num_experts)
+    return FusedMoEConfig(block_m=min(64, max(16, triton.next_power_of_2(mean))))
+
+
+def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Worst-case block count, from shapes alone: each used expert (at most
+    min(E, pairs)) pads its run by at most block_m - 1 rows."""
+    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+
+
+# ------------------------------------------------------------------------- alignment
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
+                  num_rows, num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program. Pair p goes to row start[e] + (pairs of expert e before p), where
+    start[e] is the sum of the earlier experts' counts rounded up to BLOCK_M."""
+    experts = tl.arange(0, BLOCK_E)
+    # 1. pairs per expert
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        offs = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=BLOCK_E).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)  # inclusive: expert e owns [end - blocks, end)
+    start = (block_end - blocks) * BLOCK_M
+    # 2. each block's expert (-1 past the used ones); every row padding for now
+    for b0 in range(0, num_blocks, BLOCK_R):
+        b = b0 + tl.arange(0, BLOCK_R)
+        done = (block_end[None, :] <= b[:, None]) & (experts[None, :] < num_experts)
+        e = tl.sum(done.to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(e < num_experts, e, -1), mask=b < num_blocks)
+    for r0 in range(0, num_rows, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        tl.store(sorted_ptr + r, tl.full([BLOCK_R], 0, tl.int32) + num_pairs, mask=r < num_rows)
+    tl.debug_barrier()  # the padding stores above land before the pair stores below
+    # 3. place the pairs, in pair order within an expert
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        offs = p0 + tl.arange(0, BLOCK_P)
+        valid = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=valid, other=BLOCK_E).to(tl.int32)
+        hot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(hot, axis=0) - 1 + seen[None, :] + start[None, :]
+        row = tl.sum(hot * before, axis=1)
+        tl.store(sorted_ptr + row, offs.to(tl.int32), mask=valid)
+        seen += tl.sum(hot, axis=0)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, K] (ids in 0..E-1) -> (sorted_pairs int32 [NB * block_m],
+    block_expert int32 [NB]), NB = num_blocks(T * K, E, block_m).
+
+    sorted_pairs holds pair ids ``t * K + k`` grouped by expert, each expert's run
+    starting at a multiple of block_m; padding rows hold T * K. block_expert[b] is the
+    expert of rows [b * block_m, (b + 1) * block_m), or -1 for a block past the used ones.
+    """
+    num_pairs = topk_ids.numel()
+    nb = num_blocks(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=topk_ids.device)
+    if nb == 0:
+        return sorted_pairs, block_expert
+    block_e = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_pairs, block_expert, num_pairs, num_experts,
+        nb * block_m, nb, BLOCK_M=block_m, BLOCK_E=block_e,
+        BLOCK_P=max(16, 8192 // block_e), BLOCK_R=256, num_warps=4)
+    return sorted_pairs, block_expert
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch moe_align (same outputs, element for element)."""
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    nb = num_blocks(num_pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = blocks.cumsum(0)
+    start = (block_end - blocks) * block_m
+    order = flat.argsort(stable=True)
+    first = counts.cumsum(0) - counts  # first sorted position of each expert
+    rank = torch.arange(num_pairs, device=flat.device) - first[flat[order]]
+    sorted_pairs = torch.full((nb * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs[start[flat[order]] + rank] = order.int()
+    e = torch.searchsorted(block_end, torch.arange(nb, device=flat.device), right=True)
+    return sorted_pairs, torch.where(e < num_experts, e, -1).int()
+
+
+# ------------------------------------------------------------------------- grouped GEMMs
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k,
+                    hidden, inter, stride_xt, stride_we, stride_wn, stride_ar,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    IEEE: tl.constexpr):
+    """act[r, n-tile] = silu(gate) * up for the BLOCK_M rows of one block."""
+    pid_n = tl.program_id(0)
+    blk = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + blk)
+    if expert < 0:
+        return
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    token = tl.where(valid, pair // top_k, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    gate_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BM, BK]
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        mask_k = offs_k < hidden - k0
+        a = tl.load(x_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        wmask = mask_k[:, None] & mask_n[None, :]
+        wg = tl.load(gate_ptrs, mask=wmask, other=0.0)
+        wu = tl.load(up_ptrs, mask=wmask, other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, wg, acc_g)
+            acc_u = tl.dot(a, wu, acc_u)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    dt = act_ptr.dtype.element_ty
+    g = acc_g.to(dt).to(tl.float32)  # each projection output in the model dtype
+    u = acc_u.to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+    out_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_ar + offs_n[None, :]
+    tl.store(out_ptrs, act.to(dt), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, topk_w_ptr, ys_ptr, sorted_ptr, block_expert_ptr, num_pairs,
+                 hidden, inter, stride_ar, stride_we, stride_wn, stride_yp,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """ys[pair, n-tile] = round(topk_weight[pair] * round(act[r] @ down[e].T))."""
+    pid_n = tl.program_id(0)
+    blk = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + blk)
+    if expert < 0:
+        return
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
+              + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None])  # [BK, BN]
+    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_ar + offs_k[None, :]  # [BM, BK]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        mask_k = offs_k < inter - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dt = ys_ptr.dtype.element_ty
+    scale = tl.load(topk_w_ptr + pair, mask=valid, other=0.0)
+    y = acc.to(dt).to(tl.float32) * scale[:, None]
+    out_ptrs = ys_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_yp + offs_n[None, :]
+    tl.store(out_ptrs, y.to(dt), mask=valid[:, None] & mask_n[None, :])
+
+
+def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
+           topk_weights: torch.Tensor) -> None:
+    if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError(f"x must be [T, H], gate_up [E, 2I, H], down [E, H, I]; got "
+                         f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
+    e, two_i, h = gate_up.shape
+    if two_i % 2 or x.shape[1] != h or down.shape != (e, h, two_i // 2):
+        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, "
+                         f"down {tuple(down.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must be [T, K] with T = {x.shape[0]}; got "
+                         f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be fp32, got {topk_weights.dtype}")
+    if not (x.dtype == gate_up.dtype == down.dtype):
+        raise ValueError(f"x, gate_up, down must share a dtype: {x.dtype}, {gate_up.dtype}, {down.dtype}")
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              config: FusedMoEConfig | None = None) -> torch.Tensor:
+    """x [T, H], gate_up [E, 2I, H] (gate rows first), down [E, H, I], topk_ids int [T, K]
+    (0..E-1), topk_weights fp32 [T, K] -> [T, H] = sum_k w[t, k] * expert_{ids[t, k]}(x[t]).
+
+    No host sync, every shape a function of the input shapes: capturable in a CUDA graph.
+    """
+    _check(x, gate_up, down, topk_ids, topk_weights)
+    t, k = topk_ids.shape
+    e, two_i, h = gate_up.shape
+    inter = two_i // 2
+    num_pairs = t * k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    cfg = config or default_config(num_pairs, e)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    down = down if down.stride(-1) == 1 else down.contiguous()
+    sorted_pairs, block_expert = moe_align(topk_ids, e, cfg.block_m)
+    nb = block_expert.shape[0]
+    act = torch.empty(nb * cfg.block_m, inter, dtype=x.dtype, device=x.device)
+    ys = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
+    ieee = x.dtype == torch.float32  # fp32 stays fp32 (tl.dot would use tf32)
+    launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _gate_up_kernel[(triton.cdiv(inter, cfg.block_n), nb)](
+        x, gate_up, act, sorted_pairs, block_expert, num_pairs, k, h, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), **launch)
+    _down_kernel[(triton.cdiv(h, cfg.block_n), nb)](
+        act, down, topk_weights.reshape(-1).contiguous(), ys, sorted_pairs, block_expert,
+        num_pairs, h, inter, act.stride(0), down.stride(0), down.stride(1), ys.stride(0),
+        **launch)
+    return ys.view(t, k, h).sum(1)
+
+
+def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  config: FusedMoEConfig | None = None) -> torch.Tensor:
+    """Pure-torch fused_moe, one expert at a time, with the same rounding (config unused)."""
+    _check(x, gate_up, down, topk_ids, topk_weights)
+    t, k = topk_ids.shape
+    inter = gate_up.shape[1] // 2
+    ys = torch.zeros(t, k, x.shape[1], dtype=x.dtype, device=x.device)
+    for e in topk_ids.unique().tolist():
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        h = x[tok] @ gate_up[e].T
+        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        y = act @ down[e].T
+        ys[tok, slot] = (y * topk_weights[tok, slot, None]).to(x.dtype)
+    return ys.sum(1)
+
+
+__all__ = ["FusedMoEConfig", "default_config", "fused_moe", "fused_moe_ref", "moe_align",
+           "moe_align_ref", "num_blocks"]
