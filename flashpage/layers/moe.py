@@ -24,7 +24,7 @@ Routing, as transformers computes it (fp32 logits):
   ``norm_topk_prob``, times ``routed_scaling_factor``. transformers' V3 always routes
   this way, whatever ``topk_method``/``scoring_func`` say (its config has neither).
 
-Experts run one of two ways, chosen by the token count alone (a shape, so a CUDA graph
+Experts run one of three ways, chosen by the token count alone (a shape, so a CUDA graph
 captured for a batch size always replays the same path):
 
 - **grouped** (more than ``sync_free_max_tokens`` tokens: long prompt chunks): the
@@ -37,9 +37,14 @@ captured for a batch size always replays the same path):
   otherwise every expert runs on every token as one batched matmul per projection and
   each token keeps the outputs of its top-k. Up to ~200 tokens per expert this costs the
   same memory traffic as the grouped path (every expert read once); past that the
-  wasted FLOPs grow, hence the limit.
+  wasted FLOPs grow, hence the limit;
+- **fused kernel** (``fused_kernel`` set, same token range as sync-free, which it
+  replaces): ``kernels/fused_moe.py`` sorts the pairs by expert on the device into
+  blocks of a static worst-case count and runs one grouped GEMM per projection over
+  them, so only the routed experts' weights are read; no host sync either. Off by
+  default (not yet timed on a GPU); :func:`set_fused_moe` turns it on for one model.
 
-Both weight each expert output in fp32, round it to the model dtype, then sum per token.
+All three weight each expert output in fp32, round it to the model dtype, then sum per token.
 """
 
 from __future__ import annotations
@@ -124,7 +129,12 @@ SYNC_FREE_MAX_TOKENS = 512
 
 
 class FusedExperts(nn.Module):
-    """All routed experts' weights as 3-D tensors; forward runs them sync-free or grouped."""
+    """All routed experts' weights as 3-D tensors; forward runs them sync-free (torch or the
+    fused kernel) or grouped."""
+
+    # Up to sync_free_max_tokens: the Triton grouped kernel instead of forward_sync_free.
+    # Per instance through set_fused_moe (needs Triton on CUDA, or its CPU interpreter).
+    fused_kernel: bool = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -139,6 +149,8 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, hidden], weights fp32 [N, K], ids int64 [N, K] -> sum_k weights * expert_k(x)."""
         if x.shape[0] <= self.sync_free_max_tokens:
+            if self.fused_kernel:
+                return self.forward_fused(x, weights, ids)
             return self.forward_sync_free(x, weights, ids)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -155,6 +167,14 @@ class FusedExperts(nn.Module):
         else:
             ys = self._all_experts(x, ids)
         return (ys * weights[..., None]).to(x.dtype).sum(1)
+
+    def forward_fused(self, x: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+        """Same contract as :meth:`forward`; the Triton grouped kernel, reading only the
+        routed experts' weights. Static shapes, no host sync (CUDA-graph safe)."""
+        from flashpage.kernels.fused_moe import fused_moe
+
+        return fused_moe(x, self.gate_up_proj, self.down_proj, ids, weights)
 
     def _gathered(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each (token, slot) pair with its own expert's weights: -> [N, K, hidden]."""
@@ -215,6 +235,14 @@ class FusedExperts(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
+def set_fused_moe(model: nn.Module, enabled: bool) -> None:
+    """Run every MoE layer of ``model`` through the fused Triton kernel up to
+    ``sync_free_max_tokens`` tokens (True) or the torch sync-free path (False)."""
+    for m in model.modules():
+        if isinstance(m, FusedExperts):
+            m.fused_kernel = enabled
+
+
 class DeepseekMLP(nn.Module):
     """SiLU-gated MLP: the shared experts, and the dense layers before ``first_k_dense_replace``."""
 
@@ -264,4 +292,4 @@ class DeepseekMoE(nn.Module):
 
 
 __all__ = ["SYNC_FREE_MAX_TOKENS", "DeepseekMLP", "DeepseekMoE", "FusedExperts", "MoEGate",
-           "routing_method"]
+           "routing_method", "set_fused_moe"]

@@ -15,7 +15,13 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from flashpage.config import ModelConfig
-from flashpage.layers.moe import SYNC_FREE_MAX_TOKENS, DeepseekMoE, FusedExperts, routing_method
+from flashpage.layers.moe import (
+    SYNC_FREE_MAX_TOKENS,
+    DeepseekMoE,
+    FusedExperts,
+    routing_method,
+    set_fused_moe,
+)
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
@@ -230,3 +236,49 @@ def test_sync_free_bf16_follows_grouped():
         want = experts.forward_grouped(x, weights, ids).float()
         got = experts.forward_sync_free(x, weights, ids).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+# ----------------------------------------------------------------- fused kernel path
+@pytest.mark.parametrize(
+    ("n", "k", "num_experts"),
+    [(1, 2, 16), (3, 2, 16), (1, 6, 64), (37, 3, 8), (64, 6, 24)],
+)
+def test_fused_path_equals_sync_free_and_grouped(n, k, num_experts):
+    """The Triton kernel (interpreter on the CPU) against both torch paths, fp32, with
+    many tokens on one expert and, at 16+ experts, some experts unused."""
+    experts = random_experts(num_experts, 32, 24, seed=n + k)
+    x = torch.randn(n, 32, generator=torch.Generator().manual_seed(1))
+    ids, weights = crowded_routing(n, k, num_experts, seed=2)
+    with torch.no_grad():
+        grouped = experts.forward_grouped(x, weights, ids)
+        sync_free = experts.forward_sync_free(x, weights, ids)
+        fused = experts.forward_fused(x, weights, ids)
+    assert fused.shape == (n, 32)
+    torch.testing.assert_close(fused, sync_free, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, grouped, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_path_is_chosen_by_token_count_when_on(monkeypatch):
+    experts = random_experts(8, 16, 8, seed=3)
+    assert not experts.fused_kernel  # off unless the engine turns it on
+    moe = torch.nn.Sequential(experts)
+    set_fused_moe(moe, True)
+    assert experts.fused_kernel
+    ran = []
+    for name in ("forward_grouped", "forward_sync_free", "forward_fused"):
+        monkeypatch.setattr(FusedExperts, name, lambda self, *a, name=name: ran.append(name))
+    for n in (1, SYNC_FREE_MAX_TOKENS, SYNC_FREE_MAX_TOKENS + 1):
+        experts(torch.zeros(n, 16), torch.zeros(n, 2), torch.zeros(n, 2, dtype=torch.long))
+    assert ran == ["forward_fused", "forward_fused", "forward_grouped"]
+    set_fused_moe(moe, False)
+    experts(torch.zeros(1, 16), torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.long))
+    assert ran[-1] == "forward_sync_free"
+
+
+def test_v2_moe_with_fused_path_matches_hf():
+    conf = v2_config(topk_method="greedy")
+    hf = DeepseekV2Moe(conf).eval()
+    randomize(hf, 0)
+    ours = ours_from(hf, conf)
+    set_fused_moe(ours, True)
+    assert_same(ours, hf, conf.hidden_size, 1)
