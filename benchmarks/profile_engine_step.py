@@ -28,6 +28,9 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     p.add_argument("--kernel-table", action="store_true",
                    help="also list the GPU kernels of a few decode steps per batch (torch.profiler)")
+    p.add_argument("--prefill-table", type=int, default=0, metavar="TOKENS",
+                   help="also list the kernels of one step of this many prompt tokens "
+                        "(prompts of --context tokens; e.g. 8192 = a full default budget)")
     args = p.parse_args()
     llm = LLM(random_weights_config=resolve_config(args.config),
               gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(args.batch))
@@ -83,17 +86,36 @@ def main() -> None:
               f"{statistics.median(eng_steps) * 1e3:.2f} ms (synced parts below)")
         for name, ts in sorted(times.items()):
             print(f"  {name:14s} {statistics.median(ts) * 1e3:8.3f} ms  x{len(ts)}")
+    if args.prefill_table:
+        _prefill_table(eng, args.prefill_table, args.context)
 
 
-def _kernel_table(eng, bs: int, steps: int) -> int:
+def _prefill_table(eng, tokens: int, context: int) -> None:
+    """Kernels of one step made only of prompt chunks, ``tokens`` of them."""
+    n = max(1, tokens // context)
+    wl = make_workload(n, (context, context), (1, 1), eng.model_config.vocab_size)
+    params = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, detokenize=False)
+    for rid, prompt in enumerate(wl.prompts):
+        eng.add_request(f"prefill-{rid}", prompt, params)
+    t0 = time.perf_counter()
+    _kernel_table(eng, f"prefill of {n} x {context} tokens", steps=1)
+    print(f"  (profiled step took {(time.perf_counter() - t0) * 1e3:.1f} ms with the profiler on)")
+    while eng.has_unfinished_requests():
+        eng.step(final_only=True)
+
+
+def _kernel_table(eng, bs: int | str, steps: int) -> int:
     """Profile `steps` engine steps and print the kernels that take the GPU time, per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = eng.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             eng.step(final_only=True)
-        torch.cuda.synchronize()
+        sync()
     # Kernels carry their own device time; CPU ops only their children's (self time 0).
     rows = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
