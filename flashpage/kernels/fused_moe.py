@@ -42,6 +42,11 @@ class FusedMoEConfig:
     num_warps: int = 4
     num_stages: int = 3
 
+    @property
+    def name(self) -> str:
+        return (f"m{self.block_m} n{self.block_n} k{self.block_k} "
+                f"w{self.num_warps} s{self.num_stages}")
+
 
 def default_config(num_pairs: int, num_experts: int) -> FusedMoEConfig:
     """By shape only: rows per block near the mean pairs per expert (each block reads its

@@ -1,0 +1,217 @@
+"""MoE experts benchmark (GPU): the fused Triton kernel beside the torch sync-free path
+(every expert on every token; what CUDA-graph decode steps run today) and the grouped
+path (one matmul per used expert, one host sync), with the copy bandwidth, in one run.
+
+DeepSeek-V2-Lite experts (benchmarks/configs/deepseek-v2-lite: E=64, top-6, hidden 2048,
+moe_intermediate 1408, bf16: 1.1 GB of expert weights per layer), T tokens in
+{1, 4, 16, 64, 256}, uniform random top-6 routing (seeded). LAYERS copies of the weights
+are cycled so no call finds the previous call's weights in the 60 MB L2, as in a model.
+
+GB/s = bytes of the weights the tokens need (the distinct routed experts' gate_up + down)
+/ time: the same numerator for all three paths, so the column compares them directly;
+`all experts` gives what the sync-free path actually reads. Times: CUDA events around
+ITERS calls after a warm-up, eager (outside a graph); ours and sync-free also inside a
+CUDA graph (launch overhead gone, as in decode steps; grouped cannot be captured). The
+copy ceiling: a 1 GiB device-to-device copy timed the same way, bytes read + written.
+
+    python benchmarks/fused_moe.py --out $OUT          # ~30-60 s on an H200
+    python benchmarks/fused_moe.py --sweep --out $OUT  # also tile configs of ours
+
+writes $OUT/fused_moe.json and $OUT/fused_moe.md. Without a GPU it runs tiny shapes in
+the Triton interpreter (a smoke test of the script; its figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's flashpage
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import tests.conftest  # noqa: F401  (its numpy fix for the interpreter)
+
+from flashpage.config import ModelConfig  # noqa: E402
+from flashpage.kernels.fused_moe import FusedMoEConfig, default_config, fused_moe  # noqa: E402
+from flashpage.layers.moe import FusedExperts  # noqa: E402
+
+CONFIG = Path(__file__).parent / "configs" / "deepseek-v2-lite"
+TOKENS = [1, 4, 16, 64, 256] if GPU else [1, 4]
+LAYERS = 4 if GPU else 1
+ITERS = 40 if GPU else 2
+DEV = "cuda" if GPU else "cpu"
+DT = torch.bfloat16 if GPU else torch.float32  # the interpreter computes bf16 wrongly
+SWEEP = [FusedMoEConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+         for bm in (16, 32) for bn, bk, w, s in ((32, 128, 4, 3), (64, 128, 4, 3),
+                                                 (64, 64, 4, 4), (128, 64, 8, 3))]
+
+
+def make_layers(cfg: ModelConfig, hidden: int, inter: int) -> list[FusedExperts]:
+    """LAYERS FusedExperts with random bf16 weights on the device (built on meta, so no
+    fp32 copy is ever allocated)."""
+    layers = []
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for _ in range(LAYERS):
+        with torch.device("meta"):
+            ex = FusedExperts(cfg)
+        e = ex.num_experts
+        ex.gate_up_proj = torch.nn.Parameter(
+            torch.randn(e, 2 * inter, hidden, device=DEV, dtype=DT, generator=g) / hidden ** 0.5,
+            requires_grad=False)
+        ex.down_proj = torch.nn.Parameter(
+            torch.randn(e, hidden, inter, device=DEV, dtype=DT, generator=g) / inter ** 0.5,
+            requires_grad=False)
+        layers.append(ex)
+    return layers
+
+
+def time_calls(fn: Callable[[int], object], iters: int = ITERS) -> float:
+    """Seconds per call of fn(i), i cycling over the layers; events, after a warm-up."""
+    for i in range(max(3, LAYERS)):
+        fn(i % LAYERS)
+    if not GPU:
+        t0 = time.perf_counter()
+        for i in range(iters):
+            fn(i % LAYERS)
+        return (time.perf_counter() - t0) / iters
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for i in range(iters):
+        fn(i % LAYERS)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / iters
+
+
+def time_graph(fn: Callable[[int], object], reps: int = 10) -> float:
+    """Seconds per call inside a CUDA graph of 2 * LAYERS calls (every layer twice)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(LAYERS):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    calls = 2 * LAYERS
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % LAYERS)
+    graph.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / (reps * calls)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB copy (about one layer's experts), bytes read + written."""
+    if not GPU:
+        return 0.0  # no copy ceiling without a GPU
+    src = torch.empty(2**29, device=DEV, dtype=DT).normal_()
+    dst = [torch.empty_like(src) for _ in range(LAYERS)]  # cycle: not the last call's lines
+    t = time_calls(lambda i: dst[i].copy_(src), iters=20)
+    return 2 * src.numel() * src.element_size() / t / 1e9
+
+
+def routing(t: int, k: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform random top-k (distinct per token) and fp32 weights, on the device."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(t, e, generator=g).topk(k, dim=-1).indices
+    return ids.to(DEV), (torch.rand(t, k, generator=g) * 0.5).to(DEV)
+
+
+def bench_tokens(layers: list[FusedExperts], t: int, k: int, sweep: bool) -> list[dict]:
+    ex0 = layers[0]
+    e, two_i, hidden = ex0.gate_up_proj.shape
+    expert_bytes = 3 * (two_i // 2) * hidden * ex0.gate_up_proj.element_size()
+    ids, w = routing(t, k, e, seed=t)
+    x = torch.randn(t, hidden, device=DEV, dtype=DT)
+    needed = ids.unique().numel() * expert_bytes
+    with torch.no_grad():
+        ours, ref = layers[0].forward_fused(x, w, ids), layers[0].forward_sync_free(x, w, ids)
+    base = dict(tokens=t, distinct_experts=ids.unique().numel(), needed_mb=round(needed / 1e6, 1),
+                all_experts_mb=round(e * expert_bytes / 1e6),
+                max_diff_vs_sync_free=float((ours.float() - ref.float()).abs().max()))
+    paths: dict[str, Callable[[int], object]] = {
+        f"fused (default {default_config(t * k, e).name})": lambda i: layers[i].forward_fused(x, w, ids),
+        "torch sync-free": lambda i: layers[i].forward_sync_free(x, w, ids),
+        "torch grouped": lambda i: layers[i].forward_grouped(x, w, ids),
+    }
+    if sweep:
+        for cfg in SWEEP:
+            paths[f"fused {cfg.name}"] = lambda i, cfg=cfg: fused_moe(
+                x, layers[i].gate_up_proj, layers[i].down_proj, ids, w, cfg)
+    rows = []
+    for name, fn in paths.items():
+        row = dict(base, path=name)
+        try:
+            with torch.no_grad():
+                sec = time_calls(fn)
+                row.update(eager_us=round(sec * 1e6, 1), eager_gbs=round(needed / sec / 1e9))
+                if GPU and "grouped" not in name:
+                    sec = time_graph(fn)
+                    row.update(graph_us=round(sec * 1e6, 1), graph_gbs=round(needed / sec / 1e9))
+        except Exception as ex:  # keep going: one failure must not hide the rest
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:120]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _ratio(gbs: float | None, copy_gbs: float) -> str:
+    return f"{gbs / copy_gbs:.0%}" if gbs and copy_gbs else "-"
+
+
+def to_markdown(copy_gbs: float, rows: list[dict]) -> str:
+    dev = torch.cuda.get_device_name() if GPU else "CPU (Triton interpreter: smoke test only)"
+    lines = [f"# MoE experts, DeepSeek-V2-Lite shapes, {dev}", "",
+             f"torch {torch.__version__}; copy bandwidth (1 GiB, read + written): "
+             f"{copy_gbs:,.0f} GB/s. GB/s = needed weight bytes (distinct routed experts) / time.",
+             "", "| T | distinct experts | needed MB | path | eager µs | eager GB/s | graph µs "
+             "| graph GB/s | graph / copy | max diff vs sync-free |", "| --- " * 10 + "|"]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['distinct_experts']} | {r['needed_mb']} | {r['path']} "
+                     f"| {r.get('eager_us', '-')} | {r.get('eager_gbs', '-')} | "
+                     f"{r.get('graph_us', '-')} | {r.get('graph_gbs', '-')} | "
+                     f"{_ratio(r.get('graph_gbs'), copy_gbs)} | "
+                     f"{r['max_diff_vs_sync_free']:.3g} |" + (f" {r['error']}" if "error" in r else ""))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--sweep", action="store_true", help="also time tile configs of ours")
+    args = ap.parse_args()
+    cfg = ModelConfig.from_hf(CONFIG)
+    hidden, inter = (cfg.hidden_size, cfg.moe_intermediate_size) if GPU else (64, 32)
+    t0 = time.perf_counter()
+    layers = make_layers(cfg, hidden, inter)
+    copy_gbs = copy_bandwidth()
+    print(json.dumps(dict(copy_gbs=copy_gbs)), flush=True)
+    rows = []
+    for t in TOKENS:
+        rows += bench_tokens(layers, t, cfg.num_experts_per_tok, args.sweep)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fused_moe.json").write_text(json.dumps(dict(copy_gbs=copy_gbs, rows=rows), indent=1))
+    (out / "fused_moe.md").write_text(to_markdown(copy_gbs, rows))
+    print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
