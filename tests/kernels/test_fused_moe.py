@@ -88,6 +88,10 @@ def test_fused_moe_cpu(t, k, e, h, inter, crowd, dtype):
     assert got.shape == (t, h) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 4e-3  # fp16: a few ulps of O(1) outputs
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    if dtype == torch.float16:
+        # The rounding steps are the reference's: outputs agree bit for bit but for rare
+        # fp32 accumulation-order ties (one rounding step left out: 30-70% differ).
+        assert (got == want).float().mean() >= 0.99
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])
