@@ -176,12 +176,12 @@ def test_fused_moe_gpu_bf16(t, crowd):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_fused_moe_gpu_fp32_is_ieee():
+def test_fused_moe_gpu_fp32_is_ieee(monkeypatch):
     t, k, e, h, inter = 33, 6, 64, 256, 128
     gate_up, down = weights(e, h, inter, torch.float32, seed=1)
     ids, w = routing(t, k, e, seed=2, crowd=20)
     x = torch.randn(t, h, device=DEV)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # the reference too
     torch.testing.assert_close(fused_moe(x, gate_up, down, ids, w),
                                fused_moe_ref(x, gate_up, down, ids, w), rtol=1e-5, atol=1e-5)
 
