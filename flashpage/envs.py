@@ -26,3 +26,10 @@ def skinny_gemm() -> bool:
     at start-up and use it where it wins. Off by default: it won per call (qkv and the LM
     head at one row) but has not yet been shown to win end to end (BENCHMARKS.md)."""
     return os.environ.get("FLASHPAGE_SKINNY_GEMM", "0") == "1"
+
+
+def fused_moe() -> bool:
+    """FLASHPAGE_FUSED_MOE=1: decode-batch MoE through our fused Triton kernel
+    (kernels/fused_moe.py: only the routed experts' weights are read) instead of every
+    expert on every token. Opt-in until timed on a GPU."""
+    return os.environ.get("FLASHPAGE_FUSED_MOE", "0") == "1"

@@ -26,6 +26,7 @@ from flashpage.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.layers import ops
 from flashpage.layers.linear import tune_skinny_gemms
+from flashpage.layers.moe import set_fused_moe
 from flashpage.models.loader import ModelSource, load_model, resolve_model
 from flashpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from flashpage.sampling_params import SamplingParams
@@ -114,6 +115,8 @@ class LLMEngine:
                                 max_positions=self.max_model_len, seed=config.seed)
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
+        set_fused_moe(self.model, backend_cls.name == "triton" and self.device.type == "cuda"
+                      and envs.fused_moe())
         self.tokenizer = load_tokenizer(self.source, tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.num_blocks = config.num_gpu_blocks or self._num_blocks()
