@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_final.sh final     changed GPU tests, serve, V2-Lite, flex in one call
 #   bash benchmarks/gpu_final.sh final2    decode GEMM tests, 8B latency + throughput, decode
 #                                          and MLA kernels old vs new (helpers' final scripts)
+#   bash benchmarks/gpu_final.sh next-a    fused MoE tests + benchmark, V2-Lite with it off/on
+#   bash benchmarks/gpu_final.sh next-b    8B throughput twice (spread), prefill kernel table, flex
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -64,5 +66,19 @@ final2)  # session 2's last call: decode GEMM, engine, decode and MLA kernels (o
   OUT=$F/decode timeout 95 bash benchmarks/decode_final.sh 2>&1 | tail -n 30
   OUT=$F/mla timeout 95 bash benchmarks/mla_final.sh 2>&1 | tail -n 30
   tar czf "$OUT/final_kernels.tgz" -C $F . ;;
+next-a)  # session 3, call 1: fused MoE correctness + speed, then V2-Lite with it on and off
+  timeout 120 $PT tests/kernels/test_fused_moe.py tests/models/test_moe.py -rf 2>&1 \
+    | tee "$OUT/fused_moe_tests.txt" | tail -n 4
+  timeout 120 python3 benchmarks/fused_moe.py --sweep --out "$OUT" 2>&1 | tail -n 20
+  for m in 0 1; do FLASHPAGE_FUSED_MOE=$m timeout 150 $FP bench throughput --config deepseek-v2-lite \
+    --gpu-memory-utilization 0.5 --num-requests 64 --no-hf --json-out "$OUT/v2lite_fused_moe$m.json" 2>&1 \
+    | grep -E "output_tok_per_s|Error" | sed "s/^/fused_moe=$m /"; done ;;
+next-b)  # session 3, call 2: run-to-run spread of the 8B figures, where prompt steps go, flex
+  for i in 1 2; do timeout 110 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+    --no-hf --json-out "$OUT/throughput_8b_rep$i.json" 2>&1 | grep -E "output_tok_per_s|Error"; done
+  timeout 120 python3 benchmarks/profile_engine_step.py --batch 1 256 --context 1024 --steps 20 \
+    --kernel-table --prefill-table 8192 2>&1 | grep -v Warning | tail -n 70 | tee "$OUT/profile.txt"
+  timeout 200 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --attention-backend flex \
+    --num-requests 64 --no-hf --json-out "$OUT/throughput_8b_flex.json" 2>&1 | grep -E "tok_per_s|Error" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
