@@ -37,11 +37,11 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import copy_bandwidth, time_graph
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashpage.kernels.paged_decode import (
@@ -154,58 +154,6 @@ def split_options(batch: int, ctx: int, sms: int) -> list[int]:
     """Split counts worth timing: up to ~32 programs per SM, >= 64 keys per split."""
     cap = min(ctx // 64, max(1, -(-32 * sms // (batch * HKV))))
     return [s for s in SPLIT_LADDER if s <= cap]
-
-
-def time_graph(fn, calls: int, reps: int = 20) -> float:
-    """Median seconds of one ``fn()`` call: a graph runs ``calls`` calls, replayed ``reps`` times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    del graph
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """A 4 GiB device-to-device copy, bytes read + written per second.
-
-    Events around each copy, outside a graph (as tools/gpu_baselines.py and
-    benchmarks/fused_ops.py do), median of 20 after 100 warm-up copies that bring the
-    clocks up.
-    """
-    n = 2 * 1024**3
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    for _ in range(100):
-        b.copy_(a)
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n * 2 / statistics.median(times) / 1e9
 
 
 def _compile_one(job) -> str:

@@ -32,6 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 import triton
+from gpu_timing import time_graph
 from triton.testing import do_bench
 
 from flashpage.kernels import cache_write, silu_mul
@@ -173,33 +174,6 @@ def bench_mla_write_tokens(rows, n):
     for tile in WRITE_TILES:
         record(rows, f"write_mla_cache ({n} tokens) {tile}", nbytes,
                lambda tile=tile: _write_mla(latent, kv_cache, slots, *tile), None, "tile sweep")
-
-
-def time_graph(fn, calls: int, reps: int = 20) -> float:
-    """Median seconds of one ``fn()`` call: a CUDA graph of ``calls`` calls, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 KV_SETS = 3  # independent inputs + caches rotated in the graph: 3 x 134 MB, far past the L2

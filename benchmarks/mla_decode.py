@@ -27,11 +27,12 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import sys
 import time
 
 import torch
+from gpu_timing import copy_bandwidth
+from gpu_timing import time_graph as _time_graph
 
 from flashpage.kernels import cache_write, mla_cache_write
 from flashpage.kernels.mla_decode import (
@@ -124,58 +125,15 @@ def final_configs() -> tuple[MLADecodeConfig, MLADecodeConfig]:
     return dataclasses.replace(new, fuse_merge_max_splits=0), new
 
 
+def time_graph(fn) -> float:
+    """Median seconds of one replay of a graph that runs ``fn`` once (15 replays)."""
+    return _time_graph(fn, reps=15)
+
+
 def emit(f, **row) -> None:
     line = json.dumps(row)
     f.write(line + "\n")
     f.flush()
-
-
-def time_graph(fn, reps: int = 15) -> float:
-    """Median seconds of one replay of a graph that runs ``fn`` once (after warm-up)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 4 GiB, bytes read + written per second.
-
-    Timed with events around each call, as tools/gpu_baselines.py does (median of 20
-    after a warm-up), not through a CUDA graph: a graph-captured ``copy_`` read only
-    2.7 TB/s on an H200 here (2026-11-30), below what this kernel itself reads, against
-    4.27 TB/s for the anchor tool; the cause (copy engine?) is not established.
-    """
-    n = 4 * 1024**3 // 2
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    for _ in range(100):  # bring the clocks up
-        b.copy_(a)
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * n * 2 / statistics.median(times) / 1e9
 
 
 class Case:

@@ -1,0 +1,64 @@
+"""GPU timing shared by the kernel benchmarks (run as ``python3 benchmarks/<name>.py``,
+so this module is importable as ``gpu_timing``)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def time_graph(fn: Callable[[], object], calls: int = 1, reps: int = 20) -> float:
+    """Median seconds of one ``fn()`` call: a CUDA graph of ``calls`` calls (after two
+    eager warm-up calls on a side stream), replayed ``reps`` times after three warm
+    replays, each replay between two events."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """A 4 GiB device-to-device copy, GB/s of bytes read + written.
+
+    Events around each copy, outside a graph, as tools/gpu_baselines.py does: median of
+    20 after 100 warm-up copies that bring the clocks up. (A graph-captured ``copy_`` read
+    only 2.7 TB/s on an H200 here, 2026-11-30, against 4.27 TB/s this way.)
+    """
+    n = 2 * 1024**3
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    for _ in range(100):
+        b.copy_(a)
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / statistics.median(times) / 1e9
