@@ -10,10 +10,12 @@ from flashpage.models.loader import ModelLoadError
 from tests.conftest import hf_greedy, random_prompts
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_checkpoint):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(tiny_checkpoint, request):
+    """Both schedulings: a token id of -1 must be refused, not taken for async
+    scheduling's placeholder."""
     return LLM(str(tiny_checkpoint("llama2_mha")), dtype="float32", device="cpu",
-               max_model_len=64, block_size=8)
+               max_model_len=64, block_size=8, async_scheduling=request.param)
 
 
 @pytest.mark.parametrize("kwargs, message", [
