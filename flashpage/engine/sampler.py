@@ -86,7 +86,9 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _needs_processing(p: SamplingParams) -> bool:
+def needs_known_tokens(p: SamplingParams) -> bool:
+    """Penalties: sampling reads the request's earlier tokens on the host, so async
+    scheduling must read each step back before the next one is sampled."""
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0)
 
@@ -109,12 +111,6 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return best * chunk + idx.gather(1, best[:, None])[:, 0]
 
 
-def needs_known_tokens(p: SamplingParams) -> bool:
-    """Sampling reads the request's earlier tokens on the host (penalties): async
-    scheduling must read each step back before the next one is sampled."""
-    return _needs_processing(p)
-
-
 class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -132,7 +128,7 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-        pen_rows = [i for i, p in enumerate(params) if _needs_processing(p)]
+        pen_rows = [i for i, p in enumerate(params) if needs_known_tokens(p)]
         if pen_rows:
             logits = logits.clone()
             self._apply_penalties(logits, pen_rows, requests)

@@ -161,7 +161,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            if req.num_unresolved and req.length_capped(self.max_model_len):
+            if req.length_capped(self.max_model_len):
                 i += 1  # finishes when its last token is read back: nothing left to run
                 continue
             num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
@@ -265,25 +265,16 @@ class Scheduler:
         reached their ``num_tokens``. Requests finished or aborted since ``schedule()``
         are skipped. Returns the requests that finished in this step.
         """
-        max_model_len = self.max_model_len
-        finished: list[Request] = []
+        reqs = []
         for req, n in out.scheduled:
-            if req.status != RequestStatus.RUNNING:
+            if req.status != RequestStatus.RUNNING or req.request_id not in sampled:
                 continue
-            req.num_computed_tokens += n
-            token = sampled.get(req.request_id)
-            if token is None:
-                continue
-            if req.num_computed_tokens != len(req.all_token_ids):
+            if req.num_computed_tokens + n != len(req.all_token_ids):
                 raise ValueError(
                     f"request {req.request_id!r} got a sampled token mid-prefill "
-                    f"({req.num_computed_tokens} of {len(req.all_token_ids)} tokens computed)"
+                    f"({req.num_computed_tokens + n} of {len(req.all_token_ids)} tokens computed)"
                 )
-            req.append_output_token(token)
-            status = req.check_stop(max_model_len)
-            if status is not None:
-                self._finish(req, status)
-                finished.append(req)
-        if finished:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
-        return finished
+            reqs.append(req)
+        # The synchronous step is the async one read back at once.
+        self.advance(out, reqs)
+        return self.resolve(reqs, [sampled[r.request_id] for r in reqs])
