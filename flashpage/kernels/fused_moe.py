@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.flash_prefill import _dot  # tl.dot, in IEEE fp32 when asked
+
 
 @dataclass(frozen=True)
 class FusedMoEConfig:
@@ -175,12 +177,8 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pai
         wmask = mask_k[:, None] & mask_n[None, :]
         wg = tl.load(gate_ptrs, mask=wmask, other=0.0)
         wu = tl.load(up_ptrs, mask=wmask, other=0.0)
-        if IEEE:
-            acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, wg, acc_g)
-            acc_u = tl.dot(a, wu, acc_u)
+        acc_g = _dot(a, wg, acc_g, IEEE)
+        acc_u = _dot(a, wu, acc_u, IEEE)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -217,10 +215,7 @@ def _down_kernel(act_ptr, w_ptr, topk_w_ptr, ys_ptr, sorted_ptr, block_expert_pt
         mask_k = offs_k < inter - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
+        acc = _dot(a, w, acc, IEEE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     dt = ys_ptr.dtype.element_ty
