@@ -41,8 +41,10 @@ captured for a batch size always replays the same path):
 - **fused kernel** (``fused_kernel`` set, same token range as sync-free, which it
   replaces): ``kernels/fused_moe.py`` sorts the pairs by expert on the device into
   blocks of a static worst-case count and runs one grouped GEMM per projection over
-  them, so only the routed experts' weights are read; no host sync either. Off by
-  default (not yet timed on a GPU); :func:`set_fused_moe` turns it on for one model.
+  them, so only the routed experts' weights are read; no host sync either. The engine
+  turns it on (:func:`set_fused_moe`) with the triton backend on CUDA unless
+  ``FLASHPAGE_FUSED_MOE=0``: on the H200 it reads 1.7-4x less than sync-free at 1-16
+  tokens and took DeepSeek-V2-Lite from 2,305 to 2,713 output tok/s.
 
 All three weight each expert output in fp32, round it to the model dtype, then sum per token.
 """
