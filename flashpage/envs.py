@@ -34,3 +34,17 @@ def fused_moe() -> bool:
     of every expert on every token. On the H200 it took DeepSeek-V2-Lite from 2,305 to
     2,713 output tok/s (BENCHMARKS.md, session 3)."""
     return os.environ.get("FLASHPAGE_FUSED_MOE", "1") != "0"
+
+
+def pdl() -> bool:
+    """FLASHPAGE_PDL=1: launch our decode-path Triton kernels with programmatic dependent
+    launch (Hopper and newer; kernels/pdl.py), so each one's launch overlaps the tail of
+    the kernel before it. Off by default until an H200 A/B shows it wins."""
+    return os.environ.get("FLASHPAGE_PDL", "0") == "1"
+
+
+def l2_prefetch() -> bool:
+    """FLASHPAGE_L2_PREFETCH=1: in decode graphs of few sequences, prefetch the next
+    projection's weights into L2 on a side stream while attention runs (HBM is otherwise
+    idle there; engine/weight_prefetch.py). Off by default until an H200 A/B shows it wins."""
+    return os.environ.get("FLASHPAGE_L2_PREFETCH", "0") == "1"
