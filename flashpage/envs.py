@@ -43,8 +43,16 @@ def pdl() -> bool:
     return os.environ.get("FLASHPAGE_PDL", "0") == "1"
 
 
-def l2_prefetch() -> bool:
-    """FLASHPAGE_L2_PREFETCH=1: in decode graphs of few sequences, prefetch the next
-    projection's weights into L2 on a side stream while attention runs (HBM is otherwise
-    idle there; engine/weight_prefetch.py). Off by default until an H200 A/B shows it wins."""
-    return os.environ.get("FLASHPAGE_L2_PREFETCH", "0") == "1"
+def l2_prefetch() -> str:
+    """FLASHPAGE_L2_PREFETCH: in decode graphs of few sequences, prefetch weights into L2 on
+    a side stream while the small kernels between GEMMs run (HBM is otherwise idle there;
+    engine/weight_prefetch.py). "0"/empty: off (the default until an H200 A/B shows it
+    wins); "1": o_proj during attention; or a comma list of projections to prefetch
+    after the GEMM before them, each optionally capped in MB: "o_proj,gate_up:8,down:8,qkv:8"."""
+    return os.environ.get("FLASHPAGE_L2_PREFETCH", "0")
+
+
+def l2_prefetch_max_batch() -> int:
+    """FLASHPAGE_L2_PREFETCH_MAX_BATCH: the largest decode batch whose graph prefetches
+    (default 8: above it the GEMMs stop being weight-bound)."""
+    return int(os.environ.get("FLASHPAGE_L2_PREFETCH_MAX_BATCH", "8"))

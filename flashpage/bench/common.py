@@ -52,6 +52,8 @@ def result_header(benchmark: str, engine: Any, config: str | None,
         # Which decode-batch GEMM each linear shape uses at 1/2/4/8 rows (timed at start-up).
         "decode_gemm": {shape: {str(rows): pick for rows, (pick, _) in by_rows.items()}
                         for shape, by_rows in getattr(engine, "skinny_report", {}).items()},
+        # Kernel switches that change GPU timing (flashpage/envs.py).
+        "switches": {k: v for k, v in os.environ.items() if k.startswith("FLASHPAGE_")},
     }
 
 
