@@ -235,6 +235,47 @@ def bench_kv_write_pattern(pattern: str) -> list[dict]:
     return rows
 
 
+def bench_mla_write_graph() -> list[dict]:
+    """write_mla_cache (default kernel) and a same-size copy, do_bench and graph replays
+    rotating over KV_SETS sets, at the prefill chunk (N tokens) and 4x that."""
+    rows = []
+    for n in (N, 4 * N):
+        for pattern in ("random slots", "prefill-like slots"):
+            nbytes = 2 * n * MLA_WIDTH * E
+            sets = []
+            for _ in range(KV_SETS):
+                latent = torch.randn(n, MLA_WIDTH, device=DEV, dtype=DT)
+                num_blocks = 2 * n // BS
+                cache = torch.zeros(num_blocks, BS, MLA_WIDTH, device=DEV, dtype=DT)
+                if pattern == "random slots":
+                    slots = torch.randperm(num_blocks * BS, device=DEV)[:n]
+                else:
+                    blocks = torch.randperm(num_blocks, device=DEV)[: n // BS]
+                    slots = (blocks[:, None] * BS + torch.arange(BS, device=DEV)).flatten()
+                sets.append((latent, cache, slots))
+            src = [torch.randn(nbytes // 2 // E, device=DEV).to(DT) for _ in range(KV_SETS)]
+            dst = [torch.empty_like(x) for x in src]
+            impls = {"write_mla_cache: default": lambda i, sets=sets: write_mla_cache(*sets[i]),
+                     "copy of the same bytes": lambda i, src=src, dst=dst: dst[i].copy_(src[i])}
+            for name, call in impls.items():
+                state = {"i": 0}
+
+                def rotate(call=call, state=state):
+                    state["i"] = (state["i"] + 1) % KV_SETS
+                    call(state["i"])
+                row = dict(op=f"{name} ({n} tokens)", slots=pattern, mbytes=round(nbytes / 1e6, 1))
+                try:
+                    row["do_bench"] = round(nbytes / bench(lambda call=call: call(0)) / 1e9)
+                    row["graph"] = round(nbytes / time_graph(rotate, 4 * KV_SETS) / 1e9)
+                except Exception as ex:  # keep going: one failure must not hide the rest
+                    row["error"] = f"{type(ex).__name__}: {str(ex)[:100]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del sets, src, dst
+            torch.cuda.empty_cache()
+    return rows
+
+
 def kv_write_precompile() -> None:
     """Each kernel kv_write times, once, at its exact shapes (the same specialisations)."""
     k, v, key_cache, value_cache, slots = kv_write_sets("random slots")[0]
@@ -246,32 +287,35 @@ def kv_write_precompile() -> None:
     print(f"kv_write: compiled {2 + len(KV_WRITE_VARIANTS)} kernels", flush=True)
 
 
-def kv_write_main(out: str) -> None:
+def kv_write_main(out: str, mla: bool = False) -> None:
     copy = copy_bandwidth()
     torch.cuda.empty_cache()
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
-    rows = bench_kv_write()
+    rows = bench_mla_write_graph() if mla else bench_kv_write()
+    name = "mla_write" if mla else "kv_write"
     copy_end = copy_bandwidth()
     print(f"copy bandwidth at the end {copy_end:.0f} GB/s", flush=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 copy_gbps=round(max(copy, copy_end)), copy_start_gbps=round(copy),
                 copy_end_gbps=round(copy_end), tokens=N)
     copy = max(copy, copy_end)
-    with open(os.path.join(out, "kv_write.json"), "w") as f:
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
     def pct(x):
         return f"{100 * x / copy:.0f}%" if isinstance(x, int) else "-"
-    lines = [f"write_kv_cache, {N} tokens, K/V [{N}, {HKV}, {D}] views of a qkv output, block_size {BS}, "
+    what = (f"write_mla_cache, latent [tokens, {MLA_WIDTH}]" if mla else
+            f"write_kv_cache, {N} tokens, K/V [{N}, {HKV}, {D}] views of a qkv output")
+    lines = [f"{what}, block_size {BS}, "
              f"bf16, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}. GB/s of bytes moved "
-             f"(K, V read once, written once); 4 GiB copy {round(copy)} GB/s (the better of start "
+             f"(read once, written once); 4 GiB copy {round(copy)} GB/s (the better of start "
              f"{meta['copy_start_gbps']} and end {round(copy_end)}).", "",
              "| kernel | slots | do_bench (L2 zeroed before) | % of copy | graph, 3 sets rotated | % of copy |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         db, gr = r.get("do_bench", r.get("error", "-")), r.get("graph", "-")
         lines.append(f"| {r['op']} | {r['slots']} | {db} | {pct(db)} | {gr} | {pct(gr)} |")
-    with open(os.path.join(out, "kv_write.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -279,14 +323,17 @@ def kv_write_main(out: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", choices=["kv_write"], default=None,
-                    help="time only the K/V cache write, old and new, two ways")
+    ap.add_argument("--only", choices=["kv_write", "mla_write"], default=None,
+                    help="time only the K/V (or MLA latent) cache write, two ways")
     ap.add_argument("--precompile", action="store_true",
                     help="with --only kv_write: run each kernel once at the benchmark's shape (fills "
                          "Triton's cache; may run beside other untimed GPU work), then exit")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
+    if args.only == "mla_write":
+        kv_write_main(args.out, mla=True)
+        return
     if args.only == "kv_write":
         if args.precompile:
             kv_write_precompile()
