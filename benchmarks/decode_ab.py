@@ -9,9 +9,9 @@ timed as `flashpage bench latency` times it (decode tok/s = (output - 1) / (tota
 
     python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 \\
         --max-num-seqs 8 --setting base= --setting pdl=FLASHPAGE_PDL=1 \\
-        --setting l2=FLASHPAGE_L2_PREFETCH=o_proj --json-out $OUT/decode_ab.json
+        --setting "l2=FLASHPAGE_L2_PREFETCH=o_proj,down:8" --json-out $OUT/decode_ab.json
 
-A setting is NAME=VAR=VALUE[,VAR=VALUE...]; "NAME=" is the defaults. Variables a setting
+A setting is NAME=VAR=VALUE[;VAR=VALUE...]; "NAME=" is the defaults. Variables a setting
 does not name are unset (FLASHPAGE_PDL, FLASHPAGE_L2_PREFETCH, ..._MAX_BATCH).
 """
 
@@ -32,10 +32,10 @@ SWITCHES = ("FLASHPAGE_PDL", "FLASHPAGE_L2_PREFETCH", "FLASHPAGE_L2_PREFETCH_MAX
 def parse_setting(text: str) -> tuple[str, dict[str, str]]:
     name, _, rest = text.partition("=")
     env = {}
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, rest.split(";")):
         var, eq, val = item.partition("=")
         if not eq or not var.startswith("FLASHPAGE_"):
-            raise SystemExit(f"--setting {text!r}: expected NAME=FLASHPAGE_VAR=VALUE[,...]")
+            raise SystemExit(f"--setting {text!r}: expected NAME=FLASHPAGE_VAR=VALUE[;...]")
         env[var] = val
     return name, env
 
@@ -50,7 +50,7 @@ def main() -> int:
     from flashpage.sampling_params import SamplingParams
 
     p = bench_parser("decode_ab.py", __doc__)
-    p.add_argument("--setting", action="append", default=[], help="NAME=VAR=VALUE[,...] (repeat)")
+    p.add_argument("--setting", action="append", default=[], help="NAME=VAR=VALUE[;...] (repeat)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--input-len", type=int, default=128)
