@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
+
 _LOG2E = 1.4426950408889634
 
 
@@ -119,7 +121,9 @@ def _mla_decode_kernel(
     SPLIT: tl.constexpr,  # write partial results (num_splits > 1) instead of out
     FUSED: tl.constexpr,  # SPLIT, and the last split of a head block merges them into out
     IEEE: tl.constexpr,  # fp32 inputs: exact dots, not tf32
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     hb = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -248,10 +252,12 @@ def _mla_merge_kernel(
     BLOCK_R: tl.constexpr,  # row stride of mid_o
     BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
     CHUNK_R: tl.constexpr,  # value dims per program
+    PDL: tl.constexpr,
 ):
     """One program per (sequence, head, chunk of value dims):
     out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max). All splits are loaded at once
     (a [BLOCK_S, CHUNK_R] tile): a loop over the splits waits on one load after another."""
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b.to(tl.int64) * num_heads + h
@@ -334,6 +340,7 @@ def mla_decode(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: MLADecodeConfig | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """MLA decode over the paged latent cache.
 
@@ -341,6 +348,8 @@ def mla_decode(
     kv_cache     : [num_blocks, block_size, kv_lora_rank + rope_dim]  (last dim contiguous)
     block_tables : int32 [B, max_blocks]; entries past ``seq_lens[b]`` are never read
     seq_lens     : int32 [B], >= 1; the query sits at position ``seq_lens[b] - 1``
+    pdl          : programmatic dependent launch of its kernels (kernels/pdl.py); None
+                   decides from the device and FLASHPAGE_PDL
     returns out  : [B, H, kv_lora_rank] in q's dtype
     """
     if q.dim() != 3 or kv_cache.dim() != 3:
@@ -386,6 +395,8 @@ def mla_decode(
     else:
         mid_o = mid_lse = out  # unused
     counters = _merge_counters(q.device, B * head_blocks) if fused else seq_lens  # else unused
+    use_pdl = resolve_pdl(pdl, q.device)
+    launch_kw = pdl_launch_kwargs(use_pdl)
     _mla_decode_kernel[(head_blocks, B, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, mid_o, mid_lse, counters,
         sm_scale * _LOG2E,
@@ -396,15 +407,16 @@ def mla_decode(
         out.stride(0), out.stride(1),
         RANK=kv_lora_rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE=page, SPLIT=split, FUSED=fused,
-        IEEE=q.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IEEE=q.dtype == torch.float32, PDL=use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
     )
     if split and not fused:
         block_s = triton.next_power_of_2(num_splits)
         chunk_r = min(block_r, max(16, 4096 // block_s))  # <= 4K fp32 per program
         _mla_merge_kernel[(B, H, triton.cdiv(kv_lora_rank, chunk_r))](
             mid_o, mid_lse, out, H, num_splits, out.stride(0), out.stride(1),
-            RANK=kv_lora_rank, BLOCK_R=block_r, BLOCK_S=block_s, CHUNK_R=chunk_r, num_warps=4,
+            RANK=kv_lora_rank, BLOCK_R=block_r, BLOCK_S=block_s, CHUNK_R=chunk_r, PDL=use_pdl,
+            num_warps=4, **launch_kw,
         )
     return out
 
@@ -420,9 +432,10 @@ def mla_decode_ref(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: MLADecodeConfig | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Pure-PyTorch reference, fp32 math; same contract as :func:`mla_decode`."""
-    del num_splits, config  # the reference does not split
+    del num_splits, config, pdl  # the reference does not split or launch kernels
     B, H, D = q.shape
     page = kv_cache.shape[1]
     flat = kv_cache.reshape(-1, D)

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
+from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 _LOG2E = 1.4426950408889634
 
@@ -178,7 +179,9 @@ def _paged_decode_kernel(
     FUSED_MERGE: tl.constexpr,  # the last split of each (b, kvh) merges (SPLIT only)
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two (the merge's rows)
     MERGE_CHUNK: tl.constexpr,  # splits the merge loads at once
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -305,7 +308,9 @@ def _merge_splits_kernel(
     SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)  # b * Hq + h
     b = row // num_q_heads
     h = row % num_q_heads
@@ -406,9 +411,11 @@ def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out):
 
 
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
-            num_splits, config: DecodeConfig | None = None):
+            num_splits, config: DecodeConfig | None = None, pdl: bool | None = None):
     """paged_decode with an explicit tile config (the benchmark sweeps them)."""
     _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out)
+    use_pdl = resolve_pdl(pdl, q.device)
+    launch_kw = pdl_launch_kwargs(use_pdl)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
@@ -449,10 +456,10 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
             GROUP=group, HPB=hpb, ROWS_PAD=max(16, triton.next_power_of_2(hpb * group)),
             HEAD_DIM=head_dim, WIDTH=hpb * head_dim, PAGE=block_size, BLOCK_N=cfg.block_n,
             SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None, IEEE=q.dtype == torch.float32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
         )
         if num_splits > 1:
-            _merge(mid_o, mid_lse, out, num_splits, block_d)
+            _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
         return out
     counters = _split_counters(q.device, batch * num_kv_heads) if num_splits > 1 and cfg.fused_merge else None
     fused_merge = counters is not None
@@ -473,20 +480,21 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         BLOCK_N=cfg.block_n, SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None,
         IEEE=q.dtype == torch.float32, PREFETCH=cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
     )
     if num_splits > 1 and not fused_merge:
-        _merge(mid_o, mid_lse, out, num_splits, block_d)
+        _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
     return out
 
 
-def _merge(mid_o, mid_lse, out, num_splits: int, block_d: int) -> None:
-    """The merge kernel over mid_o [B, Hq, num_splits, D] and mid_lse [B, Hq, num_splits]."""
+def _merge(mid_o, mid_lse, out, num_splits: int, block_d: int, pdl: bool = False) -> None:
+    """The merge kernel over mid_o [B, Hq, num_splits, D] and mid_lse [B, Hq, num_splits];
+    pdl: launch it with PDL (already resolved: True only where supported)."""
     batch, num_q_heads, _, head_dim = mid_o.shape
     _merge_splits_kernel[(batch * num_q_heads,)](
         mid_o, mid_lse, out, num_q_heads, out.stride(0), out.stride(1), num_splits,
         SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl, num_warps=4, **pdl_launch_kwargs(pdl),
     )
 
 
@@ -501,6 +509,7 @@ def paged_decode(
     window_size: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
@@ -511,10 +520,12 @@ def paged_decode(
     window_size  W: only keys j > (seq_lens[b] - 1) - W are attended
     num_splits   key-range splits per sequence; None picks from the batch size and
                  the block table's width (no device sync)
+    pdl          programmatic dependent launch of its kernels (kernels/pdl.py); None
+                 decides from the device and FLASHPAGE_PDL
     returns out  [B, Hq, D] in q's dtype (written into ``out`` when given)
     """
     return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
-                   window_size=window_size, out=out, num_splits=num_splits)
+                   window_size=window_size, out=out, num_splits=num_splits, pdl=pdl)
 
 
 def paged_decode_ref(
@@ -528,8 +539,9 @@ def paged_decode_ref(
     window_size: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
-    """Pure-torch paged_decode, in fp32, one sequence at a time. num_splits is ignored."""
+    """Pure-torch paged_decode, in fp32, one sequence at a time. num_splits and pdl are ignored."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads

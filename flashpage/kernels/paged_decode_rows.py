@@ -23,6 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashpage.kernels.pdl import pdl_prologue
+
 
 @triton.jit(do_not_specialize=["window", "stride_btb", "num_splits"])
 def _paged_decode_rows_kernel(
@@ -44,7 +46,9 @@ def _paged_decode_rows_kernel(
     SPLIT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     hb = tl.program_id(1)  # block of HPB KV heads
     split = tl.program_id(2)

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
+
 _MAX_HIDDEN = 65536
 
 
@@ -27,7 +29,9 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -48,11 +52,14 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    *,
+    pdl: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [..., H], weight [H], residual like x (or None).
 
     Returns out (x's shape and dtype), or (out, x + residual) when residual is given.
-    Inputs are not modified.
+    Inputs are not modified. pdl: programmatic dependent launch (kernels/pdl.py); None
+    decides from the device and FLASHPAGE_PDL.
     """
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
@@ -78,11 +85,12 @@ def rms_norm(
     weight = weight if weight.stride(0) == 1 else weight.contiguous()
     block = triton.next_power_of_2(hidden)
     if x2.shape[0]:
+        use_pdl = resolve_pdl(pdl, x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             eps, HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(4, block // 512)),
+            PDL=use_pdl, num_warps=min(16, max(4, block // 512)), **pdl_launch_kwargs(use_pdl),
         )
     out = out.view(x.shape)
     if residual is None:

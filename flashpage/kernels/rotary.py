@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from flashpage.kernels.cache_write import _check_kv, write_kv_cache_ref
+from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 
 @triton.jit
@@ -85,7 +86,9 @@ def _rotary_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, REST_PAD: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     offs_j = tl.arange(0, HALF_PAD)
@@ -148,7 +151,8 @@ def _check_rotary(positions, q, k, cos_sin_cache) -> None:
         raise ValueError("positions must be contiguous")
 
 
-def _launch(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapping, is_neox):
+def _launch(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapping, is_neox,
+            pdl: bool | None = None):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     half = cos_sin_cache.shape[1] // 2
@@ -157,6 +161,7 @@ def _launch(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapp
     block_hq = min(triton.next_power_of_2(num_q_heads), max(1, 2048 // half_pad))
     block_hk = min(triton.next_power_of_2(num_kv_heads), max(1, 2048 // half_pad))
     write = key_cache is not None
+    use_pdl = resolve_pdl(pdl, q.device)
     if not write:  # placeholders for unused pointers and strides
         v, key_cache, value_cache, slot_mapping = k, k.unsqueeze(0), k.unsqueeze(0), positions
     _rotary_kernel[(num_tokens,)](
@@ -170,7 +175,8 @@ def _launch(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapp
         HALF=half, HALF_PAD=half_pad, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         REST_PAD=triton.next_power_of_2(max(1, head_dim - 2 * half)),
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, num_warps=4,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, PDL=use_pdl, num_warps=4,
+        **pdl_launch_kwargs(use_pdl),
     )
 
 
@@ -180,14 +186,18 @@ def apply_rotary(
     k: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     is_neox: bool = True,
+    *,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [N, Hq, D] and k [N, Hkv, D] in place at positions [N]; returns (q, k).
 
     q and k may be strided views (e.g. of a fused qkv projection); their last dim is contiguous.
+    pdl: programmatic dependent launch (kernels/pdl.py); None decides from the device and
+    FLASHPAGE_PDL.
     """
     _check_rotary(positions, q, k, cos_sin_cache)
     if q.shape[0]:
-        _launch(positions, q, k, None, cos_sin_cache, None, None, None, is_neox)
+        _launch(positions, q, k, None, cos_sin_cache, None, None, None, is_neox, pdl)
     return q, k
 
 
@@ -201,18 +211,21 @@ def rotary_and_cache_write(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     is_neox: bool = True,
+    *,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """apply_rotary on q, k in place, then write k (rotated) and v into the paged cache, in
     one kernel: k is rotated in registers and stored twice, never re-read.
 
     v [N, Hkv, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D];
     slot_mapping int64 [N], -1 = do not write token t (its q and k are still rotated).
-    Returns (q, k).
+    pdl as in apply_rotary. Returns (q, k).
     """
     _check_rotary(positions, q, k, cos_sin_cache)
     _check_kv(k, v, key_cache, value_cache, slot_mapping)
     if q.shape[0]:
-        _launch(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapping, is_neox)
+        _launch(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapping, is_neox,
+                pdl)
     return q, k
 
 

@@ -10,11 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
+
 _BLOCK = 1024  # elements of I per program; benchmarks/fused_ops.py sweeps it
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_prologue(PDL)  # programmatic dependent launch (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -24,8 +28,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.co
     tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., 2I] -> [..., I]."""
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, *,
+                 pdl: bool | None = None) -> torch.Tensor:
+    """x [..., 2I] -> [..., I]. pdl: programmatic dependent launch (kernels/pdl.py); None
+    decides from the device and FLASHPAGE_PDL."""
     if x.shape[-1] % 2:
         raise ValueError(f"the last dim of x must be even (gate and up halves), got {x.shape[-1]}")
     if not x.is_floating_point():
@@ -40,8 +46,10 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         raise ValueError(f"out must be contiguous {x.dtype} {(*x.shape[:-1], inter)}")
     o2 = out.view(-1, inter)
     if x2.shape[0] and inter:
+        use_pdl = resolve_pdl(pdl, x.device)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, _BLOCK))](
-            x2, o2, inter, x2.stride(0), o2.stride(0), BLOCK=_BLOCK, num_warps=4)
+            x2, o2, inter, x2.stride(0), o2.stride(0), BLOCK=_BLOCK, PDL=use_pdl, num_warps=4,
+            **pdl_launch_kwargs(use_pdl))
     return out
 
 

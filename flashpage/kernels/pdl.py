@@ -1,0 +1,77 @@
+"""Programmatic dependent launch (PDL) for the decode-path kernels (Hopper and newer).
+
+In a stream (or a CUDA graph) a kernel normally starts only once the kernel before it
+has finished: at batch 1 a decode step is ~290 small kernels, each paying its whole
+launch latency. A kernel launched with PDL (``launch_pdl=True``, which sets
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION) may be scheduled while the one
+before it still runs, once every program of that one has executed
+``griddepcontrol.launch_dependents`` (or exited). So its launch and prologue overlap the
+previous kernel's tail.
+
+The rule that keeps it correct: a PDL kernel executes ``griddepcontrol.wait``
+(``gdc_wait``, which returns once the previous grid has completed and its memory is
+visible) before touching any global memory a previous kernel may write *or read*. Reads
+after writes are the obvious hazard; writes after reads are the other one (the graph's
+memory pool hands a buffer the previous kernel still reads to the next one as its
+output). So our kernels wait first, at the very start, and only then let their own
+dependents launch (``pdl_prologue``). The wait is transitive: a kernel that waited
+completes only after the kernel it waited on did.
+
+Both are inline PTX: the interpreter (TRITON_INTERPRET=1) cannot run them, and the
+kernels compile them only under their ``PDL`` constexpr, which launchers set from
+``pdl_enabled`` (or an explicit ``pdl=`` argument, honoured only where PDL exists).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from flashpage import envs
+
+_CAPABILITY_MAJOR: dict[int, int] = {}
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched with PDL: an NVIDIA GPU of compute
+    capability 9 or newer, not the Triton interpreter."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    major = _CAPABILITY_MAJOR.get(idx)
+    if major is None:
+        major = _CAPABILITY_MAJOR[idx] = torch.cuda.get_device_capability(idx)[0]
+    return major >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """PDL for kernels on ``device``: FLASHPAGE_PDL=1 (read at every call, so a benchmark
+    may flip it between runs) and ``pdl_supported``."""
+    return envs.pdl() and pdl_supported(device)
+
+
+def resolve_pdl(pdl: bool | None, device: torch.device) -> bool:
+    """A launcher's ``pdl`` argument: None decides from the device and FLASHPAGE_PDL;
+    True asks for PDL regardless of the variable, but only where it is supported."""
+    if pdl is None:
+        return pdl_enabled(device)
+    return bool(pdl) and pdl_supported(device)
+
+
+def pdl_launch_kwargs(pdl: bool) -> dict[str, bool]:
+    """The launch keyword to pass beside ``PDL=pdl``: ``{"launch_pdl": True}`` or ``{}``."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """Call first in a kernel: with PDL, wait for the previous grid, then let the next
+    grid launch (its programs wait in turn before touching memory)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
