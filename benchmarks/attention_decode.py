@@ -29,6 +29,14 @@ times, per COMPARE_SHAPES shape, the previous default (the same config with the 
 merge kernel) beside the current default (``paged_decode`` as called, in-kernel merge on
 Hopper small grids) and a few variants of the new path, with SDPA cuDNN and the copy
 bandwidth of the same run (compare.json / compare.md).
+
+    python benchmarks/attention_decode.py --precompile 8 --pdl-ab
+    python benchmarks/attention_decode.py --out $OUT --pdl-ab
+
+times, per PDL_AB_SHAPES shape, the default path (default config and split rule, merge
+included: what the engine calls) with programmatic dependent launch off and on
+(FLASHPAGE_PDL, kernels/pdl.py), alternating off/on three times, the median of each, with
+the copy bandwidth of the same run (pdl_ab.json / pdl_ab.md).
 """
 
 from __future__ import annotations
@@ -150,6 +158,103 @@ def compare(args, dev, sms) -> None:
     print("\n".join(lines))
 
 
+# Issue 6's rows, and batch 1 x 1024: the engine's one-sequence case (launch-bound).
+PDL_AB_SHAPES = [(1, 32768), (8, 32768), (32, 4096), (128, 2048), (1, 1024)]
+PDL_AB_ROUNDS = 3
+
+
+def pdl_ab_jobs() -> list:
+    """(batch, context, pdl) per variant --pdl-ab compiles (tiny inputs of the same layout)."""
+    return [(b, c, p) for b, c in PDL_AB_SHAPES for p in (False, True)]
+
+
+def _compile_pdl_ab(job) -> str:
+    """Run the default path once, PDL off or on, on tiny inputs with the shape's batch and
+    block-table width (the same config, split count and specialisations)."""
+    batch, ctx, pdl = job
+    t = time.time()
+    kc = torch.randn(8, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    tables = torch.zeros(batch, ctx // BS, dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), 100, dtype=torch.int32, device="cuda")
+    _launch(q, kc, kc, tables, lens, sm_scale=None, window_size=None, out=None, num_splits=None,
+            pdl=pdl)
+    torch.cuda.synchronize()
+    return f"{batch} x {ctx} pdl={pdl}: {time.time() - t:.1f}s"
+
+
+def _set_pdl(on: bool) -> None:
+    os.environ["FLASHPAGE_PDL"] = "1" if on else "0"
+
+
+def pdl_ab(args, dev, sms) -> None:
+    """The default path with PDL off and on (FLASHPAGE_PDL, read when each graph is
+    captured), off/on alternating PDL_AB_ROUNDS times per shape; medians."""
+    import statistics
+
+    from flashpage.kernels.pdl import pdl_supported
+
+    if not pdl_supported(dev):
+        print("PDL needs compute capability >= 9: both settings would time the same kernels")
+    copy_before = copy_bandwidth()
+    print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)
+    t0 = time.time()
+    rows = []
+    for batch, ctx in PDL_AB_SHAPES:
+        shape = Shape(batch, ctx)
+        cfg = default_config(dev, D, batch * HKV)
+        splits = choose_num_splits(batch, HKV, ctx, sms, programs_per_sm=cfg.programs_per_sm)
+        # Bit-exact check on the first rotation: PDL changes when kernels start, not what
+        # they compute.
+        outs = [_launch(shape.q[0], shape.key_cache, shape.value_cache, shape.tables[0],
+                        shape.seq_lens, sm_scale=None, window_size=None, out=None,
+                        num_splits=None, pdl=p) for p in (False, True)]
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        for _ in range(PDL_AB_ROUNDS):
+            for name in ("off", "on"):
+                _set_pdl(name == "on")
+                times[name].append(time_graph(shape.ours(), shape.calls()))
+        _set_pdl(False)
+        med = {k_: statistics.median(v_) for k_, v_ in times.items()}
+        row = dict(batch=batch, context=ctx, config=config_name(cfg), splits=splits,
+                   calls_per_graph=shape.calls(), equal=bool(torch.equal(*outs)),
+                   off_us=round(med["off"] * 1e6, 2), on_us=round(med["on"] * 1e6, 2),
+                   off_gbps=round(shape.kv_bytes / med["off"] / 1e9),
+                   on_gbps=round(shape.kv_bytes / med["on"] / 1e9),
+                   off_all_us=[round(t_ * 1e6, 2) for t_ in times["off"]],
+                   on_all_us=[round(t_ * 1e6, 2) for t_ in times["on"]])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del shape, outs
+        torch.cuda.empty_cache()
+    took = time.time() - t0
+    copy_after = copy_bandwidth()
+    copy = max(copy_before, copy_after)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, copy_gbps=round(copy),
+                copy_before_gbps=round(copy_before), copy_after_gbps=round(copy_after),
+                rounds=PDL_AB_ROUNDS, seconds=round(took))
+    with open(os.path.join(args.out, "pdl_ab.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    lines = [f"Paged decode, PDL off vs on (FLASHPAGE_PDL), default config and split rule, merge "
+             f"included, GQA {HQ}/{HKV}, head_dim {D}, block_size {BS}, bf16, {meta['gpu']}, torch "
+             f"{meta['torch']}, triton {meta['triton']}. Per call: median of {PDL_AB_ROUNDS} "
+             f"CUDA-graph timings per setting, taken off/on alternately, each graph many calls "
+             f"over rotated inputs; copy {round(copy)} GB/s (before {round(copy_before)}, "
+             f"after {round(copy_after)}).", "",
+             "| batch × context | config/splits | off µs | off GB/s (% of copy) | on µs "
+             "| on GB/s (% of copy) | on/off speed | outputs equal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['batch']} × {r['context']} | {r['config']}/sp{r['splits']} | {r['off_us']} "
+                     f"| {r['off_gbps']} ({100 * r['off_gbps'] / copy:.0f}%) | {r['on_us']} "
+                     f"| {r['on_gbps']} ({100 * r['on_gbps'] / copy:.0f}%) "
+                     f"| {r['off_us'] / r['on_us']:.3f}× | {r['equal']} |")
+    with open(os.path.join(args.out, "pdl_ab.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def split_options(batch: int, ctx: int, sms: int) -> list[int]:
     """Split counts worth timing: up to ~32 programs per SM, >= 64 keys per split."""
     cap = min(ctx // 64, max(1, -(-32 * sms // (batch * HKV))))
@@ -171,12 +276,19 @@ def _compile_one(job) -> str:
     return f"{config_name(cfg) if cfg else 'merge'} {splits}: {time.time() - t:.1f}s"
 
 
-def precompile(workers: int, sweep: bool, compare_only: bool = False) -> None:
+def precompile(workers: int, sweep: bool, compare_only: bool = False, pdl: bool = False) -> None:
     """Compile the variants the run needs in parallel processes (each takes seconds)."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
     dev = torch.device("cuda")
+    if pdl:
+        t = time.time()
+        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+            for msg in ex.map(_compile_pdl_ab, pdl_ab_jobs()):
+                print("  compiled", msg, flush=True)
+        print(f"precompiled the --pdl-ab variants in {time.time() - t:.0f} s", flush=True)
+        return
     if compare_only:
         jobs = compare_jobs(dev)
     else:
@@ -269,9 +381,11 @@ def main() -> None:
                     help="compile the kernel variants in this many processes, then exit")
     ap.add_argument("--compare", action="store_true",
                     help="old vs new default on COMPARE_SHAPES only (compare.json / compare.md)")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="the default path with PDL off vs on on PDL_AB_SHAPES (pdl_ab.json / pdl_ab.md)")
     args = ap.parse_args()
     if args.precompile:
-        precompile(args.precompile, args.sweep, args.compare)
+        precompile(args.precompile, args.sweep, args.compare, args.pdl_ab)
         return
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -279,6 +393,9 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.compare:
         compare(args, dev, sms)
+        return
+    if args.pdl_ab:
+        pdl_ab(args, dev, sms)
         return
     copy_before = copy_bandwidth()
     print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)

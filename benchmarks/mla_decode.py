@@ -19,6 +19,15 @@ batch 8-128 and contexts 4k-32k, the old two-kernel split merge
 (``fuse_merge_max_splits=0``) beside the new default (the merge inside the main kernel
 for <= 4 splits) and both at a ladder of split counts (dropped past ``--budget-s``).
 The copy bandwidth is measured at the start and the end.
+
+``--pdl-ab`` times, at 16 heads on PDL_AB_SHAPES, the default path (default config and
+split rule, merge kernel included: what the engine calls) with programmatic dependent
+launch off and on (FLASHPAGE_PDL, kernels/pdl.py), alternating off/on three times, the
+median of each, beside the copy bandwidth of the same run: JSON lines to ``--out``, the
+markdown table to ``--out`` with its suffix replaced by ``.md``.
+
+    python benchmarks/mla_decode.py --pdl-ab --precompile 8
+    python benchmarks/mla_decode.py --pdl-ab --out $OUT/mla_pdl_ab.jsonl
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import statistics
 import sys
 import time
 
@@ -117,6 +128,108 @@ def precompile_final(workers: int) -> None:
         for msg in ex.map(_compile_one, jobs):
             print("  compiled", msg, flush=True)
     print(f"precompiled {len(jobs)} variants in {time.time() - t:.0f} s", flush=True)
+
+
+PDL_AB_SHAPES = [(8, 32768), (16, 16384), (32, 4096), (64, 8192)]
+PDL_AB_HEADS = 16
+PDL_AB_ROUNDS = 3
+
+
+def _compile_pdl_ab(job: tuple[int, int, int, bool]) -> str:
+    """The default path once, PDL off or on, on tiny inputs with the shape's batch and
+    block-table width (the same config, split count and specialisations)."""
+    batch, ctx, page, pdl = job
+    t = time.time()
+    q = torch.randn(batch, PDL_AB_HEADS, D, dtype=torch.bfloat16, device="cuda")
+    kv = torch.randn(4, page, D, dtype=torch.bfloat16, device="cuda")
+    tables = torch.zeros(batch, math.ceil(ctx / page), dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), 3 * page, dtype=torch.int32, device="cuda")
+    mla_decode(q, kv, tables, lens, kv_lora_rank=RANK, sm_scale=0.1, pdl=pdl)
+    torch.cuda.synchronize()
+    return f"{batch} x {ctx} pdl={pdl}: {time.time() - t:.1f}s"
+
+
+def precompile_pdl_ab(workers: int, page: int) -> None:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    jobs = [(b, c, page, p) for b, c in PDL_AB_SHAPES for p in (False, True)]
+    t = time.time()
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for msg in ex.map(_compile_pdl_ab, jobs):
+            print("  compiled", msg, flush=True)
+    print(f"precompiled {len(jobs)} variants in {time.time() - t:.0f} s", flush=True)
+
+
+def _set_pdl(on: bool) -> None:
+    os.environ["FLASHPAGE_PDL"] = "1" if on else "0"
+
+
+def run_pdl_ab(f, args) -> None:
+    """Default path, PDL off vs on (FLASHPAGE_PDL, read when each graph is captured),
+    alternating off/on PDL_AB_ROUNDS times per shape; medians; one table."""
+    from flashpage.kernels.pdl import pdl_supported
+
+    dev = torch.device("cuda")
+    if not pdl_supported(dev):
+        print("PDL needs compute capability >= 9: both settings would time the same kernels")
+    name = torch.cuda.get_device_name()
+    copy_start = copy_bandwidth()
+    torch.cuda.empty_cache()
+    emit(f, section="env", gpu=name, torch=torch.__version__, copy_gbps=round(copy_start))
+    print(f"{name}  copy {copy_start:.0f} GB/s", flush=True)
+    t0 = time.time()
+    rows = []
+    cfg = default_config(PDL_AB_HEADS, dev)
+    for batch, ctx in PDL_AB_SHAPES:
+        case = Case(batch, ctx, PDL_AB_HEADS, args.page)
+        splits = pick_num_splits(batch, math.ceil(PDL_AB_HEADS / cfg.block_h), ctx, dev,
+                                 programs_per_sm=cfg.programs_per_sm)
+        # PDL changes when the kernels start, not what they compute: bit-exact.
+        outs = [mla_decode(case.q[0], case.pool, case.tables[0], case.lens, kv_lora_rank=RANK,
+                           sm_scale=case.scale, pdl=p) for p in (False, True)]
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        for _ in range(PDL_AB_ROUNDS):
+            for setting in ("off", "on"):
+                _set_pdl(setting == "on")
+                times[setting].append(time_graph(case.ours()))
+        _set_pdl(False)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        row = dict(section="pdl_ab", heads=PDL_AB_HEADS, batch=batch, ctx=ctx, page=args.page,
+                   config=config_name(cfg), splits=splits, calls_per_graph=case.rot,
+                   equal=bool(torch.equal(*outs)),
+                   off_us=round(med["off"] / case.rot * 1e6, 2),
+                   on_us=round(med["on"] / case.rot * 1e6, 2),
+                   off_gbps=round(gbps(case, med["off"])), on_gbps=round(gbps(case, med["on"])),
+                   off_all_us=[round(t / case.rot * 1e6, 2) for t in times["off"]],
+                   on_all_us=[round(t / case.rot * 1e6, 2) for t in times["on"]])
+        emit(f, **row)
+        rows.append(row)
+        print(f"{batch}x{ctx}: off {row['off_gbps']} on {row['on_gbps']} GB/s "
+              f"({row['off_us']} / {row['on_us']} us), equal {row['equal']}", flush=True)
+        del case, outs
+        torch.cuda.empty_cache()
+    took = time.time() - t0
+    copy_end = copy_bandwidth()
+    copy = max(copy_start, copy_end)
+    emit(f, section="env", copy_gbps_end=round(copy_end), seconds=round(took))
+    lines = [f"MLA decode, PDL off vs on (FLASHPAGE_PDL), {PDL_AB_HEADS} heads, bf16, "
+             f"{RANK}+{ROPE}, page {args.page}, default config and split rule (merge kernel "
+             f"included), {name}, torch {torch.__version__}. Per call: median of "
+             f"{PDL_AB_ROUNDS} CUDA-graph timings per setting, taken off/on alternately; GB/s "
+             f"of latent read (% of copy {copy:.0f} GB/s: start {copy_start:.0f}, end "
+             f"{copy_end:.0f}).", "",
+             "| batch × context | config/splits | off µs | off GB/s (% of copy) | on µs "
+             "| on GB/s (% of copy) | on/off speed | outputs equal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['batch']} × {r['ctx']} | {r['config']}/sp{r['splits']} | {r['off_us']} "
+                     f"| {r['off_gbps']} ({100 * r['off_gbps'] / copy:.0f}%) | {r['on_us']} "
+                     f"| {r['on_gbps']} ({100 * r['on_gbps'] / copy:.0f}%) "
+                     f"| {r['off_us'] / r['on_us']:.3f}× | {r['equal']} |")
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as md:
+        md.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def final_configs() -> tuple[MLADecodeConfig, MLADecodeConfig]:
@@ -210,9 +323,13 @@ def main() -> None:
                     help="the MLA cache write, then old vs new split merge at 16 heads")
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="--final: past this many seconds, time only old and new, no ladder")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="the default path at 16 heads, PDL off vs on (table: --out with .md)")
     args = ap.parse_args()
     if args.precompile:
-        if args.final:
+        if args.pdl_ab:
+            precompile_pdl_ab(args.precompile, args.page)
+        elif args.final:
             precompile_final(args.precompile)
         else:
             precompile(args.precompile, args.sweep, [args.page, 16])
@@ -220,6 +337,10 @@ def main() -> None:
     if args.final:
         with open(args.out, "w") as f:
             run_final(f, args)
+        return
+    if args.pdl_ab:
+        with open(args.out, "w") as f:
+            run_pdl_ab(f, args)
         return
     with open(args.out, "w") as f:
         run(f, args)
