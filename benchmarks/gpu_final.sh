@@ -11,6 +11,7 @@
 #                                          and MLA kernels old vs new (helpers' final scripts)
 #   bash benchmarks/gpu_final.sh next-a    fused MoE tests + benchmark, V2-Lite with it off/on
 #   bash benchmarks/gpu_final.sh next-b    8B throughput twice (spread), prefill kernel table, flex
+#   bash benchmarks/gpu_final.sh next-c    PDL + L2 weight prefetch A/B (kernels, 8B one sequence), MLA write
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -80,5 +81,23 @@ next-b)  # session 3, call 2: run-to-run spread of the 8B figures, where prompt 
     --kernel-table --prefill-table 8192 2>&1 | grep -v Warning | tail -n 70 | tee "$OUT/profile.txt"
   timeout 200 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --attention-backend flex \
     --num-requests 64 --no-hf --json-out "$OUT/throughput_8b_flex.json" 2>&1 | grep -E "tok_per_s|Error" ;;
+next-c)  # session 3, call 2: PDL and the L2 weight prefetch, kernels and 8B engine A/B; MLA write
+  K=$OUT/k
+  timeout 120 python3 benchmarks/attention_decode.py --precompile 6 --pdl-ab >"$K/precompile_decode.txt" 2>&1 &
+  timeout 120 python3 benchmarks/mla_decode.py --pdl-ab --precompile 6 >"$K/precompile_mla.txt" 2>&1 &
+  timeout 120 $PT -n 4 -rfE tests/kernels/test_pdl.py tests/engine/test_weight_prefetch.py 2>&1 \
+    | tee "$K/tests.txt" | tail -n 4
+  wait
+  timeout 170 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 \
+    --max-num-seqs 8 --no-hf --rounds 2 --iters 3 --setting base= --setting pdl=FLASHPAGE_PDL=1 \
+    --setting l2o=FLASHPAGE_L2_PREFETCH=o_proj \
+    --setting "l2all=FLASHPAGE_L2_PREFETCH=o_proj,gate_up:8,down:8,qkv:8" \
+    --setting "both=FLASHPAGE_PDL=1;FLASHPAGE_L2_PREFETCH=o_proj,gate_up:8,down:8,qkv:8" \
+    --json-out "$OUT/decode_ab.json" 2>&1 | grep -E "round|median|Error|error"
+  timeout 50 python3 benchmarks/l2_prefetch.py --out "$K/l2_prefetch.md" 2>&1 | tail -n 10
+  timeout 90 python3 benchmarks/attention_decode.py --pdl-ab --out "$K/decode_pdl" 2>&1 | tail -n 9
+  timeout 90 python3 benchmarks/mla_decode.py --pdl-ab --out "$K/mla_pdl_ab.jsonl" 2>&1 | tail -n 7
+  timeout 40 python3 benchmarks/fused_ops.py --only mla_write --out "$K" 2>&1 | tail -n 7
+  tar czf "$OUT/k.tgz" -C "$OUT" k ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
