@@ -183,8 +183,11 @@ def _compile_pdl_ab(job) -> str:
     return f"{batch} x {ctx} pdl={pdl}: {time.time() - t:.1f}s"
 
 
-def _set_pdl(on: bool) -> None:
-    os.environ["FLASHPAGE_PDL"] = "1" if on else "0"
+PDL_MODES = {"off": "0", "merge": "merge", "on": "1"}  # FLASHPAGE_PDL per setting
+
+
+def _set_pdl(mode: str) -> None:
+    os.environ["FLASHPAGE_PDL"] = PDL_MODES[mode]
 
 
 def pdl_ab(args, dev, sms) -> None:
@@ -209,20 +212,19 @@ def pdl_ab(args, dev, sms) -> None:
         outs = [_launch(shape.q[0], shape.key_cache, shape.value_cache, shape.tables[0],
                         shape.seq_lens, sm_scale=None, window_size=None, out=None,
                         num_splits=None, pdl=p) for p in (False, True)]
-        times: dict[str, list[float]] = {"off": [], "on": []}
+        times: dict[str, list[float]] = {m: [] for m in PDL_MODES}
         for _ in range(PDL_AB_ROUNDS):
-            for name in ("off", "on"):
-                _set_pdl(name == "on")
+            for name in PDL_MODES:
+                _set_pdl(name)
                 times[name].append(time_graph(shape.ours(), shape.calls()))
-        _set_pdl(False)
+        _set_pdl("off")
         med = {k_: statistics.median(v_) for k_, v_ in times.items()}
         row = dict(batch=batch, context=ctx, config=config_name(cfg), splits=splits,
-                   calls_per_graph=shape.calls(), equal=bool(torch.equal(*outs)),
-                   off_us=round(med["off"] * 1e6, 2), on_us=round(med["on"] * 1e6, 2),
-                   off_gbps=round(shape.kv_bytes / med["off"] / 1e9),
-                   on_gbps=round(shape.kv_bytes / med["on"] / 1e9),
-                   off_all_us=[round(t_ * 1e6, 2) for t_ in times["off"]],
-                   on_all_us=[round(t_ * 1e6, 2) for t_ in times["on"]])
+                   calls_per_graph=shape.calls(), equal=bool(torch.equal(*outs)))
+        for m in PDL_MODES:
+            row[f"{m}_us"] = round(med[m] * 1e6, 2)
+            row[f"{m}_gbps"] = round(shape.kv_bytes / med[m] / 1e9)
+            row[f"{m}_all_us"] = [round(t_ * 1e6, 2) for t_ in times[m]]
         rows.append(row)
         print(json.dumps(row), flush=True)
         del shape, outs
@@ -236,20 +238,22 @@ def pdl_ab(args, dev, sms) -> None:
                 rounds=PDL_AB_ROUNDS, seconds=round(took))
     with open(os.path.join(args.out, "pdl_ab.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    lines = [f"Paged decode, PDL off vs on (FLASHPAGE_PDL), default config and split rule, merge "
+    lines = [f"Paged decode, FLASHPAGE_PDL=0 (off) / merge / 1 (on), default config and split rule, merge "
              f"included, GQA {HQ}/{HKV}, head_dim {D}, block_size {BS}, bf16, {meta['gpu']}, torch "
              f"{meta['torch']}, triton {meta['triton']}. Per call: median of {PDL_AB_ROUNDS} "
-             f"CUDA-graph timings per setting, taken off/on alternately, each graph many calls "
+             f"CUDA-graph timings per setting, taken in turn, each graph many calls "
              f"over rotated inputs; copy {round(copy)} GB/s (before {round(copy_before)}, "
              f"after {round(copy_after)}).", "",
-             "| batch × context | config/splits | off µs | off GB/s (% of copy) | on µs "
-             "| on GB/s (% of copy) | on/off speed | outputs equal |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| batch × context | config/splits | off µs | off GB/s (% of copy) | merge µs "
+             "| merge GB/s (% of copy) | on µs | on GB/s (% of copy) | merge/off speed "
+             "| on/off speed | outputs equal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['batch']} × {r['context']} | {r['config']}/sp{r['splits']} | {r['off_us']} "
-                     f"| {r['off_gbps']} ({100 * r['off_gbps'] / copy:.0f}%) | {r['on_us']} "
-                     f"| {r['on_gbps']} ({100 * r['on_gbps'] / copy:.0f}%) "
-                     f"| {r['off_us'] / r['on_us']:.3f}× | {r['equal']} |")
+        cells = [f"{r['batch']} × {r['context']}", f"{r['config']}/sp{r['splits']}"]
+        for m in PDL_MODES:
+            cells += [str(r[f"{m}_us"]), f"{r[f'{m}_gbps']} ({100 * r[f'{m}_gbps'] / copy:.0f}%)"]
+        cells += [f"{r['off_us'] / r['merge_us']:.3f}×", f"{r['off_us'] / r['on_us']:.3f}×", str(r["equal"])]
+        lines.append("| " + " | ".join(cells) + " |")
     with open(os.path.join(args.out, "pdl_ab.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

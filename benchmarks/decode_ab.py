@@ -12,7 +12,7 @@ timed as `flashpage bench latency` times it (decode tok/s = (output - 1) / (tota
         --setting "l2=FLASHPAGE_L2_PREFETCH=o_proj,down:8" --json-out $OUT/decode_ab.json
 
 A setting is NAME=VAR=VALUE[;VAR=VALUE...]; "NAME=" is the defaults. Variables a setting
-does not name are unset (FLASHPAGE_PDL, FLASHPAGE_L2_PREFETCH, ..._MAX_BATCH).
+does not name are unset (FLASHPAGE_PDL, FLASHPAGE_L2_PREFETCH, ..._MAX_BATCH, ..._GRID).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SWITCHES = ("FLASHPAGE_PDL", "FLASHPAGE_L2_PREFETCH", "FLASHPAGE_L2_PREFETCH_MAX_BATCH")
+SWITCHES = ("FLASHPAGE_PDL", "FLASHPAGE_L2_PREFETCH", "FLASHPAGE_L2_PREFETCH_MAX_BATCH",
+            "FLASHPAGE_L2_PREFETCH_GRID")
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, str]]:

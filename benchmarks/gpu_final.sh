@@ -99,5 +99,18 @@ next-c)  # session 3, call 2: PDL and the L2 weight prefetch, kernels and 8B eng
   timeout 90 python3 benchmarks/mla_decode.py --pdl-ab --out "$K/mla_pdl_ab.jsonl" 2>&1 | tail -n 7
   timeout 40 python3 benchmarks/fused_ops.py --only mla_write --out "$K" 2>&1 | tail -n 7
   tar czf "$OUT/k.tgz" -C "$OUT" k ;;
+next-d)  # session 3, call 3: PDL modes (off / merge only / all), spread L2 prefetch, engine A/B
+  K=$OUT/k; mkdir -p "$K"
+  timeout 100 $PT -n 4 -rfE tests/kernels/test_pdl.py 2>&1 | tee "$K/tests.txt" | tail -n 3
+  timeout 60 python3 benchmarks/l2_prefetch.py --grids 64:128 64:8 64:2 16:8 256:2 16:2 \
+    --out "$K/l2_grids.md" 2>&1 | tail -n 8
+  timeout 100 python3 benchmarks/attention_decode.py --pdl-ab --out "$K/decode_pdl" 2>&1 | tail -n 8
+  timeout 190 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 \
+    --max-num-seqs 8 --no-hf --rounds 2 --iters 3 --setting off=FLASHPAGE_PDL=0 --setting merge= \
+    --setting all=FLASHPAGE_PDL=1 \
+    --setting "l2_64x2=FLASHPAGE_L2_PREFETCH=o_proj;FLASHPAGE_L2_PREFETCH_GRID=64:2" \
+    --setting "l2_256x2=FLASHPAGE_L2_PREFETCH=o_proj;FLASHPAGE_L2_PREFETCH_GRID=256:2" \
+    --json-out "$OUT/decode_ab.json" 2>&1 | grep -E "round|median|Error|error"
+  tar czf "$OUT/k.tgz" -C "$OUT" k ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,6 +33,9 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the markdown table here")
     p.add_argument("--window-us", type=float, nargs="+", default=[5.0, 10.0, 20.0],
                    help="length of the stand-in window before the GEMM")
+    p.add_argument("--grids", nargs="+", default=None, metavar="KB:LANES",
+                   help="time these prefetch launch shapes (chunk KB per instruction : "
+                        "instructions per program) on o_proj only, one 10 µs window")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -51,8 +55,17 @@ def main() -> None:
              "µs per GEMM (+ window), CUDA-graph replays over 8 weights rotated (cold in L2).", "",
              "| weight | MB | window µs | gemm | window + gemm | window ‖ prefetch, gemm | saved | "
              "prefetch, gemm |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, (n, k) in shapes.items():
-        lines += _rows(name, n, k, args.window_us, cyc_per_us, side, time_graph, prefetch_l2)
+    if args.grids:
+        shapes = {"o_proj 4096x4096": shapes["o_proj 4096x4096"]}
+        lines[-2] = lines[-2].replace("| weight |", "| weight, prefetch KB:lanes |")
+        for grid in args.grids:
+            kb, _, lanes = grid.partition(":")
+            pf = partial(prefetch_l2, chunk=int(kb) * 1024, lanes=int(lanes))
+            n, k = shapes["o_proj 4096x4096"]
+            lines += _rows(f"o_proj {grid}", n, k, [10.0], cyc_per_us, side, time_graph, pf)
+    else:
+        for name, (n, k) in shapes.items():
+            lines += _rows(name, n, k, args.window_us, cyc_per_us, side, time_graph, prefetch_l2)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -22,6 +22,9 @@ import triton.language as tl
 
 CHUNK = 64 * 1024  # bytes per prefetch instruction
 BLOCK = 128  # instructions per program (one per thread of 4 warps)
+# (Few programs funnel every request through a few SMs' copy engines: the H200 run of
+# 2026-11-30 saw ~1 TB/s that way. FLASHPAGE_L2_PREFETCH_GRID="CHUNK_KB:LANES" spreads
+# them over more programs, for the benchmark's sweep.)
 
 
 @triton.jit
@@ -44,7 +47,16 @@ def can_prefetch(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def prefetch_l2(t: torch.Tensor, max_bytes: int | None = None) -> int:
+def _grid_setting() -> tuple[int, int]:
+    text = os.environ.get("FLASHPAGE_L2_PREFETCH_GRID", "")
+    if not text:
+        return CHUNK, BLOCK
+    kb, _, lanes = text.partition(":")
+    return int(kb) * 1024, int(lanes or BLOCK)
+
+
+def prefetch_l2(t: torch.Tensor, max_bytes: int | None = None, chunk: int | None = None,
+                lanes: int | None = None) -> int:
     """Ask for the first ``max_bytes`` (default: all) of contiguous tensor ``t`` in L2.
 
     Returns the bytes asked for: 0 where the device cannot (CPU, interpreter, pre-Hopper).
@@ -59,8 +71,13 @@ def prefetch_l2(t: torch.Tensor, max_bytes: int | None = None) -> int:
     nbytes -= nbytes % 16
     if nbytes <= 0 or t.data_ptr() % 16:
         return 0
-    grid = (triton.cdiv(nbytes, CHUNK * BLOCK),)
-    _l2_prefetch_kernel[grid](t.data_ptr(), nbytes, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
+    env_chunk, env_lanes = _grid_setting()
+    chunk, lanes = chunk or env_chunk, lanes or env_lanes
+    if chunk % 16 or lanes & (lanes - 1):
+        raise ValueError(f"chunk must be a multiple of 16 and lanes a power of two: {chunk}, {lanes}")
+    grid = (triton.cdiv(nbytes, chunk * lanes),)
+    _l2_prefetch_kernel[grid](t.data_ptr(), nbytes, CHUNK=chunk, BLOCK=lanes,
+                              num_warps=max(1, min(4, lanes // 32)))
     return nbytes
 
 

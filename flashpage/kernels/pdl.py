@@ -50,9 +50,16 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """PDL for kernels on ``device``: FLASHPAGE_PDL=1 (read at every call, so a benchmark
-    may flip it between runs) and ``pdl_supported``."""
-    return envs.pdl() and pdl_supported(device)
+    """PDL for every decode-path kernel on ``device``: FLASHPAGE_PDL=1/all (read at every
+    call, so a benchmark may flip it between runs) and ``pdl_supported``."""
+    return envs.pdl() == "all" and pdl_supported(device)
+
+
+def merge_pdl_enabled(device: torch.device) -> bool:
+    """PDL for paged decode's split merge only (FLASHPAGE_PDL=merge, the default, or all):
+    the split kernel lets the merge launch as soon as its last program has started, and
+    the merge waits for the split kernel's results before reading them."""
+    return envs.pdl() in ("merge", "all") and pdl_supported(device)
 
 
 def resolve_pdl(pdl: bool | None, device: torch.device) -> bool:
@@ -66,6 +73,13 @@ def resolve_pdl(pdl: bool | None, device: torch.device) -> bool:
 def pdl_launch_kwargs(pdl: bool) -> dict[str, bool]:
     """The launch keyword to pass beside ``PDL=pdl``: ``{"launch_pdl": True}`` or ``{}``."""
     return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def pdl_trigger(TRIGGER: tl.constexpr):
+    """Let the next grid launch now (a hint; harmless when the next grid is not a PDL launch)."""
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

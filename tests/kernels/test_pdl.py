@@ -69,6 +69,24 @@ def test_pdl_reads_the_variable_at_each_call(monkeypatch):
     assert not pdl_enabled(dev)
 
 
+def test_pdl_modes(monkeypatch):
+    """FLASHPAGE_PDL: merge (the default) PDL-launches only paged decode's split merge;
+    1/all every decode-path kernel; 0 none."""
+    from flashpage import envs
+
+    monkeypatch.setattr(pdl_mod, "pdl_supported", lambda device: True)
+    dev = torch.device("cuda", 0)
+    for value, mode, every, merge in (("merge", "merge", False, True), ("1", "all", True, True),
+                                      ("all", "all", True, True), ("0", "0", False, False)):
+        monkeypatch.setenv("FLASHPAGE_PDL", value)
+        assert envs.pdl() == mode
+        assert pdl_enabled(dev) is every and pdl_mod.merge_pdl_enabled(dev) is merge
+    monkeypatch.delenv("FLASHPAGE_PDL")
+    assert envs.pdl() == "merge" and pdl_mod.merge_pdl_enabled(dev) and not pdl_enabled(dev)
+    monkeypatch.undo()
+    assert not pdl_mod.merge_pdl_enabled(torch.device("cpu"))
+
+
 def test_pdl_launch_kwargs():
     assert pdl_launch_kwargs(True) == {"launch_pdl": True}
     assert pdl_launch_kwargs(False) == {}
@@ -281,11 +299,12 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("batch,ctx", [(1, 1024), (4, 4096), (64, 512)])
-def test_decode_chain_pdl_equals_off(monkeypatch, batch, ctx):
+@pytest.mark.parametrize("mode", ["1", "merge"])
+def test_decode_chain_pdl_equals_off(monkeypatch, batch, ctx, mode):
     """Eager, then a captured graph of the chain replayed with new inputs: PDL on (from
-    FLASHPAGE_PDL=1) gives exactly the PDL-off outputs."""
-    monkeypatch.setenv("FLASHPAGE_PDL", "1")
-    assert pdl_enabled(torch.device("cuda"))
+    FLASHPAGE_PDL=1, or =merge: the split merge only) gives exactly the PDL-off outputs."""
+    monkeypatch.setenv("FLASHPAGE_PDL", mode)
+    assert pdl_enabled(torch.device("cuda")) is (mode == "1")
     chain = DecodeChain(batch, ctx)
     chain.new_inputs(0)
     want = {n: t.clone() for n, t in chain.run(pdl=False).items()}
