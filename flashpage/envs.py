@@ -39,24 +39,9 @@ def fused_moe() -> bool:
 def pdl() -> str:
     """FLASHPAGE_PDL: programmatic dependent launch of our decode-path Triton kernels
     (Hopper and newer; kernels/pdl.py), so a kernel's launch overlaps the tail of the one
-    before it. "merge" (the default): only paged decode's split merge, which then starts
-    as the split kernel drains (1 x 32k: +3.5% on the H200); "1"/"all": every decode-path
-    kernel (no better end to end, and 10% slower for unsplit paged decode at 32 x 4096);
-    "0": none."""
-    mode = os.environ.get("FLASHPAGE_PDL", "merge").strip().lower()
+    before it. "auto" (the default): every decode-path kernel except the two that timed
+    slower with it on the H200 (unsplit paged decode, 0.91x at 32 x 4096; MLA decode,
+    0.97-0.99x); "1"/"all": every one; "0": none."""
+    mode = os.environ.get("FLASHPAGE_PDL", "auto").strip().lower()
     return {"1": "all", "": "0", "off": "0", "none": "0"}.get(mode, mode)
 
-
-def l2_prefetch() -> str:
-    """FLASHPAGE_L2_PREFETCH: in decode graphs of few sequences, prefetch weights into L2 on
-    a side stream while the small kernels between GEMMs run (HBM is otherwise idle there;
-    engine/weight_prefetch.py). "0"/empty: off (the default until an H200 A/B shows it
-    wins); "1": o_proj during attention; or a comma list of projections to prefetch
-    after the GEMM before them, each optionally capped in MB: "o_proj,gate_up:8,down:8,qkv:8"."""
-    return os.environ.get("FLASHPAGE_L2_PREFETCH", "0")
-
-
-def l2_prefetch_max_batch() -> int:
-    """FLASHPAGE_L2_PREFETCH_MAX_BATCH: the largest decode batch whose graph prefetches
-    (default 8: above it the GEMMs stop being weight-bound)."""
-    return int(os.environ.get("FLASHPAGE_L2_PREFETCH_MAX_BATCH", "8"))

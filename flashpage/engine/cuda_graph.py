@@ -5,10 +5,6 @@ their work, bounds the step. We capture the whole forward + logits once per batc
 bucket (1, 2, 4, 8, 16, 24, 32, ... up to ``max_num_seqs``), all graphs sharing one
 memory pool, and replay the smallest bucket that holds the step's batch.
 
-With a ``prefetcher`` (engine/weight_prefetch.py), graphs of few sequences also
-prefetch the next projection's weights into L2 on a side stream that rejoins before the
-capture ends.
-
 Inputs live in static buffers the graphs were captured with; padding rows write
 nowhere (slot -1) and attend to one token of block 0, so they cost almost nothing and
 touch no request's cache.
@@ -16,16 +12,12 @@ touch no request's cache.
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from flashpage.attention.backend import AttentionMetadata
-
-if TYPE_CHECKING:
-    from flashpage.engine.weight_prefetch import WeightPrefetcher
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -35,10 +27,8 @@ def batch_buckets(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, max_bs: int, max_blocks: int, device: torch.device,
-                 prefetcher: WeightPrefetcher | None = None) -> None:
+    def __init__(self, model: nn.Module, max_bs: int, max_blocks: int, device: torch.device) -> None:
         self.model = model
-        self.prefetcher = prefetcher
         self.device = device
         self.max_bs = max_bs
         self.max_blocks = max_blocks
@@ -67,21 +57,17 @@ class DecodeGraphs:
         for bs in reversed(self.buckets):
             md = self.metadata(bs, max_seq)
             for _ in range(2):  # warm up: compile kernels, settle the allocator
-                with self._prefetching(bs):
-                    hidden = self.model(self.input_ids[:bs], self.positions[:bs], md)
-                    self.model.compute_logits(hidden)  # type: ignore[operator]
+                hidden = self.model(self.input_ids[:bs], self.positions[:bs], md)
+                self.model.compute_logits(hidden)  # type: ignore[operator]
             torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool), self._prefetching(bs):
+            with torch.cuda.graph(g, pool=self.pool):
                 hidden = self.model(self.input_ids[:bs], self.positions[:bs], md)
                 self.logits[bs] = self.model.compute_logits(hidden)  # type: ignore[operator]
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[bs] = g
         torch.cuda.synchronize(self.device)
-
-    def _prefetching(self, bs: int) -> contextlib.AbstractContextManager[None]:
-        return self.prefetcher.step(bs) if self.prefetcher is not None else contextlib.nullcontext()
 
     def bucket(self, n: int) -> int | None:
         if n > self.max_bs:

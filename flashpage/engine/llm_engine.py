@@ -18,7 +18,6 @@ import torch
 from flashpage import envs
 from flashpage.attention.registry import select_backend
 from flashpage.config import EngineConfig, ModelConfig, dtype_bytes
-from flashpage.engine import weight_prefetch
 from flashpage.engine.model_runner import ModelRunner
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
 from flashpage.engine.scheduler import Scheduler
@@ -146,10 +145,7 @@ class LLMEngine:
         if (self.device.type == "cuda" and backend_cls.supports_cuda_graphs
                 and getattr(self.model, "supports_cuda_graphs", True) and not config.enforce_eager):
             t1 = time.perf_counter()
-            prefetcher = weight_prefetch.attach(self.model, envs.l2_prefetch(),
-                                                envs.l2_prefetch_max_batch(), self.device)
-            self.runner.capture_decode_graphs(min(config.max_num_seqs, 512), self.max_model_len,
-                                              prefetcher)
+            self.runner.capture_decode_graphs(min(config.max_num_seqs, 512), self.max_model_len)
             logger.info("captured decode CUDA graphs for %d batch sizes in %.1fs",
                         len(self.runner.graphs.buckets), time.perf_counter() - t1)  # type: ignore[union-attr]
         self._children: dict[str, _Child] = {}

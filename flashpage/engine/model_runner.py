@@ -20,7 +20,6 @@ from flashpage.engine.cuda_graph import DecodeGraphs
 from flashpage.engine.sampler import PendingSample, Sampler
 from flashpage.engine.scheduler import SchedulerOutput
 from flashpage.engine.sequence import PLACEHOLDER, Request
-from flashpage.engine.weight_prefetch import WeightPrefetcher
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 
 
@@ -54,11 +53,10 @@ class ModelRunner:
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
 
-    def capture_decode_graphs(self, max_bs: int, max_model_len: int,
-                              prefetcher: WeightPrefetcher | None = None) -> None:
+    def capture_decode_graphs(self, max_bs: int, max_model_len: int) -> None:
         """Capture decode-step CUDA graphs (needs a backend without host syncs)."""
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, max_bs, max_blocks, self.device, prefetcher)
+        self.graphs = DecodeGraphs(self.model, max_bs, max_blocks, self.device)
         self.graphs.capture()
 
     # ------------------------------------------------------------------ cache

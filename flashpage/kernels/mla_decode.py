@@ -395,7 +395,7 @@ def mla_decode(
     else:
         mid_o = mid_lse = out  # unused
     counters = _merge_counters(q.device, B * head_blocks) if fused else seq_lens  # else unused
-    use_pdl = resolve_pdl(pdl, q.device)
+    use_pdl = resolve_pdl(pdl, q.device, in_auto=False)  # timed 0.97-0.99x with PDL (H200)
     launch_kw = pdl_launch_kwargs(use_pdl)
     _mla_decode_kernel[(head_blocks, B, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, mid_o, mid_lse, counters,

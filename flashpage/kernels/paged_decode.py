@@ -38,13 +38,7 @@ import triton
 import triton.language as tl
 
 from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
-from flashpage.kernels.pdl import (
-    merge_pdl_enabled,
-    pdl_launch_kwargs,
-    pdl_prologue,
-    pdl_trigger,
-    resolve_pdl,
-)
+from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 _LOG2E = 1.4426950408889634
 
@@ -186,10 +180,8 @@ def _paged_decode_kernel(
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two (the merge's rows)
     MERGE_CHUNK: tl.constexpr,  # splits the merge loads at once
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
-    TRIGGER: tl.constexpr,  # let the (PDL-launched) merge kernel launch early
 ):
     pdl_prologue(PDL)
-    pdl_trigger(TRIGGER and not PDL)
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -423,9 +415,6 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
     """paged_decode with an explicit tile config (the benchmark sweeps them)."""
     _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out)
     use_pdl = resolve_pdl(pdl, q.device)
-    launch_kw = pdl_launch_kwargs(use_pdl)
-    # the split merge alone may be PDL-launched (FLASHPAGE_PDL=merge, the default)
-    merge_pdl = use_pdl or (merge_pdl_enabled(q.device) if pdl is None else False)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
@@ -448,6 +437,10 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
                                        programs_per_sm=cfg.programs_per_sm)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    # FLASHPAGE_PDL=auto leaves the unsplit kernel without PDL: on the H200 it timed 0.91x
+    # at 32 x 4096 with it (split kernels and their merge: 1.04x at 1 x 32768)
+    use_pdl = use_pdl and (num_splits > 1 or resolve_pdl(pdl, q.device, in_auto=False))
+    launch_kw = pdl_launch_kwargs(use_pdl)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(group))
 
@@ -490,11 +483,10 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         BLOCK_N=cfg.block_n, SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None,
         IEEE=q.dtype == torch.float32, PREFETCH=cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
-        PDL=use_pdl, TRIGGER=merge_pdl and num_splits > 1 and not fused_merge,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
+        PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
     )
     if num_splits > 1 and not fused_merge:
-        _merge(mid_o, mid_lse, out, num_splits, block_d, merge_pdl)
+        _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
     return out
 
 
@@ -533,7 +525,7 @@ def paged_decode(
                  the block table's width (no device sync)
     pdl          programmatic dependent launch of its kernels (kernels/pdl.py): True all,
                  False none; None decides from the device and FLASHPAGE_PDL (default
-                 "merge": only the split merge, launched as the split kernel drains)
+                 "auto": split kernels and their merge, not the unsplit kernel)
     returns out  [B, Hq, D] in q's dtype (written into ``out`` when given)
     """
     return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,

@@ -49,37 +49,26 @@ def pdl_supported(device: torch.device) -> bool:
     return major >= 9
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    """PDL for every decode-path kernel on ``device``: FLASHPAGE_PDL=1/all (read at every
-    call, so a benchmark may flip it between runs) and ``pdl_supported``."""
-    return envs.pdl() == "all" and pdl_supported(device)
+def pdl_enabled(device: torch.device, in_auto: bool = True) -> bool:
+    """PDL for a kernel on ``device`` per FLASHPAGE_PDL (read at every call, so a benchmark
+    may flip it between runs): "all" every kernel, "auto" (the default) those that call
+    with ``in_auto`` (the ones that did not time slower with it), "0" none; and only where
+    ``pdl_supported``."""
+    mode = envs.pdl()
+    return (mode == "all" or (mode == "auto" and in_auto)) and pdl_supported(device)
 
 
-def merge_pdl_enabled(device: torch.device) -> bool:
-    """PDL for paged decode's split merge only (FLASHPAGE_PDL=merge, the default, or all):
-    the split kernel lets the merge launch as soon as its last program has started, and
-    the merge waits for the split kernel's results before reading them."""
-    return envs.pdl() in ("merge", "all") and pdl_supported(device)
-
-
-def resolve_pdl(pdl: bool | None, device: torch.device) -> bool:
+def resolve_pdl(pdl: bool | None, device: torch.device, in_auto: bool = True) -> bool:
     """A launcher's ``pdl`` argument: None decides from the device and FLASHPAGE_PDL;
     True asks for PDL regardless of the variable, but only where it is supported."""
     if pdl is None:
-        return pdl_enabled(device)
+        return pdl_enabled(device, in_auto)
     return bool(pdl) and pdl_supported(device)
 
 
 def pdl_launch_kwargs(pdl: bool) -> dict[str, bool]:
     """The launch keyword to pass beside ``PDL=pdl``: ``{"launch_pdl": True}`` or ``{}``."""
     return {"launch_pdl": True} if pdl else {}
-
-
-@triton.jit
-def pdl_trigger(TRIGGER: tl.constexpr):
-    """Let the next grid launch now (a hint; harmless when the next grid is not a PDL launch)."""
-    if TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

@@ -9,7 +9,6 @@ world size > 1 arrives.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,14 +21,11 @@ logger = logging.getLogger("flashpage")
 class _ParallelLinear(nn.Module):
     """``skinny``: {rows: GemvConfig} where our decode-batch GEMM (kernels/gemv.py) beat
     cuBLAS at start-up (``tune_skinny_gemms``); empty = always cuBLAS. ``silu_input``
-    marks an MLP's down projection, whose ``silu_mul_forward`` takes the gate/up output.
-    ``after_gemm``: called once the GEMM is enqueued (engine/weight_prefetch.py hangs the
-    L2 prefetch of the next projection's weights here)."""
+    marks an MLP's down projection, whose ``silu_mul_forward`` takes the gate/up output."""
 
     split_dim: int = 0
     skinny: dict[int, Any]
     silu_input: bool = False
-    after_gemm: Callable[[], None] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -62,12 +58,8 @@ class _ParallelLinear(nn.Module):
         if self.skinny and x.dim() == 2 and (cfg := self.skinny.get(x.shape[0])) is not None:
             from flashpage.kernels.gemv import skinny_linear
 
-            y = skinny_linear(x, self.weight, self.bias, cfg)
-        else:
-            y = F.linear(x, self.weight, self.bias)
-        if self.after_gemm is not None:
-            self.after_gemm()
-        return y
+            return skinny_linear(x, self.weight, self.bias, cfg)
+        return F.linear(x, self.weight, self.bias)
 
     def silu_mul_forward(self, h: torch.Tensor) -> torch.Tensor | None:
         """linear(silu(gate) * up) from the gate/up output h [M, 2K] in one kernel, when
@@ -75,10 +67,7 @@ class _ParallelLinear(nn.Module):
         if self.skinny and h.dim() == 2 and (cfg := self.skinny.get(h.shape[0])) is not None:
             from flashpage.kernels.gemv import skinny_linear
 
-            y = skinny_linear(h, self.weight, self.bias, cfg, silu_mul=True)
-            if self.after_gemm is not None:
-                self.after_gemm()
-            return y
+            return skinny_linear(h, self.weight, self.bias, cfg, silu_mul=True)
         return None
 
 

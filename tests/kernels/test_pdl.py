@@ -59,7 +59,7 @@ def test_pdl_off_on_cpu_and_under_the_interpreter(monkeypatch):
 def test_pdl_reads_the_variable_at_each_call(monkeypatch):
     monkeypatch.setattr(pdl_mod, "pdl_supported", lambda device: True)
     dev = torch.device("cuda", 0)
-    monkeypatch.delenv("FLASHPAGE_PDL", raising=False)
+    monkeypatch.setenv("FLASHPAGE_PDL", "0")
     assert not pdl_enabled(dev) and not resolve_pdl(None, dev)
     assert resolve_pdl(True, dev)  # an explicit request ignores the variable
     monkeypatch.setenv("FLASHPAGE_PDL", "1")
@@ -70,21 +70,26 @@ def test_pdl_reads_the_variable_at_each_call(monkeypatch):
 
 
 def test_pdl_modes(monkeypatch):
-    """FLASHPAGE_PDL: merge (the default) PDL-launches only paged decode's split merge;
-    1/all every decode-path kernel; 0 none."""
+    """FLASHPAGE_PDL: auto (the default) for kernels that take part in it (in_auto), all
+    for every one, 0 for none; the unsplit paged decode and MLA decode stay out of auto."""
     from flashpage import envs
 
     monkeypatch.setattr(pdl_mod, "pdl_supported", lambda device: True)
     dev = torch.device("cuda", 0)
-    for value, mode, every, merge in (("merge", "merge", False, True), ("1", "all", True, True),
-                                      ("all", "all", True, True), ("0", "0", False, False)):
+    for value, mode, auto_kernel, other_kernel in (("auto", "auto", True, False),
+                                                   ("1", "all", True, True),
+                                                   ("all", "all", True, True),
+                                                   ("0", "0", False, False)):
         monkeypatch.setenv("FLASHPAGE_PDL", value)
         assert envs.pdl() == mode
-        assert pdl_enabled(dev) is every and pdl_mod.merge_pdl_enabled(dev) is merge
+        assert pdl_enabled(dev) is auto_kernel
+        assert pdl_enabled(dev, in_auto=False) is other_kernel
+        assert resolve_pdl(None, dev, in_auto=False) is other_kernel
+        assert resolve_pdl(True, dev, in_auto=False)  # explicit: every mode
     monkeypatch.delenv("FLASHPAGE_PDL")
-    assert envs.pdl() == "merge" and pdl_mod.merge_pdl_enabled(dev) and not pdl_enabled(dev)
+    assert envs.pdl() == "auto" and pdl_enabled(dev) and not pdl_enabled(dev, in_auto=False)
     monkeypatch.undo()
-    assert not pdl_mod.merge_pdl_enabled(torch.device("cpu"))
+    assert not pdl_enabled(torch.device("cpu"))
 
 
 def test_pdl_launch_kwargs():
@@ -299,12 +304,13 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
 @pytest.mark.gpu
 @hopper_only
 @pytest.mark.parametrize("batch,ctx", [(1, 1024), (4, 4096), (64, 512)])
-@pytest.mark.parametrize("mode", ["1", "merge"])
+@pytest.mark.parametrize("mode", ["1", "auto"])
 def test_decode_chain_pdl_equals_off(monkeypatch, batch, ctx, mode):
     """Eager, then a captured graph of the chain replayed with new inputs: PDL on (from
-    FLASHPAGE_PDL=1, or =merge: the split merge only) gives exactly the PDL-off outputs."""
+    FLASHPAGE_PDL=1, or =auto: the unsplit decode kernel without) gives exactly the
+    PDL-off outputs."""
     monkeypatch.setenv("FLASHPAGE_PDL", mode)
-    assert pdl_enabled(torch.device("cuda")) is (mode == "1")
+    assert pdl_enabled(torch.device("cuda"))
     chain = DecodeChain(batch, ctx)
     chain.new_inputs(0)
     want = {n: t.clone() for n, t in chain.run(pdl=False).items()}
