@@ -3,16 +3,17 @@
 Machine-to-machine spread on the device pool is a few percent, as large as what a
 kernel switch is worth, so switches are compared inside one process: the engine is
 built once (random weights of --config), then for each round and each setting the
-FLASHPAGE_* variables are set, the decode CUDA graphs re-captured (PDL and the L2
-prefetch are fixed at capture), and one request of --input-len / --output-len tokens is
+FLASHPAGE_* variables are set, the decode CUDA graphs re-captured (PDL is fixed at
+capture), and one request of --input-len / --output-len tokens is
 timed as `flashpage bench latency` times it (decode tok/s = (output - 1) / (total - TTFT)).
 
     python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 \\
         --max-num-seqs 8 --setting base= --setting pdl=FLASHPAGE_PDL=1 \\
-        --setting "l2=FLASHPAGE_L2_PREFETCH=o_proj,down:8" --json-out $OUT/decode_ab.json
+        --setting all=FLASHPAGE_PDL=1 --json-out $OUT/decode_ab.json
 
 A setting is NAME=VAR=VALUE[;VAR=VALUE...]; "NAME=" is the defaults. Variables a setting
-does not name are unset (FLASHPAGE_PDL, FLASHPAGE_L2_PREFETCH, ..._MAX_BATCH, ..._GRID).
+does not name are unset (FLASHPAGE_PDL, FLASHPAGE_FUSED_MOE, FLASHPAGE_SKINNY_GEMM; a
+switch read only at start-up, like the last two, keeps its start-up value).
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SWITCHES = ("FLASHPAGE_PDL", "FLASHPAGE_L2_PREFETCH", "FLASHPAGE_L2_PREFETCH_MAX_BATCH",
-            "FLASHPAGE_L2_PREFETCH_GRID")
+SWITCHES = ("FLASHPAGE_PDL", "FLASHPAGE_FUSED_MOE", "FLASHPAGE_SKINNY_GEMM")
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, str]]:
@@ -44,10 +44,8 @@ def parse_setting(text: str) -> tuple[str, dict[str, str]]:
 def main() -> int:
     import torch
 
-    from flashpage import envs
     from flashpage.bench.common import bench_parser, build_bench_llm, make_workload, result_header
     from flashpage.bench.throughput import _sync
-    from flashpage.engine import weight_prefetch
     from flashpage.sampling_params import SamplingParams
 
     p = bench_parser("decode_ab.py", __doc__)
@@ -74,12 +72,9 @@ def main() -> int:
                 os.environ.pop(var, None)
             os.environ.update(env)
             if max_bs is not None:
-                weight_prefetch.detach(engine.model)
                 runner.graphs = None
                 torch.cuda.empty_cache()
-                pf = weight_prefetch.attach(engine.model, envs.l2_prefetch(),
-                                            envs.l2_prefetch_max_batch(), engine.device)
-                runner.capture_decode_graphs(max_bs, engine.max_model_len, pf)
+                runner.capture_decode_graphs(max_bs, engine.max_model_len)
             llm.generate(wl.prompts, SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False),
                          use_tqdm=False)
             for _ in range(args.iters):

@@ -11,7 +11,9 @@
 #                                          and MLA kernels old vs new (helpers' final scripts)
 #   bash benchmarks/gpu_final.sh next-a    fused MoE tests + benchmark, V2-Lite with it off/on
 #   bash benchmarks/gpu_final.sh next-b    8B throughput twice (spread), prefill kernel table, flex
-#   bash benchmarks/gpu_final.sh next-c    PDL + L2 weight prefetch A/B (kernels, 8B one sequence), MLA write
+#   (next-c, next-d: session 3's PDL / L2-prefetch A/Bs, see git history before commit "Drop the L2")
+#   bash benchmarks/gpu_final.sh next-e    GPU tests, PDL modes A/B: decode kernel, 8B latency, 8B throughput
+#   bash benchmarks/gpu_final.sh next-f    8B latency + throughput and V2-Lite throughput beside transformers
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -81,36 +83,28 @@ next-b)  # session 3, call 2: run-to-run spread of the 8B figures, where prompt 
     --kernel-table --prefill-table 8192 2>&1 | grep -v Warning | tail -n 70 | tee "$OUT/profile.txt"
   timeout 200 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --attention-backend flex \
     --num-requests 64 --no-hf --json-out "$OUT/throughput_8b_flex.json" 2>&1 | grep -E "tok_per_s|Error" ;;
-next-c)  # session 3, call 2: PDL and the L2 weight prefetch, kernels and 8B engine A/B; MLA write
-  K=$OUT/k
-  timeout 120 python3 benchmarks/attention_decode.py --precompile 6 --pdl-ab >"$K/precompile_decode.txt" 2>&1 &
-  timeout 120 python3 benchmarks/mla_decode.py --pdl-ab --precompile 6 >"$K/precompile_mla.txt" 2>&1 &
-  timeout 120 $PT -n 4 -rfE tests/kernels/test_pdl.py tests/engine/test_weight_prefetch.py 2>&1 \
-    | tee "$K/tests.txt" | tail -n 4
-  wait
-  timeout 170 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 \
-    --max-num-seqs 8 --no-hf --rounds 2 --iters 3 --setting base= --setting pdl=FLASHPAGE_PDL=1 \
-    --setting l2o=FLASHPAGE_L2_PREFETCH=o_proj \
-    --setting "l2all=FLASHPAGE_L2_PREFETCH=o_proj,gate_up:8,down:8,qkv:8" \
-    --setting "both=FLASHPAGE_PDL=1;FLASHPAGE_L2_PREFETCH=o_proj,gate_up:8,down:8,qkv:8" \
-    --json-out "$OUT/decode_ab.json" 2>&1 | grep -E "round|median|Error|error"
-  timeout 50 python3 benchmarks/l2_prefetch.py --out "$K/l2_prefetch.md" 2>&1 | tail -n 10
-  timeout 90 python3 benchmarks/attention_decode.py --pdl-ab --out "$K/decode_pdl" 2>&1 | tail -n 9
-  timeout 90 python3 benchmarks/mla_decode.py --pdl-ab --out "$K/mla_pdl_ab.jsonl" 2>&1 | tail -n 7
-  timeout 40 python3 benchmarks/fused_ops.py --only mla_write --out "$K" 2>&1 | tail -n 7
-  tar czf "$OUT/k.tgz" -C "$OUT" k ;;
-next-d)  # session 3, call 3: PDL modes (off / merge only / all), spread L2 prefetch, engine A/B
+next-e)  # session 3, call 4: GPU tests with the new defaults, PDL modes A/B (kernel, 8B one
+         # sequence, 8B throughput)
   K=$OUT/k; mkdir -p "$K"
-  timeout 100 $PT -n 4 -rfE tests/kernels/test_pdl.py 2>&1 | tee "$K/tests.txt" | tail -n 3
-  timeout 60 python3 benchmarks/l2_prefetch.py --grids 64:128 64:8 64:2 16:8 256:2 16:2 \
-    --out "$K/l2_grids.md" 2>&1 | tail -n 8
+  timeout 150 $PT -n 8 -m gpu tests/engine tests/models tests/kernels/test_pdl.py \
+    tests/kernels/test_fused_moe.py -rf 2>&1 | tee "$K/gpu_tests.txt" | tail -n 5
   timeout 100 python3 benchmarks/attention_decode.py --pdl-ab --out "$K/decode_pdl" 2>&1 | tail -n 8
-  timeout 190 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 \
-    --max-num-seqs 8 --no-hf --rounds 2 --iters 3 --setting off=FLASHPAGE_PDL=0 --setting merge= \
-    --setting all=FLASHPAGE_PDL=1 \
-    --setting "l2_64x2=FLASHPAGE_L2_PREFETCH=o_proj;FLASHPAGE_L2_PREFETCH_GRID=64:2" \
-    --setting "l2_256x2=FLASHPAGE_L2_PREFETCH=o_proj;FLASHPAGE_L2_PREFETCH_GRID=256:2" \
-    --json-out "$OUT/decode_ab.json" 2>&1 | grep -E "round|median|Error|error"
+  timeout 150 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 \
+    --max-num-seqs 8 --no-hf --rounds 2 --iters 3 --setting off=FLASHPAGE_PDL=0 \
+    --setting auto= --setting all=FLASHPAGE_PDL=1 --json-out "$K/decode_ab.json" 2>&1 \
+    | grep -E "round|median|Error|error"
+  for m in auto 0; do FLASHPAGE_PDL=$m timeout 110 $FP bench throughput --config llama-3-8b \
+    --gpu-memory-utilization 0.75 --no-hf --json-out "$K/throughput_8b_pdl_$m.json" 2>&1 \
+    | grep -E "output_tok_per_s|Error" | sed "s/^/pdl=$m /"; done
   tar czf "$OUT/k.tgz" -C "$OUT" k ;;
+next-f)  # session 3, call 5: the headline figures with today's defaults, beside transformers
+  timeout 90 $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 64 \
+    --json-out "$OUT/latency_8b.json" 2>&1 | grep -E "tok_per_s|speedup|fraction|Error"
+  timeout 230 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+    --hf-requests 16 --hf-batch-size 16 --json-out "$OUT/throughput_8b.json" 2>&1 \
+    | grep -E "tok_per_s|speedup|seconds|Error"
+  timeout 200 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 \
+    --num-requests 64 --hf-requests 4 --hf-batch-size 4 --json-out "$OUT/throughput_v2lite.json" 2>&1 \
+    | grep -E "tok_per_s|speedup|seconds|Error" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
