@@ -165,19 +165,29 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Run a few throwaway requests so the kernels of every step kind compile now, not
-        inside the first users' time to first token: a prompt alone, decodes (graphs),
-        and a chunk beside decodes. Leaves no trace: no blocks, cached prefixes or counts."""
+        inside the first users' time to first token: prompts alone, decodes (graphs), a
+        chunk beside decodes, a prompt over a cached prefix; each step kind with a token
+        count that is a multiple of 16 and one that is not (Triton specializes integer
+        arguments on divisibility by 16 and compiles each case apart). Leaves no trace:
+        no blocks, cached prefixes or counts."""
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up() needs an idle engine")
         vocab = self.model_config.vocab_size
         chunk = max(1, min(self.config.max_num_batched_tokens // 2, self.max_model_len // 2, 512))
         params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
         prompt = [i % vocab for i in range(1, chunk + 1)]
-        self.add_request("__warmup_0", prompt[: max(1, chunk // 4)], params)
-        self.add_request("__warmup_1", prompt[: max(1, chunk // 4)][::-1], params)
+        a = max(1, chunk // 4)
+        self.add_request("__warmup_0", prompt[:a], params)
+        self.add_request("__warmup_1", prompt[:a][::-1], params)
         for _ in range(2):  # the prompts, then a decode step
             self.step()
-        self.add_request("__warmup_2", prompt, params)  # a chunk beside decodes
+        self.add_request("__warmup_2", prompt[: max(1, chunk - 3)], params)  # a chunk beside decodes
+        while self.has_unfinished_requests():
+            self.step()
+        # again with the other residues mod 16; __warmup_3 reuses __warmup_0's cached prefix
+        self.add_request("__warmup_3", prompt[: max(1, a - 1)], params)
+        self.step()
+        self.add_request("__warmup_4", prompt[::-1][:a], params)
         while self.has_unfinished_requests():
             self.step()
         self.kv_manager.reset_prefix_cache()
