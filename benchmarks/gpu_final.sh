@@ -97,14 +97,15 @@ next-e)  # session 3, call 4: GPU tests with the new defaults, PDL modes A/B (ke
     --gpu-memory-utilization 0.75 --no-hf --json-out "$K/throughput_8b_pdl_$m.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/pdl=$m /"; done
   tar czf "$OUT/k.tgz" -C "$OUT" k ;;
-next-f)  # session 3, call 5: the headline figures with today's defaults, beside transformers
-  timeout 90 $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 64 \
+next-f)  # session 3, call 5: the headline figures with today's defaults, beside transformers; then
+         # the 8B throughput again (warm Triton cache) and with FLASHPAGE_PDL=0
+  timeout 85 $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 64 \
     --json-out "$OUT/latency_8b.json" 2>&1 | grep -E "tok_per_s|speedup|fraction|Error"
-  timeout 230 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+  timeout 220 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
     --hf-requests 16 --hf-batch-size 16 --json-out "$OUT/throughput_8b.json" 2>&1 \
     | grep -E "tok_per_s|speedup|seconds|Error"
-  timeout 200 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 \
-    --num-requests 64 --hf-requests 4 --hf-batch-size 4 --json-out "$OUT/throughput_v2lite.json" 2>&1 \
-    | grep -E "tok_per_s|speedup|seconds|Error" ;;
+  for m in auto 0; do FLASHPAGE_PDL=$m timeout 105 $FP bench throughput --config llama-3-8b \
+    --gpu-memory-utilization 0.75 --no-hf --json-out "$OUT/throughput_8b_warm_pdl_$m.json" 2>&1 \
+    | grep -E "output_tok_per_s|Error" | sed "s/^/pdl=$m /"; done ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
