@@ -162,8 +162,11 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
     return acc, l_i, m_i
 
 
-# lengths-dependent ints must not trigger recompiles (Triton specializes ints == 1 and % 16)
-@triton.jit(do_not_specialize=["window", "group", "stride_lse", "stride_bt"])
+# Ints that vary with the batch must not trigger recompiles (Triton specializes ints == 1 and
+# % 16, pointers on 16-byte alignment): a mixed step passes seq_lens[nd:] and
+# block_tables[nd:], whose alignment follows the number of decodes nd
+@triton.jit(do_not_specialize=["window", "group", "stride_lse", "stride_bt", "cu_q", "cu_k",
+                               "seq_lens", "block_tables"])
 def _prefill_fwd(
     Q, K, V, Out, Lse, desc_q, desc_k, desc_v,
     cu_q, cu_k, seq_lens, block_tables,
