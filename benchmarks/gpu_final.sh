@@ -13,7 +13,8 @@
 #   bash benchmarks/gpu_final.sh next-b    8B throughput twice (spread), prefill kernel table, flex
 #   (next-c, next-d: session 3's PDL / L2-prefetch A/Bs, see git history before commit "Drop the L2")
 #   bash benchmarks/gpu_final.sh next-e    GPU tests, PDL modes A/B: decode kernel, 8B latency, 8B throughput
-#   bash benchmarks/gpu_final.sh next-f    8B latency + throughput and V2-Lite throughput beside transformers
+#   bash benchmarks/gpu_final.sh next-f    8B latency + throughput beside transformers, then warm and PDL off
+#   bash benchmarks/gpu_final.sh next-g    fresh machine: prefill one-compile test, 8B throughput cold then warm
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -107,5 +108,11 @@ next-f)  # session 3, call 5: the headline figures with today's defaults, beside
   for m in auto 0; do FLASHPAGE_PDL=$m timeout 105 $FP bench throughput --config llama-3-8b \
     --gpu-memory-utilization 0.75 --no-hf --json-out "$OUT/throughput_8b_warm_pdl_$m.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/pdl=$m /"; done ;;
+next-g)  # session 3, call 6: on a fresh machine (cold Triton cache), the one-compile test, then
+         # the 8B throughput cold and warm
+  timeout 90 $PT -m gpu tests/kernels/test_flash_prefill.py -k "slice_offset or paged_gpu" -rf 2>&1 | tail -n 3
+  for i in cold warm; do timeout 110 $FP bench throughput --config llama-3-8b \
+    --gpu-memory-utilization 0.75 --no-hf --json-out "$OUT/throughput_8b_$i.json" 2>&1 \
+    | grep -E "output_tok_per_s|Error" | sed "s/^/$i /"; done ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
