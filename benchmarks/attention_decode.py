@@ -259,55 +259,6 @@ def pdl_ab(args, dev, sms) -> None:
     print("\n".join(lines))
 
 
-STREAM_AB_SHAPES = [(32, 4096), (64, 4096), (128, 2048), (128, 8192), (8, 32768), (1, 32768)]
-
-
-def stream_ab(args, dev, sms) -> None:
-    """The default config against the same with streaming K/V loads (DecodeConfig.stream:
-    evict-first, L2 only), and SDPA cuDNN on contiguous K/V, in turn PDL_AB_ROUNDS times
-    per shape; medians (stream_ab.json / stream_ab.md)."""
-    import statistics
-    from dataclasses import replace
-
-    copy_before = copy_bandwidth()
-    print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)
-    rows = []
-    for batch, ctx in STREAM_AB_SHAPES:
-        shape = Shape(batch, ctx)
-        cfg = default_config(dev, D, batch * HKV)
-        splits = choose_num_splits(batch, HKV, ctx, sms, programs_per_sm=cfg.programs_per_sm)
-        k, v = shape.contiguous()
-        fns = {"default": shape.ours(splits, cfg), "stream": shape.ours(splits, replace(cfg, stream=True)),
-               "cudnn": shape.sdpa(k, v, SDPBackend.CUDNN_ATTENTION)}
-        times: dict[str, list[float]] = {n_: [] for n_ in fns}
-        for _ in range(PDL_AB_ROUNDS):
-            for name, fn in fns.items():
-                times[name].append(time_graph(fn, shape.calls()))
-        gbps = {n_: round(shape.kv_bytes / statistics.median(t_) / 1e9) for n_, t_ in times.items()}
-        row = dict(batch=batch, context=ctx, config=config_name(cfg), splits=splits, **gbps)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del shape, k, v, fns
-        torch.cuda.empty_cache()
-    copy = max(copy_before, copy_bandwidth())
-    with open(os.path.join(args.out, "stream_ab.json"), "w") as f:
-        json.dump(dict(copy_gbps=round(copy), rows=rows), f, indent=1)
-    lines = [f"Paged decode, default config vs streaming K/V loads (evict-first, .cg), SDPA cuDNN "
-             f"on contiguous K/V, GQA {HQ}/{HKV}, head_dim {D}, block_size {BS}, bf16, "
-             f"{torch.cuda.get_device_name()}; GB/s, median of {PDL_AB_ROUNDS} graph timings taken "
-             f"in turn; copy {round(copy)} GB/s.", "",
-             "| batch × context | config/splits | default | % of copy | × cuDNN | stream | % of copy "
-             "| × cuDNN | SDPA cuDNN |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['batch']} × {r['context']} | {r['config']}/sp{r['splits']} | {r['default']} "
-                     f"| {100 * r['default'] / copy:.0f}% | {r['default'] / r['cudnn']:.3f} "
-                     f"| {r['stream']} | {100 * r['stream'] / copy:.0f}% | {r['stream'] / r['cudnn']:.3f} "
-                     f"| {r['cudnn']} |")
-    with open(os.path.join(args.out, "stream_ab.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-
 def split_options(batch: int, ctx: int, sms: int) -> list[int]:
     """Split counts worth timing: up to ~32 programs per SM, >= 64 keys per split."""
     cap = min(ctx // 64, max(1, -(-32 * sms // (batch * HKV))))
@@ -434,8 +385,6 @@ def main() -> None:
                     help="compile the kernel variants in this many processes, then exit")
     ap.add_argument("--compare", action="store_true",
                     help="old vs new default on COMPARE_SHAPES only (compare.json / compare.md)")
-    ap.add_argument("--stream-ab", action="store_true",
-                    help="default config vs streaming K/V loads, beside SDPA cuDNN (stream_ab.md)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="the default path with PDL off vs on on PDL_AB_SHAPES (pdl_ab.json / pdl_ab.md)")
     args = ap.parse_args()
@@ -451,8 +400,6 @@ def main() -> None:
         return
     if args.pdl_ab:
         pdl_ab(args, dev, sms)
-    if args.stream_ab:
-        stream_ab(args, dev, sms)
         return
     copy_before = copy_bandwidth()
     print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)

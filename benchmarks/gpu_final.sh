@@ -15,7 +15,6 @@
 #   bash benchmarks/gpu_final.sh next-e    GPU tests, PDL modes A/B: decode kernel, 8B latency, 8B throughput
 #   bash benchmarks/gpu_final.sh next-f    8B latency + throughput beside transformers, then warm and PDL off
 #   bash benchmarks/gpu_final.sh next-g    fresh machine: prefill one-compile test, 8B throughput cold then warm
-#   bash benchmarks/gpu_final.sh next-h    paged decode: streaming K/V loads vs default vs cuDNN
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -115,8 +114,5 @@ next-g)  # session 3, call 6: on a fresh machine (cold Triton cache), the one-co
   for i in cold warm; do timeout 110 $FP bench throughput --config llama-3-8b \
     --gpu-memory-utilization 0.75 --no-hf --json-out "$OUT/throughput_8b_$i.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/$i /"; done ;;
-next-h)  # session 3, call 7: streaming K/V loads in paged decode against the default and cuDNN
-  timeout 100 $PT -n 4 -m gpu tests/kernels/test_paged_decode.py -rf 2>&1 | tail -n 3
-  timeout 150 python3 benchmarks/attention_decode.py --stream-ab --out "$OUT" 2>&1 | tail -n 9 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -50,7 +50,6 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     prefetch: bool = False  # hand-pipelined K/V loads (use with num_stages=1)
-    stream: bool = False  # K/V loads marked streaming: evict-first, cached in L2 only (.cg)
     heads_fastest: bool = False  # grid order: the KV heads of one sequence launch together
     # Splitting fills one wave of programs_per_sm * num_SMs programs, no more (a second,
     # part-empty wave costs as much as a full one): see choose_num_splits.
@@ -102,16 +101,14 @@ CANDIDATE_CONFIGS = [
     DecodeConfig(64, 8, 1, prefetch=True), DecodeConfig(128, 8, 1, prefetch=True),
     DecodeConfig(64, 4, 3, heads_fastest=True), DecodeConfig(128, 4, 3, heads_fastest=True),
     DecodeConfig(64, 4, 1, prefetch=True, heads_fastest=True),
-    DecodeConfig(64, 4, 5, programs_per_sm=2, stream=True), DecodeConfig(64, 4, 3, heads_fastest=True, stream=True),
 ]
 
 
 def config_name(cfg: DecodeConfig) -> str:
     """n{keys}w{warps}s{stages}, then p (hand prefetch), h (heads fastest), m (fused merge),
-    e (streaming loads), r{n} (n KV heads per program)."""
+    r{n} (n KV heads per program)."""
     return (f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{'p' if cfg.prefetch else ''}"
             f"{'h' if cfg.heads_fastest else ''}{'m' if cfg.fused_merge else ''}"
-            f"{'e' if cfg.stream else ''}"
             f"{f'r{cfg.heads_per_program}' if cfg.heads_per_program > 1 else ''}")
 
 
@@ -123,20 +120,14 @@ def _block_ids(bt_row, offs_n, end, PAGE: tl.constexpr):
 
 @triton.jit
 def _load_kv(k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, kvh,
-             blk, offs_n, end, offs_d, d_mask, PAGE: tl.constexpr, STREAM: tl.constexpr = False):
+             blk, offs_n, end, offs_d, d_mask, PAGE: tl.constexpr):
     """K and V rows [BLOCK_N, BLOCK_D] of one KV head at key positions offs_n (0 past end)."""
     tok = (offs_n % PAGE).to(tl.int64)
     mask = (offs_n < end)[:, None] & d_mask[None, :]
     k_off = blk * stride_kb + tok * stride_kt + kvh * stride_kh
     v_off = blk * stride_vb + tok * stride_vt + kvh * stride_vh
-    if STREAM:  # read once: do not keep in L1, evict from L2 first
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=mask, other=0.0,
-                    cache_modifier=".cg", eviction_policy="evict_first")
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask, other=0.0,
-                    cache_modifier=".cg", eviction_policy="evict_first")
-    else:
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
     return k, v
 
 
@@ -184,7 +175,6 @@ def _paged_decode_kernel(
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: exact dots, not tf32
     PREFETCH: tl.constexpr,  # hand-pipelined loads (use with num_stages=1)
-    STREAM: tl.constexpr,  # streaming K/V loads (DecodeConfig.stream)
     HEADS_FASTEST: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S)
     FUSED_MERGE: tl.constexpr,  # the last split of each (b, kvh) merges (SPLIT only)
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two (the merge's rows)
@@ -232,11 +222,11 @@ def _paged_decode_kernel(
         # tile i+2's block ids are in flight, so no load waits on another load.
         offs0 = start + tl.arange(0, BLOCK_N)
         blk_next = _block_ids(bt_row, offs0 + BLOCK_N, end, PAGE)
-        k, v = _load_kv(*kv_args, _block_ids(bt_row, offs0, end, PAGE), offs0, end, offs_d, d_mask, PAGE, STREAM)
+        k, v = _load_kv(*kv_args, _block_ids(bt_row, offs0, end, PAGE), offs0, end, offs_d, d_mask, PAGE)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             blk_after = _block_ids(bt_row, offs_n + 2 * BLOCK_N, end, PAGE)
-            k_next, v_next = _load_kv(*kv_args, blk_next, offs_n + BLOCK_N, end, offs_d, d_mask, PAGE, STREAM)
+            k_next, v_next = _load_kv(*kv_args, blk_next, offs_n + BLOCK_N, end, offs_d, d_mask, PAGE)
             m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
             k, v, blk_next = k_next, v_next, blk_after
     else:
@@ -244,7 +234,7 @@ def _paged_decode_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             blk = _block_ids(bt_row, offs_n, end, PAGE)
-            k, v = _load_kv(*kv_args, blk, offs_n, end, offs_d, d_mask, PAGE, STREAM)
+            k, v = _load_kv(*kv_args, blk, offs_n, end, offs_d, d_mask, PAGE)
             m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
 
     has_keys = l_i > 0.0  # false for an empty split (or an empty sequence)
@@ -491,8 +481,7 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         out.stride(0), out.stride(1), num_splits,
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=block_size,
         BLOCK_N=cfg.block_n, SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None,
-        IEEE=q.dtype == torch.float32, PREFETCH=cfg.prefetch, STREAM=cfg.stream,
-        HEADS_FASTEST=cfg.heads_fastest,
+        IEEE=q.dtype == torch.float32, PREFETCH=cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
         PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
     )
