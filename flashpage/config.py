@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # Architectures we can run, by family. DeepSeek is parsed for ``inspect`` and MLA.
 LLAMA_FAMILY = {
@@ -32,7 +35,9 @@ _MODEL_TYPE_TO_ARCH = {
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
-               "fp8": 1, "float8": 1}
+               "fp8": 1, "float8": 1, "fp8_e4m3": 1, "float8_e4m3fn": 1}
+# EngineConfig.kv_cache_dtype: "auto" caches K/V in the model's dtype
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 class ConfigError(ValueError):
@@ -266,6 +271,17 @@ class ModelConfig:
         return per if per_layer else per * self.num_hidden_layers
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the paged K/V cache for EngineConfig.kv_cache_dtype."""
+    import torch
+
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+
+
 def dtype_bytes(dtype: str) -> int:
     key = str(dtype).replace("torch.", "").lower()
     if key not in DTYPE_BYTES:
@@ -297,9 +313,15 @@ class EngineConfig:
     # Schedule and prepare step N+1 while the device runs step N (its sampled tokens feed
     # step N+1 on the device); None: on for CUDA, off on the CPU, where nothing overlaps.
     async_scheduling: bool | None = None
+    # "auto": K/V cached in the model's dtype; "fp8" / "fp8_e4m3": float8_e4m3fn with scale
+    # 1 (as vLLM's default), half the bytes per token of bf16 (not for MLA models yet)
+    kv_cache_dtype: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         bs = self.block_size
         if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}")

@@ -60,9 +60,11 @@ class AttentionBackend(ABC):
     @classmethod
     @abstractmethod
     def unsupported_reasons(
-        cls, model_config: ModelConfig, device: torch.device, dtype: torch.dtype
+        cls, model_config: ModelConfig, device: torch.device, dtype: torch.dtype, *,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> list[str]:
-        """Why this backend cannot run this model here; empty when it can."""
+        """Why this backend cannot run this model here; empty when it can. ``kv_cache_dtype``:
+        the paged K/V cache's dtype (None: ``dtype``; torch.float8_e4m3fn for an fp8 cache)."""
 
     def bind_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Called once by the model runner when the cache exists."""

@@ -43,7 +43,8 @@ class FlexBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, model_config: ModelConfig, device: torch.device,
-                            dtype: torch.dtype) -> list[str]:
+                            dtype: torch.dtype, *,
+                            kv_cache_dtype: torch.dtype | None = None) -> list[str]:
         reasons = []
         try:
             from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
@@ -51,6 +52,9 @@ class FlexBackend(AttentionBackend):
             reasons.append(f"this torch has no FlexAttention ({e})")
         if model_config.is_mla:
             reasons.append("MLA is not supported by the flex backend")
+        if kv_cache_dtype is not None and kv_cache_dtype != dtype:
+            reasons.append(f"a {str(kv_cache_dtype).replace('torch.', '')} KV cache is not supported "
+                           "by the flex backend (FlexAttention reads K/V in the query dtype)")
         return reasons
 
     def bind_kv_cache(self, num_blocks: int, block_size: int) -> None:

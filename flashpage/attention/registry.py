@@ -42,21 +42,23 @@ def backend_class(name: str) -> type[AttentionBackend]:
 
 
 def backend_reasons(name: str, config: ModelConfig, device: torch.device,
-                    dtype: torch.dtype) -> list[str]:
-    """Why backend ``name`` cannot run here (empty: it can)."""
+                    dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None) -> list[str]:
+    """Why backend ``name`` cannot run here (empty: it can); ``kv_cache_dtype`` None: the
+    model's dtype."""
     try:
         cls = backend_class(name)
     except ImportError as e:
         return [f"cannot import it: {e}"]
-    return cls.unsupported_reasons(config, device, dtype)
+    return cls.unsupported_reasons(config, device, dtype, kv_cache_dtype=kv_cache_dtype or dtype)
 
 
 def select_backend(requested: str | None, config: ModelConfig, device: torch.device,
-                   dtype: torch.dtype) -> tuple[type[AttentionBackend], str]:
+                   dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None
+                   ) -> tuple[type[AttentionBackend], str]:
     """The backend class to use and a sentence saying why."""
     requested = requested or envs.attention_backend()
     if requested:
-        reasons = backend_reasons(requested, config, device, dtype)
+        reasons = backend_reasons(requested, config, device, dtype, kv_cache_dtype)
         if reasons:
             raise BackendUnavailable(
                 f"attention backend {requested!r} cannot run {config.architecture} "
@@ -65,7 +67,7 @@ def select_backend(requested: str | None, config: ModelConfig, device: torch.dev
         return backend_class(requested), f"{requested} (requested)"
     skipped: list[str] = []
     for name in PREFERENCE.get(device.type, ["torch_native"]):
-        reasons = backend_reasons(name, config, device, dtype)
+        reasons = backend_reasons(name, config, device, dtype, kv_cache_dtype)
         if not reasons:
             why = f"{name} (default on {device.type}"
             why += f"; skipped {', '.join(skipped)})" if skipped else ")"
@@ -74,13 +76,13 @@ def select_backend(requested: str | None, config: ModelConfig, device: torch.dev
     raise BackendUnavailable("no attention backend can run this model: " + "; ".join(skipped))
 
 
-def backend_report(config: ModelConfig, device: torch.device,
-                   dtype: torch.dtype) -> list[dict[str, object]]:
+def backend_report(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                   kv_cache_dtype: torch.dtype | None = None) -> list[dict[str, object]]:
     """Every backend, whether it can run this model here and why not; the default marked."""
     try:
-        default: str | None = select_backend(None, config, device, dtype)[0].name
+        default: str | None = select_backend(None, config, device, dtype, kv_cache_dtype)[0].name
     except BackendUnavailable:
         default = None
     return [{"name": name, "can_run": not reasons, "reasons": reasons, "default": name == default}
             for name in BACKENDS
-            for reasons in [backend_reasons(name, config, device, dtype)]]
+            for reasons in [backend_reasons(name, config, device, dtype, kv_cache_dtype)]]

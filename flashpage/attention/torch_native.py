@@ -25,8 +25,11 @@ def write_kv_cache_torch(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tens
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     hkv, d = key_cache.shape[-2:]
-    key_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
-    value_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+    for src, cache in ((k, key_cache), (v, value_cache)):
+        src = src.to(cache.dtype)
+        if cache.element_size() == 1:  # fp8: index_copy_ has no float8 kernel; copy the bytes
+            src, cache = src.view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, hkv, d).index_copy_(0, slot_mapping, src)
 
 
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -52,7 +55,8 @@ class TorchNativeBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, model_config: ModelConfig, device: torch.device,
-                            dtype: torch.dtype) -> list[str]:
+                            dtype: torch.dtype, *,
+                            kv_cache_dtype: torch.dtype | None = None) -> list[str]:
         return []
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
@@ -70,8 +74,8 @@ class TorchNativeBackend(AttentionBackend):
             q_len = metadata.query_lens_cpu[i]
             k_len = metadata.seq_lens_cpu[i]
             bt = metadata.block_tables[i]
-            kk = gather_paged(key_cache, bt, k_len)
-            vv = gather_paged(value_cache, bt, k_len)
+            kk = gather_paged(key_cache, bt, k_len).to(q.dtype)  # (an fp8 cache: up-cast)
+            vv = gather_paged(value_cache, bt, k_len).to(q.dtype)
             qi = q[start:start + q_len].transpose(0, 1)
             if q_len == k_len and sliding_window is None:  # no cached prefix: plain causal
                 o = F.scaled_dot_product_attention(

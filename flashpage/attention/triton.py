@@ -37,7 +37,8 @@ class TritonBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, model_config: ModelConfig, device: torch.device,
-                            dtype: torch.dtype) -> list[str]:
+                            dtype: torch.dtype, *,
+                            kv_cache_dtype: torch.dtype | None = None) -> list[str]:
         reasons = []
         if importlib.util.find_spec("triton") is None:
             reasons.append("the triton package is not installed")
@@ -48,6 +49,8 @@ class TritonBackend(AttentionBackend):
             reasons.append(f"head_dim {model_config.head_dim} is not one of {SUPPORTED_HEAD_DIMS}")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             reasons.append(f"dtype {dtype} is not supported")
+        if kv_cache_dtype not in (None, dtype, torch.float8_e4m3fn):
+            reasons.append(f"KV cache dtype {kv_cache_dtype} is not supported")
         return reasons
 
     def prepare(self, md: AttentionMetadata) -> AttentionMetadata:

@@ -17,7 +17,7 @@ import torch
 
 from flashpage import envs
 from flashpage.attention.registry import select_backend
-from flashpage.config import EngineConfig, ModelConfig, dtype_bytes
+from flashpage.config import EngineConfig, ModelConfig, dtype_bytes, resolve_kv_cache_dtype
 from flashpage.engine.model_runner import ModelRunner
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
 from flashpage.engine.scheduler import Scheduler
@@ -108,7 +108,12 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.skinny_report: dict[str, Any] = {}
-        backend_cls, why = select_backend(config.attention_backend, mc, self.device, self.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if self.kv_dtype != self.dtype and mc.is_mla:
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported for MLA "
+                             f"models ({mc.architecture}) yet; use kv_cache_dtype='auto'")
+        backend_cls, why = select_backend(config.attention_backend, mc, self.device, self.dtype,
+                                          kv_cache_dtype=self.kv_dtype)
         logger.info("attention backend: %s", why)
         self.backend_name = backend_cls.name
         self.model = load_model(self.source, self.dtype, self.device,
@@ -132,7 +137,7 @@ class LLMEngine:
                                    watermark=config.kv_watermark)
         backend = backend_cls(mc, self.device, self.dtype)
         self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
-                                  config.block_size, self.device, self.dtype)
+                                  config.block_size, self.device, self.dtype, self.kv_dtype)
         # Decode-batch GEMMs: ours where it beats cuBLAS on this GPU (timed now, before the
         # graphs capture whichever is chosen); only beside our fused kernels.
         if (self.device.type == "cuda" and backend_cls.name == "triton" and envs.skinny_gemm()
@@ -159,9 +164,10 @@ class LLMEngine:
             t1 = time.perf_counter()
             self.warm_up()
             logger.info("warmed up (kernels compiled) in %.1fs", time.perf_counter() - t1)
-        logger.info("loaded %s (%s, %s) on %s in %.1fs; KV cache: %d blocks of %d tokens",
+        logger.info("loaded %s (%s, %s) on %s in %.1fs; KV cache: %d blocks of %d tokens (%s)",
                     mc.architecture, mc.attention_kind, str(self.dtype).replace("torch.", ""),
-                    self.device, time.perf_counter() - t0, self.num_blocks, config.block_size)
+                    self.device, time.perf_counter() - t0, self.num_blocks, config.block_size,
+                    str(self.kv_dtype).replace("torch.", ""))
 
     def warm_up(self) -> None:
         """Run a few throwaway requests so the kernels of every step kind compile now, not
@@ -205,7 +211,7 @@ class LLMEngine:
 
     def _num_blocks(self) -> int:
         mc, cfg = self.model_config, self.config
-        per_block = mc.kv_bytes_per_token(str(self.dtype).replace("torch.", "")) * cfg.block_size
+        per_block = mc.kv_bytes_per_token(str(self.kv_dtype).replace("torch.", "")) * cfg.block_size
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = self._activation_bytes()

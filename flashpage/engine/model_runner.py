@@ -35,7 +35,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, backend: AttentionBackend,
                  kv_manager: KVCacheManager, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.config = model_config
         self.backend = backend
@@ -43,6 +43,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # the paged K/V cache's (MLA latents: always dtype)
         self.sampler = Sampler(model_config.vocab_size)
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         self.pin = device.type == "cuda"
@@ -73,8 +74,8 @@ class ModelRunner:
                 caches.append(latent)
                 continue
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            kc = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            vc = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            kc = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            vc = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             layer.kv_cache = (kc, vc)
             layer.backend = self.backend
             caches.append((kc, vc))
