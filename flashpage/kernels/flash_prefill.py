@@ -26,6 +26,10 @@ that need a mask pay for it:
             window edge,     every key visible   causal diagonal,
             masked           (no mask)           masked (+ ragged end)
 
+`paged_prefill` also reads a float8_e4m3fn cache (kv_dtype.py): each K/V tile is widened
+to q's dtype right after its load (exact), then the loop runs as with a 16-bit cache. Such
+a cache never takes the TMA path (its descriptors would load fp8 boxes; not built).
+
 Tiles left of `lo` (outside the window) and right of `hi` (in the future) are
 never loaded. Programs run heaviest query tile first (causal work grows with the
 tile index), which shortens the tail of the grid, and the query tiles of one
@@ -41,6 +45,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from flashpage.kernels.kv_dtype import check_kv_cache_dtype
 
 try:  # host-side TMA descriptors (Hopper and newer)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -128,8 +134,9 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
             rows = k_start + start_n
         else:
             rows = (k_start + kpos).to(tl.int64)
+        # an fp8 cache's tile widened to q's dtype before the dot (else a no-op)
         k = _load_tile(K, desc_k, rows, kpos, seq_k, kv_col, stride_kt, HEAD_DIM, QK_DIM, KV_MODE,
-                       MASKED)
+                       MASKED).to(q.dtype)
         qk = _dot(q, tl.trans(k), None, IEEE)
         if MASKED:
             mask = (kpos < seq_k)[None, :]
@@ -146,7 +153,7 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
             v = _load_tile(V, desc_v, rows, kpos, seq_k, kv_col, stride_vt, HEAD_DIM_V, V_DIM,
-                           KV_MODE, True)
+                           KV_MODE, True).to(q.dtype)
             acc = _dot(p.to(v.dtype), v, acc, IEEE)
             m_i = m_ij
         else:
@@ -156,7 +163,7 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
             v = _load_tile(V, desc_v, rows, kpos, seq_k, kv_col, stride_vt, HEAD_DIM_V, V_DIM,
-                           KV_MODE, False)
+                           KV_MODE, False).to(q.dtype)
             acc = _dot(p.to(v.dtype), v, acc, IEEE)
             m_i = m_ij
     return acc, l_i, m_i
@@ -324,13 +331,16 @@ def _check_cu(name: str, t: torch.Tensor, device: torch.device) -> int:
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_name: str) -> tuple[int, int, int, int]:
-    """-> (Hq, Hkv, qk head dim, v head dim)."""
+               kv_name: str, fp8_kv: bool = False) -> tuple[int, int, int, int]:
+    """-> (Hq, Hkv, qk head dim, v head dim). fp8_kv: k, v may also be float8_e4m3fn
+    (paged caches)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [total_q, num_q_heads, head_dim], got shape {tuple(q.shape)}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q dtype {q.dtype} unsupported (float16, bfloat16, float32)")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
+    if fp8_kv:
+        check_kv_cache_dtype(q.dtype, k, v)
+    elif k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, {kv_name} dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"{kv_name} shapes differ: {tuple(k.shape)} vs {tuple(v.shape)} "
@@ -399,6 +409,7 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, ba
     use_tma = cfg.use_tma and q.dtype != torch.float32
     # TMA boxes are [rows, head_dim] of one width for Q, K and V: unpadded, equal dims only.
     use_tma = use_tma and d == dv == block_d and _tma_ok(q, k, v)
+    use_tma = use_tma and k.dtype == v.dtype == q.dtype  # an fp8 cache: the pointer path
     if paged:
         use_tma = use_tma and page_size % cfg.block_n == 0 and k.shape[0] < 2**31
         mode = _KV_PAGED_TMA if use_tma else _KV_PAGED
@@ -470,16 +481,17 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
     """Attention of new tokens over the paged KV cache (chunked prefill, prefix hits).
 
     q [total_q, Hq, D]; key_cache [num_blocks, block_size, Hkv, D], value_cache
-    [num_blocks, block_size, Hkv, Dv] (block_size a power of two; Dv may differ from D); block_tables int32 [B, max_blocks]; seq_lens int32
-    [B] (context after this step: cached prefix + new tokens, whose K/V are already
-    in the cache). Key p of sequence b lives in slot block_tables[b, p // bs] * bs +
-    p % bs; query i of b sits at position seq_lens[b] - q_len_b + i. Returns as
-    `flash_attn_varlen`.
+    [num_blocks, block_size, Hkv, Dv] (block_size a power of two; Dv may differ from D;
+    both in q's dtype or both float8_e4m3fn, read as q's dtype); block_tables int32
+    [B, max_blocks]; seq_lens int32 [B] (context after this step: cached prefix + new
+    tokens, whose K/V are already in the cache). Key p of sequence b lives in slot
+    block_tables[b, p // bs] * bs + p % bs; query i of b sits at position
+    seq_lens[b] - q_len_b + i. Returns as `flash_attn_varlen`.
     """
     if key_cache.dim() != 4:
         raise ValueError(f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
                          f"got {tuple(key_cache.shape)}")
-    hq, hkv, d, dv = _check_qkv(q, key_cache, value_cache, "key_cache, value_cache")
+    hq, hkv, d, dv = _check_qkv(q, key_cache, value_cache, "key_cache, value_cache", fp8_kv=True)
     page_size = key_cache.shape[1]
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"block_size must be a power of two, got {page_size}")
@@ -553,7 +565,8 @@ def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 def paged_prefill_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                       max_seqlen_q, max_seqlen_k, *, causal=True, sm_scale=None,
                       window_size=None, return_lse=False, out=None):
-    """Reference for `paged_prefill`: gathers each sequence's keys, then attends in fp32."""
+    """Reference for `paged_prefill`: gathers each sequence's keys, then attends in fp32 (an
+    fp8 cache's values read exactly)."""
     bs = key_cache.shape[1]
     out = q.new_empty(*q.shape[:2], value_cache.shape[-1]) if out is None else out
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)

@@ -13,7 +13,8 @@ vectors; the slot's block and offset are computed once per token. The earlier
 kernel (``cache_write._write_kv``: tiles of ``elems`` elements split into head and
 dim per element, K and V in one program) stays for comparison in the benchmark.
 
-The caller (``cache_write.write_kv_cache``) checks shapes, dtypes and strides.
+The caller (``cache_write.write_kv_cache``) checks shapes, dtypes and strides. Values are
+converted to the cache's dtype as they are stored (float8_e4m3fn caches, kv_dtype.py).
 Offsets are int64: a pool can pass 2^31 elements.
 """
 
@@ -67,10 +68,11 @@ def _copy_rows(src_ptr, stride_sn, stride_sh, dst_ptr, stride_db, stride_dt, str
     dst = dst_ptr + blk * stride_db + off * stride_dt
     if STREAM:
         x = tl.load(src[:, None] + s_off[None, :], mask=mask, eviction_policy="evict_first")
-        tl.store(dst[:, None] + d_off[None, :], x, mask=mask, cache_modifier=".cs")
+        tl.store(dst[:, None] + d_off[None, :], x.to(dst_ptr.dtype.element_ty), mask=mask,
+                 cache_modifier=".cs")
     else:
         x = tl.load(src[:, None] + s_off[None, :], mask=mask)
-        tl.store(dst[:, None] + d_off[None, :], x, mask=mask)
+        tl.store(dst[:, None] + d_off[None, :], x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -5,6 +5,10 @@ Cache layout (one pair per layer)::
     key_cache, value_cache : [num_blocks, block_size, num_kv_heads, head_dim]
     token p of sequence b  -> key_cache[block_tables[b, p // block_size], p % block_size]
 
+The caches hold q's dtype or float8_e4m3fn (kv_dtype.py): fp8 K/V tiles are widened to
+q's dtype right after their load (exact), so the dots and the softmax run as with a
+16-bit cache while the loop reads half the bytes.
+
 Decode is memory-bound: every step streams each running sequence's whole K/V once.
 So one program handles *all* the query heads that share a KV head (a GQA group,
 padded to at least 16 rows for ``tl.dot``) and every K/V byte is read exactly once.
@@ -37,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.kv_dtype import check_kv_cache_dtype
 from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
@@ -133,7 +138,10 @@ def _load_kv(k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt
 
 @triton.jit
 def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constexpr):
-    """One online-softmax step over a tile of keys (base-2 exponentials)."""
+    """One online-softmax step over a tile of keys (base-2 exponentials). K/V tiles of an
+    fp8 cache are widened to q's dtype first (a no-op for a cache in q's dtype)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -383,9 +391,7 @@ def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out):
         raise ValueError(
             "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
-    if not (q.dtype == key_cache.dtype == value_cache.dtype):
-        raise ValueError(f"dtype mismatch: q {q.dtype}, key_cache {key_cache.dtype}, "
-                         f"value_cache {value_cache.dtype}")
+    check_kv_cache_dtype(q.dtype, key_cache, value_cache)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = key_cache.shape
     if cache_dim != head_dim:
@@ -517,7 +523,8 @@ def paged_decode(
     """Attention of one query per sequence over its paged context.
 
     q            [B, Hq, D]  the query of sequence b sits at position seq_lens[b] - 1
-    key_cache    [num_blocks, block_size, Hkv, D]   (value_cache the same)
+    key_cache    [num_blocks, block_size, Hkv, D]   (value_cache the same), in q's dtype
+                 or float8_e4m3fn (read as q's dtype)
     block_tables int32 [B, max_blocks]; entries past seq_lens are never read
     seq_lens     int32 [B]   context length, the query's own token included
     window_size  W: only keys j > (seq_lens[b] - 1) - W are attended
@@ -545,7 +552,8 @@ def paged_decode_ref(
     num_splits: int | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
-    """Pure-torch paged_decode, in fp32, one sequence at a time. num_splits and pdl are ignored."""
+    """Pure-torch paged_decode, in fp32 (an fp8 cache's values read exactly), one sequence at
+    a time. num_splits and pdl are ignored."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads

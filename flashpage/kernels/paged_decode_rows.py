@@ -15,7 +15,8 @@ The extra multiply-adds (HPB times the main kernel's) cost nothing in a memory-b
 loop; with GQA 4 and HPB 4 the 16 rows fill the dot exactly (one head pads 4 rows to 16).
 Split results use the main kernel's layout and its merge kernel. Needs head_dim a power
 of two and the cache's heads adjacent (stride of a head == head_dim); the launcher in
-paged_decode.py falls back to one head per program otherwise.
+paged_decode.py falls back to one head per program otherwise. An fp8 cache's K/V rows are
+widened to q's dtype right after their load, as in the main kernel.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def _paged_decode_rows_kernel(
                     mask=n_mask[:, None], other=0.0)
         v = tl.load(v_ptr + (blk * stride_vb + tok * stride_vt + col0)[:, None] + offs_c[None, :],
                     mask=n_mask[:, None], other=0.0)
+        k = k.to(q.dtype)  # fp8 cache: widened before any arithmetic (else a no-op)
+        v = v.to(q.dtype)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:

@@ -11,7 +11,9 @@ Layouts, with i in [0, rot_dim/2)::
     (a, b) -> (a cos - b sin, b cos + a sin), with cos, sin at column i
 
 Math in fp32, rounded once to the tensor's dtype. Scaling schemes (Llama 3.1, YaRN)
-live in inv_freq and mscale, so the kernels never see them.
+live in inv_freq and mscale, so the kernels never see them. With a float8_e4m3fn cache
+(kv_dtype.py), the rotated k (already rounded to k's dtype, as in k itself) and v are
+rounded again to e4m3 as they are stored.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def _rotate_heads(
             tl.store(x_ptr + rows + offs_j[None, :], o1, mask=mask)
             tl.store(x_ptr + rows + HALF + offs_j[None, :], o2, mask=mask)
             if WRITE_CACHE:
-                tl.store(cache_ptr + crows + offs_j[None, :], o1, mask=mask)
-                tl.store(cache_ptr + crows + HALF + offs_j[None, :], o2, mask=mask)
+                c_ty = cache_ptr.dtype.element_ty
+                tl.store(cache_ptr + crows + offs_j[None, :], o1.to(c_ty), mask=mask)
+                tl.store(cache_ptr + crows + HALF + offs_j[None, :], o2.to(c_ty), mask=mask)
         else:
             # Load each head's rotated part contiguously and pair neighbours in registers.
             offs_e = tl.arange(0, 2 * HALF_PAD)
@@ -64,12 +67,12 @@ def _rotate_heads(
             o = tl.reshape(tl.join(oe, oo), [BLOCK_H, 2 * HALF_PAD]).to(x_ptr.dtype.element_ty)
             tl.store(x_ptr + rows + offs_e[None, :], o, mask=mask)
             if WRITE_CACHE:
-                tl.store(cache_ptr + crows + offs_e[None, :], o, mask=mask)
+                tl.store(cache_ptr + crows + offs_e[None, :], o.to(cache_ptr.dtype.element_ty), mask=mask)
         if WRITE_CACHE and 2 * HALF < HEAD_DIM:  # the dims past rot_dim go to the cache as they are
             offs_r = 2 * HALF + tl.arange(0, REST_PAD)
             rmask = h_mask[:, None] & (offs_r < HEAD_DIM)[None, :]
             rest = tl.load(x_ptr + rows + offs_r[None, :], mask=rmask)
-            tl.store(cache_ptr + crows + offs_r[None, :], rest, mask=rmask)
+            tl.store(cache_ptr + crows + offs_r[None, :], rest.to(cache_ptr.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
@@ -110,7 +113,8 @@ def _rotary_kernel(
                 offs_h = h0 + tl.arange(0, BLOCK_HK)
                 mask = (offs_h < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
                 v = tl.load(v_ptr + t * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-                tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
+                tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :],
+                         v.to(value_cache_ptr.dtype.element_ty), mask=mask)
         else:  # not cached, but k is still rotated in place
             _rotate_heads(k_ptr + t * stride_kn, stride_kh, num_kv_heads, cos, sin, k_ptr, 0,
                           False, IS_NEOX, HALF, HALF_PAD, HEAD_DIM, REST_PAD, BLOCK_HK)
@@ -217,7 +221,9 @@ def rotary_and_cache_write(
     """apply_rotary on q, k in place, then write k (rotated) and v into the paged cache, in
     one kernel: k is rotated in registers and stored twice, never re-read.
 
-    v [N, Hkv, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D];
+    v [N, Hkv, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D] in k's dtype or
+    float8_e4m3fn (the rotated k, rounded to k's dtype, then to e4m3: the cache gets what
+    write_kv_cache would write of the rotated k);
     slot_mapping int64 [N], -1 = do not write token t (its q and k are still rotated).
     pdl as in apply_rotary. Returns (q, k).
     """

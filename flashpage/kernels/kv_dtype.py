@@ -1,0 +1,44 @@
+"""Which dtypes a paged K/V cache may hold, checked by every kernel that reads or writes one.
+
+A cache holds either the activations' dtype (fp32, fp16, bf16: stored and read as they
+are) or ``torch.float8_e4m3fn`` (``--kv-cache-dtype fp8``, scale 1.0, no calibration):
+
+- writes round each value to e4m3 (round to nearest even; the GPU's conversion,
+  ``cvt.rn.satfinite``, clamps magnitudes past 448 to 448);
+- reads widen each value to the activations' dtype right after the load, before any
+  arithmetic. That step is exact: every e4m3 value is an fp16 and a bf16 value.
+
+Kernels tell the two apart by the cache tensor's dtype alone; no argument says which.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Any one-byte float (e4m3fn, e5m2, the fnuz variants, e8m0)."""
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def check_kv_cache_dtype(act_dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         act_name: str = "q") -> None:
+    """ValueError unless both caches hold ``act_dtype`` or both hold float8_e4m3fn (with
+    16- or 32-bit activations)."""
+    kd, vd = key_cache.dtype, value_cache.dtype
+    if kd != vd:
+        raise ValueError(f"dtype mismatch: key_cache {kd}, value_cache {vd}")
+    if kd == act_dtype:
+        return
+    if is_fp8(kd):
+        if kd != FP8_KV_DTYPE:
+            raise ValueError(f"KV cache dtype {kd} unsupported: an fp8 cache must be {FP8_KV_DTYPE}")
+        if act_dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"{act_name} dtype {act_dtype} unsupported with an fp8 KV cache "
+                             "(float16, bfloat16, float32)")
+        return
+    raise ValueError(f"dtype mismatch: {act_name} {act_dtype}, key_cache {kd}, value_cache {vd} "
+                     f"(a cache holds {act_name}'s dtype or {FP8_KV_DTYPE})")
