@@ -37,6 +37,15 @@ times, per PDL_AB_SHAPES shape, the default path (default config and split rule,
 included: what the engine calls) with programmatic dependent launch off and on
 (FLASHPAGE_PDL, kernels/pdl.py), alternating off/on three times, the median of each, with
 the copy bandwidth of the same run (pdl_ab.json / pdl_ab.md).
+
+    python benchmarks/attention_decode.py --out $OUT --kv-dtype fp8
+
+times, per KV_DTYPE_SHAPES shape, the default path (what paged_decode picks) over a bf16
+cache and over a float8_e4m3fn cache of the same shape, in one run: GB/s of the bytes
+each actually reads (fp8: 1 byte a value), the fp8 run's "bf16-equivalent" GB/s (the bytes
+a bf16 cache of that context holds, over the fp8 time) and context tokens per second
+(batch * context / time, one layer), with the copy bandwidth (kv_dtype.json / kv_dtype.md).
+``--kv-dtype bf16`` (the default) runs the modes above.
 """
 
 from __future__ import annotations
@@ -259,6 +268,65 @@ def pdl_ab(args, dev, sms) -> None:
     print("\n".join(lines))
 
 
+# --kv-dtype fp8: the batch >= 32 targets and the split (few sequences, long context) ones.
+KV_DTYPE_SHAPES = [(32, 4096), (64, 4096), (128, 2048), (1, 32768), (8, 32768)]
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def kv_dtype_ab(args, dev, sms) -> None:
+    """The default path over a bf16 and an fp8 cache, shape by shape, in one run."""
+    copy_before = copy_bandwidth()
+    print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)
+    rows = []
+    for batch, ctx in KV_DTYPE_SHAPES:
+        cfg = default_config(dev, D, batch * HKV)
+        row: dict = dict(batch=batch, context=ctx, config=config_name(cfg),
+                         splits=choose_num_splits(batch, HKV, ctx, sms, programs_per_sm=cfg.programs_per_sm))
+        for name, dtype in KV_DTYPES.items():
+            shape = Shape(batch, ctx, dtype)
+            try:
+                t = time_graph(shape.ours(), shape.calls())
+                row[f"{name}_us"] = round(t * 1e6, 2)
+                row[f"{name}_gbps"] = round(shape.kv_bytes / t / 1e9)  # bytes actually read
+                row[f"{name}_mtok_s"] = round(batch * ctx / t / 1e6)  # context tokens per second
+            except Exception as ex:  # one failing dtype must not hide the other
+                row[f"{name}_error"] = f"{type(ex).__name__}: {str(ex)[:120]}"
+            del shape
+            torch.cuda.empty_cache()
+        if "fp8_us" in row and "bf16_us" in row:
+            row["fp8_bf16_equiv_gbps"] = round(2 * row["fp8_gbps"])  # a bf16 cache's bytes, fp8's time
+            row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    copy_after = copy_bandwidth()
+    copy = max(copy_before, copy_after)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, copy_gbps=round(copy),
+                copy_before_gbps=round(copy_before), copy_after_gbps=round(copy_after))
+    with open(os.path.join(args.out, "kv_dtype.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+    def cell(r, key):
+        return f"{r[key]} ({100 * r[key] / copy:.0f}%)" if key in r else "-"
+
+    lines = [f"Paged decode over a bf16 and a float8_e4m3fn cache, default config and split rule, GQA "
+             f"{HQ}/{HKV}, head_dim {D}, block_size {BS}, bf16 queries, {meta['gpu']}, torch {meta['torch']}, "
+             f"triton {meta['triton']}. CUDA-graph replays over rotated inputs; GB/s of the bytes each "
+             f"reads (% of copy {round(copy)} GB/s: before {round(copy_before)}, after {round(copy_after)}); "
+             "fp8 bf16-equivalent: a bf16 cache's bytes over the fp8 time; Mtok/s: batch × context / time.", "",
+             "| batch × context | config/splits | bf16 µs | bf16 GB/s | fp8 µs | fp8 GB/s | fp8 bf16-equiv. GB/s "
+             "| fp8 speed-up | bf16 Mtok/s | fp8 Mtok/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['batch']} × {r['context']} | {r['config']}/sp{r['splits']} | {r.get('bf16_us', '-')} "
+                     f"| {cell(r, 'bf16_gbps')} | {r.get('fp8_us', '-')} | {cell(r, 'fp8_gbps')} "
+                     f"| {cell(r, 'fp8_bf16_equiv_gbps')} | {r.get('speedup', '-')}× "
+                     f"| {r.get('bf16_mtok_s', '-')} | {r.get('fp8_mtok_s', '-')} |")
+    with open(os.path.join(args.out, "kv_dtype.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def split_options(batch: int, ctx: int, sms: int) -> list[int]:
     """Split counts worth timing: up to ~32 programs per SM, >= 64 keys per split."""
     cap = min(ctx // 64, max(1, -(-32 * sms // (batch * HKV))))
@@ -310,14 +378,14 @@ def precompile(workers: int, sweep: bool, compare_only: bool = False, pdl: bool 
 class Shape:
     """R independent copies of a batch's K/V: paged (random block tables) and contiguous."""
 
-    def __init__(self, batch: int, ctx: int):
+    def __init__(self, batch: int, ctx: int, kv_dtype: torch.dtype = torch.bfloat16):
         self.batch, self.ctx = batch, ctx
-        self.kv_bytes = 2 * batch * ctx * HKV * D * 2
+        self.kv_bytes = 2 * batch * ctx * HKV * D * kv_dtype.itemsize
         self.copies = max(1, -(-ROTATE_BYTES // self.kv_bytes))
         nblk = ctx // BS
         total = self.copies * batch * nblk
-        self.key_cache = torch.randn(total, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
-        self.value_cache = torch.randn_like(self.key_cache)
+        self.key_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
+        self.value_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
         perm = torch.randperm(total, device="cuda", dtype=torch.int32)
         self.tables = perm.view(self.copies, batch, nblk)
         self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
@@ -385,6 +453,8 @@ def main() -> None:
                     help="compile the kernel variants in this many processes, then exit")
     ap.add_argument("--compare", action="store_true",
                     help="old vs new default on COMPARE_SHAPES only (compare.json / compare.md)")
+    ap.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bf16",
+                    help="fp8: the default path over a bf16 and an fp8 cache (kv_dtype.json / kv_dtype.md)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="the default path with PDL off vs on on PDL_AB_SHAPES (pdl_ab.json / pdl_ab.md)")
     args = ap.parse_args()
@@ -400,6 +470,9 @@ def main() -> None:
         return
     if args.pdl_ab:
         pdl_ab(args, dev, sms)
+        return
+    if args.kv_dtype == "fp8":
+        kv_dtype_ab(args, dev, sms)
         return
     copy_before = copy_bandwidth()
     print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)
