@@ -26,9 +26,13 @@ def write_kv_cache_torch(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tens
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     hkv, d = key_cache.shape[-2:]
     for src, cache in ((k, key_cache), (v, value_cache)):
-        src = src.to(cache.dtype)
-        if cache.element_size() == 1:  # fp8: index_copy_ has no float8 kernel; copy the bytes
-            src, cache = src.view(torch.uint8), cache.view(torch.uint8)
+        if cache.dtype == torch.float8_e4m3fn:
+            # saturate at e4m3's largest finite value, as the Triton writes do (torch's own
+            # cast may give NaN past it); index_copy_ has no float8 kernel: copy the bytes
+            src = src.clamp(-448.0, 448.0).to(cache.dtype).view(torch.uint8)
+            cache = cache.view(torch.uint8)
+        else:
+            src = src.to(cache.dtype)
         cache.view(-1, hkv, d).index_copy_(0, slot_mapping, src)
 
 
