@@ -114,5 +114,10 @@ next-g)  # session 3, call 6: on a fresh machine (cold Triton cache), the one-co
   for i in cold warm; do timeout 110 $FP bench throughput --config llama-3-8b \
     --gpu-memory-utilization 0.75 --no-hf --json-out "$OUT/throughput_8b_$i.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/$i /"; done ;;
+next-i)  # session 3, last call: the fp8 KV cache on the GPU (bf16 tests), then the 8B throughput with it
+  timeout 75 $PT -n 8 -m gpu tests/kernels/test_fp8_kv.py tests/engine/test_fp8_kv_cache.py -rf 2>&1 \
+    | tee "$OUT/fp8_tests.txt" | tail -n 6
+  timeout 110 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --no-hf \
+    --kv-cache-dtype fp8 --json-out "$OUT/throughput_8b_fp8.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
