@@ -133,16 +133,20 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------- report
-def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTYPE) -> dict[str, Any]:
-    """Every figure ``flashpage inspect`` reports, as a JSON-serializable dict."""
-    nbytes = dtype_bytes(dtype)
+def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTYPE,
+                   kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    """Every figure ``flashpage inspect`` reports, as a JSON-serializable dict. The weights
+    take ``dtype``; the KV cache ``kv_cache_dtype`` ("auto": ``dtype``, "fp8": 1 byte)."""
+    wbytes = dtype_bytes(dtype)
+    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    nbytes = dtype_bytes(kv_dtype)
     layers = cfg.num_hidden_layers
     kv_values = cfg.kv_values_per_token_per_layer
     mha_values = cfg.mha_values_per_token_per_layer
     kv_per_layer = kv_values * nbytes
     kv_total = kv_per_layer * layers
     total_params, active_params = param_counts(cfg)
-    weights_bytes = total_params * nbytes
+    weights_bytes = total_params * wbytes
     info: dict[str, Any] = {
         "architecture": cfg.architecture,
         "model_type": cfg.model_type,
@@ -158,7 +162,8 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "sliding_window": cfg.sliding_window,
         "max_position_embeddings": cfg.max_position_embeddings,
         "dtype": dtype,
-        "dtype_bytes": nbytes,
+        "dtype_bytes": wbytes,
+        "kv_cache_dtype": kv_dtype,
         "kv_values_per_token_per_layer": kv_values,
         "kv_bytes_per_token_per_layer": kv_per_layer,
         "kv_bytes_per_token": kv_total,
@@ -196,6 +201,7 @@ def _size(n: float) -> str:
 def format_report(info: dict[str, Any]) -> str:
     """``inspect_config``'s dict as a two-column text table."""
     dt = info["dtype"]
+    kdt = info.get("kv_cache_dtype", dt)
     layers = info["num_hidden_layers"]
     heads, kv_heads = info["num_attention_heads"], info["num_key_value_heads"]
     rows: list[tuple[str, str]] = []
@@ -227,7 +233,7 @@ def format_report(info: dict[str, Any]) -> str:
     if info["sliding_window"]:
         rows.append(("sliding window", f"{info['sliding_window']} (figures below cache every token)"))
     rows += [
-        (f"KV per token per layer ({dt})",
+        (f"KV per token per layer ({kdt})",
          f"{info['kv_values_per_token_per_layer']:,} values = "
          f"{info['kv_bytes_per_token_per_layer']:,} B"),
         (f"KV per token, {layers} layers",
@@ -294,7 +300,11 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory to fill: 80GiB, 80G (= GiB), 80GB (10^9), 512MiB, bytes "
                              f"(default {DEFAULT_MEMORY})")
     parser.add_argument("--dtype", default=DEFAULT_DTYPE,
-                        help=f"KV cache and weight dtype: fp32, fp16, bf16, fp8 (default {DEFAULT_DTYPE})")
+                        help=f"weight dtype, and the KV cache's unless --kv-cache-dtype: fp32, fp16, "
+                             f"bf16, fp8 (default {DEFAULT_DTYPE})")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="the KV cache's dtype (auto: --dtype; fp8: what the engine's "
+                             "--kv-cache-dtype fp8 caches, 1 byte per value)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--backends", action="store_true",
                         help="also say which attention backends can run this model on this "
@@ -313,7 +323,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         memory = parse_memory(args.memory)
         cfg, source = load_model_config(positional or option)
-        info = inspect_config(cfg, memory, args.dtype)
+        info = inspect_config(cfg, memory, args.dtype, getattr(args, "kv_cache_dtype", "auto"))
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         print(f"flashpage inspect: error: {e}", file=sys.stderr)
         return 2

@@ -157,6 +157,16 @@ def test_fp32_and_fp8_scale_the_bytes() -> None:
 
 
 @needs_configs
+def test_fp8_kv_cache_halves_kv_bytes_not_weights() -> None:
+    cfg = _config("llama-3-8b")
+    bf16, fp8 = inspect_config(cfg, 80 * GiB), inspect_config(cfg, 80 * GiB, kv_cache_dtype="fp8")
+    assert fp8["kv_bytes_per_token"] * 2 == bf16["kv_bytes_per_token"] == 131072
+    assert fp8["weights_bytes"] == bf16["weights_bytes"] and fp8["kv_cache_dtype"] == "fp8"
+    assert fp8["tokens_in_memory_after_weights"] in (2 * bf16["tokens_in_memory_after_weights"] + d
+                                                     for d in (0, 1))
+
+
+@needs_configs
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_param_count_matches_published(name: str) -> None:
     published, rel = PUBLISHED_PARAMS[name]
