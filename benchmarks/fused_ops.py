@@ -217,6 +217,12 @@ def bench_kv_write_pattern(pattern: str) -> list[dict]:
     for cfg in KV_WRITE_VARIANTS:
         impls[f"rows {kv_write_name(cfg)}"] = lambda i, cfg=cfg: write_kv_rows(*sets[i], cfg)
     impls["copy of the same bytes"] = lambda i: dst[i].copy_(src[i])
+    return time_two_ways(impls, nbytes, pattern)
+
+
+def time_two_ways(impls, nbytes: int, pattern: str, suffix: str = "") -> list[dict]:
+    """Each impl(i) (i: which of KV_SETS input sets) timed by do_bench on set 0 and as graph
+    replays rotating over the sets; GB/s rows."""
     rows = []
     for name, call in impls.items():
         state = {"i": 0}
@@ -224,7 +230,7 @@ def bench_kv_write_pattern(pattern: str) -> list[dict]:
         def rotate(call=call, state=state):
             state["i"] = (state["i"] + 1) % KV_SETS
             call(state["i"])
-        row = dict(op=name, slots=pattern, mbytes=round(nbytes / 1e6, 1))
+        row = dict(op=name + suffix, slots=pattern, mbytes=round(nbytes / 1e6, 1))
         try:
             row["do_bench"] = round(nbytes / bench(lambda call=call: call(0)) / 1e9)
             row["graph"] = round(nbytes / time_graph(rotate, 4 * KV_SETS) / 1e9)
@@ -257,20 +263,7 @@ def bench_mla_write_graph() -> list[dict]:
             dst = [torch.empty_like(x) for x in src]
             impls = {"write_mla_cache: default": lambda i, sets=sets: write_mla_cache(*sets[i]),
                      "copy of the same bytes": lambda i, src=src, dst=dst: dst[i].copy_(src[i])}
-            for name, call in impls.items():
-                state = {"i": 0}
-
-                def rotate(call=call, state=state):
-                    state["i"] = (state["i"] + 1) % KV_SETS
-                    call(state["i"])
-                row = dict(op=f"{name} ({n} tokens)", slots=pattern, mbytes=round(nbytes / 1e6, 1))
-                try:
-                    row["do_bench"] = round(nbytes / bench(lambda call=call: call(0)) / 1e9)
-                    row["graph"] = round(nbytes / time_graph(rotate, 4 * KV_SETS) / 1e9)
-                except Exception as ex:  # keep going: one failure must not hide the rest
-                    row["error"] = f"{type(ex).__name__}: {str(ex)[:100]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            rows += time_two_ways(impls, nbytes, pattern, f" ({n} tokens)")
             del sets, src, dst
             torch.cuda.empty_cache()
     return rows
