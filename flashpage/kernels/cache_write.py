@@ -9,8 +9,9 @@ Each program moves a tile of several tokens; a skipped token is masked out of th
 loads and stores, so it reads and writes nothing. Offsets are int64
 because a pool can pass 2^31 elements.
 
-The K/V caches hold k's dtype or float8_e4m3fn (kv_dtype.py): values are converted to
-the cache's dtype as they are stored (a no-op when the dtypes agree).
+The K/V caches (and the MLA latent cache) hold k's (the latent's) dtype or float8_e4m3fn
+(kv_dtype.py): values are converted to the cache's dtype as they are stored (a no-op when
+the dtypes agree).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.kv_dtype import check_kv_cache_dtype
+from flashpage.kernels.kv_dtype import check_kv_cache_dtype, check_latent_cache_dtype
 from flashpage.kernels.mla_cache_write import write_mla_cache_vec
 
 
@@ -83,7 +84,7 @@ def _write_mla_kernel(
         offs = c0 + tl.arange(0, CHUNK)
         mask = t_mask[:, None] & (offs < WIDTH)[None, :]
         x = tl.load(src[:, None] + offs[None, :], mask=mask)
-        tl.store(dst[:, None] + offs[None, :], x, mask=mask)
+        tl.store(dst[:, None] + offs[None, :], x.to(kv_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_slots(slot_mapping: torch.Tensor, num_tokens: int) -> None:
@@ -178,7 +179,8 @@ def write_mla_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: 
     """kv_cache[slot] = latent[t] for each t with slot_mapping[t] >= 0.
 
     latent [N, Dl + Dr] (c_kv after its norm, then k_pe with rope applied);
-    kv_cache [num_blocks, block_size, Dl + Dr]; slot_mapping int64 [N].
+    kv_cache [num_blocks, block_size, Dl + Dr] in the latent's dtype or float8_e4m3fn
+    (each value rounded to e4m3 as it is stored); slot_mapping int64 [N].
     """
     write_mla_cache_vec(latent, kv_cache, slot_mapping)  # old: _write_mla(..., *MLA_TILE)
 
@@ -187,8 +189,7 @@ def _write_mla(latent, kv_cache, slot_mapping, elems: int, num_warps: int) -> No
     if latent.dim() != 2 or kv_cache.dim() != 3 or latent.shape[1] != kv_cache.shape[2]:
         raise ValueError(f"latent must be [N, W] and kv_cache [num_blocks, block_size, W], got "
                          f"{tuple(latent.shape)} and {tuple(kv_cache.shape)}")
-    if latent.dtype != kv_cache.dtype:
-        raise ValueError(f"dtype mismatch: latent {latent.dtype}, kv_cache {kv_cache.dtype}")
+    check_latent_cache_dtype(latent.dtype, kv_cache, "latent")
     if latent.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("latent and kv_cache must be contiguous in their last dimension")
     _check_slots(slot_mapping, latent.shape[0])
@@ -206,8 +207,8 @@ def _write_mla(latent, kv_cache, slot_mapping, elems: int, num_warps: int) -> No
 
 
 def write_mla_cache_ref(latent, kv_cache, slot_mapping) -> None:
-    """Pure-torch write_mla_cache."""
+    """Pure-torch write_mla_cache (torch's cast to the cache's dtype)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block_size = kv_cache.shape[1]
-    kv_cache[slots // block_size, slots % block_size] = latent[keep]
+    kv_cache[slots // block_size, slots % block_size] = latent[keep].to(kv_cache.dtype)

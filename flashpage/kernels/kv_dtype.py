@@ -1,4 +1,5 @@
-"""Which dtypes a paged K/V cache may hold, checked by every kernel that reads or writes one.
+"""Which dtypes a paged K/V cache (or MLA latent cache) may hold, checked by every kernel
+that reads or writes one.
 
 A cache holds either the activations' dtype (fp32, fp16, bf16: stored and read as they
 are) or ``torch.float8_e4m3fn`` (``--kv-cache-dtype fp8``, scale 1.0, no calibration):
@@ -24,6 +25,15 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize == 1
 
 
+def _check_fp8(cache_dtype: torch.dtype, act_dtype: torch.dtype, act_name: str) -> None:
+    if cache_dtype != FP8_KV_DTYPE:
+        raise ValueError(f"KV cache dtype {cache_dtype} unsupported: an fp8 cache must be "
+                         f"{FP8_KV_DTYPE}")
+    if act_dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"{act_name} dtype {act_dtype} unsupported with an fp8 KV cache "
+                         "(float16, bfloat16, float32)")
+
+
 def check_kv_cache_dtype(act_dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          act_name: str = "q") -> None:
     """ValueError unless both caches hold ``act_dtype`` or both hold float8_e4m3fn (with
@@ -34,11 +44,21 @@ def check_kv_cache_dtype(act_dtype: torch.dtype, key_cache: torch.Tensor, value_
     if kd == act_dtype:
         return
     if is_fp8(kd):
-        if kd != FP8_KV_DTYPE:
-            raise ValueError(f"KV cache dtype {kd} unsupported: an fp8 cache must be {FP8_KV_DTYPE}")
-        if act_dtype not in ACTIVATION_DTYPES:
-            raise ValueError(f"{act_name} dtype {act_dtype} unsupported with an fp8 KV cache "
-                             "(float16, bfloat16, float32)")
+        _check_fp8(kd, act_dtype, act_name)
         return
     raise ValueError(f"dtype mismatch: {act_name} {act_dtype}, key_cache {kd}, value_cache {vd} "
+                     f"(a cache holds {act_name}'s dtype or {FP8_KV_DTYPE})")
+
+
+def check_latent_cache_dtype(act_dtype: torch.dtype, kv_cache: torch.Tensor,
+                             act_name: str = "q") -> None:
+    """The MLA latent cache (one tensor): ValueError unless it holds ``act_dtype`` or
+    float8_e4m3fn (with 16- or 32-bit activations)."""
+    cd = kv_cache.dtype
+    if cd == act_dtype:
+        return
+    if is_fp8(cd):
+        _check_fp8(cd, act_dtype, act_name)
+        return
+    raise ValueError(f"dtype mismatch: {act_name} {act_dtype}, kv_cache {cd} "
                      f"(a cache holds {act_name}'s dtype or {FP8_KV_DTYPE})")

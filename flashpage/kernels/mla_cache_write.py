@@ -14,6 +14,11 @@ store per unit, all issued together, no padded lanes whatever the width.
 
 VEC shrinks (8 -> 4 -> 2 -> 1 elements for bf16) until it divides the width, the
 strides and the two base addresses, so an odd layout is still correct, only narrower.
+
+The cache holds the latent's dtype or float8_e4m3fn (kv_dtype.py): each value is rounded
+to e4m3 as it is stored (``cvt.rn.satfinite`` on the GPU: +-448 past the range). A unit
+is then 16 bytes of the *wider* of the two tensors (8 bf16 latent values in, 8 bytes
+out), and each tensor's base address is checked in its own element size.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from flashpage.kernels.kv_dtype import check_latent_cache_dtype
 
 # (units per program, warps): 1024 units = 16 KB read + 16 KB written per program, 8
 # units of 16 bytes in flight per thread with 4 warps. Not yet timed on a GPU: the
@@ -54,15 +61,16 @@ def _write_mla_vec_kernel(
     # the slot load (one memory round trip, not two). A skipped token's row is read (it
     # exists) but not written.
     x = tl.load(latent_ptr + src[:, None] + offs_v[None, :], mask=u_mask[:, None])
-    tl.store(kv_cache_ptr + dst[:, None] + offs_v[None, :], x, mask=keep[:, None])
+    # to the cache's dtype: e4m3 for an fp8 cache (round to nearest even), else a no-op
+    tl.store(kv_cache_ptr + dst[:, None] + offs_v[None, :], x.to(kv_cache_ptr.dtype.element_ty),
+             mask=keep[:, None])
 
 
 def _check(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     if latent.dim() != 2 or kv_cache.dim() != 3 or latent.shape[1] != kv_cache.shape[2]:
         raise ValueError(f"latent must be [N, W] and kv_cache [num_blocks, block_size, W], got "
                          f"{tuple(latent.shape)} and {tuple(kv_cache.shape)}")
-    if latent.dtype != kv_cache.dtype:
-        raise ValueError(f"dtype mismatch: latent {latent.dtype}, kv_cache {kv_cache.dtype}")
+    check_latent_cache_dtype(latent.dtype, kv_cache, "latent")
     if latent.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("latent and kv_cache must be contiguous in their last dimension")
     n = latent.shape[0]
@@ -74,15 +82,16 @@ def _check(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Ten
 
 
 def unit_elems(latent: torch.Tensor, kv_cache: torch.Tensor) -> int:
-    """Elements per unit: 16 bytes' worth, halved until it divides the row width, every
-    row stride and both base addresses (in elements)."""
-    size = latent.element_size()
-    vec = max(1, 16 // size)
+    """Elements per unit: 16 bytes' worth of the wider element (the latent's, with an fp8
+    cache), halved until it divides the row width, every row stride and both base
+    addresses (each in its own tensor's elements)."""
+    lsize, csize = latent.element_size(), kv_cache.element_size()
+    vec = max(1, 16 // max(lsize, csize))
     parts = (latent.shape[1], latent.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-             latent.data_ptr() // size, kv_cache.data_ptr() // size)
+             latent.data_ptr() // lsize, kv_cache.data_ptr() // csize)
     while vec > 1 and any(p % vec for p in parts):
         vec //= 2
-    if latent.data_ptr() % size or kv_cache.data_ptr() % size:
+    if latent.data_ptr() % lsize or kv_cache.data_ptr() % csize:
         vec = 1
     return vec
 
@@ -91,7 +100,8 @@ def write_mla_cache_vec(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mappi
                         tile: tuple[int, int] | None = None) -> None:
     """kv_cache[slot] = latent[t] for each t with slot_mapping[t] >= 0.
 
-    latent [N, W] (rows may be strided); kv_cache [num_blocks, block_size, W];
+    latent [N, W] (rows may be strided); kv_cache [num_blocks, block_size, W] in the
+    latent's dtype or float8_e4m3fn (each value rounded to e4m3 as it is stored);
     slot_mapping int64 [N]. ``tile`` = (units per program, warps), default MLA_WRITE_TILE.
     """
     _check(latent, kv_cache, slot_mapping)

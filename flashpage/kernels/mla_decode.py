@@ -24,6 +24,11 @@ and log-sum-exp, and they are merged either by a second kernel or, with few spli
 itself in (an atomic counter per sequence and head block) and the last one to arrive
 merges, then sets the counter back to 0, so a captured CUDA graph replays from a clean
 state. One split writes ``out`` directly.
+
+The cache holds q's dtype or float8_e4m3fn (``--kv-cache-dtype fp8``, kv_dtype.py): fp8
+latent tiles are widened to q's dtype right after their load (exact: every e4m3 value is
+an fp16 and a bf16 value), so both dots and the softmax run as over a 16-bit cache while
+the loop reads half the bytes. The partials and the merge stay fp32 either way.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.kv_dtype import check_latent_cache_dtype
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 _LOG2E = 1.4426950408889634
@@ -169,6 +175,9 @@ def _mla_decode_kernel(
                      other=0.0)
         pe = tl.load(row[:, None] + RANK + offs_p[None, :],
                      mask=n_mask[:, None] & p_mask[None, :], other=0.0)
+        # an fp8 cache: widened to q's dtype before any arithmetic (else a no-op)
+        kv = kv.to(q_nope.dtype)
+        pe = pe.to(q_pe.dtype)
         if IEEE:
             qk = tl.dot(q_nope, tl.trans(kv), input_precision="ieee")
             qk = tl.dot(q_pe, tl.trans(pe), acc=qk, input_precision="ieee")
@@ -345,7 +354,8 @@ def mla_decode(
     """MLA decode over the paged latent cache.
 
     q            : [B, H, kv_lora_rank + rope_dim]  absorbed query (q_nope @ W_UK, then q_pe)
-    kv_cache     : [num_blocks, block_size, kv_lora_rank + rope_dim]  (last dim contiguous)
+    kv_cache     : [num_blocks, block_size, kv_lora_rank + rope_dim]  (last dim contiguous),
+                   in q's dtype or float8_e4m3fn (read as q's dtype)
     block_tables : int32 [B, max_blocks]; entries past ``seq_lens[b]`` are never read
     seq_lens     : int32 [B], >= 1; the query sits at position ``seq_lens[b] - 1``
     pdl          : programmatic dependent launch of its kernels (kernels/pdl.py); None
@@ -361,8 +371,7 @@ def mla_decode(
     if dk != D or rope <= 0:
         raise ValueError(f"q's last dim ({D}) and kv_cache's ({dk}) must both be "
                          f"kv_lora_rank ({kv_lora_rank}) + rope_dim (> 0)")
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"q ({q.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype")
+    check_latent_cache_dtype(q.dtype, kv_cache)
     if page & (page - 1):
         raise ValueError(f"block_size must be a power of two, got {page}")
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
@@ -434,7 +443,8 @@ def mla_decode_ref(
     config: MLADecodeConfig | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
-    """Pure-PyTorch reference, fp32 math; same contract as :func:`mla_decode`."""
+    """Pure-PyTorch reference, fp32 math (an fp8 cache's values read exactly); same
+    contract as :func:`mla_decode`."""
     del num_splits, config, pdl  # the reference does not split or launch kernels
     B, H, D = q.shape
     page = kv_cache.shape[1]
