@@ -109,9 +109,6 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.skinny_report: dict[str, Any] = {}
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        if self.kv_dtype != self.dtype and mc.is_mla:
-            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported for MLA "
-                             f"models ({mc.architecture}) yet; use kv_cache_dtype='auto'")
         backend_cls, why = select_backend(config.attention_backend, mc, self.device, self.dtype,
                                           kv_cache_dtype=self.kv_dtype)
         logger.info("attention backend: %s", why)

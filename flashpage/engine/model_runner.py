@@ -43,7 +43,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        self.kv_dtype = kv_dtype or dtype  # the paged K/V cache's (MLA latents: always dtype)
+        self.kv_dtype = kv_dtype or dtype  # the paged K/V (or MLA latent) cache's
         self.sampler = Sampler(model_config.vocab_size)
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         self.pin = device.type == "cuda"
@@ -68,7 +68,7 @@ class ModelRunner:
         for layer in layers:
             if getattr(layer, "is_mla", False):  # MLA: one latent tensor per layer
                 latent = torch.zeros(layer.kv_cache_shape(num_blocks, self.block_size),
-                                     dtype=self.dtype, device=self.device)
+                                     dtype=self.kv_dtype, device=self.device)
                 layer.kv_cache = latent
                 layer.backend = self.backend
                 caches.append(latent)

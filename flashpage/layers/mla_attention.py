@@ -5,6 +5,10 @@ Per token, one latent entry goes into the layer's cache (docs/architecture.md)::
     kv_cache : [num_blocks, block_size, R + rope]     R = kv_lora_rank
                entry = [c_kv (after kv_a_layernorm) | k_pe (rope applied)]
 
+The cache holds the model's dtype or, with ``--kv-cache-dtype fp8``, float8_e4m3fn
+(scale 1): entries are rounded to e4m3 as they are written and up-cast to the model's
+dtype right after they are read, before any arithmetic.
+
 Each step the new tokens' entries are written first; then the requests of the step are
 split as the metadata orders them (decodes first):
 
@@ -76,17 +80,30 @@ class MLARotaryEmbedding(KeepFp32, nn.Module):
 # ----------------------------------------------------------------- torch math of both paths
 def write_mla_cache_torch(latent: torch.Tensor, kv_cache: torch.Tensor,
                           slot_mapping: torch.Tensor) -> None:
-    """latent [N, R + rope] into slots ``slot_mapping`` [N] of kv_cache (-1 skipped)."""
+    """latent [N, R + rope] into slots ``slot_mapping`` [N] of kv_cache (-1 skipped).
+
+    kv_cache in the latent's dtype or float8_e4m3fn (each value rounded to e4m3,
+    saturating at +-448 as the Triton write does)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         latent, slot_mapping = latent[keep], slot_mapping[keep]
-    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(kv_cache.dtype))
+    cache = kv_cache.view(-1, kv_cache.shape[-1])
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        # torch's own cast may give NaN past 448; index_copy_ has no float8 kernel: copy bytes
+        src = latent.clamp(-448.0, 448.0).to(kv_cache.dtype).view(torch.uint8)
+        cache = cache.view(torch.uint8)
+    else:
+        src = latent.to(kv_cache.dtype)
+    cache.index_copy_(0, slot_mapping, src)
 
 
-def gather_prefill_contexts(kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+def gather_prefill_contexts(kv_cache: torch.Tensor, md: AttentionMetadata,
+                            dtype: torch.dtype | None = None) -> torch.Tensor:
     """The latent entries of the whole context of every non-decode request, back to back:
-    [sum(seq_lens[num_decodes:]), R + rope] (request b's keys at positions 0..seq_lens[b])."""
-    parts = [gather_paged(kv_cache, md.block_tables[i], md.seq_lens_cpu[i])
+    [sum(seq_lens[num_decodes:]), R + rope] (request b's keys at positions 0..seq_lens[b]),
+    in ``dtype`` (default the cache's: an fp8 cache's entries are up-cast, exactly, as read)."""
+    dtype = dtype or kv_cache.dtype
+    parts = [gather_paged(kv_cache, md.block_tables[i], md.seq_lens_cpu[i]).to(dtype)
              for i in range(md.num_decodes, md.num_seqs)]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -96,7 +113,8 @@ def mla_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetad
     """Absorbed path for the leading ``q.shape[0]`` (decode) requests of the step.
 
     q [nd, H, R + rope] (absorbed query, one per request, at position seq_lens[b] - 1);
-    kv_cache [num_blocks, block_size, R + rope] -> latent output [nd, H, R]. Same
+    kv_cache [num_blocks, block_size, R + rope] in q's dtype or float8_e4m3fn (up-cast
+    as read) -> latent output [nd, H, R]. Same
     contract as ``kernels/mla_decode.py: mla_decode`` over ``block_tables[:nd]``,
     ``seq_lens[:nd]``.
     """
@@ -107,7 +125,7 @@ def mla_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetad
     nblocks = md.block_tables.shape[1]
     max_len = nblocks * block_size
     bt = md.block_tables[:nd].reshape(-1).long()
-    ent = kv_cache.index_select(0, bt).view(nd, max_len, dim)
+    ent = kv_cache.index_select(0, bt).view(nd, max_len, dim).to(q.dtype)  # fp8: up-cast
     valid = torch.arange(max_len, device=q.device)[None, :] < md.seq_lens[:nd, None]
     # Slots past a request's length hold anything (other requests' data, never-written
     # memory): zero them, since a masked probability of 0 times a NaN is still NaN.
@@ -233,7 +251,7 @@ class MLAAttention(nn.Module):
             o_lat = decode(q_abs, self.kv_cache, md, kv_lora_rank=r, scale=self.scale)
             out[:nd] = mla_absorb_output(o_lat, w, h, nope, vd)
         if n_act > nd:
-            ctx = gather_prefill_contexts(self.kv_cache, md)
+            ctx = gather_prefill_contexts(self.kv_cache, md, q_nope.dtype)
             k, v = mla_expand_kv(ctx[:, :r], ctx[:, r:], w, h, nope, vd)
             q = torch.cat([q_nope[nd:n_act], q_pe[nd:n_act]], dim=-1)
             prefill = getattr(self.backend, "forward_mla_prefill", None) or mla_prefill_torch
