@@ -33,7 +33,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="schedule step N+1 while the GPU runs step N (default: on with CUDA)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: float8_e4m3fn, half the KV bytes of bf16 "
-                        "(scale 1; not for MLA models yet)")
+                        "(scale 1)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--random-weights-config", default=None, metavar="CONFIG",
                    help="random weights of this config.json's shape (benchmarks; no tokenizer)")

@@ -314,7 +314,7 @@ class EngineConfig:
     # step N+1 on the device); None: on for CUDA, off on the CPU, where nothing overlaps.
     async_scheduling: bool | None = None
     # "auto": K/V cached in the model's dtype; "fp8" / "fp8_e4m3": float8_e4m3fn with scale
-    # 1 (as vLLM's default), half the bytes per token of bf16 (not for MLA models yet)
+    # 1 (as vLLM's default), half the bytes per token of bf16 (MLA: the latent cache)
     kv_cache_dtype: str = "auto"
     seed: int = 0
 

@@ -67,11 +67,6 @@ def test_bad_kv_cache_dtype_is_refused():
         EngineConfig(kv_cache_dtype="int8")
 
 
-def test_fp8_cache_refused_for_mla(tiny_mla_checkpoint):
-    with pytest.raises(ValueError, match="not supported for MLA"):
-        _engine(tiny_mla_checkpoint("deepseek_v2"), kv_cache_dtype="fp8")
-
-
 def test_flex_backend_says_why_it_cannot_read_fp8(tiny_checkpoint):
     with pytest.raises(BackendUnavailable, match="float8_e4m3fn KV cache is not supported by the flex"):
         LLM(str(tiny_checkpoint("head64_gqa")), dtype="float32", device="cpu",
