@@ -123,6 +123,7 @@ next-j)  # next session: the fp8 MLA GPU tests, an fp8 default for paged decode,
          # throughput bf16 vs fp8 cache
   timeout 150 $PT -n 8 -m gpu tests/kernels/test_mla_fp8.py -rf 2>&1 | tee "$OUT/mla_fp8_tests.txt" | tail -n 6
   timeout 150 python3 benchmarks/attention_decode.py --kv-dtype fp8 --out "$OUT" 2>&1 | tail -n 9
+  timeout 90 python3 benchmarks/mla_decode.py --kv-dtype fp8 --out "$OUT/mla_kv_dtype.jsonl" 2>&1 | tail -n 8
   for d in auto fp8; do timeout 110 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
     --no-hf --kv-cache-dtype $d --json-out "$OUT/throughput_8b_kv_$d.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/kv=$d /"; done ;;

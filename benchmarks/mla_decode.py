@@ -232,6 +232,50 @@ def run_pdl_ab(f, args) -> None:
     print("\n".join(lines))
 
 
+KV_DTYPE_SHAPES = [(8, 32768), (16, 16384), (32, 4096), (64, 8192), (128, 4096)]
+
+
+def run_kv_dtype(f, args) -> None:
+    """The default path over a bf16 and a float8_e4m3fn latent cache, 16 heads, shape by
+    shape in one run: GB/s of the bytes each reads, and latent tokens per second."""
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name()
+    copy_start = copy_bandwidth()
+    torch.cuda.empty_cache()
+    emit(f, section="env", gpu=name, torch=torch.__version__, copy_gbps=round(copy_start))
+    cfg = default_config(16, dev)
+    rows = []
+    for batch, ctx in KV_DTYPE_SHAPES:
+        row: dict = dict(section="kv_dtype", heads=16, batch=batch, ctx=ctx, page=args.page,
+                         config=config_name(cfg))
+        for label, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+            case = Case(batch, ctx, 16, args.page, dtype)
+            t = time_graph(case.ours())
+            row[f"{label}_us"] = round(t / case.rot * 1e6, 2)
+            row[f"{label}_gbps"] = round(gbps(case, t))
+            row[f"{label}_mtok_s"] = round(batch * ctx * case.rot / t / 1e6)
+            del case
+            torch.cuda.empty_cache()
+        row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
+        emit(f, **row)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    copy = max(copy_start, copy_bandwidth())
+    lines = [f"MLA decode over a bf16 and a float8_e4m3fn latent cache, 16 heads, {RANK}+{ROPE}, "
+             f"page {args.page}, default config and split rule, {name}; GB/s of the bytes each "
+             f"reads (% of copy {copy:.0f} GB/s), Mtok/s = batch × context / time.", "",
+             "| batch × context | bf16 µs | bf16 GB/s | fp8 µs | fp8 GB/s | fp8 speed-up "
+             "| bf16 Mtok/s | fp8 Mtok/s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['batch']} × {r['ctx']} | {r['bf16_us']} | {r['bf16_gbps']} "
+                     f"({100 * r['bf16_gbps'] / copy:.0f}%) | {r['fp8_us']} | {r['fp8_gbps']} "
+                     f"({100 * r['fp8_gbps'] / copy:.0f}%) | {r['speedup']}× | {r['bf16_mtok_s']} "
+                     f"| {r['fp8_mtok_s']} |")
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as md:
+        md.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def final_configs() -> tuple[MLADecodeConfig, MLADecodeConfig]:
     """(old, new) at 16 heads: the new default, and it with the merge kernel always."""
     new = default_config(16, torch.device("cuda"))
@@ -252,13 +296,14 @@ def emit(f, **row) -> None:
 class Case:
     """``rot`` independent paged latents + contiguous copies, and queries, for one shape."""
 
-    def __init__(self, batch: int, ctx: int, heads: int, page: int) -> None:
+    def __init__(self, batch: int, ctx: int, heads: int, page: int,
+                 kv_dtype: torch.dtype = torch.bfloat16) -> None:
         self.batch, self.ctx, self.heads, self.page = batch, ctx, heads, page
-        self.bytes = batch * ctx * D * 2
+        self.bytes = batch * ctx * D * kv_dtype.itemsize
         self.rot = max(1, min(32, math.ceil(ROT_BYTES / self.bytes)))
         nblk = math.ceil(ctx / page)
         total = self.rot * batch * nblk
-        self.pool = torch.randn(total, page, D, dtype=torch.bfloat16, device="cuda")
+        self.pool = torch.randn(total, page, D, device="cuda").to(kv_dtype)
         perm = torch.randperm(total, device="cuda").int()
         self.tables = [perm[i * batch * nblk:(i + 1) * batch * nblk].view(batch, nblk)
                        for i in range(self.rot)]
@@ -325,6 +370,9 @@ def main() -> None:
                     help="--final: past this many seconds, time only old and new, no ladder")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="the default path at 16 heads, PDL off vs on (table: --out with .md)")
+    ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="fp8: the default path at 16 heads over a bf16 and an fp8 latent cache "
+                         "(table: --out with .md)")
     args = ap.parse_args()
     if args.precompile:
         if args.pdl_ab:
@@ -341,6 +389,10 @@ def main() -> None:
     if args.pdl_ab:
         with open(args.out, "w") as f:
             run_pdl_ab(f, args)
+        return
+    if args.kv_dtype == "fp8":
+        with open(args.out, "w") as f:
+            run_kv_dtype(f, args)
         return
     with open(args.out, "w") as f:
         run(f, args)
