@@ -121,7 +121,11 @@ next-i)  # session 3, last call: the fp8 KV cache on the GPU (bf16 tests), then 
     --kv-cache-dtype fp8 --json-out "$OUT/throughput_8b_fp8.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
 next-j)  # next session: the fp8 MLA GPU tests, an fp8 default for paged decode, then the 8B
          # throughput bf16 vs fp8 cache
-  timeout 150 $PT -n 8 -m gpu tests/kernels/test_mla_fp8.py -rf 2>&1 | tee "$OUT/mla_fp8_tests.txt" | tail -n 6
+  # the MLA write's unit logic and the kernels' fp8 checks changed after the last GPU run:
+  # the bf16 MLA and decode paths' GPU tests too
+  timeout 200 $PT -n 8 -m gpu tests/kernels/test_mla_fp8.py tests/kernels/test_mla_cache_write.py \
+    tests/kernels/test_mla_decode.py tests/kernels/test_paged_decode.py tests/models tests/engine -rf 2>&1 \
+    | tee "$OUT/gpu_tests.txt" | tail -n 6
   timeout 150 python3 benchmarks/attention_decode.py --kv-dtype fp8 --out "$OUT" 2>&1 | tail -n 9
   timeout 90 python3 benchmarks/mla_decode.py --kv-dtype fp8 --out "$OUT/mla_kv_dtype.jsonl" 2>&1 | tail -n 8
   for d in auto fp8; do timeout 110 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
