@@ -127,7 +127,8 @@ next-j)  # next session: the fp8 MLA GPU tests, an fp8 default for paged decode,
     tests/kernels/test_mla_decode.py tests/kernels/test_paged_decode.py tests/models tests/engine -rf 2>&1 \
     | tee "$OUT/gpu_tests.txt" | tail -n 6
   timeout 150 python3 benchmarks/attention_decode.py --kv-dtype fp8 --out "$OUT" 2>&1 | tail -n 9
-  timeout 90 python3 benchmarks/mla_decode.py --kv-dtype fp8 --out "$OUT/mla_kv_dtype.jsonl" 2>&1 | tail -n 8
+  timeout 90 python3 benchmarks/mla_decode.py --kv-dtype fp8 --out "$OUT/mla_kv_dtype.jsonl" 2>&1 | tail -n 8 ;;
+next-k)  # next session, after next-j: the 8B throughput over a bf16 and an fp8 cache
   for d in auto fp8; do timeout 110 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
     --no-hf --kv-cache-dtype $d --json-out "$OUT/throughput_8b_kv_$d.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/kv=$d /"; done ;;
