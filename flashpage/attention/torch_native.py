@@ -18,22 +18,26 @@ if TYPE_CHECKING:
     from flashpage.config import ModelConfig
 
 
+def write_slots(x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """x [N, *entry] into slots ``slot_mapping`` [N] of a paged cache [num_blocks,
+    block_size, *entry] (-1 skipped), cast to the cache's dtype. An fp8 (float8_e4m3fn)
+    cache saturates at +-448, as the Triton writes do (torch's own cast may give NaN past
+    it), and takes the bytes (index_copy_ has no float8 kernel)."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        x, slot_mapping = x[keep], slot_mapping[keep]
+    flat = cache.view(-1, *cache.shape[2:])
+    if cache.dtype == torch.float8_e4m3fn:
+        x = x.clamp(-448.0, 448.0).to(cache.dtype).view(torch.uint8)
+        flat = flat.view(torch.uint8)
+    flat.index_copy_(0, slot_mapping, x.to(flat.dtype))
+
+
 def write_kv_cache_torch(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                          value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k, v [N, Hkv, D] into slots ``slot_mapping`` [N] of the paged cache (-1 skipped)."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    hkv, d = key_cache.shape[-2:]
-    for src, cache in ((k, key_cache), (v, value_cache)):
-        if cache.dtype == torch.float8_e4m3fn:
-            # saturate at e4m3's largest finite value, as the Triton writes do (torch's own
-            # cast may give NaN past it); index_copy_ has no float8 kernel: copy the bytes
-            src = src.clamp(-448.0, 448.0).to(cache.dtype).view(torch.uint8)
-            cache = cache.view(torch.uint8)
-        else:
-            src = src.to(cache.dtype)
-        cache.view(-1, hkv, d).index_copy_(0, slot_mapping, src)
+    write_slots(k, key_cache, slot_mapping)
+    write_slots(v, value_cache, slot_mapping)
 
 
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

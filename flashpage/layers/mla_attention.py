@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashpage.attention.torch_native import causal_mask, gather_paged
+from flashpage.attention.torch_native import causal_mask, gather_paged, write_slots
 from flashpage.config import ModelConfig
 from flashpage.layers.fp32 import KeepFp32
 from flashpage.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -84,17 +84,7 @@ def write_mla_cache_torch(latent: torch.Tensor, kv_cache: torch.Tensor,
 
     kv_cache in the latent's dtype or float8_e4m3fn (each value rounded to e4m3,
     saturating at +-448 as the Triton write does)."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        latent, slot_mapping = latent[keep], slot_mapping[keep]
-    cache = kv_cache.view(-1, kv_cache.shape[-1])
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        # torch's own cast may give NaN past 448; index_copy_ has no float8 kernel: copy bytes
-        src = latent.clamp(-448.0, 448.0).to(kv_cache.dtype).view(torch.uint8)
-        cache = cache.view(torch.uint8)
-    else:
-        src = latent.to(kv_cache.dtype)
-    cache.index_copy_(0, slot_mapping, src)
+    write_slots(latent, kv_cache, slot_mapping)
 
 
 def gather_prefill_contexts(kv_cache: torch.Tensor, md: AttentionMetadata,
