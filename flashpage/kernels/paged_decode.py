@@ -420,7 +420,6 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
             num_splits, config: DecodeConfig | None = None, pdl: bool | None = None):
     """paged_decode with an explicit tile config (the benchmark sweeps them)."""
     _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out)
-    use_pdl = resolve_pdl(pdl, q.device)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
@@ -445,7 +444,7 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     # FLASHPAGE_PDL=auto leaves the unsplit kernel without PDL: on the H200 it timed 0.91x
     # at 32 x 4096 with it (split kernels and their merge: 1.04x at 1 x 32768)
-    use_pdl = use_pdl and (num_splits > 1 or resolve_pdl(pdl, q.device, in_auto=False))
+    use_pdl = resolve_pdl(pdl, q.device, in_auto=num_splits > 1)
     launch_kw = pdl_launch_kwargs(use_pdl)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(group))
