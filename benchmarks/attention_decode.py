@@ -273,9 +273,12 @@ KV_DTYPE_SHAPES = [(32, 4096), (64, 4096), (128, 2048), (1, 32768), (8, 32768)]
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 # Tile configs worth timing over an fp8 cache (the bf16 defaults were tuned for 16-bit
 # K/V). Compiled for sm_90 on the CPU (2026-11-30): the pipelined loop copies fp8 tiles
-# to shared memory partly 8 bytes at a time (cp.async.ca 8), the hand-prefetched one
-# loads 16 bytes per instruction; n64w8p 128 registers, n128w8p 190, n128w4p spills.
+# to shared memory partly 8 bytes at a time (cp.async.ca 8) and gathers V's bytes back
+# one at a time (ld.shared.b8: the dot reduces over V's keys, which are not contiguous);
+# the hand-prefetched one loads 16 bytes per instruction, widens in registers and reads
+# fp16 tiles back with ldmatrix; n64w8p 128 registers, n128w8p 190, n128w4p spills.
 FP8_CANDIDATES = [DecodeConfig(64, 8, 1, prefetch=True), DecodeConfig(128, 8, 1, prefetch=True),
+                  DecodeConfig(64, 4, 1, prefetch=True), DecodeConfig(32, 4, 1, prefetch=True),
                   DecodeConfig(128, 4, 3), DecodeConfig(128, 8, 3),
                   DecodeConfig(128, 4, 3, heads_fastest=True)]
 

@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu_final.sh next-e    GPU tests, PDL modes A/B: decode kernel, 8B latency, 8B throughput
 #   bash benchmarks/gpu_final.sh next-f    8B latency + throughput beside transformers, then warm and PDL off
 #   bash benchmarks/gpu_final.sh next-g    fresh machine: prefill one-compile test, 8B throughput cold then warm
+#   bash benchmarks/gpu_final.sh next-l    fp16 dots over an fp8 cache: fp8 GPU tests, decode + MLA kernels
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -132,5 +133,12 @@ next-k)  # next session, after next-j: the 8B throughput over a bf16 and an fp8 
   for d in auto fp8; do timeout 110 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
     --no-hf --kv-cache-dtype $d --json-out "$OUT/throughput_8b_kv_$d.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/kv=$d /"; done ;;
+next-l)  # session 4: fp16 dots over an fp8 cache (kernels/kv_dtype.py f16_dots): GPU tests, then
+         # the decode and MLA kernels over bf16 and fp8 caches with fp8 tile candidates
+  timeout 150 $PT -n 8 -m gpu tests/kernels/test_fp8_kv.py tests/kernels/test_mla_fp8.py \
+    tests/engine/test_fp8_kv_cache.py tests/models/test_deepseek_fp8.py -rf 2>&1 \
+    | tee "$OUT/gpu_tests.txt" | tail -n 4
+  timeout 150 python3 benchmarks/attention_decode.py --kv-dtype fp8 --out "$OUT" 2>&1 | tail -n 9
+  timeout 120 python3 benchmarks/mla_decode.py --kv-dtype fp8 --out "$OUT/mla_kv_dtype.jsonl" 2>&1 | tail -n 10 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -10,11 +10,19 @@ are) or ``torch.float8_e4m3fn`` (``--kv-cache-dtype fp8``, scale 1.0, no calibra
   arithmetic. That step is exact: every e4m3 value is an fp16 and a bf16 value.
 
 Kernels tell the two apart by the cache tensor's dtype alone; no argument says which.
+Decode kernels over an fp8 cache with a 16-bit q run their dots in fp16 whatever q's
+16-bit type (``f16_dots``, ``f16_query``): sm_90 widens a pair of e4m3 values to fp16 in
+one instruction and to bf16 in three, and that widening, once per cached value, is the
+loop's main cost after the loads. q is scaled by the softmax scale first (in fp32), so
+its fp16 rounding keeps 11 significant bits (bf16: 8) and only a scaled |q| past 65504
+would overflow.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -62,3 +70,18 @@ def check_latent_cache_dtype(act_dtype: torch.dtype, kv_cache: torch.Tensor,
         return
     raise ValueError(f"dtype mismatch: {act_name} {act_dtype}, kv_cache {cd} "
                      f"(a cache holds {act_name}'s dtype or {FP8_KV_DTYPE})")
+
+
+def f16_dots(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether a decode kernel's dots run in fp16: an fp8 cache under a 16-bit q."""
+    return is_fp8(cache_dtype) and act_dtype in (torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def f16_query(q, sm_scale_log2, F16_DOTS: tl.constexpr):
+    """(q, the scale left to apply to q . k): with F16_DOTS, q * sm_scale_log2 rounded to
+    fp16 once (from fp32) and 1.0; else q and sm_scale_log2 unchanged."""
+    if F16_DOTS:
+        q = (q.to(tl.float32) * sm_scale_log2).to(tl.float16)
+        sm_scale_log2 = 1.0
+    return q, sm_scale_log2

@@ -26,9 +26,11 @@ merges, then sets the counter back to 0, so a captured CUDA graph replays from a
 state. One split writes ``out`` directly.
 
 The cache holds q's dtype or float8_e4m3fn (``--kv-cache-dtype fp8``, kv_dtype.py): fp8
-latent tiles are widened to q's dtype right after their load (exact: every e4m3 value is
-an fp16 and a bf16 value), so both dots and the softmax run as over a 16-bit cache while
-the loop reads half the bytes. The partials and the merge stay fp32 either way.
+latent tiles are widened right after their load (exact: every e4m3 value is an fp16
+value), to fp16 under a 16-bit q, whose two parts are then pre-scaled and rounded to fp16
+once (``f16_query``: one widening instruction per pair of values on sm_90, three to
+bf16), so both dots and the softmax run as over a 16-bit cache while the loop reads half
+the bytes. The partials and the merge stay fp32 either way.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.kv_dtype import check_latent_cache_dtype
+from flashpage.kernels.kv_dtype import check_latent_cache_dtype, f16_dots, f16_query
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 _LOG2E = 1.4426950408889634
@@ -128,6 +130,7 @@ def _mla_decode_kernel(
     FUSED: tl.constexpr,  # SPLIT, and the last split of a head block merges them into out
     IEEE: tl.constexpr,  # fp32 inputs: exact dots, not tf32
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    F16_DOTS: tl.constexpr,  # an fp8 cache under a 16-bit q: pre-scaled fp16 q, fp16 dots
 ):
     pdl_prologue(PDL)
     hb = tl.program_id(0)
@@ -152,6 +155,8 @@ def _mla_decode_kernel(
     q_nope = tl.load(q_row + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
     q_pe = tl.load(q_row + RANK + offs_p[None, :], mask=h_mask[:, None] & p_mask[None, :],
                    other=0.0)
+    q_nope, qk_scale = f16_query(q_nope, sm_scale_log2, F16_DOTS)
+    q_pe, qk_scale = f16_query(q_pe, sm_scale_log2, F16_DOTS)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -184,7 +189,7 @@ def _mla_decode_kernel(
         else:
             qk = tl.dot(q_nope, tl.trans(kv))
             qk = tl.dot(q_pe, tl.trans(pe), acc=qk)
-        qk = tl.where(n_mask[None, :], qk * sm_scale_log2, float("-inf"))
+        qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -416,7 +421,7 @@ def mla_decode(
         out.stride(0), out.stride(1),
         RANK=kv_lora_rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE=page, SPLIT=split, FUSED=fused,
-        IEEE=q.dtype == torch.float32, PDL=use_pdl,
+        IEEE=q.dtype == torch.float32, PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, kv_cache.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
     )
     if split and not fused:

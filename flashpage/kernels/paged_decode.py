@@ -5,9 +5,11 @@ Cache layout (one pair per layer)::
     key_cache, value_cache : [num_blocks, block_size, num_kv_heads, head_dim]
     token p of sequence b  -> key_cache[block_tables[b, p // block_size], p % block_size]
 
-The caches hold q's dtype or float8_e4m3fn (kv_dtype.py): fp8 K/V tiles are widened to
-q's dtype right after their load (exact), so the dots and the softmax run as with a
-16-bit cache while the loop reads half the bytes.
+The caches hold q's dtype or float8_e4m3fn (kv_dtype.py). Under a 16-bit q an fp8 cache's
+dots run in fp16 (``F16_DOTS``): q is scaled by sm_scale·log2(e) in fp32 and rounded to
+fp16 once, and K/V tiles are widened to fp16 after their load (exact). sm_90 widens
+e4m3 pairs to fp16 in one instruction (``cvt.rn.f16x2.e4m3x2``) but to bf16 in three
+(through fp16), which made a bf16 dot slower per tile than reading a bf16 cache.
 
 Decode is memory-bound: every step streams each running sequence's whole K/V once.
 So one program handles *all* the query heads that share a KV head (a GQA group,
@@ -41,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.kv_dtype import check_kv_cache_dtype
+from flashpage.kernels.kv_dtype import check_kv_cache_dtype, f16_dots, f16_query
 from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
@@ -139,7 +141,8 @@ def _load_kv(k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt
 @triton.jit
 def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constexpr):
     """One online-softmax step over a tile of keys (base-2 exponentials). K/V tiles of an
-    fp8 cache are widened to q's dtype first (a no-op for a cache in q's dtype)."""
+    fp8 cache are widened to q's dtype first (a no-op for a cache in q's dtype); scores
+    are ``q . k * sm_scale_log2``."""
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     if IEEE:
@@ -188,6 +191,7 @@ def _paged_decode_kernel(
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two (the merge's rows)
     MERGE_CHUNK: tl.constexpr,  # splits the merge loads at once
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    F16_DOTS: tl.constexpr,  # an fp8 cache under a 16-bit q: pre-scaled fp16 q, fp16 dots
 ):
     pdl_prologue(PDL)
     if HEADS_FASTEST:
@@ -218,6 +222,7 @@ def _paged_decode_kernel(
 
     q_ptrs = q_ptr + b64 * stride_qb + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    q, sm_scale_log2 = f16_query(q, sm_scale_log2, F16_DOTS)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -464,7 +469,8 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
             GROUP=group, HPB=hpb, ROWS_PAD=max(16, triton.next_power_of_2(hpb * group)),
             HEAD_DIM=head_dim, WIDTH=hpb * head_dim, PAGE=block_size, BLOCK_N=cfg.block_n,
             SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None, IEEE=q.dtype == torch.float32,
-            PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
+            PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, key_cache.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
         )
         if num_splits > 1:
             _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
@@ -488,7 +494,8 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         BLOCK_N=cfg.block_n, SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None,
         IEEE=q.dtype == torch.float32, PREFETCH=cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
-        PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
+        PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, key_cache.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
     )
     if num_splits > 1 and not fused_merge:
         _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
@@ -523,7 +530,7 @@ def paged_decode(
 
     q            [B, Hq, D]  the query of sequence b sits at position seq_lens[b] - 1
     key_cache    [num_blocks, block_size, Hkv, D]   (value_cache the same), in q's dtype
-                 or float8_e4m3fn (read as q's dtype)
+                 or float8_e4m3fn (a 16-bit q: dots in fp16, see the module doc)
     block_tables int32 [B, max_blocks]; entries past seq_lens are never read
     seq_lens     int32 [B]   context length, the query's own token included
     window_size  W: only keys j > (seq_lens[b] - 1) - W are attended

@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashpage.kernels.kv_dtype import f16_query
 from flashpage.kernels.pdl import pdl_prologue
 
 
@@ -48,6 +49,7 @@ def _paged_decode_rows_kernel(
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    F16_DOTS: tl.constexpr,  # an fp8 cache under a 16-bit q: pre-scaled fp16 q, fp16 dots
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
@@ -71,6 +73,7 @@ def _paged_decode_rows_kernel(
     b64 = b.to(tl.int64)
     q = tl.load(q_ptr + b64 * stride_qb + head[:, None] * stride_qh + (offs_c % HEAD_DIM)[None, :],
                 mask=r_mask[:, None] & own, other=0.0)
+    q, sm_scale_log2 = f16_query(q, sm_scale_log2, F16_DOTS)
 
     m_i = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS_PAD], dtype=tl.float32)

@@ -437,7 +437,7 @@ def _compile_fp8_ptx() -> dict[str, str]:
            "seq_lens": "*i32", "block_tables": "*i32", "Lse": "*fp32"}
     decode = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64,
                   HAS_WINDOW=False, IEEE=False, HEADS_FASTEST=False, FUSED_MERGE=False,
-                  GROUP_PAD=4, MERGE_CHUNK=1, PDL=False)
+                  GROUP_PAD=4, MERGE_CHUNK=1, PDL=False, F16_DOTS=True)
     kernels = {
         "write_kv": (cw._write_kv_kernel, dict(PAGE=16, NUM_HEADS=8, HEAD_DIM=128, BLOCK_T=4,
                                                 BLOCK_E=1024), set(), 8, 3),
@@ -453,7 +453,7 @@ def _compile_fp8_ptx() -> dict[str, str]:
             **decode, "SPLIT": True, "PREFETCH": True}, decode_fp8, 4, 1),
         "paged_decode_rows": (rows._paged_decode_rows_kernel, dict(
             GROUP=4, HPB=2, ROWS_PAD=16, HEAD_DIM=128, WIDTH=256, PAGE=16, BLOCK_N=32,
-            SPLIT=True, HAS_WINDOW=False, IEEE=False, PDL=False), decode_fp8, 4, 3),
+            SPLIT=True, HAS_WINDOW=False, IEEE=False, PDL=False, F16_DOTS=True), decode_fp8, 4, 3),
         "paged_prefill": (fp_mod._prefill_fwd, dict(
             HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, QK_DIM=128, HEAD_DIM_V=128, V_DIM=128,
             CAUSAL=True, HAS_WINDOW=False, KV_MODE=fp_mod._KV_PAGED, PAGE_SIZE=16,
@@ -484,7 +484,9 @@ def _compile_fp8_ptx() -> dict[str, str]:
 @cpu_only
 def test_fp8_kernels_compile_for_sm90():
     """The writes convert with cvt.rn.satfinite (round to nearest even, saturating at 448:
-    torch's rounding for values within +-448); the readers widen e4m3 in registers."""
+    torch's rounding for values within +-448); the readers widen e4m3 in registers, and the
+    decode kernels (bf16 q) widen it to fp16 in one step and run fp16 dots, never widening
+    through fp16 to bf16 (three conversions per pair: slower than a bf16 cache)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     here = str(Path(__file__).parent)
     code = (f"import json, sys; sys.path.insert(0, {here!r}); import test_fp8_kv; "
@@ -502,6 +504,9 @@ def test_fp8_kernels_compile_for_sm90():
         if name.startswith("paged"):
             assert "e4m3x2" in text, f"{name}: no e4m3 conversion"
             assert "satfinite" not in text, f"{name}: converts to fp8"
+        if name.startswith("paged_decode"):
+            assert "cvt.bf16.f16" not in text, f"{name}: widens fp8 to bf16"
+            assert ".f16.f16.f32" in text and ".bf16.bf16.f32" not in text, f"{name}: bf16 dots"
 
 
 # --------------------------------------------------------------------------- GPU, bf16

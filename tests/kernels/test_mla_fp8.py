@@ -280,7 +280,8 @@ def _compile_mla_fp8() -> dict[str, dict]:
                           FUSED=fused)
             for kv in ("fp8", "bf16"):
                 kernels[f"mla_decode_h{heads}{'_fused' if fused else ''}_{kv}"] = (
-                    md._mla_decode_kernel, consts, "*fp8e4nv" if kv == "fp8" else "*bf16",
+                    md._mla_decode_kernel, {**consts, "F16_DOTS": kv == "fp8"},
+                    "*fp8e4nv" if kv == "fp8" else "*bf16",
                     cfg.num_warps, cfg.num_stages)
     out = {}
     for name, (fn, consts, cache_ty, warps, stages) in kernels.items():
@@ -304,7 +305,8 @@ def _compile_mla_fp8() -> dict[str, dict]:
 @cpu_only
 def test_mla_fp8_kernels_compile_for_sm90():
     """The writes convert with cvt.rn.satfinite (round to nearest even, saturating at 448);
-    the decode kernel widens e4m3 in registers, never converts to fp8, and needs no more
+    the decode kernel widens e4m3 in registers (to fp16, for fp16 dots), never converts to
+    fp8, and needs no more
     shared memory over an fp8 cache than over a bf16 one (the widened tile must not add a
     buffer that the Hopper defaults, tuned for bf16, have no room for)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
@@ -324,6 +326,9 @@ def test_mla_fp8_kernels_compile_for_sm90():
         if name.startswith("mla_decode") and name.endswith("_fp8"):
             assert "e4m3x2" in k["ptx"], f"{name}: no e4m3 conversion"
             assert "satfinite" not in k["ptx"], f"{name}: converts to fp8"
+            # widened to fp16 in one step, fp16 dots (through fp16 to bf16: 3 conversions)
+            assert "cvt.bf16.f16" not in k["ptx"], f"{name}: widens fp8 to bf16"
+            assert ".bf16.bf16.f32" not in k["ptx"], f"{name}: bf16 dots"
             bf16 = got[name.replace("_fp8", "_bf16")]["shared"]
             assert k["shared"] <= bf16, f"{name}: {k['shared']} bytes of shared memory, bf16 {bf16}"
 
