@@ -350,6 +350,65 @@ def kv_dtype_ab(args, dev, sms) -> None:
     print("\n".join(lines))
 
 
+# --layout-ab: the cache's memory order. NHD [blocks, BS, Hkv, D] (the engine's) keeps a
+# KV head's row of one token in 256 contiguous bytes, the next token's 2 KB further on;
+# HND [blocks, Hkv, BS, D] keeps a head's whole page (4 KB at BS 16) together, as
+# SDPA's contiguous [B, Hkv, S, D] does. The kernels take strides, so one compiled
+# kernel reads either (the engine would allocate HND and hand out the permuted view).
+LAYOUT_AB_SHAPES = [(32, 4096), (64, 4096), (128, 2048), (128, 8192), (8, 32768), (1, 32768)]
+LAYOUT_AB_ROUNDS = 3
+
+
+def layout_ab(args, dev, sms) -> None:
+    """Ours over NHD and HND caches (default config; HND also with the other grid order)
+    and SDPA cuDNN on contiguous KV, in turn LAYOUT_AB_ROUNDS times per shape; medians."""
+    import statistics
+
+    copy_before = copy_bandwidth()
+    print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)
+    rows = []
+    for batch, ctx in LAYOUT_AB_SHAPES:
+        cfg = default_config(dev, D, batch * HKV)
+        splits = choose_num_splits(batch, HKV, ctx, sms, programs_per_sm=cfg.programs_per_sm)
+        other = dataclasses.replace(cfg, heads_fastest=not cfg.heads_fastest)
+        nhd, hnd = Shape(batch, ctx), Shape(batch, ctx, layout="hnd")
+        hnd.key_cache.copy_(nhd.key_cache)
+        hnd.value_cache.copy_(nhd.value_cache)
+        hnd.q.copy_(nhd.q)
+        hnd.tables.copy_(nhd.tables)
+        outs = [_launch(s_.q[0], s_.key_cache, s_.value_cache, s_.tables[0], s_.seq_lens,
+                        sm_scale=None, window_size=None, out=None, num_splits=None)
+                for s_ in (nhd, hnd)]
+        k, v = nhd.contiguous()
+        fns = {"nhd": nhd.ours(), "hnd": hnd.ours(), f"hnd_{config_name(other)}": hnd.ours(splits, other),
+               "cudnn": nhd.sdpa(k, v, SDPBackend.CUDNN_ATTENTION)}
+        times: dict[str, list[float]] = {n: [] for n in fns}
+        for _ in range(LAYOUT_AB_ROUNDS):
+            for n, fn in fns.items():
+                try:
+                    times[n].append(time_graph(fn, nhd.calls()))
+                except Exception as ex:  # keep going
+                    print(f"{n}: {type(ex).__name__}: {str(ex)[:100]}", flush=True)
+        row = dict(batch=batch, context=ctx, config=config_name(cfg), splits=splits,
+                   equal=bool(torch.equal(*outs)))
+        for n, ts in times.items():
+            if ts:
+                row[f"{n}_gbps"] = round(nhd.kv_bytes / statistics.median(ts) / 1e9)
+        if "cudnn_gbps" in row:
+            row["nhd_x_cudnn"] = round(row["nhd_gbps"] / row["cudnn_gbps"], 3)
+            row["hnd_x_cudnn"] = round(row["hnd_gbps"] / row["cudnn_gbps"], 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del nhd, hnd, k, v, outs, fns
+        torch.cuda.empty_cache()
+    copy = max(copy_before, copy_bandwidth())
+    with open(os.path.join(args.out, "layout_ab.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), copy_gbps=round(copy), rows=rows), f, indent=1)
+    print(f"copy {copy:.0f} GB/s; GB/s of K+V read:")
+    for r in rows:
+        print(" ", {k_: v_ for k_, v_ in r.items() if k_ not in ("config",)})
+
+
 def split_options(batch: int, ctx: int, sms: int) -> list[int]:
     """Split counts worth timing: up to ~32 programs per SM, >= 64 keys per split."""
     cap = min(ctx // 64, max(1, -(-32 * sms // (batch * HKV))))
@@ -401,14 +460,19 @@ def precompile(workers: int, sweep: bool, compare_only: bool = False, pdl: bool 
 class Shape:
     """R independent copies of a batch's K/V: paged (random block tables) and contiguous."""
 
-    def __init__(self, batch: int, ctx: int, kv_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, batch: int, ctx: int, kv_dtype: torch.dtype = torch.bfloat16,
+                 layout: str = "nhd"):
         self.batch, self.ctx = batch, ctx
         self.kv_bytes = 2 * batch * ctx * HKV * D * kv_dtype.itemsize
         self.copies = max(1, -(-ROTATE_BYTES // self.kv_bytes))
         nblk = ctx // BS
         total = self.copies * batch * nblk
-        self.key_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
-        self.value_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
+        if layout == "hnd":  # [blocks, Hkv, BS, D] in memory, seen as [blocks, BS, Hkv, D]
+            self.key_cache = torch.randn(total, HKV, BS, D, device="cuda").to(kv_dtype).transpose(1, 2)
+            self.value_cache = torch.randn(total, HKV, BS, D, device="cuda").to(kv_dtype).transpose(1, 2)
+        else:
+            self.key_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
+            self.value_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
         perm = torch.randperm(total, device="cuda", dtype=torch.int32)
         self.tables = perm.view(self.copies, batch, nblk)
         self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
@@ -480,6 +544,8 @@ def main() -> None:
                     help="fp8: the default path over a bf16 and an fp8 cache (kv_dtype.json / kv_dtype.md)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="the default path with PDL off vs on on PDL_AB_SHAPES (pdl_ab.json / pdl_ab.md)")
+    ap.add_argument("--layout-ab", action="store_true",
+                    help="NHD vs HND cache memory order beside SDPA cuDNN (layout_ab.json)")
     args = ap.parse_args()
     if args.precompile:
         precompile(args.precompile, args.sweep, args.compare, args.pdl_ab)
@@ -496,6 +562,9 @@ def main() -> None:
         return
     if args.kv_dtype == "fp8":
         kv_dtype_ab(args, dev, sms)
+        return
+    if args.layout_ab:
+        layout_ab(args, dev, sms)
         return
     copy_before = copy_bandwidth()
     print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)

@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_final.sh next-f    8B latency + throughput beside transformers, then warm and PDL off
 #   bash benchmarks/gpu_final.sh next-g    fresh machine: prefill one-compile test, 8B throughput cold then warm
 #   bash benchmarks/gpu_final.sh next-l    fp16 dots over an fp8 cache: fp8 GPU tests, decode + MLA kernels
+#   bash benchmarks/gpu_final.sh next-m    paged decode over NHD vs HND caches beside SDPA cuDNN
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -140,5 +141,7 @@ next-l)  # session 4: fp16 dots over an fp8 cache (kernels/kv_dtype.py f16_dots)
     | tee "$OUT/gpu_tests.txt" | tail -n 4
   timeout 150 python3 benchmarks/attention_decode.py --kv-dtype fp8 --out "$OUT" 2>&1 | tail -n 9
   timeout 120 python3 benchmarks/mla_decode.py --kv-dtype fp8 --out "$OUT/mla_kv_dtype.jsonl" 2>&1 | tail -n 10 ;;
+next-m)  # session 4: the cache's memory order, NHD vs HND (a head's page contiguous), beside cuDNN
+  timeout 300 python3 benchmarks/attention_decode.py --layout-ab --out "$OUT" 2>&1 | tail -n 9 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -100,6 +100,19 @@ def test_splits_agree_with_one_split():
                                    atol=1e-6, rtol=1e-5)
 
 
+def test_head_major_cache_view():
+    """A cache laid out [blocks, Hkv, BS, D] in memory (each head's page contiguous), passed
+    as its permuted [blocks, BS, Hkv, D] view: the kernel follows the strides, and the
+    result equals the one over the same values in the usual order, bit for bit."""
+    q, kc, vc, bt, lens = make_case([70, 9, 33], 8, 2, 64, 16, torch.float32, seed=5)
+    hnd_k = kc.transpose(1, 2).contiguous().transpose(1, 2)
+    hnd_v = vc.transpose(1, 2).contiguous().transpose(1, 2)
+    assert hnd_k.stride(2) == 16 * 64 and torch.equal(hnd_k.nan_to_num(), kc.nan_to_num())
+    for splits in (1, 3):
+        out = paged_decode(q, hnd_k, hnd_v, bt, lens, num_splits=splits)
+        assert torch.equal(out, paged_decode(q, kc, vc, bt, lens, num_splits=splits))
+
+
 def test_custom_scale():
     q, kc, vc, bt, lens = make_case([40, 9], 4, 2, 64, 16, torch.float32, seed=4)
     out = paged_decode(q, kc, vc, bt, lens, sm_scale=0.3, num_splits=2)
