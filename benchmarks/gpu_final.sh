@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_final.sh next-g    fresh machine: prefill one-compile test, 8B throughput cold then warm
 #   bash benchmarks/gpu_final.sh next-l    fp16 dots over an fp8 cache: fp8 GPU tests, decode + MLA kernels
 #   bash benchmarks/gpu_final.sh next-m    paged decode over NHD vs HND caches beside SDPA cuDNN
+#   bash benchmarks/gpu_final.sh next-n    fp8 decode default: GPU tests, kernels, 8B throughput bf16 vs fp8 cache
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -143,5 +144,13 @@ next-l)  # session 4: fp16 dots over an fp8 cache (kernels/kv_dtype.py f16_dots)
   timeout 120 python3 benchmarks/mla_decode.py --kv-dtype fp8 --out "$OUT/mla_kv_dtype.jsonl" 2>&1 | tail -n 10 ;;
 next-m)  # session 4: the cache's memory order, NHD vs HND (a head's page contiguous), beside cuDNN
   timeout 300 python3 benchmarks/attention_decode.py --layout-ab --out "$OUT" 2>&1 | tail -n 9 ;;
+next-n)  # session 4: the fp8 decode default (128-key tiles): its GPU tests, the kernels, then the 8B
+         # throughput over a bf16 and an fp8 cache
+  timeout 120 $PT -n 8 -m gpu tests/kernels/test_fp8_kv.py tests/engine/test_fp8_kv_cache.py -rf 2>&1 \
+    | tee "$OUT/gpu_tests.txt" | tail -n 3
+  timeout 120 python3 benchmarks/attention_decode.py --kv-dtype fp8 --out "$OUT" 2>&1 | tail -n 8
+  for d in auto fp8; do timeout 120 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+    --no-hf --kv-cache-dtype $d --json-out "$OUT/throughput_8b_kv_$d.json" 2>&1 \
+    | grep -E "output_tok_per_s|Error" | sed "s/^/kv=$d /"; done ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

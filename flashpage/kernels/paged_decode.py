@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.kv_dtype import check_kv_cache_dtype, f16_dots, f16_query
+from flashpage.kernels.kv_dtype import check_kv_cache_dtype, f16_dots, f16_query, is_fp8
 from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
@@ -69,9 +69,11 @@ class DecodeConfig:
     heads_per_program: int = 1
 
 
-def default_config(device: torch.device, head_dim: int, programs: int | None = None) -> DecodeConfig:
-    """Tile defaults per GPU generation, head_dim and grid size (``programs`` = batch *
-    num_kv_heads before splitting; None: a large batch).
+def default_config(device: torch.device, head_dim: int, programs: int | None = None, *,
+                   fp8: bool = False) -> DecodeConfig:
+    """Tile defaults per GPU generation, head_dim, grid size (``programs`` = batch *
+    num_kv_heads before splitting; None: a large batch) and cache dtype (``fp8``: a
+    float8_e4m3fn cache).
 
     Hopper (capability 9.x), head_dim 128, from the H200 sweep of 2026-11-30
     (benchmarks/results/decode.md): up to 2 programs per SM before splitting, 5 stages
@@ -81,11 +83,21 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
     generations, other head dims, the interpreter): the pipelined loop with 64 keys and 4
     warps (32 keys for head_dim 256), splits filling ~4 programs per SM (the best of that
     config at every shape of the same sweep).
+
+    An fp8 cache on Hopper takes 128-key tiles, 3 stages, at every grid size: in the H200
+    run of 2026-11-30 (run 18, ``attention_decode.py --kv-dtype fp8``) they read it 1-3%
+    faster than the bf16 defaults where those split (32 x 4096, 1 and 8 x 32768) and
+    13-34% faster at 64 x 4096 and 128 x 2048; the loop over one-byte tiles is bound by
+    its instruction count per tile, which longer tiles amortise.
     """
     if device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         major, _ = torch.cuda.get_device_capability(device)
         if major == 9 and triton.next_power_of_2(head_dim) == 128:
-            if programs is not None and programs <= 2 * _num_sms(device):
+            small = programs is not None and programs <= 2 * _num_sms(device)
+            if fp8:
+                return DecodeConfig(128, 4, 3, programs_per_sm=2 if small else 4,
+                                    fused_merge=FUSED_MERGE_DEFAULT)
+            if small:
                 return DecodeConfig(64, 4, 5, programs_per_sm=2, fused_merge=FUSED_MERGE_DEFAULT)
             return DecodeConfig(64, 4, 3, heads_fastest=True)
     return DecodeConfig(32, 4, 3) if head_dim > 128 else DecodeConfig(64, 4, 3)
@@ -434,7 +446,8 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    cfg = config or default_config(q.device, head_dim, batch * num_kv_heads)
+    cfg = config or default_config(q.device, head_dim, batch * num_kv_heads,
+                                   fp8=is_fp8(key_cache.dtype))
     hpb = cfg.heads_per_program
     if hpb > 1 and (num_kv_heads % hpb or head_dim & (head_dim - 1) or head_dim < 16
                     or key_cache.stride(2) != head_dim or value_cache.stride(2) != head_dim):
