@@ -18,6 +18,7 @@
 #   bash benchmarks/gpu_final.sh next-l    fp16 dots over an fp8 cache: fp8 GPU tests, decode + MLA kernels
 #   bash benchmarks/gpu_final.sh next-m    paged decode over NHD vs HND caches beside SDPA cuDNN
 #   bash benchmarks/gpu_final.sh next-n    fp8 decode default: GPU tests, kernels, 8B throughput bf16 vs fp8 cache
+#   bash benchmarks/gpu_final.sh next-o    8B step kernel tables (bf16, fp8 caches); V2-Lite over bf16 vs fp8 latents
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -151,6 +152,14 @@ next-n)  # session 4: the fp8 decode default (128-key tiles): its GPU tests, the
   timeout 120 python3 benchmarks/attention_decode.py --kv-dtype fp8 --out "$OUT" 2>&1 | tail -n 8
   for d in auto fp8; do timeout 120 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
     --no-hf --kv-cache-dtype $d --json-out "$OUT/throughput_8b_kv_$d.json" 2>&1 \
+    | grep -E "output_tok_per_s|Error" | sed "s/^/kv=$d /"; done ;;
+next-o)  # session 4: where the 8B decode step goes now (kernel tables at batch 1 and 256, bf16 and fp8
+         # caches), then the DeepSeek-V2-Lite shape over a bf16 and an fp8 latent cache
+  for d in auto fp8; do timeout 150 python3 benchmarks/profile_engine_step.py --batch 1 256 --context 1024 \
+    --steps 30 --kernel-table --kv-cache-dtype $d 2>&1 | grep -v Warning | tail -n 50 > "$OUT/profile_kv_$d.txt"
+    grep -E "kernels at|step median" "$OUT/profile_kv_$d.txt" | sed "s/^/kv=$d /"; done
+  for d in auto fp8; do timeout 150 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 \
+    --num-requests 64 --no-hf --kv-cache-dtype $d --json-out "$OUT/throughput_v2lite_kv_$d.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/kv=$d /"; done ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -31,9 +31,11 @@ def main() -> None:
     p.add_argument("--prefill-table", type=int, default=0, metavar="TOKENS",
                    help="also list the kernels of one step of this many prompt tokens "
                         "(prompts of --context tokens; e.g. 8192 = a full default budget)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (as for flashpage run)")
     args = p.parse_args()
     llm = LLM(random_weights_config=resolve_config(args.config),
-              gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(args.batch))
+              gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(args.batch),
+              kv_cache_dtype=args.kv_cache_dtype)
     eng = llm.engine
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = defaultdict(list)
