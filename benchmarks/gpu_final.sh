@@ -19,6 +19,7 @@
 #   bash benchmarks/gpu_final.sh next-m    paged decode over NHD vs HND caches beside SDPA cuDNN
 #   bash benchmarks/gpu_final.sh next-n    fp8 decode default: GPU tests, kernels, 8B throughput bf16 vs fp8 cache
 #   bash benchmarks/gpu_final.sh next-o    8B step kernel tables (bf16, fp8 caches); V2-Lite over bf16 vs fp8 latents
+#   bash benchmarks/gpu_final.sh next-p    V prefetched in registers: decode GPU tests, fp8 tile candidates
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -161,5 +162,9 @@ next-o)  # session 4: where the 8B decode step goes now (kernel tables at batch 
   for d in auto fp8; do timeout 150 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 \
     --num-requests 64 --no-hf --kv-cache-dtype $d --json-out "$OUT/throughput_v2lite_kv_$d.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/kv=$d /"; done ;;
+next-p)  # session 4: V prefetched into registers (DecodeConfig.prefetch_v): GPU tests, fp8 candidates
+  timeout 150 $PT -n 8 -m gpu tests/kernels/test_fp8_kv.py tests/kernels/test_paged_decode.py -rf 2>&1 \
+    | tee "$OUT/gpu_tests.txt" | tail -n 3
+  timeout 150 python3 benchmarks/attention_decode.py --kv-dtype fp8 --out "$OUT" 2>&1 | tail -n 8 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -67,6 +67,10 @@ class DecodeConfig:
     # KV heads per program (paged_decode_rows.py): contiguous HPB * D pieces of each cache
     # row instead of D; 1 is the main kernel. Split results go through the merge kernel.
     heads_per_program: int = 1
+    # The pipelined loop (num_stages > 1) with V loaded one tile ahead into registers and
+    # widened there: an fp8 V tile then reaches the P.V dot as fp16 through ldmatrix
+    # instead of byte by byte from shared memory (K stays in Triton's pipeline).
+    prefetch_v: bool = False
 
 
 def default_config(device: torch.device, head_dim: int, programs: int | None = None, *,
@@ -88,7 +92,10 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
     run of 2026-11-30 (run 18, ``attention_decode.py --kv-dtype fp8``) they read it 1-3%
     faster than the bf16 defaults where those split (32 x 4096, 1 and 8 x 32768) and
     13-34% faster at 64 x 4096 and 128 x 2048; the loop over one-byte tiles is bound by
-    its instruction count per tile, which longer tiles amortise.
+    its instruction count per tile, which longer tiles amortise. With V prefetched into
+    registers (``prefetch_v``: no byte-by-byte gather of V from shared memory) they ran
+    2-8% faster again at batch >= 8 (run 22) and 3% slower at 1 x 32768 (8 programs,
+    33 splits), so below 32 programs V stays in the pipeline.
     """
     if device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         major, _ = torch.cuda.get_device_capability(device)
@@ -96,7 +103,8 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
             small = programs is not None and programs <= 2 * _num_sms(device)
             if fp8:
                 return DecodeConfig(128, 4, 3, programs_per_sm=2 if small else 4,
-                                    fused_merge=FUSED_MERGE_DEFAULT)
+                                    fused_merge=FUSED_MERGE_DEFAULT,
+                                    prefetch_v=programs is None or programs >= 32)
             if small:
                 return DecodeConfig(64, 4, 5, programs_per_sm=2, fused_merge=FUSED_MERGE_DEFAULT)
             return DecodeConfig(64, 4, 3, heads_fastest=True)
@@ -120,13 +128,15 @@ CANDIDATE_CONFIGS = [
     DecodeConfig(64, 8, 1, prefetch=True), DecodeConfig(128, 8, 1, prefetch=True),
     DecodeConfig(64, 4, 3, heads_fastest=True), DecodeConfig(128, 4, 3, heads_fastest=True),
     DecodeConfig(64, 4, 1, prefetch=True, heads_fastest=True),
+    DecodeConfig(64, 4, 5, prefetch_v=True), DecodeConfig(128, 4, 3, prefetch_v=True),
 ]
 
 
 def config_name(cfg: DecodeConfig) -> str:
-    """n{keys}w{warps}s{stages}, then p (hand prefetch), h (heads fastest), m (fused merge),
-    r{n} (n KV heads per program)."""
+    """n{keys}w{warps}s{stages}, then p (hand prefetch), v (V prefetched), h (heads fastest),
+    m (fused merge), r{n} (n KV heads per program)."""
     return (f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{'p' if cfg.prefetch else ''}"
+            f"{'v' if cfg.prefetch_v else ''}"
             f"{'h' if cfg.heads_fastest else ''}{'m' if cfg.fused_merge else ''}"
             f"{f'r{cfg.heads_per_program}' if cfg.heads_per_program > 1 else ''}")
 
@@ -138,15 +148,20 @@ def _block_ids(bt_row, offs_n, end, PAGE: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(x_ptr, stride_b, stride_t, stride_h, kvh, blk, offs_n, end, offs_d, d_mask,
+               PAGE: tl.constexpr):
+    """Cache rows [BLOCK_N, BLOCK_D] of one KV head at key positions offs_n (0 past end)."""
+    off = blk * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t + kvh * stride_h
+    return tl.load(x_ptr + off[:, None] + offs_d[None, :],
+                   mask=(offs_n < end)[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
 def _load_kv(k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, kvh,
              blk, offs_n, end, offs_d, d_mask, PAGE: tl.constexpr):
     """K and V rows [BLOCK_N, BLOCK_D] of one KV head at key positions offs_n (0 past end)."""
-    tok = (offs_n % PAGE).to(tl.int64)
-    mask = (offs_n < end)[:, None] & d_mask[None, :]
-    k_off = blk * stride_kb + tok * stride_kt + kvh * stride_kh
-    v_off = blk * stride_vb + tok * stride_vt + kvh * stride_vh
-    k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    k = _load_rows(k_ptr, stride_kb, stride_kt, stride_kh, kvh, blk, offs_n, end, offs_d, d_mask, PAGE)
+    v = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blk, offs_n, end, offs_d, d_mask, PAGE)
     return k, v
 
 
@@ -198,6 +213,7 @@ def _paged_decode_kernel(
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: exact dots, not tf32
     PREFETCH: tl.constexpr,  # hand-pipelined loads (use with num_stages=1)
+    PREFETCH_V: tl.constexpr,  # V one tile ahead in registers, K pipelined (not with PREFETCH)
     HEADS_FASTEST: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S)
     FUSED_MERGE: tl.constexpr,  # the last split of each (b, kvh) merges (SPLIT only)
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two (the merge's rows)
@@ -254,6 +270,21 @@ def _paged_decode_kernel(
             k_next, v_next = _load_kv(*kv_args, blk_next, offs_n + BLOCK_N, end, offs_d, d_mask, PAGE)
             m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
             k, v, blk_next = k_next, v_next, blk_after
+    elif PREFETCH_V:
+        # K through Triton's pipeline; V one tile ahead in registers, widened on arrival.
+        offs0 = start + tl.arange(0, BLOCK_N)
+        v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, _block_ids(bt_row, offs0, end, PAGE),
+                            offs0, end, offs_d, d_mask, PAGE).to(q.dtype)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k = _load_rows(k_ptr, stride_kb, stride_kt, stride_kh, kvh, _block_ids(bt_row, offs_n, end, PAGE),
+                           offs_n, end, offs_d, d_mask, PAGE)
+            v = v_next
+            offs_x = offs_n + BLOCK_N
+            v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh,
+                                _block_ids(bt_row, offs_x, end, PAGE), offs_x, end, offs_d, d_mask,
+                                PAGE).to(q.dtype)
+            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
     else:
         # Triton's pipeliner overlaps the loads (num_stages >= 5 buffers K/V twice).
         for n0 in range(start, end, BLOCK_N):
@@ -505,7 +536,8 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         out.stride(0), out.stride(1), num_splits,
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=block_size,
         BLOCK_N=cfg.block_n, SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None,
-        IEEE=q.dtype == torch.float32, PREFETCH=cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
+        IEEE=q.dtype == torch.float32, PREFETCH=cfg.prefetch,
+        PREFETCH_V=cfg.prefetch_v and not cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
         PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, key_cache.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,

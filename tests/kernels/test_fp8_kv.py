@@ -38,7 +38,13 @@ from flashpage.kernels.flash_prefill import (
     paged_prefill_ref,
 )
 from flashpage.kernels.kv_cache_write import KVWriteConfig, kv_write_name, write_kv_rows
-from flashpage.kernels.paged_decode import DecodeConfig, _launch, paged_decode, paged_decode_ref
+from flashpage.kernels.paged_decode import (
+    DecodeConfig,
+    _launch,
+    config_name,
+    paged_decode,
+    paged_decode_ref,
+)
 from flashpage.kernels.rotary import (
     compute_cos_sin_cache,
     rotary_and_cache_write,
@@ -298,12 +304,13 @@ DECODE_CASES = [
     ([70, 20], 8, 2, 64, 16, 2, 24, None),  # sliding window, 2 splits
     ([50, 20], 8, 4, 64, 16, 2, None, DecodeConfig(32, 4, 3, heads_per_program=2)),
     ([45, 3], 4, 2, 64, 16, 1, None, DecodeConfig(32, 4, 1, prefetch=True)),
+    ([45, 70, 3], 8, 2, 64, 16, 2, None, DecodeConfig(32, 4, 3, prefetch_v=True)),
 ]
 
 
 def _decode_id(case):
     lens, hq, hkv, d, bs, splits, window, cfg = case
-    return f"{hq}x{hkv}-d{d}-bs{bs}-s{splits}-w{window}-{cfg and cfg.block_n}"
+    return f"{hq}x{hkv}-d{d}-bs{bs}-s{splits}-w{window}-{cfg and config_name(cfg)}"
 
 
 def run_decode_case(case, dtype, seed=0):
@@ -447,10 +454,12 @@ def _compile_fp8_ptx() -> dict[str, str]:
         "rotary_write": (rot._rotary_kernel, dict(
             WRITE_CACHE=True, IS_NEOX=True, PAGE=16, HALF=64, HALF_PAD=64, HEAD_DIM=128,
             BLOCK_D=128, REST_PAD=1, BLOCK_HQ=32, BLOCK_HK=8, PDL=False), set(), 4, 3),
-        "paged_decode": (pd._paged_decode_kernel, {**decode, "SPLIT": False, "PREFETCH": False},
-                         decode_fp8, 4, 5),
+        "paged_decode": (pd._paged_decode_kernel, {**decode, "SPLIT": False, "PREFETCH": False,
+                                                   "PREFETCH_V": False}, decode_fp8, 4, 5),
         "paged_decode_split_prefetch": (pd._paged_decode_kernel, {
-            **decode, "SPLIT": True, "PREFETCH": True}, decode_fp8, 4, 1),
+            **decode, "SPLIT": True, "PREFETCH": True, "PREFETCH_V": False}, decode_fp8, 4, 1),
+        "paged_decode_prefetch_v": (pd._paged_decode_kernel, {
+            **decode, "SPLIT": False, "PREFETCH": False, "PREFETCH_V": True}, decode_fp8, 4, 3),
         "paged_decode_rows": (rows._paged_decode_rows_kernel, dict(
             GROUP=4, HPB=2, ROWS_PAD=16, HEAD_DIM=128, WIDTH=256, PAGE=16, BLOCK_N=32,
             SPLIT=True, HAS_WINDOW=False, IEEE=False, PDL=False, F16_DOTS=True), decode_fp8, 4, 3),
@@ -497,7 +506,7 @@ def test_fp8_kernels_compile_for_sm90():
         pytest.skip("no ptxas in this Triton install")
     assert r.returncode == 0, r.stderr[-3000:]
     ptx = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(ptx) == 7
+    assert len(ptx) == 8
     for name in ("write_kv", "write_kv_rows", "rotary_write"):
         assert "cvt.rn.satfinite.e4m3x2" in ptx[name], name
     for name, text in ptx.items():
@@ -507,6 +516,8 @@ def test_fp8_kernels_compile_for_sm90():
         if name.startswith("paged_decode"):
             assert "cvt.bf16.f16" not in text, f"{name}: widens fp8 to bf16"
             assert ".f16.f16.f32" in text and ".bf16.bf16.f32" not in text, f"{name}: bf16 dots"
+    # V widened in registers reaches the dot through ldmatrix, not byte by byte
+    assert "ld.shared.b8" in ptx["paged_decode"] and "ld.shared.b8" not in ptx["paged_decode_prefetch_v"]
 
 
 # --------------------------------------------------------------------------- GPU, bf16
@@ -539,6 +550,8 @@ GPU_DECODE_CASES = [
     ([1500, 40], 32, 8, 128, 16, 4, None, DecodeConfig(64, 4, 5, heads_per_program=2)),
     ([1500, 40], 32, 8, 128, 16, 4, None,
      DecodeConfig(64, 4, 5, programs_per_sm=2, fused_merge=True)),
+    ([1500, 40, 3000], 32, 8, 128, 16, None, None, DecodeConfig(128, 4, 3, prefetch_v=True)),
+    ([1500, 40], 32, 8, 128, 16, 4, 700, DecodeConfig(64, 4, 5, prefetch_v=True)),
 ]
 
 

@@ -86,6 +86,18 @@ CPU_CASES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefetch_v_matches_reference(dtype):
+    """V one tile ahead in registers (DecodeConfig.prefetch_v), K pipelined: ragged contexts
+    (1, one tile, several), splits and a window."""
+    for splits, window in ((1, None), (3, None), (2, 30)):
+        q, kc, vc, bt, lens = make_case([1, 32, 100], 8, 2, 64, 16, dtype, seed=7)
+        out = torch.full_like(q, float("nan"))
+        _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=window, out=out, num_splits=splits,
+                config=DecodeConfig(32, 4, 3, prefetch_v=True))
+        check(out, paged_decode_ref(q, kc, vc, bt, lens, window_size=window), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}-d{c[3]}-bs{c[4]}-s{c[5]}-w{c[6]}")
 def test_paged_decode_matches_reference(case, dtype):
     seq_lens, hq, hkv, d, bs, splits, window = case
