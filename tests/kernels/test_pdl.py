@@ -188,14 +188,14 @@ def _compile_ptx() -> dict[str, str]:
         "paged_decode": (pd._paged_decode_kernel, dict(
             GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, SPLIT=True,
             HAS_WINDOW=False, IEEE=False, PREFETCH=False, HEADS_FASTEST=False, FUSED_MERGE=True,
-            GROUP_PAD=4, MERGE_CHUNK=16), 4, 5),
+            GROUP_PAD=4, MERGE_CHUNK=16, PREFETCH_V=False, F16_DOTS=False), 4, 5),
         "paged_decode_rows": (rows._paged_decode_rows_kernel, dict(
             GROUP=4, HPB=2, ROWS_PAD=16, HEAD_DIM=128, WIDTH=256, PAGE=16, BLOCK_N=32,
-            SPLIT=True, HAS_WINDOW=False, IEEE=False), 4, 3),
+            SPLIT=True, HAS_WINDOW=False, IEEE=False, F16_DOTS=False), 4, 3),
         "paged_merge": (pd._merge_splits_kernel, dict(SPLITS_PAD=8, HEAD_DIM=128, BLOCK_D=128), 4, 3),
         "mla_decode": (mla._mla_decode_kernel, dict(
             RANK=512, ROPE=64, BLOCK_R=512, BLOCK_P=64, BLOCK_H=16, BLOCK_N=32, PAGE=64,
-            SPLIT=True, FUSED=True, IEEE=False), 4, 3),
+            SPLIT=True, FUSED=True, IEEE=False, F16_DOTS=False), 4, 3),
         "mla_merge": (mla._mla_merge_kernel, dict(RANK=512, BLOCK_R=512, BLOCK_S=8, CHUNK_R=512), 4, 3),
     }
     out = {}
