@@ -283,7 +283,8 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 # tile ahead in registers, K pipelined: no byte gathers, ~20% fewer instructions per tile.
 FP8_CANDIDATES = [DecodeConfig(64, 4, 5), DecodeConfig(128, 4, 4), DecodeConfig(128, 4, 3, heads_fastest=True),
                   DecodeConfig(128, 4, 3, prefetch_v=True), DecodeConfig(64, 4, 5, prefetch_v=True),
-                  DecodeConfig(128, 4, 4, prefetch_v=True), DecodeConfig(64, 4, 3, prefetch_v=True)]
+                  DecodeConfig(128, 4, 4, prefetch_v=True), DecodeConfig(64, 4, 3, heads_per_program=2),
+                  DecodeConfig(64, 4, 3, heads_per_program=4)]
 
 
 def kv_dtype_ab(args, dev, sms) -> None:

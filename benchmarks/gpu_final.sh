@@ -20,6 +20,7 @@
 #   bash benchmarks/gpu_final.sh next-n    fp8 decode default: GPU tests, kernels, 8B throughput bf16 vs fp8 cache
 #   bash benchmarks/gpu_final.sh next-o    8B step kernel tables (bf16, fp8 caches); V2-Lite over bf16 vs fp8 latents
 #   bash benchmarks/gpu_final.sh next-p    V prefetched in registers: decode GPU tests, fp8 tile candidates
+#   bash benchmarks/gpu_final.sh next-q    MLA latent prefetched in registers: MLA GPU tests, MLA + decode candidates
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -166,5 +167,11 @@ next-p)  # session 4: V prefetched into registers (DecodeConfig.prefetch_v): GPU
   timeout 150 $PT -n 8 -m gpu tests/kernels/test_fp8_kv.py tests/kernels/test_paged_decode.py -rf 2>&1 \
     | tee "$OUT/gpu_tests.txt" | tail -n 3
   timeout 150 python3 benchmarks/attention_decode.py --kv-dtype fp8 --out "$OUT" 2>&1 | tail -n 8 ;;
+next-q)  # session 4: MLA latent tiles prefetched into registers (MLADecodeConfig.prefetch): GPU tests,
+         # MLA over bf16 and fp8 with candidates, paged decode fp8 candidates (rows kernel too)
+  timeout 150 $PT -n 8 -m gpu tests/kernels/test_mla_decode.py tests/kernels/test_mla_fp8.py -rf 2>&1 \
+    | tee "$OUT/gpu_tests.txt" | tail -n 3
+  timeout 150 python3 benchmarks/mla_decode.py --kv-dtype fp8 --out "$OUT/mla_kv_dtype.jsonl" 2>&1 | tail -n 12
+  timeout 120 python3 benchmarks/attention_decode.py --kv-dtype fp8 --out "$OUT" 2>&1 | tail -n 7 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.kv_dtype import check_latent_cache_dtype, f16_dots, f16_query
+from flashpage.kernels.kv_dtype import check_latent_cache_dtype, f16_dots, f16_query, is_fp8
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 _LOG2E = 1.4426950408889634
@@ -64,18 +64,31 @@ class MLADecodeConfig:
     # last program reads the other splits' partials one after another, so this pays off
     # only for few splits; 0 keeps the two-kernel path (the one timed in mla.md).
     fuse_merge_max_splits: int = 0
+    # The latent tile loaded one iteration ahead into registers and widened there, instead
+    # of through Triton's shared-memory pipeline: an fp8 tile then reaches the P.V dot
+    # (which reduces over entries, not contiguous in the cache) as fp16 through ldmatrix,
+    # not gathered byte by byte. Use with num_stages=1.
+    prefetch: bool = False
 
 
-def default_config(num_heads: int, device: torch.device | None = None) -> MLADecodeConfig:
-    """Tile defaults for a head count, by GPU generation (bf16, 512 + 64).
+def default_config(num_heads: int, device: torch.device | None = None, *,
+                   fp8: bool = False) -> MLADecodeConfig:
+    """Tile defaults for a head count, by GPU generation (512 + 64), and cache dtype
+    (``fp8``: a float8_e4m3fn latent cache).
 
     Hopper (and the interpreter, which only checks correctness): the H200 sweep in
     benchmarks/mla_decode.py (benchmarks/results/mla.md has the figures). Other GPUs:
     smaller tiles of the same shape, which fit their shared memory (~100-164 KB).
+    An fp8 cache at 16 heads loads each tile a step ahead into registers and widens it
+    there (``prefetch``): 1.26-1.36x the pipelined default over fp8 in the H200 run of
+    2026-11-30 (run 23, ``mla_decode.py --kv-dtype fp8``); over bf16 it was slower.
     """
     hopper = True
     if device is not None and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         hopper = torch.cuda.get_device_capability(device)[0] == 9
+    if num_heads <= 16 and fp8:
+        return MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1,
+                               programs_per_sm=2 if hopper else 1, prefetch=True)
     if num_heads <= 16:
         # 93 KB shared memory, 242 registers x 128 threads: two programs per SM.
         return MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3,
@@ -98,12 +111,28 @@ CANDIDATE_CONFIGS = [
     MLADecodeConfig(16, 64, 4, 2, 2), MLADecodeConfig(16, 64, 8, 2, 2), MLADecodeConfig(16, 64, 8, 3, 1),
     MLADecodeConfig(16, 16, 4, 5, 2),
     MLADecodeConfig(64, 64, 8, 2, 1), MLADecodeConfig(64, 32, 8, 3, 1),
+    MLADecodeConfig(16, 32, 4, 1, 2, prefetch=True), MLADecodeConfig(16, 32, 8, 1, 1, prefetch=True),
+    MLADecodeConfig(16, 16, 4, 1, 2, prefetch=True), MLADecodeConfig(16, 64, 8, 1, 1, prefetch=True),
 ]
 
 
 def config_name(cfg: MLADecodeConfig) -> str:
     name = f"{cfg.block_h}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}p{cfg.programs_per_sm}"
-    return name + (f"f{cfg.fuse_merge_max_splits}" if cfg.fuse_merge_max_splits else "")
+    return (name + (f"f{cfg.fuse_merge_max_splits}" if cfg.fuse_merge_max_splits else "")
+            + ("r" if cfg.prefetch else ""))
+
+
+@triton.jit
+def _load_latent(kv_ptr, blk, pos, end, stride_kvb, stride_kvt, offs_r, r_mask, offs_p, p_mask,
+                 RANK: tl.constexpr, PAGE: tl.constexpr):
+    """The latent entries at positions ``pos`` (0 at and past ``end``): the value part
+    [BLOCK_N, BLOCK_R] and the rope part [BLOCK_N, BLOCK_P]."""
+    n_mask = pos < end
+    row = kv_ptr + blk * stride_kvb + (pos % PAGE).to(tl.int64) * stride_kvt
+    kv = tl.load(row[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    pe = tl.load(row[:, None] + RANK + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :],
+                 other=0.0)
+    return kv, pe
 
 
 # Sizes that vary from step to step are not specialised on, so one compiled kernel
@@ -131,6 +160,7 @@ def _mla_decode_kernel(
     IEEE: tl.constexpr,  # fp32 inputs: exact dots, not tf32
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     F16_DOTS: tl.constexpr,  # an fp8 cache under a 16-bit q: pre-scaled fp16 q, fp16 dots
+    PREFETCH: tl.constexpr,  # latent tiles one iteration ahead in registers (config.prefetch)
 ):
     pdl_prologue(PDL)
     hb = tl.program_id(0)
@@ -169,20 +199,35 @@ def _mla_decode_kernel(
     # iterations it gets num_stages - 1 buffers.
     offs_n = tl.arange(0, BLOCK_N)
     blk_next = tl.load(bt_row + (start + offs_n) // PAGE, mask=start + offs_n < end, other=0)
+    if PREFETCH:  # the first tile now; each iteration loads the next one
+        kv_next, pe_next = _load_latent(kv_ptr, blk_next.to(tl.int64), start + offs_n, end,
+                                        stride_kvb, stride_kvt, offs_r, r_mask, offs_p, p_mask,
+                                        RANK, PAGE)
+        blk_next = tl.load(bt_row + (start + BLOCK_N + offs_n) // PAGE,
+                           mask=start + BLOCK_N + offs_n < end, other=0)
+        kv_next = kv_next.to(q_nope.dtype)
+        pe_next = pe_next.to(q_pe.dtype)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        blk = blk_next.to(tl.int64)
-        nxt = pos + BLOCK_N
-        blk_next = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0)
-        row = kv_ptr + blk * stride_kvb + (pos % PAGE).to(tl.int64) * stride_kvt
-        kv = tl.load(row[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
-                     other=0.0)
-        pe = tl.load(row[:, None] + RANK + offs_p[None, :],
-                     mask=n_mask[:, None] & p_mask[None, :], other=0.0)
-        # an fp8 cache: widened to q's dtype before any arithmetic (else a no-op)
-        kv = kv.to(q_nope.dtype)
-        pe = pe.to(q_pe.dtype)
+        if PREFETCH:
+            kv, pe = kv_next, pe_next
+            nxt = pos + BLOCK_N
+            kv_next, pe_next = _load_latent(kv_ptr, blk_next.to(tl.int64), nxt, end, stride_kvb,
+                                            stride_kvt, offs_r, r_mask, offs_p, p_mask, RANK, PAGE)
+            kv_next = kv_next.to(q_nope.dtype)
+            pe_next = pe_next.to(q_pe.dtype)
+            after = nxt + BLOCK_N
+            blk_next = tl.load(bt_row + after // PAGE, mask=after < end, other=0)
+        else:
+            blk = blk_next.to(tl.int64)
+            nxt = pos + BLOCK_N
+            blk_next = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0)
+            kv, pe = _load_latent(kv_ptr, blk, pos, end, stride_kvb, stride_kvt, offs_r, r_mask,
+                                  offs_p, p_mask, RANK, PAGE)
+            # an fp8 cache: widened before any arithmetic (else a no-op)
+            kv = kv.to(q_nope.dtype)
+            pe = pe.to(q_pe.dtype)
         if IEEE:
             qk = tl.dot(q_nope, tl.trans(kv), input_precision="ieee")
             qk = tl.dot(q_pe, tl.trans(pe), acc=qk, input_precision="ieee")
@@ -393,7 +438,7 @@ def mla_decode(
     if B == 0:
         return out
 
-    cfg = config or default_config(H, q.device)
+    cfg = config or default_config(H, q.device, fp8=is_fp8(kv_cache.dtype))
     block_r = triton.next_power_of_2(kv_lora_rank)
     block_p = max(16, triton.next_power_of_2(rope))
     head_blocks = triton.cdiv(H, cfg.block_h)
@@ -422,6 +467,7 @@ def mla_decode(
         RANK=kv_lora_rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE=page, SPLIT=split, FUSED=fused,
         IEEE=q.dtype == torch.float32, PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, kv_cache.dtype),
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
     )
     if split and not fused:

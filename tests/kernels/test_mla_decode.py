@@ -84,6 +84,15 @@ def test_mla_decode_small(seq_lens, heads, page, num_splits, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mla_decode_prefetch(dtype):
+    """Latent tiles loaded one iteration ahead in registers (MLADecodeConfig.prefetch):
+    ragged lengths (1, within a tile, several tiles), splits, one of them empty."""
+    cfg = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, prefetch=True)
+    for splits in (1, 3):
+        check([50, 1, 130], 16, 64, 16, 8, dtype, "cpu", num_splits=splits, config=cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "seq_lens,heads,page,num_splits",
     [

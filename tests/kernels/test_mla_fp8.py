@@ -280,7 +280,7 @@ def _compile_mla_fp8() -> dict[str, dict]:
                           FUSED=fused)
             for kv in ("fp8", "bf16"):
                 kernels[f"mla_decode_h{heads}{'_fused' if fused else ''}_{kv}"] = (
-                    md._mla_decode_kernel, {**consts, "F16_DOTS": kv == "fp8"},
+                    md._mla_decode_kernel, {**consts, "F16_DOTS": kv == "fp8", "PREFETCH": False},
                     "*fp8e4nv" if kv == "fp8" else "*bf16",
                     cfg.num_warps, cfg.num_stages)
     out = {}
