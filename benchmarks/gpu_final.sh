@@ -21,6 +21,7 @@
 #   bash benchmarks/gpu_final.sh next-o    8B step kernel tables (bf16, fp8 caches); V2-Lite over bf16 vs fp8 latents
 #   bash benchmarks/gpu_final.sh next-p    V prefetched in registers: decode GPU tests, fp8 tile candidates
 #   bash benchmarks/gpu_final.sh next-q    MLA latent prefetched in registers: MLA GPU tests, MLA + decode candidates
+#   bash benchmarks/gpu_final.sh next-r    fp8 GPU tests; V2-Lite and 8B throughput over bf16 vs fp8 caches
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -173,5 +174,15 @@ next-q)  # session 4: MLA latent tiles prefetched into registers (MLADecodeConfi
     | tee "$OUT/gpu_tests.txt" | tail -n 3
   timeout 150 python3 benchmarks/mla_decode.py --kv-dtype fp8 --out "$OUT/mla_kv_dtype.jsonl" 2>&1 | tail -n 12
   timeout 120 python3 benchmarks/attention_decode.py --kv-dtype fp8 --out "$OUT" 2>&1 | tail -n 7 ;;
+next-r)  # session 4's last call: fp8 GPU tests with the new MLA default, then V2-Lite and the 8B over
+         # bf16 and fp8 caches
+  timeout 150 $PT -n 8 -m gpu tests/kernels/test_mla_fp8.py tests/models/test_deepseek_fp8.py \
+    tests/engine/test_fp8_kv_cache.py tests/kernels/test_fp8_kv.py -rf 2>&1 | tee "$OUT/gpu_tests.txt" | tail -n 3
+  for d in auto fp8; do timeout 150 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 \
+    --num-requests 64 --no-hf --kv-cache-dtype $d --json-out "$OUT/throughput_v2lite_kv_$d.json" 2>&1 \
+    | grep -E "output_tok_per_s|Error" | sed "s/^/v2lite kv=$d /"; done
+  for d in auto fp8; do timeout 120 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+    --no-hf --kv-cache-dtype $d --json-out "$OUT/throughput_8b_kv_$d.json" 2>&1 \
+    | grep -E "output_tok_per_s|Error" | sed "s/^/8b kv=$d /"; done ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
