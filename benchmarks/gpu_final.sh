@@ -184,5 +184,13 @@ next-r)  # session 4's last call: fp8 GPU tests with the new MLA default, then V
   for d in auto fp8; do timeout 120 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
     --no-hf --kv-cache-dtype $d --json-out "$OUT/throughput_8b_kv_$d.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/8b kv=$d /"; done ;;
+next-s)  # session 4: V2-Lite prompt steps over bf16 vs fp8 latents (kernel tables), then fp8 throughput
+         # with the byte-view gather (attention/torch_native.gather_paged)
+  for d in auto fp8; do timeout 120 python3 benchmarks/profile_engine_step.py --config deepseek-v2-lite \
+    --batch 1 --steps 5 --context 1024 --prefill-table 8192 --gpu-memory-utilization 0.5 --kv-cache-dtype $d 2>&1 \
+    | grep -v Warning | tail -n 25 > "$OUT/prefill_v2lite_kv_$d.txt"; grep -E "kernels at|prefill of" "$OUT/prefill_v2lite_kv_$d.txt" | sed "s/^/kv=$d /"; done
+  timeout 120 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 \
+    --num-requests 64 --no-hf --kv-cache-dtype fp8 --json-out "$OUT/throughput_v2lite_kv_fp8.json" 2>&1 \
+    | grep -E "output_tok_per_s|Error" | sed "s/^/v2lite kv=fp8 /" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -45,7 +45,11 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
     block_size = cache.shape[1]
     nblocks = (length + block_size - 1) // block_size
     # index_select: advanced indexing takes a slow path on large caches (ms instead of us).
-    return cache.index_select(0, block_table[:nblocks].long()).flatten(0, 1)[:length]
+    # An fp8 cache is gathered as its bytes (the same values; the byte kernel is the
+    # common, vectorised one) and viewed back.
+    src = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    out = src.index_select(0, block_table[:nblocks].long()).flatten(0, 1)[:length]
+    return out.view(cache.dtype) if out.dtype != cache.dtype else out
 
 
 def causal_mask(q_len: int, k_len: int, window: int | None, device: torch.device) -> torch.Tensor:
