@@ -62,6 +62,18 @@ def test_fp8_cache_holds_more_tokens(tiny_checkpoint):
     assert fp8.num_blocks == 4 * fp32.num_blocks
 
 
+def test_gather_paged_reads_an_fp8_cache_as_its_bytes():
+    """gather_paged over a float8_e4m3fn cache (gathered as uint8, viewed back): the same
+    entries, in the cache's dtype, as indexing the values directly; every e4m3 value,
+    NaN patterns included, comes back bit for bit."""
+    cache = torch.arange(256, dtype=torch.uint8).view(8, 4, 8).view(torch.float8_e4m3fn)
+    table = torch.tensor([5, 2, 7], dtype=torch.int32)
+    got = torch_native.gather_paged(cache, table, 10)
+    assert got.dtype == torch.float8_e4m3fn and got.shape == (10, 8)
+    want = cache.view(torch.uint8)[[5, 2, 7]].flatten(0, 1)[:10]
+    assert torch.equal(got.view(torch.uint8), want)
+
+
 def test_bad_kv_cache_dtype_is_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3"):
         EngineConfig(kv_cache_dtype="int8")
