@@ -18,16 +18,13 @@ cache must not take), the fused rotary write.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from sm90 import compile_sm90, run_compiled  # tests/kernels (on sys.path under pytest)
 
 from flashpage.kernels import flash_prefill as fp_mod
 from flashpage.kernels.cache_write import write_kv_cache, write_kv_cache_ref
@@ -57,7 +54,6 @@ gpu_only = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 cpu_only = pytest.mark.skipif(GPU, reason="interpreter cases; the GPU cases cover bf16")
 FP8 = torch.float8_e4m3fn
 DTYPES = [torch.bfloat16] if GPU else [torch.float32, torch.float16]
-ROOT = Path(__file__).resolve().parents[2]
 
 # ||out - ref|| / ||ref|| of a kernel against its reference on the same cache: the
 # tolerances of test_paged_decode.py and test_flash_prefill.py (an fp8 cache's values reach
@@ -426,10 +422,6 @@ def test_rejects_other_cache_dtypes():
 def _compile_fp8_ptx() -> dict[str, str]:
     """The fp8 variants of every kernel touched, compiled for sm_90 with bf16 activations and
     fp8 caches: name -> PTX (Triton ships ptxas; the interpreter off, in a subprocess)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from flashpage.kernels import cache_write as cw
     from flashpage.kernels import kv_cache_write as kvw
     from flashpage.kernels import paged_decode as pd
@@ -470,22 +462,11 @@ def _compile_fp8_ptx() -> dict[str, str]:
     }
     out = {}
     for name, (fn, consts, extra_fp8, warps, stages) in kernels.items():
-        sig = {}
-        for a in fn.arg_names:
-            if a in consts:
-                sig[a] = "constexpr"
-            elif a in ("desc_q", "desc_k", "desc_v"):
-                sig[a] = "constexpr"  # None: the pointer path
-                consts = {**consts, a: None}
-            elif a in fp8 or a in extra_fp8:
-                sig[a] = "*fp8e4nv"
-            elif a.endswith("_ptr") or a in ptr or a in ("Q", "Out"):
-                sig[a] = ptr.get(a, "*bf16")
-            else:
-                sig[a] = "fp32" if a in ("sm_scale_log2", "qk_scale") else "i32"
-        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=warps, num_stages=stages))
+        # the prefill's TMA descriptors: None, the pointer path
+        consts = {**consts, **{a: None for a in ("desc_q", "desc_k", "desc_v") if a in fn.arg_names}}
+        types = {**ptr, "Q": "*bf16", "Out": "*bf16", "sm_scale_log2": "fp32", "qk_scale": "fp32",
+                 **{a: "*fp8e4nv" for a in fp8 | extra_fp8}}
+        k = compile_sm90(fn, consts, types, num_warps=warps, num_stages=stages)
         out[name] = k.asm["ptx"]
     return out
 
@@ -496,16 +477,7 @@ def test_fp8_kernels_compile_for_sm90():
     torch's rounding for values within +-448); the readers widen e4m3 in registers, and the
     decode kernels (bf16 q) widen it to fp16 in one step and run fp16 dots, never widening
     through fp16 to bf16 (three conversions per pair: slower than a bf16 cache)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    here = str(Path(__file__).parent)
-    code = (f"import json, sys; sys.path.insert(0, {here!r}); import test_fp8_kv; "
-            "print(json.dumps(test_fp8_kv._compile_fp8_ptx()))")
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
-    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr:
-        pytest.skip("no ptxas in this Triton install")
-    assert r.returncode == 0, r.stderr[-3000:]
-    ptx = json.loads(r.stdout.strip().splitlines()[-1])
+    ptx = run_compiled("test_fp8_kv", "_compile_fp8_ptx")
     assert len(ptx) == 8
     for name in ("write_kv", "write_kv_rows", "rotary_write"):
         assert "cvt.rn.satfinite.e4m3x2" in ptx[name], name

@@ -16,12 +16,9 @@ graph, and the engine's triton backend against torch_native over an fp8 latent c
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +34,7 @@ from flashpage.kernels.mla_decode import (
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
+from sm90 import compile_sm90, run_compiled  # noqa: E402
 from test_fp8_kv import (  # noqa: E402
     assert_fp8_equal,
     check_fp8_attention,
@@ -50,7 +48,6 @@ gpu_only = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 cpu_only = pytest.mark.skipif(GPU, reason="interpreter cases; the GPU cases cover bf16")
 FP8 = torch.float8_e4m3fn
 DTYPES = [torch.bfloat16] if GPU else [torch.float32, torch.float16]
-ROOT = Path(__file__).resolve().parents[2]
 
 # test_mla_decode.py's bounds on ||out - ref|| / ||ref|| (the fp8 values reach the dots
 # exactly, so the kernel's own rounding is all that is left against the same cache)
@@ -256,10 +253,6 @@ def _compile_mla_fp8() -> dict[str, dict]:
     activations (the decode kernel at the Hopper defaults for 16 and 128 heads, also over
     a bf16 cache for comparison): name -> {"ptx", "shared" bytes} (Triton ships ptxas; the
     interpreter off, in a subprocess)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from flashpage.kernels import cache_write as cw
     from flashpage.kernels import mla_cache_write as mcw
     from flashpage.kernels import mla_decode as md
@@ -285,19 +278,8 @@ def _compile_mla_fp8() -> dict[str, dict]:
                     cfg.num_warps, cfg.num_stages)
     out = {}
     for name, (fn, consts, cache_ty, warps, stages) in kernels.items():
-        sig = {}
-        for a in fn.arg_names:
-            if a in consts:
-                sig[a] = "constexpr"
-            elif a in ("kv_cache_ptr", "kv_ptr"):
-                sig[a] = cache_ty
-            elif a.endswith("_ptr"):
-                sig[a] = ptr.get(a, "*bf16")
-            else:
-                sig[a] = "fp32" if a == "sm_scale_log2" else "i32"
-        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=warps, num_stages=stages))
+        types = {**ptr, "kv_cache_ptr": cache_ty, "kv_ptr": cache_ty, "sm_scale_log2": "fp32"}
+        k = compile_sm90(fn, consts, types, num_warps=warps, num_stages=stages)
         out[name] = {"ptx": k.asm["ptx"], "shared": k.metadata.shared}
     return out
 
@@ -309,16 +291,7 @@ def test_mla_fp8_kernels_compile_for_sm90():
     fp8, and needs no more
     shared memory over an fp8 cache than over a bf16 one (the widened tile must not add a
     buffer that the Hopper defaults, tuned for bf16, have no room for)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    here = str(Path(__file__).parent)
-    code = (f"import json, sys; sys.path.insert(0, {here!r}); import test_mla_fp8; "
-            "print(json.dumps(test_mla_fp8._compile_mla_fp8()))")
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
-    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr:
-        pytest.skip("no ptxas in this Triton install")
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_compiled("test_mla_fp8", "_compile_mla_fp8")
     assert len(got) == 10
     for name in ("write_mla_vec", "write_mla_tile"):
         assert "cvt.rn.satfinite.e4m3x2" in got[name]["ptx"], name

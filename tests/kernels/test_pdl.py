@@ -11,14 +11,11 @@ replayed with new inputs, so a missing wait shows as a mismatch.
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from sm90 import compile_sm90, run_compiled  # tests/kernels (on sys.path under pytest)
 
 from flashpage.kernels import pdl as pdl_mod
 from flashpage.kernels.mla_decode import mla_decode, mla_decode_ref
@@ -38,7 +35,6 @@ GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 HOPPER = GPU and torch.cuda.get_device_capability()[0] >= 9
 hopper_only = pytest.mark.skipif(not HOPPER, reason="needs a CUDA GPU of capability >= 9 (PDL)")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ the switch
@@ -165,10 +161,6 @@ _WAIT = "griddepcontrol.wait"
 def _compile_ptx() -> dict[str, str]:
     """Every decode-path kernel compiled for sm_90 with PDL=True: name -> PTX (no GPU needed,
     Triton ships ptxas; runs with the interpreter off, in a subprocess)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from flashpage.kernels import mla_decode as mla
     from flashpage.kernels import paged_decode as pd
     from flashpage.kernels import paged_decode_rows as rows
@@ -200,36 +192,15 @@ def _compile_ptx() -> dict[str, str]:
     }
     out = {}
     for name, (fn, consts, warps, stages) in kernels.items():
-        consts = {**consts, "PDL": True}
-        sig = {}
-        for a in fn.arg_names:
-            if a in consts:
-                sig[a] = "constexpr"
-            elif a.endswith("_ptr"):
-                sig[a] = ptr.get(a, "*bf16")
-            else:
-                sig[a] = "fp32" if a in ("eps", "sm_scale_log2") else "i32"
-        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=warps, num_stages=stages, launch_pdl=True))
+        k = compile_sm90(fn, {**consts, "PDL": True}, {**ptr, "eps": "fp32", "sm_scale_log2": "fp32"},
+                         num_warps=warps, num_stages=stages, launch_pdl=True)
         assert k.metadata.launch_pdl
         out[name] = k.asm["ptx"]
     return out
 
 
 def test_ptx_waits_before_any_global_access():
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    here = str(Path(__file__).parent)
-    code = (f"import json, sys; sys.path.insert(0, {here!r}); import test_pdl; "
-            "print(json.dumps(test_pdl._compile_ptx()))")
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
-    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr:
-        pytest.skip("no ptxas in this Triton install")
-    assert r.returncode == 0, r.stderr[-3000:]
-    import json
-
-    ptx = json.loads(r.stdout.strip().splitlines()[-1])
+    ptx = run_compiled("test_pdl", "_compile_ptx")
     assert len(ptx) == 8
     for name, text in ptx.items():
         lines = text.splitlines()
