@@ -324,8 +324,7 @@ def kv_dtype_ab(args, dev, sms) -> None:
                 got = _launch(shape.q[0], shape.key_cache, shape.value_cache, shape.tables[0], shape.seq_lens,
                               num_splits=row["splits"], config=c, **kw)
                 diffs[config_name(cand)] = round((got.float() - base.float()).abs().max().item(), 4)
-                t = time_graph(shape.ours(row["splits"], dataclasses.replace(cand, programs_per_sm=cfg.programs_per_sm)),
-                               shape.calls())
+                t = time_graph(shape.ours(row["splits"], c), shape.calls())
                 cands[config_name(cand)] = round(shape.kv_bytes / t / 1e9)
             except Exception as ex:  # keep going
                 cands[config_name(cand)] = f"{type(ex).__name__}"
