@@ -44,6 +44,7 @@ import triton.language as tl
 
 from flashpage.kernels.kv_dtype import check_latent_cache_dtype, f16_dots, f16_query, is_fp8
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
+from flashpage.kernels.splits import split_range
 
 _LOG2E = 1.4426950408889634
 
@@ -167,11 +168,7 @@ def _mla_decode_kernel(
     b = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq_len = tl.load(seq_lens_ptr + b)
-    # This split's key range: an equal share of the sequence, a multiple of BLOCK_N long.
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = split_range(seq_lens_ptr, b, 0, num_splits, split, False, BLOCK_N)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, BLOCK_R)

@@ -46,6 +46,7 @@ import triton.language as tl
 from flashpage.kernels.kv_dtype import check_kv_cache_dtype, f16_dots, f16_query, is_fp8
 from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
+from flashpage.kernels.splits import split_range
 
 _LOG2E = 1.4426950408889634
 
@@ -232,14 +233,7 @@ def _paged_decode_kernel(
         num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
 
-    seq_len = tl.load(seq_lens_ptr + b)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
-    # This split's key range: an equal share of the sequence, a multiple of BLOCK_N long.
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
-    start = lo + split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = split_range(seq_lens_ptr, b, window, num_splits, split, HAS_WINDOW, BLOCK_N)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)

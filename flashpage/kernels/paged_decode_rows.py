@@ -26,6 +26,7 @@ import triton.language as tl
 
 from flashpage.kernels.kv_dtype import f16_query
 from flashpage.kernels.pdl import pdl_prologue
+from flashpage.kernels.splits import split_range
 
 
 @triton.jit(do_not_specialize=["window", "stride_btb", "num_splits"])
@@ -57,13 +58,7 @@ def _paged_decode_rows_kernel(
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * HPB * GROUP
 
-    seq_len = tl.load(seq_lens_ptr + b)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
-    start = lo + split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = split_range(seq_lens_ptr, b, window, num_splits, split, HAS_WINDOW, BLOCK_N)
 
     offs_r = tl.arange(0, ROWS_PAD)
     offs_c = tl.arange(0, WIDTH)
