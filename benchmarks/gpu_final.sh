@@ -19,6 +19,7 @@
 #   bash benchmarks/gpu_final.sh next-m    paged decode over NHD vs HND caches beside SDPA cuDNN
 #   bash benchmarks/gpu_final.sh next-n    fp8 decode default: GPU tests, kernels, 8B throughput bf16 vs fp8 cache
 #   bash benchmarks/gpu_final.sh next-o    8B step kernel tables (bf16, fp8 caches); V2-Lite over bf16 vs fp8 latents
+#   bash benchmarks/gpu_final.sh ncu       decode + MLA GPU tests, then Nsight Compute on each benchmarks/ncu_cases.py case
 #   bash benchmarks/gpu_final.sh next-p    V prefetched in registers: decode GPU tests, fp8 tile candidates
 #   bash benchmarks/gpu_final.sh next-q    MLA latent prefetched in registers: MLA GPU tests, MLA + decode candidates
 #   bash benchmarks/gpu_final.sh next-r    fp8 GPU tests; V2-Lite and 8B throughput over bf16 vs fp8 caches
@@ -192,5 +193,20 @@ next-s)  # session 4: V2-Lite prompt steps over bf16 vs fp8 latents (kernel tabl
   timeout 120 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 \
     --num-requests 64 --no-hf --kv-cache-dtype fp8 --json-out "$OUT/throughput_v2lite_kv_fp8.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/v2lite kv=fp8 /" ;;
+ncu)  # session 5: decode and MLA GPU tests, then where each kernel's warps stall (Nsight Compute)
+  timeout 200 $PT -n 8 -m gpu tests/kernels/test_paged_decode.py tests/kernels/test_fp8_kv.py \
+    tests/kernels/test_mla_decode.py tests/kernels/test_mla_fp8.py -rf 2>&1 | tee "$OUT/gpu_tests.txt" | tail -n 3
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1); mkdir -p "$OUT/ncu"
+  for c in ${NCU_CASES:-decode_bf16 decode_fp8 mla_bf16_32x4k mla_bf16_8x32k mla_fp8_32x4k prefill_causal prefill_paged16 prefill_paged128}; do
+    case $c in decode*) k=_paged_decode_kernel ;; mla*) k=_mla_decode_kernel ;; *) k=_prefill_fwd ;; esac
+    timeout 150 "$NCU" --clock-control none --set full --import-source yes -k "regex:^$k" --launch-skip 2 \
+      --launch-count 1 -f -o "$OUT/ncu/$c" python3 benchmarks/ncu_cases.py $c > "$OUT/ncu/$c.log" 2>&1
+    "$NCU" --import "$OUT/ncu/$c.ncu-rep" --page details > "$OUT/ncu/$c.details.txt" 2>&1
+    "$NCU" --import "$OUT/ncu/$c.ncu-rep" --page raw --csv > "$OUT/ncu/$c.raw.csv" 2>&1
+    "$NCU" --import "$OUT/ncu/$c.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu/$c.sass.csv" 2>&1
+    echo "$c: $(grep -E '^ +Duration' "$OUT/ncu/$c.details.txt" | head -n 1)"
+  done
+  mkdir -p "$OUT/rep"; mv "$OUT"/ncu/*.ncu-rep "$OUT/rep/" 2>/dev/null; tar czf "$OUT/ncu.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu"
+  tar czf "$OUT/ncu_rep.tgz" -C "$OUT" rep && rm -rf "$OUT/rep" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -1,0 +1,93 @@
+"""One kernel call per case, for Nsight Compute: where do our kernels' warps stall?
+
+    ncu --clock-control none --set full --import-source yes -k regex:NAME \
+        --launch-skip 2 --launch-count 1 -o OUT python3 benchmarks/ncu_cases.py CASE
+
+Each case builds its inputs once (random, shuffled block tables) and calls the kernel
+three times: two warm-up calls (compilation, autotune-free), then the one ncu profiles
+(``--launch-skip 2``). ``bash benchmarks/gpu_final.sh ncu`` profiles them all and writes
+the per-instruction stall samples (``--page source --print-source sass``) beside the
+summaries. Cases:
+
+    decode_bf16 / decode_fp8   paged decode, 32 x 4096, GQA 32/8, head_dim 128, block 16
+    mla_bf16_32x4k / mla_bf16_8x32k / mla_fp8_32x4k   MLA decode, 16 heads, 512 + 64, block 64
+    prefill_causal / prefill_paged16 / prefill_paged128   2 x 4096 causal, 32 heads, D 128
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from flashpage.kernels.flash_prefill import flash_attn_varlen, paged_prefill
+from flashpage.kernels.mla_decode import mla_decode
+from flashpage.kernels.paged_decode import paged_decode
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+def _tables(batch: int, ctx: int, page: int) -> tuple[torch.Tensor, int]:
+    nb = ctx // page
+    perm = torch.randperm(batch * nb, device=DEV).to(torch.int32)
+    return perm.view(batch, nb), batch * nb
+
+
+def decode(dtype: torch.dtype, batch: int = 32, ctx: int = 4096):
+    tables, blocks = _tables(batch, ctx, 16)
+    q = torch.randn(batch, 32, 128, device=DEV, dtype=BF16)
+    k = torch.randn(blocks, 16, 8, 128, device=DEV, dtype=BF16).to(dtype)
+    v = torch.randn(blocks, 16, 8, 128, device=DEV, dtype=BF16).to(dtype)
+    lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
+    return lambda: paged_decode(q, k, v, tables, lens)
+
+
+def mla(dtype: torch.dtype, batch: int, ctx: int):
+    tables, blocks = _tables(batch, ctx, 64)
+    q = torch.randn(batch, 16, 576, device=DEV, dtype=BF16)
+    kv = torch.randn(blocks, 64, 576, device=DEV, dtype=BF16).to(dtype)
+    lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
+    return lambda: mla_decode(q, kv, tables, lens, kv_lora_rank=512, sm_scale=192 ** -0.5)
+
+
+def prefill(page: int | None, batch: int = 2, seq: int = 4096):
+    q = torch.randn(batch * seq, 32, 128, device=DEV, dtype=BF16)
+    k = torch.randn(batch * seq, 32, 128, device=DEV, dtype=BF16)
+    v = torch.randn(batch * seq, 32, 128, device=DEV, dtype=BF16)
+    cu = torch.arange(0, batch + 1, device=DEV, dtype=torch.int32) * seq
+    if page is None:
+        return lambda: flash_attn_varlen(q, k, v, cu, cu, seq, seq, causal=True)
+    tables, blocks = _tables(batch, seq, page)
+    kc = torch.empty(blocks, page, 32, 128, device=DEV, dtype=BF16)
+    vc = torch.empty_like(kc)
+    slots = tables.long().repeat_interleave(page, 1) * page + torch.arange(seq, device=DEV) % page
+    kc.view(-1, 32, 128)[slots.flatten()] = k
+    vc.view(-1, 32, 128)[slots.flatten()] = v
+    lens = torch.full((batch,), seq, device=DEV, dtype=torch.int32)
+    return lambda: paged_prefill(q, kc, vc, tables, cu, lens, seq, seq, causal=True)
+
+
+CASES = {
+    "decode_bf16": lambda: decode(BF16),
+    "decode_fp8": lambda: decode(torch.float8_e4m3fn),
+    "mla_bf16_32x4k": lambda: mla(BF16, 32, 4096),
+    "mla_bf16_8x32k": lambda: mla(BF16, 8, 32768),
+    "mla_fp8_32x4k": lambda: mla(torch.float8_e4m3fn, 32, 4096),
+    "prefill_causal": lambda: prefill(None),
+    "prefill_paged16": lambda: prefill(16),
+    "prefill_paged128": lambda: prefill(128),
+}
+
+
+def main() -> None:
+    if len(sys.argv) != 2 or sys.argv[1] not in CASES:
+        raise SystemExit(f"usage: ncu_cases.py CASE, one of {', '.join(CASES)}")
+    fn = CASES[sys.argv[1]]()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
