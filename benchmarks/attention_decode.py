@@ -427,6 +427,96 @@ def layout_ab(args, dev, sms) -> None:
         print(" ", {k_: v_ for k_, v_ in r.items() if k_ not in ("config",)})
 
 
+# --tiles: candidate tile configs over a bf16 and an fp8 cache, beside SDPA cuDNN, after the
+# block ids were carried one tile ahead (session 5: every num_stages now buffers num_stages - 1
+# K/V tiles; before, a 3-stage loop waited for each tile in the iteration after its issue,
+# which Nsight Compute showed as 13% of the fp8 loop's stall samples). Splits: each
+# config's own programs_per_sm rule. Rounds in turn, the best of each.
+TILES_SHAPES = [(32, 4096), (64, 4096), (128, 2048), (128, 8192), (8, 32768), (1, 32768)]
+TILES_ROUNDS = 2
+TILES_BF16 = [DecodeConfig(64, 4, 2, heads_fastest=True), DecodeConfig(64, 4, 3, heads_fastest=True),
+              DecodeConfig(64, 4, 3, programs_per_sm=2), DecodeConfig(64, 4, 4, programs_per_sm=2),
+              DecodeConfig(32, 4, 4, programs_per_sm=2), DecodeConfig(128, 4, 2, programs_per_sm=2),
+              DecodeConfig(64, 8, 3, programs_per_sm=2)]
+TILES_FP8 = [DecodeConfig(128, 4, 3, programs_per_sm=2, prefetch_v=True),
+             DecodeConfig(128, 4, 4, programs_per_sm=2, prefetch_v=True),
+             DecodeConfig(128, 4, 2, programs_per_sm=2, prefetch_v=True),
+             DecodeConfig(64, 4, 3, programs_per_sm=2, prefetch_v=True),
+             DecodeConfig(64, 4, 4, programs_per_sm=2, prefetch_v=True),
+             DecodeConfig(128, 4, 3, programs_per_sm=2), DecodeConfig(128, 4, 4, programs_per_sm=2)]
+
+
+def tiles(args, dev, sms) -> None:
+    """TILES_BF16 / TILES_FP8 and each dtype's default on TILES_SHAPES, with SDPA cuDNN on
+    contiguous bf16 KV (tiles.json / tiles.md)."""
+    copy_before = copy_bandwidth()
+    print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)
+    rows = []
+    for batch, ctx in TILES_SHAPES:
+        row: dict = dict(batch=batch, context=ctx)
+        for name, dtype in KV_DTYPES.items():
+            shape = Shape(batch, ctx, dtype)
+            dflt = default_config(dev, D, batch * HKV, fp8=name == "fp8")
+            row[f"{name}_default"] = config_name(dflt)
+            fns = {"default": shape.ours()}
+            base = _launch(shape.q[0], shape.key_cache, shape.value_cache, shape.tables[0], shape.seq_lens,
+                           sm_scale=None, window_size=None, out=None, num_splits=None)
+            diffs = {}
+            for cand in TILES_BF16 if name == "bf16" else TILES_FP8:
+                sp = choose_num_splits(batch, HKV, ctx, sms, programs_per_sm=cand.programs_per_sm)
+                key = f"{config_name(cand)}/sp{sp}"
+                fns[key] = shape.ours(sp, cand)
+                got = _launch(shape.q[0], shape.key_cache, shape.value_cache, shape.tables[0],
+                              shape.seq_lens, sm_scale=None, window_size=None, out=None, num_splits=sp,
+                              config=cand)
+                diffs[key] = round((got.float() - base.float()).abs().max().item(), 4)
+            if name == "bf16":
+                k, v = shape.contiguous()
+                fns["cudnn"] = shape.sdpa(k, v, SDPBackend.CUDNN_ATTENTION)
+            best: dict[str, float] = {}
+            for _ in range(TILES_ROUNDS):
+                for key, fn in fns.items():
+                    try:
+                        t = time_graph(fn, shape.calls())
+                        best[key] = min(best.get(key, t), t)
+                    except Exception as ex:  # keep going
+                        print(f"{name} {key}: {type(ex).__name__}: {str(ex)[:100]}", flush=True)
+            row[name] = {key: round(shape.kv_bytes / t / 1e9) for key, t in best.items()}
+            row[f"{name}_max_abs_diff_vs_default"] = diffs
+            del shape, fns
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    copy_after = copy_bandwidth()
+    copy = max(copy_before, copy_after)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=__import__("triton").__version__, copy_gbps=round(copy),
+                copy_before_gbps=round(copy_before), copy_after_gbps=round(copy_after))
+    with open(os.path.join(args.out, "tiles.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    lines = [f"Paged decode tile candidates, GQA {HQ}/{HKV}, head_dim {D}, block_size {BS}, bf16 q, "
+             f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; GB/s of the bytes each cache "
+             f"holds (fp8: half of bf16's), best of {TILES_ROUNDS} rounds of CUDA-graph replays; copy "
+             f"{round(copy)} GB/s (before {round(copy_before)}, after {round(copy_after)}).", "",
+             "| batch × context | dtype | default | default GB/s | × cuDNN (bf16 time / fp8 time for fp8) "
+             "| SDPA cuDNN | candidates (GB/s) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        cud = r["bf16"].get("cudnn")
+        for name in KV_DTYPES:
+            g = r[name].get("default")
+            if name == "bf16":
+                ratio = f"{g / cud:.3f}×" if g and cud else "-"
+            else:  # the same tokens: a bf16 cache's bytes are twice fp8's
+                ratio = f"{2 * g / cud:.3f}× cuDNN-equiv." if g and cud else "-"
+            cands = ", ".join(f"{k_} {v_}" for k_, v_ in r[name].items() if k_ not in ("default", "cudnn"))
+            pct = f"({100 * g / copy:.0f}%)" if g else ""
+            lines.append(f"| {r['batch']} × {r['context']} | {name} | {r[f'{name}_default']} | {g} "
+                         f"{pct} | {ratio} | {cud if name == 'bf16' else ''} | {cands} |")
+    with open(os.path.join(args.out, "tiles.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def split_options(batch: int, ctx: int, sms: int) -> list[int]:
     """Split counts worth timing: up to ~32 programs per SM, >= 64 keys per split."""
     cap = min(ctx // 64, max(1, -(-32 * sms // (batch * HKV))))
@@ -435,9 +525,9 @@ def split_options(batch: int, ctx: int, sms: int) -> list[int]:
 
 def _compile_one(job) -> str:
     """Run one config once on tiny inputs of the benchmark's layout (fills Triton's cache)."""
-    cfg, splits = job
+    cfg, splits, *dtype = job  # (config, split counts[, "bf16" | "fp8"])
     t = time.time()
-    kc = torch.randn(8, BS, HKV, D, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(8, BS, HKV, D, device="cuda", dtype=torch.bfloat16).to(KV_DTYPES[(dtype or ["bf16"])[0]])
     q = torch.randn(1, HQ, D, device="cuda", dtype=torch.bfloat16)
     tables = torch.arange(8, dtype=torch.int32, device="cuda")[None]
     lens = torch.tensor([100], dtype=torch.int32, device="cuda")
@@ -448,7 +538,8 @@ def _compile_one(job) -> str:
     return f"{config_name(cfg) if cfg else 'merge'} {splits}: {time.time() - t:.1f}s"
 
 
-def precompile(workers: int, sweep: bool, compare_only: bool = False, pdl: bool = False) -> None:
+def precompile(workers: int, sweep: bool, compare_only: bool = False, pdl: bool = False,
+               tiles_only: bool = False) -> None:
     """Compile the variants the run needs in parallel processes (each takes seconds)."""
     import concurrent.futures as cf
     import multiprocessing as mp
@@ -461,7 +552,12 @@ def precompile(workers: int, sweep: bool, compare_only: bool = False, pdl: bool 
                 print("  compiled", msg, flush=True)
         print(f"precompiled the --pdl-ab variants in {time.time() - t:.0f} s", flush=True)
         return
-    if compare_only:
+    if tiles_only:
+        sp = (1, 4, 8, 33, 66)
+        jobs = [(c, sp, "bf16") for c in {*TILES_BF16, default_config(dev, D), default_config(dev, D, 8)}]
+        jobs += [(c, sp, "fp8") for c in {*TILES_FP8, default_config(dev, D, fp8=True),
+                                          default_config(dev, D, 8, fp8=True)}]
+    elif compare_only:
         jobs = compare_jobs(dev)
     else:
         cfgs = {default_config(dev, D), default_config(dev, D, 1), *(CANDIDATE_CONFIGS if sweep else [])}
@@ -562,11 +658,13 @@ def main() -> None:
                     help="fp8: the default path over a bf16 and an fp8 cache (kv_dtype.json / kv_dtype.md)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="the default path with PDL off vs on on PDL_AB_SHAPES (pdl_ab.json / pdl_ab.md)")
+    ap.add_argument("--tiles", action="store_true",
+                    help="tile candidates over bf16 and fp8 caches beside SDPA cuDNN (tiles.json / tiles.md)")
     ap.add_argument("--layout-ab", action="store_true",
                     help="NHD vs HND cache memory order beside SDPA cuDNN (layout_ab.json)")
     args = ap.parse_args()
     if args.precompile:
-        precompile(args.precompile, args.sweep, args.compare, args.pdl_ab)
+        precompile(args.precompile, args.sweep, args.compare, args.pdl_ab, args.tiles)
         return
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -583,6 +681,9 @@ def main() -> None:
         return
     if args.layout_ab:
         layout_ab(args, dev, sms)
+        return
+    if args.tiles:
+        tiles(args, dev, sms)
         return
     copy_before = copy_bandwidth()
     print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)

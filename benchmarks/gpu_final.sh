@@ -20,6 +20,8 @@
 #   bash benchmarks/gpu_final.sh next-n    fp8 decode default: GPU tests, kernels, 8B throughput bf16 vs fp8 cache
 #   bash benchmarks/gpu_final.sh next-o    8B step kernel tables (bf16, fp8 caches); V2-Lite over bf16 vs fp8 latents
 #   bash benchmarks/gpu_final.sh ncu       decode + MLA GPU tests, then Nsight Compute on each benchmarks/ncu_cases.py case
+#   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
+#                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
 #   bash benchmarks/gpu_final.sh next-p    V prefetched in registers: decode GPU tests, fp8 tile candidates
 #   bash benchmarks/gpu_final.sh next-q    MLA latent prefetched in registers: MLA GPU tests, MLA + decode candidates
 #   bash benchmarks/gpu_final.sh next-r    fp8 GPU tests; V2-Lite and 8B throughput over bf16 vs fp8 caches
@@ -208,5 +210,12 @@ ncu)  # session 5: decode and MLA GPU tests, then where each kernel's warps stal
   done
   mkdir -p "$OUT/rep"; mv "$OUT"/ncu/*.ncu-rep "$OUT/rep/" 2>/dev/null; tar czf "$OUT/ncu.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu"
   tar czf "$OUT/ncu_rep.tgz" -C "$OUT" rep && rm -rf "$OUT/rep" ;;
+tiles)  # session 5: paged decode with the block ids carried one tile ahead (K/V buffered num_stages - 1 deep)
+  timeout 200 $PT -n 8 -m gpu tests/kernels/test_paged_decode.py tests/kernels/test_fp8_kv.py -rf 2>&1 \
+    | tee "$OUT/gpu_tests.txt" | tail -n 3
+  timeout 150 python3 benchmarks/attention_decode.py --precompile 12 --tiles 2>&1 | tail -n 2
+  timeout 240 python3 benchmarks/attention_decode.py --out "$OUT" --tiles 2>&1 | tail -n 16
+  if [ -d .old/flashpage ]; then mkdir -p "$OUT/old"; PYTHONPATH=$PWD/.old timeout 120 python3 \
+    benchmarks/attention_decode.py --out "$OUT/old" --kv-dtype fp8 2>&1 | tail -n 7; fi ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -80,23 +80,23 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
     num_kv_heads before splitting; None: a large batch) and cache dtype (``fp8``: a
     float8_e4m3fn cache).
 
-    Hopper (capability 9.x), head_dim 128, from the H200 sweep of 2026-11-30
-    (benchmarks/results/decode.md): up to 2 programs per SM before splitting, 5 stages
-    (Triton double-buffers the gathered K/V from 5 on) and splits up to one wave of 2 per
-    SM (P x splits = 256 was the best count at every P it was timed at); above that, 3
-    stages with a sequence's KV heads launched together, unsplit. Elsewhere (other
-    generations, other head dims, the interpreter): the pipelined loop with 64 keys and 4
-    warps (32 keys for head_dim 256), splits filling ~4 programs per SM (the best of that
-    config at every shape of the same sweep).
+    Hopper (capability 9.x), head_dim 128. The loop carries each tile's block ids one
+    tile ahead, so ``num_stages`` s keeps s - 1 K/V tiles in flight (session 5; before
+    it, Triton's pipeliner gave a load addressed by a load of the same iteration one
+    buffer, and it took 5 stages to get two). bf16, from the H200 runs of 2026-11-30
+    (benchmarks/results/decode.md, then ``attention_decode.py --tiles``, run 29): up to 2
+    programs per SM before splitting, two tiles in flight (3 stages) and splits up to
+    one wave of 2 per SM; above that one tile in flight (2 stages) with a sequence's KV
+    heads launched together, unsplit (deeper buffers there: 3-20% slower, fewer
+    resident programs). Elsewhere (other generations, other head dims, the interpreter):
+    64 keys, 4 warps (32 keys for head_dim 256), 3 stages, splits filling ~4 programs
+    per SM.
 
-    An fp8 cache on Hopper takes 128-key tiles, 3 stages, at every grid size: in the H200
-    run of 2026-11-30 (run 18, ``attention_decode.py --kv-dtype fp8``) they read it 1-3%
-    faster than the bf16 defaults where those split (32 x 4096, 1 and 8 x 32768) and
-    13-34% faster at 64 x 4096 and 128 x 2048; the loop over one-byte tiles is bound by
-    its instruction count per tile, which longer tiles amortise. With V prefetched into
-    registers (``prefetch_v``: no byte-by-byte gather of V from shared memory) they ran
-    2-8% faster again at batch >= 8 (run 22) and 3% slower at 1 x 32768 (8 programs,
-    33 splits), so below 32 programs V stays in the pipeline.
+    An fp8 cache on Hopper takes 128-key tiles, 3 stages, at every grid size: in run 29
+    they read it 12-17% faster than before the block ids were carried (the same tiles
+    waited for each K tile right after its issue: 13% of the loop's stall samples under
+    Nsight Compute), and V loaded a tile ahead into registers (``prefetch_v``) no longer
+    paid (within -2% / +1% of it at every shape timed).
     """
     if device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         major, _ = torch.cuda.get_device_capability(device)
@@ -104,11 +104,10 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
             small = programs is not None and programs <= 2 * _num_sms(device)
             if fp8:
                 return DecodeConfig(128, 4, 3, programs_per_sm=2 if small else 4,
-                                    fused_merge=FUSED_MERGE_DEFAULT,
-                                    prefetch_v=programs is None or programs >= 32)
+                                    fused_merge=FUSED_MERGE_DEFAULT)
             if small:
-                return DecodeConfig(64, 4, 5, programs_per_sm=2, fused_merge=FUSED_MERGE_DEFAULT)
-            return DecodeConfig(64, 4, 3, heads_fastest=True)
+                return DecodeConfig(64, 4, 3, programs_per_sm=2, fused_merge=FUSED_MERGE_DEFAULT)
+            return DecodeConfig(64, 4, 2, heads_fastest=True)
     return DecodeConfig(32, 4, 3) if head_dim > 128 else DecodeConfig(64, 4, 3)
 
 
@@ -130,6 +129,7 @@ CANDIDATE_CONFIGS = [
     DecodeConfig(64, 4, 3, heads_fastest=True), DecodeConfig(128, 4, 3, heads_fastest=True),
     DecodeConfig(64, 4, 1, prefetch=True, heads_fastest=True),
     DecodeConfig(64, 4, 5, prefetch_v=True), DecodeConfig(128, 4, 3, prefetch_v=True),
+    DecodeConfig(64, 4, 2, heads_fastest=True), DecodeConfig(64, 4, 3, programs_per_sm=2),
 ]
 
 
@@ -266,25 +266,36 @@ def _paged_decode_kernel(
             k, v, blk_next = k_next, v_next, blk_after
     elif PREFETCH_V:
         # K through Triton's pipeline; V one tile ahead in registers, widened on arrival.
+        # The block ids are carried one tile ahead too (they address this tile's K and the
+        # next tile's V): a K load whose address came from a load in the same iteration
+        # gets a single shared-memory buffer from Triton's pipeliner, i.e. it is waited
+        # for in the iteration after its issue (Nsight Compute, H200: 13% of the stall
+        # samples at that wait).
         offs0 = start + tl.arange(0, BLOCK_N)
-        v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, _block_ids(bt_row, offs0, end, PAGE),
-                            offs0, end, offs_d, d_mask, PAGE).to(q.dtype)
+        blk = _block_ids(bt_row, offs0, end, PAGE)
+        v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blk, offs0, end, offs_d,
+                            d_mask, PAGE).to(q.dtype)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            k = _load_rows(k_ptr, stride_kb, stride_kt, stride_kh, kvh, _block_ids(bt_row, offs_n, end, PAGE),
-                           offs_n, end, offs_d, d_mask, PAGE)
-            v = v_next
             offs_x = offs_n + BLOCK_N
-            v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh,
-                                _block_ids(bt_row, offs_x, end, PAGE), offs_x, end, offs_d, d_mask,
-                                PAGE).to(q.dtype)
+            blk_x = _block_ids(bt_row, offs_x, end, PAGE)
+            k = _load_rows(k_ptr, stride_kb, stride_kt, stride_kh, kvh, blk, offs_n, end, offs_d,
+                           d_mask, PAGE)
+            v = v_next
+            v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blk_x, offs_x, end, offs_d,
+                                d_mask, PAGE).to(q.dtype)
+            blk = blk_x
             m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
     else:
-        # Triton's pipeliner overlaps the loads (num_stages >= 5 buffers K/V twice).
+        # Triton's pipeliner overlaps the loads. The block ids are carried one tile ahead,
+        # so that the K/V loads' addresses do not come from a load of the same iteration
+        # (which leaves them one buffer: waited for one iteration after their issue).
+        blk = _block_ids(bt_row, start + tl.arange(0, BLOCK_N), end, PAGE)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            blk = _block_ids(bt_row, offs_n, end, PAGE)
+            blk_x = _block_ids(bt_row, offs_n + BLOCK_N, end, PAGE)
             k, v = _load_kv(*kv_args, blk, offs_n, end, offs_d, d_mask, PAGE)
+            blk = blk_x
             m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
 
     has_keys = l_i > 0.0  # false for an empty split (or an empty sequence)

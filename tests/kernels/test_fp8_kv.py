@@ -521,7 +521,7 @@ GPU_DECODE_CASES = [
     ([1500, 40], 32, 8, 128, 16, 4, None, DecodeConfig(64, 4, 1, prefetch=True)),
     ([1500, 40], 32, 8, 128, 16, 4, None, DecodeConfig(64, 4, 5, heads_per_program=2)),
     ([1500, 40], 32, 8, 128, 16, 4, None,
-     DecodeConfig(64, 4, 5, programs_per_sm=2, fused_merge=True)),
+     DecodeConfig(64, 4, 3, programs_per_sm=2, fused_merge=True)),
     ([1500, 40, 3000], 32, 8, 128, 16, None, None, DecodeConfig(128, 4, 3, prefetch_v=True)),
     ([1500, 40], 32, 8, 128, 16, 4, 700, DecodeConfig(64, 4, 5, prefetch_v=True)),
 ]
@@ -543,7 +543,7 @@ def test_paged_decode_fp8_cuda_graph():
     q = torch.randn(3, 32, 128, generator=g, device=DEVICE).bfloat16()
     out = torch.empty_like(q)
     kw = dict(sm_scale=None, window_size=None, out=out, num_splits=None,
-              config=DecodeConfig(64, 4, 5, programs_per_sm=2))
+              config=DecodeConfig(64, 4, 3, programs_per_sm=2))
     _launch(q, kc, vc, tables, lens, **kw)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

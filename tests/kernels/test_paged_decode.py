@@ -144,8 +144,9 @@ def test_choose_num_splits():
 
 
 def test_default_config_by_generation(monkeypatch):
-    """Hopper with head_dim 128: 5 stages (then splits up to 2 programs per SM) for grids
-    of <= 2 programs per SM, 3 stages with heads adjacent above; elsewhere one config."""
+    """Hopper with head_dim 128: 3 stages (two K/V tiles in flight; then splits up to 2
+    programs per SM) for grids of <= 2 programs per SM, 2 stages with heads adjacent
+    above; an fp8 cache 128-key tiles, 3 stages; elsewhere one config."""
     from flashpage.kernels import paged_decode as mod
 
     cuda = torch.device("cuda", 0)
@@ -153,8 +154,11 @@ def test_default_config_by_generation(monkeypatch):
     monkeypatch.setitem(mod._SM_COUNT, 0, 132)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     small, large = mod.default_config(cuda, 128, 264), mod.default_config(cuda, 128, 265)
-    assert (small.num_stages, small.programs_per_sm, small.heads_fastest) == (5, 2, False)
-    assert (large.num_stages, large.programs_per_sm, large.heads_fastest) == (3, 4, True)
+    assert (small.num_stages, small.programs_per_sm, small.heads_fastest) == (3, 2, False)
+    assert (large.num_stages, large.programs_per_sm, large.heads_fastest) == (2, 4, True)
+    small8, large8 = mod.default_config(cuda, 128, 264, fp8=True), mod.default_config(cuda, 128, 265, fp8=True)
+    assert (small8.block_n, small8.num_stages, small8.programs_per_sm, small8.prefetch_v) == (128, 3, 2, False)
+    assert (large8.block_n, large8.num_stages, large8.programs_per_sm, large8.prefetch_v) == (128, 3, 4, False)
     assert small.fused_merge == mod.FUSED_MERGE_DEFAULT and not large.fused_merge
     assert mod.default_config(cuda, 128) == large
     assert mod.default_config(cuda, 64, 8) == DecodeConfig(64, 4, 3)  # not measured: generic
@@ -305,7 +309,7 @@ def test_paged_decode_cuda_graph(fused_merge):
     fused merge, each replay must find its counters back at 0."""
     q, kc, vc, bt, lens = make_case([900, 20, 2000], 32, 8, 128, 16, torch.bfloat16)
     out = torch.empty_like(q)
-    cfg = DecodeConfig(64, 4, 5, programs_per_sm=2, fused_merge=fused_merge)
+    cfg = DecodeConfig(64, 4, 3, programs_per_sm=2, fused_merge=fused_merge)
     kw = dict(sm_scale=None, window_size=None, out=out, num_splits=None, config=cfg)
     _launch(q, kc, vc, bt, lens, **kw)  # compile (and allocate the counters) outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -334,7 +338,7 @@ def test_paged_decode_gpu_fused_merge(case):
     for splits in (7, 33, 33):
         out = torch.full_like(q, float("nan"))
         _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=None, out=out, num_splits=splits,
-                config=DecodeConfig(64, 4, 5, programs_per_sm=2, fused_merge=True))
+                config=DecodeConfig(64, 4, 3, programs_per_sm=2, fused_merge=True))
         check(out, ref, torch.bfloat16)
 
 

@@ -311,7 +311,7 @@ def test_decode_chain_pdl_equals_off(monkeypatch, batch, ctx, mode):
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("cfg", [DecodeConfig(64, 4, 5, programs_per_sm=2, fused_merge=True),
+@pytest.mark.parametrize("cfg", [DecodeConfig(64, 4, 3, programs_per_sm=2, fused_merge=True),
                                  DecodeConfig(32, 4, 3, heads_per_program=2),
                                  DecodeConfig(64, 4, 3, heads_fastest=True)],
                          ids=["fused_merge", "rows2", "heads_fastest"])
