@@ -434,16 +434,16 @@ def layout_ab(args, dev, sms) -> None:
 # config's own programs_per_sm rule. Rounds in turn, the best of each.
 TILES_SHAPES = [(32, 4096), (64, 4096), (128, 2048), (128, 8192), (8, 32768), (1, 32768)]
 TILES_ROUNDS = 2
-TILES_BF16 = [DecodeConfig(64, 4, 2, heads_fastest=True), DecodeConfig(64, 4, 3, heads_fastest=True),
-              DecodeConfig(64, 4, 3, programs_per_sm=2), DecodeConfig(64, 4, 4, programs_per_sm=2),
-              DecodeConfig(32, 4, 4, programs_per_sm=2), DecodeConfig(128, 4, 2, programs_per_sm=2),
-              DecodeConfig(64, 8, 3, programs_per_sm=2)]
-TILES_FP8 = [DecodeConfig(128, 4, 3, programs_per_sm=2, prefetch_v=True),
-             DecodeConfig(128, 4, 4, programs_per_sm=2, prefetch_v=True),
-             DecodeConfig(128, 4, 2, programs_per_sm=2, prefetch_v=True),
-             DecodeConfig(64, 4, 3, programs_per_sm=2, prefetch_v=True),
-             DecodeConfig(64, 4, 4, programs_per_sm=2, prefetch_v=True),
-             DecodeConfig(128, 4, 3, programs_per_sm=2), DecodeConfig(128, 4, 4, programs_per_sm=2)]
+TILES_BF16 = [DecodeConfig(64, 4, 2, heads_fastest=True), DecodeConfig(64, 4, 3, programs_per_sm=2),
+              DecodeConfig(64, 8, 3, programs_per_sm=2), DecodeConfig(32, 4, 4, programs_per_sm=2)]
+# Run 29's fp8 default (n128w4s3: 190 registers, 2 programs per SM) beside register caps
+# that let 3 fit (ptxas spills 8-24 bytes) and 64-key tiles (120 registers: 4 per SM).
+TILES_FP8 = [DecodeConfig(128, 4, 3, programs_per_sm=2),
+             DecodeConfig(128, 4, 3, programs_per_sm=3, max_regs=168),
+             DecodeConfig(128, 4, 3, programs_per_sm=3, prefetch_v=True, max_regs=168),
+             DecodeConfig(128, 4, 2, programs_per_sm=3, max_regs=168),
+             DecodeConfig(64, 4, 3, programs_per_sm=4), DecodeConfig(64, 4, 4, programs_per_sm=4),
+             DecodeConfig(128, 4, 3, programs_per_sm=2, prefetch_v=True)]
 
 
 def tiles(args, dev, sms) -> None:
@@ -553,7 +553,7 @@ def precompile(workers: int, sweep: bool, compare_only: bool = False, pdl: bool 
         print(f"precompiled the --pdl-ab variants in {time.time() - t:.0f} s", flush=True)
         return
     if tiles_only:
-        sp = (1, 4, 8, 33, 66)
+        sp = (1, 4, 6, 8, 33, 49, 66)
         jobs = [(c, sp, "bf16") for c in {*TILES_BF16, default_config(dev, D), default_config(dev, D, 8)}]
         jobs += [(c, sp, "fp8") for c in {*TILES_FP8, default_config(dev, D, fp8=True),
                                           default_config(dev, D, 8, fp8=True)}]

@@ -72,6 +72,9 @@ class DecodeConfig:
     # widened there: an fp8 V tile then reaches the P.V dot as fp16 through ldmatrix
     # instead of byte by byte from shared memory (K stays in Triton's pipeline).
     prefetch_v: bool = False
+    # A register cap for ptxas (Triton's ``maxnreg``; None: ptxas decides). The fp8 loop
+    # is latency-bound at 2 programs per SM (190 registers x 128 threads); 168 lets 3 fit.
+    max_regs: int | None = None
 
 
 def default_config(device: torch.device, head_dim: int, programs: int | None = None, *,
@@ -130,16 +133,18 @@ CANDIDATE_CONFIGS = [
     DecodeConfig(64, 4, 1, prefetch=True, heads_fastest=True),
     DecodeConfig(64, 4, 5, prefetch_v=True), DecodeConfig(128, 4, 3, prefetch_v=True),
     DecodeConfig(64, 4, 2, heads_fastest=True), DecodeConfig(64, 4, 3, programs_per_sm=2),
+    DecodeConfig(128, 4, 3, programs_per_sm=3, max_regs=168),
 ]
 
 
 def config_name(cfg: DecodeConfig) -> str:
     """n{keys}w{warps}s{stages}, then p (hand prefetch), v (V prefetched), h (heads fastest),
-    m (fused merge), r{n} (n KV heads per program)."""
+    m (fused merge), r{n} (n KV heads per program), R{n} (register cap)."""
     return (f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{'p' if cfg.prefetch else ''}"
             f"{'v' if cfg.prefetch_v else ''}"
             f"{'h' if cfg.heads_fastest else ''}{'m' if cfg.fused_merge else ''}"
-            f"{f'r{cfg.heads_per_program}' if cfg.heads_per_program > 1 else ''}")
+            f"{f'r{cfg.heads_per_program}' if cfg.heads_per_program > 1 else ''}"
+            f"{f'R{cfg.max_regs}' if cfg.max_regs else ''}")
 
 
 @triton.jit
@@ -392,6 +397,10 @@ def _merge_splits_kernel(
              mask=d_mask)
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 _SM_COUNT: dict[int, int] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _RETIRED_COUNTERS: list[torch.Tensor] = []
@@ -546,6 +555,7 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
         PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, key_cache.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
+        **({"maxnreg": cfg.max_regs} if cfg.max_regs and not _interpreting() else {}),
     )
     if num_splits > 1 and not fused_merge:
         _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)

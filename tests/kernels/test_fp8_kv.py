@@ -524,6 +524,11 @@ GPU_DECODE_CASES = [
      DecodeConfig(64, 4, 3, programs_per_sm=2, fused_merge=True)),
     ([1500, 40, 3000], 32, 8, 128, 16, None, None, DecodeConfig(128, 4, 3, prefetch_v=True)),
     ([1500, 40], 32, 8, 128, 16, 4, 700, DecodeConfig(64, 4, 5, prefetch_v=True)),
+    # --tiles candidates of session 5: register caps (ptxas spills a little), 64-key tiles
+    ([1500, 40, 3000], 32, 8, 128, 16, None, None, DecodeConfig(128, 4, 3, programs_per_sm=3, max_regs=168)),
+    ([1500, 40], 32, 8, 128, 16, 4, None,
+     DecodeConfig(128, 4, 3, programs_per_sm=3, prefetch_v=True, max_regs=168)),
+    ([1500, 40, 3000], 32, 8, 128, 16, None, None, DecodeConfig(64, 4, 3, programs_per_sm=4)),
 ]
 
 

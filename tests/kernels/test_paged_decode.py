@@ -174,7 +174,8 @@ def test_default_config_by_generation(monkeypatch):
                                     DecodeConfig(32, 4, 1, prefetch=True, heads_fastest=True),
                                     DecodeConfig(64, 4, 3, heads_fastest=True),
                                     DecodeConfig(32, 4, 3, fused_merge=True),
-                                    DecodeConfig(64, 4, 3, heads_fastest=True, fused_merge=True)], ids=str)
+                                    DecodeConfig(64, 4, 3, heads_fastest=True, fused_merge=True),
+                                    DecodeConfig(32, 4, 2, max_regs=168)], ids=str)
 def test_tile_configs(config):
     q, kc, vc, bt, lens = make_case([77, 1, 200], 8, 2, 64, 16, torch.float16, seed=5)
     for splits in (1, 3):
