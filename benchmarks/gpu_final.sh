@@ -20,6 +20,8 @@
 #   bash benchmarks/gpu_final.sh next-n    fp8 decode default: GPU tests, kernels, 8B throughput bf16 vs fp8 cache
 #   bash benchmarks/gpu_final.sh next-o    8B step kernel tables (bf16, fp8 caches); V2-Lite over bf16 vs fp8 latents
 #   bash benchmarks/gpu_final.sh ncu       decode + MLA GPU tests, then Nsight Compute on each benchmarks/ncu_cases.py case
+#   bash benchmarks/gpu_final.sh tiles2    fp8 register caps: decode tests, tiles, ncu of the fp8 default, 8B bf16 vs fp8
+#                                          (the engine from .cur: a clean export of HEAD, carried)
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
 #   bash benchmarks/gpu_final.sh next-p    V prefetched in registers: decode GPU tests, fp8 tile candidates
@@ -217,5 +219,25 @@ tiles)  # session 5: paged decode with the block ids carried one tile ahead (K/V
   timeout 240 python3 benchmarks/attention_decode.py --out "$OUT" --tiles 2>&1 | tail -n 16
   if [ -d .old/flashpage ]; then mkdir -p "$OUT/old"; PYTHONPATH=$PWD/.old timeout 120 python3 \
     benchmarks/attention_decode.py --out "$OUT/old" --kv-dtype fp8 2>&1 | tail -n 7; fi ;;
+tiles2)  # session 5: fp8 decode register caps; ncu of the new fp8 default; the 8B end to end bf16 vs fp8
+  timeout 200 $PT -n 8 -m gpu tests/kernels/test_paged_decode.py tests/kernels/test_fp8_kv.py -rf \
+    -k "decode" 2>&1 | tee "$OUT/gpu_tests.txt" | tail -n 3
+  timeout 150 python3 benchmarks/attention_decode.py --precompile 12 --tiles 2>&1 | tail -n 1
+  timeout 240 python3 benchmarks/attention_decode.py --out "$OUT" --tiles 2>&1 | tail -n 14
+  NCU_CASES=decode_fp8 bash "$0" ncu-only
+  E=${ENGINE:-$PWD}; for d in auto fp8; do PYTHONPATH=$E timeout 150 $FP bench throughput --config llama-3-8b \
+    --gpu-memory-utilization 0.75 --no-hf --kv-cache-dtype $d --json-out "$OUT/throughput_8b_kv_$d.json" 2>&1 \
+    | grep -E "output_tok_per_s|Error" | sed "s/^/8b kv=$d /"; done ;;
+ncu-only)  # Nsight Compute on $NCU_CASES only (no tests), per-instruction stalls into ncu.tgz
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1); mkdir -p "$OUT/ncu"
+  for c in $NCU_CASES; do
+    case $c in decode*) k=_paged_decode_kernel ;; mla*) k=_mla_decode_kernel ;; *) k=_prefill_fwd ;; esac
+    timeout 150 "$NCU" --clock-control none --set full --import-source yes -k "regex:^$k" --launch-skip 2 \
+      --launch-count 1 -f -o "$OUT/ncu/$c" python3 benchmarks/ncu_cases.py $c > "$OUT/ncu/$c.log" 2>&1
+    "$NCU" --import "$OUT/ncu/$c.ncu-rep" --page details > "$OUT/ncu/$c.details.txt" 2>&1
+    "$NCU" --import "$OUT/ncu/$c.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu/$c.sass.csv" 2>&1
+    rm -f "$OUT/ncu/$c.ncu-rep"; echo "$c: $(grep -E '^ +Duration' "$OUT/ncu/$c.details.txt" | head -n 1)"
+  done
+  tar czf "$OUT/ncu.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
