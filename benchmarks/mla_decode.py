@@ -20,6 +20,14 @@ batch 8-128 and contexts 4k-32k, the old two-kernel split merge
 for <= 4 splits) and both at a ladder of split counts (dropped past ``--budget-s``).
 The copy bandwidth is measured at the start and the end.
 
+``--chunks-ab`` times the value dims in column chunks (``MLADecodeConfig.qk_chunks``:
+Q K^T as independent mma chains) against the unchunked default tile, at 16 heads on
+CHUNKS_AB_SHAPES over bf16 and fp8 latents, the configs in turn three times; JSON lines
+to ``--out``, a markdown table per cache dtype to ``--out`` with ``.md``:
+
+    python benchmarks/mla_decode.py --chunks-ab --precompile 8
+    python benchmarks/mla_decode.py --chunks-ab --out $OUT/mla_chunks_ab.jsonl
+
 ``--pdl-ab`` times, at 16 heads on PDL_AB_SHAPES, the default path (default config and
 split rule, merge kernel included: what the engine calls) with programmatic dependent
 launch off and on (FLASHPAGE_PDL, kernels/pdl.py), alternating off/on three times, the
@@ -48,6 +56,7 @@ from gpu_timing import time_graph as _time_graph
 from flashpage.kernels import cache_write, mla_cache_write
 from flashpage.kernels.mla_decode import (
     CANDIDATE_CONFIGS,
+    QK_CHUNK_CONFIGS,
     MLADecodeConfig,
     config_name,
     default_config,
@@ -295,6 +304,114 @@ def run_kv_dtype(f, args) -> None:
     print("\n".join(lines))
 
 
+CHUNKS_AB_SHAPES = [(8, 32768), (16, 16384), (32, 4096), (64, 8192), (128, 4096)]
+CHUNKS_AB_ROUNDS = 3
+
+
+def chunks_ab_configs(fp8: bool) -> list[MLADecodeConfig]:
+    """``--chunks-ab``'s configs at 16 heads over a bf16 (``fp8`` False) or fp8 latent
+    cache: first the unchunked form of that cache's default tile (the baseline; the
+    default before qk_chunks), then the chunked candidates of its kind (prefetch tiles for
+    fp8, pipelined ones for bf16)."""
+    base = dataclasses.replace(default_config(16, torch.device("cuda"), fp8=fp8), qk_chunks=1)
+    return [base, *(c for c in QK_CHUNK_CONFIGS if c.prefetch == fp8)]
+
+
+def _chunks_ab_splits(cfg: MLADecodeConfig, batch: int, ctx: int) -> int:
+    return pick_num_splits(batch, 1, ctx, torch.device("cuda"), programs_per_sm=cfg.programs_per_sm)
+
+
+def _compile_chunks_ab(job: tuple[bool, MLADecodeConfig, tuple[int, ...], int]) -> str:
+    """One config over one cache dtype, at every split count the A/B times (the main
+    kernel split or not, the merge kernel per power of two), on tiny inputs."""
+    fp8, cfg, splits, page = job
+    t = time.time()
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    q = torch.randn(1, 16, D, dtype=torch.bfloat16, device="cuda")
+    kv = torch.randn(4, page, D, device="cuda").to(dtype)
+    tables = torch.arange(4, dtype=torch.int32, device="cuda")[None]
+    lens = torch.tensor([3 * page], dtype=torch.int32, device="cuda")
+    for s_ in splits:
+        mla_decode(q, kv, tables, lens, kv_lora_rank=RANK, sm_scale=0.1, config=cfg, num_splits=s_)
+    torch.cuda.synchronize()
+    return f"{'fp8' if fp8 else 'bf16'} {config_name(cfg)} splits {splits}: {time.time() - t:.1f}s"
+
+
+def precompile_chunks_ab(workers: int, page: int) -> None:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    jobs = [(fp8, c, tuple(sorted({_chunks_ab_splits(c, b, n) for b, n in CHUNKS_AB_SHAPES})), page)
+            for fp8 in (False, True) for c in chunks_ab_configs(fp8)]
+    t = time.time()
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for msg in ex.map(_compile_chunks_ab, jobs):
+            print("  compiled", msg, flush=True)
+    print(f"precompiled {len(jobs)} variants in {time.time() - t:.0f} s", flush=True)
+
+
+def run_chunks_ab(f, args) -> None:
+    """The chunked Q K^T (qk_chunks) against the unchunked default tile at 16 heads, over
+    bf16 and fp8 latents: per shape, every config timed CHUNKS_AB_ROUNDS times, the
+    configs in turn each round (so drift hits them alike), medians; one table per cache
+    dtype (markdown to --out with its suffix replaced by .md)."""
+    name = torch.cuda.get_device_name()
+    copy_start = copy_bandwidth()
+    torch.cuda.empty_cache()
+    emit(f, section="env", gpu=name, torch=torch.__version__, copy_gbps=round(copy_start))
+    print(f"{name}  copy {copy_start:.0f} GB/s", flush=True)
+    t0 = time.time()
+    rows = []
+    for fp8 in (False, True):
+        cfgs = chunks_ab_configs(fp8)
+        for batch, ctx in CHUNKS_AB_SHAPES:
+            case = Case(batch, ctx, 16, args.page, torch.float8_e4m3fn if fp8 else torch.bfloat16)
+            lat0 = case.contiguous(0)
+            errs = {config_name(c): case.check(lat0, c) for c in cfgs}
+            del lat0
+            times: dict[str, list[float]] = {config_name(c): [] for c in cfgs}
+            for _ in range(CHUNKS_AB_ROUNDS):
+                for c in cfgs:
+                    times[config_name(c)].append(time_graph(case.ours(c)))
+            row = dict(section="chunks_ab", kv="fp8" if fp8 else "bf16", heads=16, batch=batch,
+                       ctx=ctx, page=args.page, calls_per_graph=case.rot,
+                       splits={config_name(c): _chunks_ab_splits(c, batch, ctx) for c in cfgs},
+                       rel_err={k: float(f"{v:.1e}") for k, v in errs.items()},
+                       us={k: round(statistics.median(v) / case.rot * 1e6, 2) for k, v in times.items()},
+                       gbps={k: round(gbps(case, statistics.median(v))) for k, v in times.items()},
+                       all_us={k: [round(t / case.rot * 1e6, 2) for t in v] for k, v in times.items()})
+            emit(f, **row)
+            rows.append(row)
+            print(f"{row['kv']} {batch}x{ctx}: " + ", ".join(f"{k} {v}" for k, v in row["gbps"].items())
+                  + f" GB/s; max rel err {max(errs.values()):.1e}", flush=True)
+            del case
+            torch.cuda.empty_cache()
+    copy_end = copy_bandwidth()
+    copy = max(copy_start, copy_end)
+    emit(f, section="env", copy_gbps_end=round(copy_end), seconds=round(time.time() - t0))
+    lines = [f"MLA decode, value dims in qk_chunks column chunks vs unchunked (c1: the default "
+             f"before), 16 heads, {RANK}+{ROPE}, page {args.page}, split rule of each config's "
+             f"programs per SM, {name}, torch {torch.__version__}. GB/s of the bytes read (% of "
+             f"copy {copy:.0f} GB/s: start {copy_start:.0f}, end {copy_end:.0f}), × = speed "
+             f"against the first column; medians of {CHUNKS_AB_ROUNDS} CUDA-graph timings "
+             "per config, taken in turn."]
+    for kv in ("bf16", "fp8"):
+        sub = [r for r in rows if r["kv"] == kv]
+        if not sub:
+            continue
+        keys = list(sub[0]["gbps"])
+        lines += ["", f"**{kv} latents**", "", "| batch × context | " + " | ".join(keys)
+                  + " | max rel err |", "| --- |" + " --- |" * (len(keys) + 1)]
+        for r in sub:
+            g, b0 = r["gbps"], r["gbps"][keys[0]]
+            lines.append(f"| {r['batch']} × {r['ctx']} | " + " | ".join(
+                f"{g[k]} ({100 * g[k] / copy:.0f}%, {g[k] / b0:.2f}×, sp{r['splits'][k]})" for k in keys)
+                + f" | {max(r['rel_err'].values()):.0e} |")
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as md:
+        md.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def final_configs() -> tuple[MLADecodeConfig, MLADecodeConfig]:
     """(old, new) at 16 heads: the new default, and it with the merge kernel always."""
     new = default_config(16, torch.device("cuda"))
@@ -389,12 +506,17 @@ def main() -> None:
                     help="--final: past this many seconds, time only old and new, no ladder")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="the default path at 16 heads, PDL off vs on (table: --out with .md)")
+    ap.add_argument("--chunks-ab", action="store_true",
+                    help="qk_chunks vs unchunked at 16 heads over bf16 and fp8 latents "
+                         "(table: --out with .md)")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16",
                     help="fp8: the default path at 16 heads over a bf16 and an fp8 latent cache "
                          "(table: --out with .md)")
     args = ap.parse_args()
     if args.precompile:
-        if args.pdl_ab:
+        if args.chunks_ab:
+            precompile_chunks_ab(args.precompile, args.page)
+        elif args.pdl_ab:
             precompile_pdl_ab(args.precompile, args.page)
         elif args.final:
             precompile_final(args.precompile)
@@ -408,6 +530,10 @@ def main() -> None:
     if args.pdl_ab:
         with open(args.out, "w") as f:
             run_pdl_ab(f, args)
+        return
+    if args.chunks_ab:
+        with open(args.out, "w") as f:
+            run_chunks_ab(f, args)
         return
     if args.kv_dtype == "fp8":
         with open(args.out, "w") as f:

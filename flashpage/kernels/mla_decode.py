@@ -25,6 +25,12 @@ itself in (an atomic counter per sequence and head block) and the last one to ar
 merges, then sets the counter back to 0, so a captured CUDA graph replays from a clean
 state. One split writes ``out`` directly.
 
+The value dims can be handled as ``qk_chunks`` column chunks (tuples of tiles): q's, each
+latent tile's and the P V accumulators. Q K^T is then one dot per chunk, each from its own
+accumulator, so the warp interleaves independent mma chains instead of waiting on one
+chain over all 576 dims (``_qk``); and each thread computes the addresses of fewer latent
+rows, since a narrower tile spreads its rows over more threads.
+
 The cache holds q's dtype or float8_e4m3fn (``--kv-cache-dtype fp8``, kv_dtype.py): fp8
 latent tiles are widened right after their load (exact: every e4m3 value is an fp16
 value), to fp16 under a 16-bit q, whose two parts are then pre-scaled and rounded to fp16
@@ -70,6 +76,15 @@ class MLADecodeConfig:
     # (which reduces over entries, not contiguous in the cache) as fp16 through ldmatrix,
     # not gathered byte by byte. Use with num_stages=1.
     prefetch: bool = False
+    # The value dims (kv_lora_rank) as this many column chunks (a power of two; chunks
+    # stay >= 16 wide, so a small rank gets fewer): Q K^T becomes one dot per chunk, each
+    # with its own accumulator, instead of one chain of dependent mma steps over all 576
+    # dims, and P V one accumulator per chunk (_qk says why).
+    qk_chunks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.qk_chunks < 1 or self.qk_chunks & (self.qk_chunks - 1):
+            raise ValueError(f"qk_chunks must be a power of two >= 1, got {self.qk_chunks}")
 
 
 def default_config(num_heads: int, device: torch.device | None = None, *,
@@ -91,11 +106,15 @@ def default_config(num_heads: int, device: torch.device | None = None, *,
         return MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1,
                                programs_per_sm=2 if hopper else 1, prefetch=True)
     if num_heads <= 16:
-        # 93 KB shared memory, 242 registers x 128 threads: two programs per SM.
+        # 93 KB shared memory: two programs per SM. The value dims in 4 chunks of 128
+        # (sm_90 SASS, compiled on the CPU: 550 instructions per 32-entry iteration
+        # instead of 906, the Q K^T dot as 5 independent mma chains instead of one of 36,
+        # 168 registers instead of 242, no spills; qk_chunks=1 is what was timed before).
         return MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3,
                                # in-kernel merge off: in the H200 run of 2026-11-30 the
                                # merge kernel won at every split count (2-33)
-                               programs_per_sm=2 if hopper else 1, fuse_merge_max_splits=0)
+                               programs_per_sm=2 if hopper else 1, fuse_merge_max_splits=0,
+                               qk_chunks=4 if hopper else 1)
     if num_heads <= 32 or not hopper:
         return MLADecodeConfig(block_h=32 if num_heads <= 32 else 64, block_n=32, num_warps=8,
                                num_stages=3 if num_heads <= 32 else 2)
@@ -103,6 +122,17 @@ def default_config(num_heads: int, device: torch.device | None = None, *,
     # SM. ptxas spills 76 bytes, yet it ran 5-14% faster than 64 x 32 with three buffers.
     return MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=2)
 
+
+# The chunked Q K^T (MLADecodeConfig.qk_chunks) at 16 heads, timed against the unchunked
+# form by benchmarks/mla_decode.py --chunks-ab (bf16 tiles, then fp8's prefetch tiles).
+QK_CHUNK_CONFIGS = [
+    MLADecodeConfig(16, 32, 4, 3, 2, qk_chunks=2), MLADecodeConfig(16, 32, 4, 3, 2, qk_chunks=4),
+    MLADecodeConfig(16, 32, 4, 3, 2, qk_chunks=8), MLADecodeConfig(16, 32, 4, 2, 2, qk_chunks=4),
+    MLADecodeConfig(16, 32, 4, 2, 3, qk_chunks=8),
+    MLADecodeConfig(16, 32, 4, 1, 2, prefetch=True, qk_chunks=2),
+    MLADecodeConfig(16, 32, 4, 1, 2, prefetch=True, qk_chunks=4),
+    MLADecodeConfig(16, 32, 8, 1, 1, prefetch=True, qk_chunks=4),
+]
 
 # What benchmarks/mla_decode.py --sweep times on Hopper (16 heads: block_h 16; 128 heads:
 # block_h 64); programs_per_sm estimated from shared memory (228 KB per SM) and registers.
@@ -114,26 +144,74 @@ CANDIDATE_CONFIGS = [
     MLADecodeConfig(64, 64, 8, 2, 1), MLADecodeConfig(64, 32, 8, 3, 1),
     MLADecodeConfig(16, 32, 4, 1, 2, prefetch=True), MLADecodeConfig(16, 32, 8, 1, 1, prefetch=True),
     MLADecodeConfig(16, 16, 4, 1, 2, prefetch=True), MLADecodeConfig(16, 64, 8, 1, 1, prefetch=True),
+    # value dims in chunks (qk_chunks); registers per thread from ptxas (sm_90, bf16):
+    # 16x32w4s3 182 / 168 / 135 at 2 / 4 / 8 chunks (242 unchunked); s2 with 8 chunks:
+    # 135 registers and 56 KB of shared memory, so three programs per SM
+    *QK_CHUNK_CONFIGS,
 ]
 
 
 def config_name(cfg: MLADecodeConfig) -> str:
     name = f"{cfg.block_h}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}p{cfg.programs_per_sm}"
     return (name + (f"f{cfg.fuse_merge_max_splits}" if cfg.fuse_merge_max_splits else "")
-            + ("r" if cfg.prefetch else ""))
+            + ("r" if cfg.prefetch else "") + (f"c{cfg.qk_chunks}" if cfg.qk_chunks > 1 else ""))
 
 
 @triton.jit
-def _load_latent(kv_ptr, blk, pos, end, stride_kvb, stride_kvt, offs_r, r_mask, offs_p, p_mask,
-                 RANK: tl.constexpr, PAGE: tl.constexpr):
-    """The latent entries at positions ``pos`` (0 at and past ``end``): the value part
-    [BLOCK_N, BLOCK_R] and the rope part [BLOCK_N, BLOCK_P]."""
+def _load_latent(kv_ptr, blk, pos, end, stride_kvb, stride_kvt, offs_c, offs_p, p_mask,
+                 RANK: tl.constexpr, PAGE: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr,
+                 DTYPE: tl.constexpr):
+    """The latent entries at positions ``pos`` (0 at and past ``end``), widened to DTYPE (a
+    no-op unless the cache is fp8): the value part as NC column chunks, a tuple of
+    [BLOCK_N, CH] (chunk c holds dims c*CH .. c*CH + CH - 1), and the rope part
+    [BLOCK_N, BLOCK_P]."""
     n_mask = pos < end
     row = kv_ptr + blk * stride_kvb + (pos % PAGE).to(tl.int64) * stride_kvt
-    kv = tl.load(row[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+    kvs = ()
+    for c in tl.static_range(NC):
+        col = c * CH + offs_c
+        kv = tl.load(row[:, None] + col[None, :], mask=n_mask[:, None] & (col < RANK)[None, :],
+                     other=0.0)
+        kvs = kvs + (kv.to(DTYPE),)
     pe = tl.load(row[:, None] + RANK + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :],
                  other=0.0)
-    return kv, pe
+    return kvs, pe.to(DTYPE)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """a @ b (+ acc): exact fp32 products for fp32 inputs (IEEE), else the tensor cores'."""
+    if IEEE:
+        out = tl.dot(a, b, acc=acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc=acc)
+    return out
+
+
+@triton.jit
+def _qk(qs, q_pe, kvs, pe, n_mask, IEEE: tl.constexpr, NC: tl.constexpr):
+    """q . entry for every (head, entry) pair, unscaled, -inf for entries past the end
+    (``n_mask`` false): [BLOCK_H, BLOCK_N] fp32.
+
+    One value chunk (NC == 1): one dot over the value dims, the rope dot accumulating onto
+    it. With 16 heads and 4 warps over 32 entries each warp owns one 16 x 8 output tile,
+    so that is one chain of 36 mma.sync steps, each waiting for the last one's result
+    (on the H200, ``wait`` was the loop's main stall). NC chunks: NC + 1 dots (the rope
+    dot one of them), each its own chain the warp can interleave, summed at the end. Each
+    starts from the mask bias (0, or -inf past the end), not from zero: Triton folds
+    ``x + dot(a, b, 0)`` into ``dot(a, b, x)``, which would chain them again.
+    """
+    if NC == 1:
+        qk = _dot(qs[0], tl.trans(kvs[0]), None, IEEE)
+        qk = _dot(q_pe, tl.trans(pe), qk, IEEE)
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    else:
+        bias = tl.where(n_mask, 0.0, float("-inf"))
+        bias = tl.broadcast_to(bias[None, :], (q_pe.shape[0], pe.shape[0]))
+        qk = _dot(q_pe, tl.trans(pe), bias, IEEE)
+        for c in tl.static_range(NC):
+            qk += _dot(qs[c], tl.trans(kvs[c]), bias, IEEE)
+    return qk
 
 
 # Sizes that vary from step to step are not specialised on, so one compiled kernel
@@ -162,32 +240,41 @@ def _mla_decode_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     F16_DOTS: tl.constexpr,  # an fp8 cache under a 16-bit q: pre-scaled fp16 q, fp16 dots
     PREFETCH: tl.constexpr,  # latent tiles one iteration ahead in registers (config.prefetch)
+    QK_CHUNKS: tl.constexpr,  # value dims in this many column chunks (config.qk_chunks)
 ):
     pdl_prologue(PDL)
     hb = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
+    NC: tl.constexpr = QK_CHUNKS
+    CH: tl.constexpr = BLOCK_R // QK_CHUNKS
 
     start, end = split_range(seq_lens_ptr, b, 0, num_splits, split, False, BLOCK_N)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_c = tl.arange(0, CH)
     offs_p = tl.arange(0, BLOCK_P)
     h_mask = offs_h < num_heads
-    r_mask = offs_r < RANK
     p_mask = offs_p < ROPE
     b64 = b.to(tl.int64)
 
+    # The value dims are handled as NC column chunks throughout (tuples of NC tensors):
+    # q's and each latent tile's, and the P.V accumulators; see _qk for why.
     q_row = q_ptr + b64 * stride_qb + offs_h[:, None].to(tl.int64) * stride_qh
-    q_nope = tl.load(q_row + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
     q_pe = tl.load(q_row + RANK + offs_p[None, :], mask=h_mask[:, None] & p_mask[None, :],
                    other=0.0)
-    q_nope, qk_scale = f16_query(q_nope, sm_scale_log2, F16_DOTS)
     q_pe, qk_scale = f16_query(q_pe, sm_scale_log2, F16_DOTS)
-
+    qs = ()
+    accs = ()
+    for c in tl.static_range(NC):
+        col = c * CH + offs_c
+        q_c = tl.load(q_row + col[None, :], mask=h_mask[:, None] & (col < RANK)[None, :],
+                      other=0.0)
+        q_c, _ = f16_query(q_c, sm_scale_log2, F16_DOTS)
+        qs = qs + (q_c,)
+        accs = accs + (tl.zeros([BLOCK_H, CH], dtype=tl.float32),)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     bt_row = block_tables_ptr + b64 * stride_btb
 
     # The block ids of the next tile are loaded one iteration ahead, by hand: when the
@@ -197,78 +284,76 @@ def _mla_decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     blk_next = tl.load(bt_row + (start + offs_n) // PAGE, mask=start + offs_n < end, other=0)
     if PREFETCH:  # the first tile now; each iteration loads the next one
-        kv_next, pe_next = _load_latent(kv_ptr, blk_next.to(tl.int64), start + offs_n, end,
-                                        stride_kvb, stride_kvt, offs_r, r_mask, offs_p, p_mask,
-                                        RANK, PAGE)
+        kvs_next, pe_next = _load_latent(kv_ptr, blk_next.to(tl.int64), start + offs_n, end,
+                                         stride_kvb, stride_kvt, offs_c, offs_p, p_mask, RANK,
+                                         PAGE, NC, CH, q_pe.dtype)
         blk_next = tl.load(bt_row + (start + BLOCK_N + offs_n) // PAGE,
                            mask=start + BLOCK_N + offs_n < end, other=0)
-        kv_next = kv_next.to(q_nope.dtype)
-        pe_next = pe_next.to(q_pe.dtype)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
         if PREFETCH:
-            kv, pe = kv_next, pe_next
+            kvs, pe = kvs_next, pe_next
             nxt = pos + BLOCK_N
-            kv_next, pe_next = _load_latent(kv_ptr, blk_next.to(tl.int64), nxt, end, stride_kvb,
-                                            stride_kvt, offs_r, r_mask, offs_p, p_mask, RANK, PAGE)
-            kv_next = kv_next.to(q_nope.dtype)
-            pe_next = pe_next.to(q_pe.dtype)
+            kvs_next, pe_next = _load_latent(kv_ptr, blk_next.to(tl.int64), nxt, end,
+                                             stride_kvb, stride_kvt, offs_c, offs_p, p_mask,
+                                             RANK, PAGE, NC, CH, q_pe.dtype)
             after = nxt + BLOCK_N
             blk_next = tl.load(bt_row + after // PAGE, mask=after < end, other=0)
         else:
             blk = blk_next.to(tl.int64)
             nxt = pos + BLOCK_N
             blk_next = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0)
-            kv, pe = _load_latent(kv_ptr, blk, pos, end, stride_kvb, stride_kvt, offs_r, r_mask,
-                                  offs_p, p_mask, RANK, PAGE)
             # an fp8 cache: widened before any arithmetic (else a no-op)
-            kv = kv.to(q_nope.dtype)
-            pe = pe.to(q_pe.dtype)
-        if IEEE:
-            qk = tl.dot(q_nope, tl.trans(kv), input_precision="ieee")
-            qk = tl.dot(q_pe, tl.trans(pe), acc=qk, input_precision="ieee")
-        else:
-            qk = tl.dot(q_nope, tl.trans(kv))
-            qk = tl.dot(q_pe, tl.trans(pe), acc=qk)
-        qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))
+            kvs, pe = _load_latent(kv_ptr, blk, pos, end, stride_kvb, stride_kvt, offs_c,
+                                   offs_p, p_mask, RANK, PAGE, NC, CH, q_pe.dtype)
+        qk = _qk(qs, q_pe, kvs, pe, n_mask, IEEE, NC) * qk_scale
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if IEEE:
-            acc = tl.dot(p.to(kv.dtype), kv, acc=acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(kv.dtype), kv, acc=acc)
+        p = p.to(q_pe.dtype)
+        new = ()
+        for c in tl.static_range(NC):
+            new = new + (_dot(p, kvs[c], accs[c] * alpha[:, None], IEEE),)
+        accs = new
         m_i = m_new
 
     # An empty range (a split past the end of a short sequence) leaves l_i == 0.
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / safe_l[:, None]
-    o_mask = h_mask[:, None] & r_mask[None, :]
+    os_ = ()
+    for c in tl.static_range(NC):
+        os_ = os_ + (accs[c] / safe_l[:, None],)
     if SPLIT:
         # mid_o [B, H, S, BLOCK_R] fp32, mid_lse [B, H, S] fp32 (base 2), contiguous
         mid = (b64 * num_heads + offs_h.to(tl.int64)) * num_splits + split
-        tl.store(mid_o_ptr + mid[:, None] * BLOCK_R + offs_r[None, :], o, mask=o_mask)
+        for c in tl.static_range(NC):
+            col = c * CH + offs_c
+            tl.store(mid_o_ptr + mid[:, None] * BLOCK_R + col[None, :], os_[c],
+                     mask=h_mask[:, None] & (col < RANK)[None, :])
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(mid_lse_ptr + mid, lse, mask=h_mask)
         if FUSED:
-            _merge_if_last(mid_o_ptr, mid_lse_ptr, counter_ptr, out_ptr, o, lse, mid - split,
+            _merge_if_last(mid_o_ptr, mid_lse_ptr, counter_ptr, out_ptr, os_, lse, mid - split,
                            b64 * tl.num_programs(0) + hb, split, num_splits,
-                           b64 * stride_ob + offs_h.to(tl.int64) * stride_oh, h_mask, r_mask,
-                           offs_r, BLOCK_R)
+                           b64 * stride_ob + offs_h.to(tl.int64) * stride_oh, h_mask, offs_c,
+                           RANK, BLOCK_R, NC, CH)
     else:
-        o_ptrs = out_ptr + b64 * stride_ob + offs_h[:, None].to(tl.int64) * stride_oh + offs_r[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        o_row = out_ptr + b64 * stride_ob + offs_h[:, None].to(tl.int64) * stride_oh
+        for c in tl.static_range(NC):
+            col = c * CH + offs_c
+            tl.store(o_row + col[None, :], os_[c].to(out_ptr.dtype.element_ty),
+                     mask=h_mask[:, None] & (col < RANK)[None, :])
 
 
 @triton.jit
-def _merge_if_last(mid_o_ptr, mid_lse_ptr, counter_ptr, out_ptr, o, lse, mid0, group, split,
-                   num_splits, out_row, h_mask, r_mask, offs_r, BLOCK_R: tl.constexpr):
+def _merge_if_last(mid_o_ptr, mid_lse_ptr, counter_ptr, out_ptr, os_, lse, mid0, group, split,
+                   num_splits, out_row, h_mask, offs_c, RANK: tl.constexpr,
+                   BLOCK_R: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr):
     """Count this split in; the last of the group's ``num_splits`` merges every split's
-    partial (its own from registers, the others' from mid_o / mid_lse at rows
-    ``mid0 + s``) into out, and resets the group's counter for the next call."""
+    partial (its own from registers, ``os_``: NC chunks [BLOCK_H, CH]; the others' from
+    mid_o / mid_lse at rows ``mid0 + s``) into out, and resets the group's counter for
+    the next call."""
     # Every thread's partial stores are issued before thread 0's release (the atomic is
     # done once per program); the acquire side reads L2 (.cg): L1 is not coherent.
     tl.debug_barrier()
@@ -276,27 +361,34 @@ def _merge_if_last(mid_o_ptr, mid_lse_ptr, counter_ptr, out_ptr, o, lse, mid0, g
     if count == num_splits - 1:
         tl.atomic_xchg(counter_ptr + group, 0, sem="relaxed", scope="gpu")
         # Online merge, as in the main loop: m the running max of the lse (base 2), den
-        # and acc the sums of 2^(lse_s - m) and 2^(lse_s - m) * o_s.
+        # and accs the sums of 2^(lse_s - m) and 2^(lse_s - m) * o_s.
         m = lse
         den = tl.where(lse > float("-inf"), 1.0, 0.0)
-        acc = o
+        accs = os_
         for s in range(0, num_splits):
             other = h_mask & (s != split)
             lse_s = tl.load(mid_lse_ptr + mid0 + s, mask=other, other=float("-inf"),
                             cache_modifier=".cg")
-            o_s = tl.load(mid_o_ptr + (mid0 + s)[:, None] * BLOCK_R + offs_r[None, :],
-                          mask=other[:, None] & r_mask[None, :], other=0.0, cache_modifier=".cg")
             m_new = tl.maximum(m, lse_s)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far
             alpha = tl.exp2(m - m_safe)
             beta = tl.exp2(lse_s - m_safe)
-            acc = acc * alpha[:, None] + o_s * beta[:, None]
+            new = ()
+            for c in tl.static_range(NC):
+                col = c * CH + offs_c
+                o_s = tl.load(mid_o_ptr + (mid0 + s)[:, None] * BLOCK_R + col[None, :],
+                              mask=other[:, None] & (col < RANK)[None, :], other=0.0,
+                              cache_modifier=".cg")
+                new = new + (accs[c] * alpha[:, None] + o_s * beta[:, None],)
+            accs = new
             den = den * alpha + beta
             m = m_new
         den = tl.where(den > 0.0, den, 1.0)  # every split empty: output zeros
-        tl.store(out_ptr + out_row[:, None] + offs_r[None, :],
-                 (acc / den[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=h_mask[:, None] & r_mask[None, :])
+        for c in tl.static_range(NC):
+            col = c * CH + offs_c
+            tl.store(out_ptr + out_row[:, None] + col[None, :],
+                     (accs[c] / den[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=h_mask[:, None] & (col < RANK)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_splits"])
@@ -438,6 +530,7 @@ def mla_decode(
     cfg = config or default_config(H, q.device, fp8=is_fp8(kv_cache.dtype))
     block_r = triton.next_power_of_2(kv_lora_rank)
     block_p = max(16, triton.next_power_of_2(rope))
+    qk_chunks = min(cfg.qk_chunks, max(1, block_r // 16))  # chunks >= 16 wide (tl.dot's k)
     head_blocks = triton.cdiv(H, cfg.block_h)
     if num_splits is None:
         num_splits = pick_num_splits(B, head_blocks, block_tables.shape[1] * page, q.device,
@@ -464,7 +557,7 @@ def mla_decode(
         RANK=kv_lora_rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE=page, SPLIT=split, FUSED=fused,
         IEEE=q.dtype == torch.float32, PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, kv_cache.dtype),
-        PREFETCH=cfg.prefetch,
+        PREFETCH=cfg.prefetch, QK_CHUNKS=qk_chunks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
     )
     if split and not fused:
@@ -519,6 +612,7 @@ def mla_decode_flops(num_heads: int, total_keys: int, kv_lora_rank: int, rope_di
 __all__ = [
     "CANDIDATE_CONFIGS",
     "MLADecodeConfig",
+    "QK_CHUNK_CONFIGS",
     "config_name",
     "default_config",
     "mla_decode",

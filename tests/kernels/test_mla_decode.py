@@ -1,12 +1,21 @@
 """MLA decode kernel against its pure-PyTorch reference.
 
 CPU (Triton interpreter): fp32 and fp16, small ranks plus one case with DeepSeek's real
-512 + 64 entry. GPU: bf16 over batch, context, heads (16, 128) and block size.
+512 + 64 entry. CPU (sm_90 SASS, Triton's ptxas and nvdisasm): the chunked Q K^T runs as
+independent mma chains. GPU: bf16 over batch, context, heads (16, 128) and block size.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +29,9 @@ from flashpage.kernels.mla_decode import (
     mla_decode_ref,
     pick_num_splits,
 )
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sm90 import run_compiled  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -142,15 +154,53 @@ def test_mla_decode_default_configs(heads):
           config=default_config(heads))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "chunks,prefetch,fuse",
+    [(2, False, 0), (4, False, 0), (4, True, 0), (4, False, 64)],
+    ids=["c2", "c4", "c4-prefetch", "c4-fused"],
+)
+def test_mla_decode_qk_chunks(chunks, prefetch, fuse, dtype):
+    """Value dims in column chunks (MLADecodeConfig.qk_chunks; 16-wide at rank 64): ragged
+    lengths (1, within a tile, several tiles), two head blocks (the second partial),
+    splits (one of them empty) through the merge kernel or merged in the kernel."""
+    cfg = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, prefetch=prefetch,
+                          fuse_merge_max_splits=fuse, qk_chunks=chunks)
+    for splits in (1, 3):
+        check([50, 1, 130], 20, 64, 16, 8, dtype, "cpu", num_splits=splits, config=cfg)
+
+
+@pytest.mark.parametrize(
+    "rank,rope,chunks",
+    [(40, 8, 4), (16, 16, 4), (64, 16, 8)],
+    ids=["rank40-padded-chunks", "rank16-one-chunk", "rank64-8-chunks-of-16"],
+)
+def test_mla_decode_qk_chunks_ranks(rank, rope, chunks):
+    """A rank that is no power of two (chunks of 16 over 64 padded dims: the third holds
+    dims 32-47 of which 40-47 are padding, the fourth only padding); a rank too small to
+    split (one 16-wide chunk whatever the config asks); 8 chunks."""
+    cfg = MLADecodeConfig(block_h=16, block_n=16, qk_chunks=chunks)
+    check([23, 9], 3, rank, rope, 4, torch.float32, "cpu", num_splits=2, config=cfg)
+
+
+def test_mla_decode_qk_chunks_must_be_power_of_two():
+    with pytest.raises(ValueError, match="qk_chunks"):
+        MLADecodeConfig(qk_chunks=3)
+    with pytest.raises(ValueError, match="qk_chunks"):
+        MLADecodeConfig(qk_chunks=0)
+
+
 def test_mla_decode_non_pow2_rank():
     cfg = MLADecodeConfig(block_h=16, block_n=16)
     check([23, 9], 3, 48, 8, 4, torch.float32, "cpu", num_splits=2, config=cfg)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_mla_decode_deepseek_dims(dtype):
-    """DeepSeek-V2/V3 latent entry (512 + 64) with a tiny batch and context."""
-    cfg = MLADecodeConfig(block_h=16, block_n=16)
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_mla_decode_deepseek_dims(dtype, chunks):
+    """DeepSeek-V2/V3 latent entry (512 + 64) with a tiny batch and context; the value
+    dims whole or in 4 chunks of 128 (the Hopper default at 16 heads)."""
+    cfg = MLADecodeConfig(block_h=16, block_n=16, qk_chunks=chunks)
     check([33, 7], 16, 512, 64, 16, dtype, "cpu", num_splits=2, config=cfg)
 
 
@@ -172,6 +222,126 @@ def test_pick_num_splits():
     assert pick_num_splits(3, 1, 32768, cpu, programs_per_sm=2) == 2  # 6 of 8 slots, not 9
     assert pick_num_splits(1, 1, 64, cpu) == 1  # too short to split
     assert pick_num_splits(1, 1, 200, cpu) == 4  # a lone short sequence: 64-key splits
+
+
+# ------------------------------------------------------------------ sm_90 SASS (CPU)
+def _tool(name: str) -> Path:
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
+def _compile_decode_sm90(cfg: MLADecodeConfig, cache_ty: str):
+    """The main kernel for 16 heads of DeepSeek's 512 + 64 entry, pages of 64, no split,
+    compiled for sm_90 as an H200 launch compiles it: pointers and the strides that are
+    multiples of 16 there (all but the block table's) marked so (without those hints the
+    address arithmetic differs and ptxas spills)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashpage.kernels import mla_decode as md
+
+    fn = md._mla_decode_kernel
+    consts = dict(RANK=512, ROPE=64, BLOCK_R=512, BLOCK_P=64, BLOCK_H=cfg.block_h,
+                  BLOCK_N=cfg.block_n, PAGE=64, SPLIT=False, FUSED=False, IEEE=False, PDL=False,
+                  F16_DOTS=cache_ty != "*bf16", PREFETCH=cfg.prefetch, QK_CHUNKS=cfg.qk_chunks)
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in consts]
+    assert not missing, f"no value for constexpr parameter(s) {missing}"
+    types = {"kv_ptr": cache_ty, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "counter_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
+             "sm_scale_log2": "fp32"}
+    sig = {a: "constexpr" if a in consts else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+           for a in fn.arg_names}
+    aligned = [a for a in fn.arg_names if a.endswith("_ptr") or a in (
+        "stride_qb", "stride_qh", "stride_kvb", "stride_kvt", "stride_ob", "stride_oh")]
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def qk_chain_ids(sass: str) -> list[int]:
+    """For each HMMA of the loop's Q K^T (the loop's first HMMAs, up to its first FMNMX,
+    the row max), the accumulator chain it extends: an HMMA whose accumulator input is
+    the output of an earlier HMMA (not overwritten since) continues that one's chain;
+    any other starts a new one. ``sass``: nvdisasm's listing."""
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m[1]] = len(ins)
+        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;", line):
+            ins.append(re.sub(r"^@!?U?P\w+\s+", "", m[1]))
+    loops = [(labels[m[1]], i) for i, t in enumerate(ins)
+             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)) and labels.get(m[1], i + 1) <= i]
+    lo, hi = max(loops, key=lambda r: r[1] - r[0])  # the main loop: the longest one
+    body = ins[lo:hi + 1]
+    first = next(i for i, t in enumerate(body) if t.startswith("HMMA"))
+    last = next(i for i in range(first, len(body)) if body[i].startswith("FMNMX"))
+    owner: dict[str, int] = {}  # register -> chain whose HMMA wrote it last
+    ids: list[int] = []
+    n_chains = 0
+    for t in body[first:last]:
+        op, _, rest = t.partition(" ")
+        regs = [a.strip().split(".")[0] for a in rest.split(",")]
+        if op.startswith("HMMA"):  # HMMA D, A, B, C: D = A.B + C, D and C 4 registers each
+            chain = owner.get(regs[3])
+            if chain is None:
+                chain, n_chains = n_chains, n_chains + 1
+            ids.append(chain)
+            d = int(regs[0][1:])
+            owner.update({f"R{d + k}": chain for k in range(4)})
+        elif rest and not op.startswith(("ST", "BAR", "RED", "ATOM")):
+            owner.pop(regs[0], None)  # a destination other than an HMMA's
+    return ids
+
+
+SASS_CASES = {  # name -> (config, cache type): the Hopper defaults for 16 heads, chunked
+    "bf16_c1": (replace(default_config(16), qk_chunks=1), "*bf16"),
+    "bf16_c2": (replace(default_config(16), qk_chunks=2), "*bf16"),
+    "bf16_c4": (replace(default_config(16), qk_chunks=4), "*bf16"),
+    "fp8_c4": (replace(default_config(16, fp8=True), qk_chunks=4), "*fp8e4nv"),
+}
+
+
+def _sm90_qk_report() -> dict[str, dict]:
+    """SASS_CASES compiled for sm_90: name -> Q K^T chain ids, registers, spill stack
+    bytes and shared memory (run by run_compiled, the interpreter off)."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (cfg, cache_ty) in SASS_CASES.items():
+            k = _compile_decode_sm90(cfg, cache_ty)
+            cubin = Path(tmp) / f"{name}.cubin"
+            cubin.write_bytes(k.asm["cubin"])
+            sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True,
+                                  text=True, check=True).stdout
+            usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", cubin],
+                                   capture_output=True, text=True, check=True).stdout
+            m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+            out[name] = dict(chains=qk_chain_ids(sass), regs=int(m[1]), stack=int(m[2]),
+                             shared=k.metadata.shared)
+    return out
+
+
+def test_mla_decode_qk_chunks_sass():
+    """Compiled for sm_90: unchunked, Q K^T is one chain of 36 HMMAs (576 / 16), each
+    waiting for the previous one's accumulator; with NC chunks it is NC chains of
+    512 / NC / 16 plus the rope dot's 4, and in the bf16 loop ptxas interleaves them
+    (HMMAs next to each other rarely share a chain). Over bf16 the chunked loop spills
+    nothing, needs fewer registers and no more shared memory."""
+    if not (_tool("nvdisasm").exists() and _tool("cuobjdump").exists()):
+        pytest.skip("no nvdisasm / cuobjdump in this Triton install")
+    got = run_compiled("test_mla_decode", "_sm90_qk_report")
+    assert got["bf16_c1"]["chains"] == [0] * 36, got["bf16_c1"]["chains"]
+    for name, nc in (("bf16_c2", 2), ("bf16_c4", 4), ("fp8_c4", 4)):
+        ids = got[name]["chains"]
+        assert sorted(Counter(ids).values()) == sorted([4] + [32 // nc] * nc), (name, ids)
+        if name.startswith("bf16"):
+            same = sum(a == b for a, b in zip(ids[:-1], ids[1:], strict=True))
+            assert same <= len(ids) // 4, f"{name}: chains not interleaved: {ids}"
+            assert got[name]["stack"] == 0, f"{name} spills: {got[name]}"
+            assert got[name]["regs"] < got["bf16_c1"]["regs"], got
+            assert got[name]["shared"] <= got["bf16_c1"]["shared"], got
 
 
 # ------------------------------------------------------------------ GPU, bf16
