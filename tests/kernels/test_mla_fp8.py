@@ -270,7 +270,7 @@ def _compile_mla_fp8() -> dict[str, dict]:
         for fused in (False, True):
             consts = dict(RANK=512, ROPE=64, BLOCK_R=512, BLOCK_P=64, BLOCK_H=cfg.block_h,
                           BLOCK_N=cfg.block_n, PAGE=16, IEEE=False, PDL=False, SPLIT=fused,
-                          FUSED=fused)
+                          FUSED=fused, QK_CHUNKS=cfg.qk_chunks)
             for kv in ("fp8", "bf16"):
                 kernels[f"mla_decode_h{heads}{'_fused' if fused else ''}_{kv}"] = (
                     md._mla_decode_kernel, {**consts, "F16_DOTS": kv == "fp8", "PREFETCH": False},

@@ -146,7 +146,7 @@ def test_choose_num_splits():
 def test_default_config_by_generation(monkeypatch):
     """Hopper with head_dim 128: 3 stages (two K/V tiles in flight; then splits up to 2
     programs per SM) for grids of <= 2 programs per SM, 2 stages with heads adjacent
-    above; an fp8 cache 128-key tiles, 3 stages; elsewhere one config."""
+    above; an fp8 cache 64-key tiles, 3 stages, 4 programs per SM; elsewhere one config."""
     from flashpage.kernels import paged_decode as mod
 
     cuda = torch.device("cuda", 0)
@@ -157,8 +157,8 @@ def test_default_config_by_generation(monkeypatch):
     assert (small.num_stages, small.programs_per_sm, small.heads_fastest) == (3, 2, False)
     assert (large.num_stages, large.programs_per_sm, large.heads_fastest) == (2, 4, True)
     small8, large8 = mod.default_config(cuda, 128, 264, fp8=True), mod.default_config(cuda, 128, 265, fp8=True)
-    assert (small8.block_n, small8.num_stages, small8.programs_per_sm, small8.prefetch_v) == (128, 3, 2, False)
-    assert (large8.block_n, large8.num_stages, large8.programs_per_sm, large8.prefetch_v) == (128, 3, 4, False)
+    assert small8 == large8
+    assert (small8.block_n, small8.num_stages, small8.programs_per_sm, small8.prefetch_v) == (64, 3, 4, False)
     assert small.fused_merge == mod.FUSED_MERGE_DEFAULT and not large.fused_merge
     assert mod.default_config(cuda, 128) == large
     assert mod.default_config(cuda, 64, 8) == DecodeConfig(64, 4, 3)  # not measured: generic

@@ -187,7 +187,7 @@ def _compile_ptx() -> dict[str, str]:
         "paged_merge": (pd._merge_splits_kernel, dict(SPLITS_PAD=8, HEAD_DIM=128, BLOCK_D=128), 4, 3),
         "mla_decode": (mla._mla_decode_kernel, dict(
             RANK=512, ROPE=64, BLOCK_R=512, BLOCK_P=64, BLOCK_H=16, BLOCK_N=32, PAGE=64,
-            SPLIT=True, FUSED=True, IEEE=False, F16_DOTS=False, PREFETCH=False), 4, 3),
+            SPLIT=True, FUSED=True, IEEE=False, F16_DOTS=False, PREFETCH=False, QK_CHUNKS=4), 4, 3),
         "mla_merge": (mla._mla_merge_kernel, dict(RANK=512, BLOCK_R=512, BLOCK_S=8, CHUNK_R=512), 4, 3),
     }
     out = {}
