@@ -106,15 +106,17 @@ def default_config(num_heads: int, device: torch.device | None = None, *,
         return MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1,
                                programs_per_sm=2 if hopper else 1, prefetch=True)
     if num_heads <= 16:
-        # 93 KB shared memory: two programs per SM. The value dims in 4 chunks of 128
-        # (sm_90 SASS, compiled on the CPU: 550 instructions per 32-entry iteration
-        # instead of 906, the Q K^T dot as 5 independent mma chains instead of one of 36,
-        # 168 registers instead of 242, no spills; qk_chunks=1 is what was timed before).
+        # 93 KB shared memory: two programs per SM. The value dims in 8 chunks of 64, so
+        # Q K^T runs as 9 independent mma chains instead of one of 36 (sm_90 SASS: 457
+        # instructions per 32-entry iteration instead of 907, 135 registers instead of
+        # 242). H200 run 31 (mla_decode.py --chunks-ab): 3-7% faster than unchunked at
+        # every shape (4 chunks: 3-5%), 82% / 83% / 71% of copy at 8 x 32768,
+        # 16 x 16384, 32 x 4096 and 92% at 64 x 8192 and 128 x 4096.
         return MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3,
                                # in-kernel merge off: in the H200 run of 2026-11-30 the
                                # merge kernel won at every split count (2-33)
                                programs_per_sm=2 if hopper else 1, fuse_merge_max_splits=0,
-                               qk_chunks=4 if hopper else 1)
+                               qk_chunks=8 if hopper else 1)
     if num_heads <= 32 or not hopper:
         return MLADecodeConfig(block_h=32 if num_heads <= 32 else 64, block_n=32, num_warps=8,
                                num_stages=3 if num_heads <= 32 else 2)
