@@ -412,6 +412,43 @@ def run_chunks_ab(f, args) -> None:
     print("\n".join(lines))
 
 
+# --splits-ab: the bf16 default (16 heads) at the batch <= 32 shapes of issue 4, over split
+# counts around the rule's: at 32 x 4096 the rule's 8 splits write and read back fp32
+# partials of ~11% of the latent bytes.
+SPLITS_AB_SHAPES = [(8, 32768), (16, 16384), (32, 4096), (32, 8192)]
+SPLITS_AB_COUNTS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 48]
+
+
+def run_splits_ab(f, args) -> None:
+    """Split counts for the bf16 default at SPLITS_AB_SHAPES (table: --out with .md)."""
+    name = torch.cuda.get_device_name()
+    copy = copy_bandwidth()
+    torch.cuda.empty_cache()
+    cfg = default_config(16, torch.device("cuda"))
+    emit(f, section="env", gpu=name, copy_gbps=round(copy), config=config_name(cfg))
+    lines = [f"MLA decode, bf16 default {config_name(cfg)}, 16 heads, {RANK}+{ROPE}, page {args.page}, "
+             f"{name}: GB/s of latent bytes (% of copy {copy:.0f} GB/s) by split count; * = the rule's.",
+             "", "| batch × context | " + " | ".join(f"sp{n}" for n in SPLITS_AB_COUNTS) + " |",
+             "| --- |" + " --- |" * len(SPLITS_AB_COUNTS)]
+    for batch, ctx in SPLITS_AB_SHAPES:
+        case = Case(batch, ctx, 16, args.page)
+        rule = _chunks_ab_splits(cfg, batch, ctx)
+        row = {}
+        for n in SPLITS_AB_COUNTS:
+            if batch * n > 8 * 132 or ctx // n < 256:
+                continue
+            row[n] = round(gbps(case, time_graph(case.ours(cfg, num_splits=n))))
+        emit(f, section="splits_ab", batch=batch, ctx=ctx, rule=rule, gbps=row)
+        lines.append(f"| {batch} × {ctx} | " + " | ".join(
+            (f"{row[n]} ({100 * row[n] / copy:.0f}%){'*' if n == rule else ''}" if n in row else "-")
+            for n in SPLITS_AB_COUNTS) + " |")
+        print(lines[-1], flush=True)
+        del case
+        torch.cuda.empty_cache()
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as md:
+        md.write("\n".join(lines) + "\n")
+
+
 def final_configs() -> tuple[MLADecodeConfig, MLADecodeConfig]:
     """(old, new) at 16 heads: the new default, and it with the merge kernel always."""
     new = default_config(16, torch.device("cuda"))
@@ -509,6 +546,8 @@ def main() -> None:
     ap.add_argument("--chunks-ab", action="store_true",
                     help="qk_chunks vs unchunked at 16 heads over bf16 and fp8 latents "
                          "(table: --out with .md)")
+    ap.add_argument("--splits-ab", action="store_true",
+                    help="split counts for the bf16 default at batch <= 32 (table: --out with .md)")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16",
                     help="fp8: the default path at 16 heads over a bf16 and an fp8 latent cache "
                          "(table: --out with .md)")
@@ -534,6 +573,10 @@ def main() -> None:
     if args.chunks_ab:
         with open(args.out, "w") as f:
             run_chunks_ab(f, args)
+        return
+    if args.splits_ab:
+        with open(args.out, "w") as f:
+            run_splits_ab(f, args)
         return
     if args.kv_dtype == "fp8":
         with open(args.out, "w") as f:
