@@ -89,9 +89,10 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
     buffer, and it took 5 stages to get two). bf16, from the H200 runs of 2026-11-30
     (benchmarks/results/decode.md, then ``attention_decode.py --tiles``, run 29): up to 2
     programs per SM before splitting, two tiles in flight (3 stages) and splits up to
-    one wave of 2 per SM; above that one tile in flight (2 stages) with a sequence's KV
-    heads launched together, unsplit (deeper buffers there: 3-20% slower, fewer
-    resident programs). Elsewhere (other generations, other head dims, the interpreter):
+    one wave of 2 per SM, with 8 warps where that wave is one split (between 1 and 2
+    programs per SM: 32 x 4096 read 2-3% faster in runs 29 and 30); above that one tile
+    in flight (2 stages) with a sequence's KV heads launched together, unsplit (deeper
+    buffers there: 3-20% slower, fewer resident programs). Elsewhere (other generations, other head dims, the interpreter):
     64 keys, 4 warps (32 keys for head_dim 256), 3 stages, splits filling ~4 programs
     per SM.
 
@@ -110,6 +111,8 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
             small = programs is not None and programs <= 2 * _num_sms(device)
             if fp8:
                 return DecodeConfig(64, 4, 3, programs_per_sm=4, fused_merge=FUSED_MERGE_DEFAULT)
+            if small and programs > _num_sms(device):  # one program per (b, kvh), unsplit
+                return DecodeConfig(64, 8, 3, programs_per_sm=2)
             if small:
                 return DecodeConfig(64, 4, 3, programs_per_sm=2, fused_merge=FUSED_MERGE_DEFAULT)
             return DecodeConfig(64, 4, 2, heads_fastest=True)

@@ -155,6 +155,7 @@ def test_default_config_by_generation(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     small, large = mod.default_config(cuda, 128, 264), mod.default_config(cuda, 128, 265)
     assert (small.num_stages, small.programs_per_sm, small.heads_fastest) == (3, 2, False)
+    assert small.num_warps == 8 and mod.default_config(cuda, 128, 132).num_warps == 4  # split below
     assert (large.num_stages, large.programs_per_sm, large.heads_fastest) == (2, 4, True)
     small8, large8 = mod.default_config(cuda, 128, 264, fp8=True), mod.default_config(cuda, 128, 265, fp8=True)
     assert small8 == large8
