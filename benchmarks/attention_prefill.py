@@ -9,7 +9,9 @@ Writes DIR/prefill.json (every measurement) and DIR/prefill.md (the table).
 
 --tune also times a few tile configurations per (head_dim, causal) and reports the
 best beside the default; --jobs N compiles all kernels first in N processes (Triton
-and Inductor cache to disk), so the timed process only loads them.
+and Inductor cache to disk), so the timed process only loads them. --paged-all times
+every candidate over the paged caches too (else only the default and the best);
+--dims and --causal-only narrow the table (the targets are D=128, causal).
 `--smoke` runs a tiny version on the CPU (Triton interpreter) to check the script.
 """
 
@@ -27,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    import tests.kernels.conftest  # noqa: F401  (its numpy fix for the interpreter)
+    import tests.conftest  # noqa: F401  (its numpy fix for the interpreter)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -36,6 +38,7 @@ from flashpage.kernels.flash_prefill import (  # noqa: E402
     PrefillConfig,
     default_config,
     flash_attn_varlen,
+    hopper_candidates,
     paged_prefill,
 )
 
@@ -50,22 +53,22 @@ def tflops(b: int, s: int, h: int, d: int, causal: bool, ms: float) -> float:
 
 
 def candidates(d: int) -> list[PrefillConfig]:
-    """Hopper tile configurations tried by --tune (the default is always among them)."""
+    """Hopper tile configurations tried by --tune (the default is always among them; the
+    list and what each compiles to: flash_prefill.hopper_candidates)."""
+    return hopper_candidates(d)
+
+
+def smoke_candidates() -> list[PrefillConfig]:
+    """`--smoke --tune`: interpreter-sized tiles, the pipelined stage among them."""
     c = PrefillConfig
-    # (4-warp 128 x 128 tiles spill; warp_specialize compiles to the same code on sm_90 with
-    # triton 3.6, checked with an sm_90 AOT compile, so neither is tried)
-    if d <= 64:
-        return [c(128, 64, 4, 3, use_tma=True), c(128, 64, 4, 3, use_tma=True, m_fastest=False),
-                c(128, 64, 4, 4, use_tma=True), c(128, 64, 8, 4, use_tma=True),
-                c(128, 128, 8, 3, use_tma=True)]
-    return [c(128, 128, 8, 3, use_tma=True), c(128, 128, 8, 3, use_tma=True, m_fastest=False),
-            c(128, 128, 8, 2, use_tma=True), c(128, 64, 8, 4, use_tma=True), c(128, 128, 8, 3)]
+    return [c(32, 16, 4, 1), c(32, 16, 4, 1, pipeline_qk=True),
+            c(16, 16, 4, 1, use_tma=True, pipeline_qk=True)]
 
 
 def cfg_name(c: PrefillConfig) -> str:
     return (f"{c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}"
             f"{'/tma' if c.use_tma else ''}{'/ws' if c.warp_specialize else ''}"
-            f"{'' if c.m_fastest else '/heads-first'}")
+            f"{'/pipe' if c.pipeline_qk else ''}{'' if c.m_fastest else '/heads-first'}")
 
 
 def make_inputs(b: int, s: int, h: int, hkv: int, d: int, dev: str, seed: int = 0):
@@ -174,6 +177,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=0)
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
+    ap.add_argument("--causal-only", action="store_true")
+    ap.add_argument("--paged-all", action="store_true",
+                    help="with --tune: every candidate over the paged caches, not only the best")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +188,8 @@ def main() -> None:
     dev = "cpu" if smoke else "cuda"
     shapes = [(2, 64), (1, 96)] if smoke else SHAPES
     heads = 4 if smoke else HEADS
-    dims = (64,) if smoke else (64, 128)
+    dims = (64,) if smoke else tuple(args.dims)
+    causals = (True,) if args.causal_only else (False, True)
     env = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if not smoke:
         import triton
@@ -191,17 +199,18 @@ def main() -> None:
     print(json.dumps(env), flush=True)
     tune = args.tune and not smoke
     use_flex = not (args.no_flex or smoke)
+    paged_all = args.paged_all and (tune or smoke)
 
     # 1. compile everything in parallel processes
     if args.jobs > 0 and not smoke:
         jobs = []
         for d in dims:
-            for causal in (False, True):
+            for causal in causals:
                 cfgs = candidates(d) if tune else [default_config(torch.device(dev), d,
                                                                   torch.bfloat16, causal)]
                 default = default_config(torch.device(dev), d, torch.bfloat16, causal)
                 for cfg in cfgs:
-                    for bs in (0, *PAGE_SIZES) if cfg == default else (0,):
+                    for bs in (0, *PAGE_SIZES) if cfg == default or paged_all else (0,):
                         jobs.append(("ours", d, causal, tuple(cfg.__dict__.values()), bs))
                 if use_flex:
                     jobs += [("flex", b, s, d, causal) for b, s in shapes]
@@ -228,9 +237,11 @@ def main() -> None:
         return md
 
     for d in dims:
-        for causal in (False, True):
+        for causal in causals:
             default = default_config(torch.device(dev), d, torch.bfloat16, causal)
             cfgs = candidates(d) if tune else [default]
+            if smoke and args.tune:  # the interpreter runs every code path of the candidates
+                cfgs = smoke_candidates()
             if default not in cfgs:
                 cfgs = [default, *cfgs]
             per_cfg: dict[PrefillConfig, list[float]] = {c: [] for c in cfgs}
@@ -266,8 +277,12 @@ def main() -> None:
                         continue
                     paged = make_paged(k, v, b, s, bs)
                     measure(f"paged{bs}", ours_fn(q, k, v, cu, s, causal, default, paged))
-                    if best != default:
+                    if best != default and not paged_all:
                         measure(f"paged{bs}_best", ours_fn(q, k, v, cu, s, causal, best, paged))
+                    for cfg in cfgs if paged_all else ():
+                        if cfg != default:
+                            measure(f"paged{bs}[{cfg_name(cfg)}]",
+                                    ours_fn(q, k, v, cu, s, causal, cfg, paged))
                     del paged
                 if not smoke:
                     _, kg, vg, _ = make_inputs(b, s, heads, heads // 4, d, dev, seed=1)
@@ -327,7 +342,35 @@ def render(rows: list[dict], env: dict, cmd: str) -> str:
                      + f" | {ratio('ours', 'sdpa_cudnn')} | {ratio('ours', 'sdpa_flash')} | "
                      f"{ratio('paged16', 'ours')} | {best} |")
     lines.append(f"\nours = default config ({', '.join(sorted({r['default_cfg'] for r in rows}))})")
+    lines += candidate_table(rows)
     return "\n".join(lines) + "\n"
+
+
+def candidate_table(rows: list[dict]) -> list[str]:
+    """Every timed configuration per row: contiguous, paged, and their ratios."""
+    out = ["", "Configurations (same run; paged columns where timed):", "",
+           "| B x S | causal | D | config | ours | paged bs16 | paged bs128 | ours/cuDNN "
+           "| ours/flash | paged16/ours |", "|" + " --- |" * 10]
+    for r in rows:
+        for key in [k for k in r if k.startswith("ours[")]:
+            name = key[5:-1]
+
+            def paged(bs, name=name, r=r):
+                if f"paged{bs}[{name}]" in r:
+                    return r[f"paged{bs}[{name}]"]
+                if name == r.get("default_cfg"):
+                    return r.get(f"paged{bs}")
+                return r.get(f"paged{bs}_best") if name == r.get("best_cfg") else None
+
+            x, p16 = r[key], paged(16)
+
+            def ratio(a, b):
+                return f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) and b else ""
+            out.append(f"| {r['batch']}x{r['seqlen']} | {'yes' if r['causal'] else 'no'} | "
+                       f"{r['head_dim']} | {name} | {_fmt(x)} | {_fmt(p16)} | {_fmt(paged(128))} | "
+                       f"{ratio(x, r.get('sdpa_cudnn'))} | {ratio(x, r.get('sdpa_flash'))} | "
+                       f"{ratio(p16, x)} |")
+    return out
 
 
 if __name__ == "__main__":
