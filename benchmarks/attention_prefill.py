@@ -54,21 +54,20 @@ def tflops(b: int, s: int, h: int, d: int, causal: bool, ms: float) -> float:
 
 def candidates(d: int) -> list[PrefillConfig]:
     """Hopper tile configurations tried by --tune (the default is always among them; the
-    list and what each compiles to: flash_prefill.hopper_candidates)."""
+    list and what run 32 measured: flash_prefill.hopper_candidates)."""
     return hopper_candidates(d)
 
 
 def smoke_candidates() -> list[PrefillConfig]:
-    """`--smoke --tune`: interpreter-sized tiles, the pipelined stage among them."""
+    """`--smoke --tune`: interpreter-sized tiles, the TMA path among them."""
     c = PrefillConfig
-    return [c(32, 16, 4, 1), c(32, 16, 4, 1, pipeline_qk=True),
-            c(16, 16, 4, 1, use_tma=True, pipeline_qk=True)]
+    return [c(32, 16, 4, 1), c(16, 16, 4, 1, use_tma=True)]
 
 
 def cfg_name(c: PrefillConfig) -> str:
     return (f"{c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}"
             f"{'/tma' if c.use_tma else ''}{'/ws' if c.warp_specialize else ''}"
-            f"{'/pipe' if c.pipeline_qk else ''}{'' if c.m_fastest else '/heads-first'}")
+            f"{'' if c.m_fastest else '/heads-first'}")
 
 
 def make_inputs(b: int, s: int, h: int, hkv: int, d: int, dev: str, seed: int = 0):

@@ -30,11 +30,6 @@ that need a mask pay for it:
 to q's dtype right after its load (exact), then the loop runs as with a 16-bit cache. Such
 a cache never takes the TMA path (its descriptors would load fp8 boxes; not built).
 
-With `PrefillConfig.pipeline_qk` the unmasked stage issues the next tile's q·kᵀ (an
-asynchronous wgmma on Hopper) before this tile's softmax, so the two overlap
-(`_attn_stage_pipelined`); otherwise each tile's softmax waits for its own q·kᵀ and runs
-while no wgmma is in flight.
-
 Tiles left of `lo` (outside the window) and right of `hi` (in the future) are
 never loaded. Programs run heaviest query tile first (causal work grows with the
 tile index), which shortens the tail of the grid, and the query tiles of one
@@ -122,8 +117,7 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 HEAD_DIM: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                V_DIM: tl.constexpr, IEEE: tl.constexpr, WARP_SPEC: tl.constexpr,
-                FRESH_PV: tl.constexpr):
+                V_DIM: tl.constexpr, IEEE: tl.constexpr, WARP_SPEC: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     if KV_MODE >= 2:
         # paged: block-table entries are read one tile ahead and carried into the next
@@ -157,16 +151,10 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
             p = tl.math.exp2(qk - m_sub[:, None])
             alpha = tl.math.exp2(m_i - m_sub)
             l_i = l_i * alpha + tl.sum(p, 1)
-            if not FRESH_PV:
-                acc = acc * alpha[:, None]
+            acc = acc * alpha[:, None]
             v = _load_tile(V, desc_v, rows, kpos, seq_k, kv_col, stride_vt, HEAD_DIM_V, V_DIM,
                            KV_MODE, True).to(q.dtype)
-            # FRESH_PV (beside the pipelined stage): acc is no wgmma's accumulator there; as one
-            # here, ptxas serialized the paged kernels' wgmmas (C7515) and spilled more
-            if FRESH_PV:
-                acc = tl.fma(acc, alpha[:, None], _dot(p.to(v.dtype), v, None, IEEE))
-            else:
-                acc = _dot(p.to(v.dtype), v, acc, IEEE)
+            acc = _dot(p.to(v.dtype), v, acc, IEEE)
             m_i = m_ij
         else:
             m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -178,135 +166,6 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
                            KV_MODE, False).to(q.dtype)
             acc = _dot(p.to(v.dtype), v, acc, IEEE)
             m_i = m_ij
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _kv_rows(bt_row, start_n, k_start, seq_k, KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """Rows of key tile start_n, as `_load_tile` takes them (see `_page_rows` for paged)."""
-    if KV_MODE >= 2:
-        return _page_rows(bt_row, start_n, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-    elif KV_MODE == 1:
-        return k_start + start_n
-    else:
-        return (k_start + start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-
-
-@triton.jit
-def _softmax_tile(s, m_i, l_i):
-    """Online-softmax step over one unmasked tile of scores s [BLOCK_M, BLOCK_N], already
-    scaled by sm_scale·log2(e): -> (p fp32, new running max, new running sum, alpha), where
-    the output accumulator must be multiplied by alpha before this tile's P·V is added."""
-    m_ij = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.math.exp2(s - m_ij[:, None])
-    alpha = tl.math.exp2(m_i - m_ij)
-    return p, m_ij, l_i * alpha + tl.sum(p, 1), alpha
-
-
-# The Triton interpreter runs no inline assembly; there `_scale_copy` is a plain multiply.
-_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-
-
-@triton.jit
-def _scale_copy(s, scale):
-    """s * scale into new registers, computed here: LLVM would fold a plain multiply into the
-    softmax's FMAs, after the next q·kᵀ wgmma is issued, so S[t] and the in-flight S[t+1]
-    would both live to the end of the loop and be copied there, and ptxas then serializes
-    every wgmma of the kernel (C7515). Opaque asm ends S[t]'s registers here."""
-    if _ASM:
-        return tl.inline_asm_elementwise("mul.f32 $0, $1, $2;", "=r,r,r", [s, scale],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return s * scale
-
-
-@triton.jit
-def _attn_stage_pipelined(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start, seq_k,
-                          kv_col, qk_scale, stride_kt, stride_vt, KV_MODE: tl.constexpr,
-                          PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                          V_DIM: tl.constexpr, IEEE: tl.constexpr):
-    """The unmasked stage [lo, hi) with the next tile's q·kᵀ in flight during this tile's
-    softmax (PrefillConfig.pipeline_qk). The iteration of tile t runs
-
-        O = P[t-1] V[t-1]          a synchronous wgmma; its wait also completes S[t]
-        acc = acc · alpha[t-1] + O
-        S[t+1] = q K[t+1]ᵀ         asynchronous: read only by the next iteration
-        P[t], alpha[t] = softmax(S[t])   while the tensor cores compute S[t+1]
-
-    the order in which Triton's MMAv3 pipeliner leaves the q·kᵀ wgmma in flight (it waits at
-    once for a dot whose result the same iteration reads). P·V gets a fresh accumulator O
-    and the rescale of acc waits for the next iteration: no register of a wgmma that is
-    issued while S[t+1] is in flight may be written by other instructions in between, or
-    ptxas serializes every wgmma (C7515). The first tile's S and softmax come before the
-    loop, the last tile's P·V (and the softmax of the last but one) after it, so no tile is
-    computed twice (except S of a second tile in stages of fewer than two, see below)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    last = hi - BLOCK_N
-    p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    alpha = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    rows_p = _kv_rows(bt_row, lo, k_start, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-    # S of the second tile (of a tile before hi, or of the first key tile, masked, when the
-    # stage has fewer than two; then never read). Computed on both branches: S merged with
-    # zeros would put plain moves into the registers that the loop's in-flight q·kᵀ wgmma
-    # writes, and ptxas then serializes every wgmma of the kernel (C7515); and a dot outside
-    # an `if` would keep its K tile allocated through the loop (Triton ties it to the wait
-    # after the loop): one tile more shared memory than the loop's buffers.
-    start_s = tl.maximum(tl.minimum(lo + BLOCK_N, last), 0)
-    rows_s = _kv_rows(bt_row, start_s, k_start, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-    if hi > lo:  # P of the first tile
-        k = _load_tile(K, desc_k, rows_p, lo + offs_n, seq_k, kv_col, stride_kt, HEAD_DIM, QK_DIM,
-                       KV_MODE, False).to(q.dtype)
-        p, m_i, l_i, alpha = _softmax_tile(_dot(q, tl.trans(k), None, IEEE) * qk_scale, m_i, l_i)
-        k = _load_tile(K, desc_k, rows_s, start_s + offs_n, seq_k, kv_col, stride_kt, HEAD_DIM,
-                       QK_DIM, KV_MODE, True).to(q.dtype)
-        s = _dot(q, tl.trans(k), None, IEEE)
-    else:
-        k = _load_tile(K, desc_k, rows_s, start_s + offs_n, seq_k, kv_col, stride_kt, HEAD_DIM,
-                       QK_DIM, KV_MODE, True).to(q.dtype)
-        s = _dot(q, tl.trans(k), None, IEEE)
-    # paged: the table entries of each tile are read an iteration before its load (see
-    # _attn_stage), as two lookups (K[t+1] and V[t-1] of the next iteration) rather than
-    # one carried through three iterations, which made Triton's pipeliner drop a buffer
-    rows_k = _kv_rows(bt_row, lo + 2 * BLOCK_N, k_start, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-    rows_v = rows_p
-    for start_n in tl.range(lo + BLOCK_N, last, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        if KV_MODE >= 2:
-            v_rows = rows_v
-            k_rows = rows_k
-            rows_v = _page_rows(bt_row, start_n, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-            rows_k = _page_rows(bt_row, start_n + 2 * BLOCK_N, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-        else:
-            v_rows = _kv_rows(bt_row, start_n - BLOCK_N, k_start, seq_k, KV_MODE, PAGE_SIZE,
-                              BLOCK_N)
-            k_rows = _kv_rows(bt_row, start_n + BLOCK_N, k_start, seq_k, KV_MODE, PAGE_SIZE,
-                              BLOCK_N)
-        v = _load_tile(V, desc_v, v_rows, start_n - BLOCK_N + offs_n, seq_k, kv_col, stride_vt,
-                       HEAD_DIM_V, V_DIM, KV_MODE, False).to(q.dtype)
-        acc = tl.fma(acc, alpha[:, None], _dot(p.to(v.dtype), v, None, IEEE))
-        s = _scale_copy(s, qk_scale)
-        k = _load_tile(K, desc_k, k_rows, start_n + BLOCK_N + offs_n, seq_k, kv_col, stride_kt,
-                       HEAD_DIM, QK_DIM, KV_MODE, False).to(q.dtype)
-        s_next = _dot(q, tl.trans(k), None, IEEE)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i)
-        s = s_next
-    # rows of the last two tiles (paged: the last but one's as carried)
-    if KV_MODE >= 2:
-        rows_p = rows_v
-    else:
-        rows_p = _kv_rows(bt_row, last - BLOCK_N, k_start, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-    rows_s = _kv_rows(bt_row, last, k_start, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-    if last > lo:  # P·V of the last but one tile, P of the last
-        v = _load_tile(V, desc_v, rows_p, last - BLOCK_N + offs_n, seq_k, kv_col, stride_vt,
-                       HEAD_DIM_V, V_DIM, KV_MODE, False).to(q.dtype)
-        acc = tl.fma(acc, alpha[:, None], _dot(p.to(v.dtype), v, None, IEEE))
-        p, m_i, l_i, alpha = _softmax_tile(s * qk_scale, m_i, l_i)
-    if hi > lo:  # P·V of the last tile
-        v = _load_tile(V, desc_v, rows_s, last + offs_n, seq_k, kv_col, stride_vt, HEAD_DIM_V,
-                       V_DIM, KV_MODE, False).to(q.dtype)
-        acc = tl.fma(acc, alpha[:, None], _dot(p.to(v.dtype), v, None, IEEE))
     return acc, l_i, m_i
 
 
@@ -325,7 +184,7 @@ def _prefill_fwd(
     QK_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, V_DIM: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_MODE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
-    WARP_SPEC: tl.constexpr, M_FASTEST: tl.constexpr, PIPE_QK: tl.constexpr,
+    WARP_SPEC: tl.constexpr, M_FASTEST: tl.constexpr,
 ):
     # heaviest query tile first: causal work grows with the tile index
     if M_FASTEST:  # the tiles of one head run side by side and share its K/V in L2
@@ -391,21 +250,15 @@ def _prefill_fwd(
         acc, l_i, m_i = _attn_stage(
             acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, s1, k_start, seq_k, kv_col, qpos,
             qk_scale, window, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False, PIPE_QK)
-    if PIPE_QK:
-        acc, l_i, m_i = _attn_stage_pipelined(
-            acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s1, s2, k_start, seq_k, kv_col,
-            qk_scale, stride_kt, stride_vt, KV_MODE, PAGE_SIZE, BLOCK_M, BLOCK_N, HEAD_DIM,
-            QK_DIM, HEAD_DIM_V, V_DIM, IEEE)
-    else:
-        acc, l_i, m_i = _attn_stage(
-            acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s1, s2, k_start, seq_k, kv_col, qpos,
-            qk_scale, window, stride_kt, stride_vt, False, CAUSAL, HAS_WINDOW, KV_MODE,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, WARP_SPEC, False)
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False)
+    acc, l_i, m_i = _attn_stage(
+        acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s1, s2, k_start, seq_k, kv_col, qpos,
+        qk_scale, window, stride_kt, stride_vt, False, CAUSAL, HAS_WINDOW, KV_MODE,
+        PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, WARP_SPEC)
     acc, l_i, m_i = _attn_stage(
         acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s2, hi, k_start, seq_k, kv_col, qpos,
         qk_scale, window, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
-        PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False, PIPE_QK)
+        PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False)
 
     row_ok = offs_m < seq_q
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -436,7 +289,6 @@ class PrefillConfig:
     use_tma: bool = False
     warp_specialize: bool = False
     m_fastest: bool = True  # grid order: query tiles of one head adjacent (else heads)
-    pipeline_qk: bool = False  # unmasked tiles: the next q·kᵀ in flight during the softmax
 
 
 def _interpreting() -> bool:
@@ -467,29 +319,28 @@ def default_config(device: torch.device, head_dim: int, dtype: torch.dtype,
 
 def hopper_candidates(head_dim: int) -> list[PrefillConfig]:
     """Configurations that benchmarks/attention_prefill.py --tune times beside the capability
-    9.x default (first in the list), and that the GPU tests check. From sm_90 compiles of the
-    TMA path (ptxas -v; tests/kernels/test_flash_prefill.py checks the pipelined ones):
+    9.x default (first in the list), and that the GPU tests check.
 
-    - 128x128/w8/s3 (D=128 default): 225 KB shared, 191 registers, 1 CTA per SM;
-    - 128x64/w8/pipe: 129 KB (s3) or 161 KB (s4), 225 registers, 1 CTA, q·kᵀ of the next
-      tile in flight during the softmax;
-    - 64x64/w4/s3 (147 registers) and 64x64/w4/s3/pipe (225): 113 KB, 2 CTAs per SM of one
-      warpgroup each, so one CTA's softmax can run while the other's wgmma does;
-    - 128x64/w4/s2: 96 KB, 255 registers (52 bytes spilled), 2 CTAs.
+    Run 32 (H200, 2026-11-30, bf16, D=128, causal; TFLOP/s, candidate vs default
+    128x128/w8/s3):
+
+    - 64x64/w4/s3 (2 CTAs per SM): faster only at 8x1024 (347 vs 294 contiguous, 260 vs
+      234 paged with 16-token pages), slower at 2x4096 (405 vs 434) and 1x16384 (466 vs
+      502);
+    - 128x64/w4/s2: 430 vs 434 at 2x4096, 494 vs 502 at 1x16384.
+
+    A pipelined q·kᵀ (the next tile's wgmma in flight during the softmax, commit c025ffe,
+    removed since) compiled without ptxas serialising the wgmmas (C7515), yet ran 8-17%
+    slower than the default at every shape. The D=64 candidates other than the default
+    crashed in the GPU test with an illegal memory access (unexplained; not kept).
 
     Run 2 timed these below the default and they are not tried again: the heads-first grid
     order, 128x128/w8/s2, 128x64/w8/s4 and the pointer path. 4-warp 128x128 tiles spill;
-    warp_specialize compiles to the same code on sm_90 with triton 3.6; pipeline_qk over
-    128x128 tiles spills (two S tiles, O and acc in 255 registers)."""
+    warp_specialize compiles to the same code on sm_90 with triton 3.6."""
     c = PrefillConfig
     if head_dim <= 64:
-        return [c(128, 64, 4, 3, use_tma=True), c(128, 64, 8, 3, use_tma=True, pipeline_qk=True),
-                c(128, 128, 8, 3, use_tma=True, pipeline_qk=True), c(64, 64, 4, 3, use_tma=True)]
-    return [c(128, 128, 8, 3, use_tma=True),
-            c(128, 64, 8, 3, use_tma=True, pipeline_qk=True),
-            c(128, 64, 8, 4, use_tma=True, pipeline_qk=True),
-            c(64, 64, 4, 3, use_tma=True),
-            c(64, 64, 4, 3, use_tma=True, pipeline_qk=True),
+        return [c(128, 64, 4, 3, use_tma=True)]
+    return [c(128, 128, 8, 3, use_tma=True), c(64, 64, 4, 3, use_tma=True),
             c(128, 64, 4, 2, use_tma=True)]
 
 
@@ -617,8 +468,7 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, ba
         QK_DIM=d, HEAD_DIM_V=block_dv, V_DIM=dv, CAUSAL=bool(causal),
         HAS_WINDOW=window > 0, KV_MODE=mode, PAGE_SIZE=page_size if paged else 1,
         RETURN_LSE=lse is not None, IEEE=q.dtype == torch.float32,
-        WARP_SPEC=cfg.warp_specialize, M_FASTEST=cfg.m_fastest,
-        PIPE_QK=cfg.pipeline_qk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WARP_SPEC=cfg.warp_specialize, M_FASTEST=cfg.m_fastest, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

@@ -458,7 +458,7 @@ def _compile_fp8_ptx() -> dict[str, str]:
         "paged_prefill": (fp_mod._prefill_fwd, dict(
             HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, QK_DIM=128, HEAD_DIM_V=128, V_DIM=128,
             CAUSAL=True, HAS_WINDOW=False, KV_MODE=fp_mod._KV_PAGED, PAGE_SIZE=16,
-            RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True, PIPE_QK=False), set(), 8, 3),
+            RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True), set(), 8, 3),
     }
     out = {}
     for name, (fn, consts, extra_fp8, warps, stages) in kernels.items():
