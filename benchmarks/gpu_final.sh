@@ -22,7 +22,7 @@
 #   bash benchmarks/gpu_final.sh ncu       decode + MLA GPU tests, then Nsight Compute on each benchmarks/ncu_cases.py case
 #   bash benchmarks/gpu_final.sh tiles2    fp8 register caps: decode tests, tiles, ncu of the fp8 default, 8B bf16 vs fp8
 #                                          (the engine from .cur: a clean export of HEAD, carried)
-#   bash benchmarks/gpu_final.sh pipe      prefill pipeline_qk candidates (D=128 causal) + prefill GPU tests,
+#   bash benchmarks/gpu_final.sh pipe      prefill candidates of run 32 (pipelined q.k: commit c025ffe) + GPU tests,
 #                                          MLA split counts, 8B throughput over fp8 with the 64-key default
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -241,7 +241,7 @@ ncu-only)  # Nsight Compute on $NCU_CASES only (no tests), per-instruction stall
     rm -f "$OUT/ncu/$c.ncu-rep"; echo "$c: $(grep -E '^ +Duration' "$OUT/ncu/$c.details.txt" | head -n 1)"
   done
   tar czf "$OUT/ncu.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu" ;;
-pipe)  # session 5: the prefill's pipelined q.k (PrefillConfig.pipeline_qk) and 2-CTA tiles; MLA splits; 8B fp8
+pipe)  # session 5, run 32: prefill candidates (the pipelined q.k of commit c025ffe, removed since) and 2-CTA tiles; MLA splits; 8B fp8
   mkdir -p "$OUT/prefill"
   timeout 200 python3 benchmarks/attention_prefill.py --tune --paged-all --jobs 12 --dims 128 --causal-only \
     --no-flex --out "$OUT/prefill" > "$OUT/prefill.log" 2>&1; echo "prefill bench rc=$?"; cat "$OUT/prefill/prefill.md"
