@@ -174,7 +174,7 @@ def _load_latent(kv_ptr, blk, pos, end, stride_kvb, stride_kvt, offs_c, offs_p, 
         col = c * CH + offs_c
         kv = tl.load(row[:, None] + col[None, :], mask=n_mask[:, None] & (col < RANK)[None, :],
                      other=0.0)
-        kvs = kvs + (kv.to(DTYPE),)
+        kvs = kvs + (kv.to(DTYPE),)  # type: ignore[assignment]
     pe = tl.load(row[:, None] + RANK + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :],
                  other=0.0)
     return kvs, pe.to(DTYPE)
@@ -273,8 +273,8 @@ def _mla_decode_kernel(
         q_c = tl.load(q_row + col[None, :], mask=h_mask[:, None] & (col < RANK)[None, :],
                       other=0.0)
         q_c, _ = f16_query(q_c, sm_scale_log2, F16_DOTS)
-        qs = qs + (q_c,)
-        accs = accs + (tl.zeros([BLOCK_H, CH], dtype=tl.float32),)
+        qs = qs + (q_c,)  # type: ignore[assignment]
+        accs = accs + (tl.zeros([BLOCK_H, CH], dtype=tl.float32),)  # type: ignore[assignment]
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     bt_row = block_tables_ptr + b64 * stride_btb
@@ -317,7 +317,7 @@ def _mla_decode_kernel(
         p = p.to(q_pe.dtype)
         new = ()
         for c in tl.static_range(NC):
-            new = new + (_dot(p, kvs[c], accs[c] * alpha[:, None], IEEE),)
+            new = new + (_dot(p, kvs[c], accs[c] * alpha[:, None], IEEE),)  # type: ignore[assignment]
         accs = new
         m_i = m_new
 
@@ -325,7 +325,7 @@ def _mla_decode_kernel(
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     os_ = ()
     for c in tl.static_range(NC):
-        os_ = os_ + (accs[c] / safe_l[:, None],)
+        os_ = os_ + (accs[c] / safe_l[:, None],)  # type: ignore[assignment]
     if SPLIT:
         # mid_o [B, H, S, BLOCK_R] fp32, mid_lse [B, H, S] fp32 (base 2), contiguous
         mid = (b64 * num_heads + offs_h.to(tl.int64)) * num_splits + split
@@ -381,7 +381,7 @@ def _merge_if_last(mid_o_ptr, mid_lse_ptr, counter_ptr, out_ptr, os_, lse, mid0,
                 o_s = tl.load(mid_o_ptr + (mid0 + s)[:, None] * BLOCK_R + col[None, :],
                               mask=other[:, None] & (col < RANK)[None, :], other=0.0,
                               cache_modifier=".cg")
-                new = new + (accs[c] * alpha[:, None] + o_s * beta[:, None],)
+                new = new + (accs[c] * alpha[:, None] + o_s * beta[:, None],)  # type: ignore[assignment]
             accs = new
             den = den * alpha + beta
             m = m_new

@@ -111,7 +111,7 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
             small = programs is not None and programs <= 2 * _num_sms(device)
             if fp8:
                 return DecodeConfig(64, 4, 3, programs_per_sm=4, fused_merge=FUSED_MERGE_DEFAULT)
-            if small and programs > _num_sms(device):  # one program per (b, kvh), unsplit
+            if small and programs is not None and programs > _num_sms(device):  # unsplit: 1-2 per SM
                 return DecodeConfig(64, 8, 3, programs_per_sm=2)
             if small:
                 return DecodeConfig(64, 4, 3, programs_per_sm=2, fused_merge=FUSED_MERGE_DEFAULT)
