@@ -16,7 +16,7 @@ summaries. Cases:
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 
@@ -81,9 +81,12 @@ CASES = {
 
 
 def main() -> None:
-    if len(sys.argv) != 2 or sys.argv[1] not in CASES:
-        raise SystemExit(f"usage: ncu_cases.py CASE, one of {', '.join(CASES)}")
-    fn = CASES[sys.argv[1]]()
+    ap = argparse.ArgumentParser(description="One kernel call per case, for Nsight Compute.")
+    ap.add_argument("case", choices=list(CASES))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("ncu_cases.py needs a CUDA GPU")
+    fn = CASES[args.case]()
     for _ in range(3):
         fn()
     torch.cuda.synchronize()

@@ -10,9 +10,9 @@ reasons. ``bash benchmarks/gpu_final.sh ncu`` writes the exports (benchmarks/ncu
 
 from __future__ import annotations
 
+import argparse
 import collections
 import csv
-import sys
 
 
 def load(path: str) -> tuple[list[str], list[dict[str, str]]]:
@@ -42,4 +42,8 @@ def summary(path: str, top: int = 40) -> None:
 
 
 if __name__ == "__main__":
-    summary(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 40)
+    ap = argparse.ArgumentParser(description="Stall reasons per SASS instruction (ncu source export).")
+    ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
+    ap.add_argument("top", nargs="?", type=int, default=40, help="instructions to list")
+    args = ap.parse_args()
+    summary(args.csv, args.top)
