@@ -6,12 +6,21 @@ temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the exponential 
 with a seed draws its noise from a generator seeded by (seed, output position), so its
 tokens do not depend on what else is in the batch, nor on preemption.
 
+On CUDA the race runs as the Gumbel-max kernel of ``kernels/sampling.py``: one read of
+the logits as the model gives them (bf16), the noise made in registers from Philox keyed
+by the request's seed with its output position as counter (unseeded rows: one key drawn
+per step from torch's CPU generator, the row as counter). Rows with top-k / top-p / min-p
+are filtered first by the sort below, then sampled by the same kernel with the same
+noise, so a seeded request draws the same tokens whatever else is in the batch. The
+kernel's noise is not torch's: a seed gives other tokens on CUDA than on the CPU path.
+
 Logprobs are those of the model's raw distribution (log_softmax of the logits before
 any processing), as vLLM returns by default.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -111,9 +120,49 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return best * chunk + idx.gather(1, best[:, None])[:, 0]
 
 
+def needs_filter(p: SamplingParams) -> bool:
+    """top-k / top-p / min-p: the sort-based filter runs before sampling (greedy rows
+    never need it: each filter keeps the top token)."""
+    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0)
+
+
+def _philox_key(seed: int) -> int:
+    """A request's seed (any Python int) as a signed 64-bit Philox key."""
+    k = seed & 0xFFFF_FFFF_FFFF_FFFF
+    return k - (1 << 64) if k >> 63 else k
+
+
+def _kernel_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class Sampler:
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, use_kernel: bool | None = None) -> None:
+        """use_kernel: sample with the Gumbel-max kernel (kernels/sampling.py). None: on
+        CUDA when Triton imports; True: always (on the CPU through Triton's interpreter,
+        for tests); False: never (the torch path)."""
         self.vocab_size = vocab_size
+        self.use_kernel = use_kernel
+
+    def _kernel_on(self, logits: torch.Tensor) -> bool:
+        if self.use_kernel is not None:
+            return self.use_kernel
+        return logits.is_cuda and _kernel_available()
+
+    def warm_up(self, device: torch.device | str) -> None:
+        """Compile the kernel's fp32 variant (logits after penalties or a top-k/top-p
+        filter) now; the model's dtype compiles with the engine's first sampled step."""
+        if not self._kernel_on(torch.empty(0, device=device)):
+            return
+        from flashpage.kernels.sampling import sample_gumbel
+
+        x = torch.zeros(2, self.vocab_size, dtype=torch.float32, device=device)
+        ints = torch.zeros(2, dtype=torch.int64, device=device)
+        sample_gumbel(x, self.vocab_size, torch.tensor([0.5, 0.0], device=device), ints, ints)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits [n, >=V] (any float dtype) for ``requests`` in the same order."""
@@ -123,21 +172,23 @@ class Sampler:
     def launch(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         """Sample without waiting for the device: the tokens and logprobs come back
         through ``PendingSample.result()``."""
-        logits = logits[:, : self.vocab_size].float()
+        logits = logits[:, : self.vocab_size]
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
 
         pen_rows = [i for i, p in enumerate(params) if needs_known_tokens(p)]
         if pen_rows:
-            logits = logits.clone()
+            logits = logits.to(torch.float32, copy=True)
             self._apply_penalties(logits, pen_rows, requests)
 
         greedy = [p.greedy for p in params]
-        if all(greedy):
-            tokens = row_argmax(logits)
+        if self._kernel_on(logits):  # the logits in the model's dtype, read once
+            tokens = self._sample_kernel(logits, requests, params, greedy)
+        elif all(greedy):
+            tokens = row_argmax(logits.float())
         else:
-            tokens = self._sample(logits, requests, params, greedy)
+            tokens = self._sample(logits.float(), requests, params, greedy)
         if raw_logprobs is None:
             return PendingSample(tokens, params, None)
         return PendingSample(tokens, params, self._logprobs(raw_logprobs, tokens, params))
@@ -171,6 +222,53 @@ class Sampler:
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
         logits.index_copy_(0, index, sub)
+
+    def _sample_kernel(self, logits: torch.Tensor, requests: list[Request],
+                       params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
+        """All rows in one Gumbel-max launch; rows with filters again after the sort."""
+        from flashpage.kernels.sampling import sample_gumbel
+
+        n, vocab, dev = logits.shape[0], logits.shape[1], logits.device
+        filtered = [i for i, p in enumerate(params) if needs_filter(p)]
+        step_key: int | None = None
+        keys, positions, temps = [], [], []
+        for i, (r, p, g) in enumerate(zip(requests, params, greedy, strict=True)):
+            if p.seed is not None:  # its own stream: independent of the batch around it
+                keys.append(_philox_key(p.seed))
+                positions.append(r.num_output_tokens)
+            else:
+                if step_key is None and not g:  # fresh noise each step, no device sync
+                    step_key = int(torch.randint(0, 1 << 62, ()))
+                keys.append(step_key or 0)
+                positions.append(i)
+            temps.append(0.0 if g else p.temperature)
+        for i in filtered:  # sampled below; argmax here costs no noise
+            temps[i] = 0.0
+        # Keys, positions and temperatures in one host-to-device copy, each part 16-byte
+        # aligned (Triton specializes pointers on it: an odd batch would compile anew).
+        pad = n % 2
+        host = torch.frombuffer(bytearray(
+            array("q", keys + [0] * pad + positions + [0] * pad).tobytes()
+            + array("f", temps).tobytes()), dtype=torch.uint8)
+        buf = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.clone()
+        ints = buf[: 16 * (n + pad)].view(torch.int64)
+        seeds, pos = ints[:n], ints[n + pad: 2 * n + pad]
+        temps_d = buf[16 * (n + pad):].view(torch.float32)
+        tokens = sample_gumbel(logits, vocab, temps_d, seeds, pos)
+        if not filtered:
+            return tokens
+        sub = [params[i] for i in filtered]
+        table = torch.tensor([[p.temperature, float(p.top_k if p.top_k > 0 else vocab), p.top_p,
+                               p.min_p, float(i)] for i, p in zip(filtered, sub, strict=True)],
+                             dtype=torch.float32)
+        table = table.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else table
+        rows = table[:, 4].long()
+        x = logits.index_select(0, rows).float() / table[:, 0:1]
+        x = self._filter(x, table[:, 1:2].long(), table[:, 2:3], table[:, 3:4])
+        ones = torch.ones(len(filtered), dtype=torch.float32, device=dev)
+        picked = sample_gumbel(x, vocab, ones, seeds.index_select(0, rows),
+                               pos.index_select(0, rows))
+        return tokens.index_copy(0, rows, picked)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request],
                 params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:

@@ -1,4 +1,8 @@
-"""Sampler: each filter keeps exactly the tokens it should; seeds make draws repeatable."""
+"""Sampler: each filter keeps exactly the tokens it should; seeds make draws repeatable.
+
+Each test runs the torch path and the Gumbel-max kernel path (kernels/sampling.py): on
+the GPU with the logits on it, on the CPU through Triton's interpreter (slow: fewer rows).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,13 @@ from flashpage.engine.sampler import Sampler
 from flashpage.engine.sequence import Request
 from flashpage.sampling_params import SamplingParams
 
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(params=[False, True], ids=["torch", "kernel"])
+def kernel(request) -> bool:
+    return request.param
+
 
 def _req(params: SamplingParams, rid: str = "r", out: list[int] | None = None,
          prompt: tuple[int, ...] = (1, 2, 3)) -> Request:
@@ -18,73 +29,134 @@ def _req(params: SamplingParams, rid: str = "r", out: list[int] | None = None,
     return r
 
 
-def _draws(logits: torch.Tensor, params: SamplingParams, n: int = 400) -> set[int]:
-    s = Sampler(logits.shape[-1])
+def _run(logits: torch.Tensor, reqs: list[Request], kernel: bool,
+         vocab: int | None = None) -> list[int]:
+    s = Sampler(vocab or logits.shape[-1], use_kernel=kernel)
+    return s(logits.to(KERNEL_DEVICE if kernel else "cpu"), reqs).token_ids
+
+
+def _draws(logits: torch.Tensor, params: SamplingParams, kernel: bool) -> set[int]:
+    # 100 rows leave each test below a 1e-7 chance of missing a token it expects.
+    n = 100 if kernel else 400
     reqs = [_req(params, str(i)) for i in range(n)]
-    return set(s(logits.expand(n, -1).clone(), reqs).token_ids)
+    return set(_run(logits.expand(n, -1).clone(), reqs, kernel))
 
 
 LOGITS = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])  # probs ~ .64 .23 .09 .03 .01 .004
 
 
-def test_greedy_is_argmax():
-    s = Sampler(6)
-    out = s(torch.tensor([[0.0, 5.0, 1.0, 0, 0, 0], [9.0, 0, 0, 0, 0, 1]]),
-            [_req(SamplingParams(temperature=0)), _req(SamplingParams(temperature=0), "b")])
-    assert out.token_ids == [1, 0]
+def test_greedy_is_argmax(kernel):
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0, 0, 0], [9.0, 0, 0, 0, 0, 1]])
+    reqs = [_req(SamplingParams(temperature=0)), _req(SamplingParams(temperature=0), "b")]
+    assert _run(logits, reqs, kernel) == [1, 0]
 
 
-def test_top_k_keeps_k_best():
-    assert _draws(LOGITS, SamplingParams(temperature=5.0, top_k=2)) == {0, 1}
+def test_top_k_keeps_k_best(kernel):
+    assert _draws(LOGITS, SamplingParams(temperature=5.0, top_k=2), kernel) == {0, 1}
 
 
-def test_top_p_keeps_smallest_prefix_reaching_p():
+def test_top_p_keeps_smallest_prefix_reaching_p(kernel):
     # probs at temperature 1: .636 .234 .086 ...: top_p=0.8 needs tokens 0 and 1.
-    assert _draws(LOGITS, SamplingParams(temperature=1.0, top_p=0.8)) == {0, 1}
-    assert _draws(LOGITS, SamplingParams(temperature=1.0, top_p=0.5)) == {0}
+    assert _draws(LOGITS, SamplingParams(temperature=1.0, top_p=0.8), kernel) == {0, 1}
+    assert _draws(LOGITS, SamplingParams(temperature=1.0, top_p=0.5), kernel) == {0}
 
 
-def test_min_p_drops_tokens_below_fraction_of_max():
+def test_min_p_drops_tokens_below_fraction_of_max(kernel):
     # p1/p0 = e^-1 = .37, p2/p0 = .14: min_p .2 keeps {0, 1}.
-    assert _draws(LOGITS, SamplingParams(temperature=1.0, min_p=0.2)) == {0, 1}
+    assert _draws(LOGITS, SamplingParams(temperature=1.0, min_p=0.2), kernel) == {0, 1}
 
 
-def test_high_temperature_reaches_all_tokens():
-    assert _draws(LOGITS, SamplingParams(temperature=50.0), n=2000) == set(range(6))
+def test_high_temperature_reaches_all_tokens(kernel):
+    assert _draws(LOGITS, SamplingParams(temperature=50.0), kernel) == set(range(6))
 
 
-def test_seed_is_repeatable_and_batch_independent():
+def test_seed_is_repeatable_and_batch_independent(kernel):
     logits = torch.randn(1, 1000)
-    s = Sampler(1000)
     p = SamplingParams(temperature=1.0, seed=1234)
-    alone = s(logits.clone(), [_req(p)]).token_ids[0]
+    alone = _run(logits.clone(), [_req(p)], kernel)[0]
     other = SamplingParams(temperature=1.0)
-    batch = s(torch.cat([torch.randn(3, 1000), logits]), [_req(other, "a"), _req(other, "b"),
-                                                          _req(other, "c"), _req(p)]).token_ids[3]
+    batch = _run(torch.cat([torch.randn(3, 1000), logits]),
+                 [_req(other, "a"), _req(other, "b"), _req(other, "c"), _req(p)], kernel)[3]
     assert alone == batch
-    draws = {s(logits.clone(), [_req(SamplingParams(temperature=1.0, seed=k))]).token_ids[0]
+    draws = {_run(logits.clone(), [_req(SamplingParams(temperature=1.0, seed=k))], kernel)[0]
              for k in range(30)}
     assert len(draws) > 5  # different seeds, different draws
 
 
-def test_logprobs_are_raw_log_softmax():
+def test_seeded_draws_ignore_filters_greedy_and_penalties_around_them(kernel):
+    """A seeded request, with and without its own top-p, draws the same token alone and
+    in a batch whose other rows take the filter path, greedy and penalties; its next
+    position draws afresh."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 3000)
+    others = [SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, presence_penalty=0.5),
+              SamplingParams(temperature=0.9, min_p=0.05)]
+    for mine in (SamplingParams(temperature=0.8, seed=77),
+                 SamplingParams(temperature=0.8, seed=77, top_p=0.9)):
+        alone = _run(logits.clone(), [_req(mine, out=[5, 6])], kernel)[0]
+        reqs = [_req(o, str(i), out=[1]) for i, o in enumerate(others)]
+        reqs.insert(2, _req(mine, out=[5, 6]))
+        batch = torch.cat([torch.randn(2, 3000), logits, torch.randn(2, 3000)])
+        assert _run(batch, reqs, kernel)[2] == alone
+    later = {_run(logits.clone(), [_req(SamplingParams(temperature=5.0, seed=77),
+                                        out=[5] * k)], kernel)[0] for k in range(10)}
+    assert len(later) > 3  # each output position draws its own noise
+
+
+def test_greedy_rows_in_a_mixed_batch_are_argmax_after_penalties(kernel):
+    torch.manual_seed(1)
+    logits = torch.randn(4, 500)
+    logits[0, 7] = logits[0, 9] = 30.0  # a tie: the first index
+    logits[2, 3] = 30.0
+    reqs = [_req(SamplingParams(temperature=0)), _req(SamplingParams(temperature=1.0), "b"),
+            _req(SamplingParams(temperature=0, presence_penalty=2.0), "c", out=[3]),
+            _req(SamplingParams(top_k=1, temperature=1.0), "d")]
+    got = _run(logits, reqs, kernel)
+    penalized = logits[2].clone()
+    penalized[3] -= 2.0
+    assert got[0] == 7 and got[2] == int(penalized.argmax()) and got[3] == int(logits[3].argmax())
+
+
+def test_kernel_path_unseeded_rows_draw_afresh_each_step_from_torch_generator():
+    """Unseeded rows: one Philox key per step from torch's CPU generator (no device sync),
+    so steps differ, rows of a step differ, and torch.manual_seed repeats a run."""
+    logits = torch.zeros(8, 400)
+    reqs = [_req(SamplingParams(temperature=1.0), str(i)) for i in range(8)]
+    torch.manual_seed(5)
+    first, second = _run(logits, reqs, True), _run(logits, reqs, True)
+    assert first != second and len(set(first)) > 4
+    torch.manual_seed(5)
+    assert _run(logits, reqs, True) == first
+
+
+def test_kernel_path_is_cuda_only_by_default_and_warm_up_runs():
+    s = Sampler(50)
+    assert not s._kernel_on(torch.zeros(1, 50))  # the CPU keeps the torch path
+    assert Sampler(50, use_kernel=True)._kernel_on(torch.zeros(1, 50))
+    s.warm_up("cpu")  # nothing to compile on the CPU path
+    Sampler(50, use_kernel=True).warm_up(KERNEL_DEVICE)  # the fp32 variant
+
+
+def test_logprobs_are_raw_log_softmax(kernel):
     logits = torch.randn(1, 50)
-    out = Sampler(50)(logits.clone(), [_req(SamplingParams(temperature=0, logprobs=3))])
+    dev = KERNEL_DEVICE if kernel else "cpu"
+    out = Sampler(50, use_kernel=kernel)(logits.to(dev),
+                                         [_req(SamplingParams(temperature=0, logprobs=3))])
     lp = out.logprobs[0]
     ref = torch.log_softmax(logits[0], -1)
     assert lp.token_id == int(ref.argmax()) and abs(lp.logprob - float(ref.max())) < 1e-6
     assert lp.rank == 1 and [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
 
 
-def test_penalties_change_the_choice():
+def test_penalties_change_the_choice(kernel):
     logits = torch.tensor([[2.0, 1.9, 0.0]])
-    s = Sampler(3)
     r = _req(SamplingParams(temperature=0, presence_penalty=0.5), out=[0])
-    assert s(logits.clone(), [r]).token_ids == [1]
+    assert _run(logits.clone(), [r], kernel) == [1]
     r = _req(SamplingParams(temperature=0, repetition_penalty=1.2), out=[0], prompt=(2,))
-    assert s(logits.clone(), [r]).token_ids == [1]
+    assert _run(logits.clone(), [r], kernel) == [1]
     r = _req(SamplingParams(temperature=0, frequency_penalty=0.05), out=[0])
-    assert s(logits.clone(), [r]).token_ids == [0]  # 2.0 - .05 still beats 1.9
+    assert _run(logits.clone(), [r], kernel) == [0]  # 2.0 - .05 still beats 1.9
 
 
 def test_batched_penalties_equal_a_per_row_reference():
@@ -124,3 +196,27 @@ def test_row_argmax_matches_torch_on_gpu():
         if n > 1:
             x[1, 5] = x[1, v // 2] = 50.0  # a tie: the first index wins
         assert torch.equal(row_argmax(x), x.argmax(dim=-1)), (n, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_sampler_on_llama_vocab_gpu():
+    """bf16 logits [256, 128256 + padding] as the model gives them: greedy rows are
+    argmax, a seeded row (plain and with top-p) draws the same token alone and in the
+    batch, and the default Sampler on CUDA takes the kernel path."""
+    vocab, n = 128256, 256
+    torch.manual_seed(2)
+    logits = (3 * torch.randn(n, vocab + 8, device="cuda")).to(torch.bfloat16)
+    logits[:, vocab:] = 1e4
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.6),
+             SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, top_k=50)]
+    reqs = [_req(kinds[i % 4], str(i)) for i in range(n)]
+    mine = [SamplingParams(temperature=0.6, seed=4242), SamplingParams(temperature=0.7, seed=9, top_p=0.8)]
+    reqs[10], reqs[200] = _req(mine[0], "m0", out=[1, 2]), _req(mine[1], "m1", out=[3])
+    s = Sampler(vocab)
+    assert s._kernel_on(logits)
+    got = s(logits, reqs).token_ids
+    assert [got[i] for i in range(0, n, 4)] == logits[::4, :vocab].argmax(-1).tolist()
+    assert all(t < vocab for t in got)
+    assert s(logits[10:11].clone(), [_req(mine[0], "m0", out=[1, 2])]).token_ids[0] == got[10]
+    assert s(logits[200:201].clone(), [_req(mine[1], "m1", out=[3])]).token_ids[0] == got[200]
