@@ -212,11 +212,11 @@ def test_kernel_sampler_on_llama_vocab_gpu():
              SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, top_k=50)]
     reqs = [_req(kinds[i % 4], str(i)) for i in range(n)]
     mine = [SamplingParams(temperature=0.6, seed=4242), SamplingParams(temperature=0.7, seed=9, top_p=0.8)]
-    reqs[10], reqs[200] = _req(mine[0], "m0", out=[1, 2]), _req(mine[1], "m1", out=[3])
+    reqs[10], reqs[201] = _req(mine[0], "m0", out=[1, 2]), _req(mine[1], "m1", out=[3])
     s = Sampler(vocab)
     assert s._kernel_on(logits)
     got = s(logits, reqs).token_ids
     assert [got[i] for i in range(0, n, 4)] == logits[::4, :vocab].argmax(-1).tolist()
     assert all(t < vocab for t in got)
     assert s(logits[10:11].clone(), [_req(mine[0], "m0", out=[1, 2])]).token_ids[0] == got[10]
-    assert s(logits[200:201].clone(), [_req(mine[1], "m1", out=[3])]).token_ids[0] == got[200]
+    assert s(logits[201:202].clone(), [_req(mine[1], "m1", out=[3])]).token_ids[0] == got[201]
