@@ -56,7 +56,8 @@ CUDA_OPTIONS = {"enable_fp_fusion": False}
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Launch shape of ``sample_gumbel`` (the tokens never depend on it).
+    """Launch shape of ``sample_gumbel``: the tokens never depend on it, except through
+    n_rounds, which is part of the noise's definition (the engine keeps the default).
 
     programs_per_sm: the vocabulary of each row is cut into chunks so that about this
     many programs per SM run in all (no more chunks than groups of 4W entries);
