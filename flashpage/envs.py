@@ -45,3 +45,11 @@ def pdl() -> str:
     mode = os.environ.get("FLASHPAGE_PDL", "auto").strip().lower()
     return {"1": "all", "": "0", "off": "0", "none": "0"}.get(mode, mode)
 
+
+
+def sampler_kernel() -> bool | None:
+    """FLASHPAGE_SAMPLER_KERNEL: sample with the one-pass Gumbel-max kernel
+    (kernels/sampling.py). "auto" (the default): on CUDA; "1": always (on the CPU through
+    Triton's interpreter); "0": never (the torch path: softmax, exponential noise, argmax)."""
+    mode = os.environ.get("FLASHPAGE_SAMPLER_KERNEL", "auto").strip().lower()
+    return {"1": True, "0": False}.get(mode)

@@ -193,6 +193,8 @@ class LLMEngine:
         self.add_request("__warmup_4", prompt[::-1][:a], params)
         while self.has_unfinished_requests():
             self.step()
+        # the sampling kernel's fp32 variant (after penalties or a top-k/top-p filter)
+        self.runner.sampler.warm_up(self.device)
         self.kv_manager.reset_prefix_cache()
         kv = self.kv_manager
         kv.prefix_queries = kv.prefix_hits = kv.pool.num_evictions = 0

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashpage import envs
 from flashpage.engine.sequence import Request
 from flashpage.sampling_params import SamplingParams
 
@@ -142,8 +143,8 @@ def _kernel_available() -> bool:
 
 class Sampler:
     def __init__(self, vocab_size: int, use_kernel: bool | None = None) -> None:
-        """use_kernel: sample with the Gumbel-max kernel (kernels/sampling.py). None: on
-        CUDA when Triton imports; True: always (on the CPU through Triton's interpreter,
+        """use_kernel: sample with the Gumbel-max kernel (kernels/sampling.py). None:
+        FLASHPAGE_SAMPLER_KERNEL decides, by default on CUDA when Triton imports; True: always (on the CPU through Triton's interpreter,
         for tests); False: never (the torch path)."""
         self.vocab_size = vocab_size
         self.use_kernel = use_kernel
@@ -151,6 +152,9 @@ class Sampler:
     def _kernel_on(self, logits: torch.Tensor) -> bool:
         if self.use_kernel is not None:
             return self.use_kernel
+        forced = envs.sampler_kernel()
+        if forced is not None:
+            return forced
         return logits.is_cuda and _kernel_available()
 
     def warm_up(self, device: torch.device | str) -> None:

@@ -220,3 +220,17 @@ def test_kernel_sampler_on_llama_vocab_gpu():
     assert all(t < vocab for t in got)
     assert s(logits[10:11].clone(), [_req(mine[0], "m0", out=[1, 2])]).token_ids[0] == got[10]
     assert s(logits[201:202].clone(), [_req(mine[1], "m1", out=[3])]).token_ids[0] == got[201]
+
+
+def test_sampler_kernel_env(monkeypatch):
+    """FLASHPAGE_SAMPLER_KERNEL: 1 forces the kernel (the interpreter on the CPU), 0 the
+    torch path; unset, the CPU takes the torch path; an explicit use_kernel wins."""
+    from flashpage.engine.sampler import Sampler
+
+    x = torch.zeros(1, 8)
+    monkeypatch.delenv("FLASHPAGE_SAMPLER_KERNEL", raising=False)
+    assert not Sampler(8)._kernel_on(x)
+    monkeypatch.setenv("FLASHPAGE_SAMPLER_KERNEL", "1")
+    assert Sampler(8)._kernel_on(x) and not Sampler(8, use_kernel=False)._kernel_on(x)
+    monkeypatch.setenv("FLASHPAGE_SAMPLER_KERNEL", "0")
+    assert not Sampler(8)._kernel_on(x)
