@@ -24,6 +24,8 @@
 #                                          (the engine from .cur: a clean export of HEAD, carried)
 #   bash benchmarks/gpu_final.sh pipe      prefill candidates of run 32 (pipelined q.k: commit c025ffe) + GPU tests,
 #                                          MLA split counts, 8B throughput over fp8 with the 64-key default
+#   bash benchmarks/gpu_final.sh sampler   one-pass sampling kernel: tests + benchmark, prefill candidate tests,
+#                                          8B throughput bf16 and fp8, fp8 again with FLASHPAGE_SAMPLER_KERNEL=0
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
 #   bash benchmarks/gpu_final.sh next-p    V prefetched in registers: decode GPU tests, fp8 tile candidates
@@ -249,5 +251,17 @@ pipe)  # session 5, run 32: prefill candidates (the pipelined q.k of commit c025
   timeout 100 python3 benchmarks/mla_decode.py --splits-ab --out "$OUT/mla_splits.jsonl" 2>&1 | tail -n 5
   timeout 150 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --no-hf --kv-cache-dtype fp8 \
     --json-out "$OUT/throughput_8b_kv_fp8.json" 2>&1 | grep -E "output_tok_per_s|Error" | sed "s/^/8b kv=fp8 /" ;;
+sampler)  # session 5's last call: the one-pass sampler (kernels/sampling.py), then the 8B end to end
+  timeout 120 $PT -n 4 tests/kernels/test_sampling.py tests/engine/test_sampler.py -rf 2>&1 \
+    | tee "$OUT/sampler_tests.txt" | tail -n 3
+  timeout 100 python3 benchmarks/sampler.py --out "$OUT" 2>&1 | tail -n 16
+  timeout 60 $PT -n 4 -m gpu tests/kernels/test_flash_prefill.py -k hopper_candidates -rf 2>&1 \
+    | tee "$OUT/prefill_tests.txt" | tail -n 2
+  for d in auto fp8; do timeout 100 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+    --no-hf --kv-cache-dtype $d --json-out "$OUT/throughput_8b_kv_$d.json" 2>&1 \
+    | grep -E "output_tok_per_s|Error" | sed "s/^/8b kv=$d /"; done
+  FLASHPAGE_SAMPLER_KERNEL=0 timeout 100 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+    --no-hf --kv-cache-dtype fp8 --json-out "$OUT/throughput_8b_kv_fp8_torch_sampler.json" 2>&1 \
+    | grep -E "output_tok_per_s|Error" | sed "s/^/8b kv=fp8 torch sampler /" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
