@@ -51,8 +51,9 @@ def _sample(x, vocab, temps, seeds, positions=None, config=SamplingConfig()):
 
 def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's chi-square goodness of fit, p-value from the regularized gamma."""
-    expected = probs.double() * counts.sum()
-    chi2 = ((counts.double() - expected) ** 2 / expected).sum()
+    counts, probs = counts.double().cpu(), probs.double().cpu()
+    expected = probs * counts.sum()
+    chi2 = ((counts - expected) ** 2 / expected).sum()
     dof = torch.tensor((len(counts) - 1) / 2, dtype=torch.float64)
     return float(torch.special.gammaincc(dof, chi2 / 2))
 
