@@ -118,7 +118,8 @@ def bench_batch(n: int, vocab: int, padded: int, dev: str, smoke: bool) -> list[
     record("torch", [lambda x=x: torch_path(x, temps[:, None], vocab) for x in sets],
            "float() copy, /T, softmax, exponential_, /, row_argmax")
     record("kernel", [lambda x=x: sample_gumbel(x, vocab, temps, seeds, pos) for x in sets],
-           "default: programs_per_sm=4 num_warps=4 n_rounds=10")
+           f"default: programs_per_sm={SamplingConfig().programs_per_sm} "
+           f"num_warps={SamplingConfig().num_warps} n_rounds={SamplingConfig().n_rounds}")
     for cfg in SWEEP if not smoke else SWEEP[:1]:
         record("kernel", [lambda x=x, cfg=cfg: sample_gumbel(x, vocab, temps, seeds, pos,
                                                              config=cfg) for x in sets],
