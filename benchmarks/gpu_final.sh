@@ -26,6 +26,7 @@
 #                                          MLA split counts, 8B throughput over fp8 with the 64-key default
 #   bash benchmarks/gpu_final.sh sampler   one-pass sampling kernel: tests + benchmark, prefill candidate tests,
 #                                          8B throughput bf16 and fp8, fp8 again with FLASHPAGE_SAMPLER_KERNEL=0
+#   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
 #   bash benchmarks/gpu_final.sh next-p    V prefetched in registers: decode GPU tests, fp8 tile candidates
@@ -263,5 +264,9 @@ sampler)  # session 5's last call: the one-pass sampler (kernels/sampling.py), t
   FLASHPAGE_SAMPLER_KERNEL=0 timeout 100 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
     --no-hf --kv-cache-dtype fp8 --json-out "$OUT/throughput_8b_kv_fp8_torch_sampler.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/8b kv=fp8 torch sampler /" ;;
+check5)  # session 5's closing check: engine/model GPU tests (sampler kernel on), V2-Lite end to end
+  timeout 240 $PT -n 4 -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 4
+  timeout 150 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 --num-requests 64 \
+    --no-hf --json-out "$OUT/throughput_v2lite.json" 2>&1 | grep -E "output_tok_per_s|Error" | sed "s/^/v2lite /" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
