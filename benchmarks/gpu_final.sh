@@ -265,7 +265,7 @@ sampler)  # session 5's last call: the one-pass sampler (kernels/sampling.py), t
     --no-hf --kv-cache-dtype fp8 --json-out "$OUT/throughput_8b_kv_fp8_torch_sampler.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/8b kv=fp8 torch sampler /" ;;
 check5)  # session 5's closing check: engine/model GPU tests (sampler kernel on), V2-Lite end to end
-  timeout 240 $PT -n 4 -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 4
+  timeout 300 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 4
   timeout 150 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 --num-requests 64 \
     --no-hf --json-out "$OUT/throughput_v2lite.json" 2>&1 | grep -E "output_tok_per_s|Error" | sed "s/^/v2lite /" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
