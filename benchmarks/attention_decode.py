@@ -137,11 +137,7 @@ def compare(args, dev, sms) -> None:
         print(json.dumps(row), flush=True)
         del shape
         torch.cuda.empty_cache()
-    copy_after = copy_bandwidth()
-    copy = max(copy_before, copy_after)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, copy_gbps=round(copy),
-                copy_before_gbps=round(copy_before), copy_after_gbps=round(copy_after))
+    copy, meta = run_meta(copy_before)
     with open(os.path.join(args.out, "compare.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
@@ -153,7 +149,7 @@ def compare(args, dev, sms) -> None:
     lines = [f"Paged decode, old vs new default, GQA {HQ}/{HKV}, head_dim {D}, block_size {BS}, bf16, "
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}. GB/s of K+V read, CUDA-graph "
              f"replays over rotated inputs; copy {round(copy)} GB/s (before {round(copy_before)}, "
-             f"after {round(copy_after)}).", "",
+             f"after {meta['copy_after_gbps']}).", "",
              "| batch × context | old default | GB/s | % of copy | × cuDNN | new default | GB/s | % of copy "
              "| × cuDNN | SDPA cuDNN | variants (GB/s, % of copy) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -239,12 +235,7 @@ def pdl_ab(args, dev, sms) -> None:
         del shape, outs
         torch.cuda.empty_cache()
     took = time.time() - t0
-    copy_after = copy_bandwidth()
-    copy = max(copy_before, copy_after)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, copy_gbps=round(copy),
-                copy_before_gbps=round(copy_before), copy_after_gbps=round(copy_after),
-                rounds=PDL_AB_ROUNDS, seconds=round(took))
+    copy, meta = run_meta(copy_before, rounds=PDL_AB_ROUNDS, seconds=round(took))
     with open(os.path.join(args.out, "pdl_ab.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [f"Paged decode, FLASHPAGE_PDL=0 (off) / auto (the default) / 1 (on), default config and split rule, merge "
@@ -252,7 +243,7 @@ def pdl_ab(args, dev, sms) -> None:
              f"{meta['torch']}, triton {meta['triton']}. Per call: median of {PDL_AB_ROUNDS} "
              f"CUDA-graph timings per setting, taken in turn, each graph many calls "
              f"over rotated inputs; copy {round(copy)} GB/s (before {round(copy_before)}, "
-             f"after {round(copy_after)}).", "",
+             f"after {meta['copy_after_gbps']}).", "",
              "| batch × context | config/splits | off µs | off GB/s (% of copy) | auto µs "
              "| auto GB/s (% of copy) | on µs | on GB/s (% of copy) | auto/off speed "
              "| on/off speed | outputs equal |",
@@ -337,11 +328,7 @@ def kv_dtype_ab(args, dev, sms) -> None:
             row["speedup"] = round(row["bf16_us"] / row["fp8_us"], 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    copy_after = copy_bandwidth()
-    copy = max(copy_before, copy_after)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, copy_gbps=round(copy),
-                copy_before_gbps=round(copy_before), copy_after_gbps=round(copy_after))
+    copy, meta = run_meta(copy_before)
     with open(os.path.join(args.out, "kv_dtype.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
@@ -351,7 +338,7 @@ def kv_dtype_ab(args, dev, sms) -> None:
     lines = [f"Paged decode over a bf16 and a float8_e4m3fn cache, default config and split rule, GQA "
              f"{HQ}/{HKV}, head_dim {D}, block_size {BS}, bf16 queries, {meta['gpu']}, torch {meta['torch']}, "
              f"triton {meta['triton']}. CUDA-graph replays over rotated inputs; GB/s of the bytes each "
-             f"reads (% of copy {round(copy)} GB/s: before {round(copy_before)}, after {round(copy_after)}); "
+             f"reads (% of copy {round(copy)} GB/s: before {round(copy_before)}, after {meta['copy_after_gbps']}); "
              "fp8 bf16-equivalent: a bf16 cache's bytes over the fp8 time; Mtok/s: batch × context / time.", "",
              "| batch × context | config/splits | bf16 µs | bf16 GB/s | fp8 µs | fp8 GB/s | fp8 bf16-equiv. GB/s "
              "| fp8 speed-up | bf16 Mtok/s | fp8 Mtok/s | fp8, other configs (GB/s) |",
@@ -487,17 +474,13 @@ def tiles(args, dev, sms) -> None:
             torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
-    copy_after = copy_bandwidth()
-    copy = max(copy_before, copy_after)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, copy_gbps=round(copy),
-                copy_before_gbps=round(copy_before), copy_after_gbps=round(copy_after))
+    copy, meta = run_meta(copy_before)
     with open(os.path.join(args.out, "tiles.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [f"Paged decode tile candidates, GQA {HQ}/{HKV}, head_dim {D}, block_size {BS}, bf16 q, "
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; GB/s of the bytes each cache "
              f"holds (fp8: half of bf16's), best of {TILES_ROUNDS} rounds of CUDA-graph replays; copy "
-             f"{round(copy)} GB/s (before {round(copy_before)}, after {round(copy_after)}).", "",
+             f"{round(copy)} GB/s (before {round(copy_before)}, after {meta['copy_after_gbps']}).", "",
              "| batch × context | dtype | default | default GB/s | × cuDNN (bf16 time / fp8 time for fp8) "
              "| SDPA cuDNN | candidates (GB/s) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -644,6 +627,16 @@ def gbps(shape: Shape, fn) -> float | str:
         return f"n/a: {type(ex).__name__}: {str(ex)[:80]}"
 
 
+def run_meta(copy_before: float, **extra) -> tuple[float, dict]:
+    """The copy bandwidth again at the end of a run; the ceiling (the better of the two)
+    and the run's metadata (GPU, versions, both copy measurements, ``extra``)."""
+    copy_after = copy_bandwidth()
+    copy = max(copy_before, copy_after)
+    return copy, dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                      triton=__import__("triton").__version__, copy_gbps=round(copy),
+                      copy_before_gbps=round(copy_before), copy_after_gbps=round(copy_after), **extra)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -740,18 +733,13 @@ def main() -> None:
             torch.cuda.empty_cache()
         print(f"sweep took {time.time() - t0:.0f} s", flush=True)
 
-    copy_after = copy_bandwidth()
-    copy = max(copy_before, copy_after)  # the ceiling: the better of two measurements
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, copy_gbps=round(copy),
-                copy_before_gbps=round(copy_before), copy_after_gbps=round(copy_after),
-                sms=sms,
-                shape=f"GQA {HQ}/{HKV} heads, head_dim {D}, block_size {BS}, bf16")
+    copy, meta = run_meta(copy_before, sms=sms,
+                          shape=f"GQA {HQ}/{HKV} heads, head_dim {D}, block_size {BS}, bf16")
     with open(os.path.join(args.out, "decode.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [f"Paged decode, {meta['shape']}, {meta['gpu']}, torch {meta['torch']}, "
              f"triton {meta['triton']}. GB/s of K+V read; copy bandwidth {round(copy)} GB/s "
-             f"(measured before and after: {round(copy_before)}, {round(copy_after)}).", "",
+             f"(measured before and after: {round(copy_before)}, {meta['copy_after_gbps']}).", "",
              "| batch × context | ours (default config, auto splits) | % of copy | × cuDNN "
              "| SDPA cuDNN (contiguous) | SDPA flash (contiguous) | gather + SDPA (paged) "
              "| best swept | % of copy | × cuDNN |",

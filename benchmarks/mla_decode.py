@@ -562,28 +562,12 @@ def main() -> None:
         else:
             precompile(args.precompile, args.sweep, [args.page, 16])
         return
-    if args.final:
-        with open(args.out, "w") as f:
-            run_final(f, args)
-        return
-    if args.pdl_ab:
-        with open(args.out, "w") as f:
-            run_pdl_ab(f, args)
-        return
-    if args.chunks_ab:
-        with open(args.out, "w") as f:
-            run_chunks_ab(f, args)
-        return
-    if args.splits_ab:
-        with open(args.out, "w") as f:
-            run_splits_ab(f, args)
-        return
-    if args.kv_dtype == "fp8":
-        with open(args.out, "w") as f:
-            run_kv_dtype(f, args)
-        return
+    # the first mode asked for runs; none: the sweep (run)
+    modes = [(args.final, run_final), (args.pdl_ab, run_pdl_ab), (args.chunks_ab, run_chunks_ab),
+             (args.splits_ab, run_splits_ab), (args.kv_dtype == "fp8", run_kv_dtype), (True, run)]
+    fn = next(fn for on, fn in modes if on)
     with open(args.out, "w") as f:
-        run(f, args)
+        fn(f, args)
 
 
 def run(f, args) -> None:
