@@ -21,9 +21,12 @@ ROOT = HERE.parents[1]
 
 
 def compile_sm90(fn, consts: dict, types: dict[str, str], *, num_warps: int, num_stages: int,
-                 **options):
+                 aligned=(), **options):
     """``fn`` compiled for sm_90 with ``consts`` (every constexpr parameter) and ``types``
-    (argument -> Triton type; otherwise ``*bf16`` for names ending in ``_ptr``, ``i32``)."""
+    (argument -> Triton type; otherwise ``*bf16`` for names ending in ``_ptr``, ``i32``).
+    ``aligned``: arguments marked divisible by 16, as a GPU launch specializes pointers
+    and such strides (without the hints the address arithmetic, registers and spills
+    differ from what the GPU runs)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -33,7 +36,8 @@ def compile_sm90(fn, consts: dict, types: dict[str, str], *, num_warps: int, num
         raise ValueError(f"{fn.__name__}: no value for constexpr parameter(s) {missing}")
     sig = {a: "constexpr" if a in consts else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
            for a in fn.arg_names}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 

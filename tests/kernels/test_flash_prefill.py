@@ -243,8 +243,7 @@ def _compile_sm90_candidates() -> dict:
     SM90_CASES config (contiguous: TMA; paged by 16: slots gathered per key) compiled for
     sm_90, and ptxas -v's report on its PTX."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sm90 import compile_sm90
 
     from flashpage.kernels import flash_prefill as fp
 
@@ -266,13 +265,8 @@ def _compile_sm90_candidates() -> dict:
                 consts[desc] = None  # the pointer path
             else:
                 types[desc] = f"tensordesc<bf16[{rows}, 128]>"
-        missing = [p.name for p in fn.params if p.is_constexpr and p.name not in consts]
-        assert not missing, f"no value for constexpr parameter(s) {missing}"
-        sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in _DIV16}
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        k = compile_sm90(fn, consts, types, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                         aligned=_DIV16)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "k.ptx").write_text(k.asm["ptx"])
             r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"],

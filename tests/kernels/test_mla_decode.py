@@ -236,9 +236,7 @@ def _compile_decode_sm90(cfg: MLADecodeConfig, cache_ty: str):
     compiled for sm_90 as an H200 launch compiles it: pointers and the strides that are
     multiples of 16 there (all but the block table's) marked so (without those hints the
     address arithmetic differs and ptxas spills)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sm90 import compile_sm90
 
     from flashpage.kernels import mla_decode as md
 
@@ -246,19 +244,13 @@ def _compile_decode_sm90(cfg: MLADecodeConfig, cache_ty: str):
     consts = dict(RANK=512, ROPE=64, BLOCK_R=512, BLOCK_P=64, BLOCK_H=cfg.block_h,
                   BLOCK_N=cfg.block_n, PAGE=64, SPLIT=False, FUSED=False, IEEE=False, PDL=False,
                   F16_DOTS=cache_ty != "*bf16", PREFETCH=cfg.prefetch, QK_CHUNKS=cfg.qk_chunks)
-    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in consts]
-    assert not missing, f"no value for constexpr parameter(s) {missing}"
     types = {"kv_ptr": cache_ty, "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
              "counter_ptr": "*i32", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
              "sm_scale_log2": "fp32"}
-    sig = {a: "constexpr" if a in consts else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
-           for a in fn.arg_names}
     aligned = [a for a in fn.arg_names if a.endswith("_ptr") or a in (
         "stride_qb", "stride_qh", "stride_kvb", "stride_kvt", "stride_ob", "stride_oh")]
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    return compile_sm90(fn, consts, types, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                        aligned=aligned)
 
 
 def qk_chain_ids(sass: str) -> list[int]:
