@@ -46,7 +46,6 @@ def pdl() -> str:
     return {"1": "all", "": "0", "off": "0", "none": "0"}.get(mode, mode)
 
 
-
 def sampler_kernel() -> bool | None:
     """FLASHPAGE_SAMPLER_KERNEL: sample with the one-pass Gumbel-max kernel
     (kernels/sampling.py). "auto" (the default): on CUDA; "1": always (on the CPU through

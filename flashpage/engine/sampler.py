@@ -144,8 +144,9 @@ def _kernel_available() -> bool:
 class Sampler:
     def __init__(self, vocab_size: int, use_kernel: bool | None = None) -> None:
         """use_kernel: sample with the Gumbel-max kernel (kernels/sampling.py). None:
-        FLASHPAGE_SAMPLER_KERNEL decides, by default on CUDA when Triton imports; True: always (on the CPU through Triton's interpreter,
-        for tests); False: never (the torch path)."""
+        FLASHPAGE_SAMPLER_KERNEL decides, by default on CUDA when Triton imports; True:
+        always (on the CPU through Triton's interpreter, for tests); False: never (the
+        torch path)."""
         self.vocab_size = vocab_size
         self.use_kernel = use_kernel
 

@@ -77,6 +77,10 @@ class DecodeConfig:
     max_regs: int | None = None
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def default_config(device: torch.device, head_dim: int, programs: int | None = None, *,
                    fp8: bool = False) -> DecodeConfig:
     """Tile defaults per GPU generation, head_dim, grid size (``programs`` = batch *
@@ -92,9 +96,9 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
     one wave of 2 per SM, with 8 warps where that wave is one split (between 1 and 2
     programs per SM: 32 x 4096 read 2-3% faster in runs 29 and 30); above that one tile
     in flight (2 stages) with a sequence's KV heads launched together, unsplit (deeper
-    buffers there: 3-20% slower, fewer resident programs). Elsewhere (other generations, other head dims, the interpreter):
-    64 keys, 4 warps (32 keys for head_dim 256), 3 stages, splits filling ~4 programs
-    per SM.
+    buffers there: 3-20% slower, fewer resident programs). Elsewhere (other generations,
+    other head dims, the interpreter): 64 keys, 4 warps (32 keys for head_dim 256), 3
+    stages, splits filling ~4 programs per SM.
 
     An fp8 cache on Hopper: 64-key tiles, 3 stages, splits filling 4 programs per SM (120
     registers: 4 fit). With the ids carried, 128-key tiles read it 12-17% faster than
@@ -103,17 +107,17 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
     registers (``prefetch_v``) no longer paid; in run 30 64-key tiles read it 0.5-5.7%
     faster again at batch >= 8 (equal at 1 x 32768). The loop stays bound by its
     instructions (ncu: issue slots 49% busy at 2 programs per SM, no dominant stall),
-    not by memory: ~60-65% of the copy rate, a token 1.2x as fast as over bf16.
+    not by memory: ~60-65% of the copy rate, a token 1.23-1.32x as fast as over bf16.
     """
-    if device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if device.type == "cuda" and not _interpreting():
         major, _ = torch.cuda.get_device_capability(device)
         if major == 9 and triton.next_power_of_2(head_dim) == 128:
-            small = programs is not None and programs <= 2 * _num_sms(device)
             if fp8:
                 return DecodeConfig(64, 4, 3, programs_per_sm=4, fused_merge=FUSED_MERGE_DEFAULT)
-            if small and programs is not None and programs > _num_sms(device):  # unsplit: 1-2 per SM
+            sms = _num_sms(device)
+            if programs is not None and sms < programs <= 2 * sms:  # unsplit: 1-2 per SM
                 return DecodeConfig(64, 8, 3, programs_per_sm=2)
-            if small:
+            if programs is not None and programs <= sms:
                 return DecodeConfig(64, 4, 3, programs_per_sm=2, fused_merge=FUSED_MERGE_DEFAULT)
             return DecodeConfig(64, 4, 2, heads_fastest=True)
     return DecodeConfig(32, 4, 3) if head_dim > 128 else DecodeConfig(64, 4, 3)
@@ -400,10 +404,6 @@ def _merge_splits_kernel(
     res = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
              mask=d_mask)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 _SM_COUNT: dict[int, int] = {}
