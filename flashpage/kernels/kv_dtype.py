@@ -42,6 +42,19 @@ def _check_fp8(cache_dtype: torch.dtype, act_dtype: torch.dtype, act_name: str) 
                          "(float16, bfloat16, float32)")
 
 
+def _check_cache_dtype(act_dtype: torch.dtype, cache_dtype: torch.dtype, act_name: str,
+                       caches: str) -> None:
+    """ValueError unless a cache dtype is ``act_dtype`` or float8_e4m3fn (with 16- or
+    32-bit activations); ``caches`` names the cache(s) and their dtypes in the message."""
+    if cache_dtype == act_dtype:
+        return
+    if is_fp8(cache_dtype):
+        _check_fp8(cache_dtype, act_dtype, act_name)
+        return
+    raise ValueError(f"dtype mismatch: {act_name} {act_dtype}, {caches} "
+                     f"(a cache holds {act_name}'s dtype or {FP8_KV_DTYPE})")
+
+
 def check_kv_cache_dtype(act_dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          act_name: str = "q") -> None:
     """ValueError unless both caches hold ``act_dtype`` or both hold float8_e4m3fn (with
@@ -49,27 +62,14 @@ def check_kv_cache_dtype(act_dtype: torch.dtype, key_cache: torch.Tensor, value_
     kd, vd = key_cache.dtype, value_cache.dtype
     if kd != vd:
         raise ValueError(f"dtype mismatch: key_cache {kd}, value_cache {vd}")
-    if kd == act_dtype:
-        return
-    if is_fp8(kd):
-        _check_fp8(kd, act_dtype, act_name)
-        return
-    raise ValueError(f"dtype mismatch: {act_name} {act_dtype}, key_cache {kd}, value_cache {vd} "
-                     f"(a cache holds {act_name}'s dtype or {FP8_KV_DTYPE})")
+    _check_cache_dtype(act_dtype, kd, act_name, f"key_cache {kd}, value_cache {vd}")
 
 
 def check_latent_cache_dtype(act_dtype: torch.dtype, kv_cache: torch.Tensor,
                              act_name: str = "q") -> None:
     """The MLA latent cache (one tensor): ValueError unless it holds ``act_dtype`` or
     float8_e4m3fn (with 16- or 32-bit activations)."""
-    cd = kv_cache.dtype
-    if cd == act_dtype:
-        return
-    if is_fp8(cd):
-        _check_fp8(cd, act_dtype, act_name)
-        return
-    raise ValueError(f"dtype mismatch: {act_name} {act_dtype}, kv_cache {cd} "
-                     f"(a cache holds {act_name}'s dtype or {FP8_KV_DTYPE})")
+    _check_cache_dtype(act_dtype, kv_cache.dtype, act_name, f"kv_cache {kv_cache.dtype}")
 
 
 def f16_dots(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
