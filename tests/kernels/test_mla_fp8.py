@@ -36,18 +36,16 @@ from flashpage.kernels.mla_decode import (
 sys.path.insert(0, os.path.dirname(__file__))
 from sm90 import compile_sm90, run_compiled  # noqa: E402
 from test_fp8_kv import (  # noqa: E402
+    DEVICE,
+    DTYPES,
+    FP8,
     assert_fp8_equal,
     check_fp8_attention,
+    cpu_only,
     exact_fp8_casts_in_the_interpreter,  # noqa: F401  (autouse: this module's fp8 casts too)
+    gpu_only,
     special_values,
 )
-
-GPU = torch.cuda.is_available()
-DEVICE = "cuda" if GPU else "cpu"
-gpu_only = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-cpu_only = pytest.mark.skipif(GPU, reason="interpreter cases; the GPU cases cover bf16")
-FP8 = torch.float8_e4m3fn
-DTYPES = [torch.bfloat16] if GPU else [torch.float32, torch.float16]
 
 # test_mla_decode.py's bounds on ||out - ref|| / ||ref|| (the fp8 values reach the dots
 # exactly, so the kernel's own rounding is all that is left against the same cache)
