@@ -412,17 +412,25 @@ def test_paged_one_compile_for_every_slice_offset_gpu():
     """A mixed step passes seq_lens[nd:] and block_tables[nd:]: their 16-byte alignment
     follows the number of decodes nd, and each alignment used to compile the prefill
     kernel anew inside the first users' steps. One compile must serve every offset."""
-    from flashpage.kernels.flash_prefill import _prefill_fwd
-
     q_lens, prefixes = [5, 9, 3, 17, 6, 11], [0, 7, 0, 40, 2, 0]
     q, k, v, cq, ck, mq, mk = _ragged(q_lens, prefixes, 8, 2, 128, torch.bfloat16, seed=2)
     kc, vc, tables, seq_lens = _to_paged(k, v, ck, 16)
+    assert_one_compile_for_every_slice_offset(q, kc, vc, tables, cq, seq_lens, mq, mk)
+
+
+def assert_one_compile_for_every_slice_offset(q, kc, vc, tables, cq, seq_lens, mq, mk):
+    """paged_prefill over seq_lens[nd:] / block_tables[nd:] views (nd = 0..3 int32 past a
+    fresh, aligned allocation) compiles the kernel at most once (for the first call) and
+    gives the same output at every offset (test_fp8_kv runs it over an fp8 cache)."""
+    from flashpage.kernels.flash_prefill import _prefill_fwd
+
     cache = _prefill_fwd.device_caches[torch.cuda.current_device()][0]
     outs, sizes = [], []
-    for nd in range(4):  # views starting nd int32 past a fresh (aligned) allocation
-        lens_view = torch.empty(len(q_lens) + nd, dtype=torch.int32, device=DEV)[nd:]
+    n = seq_lens.numel()
+    for nd in range(4):
+        lens_view = torch.empty(n + nd, dtype=torch.int32, device=q.device)[nd:]
         lens_view.copy_(seq_lens)
-        tab_view = torch.empty(len(q_lens) + nd, tables.shape[1], dtype=torch.int32, device=DEV)[nd:]
+        tab_view = torch.empty(n + nd, tables.shape[1], dtype=torch.int32, device=q.device)[nd:]
         tab_view.copy_(tables)
         outs.append(paged_prefill(q, kc, vc, tab_view, cq, lens_view, mq, mk))
         sizes.append(len(cache))

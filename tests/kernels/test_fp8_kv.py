@@ -582,7 +582,7 @@ def test_paged_prefill_fp8_window_gpu():
 def test_paged_prefill_fp8_one_compile_for_every_slice_offset_gpu():
     """As test_flash_prefill's check, over an fp8 cache: one new specialization, then
     seq_lens[nd:] / block_tables[nd:] at any alignment compile nothing more."""
-    from flashpage.kernels.flash_prefill import _prefill_fwd
+    from test_flash_prefill import assert_one_compile_for_every_slice_offset
 
     q_lens, prefixes = [5, 9, 3, 17, 6, 11], [0, 7, 0, 40, 2, 0]
     g = gen(2)
@@ -590,19 +590,7 @@ def test_paged_prefill_fp8_one_compile_for_every_slice_offset_gpu():
     _, _, kc, vc, tables, seq_lens = paged_pair(seq, 2, 128, 16, torch.bfloat16, g)
     q = torch.randn(sum(q_lens), 8, 128, generator=g, device=DEVICE).bfloat16()
     cq, mq, mk = _cu(q_lens), max(q_lens), max(seq)
-    cache = _prefill_fwd.device_caches[torch.cuda.current_device()][0]
-    outs, sizes = [], []
-    for nd in range(4):
-        lens_view = torch.empty(len(q_lens) + nd, dtype=torch.int32, device=DEVICE)[nd:]
-        lens_view.copy_(seq_lens)
-        tab_view = torch.empty(len(q_lens) + nd, tables.shape[1], dtype=torch.int32,
-                               device=DEVICE)[nd:]
-        tab_view.copy_(tables)
-        outs.append(paged_prefill(q, kc, vc, tab_view, cq, lens_view, mq, mk))
-        sizes.append(len(cache))
-    assert sizes[-1] == sizes[0], f"compiled again for another slice offset: {sizes}"
-    for o in outs[1:]:
-        assert torch.equal(o, outs[0])
+    assert_one_compile_for_every_slice_offset(q, kc, vc, tables, cq, seq_lens, mq, mk)
 
 
 @pytest.mark.gpu
