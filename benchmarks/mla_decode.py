@@ -101,10 +101,21 @@ def _compile_one(job: tuple[int, int, bool | tuple[int, ...], MLADecodeConfig]) 
     return f"{heads} {page} {split} {cfg}: {time.time() - t:.1f}s"
 
 
-def precompile(workers: int, sweep: bool, pages: list[int]) -> None:
-    """Compile every variant the run needs in parallel processes (compiles take seconds)."""
+def _compile_all(workers: int, compile_one, jobs: list) -> None:
+    """``compile_one`` over ``jobs`` in ``workers`` spawned processes (Triton caches the
+    kernels on disk, so the timed process only loads them)."""
     import concurrent.futures as cf
     import multiprocessing as mp
+
+    t = time.time()
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for msg in ex.map(compile_one, jobs):
+            print("  compiled", msg, flush=True)
+    print(f"precompiled {len(jobs)} variants in {time.time() - t:.0f} s", flush=True)
+
+
+def precompile(workers: int, sweep: bool, pages: list[int]) -> None:
+    """Compile every variant the run needs in parallel processes (compiles take seconds)."""
 
     jobs = []
     for heads in (16, 128):
@@ -115,28 +126,18 @@ def precompile(workers: int, sweep: bool, pages: list[int]) -> None:
                 jobs += [(heads, page, split, cfg) for split in (False, True)]
     # The merge kernel compiles once per power-of-two split count.
     jobs.append((16, pages[0], (3, 5, 9, 17, 33, 65, 129, 256), default_config(16, torch.device("cuda"))))
-    t = time.time()
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        for msg in ex.map(_compile_one, jobs):
-            print("  compiled", msg, flush=True)
-    print(f"precompiled {len(jobs)} variants in {time.time() - t:.0f} s", flush=True)
+    _compile_all(workers, _compile_one, jobs)
 
 
 def precompile_final(workers: int) -> None:
     """The kernels of ``--final``: the old path with every merge size its ladder uses,
     the fused path, and the cache-write kernels (old tile, every new tile)."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
 
     old, new = final_configs()
     jobs: list = [(16, 64, (1, 2), old), (16, 64, (2,), new)]
     jobs += [(16, 64, (s,), old) for s in (3, 5, 9, 17, 33)]  # merge kernels by power of two
     jobs += [("write", None, None, tile) for tile in [None, *mla_cache_write.CANDIDATE_TILES]]
-    t = time.time()
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        for msg in ex.map(_compile_one, jobs):
-            print("  compiled", msg, flush=True)
-    print(f"precompiled {len(jobs)} variants in {time.time() - t:.0f} s", flush=True)
+    _compile_all(workers, _compile_one, jobs)
 
 
 PDL_AB_SHAPES = [(8, 32768), (16, 16384), (32, 4096), (64, 8192)]
@@ -159,15 +160,9 @@ def _compile_pdl_ab(job: tuple[int, int, int, bool]) -> str:
 
 
 def precompile_pdl_ab(workers: int, page: int) -> None:
-    import concurrent.futures as cf
-    import multiprocessing as mp
 
     jobs = [(b, c, page, p) for b, c in PDL_AB_SHAPES for p in (False, True)]
-    t = time.time()
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        for msg in ex.map(_compile_pdl_ab, jobs):
-            print("  compiled", msg, flush=True)
-    print(f"precompiled {len(jobs)} variants in {time.time() - t:.0f} s", flush=True)
+    _compile_all(workers, _compile_pdl_ab, jobs)
 
 
 def _set_pdl(on: bool) -> None:
@@ -338,16 +333,10 @@ def _compile_chunks_ab(job: tuple[bool, MLADecodeConfig, tuple[int, ...], int]) 
 
 
 def precompile_chunks_ab(workers: int, page: int) -> None:
-    import concurrent.futures as cf
-    import multiprocessing as mp
 
     jobs = [(fp8, c, tuple(sorted({_chunks_ab_splits(c, b, n) for b, n in CHUNKS_AB_SHAPES})), page)
             for fp8 in (False, True) for c in chunks_ab_configs(fp8)]
-    t = time.time()
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        for msg in ex.map(_compile_chunks_ab, jobs):
-            print("  compiled", msg, flush=True)
-    print(f"precompiled {len(jobs)} variants in {time.time() - t:.0f} s", flush=True)
+    _compile_all(workers, _compile_chunks_ab, jobs)
 
 
 def run_chunks_ab(f, args) -> None:
