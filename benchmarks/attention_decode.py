@@ -158,9 +158,7 @@ def compare(args, dev, sms) -> None:
         lines.append(f"| {r['batch']} × {r['context']} | {r['old_config']}/sp{r['auto_splits']} | {r['old']} "
                      f"| {pct(r['old'])} | {vs(r['old'], r['cudnn'])} | {r['new_config']}/sp{r['auto_splits']} "
                      f"| {r['new']} | {pct(r['new'])} | {vs(r['new'], r['cudnn'])} | {r['cudnn']} | {var} |")
-    with open(os.path.join(args.out, "compare.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, "compare.md", lines)
 
 
 # Issue 6's rows, and batch 1 x 1024: the engine's one-sequence case (launch-bound).
@@ -254,9 +252,7 @@ def pdl_ab(args, dev, sms) -> None:
             cells += [str(r[f"{m}_us"]), f"{r[f'{m}_gbps']} ({100 * r[f'{m}_gbps'] / copy:.0f}%)"]
         cells += [f"{r['off_us'] / r['auto_us']:.3f}×", f"{r['off_us'] / r['on_us']:.3f}×", str(r["equal"])]
         lines.append("| " + " | ".join(cells) + " |")
-    with open(os.path.join(args.out, "pdl_ab.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, "pdl_ab.md", lines)
 
 
 # --kv-dtype fp8: the batch >= 32 targets and the split (few sequences, long context) ones.
@@ -350,9 +346,7 @@ def kv_dtype_ab(args, dev, sms) -> None:
                      f"| {cell(r, 'fp8_bf16_equiv_gbps')} | {r.get('speedup', '-')}× "
                      f"| {r.get('bf16_mtok_s', '-')} | {r.get('fp8_mtok_s', '-')} "
                      f"| {', '.join(f'{n_} {g}' for n_, g in r.get('fp8_candidates_gbps', {}).items())} |")
-    with open(os.path.join(args.out, "kv_dtype.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, "kv_dtype.md", lines)
 
 
 # --layout-ab: the cache's memory order. NHD [blocks, BS, Hkv, D] (the engine's) keeps a
@@ -495,9 +489,7 @@ def tiles(args, dev, sms) -> None:
             pct = f"({100 * g / copy:.0f}%)" if g else ""
             lines.append(f"| {r['batch']} × {r['context']} | {name} | {r[f'{name}_default']} | {g} "
                          f"{pct} | {ratio} | {cud if name == 'bf16' else ''} | {cands} |")
-    with open(os.path.join(args.out, "tiles.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, "tiles.md", lines)
 
 
 def split_options(batch: int, ctx: int, sms: int) -> list[int]:
@@ -625,6 +617,14 @@ def gbps(shape: Shape, fn) -> float | str:
         return round(shape.kv_bytes / time_graph(fn, shape.calls()) / 1e9)
     except Exception as ex:  # one refusing backend must not hide the rest
         return f"n/a: {type(ex).__name__}: {str(ex)[:80]}"
+
+
+def write_table(out_dir: str, name: str, lines: list[str]) -> None:
+    """A mode's markdown table: written to out_dir/name and printed."""
+    text = "\n".join(lines)
+    with open(os.path.join(out_dir, name), "w") as f:
+        f.write(text + "\n")
+    print(text)
 
 
 def run_meta(copy_before: float, **extra) -> tuple[float, dict]:
@@ -757,9 +757,7 @@ def main() -> None:
                      f"| {pct(ours)} "
                      f"| {vs(ours, r['cudnn'])} | {r['cudnn']} | {r['flash']} | {r['gather_sdpa']} "
                      f"| {r.get('sweep_best', '-')}: {best} | {pct(best)} | {vs(best, r['cudnn'])} |")
-    with open(os.path.join(args.out, "decode.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, "decode.md", lines)
 
 
 if __name__ == "__main__":
