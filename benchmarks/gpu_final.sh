@@ -205,18 +205,7 @@ next-s)  # session 4: V2-Lite prompt steps over bf16 vs fp8 latents (kernel tabl
 ncu)  # session 5: decode and MLA GPU tests, then where each kernel's warps stall (Nsight Compute)
   timeout 200 $PT -n 8 -m gpu tests/kernels/test_paged_decode.py tests/kernels/test_fp8_kv.py \
     tests/kernels/test_mla_decode.py tests/kernels/test_mla_fp8.py -rf 2>&1 | tee "$OUT/gpu_tests.txt" | tail -n 3
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1); mkdir -p "$OUT/ncu"
-  for c in ${NCU_CASES:-decode_bf16 decode_fp8 mla_bf16_32x4k mla_bf16_8x32k mla_fp8_32x4k prefill_causal prefill_paged16 prefill_paged128}; do
-    case $c in decode*) k=_paged_decode_kernel ;; mla*) k=_mla_decode_kernel ;; *) k=_prefill_fwd ;; esac
-    timeout 150 "$NCU" --clock-control none --set full --import-source yes -k "regex:^$k" --launch-skip 2 \
-      --launch-count 1 -f -o "$OUT/ncu/$c" python3 benchmarks/ncu_cases.py $c > "$OUT/ncu/$c.log" 2>&1
-    "$NCU" --import "$OUT/ncu/$c.ncu-rep" --page details > "$OUT/ncu/$c.details.txt" 2>&1
-    "$NCU" --import "$OUT/ncu/$c.ncu-rep" --page raw --csv > "$OUT/ncu/$c.raw.csv" 2>&1
-    "$NCU" --import "$OUT/ncu/$c.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu/$c.sass.csv" 2>&1
-    echo "$c: $(grep -E '^ +Duration' "$OUT/ncu/$c.details.txt" | head -n 1)"
-  done
-  mkdir -p "$OUT/rep"; mv "$OUT"/ncu/*.ncu-rep "$OUT/rep/" 2>/dev/null; tar czf "$OUT/ncu.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu"
-  tar czf "$OUT/ncu_rep.tgz" -C "$OUT" rep && rm -rf "$OUT/rep" ;;
+  bash "$0" ncu-only ;;
 tiles)  # session 5: paged decode with the block ids carried one tile ahead (K/V buffered num_stages - 1 deep)
   timeout 200 $PT -n 8 -m gpu tests/kernels/test_paged_decode.py tests/kernels/test_fp8_kv.py -rf 2>&1 \
     | tee "$OUT/gpu_tests.txt" | tail -n 3
@@ -233,13 +222,15 @@ tiles2)  # session 5: fp8 decode register caps; ncu of the new fp8 default; the 
   E=${ENGINE:-$PWD}; for d in auto fp8; do PYTHONPATH=$E timeout 150 $FP bench throughput --config llama-3-8b \
     --gpu-memory-utilization 0.75 --no-hf --kv-cache-dtype $d --json-out "$OUT/throughput_8b_kv_$d.json" 2>&1 \
     | grep -E "output_tok_per_s|Error" | sed "s/^/8b kv=$d /"; done ;;
-ncu-only)  # Nsight Compute on $NCU_CASES only (no tests), per-instruction stalls into ncu.tgz
+ncu-only)  # Nsight Compute on $NCU_CASES (default: every ncu_cases.py case): summaries, raw metrics and
+          # per-instruction stalls (benchmarks/ncu_stalls.py reads them) into ncu.tgz
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1); mkdir -p "$OUT/ncu"
-  for c in $NCU_CASES; do
+  for c in ${NCU_CASES:-decode_bf16 decode_fp8 mla_bf16_32x4k mla_bf16_8x32k mla_fp8_32x4k prefill_causal prefill_paged16 prefill_paged128}; do
     case $c in decode*) k=_paged_decode_kernel ;; mla*) k=_mla_decode_kernel ;; *) k=_prefill_fwd ;; esac
     timeout 150 "$NCU" --clock-control none --set full --import-source yes -k "regex:^$k" --launch-skip 2 \
       --launch-count 1 -f -o "$OUT/ncu/$c" python3 benchmarks/ncu_cases.py $c > "$OUT/ncu/$c.log" 2>&1
     "$NCU" --import "$OUT/ncu/$c.ncu-rep" --page details > "$OUT/ncu/$c.details.txt" 2>&1
+    "$NCU" --import "$OUT/ncu/$c.ncu-rep" --page raw --csv > "$OUT/ncu/$c.raw.csv" 2>&1
     "$NCU" --import "$OUT/ncu/$c.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu/$c.sass.csv" 2>&1
     rm -f "$OUT/ncu/$c.ncu-rep"; echo "$c: $(grep -E '^ +Duration' "$OUT/ncu/$c.details.txt" | head -n 1)"
   done
