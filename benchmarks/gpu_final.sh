@@ -26,6 +26,8 @@
 #                                          MLA split counts, 8B throughput over fp8 with the 64-key default
 #   bash benchmarks/gpu_final.sh sampler   one-pass sampling kernel: tests + benchmark, prefill candidate tests,
 #                                          8B throughput bf16 and fp8, fp8 again with FLASHPAGE_SAMPLER_KERNEL=0
+#   bash benchmarks/gpu_final.sh gemv      one-row GEMV (kernels/gemv.py gemv_row): tests, benchmarks/gemv.py, 8B one
+#                                          sequence cuBLAS vs ours (decode_ab), batch-1 kernel tables
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -259,5 +261,16 @@ check5)  # session 5's closing check: engine/model GPU tests (sampler kernel on)
   timeout 300 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 4
   timeout 150 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 --num-requests 64 \
     --no-hf --json-out "$OUT/throughput_v2lite.json" 2>&1 | grep -E "output_tok_per_s|Error" | sed "s/^/v2lite /" ;;
+gemv)  # session 6: one-row GEMV with weights requested before the PDL wait: tests, alone and chained, 8B one sequence
+  timeout 200 $PT -n 8 -m gpu tests/kernels/test_gemv.py -rf 2>&1 | tee "$OUT/gemv_tests.txt" | tail -n 3
+  timeout 200 python3 benchmarks/gemv.py --out "$OUT" 2>&1 | tail -n 30
+  timeout 200 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 8 \
+    --rounds 2 --iters 3 --setting cublas= --setting gemv=FLASHPAGE_GEMV=1 \
+    --setting gemv_nopdl="FLASHPAGE_GEMV=1;FLASHPAGE_PDL=0" --json-out "$OUT/decode_ab.json" 2>&1 | tail -n 8
+  FLASHPAGE_GEMV=1 timeout 100 python3 benchmarks/profile_engine_step.py --batch 1 --context 256 --steps 10 \
+    --kernel-table --gpu-memory-utilization 0.5 2>&1 | grep -v Warning | tail -n 40 > "$OUT/profile_b1_gemv.txt"
+  FLASHPAGE_PDL=0 FLASHPAGE_GEMV=1 timeout 100 python3 benchmarks/profile_engine_step.py --batch 1 --context 256 \
+    --steps 10 --kernel-table --gpu-memory-utilization 0.5 2>&1 | grep -v Warning | tail -n 40 > "$OUT/profile_b1_gemv_pdl0.txt"
+  tail -n 25 "$OUT/profile_b1_gemv_pdl0.txt" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -28,6 +28,14 @@ def skinny_gemm() -> bool:
     return os.environ.get("FLASHPAGE_SKINNY_GEMM", "0") == "1"
 
 
+def gemv_row() -> bool:
+    """FLASHPAGE_GEMV: one-row linears (a single sequence decoding) through our GEMV
+    (kernels/gemv.py ``gemv_row``: weights requested before the previous kernel ends,
+    SiLU·mul fused into the down projection) instead of cuBLAS. "1" on, "0" off (the
+    default until it is shown to win end to end). Read when a decode graph is captured."""
+    return os.environ.get("FLASHPAGE_GEMV", "0").strip().lower() in ("1", "on", "auto")
+
+
 def fused_moe() -> bool:
     """FLASHPAGE_FUSED_MOE (default 1; 0 turns it off): decode-batch MoE through our fused
     Triton kernel (kernels/fused_moe.py: only the routed experts' weights are read) instead

@@ -12,6 +12,17 @@ so the SiLU·mul kernel and its round trip disappear at decode batches.
 
 Whether this beats cuBLAS depends on the GPU and the shape, so the engine times both at
 start-up (``pick_config``) and uses ours only where it wins.
+
+``gemv_row`` is the one-row case (a single sequence decoding), built for a chain of
+kernels rather than for one call: no tensor cores (a row of x times a tile of w, summed
+in fp32 registers), and with programmatic dependent launch (kernels/pdl.py) each program
+issues the load of its first weight tile *before* waiting for the previous kernel. The
+weights are never written, so reading them early is safe; x and the output wait. The
+GEMV's launch, its programs' start-up and its first DRAM round trip then overlap the
+kernel before it (an RMSNorm, the attention merge), which is where a one-row step loses
+its time: at one row a linear of an 8B model is 8-60 us of streaming and ~3 us of
+ramp-up. The loop keeps one tile in flight ahead of the one it multiplies (loads issued
+a tile early, in registers; ``num_stages`` 1).
 """
 
 from __future__ import annotations
@@ -21,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 MAX_M = 8
 
@@ -164,3 +177,109 @@ def pick_config(w: torch.Tensor, m: int, silu_mul: bool = False, iters: int = 20
         if times[cfg.name] < times["cublas"] * 0.97 and (best is None or times[cfg.name] < times[best.name]):
             best = cfg
     return best, times
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """``gemv_row``'s tile: ``block_n`` output features per program, ``block_k`` columns
+    of their weight rows per loop step (one such tile in flight ahead of the one used)."""
+
+    block_n: int = 8
+    block_k: int = 1024
+    num_warps: int = 8
+
+    @property
+    def name(self) -> str:
+        return f"row-n{self.block_n}k{self.block_k}w{self.num_warps}"
+
+
+ROW_CANDIDATES = (
+    RowConfig(8, 1024, 8),
+    RowConfig(4, 1024, 4),
+    RowConfig(16, 512, 8),
+    RowConfig(8, 2048, 8),
+    RowConfig(4, 2048, 8),
+    RowConfig(2, 2048, 4),
+)
+
+
+@triton.jit
+def _silu_mul_cols(x_ptr, cols, mask, K, OUT_DTYPE: tl.constexpr):
+    """silu(x[cols]) * x[K + cols] for the gate/up row x, rounded as kernels/silu_mul."""
+    g = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32)
+    return (act * u).to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _gemv_row_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    # The first weight tile is requested before the wait: weights are only ever read.
+    w_next = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :],
+                     other=0.0)
+    pdl_prologue(PDL)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = w_next
+        kn = k0 + BLOCK_K + offs_k
+        w_next = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & (kn < K)[None, :],
+                         other=0.0)
+        kk = k0 + offs_k
+        k_mask = kk < K
+        if SILU_MUL:
+            x = _silu_mul_cols(x_ptr, kk, k_mask, K, w_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def default_row_config(n: int, k: int) -> RowConfig:
+    """The tile for a [n, k] weight (narrowed to k for small models)."""
+    cfg = RowConfig()
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+    return RowConfig(cfg.block_n, block_k, cfg.num_warps if block_k >= 1024 else 4)
+
+
+def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+             config: RowConfig | None = None, silu_mul: bool = False,
+             pdl: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] (or [1, 2K] with ``silu_mul``: silu(gate) * up computed on the fly),
+    w [N, K], bias [N] -> [1, N], fp32 accumulation. ``pdl``: programmatic dependent
+    launch (None: per FLASHPAGE_PDL and the device)."""
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"x must be [1, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    m, kx = x.shape
+    n, k = w.shape
+    if m != 1:
+        raise ValueError(f"gemv_row takes one row, got {m}")
+    if kx != (2 * k if silu_mul else k):
+        raise ValueError(f"x has {kx} columns, w needs {2 * k if silu_mul else k}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("x and w must be contiguous in their last dimension")
+    if x.dtype != w.dtype:
+        raise ValueError(f"dtype mismatch: x {x.dtype}, w {w.dtype}")
+    cfg = config or default_row_config(n, k)
+    if out is None:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    use_pdl = resolve_pdl(pdl, x.device)
+    _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, w, bias if bias is not None else w, out, n, k, w.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=use_pdl,
+        num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(use_pdl),
+    )
+    return out

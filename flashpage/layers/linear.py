@@ -15,17 +15,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashpage import envs
+
 logger = logging.getLogger("flashpage")
 
 
 class _ParallelLinear(nn.Module):
     """``skinny``: {rows: GemvConfig} where our decode-batch GEMM (kernels/gemv.py) beat
     cuBLAS at start-up (``tune_skinny_gemms``); empty = always cuBLAS. ``silu_input``
-    marks an MLP's down projection, whose ``silu_mul_forward`` takes the gate/up output."""
+    marks an MLP's down projection, whose ``silu_mul_forward`` takes the gate/up output.
+    ``row_gemv``: one-row inputs may go through ``kernels/gemv.gemv_row`` (set by the
+    engine beside our fused kernels on a GPU; used while FLASHPAGE_GEMV is on)."""
 
     split_dim: int = 0
     skinny: dict[int, Any]
     silu_input: bool = False
+    row_gemv: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -54,7 +59,15 @@ class _ParallelLinear(nn.Module):
             raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
         param.data.copy_(loaded)
 
+    def _use_row_gemv(self, x: torch.Tensor) -> bool:
+        return (self.row_gemv and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+                and envs.gemv_row())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._use_row_gemv(x):
+            from flashpage.kernels.gemv import gemv_row
+
+            return gemv_row(x, self.weight, self.bias)
         if self.skinny and x.dim() == 2 and (cfg := self.skinny.get(x.shape[0])) is not None:
             from flashpage.kernels.gemv import skinny_linear
 
@@ -64,11 +77,26 @@ class _ParallelLinear(nn.Module):
     def silu_mul_forward(self, h: torch.Tensor) -> torch.Tensor | None:
         """linear(silu(gate) * up) from the gate/up output h [M, 2K] in one kernel, when
         tuned for M rows; None otherwise (the caller runs SiLU·mul, then ``forward``)."""
+        if self._use_row_gemv(h):
+            from flashpage.kernels.gemv import gemv_row
+
+            return gemv_row(h, self.weight, self.bias, silu_mul=True)
         if self.skinny and h.dim() == 2 and (cfg := self.skinny.get(h.shape[0])) is not None:
             from flashpage.kernels.gemv import skinny_linear
 
             return skinny_linear(h, self.weight, self.bias, cfg, silu_mul=True)
         return None
+
+
+def set_row_gemv(model: nn.Module, enabled: bool) -> int:
+    """Allow (or forbid) ``gemv_row`` in every 16-bit linear of ``model``; returns how
+    many layers may use it."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, _ParallelLinear):
+            m.row_gemv = enabled and m.weight.dtype in (torch.float16, torch.bfloat16)
+            count += m.row_gemv
+    return count
 
 
 def tune_skinny_gemms(model: nn.Module, rows: tuple[int, ...] = (1, 2, 4, 8)) -> dict[str, Any]:

@@ -8,7 +8,11 @@ import torch
 
 from flashpage.kernels.gemv import (
     CANDIDATES,
+    ROW_CANDIDATES,
     GemvConfig,
+    RowConfig,
+    default_row_config,
+    gemv_row,
     pick_config,
     skinny_linear,
     skinny_linear_ref,
@@ -18,12 +22,12 @@ GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
 
 
-def _check(m, n, k, dtype, bias, silu, cfg, atol):
+def _check(m, n, k, dtype, bias, silu, cfg, atol, fn=skinny_linear, **kw):
     g = torch.Generator(device=DEV).manual_seed(m * 1000 + n + k)
     x = torch.randn(m, 2 * k if silu else k, device=DEV, dtype=dtype, generator=g)
     w = torch.randn(n, k, device=DEV, dtype=dtype, generator=g) / k ** 0.5
     b = torch.randn(n, device=DEV, dtype=dtype, generator=g) if bias else None
-    got = skinny_linear(x, w, b, cfg, silu_mul=silu)
+    got = fn(x, w, b, cfg, silu_mul=silu, **kw)
     ref = skinny_linear_ref(x, w, b, silu_mul=silu)
     assert got.shape == (m, n) and got.dtype == dtype
     torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=atol)
@@ -96,3 +100,111 @@ def test_llama_mlp_routes_tuned_rows_through_the_skinny_kernel():
         assert spy.call_count == 2
     tol = 2e-2 if GPU else 1e-4
     torch.testing.assert_close(fused, plain, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,bias,silu,cfg", [
+    (48, 64, False, False, RowConfig(8, 32, 1)),     # two K tiles
+    (37, 96, True, False, RowConfig(8, 64, 1)),      # ragged N and K (96 = 64 + 32)
+    (16, 256, False, True, RowConfig(4, 64, 2)),     # SiLU·mul prologue, four K tiles
+    (33, 80, True, True, RowConfig(16, 32, 1)),      # all of it, K not a multiple of 16
+    (5, 24, False, False, None),                     # default tile narrowed to K
+])
+def test_gemv_row_cpu(n, k, bias, silu, cfg, dtype):
+    if GPU:
+        pytest.skip("the CPU variant (interpreter)")
+    _check(1, n, k, dtype, bias, silu, cfg, 1e-4 if dtype == torch.float32 else 2e-2, fn=gemv_row)
+
+
+def test_gemv_row_rejects_bad_input():
+    with pytest.raises(ValueError, match="one row, got 2"):
+        gemv_row(torch.zeros(2, 64), torch.zeros(16, 64))
+    with pytest.raises(ValueError, match="needs 128"):
+        gemv_row(torch.zeros(1, 64), torch.zeros(16, 64), silu_mul=True)
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        gemv_row(torch.zeros(1, 64), torch.zeros(16, 64, dtype=torch.float16))
+
+
+def test_default_row_config_fits_small_k():
+    assert default_row_config(6144, 4096).block_k == 1024
+    small = default_row_config(1000, 96)
+    assert small.block_k == 128 and small.num_warps == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("cfg", ROW_CANDIDATES, ids=lambda c: c.name)
+@pytest.mark.parametrize("n,k,bias,silu", [
+    (6144, 4096, False, False), (4096, 14336, False, True), (1000, 896, True, False),
+    (128256, 4096, False, False),
+])
+def test_gemv_row_gpu_bf16(n, k, bias, silu, cfg, pdl):
+    _check(1, n, k, torch.bfloat16, bias, silu, cfg, 2e-2, fn=gemv_row, pdl=pdl)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_gemv_row_pdl_chain_in_a_graph_reads_what_the_kernel_before_wrote():
+    """gemv_row asks for its weights before the previous kernel has finished: in a CUDA
+    graph of PDL kernels (an RMSNorm writing x, then the GEMV reading it, over and over,
+    each GEMV's output the next norm's input) every result must still be the reference's."""
+    from flashpage.kernels.rms_norm import rms_norm
+
+    torch.manual_seed(0)
+    d = 4096
+    ws = [torch.randn(d, d, device="cuda", dtype=torch.bfloat16) / d ** 0.5 for _ in range(4)]
+    nw = torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5
+    x0 = torch.randn(1, d, device="cuda", dtype=torch.bfloat16)
+
+    def chain(x, pdl):
+        outs = []
+        for w in ws * 3:
+            h = rms_norm(x, nw, 1e-5, pdl=pdl)
+            x = gemv_row(h, w, pdl=pdl)
+            outs.append(x)
+        return outs
+
+    ref = chain(x0.clone(), False)
+    xin = x0.clone()
+    chain(xin, True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(xin, True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_llama_mlp_routes_one_row_through_gemv_row(monkeypatch):
+    """With FLASHPAGE_GEMV on, a one-row input takes gemv_row (SiLU·mul fused into the down
+    projection) and gives the plain path's result; two rows, or the switch off, do not."""
+    from unittest import mock
+
+    import flashpage.kernels.gemv as gemv
+    from flashpage.layers.linear import set_row_gemv
+    from flashpage.layers.ops import set_fused_ops
+    from flashpage.models.llama import LlamaMLP
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if GPU else torch.float16
+    mlp = LlamaMLP(64, 96).to(DEV, dtype)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    set_fused_ops(mlp, True)
+    assert set_row_gemv(mlp, True) == 2
+    x = torch.randn(1, 64, device=DEV, dtype=dtype)
+    monkeypatch.setenv("FLASHPAGE_GEMV", "0")
+    plain = mlp(x)
+    with mock.patch.object(gemv, "gemv_row", wraps=gemv.gemv_row) as spy:
+        mlp(x)
+        assert spy.call_count == 0
+        monkeypatch.setenv("FLASHPAGE_GEMV", "1")
+        fused = mlp(x)
+        assert [c.kwargs.get("silu_mul", False) for c in spy.call_args_list] == [False, True]
+        mlp(torch.randn(2, 64, device=DEV, dtype=dtype))
+        assert spy.call_count == 2
+    torch.testing.assert_close(fused, plain, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,134 @@
+"""One-row linears (a single sequence decoding) on the GPU: cuBLAS against our GEMV
+(kernels/gemv.py ``gemv_row``), alone and in the chain a decode step runs them in.
+
+Llama-3-8B shapes, bf16, 32 layers of distinct weights (so every call streams its
+weight from HBM, as in a model: 14 GB, far past the L2) plus the LM head:
+qkv 6144x4096, o_proj 4096x4096, gate_up 28672x4096, down 4096x14336 (its input the
+gate/up row: SiLU·mul first, fused into ours), lm_head 128256x4096.
+
+- ``shapes``: each projection alone, a CUDA graph of its 32 layers' calls (the LM head:
+  one call), GB/s of weight read; cuBLAS (``F.linear``, SiLU·mul kernel before down),
+  then each ``ROW_CANDIDATES`` tile, with and without PDL.
+- ``chain``: the step without attention, a CUDA graph of 32 x [RMSNorm + residual, qkv,
+  o_proj (on the first 4096 of qkv's outputs: attention's stand-in), RMSNorm + residual,
+  gate_up, down] then the final norm and the LM head; time per step against the
+  weight-read limit (weight bytes / the copy bandwidth measured in the run). cuBLAS
+  (norms and SiLU·mul our kernels, PDL per FLASHPAGE_PDL's default) against
+  ``gemv_row`` with PDL on and off, each candidate tile.
+
+    python benchmarks/gemv.py --out $OUT     # $OUT/gemv.json, gemv.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+HIDDEN, INTER, QKV, VOCAB, LAYERS = 4096, 14336, 6144, 128256, 32
+DT = torch.bfloat16
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--only", choices=["shapes", "chain"], default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gemv.py needs a CUDA GPU")
+        return 1
+    from gpu_timing import copy_bandwidth, time_graph
+
+    from flashpage.kernels.gemv import ROW_CANDIDATES, RowConfig, gemv_row
+    from flashpage.kernels.rms_norm import rms_norm
+    from flashpage.kernels.silu_mul import silu_and_mul
+
+    torch.manual_seed(0)
+    copy = copy_bandwidth()
+    print(f"copy bandwidth {copy:,.0f} GB/s")
+
+    def weights(n, k, count=LAYERS):
+        return [torch.randn(n, k, device="cuda", dtype=DT) / k ** 0.5 for _ in range(count)]
+
+    layers = {"qkv": weights(QKV, HIDDEN), "o_proj": weights(HIDDEN, HIDDEN),
+              "gate_up": weights(2 * INTER, HIDDEN), "down": weights(HIDDEN, INTER)}
+    lm_head = weights(VOCAB, HIDDEN, 1)[0]
+    norm_w = torch.rand(HIDDEN, device="cuda", dtype=DT) + 0.5
+    x_in = {"qkv": torch.randn(1, HIDDEN, device="cuda", dtype=DT),
+            "o_proj": torch.randn(1, HIDDEN, device="cuda", dtype=DT),
+            "gate_up": torch.randn(1, HIDDEN, device="cuda", dtype=DT),
+            "down": torch.randn(1, 2 * INTER, device="cuda", dtype=DT),
+            "lm_head": torch.randn(1, HIDDEN, device="cuda", dtype=DT)}
+    configs: list[RowConfig | None] = [None, *ROW_CANDIDATES]
+    results: dict = {"copy_gbps": copy, "shapes": [], "chain": []}
+
+    def linear(kind, x, w, cfg, pdl):
+        silu = kind == "down"
+        if cfg == "cublas":
+            return F.linear(silu_and_mul(x) if silu else x, w)
+        return gemv_row(x, w, config=cfg, silu_mul=silu, pdl=pdl)
+
+    if args.only in (None, "shapes"):
+        for kind, ws in [*layers.items(), ("lm_head", [lm_head])]:
+            nbytes = sum(w.numel() * 2 for w in ws)
+            for cfg in ["cublas", *configs]:
+                for pdl in ([False] if cfg == "cublas" else [False, True]):
+                    t = time_graph(lambda kind=kind, ws=ws, cfg=cfg, pdl=pdl:
+                                   [linear(kind, x_in[kind], w, cfg, pdl) for w in ws])
+                    name = cfg if cfg == "cublas" else (cfg.name if cfg else "row-default")
+                    row = {"shape": kind, "kernel": name, "pdl": pdl, "us_per_call": t / len(ws) * 1e6,
+                           "gbps": nbytes / t / 1e9, "of_copy": nbytes / t / 1e9 / copy}
+                    results["shapes"].append(row)
+                    print(f"{kind:8s} {name:18s} pdl={int(pdl)} {row['us_per_call']:8.1f} us "
+                          f"{row['gbps']:7.0f} GB/s ({row['of_copy']:.0%} of copy)")
+
+    if args.only in (None, "chain"):
+        total = sum(w.numel() * 2 for ws in layers.values() for w in ws) + lm_head.numel() * 2
+        limit = total / (copy * 1e9)
+        x0 = torch.randn(1, HIDDEN, device="cuda", dtype=DT)
+
+        def step(cfg, pdl):
+            res = x0
+            h = rms_norm(res, norm_w, 1e-5, pdl=pdl)
+            for i in range(LAYERS):
+                qkv = linear("qkv", h, layers["qkv"][i], cfg, pdl)
+                o = linear("o_proj", qkv[:, :HIDDEN], layers["o_proj"][i], cfg, pdl)
+                h, res = rms_norm(o, norm_w, 1e-5, res, pdl=pdl)
+                gu = linear("gate_up", h, layers["gate_up"][i], cfg, pdl)
+                d = linear("down", gu, layers["down"][i], cfg, pdl)
+                h, res = rms_norm(d, norm_w, 1e-5, res, pdl=pdl)
+            return linear("lm_head", h, lm_head, cfg, pdl)
+
+        for cfg in ["cublas", *configs]:
+            for pdl in [False, True]:
+                t = time_graph(lambda cfg=cfg, pdl=pdl: step(cfg, pdl), reps=10)
+                name = cfg if cfg == "cublas" else (cfg.name if cfg else "row-default")
+                row = {"kernel": name, "pdl": pdl, "ms_per_step": t * 1e3, "limit_ms": limit * 1e3,
+                       "of_limit": limit / t, "tok_per_s_equiv": 1 / t}
+                results["chain"].append(row)
+                print(f"chain {name:18s} pdl={int(pdl)} {t * 1e3:6.3f} ms/step "
+                      f"({limit / t:.1%} of the weight-read limit {limit * 1e3:.3f} ms)")
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gemv.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    lines = ["| shape | kernel | PDL | us per call | GB/s | of copy |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['kernel']} | {int(r['pdl'])} | {r['us_per_call']:.1f} | "
+              f"{r['gbps']:,.0f} | {r['of_copy']:.0%} |" for r in results["shapes"]]
+    lines += ["", "| chain kernel | PDL | ms per step | of the weight-read limit |", "|---|---|---|---|"]
+    lines += [f"| {r['kernel']} | {int(r['pdl'])} | {r['ms_per_step']:.3f} | {r['of_limit']:.1%} |"
+              for r in results["chain"]]
+    with open(os.path.join(args.out, "gemv.md"), "w") as f:
+        f.write(f"copy bandwidth {copy:,.0f} GB/s\n\n" + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
