@@ -14,7 +14,9 @@ gate/up row: SiLU·mul first, fused into ours), lm_head 128256x4096.
   gate_up, down] then the final norm and the LM head; time per step against the
   weight-read limit (weight bytes / the copy bandwidth measured in the run). cuBLAS
   (norms and SiLU·mul our kernels, PDL per FLASHPAGE_PDL's default) against
-  ``gemv_row`` with PDL on and off, each candidate tile.
+  ``gemv_row`` with PDL on and off, each candidate tile (one tile for every shape;
+  ``row-default`` is ``default_row_config``'s per-shape choice), and the default with
+  each RMSNorm moved into the next GEMV's prologue (``+ norms``: 1 norm kernel, not 65).
 
     python benchmarks/gemv.py --out $OUT     # $OUT/gemv.json, gemv.md
 """
@@ -94,27 +96,43 @@ def main() -> int:
         limit = total / (copy * 1e9)
         x0 = torch.randn(1, HIDDEN, device="cuda", dtype=DT)
 
-        def step(cfg, pdl):
-            res = x0
-            h = rms_norm(res, norm_w, 1e-5, pdl=pdl)
+        def step(cfg, pdl, fuse=False):
+            """The model's order: norm (+ residual) -> qkv -> o_proj -> norm + residual ->
+            gate_up -> down, 32 times, then the final norm and the LM head; ``fuse``:
+            each norm inside the next GEMV's prologue (gemv_row's ``norm``)."""
+            x, res = x0, None
             for i in range(LAYERS):
-                qkv = linear("qkv", h, layers["qkv"][i], cfg, pdl)
-                o = linear("o_proj", qkv[:, :HIDDEN], layers["o_proj"][i], cfg, pdl)
-                h, res = rms_norm(o, norm_w, 1e-5, res, pdl=pdl)
-                gu = linear("gate_up", h, layers["gate_up"][i], cfg, pdl)
-                d = linear("down", gu, layers["down"][i], cfg, pdl)
-                h, res = rms_norm(d, norm_w, 1e-5, res, pdl=pdl)
+                for kind in ("qkv", "gate_up"):
+                    if fuse:
+                        new_res = torch.empty_like(x) if res is not None else None
+                        h = gemv_row(x, layers[kind][i], config=cfg, pdl=pdl, norm=(norm_w, 1e-5),
+                                     residual=res, residual_out=new_res)
+                        res = new_res if res is not None else x
+                    else:
+                        if res is None:
+                            res, x = x, rms_norm(x, norm_w, 1e-5, pdl=pdl)
+                        else:
+                            x, res = rms_norm(x, norm_w, 1e-5, res, pdl=pdl)
+                        h = linear(kind, x, layers[kind][i], cfg, pdl)
+                    if kind == "qkv":
+                        x = linear("o_proj", h[:, :HIDDEN], layers["o_proj"][i], cfg, pdl)
+                    else:
+                        x = linear("down", h, layers["down"][i], cfg, pdl)
+            h, _ = rms_norm(x, norm_w, 1e-5, res, pdl=pdl)
             return linear("lm_head", h, lm_head, cfg, pdl)
 
-        for cfg in ["cublas", *configs]:
-            for pdl in [False, True]:
-                t = time_graph(lambda cfg=cfg, pdl=pdl: step(cfg, pdl), reps=10)
-                name = cfg if cfg == "cublas" else (cfg.name if cfg else "row-default")
-                row = {"kernel": name, "pdl": pdl, "ms_per_step": t * 1e3, "limit_ms": limit * 1e3,
-                       "of_limit": limit / t, "tok_per_s_equiv": 1 / t}
-                results["chain"].append(row)
-                print(f"chain {name:18s} pdl={int(pdl)} {t * 1e3:6.3f} ms/step "
-                      f"({limit / t:.1%} of the weight-read limit {limit * 1e3:.3f} ms)")
+        variants = [("cublas", False, False), ("cublas", True, False)]
+        variants += [(cfg, pdl, False) for cfg in configs for pdl in (False, True)]
+        variants += [(None, False, True), (None, True, True)]
+        for cfg, pdl, fuse in variants:
+            t = time_graph(lambda cfg=cfg, pdl=pdl, fuse=fuse: step(cfg, pdl, fuse), reps=10)
+            name = cfg if cfg == "cublas" else (cfg.name if cfg else "row-default")
+            name += " + norms" if fuse else ""
+            row = {"kernel": name, "pdl": pdl, "ms_per_step": t * 1e3, "limit_ms": limit * 1e3,
+                   "of_limit": limit / t, "tok_per_s_equiv": 1 / t}
+            results["chain"].append(row)
+            print(f"chain {name:26s} pdl={int(pdl)} {t * 1e3:6.3f} ms/step "
+                  f"({limit / t:.1%} of the weight-read limit {limit * 1e3:.3f} ms)")
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gemv.json"), "w") as f:

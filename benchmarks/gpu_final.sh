@@ -28,6 +28,8 @@
 #                                          8B throughput bf16 and fp8, fp8 again with FLASHPAGE_SAMPLER_KERNEL=0
 #   bash benchmarks/gpu_final.sh gemv      one-row GEMV (kernels/gemv.py gemv_row): tests, benchmarks/gemv.py, 8B one
 #                                          sequence cuBLAS vs ours (decode_ab), batch-1 kernel tables
+#   bash benchmarks/gpu_final.sh gemv2     whole-row GEMV, norms in its prologue: tests, benchmark, one-sequence A/B,
+#                                          engine GPU tests with FLASHPAGE_GEMV=1
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -272,5 +274,15 @@ gemv)  # session 6: one-row GEMV with weights requested before the PDL wait: tes
   FLASHPAGE_PDL=0 FLASHPAGE_GEMV=1 timeout 100 python3 benchmarks/profile_engine_step.py --batch 1 --context 256 \
     --steps 10 --kernel-table --gpu-memory-utilization 0.5 2>&1 | grep -v Warning | tail -n 40 > "$OUT/profile_b1_gemv_pdl0.txt"
   tail -n 25 "$OUT/profile_b1_gemv_pdl0.txt" ;;
+gemv2)  # session 6: whole-row GEMV + RMSNorm in its prologue: tests, benchmark, 8B one sequence A/B, engine GPU tests
+  timeout 200 $PT -n 8 -m gpu tests/kernels/test_gemv.py -rf 2>&1 | tee "$OUT/gemv_tests.txt" | tail -n 3
+  timeout 200 python3 benchmarks/gemv.py --out "$OUT" 2>&1 | grep chain
+  timeout 200 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 8 \
+    --rounds 2 --iters 3 --setting cublas= --setting gemv=FLASHPAGE_GEMV=1 \
+    --setting gemv_nopdl="FLASHPAGE_GEMV=1;FLASHPAGE_PDL=0" --json-out "$OUT/decode_ab.json" 2>&1 | tail -n 4
+  FLASHPAGE_PDL=0 FLASHPAGE_GEMV=1 timeout 100 python3 benchmarks/profile_engine_step.py --batch 1 --context 256 \
+    --steps 10 --kernel-table --gpu-memory-utilization 0.5 2>&1 | grep -v Warning | tail -n 40 > "$OUT/profile_b1_gemv_pdl0.txt"
+  head -n 12 "$OUT/profile_b1_gemv_pdl0.txt"
+  FLASHPAGE_GEMV=1 timeout 200 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 4 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -21,8 +21,12 @@ weights are never written, so reading them early is safe; x and the output wait.
 GEMV's launch, its programs' start-up and its first DRAM round trip then overlap the
 kernel before it (an RMSNorm, the attention merge), which is where a one-row step loses
 its time: at one row a linear of an 8B model is 8-60 us of streaming and ~3 us of
-ramp-up. The loop keeps one tile in flight ahead of the one it multiplies (loads issued
-a tile early, in registers; ``num_stages`` 1).
+ramp-up. Rows up to 8192 wide are loaded whole, at once (nothing is left to wait for
+but that one round trip); longer rows go through a loop that keeps one tile in flight
+ahead of the one it multiplies (loads issued a tile early, in registers). With whole
+rows the RMSNorm before the linear (and its residual add) moves into the prologue: every
+program normalizes the 8 KB row itself, so the norm's own kernel, with its wait and its
+round trip, is gone from the step.
 """
 
 from __future__ import annotations
@@ -182,25 +186,33 @@ def pick_config(w: torch.Tensor, m: int, silu_mul: bool = False, iters: int = 20
 @dataclass(frozen=True)
 class RowConfig:
     """``gemv_row``'s tile: ``block_n`` output features per program, ``block_k`` columns
-    of their weight rows per loop step (one such tile in flight ahead of the one used)."""
+    of their weight rows per loop step (one such tile in flight ahead of the one used).
+    With ``block_k`` >= K a program loads its whole rows at once, before the wait."""
 
-    block_n: int = 8
+    block_n: int = 4
     block_k: int = 1024
-    num_warps: int = 8
+    num_warps: int = 4
 
     @property
     def name(self) -> str:
         return f"row-n{self.block_n}k{self.block_k}w{self.num_warps}"
 
 
+# Timed on the H200 (benchmarks/gemv.py, run 38): 4 rows x 1024 columns with 4 warps was
+# the best looped tile or within 2% of it for K = 4096 (qkv, o_proj, gate_up, LM head);
+# for K = 14336 (down) 16 x 512 with 8 warps.
 ROW_CANDIDATES = (
-    RowConfig(8, 1024, 8),
     RowConfig(4, 1024, 4),
     RowConfig(16, 512, 8),
-    RowConfig(8, 2048, 8),
-    RowConfig(4, 2048, 8),
+    RowConfig(8, 512, 4),
+    RowConfig(16, 1024, 8),
     RowConfig(2, 2048, 4),
+    RowConfig(4, 4096, 4),   # whole rows (K = 4096)
+    RowConfig(2, 4096, 4),
+    RowConfig(8, 4096, 8),
 )
+# Whole rows are taken for K up to this (the weight tile then lives in registers).
+MAX_WHOLE_ROW = 8192
 
 
 @triton.jit
@@ -215,11 +227,14 @@ def _silu_mul_cols(x_ptr, cols, mask, K, OUT_DTYPE: tl.constexpr):
 @triton.jit
 def _gemv_row_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
+    res_ptr, nw_ptr, res_out_ptr, eps,  # NORM: residual in, norm weight, x + residual out
     N, K, stride_wn,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    dt = w_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
@@ -228,38 +243,67 @@ def _gemv_row_kernel(
     w_next = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :],
                      other=0.0)
     pdl_prologue(PDL)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w = w_next
-        kn = k0 + BLOCK_K + offs_k
-        w_next = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & (kn < K)[None, :],
-                         other=0.0)
-        kk = k0 + offs_k
-        k_mask = kk < K
+    if WHOLE_ROW:  # K <= BLOCK_K: one tile, no loop
+        k_mask = offs_k < K
         if SILU_MUL:
-            x = _silu_mul_cols(x_ptr, kk, k_mask, K, w_ptr.dtype.element_ty)
+            x = _silu_mul_cols(x_ptr, offs_k, k_mask, K, dt)
+        elif NORM:
+            # rmsnorm(x + residual) * weight, rounded as kernels/rms_norm and HF round it;
+            # every program computes it (8-16 KB from L2), the first writes x + residual.
+            s = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            if HAS_RES:
+                s = (s + tl.load(res_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32))
+                s = s.to(dt).to(tl.float32)
+                tl.store(res_out_ptr + offs_k, s.to(dt), mask=k_mask & (pid == 0))
+            rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / K + eps)
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = (nw * (s * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         else:
-            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1)
+            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        y = tl.sum(w_next.to(tl.float32) * x[None, :], axis=1)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            w = w_next
+            kn = k0 + BLOCK_K + offs_k
+            w_next = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & (kn < K)[None, :],
+                             other=0.0)
+            kk = k0 + offs_k
+            k_mask = kk < K
+            if SILU_MUL:
+                x = _silu_mul_cols(x_ptr, kk, k_mask, K, dt)
+            else:
+                x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 def default_row_config(n: int, k: int) -> RowConfig:
-    """The tile for a [n, k] weight (narrowed to k for small models)."""
-    cfg = RowConfig()
-    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
-    return RowConfig(cfg.block_n, block_k, cfg.num_warps if block_k >= 1024 else 4)
+    """The tile for a [n, k] weight: whole rows, 4 per program, up to K = MAX_WHOLE_ROW
+    (4 warps up to 4096 columns, 8 above); longer rows 16 x 512 with 8 warps."""
+    block_k = max(16, triton.next_power_of_2(k))
+    if block_k <= MAX_WHOLE_ROW:
+        return RowConfig(4, block_k, 4 if block_k <= 4096 else 8)
+    return RowConfig(16, 512, 8)
 
 
 def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
              config: RowConfig | None = None, silu_mul: bool = False,
-             pdl: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+             pdl: bool | None = None, out: torch.Tensor | None = None, *,
+             norm: tuple[torch.Tensor, float] | None = None,
+             residual: torch.Tensor | None = None,
+             residual_out: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] (or [1, 2K] with ``silu_mul``: silu(gate) * up computed on the fly),
     w [N, K], bias [N] -> [1, N], fp32 accumulation. ``pdl``: programmatic dependent
-    launch (None: per FLASHPAGE_PDL and the device)."""
+    launch (None: per FLASHPAGE_PDL and the device).
+
+    ``norm`` = (weight [K], eps): the input is rmsnorm(x + residual) * weight, computed
+    in the prologue (kernels/rms_norm's rounding), and with ``residual`` the sum
+    x + residual is written to ``residual_out`` [1, K] (what the RMSNorm kernel returns
+    beside its output). Needs whole rows (K <= MAX_WHOLE_ROW)."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"x must be [1, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     m, kx = x.shape
@@ -273,13 +317,42 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if x.dtype != w.dtype:
         raise ValueError(f"dtype mismatch: x {x.dtype}, w {w.dtype}")
     cfg = config or default_row_config(n, k)
+    whole = k <= cfg.block_k
+    nw, eps = norm if norm is not None else (w, 0.0)
+    if norm is not None:
+        if silu_mul:
+            raise ValueError("norm and silu_mul cannot be combined")
+        if not whole:
+            raise ValueError(f"norm needs whole rows: K={k} is wider than the tile's {cfg.block_k}")
+        if nw.shape != (k,) or nw.stride(0) != 1:
+            raise ValueError(f"norm weight must be contiguous [{k}], got {tuple(nw.shape)}")
+        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                     or residual.stride(1) != 1 or residual_out is None
+                                     or residual_out.shape != x.shape or residual_out.stride(1) != 1):
+            raise ValueError("residual and residual_out must be contiguous rows like x")
+    elif residual is not None:
+        raise ValueError("residual needs norm")
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     use_pdl = resolve_pdl(pdl, x.device)
     _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, w, bias if bias is not None else w, out, n, k, w.stride(0),
+        x, w, bias if bias is not None else w, out,
+        residual if residual is not None else x, nw,
+        residual_out if residual is not None else x, eps,
+        n, k, w.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=use_pdl,
+        NORM=norm is not None, HAS_RES=residual is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WHOLE_ROW=whole, PDL=use_pdl,
         num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(use_pdl),
     )
     return out
+
+
+def gemv_row_norm_ref(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None = None, bias: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rmsnorm(x + residual) * norm_w, then the linear, in PyTorch (HF's rounding);
+    returns (y, x + residual)."""
+    s = x if residual is None else x + residual
+    h = s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + eps)
+    return skinny_linear_ref(norm_w * h.to(x.dtype), w, bias), s

@@ -9,7 +9,8 @@ world size > 1 arrives.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,32 @@ from torch import nn
 from flashpage import envs
 
 logger = logging.getLogger("flashpage")
+
+
+@dataclass
+class PendingNorm:
+    """``norm(x, residual)`` not computed yet: a linear that runs ``gemv_row`` computes the
+    RMSNorm in its GEMV's prologue and writes x + residual to ``residual_out``; any other
+    path computes it first (``compute``). Without ``residual`` the input is norm(x) and
+    nothing is written. Decoder layers pass one to the first linear of attention and of
+    the MLP at one-row decode steps (models/common.PreNormDecoderLayer)."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    norm: nn.Module  # layers/norm.RMSNorm: weight, eps
+    residual_out: torch.Tensor | None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    def compute(self) -> torch.Tensor:
+        if self.residual is None:
+            return self.norm(self.x)
+        h, r = self.norm(self.x, self.residual)
+        assert self.residual_out is not None
+        self.residual_out.copy_(r)
+        return h
 
 
 class _ParallelLinear(nn.Module):
@@ -63,7 +90,23 @@ class _ParallelLinear(nn.Module):
         return (self.row_gemv and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
                 and envs.gemv_row())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fuses_norm(self, x: torch.Tensor, norm: nn.Module) -> bool:
+        """Whether ``forward(PendingNorm(x, ..., norm, ...))`` computes the norm inside
+        our GEMV (one row, rows short enough to load whole, our kernels on)."""
+        from flashpage.kernels.gemv import MAX_WHOLE_ROW
+
+        return (self._use_row_gemv(x) and getattr(norm, "fused", False) and x.is_contiguous()
+                and x.shape[1] <= MAX_WHOLE_ROW and norm.weight.dtype == x.dtype)
+
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        if isinstance(x, PendingNorm):
+            if not self.fuses_norm(x.x, x.norm):
+                return self.forward(x.compute())
+            from flashpage.kernels.gemv import gemv_row
+
+            norm_w, eps = cast(torch.Tensor, x.norm.weight), float(cast(float, x.norm.eps))
+            return gemv_row(x.x, self.weight, self.bias, norm=(norm_w, eps),
+                            residual=x.residual, residual_out=x.residual_out)
         if self._use_row_gemv(x):
             from flashpage.kernels.gemv import gemv_row
 

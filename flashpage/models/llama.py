@@ -18,7 +18,12 @@ from flashpage.attention.backend import AttentionMetadata
 from flashpage.config import ModelConfig
 from flashpage.layers.activation import SiluAndMul
 from flashpage.layers.attention import Attention
-from flashpage.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
+from flashpage.layers.linear import (
+    ColumnParallelLinear,
+    PendingNorm,
+    RowParallelLinear,
+    VocabEmbedding,
+)
 from flashpage.layers.norm import RMSNorm
 from flashpage.layers.rotary import get_rope
 from flashpage.models.common import DecoderStack, PreNormDecoderLayer
@@ -40,7 +45,8 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = get_rope(config, max_positions)
         self.attn = Attention(h, d, kv, d**-0.5, layer_idx, config.sliding_window)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | PendingNorm,
+                md: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -60,7 +66,7 @@ class LlamaMLP(nn.Module):
         self.down_proj.silu_input = True
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         h = self.gate_up_proj(x)
         y = self.down_proj.silu_mul_forward(h)  # one kernel at tuned decode batches
         return y if y is not None else self.down_proj(self.act(h))
@@ -68,12 +74,16 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
     self_attn: LlamaAttention
+    mlp: LlamaMLP
     def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, max_positions)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+
+    def norm_consumers(self) -> tuple[ColumnParallelLinear, ColumnParallelLinear]:
+        return self.self_attn.qkv_proj, self.mlp.gate_up_proj
 
 
 class LlamaModel(DecoderStack):

@@ -13,6 +13,7 @@ from flashpage.kernels.gemv import (
     RowConfig,
     default_row_config,
     gemv_row,
+    gemv_row_norm_ref,
     pick_config,
     skinny_linear,
     skinny_linear_ref,
@@ -108,7 +109,8 @@ def test_llama_mlp_routes_tuned_rows_through_the_skinny_kernel():
     (37, 96, True, False, RowConfig(8, 64, 1)),      # ragged N and K (96 = 64 + 32)
     (16, 256, False, True, RowConfig(4, 64, 2)),     # SiLU·mul prologue, four K tiles
     (33, 80, True, True, RowConfig(16, 32, 1)),      # all of it, K not a multiple of 16
-    (5, 24, False, False, None),                     # default tile narrowed to K
+    (5, 24, False, False, None),                     # default tile: whole rows
+    (21, 48, True, True, RowConfig(4, 64, 1)),       # whole rows wider than K, SiLU·mul
 ])
 def test_gemv_row_cpu(n, k, bias, silu, cfg, dtype):
     if GPU:
@@ -125,10 +127,55 @@ def test_gemv_row_rejects_bad_input():
         gemv_row(torch.zeros(1, 64), torch.zeros(16, 64, dtype=torch.float16))
 
 
-def test_default_row_config_fits_small_k():
-    assert default_row_config(6144, 4096).block_k == 1024
-    small = default_row_config(1000, 96)
-    assert small.block_k == 128 and small.num_warps == 4
+def test_default_row_config():
+    assert default_row_config(6144, 4096) == RowConfig(4, 4096, 4)  # whole rows
+    assert default_row_config(1000, 96) == RowConfig(4, 128, 4)
+    assert default_row_config(8192, 8192).num_warps == 8
+    assert default_row_config(4096, 14336) == RowConfig(16, 512, 8)  # looped
+
+
+def _check_norm(n, k, dtype, bias, with_res, cfg, atol, pdl=None):
+    g = torch.Generator(device=DEV).manual_seed(n + k)
+    x = torch.randn(1, k, device=DEV, dtype=dtype, generator=g)
+    res = torch.randn(1, k, device=DEV, dtype=dtype, generator=g) if with_res else None
+    nw = torch.rand(k, device=DEV, dtype=dtype, generator=g) + 0.5
+    w = torch.randn(n, k, device=DEV, dtype=dtype, generator=g) / k ** 0.5
+    b = torch.randn(n, device=DEV, dtype=dtype, generator=g) if bias else None
+    res_out = torch.full_like(x, float("nan")) if with_res else None
+    got = gemv_row(x, w, b, cfg, norm=(nw, 1e-5), residual=res, residual_out=res_out, pdl=pdl)
+    ref, s = gemv_row_norm_ref(x, w, nw, 1e-5, res, b)
+    torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=atol)
+    if with_res:
+        torch.testing.assert_close(res_out, s, atol=0, rtol=0)  # one rounding, as torch's add
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,bias,with_res", [
+    (40, 64, False, False), (37, 96, True, True), (9, 48, False, True),
+])
+def test_gemv_row_norm_prologue_cpu(n, k, bias, with_res, dtype):
+    """rmsnorm(x + residual) * weight computed in the prologue, by every program; the first
+    program writes x + residual."""
+    if GPU:
+        pytest.skip("the CPU variant (interpreter)")
+    _check_norm(n, k, dtype, bias, with_res, RowConfig(8, triton_pow2(k), 1),
+                1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def triton_pow2(k):
+    return 1 << (k - 1).bit_length()
+
+
+def test_gemv_row_norm_rejects_what_it_cannot_do():
+    x, w, nw = torch.zeros(1, 64), torch.zeros(16, 64), torch.ones(64)
+    with pytest.raises(ValueError, match="whole rows"):
+        gemv_row(x, w, config=RowConfig(4, 32, 1), norm=(nw, 1e-5))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        gemv_row(torch.zeros(1, 128), w, norm=(nw, 1e-5), silu_mul=True)
+    with pytest.raises(ValueError, match="residual_out"):
+        gemv_row(x, w, norm=(nw, 1e-5), residual=torch.zeros(1, 64))
+    with pytest.raises(ValueError, match="residual needs norm"):
+        gemv_row(x, w, residual=torch.zeros(1, 64))
 
 
 @pytest.mark.gpu
@@ -141,6 +188,17 @@ def test_default_row_config_fits_small_k():
 ])
 def test_gemv_row_gpu_bf16(n, k, bias, silu, cfg, pdl):
     _check(1, n, k, torch.bfloat16, bias, silu, cfg, 2e-2, fn=gemv_row, pdl=pdl)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("n,k,bias,with_res", [
+    (6144, 4096, False, True), (28672, 4096, False, False), (1000, 896, True, True),
+    (1536, 8192, False, True),
+])
+def test_gemv_row_norm_prologue_gpu_bf16(n, k, bias, with_res, pdl):
+    _check_norm(n, k, torch.bfloat16, bias, with_res, None, 2e-2, pdl=pdl)
 
 
 @pytest.mark.gpu
@@ -208,3 +266,55 @@ def test_llama_mlp_routes_one_row_through_gemv_row(monkeypatch):
         mlp(torch.randn(2, 64, device=DEV, dtype=dtype))
         assert spy.call_count == 2
     torch.testing.assert_close(fused, plain, atol=2e-2, rtol=2e-2)
+
+
+class _FlattenQ(torch.nn.Module):
+    def forward(self, q, k, v, md, positions, rotary):
+        return q.reshape(q.shape[0], -1)
+
+
+def test_llama_layers_hand_their_norms_to_the_gemv(monkeypatch):
+    """Two Llama decoder layers at one row with FLASHPAGE_GEMV on: each RMSNorm goes into
+    the prologue of the linear after it (no norm kernel runs), and hidden state and
+    residual stream equal the unfused path's (attention stubbed: q flattened)."""
+    from unittest import mock
+
+    import flashpage.kernels.gemv as gemv
+    import flashpage.kernels.rms_norm as rms
+    from flashpage.config import ModelConfig
+    from flashpage.layers.linear import set_row_gemv
+    from flashpage.layers.ops import set_fused_ops
+    from flashpage.models.llama import LlamaDecoderLayer
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if GPU else torch.float16
+    cfg = ModelConfig(architecture="LlamaForCausalLM", model_type="llama", hidden_size=64,
+                      intermediate_size=96, max_position_embeddings=64,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      num_hidden_layers=2, vocab_size=128, rms_norm_eps=1e-5)
+    layers = [LlamaDecoderLayer(cfg, i, 64).to(DEV, dtype) for i in range(2)]
+    for layer in layers:
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.1)
+        layer.self_attn.attn = _FlattenQ()
+        set_fused_ops(layer, True)
+        set_row_gemv(layer, True)
+
+    def run():
+        x, res = torch.randn(1, 64, device=DEV, dtype=dtype, generator=torch.Generator(
+            device=DEV).manual_seed(1)), None
+        for layer in layers:
+            x, res = layer(torch.zeros(1, dtype=torch.long, device=DEV), x, res, None)
+        return x, res
+
+    monkeypatch.setenv("FLASHPAGE_GEMV", "0")
+    plain = run()
+    monkeypatch.setenv("FLASHPAGE_GEMV", "1")
+    with mock.patch.object(gemv, "gemv_row", wraps=gemv.gemv_row) as spy, \
+            mock.patch.object(rms, "rms_norm", wraps=rms.rms_norm) as norms:
+        fused = run()
+        assert norms.call_count == 0
+        assert [c.kwargs.get("norm") is not None for c in spy.call_args_list] == \
+            [True, False, True, False] * 2  # qkv, o_proj, gate_up, down per layer
+    for a, b in zip(fused, plain, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
