@@ -30,6 +30,8 @@
 #                                          sequence cuBLAS vs ours (decode_ab), batch-1 kernel tables
 #   bash benchmarks/gpu_final.sh gemv2     whole-row GEMV, norms in its prologue: tests, benchmark, one-sequence A/B,
 #                                          engine GPU tests with FLASHPAGE_GEMV=1
+#   bash benchmarks/gpu_final.sh gemv3     GEMV default on: tests, one-sequence A/B (cuBLAS, ours, + fused merge),
+#                                          8B latency beside transformers, 8B throughput, engine GPU tests
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -284,5 +286,16 @@ gemv2)  # session 6: whole-row GEMV + RMSNorm in its prologue: tests, benchmark,
     --steps 10 --kernel-table --gpu-memory-utilization 0.5 2>&1 | grep -v Warning | tail -n 40 > "$OUT/profile_b1_gemv_pdl0.txt"
   head -n 12 "$OUT/profile_b1_gemv_pdl0.txt"
   FLASHPAGE_GEMV=1 timeout 200 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 4 ;;
+gemv3)  # session 6: gemv_row on by default, o_proj looped: tests, one-sequence A/B (+ fused merge), 8B latency and throughput
+  timeout 100 $PT -n 8 -m gpu tests/kernels/test_gemv.py tests/kernels/test_paged_decode.py -rf 2>&1 \
+    | tee "$OUT/kernel_gpu_tests.txt" | tail -n 2
+  timeout 200 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 8 \
+    --rounds 2 --iters 3 --setting cublas=FLASHPAGE_GEMV=0 --setting gemv= \
+    --setting gemv_fused_merge=FLASHPAGE_FUSED_MERGE=1 --json-out "$OUT/decode_ab.json" 2>&1 | tail -n 3
+  timeout 120 $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 64 \
+    --json-out "$OUT/latency_8b.json" 2>&1 | grep -E "tok_per_s|speedup|fraction|Error"
+  timeout 150 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --no-hf \
+    --json-out "$OUT/throughput_8b.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  timeout 150 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 2 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

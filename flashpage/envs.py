@@ -31,9 +31,19 @@ def skinny_gemm() -> bool:
 def gemv_row() -> bool:
     """FLASHPAGE_GEMV: one-row linears (a single sequence decoding) through our GEMV
     (kernels/gemv.py ``gemv_row``: weights requested before the previous kernel ends,
-    SiLU·mul fused into the down projection) instead of cuBLAS. "1" on, "0" off (the
-    default until it is shown to win end to end). Read when a decode graph is captured."""
-    return os.environ.get("FLASHPAGE_GEMV", "0").strip().lower() in ("1", "on", "auto")
+    RMSNorm and SiLU·mul fused into the linears after them) instead of cuBLAS. On by
+    default ("0" turns it off): one sequence of the 8B shape decoded at 237.9 tok/s
+    against 215.9 with cuBLAS on the H200 (BENCHMARKS.md, session 6). Read when a decode
+    graph is captured."""
+    return os.environ.get("FLASHPAGE_GEMV", "1").strip().lower() not in ("0", "off", "")
+
+
+def fused_merge() -> bool:
+    """FLASHPAGE_FUSED_MERGE=1: split paged decode merges its splits in the last program of
+    each (sequence, KV head) instead of a second kernel. Off by default: in the H200 run
+    of 2026-11-30 (attention_decode.py --compare) it was slower than the merge kernel,
+    3,158 vs 3,308 GB/s at 1 x 32768 and 4,206 vs 4,252 at 8 x 32768."""
+    return os.environ.get("FLASHPAGE_FUSED_MERGE", "0") == "1"
 
 
 def fused_moe() -> bool:

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage import envs
 from flashpage.kernels.kv_dtype import check_kv_cache_dtype, f16_dots, f16_query, is_fp8
 from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
@@ -113,21 +114,16 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
         major, _ = torch.cuda.get_device_capability(device)
         if major == 9 and triton.next_power_of_2(head_dim) == 128:
             if fp8:
-                return DecodeConfig(64, 4, 3, programs_per_sm=4, fused_merge=FUSED_MERGE_DEFAULT)
+                return DecodeConfig(64, 4, 3, programs_per_sm=4, fused_merge=envs.fused_merge())
             sms = _num_sms(device)
             if programs is not None and sms < programs <= 2 * sms:  # unsplit: 1-2 per SM
                 return DecodeConfig(64, 8, 3, programs_per_sm=2)
             if programs is not None and programs <= sms:
-                return DecodeConfig(64, 4, 3, programs_per_sm=2, fused_merge=FUSED_MERGE_DEFAULT)
+                return DecodeConfig(64, 4, 3, programs_per_sm=2, fused_merge=envs.fused_merge())
             return DecodeConfig(64, 4, 2, heads_fastest=True)
     return DecodeConfig(32, 4, 3) if head_dim > 128 else DecodeConfig(64, 4, 3)
 
 
-# The in-kernel merge for split grids (issue 6: 1 x 32768 at 77% of copy, fixed costs
-# weigh). Off: in the H200 run of 2026-11-30 (attention_decode.py --compare) it was
-# slower than the merge kernel, 3,158 vs 3,308 GB/s at 1 x 32768 and 4,206 vs 4,252 at
-# 8 x 32768.
-FUSED_MERGE_DEFAULT = False
 
 
 # What benchmarks/attention_decode.py --sweep times (head_dim 128); the GPU tests run each

@@ -128,10 +128,12 @@ def test_gemv_row_rejects_bad_input():
 
 
 def test_default_row_config():
-    assert default_row_config(6144, 4096) == RowConfig(4, 4096, 4)  # whole rows
+    assert default_row_config(6144, 4096) == RowConfig(4, 4096, 4)  # widens: whole rows
     assert default_row_config(1000, 96) == RowConfig(4, 128, 4)
-    assert default_row_config(8192, 8192).num_warps == 8
-    assert default_row_config(4096, 14336) == RowConfig(16, 512, 8)  # looped
+    assert default_row_config(4096, 4096) == RowConfig(4, 1024, 4)  # o_proj: looped
+    assert default_row_config(4096, 4096, whole=True) == RowConfig(4, 4096, 4)  # a norm: whole
+    assert default_row_config(8192, 8192, whole=True).num_warps == 8
+    assert default_row_config(4096, 14336) == RowConfig(16, 512, 8)  # long rows
 
 
 def _check_norm(n, k, dtype, bias, with_res, cfg, atol, pdl=None):

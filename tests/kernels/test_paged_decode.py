@@ -160,7 +160,13 @@ def test_default_config_by_generation(monkeypatch):
     small8, large8 = mod.default_config(cuda, 128, 264, fp8=True), mod.default_config(cuda, 128, 265, fp8=True)
     assert small8 == large8
     assert (small8.block_n, small8.num_stages, small8.programs_per_sm, small8.prefetch_v) == (64, 3, 4, False)
-    assert small.fused_merge == mod.FUSED_MERGE_DEFAULT and not large.fused_merge
+    assert not small.fused_merge and not large.fused_merge
+    monkeypatch.delenv("FLASHPAGE_FUSED_MERGE", raising=False)
+    assert not mod.default_config(cuda, 128, 8).fused_merge  # split: the merge kernel
+    monkeypatch.setenv("FLASHPAGE_FUSED_MERGE", "1")
+    assert mod.default_config(cuda, 128, 8).fused_merge
+    assert mod.default_config(cuda, 128, 8, fp8=True).fused_merge
+    monkeypatch.delenv("FLASHPAGE_FUSED_MERGE")
     assert mod.default_config(cuda, 128) == large
     assert mod.default_config(cuda, 64, 8) == DecodeConfig(64, 4, 3)  # not measured: generic
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
