@@ -16,7 +16,8 @@ gate/up row: SiLU·mul first, fused into ours), lm_head 128256x4096.
   (norms and SiLU·mul our kernels, PDL per FLASHPAGE_PDL's default) against
   ``gemv_row`` with PDL on and off, each candidate tile (one tile for every shape;
   ``row-default`` is ``default_row_config``'s per-shape choice), and the default with
-  each RMSNorm moved into the next GEMV's prologue (``+ norms``: 1 norm kernel, not 65).
+  each RMSNorm moved into the next GEMV's prologue (``+ norms``: 1 norm kernel, not 65),
+  then that with each whole-row tile for the down projection (K = 14336).
 
     python benchmarks/gemv.py --out $OUT     # $OUT/gemv.json, gemv.md
 """
@@ -96,7 +97,7 @@ def main() -> int:
         limit = total / (copy * 1e9)
         x0 = torch.randn(1, HIDDEN, device="cuda", dtype=DT)
 
-        def step(cfg, pdl, fuse=False):
+        def step(cfg, pdl, fuse=False, down_cfg=None):
             """The model's order: norm (+ residual) -> qkv -> o_proj -> norm + residual ->
             gate_up -> down, 32 times, then the final norm and the LM head; ``fuse``:
             each norm inside the next GEMV's prologue (gemv_row's ``norm``)."""
@@ -117,17 +118,21 @@ def main() -> int:
                     if kind == "qkv":
                         x = linear("o_proj", h[:, :HIDDEN], layers["o_proj"][i], cfg, pdl)
                     else:
-                        x = linear("down", h, layers["down"][i], cfg, pdl)
+                        x = linear("down", h, layers["down"][i], down_cfg or cfg, pdl)
             h, _ = rms_norm(x, norm_w, 1e-5, res, pdl=pdl)
             return linear("lm_head", h, lm_head, cfg, pdl)
 
         variants = [("cublas", False, False), ("cublas", True, False)]
         variants += [(cfg, pdl, False) for cfg in configs for pdl in (False, True)]
         variants += [(None, False, True), (None, True, True)]
-        for cfg, pdl, fuse in variants:
-            t = time_graph(lambda cfg=cfg, pdl=pdl, fuse=fuse: step(cfg, pdl, fuse), reps=10)
+        variants += [(None, True, True, c) for c in configs if c and c.block_k >= INTER]
+        for cfg, pdl, fuse, *down in variants:
+            down_cfg = down[0] if down else None
+            t = time_graph(lambda cfg=cfg, pdl=pdl, fuse=fuse, down_cfg=down_cfg:
+                           step(cfg, pdl, fuse, down_cfg), reps=10)
             name = cfg if cfg == "cublas" else (cfg.name if cfg else "row-default")
             name += " + norms" if fuse else ""
+            name += f", down {down_cfg.name}" if down_cfg else ""
             row = {"kernel": name, "pdl": pdl, "ms_per_step": t * 1e3, "limit_ms": limit * 1e3,
                    "of_limit": limit / t, "tok_per_s_equiv": 1 / t}
             results["chain"].append(row)

@@ -32,6 +32,7 @@
 #                                          engine GPU tests with FLASHPAGE_GEMV=1
 #   bash benchmarks/gpu_final.sh gemv3     GEMV default on: tests, one-sequence A/B (cuBLAS, ours, + fused merge),
 #                                          8B latency beside transformers, 8B throughput, engine GPU tests
+#   bash benchmarks/gpu_final.sh gemv4     whole rows up to 16384 (down): tests, chain, one-sequence A/B
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -297,5 +298,11 @@ gemv3)  # session 6: gemv_row on by default, o_proj looped: tests, one-sequence 
   timeout 150 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --no-hf \
     --json-out "$OUT/throughput_8b.json" 2>&1 | grep -E "output_tok_per_s|Error"
   timeout 150 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 2 ;;
+gemv4)  # session 6: whole rows up to 16384 (the down projection): tests, chain, one-sequence A/B
+  timeout 120 $PT -n 8 -m gpu tests/kernels/test_gemv.py -rf 2>&1 | tee "$OUT/gemv_tests.txt" | tail -n 2
+  timeout 200 python3 benchmarks/gemv.py --out "$OUT" 2>&1 | grep -E "chain|down"
+  timeout 240 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 8 \
+    --rounds 2 --iters 3 --setting cublas=FLASHPAGE_GEMV=0 --setting gemv= \
+    --setting gemv_whole16k=FLASHPAGE_GEMV_WHOLE_ROW=16384 --json-out "$OUT/decode_ab.json" 2>&1 | tail -n 3 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

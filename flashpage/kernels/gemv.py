@@ -31,6 +31,7 @@ round trip, is gone from the step.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -210,9 +211,26 @@ ROW_CANDIDATES = (
     RowConfig(4, 4096, 4),   # whole rows (K = 4096)
     RowConfig(2, 4096, 4),
     RowConfig(8, 4096, 8),
+    RowConfig(2, 16384, 8),  # whole rows (K = 14336)
+    RowConfig(4, 16384, 16),
+    RowConfig(1, 16384, 4),
 )
-# Whole rows are taken for K up to this (the weight tile then lives in registers).
+# Rows up to this wide are loaded whole by default (the weight tile then lives in
+# registers); FLASHPAGE_GEMV_WHOLE_ROW overrides it (a power of two, <= 16384).
 MAX_WHOLE_ROW = 8192
+WHOLE_ROW_LIMIT = 16384
+
+
+def max_whole_row() -> int:
+    """The widest row ``gemv_row`` loads whole: FLASHPAGE_GEMV_WHOLE_ROW or MAX_WHOLE_ROW."""
+    value = os.environ.get("FLASHPAGE_GEMV_WHOLE_ROW")
+    if not value:
+        return MAX_WHOLE_ROW
+    width = int(value)
+    if width & (width - 1) or not 16 <= width <= WHOLE_ROW_LIMIT:
+        raise ValueError(f"FLASHPAGE_GEMV_WHOLE_ROW must be a power of two in 16..{WHOLE_ROW_LIMIT}, "
+                         f"got {value}")
+    return width
 
 
 @triton.jit
@@ -282,16 +300,18 @@ def _gemv_row_kernel(
 
 
 def default_row_config(n: int, k: int, whole: bool = False) -> RowConfig:
-    """The tile for a [n, k] weight (run 39, benchmarks/gemv.py on the H200): whole rows,
-    4 per program, where ``whole`` (a norm in the prologue) or the layer widens (n > k:
-    qkv, gate_up, the LM head; 4 warps up to 4096 columns, 8 above, up to MAX_WHOLE_ROW);
-    4 x 1024 tiles for rows up to MAX_WHOLE_ROW that do not widen (o_proj: 9.3 us
-    against 10.0 whole); 16 x 512 with 8 warps for longer rows (down, K = 14336)."""
+    """The tile for a [n, k] weight: whole rows where K fits ``max_whole_row()`` (or
+    ``whole``: a norm in the prologue), about 16K weights per program with 4 warps per 16K
+    (4 rows up to 4096 columns; 4 rows and 8 warps at 8192; 2 rows and 8 warps at 16384);
+    longer rows 16 x 512 tiles with 8 warps. Measured on the H200 (benchmarks/gemv.py,
+    runs 38-40): whole rows gave the best chain of one-row linears, and in the engine
+    a looped o_proj (faster alone: 9.3 against 10.0 us) made a token 2% slower: a whole
+    row is requested before the PDL wait, a looped one only its first tile."""
     block_k = max(16, triton.next_power_of_2(k))
-    if block_k <= MAX_WHOLE_ROW and (whole or n > k):
-        return RowConfig(4, block_k, 4 if block_k <= 4096 else 8)
-    if block_k <= MAX_WHOLE_ROW:
-        return RowConfig(4, min(block_k, 1024), 4)
+    if block_k <= max_whole_row() or (whole and block_k <= WHOLE_ROW_LIMIT):
+        if block_k <= 4096:
+            return RowConfig(4, block_k, 4)
+        return RowConfig(4, block_k, 8) if block_k == 8192 else RowConfig(2, block_k, 8)
     return RowConfig(16, 512, 8)
 
 
@@ -308,7 +328,7 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     ``norm`` = (weight [K], eps): the input is rmsnorm(x + residual) * weight, computed
     in the prologue (kernels/rms_norm's rounding), and with ``residual`` the sum
     x + residual is written to ``residual_out`` [1, K] (what the RMSNorm kernel returns
-    beside its output). Needs whole rows (K <= MAX_WHOLE_ROW)."""
+    beside its output). Needs whole rows (K <= WHOLE_ROW_LIMIT)."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"x must be [1, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     m, kx = x.shape

@@ -127,13 +127,21 @@ def test_gemv_row_rejects_bad_input():
         gemv_row(torch.zeros(1, 64), torch.zeros(16, 64, dtype=torch.float16))
 
 
-def test_default_row_config():
-    assert default_row_config(6144, 4096) == RowConfig(4, 4096, 4)  # widens: whole rows
+def test_default_row_config(monkeypatch):
+    monkeypatch.delenv("FLASHPAGE_GEMV_WHOLE_ROW", raising=False)
+    assert default_row_config(6144, 4096) == RowConfig(4, 4096, 4)  # whole rows
+    assert default_row_config(4096, 4096) == RowConfig(4, 4096, 4)
     assert default_row_config(1000, 96) == RowConfig(4, 128, 4)
-    assert default_row_config(4096, 4096) == RowConfig(4, 1024, 4)  # o_proj: looped
-    assert default_row_config(4096, 4096, whole=True) == RowConfig(4, 4096, 4)  # a norm: whole
-    assert default_row_config(8192, 8192, whole=True).num_warps == 8
-    assert default_row_config(4096, 14336) == RowConfig(16, 512, 8)  # long rows
+    assert default_row_config(8192, 8192) == RowConfig(4, 8192, 8)
+    assert default_row_config(4096, 14336) == RowConfig(16, 512, 8)  # long rows: looped
+    assert default_row_config(4096, 14336, whole=True) == RowConfig(2, 16384, 8)  # a norm: whole
+    monkeypatch.setenv("FLASHPAGE_GEMV_WHOLE_ROW", "16384")
+    assert default_row_config(4096, 14336) == RowConfig(2, 16384, 8)
+    monkeypatch.setenv("FLASHPAGE_GEMV_WHOLE_ROW", "1024")
+    assert default_row_config(6144, 4096) == RowConfig(16, 512, 8)
+    monkeypatch.setenv("FLASHPAGE_GEMV_WHOLE_ROW", "1000")
+    with pytest.raises(ValueError, match="power of two"):
+        default_row_config(6144, 4096)
 
 
 def _check_norm(n, k, dtype, bias, with_res, cfg, atol, pdl=None):
@@ -197,7 +205,7 @@ def test_gemv_row_gpu_bf16(n, k, bias, silu, cfg, pdl):
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("n,k,bias,with_res", [
     (6144, 4096, False, True), (28672, 4096, False, False), (1000, 896, True, True),
-    (1536, 8192, False, True),
+    (1536, 8192, False, True), (512, 14336, False, True),
 ])
 def test_gemv_row_norm_prologue_gpu_bf16(n, k, bias, with_res, pdl):
     _check_norm(n, k, torch.bfloat16, bias, with_res, None, 2e-2, pdl=pdl)
