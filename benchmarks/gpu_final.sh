@@ -33,6 +33,7 @@
 #   bash benchmarks/gpu_final.sh gemv3     GEMV default on: tests, one-sequence A/B (cuBLAS, ours, + fused merge),
 #                                          8B latency beside transformers, 8B throughput, engine GPU tests
 #   bash benchmarks/gpu_final.sh gemv4     whole rows up to 16384 (down): tests, chain, one-sequence A/B
+#   bash benchmarks/gpu_final.sh gemv5     looped GEMV with x a tile ahead: tests, chain, one-sequence A/B
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -304,5 +305,11 @@ gemv4)  # session 6: whole rows up to 16384 (the down projection): tests, chain,
   timeout 240 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 8 \
     --rounds 2 --iters 3 --setting cublas=FLASHPAGE_GEMV=0 --setting gemv= \
     --setting gemv_whole16k=FLASHPAGE_GEMV_WHOLE_ROW=16384 --json-out "$OUT/decode_ab.json" 2>&1 | tail -n 3 ;;
+gemv5)  # session 6: looped GEMV with x loaded a tile ahead (down): tests, chain, one-sequence A/B
+  timeout 120 $PT -n 8 -m gpu tests/kernels/test_gemv.py -rf 2>&1 | tee "$OUT/gemv_tests.txt" | tail -n 2
+  timeout 200 python3 benchmarks/gemv.py --out "$OUT" 2>&1 | grep -E "chain|down|o_proj"
+  timeout 240 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 8 \
+    --rounds 2 --iters 3 --setting cublas=FLASHPAGE_GEMV=0 --setting gemv= \
+    --setting gemv_loop4k="FLASHPAGE_GEMV_WHOLE_ROW=2048" --json-out "$OUT/decode_ab.json" 2>&1 | tail -n 3 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

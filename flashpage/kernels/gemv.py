@@ -211,10 +211,9 @@ ROW_CANDIDATES = (
     RowConfig(4, 4096, 4),   # whole rows (K = 4096)
     RowConfig(2, 4096, 4),
     RowConfig(8, 4096, 8),
-    RowConfig(2, 16384, 8),  # whole rows (K = 14336)
-    RowConfig(4, 16384, 16),
-    RowConfig(1, 16384, 4),
 )
+# Whole rows of K = 14336 (2 x 16384 with 8 warps, 4 x 16384 with 16, 1 x 16384 with 4)
+# ran the down projection at 32-59% of the copy rate (run 41): not candidates.
 # Rows up to this wide are loaded whole by default (the weight tile then lives in
 # registers); FLASHPAGE_GEMV_WHOLE_ROW overrides it (a power of two, <= 16384).
 MAX_WHOLE_ROW = 8192
@@ -234,12 +233,11 @@ def max_whole_row() -> int:
 
 
 @triton.jit
-def _silu_mul_cols(x_ptr, cols, mask, K, OUT_DTYPE: tl.constexpr):
-    """silu(x[cols]) * x[K + cols] for the gate/up row x, rounded as kernels/silu_mul."""
-    g = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul(g, u, OUT_DTYPE: tl.constexpr):
+    """silu(g) * u from the loaded gate and up columns, rounded as kernels/silu_mul."""
+    g = g.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32)
-    return (act * u).to(OUT_DTYPE).to(tl.float32)
+    return (act * u.to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -264,7 +262,8 @@ def _gemv_row_kernel(
     if WHOLE_ROW:  # K <= BLOCK_K: one tile, no loop
         k_mask = offs_k < K
         if SILU_MUL:
-            x = _silu_mul_cols(x_ptr, offs_k, k_mask, K, dt)
+            x = _silu_mul(tl.load(x_ptr + offs_k, mask=k_mask, other=0.0),
+                          tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0), dt)
         elif NORM:
             # rmsnorm(x + residual) * weight, rounded as kernels/rms_norm and HF round it;
             # every program computes it (8-16 KB from L2), the first writes x + residual.
@@ -280,18 +279,28 @@ def _gemv_row_kernel(
             x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         y = tl.sum(w_next.to(tl.float32) * x[None, :], axis=1)
     else:
+        # x (or the gate/up columns) is loaded a tile ahead too: an L2 round trip on every
+        # iteration's critical path would otherwise cost ~1/3 of a 14336-wide row's time.
+        k_mask = offs_k < K
+        x_next = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+        u_next = x_next
+        if SILU_MUL:
+            u_next = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             w = w_next
+            xr = x_next
+            ur = u_next
             kn = k0 + BLOCK_K + offs_k
-            w_next = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & (kn < K)[None, :],
+            kn_mask = kn < K
+            w_next = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & kn_mask[None, :],
                              other=0.0)
-            kk = k0 + offs_k
-            k_mask = kk < K
+            x_next = tl.load(x_ptr + kn, mask=kn_mask, other=0.0)
             if SILU_MUL:
-                x = _silu_mul_cols(x_ptr, kk, k_mask, K, dt)
+                u_next = tl.load(x_ptr + K + kn, mask=kn_mask, other=0.0)
+                x = _silu_mul(xr, ur, dt)
             else:
-                x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+                x = xr.to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
     if HAS_BIAS:
