@@ -310,6 +310,6 @@ gemv5)  # session 6: looped GEMV with x loaded a tile ahead (down): tests, chain
   timeout 200 python3 benchmarks/gemv.py --out "$OUT" 2>&1 | grep -E "chain|down|o_proj"
   timeout 240 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 8 \
     --rounds 2 --iters 3 --setting cublas=FLASHPAGE_GEMV=0 --setting gemv= \
-    --setting gemv_loop4k="FLASHPAGE_GEMV_WHOLE_ROW=2048" --json-out "$OUT/decode_ab.json" 2>&1 | tail -n 3 ;;
+    --json-out "$OUT/decode_ab.json" 2>&1 | tail -n 3 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
