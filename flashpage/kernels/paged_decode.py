@@ -232,7 +232,6 @@ def _paged_decode_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     F16_DOTS: tl.constexpr,  # an fp8 cache under a 16-bit q: pre-scaled fp16 q, fp16 dots
 ):
-    pdl_prologue(PDL)
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -243,14 +242,19 @@ def _paged_decode_kernel(
         num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
 
+    # The sequence's length and its first tile's block ids are step inputs (written before
+    # the step's first kernel): requested before the wait, which only q needs.
     start, end = split_range(seq_lens_ptr, b, window, num_splits, split, HAS_WINDOW, BLOCK_N)
+    b64 = b.to(tl.int64)
+    bt_row = block_tables_ptr + b64 * stride_btb
+    blk0 = _block_ids(bt_row, start + tl.arange(0, BLOCK_N), end, PAGE)
+    pdl_prologue(PDL)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
     head = kvh * GROUP + offs_h
-    b64 = b.to(tl.int64)
 
     q_ptrs = q_ptr + b64 * stride_qb + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
@@ -260,14 +264,13 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
-    bt_row = block_tables_ptr + b64 * stride_btb
     kv_args = (k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, kvh)
     if PREFETCH:
         # Software pipeline in registers: while tile i is computed, tile i+1's K/V and
         # tile i+2's block ids are in flight, so no load waits on another load.
         offs0 = start + tl.arange(0, BLOCK_N)
         blk_next = _block_ids(bt_row, offs0 + BLOCK_N, end, PAGE)
-        k, v = _load_kv(*kv_args, _block_ids(bt_row, offs0, end, PAGE), offs0, end, offs_d, d_mask, PAGE)
+        k, v = _load_kv(*kv_args, blk0, offs0, end, offs_d, d_mask, PAGE)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             blk_after = _block_ids(bt_row, offs_n + 2 * BLOCK_N, end, PAGE)
@@ -282,7 +285,7 @@ def _paged_decode_kernel(
         # for in the iteration after its issue (Nsight Compute, H200: 13% of the stall
         # samples at that wait).
         offs0 = start + tl.arange(0, BLOCK_N)
-        blk = _block_ids(bt_row, offs0, end, PAGE)
+        blk = blk0
         v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blk, offs0, end, offs_d,
                             d_mask, PAGE).to(q.dtype)
         for n0 in range(start, end, BLOCK_N):
@@ -300,7 +303,7 @@ def _paged_decode_kernel(
         # Triton's pipeliner overlaps the loads. The block ids are carried one tile ahead,
         # so that the K/V loads' addresses do not come from a load of the same iteration
         # (which leaves them one buffer: waited for one iteration after their issue).
-        blk = _block_ids(bt_row, start + tl.arange(0, BLOCK_N), end, PAGE)
+        blk = blk0
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             blk_x = _block_ids(bt_row, offs_n + BLOCK_N, end, PAGE)

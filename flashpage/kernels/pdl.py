@@ -13,9 +13,17 @@ The rule that keeps it correct: a PDL kernel executes ``griddepcontrol.wait``
 visible) before touching any global memory a previous kernel may write *or read*. Reads
 after writes are the obvious hazard; writes after reads are the other one (the graph's
 memory pool hands a buffer the previous kernel still reads to the next one as its
-output). So our kernels wait first, at the very start, and only then let their own
-dependents launch (``pdl_prologue``). The wait is transitive: a kernel that waited
-completes only after the kernel it waited on did.
+output). So our kernels wait at the start, and only then let their own dependents
+launch (``pdl_prologue``). The wait is transitive: a kernel that waited completes only
+after the kernel it waited on did.
+
+Before the wait a kernel may *load* what no kernel of the step writes, and that is where
+PDL pays most: weights and norm weights, the cos/sin table, and the step's inputs
+(positions, slot mapping, sequence lengths, block tables: copied in before the step's
+first kernel, which is never a PDL launch, so complete before any of ours can start).
+``gemv_row`` requests its weight rows there, RMSNorm its weight, rotary its positions,
+cos/sin and slots, paged decode its sequence length and first block ids: the DRAM round
+trip then overlaps the previous kernel instead of following it. Never a store.
 
 Both are inline PTX: the interpreter (TRITON_INTERPRET=1) cannot run them, and the
 kernels compile them only under their ``PDL`` constexpr, which launchers set from

@@ -31,10 +31,11 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
-    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)  # a parameter: requested before the wait
+    pdl_prologue(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -42,7 +43,6 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / HIDDEN + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -91,18 +91,23 @@ def _rotary_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
-    pdl_prologue(PDL)
+    # Positions, the slot mapping (step inputs, written before the step's first kernel)
+    # and the cos/sin table are requested before the wait: only q, k, v come from the
+    # kernel before this one (kernels/pdl.py).
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     offs_j = tl.arange(0, HALF_PAD)
     cs_mask = offs_j < HALF
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_j, mask=cs_mask, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_j, mask=cs_mask, other=0.0)
+    slot = -1
+    if WRITE_CACHE:
+        slot = tl.load(slot_mapping_ptr + t)
+    pdl_prologue(PDL)
 
     _rotate_heads(q_ptr + t * stride_qn, stride_qh, num_q_heads, cos, sin, q_ptr, 0,
                   False, IS_NEOX, HALF, HALF_PAD, HEAD_DIM, REST_PAD, BLOCK_HQ)
     if WRITE_CACHE:
-        slot = tl.load(slot_mapping_ptr + t)
         if slot >= 0:
             kc = key_cache_ptr + (slot // PAGE) * stride_kcb + (slot % PAGE) * stride_kct
             _rotate_heads(k_ptr + t * stride_kn, stride_kh, num_kv_heads, cos, sin, kc, stride_kch,

@@ -3,7 +3,9 @@
 CPU: the switch is off on the CPU and under the interpreter whatever FLASHPAGE_PDL says,
 the launchers still run (and match their references) with it set, and the sm_90 PTX of
 every kernel compiled with PDL waits (griddepcontrol.wait) before its first global memory
-access. GPU (Hopper): with PDL on, every kernel's output equals, bit for bit, its output
+access, except the loads a few make early of what no kernel of the step writes (weights,
+norm weights, the cos/sin table; positions, slot mapping, sequence lengths and block
+tables, written before the step's first kernel): loads only, never a store. GPU (Hopper): with PDL on, every kernel's output equals, bit for bit, its output
 with PDL off, eagerly and in a CUDA graph chaining them (each consuming the one before),
 replayed with new inputs, so a missing wait shows as a mismatch.
 """
@@ -161,6 +163,7 @@ _WAIT = "griddepcontrol.wait"
 def _compile_ptx() -> dict[str, str]:
     """Every decode-path kernel compiled for sm_90 with PDL=True: name -> PTX (no GPU needed,
     Triton ships ptxas; runs with the interpreter off, in a subprocess)."""
+    from flashpage.kernels import gemv
     from flashpage.kernels import mla_decode as mla
     from flashpage.kernels import paged_decode as pd
     from flashpage.kernels import paged_decode_rows as rows
@@ -189,6 +192,12 @@ def _compile_ptx() -> dict[str, str]:
             RANK=512, ROPE=64, BLOCK_R=512, BLOCK_P=64, BLOCK_H=16, BLOCK_N=32, PAGE=64,
             SPLIT=True, FUSED=True, IEEE=False, F16_DOTS=False, PREFETCH=False, QK_CHUNKS=4), 4, 3),
         "mla_merge": (mla._mla_merge_kernel, dict(RANK=512, BLOCK_R=512, BLOCK_S=8, CHUNK_R=512), 4, 3),
+        "gemv_row": (gemv._gemv_row_kernel, dict(
+            HAS_BIAS=False, SILU_MUL=False, NORM=True, HAS_RES=True, BLOCK_N=4, BLOCK_K=4096,
+            WHOLE_ROW=True), 4, 1),
+        "gemv_row_looped": (gemv._gemv_row_kernel, dict(
+            HAS_BIAS=False, SILU_MUL=True, NORM=False, HAS_RES=False, BLOCK_N=16, BLOCK_K=512,
+            WHOLE_ROW=False), 8, 1),
     }
     out = {}
     for name, (fn, consts, warps, stages) in kernels.items():
@@ -199,16 +208,31 @@ def _compile_ptx() -> dict[str, str]:
     return out
 
 
+# Kernels that load, before the wait, what no kernel of a step writes (their launchers'
+# docstrings say which); every other kernel waits before any global access.
+_EARLY_LOADS = {"rms_norm", "rotary", "paged_decode", "gemv_row", "gemv_row_looped"}
+
+
 def test_ptx_waits_before_any_global_access():
     ptx = run_compiled("test_pdl", "_compile_ptx")
-    assert len(ptx) == 8
+    assert len(ptx) == 10
     for name, text in ptx.items():
         lines = text.splitlines()
         waits = [i for i, line in enumerate(lines) if _WAIT in line]
         access = [i for i, line in enumerate(lines) if _GLOBAL_ACCESS.match(line)]
         assert len(waits) == 1, f"{name}: {len(waits)} waits"
-        assert access and waits[0] < access[0], f"{name}: a global access before the wait"
-        assert any("griddepcontrol.launch_dependents" in line for line in lines[waits[0]:access[0]])
+        before = [lines[i] for i in access if i < waits[0]]
+        after = [i for i in access if i > waits[0]]
+        assert after, f"{name}: no global access after the wait"
+        if name in _EARLY_LOADS:
+            assert before, f"{name}: no early load (the test's list is stale)"
+            assert all(re.match(r"^\s*(@!?%p\d+\s+)?ld\.global", line) for line in before), \
+                f"{name}: a store or atomic before the wait"
+        else:
+            assert not before, f"{name}: a global access before the wait"
+        # Dependents launch after the wait and before this kernel's first global store.
+        stores = [i for i in after if re.match(r"^\s*(@!?%p\d+\s+)?(st|atom|red)\.", lines[i])]
+        assert any("griddepcontrol.launch_dependents" in line for line in lines[waits[0]:stores[0]])
 
 
 # ------------------------------------------------------------------ GPU: bit-exact on/off
