@@ -34,6 +34,9 @@
 #                                          8B latency beside transformers, 8B throughput, engine GPU tests
 #   bash benchmarks/gpu_final.sh gemv4     whole rows up to 16384 (down): tests, chain, one-sequence A/B
 #   bash benchmarks/gpu_final.sh gemv5     looped GEMV with x a tile ahead: tests, chain, one-sequence A/B
+#   bash benchmarks/gpu_final.sh final6    early loads before the PDL wait vs the commit before (.old carried), 8B latency
+#                                          beside transformers, 8B throughput
+#   bash benchmarks/gpu_final.sh final6-tests  kernel + engine GPU tests, V2-Lite one sequence
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -311,5 +314,22 @@ gemv5)  # session 6: looped GEMV with x loaded a tile ahead (down): tests, chain
   timeout 240 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 8 \
     --rounds 2 --iters 3 --setting cublas=FLASHPAGE_GEMV=0 --setting gemv= \
     --json-out "$OUT/decode_ab.json" 2>&1 | tail -n 3 ;;
+final6)  # session 6, closing A/B and figures: early loads (HEAD) vs .old (HEAD~1, carried), 8B latency beside HF, throughput
+  i=0
+  for code in new old new old; do
+    i=$((i + 1)); if [ $code = old ]; then ROOT=$PWD/.old; else ROOT=$PWD; fi
+    PYTHONPATH=$ROOT timeout 150 python3 $ROOT/benchmarks/decode_ab.py --config llama-3-8b \
+      --gpu-memory-utilization 0.6 --max-num-seqs 8 --rounds 1 --iters 3 --setting cublas=FLASHPAGE_GEMV=0 \
+      --setting gemv= --json-out "$OUT/decode_ab_${i}_$code.json" 2>&1 | grep median | sed "s/^/$code /"
+  done
+  timeout 120 $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 64 \
+    --json-out "$OUT/latency_8b.json" 2>&1 | grep -E "decode_tok_per_s|fraction|speedup|Error"
+  timeout 150 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --no-hf \
+    --json-out "$OUT/throughput_8b.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
+final6-tests)  # session 6, closing: kernel + engine GPU tests with the new defaults, V2-Lite one sequence
+  timeout 240 $PT -n 8 -m gpu tests/kernels -rf 2>&1 | tee "$OUT/kernel_gpu_tests.txt" | tail -n 3
+  timeout 200 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 2
+  timeout 100 $FP bench latency --config deepseek-v2-lite --gpu-memory-utilization 0.5 --max-num-seqs 8 --no-hf \
+    --json-out "$OUT/latency_v2lite.json" 2>&1 | grep -E "decode_tok_per_s|fraction|Error" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
