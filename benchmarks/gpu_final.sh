@@ -326,10 +326,13 @@ final6)  # session 6, closing A/B and figures: early loads (HEAD) vs .old (HEAD~
     --json-out "$OUT/latency_8b.json" 2>&1 | grep -E "decode_tok_per_s|fraction|speedup|Error"
   timeout 150 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --no-hf \
     --json-out "$OUT/throughput_8b.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
-final6-tests)  # session 6, closing: kernel + engine GPU tests with the new defaults, V2-Lite one sequence
-  timeout 240 $PT -n 8 -m gpu tests/kernels -rf 2>&1 | tee "$OUT/kernel_gpu_tests.txt" | tail -n 3
+final6-tests)  # session 6, closing: changed kernels' + engine GPU tests, V2-Lite one sequence, paged decode new vs .old
+  timeout 200 $PT -n 8 -m gpu tests/kernels/test_gemv.py tests/kernels/test_pdl.py tests/kernels/test_fused_ops.py \
+    tests/kernels/test_paged_decode.py tests/kernels/test_fp8_kv.py -rf 2>&1 | tee "$OUT/kernel_gpu_tests.txt" | tail -n 2
   timeout 200 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 2
   timeout 100 $FP bench latency --config deepseek-v2-lite --gpu-memory-utilization 0.5 --max-num-seqs 8 --no-hf \
-    --json-out "$OUT/latency_v2lite.json" 2>&1 | grep -E "decode_tok_per_s|fraction|Error" ;;
+    --json-out "$OUT/latency_v2lite.json" 2>&1 | grep -E "decode_tok_per_s|fraction|Error"
+  timeout 90 python3 benchmarks/attention_decode.py --out "$OUT/dec_new" 2>&1 | tail -n 9
+  PYTHONPATH=$PWD/.old timeout 90 python3 .old/benchmarks/attention_decode.py --out "$OUT/dec_old" 2>&1 | tail -n 9 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
