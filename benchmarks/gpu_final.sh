@@ -334,5 +334,11 @@ final6-tests)  # session 6, closing: changed kernels' + engine GPU tests, V2-Lit
     --json-out "$OUT/latency_v2lite.json" 2>&1 | grep -E "decode_tok_per_s|fraction|Error"
   timeout 90 python3 benchmarks/attention_decode.py --out "$OUT/dec_new" 2>&1 | tail -n 9
   PYTHONPATH=$PWD/.old timeout 90 python3 .old/benchmarks/attention_decode.py --out "$OUT/dec_old" 2>&1 | tail -n 9 ;;
+dec-ab6)  # session 6: paged decode with its early loads (HEAD) vs .old, alternating twice (split shapes vary most)
+  for code in new old new old; do
+    if [ $code = old ]; then ROOT=$PWD/.old; else ROOT=$PWD; fi
+    PYTHONPATH=$ROOT timeout 90 python3 $ROOT/benchmarks/attention_decode.py --out "$OUT/dec" 2>&1 \
+      | grep -E "^\| (1|2|8|16|32) × (32768|131072|4096|16384) " | sed "s/^/$code /"
+  done ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
