@@ -38,6 +38,14 @@ def gemv_row() -> bool:
     return os.environ.get("FLASHPAGE_GEMV", "1").strip().lower() not in ("0", "off", "")
 
 
+def gemv_whole_row() -> int | None:
+    """FLASHPAGE_GEMV_WHOLE_ROW: the widest weight row the one-row GEMV loads whole
+    (a power of two up to 16384; unset: kernels/gemv.MAX_WHOLE_ROW, 8192). For A/Bs: at
+    16384 the 8B down projection ran 18% slower end to end (BENCHMARKS.md, run 41)."""
+    value = os.environ.get("FLASHPAGE_GEMV_WHOLE_ROW", "").strip()
+    return int(value) if value else None
+
+
 def fused_merge() -> bool:
     """FLASHPAGE_FUSED_MERGE=1: split paged decode merges its splits in the last program of
     each (sequence, KV head) instead of a second kernel. Off by default: in the H200 run

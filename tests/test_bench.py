@@ -33,3 +33,28 @@ def test_bench_latency(tiny_checkpoint, tmp_path):
     r = json.loads(out.read_text())
     assert r["batch_size"] == 1 and r["flashpage"]["decode_tok_per_s"] > 0
     assert "transformers" not in r
+
+
+def test_weight_bytes_counts_the_routed_experts_a_step_reads():
+    """bench latency's weight-read limit: one token reads top_k of the routed experts, not
+    all of them (DeepSeek-V2-Lite had reported 159% of a limit that counted every expert)."""
+    import torch
+
+    from flashpage.bench.common import weight_bytes
+    from flashpage.config import ModelConfig
+    from flashpage.layers.moe import FusedExperts
+
+    cfg = ModelConfig(architecture="DeepseekV2ForCausalLM", model_type="deepseek_v2",
+                      vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                      max_position_embeddings=64, n_routed_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=4)
+    model = torch.nn.Module()
+    model.experts = FusedExperts(cfg)
+    model.dense = torch.nn.Linear(16, 16, bias=False)
+    experts = sum(p.numel() * 4 for p in model.experts.parameters())
+    dense = 16 * 16 * 4
+    assert weight_bytes(model) == experts + dense
+    assert weight_bytes(model, tokens=1) == experts * 2 // 8 + dense
+    assert weight_bytes(model, tokens=3) == experts * 6 // 8 + dense
+    assert weight_bytes(model, tokens=64) == experts + dense  # every expert at most once

@@ -178,14 +178,26 @@ def device_name(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
+def weight_bytes(model: torch.nn.Module, tokens: int | None = None) -> int:
+    """Bytes of the model's parameters (tied ones once). With ``tokens``: what a step of
+    that many tokens reads at most, i.e. a module with ``read_fraction`` (the routed
+    experts of an MoE layer) counts only that share. The embedding table counts whole in
+    both (a step reads one row per token: the limit this gives is a conservative one, as
+    ANCHORS.md's weight-read limit is)."""
+    share: dict[int, float] = {}
+    if tokens is not None:
+        for m in model.modules():
+            fraction = getattr(m, "read_fraction", None)
+            if callable(fraction):
+                for p in m.parameters():
+                    share[p.data_ptr()] = float(fraction(tokens))
     seen: set[int] = set()
-    total = 0
+    total = 0.0
     for p in model.parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+            total += p.numel() * p.element_size() * share.get(p.data_ptr(), 1.0)
+    return int(total)
 
 
 def write_json(path: str | None, result: dict[str, Any]) -> None:

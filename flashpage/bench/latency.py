@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     bw, _ = measure_ceilings(engine.device)
     if bw:
-        wb = weight_bytes(engine.model)
+        wb = weight_bytes(engine.model, tokens=args.batch_size)  # MoE: the routed experts read
         result["weight_read_limit_tok_per_s"] = args.batch_size * bw / wb
         result["fraction_of_limit"] = decode_tps / result["weight_read_limit_tok_per_s"]
         result["copy_GBps"] = bw / 1e9

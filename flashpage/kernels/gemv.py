@@ -31,13 +31,13 @@ round trip, is gone from the step.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from flashpage import envs
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 MAX_M = 8
@@ -222,13 +222,12 @@ WHOLE_ROW_LIMIT = 16384
 
 def max_whole_row() -> int:
     """The widest row ``gemv_row`` loads whole: FLASHPAGE_GEMV_WHOLE_ROW or MAX_WHOLE_ROW."""
-    value = os.environ.get("FLASHPAGE_GEMV_WHOLE_ROW")
-    if not value:
+    width = envs.gemv_whole_row()
+    if width is None:
         return MAX_WHOLE_ROW
-    width = int(value)
     if width & (width - 1) or not 16 <= width <= WHOLE_ROW_LIMIT:
         raise ValueError(f"FLASHPAGE_GEMV_WHOLE_ROW must be a power of two in 16..{WHOLE_ROW_LIMIT}, "
-                         f"got {value}")
+                         f"got {width}")
     return width
 
 

@@ -142,11 +142,17 @@ class FusedExperts(nn.Module):
         super().__init__()
         assert config.n_routed_experts
         self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
         self.intermediate = config.moe_intermediate_size
         self.sync_free_max_tokens = SYNC_FREE_MAX_TOKENS
         h = config.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate, h))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, h, self.intermediate))
+
+    def read_fraction(self, tokens: int) -> float:
+        """The share of these weights a step of ``tokens`` tokens reads at most (each token
+        reads top_k experts)."""
+        return min(1.0, tokens * self.top_k / self.num_experts)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, hidden], weights fp32 [N, K], ids int64 [N, K] -> sum_k weights * expert_k(x)."""
