@@ -328,3 +328,26 @@ def test_llama_layers_hand_their_norms_to_the_gemv(monkeypatch):
             [True, False, True, False] * 2  # qkv, o_proj, gate_up, down per layer
     for a, b in zip(fused, plain, strict=True):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_a_linear_that_cannot_fuse_computes_the_pending_norm_first(monkeypatch):
+    """PendingNorm given to a linear that does not run gemv_row (the switch off, or fp32
+    weights): the norm runs first, x + residual lands in residual_out, and the result is
+    norm-then-linear's."""
+    from flashpage.layers.linear import ColumnParallelLinear, PendingNorm, set_row_gemv
+    from flashpage.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    lin = ColumnParallelLinear(32, 48).to(DEV)
+    torch.nn.init.normal_(lin.weight, std=0.1)
+    norm = RMSNorm(32, 1e-5).to(DEV)
+    torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)
+    assert set_row_gemv(lin, True) == 0  # fp32 weights: never ours
+    monkeypatch.setenv("FLASHPAGE_GEMV", "1")
+    x, res = torch.randn(1, 32, device=DEV), torch.randn(1, 32, device=DEV)
+    res_out = torch.full_like(x, float("nan"))
+    got = lin(PendingNorm(x, res, norm, res_out))
+    h, s = norm(x, res)
+    torch.testing.assert_close(got, lin(h))
+    torch.testing.assert_close(res_out, s)
+    torch.testing.assert_close(lin(PendingNorm(x, None, norm, None)), lin(norm(x)))
