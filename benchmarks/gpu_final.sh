@@ -37,6 +37,7 @@
 #   bash benchmarks/gpu_final.sh final6    early loads before the PDL wait vs the commit before (.old carried), 8B latency
 #                                          beside transformers, 8B throughput
 #   bash benchmarks/gpu_final.sh final6-tests  kernel + engine GPU tests, V2-Lite one sequence
+#   bash benchmarks/gpu_final.sh profile6  one-sequence kernel tables, 8B and V2-Lite, PDL off
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -339,6 +340,12 @@ dec-ab6)  # session 6: paged decode with its early loads (HEAD) vs .old, alterna
     if [ $code = old ]; then ROOT=$PWD/.old; else ROOT=$PWD; fi
     PYTHONPATH=$ROOT timeout 90 python3 $ROOT/benchmarks/attention_decode.py --out "$OUT/dec" 2>&1 \
       | grep -E "^\| (1|2|8|16|32) × (32768|131072|4096|16384) " | sed "s/^/$code /"
+  done ;;
+profile6)  # session 6, last call: where a one-sequence step goes now (8B and V2-Lite kernel tables, PDL off)
+  for cfg in llama-3-8b deepseek-v2-lite; do
+    FLASHPAGE_PDL=0 timeout 120 python3 benchmarks/profile_engine_step.py --config $cfg --batch 1 --context 256 \
+      --steps 10 --kernel-table --gpu-memory-utilization 0.5 2>&1 | grep -v Warning | tail -n 45 > "$OUT/profile_b1_$cfg.txt"
+    head -n 22 "$OUT/profile_b1_$cfg.txt"
   done ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
