@@ -67,7 +67,7 @@ def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
                   num_rows, num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr):
+                  BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr):
     """One program. Pair p goes to row start[e] + (pairs of expert e before p), where
     start[e] is the sum of the earlier experts' counts rounded up to BLOCK_M."""
     experts = tl.arange(0, BLOCK_E)
@@ -81,8 +81,8 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
     block_end = tl.cumsum(blocks, axis=0)  # inclusive: expert e owns [end - blocks, end)
     start = (block_end - blocks) * BLOCK_M
     # 2. each block's expert (-1 past the used ones); every row padding for now
-    for b0 in range(0, num_blocks, BLOCK_R):
-        b = b0 + tl.arange(0, BLOCK_R)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
         done = (block_end[None, :] <= b[:, None]) & (experts[None, :] < num_experts)
         e = tl.sum(done.to(tl.int32), axis=1)
         tl.store(block_expert_ptr + b, tl.where(e < num_experts, e, -1), mask=b < num_blocks)
@@ -103,6 +103,14 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_pairs, num_experts,
         seen += tl.sum(hot, axis=0)
 
 
+# Up to this many (token, expert) pairs the alignment sizes its tiles to the work.
+SMALL_ALIGN_PAIRS = 64
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, K] (ids in 0..E-1) -> (sorted_pairs int32 [NB * block_m],
@@ -119,10 +127,18 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     if nb == 0:
         return sorted_pairs, block_expert
     block_e = triton.next_power_of_2(num_experts)
+    block_p, block_b = max(16, 8192 // block_e), 256
+    if num_pairs <= SMALL_ALIGN_PAIRS:
+        # Decode batches of a few tokens: tiles no larger than the work. The [pairs x
+        # experts] and [blocks x experts] tiles are the kernel's cost; at 128 x 64 and
+        # 256 x 64 one token's alignment (6 pairs, 6 blocks) took 21 us on an H200. Few
+        # variants (one per graph bucket of <= 64 pairs), so nothing compiles mid-run.
+        block_p = min(block_p, _pow2_at_least_16(num_pairs))
+        block_b = _pow2_at_least_16(nb)
     _align_kernel[(1,)](
         topk_ids.reshape(-1), sorted_pairs, block_expert, num_pairs, num_experts,
         nb * block_m, nb, BLOCK_M=block_m, BLOCK_E=block_e,
-        BLOCK_P=max(16, 8192 // block_e), BLOCK_R=256, num_warps=4)
+        BLOCK_P=block_p, BLOCK_B=block_b, BLOCK_R=256, num_warps=4)
     return sorted_pairs, block_expert
 
 

@@ -42,6 +42,7 @@ def weights(e: int, h: int, inter: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize(("t", "k", "e", "block_m", "crowd"), [
     (1, 6, 64, 16, 0), (3, 2, 8, 16, 0), (40, 6, 64, 16, 0), (70, 3, 8, 16, 70),
     (50, 6, 64, 32, 30), (9, 1, 5, 64, 0), (33, 4, 160, 16, 10),
+    (10, 6, 64, 16, 0), (11, 6, 64, 16, 5),  # 60 pairs: tiles sized to the work; 66: not
 ])
 def test_align_matches_reference_and_groups_every_pair_once(t, k, e, block_m, crowd):
     ids, _ = routing(t, k, e, seed=t + k, crowd=crowd)
