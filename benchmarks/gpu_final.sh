@@ -38,6 +38,7 @@
 #                                          beside transformers, 8B throughput
 #   bash benchmarks/gpu_final.sh final6-tests  kernel + engine GPU tests, V2-Lite one sequence
 #   bash benchmarks/gpu_final.sh profile6  one-sequence kernel tables, 8B and V2-Lite, PDL off
+#   bash benchmarks/gpu_final.sh align6    moe_align tiles sized to the work: fused MoE GPU tests, V2-Lite one sequence
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -347,5 +348,9 @@ profile6)  # session 6, last call: where a one-sequence step goes now (8B and V2
       --steps 10 --kernel-table --gpu-memory-utilization 0.5 2>&1 | grep -v Warning | tail -n 45 > "$OUT/profile_b1_$cfg.txt"
     head -n 22 "$OUT/profile_b1_$cfg.txt"
   done ;;
+align6)  # session 6: moe_align with tiles sized to the work: its GPU tests, V2-Lite one sequence
+  timeout 80 $PT -n 4 -m gpu tests/kernels/test_fused_moe.py -rf 2>&1 | tee "$OUT/fused_moe_gpu_tests.txt" | tail -n 2
+  timeout 100 $FP bench latency --config deepseek-v2-lite --gpu-memory-utilization 0.5 --max-num-seqs 8 --no-hf \
+    --json-out "$OUT/latency_v2lite.json" 2>&1 | grep -E "decode_tok_per_s|fraction|Error" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
