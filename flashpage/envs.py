@@ -43,7 +43,11 @@ def gemv_whole_row() -> int | None:
     (a power of two up to 16384; unset: kernels/gemv.MAX_WHOLE_ROW, 8192). For A/Bs: at
     16384 the 8B down projection ran 18% slower end to end (BENCHMARKS.md, run 41)."""
     value = os.environ.get("FLASHPAGE_GEMV_WHOLE_ROW", "").strip()
-    return int(value) if value else None
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"FLASHPAGE_GEMV_WHOLE_ROW must be a power of two in 16..16384, got {value!r}")
+    return int(value)
 
 
 def fused_merge() -> bool:

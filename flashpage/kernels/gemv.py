@@ -64,6 +64,14 @@ CANDIDATES = (
 )
 
 
+@triton.jit
+def _silu_mul(g, u, OUT_DTYPE: tl.constexpr):
+    """silu(g) * u from the loaded gate and up columns, rounded as kernels/silu_mul."""
+    g = g.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32)
+    return (act * u.to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
@@ -92,10 +100,8 @@ def _gemv_kernel(
             w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xm = m_mask[:, None] & k_mask[None, :]
         if SILU_MUL:
-            g = tl.load(x_rows + kk[None, :], mask=xm, other=0.0).to(tl.float32)
-            u = tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0).to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(w.dtype).to(tl.float32)
-            x = (act * u).to(w.dtype)
+            x = _silu_mul(tl.load(x_rows + kk[None, :], mask=xm, other=0.0),
+                          tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0), w.dtype).to(w.dtype)
         else:
             x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
@@ -199,9 +205,9 @@ class RowConfig:
         return f"row-n{self.block_n}k{self.block_k}w{self.num_warps}"
 
 
-# Timed on the H200 (benchmarks/gemv.py, run 38): 4 rows x 1024 columns with 4 warps was
-# the best looped tile or within 2% of it for K = 4096 (qkv, o_proj, gate_up, LM head);
-# for K = 14336 (down) 16 x 512 with 8 warps.
+# The tiles benchmarks/gemv.py times and the GPU tests run (default_row_config picks).
+# Looped, on the H200 (runs 38-42): 4 x 1024 with 4 warps the best for K = 4096 alone,
+# 16 x 512 with 8 warps for K = 14336 (down); whole rows the best in a chain.
 ROW_CANDIDATES = (
     RowConfig(4, 1024, 4),
     RowConfig(16, 512, 8),
@@ -229,14 +235,6 @@ def max_whole_row() -> int:
         raise ValueError(f"FLASHPAGE_GEMV_WHOLE_ROW must be a power of two in 16..{WHOLE_ROW_LIMIT}, "
                          f"got {width}")
     return width
-
-
-@triton.jit
-def _silu_mul(g, u, OUT_DTYPE: tl.constexpr):
-    """silu(g) * u from the loaded gate and up columns, rounded as kernels/silu_mul."""
-    g = g.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32)
-    return (act * u.to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
 
 
 @triton.jit

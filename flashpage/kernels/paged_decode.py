@@ -124,8 +124,6 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
     return DecodeConfig(32, 4, 3) if head_dim > 128 else DecodeConfig(64, 4, 3)
 
 
-
-
 # What benchmarks/attention_decode.py --sweep times (head_dim 128); the GPU tests run each
 # one in bf16, so whichever becomes a default has been tested.
 CANDIDATE_CONFIGS = [

@@ -139,9 +139,10 @@ def test_default_row_config(monkeypatch):
     assert default_row_config(4096, 14336) == RowConfig(2, 16384, 8)
     monkeypatch.setenv("FLASHPAGE_GEMV_WHOLE_ROW", "1024")
     assert default_row_config(6144, 4096) == RowConfig(16, 512, 8)
-    monkeypatch.setenv("FLASHPAGE_GEMV_WHOLE_ROW", "1000")
-    with pytest.raises(ValueError, match="power of two"):
-        default_row_config(6144, 4096)
+    for bad in ("1000", "wide", "32768"):
+        monkeypatch.setenv("FLASHPAGE_GEMV_WHOLE_ROW", bad)
+        with pytest.raises(ValueError, match="FLASHPAGE_GEMV_WHOLE_ROW must be a power of two"):
+            default_row_config(6144, 4096)
 
 
 def _check_norm(n, k, dtype, bias, with_res, cfg, atol, pdl=None):
