@@ -6,11 +6,13 @@ Parameter names are those of transformers 5.x, so its state_dicts load by name::
     gate.e_score_correction_bias   [E]                  fp32, V3 (noaux_tc) only
     experts.gate_up_proj           [E, 2 * I, hidden]   gate rows first, then up
     experts.down_proj              [E, hidden, I]
-    shared_experts.{gate,up,down}_proj.weight           intermediate I * n_shared_experts
+    shared_experts.gate_up_proj.weight  [2 * I_s, hidden]  HF's gate_proj and up_proj, merged
+    shared_experts.down_proj.weight     [hidden, I_s]      I_s = I * n_shared_experts
 
 Checkpoints on disk (original DeepSeek ones, and those ``save_pretrained`` writes) hold
 one tensor per expert, ``experts.{e}.{gate,up,down}_proj.weight``; the experts module
-fuses those on load (see ``FusedExperts._load_from_state_dict``).
+fuses those on load (see ``FusedExperts._load_from_state_dict``); the shared experts'
+gate_proj / up_proj stack on load the same way (``layers/mlp.GatedMLP``).
 
 Routing, as transformers computes it (fp32 logits):
 
@@ -57,6 +59,7 @@ from torch import nn
 
 from flashpage.config import ModelConfig
 from flashpage.layers.fp32 import KeepFp32
+from flashpage.layers.mlp import GatedMLP
 
 
 def routing_method(config: ModelConfig) -> str:
@@ -251,17 +254,9 @@ def set_fused_moe(model: nn.Module, enabled: bool) -> None:
             m.fused_kernel = enabled
 
 
-class DeepseekMLP(nn.Module):
-    """SiLU-gated MLP: the shared experts, and the dense layers before ``first_k_dense_replace``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+class DeepseekMLP(GatedMLP):
+    """SiLU-gated MLP: the shared experts, and the dense layers before
+    ``first_k_dense_replace`` (gate and up merged; HF's names load, layers/mlp.py)."""
 
 
 class DeepseekMoE(nn.Module):

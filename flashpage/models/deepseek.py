@@ -26,6 +26,8 @@ from flashpage.models.common import DecoderStack, PreNormDecoderLayer
 # Checkpoints hold one tensor per routed expert; we keep them fused, [E, ...] per layer.
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# The dense MLPs' and shared experts' gate_proj / up_proj: rows of their gate_up_proj.
+_GATE_UP = re.compile(r"^(?P<prefix>.+)\.(?P<proj>gate|up)_proj\.weight$")
 
 
 def is_moe_layer(config: ModelConfig, layer_idx: int) -> bool:
@@ -107,6 +109,10 @@ class DeepseekForCausalLM(nn.Module):
                 continue
             if ".shared_experts." in name and tensor.numel() == 0 and name not in targets:
                 continue  # transformers writes a zero-width shared MLP when there is none
+            g = _GATE_UP.match(name)
+            if g and name not in targets and f"{g['prefix']}.gate_up_proj.weight" in targets:
+                self._load_gate_up(targets, g, tensor, expert_pieces, loaded)
+                continue
             if name not in targets:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             target = targets[name]
@@ -120,6 +126,22 @@ class DeepseekForCausalLM(nn.Module):
                 target.data.copy_(tensor)
             loaded.add(name)
         return loaded
+
+    def _load_gate_up(self, targets: dict[str, torch.Tensor], m: re.Match[str], tensor: torch.Tensor,
+                      pieces: dict[str, set[tuple[int, str]]], loaded: set[str]) -> None:
+        """``...{gate,up}_proj.weight`` of a dense MLP or the shared experts -> rows [:I] /
+        [I:] of its ``gate_up_proj.weight`` (loaded once both have arrived)."""
+        fused = f"{m['prefix']}.gate_up_proj.weight"
+        param = targets[fused]
+        inter = param.shape[0] // 2
+        dst = param.data[:inter] if m["proj"] == "gate" else param.data[inter:]
+        if dst.shape != tensor.shape:
+            raise ValueError(f"{m.string}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        got = pieces.setdefault(fused, set())
+        got.add((0, m["proj"]))
+        if len(got) == 2:
+            loaded.add(fused)
 
     def _load_expert(self, targets: dict[str, torch.Tensor], m: re.Match[str], tensor: torch.Tensor,
                      pieces: dict[str, set[tuple[int, str]]], loaded: set[str]) -> None:

@@ -16,7 +16,6 @@ from torch import nn
 
 from flashpage.attention.backend import AttentionMetadata
 from flashpage.config import ModelConfig
-from flashpage.layers.activation import SiluAndMul
 from flashpage.layers.attention import Attention
 from flashpage.layers.linear import (
     ColumnParallelLinear,
@@ -24,6 +23,7 @@ from flashpage.layers.linear import (
     RowParallelLinear,
     VocabEmbedding,
 )
+from flashpage.layers.mlp import GatedMLP
 from flashpage.layers.norm import RMSNorm
 from flashpage.layers.rotary import get_rope
 from flashpage.models.common import DecoderStack, PreNormDecoderLayer
@@ -58,18 +58,8 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, 2 * intermediate_size)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
-        self.down_proj.silu_input = True
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        y = self.down_proj.silu_mul_forward(h)  # one kernel at tuned decode batches
-        return y if y is not None else self.down_proj(self.act(h))
+class LlamaMLP(GatedMLP):
+    """gate_up_proj (HF's gate_proj and up_proj merged), SiLU·mul, down_proj."""
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

@@ -1,0 +1,38 @@
+"""The SiLU-gated MLP of Llama-family layers and of DeepSeek's dense layers and shared
+experts: down(silu(gate(x)) * up(x)), with gate and up merged into one linear."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flashpage.layers.activation import SiluAndMul
+from flashpage.layers.linear import ColumnParallelLinear, PendingNorm, RowParallelLinear
+
+
+class GatedMLP(nn.Module):
+    """``gate_up_proj`` [2I, H] holds HF's gate_proj rows, then up_proj's: one GEMM (or one
+    GEMV at a one-row step) instead of two, and SiLU·mul reads its [N, 2I] output without a
+    copy (or, at one row, the down projection computes it on the fly).
+
+    A state dict in HF's names (``gate_proj.weight``, ``up_proj.weight``) loads too: the
+    two are stacked on load (``_load_from_state_dict``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, 2 * intermediate_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.down_proj.silu_input = True
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        y = self.down_proj.silu_mul_forward(h)  # one kernel at one-row (or tuned) steps
+        return y if y is not None else self.down_proj(self.act(h))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
+        gate, up = f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"
+        if gate in state_dict and up in state_dict:
+            state_dict[f"{prefix}gate_up_proj.weight"] = torch.cat(
+                [state_dict.pop(gate), state_dict.pop(up)], dim=0)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
