@@ -58,6 +58,15 @@ def fused_merge() -> bool:
     return os.environ.get("FLASHPAGE_FUSED_MERGE", "0") == "1"
 
 
+def fused_router() -> bool:
+    """FLASHPAGE_FUSED_ROUTER=1: MoE routing after the router GEMM in one kernel
+    (kernels/moe_router.py) instead of ~5 small torch ops per layer, beside the fused MoE
+    kernel. Off by default until it is measured on the GPU (written in session 6, when a
+    one-token DeepSeek-V2-Lite step spent ~600 us in small router/glue kernels). Read at
+    each call: a decode graph keeps the value it was captured with."""
+    return os.environ.get("FLASHPAGE_FUSED_ROUTER", "0") == "1"
+
+
 def fused_moe() -> bool:
     """FLASHPAGE_FUSED_MOE (default 1; 0 turns it off): decode-batch MoE through our fused
     Triton kernel (kernels/fused_moe.py: only the routed experts' weights are read) instead

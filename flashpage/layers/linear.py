@@ -93,10 +93,11 @@ class _ParallelLinear(nn.Module):
     def fuses_norm(self, x: torch.Tensor, norm: nn.Module) -> bool:
         """Whether ``forward(PendingNorm(x, ..., norm, ...))`` computes the norm inside
         our GEMV (one row, rows short enough to load whole, our kernels on)."""
+        if not (self._use_row_gemv(x) and getattr(norm, "fused", False) and x.is_contiguous()):
+            return False  # (and Triton, an optional dependency, stays unimported on the CPU)
         from flashpage.kernels.gemv import WHOLE_ROW_LIMIT
 
-        return (self._use_row_gemv(x) and getattr(norm, "fused", False) and x.is_contiguous()
-                and x.shape[1] <= WHOLE_ROW_LIMIT and norm.weight.dtype == x.dtype)
+        return x.shape[1] <= WHOLE_ROW_LIMIT and norm.weight.dtype == x.dtype
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if isinstance(x, PendingNorm):

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashpage import envs
 from flashpage.config import ModelConfig
 from flashpage.layers.fp32 import KeepFp32
 from flashpage.layers.mlp import GatedMLP
@@ -95,9 +96,20 @@ class MoEGate(KeepFp32, nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    # The routing after the logits GEMM may go through kernels/moe_router.py (set by
+    # set_fused_moe beside the fused MoE kernel; used while FLASHPAGE_FUSED_ROUTER is on,
+    # read at each call, so a decode graph takes the value at its capture).
+    fused_route: bool = False
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (weights fp32 [N, top_k], expert ids int64 [N, top_k])."""
         logits = F.linear(x.float(), self.weight.float())
+        if self.fused_route and envs.fused_router():
+            from flashpage.kernels.moe_router import moe_route
+
+            return moe_route(logits, self.top_k, self.method, n_group=self.n_group,
+                             topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+                             scale=self.routed_scaling_factor, bias=self.e_score_correction_bias)
         n = logits.shape[0]
         if self.method == "noaux_tc":
             scores = logits.sigmoid()
@@ -248,10 +260,13 @@ class FusedExperts(nn.Module):
 
 def set_fused_moe(model: nn.Module, enabled: bool) -> None:
     """Run every MoE layer of ``model`` through the fused Triton kernel up to
-    ``sync_free_max_tokens`` tokens (True) or the torch sync-free path (False)."""
+    ``sync_free_max_tokens`` tokens (True) or the torch sync-free path (False); with it,
+    the routing may take kernels/moe_router.py (``MoEGate.fused_route``)."""
     for m in model.modules():
         if isinstance(m, FusedExperts):
             m.fused_kernel = enabled
+        elif isinstance(m, MoEGate):
+            m.fused_route = enabled
 
 
 class DeepseekMLP(GatedMLP):

@@ -163,7 +163,7 @@ _WAIT = "griddepcontrol.wait"
 def _compile_ptx() -> dict[str, str]:
     """Every decode-path kernel compiled for sm_90 with PDL=True: name -> PTX (no GPU needed,
     Triton ships ptxas; runs with the interpreter off, in a subprocess)."""
-    from flashpage.kernels import gemv
+    from flashpage.kernels import gemv, moe_router
     from flashpage.kernels import mla_decode as mla
     from flashpage.kernels import paged_decode as pd
     from flashpage.kernels import paged_decode_rows as rows
@@ -173,7 +173,8 @@ def _compile_ptx() -> dict[str, str]:
 
     ptr = {"positions_ptr": "*i64", "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32",
            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "counter_ptr": "*i32",
-           "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32"}
+           "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "logits_ptr": "*fp32", "bias_ptr": "*fp32",
+           "weights_ptr": "*fp32", "ids_ptr": "*i64", "scale": "fp32"}
     kernels = {
         "rms_norm": (rn._rms_norm_kernel, dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True), 8, 3),
         "silu_mul": (sm._silu_and_mul_kernel, dict(BLOCK=1024), 4, 3),
@@ -195,6 +196,8 @@ def _compile_ptx() -> dict[str, str]:
         "gemv_row": (gemv._gemv_row_kernel, dict(
             HAS_BIAS=False, SILU_MUL=False, NORM=True, HAS_RES=True, BLOCK_N=4, BLOCK_K=4096,
             WHOLE_ROW=True), 4, 1),
+        "moe_route": (moe_router._route_kernel, dict(
+            TOP_K=8, K_PAD=8, TOPK_GROUP=4, GROUP_PAD=8, PER_PAD=32, METHOD=2, NORM_TOPK=True), 1, 1),
         "gemv_row_looped": (gemv._gemv_row_kernel, dict(
             HAS_BIAS=False, SILU_MUL=True, NORM=False, HAS_RES=False, BLOCK_N=16, BLOCK_K=512,
             WHOLE_ROW=False), 8, 1),
@@ -210,12 +213,12 @@ def _compile_ptx() -> dict[str, str]:
 
 # Kernels that load, before the wait, what no kernel of a step writes (their launchers'
 # docstrings say which); every other kernel waits before any global access.
-_EARLY_LOADS = {"rms_norm", "rotary", "paged_decode", "gemv_row", "gemv_row_looped"}
+_EARLY_LOADS = {"rms_norm", "rotary", "paged_decode", "gemv_row", "gemv_row_looped", "moe_route"}
 
 
 def test_ptx_waits_before_any_global_access():
     ptx = run_compiled("test_pdl", "_compile_ptx")
-    assert len(ptx) == 10
+    assert len(ptx) == 11
     for name, text in ptx.items():
         lines = text.splitlines()
         waits = [i for i, line in enumerate(lines) if _WAIT in line]
