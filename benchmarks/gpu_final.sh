@@ -39,6 +39,7 @@
 #   bash benchmarks/gpu_final.sh final6-tests  kernel + engine GPU tests, V2-Lite one sequence
 #   bash benchmarks/gpu_final.sh profile6  one-sequence kernel tables, 8B and V2-Lite, PDL off
 #   bash benchmarks/gpu_final.sh align6    moe_align tiles sized to the work: fused MoE GPU tests, V2-Lite one sequence
+#   bash benchmarks/gpu_final.sh next7     next session: router kernel + merged shared experts (GPU tests, V2-Lite A/B)
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -352,5 +353,14 @@ align6)  # session 6: moe_align with tiles sized to the work: its GPU tests, V2-
   timeout 80 $PT -n 4 -m gpu tests/kernels/test_fused_moe.py -rf 2>&1 | tee "$OUT/fused_moe_gpu_tests.txt" | tail -n 2
   timeout 100 $FP bench latency --config deepseek-v2-lite --gpu-memory-utilization 0.5 --max-num-seqs 8 --no-hf \
     --json-out "$OUT/latency_v2lite.json" 2>&1 | grep -E "decode_tok_per_s|fraction|Error" ;;
+next7)  # next session, first call: what session 6 wrote without a GPU: the router kernel and the merged shared
+        # experts (GPU tests, then V2-Lite one sequence with the router off / on, in one process)
+  timeout 150 $PT -n 8 tests/kernels/test_moe_router.py tests/kernels/test_fused_moe.py tests/models/test_moe.py \
+    tests/models/test_deepseek.py -rf 2>&1 | tee "$OUT/moe_gpu_tests.txt" | tail -n 2
+  timeout 200 python3 benchmarks/decode_ab.py --config deepseek-v2-lite --gpu-memory-utilization 0.5 --max-num-seqs 8 \
+    --rounds 2 --iters 3 --setting base= --setting router=FLASHPAGE_FUSED_ROUTER=1 \
+    --json-out "$OUT/decode_ab_v2lite.json" 2>&1 | tail -n 3
+  timeout 150 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 --num-requests 64 \
+    --no-hf --json-out "$OUT/throughput_v2lite.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
