@@ -111,6 +111,7 @@ def test_llama_mlp_routes_tuned_rows_through_the_skinny_kernel():
     (33, 80, True, True, RowConfig(16, 32, 1)),      # all of it, K not a multiple of 16
     (5, 24, False, False, None),                     # default tile: whole rows
     (21, 48, True, True, RowConfig(4, 64, 1)),       # whole rows wider than K, SiLU·mul
+    (1, 40, True, False, None),                      # one output feature
 ])
 def test_gemv_row_cpu(n, k, bias, silu, cfg, dtype):
     if GPU:
