@@ -111,3 +111,27 @@ def test_bad_files_raise_value_error(tmp_path, damage):
     with pytest.raises(ValueError, match={"magic": "bad magic", "version": "version 9",
                                           "truncated": "ends inside"}[damage]):
         GGUFFile(str(path))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q4_0", "Q4_1", "Q8_0"])
+def test_torch_dequantization_equals_gguf_to_the_bit(qtype):
+    """models/loader.dequantize_gguf against gguf.quants.dequantize, on quantized random
+    data with a wide range (scales and minimums of both signs)."""
+    import torch
+
+    from flashpage.models.loader import dequantize_gguf
+
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((6, 96)) * np.exp(rng.uniform(-6, 6, (6, 1)))).astype(np.float32)
+    t = gguf.GGMLQuantizationType[qtype]
+    data = x if qtype == "F32" else x.astype(np.float16) if qtype == "F16" else gguf.quants.quantize(x, t)
+    got = dequantize_gguf(data, qtype)
+    want = gguf.quants.dequantize(data, t).astype(np.float32).reshape(-1)
+    assert got is not None and got.dtype == torch.float32
+    assert torch.equal(got, torch.from_numpy(want))
+
+
+def test_torch_dequantization_leaves_other_types_to_gguf():
+    from flashpage.models.loader import dequantize_gguf
+
+    assert dequantize_gguf(np.zeros((1, 144), dtype=np.uint8), "Q4_K") is None
