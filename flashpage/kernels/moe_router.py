@@ -33,7 +33,7 @@ METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 @triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-    stride_l, num_experts, per_group, num_groups, scale,
+    stride_l, per_group, num_groups, scale,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr, PER_PAD: tl.constexpr,
     METHOD: tl.constexpr, NORM_TOPK: tl.constexpr, PDL: tl.constexpr,
@@ -126,7 +126,7 @@ def moe_route(logits: torch.Tensor, top_k: int, method: str = "greedy", *, n_gro
     use_pdl = resolve_pdl(pdl, logits.device)
     _route_kernel[(n,)](
         logits, bias if bias is not None else logits, weights, ids,
-        logits.stride(0), e, per, groups, scale,
+        logits.stride(0), per, groups, scale,
         TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
         TOPK_GROUP=topk_group,
         GROUP_PAD=max(2, triton.next_power_of_2(groups)), PER_PAD=max(2, triton.next_power_of_2(per)),

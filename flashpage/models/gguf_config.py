@@ -1,8 +1,9 @@
 """GGUF metadata as a Hugging Face style config dict, and where the default model lives.
 
 ``gguf_to_hf_config(path)`` reads only the metadata of a GGUF file (models/gguf_file.py:
-the tensors stay memory-mapped and untouched, the vocabulary undecoded) and returns the dict ``ModelConfig.from_hf`` takes, so a
-GGUF model goes through the same validation as a ``config.json`` one.
+the tensors stay memory-mapped and untouched, the vocabulary undecoded) and returns the
+dict ``ModelConfig.from_hf`` takes, so a GGUF model goes through the same validation as
+a ``config.json`` one.
 
 Supported GGUF architectures: the Llama family as llama.cpp writes it (``llama``, which
 also covers Mistral, ``qwen2``, ``qwen3``). Anything else is a ``ConfigError`` naming it.
@@ -89,7 +90,7 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
     try:
         reader = open_gguf(path)
-    except Exception as e:  # the reader raises ValueError, struct errors, IndexError...
+    except Exception as e:  # ValueError from the reader: magic, version, truncation, types
         raise ConfigError(f"{path}: cannot read GGUF metadata ({type(e).__name__}: {e})") from e
 
     meta = {name: value for name, value in reader.fields.items()
