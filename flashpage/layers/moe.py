@@ -97,7 +97,7 @@ class MoEGate(KeepFp32, nn.Module):
             self.e_score_correction_bias = None
 
     # The routing after the logits GEMM may go through kernels/moe_router.py (set by
-    # set_fused_moe beside the fused MoE kernel; used while FLASHPAGE_FUSED_ROUTER is on,
+    # set_fused_moe beside the fused MoE kernel; unless FLASHPAGE_FUSED_ROUTER=0,
     # read at each call, so a decode graph takes the value at its capture).
     fused_route: bool = False
 
