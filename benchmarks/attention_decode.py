@@ -63,7 +63,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashpage.kernels.paged_decode import (
     CANDIDATE_CONFIGS,
-    KEYS_INNER_CANDIDATES,
     DecodeConfig,
     _launch,
     choose_num_splits,
@@ -493,90 +492,6 @@ def tiles(args, dev, sms) -> None:
     write_table(args.out, "tiles.md", lines)
 
 
-# --vlayout: a keys-inner value cache ([blocks, Hkv, D, BS] in memory: a page's keys adjacent
-# for each head dim, kernels/paged_decode.value_keys_inner) against the usual one. Compiled
-# for sm_90 on the CPU (2026-11-30), one 64-key iteration of the loop is 439 instructions
-# instead of 835 over fp8 (no byte gathers of V, one block id per page) and 330 instead
-# of 610 over bf16. Per dtype: the default config over the usual cache, the same with
-# page tiles, then configs over the keys-inner cache; SDPA cuDNN beside (bf16).
-VLAYOUT_SHAPES = [(32, 4096), (64, 4096), (128, 2048), (128, 8192), (8, 32768), (1, 32768)]
-VLAYOUT_ROUNDS = 2
-def vlayout_configs(dev, name: str, programs: int | None = None) -> list[tuple[DecodeConfig | None, str]]:
-    """(config, value layout) pairs timed by --vlayout for one dtype; None: the default."""
-    dflt = default_config(dev, D, programs, fp8=name == "fp8")
-    out: list[tuple[DecodeConfig | None, str]] = [(None, "nhd"), (dataclasses.replace(dflt, page_tiles=True), "nhd"),
-                                                  (None, "keys_inner")]
-    return out + [(c, "keys_inner") for c in KEYS_INNER_CANDIDATES[name]]
-
-
-def vlayout(args, dev, sms) -> None:
-    """vlayout_configs per dtype on VLAYOUT_SHAPES, in turn VLAYOUT_ROUNDS times, best of;
-    outputs of every keys-inner config against the default over the same values."""
-    copy_before = copy_bandwidth()
-    print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)
-    rows = []
-    for batch, ctx in VLAYOUT_SHAPES:
-        row: dict = dict(batch=batch, context=ctx)
-        for name, dtype in KV_DTYPES.items():
-            nhd, ki = Shape(batch, ctx, dtype), Shape(batch, ctx, dtype, layout="keys_inner")
-            ki.key_cache.copy_(nhd.key_cache)
-            ki.value_cache.copy_(nhd.value_cache)
-            ki.q.copy_(nhd.q)
-            ki.tables.copy_(nhd.tables)
-            base = _launch(nhd.q[0], nhd.key_cache, nhd.value_cache, nhd.tables[0], nhd.seq_lens,
-                           sm_scale=None, window_size=None, out=None, num_splits=None)
-            fns, diffs = {}, {}
-            for cfg, layout in vlayout_configs(dev, name, batch * HKV):
-                sh = ki if layout == "keys_inner" else nhd
-                sp = None if cfg is None else choose_num_splits(batch, HKV, ctx, sms,
-                                                                programs_per_sm=cfg.programs_per_sm)
-                key = f"{layout}:{'default' if cfg is None else config_name(cfg)}/sp{sp or 'auto'}"
-                fns[key] = sh.ours(sp, cfg)
-                got = _launch(sh.q[0], sh.key_cache, sh.value_cache, sh.tables[0], sh.seq_lens,
-                              sm_scale=None, window_size=None, out=None, num_splits=sp, config=cfg)
-                diffs[key] = round((got.float() - base.float()).abs().max().item(), 4)
-            if name == "bf16":
-                k, v = nhd.contiguous()
-                fns["cudnn"] = nhd.sdpa(k, v, SDPBackend.CUDNN_ATTENTION)
-            best: dict[str, float] = {}
-            for _ in range(VLAYOUT_ROUNDS):
-                for key, fn in fns.items():
-                    try:
-                        t = time_graph(fn, nhd.calls())
-                        best[key] = min(best.get(key, t), t)
-                    except Exception as ex:  # keep going
-                        print(f"{name} {key}: {type(ex).__name__}: {str(ex)[:100]}", flush=True)
-            row[name] = {key: round(nhd.kv_bytes / t / 1e9) for key, t in best.items()}
-            row[f"{name}_max_abs_diff_vs_default"] = diffs
-            del nhd, ki, fns
-            torch.cuda.empty_cache()
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    copy, meta = run_meta(copy_before)
-    with open(os.path.join(args.out, "vlayout.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    lines = [f"Paged decode over a keys-inner value cache vs the usual one, GQA {HQ}/{HKV}, head_dim {D}, "
-             f"block_size {BS}, bf16 q, {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; GB/s of "
-             f"the bytes each cache holds, best of {VLAYOUT_ROUNDS} rounds of CUDA-graph replays; copy "
-             f"{round(copy)} GB/s (before {round(copy_before)}, after {meta['copy_after_gbps']}).", "",
-             "| batch × context | dtype | usual cache, default | best keys-inner | × cuDNN (fp8: bf16-equiv.) "
-             "| SDPA cuDNN | all (GB/s) |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        cud = r["bf16"].get("cudnn")
-        for name in KV_DTYPES:
-            res = r[name]
-            g = res.get("nhd:default/spauto")
-            kis = {k_: v_ for k_, v_ in res.items() if k_.startswith("keys_inner")}
-            bk = max(kis, key=kis.get) if kis else None
-            mult = 1 if name == "bf16" else 2
-            ratio = f"{mult * kis[bk] / cud:.3f}×" if bk and cud else "-"
-            allc = ", ".join(f"{k_} {v_}" for k_, v_ in res.items() if k_ != "cudnn")
-            lines.append(f"| {r['batch']} × {r['context']} | {name} | {g} ({100 * (g or 0) / copy:.0f}%) "
-                         f"| {bk}: {kis.get(bk)} ({100 * kis.get(bk, 0) / copy:.0f}%) | {ratio} "
-                         f"| {cud if name == 'bf16' else ''} | {allc} |")
-    write_table(args.out, "vlayout.md", lines)
-
-
 def split_options(batch: int, ctx: int, sms: int) -> list[int]:
     """Split counts worth timing: up to ~32 programs per SM, >= 64 keys per split."""
     cap = min(ctx // 64, max(1, -(-32 * sms // (batch * HKV))))
@@ -585,25 +500,21 @@ def split_options(batch: int, ctx: int, sms: int) -> list[int]:
 
 def _compile_one(job) -> str:
     """Run one config once on tiny inputs of the benchmark's layout (fills Triton's cache)."""
-    cfg, splits, *rest = job  # (config, split counts[, "bf16" | "fp8"[, "keys_inner"]])
+    cfg, splits, *dtype = job  # (config, split counts[, "bf16" | "fp8"])
     t = time.time()
-    dtype = KV_DTYPES[rest[0] if rest else "bf16"]
-    kc = torch.randn(8, BS, HKV, D, device="cuda", dtype=torch.bfloat16).to(dtype)
-    vc = kc
-    if len(rest) > 1 and rest[1] == "keys_inner":
-        vc = torch.randn(8, HKV, D, BS, device="cuda", dtype=torch.bfloat16).to(dtype).permute(0, 3, 1, 2)
+    kc = torch.randn(8, BS, HKV, D, device="cuda", dtype=torch.bfloat16).to(KV_DTYPES[(dtype or ["bf16"])[0]])
     q = torch.randn(1, HQ, D, device="cuda", dtype=torch.bfloat16)
     tables = torch.arange(8, dtype=torch.int32, device="cuda")[None]
     lens = torch.tensor([100], dtype=torch.int32, device="cuda")
     for s in splits:
-        _launch(q, kc, vc, tables, lens, sm_scale=None, window_size=None, out=None, num_splits=s,
+        _launch(q, kc, kc, tables, lens, sm_scale=None, window_size=None, out=None, num_splits=s,
                 config=cfg)
     torch.cuda.synchronize()
     return f"{config_name(cfg) if cfg else 'merge'} {splits}: {time.time() - t:.1f}s"
 
 
 def precompile(workers: int, sweep: bool, compare_only: bool = False, pdl: bool = False,
-               tiles_only: bool = False, vlayout: bool = False) -> None:
+               tiles_only: bool = False) -> None:
     """Compile the variants the run needs in parallel processes (each takes seconds)."""
     import concurrent.futures as cf
     import multiprocessing as mp
@@ -616,13 +527,7 @@ def precompile(workers: int, sweep: bool, compare_only: bool = False, pdl: bool 
                 print("  compiled", msg, flush=True)
         print(f"precompiled the --pdl-ab variants in {time.time() - t:.0f} s", flush=True)
         return
-    if vlayout:
-        sp = (1, 2, 4, 8, 33, 66)
-        jobs = []
-        for name in KV_DTYPES:
-            for cfg, layout in vlayout_configs(dev, name):
-                jobs.append((cfg, sp, name, layout))
-    elif tiles_only:
+    if tiles_only:
         sp = (1, 4, 6, 8, 33, 49, 66)
         jobs = [(c, sp, "bf16") for c in {*TILES_BF16, default_config(dev, D), default_config(dev, D, 8)}]
         jobs += [(c, sp, "fp8") for c in {*TILES_FP8, default_config(dev, D, fp8=True),
@@ -651,10 +556,7 @@ class Shape:
         self.copies = max(1, -(-ROTATE_BYTES // self.kv_bytes))
         nblk = ctx // BS
         total = self.copies * batch * nblk
-        if layout == "keys_inner":  # V as [blocks, Hkv, D, BS] in memory (K as usual)
-            self.key_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
-            self.value_cache = torch.randn(total, HKV, D, BS, device="cuda").to(kv_dtype).permute(0, 3, 1, 2)
-        elif layout == "hnd":  # [blocks, Hkv, BS, D] in memory, seen as [blocks, BS, Hkv, D]
+        if layout == "hnd":  # [blocks, Hkv, BS, D] in memory, seen as [blocks, BS, Hkv, D]
             self.key_cache = torch.randn(total, HKV, BS, D, device="cuda").to(kv_dtype).transpose(1, 2)
             self.value_cache = torch.randn(total, HKV, BS, D, device="cuda").to(kv_dtype).transpose(1, 2)
         else:
@@ -751,13 +653,11 @@ def main() -> None:
                     help="the default path with PDL off vs on on PDL_AB_SHAPES (pdl_ab.json / pdl_ab.md)")
     ap.add_argument("--tiles", action="store_true",
                     help="tile candidates over bf16 and fp8 caches beside SDPA cuDNN (tiles.json / tiles.md)")
-    ap.add_argument("--vlayout", action="store_true",
-                    help="keys-inner value cache vs the usual one, bf16 and fp8 (vlayout.json / vlayout.md)")
     ap.add_argument("--layout-ab", action="store_true",
                     help="NHD vs HND cache memory order beside SDPA cuDNN (layout_ab.json)")
     args = ap.parse_args()
     if args.precompile:
-        precompile(args.precompile, args.sweep, args.compare, args.pdl_ab, args.tiles, args.vlayout)
+        precompile(args.precompile, args.sweep, args.compare, args.pdl_ab, args.tiles)
         return
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -777,9 +677,6 @@ def main() -> None:
         return
     if args.tiles:
         tiles(args, dev, sms)
-        return
-    if args.vlayout:
-        vlayout(args, dev, sms)
         return
     copy_before = copy_bandwidth()
     print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)

@@ -40,7 +40,7 @@
 #   bash benchmarks/gpu_final.sh profile6  one-sequence kernel tables, 8B and V2-Lite, PDL off
 #   bash benchmarks/gpu_final.sh align6    moe_align tiles sized to the work: fused MoE GPU tests, V2-Lite one sequence
 #   bash benchmarks/gpu_final.sh next7     router kernel + merged shared experts (GPU tests, V2-Lite A/B)
-#   bash benchmarks/gpu_final.sh vlayout   keys-inner value cache: decode GPU tests, attention_decode.py --vlayout
+#   (vlayout: session 7's keys-inner value cache A/B, run 49; its code is in commit cc19bc6)
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -363,10 +363,5 @@ next7)  # next session, first call: what session 6 wrote without a GPU: the rout
     --json-out "$OUT/decode_ab_v2lite.json" 2>&1 | tail -n 3
   timeout 150 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 --num-requests 64 \
     --no-hf --json-out "$OUT/throughput_v2lite.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
-vlayout)  # session 7: a keys-inner value cache (V's page keys adjacent per head dim) in paged decode
-  timeout 200 $PT -n 12 -m gpu tests/kernels/test_paged_decode.py tests/kernels/test_fp8_kv.py -k "decode" -rf 2>&1 \
-    | tee "$OUT/decode_gpu_tests.txt" | tail -n 3
-  timeout 120 python3 benchmarks/attention_decode.py --precompile 12 --vlayout 2>&1 | tail -n 1
-  timeout 330 python3 benchmarks/attention_decode.py --vlayout --out "$OUT/k" 2>&1 | tail -n 16 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -76,9 +76,6 @@ class DecodeConfig:
     # A register cap for ptxas (Triton's ``maxnreg``; None: ptxas decides). The fp8 loop
     # is latency-bound at 2 programs per SM (190 registers x 128 threads); 168 lets 3 fit.
     max_regs: int | None = None
-    # Tiles loaded page by page (one block id per page, not per key; full tiles unmasked).
-    # Always on over a keys-inner V cache (see ``value_keys_inner``), whatever this says.
-    page_tiles: bool = False
 
 
 def _interpreting() -> bool:
@@ -143,27 +140,14 @@ CANDIDATE_CONFIGS = [
 ]
 
 
-# What benchmarks/attention_decode.py --vlayout times over a keys-inner value cache (head_dim
-# 128), per cache dtype; the GPU tests run them.
-KEYS_INNER_CANDIDATES = {
-    "bf16": [DecodeConfig(64, 4, 2, heads_fastest=True), DecodeConfig(64, 4, 3, programs_per_sm=2),
-             DecodeConfig(64, 8, 3, programs_per_sm=2), DecodeConfig(128, 4, 2, programs_per_sm=2),
-             DecodeConfig(64, 4, 3, programs_per_sm=3)],
-    "fp8": [DecodeConfig(64, 4, 3, programs_per_sm=4), DecodeConfig(64, 4, 4, programs_per_sm=4),
-            DecodeConfig(128, 4, 3, programs_per_sm=3), DecodeConfig(128, 4, 2, programs_per_sm=3),
-            DecodeConfig(64, 8, 3, programs_per_sm=2),
-            DecodeConfig(64, 4, 3, programs_per_sm=4, heads_fastest=True)],
-}
-
-
 def config_name(cfg: DecodeConfig) -> str:
     """n{keys}w{warps}s{stages}, then p (hand prefetch), v (V prefetched), h (heads fastest),
-    m (fused merge), r{n} (n KV heads per program), R{n} (register cap), t (page tiles)."""
+    m (fused merge), r{n} (n KV heads per program), R{n} (register cap)."""
     return (f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{'p' if cfg.prefetch else ''}"
             f"{'v' if cfg.prefetch_v else ''}"
             f"{'h' if cfg.heads_fastest else ''}{'m' if cfg.fused_merge else ''}"
             f"{f'r{cfg.heads_per_program}' if cfg.heads_per_program > 1 else ''}"
-            f"{f'R{cfg.max_regs}' if cfg.max_regs else ''}{'t' if cfg.page_tiles else ''}")
+            f"{f'R{cfg.max_regs}' if cfg.max_regs else ''}")
 
 
 @triton.jit
@@ -173,109 +157,35 @@ def _block_ids(bt_row, offs_n, end, PAGE: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(x_ptr, stride_b, stride_t, stride_h, stride_d, kvh, blk, offs_n, end, offs_d, d_mask,
+def _load_rows(x_ptr, stride_b, stride_t, stride_h, kvh, blk, offs_n, end, offs_d, d_mask,
                PAGE: tl.constexpr):
     """Cache rows [BLOCK_N, BLOCK_D] of one KV head at key positions offs_n (0 past end)."""
     off = blk * stride_b + (offs_n % PAGE).to(tl.int64) * stride_t + kvh * stride_h
-    return tl.load(x_ptr + off[:, None] + offs_d[None, :] * stride_d,
+    return tl.load(x_ptr + off[:, None] + offs_d[None, :],
                    mask=(offs_n < end)[:, None] & d_mask[None, :], other=0.0)
 
 
 @triton.jit
-def _load_kv(k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
-             kvh, blk, offs_n, end, offs_d, d_mask, PAGE: tl.constexpr):
+def _load_kv(k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, kvh,
+             blk, offs_n, end, offs_d, d_mask, PAGE: tl.constexpr):
     """K and V rows [BLOCK_N, BLOCK_D] of one KV head at key positions offs_n (0 past end)."""
-    k = _load_rows(k_ptr, stride_kb, stride_kt, stride_kh, 1, kvh, blk, offs_n, end, offs_d, d_mask, PAGE)
-    v = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, stride_vd, kvh, blk, offs_n, end, offs_d,
-                   d_mask, PAGE)
+    k = _load_rows(k_ptr, stride_kb, stride_kt, stride_kh, kvh, blk, offs_n, end, offs_d, d_mask, PAGE)
+    v = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blk, offs_n, end, offs_d, d_mask, PAGE)
     return k, v
 
 
 @triton.jit
-def _page_ids(bt_row, n0, end, NP: tl.constexpr, PB: tl.constexpr, PAGE: tl.constexpr):
-    """Physical block of each of the NP pieces of PB keys of the tile at n0 (0 past end)."""
-    pos = n0 + tl.arange(0, NP) * PB
-    return tl.load(bt_row + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
-
-
-@triton.jit
-def _page_slots(n0, PB: tl.constexpr, PAGE: tl.constexpr):
-    """In-page positions [PB] of a piece's keys: 0..PB-1, or past n0 % PAGE when a page holds
-    several tiles (n0 is then a multiple of PB)."""
-    offs_j = tl.arange(0, PB)
-    if PAGE > PB:
-        offs_j = tl.multiple_of(n0 % PAGE, PB) + offs_j
-    return offs_j
-
-
-@triton.jit
-def _page_tile_rows(x_ptr, stride_b, stride_t, stride_h, stride_d, kvh, blkp, n0, end, offs_d,
-                    MASKED: tl.constexpr, NP: tl.constexpr, PB: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] cache rows of one KV head loaded as NP pieces of PB keys, each inside
-    one page (a [NP, PB, BLOCK_D] load: one block id per piece, not per key). MASKED: pieces
-    that start at or past ``end`` read as 0; the rest of a piece that holds ``end`` is read
-    as it is (slots of the sequence's own last page: the caller masks them)."""
-    base = x_ptr + kvh * stride_h + blkp * stride_b
-    offs_j = _page_slots(n0, PB, PAGE)
-    ptrs = base[:, None, None] + (offs_j * stride_t)[None, :, None] + (offs_d * stride_d)[None, None, :]
-    if MASKED:  # whole pieces: the mask stays constant along a vector load
-        x = tl.load(ptrs, mask=(n0 + tl.arange(0, NP) * PB < end)[:, None, None], other=0.0)
-    else:
-        x = tl.load(ptrs)
-    return tl.reshape(x, [BLOCK_N, BLOCK_D])
-
-
-@triton.jit
-def _page_tile_cols(x_ptr, stride_b, stride_h, stride_d, kvh, blkp, n0, end, offs_d,
-                    MASKED: tl.constexpr, NP: tl.constexpr, PB: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The transposed tile [BLOCK_D, BLOCK_N] of a keys-inner cache (a page's keys adjacent
-    for each head dim): [BLOCK_D, NP, PB] loaded along the keys."""
-    base = x_ptr + kvh * stride_h + blkp * stride_b
-    offs_j = _page_slots(n0, PB, PAGE)
-    ptrs = base[None, :, None] + (offs_d * stride_d)[:, None, None] + offs_j[None, None, :]
-    if MASKED:  # whole pieces, as above
-        x = tl.load(ptrs, mask=(n0 + tl.arange(0, NP) * PB < end)[None, :, None], other=0.0)
-    else:
-        x = tl.load(ptrs)
-    return tl.reshape(x, [BLOCK_D, BLOCK_N])
-
-
-@triton.jit
-def _page_tile_kv(k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                  stride_vd, kvh, blkp, n0, end, offs_d, MASKED: tl.constexpr, V_KEYS_INNER: tl.constexpr,
-                  NP: tl.constexpr, PB: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    """K [BLOCK_N, BLOCK_D] and V (as [BLOCK_N, BLOCK_D]) of the tile at n0, page by page."""
-    k = _page_tile_rows(k_ptr, stride_kb, stride_kt, stride_kh, 1, kvh, blkp, n0, end, offs_d, MASKED,
-                        NP, PB, PAGE, BLOCK_N, BLOCK_D)
-    if V_KEYS_INNER:
-        v = tl.trans(_page_tile_cols(v_ptr, stride_vb, stride_vh, stride_vd, kvh, blkp, n0, end, offs_d,
-                                     MASKED, NP, PB, PAGE, BLOCK_N, BLOCK_D))
-    else:
-        v = _page_tile_rows(v_ptr, stride_vb, stride_vt, stride_vh, stride_vd, kvh, blkp, n0, end, offs_d,
-                            MASKED, NP, PB, PAGE, BLOCK_N, BLOCK_D)
-    return k, v
-
-
-@triton.jit
-def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constexpr,
-                 MASKED: tl.constexpr = True):
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constexpr):
     """One online-softmax step over a tile of keys (base-2 exponentials). K/V tiles of an
     fp8 cache are widened to q's dtype first (a no-op for a cache in q's dtype); scores
-    are ``q . k * sm_scale_log2``; keys outside ``n_mask`` are dropped (MASKED: a tile
-    that holds every key needs no mask)."""
+    are ``q . k * sm_scale_log2``."""
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
-    if MASKED:
-        qk = tl.where(n_mask[None, :], qk * sm_scale_log2, float("-inf"))
-    else:
-        qk = qk * sm_scale_log2
+    qk = tl.where(n_mask[None, :], qk * sm_scale_log2, float("-inf"))
     # Every tile holds at least one valid key, so m_new is finite.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -298,7 +208,7 @@ def _paged_decode_kernel(
     window,  # keys j >= seq_len - window (ignored unless HAS_WINDOW)
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_vb, stride_vt, stride_vh,
     stride_btb,
     stride_ob, stride_oh,
     num_splits,  # a runtime value: a new split count compiles nothing new
@@ -319,8 +229,6 @@ def _paged_decode_kernel(
     MERGE_CHUNK: tl.constexpr,  # splits the merge loads at once
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     F16_DOTS: tl.constexpr,  # an fp8 cache under a 16-bit q: pre-scaled fp16 q, fp16 dots
-    PAGE_TILES: tl.constexpr,  # tiles loaded page by page (not with PREFETCH*, HAS_WINDOW)
-    V_KEYS_INNER: tl.constexpr,  # V cache keys-inner (stride_vt == 1): PAGE_TILES only
 ):
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
@@ -337,12 +245,7 @@ def _paged_decode_kernel(
     start, end = split_range(seq_lens_ptr, b, window, num_splits, split, HAS_WINDOW, BLOCK_N)
     b64 = b.to(tl.int64)
     bt_row = block_tables_ptr + b64 * stride_btb
-    PB: tl.constexpr = BLOCK_N if BLOCK_N < PAGE else PAGE  # keys of a tile inside one page
-    NP: tl.constexpr = BLOCK_N // PB
-    if PAGE_TILES:
-        blk0 = _page_ids(bt_row, start, end, NP, PB, PAGE)
-    else:
-        blk0 = _block_ids(bt_row, start + tl.arange(0, BLOCK_N), end, PAGE)
+    blk0 = _block_ids(bt_row, start + tl.arange(0, BLOCK_N), end, PAGE)
     pdl_prologue(PDL)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -359,7 +262,7 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
-    kv_args = (k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd, kvh)
+    kv_args = (k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, kvh)
     if PREFETCH:
         # Software pipeline in registers: while tile i is computed, tile i+1's K/V and
         # tile i+2's block ids are in flight, so no load waits on another load.
@@ -381,46 +284,19 @@ def _paged_decode_kernel(
         # samples at that wait).
         offs0 = start + tl.arange(0, BLOCK_N)
         blk = blk0
-        v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, stride_vd, kvh, blk, offs0, end, offs_d,
+        v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blk, offs0, end, offs_d,
                             d_mask, PAGE).to(q.dtype)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             offs_x = offs_n + BLOCK_N
             blk_x = _block_ids(bt_row, offs_x, end, PAGE)
-            k = _load_rows(k_ptr, stride_kb, stride_kt, stride_kh, 1, kvh, blk, offs_n, end, offs_d,
+            k = _load_rows(k_ptr, stride_kb, stride_kt, stride_kh, kvh, blk, offs_n, end, offs_d,
                            d_mask, PAGE)
             v = v_next
-            v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, stride_vd, kvh, blk_x, offs_x, end,
-                                offs_d,
+            v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blk_x, offs_x, end, offs_d,
                                 d_mask, PAGE).to(q.dtype)
             blk = blk_x
             m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
-    elif PAGE_TILES:
-        # Tiles loaded page by page ([NP, PB, D]: one block id per page, and for a keys-inner
-        # V cache each head dim's keys adjacent, so V reaches the P.V dot without gathers);
-        # every tile but the last holds BLOCK_N keys and needs no mask. Block ids are carried
-        # one tile ahead, as below.
-        n_full = tl.maximum(end - start, 0) // BLOCK_N
-        full_end = start + n_full * BLOCK_N
-        blkp = blk0
-        for n0 in range(start, full_end, BLOCK_N):
-            blkp_x = _page_ids(bt_row, n0 + BLOCK_N, end, NP, PB, PAGE)
-            k, v = _page_tile_kv(*kv_args, blkp, n0, end, offs_d, False, V_KEYS_INNER, NP, PB, PAGE,
-                                 BLOCK_N, BLOCK_D)
-            blkp = blkp_x
-            m_i, l_i, acc = _attend_tile(q, k, v, None, m_i, l_i, acc, sm_scale_log2, IEEE, False)
-        # The last, partial tile one piece (PB keys, inside one page) at a time: a whole
-        # tile here, loaded straight into registers, would set the kernel's register count
-        # (96 -> 160 in the sm_90 build of the fp8 loop). Slots past the context in its
-        # last page hold whatever was there (NaN, Inf): their scores are masked to -inf,
-        # and V is zeroed so that p = 0 adds nothing.
-        for n0 in range(full_end, end, PB):
-            blk1 = _page_ids(bt_row, n0, end, 1, PB, PAGE)
-            k, v = _page_tile_kv(*kv_args, blk1, n0, end, offs_d, False, V_KEYS_INNER, 1, PB, PAGE,
-                                 PB, BLOCK_D)
-            n_mask = n0 + tl.arange(0, PB) < end
-            v = tl.where(n_mask[:, None], v, 0.0)
-            m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE)
     else:
         # Triton's pipeliner overlaps the loads. The block ids are carried one tile ahead,
         # so that the K/V loads' addresses do not come from a load of the same iteration
@@ -572,28 +448,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(want, max_context // min_keys, max_splits))
 
 
-def value_keys_inner(value_cache: torch.Tensor) -> bool:
-    """Whether a [num_blocks, block_size, Hkv, D] value cache is keys-inner: the view of a
-    [num_blocks, Hkv, D, block_size] tensor (``empty_value_cache(..., keys_inner=True)``),
-    where a page's keys lie next to each other for every head dim. The decode kernel then
-    feeds V to its P.V dot, which reduces over keys, without gathering it element by
-    element: the layout the triton backend gives an fp8 cache."""
-    return (value_cache.dim() == 4 and value_cache.shape[1] > 1 and value_cache.stride(1) == 1
-            and value_cache.stride(3) == value_cache.shape[1]
-            and value_cache.stride(2) == value_cache.shape[3] * value_cache.shape[1]
-            and value_cache.stride(0) == value_cache.shape[1] * value_cache.shape[2] * value_cache.shape[3])
-
-
-def empty_value_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
-                      dtype: torch.dtype, device: torch.device | str, keys_inner: bool) -> torch.Tensor:
-    """A zeroed value cache [num_blocks, block_size, Hkv, D]; keys_inner: stored as
-    [num_blocks, Hkv, D, block_size] and returned as that tensor's permuted view."""
-    if not keys_inner:
-        return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-    t = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
-    return t.permute(0, 3, 1, 2)
-
-
 def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out):
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {tuple(q.shape)}")
@@ -616,9 +470,8 @@ def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out):
     if seq_lens.dtype != torch.int32 or seq_lens.shape != (batch,):
         raise ValueError(f"seq_lens must be int32 [batch={batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.stride(-1) != 1 and not (t is value_cache and value_keys_inner(t)):
-            raise ValueError(f"{name} must be contiguous in its last dimension (value_cache: or "
-                             "keys-inner, see value_keys_inner)")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables must be contiguous in its last dimension")
     if window_size is not None and window_size < 1:
@@ -642,12 +495,6 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         return out
     cfg = config or default_config(q.device, head_dim, batch * num_kv_heads,
                                    fp8=is_fp8(key_cache.dtype))
-    keys_inner = value_keys_inner(value_cache)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    page_tiles = ((cfg.page_tiles or keys_inner) and window_size is None and block_d == head_dim
-                  and not cfg.prefetch)
-    if page_tiles and cfg.prefetch_v:
-        cfg = replace(cfg, prefetch_v=False)
     hpb = cfg.heads_per_program
     if hpb > 1 and (num_kv_heads % hpb or head_dim & (head_dim - 1) or head_dim < 16
                     or key_cache.stride(2) != head_dim or value_cache.stride(2) != head_dim):
@@ -664,6 +511,7 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
     # at 32 x 4096 with it (split kernels and their merge: 1.04x at 1 x 32768)
     use_pdl = resolve_pdl(pdl, q.device, in_auto=num_splits > 1)
     launch_kw = pdl_launch_kwargs(use_pdl)
+    block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(group))
 
     if num_splits > 1:
@@ -699,7 +547,7 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         sm_scale * _LOG2E, window_size or 0,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1), num_splits,
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=block_size,
@@ -708,7 +556,6 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         PREFETCH_V=cfg.prefetch_v and not cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
         PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, key_cache.dtype),
-        PAGE_TILES=page_tiles, V_KEYS_INNER=keys_inner and page_tiles,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
         **({"maxnreg": cfg.max_regs} if cfg.max_regs and not _interpreting() else {}),
     )

@@ -36,7 +36,6 @@ from flashpage.kernels.flash_prefill import (
 )
 from flashpage.kernels.kv_cache_write import KVWriteConfig, kv_write_name, write_kv_rows
 from flashpage.kernels.paged_decode import (
-    KEYS_INNER_CANDIDATES,
     DecodeConfig,
     _launch,
     config_name,
@@ -437,8 +436,7 @@ def _compile_fp8_ptx() -> dict[str, str]:
            "seq_lens": "*i32", "block_tables": "*i32", "Lse": "*fp32"}
     decode = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64,
                   HAS_WINDOW=False, IEEE=False, HEADS_FASTEST=False, FUSED_MERGE=False,
-                  GROUP_PAD=4, MERGE_CHUNK=1, PDL=False, F16_DOTS=True, PAGE_TILES=False,
-                  V_KEYS_INNER=False, stride_vd=1)  # a stride of 1: a constant, as a launch specializes it
+                  GROUP_PAD=4, MERGE_CHUNK=1, PDL=False, F16_DOTS=True)
     kernels = {
         "write_kv": (cw._write_kv_kernel, dict(PAGE=16, NUM_HEADS=8, HEAD_DIM=128, BLOCK_T=4,
                                                 BLOCK_E=1024), set(), 8, 3),
@@ -454,9 +452,6 @@ def _compile_fp8_ptx() -> dict[str, str]:
             **decode, "SPLIT": True, "PREFETCH": True, "PREFETCH_V": False}, decode_fp8, 4, 1),
         "paged_decode_prefetch_v": (pd._paged_decode_kernel, {
             **decode, "SPLIT": False, "PREFETCH": False, "PREFETCH_V": True}, decode_fp8, 4, 3),
-        "paged_decode_keys_inner": (pd._paged_decode_kernel, {
-            **{k: v for k, v in decode.items() if k != "stride_vd"}, "SPLIT": True, "PREFETCH": False,
-            "PREFETCH_V": False, "PAGE_TILES": True, "V_KEYS_INNER": True}, decode_fp8, 4, 3),
         "paged_decode_rows": (rows._paged_decode_rows_kernel, dict(
             GROUP=4, HPB=2, ROWS_PAD=16, HEAD_DIM=128, WIDTH=256, PAGE=16, BLOCK_N=32,
             SPLIT=True, HAS_WINDOW=False, IEEE=False, PDL=False, F16_DOTS=True), decode_fp8, 4, 3),
@@ -481,10 +476,9 @@ def test_fp8_kernels_compile_for_sm90():
     """The writes convert with cvt.rn.satfinite (round to nearest even, saturating at 448:
     torch's rounding for values within +-448); the readers widen e4m3 in registers, and the
     decode kernels (bf16 q) widen it to fp16 in one step and run fp16 dots, never widening
-    through fp16 to bf16 (three conversions per pair: slower than a bf16 cache); over a
-    keys-inner value cache V reaches the P.V dot without byte gathers."""
+    through fp16 to bf16 (three conversions per pair: slower than a bf16 cache)."""
     ptx = run_compiled("test_fp8_kv", "_compile_fp8_ptx")
-    assert len(ptx) == 9
+    assert len(ptx) == 8
     for name in ("write_kv", "write_kv_rows", "rotary_write"):
         assert "cvt.rn.satfinite.e4m3x2" in ptx[name], name
     for name, text in ptx.items():
@@ -494,10 +488,8 @@ def test_fp8_kernels_compile_for_sm90():
         if name.startswith("paged_decode"):
             assert "cvt.bf16.f16" not in text, f"{name}: widens fp8 to bf16"
             assert ".f16.f16.f32" in text and ".bf16.bf16.f32" not in text, f"{name}: bf16 dots"
-    # V widened in registers, or read from a keys-inner cache, reaches the dot through
-    # ldmatrix, not byte by byte
+    # V widened in registers reaches the dot through ldmatrix, not byte by byte
     assert "ld.shared.b8" in ptx["paged_decode"] and "ld.shared.b8" not in ptx["paged_decode_prefetch_v"]
-    assert "ld.shared.b8" not in ptx["paged_decode_keys_inner"]
 
 
 # --------------------------------------------------------------------------- GPU, bf16
@@ -545,25 +537,6 @@ GPU_DECODE_CASES = [
 @pytest.mark.parametrize("case", GPU_DECODE_CASES, ids=_decode_id)
 def test_paged_decode_fp8_gpu(case):
     run_decode_case(case, torch.bfloat16)
-
-
-@pytest.mark.gpu
-@gpu_only
-@pytest.mark.parametrize("config", [None, *KEYS_INNER_CANDIDATES["fp8"]],
-                         ids=lambda c: "default" if c is None else config_name(c))
-def test_paged_decode_fp8_keys_inner_gpu(config):
-    """An fp8 value cache keys-inner (the triton backend's layout): as over the usual one."""
-    g = gen(5)
-    lens = [1, 900, 4000, 77, 16, 2048]
-    _, _, kc8, vc8, tables, seq_lens = paged_pair(lens, 8, 128, 16, torch.bfloat16, g)
-    vt8 = vc8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    q = torch.randn(len(lens), 32, 128, generator=g, device=DEVICE).bfloat16()
-    ref = paged_decode_ref(q, kc8, vc8, tables, seq_lens)
-    for splits in (None, 1, 5):
-        out = _launch(q, kc8, vt8, tables, seq_lens, sm_scale=None, window_size=None,
-                      out=torch.full_like(q, float("nan")), num_splits=splits, config=config)
-        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        assert not out.isnan().any() and err < DECODE_TOL[torch.bfloat16], (splits, err)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,6 @@ import torch
 
 from flashpage.kernels.paged_decode import (
     CANDIDATE_CONFIGS,
-    KEYS_INNER_CANDIDATES,
     DecodeConfig,
     _launch,
     choose_num_splits,
@@ -66,13 +65,10 @@ def check(out, ref, dtype):
 
 
 def run_and_check(seq_lens, hq, hkv, d, bs, dtype, *, num_splits=None, window_size=None, seed=0,
-                  device=DEVICE, values_keys_inner=False, config=None):
+                  device=DEVICE):
     q, kc, vc, bt, lens = make_case(seq_lens, hq, hkv, d, bs, dtype, seed=seed, device=device)
-    if values_keys_inner:
-        vc = keys_inner(vc)
     out = torch.full_like(q, float("nan"))  # every element must be written
-    _launch(q, kc, vc, bt, lens, sm_scale=None, out=out, num_splits=num_splits, window_size=window_size,
-            config=config)
+    paged_decode(q, kc, vc, bt, lens, out=out, num_splits=num_splits, window_size=window_size)
     ref = paged_decode_ref(q, kc, vc, bt, lens, window_size=window_size)
     check(out, ref, dtype)
 
@@ -127,47 +123,6 @@ def test_head_major_cache_view():
     for splits in (1, 3):
         out = paged_decode(q, hnd_k, hnd_v, bt, lens, num_splits=splits)
         assert torch.equal(out, paged_decode(q, kc, vc, bt, lens, num_splits=splits))
-
-
-def keys_inner(vc: torch.Tensor) -> torch.Tensor:
-    """The same values in a keys-inner value cache ([blocks, Hkv, D, BS] in memory, the
-    [blocks, BS, Hkv, D] view of it): the triton backend's layout for an fp8 cache."""
-    return vc.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-
-
-# (seq_lens, q heads, kv heads, head_dim, block_size, keys per tile, num_splits, window)
-PAGE_TILE_CASES = [
-    ([1, 17, 40, 64], 8, 2, 64, 16, 32, None, None),  # ragged, one key, full and partial tiles
-    ([100, 33], 8, 2, 64, 16, 64, 3, None),  # 4 pages a tile, splits
-    ([300, 5], 4, 1, 64, 64, 16, 2, None),  # a page holds 4 tiles (n0 % PAGE offsets)
-    ([70, 129], 16, 2, 64, 32, 32, 8, None),  # empty splits
-    ([97, 3, 64], 8, 2, 64, 16, 32, 2, 20),  # a window: the generic loop over strided V
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", PAGE_TILE_CASES, ids=lambda c: f"{c[0]}-bs{c[4]}-n{c[5]}-s{c[6]}-w{c[7]}")
-def test_page_tiles_and_keys_inner_values(case, dtype):
-    """Tiles loaded page by page (DecodeConfig.page_tiles) over the usual cache, and over a
-    keys-inner value cache (always page tiles, but with a window): equal to the reference,
-    and every slot past a context (NaN) unread; the two layouts agree to fp32 rounding."""
-    from flashpage.kernels.paged_decode import value_keys_inner
-
-    seq_lens, hq, hkv, d, bs, bn, splits, window = case
-    q, kc, vc, bt, lens = make_case(seq_lens, hq, hkv, d, bs, dtype, seed=11)
-    vt = keys_inner(vc)
-    assert value_keys_inner(vt) and not value_keys_inner(vc)
-    ref = paged_decode_ref(q, kc, vt, bt, lens, window_size=window)
-    outs = []
-    for v, cfg in ((vc, DecodeConfig(bn, 4, 3, page_tiles=True)), (vt, DecodeConfig(bn, 4, 3)),
-                   (vt, DecodeConfig(bn, 4, 3, prefetch_v=True))):
-        out = torch.full_like(q, float("nan"))
-        _launch(q, kc, v, bt, lens, sm_scale=None, window_size=window, out=out, num_splits=splits,
-                config=cfg)
-        check(out, ref, dtype)
-        outs.append(out)
-    if dtype == torch.float32:
-        torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-5)
 
 
 def test_custom_scale():
@@ -325,24 +280,6 @@ def test_paged_decode_gpu_bf16(case):
     for splits in (None, 1, 7):
         run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, num_splits=splits, seed=sum(case))
     run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, window_size=500, seed=sum(case))
-
-
-@pytest.mark.gpu
-@gpu_only
-@pytest.mark.parametrize("case", GPU_CASES[::2], ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-bs{c[3]}")
-def test_paged_decode_gpu_keys_inner_values(case):
-    """A keys-inner value cache (page tiles), default config and the --vlayout candidates of
-    Llama's shape; a window takes the strided loop."""
-    hq, hkv, d, bs = case
-    g = torch.Generator().manual_seed(sum(case))
-    seq_lens = [1, 2047, bs + 1] + torch.randint(1, 3000, (5,), generator=g).tolist()
-    configs = [None] + (KEYS_INNER_CANDIDATES["bf16"] if (hq, hkv, d) == (32, 8, 128) else [])
-    for cfg in configs:
-        for splits in (None, 1, 7):
-            run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, num_splits=splits, seed=sum(case),
-                          values_keys_inner=True, config=cfg)
-    run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, window_size=500, seed=sum(case),
-                  values_keys_inner=True)
 
 
 @pytest.mark.gpu

@@ -184,13 +184,7 @@ def _compile_ptx() -> dict[str, str]:
         "paged_decode": (pd._paged_decode_kernel, dict(
             GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, SPLIT=True,
             HAS_WINDOW=False, IEEE=False, PREFETCH=False, HEADS_FASTEST=False, FUSED_MERGE=True,
-            GROUP_PAD=4, MERGE_CHUNK=16, PREFETCH_V=False, F16_DOTS=False, PAGE_TILES=False,
-            V_KEYS_INNER=False, stride_vd=1), 4, 5),
-        "paged_decode_page_tiles": (pd._paged_decode_kernel, dict(
-            GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, SPLIT=True,
-            HAS_WINDOW=False, IEEE=False, PREFETCH=False, HEADS_FASTEST=False, FUSED_MERGE=False,
-            GROUP_PAD=4, MERGE_CHUNK=1, PREFETCH_V=False, F16_DOTS=False, PAGE_TILES=True,
-            V_KEYS_INNER=True), 4, 3),
+            GROUP_PAD=4, MERGE_CHUNK=16, PREFETCH_V=False, F16_DOTS=False), 4, 5),
         "paged_decode_rows": (rows._paged_decode_rows_kernel, dict(
             GROUP=4, HPB=2, ROWS_PAD=16, HEAD_DIM=128, WIDTH=256, PAGE=16, BLOCK_N=32,
             SPLIT=True, HAS_WINDOW=False, IEEE=False, F16_DOTS=False), 4, 3),
@@ -219,12 +213,12 @@ def _compile_ptx() -> dict[str, str]:
 
 # Kernels that load, before the wait, what no kernel of a step writes (their launchers'
 # docstrings say which); every other kernel waits before any global access.
-_EARLY_LOADS = {"rms_norm", "rotary", "paged_decode", "paged_decode_page_tiles", "gemv_row", "gemv_row_looped", "moe_route"}
+_EARLY_LOADS = {"rms_norm", "rotary", "paged_decode", "gemv_row", "gemv_row_looped", "moe_route"}
 
 
 def test_ptx_waits_before_any_global_access():
     ptx = run_compiled("test_pdl", "_compile_ptx")
-    assert len(ptx) == 12
+    assert len(ptx) == 11
     for name, text in ptx.items():
         lines = text.splitlines()
         waits = [i for i, line in enumerate(lines) if _WAIT in line]
