@@ -41,7 +41,7 @@
 #   bash benchmarks/gpu_final.sh align6    moe_align tiles sized to the work: fused MoE GPU tests, V2-Lite one sequence
 #   bash benchmarks/gpu_final.sh next7     router kernel + merged shared experts (GPU tests, V2-Lite A/B)
 #   (vlayout: session 7's keys-inner value cache A/B, run 49; its code is in commit cc19bc6)
-#   bash benchmarks/gpu_final.sh mla7      MLA decode, entries as the dots' rows: GPU tests, mla_decode.py --keys-major-ab
+#   (mla7: session 7's keys-major MLA decode A/B, runs 50-51; its code is in commit df825ce)
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -364,10 +364,5 @@ next7)  # next session, first call: what session 6 wrote without a GPU: the rout
     --json-out "$OUT/decode_ab_v2lite.json" 2>&1 | tail -n 3
   timeout 150 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 --num-requests 64 \
     --no-hf --json-out "$OUT/throughput_v2lite.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
-mla7)  # session 7: MLA decode with entries as the dots' rows (warpgroup MMAs) vs the default, 16 heads
-  timeout 240 $PT -n 8 -m gpu tests/kernels/test_mla_decode.py -k "keys_major or gpu_bf16 or forced" -rf 2>&1 \
-    | tee "$OUT/mla_gpu_tests.txt" | tail -n 3
-  timeout 150 python3 benchmarks/mla_decode.py --precompile 8 --keys-major-ab 2>&1 | tail -n 1
-  timeout 300 python3 benchmarks/mla_decode.py --keys-major-ab --out "$OUT/k/mla_keys_major.jsonl" 2>&1 | tail -n 12 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

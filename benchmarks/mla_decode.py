@@ -303,24 +303,11 @@ CHUNKS_AB_SHAPES = [(8, 32768), (16, 16384), (32, 4096), (64, 8192), (128, 4096)
 CHUNKS_AB_ROUNDS = 3
 
 
-# --keys-major-ab (session 7): entries as the dots' rows (MLADecodeConfig.keys_major: 64-row
-# warpgroup MMAs instead of 16-row mma.sync chains) against the default, bf16, 16 heads.
-# (128-entry tiles need 317 KB of shared memory; one stage crashed with an illegal address
-# in run 50.)
-KEYS_MAJOR_CONFIGS = [
-    MLADecodeConfig(16, 64, 4, 2, 1, keys_major=True), MLADecodeConfig(16, 64, 8, 2, 1, keys_major=True),
-]
-KEYS_MAJOR_AB = False
-
-
 def chunks_ab_configs(fp8: bool) -> list[MLADecodeConfig]:
     """``--chunks-ab``'s configs at 16 heads over a bf16 (``fp8`` False) or fp8 latent
     cache: first the unchunked form of that cache's default tile (the baseline; the
     default before qk_chunks), then the chunked candidates of its kind (prefetch tiles for
-    fp8, pipelined ones for bf16). ``--keys-major-ab``: the bf16 default, then
-    KEYS_MAJOR_CONFIGS (no fp8)."""
-    if KEYS_MAJOR_AB:
-        return [] if fp8 else [default_config(16, torch.device("cuda")), *KEYS_MAJOR_CONFIGS]
+    fp8, pipelined ones for bf16)."""
     base = dataclasses.replace(default_config(16, torch.device("cuda"), fp8=fp8), qk_chunks=1)
     return [base, *(c for c in QK_CHUNK_CONFIGS if c.prefetch == fp8)]
 
@@ -366,8 +353,6 @@ def run_chunks_ab(f, args) -> None:
     rows = []
     for fp8 in (False, True):
         cfgs = chunks_ab_configs(fp8)
-        if not cfgs:
-            continue
         for batch, ctx in CHUNKS_AB_SHAPES:
             case = Case(batch, ctx, 16, args.page, torch.float8_e4m3fn if fp8 else torch.bfloat16)
             lat0 = case.contiguous(0)
@@ -555,12 +540,7 @@ def main() -> None:
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16",
                     help="fp8: the default path at 16 heads over a bf16 and an fp8 latent cache "
                          "(table: --out with .md)")
-    ap.add_argument("--keys-major-ab", action="store_true",
-                    help="--chunks-ab's run over KEYS_MAJOR_CONFIGS against the bf16 default")
     args = ap.parse_args()
-    if args.keys_major_ab:
-        global KEYS_MAJOR_AB
-        KEYS_MAJOR_AB = args.chunks_ab = True
     if args.precompile:
         if args.chunks_ab:
             precompile_chunks_ab(args.precompile, args.page)

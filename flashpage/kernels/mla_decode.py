@@ -81,11 +81,6 @@ class MLADecodeConfig:
     # with its own accumulator, instead of one chain of dependent mma steps over all 576
     # dims, and P V one accumulator per chunk (_qk says why).
     qk_chunks: int = 1
-    # Entries as the dots' rows (M) and heads as their columns: S^T = latent . q^T, then
-    # O^T = latent^T . P^T, both reading the one shared-memory copy of the tile. With 16
-    # heads the heads-as-rows dots are 16-row mma.sync chains; entries-as-rows dots are
-    # 64-row warpgroup MMAs on Hopper (block_n >= 64, 4 warps). A 16-bit cache only.
-    keys_major: bool = False
 
     def __post_init__(self) -> None:
         if self.qk_chunks < 1 or self.qk_chunks & (self.qk_chunks - 1):
@@ -161,8 +156,7 @@ CANDIDATE_CONFIGS = [
 def config_name(cfg: MLADecodeConfig) -> str:
     name = f"{cfg.block_h}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}p{cfg.programs_per_sm}"
     return (name + (f"f{cfg.fuse_merge_max_splits}" if cfg.fuse_merge_max_splits else "")
-            + ("r" if cfg.prefetch else "") + (f"c{cfg.qk_chunks}" if cfg.qk_chunks > 1 else "")
-            + ("k" if cfg.keys_major else ""))
+            + ("r" if cfg.prefetch else "") + (f"c{cfg.qk_chunks}" if cfg.qk_chunks > 1 else ""))
 
 
 @triton.jit
@@ -352,76 +346,6 @@ def _mla_decode_kernel(
             col = c * CH + offs_c
             tl.store(o_row + col[None, :], os_[c].to(out_ptr.dtype.element_ty),
                      mask=h_mask[:, None] & (col < RANK)[None, :])
-
-
-@triton.jit(do_not_specialize=["num_heads", "num_splits", "stride_btb"])
-def _mla_decode_t_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-    sm_scale_log2, num_heads, num_splits,
-    stride_qb, stride_qh, stride_kvb, stride_kvt, stride_btb, stride_ob, stride_oh,
-    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
-):
-    """_mla_decode_kernel with entries as the dots' rows (MLADecodeConfig.keys_major): the
-    scores come out transposed, [BLOCK_N entries, BLOCK_H heads], the softmax runs down
-    the columns, and the output accumulates transposed, [BLOCK_R, BLOCK_H]."""
-    pdl_prologue(PDL)
-    hb = tl.program_id(0)
-    b = tl.program_id(1)
-    split = tl.program_id(2)
-    start, end = split_range(seq_lens_ptr, b, 0, num_splits, split, False, BLOCK_N)
-
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_p = tl.arange(0, BLOCK_P)
-    h_mask = offs_h < num_heads
-    r_mask = offs_r < RANK
-    p_mask = offs_p < ROPE
-    b64 = b.to(tl.int64)
-    q_row = q_ptr + b64 * stride_qb + offs_h[None, :].to(tl.int64) * stride_qh
-    q_t = tl.load(q_row + offs_r[:, None], mask=r_mask[:, None] & h_mask[None, :], other=0.0)
-    q_pe_t = tl.load(q_row + RANK + offs_p[:, None], mask=p_mask[:, None] & h_mask[None, :], other=0.0)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc_t = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-    bt_row = block_tables_ptr + b64 * stride_btb
-
-    # Block ids one iteration ahead (see _mla_decode_kernel).
-    offs_n = tl.arange(0, BLOCK_N)
-    blk_next = tl.load(bt_row + (start + offs_n) // PAGE, mask=start + offs_n < end, other=0)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < end
-        blk = blk_next.to(tl.int64)
-        nxt = pos + BLOCK_N
-        blk_next = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0)
-        row = kv_ptr + blk * stride_kvb + (pos % PAGE).to(tl.int64) * stride_kvt
-        kv = tl.load(row[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-        pe = tl.load(row[:, None] + RANK + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :],
-                     other=0.0)
-        s_t = _dot(pe, q_pe_t, None, IEEE)
-        s_t = _dot(kv, q_t, s_t, IEEE) * sm_scale_log2
-        s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p_t = tl.exp2(s_t - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p_t, 0)
-        acc_t = _dot(tl.trans(kv), p_t.to(kv.dtype), acc_t * alpha[None, :], IEEE)
-        m_i = m_new
-
-    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-    o_t = acc_t / safe_l[None, :]
-    if SPLIT:
-        mid = (b64 * num_heads + offs_h.to(tl.int64)) * num_splits + split
-        tl.store(mid_o_ptr + mid[None, :] * BLOCK_R + offs_r[:, None], o_t,
-                 mask=r_mask[:, None] & h_mask[None, :])
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
-        tl.store(mid_lse_ptr + mid, lse, mask=h_mask)
-    else:
-        o_row = out_ptr + b64 * stride_ob + offs_h[None, :].to(tl.int64) * stride_oh
-        tl.store(o_row + offs_r[:, None], o_t.to(out_ptr.dtype.element_ty),
-                 mask=r_mask[:, None] & h_mask[None, :])
 
 
 @triton.jit
@@ -624,30 +548,20 @@ def mla_decode(
     counters = _merge_counters(q.device, B * head_blocks) if fused else seq_lens  # else unused
     use_pdl = resolve_pdl(pdl, q.device, in_auto=False)  # timed 0.97-0.99x with PDL (H200)
     launch_kw = pdl_launch_kwargs(use_pdl)
-    if cfg.keys_major and not is_fp8(kv_cache.dtype) and not fused and not cfg.prefetch:
-        _mla_decode_t_kernel[(head_blocks, B, num_splits)](
-            q, kv_cache, block_tables, seq_lens, out, mid_o, mid_lse, sm_scale * _LOG2E, H, num_splits,
-            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
-            out.stride(0), out.stride(1),
-            RANK=kv_lora_rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_H=cfg.block_h,
-            BLOCK_N=cfg.block_n, PAGE=page, SPLIT=split, IEEE=q.dtype == torch.float32, PDL=use_pdl,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
-        )
-    else:
-        _mla_decode_kernel[(head_blocks, B, num_splits)](
-            q, kv_cache, block_tables, seq_lens, out, mid_o, mid_lse, counters,
-            sm_scale * _LOG2E,
-            H, num_splits,
-            q.stride(0), q.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1),
-            block_tables.stride(0),
-            out.stride(0), out.stride(1),
-            RANK=kv_lora_rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE=page, SPLIT=split, FUSED=fused,
-            IEEE=q.dtype == torch.float32, PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, kv_cache.dtype),
-            PREFETCH=cfg.prefetch, QK_CHUNKS=qk_chunks,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
-        )
+    _mla_decode_kernel[(head_blocks, B, num_splits)](
+        q, kv_cache, block_tables, seq_lens, out, mid_o, mid_lse, counters,
+        sm_scale * _LOG2E,
+        H, num_splits,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        RANK=kv_lora_rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE=page, SPLIT=split, FUSED=fused,
+        IEEE=q.dtype == torch.float32, PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, kv_cache.dtype),
+        PREFETCH=cfg.prefetch, QK_CHUNKS=qk_chunks,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
+    )
     if split and not fused:
         block_s = triton.next_power_of_2(num_splits)
         chunk_r = min(block_r, max(16, 4096 // block_s))  # <= 4K fp32 per program

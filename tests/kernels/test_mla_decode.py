@@ -105,18 +105,6 @@ def test_mla_decode_prefetch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_mla_decode_keys_major(dtype):
-    """Entries as the dots' rows (MLADecodeConfig.keys_major: transposed scores and
-    accumulator): ragged lengths (1, within a tile, several), splits (one empty), two head
-    blocks, the second partial, pages smaller and larger than a tile."""
-    for block_n, page in ((16, 8), (32, 64)):
-        cfg = MLADecodeConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=2, keys_major=True)
-        for splits in (1, 3):
-            check([50, 1, 130], 16, 64, 16, page, dtype, "cpu", num_splits=splits, config=cfg)
-        check([100], 20, 64, 16, page, dtype, "cpu", num_splits=2, config=cfg)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "seq_lens,heads,page,num_splits",
     [
@@ -349,21 +337,6 @@ def test_mla_decode_qk_chunks_sass():
 
 
 # ------------------------------------------------------------------ GPU, bf16
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", [MLADecodeConfig(16, 64, 4, 2, 1, keys_major=True),
-                                    MLADecodeConfig(16, 64, 8, 2, 1, keys_major=True)],
-                         ids=config_name)
-def test_mla_decode_keys_major_gpu(config):
-    """Entries as the dots' rows (warpgroup MMAs on Hopper), bf16, DeepSeek's 512 + 64, 16
-    and 20 heads, ragged lengths, pages 16 and 64, split or not."""
-    for page in (16, 64):
-        for splits in (None, 1, 5):
-            check([1, 700, 2049, 64], 16, 512, 64, page, torch.bfloat16, "cuda", num_splits=splits,
-                  config=config)
-    check([300, 1000], 20, 512, 64, 64, torch.bfloat16, "cuda", num_splits=3, config=config)
-
-
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [16, 128])
