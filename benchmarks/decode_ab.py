@@ -12,8 +12,8 @@ timed as `flashpage bench latency` times it (decode tok/s = (output - 1) / (tota
         --setting all=FLASHPAGE_PDL=1 --json-out $OUT/decode_ab.json
 
 A setting is NAME=VAR=VALUE[;VAR=VALUE...]; "NAME=" is the defaults. Variables a setting
-does not name are unset (FLASHPAGE_PDL, FLASHPAGE_FUSED_MOE, FLASHPAGE_SKINNY_GEMM, FLASHPAGE_GEMV, FLASHPAGE_FUSED_MERGE, FLASHPAGE_GEMV_WHOLE_ROW, FLASHPAGE_FUSED_ROUTER; a
-switch read only at start-up, like the last two, keeps its start-up value).
+does not name are unset (the SWITCHES below; one read only at start-up, FLASHPAGE_FUSED_MOE
+or FLASHPAGE_SKINNY_GEMM, keeps its start-up value).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SWITCHES = ("FLASHPAGE_PDL", "FLASHPAGE_FUSED_MOE", "FLASHPAGE_SKINNY_GEMM", "FLASHPAGE_GEMV",
-            "FLASHPAGE_FUSED_MERGE", "FLASHPAGE_GEMV_WHOLE_ROW", "FLASHPAGE_FUSED_ROUTER")
+            "FLASHPAGE_FUSED_MERGE", "FLASHPAGE_GEMV_WHOLE_ROW", "FLASHPAGE_FUSED_ROUTER",
+            "FLASHPAGE_MLA_ABSORB")
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, str]]:
