@@ -42,7 +42,7 @@
 #   bash benchmarks/gpu_final.sh next7     router kernel + merged shared experts (GPU tests, V2-Lite A/B)
 #   (vlayout: session 7's keys-inner value cache A/B, run 49; its code is in commit cc19bc6)
 #   (mla7: session 7's keys-major MLA decode A/B, runs 50-51; its code is in commit df825ce)
-#   bash benchmarks/gpu_final.sh absorb7   MLA absorbed projections as kernels: GPU tests, V2-Lite A/B, V2-Lite throughput
+#   (absorb7: session 7's absorbed-projection kernels A/B, run 52; its code is in commit 0c745ff)
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -363,14 +363,6 @@ next7)  # next session, first call: what session 6 wrote without a GPU: the rout
   timeout 200 python3 benchmarks/decode_ab.py --config deepseek-v2-lite --gpu-memory-utilization 0.5 --max-num-seqs 8 \
     --rounds 2 --iters 3 --setting base= --setting router=FLASHPAGE_FUSED_ROUTER=1 \
     --json-out "$OUT/decode_ab_v2lite.json" 2>&1 | tail -n 3
-  timeout 150 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 --num-requests 64 \
-    --no-hf --json-out "$OUT/throughput_v2lite.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
-absorb7)  # session 7: MLA's absorbed decode projections as kernels (kernels/mla_absorb.py), router on
-  timeout 200 $PT -n 8 -m gpu tests/kernels/test_mla_absorb.py tests/models tests/engine -rf 2>&1 \
-    | tee "$OUT/absorb_gpu_tests.txt" | tail -n 3
-  timeout 200 python3 benchmarks/decode_ab.py --config deepseek-v2-lite --gpu-memory-utilization 0.5 --max-num-seqs 8 \
-    --rounds 2 --iters 3 --setting bmm=FLASHPAGE_MLA_ABSORB=0 --setting absorb= \
-    --json-out "$OUT/decode_ab_v2lite_absorb.json" 2>&1 | tail -n 3
   timeout 150 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 --num-requests 64 \
     --no-hf --json-out "$OUT/throughput_v2lite.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;

@@ -67,14 +67,6 @@ def fused_router() -> bool:
     return os.environ.get("FLASHPAGE_FUSED_ROUTER", "1") != "0"
 
 
-def mla_absorb() -> bool:
-    """MLA's absorbed decode projections (W_UK into the query, W_UV out of the latent
-    output) for up to 16 tokens through kernels/mla_absorb.py, on CUDA with the triton
-    backend; FLASHPAGE_MLA_ABSORB=0: torch.bmm (cuBLAS) always. Read at each call: a
-    decode graph keeps the value it was captured with."""
-    return os.environ.get("FLASHPAGE_MLA_ABSORB", "1") != "0"
-
-
 def fused_moe() -> bool:
     """FLASHPAGE_FUSED_MOE (default 1; 0 turns it off): decode-batch MoE through our fused
     Triton kernel (kernels/fused_moe.py: only the routed experts' weights are read) instead

@@ -26,7 +26,6 @@ from flashpage.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.layers import ops
 from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
-from flashpage.layers.mla_attention import set_mla_absorb
 from flashpage.layers.moe import set_fused_moe
 from flashpage.models.loader import ModelSource, load_model, resolve_model
 from flashpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -146,7 +145,6 @@ class LLMEngine:
             logger.info("decode GEMMs timed against cuBLAS in %.1fs", time.perf_counter() - t1)
         # One-row linears may take our GEMV (FLASHPAGE_GEMV, read when graphs are captured).
         set_row_gemv(self.model, self.device.type == "cuda" and backend_cls.name == "triton")
-        set_mla_absorb(self.model, self.device.type == "cuda" and backend_cls.name == "triton")
         # A model can opt out of graphs (none does today).
         if (self.device.type == "cuda" and backend_cls.supports_cuda_graphs
                 and getattr(self.model, "supports_cuda_graphs", True) and not config.enforce_eager):

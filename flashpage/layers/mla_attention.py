@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashpage import envs
 from flashpage.attention.torch_native import causal_mask, gather_paged, write_slots
 from flashpage.config import ModelConfig
 from flashpage.layers.fp32 import KeepFp32
@@ -157,21 +156,6 @@ def mla_prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Att
 
 
 # ----------------------------------------------------------------- the layer
-_ABSORB_MAX_TOKENS = 16  # kernels/mla_absorb.MAX_TOKENS (not imported: Triton only when used)
-
-
-def set_mla_absorb(model: nn.Module, enabled: bool) -> int:
-    """Let (or stop) every MLA layer of ``model`` run its absorbed decode projections for
-    up to 16 tokens through kernels/mla_absorb.py (the engine enables it on CUDA with the
-    triton backend; FLASHPAGE_MLA_ABSORB=0 turns it off at each call). Returns the count."""
-    count = 0
-    for m in model.modules():
-        if isinstance(m, MLAAttention):
-            m.absorb_kernels = enabled and m.kv_b_proj.weight.dtype in (torch.float16, torch.bfloat16)
-            count += m.absorb_kernels
-    return count
-
-
 class MLAAttention(nn.Module):
     """DeepSeek's ``self_attn``: x [N, hidden] -> [N, hidden] over the paged latent cache.
 
@@ -187,8 +171,6 @@ class MLAAttention(nn.Module):
     """
 
     is_mla = True
-    # Absorbed decode projections through kernels/mla_absorb.py (set_mla_absorb).
-    absorb_kernels: bool = False
 
     def __init__(self, config: ModelConfig, layer_idx: int, rotary_emb: MLARotaryEmbedding) -> None:
         super().__init__()
@@ -254,19 +236,10 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight
         out = q_nope.new_zeros(n, h, vd) if n > n_act else q_nope.new_empty(n, h, vd)
         if nd:
-            few = self.absorb_kernels and nd <= _ABSORB_MAX_TOKENS and envs.mla_absorb()
-            if few:  # our kernels: cuBLAS's bmm reads W_UK / W_UV slowly at a few rows
-                from flashpage.kernels.mla_absorb import absorb_output, absorb_query
-
-                q_abs = absorb_query(q_nope[:nd], q_pe[:nd], w, h, nope, vd)
-            else:
-                q_abs = mla_absorb_query(q_nope[:nd], q_pe[:nd], w, h, nope, vd)
+            q_abs = mla_absorb_query(q_nope[:nd], q_pe[:nd], w, h, nope, vd)
             decode = getattr(self.backend, "forward_mla_decode", None) or mla_decode_torch
             o_lat = decode(q_abs, self.kv_cache, md, kv_lora_rank=r, scale=self.scale)
-            if few:
-                out[:nd] = absorb_output(o_lat, w, h, nope, vd)
-            else:
-                out[:nd] = mla_absorb_output(o_lat, w, h, nope, vd)
+            out[:nd] = mla_absorb_output(o_lat, w, h, nope, vd)
         if n_act > nd:
             ctx = gather_prefill_contexts(self.kv_cache, md, q_nope.dtype)
             k, v = mla_expand_kv(ctx[:, :r], ctx[:, r:], w, h, nope, vd)
