@@ -41,9 +41,6 @@ from flashpage import envs
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 MAX_M = 8
-# gemv_row: rows of x per call (a decode step of up to this many sequences); layers/linear.py
-# keeps its own copy of the number (ROW_GEMV_MAX_ROWS) so as not to import Triton.
-MAX_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -244,8 +241,7 @@ def max_whole_row() -> int:
 def _gemv_row_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     res_ptr, nw_ptr, res_out_ptr, eps,  # NORM: residual in, norm weight, x + residual out
-    N, K, stride_wn, stride_xm, stride_ym,  # x / y row strides (M > 1); residual rows are K apart
-    M: tl.constexpr,  # rows of x (1 .. MAX_ROWS), each multiplied with the same weight tile
+    N, K, stride_wn,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr, PDL: tl.constexpr,
@@ -260,75 +256,53 @@ def _gemv_row_kernel(
     w_next = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :],
                      other=0.0)
     pdl_prologue(PDL)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if WHOLE_ROW:  # K <= BLOCK_K: one tile, no loop; each row of x in turn
+    if WHOLE_ROW:  # K <= BLOCK_K: one tile, no loop
         k_mask = offs_k < K
-        for m in tl.static_range(M):
-            xm_ptr = x_ptr + m * stride_xm
-            if SILU_MUL:
-                x = _silu_mul(tl.load(xm_ptr + offs_k, mask=k_mask, other=0.0),
-                              tl.load(xm_ptr + K + offs_k, mask=k_mask, other=0.0), dt)
-            elif NORM:
-                # rmsnorm(x + residual) * weight, rounded as kernels/rms_norm and HF round
-                # it; every program computes it (8-16 KB from L2), the first writes x + residual.
-                s = tl.load(xm_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                if HAS_RES:
-                    s = (s + tl.load(res_ptr + m * K + offs_k, mask=k_mask, other=0.0).to(tl.float32))
-                    s = s.to(dt).to(tl.float32)
-                    tl.store(res_out_ptr + m * K + offs_k, s.to(dt), mask=k_mask & (pid == 0))
-                rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / K + eps)
-                nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                x = (nw * (s * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            else:
-                x = tl.load(xm_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            y = tl.sum(w_next.to(tl.float32) * x[None, :], axis=1)
-            if HAS_BIAS:
-                y += bias
-            tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+        if SILU_MUL:
+            x = _silu_mul(tl.load(x_ptr + offs_k, mask=k_mask, other=0.0),
+                          tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0), dt)
+        elif NORM:
+            # rmsnorm(x + residual) * weight, rounded as kernels/rms_norm and HF round it;
+            # every program computes it (8-16 KB from L2), the first writes x + residual.
+            s = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            if HAS_RES:
+                s = (s + tl.load(res_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32))
+                s = s.to(dt).to(tl.float32)
+                tl.store(res_out_ptr + offs_k, s.to(dt), mask=k_mask & (pid == 0))
+            rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / K + eps)
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = (nw * (s * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        y = tl.sum(w_next.to(tl.float32) * x[None, :], axis=1)
     else:
         # x (or the gate/up columns) is loaded a tile ahead too: an L2 round trip on every
         # iteration's critical path would otherwise cost ~1/3 of a 14336-wide row's time.
-        # Tuples: one accumulator and one x tile (u: the up half) per row.
         k_mask = offs_k < K
-        x_next = ()
-        u_next = ()
-        accs = ()
-        for m in tl.static_range(M):
-            xn = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0.0)
-            x_next = x_next + (xn,)
-            if SILU_MUL:
-                u_next = u_next + (tl.load(x_ptr + m * stride_xm + K + offs_k, mask=k_mask, other=0.0),)
-            else:
-                u_next = u_next + (xn,)
-            accs = accs + (tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32),)
+        x_next = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+        u_next = x_next
+        if SILU_MUL:
+            u_next = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            w = w_next.to(tl.float32)
+            w = w_next
+            xr = x_next
+            ur = u_next
             kn = k0 + BLOCK_K + offs_k
             kn_mask = kn < K
             w_next = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & kn_mask[None, :],
                              other=0.0)
-            new_x = ()
-            new_u = ()
-            new_acc = ()
-            for m in tl.static_range(M):
-                xn = tl.load(x_ptr + m * stride_xm + kn, mask=kn_mask, other=0.0)
-                new_x = new_x + (xn,)
-                if SILU_MUL:
-                    new_u = new_u + (tl.load(x_ptr + m * stride_xm + K + kn, mask=kn_mask, other=0.0),)
-                    x = _silu_mul(x_next[m], u_next[m], dt)
-                else:
-                    new_u = new_u + (xn,)
-                    x = x_next[m].to(tl.float32)
-                new_acc = new_acc + (accs[m] + w * x[None, :],)
-            x_next = new_x
-            u_next = new_u
-            accs = new_acc
-        for m in tl.static_range(M):
-            y = tl.sum(accs[m], axis=1)
-            if HAS_BIAS:
-                y += bias
-            tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+            x_next = tl.load(x_ptr + kn, mask=kn_mask, other=0.0)
+            if SILU_MUL:
+                u_next = tl.load(x_ptr + K + kn, mask=kn_mask, other=0.0)
+                x = _silu_mul(xr, ur, dt)
+            else:
+                x = xr.to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 def default_row_config(n: int, k: int, whole: bool = False) -> RowConfig:
@@ -353,22 +327,20 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
              norm: tuple[torch.Tensor, float] | None = None,
              residual: torch.Tensor | None = None,
              residual_out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (or [M, 2K] with ``silu_mul``: silu(gate) * up computed on the fly), M <=
-    MAX_ROWS, w [N, K], bias [N] -> [M, N], fp32 accumulation; each weight tile is loaded
-    once for all M rows. ``pdl``: programmatic dependent
+    """x [1, K] (or [1, 2K] with ``silu_mul``: silu(gate) * up computed on the fly),
+    w [N, K], bias [N] -> [1, N], fp32 accumulation. ``pdl``: programmatic dependent
     launch (None: per FLASHPAGE_PDL and the device).
 
     ``norm`` = (weight [K], eps): the input is rmsnorm(x + residual) * weight, computed
     in the prologue (kernels/rms_norm's rounding), and with ``residual`` the sum
     x + residual is written to ``residual_out`` [1, K] (what the RMSNorm kernel returns
-    beside its output; residual and residual_out [M, K] contiguous). Needs whole rows (K <=
-    WHOLE_ROW_LIMIT)."""
+    beside its output). Needs whole rows (K <= WHOLE_ROW_LIMIT)."""
     if x.dim() != 2 or w.dim() != 2:
-        raise ValueError(f"x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+        raise ValueError(f"x must be [1, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     m, kx = x.shape
     n, k = w.shape
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"gemv_row takes 1 to {MAX_ROWS} rows, got {m}")
+    if m != 1:
+        raise ValueError(f"gemv_row takes one row, got {m}")
     if kx != (2 * k if silu_mul else k):
         raise ValueError(f"x has {kx} columns, w needs {2 * k if silu_mul else k}")
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -386,22 +358,19 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         if nw.shape != (k,) or nw.stride(0) != 1:
             raise ValueError(f"norm weight must be contiguous [{k}], got {tuple(nw.shape)}")
         if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                     or not residual.is_contiguous() or residual_out is None
-                                     or residual_out.shape != x.shape
-                                     or not residual_out.is_contiguous()):
-            raise ValueError("residual and residual_out must be contiguous and shaped like x")
+                                     or residual.stride(1) != 1 or residual_out is None
+                                     or residual_out.shape != x.shape or residual_out.stride(1) != 1):
+            raise ValueError("residual and residual_out must be contiguous rows like x")
     elif residual is not None:
         raise ValueError("residual needs norm")
     if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.stride(1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] with a contiguous last dim, got {tuple(out.shape)}")
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     use_pdl = resolve_pdl(pdl, x.device)
     _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, bias if bias is not None else w, out,
         residual if residual is not None else x, nw,
         residual_out if residual is not None else x, eps,
-        n, k, w.stride(0), x.stride(0), out.stride(0), M=m,
+        n, k, w.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         NORM=norm is not None, HAS_RES=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WHOLE_ROW=whole, PDL=use_pdl,

@@ -27,7 +27,7 @@ class PendingNorm:
     RMSNorm in its GEMV's prologue and writes x + residual to ``residual_out``; any other
     path computes it first (``compute``). Without ``residual`` the input is norm(x) and
     nothing is written. Decoder layers pass one to the first linear of attention and of
-    the MLP at decode steps of up to ROW_GEMV_MAX_ROWS rows (models/common.PreNormDecoderLayer)."""
+    the MLP at one-row decode steps (models/common.PreNormDecoderLayer)."""
 
     x: torch.Tensor
     residual: torch.Tensor | None
@@ -47,18 +47,12 @@ class PendingNorm:
         return h
 
 
-# kernels/gemv.MAX_ROWS: inputs of up to this many rows may take gemv_row (a test keeps
-# the two equal; Triton is not imported here).
-ROW_GEMV_MAX_ROWS = 4
-
-
 class _ParallelLinear(nn.Module):
     """``skinny``: {rows: GemvConfig} where our decode-batch GEMM (kernels/gemv.py) beat
     cuBLAS at start-up (``tune_skinny_gemms``); empty = always cuBLAS. ``silu_input``
     marks an MLP's down projection, whose ``silu_mul_forward`` takes the gate/up output.
-    ``row_gemv``: inputs of 1 to ROW_GEMV_MAX_ROWS rows may go through
-    ``kernels/gemv.gemv_row`` (set by the engine beside our fused kernels on a GPU; used
-    while FLASHPAGE_GEMV is on)."""
+    ``row_gemv``: one-row inputs may go through ``kernels/gemv.gemv_row`` (set by the
+    engine beside our fused kernels on a GPU; used while FLASHPAGE_GEMV is on)."""
 
     split_dim: int = 0
     skinny: dict[int, Any]
@@ -93,12 +87,12 @@ class _ParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def _use_row_gemv(self, x: torch.Tensor) -> bool:
-        return (self.row_gemv and x.dim() == 2 and 1 <= x.shape[0] <= ROW_GEMV_MAX_ROWS
-                and x.stride(1) == 1 and envs.gemv_row())
+        return (self.row_gemv and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+                and envs.gemv_row())
 
     def fuses_norm(self, x: torch.Tensor, norm: nn.Module) -> bool:
         """Whether ``forward(PendingNorm(x, ..., norm, ...))`` computes the norm inside
-        our GEMV (1 to ROW_GEMV_MAX_ROWS rows, short enough to load whole, our kernels on)."""
+        our GEMV (one row, rows short enough to load whole, our kernels on)."""
         if not (self._use_row_gemv(x) and getattr(norm, "fused", False) and x.is_contiguous()):
             return False  # (and Triton, an optional dependency, stays unimported on the CPU)
         from flashpage.kernels.gemv import WHOLE_ROW_LIMIT

@@ -12,8 +12,8 @@ from flashpage.layers.linear import ColumnParallelLinear, PendingNorm, RowParall
 
 class GatedMLP(nn.Module):
     """``gate_up_proj`` [2I, H] holds HF's gate_proj rows, then up_proj's: one GEMM (or one
-    GEMV at a step of up to 4 rows) instead of two, and SiLU·mul reads its [N, 2I] output without a
-    copy (or, at up to 4 rows, the down projection computes it on the fly).
+    GEMV at a one-row step) instead of two, and SiLU·mul reads its [N, 2I] output without a
+    copy (or, at one row, the down projection computes it on the fly).
 
     A state dict in HF's names (``gate_proj.weight``, ``up_proj.weight``) loads too: the
     two are stacked on load (``_load_from_state_dict``)."""
@@ -27,7 +27,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         h = self.gate_up_proj(x)
-        y = self.down_proj.silu_mul_forward(h)  # one kernel at steps of <= 4 rows (or tuned ones)
+        y = self.down_proj.silu_mul_forward(h)  # one kernel at one-row (or tuned) steps
         return y if y is not None else self.down_proj(self.act(h))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]

@@ -17,8 +17,8 @@ class PreNormDecoderLayer(nn.Module):
     (``norm(x, residual)``), so no layer writes ``x + residual`` on its own.
 
     A family whose attention and MLP each begin with one linear names the two
-    (``norm_consumers``); at steps of up to 4 rows on our GEMV each norm is then handed to
-    its linear unevaluated (``PendingNorm``) and computed inside the GEMV's prologue.
+    (``norm_consumers``); at one-row steps on our GEMV each norm is then handed to its
+    linear unevaluated (``PendingNorm``) and computed inside the GEMV's prologue.
     """
 
     input_layernorm: nn.Module

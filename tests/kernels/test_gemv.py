@@ -113,19 +113,15 @@ def test_llama_mlp_routes_tuned_rows_through_the_skinny_kernel():
     (21, 48, True, True, RowConfig(4, 64, 1)),       # whole rows wider than K, SiLU·mul
     (1, 40, True, False, None),                      # one output feature
 ])
-@pytest.mark.parametrize("m", [1, 3])
-def test_gemv_row_cpu(n, k, bias, silu, cfg, dtype, m):
-    """One row, and several (each weight tile multiplied with every row of x)."""
+def test_gemv_row_cpu(n, k, bias, silu, cfg, dtype):
     if GPU:
         pytest.skip("the CPU variant (interpreter)")
-    _check(m, n, k, dtype, bias, silu, cfg, 1e-4 if dtype == torch.float32 else 2e-2, fn=gemv_row)
+    _check(1, n, k, dtype, bias, silu, cfg, 1e-4 if dtype == torch.float32 else 2e-2, fn=gemv_row)
 
 
 def test_gemv_row_rejects_bad_input():
-    with pytest.raises(ValueError, match="1 to 4 rows, got 5"):
-        gemv_row(torch.zeros(5, 64), torch.zeros(16, 64))
-    with pytest.raises(ValueError, match="out must be"):
-        gemv_row(torch.zeros(2, 64), torch.zeros(16, 64), out=torch.zeros(1, 16))
+    with pytest.raises(ValueError, match="one row, got 2"):
+        gemv_row(torch.zeros(2, 64), torch.zeros(16, 64))
     with pytest.raises(ValueError, match="needs 128"):
         gemv_row(torch.zeros(1, 64), torch.zeros(16, 64), silu_mul=True)
     with pytest.raises(ValueError, match="dtype mismatch"):
@@ -150,10 +146,10 @@ def test_default_row_config(monkeypatch):
             default_row_config(6144, 4096)
 
 
-def _check_norm(n, k, dtype, bias, with_res, cfg, atol, pdl=None, m=1):
+def _check_norm(n, k, dtype, bias, with_res, cfg, atol, pdl=None):
     g = torch.Generator(device=DEV).manual_seed(n + k)
-    x = torch.randn(m, k, device=DEV, dtype=dtype, generator=g)
-    res = torch.randn(m, k, device=DEV, dtype=dtype, generator=g) if with_res else None
+    x = torch.randn(1, k, device=DEV, dtype=dtype, generator=g)
+    res = torch.randn(1, k, device=DEV, dtype=dtype, generator=g) if with_res else None
     nw = torch.rand(k, device=DEV, dtype=dtype, generator=g) + 0.5
     w = torch.randn(n, k, device=DEV, dtype=dtype, generator=g) / k ** 0.5
     b = torch.randn(n, device=DEV, dtype=dtype, generator=g) if bias else None
@@ -169,14 +165,13 @@ def _check_norm(n, k, dtype, bias, with_res, cfg, atol, pdl=None, m=1):
 @pytest.mark.parametrize("n,k,bias,with_res", [
     (40, 64, False, False), (37, 96, True, True), (9, 48, False, True),
 ])
-@pytest.mark.parametrize("m", [1, 4])
-def test_gemv_row_norm_prologue_cpu(n, k, bias, with_res, dtype, m):
-    """rmsnorm(x + residual) * weight computed in the prologue, by every program, row by
-    row; the first program writes x + residual."""
+def test_gemv_row_norm_prologue_cpu(n, k, bias, with_res, dtype):
+    """rmsnorm(x + residual) * weight computed in the prologue, by every program; the first
+    program writes x + residual."""
     if GPU:
         pytest.skip("the CPU variant (interpreter)")
     _check_norm(n, k, dtype, bias, with_res, RowConfig(8, triton_pow2(k), 1),
-                1e-4 if dtype == torch.float32 else 2e-2, m=m)
+                1e-4 if dtype == torch.float32 else 2e-2)
 
 
 def triton_pow2(k):
@@ -209,26 +204,13 @@ def test_gemv_row_gpu_bf16(n, k, bias, silu, cfg, pdl):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m", [2, 3, 4])
-@pytest.mark.parametrize("n,k,bias,silu", [
-    (6144, 4096, False, False), (4096, 14336, False, True), (1000, 896, True, False),
-    (128256, 4096, False, False),
-])
-def test_gemv_row_rows_gpu_bf16(n, k, bias, silu, m):
-    """Several rows through the default tiles (whole rows, the looped down projection)."""
-    _check(m, n, k, torch.bfloat16, bias, silu, None, 2e-2, fn=gemv_row, pdl=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("n,k,bias,with_res", [
     (6144, 4096, False, True), (28672, 4096, False, False), (1000, 896, True, True),
     (1536, 8192, False, True), (512, 14336, False, True),
 ])
 def test_gemv_row_norm_prologue_gpu_bf16(n, k, bias, with_res, pdl):
-    for m in (1, 4):
-        _check_norm(n, k, torch.bfloat16, bias, with_res, None, 2e-2, pdl=pdl, m=m)
+    _check_norm(n, k, torch.bfloat16, bias, with_res, None, 2e-2, pdl=pdl)
 
 
 @pytest.mark.gpu
@@ -268,8 +250,8 @@ def test_gemv_row_pdl_chain_in_a_graph_reads_what_the_kernel_before_wrote():
 
 
 def test_llama_mlp_routes_one_row_through_gemv_row(monkeypatch):
-    """With FLASHPAGE_GEMV on, inputs of 1 to 4 rows take gemv_row (SiLU·mul fused into the
-    down projection) and give the plain path's result; five rows, or the switch off, do not."""
+    """With FLASHPAGE_GEMV on, a one-row input takes gemv_row (SiLU·mul fused into the down
+    projection) and gives the plain path's result; two rows, or the switch off, do not."""
     from unittest import mock
 
     import flashpage.kernels.gemv as gemv
@@ -285,27 +267,17 @@ def test_llama_mlp_routes_one_row_through_gemv_row(monkeypatch):
     set_fused_ops(mlp, True)
     assert set_row_gemv(mlp, True) == 2
     x = torch.randn(1, 64, device=DEV, dtype=dtype)
-    x4 = torch.randn(4, 64, device=DEV, dtype=dtype)
     monkeypatch.setenv("FLASHPAGE_GEMV", "0")
-    plain, plain4 = mlp(x), mlp(x4)
+    plain = mlp(x)
     with mock.patch.object(gemv, "gemv_row", wraps=gemv.gemv_row) as spy:
         mlp(x)
         assert spy.call_count == 0
         monkeypatch.setenv("FLASHPAGE_GEMV", "1")
         fused = mlp(x)
         assert [c.kwargs.get("silu_mul", False) for c in spy.call_args_list] == [False, True]
-        torch.testing.assert_close(mlp(x4), plain4, atol=2e-2, rtol=2e-2)
-        assert spy.call_count == 4
-        mlp(torch.randn(5, 64, device=DEV, dtype=dtype))
-        assert spy.call_count == 4
+        mlp(torch.randn(2, 64, device=DEV, dtype=dtype))
+        assert spy.call_count == 2
     torch.testing.assert_close(fused, plain, atol=2e-2, rtol=2e-2)
-
-
-def test_row_gemv_limit_matches_the_kernel():
-    from flashpage.kernels.gemv import MAX_ROWS
-    from flashpage.layers.linear import ROW_GEMV_MAX_ROWS
-
-    assert ROW_GEMV_MAX_ROWS == MAX_ROWS
 
 
 class _FlattenQ(torch.nn.Module):
