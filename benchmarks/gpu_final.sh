@@ -43,7 +43,7 @@
 #   (vlayout: session 7's keys-inner value cache A/B, run 49; its code is in commit cc19bc6)
 #   (mla7: session 7's keys-major MLA decode A/B, runs 50-51; its code is in commit df825ce)
 #   (absorb7: session 7's absorbed-projection kernels A/B, run 52; its code is in commit 0c745ff)
-#   bash benchmarks/gpu_final.sh rows7     gemv_row over 2-4 rows: GPU tests, 8B decode A/B at batch 2 and 4
+#   (rows7: session 7's multi-row gemv_row A/B, run 53; its code is in commit c3ba8c6)
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -366,13 +366,5 @@ next7)  # next session, first call: what session 6 wrote without a GPU: the rout
     --json-out "$OUT/decode_ab_v2lite.json" 2>&1 | tail -n 3
   timeout 150 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 --num-requests 64 \
     --no-hf --json-out "$OUT/throughput_v2lite.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
-rows7)  # session 7: gemv_row over 2-4 rows (decode steps of a few sequences): tests, 8B A/B at batch 2 and 4
-  timeout 220 $PT -n 12 -m gpu tests/kernels/test_gemv.py tests/engine tests/models -rf 2>&1 \
-    | tee "$OUT/rows_gpu_tests.txt" | tail -n 3
-  for b in 2 4; do
-    timeout 150 python3 benchmarks/decode_ab.py --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 8 \
-      --batch-size $b --rounds 2 --iters 2 --setting cublas=FLASHPAGE_GEMV=0 --setting gemv= \
-      --json-out "$OUT/decode_ab_8b_b$b.json" 2>&1 | tail -n 2
-  done ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
