@@ -44,6 +44,7 @@
 #   (mla7: session 7's keys-major MLA decode A/B, runs 50-51; its code is in commit df825ce)
 #   (absorb7: session 7's absorbed-projection kernels A/B, run 52; its code is in commit 0c745ff)
 #   (rows7: session 7's multi-row gemv_row A/B, run 53; its code is in commit c3ba8c6)
+#   bash benchmarks/gpu_final.sh flex7     flex vs triton throughput (64 requests, 100-512), then triton's default workload
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -366,5 +367,13 @@ next7)  # next session, first call: what session 6 wrote without a GPU: the rout
     --json-out "$OUT/decode_ab_v2lite.json" 2>&1 | tail -n 3
   timeout 150 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.5 --num-requests 64 \
     --no-hf --json-out "$OUT/throughput_v2lite.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
+flex7)  # session 7: the flex backend's throughput beside ours on a smaller workload, then ours on the default one
+  for be in flex triton; do
+    timeout 240 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --attention-backend $be \
+      --num-requests 64 --input-len 100 512 --output-len 100 512 --no-hf \
+      --json-out "$OUT/throughput_8b_64_$be.json" 2>&1 | grep -E "output_tok_per_s|Error|error" | head -n 3
+  done
+  timeout 200 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --no-hf \
+    --json-out "$OUT/throughput_8b.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
