@@ -45,6 +45,7 @@
 #   (absorb7: session 7's absorbed-projection kernels A/B, run 52; its code is in commit 0c745ff)
 #   (rows7: session 7's multi-row gemv_row A/B, run 53; its code is in commit c3ba8c6)
 #   bash benchmarks/gpu_final.sh flex7     flex vs triton throughput (64 requests, 100-512), then triton's default workload
+#   bash benchmarks/gpu_final.sh flex7b    flex with batched one-query decodes: GPU test, the 64-request throughput
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -375,5 +376,10 @@ flex7)  # session 7: the flex backend's throughput beside ours on a smaller work
   done
   timeout 200 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --no-hf \
     --json-out "$OUT/throughput_8b.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
+flex7b)  # session 7: flex decodes as a batch of one-query entries: GPU test, then the 64-request throughput
+  timeout 150 $PT -m gpu tests/engine/test_flex_backend.py -rf 2>&1 | tee "$OUT/flex_gpu_tests.txt" | tail -n 2
+  timeout 300 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --attention-backend flex \
+    --num-requests 64 --input-len 100 512 --output-len 100 512 --no-hf \
+    --json-out "$OUT/throughput_8b_64_flex.json" 2>&1 | grep -E "output_tok_per_s|Error|error" | head -n 3 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

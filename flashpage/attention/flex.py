@@ -2,13 +2,20 @@
 with ours inside the same engine (``--attention-backend flex``).
 
 Keys and values are the whole cache pool viewed as one long sequence ``[1, Hkv, S, D]``
-(S = num_blocks * block_size); queries are the step's flat batch, padded to 128-token
-tiles. Once per step a BlockMask is built straight from the block tables: query tile t
-may only visit the physical blocks of the requests whose tokens it holds (nothing dense
-over S is ever evaluated), and ``mask_mod`` keeps, inside those blocks, the keys the
-token's own request owns at logical positions up to its own (and inside the sliding
-window). A block shared through the prefix cache sits at the same logical index in
-every table that holds it, so one physical -> logical map serves the whole step.
+(S = num_blocks * block_size). Each step builds BlockMasks straight from the block tables,
+so nothing dense over S is ever evaluated:
+
+- decodes (no sliding window): one query per batch entry, ``[nd, Hq, 1, D]`` against the
+  pool broadcast over the batch (FlexAttention's paged form: the mask has the queries'
+  batch, the keys batch 1). Entry b visits its own blocks, in its table's order: all but
+  the last as full blocks (no ``mask_mod``), the last through ``mask_mod`` (keys past the
+  context dropped). Built on the device, no host loop.
+- the rest (prompt chunks; decodes too under a window): the step's flat batch, padded to
+  128-token tiles; query tile t may only visit the physical blocks of the requests whose
+  tokens it holds, and ``mask_mod`` keeps, inside those blocks, the keys the token's own
+  request owns at logical positions up to its own (and inside the sliding window). A
+  block shared through the prefix cache sits at the same logical index in every table
+  that holds it, so one physical -> logical map serves the whole step.
 """
 
 from __future__ import annotations
@@ -69,15 +76,25 @@ class FlexBackend(AttentionBackend):
         from torch.nn.attention.flex_attention import BlockMask
 
         bs, nblocks = self.block_size, self.num_blocks
+        # Decodes as a batch of one-query entries (below), unless a window needs positions.
+        nd = md.num_decodes if self.model_config.sliding_window is None else 0
+        md.extra["flex_nd"] = nd
+        if nd:
+            md.extra["flex_decode_mask"] = self._decode_mask(md, nd)
         n = md.num_actual_tokens
-        padded = -(-n // Q_TILE) * Q_TILE
+        first = md.num_decode_tokens if nd else 0  # the flat part's first token
+        if md.num_seqs == nd:
+            return md
+        padded = -(-(n - first) // Q_TILE) * Q_TILE
         tables = md.block_tables.cpu().numpy()
         q_req = np.full(padded, -1, dtype=np.int64)
         q_pos = np.zeros(padded, dtype=np.int64)
         logical = np.full(nblocks, -1, dtype=np.int64)
         t = 0
-        used: list[np.ndarray] = []
+        used: list[np.ndarray] = [np.zeros(0, dtype=tables.dtype)] * nd
         for i, (ql, length) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu, strict=True)):
+            if i < nd:
+                continue
             q_req[t:t + ql] = i
             q_pos[t:t + ql] = np.arange(length - ql, length)
             t += ql
@@ -114,6 +131,46 @@ class FlexBackend(AttentionBackend):
         md.extra["flex_padded"] = padded
         return md
 
+    def _decode_mask(self, md: AttentionMetadata, nd: int) -> Any:
+        """The BlockMask of nd one-query entries: entry b's table, all blocks but the last
+        full, the last one partial (keys at or past its context dropped by mask_mod)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        bs = self.block_size
+        seq = md.seq_lens[:nd].long()
+        nblk = (seq + bs - 1) // bs
+        tables = md.block_tables[:nd].int()
+        last = tables.gather(1, (nblk - 1)[:, None])  # [nd, 1]
+        # mask_mod must hold on its own (eager FlexAttention evaluates it over the whole
+        # pool; the block lists only spare the compiled kernel): key ki belongs to entry b
+        # at logical block j = logical[ki // bs] and lies before b's context end. A block
+        # sits at one logical index in every table holding it, so one map serves all;
+        # entries past a table's blocks go to a spare last slot (no host sync).
+        width = tables.shape[1]
+        cols = torch.arange(width, device=seq.device)
+        slots = torch.where(cols[None, :] < nblk[:, None], tables.long(), self.num_blocks)
+        logical = torch.full((self.num_blocks + 1,), -1, dtype=torch.long, device=seq.device)
+        logical.scatter_(0, slots.flatten(), cols.expand(nd, width).flatten())
+        tables_l = tables.long()
+
+        def mask_mod(b, h, qi, ki):  # noqa: ANN001 (FlexAttention's signature)
+            pb = ki // bs
+            j = logical[pb]
+            owns = (j >= 0) & (tables_l[b, j.clamp(min=0, max=width - 1)] == pb)
+            return owns & (j * bs + ki % bs < seq[b])
+
+        # FlexAttention sizes its block bitmaps by the index tensors' last dim: one column
+        # per block of the pool (block ids index it).
+        dev, ncols = seq.device, self.num_blocks
+        part_idx = torch.zeros(nd, 1, 1, ncols, dtype=torch.int32, device=dev)
+        part_idx[:, 0, 0, 0] = last[:, 0]
+        full_idx = torch.zeros(nd, 1, 1, ncols, dtype=torch.int32, device=dev)
+        full_idx[:, 0, 0, : tables.shape[1]] = tables
+        ones = torch.ones(nd, 1, 1, dtype=torch.int32, device=dev)
+        return BlockMask.from_kv_blocks(
+            ones, part_idx, (nblk - 1).int().view(nd, 1, 1), full_idx,
+            BLOCK_SIZE=(Q_TILE, bs), mask_mod=mask_mod, seq_lengths=(1, ncols * bs))
+
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, write_kv: bool = True) -> torch.Tensor:
         key_cache, value_cache = kv_cache
@@ -123,12 +180,19 @@ class FlexBackend(AttentionBackend):
             write_kv_cache_torch(k[:n], v[:n], key_cache, value_cache, md.slot_mapping[:n])
         num_slots = key_cache.shape[0] * key_cache.shape[1]
         hkv, d = key_cache.shape[2], key_cache.shape[3]
-        qq = q.new_zeros(1, q.shape[1], md.extra["flex_padded"], d)
-        qq[0, :, :n] = q[:n].transpose(0, 1)
         k4 = key_cache.view(1, num_slots, hkv, d).transpose(1, 2)
         v4 = value_cache.view(1, num_slots, hkv, d).transpose(1, 2)
-        o = self._flex(qq, k4, v4, block_mask=md.extra["flex_mask"], scale=scale, enable_gqa=True,
-                       kernel_options=self._kernel_options)
         out = torch.empty_like(q)
-        out[:n] = o[0, :, :n].transpose(0, 1)
+        nd = md.extra["flex_nd"]
+        if nd:  # one query per entry, the pool broadcast over the entries
+            o = self._flex(q[:nd, :, None, :], k4, v4, block_mask=md.extra["flex_decode_mask"], scale=scale,
+                           enable_gqa=True, kernel_options=self._kernel_options)
+            out[:nd] = o[:, :, 0]
+        first = md.num_decode_tokens if nd else 0
+        if md.num_seqs > nd:
+            qq = q.new_zeros(1, q.shape[1], md.extra["flex_padded"], d)
+            qq[0, :, :n - first] = q[first:n].transpose(0, 1)
+            o = self._flex(qq, k4, v4, block_mask=md.extra["flex_mask"], scale=scale, enable_gqa=True,
+                           kernel_options=self._kernel_options)
+            out[first:n] = o[0, :, :n - first].transpose(0, 1)
         return out
