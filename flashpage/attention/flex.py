@@ -91,7 +91,7 @@ class FlexBackend(AttentionBackend):
         q_pos = np.zeros(padded, dtype=np.int64)
         logical = np.full(nblocks, -1, dtype=np.int64)
         t = 0
-        used: list[np.ndarray] = [np.zeros(0, dtype=tables.dtype)] * nd
+        used: dict[int, np.ndarray] = {}  # request -> its blocks
         for i, (ql, length) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu, strict=True)):
             if i < nd:
                 continue
@@ -100,7 +100,7 @@ class FlexBackend(AttentionBackend):
             t += ql
             blocks = tables[i, : -(-length // bs)]
             logical[blocks] = np.arange(len(blocks))
-            used.append(blocks)
+            used[i] = blocks
         n_tiles = padded // Q_TILE
         kv_num = np.zeros((1, 1, n_tiles), dtype=np.int32)
         kv_idx = np.zeros((1, 1, n_tiles, nblocks), dtype=np.int32)
@@ -165,7 +165,7 @@ class FlexBackend(AttentionBackend):
         part_idx = torch.zeros(nd, 1, 1, ncols, dtype=torch.int32, device=dev)
         part_idx[:, 0, 0, 0] = last[:, 0]
         full_idx = torch.zeros(nd, 1, 1, ncols, dtype=torch.int32, device=dev)
-        full_idx[:, 0, 0, : tables.shape[1]] = tables
+        full_idx[:, 0, 0, :width] = tables
         ones = torch.ones(nd, 1, 1, dtype=torch.int32, device=dev)
         return BlockMask.from_kv_blocks(
             ones, part_idx, (nblk - 1).int().view(nd, 1, 1), full_idx,
