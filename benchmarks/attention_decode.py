@@ -427,9 +427,23 @@ TILES_FP8 = [DecodeConfig(128, 4, 3, programs_per_sm=2),
              DecodeConfig(128, 4, 3, programs_per_sm=2, prefetch_v=True)]
 
 
-def tiles(args, dev, sms) -> None:
-    """TILES_BF16 / TILES_FP8 and each dtype's default on TILES_SHAPES, with SDPA cuDNN on
-    contiguous bf16 KV (tiles.json / tiles.md)."""
+# --warp-split (session 7): each warp its own 16-key piece of a tile with its own softmax
+# state (DecodeConfig.warp_split: no cross-warp reduction or P exchange per tile). sm_90
+# SASS compiled on the CPU: 500 instructions per 64-key fp8 tile (835 before), 168
+# registers; bf16 281 (610), 202 registers.
+WARP_SPLIT_BF16 = [DecodeConfig(64, 4, 3, programs_per_sm=2, warp_split=True),
+                   DecodeConfig(64, 4, 2, programs_per_sm=2, warp_split=True),
+                   DecodeConfig(32, 2, 3, programs_per_sm=4, warp_split=True)]
+WARP_SPLIT_FP8 = [DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True),
+                  DecodeConfig(64, 4, 4, programs_per_sm=3, warp_split=True),
+                  DecodeConfig(32, 2, 3, programs_per_sm=6, warp_split=True)]
+
+
+def tiles(args, dev, sms, bf16_cands=None, fp8_cands=None, out_name="tiles") -> None:
+    """TILES_BF16 / TILES_FP8 (or the lists given) and each dtype's default on TILES_SHAPES,
+    with SDPA cuDNN on contiguous bf16 KV ({out_name}.json / {out_name}.md)."""
+    bf16_cands = TILES_BF16 if bf16_cands is None else bf16_cands
+    fp8_cands = TILES_FP8 if fp8_cands is None else fp8_cands
     copy_before = copy_bandwidth()
     print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)
     rows = []
@@ -443,7 +457,7 @@ def tiles(args, dev, sms) -> None:
             base = _launch(shape.q[0], shape.key_cache, shape.value_cache, shape.tables[0], shape.seq_lens,
                            sm_scale=None, window_size=None, out=None, num_splits=None)
             diffs = {}
-            for cand in TILES_BF16 if name == "bf16" else TILES_FP8:
+            for cand in bf16_cands if name == "bf16" else fp8_cands:
                 sp = choose_num_splits(batch, HKV, ctx, sms, programs_per_sm=cand.programs_per_sm)
                 key = f"{config_name(cand)}/sp{sp}"
                 fns[key] = shape.ours(sp, cand)
@@ -469,7 +483,7 @@ def tiles(args, dev, sms) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     copy, meta = run_meta(copy_before)
-    with open(os.path.join(args.out, "tiles.json"), "w") as f:
+    with open(os.path.join(args.out, f"{out_name}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [f"Paged decode tile candidates, GQA {HQ}/{HKV}, head_dim {D}, block_size {BS}, bf16 q, "
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; GB/s of the bytes each cache "
@@ -489,7 +503,7 @@ def tiles(args, dev, sms) -> None:
             pct = f"({100 * g / copy:.0f}%)" if g else ""
             lines.append(f"| {r['batch']} × {r['context']} | {name} | {r[f'{name}_default']} | {g} "
                          f"{pct} | {ratio} | {cud if name == 'bf16' else ''} | {cands} |")
-    write_table(args.out, "tiles.md", lines)
+    write_table(args.out, f"{out_name}.md", lines)
 
 
 def split_options(batch: int, ctx: int, sms: int) -> list[int]:
@@ -653,6 +667,8 @@ def main() -> None:
                     help="the default path with PDL off vs on on PDL_AB_SHAPES (pdl_ab.json / pdl_ab.md)")
     ap.add_argument("--tiles", action="store_true",
                     help="tile candidates over bf16 and fp8 caches beside SDPA cuDNN (tiles.json / tiles.md)")
+    ap.add_argument("--warp-split", action="store_true",
+                    help="--tiles over the warp-split candidates (warp_split.json / warp_split.md)")
     ap.add_argument("--layout-ab", action="store_true",
                     help="NHD vs HND cache memory order beside SDPA cuDNN (layout_ab.json)")
     args = ap.parse_args()
@@ -677,6 +693,9 @@ def main() -> None:
         return
     if args.tiles:
         tiles(args, dev, sms)
+        return
+    if args.warp_split:
+        tiles(args, dev, sms, WARP_SPLIT_BF16, WARP_SPLIT_FP8, "warp_split")
         return
     copy_before = copy_bandwidth()
     print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)

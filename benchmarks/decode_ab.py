@@ -28,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SWITCHES = ("FLASHPAGE_PDL", "FLASHPAGE_FUSED_MOE", "FLASHPAGE_SKINNY_GEMM", "FLASHPAGE_GEMV",
-            "FLASHPAGE_FUSED_MERGE", "FLASHPAGE_GEMV_WHOLE_ROW", "FLASHPAGE_FUSED_ROUTER")
+            "FLASHPAGE_FUSED_MERGE", "FLASHPAGE_GEMV_WHOLE_ROW", "FLASHPAGE_FUSED_ROUTER",
+            "FLASHPAGE_DECODE_WARP_SPLIT")
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, str]]:

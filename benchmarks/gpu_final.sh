@@ -46,6 +46,8 @@
 #   (rows7: session 7's multi-row gemv_row A/B, run 53; its code is in commit c3ba8c6)
 #   bash benchmarks/gpu_final.sh flex7     flex vs triton throughput (64 requests, 100-512), then triton's default workload
 #   bash benchmarks/gpu_final.sh flex7b    flex with batched one-query decodes: GPU test, the 64-request throughput
+#   bash benchmarks/gpu_final.sh wsplit7   warp-split paged decode: decode GPU tests, attention_decode.py --warp-split
+#   bash benchmarks/gpu_final.sh fp8t7     8B throughput over an fp8 cache, warp-split decode off then on
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -381,5 +383,14 @@ flex7b)  # session 7: flex decodes as a batch of one-query entries: GPU test, th
   timeout 300 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --attention-backend flex \
     --num-requests 64 --input-len 100 512 --output-len 100 512 --no-hf \
     --json-out "$OUT/throughput_8b_64_flex.json" 2>&1 | grep -E "output_tok_per_s|Error|error" | head -n 3 ;;
+wsplit7)  # session 7: warp-split paged decode (each warp its own 16-key piece and softmax state)
+  timeout 150 $PT -n 12 -m gpu tests/kernels/test_paged_decode.py tests/kernels/test_fp8_kv.py -k "decode" -rf 2>&1 \
+    | tee "$OUT/decode_gpu_tests.txt" | tail -n 2
+  timeout 300 python3 benchmarks/attention_decode.py --warp-split --out "$OUT/k" 2>&1 | tail -n 15 ;;
+fp8t7)  # session 7: 8B throughput over an fp8 cache, warp-split decode off, then on (the new default)
+  for ws in 0 1; do
+    FLASHPAGE_DECODE_WARP_SPLIT=$ws timeout 150 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+      --kv-cache-dtype fp8 --no-hf --json-out "$OUT/throughput_8b_fp8_ws$ws.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  done ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -50,6 +50,14 @@ def gemv_whole_row() -> int | None:
     return int(value)
 
 
+def decode_warp_split() -> bool:
+    """Paged decode over an fp8 cache with each warp on its own 16-key piece of a tile and
+    its own softmax state (kernels/paged_decode.DecodeConfig.warp_split) where that won on
+    the H200 (64 programs and up); FLASHPAGE_DECODE_WARP_SPLIT=0 keeps the shared-state
+    loop. Read when a config is chosen (a decode graph keeps the one it captured)."""
+    return os.environ.get("FLASHPAGE_DECODE_WARP_SPLIT", "1") != "0"
+
+
 def fused_merge() -> bool:
     """FLASHPAGE_FUSED_MERGE=1: split paged decode merges its splits in the last program of
     each (sequence, KV head) instead of a second kernel. Off by default: in the H200 run

@@ -76,6 +76,11 @@ class DecodeConfig:
     # A register cap for ptxas (Triton's ``maxnreg``; None: ptxas decides). The fp8 loop
     # is latency-bound at 2 programs per SM (190 registers x 128 threads); 168 lets 3 fit.
     max_regs: int | None = None
+    # Each warp its own 16-key piece of every tile, with its own softmax state ([pieces, ...]
+    # tensors: Triton puts the warps on the leading dim), merged once at the end: no
+    # cross-warp reduction or exchange of P per tile. Needs block_n == 16 * num_warps and
+    # a block size >= 16; no window, not with prefetch.
+    warp_split: bool = False
 
 
 def _interpreting() -> bool:
@@ -114,6 +119,12 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
         major, _ = torch.cuda.get_device_capability(device)
         if major == 9 and triton.next_power_of_2(head_dim) == 128:
             if fp8:
+                # From 64 programs (batch >= 8 at 8 KV heads) each warp takes its own 16-key
+                # piece with its own softmax state: 1.15-1.32x at batch 8-128 in run 57
+                # (attention_decode.py --warp-split); at 8 programs (1 x 32768) 0.91x.
+                if envs.decode_warp_split() and (programs is None or programs >= 64):
+                    return DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True,
+                                        fused_merge=envs.fused_merge())
                 return DecodeConfig(64, 4, 3, programs_per_sm=4, fused_merge=envs.fused_merge())
             sms = _num_sms(device)
             if programs is not None and sms < programs <= 2 * sms:  # unsplit: 1-2 per SM
@@ -142,12 +153,12 @@ CANDIDATE_CONFIGS = [
 
 def config_name(cfg: DecodeConfig) -> str:
     """n{keys}w{warps}s{stages}, then p (hand prefetch), v (V prefetched), h (heads fastest),
-    m (fused merge), r{n} (n KV heads per program), R{n} (register cap)."""
+    m (fused merge), r{n} (n KV heads per program), R{n} (register cap), W (warp split)."""
     return (f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{'p' if cfg.prefetch else ''}"
             f"{'v' if cfg.prefetch_v else ''}"
             f"{'h' if cfg.heads_fastest else ''}{'m' if cfg.fused_merge else ''}"
             f"{f'r{cfg.heads_per_program}' if cfg.heads_per_program > 1 else ''}"
-            f"{f'R{cfg.max_regs}' if cfg.max_regs else ''}")
+            f"{f'R{cfg.max_regs}' if cfg.max_regs else ''}{'W' if cfg.warp_split else ''}")
 
 
 @triton.jit
@@ -229,6 +240,7 @@ def _paged_decode_kernel(
     MERGE_CHUNK: tl.constexpr,  # splits the merge loads at once
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     F16_DOTS: tl.constexpr,  # an fp8 cache under a 16-bit q: pre-scaled fp16 q, fp16 dots
+    WARP_SPLIT: tl.constexpr,  # pieces of 16 keys with their own softmax state (config.warp_split)
 ):
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
@@ -296,6 +308,56 @@ def _paged_decode_kernel(
             v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blk_x, offs_x, end, offs_d,
                                 d_mask, PAGE).to(q.dtype)
             blk = blk_x
+            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
+    elif WARP_SPLIT:
+        # Tile = NP pieces of 16 keys (each inside one page); [NP, ...] state per piece.
+        NP: tl.constexpr = BLOCK_N // 16
+        offs_j = tl.arange(0, 16)
+        q3 = tl.broadcast_to(q[None, :, :], [NP, BLOCK_H, BLOCK_D])
+        m3 = tl.full([NP, BLOCK_H], float("-inf"), dtype=tl.float32)
+        l3 = tl.zeros([NP, BLOCK_H], dtype=tl.float32)
+        acc3 = tl.zeros([NP, BLOCK_H, BLOCK_D], dtype=tl.float32)
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        pos = start + tl.arange(0, NP) * 16
+        blkp = tl.load(bt_row + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
+        for n0 in range(start, full_end, BLOCK_N):  # full tiles: no mask
+            pos = n0 + BLOCK_N + tl.arange(0, NP) * 16
+            blkp_x = tl.load(bt_row + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
+            slot = (n0 + tl.arange(0, NP) * 16) % PAGE  # each piece's first in-page slot
+            k3 = tl.load(k_ptr + kvh * stride_kh + (blkp * stride_kb + slot * stride_kt)[:, None, None]
+                         + (offs_j * stride_kt)[None, :, None] + offs_d[None, None, :])
+            v3 = tl.load(v_ptr + kvh * stride_vh + (blkp * stride_vb + slot * stride_vt)[:, None, None]
+                         + (offs_j * stride_vt)[None, :, None] + offs_d[None, None, :])
+            blkp = blkp_x
+            k3 = k3.to(q.dtype)
+            v3 = v3.to(q.dtype)
+            if IEEE:
+                s3 = tl.dot(q3, tl.trans(k3, 0, 2, 1), input_precision="ieee")
+            else:
+                s3 = tl.dot(q3, tl.trans(k3, 0, 2, 1))
+            s3 = s3 * sm_scale_log2
+            m_new = tl.maximum(m3, tl.max(s3, 2))
+            alpha = tl.exp2(m3 - m_new)
+            p3 = tl.exp2(s3 - m_new[:, :, None])
+            l3 = l3 * alpha + tl.sum(p3, 2)
+            if IEEE:
+                pv3 = tl.dot(p3.to(v3.dtype), v3, input_precision="ieee")
+            else:
+                pv3 = tl.dot(p3.to(v3.dtype), v3)
+            acc3 = acc3 * alpha[:, :, None] + pv3
+            m3 = m_new
+        # The pieces merged (a piece that saw no key has m = -inf: weight 0).
+        m_i = tl.max(m3, 0)
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        w3 = tl.exp2(m3 - m_safe[None, :])
+        l_i = tl.sum(l3 * w3, 0)
+        acc = tl.sum(acc3 * w3[:, :, None], 0)
+        m_i = tl.where(l_i > 0.0, m_safe, float("-inf"))
+        # The last, partial tile 16 keys at a time (masked; few registers).
+        for n1 in range(full_end, end, 16):
+            offs_n = n1 + offs_j
+            blk16 = _block_ids(bt_row, offs_n, end, PAGE)
+            k, v = _load_kv(*kv_args, blk16, offs_n, end, offs_d, d_mask, PAGE)
             m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
     else:
         # Triton's pipeliner overlaps the loads. The block ids are carried one tile ahead,
@@ -535,6 +597,8 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         if num_splits > 1:
             _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
         return out
+    warp_split = (cfg.warp_split and window_size is None and block_size >= 16 and not cfg.prefetch
+                  and not cfg.prefetch_v and cfg.block_n == 16 * cfg.num_warps and block_d == head_dim)
     counters = _split_counters(q.device, batch * num_kv_heads) if num_splits > 1 and cfg.fused_merge else None
     fused_merge = counters is not None
     group_pad = triton.next_power_of_2(group)
@@ -556,6 +620,7 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         PREFETCH_V=cfg.prefetch_v and not cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
         PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, key_cache.dtype),
+        WARP_SPLIT=warp_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
         **({"maxnreg": cfg.max_regs} if cfg.max_regs and not _interpreting() else {}),
     )

@@ -436,7 +436,7 @@ def _compile_fp8_ptx() -> dict[str, str]:
            "seq_lens": "*i32", "block_tables": "*i32", "Lse": "*fp32"}
     decode = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64,
                   HAS_WINDOW=False, IEEE=False, HEADS_FASTEST=False, FUSED_MERGE=False,
-                  GROUP_PAD=4, MERGE_CHUNK=1, PDL=False, F16_DOTS=True)
+                  GROUP_PAD=4, MERGE_CHUNK=1, PDL=False, F16_DOTS=True, WARP_SPLIT=False)
     kernels = {
         "write_kv": (cw._write_kv_kernel, dict(PAGE=16, NUM_HEADS=8, HEAD_DIM=128, BLOCK_T=4,
                                                 BLOCK_E=1024), set(), 8, 3),
@@ -529,6 +529,9 @@ GPU_DECODE_CASES = [
     ([1500, 40], 32, 8, 128, 16, 4, None,
      DecodeConfig(128, 4, 3, programs_per_sm=3, prefetch_v=True, max_regs=168)),
     ([1500, 40, 3000], 32, 8, 128, 16, None, None, DecodeConfig(64, 4, 3, programs_per_sm=4)),
+    # session 7: each warp its own 16-key piece and softmax state
+    ([1500, 40, 3000, 1], 32, 8, 128, 16, None, None, DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True)),
+    ([1500, 40], 32, 8, 128, 64, 4, None, DecodeConfig(32, 2, 3, programs_per_sm=6, warp_split=True)),
 ]
 
 

@@ -65,10 +65,11 @@ def check(out, ref, dtype):
 
 
 def run_and_check(seq_lens, hq, hkv, d, bs, dtype, *, num_splits=None, window_size=None, seed=0,
-                  device=DEVICE):
+                  device=DEVICE, config=None):
     q, kc, vc, bt, lens = make_case(seq_lens, hq, hkv, d, bs, dtype, seed=seed, device=device)
     out = torch.full_like(q, float("nan"))  # every element must be written
-    paged_decode(q, kc, vc, bt, lens, out=out, num_splits=num_splits, window_size=window_size)
+    _launch(q, kc, vc, bt, lens, sm_scale=None, out=out, num_splits=num_splits, window_size=window_size,
+            config=config)
     ref = paged_decode_ref(q, kc, vc, bt, lens, window_size=window_size)
     check(out, ref, dtype)
 
@@ -125,6 +126,29 @@ def test_head_major_cache_view():
         assert torch.equal(out, paged_decode(q, kc, vc, bt, lens, num_splits=splits))
 
 
+# (seq_lens, q heads, kv heads, head_dim, block_size, keys per tile, warps, num_splits)
+WARP_SPLIT_CASES = [
+    ([1, 17, 64, 200], 8, 2, 64, 16, 64, 4, None),  # ragged: one key, a partial tile, full tiles
+    ([100, 33], 8, 2, 64, 16, 64, 4, 3),  # splits
+    ([300, 5], 4, 1, 64, 64, 32, 2, 2),  # a page holds two tiles
+    ([70, 129], 16, 2, 64, 32, 64, 4, 8),  # empty splits
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", WARP_SPLIT_CASES, ids=lambda c: f"{c[0]}-bs{c[4]}-n{c[5]}w{c[6]}-s{c[7]}")
+def test_warp_split_matches_reference(case, dtype):
+    """Each warp its own 16-key piece of a tile with its own softmax state
+    (DecodeConfig.warp_split), merged at the end; the partial last tile 16 keys at a time.
+    Every slot past a context holds NaN, so a read past it would show."""
+    seq_lens, hq, hkv, d, bs, bn, warps, splits = case
+    q, kc, vc, bt, lens = make_case(seq_lens, hq, hkv, d, bs, dtype, seed=13)
+    out = torch.full_like(q, float("nan"))
+    _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=None, out=out, num_splits=splits,
+            config=DecodeConfig(bn, warps, 3, warp_split=True))
+    check(out, paged_decode_ref(q, kc, vc, bt, lens), dtype)
+
+
 def test_custom_scale():
     q, kc, vc, bt, lens = make_case([40, 9], 4, 2, 64, 16, torch.float32, seed=4)
     out = paged_decode(q, kc, vc, bt, lens, sm_scale=0.3, num_splits=2)
@@ -158,8 +182,13 @@ def test_default_config_by_generation(monkeypatch):
     assert small.num_warps == 8 and mod.default_config(cuda, 128, 132).num_warps == 4  # split below
     assert (large.num_stages, large.programs_per_sm, large.heads_fastest) == (2, 4, True)
     small8, large8 = mod.default_config(cuda, 128, 264, fp8=True), mod.default_config(cuda, 128, 265, fp8=True)
-    assert small8 == large8
-    assert (small8.block_n, small8.num_stages, small8.programs_per_sm, small8.prefetch_v) == (64, 3, 4, False)
+    assert small8 == large8 == mod.default_config(cuda, 128, 64, fp8=True)
+    assert (small8.block_n, small8.num_stages, small8.programs_per_sm, small8.warp_split) == (64, 3, 3, True)
+    few8 = mod.default_config(cuda, 128, 63, fp8=True)  # under 64 programs: the shared-state loop
+    assert (few8.block_n, few8.num_stages, few8.programs_per_sm, few8.warp_split) == (64, 3, 4, False)
+    monkeypatch.setenv("FLASHPAGE_DECODE_WARP_SPLIT", "0")
+    assert mod.default_config(cuda, 128, 264, fp8=True) == few8
+    monkeypatch.delenv("FLASHPAGE_DECODE_WARP_SPLIT")
     assert not small.fused_merge and not large.fused_merge
     monkeypatch.delenv("FLASHPAGE_FUSED_MERGE", raising=False)
     assert not mod.default_config(cuda, 128, 8).fused_merge  # split: the merge kernel
@@ -280,6 +309,22 @@ def test_paged_decode_gpu_bf16(case):
     for splits in (None, 1, 7):
         run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, num_splits=splits, seed=sum(case))
     run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, window_size=500, seed=sum(case))
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("config", [DecodeConfig(64, 4, 3, programs_per_sm=2, warp_split=True),
+                                    DecodeConfig(64, 4, 2, programs_per_sm=2, warp_split=True),
+                                    DecodeConfig(32, 2, 3, programs_per_sm=4, warp_split=True)],
+                         ids=config_name)
+@pytest.mark.parametrize("case", [(32, 8, 128, 16), (32, 4, 128, 64), (8, 8, 64, 256)],
+                         ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-bs{c[3]}")
+def test_paged_decode_gpu_warp_split(case, config):
+    hq, hkv, d, bs = case
+    seq_lens = [1, 2047, bs + 1, 15, 16, 17, 4096]
+    for splits in (None, 1, 7):
+        run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, num_splits=splits, seed=sum(case),
+                      config=config)
 
 
 @pytest.mark.gpu
