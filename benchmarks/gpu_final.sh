@@ -388,6 +388,7 @@ wsplit7)  # session 7: warp-split paged decode (each warp its own 16-key piece a
     | tee "$OUT/decode_gpu_tests.txt" | tail -n 2
   timeout 300 python3 benchmarks/attention_decode.py --warp-split --out "$OUT/k" 2>&1 | tail -n 15 ;;
 fp8t7)  # session 7: 8B throughput over an fp8 cache, warp-split decode off, then on (the new default)
+  timeout 70 $PT -n 8 -m gpu tests/kernels/test_fp8_kv.py -k "decode_fp8_gpu" -rf 2>&1 | tee "$OUT/fp8_gpu_tests.txt" | tail -n 1
   for ws in 0 1; do
     FLASHPAGE_DECODE_WARP_SPLIT=$ws timeout 150 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
       --kv-cache-dtype fp8 --no-hf --json-out "$OUT/throughput_8b_fp8_ws$ws.json" 2>&1 | grep -E "output_tok_per_s|Error"

@@ -311,23 +311,27 @@ def _paged_decode_kernel(
             m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
     elif WARP_SPLIT:
         # Tile = NP pieces of 16 keys (each inside one page); [NP, ...] state per piece.
+        # Loads are masked by key (rows are contiguous along D, so the vector loads stay
+        # whole): slots past the context read as 0, their scores as -inf.
         NP: tl.constexpr = BLOCK_N // 16
         offs_j = tl.arange(0, 16)
         q3 = tl.broadcast_to(q[None, :, :], [NP, BLOCK_H, BLOCK_D])
         m3 = tl.full([NP, BLOCK_H], float("-inf"), dtype=tl.float32)
         l3 = tl.zeros([NP, BLOCK_H], dtype=tl.float32)
         acc3 = tl.zeros([NP, BLOCK_H, BLOCK_D], dtype=tl.float32)
-        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
         pos = start + tl.arange(0, NP) * 16
         blkp = tl.load(bt_row + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
-        for n0 in range(start, full_end, BLOCK_N):  # full tiles: no mask
+        for n0 in range(start, end, BLOCK_N):
             pos = n0 + BLOCK_N + tl.arange(0, NP) * 16
             blkp_x = tl.load(bt_row + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
-            slot = (n0 + tl.arange(0, NP) * 16) % PAGE  # each piece's first in-page slot
-            k3 = tl.load(k_ptr + kvh * stride_kh + (blkp * stride_kb + slot * stride_kt)[:, None, None]
-                         + (offs_j * stride_kt)[None, :, None] + offs_d[None, None, :])
-            v3 = tl.load(v_ptr + kvh * stride_vh + (blkp * stride_vb + slot * stride_vt)[:, None, None]
-                         + (offs_j * stride_vt)[None, :, None] + offs_d[None, None, :])
+            first = n0 + tl.arange(0, NP) * 16  # each piece's first key
+            key_ok = (first[:, None] + offs_j[None, :]) < end  # [NP, 16]
+            rows = blkp * stride_kb + (first % PAGE) * stride_kt
+            k3 = tl.load(k_ptr + kvh * stride_kh + rows[:, None, None] + (offs_j * stride_kt)[None, :, None]
+                         + offs_d[None, None, :], mask=key_ok[:, :, None], other=0.0)
+            rows = blkp * stride_vb + (first % PAGE) * stride_vt
+            v3 = tl.load(v_ptr + kvh * stride_vh + rows[:, None, None] + (offs_j * stride_vt)[None, :, None]
+                         + offs_d[None, None, :], mask=key_ok[:, :, None], other=0.0)
             blkp = blkp_x
             k3 = k3.to(q.dtype)
             v3 = v3.to(q.dtype)
@@ -335,10 +339,12 @@ def _paged_decode_kernel(
                 s3 = tl.dot(q3, tl.trans(k3, 0, 2, 1), input_precision="ieee")
             else:
                 s3 = tl.dot(q3, tl.trans(k3, 0, 2, 1))
-            s3 = s3 * sm_scale_log2
+            s3 = tl.where(key_ok[:, None, :], s3 * sm_scale_log2, float("-inf"))
             m_new = tl.maximum(m3, tl.max(s3, 2))
-            alpha = tl.exp2(m3 - m_new)
-            p3 = tl.exp2(s3 - m_new[:, :, None])
+            # a piece that has seen no key yet stays at -inf: exponents against 0 give 0
+            m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m3 - m_exp)
+            p3 = tl.exp2(s3 - m_exp[:, :, None])
             l3 = l3 * alpha + tl.sum(p3, 2)
             if IEEE:
                 pv3 = tl.dot(p3.to(v3.dtype), v3, input_precision="ieee")
@@ -353,12 +359,6 @@ def _paged_decode_kernel(
         l_i = tl.sum(l3 * w3, 0)
         acc = tl.sum(acc3 * w3[:, :, None], 0)
         m_i = tl.where(l_i > 0.0, m_safe, float("-inf"))
-        # The last, partial tile 16 keys at a time (masked; few registers).
-        for n1 in range(full_end, end, 16):
-            offs_n = n1 + offs_j
-            blk16 = _block_ids(bt_row, offs_n, end, PAGE)
-            k, v = _load_kv(*kv_args, blk16, offs_n, end, offs_d, d_mask, PAGE)
-            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
     else:
         # Triton's pipeliner overlaps the loads. The block ids are carried one tile ahead,
         # so that the K/V loads' addresses do not come from a load of the same iteration
