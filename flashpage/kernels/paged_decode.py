@@ -77,9 +77,10 @@ class DecodeConfig:
     # is latency-bound at 2 programs per SM (190 registers x 128 threads); 168 lets 3 fit.
     max_regs: int | None = None
     # Each warp its own 16-key piece of every tile, with its own softmax state ([pieces, ...]
-    # tensors: Triton puts the warps on the leading dim), merged once at the end: no
-    # cross-warp reduction or exchange of P per tile. Needs block_n == 16 * num_warps and
-    # a block size >= 16; no window, not with prefetch.
+    # tensors: Triton puts the warps on the leading dim; sm_90 SASS shows 2 barriers per
+    # tile, the pipeline's, instead of 8-10), merged once at the end: no cross-warp
+    # reduction or exchange of P per tile. Needs block_n == 16 * num_warps and a block
+    # size >= 16; no window, not with prefetch.
     warp_split: bool = False
 
 
@@ -111,9 +112,15 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
     before (run 29; the same tiles had waited for each K tile right after its issue: 13%
     of the loop's stall samples under Nsight Compute), and V loaded a tile ahead into
     registers (``prefetch_v``) no longer paid; in run 30 64-key tiles read it 0.5-5.7%
-    faster again at batch >= 8 (equal at 1 x 32768). The loop stays bound by its
-    instructions (ncu: issue slots 49% busy at 2 programs per SM, no dominant stall),
-    not by memory: ~60-65% of the copy rate, a token 1.23-1.32x as fast as over bf16.
+    faster again at batch >= 8 (equal at 1 x 32768); ~60-65% of the copy rate. From 64
+    programs the fp8 default is now the warp-split loop (``warp_split``: each warp its own
+    16-key piece with its own softmax state, 168 registers, 3 programs per SM): in run 57
+    (session 7, the version with a separate 16-key tail loop) 1.15-1.32x the loop above at
+    batch 8-128 (72-84% of copy), 0.91x at 1 x 32768 (8 programs, which keeps the loop
+    above). Halving the instructions alone (a keys-inner V, run 49) had bought 2-6%: what
+    the old loop waited on was the chain of cross-warp reductions and P's exchange per
+    tile, which the split removes. End to end (8B, fp8 cache, run 59) +1.0%; decode steps
+    at batch 32-127 4.6% shorter.
     """
     if device.type == "cuda" and not _interpreting():
         major, _ = torch.cuda.get_device_capability(device)
