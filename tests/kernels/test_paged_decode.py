@@ -149,6 +149,17 @@ def test_warp_split_matches_reference(case, dtype):
     check(out, paged_decode_ref(q, kc, vc, bt, lens), dtype)
 
 
+def test_warp_split_with_fused_merge():
+    """The warp-split loop's merged state feeds the in-kernel split merge as the plain loop's does."""
+    q, kc, vc, bt, lens = make_case([1, 100, 250], 8, 2, 64, 16, torch.float32, seed=17)
+    ref = paged_decode_ref(q, kc, vc, bt, lens)
+    for _ in range(2):  # the counters are left at 0 for the next call
+        out = torch.full_like(q, float("nan"))
+        _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=None, out=out, num_splits=3,
+                config=DecodeConfig(64, 4, 3, warp_split=True, fused_merge=True))
+        check(out, ref, torch.float32)
+
+
 def test_custom_scale():
     q, kc, vc, bt, lens = make_case([40, 9], 4, 2, 64, 16, torch.float32, seed=4)
     out = paged_decode(q, kc, vc, bt, lens, sm_scale=0.3, num_splits=2)
