@@ -532,6 +532,8 @@ GPU_DECODE_CASES = [
     # session 7: each warp its own 16-key piece and softmax state
     ([1500, 40, 3000, 1], 32, 8, 128, 16, None, None, DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True)),
     ([1500, 40], 32, 8, 128, 64, 4, None, DecodeConfig(32, 2, 3, programs_per_sm=6, warp_split=True)),
+    ([1500, 40, 3000, 1], 32, 8, 128, 16, None, None,
+     DecodeConfig(64, 4, 3, programs_per_sm=4, warp_split=True, max_regs=128)),
 ]
 
 
