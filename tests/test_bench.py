@@ -23,6 +23,27 @@ def test_bench_throughput_with_transformers(tiny_checkpoint, tmp_path, capsys):
     assert steps["with_prompt_tokens"]["steps"] >= 1
     assert sum(g["seconds"] for g in steps.values()) <= ours["seconds"] + 1e-3
     assert sum(g["seconds"] for g in steps.values()) >= 0.5 * ours["seconds"]
+    assert all("gpu_ms_per_step" not in g for g in steps.values())  # CUDA events only
+
+
+def test_step_summary_groups_wall_and_gpu_time_per_step():
+    """Steps by kind (prompt tokens, decode batch ranges), wall time from one schedule() to
+    the next, and with CUDA-event spans (one per step, in order) the GPU's mean per group."""
+    from flashpage.bench.throughput import _step_summary
+
+    # (time scheduled, requests, tokens): a prompt step, two decode steps of 40, one of 200,
+    # then an empty step (skipped) and the end of the run
+    timeline = [(0.0, 4, 900), (0.2, 40, 40), (0.21, 40, 40), (0.222, 200, 200), (0.24, 0, 0),
+                (0.25, 0, 0)]
+    gpu = [150.0, 7.0, 9.0, 12.0, 0.1]
+    s = _step_summary(timeline, gpu)
+    assert set(s) == {"with_prompt_tokens", "decode_batch_32_127", "decode_batch_128_1048576"}
+    assert s["with_prompt_tokens"] == {"steps": 1, "seconds": 0.2, "ms_per_step": 200.0,
+                                       "gpu_ms_per_step": 150.0}
+    assert s["decode_batch_32_127"]["steps"] == 2 and s["decode_batch_32_127"]["gpu_ms_per_step"] == 8.0
+    assert abs(s["decode_batch_32_127"]["ms_per_step"] - 11.0) < 1e-9
+    assert s["decode_batch_128_1048576"]["gpu_ms_per_step"] == 12.0
+    assert "gpu_ms_per_step" not in _step_summary(timeline)["with_prompt_tokens"]
 
 
 def test_bench_latency(tiny_checkpoint, tmp_path):

@@ -8,6 +8,7 @@ token ids, ignore_eos (every request generates exactly its output length).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                  use_tqdm=False)
     _sync(engine.device)
     timeline = _record_steps(engine)
+    spans = _record_gpu_spans(engine)
     t0 = time.perf_counter()
     outs = llm.generate(wl.prompts, params, use_tqdm=True)
     _sync(engine.device)
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                       "total_tok_per_s": (produced + wl.num_prompt_tokens) / dt,
                       "preemptions": engine.scheduler.num_preemptions,
                       "kv_blocks": engine.num_blocks,
-                      "steps": _step_summary(timeline)},
+                      "steps": _step_summary(timeline, _gpu_ms(spans))},
     }
     bw, fl = measure_ceilings(engine.device)
     if bw and fl:
@@ -136,10 +138,41 @@ def _record_steps(engine) -> list[tuple[float, int, int]]:
     return steps
 
 
-def _step_summary(timeline: list[tuple[float, int, int]]) -> dict:
-    """Where the wall time went: steps with prompt tokens vs decode-only steps by batch."""
+def _record_gpu_spans(engine) -> list[tuple[Any, Any]]:
+    """A CUDA event pair around the device work of every step from now on (empty on the
+    CPU): recorded on the step's stream before its first launch and after its last, so a
+    span is the time the GPU spent on that step's work, launch gaps inside it included,
+    and not the idle time before it (a step whose host work ran late starts late)."""
+    spans: list[tuple[Any, Any]] = []
+    if engine.device.type != "cuda":
+        return spans
+    execute = engine.runner.execute
+
+    def recording(out):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = execute(out)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        spans.append((start, end))
+        return result
+
+    engine.runner.execute = recording
+    return spans
+
+
+def _gpu_ms(spans: list[tuple[Any, Any]]) -> list[float] | None:
+    """Milliseconds of each recorded span (after the run's final sync); None: none recorded."""
+    return [a.elapsed_time(b) for a, b in spans] if spans else None
+
+
+def _step_summary(timeline: list[tuple[float, int, int]], gpu_ms: list[float] | None = None) -> dict:
+    """Where the wall time went: steps with prompt tokens vs decode-only steps by batch;
+    with ``gpu_ms`` (one per step, in order) also the GPU's time per step in each group
+    (wall time well above it: the host, not the GPU, set the pace)."""
     groups: dict[str, list[float]] = {}
-    for (t, seqs, tokens), (t_next, _, _) in zip(timeline, timeline[1:], strict=False):
+    gpu: dict[str, list[float]] = {}
+    for i, ((t, seqs, tokens), (t_next, _, _)) in enumerate(zip(timeline, timeline[1:], strict=False)):
         if not seqs:
             continue
         if tokens > seqs:
@@ -148,8 +181,14 @@ def _step_summary(timeline: list[tuple[float, int, int]]) -> dict:
             key = next(f"decode_batch_{lo}_{hi}" for lo, hi in
                        ((1, 31), (32, 127), (128, 1 << 20)) if lo <= seqs <= hi)
         groups.setdefault(key, []).append(t_next - t)
-    return {k: {"steps": len(v), "seconds": round(sum(v), 3),
-                "ms_per_step": round(1e3 * sum(v) / len(v), 3)} for k, v in sorted(groups.items())}
+        if gpu_ms is not None and i < len(gpu_ms):
+            gpu.setdefault(key, []).append(gpu_ms[i])
+    summary: dict[str, dict[str, float]] = {
+        k: {"steps": len(v), "seconds": round(sum(v), 3), "ms_per_step": round(1e3 * sum(v) / len(v), 3)}
+        for k, v in sorted(groups.items())}
+    for k, v in gpu.items():
+        summary[k]["gpu_ms_per_step"] = round(sum(v) / len(v), 3)
+    return summary
 
 
 def _sync(device: torch.device) -> None:
