@@ -48,6 +48,8 @@
 #   bash benchmarks/gpu_final.sh flex7b    flex with batched one-query decodes: GPU test, the 64-request throughput
 #   bash benchmarks/gpu_final.sh wsplit7   warp-split paged decode: decode GPU tests, attention_decode.py --warp-split
 #   bash benchmarks/gpu_final.sh fp8t7     8B throughput over an fp8 cache, warp-split decode off then on
+#   bash benchmarks/gpu_final.sh next8     next session: fp8 throughput with GPU ms per step (split off/on), batch-256
+#                                          kernel tables (split off/on), the --warp-split table (128-register cap too)
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -393,5 +395,15 @@ fp8t7)  # session 7: 8B throughput over an fp8 cache, warp-split decode off, the
     FLASHPAGE_DECODE_WARP_SPLIT=$ws timeout 150 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
       --kv-cache-dtype fp8 --no-hf --json-out "$OUT/throughput_8b_fp8_ws$ws.json" 2>&1 | grep -E "output_tok_per_s|Error"
   done ;;
+next8)  # next session, first call: where the warp-split fp8 decode's kernel gain goes end to end
+  for ws in 0 1; do  # per step kind: wall ms and the GPU's own ms (bench throughput's event pairs)
+    FLASHPAGE_DECODE_WARP_SPLIT=$ws timeout 150 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+      --kv-cache-dtype fp8 --no-hf --json-out "$OUT/throughput_8b_fp8_ws$ws.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  done
+  for ws in 0 1; do  # the batch-256 step's kernels, split off / on
+    FLASHPAGE_DECODE_WARP_SPLIT=$ws timeout 120 python3 benchmarks/profile_engine_step.py --batch 256 --context 1024 \
+      --steps 20 --kernel-table --kv-cache-dtype fp8 2>&1 | grep -v Warning | tail -n 24 | tee "$OUT/profile_fp8_b256_ws$ws.txt"
+  done
+  timeout 200 python3 benchmarks/attention_decode.py --warp-split --out "$OUT/k" 2>&1 | tail -n 14 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
