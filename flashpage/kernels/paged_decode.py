@@ -193,27 +193,39 @@ def _load_kv(k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b: exact fp32 products for fp32 inputs (IEEE), else the tensor cores'."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _piece_rows(x_ptr, stride_b, stride_t, stride_h, kvh, blkp, first, offs_j, offs_d, key_ok,
+                PAGE: tl.constexpr):
+    """Cache rows [NP, 16, BLOCK_D] of one KV head: piece p's 16 keys from ``first[p]`` on,
+    inside block ``blkp[p]`` (0 where ``key_ok`` is false)."""
+    rows = blkp * stride_b + (first % PAGE) * stride_t
+    return tl.load(x_ptr + kvh * stride_h + rows[:, None, None] + (offs_j * stride_t)[None, :, None]
+                   + offs_d[None, None, :], mask=key_ok[:, :, None], other=0.0)
+
+
+@triton.jit
 def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constexpr):
     """One online-softmax step over a tile of keys (base-2 exponentials). K/V tiles of an
     fp8 cache are widened to q's dtype first (a no-op for a cache in q's dtype); scores
     are ``q . k * sm_scale_log2``."""
     k = k.to(q.dtype)
     v = v.to(q.dtype)
-    if IEEE:
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
+    qk = _dot(q, tl.trans(k), IEEE)
     qk = tl.where(n_mask[None, :], qk * sm_scale_log2, float("-inf"))
     # Every tile holds at least one valid key, so m_new is finite.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
+    return m_new, l_i, acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
 
 
 # Sizes that change from call to call are not specialised on (a split count of 16 or a
@@ -333,19 +345,12 @@ def _paged_decode_kernel(
             blkp_x = tl.load(bt_row + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
             first = n0 + tl.arange(0, NP) * 16  # each piece's first key
             key_ok = (first[:, None] + offs_j[None, :]) < end  # [NP, 16]
-            rows = blkp * stride_kb + (first % PAGE) * stride_kt
-            k3 = tl.load(k_ptr + kvh * stride_kh + rows[:, None, None] + (offs_j * stride_kt)[None, :, None]
-                         + offs_d[None, None, :], mask=key_ok[:, :, None], other=0.0)
-            rows = blkp * stride_vb + (first % PAGE) * stride_vt
-            v3 = tl.load(v_ptr + kvh * stride_vh + rows[:, None, None] + (offs_j * stride_vt)[None, :, None]
-                         + offs_d[None, None, :], mask=key_ok[:, :, None], other=0.0)
+            k3 = _piece_rows(k_ptr, stride_kb, stride_kt, stride_kh, kvh, blkp, first, offs_j, offs_d,
+                             key_ok, PAGE).to(q.dtype)
+            v3 = _piece_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blkp, first, offs_j, offs_d,
+                             key_ok, PAGE).to(q.dtype)
             blkp = blkp_x
-            k3 = k3.to(q.dtype)
-            v3 = v3.to(q.dtype)
-            if IEEE:
-                s3 = tl.dot(q3, tl.trans(k3, 0, 2, 1), input_precision="ieee")
-            else:
-                s3 = tl.dot(q3, tl.trans(k3, 0, 2, 1))
+            s3 = _dot(q3, tl.trans(k3, 0, 2, 1), IEEE)
             s3 = tl.where(key_ok[:, None, :], s3 * sm_scale_log2, float("-inf"))
             m_new = tl.maximum(m3, tl.max(s3, 2))
             # a piece that has seen no key yet stays at -inf: exponents against 0 give 0
@@ -353,11 +358,7 @@ def _paged_decode_kernel(
             alpha = tl.exp2(m3 - m_exp)
             p3 = tl.exp2(s3 - m_exp[:, :, None])
             l3 = l3 * alpha + tl.sum(p3, 2)
-            if IEEE:
-                pv3 = tl.dot(p3.to(v3.dtype), v3, input_precision="ieee")
-            else:
-                pv3 = tl.dot(p3.to(v3.dtype), v3)
-            acc3 = acc3 * alpha[:, :, None] + pv3
+            acc3 = acc3 * alpha[:, :, None] + _dot(p3.to(v3.dtype), v3, IEEE)
             m3 = m_new
         # The pieces merged (a piece that saw no key has m = -inf: weight 0).
         m_i = tl.max(m3, 0)
