@@ -629,6 +629,95 @@ class Shape:
         return fn
 
 
+# The engine's decode batches (8B shape, default workload): contexts 101-2048 at random, or
+# all 1024 as in profile_engine_step.py; bytes per layer as the engine reads them.
+ENGINE_SHAPES = [(256, "1024"), (256, "ragged"), (128, "ragged"), (64, "ragged"), (128, "2048")]
+ENGINE_FP8 = [DecodeConfig(64, 4, 3, programs_per_sm=4),
+              DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True),
+              DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True, heads_fastest=True),
+              DecodeConfig(64, 4, 3, programs_per_sm=4, warp_split=True, max_regs=128)]
+ENGINE_BF16 = [DecodeConfig(64, 4, 2, heads_fastest=True), DecodeConfig(64, 4, 3, programs_per_sm=2)]
+
+
+class RaggedShape:
+    """One batch of decode requests with given contexts (random block tables over a pool as
+    large as the contexts need), rotated over independent copies like Shape; ``order``
+    "sorted" puts the longest contexts first (the grid's batch index in descending length)."""
+
+    def __init__(self, lens: list[int], kv_dtype: torch.dtype, order: str = "given"):
+        if order == "sorted":
+            lens = sorted(lens, reverse=True)
+        self.batch, self.ctx = len(lens), max(lens)
+        self.kv_bytes = 2 * sum(lens) * HKV * D * kv_dtype.itemsize
+        nblk = -(-self.ctx // BS)
+        per_copy = 2 * self.batch * nblk * BS * HKV * D * kv_dtype.itemsize
+        self.copies = max(1, -(-ROTATE_BYTES // per_copy))
+        total = self.copies * self.batch * nblk
+        self.key_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
+        self.value_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
+        self.tables = torch.randperm(total, device="cuda", dtype=torch.int32).view(self.copies, self.batch, nblk)
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(self.copies, self.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        self.out = torch.empty(self.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        self.i = 0
+
+    next = Shape.next
+    calls = Shape.calls
+    ours = Shape.ours
+
+
+def engine_shapes(args, dev, sms) -> None:
+    """The fp8 and bf16 decode configs at the engine's batches (ENGINE_SHAPES): uniform and
+    ragged contexts, given and longest-first order, each config at its own split rule and
+    the warp split also at 2 and 4 splits (engine_shapes.json / engine_shapes.md)."""
+    copy_before = copy_bandwidth()
+    print(f"copy bandwidth {copy_before:.0f} GB/s", flush=True)
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for batch, kind in ENGINE_SHAPES:
+        if kind == "ragged":
+            lens = torch.randint(101, 2049, (batch,), generator=gen).tolist()
+        else:
+            lens = [int(kind)] * batch
+        for name, dtype in KV_DTYPES.items():
+            for order in ("given", "sorted") if kind == "ragged" else ("given",):
+                shape = RaggedShape(lens, dtype, order)
+                fns = {}
+                for cand in ENGINE_FP8 if name == "fp8" else ENGINE_BF16:
+                    sp = choose_num_splits(batch, HKV, shape.ctx, sms, programs_per_sm=cand.programs_per_sm)
+                    fns[f"{config_name(cand)}/sp{sp}"] = shape.ours(sp, cand)
+                    if cand.warp_split and not cand.max_regs:
+                        for more in (2, 4):
+                            fused = dataclasses.replace(cand, fused_merge=True)
+                            fns[f"{config_name(fused)}/sp{more}"] = shape.ours(more, fused)
+                best: dict[str, float] = {}
+                for _ in range(TILES_ROUNDS):
+                    for key, fn in fns.items():
+                        try:
+                            t = time_graph(fn, shape.calls())
+                            best[key] = min(best.get(key, t), t)
+                        except Exception as ex:  # keep going
+                            print(f"{name} {key}: {type(ex).__name__}: {str(ex)[:100]}", flush=True)
+                row = dict(batch=batch, contexts=kind, dtype=name, order=order, mean_context=sum(lens) / batch,
+                           us={k_: round(t * 1e6, 1) for k_, t in best.items()},
+                           gbps={k_: round(shape.kv_bytes / t / 1e9) for k_, t in best.items()})
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del shape, fns
+                torch.cuda.empty_cache()
+    copy, meta = run_meta(copy_before)
+    with open(os.path.join(args.out, "engine_shapes.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    lines = [f"Paged decode at the engine's batches, GQA {HQ}/{HKV}, head_dim {D}, block_size {BS}, "
+             f"{meta['gpu']}, triton {meta['triton']}; GB/s of the bytes the contexts hold (% of copy "
+             f"{round(copy)} GB/s), best of {TILES_ROUNDS} rounds of CUDA-graph replays.", "",
+             "| batch | contexts | dtype | order | configs: GB/s (% of copy) |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        cells = ", ".join(f"{k_} {g} ({100 * g / copy:.0f}%)" for k_, g in r["gbps"].items())
+        lines.append(f"| {r['batch']} | {r['contexts']} | {r['dtype']} | {r['order']} | {cells} |")
+    write_table(args.out, "engine_shapes.md", lines)
+
+
 def gbps(shape: Shape, fn) -> float | str:
     try:
         return round(shape.kv_bytes / time_graph(fn, shape.calls()) / 1e9)
@@ -672,6 +761,8 @@ def main() -> None:
                     help="tile candidates over bf16 and fp8 caches beside SDPA cuDNN (tiles.json / tiles.md)")
     ap.add_argument("--warp-split", action="store_true",
                     help="--tiles over the warp-split candidates (warp_split.json / warp_split.md)")
+    ap.add_argument("--engine-shapes", action="store_true",
+                    help="decode configs at the engine's batches, ragged contexts (engine_shapes.json / .md)")
     ap.add_argument("--layout-ab", action="store_true",
                     help="NHD vs HND cache memory order beside SDPA cuDNN (layout_ab.json)")
     args = ap.parse_args()
@@ -696,6 +787,9 @@ def main() -> None:
         return
     if args.tiles:
         tiles(args, dev, sms)
+        return
+    if args.engine_shapes:
+        engine_shapes(args, dev, sms)
         return
     if args.warp_split:
         tiles(args, dev, sms, WARP_SPLIT_BF16, WARP_SPLIT_FP8, "warp_split")

@@ -50,6 +50,7 @@
 #   bash benchmarks/gpu_final.sh fp8t7     8B throughput over an fp8 cache, warp-split decode off then on
 #   bash benchmarks/gpu_final.sh next8     next session: fp8 throughput with GPU ms per step (split off/on), batch-256
 #                                          kernel tables (split off/on), the --warp-split table (128-register cap too)
+#   bash benchmarks/gpu_final.sh next8b    decode configs at the engine's ragged batches (--engine-shapes); MLA --chunks-ab
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -405,5 +406,10 @@ next8)  # next session, first call: where the warp-split fp8 decode's kernel gai
       --steps 20 --kernel-table --kv-cache-dtype fp8 2>&1 | grep -v Warning | tail -n 24 | tee "$OUT/profile_fp8_b256_ws$ws.txt"
   done
   timeout 200 python3 benchmarks/attention_decode.py --warp-split --out "$OUT/k" 2>&1 | tail -n 14 ;;
+next8b)  # session 8, second call: the decode configs at the engine's ragged batches; MLA 16-bit partials
+  timeout 120 $PT -m gpu tests/kernels/test_paged_decode.py -k "warp_split or heads_fastest" 2>&1 | tail -n 3
+  timeout 240 python3 benchmarks/attention_decode.py --engine-shapes --out "$OUT/k" 2>&1 | tail -n 14
+  timeout 150 python3 benchmarks/mla_decode.py --precompile 8 --chunks-ab 2>&1 | tail -n 2
+  timeout 200 python3 benchmarks/mla_decode.py --chunks-ab --out "$OUT/k/mla_chunks_ab.jsonl" 2>&1 | tail -n 12 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -149,6 +149,17 @@ def test_warp_split_matches_reference(case, dtype):
     check(out, paged_decode_ref(q, kc, vc, bt, lens), dtype)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_warp_split_heads_fastest(splits):
+    """The warp-split loop under the (Hkv, batch, splits) grid order, as
+    attention_decode.py --engine-shapes times it, with and without the in-kernel merge."""
+    q, kc, vc, bt, lens = make_case([1, 100, 250, 37], 8, 2, 64, 16, torch.float32, seed=19)
+    out = torch.full_like(q, float("nan"))
+    _launch(q, kc, vc, bt, lens, sm_scale=None, window_size=None, out=out, num_splits=splits,
+            config=DecodeConfig(64, 4, 3, warp_split=True, heads_fastest=True, fused_merge=splits > 1))
+    check(out, paged_decode_ref(q, kc, vc, bt, lens), torch.float32)
+
+
 def test_warp_split_with_fused_merge():
     """The warp-split loop's merged state feeds the in-kernel split merge as the plain loop's does."""
     q, kc, vc, bt, lens = make_case([1, 100, 250], 8, 2, 64, 16, torch.float32, seed=17)
