@@ -129,9 +129,12 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
                 # From 64 programs (batch >= 8 at 8 KV heads) each warp takes its own 16-key
                 # piece with its own softmax state: 1.15-1.32x at batch 8-128 in run 57
                 # (attention_decode.py --warp-split); at 8 programs (1 x 32768) 0.91x.
+                # A sequence's KV heads launched together (heads fastest): with the engine's
+                # decodes longest first, the longest programs start first (run 61, ragged
+                # 101-2048 contexts, batch 64 / 128: 1.29x / 1.10x the batch-major grid).
                 if envs.decode_warp_split() and (programs is None or programs >= 64):
                     return DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True,
-                                        fused_merge=envs.fused_merge())
+                                        heads_fastest=True, fused_merge=envs.fused_merge())
                 return DecodeConfig(64, 4, 3, programs_per_sm=4, fused_merge=envs.fused_merge())
             sms = _num_sms(device)
             if programs is not None and sms < programs <= 2 * sms:  # unsplit: 1-2 per SM

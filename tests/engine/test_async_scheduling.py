@@ -99,6 +99,34 @@ def test_decode_inputs_come_from_the_device(tiny_checkpoint, monkeypatch):
     assert seen[1:4] == [3, 3, 3]
 
 
+def test_decodes_run_longest_context_first(tiny_checkpoint, monkeypatch):
+    """The runner orders each step's decodes by context, longest first (the decode
+    kernel's grid then starts its longest programs first), prompt chunks after them; the
+    order changes as requests join, and every request still gets its own tokens (those
+    of the same requests run one at a time)."""
+    path = tiny_checkpoint("head64_gqa")
+    prompts = random_prompts(5, 3, 40, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = [LLM(str(path), dtype="float32", device="cpu").generate([p], params, use_tqdm=False)[0]
+             .outputs[0].token_ids for p in prompts]
+    engine = _engine(path, True, block_size=4, max_num_batched_tokens=48)
+    orders = []
+    prepare = engine.runner.prepare
+
+    def spy(out):
+        inp = prepare(out)
+        md = inp.metadata
+        orders.append((md.seq_lens_cpu[:md.num_decodes], md.num_seqs - md.num_decodes))
+        return inp
+
+    monkeypatch.setattr(engine.runner, "prepare", spy)
+    outs = run_staggered(engine, prompts, params)["outputs"]
+    assert outs == alone
+    assert all(lens == sorted(lens, reverse=True) for lens, _ in orders)
+    assert any(len(set(lens)) > 1 and lens != lens[::-1] for lens, _ in orders)  # really reordered
+    assert any(lens and rest for lens, rest in orders)  # decodes beside prompt chunks
+
+
 def test_abort_while_a_step_is_in_flight(tiny_checkpoint):
     path = tiny_checkpoint("head64_gqa")
     prompts = random_prompts(4, 5, 20, seed=8)

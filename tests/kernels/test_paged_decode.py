@@ -206,6 +206,7 @@ def test_default_config_by_generation(monkeypatch):
     small8, large8 = mod.default_config(cuda, 128, 264, fp8=True), mod.default_config(cuda, 128, 265, fp8=True)
     assert small8 == large8 == mod.default_config(cuda, 128, 64, fp8=True)
     assert (small8.block_n, small8.num_stages, small8.programs_per_sm, small8.warp_split) == (64, 3, 3, True)
+    assert small8.heads_fastest  # a sequence's heads together: longest decodes first over the GPU
     few8 = mod.default_config(cuda, 128, 63, fp8=True)  # under 64 programs: the shared-state loop
     assert (few8.block_n, few8.num_stages, few8.programs_per_sm, few8.warp_split) == (64, 3, 4, False)
     monkeypatch.setenv("FLASHPAGE_DECODE_WARP_SPLIT", "0")
