@@ -439,7 +439,10 @@ WARP_SPLIT_BF16 = [DecodeConfig(64, 4, 3, programs_per_sm=2, warp_split=True),
 WARP_SPLIT_FP8 = [DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True),
                   DecodeConfig(64, 4, 4, programs_per_sm=3, warp_split=True),
                   DecodeConfig(32, 2, 3, programs_per_sm=6, warp_split=True),
-                  DecodeConfig(64, 4, 3, programs_per_sm=4, warp_split=True, max_regs=128)]
+                  DecodeConfig(64, 4, 3, programs_per_sm=4, warp_split=True, max_regs=128),
+              DecodeConfig(32, 2, 3, programs_per_sm=6, warp_split=True, heads_fastest=True),
+              DecodeConfig(64, 4, 2, programs_per_sm=3, warp_split=True, heads_fastest=True),
+              DecodeConfig(64, 4, 4, programs_per_sm=3, warp_split=True, heads_fastest=True)]
 
 
 def tiles(args, dev, sms, bf16_cands=None, fp8_cands=None, out_name="tiles") -> None:
@@ -686,7 +689,7 @@ def engine_shapes(args, dev, sms) -> None:
                 for cand in ENGINE_FP8 if name == "fp8" else ENGINE_BF16:
                     sp = choose_num_splits(batch, HKV, shape.ctx, sms, programs_per_sm=cand.programs_per_sm)
                     fns[f"{config_name(cand)}/sp{sp}"] = shape.ours(sp, cand)
-                    if cand.warp_split and not cand.max_regs:
+                    if cand.warp_split and cand == ENGINE_FP8[1]:
                         for more in (2, 4):
                             fused = dataclasses.replace(cand, fused_merge=True)
                             fns[f"{config_name(fused)}/sp{more}"] = shape.ours(more, fused)

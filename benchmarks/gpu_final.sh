@@ -51,6 +51,7 @@
 #   bash benchmarks/gpu_final.sh next8     next session: fp8 throughput with GPU ms per step (split off/on), batch-256
 #                                          kernel tables (split off/on), the --warp-split table (128-register cap too)
 #   bash benchmarks/gpu_final.sh next8b    decode configs at the engine's ragged batches (--engine-shapes); MLA --chunks-ab
+#   bash benchmarks/gpu_final.sh next8c    decodes longest first: GPU tests, 8B throughput fp8/bf16, --engine-shapes
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -411,5 +412,12 @@ next8b)  # session 8, second call: the decode configs at the engine's ragged bat
   timeout 240 python3 benchmarks/attention_decode.py --engine-shapes --out "$OUT/k" 2>&1 | tail -n 14
   timeout 150 python3 benchmarks/mla_decode.py --precompile 8 --chunks-ab 2>&1 | tail -n 2
   timeout 200 python3 benchmarks/mla_decode.py --chunks-ab --out "$OUT/k/mla_chunks_ab.jsonl" 2>&1 | tail -n 12 ;;
+next8c)  # session 8, third call: decodes longest first (engine + decode GPU tests, 8B throughput fp8 / bf16)
+  timeout 200 $PT -m gpu tests/engine tests/models tests/kernels/test_paged_decode.py -rf 2>&1 | tee "$OUT/gpu_tests.txt" | tail -n 6
+  for kv in fp8 auto; do
+    timeout 150 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --kv-cache-dtype $kv \
+      --no-hf --json-out "$OUT/throughput_8b_$kv.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  done
+  timeout 200 python3 benchmarks/attention_decode.py --engine-shapes --out "$OUT/k" 2>&1 | tail -n 14 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
