@@ -439,8 +439,7 @@ WARP_SPLIT_BF16 = [DecodeConfig(64, 4, 3, programs_per_sm=2, warp_split=True),
 WARP_SPLIT_FP8 = [DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True),
                   DecodeConfig(64, 4, 4, programs_per_sm=3, warp_split=True),
                   DecodeConfig(32, 2, 3, programs_per_sm=6, warp_split=True),
-                  DecodeConfig(64, 4, 3, programs_per_sm=4, warp_split=True, max_regs=128),
-                  DecodeConfig(64, 4, 3, programs_per_sm=2, warp_split=True, tma=True)]
+                  DecodeConfig(64, 4, 3, programs_per_sm=4, warp_split=True, max_regs=128)]
 
 
 def tiles(args, dev, sms, bf16_cands=None, fp8_cands=None, out_name="tiles") -> None:
@@ -639,10 +638,7 @@ ENGINE_FP8 = [DecodeConfig(64, 4, 3, programs_per_sm=4),
               DecodeConfig(64, 4, 3, programs_per_sm=4, warp_split=True, max_regs=128),
               DecodeConfig(32, 2, 3, programs_per_sm=6, warp_split=True, heads_fastest=True),
               DecodeConfig(64, 4, 2, programs_per_sm=3, warp_split=True, heads_fastest=True),
-              DecodeConfig(64, 4, 4, programs_per_sm=3, warp_split=True, heads_fastest=True),
-              # K/V pieces through TMA (82 KB of shared memory at 3 stages, 99 KB at 4: 2 per SM)
-              DecodeConfig(64, 4, 3, programs_per_sm=2, warp_split=True, heads_fastest=True, tma=True),
-              DecodeConfig(64, 4, 4, programs_per_sm=2, warp_split=True, heads_fastest=True, tma=True)]
+              DecodeConfig(64, 4, 4, programs_per_sm=3, warp_split=True, heads_fastest=True)]
 ENGINE_BF16 = [DecodeConfig(64, 4, 2, heads_fastest=True), DecodeConfig(64, 4, 3, programs_per_sm=2)]
 
 

@@ -49,11 +49,6 @@ from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 from flashpage.kernels.splits import split_range
 
-try:  # host-side TMA descriptors (Hopper and newer)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older triton
-    TensorDescriptor = None
-
 _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
@@ -87,13 +82,6 @@ class DecodeConfig:
     # reduction or exchange of P per tile. Needs block_n == 16 * num_warps and a block
     # size >= 16; no window, not with prefetch.
     warp_split: bool = False
-    # The warp-split loop over an fp8 cache with its K/V pieces copied to shared memory by
-    # TMA (one [16, D] box per piece) instead of cp.async issued by every thread. Compute
-    # capability >= 9, 64-key tiles of 4 warps, head_dim <= 128; elsewhere ignored. Untimed:
-    # sm_90 (triton 3.6): one mbarrier wait and one CTA barrier per box (8 of each a tile),
-    # the four pieces joined in registers and sent through shared memory to the dot
-    # operands: 3.4x the loop's SASS instructions, 82 KB of shared memory (2 programs/SM).
-    tma: bool = False
 
 
 def _interpreting() -> bool:
@@ -175,14 +163,12 @@ CANDIDATE_CONFIGS = [
 
 def config_name(cfg: DecodeConfig) -> str:
     """n{keys}w{warps}s{stages}, then p (hand prefetch), v (V prefetched), h (heads fastest),
-    m (fused merge), r{n} (n KV heads per program), R{n} (register cap), W (warp split),
-    T (TMA loads)."""
+    m (fused merge), r{n} (n KV heads per program), R{n} (register cap), W (warp split)."""
     return (f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{'p' if cfg.prefetch else ''}"
             f"{'v' if cfg.prefetch_v else ''}"
             f"{'h' if cfg.heads_fastest else ''}{'m' if cfg.fused_merge else ''}"
             f"{f'r{cfg.heads_per_program}' if cfg.heads_per_program > 1 else ''}"
-            f"{f'R{cfg.max_regs}' if cfg.max_regs else ''}{'W' if cfg.warp_split else ''}"
-            f"{'T' if cfg.tma else ''}")
+            f"{f'R{cfg.max_regs}' if cfg.max_regs else ''}{'W' if cfg.warp_split else ''}")
 
 
 @triton.jit
@@ -229,46 +215,6 @@ def _piece_rows(x_ptr, stride_b, stride_t, stride_h, kvh, blkp, first, offs_j, o
 
 
 @triton.jit
-def _piece_step(q3, k3, v3, key_ok, m3, l3, acc3, sm_scale_log2, IEEE: tl.constexpr):
-    """One online-softmax step of each piece (warp_split): q3 [NP, BLOCK_H, D], k3 and v3
-    [NP, 16, D] in q's dtype, key_ok [NP, 16]; state m3, l3 [NP, BLOCK_H], acc3 [NP, BLOCK_H, D]."""
-    s3 = _dot(q3, tl.trans(k3, 0, 2, 1), IEEE)
-    s3 = tl.where(key_ok[:, None, :], s3 * sm_scale_log2, float("-inf"))
-    m_new = tl.maximum(m3, tl.max(s3, 2))
-    # a piece that has seen no key yet stays at -inf: exponents against 0 give 0
-    m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m3 - m_exp)
-    p3 = tl.exp2(s3 - m_exp[:, :, None])
-    l3 = l3 * alpha + tl.sum(p3, 2)
-    acc3 = acc3 * alpha[:, :, None] + _dot(p3.to(v3.dtype), v3, IEEE)
-    return m_new, l3, acc3
-
-
-@triton.jit
-def _tma_blocks(bt_row, n0, end, PAGE: tl.constexpr):
-    """Block ids of the four 16-key pieces of the tile at key n0 (-1 past ``end``)."""
-    b0 = tl.load(bt_row + n0 // PAGE, mask=n0 < end, other=-1)
-    b1 = tl.load(bt_row + (n0 + 16) // PAGE, mask=n0 + 16 < end, other=-1)
-    b2 = tl.load(bt_row + (n0 + 32) // PAGE, mask=n0 + 32 < end, other=-1)
-    b3 = tl.load(bt_row + (n0 + 48) // PAGE, mask=n0 + 48 < end, other=-1)
-    return b0, b1, b2, b3
-
-
-@triton.jit
-def _tma_pieces(desc, b0, b1, b2, b3, n0, kvh, PAGE: tl.constexpr, DT: tl.constexpr):
-    """[4, 16, D] cache rows of one KV head: piece p the box at (b_p, (n0 + 16 p) % PAGE, kvh)
-    of the [num_blocks, PAGE, Hkv, D] descriptor (zeros where b_p = -1)."""
-    D: tl.constexpr = desc.block_shape[3]
-    x0 = desc.load([b0, n0 % PAGE, kvh, 0]).reshape(16, D).to(DT)
-    x1 = desc.load([b1, (n0 + 16) % PAGE, kvh, 0]).reshape(16, D).to(DT)
-    x2 = desc.load([b2, (n0 + 32) % PAGE, kvh, 0]).reshape(16, D).to(DT)
-    x3 = desc.load([b3, (n0 + 48) % PAGE, kvh, 0]).reshape(16, D).to(DT)
-    # join(join(x0, x1), join(x2, x3)) [16, D, 2, 2] holds piece 2 j + i at [..., i, j]
-    x = tl.join(tl.join(x0, x1), tl.join(x2, x3))
-    return tl.reshape(tl.permute(x, (3, 2, 0, 1)), (4, 16, D))
-
-
-@triton.jit
 def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constexpr):
     """One online-softmax step over a tile of keys (base-2 exponentials). K/V tiles of an
     fp8 cache are widened to q's dtype first (a no-op for a cache in q's dtype); scores
@@ -291,7 +237,6 @@ def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constex
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     counter_ptr,  # int32 [>= B * Hkv], zero on entry (FUSED_MERGE only)
-    desc_k, desc_v,  # TMA descriptors of the 4-D caches, box [1, 16, 1, D] (WARP_SPLIT), or None
     sm_scale_log2,  # sm_scale * log2(e): the softmax runs in base 2
     window,  # keys j >= seq_len - window (ignored unless HAS_WINDOW)
     stride_qb, stride_qh,
@@ -396,36 +341,28 @@ def _paged_decode_kernel(
         m3 = tl.full([NP, BLOCK_H], float("-inf"), dtype=tl.float32)
         l3 = tl.zeros([NP, BLOCK_H], dtype=tl.float32)
         acc3 = tl.zeros([NP, BLOCK_H, BLOCK_D], dtype=tl.float32)
-        if desc_k is not None:
-            # TMA (config.tma): each piece is one box [1, 16, 1, D] of the 4-D cache, copied
-            # to shared memory by the TMA unit (the pipeline's depth bounded by shared memory,
-            # not by registers). Block ids are scalars, carried a tile ahead; a piece past the
-            # context gets block -1: its box lies out of bounds and reads as zeros.
-            b0, b1, b2, b3 = _tma_blocks(bt_row, start, end, PAGE)
-            for n0 in range(start, end, BLOCK_N):
-                x0, x1, x2, x3 = _tma_blocks(bt_row, n0 + BLOCK_N, end, PAGE)
-                key_ok = (n0 + tl.arange(0, NP)[:, None] * 16 + offs_j[None, :]) < end  # [NP, 16]
-                k3 = _tma_pieces(desc_k, b0, b1, b2, b3, n0, kvh, PAGE, q.dtype)
-                v3 = _tma_pieces(desc_v, b0, b1, b2, b3, n0, kvh, PAGE, q.dtype)
-                # The slots past the context in its last page may hold anything, NaN included
-                # (and p = 0 times NaN is NaN): those V rows zeroed.
-                v3 = tl.where(key_ok[:, :, None], v3, 0.0)
-                b0, b1, b2, b3 = x0, x1, x2, x3
-                m3, l3, acc3 = _piece_step(q3, k3, v3, key_ok, m3, l3, acc3, sm_scale_log2, IEEE)
-        else:
-            pos = start + tl.arange(0, NP) * 16
-            blkp = tl.load(bt_row + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
-            for n0 in range(start, end, BLOCK_N):
-                pos = n0 + BLOCK_N + tl.arange(0, NP) * 16
-                blkp_x = tl.load(bt_row + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
-                first = n0 + tl.arange(0, NP) * 16  # each piece's first key
-                key_ok = (first[:, None] + offs_j[None, :]) < end  # [NP, 16]
-                k3 = _piece_rows(k_ptr, stride_kb, stride_kt, stride_kh, kvh, blkp, first, offs_j,
-                                 offs_d, key_ok, PAGE).to(q.dtype)
-                v3 = _piece_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blkp, first, offs_j,
-                                 offs_d, key_ok, PAGE).to(q.dtype)
-                blkp = blkp_x
-                m3, l3, acc3 = _piece_step(q3, k3, v3, key_ok, m3, l3, acc3, sm_scale_log2, IEEE)
+        pos = start + tl.arange(0, NP) * 16
+        blkp = tl.load(bt_row + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + BLOCK_N + tl.arange(0, NP) * 16
+            blkp_x = tl.load(bt_row + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
+            first = n0 + tl.arange(0, NP) * 16  # each piece's first key
+            key_ok = (first[:, None] + offs_j[None, :]) < end  # [NP, 16]
+            k3 = _piece_rows(k_ptr, stride_kb, stride_kt, stride_kh, kvh, blkp, first, offs_j, offs_d,
+                             key_ok, PAGE).to(q.dtype)
+            v3 = _piece_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blkp, first, offs_j, offs_d,
+                             key_ok, PAGE).to(q.dtype)
+            blkp = blkp_x
+            s3 = _dot(q3, tl.trans(k3, 0, 2, 1), IEEE)
+            s3 = tl.where(key_ok[:, None, :], s3 * sm_scale_log2, float("-inf"))
+            m_new = tl.maximum(m3, tl.max(s3, 2))
+            # a piece that has seen no key yet stays at -inf: exponents against 0 give 0
+            m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m3 - m_exp)
+            p3 = tl.exp2(s3 - m_exp[:, :, None])
+            l3 = l3 * alpha + tl.sum(p3, 2)
+            acc3 = acc3 * alpha[:, :, None] + _dot(p3.to(v3.dtype), v3, IEEE)
+            m3 = m_new
         # The pieces merged (a piece that saw no key has m = -inf: weight 0).
         m_i = tl.max(m3, 0)
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -673,11 +610,6 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         return out
     warp_split = (cfg.warp_split and window_size is None and block_size >= 16 and not cfg.prefetch
                   and not cfg.prefetch_v and cfg.block_n == 16 * cfg.num_warps and block_d == head_dim)
-    desc_k = desc_v = None
-    if warp_split and cfg.tma and _tma_ok(q, key_cache, value_cache, cfg):
-        box = [1, 16, 1, head_dim]
-        desc_k = TensorDescriptor(key_cache, list(key_cache.shape), list(key_cache.stride()), box)
-        desc_v = TensorDescriptor(value_cache, list(value_cache.shape), list(value_cache.stride()), box)
     counters = _split_counters(q.device, batch * num_kv_heads) if num_splits > 1 and cfg.fused_merge else None
     fused_merge = counters is not None
     group_pad = triton.next_power_of_2(group)
@@ -686,7 +618,7 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
     grid = (num_kv_heads, batch, num_splits) if cfg.heads_fastest else (batch, num_kv_heads, num_splits)
     _paged_decode_kernel[grid](
         q, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
-        counters if fused_merge else seq_lens, desc_k, desc_v,
+        counters if fused_merge else seq_lens,
         sm_scale * _LOG2E, window_size or 0,
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -706,23 +638,6 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
     if num_splits > 1 and not fused_merge:
         _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
     return out
-
-
-def _tma_ok(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            cfg: DecodeConfig) -> bool:
-    """Whether the warp-split loop can read the caches through TMA descriptors (config.tma):
-    an fp8 cache on compute capability >= 9 (or the interpreter), four 16-key pieces a tile,
-    rows of at most 128 bytes (one 128-byte swizzle span: the only width compiled and
-    checked), 16-byte aligned bases and strides, block ids within TMA's int32 coordinates."""
-    if (TensorDescriptor is None or not is_fp8(key_cache.dtype) or cfg.block_n != 64
-            or key_cache.shape[-1] > 128):
-        return False
-    if not _interpreting() and (q.device.type != "cuda"
-                                or torch.cuda.get_device_capability(q.device)[0] < 9):
-        return False
-    return key_cache.shape[0] < 2**31 and all(
-        t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride()[:-1])  # fp8: bytes
-        for t in (key_cache, value_cache))
 
 
 def _merge(mid_o, mid_lse, out, num_splits: int, block_d: int, pdl: bool = False) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -331,31 +330,6 @@ def test_paged_decode_fp8(case, dtype):
     run_decode_case(case, dtype)
 
 
-_TMA = DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True, heads_fastest=True, tma=True)
-TMA_DECODE_CASES = [  # the warp-split loop with its K/V pieces read through TMA descriptors
-    ([1, 17, 64, 200], 8, 2, 64, 16, 1, None, _TMA),  # one key, partial tiles, full tiles
-    ([1, 17, 64, 200], 8, 2, 64, 16, 3, None, _TMA),  # splits, the merge kernel
-    ([100, 33, 250], 8, 2, 64, 16, 3, None, replace(_TMA, fused_merge=True)),
-    ([70, 129, 5], 16, 2, 64, 32, 2, None, _TMA),  # two pieces a page
-    ([300, 45], 4, 1, 64, 64, 8, None, _TMA),  # a tile a page; empty splits
-]
-
-
-@cpu_only
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", TMA_DECODE_CASES, ids=_decode_id)
-def test_paged_decode_fp8_tma(case, dtype, monkeypatch):
-    """DecodeConfig.tma over an fp8 cache whose unowned slots (and the slots past each
-    context in its last page) hold NaN: descriptors are built for the fp8 run only."""
-    from flashpage.kernels import paged_decode as pd
-
-    built = []
-    real = pd.TensorDescriptor
-    monkeypatch.setattr(pd, "TensorDescriptor", lambda t, *a: built.append(t.dtype) or real(t, *a))
-    run_decode_case(case, dtype)
-    assert built == [FP8, FP8]
-
-
 # --------------------------------------------------------------------------- paged prefill
 
 
@@ -518,31 +492,6 @@ def test_fp8_kernels_compile_for_sm90():
     assert "ld.shared.b8" in ptx["paged_decode"] and "ld.shared.b8" not in ptx["paged_decode_prefetch_v"]
 
 
-def _compile_tma_decode_ptx() -> str:
-    """The warp-split decode loop with TMA descriptors (DecodeConfig.tma) for sm_90, bf16 q
-    over an fp8 cache: its PTX."""
-    from flashpage.kernels import paged_decode as pd
-
-    consts = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64,
-                  SPLIT=False, HAS_WINDOW=False, IEEE=False, PREFETCH=False, PREFETCH_V=False,
-                  HEADS_FASTEST=True, FUSED_MERGE=False, GROUP_PAD=4, MERGE_CHUNK=1, PDL=False,
-                  F16_DOTS=True, WARP_SPLIT=True)
-    desc = "tensordesc<fp8e4nv[1, 16, 1, 128]>"
-    types = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "block_tables_ptr": "*i32",
-             "seq_lens_ptr": "*i32", "counter_ptr": "*i32", "mid_o_ptr": "*fp32",
-             "mid_lse_ptr": "*fp32", "sm_scale_log2": "fp32", "desc_k": desc, "desc_v": desc}
-    return compile_sm90(pd._paged_decode_kernel, consts, types, num_warps=4, num_stages=3).asm["ptx"]
-
-
-@cpu_only
-def test_fp8_tma_decode_compiles_for_sm90():
-    """DecodeConfig.tma: the K/V pieces arrive by TMA (4-D boxes, waited on through
-    mbarriers); no thread issues a cache copy (cp.async)."""
-    ptx = run_compiled("test_fp8_kv", "_compile_tma_decode_ptx")
-    assert ptx.count("cp.async.bulk.tensor.4d") == 24  # 8 a tile: two tiles ahead, one in the loop
-    assert "mbarrier.try_wait" in ptx and "cp.async.cg" not in ptx and "cp.async.ca" not in ptx
-
-
 # --------------------------------------------------------------------------- GPU, bf16
 
 
@@ -585,14 +534,6 @@ GPU_DECODE_CASES = [
     ([1500, 40], 32, 8, 128, 64, 4, None, DecodeConfig(32, 2, 3, programs_per_sm=6, warp_split=True)),
     ([1500, 40, 3000, 1], 32, 8, 128, 16, None, None,
      DecodeConfig(64, 4, 3, programs_per_sm=4, warp_split=True, max_regs=128)),
-    # the warp-split loop's pieces through TMA descriptors (DecodeConfig.tma)
-    ([1500, 40, 3000, 1, 17], 32, 8, 128, 16, None, None,
-     DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True, heads_fastest=True, tma=True)),
-    ([1500, 40, 3000, 1, 17], 32, 8, 128, 16, 4, None,
-     DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True, heads_fastest=True, tma=True,
-                  fused_merge=True)),
-    ([1500, 40], 32, 8, 128, 32, 1, None,
-     DecodeConfig(64, 4, 4, programs_per_sm=2, warp_split=True, tma=True)),
 ]
 
 
