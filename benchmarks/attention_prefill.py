@@ -12,9 +12,6 @@ best beside the default; --jobs N compiles all kernels first in N processes (Tri
 and Inductor cache to disk), so the timed process only loads them. --paged-all times
 every candidate over the paged caches too (else only the default and the best);
 --dims and --causal-only narrow the table (the targets are D=128, causal).
---candidates-ab: a short A/B (about two minutes on an H200) of the default and the
-untimed `pv_overlap` candidates (flash_prefill.pv_overlap_candidates) beside SDPA cuDNN
-and flash, causal D=128, contiguous and paged by 16 tokens, no flex.
 `--smoke` runs a tiny version on the CPU (Triton interpreter) to check the script.
 """
 
@@ -43,7 +40,6 @@ from flashpage.kernels.flash_prefill import (  # noqa: E402
     flash_attn_varlen,
     hopper_candidates,
     paged_prefill,
-    pv_overlap_candidates,
 )
 
 SHAPES = [(8, 1024), (2, 4096), (1, 16384)]
@@ -65,13 +61,13 @@ def candidates(d: int) -> list[PrefillConfig]:
 def smoke_candidates() -> list[PrefillConfig]:
     """`--smoke --tune`: interpreter-sized tiles, the TMA path among them."""
     c = PrefillConfig
-    return [c(32, 16, 4, 1), c(16, 16, 4, 1, use_tma=True), c(32, 16, 4, 1, pv_overlap=True)]
+    return [c(32, 16, 4, 1), c(16, 16, 4, 1, use_tma=True)]
 
 
 def cfg_name(c: PrefillConfig) -> str:
     return (f"{c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}"
             f"{'/tma' if c.use_tma else ''}{'/ws' if c.warp_specialize else ''}"
-            f"{'' if c.m_fastest else '/heads-first'}{'/pvo' if c.pv_overlap else ''}")
+            f"{'' if c.m_fastest else '/heads-first'}")
 
 
 def make_inputs(b: int, s: int, h: int, hkv: int, d: int, dev: str, seed: int = 0):
@@ -184,17 +180,7 @@ def main() -> None:
     ap.add_argument("--causal-only", action="store_true")
     ap.add_argument("--paged-all", action="store_true",
                     help="with --tune: every candidate over the paged caches, not only the best")
-    ap.add_argument("--candidates-ab", action="store_true",
-                    help="only the default and the pv_overlap candidates, causal D=128, paged bs16")
     args = ap.parse_args()
-    ab = args.candidates_ab
-    if ab:
-        args.tune, args.paged_all, args.no_flex, args.causal_only = True, True, True, True
-        args.dims = [128]
-    page_sizes = (16,) if ab else PAGE_SIZES
-
-    def tune_cfgs(d: int, default: PrefillConfig) -> list[PrefillConfig]:
-        return [default, *pv_overlap_candidates(d)] if ab else candidates(d)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     smoke = args.smoke
@@ -219,10 +205,11 @@ def main() -> None:
         jobs = []
         for d in dims:
             for causal in causals:
+                cfgs = candidates(d) if tune else [default_config(torch.device(dev), d,
+                                                                  torch.bfloat16, causal)]
                 default = default_config(torch.device(dev), d, torch.bfloat16, causal)
-                cfgs = tune_cfgs(d, default) if tune else [default]
                 for cfg in cfgs:
-                    for bs in (0, *page_sizes) if cfg == default or paged_all else (0,):
+                    for bs in (0, *PAGE_SIZES) if cfg == default or paged_all else (0,):
                         jobs.append(("ours", d, causal, tuple(cfg.__dict__.values()), bs))
                 if use_flex:
                     jobs += [("flex", b, s, d, causal) for b, s in shapes]
@@ -251,7 +238,7 @@ def main() -> None:
     for d in dims:
         for causal in causals:
             default = default_config(torch.device(dev), d, torch.bfloat16, causal)
-            cfgs = tune_cfgs(d, default) if tune else [default]
+            cfgs = candidates(d) if tune else [default]
             if smoke and args.tune:  # the interpreter runs every code path of the candidates
                 cfgs = smoke_candidates()
             if default not in cfgs:
@@ -284,7 +271,7 @@ def main() -> None:
                 row["best_cfg"] = cfg_name(best)
                 row["ours_best"] = row[f"ours[{cfg_name(best)}]"]
                 measure = _measurer(row, None, smoke, records)
-                for bs in page_sizes:
+                for bs in PAGE_SIZES:
                     if s % bs:
                         continue
                     paged = make_paged(k, v, b, s, bs)

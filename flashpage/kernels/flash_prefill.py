@@ -30,11 +30,6 @@ that need a mask pay for it:
 to q's dtype right after its load (exact), then the loop runs as with a 16-bit cache. Such
 a cache never takes the TMA path (its descriptors would load fp8 boxes; not built).
 
-With `PrefillConfig.pv_overlap` (a candidate, off by default) the unmasked stage runs
-each tile's softmax while the previous tile's P·V wgmma is in flight
-(`_attn_stage_pv_overlap`); otherwise the softmax waits for both wgmmas and the tensor
-cores idle through it.
-
 Tiles left of `lo` (outside the window) and right of `hi` (in the future) are
 never loaded. Programs run heaviest query tile first (causal work grows with the
 tile index), which shortens the tail of the grid, and the query tiles of one
@@ -174,91 +169,6 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
     return acc, l_i, m_i
 
 
-@triton.jit
-def _kv_rows(bt_row, start_n, k_start, seq_k, KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """Rows of key tile start_n, as `_load_tile` takes them (see `_page_rows` for paged)."""
-    if KV_MODE >= 2:
-        return _page_rows(bt_row, start_n, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-    elif KV_MODE == 1:
-        return k_start + start_n
-    else:
-        return (k_start + start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-
-
-@triton.jit
-def _softmax_step(qk, m_i, l_i, qk_scale):
-    """Online softmax of one unmasked tile of raw scores qk [BLOCK_M, BLOCK_N]: -> (p fp32,
-    new running max, new running sum, alpha); the accumulator is to be scaled by alpha."""
-    m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-    alpha = tl.math.exp2(m_i - m_ij)
-    return p, m_ij, l_i * alpha + tl.sum(p, 1), alpha
-
-
-@triton.jit
-def _attn_stage_pv_overlap(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
-                           seq_k, kv_col, qk_scale, stride_kt, stride_vt,
-                           KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, QK_DIM: tl.constexpr,
-                           HEAD_DIM_V: tl.constexpr, V_DIM: tl.constexpr, IEEE: tl.constexpr):
-    """The unmasked stage [lo, hi) with each tile's softmax beside the previous tile's P·V
-    (PrefillConfig.pv_overlap). The iteration of tile t issues two asynchronous wgmmas,
-
-        S[t] = q K[t]ᵀ                     (waits for it, and for P[t-2] V[t-2])
-        acc = acc · alpha[t-1] + P[t-1] V[t-1]
-        P[t], alpha[t] = softmax(S[t])     while the tensor cores run P[t-1] V[t-1]
-
-    so the tensor cores work through the softmax instead of idling (in `_attn_stage`
-    the softmax waits for S[t] and P[t-1] V[t-1] both). The rescale of acc by alpha[t-1]
-    comes just before P[t-1] V[t-1] is issued: an in-flight wgmma's accumulator may be
-    read only by the next wgmma, or Triton waits for it at once. Registers: acc, P[t-1]
-    (the in-flight wgmma's) and S[t], no second score tile.
-
-    The first tile's q·kᵀ and softmax come before the loop and the last tile's P·V after
-    it, unconditionally: inside an `if hi > lo` they make ptxas serialize every wgmma of
-    the kernel (C7515). An empty stage runs them over tile `lo` loaded masked (rows at or
-    past seq_k read as zeros, never outside the tensors) with p = 0 and alpha = 1."""
-    offs_n = tl.arange(0, BLOCK_N)
-    some = hi > lo
-    last = tl.maximum(hi, lo + BLOCK_N) - BLOCK_N  # the last tile (lo when the stage is empty)
-    rows_v = _kv_rows(bt_row, lo, k_start, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-    k = _load_tile(K, desc_k, rows_v, lo + offs_n, seq_k, kv_col, stride_kt, HEAD_DIM, QK_DIM,
-                   KV_MODE, True).to(q.dtype)
-    p, m_ij, l_ij, alpha = _softmax_step(_dot(q, tl.trans(k), None, IEEE), m_i, l_i, qk_scale)
-    p = tl.where(some, p, 0.0)
-    m_i = tl.where(some, m_ij, m_i)
-    l_i = tl.where(some, l_ij, l_i)
-    alpha = tl.where(some, alpha, 1.0)
-    # paged: both table lookups of an iteration (its K tile's and the V tile of the one
-    # before) are made an iteration ahead, as in _attn_stage
-    rows_k = _kv_rows(bt_row, lo + BLOCK_N, k_start, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-    for start_n in tl.range(lo + BLOCK_N, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        if KV_MODE >= 2:
-            k_rows = rows_k
-            v_rows = rows_v
-            rows_v = _page_rows(bt_row, start_n, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-            rows_k = _page_rows(bt_row, start_n + BLOCK_N, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-        else:
-            k_rows = _kv_rows(bt_row, start_n, k_start, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-            v_rows = _kv_rows(bt_row, start_n - BLOCK_N, k_start, seq_k, KV_MODE, PAGE_SIZE,
-                              BLOCK_N)
-        k = _load_tile(K, desc_k, k_rows, start_n + offs_n, seq_k, kv_col, stride_kt, HEAD_DIM,
-                       QK_DIM, KV_MODE, False).to(q.dtype)
-        qk = _dot(q, tl.trans(k), None, IEEE)
-        v = _load_tile(V, desc_v, v_rows, start_n - BLOCK_N + offs_n, seq_k, kv_col, stride_vt,
-                       HEAD_DIM_V, V_DIM, KV_MODE, False).to(q.dtype)
-        acc = _dot(p.to(q.dtype), v, acc * alpha[:, None], IEEE)
-        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, qk_scale)
-    if KV_MODE < 2:  # paged: rows_v already holds the last tile's rows
-        rows_v = _kv_rows(bt_row, last, k_start, seq_k, KV_MODE, PAGE_SIZE, BLOCK_N)
-    v = _load_tile(V, desc_v, rows_v, last + offs_n, seq_k, kv_col, stride_vt, HEAD_DIM_V, V_DIM,
-                   KV_MODE, True).to(q.dtype)
-    acc = _dot(p.to(q.dtype), v, acc * alpha[:, None], IEEE)
-    return acc, l_i, m_i
-
-
 # Ints that vary with the batch must not trigger recompiles (Triton specializes ints == 1 and
 # % 16, pointers on 16-byte alignment): a mixed step passes seq_lens[nd:] and
 # block_tables[nd:], whose alignment follows the number of decodes nd
@@ -274,7 +184,7 @@ def _prefill_fwd(
     QK_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, V_DIM: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_MODE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
-    WARP_SPEC: tl.constexpr, M_FASTEST: tl.constexpr, PV_OVERLAP: tl.constexpr,
+    WARP_SPEC: tl.constexpr, M_FASTEST: tl.constexpr,
 ):
     # heaviest query tile first: causal work grows with the tile index
     if M_FASTEST:  # the tiles of one head run side by side and share its K/V in L2
@@ -341,16 +251,10 @@ def _prefill_fwd(
             acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, s1, k_start, seq_k, kv_col, qpos,
             qk_scale, window, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
             PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False)
-    if PV_OVERLAP:
-        acc, l_i, m_i = _attn_stage_pv_overlap(
-            acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s1, s2, k_start, seq_k, kv_col,
-            qk_scale, stride_kt, stride_vt, KV_MODE, PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM,
-            HEAD_DIM_V, V_DIM, IEEE)
-    else:
-        acc, l_i, m_i = _attn_stage(
-            acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s1, s2, k_start, seq_k, kv_col, qpos,
-            qk_scale, window, stride_kt, stride_vt, False, CAUSAL, HAS_WINDOW, KV_MODE,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, WARP_SPEC)
+    acc, l_i, m_i = _attn_stage(
+        acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s1, s2, k_start, seq_k, kv_col, qpos,
+        qk_scale, window, stride_kt, stride_vt, False, CAUSAL, HAS_WINDOW, KV_MODE,
+        PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, WARP_SPEC)
     acc, l_i, m_i = _attn_stage(
         acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s2, hi, k_start, seq_k, kv_col, qpos,
         qk_scale, window, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
@@ -385,7 +289,6 @@ class PrefillConfig:
     use_tma: bool = False
     warp_specialize: bool = False
     m_fastest: bool = True  # grid order: query tiles of one head adjacent (else heads)
-    pv_overlap: bool = False  # unmasked tiles: the softmax beside the previous tile's P·V
 
 
 def _interpreting() -> bool:
@@ -438,21 +341,7 @@ def hopper_candidates(head_dim: int) -> list[PrefillConfig]:
     if head_dim <= 64:
         return [c(128, 64, 4, 3, use_tma=True)]
     return [c(128, 128, 8, 3, use_tma=True), c(64, 64, 4, 3, use_tma=True),
-            c(128, 64, 4, 2, use_tma=True), *pv_overlap_candidates(head_dim)]
-
-
-def pv_overlap_candidates(head_dim: int) -> list[PrefillConfig]:
-    """The `pv_overlap` configurations (D=128; not yet timed): each tile's softmax beside
-    the previous tile's P·V wgmma. sm_90 (ptxas of triton 3.6, causal, TMA): 128x128/w8/s2
-    250 registers, 224 KB shared (three stages do not fit: the first K and last V tiles
-    have buffers of their own); 128x64/w8/s3 and /s4 172 and 170 registers, 160 and 192 KB;
-    no spills, wgmmas not serialized (tests/kernels/test_flash_prefill.py)."""
-    c = PrefillConfig
-    if head_dim != 128:
-        return []
-    return [c(128, 128, 8, 2, use_tma=True, pv_overlap=True),
-            c(128, 64, 8, 3, use_tma=True, pv_overlap=True),
-            c(128, 64, 8, 4, use_tma=True, pv_overlap=True)]
+            c(128, 64, 4, 2, use_tma=True)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,10 +442,6 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, ba
         mode = _KV_PAGED_TMA if use_tma else _KV_PAGED
     else:
         mode = _KV_CONTIG_TMA if use_tma else _KV_CONTIG
-    # the pointer path over a paged cache gathers every key's slot: with 128-wide key tiles
-    # the pv_overlap stage spills there (sm_90, ptxas of triton 3.6), so that one keeps the
-    # plain stage
-    pv_overlap = cfg.pv_overlap and not (mode == _KV_PAGED and cfg.block_n >= 128)
     desc_q = desc_k = desc_v = None
     if use_tma:
         desc_q = _desc(q, total_q, hq, d, cfg.block_m)
@@ -583,8 +468,7 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, ba
         QK_DIM=d, HEAD_DIM_V=block_dv, V_DIM=dv, CAUSAL=bool(causal),
         HAS_WINDOW=window > 0, KV_MODE=mode, PAGE_SIZE=page_size if paged else 1,
         RETURN_LSE=lse is not None, IEEE=q.dtype == torch.float32,
-        WARP_SPEC=cfg.warp_specialize, M_FASTEST=cfg.m_fastest, PV_OVERLAP=pv_overlap,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WARP_SPEC=cfg.warp_specialize, M_FASTEST=cfg.m_fastest, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

@@ -3,8 +3,7 @@
 CPU (no CUDA): Triton's interpreter, fp32 and fp16, small shapes with small tiles
 (32 x 16), so that ragged ends, diagonals and windows cross several tiles; and an sm_90
 compile of the D=128 default and the 2-CTA-per-SM candidate whose ptxas report is checked
-(no GPU needed); the same for the pv_overlap candidates, whose softmax must run while the
-previous tile's P·V wgmma is in flight.
+(no GPU needed).
 GPU (marked gpu): bf16 over head dims, GQA ratios, ragged lengths, block sizes
 16-128 and prefixes up to a few thousand tokens, with the GPU's own tile configs and
 every Hopper candidate that the benchmark times (flash_prefill.hopper_candidates).
@@ -33,7 +32,6 @@ from flashpage.kernels.flash_prefill import (  # noqa: E402
     hopper_candidates,
     paged_prefill,
     paged_prefill_ref,
-    pv_overlap_candidates,
 )
 
 HAS_CUDA = torch.cuda.is_available()
@@ -162,48 +160,6 @@ def test_tma_descriptors_cpu():
     _check_paged([30, 9], [45, 0], 4, 2, 64, torch.float16, 16, window=20, cfg=cfg)
 
 
-PVO = PrefillConfig(32, 16, 4, 1, pv_overlap=True)
-
-
-@cpu_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("cfg", [PVO, PrefillConfig(16, 16, 4, 1, use_tma=True, pv_overlap=True),
-                                 PrefillConfig(64, 16, 4, 1, pv_overlap=True)],
-                         ids=["32x16", "16x16-tma", "64x16"])
-def test_pv_overlap_cpu(dtype, cfg):
-    """PrefillConfig.pv_overlap (softmax beside the previous tile's P·V): ragged lengths not
-    multiples of the tiles, prefixes, GQA, causal or not, a window (the unmasked stage then
-    follows a masked one), and stages of zero, one and many key tiles."""
-    _check_varlen(LENS, [0, 5, 33, 0], 4, 2, 64, dtype, cfg=cfg)
-    _check_varlen([3, 50, 16], [70, 0, 17], 4, 1, 64, dtype, causal=False, cfg=cfg)
-    _check_varlen([45, 20, 9], [10, 2, 40], 4, 2, 64, dtype, window=13, cfg=cfg)
-
-
-@cpu_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_pv_overlap_paged_cpu(dtype, block_size):
-    """The paged stage of pv_overlap: K tile t and V tile t-1 gathered per iteration (page per
-    key, tile spans pages, tile in one page), unowned slots poisoned with NaN."""
-    _check_paged(LENS, [0, 21, 40, 3], 4, 2, 64, dtype, block_size, cfg=PVO)
-    _check_paged([30, 9], [45, 0], 4, 2, 64, dtype, block_size, window=20, cfg=PVO)
-
-
-@cpu_only
-def test_pv_overlap_empty_stage_cpu():
-    """Queries that see no key (causal, Lq > Lk) or no unmasked tile: the stage's first q·kᵀ
-    and last P·V still run, over a masked tile, and must add nothing (p = 0)."""
-    q, k, v, cq, _, mq, _ = _ragged([20, 9], [0, 0], 2, 1, 64, torch.float32)
-    ck = _cu([12, 9])
-    k, v = k[:21], v[:21]
-    out, lse = flash_attn_varlen(q, k, v, cq, ck, mq, 12, return_lse=True, _config=PVO)
-    ref, ref_lse = flash_attn_varlen_ref(q, k, v, cq, ck, mq, 12, return_lse=True)
-    assert (out[:8] == 0).all() and torch.isneginf(lse[:, :8]).all()
-    _close(out, ref, torch.float32)
-    torch.testing.assert_close(lse, ref_lse)
-    _check_varlen([1, 2, 15], [0, 0, 0], 2, 2, 128, torch.float16, cfg=PVO)
-
-
 @cpu_only
 def test_more_queries_than_keys_cpu():
     """Causal with Lq > Lk: the first Lq - Lk queries see nothing -> 0 and lse -inf."""
@@ -279,8 +235,6 @@ SM90_CASES = {  # name: (config, paged block size or 0)
     "default": (PrefillConfig(128, 128, 8, 3, use_tma=True), 0),
     "default_paged16": (PrefillConfig(128, 128, 8, 3, use_tma=True), 16),
     "64x64": (PrefillConfig(64, 64, 4, 3, use_tma=True), 0),
-    **{f"pvo_{c.block_m}x{c.block_n}s{c.num_stages}": (c, 0) for c in pv_overlap_candidates(128)},
-    "pvo_128x64s3_paged16": (pv_overlap_candidates(128)[1], 16),
 }
 
 
@@ -301,7 +255,7 @@ def _compile_sm90_candidates() -> dict:
                       HEAD_DIM_V=128, V_DIM=128, CAUSAL=True, HAS_WINDOW=False,
                       KV_MODE=fp._KV_PAGED if page else fp._KV_CONTIG_TMA,
                       PAGE_SIZE=page or 1, RETURN_LSE=False, IEEE=False, WARP_SPEC=False,
-                      M_FASTEST=True, PV_OVERLAP=cfg.pv_overlap)
+                      M_FASTEST=True)
         types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Lse": "*fp32",
                  "cu_q": "*i32", "cu_k": "*i32", "seq_lens": "*i32", "block_tables": "*i32",
                  "qk_scale": "fp32"}
@@ -317,28 +271,13 @@ def _compile_sm90_candidates() -> dict:
             (Path(tmp) / "k.ptx").write_text(k.asm["ptx"])
             r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"],
                                cwd=tmp, capture_output=True, text=True, check=True)
-        out[name] = dict(ptxas=r.stderr, shared=k.metadata.shared, warps=cfg.num_warps,
-                         ex2_in_flight=_ex2_in_flight(k.asm["ptx"]))
+        out[name] = dict(ptxas=r.stderr, shared=k.metadata.shared, warps=cfg.num_warps)
     return out
-
-
-def _ex2_in_flight(ptx: str) -> int:
-    """The most ex2 instructions between a wgmma commit and the next wait: the exponentials
-    computed while a wgmma runs (the default's: none)."""
-    best, n = 0, None
-    for line in ptx.splitlines():
-        if "wgmma.commit_group" in line:
-            n = 0
-        elif "wgmma.wait_group" in line:
-            best, n = max(best, n or 0), None
-        elif n is not None and "ex2.approx" in line:
-            n += 1
-    return best
 
 
 @cpu_only
 def test_sm90_default_and_2cta_candidate_compile():
-    """The default, the 2-CTA and the pv_overlap candidates: ptxas keeps the wgmmas asynchronous (no C7515: a plain move into the registers of an
+    """ptxas keeps the wgmmas asynchronous (no C7515: a plain move into the registers of an
     in-flight wgmma serializes all of them) and spills nothing, contiguous or paged (ptxas
     of triton 3.6, 2026-11-30: 191, 237 and 147 registers); the 64x64 tiles fit two CTAs
     per SM (shared memory and registers), which is what the candidate is for."""
@@ -351,14 +290,6 @@ def test_sm90_default_and_2cta_candidate_compile():
     two = got["64x64"]
     assert 2 * (two["shared"] + 1024) <= 228 * 1024, two["shared"]  # 1 KB reserved per CTA
     assert 2 * two["regs"] * 32 * two["warps"] <= 65536, two["regs"]
-    # pv_overlap: the whole softmax of a tile (BLOCK_M x BLOCK_N / threads exponentials per
-    # thread) is issued while the previous tile's P·V wgmma runs; the default waits first
-    assert got["default"]["ex2_in_flight"] == 0
-    for name, (cfg, _) in SM90_CASES.items():
-        if cfg.pv_overlap:
-            k = got[name]
-            assert k["ex2_in_flight"] >= cfg.block_m * cfg.block_n // (32 * cfg.num_warps), name
-            assert k["shared"] + 1024 <= 228 * 1024, (name, k["shared"])  # fits the SM
 
 
 # ----------------------------------------------------------------------------- validation
@@ -455,8 +386,7 @@ HOPPER = [(d, c) for d in (64, 128) for c in hopper_candidates(d)[1:]]
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,cfg", HOPPER, ids=[f"d{d}-{c.block_m}x{c.block_n}w{c.num_warps}"
-                                               f"s{c.num_stages}{'pvo' if c.pv_overlap else ''}"
-                                               for d, c in HOPPER])
+                                               f"s{c.num_stages}" for d, c in HOPPER])
 def test_hopper_candidates_gpu(d, cfg):
     """Every configuration the benchmark times beside the default, in bf16: causal and
     not, a window, paged caches of 16 and 128 tokens (TMA boxes per page) and an fp8
