@@ -197,9 +197,11 @@ class ModelRunner:
         md = inp.metadata
         if (self.graphs is not None and md.num_decodes == md.num_seqs
                 and self.graphs.bucket(md.num_seqs) is not None):
-            # One token per request: token index == row of the captured logits.
+            # One token per request, each sampled: token index == row of the captured
+            # logits == logits index, so the rows are used in place (no gather of
+            # [batch, vocab] per step; the next replay rewrites them after sampling).
+            assert len(inp.sample_requests) == md.num_seqs
             logits = self.graphs.run(inp.input_ids, inp.positions, md, md.num_seqs)
-            logits = logits[inp.logits_indices]
         else:
             hidden = self.model(inp.input_ids, inp.positions, md)
             if not inp.sample_requests:
