@@ -52,7 +52,8 @@
 #                                          kernel tables (split off/on), the --warp-split table (128-register cap too)
 #   bash benchmarks/gpu_final.sh next8b    decode configs at the engine's ragged batches (--engine-shapes); MLA --chunks-ab
 #   bash benchmarks/gpu_final.sh next8c    decodes longest first: GPU tests, 8B throughput fp8/bf16, --engine-shapes
-#   bash benchmarks/gpu_final.sh next8d    prefill --candidates-ab (pv_overlap); engine, model and decode GPU tests
+#   bash benchmarks/gpu_final.sh next8d    prefill --candidates-ab (pv_overlap, code in e1e44d7, reverted); GPU tests
+#   bash benchmarks/gpu_final.sh next8e    session 8's close: engine GPU tests; 8B bf16 (with HF) and fp8, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -421,10 +422,18 @@ next8c)  # session 8, third call: decodes longest first (engine + decode GPU tes
   done
   timeout 200 python3 benchmarks/attention_decode.py --engine-shapes --out "$OUT/k" 2>&1 | tail -n 14 ;;
 next8d)  # session 8, fourth call: prefill pv_overlap candidates; GPU tests with decodes longest first
-  timeout 200 python3 benchmarks/attention_prefill.py --candidates-ab --jobs 12 --out "$OUT/k" 2>&1 | tail -n 16
+  timeout 200 python3 benchmarks/attention_prefill.py --candidates-ab --jobs 12 --out "$OUT/k" 2>&1 | tail -n 16  # (e1e44d7)
   timeout 100 $PT -m gpu tests/kernels/test_flash_prefill.py -k "hopper_candidates and pvo" 2>&1 | tail -n 3
   timeout 200 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/gpu_tests_engine.txt" | tail -n 4
   timeout 200 $PT -m gpu tests/kernels/test_paged_decode.py tests/kernels/test_fp8_kv.py -rf 2>&1 \
     | tee "$OUT/gpu_tests_decode.txt" | tail -n 4 ;;
+next8e)  # session 8, last call: the engine as committed (decodes longest first, logits used in place)
+  timeout 180 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/gpu_tests_engine.txt" | tail -n 3
+  timeout 240 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+    --hf-requests 16 --hf-batch-size 16 --json-out "$OUT/throughput_8b.json" 2>&1 | grep -E "tok_per_s|speedup|Error"
+  timeout 150 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --kv-cache-dtype fp8 \
+    --no-hf --json-out "$OUT/throughput_8b_fp8.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  timeout 200 $FP bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.75 \
+    --num-requests 64 --no-hf --json-out "$OUT/throughput_v2lite.json" 2>&1 | grep -E "output_tok_per_s|Error" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
