@@ -81,10 +81,6 @@ class MLADecodeConfig:
     # with its own accumulator, instead of one chain of dependent mma steps over all 576
     # dims, and P V one accumulator per chunk (_qk says why).
     qk_chunks: int = 1
-    # Split partial outputs stored in q's 16-bit dtype instead of fp32 (one more rounding of
-    # each partial, to the output's precision): at 16 heads and 512 value dims a split
-    # writes 32 KB of fp32 partials per sequence, ~5% of the latent bytes at 16 x 16384.
-    partials_16bit: bool = False
 
     def __post_init__(self) -> None:
         if self.qk_chunks < 1 or self.qk_chunks & (self.qk_chunks - 1):
@@ -133,8 +129,6 @@ def default_config(num_heads: int, device: torch.device | None = None, *,
 # form by benchmarks/mla_decode.py --chunks-ab (bf16 tiles, then fp8's prefetch tiles).
 # Left out: fp8's prefetch tile with 2 chunks (ptxas spills inside the loop).
 QK_CHUNK_CONFIGS = [
-    # session 7, not yet timed: the default with 16-bit split partials
-    MLADecodeConfig(16, 32, 4, 3, 2, qk_chunks=8, partials_16bit=True),
     MLADecodeConfig(16, 32, 4, 3, 2, qk_chunks=2), MLADecodeConfig(16, 32, 4, 3, 2, qk_chunks=4),
     MLADecodeConfig(16, 32, 4, 3, 2, qk_chunks=8), MLADecodeConfig(16, 32, 4, 2, 2, qk_chunks=4),
     MLADecodeConfig(16, 32, 4, 2, 3, qk_chunks=8),
@@ -162,8 +156,7 @@ CANDIDATE_CONFIGS = [
 def config_name(cfg: MLADecodeConfig) -> str:
     name = f"{cfg.block_h}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}p{cfg.programs_per_sm}"
     return (name + (f"f{cfg.fuse_merge_max_splits}" if cfg.fuse_merge_max_splits else "")
-            + ("r" if cfg.prefetch else "") + (f"c{cfg.qk_chunks}" if cfg.qk_chunks > 1 else "")
-            + ("h" if cfg.partials_16bit else ""))
+            + ("r" if cfg.prefetch else "") + (f"c{cfg.qk_chunks}" if cfg.qk_chunks > 1 else ""))
 
 
 @triton.jit
@@ -334,13 +327,12 @@ def _mla_decode_kernel(
     for c in tl.static_range(NC):
         os_ = os_ + (accs[c] / safe_l[:, None],)  # type: ignore[assignment]
     if SPLIT:
-        # mid_o [B, H, S, BLOCK_R] fp32 (or q's 16-bit dtype: partials_16bit), mid_lse
-        # [B, H, S] fp32 (base 2), contiguous
+        # mid_o [B, H, S, BLOCK_R] fp32, mid_lse [B, H, S] fp32 (base 2), contiguous
         mid = (b64 * num_heads + offs_h.to(tl.int64)) * num_splits + split
         for c in tl.static_range(NC):
             col = c * CH + offs_c
-            tl.store(mid_o_ptr + mid[:, None] * BLOCK_R + col[None, :],
-                     os_[c].to(mid_o_ptr.dtype.element_ty), mask=h_mask[:, None] & (col < RANK)[None, :])
+            tl.store(mid_o_ptr + mid[:, None] * BLOCK_R + col[None, :], os_[c],
+                     mask=h_mask[:, None] & (col < RANK)[None, :])
         lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(mid_lse_ptr + mid, lse, mask=h_mask)
         if FUSED:
@@ -388,7 +380,7 @@ def _merge_if_last(mid_o_ptr, mid_lse_ptr, counter_ptr, out_ptr, os_, lse, mid0,
                 col = c * CH + offs_c
                 o_s = tl.load(mid_o_ptr + (mid0 + s)[:, None] * BLOCK_R + col[None, :],
                               mask=other[:, None] & (col < RANK)[None, :], other=0.0,
-                              cache_modifier=".cg").to(tl.float32)
+                              cache_modifier=".cg")
                 new = new + (accs[c] * alpha[:, None] + o_s * beta[:, None],)  # type: ignore[assignment]
             accs = new
             den = den * alpha + beta
@@ -430,7 +422,7 @@ def _mla_merge_kernel(
     offs_r = tl.program_id(2) * CHUNK_R + tl.arange(0, CHUNK_R)
     r_mask = offs_r < RANK
     o = tl.load(mid_o_ptr + (row * num_splits + offs_s)[:, None] * BLOCK_R + offs_r[None, :],
-                mask=s_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+                mask=s_mask[:, None] & r_mask[None, :], other=0.0)
     acc = tl.sum(o * w[:, None], 0)
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_r
     tl.store(o_ptrs, (acc / den).to(out_ptr.dtype.element_ty), mask=r_mask)
@@ -549,10 +541,7 @@ def mla_decode(
     split = num_splits > 1
     fused = split and num_splits <= cfg.fuse_merge_max_splits
     if split:
-        # The partial outputs in q's 16-bit dtype (partials_16bit) halve the bytes the
-        # split kernel writes and the merge reads; fp32 otherwise.
-        mid_dtype = q.dtype if cfg.partials_16bit and q.dtype != torch.float32 else torch.float32
-        mid_o = torch.empty(B, H, num_splits, block_r, dtype=mid_dtype, device=q.device)
+        mid_o = torch.empty(B, H, num_splits, block_r, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out  # unused

@@ -95,17 +95,6 @@ def test_mla_decode_small(seq_lens, heads, page, num_splits, dtype):
     check(seq_lens, heads, 64, 16, page, dtype, "cpu", num_splits=num_splits, config=cfg)
 
 
-def test_mla_decode_16bit_partials():
-    """Split partials stored in q's dtype (MLADecodeConfig.partials_16bit): the merge kernel
-    and the in-kernel merge read them back; one rounding more, within fp16's bound."""
-    for fuse in (0, 8):
-        cfg = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, partials_16bit=True,
-                              fuse_merge_max_splits=fuse)
-        check([50, 1, 130], 16, 64, 16, 8, torch.float16, "cpu", num_splits=3, config=cfg)
-    cfg = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, partials_16bit=True)
-    check([100], 20, 64, 16, 32, torch.float32, "cpu", num_splits=2, config=cfg)  # fp32 q: fp32
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_mla_decode_prefetch(dtype):
     """Latent tiles loaded one iteration ahead in registers (MLADecodeConfig.prefetch):
