@@ -71,6 +71,8 @@ def prefill(page: int | None, batch: int = 2, seq: int = 4096):
 CASES = {
     "decode_bf16": lambda: decode(BF16),
     "decode_fp8": lambda: decode(torch.float8_e4m3fn),
+    "decode_fp8_256x1k": lambda: decode(torch.float8_e4m3fn, 256, 1024),  # an 8B engine step's
+    "decode_fp8_128x2k": lambda: decode(torch.float8_e4m3fn, 128, 2048),
     "mla_bf16_32x4k": lambda: mla(BF16, 32, 4096),
     "mla_bf16_8x32k": lambda: mla(BF16, 8, 32768),
     "mla_fp8_32x4k": lambda: mla(torch.float8_e4m3fn, 32, 4096),
