@@ -439,8 +439,5 @@ next8e)  # session 8, last call: the engine as committed (decodes longest first,
 next8f)  # session 8, spare minutes: where the fp8 decode warps stall at 256 x 1024 (63% of copy) vs
          # 128 x 2048 (71-74%), and the MLA kernel at 8 x 32768 (80%)
   NCU_CASES="decode_fp8_256x1k decode_fp8_128x2k mla_bf16_8x32k" bash "$0" ncu-only ;;
-next8g)  # session 8, last minutes: the MLA merge kernel launched by PDL (MLADecodeConfig.merge_pdl)
-  timeout 100 python3 benchmarks/mla_decode.py --precompile 8 --chunks-ab 2>&1 | tail -n 1
-  timeout 150 python3 benchmarks/mla_decode.py --chunks-ab --out "$OUT/mla_chunks_ab.jsonl" 2>&1 | sed -n '/bf16 latents/,/fp8 latents/p' ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

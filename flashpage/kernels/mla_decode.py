@@ -76,11 +76,6 @@ class MLADecodeConfig:
     # (which reduces over entries, not contiguous in the cache) as fp16 through ldmatrix,
     # not gathered byte by byte. Use with num_stages=1.
     prefetch: bool = False
-    # PDL for the merge kernel alone (where supported): the main kernel lets it launch at
-    # once, so its programs are resident (no shared memory, few registers) and waiting
-    # when the main grid ends, instead of launched after it. Under ncu the main kernel
-    # reads 8 x 32768 at 91% of copy; with the merge and the gap, 80%.
-    merge_pdl: bool = False
     # The value dims (kv_lora_rank) as this many column chunks (a power of two; chunks
     # stay >= 16 wide, so a small rank gets fewer): Q K^T becomes one dot per chunk, each
     # with its own accumulator, instead of one chain of dependent mma steps over all 576
@@ -134,8 +129,6 @@ def default_config(num_heads: int, device: torch.device | None = None, *,
 # form by benchmarks/mla_decode.py --chunks-ab (bf16 tiles, then fp8's prefetch tiles).
 # Left out: fp8's prefetch tile with 2 chunks (ptxas spills inside the loop).
 QK_CHUNK_CONFIGS = [
-    # session 8, not yet timed: the default with the merge kernel launched by PDL
-    MLADecodeConfig(16, 32, 4, 3, 2, qk_chunks=8, merge_pdl=True),
     MLADecodeConfig(16, 32, 4, 3, 2, qk_chunks=2), MLADecodeConfig(16, 32, 4, 3, 2, qk_chunks=4),
     MLADecodeConfig(16, 32, 4, 3, 2, qk_chunks=8), MLADecodeConfig(16, 32, 4, 2, 2, qk_chunks=4),
     MLADecodeConfig(16, 32, 4, 2, 3, qk_chunks=8),
@@ -163,8 +156,7 @@ CANDIDATE_CONFIGS = [
 def config_name(cfg: MLADecodeConfig) -> str:
     name = f"{cfg.block_h}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}p{cfg.programs_per_sm}"
     return (name + (f"f{cfg.fuse_merge_max_splits}" if cfg.fuse_merge_max_splits else "")
-            + ("r" if cfg.prefetch else "") + (f"c{cfg.qk_chunks}" if cfg.qk_chunks > 1 else "")
-            + ("m" if cfg.merge_pdl else ""))
+            + ("r" if cfg.prefetch else "") + (f"c{cfg.qk_chunks}" if cfg.qk_chunks > 1 else ""))
 
 
 @triton.jit
@@ -556,7 +548,6 @@ def mla_decode(
     counters = _merge_counters(q.device, B * head_blocks) if fused else seq_lens  # else unused
     use_pdl = resolve_pdl(pdl, q.device, in_auto=False)  # timed 0.97-0.99x with PDL (H200)
     launch_kw = pdl_launch_kwargs(use_pdl)
-    merge_pdl = use_pdl or (cfg.merge_pdl and split and not fused and resolve_pdl(True, q.device))
     _mla_decode_kernel[(head_blocks, B, num_splits)](
         q, kv_cache, block_tables, seq_lens, out, mid_o, mid_lse, counters,
         sm_scale * _LOG2E,
@@ -567,7 +558,7 @@ def mla_decode(
         out.stride(0), out.stride(1),
         RANK=kv_lora_rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p,
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE=page, SPLIT=split, FUSED=fused,
-        IEEE=q.dtype == torch.float32, PDL=merge_pdl, F16_DOTS=f16_dots(q.dtype, kv_cache.dtype),
+        IEEE=q.dtype == torch.float32, PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, kv_cache.dtype),
         PREFETCH=cfg.prefetch, QK_CHUNKS=qk_chunks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
     )
@@ -576,8 +567,8 @@ def mla_decode(
         chunk_r = min(block_r, max(16, 4096 // block_s))  # <= 4K fp32 per program
         _mla_merge_kernel[(B, H, triton.cdiv(kv_lora_rank, chunk_r))](
             mid_o, mid_lse, out, H, num_splits, out.stride(0), out.stride(1),
-            RANK=kv_lora_rank, BLOCK_R=block_r, BLOCK_S=block_s, CHUNK_R=chunk_r, PDL=merge_pdl,
-            num_warps=4, **pdl_launch_kwargs(merge_pdl),
+            RANK=kv_lora_rank, BLOCK_R=block_r, BLOCK_S=block_s, CHUNK_R=chunk_r, PDL=use_pdl,
+            num_warps=4, **launch_kw,
         )
     return out
 

@@ -95,13 +95,6 @@ def test_mla_decode_small(seq_lens, heads, page, num_splits, dtype):
     check(seq_lens, heads, 64, 16, page, dtype, "cpu", num_splits=num_splits, config=cfg)
 
 
-def test_mla_decode_merge_pdl():
-    """MLADecodeConfig.merge_pdl launches the merge kernel by PDL where supported; where
-    not (the interpreter, pre-Hopper GPUs) the two-kernel path runs as without it."""
-    cfg = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, merge_pdl=True)
-    check([50, 1, 130], 16, 64, 16, 8, torch.float32, "cpu", num_splits=3, config=cfg)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_mla_decode_prefetch(dtype):
     """Latent tiles loaded one iteration ahead in registers (MLADecodeConfig.prefetch):
