@@ -442,6 +442,20 @@ WARP_SPLIT_FP8 = [DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True),
                   DecodeConfig(64, 4, 3, programs_per_sm=4, warp_split=True, max_regs=128)]
 
 
+def best_of_rounds(shape, fns: dict, label: str) -> dict[str, float]:
+    """Each function's best graph time over TILES_ROUNDS rounds, the functions in turn
+    within a round; one that fails is reported and left out."""
+    best: dict[str, float] = {}
+    for _ in range(TILES_ROUNDS):
+        for key, fn in fns.items():
+            try:
+                t = time_graph(fn, shape.calls())
+                best[key] = min(best.get(key, t), t)
+            except Exception as ex:  # keep going
+                print(f"{label} {key}: {type(ex).__name__}: {str(ex)[:100]}", flush=True)
+    return best
+
+
 def tiles(args, dev, sms, bf16_cands=None, fp8_cands=None, out_name="tiles") -> None:
     """TILES_BF16 / TILES_FP8 (or the lists given) and each dtype's default on TILES_SHAPES,
     with SDPA cuDNN on contiguous bf16 KV ({out_name}.json / {out_name}.md)."""
@@ -471,14 +485,7 @@ def tiles(args, dev, sms, bf16_cands=None, fp8_cands=None, out_name="tiles") -> 
             if name == "bf16":
                 k, v = shape.contiguous()
                 fns["cudnn"] = shape.sdpa(k, v, SDPBackend.CUDNN_ATTENTION)
-            best: dict[str, float] = {}
-            for _ in range(TILES_ROUNDS):
-                for key, fn in fns.items():
-                    try:
-                        t = time_graph(fn, shape.calls())
-                        best[key] = min(best.get(key, t), t)
-                    except Exception as ex:  # keep going
-                        print(f"{name} {key}: {type(ex).__name__}: {str(ex)[:100]}", flush=True)
+            best = best_of_rounds(shape, fns, name)
             row[name] = {key: round(shape.kv_bytes / t / 1e9) for key, t in best.items()}
             row[f"{name}_max_abs_diff_vs_default"] = diffs
             del shape, fns
@@ -693,14 +700,7 @@ def engine_shapes(args, dev, sms) -> None:
                         for more in (2, 4):
                             fused = dataclasses.replace(cand, fused_merge=True)
                             fns[f"{config_name(fused)}/sp{more}"] = shape.ours(more, fused)
-                best: dict[str, float] = {}
-                for _ in range(TILES_ROUNDS):
-                    for key, fn in fns.items():
-                        try:
-                            t = time_graph(fn, shape.calls())
-                            best[key] = min(best.get(key, t), t)
-                        except Exception as ex:  # keep going
-                            print(f"{name} {key}: {type(ex).__name__}: {str(ex)[:100]}", flush=True)
+                best = best_of_rounds(shape, fns, name)
                 row = dict(batch=batch, contexts=kind, dtype=name, order=order, mean_context=sum(lens) / batch,
                            us={k_: round(t * 1e6, 1) for k_, t in best.items()},
                            gbps={k_: round(shape.kv_bytes / t / 1e9) for k_, t in best.items()})
