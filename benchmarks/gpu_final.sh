@@ -55,6 +55,8 @@
 #   bash benchmarks/gpu_final.sh next8d    prefill --candidates-ab (pv_overlap, code in e1e44d7, reverted); GPU tests
 #   bash benchmarks/gpu_final.sh next8e    session 8's close: engine GPU tests; 8B bf16 (with HF) and fp8, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh next8f    Nsight Compute: fp8 decode at 256 x 1024 and 128 x 2048, MLA at 8 x 32768
+#   bash benchmarks/gpu_final.sh next9     next session, first call: MLA fixed cost per call (--overhead); the Gluon
+#                                          decode branch (gluon-decode) has its own part there
 #   bash benchmarks/gpu_final.sh check5    engine + model GPU tests with session 5's defaults, V2-Lite throughput
 #   bash benchmarks/gpu_final.sh tiles     block ids carried a tile ahead: decode GPU tests, tile candidates over bf16
 #                                          and fp8 beside cuDNN, and the previous commit's defaults (.old carried)
@@ -439,5 +441,7 @@ next8e)  # session 8, last call: the engine as committed (decodes longest first,
 next8f)  # session 8, spare minutes: where the fp8 decode warps stall at 256 x 1024 (63% of copy) vs
          # 128 x 2048 (71-74%), and the MLA kernel at 8 x 32768 (80%)
   NCU_CASES="decode_fp8_256x1k decode_fp8_128x2k mla_bf16_8x32k" bash "$0" ncu-only ;;
+next9)  # next session, first call: where the MLA short ranges' fixed ~11-16 us per call go
+  timeout 150 python3 benchmarks/mla_decode.py --overhead --out "$OUT/mla_overhead.jsonl" 2>&1 | tail -n 6 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -438,6 +438,63 @@ def run_splits_ab(f, args) -> None:
         md.write("\n".join(lines) + "\n")
 
 
+# (batch, context) below 85% of copy: each timed at the default split count for that
+# context, then at 1/2 and 1/4 of the context with the same split count.
+OVERHEAD_SHAPES = [(8, 32768), (16, 16384), (32, 4096)]
+
+
+def run_overhead(f, args) -> None:
+    """Where the short ranges' time goes, per OVERHEAD_SHAPES shape: the default call
+    (main kernel + merge kernel) at three contexts and one split count, fitted as
+    t = fixed + bytes / bandwidth (least squares), and the merge kernel alone over the
+    same partials, all graph-timed (table: --out with .md)."""
+    from flashpage.kernels.mla_decode import _merge
+
+    name = torch.cuda.get_device_name()
+    copy = copy_bandwidth()
+    torch.cuda.empty_cache()
+    cfg = default_config(16, torch.device("cuda"))
+    emit(f, section="env", gpu=name, copy_gbps=round(copy), config=config_name(cfg))
+    lines = [f"MLA decode, bf16 default {config_name(cfg)}, 16 heads, {RANK}+{ROPE}, page {args.page}, "
+             f"{name}, copy {copy:.0f} GB/s. Per call: µs at the context and 1/2, 1/4 of it with the "
+             "same split count; the fit t = fixed + bytes / bandwidth over the three; the merge "
+             "kernel alone.", "",
+             "| batch × context | splits | µs at ctx/4, ctx/2, ctx | fitted fixed µs | fitted GB/s "
+             "(% of copy) | merge kernel alone µs | GB/s at ctx (% of copy) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for batch, ctx in OVERHEAD_SHAPES:
+        splits = _chunks_ab_splits(cfg, batch, ctx)
+        pts = []
+        for c in (ctx // 4, ctx // 2, ctx):
+            case = Case(batch, c, 16, args.page)
+            pts.append((case.bytes, time_graph(case.ours(cfg, num_splits=splits)) / case.rot))
+            del case
+            torch.cuda.empty_cache()
+        n = len(pts)
+        mx, my = sum(b for b, _ in pts) / n, sum(t for _, t in pts) / n
+        slope = sum((b - mx) * (t - my) for b, t in pts) / sum((b - mx) ** 2 for b, _ in pts)
+        fixed, bw = my - slope * mx, 1 / slope
+        mid_o = torch.randn(batch, 16, splits, 512, device="cuda")
+        mid_lse = torch.randn(batch, 16, splits, device="cuda")
+        out = torch.empty(batch, 16, RANK, dtype=torch.bfloat16, device="cuda")
+
+        def merges(mid_o=mid_o, mid_lse=mid_lse, out=out, n=20):  # 20 calls a graph
+            for _ in range(n):
+                _merge(mid_o, mid_lse, out, RANK)
+        merge = time_graph(merges) / 20
+        row = dict(section="overhead", batch=batch, ctx=ctx, splits=splits,
+                   us=[round(t * 1e6, 2) for _, t in pts], fixed_us=round(fixed * 1e6, 2),
+                   fitted_gbps=round(bw / 1e9), merge_us=round(merge * 1e6, 2))
+        emit(f, **row)
+        g = pts[-1][0] / pts[-1][1] / 1e9
+        lines.append(f"| {batch} × {ctx} | {splits} | {', '.join(str(u) for u in row['us'])} | "
+                     f"{row['fixed_us']} | {row['fitted_gbps']} ({100 * bw / 1e9 / copy:.0f}%) | "
+                     f"{row['merge_us']} | {g:.0f} ({100 * g / copy:.0f}%) |")
+        print(lines[-1], flush=True)
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as md:
+        md.write("\n".join(lines) + "\n")
+
+
 def final_configs() -> tuple[MLADecodeConfig, MLADecodeConfig]:
     """(old, new) at 16 heads: the new default, and it with the merge kernel always."""
     new = default_config(16, torch.device("cuda"))
@@ -537,6 +594,9 @@ def main() -> None:
                          "(table: --out with .md)")
     ap.add_argument("--splits-ab", action="store_true",
                     help="split counts for the bf16 default at batch <= 32 (table: --out with .md)")
+    ap.add_argument("--overhead", action="store_true",
+                    help="fixed cost per call of the short ranges: a context ladder fit and the "
+                         "merge kernel alone (table: --out with .md)")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16",
                     help="fp8: the default path at 16 heads over a bf16 and an fp8 latent cache "
                          "(table: --out with .md)")
@@ -553,7 +613,8 @@ def main() -> None:
         return
     # the first mode asked for runs; none: the sweep (run)
     modes = [(args.final, run_final), (args.pdl_ab, run_pdl_ab), (args.chunks_ab, run_chunks_ab),
-             (args.splits_ab, run_splits_ab), (args.kv_dtype == "fp8", run_kv_dtype), (True, run)]
+             (args.splits_ab, run_splits_ab), (args.overhead, run_overhead),
+             (args.kv_dtype == "fp8", run_kv_dtype), (True, run)]
     fn = next(fn for on, fn in modes if on)
     with open(args.out, "w") as f:
         fn(f, args)

@@ -563,14 +563,22 @@ def mla_decode(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
     )
     if split and not fused:
-        block_s = triton.next_power_of_2(num_splits)
-        chunk_r = min(block_r, max(16, 4096 // block_s))  # <= 4K fp32 per program
-        _mla_merge_kernel[(B, H, triton.cdiv(kv_lora_rank, chunk_r))](
-            mid_o, mid_lse, out, H, num_splits, out.stride(0), out.stride(1),
-            RANK=kv_lora_rank, BLOCK_R=block_r, BLOCK_S=block_s, CHUNK_R=chunk_r, PDL=use_pdl,
-            num_warps=4, **launch_kw,
-        )
+        _merge(mid_o, mid_lse, out, kv_lora_rank, use_pdl)
     return out
+
+
+def _merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, kv_lora_rank: int,
+           pdl: bool = False) -> None:
+    """out [B, H, kv_lora_rank] from the splits' partials mid_o [B, H, S, BLOCK_R] (fp32)
+    and mid_lse [B, H, S] (base 2): the merge kernel, one program per (b, h, column chunk)."""
+    B, H, num_splits, block_r = mid_o.shape
+    block_s = triton.next_power_of_2(num_splits)
+    chunk_r = min(block_r, max(16, 4096 // block_s))  # <= 4K fp32 per program
+    _mla_merge_kernel[(B, H, triton.cdiv(kv_lora_rank, chunk_r))](
+        mid_o, mid_lse, out, H, num_splits, out.stride(0), out.stride(1),
+        RANK=kv_lora_rank, BLOCK_R=block_r, BLOCK_S=block_s, CHUNK_R=chunk_r, PDL=pdl,
+        num_warps=4, **pdl_launch_kwargs(pdl),
+    )
 
 
 def mla_decode_ref(
