@@ -408,13 +408,20 @@ SPLITS_AB_SHAPES = [(8, 32768), (16, 16384), (32, 4096), (32, 8192)]
 SPLITS_AB_COUNTS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 48]
 
 
-def run_splits_ab(f, args) -> None:
-    """Split counts for the bf16 default at SPLITS_AB_SHAPES (table: --out with .md)."""
+def _default_env(f) -> tuple[str, float, MLADecodeConfig]:
+    """The GPU's name, the copy bandwidth and the bf16 default config at 16 heads, emitted
+    as the run's env row."""
     name = torch.cuda.get_device_name()
     copy = copy_bandwidth()
     torch.cuda.empty_cache()
     cfg = default_config(16, torch.device("cuda"))
     emit(f, section="env", gpu=name, copy_gbps=round(copy), config=config_name(cfg))
+    return name, copy, cfg
+
+
+def run_splits_ab(f, args) -> None:
+    """Split counts for the bf16 default at SPLITS_AB_SHAPES (table: --out with .md)."""
+    name, copy, cfg = _default_env(f)
     lines = [f"MLA decode, bf16 default {config_name(cfg)}, 16 heads, {RANK}+{ROPE}, page {args.page}, "
              f"{name}: GB/s of latent bytes (% of copy {copy:.0f} GB/s) by split count; * = the rule's.",
              "", "| batch × context | " + " | ".join(f"sp{n}" for n in SPLITS_AB_COUNTS) + " |",
@@ -450,11 +457,7 @@ def run_overhead(f, args) -> None:
     same partials, all graph-timed (table: --out with .md)."""
     from flashpage.kernels.mla_decode import _merge
 
-    name = torch.cuda.get_device_name()
-    copy = copy_bandwidth()
-    torch.cuda.empty_cache()
-    cfg = default_config(16, torch.device("cuda"))
-    emit(f, section="env", gpu=name, copy_gbps=round(copy), config=config_name(cfg))
+    name, copy, cfg = _default_env(f)
     lines = [f"MLA decode, bf16 default {config_name(cfg)}, 16 heads, {RANK}+{ROPE}, page {args.page}, "
              f"{name}, copy {copy:.0f} GB/s. Per call: µs at the context and 1/2, 1/4 of it with the "
              "same split count; the fit t = fixed + bytes / bandwidth over the three; the merge "
