@@ -696,7 +696,7 @@ def engine_shapes(args, dev, sms) -> None:
                 for cand in ENGINE_FP8 if name == "fp8" else ENGINE_BF16:
                     sp = choose_num_splits(batch, HKV, shape.ctx, sms, programs_per_sm=cand.programs_per_sm)
                     fns[f"{config_name(cand)}/sp{sp}"] = shape.ours(sp, cand)
-                    if cand.warp_split and cand == ENGINE_FP8[1]:
+                    if cand == ENGINE_FP8[1]:  # the warp split, batch-major
                         for more in (2, 4):
                             fused = dataclasses.replace(cand, fused_merge=True)
                             fns[f"{config_name(fused)}/sp{more}"] = shape.ours(more, fused)

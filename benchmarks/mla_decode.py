@@ -477,7 +477,7 @@ def run_overhead(f, args) -> None:
         mx, my = sum(b for b, _ in pts) / n, sum(t for _, t in pts) / n
         slope = sum((b - mx) * (t - my) for b, t in pts) / sum((b - mx) ** 2 for b, _ in pts)
         fixed, bw = my - slope * mx, 1 / slope
-        mid_o = torch.randn(batch, 16, splits, 512, device="cuda")
+        mid_o = torch.randn(batch, 16, splits, RANK, device="cuda")  # RANK: a power of two
         mid_lse = torch.randn(batch, 16, splits, device="cuda")
         out = torch.empty(batch, 16, RANK, dtype=torch.bfloat16, device="cuda")
 
