@@ -1,0 +1,205 @@
+"""The Gluon fp8 paged decode prototype (kernels/paged_decode_gluon.py).
+
+CPU: the kernel compiled for sm_90 (Triton's ptxas and nvdisasm, no GPU): the pages arrive
+by TMA, nothing spills, and the main loop reads K and V from shared memory 16 bytes at a
+time (no byte loads) and widens e4m3 to fp16 in registers; its instruction mix is printed.
+GPU (marked gpu): against paged_decode_ref on the same fp8 cache and against the Triton
+kernel, over ragged contexts with NaN in every slot no sequence owns.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from sm90 import run_compiled  # tests/kernels (on sys.path under pytest)
+
+GPU = torch.cuda.is_available()
+gpu_only = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+cpu_only = pytest.mark.skipif(GPU, reason="the sm_90 compile without a GPU")
+
+
+# --------------------------------------------------------------------------- sm_90 compile (CPU)
+
+
+def compile_sm90(group: int = 4, max_regs: int | None = None):
+    """The kernel compiled for sm_90 as an H200 launch compiles it (bf16 q and out; pointers
+    and the strides that are multiples of 16 there marked so): Triton's CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flashpage.kernels import paged_decode_gluon as pg
+
+    fn = pg._paged_decode_gluon_kernel
+    desc = f"tensordesc<fp8e4nv[{pg.PAGE}, {pg.HEAD_DIM}],{pg._TMA_SMEM.value!r}>"
+    sig = {a: "i32" for a in fn.arg_names}
+    sig.update({"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc, "block_tables_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "sm_scale_log2": "fp32", "GROUP": "constexpr"})
+    aligned = ("q_ptr", "block_tables_ptr", "seq_lens_ptr", "out_ptr", "stride_qb", "stride_qh",
+               "stride_ob", "stride_oh")
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={"GROUP": group}, attrs=attrs)
+    options = dict(num_warps=pg.NUM_WARPS, **({"maxnreg": max_regs} if max_regs else {}))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def sass_loop_mix(sass: str) -> dict[str, int]:
+    """Opcode counts of the main loop (the shortest backward-branch span holding both a TMA
+    issue and an HMMA), predicates and modifiers after the first dot kept (``LDS.128``)."""
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m[1]] = len(ins)
+        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;", line):
+            ins.append(re.sub(r"^@!?U?P\w+\s+", "", m[1]))
+    loops = [(labels[m[1]], i) for i, t in enumerate(ins)
+             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)) and labels.get(m[1], i + 1) <= i]
+    bodies = [[t.split(" ")[0] for t in ins[lo:hi + 1]] for lo, hi in loops]
+    body = min((b for b in bodies if "UTMALDG.2D" in b and any(o.startswith("HMMA") for o in b)), key=len)
+    mix = collections.Counter(body)
+    mix["total"] = len(body)
+    return dict(mix)
+
+
+def _sm90_report() -> dict:
+    """(In a subprocess with the interpreter off.) ptxas -v's registers and spills, the
+    shared memory, whether the PTX issues TMA loads, and the main loop's SASS mix; for the
+    kernel as compiled and with a 128-register cap. {"skip": why} where Gluon cannot compile."""
+    import triton
+
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError as ex:
+        return {"skip": f"no Gluon in this Triton: {ex}"}
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    out = {}
+    for name, cap in (("default", None), ("r128", 128)):
+        k = compile_sm90(max_regs=cap)
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "k.ptx").write_text(k.asm["ptx"])
+            r = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"],
+                               cwd=tmp, capture_output=True, text=True, check=True)
+            sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", "k.cubin"], cwd=tmp,
+                                  capture_output=True, text=True, check=True).stdout
+        regs = int(re.search(r"Used (\d+) registers", r.stderr)[1])
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill", r.stderr)]
+        out[name] = dict(regs=regs, spill_bytes=sum(spills), shared=k.metadata.shared,
+                         tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], loop=sass_loop_mix(sass))
+    return out
+
+
+@cpu_only
+def test_gluon_decode_compiles_for_sm90():
+    """TMA loads, no spill at ptxas's own register count, K and V read from shared memory
+    in 16-byte loads only (8 per warp per 64-key tile: 4 of K, 4 of V), 32 HMMA and 64
+    e4m3 -> fp16 widenings per tile; prints registers, shared memory, programs per SM."""
+    rep = run_compiled("test_paged_decode_gluon", "_sm90_report")
+    if "skip" in rep:
+        pytest.skip(rep["skip"])
+    for name, r in rep.items():
+        per_sm = min(65536 // (r["regs"] * 128), (227 * 1024) // r["shared"])
+        print(f"{name}: {r['regs']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, "
+              f"{per_sm} programs per SM; loop {r['loop']}")
+    d = rep["default"]
+    assert d["tma_ptx"] and d["spill_bytes"] == 0
+    loop = d["loop"]
+    assert loop["UTMALDG.2D"] == 8  # 4 K + 4 V page pieces per tile
+    assert loop["LDS.128"] == 8 and not any(o.startswith("LDS") and o != "LDS.128" for o in loop)
+    assert loop["HMMA.16816.F32"] == 32
+    assert loop["F2FP.F16.E4M3.UNPACK_B"] == 64
+    assert loop["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1  # one mbarrier wait per tile
+
+
+def test_gluon_decode_rejects_what_it_does_not_cover():
+    from flashpage.kernels.paged_decode_gluon import paged_decode_gluon
+
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    kc = torch.zeros(4, 16, 8, 128).to(torch.float8_e4m3fn)
+    tables = torch.zeros(2, 2, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    if not GPU:
+        with pytest.raises(ValueError, match="sm_90"):
+            paged_decode_gluon(q, kc, kc, tables, lens)
+        return
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("not a Hopper GPU")
+    dev = "cuda"
+    q, kc, tables, lens = q.to(dev), kc.to(dev), tables.to(dev), lens.to(dev)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        paged_decode_gluon(q, kc.bfloat16(), kc.bfloat16(), tables, lens)
+    with pytest.raises(ValueError, match="128"):
+        paged_decode_gluon(q[..., :64], kc[..., :64].contiguous(), kc[..., :64].contiguous(), tables, lens)
+    with pytest.raises(ValueError, match="contiguous"):
+        kc32 = torch.zeros(4, 32, 8, 128, device=dev).to(torch.float8_e4m3fn)
+        paged_decode_gluon(q, kc32, kc32, tables, lens)
+
+
+# --------------------------------------------------------------------------- GPU
+
+hopper = pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9,
+                            reason="needs an sm_90 GPU")
+
+GLUON_CASES = [
+    [1, 17, 64, 200, 1000, 2048],  # ragged: a single key, part pages, a whole tile, long
+    [2048, 1000, 200, 64, 17, 1] * 6,  # longest first, 36 sequences (288 programs)
+    [65, 63, 128, 129, 191, 192, 193],  # around the 64-key tile boundary
+]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("lens", GLUON_CASES, ids=["ragged", "longest_first", "tile_edges"])
+@pytest.mark.parametrize("max_regs", [None, 128])
+def test_paged_decode_gluon_gpu(lens, max_regs):
+    """Against paged_decode_ref on the same fp8 cache (every other slot NaN: a slot read
+    past a context poisons the output) within the bf16 decode tolerance, and against the
+    Triton kernel within twice it; every output row written (out starts NaN)."""
+    from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
+
+    from flashpage.kernels.paged_decode import paged_decode, paged_decode_ref
+    from flashpage.kernels.paged_decode_gluon import _launch
+
+    g = gen(sum(lens))
+    _, _, kc8, vc8, tables, seq_lens = paged_pair(lens, 8, 128, 16, torch.bfloat16, g)
+    q = torch.randn(len(lens), 32, 128, generator=g, device="cuda").bfloat16()
+    out = _launch(q, kc8, vc8, tables, seq_lens, out=torch.full_like(q, float("nan")), max_regs=max_regs)
+    ref = paged_decode_ref(q, kc8, vc8, tables, seq_lens)
+    triton_out = paged_decode(q, kc8, vc8, tables, seq_lens)
+    assert not out.isnan().any(), "NaN: a slot past a context was read, or a row left unwritten"
+    tol = DECODE_TOL[torch.bfloat16]
+    for b in range(len(lens)):  # per sequence, so that one bad length shows by itself
+        assert rel_err(out[b], ref[b]) < tol, f"sequence {b} (context {lens[b]}): {rel_err(out[b], ref[b]):.2e}"
+    assert rel_err(out, triton_out) < 2 * tol
+
+
+@pytest.mark.gpu
+@hopper
+def test_paged_decode_gluon_cuda_graph():
+    """Captured once, replayed with new queries and lengths (descriptors are kernel
+    parameters: the caches must stay where they were)."""
+    from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
+
+    from flashpage.kernels.paged_decode import paged_decode_ref
+    from flashpage.kernels.paged_decode_gluon import paged_decode_gluon
+
+    g = gen(5)
+    _, _, kc, vc, tables, lens = paged_pair([900, 20, 2000], 8, 128, 16, torch.bfloat16, g)
+    q = torch.randn(3, 32, 128, generator=g, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    paged_decode_gluon(q, kc, vc, tables, lens, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_gluon(q, kc, vc, tables, lens, out=out)
+    q.copy_(torch.randn(3, 32, 128, generator=g, device="cuda").bfloat16())
+    lens.copy_(torch.tensor([5, 20, 1999], dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_decode_ref(q, kc, vc, tables, lens)
+    assert rel_err(out, ref) < DECODE_TOL[torch.bfloat16]
