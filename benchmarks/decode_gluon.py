@@ -7,7 +7,9 @@ GB/s = 2 * sum(contexts) * Hkv * D bytes (the fp8 bytes the contexts hold) / tim
 is the median of CUDA-graph replays (gpu_timing.time_graph) of a graph of calls rotating
 over independent copies of the inputs (>= 256 MB in all: out of the L2), with the copy
 bandwidth (gpu_timing.copy_bandwidth) measured in the same run. "gluon r128": the same
-kernel under a 128-register cap (4 programs per SM, ptxas spills a little).
+kernel under a 128-register cap (4 programs per SM, ptxas spills a little). "gluon ws": the
+warp-specialized variant (``warp_specialize=True``: a TMA producer partition, 4 one-warp
+compute partitions; 3 programs per SM).
 
     python benchmarks/decode_gluon.py --out $OUT      # ~1 minute on an H200
 
@@ -76,7 +78,8 @@ def main() -> None:
     t0 = time.time()
     copy_before = copy_bandwidth()
     kernels = {"triton": (paged_decode, {}), "gluon": (gluon_launch, {}),
-               "gluon r128": (gluon_launch, {"max_regs": 128})}
+               "gluon r128": (gluon_launch, {"max_regs": 128}),
+               "gluon ws": (gluon_launch, {"warp_specialize": True})}
     rows = []
     for name, lens in shapes():
         b = Batch(lens)
@@ -111,12 +114,15 @@ def main() -> None:
 
     print(f"\nfp8 paged decode, GQA {HQ}/{HKV}, head_dim {D}, block {BS}, {meta['gpu']}, triton "
           f"{meta['triton']}: GB/s of the fp8 bytes the contexts hold (% of copy {round(copy)} GB/s)\n")
-    print("| shape | " + " | ".join(kernels) + " | gluon / triton |")
-    print("| --- |" + " --- |" * (len(kernels) + 1))
+    def ratio(g, k):
+        return f"{g[k] / g['triton']:.2f}x" if all(isinstance(g.get(x), int) for x in (k, "triton")) else "n/a"
+
+    print("| shape | " + " | ".join(kernels) + " | gluon / triton | gluon ws / triton |")
+    print("| --- |" + " --- |" * (len(kernels) + 2))
     for r in rows:
         g = r["gbps"]
-        ratio = f"{g['gluon'] / g['triton']:.2f}x" if all(isinstance(g.get(k), int) for k in ("gluon", "triton")) else "n/a"
-        print(f"| {r['shape']} | " + " | ".join(cell(g[k]) for k in kernels) + f" | {ratio} |")
+        print(f"| {r['shape']} | " + " | ".join(cell(g[k]) for k in kernels)
+              + f" | {ratio(g, 'gluon')} | {ratio(g, 'gluon ws')} |")
 
 
 if __name__ == "__main__":

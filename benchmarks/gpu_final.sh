@@ -443,5 +443,9 @@ next8f)  # session 8, spare minutes: where the fp8 decode warps stall at 256 x 1
   NCU_CASES="decode_fp8_256x1k decode_fp8_128x2k mla_bf16_8x32k" bash "$0" ncu-only ;;
 next9)  # next session, first call: where the MLA short ranges' fixed ~11-16 us per call go
   timeout 150 python3 benchmarks/mla_decode.py --overhead --out "$OUT/mla_overhead.jsonl" 2>&1 | tail -n 6 ;;
+gluon)  # branch gluon-decode: the Gluon fp8 decode prototype's first GPU run (tests under a timeout: a barrier
+        # phase error would hang), then its benchmark beside the Triton default
+  timeout 240 $PT -m gpu tests/kernels/test_paged_decode_gluon.py -rf -x 2>&1 | tee "$OUT/gluon_gpu_tests.txt" | tail -n 8
+  timeout 150 python3 benchmarks/decode_gluon.py --out "$OUT" 2>&1 | tail -n 10 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

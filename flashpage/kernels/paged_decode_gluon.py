@@ -21,8 +21,9 @@ What Gluon lets this kernel do that Triton's pipeliner did not::
   the stage every warp has just finished reading) -- as written. Triton 3.6's membar
   analysis adds 9 more: it sees each TMA issue as a write to the stage buffer and to the
   mbarrier, so it puts a bar.sync between consecutive issues (sm_90 SASS: 10 BAR.SYNC per
-  tile). A 1-warp producer partition (``gl.warp_specialize``) would confine those to one
-  warp; not done here (a 5th warp's registers cost a program per SM at 157 registers).
+  tile). ``warp_specialize=True`` selects a variant (``_paged_decode_gluon_ws_kernel``, see
+  its section below) whose compute warps neither issue TMA nor meet a bar.sync: a producer
+  partition issues, the 4 pieces are 4 one-warp compute partitions.
 - The stage is read back through *views* of the same bytes (``SharedLinearLayout``) whose
   logical head-dim order is a permutation of the physical one, chosen so that each thread's
   mma fragment is 16 contiguous bytes of one cache row: K and V both reach the mma_v2
@@ -262,6 +263,228 @@ def _paged_decode_gluon_kernel(
     gl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < GROUP) & (cols < _D))
 
 
+# --------------------------------------------------------------------------- warp-specialized variant
+#
+# ``_launch(..., warp_specialize=True)``: the same tiles, pieces, views and masking, split by
+# ``gl.warp_specialize`` into
+#
+# - a producer: the default partition (a warp-specialized kernel needs ``num_warps`` a multiple
+#   of 4, and the default partition has that many: warp 0's elected lane issues, the other 3
+#   warps run the loop in step): the block ids, then per tile one wait on the stage's *empty*
+#   barrier, one expect and the 8 TMA boxes on its *ready* barrier. Triton's bar.syncs between
+#   TMA issues (see above) stay among these 4 warps;
+# - 4 one-warp compute partitions, warp p owning piece p of every tile: per tile one wait on
+#   the stage's ready barrier and one arrive on its empty barrier (count 4), no bar.sync. The
+#   compute is one warp's share of ``_attend`` (2-D layouts: the 3-D ones minus the piece).
+#
+# Why one-warp compute partitions and not one 4-warp one: Gluon lowers mbarrier.arrive to thread
+# 0 of the partition behind a bar.sync of the partition, and its membar analysis puts a bar.sync
+# before every mbarrier.wait of a multi-warp partition (a 1-warp partition gets bar.warp.sync,
+# no SASS); a 4-warp compute partition would pay 2 bar.sync per tile.
+#
+# The pieces are merged by the compute warps through shared memory at the end: once every warp
+# has arrived on ``sync`` (all stages read, every TMA landed), each stores its m, l and fp32
+# accumulator ([16, 128] = 8 KB = one stage: K's stages for pieces 0-2, V's stage 0 for piece
+# 3), arrives again, and warp p reduces output columns 32p..32p+31 over the 4 pieces.
+#
+# Registers: a program is 8 warps (256 threads): the producer's warpgroup and the compute
+# warps' (no padding). setmaxnreg moves registers from the first (24 a thread) to the second:
+# with ``maxnreg`` M a program holds 256 M and the compute warps get 2 M - 24. M = 80: 136
+# (they use 134), 3 programs per SM like the 4-warp kernel. 4 per SM needs M = 64: 104, and
+# ptxas spills 540 bytes (128 already spills 216). (A 4-warp idle default partition plus a
+# 1-warp producer partition would be 12 warps: 120 for the compute warps at 3 per SM.)
+
+WS_MAXNREG = 80  # maxnreg at launch: 80 x 256 threads x 3 programs <= 64K; compute warps 136
+
+_MMA1 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+_A1 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA1, k_width=2))
+_B1 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA1, k_width=2))
+# One piece ([16, 128] fp8 = 2 KB, offset bits 0-10) as _K_VIEW / _V_VIEW see it, minus the piece.
+_K_VIEW1 = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
+    [1, 0], [8, 0], [16, 0], [32, 0],
+    [64, 0], [2, 0], [4, 0],
+    [64, 1], [2, 2], [4, 4],
+    [0, 8],
+]))
+_V_VIEW1 = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
+    [0, 8], [0, 16], [0, 32], [0, 64],
+    [0, 1], [0, 2], [0, 4],
+    [1, 1], [2, 2], [4, 4],
+    [8, 0],
+]))
+_V_LOAD1 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 8], [0, 16], [0, 32], [0, 64], [1, 0], [8, 0]],
+    lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+    warp_bases=[], block_bases=[], shape=[16, _D]))
+# The merge: a piece's accumulator [16, 128] fp32 in one 8 KB piece-stage (row-major, 8-byte
+# vectors XOR-swizzled by row against bank conflicts), read back 32 columns a warp.
+_ACC_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0]))
+_ROWS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+_OUT1 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
+                                      order=[1, 0]))
+
+
+@gluon.jit
+def _ws_produce(k_desc, v_desc, kv_k, kv_v, ready, empty, bt_row, num_tiles, last_page, col):
+    """Producer partition: tile t into stage t % STAGES once every compute warp has released it
+    (the stage's empty barrier), its block ids loaded one tile ahead."""
+    b0, b1, b2, b3 = _tile_blocks(bt_row, 0, last_page)
+    for t in range(num_tiles):
+        stage = t % _S
+        mbarrier.wait(empty.index(stage), ((t // _S) & 1) ^ 1)  # a fresh barrier passes parity 1
+        fence_async_shared()  # the compute warps' generic reads before the async proxy's writes
+        bar = ready.index(stage)
+        mbarrier.expect(bar, 2 * _BN * _D)
+        base = stage * _W
+        _issue_piece(k_desc, v_desc, kv_k.index(base), kv_v.index(base), bar, 0, b0, col, True)
+        _issue_piece(k_desc, v_desc, kv_k.index(base + 1), kv_v.index(base + 1), bar, 0, b1, col, True)
+        _issue_piece(k_desc, v_desc, kv_k.index(base + 2), kv_v.index(base + 2), bar, 0, b2, col, True)
+        _issue_piece(k_desc, v_desc, kv_k.index(base + 3), kv_v.index(base + 3), bar, 0, b3, col, True)
+        b0, b1, b2, b3 = _tile_blocks(bt_row, t + 1, last_page)
+
+
+@gluon.jit
+def _attend_piece(q, k_piece, v_piece, empty_bar, m, l, acc, key0, seq_len, MASKED: gl.constexpr):
+    """_attend for one warp: keys key0 .. key0 + 15 from its piece of a stage; the stage's empty
+    barrier arrived on once K and V are in registers."""
+    kt = k_piece._reinterpret(gl.float8e4nv, [_D, _PG], _K_VIEW1).load(_B1).to(gl.float16)  # [128, 16]
+    s = mma_v2(q, kt, gl.zeros([16, _PG], gl.float32, _MMA1))  # [16 rows, 16 keys]
+    if MASKED:
+        offs_j = gl.arange(0, _PG, layout=gl.SliceLayout(0, _MMA1))
+        s = gl.where(gl.expand_dims(key0 + offs_j, 0) < seq_len, s, float("-inf"))
+        m_new = gl.maximum(m, gl.max(s, 1))
+        m_exp = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = gl.maximum(m, gl.max(s, 1))
+        m_exp = m_new
+    alpha = gl.exp2(m - m_exp)
+    p = gl.exp2(s - gl.expand_dims(m_exp, 1))
+    l = l * alpha + gl.sum(p, 1)
+    pa = gl.convert_layout(p.to(gl.float16), _A1)
+    v = v_piece._reinterpret(gl.float8e4nv, [_PG, _D], _V_VIEW1).load(_V_LOAD1)
+    mbarrier.arrive(empty_bar)  # this warp is done with the stage
+    v = gl.convert_layout(v.to(gl.float16), _B1)  # [16 keys, 128]
+    if MASKED:
+        offs_vj = gl.arange(0, _PG, layout=gl.SliceLayout(1, _B1))
+        v = gl.where(gl.expand_dims(key0 + offs_vj, 1) < seq_len, v, 0.0)
+    acc = mma_v2(pa, v, acc * gl.expand_dims(alpha, 1))
+    return m_new, l, acc
+
+
+@gluon.jit
+def _ws_piece_stage(kv_k, kv_v, j: gl.constexpr):
+    """Piece j's accumulator for the merge, [16, 128] fp32 = 8 KB = one stage: K's stages
+    hold pieces 0-2, V's stage 0 piece 3."""
+    if j < _S:
+        buf = kv_k._reinterpret(gl.float32, [_S, 16, _D], _ACC_SMEM).index(j)
+    else:
+        buf = kv_v._reinterpret(gl.float32, [_S, 16, _D], _ACC_SMEM).index(j - _S)
+    return buf
+
+
+@gluon.jit
+def _ws_compute(q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
+                sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh,
+                GROUP: gl.constexpr, P: gl.constexpr):
+    """Compute partition (one warp): piece P of every tile, then its share of the merge."""
+    head0 = kvh * GROUP
+    offs_r = gl.arange(0, 16, layout=gl.SliceLayout(1, _A1))
+    offs_k = gl.arange(0, _D, layout=gl.SliceLayout(0, _A1))
+    r2 = gl.expand_dims(offs_r, 1)
+    k2 = gl.expand_dims(_k_column(offs_k), 0)
+    q_ptrs = q_ptr + b64 * stride_qb + (head0 + r2).to(gl.int64) * stride_qh + k2
+    q = gl.load(q_ptrs, mask=(r2 < GROUP) & (k2 < _D), other=0.0)
+    q = (q.to(gl.float32) * sm_scale_log2).to(gl.float16)
+
+    m = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, _MMA1))
+    l = gl.zeros([16], gl.float32, gl.SliceLayout(1, _MMA1))
+    acc = gl.zeros([16, _D], gl.float32, _MMA1)
+    for i in range(num_tiles - 1):  # every tile but the last: 64 valid keys
+        stage = i % _S
+        mbarrier.wait(ready.index(stage), (i // _S) & 1)
+        idx = stage * _W + P
+        m, l, acc = _attend_piece(q, kv_k.index(idx), kv_v.index(idx), empty.index(stage), m, l, acc,
+                                  i * _BN + P * _PG, seq_len, False)
+    if num_tiles > 0:
+        last = num_tiles - 1
+        stage = last % _S
+        mbarrier.wait(ready.index(stage), (last // _S) & 1)
+        idx = stage * _W + P
+        m, l, acc = _attend_piece(q, kv_k.index(idx), kv_v.index(idx), empty.index(stage), m, l, acc,
+                                  last * _BN + P * _PG, seq_len, True)
+
+    # The merge. Phase 0 of sync: every compute warp is past its last tile (no stage is read
+    # any more, every TMA has landed): the K/V buffer is free.
+    mbarrier.arrive(sync)
+    mbarrier.wait(sync, 0)
+    _ws_piece_stage(kv_k, kv_v, P).store(acc)
+    ml.index(P).store(m)
+    ml.index(_W + P).store(l)
+    mbarrier.arrive(sync)  # phase 1: every piece's m, l, acc stored
+    mbarrier.wait(sync, 1)
+    rows_l: gl.constexpr = gl.SliceLayout(1, _OUT1)
+    m_all = ml.index(0).load(rows_l)
+    for j in gl.static_range(1, _W):
+        m_all = gl.maximum(m_all, ml.index(j).load(rows_l))
+    m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)  # no piece saw a key
+    l_all = gl.zeros([16], gl.float32, rows_l)
+    o = gl.zeros([16, 32], gl.float32, _OUT1)
+    for j in gl.static_range(_W):
+        w = gl.exp2(ml.index(j).load(rows_l) - m_safe)
+        l_all += ml.index(_W + j).load(rows_l) * w
+        part = _ws_piece_stage(kv_k, kv_v, j).slice(32 * P, 32, dim=1).load(_OUT1)
+        o += part * gl.expand_dims(w, 1)
+    o = o / gl.expand_dims(gl.where(l_all > 0.0, l_all, 1.0), 1)
+    rows = gl.expand_dims(gl.arange(0, 16, layout=rows_l), 1)
+    cols = gl.expand_dims(_v_column(32 * P + gl.arange(0, 32, layout=gl.SliceLayout(0, _OUT1))), 0)
+    out_ptrs = out_ptr + b64 * stride_ob + (head0 + rows).to(gl.int64) * stride_oh + cols
+    gl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < GROUP) & (cols < _D))
+
+
+@gluon.jit
+def _paged_decode_gluon_ws_kernel(
+    q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, out_ptr,
+    sm_scale_log2,  # sm_scale * log2(e)
+    stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+    GROUP: gl.constexpr,  # query heads per KV head (<= 16)
+    COMPUTE_REGS: gl.constexpr,  # setmaxnreg of the compute warps
+):
+    kvh = gl.program_id(0)  # KV heads fastest
+    b = gl.program_id(1)
+    seq_len = gl.load(seq_lens_ptr + b)
+    b64 = b.to(gl.int64)
+    bt_row = block_tables_ptr + b64 * stride_btb
+    num_tiles = gl.cdiv(seq_len, _BN)
+    last_page = gl.maximum(seq_len - 1, 0) // _PG
+    col = kvh * _D
+
+    # Piece-stages: stage s, piece p at index s * 4 + p (one TMA box each).
+    kv_k = gl.allocate_shared_memory(gl.float8e4nv, [_S * _W, _PG, _D], _TMA_SMEM)
+    kv_v = gl.allocate_shared_memory(gl.float8e4nv, [_S * _W, _PG, _D], _TMA_SMEM)
+    ml = gl.allocate_shared_memory(gl.float32, [2 * _W, 16], _ROWS_SMEM)  # the merge's m, l
+    ready = gl.allocate_shared_memory(gl.int64, [_S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [_S, 1], mbarrier.MBarrierLayout())
+    sync = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(_S):
+        mbarrier.init(ready.index(i), count=1)  # the producer's expect; the bytes complete it
+        mbarrier.init(empty.index(i), count=_W)  # one arrive per compute warp
+    mbarrier.init(sync, count=_W)
+    fence_async_shared()
+
+    # One compute partition per piece (P, the last argument, a constexpr: 4 copies of the code).
+    gl.warp_specialize([
+        (_ws_produce, (k_desc, v_desc, kv_k, kv_v, ready, empty, bt_row, num_tiles, last_page, col)),
+        (_ws_compute, (q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
+                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 0)),
+        (_ws_compute, (q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
+                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 1)),
+        (_ws_compute, (q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
+                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 2)),
+        (_ws_compute, (q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
+                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 3)),
+    ], [1, 1, 1, 1], [COMPUTE_REGS] * 4)
+
+
 def _cache_descriptor(cache: torch.Tensor):
     """A TMA descriptor over a cache seen as [num_blocks * 16, Hkv * 128] (row = block * 16 +
     slot), one [16, 128] box per page piece of one KV head."""
@@ -311,6 +534,7 @@ def paged_decode_gluon(
     *,
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
+    warp_specialize: bool = False,
 ) -> torch.Tensor:
     """paged_decode (kernels/paged_decode.py) over an fp8 cache, the Gluon prototype.
 
@@ -320,15 +544,29 @@ def paged_decode_gluon(
     seq_lens     int32 [B]   context length, the query's own token included
     returns out  [B, Hq, 128] in q's dtype (written into ``out`` when given)
 
-    No sliding window, no key splits: one program per (KV head, sequence).
+    No sliding window, no key splits: one program per (KV head, sequence). ``warp_specialize``:
+    the variant with a TMA producer partition and one-warp compute partitions.
     """
-    return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale, out=out)
+    return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale, out=out,
+                   warp_specialize=warp_specialize)
+
+
+def ws_compute_regs(max_regs: int) -> int:
+    """The compute warps' setmaxnreg in the warp-specialized variant under ``maxnreg`` =
+    ``max_regs``: a program's 8 warps hold 256 * max_regs registers, the producer's warpgroup
+    keeps 24 a thread."""
+    return 2 * max_regs - 24
 
 
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, out=None,
-            max_regs: int | None = None):
+            max_regs: int | None = None, warp_specialize: bool = False):
     """paged_decode_gluon with a register cap for ptxas (``max_regs``: 128 lets 4 programs
-    share an SM, at a few spilled registers; None: ptxas decides, 157: 3 per SM)."""
+    share an SM, at a few spilled registers; None: ptxas decides, 157: 3 per SM).
+
+    ``warp_specialize``: the warp-specialized variant; ``max_regs`` is then the launch's
+    ``maxnreg`` (a multiple of 8; None: ``WS_MAXNREG`` = 80, 3 programs per SM), its compute
+    warps get ``ws_compute_regs(max_regs)`` (136 at 80; 64 would give 4 per SM and 104, which
+    spills)."""
     _check(q, key_cache, value_cache, block_tables, seq_lens, out)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -338,10 +576,14 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    _paged_decode_gluon_kernel[(num_kv_heads, batch)](
-        q, _cache_descriptor(key_cache), _cache_descriptor(value_cache), block_tables, seq_lens, out,
-        sm_scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_q_heads // num_kv_heads, num_warps=NUM_WARPS,
-        **({"maxnreg": max_regs} if max_regs else {}),
-    )
+    args = (q, _cache_descriptor(key_cache), _cache_descriptor(value_cache), block_tables, seq_lens, out,
+            sm_scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
+    group = num_q_heads // num_kv_heads
+    if warp_specialize:
+        max_regs = max_regs or WS_MAXNREG
+        _paged_decode_gluon_ws_kernel[(num_kv_heads, batch)](
+            *args, GROUP=group, COMPUTE_REGS=ws_compute_regs(max_regs), num_warps=NUM_WARPS, maxnreg=max_regs)
+    else:
+        _paged_decode_gluon_kernel[(num_kv_heads, batch)](
+            *args, GROUP=group, num_warps=NUM_WARPS, **({"maxnreg": max_regs} if max_regs else {}))
     return out

@@ -3,8 +3,11 @@
 CPU: the kernel compiled for sm_90 (Triton's ptxas and nvdisasm, no GPU): the pages arrive
 by TMA, nothing spills, and the main loop reads K and V from shared memory 16 bytes at a
 time (no byte loads) and widens e4m3 to fp16 in registers; its instruction mix is printed.
+The warp-specialized variant likewise, its SASS read by partition: the compute warps' loops
+hold no BAR.SYNC and no TMA issue, every UTMALDG is in the producer partition.
 GPU (marked gpu): against paged_decode_ref on the same fp8 cache and against the Triton
-kernel, over ragged contexts with NaN in every slot no sequence owns.
+kernel, over ragged contexts with NaN in every slot no sequence owns; the 4-warp kernel and
+the warp-specialized variant (``warp_specialize=True``).
 """
 
 from __future__ import annotations
@@ -27,37 +30,50 @@ cpu_only = pytest.mark.skipif(GPU, reason="the sm_90 compile without a GPU")
 # --------------------------------------------------------------------------- sm_90 compile (CPU)
 
 
-def compile_sm90(group: int = 4, max_regs: int | None = None):
+def compile_sm90(group: int = 4, max_regs: int | None = None, ws: bool = False):
     """The kernel compiled for sm_90 as an H200 launch compiles it (bf16 q and out; pointers
-    and the strides that are multiples of 16 there marked so): Triton's CompiledKernel."""
+    and the strides that are multiples of 16 there marked so): Triton's CompiledKernel.
+    ``ws``: the warp-specialized variant, launched as ``_launch`` does (maxnreg ``max_regs`` or
+    WS_MAXNREG, the compute warps' setmaxnreg from it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashpage.kernels import paged_decode_gluon as pg
 
-    fn = pg._paged_decode_gluon_kernel
+    fn = pg._paged_decode_gluon_ws_kernel if ws else pg._paged_decode_gluon_kernel
+    consts = {"GROUP": group}
+    if ws:
+        max_regs = max_regs or pg.WS_MAXNREG
+        consts["COMPUTE_REGS"] = pg.ws_compute_regs(max_regs)
     desc = f"tensordesc<fp8e4nv[{pg.PAGE}, {pg.HEAD_DIM}],{pg._TMA_SMEM.value!r}>"
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc, "block_tables_ptr": "*i32",
-                "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "sm_scale_log2": "fp32", "GROUP": "constexpr"})
+                "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "sm_scale_log2": "fp32"})
+    sig.update({c: "constexpr" for c in consts})
     aligned = ("q_ptr", "block_tables_ptr", "seq_lens_ptr", "out_ptr", "stride_qb", "stride_qh",
                "stride_ob", "stride_oh")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs={"GROUP": group}, attrs=attrs)
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     options = dict(num_warps=pg.NUM_WARPS, **({"maxnreg": max_regs} if max_regs else {}))
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def sass_loop_mix(sass: str) -> dict[str, int]:
-    """Opcode counts of the main loop (the shortest backward-branch span holding both a TMA
-    issue and an HMMA), predicates and modifiers after the first dot kept (``LDS.128``)."""
+def _sass_instructions(sass: str) -> tuple[list[str], dict[str, int]]:
+    """The SASS instructions (a leading predicate dropped) and each label's index."""
     ins, labels = [], {}
     for line in sass.splitlines():
         if m := re.match(r"\s*(\.L_x_\d+):", line):
             labels[m[1]] = len(ins)
         elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;", line):
             ins.append(re.sub(r"^@!?U?P\w+\s+", "", m[1]))
+    return ins, labels
+
+
+def sass_loop_mix(sass: str) -> dict[str, int]:
+    """Opcode counts of the main loop (the shortest backward-branch span holding both a TMA
+    issue and an HMMA), predicates and modifiers after the first dot kept (``LDS.128``)."""
+    ins, labels = _sass_instructions(sass)
     loops = [(labels[m[1]], i) for i, t in enumerate(ins)
              if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)) and labels.get(m[1], i + 1) <= i]
     bodies = [[t.split(" ")[0] for t in ins[lo:hi + 1]] for lo, hi in loops]
@@ -65,6 +81,45 @@ def sass_loop_mix(sass: str) -> dict[str, int]:
     mix = collections.Counter(body)
     mix["total"] = len(body)
     return dict(mix)
+
+
+def sass_ws_partitions(sass: str) -> dict:
+    """The warp-specialized kernel's SASS by partition. Each instruction's register budget is
+    that of the last USETMAXREG before it (the partitions start with one); the loops are the
+    backward branches before the last EXIT (the mbarrier retry stubs after it excluded) that
+    hold no USETMAXREG (the worker warps' dispatch loop around the partitions).
+    Returns the opcode mix of each loop holding an HMMA (``compute``) or a TMA issue
+    (``producer``), the budgets under which UTMALDG and HMMA occur, and the highest register
+    used under each budget."""
+    ins, labels = _sass_instructions(sass)
+    budget, cur = [], None
+    for t in ins:
+        if m := re.match(r"USETMAXREG\.\S+\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)", t):
+            cur = int(m[1], 16)
+        budget.append(cur)
+    last_exit = max(i for i, t in enumerate(ins) if t.startswith("EXIT"))
+    loops = [(labels[m[1]], i) for i, t in enumerate(ins[:last_exit])
+             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)) and labels.get(m[1], i + 1) <= i]
+    out = {"compute": [], "producer": []}
+    for lo, hi in loops:
+        body = [t.split(" ")[0] for t in ins[lo:hi + 1]]
+        if any(o.startswith("USETMAXREG") for o in body):
+            continue  # the workers' dispatch loop, around the partitions
+        mix = collections.Counter(body)
+        mix["total"] = len(body)
+        mix["budget"] = budget[lo]
+        if any(o.startswith("HMMA") for o in body):
+            out["compute"].append(dict(mix))
+        elif "UTMALDG.2D" in body:
+            out["producer"].append(dict(mix))
+    out["utmaldg_budgets"] = sorted({budget[i] for i, t in enumerate(ins) if t.startswith("UTMALDG")})
+    out["hmma_budgets"] = sorted({budget[i] for i, t in enumerate(ins) if t.startswith("HMMA")})
+    top = collections.defaultdict(int)
+    for b, t in zip(budget, ins, strict=True):
+        for r in re.findall(r"\bR(\d+)\b", t):
+            top[b] = max(top[b], int(r) + 1)
+    out["registers_used"] = {str(b): n for b, n in top.items() if b}
+    return out
 
 
 def _sm90_report() -> dict:
@@ -79,8 +134,8 @@ def _sm90_report() -> dict:
         return {"skip": f"no Gluon in this Triton: {ex}"}
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = {}
-    for name, cap in (("default", None), ("r128", 128)):
-        k = compile_sm90(max_regs=cap)
+    for name, cap, ws in (("default", None, False), ("r128", 128, False), ("ws", None, True)):
+        k = compile_sm90(max_regs=cap, ws=ws)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "k.ptx").write_text(k.asm["ptx"])
             r = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"],
@@ -90,7 +145,11 @@ def _sm90_report() -> dict:
         regs = int(re.search(r"Used (\d+) registers", r.stderr)[1])
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill", r.stderr)]
         out[name] = dict(regs=regs, spill_bytes=sum(spills), shared=k.metadata.shared,
-                         tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], loop=sass_loop_mix(sass))
+                         threads=32 * k.metadata.num_warps, tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"])
+        if ws:
+            out[name].update(sass_ws_partitions(sass))
+        else:
+            out[name]["loop"] = sass_loop_mix(sass)
     return out
 
 
@@ -98,14 +157,22 @@ def _sm90_report() -> dict:
 def test_gluon_decode_compiles_for_sm90():
     """TMA loads, no spill at ptxas's own register count, K and V read from shared memory
     in 16-byte loads only (8 per warp per 64-key tile: 4 of K, 4 of V), 32 HMMA and 64
-    e4m3 -> fp16 widenings per tile; prints registers, shared memory, programs per SM."""
+    e4m3 -> fp16 widenings per tile; the warp-specialized variant (WS) likewise per compute
+    warp, plus: its compute loops meet no bar.sync and issue no TMA (one mbarrier wait, one
+    arrive a tile), every UTMALDG is the producer's, no spill at 136 registers for the compute
+    warps; prints registers, shared memory, programs per SM and the loops' mixes."""
+    from flashpage.kernels import paged_decode_gluon as pg
+
     rep = run_compiled("test_paged_decode_gluon", "_sm90_report")
     if "skip" in rep:
         pytest.skip(rep["skip"])
     for name, r in rep.items():
-        per_sm = min(65536 // (r["regs"] * 128), (227 * 1024) // r["shared"])
-        print(f"{name}: {r['regs']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, "
-              f"{per_sm} programs per SM; loop {r['loop']}")
+        per_sm = min(65536 // (r["regs"] * r["threads"]), (227 * 1024) // r["shared"])
+        print(f"{name}: {r['regs']} registers x {r['threads']} threads, {r['spill_bytes']} bytes spilled, "
+              f"{r['shared']} B shared, {per_sm} programs per SM")
+        for key in ("loop", "compute", "producer", "utmaldg_budgets", "hmma_budgets", "registers_used"):
+            if key in r:
+                print(f"  {key}: {r[key]}")
     d = rep["default"]
     assert d["tma_ptx"] and d["spill_bytes"] == 0
     loop = d["loop"]
@@ -114,6 +181,26 @@ def test_gluon_decode_compiles_for_sm90():
     assert loop["HMMA.16816.F32"] == 32
     assert loop["F2FP.F16.E4M3.UNPACK_B"] == 64
     assert loop["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1  # one mbarrier wait per tile
+
+    ws = rep["ws"]
+    compute_regs = pg.ws_compute_regs(pg.WS_MAXNREG)
+    assert ws["tma_ptx"] and ws["spill_bytes"] == 0 and ws["regs"] == pg.WS_MAXNREG
+    assert ws["threads"] == 256  # the producer's warpgroup + the 4 compute warps
+    assert 65536 // (ws["regs"] * ws["threads"]) == 3
+    assert len(ws["compute"]) == 4  # one loop per one-warp compute partition
+    for c in ws["compute"]:
+        assert c["budget"] == compute_regs
+        assert not any(o.startswith(("BAR", "UTMA")) for o in c)  # no bar.sync, no TMA issue
+        assert c["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1  # the stage's ready barrier
+        assert c["SYNCS.ARRIVE.TRANS64.A1T0"] == 1  # its empty barrier
+        assert c["LDS.128"] == 8 and not any(o.startswith("LDS") and o != "LDS.128" for o in c)
+        assert c["HMMA.16816.F32"] == 32 and c["F2FP.F16.E4M3.UNPACK_B"] == 64
+    assert len(ws["producer"]) == 1
+    p = ws["producer"][0]
+    assert p["UTMALDG.2D"] == 8 and p["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1
+    assert ws["utmaldg_budgets"] == [p["budget"]] == [2 * pg.WS_MAXNREG - compute_regs]  # producer only
+    assert ws["hmma_budgets"] == [compute_regs]
+    assert ws["registers_used"][str(compute_regs)] <= compute_regs
 
 
 def test_gluon_decode_rejects_what_it_does_not_cover():
@@ -150,16 +237,18 @@ GLUON_CASES = [
     [2048, 1000, 200, 64, 17, 1] * 6,  # longest first, 36 sequences (288 programs)
     [65, 63, 128, 129, 191, 192, 193],  # around the 64-key tile boundary
 ]
+GLUON_VARIANTS = {"default": {}, "r128": {"max_regs": 128}, "ws": {"warp_specialize": True}}
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("lens", GLUON_CASES, ids=["ragged", "longest_first", "tile_edges"])
-@pytest.mark.parametrize("max_regs", [None, 128])
-def test_paged_decode_gluon_gpu(lens, max_regs):
+@pytest.mark.parametrize("variant", list(GLUON_VARIANTS))
+def test_paged_decode_gluon_gpu(lens, variant):
     """Against paged_decode_ref on the same fp8 cache (every other slot NaN: a slot read
     past a context poisons the output) within the bf16 decode tolerance, and against the
-    Triton kernel within twice it; every output row written (out starts NaN)."""
+    Triton kernel within twice it; every output row written (out starts NaN). Each variant:
+    the 4-warp kernel as compiled and under 128 registers, the warp-specialized one."""
     from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
 
     from flashpage.kernels.paged_decode import paged_decode, paged_decode_ref
@@ -168,7 +257,7 @@ def test_paged_decode_gluon_gpu(lens, max_regs):
     g = gen(sum(lens))
     _, _, kc8, vc8, tables, seq_lens = paged_pair(lens, 8, 128, 16, torch.bfloat16, g)
     q = torch.randn(len(lens), 32, 128, generator=g, device="cuda").bfloat16()
-    out = _launch(q, kc8, vc8, tables, seq_lens, out=torch.full_like(q, float("nan")), max_regs=max_regs)
+    out = _launch(q, kc8, vc8, tables, seq_lens, out=torch.full_like(q, float("nan")), **GLUON_VARIANTS[variant])
     ref = paged_decode_ref(q, kc8, vc8, tables, seq_lens)
     triton_out = paged_decode(q, kc8, vc8, tables, seq_lens)
     assert not out.isnan().any(), "NaN: a slot past a context was read, or a row left unwritten"
@@ -180,7 +269,8 @@ def test_paged_decode_gluon_gpu(lens, max_regs):
 
 @pytest.mark.gpu
 @hopper
-def test_paged_decode_gluon_cuda_graph():
+@pytest.mark.parametrize("ws", [False, True], ids=["default", "ws"])
+def test_paged_decode_gluon_cuda_graph(ws):
     """Captured once, replayed with new queries and lengths (descriptors are kernel
     parameters: the caches must stay where they were)."""
     from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
@@ -192,10 +282,10 @@ def test_paged_decode_gluon_cuda_graph():
     _, _, kc, vc, tables, lens = paged_pair([900, 20, 2000], 8, 128, 16, torch.bfloat16, g)
     q = torch.randn(3, 32, 128, generator=g, device="cuda").bfloat16()
     out = torch.empty_like(q)
-    paged_decode_gluon(q, kc, vc, tables, lens, out=out)  # compile outside the capture
+    paged_decode_gluon(q, kc, vc, tables, lens, out=out, warp_specialize=ws)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_decode_gluon(q, kc, vc, tables, lens, out=out)
+        paged_decode_gluon(q, kc, vc, tables, lens, out=out, warp_specialize=ws)
     q.copy_(torch.randn(3, 32, 128, generator=g, device="cuda").bfloat16())
     lens.copy_(torch.tensor([5, 20, 1999], dtype=torch.int32))
     out.fill_(float("nan"))
