@@ -447,5 +447,14 @@ gluon)  # branch gluon-decode: the Gluon fp8 decode prototype's first GPU run (t
         # phase error would hang), then its benchmark beside the Triton default
   timeout 240 $PT -m gpu tests/kernels/test_paged_decode_gluon.py -rf -x 2>&1 | tee "$OUT/gluon_gpu_tests.txt" | tail -n 8
   timeout 150 python3 benchmarks/decode_gluon.py --out "$OUT" 2>&1 | tail -n 10 ;;
+s9a)  # session 9: the Gluon fp8 decode as the engine's default (tests, 8B fp8 on / off), MLA per-kernel split
+  timeout 120 $PT -n 8 -m gpu tests/kernels/test_fp8_kv.py tests/kernels/test_paged_decode_gluon.py -rf 2>&1 \
+    | tee "$OUT/gpu_tests.txt" | tail -n 4
+  timeout 120 $PT -m gpu tests/engine/test_fp8_kv_cache.py -rf 2>&1 | tee "$OUT/gpu_tests_engine.txt" | tail -n 4
+  for g in 1 0; do
+    FLASHPAGE_DECODE_GLUON=$g timeout 150 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+      --kv-cache-dtype fp8 --no-hf --json-out "$OUT/throughput_8b_fp8_gluon$g.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  done
+  timeout 120 python3 benchmarks/mla_decode.py --overhead --out "$OUT/mla_overhead.jsonl" 2>&1 | tail -n 4 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

@@ -39,6 +39,27 @@ def time_graph(fn: Callable[[], object], calls: int = 1, reps: int = 20) -> floa
     return statistics.median(times)
 
 
+def graph_kernel_times(fn: Callable[[], object], reps: int = 5) -> dict[str, float]:
+    """Seconds of GPU time per kernel name in one replay of a CUDA graph of ``fn()``, under
+    torch.profiler (CUPTI records each kernel a graph launches): where a call's time goes
+    between its kernels; what time_graph measures beyond their sum is gaps between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    del graph
+    return {e.key: e.self_device_time_total / 1e6 / reps
+            for e in prof.key_averages() if e.self_device_time_total > 0}
+
+
 def copy_bandwidth() -> float:
     """A 4 GiB device-to-device copy, GB/s of bytes read + written.
 

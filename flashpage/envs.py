@@ -58,6 +58,15 @@ def decode_warp_split() -> bool:
     return os.environ.get("FLASHPAGE_DECODE_WARP_SPLIT", "1") != "0"
 
 
+def decode_gluon() -> bool:
+    """Paged decode over an fp8 cache on Hopper through the Gluon kernel
+    (kernels/paged_decode_gluon.py) where it covers the call (unsplit grids, block size 16,
+    head_dim 128, no window): 1.07-1.17x the Triton warp-split loop at the engine's batches
+    in the H200 run 68 (benchmarks/decode_gluon.py). FLASHPAGE_DECODE_GLUON=0 keeps the
+    Triton kernel. Read when a config is chosen (a decode graph keeps the one it captured)."""
+    return os.environ.get("FLASHPAGE_DECODE_GLUON", "1") != "0"
+
+
 def fused_merge() -> bool:
     """FLASHPAGE_FUSED_MERGE=1: split paged decode merges its splits in the last program of
     each (sequence, KV head) instead of a second kernel. Off by default: in the H200 run

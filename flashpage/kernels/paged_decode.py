@@ -5,7 +5,9 @@ Cache layout (one pair per layer)::
     key_cache, value_cache : [num_blocks, block_size, num_kv_heads, head_dim]
     token p of sequence b  -> key_cache[block_tables[b, p // block_size], p % block_size]
 
-The caches hold q's dtype or float8_e4m3fn (kv_dtype.py). Under a 16-bit q an fp8 cache's
+The caches hold q's dtype or float8_e4m3fn (kv_dtype.py); on Hopper an fp8 cache at the
+engine's larger batches goes to the Gluon kernel of paged_decode_gluon.py
+(``DecodeConfig.gluon``; gluon_unsupported lists what it does not cover). Under a 16-bit q an fp8 cache's
 dots run in fp16 (``F16_DOTS``): q is scaled by sm_scale·log2(e) in fp32 and rounded to
 fp16 once, and K/V tiles are widened to fp16 after their load (exact). sm_90 widens
 e4m3 pairs to fp16 in one instruction (``cvt.rn.f16x2.e4m3x2``) but to bf16 in three
@@ -82,6 +84,10 @@ class DecodeConfig:
     # reduction or exchange of P per tile. Needs block_n == 16 * num_warps and a block
     # size >= 16; no window, not with prefetch.
     warp_split: bool = False
+    # The Gluon kernel (paged_decode_gluon.py: TMA-fed pieces, LDS.128 operands) for the
+    # calls it covers (gluon_unsupported says which); the others run this config's Triton
+    # loop. fp8 cache on sm_90 only.
+    gluon: bool = False
 
 
 def _interpreting() -> bool:
@@ -120,7 +126,10 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
     above). Halving the instructions alone (a keys-inner V, run 49) had bought 2-6%: what
     the old loop waited on was the chain of cross-warp reductions and P's exchange per
     tile, which the split removes. End to end (8B, fp8 cache, run 59) +1.0%; decode steps
-    at batch 32-127 4.6% shorter.
+    at batch 32-127 4.6% shorter. Where that grid is unsplit (batch * Hkv >= 3/2 waves'
+    worth: batch >= 25 at 8 KV heads) the Gluon kernel (paged_decode_gluon.py) takes the
+    call: 1.07-1.17x the Triton warp-split loop in run 68 (74-77% of copy at 256 x 1024 and
+    128 x 2048; FLASHPAGE_DECODE_GLUON=0 turns it off).
     """
     if device.type == "cuda" and not _interpreting():
         major, _ = torch.cuda.get_device_capability(device)
@@ -134,7 +143,8 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
                 # 101-2048 contexts, batch 64 / 128: 1.29x / 1.10x the batch-major grid).
                 if envs.decode_warp_split() and (programs is None or programs >= 64):
                     return DecodeConfig(64, 4, 3, programs_per_sm=3, warp_split=True,
-                                        heads_fastest=True, fused_merge=envs.fused_merge())
+                                        heads_fastest=True, fused_merge=envs.fused_merge(),
+                                        gluon=envs.decode_gluon())
                 return DecodeConfig(64, 4, 3, programs_per_sm=4, fused_merge=envs.fused_merge())
             sms = _num_sms(device)
             if programs is not None and sms < programs <= 2 * sms:  # unsplit: 1-2 per SM
@@ -163,12 +173,14 @@ CANDIDATE_CONFIGS = [
 
 def config_name(cfg: DecodeConfig) -> str:
     """n{keys}w{warps}s{stages}, then p (hand prefetch), v (V prefetched), h (heads fastest),
-    m (fused merge), r{n} (n KV heads per program), R{n} (register cap), W (warp split)."""
+    m (fused merge), r{n} (n KV heads per program), R{n} (register cap), W (warp split),
+    G (the Gluon kernel where it covers the call)."""
     return (f"n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{'p' if cfg.prefetch else ''}"
             f"{'v' if cfg.prefetch_v else ''}"
             f"{'h' if cfg.heads_fastest else ''}{'m' if cfg.fused_merge else ''}"
             f"{f'r{cfg.heads_per_program}' if cfg.heads_per_program > 1 else ''}"
-            f"{f'R{cfg.max_regs}' if cfg.max_regs else ''}{'W' if cfg.warp_split else ''}")
+            f"{f'R{cfg.max_regs}' if cfg.max_regs else ''}{'W' if cfg.warp_split else ''}"
+            f"{'G' if cfg.gluon else ''}")
 
 
 @triton.jit
@@ -580,6 +592,11 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
                                        programs_per_sm=cfg.programs_per_sm)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if cfg.gluon and not gluon_unsupported(q, key_cache, value_cache, window_size, num_splits):
+        from flashpage.kernels.paged_decode_gluon import paged_decode_gluon
+
+        return paged_decode_gluon(q, key_cache, value_cache, block_tables, seq_lens,
+                                  sm_scale=sm_scale, out=out)
     # FLASHPAGE_PDL=auto leaves the unsplit kernel without PDL: on the H200 it timed 0.91x
     # at 32 x 4096 with it (split kernels and their merge: 1.04x at 1 x 32768)
     use_pdl = resolve_pdl(pdl, q.device, in_auto=num_splits > 1)
@@ -638,6 +655,35 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
     if num_splits > 1 and not fused_merge:
         _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
     return out
+
+
+def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      window_size: int | None, num_splits: int,
+                      capability: tuple[int, int] | None = None) -> list[str]:
+    """Why the Gluon fp8 kernel (paged_decode_gluon.py) cannot take this call; empty if it can.
+    ``capability``: the device's compute capability (None: read from q's device)."""
+    reasons = []
+    if capability is None:
+        capability = ((0, 0) if q.device.type != "cuda" or _interpreting()
+                      else torch.cuda.get_device_capability(q.device))
+    if capability[0] != 9:
+        reasons.append("needs a Hopper (sm_90) GPU, not the interpreter")
+    if key_cache.dtype != torch.float8_e4m3fn or value_cache.dtype != torch.float8_e4m3fn:
+        reasons.append(f"needs a float8_e4m3fn cache, got {key_cache.dtype}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        reasons.append(f"needs a bf16/fp16 query, got {q.dtype}")
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    if block_size != 16 or head_dim != 128:
+        reasons.append(f"needs block_size 16 and head_dim 128, got {block_size} and {head_dim}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        reasons.append("needs contiguous caches")
+    if q.shape[1] // num_kv_heads > 16:
+        reasons.append(f"covers up to 16 query heads per KV head, got {q.shape[1] // num_kv_heads}")
+    if window_size is not None:
+        reasons.append("has no sliding window")
+    if num_splits != 1:
+        reasons.append(f"does not split the keys ({num_splits} splits asked)")
+    return reasons
 
 
 def _merge(mid_o, mid_lse, out, num_splits: int, block_d: int, pdl: bool = False) -> None:

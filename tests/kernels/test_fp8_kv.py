@@ -546,6 +546,32 @@ def test_paged_decode_fp8_gpu(case):
 
 @pytest.mark.gpu
 @gpu_only
+def test_paged_decode_fp8_default_takes_gluon_on_hopper(monkeypatch):
+    """At 40 sequences x 8 KV heads (unsplit) the default path hands an fp8 decode to the
+    Gluon kernel on sm_90 and matches the reference and the Triton loop
+    (FLASHPAGE_DECODE_GLUON=0); elsewhere it never calls it."""
+    from flashpage.kernels import paged_decode_gluon as pg
+
+    calls = []
+    real = pg.paged_decode_gluon
+    monkeypatch.setattr(pg, "paged_decode_gluon", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = gen(11)
+    lens_list = [2000, 1, 17, 64, 65, 700, 1023, 300] * 5
+    _, _, kc, vc, tables, lens = paged_pair(lens_list, 8, 128, 16, torch.bfloat16, g)
+    q = torch.randn(len(lens_list), 32, 128, generator=g, device=DEVICE).bfloat16()
+    ref = paged_decode_ref(q, kc, vc, tables, lens)
+    out = paged_decode(q, kc, vc, tables, lens)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert len(calls) == (1 if hopper else 0)
+    assert rel_err(out, ref) < DECODE_TOL[torch.bfloat16]
+    monkeypatch.setenv("FLASHPAGE_DECODE_GLUON", "0")
+    triton_out = paged_decode(q, kc, vc, tables, lens)
+    assert len(calls) == (1 if hopper else 0)
+    assert rel_err(out, triton_out) < DECODE_TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@gpu_only
 def test_paged_decode_fp8_cuda_graph():
     """Captured over an fp8 cache (split, merge kernel), replayed with new queries and lengths."""
     g = gen(3)

@@ -207,8 +207,13 @@ def test_default_config_by_generation(monkeypatch):
     assert small8 == large8 == mod.default_config(cuda, 128, 64, fp8=True)
     assert (small8.block_n, small8.num_stages, small8.programs_per_sm, small8.warp_split) == (64, 3, 3, True)
     assert small8.heads_fastest  # a sequence's heads together: longest decodes first over the GPU
+    assert small8.gluon  # the Gluon kernel where it covers the call
+    monkeypatch.setenv("FLASHPAGE_DECODE_GLUON", "0")
+    assert not mod.default_config(cuda, 128, 264, fp8=True).gluon
+    monkeypatch.delenv("FLASHPAGE_DECODE_GLUON")
     few8 = mod.default_config(cuda, 128, 63, fp8=True)  # under 64 programs: the shared-state loop
     assert (few8.block_n, few8.num_stages, few8.programs_per_sm, few8.warp_split) == (64, 3, 4, False)
+    assert not few8.gluon and not small.gluon and not large.gluon  # fp8 at >= 64 programs only
     monkeypatch.setenv("FLASHPAGE_DECODE_WARP_SPLIT", "0")
     assert mod.default_config(cuda, 128, 264, fp8=True) == few8
     monkeypatch.delenv("FLASHPAGE_DECODE_WARP_SPLIT")
@@ -225,6 +230,36 @@ def test_default_config_by_generation(monkeypatch):
     assert mod.default_config(cuda, 128, 8) == DecodeConfig(64, 4, 3)
     assert mod.default_config(cuda, 256, 8) == DecodeConfig(32, 4, 3)
     assert mod.default_config(torch.device("cpu"), 128, 8) == DecodeConfig(64, 4, 3)
+
+
+def test_gluon_unsupported_names_each_reason():
+    """What the Gluon kernel covers (fp8 cache on sm_90, block 16, head_dim 128, <= 16 query
+    heads per KV head, unsplit, no window): each condition broken alone gives its reason."""
+    from flashpage.kernels.paged_decode import gluon_unsupported
+
+    fp8 = torch.float8_e4m3fn
+    q = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
+    kc = torch.zeros(8, 16, 8, 128).to(fp8)
+    assert gluon_unsupported(q, kc, kc, None, 1, capability=(9, 0)) == []
+    assert gluon_unsupported(q.half(), kc, kc, None, 1, capability=(9, 0)) == []
+
+    def only(reasons, word):
+        assert len(reasons) == 1 and word in reasons[0], reasons
+
+    only(gluon_unsupported(q, kc, kc, None, 1, capability=(8, 0)), "sm_90")
+    only(gluon_unsupported(q, kc, kc, None, 1), "sm_90")  # a CPU tensor
+    only(gluon_unsupported(q, kc.bfloat16(), kc.bfloat16(), None, 1, capability=(9, 0)), "float8")
+    only(gluon_unsupported(q.float(), kc, kc, None, 1, capability=(9, 0)), "query")
+    kc32 = torch.zeros(8, 32, 8, 128).to(fp8)
+    only(gluon_unsupported(q, kc32, kc32, None, 1, capability=(9, 0)), "block_size 16")
+    kc64 = torch.zeros(8, 16, 8, 64).to(fp8)
+    only(gluon_unsupported(q[..., :64], kc64, kc64, None, 1, capability=(9, 0)), "head_dim 128")
+    wide = torch.zeros(8, 16, 8, 256).to(fp8)[..., :128]
+    only(gluon_unsupported(q, wide, wide, None, 1, capability=(9, 0)), "contiguous")
+    kc1 = torch.zeros(8, 16, 1, 128).to(fp8)
+    only(gluon_unsupported(q, kc1, kc1, None, 1, capability=(9, 0)), "16 query heads")
+    only(gluon_unsupported(q, kc, kc, 4096, 1, capability=(9, 0)), "window")
+    only(gluon_unsupported(q, kc, kc, None, 2, capability=(9, 0)), "split")
 
 
 # The loop shapes the GPU benchmark sweeps: Triton's pipeliner or the hand prefetch, and
