@@ -136,9 +136,9 @@ def _issue_piece(k_desc, v_desc, k_smem, v_smem, bar, row0, blk, col, pred):
 
 
 @gluon.jit
-def _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, tile, b0, b1, b2, b3, col, pred):
-    """TMA of a tile's 4 K and 4 V pieces into stage tile % STAGES, on its mbarrier."""
-    stage = tile % _S
+def _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, tile, b0, b1, b2, b3, col, pred, S: gl.constexpr):
+    """TMA of a tile's 4 K and 4 V pieces into stage tile % S, on its mbarrier."""
+    stage = tile % S
     bar = bars.index(stage)
     mbarrier.expect(bar, 2 * _BN * _D, pred=pred)
     ks = k_smem.index(stage)
@@ -189,6 +189,7 @@ def _paged_decode_gluon_kernel(
     sm_scale_log2,  # sm_scale * log2(e)
     stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
     GROUP: gl.constexpr,  # query heads per KV head (<= 16)
+    S: gl.constexpr,  # stages: tiles in the buffer (S - 1 in flight while one is computed)
 ):
     kvh = gl.program_id(0)  # KV heads fastest
     b = gl.program_id(1)
@@ -199,19 +200,19 @@ def _paged_decode_gluon_kernel(
     last_page = gl.maximum(seq_len - 1, 0) // _PG
     col = kvh * _D
 
-    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [_S, _BN, _D], _TMA_SMEM)
-    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [_S, _BN, _D], _TMA_SMEM)
-    bars = gl.allocate_shared_memory(gl.int64, [_S, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(_S):
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [S, _BN, _D], _TMA_SMEM)
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [S, _BN, _D], _TMA_SMEM)
+    bars = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(S):
         mbarrier.init(bars.index(i), count=1)
     gl.thread_barrier()
 
     # The first STAGES - 1 tiles in flight; the next tile's pages loaded one iteration ahead
     # of their TMA (no warp waits on a block-table load before an issue).
-    for t in gl.static_range(_S - 1):
+    for t in gl.static_range(S - 1):
         b0, b1, b2, b3 = _tile_blocks(bt_row, t, last_page)
-        _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, t, b0, b1, b2, b3, col, t < num_tiles)
-    b0, b1, b2, b3 = _tile_blocks(bt_row, _S - 1, last_page)
+        _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, t, b0, b1, b2, b3, col, t < num_tiles, S)
+    b0, b1, b2, b3 = _tile_blocks(bt_row, S - 1, last_page)
 
     # q in the A operand layout (every warp a copy; rows >= GROUP zero), its columns in K's
     # order, scaled and rounded to fp16 once.
@@ -232,18 +233,18 @@ def _paged_decode_gluon_kernel(
     for i in range(num_tiles - 1):  # every tile but the last: 64 valid keys
         gl.thread_barrier()  # every warp is done reading tile i - 1's stage
         fence_async_shared()  # ... before the async proxy overwrites it
-        t_next = i + _S - 1
-        _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, t_next, b0, b1, b2, b3, col, t_next < num_tiles)
+        t_next = i + S - 1
+        _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, t_next, b0, b1, b2, b3, col, t_next < num_tiles, S)
         b0, b1, b2, b3 = _tile_blocks(bt_row, t_next + 1, last_page)
-        stage = i % _S
-        mbarrier.wait(bars.index(stage), (i // _S) & 1)
+        stage = i % S
+        mbarrier.wait(bars.index(stage), (i // S) & 1)
         m3, l3, acc = _attend(q, k_smem, v_smem, stage, m3, l3, acc, i * _BN, seq_len, False)
     if num_tiles > 0:
         last = num_tiles - 1
-        stage = last % _S
-        mbarrier.wait(bars.index(stage), (last // _S) & 1)
+        stage = last % S
+        mbarrier.wait(bars.index(stage), (last // S) & 1)
         m3, l3, acc = _attend(q, k_smem, v_smem, stage, m3, l3, acc, last * _BN, seq_len, True)
-    for i in gl.static_range(_S):
+    for i in gl.static_range(S):
         mbarrier.invalidate(bars.index(i))
 
     # The pieces merged (a piece that saw no key has m = -inf: weight 0).
@@ -294,6 +295,8 @@ def _paged_decode_gluon_kernel(
 # ptxas spills 540 bytes (128 already spills 216). (A 4-warp idle default partition plus a
 # 1-warp producer partition would be 12 warps: 120 for the compute warps at 3 per SM.)
 
+LAZY_LOG2 = gl.constexpr(8.0)  # _attend_piece's LAZY: rescale once a max grew by > 2^8
+
 WS_MAXNREG = 80  # maxnreg at launch: 80 x 256 threads x 3 programs <= 64K; compute warps 136
 
 _MMA1 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
@@ -325,13 +328,13 @@ _OUT1 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[
 
 
 @gluon.jit
-def _ws_produce(k_desc, v_desc, kv_k, kv_v, ready, empty, bt_row, num_tiles, last_page, col):
+def _ws_produce(k_desc, v_desc, kv_k, kv_v, ready, empty, bt_row, num_tiles, last_page, col, S: gl.constexpr):
     """Producer partition: tile t into stage t % STAGES once every compute warp has released it
     (the stage's empty barrier), its block ids loaded one tile ahead."""
     b0, b1, b2, b3 = _tile_blocks(bt_row, 0, last_page)
     for t in range(num_tiles):
-        stage = t % _S
-        mbarrier.wait(empty.index(stage), ((t // _S) & 1) ^ 1)  # a fresh barrier passes parity 1
+        stage = t % S
+        mbarrier.wait(empty.index(stage), ((t // S) & 1) ^ 1)  # a fresh barrier passes parity 1
         fence_async_shared()  # the compute warps' generic reads before the async proxy's writes
         bar = ready.index(stage)
         mbarrier.expect(bar, 2 * _BN * _D)
@@ -344,9 +347,16 @@ def _ws_produce(k_desc, v_desc, kv_k, kv_v, ready, empty, bt_row, num_tiles, las
 
 
 @gluon.jit
-def _attend_piece(q, k_piece, v_piece, empty_bar, m, l, acc, key0, seq_len, MASKED: gl.constexpr):
+def _attend_piece(q, k_piece, v_piece, empty_bar, m, l, acc, key0, seq_len, MASKED: gl.constexpr,
+                  LAZY: gl.constexpr = False):
     """_attend for one warp: keys key0 .. key0 + 15 from its piece of a stage; the stage's empty
-    barrier arrived on once K and V are in registers."""
+    barrier arrived on once K and V are in registers.
+
+    LAZY (unmasked tiles): the warp keeps its running max, and skips rescaling l and the
+    accumulator (64 multiplies a thread), unless some row's max grew by more than LAZY_LOG2;
+    p = 2^(s - m) then stays below 2^LAZY_LOG2 (fp16-safe), and every quantity shares the kept
+    max, so the result is unchanged. One warp: the test is a shuffle reduction and a uniform
+    branch."""
     kt = k_piece._reinterpret(gl.float8e4nv, [_D, _PG], _K_VIEW1).load(_B1).to(gl.float16)  # [128, 16]
     s = mma_v2(q, kt, gl.zeros([16, _PG], gl.float32, _MMA1))  # [16 rows, 16 keys]
     if MASKED:
@@ -357,9 +367,20 @@ def _attend_piece(q, k_piece, v_piece, empty_bar, m, l, acc, key0, seq_len, MASK
     else:
         m_new = gl.maximum(m, gl.max(s, 1))
         m_exp = m_new
-    alpha = gl.exp2(m - m_exp)
-    p = gl.exp2(s - gl.expand_dims(m_exp, 1))
-    l = l * alpha + gl.sum(p, 1)
+    if LAZY:
+        if gl.max(m_new - m, 0) > LAZY_LOG2:  # -inf rows (first tile): inf, so they rescale
+            alpha = gl.exp2(m - m_new)
+            acc = acc * gl.expand_dims(alpha, 1)
+            l = l * alpha
+            m = m_new
+        p = gl.exp2(s - gl.expand_dims(m, 1))
+        l = l + gl.sum(p, 1)
+        m_new = m
+    else:
+        alpha = gl.exp2(m - m_exp)
+        p = gl.exp2(s - gl.expand_dims(m_exp, 1))
+        l = l * alpha + gl.sum(p, 1)
+        acc = acc * gl.expand_dims(alpha, 1)
     pa = gl.convert_layout(p.to(gl.float16), _A1)
     v = v_piece._reinterpret(gl.float8e4nv, [_PG, _D], _V_VIEW1).load(_V_LOAD1)
     mbarrier.arrive(empty_bar)  # this warp is done with the stage
@@ -367,25 +388,25 @@ def _attend_piece(q, k_piece, v_piece, empty_bar, m, l, acc, key0, seq_len, MASK
     if MASKED:
         offs_vj = gl.arange(0, _PG, layout=gl.SliceLayout(1, _B1))
         v = gl.where(gl.expand_dims(key0 + offs_vj, 1) < seq_len, v, 0.0)
-    acc = mma_v2(pa, v, acc * gl.expand_dims(alpha, 1))
+    acc = mma_v2(pa, v, acc)
     return m_new, l, acc
 
 
 @gluon.jit
-def _ws_piece_stage(kv_k, kv_v, j: gl.constexpr):
+def _ws_piece_stage(kv_k, kv_v, j: gl.constexpr, S: gl.constexpr):
     """Piece j's accumulator for the merge, [16, 128] fp32 = 8 KB = one stage: K's stages
     hold pieces 0-2, V's stage 0 piece 3."""
-    if j < _S:
-        buf = kv_k._reinterpret(gl.float32, [_S, 16, _D], _ACC_SMEM).index(j)
+    if j < S:
+        buf = kv_k._reinterpret(gl.float32, [S, 16, _D], _ACC_SMEM).index(j)
     else:
-        buf = kv_v._reinterpret(gl.float32, [_S, 16, _D], _ACC_SMEM).index(j - _S)
+        buf = kv_v._reinterpret(gl.float32, [S, 16, _D], _ACC_SMEM).index(j - S)
     return buf
 
 
 @gluon.jit
 def _ws_compute(q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
                 sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh,
-                GROUP: gl.constexpr, P: gl.constexpr):
+                GROUP: gl.constexpr, P: gl.constexpr, S: gl.constexpr, LAZY: gl.constexpr):
     """Compute partition (one warp): piece P of every tile, then its share of the merge."""
     head0 = kvh * GROUP
     offs_r = gl.arange(0, 16, layout=gl.SliceLayout(1, _A1))
@@ -400,15 +421,15 @@ def _ws_compute(q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num
     l = gl.zeros([16], gl.float32, gl.SliceLayout(1, _MMA1))
     acc = gl.zeros([16, _D], gl.float32, _MMA1)
     for i in range(num_tiles - 1):  # every tile but the last: 64 valid keys
-        stage = i % _S
-        mbarrier.wait(ready.index(stage), (i // _S) & 1)
+        stage = i % S
+        mbarrier.wait(ready.index(stage), (i // S) & 1)
         idx = stage * _W + P
         m, l, acc = _attend_piece(q, kv_k.index(idx), kv_v.index(idx), empty.index(stage), m, l, acc,
-                                  i * _BN + P * _PG, seq_len, False)
+                                  i * _BN + P * _PG, seq_len, False, LAZY)
     if num_tiles > 0:
         last = num_tiles - 1
-        stage = last % _S
-        mbarrier.wait(ready.index(stage), (last // _S) & 1)
+        stage = last % S
+        mbarrier.wait(ready.index(stage), (last // S) & 1)
         idx = stage * _W + P
         m, l, acc = _attend_piece(q, kv_k.index(idx), kv_v.index(idx), empty.index(stage), m, l, acc,
                                   last * _BN + P * _PG, seq_len, True)
@@ -417,7 +438,7 @@ def _ws_compute(q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num
     # any more, every TMA has landed): the K/V buffer is free.
     mbarrier.arrive(sync)
     mbarrier.wait(sync, 0)
-    _ws_piece_stage(kv_k, kv_v, P).store(acc)
+    _ws_piece_stage(kv_k, kv_v, P, S).store(acc)
     ml.index(P).store(m)
     ml.index(_W + P).store(l)
     mbarrier.arrive(sync)  # phase 1: every piece's m, l, acc stored
@@ -432,7 +453,7 @@ def _ws_compute(q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num
     for j in gl.static_range(_W):
         w = gl.exp2(ml.index(j).load(rows_l) - m_safe)
         l_all += ml.index(_W + j).load(rows_l) * w
-        part = _ws_piece_stage(kv_k, kv_v, j).slice(32 * P, 32, dim=1).load(_OUT1)
+        part = _ws_piece_stage(kv_k, kv_v, j, S).slice(32 * P, 32, dim=1).load(_OUT1)
         o += part * gl.expand_dims(w, 1)
     o = o / gl.expand_dims(gl.where(l_all > 0.0, l_all, 1.0), 1)
     rows = gl.expand_dims(gl.arange(0, 16, layout=rows_l), 1)
@@ -448,6 +469,8 @@ def _paged_decode_gluon_ws_kernel(
     stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
     GROUP: gl.constexpr,  # query heads per KV head (<= 16)
     COMPUTE_REGS: gl.constexpr,  # setmaxnreg of the compute warps
+    S: gl.constexpr,  # stages
+    LAZY: gl.constexpr,  # rescale only when a row's running max grew by more than LAZY_LOG2
 ):
     kvh = gl.program_id(0)  # KV heads fastest
     b = gl.program_id(1)
@@ -459,13 +482,13 @@ def _paged_decode_gluon_ws_kernel(
     col = kvh * _D
 
     # Piece-stages: stage s, piece p at index s * 4 + p (one TMA box each).
-    kv_k = gl.allocate_shared_memory(gl.float8e4nv, [_S * _W, _PG, _D], _TMA_SMEM)
-    kv_v = gl.allocate_shared_memory(gl.float8e4nv, [_S * _W, _PG, _D], _TMA_SMEM)
+    kv_k = gl.allocate_shared_memory(gl.float8e4nv, [S * _W, _PG, _D], _TMA_SMEM)
+    kv_v = gl.allocate_shared_memory(gl.float8e4nv, [S * _W, _PG, _D], _TMA_SMEM)
     ml = gl.allocate_shared_memory(gl.float32, [2 * _W, 16], _ROWS_SMEM)  # the merge's m, l
-    ready = gl.allocate_shared_memory(gl.int64, [_S, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [_S, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     sync = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(_S):
+    for i in gl.static_range(S):
         mbarrier.init(ready.index(i), count=1)  # the producer's expect; the bytes complete it
         mbarrier.init(empty.index(i), count=_W)  # one arrive per compute warp
     mbarrier.init(sync, count=_W)
@@ -473,15 +496,15 @@ def _paged_decode_gluon_ws_kernel(
 
     # One compute partition per piece (P, the last argument, a constexpr: 4 copies of the code).
     gl.warp_specialize([
-        (_ws_produce, (k_desc, v_desc, kv_k, kv_v, ready, empty, bt_row, num_tiles, last_page, col)),
+        (_ws_produce, (k_desc, v_desc, kv_k, kv_v, ready, empty, bt_row, num_tiles, last_page, col, S)),
         (_ws_compute, (q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
-                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 0)),
+                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 0, S, LAZY)),
         (_ws_compute, (q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
-                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 1)),
+                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 1, S, LAZY)),
         (_ws_compute, (q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
-                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 2)),
+                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 2, S, LAZY)),
         (_ws_compute, (q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
-                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 3)),
+                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 3, S, LAZY)),
     ], [1, 1, 1, 1], [COMPUTE_REGS] * 4)
 
 
@@ -559,14 +582,18 @@ def ws_compute_regs(max_regs: int) -> int:
 
 
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, out=None,
-            max_regs: int | None = None, warp_specialize: bool = False):
+            max_regs: int | None = None, warp_specialize: bool = False, stages: int = STAGES,
+            lazy: bool = False):
     """paged_decode_gluon with a register cap for ptxas (``max_regs``: 128 lets 4 programs
     share an SM, at a few spilled registers; None: ptxas decides, 157: 3 per SM).
 
     ``warp_specialize``: the warp-specialized variant; ``max_regs`` is then the launch's
     ``maxnreg`` (a multiple of 8; None: ``WS_MAXNREG`` = 80, 3 programs per SM), its compute
     warps get ``ws_compute_regs(max_regs)`` (136 at 80; 64 would give 4 per SM and 104, which
-    spills)."""
+    spills). ``stages``: tiles in the buffer (STAGES - 1 in flight). ``lazy``: the
+    warp-specialized variant's lazy rescale (_attend_piece)."""
+    if stages < 2 or (warp_specialize and stages * 2 < NUM_WARPS):
+        raise ValueError(f"stages must be >= 2 (>= {NUM_WARPS // 2} warp-specialized), got {stages}")
     _check(q, key_cache, value_cache, block_tables, seq_lens, out)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -582,8 +609,9 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
     if warp_specialize:
         max_regs = max_regs or WS_MAXNREG
         _paged_decode_gluon_ws_kernel[(num_kv_heads, batch)](
-            *args, GROUP=group, COMPUTE_REGS=ws_compute_regs(max_regs), num_warps=NUM_WARPS, maxnreg=max_regs)
+            *args, GROUP=group, COMPUTE_REGS=ws_compute_regs(max_regs), S=stages, LAZY=lazy,
+            num_warps=NUM_WARPS, maxnreg=max_regs)
     else:
         _paged_decode_gluon_kernel[(num_kv_heads, batch)](
-            *args, GROUP=group, num_warps=NUM_WARPS, **({"maxnreg": max_regs} if max_regs else {}))
+            *args, GROUP=group, S=stages, num_warps=NUM_WARPS, **({"maxnreg": max_regs} if max_regs else {}))
     return out

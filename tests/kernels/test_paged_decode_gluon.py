@@ -30,11 +30,13 @@ cpu_only = pytest.mark.skipif(GPU, reason="the sm_90 compile without a GPU")
 # --------------------------------------------------------------------------- sm_90 compile (CPU)
 
 
-def compile_sm90(group: int = 4, max_regs: int | None = None, ws: bool = False):
+def compile_sm90(group: int = 4, max_regs: int | None = None, ws: bool = False, stages: int | None = None,
+                 lazy: bool = False):
     """The kernel compiled for sm_90 as an H200 launch compiles it (bf16 q and out; pointers
     and the strides that are multiples of 16 there marked so): Triton's CompiledKernel.
     ``ws``: the warp-specialized variant, launched as ``_launch`` does (maxnreg ``max_regs`` or
-    WS_MAXNREG, the compute warps' setmaxnreg from it)."""
+    WS_MAXNREG, the compute warps' setmaxnreg from it); ``stages``: None for STAGES; ``lazy``:
+    the warp-specialized variant's lazy rescale."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -42,10 +44,11 @@ def compile_sm90(group: int = 4, max_regs: int | None = None, ws: bool = False):
     from flashpage.kernels import paged_decode_gluon as pg
 
     fn = pg._paged_decode_gluon_ws_kernel if ws else pg._paged_decode_gluon_kernel
-    consts = {"GROUP": group}
+    consts = {"GROUP": group, "S": stages or pg.STAGES}
     if ws:
         max_regs = max_regs or pg.WS_MAXNREG
         consts["COMPUTE_REGS"] = pg.ws_compute_regs(max_regs)
+        consts["LAZY"] = lazy
     desc = f"tensordesc<fp8e4nv[{pg.PAGE}, {pg.HEAD_DIM}],{pg._TMA_SMEM.value!r}>"
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc, "block_tables_ptr": "*i32",
@@ -134,8 +137,9 @@ def _sm90_report() -> dict:
         return {"skip": f"no Gluon in this Triton: {ex}"}
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = {}
-    for name, cap, ws in (("default", None, False), ("r128", 128, False), ("ws", None, True)):
-        k = compile_sm90(max_regs=cap, ws=ws)
+    for name, cap, ws, lazy in (("default", None, False, False), ("r128", 128, False, False),
+                                ("ws", None, True, False), ("ws_lazy", None, True, True)):
+        k = compile_sm90(max_regs=cap, ws=ws, lazy=lazy)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "k.ptx").write_text(k.asm["ptx"])
             r = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"],
@@ -237,18 +241,21 @@ GLUON_CASES = [
     [2048, 1000, 200, 64, 17, 1] * 6,  # longest first, 36 sequences (288 programs)
     [65, 63, 128, 129, 191, 192, 193],  # around the 64-key tile boundary
 ]
-GLUON_VARIANTS = {"default": {}, "r128": {"max_regs": 128}, "ws": {"warp_specialize": True}}
+GLUON_VARIANTS = {"default": {}, "r128": {"max_regs": 128}, "ws": {"warp_specialize": True},
+                  "s4": {"stages": 4}, "ws_lazy_s4": {"warp_specialize": True, "stages": 4, "lazy": True},
+                  "ws_lazy_s6": {"warp_specialize": True, "stages": 6, "lazy": True}}
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("lens", GLUON_CASES, ids=["ragged", "longest_first", "tile_edges"])
 @pytest.mark.parametrize("variant", list(GLUON_VARIANTS))
-def test_paged_decode_gluon_gpu(lens, variant):
+def test_paged_decode_gluon_gpu(lens, variant, monkeypatch):
     """Against paged_decode_ref on the same fp8 cache (every other slot NaN: a slot read
     past a context poisons the output) within the bf16 decode tolerance, and against the
     Triton kernel within twice it; every output row written (out starts NaN). Each variant:
-    the 4-warp kernel as compiled and under 128 registers, the warp-specialized one."""
+    the 4-warp kernel as compiled, under 128 registers and with 4 stages, the warp-specialized
+    one, with the lazy rescale at 4 and 6 stages."""
     from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
 
     from flashpage.kernels.paged_decode import paged_decode, paged_decode_ref
@@ -259,12 +266,35 @@ def test_paged_decode_gluon_gpu(lens, variant):
     q = torch.randn(len(lens), 32, 128, generator=g, device="cuda").bfloat16()
     out = _launch(q, kc8, vc8, tables, seq_lens, out=torch.full_like(q, float("nan")), **GLUON_VARIANTS[variant])
     ref = paged_decode_ref(q, kc8, vc8, tables, seq_lens)
+    monkeypatch.setenv("FLASHPAGE_DECODE_GLUON", "0")  # the Triton kernel, not this one
     triton_out = paged_decode(q, kc8, vc8, tables, seq_lens)
     assert not out.isnan().any(), "NaN: a slot past a context was read, or a row left unwritten"
     tol = DECODE_TOL[torch.bfloat16]
     for b in range(len(lens)):  # per sequence, so that one bad length shows by itself
         assert rel_err(out[b], ref[b]) < tol, f"sequence {b} (context {lens[b]}): {rel_err(out[b], ref[b]):.2e}"
     assert rel_err(out, triton_out) < 2 * tol
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("variant", ["default", "ws", "ws_lazy_s4"])
+def test_paged_decode_gluon_sharp_scores(variant):
+    """Queries scaled x 8 (scores with a std of ~11 in log2 units: maxima ~23 on a first
+    tile, ~40 over 2048 keys), so that a running max jumps by more than the lazy threshold in
+    the middle of sequences, not only on the first tile: the lazy rescale's taken branch."""
+    from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
+
+    from flashpage.kernels.paged_decode import paged_decode_ref
+    from flashpage.kernels.paged_decode_gluon import _launch
+
+    lens = [2048, 1000, 333, 64, 17, 1] * 6
+    g = gen(9)
+    _, _, kc8, vc8, tables, seq_lens = paged_pair(lens, 8, 128, 16, torch.bfloat16, g)
+    q = (8 * torch.randn(len(lens), 32, 128, generator=g, device="cuda")).bfloat16()
+    out = _launch(q, kc8, vc8, tables, seq_lens, out=torch.full_like(q, float("nan")), **GLUON_VARIANTS[variant])
+    ref = paged_decode_ref(q, kc8, vc8, tables, seq_lens)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < DECODE_TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu
