@@ -1,0 +1,324 @@
+"""The Gluon FA3-style prefill (kernels/flash_prefill_gluon.py).
+
+CPU: the kernel compiled for sm_90 (Triton's ptxas and nvdisasm, no GPU), its SASS read by
+partition (each partition starts with a USETMAXREG): the producer issues every TMA load
+(UTMALDG) under 24 registers, the consumers every wgmma (HGMMA) under 240, 16 HGMMA
+m64n128k16 per key tile and consumer (8 for S = Q K^T, 8 for O += P V), no spill, no
+bar.sync of the whole CTA inside a loop; ptxas reports no serialised wgmma. Bad input gets
+a ValueError. Printed, not asserted: how many of a tile's 64 exp2 ptxas schedules before the
+``wait 0`` of P_{j-1} V_{j-1} (the intra-warpgroup overlap; with ptxas 12.x it hoists that wait
+above the unmasked softmax: 0 of 64, see the kernel's module docstring).
+GPU (marked gpu, sm_90 only): bf16 against the fp32 reference of flash_prefill.py over causal
+and full attention, ragged lengths (1, tile edges, non-multiples), GQA 1 / 4 / 8, with and
+without ping-pong, and the lse.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from sm90 import run_compiled  # tests/kernels (on sys.path under pytest)
+
+GPU = torch.cuda.is_available()
+HOPPER = GPU and torch.cuda.get_device_capability()[0] == 9
+cpu_only = pytest.mark.skipif(GPU, reason="the sm_90 compile without a GPU")
+hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+
+# --------------------------------------------------------------------------- sm_90 compile (CPU)
+
+VARIANTS = {  # name -> constexprs besides the defaults
+    "causal": dict(CAUSAL=True, PINGPONG=True),
+    "full": dict(CAUSAL=False, PINGPONG=True),
+    "causal_lse_no_pingpong": dict(CAUSAL=True, PINGPONG=False, RETURN_LSE=True),
+}
+
+
+def compile_sm90(**consts):
+    """The kernel compiled for sm_90 as the launcher compiles it on an H200 (bf16, out and
+    lse pointers and out's strides 16-aligned): Triton's CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flashpage.kernels import flash_prefill_gluon as fg
+
+    fn = fg._flash_prefill_gluon_kernel
+    consts = {"CAUSAL": True, "RETURN_LSE": False, "PINGPONG": True, "M_FASTEST": False,
+              "NUM_STAGES": fg.STAGES, "CONSUMER_REGS": fg.CONSUMER_REGS, **consts}
+    layout = repr(fg._SMEM.value)
+    sig = {a: "i32" for a in fn.arg_names}
+    sig.update({"q_desc": f"tensordesc<bf16[{fg.WG_M}, {fg.HEAD_DIM}],{layout}>",
+                "k_desc": f"tensordesc<bf16[{fg.BLOCK_N}, {fg.HEAD_DIM}],{layout}>",
+                "v_desc": f"tensordesc<bf16[{fg.BLOCK_N}, {fg.HEAD_DIM}],{layout}>",
+                "out_ptr": "*bf16", "lse_ptr": "*fp32", "cu_seqlens_ptr": "*i32", "qk_scale": "fp32"})
+    sig.update({c: "constexpr" for c in consts})
+    aligned = ("out_ptr", "lse_ptr", "cu_seqlens_ptr", "stride_ot", "stride_oh")
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=fg.MAXNREG))
+
+
+def _sass_instructions(sass: str) -> tuple[list[str], dict[str, int]]:
+    """The SASS instructions (a leading predicate dropped) and each label's index."""
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m[1]] = len(ins)
+        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;", line):
+            ins.append(re.sub(r"^@!?U?P\w+\s+", "", m[1]))
+    return ins, labels
+
+
+def sass_partitions(sass: str) -> dict:
+    """The SASS by partition: each instruction's register budget is that of the last
+    USETMAXREG before it; the loops are the backward branches before the last EXIT (the
+    mbarrier retry stubs after it excluded), innermost, holding no USETMAXREG. Returns the opcode mix of
+    each loop holding an HGMMA (``consumer``) or a TMA issue (``producer``), the budgets
+    under which UTMALDG and HGMMA occur, the highest register used under each budget."""
+    ins, labels = _sass_instructions(sass)
+    budget, cur = [], None
+    for t in ins:
+        if m := re.match(r"USETMAXREG\.\S+\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)", t):
+            cur = int(m[1], 16)
+        budget.append(cur)
+    last_exit = max(i for i, t in enumerate(ins) if t.startswith("EXIT"))
+    loops = [(labels[m[1]], i) for i, t in enumerate(ins[:last_exit])
+             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)) and labels.get(m[1], i + 1) <= i]
+    # innermost loops only (the work-tile loops around them hold them whole)
+    loops = [(lo, hi) for lo, hi in loops
+             if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in loops)]
+    out: dict = {"consumer": [], "producer": []}
+    for lo, hi in loops:
+        body = ins[lo:hi + 1]
+        ops = [t.split(" ")[0] for t in body]
+        if any(o.startswith("USETMAXREG") for o in ops):
+            continue  # the workers' dispatch loop, around the partitions
+        mix: dict = dict(collections.Counter(ops))
+        mix["total"] = len(ops)
+        mix["budget"] = budget[lo]
+        # bar.sync of the whole CTA (no thread count) vs a partition's named barrier (0x80)
+        mix["cta_bar"] = sum(1 for t in body if t.startswith("BAR.SYNC") and "," not in t)
+        mix["named_bar"] = sum(1 for t in body if t.startswith("BAR.SYNC") and "0x80" in t)
+        # the wgmma waits: 'gsb0, 0x1' = S_j done while P.V is in flight, 'gsb0, 0x0' = all
+        mix["wait1"] = sum(1 for t in body if t.startswith("WARPGROUP.DEPBAR") and t.endswith("0x1"))
+        mix["wait0"] = sum(1 for t in body if t.startswith("WARPGROUP.DEPBAR") and t.endswith("0x0"))
+        # how much of the softmax ptxas left between 'wait 1' and 'wait 0' (under P_{j-1} V_{j-1})
+        w0 = next((i for i, t in enumerate(body) if t.startswith("WARPGROUP.DEPBAR") and t.endswith("0x0")), 0)
+        mix["ex2_before_wait0"] = sum(1 for t in body[:w0] if t.startswith("MUFU.EX2"))
+        if any(o.startswith("HGMMA") for o in ops):
+            out["consumer"].append(mix)
+        elif "UTMALDG.2D" in ops:
+            out["producer"].append(mix)
+    out["utmaldg_budgets"] = sorted({budget[i] for i, t in enumerate(ins) if t.startswith("UTMALDG")})
+    out["hgmma_budgets"] = sorted({budget[i] for i, t in enumerate(ins) if t.startswith("HGMMA")})
+    out["hgmma_shapes"] = sorted({t.split(" ")[0] for t in ins if t.startswith("HGMMA")})
+    top: dict = collections.defaultdict(int)
+    for b, t in zip(budget, ins, strict=True):
+        for r in re.findall(r"\bR(\d+)\b", t):
+            top[b] = max(top[b], int(r) + 1)
+    out["registers_used"] = {str(b): n for b, n in top.items() if b}
+    return out
+
+
+def _sm90_report() -> dict:
+    """(In a subprocess with the interpreter off.) Per variant: ptxas -v's registers, spills
+    and warnings, shared memory, threads, and the partitions' SASS. {"skip": why} where
+    Gluon cannot compile."""
+    import triton
+
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError as ex:
+        return {"skip": f"no Gluon in this Triton: {ex}"}
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    out = {}
+    for name, consts in VARIANTS.items():
+        k = compile_sm90(**consts)
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "k.ptx").write_text(k.asm["ptx"])
+            r = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"],
+                               cwd=tmp, capture_output=True, text=True, check=True)
+            sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", "k.cubin"], cwd=tmp,
+                                  capture_output=True, text=True, check=True).stdout
+        regs = int(re.search(r"Used (\d+) registers", r.stderr)[1])
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill", r.stderr)]
+        # a warning, or ptxas serialising the wgmmas ("(C7514) Potential Performance Loss: ...")
+        warnings = [ln for ln in r.stderr.splitlines()
+                    if "warning" in ln.lower() or "Potential Performance Loss" in ln]
+        out[name] = dict(regs=regs, spill_bytes=sum(spills), shared=k.metadata.shared,
+                         threads=32 * k.metadata.num_warps, warnings=warnings,
+                         **sass_partitions(sass))
+    return out
+
+
+@cpu_only
+def test_gluon_prefill_compiles_for_sm90():
+    """3 warpgroups (384 threads) under maxnreg 168; the producer's warpgroup at 24 registers
+    issues every TMA load, the consumers at 240 issue every wgmma (m64n128k16, 16 per key
+    tile: the unmasked and the masked loop of each of the two consumers), no spill, no
+    ptxas warning (a serialised wgmma would say so), no CTA-wide bar.sync in any loop, one
+    ``wait 1`` per tile (S_j waited for while P_{j-1} V_{j-1} runs); prints the loops' mixes."""
+    from flashpage.kernels import flash_prefill_gluon as fg
+
+    rep = run_compiled("test_flash_prefill_gluon", "_sm90_report")
+    if "skip" in rep:
+        pytest.skip(rep["skip"])
+    for name, r in rep.items():
+        print(f"{name}: {r['regs']} registers x {r['threads']} threads, {r['spill_bytes']} B spilled, "
+              f"{r['shared']} B shared, warnings {r['warnings']}")
+        for key in ("utmaldg_budgets", "hgmma_budgets", "hgmma_shapes", "registers_used"):
+            print(f"  {key}: {r[key]}")
+        for c in r["consumer"]:
+            print(f"  consumer loop: {c}")
+        for p in r["producer"]:
+            print(f"  producer loop: {p}")
+    producer_regs = (fg.MAXNREG * 384 - 2 * 128 * fg.CONSUMER_REGS) // 128
+    assert producer_regs == 24
+    for name, r in rep.items():
+        assert r["threads"] == 384 and r["regs"] == fg.MAXNREG, name
+        assert r["spill_bytes"] == 0 and not r["warnings"], (name, r["warnings"])
+        assert r["shared"] <= 227 * 1024, name
+        assert r["hgmma_shapes"] == ["HGMMA.64x128x16.F32.BF16"], name
+        assert r["utmaldg_budgets"] == [producer_regs], name  # every TMA issue is the producer's
+        assert r["hgmma_budgets"] == [fg.CONSUMER_REGS], name  # every wgmma a consumer's
+        assert r["registers_used"][str(fg.CONSUMER_REGS)] <= fg.CONSUMER_REGS, name
+        assert len(r["consumer"]) == 4, name  # 2 consumers x (unmasked, masked) loops
+        for c in r["consumer"]:
+            assert c["budget"] == fg.CONSUMER_REGS
+            assert c["HGMMA.64x128x16.F32.BF16"] == 16  # S: 128 / 16 k-steps, P.V: 128 / 16
+            assert "UTMALDG.2D" not in c and c["cta_bar"] == 0
+            assert c["wait1"] == 1 and c["wait0"] == 1  # not serialised: one wait of each a tile
+            assert c["MUFU.EX2"] >= 64  # 64 scores a thread per tile
+        assert len(r["producer"]) == 1, name
+        p = r["producer"][0]
+        # K_j and V_j: one UTMALDG each (a box's two 64-column halves issued by two warps);
+        # the Q load of j = 0 lies outside the innermost loop
+        assert p["budget"] == producer_regs and p["UTMALDG.2D"] == 2
+        assert not any(o.startswith("HGMMA") for o in p)
+
+
+def test_gluon_prefill_rejects_bad_input():
+    from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon
+
+    dev = "cuda" if HOPPER else "cpu"
+    q = torch.zeros(8, 4, 128, dtype=torch.bfloat16, device=dev)
+    kv = torch.zeros(8, 2, 128, dtype=torch.bfloat16, device=dev)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=dev)
+    cases = [
+        ((q.float(), kv, kv, cu, 8), "bfloat16 or float16"),
+        ((q, kv.half(), kv, cu, 8), "dtypes differ"),
+        ((q[..., :64].contiguous(), kv, kv, cu, 8), "128"),
+        ((q, kv[:4], kv[:4], cu, 8), "total_tokens"),
+        ((q, kv, torch.zeros(8, 1, 128, dtype=torch.bfloat16, device=dev), cu, 8), "differ"),
+        ((q[:, :3].contiguous(), kv, kv, cu, 8), "multiple of num_kv_heads"),
+        ((q.transpose(0, 1).contiguous().transpose(0, 1), kv, kv, cu, 8), "contiguous"),
+        ((q, kv, kv, cu.long(), 8), "int32"),
+        ((torch.zeros(8 * 4 * 128 + 1, dtype=torch.bfloat16, device=dev)[1:].view(8, 4, 128), kv, kv, cu, 8),
+         "aligned"),
+        ((q, kv, kv, cu, 0), "max_seqlen"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            flash_prefill_gluon(*args)
+    with pytest.raises(ValueError, match="sm_scale"):
+        flash_prefill_gluon(q, kv, kv, cu, 8, sm_scale=0.0)
+    with pytest.raises(ValueError, match="out"):
+        flash_prefill_gluon(q, kv, kv, cu, 8, out=torch.empty_like(q[:4]))
+    if not HOPPER:
+        with pytest.raises(ValueError, match="sm_90"):
+            flash_prefill_gluon(q, kv, kv, cu, 8)
+
+
+# --------------------------------------------------------------------------- GPU
+
+LENGTHS = {
+    "one": [1],
+    "tile_edges": [127, 128, 129, 255, 256, 257],
+    "ragged": [1, 200, 1000, 64, 513, 2],
+    "long": [2048, 1500],
+}
+
+
+def _ragged(lens, hq, hkv, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(lens)
+    q = torch.randn(total, hq, 128, generator=g, device="cuda", dtype=dtype)
+    k = torch.randn(total, hkv, 128, generator=g, device="cuda", dtype=dtype)
+    v = torch.randn(total, hkv, 128, generator=g, device="cuda", dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return q, k, v, cu
+
+
+def _close(out, ref, tol=1.6e-2):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all(), "non-finite output (a row left unwritten?)"
+    err = (out.float() - ref.float()).abs().max().item()
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err <= 8 * tol and rel <= tol, f"max abs {err:.2e}, rel {rel:.2e}"
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("lens", list(LENGTHS.values()), ids=list(LENGTHS))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (16, 2)], ids=["mha", "gqa4", "gqa8"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+def test_gluon_prefill_gpu(lens, causal, hq, hkv, persistent):
+    """bf16 against flash_attn_varlen_ref (fp32) within flash_prefill's bf16 tolerance;
+    out starts NaN, so a row left unwritten fails; the lse within 2e-3. One program per work
+    tile (listed first: a barrier bug in the persistent walk shows after these) and
+    persistent."""
+    from flashpage.kernels.flash_prefill import flash_attn_varlen_ref
+    from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon
+
+    q, k, v, cu = _ragged(lens, hq, hkv)
+    out = torch.full_like(q, float("nan"))
+    res, lse = flash_prefill_gluon(q, k, v, cu, max(lens), causal=causal, return_lse=True, out=out,
+                                   persistent=persistent)
+    torch.cuda.synchronize()
+    ref, ref_lse = flash_attn_varlen_ref(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
+                                         return_lse=True)
+    _close(res, ref)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("opts", [dict(pingpong=False), dict(m_fastest=True), dict(num_stages=3),
+                                  dict(sm_scale=0.05), dict(persistent=False, m_fastest=True)],
+                         ids=["no_pingpong", "m_fastest", "stages3", "scale", "grid_m_fastest"])
+def test_gluon_prefill_options_gpu(opts):
+    from flashpage.kernels.flash_prefill import flash_attn_varlen_ref
+    from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon
+
+    lens = [700, 1, 129, 1024]
+    q, k, v, cu = _ragged(lens, 8, 2, seed=1)
+    out = flash_prefill_gluon(q, k, v, cu, max(lens), causal=True, **opts)
+    torch.cuda.synchronize()
+    ref = flash_attn_varlen_ref(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                sm_scale=opts.get("sm_scale"))
+    _close(out, ref)
+
+
+@pytest.mark.gpu
+@hopper
+def test_gluon_prefill_fp16_and_triton_agree():
+    """fp16 input, and the same answer as the Triton prefill (flash_attn_varlen)."""
+    from flashpage.kernels.flash_prefill import flash_attn_varlen, flash_attn_varlen_ref
+    from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon
+
+    lens = [333, 1024, 77]
+    q, k, v, cu = _ragged(lens, 8, 8, dtype=torch.float16, seed=2)
+    out = flash_prefill_gluon(q, k, v, cu, max(lens))
+    ref = flash_attn_varlen_ref(q, k, v, cu, cu, max(lens), max(lens))
+    tri = flash_attn_varlen(q, k, v, cu, cu, max(lens), max(lens))
+    torch.cuda.synchronize()
+    _close(out, ref, tol=2e-3)
+    _close(out, tri, tol=4e-3)
