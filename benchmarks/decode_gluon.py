@@ -14,16 +14,6 @@ compute partitions; 3 programs per SM).
     python benchmarks/decode_gluon.py --out $OUT      # ~1 minute on an H200
 
 writes $OUT/decode_gluon.json and prints a markdown table.
-
-``--dtype bf16``: the Gluon 16-bit kernel (kernels/paged_decode_gluon_bf16.py) in its variants
-(BF16_GLUON: "gluon s2" the default, STAGES 2, 3 programs per SM; "gluon s3" STAGES 3, 2 per SM;
-"gluon ws" warp-specialized, 3 per SM, "ws lazy" with lazy rescaling, "ws s3" 2 per SM; "hb":
-two 2-D TMA boxes a page piece) beside the Triton kernel's default path and SDPA cuDNN on
-contiguous KV ([B, Hkv, ctx, D], enable_gqa), over a bf16 cache at issue 6's shapes 32 x 4096,
-128 x 2048, 8 x 32768 (no key splits in Gluon: one wave of 64 programs), 256 x 1024; GB/s of the
-bf16 bytes the contexts hold, the same timing. Writes $OUT/decode_gluon_bf16.json (~1 minute):
-
-    python benchmarks/decode_gluon.py --dtype bf16 --out $OUT
 """
 
 from __future__ import annotations
@@ -32,8 +22,6 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable
-from typing import Any
 
 # "triton" is the Triton kernel: paged_decode would otherwise hand fp8 calls to the Gluon one
 os.environ["FLASHPAGE_DECODE_GLUON"] = "0"
@@ -43,7 +31,6 @@ from gpu_timing import copy_bandwidth, time_graph
 
 from flashpage.kernels.paged_decode import paged_decode
 from flashpage.kernels.paged_decode_gluon import _launch as gluon_launch
-from flashpage.kernels.paged_decode_gluon_bf16 import _launch as gluon_bf16_launch
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 ROTATE_BYTES = 256 * 2**20
@@ -53,21 +40,20 @@ FP8 = torch.float8_e4m3fn
 class Batch:
     """One decode batch (given contexts) over copies of its K/V at random blocks."""
 
-    def __init__(self, lens: list[int], kv_dtype: torch.dtype = FP8):
+    def __init__(self, lens: list[int]):
         self.lens = lens
         self.batch = len(lens)
-        self.kv_bytes = 2 * sum(lens) * HKV * D * kv_dtype.itemsize
-        self.nblk = nblk = -(-max(lens) // BS)
-        self.copies = max(1, -(-ROTATE_BYTES // (2 * self.batch * nblk * BS * HKV * D * kv_dtype.itemsize)))
+        self.kv_bytes = 2 * sum(lens) * HKV * D
+        nblk = -(-max(lens) // BS)
+        self.copies = max(1, -(-ROTATE_BYTES // (2 * self.batch * nblk * BS * HKV * D)))
         total = self.copies * self.batch * nblk
-        self.key_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
-        self.value_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
+        self.key_cache = torch.randn(total, BS, HKV, D, device="cuda").to(FP8)
+        self.value_cache = torch.randn(total, BS, HKV, D, device="cuda").to(FP8)
         self.tables = torch.randperm(total, device="cuda", dtype=torch.int32).view(self.copies, self.batch, nblk)
         self.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         self.q = torch.randn(self.copies, self.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
         self.out = torch.empty(self.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
         self.i = 0
-        self.sdpa_out = torch.empty(0)  # sdpa_cudnn's last output
 
     def calls(self) -> int:
         # every copy in turn, repeated until a graph reads >= 1 GB
@@ -80,28 +66,6 @@ class Batch:
                    out=self.out, **kw)
         return call
 
-    def sdpa_cudnn(self):
-        """SDPA cuDNN on the same K/V gathered once into contiguous [copies, B, Hkv, ctx, D]
-        (uniform contexts only); its output [B, Hq, 1, D] left in sdpa_out (not copied into out:
-        no extra kernel in the timing)."""
-        import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        if len(set(self.lens)) != 1:
-            raise ValueError("SDPA's contiguous K/V needs one context length")
-        ctx = self.lens[0]
-        t = self.tables.long()
-        k = self.key_cache[t].view(self.copies, self.batch, self.nblk * BS, HKV, D)[:, :, :ctx]
-        v = self.value_cache[t].view(self.copies, self.batch, self.nblk * BS, HKV, D)[:, :, :ctx]
-        k, v = k.transpose(2, 3).contiguous(), v.transpose(2, 3).contiguous()
-        q4 = self.q.unsqueeze(3)  # [copies, B, Hq, 1, D]
-
-        def call():
-            self.i = (self.i + 1) % self.copies
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                self.sdpa_out = F.scaled_dot_product_attention(q4[self.i], k[self.i], v[self.i], enable_gqa=True)
-        return call
-
 
 def shapes() -> list[tuple[str, list[int]]]:
     gen = torch.Generator().manual_seed(1)
@@ -110,113 +74,22 @@ def shapes() -> list[tuple[str, list[int]]]:
             ("128 x ragged 101-2048, longest first", ragged)]
 
 
-# The Gluon 16-bit kernel's variants (paged_decode_gluon_bf16._launch knobs): STAGES 2 (3 programs
-# per SM) and 3 (2 per SM); warp-specialized at STAGES 2 (3 per SM), with lazy rescaling, and at
-# STAGES 3 (2 per SM); "hb": each page piece as two 2-D TMA boxes instead of one 3-D box.
-BF16_GLUON: dict[str, dict[str, Any]] = {
-    "gluon s2": {"stages": 2}, "gluon s3": {"stages": 3},
-    "gluon ws": {"warp_specialize": True}, "gluon ws lazy": {"warp_specialize": True, "lazy": True},
-    "gluon ws s3": {"warp_specialize": True, "stages": 3},
-    "gluon hb": {"half_boxes": True}, "gluon ws hb": {"warp_specialize": True, "half_boxes": True},
-}
-
-
-def bf16_shapes() -> list[tuple[str, list[int]]]:
-    return [(f"{b} x {c}", [c] * b) for b, c in ((32, 4096), (128, 2048), (8, 32768), (256, 1024))]
-
-
-def main_bf16(out_dir: str) -> None:
-    """--dtype bf16: the Gluon 16-bit kernel's variants beside Triton's default and SDPA cuDNN,
-    the copy bandwidth in the same run; the same q, K and V for all (errors vs Triton's output)."""
-    t0 = time.time()
-    copy_before = copy_bandwidth()
-    kernels: dict[str, Callable[[Batch], Callable[[], None]]] = {
-        "triton": lambda b: b.fn(paged_decode), "cudnn": lambda b: b.sdpa_cudnn()}
-
-    def gluon(kw: dict[str, Any]) -> Callable[[Batch], Callable[[], None]]:
-        return lambda b: b.fn(gluon_bf16_launch, **kw)
-
-    kernels.update({k: gluon(kw) for k, kw in BF16_GLUON.items()})
-    rows: list[dict[str, Any]] = []
-
-    def dump(copy: float) -> dict[str, Any]:
-        import triton
-
-        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                    copy_gbps=round(copy), seconds=round(time.time() - t0))
-        with open(os.path.join(out_dir, "decode_gluon_bf16.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        return meta
-
-    for name, lens in bf16_shapes():
-        b = Batch(lens, torch.bfloat16)
-        ref = None
-        row: dict[str, Any] = dict(shape=name, batch=b.batch, context=lens[0], us={}, gbps={},
-                                   rel_err_vs_triton={})
-        for k, make in kernels.items():
-            try:
-                fn = make(b)
-                b.i = b.copies - 1  # the check call on copy 0, as every kernel's
-                fn()
-                got = b.sdpa_out.squeeze(2) if k == "cudnn" else b.out
-                if ref is None:
-                    ref = got.clone()
-                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-                t = time_graph(fn, b.calls())
-                row["us"][k] = round(t * 1e6, 1)
-                row["gbps"][k] = round(b.kv_bytes / t / 1e9)
-                row["rel_err_vs_triton"][k] = float(f"{err:.2e}")
-            except Exception as ex:  # one failing variant must not hide the rest
-                row["gbps"][k] = f"n/a: {type(ex).__name__}: {str(ex)[:120]}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        dump(copy_before)  # after every shape: a timeout keeps what was measured
-        del b
-        torch.cuda.empty_cache()
-    copy = max(copy_before, copy_bandwidth())
-    meta = dump(copy)
-
-    def cell(g):
-        return f"{g} ({100 * g / copy:.0f}%)" if isinstance(g, int) else g
-
-    def ratio(g, k, base):
-        return f"{g[k] / g[base]:.3f}x" if all(isinstance(g.get(x), int) for x in (k, base)) else "n/a"
-
-    print(f"\nbf16 paged decode, GQA {HQ}/{HKV}, head_dim {D}, block {BS}, {meta['gpu']}, triton "
-          f"{meta['triton']}: GB/s of the bf16 bytes the contexts hold (% of copy {round(copy)} GB/s)\n")
-    print("| shape | " + " | ".join(kernels) + " | best gluon / cuDNN | best gluon / triton | triton / cuDNN |")
-    print("| --- |" + " --- |" * (len(kernels) + 3))
-    for r in rows:
-        g = r["gbps"]
-        timed = {k: v for k, v in g.items() if k in BF16_GLUON and isinstance(v, int)}
-        best = max(timed, key=timed.__getitem__) if timed else None
-        best_cells = [f"{ratio(g, best, base)} ({best})" if best else "n/a" for base in ("cudnn", "triton")]
-        print(f"| {r['shape']} | " + " | ".join(cell(g[k]) for k in kernels) + " | " + " | ".join(best_cells)
-              + f" | {ratio(g, 'triton', 'cudnn')} |")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--dtype", choices=("fp8", "bf16"), default="fp8",
-                    help="the cache: fp8 (paged_decode_gluon) or bf16 (paged_decode_gluon_bf16)")
     args = ap.parse_args()
-    if args.dtype == "bf16":
-        main_bf16(args.out)
-        return
     t0 = time.time()
     copy_before = copy_bandwidth()
-    kernels: dict[str, tuple[Any, dict[str, Any]]] = {
-        "triton": (paged_decode, {}), "gluon": (gluon_launch, {}), "gluon r128": (gluon_launch, {"max_regs": 128}),
-        "gluon ws": (gluon_launch, {"warp_specialize": True})}
+    kernels = {"triton": (paged_decode, {}), "gluon": (gluon_launch, {}),
+               "gluon r128": (gluon_launch, {"max_regs": 128}),
+               "gluon ws": (gluon_launch, {"warp_specialize": True})}
     rows = []
     for name, lens in shapes():
         b = Batch(lens)
         ref = None
-        row: dict[str, Any] = dict(shape=name, batch=b.batch, mean_context=sum(lens) / b.batch, us={}, gbps={})
+        row = dict(shape=name, batch=b.batch, mean_context=sum(lens) / b.batch, us={}, gbps={})
         for k, (launch, kw) in kernels.items():
             try:
-                b.i = b.copies - 1  # the check call on copy 0, as every kernel's
                 b.fn(launch, **kw)()
                 if ref is None:
                     ref = b.out.clone()
