@@ -61,8 +61,8 @@ def decode_warp_split() -> bool:
 def decode_gluon() -> bool:
     """Paged decode over an fp8 cache on Hopper through the Gluon kernel
     (kernels/paged_decode_gluon.py) where it covers the call (unsplit grids, block size 16,
-    head_dim 128, no window): 1.07-1.17x the Triton warp-split loop at the engine's batches
-    in the H200 run 68 (benchmarks/decode_gluon.py). FLASHPAGE_DECODE_GLUON=0 keeps the
+    head_dim 128, no window), in its persistent form: 1.10-1.39x the Triton warp-split loop at
+    the engine's batches on the H200 (runs 68 and 73, benchmarks/decode_gluon*.py). FLASHPAGE_DECODE_GLUON=0 keeps the
     Triton kernel. Read when a config is chosen (a decode graph keeps the one it captured)."""
     return os.environ.get("FLASHPAGE_DECODE_GLUON", "1") != "0"
 

@@ -84,7 +84,8 @@ class DecodeConfig:
     # reduction or exchange of P per tile. Needs block_n == 16 * num_warps and a block
     # size >= 16; no window, not with prefetch.
     warp_split: bool = False
-    # The Gluon kernel (paged_decode_gluon.py: TMA-fed pieces, LDS.128 operands) for the
+    # The Gluon kernel (paged_decode_gluon.py: TMA-fed pieces, LDS.128 operands; persistent:
+    # 3 programs per SM, each streaming its (sequence, KV head) items back to back) for the
     # calls it covers (gluon_unsupported says which); the others run this config's Triton
     # loop. fp8 cache on sm_90 only.
     gluon: bool = False
@@ -129,7 +130,9 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
     at batch 32-127 4.6% shorter. Where that grid is unsplit (batch * Hkv >= 3/2 waves'
     worth: batch >= 25 at 8 KV heads) the Gluon kernel (paged_decode_gluon.py) takes the
     call: 1.07-1.17x the Triton warp-split loop in run 68 (74-77% of copy at 256 x 1024 and
-    128 x 2048; FLASHPAGE_DECODE_GLUON=0 turns it off).
+    128 x 2048), and its persistent form (each program's items back to back, one TMA stream)
+    1.02-1.18x that in run 73 (75-88% of copy at the engine's shapes);
+    FLASHPAGE_DECODE_GLUON=0 turns it off.
     """
     if device.type == "cuda" and not _interpreting():
         major, _ = torch.cuda.get_device_capability(device)
@@ -596,7 +599,7 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         from flashpage.kernels.paged_decode_gluon import paged_decode_gluon
 
         return paged_decode_gluon(q, key_cache, value_cache, block_tables, seq_lens,
-                                  sm_scale=sm_scale, out=out)
+                                  sm_scale=sm_scale, out=out, persistent=True)
     # FLASHPAGE_PDL=auto leaves the unsplit kernel without PDL: on the H200 it timed 0.91x
     # at 32 x 4096 with it (split kernels and their merge: 1.04x at 1 x 32768)
     use_pdl = resolve_pdl(pdl, q.device, in_auto=num_splits > 1)

@@ -32,6 +32,10 @@ What Gluon lets this kernel do that Triton's pipeliner did not::
   as long as q uses the same one (for K; q is loaded with it), and the output's columns
   are stored through V's permutation.
 
+``persistent=True`` selects ``_paged_decode_gluon_persistent_kernel`` (its section below): a
+grid of a few programs per SM, each over several (sequence, KV head) items as one continuous
+tile stream (TMA for the next item in flight while the current one ends).
+
 The last tile of each sequence is masked (keys past seq_len: scores -inf, V rows zeroed: an
 unowned slot may hold NaN, and 0 · NaN is NaN in the P·V dot); its pieces past the context
 re-read the last valid page (an L2 hit) instead of leaving a stage part-filled.
@@ -39,6 +43,7 @@ re-read the last valid page (an L2 hit) instead of leaving a stage part-filled.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -153,9 +158,15 @@ def _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, tile, b0, b1, b2, b3, col,
 def _attend(q, k_smem, v_smem, stage, m3, l3, acc, n0, seq_len, MASKED: gl.constexpr):
     """One 64-key tile from stage ``stage``: warp p's online-softmax step over keys
     n0 + 16p .. n0 + 16p + 15 (MASKED: keys >= seq_len dropped, their V rows zeroed)."""
-    k_view = k_smem.index(stage)._reinterpret(
+    return _attend_views(q, k_smem.index(stage), v_smem.index(stage), m3, l3, acc, n0, seq_len, MASKED)
+
+
+@gluon.jit
+def _attend_views(q, k_stage, v_stage, m3, l3, acc, n0, seq_len, MASKED: gl.constexpr):
+    """_attend on one stage's K and V buffers ([64, 128] fp8 each)."""
+    k_view = k_stage._reinterpret(
         gl.float8e4nv, [_W, _D, _PG], _K_VIEW)
-    v_view = v_smem.index(stage)._reinterpret(
+    v_view = v_stage._reinterpret(
         gl.float8e4nv, [_W, _PG, _D], _V_VIEW)
     kt = k_view.load(_B).to(gl.float16)  # [4, 128, 16]
     s = mma_v2(q, kt, gl.zeros([_W, 16, _PG], gl.float32, _MMA))  # [4, 16 rows, 16 keys]
@@ -262,6 +273,198 @@ def _paged_decode_gluon_kernel(
     cols = gl.expand_dims(_v_column(offs_on), 0)
     out_ptrs = out_ptr + b64 * stride_ob + (head0 + rows).to(gl.int64) * stride_oh + cols
     gl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < GROUP) & (cols < _D))
+
+
+# --------------------------------------------------------------------------- persistent variant
+#
+# ``_launch(..., persistent=True)``: the same tiles, pieces, views, masking and merge, but a grid
+# of min(items, programs_per_sm x SMs) programs, each looping over the work items pid, pid +
+# nprog, ... (item = b * Hkv + kvh: the heads-fastest order of the grid above, so the engine's
+# longest-first sequences give an LPT-like static schedule) as ONE tile stream:
+#
+#     item:   |---- pid ----|------ pid + nprog ------|-- pid + 2 nprog --|
+#     tiles:   0   1   2   3  4   5   6   7   8   9   10  11 ...           g: the program's tile count
+#     TMA:     issued S - 1 tiles ahead of the compute, across item boundaries
+#
+# The ring's stage and phase come from g (stage g % S, phase (g // S) & 1), the mbarriers are
+# initialized once, and the next item's first tiles are in flight while the current item's last
+# ones are computed (no drain and refill between items, no partial last wave). A producer cursor
+# (item, tile in it, the block ids of that tile loaded one issue ahead) and the consumer's item
+# loop walk the same items; the producer skips items without a key (seq_len 0: CUDA-graph
+# padding rows, no tile; the consumer writes their zeros), and past the last item its issues are
+# predicated off, so every issued TMA is waited on before the barriers are invalidated. q and
+# seq_len of the next item are loaded when an item starts (q: 8 registers a thread, [16, 128]
+# bf16 over the 4 warps), q scaled and handed to every warp (a layout conversion through shared
+# memory) when it begins. The 4 pieces are merged through the stage the next issue will refill
+# (fp16, each piece already normalized): the ring is live, and gl.sum over the warps would need
+# 32 KB of scratch beside it (81 KB a program: 2 an SM). programs_per_sm sets the register cap
+# (ptxas maxnreg) that lets that many share an SM.
+
+# The prefetched q [16 rows, 128] over the CTA: 16 elements a thread.
+_Q_NEXT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[_W, 1],
+                                        order=[1, 0]))
+# The merge: the ring ([2S, 64, 128] fp8: K of stage s at 2s, V at 2s + 1) seen as S stages of
+# [4 pieces, 16 rows, 128] fp16, and the normalized pieces read back summed in registers (the
+# piece dimension within each thread).
+_MERGE_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[2, 1, 0]))
+_MERGE_LOAD = gl.constexpr(gl.BlockedLayout(size_per_thread=[_W, 1, 8], threads_per_warp=[1, 2, 16],
+                                            warps_per_cta=[1, _W, 1], order=[2, 1, 0]))
+
+
+@gluon.jit
+def _seek(item, nprog, num_items, HKV: gl.constexpr, seq_lens_ptr, block_tables_ptr, stride_btb):
+    """The producer's next item from ``item`` on: the first of item, item + nprog, ... with a key,
+    or one past the end (>= num_items: its issues are predicated off). Returns it, its tile
+    count, block-table row, last page and head-dim column (past the end: of the last row, a
+    context of 1, never issued)."""
+    seq_len = gl.load(seq_lens_ptr + item // HKV, mask=item < num_items, other=1)
+    while seq_len <= 0:  # padding rows: no tile (as the consumer sees them: cdiv(seq_len, 64) <= 0)
+        item += nprog
+        seq_len = gl.load(seq_lens_ptr + item // HKV, mask=item < num_items, other=1)
+    b = gl.minimum(item, num_items - 1) // HKV
+    bt_row = block_tables_ptr + b.to(gl.int64) * stride_btb
+    return item, gl.cdiv(seq_len, _BN), bt_row, (seq_len - 1) // _PG, (item % HKV) * _D
+
+
+@gluon.jit
+def _produce(k_desc, v_desc, kv, bars, t, b0, b1, b2, b3,
+             item, tile, nt, bt_row, last_page, col,
+             nprog, num_items, HKV: gl.constexpr, seq_lens_ptr, block_tables_ptr, stride_btb,
+             S: gl.constexpr):
+    """Issue the producer cursor's tile (the program's t-th: stage t % S), then advance the cursor
+    (to the next item with a key after its last tile) and load its tile's block ids."""
+    _issue_kv(k_desc, v_desc, kv, bars, t, b0, b1, b2, b3, col, item < num_items, S)
+    tile += 1
+    if tile == nt:
+        item, nt, bt_row, last_page, col = _seek(item + nprog, nprog, num_items, HKV, seq_lens_ptr,
+                                                 block_tables_ptr, stride_btb)
+        tile = 0
+    b0, b1, b2, b3 = _tile_blocks(bt_row, tile, last_page)
+    return b0, b1, b2, b3, item, tile, nt, bt_row, last_page, col
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, kv, bars, t, b0, b1, b2, b3, col, pred, S: gl.constexpr):
+    """_issue_tile into the persistent ring (stage t % S: K at 2 (t % S), V at 2 (t % S) + 1)."""
+    stage = t % S
+    bar = bars.index(stage)
+    mbarrier.expect(bar, 2 * _BN * _D, pred=pred)
+    ks = kv.index(2 * stage)
+    vs = kv.index(2 * stage + 1)
+    _issue_piece(k_desc, v_desc, ks, vs, bar, 0, b0, col, pred)
+    _issue_piece(k_desc, v_desc, ks, vs, bar, _PG, b1, col, pred)
+    _issue_piece(k_desc, v_desc, ks, vs, bar, 2 * _PG, b2, col, pred)
+    _issue_piece(k_desc, v_desc, ks, vs, bar, 3 * _PG, b3, col, pred)
+
+
+@gluon.jit
+def _load_q_next(q_ptr, item, num_items, HKV: gl.constexpr, stride_qb, stride_qh, GROUP: gl.constexpr):
+    """q of ``item`` (zeros past the end), rows >= GROUP zero, columns in K's order, raw."""
+    offs_r = gl.arange(0, 16, layout=gl.SliceLayout(1, _Q_NEXT))
+    offs_k = gl.arange(0, _D, layout=gl.SliceLayout(0, _Q_NEXT))
+    r2 = gl.expand_dims(offs_r, 1)
+    k2 = gl.expand_dims(_k_column(offs_k), 0)
+    b64 = (item // HKV).to(gl.int64)
+    head0 = (item % HKV) * GROUP
+    q_ptrs = q_ptr + b64 * stride_qb + (head0 + r2).to(gl.int64) * stride_qh + k2
+    return gl.load(q_ptrs, mask=(r2 < GROUP) & (k2 < _D) & (item < num_items), other=0.0)
+
+
+@gluon.jit
+def _paged_decode_gluon_persistent_kernel(
+    q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, out_ptr,
+    sm_scale_log2,  # sm_scale * log2(e)
+    stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+    num_items,  # batch * HKV
+    HKV: gl.constexpr,  # KV heads
+    GROUP: gl.constexpr,  # query heads per KV head (<= 16)
+    S: gl.constexpr,  # stages: tiles in the buffer (S - 1 in flight while one is computed)
+):
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+
+    kv = gl.allocate_shared_memory(gl.float8e4nv, [2 * S, _BN, _D], _TMA_SMEM)  # stage s: K 2s, V 2s + 1
+    merge_bufs = kv._reinterpret(gl.float16, [S, _W, 16, _D], _MERGE_SMEM)
+    bars = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(S):
+        mbarrier.init(bars.index(s), count=1)
+    gl.thread_barrier()
+
+    # The producer cursor at the program's first item with a key; its first S - 1 tiles in
+    # flight (across items where they are short).
+    p_item, p_nt, p_bt_row, p_last_page, p_col = _seek(pid, nprog, num_items, HKV, seq_lens_ptr,
+                                                        block_tables_ptr, stride_btb)
+    p_tile = 0
+    b0, b1, b2, b3 = _tile_blocks(p_bt_row, 0, p_last_page)
+    for t in gl.static_range(S - 1):
+        b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
+            k_desc, v_desc, kv, bars, t, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
+            p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+    q_next = _load_q_next(q_ptr, pid, num_items, HKV, stride_qb, stride_qh, GROUP)
+    seq_len_next = gl.load(seq_lens_ptr + pid // HKV)
+
+    o_layout: gl.constexpr = gl.SliceLayout(0, _MERGE_LOAD)
+    rows = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, o_layout)), 1)
+    cols = gl.expand_dims(_v_column(gl.arange(0, _D, layout=gl.SliceLayout(0, o_layout))), 0)
+    a_zeros = gl.zeros([_W, 16, _D], gl.float16, _A)
+
+    g = 0  # tiles consumed by this program: stage g % S, phase (g // S) & 1
+    for item in range(pid, num_items, nprog):
+        b = item // HKV
+        kvh = item % HKV
+        seq_len = seq_len_next
+        nt = gl.cdiv(seq_len, _BN)
+        # q in the A operand layout (every warp a copy), scaled and rounded to fp16 once.
+        q1 = (q_next.to(gl.float32) * sm_scale_log2).to(gl.float16)
+        q1 = gl.expand_dims(gl.convert_layout(q1, gl.SliceLayout(0, _A)), 0)
+        q, _ = gl.broadcast(q1, a_zeros)
+        q_next = _load_q_next(q_ptr, item + nprog, num_items, HKV, stride_qb, stride_qh, GROUP)
+        seq_len_next = gl.load(seq_lens_ptr + (item + nprog) // HKV, mask=item + nprog < num_items, other=0)
+
+        m3 = gl.full([_W, 16], float("-inf"), gl.float32, gl.SliceLayout(2, _MMA))
+        l3 = gl.zeros([_W, 16], gl.float32, gl.SliceLayout(2, _MMA))
+        acc = gl.zeros([_W, 16, _D], gl.float32, _MMA)
+        for i in range(nt - 1):  # every tile but the last: 64 valid keys
+            gl.thread_barrier()  # every warp is done reading tile g - 1's stage
+            fence_async_shared()  # ... before the async proxy overwrites it
+            b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
+                k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
+                p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+            stage = g % S
+            mbarrier.wait(bars.index(stage), (g // S) & 1)
+            m3, l3, acc = _attend_views(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc, i * _BN,
+                                        seq_len, False)
+            g += 1
+        if nt > 0:
+            gl.thread_barrier()
+            fence_async_shared()
+            b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
+                k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
+                p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+            stage = g % S
+            mbarrier.wait(bars.index(stage), (g // S) & 1)
+            m3, l3, acc = _attend_views(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                        (nt - 1) * _BN, seq_len, True)
+            g += 1
+
+        # The pieces merged (a piece that saw no key has m = -inf: weight 0; no key at all: zeros),
+        # each normalized in registers (|values| <= max |V|: fp16) and summed through the stage the
+        # next issue will refill (g + S - 1: not in flight; its refill waits for the CTA barrier at
+        # the top of the next tile).
+        m = gl.max(m3, 0)
+        m_safe = gl.where(m == float("-inf"), 0.0, m)
+        w3 = gl.exp2(m3 - gl.expand_dims(m_safe, 0))
+        l = gl.sum(l3 * w3, 0)
+        w3 = w3 / gl.expand_dims(gl.where(l > 0.0, l, 1.0), 0)
+        merge_buf = merge_bufs.index((g + S - 1) % S)
+        gl.thread_barrier()  # every warp is done reading the last tile's stage (the same one)
+        merge_buf.store((acc * gl.expand_dims(w3, 2)).to(gl.float16))
+        gl.thread_barrier()
+        o = gl.sum(merge_buf.load(_MERGE_LOAD).to(gl.float32), 0)  # [16, 128]
+        out_ptrs = out_ptr + b.to(gl.int64) * stride_ob + (kvh * GROUP + rows).to(gl.int64) * stride_oh + cols
+        gl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < GROUP) & (cols < _D))
+    for s in gl.static_range(S):  # every issued tile was waited on (the producer issues none past the end)
+        mbarrier.invalidate(bars.index(s))
 
 
 # --------------------------------------------------------------------------- warp-specialized variant
@@ -558,6 +761,7 @@ def paged_decode_gluon(
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
     warp_specialize: bool = False,
+    persistent: bool = False,
 ) -> torch.Tensor:
     """paged_decode (kernels/paged_decode.py) over an fp8 cache, the Gluon prototype.
 
@@ -568,10 +772,11 @@ def paged_decode_gluon(
     returns out  [B, Hq, 128] in q's dtype (written into ``out`` when given)
 
     No sliding window, no key splits: one program per (KV head, sequence). ``warp_specialize``:
-    the variant with a TMA producer partition and one-warp compute partitions.
+    the variant with a TMA producer partition and one-warp compute partitions. ``persistent``:
+    programs_per_sm x SMs programs, each over (sequence, KV head) items as one tile stream.
     """
     return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale, out=out,
-                   warp_specialize=warp_specialize)
+                   warp_specialize=warp_specialize, persistent=persistent)
 
 
 def ws_compute_regs(max_regs: int) -> int:
@@ -581,9 +786,25 @@ def ws_compute_regs(max_regs: int) -> int:
     return 2 * max_regs - 24
 
 
+PROGRAMS_PER_SM = 3  # the persistent variant's default: as many as the 4-warp kernel's registers allow
+
+
+def persistent_max_regs(programs_per_sm: int) -> int | None:
+    """The persistent variant's ptxas register cap for ``programs_per_sm`` 128-thread programs
+    on an SM (64K registers; a multiple of 8): None at 1-2 (no cap), 168 at 3, 128 at 4."""
+    regs = 65536 // (programs_per_sm * 32 * NUM_WARPS) // 8 * 8
+    return None if regs >= 256 else regs
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, out=None,
             max_regs: int | None = None, warp_specialize: bool = False, stages: int = STAGES,
-            lazy: bool = False):
+            lazy: bool = False, persistent: bool = False, programs_per_sm: int = PROGRAMS_PER_SM,
+            programs: int | None = None):
     """paged_decode_gluon with a register cap for ptxas (``max_regs``: 128 lets 4 programs
     share an SM, at a few spilled registers; None: ptxas decides, 157: 3 per SM).
 
@@ -591,7 +812,14 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
     ``maxnreg`` (a multiple of 8; None: ``WS_MAXNREG`` = 80, 3 programs per SM), its compute
     warps get ``ws_compute_regs(max_regs)`` (136 at 80; 64 would give 4 per SM and 104, which
     spills). ``stages``: tiles in the buffer (STAGES - 1 in flight). ``lazy``: the
-    warp-specialized variant's lazy rescale (_attend_piece)."""
+    warp-specialized variant's lazy rescale (_attend_piece). ``persistent``: the persistent
+    variant, min(batch x Hkv, ``programs_per_sm`` x SMs) programs (``programs``: that many
+    instead, for tests: several items a program), ``max_regs`` None for
+    ``persistent_max_regs(programs_per_sm)``."""
+    if persistent and (warp_specialize or lazy):
+        raise ValueError("persistent is a variant of the 4-warp kernel: no warp_specialize, no lazy")
+    if persistent and not 1 <= programs_per_sm <= 4:  # 5 would not fit in shared memory (51 KB each)
+        raise ValueError(f"programs_per_sm must be 1-4, got {programs_per_sm}")
     if stages < 2 or (warp_specialize and stages * 2 < NUM_WARPS):
         raise ValueError(f"stages must be >= 2 (>= {NUM_WARPS // 2} warp-specialized), got {stages}")
     _check(q, key_cache, value_cache, block_tables, seq_lens, out)
@@ -606,7 +834,17 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
     args = (q, _cache_descriptor(key_cache), _cache_descriptor(value_cache), block_tables, seq_lens, out,
             sm_scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
     group = num_q_heads // num_kv_heads
-    if warp_specialize:
+    if persistent:
+        max_regs = max_regs or persistent_max_regs(programs_per_sm)
+        num_items = batch * num_kv_heads
+        if programs is None:
+            programs = programs_per_sm * _num_sms(torch.cuda.current_device() if q.device.index is None
+                                                  else q.device.index)
+        grid = min(num_items, max(1, programs))
+        _paged_decode_gluon_persistent_kernel[(grid,)](
+            *args, num_items, HKV=num_kv_heads, GROUP=group, S=stages, num_warps=NUM_WARPS,
+            **({"maxnreg": max_regs} if max_regs else {}))
+    elif warp_specialize:
         max_regs = max_regs or WS_MAXNREG
         _paged_decode_gluon_ws_kernel[(num_kv_heads, batch)](
             *args, GROUP=group, COMPUTE_REGS=ws_compute_regs(max_regs), S=stages, LAZY=lazy,

@@ -4,10 +4,12 @@ CPU: the kernel compiled for sm_90 (Triton's ptxas and nvdisasm, no GPU): the pa
 by TMA, nothing spills, and the main loop reads K and V from shared memory 16 bytes at a
 time (no byte loads) and widens e4m3 to fp16 in registers; its instruction mix is printed.
 The warp-specialized variant likewise, its SASS read by partition: the compute warps' loops
-hold no BAR.SYNC and no TMA issue, every UTMALDG is in the producer partition.
+hold no BAR.SYNC and no TMA issue, every UTMALDG is in the producer partition. The persistent
+variant: its tile loop is the 4-warp kernel's plus the producer cursor's.
 GPU (marked gpu): against paged_decode_ref on the same fp8 cache and against the Triton
-kernel, over ragged contexts with NaN in every slot no sequence owns; the 4-warp kernel and
-the warp-specialized variant (``warp_specialize=True``).
+kernel, over ragged contexts with NaN in every slot no sequence owns; the 4-warp kernel, the
+warp-specialized variant (``warp_specialize=True``) and the persistent one (``persistent=True``,
+also on a few programs: many items each), with CUDA-graph padding rows (seq_len 0).
 """
 
 from __future__ import annotations
@@ -31,20 +33,25 @@ cpu_only = pytest.mark.skipif(GPU, reason="the sm_90 compile without a GPU")
 
 
 def compile_sm90(group: int = 4, max_regs: int | None = None, ws: bool = False, stages: int | None = None,
-                 lazy: bool = False):
+                 lazy: bool = False, persistent: bool = False):
     """The kernel compiled for sm_90 as an H200 launch compiles it (bf16 q and out; pointers
     and the strides that are multiples of 16 there marked so): Triton's CompiledKernel.
     ``ws``: the warp-specialized variant, launched as ``_launch`` does (maxnreg ``max_regs`` or
     WS_MAXNREG, the compute warps' setmaxnreg from it); ``stages``: None for STAGES; ``lazy``:
-    the warp-specialized variant's lazy rescale."""
+    the warp-specialized variant's lazy rescale; ``persistent``: the persistent variant (its
+    register cap ``max_regs``, as ``_launch`` passes it: persistent_max_regs(programs per SM))."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashpage.kernels import paged_decode_gluon as pg
 
-    fn = pg._paged_decode_gluon_ws_kernel if ws else pg._paged_decode_gluon_kernel
+    fn = (pg._paged_decode_gluon_ws_kernel if ws else
+          pg._paged_decode_gluon_persistent_kernel if persistent else pg._paged_decode_gluon_kernel)
     consts = {"GROUP": group, "S": stages or pg.STAGES}
+    if persistent:
+        consts["HKV"] = 8
+        max_regs = max_regs or pg.persistent_max_regs(pg.PROGRAMS_PER_SM)
     if ws:
         max_regs = max_regs or pg.WS_MAXNREG
         consts["COMPUTE_REGS"] = pg.ws_compute_regs(max_regs)
@@ -136,10 +143,15 @@ def _sm90_report() -> dict:
     except ImportError as ex:
         return {"skip": f"no Gluon in this Triton: {ex}"}
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    from flashpage.kernels import paged_decode_gluon as pg
+
     out = {}
-    for name, cap, ws, lazy in (("default", None, False, False), ("r128", 128, False, False),
-                                ("ws", None, True, False), ("ws_lazy", None, True, True)):
-        k = compile_sm90(max_regs=cap, ws=ws, lazy=lazy)
+    for name, cap, ws, lazy, persistent in (
+            ("default", None, False, False, False), ("r128", 128, False, False, False),
+            ("ws", None, True, False, False), ("ws_lazy", None, True, True, False),
+            ("persistent", None, False, False, True),
+            ("persistent_4", pg.persistent_max_regs(4), False, False, True)):
+        k = compile_sm90(max_regs=cap, ws=ws, lazy=lazy, persistent=persistent)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "k.ptx").write_text(k.asm["ptx"])
             r = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"],
@@ -164,7 +176,9 @@ def test_gluon_decode_compiles_for_sm90():
     e4m3 -> fp16 widenings per tile; the warp-specialized variant (WS) likewise per compute
     warp, plus: its compute loops meet no bar.sync and issue no TMA (one mbarrier wait, one
     arrive a tile), every UTMALDG is the producer's, no spill at 136 registers for the compute
-    warps; prints registers, shared memory, programs per SM and the loops' mixes."""
+    warps; the persistent variant: 3 programs an SM (4 by shared memory), its tile loop the
+    default one's plus the producer cursor; prints registers, shared memory, programs per SM and
+    the loops' mixes."""
     from flashpage.kernels import paged_decode_gluon as pg
 
     rep = run_compiled("test_paged_decode_gluon", "_sm90_report")
@@ -206,6 +220,22 @@ def test_gluon_decode_compiles_for_sm90():
     assert ws["hmma_budgets"] == [compute_regs]
     assert ws["registers_used"][str(compute_regs)] <= compute_regs
 
+    # Persistent: 3 programs an SM by registers and shared memory (the merge goes through the
+    # ring: no 32 KB reduction scratch beside it), 4 by shared memory too; its tile loop is the
+    # default kernel's (same TMA, loads, HMMA, one wait, the same bar.syncs) plus the producer
+    # cursor, with no integer division (the KV head count is a constexpr).
+    pe = rep["persistent"]
+    assert pe["tma_ptx"] and pe["spill_bytes"] == 0
+    assert pe["regs"] <= pg.persistent_max_regs(pg.PROGRAMS_PER_SM) and 65536 // (pe["regs"] * 128) >= 3
+    assert 4 * (pe["shared"] + 1024) <= 228 * 1024
+    pl = pe["loop"]
+    for op in ("UTMALDG.2D", "LDS.128", "HMMA.16816.F32", "F2FP.F16.E4M3.UNPACK_B",
+               "SYNCS.PHASECHK.TRANS64.TRYWAIT", "BAR.SYNC.DEFER_BLOCKING"):
+        assert pl[op] == loop[op], op
+    assert not any(o.startswith(("LDS", "STS")) and o != "LDS.128" for o in pl)
+    assert not any(o in pl for o in ("MUFU.RCP", "I2F.RP", "IABS"))  # no runtime division
+    assert pl["total"] <= loop["total"] + 100, (pl["total"], loop["total"])
+
 
 def test_gluon_decode_rejects_what_it_does_not_cover():
     from flashpage.kernels.paged_decode_gluon import paged_decode_gluon
@@ -243,7 +273,13 @@ GLUON_CASES = [
 ]
 GLUON_VARIANTS = {"default": {}, "r128": {"max_regs": 128}, "ws": {"warp_specialize": True},
                   "s4": {"stages": 4}, "ws_lazy_s4": {"warp_specialize": True, "stages": 4, "lazy": True},
-                  "ws_lazy_s6": {"warp_specialize": True, "stages": 6, "lazy": True}}
+                  "ws_lazy_s6": {"warp_specialize": True, "stages": 6, "lazy": True},
+                  "persistent": {"persistent": True}, "persistent_pps4": {"persistent": True, "programs_per_sm": 4},
+                  # a few programs, many items each: tiles in flight across item boundaries, items
+                  # shorter than the tiles in flight
+                  "persistent_p5": {"persistent": True, "programs": 5},
+                  "persistent_p7_s2": {"persistent": True, "programs": 7, "stages": 2},
+                  "persistent_p3_s4": {"persistent": True, "programs": 3, "stages": 4}}
 
 
 @pytest.mark.gpu
@@ -255,7 +291,8 @@ def test_paged_decode_gluon_gpu(lens, variant, monkeypatch):
     past a context poisons the output) within the bf16 decode tolerance, and against the
     Triton kernel within twice it; every output row written (out starts NaN). Each variant:
     the 4-warp kernel as compiled, under 128 registers and with 4 stages, the warp-specialized
-    one, with the lazy rescale at 4 and 6 stages."""
+    one, with the lazy rescale at 4 and 6 stages, the persistent one at 3 and 4 programs an
+    SM and on 3-7 programs (2-4 stages)."""
     from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
 
     from flashpage.kernels.paged_decode import paged_decode, paged_decode_ref
@@ -299,10 +336,51 @@ def test_paged_decode_gluon_sharp_scores(variant):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("ws", [False, True], ids=["default", "ws"])
-def test_paged_decode_gluon_cuda_graph(ws):
+@pytest.mark.parametrize("variant", ["default", "persistent", "persistent_p5", "persistent_p7_s2",
+                                     "persistent_p3_s4"])
+def test_paged_decode_gluon_padding_rows(variant):
+    """seq_len 0 rows (CUDA-graph padding) among others, first, last and in runs, their block
+    tables garbage: zeros for them (out starts NaN), the others as the reference."""
+    from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
+
+    from flashpage.kernels.paged_decode import paged_decode_ref
+    from flashpage.kernels.paged_decode_gluon import _launch
+
+    lens = [0, 2048, 17, 0, 0, 1, 64, 0, 1000, 65, 0, 0, 0, 129, 1, 0]
+    g = gen(11)
+    _, _, kc8, vc8, tables, seq_lens = paged_pair(lens, 8, 128, 16, torch.bfloat16, g)
+    pad = [b for b, n in enumerate(lens) if n == 0]
+    tables[pad] = 2**30  # never read
+    q = torch.randn(len(lens), 32, 128, generator=g, device="cuda").bfloat16()
+    out = _launch(q, kc8, vc8, tables, seq_lens, out=torch.full_like(q, float("nan")), **GLUON_VARIANTS[variant])
+    torch.cuda.synchronize()
+    assert (out[pad] == 0).all(), "a padding row not zero"
+    tables[pad] = 0
+    ref = paged_decode_ref(q, kc8, vc8, tables, seq_lens)
+    for b, n in enumerate(lens):
+        if n:
+            assert rel_err(out[b], ref[b]) < DECODE_TOL[torch.bfloat16], f"sequence {b} (context {n})"
+    # A batch of padding only, of one padding row, of one 1-key and of one 17-key sequence.
+    for rows in (pad, [0], [5], [2]):
+        q2, tables2, lens2 = q[rows], tables[rows], seq_lens[rows]
+        out2 = _launch(q2, kc8, vc8, tables2, lens2, out=torch.full_like(q2, float("nan")), **GLUON_VARIANTS[variant])
+        torch.cuda.synchronize()
+        if lens2.any():
+            assert rel_err(out2, paged_decode_ref(q2, kc8, vc8, tables2, lens2)) < DECODE_TOL[torch.bfloat16]
+        else:
+            assert (out2 == 0).all()
+
+
+GRAPH_VARIANTS = {"default": {}, "ws": {"warp_specialize": True}, "persistent": {"persistent": True}}
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("variant", list(GRAPH_VARIANTS))
+def test_paged_decode_gluon_cuda_graph(variant):
     """Captured once, replayed with new queries and lengths (descriptors are kernel
-    parameters: the caches must stay where they were)."""
+    parameters: the caches must stay where they were), then again with a padding row
+    (seq_len 0: zeros)."""
     from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
 
     from flashpage.kernels.paged_decode import paged_decode_ref
@@ -312,14 +390,22 @@ def test_paged_decode_gluon_cuda_graph(ws):
     _, _, kc, vc, tables, lens = paged_pair([900, 20, 2000], 8, 128, 16, torch.bfloat16, g)
     q = torch.randn(3, 32, 128, generator=g, device="cuda").bfloat16()
     out = torch.empty_like(q)
-    paged_decode_gluon(q, kc, vc, tables, lens, out=out, warp_specialize=ws)  # compile outside the capture
+    kw = GRAPH_VARIANTS[variant]
+    paged_decode_gluon(q, kc, vc, tables, lens, out=out, **kw)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_decode_gluon(q, kc, vc, tables, lens, out=out, warp_specialize=ws)
+        paged_decode_gluon(q, kc, vc, tables, lens, out=out, **kw)
     q.copy_(torch.randn(3, 32, 128, generator=g, device="cuda").bfloat16())
     lens.copy_(torch.tensor([5, 20, 1999], dtype=torch.int32))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
+    ref = paged_decode_ref(q, kc, vc, tables, lens)
+    assert rel_err(out, ref) < DECODE_TOL[torch.bfloat16]
+    lens.copy_(torch.tensor([899, 0, 64], dtype=torch.int32))  # within what each holds
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (out[1] == 0).all()
     ref = paged_decode_ref(q, kc, vc, tables, lens)
     assert rel_err(out, ref) < DECODE_TOL[torch.bfloat16]
