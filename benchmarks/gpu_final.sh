@@ -456,5 +456,14 @@ s9a)  # session 9: the Gluon fp8 decode as the engine's default (tests, 8B fp8 o
       --kv-cache-dtype fp8 --no-hf --json-out "$OUT/throughput_8b_fp8_gluon$g.json" 2>&1 | grep -E "output_tok_per_s|Error"
   done
   timeout 120 python3 benchmarks/mla_decode.py --overhead --out "$OUT/mla_overhead.jsonl" 2>&1 | tail -n 4 ;;
+s9b)  # session 9: the persistent Gluon decode as the default (tests, engine tests, 8B fp8 twice and Triton once, knobs)
+  timeout 100 $PT -n 4 -m gpu tests/kernels/test_paged_decode_gluon.py -rf 2>&1 | tee "$OUT/gluon_tests.txt" | tail -n 2
+  timeout 100 $PT -n 8 -m gpu tests/kernels/test_fp8_kv.py -k decode -rf 2>&1 | tee "$OUT/fp8_tests.txt" | tail -n 2
+  timeout 200 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_tests.txt" | tail -n 3
+  for g in 1 0 1; do
+    FLASHPAGE_DECODE_GLUON=$g timeout 120 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+      --kv-cache-dtype fp8 --no-hf --json-out "$OUT/k/throughput_8b_fp8_gluon$g.$RANDOM.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  done
+  timeout 100 python3 benchmarks/decode_gluon_knobs.py --set persistent --out "$OUT/k" 2>&1 | tail -n 7 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
