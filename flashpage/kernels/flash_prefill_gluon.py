@@ -12,17 +12,27 @@ cu_seqlens_q == cu_seqlens_k)::
 Causal masking is top-left = bottom-right here (as many queries as keys): query i sees keys
 j <= i. Scores, the softmax and the output accumulators are fp32 (base-2 online softmax).
 
-Work tiles are (128-query tile, q head, sequence), heaviest first: every (head, sequence)'s
-last query tile, then every second to last, ... (``m_fastest``: one head's tiles adjacent,
-last first). Persistent (the default): one program per SM takes tiles pid, pid + #SMs, ...;
-else one program per tile. A program is 3 warpgroups (maxnreg 168: 384 x 168 registers)::
+Work tiles are (128-query tile, q head, sequence). Their order: the (head, sequence) pairs
+in chunks of ``head_group`` (default: the fewest pairs whose tiles fill every SM once, e.g. 8
+of 2 x 4096's 64, 2 of 16384's 32 heads), chunk after chunk, heaviest first within a chunk
+(every pair's last query tile, then every second to last, ...): the SMs work on few heads at
+a time, whose K/V stay in L2, and the causal tiles still come big to small. Persistent (the
+default): one program per SM; ``dynamic`` (the default schedule): a program takes its next
+tile from a global counter when it starts one, so whoever finishes first takes the next
+(balanced whatever the chunk), the counter zeroed by the last program to finish;
+``static``: tiles pid, pid + #SMs, ...; ``snake``: the same, every second round backwards.
+Else one program per tile (the hardware hands them out in order). A program is 3 warpgroups
+(maxnreg 168: 384 x 168 registers)::
 
     warpgroup 0 (default partition, 24 regs)   producer: per work tile, K_j and V_j of every
                                                key tile into a STAGES-deep ring (per slot: a
                                                ready mbarrier the TMA bytes complete, an empty
                                                one both consumers arrive on), and Q (two
-                                               [64, 128] boxes) right after K_0, once both
-                                               consumers released the previous Q (q_empty)
+                                               [64, 128] boxes) into Q buffer qi % Q_BUFS
+                                               right after K_0, once both consumers released
+                                               that buffer (q_empty); dynamic: the tile index
+                                               posted with it (sched[2 + 2 pid + buffer]), and
+                                               the next one fetched
     warpgroup 1 (worker, CONSUMER_REGS = 240)  consumer 0: query rows m0 .. m0 + 63
     warpgroup 2 (worker, CONSUMER_REGS = 240)  consumer 1: query rows m0 + 64 .. m0 + 127
 
@@ -45,14 +55,19 @@ P.V of tile j - 1 issued right behind QK^T of tile j)::
 
 (tile 0: S_0 and its softmax only; after the last tile its P.V, then O / l stored.) What
 ptxas makes of it (sm_90 SASS, tests/kernels/test_flash_prefill_gluon.py): 16 HGMMA
-64x128x16 a tile, one ``wait 1`` and one ``wait 0``, no serialised wgmma, no spill, but
-ptxas hoists the ``wait 0`` above the softmax of an unmasked tile (0 of its 64 exp2 before
-it): P_j's packed registers are P_{j-1}'s, which the in-flight P.V reads, and ptxas places
-the wait before the first pack it interleaves with the exp2s. So within a warpgroup the
-softmax does not overlap its own P.V; across warpgroups the ping-pong still puts one
-consumer's softmax under the other's GEMMs. Tried and dropped (SASS only): P through shared
-memory (the wait is hoisted all the same), a wait predicated on the row sum and the next
-tile's QK^T issued before the softmax (both make ptxas serialise every wgmma, C7514).
+64x128x16 a tile, one ``wait 1`` and one ``wait 0``, no serialised wgmma (C7514), no spill.
+PV_OVERLAP (the default): ptxas hoists a wgmma wait above any ALU work (without it: the
+``wait 0`` sits above all 64 exp2 of an unmasked tile, right after the ``wait 1``, so a
+warpgroup's softmax never overlaps its own P.V), but not above a shared-memory store: the
+row sums l, the softmax's last result, are stored to a scratch row (``l_fence``, never read)
+before the wait, and all 66 exp2 of a tile land between ``wait 1`` and ``wait 0`` (P_j
+packed there too, into registers of its own: 215 (causal) to 237 (full) of 240 used).
+Cost: 2 STS and one more named barrier per tile (Triton's membar orders the scratch stores
+of consecutive tiles). A global store does not pin the wait (a masked-off STG: ptxas
+hoists the wait above it).
+Tried and dropped (SASS only): P through shared memory, a wait predicated on the row sum and
+the next tile's QK^T issued before the softmax (the latter two make ptxas serialise every
+wgmma, C7514).
 
 PINGPONG (FA3's inter-warpgroup schedule): two mbarriers ``turn[0]``, ``turn[1]``; consumer g
 waits on turn[g] before issuing its two wgmmas and arrives on turn[1 - g] after, so the
@@ -114,24 +129,42 @@ _SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwid
 
 # --------------------------------------------------------------------------------- schedule
 
+STATIC, SNAKE, DYNAMIC, DYNAMIC_MEMSET = 0, 1, 2, 3  # SCHEDULE (see the launcher's schedule)
+_SNAKE = gl.constexpr(SNAKE)
+_DYNAMIC = gl.constexpr(DYNAMIC)
+
 
 @gluon.jit
-def _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb, M_FASTEST: gl.constexpr):
+def _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb, head_group):
     """Work tile t -> (q head, first query row m0, the sequence's first row, its length).
-    Heaviest first: the last query tile of every (head, sequence) comes before any second to
-    last one (M_FASTEST: the query tiles of one (head, sequence) are adjacent instead, last
-    first). num_hb = heads x sequences."""
-    if M_FASTEST:
-        mt = num_m - 1 - t % num_m
-        hb = t // num_m
-    else:
-        mt = num_m - 1 - t // num_hb
-        hb = t % num_hb
+    (head, sequence) pairs hb = b * num_heads + h in chunks of head_group; chunk by chunk,
+    heaviest first within a chunk: the last query tile of each of its pairs, then each
+    second to last, ... (head_group = num_hb: every pair's last tile first; 1: one head's
+    query tiles adjacent, last first). A chunk's K/V is what the SMs share in L2."""
+    chunk = head_group * num_m
+    c = t // chunk
+    r = t - c * chunk
+    hb0 = c * head_group
+    hg = gl.minimum(head_group, num_hb - hb0)  # the last chunk may be short
+    mt = num_m - 1 - r // hg
+    hb = hb0 + r % hg
     h = hb % num_heads
     b = hb // num_heads
     q_start = gl.load(cu_seqlens_ptr + b)
     seq = gl.load(cu_seqlens_ptr + b + 1) - q_start
     return h, mt * _BM, q_start, seq
+
+
+@gluon.jit
+def _static_tile(k, SCHEDULE: gl.constexpr):
+    """A static schedule's k-th work tile of this program: pid + k * #programs (STATIC), or
+    boustrophedon (SNAKE: odd rounds walk the programs backwards, so a program that took a
+    heavier tile in one round takes a lighter one in the next)."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    if SCHEDULE == _SNAKE:
+        pid = pid + (k & 1) * (nprog - 1 - 2 * pid)
+    return k * nprog + pid
 
 
 @gluon.jit
@@ -152,38 +185,99 @@ def _kv_range(m0, seq, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def _load_tile(t, it, qi, h, m0, q_start, seq, sched_ptr, slot_ptr, q_desc, k_desc, v_desc,
+               q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, group,
+               CAUSAL: gl.constexpr, DYN: gl.constexpr, NUM_STAGES: gl.constexpr,
+               Q_BUFS: gl.constexpr):
+    """One work tile's loads: K_j and V_j of every key tile into ring slot ``it % NUM_STAGES``
+    (``it`` counts key tiles over all work tiles) once both consumers have released what it
+    held, and Q into Q buffer ``qi % Q_BUFS`` (after K_0, once both consumers are done with
+    the Q it held). DYN: the tile index posted in the buffer's slot before Q, for the
+    consumers to read once Q landed, and the next tile fetched from the counter after V_0
+    (the ring is full then: the fetch's round trip, which Triton's broadcast of the result
+    makes the producer wait for, mostly costs it no time it had) -> (it, the next tile; 0
+    if not DYN)."""
+    n_full, n_tiles = _kv_range(m0, seq, CAUSAL)
+    kv_col = (h // group) * _D
+    nxt = 0
+    for j in range(n_tiles):
+        s = it % NUM_STAGES
+        phase = ((it // NUM_STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
+        row = q_start + j * _BN
+        mbarrier.wait(k_empty.index(s), phase)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
+        if j == 0:
+            qb = qi % Q_BUFS
+            mbarrier.wait(q_empty.index(qb), ((qi // Q_BUFS) & 1) ^ 1)
+            if DYN:
+                gl.store(slot_ptr + qb, t)
+                gl.thread_barrier()  # the store before the (elected thread's) arrive below
+            mbarrier.expect(q_bar.index(qb), 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_start + m0, h * _D], q_bar.index(qb),
+                                            q_smem.index(2 * qb))
+            tma.async_copy_global_to_shared(q_desc, [q_start + m0 + _WM, h * _D], q_bar.index(qb),
+                                            q_smem.index(2 * qb + 1))
+        mbarrier.wait(v_empty.index(s), phase)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+        if DYN:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if j == 0:
+                nxt = gl.num_programs(0) + gl.atomic_add(sched_ptr, 1)
+        it += 1
+    return it, nxt
+
+
+@gluon.jit
 def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-             k_empty, v_empty, cu_seqlens_ptr, group, num_m, num_heads, num_hb,
-             CAUSAL: gl.constexpr, M_FASTEST: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Default partition (one warpgroup; TMA issued by single threads): for each of this
-    program's work tiles, K_j and V_j into ring slot ``it % NUM_STAGES`` (``it`` counts key
-    tiles over all work tiles) once both consumers have released what it held, and Q (after
-    K_0, once both consumers are done with the previous Q)."""
+             k_empty, v_empty, cu_seqlens_ptr, sched_ptr, group, num_m, num_heads, num_hb,
+             head_group, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, NUM_STAGES: gl.constexpr,
+             Q_BUFS: gl.constexpr):
+    """Default partition (one warpgroup; TMA issued by single threads): this program's work
+    tiles' loads. Static schedules: tiles _static_tile(0), _static_tile(1), ... Dynamic: tile
+    pid first, then #programs + a global counter's next value (fetched early, _load_tile), each
+    non-empty tile posted to the consumers with its Q; past the last, ``total`` posted with a
+    bare arrive on q_bar (the consumers' stop), and (DYNAMIC) the last program to stop
+    zeroes the counters for the next launch."""
+    total = num_m * num_hb
+    nprog = gl.num_programs(0)
+    slot_ptr = sched_ptr + 2 + Q_BUFS * gl.program_id(0)  # this program's slots, one per Q buffer
     it = 0  # key tiles loaded so far
     qi = 0  # query tiles loaded so far
-    for t in range(gl.program_id(0), num_m * num_hb, gl.num_programs(0)):
-        h, m0, q_start, seq = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb, M_FASTEST)
-        if m0 < seq:
-            n_full, n_tiles = _kv_range(m0, seq, CAUSAL)
-            kv_col = (h // group) * _D
-            for j in range(n_tiles):
-                s = it % NUM_STAGES
-                phase = ((it // NUM_STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
-                row = q_start + j * _BN
-                mbarrier.wait(k_empty.index(s), phase)
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
-                if j == 0:
-                    mbarrier.wait(q_empty, (qi & 1) ^ 1)
-                    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(q_desc, [q_start + m0, h * _D], q_bar, q_smem.index(0))
-                    tma.async_copy_global_to_shared(q_desc, [q_start + m0 + _WM, h * _D], q_bar,
-                                                    q_smem.index(1))
-                mbarrier.wait(v_empty.index(s), phase)
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
-                it += 1
-            qi += 1
+    if SCHEDULE >= _DYNAMIC:
+        t = gl.program_id(0)
+        while t < total:
+            h, m0, q_start, seq = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb, head_group)
+            if m0 < seq:
+                it, t = _load_tile(t, it, qi, h, m0, q_start, seq, sched_ptr, slot_ptr, q_desc,
+                                   k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                                   v_ready, k_empty, v_empty, group, CAUSAL, True, NUM_STAGES,
+                                   Q_BUFS)
+                qi += 1
+            else:  # past a short sequence's end: nothing to load or compute
+                t = nprog + gl.atomic_add(sched_ptr, 1)
+        qb = qi % Q_BUFS
+        mbarrier.wait(q_empty.index(qb), ((qi // Q_BUFS) & 1) ^ 1)
+        gl.store(slot_ptr + qb, total)
+        gl.thread_barrier()
+        mbarrier.arrive(q_bar.index(qb))
+        # every program's fetches precede its increment of sched[1]
+        if SCHEDULE == _DYNAMIC:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if gl.atomic_add(sched_ptr + 1, 1) == nprog - 1:
+                gl.store(sched_ptr, 0)
+                gl.store(sched_ptr + 1, 0)
+    else:
+        for k in range(gl.cdiv(total, nprog)):
+            t = _static_tile(k, SCHEDULE)
+            if t < total:
+                h, m0, q_start, seq = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb,
+                                                   head_group)
+                if m0 < seq:
+                    it, _ = _load_tile(t, it, qi, h, m0, q_start, seq, sched_ptr, slot_ptr, q_desc,
+                                       k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                                       k_ready, v_ready, k_empty, v_empty, group, CAUSAL, False,
+                                       NUM_STAGES, Q_BUFS)
+                    qi += 1
 
 
 # --------------------------------------------------------------------------------- consumers
@@ -242,9 +336,10 @@ def _first_tile(it, q, k_smem, k_ready, k_empty, turn, m, l, qk_scale, rows, seq
 
 
 @gluon.jit
-def _tile(j, it0, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, m, l, o, p, alpha,
-          qk_scale, rows, seq, G: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-          PINGPONG: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _tile(j, it0, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l_fence, m, l, o,
+          p, alpha, qk_scale, rows, seq, G: gl.constexpr, MASKED: gl.constexpr,
+          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PV_OVERLAP: gl.constexpr,
+          NUM_STAGES: gl.constexpr):
     """Key tile j >= 1 (ring position it0 + j): S_j = Q K_j^T and O = alpha_{j-1} O +
     P_{j-1} V_{j-1} issued back to back, then the softmax of S_j."""
     it = it0 + j
@@ -263,18 +358,27 @@ def _tile(j, it0, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, m
     s = warpgroup_mma_wait(1, deps=(s_tok,))
     mbarrier.arrive(k_empty.index(sk))
     m, l, p32, alpha = _softmax(s, m, l, qk_scale, rows, j * _BN, seq, MASKED, CAUSAL)
-    # P_j packed to 16 bits before the wait and kept live through it beside P_{j-1} (at the
-    # LLVM level; ptxas still gives P_j P_{j-1}'s registers and hoists the wait, see SASS)
-    p_new = _to_p(p32, q.dtype)
-    o, p, p_new = warpgroup_mma_wait(0, deps=(o_tok, p, p_new))
-    mbarrier.arrive(v_empty.index(sv))
+    if PV_OVERLAP:
+        # ptxas hoists a wgmma wait above any ALU work it likes (here: the whole softmax), but
+        # not above a shared-memory store: the row sums l (the softmax's last result) stored
+        # to a scratch row pin the wait below every exp2, so the softmax of S_j runs under
+        # P_{j-1} V_{j-1}. P_j packed before the wait and kept live through it (registers of
+        # its own; packed after it instead, LLVM's 16-bit shuffling costs 32 PRMT a tile).
+        p_new = _to_p(p32, q.dtype)
+        l_fence.index(G).store(l)
+        o, p, p_new = warpgroup_mma_wait(0, deps=(o_tok, p, p_new))
+        mbarrier.arrive(v_empty.index(sv))
+    else:
+        p_new = _to_p(p32, q.dtype)
+        o, p, p_new = warpgroup_mma_wait(0, deps=(o_tok, p, p_new))
+        mbarrier.arrive(v_empty.index(sv))
     return m, l, o, p_new, alpha
 
 
 @gluon.jit
-def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, it, n_full, n_tiles,
-            qk_scale, rows, seq, G: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-            NUM_STAGES: gl.constexpr):
+def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l_fence, it, n_full,
+            n_tiles, qk_scale, rows, seq, G: gl.constexpr, CAUSAL: gl.constexpr,
+            PINGPONG: gl.constexpr, PV_OVERLAP: gl.constexpr, NUM_STAGES: gl.constexpr):
     """One work tile's key tiles (ring positions it .. it + n_tiles - 1), the default schedule
     (module docstring): -> (m, l, O unnormalised)."""
     m = gl.full([_WM], float("-inf"), gl.float32, gl.SliceLayout(1, _S_LAYOUT))
@@ -285,12 +389,12 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, it, n_f
     p = _to_p(p32, q.dtype)
     for j in range(1, n_full):  # every key visible to every row
         m, l, o, p, alpha = _tile(j, it, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                                  turn, m, l, o, p, alpha, qk_scale, rows, seq, G, False, CAUSAL,
-                                  PINGPONG, NUM_STAGES)
+                                  turn, l_fence, m, l, o, p, alpha, qk_scale, rows, seq, G, False,
+                                  CAUSAL, PINGPONG, PV_OVERLAP, NUM_STAGES)
     for j in range(gl.maximum(n_full, 1), n_tiles):  # the diagonal, the ragged end
         m, l, o, p, alpha = _tile(j, it, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                                  turn, m, l, o, p, alpha, qk_scale, rows, seq, G, True, CAUSAL,
-                                  PINGPONG, NUM_STAGES)
+                                  turn, l_fence, m, l, o, p, alpha, qk_scale, rows, seq, G, True,
+                                  CAUSAL, PINGPONG, PV_OVERLAP, NUM_STAGES)
     # the last key tile's P.V
     last = it + n_tiles - 1
     sv = last % NUM_STAGES
@@ -303,41 +407,77 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, it, n_f
 
 
 @gluon.jit
+def _compute_tile(it, h, m0, q_start, seq, q, k_smem, v_smem, q_empty, k_ready, v_ready, k_empty,
+                  v_empty, turn, l_fence, out_ptr, lse_ptr, qk_scale, stride_ot, stride_oh,
+                  stride_lse, G: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
+                  PINGPONG: gl.constexpr, PV_OVERLAP: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Query rows m0 + 64g .. m0 + 64g + 63 of one work tile (its Q landed) over its key
+    tiles, then those output rows (and lse) stored -> it past its key tiles."""
+    n_full, n_tiles = _kv_range(m0, seq, CAUSAL)
+    row0 = m0 + G * _WM
+    rows = row0 + gl.arange(0, _WM, layout=gl.SliceLayout(1, _S_LAYOUT))
+    m, l, o = _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l_fence, it,
+                      n_full, n_tiles, qk_scale, rows, seq, G, CAUSAL, PINGPONG, PV_OVERLAP,
+                      NUM_STAGES)
+    mbarrier.arrive(q_empty)  # every S of this work tile is done: Q may be replaced
+
+    l_safe = gl.where(l == 0.0, 1.0, l)
+    o = o * gl.expand_dims(_to_rows_o(1.0 / l_safe), 1)  # 2 divisions a thread, not 64
+    rows_o = row0 + gl.arange(0, _WM, layout=gl.SliceLayout(1, _O_LAYOUT))
+    cols_o = gl.arange(0, _D, layout=gl.SliceLayout(0, _O_LAYOUT))
+    r2 = gl.expand_dims(rows_o, 1)
+    c2 = gl.expand_dims(cols_o, 0)
+    ptrs = out_ptr + (q_start + r2).to(gl.int64) * stride_ot + h * stride_oh + c2
+    gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=(r2 < seq) & (c2 < _D))
+    if RETURN_LSE:
+        lse = gl.where(l == 0.0, float("-inf"), (m + gl.log2(l_safe)) * 0.6931471805599453)
+        gl.store(lse_ptr + h.to(gl.int64) * stride_lse + q_start + rows, lse, mask=rows < seq)
+    return it + n_tiles
+
+
+@gluon.jit
 def _consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-             out_ptr, lse_ptr, cu_seqlens_ptr, qk_scale, num_m, num_heads, num_hb, stride_ot,
-             stride_oh, stride_lse, G: gl.constexpr, CAUSAL: gl.constexpr,
-             RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr, M_FASTEST: gl.constexpr,
-             NUM_STAGES: gl.constexpr):
-    """Worker partition g (one warpgroup): for each of this program's work tiles, query rows
-    m0 + 64g .. m0 + 64g + 63 over its key tiles, then those output rows (and lse) stored."""
+             l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, sched_ptr, qk_scale, num_m, num_heads,
+             num_hb, head_group, stride_ot, stride_oh, stride_lse, G: gl.constexpr,
+             CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
+             PV_OVERLAP: gl.constexpr, SCHEDULE: gl.constexpr, NUM_STAGES: gl.constexpr,
+             Q_BUFS: gl.constexpr):
+    """Worker partition g (one warpgroup): this program's work tiles, as the producer walks
+    them (dynamic: the tile index the producer posted with each Q, until one >= total); the
+    qi-th one's Q in buffer qi % Q_BUFS."""
+    total = num_m * num_hb
     it = 0  # key tiles consumed so far (ring position and turn parity)
     qi = 0  # query tiles consumed so far
-    q = q_smem.index(G)
-    for t in range(gl.program_id(0), num_m * num_hb, gl.num_programs(0)):
-        h, m0, q_start, seq = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb, M_FASTEST)
-        if m0 < seq:
-            n_full, n_tiles = _kv_range(m0, seq, CAUSAL)
-            row0 = m0 + G * _WM
-            rows = row0 + gl.arange(0, _WM, layout=gl.SliceLayout(1, _S_LAYOUT))
-            mbarrier.wait(q_bar, qi & 1)
-            m, l, o = _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, it,
-                              n_full, n_tiles, qk_scale, rows, seq, G, CAUSAL, PINGPONG, NUM_STAGES)
-            mbarrier.arrive(q_empty)  # every S of this work tile is done: Q may be replaced
-            it += n_tiles
+    if SCHEDULE >= _DYNAMIC:
+        slot_ptr = sched_ptr + 2 + Q_BUFS * gl.program_id(0)
+        mbarrier.wait(q_bar.index(0), 0)
+        t = gl.load(slot_ptr, volatile=True)
+        while t < total:
+            qb = qi % Q_BUFS
+            h, m0, q_start, seq = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb, head_group)
+            it = _compute_tile(it, h, m0, q_start, seq, q_smem.index(2 * qb + G), k_smem, v_smem,
+                               q_empty.index(qb), k_ready, v_ready, k_empty, v_empty, turn, l_fence,
+                               out_ptr, lse_ptr, qk_scale, stride_ot, stride_oh, stride_lse, G,
+                               CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP, NUM_STAGES)
             qi += 1
-
-            l_safe = gl.where(l == 0.0, 1.0, l)
-            o = o / gl.expand_dims(_to_rows_o(l_safe), 1)
-            rows_o = row0 + gl.arange(0, _WM, layout=gl.SliceLayout(1, _O_LAYOUT))
-            cols_o = gl.arange(0, _D, layout=gl.SliceLayout(0, _O_LAYOUT))
-            r2 = gl.expand_dims(rows_o, 1)
-            c2 = gl.expand_dims(cols_o, 0)
-            ptrs = out_ptr + (q_start + r2).to(gl.int64) * stride_ot + h * stride_oh + c2
-            gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=(r2 < seq) & (c2 < _D))
-            if RETURN_LSE:
-                lse = gl.where(l == 0.0, float("-inf"), (m + gl.log2(l_safe)) * 0.6931471805599453)
-                gl.store(lse_ptr + h.to(gl.int64) * stride_lse + q_start + rows, lse, mask=rows < seq)
-
+            qb = qi % Q_BUFS
+            mbarrier.wait(q_bar.index(qb), (qi // Q_BUFS) & 1)
+            t = gl.load(slot_ptr + qb, volatile=True)
+    else:
+        for k in range(gl.cdiv(total, gl.num_programs(0))):
+            t = _static_tile(k, SCHEDULE)
+            if t < total:
+                h, m0, q_start, seq = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb,
+                                                   head_group)
+                if m0 < seq:
+                    qb = qi % Q_BUFS
+                    mbarrier.wait(q_bar.index(qb), (qi // Q_BUFS) & 1)
+                    it = _compute_tile(it, h, m0, q_start, seq, q_smem.index(2 * qb + G), k_smem,
+                                       v_smem, q_empty.index(qb), k_ready, v_ready, k_empty,
+                                       v_empty, turn, l_fence, out_ptr, lse_ptr, qk_scale,
+                                       stride_ot, stride_oh, stride_lse, G, CAUSAL, RETURN_LSE,
+                                       PINGPONG, PV_OVERLAP, NUM_STAGES)
+                    qi += 1
 
 
 # --------------------------------------------------------------------------------- kernel
@@ -346,29 +486,35 @@ def _consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, 
 @gluon.jit
 def _flash_prefill_gluon_kernel(
     q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_ptr,
+    sched_ptr,  # int32 [2 + #programs]: dynamic schedules' counter, stop count, posted tiles
     qk_scale,  # sm_scale * log2(e)
     group,  # q heads per kv head
     num_m,  # query tiles per sequence (of the longest)
     num_heads, num_hb,  # q heads; q heads x sequences
+    head_group,  # (head, sequence) pairs per chunk of the work order
     stride_ot, stride_oh, stride_lse,
     CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
-    M_FASTEST: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PV_OVERLAP: gl.constexpr, SCHEDULE: gl.constexpr, NUM_STAGES: gl.constexpr,
+    Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
-    """Work tiles t = program_id, program_id + num_programs, ... < num_m * num_hb (a grid of
-    all of them: one each; a grid of #SMs: persistent)."""
+    """Work tiles 0 .. num_m * num_hb - 1 over the programs (a grid of all of them: one each;
+    a grid of #SMs: persistent) as SCHEDULE says."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, _WM, _D], _SMEM)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, _WM, _D], _SMEM)  # [buffer, consumer]
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BN, _D], _SMEM)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, _BN, _D], _SMEM)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # PV_OVERLAP's scratch rows (written, never read)
+    l_fence = gl.allocate_shared_memory(gl.float32, [2, _WM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_bar = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)  # the producer's expect; the bytes complete it
-    mbarrier.init(q_empty, count=2)  # one arrive per consumer warpgroup
+    for i in gl.static_range(Q_BUFS):
+        mbarrier.init(q_bar.index(i), count=1)  # the producer's expect; the bytes complete it
+        mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer warpgroup
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -380,16 +526,16 @@ def _flash_prefill_gluon_kernel(
 
     gl.warp_specialize([
         (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                    v_ready, k_empty, v_empty, cu_seqlens_ptr, group, num_m, num_heads, num_hb,
-                    CAUSAL, M_FASTEST, NUM_STAGES)),
+                    v_ready, k_empty, v_empty, cu_seqlens_ptr, sched_ptr, group, num_m,
+                    num_heads, num_hb, head_group, CAUSAL, SCHEDULE, NUM_STAGES, Q_BUFS)),
         (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                    turn, out_ptr, lse_ptr, cu_seqlens_ptr, qk_scale, num_m, num_heads, num_hb,
-                    stride_ot, stride_oh, stride_lse, 0, CAUSAL, RETURN_LSE, PINGPONG, M_FASTEST,
-                    NUM_STAGES)),
+                    turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, sched_ptr, qk_scale, num_m,
+                    num_heads, num_hb, head_group, stride_ot, stride_oh, stride_lse, 0, CAUSAL,
+                    RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE, NUM_STAGES, Q_BUFS)),
         (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                    turn, out_ptr, lse_ptr, cu_seqlens_ptr, qk_scale, num_m, num_heads, num_hb,
-                    stride_ot, stride_oh, stride_lse, 1, CAUSAL, RETURN_LSE, PINGPONG, M_FASTEST,
-                    NUM_STAGES)),
+                    turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, sched_ptr, qk_scale, num_m,
+                    num_heads, num_hb, head_group, stride_ot, stride_oh, stride_lse, 1, CAUSAL,
+                    RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE, NUM_STAGES, Q_BUFS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -447,6 +593,10 @@ def _check(q, k, v, cu_seqlens, max_seqlen, sm_scale, out) -> None:
         raise ValueError("flash_prefill_gluon runs on CUDA sm_90 (Hopper) only")
 
 
+_SCHEDULES = {"static": STATIC, "snake": SNAKE, "dynamic": DYNAMIC, "dynamic_memset": DYNAMIC_MEMSET}
+_SCHED_BUFFERS: dict[torch.device, torch.Tensor] = {}
+
+
 def flash_prefill_gluon(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -459,9 +609,13 @@ def flash_prefill_gluon(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     pingpong: bool = True,
+    pv_overlap: bool = True,
     persistent: bool = True,
+    schedule: str = "dynamic",
+    head_group: int | None = None,
     m_fastest: bool = False,
     num_stages: int = STAGES,
+    q_buffers: int | None = None,
 ):
     """Self-attention prefill over a ragged batch (see the module docstring for the layout).
 
@@ -470,36 +624,91 @@ def flash_prefill_gluon(
     128] in q's dtype, and lse [Hq, total] fp32 if return_lse. The default sm_scale is
     128 ** -0.5.
 
+    Tuning knobs (the defaults are the expected best; benchmarks/prefill_gluon.py times each):
     ``pingpong``: the two consumer warpgroups take turns issuing their GEMMs (off: they issue
-    freely). ``persistent``: one program per SM walks the work tiles (else one program per
-    work tile). ``m_fastest``: work order: the query tiles of one head adjacent (else every
-    head's last tile first). ``num_stages``: K/V ring depth (2 or 3; 3: 224 KB of shared memory).
+    freely). ``pv_overlap``: a warpgroup's softmax of S_j runs under its own P_{j-1} V_{j-1}
+    (off: ptxas waits for P.V before the softmax). ``persistent``: one program per SM walks
+    the work tiles (else one program per work tile, in work order). ``schedule`` (persistent
+    only): ``"dynamic"`` (the default: each program takes the next work tile from a global
+    counter when it starts one; the last program to finish zeroes the counter, so a launch
+    is CUDA-graph safe, but two launches must not run concurrently on one device),
+    ``"dynamic_memset"`` (the same counter zeroed by a memset before each launch),
+    ``"static"`` (program p takes tiles p, p + #SMs, ...), ``"snake"`` (static,
+    boustrophedon). ``head_group``: the work order's chunk, in (head, sequence) pairs: chunk by
+    chunk, heaviest query tiles first within each, so that the SMs share a few heads' K/V in
+    L2; None: the smallest divisor of heads x sequences whose chunk holds >= #SMs work tiles;
+    ``m_fastest`` = head_group 1 (one head's query tiles adjacent); with a static schedule a
+    chunk smaller than all pairs unbalances the SMs. ``num_stages``: K/V ring depth (2 or 3).
+    ``q_buffers``: Q tiles in shared memory (2: the next work tile's Q loads while this one
+    runs; None: 2 with 2 stages up to ``max_seqlen`` 8192, else 1 (3 stages and 2 Q buffers,
+    256 KB, do not fit; at 1 x 16384 causal one Q buffer read 606 TFLOP/s against 555 with
+    two in run 75, at 2 x 4096 534 against 584).
     """
-    _check(q, k, v, cu_seqlens, max_seqlen, sm_scale, out)
     if num_stages not in (2, 3):
         raise ValueError(f"num_stages must be 2 or 3, got {num_stages}")
+    if q_buffers is None:
+        q_buffers = 2 if num_stages == 2 and max_seqlen <= 8192 else 1
+    if q_buffers not in (1, 2) or q_buffers + num_stages > 4:
+        raise ValueError(f"q_buffers must be 1 or 2 (1 with num_stages 3: shared memory), got {q_buffers}")
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(_SCHEDULES)}, got {schedule!r}")
+    _check(q, k, v, cu_seqlens, max_seqlen, sm_scale, out)
     total, hq, _ = q.shape
     hkv = k.shape[1]
     batch = cu_seqlens.numel() - 1
+    num_hb = hq * batch
+    if head_group is not None and not 1 <= int(head_group) <= num_hb:
+        raise ValueError(f"head_group must be in [1, heads x sequences = {num_hb}], got {head_group}")
     scale = (1.0 / math.sqrt(HEAD_DIM) if sm_scale is None else float(sm_scale)) * _LOG2E
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(hq, total, dtype=torch.float32, device=q.device) if return_lse else None
     if total == 0 or batch == 0:
         return (out, lse) if return_lse else out
     num_m = -(-int(max_seqlen) // BLOCK_M)
-    work = num_m * hq * batch
-    if work >= 2**31:
-        raise ValueError(f"{work} work tiles (query tiles x heads x sequences): at most 2**31 - 1")
-    grid = min(work, _num_sms(q.device)) if persistent else work
+    work = num_m * num_hb
+    sms = _num_sms(q.device)
+    if work + 4 * sms >= 2**31:
+        raise ValueError(f"{work} work tiles (query tiles x heads x sequences): at most 2**31 - {4 * sms + 1}")
+    if m_fastest:
+        head_group = 1
+    elif head_group is None:
+        head_group = default_head_group(num_m, num_hb, sms)
+    grid = min(work, sms) if persistent else work
+    sched_code = _SCHEDULES[schedule] if persistent else STATIC
+    sched = _sched_buffer(q.device, sms)
+    if sched_code == DYNAMIC_MEMSET:
+        sched[:2].zero_()
     _flash_prefill_gluon_kernel[(grid,)](
         _descriptor(q, WG_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out,
-        lse if lse is not None else out, cu_seqlens, scale, hq // hkv, num_m, hq, hq * batch,
-        out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+        lse if lse is not None else out, cu_seqlens, sched, scale, hq // hkv, num_m, hq, num_hb,
+        int(head_group), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         CAUSAL=bool(causal), RETURN_LSE=return_lse, PINGPONG=bool(pingpong),
-        M_FASTEST=bool(m_fastest), NUM_STAGES=num_stages, CONSUMER_REGS=CONSUMER_REGS,
-        num_warps=4, maxnreg=MAXNREG,
+        PV_OVERLAP=bool(pv_overlap), SCHEDULE=sched_code, NUM_STAGES=num_stages,
+        Q_BUFS=q_buffers, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG,
     )
     return (out, lse) if return_lse else out
+
+
+def default_head_group(num_m: int, num_hb: int, num_sms: int) -> int:
+    """The smallest divisor of num_hb ((head, sequence) pairs) whose chunk of work tiles
+    (x num_m query tiles) fills every SM once; all pairs if none does. Small: few heads' K/V
+    live in L2 at a time (2 x 4096 x 32 heads: 8 pairs, 16 MB; 1 x 16384: 2 heads, 16 MB);
+    a divisor: no short last chunk whose heavy tiles start late."""
+    for d in range(1, num_hb + 1):
+        if num_hb % d == 0 and d * num_m >= num_sms:
+            return d
+    return num_hb
+
+
+def _sched_buffer(device: torch.device, num_sms: int) -> torch.Tensor:
+    """int32 [2 + 2 x #SMs], zeroed once per device: the dynamic schedules' counter, their
+    stop count (the self-zeroing schedule's; both zero between launches) and each program's
+    posted tiles (one per Q buffer). Allocated on the first call (make that one before a
+    CUDA-graph capture)."""
+    buf = _SCHED_BUFFERS.get(device)
+    if buf is None:
+        buf = _SCHED_BUFFERS[device] = torch.zeros(2 + 2 * num_sms, dtype=torch.int32, device=device)
+    return buf
 
 
 def _num_sms(device: torch.device) -> int:

@@ -4,13 +4,14 @@ CPU: the kernel compiled for sm_90 (Triton's ptxas and nvdisasm, no GPU), its SA
 partition (each partition starts with a USETMAXREG): the producer issues every TMA load
 (UTMALDG) under 24 registers, the consumers every wgmma (HGMMA) under 240, 16 HGMMA
 m64n128k16 per key tile and consumer (8 for S = Q K^T, 8 for O += P V), no spill, no
-bar.sync of the whole CTA inside a loop; ptxas reports no serialised wgmma. Bad input gets
-a ValueError. Printed, not asserted: how many of a tile's 64 exp2 ptxas schedules before the
-``wait 0`` of P_{j-1} V_{j-1} (the intra-warpgroup overlap; with ptxas 12.x it hoists that wait
-above the unmasked softmax: 0 of 64, see the kernel's module docstring).
+bar.sync of the whole CTA inside a loop; ptxas reports no serialised wgmma (C7514). With
+PV_OVERLAP (the default) every exp2 of a tile lies before the ``wait 0`` of P_{j-1} V_{j-1}
+(the intra-warpgroup overlap); without it ptxas hoists that wait above the unmasked softmax
+(0 of 64, printed). Bad input gets a ValueError.
 GPU (marked gpu, sm_90 only): bf16 against the fp32 reference of flash_prefill.py over causal
-and full attention, ragged lengths (1, tile edges, non-multiples), GQA 1 / 4 / 8, with and
-without ping-pong, and the lse.
+and full attention, ragged lengths (1, tile edges, non-multiples), GQA 1 / 4 / 8, and the lse,
+per schedule (one program per tile, static, snake, then dynamic: the one that could hang
+last); each launcher knob; the dynamic schedules under CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 
 # --------------------------------------------------------------------------- sm_90 compile (CPU)
 
-VARIANTS = {  # name -> constexprs besides the defaults
+VARIANTS = {  # name -> constexprs besides the defaults (dynamic schedule, PV overlap)
     "causal": dict(CAUSAL=True, PINGPONG=True),
     "full": dict(CAUSAL=False, PINGPONG=True),
     "causal_lse_no_pingpong": dict(CAUSAL=True, PINGPONG=False, RETURN_LSE=True),
+    "static_no_overlap": dict(CAUSAL=True, SCHEDULE=0, PV_OVERLAP=False, Q_BUFS=1),  # run 72's
 }
 
 
@@ -49,16 +51,18 @@ def compile_sm90(**consts):
     from flashpage.kernels import flash_prefill_gluon as fg
 
     fn = fg._flash_prefill_gluon_kernel
-    consts = {"CAUSAL": True, "RETURN_LSE": False, "PINGPONG": True, "M_FASTEST": False,
-              "NUM_STAGES": fg.STAGES, "CONSUMER_REGS": fg.CONSUMER_REGS, **consts}
+    consts = {"CAUSAL": True, "RETURN_LSE": False, "PINGPONG": True, "PV_OVERLAP": True,
+              "SCHEDULE": fg.DYNAMIC, "NUM_STAGES": fg.STAGES, "Q_BUFS": 2,
+              "CONSUMER_REGS": fg.CONSUMER_REGS, **consts}
     layout = repr(fg._SMEM.value)
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_desc": f"tensordesc<bf16[{fg.WG_M}, {fg.HEAD_DIM}],{layout}>",
                 "k_desc": f"tensordesc<bf16[{fg.BLOCK_N}, {fg.HEAD_DIM}],{layout}>",
                 "v_desc": f"tensordesc<bf16[{fg.BLOCK_N}, {fg.HEAD_DIM}],{layout}>",
-                "out_ptr": "*bf16", "lse_ptr": "*fp32", "cu_seqlens_ptr": "*i32", "qk_scale": "fp32"})
+                "out_ptr": "*bf16", "lse_ptr": "*fp32", "cu_seqlens_ptr": "*i32", "sched_ptr": "*i32",
+                "qk_scale": "fp32"})
     sig.update({c: "constexpr" for c in consts})
-    aligned = ("out_ptr", "lse_ptr", "cu_seqlens_ptr", "stride_ot", "stride_oh")
+    aligned = ("out_ptr", "lse_ptr", "cu_seqlens_ptr", "sched_ptr", "stride_ot", "stride_oh")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -153,6 +157,7 @@ def _sm90_report() -> dict:
         warnings = [ln for ln in r.stderr.splitlines()
                     if "warning" in ln.lower() or "Potential Performance Loss" in ln]
         out[name] = dict(regs=regs, spill_bytes=sum(spills), shared=k.metadata.shared,
+                         pv_overlap=consts.get("PV_OVERLAP", True),
                          threads=32 * k.metadata.num_warps, warnings=warnings,
                          **sass_partitions(sass))
     return out
@@ -164,7 +169,8 @@ def test_gluon_prefill_compiles_for_sm90():
     issues every TMA load, the consumers at 240 issue every wgmma (m64n128k16, 16 per key
     tile: the unmasked and the masked loop of each of the two consumers), no spill, no
     ptxas warning (a serialised wgmma would say so), no CTA-wide bar.sync in any loop, one
-    ``wait 1`` per tile (S_j waited for while P_{j-1} V_{j-1} runs); prints the loops' mixes."""
+    ``wait 1`` per tile (S_j waited for while P_{j-1} V_{j-1} runs), and with PV_OVERLAP
+    every exp2 of the tile before its ``wait 0``; prints the loops' mixes."""
     from flashpage.kernels import flash_prefill_gluon as fg
 
     rep = run_compiled("test_flash_prefill_gluon", "_sm90_report")
@@ -196,12 +202,26 @@ def test_gluon_prefill_compiles_for_sm90():
             assert "UTMALDG.2D" not in c and c["cta_bar"] == 0
             assert c["wait1"] == 1 and c["wait0"] == 1  # not serialised: one wait of each a tile
             assert c["MUFU.EX2"] >= 64  # 64 scores a thread per tile
+            if r["pv_overlap"]:  # the whole softmax of S_j under P_{j-1} V_{j-1}
+                assert c["ex2_before_wait0"] >= 64, (name, c["ex2_before_wait0"])
         assert len(r["producer"]) == 1, name
         p = r["producer"][0]
         # K_j and V_j: one UTMALDG each (a box's two 64-column halves issued by two warps);
         # the Q load of j = 0 lies outside the innermost loop
         assert p["budget"] == producer_regs and p["UTMALDG.2D"] == 2
         assert not any(o.startswith("HGMMA") for o in p)
+
+
+def test_default_head_group():
+    """The fewest (head, sequence) pairs, a divisor of all of them, whose query tiles fill
+    132 SMs once; all pairs when none does."""
+    from flashpage.kernels.flash_prefill_gluon import default_head_group
+
+    assert default_head_group(32, 64, 132) == 8  # 2 x 4096, 32 heads
+    assert default_head_group(128, 32, 132) == 2  # 1 x 16384
+    assert default_head_group(8, 256, 132) == 32  # 8 x 1024
+    assert default_head_group(40, 96, 132) == 4  # 3 x 5000: 40 tiles a pair, 4 pairs >= 132
+    assert default_head_group(1, 3, 132) == 3
 
 
 def test_gluon_prefill_rejects_bad_input():
@@ -231,6 +251,13 @@ def test_gluon_prefill_rejects_bad_input():
         flash_prefill_gluon(q, kv, kv, cu, 8, sm_scale=0.0)
     with pytest.raises(ValueError, match="out"):
         flash_prefill_gluon(q, kv, kv, cu, 8, out=torch.empty_like(q[:4]))
+    with pytest.raises(ValueError, match="schedule"):
+        flash_prefill_gluon(q, kv, kv, cu, 8, schedule="greedy")
+    with pytest.raises(ValueError, match="q_buffers"):
+        flash_prefill_gluon(q, kv, kv, cu, 8, num_stages=3, q_buffers=2)
+    if HOPPER:
+        with pytest.raises(ValueError, match="head_group"):
+            flash_prefill_gluon(q, kv, kv, cu, 8, head_group=5)  # 4 heads x 1 sequence
     if not HOPPER:
         with pytest.raises(ValueError, match="sm_90"):
             flash_prefill_gluon(q, kv, kv, cu, 8)
@@ -264,37 +291,82 @@ def _close(out, ref, tol=1.6e-2):
     assert err <= 8 * tol and rel <= tol, f"max abs {err:.2e}, rel {rel:.2e}"
 
 
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("lens", list(LENGTHS.values()), ids=list(LENGTHS))
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (16, 2)], ids=["mha", "gqa4", "gqa8"])
-@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
-def test_gluon_prefill_gpu(lens, causal, hq, hkv, persistent):
-    """bf16 against flash_attn_varlen_ref (fp32) within flash_prefill's bf16 tolerance;
-    out starts NaN, so a row left unwritten fails; the lse within 2e-3. One program per work
-    tile (listed first: a barrier bug in the persistent walk shows after these) and
-    persistent."""
+STATIC = {"grid": dict(persistent=False), "static": dict(schedule="static"),
+          "snake": dict(schedule="snake")}
+
+
+def _check_against_ref(lens, causal, hq, hkv, opts, seed=0):
+    """One launch with opts (out starts NaN, lse asked for) against flash_attn_varlen_ref:
+    out within flash_prefill's bf16 tolerance, lse within 2e-3. Returns out."""
     from flashpage.kernels.flash_prefill import flash_attn_varlen_ref
     from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon
 
-    q, k, v, cu = _ragged(lens, hq, hkv)
+    q, k, v, cu = _ragged(lens, hq, hkv, seed=seed)
     out = torch.full_like(q, float("nan"))
     res, lse = flash_prefill_gluon(q, k, v, cu, max(lens), causal=causal, return_lse=True, out=out,
-                                   persistent=persistent)
+                                   **opts)
     torch.cuda.synchronize()
     ref, ref_lse = flash_attn_varlen_ref(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
                                          return_lse=True)
     _close(res, ref)
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-4)
+    return res
 
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("opts", [dict(pingpong=False), dict(m_fastest=True), dict(num_stages=3),
-                                  dict(sm_scale=0.05), dict(persistent=False, m_fastest=True)],
-                         ids=["no_pingpong", "m_fastest", "stages3", "scale", "grid_m_fastest"])
+@pytest.mark.parametrize("lens", list(LENGTHS.values()), ids=list(LENGTHS))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (16, 2)], ids=["mha", "gqa4", "gqa8"])
+@pytest.mark.parametrize("sched", list(STATIC), ids=list(STATIC))
+def test_gluon_prefill_gpu(lens, causal, hq, hkv, sched):
+    """bf16 against flash_attn_varlen_ref (fp32) within flash_prefill's bf16 tolerance;
+    out starts NaN, so a row left unwritten fails; the lse within 2e-3. One program per work
+    tile and the static persistent schedules (before the dynamic one's tests below: a bug in
+    its counter or its tile posting would hang, and these would not have run)."""
+    _check_against_ref(lens, causal, hq, hkv, STATIC[sched])
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("lens", list(LENGTHS.values()), ids=list(LENGTHS))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (16, 2)], ids=["mha", "gqa4", "gqa8"])
+def test_gluon_prefill_dynamic_gpu(lens, causal, hq, hkv):
+    """The default (persistent, dynamic schedule) as above, launched twice: the counter is
+    back at zero after each launch (the second computes the same, bit for bit)."""
+    from flashpage.kernels import flash_prefill_gluon as fg
+
+    first = _check_against_ref(lens, causal, hq, hkv, {})
+    again = _check_against_ref(lens, causal, hq, hkv, {})
+    assert torch.equal(first, again)
+    assert fg._SCHED_BUFFERS[first.device][:2].tolist() == [0, 0]
+
+
+OPTIONS = {
+    "no_pingpong": dict(pingpong=False),
+    "no_overlap": dict(pv_overlap=False),
+    "run72": dict(schedule="static", pv_overlap=False, head_group=32, q_buffers=1),  # run 72's
+    "q1": dict(q_buffers=1),
+    "grid_q1": dict(persistent=False, q_buffers=1),
+    "dynamic_memset": dict(schedule="dynamic_memset"),
+    "hg1": dict(head_group=1),
+    "hg3": dict(head_group=3),  # not a divisor of 8 heads x 4 sequences: a short last chunk
+    "hg_all": dict(head_group=32),
+    "m_fastest": dict(m_fastest=True),
+    "stages3": dict(num_stages=3),
+    "snake_hg1": dict(schedule="snake", head_group=1),
+    "grid_hg1": dict(persistent=False, head_group=1),
+    "grid_no_overlap": dict(persistent=False, pv_overlap=False),
+    "scale": dict(sm_scale=0.05),
+}
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("opts", list(OPTIONS.values()), ids=list(OPTIONS))
 def test_gluon_prefill_options_gpu(opts):
+    """Each launcher knob (causal; the matrices above cover full attention per schedule)."""
     from flashpage.kernels.flash_prefill import flash_attn_varlen_ref
     from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon
 
@@ -305,6 +377,36 @@ def test_gluon_prefill_options_gpu(opts):
     ref = flash_attn_varlen_ref(q, k, v, cu, cu, max(lens), max(lens), causal=True,
                                 sm_scale=opts.get("sm_scale"))
     _close(out, ref)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("schedule", ["dynamic", "dynamic_memset"])
+def test_gluon_prefill_cuda_graph_gpu(schedule):
+    """Captured once, replayed 3 times on new inputs: each replay right (the dynamic
+    schedule's counter zeroed by the kernel itself, or by the memset captured with it), and
+    20 launches back to back agree bit for bit."""
+    from flashpage.kernels.flash_prefill import flash_attn_varlen_ref
+    from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon
+
+    lens = [1500, 300, 2048]
+    q, k, v, cu = _ragged(lens, 16, 4, seed=3)
+    first = flash_prefill_gluon(q, k, v, cu, max(lens), schedule=schedule)  # compile, buffers
+    for _ in range(20):
+        assert torch.equal(flash_prefill_gluon(q, k, v, cu, max(lens), schedule=schedule), first)
+    out = torch.empty_like(q)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flash_prefill_gluon(q, k, v, cu, max(lens), schedule=schedule, out=out)
+    for seed in (4, 5, 6):
+        q2, k2, v2, _ = _ragged(lens, 16, 4, seed=seed)
+        for dst, src in ((q, q2), (k, k2), (v, v2)):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _close(out, flash_attn_varlen_ref(q, k, v, cu, cu, max(lens), max(lens), causal=True))
 
 
 @pytest.mark.gpu
