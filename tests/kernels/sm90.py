@@ -1,5 +1,6 @@
 """Kernels compiled for sm_90 on a machine without a GPU (Triton ships ptxas), for the
-tests that read their PTX: one signature builder, one subprocess runner.
+tests that read their PTX: one signature builder, one subprocess runner, and the readers of
+ptxas's log and of the SASS listing.
 
 ``compile_sm90`` refuses a kernel whose ``tl.constexpr`` parameters are not all given: a
 missing one would otherwise enter the signature as a runtime int and fail far from the
@@ -8,8 +9,10 @@ cause (or compile a kernel other than the one meant).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +57,68 @@ def run_compiled(module: str, func: str):
         pytest.skip("no ptxas in this Triton install")
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ reading what ptxas made
+
+
+def ptxas_sm90a(ptx: str) -> tuple[str, str]:
+    """(ptxas -v's log, nvdisasm's SASS listing) of ``ptx`` built for sm_90a with the tools
+    Triton ships."""
+    import tempfile
+
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(ptx)
+        log = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"],
+                             cwd=tmp, capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", "k.cubin"], cwd=tmp,
+                              capture_output=True, text=True, check=True).stdout
+    return log, sass
+
+
+def ptxas_usage(log: str) -> dict:
+    """Registers per thread and bytes spilled (stores + loads), from ptxas -v's log."""
+    regs = int(re.search(r"Used (\d+) registers", log)[1])
+    return dict(regs=regs, spill_bytes=sum(int(x) for x in re.findall(r"(\d+) bytes spill", log)))
+
+
+def sass_instructions(sass: str) -> tuple[list[str], dict[str, int]]:
+    """The SASS instructions of an nvdisasm listing (a leading predicate dropped) and each
+    label's index."""
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m[1]] = len(ins)
+        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;", line):
+            ins.append(re.sub(r"^@!?U?P\w+\s+", "", m[1]))
+    return ins, labels
+
+
+def sass_loops(ins: list[str], labels: dict[str, int], end: int | None = None) -> list[tuple[int, int]]:
+    """(first, last) instruction index of every loop: a branch back to a label before it
+    (among the first ``end`` instructions)."""
+    return [(labels[m[1]], i) for i, t in enumerate(ins[:end])
+            if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)) and labels.get(m[1], i + 1) <= i]
+
+
+def register_budgets(ins: list[str]) -> list[int | None]:
+    """Each instruction's register budget: that of the last USETMAXREG before it (the
+    partitions of a warp-specialized kernel start with one), None before any."""
+    budget, cur = [], None
+    for t in ins:
+        if m := re.match(r"USETMAXREG\.\S+\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)", t):
+            cur = int(m[1], 16)
+        budget.append(cur)
+    return budget
+
+
+def registers_used(ins: list[str], budget: list[int | None]) -> dict[str, int]:
+    """The highest register (+ 1) used under each budget."""
+    top: dict = collections.defaultdict(int)
+    for b, t in zip(budget, ins, strict=True):
+        for r in re.findall(r"\bR(\d+)\b", t):
+            top[b] = max(top[b], int(r) + 1)
+    return {str(b): n for b, n in top.items() if b}

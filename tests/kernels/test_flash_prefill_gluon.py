@@ -17,14 +17,18 @@ last); each launcher knob; the dynamic schedules under CUDA-graph replay.
 from __future__ import annotations
 
 import collections
-import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-from sm90 import run_compiled  # tests/kernels (on sys.path under pytest)
+from sm90 import (  # tests/kernels (on sys.path under pytest)
+    ptxas_sm90a,
+    ptxas_usage,
+    register_budgets,
+    registers_used,
+    run_compiled,
+    sass_instructions,
+    sass_loops,
+)
 
 GPU = torch.cuda.is_available()
 HOPPER = GPU and torch.cuda.get_device_capability()[0] == 9
@@ -69,32 +73,16 @@ def compile_sm90(**consts):
                           options=dict(num_warps=4, maxnreg=fg.MAXNREG))
 
 
-def _sass_instructions(sass: str) -> tuple[list[str], dict[str, int]]:
-    """The SASS instructions (a leading predicate dropped) and each label's index."""
-    ins, labels = [], {}
-    for line in sass.splitlines():
-        if m := re.match(r"\s*(\.L_x_\d+):", line):
-            labels[m[1]] = len(ins)
-        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;", line):
-            ins.append(re.sub(r"^@!?U?P\w+\s+", "", m[1]))
-    return ins, labels
-
-
 def sass_partitions(sass: str) -> dict:
     """The SASS by partition: each instruction's register budget is that of the last
     USETMAXREG before it; the loops are the backward branches before the last EXIT (the
     mbarrier retry stubs after it excluded), innermost, holding no USETMAXREG. Returns the opcode mix of
     each loop holding an HGMMA (``consumer``) or a TMA issue (``producer``), the budgets
     under which UTMALDG and HGMMA occur, the highest register used under each budget."""
-    ins, labels = _sass_instructions(sass)
-    budget, cur = [], None
-    for t in ins:
-        if m := re.match(r"USETMAXREG\.\S+\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)", t):
-            cur = int(m[1], 16)
-        budget.append(cur)
+    ins, labels = sass_instructions(sass)
+    budget = register_budgets(ins)
     last_exit = max(i for i, t in enumerate(ins) if t.startswith("EXIT"))
-    loops = [(labels[m[1]], i) for i, t in enumerate(ins[:last_exit])
-             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)) and labels.get(m[1], i + 1) <= i]
+    loops = sass_loops(ins, labels, last_exit)
     # innermost loops only (the work-tile loops around them hold them whole)
     loops = [(lo, hi) for lo, hi in loops
              if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in loops)]
@@ -123,11 +111,7 @@ def sass_partitions(sass: str) -> dict:
     out["utmaldg_budgets"] = sorted({budget[i] for i, t in enumerate(ins) if t.startswith("UTMALDG")})
     out["hgmma_budgets"] = sorted({budget[i] for i, t in enumerate(ins) if t.startswith("HGMMA")})
     out["hgmma_shapes"] = sorted({t.split(" ")[0] for t in ins if t.startswith("HGMMA")})
-    top: dict = collections.defaultdict(int)
-    for b, t in zip(budget, ins, strict=True):
-        for r in re.findall(r"\bR(\d+)\b", t):
-            top[b] = max(top[b], int(r) + 1)
-    out["registers_used"] = {str(b): n for b, n in top.items() if b}
+    out["registers_used"] = registers_used(ins, budget)
     return out
 
 
@@ -141,22 +125,14 @@ def _sm90_report() -> dict:
         import triton.experimental.gluon  # noqa: F401
     except ImportError as ex:
         return {"skip": f"no Gluon in this Triton: {ex}"}
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = {}
     for name, consts in VARIANTS.items():
         k = compile_sm90(**consts)
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "k.ptx").write_text(k.asm["ptx"])
-            r = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"],
-                               cwd=tmp, capture_output=True, text=True, check=True)
-            sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", "k.cubin"], cwd=tmp,
-                                  capture_output=True, text=True, check=True).stdout
-        regs = int(re.search(r"Used (\d+) registers", r.stderr)[1])
-        spills = [int(x) for x in re.findall(r"(\d+) bytes spill", r.stderr)]
+        log, sass = ptxas_sm90a(k.asm["ptx"])
         # a warning, or ptxas serialising the wgmmas ("(C7514) Potential Performance Loss: ...")
-        warnings = [ln for ln in r.stderr.splitlines()
+        warnings = [ln for ln in log.splitlines()
                     if "warning" in ln.lower() or "Potential Performance Loss" in ln]
-        out[name] = dict(regs=regs, spill_bytes=sum(spills), shared=k.metadata.shared,
+        out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared,
                          pv_overlap=consts.get("PV_OVERLAP", True),
                          threads=32 * k.metadata.num_warps, warnings=warnings,
                          **sass_partitions(sass))

@@ -31,7 +31,7 @@ from flashpage.kernels.mla_decode import (
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sm90 import run_compiled  # noqa: E402
+from sm90 import run_compiled, sass_instructions, sass_loops  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -258,14 +258,8 @@ def qk_chain_ids(sass: str) -> list[int]:
     the row max), the accumulator chain it extends: an HMMA whose accumulator input is
     the output of an earlier HMMA (not overwritten since) continues that one's chain;
     any other starts a new one. ``sass``: nvdisasm's listing."""
-    ins, labels = [], {}
-    for line in sass.splitlines():
-        if m := re.match(r"\s*(\.L_x_\d+):", line):
-            labels[m[1]] = len(ins)
-        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;", line):
-            ins.append(re.sub(r"^@!?U?P\w+\s+", "", m[1]))
-    loops = [(labels[m[1]], i) for i, t in enumerate(ins)
-             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)) and labels.get(m[1], i + 1) <= i]
+    ins, labels = sass_instructions(sass)
+    loops = sass_loops(ins, labels)
     lo, hi = max(loops, key=lambda r: r[1] - r[0])  # the main loop: the longest one
     body = ins[lo:hi + 1]
     first = next(i for i, t in enumerate(body) if t.startswith("HMMA"))

@@ -15,14 +15,18 @@ also on a few programs: many items each), with CUDA-graph padding rows (seq_len 
 from __future__ import annotations
 
 import collections
-import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-from sm90 import run_compiled  # tests/kernels (on sys.path under pytest)
+from sm90 import (  # tests/kernels (on sys.path under pytest)
+    ptxas_sm90a,
+    ptxas_usage,
+    register_budgets,
+    registers_used,
+    run_compiled,
+    sass_instructions,
+    sass_loops,
+)
 
 GPU = torch.cuda.is_available()
 gpu_only = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
@@ -69,24 +73,11 @@ def compile_sm90(group: int = 4, max_regs: int | None = None, ws: bool = False, 
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def _sass_instructions(sass: str) -> tuple[list[str], dict[str, int]]:
-    """The SASS instructions (a leading predicate dropped) and each label's index."""
-    ins, labels = [], {}
-    for line in sass.splitlines():
-        if m := re.match(r"\s*(\.L_x_\d+):", line):
-            labels[m[1]] = len(ins)
-        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;", line):
-            ins.append(re.sub(r"^@!?U?P\w+\s+", "", m[1]))
-    return ins, labels
-
-
 def sass_loop_mix(sass: str) -> dict[str, int]:
     """Opcode counts of the main loop (the shortest backward-branch span holding both a TMA
     issue and an HMMA), predicates and modifiers after the first dot kept (``LDS.128``)."""
-    ins, labels = _sass_instructions(sass)
-    loops = [(labels[m[1]], i) for i, t in enumerate(ins)
-             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)) and labels.get(m[1], i + 1) <= i]
-    bodies = [[t.split(" ")[0] for t in ins[lo:hi + 1]] for lo, hi in loops]
+    ins, labels = sass_instructions(sass)
+    bodies = [[t.split(" ")[0] for t in ins[lo:hi + 1]] for lo, hi in sass_loops(ins, labels)]
     body = min((b for b in bodies if "UTMALDG.2D" in b and any(o.startswith("HMMA") for o in b)), key=len)
     mix = collections.Counter(body)
     mix["total"] = len(body)
@@ -94,28 +85,21 @@ def sass_loop_mix(sass: str) -> dict[str, int]:
 
 
 def sass_ws_partitions(sass: str) -> dict:
-    """The warp-specialized kernel's SASS by partition. Each instruction's register budget is
-    that of the last USETMAXREG before it (the partitions start with one); the loops are the
-    backward branches before the last EXIT (the mbarrier retry stubs after it excluded) that
-    hold no USETMAXREG (the worker warps' dispatch loop around the partitions).
-    Returns the opcode mix of each loop holding an HMMA (``compute``) or a TMA issue
-    (``producer``), the budgets under which UTMALDG and HMMA occur, and the highest register
-    used under each budget."""
-    ins, labels = _sass_instructions(sass)
-    budget, cur = [], None
-    for t in ins:
-        if m := re.match(r"USETMAXREG\.\S+\s+(?:U?P\w+,\s*)?(0x[0-9a-f]+)", t):
-            cur = int(m[1], 16)
-        budget.append(cur)
+    """The warp-specialized kernel's SASS by partition (sm90.register_budgets: the partitions
+    start with a USETMAXREG); the loops are the backward branches before the last EXIT (the
+    mbarrier retry stubs after it excluded) that hold no USETMAXREG (the worker warps'
+    dispatch loop around the partitions). Returns the opcode mix of each loop holding an HMMA
+    (``compute``) or a TMA issue (``producer``), the budgets under which UTMALDG and HMMA
+    occur, and the highest register used under each budget."""
+    ins, labels = sass_instructions(sass)
+    budget = register_budgets(ins)
     last_exit = max(i for i, t in enumerate(ins) if t.startswith("EXIT"))
-    loops = [(labels[m[1]], i) for i, t in enumerate(ins[:last_exit])
-             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)) and labels.get(m[1], i + 1) <= i]
-    out = {"compute": [], "producer": []}
-    for lo, hi in loops:
+    out: dict = {"compute": [], "producer": []}
+    for lo, hi in sass_loops(ins, labels, last_exit):
         body = [t.split(" ")[0] for t in ins[lo:hi + 1]]
         if any(o.startswith("USETMAXREG") for o in body):
             continue  # the workers' dispatch loop, around the partitions
-        mix = collections.Counter(body)
+        mix: dict = collections.Counter(body)
         mix["total"] = len(body)
         mix["budget"] = budget[lo]
         if any(o.startswith("HMMA") for o in body):
@@ -124,11 +108,7 @@ def sass_ws_partitions(sass: str) -> dict:
             out["producer"].append(dict(mix))
     out["utmaldg_budgets"] = sorted({budget[i] for i, t in enumerate(ins) if t.startswith("UTMALDG")})
     out["hmma_budgets"] = sorted({budget[i] for i, t in enumerate(ins) if t.startswith("HMMA")})
-    top = collections.defaultdict(int)
-    for b, t in zip(budget, ins, strict=True):
-        for r in re.findall(r"\bR(\d+)\b", t):
-            top[b] = max(top[b], int(r) + 1)
-    out["registers_used"] = {str(b): n for b, n in top.items() if b}
+    out["registers_used"] = registers_used(ins, budget)
     return out
 
 
@@ -142,7 +122,6 @@ def _sm90_report() -> dict:
         import triton.experimental.gluon  # noqa: F401
     except ImportError as ex:
         return {"skip": f"no Gluon in this Triton: {ex}"}
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     from flashpage.kernels import paged_decode_gluon as pg
 
     out = {}
@@ -152,15 +131,8 @@ def _sm90_report() -> dict:
             ("persistent", None, False, False, True),
             ("persistent_4", pg.persistent_max_regs(4), False, False, True)):
         k = compile_sm90(max_regs=cap, ws=ws, lazy=lazy, persistent=persistent)
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "k.ptx").write_text(k.asm["ptx"])
-            r = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "k.ptx", "-o", "k.cubin"],
-                               cwd=tmp, capture_output=True, text=True, check=True)
-            sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", "k.cubin"], cwd=tmp,
-                                  capture_output=True, text=True, check=True).stdout
-        regs = int(re.search(r"Used (\d+) registers", r.stderr)[1])
-        spills = [int(x) for x in re.findall(r"(\d+) bytes spill", r.stderr)]
-        out[name] = dict(regs=regs, spill_bytes=sum(spills), shared=k.metadata.shared,
+        log, sass = ptxas_sm90a(k.asm["ptx"])
+        out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared,
                          threads=32 * k.metadata.num_warps, tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"])
         if ws:
             out[name].update(sass_ws_partitions(sass))
