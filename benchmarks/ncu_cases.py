@@ -12,6 +12,7 @@ summaries. Cases:
     decode_bf16 / decode_fp8   paged decode, 32 x 4096, GQA 32/8, head_dim 128, block 16
     mla_bf16_32x4k / mla_bf16_8x32k / mla_fp8_32x4k   MLA decode, 16 heads, 512 + 64, block 64
     prefill_causal / prefill_paged16 / prefill_paged128   2 x 4096 causal, 32 heads, D 128
+    prefill_gluon_2x4k / prefill_gluon_1x16k   the Gluon prefill (flash_prefill_gluon.py), causal
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ def mla(dtype: torch.dtype, batch: int, ctx: int):
     return lambda: mla_decode(q, kv, tables, lens, kv_lora_rank=512, sm_scale=192 ** -0.5)
 
 
+def prefill_gluon(batch: int, seq: int):
+    from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon
+
+    q, k, v = (torch.randn(batch * seq, 32, 128, device=DEV, dtype=BF16) for _ in range(3))
+    cu = torch.arange(0, batch + 1, device=DEV, dtype=torch.int32) * seq
+    return lambda: flash_prefill_gluon(q, k, v, cu, seq, causal=True)
+
+
 def prefill(page: int | None, batch: int = 2, seq: int = 4096):
     q = torch.randn(batch * seq, 32, 128, device=DEV, dtype=BF16)
     k = torch.randn(batch * seq, 32, 128, device=DEV, dtype=BF16)
@@ -79,6 +88,8 @@ CASES = {
     "prefill_causal": lambda: prefill(None),
     "prefill_paged16": lambda: prefill(16),
     "prefill_paged128": lambda: prefill(128),
+    "prefill_gluon_2x4k": lambda: prefill_gluon(2, 4096),  # the Gluon FA3-style kernel, causal
+    "prefill_gluon_1x16k": lambda: prefill_gluon(1, 16384),
 }
 
 
