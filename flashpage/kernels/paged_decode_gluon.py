@@ -135,6 +135,16 @@ def _tile_blocks(bt_row, tile, last_page):
 
 
 @gluon.jit
+def _sequence(seq_lens_ptr, block_tables_ptr, stride_btb, b):
+    """Sequence b's length, its index as int64, its block-table row, its 64-key tiles and its
+    last page."""
+    seq_len = gl.load(seq_lens_ptr + b)
+    b64 = b.to(gl.int64)
+    return (seq_len, b64, block_tables_ptr + b64 * stride_btb, gl.cdiv(seq_len, _BN),
+            gl.maximum(seq_len - 1, 0) // _PG)
+
+
+@gluon.jit
 def _issue_piece(k_desc, v_desc, k_smem, v_smem, bar, row0, blk, col, pred):
     tma.async_copy_global_to_shared(k_desc, [blk * _PG, col], bar, k_smem.slice(row0, _PG), pred=pred)
     tma.async_copy_global_to_shared(v_desc, [blk * _PG, col], bar, v_smem.slice(row0, _PG), pred=pred)
@@ -204,11 +214,7 @@ def _paged_decode_gluon_kernel(
 ):
     kvh = gl.program_id(0)  # KV heads fastest
     b = gl.program_id(1)
-    seq_len = gl.load(seq_lens_ptr + b)
-    b64 = b.to(gl.int64)
-    bt_row = block_tables_ptr + b64 * stride_btb
-    num_tiles = gl.cdiv(seq_len, _BN)
-    last_page = gl.maximum(seq_len - 1, 0) // _PG
+    seq_len, b64, bt_row, num_tiles, last_page = _sequence(seq_lens_ptr, block_tables_ptr, stride_btb, b)
     col = kvh * _D
 
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [S, _BN, _D], _TMA_SMEM)
@@ -677,11 +683,7 @@ def _paged_decode_gluon_ws_kernel(
 ):
     kvh = gl.program_id(0)  # KV heads fastest
     b = gl.program_id(1)
-    seq_len = gl.load(seq_lens_ptr + b)
-    b64 = b.to(gl.int64)
-    bt_row = block_tables_ptr + b64 * stride_btb
-    num_tiles = gl.cdiv(seq_len, _BN)
-    last_page = gl.maximum(seq_len - 1, 0) // _PG
+    seq_len, b64, bt_row, num_tiles, last_page = _sequence(seq_lens_ptr, block_tables_ptr, stride_btb, b)
     col = kvh * _D
 
     # Piece-stages: stage s, piece p at index s * 4 + p (one TMA box each).
