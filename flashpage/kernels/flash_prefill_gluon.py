@@ -1,5 +1,6 @@
-"""Causal / full prefill attention for sm_90 in Gluon, FlashAttention-3 style (a prototype
-beside flash_prefill.py's Triton kernel; head_dim 128 only).
+"""Causal / full prefill attention for sm_90 in Gluon, FlashAttention-3 style (beside
+flash_prefill.py's Triton kernel, which the engine still runs: this one has no paged K/V yet;
+head_dim 128 only; H200: 1.06x SDPA cuDNN at 2 x 4096 and 1 x 16384 causal, BENCHMARKS.md).
 
 Contract (self-attention over a ragged batch, as ``flash_attn_varlen`` with
 cu_seqlens_q == cu_seqlens_k)::
