@@ -71,7 +71,6 @@ _D = gl.constexpr(HEAD_DIM)
 _PG = gl.constexpr(PAGE)
 _W = gl.constexpr(NUM_WARPS)
 _BN = gl.constexpr(BLOCK_N)
-_S = gl.constexpr(STAGES)
 
 # mma_v2 m16n8k16 over [piece, rows, cols]: warp p computes piece p.
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[_W, 1, 1],
