@@ -379,6 +379,87 @@ def _load_q_next(q_ptr, item, num_items, HKV: gl.constexpr, stride_qb, stride_qh
     return gl.load(q_ptrs, mask=(r2 < GROUP) & (k2 < _D) & (item < num_items), other=0.0)
 
 
+# ``variant="dims_m"`` (persistent only): P.V computed transposed, O^T = V^T P^T, with the 128
+# head dims as the mma's M (8 m-tiles), the GQA group padded to 8 as N (not to 16 as M) and the
+# piece's 16 keys as K: 8 HMMA a piece instead of 16, an accumulator of [128, 8] fp32 = 32
+# registers a thread instead of 64 (32 FMUL to rescale it, not 64). Q.K^T is unchanged (the
+# group padded to 16 rows) but only its rows 0-7 go on: the softmax runs on 4 scores a thread,
+# not 8 (GROUP <= 8). Rows 0-7 of the score accumulator are, register for register, P^T as the
+# B operand (head g, keys 2t, 2t+1, 2t+8, 2t+9: a permute, no data movement); V^T as the A
+# operand reads the stage through _V_VIEW's permutation with its last two dims swapped (each
+# thread: 16 contiguous bytes of each of its 4 key rows, as before). l is kept per thread ([W, 8,
+# 16], summed at the end: no shuffle per tile); alpha moves from the scores' layout (head on
+# lanes 2-4) to the accumulator's (head on lanes 0-1 and a register): a few shuffles a tile.
+_TOP = gl.constexpr(gl.DistributedLinearLayout(  # rows 0-7 of _MMA's [W, 16, 16] scores
+    reg_bases=[[0, 0, 1], [0, 0, 8]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[_W, 8, _PG]))
+# V^T [piece, n, key]: _V_VIEW with its last two coordinates swapped.
+_VT_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
+    [0, 8, 0], [0, 16, 0], [0, 32, 0], [0, 64, 0],  # column bits 0-3
+    [0, 1, 0], [0, 2, 0], [0, 4, 0],  # column bits 4-6
+    [0, 1, 1], [0, 2, 2], [0, 4, 4],  # row bits 0-2 (and the chunk swizzle)
+    [0, 0, 8], [1, 0, 0], [2, 0, 0],  # row bit 3, the piece
+]))
+# The A operand's registers reordered so that the first four run along n bits 3-6 (16 bytes).
+_VT_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 8, 0], [0, 16, 0], [0, 32, 0], [0, 64, 0], [0, 0, 1], [0, 0, 8]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[_W, _D, 16]))
+# The merge: the normalized pieces [W, 8 heads, 128] fp16 in the K half of a stage.
+_MERGE_LOAD_T = gl.constexpr(gl.BlockedLayout(size_per_thread=[_W, 1, 8], threads_per_warp=[1, 2, 16],
+                                              warps_per_cta=[1, _W, 1], order=[2, 1, 0]))
+
+
+@gluon.jit
+def _fresh(x):
+    """x (fp16) copied into new registers by an opaque move: q's A operand comes out of ldmatrix
+    x4 in register quads that cross the mma's A quads, and ptxas otherwise re-packs the quads
+    inside the tile loop (4 moves per QK HMMA); after the copy it packs them once per item."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _top_rows(s):
+    """Rows 0-7 of [W, 16, 16] scores in _MMA (row bit 3 is a register bit): in _TOP."""
+    s = gl.permute(gl.reshape(s, [_W, 2, 8, _PG]), [0, 2, 3, 1])
+    top, _ = gl.split(s)
+    return gl.convert_layout(top, _TOP, assert_trivial=True)
+
+
+@gluon.jit
+def _attend_dims_m(q, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.constexpr):
+    """_attend_views for ``variant="dims_m"``: m3 [W, 8] (SliceLayout(2, _TOP)), l4 [W, 8, 16]
+    per-thread partial sums (_TOP), acc = O^T [W, 128, 8] (_MMA)."""
+    k_view = k_stage._reinterpret(gl.float8e4nv, [_W, _D, _PG], _K_VIEW)
+    vt_view = v_stage._reinterpret(gl.float8e4nv, [_W, _D, _PG], _VT_VIEW)
+    kt = k_view.load(_B).to(gl.float16)  # [4, 128, 16]
+    s = _top_rows(mma_v2(q, kt, gl.zeros([_W, 16, _PG], gl.float32, _MMA)))  # [4, 8 heads, 16 keys]
+    if MASKED:
+        offs_p = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _TOP)))
+        offs_j = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(1, _TOP)))
+        key = n0 + gl.expand_dims(gl.expand_dims(offs_p * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_j, 0), 1)
+        s = gl.where(key < seq_len, s, float("-inf"))
+        m_new = gl.maximum(m3, gl.max(s, 2))
+        m_exp = gl.where(m_new == float("-inf"), 0.0, m_new)  # a piece with no key yet
+    else:
+        m_new = gl.maximum(m3, gl.max(s, 2))  # 16 valid keys: finite
+        m_exp = m_new
+    alpha = gl.exp2(m3 - m_exp)
+    p = gl.exp2(s - gl.expand_dims(m_exp, 2))
+    l4 = l4 * gl.expand_dims(alpha, 2) + p
+    pt = gl.convert_layout(gl.permute(p.to(gl.float16), [0, 2, 1]), _B, assert_trivial=True)  # [4, 16 keys, 8]
+    vt = gl.convert_layout(vt_view.load(_VT_LOAD).to(gl.float16), _A)  # [4, 128, 16 keys]
+    if MASKED:
+        offs_vp = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _A)))
+        offs_vj = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(1, _A)))
+        vkey = n0 + gl.expand_dims(gl.expand_dims(offs_vp * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_vj, 0), 1)
+        vt = gl.where(vkey < seq_len, vt, 0.0)
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, _MMA))
+    acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha_o, 1))
+    return m_new, l4, acc
+
+
 @gluon.jit
 def _paged_decode_gluon_persistent_kernel(
     q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, out_ptr,
@@ -388,12 +469,14 @@ def _paged_decode_gluon_persistent_kernel(
     HKV: gl.constexpr,  # KV heads
     GROUP: gl.constexpr,  # query heads per KV head (<= 16)
     S: gl.constexpr,  # stages: tiles in the buffer (S - 1 in flight while one is computed)
+    DIMS_M: gl.constexpr = False,  # variant "dims_m": P.V as O^T = V^T P^T (GROUP <= 8)
 ):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
 
     kv = gl.allocate_shared_memory(gl.float8e4nv, [2 * S, _BN, _D], _TMA_SMEM)  # stage s: K 2s, V 2s + 1
     merge_bufs = kv._reinterpret(gl.float16, [S, _W, 16, _D], _MERGE_SMEM)
+    merge_bufs_t = kv._reinterpret(gl.float16, [2 * S, _W, 8, _D], _MERGE_SMEM)  # dims_m: K halves
     bars = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(S):
         mbarrier.init(bars.index(s), count=1)
@@ -416,6 +499,9 @@ def _paged_decode_gluon_persistent_kernel(
     rows = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, o_layout)), 1)
     cols = gl.expand_dims(_v_column(gl.arange(0, _D, layout=gl.SliceLayout(0, o_layout))), 0)
     a_zeros = gl.zeros([_W, 16, _D], gl.float16, _A)
+    ot_layout: gl.constexpr = gl.SliceLayout(0, _MERGE_LOAD_T)
+    rows_t = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, ot_layout)), 1)
+    cols_t = gl.expand_dims(_v_column(gl.arange(0, _D, layout=gl.SliceLayout(0, ot_layout))), 0)
 
     g = 0  # tiles consumed by this program: stage g % S, phase (g // S) & 1
     for item in range(pid, num_items, nprog):
@@ -427,12 +513,19 @@ def _paged_decode_gluon_persistent_kernel(
         q1 = (q_next.to(gl.float32) * sm_scale_log2).to(gl.float16)
         q1 = gl.expand_dims(gl.convert_layout(q1, gl.SliceLayout(0, _A)), 0)
         q, _ = gl.broadcast(q1, a_zeros)
+        if DIMS_M:  # fresh registers (see _fresh)
+            q = _fresh(q)
         q_next = _load_q_next(q_ptr, item + nprog, num_items, HKV, stride_qb, stride_qh, GROUP)
         seq_len_next = gl.load(seq_lens_ptr + (item + nprog) // HKV, mask=item + nprog < num_items, other=0)
 
-        m3 = gl.full([_W, 16], float("-inf"), gl.float32, gl.SliceLayout(2, _MMA))
-        l3 = gl.zeros([_W, 16], gl.float32, gl.SliceLayout(2, _MMA))
-        acc = gl.zeros([_W, 16, _D], gl.float32, _MMA)
+        if DIMS_M:
+            m3 = gl.full([_W, 8], float("-inf"), gl.float32, gl.SliceLayout(2, _TOP))
+            l3 = gl.zeros([_W, 8, _PG], gl.float32, _TOP)  # per-thread partial sums
+            acc = gl.zeros([_W, _D, 8], gl.float32, _MMA)  # O^T
+        else:
+            m3 = gl.full([_W, 16], float("-inf"), gl.float32, gl.SliceLayout(2, _MMA))
+            l3 = gl.zeros([_W, 16], gl.float32, gl.SliceLayout(2, _MMA))
+            acc = gl.zeros([_W, 16, _D], gl.float32, _MMA)
         for i in range(nt - 1):  # every tile but the last: 64 valid keys
             gl.thread_barrier()  # every warp is done reading tile g - 1's stage
             fence_async_shared()  # ... before the async proxy overwrites it
@@ -441,8 +534,12 @@ def _paged_decode_gluon_persistent_kernel(
                 p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
             stage = g % S
             mbarrier.wait(bars.index(stage), (g // S) & 1)
-            m3, l3, acc = _attend_views(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc, i * _BN,
-                                        seq_len, False)
+            if DIMS_M:
+                m3, l3, acc = _attend_dims_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                             i * _BN, seq_len, False)
+            else:
+                m3, l3, acc = _attend_views(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                            i * _BN, seq_len, False)
             g += 1
         if nt > 0:
             gl.thread_barrier()
@@ -452,26 +549,42 @@ def _paged_decode_gluon_persistent_kernel(
                 p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
             stage = g % S
             mbarrier.wait(bars.index(stage), (g // S) & 1)
-            m3, l3, acc = _attend_views(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
-                                        (nt - 1) * _BN, seq_len, True)
+            if DIMS_M:
+                m3, l3, acc = _attend_dims_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                             (nt - 1) * _BN, seq_len, True)
+            else:
+                m3, l3, acc = _attend_views(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                            (nt - 1) * _BN, seq_len, True)
             g += 1
 
         # The pieces merged (a piece that saw no key has m = -inf: weight 0; no key at all: zeros),
         # each normalized in registers (|values| <= max |V|: fp16) and summed through the stage the
         # next issue will refill (g + S - 1: not in flight; its refill waits for the CTA barrier at
         # the top of the next tile).
+        if DIMS_M:
+            l3 = gl.sum(l3, 2)
         m = gl.max(m3, 0)
         m_safe = gl.where(m == float("-inf"), 0.0, m)
         w3 = gl.exp2(m3 - gl.expand_dims(m_safe, 0))
         l = gl.sum(l3 * w3, 0)
         w3 = w3 / gl.expand_dims(gl.where(l > 0.0, l, 1.0), 0)
-        merge_buf = merge_bufs.index((g + S - 1) % S)
-        gl.thread_barrier()  # every warp is done reading the last tile's stage (the same one)
-        merge_buf.store((acc * gl.expand_dims(w3, 2)).to(gl.float16))
-        gl.thread_barrier()
-        o = gl.sum(merge_buf.load(_MERGE_LOAD).to(gl.float32), 0)  # [16, 128]
-        out_ptrs = out_ptr + b.to(gl.int64) * stride_ob + (kvh * GROUP + rows).to(gl.int64) * stride_oh + cols
-        gl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < GROUP) & (cols < _D))
+        if DIMS_M:
+            merge_buf_t = merge_bufs_t.index(2 * ((g + S - 1) % S))
+            w3o = gl.convert_layout(w3, gl.SliceLayout(1, _MMA))
+            gl.thread_barrier()  # every warp is done reading the last tile's stage (the same one)
+            merge_buf_t.store(gl.permute((acc * gl.expand_dims(w3o, 1)).to(gl.float16), [0, 2, 1]))
+            gl.thread_barrier()
+            o_t = gl.sum(merge_buf_t.load(_MERGE_LOAD_T).to(gl.float32), 0)  # [8, 128]
+            out_ptrs = out_ptr + b.to(gl.int64) * stride_ob + (kvh * GROUP + rows_t).to(gl.int64) * stride_oh + cols_t
+            gl.store(out_ptrs, o_t.to(out_ptr.dtype.element_ty), mask=(rows_t < GROUP) & (cols_t < _D))
+        else:
+            merge_buf = merge_bufs.index((g + S - 1) % S)
+            gl.thread_barrier()  # every warp is done reading the last tile's stage (the same one)
+            merge_buf.store((acc * gl.expand_dims(w3, 2)).to(gl.float16))
+            gl.thread_barrier()
+            o = gl.sum(merge_buf.load(_MERGE_LOAD).to(gl.float32), 0)  # [16, 128]
+            out_ptrs = out_ptr + b.to(gl.int64) * stride_ob + (kvh * GROUP + rows).to(gl.int64) * stride_oh + cols
+            gl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < GROUP) & (cols < _D))
     for s in gl.static_range(S):  # every issued tile was waited on (the producer issues none past the end)
         mbarrier.invalidate(bars.index(s))
 
