@@ -460,6 +460,58 @@ def _attend_dims_m(q, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.con
     return m_new, l4, acc
 
 
+# ``variant="keys_m"``: also Q.K^T transposed, S^T = K Q^T (the piece's 16 keys as M, the group
+# padded to 8 as N, the head dims as K): 8 HMMA a piece instead of 16 (16 in all), q^T as the B
+# operand (16 registers), the scores' heads on the same lanes and register as the accumulator's
+# (alpha needs no exchange); the max over keys is across lanes 2-4 (3 shuffle rounds), and P^T
+# moves from the accumulator layout (key g, heads 2t, 2t + 1) to the B operand's (head g, keys 2t,
+# 2t + 1, ...): a transpose within each warp (Triton's layout conversion).
+# K [piece, key, kk]: _K_VIEW with its last two coordinates swapped.
+_KA_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
+    [0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32],
+    [0, 0, 64], [0, 0, 2], [0, 0, 4],
+    [0, 1, 64], [0, 2, 2], [0, 4, 4],
+    [0, 8, 0], [1, 0, 0], [2, 0, 0],
+]))
+# The A operand's registers reordered so that the first five run along kk bits 0, 3-6 (32 bytes).
+_KA_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32], [0, 0, 64], [0, 8, 0]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[_W, _PG, _D]))
+
+
+@gluon.jit
+def _attend_keys_m(qt, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.constexpr):
+    """_attend_views for ``variant="keys_m"``: qt [W, 128, 8] (_B), m3 [W, 8] (SliceLayout(1,
+    _MMA)), l4 [W, 16, 8] per-thread partial sums (_MMA), acc = O^T [W, 128, 8] (_MMA)."""
+    ka = gl.convert_layout(k_stage._reinterpret(gl.float8e4nv, [_W, _PG, _D], _KA_VIEW).load(_KA_LOAD)
+                           .to(gl.float16), _A)  # [4, 16 keys, 128]
+    vt_view = v_stage._reinterpret(gl.float8e4nv, [_W, _D, _PG], _VT_VIEW)
+    s = mma_v2(ka, qt, gl.zeros([_W, _PG, 8], gl.float32, _MMA))  # [4, 16 keys, 8 heads]
+    if MASKED:
+        offs_p = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _MMA)))
+        offs_j = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA)))
+        key = n0 + gl.expand_dims(gl.expand_dims(offs_p * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_j, 0), 2)
+        s = gl.where(key < seq_len, s, float("-inf"))
+        m_new = gl.maximum(m3, gl.max(s, 1))
+        m_exp = gl.where(m_new == float("-inf"), 0.0, m_new)  # a piece with no key yet
+    else:
+        m_new = gl.maximum(m3, gl.max(s, 1))  # 16 valid keys: finite
+        m_exp = m_new
+    alpha = gl.exp2(m3 - m_exp)
+    p = gl.exp2(s - gl.expand_dims(m_exp, 1))
+    l4 = l4 * gl.expand_dims(alpha, 1) + p
+    pt = gl.convert_layout(p.to(gl.float16), _B)  # [4, 16 keys, 8 heads]: a transpose in each warp
+    vt = gl.convert_layout(vt_view.load(_VT_LOAD).to(gl.float16), _A)  # [4, 128, 16 keys]
+    if MASKED:
+        offs_vp = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _A)))
+        offs_vj = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(1, _A)))
+        vkey = n0 + gl.expand_dims(gl.expand_dims(offs_vp * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_vj, 0), 1)
+        vt = gl.where(vkey < seq_len, vt, 0.0)
+    acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
+    return m_new, l4, acc
+
+
 @gluon.jit
 def _paged_decode_gluon_persistent_kernel(
     q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, out_ptr,
@@ -469,14 +521,14 @@ def _paged_decode_gluon_persistent_kernel(
     HKV: gl.constexpr,  # KV heads
     GROUP: gl.constexpr,  # query heads per KV head (<= 16)
     S: gl.constexpr,  # stages: tiles in the buffer (S - 1 in flight while one is computed)
-    DIMS_M: gl.constexpr = False,  # variant "dims_m": P.V as O^T = V^T P^T (GROUP <= 8)
+    VARIANT: gl.constexpr = 0,  # 0: as above; VARIANTS["dims_m"], VARIANTS["keys_m"] (GROUP <= 8)
 ):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
 
     kv = gl.allocate_shared_memory(gl.float8e4nv, [2 * S, _BN, _D], _TMA_SMEM)  # stage s: K 2s, V 2s + 1
     merge_bufs = kv._reinterpret(gl.float16, [S, _W, 16, _D], _MERGE_SMEM)
-    merge_bufs_t = kv._reinterpret(gl.float16, [2 * S, _W, 8, _D], _MERGE_SMEM)  # dims_m: K halves
+    merge_bufs_t = kv._reinterpret(gl.float16, [2 * S, _W, 8, _D], _MERGE_SMEM)  # VARIANT != 0: K halves
     bars = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(S):
         mbarrier.init(bars.index(s), count=1)
@@ -511,14 +563,22 @@ def _paged_decode_gluon_persistent_kernel(
         nt = gl.cdiv(seq_len, _BN)
         # q in the A operand layout (every warp a copy), scaled and rounded to fp16 once.
         q1 = (q_next.to(gl.float32) * sm_scale_log2).to(gl.float16)
-        q1 = gl.expand_dims(gl.convert_layout(q1, gl.SliceLayout(0, _A)), 0)
-        q, _ = gl.broadcast(q1, a_zeros)
-        if DIMS_M:  # fresh registers (see _fresh)
-            q = _fresh(q)
+        if VARIANT == 2:  # keys_m: q^T [128, 8 heads] as the B operand
+            qt = gl.convert_layout(gl.permute(q1, [1, 0]), gl.SliceLayout(0, _B))  # [128, 16]
+            qt, _ = gl.split(gl.permute(gl.reshape(qt, [_D, 2, 8]), [0, 2, 1]))  # heads 0-7
+            qt = gl.expand_dims(gl.convert_layout(qt, gl.SliceLayout(0, _B), assert_trivial=True), 0)
+            q, _ = gl.broadcast(qt, gl.zeros([_W, _D, 8], gl.float16, _B))
+        else:
+            q1 = gl.expand_dims(gl.convert_layout(q1, gl.SliceLayout(0, _A)), 0)
+            q, _ = gl.broadcast(q1, a_zeros)
         q_next = _load_q_next(q_ptr, item + nprog, num_items, HKV, stride_qb, stride_qh, GROUP)
         seq_len_next = gl.load(seq_lens_ptr + (item + nprog) // HKV, mask=item + nprog < num_items, other=0)
 
-        if DIMS_M:
+        if VARIANT == 2:
+            m3 = gl.full([_W, 8], float("-inf"), gl.float32, gl.SliceLayout(1, _MMA))
+            l3 = gl.zeros([_W, _PG, 8], gl.float32, _MMA)  # per-thread partial sums
+            acc = gl.zeros([_W, _D, 8], gl.float32, _MMA)  # O^T
+        elif VARIANT == 1:
             m3 = gl.full([_W, 8], float("-inf"), gl.float32, gl.SliceLayout(2, _TOP))
             l3 = gl.zeros([_W, 8, _PG], gl.float32, _TOP)  # per-thread partial sums
             acc = gl.zeros([_W, _D, 8], gl.float32, _MMA)  # O^T
@@ -534,7 +594,10 @@ def _paged_decode_gluon_persistent_kernel(
                 p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
             stage = g % S
             mbarrier.wait(bars.index(stage), (g // S) & 1)
-            if DIMS_M:
+            if VARIANT == 2:
+                m3, l3, acc = _attend_keys_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                             i * _BN, seq_len, False)
+            elif VARIANT == 1:
                 m3, l3, acc = _attend_dims_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
                                              i * _BN, seq_len, False)
             else:
@@ -549,7 +612,10 @@ def _paged_decode_gluon_persistent_kernel(
                 p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
             stage = g % S
             mbarrier.wait(bars.index(stage), (g // S) & 1)
-            if DIMS_M:
+            if VARIANT == 2:
+                m3, l3, acc = _attend_keys_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                             (nt - 1) * _BN, seq_len, True)
+            elif VARIANT == 1:
                 m3, l3, acc = _attend_dims_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
                                              (nt - 1) * _BN, seq_len, True)
             else:
@@ -561,14 +627,16 @@ def _paged_decode_gluon_persistent_kernel(
         # each normalized in registers (|values| <= max |V|: fp16) and summed through the stage the
         # next issue will refill (g + S - 1: not in flight; its refill waits for the CTA barrier at
         # the top of the next tile).
-        if DIMS_M:
+        if VARIANT == 1:
             l3 = gl.sum(l3, 2)
+        if VARIANT == 2:
+            l3 = gl.sum(l3, 1)
         m = gl.max(m3, 0)
         m_safe = gl.where(m == float("-inf"), 0.0, m)
         w3 = gl.exp2(m3 - gl.expand_dims(m_safe, 0))
         l = gl.sum(l3 * w3, 0)
         w3 = w3 / gl.expand_dims(gl.where(l > 0.0, l, 1.0), 0)
-        if DIMS_M:
+        if VARIANT != 0:
             merge_buf_t = merge_bufs_t.index(2 * ((g + S - 1) % S))
             w3o = gl.convert_layout(w3, gl.SliceLayout(1, _MMA))
             gl.thread_barrier()  # every warp is done reading the last tile's stage (the same one)
