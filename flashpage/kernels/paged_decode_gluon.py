@@ -412,14 +412,6 @@ _MERGE_LOAD_T = gl.constexpr(gl.BlockedLayout(size_per_thread=[_W, 1, 8], thread
 
 
 @gluon.jit
-def _fresh(x):
-    """x (fp16) copied into new registers by an opaque move: q's A operand comes out of ldmatrix
-    x4 in register quads that cross the mma's A quads, and ptxas otherwise re-packs the quads
-    inside the tile loop (4 moves per QK HMMA); after the copy it packs them once per item."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
-
-
-@gluon.jit
 def _top_rows(s):
     """Rows 0-7 of [W, 16, 16] scores in _MMA (row bit 3 is a register bit): in _TOP."""
     s = gl.permute(gl.reshape(s, [_W, 2, 8, _PG]), [0, 2, 3, 1])
@@ -521,7 +513,7 @@ def _paged_decode_gluon_persistent_kernel(
     HKV: gl.constexpr,  # KV heads
     GROUP: gl.constexpr,  # query heads per KV head (<= 16)
     S: gl.constexpr,  # stages: tiles in the buffer (S - 1 in flight while one is computed)
-    VARIANT: gl.constexpr = 0,  # 0: as above; VARIANTS["dims_m"], VARIANTS["keys_m"] (GROUP <= 8)
+    VARIANT: gl.constexpr = 0,  # PERSISTENT_VARIANTS: 0 as above, 1 dims_m, 2 keys_m (GROUP <= 8)
 ):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -562,13 +554,21 @@ def _paged_decode_gluon_persistent_kernel(
         seq_len = seq_len_next
         nt = gl.cdiv(seq_len, _BN)
         # q in the A operand layout (every warp a copy), scaled and rounded to fp16 once.
-        q1 = (q_next.to(gl.float32) * sm_scale_log2).to(gl.float16)
-        if VARIANT == 2:  # keys_m: q^T [128, 8 heads] as the B operand
-            qt = gl.convert_layout(gl.permute(q1, [1, 0]), gl.SliceLayout(0, _B))  # [128, 16]
+        if VARIANT == 2:
+            # keys_m: q^T [128, 8 heads] as the B operand, moved raw and scaled in place (the
+            # conversion's registers cross the mma's pairs: scaled there, each pair is written once
+            # per item instead of copied before every QK HMMA).
+            qt = gl.convert_layout(gl.permute(q_next, [1, 0]), gl.SliceLayout(0, _B))  # [128, 16]
             qt, _ = gl.split(gl.permute(gl.reshape(qt, [_D, 2, 8]), [0, 2, 1]))  # heads 0-7
-            qt = gl.expand_dims(gl.convert_layout(qt, gl.SliceLayout(0, _B), assert_trivial=True), 0)
+            qt = gl.convert_layout(qt, gl.SliceLayout(0, _B), assert_trivial=True)
+            qt = gl.expand_dims((qt.to(gl.float32) * sm_scale_log2).to(gl.float16), 0)
             q, _ = gl.broadcast(qt, gl.zeros([_W, _D, 8], gl.float16, _B))
+        elif VARIANT == 1:  # dims_m: likewise scaled after the move (the A operand's quads)
+            q1 = gl.convert_layout(q_next, gl.SliceLayout(0, _A))
+            q1 = gl.expand_dims((q1.to(gl.float32) * sm_scale_log2).to(gl.float16), 0)
+            q, _ = gl.broadcast(q1, a_zeros)
         else:
+            q1 = (q_next.to(gl.float32) * sm_scale_log2).to(gl.float16)
             q1 = gl.expand_dims(gl.convert_layout(q1, gl.SliceLayout(0, _A)), 0)
             q, _ = gl.broadcast(q1, a_zeros)
         q_next = _load_q_next(q_ptr, item + nprog, num_items, HKV, stride_qb, stride_qh, GROUP)
@@ -972,6 +972,10 @@ def ws_compute_regs(max_regs: int) -> int:
     return 2 * max_regs - 24
 
 
+# The persistent kernel's forms (its VARIANT constexpr): "dims_m" and "keys_m" cut the
+# instructions of a tile (see the section "variant=" above the persistent kernel).
+PERSISTENT_VARIANTS = {"default": 0, "dims_m": 1, "keys_m": 2}
+
 PROGRAMS_PER_SM = 3  # the persistent variant's default: as many as the 4-warp kernel's registers allow
 
 
@@ -990,7 +994,7 @@ def _num_sms(device_index: int) -> int:
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, out=None,
             max_regs: int | None = None, warp_specialize: bool = False, stages: int = STAGES,
             lazy: bool = False, persistent: bool = False, programs_per_sm: int = PROGRAMS_PER_SM,
-            programs: int | None = None):
+            programs: int | None = None, variant: str = "default"):
     """paged_decode_gluon with a register cap for ptxas (``max_regs``: 128 lets 4 programs
     share an SM, at a few spilled registers; None: ptxas decides, 157: 3 per SM).
 
@@ -1001,9 +1005,15 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
     warp-specialized variant's lazy rescale (_attend_piece). ``persistent``: the persistent
     variant, min(batch x Hkv, ``programs_per_sm`` x SMs) programs (``programs``: that many
     instead, for tests: several items a program), ``max_regs`` None for
-    ``persistent_max_regs(programs_per_sm)``."""
+    ``persistent_max_regs(programs_per_sm)``. ``variant`` (persistent only, GQA groups <= 8):
+    "default", "dims_m" (P.V as O^T = V^T P^T) or "keys_m" (Q.K^T as S^T = K Q^T too); see
+    PERSISTENT_VARIANTS."""
     if persistent and (warp_specialize or lazy):
         raise ValueError("persistent is a variant of the 4-warp kernel: no warp_specialize, no lazy")
+    if variant not in PERSISTENT_VARIANTS:
+        raise ValueError(f"variant must be one of {list(PERSISTENT_VARIANTS)}, got {variant!r}")
+    if variant != "default" and not persistent:
+        raise ValueError(f"variant {variant!r} is a variant of the persistent kernel: persistent=True")
     if persistent and not 1 <= programs_per_sm <= 4:  # 5 would not fit in shared memory (51 KB each)
         raise ValueError(f"programs_per_sm must be 1-4, got {programs_per_sm}")
     if stages < 2 or (warp_specialize and stages * 2 < NUM_WARPS):
@@ -1020,6 +1030,9 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
     args = (q, _cache_descriptor(key_cache), _cache_descriptor(value_cache), block_tables, seq_lens, out,
             sm_scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
     group = num_q_heads // num_kv_heads
+    if variant != "default" and group > 8:
+        raise ValueError(f"variant {variant!r} pads the GQA group to 8: at most 8 query heads per KV head, "
+                         f"got {group}")
     if persistent:
         max_regs = max_regs or persistent_max_regs(programs_per_sm)
         num_items = batch * num_kv_heads
@@ -1028,8 +1041,8 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
                                                   else q.device.index)
         grid = min(num_items, max(1, programs))
         _paged_decode_gluon_persistent_kernel[(grid,)](
-            *args, num_items, HKV=num_kv_heads, GROUP=group, S=stages, num_warps=NUM_WARPS,
-            **({"maxnreg": max_regs} if max_regs else {}))
+            *args, num_items, HKV=num_kv_heads, GROUP=group, S=stages, VARIANT=PERSISTENT_VARIANTS[variant],
+            num_warps=NUM_WARPS, **({"maxnreg": max_regs} if max_regs else {}))
     elif warp_specialize:
         max_regs = max_regs or WS_MAXNREG
         _paged_decode_gluon_ws_kernel[(num_kv_heads, batch)](
