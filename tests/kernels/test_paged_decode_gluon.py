@@ -37,13 +37,14 @@ cpu_only = pytest.mark.skipif(GPU, reason="the sm_90 compile without a GPU")
 
 
 def compile_sm90(group: int = 4, max_regs: int | None = None, ws: bool = False, stages: int | None = None,
-                 lazy: bool = False, persistent: bool = False):
+                 lazy: bool = False, persistent: bool = False, variant: str = "default"):
     """The kernel compiled for sm_90 as an H200 launch compiles it (bf16 q and out; pointers
     and the strides that are multiples of 16 there marked so): Triton's CompiledKernel.
     ``ws``: the warp-specialized variant, launched as ``_launch`` does (maxnreg ``max_regs`` or
     WS_MAXNREG, the compute warps' setmaxnreg from it); ``stages``: None for STAGES; ``lazy``:
     the warp-specialized variant's lazy rescale; ``persistent``: the persistent variant (its
-    register cap ``max_regs``, as ``_launch`` passes it: persistent_max_regs(programs per SM))."""
+    register cap ``max_regs``, as ``_launch`` passes it: persistent_max_regs(programs per SM));
+    ``variant``: the persistent kernel's (PERSISTENT_VARIANTS)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -55,6 +56,7 @@ def compile_sm90(group: int = 4, max_regs: int | None = None, ws: bool = False, 
     consts = {"GROUP": group, "S": stages or pg.STAGES}
     if persistent:
         consts["HKV"] = 8
+        consts["VARIANT"] = pg.PERSISTENT_VARIANTS[variant]
         max_regs = max_regs or pg.persistent_max_regs(pg.PROGRAMS_PER_SM)
     if ws:
         max_regs = max_regs or pg.WS_MAXNREG
@@ -125,12 +127,17 @@ def _sm90_report() -> dict:
     from flashpage.kernels import paged_decode_gluon as pg
 
     out = {}
-    for name, cap, ws, lazy, persistent in (
-            ("default", None, False, False, False), ("r128", 128, False, False, False),
-            ("ws", None, True, False, False), ("ws_lazy", None, True, True, False),
-            ("persistent", None, False, False, True),
-            ("persistent_4", pg.persistent_max_regs(4), False, False, True)):
-        k = compile_sm90(max_regs=cap, ws=ws, lazy=lazy, persistent=persistent)
+    cap4 = pg.persistent_max_regs(4)
+    for name, cap, ws, lazy, persistent, variant in (
+            ("default", None, False, False, False, "default"), ("r128", 128, False, False, False, "default"),
+            ("ws", None, True, False, False, "default"), ("ws_lazy", None, True, True, False, "default"),
+            ("persistent", None, False, False, True, "default"),
+            ("persistent_4", cap4, False, False, True, "default"),
+            ("persistent_dims_m", None, False, False, True, "dims_m"),
+            ("persistent_dims_m_4", cap4, False, False, True, "dims_m"),
+            ("persistent_keys_m", None, False, False, True, "keys_m"),
+            ("persistent_keys_m_4", cap4, False, False, True, "keys_m")):
+        k = compile_sm90(max_regs=cap, ws=ws, lazy=lazy, persistent=persistent, variant=variant)
         log, sass = ptxas_sm90a(k.asm["ptx"])
         out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared,
                          threads=32 * k.metadata.num_warps, tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"])
@@ -207,6 +214,28 @@ def test_gluon_decode_compiles_for_sm90():
     assert not any(o.startswith(("LDS", "STS")) and o != "LDS.128" for o in pl)
     assert not any(o in pl for o in ("MUFU.RCP", "I2F.RP", "IABS"))  # no runtime division
     assert pl["total"] <= loop["total"] + 100, (pl["total"], loop["total"])
+
+    # The persistent kernel's variants (GQA group padded to 8): the same TMA, the same 16-byte
+    # loads of K and V, the same widenings and one wait a tile, but P.V transposed (dims_m: 8
+    # HMMA a piece instead of 16, a 32-register accumulator: half the rescaling FMULs; the softmax
+    # on 4 scores a thread instead of 8) and, keys_m, Q.K^T too (8 HMMA instead of 16); q scaled
+    # in the mma's operand layout (no operand copies before each QK HMMA). Each loop at least 100
+    # instructions a warp shorter than the default persistent one (590 in Triton 3.6: dims_m
+    # 463, keys_m 455), and under 128 registers (4 programs an SM) without a spill.
+    for variant, hmma in (("dims_m", 24), ("keys_m", 16)):
+        for name in (f"persistent_{variant}", f"persistent_{variant}_4"):
+            r = rep[name]
+            vl = r["loop"]
+            assert r["tma_ptx"] and r["spill_bytes"] == 0, name
+            for op in ("UTMALDG.2D", "LDS.128", "F2FP.F16.E4M3.UNPACK_B", "SYNCS.PHASECHK.TRANS64.TRYWAIT"):
+                assert vl[op] == loop[op], (name, op)
+            assert not any(o.startswith(("LDS", "STS")) and o != "LDS.128" for o in vl), name
+            assert vl["HMMA.16816.F32"] == hmma, name
+            assert vl["FMUL"] <= pl["FMUL"] // 2, name  # the rescale of a [128, 8] accumulator
+            assert vl["MUFU.EX2"] <= 6, name  # 4 scores + the alphas
+            assert vl["total"] <= pl["total"] - 100, (name, vl["total"], pl["total"])
+        assert rep[f"persistent_{variant}"]["regs"] <= pg.persistent_max_regs(pg.PROGRAMS_PER_SM)
+        assert rep[f"persistent_{variant}_4"]["regs"] <= pg.persistent_max_regs(4)
 
 
 def test_gluon_decode_rejects_what_it_does_not_cover():
