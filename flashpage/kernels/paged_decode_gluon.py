@@ -37,7 +37,12 @@ What Gluon lets this kernel do that Triton's pipeliner did not::
 
 ``persistent=True`` selects ``_paged_decode_gluon_persistent_kernel`` (its section below): a
 grid of a few programs per SM, each over several (sequence, KV head) items as one continuous
-tile stream (TMA for the next item in flight while the current one ends).
+tile stream (TMA for the next item in flight while the current one ends). Its ``variant``
+(``_launch(..., persistent=True, variant=...)``, GQA groups <= 8; the default unchanged):
+"dims_m" computes P·V transposed (O^T = V^T P^T: 24 HMMA a tile instead of 32, a 32-register
+accumulator), "keys_m" Q·K^T too (S^T = K Q^T: 16 HMMA); sm_90 SASS of the tile loop 463 / 455
+instructions a warp against 590, 138 / 148 registers, no spill under 128 (4 programs an SM).
+See the section "variant=" above the persistent kernel.
 
 The last tile of each sequence is masked (keys past seq_len: scores -inf, V rows zeroed: an
 unowned slot may hold NaN, and 0 · NaN is NaN in the P·V dot); its pieces past the context
@@ -389,7 +394,19 @@ def _load_q_next(q_ptr, item, num_items, HKV: gl.constexpr, stride_qb, stride_qh
 # operand reads the stage through _V_VIEW's permutation with its last two dims swapped (each
 # thread: 16 contiguous bytes of each of its 4 key rows, as before). l is kept per thread ([W, 8,
 # 16], summed at the end: no shuffle per tile); alpha moves from the scores' layout (head on
-# lanes 2-4) to the accumulator's (head on lanes 0-1 and a register): a few shuffles a tile.
+# lanes 2-4) to the accumulator's (head on lanes 0-1 and a register): 2 SHFL.IDX a tile. The
+# merge goes through the K half of the stage the next issue will refill ([W, 8, 128] fp16).
+#
+# Both variants scale q in the mma operand layout (q moved raw, then scaled in fp32 and rounded
+# to fp16 once, as the default does before the move: the same values). Moved after scaling, the
+# operand comes out of the layout conversion's ldmatrix in register quads that cross the mma's,
+# and ptxas copies it into fresh quads before every Q.K^T HMMA (the default loop's ~64
+# IMAD.MOV); written by the scaling, it is allocated as the mma wants, once per item.
+#
+# sm_90 SASS a warp a tile (Triton 3.6, tests/kernels/test_paged_decode_gluon.py prints them):
+# default 590 (32 HMMA, 64 FMUL, 10 MUFU, 70 IMAD.MOV), dims_m 463 (24 HMMA, 32 FMUL, 5 MUFU),
+# keys_m 455 (16 HMMA, 32 FMUL, 6 MUFU); the TMA issue and producer cursor (~250, 10 BAR.SYNC)
+# are unchanged, now half the loop.
 _TOP = gl.constexpr(gl.DistributedLinearLayout(  # rows 0-7 of _MMA's [W, 16, 16] scores
     reg_bases=[[0, 0, 1], [0, 0, 8]],
     lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
