@@ -40,9 +40,10 @@ grid of a few programs per SM, each over several (sequence, KV head) items as on
 tile stream (TMA for the next item in flight while the current one ends). Its ``variant``
 (``_launch(..., persistent=True, variant=...)``, GQA groups <= 8; the default unchanged):
 "dims_m" computes P·V transposed (O^T = V^T P^T: 24 HMMA a tile instead of 32, a 32-register
-accumulator), "keys_m" Q·K^T too (S^T = K Q^T: 16 HMMA); sm_90 SASS of the tile loop 463 / 455
-instructions a warp against 590, 138 / 148 registers, no spill under 128 (4 programs an SM).
-See the section "variant=" above the persistent kernel.
+accumulator), "keys_m" Q·K^T too (S^T = K Q^T: 16 HMMA), "keys_m2" is keys_m over KV-head pairs
+(one TMA box [2 heads, 16, 128] per page: 4 issues a tile instead of 8); sm_90 SASS of the tile
+loop 463 / 455 / 367 instructions a warp against 590, 138 / 148 / 144 registers, no spill under
+128 (4 programs an SM). See the sections "variant=" above the persistent kernel.
 
 The last tile of each sequence is masked (keys past seq_len: scores -inf, V rows zeroed: an
 unowned slot may hold NaN, and 0 · NaN is NaN in the P·V dot); its pieces past the context
@@ -405,8 +406,9 @@ def _load_q_next(q_ptr, item, num_items, HKV: gl.constexpr, stride_qb, stride_qh
 #
 # sm_90 SASS a warp a tile (Triton 3.6, tests/kernels/test_paged_decode_gluon.py prints them):
 # default 590 (32 HMMA, 64 FMUL, 10 MUFU, 70 IMAD.MOV), dims_m 463 (24 HMMA, 32 FMUL, 5 MUFU),
-# keys_m 455 (16 HMMA, 32 FMUL, 6 MUFU); the TMA issue and producer cursor (~250, 10 BAR.SYNC)
-# are unchanged, now half the loop.
+# keys_m 455 (16 HMMA, 32 FMUL, 6 MUFU); the TMA issue and producer cursor (~250, 10 BAR.SYNC:
+# every warp runs the issue code, predicated) are unchanged, now half the loop; keys_m2 (below)
+# halves them: 367 (4 UTMALDG.3D, 6 BAR.SYNC).
 _TOP = gl.constexpr(gl.DistributedLinearLayout(  # rows 0-7 of _MMA's [W, 16, 16] scores
     reg_bases=[[0, 0, 1], [0, 0, 8]],
     lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],

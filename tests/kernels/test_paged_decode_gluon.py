@@ -311,6 +311,9 @@ def test_gluon_decode_rejects_what_it_does_not_cover():
     with pytest.raises(ValueError, match="at most 8 query heads"):  # 16 a KV head: a group of 16
         _launch(q, kc[:, :, :2].contiguous(), kc[:, :, :2].contiguous(), tables, lens, persistent=True,
                 variant="dims_m")
+    with pytest.raises(ValueError, match="an even count"):  # keys_m2 over one KV head
+        _launch(q[:, :8].contiguous(), kc[:, :, :1].contiguous(), kc[:, :, :1].contiguous(), tables, lens,
+                persistent=True, variant="keys_m2")
 
 
 # --------------------------------------------------------------------------- GPU
@@ -341,7 +344,12 @@ GLUON_VARIANTS = {"default": {}, "r128": {"max_regs": 128}, "ws": {"warp_special
                   "persistent_dims_m_p5": {"persistent": True, "variant": "dims_m", "programs": 5},
                   "persistent_keys_m_p5": {"persistent": True, "variant": "keys_m", "programs": 5},
                   "persistent_keys_m_p7_s2": {"persistent": True, "variant": "keys_m", "programs": 7, "stages": 2},
-                  "persistent_dims_m_p3_s4": {"persistent": True, "variant": "dims_m", "programs": 3, "stages": 4}}
+                  "persistent_dims_m_p3_s4": {"persistent": True, "variant": "dims_m", "programs": 3, "stages": 4},
+                  "persistent_keys_m2": {"persistent": True, "variant": "keys_m2"},
+                  "persistent_keys_m2_pps4": {"persistent": True, "variant": "keys_m2", "programs_per_sm": 4},
+                  "persistent_keys_m2_p5": {"persistent": True, "variant": "keys_m2", "programs": 5},
+                  "persistent_keys_m2_p7_s2": {"persistent": True, "variant": "keys_m2", "programs": 7, "stages": 2},
+                  "persistent_keys_m2_p3_s4": {"persistent": True, "variant": "keys_m2", "programs": 3, "stages": 4}}
 
 
 @pytest.mark.gpu
@@ -354,7 +362,7 @@ def test_paged_decode_gluon_gpu(lens, variant, monkeypatch):
     Triton kernel within twice it; every output row written (out starts NaN). Each variant:
     the 4-warp kernel as compiled, under 128 registers and with 4 stages, the warp-specialized
     one, with the lazy rescale at 4 and 6 stages, the persistent one at 3 and 4 programs an
-    SM and on 3-7 programs (2-4 stages), and its variants dims_m and keys_m likewise."""
+    SM and on 3-7 programs (2-4 stages), and its variants dims_m, keys_m and keys_m2 likewise."""
     from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
 
     from flashpage.kernels.paged_decode import paged_decode, paged_decode_ref
@@ -376,7 +384,8 @@ def test_paged_decode_gluon_gpu(lens, variant, monkeypatch):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("variant", ["default", "ws", "ws_lazy_s4", "persistent_dims_m", "persistent_keys_m"])
+@pytest.mark.parametrize("variant", ["default", "ws", "ws_lazy_s4", "persistent_dims_m", "persistent_keys_m",
+                                     "persistent_keys_m2"])
 def test_paged_decode_gluon_sharp_scores(variant):
     """Queries scaled x 8 (scores with a std of ~11 in log2 units: maxima ~23 on a first
     tile, ~40 over 2048 keys), so that a running max jumps by more than the lazy threshold in
@@ -399,7 +408,7 @@ def test_paged_decode_gluon_sharp_scores(variant):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("group", [1, 2, 8])
-@pytest.mark.parametrize("variant", ["persistent", "persistent_dims_m", "persistent_keys_m"])
+@pytest.mark.parametrize("variant", ["persistent", "persistent_dims_m", "persistent_keys_m", "persistent_keys_m2"])
 def test_paged_decode_gluon_groups(variant, group):
     """GQA groups of 1, 2 and 8 query heads a KV head (the variants pad the group to 8: all of
     it real at 8) against the reference, out starting NaN (every real row written)."""
@@ -423,7 +432,8 @@ def test_paged_decode_gluon_groups(variant, group):
 @hopper
 @pytest.mark.parametrize("variant", ["default", "persistent", "persistent_p5", "persistent_p7_s2",
                                      "persistent_p3_s4", "persistent_dims_m", "persistent_keys_m",
-                                     "persistent_dims_m_p5", "persistent_keys_m_p7_s2"])
+                                     "persistent_dims_m_p5", "persistent_keys_m_p7_s2", "persistent_keys_m2",
+                                     "persistent_keys_m2_p5", "persistent_keys_m2_p7_s2"])
 def test_paged_decode_gluon_padding_rows(variant):
     """seq_len 0 rows (CUDA-graph padding) among others, first, last and in runs, their block
     tables garbage: zeros for them (out starts NaN), the others as the reference."""
@@ -459,7 +469,8 @@ def test_paged_decode_gluon_padding_rows(variant):
 
 GRAPH_VARIANTS = {"default": {}, "ws": {"warp_specialize": True}, "persistent": {"persistent": True},
                   "persistent_dims_m": {"persistent": True, "variant": "dims_m"},
-                  "persistent_keys_m": {"persistent": True, "variant": "keys_m"}}
+                  "persistent_keys_m": {"persistent": True, "variant": "keys_m"},
+                  "persistent_keys_m2": {"persistent": True, "variant": "keys_m2"}}
 
 
 @pytest.mark.gpu
