@@ -5,6 +5,7 @@ the same run), us per call, relative error against the Triton kernel.
 
     python benchmarks/decode_gluon_knobs.py --set persistent   # programs per SM 2/3/4, stages 2/3/4
     python benchmarks/decode_gluon_knobs.py --set stages       # stages; warp-specialized; lazy rescale
+    python benchmarks/decode_gluon_knobs.py --set variants     # persistent variants dims_m/keys_m/keys_m2, 3-4 per SM
 
 Each under a minute on an H200; writes $OUT/decode_gluon_knobs_<set>.json.
 """
@@ -27,6 +28,8 @@ SETS = {
     "persistent": {"g s3": {"stages": 3},
                    **{f"P{p} s3": {"persistent": True, "programs_per_sm": p, "stages": 3} for p in (2, 3, 4)},
                    **{f"P3 s{s}": {"persistent": True, "programs_per_sm": 3, "stages": s} for s in (2, 4)}},
+    "variants": {f"P{p} {v}": {"persistent": True, "programs_per_sm": p, "variant": v}
+                 for p in (3, 4) for v in ("default", "dims_m", "keys_m", "keys_m2")},
     "stages": {**{f"g s{s}": {"stages": s} for s in (2, 3, 4)},
                **{f"ws{'L' if lazy else ''} s{s}": {"warp_specialize": True, "stages": s, "lazy": lazy}
                   for s in (3, 4, 6) for lazy in (False, True)}},

@@ -63,6 +63,7 @@
 #   bash benchmarks/gpu_final.sh next-p    V prefetched in registers: decode GPU tests, fp8 tile candidates
 #   bash benchmarks/gpu_final.sh next-q    MLA latent prefetched in registers: MLA GPU tests, MLA + decode candidates
 #   bash benchmarks/gpu_final.sh next-r    fp8 GPU tests; V2-Lite and 8B throughput over bf16 vs fp8 caches
+#   bash benchmarks/gpu_final.sh variants  the persistent fp8 decode's variants dims_m / keys_m / keys_m2: tests, knobs
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -466,5 +467,11 @@ s9b)  # session 9: the persistent Gluon decode as the default (tests, engine tes
       --kv-cache-dtype fp8 --no-hf --json-out "$OUT/k/throughput_8b_fp8_gluon$g.$RANDOM.json" 2>&1 | grep -E "output_tok_per_s|Error"
   done
   timeout 100 python3 benchmarks/decode_gluon_knobs.py --set persistent --out "$OUT/k" 2>&1 | tail -n 7 ;;
+variants)  # branch decode-fewer-instr: the persistent decode's variants dims_m / keys_m / keys_m2, first GPU run (their
+           # tests first, under a timeout and -x: a ring phase error would hang), all Gluon decode tests, then knobs
+  timeout 150 $PT -m gpu tests/kernels/test_paged_decode_gluon.py -k "dims_m or keys_m" -rf -x 2>&1 \
+    | tee "$OUT/variant_tests.txt" | tail -n 8
+  timeout 200 $PT -m gpu tests/kernels/test_paged_decode_gluon.py -rf 2>&1 | tee "$OUT/gluon_tests.txt" | tail -n 3
+  timeout 240 python3 benchmarks/decode_gluon_knobs.py --set variants --out "$OUT" 2>&1 | tail -n 11 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

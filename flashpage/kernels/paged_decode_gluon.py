@@ -37,7 +37,13 @@ What Gluon lets this kernel do that Triton's pipeliner did not::
 
 ``persistent=True`` selects ``_paged_decode_gluon_persistent_kernel`` (its section below): a
 grid of a few programs per SM, each over several (sequence, KV head) items as one continuous
-tile stream (TMA for the next item in flight while the current one ends).
+tile stream (TMA for the next item in flight while the current one ends). Its ``variant``
+(``_launch(..., persistent=True, variant=...)``, GQA groups <= 8; the default unchanged):
+"dims_m" computes P·V transposed (O^T = V^T P^T: 24 HMMA a tile instead of 32, a 32-register
+accumulator), "keys_m" Q·K^T too (S^T = K Q^T: 16 HMMA), "keys_m2" is keys_m over KV-head pairs
+(one TMA box [2 heads, 16, 128] per page: 4 issues a tile instead of 8); sm_90 SASS of the tile
+loop 463 / 455 / 367 instructions a warp against 590, 138 / 148 / 144 registers, no spill under
+128 (4 programs an SM). See the sections "variant=" above the persistent kernel.
 
 The last tile of each sequence is masked (keys past seq_len: scores -inf, V rows zeroed: an
 unowned slot may hold NaN, and 0 · NaN is NaN in the P·V dot); its pieces past the context
@@ -378,6 +384,239 @@ def _load_q_next(q_ptr, item, num_items, HKV: gl.constexpr, stride_qb, stride_qh
     return gl.load(q_ptrs, mask=(r2 < GROUP) & (k2 < _D) & (item < num_items), other=0.0)
 
 
+# ``variant="dims_m"`` (persistent only): P.V computed transposed, O^T = V^T P^T, with the 128
+# head dims as the mma's M (8 m-tiles), the GQA group padded to 8 as N (not to 16 as M) and the
+# piece's 16 keys as K: 8 HMMA a piece instead of 16, an accumulator of [128, 8] fp32 = 32
+# registers a thread instead of 64 (32 FMUL to rescale it, not 64). Q.K^T is unchanged (the
+# group padded to 16 rows) but only its rows 0-7 go on: the softmax runs on 4 scores a thread,
+# not 8 (GROUP <= 8). Rows 0-7 of the score accumulator are, register for register, P^T as the
+# B operand (head g, keys 2t, 2t+1, 2t+8, 2t+9: a permute, no data movement); V^T as the A
+# operand reads the stage through _V_VIEW's permutation with its last two dims swapped (each
+# thread: 16 contiguous bytes of each of its 4 key rows, as before). l is kept per thread ([W, 8,
+# 16], summed at the end: no shuffle per tile); alpha moves from the scores' layout (head on
+# lanes 2-4) to the accumulator's (head on lanes 0-1 and a register): 2 SHFL.IDX a tile. The
+# merge goes through the K half of the stage the next issue will refill ([W, 8, 128] fp16).
+#
+# Both variants scale q in the mma operand layout (q moved raw, then scaled in fp32 and rounded
+# to fp16 once, as the default does before the move: the same values). Moved after scaling, the
+# operand comes out of the layout conversion's ldmatrix in register quads that cross the mma's,
+# and ptxas copies it into fresh quads before every Q.K^T HMMA (the default loop's ~64
+# IMAD.MOV); written by the scaling, it is allocated as the mma wants, once per item.
+#
+# sm_90 SASS a warp a tile (Triton 3.6, tests/kernels/test_paged_decode_gluon.py prints them):
+# default 590 (32 HMMA, 64 FMUL, 10 MUFU, 70 IMAD.MOV), dims_m 463 (24 HMMA, 32 FMUL, 5 MUFU),
+# keys_m 455 (16 HMMA, 32 FMUL, 6 MUFU); the TMA issue and producer cursor (~250, 10 BAR.SYNC:
+# every warp runs the issue code, predicated) are unchanged, now half the loop; keys_m2 (below)
+# halves them: 367 (4 UTMALDG.3D, 6 BAR.SYNC).
+_TOP = gl.constexpr(gl.DistributedLinearLayout(  # rows 0-7 of _MMA's [W, 16, 16] scores
+    reg_bases=[[0, 0, 1], [0, 0, 8]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[_W, 8, _PG]))
+# V^T [piece, n, key]: _V_VIEW with its last two coordinates swapped.
+_VT_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
+    [0, 8, 0], [0, 16, 0], [0, 32, 0], [0, 64, 0],  # column bits 0-3
+    [0, 1, 0], [0, 2, 0], [0, 4, 0],  # column bits 4-6
+    [0, 1, 1], [0, 2, 2], [0, 4, 4],  # row bits 0-2 (and the chunk swizzle)
+    [0, 0, 8], [1, 0, 0], [2, 0, 0],  # row bit 3, the piece
+]))
+# The A operand's registers reordered so that the first four run along n bits 3-6 (16 bytes).
+_VT_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 8, 0], [0, 16, 0], [0, 32, 0], [0, 64, 0], [0, 0, 1], [0, 0, 8]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[_W, _D, 16]))
+# The merge: the normalized pieces [W, 8 heads, 128] fp16 in the K half of a stage.
+_MERGE_LOAD_T = gl.constexpr(gl.BlockedLayout(size_per_thread=[_W, 1, 8], threads_per_warp=[1, 2, 16],
+                                              warps_per_cta=[1, _W, 1], order=[2, 1, 0]))
+
+
+@gluon.jit
+def _top_rows(s):
+    """Rows 0-7 of [W, 16, 16] scores in _MMA (row bit 3 is a register bit): in _TOP."""
+    s = gl.permute(gl.reshape(s, [_W, 2, 8, _PG]), [0, 2, 3, 1])
+    top, _ = gl.split(s)
+    return gl.convert_layout(top, _TOP, assert_trivial=True)
+
+
+@gluon.jit
+def _attend_dims_m(q, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.constexpr):
+    """_attend_views for ``variant="dims_m"``: m3 [W, 8] (SliceLayout(2, _TOP)), l4 [W, 8, 16]
+    per-thread partial sums (_TOP), acc = O^T [W, 128, 8] (_MMA)."""
+    k_view = k_stage._reinterpret(gl.float8e4nv, [_W, _D, _PG], _K_VIEW)
+    vt_view = v_stage._reinterpret(gl.float8e4nv, [_W, _D, _PG], _VT_VIEW)
+    kt = k_view.load(_B).to(gl.float16)  # [4, 128, 16]
+    s = _top_rows(mma_v2(q, kt, gl.zeros([_W, 16, _PG], gl.float32, _MMA)))  # [4, 8 heads, 16 keys]
+    if MASKED:
+        offs_p = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _TOP)))
+        offs_j = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(1, _TOP)))
+        key = n0 + gl.expand_dims(gl.expand_dims(offs_p * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_j, 0), 1)
+        s = gl.where(key < seq_len, s, float("-inf"))
+        m_new = gl.maximum(m3, gl.max(s, 2))
+        m_exp = gl.where(m_new == float("-inf"), 0.0, m_new)  # a piece with no key yet
+    else:
+        m_new = gl.maximum(m3, gl.max(s, 2))  # 16 valid keys: finite
+        m_exp = m_new
+    alpha = gl.exp2(m3 - m_exp)
+    p = gl.exp2(s - gl.expand_dims(m_exp, 2))
+    l4 = l4 * gl.expand_dims(alpha, 2) + p
+    pt = gl.convert_layout(gl.permute(p.to(gl.float16), [0, 2, 1]), _B, assert_trivial=True)  # [4, 16 keys, 8]
+    vt = gl.convert_layout(vt_view.load(_VT_LOAD).to(gl.float16), _A)  # [4, 128, 16 keys]
+    if MASKED:
+        offs_vp = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _A)))
+        offs_vj = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(1, _A)))
+        vkey = n0 + gl.expand_dims(gl.expand_dims(offs_vp * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_vj, 0), 1)
+        vt = gl.where(vkey < seq_len, vt, 0.0)
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, _MMA))
+    acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha_o, 1))
+    return m_new, l4, acc
+
+
+# ``variant="keys_m"``: also Q.K^T transposed, S^T = K Q^T (the piece's 16 keys as M, the group
+# padded to 8 as N, the head dims as K): 8 HMMA a piece instead of 16 (16 in all), q^T as the B
+# operand (16 registers), the scores' heads on the same lanes and register as the accumulator's
+# (alpha needs no exchange); the max over keys is across lanes 2-4 (3 shuffle rounds), and P^T
+# moves from the accumulator layout (key g, heads 2t, 2t + 1) to the B operand's (head g, keys 2t,
+# 2t + 1, ...): a transpose within each warp (Triton's layout conversion).
+# K [piece, key, kk]: _K_VIEW with its last two coordinates swapped.
+_KA_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
+    [0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32],
+    [0, 0, 64], [0, 0, 2], [0, 0, 4],
+    [0, 1, 64], [0, 2, 2], [0, 4, 4],
+    [0, 8, 0], [1, 0, 0], [2, 0, 0],
+]))
+# The A operand's registers reordered so that the first five run along kk bits 0, 3-6 (32 bytes).
+_KA_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32], [0, 0, 64], [0, 8, 0]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[_W, _PG, _D]))
+
+
+@gluon.jit
+def _attend_keys_m(qt, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.constexpr,
+                   PAIRS: gl.constexpr = False):
+    """_attend_views for ``variant="keys_m"``: qt [W, 128, 8] (_B), m3 [W, 8] (SliceLayout(1,
+    _MMA)), l4 [W, 16, 8] per-thread partial sums (_MMA), acc = O^T [W, 128, 8] (_MMA). PAIRS
+    (keys_m2): piece w holds keys n0 + 16 (w // 2) ..., not n0 + 16 w."""
+    PW: gl.constexpr = 2 if PAIRS else 1  # pieces a page
+    ka = gl.convert_layout(k_stage._reinterpret(gl.float8e4nv, [_W, _PG, _D], _KA_VIEW).load(_KA_LOAD)
+                           .to(gl.float16), _A)  # [4, 16 keys, 128]
+    vt_view = v_stage._reinterpret(gl.float8e4nv, [_W, _D, _PG], _VT_VIEW)
+    s = mma_v2(ka, qt, gl.zeros([_W, _PG, 8], gl.float32, _MMA))  # [4, 16 keys, 8 heads]
+    if MASKED:
+        offs_p = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _MMA)))
+        offs_j = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA)))
+        key = n0 + gl.expand_dims(gl.expand_dims(offs_p // PW * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_j, 0), 2)
+        s = gl.where(key < seq_len, s, float("-inf"))
+        m_new = gl.maximum(m3, gl.max(s, 1))
+        m_exp = gl.where(m_new == float("-inf"), 0.0, m_new)  # a piece with no key yet
+    else:
+        m_new = gl.maximum(m3, gl.max(s, 1))  # 16 valid keys: finite
+        m_exp = m_new
+    alpha = gl.exp2(m3 - m_exp)
+    p = gl.exp2(s - gl.expand_dims(m_exp, 1))
+    l4 = l4 * gl.expand_dims(alpha, 1) + p
+    pt = gl.convert_layout(p.to(gl.float16), _B)  # [4, 16 keys, 8 heads]: a transpose in each warp
+    vt = gl.convert_layout(vt_view.load(_VT_LOAD).to(gl.float16), _A)  # [4, 128, 16 keys]
+    if MASKED:
+        offs_vp = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _A)))
+        offs_vj = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(1, _A)))
+        vkey = n0 + gl.expand_dims(gl.expand_dims(offs_vp // PW * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_vj, 0), 1)
+        vt = gl.where(vkey < seq_len, vt, 0.0)
+    acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
+    return m_new, l4, acc
+
+
+# ``variant="keys_m2"``: keys_m over a pair of KV heads an item. The cache seen as [Hkv, blocks x 16,
+# 128] (strides 128, Hkv x 128, 1: a permuted view, no copy) gives a TMA box [2 heads, 16 slots,
+# 128] that lands two heads' page pieces one after the other, [head][slot] -- the stage layout the
+# views read, piece w = 2 page + head. A tile is then 2 pages x 2 heads: 2 K boxes and 2 V boxes
+# instead of 4 and 4, 2 block ids instead of 4 (the TMA issue is half the loop, executed by every
+# warp), and 2 x 256 contiguous bytes a slot. Items are (sequence, KV-head pair), Hkv / 2 a sequence
+# (as many items a program at the engine's batches as 4-page tiles of one head gave); warp w's
+# q is its head's (w % 2), and the merge sums the 2 pages of each head.
+_TMA_SMEM3 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
+# q^T of both heads broadcast over the 2 pages: [page, head, kk, n] with _B's bases (warp bit 0 the
+# head, warp bit 1 the page), reshaped to [W, 128, 8] it is _B.
+_B_PAIRS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1, 0], [0, 0, 8, 0], [0, 0, 16, 0], [0, 0, 32, 0], [0, 0, 64, 0]],
+    lane_bases=[[0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]],
+    warp_bases=[[0, 1, 0, 0], [1, 0, 0, 0]], block_bases=[], shape=[2, 2, _D, 8]))
+_Q_NEXT2 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[1, 4, 8],
+                                         warps_per_cta=[2, 2, 1], order=[2, 1, 0]))
+_MERGE_SMEM4 = gl.constexpr(gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[3, 2, 1, 0]))
+_MERGE_LOAD_P = gl.constexpr(gl.BlockedLayout(size_per_thread=[2, 1, 1, 8], threads_per_warp=[1, 1, 2, 16],
+                                              warps_per_cta=[1, 2, 2, 1], order=[3, 2, 1, 0]))
+
+
+@gluon.jit
+def _seek2(item, nprog, num_items, NPI: gl.constexpr, seq_lens_ptr, block_tables_ptr, stride_btb):
+    """_seek over (sequence, KV-head pair) items (NPI pairs a sequence, 32-key tiles a head); the
+    column returned is the pair's first head."""
+    seq_len = gl.load(seq_lens_ptr + item // NPI, mask=item < num_items, other=1)
+    while seq_len <= 0:
+        item += nprog
+        seq_len = gl.load(seq_lens_ptr + item // NPI, mask=item < num_items, other=1)
+    b = gl.minimum(item, num_items - 1) // NPI
+    bt_row = block_tables_ptr + b.to(gl.int64) * stride_btb
+    return item, gl.cdiv(seq_len, 2 * _PG), bt_row, (seq_len - 1) // _PG, (item % NPI) * 2
+
+
+@gluon.jit
+def _tile_blocks2(bt_row, tile, last_page):
+    """The 2 pages of a 32-key tile (past the context: the last page, re-read from L2)."""
+    page = tile * 2
+    b0 = gl.load(bt_row + gl.minimum(page, last_page))
+    b1 = gl.load(bt_row + gl.minimum(page + 1, last_page))
+    return b0, b1
+
+
+@gluon.jit
+def _produce2(k_desc, v_desc, kv, bars, t, b0, b1, item, tile, nt, bt_row, last_page, col,
+              nprog, num_items, NPI: gl.constexpr, seq_lens_ptr, block_tables_ptr, stride_btb,
+              S: gl.constexpr):
+    """_produce for keys_m2: tile t into stage t % S as 2 K and 2 V boxes [2 heads, 16, 128]."""
+    pred = item < num_items
+    stage = t % S
+    bar = bars.index(stage)
+    mbarrier.expect(bar, 2 * _BN * _D, pred=pred)
+    ks = kv.index(2 * stage)
+    vs = kv.index(2 * stage + 1)
+    tma.async_copy_global_to_shared(k_desc, [col, b0 * _PG, 0], bar,
+                                    ks.slice(0, 2 * _PG)._reinterpret(gl.float8e4nv, [2, _PG, _D], _TMA_SMEM3),
+                                    pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [col, b0 * _PG, 0], bar,
+                                    vs.slice(0, 2 * _PG)._reinterpret(gl.float8e4nv, [2, _PG, _D], _TMA_SMEM3),
+                                    pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [col, b1 * _PG, 0], bar,
+                                    ks.slice(2 * _PG, 2 * _PG)._reinterpret(gl.float8e4nv, [2, _PG, _D],
+                                                                            _TMA_SMEM3), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [col, b1 * _PG, 0], bar,
+                                    vs.slice(2 * _PG, 2 * _PG)._reinterpret(gl.float8e4nv, [2, _PG, _D],
+                                                                            _TMA_SMEM3), pred=pred)
+    tile += 1
+    if tile == nt:
+        item, nt, bt_row, last_page, col = _seek2(item + nprog, nprog, num_items, NPI, seq_lens_ptr,
+                                                  block_tables_ptr, stride_btb)
+        tile = 0
+    b0, b1 = _tile_blocks2(bt_row, tile, last_page)
+    return b0, b1, item, tile, nt, bt_row, last_page, col
+
+
+@gluon.jit
+def _load_q_next2(q_ptr, item, num_items, NPI: gl.constexpr, stride_qb, stride_qh, GROUP: gl.constexpr):
+    """q of a (sequence, KV-head pair) item [2 heads, 8 rows, 128] (rows >= GROUP and past the end
+    zero), columns in K's order, raw."""
+    offs_h = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, _Q_NEXT2)))
+    offs_r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _Q_NEXT2)))
+    offs_k = gl.arange(0, _D, layout=gl.SliceLayout(0, gl.SliceLayout(1, _Q_NEXT2)))
+    h3 = gl.expand_dims(gl.expand_dims(offs_h, 1), 2)
+    r3 = gl.expand_dims(gl.expand_dims(offs_r, 0), 2)
+    k3 = gl.expand_dims(gl.expand_dims(_k_column(offs_k), 0), 1)
+    b64 = (item // NPI).to(gl.int64)
+    head0 = ((item % NPI) * 2 + h3) * GROUP
+    q_ptrs = q_ptr + b64 * stride_qb + (head0 + r3).to(gl.int64) * stride_qh + k3
+    return gl.load(q_ptrs, mask=(r3 < GROUP) & (k3 < _D) & (item < num_items), other=0.0)
+
+
 @gluon.jit
 def _paged_decode_gluon_persistent_kernel(
     q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, out_ptr,
@@ -387,12 +626,16 @@ def _paged_decode_gluon_persistent_kernel(
     HKV: gl.constexpr,  # KV heads
     GROUP: gl.constexpr,  # query heads per KV head (<= 16)
     S: gl.constexpr,  # stages: tiles in the buffer (S - 1 in flight while one is computed)
+    VARIANT: gl.constexpr = 0,  # PERSISTENT_VARIANTS: 0 as above, 1 dims_m, 2 keys_m, 3 keys_m2 (GROUP <= 8)
 ):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
+    NPI: gl.constexpr = HKV // 2 if VARIANT == 3 else HKV  # items a sequence
+    TK: gl.constexpr = _BN // 2 if VARIANT == 3 else _BN  # keys of a head a tile
 
     kv = gl.allocate_shared_memory(gl.float8e4nv, [2 * S, _BN, _D], _TMA_SMEM)  # stage s: K 2s, V 2s + 1
     merge_bufs = kv._reinterpret(gl.float16, [S, _W, 16, _D], _MERGE_SMEM)
+    merge_bufs_t = kv._reinterpret(gl.float16, [2 * S, _W, 8, _D], _MERGE_SMEM)  # VARIANT != 0: K halves
     bars = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(S):
         mbarrier.init(bars.index(s), count=1)
@@ -400,77 +643,182 @@ def _paged_decode_gluon_persistent_kernel(
 
     # The producer cursor at the program's first item with a key; its first S - 1 tiles in
     # flight (across items where they are short).
-    p_item, p_nt, p_bt_row, p_last_page, p_col = _seek(pid, nprog, num_items, HKV, seq_lens_ptr,
-                                                        block_tables_ptr, stride_btb)
-    p_tile = 0
-    b0, b1, b2, b3 = _tile_blocks(p_bt_row, 0, p_last_page)
-    for t in gl.static_range(S - 1):
-        b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
-            k_desc, v_desc, kv, bars, t, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
-            p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
-    q_next = _load_q_next(q_ptr, pid, num_items, HKV, stride_qb, stride_qh, GROUP)
-    seq_len_next = gl.load(seq_lens_ptr + pid // HKV)
+    if VARIANT == 3:
+        p_item, p_nt, p_bt_row, p_last_page, p_col = _seek2(pid, nprog, num_items, NPI, seq_lens_ptr,
+                                                             block_tables_ptr, stride_btb)
+        p_tile = 0
+        b0, b1 = _tile_blocks2(p_bt_row, 0, p_last_page)
+        for t in gl.static_range(S - 1):
+            b0, b1, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce2(
+                k_desc, v_desc, kv, bars, t, b0, b1, p_item, p_tile, p_nt, p_bt_row,
+                p_last_page, p_col, nprog, num_items, NPI, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+        q_next = _load_q_next2(q_ptr, pid, num_items, NPI, stride_qb, stride_qh, GROUP)
+    else:
+        p_item, p_nt, p_bt_row, p_last_page, p_col = _seek(pid, nprog, num_items, HKV, seq_lens_ptr,
+                                                            block_tables_ptr, stride_btb)
+        p_tile = 0
+        b0, b1, b2, b3 = _tile_blocks(p_bt_row, 0, p_last_page)
+        for t in gl.static_range(S - 1):
+            b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
+                k_desc, v_desc, kv, bars, t, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
+                p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+        q_next = _load_q_next(q_ptr, pid, num_items, HKV, stride_qb, stride_qh, GROUP)
+    seq_len_next = gl.load(seq_lens_ptr + pid // NPI)
 
     o_layout: gl.constexpr = gl.SliceLayout(0, _MERGE_LOAD)
     rows = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, o_layout)), 1)
     cols = gl.expand_dims(_v_column(gl.arange(0, _D, layout=gl.SliceLayout(0, o_layout))), 0)
     a_zeros = gl.zeros([_W, 16, _D], gl.float16, _A)
+    ot_layout: gl.constexpr = gl.SliceLayout(0, _MERGE_LOAD_T)
+    rows_t = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, ot_layout)), 1)
+    cols_t = gl.expand_dims(_v_column(gl.arange(0, _D, layout=gl.SliceLayout(0, ot_layout))), 0)
+    merge_bufs_p = kv._reinterpret(gl.float16, [2 * S, 2, 2, 8, _D], _MERGE_SMEM4)  # keys_m2: K halves
+    op_layout: gl.constexpr = gl.SliceLayout(0, _MERGE_LOAD_P)  # [2 heads, 8, 128]
+    heads_p = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, op_layout))),
+                                            1), 2)
+    rows_p = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, op_layout))),
+                                           0), 2)
+    cols_p = gl.expand_dims(gl.expand_dims(_v_column(gl.arange(0, _D, layout=gl.SliceLayout(0, gl.SliceLayout(
+        1, op_layout)))), 0), 1)
 
     g = 0  # tiles consumed by this program: stage g % S, phase (g // S) & 1
     for item in range(pid, num_items, nprog):
-        b = item // HKV
-        kvh = item % HKV
+        b = item // NPI
+        kvh = item % NPI  # keys_m2: the KV-head pair
         seq_len = seq_len_next
-        nt = gl.cdiv(seq_len, _BN)
+        nt = gl.cdiv(seq_len, TK)
         # q in the A operand layout (every warp a copy), scaled and rounded to fp16 once.
-        q1 = (q_next.to(gl.float32) * sm_scale_log2).to(gl.float16)
-        q1 = gl.expand_dims(gl.convert_layout(q1, gl.SliceLayout(0, _A)), 0)
-        q, _ = gl.broadcast(q1, a_zeros)
-        q_next = _load_q_next(q_ptr, item + nprog, num_items, HKV, stride_qb, stride_qh, GROUP)
-        seq_len_next = gl.load(seq_lens_ptr + (item + nprog) // HKV, mask=item + nprog < num_items, other=0)
+        if VARIANT == 3:  # keys_m2: each warp its head's q^T (w % 2), scaled after the move as keys_m
+            qn = gl.convert_layout(gl.permute(q_next, [0, 2, 1]), gl.SliceLayout(0, _B_PAIRS))  # [2, 128, 8]
+            qn = gl.expand_dims((qn.to(gl.float32) * sm_scale_log2).to(gl.float16), 0)
+            q4, _ = gl.broadcast(qn, gl.zeros([2, 2, _D, 8], gl.float16, _B_PAIRS))
+            q = gl.convert_layout(gl.reshape(q4, [_W, _D, 8]), _B, assert_trivial=True)
+        elif VARIANT == 2:
+            # keys_m: q^T [128, 8 heads] as the B operand, moved raw and scaled in place (the
+            # conversion's registers cross the mma's pairs: scaled there, each pair is written once
+            # per item instead of copied before every QK HMMA).
+            qt = gl.convert_layout(gl.permute(q_next, [1, 0]), gl.SliceLayout(0, _B))  # [128, 16]
+            qt, _ = gl.split(gl.permute(gl.reshape(qt, [_D, 2, 8]), [0, 2, 1]))  # heads 0-7
+            qt = gl.convert_layout(qt, gl.SliceLayout(0, _B), assert_trivial=True)
+            qt = gl.expand_dims((qt.to(gl.float32) * sm_scale_log2).to(gl.float16), 0)
+            q, _ = gl.broadcast(qt, gl.zeros([_W, _D, 8], gl.float16, _B))
+        elif VARIANT == 1:  # dims_m: likewise scaled after the move (the A operand's quads)
+            q1 = gl.convert_layout(q_next, gl.SliceLayout(0, _A))
+            q1 = gl.expand_dims((q1.to(gl.float32) * sm_scale_log2).to(gl.float16), 0)
+            q, _ = gl.broadcast(q1, a_zeros)
+        else:
+            q1 = (q_next.to(gl.float32) * sm_scale_log2).to(gl.float16)
+            q1 = gl.expand_dims(gl.convert_layout(q1, gl.SliceLayout(0, _A)), 0)
+            q, _ = gl.broadcast(q1, a_zeros)
+        if VARIANT == 3:
+            q_next = _load_q_next2(q_ptr, item + nprog, num_items, NPI, stride_qb, stride_qh, GROUP)
+        else:
+            q_next = _load_q_next(q_ptr, item + nprog, num_items, HKV, stride_qb, stride_qh, GROUP)
+        seq_len_next = gl.load(seq_lens_ptr + (item + nprog) // NPI, mask=item + nprog < num_items, other=0)
 
-        m3 = gl.full([_W, 16], float("-inf"), gl.float32, gl.SliceLayout(2, _MMA))
-        l3 = gl.zeros([_W, 16], gl.float32, gl.SliceLayout(2, _MMA))
-        acc = gl.zeros([_W, 16, _D], gl.float32, _MMA)
+        if VARIANT >= 2:
+            m3 = gl.full([_W, 8], float("-inf"), gl.float32, gl.SliceLayout(1, _MMA))
+            l3 = gl.zeros([_W, _PG, 8], gl.float32, _MMA)  # per-thread partial sums
+            acc = gl.zeros([_W, _D, 8], gl.float32, _MMA)  # O^T
+        elif VARIANT == 1:
+            m3 = gl.full([_W, 8], float("-inf"), gl.float32, gl.SliceLayout(2, _TOP))
+            l3 = gl.zeros([_W, 8, _PG], gl.float32, _TOP)  # per-thread partial sums
+            acc = gl.zeros([_W, _D, 8], gl.float32, _MMA)  # O^T
+        else:
+            m3 = gl.full([_W, 16], float("-inf"), gl.float32, gl.SliceLayout(2, _MMA))
+            l3 = gl.zeros([_W, 16], gl.float32, gl.SliceLayout(2, _MMA))
+            acc = gl.zeros([_W, 16, _D], gl.float32, _MMA)
         for i in range(nt - 1):  # every tile but the last: 64 valid keys
             gl.thread_barrier()  # every warp is done reading tile g - 1's stage
             fence_async_shared()  # ... before the async proxy overwrites it
-            b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
-                k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
-                p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+            if VARIANT == 3:
+                b0, b1, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce2(
+                    k_desc, v_desc, kv, bars, g + S - 1, b0, b1, p_item, p_tile, p_nt, p_bt_row,
+                    p_last_page, p_col, nprog, num_items, NPI, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+            else:
+                b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
+                    k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
+                    p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
             stage = g % S
             mbarrier.wait(bars.index(stage), (g // S) & 1)
-            m3, l3, acc = _attend_views(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc, i * _BN,
-                                        seq_len, False)
+            if VARIANT >= 2:
+                m3, l3, acc = _attend_keys_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                             i * TK, seq_len, False, VARIANT == 3)
+            elif VARIANT == 1:
+                m3, l3, acc = _attend_dims_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                             i * _BN, seq_len, False)
+            else:
+                m3, l3, acc = _attend_views(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                            i * _BN, seq_len, False)
             g += 1
         if nt > 0:
             gl.thread_barrier()
             fence_async_shared()
-            b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
-                k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
-                p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+            if VARIANT == 3:
+                b0, b1, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce2(
+                    k_desc, v_desc, kv, bars, g + S - 1, b0, b1, p_item, p_tile, p_nt, p_bt_row,
+                    p_last_page, p_col, nprog, num_items, NPI, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+            else:
+                b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
+                    k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
+                    p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
             stage = g % S
             mbarrier.wait(bars.index(stage), (g // S) & 1)
-            m3, l3, acc = _attend_views(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
-                                        (nt - 1) * _BN, seq_len, True)
+            if VARIANT >= 2:
+                m3, l3, acc = _attend_keys_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                             (nt - 1) * TK, seq_len, True, VARIANT == 3)
+            elif VARIANT == 1:
+                m3, l3, acc = _attend_dims_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                             (nt - 1) * _BN, seq_len, True)
+            else:
+                m3, l3, acc = _attend_views(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                            (nt - 1) * _BN, seq_len, True)
             g += 1
 
         # The pieces merged (a piece that saw no key has m = -inf: weight 0; no key at all: zeros),
         # each normalized in registers (|values| <= max |V|: fp16) and summed through the stage the
         # next issue will refill (g + S - 1: not in flight; its refill waits for the CTA barrier at
         # the top of the next tile).
+        if VARIANT == 1:
+            l3 = gl.sum(l3, 2)
+        if VARIANT >= 2:
+            l3 = gl.sum(l3, 1)
+        if VARIANT == 3:  # pieces 2 page + head: the max and sum over the pages of each head
+            m3 = gl.reshape(m3, [2, 2, 8])
+            l3 = gl.reshape(l3, [2, 2, 8])
         m = gl.max(m3, 0)
         m_safe = gl.where(m == float("-inf"), 0.0, m)
         w3 = gl.exp2(m3 - gl.expand_dims(m_safe, 0))
         l = gl.sum(l3 * w3, 0)
         w3 = w3 / gl.expand_dims(gl.where(l > 0.0, l, 1.0), 0)
-        merge_buf = merge_bufs.index((g + S - 1) % S)
-        gl.thread_barrier()  # every warp is done reading the last tile's stage (the same one)
-        merge_buf.store((acc * gl.expand_dims(w3, 2)).to(gl.float16))
-        gl.thread_barrier()
-        o = gl.sum(merge_buf.load(_MERGE_LOAD).to(gl.float32), 0)  # [16, 128]
-        out_ptrs = out_ptr + b.to(gl.int64) * stride_ob + (kvh * GROUP + rows).to(gl.int64) * stride_oh + cols
-        gl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < GROUP) & (cols < _D))
+        if VARIANT == 3:
+            merge_buf_p = merge_bufs_p.index(2 * ((g + S - 1) % S))
+            w3o = gl.convert_layout(gl.reshape(w3, [_W, 8]), gl.SliceLayout(1, _MMA))
+            o4 = gl.reshape(gl.permute((acc * gl.expand_dims(w3o, 1)).to(gl.float16), [0, 2, 1]), [2, 2, 8, _D])
+            gl.thread_barrier()  # every warp is done reading the last tile's stage (the same one)
+            merge_buf_p.store(o4)
+            gl.thread_barrier()
+            o_p = gl.sum(merge_buf_p.load(_MERGE_LOAD_P).to(gl.float32), 0)  # [2 heads, 8, 128]
+            out_ptrs = (out_ptr + b.to(gl.int64) * stride_ob
+                        + ((kvh * 2 + heads_p) * GROUP + rows_p).to(gl.int64) * stride_oh + cols_p)
+            gl.store(out_ptrs, o_p.to(out_ptr.dtype.element_ty), mask=(rows_p < GROUP) & (cols_p < _D))
+        elif VARIANT != 0:
+            merge_buf_t = merge_bufs_t.index(2 * ((g + S - 1) % S))
+            w3o = gl.convert_layout(w3, gl.SliceLayout(1, _MMA))
+            gl.thread_barrier()  # every warp is done reading the last tile's stage (the same one)
+            merge_buf_t.store(gl.permute((acc * gl.expand_dims(w3o, 1)).to(gl.float16), [0, 2, 1]))
+            gl.thread_barrier()
+            o_t = gl.sum(merge_buf_t.load(_MERGE_LOAD_T).to(gl.float32), 0)  # [8, 128]
+            out_ptrs = out_ptr + b.to(gl.int64) * stride_ob + (kvh * GROUP + rows_t).to(gl.int64) * stride_oh + cols_t
+            gl.store(out_ptrs, o_t.to(out_ptr.dtype.element_ty), mask=(rows_t < GROUP) & (cols_t < _D))
+        else:
+            merge_buf = merge_bufs.index((g + S - 1) % S)
+            gl.thread_barrier()  # every warp is done reading the last tile's stage (the same one)
+            merge_buf.store((acc * gl.expand_dims(w3, 2)).to(gl.float16))
+            gl.thread_barrier()
+            o = gl.sum(merge_buf.load(_MERGE_LOAD).to(gl.float32), 0)  # [16, 128]
+            out_ptrs = out_ptr + b.to(gl.int64) * stride_ob + (kvh * GROUP + rows).to(gl.int64) * stride_oh + cols
+            gl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < GROUP) & (cols < _D))
     for s in gl.static_range(S):  # every issued tile was waited on (the producer issues none past the end)
         mbarrier.invalidate(bars.index(s))
 
@@ -725,6 +1073,17 @@ def _cache_descriptor(cache: torch.Tensor):
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [PAGE, HEAD_DIM], _TMA_SMEM.value)
 
 
+def _cache_descriptor_pairs(cache: torch.Tensor):
+    """keys_m2's TMA descriptor: the cache seen as [Hkv, num_blocks * 16, 128] (strides 128,
+    Hkv * 128, 1: KV heads outermost, a permuted view of the same bytes), one [2, 16, 128] box per
+    page piece of a KV-head pair, landing head by head."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    num_blocks, page, hkv, d = cache.shape
+    view = cache.view(num_blocks * page, hkv, d).permute(1, 0, 2)
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [2, PAGE, HEAD_DIM], _TMA_SMEM3.value)
+
+
 def _check(q, key_cache, value_cache, block_tables, seq_lens, out):
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         raise ValueError("paged_decode_gluon runs on CUDA sm_90 (Hopper) only")
@@ -790,6 +1149,10 @@ def ws_compute_regs(max_regs: int) -> int:
     return 2 * max_regs - 24
 
 
+# The persistent kernel's forms (its VARIANT constexpr): "dims_m", "keys_m" and "keys_m2" cut the
+# instructions of a tile (see the sections "variant=" above the persistent kernel).
+PERSISTENT_VARIANTS = {"default": 0, "dims_m": 1, "keys_m": 2, "keys_m2": 3}
+
 PROGRAMS_PER_SM = 3  # the persistent variant's default: as many as the 4-warp kernel's registers allow
 
 
@@ -808,7 +1171,7 @@ def _num_sms(device_index: int) -> int:
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, out=None,
             max_regs: int | None = None, warp_specialize: bool = False, stages: int = STAGES,
             lazy: bool = False, persistent: bool = False, programs_per_sm: int = PROGRAMS_PER_SM,
-            programs: int | None = None):
+            programs: int | None = None, variant: str = "default"):
     """paged_decode_gluon with a register cap for ptxas (``max_regs``: 128 lets 4 programs
     share an SM, at a few spilled registers; None: ptxas decides, 157: 3 per SM).
 
@@ -819,9 +1182,16 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
     warp-specialized variant's lazy rescale (_attend_piece). ``persistent``: the persistent
     variant, min(batch x Hkv, ``programs_per_sm`` x SMs) programs (``programs``: that many
     instead, for tests: several items a program), ``max_regs`` None for
-    ``persistent_max_regs(programs_per_sm)``."""
+    ``persistent_max_regs(programs_per_sm)``. ``variant`` (persistent only, GQA groups <= 8):
+    "default", "dims_m" (P.V as O^T = V^T P^T), "keys_m" (Q.K^T as S^T = K Q^T too) or "keys_m2"
+    (keys_m over KV-head pairs: half the TMA issues; an even KV head count); see
+    PERSISTENT_VARIANTS."""
     if persistent and (warp_specialize or lazy):
         raise ValueError("persistent is a variant of the 4-warp kernel: no warp_specialize, no lazy")
+    if variant not in PERSISTENT_VARIANTS:
+        raise ValueError(f"variant must be one of {list(PERSISTENT_VARIANTS)}, got {variant!r}")
+    if variant != "default" and not persistent:
+        raise ValueError(f"variant {variant!r} is a variant of the persistent kernel: persistent=True")
     if persistent and not 1 <= programs_per_sm <= 4:  # 5 would not fit in shared memory (51 KB each)
         raise ValueError(f"programs_per_sm must be 1-4, got {programs_per_sm}")
     if stages < 2 or (warp_specialize and stages * 2 < NUM_WARPS):
@@ -838,16 +1208,23 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
     args = (q, _cache_descriptor(key_cache), _cache_descriptor(value_cache), block_tables, seq_lens, out,
             sm_scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
     group = num_q_heads // num_kv_heads
+    if variant != "default" and group > 8:
+        raise ValueError(f"variant {variant!r} pads the GQA group to 8: at most 8 query heads per KV head, "
+                         f"got {group}")
+    if variant == "keys_m2":
+        if num_kv_heads % 2:
+            raise ValueError(f"variant 'keys_m2' takes the KV heads in pairs: an even count, got {num_kv_heads}")
+        args = (q, _cache_descriptor_pairs(key_cache), _cache_descriptor_pairs(value_cache), *args[3:])
     if persistent:
         max_regs = max_regs or persistent_max_regs(programs_per_sm)
-        num_items = batch * num_kv_heads
+        num_items = batch * num_kv_heads // (2 if variant == "keys_m2" else 1)
         if programs is None:
             programs = programs_per_sm * _num_sms(torch.cuda.current_device() if q.device.index is None
                                                   else q.device.index)
         grid = min(num_items, max(1, programs))
         _paged_decode_gluon_persistent_kernel[(grid,)](
-            *args, num_items, HKV=num_kv_heads, GROUP=group, S=stages, num_warps=NUM_WARPS,
-            **({"maxnreg": max_regs} if max_regs else {}))
+            *args, num_items, HKV=num_kv_heads, GROUP=group, S=stages, VARIANT=PERSISTENT_VARIANTS[variant],
+            num_warps=NUM_WARPS, **({"maxnreg": max_regs} if max_regs else {}))
     elif warp_specialize:
         max_regs = max_regs or WS_MAXNREG
         _paged_decode_gluon_ws_kernel[(num_kv_heads, batch)](

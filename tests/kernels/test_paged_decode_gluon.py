@@ -37,13 +37,14 @@ cpu_only = pytest.mark.skipif(GPU, reason="the sm_90 compile without a GPU")
 
 
 def compile_sm90(group: int = 4, max_regs: int | None = None, ws: bool = False, stages: int | None = None,
-                 lazy: bool = False, persistent: bool = False):
+                 lazy: bool = False, persistent: bool = False, variant: str = "default"):
     """The kernel compiled for sm_90 as an H200 launch compiles it (bf16 q and out; pointers
     and the strides that are multiples of 16 there marked so): Triton's CompiledKernel.
     ``ws``: the warp-specialized variant, launched as ``_launch`` does (maxnreg ``max_regs`` or
     WS_MAXNREG, the compute warps' setmaxnreg from it); ``stages``: None for STAGES; ``lazy``:
     the warp-specialized variant's lazy rescale; ``persistent``: the persistent variant (its
-    register cap ``max_regs``, as ``_launch`` passes it: persistent_max_regs(programs per SM))."""
+    register cap ``max_regs``, as ``_launch`` passes it: persistent_max_regs(programs per SM));
+    ``variant``: the persistent kernel's (PERSISTENT_VARIANTS)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -55,12 +56,15 @@ def compile_sm90(group: int = 4, max_regs: int | None = None, ws: bool = False, 
     consts = {"GROUP": group, "S": stages or pg.STAGES}
     if persistent:
         consts["HKV"] = 8
+        consts["VARIANT"] = pg.PERSISTENT_VARIANTS[variant]
         max_regs = max_regs or pg.persistent_max_regs(pg.PROGRAMS_PER_SM)
     if ws:
         max_regs = max_regs or pg.WS_MAXNREG
         consts["COMPUTE_REGS"] = pg.ws_compute_regs(max_regs)
         consts["LAZY"] = lazy
     desc = f"tensordesc<fp8e4nv[{pg.PAGE}, {pg.HEAD_DIM}],{pg._TMA_SMEM.value!r}>"
+    if variant == "keys_m2":  # KV-head pairs: [2, 16, 128] boxes
+        desc = f"tensordesc<fp8e4nv[2, {pg.PAGE}, {pg.HEAD_DIM}],{pg._TMA_SMEM3.value!r}>"
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc, "block_tables_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "sm_scale_log2": "fp32"})
@@ -78,7 +82,8 @@ def sass_loop_mix(sass: str) -> dict[str, int]:
     issue and an HMMA), predicates and modifiers after the first dot kept (``LDS.128``)."""
     ins, labels = sass_instructions(sass)
     bodies = [[t.split(" ")[0] for t in ins[lo:hi + 1]] for lo, hi in sass_loops(ins, labels)]
-    body = min((b for b in bodies if "UTMALDG.2D" in b and any(o.startswith("HMMA") for o in b)), key=len)
+    body = min((b for b in bodies if any(o.startswith("UTMALDG") for o in b) and any(o.startswith("HMMA") for o in b)),
+               key=len)
     mix = collections.Counter(body)
     mix["total"] = len(body)
     return dict(mix)
@@ -125,12 +130,19 @@ def _sm90_report() -> dict:
     from flashpage.kernels import paged_decode_gluon as pg
 
     out = {}
-    for name, cap, ws, lazy, persistent in (
-            ("default", None, False, False, False), ("r128", 128, False, False, False),
-            ("ws", None, True, False, False), ("ws_lazy", None, True, True, False),
-            ("persistent", None, False, False, True),
-            ("persistent_4", pg.persistent_max_regs(4), False, False, True)):
-        k = compile_sm90(max_regs=cap, ws=ws, lazy=lazy, persistent=persistent)
+    cap4 = pg.persistent_max_regs(4)
+    for name, cap, ws, lazy, persistent, variant in (
+            ("default", None, False, False, False, "default"), ("r128", 128, False, False, False, "default"),
+            ("ws", None, True, False, False, "default"), ("ws_lazy", None, True, True, False, "default"),
+            ("persistent", None, False, False, True, "default"),
+            ("persistent_4", cap4, False, False, True, "default"),
+            ("persistent_dims_m", None, False, False, True, "dims_m"),
+            ("persistent_dims_m_4", cap4, False, False, True, "dims_m"),
+            ("persistent_keys_m", None, False, False, True, "keys_m"),
+            ("persistent_keys_m_4", cap4, False, False, True, "keys_m"),
+            ("persistent_keys_m2", None, False, False, True, "keys_m2"),
+            ("persistent_keys_m2_4", cap4, False, False, True, "keys_m2")):
+        k = compile_sm90(max_regs=cap, ws=ws, lazy=lazy, persistent=persistent, variant=variant)
         log, sass = ptxas_sm90a(k.asm["ptx"])
         out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared,
                          threads=32 * k.metadata.num_warps, tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"])
@@ -208,6 +220,65 @@ def test_gluon_decode_compiles_for_sm90():
     assert not any(o in pl for o in ("MUFU.RCP", "I2F.RP", "IABS"))  # no runtime division
     assert pl["total"] <= loop["total"] + 100, (pl["total"], loop["total"])
 
+    # The persistent kernel's variants (GQA group padded to 8): the same TMA, the same 16-byte
+    # loads of K and V, the same widenings and one wait a tile, but P.V transposed (dims_m: 8
+    # HMMA a piece instead of 16, a 32-register accumulator: half the rescaling FMULs; the softmax
+    # on 4 scores a thread instead of 8) and, keys_m, Q.K^T too (8 HMMA instead of 16); q scaled
+    # in the mma's operand layout (no operand copies before each QK HMMA). Each loop at least 100
+    # instructions a warp shorter than the default persistent one (590 in Triton 3.6: dims_m
+    # 463, keys_m 455), and under 128 registers (4 programs an SM) without a spill. keys_m2
+    # (keys_m over KV-head pairs): 4 TMA boxes a tile instead of 8 (3-D, [2 heads, 16, 128]), 4
+    # BAR.SYNC fewer, at least 200 shorter (367).
+    for variant, hmma in (("dims_m", 24), ("keys_m", 16), ("keys_m2", 16)):
+        for name in (f"persistent_{variant}", f"persistent_{variant}_4"):
+            r = rep[name]
+            vl = r["loop"]
+            assert r["tma_ptx"] and r["spill_bytes"] == 0, name
+            for op in ("LDS.128", "F2FP.F16.E4M3.UNPACK_B", "SYNCS.PHASECHK.TRANS64.TRYWAIT"):
+                assert vl[op] == loop[op], (name, op)
+            if variant == "keys_m2":
+                assert vl["UTMALDG.3D"] == 4 and "UTMALDG.2D" not in vl, name
+                assert vl["BAR.SYNC.DEFER_BLOCKING"] == pl["BAR.SYNC.DEFER_BLOCKING"] - 4, name
+                assert vl["total"] <= pl["total"] - 200, (name, vl["total"], pl["total"])
+            else:
+                assert vl["UTMALDG.2D"] == loop["UTMALDG.2D"], name
+            assert not any(o.startswith(("LDS", "STS")) and o != "LDS.128" for o in vl), name
+            assert vl["HMMA.16816.F32"] == hmma, name
+            assert vl["FMUL"] <= pl["FMUL"] // 2, name  # the rescale of a [128, 8] accumulator
+            assert vl["MUFU.EX2"] <= 6, name  # 4 scores + the alphas
+            assert vl.get("SHFL.IDX", 0) <= 2, name  # alpha's move (dims_m), P's transpose (keys_m): 2
+            assert vl["total"] <= pl["total"] - 100, (name, vl["total"], pl["total"])
+        assert rep[f"persistent_{variant}"]["regs"] <= pg.persistent_max_regs(pg.PROGRAMS_PER_SM)
+        assert rep[f"persistent_{variant}_4"]["regs"] <= pg.persistent_max_regs(4)
+
+
+def test_gluon_decode_variant_views():
+    """The variants' shared-memory views and load layouts are the default kernel's with the
+    last two coordinates swapped (V^T of _V_VIEW, K of _K_VIEW^T: the same bytes, the same
+    head-dim permutation), and the load layouts own, thread by thread, what the mma operand
+    layouts need (so that the conversion only renames registers)."""
+    from flashpage.kernels import paged_decode_gluon as pg
+
+    def swap(bases):
+        return [[b[0], b[2], b[1]] for b in bases]
+
+    assert pg._VT_VIEW.value.offset_bases == swap(pg._V_VIEW.value.offset_bases)
+    assert pg._KA_VIEW.value.offset_bases == swap(pg._K_VIEW.value.offset_bases)
+    assert pg._VT_LOAD.value.reg_bases == swap(pg._V_LOAD.value.reg_bases)
+    assert pg._VT_LOAD.value.lane_bases == swap(pg._V_LOAD.value.lane_bases)
+
+    # The mma_v2 A operand ([piece, m, k], k_width 2) of m16n8k16: lane (g, t) holds rows g, g + 8
+    # (+ 16 per m-tile) and k 2t, 2t + 1, 2t + 8, 2t + 9; its lanes as bases: t -> k bits 1-2,
+    # g -> m bits 0-2. The load layouts must put the same coordinates on the lanes (and on the
+    # warps: the piece), the rest in registers.
+    a_lanes = [[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
+    k_regs = {(0, 0, 1), (0, 0, 8)}  # k bits 0 and 3
+    for lay, regs in ((pg._VT_LOAD, k_regs | {(0, 8, 0), (0, 16, 0), (0, 32, 0), (0, 64, 0)}),  # 8 m-tiles
+                      (pg._KA_LOAD, k_regs | {(0, 8, 0), (0, 0, 16), (0, 0, 32), (0, 0, 64)})):  # 8 k-steps
+        v = lay.value
+        assert v.lane_bases == a_lanes and v.warp_bases == [[1, 0, 0], [2, 0, 0]]
+        assert {tuple(b) for b in v.reg_bases} == regs
+
 
 def test_gluon_decode_rejects_what_it_does_not_cover():
     from flashpage.kernels.paged_decode_gluon import paged_decode_gluon
@@ -216,6 +287,12 @@ def test_gluon_decode_rejects_what_it_does_not_cover():
     kc = torch.zeros(4, 16, 8, 128).to(torch.float8_e4m3fn)
     tables = torch.zeros(2, 2, dtype=torch.int32)
     lens = torch.ones(2, dtype=torch.int32)
+    from flashpage.kernels.paged_decode_gluon import _launch
+
+    with pytest.raises(ValueError, match="variant must be one of"):
+        _launch(q, kc, kc, tables, lens, persistent=True, variant="keys")
+    with pytest.raises(ValueError, match="persistent=True"):
+        _launch(q, kc, kc, tables, lens, variant="keys_m")
     if not GPU:
         with pytest.raises(ValueError, match="sm_90"):
             paged_decode_gluon(q, kc, kc, tables, lens)
@@ -231,6 +308,12 @@ def test_gluon_decode_rejects_what_it_does_not_cover():
     with pytest.raises(ValueError, match="contiguous"):
         kc32 = torch.zeros(4, 32, 8, 128, device=dev).to(torch.float8_e4m3fn)
         paged_decode_gluon(q, kc32, kc32, tables, lens)
+    with pytest.raises(ValueError, match="at most 8 query heads"):  # 16 a KV head: a group of 16
+        _launch(q, kc[:, :, :2].contiguous(), kc[:, :, :2].contiguous(), tables, lens, persistent=True,
+                variant="dims_m")
+    with pytest.raises(ValueError, match="an even count"):  # keys_m2 over one KV head
+        _launch(q[:, :8].contiguous(), kc[:, :, :1].contiguous(), kc[:, :, :1].contiguous(), tables, lens,
+                persistent=True, variant="keys_m2")
 
 
 # --------------------------------------------------------------------------- GPU
@@ -251,7 +334,22 @@ GLUON_VARIANTS = {"default": {}, "r128": {"max_regs": 128}, "ws": {"warp_special
                   # shorter than the tiles in flight
                   "persistent_p5": {"persistent": True, "programs": 5},
                   "persistent_p7_s2": {"persistent": True, "programs": 7, "stages": 2},
-                  "persistent_p3_s4": {"persistent": True, "programs": 3, "stages": 4}}
+                  "persistent_p3_s4": {"persistent": True, "programs": 3, "stages": 4},
+                  # the variants (P.V transposed; keys_m: Q.K^T too), as compiled, under 128
+                  # registers (4 programs an SM), and on a few programs at 2-4 stages
+                  "persistent_dims_m": {"persistent": True, "variant": "dims_m"},
+                  "persistent_keys_m": {"persistent": True, "variant": "keys_m"},
+                  "persistent_dims_m_pps4": {"persistent": True, "variant": "dims_m", "programs_per_sm": 4},
+                  "persistent_keys_m_pps4": {"persistent": True, "variant": "keys_m", "programs_per_sm": 4},
+                  "persistent_dims_m_p5": {"persistent": True, "variant": "dims_m", "programs": 5},
+                  "persistent_keys_m_p5": {"persistent": True, "variant": "keys_m", "programs": 5},
+                  "persistent_keys_m_p7_s2": {"persistent": True, "variant": "keys_m", "programs": 7, "stages": 2},
+                  "persistent_dims_m_p3_s4": {"persistent": True, "variant": "dims_m", "programs": 3, "stages": 4},
+                  "persistent_keys_m2": {"persistent": True, "variant": "keys_m2"},
+                  "persistent_keys_m2_pps4": {"persistent": True, "variant": "keys_m2", "programs_per_sm": 4},
+                  "persistent_keys_m2_p5": {"persistent": True, "variant": "keys_m2", "programs": 5},
+                  "persistent_keys_m2_p7_s2": {"persistent": True, "variant": "keys_m2", "programs": 7, "stages": 2},
+                  "persistent_keys_m2_p3_s4": {"persistent": True, "variant": "keys_m2", "programs": 3, "stages": 4}}
 
 
 @pytest.mark.gpu
@@ -264,7 +362,7 @@ def test_paged_decode_gluon_gpu(lens, variant, monkeypatch):
     Triton kernel within twice it; every output row written (out starts NaN). Each variant:
     the 4-warp kernel as compiled, under 128 registers and with 4 stages, the warp-specialized
     one, with the lazy rescale at 4 and 6 stages, the persistent one at 3 and 4 programs an
-    SM and on 3-7 programs (2-4 stages)."""
+    SM and on 3-7 programs (2-4 stages), and its variants dims_m, keys_m and keys_m2 likewise."""
     from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
 
     from flashpage.kernels.paged_decode import paged_decode, paged_decode_ref
@@ -286,7 +384,8 @@ def test_paged_decode_gluon_gpu(lens, variant, monkeypatch):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("variant", ["default", "ws", "ws_lazy_s4"])
+@pytest.mark.parametrize("variant", ["default", "ws", "ws_lazy_s4", "persistent_dims_m", "persistent_keys_m",
+                                     "persistent_keys_m2"])
 def test_paged_decode_gluon_sharp_scores(variant):
     """Queries scaled x 8 (scores with a std of ~11 in log2 units: maxima ~23 on a first
     tile, ~40 over 2048 keys), so that a running max jumps by more than the lazy threshold in
@@ -308,8 +407,33 @@ def test_paged_decode_gluon_sharp_scores(variant):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("variant", ["persistent", "persistent_dims_m", "persistent_keys_m", "persistent_keys_m2"])
+def test_paged_decode_gluon_groups(variant, group):
+    """GQA groups of 1, 2 and 8 query heads a KV head (the variants pad the group to 8: all of
+    it real at 8) against the reference, out starting NaN (every real row written)."""
+    from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
+
+    from flashpage.kernels.paged_decode import paged_decode_ref
+    from flashpage.kernels.paged_decode_gluon import _launch
+
+    lens = [1000, 1, 64, 129, 2048, 17]
+    g = gen(13)
+    _, _, kc8, vc8, tables, seq_lens = paged_pair(lens, 4, 128, 16, torch.bfloat16, g)
+    q = torch.randn(len(lens), 4 * group, 128, generator=g, device="cuda").bfloat16()
+    out = _launch(q, kc8, vc8, tables, seq_lens, out=torch.full_like(q, float("nan")), **GLUON_VARIANTS[variant])
+    ref = paged_decode_ref(q, kc8, vc8, tables, seq_lens)
+    assert not out.isnan().any()
+    for b in range(len(lens)):
+        assert rel_err(out[b], ref[b]) < DECODE_TOL[torch.bfloat16], f"sequence {b} (context {lens[b]})"
+
+
+@pytest.mark.gpu
+@hopper
 @pytest.mark.parametrize("variant", ["default", "persistent", "persistent_p5", "persistent_p7_s2",
-                                     "persistent_p3_s4"])
+                                     "persistent_p3_s4", "persistent_dims_m", "persistent_keys_m",
+                                     "persistent_dims_m_p5", "persistent_keys_m_p7_s2", "persistent_keys_m2",
+                                     "persistent_keys_m2_p5", "persistent_keys_m2_p7_s2"])
 def test_paged_decode_gluon_padding_rows(variant):
     """seq_len 0 rows (CUDA-graph padding) among others, first, last and in runs, their block
     tables garbage: zeros for them (out starts NaN), the others as the reference."""
@@ -343,7 +467,10 @@ def test_paged_decode_gluon_padding_rows(variant):
             assert (out2 == 0).all()
 
 
-GRAPH_VARIANTS = {"default": {}, "ws": {"warp_specialize": True}, "persistent": {"persistent": True}}
+GRAPH_VARIANTS = {"default": {}, "ws": {"warp_specialize": True}, "persistent": {"persistent": True},
+                  "persistent_dims_m": {"persistent": True, "variant": "dims_m"},
+                  "persistent_keys_m": {"persistent": True, "variant": "keys_m"},
+                  "persistent_keys_m2": {"persistent": True, "variant": "keys_m2"}}
 
 
 @pytest.mark.gpu
@@ -356,7 +483,7 @@ def test_paged_decode_gluon_cuda_graph(variant):
     from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
 
     from flashpage.kernels.paged_decode import paged_decode_ref
-    from flashpage.kernels.paged_decode_gluon import paged_decode_gluon
+    from flashpage.kernels.paged_decode_gluon import _launch as paged_decode_gluon
 
     g = gen(5)
     _, _, kc, vc, tables, lens = paged_pair([900, 20, 2000], 8, 128, 16, torch.bfloat16, g)
