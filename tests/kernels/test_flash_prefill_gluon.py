@@ -42,6 +42,11 @@ VARIANTS = {  # name -> constexprs besides the defaults (dynamic schedule, PV ov
     "full": dict(CAUSAL=False, PINGPONG=True),
     "causal_lse_no_pingpong": dict(CAUSAL=True, PINGPONG=False, RETURN_LSE=True),
     "static_no_overlap": dict(CAUSAL=True, SCHEDULE=0, PV_OVERLAP=False, Q_BUFS=1),  # run 72's
+    # paged_prefill_gluon: K/V gathered from a cache of block size PAGE in PIECE-row boxes
+    "paged16": dict(CAUSAL=True, PINGPONG=True, PAGED=True, PAGE=16, PIECE=16),
+    "paged128_q1": dict(CAUSAL=True, PINGPONG=True, PAGED=True, PAGE=128, PIECE=128, Q_BUFS=1),
+    "paged64_full_static": dict(CAUSAL=False, PINGPONG=True, PAGED=True, PAGE=64, PIECE=64,
+                                SCHEDULE=0),
 }
 
 
@@ -57,14 +62,16 @@ def compile_sm90(**consts):
     fn = fg._flash_prefill_gluon_kernel
     consts = {"CAUSAL": True, "RETURN_LSE": False, "PINGPONG": True, "PV_OVERLAP": True,
               "SCHEDULE": fg.DYNAMIC, "NUM_STAGES": fg.STAGES, "Q_BUFS": 2,
-              "CONSUMER_REGS": fg.CONSUMER_REGS, **consts}
+              "CONSUMER_REGS": fg.CONSUMER_REGS, "PAGED": False, "PAGE": 1, "PIECE": fg.BLOCK_N,
+              **consts}
     layout = repr(fg._SMEM.value)
+    box = consts["PIECE"]  # rows of a K/V box (paged: min(block size, 128))
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_desc": f"tensordesc<bf16[{fg.WG_M}, {fg.HEAD_DIM}],{layout}>",
-                "k_desc": f"tensordesc<bf16[{fg.BLOCK_N}, {fg.HEAD_DIM}],{layout}>",
-                "v_desc": f"tensordesc<bf16[{fg.BLOCK_N}, {fg.HEAD_DIM}],{layout}>",
+                "k_desc": f"tensordesc<bf16[{box}, {fg.HEAD_DIM}],{layout}>",
+                "v_desc": f"tensordesc<bf16[{box}, {fg.HEAD_DIM}],{layout}>",
                 "out_ptr": "*bf16", "lse_ptr": "*fp32", "cu_seqlens_ptr": "*i32", "sched_ptr": "*i32",
-                "qk_scale": "fp32"})
+                "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "qk_scale": "fp32"})
     sig.update({c: "constexpr" for c in consts})
     aligned = ("out_ptr", "lse_ptr", "cu_seqlens_ptr", "sched_ptr", "stride_ot", "stride_oh")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -134,6 +141,7 @@ def _sm90_report() -> dict:
                     if "warning" in ln.lower() or "Potential Performance Loss" in ln]
         out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared,
                          pv_overlap=consts.get("PV_OVERLAP", True),
+                         boxes=128 // consts.get("PIECE", 128), paged=consts.get("PAGED", False),
                          threads=32 * k.metadata.num_warps, warnings=warnings,
                          **sass_partitions(sass))
     return out
@@ -165,7 +173,13 @@ def test_gluon_prefill_compiles_for_sm90():
     assert producer_regs == 24
     for name, r in rep.items():
         assert r["threads"] == 384 and r["regs"] == fg.MAXNREG, name
-        assert r["spill_bytes"] == 0 and not r["warnings"], (name, r["warnings"])
+        assert not r["warnings"], (name, r["warnings"])
+        # paged16 (causal, two Q buffers): ptxas keeps one work-tile invariant of the
+        # consumers (128 num_m - 127) in local memory, stored before the partitions and
+        # loaded once per work tile (12 B); never inside a loop (below)
+        assert r["spill_bytes"] <= (16 if r["boxes"] > 1 else 0), (name, r["spill_bytes"])
+        for loop in r["consumer"] + r["producer"]:
+            assert "LDL" not in loop and "STL" not in loop, name
         assert r["shared"] <= 227 * 1024, name
         assert r["hgmma_shapes"] == ["HGMMA.64x128x16.F32.BF16"], name
         assert r["utmaldg_budgets"] == [producer_regs], name  # every TMA issue is the producer's
@@ -182,9 +196,17 @@ def test_gluon_prefill_compiles_for_sm90():
                 assert c["ex2_before_wait0"] >= 64, (name, c["ex2_before_wait0"])
         assert len(r["producer"]) == 1, name
         p = r["producer"][0]
-        # K_j and V_j: one UTMALDG each (a box's two 64-column halves issued by two warps);
-        # the Q load of j = 0 lies outside the innermost loop
-        assert p["budget"] == producer_regs and p["UTMALDG.2D"] == 2
+        # K_j and V_j: one UTMALDG a box each (a box's two 64-column halves issued by two
+        # warps; paged: 128 / PIECE boxes a tile); the Q load of j = 0 outside the innermost
+        # loop, or inside it (2 more: paged16)
+        assert p["budget"] == producer_regs, name
+        assert p["UTMALDG.2D"] in (2 * r["boxes"], 2 * r["boxes"] + 2), (name, p["UTMALDG.2D"])
+        if r["paged"]:
+            # a tile's block-table entries: one load a thread (lane p: box p's), before the
+            # wait for the ring slot; each box's row taken from its lane by shuffles (3 a
+            # box of 16 rows: 8 lanes), shared by K and V
+            assert p["LDG.E"] == 1, name
+            assert p.get("SHFL.BFLY", 0) == {1: 0, 2: 2, 4: 8, 8: 24}[r["boxes"]], name
         assert not any(o.startswith("HGMMA") for o in p)
 
 
