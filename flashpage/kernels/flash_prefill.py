@@ -30,6 +30,11 @@ that need a mask pay for it:
 to q's dtype right after its load (exact), then the loop runs as with a 16-bit cache. Such
 a cache never takes the TMA path (its descriptors would load fp8 boxes; not built).
 
+On Hopper, FLASHPAGE_PREFILL_GLUON=1 sends `paged_prefill` calls that the Gluon FA3-style
+kernel covers (gluon_prefill_unsupported: 16-bit cache in q's dtype, head_dim 128, block
+size a power of two >= 16, no window, no explicit config) to flash_prefill_gluon.
+paged_prefill_gluon (default off until an H200 run shows it right and faster).
+
 Tiles left of `lo` (outside the window) and right of `hi` (in the future) are
 never loaded. Programs run heaviest query tile first (causal work grows with the
 tile index), which shortens the tail of the grid, and the query tiles of one

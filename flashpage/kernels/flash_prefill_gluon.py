@@ -1,5 +1,7 @@
-"""Causal / full prefill attention for sm_90 in Gluon, FlashAttention-3 style (a prototype
-beside flash_prefill.py's Triton kernel; head_dim 128 only).
+"""Causal / full prefill attention for sm_90 in Gluon, FlashAttention-3 style (beside
+flash_prefill.py's Triton kernel; head_dim 128 only): contiguous self-attention
+(``flash_prefill_gluon``) and over the paged KV cache (``paged_prefill_gluon``, which
+flash_prefill.paged_prefill takes under FLASHPAGE_PREFILL_GLUON=1; see Paged below).
 
 Contract (self-attention over a ragged batch, as ``flash_attn_varlen`` with
 cu_seqlens_q == cu_seqlens_k)::
@@ -85,6 +87,33 @@ values are finite), their query rows are not stored.
 
 The output is stored from the wgmma accumulator registers (masked, no TMA store: a box would
 write into the next sequence); lse likewise when asked for.
+
+Paged (``paged_prefill_gluon``, flash_prefill.paged_prefill's contract; PAGED): K and V come
+from a cache [num_blocks, block_size, Hkv, 128] in q's dtype through block tables, queries
+from q with cu_seqlens_q, each sequence's key count from seq_lens (cached prefix + its new
+tokens); query i of a sequence sits at key position seq_len - q_len + i (the causal
+diagonal moved right by the prefix: _kv_range). The K/V descriptors see the cache as its
+[num_blocks * block_size, Hkv * 128] slots, one box = PIECE = min(block_size, 128) rows of
+one KV head::
+
+    per key tile j (128 keys), producer:
+      rows = block_tables[b, min(page(128 j + PIECE p), last_page)] * bs + offset   p < 128/PIECE
+             (one int32 load a thread, lane p holding box p's: before the k_empty wait)
+      wait k_empty;  expect(k_ready, 32 KB);  128 / PIECE TMA boxes -> K stage rows PIECE p ..
+      wait v_empty;  expect(v_ready, 32 KB);  the same rows -> V stage
+
+(block 16: 8 boxes of [16, 128] a tile, K and V; 128 and up: one). Pages past the context
+(a key tile reaching past seq_len) re-read the last valid page: never a block-table entry
+past the context. Keys >= seq_len are masked to -inf like a ragged end, and since their
+slots may hold anything (NaN included) and P = 0 times NaN is NaN, a work tile's last key
+tile, the only one that can reach past seq_len, has its V rows there zeroed in shared
+memory before its P.V (_zero_v_tail: both consumers write the same zeros over rows nothing
+else writes until both released the stage, then fence.proxy.async and a warpgroup barrier;
+16-row pieces, only those reaching seq_len). What ptxas makes of it (block 16, causal):
+the consumers' loops as above (16 HGMMA, one wait 1 and one wait 0 a tile, all 66 exp2
+under P.V), the producer's loop under 24 registers (22 used) with one LDG and 24 SHFL
+(3 a box) a tile; a 12-byte spill of one work-tile invariant of the consumers
+(128 num_m - 127), stored once and loaded once per work tile, none in a loop.
 """
 
 from __future__ import annotations
