@@ -23,7 +23,8 @@ only once this one's last S is done), ``gluon_stages3`` (3-deep K/V ring, so one
 ``gluon_hg1`` / ``gluon_hg_x4`` / ``gluon_hg_all`` (chunks of 1 pair, 4x the default, all
 pairs). Paged (``paged_prefill_gluon`` and ``triton_paged``): the same keys scattered over a
 block-16 cache in shuffled block order; ``gluon_paged_static`` (static schedule),
-``gluon_paged`` (the defaults), ``gluon_paged_q1`` / ``_q2`` (one / two Q buffers); the
+``gluon_paged`` (the defaults), ``gluon_paged_q1`` / ``_q2`` (one / two Q buffers),
+``gluon_paged_b128`` (the defaults over a block-128 cache: one box a tile, no gather); the
 table's last columns: paged / contiguous Gluon (issue 5: within 5%), paged / cuDNN, paged /
 Triton paged. Every output is checked against SDPA flash first (self-attention over the
 whole sequence, the new tokens' rows; rel err < 1e-2; a failure is recorded as a string,
@@ -90,6 +91,7 @@ PAGED_VARIANTS: dict[str, dict] = {
     "gluon_paged": {},  # the defaults (q_buffers by max_seqlen_k)
     "gluon_paged_q1": {"q_buffers": 1},
     "gluon_paged_q2": {"q_buffers": 2},
+    "gluon_paged_b128": {},  # the defaults over a block-128 cache (one TMA box a K/V tile)
 }
 COLUMNS = [*GLUON_VARIANTS, *PAGED_VARIANTS, "triton", "triton_paged", "sdpa_cudnn", "sdpa_flash"]
 
@@ -163,6 +165,7 @@ def main() -> None:
         cu_k = torch.arange(0, b * n + 1, n, dtype=torch.int32, device="cuda")
         seq_lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
         kc, vc, tables = _paged(k, v, b, n, PAGE)
+        caches = {PAGE: (kc, vc, tables), 128: _paged(k, v, b, n, 128, seed=1)}
         q4 = q.view(b, s, HEADS, D).transpose(1, 2)
         k4, v4 = (t.view(b, n, HEADS, D).transpose(1, 2) for t in (k, v))
 
@@ -188,9 +191,9 @@ def main() -> None:
                         for name, kw in kwargs.items()})
         paged_kwargs = {name: kw for name, kw in PAGED_VARIANTS.items()
                         if "none" not in paged_chosen and (not paged_chosen or name in paged_chosen)}
-        fns.update({name: (lambda kw=kw, causal=causal, q=q, kc=kc, vc=vc, t=tables, cu=cu_q,
-                           lens=seq_lens, s=s, n=n:
-                           paged_prefill_gluon(q, kc, vc, t, cu, lens, s, n, causal=causal, **kw))
+        fns.update({name: (lambda kw=kw, causal=causal, q=q, c=caches[128 if name.endswith("_b128") else PAGE],
+                           cu=cu_q, lens=seq_lens, s=s, n=n:
+                           paged_prefill_gluon(q, *c, cu, lens, s, n, causal=causal, **kw))
                     for name, kw in paged_kwargs.items()})
         fns["triton"] = lambda causal=causal, q=q, k=k, v=v, cq=cu_q, ck=cu_k, s=s, n=n: \
             flash_attn_varlen(q, k, v, cq, ck, s, n, causal=causal)
@@ -226,7 +229,7 @@ def main() -> None:
                 print(f"  {label(row)} {name}: {row[name]}", flush=True)
                 env = save(args.out, t0, [*rows, row])  # after every column: a hang keeps these
         rows.append(row)
-        del q, qf, k, v, q4, k4, v4, ref, kc, vc
+        del q, qf, k, v, q4, k4, v4, ref, kc, vc, caches
     print(render(rows, env))
 
 

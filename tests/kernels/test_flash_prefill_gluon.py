@@ -12,6 +12,15 @@ GPU (marked gpu, sm_90 only): bf16 against the fp32 reference of flash_prefill.p
 and full attention, ragged lengths (1, tile edges, non-multiples), GQA 1 / 4 / 8, and the lse,
 per schedule (one program per tile, static, snake, then dynamic: the one that could hang
 last); each launcher knob; the dynamic schedules under CUDA-graph replay.
+Paged (paged_prefill_gluon; ``-k paged``): against paged_prefill_ref over block sizes 16-256,
+cached prefixes 0 to 4000, query counts from 1, GQA 1 / 4 / 8, a pool whose unowned slots and
+table entries past each context are NaN, causal (static schedules first, then dynamic) and
+full; the knobs; strided fp16 q against the Triton kernel; one compile for every
+block_tables[nd:] offset; flash_prefill.paged_prefill's dispatch under
+FLASHPAGE_PREFILL_GLUON=1. CPU: the paged variants' sm_90 SASS (above), bad input, the
+reasons function, the GPU tests' cache builder.
+
+    timeout 200 python -m pytest -q -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k paged
 """
 
 from __future__ import annotations
@@ -431,18 +440,18 @@ def test_gluon_prefill_fp16_and_triton_agree():
 
 
 def _paged_case(q_lens, prefixes, hq, hkv, block_size, dtype=torch.bfloat16, seed=0,
-                q_stride_heads=None):
+                q_stride_heads=None, dev="cuda"):
     """(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_q, max_k): the
     sequences' contexts (prefix + new tokens) scattered over a shuffled pool of blocks;
     q_stride_heads: q as the first Hq heads of a wider [total, q_stride_heads, 128] tensor
     (the engine's q may be a view of a fused projection)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=dev).manual_seed(seed)
     k_lens = [lq + p for lq, p in zip(q_lens, prefixes, strict=True)]
     total_q = sum(q_lens)
     if q_stride_heads:
-        q = torch.randn(total_q, q_stride_heads, 128, generator=g, device="cuda", dtype=dtype)[:, :hq]
+        q = torch.randn(total_q, q_stride_heads, 128, generator=g, device=dev, dtype=dtype)[:, :hq]
     else:
-        q = torch.randn(total_q, hq, 128, generator=g, device="cuda", dtype=dtype)
+        q = torch.randn(total_q, hq, 128, generator=g, device=dev, dtype=dtype)
     nblk = [-(-n // block_size) for n in k_lens]
     nan_blocks = 3
     pool = sum(nblk) + nan_blocks
@@ -450,18 +459,18 @@ def _paged_case(q_lens, prefixes, hq, hkv, block_size, dtype=torch.bfloat16, see
     nan_ids, perm = perm[:nan_blocks], perm[nan_blocks:]
     width = max(nblk) + 2
     tables = torch.tensor(nan_ids[:1], dtype=torch.int32).repeat(len(q_lens), width)  # NaN past the context
-    kc = torch.full((pool, block_size, hkv, 128), float("nan"), dtype=dtype, device="cuda")
+    kc = torch.full((pool, block_size, hkv, 128), float("nan"), dtype=dtype, device=dev)
     vc = torch.full_like(kc, float("nan"))
     for b, n in enumerate(k_lens):
         ids, perm = perm[:nblk[b]], perm[nblk[b]:]
         tables[b, :nblk[b]] = torch.tensor(ids, dtype=torch.int32)
-        pos = torch.arange(n, device="cuda")
-        blk = torch.tensor(ids, dtype=torch.long, device="cuda")[pos // block_size]
-        kc[blk, pos % block_size] = torch.randn(n, hkv, 128, generator=g, device="cuda", dtype=dtype)
-        vc[blk, pos % block_size] = torch.randn(n, hkv, 128, generator=g, device="cuda", dtype=dtype)
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    seq_lens = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
-    return q, kc, vc, tables.cuda(), cu_q, seq_lens, max(q_lens), max(k_lens)
+        pos = torch.arange(n, device=dev)
+        blk = torch.tensor(ids, dtype=torch.long, device=dev)[pos // block_size]
+        kc[blk, pos % block_size] = torch.randn(n, hkv, 128, generator=g, device=dev, dtype=dtype)
+        vc[blk, pos % block_size] = torch.randn(n, hkv, 128, generator=g, device=dev, dtype=dtype)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor(k_lens, dtype=torch.int32, device=dev)
+    return q, kc, vc, tables.to(dev), cu_q, seq_lens, max(q_lens), max(k_lens)
 
 
 def _check_paged(q_lens, prefixes, hq, hkv, block_size, opts, causal=True, seed=0, **case):
@@ -696,3 +705,27 @@ def test_gluon_prefill_unsupported_names_each_reason():
     only(gluon_prefill_unsupported(q, strided, strided, None, **ok), "contiguous caches")
     gapped = torch.zeros(8, 4, 256, dtype=torch.bfloat16)[..., :128]
     only(gluon_prefill_unsupported(gapped, kc, kc, None, **ok), "rows contiguous")
+
+
+def test_paged_case_builder_cpu():
+    """The GPU tests' cache builder (on the CPU): every owned slot holds its key, every
+    other slot of the pool and every table entry past a context is NaN, and the reference
+    over it is finite."""
+    from flashpage.kernels.flash_prefill import paged_prefill_ref
+
+    q, kc, vc, tables, cu_q, seq_lens, mq, mk = _paged_case([3, 1, 20], [17, 0, 40], 4, 2, 16,
+                                                            dtype=torch.float32, dev="cpu",
+                                                            q_stride_heads=6)
+    assert q.shape == (24, 4, 128) and q.stride(0) == 6 * 128
+    assert cu_q.tolist() == [0, 3, 4, 24] and seq_lens.tolist() == [20, 1, 60] and (mq, mk) == (20, 60)
+    owned = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n)
+        blk = tables[b].long()[pos // 16]
+        assert not owned[blk, pos % 16].any()  # no slot shared
+        owned[blk, pos % 16] = True
+        assert torch.isnan(kc[tables[b, -(-n // 16):].long()]).all()  # past the context: NaN blocks
+    assert torch.isfinite(kc[owned]).all() and torch.isfinite(vc[owned]).all()
+    assert torch.isnan(kc[~owned]).all() and torch.isnan(vc[~owned]).all()
+    out = paged_prefill_ref(q, kc, vc, tables, cu_q, seq_lens, mq, mk)
+    assert torch.isfinite(out).all()
