@@ -63,6 +63,8 @@
 #   bash benchmarks/gpu_final.sh next-p    V prefetched in registers: decode GPU tests, fp8 tile candidates
 #   bash benchmarks/gpu_final.sh next-q    MLA latent prefetched in registers: MLA GPU tests, MLA + decode candidates
 #   bash benchmarks/gpu_final.sh next-r    fp8 GPU tests; V2-Lite and 8B throughput over bf16 vs fp8 caches
+#   bash benchmarks/gpu_final.sh prefill-paged    paged Gluon prefill: its GPU tests (static first), benchmark columns
+#   bash benchmarks/gpu_final.sh prefill-paged-b  contiguous Gluon + Triton prefill GPU tests (regression)
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -466,5 +468,20 @@ s9b)  # session 9: the persistent Gluon decode as the default (tests, engine tes
       --kv-cache-dtype fp8 --no-hf --json-out "$OUT/k/throughput_8b_fp8_gluon$g.$RANDOM.json" 2>&1 | grep -E "output_tok_per_s|Error"
   done
   timeout 100 python3 benchmarks/decode_gluon_knobs.py --set persistent --out "$OUT/k" 2>&1 | tail -n 7 ;;
+prefill-paged)  # branch prefill-paged-gluon, first GPU run of paged_prefill_gluon (tests under timeouts, in
+                # file order, -v into the log: a barrier phase error would hang; static schedules first), then
+                # its benchmark columns (block 16 and 128, 8192 cached + 8192 new) beside contiguous Gluon,
+                # Triton paged_prefill and cuDNN
+  timeout 120 $PT -v -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "paged and static" -rf 2>&1 \
+    | tee "$OUT/paged_gluon_static_tests.txt" | tail -n 6
+  timeout 200 $PT -v -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "paged and not static" -rf 2>&1 \
+    | tee "$OUT/paged_gluon_tests.txt" | tail -n 6
+  timeout 240 python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only 2>&1 \
+    | tee "$OUT/prefill_gluon.txt" | tail -n 14 ;;
+prefill-paged-b)  # the same branch: the contiguous Gluon prefill's and the Triton prefill's GPU tests (no regression)
+  timeout 240 $PT -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "not paged" -rf 2>&1 \
+    | tee "$OUT/gluon_prefill_tests.txt" | tail -n 4
+  timeout 200 $PT -m gpu tests/kernels/test_flash_prefill.py tests/engine/test_triton_backend.py -rf 2>&1 \
+    | tee "$OUT/prefill_tests.txt" | tail -n 4 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
