@@ -623,9 +623,12 @@ def _consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, 
 # --------------------------------------------------------------------------------- kernel
 
 
-# block_tables / seq_lens are engine views (block_tables[nd:]) whose alignment follows the
-# number of decodes in the batch: not specialized, so that it never recompiles for it
-@gluon.jit(do_not_specialize=["seq_lens_ptr", "block_tables_ptr", "stride_bt"])
+# Nothing that varies from one engine step to the next is specialized (Triton specializes
+# ints == 1 and % 16, pointers on 16-byte alignment), so that serving compiles it once per
+# dtype / block size / Q buffers: block_tables / seq_lens are views (block_tables[nd:]) whose
+# alignment follows the number of decodes; the work sizes and the lse stride follow the batch
+@gluon.jit(do_not_specialize=["seq_lens_ptr", "block_tables_ptr", "stride_bt", "group", "num_m",
+                              "num_heads", "num_hb", "head_group", "stride_lse"])
 def _flash_prefill_gluon_kernel(
     q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_ptr,
     seq_lens_ptr,  # PAGED: int32 [B], each sequence's keys (else unused)

@@ -580,8 +580,10 @@ def test_paged_gluon_strided_q_fp16_and_triton_agree():
 @hopper
 def test_paged_gluon_one_compile_for_every_slice_offset():
     """The engine passes seq_lens[nd:] and block_tables[nd:] (alignment following the number
-    of decodes nd): one compile serves every offset, the same output at each."""
+    of decodes nd): one compile serves every offset, the same output at each, and other
+    steps' shapes."""
     from flashpage.kernels import flash_prefill_gluon as fg
+    from flashpage.kernels.flash_prefill import paged_prefill_ref
 
     q, kc, vc, tables, cu_q, seq_lens, mq, mk = _paged_case([5, 9, 3, 17, 6, 11],
                                                             [0, 7, 0, 40, 2, 0], 8, 2, 16, seed=3)
@@ -598,6 +600,12 @@ def test_paged_gluon_one_compile_for_every_slice_offset():
     assert sizes[-1] == sizes[0], f"compiled again for another slice offset: {sizes}"
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
+    # other steps' shapes (one query tile or several, 1 or 3 sequences: num_m, num_hb,
+    # head_group and the lse stride vary) reuse that compile too
+    for q_lens, prefixes in (([1], [33]), ([300, 5, 17], [0, 900, 16])):
+        case = _paged_case(q_lens, prefixes, 8, 2, 16, seed=5)
+        _close(fg.paged_prefill_gluon(*case), paged_prefill_ref(*case))
+        assert len(cache) == sizes[0], f"compiled again for {q_lens}: {len(cache)} kernels"
 
 
 @pytest.mark.gpu
