@@ -64,6 +64,8 @@
 #   bash benchmarks/gpu_final.sh next-q    MLA latent prefetched in registers: MLA GPU tests, MLA + decode candidates
 #   bash benchmarks/gpu_final.sh next-r    fp8 GPU tests; V2-Lite and 8B throughput over bf16 vs fp8 caches
 #   bash benchmarks/gpu_final.sh variants  the persistent fp8 decode's variants dims_m / keys_m / keys_m2: tests, knobs
+#   bash benchmarks/gpu_final.sh prefill-paged    paged Gluon prefill: its GPU tests (static first), benchmark columns
+#   bash benchmarks/gpu_final.sh prefill-paged-b  contiguous Gluon + Triton prefill GPU tests (regression)
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -473,5 +475,20 @@ variants)  # branch decode-fewer-instr: the persistent decode's variants dims_m 
     | tee "$OUT/variant_tests.txt" | tail -n 8
   timeout 200 $PT -m gpu tests/kernels/test_paged_decode_gluon.py -rf 2>&1 | tee "$OUT/gluon_tests.txt" | tail -n 3
   timeout 240 python3 benchmarks/decode_gluon_knobs.py --set variants --out "$OUT" 2>&1 | tail -n 11 ;;
+prefill-paged)  # branch prefill-paged-gluon, first GPU run of paged_prefill_gluon (tests under timeouts, in
+                # file order, -v into the log: a barrier phase error would hang; static schedules first), then
+                # its benchmark columns (block 16 and 128, 8192 cached + 8192 new) beside contiguous Gluon,
+                # Triton paged_prefill and cuDNN
+  timeout 120 $PT -v -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "paged and static" -rf 2>&1 \
+    | tee "$OUT/paged_gluon_static_tests.txt" | tail -n 6
+  timeout 200 $PT -v -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "paged and not static" -rf 2>&1 \
+    | tee "$OUT/paged_gluon_tests.txt" | tail -n 6
+  timeout 240 python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only 2>&1 \
+    | tee "$OUT/prefill_gluon.txt" | tail -n 14 ;;
+prefill-paged-b)  # the same branch: the contiguous Gluon prefill's and the Triton prefill's GPU tests (no regression)
+  timeout 240 $PT -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "not paged" -rf 2>&1 \
+    | tee "$OUT/gluon_prefill_tests.txt" | tail -n 4
+  timeout 200 $PT -m gpu tests/kernels/test_flash_prefill.py tests/engine/test_triton_backend.py -rf 2>&1 \
+    | tee "$OUT/prefill_tests.txt" | tail -n 4 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

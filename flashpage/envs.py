@@ -67,6 +67,16 @@ def decode_gluon() -> bool:
     return os.environ.get("FLASHPAGE_DECODE_GLUON", "1") != "0"
 
 
+def prefill_gluon() -> bool:
+    """FLASHPAGE_PREFILL_GLUON=1: paged prefill (flash_prefill.paged_prefill, the triton
+    backend's prompt chunks and prefix hits) on Hopper through the Gluon FA3-style kernel
+    (kernels/flash_prefill_gluon.paged_prefill_gluon) where it covers the call
+    (flash_prefill.gluon_prefill_unsupported: bf16/fp16 cache in q's dtype, head_dim 128,
+    block size a power of two >= 16, no window). Off by default until an H200 run shows it
+    right and at least as fast as the Triton kernel. Read at each call."""
+    return os.environ.get("FLASHPAGE_PREFILL_GLUON", "0") == "1"
+
+
 def fused_merge() -> bool:
     """FLASHPAGE_FUSED_MERGE=1: split paged decode merges its splits in the last program of
     each (sequence, KV head) instead of a second kernel. Off by default: in the H200 run

@@ -30,6 +30,11 @@ that need a mask pay for it:
 to q's dtype right after its load (exact), then the loop runs as with a 16-bit cache. Such
 a cache never takes the TMA path (its descriptors would load fp8 boxes; not built).
 
+On Hopper, FLASHPAGE_PREFILL_GLUON=1 sends `paged_prefill` calls that the Gluon FA3-style
+kernel covers (gluon_prefill_unsupported: 16-bit cache in q's dtype, head_dim 128, block
+size a power of two >= 16, no window, no explicit config) to flash_prefill_gluon.
+paged_prefill_gluon (default off until an H200 run shows it right and faster).
+
 Tiles left of `lo` (outside the window) and right of `hi` (in the future) are
 never loaded. Programs run heaviest query tile first (causal work grows with the
 tile index), which shortens the tail of the grid, and the query tiles of one
@@ -46,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage import envs
 from flashpage.kernels.kv_dtype import check_kv_cache_dtype
 
 try:  # host-side TMA descriptors (Hopper and newer)
@@ -538,6 +544,13 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
                          f"fewer than max_seqlen_k={max_seqlen_k}")
     window = _check_window(window_size)
     out = _check_out(out, q, dv)
+    if (_config is None and envs.prefill_gluon() and q.shape[0] > 0 and batch > 0
+            and not gluon_prefill_unsupported(q, key_cache, value_cache, window_size)):
+        from flashpage.kernels.flash_prefill_gluon import paged_prefill_gluon
+
+        return paged_prefill_gluon(q, key_cache, value_cache, block_tables, cu_seqlens_q,
+                                   seq_lens, max_seqlen_q, max_seqlen_k, causal=causal,
+                                   sm_scale=sm_scale, return_lse=return_lse, out=out)
     lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
     if q.shape[0] > 0 and batch > 0:
         slots_k = key_cache.view(-1, hkv, d) if key_cache.is_contiguous() else \
@@ -547,6 +560,45 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
         _launch(q, slots_k, slots_v, out, lse, cu_seqlens_q, None, seq_lens, block_tables,
                 page_size, batch, max_seqlen_q, causal, sm_scale, window, _config)
     return (out, lse) if return_lse else out
+
+
+def gluon_prefill_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                              window_size: int | None = None,
+                              capability: tuple[int, int] | None = None) -> list[str]:
+    """Why the Gluon paged prefill (flash_prefill_gluon.paged_prefill_gluon) cannot take this
+    paged_prefill call; empty if it can (FLASHPAGE_PREFILL_GLUON=1 then sends it there).
+    ``capability``: the device's compute capability (None: read from q's device; a CPU
+    tensor or the interpreter count as none)."""
+    reasons = []
+    if capability is None:
+        capability = ((0, 0) if q.device.type != "cuda" or _interpreting()
+                      else torch.cuda.get_device_capability(q.device))
+    if capability[0] != 9:
+        reasons.append("needs a Hopper (sm_90) GPU, not the interpreter")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        reasons.append(f"needs a bf16/fp16 query, got {q.dtype}")
+    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+        reasons.append(f"needs a cache in q's dtype {q.dtype} (no fp8), got {key_cache.dtype}")
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        reasons.append("needs key and value caches of one shape [num_blocks, block_size, Hkv, D]")
+        return reasons
+    num_blocks, block_size, _, head_dim = key_cache.shape
+    if q.dim() != 3 or q.shape[-1] != 128 or head_dim != 128:
+        reasons.append(f"needs head_dim 128 (q, K and V), got {q.shape[-1]} and {head_dim}")
+    if block_size < 16 or block_size & (block_size - 1):
+        reasons.append(f"needs a power-of-two block_size >= 16, got {block_size}")
+    if num_blocks * block_size >= 2**31:
+        reasons.append(f"needs fewer than 2**31 cache slots, got {num_blocks} x {block_size}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        reasons.append("needs contiguous caches")
+    if (q.dim() == 3 and (q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]
+                          or (q.stride(0) * q.element_size()) % 16)):
+        reasons.append(f"needs q's [heads, head_dim] rows contiguous, 16-byte strided, got strides {q.stride()}")
+    if any(t.data_ptr() % 16 for t in (q, key_cache, value_cache)):
+        reasons.append("needs q and the caches 16-byte aligned (TMA)")
+    if window_size is not None:
+        reasons.append("has no sliding window")
+    return reasons
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Causal / full prefill attention for sm_90 in Gluon, FlashAttention-3 style (beside
-flash_prefill.py's Triton kernel, which the engine still runs: this one has no paged K/V yet;
-head_dim 128 only; H200: 1.06x SDPA cuDNN at 2 x 4096 and 1 x 16384 causal, BENCHMARKS.md).
+flash_prefill.py's Triton kernel; head_dim 128 only): contiguous self-attention
+(``flash_prefill_gluon``) and over the paged KV cache (``paged_prefill_gluon``, which
+flash_prefill.paged_prefill takes under FLASHPAGE_PREFILL_GLUON=1; see Paged below).
+H200: 1.06x SDPA cuDNN at 2 x 4096 and 1 x 16384 causal (contiguous, BENCHMARKS.md).
 
 Contract (self-attention over a ragged batch, as ``flash_attn_varlen`` with
 cu_seqlens_q == cu_seqlens_k)::
@@ -86,6 +88,33 @@ values are finite), their query rows are not stored.
 
 The output is stored from the wgmma accumulator registers (masked, no TMA store: a box would
 write into the next sequence); lse likewise when asked for.
+
+Paged (``paged_prefill_gluon``, flash_prefill.paged_prefill's contract; PAGED): K and V come
+from a cache [num_blocks, block_size, Hkv, 128] in q's dtype through block tables, queries
+from q with cu_seqlens_q, each sequence's key count from seq_lens (cached prefix + its new
+tokens); query i of a sequence sits at key position seq_len - q_len + i (the causal
+diagonal moved right by the prefix: _kv_range). The K/V descriptors see the cache as its
+[num_blocks * block_size, Hkv * 128] slots, one box = PIECE = min(block_size, 128) rows of
+one KV head::
+
+    per key tile j (128 keys), producer:
+      rows = block_tables[b, min(page(128 j + PIECE p), last_page)] * bs + offset   p < 128/PIECE
+             (one int32 load a thread, lane p holding box p's: before the k_empty wait)
+      wait k_empty;  expect(k_ready, 32 KB);  128 / PIECE TMA boxes -> K stage rows PIECE p ..
+      wait v_empty;  expect(v_ready, 32 KB);  the same rows -> V stage
+
+(block 16: 8 boxes of [16, 128] a tile, K and V; 128 and up: one). Pages past the context
+(a key tile reaching past seq_len) re-read the last valid page: never a block-table entry
+past the context. Keys >= seq_len are masked to -inf like a ragged end, and since their
+slots may hold anything (NaN included) and P = 0 times NaN is NaN, a work tile's last key
+tile, the only one that can reach past seq_len, has its V rows there zeroed in shared
+memory before its P.V (_zero_v_tail: both consumers write the same zeros over rows nothing
+else writes until both released the stage, then fence.proxy.async and a warpgroup barrier;
+16-row pieces, only those reaching seq_len). What ptxas makes of it (block 16, causal):
+the consumers' loops as above (16 HGMMA, one wait 1 and one wait 0 a tile, all 66 exp2
+under P.V), the producer's loop under 24 registers (22 used) with one LDG and 24 SHFL
+(3 a box) a tile; a 12-byte spill of one work-tile invariant of the consumers
+(128 num_m - 127), stored once and loaded once per work tile, none in a loop.
 """
 
 from __future__ import annotations
@@ -124,6 +153,12 @@ _O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta
                                                    instr_shape=[16, HEAD_DIM, 16]))
 # P as the register A operand of O += P V: the S accumulator's registers, packed to 16 bits.
 _P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT, k_width=2))
+# A tile's box rows (paged), lane p of each producer warp holding box p's.
+_ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+# A [16, 128] piece of a V tile over one consumer warpgroup (16 bytes a thread a row: the
+# swizzle's unit), for zeroing the rows past a paged sequence's context.
+_V_ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
+                                        warps_per_cta=[4, 1], order=[1, 0]))
 # Q, K and V tiles as TMA lands them (128-byte swizzle; a 256-byte row is two 64-column boxes).
 _SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 
@@ -137,7 +172,8 @@ _DYNAMIC = gl.constexpr(DYNAMIC)
 
 @gluon.jit
 def _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb, head_group):
-    """Work tile t -> (q head, first query row m0, the sequence's first row, its length).
+    """Work tile t -> (q head, first query row m0, the sequence's first row, its length, the
+    sequence).
     (head, sequence) pairs hb = b * num_heads + h in chunks of head_group; chunk by chunk,
     heaviest first within a chunk: the last query tile of each of its pairs, then each
     second to last, ... (head_group = num_hb: every pair's last tile first; 1: one head's
@@ -153,7 +189,18 @@ def _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb, head_group):
     b = hb // num_heads
     q_start = gl.load(cu_seqlens_ptr + b)
     seq = gl.load(cu_seqlens_ptr + b + 1) - q_start
-    return h, mt * _BM, q_start, seq
+    return h, mt * _BM, q_start, seq, b
+
+
+@gluon.jit
+def _kv_len(b, seq_q, seq_lens_ptr, PAGED: gl.constexpr):
+    """Keys of sequence b: its context seq_lens[b] (cached prefix + its seq_q new tokens)
+    when PAGED, else its own seq_q rows."""
+    if PAGED:
+        seq_k = gl.load(seq_lens_ptr + b)
+    else:
+        seq_k = seq_q
+    return seq_k
 
 
 @gluon.jit
@@ -169,27 +216,77 @@ def _static_tile(k, SCHEDULE: gl.constexpr):
 
 
 @gluon.jit
-def _kv_range(m0, seq, CAUSAL: gl.constexpr):
+def _kv_range(m0, seq_q, seq_k, CAUSAL: gl.constexpr, PAGED: gl.constexpr):
     """(n_full, n_tiles): key tiles [0, n_full) are visible whole to every query row of the
     tile at m0; tiles [n_full, n_tiles) need the mask (causal diagonal, ragged end); later
-    key tiles are never loaded."""
-    if CAUSAL:
-        hi = gl.minimum(seq, m0 + _BM)  # keys of the tile's last row + 1
-        n_full = gl.minimum(m0 + 1, seq) // _BN
+    key tiles are never loaded. PAGED: query row i sits at key position i + seq_k - seq_q
+    (bottom right), and at least one tile runs (a work tile whose rows see no key, only if
+    seq_k < seq_q, runs one masked tile: zero output, lse -inf); else seq_k = seq_q."""
+    if PAGED:
+        if CAUSAL:
+            shift = seq_k - seq_q
+            # keys of the tile's last row + 1
+            hi = gl.minimum(seq_k, gl.minimum(m0 + _BM, seq_q) + shift)
+            n_full = gl.maximum(gl.minimum(m0 + shift + 1, seq_k), 0) // _BN
+        else:
+            hi = seq_k
+            n_full = seq_k // _BN
+        n_tiles = gl.maximum(gl.cdiv(hi, _BN), 1)
     else:
-        hi = seq
-        n_full = seq // _BN
-    return n_full, gl.cdiv(hi, _BN)
+        if CAUSAL:
+            hi = gl.minimum(seq_q, m0 + _BM)  # keys of the tile's last row + 1
+            n_full = gl.minimum(m0 + 1, seq_q) // _BN
+        else:
+            hi = seq_q
+            n_full = seq_q // _BN
+        n_tiles = gl.cdiv(hi, _BN)
+    return n_full, n_tiles
 
 
 # --------------------------------------------------------------------------------- producer
 
 
 @gluon.jit
-def _load_tile(t, it, qi, h, m0, q_start, seq, sched_ptr, slot_ptr, q_desc, k_desc, v_desc,
-               q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, group,
-               CAUSAL: gl.constexpr, DYN: gl.constexpr, NUM_STAGES: gl.constexpr,
-               Q_BUFS: gl.constexpr):
+def _kv_rows(j, bt_row, last_page, PAGE: gl.constexpr, PIECE: gl.constexpr):
+    """PAGED: the cache rows (slots) of key tile j's 128 / PIECE boxes, [128 / PIECE] int32 in
+    every producer thread's registers: box p starts at key 128 j + PIECE p, in slot
+    block_tables[b, page] * PAGE + the key's offset in its page; a page past the context
+    (after last_page, the page of key seq_k - 1) re-reads last_page (a valid block id; the
+    rows past seq_k are masked and their V zeroed). One load per box, all issued together
+    (the producer loads them before it waits for the ring slot)."""
+    offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT)
+    pos = j * _BN + offs * PIECE
+    blk = gl.load(bt_row + gl.minimum(pos // PAGE, last_page))
+    return blk * PAGE + pos % PAGE
+
+
+@gluon.jit
+def _issue_kv(desc, stage, bar, j, k_start, rows, kv_col, PAGED: gl.constexpr,
+              PIECE: gl.constexpr):
+    """TMA of key tile j's [128, 128] rows of one KV head into ``stage``, on ``bar``.
+    Contiguous: one box at row k_start + 128 j. PAGED: 128 / PIECE boxes of PIECE rows, box p
+    at rows[p] (_kv_rows) into stage rows PIECE p .. PIECE p + PIECE - 1."""
+    if PAGED:
+        offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT)
+        for p in gl.static_range(_BN // PIECE):
+            # element p of a tensor every thread holds whole (max, not sum: a replicated
+            # layout may be reduced over its copies too; rows are >= 0)
+            row = gl.max(gl.where(offs == p, rows, -1), 0)
+            if PIECE == _BN:
+                tma.async_copy_global_to_shared(desc, [row, kv_col], bar, stage)
+            else:
+                tma.async_copy_global_to_shared(desc, [row, kv_col], bar,
+                                                stage.slice(p * PIECE, PIECE))
+    else:
+        tma.async_copy_global_to_shared(desc, [k_start + j * _BN, kv_col], bar, stage)
+
+
+@gluon.jit
+def _load_tile(t, it, qi, h, m0, q_start, seq, seq_k, bt_row, sched_ptr, slot_ptr, q_desc,
+               k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
+               v_empty, group, CAUSAL: gl.constexpr, DYN: gl.constexpr,
+               NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PAGED: gl.constexpr,
+               PAGE: gl.constexpr, PIECE: gl.constexpr):
     """One work tile's loads: K_j and V_j of every key tile into ring slot ``it % NUM_STAGES``
     (``it`` counts key tiles over all work tiles) once both consumers have released what it
     held, and Q into Q buffer ``qi % Q_BUFS`` (after K_0, once both consumers are done with
@@ -197,17 +294,23 @@ def _load_tile(t, it, qi, h, m0, q_start, seq, sched_ptr, slot_ptr, q_desc, k_de
     consumers to read once Q landed, and the next tile fetched from the counter after V_0
     (the ring is full then: the fetch's round trip, which Triton's broadcast of the result
     makes the producer wait for, mostly costs it no time it had) -> (it, the next tile; 0
-    if not DYN)."""
-    n_full, n_tiles = _kv_range(m0, seq, CAUSAL)
+    if not DYN). PAGED: K and V tiles gathered from the cache (_issue_kv), seq_k keys."""
+    n_full, n_tiles = _kv_range(m0, seq, seq_k, CAUSAL, PAGED)
     kv_col = (h // group) * _D
+    last_page = gl.maximum(seq_k - 1, 0) // PAGE
+    # every box of a K (V) tile counts toward its slot's one mbarrier: 128 x 128 x 2 bytes
+    kv_bytes: gl.constexpr = (_BN // PIECE) * k_desc.block_type.nbytes
     nxt = 0
     for j in range(n_tiles):
         s = it % NUM_STAGES
         phase = ((it // NUM_STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
-        row = q_start + j * _BN
+        rows = 0
+        if PAGED:  # the block-table loads under the wait for the slot
+            rows = _kv_rows(j, bt_row, last_page, PAGE, PIECE)
         mbarrier.wait(k_empty.index(s), phase)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
+        mbarrier.expect(k_ready.index(s), kv_bytes)
+        _issue_kv(k_desc, k_smem.index(s), k_ready.index(s), j, q_start, rows, kv_col, PAGED,
+                  PIECE)
         if j == 0:
             qb = qi % Q_BUFS
             mbarrier.wait(q_empty.index(qb), ((qi // Q_BUFS) & 1) ^ 1)
@@ -220,8 +323,9 @@ def _load_tile(t, it, qi, h, m0, q_start, seq, sched_ptr, slot_ptr, q_desc, k_de
             tma.async_copy_global_to_shared(q_desc, [q_start + m0 + _WM, h * _D], q_bar.index(qb),
                                             q_smem.index(2 * qb + 1))
         mbarrier.wait(v_empty.index(s), phase)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+        mbarrier.expect(v_ready.index(s), kv_bytes)
+        _issue_kv(v_desc, v_smem.index(s), v_ready.index(s), j, q_start, rows, kv_col, PAGED,
+                  PIECE)
         if DYN:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if j == 0:
                 nxt = gl.num_programs(0) + gl.atomic_add(sched_ptr, 1)
@@ -231,9 +335,10 @@ def _load_tile(t, it, qi, h, m0, q_start, seq, sched_ptr, slot_ptr, q_desc, k_de
 
 @gluon.jit
 def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-             k_empty, v_empty, cu_seqlens_ptr, sched_ptr, group, num_m, num_heads, num_hb,
-             head_group, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr, NUM_STAGES: gl.constexpr,
-             Q_BUFS: gl.constexpr):
+             k_empty, v_empty, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr, stride_bt,
+             sched_ptr, group, num_m, num_heads, num_hb, head_group, CAUSAL: gl.constexpr,
+             SCHEDULE: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+             PAGED: gl.constexpr, PAGE: gl.constexpr, PIECE: gl.constexpr):
     """Default partition (one warpgroup; TMA issued by single threads): this program's work
     tiles' loads. Static schedules: tiles _static_tile(0), _static_tile(1), ... Dynamic: tile
     pid first, then #programs + a global counter's next value (fetched early, _load_tile), each
@@ -248,12 +353,15 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_r
     if SCHEDULE >= _DYNAMIC:
         t = gl.program_id(0)
         while t < total:
-            h, m0, q_start, seq = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb, head_group)
+            h, m0, q_start, seq, b = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb,
+                                                  head_group)
             if m0 < seq:
-                it, t = _load_tile(t, it, qi, h, m0, q_start, seq, sched_ptr, slot_ptr, q_desc,
+                seq_k = _kv_len(b, seq, seq_lens_ptr, PAGED)
+                it, t = _load_tile(t, it, qi, h, m0, q_start, seq, seq_k,
+                                   block_tables_ptr + b * stride_bt, sched_ptr, slot_ptr, q_desc,
                                    k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                                    v_ready, k_empty, v_empty, group, CAUSAL, True, NUM_STAGES,
-                                   Q_BUFS)
+                                   Q_BUFS, PAGED, PAGE, PIECE)
                 qi += 1
             else:  # past a short sequence's end: nothing to load or compute
                 t = nprog + gl.atomic_add(sched_ptr, 1)
@@ -271,13 +379,15 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_r
         for k in range(gl.cdiv(total, nprog)):
             t = _static_tile(k, SCHEDULE)
             if t < total:
-                h, m0, q_start, seq = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb,
-                                                   head_group)
+                h, m0, q_start, seq, b = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb,
+                                                      head_group)
                 if m0 < seq:
-                    it, _ = _load_tile(t, it, qi, h, m0, q_start, seq, sched_ptr, slot_ptr, q_desc,
-                                       k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
-                                       k_ready, v_ready, k_empty, v_empty, group, CAUSAL, False,
-                                       NUM_STAGES, Q_BUFS)
+                    seq_k = _kv_len(b, seq, seq_lens_ptr, PAGED)
+                    it, _ = _load_tile(t, it, qi, h, m0, q_start, seq, seq_k,
+                                       block_tables_ptr + b * stride_bt, sched_ptr, slot_ptr,
+                                       q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
+                                       q_empty, k_ready, v_ready, k_empty, v_empty, group, CAUSAL,
+                                       False, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE)
                     qi += 1
 
 
@@ -377,11 +487,32 @@ def _tile(j, it0, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l
 
 
 @gluon.jit
+def _zero_v_tail(v_stage, n0, seq_k):
+    """Rows of a V tile (keys n0 ..) at keys >= seq_k set to zero in shared memory, by
+    16-row pieces (only pieces reaching seq_k are read and written): a paged cache's slots
+    past the context may hold anything, NaN included, and their P = 0 times NaN would be
+    NaN. Both consumers do it on the same stage: each writes only zeros over rows that
+    nothing else writes until both released the stage, so whichever store lands last, the
+    rows are zero before each consumer's own fence and P.V."""
+    for c in gl.static_range(_BN // 16):
+        if n0 + (c + 1) * 16 > seq_k:
+            piece = v_stage.slice(c * 16, 16)
+            keys = n0 + c * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, _V_ROWS))
+            x = piece.load(_V_ROWS)
+            piece.store(gl.where(gl.expand_dims(keys < seq_k, 1), x, gl.zeros_like(x)))
+    fence_async_shared()  # the stores before the wgmma's (async proxy) reads
+    gl.thread_barrier()  # every thread of the warpgroup's stores before its wgmma
+
+
+@gluon.jit
 def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l_fence, it, n_full,
             n_tiles, qk_scale, rows, seq, G: gl.constexpr, CAUSAL: gl.constexpr,
-            PINGPONG: gl.constexpr, PV_OVERLAP: gl.constexpr, NUM_STAGES: gl.constexpr):
+            PINGPONG: gl.constexpr, PV_OVERLAP: gl.constexpr, NUM_STAGES: gl.constexpr,
+            PAGED: gl.constexpr):
     """One work tile's key tiles (ring positions it .. it + n_tiles - 1), the default schedule
-    (module docstring): -> (m, l, O unnormalised)."""
+    (module docstring): -> (m, l, O unnormalised). rows: the query rows' key positions;
+    seq: the key count (keys >= seq masked). PAGED: the last tile's V rows past seq zeroed
+    before its P.V (only the last tile of a work tile can reach past seq)."""
     m = gl.full([_WM], float("-inf"), gl.float32, gl.SliceLayout(1, _S_LAYOUT))
     l = gl.zeros([_WM], gl.float32, gl.SliceLayout(1, _S_LAYOUT))
     o = gl.zeros([_WM, _D], gl.float32, _O_LAYOUT)
@@ -401,6 +532,9 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l_fence
     sv = last % NUM_STAGES
     o = o * gl.expand_dims(_to_rows_o(alpha), 1)
     mbarrier.wait(v_ready.index(sv), (last // NUM_STAGES) & 1)
+    if PAGED:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if n_tiles * _BN > seq:
+            _zero_v_tail(v_smem.index(sv), (n_tiles - 1) * _BN, seq)
     o_tok = warpgroup_mma(p, v_smem.index(sv), o, is_async=True)
     o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
     mbarrier.arrive(v_empty.index(sv))
@@ -408,18 +542,20 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l_fence
 
 
 @gluon.jit
-def _compute_tile(it, h, m0, q_start, seq, q, k_smem, v_smem, q_empty, k_ready, v_ready, k_empty,
-                  v_empty, turn, l_fence, out_ptr, lse_ptr, qk_scale, stride_ot, stride_oh,
-                  stride_lse, G: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                  PINGPONG: gl.constexpr, PV_OVERLAP: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Query rows m0 + 64g .. m0 + 64g + 63 of one work tile (its Q landed) over its key
-    tiles, then those output rows (and lse) stored -> it past its key tiles."""
-    n_full, n_tiles = _kv_range(m0, seq, CAUSAL)
+def _compute_tile(it, h, m0, q_start, seq, seq_k, q, k_smem, v_smem, q_empty, k_ready, v_ready,
+                  k_empty, v_empty, turn, l_fence, out_ptr, lse_ptr, qk_scale, stride_ot,
+                  stride_oh, stride_lse, G: gl.constexpr, CAUSAL: gl.constexpr,
+                  RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr, PV_OVERLAP: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, PAGED: gl.constexpr):
+    """Query rows m0 + 64g .. m0 + 64g + 63 of one work tile (its Q landed; seq queries,
+    seq_k keys, query i at key position i + seq_k - seq) over its key tiles, then those
+    output rows (and lse) stored -> it past its key tiles."""
+    n_full, n_tiles = _kv_range(m0, seq, seq_k, CAUSAL, PAGED)
     row0 = m0 + G * _WM
     rows = row0 + gl.arange(0, _WM, layout=gl.SliceLayout(1, _S_LAYOUT))
     m, l, o = _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l_fence, it,
-                      n_full, n_tiles, qk_scale, rows, seq, G, CAUSAL, PINGPONG, PV_OVERLAP,
-                      NUM_STAGES)
+                      n_full, n_tiles, qk_scale, rows + (seq_k - seq), seq_k, G, CAUSAL, PINGPONG,
+                      PV_OVERLAP, NUM_STAGES, PAGED)
     mbarrier.arrive(q_empty)  # every S of this work tile is done: Q may be replaced
 
     l_safe = gl.where(l == 0.0, 1.0, l)
@@ -438,11 +574,11 @@ def _compute_tile(it, h, m0, q_start, seq, q, k_smem, v_smem, q_empty, k_ready, 
 
 @gluon.jit
 def _consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-             l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, sched_ptr, qk_scale, num_m, num_heads,
-             num_hb, head_group, stride_ot, stride_oh, stride_lse, G: gl.constexpr,
+             l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr, qk_scale, num_m,
+             num_heads, num_hb, head_group, stride_ot, stride_oh, stride_lse, G: gl.constexpr,
              CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
              PV_OVERLAP: gl.constexpr, SCHEDULE: gl.constexpr, NUM_STAGES: gl.constexpr,
-             Q_BUFS: gl.constexpr):
+             Q_BUFS: gl.constexpr, PAGED: gl.constexpr):
     """Worker partition g (one warpgroup): this program's work tiles, as the producer walks
     them (dynamic: the tile index the producer posted with each Q, until one >= total); the
     qi-th one's Q in buffer qi % Q_BUFS."""
@@ -455,11 +591,14 @@ def _consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, 
         t = gl.load(slot_ptr, volatile=True)
         while t < total:
             qb = qi % Q_BUFS
-            h, m0, q_start, seq = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb, head_group)
-            it = _compute_tile(it, h, m0, q_start, seq, q_smem.index(2 * qb + G), k_smem, v_smem,
-                               q_empty.index(qb), k_ready, v_ready, k_empty, v_empty, turn, l_fence,
-                               out_ptr, lse_ptr, qk_scale, stride_ot, stride_oh, stride_lse, G,
-                               CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP, NUM_STAGES)
+            h, m0, q_start, seq, b = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb,
+                                                  head_group)
+            seq_k = _kv_len(b, seq, seq_lens_ptr, PAGED)
+            it = _compute_tile(it, h, m0, q_start, seq, seq_k, q_smem.index(2 * qb + G), k_smem,
+                               v_smem, q_empty.index(qb), k_ready, v_ready, k_empty, v_empty, turn,
+                               l_fence, out_ptr, lse_ptr, qk_scale, stride_ot, stride_oh,
+                               stride_lse, G, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP, NUM_STAGES,
+                               PAGED)
             qi += 1
             qb = qi % Q_BUFS
             mbarrier.wait(q_bar.index(qb), (qi // Q_BUFS) & 1)
@@ -468,25 +607,33 @@ def _consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, 
         for k in range(gl.cdiv(total, gl.num_programs(0))):
             t = _static_tile(k, SCHEDULE)
             if t < total:
-                h, m0, q_start, seq = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb,
-                                                   head_group)
+                h, m0, q_start, seq, b = _tile_coords(t, cu_seqlens_ptr, num_m, num_heads, num_hb,
+                                                      head_group)
                 if m0 < seq:
+                    seq_k = _kv_len(b, seq, seq_lens_ptr, PAGED)
                     qb = qi % Q_BUFS
                     mbarrier.wait(q_bar.index(qb), (qi // Q_BUFS) & 1)
-                    it = _compute_tile(it, h, m0, q_start, seq, q_smem.index(2 * qb + G), k_smem,
-                                       v_smem, q_empty.index(qb), k_ready, v_ready, k_empty,
-                                       v_empty, turn, l_fence, out_ptr, lse_ptr, qk_scale,
+                    it = _compute_tile(it, h, m0, q_start, seq, seq_k, q_smem.index(2 * qb + G),
+                                       k_smem, v_smem, q_empty.index(qb), k_ready, v_ready,
+                                       k_empty, v_empty, turn, l_fence, out_ptr, lse_ptr, qk_scale,
                                        stride_ot, stride_oh, stride_lse, G, CAUSAL, RETURN_LSE,
-                                       PINGPONG, PV_OVERLAP, NUM_STAGES)
+                                       PINGPONG, PV_OVERLAP, NUM_STAGES, PAGED)
                     qi += 1
 
 
 # --------------------------------------------------------------------------------- kernel
 
 
-@gluon.jit
+# Nothing that varies from one engine step to the next is specialized (Triton specializes
+# ints == 1 and % 16, pointers on 16-byte alignment), so that serving compiles it once per
+# dtype / block size / Q buffers: block_tables / seq_lens are views (block_tables[nd:]) whose
+# alignment follows the number of decodes; the work sizes and the lse stride follow the batch
+@gluon.jit(do_not_specialize=["seq_lens_ptr", "block_tables_ptr", "stride_bt", "group", "num_m",
+                              "num_heads", "num_hb", "head_group", "stride_lse"])
 def _flash_prefill_gluon_kernel(
     q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_ptr,
+    seq_lens_ptr,  # PAGED: int32 [B], each sequence's keys (else unused)
+    block_tables_ptr, stride_bt,  # PAGED: int32 [B, max_blocks] (else unused)
     sched_ptr,  # int32 [2 + #programs]: dynamic schedules' counter, stop count, posted tiles
     qk_scale,  # sm_scale * log2(e)
     group,  # q heads per kv head
@@ -497,6 +644,9 @@ def _flash_prefill_gluon_kernel(
     CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
     PV_OVERLAP: gl.constexpr, SCHEDULE: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PAGED: gl.constexpr,  # K/V from a paged cache (k_desc, v_desc over its slots)
+    PAGE: gl.constexpr,  # PAGED: the cache's block size (a power of two >= 16), else 1
+    PIECE: gl.constexpr,  # rows of a K/V TMA box: min(PAGE, 128) when PAGED, else 128
 ):
     """Work tiles 0 .. num_m * num_hb - 1 over the programs (a grid of all of them: one each;
     a grid of #SMs: persistent) as SCHEDULE says."""
@@ -527,16 +677,19 @@ def _flash_prefill_gluon_kernel(
 
     gl.warp_specialize([
         (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
-                    v_ready, k_empty, v_empty, cu_seqlens_ptr, sched_ptr, group, num_m,
-                    num_heads, num_hb, head_group, CAUSAL, SCHEDULE, NUM_STAGES, Q_BUFS)),
+                    v_ready, k_empty, v_empty, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr,
+                    stride_bt, sched_ptr, group, num_m, num_heads, num_hb, head_group, CAUSAL,
+                    SCHEDULE, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE)),
         (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                    turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, sched_ptr, qk_scale, num_m,
-                    num_heads, num_hb, head_group, stride_ot, stride_oh, stride_lse, 0, CAUSAL,
-                    RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE, NUM_STAGES, Q_BUFS)),
+                    turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr,
+                    qk_scale, num_m, num_heads, num_hb, head_group, stride_ot, stride_oh,
+                    stride_lse, 0, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE,
+                    NUM_STAGES, Q_BUFS, PAGED)),
         (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                    turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, sched_ptr, qk_scale, num_m,
-                    num_heads, num_hb, head_group, stride_ot, stride_oh, stride_lse, 1, CAUSAL,
-                    RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE, NUM_STAGES, Q_BUFS)),
+                    turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr,
+                    qk_scale, num_m, num_heads, num_hb, head_group, stride_ot, stride_oh,
+                    stride_lse, 1, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE,
+                    NUM_STAGES, Q_BUFS, PAGED)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -544,13 +697,16 @@ def _flash_prefill_gluon_kernel(
 
 
 def _descriptor(t: torch.Tensor, box_rows: int):
-    """TMA descriptor over the [total, heads * 128] view of a token-major [total, heads, 128]
-    tensor: one [box_rows, 128] box per tile of one head."""
+    """TMA descriptor over the [rows, heads * 128] view of a token-major [rows, heads, 128]
+    tensor whose [heads, 128] rows are contiguous (rows t.stride(0) apart): one
+    [box_rows, 128] box per tile of one head. A [num_blocks, page, Hkv, 128] cache is seen
+    as its [num_blocks * page, Hkv * 128] slots."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    flat = t.view(t.shape[0], t.shape[1] * t.shape[2])
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [box_rows, HEAD_DIM],
-                            _SMEM.value)
+    if t.dim() == 4:
+        t = t.view(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1],
+                            [box_rows, HEAD_DIM], _SMEM.value)
 
 
 def _check(q, k, v, cu_seqlens, max_seqlen, sm_scale, out) -> None:
@@ -645,6 +801,136 @@ def flash_prefill_gluon(
     256 KB, do not fit; at 1 x 16384 causal one Q buffer read 606 TFLOP/s against 555 with
     two in run 75 and 600 against 566 in run 76, at 2 x 4096 534 against 584 in run 75).
     """
+    q_buffers = _check_options(num_stages, q_buffers, schedule, max_seqlen)
+    _check(q, k, v, cu_seqlens, max_seqlen, sm_scale, out)
+    return _launch(q, _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), k.shape[1], cu_seqlens,
+                   None, None, 0, max_seqlen, causal=causal, sm_scale=sm_scale,
+                   return_lse=return_lse, out=out, pingpong=pingpong, pv_overlap=pv_overlap,
+                   persistent=persistent, schedule=schedule, head_group=head_group,
+                   m_fastest=m_fastest, num_stages=num_stages, q_buffers=q_buffers)
+
+
+def _check_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+                 max_seqlen_k, sm_scale, out) -> None:
+    """paged_prefill_gluon's ValueErrors; the device check last (shape errors on any machine)."""
+    tensors = (q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError("q, key_cache, value_cache, block_tables, cu_seqlens_q and seq_lens must be tensors")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be bfloat16 or float16, got {q.dtype}")
+    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+        raise ValueError(f"q, key_cache, value_cache dtypes differ: {q.dtype}, {key_cache.dtype}, "
+                         f"{value_cache.dtype} (an fp8 cache takes flash_prefill.paged_prefill)")
+    if q.dim() != 3 or q.shape[2] != HEAD_DIM:
+        raise ValueError(f"q must be [total_q, num_q_heads, {HEAD_DIM}], got {tuple(q.shape)}")
+    if q.stride(2) != 1 or q.stride(1) != HEAD_DIM or (q.stride(0) * q.element_size()) % 16:
+        raise ValueError(f"q's [heads, {HEAD_DIM}] rows must be contiguous and 16-byte aligned, "
+                         f"strides {q.stride()}")
+    if key_cache.dim() != 4 or key_cache.shape[3] != HEAD_DIM:
+        raise ValueError(f"key_cache must be [num_blocks, block_size, num_kv_heads, {HEAD_DIM}], "
+                         f"got {tuple(key_cache.shape)}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache "
+                         f"{tuple(value_cache.shape)} differ")
+    num_blocks, page, hkv, _ = key_cache.shape
+    if page < 16 or page & (page - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {page}")
+    if num_blocks * page >= 2**31:
+        raise ValueError(f"{num_blocks} blocks x {page} slots: at most 2**31 - 1 slots (int32 rows)")
+    hq = q.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if name != "q" and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, strides {t.stride()}")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must start 16-byte aligned (TMA), got address {t.data_ptr():#x}")
+    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 2:
+        raise ValueError(f"cu_seqlens_q must be int32 [batch + 1], got {cu_seqlens_q.dtype} "
+                         f"{tuple(cu_seqlens_q.shape)}")
+    batch = cu_seqlens_q.numel() - 1
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must be int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if (block_tables.dtype != torch.int32 or block_tables.dim() != 2
+            or block_tables.shape[0] != batch or block_tables.stride(1) != 1):
+        raise ValueError(f"block_tables must be int32 [{batch}, max_blocks] with contiguous rows, "
+                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if int(max_seqlen_q) < 1:
+        raise ValueError(f"max_seqlen_q must be >= 1 (and >= every query count), got {max_seqlen_q}")
+    if block_tables.shape[1] * page < int(max_seqlen_k):
+        raise ValueError(f"block_tables has {block_tables.shape[1]} blocks of {page} tokens, fewer "
+                         f"than max_seqlen_k={max_seqlen_k}")
+    if sm_scale is not None and not float(sm_scale) > 0.0:
+        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
+        raise ValueError(f"out must be a {q.dtype} {tuple(q.shape)} with a contiguous last "
+                         f"dimension, got {out.dtype} {tuple(out.shape)}")
+    devices = {t.device for t in tensors} | ({out.device} if out is not None else set())
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        raise ValueError("paged_prefill_gluon runs on CUDA sm_90 (Hopper) only")
+
+
+def paged_prefill_gluon(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    pingpong: bool = True,
+    pv_overlap: bool = True,
+    persistent: bool = True,
+    schedule: str = "dynamic",
+    head_group: int | None = None,
+    m_fastest: bool = False,
+    num_stages: int = STAGES,
+    q_buffers: int | None = None,
+):
+    """flash_prefill.paged_prefill's contract on this kernel: new tokens' queries over the
+    paged KV cache (chunked prefill, prefix hits).
+
+    q [total_q, Hq, 128] bf16 / fp16 (rows may be strided: [heads, 128] contiguous);
+    key_cache, value_cache [num_blocks, block_size, Hkv, 128] in q's dtype, contiguous,
+    block_size a power of two >= 16; block_tables int32 [B, max_blocks]; cu_seqlens_q int32
+    [B + 1]; seq_lens int32 [B]: each sequence's context after this step (cached prefix + its
+    new tokens, whose K/V are already in the cache), >= its query count (not checked: a
+    host sync). Key p of sequence b lives in slot block_tables[b, p // bs] * bs + p % bs;
+    query i of b sits at position seq_lens[b] - q_len_b + i (causal: bottom right). Block
+    table entries past a sequence's context are never read, and slots past it (in its last
+    block) may hold anything, NaN included. max_seqlen_q sizes the work (>= every query
+    count); max_seqlen_k (>= every seq_len) only picks the default q_buffers. Returns out
+    [total_q, Hq, 128] in q's dtype (and lse [Hq, total_q] fp32 if return_lse).
+
+    K and V tiles of 128 keys are gathered by TMA from the cache seen as [num_blocks * bs,
+    Hkv * 128]: min(bs, 128)-row boxes (8 of 16 rows at block size 16), all counted by the
+    ring slot's mbarrier; a work tile's last key tile is masked past seq_len (its V rows
+    there zeroed in shared memory before the P.V). The knobs are flash_prefill_gluon's
+    (q_buffers None: 2 up to max_seqlen_k 8192, else 1).
+    """
+    q_buffers = _check_options(num_stages, q_buffers, schedule, max_seqlen_k)
+    _check_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+                 max_seqlen_k, sm_scale, out)
+    page = key_cache.shape[1]
+    box = min(page, BLOCK_N)
+    return _launch(q, _descriptor(key_cache, box), _descriptor(value_cache, box), key_cache.shape[2],
+                   cu_seqlens_q, seq_lens, block_tables, page, max_seqlen_q, causal=causal,
+                   sm_scale=sm_scale, return_lse=return_lse, out=out, pingpong=pingpong,
+                   pv_overlap=pv_overlap, persistent=persistent, schedule=schedule,
+                   head_group=head_group, m_fastest=m_fastest, num_stages=num_stages,
+                   q_buffers=q_buffers)
+
+
+def _check_options(num_stages: int, q_buffers: int | None, schedule: str, max_seqlen: int) -> int:
+    """-> q_buffers (None: the default for max_seqlen, see flash_prefill_gluon)."""
     if num_stages not in (2, 3):
         raise ValueError(f"num_stages must be 2 or 3, got {num_stages}")
     if q_buffers is None:
@@ -653,9 +939,16 @@ def flash_prefill_gluon(
         raise ValueError(f"q_buffers must be 1 or 2 (1 with num_stages 3: shared memory), got {q_buffers}")
     if schedule not in _SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(_SCHEDULES)}, got {schedule!r}")
-    _check(q, k, v, cu_seqlens, max_seqlen, sm_scale, out)
+    return q_buffers
+
+
+def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, max_seqlen, *,
+            causal, sm_scale, return_lse, out, pingpong, pv_overlap, persistent, schedule,
+            head_group, m_fastest, num_stages, q_buffers):
+    """The kernel over checked inputs: contiguous (block_tables None: k_desc, v_desc over
+    [total, Hkv * 128]) or paged (k_desc, v_desc over the cache's [num_blocks * page, Hkv *
+    128] slots, seq_lens the key counts); max_seqlen: the longest query count."""
     total, hq, _ = q.shape
-    hkv = k.shape[1]
     batch = cu_seqlens.numel() - 1
     num_hb = hq * batch
     if head_group is not None and not 1 <= int(head_group) <= num_hb:
@@ -679,13 +972,16 @@ def flash_prefill_gluon(
     sched = _sched_buffer(q.device, sms)
     if sched_code == DYNAMIC_MEMSET:
         sched[:2].zero_()
+    paged = block_tables is not None
     _flash_prefill_gluon_kernel[(grid,)](
-        _descriptor(q, WG_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out,
-        lse if lse is not None else out, cu_seqlens, sched, scale, hq // hkv, num_m, hq, num_hb,
+        _descriptor(q, WG_M), k_desc, v_desc, out, lse if lse is not None else out, cu_seqlens,
+        seq_lens if paged else cu_seqlens, block_tables if paged else cu_seqlens,
+        block_tables.stride(0) if paged else 0, sched, scale, hq // hkv, num_m, hq, num_hb,
         int(head_group), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         CAUSAL=bool(causal), RETURN_LSE=return_lse, PINGPONG=bool(pingpong),
         PV_OVERLAP=bool(pv_overlap), SCHEDULE=sched_code, NUM_STAGES=num_stages,
-        Q_BUFS=q_buffers, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG,
+        Q_BUFS=q_buffers, CONSUMER_REGS=CONSUMER_REGS, PAGED=paged, PAGE=page if paged else 1,
+        PIECE=min(page, BLOCK_N) if paged else BLOCK_N, num_warps=4, maxnreg=MAXNREG,
     )
     return (out, lse) if return_lse else out
 

@@ -12,6 +12,15 @@ GPU (marked gpu, sm_90 only): bf16 against the fp32 reference of flash_prefill.p
 and full attention, ragged lengths (1, tile edges, non-multiples), GQA 1 / 4 / 8, and the lse,
 per schedule (one program per tile, static, snake, then dynamic: the one that could hang
 last); each launcher knob; the dynamic schedules under CUDA-graph replay.
+Paged (paged_prefill_gluon; ``-k paged``): against paged_prefill_ref over block sizes 16-256,
+cached prefixes 0 to 4000, query counts from 1, GQA 1 / 4 / 8, a pool whose unowned slots and
+table entries past each context are NaN, causal (static schedules first, then dynamic) and
+full; the knobs; strided fp16 q against the Triton kernel; one compile for every
+block_tables[nd:] offset; flash_prefill.paged_prefill's dispatch under
+FLASHPAGE_PREFILL_GLUON=1. CPU: the paged variants' sm_90 SASS (above), bad input, the
+reasons function, the GPU tests' cache builder.
+
+    timeout 200 python -m pytest -q -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k paged
 """
 
 from __future__ import annotations
@@ -42,6 +51,11 @@ VARIANTS = {  # name -> constexprs besides the defaults (dynamic schedule, PV ov
     "full": dict(CAUSAL=False, PINGPONG=True),
     "causal_lse_no_pingpong": dict(CAUSAL=True, PINGPONG=False, RETURN_LSE=True),
     "static_no_overlap": dict(CAUSAL=True, SCHEDULE=0, PV_OVERLAP=False, Q_BUFS=1),  # run 72's
+    # paged_prefill_gluon: K/V gathered from a cache of block size PAGE in PIECE-row boxes
+    "paged16": dict(CAUSAL=True, PINGPONG=True, PAGED=True, PAGE=16, PIECE=16),
+    "paged128_q1": dict(CAUSAL=True, PINGPONG=True, PAGED=True, PAGE=128, PIECE=128, Q_BUFS=1),
+    "paged64_full_static": dict(CAUSAL=False, PINGPONG=True, PAGED=True, PAGE=64, PIECE=64,
+                                SCHEDULE=0),
 }
 
 
@@ -57,14 +71,16 @@ def compile_sm90(**consts):
     fn = fg._flash_prefill_gluon_kernel
     consts = {"CAUSAL": True, "RETURN_LSE": False, "PINGPONG": True, "PV_OVERLAP": True,
               "SCHEDULE": fg.DYNAMIC, "NUM_STAGES": fg.STAGES, "Q_BUFS": 2,
-              "CONSUMER_REGS": fg.CONSUMER_REGS, **consts}
+              "CONSUMER_REGS": fg.CONSUMER_REGS, "PAGED": False, "PAGE": 1, "PIECE": fg.BLOCK_N,
+              **consts}
     layout = repr(fg._SMEM.value)
+    box = consts["PIECE"]  # rows of a K/V box (paged: min(block size, 128))
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_desc": f"tensordesc<bf16[{fg.WG_M}, {fg.HEAD_DIM}],{layout}>",
-                "k_desc": f"tensordesc<bf16[{fg.BLOCK_N}, {fg.HEAD_DIM}],{layout}>",
-                "v_desc": f"tensordesc<bf16[{fg.BLOCK_N}, {fg.HEAD_DIM}],{layout}>",
+                "k_desc": f"tensordesc<bf16[{box}, {fg.HEAD_DIM}],{layout}>",
+                "v_desc": f"tensordesc<bf16[{box}, {fg.HEAD_DIM}],{layout}>",
                 "out_ptr": "*bf16", "lse_ptr": "*fp32", "cu_seqlens_ptr": "*i32", "sched_ptr": "*i32",
-                "qk_scale": "fp32"})
+                "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "qk_scale": "fp32"})
     sig.update({c: "constexpr" for c in consts})
     aligned = ("out_ptr", "lse_ptr", "cu_seqlens_ptr", "sched_ptr", "stride_ot", "stride_oh")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -134,6 +150,7 @@ def _sm90_report() -> dict:
                     if "warning" in ln.lower() or "Potential Performance Loss" in ln]
         out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared,
                          pv_overlap=consts.get("PV_OVERLAP", True),
+                         boxes=128 // consts.get("PIECE", 128), paged=consts.get("PAGED", False),
                          threads=32 * k.metadata.num_warps, warnings=warnings,
                          **sass_partitions(sass))
     return out
@@ -165,7 +182,13 @@ def test_gluon_prefill_compiles_for_sm90():
     assert producer_regs == 24
     for name, r in rep.items():
         assert r["threads"] == 384 and r["regs"] == fg.MAXNREG, name
-        assert r["spill_bytes"] == 0 and not r["warnings"], (name, r["warnings"])
+        assert not r["warnings"], (name, r["warnings"])
+        # paged16 (causal, two Q buffers): ptxas keeps one work-tile invariant of the
+        # consumers (128 num_m - 127) in local memory, stored before the partitions and
+        # loaded once per work tile (12 B); never inside a loop (below)
+        assert r["spill_bytes"] <= (16 if r["boxes"] > 1 else 0), (name, r["spill_bytes"])
+        for loop in r["consumer"] + r["producer"]:
+            assert "LDL" not in loop and "STL" not in loop, name
         assert r["shared"] <= 227 * 1024, name
         assert r["hgmma_shapes"] == ["HGMMA.64x128x16.F32.BF16"], name
         assert r["utmaldg_budgets"] == [producer_regs], name  # every TMA issue is the producer's
@@ -182,9 +205,17 @@ def test_gluon_prefill_compiles_for_sm90():
                 assert c["ex2_before_wait0"] >= 64, (name, c["ex2_before_wait0"])
         assert len(r["producer"]) == 1, name
         p = r["producer"][0]
-        # K_j and V_j: one UTMALDG each (a box's two 64-column halves issued by two warps);
-        # the Q load of j = 0 lies outside the innermost loop
-        assert p["budget"] == producer_regs and p["UTMALDG.2D"] == 2
+        # K_j and V_j: one UTMALDG a box each (a box's two 64-column halves issued by two
+        # warps; paged: 128 / PIECE boxes a tile); the Q load of j = 0 outside the innermost
+        # loop, or inside it (2 more: paged16)
+        assert p["budget"] == producer_regs, name
+        assert p["UTMALDG.2D"] in (2 * r["boxes"], 2 * r["boxes"] + 2), (name, p["UTMALDG.2D"])
+        if r["paged"]:
+            # a tile's block-table entries: one load a thread (lane p: box p's), before the
+            # wait for the ring slot; each box's row taken from its lane by shuffles (3 a
+            # box of 16 rows: 8 lanes), shared by K and V
+            assert p["LDG.E"] == 1, name
+            assert p.get("SHFL.BFLY", 0) == {1: 0, 2: 2, 4: 8, 8: 24}[r["boxes"]], name
         assert not any(o.startswith("HGMMA") for o in p)
 
 
@@ -400,3 +431,309 @@ def test_gluon_prefill_fp16_and_triton_agree():
     torch.cuda.synchronize()
     _close(out, ref, tol=2e-3)
     _close(out, tri, tol=4e-3)
+
+
+# --------------------------------------------------------------------------- paged (GPU)
+# paged_prefill_gluon against flash_prefill.paged_prefill_ref: K/V scattered into a shuffled
+# block pool whose unowned slots hold NaN (spare blocks, the tails of last blocks) and whose
+# table entries past each context point at NaN blocks; the static schedules first, as above.
+
+
+def _paged_case(q_lens, prefixes, hq, hkv, block_size, dtype=torch.bfloat16, seed=0,
+                q_stride_heads=None, dev="cuda"):
+    """(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_q, max_k): the
+    sequences' contexts (prefix + new tokens) scattered over a shuffled pool of blocks;
+    q_stride_heads: q as the first Hq heads of a wider [total, q_stride_heads, 128] tensor
+    (the engine's q may be a view of a fused projection)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    k_lens = [lq + p for lq, p in zip(q_lens, prefixes, strict=True)]
+    total_q = sum(q_lens)
+    if q_stride_heads:
+        q = torch.randn(total_q, q_stride_heads, 128, generator=g, device=dev, dtype=dtype)[:, :hq]
+    else:
+        q = torch.randn(total_q, hq, 128, generator=g, device=dev, dtype=dtype)
+    nblk = [-(-n // block_size) for n in k_lens]
+    nan_blocks = 3
+    pool = sum(nblk) + nan_blocks
+    perm = torch.randperm(pool, generator=torch.Generator().manual_seed(seed)).tolist()
+    nan_ids, perm = perm[:nan_blocks], perm[nan_blocks:]
+    width = max(nblk) + 2
+    tables = torch.tensor(nan_ids[:1], dtype=torch.int32).repeat(len(q_lens), width)  # NaN past the context
+    kc = torch.full((pool, block_size, hkv, 128), float("nan"), dtype=dtype, device=dev)
+    vc = torch.full_like(kc, float("nan"))
+    for b, n in enumerate(k_lens):
+        ids, perm = perm[:nblk[b]], perm[nblk[b]:]
+        tables[b, :nblk[b]] = torch.tensor(ids, dtype=torch.int32)
+        pos = torch.arange(n, device=dev)
+        blk = torch.tensor(ids, dtype=torch.long, device=dev)[pos // block_size]
+        kc[blk, pos % block_size] = torch.randn(n, hkv, 128, generator=g, device=dev, dtype=dtype)
+        vc[blk, pos % block_size] = torch.randn(n, hkv, 128, generator=g, device=dev, dtype=dtype)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor(k_lens, dtype=torch.int32, device=dev)
+    return q, kc, vc, tables.to(dev), cu_q, seq_lens, max(q_lens), max(k_lens)
+
+
+def _check_paged(q_lens, prefixes, hq, hkv, block_size, opts, causal=True, seed=0, **case):
+    """paged_prefill_gluon (out starts NaN, lse asked for) against paged_prefill_ref: out
+    within the bf16 tolerance, finite (no NaN slot reached it), lse within 2e-3."""
+    from flashpage.kernels.flash_prefill import paged_prefill_ref
+    from flashpage.kernels.flash_prefill_gluon import paged_prefill_gluon
+
+    args = _paged_case(q_lens, prefixes, hq, hkv, block_size, seed=seed, **case)
+    q = args[0]
+    out = torch.full((q.shape[0], hq, 128), float("nan"), dtype=q.dtype, device="cuda")
+    res, lse = paged_prefill_gluon(*args, causal=causal, return_lse=True, out=out, **opts)
+    torch.cuda.synchronize()
+    ref, ref_lse = paged_prefill_ref(*args, causal=causal, return_lse=True)
+    assert res is out
+    _close(res, ref)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-4)
+    return res, args
+
+
+PAGED_LENGTHS = {  # name -> (query counts, cached prefixes)
+    "q1_prefix": ([1, 1, 1], [0, 15, 3000]),  # single-token chunks (decode-like), one empty prefix
+    "ragged": ([1, 200, 1000, 64, 513, 2], [0, 17, 129, 4000, 0, 255]),
+    "tile_edges": ([127, 128, 129, 256], [128, 1, 127, 1024]),  # prefix and q at tile edges
+    "long": ([2048, 1500], [3000, 0]),
+}
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("lens", list(PAGED_LENGTHS.values()), ids=list(PAGED_LENGTHS))
+@pytest.mark.parametrize("block_size", [16, 64, 128])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (16, 2)], ids=["mha", "gqa4", "gqa8"])
+@pytest.mark.parametrize("sched", ["grid", "static"])
+def test_paged_gluon_static_gpu(lens, block_size, hq, hkv, sched):
+    """Causal paged prefill, one program per work tile and the static persistent schedule
+    (before the dynamic one below: a hang there leaves these run)."""
+    _check_paged(*lens, hq, hkv, block_size, STATIC[sched])
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("lens", list(PAGED_LENGTHS.values()), ids=list(PAGED_LENGTHS))
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (16, 2)], ids=["mha", "gqa4", "gqa8"])
+def test_paged_gluon_gpu(lens, block_size, hq, hkv):
+    """The default (persistent, dynamic schedule), causal, twice: the same output bit for
+    bit (the counter back at zero)."""
+    from flashpage.kernels import flash_prefill_gluon as fg
+
+    first, _ = _check_paged(*lens, hq, hkv, block_size, {})
+    again, _ = _check_paged(*lens, hq, hkv, block_size, {})
+    assert torch.equal(first, again)
+    assert fg._SCHED_BUFFERS[first.device][:2].tolist() == [0, 0]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("lens", [PAGED_LENGTHS["ragged"], PAGED_LENGTHS["tile_edges"]],
+                         ids=["ragged", "tile_edges"])
+def test_paged_gluon_full_gpu(block_size, lens):
+    """Full (non-causal) attention over the whole context: every work tile reads the last,
+    partial key tile (its NaN tail masked and zeroed)."""
+    _check_paged(*lens, 8, 2, block_size, {}, causal=False)
+
+
+PAGED_OPTIONS = {
+    "no_pingpong": dict(pingpong=False),
+    "no_overlap": dict(pv_overlap=False),
+    "q1": dict(q_buffers=1),
+    "q2": dict(q_buffers=2),
+    "stages3": dict(num_stages=3),
+    "dynamic_memset": dict(schedule="dynamic_memset"),
+    "snake_hg1": dict(schedule="snake", head_group=1),
+    "scale": dict(sm_scale=0.05),
+}
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("opts", list(PAGED_OPTIONS.values()), ids=list(PAGED_OPTIONS))
+def test_paged_gluon_options_gpu(opts):
+    _check_paged([700, 1, 129, 1024], [300, 5000, 0, 77], 8, 2, 16, opts, seed=1)
+
+
+@pytest.mark.gpu
+@hopper
+def test_paged_gluon_strided_q_fp16_and_triton_agree():
+    """q a view of a wider tensor (rows 24 heads apart: the engine's q may be a slice of a
+    fused projection), fp16; the same answer as the Triton paged_prefill."""
+    from flashpage.kernels.flash_prefill import paged_prefill, paged_prefill_ref
+    from flashpage.kernels.flash_prefill_gluon import paged_prefill_gluon
+
+    args = _paged_case([333, 1024, 77, 1], [100, 0, 2000, 64], 16, 4, 16, dtype=torch.float16,
+                       seed=2, q_stride_heads=24)
+    assert not args[0].is_contiguous()
+    out = paged_prefill_gluon(*args)
+    ref = paged_prefill_ref(*args)
+    tri = paged_prefill(*args)
+    torch.cuda.synchronize()
+    _close(out, ref, tol=2e-3)
+    _close(out, tri, tol=4e-3)
+
+
+@pytest.mark.gpu
+@hopper
+def test_paged_gluon_one_compile_for_every_slice_offset():
+    """The engine passes seq_lens[nd:] and block_tables[nd:] (alignment following the number
+    of decodes nd): one compile serves every offset, the same output at each, and other
+    steps' shapes."""
+    from flashpage.kernels import flash_prefill_gluon as fg
+    from flashpage.kernels.flash_prefill import paged_prefill_ref
+
+    q, kc, vc, tables, cu_q, seq_lens, mq, mk = _paged_case([5, 9, 3, 17, 6, 11],
+                                                            [0, 7, 0, 40, 2, 0], 8, 2, 16, seed=3)
+    outs, sizes = [], []
+    n = seq_lens.numel()
+    for nd in range(4):
+        lens_view = torch.empty(n + nd, dtype=torch.int32, device="cuda")[nd:]
+        lens_view.copy_(seq_lens)
+        tab_view = torch.empty(n + nd, tables.shape[1], dtype=torch.int32, device="cuda")[nd:]
+        tab_view.copy_(tables)
+        outs.append(fg.paged_prefill_gluon(q, kc, vc, tab_view, cu_q, lens_view, mq, mk))
+        cache = fg._flash_prefill_gluon_kernel.device_caches[torch.cuda.current_device()][0]
+        sizes.append(len(cache))
+    assert sizes[-1] == sizes[0], f"compiled again for another slice offset: {sizes}"
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    # other steps' shapes (one query tile or several, 1 or 3 sequences: num_m, num_hb,
+    # head_group and the lse stride vary) reuse that compile too
+    for q_lens, prefixes in (([1], [33]), ([300, 5, 17], [0, 900, 16])):
+        case = _paged_case(q_lens, prefixes, 8, 2, 16, seed=5)
+        _close(fg.paged_prefill_gluon(*case), paged_prefill_ref(*case))
+        assert len(cache) == sizes[0], f"compiled again for {q_lens}: {len(cache)} kernels"
+
+
+@pytest.mark.gpu
+@hopper
+def test_paged_prefill_dispatches_to_gluon(monkeypatch):
+    """FLASHPAGE_PREFILL_GLUON=1: flash_prefill.paged_prefill (the triton backend's prefill)
+    runs the Gluon kernel where gluon_prefill_unsupported finds nothing (counted), the
+    Triton kernel otherwise (a window); both right."""
+    from flashpage.kernels import flash_prefill_gluon as fg
+    from flashpage.kernels.flash_prefill import paged_prefill, paged_prefill_ref
+
+    calls = []
+    real = fg.paged_prefill_gluon
+    monkeypatch.setattr(fg, "paged_prefill_gluon", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("FLASHPAGE_PREFILL_GLUON", "1")
+    args = _paged_case([300, 1, 64], [1000, 77, 0], 8, 2, 16, seed=4)
+    out = torch.empty(args[0].shape, dtype=args[0].dtype, device="cuda")
+    res = paged_prefill(*args, out=out)
+    assert res is out and calls == [1]
+    _close(res, paged_prefill_ref(*args))
+    windowed = paged_prefill(*args, window_size=256)
+    assert calls == [1]  # the window: Triton
+    _close(windowed, paged_prefill_ref(*args, window_size=256))
+    monkeypatch.setenv("FLASHPAGE_PREFILL_GLUON", "0")
+    paged_prefill(*args)
+    assert calls == [1]
+
+
+# --------------------------------------------------------------------------- paged (CPU)
+
+
+def test_paged_gluon_rejects_bad_input():
+    from flashpage.kernels.flash_prefill_gluon import paged_prefill_gluon
+
+    dev = "cuda" if HOPPER else "cpu"
+    bf = torch.bfloat16
+    q = torch.zeros(8, 4, 128, dtype=bf, device=dev)
+    kc = torch.zeros(6, 16, 2, 128, dtype=bf, device=dev)
+    tables = torch.zeros(1, 4, dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=dev)
+    lens = torch.tensor([20], dtype=torch.int32, device=dev)
+    cases = [
+        ((q.float(), kc, kc, tables, cu, lens, 8, 20), "bfloat16 or float16"),
+        ((q, kc.half(), kc.half(), tables, cu, lens, 8, 20), "dtypes differ"),
+        ((q, kc.to(torch.float8_e4m3fn), kc.to(torch.float8_e4m3fn), tables, cu, lens, 8, 20), "fp8"),
+        ((q[..., :64].contiguous(), kc, kc, tables, cu, lens, 8, 20), "128"),
+        ((q, kc[..., :64].contiguous(), kc[..., :64].contiguous(), tables, cu, lens, 8, 20), "key_cache"),
+        ((q, kc, kc[:3], tables, cu, lens, 8, 20), "differ"),
+        ((q, kc[:, :8].contiguous(), kc[:, :8].contiguous(), tables, cu, lens, 8, 20), "power of two >= 16"),
+        ((q, torch.zeros(6, 24, 2, 128, dtype=bf, device=dev), torch.zeros(6, 24, 2, 128, dtype=bf, device=dev),
+          tables, cu, lens, 8, 20), "power of two"),
+        ((q[:, :3], kc, kc, tables, cu, lens, 8, 20), "multiple of num_kv_heads"),
+        ((q, kc.transpose(1, 2).contiguous().transpose(1, 2), kc, tables, cu, lens, 8, 20), "contiguous"),
+        ((q, kc, kc, tables, cu.long(), lens, 8, 20), "cu_seqlens_q"),
+        ((q, kc, kc, tables, cu, lens.long(), 8, 20), "seq_lens"),
+        ((q, kc, kc, tables.long(), cu, lens, 8, 20), "block_tables"),
+        ((q, kc, kc, tables[:, :1], cu, lens, 8, 20), "fewer than max_seqlen_k"),
+        ((q, kc, kc, tables, cu, lens, 0, 20), "max_seqlen_q"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            paged_prefill_gluon(*args)
+    with pytest.raises(ValueError, match="sm_scale"):
+        paged_prefill_gluon(q, kc, kc, tables, cu, lens, 8, 20, sm_scale=-1.0)
+    with pytest.raises(ValueError, match="out"):
+        paged_prefill_gluon(q, kc, kc, tables, cu, lens, 8, 20, out=torch.empty_like(q[:4]))
+    with pytest.raises(ValueError, match="schedule"):
+        paged_prefill_gluon(q, kc, kc, tables, cu, lens, 8, 20, schedule="greedy")
+    if not HOPPER:
+        with pytest.raises(ValueError, match="sm_90"):
+            paged_prefill_gluon(q, kc, kc, tables, cu, lens, 8, 20)
+
+
+def test_gluon_prefill_unsupported_names_each_reason():
+    """One reason per uncovered condition (the engine's switch consults it on any device)."""
+    from flashpage.kernels.flash_prefill import gluon_prefill_unsupported
+
+    q = torch.zeros(8, 4, 128, dtype=torch.bfloat16)
+    kc = torch.zeros(6, 16, 2, 128, dtype=torch.bfloat16)
+    ok = dict(capability=(9, 0))
+
+    def only(reasons, word):
+        assert len(reasons) == 1 and word in reasons[0], reasons
+
+    assert gluon_prefill_unsupported(q, kc, kc, None, **ok) == []
+    assert gluon_prefill_unsupported(q.half(), kc.half(), kc.half(), None, **ok) == []
+    for bs in (32, 64, 128, 256):
+        big = torch.zeros(2, bs, 2, 128, dtype=torch.bfloat16)
+        assert gluon_prefill_unsupported(q, big, big, None, **ok) == []
+    wide = torch.zeros(8, 6, 128, dtype=torch.bfloat16)[:, :4]  # rows 6 heads apart: fine
+    assert gluon_prefill_unsupported(wide, kc, kc, None, **ok) == []
+    only(gluon_prefill_unsupported(q, kc, kc, None, capability=(8, 0)), "sm_90")
+    only(gluon_prefill_unsupported(q, kc, kc, None), "sm_90")  # a CPU tensor
+    only(gluon_prefill_unsupported(q.float(), kc.float(), kc.float(), None, **ok), "query")
+    fp8 = kc.to(torch.float8_e4m3fn)
+    only(gluon_prefill_unsupported(q, fp8, fp8, None, **ok), "no fp8")
+    only(gluon_prefill_unsupported(q, kc, kc, 128, **ok), "window")
+    small = torch.zeros(6, 8, 2, 128, dtype=torch.bfloat16)
+    only(gluon_prefill_unsupported(q, small, small, None, **ok), "block_size")
+    odd = torch.zeros(6, 24, 2, 128, dtype=torch.bfloat16)
+    only(gluon_prefill_unsupported(q, odd, odd, None, **ok), "block_size")
+    k64 = torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16)
+    only(gluon_prefill_unsupported(q[..., :64].contiguous(), k64, k64, None, **ok), "head_dim 128")
+    strided = kc.transpose(1, 2).contiguous().transpose(1, 2)
+    only(gluon_prefill_unsupported(q, strided, strided, None, **ok), "contiguous caches")
+    gapped = torch.zeros(8, 4, 256, dtype=torch.bfloat16)[..., :128]
+    only(gluon_prefill_unsupported(gapped, kc, kc, None, **ok), "rows contiguous")
+
+
+def test_paged_case_builder_cpu():
+    """The GPU tests' cache builder (on the CPU): every owned slot holds its key, every
+    other slot of the pool and every table entry past a context is NaN, and the reference
+    over it is finite."""
+    from flashpage.kernels.flash_prefill import paged_prefill_ref
+
+    q, kc, vc, tables, cu_q, seq_lens, mq, mk = _paged_case([3, 1, 20], [17, 0, 40], 4, 2, 16,
+                                                            dtype=torch.float32, dev="cpu",
+                                                            q_stride_heads=6)
+    assert q.shape == (24, 4, 128) and q.stride(0) == 6 * 128
+    assert cu_q.tolist() == [0, 3, 4, 24] and seq_lens.tolist() == [20, 1, 60] and (mq, mk) == (20, 60)
+    owned = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n)
+        blk = tables[b].long()[pos // 16]
+        assert not owned[blk, pos % 16].any()  # no slot shared
+        owned[blk, pos % 16] = True
+        assert torch.isnan(kc[tables[b, -(-n // 16):].long()]).all()  # past the context: NaN blocks
+    assert torch.isfinite(kc[owned]).all() and torch.isfinite(vc[owned]).all()
+    assert torch.isnan(kc[~owned]).all() and torch.isnan(vc[~owned]).all()
+    out = paged_prefill_ref(q, kc, vc, tables, cu_q, seq_lens, mq, mk)
+    assert torch.isfinite(out).all()
