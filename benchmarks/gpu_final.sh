@@ -66,6 +66,8 @@
 #   bash benchmarks/gpu_final.sh variants  the persistent fp8 decode's variants dims_m / keys_m / keys_m2: tests, knobs
 #   bash benchmarks/gpu_final.sh prefill-paged    paged Gluon prefill: its GPU tests (static first), benchmark columns
 #   bash benchmarks/gpu_final.sh prefill-paged-b  contiguous Gluon + Triton prefill GPU tests (regression)
+#   bash benchmarks/gpu_final.sh s10a      session 10, first call: the decode variants' and the paged Gluon prefill's tests, then
+#                                          their benchmarks, each step's timeout cut to what is left of 570 s
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -490,5 +492,16 @@ prefill-paged-b)  # the same branch: the contiguous Gluon prefill's and the Trit
     | tee "$OUT/gluon_prefill_tests.txt" | tail -n 4
   timeout 200 $PT -m gpu tests/kernels/test_flash_prefill.py tests/engine/test_triton_backend.py -rf 2>&1 \
     | tee "$OUT/prefill_tests.txt" | tail -n 4 ;;
+s10a)  # session 10 call 1: the two never-run branches (decode-fewer-instr, prefill-paged-gluon) merged; tests first
+  left() { local t=$((570 - SECONDS)); [ "$1" -lt "$t" ] && t=$1; echo $t; }
+  timeout "$(left 120)" $PT -m gpu tests/kernels/test_paged_decode_gluon.py -k "dims_m or keys_m" -rf -x 2>&1 \
+    | tee "$OUT/variant_tests.txt" | tail -n 4
+  timeout "$(left 100)" $PT -v -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "paged and static" -rf 2>&1 \
+    | tee "$OUT/paged_gluon_static_tests.txt" | tail -n 4
+  timeout "$(left 150)" $PT -v -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "paged and not static" -rf 2>&1 \
+    | tee "$OUT/paged_gluon_tests.txt" | tail -n 4
+  timeout "$(left 200)" python3 benchmarks/decode_gluon_knobs.py --set variants --out "$OUT" 2>&1 | tail -n 11
+  timeout "$(left 200)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only 2>&1 \
+    | tee "$OUT/prefill_gluon.txt" | tail -n 14 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
