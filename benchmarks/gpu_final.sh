@@ -68,6 +68,8 @@
 #   bash benchmarks/gpu_final.sh prefill-paged-b  contiguous Gluon + Triton prefill GPU tests (regression)
 #   bash benchmarks/gpu_final.sh s10a      session 10, first call: the decode variants' and the paged Gluon prefill's tests, then
 #                                          their benchmarks, each step's timeout cut to what is left of 570 s
+#   bash benchmarks/gpu_final.sh s10b      keys_m at 4 an SM as paged_decode's Gluon form: decode GPU tests, 8B fp8 throughput
+#                                          (keys_m twice, Triton and keys_m2 once, in turn)
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -503,5 +505,13 @@ s10a)  # session 10 call 1: the two never-run branches (decode-fewer-instr, pref
   timeout "$(left 200)" python3 benchmarks/decode_gluon_knobs.py --set variants --out "$OUT" 2>&1 | tail -n 11
   timeout "$(left 200)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only 2>&1 \
     | tee "$OUT/prefill_gluon.txt" | tail -n 14 ;;
+s10b)  # session 10 call 2: paged_decode's Gluon form now keys_m at 4 programs an SM (run 79's knobs)
+  left() { local t=$((570 - SECONDS)); [ "$1" -lt "$t" ] && t=$1; echo $t; }
+  timeout "$(left 120)" $PT -n 4 -m gpu tests/kernels/test_paged_decode_gluon.py -rf 2>&1 | tee "$OUT/gluon_tests.txt" | tail -n 2
+  timeout "$(left 100)" $PT -n 8 -m gpu tests/kernels/test_fp8_kv.py -k decode -rf 2>&1 | tee "$OUT/fp8_tests.txt" | tail -n 2
+  for g in 1 0 1 keys_m2; do
+    FLASHPAGE_DECODE_GLUON=$g timeout "$(left 110)" $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
+      --kv-cache-dtype fp8 --no-hf --json-out "$OUT/k/throughput_8b_fp8_gluon$g.$RANDOM.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  done ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

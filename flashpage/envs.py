@@ -67,6 +67,14 @@ def decode_gluon() -> bool:
     return os.environ.get("FLASHPAGE_DECODE_GLUON", "1") != "0"
 
 
+def decode_gluon_variant() -> str | None:
+    """FLASHPAGE_DECODE_GLUON set to a variant name of the persistent Gluon decode
+    (paged_decode_gluon.PERSISTENT_VARIANTS: default, dims_m, keys_m, keys_m2) runs that one
+    instead of the engine's (keys_m); None for 1 / unset."""
+    v = os.environ.get("FLASHPAGE_DECODE_GLUON", "1")
+    return None if v in ("0", "1") else v
+
+
 def prefill_gluon() -> bool:
     """FLASHPAGE_PREFILL_GLUON=1: paged prefill (flash_prefill.paged_prefill, the triton
     backend's prompt chunks and prefix hits) on Hopper through the Gluon FA3-style kernel

@@ -596,10 +596,11 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if cfg.gluon and not gluon_unsupported(q, key_cache, value_cache, window_size, num_splits):
-        from flashpage.kernels.paged_decode_gluon import paged_decode_gluon
+        from flashpage.kernels.paged_decode_gluon import engine_form, paged_decode_gluon
 
+        form = engine_form(group, num_kv_heads, envs.decode_gluon_variant())
         return paged_decode_gluon(q, key_cache, value_cache, block_tables, seq_lens,
-                                  sm_scale=sm_scale, out=out, persistent=True)
+                                  sm_scale=sm_scale, out=out, persistent=True, **form)
     # FLASHPAGE_PDL=auto leaves the unsplit kernel without PDL: on the H200 it timed 0.91x
     # at 32 x 4096 with it (split kernels and their merge: 1.04x at 1 x 32768)
     use_pdl = resolve_pdl(pdl, q.device, in_auto=num_splits > 1)

@@ -1125,6 +1125,8 @@ def paged_decode_gluon(
     out: torch.Tensor | None = None,
     warp_specialize: bool = False,
     persistent: bool = False,
+    variant: str = "default",
+    programs_per_sm: int | None = None,
 ) -> torch.Tensor:
     """paged_decode (kernels/paged_decode.py) over an fp8 cache, in Gluon.
 
@@ -1136,10 +1138,29 @@ def paged_decode_gluon(
 
     No sliding window, no key splits: one program per (KV head, sequence). ``warp_specialize``:
     the variant with a TMA producer partition and one-warp compute partitions. ``persistent``:
-    programs_per_sm x SMs programs, each over (sequence, KV head) items as one tile stream.
+    programs_per_sm x SMs programs, each over (sequence, KV head) items as one tile stream;
+    ``variant`` one of PERSISTENT_VARIANTS, ``programs_per_sm`` None for PROGRAMS_PER_SM
+    (``engine_form`` gives what paged_decode runs).
     """
     return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale, out=out,
-                   warp_specialize=warp_specialize, persistent=persistent)
+                   warp_specialize=warp_specialize, persistent=persistent, variant=variant,
+                   programs_per_sm=programs_per_sm or PROGRAMS_PER_SM)
+
+
+def engine_form(group: int, num_kv_heads: int, choice: str | None = None) -> dict:
+    """The persistent kernel's variant and programs per SM that paged_decode runs for a GQA
+    ``group`` over ``num_kv_heads``: "keys_m" at 4 programs an SM (run 79, H200: 83-94% of copy
+    at the engine's fp8 shapes against the default variant's 75-88% at 3 an SM, and 88-94% for
+    dims_m / keys_m2: within a few percent of keys_m, which covers any KV head count);
+    the default variant at 3 where the group is over 8 (the others pad it to 8 rows).
+    ``choice`` (FLASHPAGE_DECODE_GLUON's value when it names a variant) forces one where it
+    can run."""
+    variant = ENGINE_VARIANT if choice is None else choice
+    if variant not in PERSISTENT_VARIANTS:
+        raise ValueError(f"FLASHPAGE_DECODE_GLUON: 0, 1 or one of {list(PERSISTENT_VARIANTS)}, got {variant!r}")
+    if group > 8 or (variant == "keys_m2" and num_kv_heads % 2):
+        variant = "default" if group > 8 else "keys_m"
+    return {"variant": variant, "programs_per_sm": PROGRAMS_PER_SM if variant == "default" else 4}
 
 
 def ws_compute_regs(max_regs: int) -> int:
@@ -1154,6 +1175,7 @@ def ws_compute_regs(max_regs: int) -> int:
 PERSISTENT_VARIANTS = {"default": 0, "dims_m": 1, "keys_m": 2, "keys_m2": 3}
 
 PROGRAMS_PER_SM = 3  # the persistent variant's default: as many as the 4-warp kernel's registers allow
+ENGINE_VARIANT = "keys_m"  # paged_decode's persistent form (engine_form)
 
 
 def persistent_max_regs(programs_per_sm: int) -> int | None:

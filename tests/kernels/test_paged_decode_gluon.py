@@ -316,6 +316,27 @@ def test_gluon_decode_rejects_what_it_does_not_cover():
                 persistent=True, variant="keys_m2")
 
 
+def test_engine_form_and_its_switch(monkeypatch):
+    """What paged_decode hands the persistent kernel: keys_m at 4 programs an SM; the default
+    variant at 3 for groups over 8; keys_m2 only over an even KV head count; a variant named
+    by FLASHPAGE_DECODE_GLUON; a misspelt one is an error naming the choices."""
+    from flashpage import envs
+    from flashpage.kernels.paged_decode_gluon import engine_form
+
+    assert engine_form(4, 8) == {"variant": "keys_m", "programs_per_sm": 4}
+    assert engine_form(16, 2) == {"variant": "default", "programs_per_sm": 3}
+    assert engine_form(4, 8, "keys_m2") == {"variant": "keys_m2", "programs_per_sm": 4}
+    assert engine_form(4, 1, "keys_m2") == {"variant": "keys_m", "programs_per_sm": 4}
+    assert engine_form(4, 8, "default") == {"variant": "default", "programs_per_sm": 3}
+    with pytest.raises(ValueError, match="FLASHPAGE_DECODE_GLUON.*keys_m2.*'keys'"):
+        engine_form(4, 8, "keys")
+    for value, want in (("1", None), ("0", None), ("dims_m", "dims_m")):
+        monkeypatch.setenv("FLASHPAGE_DECODE_GLUON", value)
+        assert envs.decode_gluon_variant() == want and envs.decode_gluon() == (value != "0")
+    monkeypatch.delenv("FLASHPAGE_DECODE_GLUON")
+    assert envs.decode_gluon_variant() is None and envs.decode_gluon()
+
+
 # --------------------------------------------------------------------------- GPU
 
 hopper = pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9,
@@ -508,3 +529,39 @@ def test_paged_decode_gluon_cuda_graph(variant):
     assert (out[1] == 0).all()
     ref = paged_decode_ref(q, kc, vc, tables, lens)
     assert rel_err(out, ref) < DECODE_TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("choice", ["1", "default", "dims_m", "keys_m2"])
+@pytest.mark.parametrize("group", [4, 16])
+def test_paged_decode_routes_to_the_engine_form(choice, group, monkeypatch):
+    """paged_decode itself (the engine's call) at an unsplit fp8 batch, under each
+    FLASHPAGE_DECODE_GLUON choice: against the reference, every row written, and against
+    FLASHPAGE_DECODE_GLUON=0 (Triton); a group of 16 runs the default variant whatever the choice."""
+    from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
+
+    from flashpage.kernels.paged_decode import (
+        _num_sms,
+        choose_num_splits,
+        default_config,
+        paged_decode,
+        paged_decode_ref,
+    )
+
+    hkv = 32 // group
+    lens = [2048, 1000, 200, 64, 17, 1] * (8 if hkv == 8 else 20)  # unsplit: 48 x 8 / 120 x 2 programs
+    g = gen(sum(lens))
+    _, _, kc8, vc8, tables, seq_lens = paged_pair(lens, hkv, 128, 16, torch.bfloat16, g)
+    cfg = default_config(kc8.device, 128, len(lens) * hkv, fp8=True)
+    assert cfg.gluon and choose_num_splits(len(lens), hkv, tables.shape[1] * 16, _num_sms(kc8.device),
+                                           programs_per_sm=cfg.programs_per_sm) == 1
+    q = torch.randn(len(lens), 32, 128, generator=g, device="cuda").bfloat16()
+    monkeypatch.setenv("FLASHPAGE_DECODE_GLUON", choice)
+    out = paged_decode(q, kc8, vc8, tables, seq_lens, out=torch.full_like(q, float("nan")))
+    monkeypatch.setenv("FLASHPAGE_DECODE_GLUON", "0")
+    triton_out = paged_decode(q, kc8, vc8, tables, seq_lens)
+    ref = paged_decode_ref(q, kc8, vc8, tables, seq_lens)
+    assert not out.isnan().any()
+    tol = DECODE_TOL[torch.bfloat16]
+    assert rel_err(out, ref) < tol and rel_err(out, triton_out) < 2 * tol
