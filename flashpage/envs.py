@@ -61,9 +61,11 @@ def decode_warp_split() -> bool:
 def decode_gluon() -> bool:
     """Paged decode over an fp8 cache on Hopper through the Gluon kernel
     (kernels/paged_decode_gluon.py) where it covers the call (unsplit grids, block size 16,
-    head_dim 128, no window), in its persistent form: 1.10-1.39x the Triton warp-split loop at
-    the engine's batches on the H200 (runs 68 and 73, benchmarks/decode_gluon*.py). FLASHPAGE_DECODE_GLUON=0 keeps the
-    Triton kernel. Read when a config is chosen (a decode graph keeps the one it captured)."""
+    head_dim 128, no window), in its persistent keys_m form: 1.27-1.46x the Triton warp-split
+    loop at the engine's batches on the H200 (run 79, benchmarks/decode_gluon_knobs.py).
+    FLASHPAGE_DECODE_GLUON=0 keeps the Triton kernel; a variant name picks that form
+    (decode_gluon_variant). Read when a config is chosen (a decode graph keeps the one it
+    captured)."""
     return os.environ.get("FLASHPAGE_DECODE_GLUON", "1") != "0"
 
 
