@@ -1,8 +1,8 @@
 """Paged decode over an fp8 KV cache, in Gluon for sm_90: paged_decode.py's warp-split loop
 (``DecodeConfig(64, 4, 3, warp_split=True, heads_fastest=True)``) rebuilt on TMA. Its
-persistent form is what ``paged_decode`` runs for an unsplit fp8 call on Hopper
-(``DecodeConfig.gluon``; H200: 74-86% of copy at the engine's batches against the Triton
-loop's 61-73%, BENCHMARKS.md).
+persistent form, as its ``keys_m`` variant at 4 programs an SM (``engine_form``), is what
+``paged_decode`` runs for an unsplit fp8 call on Hopper (``DecodeConfig.gluon``; H200: 83-94%
+of copy at the engine's batches against the Triton loop's 62-73%, run 79 in BENCHMARKS.md).
 
 Same contract as ``paged_decode`` for the engine's fp8 decode: q [B, Hq, 128] bf16/fp16,
 key_cache / value_cache [num_blocks, 16, Hkv, 128] float8_e4m3fn, one program per (KV head,
