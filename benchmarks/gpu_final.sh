@@ -70,6 +70,8 @@
 #                                          their benchmarks, each step's timeout cut to what is left of 570 s
 #   bash benchmarks/gpu_final.sh s10b      keys_m at 4 an SM as paged_decode's Gluon form: decode GPU tests, 8B fp8 throughput
 #                                          (keys_m twice, Triton and keys_m2 once, in turn)
+#   bash benchmarks/gpu_final.sh s10c      engine + model GPU tests under the keys_m default; 8B fp8 throughput with transformers
+#                                          in the same run (the two figures in one run)
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -513,5 +515,9 @@ s10b)  # session 10 call 2: paged_decode's Gluon form now keys_m at 4 programs a
     FLASHPAGE_DECODE_GLUON=$g timeout "$(left 110)" $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 \
       --kv-cache-dtype fp8 --no-hf --json-out "$OUT/k/throughput_8b_fp8_gluon$g.$RANDOM.json" 2>&1 | grep -E "output_tok_per_s|Error"
   done ;;
+s10c)  # session 10 call 3: the engine under keys_m; the 8B fp8 run with transformers beside it
+  timeout 200 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_tests.txt" | tail -n 3
+  timeout 330 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --kv-cache-dtype fp8 \
+    --json-out "$OUT/throughput_8b_fp8_hf.json" 2>&1 | grep -E "output_tok_per_s|speedup|Error" ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
