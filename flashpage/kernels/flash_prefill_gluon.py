@@ -751,7 +751,7 @@ def _check(q, k, v, cu_seqlens, max_seqlen, sm_scale, out) -> None:
 
 
 _SCHEDULES = {"static": STATIC, "snake": SNAKE, "dynamic": DYNAMIC, "dynamic_memset": DYNAMIC_MEMSET}
-_SCHED_BUFFERS: dict[torch.device, torch.Tensor] = {}
+_SCHED_BUFFERS: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
 
 def flash_prefill_gluon(
@@ -789,7 +789,7 @@ def flash_prefill_gluon(
     only): ``"dynamic"`` (the default: each program takes the next work tile from a global
     counter when it starts one; the last program to finish zeroes the counter, so a launch
     is CUDA-graph safe, but two launches must not run concurrently on one device),
-    ``"dynamic_memset"`` (the same counter zeroed by a memset before each launch),
+    ``"dynamic_memset"`` (a counter of its own, zeroed by a memset before each launch),
     ``"static"`` (program p takes tiles p, p + #SMs, ...), ``"snake"`` (static,
     boustrophedon). ``head_group``: the work order's chunk, in (head, sequence) pairs: chunk by
     chunk, heaviest query tiles first within each, so that the SMs share a few heads' K/V in
@@ -969,7 +969,7 @@ def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, ma
         head_group = default_head_group(num_m, num_hb, sms)
     grid = min(work, sms) if persistent else work
     sched_code = _SCHEDULES[schedule] if persistent else STATIC
-    sched = _sched_buffer(q.device, sms)
+    sched = _sched_buffer(q.device, sms, sched_code)
     if sched_code == DYNAMIC_MEMSET:
         sched[:2].zero_()
     paged = block_tables is not None
@@ -997,14 +997,22 @@ def default_head_group(num_m: int, num_hb: int, num_sms: int) -> int:
     return num_hb
 
 
-def _sched_buffer(device: torch.device, num_sms: int) -> torch.Tensor:
+def _sched_buffer(device: torch.device, num_sms: int, schedule: int) -> torch.Tensor:
     """int32 [2 + 2 x #SMs], zeroed once per device: the dynamic schedules' counter, their
-    stop count (the self-zeroing schedule's; both zero between launches) and each program's
-    posted tiles (one per Q buffer). Allocated on the first call (make that one before a
-    CUDA-graph capture)."""
-    buf = _SCHED_BUFFERS.get(device)
+    stop count and each program's posted tiles (one per Q buffer). Allocated on the first
+    call (make that one before a CUDA-graph capture).
+
+    DYNAMIC has a buffer of its own: it relies on the counter being zero at launch, which
+    only its own launches keep (the last program zeroes it). DYNAMIC_MEMSET leaves its
+    counter at the work size (the memset before its next launch clears it), so sharing one
+    buffer made the first DYNAMIC launch after a DYNAMIC_MEMSET one start from there and
+    skip every tile past the programs' first (gpu_run1: the query rows below 512
+    of paged options[scale], the test right after dynamic_memset, left NaN). The static
+    schedules never touch theirs (the memset one's)."""
+    key = (device, schedule == DYNAMIC)
+    buf = _SCHED_BUFFERS.get(key)
     if buf is None:
-        buf = _SCHED_BUFFERS[device] = torch.zeros(2 + 2 * num_sms, dtype=torch.int32, device=device)
+        buf = _SCHED_BUFFERS[key] = torch.zeros(2 + 2 * num_sms, dtype=torch.int32, device=device)
     return buf
 
 
