@@ -526,7 +526,8 @@ def _check_paged(q_lens, prefixes, hq, hkv, block_size, opts, causal=True, seed=
     out = torch.full((q.shape[0], hq, 128), float("nan"), dtype=q.dtype, device="cuda")
     res, lse = paged_prefill_gluon(*args, causal=causal, return_lse=True, out=out, **opts)
     torch.cuda.synchronize()
-    ref, ref_lse = paged_prefill_ref(*args, causal=causal, return_lse=True)
+    ref, ref_lse = paged_prefill_ref(*args, causal=causal, return_lse=True,
+                                     sm_scale=opts.get("sm_scale"))
     assert res is out
     _close(res, ref)
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-4)
