@@ -132,6 +132,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from flashpage.kernels.tma_maps import cached_tma_maps
+
 _LOG2E = 1.4426950408889634
 HEAD_DIM = 128
 BLOCK_M = 128  # queries per program: 64 per consumer warpgroup
@@ -773,6 +775,7 @@ def flash_prefill_gluon(
     m_fastest: bool = False,
     num_stages: int = STAGES,
     q_buffers: int | None = None,
+    cache_descriptors: bool = True,
 ):
     """Self-attention prefill over a ragged batch (see the module docstring for the layout).
 
@@ -800,6 +803,8 @@ def flash_prefill_gluon(
     runs; None: 2 with 2 stages up to ``max_seqlen`` 8192, else 1 (3 stages and 2 Q buffers,
     256 KB, do not fit; at 1 x 16384 causal one Q buffer read 606 TFLOP/s against 555 with
     two in run 75 and 600 against 566 in run 76, at 2 x 4096 534 against 584 in run 75).
+    ``cache_descriptors``: the launcher's TMA maps (cuTensorMapEncodeTiled of q, k, v) kept
+    across calls with the same addresses and shapes (tma_maps; off: encoded every call).
     """
     q_buffers = _check_options(num_stages, q_buffers, schedule, max_seqlen)
     _check(q, k, v, cu_seqlens, max_seqlen, sm_scale, out)
@@ -807,7 +812,8 @@ def flash_prefill_gluon(
                    None, None, 0, max_seqlen, causal=causal, sm_scale=sm_scale,
                    return_lse=return_lse, out=out, pingpong=pingpong, pv_overlap=pv_overlap,
                    persistent=persistent, schedule=schedule, head_group=head_group,
-                   m_fastest=m_fastest, num_stages=num_stages, q_buffers=q_buffers)
+                   m_fastest=m_fastest, num_stages=num_stages, q_buffers=q_buffers,
+                   cache_descriptors=cache_descriptors)
 
 
 def _check_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
@@ -894,6 +900,7 @@ def paged_prefill_gluon(
     m_fastest: bool = False,
     num_stages: int = STAGES,
     q_buffers: int | None = None,
+    cache_descriptors: bool = True,
 ):
     """flash_prefill.paged_prefill's contract on this kernel: new tokens' queries over the
     paged KV cache (chunked prefill, prefix hits).
@@ -926,7 +933,7 @@ def paged_prefill_gluon(
                    sm_scale=sm_scale, return_lse=return_lse, out=out, pingpong=pingpong,
                    pv_overlap=pv_overlap, persistent=persistent, schedule=schedule,
                    head_group=head_group, m_fastest=m_fastest, num_stages=num_stages,
-                   q_buffers=q_buffers)
+                   q_buffers=q_buffers, cache_descriptors=cache_descriptors)
 
 
 def _check_options(num_stages: int, q_buffers: int | None, schedule: str, max_seqlen: int) -> int:
@@ -944,7 +951,7 @@ def _check_options(num_stages: int, q_buffers: int | None, schedule: str, max_se
 
 def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, max_seqlen, *,
             causal, sm_scale, return_lse, out, pingpong, pv_overlap, persistent, schedule,
-            head_group, m_fastest, num_stages, q_buffers):
+            head_group, m_fastest, num_stages, q_buffers, cache_descriptors=True):
     """The kernel over checked inputs: contiguous (block_tables None: k_desc, v_desc over
     [total, Hkv * 128]) or paged (k_desc, v_desc over the cache's [num_blocks * page, Hkv *
     128] slots, seq_lens the key counts); max_seqlen: the longest query count."""
@@ -973,16 +980,17 @@ def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, ma
     if sched_code == DYNAMIC_MEMSET:
         sched[:2].zero_()
     paged = block_tables is not None
-    _flash_prefill_gluon_kernel[(grid,)](
-        _descriptor(q, WG_M), k_desc, v_desc, out, lse if lse is not None else out, cu_seqlens,
-        seq_lens if paged else cu_seqlens, block_tables if paged else cu_seqlens,
-        block_tables.stride(0) if paged else 0, sched, scale, hq // hkv, num_m, hq, num_hb,
-        int(head_group), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
-        CAUSAL=bool(causal), RETURN_LSE=return_lse, PINGPONG=bool(pingpong),
-        PV_OVERLAP=bool(pv_overlap), SCHEDULE=sched_code, NUM_STAGES=num_stages,
-        Q_BUFS=q_buffers, CONSUMER_REGS=CONSUMER_REGS, PAGED=paged, PAGE=page if paged else 1,
-        PIECE=min(page, BLOCK_N) if paged else BLOCK_N, num_warps=4, maxnreg=MAXNREG,
-    )
+    with cached_tma_maps(enabled=cache_descriptors):
+        _flash_prefill_gluon_kernel[(grid,)](
+            _descriptor(q, WG_M), k_desc, v_desc, out, lse if lse is not None else out, cu_seqlens,
+            seq_lens if paged else cu_seqlens, block_tables if paged else cu_seqlens,
+            block_tables.stride(0) if paged else 0, sched, scale, hq // hkv, num_m, hq, num_hb,
+            int(head_group), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+            CAUSAL=bool(causal), RETURN_LSE=return_lse, PINGPONG=bool(pingpong),
+            PV_OVERLAP=bool(pv_overlap), SCHEDULE=sched_code, NUM_STAGES=num_stages,
+            Q_BUFS=q_buffers, CONSUMER_REGS=CONSUMER_REGS, PAGED=paged, PAGE=page if paged else 1,
+            PIECE=min(page, BLOCK_N) if paged else BLOCK_N, num_warps=4, maxnreg=MAXNREG,
+        )
     return (out, lse) if return_lse else out
 
 

@@ -250,6 +250,46 @@ def test_sched_buffers_apart(monkeypatch):
     assert fg._SCHED_BUFFERS[cpu, True] is dyn
 
 
+def test_tma_map_cache_cpu():
+    """tma_maps.cached_tma_maps: within it the encoder runs once per distinct argument tuple
+    (lists keyed by value), LRU past CAPACITY, the plain encoder back after (also on an
+    exception), nested uses and enabled=False leave it alone."""
+    import types
+
+    from flashpage.kernels import tma_maps
+
+    calls = []
+
+    def fill(ptr, swizzle, elem, dtype, box, shape, strides, pad):
+        calls.append(ptr)
+        return ("map", ptr, tuple(box), tuple(shape), tuple(strides))
+
+    utils = types.SimpleNamespace(fill_tma_descriptor=fill)
+    tma_maps.clear()
+    args = (4096, 3, 2, 10, [128, 64], [1000, 512], [512, 1], 0)
+    with tma_maps.cached_tma_maps(utils):
+        first = utils.fill_tma_descriptor(*args)
+        assert utils.fill_tma_descriptor(*args) is first
+        with tma_maps.cached_tma_maps(utils):  # nested: the same memo
+            assert utils.fill_tma_descriptor(*args) is first
+        other = utils.fill_tma_descriptor(8192, *args[1:])  # another address
+        shape = utils.fill_tma_descriptor(*args[:5], [999, 512], *args[6:])  # another shape
+    assert calls == [4096, 8192, 4096] and other[1] == 8192 and shape[3] == (999, 512)
+    assert utils.fill_tma_descriptor is fill
+    with tma_maps.cached_tma_maps(utils, enabled=False):
+        assert utils.fill_tma_descriptor is fill
+    with pytest.raises(RuntimeError), tma_maps.cached_tma_maps(utils):
+        raise RuntimeError
+    assert utils.fill_tma_descriptor is fill
+    with tma_maps.cached_tma_maps(utils):  # LRU: the oldest of CAPACITY + 1 goes
+        for ptr in range(tma_maps.CAPACITY + 1):
+            utils.fill_tma_descriptor(16 * ptr + 16, *args[1:])
+        n = len(calls)
+        utils.fill_tma_descriptor(16, *args[1:])
+        assert len(calls) == n + 1
+    tma_maps.clear()
+
+
 def test_gluon_prefill_rejects_bad_input():
     from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon
 
@@ -426,6 +466,39 @@ def test_gluon_prefill_dynamic_after_memset_gpu():
         torch.cuda.synchronize()
         _close(out, ref)
     assert fg._SCHED_BUFFERS[q.device, True][:2].tolist() == [0, 0]
+
+
+@pytest.mark.gpu
+@hopper
+def test_gluon_prefill_tma_map_cache_gpu():
+    """cache_descriptors (the default) against off: bit for bit the same, contiguous and
+    paged; a second call with the same tensors encodes nothing, new tensors (other
+    addresses) get their own maps (right answers after the inputs move)."""
+    from flashpage.kernels import tma_maps
+    from flashpage.kernels.flash_prefill import flash_attn_varlen_ref, paged_prefill_ref
+    from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon, paged_prefill_gluon
+
+    lens = [700, 1, 129, 1024]
+    q, k, v, cu = _ragged(lens, 8, 2, seed=1)
+    ref = flash_attn_varlen_ref(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    off = flash_prefill_gluon(q, k, v, cu, max(lens), cache_descriptors=False)
+    on = flash_prefill_gluon(q, k, v, cu, max(lens))
+    n = tma_maps.fill_calls
+    again = flash_prefill_gluon(q, k, v, cu, max(lens))
+    torch.cuda.synchronize()
+    assert tma_maps.fill_calls == n, "encoded again for the same tensors"
+    assert torch.equal(on, off) and torch.equal(again, off)
+    _close(on, ref)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()  # other addresses
+    _close(flash_prefill_gluon(q2, k2, v2, cu, max(lens)), ref)
+    assert tma_maps.fill_calls > n
+    args = _paged_case([300, 5], [100, 2000], 8, 2, 16, seed=7)
+    pref = paged_prefill_ref(*args)
+    p_off = paged_prefill_gluon(*args, cache_descriptors=False)
+    p_on = paged_prefill_gluon(*args)
+    torch.cuda.synchronize()
+    assert torch.equal(p_on, p_off)
+    _close(p_on, pref)
 
 
 @pytest.mark.gpu
