@@ -68,6 +68,9 @@
 #   bash benchmarks/gpu_final.sh prefill-paged-b  contiguous Gluon + Triton prefill GPU tests (regression)
 #   bash benchmarks/gpu_final.sh s10a      session 10, first call: the decode variants' and the paged Gluon prefill's tests, then
 #                                          their benchmarks, each step's timeout cut to what is left of 570 s
+#   bash benchmarks/gpu_final.sh prefill10         Gluon prefill GPU tests (paged static, paged, contiguous; -x -v) then its
+#                                                  benchmark (--variants gluon --causal-only), within ~390 s
+#   bash benchmarks/gpu_final.sh prefill10-engine  engine + model GPU tests with FLASHPAGE_PREFILL_GLUON=1 (timeout 300)
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -503,5 +506,19 @@ s10a)  # session 10 call 1: the two never-run branches (decode-fewer-instr, pref
   timeout "$(left 200)" python3 benchmarks/decode_gluon_knobs.py --set variants --out "$OUT" 2>&1 | tail -n 11
   timeout "$(left 200)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only 2>&1 \
     | tee "$OUT/prefill_gluon.txt" | tail -n 14 ;;
+prefill10)  # branch prefill-gluon-2: the Gluon prefill's GPU tests (paged static first, then the rest of the paged
+            # ones, then the contiguous ones; -x -v under timeouts: a barrier phase error hangs), then its benchmark
+  left() { local t=$((390 - SECONDS)); [ "$1" -lt "$t" ] && t=$1; echo $t; }
+  timeout "$(left 80)" $PT -v -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "paged and static" -rf 2>&1 \
+    | tee "$OUT/paged_gluon_static_tests.txt" | tail -n 4
+  timeout "$(left 110)" $PT -v -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "paged and not static" -rf 2>&1 \
+    | tee "$OUT/paged_gluon_tests.txt" | tail -n 4
+  timeout "$(left 110)" $PT -v -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "not paged" -rf 2>&1 \
+    | tee "$OUT/gluon_prefill_tests.txt" | tail -n 4
+  timeout "$(left 150)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only 2>&1 \
+    | tee "$OUT/prefill_gluon.txt" | tail -n 14 ;;
+prefill10-engine)  # the same branch: the engine's and models' GPU tests with the Gluon paged prefill switched on
+  FLASHPAGE_PREFILL_GLUON=1 timeout 300 python3 -m pytest -q -m gpu tests/engine tests/models -rf 2>&1 \
+    | tee "$OUT/engine_gluon_prefill_tests.txt" | tail -n 12 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
