@@ -59,11 +59,15 @@ def cached_tma_maps(utils: Any = None, enabled: bool = True) -> Iterator[None]:
         import triton
 
         utils = triton.runtime.driver.active.utils
-    real = utils.fill_tma_descriptor
-    if hasattr(real, "real"):  # already the memo (nested)
+    real = getattr(utils, "fill_tma_descriptor", None)
+    if real is None or hasattr(real, "real"):  # another Triton's launcher, or nested
         yield
         return
-    utils.fill_tma_descriptor = _memo(real)
+    try:
+        utils.fill_tma_descriptor = _memo(real)
+    except (AttributeError, TypeError):  # a read-only driver object: encode every call
+        yield
+        return
     try:
         yield
     finally:
