@@ -72,6 +72,11 @@
 #                                          (keys_m twice, Triton and keys_m2 once, in turn)
 #   bash benchmarks/gpu_final.sh s10c      engine + model GPU tests under the keys_m default; 8B fp8 throughput with transformers
 #                                          in the same run (the issue's two figures in one run)
+#   bash benchmarks/gpu_final.sh prefill10         Gluon prefill GPU tests (paged static, paged, contiguous; -x -v) then its
+#                                                  benchmark (--variants gluon --causal-only), within ~390 s
+#   bash benchmarks/gpu_final.sh prefill10-engine  engine + model GPU tests with FLASHPAGE_PREFILL_GLUON=1 (timeout 300)
+#   bash benchmarks/gpu_final.sh s10d      8B fp8 throughput with transformers (16 requests) in the same run; the Gluon
+#                                          prefill's GPU tests (schedule fix, TMA map cache), the engine's with it on, its benchmark
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -518,6 +523,34 @@ s10b)  # session 10 call 2: paged_decode's Gluon form now keys_m at 4 programs a
 s10c)  # session 10 call 3: the engine under keys_m; the 8B fp8 run with transformers beside it
   timeout 200 $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_tests.txt" | tail -n 3
   timeout 330 $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --kv-cache-dtype fp8 \
-    --json-out "$OUT/throughput_8b_fp8_hf.json" 2>&1 | grep -E "output_tok_per_s|speedup|Error" ;;
+    --hf-requests 16 --hf-batch-size 16 --json-out "$OUT/throughput_8b_fp8_hf.json" 2>&1 | grep -E "output_tok_per_s|speedup|Error" ;;
+prefill10)  # branch prefill-gluon-2: the Gluon prefill's GPU tests (paged static first, then the rest of the paged
+            # ones, then the contiguous ones; -x -v under timeouts: a barrier phase error hangs), then its benchmark
+  left() { local t=$((390 - SECONDS)); [ "$1" -lt "$t" ] && t=$1; echo $t; }
+  timeout "$(left 80)" $PT -v -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "paged and static" -rf 2>&1 \
+    | tee "$OUT/paged_gluon_static_tests.txt" | tail -n 4
+  timeout "$(left 110)" $PT -v -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "paged and not static" -rf 2>&1 \
+    | tee "$OUT/paged_gluon_tests.txt" | tail -n 4
+  timeout "$(left 110)" $PT -v -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "not paged" -rf 2>&1 \
+    | tee "$OUT/gluon_prefill_tests.txt" | tail -n 4
+  timeout "$(left 150)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only 2>&1 \
+    | tee "$OUT/prefill_gluon.txt" | tail -n 14 ;;
+prefill10-engine)  # the same branch: the engine's and models' GPU tests with the Gluon paged prefill switched on
+  FLASHPAGE_PREFILL_GLUON=1 timeout 300 python3 -m pytest -q -m gpu tests/engine tests/models -rf 2>&1 \
+    | tee "$OUT/engine_gluon_prefill_tests.txt" | tail -n 12 ;;
+s10d)  # session 10 call 4 (run 82)
+  left() { local t=$((570 - SECONDS)); [ "$1" -lt "$t" ] && t=$1; echo $t; }
+  timeout "$(left 220)" $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --kv-cache-dtype fp8 \
+    --hf-requests 16 --hf-batch-size 16 --json-out "$OUT/throughput_8b_fp8_hf.json" 2>&1 | grep -E "tok_per_s|speedup|Error"
+  timeout "$(left 60)" $PT -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "paged and static" -rf 2>&1 \
+    | tee "$OUT/paged_gluon_static_tests.txt" | tail -n 2
+  timeout "$(left 100)" $PT -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "paged and not static" -rf 2>&1 \
+    | tee "$OUT/paged_gluon_tests.txt" | tail -n 4
+  timeout "$(left 100)" $PT -x -m gpu tests/kernels/test_flash_prefill_gluon.py -k "not paged" -rf 2>&1 \
+    | tee "$OUT/gluon_prefill_tests.txt" | tail -n 4
+  FLASHPAGE_PREFILL_GLUON=1 timeout "$(left 150)" $PT -m gpu tests/engine tests/models -rf 2>&1 \
+    | tee "$OUT/engine_gluon_prefill_tests.txt" | tail -n 4
+  timeout "$(left 150)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only 2>&1 \
+    | tee "$OUT/prefill_gluon.txt" | tail -n 8 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

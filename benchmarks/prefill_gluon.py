@@ -21,10 +21,11 @@ pairs, heaviest first within each, ping-pong, PV overlap, two Q buffers), ``gluo
 for its own P.V), ``gluon_no_pingpong``, ``gluon_q1`` (one Q buffer: the next tile's Q loads
 only once this one's last S is done), ``gluon_stages3`` (3-deep K/V ring, so one Q buffer),
 ``gluon_hg1`` / ``gluon_hg_x4`` / ``gluon_hg_all`` (chunks of 1 pair, 4x the default, all
-pairs). Paged (``paged_prefill_gluon`` and ``triton_paged``): the same keys scattered over a
+pairs), ``gluon_nocache`` (the TMA maps encoded on every call, as before tma_maps). Paged (``paged_prefill_gluon`` and ``triton_paged``): the same keys scattered over a
 block-16 cache in shuffled block order; ``gluon_paged_static`` (static schedule),
 ``gluon_paged`` (the defaults), ``gluon_paged_q1`` / ``_q2`` (one / two Q buffers),
-``gluon_paged_b128`` (the defaults over a block-128 cache: one box a tile, no gather); the
+``gluon_paged_b128`` (the defaults over a block-128 cache: one box a tile, no gather),
+``gluon_paged_stages3`` (3-deep K/V ring), ``gluon_paged_nocache`` (TMA maps every call); the
 table's last columns: paged / contiguous Gluon (issue 5: within 5%), paged / cuDNN, paged /
 Triton paged. Every output is checked against SDPA flash first (self-attention over the
 whole sequence, the new tokens' rows; rel err < 1e-2; a failure is recorded as a string,
@@ -84,6 +85,7 @@ GLUON_VARIANTS: dict[str, Callable[[int, int], dict]] = {
     "gluon_hg1": lambda b, s: {"head_group": 1},
     "gluon_hg_x4": lambda b, s: {"head_group": _hg(b, s, 4)},
     "gluon_hg_all": lambda b, s: {"head_group": HEADS * b},
+    "gluon_nocache": lambda b, s: {"cache_descriptors": False},
 }
 # paged_prefill_gluon over a block-16 cache with shuffled block tables (static first, as above)
 PAGED_VARIANTS: dict[str, dict] = {
@@ -92,6 +94,8 @@ PAGED_VARIANTS: dict[str, dict] = {
     "gluon_paged_q1": {"q_buffers": 1},
     "gluon_paged_q2": {"q_buffers": 2},
     "gluon_paged_b128": {},  # the defaults over a block-128 cache (one TMA box a K/V tile)
+    "gluon_paged_stages3": {"num_stages": 3},  # a 3-deep K/V ring (so one Q buffer)
+    "gluon_paged_nocache": {"cache_descriptors": False},  # TMA maps encoded every call
 }
 COLUMNS = [*GLUON_VARIANTS, *PAGED_VARIANTS, "triton", "triton_paged", "sdpa_cudnn", "sdpa_flash"]
 

@@ -132,6 +132,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from flashpage.kernels.tma_maps import cached_tma_maps
+
 _LOG2E = 1.4426950408889634
 HEAD_DIM = 128
 BLOCK_M = 128  # queries per program: 64 per consumer warpgroup
@@ -751,7 +753,7 @@ def _check(q, k, v, cu_seqlens, max_seqlen, sm_scale, out) -> None:
 
 
 _SCHEDULES = {"static": STATIC, "snake": SNAKE, "dynamic": DYNAMIC, "dynamic_memset": DYNAMIC_MEMSET}
-_SCHED_BUFFERS: dict[torch.device, torch.Tensor] = {}
+_SCHED_BUFFERS: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
 
 def flash_prefill_gluon(
@@ -773,6 +775,7 @@ def flash_prefill_gluon(
     m_fastest: bool = False,
     num_stages: int = STAGES,
     q_buffers: int | None = None,
+    cache_descriptors: bool = True,
 ):
     """Self-attention prefill over a ragged batch (see the module docstring for the layout).
 
@@ -789,7 +792,7 @@ def flash_prefill_gluon(
     only): ``"dynamic"`` (the default: each program takes the next work tile from a global
     counter when it starts one; the last program to finish zeroes the counter, so a launch
     is CUDA-graph safe, but two launches must not run concurrently on one device),
-    ``"dynamic_memset"`` (the same counter zeroed by a memset before each launch),
+    ``"dynamic_memset"`` (a counter of its own, zeroed by a memset before each launch),
     ``"static"`` (program p takes tiles p, p + #SMs, ...), ``"snake"`` (static,
     boustrophedon). ``head_group``: the work order's chunk, in (head, sequence) pairs: chunk by
     chunk, heaviest query tiles first within each, so that the SMs share a few heads' K/V in
@@ -800,6 +803,8 @@ def flash_prefill_gluon(
     runs; None: 2 with 2 stages up to ``max_seqlen`` 8192, else 1 (3 stages and 2 Q buffers,
     256 KB, do not fit; at 1 x 16384 causal one Q buffer read 606 TFLOP/s against 555 with
     two in run 75 and 600 against 566 in run 76, at 2 x 4096 534 against 584 in run 75).
+    ``cache_descriptors``: the launcher's TMA maps (cuTensorMapEncodeTiled of q, k, v) kept
+    across calls with the same addresses and shapes (tma_maps; off: encoded every call).
     """
     q_buffers = _check_options(num_stages, q_buffers, schedule, max_seqlen)
     _check(q, k, v, cu_seqlens, max_seqlen, sm_scale, out)
@@ -807,7 +812,8 @@ def flash_prefill_gluon(
                    None, None, 0, max_seqlen, causal=causal, sm_scale=sm_scale,
                    return_lse=return_lse, out=out, pingpong=pingpong, pv_overlap=pv_overlap,
                    persistent=persistent, schedule=schedule, head_group=head_group,
-                   m_fastest=m_fastest, num_stages=num_stages, q_buffers=q_buffers)
+                   m_fastest=m_fastest, num_stages=num_stages, q_buffers=q_buffers,
+                   cache_descriptors=cache_descriptors)
 
 
 def _check_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
@@ -894,6 +900,7 @@ def paged_prefill_gluon(
     m_fastest: bool = False,
     num_stages: int = STAGES,
     q_buffers: int | None = None,
+    cache_descriptors: bool = True,
 ):
     """flash_prefill.paged_prefill's contract on this kernel: new tokens' queries over the
     paged KV cache (chunked prefill, prefix hits).
@@ -926,7 +933,7 @@ def paged_prefill_gluon(
                    sm_scale=sm_scale, return_lse=return_lse, out=out, pingpong=pingpong,
                    pv_overlap=pv_overlap, persistent=persistent, schedule=schedule,
                    head_group=head_group, m_fastest=m_fastest, num_stages=num_stages,
-                   q_buffers=q_buffers)
+                   q_buffers=q_buffers, cache_descriptors=cache_descriptors)
 
 
 def _check_options(num_stages: int, q_buffers: int | None, schedule: str, max_seqlen: int) -> int:
@@ -944,7 +951,7 @@ def _check_options(num_stages: int, q_buffers: int | None, schedule: str, max_se
 
 def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, max_seqlen, *,
             causal, sm_scale, return_lse, out, pingpong, pv_overlap, persistent, schedule,
-            head_group, m_fastest, num_stages, q_buffers):
+            head_group, m_fastest, num_stages, q_buffers, cache_descriptors=True):
     """The kernel over checked inputs: contiguous (block_tables None: k_desc, v_desc over
     [total, Hkv * 128]) or paged (k_desc, v_desc over the cache's [num_blocks * page, Hkv *
     128] slots, seq_lens the key counts); max_seqlen: the longest query count."""
@@ -969,20 +976,21 @@ def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, ma
         head_group = default_head_group(num_m, num_hb, sms)
     grid = min(work, sms) if persistent else work
     sched_code = _SCHEDULES[schedule] if persistent else STATIC
-    sched = _sched_buffer(q.device, sms)
+    sched = _sched_buffer(q.device, sms, sched_code)
     if sched_code == DYNAMIC_MEMSET:
         sched[:2].zero_()
     paged = block_tables is not None
-    _flash_prefill_gluon_kernel[(grid,)](
-        _descriptor(q, WG_M), k_desc, v_desc, out, lse if lse is not None else out, cu_seqlens,
-        seq_lens if paged else cu_seqlens, block_tables if paged else cu_seqlens,
-        block_tables.stride(0) if paged else 0, sched, scale, hq // hkv, num_m, hq, num_hb,
-        int(head_group), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
-        CAUSAL=bool(causal), RETURN_LSE=return_lse, PINGPONG=bool(pingpong),
-        PV_OVERLAP=bool(pv_overlap), SCHEDULE=sched_code, NUM_STAGES=num_stages,
-        Q_BUFS=q_buffers, CONSUMER_REGS=CONSUMER_REGS, PAGED=paged, PAGE=page if paged else 1,
-        PIECE=min(page, BLOCK_N) if paged else BLOCK_N, num_warps=4, maxnreg=MAXNREG,
-    )
+    with cached_tma_maps(enabled=cache_descriptors):
+        _flash_prefill_gluon_kernel[(grid,)](
+            _descriptor(q, WG_M), k_desc, v_desc, out, lse if lse is not None else out, cu_seqlens,
+            seq_lens if paged else cu_seqlens, block_tables if paged else cu_seqlens,
+            block_tables.stride(0) if paged else 0, sched, scale, hq // hkv, num_m, hq, num_hb,
+            int(head_group), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+            CAUSAL=bool(causal), RETURN_LSE=return_lse, PINGPONG=bool(pingpong),
+            PV_OVERLAP=bool(pv_overlap), SCHEDULE=sched_code, NUM_STAGES=num_stages,
+            Q_BUFS=q_buffers, CONSUMER_REGS=CONSUMER_REGS, PAGED=paged, PAGE=page if paged else 1,
+            PIECE=min(page, BLOCK_N) if paged else BLOCK_N, num_warps=4, maxnreg=MAXNREG,
+        )
     return (out, lse) if return_lse else out
 
 
@@ -997,14 +1005,22 @@ def default_head_group(num_m: int, num_hb: int, num_sms: int) -> int:
     return num_hb
 
 
-def _sched_buffer(device: torch.device, num_sms: int) -> torch.Tensor:
+def _sched_buffer(device: torch.device, num_sms: int, schedule: int) -> torch.Tensor:
     """int32 [2 + 2 x #SMs], zeroed once per device: the dynamic schedules' counter, their
-    stop count (the self-zeroing schedule's; both zero between launches) and each program's
-    posted tiles (one per Q buffer). Allocated on the first call (make that one before a
-    CUDA-graph capture)."""
-    buf = _SCHED_BUFFERS.get(device)
+    stop count and each program's posted tiles (one per Q buffer). Allocated on the first
+    call (make that one before a CUDA-graph capture).
+
+    DYNAMIC has a buffer of its own: it relies on the counter being zero at launch, which
+    only its own launches keep (the last program zeroes it). DYNAMIC_MEMSET leaves its
+    counter at the work size (the memset before its next launch clears it), so sharing one
+    buffer made the first DYNAMIC launch after a DYNAMIC_MEMSET one start from there and
+    skip every tile past the programs' first (gpu_run1: the query rows below 512
+    of paged options[scale], the test right after dynamic_memset, left NaN). The static
+    schedules never touch theirs (the memset one's)."""
+    key = (device, schedule == DYNAMIC)
+    buf = _SCHED_BUFFERS.get(key)
     if buf is None:
-        buf = _SCHED_BUFFERS[device] = torch.zeros(2 + 2 * num_sms, dtype=torch.int32, device=device)
+        buf = _SCHED_BUFFERS[key] = torch.zeros(2 + 2 * num_sms, dtype=torch.int32, device=device)
     return buf
 
 

@@ -231,6 +231,65 @@ def test_default_head_group():
     assert default_head_group(1, 3, 132) == 3
 
 
+def test_sched_buffers_apart(monkeypatch):
+    """The self-zeroing dynamic schedule's counter buffer is its own: a dynamic_memset launch
+    leaves its counter at the work size (zeroed only by the memset before its own next
+    launch), so a shared buffer made the next dynamic launch skip tiles (gpu_run1's NaN).
+    One buffer per (device, self-zeroing?), the same one on every call."""
+    from flashpage.kernels import flash_prefill_gluon as fg
+
+    monkeypatch.setattr(fg, "_SCHED_BUFFERS", {})
+    cpu = torch.device("cpu")
+    dyn = fg._sched_buffer(cpu, 4, fg.DYNAMIC)
+    memset = fg._sched_buffer(cpu, 4, fg.DYNAMIC_MEMSET)
+    assert dyn.data_ptr() != memset.data_ptr()
+    assert dyn.shape == (2 + 2 * 4,) and dyn.dtype == torch.int32 and not dyn.any()
+    assert fg._sched_buffer(cpu, 4, fg.DYNAMIC) is dyn
+    for code in (fg.STATIC, fg.SNAKE):  # never written: any but the dynamic one's
+        assert fg._sched_buffer(cpu, 4, code) is memset
+    assert fg._SCHED_BUFFERS[cpu, True] is dyn
+
+
+def test_tma_map_cache_cpu():
+    """tma_maps.cached_tma_maps: within it the encoder runs once per distinct argument tuple
+    (lists keyed by value), LRU past CAPACITY, the plain encoder back after (also on an
+    exception), nested uses and enabled=False leave it alone."""
+    import types
+
+    from flashpage.kernels import tma_maps
+
+    calls = []
+
+    def fill(ptr, swizzle, elem, dtype, box, shape, strides, pad):
+        calls.append(ptr)
+        return ("map", ptr, tuple(box), tuple(shape), tuple(strides))
+
+    utils = types.SimpleNamespace(fill_tma_descriptor=fill)
+    tma_maps.clear()
+    args = (4096, 3, 2, 10, [128, 64], [1000, 512], [512, 1], 0)
+    with tma_maps.cached_tma_maps(utils):
+        first = utils.fill_tma_descriptor(*args)
+        assert utils.fill_tma_descriptor(*args) is first
+        with tma_maps.cached_tma_maps(utils):  # nested: the same memo
+            assert utils.fill_tma_descriptor(*args) is first
+        other = utils.fill_tma_descriptor(8192, *args[1:])  # another address
+        shape = utils.fill_tma_descriptor(*args[:5], [999, 512], *args[6:])  # another shape
+    assert calls == [4096, 8192, 4096] and other[1] == 8192 and shape[3] == (999, 512)
+    assert utils.fill_tma_descriptor is fill
+    with tma_maps.cached_tma_maps(utils, enabled=False):
+        assert utils.fill_tma_descriptor is fill
+    with pytest.raises(RuntimeError), tma_maps.cached_tma_maps(utils):
+        raise RuntimeError
+    assert utils.fill_tma_descriptor is fill
+    with tma_maps.cached_tma_maps(utils):  # LRU: the oldest of CAPACITY + 1 goes
+        for ptr in range(tma_maps.CAPACITY + 1):
+            utils.fill_tma_descriptor(16 * ptr + 16, *args[1:])
+        n = len(calls)
+        utils.fill_tma_descriptor(16, *args[1:])
+        assert len(calls) == n + 1
+    tma_maps.clear()
+
+
 def test_gluon_prefill_rejects_bad_input():
     from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon
 
@@ -347,7 +406,7 @@ def test_gluon_prefill_dynamic_gpu(lens, causal, hq, hkv):
     first = _check_against_ref(lens, causal, hq, hkv, {})
     again = _check_against_ref(lens, causal, hq, hkv, {})
     assert torch.equal(first, again)
-    assert fg._SCHED_BUFFERS[first.device][:2].tolist() == [0, 0]
+    assert fg._SCHED_BUFFERS[first.device, True][:2].tolist() == [0, 0]
 
 
 OPTIONS = {
@@ -379,11 +438,67 @@ def test_gluon_prefill_options_gpu(opts):
 
     lens = [700, 1, 129, 1024]
     q, k, v, cu = _ragged(lens, 8, 2, seed=1)
-    out = flash_prefill_gluon(q, k, v, cu, max(lens), causal=True, **opts)
+    # out starts NaN: a row left unwritten fails (an empty out may hold the last test's rows)
+    out = flash_prefill_gluon(q, k, v, cu, max(lens), causal=True,
+                              out=torch.full_like(q, float("nan")), **opts)
     torch.cuda.synchronize()
     ref = flash_attn_varlen_ref(q, k, v, cu, cu, max(lens), max(lens), causal=True,
                                 sm_scale=opts.get("sm_scale"))
     _close(out, ref)
+
+
+@pytest.mark.gpu
+@hopper
+def test_gluon_prefill_dynamic_after_memset_gpu():
+    """dynamic_memset, then dynamic, then dynamic_memset again on one device, each right with
+    out starting NaN (gpu_run1: one counter for both left the dynamic launch after a
+    dynamic_memset one starting at the work size, skipping every tile past the programs'
+    first), and the dynamic counter back at zero."""
+    from flashpage.kernels import flash_prefill_gluon as fg
+    from flashpage.kernels.flash_prefill import flash_attn_varlen_ref
+
+    lens = [700, 1, 129, 1024]
+    q, k, v, cu = _ragged(lens, 8, 2, seed=1)
+    ref = flash_attn_varlen_ref(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    for schedule in ("dynamic_memset", "dynamic", "dynamic_memset", "dynamic"):
+        out = fg.flash_prefill_gluon(q, k, v, cu, max(lens), schedule=schedule,
+                                     out=torch.full_like(q, float("nan")))
+        torch.cuda.synchronize()
+        _close(out, ref)
+    assert fg._SCHED_BUFFERS[q.device, True][:2].tolist() == [0, 0]
+
+
+@pytest.mark.gpu
+@hopper
+def test_gluon_prefill_tma_map_cache_gpu():
+    """cache_descriptors (the default) against off: bit for bit the same, contiguous and
+    paged; a second call with the same tensors encodes nothing, new tensors (other
+    addresses) get their own maps (right answers after the inputs move)."""
+    from flashpage.kernels import tma_maps
+    from flashpage.kernels.flash_prefill import flash_attn_varlen_ref, paged_prefill_ref
+    from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon, paged_prefill_gluon
+
+    lens = [700, 1, 129, 1024]
+    q, k, v, cu = _ragged(lens, 8, 2, seed=1)
+    ref = flash_attn_varlen_ref(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    off = flash_prefill_gluon(q, k, v, cu, max(lens), cache_descriptors=False)
+    on = flash_prefill_gluon(q, k, v, cu, max(lens))
+    n = tma_maps.fill_calls
+    again = flash_prefill_gluon(q, k, v, cu, max(lens))
+    torch.cuda.synchronize()
+    assert tma_maps.fill_calls == n, "encoded again for the same tensors"
+    assert torch.equal(on, off) and torch.equal(again, off)
+    _close(on, ref)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()  # other addresses
+    _close(flash_prefill_gluon(q2, k2, v2, cu, max(lens)), ref)
+    assert tma_maps.fill_calls > n
+    args = _paged_case([300, 5], [100, 2000], 8, 2, 16, seed=7)
+    pref = paged_prefill_ref(*args)
+    p_off = paged_prefill_gluon(*args, cache_descriptors=False)
+    p_on = paged_prefill_gluon(*args)
+    torch.cuda.synchronize()
+    assert torch.equal(p_on, p_off)
+    _close(p_on, pref)
 
 
 @pytest.mark.gpu
@@ -484,7 +599,8 @@ def _check_paged(q_lens, prefixes, hq, hkv, block_size, opts, causal=True, seed=
     out = torch.full((q.shape[0], hq, 128), float("nan"), dtype=q.dtype, device="cuda")
     res, lse = paged_prefill_gluon(*args, causal=causal, return_lse=True, out=out, **opts)
     torch.cuda.synchronize()
-    ref, ref_lse = paged_prefill_ref(*args, causal=causal, return_lse=True)
+    ref, ref_lse = paged_prefill_ref(*args, causal=causal, return_lse=True,
+                                     sm_scale=opts.get("sm_scale"))
     assert res is out
     _close(res, ref)
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=1e-4)
@@ -524,7 +640,7 @@ def test_paged_gluon_gpu(lens, block_size, hq, hkv):
     first, _ = _check_paged(*lens, hq, hkv, block_size, {})
     again, _ = _check_paged(*lens, hq, hkv, block_size, {})
     assert torch.equal(first, again)
-    assert fg._SCHED_BUFFERS[first.device][:2].tolist() == [0, 0]
+    assert fg._SCHED_BUFFERS[first.device, True][:2].tolist() == [0, 0]
 
 
 @pytest.mark.gpu
@@ -555,6 +671,17 @@ PAGED_OPTIONS = {
 @pytest.mark.parametrize("opts", list(PAGED_OPTIONS.values()), ids=list(PAGED_OPTIONS))
 def test_paged_gluon_options_gpu(opts):
     _check_paged([700, 1, 129, 1024], [300, 5000, 0, 77], 8, 2, 16, opts, seed=1)
+
+
+@pytest.mark.gpu
+@hopper
+def test_paged_gluon_dynamic_after_memset_gpu():
+    """options[scale]'s case (gpu_run1's NaN: it ran right after dynamic_memset) with the
+    schedules alternating, both scales, out starting NaN each time."""
+    for schedule in ("dynamic_memset", "dynamic", "dynamic_memset", "dynamic"):
+        for scale in (None, 0.05):
+            _check_paged([700, 1, 129, 1024], [300, 5000, 0, 77], 8, 2, 16,
+                         dict(schedule=schedule, sm_scale=scale), seed=1)
 
 
 @pytest.mark.gpu
