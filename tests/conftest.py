@@ -54,6 +54,9 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
     # head_dim 64, the smallest the Triton kernels take: 4 query heads over 2 KV heads
     "head64_gqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                        head_dim=64, hidden_size=128)),
+    # head_dim 128, the Gluon prefill's (sm_90): 4 query heads over 2 KV heads
+    "head128_gqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=128, hidden_size=128)),
 }
 
 

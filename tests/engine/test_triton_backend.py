@@ -124,3 +124,36 @@ def test_triton_backend_bf16_as_close_to_fp32_as_torch_native(tiny_checkpoint):
     total = sum(len(t) for t in truth)
     assert ours16 >= ref16 - 0.05 * total, (ours16, ref16, total)
     assert ours16 >= 0.5 * total, (ours16, total)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs an sm_90 GPU")
+def test_gluon_prefill_in_the_engine_gpu(tiny_checkpoint, monkeypatch):
+    """FLASHPAGE_PREFILL_GLUON=1, bf16, head_dim 128: the Gluon paged prefill takes the
+    engine's prompt chunks (32-token budget: prompts up to 120 tokens come in chunks over
+    their cached prefix) and prefix hits, and its greedy tokens follow the fp32 ones about
+    as far as the Triton prefill's do."""
+    import flashpage.kernels.flash_prefill_gluon as fpg
+
+    path = tiny_checkpoint("head128_gqa")
+    prompts = random_prompts(48, 1, 120, seed=11)
+    prompts.append(prompts[5] + [9, 10, 11])  # a prefix hit
+    truth = _run(path, "torch_native", "cuda", "float32", prompts)
+    monkeypatch.setenv("FLASHPAGE_PREFILL_GLUON", "0")
+    triton16 = _leading_agreement(_run(path, "triton", "cuda", "bfloat16", prompts), truth)
+    calls = []
+    real = fpg.paged_prefill_gluon
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fpg, "paged_prefill_gluon", spy)
+    monkeypatch.setenv("FLASHPAGE_PREFILL_GLUON", "1")
+    gluon16 = _leading_agreement(_run(path, "triton", "cuda", "bfloat16", prompts), truth)
+    total = sum(len(t) for t in truth)
+    # (one-token prompts and chunks may run as decodes: 90% of the tokens at least)
+    assert sum(calls) >= 0.9 * sum(len(p) for p in prompts[:-1]), "the Gluon prefill missed prompt chunks"
+    assert gluon16 >= triton16 - 0.05 * total, (gluon16, triton16, total)
+    assert gluon16 >= 0.5 * total, (gluon16, total)
