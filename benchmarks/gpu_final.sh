@@ -66,6 +66,9 @@
 #   bash benchmarks/gpu_final.sh variants  the persistent fp8 decode's variants dims_m / keys_m / keys_m2: tests, knobs
 #   bash benchmarks/gpu_final.sh prefill-paged    paged Gluon prefill: its GPU tests (static first), benchmark columns
 #   bash benchmarks/gpu_final.sh prefill-paged-b  contiguous Gluon + Triton prefill GPU tests (regression)
+#   bash benchmarks/gpu_final.sh mla10     branch mla-gluon, first GPU run of the persistent Gluon MLA decode: its GPU
+#                                          tests (-x, -v, under a timeout: a ring phase error would hang), then its
+#                                          benchmark beside the Triton default (pages 64 and 16), under 400 s in all
 #   bash benchmarks/gpu_final.sh s10a      session 10, first call: the decode variants' and the paged Gluon prefill's tests, then
 #                                          their benchmarks, each step's timeout cut to what is left of 570 s
 # Results under $OUT; the last lines of each step are printed.
@@ -503,5 +506,13 @@ s10a)  # session 10 call 1: the two never-run branches (decode-fewer-instr, pref
   timeout "$(left 200)" python3 benchmarks/decode_gluon_knobs.py --set variants --out "$OUT" 2>&1 | tail -n 11
   timeout "$(left 200)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only 2>&1 \
     | tee "$OUT/prefill_gluon.txt" | tail -n 14 ;;
+mla10)  # branch mla-gluon: kernels/mla_decode_gluon.py's first GPU run; the tests first (graph replays and the
+        # many-calls merge race last in the file), then benchmarks/mla_decode_gluon.py at page 64, then page 16
+  timeout 150 python3 -m pytest -x -v -p no:cacheprovider -m gpu tests/kernels/test_mla_decode_gluon.py -rf 2>&1 \
+    | tee "$OUT/mla_gluon_tests.txt" | tail -n 8
+  timeout 150 python3 benchmarks/mla_decode_gluon.py --out "$OUT" 2>&1 | tee "$OUT/mla_gluon_bench.txt" | tail -n 12
+  mkdir -p "$OUT/p16"
+  timeout 80 python3 benchmarks/mla_decode_gluon.py --out "$OUT/p16" --page 16 --variants triton gluon \
+    --shapes 8x32768 32x4096 128x4096 2>&1 | tee "$OUT/p16/mla_gluon_bench.txt" | tail -n 7 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
