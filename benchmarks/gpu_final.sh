@@ -66,6 +66,9 @@
 #   bash benchmarks/gpu_final.sh variants  the persistent fp8 decode's variants dims_m / keys_m / keys_m2: tests, knobs
 #   bash benchmarks/gpu_final.sh prefill-paged    paged Gluon prefill: its GPU tests (static first), benchmark columns
 #   bash benchmarks/gpu_final.sh prefill-paged-b  contiguous Gluon + Triton prefill GPU tests (regression)
+#   bash benchmarks/gpu_final.sh mla10     branch mla-gluon, first GPU run of the persistent Gluon MLA decode: its GPU
+#                                          tests (-x, -v, under a timeout: a ring phase error would hang), then its
+#                                          benchmark beside the Triton default (pages 64 and 16), under 400 s in all
 #   bash benchmarks/gpu_final.sh s10a      session 10, first call: the decode variants' and the paged Gluon prefill's tests, then
 #                                          their benchmarks, each step's timeout cut to what is left of 570 s
 #   bash benchmarks/gpu_final.sh s10b      keys_m at 4 an SM as paged_decode's Gluon form: decode GPU tests, 8B fp8 throughput
@@ -77,6 +80,8 @@
 #   bash benchmarks/gpu_final.sh prefill10-engine  engine + model GPU tests with FLASHPAGE_PREFILL_GLUON=1 (timeout 300)
 #   bash benchmarks/gpu_final.sh s10d      8B fp8 throughput with transformers (16 requests) in the same run; the Gluon
 #                                          prefill's GPU tests (schedule fix, TMA map cache), the engine's with it on, its benchmark
+#   bash benchmarks/gpu_final.sh s10e      8B fp8 throughput without then with transformers (is run 82's slow prompt phase a
+#                                          first-run effect?), then the Gluon MLA decode's GPU tests in what is left
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -552,5 +557,21 @@ s10d)  # session 10 call 4 (run 82)
     | tee "$OUT/engine_gluon_prefill_tests.txt" | tail -n 4
   timeout "$(left 150)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only 2>&1 \
     | tee "$OUT/prefill_gluon.txt" | tail -n 8 ;;
+mla10)  # branch mla-gluon: kernels/mla_decode_gluon.py's first GPU run; the tests first (graph replays and the
+        # many-calls merge race last in the file), then benchmarks/mla_decode_gluon.py at page 64, then page 16
+  timeout 150 python3 -m pytest -x -v -p no:cacheprovider -m gpu tests/kernels/test_mla_decode_gluon.py -rf 2>&1 \
+    | tee "$OUT/mla_gluon_tests.txt" | tail -n 8
+  timeout 150 python3 benchmarks/mla_decode_gluon.py --out "$OUT" 2>&1 | tee "$OUT/mla_gluon_bench.txt" | tail -n 12
+  mkdir -p "$OUT/p16"
+  timeout 80 python3 benchmarks/mla_decode_gluon.py --out "$OUT/p16" --page 16 --variants triton gluon \
+    --shapes 8x32768 32x4096 128x4096 2>&1 | tee "$OUT/p16/mla_gluon_bench.txt" | tail -n 7 ;;
+s10e)  # session 10 call 5 (run 83), ~350 s of device time left
+  left() { local t=$((330 - SECONDS)); [ "$1" -lt "$t" ] && t=$1; echo $t; }
+  timeout "$(left 90)" $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --kv-cache-dtype fp8 \
+    --no-hf --json-out "$OUT/throughput_8b_fp8_a.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  timeout "$(left 160)" $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --kv-cache-dtype fp8 \
+    --hf-requests 16 --hf-batch-size 16 --json-out "$OUT/throughput_8b_fp8_hf.json" 2>&1 | grep -E "tok_per_s|speedup|Error"
+  timeout "$(left 150)" python3 -m pytest -x -v -p no:cacheprovider -m gpu tests/kernels/test_mla_decode_gluon.py -rf 2>&1 \
+    | tee "$OUT/mla_gluon_tests.txt" | tail -n 8 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac

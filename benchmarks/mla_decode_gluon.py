@@ -1,0 +1,106 @@
+"""The persistent Gluon MLA decode (kernels/mla_decode_gluon.py) beside the Triton default
+(kernels/mla_decode.py, its merge kernel included: what the engine calls), at 16 heads, bf16
+latents, page 64 (``--page``), on the issue-4 shapes. GB/s of latent bytes read (% of the
+copy rate measured in the same run), us per call, relative error against an fp32 reference
+on the first rotation (``e``), and against the Triton output (``t``). Each figure is the
+median of CUDA-graph replays over calls that rotate over >= 256 MB of independent latents
+(benchmarks/mla_decode.py's ``Case``), so small shapes are not timed out of L2. One failing
+variant prints its error in its cell and the others go on.
+
+    python benchmarks/mla_decode_gluon.py --out $OUT          # ~2 min on an H200
+    python benchmarks/mla_decode_gluon.py --variants gluon gluon_s4 --shapes 8x32768
+
+Writes $OUT/mla_decode_gluon.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from gpu_timing import copy_bandwidth
+from mla_decode import RANK, Case, time_graph
+
+from flashpage.kernels.mla_decode import mla_decode
+from flashpage.kernels.mla_decode_gluon import _launch as gluon_launch
+
+SHAPES = [(8, 32768), (16, 16384), (32, 4096), (64, 8192), (128, 4096), (8, 4096)]
+# name -> (entry, keyword arguments); "triton" is the default path the engine runs today.
+VARIANTS = {
+    "triton": (mla_decode, {}),
+    "gluon": (gluon_launch, {}),
+    "gluon_s4": (gluon_launch, {"stages": 4}),
+    "gluon_p1sm": (gluon_launch, {"programs": -1}),  # one program an SM (-1: resolved below)
+}
+
+
+def _kw(kw: dict) -> dict:
+    if kw.get("programs") == -1:
+        return {**kw, "programs": torch.cuda.get_device_properties(0).multi_processor_count}
+    return kw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES])
+    args = ap.parse_args()
+    t0 = time.time()
+    copy = copy_bandwidth()
+    rows = []
+    for shape in args.shapes:
+        batch, ctx = (int(x) for x in shape.split("x"))
+        case = Case(batch, ctx, 16, args.page)
+        lat0 = case.contiguous(0)
+        s = torch.bmm(case.q[0].float(), lat0.float().transpose(1, 2)) * case.scale
+        ref = torch.bmm(torch.softmax(s, -1), lat0[..., :RANK].float())
+        del s, lat0
+        row: dict = {"shape": shape}
+        tri = None
+        for name in args.variants:
+            fn, kw = VARIANTS[name]
+            kw = _kw(kw)
+            try:
+                def call(i, fn=fn, kw=kw, case=case):
+                    fn(case.q[i], case.pool, case.tables[i], case.lens, kv_lora_rank=RANK, sm_scale=case.scale,
+                       out=case.out, **kw)
+
+                case.out.fill_(float("nan"))
+                call(0)
+                torch.cuda.synchronize()
+                got = case.out.float().clone()
+                err = float((got - ref).norm() / ref.norm())
+                if tri is None:
+                    tri = got
+                terr = float((got - tri).norm() / tri.norm())
+
+                def rot(call=call, n=case.rot):
+                    for i in range(n):
+                        call(i)
+
+                t = time_graph(rot) / case.rot
+                g = case.bytes / t / 1e9
+                row[name] = f"{g:.0f} ({100 * g / copy:.0f}%) {t * 1e6:.1f}us e{err:.0e} t{terr:.0e}"
+            except Exception as ex:  # one failing variant must not hide the rest
+                row[name] = f"n/a {type(ex).__name__}: {str(ex)[:200]}"
+        print(json.dumps(row), f"{time.time() - t0:.0f}s", flush=True)
+        rows.append(row)
+        del case, ref
+        torch.cuda.empty_cache()
+    print(f"copy {copy:.0f} GB/s, {torch.cuda.get_device_name()}, page {args.page}, {time.time() - t0:.0f} s")
+    print("GB/s of latent bytes (% of copy), us per call, rel. error vs fp32 reference (e) and vs triton (t)")
+    print("| batch x context | " + " | ".join(args.variants) + " |")
+    print("| --- |" + " --- |" * len(args.variants))
+    for r in rows:
+        print(f"| {r['shape']} | " + " | ".join(r.get(k, "") for k in args.variants) + " |")
+    with open(os.path.join(args.out, "mla_decode_gluon.json"), "w") as f:
+        json.dump(dict(copy_gbps=round(copy), page=args.page, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

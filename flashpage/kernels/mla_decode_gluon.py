@@ -1,0 +1,507 @@
+"""MLA decode over the bf16/fp16 paged latent cache, in Gluon for sm_90: one persistent kernel,
+key splits merged inside it. Same contract as ``mla_decode`` (kernels/mla_decode.py), which it
+is meant to replace at 16-head groups on Hopper; ``mla_gluon_unsupported`` says why a call
+cannot be taken.
+
+Why: the Triton kernel streams at 91-92% of copy at long contexts, but at batch <= 32 a call is
+80% (a second, merge kernel and the gaps around it) or 69% (512 keys a split program: its ramp).
+Here min(items, 2 x SMs) programs each walk their work items (sequence, key split, head group)
+as ONE stream of latent slots through a TMA ring, so the next item's first slots are in flight
+while the current one ends, and the last split of a sequence to finish merges the splits::
+
+    item:   |--- pid ---|------- pid + nprog -------|-- ...
+    slots:   0 1 2 3 4 5 6 7 8 9 ...      slot = 16 keys = one TMA box [9 slabs, 16 rows, 64]
+    TMA:     R - 2 slots ahead of the compute (ring of R; a tile is 2 slots = 32 keys)
+
+A slot lands slab-major (the latent's 576 columns as 9 slabs of 64, 128-byte swizzle) from
+the cache seen as [9, blocks x page, 64] (strides 64, 576, 1): one box a slot whatever the page
+size (>= 16). Per 32-key tile, 4 warps:
+
+- scores, split along the 576 dims: warp w takes value slabs w and 4 + w and rope columns
+  16w..16w+15 (q's matching columns in registers: 36 a thread), S_w = q_w . K_w^T by mma.sync
+  (3 independent chains a slot), stored to a double-buffered fp32 scratch, one CTA barrier,
+  and every warp sums the 4 partials (the same [16 heads, 32 keys] in every warp: the softmax
+  runs redundantly, no second exchange);
+- P . V with the warps splitting the 512 value columns (mma.sync, P in registers: the
+  accumulator's layout is already the A operand's), the latent read from the same slots.
+
+The ring's stage and phase come from the program's slot count g (index g % R, phase
+(g // R) & 1): barriers initialized once; a producer cursor (item, slot in it, block id one
+issue ahead) walks the same items as the consumer, skipping empty ones, and past the last
+item its issues are predicated off, so every TMA issued is waited on. A freed tile's two
+slots are refilled right after the next tile's barrier.
+
+Splits: partials (o normalized, fp32 [16, 512], and lse base 2) go to scratch; each split then
+counts itself in (an atomic per sequence and head group, acq_rel at gpu scope, after a CTA
+barrier) and the last to arrive merges every partial (its own from registers) into ``out`` and
+sets the counter back to 0: a captured CUDA graph replays from a clean state. One split (a
+batch that fills the GPU) writes ``out`` directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    mma_v2,
+    tma,
+)
+
+_LOG2E = 1.4426950408889634
+RANK, ROPE = 512, 64  # DeepSeek-V2/V3: the only shape taken
+HEADS = 16  # heads a program (a head group); the head count must be a multiple
+SLOT = 16  # keys a ring slot (one TMA box); the page size must be a multiple
+BLOCK_N = 2 * SLOT  # keys a tile
+NUM_WARPS = 4
+STAGES = 5  # ring slots: 5 x 18 KB + 16 KB scratch = 106 KB, 2 programs an SM
+PROGRAMS_PER_SM = 2
+MIN_SPLIT_KEYS = 256  # a split keeps at least this many keys
+
+_W = gl.constexpr(NUM_WARPS)
+_SL = gl.constexpr(SLOT)
+_BN = gl.constexpr(BLOCK_N)
+_SLOT_BYTES = gl.constexpr(9 * SLOT * 64 * 2)  # both boxes of a slot
+
+# Scores: batched mma.sync over [warp, 16 heads, keys], warp w its own slice of the dims.
+_MMA3 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[_W, 1, 1], instr_shape=[1, 16, 8]))
+_A3 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA3, k_width=2))
+_B3 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA3, k_width=2))
+# P . V: [16 heads, 512], the warps splitting the columns.
+_MMA2 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, _W], instr_shape=[16, 8]))
+_A2 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA2, k_width=2))
+_B2 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA2, k_width=2))
+# The summed scores [16 heads, 16 keys] of a slot: an m16n8 accumulator's registers, the same in
+# every warp (warp bases 0); as read from the scratch, the source warp in registers.
+_S2 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [8, 0], [0, 8]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[16, 16]))
+_SREAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 8, 0], [0, 0, 8], [1, 0, 0], [2, 0, 0]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[0, 0, 0], [0, 0, 0]], block_bases=[], shape=[_W, 16, 16]))
+_TMA_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
+_TMA_SMEM2 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+_SCRATCH = gl.constexpr(gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[2, 1, 0]))
+
+# Views of one slot ([9 slabs x 16 rows, 64] 16-bit, slab s at element 1024 s; 128-byte swizzle:
+# 16-byte chunk c of row r at chunk c ^ (r % 8)), offset bit -> logical coordinate.
+# K^T of 4 slabs as [warp, column, key]: warp w's slab w (the second view starts at slab 4).
+_K_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
+    [0, 1, 0], [0, 2, 0], [0, 4, 0],  # column bits 0-2
+    [0, 8, 0], [0, 16, 0], [0, 32, 0],  # the 16-byte chunk
+    [0, 8, 1], [0, 16, 2], [0, 32, 4],  # row bits 0-2 (and the chunk swizzle)
+    [0, 0, 8],  # row bit 3
+    [1, 0, 0], [2, 0, 0],  # the slab: the warp
+]))
+# K^T of the rope slab as [warp, column, key]: warp w's columns 16w..16w+15 (chunks 2w, 2w + 1).
+_KR_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
+    [0, 1, 0], [0, 2, 0], [0, 4, 0],
+    [0, 8, 0], [1, 0, 0], [2, 0, 0],  # chunk bit 0: column bit 3; chunk bits 1-2: the warp
+    [0, 8, 1], [1, 0, 2], [2, 0, 4],
+    [0, 0, 8],
+]))
+# V of the 8 value slabs as [key, column].
+_V_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
+    [0, 1], [0, 2], [0, 4],
+    [0, 8], [0, 16], [0, 32],
+    [1, 8], [2, 16], [4, 32],
+    [8, 0],
+    [0, 64], [0, 128], [0, 256],
+]))
+
+
+@gluon.jit
+def _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups):
+    """Item -> (sequence, split, head group, first key, end key, sequence length); keys are
+    split as ``splits.split_range`` does (equal shares, multiples of a tile); past the last
+    item: an empty range of the last sequence."""
+    it = gl.minimum(item, num_items - 1)
+    bs = it // head_groups
+    b = bs // num_splits
+    s = bs % num_splits
+    seq_len = gl.load(seq_lens_ptr + b, mask=item < num_items, other=0)
+    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), _BN) * _BN
+    start = s * chunk
+    return b, s, it % head_groups, start, gl.minimum(start + chunk, seq_len), seq_len
+
+
+@gluon.jit
+def _seek(item, nprog, num_items, num_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb,
+          PAGE: gl.constexpr):
+    """The producer's next item from ``item`` on with a key (or one past the end: no slot).
+    Returns it, its first key, its slot count, block-table row and last page."""
+    b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups)
+    while (end <= start) & (item < num_items):
+        item += nprog
+        b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups)
+    nslots = 2 * gl.cdiv(gl.maximum(end - start, 0), _BN)
+    return (item, start, nslots, block_tables_ptr + b.to(gl.int64) * stride_btb,
+            gl.maximum(seq_len - 1, 0) // PAGE)
+
+
+@gluon.jit
+def _slot_row(bt_row, pos, last_page, PAGE: gl.constexpr):
+    """Cache row of the slot at key ``pos`` (past the context: in its last page, masked)."""
+    blk = gl.load(bt_row + gl.minimum(pos // PAGE, last_page))
+    return blk * PAGE + pos % PAGE
+
+
+@gluon.jit
+def _produce(kv_desc, pe_desc, ring, ring_pe, bars, p, row, item, slot, nslots, start, bt_row, last_page,
+             nprog, num_items, num_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb,
+             PAGE: gl.constexpr, R: gl.constexpr):
+    """Issue the cursor's slot (the program's p-th: ring index p % R), advance the cursor (to the
+    next item with a key after the last slot of one) and load the next slot's cache row."""
+    pred = item < num_items
+    idx = p % R
+    bar = bars.index(idx)
+    mbarrier.expect(bar, _SLOT_BYTES, pred=pred)
+    tma.async_copy_global_to_shared(kv_desc, [0, row, 0], bar,
+                                    ring.index(idx),
+                                    pred=pred)
+    tma.async_copy_global_to_shared(pe_desc, [row, 0], bar, ring_pe.index(idx), pred=pred)
+    slot += 1
+    if slot == nslots:
+        item, start, nslots, bt_row, last_page = _seek(item + nprog, nprog, num_items, num_splits, head_groups,
+                                                       seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
+        slot = 0
+    row = _slot_row(bt_row, start + slot * _SL, last_page, PAGE)
+    return row, item, slot, nslots, start, bt_row, last_page
+
+
+@gluon.jit
+def _load_q(q_ptr, item, num_items, num_splits, head_groups, stride_qb, stride_qh):
+    """q of an item's head group in the score dots' A layout: warp w's value columns 64w.. and
+    256 + 64w.. ([4, 16, 64] each) and rope columns 512 + 16w.. ([4, 16, 16]); zeros past the end."""
+    it = gl.minimum(item, num_items - 1)
+    b = (it // head_groups) // num_splits
+    head0 = (it % head_groups) * 16
+    w = gl.expand_dims(gl.expand_dims(gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _A3))), 1), 2)
+    h = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _A3))), 0), 2)
+    c = gl.expand_dims(gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, _A3))), 0), 1)
+    cr = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _A3))), 0), 1)
+    row = q_ptr + b.to(gl.int64) * stride_qb + (head0 + h).to(gl.int64) * stride_qh
+    ok = item < num_items
+    q_lo = gl.load(row + 64 * w + c, mask=ok & (c < 64), other=0.0)
+    q_hi = gl.load(row + 256 + 64 * w + c, mask=ok & (c < 64), other=0.0)
+    q_r = gl.load(row + 512 + 16 * w + cr, mask=ok & (cr < 16), other=0.0)
+    return q_lo, q_hi, q_r
+
+
+@gluon.jit
+def _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, g, R: gl.constexpr):
+    """Wait for the tile's two slots (g, g + 1) and store each warp's partial scores of both to
+    the scratch buffer of this tile's parity."""
+    buf = (g // 2) % 2
+    for j in gl.static_range(2):
+        sl = g + j
+        idx = sl % R
+        mbarrier.wait(bars.index(idx), (sl // R) & 1)
+        slot = ring.index(idx)
+        k_lo = slot.slice(0, 4)._reinterpret(q_lo.dtype, [_W, 64, _SL], _K_VIEW).load(_B3)
+        k_hi = slot.slice(4, 4)._reinterpret(q_lo.dtype, [_W, 64, _SL], _K_VIEW).load(_B3)
+        k_r = ring_pe.index(idx)._reinterpret(q_lo.dtype, [_W, 16, _SL], _KR_VIEW).load(_B3)
+        z = gl.zeros([_W, 16, _SL], gl.float32, _MMA3)
+        sw = mma_v2(q_lo, k_lo, z) + mma_v2(q_hi, k_hi, z) + mma_v2(q_r, k_r, z)
+        scratch.index(2 * buf + j).store(sw)
+
+
+@gluon.jit
+def _attend(ring, scratch, g, m, l, acc, key0, end, qk_scale, dtype: gl.constexpr, R: gl.constexpr):
+    """The tile's scores (the 4 warps' partials summed, scaled to base 2; keys >= end -inf),
+    the online-softmax step and acc += P V (the item's last tile: the V rows of keys >= end
+    zeroed, since an unowned slot may hold NaN and 0 * NaN is NaN)."""
+    buf = (g // 2) % 2
+    s0 = gl.convert_layout(gl.sum(scratch.index(2 * buf).load(_SREAD), 0), _S2, assert_trivial=True) * qk_scale
+    s1 = gl.convert_layout(gl.sum(scratch.index(2 * buf + 1).load(_SREAD), 0), _S2, assert_trivial=True) * qk_scale
+    offs = gl.expand_dims(gl.arange(0, _SL, layout=gl.SliceLayout(0, _S2)), 0)
+    s0 = gl.where(key0 + offs < end, s0, float("-inf"))
+    s1 = gl.where(key0 + _SL + offs < end, s1, float("-inf"))
+    m_new = gl.maximum(m, gl.maximum(gl.max(s0, 1), gl.max(s1, 1)))  # finite: a tile has a key
+    alpha = gl.exp2(m - m_new)
+    p0 = gl.exp2(s0 - gl.expand_dims(m_new, 1))
+    p1 = gl.exp2(s1 - gl.expand_dims(m_new, 1))
+    l = l * alpha + gl.sum(p0, 1) + gl.sum(p1, 1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _MMA2)), 1)
+    for j in gl.static_range(2):
+        if j == 0:
+            pa = gl.convert_layout(p0.to(dtype), _A2)
+        else:
+            pa = gl.convert_layout(p1.to(dtype), _A2)
+        v = ring.index((g + j) % R)._reinterpret(dtype, [_SL, 512], _V_VIEW).load(_B2)
+        if key0 + _BN > end:
+            keys = gl.expand_dims(gl.arange(0, _SL, layout=gl.SliceLayout(1, _B2)), 1)
+            v = gl.where(key0 + j * _SL + keys < end, v, gl.zeros_like(v))
+        acc = mma_v2(pa, v, acc)
+    return m_new, l, acc
+
+
+@gluon.jit
+def _finish(acc, m, l, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, b, s, hg, num_splits, head_groups,
+            stride_ob, stride_oh, SPLIT: gl.constexpr):
+    """The item's output: into ``out`` (no split), or its partial into scratch, and the last
+    split of the (sequence, head group) to arrive merges them all into ``out``."""
+    rows_l: gl.constexpr = gl.SliceLayout(1, _MMA2)
+    rows = gl.arange(0, 16, layout=rows_l)
+    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, _MMA2))
+    l2 = gl.convert_layout(l, rows_l)
+    m2 = gl.convert_layout(m, rows_l)
+    o = acc / gl.expand_dims(gl.where(l2 > 0.0, l2, 1.0), 1)  # no key at all: zeros
+    out_off = b.to(gl.int64) * stride_ob + gl.expand_dims((hg * 16 + rows).to(gl.int64) * stride_oh, 1) \
+        + gl.expand_dims(cols, 0)
+    if SPLIT:
+        group = b * head_groups + hg
+        lse = gl.where(l2 > 0.0, m2 + gl.log2(gl.where(l2 > 0.0, l2, 1.0)), float("-inf"))
+        row0 = group.to(gl.int64) * num_splits  # partial (group, split) at row0 + split
+        tile_off = gl.expand_dims(rows * 512, 1) + gl.expand_dims(cols, 0)
+        gl.store(mid_o_ptr + (row0 + s) * 8192 + tile_off, o)
+        gl.store(mid_lse_ptr + (row0 + s) * 16 + rows, lse)
+        # Every thread's stores before the count (one thread's acq_rel atomic after the barrier).
+        gl.thread_barrier()
+        count = gl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
+        if count == num_splits - 1:
+            gl.atomic_xchg(counter_ptr + group, 0, sem="relaxed", scope="gpu")
+            # Online merge, base 2: mm the running max of the lse, den and o the sums of
+            # 2^(lse_i - mm) and 2^(lse_i - mm) o_i. The next partial is loaded (L2: .cg) before
+            # the current one is added.
+            mm = lse
+            den = gl.where(lse > float("-inf"), 1.0, 0.0)
+            nxt = gl.where(s == 0, 1, 0)
+            lse_n = gl.load(mid_lse_ptr + (row0 + nxt) * 16 + rows, mask=nxt < num_splits,
+                            other=float("-inf"), cache_modifier=".cg")
+            o_n = gl.load(mid_o_ptr + (row0 + nxt) * 8192 + tile_off, mask=nxt < num_splits, other=0.0,
+                          cache_modifier=".cg")
+            for _ in range(num_splits - 1):
+                lse_i = lse_n
+                o_i = o_n
+                nxt += 1
+                nxt = gl.where(nxt == s, nxt + 1, nxt)
+                lse_n = gl.load(mid_lse_ptr + (row0 + nxt) * 16 + rows, mask=nxt < num_splits,
+                                other=float("-inf"), cache_modifier=".cg")
+                o_n = gl.load(mid_o_ptr + (row0 + nxt) * 8192 + tile_off, mask=nxt < num_splits, other=0.0,
+                              cache_modifier=".cg")
+                m_new = gl.maximum(mm, lse_i)
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # every partial so far empty
+                a = gl.exp2(mm - m_safe)
+                w = gl.exp2(lse_i - m_safe)
+                o = o * gl.expand_dims(a, 1) + o_i * gl.expand_dims(w, 1)
+                den = den * a + w
+                mm = m_new
+            o = o / gl.expand_dims(gl.where(den > 0.0, den, 1.0), 1)
+            gl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty))
+    else:
+        gl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _mla_decode_gluon_kernel(
+    q_ptr, kv_desc, pe_desc, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    counter_ptr,  # int32 [B * head_groups], 0 on entry and on exit (SPLIT only)
+    qk_scale,  # sm_scale * log2(e)
+    num_items,  # B * num_splits * head_groups
+    num_splits, head_groups,
+    stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+    PAGE: gl.constexpr,  # cache block size, a multiple of 16
+    R: gl.constexpr,  # ring slots (>= 4)
+    SPLIT: gl.constexpr,  # num_splits > 1: partials and the in-kernel merge
+):
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+
+    ring = gl.allocate_shared_memory(dtype, [R, 8, _SL, 64], _TMA_SMEM)  # the value slabs
+    ring_pe = gl.allocate_shared_memory(dtype, [R, _SL, 64], _TMA_SMEM2)  # the rope slab
+    scratch = gl.allocate_shared_memory(gl.float32, [4, _W, 16, _SL], _SCRATCH)  # [parity x slot]
+    bars = gl.allocate_shared_memory(gl.int64, [R, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(R):
+        mbarrier.init(bars.index(k), count=1)
+    gl.thread_barrier()
+
+    # The producer cursor at the program's first item with a key, its first R - 2 slots in flight.
+    p_item, p_start, p_nslots, p_bt_row, p_last_page = _seek(pid, nprog, num_items, num_splits, head_groups,
+                                                             seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
+    p_slot = 0
+    p_row = _slot_row(p_bt_row, p_start, p_last_page, PAGE)
+    for k in gl.static_range(R - 2):
+        p_row, p_item, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _produce(
+            kv_desc, pe_desc, ring, ring_pe, bars, k, p_row, p_item, p_slot, p_nslots, p_start, p_bt_row, p_last_page,
+            nprog, num_items, num_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R)
+    p = R - 2
+
+    g = 0  # slots consumed: ring index g % R, phase (g // R) & 1
+    for item in range(pid, num_items, nprog):
+        b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups)
+        nt = gl.cdiv(gl.maximum(end - start, 0), _BN)
+        # q's latency overlaps the wait for the item's first slots (issued long before).
+        q_lo, q_hi, q_r = _load_q(q_ptr, item, num_items, num_splits, head_groups, stride_qb, stride_qh)
+        m = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, _S2))
+        l = gl.zeros([16], gl.float32, gl.SliceLayout(1, _S2))
+        acc = gl.zeros([16, 512], gl.float32, _MMA2)
+        for i in range(nt):
+            _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, g, R)
+            gl.thread_barrier()  # every warp's partials stored; every warp done with the last tile
+            fence_async_shared()  # ... its generic reads of the two slots refilled now
+            for _ in gl.static_range(2):
+                p_row, p_item, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _produce(
+                    kv_desc, pe_desc, ring, ring_pe, bars, p, p_row, p_item, p_slot, p_nslots, p_start, p_bt_row,
+                    p_last_page, nprog, num_items, num_splits, head_groups, seq_lens_ptr, block_tables_ptr,
+                    stride_btb, PAGE, R)
+                p += 1
+            m, l, acc = _attend(ring, scratch, g, m, l, acc, start + i * _BN, end, qk_scale, dtype, R)
+            g += 2
+        _finish(acc, m, l, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, b, s, hg, num_splits, head_groups,
+                stride_ob, stride_oh, SPLIT)
+    for k in gl.static_range(R):  # every issued slot was waited on (none issued past the last item)
+        mbarrier.invalidate(bars.index(k))
+
+
+# --------------------------------------------------------------------------------- launcher
+
+
+def _cache_descriptors(kv_cache: torch.Tensor):
+    """TMA descriptors of a slot's two boxes: the value columns of the cache [blocks, page, 576]
+    seen as [8 slabs, blocks x page rows, 64] (strides 64, 576, 1: a permuted view of the same
+    bytes; one [8, 16, 64] box lands slab-major), and the rope columns as [blocks x page, 64]
+    (row stride 576; one [16, 64] box)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    n = kv_cache.shape[0] * kv_cache.shape[1]
+    flat = kv_cache.view(n, RANK + ROPE)
+    val = flat[:, :RANK].unflatten(1, (8, 64)).permute(1, 0, 2)
+    pe = flat[:, RANK:]
+    return (TensorDescriptor(val, list(val.shape), list(val.stride()), [8, SLOT, 64], _TMA_SMEM.value),
+            TensorDescriptor(pe, list(pe.shape), list(pe.stride()), [SLOT, 64], _TMA_SMEM2.value))
+
+
+def mla_gluon_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                          seq_lens: torch.Tensor, *, kv_lora_rank: int) -> list[str]:
+    """Why ``mla_decode_gluon`` cannot take this call (empty: it can)."""
+    why = []
+    dev = q.device
+    if dev.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        why.append("needs a CUDA device without the Triton interpreter")
+    elif torch.cuda.get_device_capability(dev)[0] != 9:
+        why.append(f"needs sm_90 (Hopper), got sm_{''.join(map(str, torch.cuda.get_device_capability(dev)))}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        why.append(f"q must be bf16 or fp16, got {q.dtype}")
+    if kv_cache.dtype != q.dtype:
+        why.append(f"the latent cache must be in q's dtype ({q.dtype}), got {kv_cache.dtype}")
+    if q.dim() != 3 or kv_cache.dim() != 3:
+        why.append("q must be [B, H, D] and kv_cache [num_blocks, block_size, D]")
+        return why
+    if kv_lora_rank != RANK or q.shape[2] != RANK + ROPE or kv_cache.shape[2] != RANK + ROPE:
+        why.append(f"only kv_lora_rank {RANK} + rope {ROPE} (DeepSeek-V2/V3), got {kv_lora_rank} + "
+                   f"{q.shape[2] - kv_lora_rank}")
+    if q.shape[1] % HEADS:
+        why.append(f"the head count must be a multiple of {HEADS}, got {q.shape[1]}")
+    page = kv_cache.shape[1]
+    if page % SLOT or page & (page - 1):
+        why.append(f"block_size must be a power of two >= {SLOT}, got {page}")
+    if not kv_cache.is_contiguous() or kv_cache.data_ptr() % 16:
+        why.append("kv_cache must be contiguous and 16-byte aligned (TMA)")
+    if q.stride(-1) != 1:
+        why.append("q needs a contiguous last dim")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.dim() != 2 \
+            or block_tables.stride(-1) != 1:
+        why.append("block_tables and seq_lens must be int32, block_tables [B, max_blocks] with a contiguous last dim")
+    return why
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -> int:
+    """Key splits a sequence: the most that keep the item count within one item a program and
+    each split >= MIN_SPLIT_KEYS keys (of ``max_context``, an upper bound known on the host:
+    reading ``seq_lens`` would sync and break CUDA-graph capture)."""
+    by_fill = max(1, programs // (batch * head_groups))
+    by_len = max(1, math.ceil(max_context / MIN_SPLIT_KEYS))
+    return max(1, min(by_fill, by_len))
+
+
+def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=None, num_splits=None,
+            programs: int | None = None, stages: int = STAGES):
+    """mla_decode_gluon with the knobs tests and benchmarks turn: ``programs`` (None: 2 an SM,
+    at most one a work item), ``stages`` (ring slots, >= 4)."""
+    why = mla_gluon_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
+    if why:
+        raise ValueError("mla_decode_gluon cannot take this call: " + "; ".join(why))
+    if stages < 4:
+        raise ValueError(f"stages must be >= 4, got {stages}")
+    B, H, _ = q.shape
+    if block_tables.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError(f"block_tables must be [B={B}, max_blocks] and seq_lens [B], got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    if out is None:
+        out = torch.empty(B, H, RANK, dtype=q.dtype, device=q.device)
+    elif out.shape != (B, H, RANK) or out.stride(-1) != 1 or out.dtype != q.dtype:
+        raise ValueError(f"out must be {q.dtype} [{B}, {H}, {RANK}] with a contiguous last dim")
+    if B == 0:
+        return out
+    hg = H // HEADS
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    slots = PROGRAMS_PER_SM * _num_sms(dev)
+    if num_splits is None:
+        num_splits = pick_splits(B, hg, block_tables.shape[1] * kv_cache.shape[1], programs or slots)
+    num_splits = max(1, int(num_splits))
+    items = B * hg * num_splits
+    split = num_splits > 1
+    if split:
+        from flashpage.kernels.mla_decode import _merge_counters
+
+        mid_o = torch.empty(B * hg * num_splits, 16, RANK, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(B * hg * num_splits, 16, dtype=torch.float32, device=q.device)
+        counters = _merge_counters(q.device, B * hg)
+    else:
+        mid_o = mid_lse = counters = out  # unused
+    grid = min(items, max(1, programs or slots))
+    _mla_decode_gluon_kernel[(grid,)](
+        q, *_cache_descriptors(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse, counters,
+        sm_scale * _LOG2E, items, num_splits, hg,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        PAGE=kv_cache.shape[1], R=stages, SPLIT=split, num_warps=NUM_WARPS)
+    return out
+
+
+def mla_decode_gluon(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: object | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """``mla_decode`` (kernels/mla_decode.py) as one persistent Gluon kernel on Hopper; the same
+    arguments, layouts and result.
+
+    q            : [B, H, 576] bf16/fp16, H a multiple of 16 (absorbed query, then q_pe)
+    kv_cache     : [num_blocks, block_size, 576] in q's dtype, contiguous; block_size a power of
+                   two >= 16
+    block_tables : int32 [B, max_blocks]; entries past ``seq_lens[b]`` are never read
+    seq_lens     : int32 [B] (0: a padding row, zeros out)
+    returns out  : [B, H, 512] in q's dtype
+
+    ``config`` and ``pdl`` are the Triton kernel's knobs, accepted for a drop-in swap and
+    ignored (this kernel has one tile shape and no PDL launch). Raises ValueError with
+    ``mla_gluon_unsupported``'s reasons where it cannot run.
+    """
+    del config, pdl
+    return _launch(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank, sm_scale=sm_scale,
+                   out=out, num_splits=num_splits)
+
+
+__all__ = ["mla_decode_gluon", "mla_gluon_unsupported", "pick_splits"]

@@ -1,0 +1,315 @@
+"""The persistent Gluon MLA decode (kernels/mla_decode_gluon.py).
+
+CPU: the kernel compiled for sm_90 (Triton's ptxas and nvdisasm, no GPU): TMA loads, registers
+and spills, the tile loop's instruction mix (mma.sync, ldmatrix, one mbarrier wait a slot);
+the unsupported reasons and the split rule. GPU (marked gpu, Hopper only; run under ``timeout``
+and ``-x``: a wrong mbarrier phase hangs): against ``mla_decode_ref`` over batch 1-64, contexts
+1-8192 (part tiles, part pages, ragged, padding rows), 16 and 128 heads, pages 16 and 64, on
+few programs (many items each, items shorter than the ring), CUDA-graph replays (the merge
+counters reset themselves) and many back-to-back calls (merge races).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+from sm90 import ptxas_sm90a, ptxas_usage, run_compiled, sass_instructions, sass_loops
+
+from flashpage.kernels.mla_decode import mla_decode_ref
+from flashpage.kernels.mla_decode_gluon import mla_gluon_unsupported, pick_splits
+
+GPU = torch.cuda.is_available()
+cpu_only = pytest.mark.skipif(GPU, reason="the sm_90 compile without a GPU")
+hopper = pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU")
+RANK, ROPE = 512, 64
+TOL = 2e-2  # ||out - ref|| / ||ref||, bf16 (test_mla_decode.py's REL_TOL)
+
+
+# --------------------------------------------------------------------------- sm_90 compile (CPU)
+
+
+def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True):
+    """The kernel compiled for sm_90 as an H200 launch compiles it (bf16; pointers and the
+    strides that are multiples of 16 there marked so)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flashpage.kernels import mla_decode_gluon as mg
+
+    fn = mg._mla_decode_gluon_kernel
+    consts = {"PAGE": page, "R": stages or mg.STAGES, "SPLIT": split}
+    sig = {a: "i32" for a in fn.arg_names}
+    sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[8, 16, 64],{mg._TMA_SMEM.value!r}>",
+                "pe_desc": f"tensordesc<bf16[16, 64],{mg._TMA_SMEM2.value!r}>", "block_tables_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
+                "counter_ptr": "*i32", "qk_scale": "fp32"})
+    sig.update({c: "constexpr" for c in consts})
+    aligned = ("q_ptr", "block_tables_ptr", "seq_lens_ptr", "out_ptr", "mid_o_ptr", "mid_lse_ptr", "counter_ptr",
+               "stride_qb", "stride_qh", "stride_ob", "stride_oh")
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=mg.NUM_WARPS))
+
+
+def tile_loop_mix(sass: str) -> dict[str, int]:
+    """Opcode counts of the tile loop: the shortest backward-branch span holding a TMA issue and
+    an HMMA."""
+    ins, labels = sass_instructions(sass)
+    bodies = [[t.split(" ")[0] for t in ins[lo:hi + 1]] for lo, hi in sass_loops(ins, labels)]
+    body = min((b for b in bodies if any(o.startswith("UTMALDG") for o in b) and any(o.startswith("HMMA") for o in b)),
+               key=len)
+    mix = collections.Counter(body)
+    mix["total"] = len(body)
+    return dict(mix)
+
+
+def _sm90_report() -> dict:
+    """(In a subprocess with the interpreter off.) Registers, spills, shared memory and the tile
+    loop's mix at pages 64 and 16, split and not."""
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError as ex:
+        return {"skip": f"no Gluon in this Triton: {ex}"}
+    out = {}
+    for name, page, split in (("p64", 64, True), ("p16", 16, True), ("p64_nosplit", 64, False)):
+        k = compile_sm90(page=page, split=split)
+        log, sass = ptxas_sm90a(k.asm["ptx"])
+        out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, loop=tile_loop_mix(sass),
+                         tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"])
+    return out
+
+
+@cpu_only
+def test_mla_gluon_compiles_for_sm90():
+    """Two programs an SM (registers x 128 threads and shared memory), no spill beyond a few
+    words, TMA loads; per 32-key tile and warp: 68 HMMA (scores 2 x (8 + 8 + 2), P.V 2 x 16),
+    K through 18 ldmatrix and V through 16 transposing ones, one mbarrier wait a slot, 4 TMA
+    boxes. Prints the loop's mix."""
+    rep = run_compiled("test_mla_decode_gluon", "_sm90_report")
+    if "skip" in rep:
+        pytest.skip(rep["skip"])
+    for name, r in rep.items():
+        print(f"{name}: {r['regs']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared")
+        print(f"  loop: {r['loop']}")
+    for name, r in rep.items():
+        assert r["tma_ptx"], name
+        assert r["regs"] * 128 * 2 <= 65536 and 2 * (r["shared"] + 1024) <= 228 * 1024, name
+        assert r["spill_bytes"] <= 64, name
+        loop = r["loop"]
+        assert loop["HMMA.16816.F32.BF16"] == 68, name
+        assert loop["LDSM.16.M88.4"] == 18 and loop["LDSM.16.MT88.4"] == 16, name
+        assert loop["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 2, name
+        assert loop["UTMALDG.3D"] == 2 and loop["UTMALDG.2D"] == 2, name
+
+
+def _args(batch=2, heads=16, page=64, blocks=8, device="cpu", dtype=torch.bfloat16):
+    q = torch.zeros(batch, heads, RANK + ROPE, dtype=dtype, device=device)
+    kv = torch.zeros(blocks, page, RANK + ROPE, dtype=dtype, device=device)
+    return q, kv, torch.zeros(batch, 4, dtype=torch.int32, device=device), torch.ones(batch, dtype=torch.int32,
+                                                                                     device=device)
+
+
+def test_mla_gluon_unsupported_reasons():
+    q, kv, bt, lens = _args()
+    why = mla_gluon_unsupported(q, kv, bt, lens, kv_lora_rank=RANK)
+    if not GPU:
+        assert any("CUDA" in w for w in why)
+    assert any("multiple of 16" in w for w in mla_gluon_unsupported(q[:, :8], kv, bt, lens, kv_lora_rank=RANK))
+    assert any("power of two >= 16" in w for w in mla_gluon_unsupported(q, kv[:, :8].contiguous(), bt, lens,
+                                                                        kv_lora_rank=RANK))
+    assert any("kv_lora_rank 512" in w for w in mla_gluon_unsupported(q, kv, bt, lens, kv_lora_rank=448))
+    assert any("in q's dtype" in w for w in mla_gluon_unsupported(q, kv.half(), bt, lens, kv_lora_rank=RANK))
+    assert any("bf16 or fp16" in w for w in mla_gluon_unsupported(q.float(), kv.float(), bt, lens,
+                                                                 kv_lora_rank=RANK))
+    assert any("contiguous" in w for w in mla_gluon_unsupported(q, kv[::2], bt, lens, kv_lora_rank=RANK))
+    assert any("int32" in w for w in mla_gluon_unsupported(q, kv, bt.long(), lens, kv_lora_rank=RANK))
+    if not GPU:
+        from flashpage.kernels.mla_decode_gluon import mla_decode_gluon
+
+        with pytest.raises(ValueError, match="cannot take this call"):
+            mla_decode_gluon(q, kv, bt, lens, kv_lora_rank=RANK, sm_scale=0.1)
+
+
+def test_mla_gluon_pick_splits():
+    """Splits fill the programs with one item each, keep >= 256 keys, never < 1."""
+    assert pick_splits(8, 1, 32768, 264) == 33
+    assert pick_splits(16, 1, 16384, 264) == 16
+    assert pick_splits(32, 1, 4096, 264) == 8
+    assert pick_splits(128, 1, 4096, 264) == 2
+    assert pick_splits(300, 1, 4096, 264) == 1
+    assert pick_splits(8, 1, 4096, 264) == 16  # 256 keys a split
+    assert pick_splits(1, 1, 100, 264) == 1
+    assert pick_splits(2, 8, 8192, 264) == 16  # 128 heads: 8 head groups
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def make_case(lens, heads, page, seed=0, device="cuda"):
+    """Random bf16 latents in a shuffled block pool, every slot no sequence owns NaN (a stray
+    read shows); q [B, heads, 576]."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per = [max(1, math.ceil(n / page)) for n in lens]
+    max_blocks = max(blocks_per) + 1
+    num_blocks = sum(blocks_per) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    kv = torch.full((num_blocks, page, RANK + ROPE), float("nan"))
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        ids = perm[used:used + blocks_per[b]]
+        used += blocks_per[b]
+        tables[b, :len(ids)] = ids.int()
+        for i, blk in enumerate(ids.tolist()):
+            valid = max(0, min(page, n - i * page))
+            kv[blk, :valid] = torch.randn(valid, RANK + ROPE, generator=g)
+    q = torch.randn(len(lens), heads, RANK + ROPE, generator=g)
+    return (q.bfloat16().to(device), kv.bfloat16().to(device), tables.to(device),
+            torch.tensor(lens, dtype=torch.int32, device=device))
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6)).item()
+
+
+def run_and_check(lens, heads=16, page=64, seed=0, **kw):
+    from flashpage.kernels.mla_decode_gluon import _launch
+
+    q, kv, tables, seq_lens = make_case(lens, heads, page, seed)
+    scale = 1.0 / math.sqrt(RANK + ROPE)
+    out = torch.full((len(lens), heads, RANK), float("nan"), dtype=q.dtype, device=q.device)
+    _launch(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, **kw)
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), "NaN: a slot past a context read, or a row left unwritten"
+    ref_lens = seq_lens.clamp_min(1)  # the reference needs a key; padding rows are checked apart
+    ref = mla_decode_ref(q, kv, tables, ref_lens, kv_lora_rank=RANK, sm_scale=scale)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert (out[b] == 0).all(), f"padding row {b} not zero"
+        else:
+            assert rel_err(out[b], ref[b]) < TOL, f"sequence {b} (context {n}): {rel_err(out[b], ref[b]):.2e}"
+    return q, kv, tables, seq_lens, out
+
+
+CASES = {
+    "one_key": [1],
+    "short": [1, 17, 31, 32, 33, 64, 65],
+    "ragged": [1, 17, 64, 200, 1000, 2048, 4097, 8192],
+    "longest_first": [8192, 5000, 2048, 1000, 333, 64, 17, 1] * 4,
+    "tile_edges": [95, 96, 97, 127, 128, 129, 191, 192, 193, 255, 256, 257],
+    "padding": [0, 2048, 17, 0, 0, 1, 64, 0, 1000, 65, 0],
+    "batch64": [4096 - 37 * i for i in range(64)],
+}
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("page", [64, 16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_mla_gluon_gpu(case, page):
+    """Against the reference, per sequence, out starting NaN (every row written), at the
+    default split rule."""
+    run_and_check(CASES[case], page=page)
+
+
+KNOBS = {
+    "nosplit": {"num_splits": 1},
+    "splits3": {"num_splits": 3},
+    "splits40": {"num_splits": 40},  # most splits of the short sequences empty
+    "p1": {"programs": 1},  # one program: every item in one slot stream
+    "p5_s4": {"programs": 5, "stages": 4},
+    "p7_splits5": {"programs": 7, "num_splits": 5},
+    "p3_s6_splits9": {"programs": 3, "stages": 6, "num_splits": 9},
+}
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("knob", list(KNOBS))
+@pytest.mark.parametrize("case", ["short", "ragged", "padding"])
+def test_mla_gluon_knobs_gpu(case, knob):
+    """Split counts 1-40 and few programs (items back to back, shorter than the ring)."""
+    run_and_check(CASES[case], page=64, **KNOBS[knob])
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("page", [16, 64])
+def test_mla_gluon_128_heads_gpu(page):
+    """128 heads (DeepSeek-V3): 8 head groups an item set, with splits."""
+    run_and_check([1, 100, 3000, 257], heads=128, page=page)
+    run_and_check([5000, 7], heads=128, page=page, num_splits=6)
+
+
+@pytest.mark.gpu
+@hopper
+def test_mla_gluon_matches_triton_gpu():
+    """Against the Triton kernel at the benchmark's shape class (within twice the tolerance)."""
+    from flashpage.kernels.mla_decode import mla_decode
+
+    q, kv, tables, seq_lens, out = run_and_check([4096] * 8, page=64)
+    tri = mla_decode(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=1.0 / math.sqrt(RANK + ROPE))
+    assert rel_err(out, tri) < 2 * TOL
+
+
+@pytest.mark.gpu
+@hopper
+def test_mla_gluon_many_calls_gpu():
+    """200 calls back to back with splits (the merge's last-arriver election and counter reset
+    under load), every one right, the counters zero at the end."""
+    from flashpage.kernels.mla_decode import _COUNTERS
+    from flashpage.kernels.mla_decode_gluon import mla_decode_gluon
+
+    q, kv, tables, seq_lens = make_case([3000, 1, 2048, 777] * 4, 16, 64, seed=3)
+    scale = 1.0 / math.sqrt(RANK + ROPE)
+    ref = mla_decode_ref(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale)
+    outs = [mla_decode_gluon(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale) for _ in range(200)]
+    torch.cuda.synchronize()
+    for i, o in enumerate(outs):
+        assert rel_err(o, ref) < TOL, f"call {i}"
+        assert torch.equal(o, outs[0]), f"call {i} differs from call 0"
+    assert not _COUNTERS[q.device].any()
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_mla_gluon_cuda_graph_gpu(num_splits):
+    """Captured once, replayed 50 times with new queries and lengths (a padding row among
+    them): the merge counters reset themselves, every replay right."""
+    from flashpage.kernels.mla_decode import _COUNTERS
+    from flashpage.kernels.mla_decode_gluon import mla_decode_gluon
+
+    q, kv, tables, seq_lens = make_case([2000, 20, 4000], 16, 64, seed=5)
+    scale = 1.0 / math.sqrt(RANK + ROPE)
+    out = torch.empty(3, 16, RANK, dtype=q.dtype, device=q.device)
+
+    def call():
+        mla_decode_gluon(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=num_splits)
+
+    call()  # compile and allocate the counters outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    g = torch.Generator().manual_seed(7)
+    for r in range(50):
+        q.copy_(torch.randn(q.shape, generator=g).bfloat16())
+        lens = [int(x) for x in torch.randint(1, 2001, (3,), generator=g)]
+        if r % 10 == 3:
+            lens[1] = 0
+        lens[1] = min(lens[1], 20)
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = mla_decode_ref(q, kv, tables, seq_lens.clamp_min(1), kv_lora_rank=RANK, sm_scale=scale)
+        for b, n in enumerate(lens):
+            if n == 0:
+                assert (out[b] == 0).all(), f"replay {r}: padding row"
+            else:
+                assert rel_err(out[b], ref[b]) < TOL, f"replay {r}, sequence {b} ({n})"
+    assert not _COUNTERS[q.device].any()
