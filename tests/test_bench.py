@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from flashpage.cli import main
 
 
@@ -39,7 +41,7 @@ def test_step_summary_groups_wall_and_gpu_time_per_step():
     s = _step_summary(timeline, gpu)
     assert set(s) == {"with_prompt_tokens", "decode_batch_32_127", "decode_batch_128_1048576"}
     assert s["with_prompt_tokens"] == {"steps": 1, "seconds": 0.2, "ms_per_step": 200.0,
-                                       "gpu_ms_per_step": 150.0}
+                                       "gpu_ms_per_step": 150.0, "gpu_ms": [150.0]}
     assert s["decode_batch_32_127"]["steps"] == 2 and s["decode_batch_32_127"]["gpu_ms_per_step"] == 8.0
     assert abs(s["decode_batch_32_127"]["ms_per_step"] - 11.0) < 1e-9
     assert s["decode_batch_128_1048576"]["gpu_ms_per_step"] == 12.0
@@ -79,3 +81,31 @@ def test_weight_bytes_counts_the_routed_experts_a_step_reads():
     assert weight_bytes(model, tokens=1) == experts * 2 // 8 + dense
     assert weight_bytes(model, tokens=3) == experts * 6 // 8 + dense
     assert weight_bytes(model, tokens=64) == experts + dense  # every expert at most once
+
+
+def test_jit_recorder_counts_new_specializations_and_restores_the_hook():
+    """bench throughput's record of kernels compiled inside the timed run: names counted,
+    a hook set before is still called (and its answer passed on), and put back after."""
+    triton = pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from flashpage.bench.throughput import _JitRecorder
+
+    knobs = triton.knobs.runtime
+    seen = []
+
+    def prev(*, fn, **kw):
+        seen.append(fn.name)
+        return None
+
+    old = knobs.jit_cache_hook
+    knobs.jit_cache_hook = prev
+    try:
+        with _JitRecorder() as rec:
+            for name in ("_rms_norm_kernel", "_silu_mul_kernel", "_rms_norm_kernel"):
+                assert knobs.jit_cache_hook(fn=SimpleNamespace(name=name), key=None) is None
+        assert rec.counts() == {"_rms_norm_kernel": 2, "_silu_mul_kernel": 1}
+        assert seen == ["_rms_norm_kernel", "_silu_mul_kernel", "_rms_norm_kernel"]
+        assert knobs.jit_cache_hook is prev
+    finally:
+        knobs.jit_cache_hook = old

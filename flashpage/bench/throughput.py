@@ -88,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     _sync(engine.device)
     timeline = _record_steps(engine)
     spans = _record_gpu_spans(engine)
+    jit = _JitRecorder()
     t0 = time.perf_counter()
-    outs = llm.generate(wl.prompts, params, use_tqdm=True)
-    _sync(engine.device)
+    with jit:
+        outs = llm.generate(wl.prompts, params, use_tqdm=True)
+        _sync(engine.device)
     dt = time.perf_counter() - t0
     timeline.append((time.perf_counter(), 0, 0))
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -104,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
                       "total_tok_per_s": (produced + wl.num_prompt_tokens) / dt,
                       "preemptions": engine.scheduler.num_preemptions,
                       "kv_blocks": engine.num_blocks,
-                      "steps": _step_summary(timeline, _gpu_ms(spans))},
+                      "steps": _step_summary(timeline, _gpu_ms(spans)),
+                      # kernels Triton compiled (or loaded from its disk cache) inside the timed
+                      # run: each one a specialization the warm-up did not reach
+                      "jit_compiles": jit.counts()},
     }
     bw, fl = measure_ceilings(engine.device)
     if bw and fl:
@@ -121,6 +126,44 @@ def main(argv: list[str] | None = None) -> int:
         result["speedup_vs_transformers"] = result["flashpage"]["output_tok_per_s"] / hf["output_tok_per_s"]
     write_json(args.json_out, result)
     return 0
+
+
+class _JitRecorder:
+    """Within: the names of the Triton / Gluon kernels that get a new specialization
+    (Triton's ``jit_cache_hook``: called before each in-process compile, whether the binary
+    then comes from the disk cache or the compiler). Chains any hook already set."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._knobs: Any = None
+        self._prev: Any = None
+
+    def _hook(self, *, fn, **kwargs):
+        self.names.append(getattr(fn, "name", str(fn)))
+        return self._prev(fn=fn, **kwargs) if self._prev else None
+
+    def __enter__(self) -> _JitRecorder:
+        try:
+            import triton
+        except ImportError:
+            return self
+        self._knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+        if self._knobs is not None and hasattr(self._knobs, "jit_cache_hook"):
+            self._prev = self._knobs.jit_cache_hook
+            self._knobs.jit_cache_hook = self._hook
+        else:
+            self._knobs = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._knobs is not None:
+            self._knobs.jit_cache_hook = self._prev
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for n in self.names:
+            out[n] = out.get(n, 0) + 1
+        return out
 
 
 def _record_steps(engine) -> list[tuple[float, int, int]]:
@@ -183,11 +226,13 @@ def _step_summary(timeline: list[tuple[float, int, int]], gpu_ms: list[float] | 
         groups.setdefault(key, []).append(t_next - t)
         if gpu_ms is not None and i < len(gpu_ms):
             gpu.setdefault(key, []).append(gpu_ms[i])
-    summary: dict[str, dict[str, float]] = {
+    summary: dict[str, dict[str, Any]] = {
         k: {"steps": len(v), "seconds": round(sum(v), 3), "ms_per_step": round(1e3 * sum(v) / len(v), 3)}
         for k, v in sorted(groups.items())}
     for k, v in gpu.items():
         summary[k]["gpu_ms_per_step"] = round(sum(v) / len(v), 3)
+    if "with_prompt_tokens" in gpu:  # each prompt step apart: a one-off stall shows as one outlier
+        summary["with_prompt_tokens"]["gpu_ms"] = [round(x, 1) for x in gpu["with_prompt_tokens"]]
     return summary
 
 
