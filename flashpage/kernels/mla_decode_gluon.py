@@ -33,8 +33,9 @@ slots are refilled right after the next tile's barrier.
 
 Splits: partials (o normalized, fp32 [16, 512], and lse base 2) go to scratch; each split then
 counts itself in (an atomic per sequence and head group, acq_rel at gpu scope, after a CTA
-barrier) and the last to arrive merges every partial (its own from registers) into ``out`` and
-sets the counter back to 0: a captured CUDA graph replays from a clean state. One split (a
+barrier) and the last to arrive merges every partial, in split order from scratch (its own
+too: a call's output does not depend on which split came last), into ``out`` and sets the
+counter back to 0: a captured CUDA graph replays from a clean state. One split (a
 batch that fills the GPU) writes ``out`` directly.
 """
 
@@ -268,21 +269,20 @@ def _finish(acc, m, l, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, b, s, hg, n
         count = gl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
         if count == num_splits - 1:
             gl.atomic_xchg(counter_ptr + group, 0, sem="relaxed", scope="gpu")
-            # Online merge, base 2: mm the running max of the lse, den and o the sums of
-            # 2^(lse_i - mm) and 2^(lse_i - mm) o_i. The next partial is loaded (L2: .cg) before
-            # the current one is added.
-            mm = lse
-            den = gl.where(lse > float("-inf"), 1.0, 0.0)
-            nxt = gl.where(s == 0, 1, 0)
-            lse_n = gl.load(mid_lse_ptr + (row0 + nxt) * 16 + rows, mask=nxt < num_splits,
-                            other=float("-inf"), cache_modifier=".cg")
-            o_n = gl.load(mid_o_ptr + (row0 + nxt) * 8192 + tile_off, mask=nxt < num_splits, other=0.0,
-                          cache_modifier=".cg")
-            for _ in range(num_splits - 1):
+            # Online merge, base 2, over the partials in split order from scratch (this program's
+            # own too: the same result whichever split arrives last, so a call is
+            # deterministic): mm the running max of the lse, den and o the sums of
+            # 2^(lse_i - mm) and 2^(lse_i - mm) o_i. The next partial is loaded (L2: .cg)
+            # before the current one is added.
+            mm = gl.full_like(lse, float("-inf"))
+            den = gl.zeros_like(lse)
+            o = gl.zeros_like(o)
+            lse_n = gl.load(mid_lse_ptr + row0 * 16 + rows, cache_modifier=".cg")
+            o_n = gl.load(mid_o_ptr + row0 * 8192 + tile_off, cache_modifier=".cg")
+            for i in range(num_splits):
                 lse_i = lse_n
                 o_i = o_n
-                nxt += 1
-                nxt = gl.where(nxt == s, nxt + 1, nxt)
+                nxt = i + 1
                 lse_n = gl.load(mid_lse_ptr + (row0 + nxt) * 16 + rows, mask=nxt < num_splits,
                                 other=float("-inf"), cache_modifier=".cg")
                 o_n = gl.load(mid_o_ptr + (row0 + nxt) * 8192 + tile_off, mask=nxt < num_splits, other=0.0,
