@@ -171,8 +171,8 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Run a few throwaway requests so the kernels of every step kind compile now, not
         inside the first users' time to first token: prompts alone, decodes (graphs), a
-        chunk beside decodes, a prompt over a cached prefix; each step kind with a token
-        count that is a multiple of 16 and one that is not (Triton specializes integer
+        chunk beside decodes, a prompt over a cached prefix, a prompt step of the whole token
+        budget; each step kind with a token count that is a multiple of 16 and one that is not (Triton specializes integer
         arguments on divisibility by 16 and compiles each case apart). Leaves no trace:
         no blocks, cached prefixes or counts."""
         if self.has_unfinished_requests():
@@ -195,6 +195,15 @@ class LLMEngine:
         self.add_request("__warmup_4", prompt[::-1][:a], params)
         while self.has_unfinished_requests():
             self.step()
+        # One prompt step of the whole token budget: the largest prompt steps' GEMMs run kernels
+        # of their own, which CUDA loads on first use (from disk on a fresh machine). Without
+        # it the first process on an H200 spent ~1 s more in its timed prompt steps (runs
+        # 82-83: 236 against 181 ms a step at 8192 tokens).
+        full = min(self.config.max_num_batched_tokens, self.max_model_len - 3)
+        if full > chunk and self.kv_manager.num_free_blocks * self.config.block_size >= 2 * full:
+            self.add_request("__warmup_5", [(7 * i + 3) % vocab for i in range(full)], params)
+            while self.has_unfinished_requests():
+                self.step()
         # the sampling kernel's fp32 variant (after penalties or a top-k/top-p filter)
         self.runner.sampler.warm_up(self.device)
         self.kv_manager.reset_prefix_cache()
