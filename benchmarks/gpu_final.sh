@@ -82,6 +82,9 @@
 #                                          prefill's GPU tests (schedule fix, TMA map cache), the engine's with it on, its benchmark
 #   bash benchmarks/gpu_final.sh s10e      8B fp8 throughput without then with transformers (is run 82's slow prompt phase a
 #                                          first-run effect?), then the Gluon MLA decode's GPU tests in what is left
+#   bash benchmarks/gpu_final.sh s11a      next session's FIRST command on a fresh machine: 8B fp8 throughput (the warm-up's
+#                                          full-budget prompt step: prompt steps ~181 ms in a first process? jit_compiles),
+#                                          8B bf16 with the Gluon paged prefill off / on, the Gluon MLA decode's GPU tests
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -573,5 +576,16 @@ s10e)  # session 10 call 5 (run 83), ~350 s of device time left
     --hf-requests 16 --hf-batch-size 16 --json-out "$OUT/throughput_8b_fp8_hf.json" 2>&1 | grep -E "tok_per_s|speedup|Error"
   timeout "$(left 150)" python3 -m pytest -x -v -p no:cacheprovider -m gpu tests/kernels/test_mla_decode_gluon.py -rf 2>&1 \
     | tee "$OUT/mla_gluon_tests.txt" | tail -n 8 ;;
+s11a)  # session 11 call 1, on a fresh machine (the first process matters: runs 82-83)
+  left() { local t=$((560 - SECONDS)); [ "$1" -lt "$t" ] && t=$1; echo $t; }
+  timeout "$(left 100)" $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --kv-cache-dtype fp8 \
+    --no-hf --json-out "$OUT/throughput_8b_fp8_first.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  for g in 0 1 0 1; do
+    FLASHPAGE_PREFILL_GLUON=$g timeout "$(left 100)" $FP bench throughput --config llama-3-8b \
+      --gpu-memory-utilization 0.75 --no-hf --json-out "$OUT/k/throughput_8b_prefill_gluon$g.$RANDOM.json" 2>&1 \
+      | grep -E "output_tok_per_s|Error"
+  done
+  timeout "$(left 150)" $PT -x -v -m gpu tests/kernels/test_mla_decode_gluon.py -rf 2>&1 \
+    | tee "$OUT/mla_gluon_tests.txt" | tail -n 4 ;;
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
