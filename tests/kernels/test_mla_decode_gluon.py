@@ -31,7 +31,8 @@ TOL = 2e-2  # ||out - ref|| / ||ref||, bf16 (test_mla_decode.py's REL_TOL)
 # --------------------------------------------------------------------------- sm_90 compile (CPU)
 
 
-def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True):
+def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True, peel: bool = False,
+                 lean: bool = False, lazy: bool = False):
     """The kernel compiled for sm_90 as an H200 launch compiles it (bf16; pointers and the
     strides that are multiples of 16 there marked so)."""
     import triton
@@ -41,12 +42,12 @@ def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True):
     from flashpage.kernels import mla_decode_gluon as mg
 
     fn = mg._mla_decode_gluon_kernel
-    consts = {"PAGE": page, "R": stages or mg.STAGES, "SPLIT": split}
+    consts = {"PAGE": page, "R": stages or mg.STAGES, "SPLIT": split, "PEEL": peel, "LEAN": lean, "LAZY": lazy}
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[8, 16, 64],{mg._TMA_SMEM.value!r}>",
                 "pe_desc": f"tensordesc<bf16[16, 64],{mg._TMA_SMEM2.value!r}>", "block_tables_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
-                "counter_ptr": "*i32", "qk_scale": "fp32"})
+                "counter_ptr": "*i32", "qk_scale": "fp32", "inv_splits": "fp32"})
     sig.update({c: "constexpr" for c in consts})
     aligned = ("q_ptr", "block_tables_ptr", "seq_lens_ptr", "out_ptr", "mid_o_ptr", "mid_lse_ptr", "counter_ptr",
                "stride_qb", "stride_qh", "stride_ob", "stride_oh")
