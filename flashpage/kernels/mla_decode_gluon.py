@@ -37,6 +37,36 @@ barrier) and the last to arrive merges every partial, in split order from scratc
 too: a call's output does not depend on which split came last), into ``out`` and sets the
 counter back to 0: a captured CUDA graph replays from a clean state. One split (a
 batch that fills the GPU) writes ``out`` directly.
+
+Tile-loop knobs (``_launch``; all off by default, the loop as first written): ``peel`` runs an
+item's last tile once after the loop, so the loop's tiles skip the masking (the default's V
+masking, behind a runtime test, is if-converted by the compiler and runs every tile: ~130 SEL
++ 128 PRMT); ``lean`` carries the ring's index, phase and scratch parity as counters and walks
+the producer's items in mixed radix (sequence, split, head group: adding nprog is two compares
+and carries; a split's share by an fp32 reciprocal, corrected), so no integer division or
+modulo is left in the loop; ``lazy`` rescales the accumulator (64 FMUL a thread) only when a
+row's running max grew by more than 2^8 (LAZY_LOG2; p <= 256 otherwise, the result unchanged;
+the scores are the same in every warp, so the test is uniform). sm_90 SASS of the tile loop a
+warp (Triton 3.6, page 64 with splits; static instructions between the back branch and its
+label, so lazy's skipped rescale counts; tests/kernels/test_mla_decode_gluon.py prints them)::
+
+    form            loop   registers  spill   shared       BAR.SYNC  HMMA
+    default         1,097  255        8 B     108,676 B    8         68
+    peel              792  254        0       108,676 B    8         68
+    lean            1,027  255        24 B    108,676 B    8         68
+    lazy            1,116  254        0       108,676 B    8         68
+    all (the three)   721  254        0       108,676 B    8         68   (2 programs an SM each)
+
+Not done yet: the 8 BAR.SYNC a tile. One is the scores' exchange; the others are Triton 3.6's
+membar, which sees each mbarrier wait / expect and TMA issue as an access to the whole ``bars``
+/ ``ring`` allocation (the dynamic index hides which slot) and puts a bar.sync between
+conflicting ones: at the loop top (the last tile's TMA writes before this tile's waits),
+between the two slots' waits, and around each expect and copy. Slot parity in separate
+allocations (ring_0 / ring_1, bars_0 / bars_1, R even) would drop the one between the waits
+and between the slots' issues (8 -> ~5); a warp-specialized producer (as paged_decode_gluon's
+``warp_specialize``) takes the issues out of the compute warps altogether, but Gluon puts a
+bar.sync before each mbarrier wait and arrive of a 4-warp partition, and the 5th warp's
+registers cost the second program an SM unless setmaxnreg moves them.
 """
 
 from __future__ import annotations
