@@ -57,16 +57,20 @@ label, so lazy's skipped rescale counts; tests/kernels/test_mla_decode_gluon.py 
     lazy            1,116  254        0       108,676 B    8         68
     all (the three)   721  254        0       108,676 B    8         68   (2 programs an SM each)
 
-Not done yet: the 8 BAR.SYNC a tile. One is the scores' exchange; the others are Triton 3.6's
-membar, which sees each mbarrier wait / expect and TMA issue as an access to the whole ``bars``
-/ ``ring`` allocation (the dynamic index hides which slot) and puts a bar.sync between
-conflicting ones: at the loop top (the last tile's TMA writes before this tile's waits),
-between the two slots' waits, and around each expect and copy. Slot parity in separate
-allocations (ring_0 / ring_1, bars_0 / bars_1, R even) would drop the one between the waits
-and between the slots' issues (8 -> ~5); a warp-specialized producer (as paged_decode_gluon's
-``warp_specialize``) takes the issues out of the compute warps altogether, but Gluon puts a
-bar.sync before each mbarrier wait and arrive of a 4-warp partition, and the 5th warp's
-registers cost the second program an SM unless setmaxnreg moves them.
+Not done yet: the 8 BAR.SYNC a tile. One is the scores' exchange (as written); Triton 3.6's
+membar adds the rest, since it sees each access to an allocation through a dynamic index as
+an access to all of it: one before the scratch stores (the last tile's reads of the other
+parity), one between the two slots' scratch stores (write after write), one between the two
+slots' mbarrier waits, and one around each expect and TMA copy (2 x 2, the copies naming the
+expect's barrier). Measured on a throwaway copy (all knobs, R = 4): slot parity in separate
+allocations (ring / ring_pe / bars as _0 and _1) removes only the one between the waits (8 ->
+7); a separate scratch allocation per slot should remove the write-after-write one; issuing a
+tile's two slots together (both expects, one bar.sync, both value boxes, one bar.sync, both
+rope boxes; the producer then carries two rows ahead) should bring the issue's 4 to 2: 4 a
+tile in all. A warp-specialized producer (as paged_decode_gluon's ``warp_specialize``) takes
+the issues out of the compute warps altogether, but Gluon puts a bar.sync before each mbarrier
+wait and arrive of a 4-warp partition, and a 5th warp's registers cost the second program an
+SM unless setmaxnreg moves them.
 """
 
 from __future__ import annotations
