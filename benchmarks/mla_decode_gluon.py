@@ -7,8 +7,12 @@ median of CUDA-graph replays over calls that rotate over >= 256 MB of independen
 (benchmarks/mla_decode.py's ``Case``), so small shapes are not timed out of L2. One failing
 variant prints its error in its cell and the others go on.
 
-    python benchmarks/mla_decode_gluon.py --out $OUT          # ~2 min on an H200
+    python benchmarks/mla_decode_gluon.py --out $OUT          # ~3 min on an H200 (6 variants)
     python benchmarks/mla_decode_gluon.py --variants gluon gluon_s4 --shapes 8x32768
+
+Variants: ``triton``, ``gluon`` (the Gluon default), ``gluon_peel`` / ``gluon_lean`` /
+``gluon_lazy`` (one tile-loop knob of ``_launch`` each) and ``gluon_all`` (the three), by
+default; ``gluon_s4`` (4 ring slots) and ``gluon_p1sm`` (one program an SM) on request.
 
 Writes $OUT/mla_decode_gluon.json and prints a markdown table.
 """
@@ -32,9 +36,15 @@ SHAPES = [(8, 32768), (16, 16384), (32, 4096), (64, 8192), (128, 4096), (8, 4096
 VARIANTS = {
     "triton": (mla_decode, {}),
     "gluon": (gluon_launch, {}),
+    # the tile-loop knobs (kernels/mla_decode_gluon.py's module doc), alone and together
+    "gluon_peel": (gluon_launch, {"peel": True}),
+    "gluon_lean": (gluon_launch, {"lean": True}),
+    "gluon_lazy": (gluon_launch, {"lazy": True}),
+    "gluon_all": (gluon_launch, {"peel": True, "lean": True, "lazy": True}),
     "gluon_s4": (gluon_launch, {"stages": 4}),
     "gluon_p1sm": (gluon_launch, {"programs": -1}),  # one program an SM (-1: resolved below)
 }
+DEFAULT_VARIANTS = ["triton", "gluon", "gluon_peel", "gluon_lean", "gluon_lazy", "gluon_all"]
 
 
 def _kw(kw: dict) -> dict:
@@ -47,7 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     ap.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES])
     args = ap.parse_args()
     t0 = time.time()

@@ -37,6 +37,40 @@ barrier) and the last to arrive merges every partial, in split order from scratc
 too: a call's output does not depend on which split came last), into ``out`` and sets the
 counter back to 0: a captured CUDA graph replays from a clean state. One split (a
 batch that fills the GPU) writes ``out`` directly.
+
+Tile-loop knobs (``_launch``; all off by default, the loop as first written): ``peel`` runs an
+item's last tile once after the loop, so the loop's tiles skip the masking (the default's V
+masking, behind a runtime test, is if-converted by the compiler and runs every tile: ~130 SEL
++ 128 PRMT); ``lean`` carries the ring's index, phase and scratch parity as counters and walks
+the producer's items in mixed radix (sequence, split, head group: adding nprog is two compares
+and carries; a split's share by an fp32 reciprocal, corrected), so no integer division or
+modulo is left in the loop; ``lazy`` rescales the accumulator (64 FMUL a thread) only when a
+row's running max grew by more than 2^8 (LAZY_LOG2; p <= 256 otherwise, the result unchanged;
+the scores are the same in every warp, so the test is uniform). sm_90 SASS of the tile loop a
+warp (Triton 3.6, page 64 with splits; static instructions between the back branch and its
+label, so lazy's skipped rescale counts; tests/kernels/test_mla_decode_gluon.py prints them)::
+
+    form            loop   registers  spill   shared       BAR.SYNC  HMMA
+    default         1,097  255        8 B     108,676 B    8         68
+    peel              792  254        0       108,676 B    8         68
+    lean            1,027  255        24 B    108,676 B    8         68
+    lazy            1,116  254        0       108,676 B    8         68
+    all (the three)   721  254        0       108,676 B    8         68   (2 programs an SM each)
+
+Not done yet: the 8 BAR.SYNC a tile. One is the scores' exchange (as written); Triton 3.6's
+membar adds the rest, since it sees each access to an allocation through a dynamic index as
+an access to all of it: one before the scratch stores (the last tile's reads of the other
+parity), one between the two slots' scratch stores (write after write), one between the two
+slots' mbarrier waits, and one around each expect and TMA copy (2 x 2, the copies naming the
+expect's barrier). Measured on a throwaway copy (all knobs, R = 4): slot parity in separate
+allocations (ring / ring_pe / bars as _0 and _1) removes only the one between the waits (8 ->
+7); a separate scratch allocation per slot should remove the write-after-write one; issuing a
+tile's two slots together (both expects, one bar.sync, both value boxes, one bar.sync, both
+rope boxes; the producer then carries two rows ahead) should bring the issue's 4 to 2: 4 a
+tile in all. A warp-specialized producer (as paged_decode_gluon's ``warp_specialize``) takes
+the issues out of the compute warps altogether, but Gluon puts a bar.sync before each mbarrier
+wait and arrive of a 4-warp partition, and a 5th warp's registers cost the second program an
+SM unless setmaxnreg moves them.
 """
 
 from __future__ import annotations
@@ -64,6 +98,7 @@ NUM_WARPS = 4
 STAGES = 5  # ring slots: 5 x 18 KB + 16 KB scratch = 106 KB, 2 programs an SM
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_KEYS = 256  # a split keeps at least this many keys
+LAZY_LOG2 = gl.constexpr(8.0)  # lazy=True: rescale once a row's max grew by > 2^8 (p <= 256)
 
 _W = gl.constexpr(NUM_WARPS)
 _SL = gl.constexpr(SLOT)
@@ -155,13 +190,67 @@ def _slot_row(bt_row, pos, last_page, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _produce(kv_desc, pe_desc, ring, ring_pe, bars, p, row, item, slot, nslots, start, bt_row, last_page,
-             nprog, num_items, num_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb,
-             PAGE: gl.constexpr, R: gl.constexpr):
-    """Issue the cursor's slot (the program's p-th: ring index p % R), advance the cursor (to the
-    next item with a key after the last slot of one) and load the next slot's cache row."""
+def _cdiv_splits(x, num_splits, inv_splits):
+    """cdiv(x, num_splits) for 0 <= x < 2^24 without an integer division: x * (1 / num_splits)
+    in fp32 (off by at most one), then corrected (lean=True)."""
+    q = (x.to(gl.float32) * inv_splits).to(gl.int32)
+    q = gl.where(q * num_splits > x, q - 1, q)
+    q = gl.where((q + 1) * num_splits <= x, q + 1, q)
+    return gl.where(q * num_splits < x, q + 1, q)
+
+
+@gluon.jit
+def _step_item(item, b, s, hg, nprog, db, ds, dh, num_splits, head_groups):
+    """item + nprog with (sequence, split, head group) carried in mixed radix: nprog = (db *
+    splits + ds) * groups + dh, so two compares and carries, no division."""
+    hg += dh
+    c = (hg >= head_groups).to(gl.int32)
+    hg -= c * head_groups
+    s += ds + c
+    c = (s >= num_splits).to(gl.int32)
+    s -= c * num_splits
+    return item + nprog, b + db + c, s, hg
+
+
+@gluon.jit
+def _range_lean(item, b, s, num_items, num_splits, inv_splits, seq_lens_ptr):
+    """_item_range's keys [start, end) and sequence length, the split share by _cdiv_splits."""
+    seq_len = gl.load(seq_lens_ptr + b, mask=item < num_items, other=0)
+    chunk = gl.cdiv(_cdiv_splits(seq_len, num_splits, inv_splits), _BN) * _BN
+    start = s * chunk
+    return seq_len, start, gl.minimum(start + chunk, seq_len)
+
+
+@gluon.jit
+def _seek_lean(item, b, s, hg, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
+               seq_lens_ptr, block_tables_ptr, stride_btb, PAGE: gl.constexpr, ADVANCE: gl.constexpr):
+    """_seek from ``item`` (+ nprog with ADVANCE) for lean=True: the cursor's (sequence, split,
+    head group) carried (``b_last``: the last sequence, the block-table row past the end);
+    also returns them."""
+    if ADVANCE:
+        item, b, s, hg = _step_item(item, b, s, hg, nprog, db, ds, dh, num_splits, head_groups)
+    seq_len, start, end = _range_lean(item, b, s, num_items, num_splits, inv_splits, seq_lens_ptr)
+    while (end <= start) & (item < num_items):
+        item, b, s, hg = _step_item(item, b, s, hg, nprog, db, ds, dh, num_splits, head_groups)
+        seq_len, start, end = _range_lean(item, b, s, num_items, num_splits, inv_splits, seq_lens_ptr)
+    nslots = 2 * gl.cdiv(gl.maximum(end - start, 0), _BN)
+    return (item, b, s, hg, start, nslots, block_tables_ptr + gl.minimum(b, b_last).to(gl.int64) * stride_btb,
+            gl.maximum(seq_len - 1, 0) // PAGE)
+
+
+@gluon.jit
+def _produce(kv_desc, pe_desc, ring, ring_pe, bars, p, row, item, b, s, hg, slot, nslots, start, bt_row, last_page,
+             nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups, seq_lens_ptr,
+             block_tables_ptr, stride_btb, PAGE: gl.constexpr, R: gl.constexpr, LEAN: gl.constexpr):
+    """Issue the cursor's slot, advance the cursor (to the next item with a key after the last
+    slot of one) and load the next slot's cache row. ``p``: the program's issue count (ring
+    index p % R), or with LEAN the ring index itself, wrapped by a compare; LEAN also walks
+    the items by _seek_lean (b, s, hg carried; unused otherwise)."""
     pred = item < num_items
-    idx = p % R
+    if LEAN:
+        idx = p
+    else:
+        idx = p % R
     bar = bars.index(idx)
     mbarrier.expect(bar, _SLOT_BYTES, pred=pred)
     tma.async_copy_global_to_shared(kv_desc, [0, row, 0], bar,
@@ -170,11 +259,20 @@ def _produce(kv_desc, pe_desc, ring, ring_pe, bars, p, row, item, slot, nslots, 
     tma.async_copy_global_to_shared(pe_desc, [row, 0], bar, ring_pe.index(idx), pred=pred)
     slot += 1
     if slot == nslots:
-        item, start, nslots, bt_row, last_page = _seek(item + nprog, nprog, num_items, num_splits, head_groups,
-                                                       seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
+        if LEAN:
+            item, b, s, hg, start, nslots, bt_row, last_page = _seek_lean(
+                item, b, s, hg, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
+                seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, True)
+        else:
+            item, start, nslots, bt_row, last_page = _seek(item + nprog, nprog, num_items, num_splits, head_groups,
+                                                           seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
         slot = 0
     row = _slot_row(bt_row, start + slot * _SL, last_page, PAGE)
-    return row, item, slot, nslots, start, bt_row, last_page
+    p += 1
+    if LEAN:  # noqa: SIM102 (a constexpr test around a runtime one)
+        if p == R:
+            p = 0
+    return p, row, item, b, s, hg, slot, nslots, start, bt_row, last_page
 
 
 @gluon.jit
@@ -197,14 +295,47 @@ def _load_q(q_ptr, item, num_items, num_splits, head_groups, stride_qb, stride_q
 
 
 @gluon.jit
-def _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, g, R: gl.constexpr):
-    """Wait for the tile's two slots (g, g + 1) and store each warp's partial scores of both to
-    the scratch buffer of this tile's parity."""
-    buf = (g // 2) % 2
+def _ring_slots(g, ph, buf, R: gl.constexpr, LEAN: gl.constexpr):
+    """Ring index and phase of a tile's two slots, and its scratch parity. Default: g the
+    program's slot count (index g % R, phase (g // R) & 1); LEAN: g the first slot's index,
+    ph its phase, buf the parity, all carried (_ring_next), no division."""
+    if LEAN:
+        i1 = g + 1
+        ph1 = ph
+        if i1 == R:
+            i1 = 0
+            ph1 = ph ^ 1
+        return g, ph, i1, ph1, buf
+    else:
+        return g % R, (g // R) & 1, (g + 1) % R, ((g + 1) // R) & 1, (g // 2) % 2
+
+
+@gluon.jit
+def _ring_next(g, ph, buf, R: gl.constexpr, LEAN: gl.constexpr):
+    """The next tile's (g, ph, buf) (see _ring_slots)."""
+    if LEAN:
+        g += 2
+        if g >= R:
+            g -= R
+            ph = ph ^ 1
+        buf = buf ^ 1
+    else:
+        g += 2
+    return g, ph, buf
+
+
+@gluon.jit
+def _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, idx0, ph0, idx1, ph1, buf):
+    """Wait for the tile's two slots (ring indices idx0, idx1 at phases ph0, ph1) and store each
+    warp's partial scores of both to the scratch buffer of parity ``buf``."""
     for j in gl.static_range(2):
-        sl = g + j
-        idx = sl % R
-        mbarrier.wait(bars.index(idx), (sl // R) & 1)
+        if j == 0:
+            idx = idx0
+            ph = ph0
+        else:
+            idx = idx1
+            ph = ph1
+        mbarrier.wait(bars.index(idx), ph)
         slot = ring.index(idx)
         k_lo = slot.slice(0, 4)._reinterpret(q_lo.dtype, [_W, 64, _SL], _K_VIEW).load(_B3)
         k_hi = slot.slice(4, 4)._reinterpret(q_lo.dtype, [_W, 64, _SL], _K_VIEW).load(_B3)
@@ -215,29 +346,52 @@ def _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, g, R: gl.cons
 
 
 @gluon.jit
-def _attend(ring, scratch, g, m, l, acc, key0, end, qk_scale, dtype: gl.constexpr, R: gl.constexpr):
+def _attend(ring, scratch, idx0, idx1, buf, m, l, acc, key0, end, qk_scale, dtype: gl.constexpr,
+            MASK: gl.constexpr, LAZY: gl.constexpr):
     """The tile's scores (the 4 warps' partials summed, scaled to base 2; keys >= end -inf),
-    the online-softmax step and acc += P V (the item's last tile: the V rows of keys >= end
-    zeroed, since an unowned slot may hold NaN and 0 * NaN is NaN)."""
-    buf = (g // 2) % 2
+    the online-softmax step and acc += P V, the V rows of keys >= end zeroed (an unowned slot
+    may hold NaN, and 0 * NaN is NaN). MASK 0: the V rows masked behind a runtime test
+    (if-converted by the compiler: ~260 SEL/PRMT every tile), 1: no masking (a tile of the
+    peeled loop: every key < end), 2: masked (the peeled last tile)."""
     s0 = gl.convert_layout(gl.sum(scratch.index(2 * buf).load(_SREAD), 0), _S2, assert_trivial=True) * qk_scale
     s1 = gl.convert_layout(gl.sum(scratch.index(2 * buf + 1).load(_SREAD), 0), _S2, assert_trivial=True) * qk_scale
-    offs = gl.expand_dims(gl.arange(0, _SL, layout=gl.SliceLayout(0, _S2)), 0)
-    s0 = gl.where(key0 + offs < end, s0, float("-inf"))
-    s1 = gl.where(key0 + _SL + offs < end, s1, float("-inf"))
+    if MASK != 1:
+        offs = gl.expand_dims(gl.arange(0, _SL, layout=gl.SliceLayout(0, _S2)), 0)
+        s0 = gl.where(key0 + offs < end, s0, float("-inf"))
+        s1 = gl.where(key0 + _SL + offs < end, s1, float("-inf"))
     m_new = gl.maximum(m, gl.maximum(gl.max(s0, 1), gl.max(s1, 1)))  # finite: a tile has a key
-    alpha = gl.exp2(m - m_new)
-    p0 = gl.exp2(s0 - gl.expand_dims(m_new, 1))
-    p1 = gl.exp2(s1 - gl.expand_dims(m_new, 1))
-    l = l * alpha + gl.sum(p0, 1) + gl.sum(p1, 1)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _MMA2)), 1)
+    if LAZY:
+        # Rescale only when some row's max grew by more than LAZY_LOG2 (the first tile: from
+        # -inf); otherwise keep the old max: p <= 2^LAZY_LOG2, and o = acc / l is unchanged.
+        # The scores are the same in every warp, so the branch is uniform across the CTA.
+        if gl.max(m_new - m, 0) > LAZY_LOG2:
+            alpha = gl.exp2(m - m_new)
+            l = l * alpha
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _MMA2)), 1)
+            m = m_new
+        m_new = m
+        p0 = gl.exp2(s0 - gl.expand_dims(m_new, 1))
+        p1 = gl.exp2(s1 - gl.expand_dims(m_new, 1))
+        l = l + gl.sum(p0, 1) + gl.sum(p1, 1)
+    else:
+        alpha = gl.exp2(m - m_new)
+        p0 = gl.exp2(s0 - gl.expand_dims(m_new, 1))
+        p1 = gl.exp2(s1 - gl.expand_dims(m_new, 1))
+        l = l * alpha + gl.sum(p0, 1) + gl.sum(p1, 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _MMA2)), 1)
     for j in gl.static_range(2):
         if j == 0:
             pa = gl.convert_layout(p0.to(dtype), _A2)
+            idx = idx0
         else:
             pa = gl.convert_layout(p1.to(dtype), _A2)
-        v = ring.index((g + j) % R)._reinterpret(dtype, [_SL, 512], _V_VIEW).load(_B2)
-        if key0 + _BN > end:
+            idx = idx1
+        v = ring.index(idx)._reinterpret(dtype, [_SL, 512], _V_VIEW).load(_B2)
+        if MASK == 0:
+            if key0 + _BN > end:
+                keys = gl.expand_dims(gl.arange(0, _SL, layout=gl.SliceLayout(1, _B2)), 1)
+                v = gl.where(key0 + j * _SL + keys < end, v, gl.zeros_like(v))
+        elif MASK == 2:
             keys = gl.expand_dims(gl.arange(0, _SL, layout=gl.SliceLayout(1, _B2)), 1)
             v = gl.where(key0 + j * _SL + keys < end, v, gl.zeros_like(v))
         acc = mma_v2(pa, v, acc)
@@ -301,16 +455,43 @@ def _finish(acc, m, l, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, b, s, hg, n
 
 
 @gluon.jit
+def _tile(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, g, ph, buf, m, l, acc, key0, end, qk_scale,
+          kv_desc, pe_desc, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page,
+          nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups, seq_lens_ptr, block_tables_ptr,
+          stride_btb, dtype: gl.constexpr, PAGE: gl.constexpr, R: gl.constexpr, LEAN: gl.constexpr,
+          MASK: gl.constexpr, LAZY: gl.constexpr):
+    """One 32-key tile: the partial scores, the CTA barrier, the refill of the last tile's two
+    slots, the softmax step and P V. Returns the consumer's and the producer's new state."""
+    i0, ph0, i1, ph1, bf = _ring_slots(g, ph, buf, R, LEAN)
+    _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, i0, ph0, i1, ph1, bf)
+    gl.thread_barrier()  # every warp's partials stored; every warp done with the last tile
+    fence_async_shared()  # ... its generic reads of the two slots refilled now
+    for _ in gl.static_range(2):
+        p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _produce(
+            kv_desc, pe_desc, ring, ring_pe, bars, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
+            p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
+            seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R, LEAN)
+    m, l, acc = _attend(ring, scratch, i0, i1, bf, m, l, acc, key0, end, qk_scale, dtype, MASK, LAZY)
+    g, ph, buf = _ring_next(g, ph, buf, R, LEAN)
+    return (g, ph, buf, m, l, acc,
+            p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page)
+
+
+@gluon.jit
 def _mla_decode_gluon_kernel(
     q_ptr, kv_desc, pe_desc, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     counter_ptr,  # int32 [B * head_groups], 0 on entry and on exit (SPLIT only)
     qk_scale,  # sm_scale * log2(e)
+    inv_splits,  # 1 / num_splits (fp32; LEAN only)
     num_items,  # B * num_splits * head_groups
     num_splits, head_groups,
     stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
     PAGE: gl.constexpr,  # cache block size, a multiple of 16
     R: gl.constexpr,  # ring slots (>= 4)
     SPLIT: gl.constexpr,  # num_splits > 1: partials and the in-kernel merge
+    PEEL: gl.constexpr,  # an item's last tile out of the loop (the loop's tiles unmasked)
+    LEAN: gl.constexpr,  # ring counters and the producer's items without divisions
+    LAZY: gl.constexpr,  # rescale the accumulator only when a row's max grew by > 2^LAZY_LOG2
 ):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -325,17 +506,34 @@ def _mla_decode_gluon_kernel(
     gl.thread_barrier()
 
     # The producer cursor at the program's first item with a key, its first R - 2 slots in flight.
-    p_item, p_start, p_nslots, p_bt_row, p_last_page = _seek(pid, nprog, num_items, num_splits, head_groups,
-                                                             seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
+    # LEAN: nprog and the cursor in mixed radix (sequence, split, head group), divided once here.
+    groups = num_splits * head_groups
+    dh = nprog % head_groups
+    ds = (nprog // head_groups) % num_splits
+    db = nprog // groups
+    b_last = (num_items - 1) // groups
+    p_b = pid // groups
+    p_s = (pid // head_groups) % num_splits
+    p_hg = pid % head_groups
+    if LEAN:
+        p_item, p_b, p_s, p_hg, p_start, p_nslots, p_bt_row, p_last_page = _seek_lean(
+            pid, p_b, p_s, p_hg, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
+            seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, False)
+    else:
+        p_item, p_start, p_nslots, p_bt_row, p_last_page = _seek(pid, nprog, num_items, num_splits, head_groups,
+                                                                 seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
     p_slot = 0
     p_row = _slot_row(p_bt_row, p_start, p_last_page, PAGE)
-    for k in gl.static_range(R - 2):
-        p_row, p_item, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _produce(
-            kv_desc, pe_desc, ring, ring_pe, bars, k, p_row, p_item, p_slot, p_nslots, p_start, p_bt_row, p_last_page,
-            nprog, num_items, num_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R)
-    p = R - 2
+    p = 0
+    for _k in gl.static_range(R - 2):
+        p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _produce(
+            kv_desc, pe_desc, ring, ring_pe, bars, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
+            p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
+            seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R, LEAN)
 
-    g = 0  # slots consumed: ring index g % R, phase (g // R) & 1
+    g = 0  # default: slots consumed (ring index g % R, phase (g // R) & 1); LEAN: see _ring_slots
+    ph = 0
+    buf = 0
     for item in range(pid, num_items, nprog):
         b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups)
         nt = gl.cdiv(gl.maximum(end - start, 0), _BN)
@@ -344,18 +542,25 @@ def _mla_decode_gluon_kernel(
         m = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, _S2))
         l = gl.zeros([16], gl.float32, gl.SliceLayout(1, _S2))
         acc = gl.zeros([16, 512], gl.float32, _MMA2)
-        for i in range(nt):
-            _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, g, R)
-            gl.thread_barrier()  # every warp's partials stored; every warp done with the last tile
-            fence_async_shared()  # ... its generic reads of the two slots refilled now
-            for _ in gl.static_range(2):
-                p_row, p_item, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _produce(
-                    kv_desc, pe_desc, ring, ring_pe, bars, p, p_row, p_item, p_slot, p_nslots, p_start, p_bt_row,
-                    p_last_page, nprog, num_items, num_splits, head_groups, seq_lens_ptr, block_tables_ptr,
-                    stride_btb, PAGE, R)
-                p += 1
-            m, l, acc = _attend(ring, scratch, g, m, l, acc, start + i * _BN, end, qk_scale, dtype, R)
-            g += 2
+        if PEEL:
+            n_loop = nt - 1
+        else:
+            n_loop = nt
+        for i in range(n_loop):
+            (g, ph, buf, m, l, acc,
+             p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page) = _tile(
+                q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, g, ph, buf, m, l, acc, start + i * _BN, end, qk_scale,
+                kv_desc, pe_desc, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page,
+                nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups, seq_lens_ptr,
+                block_tables_ptr, stride_btb, dtype, PAGE, R, LEAN, 1 if PEEL else 0, LAZY)
+        if PEEL:  # noqa: SIM102 (a constexpr test around a runtime one)
+            if nt > 0:
+                (g, ph, buf, m, l, acc,
+                 p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page) = _tile(
+                    q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, g, ph, buf, m, l, acc, start + n_loop * _BN, end,
+                    qk_scale, kv_desc, pe_desc, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
+                    p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
+                    seq_lens_ptr, block_tables_ptr, stride_btb, dtype, PAGE, R, LEAN, 2, LAZY)
         _finish(acc, m, l, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, b, s, hg, num_splits, head_groups,
                 stride_ob, stride_oh, SPLIT)
     for k in gl.static_range(R):  # every issued slot was waited on (none issued past the last item)
@@ -429,9 +634,12 @@ def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -
 
 
 def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=None, num_splits=None,
-            programs: int | None = None, stages: int = STAGES):
+            programs: int | None = None, stages: int = STAGES, peel: bool = False, lean: bool = False,
+            lazy: bool = False):
     """mla_decode_gluon with the knobs tests and benchmarks turn: ``programs`` (None: 2 an SM,
-    at most one a work item), ``stages`` (ring slots, >= 4)."""
+    at most one a work item), ``stages`` (ring slots, >= 4), ``peel`` (an item's last tile out
+    of the loop), ``lean`` (ring counters, the producer's items without divisions), ``lazy``
+    (the accumulator rescaled only when a row's max grew by > 2^8)."""
     why = mla_gluon_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
     if why:
         raise ValueError("mla_decode_gluon cannot take this call: " + "; ".join(why))
@@ -466,9 +674,9 @@ def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=
     grid = min(items, max(1, programs or slots))
     _mla_decode_gluon_kernel[(grid,)](
         q, *_cache_descriptors(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse, counters,
-        sm_scale * _LOG2E, items, num_splits, hg,
+        sm_scale * _LOG2E, 1.0 / num_splits, items, num_splits, hg,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        PAGE=kv_cache.shape[1], R=stages, SPLIT=split, num_warps=NUM_WARPS)
+        PAGE=kv_cache.shape[1], R=stages, SPLIT=split, PEEL=peel, LEAN=lean, LAZY=lazy, num_warps=NUM_WARPS)
     return out
 
 

@@ -31,7 +31,8 @@ TOL = 2e-2  # ||out - ref|| / ||ref||, bf16 (test_mla_decode.py's REL_TOL)
 # --------------------------------------------------------------------------- sm_90 compile (CPU)
 
 
-def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True):
+def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True, peel: bool = False,
+                 lean: bool = False, lazy: bool = False):
     """The kernel compiled for sm_90 as an H200 launch compiles it (bf16; pointers and the
     strides that are multiples of 16 there marked so)."""
     import triton
@@ -41,12 +42,12 @@ def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True):
     from flashpage.kernels import mla_decode_gluon as mg
 
     fn = mg._mla_decode_gluon_kernel
-    consts = {"PAGE": page, "R": stages or mg.STAGES, "SPLIT": split}
+    consts = {"PAGE": page, "R": stages or mg.STAGES, "SPLIT": split, "PEEL": peel, "LEAN": lean, "LAZY": lazy}
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[8, 16, 64],{mg._TMA_SMEM.value!r}>",
                 "pe_desc": f"tensordesc<bf16[16, 64],{mg._TMA_SMEM2.value!r}>", "block_tables_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
-                "counter_ptr": "*i32", "qk_scale": "fp32"})
+                "counter_ptr": "*i32", "qk_scale": "fp32", "inv_splits": "fp32"})
     sig.update({c: "constexpr" for c in consts})
     aligned = ("q_ptr", "block_tables_ptr", "seq_lens_ptr", "out_ptr", "mid_o_ptr", "mid_lse_ptr", "counter_ptr",
                "stride_qb", "stride_qh", "stride_ob", "stride_oh")
@@ -67,34 +68,53 @@ def tile_loop_mix(sass: str) -> dict[str, int]:
     return dict(mix)
 
 
+# The tile-loop forms _launch selects (its peel / lean / lazy knobs); every GPU test below runs
+# each of them over the same cases. "all" is the three together.
+FORMS = {
+    "default": {},
+    "peel": {"peel": True},
+    "lean": {"lean": True},
+    "lazy": {"lazy": True},
+    "all": {"peel": True, "lean": True, "lazy": True},
+}
+
+
 def _sm90_report() -> dict:
     """(In a subprocess with the interpreter off.) Registers, spills, shared memory and the tile
-    loop's mix at pages 64 and 16, split and not."""
+    loop's mix of every form at page 64 with splits, and of the default and "all" at page 16
+    and without splits."""
     try:
         import triton.experimental.gluon  # noqa: F401
     except ImportError as ex:
         return {"skip": f"no Gluon in this Triton: {ex}"}
     out = {}
-    for name, page, split in (("p64", 64, True), ("p16", 16, True), ("p64_nosplit", 64, False)):
-        k = compile_sm90(page=page, split=split)
+    compiles = [(form, 64, True) for form in FORMS]
+    compiles += [(form, page, split) for form in ("default", "all") for page, split in ((16, True), (64, False))]
+    for form, page, split in compiles:
+        k = compile_sm90(page=page, split=split, **FORMS[form])
         log, sass = ptxas_sm90a(k.asm["ptx"])
+        name = f"{form}_p{page}" + ("" if split else "_nosplit")
         out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, loop=tile_loop_mix(sass),
-                         tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"])
+                         tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], form=form)
     return out
 
 
 @cpu_only
 def test_mla_gluon_compiles_for_sm90():
-    """Two programs an SM (registers x 128 threads and shared memory), no spill beyond a few
-    words, TMA loads; per 32-key tile and warp: 68 HMMA (scores 2 x (8 + 8 + 2), P.V 2 x 16),
-    K through 18 ldmatrix and V through 16 transposing ones, one mbarrier wait a slot, 4 TMA
-    boxes. Prints the loop's mix."""
+    """Every form: two programs an SM (registers x 128 threads and shared memory), no spill
+    beyond a few words, TMA loads; per 32-key tile and warp: 68 HMMA (scores 2 x (8 + 8 + 2),
+    P.V 2 x 16), K through 18 ldmatrix and V through 16 transposing ones, one mbarrier wait a
+    slot, 4 TMA boxes. peel: no V masking in the loop (the default's ~130 SEL + 128 PRMT);
+    lean: no integer division in it (I2F.RP / IMAD.HI). Prints each loop's size and mix."""
     rep = run_compiled("test_mla_decode_gluon", "_sm90_report")
     if "skip" in rep:
         pytest.skip(rep["skip"])
     for name, r in rep.items():
-        print(f"{name}: {r['regs']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared")
-        print(f"  loop: {r['loop']}")
+        loop = r["loop"]
+        print(f"{name}: {r['regs']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared; loop "
+              f"{loop['total']} instructions, {loop.get('BAR.SYNC.DEFER_BLOCKING', 0)} BAR.SYNC, "
+              f"{loop.get('SEL', 0)} SEL, {loop.get('PRMT', 0)} PRMT, {loop.get('FMUL', 0)} FMUL")
+        print(f"  loop: {loop}")
     for name, r in rep.items():
         assert r["tma_ptx"], name
         assert r["regs"] * 128 * 2 <= 65536 and 2 * (r["shared"] + 1024) <= 228 * 1024, name
@@ -104,6 +124,12 @@ def test_mla_gluon_compiles_for_sm90():
         assert loop["LDSM.16.M88.4"] == 18 and loop["LDSM.16.MT88.4"] == 16, name
         assert loop["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 2, name
         assert loop["UTMALDG.3D"] == 2 and loop["UTMALDG.2D"] == 2, name
+        knobs = FORMS[r["form"]]
+        if knobs.get("peel"):
+            assert loop.get("SEL", 0) <= 8 and "PRMT" not in loop, name
+        if knobs.get("lean"):
+            assert "I2F.RP" not in loop and "IMAD.HI.U32" not in loop, name
+    assert rep["all_p64"]["loop"]["total"] < 0.7 * rep["default_p64"]["loop"]["total"]
 
 
 def _args(batch=2, heads=16, page=64, blocks=8, device="cpu", dtype=torch.bfloat16):
@@ -208,12 +234,13 @@ CASES = {
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("page", [64, 16])
 @pytest.mark.parametrize("case", list(CASES))
-def test_mla_gluon_gpu(case, page):
+def test_mla_gluon_gpu(case, page, form):
     """Against the reference, per sequence, out starting NaN (every row written), at the
     default split rule."""
-    run_and_check(CASES[case], page=page)
+    run_and_check(CASES[case], page=page, **FORMS[form])
 
 
 KNOBS = {
@@ -229,45 +256,51 @@ KNOBS = {
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("knob", list(KNOBS))
 @pytest.mark.parametrize("case", ["short", "ragged", "padding"])
-def test_mla_gluon_knobs_gpu(case, knob):
+def test_mla_gluon_knobs_gpu(case, knob, form):
     """Split counts 1-40 and few programs (items back to back, shorter than the ring)."""
-    run_and_check(CASES[case], page=64, **KNOBS[knob])
+    run_and_check(CASES[case], page=64, **KNOBS[knob], **FORMS[form])
 
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("page", [16, 64])
-def test_mla_gluon_128_heads_gpu(page):
-    """128 heads (DeepSeek-V3): 8 head groups an item set, with splits."""
-    run_and_check([1, 100, 3000, 257], heads=128, page=page)
-    run_and_check([5000, 7], heads=128, page=page, num_splits=6)
+def test_mla_gluon_128_heads_gpu(page, form):
+    """128 heads (DeepSeek-V3): 8 head groups an item set, with splits (lean: the producer's
+    mixed-radix cursor over head groups and splits, few programs so it wraps both)."""
+    run_and_check([1, 100, 3000, 257], heads=128, page=page, **FORMS[form])
+    run_and_check([5000, 7], heads=128, page=page, num_splits=6, **FORMS[form])
+    run_and_check([5000, 7, 300], heads=128, page=page, num_splits=5, programs=13, **FORMS[form])
 
 
 @pytest.mark.gpu
 @hopper
-def test_mla_gluon_matches_triton_gpu():
+@pytest.mark.parametrize("form", list(FORMS))
+def test_mla_gluon_matches_triton_gpu(form):
     """Against the Triton kernel at the benchmark's shape class (within twice the tolerance)."""
     from flashpage.kernels.mla_decode import mla_decode
 
-    q, kv, tables, seq_lens, out = run_and_check([4096] * 8, page=64)
+    q, kv, tables, seq_lens, out = run_and_check([4096] * 8, page=64, **FORMS[form])
     tri = mla_decode(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=1.0 / math.sqrt(RANK + ROPE))
     assert rel_err(out, tri) < 2 * TOL
 
 
 @pytest.mark.gpu
 @hopper
-def test_mla_gluon_many_calls_gpu():
+@pytest.mark.parametrize("form", list(FORMS))
+def test_mla_gluon_many_calls_gpu(form):
     """200 calls back to back with splits (the merge's last-arriver election and counter reset
-    under load), every one right, the counters zero at the end."""
+    under load), every one right and bitwise equal, the counters zero at the end."""
     from flashpage.kernels.mla_decode import _COUNTERS
-    from flashpage.kernels.mla_decode_gluon import mla_decode_gluon
+    from flashpage.kernels.mla_decode_gluon import _launch
 
     q, kv, tables, seq_lens = make_case([3000, 1, 2048, 777] * 4, 16, 64, seed=3)
     scale = 1.0 / math.sqrt(RANK + ROPE)
     ref = mla_decode_ref(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale)
-    outs = [mla_decode_gluon(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale) for _ in range(200)]
+    outs = [_launch(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, **FORMS[form]) for _ in range(200)]
     torch.cuda.synchronize()
     for i, o in enumerate(outs):
         assert rel_err(o, ref) < TOL, f"call {i}"
@@ -277,19 +310,21 @@ def test_mla_gluon_many_calls_gpu():
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
-def test_mla_gluon_cuda_graph_gpu(num_splits):
+def test_mla_gluon_cuda_graph_gpu(num_splits, form):
     """Captured once, replayed 50 times with new queries and lengths (a padding row among
     them): the merge counters reset themselves, every replay right."""
     from flashpage.kernels.mla_decode import _COUNTERS
-    from flashpage.kernels.mla_decode_gluon import mla_decode_gluon
+    from flashpage.kernels.mla_decode_gluon import _launch
 
     q, kv, tables, seq_lens = make_case([2000, 20, 4000], 16, 64, seed=5)
     scale = 1.0 / math.sqrt(RANK + ROPE)
     out = torch.empty(3, 16, RANK, dtype=q.dtype, device=q.device)
 
     def call():
-        mla_decode_gluon(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=num_splits)
+        _launch(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=num_splits,
+                **FORMS[form])
 
     call()  # compile and allocate the counters outside the capture
     graph = torch.cuda.CUDAGraph()
