@@ -84,7 +84,7 @@
 #                                          first-run effect?), then the Gluon MLA decode's GPU tests in what is left
 #   bash benchmarks/gpu_final.sh s11a      next session's FIRST command on a fresh machine: 8B fp8 throughput (the warm-up's
 #                                          full-budget prompt step: prompt steps ~181 ms in a first process? jit_compiles),
-#                                          8B bf16 with the Gluon paged prefill off / on, the Gluon MLA decode's GPU tests
+#                                          8B bf16 with the Gluon paged prefill off / on (then the gpu_s11_*.sh scripts)
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -585,7 +585,6 @@ s11a)  # session 11 call 1, on a fresh machine (the first process matters: runs 
       --gpu-memory-utilization 0.75 --no-hf --json-out "$OUT/k/throughput_8b_prefill_gluon$g.$RANDOM.json" 2>&1 \
       | grep -E "output_tok_per_s|Error"
   done
-  timeout "$(left 150)" $PT -x -v -m gpu tests/kernels/test_mla_decode_gluon.py -rf 2>&1 \
-    | tee "$OUT/mla_gluon_tests.txt" | tail -n 4 ;;
+  ;;  # the MLA Gluon decode: benchmarks/gpu_s11_mla.sh (its own call)
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
