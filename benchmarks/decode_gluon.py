@@ -40,15 +40,16 @@ FP8 = torch.float8_e4m3fn
 class Batch:
     """One decode batch (given contexts) over copies of its K/V at random blocks."""
 
-    def __init__(self, lens: list[int]):
+    def __init__(self, lens: list[int], kv_dtype: torch.dtype = FP8):
         self.lens = lens
         self.batch = len(lens)
-        self.kv_bytes = 2 * sum(lens) * HKV * D
-        nblk = -(-max(lens) // BS)
-        self.copies = max(1, -(-ROTATE_BYTES // (2 * self.batch * nblk * BS * HKV * D)))
+        size = kv_dtype.itemsize
+        self.kv_bytes = 2 * sum(lens) * HKV * D * size
+        self.nblk = nblk = -(-max(lens) // BS)
+        self.copies = max(1, -(-ROTATE_BYTES // (2 * self.batch * nblk * BS * HKV * D * size)))
         total = self.copies * self.batch * nblk
-        self.key_cache = torch.randn(total, BS, HKV, D, device="cuda").to(FP8)
-        self.value_cache = torch.randn(total, BS, HKV, D, device="cuda").to(FP8)
+        self.key_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
+        self.value_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
         self.tables = torch.randperm(total, device="cuda", dtype=torch.int32).view(self.copies, self.batch, nblk)
         self.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         self.q = torch.randn(self.copies, self.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -64,6 +65,28 @@ class Batch:
             self.i = (self.i + 1) % self.copies
             launch(self.q[self.i], self.key_cache, self.value_cache, self.tables[self.i], self.seq_lens,
                    out=self.out, **kw)
+        return call
+
+    def sdpa_cudnn(self):
+        """SDPA cuDNN on the same K/V gathered once into contiguous [copies, B, Hkv, ctx, D]
+        (uniform contexts only; the cache in q's dtype); its output [B, Hq, 1, D] left in
+        sdpa_out (not copied into out: no extra kernel in the timing)."""
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if len(set(self.lens)) != 1:
+            raise ValueError("SDPA's contiguous K/V needs one context length")
+        ctx = self.lens[0]
+        t = self.tables.long()
+        k = self.key_cache[t].view(self.copies, self.batch, self.nblk * BS, HKV, D)[:, :, :ctx]
+        v = self.value_cache[t].view(self.copies, self.batch, self.nblk * BS, HKV, D)[:, :, :ctx]
+        k, v = k.transpose(2, 3).contiguous(), v.transpose(2, 3).contiguous()
+        q4 = self.q.unsqueeze(3)  # [copies, B, Hq, 1, D]
+
+        def call():
+            self.i = (self.i + 1) % self.copies
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                self.sdpa_out = F.scaled_dot_product_attention(q4[self.i], k[self.i], v[self.i], enable_gqa=True)
         return call
 
 

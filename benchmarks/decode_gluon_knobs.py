@@ -6,8 +6,16 @@ the same run), us per call, relative error against the Triton kernel.
     python benchmarks/decode_gluon_knobs.py --set persistent   # programs per SM 2/3/4, stages 2/3/4
     python benchmarks/decode_gluon_knobs.py --set stages       # stages; warp-specialized; lazy rescale
     python benchmarks/decode_gluon_knobs.py --set variants     # persistent variants dims_m/keys_m/keys_m2, 3-4 per SM
+    python benchmarks/decode_gluon_knobs.py --set bf16         # 16-bit cache: the Gluon keys_m kernel
+                                                               # (paged_decode_gluon_bf16.py) vs Triton and cuDNN
 
 Each under a minute on an H200; writes $OUT/decode_gluon_knobs_<set>.json.
+
+``--set bf16``: a bf16 cache at issue 6's shapes (32 x 4096, 64 x 4096, 128 x 2048, 128 x 8192, 256 x
+1024, then 256 ragged 101-2048 longest first, where cuDNN has no cell): "triton" is paged_decode's
+default (FLASHPAGE_DECODE_GLUON_BF16 unset), "cudnn" SDPA cuDNN on the same K/V gathered into a
+contiguous [B, Hkv, ctx, D] cache, "P{p} s{s}" the persistent Gluon kernel at p programs an SM
+of s stages (32 KB each); each cell also gives its ratio to cuDNN (x) in the same run.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from gpu_timing import copy_bandwidth, time_graph
 
 from flashpage.kernels.paged_decode import paged_decode
 from flashpage.kernels.paged_decode_gluon import _launch as gl
+from flashpage.kernels.paged_decode_gluon_bf16 import _launch as gl16
 
 SETS = {
     "persistent": {"g s3": {"stages": 3},
@@ -34,6 +43,16 @@ SETS = {
                **{f"ws{'L' if lazy else ''} s{s}": {"warp_specialize": True, "stages": s, "lazy": lazy}
                   for s in (3, 4, 6) for lazy in (False, True)}},
 }
+# The 16-bit kernel's knobs (programs an SM x 32 KB stages that fit in shared memory).
+BF16_FORMS = {f"P{p} s{s}": {"programs_per_sm": p, "stages": s} for p, s in ((3, 2), (2, 3), (2, 2), (1, 4), (1, 6))}
+SETS["bf16"] = BF16_FORMS
+
+
+def bf16_shapes() -> list[tuple[str, list[int]]]:
+    gen = torch.Generator().manual_seed(2)
+    ragged256 = sorted(torch.randint(101, 2049, (256,), generator=gen).tolist(), reverse=True)
+    return [(f"{b} x {c}", [c] * b) for b, c in ((32, 4096), (64, 4096), (128, 2048), (128, 8192), (256, 1024))] + [
+        ("256 x ragged 101-2048, longest first", ragged256)]
 
 
 def main() -> None:
@@ -42,38 +61,51 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     t0 = time.time()
-    variants = {"triton": (paged_decode, {}), **{k: (gl, kw) for k, kw in SETS[args.set].items()}}
+    bf16 = args.set == "bf16"
+    gluon = gl16 if bf16 else gl
+    variants = {"triton": (paged_decode, {}), **({"cudnn": (None, {})} if bf16 else {}),
+                **{k: (gluon, kw) for k, kw in SETS[args.set].items()}}
     gen = torch.Generator().manual_seed(2)
     ragged256 = sorted(torch.randint(101, 2049, (256,), generator=gen).tolist(), reverse=True)
     copy = copy_bandwidth()
     rows = []
-    for name, lens in shapes() + [("256 x ragged 101-2048, longest first", ragged256)]:
-        b = Batch(lens)
+    path = os.path.join(args.out, f"decode_gluon_knobs_{args.set}.json")
+    all_shapes = bf16_shapes() if bf16 else shapes() + [("256 x ragged 101-2048, longest first", ragged256)]
+    for name, lens in all_shapes:
+        b = Batch(lens, torch.bfloat16) if bf16 else Batch(lens)
         ref = None
         row = {"shape": name}
+        gbps = {}
         for k, (fn, kw) in variants.items():
             try:
-                b.fn(fn, **kw)()
+                call = b.sdpa_cudnn() if fn is None else b.fn(fn, **kw)
+                b.i = b.copies - 1  # the check call on copy 0, as every kernel's
+                call()
+                got = b.sdpa_out.squeeze(2) if fn is None else b.out
                 if ref is None:
-                    ref = b.out.clone()
-                err = ((b.out.float() - ref.float()).norm() / ref.float().norm()).item()
-                t = time_graph(b.fn(fn, **kw), b.calls())
-                g = b.kv_bytes / t / 1e9
+                    ref = got.clone()
+                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                t = time_graph(call, b.calls())
+                g = gbps[k] = b.kv_bytes / t / 1e9
                 row[k] = f"{g:.0f} ({100 * g / copy:.0f}%) {t * 1e6:.1f}us e{err:.0e}"
             except Exception as ex:  # one failing variant must not hide the rest
                 row[k] = f"n/a {type(ex).__name__}: {str(ex)[:200]}"
+        if "cudnn" in gbps:  # each cell's ratio to cuDNN, same run
+            for k, g in gbps.items():
+                row[k] += f" x{g / gbps['cudnn']:.3f}"
         print(json.dumps(row), f"{time.time() - t0:.0f}s", flush=True)
         rows.append(row)
+        with open(path, "w") as f:  # after every shape: a timeout keeps what was measured
+            json.dump(dict(copy_gbps=round(copy), rows=rows), f, indent=1)
         del b
         torch.cuda.empty_cache()
     print(f"copy {copy:.0f} GB/s, {torch.cuda.get_device_name()}, {time.time() - t0:.0f} s")
-    print("GB/s of fp8 KV bytes (% of copy), us per call, rel. error vs triton")
+    print(f"GB/s of {'bf16' if bf16 else 'fp8'} KV bytes (% of copy), us per call, rel. error vs triton"
+          + (", x: / cuDNN" if bf16 else ""))
     print("| shape | " + " | ".join(variants) + " |")
     print("| --- |" + " --- |" * len(variants))
     for r in rows:
         print(f"| {r['shape']} | " + " | ".join(r[k] for k in variants) + " |")
-    with open(os.path.join(args.out, f"decode_gluon_knobs_{args.set}.json"), "w") as f:
-        json.dump(dict(copy_gbps=round(copy), rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,16 @@ def decode_gluon_variant() -> str | None:
     return None if v in ("0", "1") else v
 
 
+def decode_gluon_bf16() -> bool:
+    """FLASHPAGE_DECODE_GLUON_BF16=1: paged decode over a bf16/fp16 cache on Hopper through the
+    persistent Gluon keys_m kernel (kernels/paged_decode_gluon_bf16.py) where it covers the call
+    (paged_decode.gluon_bf16_unsupported: unsplit grids, block size 16, head_dim 128, GQA groups
+    of 1-8, no window). Off by default until an H200 run shows it at least as fast as SDPA cuDNN
+    and the Triton kernel (benchmarks/decode_gluon_knobs.py --set bf16). Read when a config is
+    chosen (a decode graph keeps the one it captured)."""
+    return os.environ.get("FLASHPAGE_DECODE_GLUON_BF16", "0") == "1"
+
+
 def prefill_gluon() -> bool:
     """FLASHPAGE_PREFILL_GLUON=1: paged prefill (flash_prefill.paged_prefill, the triton
     backend's prompt chunks and prefix hits) on Hopper through the Gluon FA3-style kernel

@@ -87,7 +87,8 @@ class DecodeConfig:
     # The Gluon kernel (paged_decode_gluon.py: TMA-fed pieces, LDS.128 operands; persistent:
     # 3 programs per SM, each streaming its (sequence, KV head) items back to back) for the
     # calls it covers (gluon_unsupported says which); the others run this config's Triton
-    # loop. fp8 cache on sm_90 only.
+    # loop. fp8 cache on sm_90 only. Over a 16-bit cache: the persistent Gluon keys_m kernel of
+    # paged_decode_gluon_bf16.py (gluon_bf16_unsupported), FLASHPAGE_DECODE_GLUON_BF16=1 only.
     gluon: bool = False
 
 
@@ -149,12 +150,14 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
                                         heads_fastest=True, fused_merge=envs.fused_merge(),
                                         gluon=envs.decode_gluon())
                 return DecodeConfig(64, 4, 3, programs_per_sm=4, fused_merge=envs.fused_merge())
+            # Unsplit 16-bit grids may go to the persistent Gluon kernel (paged_decode_gluon_bf16.py)
+            # under FLASHPAGE_DECODE_GLUON_BF16=1 (off until measured).
             sms = _num_sms(device)
             if programs is not None and sms < programs <= 2 * sms:  # unsplit: 1-2 per SM
-                return DecodeConfig(64, 8, 3, programs_per_sm=2)
+                return DecodeConfig(64, 8, 3, programs_per_sm=2, gluon=envs.decode_gluon_bf16())
             if programs is not None and programs <= sms:
                 return DecodeConfig(64, 4, 3, programs_per_sm=2, fused_merge=envs.fused_merge())
-            return DecodeConfig(64, 4, 2, heads_fastest=True)
+            return DecodeConfig(64, 4, 2, heads_fastest=True, gluon=envs.decode_gluon_bf16())
     return DecodeConfig(32, 4, 3) if head_dim > 128 else DecodeConfig(64, 4, 3)
 
 
@@ -601,6 +604,12 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         form = engine_form(group, num_kv_heads, envs.decode_gluon_variant())
         return paged_decode_gluon(q, key_cache, value_cache, block_tables, seq_lens,
                                   sm_scale=sm_scale, out=out, persistent=True, **form)
+    if cfg.gluon and not gluon_bf16_unsupported(q, key_cache, value_cache, window_size, num_splits):
+        from flashpage.kernels import paged_decode_gluon_bf16 as g16
+
+        form16 = g16.engine_form(batch * num_kv_heads, _num_sms(q.device))
+        return g16.paged_decode_gluon_bf16(q, key_cache, value_cache, block_tables, seq_lens,
+                                           sm_scale=sm_scale, out=out, **form16)
     # FLASHPAGE_PDL=auto leaves the unsplit kernel without PDL: on the H200 it timed 0.91x
     # at 32 x 4096 with it (split kernels and their merge: 1.04x at 1 x 32768)
     use_pdl = resolve_pdl(pdl, q.device, in_auto=num_splits > 1)
@@ -683,6 +692,42 @@ def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         reasons.append("needs contiguous caches")
     if q.shape[1] // num_kv_heads > 16:
         reasons.append(f"covers up to 16 query heads per KV head, got {q.shape[1] // num_kv_heads}")
+    if window_size is not None:
+        reasons.append("has no sliding window")
+    if num_splits != 1:
+        reasons.append(f"does not split the keys ({num_splits} splits asked)")
+    return reasons
+
+
+def gluon_bf16_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           window_size: int | None, num_splits: int,
+                           capability: tuple[int, int] | None = None) -> list[str]:
+    """Why the Gluon 16-bit kernel (paged_decode_gluon_bf16.py: persistent keys_m) cannot take
+    this call; empty if it can. ``capability``: the device's compute capability (None: read
+    from q's device; a CPU tensor or the interpreter has none)."""
+    reasons = []
+    if capability is None:
+        capability = ((0, 0) if q.device.type != "cuda" or _interpreting()
+                      else torch.cuda.get_device_capability(q.device))
+    if capability[0] != 9:
+        reasons.append("needs a Hopper (sm_90) GPU, not the interpreter")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        reasons.append(f"needs a bf16/fp16 query, got {q.dtype}")
+    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+        reasons.append(f"needs a cache in q's dtype {q.dtype}, got {key_cache.dtype} / {value_cache.dtype}")
+    if q.dim() != 3 or key_cache.dim() != 4:
+        reasons.append("needs q [B, Hq, D] and caches [num_blocks, block_size, Hkv, D]")
+        return reasons
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    if block_size != 16 or head_dim != 128 or q.shape[2] != 128:
+        reasons.append(f"needs block_size 16 and head_dim 128, got {block_size} and {head_dim}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        reasons.append("needs contiguous caches")
+    if q.stride(-1) != 1:
+        reasons.append("needs q contiguous in its last dimension")
+    if num_kv_heads == 0 or q.shape[1] % num_kv_heads or not 1 <= q.shape[1] // num_kv_heads <= 8:
+        reasons.append(f"covers 1-8 query heads per KV head (the group is padded to 8), "
+                       f"got {q.shape[1]} over {num_kv_heads}")
     if window_size is not None:
         reasons.append("has no sliding window")
     if num_splits != 1:
