@@ -71,8 +71,8 @@ def compile_sm90(**consts):
     fn = fg._flash_prefill_gluon_kernel
     consts = {"CAUSAL": True, "RETURN_LSE": False, "PINGPONG": True, "PV_OVERLAP": True,
               "SCHEDULE": fg.DYNAMIC, "NUM_STAGES": fg.STAGES, "Q_BUFS": 2,
-              "CONSUMER_REGS": fg.CONSUMER_REGS, "PAGED": False, "PAGE": 1, "PIECE": fg.BLOCK_N,
-              **consts}
+              "CONSUMER_REGS": fg.CONSUMER_REGS, "PAGED": fg.CONTIGUOUS, "PAGE": 1,
+              "PIECE": fg.BLOCK_N, "SLOT64": False, **consts}
     layout = repr(fg._SMEM.value)
     box = consts["PIECE"]  # rows of a K/V box (paged: min(block size, 128))
     sig = {a: "i32" for a in fn.arg_names}
@@ -80,9 +80,11 @@ def compile_sm90(**consts):
                 "k_desc": f"tensordesc<bf16[{box}, {fg.HEAD_DIM}],{layout}>",
                 "v_desc": f"tensordesc<bf16[{box}, {fg.HEAD_DIM}],{layout}>",
                 "out_ptr": "*bf16", "lse_ptr": "*fp32", "cu_seqlens_ptr": "*i32", "sched_ptr": "*i32",
-                "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "qk_scale": "fp32"})
+                "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "qk_scale": "fp32",
+                "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"})
     sig.update({c: "constexpr" for c in consts})
-    aligned = ("out_ptr", "lse_ptr", "cu_seqlens_ptr", "sched_ptr", "stride_ot", "stride_oh")
+    aligned = ("out_ptr", "lse_ptr", "cu_seqlens_ptr", "sched_ptr", "stride_ot", "stride_oh",
+               "k_cache_ptr", "v_cache_ptr", "stride_slot")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
