@@ -1021,8 +1021,6 @@ def paged_prefill_gluon(
     24) for "tma", GATHER_CONSUMER_REGS = 224 (producer 56) for "gather".
     """
     q_buffers = _check_options(num_stages, q_buffers, schedule, max_seqlen_k)
-    _check_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
-                 max_seqlen_k, sm_scale, out)
     if producer not in PRODUCERS:
         raise ValueError(f"producer must be one of {PRODUCERS}, got {producer!r}")
     gather = producer == "gather"
@@ -1030,6 +1028,8 @@ def paged_prefill_gluon(
         consumer_regs = GATHER_CONSUMER_REGS if gather else CONSUMER_REGS
     if consumer_regs % 8 or not 208 <= consumer_regs <= 240:
         raise ValueError(f"consumer_regs must be a multiple of 8 in [208, 240], got {consumer_regs}")
+    _check_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+                 max_seqlen_k, sm_scale, out)
     page = key_cache.shape[1]
     box = min(page, BLOCK_N)
     return _launch(q, _descriptor(key_cache, box), _descriptor(value_cache, box), key_cache.shape[2],
