@@ -115,6 +115,27 @@ the consumers' loops as above (16 HGMMA, one wait 1 and one wait 0 a tile, all 6
 under P.V), the producer's loop under 24 registers (22 used) with one LDG and 24 SHFL
 (3 a box) a tile; a 12-byte spill of one work-tile invariant of the consumers
 (128 num_m - 127), stored once and loaded once per work tile, none in a loop.
+
+At block 16 that producer loop is 462 SASS instructions a key tile, 16 UTMALDG (each two
+2 KB messages: a [16, 128] box under the 128-byte swizzle is two 64-column boxes) and 20
+named bar.syncs (Triton's membar orders every TMA issue after the last); H200: 0.86x
+contiguous (run 82). ``producer="gather"`` (PAGED == PAGED_GATHER, FA3's paged path for
+pages smaller than a tile) copies K/V by cp.async instead::
+
+    per key tile j, all 128 producer threads:
+      offs[r] = (block_tables[b, k // PAGE] * PAGE + k % PAGE) * stride_slot,
+                k = min(128 j + r, seq_k - 1)       16 rows a thread, one LDG each, before the wait
+      wait k_empty;  16 x cp.async 16 B (row r's chunk) -> K stage;  cp.async.mbarrier.arrive.noinc k_ready
+      wait v_empty;  the same rows -> V stage;                        ... v_ready (128 arrivals a phase)
+
+into the same swizzled stages (the consumers' wgmmas unchanged; each fences the proxies,
+fence.proxy.async, once a tile after its ready waits: cp.async writes through the generic
+proxy). Rows past the context re-read key seq_k - 1's slot (finite, masked), so V needs no
+zeroing. sm_90 SASS (block 16, causal): the producer's loop 315 instructions (32 LDGSTS,
+16 LDG, 2 arrives, 3 named bar.syncs, the Q boxes and the dynamic schedule's fetch
+included) under 56 registers (54 used; at 24 and 40 it spills in the loop), the
+consumers at 224 (222 used, no spill; their loops as above plus one MEMBAR.ALL.CTA and
+FENCE.VIEW.ASYNC.S). Not yet run on a GPU (benchmarks/gpu_s11_prefill.sh).
 """
 
 from __future__ import annotations

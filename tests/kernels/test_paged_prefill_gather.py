@@ -108,6 +108,31 @@ def test_gather_agrees_with_tma_gpu(block_size):
         _close(gather, tma, tol=2e-3)
 
 
+@pytest.mark.gpu
+@hopper
+def test_gather_cache_past_int32_gpu():
+    """A cache of more than 2**31 elements (4 GiB of K, 4 of V): the sequences' blocks at its
+    far end, so their offsets need int64 (the launcher's SLOT64); right, as over the small
+    pool."""
+    from flashpage.kernels.flash_prefill import paged_prefill_ref
+    from flashpage.kernels.flash_prefill_gluon import paged_prefill_gluon
+
+    q, kc, vc, tables, cu_q, seq_lens, mq, mk = _paged_case([300, 1, 129], [1000, 77, 0], 8, 2, 16,
+                                                            seed=6)
+    pool = kc.shape[0]
+    far = 2**31 // kc[0].numel() + 1  # blocks before the pool: its first element past 2**31
+    big_k = torch.empty(far + pool, *kc.shape[1:], dtype=kc.dtype, device="cuda")
+    big_v = torch.empty_like(big_k)
+    big_k[far:] = kc
+    big_v[far:] = vc
+    assert big_k.numel() >= 2**31
+    big_tables = tables + far
+    out = paged_prefill_gluon(q, big_k, big_v, big_tables, cu_q, seq_lens, mq, mk, producer="gather")
+    torch.cuda.synchronize()
+    _close(out, paged_prefill_ref(q, kc, vc, tables, cu_q, seq_lens, mq, mk))
+    del big_k, big_v
+
+
 def test_gather_rejects_bad_knobs():
     from flashpage.kernels.flash_prefill_gluon import paged_prefill_gluon
 
