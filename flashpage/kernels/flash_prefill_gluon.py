@@ -131,9 +131,9 @@ pages smaller than a tile) copies K/V by cp.async instead::
 into the same swizzled stages (the consumers' wgmmas unchanged; each fences the proxies,
 fence.proxy.async, once a tile after its ready waits: cp.async writes through the generic
 proxy). Rows past the context re-read key seq_k - 1's slot (finite, masked), so V needs no
-zeroing. sm_90 SASS (block 16, causal): the producer's loop 315 instructions (32 LDGSTS,
-16 LDG, 2 arrives, 3 named bar.syncs, the Q boxes and the dynamic schedule's fetch
-included) under 56 registers (54 used; at 24 and 40 it spills in the loop), the
+zeroing. sm_90 SASS (block 16, causal, dynamic): the producer's loop 347 instructions
+(32 LDGSTS, 16 LDG, 2 arrives, 6 named bar.syncs; the Q boxes and the dynamic schedule's
+fetch of j = 0 included, as in the 462) under 56 registers (54 used; at 24 and 40 it spills in the loop), the
 consumers at 224 (222 used, no spill; their loops as above plus one MEMBAR.ALL.CTA and
 FENCE.VIEW.ASYNC.S). Not yet run on a GPU (benchmarks/gpu_s11_prefill.sh).
 """
