@@ -25,9 +25,12 @@ pairs), ``gluon_nocache`` (the TMA maps encoded on every call, as before tma_map
 block-16 cache in shuffled block order; ``gluon_paged_static`` (static schedule),
 ``gluon_paged`` (the defaults), ``gluon_paged_q1`` / ``_q2`` (one / two Q buffers),
 ``gluon_paged_b128`` (the defaults over a block-128 cache: one box a tile, no gather),
-``gluon_paged_stages3`` (3-deep K/V ring), ``gluon_paged_nocache`` (TMA maps every call); the
-table's last columns: paged / contiguous Gluon (issue 5: within 5%), paged / cuDNN, paged /
-Triton paged. Every output is checked against SDPA flash first (self-attention over the
+``gluon_paged_stages3`` (3-deep K/V ring), ``gluon_paged_nocache`` (TMA maps every call),
+``gluon_paged_gather*`` (``producer="gather"``: cp.async rows instead of TMA boxes; static
+schedule, the defaults, 3 stages, consumers at 232 registers instead of 224, block 128),
+``gluon_paged_r224`` (the TMA producer with consumers at 224 registers: what gather's
+register split alone costs); the table's last columns: paged / contiguous Gluon (issue 5:
+within 5%), the gather producer's / contiguous, paged / cuDNN, paged / Triton paged. Every output is checked against SDPA flash first (self-attention over the
 whole sequence, the new tokens' rows; rel err < 1e-2; a failure is recorded as a string,
 never raised: a hang is not, so run this under ``timeout``); past --budget seconds the
 remaining Gluon variants are skipped (recorded as such). Writes $OUT/prefill_gluon.json
@@ -96,6 +99,13 @@ PAGED_VARIANTS: dict[str, dict] = {
     "gluon_paged_b128": {},  # the defaults over a block-128 cache (one TMA box a K/V tile)
     "gluon_paged_stages3": {"num_stages": 3},  # a 3-deep K/V ring (so one Q buffer)
     "gluon_paged_nocache": {"cache_descriptors": False},  # TMA maps encoded every call
+    # producer="gather": cp.async rows instead of TMA boxes (consumers at 224 registers)
+    "gluon_paged_gather_static": {"producer": "gather", "schedule": "static"},
+    "gluon_paged_gather": {"producer": "gather"},
+    "gluon_paged_gather_stages3": {"producer": "gather", "num_stages": 3},
+    "gluon_paged_gather_r232": {"producer": "gather", "consumer_regs": 232},  # producer 40: spills
+    "gluon_paged_gather_b128": {"producer": "gather"},  # over the block-128 cache
+    "gluon_paged_r224": {"consumer_regs": 224},  # the TMA producer under gather's register split
 }
 COLUMNS = [*GLUON_VARIANTS, *PAGED_VARIANTS, "triton", "triton_paged", "sdpa_cudnn", "sdpa_flash"]
 
@@ -264,15 +274,16 @@ def render(rows: list[dict], env: dict) -> str:
              "shape B x [cached +] new tokens", "",
              "| shape | " + " | ".join(cols)
              + " | gluon / cuDNN | gluon / flash | best gluon | best / cuDNN"
-             + " | paged / gluon | paged / cuDNN | paged / triton_paged |",
-             "|---" * (len(cols) + 8) + "|"]
+             + " | paged / gluon | gather / gluon | paged / cuDNN | paged / triton_paged |",
+             "|---" * (len(cols) + 9) + "|"]
     for r in rows:
         timed = {c: r[c] for c in GLUON_VARIANTS if isinstance(r.get(c), float)}
         best = max(timed, key=lambda c: timed[c]) if timed else "gluon"
         lines.append(f"| {label(r)} | " + " | ".join(cell(r.get(c)) for c in cols)
                      + f" | {ratio(r, 'gluon', 'sdpa_cudnn')} | {ratio(r, 'gluon', 'sdpa_flash')}"
                      + f" | {best} | {ratio(r, best, 'sdpa_cudnn')}"
-                     + f" | {ratio(r, 'gluon_paged', 'gluon')} | {ratio(r, 'gluon_paged', 'sdpa_cudnn')}"
+                     + f" | {ratio(r, 'gluon_paged', 'gluon')} | {ratio(r, 'gluon_paged_gather', 'gluon')}"
+                     + f" | {ratio(r, 'gluon_paged', 'sdpa_cudnn')}"
                      + f" | {ratio(r, 'gluon_paged', 'triton_paged')} |")
     fails = [(label(r), c, r[c]) for r in rows for c in COLUMNS if isinstance(r.get(c), str)]
     lines += [f"- {shape} {c}: {why}" for shape, c, why in fails]

@@ -115,6 +115,27 @@ the consumers' loops as above (16 HGMMA, one wait 1 and one wait 0 a tile, all 6
 under P.V), the producer's loop under 24 registers (22 used) with one LDG and 24 SHFL
 (3 a box) a tile; a 12-byte spill of one work-tile invariant of the consumers
 (128 num_m - 127), stored once and loaded once per work tile, none in a loop.
+
+At block 16 that producer loop is 462 SASS instructions a key tile, 16 UTMALDG (each two
+2 KB messages: a [16, 128] box under the 128-byte swizzle is two 64-column boxes) and 20
+named bar.syncs (Triton's membar orders every TMA issue after the last); H200: 0.86x
+contiguous (run 82). ``producer="gather"`` (PAGED == PAGED_GATHER, FA3's paged path for
+pages smaller than a tile) copies K/V by cp.async instead::
+
+    per key tile j, all 128 producer threads:
+      offs[r] = (block_tables[b, k // PAGE] * PAGE + k % PAGE) * stride_slot,
+                k = min(128 j + r, seq_k - 1)       16 rows a thread, one LDG each, before the wait
+      wait k_empty;  16 x cp.async 16 B (row r's chunk) -> K stage;  cp.async.mbarrier.arrive.noinc k_ready
+      wait v_empty;  the same rows -> V stage;                        ... v_ready (128 arrivals a phase)
+
+into the same swizzled stages (the consumers' wgmmas unchanged; each fences the proxies,
+fence.proxy.async, once a tile after its ready waits: cp.async writes through the generic
+proxy). Rows past the context re-read key seq_k - 1's slot (finite, masked), so V needs no
+zeroing. sm_90 SASS (block 16, causal, dynamic): the producer's loop 347 instructions
+(32 LDGSTS, 16 LDG, 2 arrives, 6 named bar.syncs; the Q boxes and the dynamic schedule's
+fetch of j = 0 included, as in the 462) under 56 registers (54 used; at 24 and 40 it spills in the loop), the
+consumers at 224 (222 used, no spill; their loops as above plus one MEMBAR.ALL.CTA and
+FENCE.VIEW.ASYNC.S). Not yet run on a GPU (benchmarks/gpu_s11_prefill.sh).
 """
 
 from __future__ import annotations
@@ -124,6 +145,7 @@ import math
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -142,6 +164,11 @@ WG_M = 64
 STAGES = 2  # K/V ring depth: Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB of shared memory
 MAXNREG = 168  # 384 threads x 168 = 64512 registers: 24 for the producer, 240 per consumer
 CONSUMER_REGS = 240
+# paged_prefill_gluon(producer="gather"): the cp.async producer's 16 row offsets and their
+# pointers need 54 registers (sm_90 SASS: spills in its loop at 24 and 40), the consumers
+# fit 224 (causal: 222 used, no spill): 56 for the producer
+GATHER_CONSUMER_REGS = 224
+PRODUCERS = ("tma", "gather")
 
 _D = gl.constexpr(HEAD_DIM)
 _BM = gl.constexpr(BLOCK_M)
@@ -161,6 +188,10 @@ _ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 # swizzle's unit), for zeroing the rows past a paged sequence's context.
 _V_ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
                                         warps_per_cta=[4, 1], order=[1, 0]))
+# A [128, 128] K / V tile over the producer warpgroup as PAGED_GATHER copies it: 16 bytes a
+# thread a row, a warp 2 rows (512 contiguous bytes of the cache) an instruction.
+_GATHER_ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
+                                             warps_per_cta=[4, 1], order=[1, 0]))
 # Q, K and V tiles as TMA lands them (128-byte swizzle; a 256-byte row is two 64-column boxes).
 _SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 
@@ -168,6 +199,10 @@ _SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwid
 # --------------------------------------------------------------------------------- schedule
 
 STATIC, SNAKE, DYNAMIC, DYNAMIC_MEMSET = 0, 1, 2, 3  # SCHEDULE (see the launcher's schedule)
+# PAGED: K/V from the contiguous k, v (0), from a paged cache by TMA boxes (1, producer "tma")
+# or by cp.async rows (2, producer "gather"); PAGED is true for both paged forms.
+CONTIGUOUS, PAGED_TMA, PAGED_GATHER = 0, 1, 2
+_GATHER = gl.constexpr(PAGED_GATHER)
 _SNAKE = gl.constexpr(SNAKE)
 _DYNAMIC = gl.constexpr(DYNAMIC)
 
@@ -284,11 +319,47 @@ def _issue_kv(desc, stage, bar, j, k_start, rows, kv_col, PAGED: gl.constexpr,
 
 
 @gluon.jit
+def _gather_rows(j, bt_row, seq_k, stride_slot, PAGE: gl.constexpr, SLOT64: gl.constexpr):
+    """PAGED_GATHER: the element offsets in the cache of key tile j's 128 rows (one KV head's
+    start excluded), [128] in the copy layout (16 a thread: the rows its 16-byte chunks come
+    from), shared by K and V: key 128 j + r in slot block_tables[b, page] * PAGE + its offset
+    in the page, slots stride_slot elements apart (int64 if SLOT64, else int32: the launcher
+    knows the cache's size). Keys >= seq_k (a tile reaching past the context) read key
+    seq_k - 1's slot instead: finite values (scores masked, P = 0) from a page of the
+    context, so neither the copies nor the block-table loads need a mask, and the consumers
+    need not zero V there (rows past the context of a TMA-gathered tile may be NaN). Loaded
+    before the producer waits for the ring slot."""
+    keys = j * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, _GATHER_ROWS))
+    # unsigned: the page and the offset in it by a shift and a mask (keys >= 0)
+    keys = gl.minimum(keys, gl.maximum(seq_k - 1, 0)).to(gl.uint32)
+    slots = gl.load(bt_row + keys // PAGE) * PAGE + (keys % PAGE).to(gl.int32)
+    if SLOT64:
+        offs = slots.to(gl.int64) * stride_slot
+    else:
+        offs = slots * stride_slot
+    return offs
+
+
+@gluon.jit
+def _gather_kv(head_ptr, stage, bar, offs):
+    """PAGED_GATHER: one key tile's [128, 128] rows of one KV head (``head_ptr``: its first
+    element in slot 0) copied by cp.async into ``stage`` (the 128-byte-swizzled layout TMA
+    writes): each producer thread 16 chunks of 16 bytes (a warp: 2 rows of 256 bytes an
+    instruction), row r from head_ptr + offs[r] (_gather_rows). Then each thread's
+    cp.async.mbarrier.arrive.noinc on ``bar`` (initialised to 128 arrivals): its phase
+    completes once every thread's copies have landed."""
+    cols = gl.expand_dims(gl.arange(0, _D, layout=gl.SliceLayout(0, _GATHER_ROWS)), 0)
+    async_copy.async_copy_global_to_shared(stage, head_ptr + gl.expand_dims(offs, 1) + cols)
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
 def _load_tile(t, it, qi, h, m0, q_start, seq, seq_k, bt_row, sched_ptr, slot_ptr, q_desc,
-               k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
-               v_empty, group, CAUSAL: gl.constexpr, DYN: gl.constexpr,
-               NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PAGED: gl.constexpr,
-               PAGE: gl.constexpr, PIECE: gl.constexpr):
+               k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem, k_smem, v_smem,
+               q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, group, CAUSAL: gl.constexpr,
+               DYN: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+               PAGED: gl.constexpr, PAGE: gl.constexpr, PIECE: gl.constexpr,
+               SLOT64: gl.constexpr):
     """One work tile's loads: K_j and V_j of every key tile into ring slot ``it % NUM_STAGES``
     (``it`` counts key tiles over all work tiles) once both consumers have released what it
     held, and Q into Q buffer ``qi % Q_BUFS`` (after K_0, once both consumers are done with
@@ -296,7 +367,9 @@ def _load_tile(t, it, qi, h, m0, q_start, seq, seq_k, bt_row, sched_ptr, slot_pt
     consumers to read once Q landed, and the next tile fetched from the counter after V_0
     (the ring is full then: the fetch's round trip, which Triton's broadcast of the result
     makes the producer wait for, mostly costs it no time it had) -> (it, the next tile; 0
-    if not DYN). PAGED: K and V tiles gathered from the cache (_issue_kv), seq_k keys."""
+    if not DYN). PAGED: K and V tiles gathered from the cache, seq_k keys: TMA boxes
+    (_issue_kv) or, PAGED_GATHER, cp.async rows (_gather_kv, from k_cache_ptr / v_cache_ptr,
+    slots stride_slot elements apart)."""
     n_full, n_tiles = _kv_range(m0, seq, seq_k, CAUSAL, PAGED)
     kv_col = (h // group) * _D
     last_page = gl.maximum(seq_k - 1, 0) // PAGE
@@ -307,12 +380,17 @@ def _load_tile(t, it, qi, h, m0, q_start, seq, seq_k, bt_row, sched_ptr, slot_pt
         s = it % NUM_STAGES
         phase = ((it // NUM_STAGES) & 1) ^ 1  # a fresh barrier passes parity 1
         rows = 0
-        if PAGED:  # the block-table loads under the wait for the slot
-            rows = _kv_rows(j, bt_row, last_page, PAGE, PIECE)
-        mbarrier.wait(k_empty.index(s), phase)
-        mbarrier.expect(k_ready.index(s), kv_bytes)
-        _issue_kv(k_desc, k_smem.index(s), k_ready.index(s), j, q_start, rows, kv_col, PAGED,
-                  PIECE)
+        if PAGED == _GATHER:  # the block-table loads under the wait for the slot
+            rows = _gather_rows(j, bt_row, seq_k, stride_slot, PAGE, SLOT64)
+            mbarrier.wait(k_empty.index(s), phase)
+            _gather_kv(k_cache_ptr + kv_col, k_smem.index(s), k_ready.index(s), rows)
+        else:
+            if PAGED:  # the block-table loads under the wait for the slot
+                rows = _kv_rows(j, bt_row, last_page, PAGE, PIECE)
+            mbarrier.wait(k_empty.index(s), phase)
+            mbarrier.expect(k_ready.index(s), kv_bytes)
+            _issue_kv(k_desc, k_smem.index(s), k_ready.index(s), j, q_start, rows, kv_col, PAGED,
+                      PIECE)
         if j == 0:
             qb = qi % Q_BUFS
             mbarrier.wait(q_empty.index(qb), ((qi // Q_BUFS) & 1) ^ 1)
@@ -325,9 +403,12 @@ def _load_tile(t, it, qi, h, m0, q_start, seq, seq_k, bt_row, sched_ptr, slot_pt
             tma.async_copy_global_to_shared(q_desc, [q_start + m0 + _WM, h * _D], q_bar.index(qb),
                                             q_smem.index(2 * qb + 1))
         mbarrier.wait(v_empty.index(s), phase)
-        mbarrier.expect(v_ready.index(s), kv_bytes)
-        _issue_kv(v_desc, v_smem.index(s), v_ready.index(s), j, q_start, rows, kv_col, PAGED,
-                  PIECE)
+        if PAGED == _GATHER:
+            _gather_kv(v_cache_ptr + kv_col, v_smem.index(s), v_ready.index(s), rows)
+        else:
+            mbarrier.expect(v_ready.index(s), kv_bytes)
+            _issue_kv(v_desc, v_smem.index(s), v_ready.index(s), j, q_start, rows, kv_col, PAGED,
+                      PIECE)
         if DYN:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if j == 0:
                 nxt = gl.num_programs(0) + gl.atomic_add(sched_ptr, 1)
@@ -336,11 +417,12 @@ def _load_tile(t, it, qi, h, m0, q_start, seq, seq_k, bt_row, sched_ptr, slot_pt
 
 
 @gluon.jit
-def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-             k_empty, v_empty, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr, stride_bt,
+def _produce(q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem, k_smem,
+             v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, cu_seqlens_ptr,
+             seq_lens_ptr, block_tables_ptr, stride_bt,
              sched_ptr, group, num_m, num_heads, num_hb, head_group, CAUSAL: gl.constexpr,
              SCHEDULE: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-             PAGED: gl.constexpr, PAGE: gl.constexpr, PIECE: gl.constexpr):
+             PAGED: gl.constexpr, PAGE: gl.constexpr, PIECE: gl.constexpr, SLOT64: gl.constexpr):
     """Default partition (one warpgroup; TMA issued by single threads): this program's work
     tiles' loads. Static schedules: tiles _static_tile(0), _static_tile(1), ... Dynamic: tile
     pid first, then #programs + a global counter's next value (fetched early, _load_tile), each
@@ -361,9 +443,10 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_r
                 seq_k = _kv_len(b, seq, seq_lens_ptr, PAGED)
                 it, t = _load_tile(t, it, qi, h, m0, q_start, seq, seq_k,
                                    block_tables_ptr + b * stride_bt, sched_ptr, slot_ptr, q_desc,
-                                   k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                                   k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem,
+                                   k_smem, v_smem, q_bar, q_empty, k_ready,
                                    v_ready, k_empty, v_empty, group, CAUSAL, True, NUM_STAGES,
-                                   Q_BUFS, PAGED, PAGE, PIECE)
+                                   Q_BUFS, PAGED, PAGE, PIECE, SLOT64)
                 qi += 1
             else:  # past a short sequence's end: nothing to load or compute
                 t = nprog + gl.atomic_add(sched_ptr, 1)
@@ -387,9 +470,10 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_r
                     seq_k = _kv_len(b, seq, seq_lens_ptr, PAGED)
                     it, _ = _load_tile(t, it, qi, h, m0, q_start, seq, seq_k,
                                        block_tables_ptr + b * stride_bt, sched_ptr, slot_ptr,
-                                       q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
+                                       q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr,
+                                       stride_slot, q_smem, k_smem, v_smem, q_bar,
                                        q_empty, k_ready, v_ready, k_empty, v_empty, group, CAUSAL,
-                                       False, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE)
+                                       False, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE, SLOT64)
                     qi += 1
 
 
@@ -431,12 +515,15 @@ def _to_rows_o(x):
 @gluon.jit
 def _first_tile(it, q, k_smem, k_ready, k_empty, turn, m, l, qk_scale, rows, seq,
                 G: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                NUM_STAGES: gl.constexpr):
+                NUM_STAGES: gl.constexpr, PAGED: gl.constexpr):
     """Key tile 0 of a work tile (ring position it): S_0 and its softmax, no P.V yet; always
     masked (cheap, once; it is the diagonal of the first query tile and the ragged end of
-    short sequences)."""
+    short sequences). PAGED_GATHER: a proxy fence after the wait (cp.async writes K through
+    the generic proxy, wgmma reads it through the async one)."""
     sk = it % NUM_STAGES
     mbarrier.wait(k_ready.index(sk), (it // NUM_STAGES) & 1)
+    if PAGED == _GATHER:
+        fence_async_shared()
     if PINGPONG:
         mbarrier.wait(turn.index(G), (it + 1 - G) & 1)
     s_tok = warpgroup_mma(q, k_smem.index(sk).permute((1, 0)),
@@ -452,19 +539,25 @@ def _first_tile(it, q, k_smem, k_ready, k_empty, turn, m, l, qk_scale, rows, seq
 def _tile(j, it0, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l_fence, m, l, o,
           p, alpha, qk_scale, rows, seq, G: gl.constexpr, MASKED: gl.constexpr,
           CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PV_OVERLAP: gl.constexpr,
-          NUM_STAGES: gl.constexpr):
+          NUM_STAGES: gl.constexpr, PAGED: gl.constexpr):
     """Key tile j >= 1 (ring position it0 + j): S_j = Q K_j^T and O = alpha_{j-1} O +
-    P_{j-1} V_{j-1} issued back to back, then the softmax of S_j."""
+    P_{j-1} V_{j-1} issued back to back, then the softmax of S_j. PAGED_GATHER: V_{j-1}
+    (loaded before K_j) waited for with K_j, then one proxy fence for both, before any wgmma
+    of the tile is issued (none is in flight then)."""
     it = it0 + j
     sk = it % NUM_STAGES
     sv = (it - 1) % NUM_STAGES
     mbarrier.wait(k_ready.index(sk), (it // NUM_STAGES) & 1)
+    if PAGED == _GATHER:
+        mbarrier.wait(v_ready.index(sv), ((it - 1) // NUM_STAGES) & 1)
+        fence_async_shared()
     if PINGPONG:
         mbarrier.wait(turn.index(G), (it + 1 - G) & 1)
     s_tok = warpgroup_mma(q, k_smem.index(sk).permute((1, 0)),
                           gl.zeros([_WM, _BN], gl.float32, _S_LAYOUT), use_acc=False, is_async=True)
     o = o * gl.expand_dims(_to_rows_o(alpha), 1)
-    mbarrier.wait(v_ready.index(sv), ((it - 1) // NUM_STAGES) & 1)
+    if PAGED != _GATHER:
+        mbarrier.wait(v_ready.index(sv), ((it - 1) // NUM_STAGES) & 1)
     o_tok = warpgroup_mma(p, v_smem.index(sv), o, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - G))
@@ -514,27 +607,30 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l_fence
     """One work tile's key tiles (ring positions it .. it + n_tiles - 1), the default schedule
     (module docstring): -> (m, l, O unnormalised). rows: the query rows' key positions;
     seq: the key count (keys >= seq masked). PAGED: the last tile's V rows past seq zeroed
-    before its P.V (only the last tile of a work tile can reach past seq)."""
+    before its P.V (only the last tile of a work tile can reach past seq; PAGED_GATHER: by
+    the copies, zero-filled)."""
     m = gl.full([_WM], float("-inf"), gl.float32, gl.SliceLayout(1, _S_LAYOUT))
     l = gl.zeros([_WM], gl.float32, gl.SliceLayout(1, _S_LAYOUT))
     o = gl.zeros([_WM, _D], gl.float32, _O_LAYOUT)
     m, l, p32, alpha = _first_tile(it, q, k_smem, k_ready, k_empty, turn, m, l, qk_scale,
-                                   rows, seq, G, CAUSAL, PINGPONG, NUM_STAGES)
+                                   rows, seq, G, CAUSAL, PINGPONG, NUM_STAGES, PAGED)
     p = _to_p(p32, q.dtype)
     for j in range(1, n_full):  # every key visible to every row
         m, l, o, p, alpha = _tile(j, it, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                   turn, l_fence, m, l, o, p, alpha, qk_scale, rows, seq, G, False,
-                                  CAUSAL, PINGPONG, PV_OVERLAP, NUM_STAGES)
+                                  CAUSAL, PINGPONG, PV_OVERLAP, NUM_STAGES, PAGED)
     for j in range(gl.maximum(n_full, 1), n_tiles):  # the diagonal, the ragged end
         m, l, o, p, alpha = _tile(j, it, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                   turn, l_fence, m, l, o, p, alpha, qk_scale, rows, seq, G, True,
-                                  CAUSAL, PINGPONG, PV_OVERLAP, NUM_STAGES)
+                                  CAUSAL, PINGPONG, PV_OVERLAP, NUM_STAGES, PAGED)
     # the last key tile's P.V
     last = it + n_tiles - 1
     sv = last % NUM_STAGES
     o = o * gl.expand_dims(_to_rows_o(alpha), 1)
     mbarrier.wait(v_ready.index(sv), (last // NUM_STAGES) & 1)
-    if PAGED:  # noqa: SIM102 (a compile-time branch around a run-time one)
+    if PAGED == _GATHER:  # rows past seq were zero-filled by the copies
+        fence_async_shared()
+    elif PAGED:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if n_tiles * _BN > seq:
             _zero_v_tail(v_smem.index(sv), (n_tiles - 1) * _BN, seq)
     o_tok = warpgroup_mma(p, v_smem.index(sv), o, is_async=True)
@@ -636,6 +732,7 @@ def _flash_prefill_gluon_kernel(
     q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_ptr,
     seq_lens_ptr,  # PAGED: int32 [B], each sequence's keys (else unused)
     block_tables_ptr, stride_bt,  # PAGED: int32 [B, max_blocks] (else unused)
+    k_cache_ptr, v_cache_ptr, stride_slot,  # PAGED_GATHER: the caches, slots apart (else unused)
     sched_ptr,  # int32 [2 + #programs]: dynamic schedules' counter, stop count, posted tiles
     qk_scale,  # sm_scale * log2(e)
     group,  # q heads per kv head
@@ -646,9 +743,11 @@ def _flash_prefill_gluon_kernel(
     CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
     PV_OVERLAP: gl.constexpr, SCHEDULE: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PAGED: gl.constexpr,  # K/V from a paged cache (k_desc, v_desc over its slots)
+    PAGED: gl.constexpr,  # K/V from a paged cache: PAGED_TMA (k_desc, v_desc over its slots)
+    # or PAGED_GATHER (cp.async from k_cache_ptr, v_cache_ptr); CONTIGUOUS: k_desc, v_desc
     PAGE: gl.constexpr,  # PAGED: the cache's block size (a power of two >= 16), else 1
     PIECE: gl.constexpr,  # rows of a K/V TMA box: min(PAGE, 128) when PAGED, else 128
+    SLOT64: gl.constexpr,  # PAGED_GATHER: cache offsets past int32 (a cache of >= 2**31 elements)
 ):
     """Work tiles 0 .. num_m * num_hb - 1 over the programs (a grid of all of them: one each;
     a grid of #SMs: persistent) as SCHEDULE says."""
@@ -668,9 +767,12 @@ def _flash_prefill_gluon_kernel(
     for i in gl.static_range(Q_BUFS):
         mbarrier.init(q_bar.index(i), count=1)  # the producer's expect; the bytes complete it
         mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer warpgroup
+    # the ready barriers: the producer's expect (the TMA bytes complete them), or PAGED_GATHER
+    # one cp.async arrive (noinc) per producer thread
+    ready_count: gl.constexpr = 128 if PAGED == _GATHER else 1
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_ready.index(i), count=ready_count)
+        mbarrier.init(v_ready.index(i), count=ready_count)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
     mbarrier.init(turn.index(0), count=1)
@@ -678,10 +780,11 @@ def _flash_prefill_gluon_kernel(
     fence_async_shared()
 
     gl.warp_specialize([
-        (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+        (_produce, (q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem,
+                    k_smem, v_smem, q_bar, q_empty, k_ready,
                     v_ready, k_empty, v_empty, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr,
                     stride_bt, sched_ptr, group, num_m, num_heads, num_hb, head_group, CAUSAL,
-                    SCHEDULE, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE)),
+                    SCHEDULE, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE, SLOT64)),
         (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                     turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr,
                     qk_scale, num_m, num_heads, num_hb, head_group, stride_ot, stride_oh,
@@ -901,6 +1004,8 @@ def paged_prefill_gluon(
     num_stages: int = STAGES,
     q_buffers: int | None = None,
     cache_descriptors: bool = True,
+    producer: str = "tma",
+    consumer_regs: int | None = None,
 ):
     """flash_prefill.paged_prefill's contract on this kernel: new tokens' queries over the
     paged KV cache (chunked prefill, prefix hits).
@@ -921,9 +1026,29 @@ def paged_prefill_gluon(
     Hkv * 128]: min(bs, 128)-row boxes (8 of 16 rows at block size 16), all counted by the
     ring slot's mbarrier; a work tile's last key tile is masked past seq_len (its V rows
     there zeroed in shared memory before the P.V). The knobs are flash_prefill_gluon's
-    (q_buffers None: 2 up to max_seqlen_k 8192, else 1).
+    (q_buffers None: 2 up to max_seqlen_k 8192, else 1), and:
+
+    ``producer``: how K/V tiles reach shared memory. ``"tma"`` (the default): the TMA boxes
+    above, issued by one thread of the producer warpgroup each (block 16: 16 UTMALDG a key
+    tile, each two 2 KB messages of 64 columns). ``"gather"``: cp.async by all 128 producer
+    threads, 16 bytes a row chunk (FA3's paged path for pages smaller than a tile): each
+    thread loads the block-table entries of its 16 rows once per key tile (for K and V),
+    copies 16 chunks of K and 16 of V into the same swizzled layout, and arrives on the
+    slot's mbarrier when its copies land (cp.async.mbarrier.arrive.noinc, 128 arrivals a
+    phase); keys past the context re-read key seq_len - 1's slot, so V needs no zeroing; the
+    consumers fence the proxies (fence.proxy.async) before their wgmmas read a gathered stage.
+    ``consumer_regs``: each consumer warpgroup's registers (setmaxnreg; a multiple of 8 in
+    [208, 240]), the producer warpgroup getting the rest of 384 x 168: None = 240 (producer
+    24) for "tma", GATHER_CONSUMER_REGS = 224 (producer 56) for "gather".
     """
     q_buffers = _check_options(num_stages, q_buffers, schedule, max_seqlen_k)
+    if producer not in PRODUCERS:
+        raise ValueError(f"producer must be one of {PRODUCERS}, got {producer!r}")
+    gather = producer == "gather"
+    if consumer_regs is None:
+        consumer_regs = GATHER_CONSUMER_REGS if gather else CONSUMER_REGS
+    if consumer_regs % 8 or not 208 <= consumer_regs <= 240:
+        raise ValueError(f"consumer_regs must be a multiple of 8 in [208, 240], got {consumer_regs}")
     _check_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
                  max_seqlen_k, sm_scale, out)
     page = key_cache.shape[1]
@@ -933,7 +1058,9 @@ def paged_prefill_gluon(
                    sm_scale=sm_scale, return_lse=return_lse, out=out, pingpong=pingpong,
                    pv_overlap=pv_overlap, persistent=persistent, schedule=schedule,
                    head_group=head_group, m_fastest=m_fastest, num_stages=num_stages,
-                   q_buffers=q_buffers, cache_descriptors=cache_descriptors)
+                   q_buffers=q_buffers, cache_descriptors=cache_descriptors,
+                   caches=(key_cache, value_cache) if gather else None,
+                   consumer_regs=consumer_regs)
 
 
 def _check_options(num_stages: int, q_buffers: int | None, schedule: str, max_seqlen: int) -> int:
@@ -951,10 +1078,12 @@ def _check_options(num_stages: int, q_buffers: int | None, schedule: str, max_se
 
 def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, max_seqlen, *,
             causal, sm_scale, return_lse, out, pingpong, pv_overlap, persistent, schedule,
-            head_group, m_fastest, num_stages, q_buffers, cache_descriptors=True):
+            head_group, m_fastest, num_stages, q_buffers, cache_descriptors=True, caches=None,
+            consumer_regs=CONSUMER_REGS):
     """The kernel over checked inputs: contiguous (block_tables None: k_desc, v_desc over
     [total, Hkv * 128]) or paged (k_desc, v_desc over the cache's [num_blocks * page, Hkv *
-    128] slots, seq_lens the key counts); max_seqlen: the longest query count."""
+    128] slots, seq_lens the key counts; ``caches`` = (key_cache, value_cache): the gather
+    producer, cp.async from them); max_seqlen: the longest query count."""
     total, hq, _ = q.shape
     batch = cu_seqlens.numel() - 1
     num_hb = hq * batch
@@ -980,16 +1109,20 @@ def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, ma
     if sched_code == DYNAMIC_MEMSET:
         sched[:2].zero_()
     paged = block_tables is not None
+    mode = CONTIGUOUS if not paged else PAGED_GATHER if caches is not None else PAGED_TMA
+    k_cache, v_cache = caches if caches is not None else (q, q)
     with cached_tma_maps(enabled=cache_descriptors):
         _flash_prefill_gluon_kernel[(grid,)](
             _descriptor(q, WG_M), k_desc, v_desc, out, lse if lse is not None else out, cu_seqlens,
             seq_lens if paged else cu_seqlens, block_tables if paged else cu_seqlens,
-            block_tables.stride(0) if paged else 0, sched, scale, hq // hkv, num_m, hq, num_hb,
+            block_tables.stride(0) if paged else 0, k_cache, v_cache,
+            k_cache.stride(1) if caches is not None else 0, sched, scale, hq // hkv, num_m, hq, num_hb,
             int(head_group), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
             CAUSAL=bool(causal), RETURN_LSE=return_lse, PINGPONG=bool(pingpong),
             PV_OVERLAP=bool(pv_overlap), SCHEDULE=sched_code, NUM_STAGES=num_stages,
-            Q_BUFS=q_buffers, CONSUMER_REGS=CONSUMER_REGS, PAGED=paged, PAGE=page if paged else 1,
-            PIECE=min(page, BLOCK_N) if paged else BLOCK_N, num_warps=4, maxnreg=MAXNREG,
+            Q_BUFS=q_buffers, CONSUMER_REGS=consumer_regs, PAGED=mode, PAGE=page if paged else 1,
+            PIECE=min(page, BLOCK_N) if paged else BLOCK_N,
+            SLOT64=caches is not None and k_cache.numel() >= 2**31, num_warps=4, maxnreg=MAXNREG,
         )
     return (out, lse) if return_lse else out
 
