@@ -97,6 +97,16 @@ def prefill_gluon() -> bool:
     return os.environ.get("FLASHPAGE_PREFILL_GLUON", "0") == "1"
 
 
+def mla_gluon() -> bool:
+    """FLASHPAGE_MLA_GLUON=1: the triton backend's MLA decode on Hopper through the persistent
+    Gluon kernel (kernels/mla_decode_gluon.py: one TMA ring, the split merge inside the
+    kernel) where it covers the call (mla_gluon_unsupported: bf16/fp16 latents in q's dtype,
+    kv_lora_rank 512 + rope 64, heads a multiple of 16). Off by default until an H200 run
+    shows it at least as fast as the Triton kernel. Read at each call (a decode graph keeps
+    the kernel it captured)."""
+    return os.environ.get("FLASHPAGE_MLA_GLUON", "0") == "1"
+
+
 def fused_merge() -> bool:
     """FLASHPAGE_FUSED_MERGE=1: split paged decode merges its splits in the last program of
     each (sequence, KV head) instead of a second kernel. Off by default: in the H200 run

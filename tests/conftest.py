@@ -104,8 +104,9 @@ TINY_MLA_MODELS: dict[str, tuple[str, dict]] = {
 }
 
 
-def build_tiny_mla_checkpoint(path: Path, name: str, seed: int = 0) -> Path:
-    """Save a tiny random DeepSeek checkpoint (fp32 safetensors + config.json) under ``path``."""
+def build_tiny_mla_checkpoint(path: Path, name: str, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random DeepSeek checkpoint (fp32 safetensors + config.json) under ``path``;
+    ``overrides``: config fields over the named model's (e.g. V2-Lite's attention dims)."""
     import transformers
 
     cls_name, extra = TINY_MLA_MODELS[name]
@@ -113,6 +114,7 @@ def build_tiny_mla_checkpoint(path: Path, name: str, seed: int = 0) -> Path:
                 max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
     base.update(extra)
+    base.update(overrides)
     config = getattr(transformers, cls_name)(**base)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

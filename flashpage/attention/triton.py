@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flashpage import envs
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -116,5 +117,12 @@ class TritonBackend(AttentionBackend):
         from flashpage.kernels.mla_decode import mla_decode
 
         nd = q.shape[0]
-        return mla_decode(q.contiguous(), kv_cache, md.block_tables[:nd], md.seq_lens[:nd],
-                          kv_lora_rank=kv_lora_rank, sm_scale=scale)
+        q = q.contiguous()
+        tables, lens = md.block_tables[:nd], md.seq_lens[:nd]
+        if envs.mla_gluon():
+            from flashpage.kernels.mla_decode_gluon import mla_decode_gluon, mla_gluon_unsupported
+
+            if not mla_gluon_unsupported(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank):
+                return mla_decode_gluon(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank,
+                                        sm_scale=scale)
+        return mla_decode(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank, sm_scale=scale)

@@ -1,0 +1,129 @@
+"""FLASHPAGE_MLA_GLUON: the triton backend's MLA decode through the persistent Gluon kernel
+(kernels/mla_decode_gluon.py) where mla_gluon_unsupported allows it.
+
+CPU: the routing of TritonBackend.forward_mla_decode with the kernels stubbed (off: the
+Gluon check is never asked; on, on the CPU: the reasons name the device and the Triton
+kernel runs; on, reasons empty: the Gluon entry gets the decodes' q, block tables and
+lengths). GPU (sm_90): a tiny DeepSeek-V2 with V2-Lite's attention dims (16 heads, latent
+512 + 64) decodes through the Gluon kernel, CUDA graphs included, and its bf16 greedy
+tokens follow the fp32 ones as far as the Triton kernel's do.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import build_tiny_mla_checkpoint, random_prompts
+
+RANK, ROPE, H = 512, 64, 16
+
+
+def _decode(monkeypatch, switch: str, reasons: list[str] | None):
+    import flashpage.kernels.mla_decode as md_mod
+    import flashpage.kernels.mla_decode_gluon as mg
+    from flashpage.attention.triton import TritonBackend
+
+    calls: dict[str, list] = {"triton": [], "gluon": [], "asked": []}
+
+    def triton_stub(q, kv, tables, lens, *, kv_lora_rank, sm_scale):
+        calls["triton"].append((q, tables, lens))
+        return q[..., :kv_lora_rank] * 0 + 1
+
+    def gluon_stub(q, kv, tables, lens, *, kv_lora_rank, sm_scale):
+        calls["gluon"].append((q, tables, lens))
+        return q[..., :kv_lora_rank] * 0 + 2
+
+    real_check = mg.mla_gluon_unsupported
+
+    def check(*args, **kwargs):
+        calls["asked"].append(1)
+        return real_check(*args, **kwargs) if reasons is None else reasons
+
+    monkeypatch.setattr(md_mod, "mla_decode", triton_stub)
+    monkeypatch.setattr(mg, "mla_decode_gluon", gluon_stub)
+    monkeypatch.setattr(mg, "mla_gluon_unsupported", check)
+    monkeypatch.setenv("FLASHPAGE_MLA_GLUON", switch)
+    backend = TritonBackend(SimpleNamespace(is_mla=True), torch.device("cpu"), torch.bfloat16)
+    q = torch.randn(3, H, RANK + ROPE).transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous
+    kv = torch.zeros(8, 16, RANK + ROPE, dtype=torch.bfloat16)
+    md = SimpleNamespace(block_tables=torch.arange(10, dtype=torch.int32).view(5, 2),
+                         seq_lens=torch.tensor([5, 9, 17, 3, 3], dtype=torch.int32))
+    out = backend.forward_mla_decode(q.bfloat16(), kv, md, kv_lora_rank=RANK, scale=0.1)
+    return out, calls
+
+
+def test_switch_off_never_asks(monkeypatch):
+    out, calls = _decode(monkeypatch, "0", None)
+    assert not calls["asked"] and not calls["gluon"] and len(calls["triton"]) == 1
+    assert (out == 1).all()
+
+
+def test_switch_on_without_hopper_runs_triton(monkeypatch):
+    import flashpage.kernels.mla_decode_gluon as mg
+
+    out, calls = _decode(monkeypatch, "1", None)
+    assert calls["asked"] and not calls["gluon"] and (out == 1).all()
+    q = torch.zeros(1, H, RANK + ROPE, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 16, RANK + ROPE, dtype=torch.bfloat16)
+    why = mg.mla_gluon_unsupported(q, kv, torch.zeros(1, 1, dtype=torch.int32),
+                                   torch.ones(1, dtype=torch.int32), kv_lora_rank=RANK)
+    assert any("CUDA" in w for w in why)
+
+
+def test_switch_on_hands_the_decodes_to_gluon(monkeypatch):
+    out, calls = _decode(monkeypatch, "1", [])
+    assert not calls["triton"] and len(calls["gluon"]) == 1 and (out == 2).all()
+    q, tables, lens = calls["gluon"][0]
+    assert q.is_contiguous() and q.shape == (3, H, RANK + ROPE)
+    assert tables.shape == (3, 2) and lens.tolist() == [5, 9, 17]
+
+
+def _leading_agreement(got, truth):
+    total = 0
+    for g, t in zip(got, truth, strict=True):
+        for a, b in zip(g, t, strict=True):
+            if a != b:
+                break
+            total += 1
+    return total
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs an sm_90 GPU")
+def test_gluon_mla_decode_in_the_engine_gpu(tmp_path, monkeypatch):
+    import flashpage.kernels.mla_decode_gluon as mg
+    from flashpage import LLM, SamplingParams
+
+    path = build_tiny_mla_checkpoint(tmp_path / "v2lite_dims", "deepseek_v2", num_attention_heads=H,
+                                     kv_lora_rank=RANK, qk_rope_head_dim=ROPE, qk_nope_head_dim=128,
+                                     v_head_dim=128)
+    prompts = random_prompts(24, 1, 200, seed=13)
+    prompts.append(prompts[2] + [4, 5, 6])  # a prefix hit
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 5 * (i % 7), ignore_eos=True)
+              for i in range(len(prompts))]
+
+    def tokens(backend, dtype, **kw):
+        llm = LLM(str(path), dtype=dtype, device="cuda", attention_backend=backend, block_size=16, **kw)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    truth = tokens("torch_native", "float32")
+    monkeypatch.setenv("FLASHPAGE_MLA_GLUON", "0")
+    triton16 = _leading_agreement(tokens("triton", "bfloat16", max_num_seqs=16), truth)
+    calls = []
+    real = mg.mla_decode_gluon
+
+    def spy(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(mg, "mla_decode_gluon", spy)
+    monkeypatch.setenv("FLASHPAGE_MLA_GLUON", "1")
+    gluon16 = _leading_agreement(tokens("triton", "bfloat16", max_num_seqs=16), truth)
+    total = sum(len(t) for t in truth)
+    assert calls, "the Gluon MLA decode was never called"
+    assert gluon16 >= triton16 - 0.05 * total, (gluon16, triton16, total)
+    assert gluon16 >= 0.5 * total, (gluon16, total)
