@@ -84,7 +84,8 @@
 #                                          first-run effect?), then the Gluon MLA decode's GPU tests in what is left
 #   bash benchmarks/gpu_final.sh s11a      next session's FIRST command on a fresh machine: 8B fp8 throughput (the warm-up's
 #                                          full-budget prompt step: prompt steps ~181 ms in a first process? jit_compiles),
-#                                          8B bf16 with the Gluon paged prefill off / on (then the gpu_s11_*.sh scripts)
+#                                          8B bf16 with the Gluon paged prefill off / on, the engine's Gluon GPU tests,
+#                                          V2-Lite with the Gluon MLA decode off / on (then the gpu_s11_*.sh scripts)
 # Results under $OUT; the last lines of each step are printed.
 set -u
 PART=${1:-engine}
@@ -580,11 +581,17 @@ s11a)  # session 11 call 1, on a fresh machine (the first process matters: runs 
   left() { local t=$((560 - SECONDS)); [ "$1" -lt "$t" ] && t=$1; echo $t; }
   timeout "$(left 100)" $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --kv-cache-dtype fp8 \
     --no-hf --json-out "$OUT/throughput_8b_fp8_first.json" 2>&1 | grep -E "output_tok_per_s|Error"
-  for g in 0 1 0 1; do
+  for g in 0 1; do
     FLASHPAGE_PREFILL_GLUON=$g timeout "$(left 100)" $FP bench throughput --config llama-3-8b \
       --gpu-memory-utilization 0.75 --no-hf --json-out "$OUT/k/throughput_8b_prefill_gluon$g.$RANDOM.json" 2>&1 \
       | grep -E "output_tok_per_s|Error"
   done
-  ;;  # the MLA Gluon decode: benchmarks/gpu_s11_mla.sh (its own call)
+  timeout "$(left 120)" $PT -m gpu tests/engine/test_mla_gluon_switch.py tests/engine/test_triton_backend.py -k gluon \
+    -rf 2>&1 | tee "$OUT/engine_gluon_tests.txt" | tail -n 3
+  for g in 0 1; do
+    FLASHPAGE_MLA_GLUON=$g timeout "$(left 120)" $FP bench throughput --config deepseek-v2-lite \
+      --gpu-memory-utilization 0.75 --num-requests 64 --no-hf --json-out "$OUT/k/throughput_v2lite_mla_gluon$g.json" \
+      2>&1 | grep -E "output_tok_per_s|Error"
+  done ;;  # the MLA Gluon kernel's knobs and tests: benchmarks/gpu_s11_mla.sh (its own call)
 *) echo "unknown part $PART (engine, kernels, serve, deepseek)"; exit 2 ;;
 esac
