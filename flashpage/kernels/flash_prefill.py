@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from flashpage import envs
+from flashpage.kernels.device import sm90_reasons
 from flashpage.kernels.kv_dtype import check_kv_cache_dtype
 
 try:  # host-side TMA descriptors (Hopper and newer)
@@ -569,12 +570,7 @@ def gluon_prefill_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_ca
     paged_prefill call; empty if it can (FLASHPAGE_PREFILL_GLUON=1 then sends it there).
     ``capability``: the device's compute capability (None: read from q's device; a CPU
     tensor or the interpreter count as none)."""
-    reasons = []
-    if capability is None:
-        capability = ((0, 0) if q.device.type != "cuda" or _interpreting()
-                      else torch.cuda.get_device_capability(q.device))
-    if capability[0] != 9:
-        reasons.append("needs a Hopper (sm_90) GPU, not the interpreter")
+    reasons = sm90_reasons(q, capability)
     if q.dtype not in (torch.bfloat16, torch.float16):
         reasons.append(f"needs a bf16/fp16 query, got {q.dtype}")
     if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:

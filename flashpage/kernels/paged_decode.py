@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from flashpage import envs
+from flashpage.kernels.device import sm90_reasons
 from flashpage.kernels.kv_dtype import check_kv_cache_dtype, f16_dots, f16_query, is_fp8
 from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
@@ -675,12 +676,7 @@ def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       capability: tuple[int, int] | None = None) -> list[str]:
     """Why the Gluon fp8 kernel (paged_decode_gluon.py) cannot take this call; empty if it can.
     ``capability``: the device's compute capability (None: read from q's device)."""
-    reasons = []
-    if capability is None:
-        capability = ((0, 0) if q.device.type != "cuda" or _interpreting()
-                      else torch.cuda.get_device_capability(q.device))
-    if capability[0] != 9:
-        reasons.append("needs a Hopper (sm_90) GPU, not the interpreter")
+    reasons = sm90_reasons(q, capability)
     if key_cache.dtype != torch.float8_e4m3fn or value_cache.dtype != torch.float8_e4m3fn:
         reasons.append(f"needs a float8_e4m3fn cache, got {key_cache.dtype}")
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -705,12 +701,7 @@ def gluon_bf16_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     """Why the Gluon 16-bit kernel (paged_decode_gluon_bf16.py: persistent keys_m) cannot take
     this call; empty if it can. ``capability``: the device's compute capability (None: read
     from q's device; a CPU tensor or the interpreter has none)."""
-    reasons = []
-    if capability is None:
-        capability = ((0, 0) if q.device.type != "cuda" or _interpreting()
-                      else torch.cuda.get_device_capability(q.device))
-    if capability[0] != 9:
-        reasons.append("needs a Hopper (sm_90) GPU, not the interpreter")
+    reasons = sm90_reasons(q, capability)
     if q.dtype not in (torch.bfloat16, torch.float16):
         reasons.append(f"needs a bf16/fp16 query, got {q.dtype}")
     if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:

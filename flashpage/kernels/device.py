@@ -1,0 +1,22 @@
+"""What the Gluon kernels' ``*_unsupported`` checks ask of the device (imports no engine code)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1: kernels run on the CPU through Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def sm90_reasons(t: torch.Tensor, capability: tuple[int, int] | None = None) -> list[str]:
+    """[] if ``t``'s device is a Hopper (sm_90) GPU and the interpreter is off, else the reason.
+    ``capability``: the device's compute capability (None: read from t's device; a CPU tensor
+    or the interpreter count as none)."""
+    if capability is None:
+        capability = ((0, 0) if t.device.type != "cuda" or interpreting()
+                      else torch.cuda.get_device_capability(t.device))
+    return [] if capability[0] == 9 else ["needs a Hopper (sm_90) GPU, not the interpreter"]
