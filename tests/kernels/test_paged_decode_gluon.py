@@ -458,32 +458,45 @@ def test_paged_decode_gluon_groups(variant, group):
 def test_paged_decode_gluon_padding_rows(variant):
     """seq_len 0 rows (CUDA-graph padding) among others, first, last and in runs, their block
     tables garbage: zeros for them (out starts NaN), the others as the reference."""
-    from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
+    from test_fp8_kv import gen, paged_pair
 
-    from flashpage.kernels.paged_decode import paged_decode_ref
     from flashpage.kernels.paged_decode_gluon import _launch
 
-    lens = [0, 2048, 17, 0, 0, 1, 64, 0, 1000, 65, 0, 0, 0, 129, 1, 0]
     g = gen(11)
-    _, _, kc8, vc8, tables, seq_lens = paged_pair(lens, 8, 128, 16, torch.bfloat16, g)
+    _, _, kc8, vc8, tables, seq_lens = paged_pair(PADDING_LENS, 8, 128, 16, torch.bfloat16, g)
+    q = torch.randn(len(PADDING_LENS), 32, 128, generator=g, device="cuda").bfloat16()
+    check_padding_rows(lambda *a, out: _launch(*a, out=out, **GLUON_VARIANTS[variant]),
+                       q, kc8, vc8, tables, seq_lens)
+
+
+PADDING_LENS = [0, 2048, 17, 0, 0, 1, 64, 0, 1000, 65, 0, 0, 0, 129, 1, 0]
+
+
+def check_padding_rows(launch, q, kc, vc, tables, seq_lens):
+    """``launch(q, kc, vc, tables, seq_lens, out=...)`` over PADDING_LENS (its seq_len 0 rows'
+    tables garbage): zeros there (out starts NaN), the others as paged_decode_ref; then
+    batches of padding only, of one padding row, of one 1-key and of one 17-key sequence."""
+    from test_fp8_kv import DECODE_TOL, rel_err
+
+    from flashpage.kernels.paged_decode import paged_decode_ref
+
+    lens = PADDING_LENS
     pad = [b for b, n in enumerate(lens) if n == 0]
     tables[pad] = 2**30  # never read
-    q = torch.randn(len(lens), 32, 128, generator=g, device="cuda").bfloat16()
-    out = _launch(q, kc8, vc8, tables, seq_lens, out=torch.full_like(q, float("nan")), **GLUON_VARIANTS[variant])
+    out = launch(q, kc, vc, tables, seq_lens, out=torch.full_like(q, float("nan")))
     torch.cuda.synchronize()
     assert (out[pad] == 0).all(), "a padding row not zero"
     tables[pad] = 0
-    ref = paged_decode_ref(q, kc8, vc8, tables, seq_lens)
+    ref = paged_decode_ref(q, kc, vc, tables, seq_lens)
     for b, n in enumerate(lens):
         if n:
             assert rel_err(out[b], ref[b]) < DECODE_TOL[torch.bfloat16], f"sequence {b} (context {n})"
-    # A batch of padding only, of one padding row, of one 1-key and of one 17-key sequence.
     for rows in (pad, [0], [5], [2]):
         q2, tables2, lens2 = q[rows], tables[rows], seq_lens[rows]
-        out2 = _launch(q2, kc8, vc8, tables2, lens2, out=torch.full_like(q2, float("nan")), **GLUON_VARIANTS[variant])
+        out2 = launch(q2, kc, vc, tables2, lens2, out=torch.full_like(q2, float("nan")))
         torch.cuda.synchronize()
         if lens2.any():
-            assert rel_err(out2, paged_decode_ref(q2, kc8, vc8, tables2, lens2)) < DECODE_TOL[torch.bfloat16]
+            assert rel_err(out2, paged_decode_ref(q2, kc, vc, tables2, lens2)) < DECODE_TOL[torch.bfloat16]
         else:
             assert (out2 == 0).all()
 

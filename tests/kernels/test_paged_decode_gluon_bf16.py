@@ -326,31 +326,12 @@ def test_gluon_bf16_padding_rows(form):
     """seq_len 0 rows (CUDA-graph padding) among others, first, last and in runs, their block
     tables garbage: zeros for them (out starts NaN), the others as the reference; then batches of
     padding only, of one padding row, of one 1-key and of one 17-key sequence."""
-    from test_fp8_kv import DECODE_TOL, rel_err
+    from test_paged_decode_gluon import PADDING_LENS, check_padding_rows
 
-    from flashpage.kernels.paged_decode import paged_decode_ref
     from flashpage.kernels.paged_decode_gluon_bf16 import _launch
 
-    lens = [0, 2048, 17, 0, 0, 1, 64, 0, 1000, 65, 0, 0, 0, 129, 1, 0]
-    q, kc, vc, tables, seq_lens, _ = _case(lens, torch.bfloat16, 11)
-    pad = [b for b, n in enumerate(lens) if n == 0]
-    tables[pad] = 2**30  # never read
-    out = _launch(q, kc, vc, tables, seq_lens, out=torch.full_like(q, float("nan")), **FORMS[form])
-    torch.cuda.synchronize()
-    assert (out[pad] == 0).all(), "a padding row not zero"
-    tables[pad] = 0
-    ref = paged_decode_ref(q, kc, vc, tables, seq_lens)
-    for b, n in enumerate(lens):
-        if n:
-            assert rel_err(out[b], ref[b]) < DECODE_TOL[torch.bfloat16], f"sequence {b} (context {n})"
-    for rows in (pad, [0], [5], [2]):
-        q2, tables2, lens2 = q[rows], tables[rows], seq_lens[rows]
-        out2 = _launch(q2, kc, vc, tables2, lens2, out=torch.full_like(q2, float("nan")), **FORMS[form])
-        torch.cuda.synchronize()
-        if lens2.any():
-            assert rel_err(out2, paged_decode_ref(q2, kc, vc, tables2, lens2)) < DECODE_TOL[torch.bfloat16]
-        else:
-            assert (out2 == 0).all()
+    q, kc, vc, tables, seq_lens, _ = _case(PADDING_LENS, torch.bfloat16, 11)
+    check_padding_rows(lambda *a, out: _launch(*a, out=out, **FORMS[form]), q, kc, vc, tables, seq_lens)
 
 
 @pytest.mark.gpu
