@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import build_tiny_mla_checkpoint, random_prompts
+from tests.engine.test_triton_backend import _leading_agreement
 
 RANK, ROPE, H = 512, 64, 16
 
@@ -79,16 +80,6 @@ def test_switch_on_hands_the_decodes_to_gluon(monkeypatch):
     q, tables, lens = calls["gluon"][0]
     assert q.is_contiguous() and q.shape == (3, H, RANK + ROPE)
     assert tables.shape == (3, 2) and lens.tolist() == [5, 9, 17]
-
-
-def _leading_agreement(got, truth):
-    total = 0
-    for g, t in zip(got, truth, strict=True):
-        for a, b in zip(g, t, strict=True):
-            if a != b:
-                break
-            total += 1
-    return total
 
 
 @pytest.mark.gpu

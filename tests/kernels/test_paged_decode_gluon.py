@@ -514,34 +514,41 @@ def test_paged_decode_gluon_cuda_graph(variant):
     """Captured once, replayed with new queries and lengths (descriptors are kernel
     parameters: the caches must stay where they were), then again with a padding row
     (seq_len 0: zeros)."""
-    from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
+    from test_fp8_kv import gen, paged_pair
 
-    from flashpage.kernels.paged_decode import paged_decode_ref
-    from flashpage.kernels.paged_decode_gluon import _launch as paged_decode_gluon
+    from flashpage.kernels.paged_decode_gluon import _launch
 
     g = gen(5)
     _, _, kc, vc, tables, lens = paged_pair([900, 20, 2000], 8, 128, 16, torch.bfloat16, g)
     q = torch.randn(3, 32, 128, generator=g, device="cuda").bfloat16()
+    check_graph_replay(lambda *a, out: _launch(*a, out=out, **GRAPH_VARIANTS[variant]), q, kc, vc, tables, lens, g)
+
+
+def check_graph_replay(launch, q, kc, vc, tables, lens, g):
+    """``launch(q, kc, vc, tables, lens, out=...)`` over contexts [900, 20, 2000], captured once
+    in a CUDA graph, replayed with new queries (from ``g``) and lengths, then again with a
+    padding row (seq_len 0: zeros); each replay against paged_decode_ref."""
+    from test_fp8_kv import DECODE_TOL, rel_err
+
+    from flashpage.kernels.paged_decode import paged_decode_ref
+
     out = torch.empty_like(q)
-    kw = GRAPH_VARIANTS[variant]
-    paged_decode_gluon(q, kc, vc, tables, lens, out=out, **kw)  # compile outside the capture
+    launch(q, kc, vc, tables, lens, out=out)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_decode_gluon(q, kc, vc, tables, lens, out=out, **kw)
-    q.copy_(torch.randn(3, 32, 128, generator=g, device="cuda").bfloat16())
+        launch(q, kc, vc, tables, lens, out=out)
+    q.copy_(torch.randn(3, 32, 128, generator=g, device="cuda").to(q.dtype))
     lens.copy_(torch.tensor([5, 20, 1999], dtype=torch.int32))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    ref = paged_decode_ref(q, kc, vc, tables, lens)
-    assert rel_err(out, ref) < DECODE_TOL[torch.bfloat16]
+    assert rel_err(out, paged_decode_ref(q, kc, vc, tables, lens)) < DECODE_TOL[torch.bfloat16]
     lens.copy_(torch.tensor([899, 0, 64], dtype=torch.int32))  # within what each holds
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     assert (out[1] == 0).all()
-    ref = paged_decode_ref(q, kc, vc, tables, lens)
-    assert rel_err(out, ref) < DECODE_TOL[torch.bfloat16]
+    assert rel_err(out, paged_decode_ref(q, kc, vc, tables, lens)) < DECODE_TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

@@ -340,30 +340,12 @@ def test_gluon_bf16_padding_rows(form):
 def test_gluon_bf16_cuda_graph(form):
     """Captured once, replayed with new queries and lengths (descriptors are kernel parameters:
     the caches must stay where they were), then again with a padding row (seq_len 0: zeros)."""
-    from test_fp8_kv import DECODE_TOL, rel_err
+    from test_paged_decode_gluon import check_graph_replay
 
-    from flashpage.kernels.paged_decode import paged_decode_ref
     from flashpage.kernels.paged_decode_gluon_bf16 import _launch
 
     q, kc, vc, tables, lens, g = _case([900, 20, 2000], torch.bfloat16, 5)
-    out = torch.empty_like(q)
-    kw = FORMS[form]
-    _launch(q, kc, vc, tables, lens, out=out, **kw)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _launch(q, kc, vc, tables, lens, out=out, **kw)
-    q.copy_(torch.randn(3, 32, 128, generator=g, device="cuda").bfloat16())
-    lens.copy_(torch.tensor([5, 20, 1999], dtype=torch.int32))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert rel_err(out, paged_decode_ref(q, kc, vc, tables, lens)) < DECODE_TOL[torch.bfloat16]
-    lens.copy_(torch.tensor([899, 0, 64], dtype=torch.int32))  # within what each holds
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert (out[1] == 0).all()
-    assert rel_err(out, paged_decode_ref(q, kc, vc, tables, lens)) < DECODE_TOL[torch.bfloat16]
+    check_graph_replay(lambda *a, out: _launch(*a, out=out, **FORMS[form]), q, kc, vc, tables, lens, g)
 
 
 @pytest.mark.gpu
