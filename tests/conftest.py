@@ -104,9 +104,13 @@ TINY_MLA_MODELS: dict[str, tuple[str, dict]] = {
 }
 
 
-def build_tiny_mla_checkpoint(path: Path, name: str, seed: int = 0, **overrides) -> Path:
+def build_tiny_mla_checkpoint(path: Path, name: str, seed: int = 0, fan_in_init: bool = False,
+                              **overrides) -> Path:
     """Save a tiny random DeepSeek checkpoint (fp32 safetensors + config.json) under ``path``;
-    ``overrides``: config fields over the named model's (e.g. V2-Lite's attention dims)."""
+    ``overrides``: config fields over the named model's (e.g. V2-Lite's attention dims).
+    ``fan_in_init``: weights of std 0.2 x sqrt(64 / fan-in) instead of 0.2 (wide overrides:
+    latent 512 at std 0.2 blows activations up until bf16 and fp32 greedy tokens part after
+    a few steps whatever the kernels, 81 of 495 with torch_native on the CPU)."""
     import transformers
 
     cls_name, extra = TINY_MLA_MODELS[name]
@@ -125,6 +129,8 @@ def build_tiny_mla_checkpoint(path: Path, name: str, seed: int = 0, **overrides)
                 p.uniform_(0.5, 1.5)
             elif "gate.weight" in n:
                 p.normal_(0, 0.5)  # router logits far apart: no near-tied expert choices
+            elif fan_in_init and p.dim() == 2:
+                p.normal_(0, 0.2 * min(1.0, (64 / p.shape[1]) ** 0.5))
             else:
                 p.normal_(0, 0.2)
         for n, b in model.named_buffers():
