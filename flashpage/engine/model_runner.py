@@ -22,6 +22,18 @@ from flashpage.engine.scheduler import SchedulerOutput
 from flashpage.engine.sequence import PLACEHOLDER, Request
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 
+TABLE_WIDTH_MULTIPLE = 16
+
+
+def _table_width(blocks: int) -> int:
+    """A step's block-table width: its longest row rounded up to a multiple of 16. The width
+    is the tables' row stride, and Triton/Gluon kernels specialize on an integer argument
+    being 1 or a multiple of 16: a width that followed the longest row would compile the
+    decode kernels again inside users' requests, after the warm-up (run 84: two compiles,
+    1.1-1.2 s steps), and a kernel told the stride is not a multiple of 16 loses the
+    alignment of its table rows."""
+    return -(-max(blocks, 1) // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
+
 
 @dataclass
 class StepInputs:
@@ -56,7 +68,7 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_bs: int, max_model_len: int) -> None:
         """Capture decode-step CUDA graphs (needs a backend without host syncs)."""
-        max_blocks = -(-max_model_len // self.block_size)
+        max_blocks = _table_width(-(-max_model_len // self.block_size))
         self.graphs = DecodeGraphs(self.model, max_bs, max_blocks, self.device)
         self.graphs.capture()
 
@@ -112,7 +124,7 @@ class ModelRunner:
         # One int64 staging array -> one host-to-device copy per step:
         # [input_ids | positions | slot_mapping | qsl | seq_lens | logits_idx | block_tables]
         rows = [self._table_row(r) for r, _ in sched]
-        width = max(max((len(r) for r in rows), default=1), 1)
+        width = _table_width(max((len(r) for r in rows), default=1))
         n_logits = sum(1 for r, n in sched if r.num_computed_tokens + n == r.num_tokens)
         # Decodes whose input token is still being sampled by the previous step.
         pending = [i for i, (r, n) in enumerate(sched)

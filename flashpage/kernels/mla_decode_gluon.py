@@ -477,7 +477,7 @@ def _tile(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, g, ph, buf, m, l, acc, 
             p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page)
 
 
-@gluon.jit(do_not_specialize=["stride_btb", "num_items", "num_splits"])
+@gluon.jit(do_not_specialize=["num_items", "num_splits"])
 def _mla_decode_gluon_kernel(
     q_ptr, kv_desc, pe_desc, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     counter_ptr,  # int32 [B * head_groups], 0 on entry and on exit (SPLIT only)

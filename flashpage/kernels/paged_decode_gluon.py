@@ -212,7 +212,7 @@ def _attend_views(q, k_stage, v_stage, m3, l3, acc, n0, seq_len, MASKED: gl.cons
     return m_new, l3, acc
 
 
-@gluon.jit(do_not_specialize=["stride_btb"])
+@gluon.jit
 def _paged_decode_gluon_kernel(
     q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, out_ptr,
     sm_scale_log2,  # sm_scale * log2(e)
@@ -617,7 +617,7 @@ def _load_q_next2(q_ptr, item, num_items, NPI: gl.constexpr, stride_qb, stride_q
     return gl.load(q_ptrs, mask=(r3 < GROUP) & (k3 < _D) & (item < num_items), other=0.0)
 
 
-@gluon.jit(do_not_specialize=["stride_btb", "num_items"])
+@gluon.jit(do_not_specialize=["num_items"])
 def _paged_decode_gluon_persistent_kernel(
     q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, out_ptr,
     sm_scale_log2,  # sm_scale * log2(e)
@@ -1021,7 +1021,7 @@ def _ws_compute(q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num
     gl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < GROUP) & (cols < _D))
 
 
-@gluon.jit(do_not_specialize=["stride_btb"])
+@gluon.jit
 def _paged_decode_gluon_ws_kernel(
     q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, out_ptr,
     sm_scale_log2,  # sm_scale * log2(e)

@@ -190,7 +190,7 @@ def _attend16(qt, k_stage, v_stage, m3, l4, acc, n0, seq_len, sm_scale_log2, MAS
     return m_new, l4, acc
 
 
-@gluon.jit(do_not_specialize=["stride_btb", "num_items"])
+@gluon.jit(do_not_specialize=["num_items"])
 def _paged_decode_gluon16_kernel(
     q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, out_ptr,
     sm_scale_log2,  # sm_scale * log2(e)

@@ -47,3 +47,29 @@ def test_warm_up_leaves_no_trace(tiny_checkpoint, async_scheduling):
         outs[name] = got
         assert eng.kv_manager.stats().prefix_hits == 0
     assert outs["warmed"] == outs["fresh"]
+
+
+def test_block_table_width_is_a_multiple_of_16(tiny_checkpoint):
+    """Every step's block tables are padded to a multiple of 16 columns (their row stride,
+    which the decode kernels specialize on: another width would compile them again after
+    the warm-up)."""
+    path = tiny_checkpoint("head64_gqa")
+    eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=8,
+                                 max_num_batched_tokens=256))
+    seen = []
+    prepare = eng.runner.prepare
+
+    def spy(out):
+        step = prepare(out)
+        seen.append(step.metadata.block_tables.shape[1])
+        return step
+
+    eng.runner.prepare = spy
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [list(range(3, 8)), list(range(3, 200))]  # 1 and 25 blocks of 8
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert seen and all(w % 16 == 0 for w in seen), seen
+    assert 32 in seen  # 25 blocks -> 32 columns

@@ -1,11 +1,12 @@
 """Arguments that change from one engine step to the next must not be specialized on.
 
 Triton compiles a kernel again for every new combination of "is 1 / divisible by 16" of its
-integer arguments. The engine's block-table width (``stride_btb``) follows the longest
-sequence of the step, and work-item and split counts follow the batch, so a kernel that
-specializes on them compiles inside the first users' requests, after the warm-up: a Gluon
-decode kernel did, twice, in H200 run 84 (1.1-1.2 s prompt steps, 8B fp8 10.5k instead of
-12.3k tok/s in a machine's first process).
+integer arguments. Work-item and split counts follow the batch, so a kernel that
+specializes on them compiles inside the first users' requests, after the warm-up. (The
+block-table row stride is the other per-step integer: the engine pads the width to a
+multiple of 16 instead, model_runner._table_width, test_warm_up.py.) A Gluon decode kernel
+compiled twice in the timed run of H200 run 84 (1.1-1.2 s prompt steps, 8B fp8 10.5k
+instead of 12.3k tok/s in a machine's first process).
 """
 import importlib
 import inspect
@@ -17,7 +18,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 import flashpage.kernels
 
-PER_STEP = {"stride_btb", "stride_bt", "num_items", "num_splits"}
+PER_STEP = {"num_items", "num_splits"}
 
 
 def _jit_kernels():
