@@ -10,9 +10,11 @@ variant prints its error in its cell and the others go on.
     python benchmarks/mla_decode_gluon.py --out $OUT          # ~3 min on an H200 (6 variants)
     python benchmarks/mla_decode_gluon.py --variants gluon gluon_s4 --shapes 8x32768
 
-Variants: ``triton``, ``gluon`` (the Gluon default), ``gluon_peel`` / ``gluon_lean`` /
-``gluon_lazy`` (one tile-loop knob of ``_launch`` each) and ``gluon_all`` (the three), by
-default; ``gluon_s4`` (4 ring slots) and ``gluon_p1sm`` (one program an SM) on request.
+Variants: ``triton``, ``gluon`` (the Gluon default), ``gluon_fused`` (every split count merged
+in the kernel), ``gluon_peel`` (peel: an item's last tile out of the loop), ``gluon_peel_fused``,
+``gluon_peel_f1`` (peel, the merge kernel from 2 splits) and ``gluon_all`` (peel, lean, lazy) by
+default; ``gluon_lean`` / ``gluon_lazy``, ``gluon_peel_f8``, ``gluon_s4`` (4 ring slots) and
+``gluon_p1sm`` (one program an SM) on request.
 
 Writes $OUT/mla_decode_gluon.json and prints a markdown table.
 """
@@ -42,9 +44,16 @@ VARIANTS = {
     "gluon_lazy": (gluon_launch, {"lazy": True}),
     "gluon_all": (gluon_launch, {"peel": True, "lean": True, "lazy": True}),
     "gluon_s4": (gluon_launch, {"stages": 4}),
+    # every split count merged inside the kernel (the default merges > FUSE_MAX_SPLITS with
+    # mla_decode's merge kernel; run 85 measured this form as "gluon")
+    "gluon_fused": (gluon_launch, {"fuse_max_splits": 1 << 20}),
+    "gluon_peel_fused": (gluon_launch, {"peel": True, "fuse_max_splits": 1 << 20}),
+    "gluon_peel_f8": (gluon_launch, {"peel": True, "fuse_max_splits": 8}),
+    "gluon_peel_f1": (gluon_launch, {"peel": True, "fuse_max_splits": 1}),
     "gluon_p1sm": (gluon_launch, {"programs": -1}),  # one program an SM (-1: resolved below)
 }
-DEFAULT_VARIANTS = ["triton", "gluon", "gluon_peel", "gluon_lean", "gluon_lazy", "gluon_all"]
+DEFAULT_VARIANTS = ["triton", "gluon", "gluon_fused", "gluon_peel", "gluon_peel_fused", "gluon_peel_f1",
+                    "gluon_all"]
 
 
 def _kw(kw: dict) -> dict:

@@ -31,8 +31,10 @@ issue ahead) walks the same items as the consumer, skipping empty ones, and past
 item its issues are predicated off, so every TMA issued is waited on. A freed tile's two
 slots are refilled right after the next tile's barrier.
 
-Splits: partials (o normalized, fp32 [16, 512], and lse base 2) go to scratch; each split then
-counts itself in (an atomic per sequence and head group, acq_rel at gpu scope, after a CTA
+Splits: partials (o normalized, fp32 [16, 512], and lse base 2) go to scratch, in
+``mla_decode``'s layout (mid_o [B, H, S, 512], mid_lse [B, H, S]). Past FUSE_MAX_SPLITS splits
+its merge kernel runs after this one (one program per sequence, head and column chunk: the
+partials read in parallel); up to it, each split counts itself in (an atomic per sequence and head group, acq_rel at gpu scope, after a CTA
 barrier) and the last to arrive merges every partial, in split order from scratch (its own
 too: a call's output does not depend on which split came last), into ``out`` and sets the
 counter back to 0: a captured CUDA graph replays from a clean state. One split (a
@@ -89,6 +91,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     tma,
 )
 
+from flashpage.kernels.mla_decode import _merge, _merge_counters
+
 _LOG2E = 1.4426950408889634
 RANK, ROPE = 512, 64  # DeepSeek-V2/V3: the only shape taken
 HEADS = 16  # heads a program (a head group); the head count must be a multiple
@@ -98,6 +102,11 @@ NUM_WARPS = 4
 STAGES = 5  # ring slots: 5 x 18 KB + 16 KB scratch = 106 KB, 2 programs an SM
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_KEYS = 256  # a split keeps at least this many keys
+# Splits a call merges inside the kernel (the last to arrive reads every partial, one after
+# another: 32 KB each); more go to mla_decode's merge kernel, one program per (sequence, head,
+# column chunk). Run 85: the in-kernel merge of 33 splits (8 x 32768) held the call to 58% of
+# copy.
+FUSE_MAX_SPLITS = 4
 LAZY_LOG2 = gl.constexpr(8.0)  # lazy=True: rescale once a row's max grew by > 2^8 (p <= 256)
 
 _W = gl.constexpr(NUM_WARPS)
@@ -400,9 +409,10 @@ def _attend(ring, scratch, idx0, idx1, buf, m, l, acc, key0, end, qk_scale, dtyp
 
 @gluon.jit
 def _finish(acc, m, l, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, b, s, hg, num_splits, head_groups,
-            stride_ob, stride_oh, SPLIT: gl.constexpr):
-    """The item's output: into ``out`` (no split), or its partial into scratch, and the last
-    split of the (sequence, head group) to arrive merges them all into ``out``."""
+            stride_ob, stride_oh, SPLIT: gl.constexpr, MERGE: gl.constexpr):
+    """The item's output: into ``out`` (no split), or its partial into scratch (mla_decode's
+    layout: mid_o [B, H, S, 512], mid_lse [B, H, S]) and, with MERGE, the last split of the
+    (sequence, head group) to arrive merges them all into ``out``."""
     rows_l: gl.constexpr = gl.SliceLayout(1, _MMA2)
     rows = gl.arange(0, 16, layout=rows_l)
     cols = gl.arange(0, 512, layout=gl.SliceLayout(0, _MMA2))
@@ -414,43 +424,53 @@ def _finish(acc, m, l, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, b, s, hg, n
     if SPLIT:
         group = b * head_groups + hg
         lse = gl.where(l2 > 0.0, m2 + gl.log2(gl.where(l2 > 0.0, l2, 1.0)), float("-inf"))
-        row0 = group.to(gl.int64) * num_splits  # partial (group, split) at row0 + split
-        tile_off = gl.expand_dims(rows * 512, 1) + gl.expand_dims(cols, 0)
-        gl.store(mid_o_ptr + (row0 + s) * 8192 + tile_off, o)
-        gl.store(mid_lse_ptr + (row0 + s) * 16 + rows, lse)
-        # Every thread's stores before the count (one thread's acq_rel atomic after the barrier).
-        gl.thread_barrier()
-        count = gl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
-        if count == num_splits - 1:
-            gl.atomic_xchg(counter_ptr + group, 0, sem="relaxed", scope="gpu")
-            # Online merge, base 2, over the partials in split order from scratch (this program's
-            # own too: the same result whichever split arrives last, so a call is
-            # deterministic): mm the running max of the lse, den and o the sums of
-            # 2^(lse_i - mm) and 2^(lse_i - mm) o_i. The next partial is loaded (L2: .cg)
-            # before the current one is added.
-            mm = gl.full_like(lse, float("-inf"))
-            den = gl.zeros_like(lse)
-            o = gl.zeros_like(o)
-            lse_n = gl.load(mid_lse_ptr + row0 * 16 + rows, cache_modifier=".cg")
-            o_n = gl.load(mid_o_ptr + row0 * 8192 + tile_off, cache_modifier=".cg")
-            for i in range(num_splits):
-                lse_i = lse_n
-                o_i = o_n
-                nxt = i + 1
-                lse_n = gl.load(mid_lse_ptr + (row0 + nxt) * 16 + rows, mask=nxt < num_splits,
-                                other=float("-inf"), cache_modifier=".cg")
-                o_n = gl.load(mid_o_ptr + (row0 + nxt) * 8192 + tile_off, mask=nxt < num_splits, other=0.0,
-                              cache_modifier=".cg")
-                m_new = gl.maximum(mm, lse_i)
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # every partial so far empty
-                a = gl.exp2(mm - m_safe)
-                w = gl.exp2(lse_i - m_safe)
-                o = o * gl.expand_dims(a, 1) + o_i * gl.expand_dims(w, 1)
-                den = den * a + w
-                mm = m_new
-            o = o / gl.expand_dims(gl.where(den > 0.0, den, 1.0), 1)
-            gl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty))
+        # head row h's partial of split i at (h x num_splits + i) x 512 (lse: h x num_splits + i)
+        hrow = (group * 16 + rows).to(gl.int64) * num_splits
+        tile_off = gl.expand_dims(hrow * 512, 1) + gl.expand_dims(cols, 0)
+        gl.store(mid_o_ptr + s * 512 + tile_off, o)
+        gl.store(mid_lse_ptr + hrow + s, lse)
+        if MERGE:
+            _merge_if_last(o, lse, out_ptr, out_off, mid_o_ptr, mid_lse_ptr, counter_ptr, group, hrow, tile_off,
+                           num_splits)
     else:
+        gl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _merge_if_last(o, lse, out_ptr, out_off, mid_o_ptr, mid_lse_ptr, counter_ptr, group, hrow, tile_off,
+                   num_splits):
+    """Count this split in; the last of the group's splits to arrive merges them into out."""
+    # Every thread's stores before the count (one thread's acq_rel atomic after the barrier).
+    gl.thread_barrier()
+    count = gl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
+    if count == num_splits - 1:
+        gl.atomic_xchg(counter_ptr + group, 0, sem="relaxed", scope="gpu")
+        # Online merge, base 2, over the partials in split order from scratch (this program's
+        # own too: the same result whichever split arrives last, so a call is
+        # deterministic): mm the running max of the lse, den and o the sums of
+        # 2^(lse_i - mm) and 2^(lse_i - mm) o_i. The next partial is loaded (L2: .cg)
+        # before the current one is added.
+        mm = gl.full_like(lse, float("-inf"))
+        den = gl.zeros_like(lse)
+        o = gl.zeros_like(o)
+        lse_n = gl.load(mid_lse_ptr + hrow, cache_modifier=".cg")
+        o_n = gl.load(mid_o_ptr + tile_off, cache_modifier=".cg")
+        for i in range(num_splits):
+            lse_i = lse_n
+            o_i = o_n
+            nxt = i + 1
+            lse_n = gl.load(mid_lse_ptr + hrow + nxt, mask=nxt < num_splits,
+                            other=float("-inf"), cache_modifier=".cg")
+            o_n = gl.load(mid_o_ptr + nxt * 512 + tile_off, mask=nxt < num_splits, other=0.0,
+                          cache_modifier=".cg")
+            m_new = gl.maximum(mm, lse_i)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # every partial so far empty
+            a = gl.exp2(mm - m_safe)
+            w = gl.exp2(lse_i - m_safe)
+            o = o * gl.expand_dims(a, 1) + o_i * gl.expand_dims(w, 1)
+            den = den * a + w
+            mm = m_new
+        o = o / gl.expand_dims(gl.where(den > 0.0, den, 1.0), 1)
         gl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty))
 
 
@@ -488,10 +508,11 @@ def _mla_decode_gluon_kernel(
     stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
     PAGE: gl.constexpr,  # cache block size, a multiple of 16
     R: gl.constexpr,  # ring slots (>= 4)
-    SPLIT: gl.constexpr,  # num_splits > 1: partials and the in-kernel merge
+    SPLIT: gl.constexpr,  # num_splits > 1: partials (and the merge)
     PEEL: gl.constexpr,  # an item's last tile out of the loop (the loop's tiles unmasked)
     LEAN: gl.constexpr,  # ring counters and the producer's items without divisions
     LAZY: gl.constexpr,  # rescale the accumulator only when a row's max grew by > 2^LAZY_LOG2
+    MERGE: gl.constexpr = True,  # SPLIT: the last split to arrive merges (else mla_decode's merge kernel)
 ):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -562,7 +583,7 @@ def _mla_decode_gluon_kernel(
                     p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
                     seq_lens_ptr, block_tables_ptr, stride_btb, dtype, PAGE, R, LEAN, 2, LAZY)
         _finish(acc, m, l, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, b, s, hg, num_splits, head_groups,
-                stride_ob, stride_oh, SPLIT)
+                stride_ob, stride_oh, SPLIT, MERGE)
     for k in gl.static_range(R):  # every issued slot was waited on (none issued past the last item)
         mbarrier.invalidate(bars.index(k))
 
@@ -635,11 +656,12 @@ def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -
 
 def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=None, num_splits=None,
             programs: int | None = None, stages: int = STAGES, peel: bool = False, lean: bool = False,
-            lazy: bool = False):
+            lazy: bool = False, fuse_max_splits: int = FUSE_MAX_SPLITS):
     """mla_decode_gluon with the knobs tests and benchmarks turn: ``programs`` (None: 2 an SM,
     at most one a work item), ``stages`` (ring slots, >= 4), ``peel`` (an item's last tile out
     of the loop), ``lean`` (ring counters, the producer's items without divisions), ``lazy``
-    (the accumulator rescaled only when a row's max grew by > 2^8)."""
+    (the accumulator rescaled only when a row's max grew by > 2^8), ``fuse_max_splits`` (the
+    most splits merged inside the kernel; more: the merge kernel)."""
     why = mla_gluon_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
     if why:
         raise ValueError("mla_decode_gluon cannot take this call: " + "; ".join(why))
@@ -663,20 +685,22 @@ def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=
     num_splits = max(1, int(num_splits))
     items = B * hg * num_splits
     split = num_splits > 1
+    fused = split and num_splits <= fuse_max_splits
+    mid_o = mid_lse = counters = out  # unused without splits
     if split:
-        from flashpage.kernels.mla_decode import _merge_counters
-
-        mid_o = torch.empty(B * hg * num_splits, 16, RANK, dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty(B * hg * num_splits, 16, dtype=torch.float32, device=q.device)
+        mid_o = torch.empty(B, H, num_splits, RANK, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    if fused:
         counters = _merge_counters(q.device, B * hg)
-    else:
-        mid_o = mid_lse = counters = out  # unused
     grid = min(items, max(1, programs or slots))
     _mla_decode_gluon_kernel[(grid,)](
         q, *_cache_descriptors(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse, counters,
         sm_scale * _LOG2E, 1.0 / num_splits, items, num_splits, hg,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        PAGE=kv_cache.shape[1], R=stages, SPLIT=split, PEEL=peel, LEAN=lean, LAZY=lazy, num_warps=NUM_WARPS)
+        PAGE=kv_cache.shape[1], R=stages, SPLIT=split, PEEL=peel, LEAN=lean, LAZY=lazy, MERGE=fused,
+        num_warps=NUM_WARPS)
+    if split and not fused:
+        _merge(mid_o, mid_lse, out, RANK)
     return out
 
 

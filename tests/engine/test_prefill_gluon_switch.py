@@ -144,10 +144,17 @@ def test_switch_on_sends_the_prefill_part_to_gluon(monkeypatch):
     _close(out[1:], _reference(q, cache, md))
 
 
-def test_switch_off_by_default(monkeypatch):
+def test_switch_on_by_default_and_off_with_0(monkeypatch):
+    """Unset: the Gluon kernel is asked (here, on the CPU, it says why it cannot run and the
+    Triton kernel does); FLASHPAGE_PREFILL_GLUON=0: never asked."""
+    q, k, v, cache, md = _step(seed=2)
     monkeypatch.delenv("FLASHPAGE_PREFILL_GLUON", raising=False)
     asked = _spy_reasons(monkeypatch)
-    q, k, v, cache, md = _step(seed=2)
+    out = _forward(q, k, v, cache, md)
+    assert asked and all(asked)
+    _close(out[1:], _reference(q, cache, md))
+    monkeypatch.setenv("FLASHPAGE_PREFILL_GLUON", "0")
+    asked.clear()
     out = _forward(q, k, v, cache, md)
     assert asked == []
     _close(out[1:], _reference(q, cache, md))

@@ -32,7 +32,7 @@ TOL = 2e-2  # ||out - ref|| / ||ref||, bf16 (test_mla_decode.py's REL_TOL)
 
 
 def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True, peel: bool = False,
-                 lean: bool = False, lazy: bool = False):
+                 lean: bool = False, lazy: bool = False, merge: bool = True):
     """The kernel compiled for sm_90 as an H200 launch compiles it (bf16; pointers and the
     strides that are multiples of 16 there marked so)."""
     import triton
@@ -42,7 +42,8 @@ def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True, 
     from flashpage.kernels import mla_decode_gluon as mg
 
     fn = mg._mla_decode_gluon_kernel
-    consts = {"PAGE": page, "R": stages or mg.STAGES, "SPLIT": split, "PEEL": peel, "LEAN": lean, "LAZY": lazy}
+    consts = {"PAGE": page, "R": stages or mg.STAGES, "SPLIT": split, "PEEL": peel, "LEAN": lean, "LAZY": lazy,
+              "MERGE": merge}
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[8, 16, 64],{mg._TMA_SMEM.value!r}>",
                 "pe_desc": f"tensordesc<bf16[16, 64],{mg._TMA_SMEM2.value!r}>", "block_tables_ptr": "*i32",
@@ -81,19 +82,20 @@ FORMS = {
 
 def _sm90_report() -> dict:
     """(In a subprocess with the interpreter off.) Registers, spills, shared memory and the tile
-    loop's mix of every form at page 64 with splits, and of the default and "all" at page 16
-    and without splits."""
+    loop's mix of every form at page 64 with splits, of the default and "all" at page 16 and
+    without splits, and of the default and "peel" leaving the merge to the merge kernel."""
     try:
         import triton.experimental.gluon  # noqa: F401
     except ImportError as ex:
         return {"skip": f"no Gluon in this Triton: {ex}"}
     out = {}
-    compiles = [(form, 64, True) for form in FORMS]
-    compiles += [(form, page, split) for form in ("default", "all") for page, split in ((16, True), (64, False))]
-    for form, page, split in compiles:
-        k = compile_sm90(page=page, split=split, **FORMS[form])
+    compiles = [(form, 64, True, True) for form in FORMS]
+    compiles += [(form, page, split, True) for form in ("default", "all") for page, split in ((16, True), (64, False))]
+    compiles += [(form, 64, True, False) for form in ("default", "peel")]  # partials for the merge kernel
+    for form, page, split, merge in compiles:
+        k = compile_sm90(page=page, split=split, merge=merge, **FORMS[form])
         log, sass = ptxas_sm90a(k.asm["ptx"])
-        name = f"{form}_p{page}" + ("" if split else "_nosplit")
+        name = f"{form}_p{page}" + ("" if split else "_nosplit") + ("" if merge else "_nomerge")
         out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, loop=tile_loop_mix(sass),
                          tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], form=form)
     return out
@@ -251,6 +253,11 @@ KNOBS = {
     "p5_s4": {"programs": 5, "stages": 4},
     "p7_splits5": {"programs": 7, "num_splits": 5},
     "p3_s6_splits9": {"programs": 3, "stages": 6, "num_splits": 9},
+    # the merge: in the kernel up to FUSE_MAX_SPLITS (4) splits, mla_decode's merge kernel past it
+    "fused9": {"num_splits": 9, "fuse_max_splits": 16},
+    "fused40": {"num_splits": 40, "fuse_max_splits": 64},
+    "merge_kernel2": {"num_splits": 2, "fuse_max_splits": 1},
+    "p5_merge_kernel3": {"programs": 5, "num_splits": 3, "fuse_max_splits": 1},
 }
 
 
@@ -291,27 +298,31 @@ def test_mla_gluon_matches_triton_gpu(form):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("form", list(FORMS))
-def test_mla_gluon_many_calls_gpu(form):
-    """200 calls back to back with splits (the merge's last-arriver election and counter reset
-    under load), every one right and bitwise equal, the counters zero at the end."""
+@pytest.mark.parametrize("fuse_max_splits", [64, 1], ids=["fused", "merge_kernel"])
+def test_mla_gluon_many_calls_gpu(form, fuse_max_splits):
+    """200 calls back to back with splits (12: the merge's last-arriver election and counter
+    reset under load, or the merge kernel after), every one right and bitwise equal, the
+    counters zero at the end."""
     from flashpage.kernels.mla_decode import _COUNTERS
     from flashpage.kernels.mla_decode_gluon import _launch
 
     q, kv, tables, seq_lens = make_case([3000, 1, 2048, 777] * 4, 16, 64, seed=3)
     scale = 1.0 / math.sqrt(RANK + ROPE)
     ref = mla_decode_ref(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale)
-    outs = [_launch(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, **FORMS[form]) for _ in range(200)]
+    outs = [_launch(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, fuse_max_splits=fuse_max_splits,
+                    **FORMS[form]) for _ in range(200)]
     torch.cuda.synchronize()
     for i, o in enumerate(outs):
         assert rel_err(o, ref) < TOL, f"call {i}"
         assert torch.equal(o, outs[0]), f"call {i} differs from call 0"
-    assert not _COUNTERS[q.device].any()
+    if fuse_max_splits > 1:
+        assert not _COUNTERS[q.device].any()
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("form", list(FORMS))
-@pytest.mark.parametrize("num_splits", [None, 1, 7])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 7])  # 3: merged in the kernel; None (16), 7: merge kernel
 def test_mla_gluon_cuda_graph_gpu(num_splits, form):
     """Captured once, replayed 50 times with new queries and lengths (a padding row among
     them): the merge counters reset themselves, every replay right."""
@@ -347,4 +358,5 @@ def test_mla_gluon_cuda_graph_gpu(num_splits, form):
                 assert (out[b] == 0).all(), f"replay {r}: padding row"
             else:
                 assert rel_err(out[b], ref[b]) < TOL, f"replay {r}, sequence {b} ({n})"
-    assert not _COUNTERS[q.device].any()
+    if q.device in _COUNTERS:
+        assert not _COUNTERS[q.device].any()
