@@ -170,6 +170,15 @@ CONSUMER_REGS = 240
 GATHER_CONSUMER_REGS = 224
 PRODUCERS = ("tma", "gather")
 
+
+def engine_producer(block_size: int) -> str:
+    """The producer flash_prefill.paged_prefill asks for: cp.async rows ("gather") under
+    128-token blocks, TMA boxes from 128 up. H200 run 89 (2 x 4096 / 1 x 16384 / 8 x 1024 /
+    8192 cached + 8192 causal, TFLOP/s): block 16, gather 486 / 538 / 322 / 542 against the
+    boxes' 467 / 527 / 310 / 516; block 128, the boxes 532 / 603 / 356 / 605 against gather's
+    488 / 528 / 321 / 492. The two agree bit for bit (test_paged_prefill_gather.py)."""
+    return "gather" if block_size < BLOCK_N else "tma"
+
 _D = gl.constexpr(HEAD_DIM)
 _BM = gl.constexpr(BLOCK_M)
 _BN = gl.constexpr(BLOCK_N)

@@ -107,6 +107,10 @@ MIN_SPLIT_KEYS = 256  # a split keeps at least this many keys
 # column chunk). Run 85: the in-kernel merge of 33 splits (8 x 32768) held the call to 58% of
 # copy.
 FUSE_MAX_SPLITS = 4
+# The tile-loop knobs mla_decode_gluon runs with: all three. Run 88 (% of copy, page 64, 16
+# heads; 8x32768, 16x16384, 32x4096, 64x8192, 128x4096, 8x4096): 81 82 69 90 91 41, against
+# 79 81 68 85 86 40 without them and Triton's 82 75 71 83 83 42.
+ENGINE_FORM = {"peel": True, "lean": True, "lazy": True}
 LAZY_LOG2 = gl.constexpr(8.0)  # lazy=True: rescale once a row's max grew by > 2^8 (p <= 256)
 
 _W = gl.constexpr(NUM_WARPS)
@@ -728,12 +732,12 @@ def mla_decode_gluon(
     returns out  : [B, H, 512] in q's dtype
 
     ``config`` and ``pdl`` are the Triton kernel's knobs, accepted for a drop-in swap and
-    ignored (this kernel has one tile shape and no PDL launch). Raises ValueError with
-    ``mla_gluon_unsupported``'s reasons where it cannot run.
+    ignored (this kernel has one tile shape and no PDL launch). It runs ENGINE_FORM's tile-loop
+    knobs. Raises ValueError with ``mla_gluon_unsupported``'s reasons where it cannot run.
     """
     del config, pdl
     return _launch(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank, sm_scale=sm_scale,
-                   out=out, num_splits=num_splits)
+                   out=out, num_splits=num_splits, **ENGINE_FORM)
 
 
 __all__ = ["mla_decode_gluon", "mla_gluon_unsupported", "pick_splits"]

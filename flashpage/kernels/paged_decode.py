@@ -89,7 +89,7 @@ class DecodeConfig:
     # 3 programs per SM, each streaming its (sequence, KV head) items back to back) for the
     # calls it covers (gluon_unsupported says which); the others run this config's Triton
     # loop. fp8 cache on sm_90 only. Over a 16-bit cache: the persistent Gluon keys_m kernel of
-    # paged_decode_gluon_bf16.py (gluon_bf16_unsupported), FLASHPAGE_DECODE_GLUON_BF16=1 only.
+    # paged_decode_gluon_bf16.py (gluon_bf16_unsupported) unless FLASHPAGE_DECODE_GLUON_BF16=0.
     gluon: bool = False
 
 
@@ -151,8 +151,8 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
                                         heads_fastest=True, fused_merge=envs.fused_merge(),
                                         gluon=envs.decode_gluon())
                 return DecodeConfig(64, 4, 3, programs_per_sm=4, fused_merge=envs.fused_merge())
-            # Unsplit 16-bit grids may go to the persistent Gluon kernel (paged_decode_gluon_bf16.py)
-            # under FLASHPAGE_DECODE_GLUON_BF16=1 (off until measured).
+            # Unsplit 16-bit grids go to the persistent Gluon kernel (paged_decode_gluon_bf16.py)
+            # unless FLASHPAGE_DECODE_GLUON_BF16=0 (8B bf16: 1.02x end to end, run 88).
             sms = _num_sms(device)
             if programs is not None and sms < programs <= 2 * sms:  # unsplit: 1-2 per SM
                 return DecodeConfig(64, 8, 3, programs_per_sm=2, gluon=envs.decode_gluon_bf16())

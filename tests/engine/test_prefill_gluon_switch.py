@@ -121,10 +121,10 @@ def test_switch_on_sends_the_prefill_part_to_gluon(monkeypatch):
     calls = []
 
     def fake(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
-             max_seqlen_k, *, causal, sm_scale, return_lse, out):
+             max_seqlen_k, *, causal, sm_scale, return_lse, out, producer):
         calls.append(dict(q=q, block_tables=block_tables, cu=cu_seqlens_q, seq_lens=seq_lens,
                           max_q=max_seqlen_q, max_k=max_seqlen_k, causal=causal,
-                          sm_scale=sm_scale, return_lse=return_lse, out=out))
+                          sm_scale=sm_scale, return_lse=return_lse, out=out, producer=producer))
         out.copy_(paged_prefill_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q,
                                     seq_lens, max_seqlen_q, max_seqlen_k, causal=causal,
                                     sm_scale=sm_scale))
@@ -140,6 +140,7 @@ def test_switch_on_sends_the_prefill_part_to_gluon(monkeypatch):
     assert c["seq_lens"].tolist() == [32, 5] and c["cu"].tolist() == [0, 9, 14]
     assert (c["max_q"], c["max_k"], c["causal"], c["return_lse"]) == (9, 32, True, False)
     assert c["sm_scale"] == D ** -0.5
+    assert c["producer"] == ("gather" if BLOCK < 128 else "tma")  # flash_prefill_gluon.engine_producer
     assert c["out"].data_ptr() == out[1:].data_ptr()  # written in place
     _close(out[1:], _reference(q, cache, md))
 

@@ -213,7 +213,11 @@ def test_default_config_by_generation(monkeypatch):
     monkeypatch.delenv("FLASHPAGE_DECODE_GLUON")
     few8 = mod.default_config(cuda, 128, 63, fp8=True)  # under 64 programs: the shared-state loop
     assert (few8.block_n, few8.num_stages, few8.programs_per_sm, few8.warp_split) == (64, 3, 4, False)
-    assert not few8.gluon and not small.gluon and not large.gluon  # fp8 at >= 64 programs only
+    assert not few8.gluon  # fp8: at >= 64 programs only
+    assert small.gluon and large.gluon  # 16-bit unsplit grids: the Gluon bf16 kernel where it covers the call
+    monkeypatch.setenv("FLASHPAGE_DECODE_GLUON_BF16", "0")
+    assert not mod.default_config(cuda, 128, 264).gluon and not mod.default_config(cuda, 128, 265).gluon
+    monkeypatch.delenv("FLASHPAGE_DECODE_GLUON_BF16")
     monkeypatch.setenv("FLASHPAGE_DECODE_WARP_SPLIT", "0")
     assert mod.default_config(cuda, 128, 264, fp8=True) == few8
     monkeypatch.delenv("FLASHPAGE_DECODE_WARP_SPLIT")

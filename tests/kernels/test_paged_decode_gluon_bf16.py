@@ -6,7 +6,7 @@ pages arrive by 3-D TMA boxes (8 a 64-key tile), nothing spills, the tile loop r
 ``ldmatrix`` and V by ``ldmatrix.trans`` only (8 each a warp) and has 16 HMMA, one mbarrier
 wait and no widening; shared memory lets the programs share an SM. The shared-memory views
 undo TMA's 128-byte swizzle (checked element by element). Bad input raises ValueError naming
-what is wrong; paged_decode's switch (FLASHPAGE_DECODE_GLUON_BF16) is off by default.
+what is wrong; paged_decode's switch (FLASHPAGE_DECODE_GLUON_BF16) is on by default.
 GPU (marked gpu, Hopper): against paged_decode_ref on the same 16-bit cache (every slot no
 sequence owns NaN) in bf16 and fp16 over ragged contexts, on few programs with many items each
 (tiles in flight across items), padding rows, sharp scores, GQA groups 1 / 4 / 8, a CUDA-graph
@@ -209,13 +209,13 @@ def test_gluon_bf16_rejects_what_it_does_not_cover(monkeypatch):
 
 
 def test_gluon_bf16_switch_and_engine_form(monkeypatch):
-    """FLASHPAGE_DECODE_GLUON_BF16 is off unless set to 1; paged_decode's form: 3 programs an SM
+    """FLASHPAGE_DECODE_GLUON_BF16 is on unless set to 0; paged_decode's form: 3 programs an SM
     of 2 stages where the items fill 3 an SM, else 2 of 3 stages (both fit)."""
     from flashpage import envs
     from flashpage.kernels.paged_decode_gluon_bf16 import engine_form, fits
 
     monkeypatch.delenv("FLASHPAGE_DECODE_GLUON_BF16", raising=False)
-    assert not envs.decode_gluon_bf16()
+    assert envs.decode_gluon_bf16()
     monkeypatch.setenv("FLASHPAGE_DECODE_GLUON_BF16", "1")
     assert envs.decode_gluon_bf16()
     monkeypatch.setenv("FLASHPAGE_DECODE_GLUON_BF16", "0")
@@ -355,8 +355,8 @@ def test_gluon_bf16_cuda_graph(form):
 def test_paged_decode_routes_bf16_to_gluon(batch, dtype, monkeypatch):
     """paged_decode itself (the engine's call) at unsplit 16-bit batches (24 / 48 / 300 sequences x
     8 KV heads: 2 programs an SM of 3 stages, then 3 of 2): with FLASHPAGE_DECODE_GLUON_BF16=1 it
-    calls the Gluon kernel (spied) and matches the reference and the Triton kernel; unset, it
-    does not call it."""
+    calls the Gluon kernel (spied) and matches the reference and the Triton kernel; set to 0,
+    it does not call it."""
     from test_fp8_kv import DECODE_TOL, rel_err
 
     from flashpage.kernels import paged_decode_gluon_bf16 as g16
@@ -379,7 +379,7 @@ def test_paged_decode_routes_bf16_to_gluon(batch, dtype, monkeypatch):
                                            programs_per_sm=cfg.programs_per_sm) == 1
     out = paged_decode(q, kc, vc, tables, seq_lens, out=torch.full_like(q, float("nan")))
     assert len(calls) == 1 and calls[0]["programs_per_sm"] == (3 if batch * 8 >= 3 * _num_sms(kc.device) else 2)
-    monkeypatch.delenv("FLASHPAGE_DECODE_GLUON_BF16")
+    monkeypatch.setenv("FLASHPAGE_DECODE_GLUON_BF16", "0")
     triton_out = paged_decode(q, kc, vc, tables, seq_lens)
     assert len(calls) == 1, "the Gluon kernel ran with the switch off"
     ref = paged_decode_ref(q, kc, vc, tables, seq_lens)
