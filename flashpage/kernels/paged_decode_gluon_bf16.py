@@ -339,12 +339,13 @@ def fits(programs_per_sm: int, stages: int) -> bool:
 
 def engine_form(num_items: int, num_sms: int) -> dict:
     """The (programs per SM, stages) paged_decode runs for ``num_items`` = batch x Hkv items on
-    ``num_sms`` SMs: 3 programs of 2 stages (96 KB in flight an SM) where there are items for 3
-    an SM, else 2 of 3 (128 KB: fewer programs, each with more tiles in flight). Not measured
-    yet (the H200 run of benchmarks/decode_gluon_knobs.py --set bf16 decides)."""
+    ``num_sms`` SMs: 3 programs of 2 stages where there are items for 3 an SM, else 2 of 2.
+    H200 run 86 (decode_gluon_knobs.py --set bf16, GB/s): 2 x 2 over 2 x 3 at all six shapes
+    (+0.5-2.3%); 3 x 2 over 2 x 2 at 128 x 8192 (+1.2%) and 256 ragged 101-2048 (+0.5%, the
+    engine's kind of batch), under it at 64 x 4096, 128 x 2048 and 256 x 1024 (1.0-2.3%)."""
     if num_items >= 3 * num_sms:
         return {"variant": "keys_m", "programs_per_sm": 3, "stages": 2}
-    return {"variant": "keys_m", "programs_per_sm": 2, "stages": 3}
+    return {"variant": "keys_m", "programs_per_sm": 2, "stages": 2}
 
 
 @functools.cache
