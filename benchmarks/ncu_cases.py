@@ -13,6 +13,12 @@ summaries. Cases:
     mla_bf16_32x4k / mla_bf16_8x32k / mla_fp8_32x4k   MLA decode, 16 heads, 512 + 64, block 64
     prefill_causal / prefill_paged16 / prefill_paged128   2 x 4096 causal, 32 heads, D 128
     prefill_gluon_2x4k / prefill_gluon_1x16k   the Gluon prefill (flash_prefill_gluon.py), causal
+    prefill_gluon_paged16_gather / _tma   the same at 1 x 16384 over a block-16 paged cache, by
+                               the cp.async gather producer / the TMA boxes (issue 5's gap)
+    decode_bf16_cudnn          SDPA cuDNN at decode_bf16's shape, K/V contiguous (issue 6's baseline;
+                               decode_bf16 itself is the Gluon bf16 kernel on Hopper now)
+    mla_gluon_8x32k / mla_gluon_32x4k   the Gluon MLA decode (mla_decode_gluon.py, its merge
+                               kernel after it: profile the first kernel)
 """
 
 from __future__ import annotations
@@ -60,6 +66,41 @@ def prefill_gluon(batch: int, seq: int):
     return lambda: flash_prefill_gluon(q, k, v, cu, seq, causal=True)
 
 
+def decode_cudnn(batch: int = 32, ctx: int = 4096):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(batch, 32, 1, 128, device=DEV, dtype=BF16)
+    k = torch.randn(batch, 8, ctx, 128, device=DEV, dtype=BF16)
+    v = torch.randn(batch, 8, ctx, 128, device=DEV, dtype=BF16)
+
+    def call():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return call
+
+
+def mla_gluon(batch: int, ctx: int):
+    from flashpage.kernels.mla_decode_gluon import mla_decode_gluon
+
+    tables, blocks = _tables(batch, ctx, 64)
+    q = torch.randn(batch, 16, 576, device=DEV, dtype=BF16)
+    kv = torch.randn(blocks, 64, 576, device=DEV, dtype=BF16)
+    lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
+    return lambda: mla_decode_gluon(q, kv, tables, lens, kv_lora_rank=512, sm_scale=192 ** -0.5)
+
+
+def prefill_gluon_paged(producer: str, batch: int = 1, seq: int = 16384, page: int = 16):
+    from flashpage.kernels.flash_prefill_gluon import paged_prefill_gluon
+
+    q = torch.randn(batch * seq, 32, 128, device=DEV, dtype=BF16)
+    tables, blocks = _tables(batch, seq, page)
+    kc = torch.randn(blocks, page, 32, 128, device=DEV, dtype=BF16)
+    vc = torch.randn_like(kc)
+    cu = torch.arange(0, batch + 1, device=DEV, dtype=torch.int32) * seq
+    lens = torch.full((batch,), seq, device=DEV, dtype=torch.int32)
+    return lambda: paged_prefill_gluon(q, kc, vc, tables, cu, lens, seq, seq, causal=True, producer=producer)
+
+
 def prefill(page: int | None, batch: int = 2, seq: int = 4096):
     q = torch.randn(batch * seq, 32, 128, device=DEV, dtype=BF16)
     k = torch.randn(batch * seq, 32, 128, device=DEV, dtype=BF16)
@@ -90,6 +131,11 @@ CASES = {
     "prefill_paged128": lambda: prefill(128),
     "prefill_gluon_2x4k": lambda: prefill_gluon(2, 4096),  # the Gluon FA3-style kernel, causal
     "prefill_gluon_1x16k": lambda: prefill_gluon(1, 16384),
+    "prefill_gluon_paged16_gather": lambda: prefill_gluon_paged("gather"),
+    "prefill_gluon_paged16_tma": lambda: prefill_gluon_paged("tma"),
+    "decode_bf16_cudnn": lambda: decode_cudnn(),
+    "mla_gluon_8x32k": lambda: mla_gluon(8, 32768),
+    "mla_gluon_32x4k": lambda: mla_gluon(32, 4096),
 }
 
 
