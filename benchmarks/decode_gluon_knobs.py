@@ -45,6 +45,8 @@ SETS = {
 }
 # The 16-bit kernel's knobs (programs an SM x 32 KB stages that fit in shared memory).
 BF16_FORMS = {f"P{p} s{s}": {"programs_per_sm": p, "stages": s} for p, s in ((3, 2), (2, 3), (2, 2), (1, 4), (1, 6))}
+# the same with balanced_grid: every program the same number of items (session 11, not yet timed)
+BF16_FORMS.update({f"P{p} s{s} bal": {"programs_per_sm": p, "stages": s, "balance": True} for p, s in ((3, 2), (2, 2))})
 SETS["bf16"] = BF16_FORMS
 
 

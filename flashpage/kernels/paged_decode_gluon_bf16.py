@@ -353,12 +353,25 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def balanced_grid(num_items: int, programs: int) -> int:
+    """The fewest programs (<= ``programs``) that give every program the same item count, but
+    for the last few: ceil(items / ceil(items / programs)). Items are dealt out pid, pid + grid,
+    ..., so at 512 items over 396 slots (64 x 4096 at 3 an SM) 116 programs take 2 and 280 take
+    1, and the second half of the call runs on 116 programs; balanced, 256 programs take 2 each.
+    Whether the even tail beats the extra programs is for the H200 to say
+    (decode_gluon_knobs.py --set bf16, the "bal" columns)."""
+    programs = max(1, programs)
+    per = -(-num_items // programs)
+    return max(1, -(-num_items // per))
+
+
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, out=None,
             variant: str = "keys_m", programs_per_sm: int = 3, stages: int = 2, programs: int | None = None,
-            max_regs_cap: int | None = None):
+            max_regs_cap: int | None = None, balance: bool = False):
     """paged_decode_gluon_bf16 with its knobs: ``programs_per_sm`` x ``stages`` must fit in
     shared memory (``fits``: 3 x 2, 2 x 3, 1 x 2-6, ...); ``programs`` that many programs
-    instead (tests: several items a program); ``max_regs_cap`` None for ``max_regs(programs_per_sm)``."""
+    instead (tests: several items a program); ``max_regs_cap`` None for ``max_regs(programs_per_sm)``;
+    ``balance``: ``balanced_grid``'s program count (every program the same number of items)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
     if not fits(programs_per_sm, stages):
@@ -378,7 +391,8 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
         programs = programs_per_sm * _num_sms(torch.cuda.current_device() if q.device.index is None
                                               else q.device.index)
     regs = max_regs_cap or max_regs(programs_per_sm)
-    _paged_decode_gluon16_kernel[(min(num_items, max(1, programs)),)](
+    grid = balanced_grid(num_items, programs) if balance else min(num_items, max(1, programs))
+    _paged_decode_gluon16_kernel[(grid,)](
         q, _cache_descriptor(key_cache), _cache_descriptor(value_cache), block_tables, seq_lens, out,
         sm_scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         num_items, HKV=num_kv_heads, GROUP=num_q_heads // num_kv_heads, S=stages,

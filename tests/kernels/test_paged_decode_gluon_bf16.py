@@ -208,6 +208,21 @@ def test_gluon_bf16_rejects_what_it_does_not_cover(monkeypatch):
             paged_decode_gluon_bf16(q, kc, kc, tables, lens)
 
 
+def test_balanced_grid():
+    """Every program gets ceil(items / programs) items but the last (fewer), never more programs
+    than items or than given."""
+    from flashpage.kernels.paged_decode_gluon_bf16 import balanced_grid
+
+    assert balanced_grid(512, 396) == 256 and balanced_grid(2048, 396) == 342
+    for items in (1, 7, 395, 396, 397, 512, 1024, 2048, 4099):
+        for programs in (1, 5, 264, 396):
+            g = balanced_grid(items, programs)
+            per = -(-items // programs)
+            assert 1 <= g <= min(items, programs)
+            assert -(-items // g) == per  # the same makespan in items as the full grid
+            assert (g - 1) * per < items  # the last program has at least one item
+
+
 def test_gluon_bf16_switch_and_engine_form(monkeypatch):
     """FLASHPAGE_DECODE_GLUON_BF16 is on unless set to 0; paged_decode's form: 3 programs an SM
     of 2 stages where the items fill 3 an SM, else 2 of 3 stages (both fit)."""
@@ -237,6 +252,7 @@ CASES = [
 FORMS = {
     "p3_s2": {}, "p2_s3": {"programs_per_sm": 2, "stages": 3}, "p1_s6": {"programs_per_sm": 1, "stages": 6},
     "p2_s2": {"programs_per_sm": 2, "stages": 2},  # engine_form under 3 items an SM
+    "p3_s2_bal": {"balance": True},  # balanced_grid: fewer programs, the same item count each
     # a few programs, many items each: tiles in flight across item boundaries, items shorter than
     # the tiles in flight, the ring wrapping many times
     "p5_s2": {"programs": 5}, "p7_s3": {"programs": 7, "programs_per_sm": 2, "stages": 3},
