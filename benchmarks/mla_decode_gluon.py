@@ -9,6 +9,10 @@ variant prints its error in its cell and the others go on.
 
     python benchmarks/mla_decode_gluon.py --out $OUT          # ~3 min on an H200 (6 variants)
     python benchmarks/mla_decode_gluon.py --variants gluon gluon_s4 --shapes 8x32768
+    python benchmarks/mla_decode_gluon.py --variants triton gluon_all --shapes 8x32768 --splits 0 8 16 33 66
+
+``--splits``: each Gluon variant once per key-split count (0: the launcher's pick_splits; a
+column ``NAME@S`` per count), to find where 8-16 sequences of 16-32k keys should split.
 
 Variants: ``triton``, ``gluon`` (the Gluon default), ``gluon_fused`` (every split count merged
 in the kernel), ``gluon_peel`` (peel: an item's last tile out of the loop), ``gluon_peel_fused``,
@@ -62,13 +66,29 @@ def _kw(kw: dict) -> dict:
     return kw
 
 
+def _columns(variants: list[str], splits: list[int] | None) -> list[tuple[str, str, dict]]:
+    """(column, variant, keyword arguments): every variant once, or with ``splits`` each Gluon
+    variant once per split count (``NAME@S``; 0 keeps the launcher's pick)."""
+    cols = []
+    for name in variants:
+        fn, kw = VARIANTS[name]
+        if splits is None or fn is not gluon_launch:
+            cols.append((name, name, kw))
+        else:
+            cols += [(f"{name}@{s}", name, {**kw, "num_splits": s} if s else kw) for s in splits]
+    return cols
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     ap.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES])
+    ap.add_argument("--splits", nargs="+", type=int, default=None,
+                    help="key-split counts for the Gluon variants (0: the launcher's choice)")
     args = ap.parse_args()
+    columns = _columns(args.variants, args.splits)
     t0 = time.time()
     copy = copy_bandwidth()
     rows = []
@@ -81,8 +101,8 @@ def main() -> None:
         del s, lat0
         row: dict = {"shape": shape}
         tri = None
-        for name in args.variants:
-            fn, kw = VARIANTS[name]
+        for name, variant, kw in columns:
+            fn = VARIANTS[variant][0]
             kw = _kw(kw)
             try:
                 def call(i, fn=fn, kw=kw, case=case):
@@ -113,10 +133,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(f"copy {copy:.0f} GB/s, {torch.cuda.get_device_name()}, page {args.page}, {time.time() - t0:.0f} s")
     print("GB/s of latent bytes (% of copy), us per call, rel. error vs fp32 reference (e) and vs triton (t)")
-    print("| batch x context | " + " | ".join(args.variants) + " |")
-    print("| --- |" + " --- |" * len(args.variants))
+    names = [c[0] for c in columns]
+    print("| batch x context | " + " | ".join(names) + " |")
+    print("| --- |" + " --- |" * len(names))
     for r in rows:
-        print(f"| {r['shape']} | " + " | ".join(r.get(k, "") for k in args.variants) + " |")
+        print(f"| {r['shape']} | " + " | ".join(r.get(k, "") for k in names) + " |")
     with open(os.path.join(args.out, "mla_decode_gluon.json"), "w") as f:
         json.dump(dict(copy_gbps=round(copy), page=args.page, rows=rows), f, indent=1)
 
