@@ -289,6 +289,67 @@ def _produce(kv_desc, pe_desc, ring, ring_pe, bars, p, row, item, b, s, hg, slot
 
 
 @gluon.jit
+def _advance(item, b, s, hg, slot, nslots, start, bt_row, last_page, nprog, db, ds, dh, b_last, num_items,
+             num_splits, inv_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, PAGE: gl.constexpr,
+             LEAN: gl.constexpr):
+    """_produce's cursor step without its issue (fewer_barriers: _produce2 issues two slots,
+    then steps twice): the cursor one slot on and that slot's cache row."""
+    slot += 1
+    if slot == nslots:
+        if LEAN:
+            item, b, s, hg, start, nslots, bt_row, last_page = _seek_lean(
+                item, b, s, hg, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
+                seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, True)
+        else:
+            item, start, nslots, bt_row, last_page = _seek(item + nprog, nprog, num_items, num_splits, head_groups,
+                                                           seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
+        slot = 0
+    row = _slot_row(bt_row, start + slot * _SL, last_page, PAGE)
+    return row, item, b, s, hg, slot, nslots, start, bt_row, last_page
+
+
+@gluon.jit
+def _produce2(kv_desc, pe_desc, ring, ring_pe, bars, p, row0, row, item, b, s, hg, slot, nslots, start, bt_row,
+              last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups, seq_lens_ptr,
+              block_tables_ptr, stride_btb, PAGE: gl.constexpr, R: gl.constexpr, LEAN: gl.constexpr):
+    """Two _produce calls with their issues batched (fewer_barriers): slot p at cache row
+    ``row0`` (-1: past the last item, not issued) and slot p + 1, the cursor's, at ``row``;
+    both expects, then both value boxes, then both rope boxes (membar puts a barrier before
+    each group, not each op). The cursor carries two rows ahead: then steps to slot p + 2
+    (the new row0) and p + 3 (its row). Returns _produce's state with row0 after p."""
+    pred0 = row0 >= 0
+    pred1 = item < num_items
+    if LEAN:
+        i0 = p
+        i1 = p + 1
+        if i1 == R:
+            i1 = 0
+    else:
+        i0 = p % R
+        i1 = (p + 1) % R
+    bar0 = bars.index(i0)
+    bar1 = bars.index(i1)
+    mbarrier.expect(bar0, _SLOT_BYTES, pred=pred0)
+    mbarrier.expect(bar1, _SLOT_BYTES, pred=pred1)
+    tma.async_copy_global_to_shared(kv_desc, [0, row0, 0], bar0, ring.index(i0), pred=pred0)
+    tma.async_copy_global_to_shared(kv_desc, [0, row, 0], bar1, ring.index(i1), pred=pred1)
+    tma.async_copy_global_to_shared(pe_desc, [row0, 0], bar0, ring_pe.index(i0), pred=pred0)
+    tma.async_copy_global_to_shared(pe_desc, [row, 0], bar1, ring_pe.index(i1), pred=pred1)
+    row, item, b, s, hg, slot, nslots, start, bt_row, last_page = _advance(
+        item, b, s, hg, slot, nslots, start, bt_row, last_page, nprog, db, ds, dh, b_last, num_items, num_splits,
+        inv_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, LEAN)
+    row0 = gl.where(item < num_items, row, -1)
+    row, item, b, s, hg, slot, nslots, start, bt_row, last_page = _advance(
+        item, b, s, hg, slot, nslots, start, bt_row, last_page, nprog, db, ds, dh, b_last, num_items, num_splits,
+        inv_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, LEAN)
+    p += 2
+    if LEAN:  # noqa: SIM102 (a constexpr test around a runtime one)
+        if p >= R:
+            p -= R
+    return p, row0, row, item, b, s, hg, slot, nslots, start, bt_row, last_page
+
+
+@gluon.jit
 def _load_q(q_ptr, item, num_items, num_splits, head_groups, stride_qb, stride_qh):
     """q of an item's head group in the score dots' A layout: warp w's value columns 64w.. and
     256 + 64w.. ([4, 16, 64] each) and rope columns 512 + 16w.. ([4, 16, 16]); zeros past the end."""
@@ -338,9 +399,11 @@ def _ring_next(g, ph, buf, R: gl.constexpr, LEAN: gl.constexpr):
 
 
 @gluon.jit
-def _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, idx0, ph0, idx1, ph1, buf):
+def _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, scratch1, idx0, ph0, idx1, ph1, buf,
+                    FB: gl.constexpr):
     """Wait for the tile's two slots (ring indices idx0, idx1 at phases ph0, ph1) and store each
-    warp's partial scores of both to the scratch buffer of parity ``buf``."""
+    warp's partial scores of both to the scratch buffer of parity ``buf`` (FB: the second
+    slot's to ``scratch1``, an allocation of its own)."""
     for j in gl.static_range(2):
         if j == 0:
             idx = idx0
@@ -355,19 +418,31 @@ def _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, idx0, ph0, id
         k_r = ring_pe.index(idx)._reinterpret(q_lo.dtype, [_W, 16, _SL], _KR_VIEW).load(_B3)
         z = gl.zeros([_W, 16, _SL], gl.float32, _MMA3)
         sw = mma_v2(q_lo, k_lo, z) + mma_v2(q_hi, k_hi, z) + mma_v2(q_r, k_r, z)
-        scratch.index(2 * buf + j).store(sw)
+        if FB:
+            if j == 0:
+                scratch.index(buf).store(sw)
+            else:
+                scratch1.index(buf).store(sw)
+        else:
+            scratch.index(2 * buf + j).store(sw)
 
 
 @gluon.jit
-def _attend(ring, scratch, idx0, idx1, buf, m, l, acc, key0, end, qk_scale, dtype: gl.constexpr,
-            MASK: gl.constexpr, LAZY: gl.constexpr):
+def _attend(ring, scratch, scratch1, idx0, idx1, buf, m, l, acc, key0, end, qk_scale, dtype: gl.constexpr,
+            MASK: gl.constexpr, LAZY: gl.constexpr, FB: gl.constexpr):
     """The tile's scores (the 4 warps' partials summed, scaled to base 2; keys >= end -inf),
     the online-softmax step and acc += P V, the V rows of keys >= end zeroed (an unowned slot
     may hold NaN, and 0 * NaN is NaN). MASK 0: the V rows masked behind a runtime test
     (if-converted by the compiler: ~260 SEL/PRMT every tile), 1: no masking (a tile of the
     peeled loop: every key < end), 2: masked (the peeled last tile)."""
-    s0 = gl.convert_layout(gl.sum(scratch.index(2 * buf).load(_SREAD), 0), _S2, assert_trivial=True) * qk_scale
-    s1 = gl.convert_layout(gl.sum(scratch.index(2 * buf + 1).load(_SREAD), 0), _S2, assert_trivial=True) * qk_scale
+    if FB:
+        t0 = scratch.index(buf)
+        t1 = scratch1.index(buf)
+    else:
+        t0 = scratch.index(2 * buf)
+        t1 = scratch.index(2 * buf + 1)
+    s0 = gl.convert_layout(gl.sum(t0.load(_SREAD), 0), _S2, assert_trivial=True) * qk_scale
+    s1 = gl.convert_layout(gl.sum(t1.load(_SREAD), 0), _S2, assert_trivial=True) * qk_scale
     if MASK != 1:
         offs = gl.expand_dims(gl.arange(0, _SL, layout=gl.SliceLayout(0, _S2)), 0)
         s0 = gl.where(key0 + offs < end, s0, float("-inf"))
@@ -479,26 +554,33 @@ def _merge_if_last(o, lse, out_ptr, out_off, mid_o_ptr, mid_lse_ptr, counter_ptr
 
 
 @gluon.jit
-def _tile(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, g, ph, buf, m, l, acc, key0, end, qk_scale,
-          kv_desc, pe_desc, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page,
-          nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups, seq_lens_ptr, block_tables_ptr,
-          stride_btb, dtype: gl.constexpr, PAGE: gl.constexpr, R: gl.constexpr, LEAN: gl.constexpr,
-          MASK: gl.constexpr, LAZY: gl.constexpr):
+def _tile(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, scratch1, g, ph, buf, m, l, acc, key0, end, qk_scale,
+          kv_desc, pe_desc, p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row,
+          p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups, seq_lens_ptr,
+          block_tables_ptr, stride_btb, dtype: gl.constexpr, PAGE: gl.constexpr, R: gl.constexpr,
+          LEAN: gl.constexpr, MASK: gl.constexpr, LAZY: gl.constexpr, FB: gl.constexpr):
     """One 32-key tile: the partial scores, the CTA barrier, the refill of the last tile's two
-    slots, the softmax step and P V. Returns the consumer's and the producer's new state."""
+    slots, the softmax step and P V. Returns the consumer's and the producer's new state
+    (``p_row0``: FB's row of slot p, the cursor one slot further; unused otherwise)."""
     i0, ph0, i1, ph1, bf = _ring_slots(g, ph, buf, R, LEAN)
-    _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, i0, ph0, i1, ph1, bf)
+    _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, scratch1, i0, ph0, i1, ph1, bf, FB)
     gl.thread_barrier()  # every warp's partials stored; every warp done with the last tile
     fence_async_shared()  # ... its generic reads of the two slots refilled now
-    for _ in gl.static_range(2):
-        p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _produce(
-            kv_desc, pe_desc, ring, ring_pe, bars, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
-            p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
-            seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R, LEAN)
-    m, l, acc = _attend(ring, scratch, i0, i1, bf, m, l, acc, key0, end, qk_scale, dtype, MASK, LAZY)
+    if FB:
+        p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _produce2(
+            kv_desc, pe_desc, ring, ring_pe, bars, p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots,
+            p_start, p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits,
+            head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R, LEAN)
+    else:
+        for _ in gl.static_range(2):
+            p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _produce(
+                kv_desc, pe_desc, ring, ring_pe, bars, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
+                p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
+                seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R, LEAN)
+    m, l, acc = _attend(ring, scratch, scratch1, i0, i1, bf, m, l, acc, key0, end, qk_scale, dtype, MASK, LAZY, FB)
     g, ph, buf = _ring_next(g, ph, buf, R, LEAN)
     return (g, ph, buf, m, l, acc,
-            p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page)
+            p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page)
 
 
 @gluon.jit(do_not_specialize=["num_items", "num_splits"])
@@ -517,6 +599,7 @@ def _mla_decode_gluon_kernel(
     LEAN: gl.constexpr,  # ring counters and the producer's items without divisions
     LAZY: gl.constexpr,  # rescale the accumulator only when a row's max grew by > 2^LAZY_LOG2
     MERGE: gl.constexpr = True,  # SPLIT: the last split to arrive merges (else mla_decode's merge kernel)
+    FB: gl.constexpr = False,  # fewer CTA barriers a tile: per-slot scratch, a tile's two issues batched
 ):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -524,7 +607,12 @@ def _mla_decode_gluon_kernel(
 
     ring = gl.allocate_shared_memory(dtype, [R, 8, _SL, 64], _TMA_SMEM)  # the value slabs
     ring_pe = gl.allocate_shared_memory(dtype, [R, _SL, 64], _TMA_SMEM2)  # the rope slab
-    scratch = gl.allocate_shared_memory(gl.float32, [4, _W, 16, _SL], _SCRATCH)  # [parity x slot]
+    if FB:  # one allocation a slot of the tile, [parity] each (membar: no write-after-write between them)
+        scratch = gl.allocate_shared_memory(gl.float32, [2, _W, 16, _SL], _SCRATCH)
+        scratch1 = gl.allocate_shared_memory(gl.float32, [2, _W, 16, _SL], _SCRATCH)
+    else:
+        scratch = gl.allocate_shared_memory(gl.float32, [4, _W, 16, _SL], _SCRATCH)  # [parity x slot]
+        scratch1 = scratch
     bars = gl.allocate_shared_memory(gl.int64, [R, 1], mbarrier.MBarrierLayout())
     for k in gl.static_range(R):
         mbarrier.init(bars.index(k), count=1)
@@ -555,6 +643,12 @@ def _mla_decode_gluon_kernel(
             kv_desc, pe_desc, ring, ring_pe, bars, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
             p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
             seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R, LEAN)
+    p_row0 = p_row
+    if FB:  # the cursor one slot ahead of the issues: p_row0 is slot p's row (-1: none to issue)
+        p_row0 = gl.where(p_item < num_items, p_row, -1)
+        p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _advance(
+            p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page, nprog, db, ds, dh, b_last,
+            num_items, num_splits, inv_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, LEAN)
 
     g = 0  # default: slots consumed (ring index g % R, phase (g // R) & 1); LEAN: see _ring_slots
     ph = 0
@@ -573,19 +667,20 @@ def _mla_decode_gluon_kernel(
             n_loop = nt
         for i in range(n_loop):
             (g, ph, buf, m, l, acc,
-             p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page) = _tile(
-                q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, g, ph, buf, m, l, acc, start + i * _BN, end, qk_scale,
-                kv_desc, pe_desc, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page,
-                nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups, seq_lens_ptr,
-                block_tables_ptr, stride_btb, dtype, PAGE, R, LEAN, 1 if PEEL else 0, LAZY)
+             p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page) = _tile(
+                q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, scratch1, g, ph, buf, m, l, acc, start + i * _BN, end,
+                qk_scale, kv_desc, pe_desc, p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
+                p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
+                seq_lens_ptr, block_tables_ptr, stride_btb, dtype, PAGE, R, LEAN, 1 if PEEL else 0, LAZY, FB)
         if PEEL:  # noqa: SIM102 (a constexpr test around a runtime one)
             if nt > 0:
                 (g, ph, buf, m, l, acc,
-                 p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page) = _tile(
-                    q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, g, ph, buf, m, l, acc, start + n_loop * _BN, end,
-                    qk_scale, kv_desc, pe_desc, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
-                    p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
-                    seq_lens_ptr, block_tables_ptr, stride_btb, dtype, PAGE, R, LEAN, 2, LAZY)
+                 p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page) = _tile(
+                    q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, scratch1, g, ph, buf, m, l, acc,
+                    start + n_loop * _BN, end, qk_scale, kv_desc, pe_desc, p, p_row0, p_row, p_item, p_b, p_s, p_hg,
+                    p_slot, p_nslots, p_start, p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items,
+                    num_splits, inv_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, dtype, PAGE, R,
+                    LEAN, 2, LAZY, FB)
         _finish(acc, m, l, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, b, s, hg, num_splits, head_groups,
                 stride_ob, stride_oh, SPLIT, MERGE)
     for k in gl.static_range(R):  # every issued slot was waited on (none issued past the last item)

@@ -32,7 +32,8 @@ TOL = 2e-2  # ||out - ref|| / ||ref||, bf16 (test_mla_decode.py's REL_TOL)
 
 
 def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True, peel: bool = False,
-                 lean: bool = False, lazy: bool = False, merge: bool = True):
+                 lean: bool = False, lazy: bool = False, merge: bool = True,
+                 fewer_barriers: bool = False):
     """The kernel compiled for sm_90 as an H200 launch compiles it (bf16; pointers and the
     strides that are multiples of 16 there marked so)."""
     import triton
@@ -43,7 +44,7 @@ def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True, 
 
     fn = mg._mla_decode_gluon_kernel
     consts = {"PAGE": page, "R": stages or mg.STAGES, "SPLIT": split, "PEEL": peel, "LEAN": lean, "LAZY": lazy,
-              "MERGE": merge}
+              "MERGE": merge, "FB": fewer_barriers}
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[8, 16, 64],{mg._TMA_SMEM.value!r}>",
                 "pe_desc": f"tensordesc<bf16[16, 64],{mg._TMA_SMEM2.value!r}>", "block_tables_ptr": "*i32",
