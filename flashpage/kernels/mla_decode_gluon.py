@@ -309,14 +309,23 @@ def _advance(item, b, s, hg, slot, nslots, start, bt_row, last_page, nprog, db, 
 
 
 @gluon.jit
-def _produce2(kv_desc, pe_desc, ring, ring_pe, bars, p, row0, row, item, b, s, hg, slot, nslots, start, bt_row,
-              last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups, seq_lens_ptr,
-              block_tables_ptr, stride_btb, PAGE: gl.constexpr, R: gl.constexpr, LEAN: gl.constexpr):
+def _produce2(kv_desc, pe_desc, ring, ring_pe, bars, bars1, p, row0, row, item, b, s, hg, slot, nslots, start,
+              bt_row, last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
+              seq_lens_ptr, block_tables_ptr, stride_btb, PAGE: gl.constexpr, R: gl.constexpr, LEAN: gl.constexpr):
     """Two _produce calls with their issues batched (fewer_barriers): slot p at cache row
-    ``row0`` (-1: past the last item, not issued) and slot p + 1, the cursor's, at ``row``;
-    both expects, then both value boxes, then both rope boxes (membar puts a barrier before
-    each group, not each op). The cursor carries two rows ahead: then steps to slot p + 2
-    (the new row0) and p + 3 (its row). Returns _produce's state with row0 after p."""
+    ``row0`` (-1: past the last item, not issued) and slot p + 1, the cursor's, at ``row``,
+    then the cursor two slots on (p + 2's row the new row0, p + 3's its row: two rows ahead).
+    Slot count n's barrier is bars_{n % 2}[n % R] (_ring_slots); p's count has R's parity
+    (R - 2 slots in the prologue, then 2 a tile). Membar sees every access through a dynamic
+    index as one to the whole allocation: a TMA copy writes its barrier's and its box's, so
+    the order (both expects | p's value box, p + 1's rope box | p's rope box, p + 1's value
+    box) leaves no conflict inside a group: 2 CTA barriers instead of the 4 of two _produce."""
+    if R % 2 == 1:
+        bars_a = bars1
+        bars_b = bars
+    else:
+        bars_a = bars
+        bars_b = bars1
     pred0 = row0 >= 0
     pred1 = item < num_items
     if LEAN:
@@ -327,14 +336,14 @@ def _produce2(kv_desc, pe_desc, ring, ring_pe, bars, p, row0, row, item, b, s, h
     else:
         i0 = p % R
         i1 = (p + 1) % R
-    bar0 = bars.index(i0)
-    bar1 = bars.index(i1)
+    bar0 = bars_a.index(i0)
+    bar1 = bars_b.index(i1)
     mbarrier.expect(bar0, _SLOT_BYTES, pred=pred0)
     mbarrier.expect(bar1, _SLOT_BYTES, pred=pred1)
     tma.async_copy_global_to_shared(kv_desc, [0, row0, 0], bar0, ring.index(i0), pred=pred0)
-    tma.async_copy_global_to_shared(kv_desc, [0, row, 0], bar1, ring.index(i1), pred=pred1)
-    tma.async_copy_global_to_shared(pe_desc, [row0, 0], bar0, ring_pe.index(i0), pred=pred0)
     tma.async_copy_global_to_shared(pe_desc, [row, 0], bar1, ring_pe.index(i1), pred=pred1)
+    tma.async_copy_global_to_shared(pe_desc, [row0, 0], bar0, ring_pe.index(i0), pred=pred0)
+    tma.async_copy_global_to_shared(kv_desc, [0, row, 0], bar1, ring.index(i1), pred=pred1)
     row, item, b, s, hg, slot, nslots, start, bt_row, last_page = _advance(
         item, b, s, hg, slot, nslots, start, bt_row, last_page, nprog, db, ds, dh, b_last, num_items, num_splits,
         inv_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, LEAN)
@@ -369,29 +378,52 @@ def _load_q(q_ptr, item, num_items, num_splits, head_groups, stride_qb, stride_q
 
 
 @gluon.jit
-def _ring_slots(g, ph, buf, R: gl.constexpr, LEAN: gl.constexpr):
+def _ring_slots(g, ph, buf, R: gl.constexpr, LEAN: gl.constexpr, FB: gl.constexpr):
     """Ring index and phase of a tile's two slots, and its scratch parity. Default: g the
     program's slot count (index g % R, phase (g // R) & 1); LEAN: g the first slot's index,
-    ph its phase, buf the parity, all carried (_ring_next), no division."""
-    if LEAN:
-        i1 = g + 1
-        ph1 = ph
-        if i1 == R:
-            i1 = 0
-            ph1 = ph ^ 1
-        return g, ph, i1, ph1, buf
+    ph its phase, buf the parity, all carried (_ring_next), no division. FB: slot count n's
+    barrier is bars_{n % 2}[n % R] (bars, bars1), used every L = lcm(R, 2) slots: phase
+    (n // L) & 1, the same for the tile's two slots (g even); LEAN carries ph as the ring's
+    wrap count mod 2L / R (the phase its high bit when R is odd)."""
+    if FB:
+        if LEAN:
+            i1 = g + 1
+            if i1 == R:
+                i1 = 0
+            if R % 2 == 1:
+                phase = ph >> 1
+            else:
+                phase = ph
+            return g, phase, i1, phase, buf
+        else:
+            if R % 2 == 1:
+                phase = (g // (2 * R)) & 1
+            else:
+                phase = (g // R) & 1
+            return g % R, phase, (g + 1) % R, phase, (g // 2) % 2
     else:
-        return g % R, (g // R) & 1, (g + 1) % R, ((g + 1) // R) & 1, (g // 2) % 2
+        if LEAN:
+            i1 = g + 1
+            ph1 = ph
+            if i1 == R:
+                i1 = 0
+                ph1 = ph ^ 1
+            return g, ph, i1, ph1, buf
+        else:
+            return g % R, (g // R) & 1, (g + 1) % R, ((g + 1) // R) & 1, (g // 2) % 2
 
 
 @gluon.jit
-def _ring_next(g, ph, buf, R: gl.constexpr, LEAN: gl.constexpr):
+def _ring_next(g, ph, buf, R: gl.constexpr, LEAN: gl.constexpr, FB: gl.constexpr):
     """The next tile's (g, ph, buf) (see _ring_slots)."""
     if LEAN:
         g += 2
         if g >= R:
             g -= R
-            ph = ph ^ 1
+            if FB and R % 2 == 1:
+                ph = (ph + 1) & 3
+            else:
+                ph = ph ^ 1
         buf = buf ^ 1
     else:
         g += 2
@@ -399,7 +431,7 @@ def _ring_next(g, ph, buf, R: gl.constexpr, LEAN: gl.constexpr):
 
 
 @gluon.jit
-def _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, scratch1, idx0, ph0, idx1, ph1, buf,
+def _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, bars1, scratch, scratch1, idx0, ph0, idx1, ph1, buf,
                     FB: gl.constexpr):
     """Wait for the tile's two slots (ring indices idx0, idx1 at phases ph0, ph1) and store each
     warp's partial scores of both to the scratch buffer of parity ``buf`` (FB: the second
@@ -411,7 +443,10 @@ def _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, scratch1, idx
         else:
             idx = idx1
             ph = ph1
-        mbarrier.wait(bars.index(idx), ph)
+        if FB and j == 1:
+            mbarrier.wait(bars1.index(idx), ph)
+        else:
+            mbarrier.wait(bars.index(idx), ph)
         slot = ring.index(idx)
         k_lo = slot.slice(0, 4)._reinterpret(q_lo.dtype, [_W, 64, _SL], _K_VIEW).load(_B3)
         k_hi = slot.slice(4, 4)._reinterpret(q_lo.dtype, [_W, 64, _SL], _K_VIEW).load(_B3)
@@ -554,7 +589,7 @@ def _merge_if_last(o, lse, out_ptr, out_off, mid_o_ptr, mid_lse_ptr, counter_ptr
 
 
 @gluon.jit
-def _tile(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, scratch1, g, ph, buf, m, l, acc, key0, end, qk_scale,
+def _tile(q_lo, q_hi, q_r, ring, ring_pe, bars, bars1, scratch, scratch1, g, ph, buf, m, l, acc, key0, end, qk_scale,
           kv_desc, pe_desc, p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row,
           p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups, seq_lens_ptr,
           block_tables_ptr, stride_btb, dtype: gl.constexpr, PAGE: gl.constexpr, R: gl.constexpr,
@@ -562,13 +597,13 @@ def _tile(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, scratch1, g, ph, buf, m
     """One 32-key tile: the partial scores, the CTA barrier, the refill of the last tile's two
     slots, the softmax step and P V. Returns the consumer's and the producer's new state
     (``p_row0``: FB's row of slot p, the cursor one slot further; unused otherwise)."""
-    i0, ph0, i1, ph1, bf = _ring_slots(g, ph, buf, R, LEAN)
-    _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, scratch1, i0, ph0, i1, ph1, bf, FB)
+    i0, ph0, i1, ph1, bf = _ring_slots(g, ph, buf, R, LEAN, FB)
+    _score_partials(q_lo, q_hi, q_r, ring, ring_pe, bars, bars1, scratch, scratch1, i0, ph0, i1, ph1, bf, FB)
     gl.thread_barrier()  # every warp's partials stored; every warp done with the last tile
     fence_async_shared()  # ... its generic reads of the two slots refilled now
     if FB:
         p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _produce2(
-            kv_desc, pe_desc, ring, ring_pe, bars, p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots,
+            kv_desc, pe_desc, ring, ring_pe, bars, bars1, p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots,
             p_start, p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits,
             head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R, LEAN)
     else:
@@ -578,7 +613,7 @@ def _tile(q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, scratch1, g, ph, buf, m
                 p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
                 seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R, LEAN)
     m, l, acc = _attend(ring, scratch, scratch1, i0, i1, bf, m, l, acc, key0, end, qk_scale, dtype, MASK, LAZY, FB)
-    g, ph, buf = _ring_next(g, ph, buf, R, LEAN)
+    g, ph, buf = _ring_next(g, ph, buf, R, LEAN, FB)
     return (g, ph, buf, m, l, acc,
             p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page)
 
@@ -616,6 +651,11 @@ def _mla_decode_gluon_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [R, 1], mbarrier.MBarrierLayout())
     for k in gl.static_range(R):
         mbarrier.init(bars.index(k), count=1)
+    bars1 = bars
+    if FB:  # the barriers of odd slot counts (see _ring_slots)
+        bars1 = gl.allocate_shared_memory(gl.int64, [R, 1], mbarrier.MBarrierLayout())
+        for k in gl.static_range(R):
+            mbarrier.init(bars1.index(k), count=1)
     gl.thread_barrier()
 
     # The producer cursor at the program's first item with a key, its first R - 2 slots in flight.
@@ -639,8 +679,11 @@ def _mla_decode_gluon_kernel(
     p_row = _slot_row(p_bt_row, p_start, p_last_page, PAGE)
     p = 0
     for _k in gl.static_range(R - 2):
+        bars_k = bars
+        if FB and _k % 2 == 1:  # slot count _k's barrier (see _ring_slots)
+            bars_k = bars1
         p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _produce(
-            kv_desc, pe_desc, ring, ring_pe, bars, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
+            kv_desc, pe_desc, ring, ring_pe, bars_k, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
             p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
             seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R, LEAN)
     p_row0 = p_row
@@ -668,7 +711,7 @@ def _mla_decode_gluon_kernel(
         for i in range(n_loop):
             (g, ph, buf, m, l, acc,
              p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page) = _tile(
-                q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, scratch1, g, ph, buf, m, l, acc, start + i * _BN, end,
+                q_lo, q_hi, q_r, ring, ring_pe, bars, bars1, scratch, scratch1, g, ph, buf, m, l, acc, start + i * _BN, end,
                 qk_scale, kv_desc, pe_desc, p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
                 p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
                 seq_lens_ptr, block_tables_ptr, stride_btb, dtype, PAGE, R, LEAN, 1 if PEEL else 0, LAZY, FB)
@@ -676,7 +719,7 @@ def _mla_decode_gluon_kernel(
             if nt > 0:
                 (g, ph, buf, m, l, acc,
                  p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page) = _tile(
-                    q_lo, q_hi, q_r, ring, ring_pe, bars, scratch, scratch1, g, ph, buf, m, l, acc,
+                    q_lo, q_hi, q_r, ring, ring_pe, bars, bars1, scratch, scratch1, g, ph, buf, m, l, acc,
                     start + n_loop * _BN, end, qk_scale, kv_desc, pe_desc, p, p_row0, p_row, p_item, p_b, p_s, p_hg,
                     p_slot, p_nslots, p_start, p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items,
                     num_splits, inv_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, dtype, PAGE, R,
@@ -685,6 +728,9 @@ def _mla_decode_gluon_kernel(
                 stride_ob, stride_oh, SPLIT, MERGE)
     for k in gl.static_range(R):  # every issued slot was waited on (none issued past the last item)
         mbarrier.invalidate(bars.index(k))
+    if FB:
+        for k in gl.static_range(R):
+            mbarrier.invalidate(bars1.index(k))
 
 
 # --------------------------------------------------------------------------------- launcher
