@@ -10,12 +10,13 @@ as ONE stream of latent slots through a TMA ring, so the next item's first slots
 while the current one ends, and the last split of a sequence to finish merges the splits::
 
     item:   |--- pid ---|------- pid + nprog -------|-- ...
-    slots:   0 1 2 3 4 5 6 7 8 9 ...      slot = 16 keys = one TMA box [9 slabs, 16 rows, 64]
+    slots:   0 1 2 3 4 5 6 7 8 9 ...      slot = 16 keys = TMA boxes [8 slabs, 16, 64] + [16, 64]
     TMA:     R - 2 slots ahead of the compute (ring of R; a tile is 2 slots = 32 keys)
 
-A slot lands slab-major (the latent's 576 columns as 9 slabs of 64, 128-byte swizzle) from
-the cache seen as [9, blocks x page, 64] (strides 64, 576, 1): one box a slot whatever the page
-size (>= 16). Per 32-key tile, 4 warps:
+A slot lands slab-major (the latent's 576 columns as 9 slabs of 64, 128-byte swizzle): the
+8 value slabs from the cache seen as [8, blocks x page, 64] (strides 64, 576, 1), the rope
+slab as [blocks x page, 64]: two boxes a slot whatever the page size (>= 16). Per 32-key
+tile, 4 warps:
 
 - scores, split along the 576 dims: warp w takes value slabs w and 4 + w and rope columns
   16w..16w+15 (q's matching columns in registers: 36 a thread), S_w = q_w . K_w^T by mma.sync
@@ -48,31 +49,58 @@ the producer's items in mixed radix (sequence, split, head group: adding nprog i
 and carries; a split's share by an fp32 reciprocal, corrected), so no integer division or
 modulo is left in the loop; ``lazy`` rescales the accumulator (64 FMUL a thread) only when a
 row's running max grew by more than 2^8 (LAZY_LOG2; p <= 256 otherwise, the result unchanged;
-the scores are the same in every warp, so the test is uniform). sm_90 SASS of the tile loop a
-warp (Triton 3.6, page 64 with splits; static instructions between the back branch and its
-label, so lazy's skipped rescale counts; tests/kernels/test_mla_decode_gluon.py prints them)::
+the scores are the same in every warp, so the test is uniform); ``fewer_barriers`` (FB) lays
+the shared memory and the issues out so that Triton's membar puts 4 CTA barriers a tile, not
+8 (below). sm_90 SASS of the tile loop a warp (Triton 3.6, page 64 with splits, R = 5; static
+instructions between the back branch and its label, so lazy's skipped rescale counts;
+tests/kernels/test_mla_decode_gluon.py prints them and pins the first five)::
 
-    form            loop   registers  spill   shared       BAR.SYNC  HMMA
-    default         1,097  255        8 B     108,676 B    8         68
-    peel              792  254        0       108,676 B    8         68
-    lean            1,027  255        24 B    108,676 B    8         68
-    lazy            1,116  254        0       108,676 B    8         68
-    all (the three)   721  254        0       108,676 B    8         68   (2 programs an SM each)
+    form              loop   registers  spill   shared       BAR.SYNC  HMMA
+    default           1,092  255        24 B    108,676 B    8         68
+    peel                792  251        0       108,676 B    8         68
+    lean              1,026  255        16 B    108,676 B    8         68
+    lazy              1,111  252        0       108,676 B    8         68
+    all (the three)     721  255        0       108,676 B    8         68   (2 programs an SM each)
+    fb                1,090  255        0       108,676 B    4         68
+    all_fb              722  254        0       108,676 B    4         68   (R = 4: 721, 90,244 B)
 
-Not done yet: the 8 BAR.SYNC a tile. One is the scores' exchange (as written); Triton 3.6's
-membar adds the rest, since it sees each access to an allocation through a dynamic index as
-an access to all of it: one before the scratch stores (the last tile's reads of the other
-parity), one between the two slots' scratch stores (write after write), one between the two
-slots' mbarrier waits, and one around each expect and TMA copy (2 x 2, the copies naming the
-expect's barrier). Measured on a throwaway copy (all knobs, R = 4): slot parity in separate
-allocations (ring / ring_pe / bars as _0 and _1) removes only the one between the waits (8 ->
-7); a separate scratch allocation per slot should remove the write-after-write one; issuing a
-tile's two slots together (both expects, one bar.sync, both value boxes, one bar.sync, both
-rope boxes; the producer then carries two rows ahead) should bring the issue's 4 to 2: 4 a
-tile in all. A warp-specialized producer (as paged_decode_gluon's ``warp_specialize``) takes
-the issues out of the compute warps altogether, but Gluon puts a bar.sync before each mbarrier
-wait and arrive of a 4-warp partition, and a 5th warp's registers cost the second program an
-SM unless setmaxnreg moves them.
+The 8 BAR.SYNC a tile: one is the scores' exchange (as written); Triton 3.6's membar adds the
+rest, since it sees each access to an allocation through a dynamic index as an access to all
+of it: one before the tile's first mbarrier wait (the loop's entry state holds the prologue's
+TMA copies), one before the second slot's wait (the two slots' waits and scratch stores each
+go to one allocation) and 5 in the issue (expect, value box, rope box, then the same for the
+second slot: each writes the one barrier array). fewer_barriers leaves 4: the exchange, 2 in
+the issue (both expects | a box of each slot | the other box of each) and one before the V
+reads (the issue's last group writes the ring). It removes the others by:
+
+- the second slot of a tile stores its partials to an allocation of its own (``scratch1``);
+- slot count n's mbarrier is ``bars_{n % 2}[n % R]`` (``bars1`` the odd counts'), so the
+  tile's two waits touch two allocations. A barrier serves every L = lcm(R, 2) slots, so its
+  k-th use (phase k & 1) is slot count n = r + k L: phase (n // L) & 1, the same for a tile's
+  two slots (2t and 2t + 1 sit in one L-block: L is even). lean carries the wrap count of the
+  first slot's ring index, mod 2 (R even: the phase) or mod 4 (R odd, L = 2R: the phase is
+  its high bit). The prologue issues slot counts 0 .. R - 3 (bars_{k % 2}); tile t then
+  issues counts R - 2 + 2t (the parity of R: bars1 when R is odd) and R - 1 + 2t. Count n's
+  barrier is re-armed for count n + L at tile (n + L - R + 2) / 2 > n / 2, after the exchange
+  barrier of the tile that waited on n: every thread has seen its phase complete;
+- a tile's two issues are batched (``_produce2``: both expects | slot p's value box and p +
+  1's rope box | p's rope box and p + 1's value box, no conflict inside a group), the cursor
+  two rows ahead (``p_row0``: -1 past the last item, so the predicates stay exact: a slot is
+  issued if and only if the consumer waits on it, and the barriers end with no arrival
+  pending);
+- one CTA barrier after the prologue (outside the loops) clears membar's state at the loop's
+  entry.
+
+The scratch stays double buffered as before (parity t % 2: tile t + 2 writes it after every
+warp passed tile t + 1's exchange), and a refill still follows the exchange barrier of the
+tile after the one that read the slot. 4 is the least membar allows with two boxes a slot:
+an expect and two copies write each slot's barrier (3 groups, 2 barriers), the waits read the
+barriers, and the ring is read before and after the exchange. One [9, 16, 64] box a slot with
+the ring split by slot parity too (R even) would put both copies in one group: 3. A
+warp-specialized producer (as paged_decode_gluon's ``warp_specialize``) takes the issues out
+of the compute warps altogether, but Gluon puts a bar.sync before each mbarrier wait and
+arrive of a 4-warp partition, and a 5th warp's registers cost the second program an SM
+unless setmaxnreg moves them.
 """
 
 from __future__ import annotations
@@ -266,10 +294,10 @@ def _produce(kv_desc, pe_desc, ring, ring_pe, bars, p, row, item, b, s, hg, slot
         idx = p % R
     bar = bars.index(idx)
     mbarrier.expect(bar, _SLOT_BYTES, pred=pred)
-    tma.async_copy_global_to_shared(kv_desc, [0, row, 0], bar,
-                                    ring.index(idx),
-                                    pred=pred)
+    tma.async_copy_global_to_shared(kv_desc, [0, row, 0], bar, ring.index(idx), pred=pred)
     tma.async_copy_global_to_shared(pe_desc, [row, 0], bar, ring_pe.index(idx), pred=pred)
+    # _advance's step, written out: calling it swaps two uniform registers in lean's SASS, and
+    # the forms without fewer_barriers keep their SASS byte for byte.
     slot += 1
     if slot == nslots:
         if LEAN:
@@ -292,8 +320,9 @@ def _produce(kv_desc, pe_desc, ring, ring_pe, bars, p, row, item, b, s, hg, slot
 def _advance(item, b, s, hg, slot, nslots, start, bt_row, last_page, nprog, db, ds, dh, b_last, num_items,
              num_splits, inv_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, PAGE: gl.constexpr,
              LEAN: gl.constexpr):
-    """_produce's cursor step without its issue (fewer_barriers: _produce2 issues two slots,
-    then steps twice): the cursor one slot on and that slot's cache row."""
+    """The producer cursor one slot on (to the next item with a key after the last slot of
+    one) and that slot's cache row: _produce's step after its issue, and _produce2's two
+    (fewer_barriers: two issues batched, then two steps)."""
     slot += 1
     if slot == nslots:
         if LEAN:
@@ -692,6 +721,10 @@ def _mla_decode_gluon_kernel(
         p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _advance(
             p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page, nprog, db, ds, dh, b_last,
             num_items, num_splits, inv_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, LEAN)
+        # Not for the hardware (the mbarrier waits order the TMA writes): for membar, whose state
+        # at the tile loop's head otherwise holds the prologue's copies (writes of bars, bars1
+        # and the ring) and puts a CTA barrier before every tile's first wait.
+        gl.thread_barrier()
 
     g = 0  # default: slots consumed (ring index g % R, phase (g // R) & 1); LEAN: see _ring_slots
     ph = 0
@@ -801,12 +834,13 @@ def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -
 
 def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=None, num_splits=None,
             programs: int | None = None, stages: int = STAGES, peel: bool = False, lean: bool = False,
-            lazy: bool = False, fuse_max_splits: int = FUSE_MAX_SPLITS):
+            lazy: bool = False, fewer_barriers: bool = False, fuse_max_splits: int = FUSE_MAX_SPLITS):
     """mla_decode_gluon with the knobs tests and benchmarks turn: ``programs`` (None: 2 an SM,
     at most one a work item), ``stages`` (ring slots, >= 4), ``peel`` (an item's last tile out
     of the loop), ``lean`` (ring counters, the producer's items without divisions), ``lazy``
-    (the accumulator rescaled only when a row's max grew by > 2^8), ``fuse_max_splits`` (the
-    most splits merged inside the kernel; more: the merge kernel)."""
+    (the accumulator rescaled only when a row's max grew by > 2^8), ``fewer_barriers`` (fewer
+    CTA barriers a tile: the module doc), ``fuse_max_splits`` (the most splits merged inside
+    the kernel; more: the merge kernel)."""
     why = mla_gluon_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
     if why:
         raise ValueError("mla_decode_gluon cannot take this call: " + "; ".join(why))
@@ -843,7 +877,7 @@ def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=
         sm_scale * _LOG2E, 1.0 / num_splits, items, num_splits, hg,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         PAGE=kv_cache.shape[1], R=stages, SPLIT=split, PEEL=peel, LEAN=lean, LAZY=lazy, MERGE=fused,
-        num_warps=NUM_WARPS)
+        FB=fewer_barriers, num_warps=NUM_WARPS)
     if split and not fused:
         _merge(mid_o, mid_lse, out, RANK)
     return out
