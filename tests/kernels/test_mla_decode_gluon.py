@@ -70,33 +70,46 @@ def tile_loop_mix(sass: str) -> dict[str, int]:
     return dict(mix)
 
 
-# The tile-loop forms _launch selects (its peel / lean / lazy knobs); every GPU test below runs
-# each of them over the same cases. "all" is the three together.
+# The tile-loop forms _launch selects (its peel / lean / lazy / fewer_barriers knobs); every GPU
+# test below runs each of them over the same cases (with KNOBS: ring sizes 4-7, odd and even,
+# split and not, merged in the kernel and by the merge kernel). "all" is the first three
+# together, "fb" and "all_fb" fewer_barriers alone and with them.
 FORMS = {
     "default": {},
     "peel": {"peel": True},
     "lean": {"lean": True},
     "lazy": {"lazy": True},
     "all": {"peel": True, "lean": True, "lazy": True},
+    "fb": {"fewer_barriers": True},
+    "all_fb": {"peel": True, "lean": True, "lazy": True, "fewer_barriers": True},
 }
+# The tile loop of each form without fewer_barriers (page 64, splits, Triton 3.6's ptxas):
+# (static instructions, BAR.SYNC), kept to the byte by the fewer_barriers change (its code is
+# all behind the FB constexpr). A deliberate change updates this and the module doc's table.
+LOOP_PINNED = {"default": (1092, 8), "peel": (792, 8), "lean": (1026, 8), "lazy": (1111, 8), "all": (721, 8)}
+FB_BAR_SYNC = 4  # fewer_barriers' tile loop: the kernel's module doc says which four
 
 
 def _sm90_report() -> dict:
     """(In a subprocess with the interpreter off.) Registers, spills, shared memory and the tile
-    loop's mix of every form at page 64 with splits, of the default and "all" at page 16 and
-    without splits, and of the default and "peel" leaving the merge to the merge kernel."""
+    loop's mix of every form at page 64 with splits (R = 5), of the default and "all" at page 16
+    and without splits, of the default and "peel" leaving the merge to the merge kernel, and of
+    "all_fb" at an even ring size (R = 4: its barriers and phases differ from odd R's)."""
     try:
         import triton.experimental.gluon  # noqa: F401
     except ImportError as ex:
         return {"skip": f"no Gluon in this Triton: {ex}"}
     out = {}
-    compiles = [(form, 64, True, True) for form in FORMS]
-    compiles += [(form, page, split, True) for form in ("default", "all") for page, split in ((16, True), (64, False))]
-    compiles += [(form, 64, True, False) for form in ("default", "peel")]  # partials for the merge kernel
-    for form, page, split, merge in compiles:
-        k = compile_sm90(page=page, split=split, merge=merge, **FORMS[form])
+    compiles = [(form, 64, True, True, None) for form in FORMS]
+    compiles += [(form, page, split, True, None) for form in ("default", "all")
+                 for page, split in ((16, True), (64, False))]
+    compiles += [(form, 64, True, False, None) for form in ("default", "peel")]  # partials for the merge kernel
+    compiles += [("all_fb", 64, True, True, 4)]
+    for form, page, split, merge, stages in compiles:
+        k = compile_sm90(page=page, split=split, merge=merge, stages=stages, **FORMS[form])
         log, sass = ptxas_sm90a(k.asm["ptx"])
-        name = f"{form}_p{page}" + ("" if split else "_nosplit") + ("" if merge else "_nomerge")
+        name = f"{form}_p{page}" + ("" if split else "_nosplit") + ("" if merge else "_nomerge") \
+            + (f"_s{stages}" if stages else "")
         out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, loop=tile_loop_mix(sass),
                          tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], form=form)
     return out
@@ -108,7 +121,9 @@ def test_mla_gluon_compiles_for_sm90():
     beyond a few words, TMA loads; per 32-key tile and warp: 68 HMMA (scores 2 x (8 + 8 + 2),
     P.V 2 x 16), K through 18 ldmatrix and V through 16 transposing ones, one mbarrier wait a
     slot, 4 TMA boxes. peel: no V masking in the loop (the default's ~130 SEL + 128 PRMT);
-    lean: no integer division in it (I2F.RP / IMAD.HI). Prints each loop's size and mix."""
+    lean: no integer division in it (I2F.RP / IMAD.HI); fewer_barriers: FB_BAR_SYNC CTA
+    barriers (the others 8), no more spill than "all". The forms without fewer_barriers keep
+    LOOP_PINNED's loop. Prints each loop's size and mix."""
     rep = run_compiled("test_mla_decode_gluon", "_sm90_report")
     if "skip" in rep:
         pytest.skip(rep["skip"])
@@ -132,7 +147,21 @@ def test_mla_gluon_compiles_for_sm90():
             assert loop.get("SEL", 0) <= 8 and "PRMT" not in loop, name
         if knobs.get("lean"):
             assert "I2F.RP" not in loop and "IMAD.HI.U32" not in loop, name
+        bars = loop.get("BAR.SYNC.DEFER_BLOCKING", 0)
+        if knobs.get("fewer_barriers"):
+            assert bars == FB_BAR_SYNC, (name, bars)
+            assert r["spill_bytes"] <= rep["all_p64"]["spill_bytes"], name
+        else:
+            assert bars == 8, (name, bars)
     assert rep["all_p64"]["loop"]["total"] < 0.7 * rep["default_p64"]["loop"]["total"]
+    for form, pinned in LOOP_PINNED.items():
+        loop = rep[f"{form}_p64"]["loop"]
+        assert (loop["total"], loop.get("BAR.SYNC.DEFER_BLOCKING", 0)) == pinned, form
+    # fewer_barriers: fewer CTA barriers than the same form without it, the loop no longer
+    for fb, base in (("fb", "default"), ("all_fb", "all")):
+        a, b = rep[f"{fb}_p64"]["loop"], rep[f"{base}_p64"]["loop"]
+        assert a["BAR.SYNC.DEFER_BLOCKING"] < b["BAR.SYNC.DEFER_BLOCKING"], fb
+        assert a["total"] <= b["total"] + 8, (fb, a["total"], b["total"])
 
 
 def _args(batch=2, heads=16, page=64, blocks=8, device="cpu", dtype=torch.bfloat16):
@@ -254,6 +283,7 @@ KNOBS = {
     "p5_s4": {"programs": 5, "stages": 4},
     "p7_splits5": {"programs": 7, "num_splits": 5},
     "p3_s6_splits9": {"programs": 3, "stages": 6, "num_splits": 9},
+    "p2_s7": {"programs": 2, "stages": 7},  # odd R past 5 (fewer_barriers: phases every 2R slots)
     # the merge: in the kernel up to FUSE_MAX_SPLITS (4) splits, mla_decode's merge kernel past it
     "fused9": {"num_splits": 9, "fuse_max_splits": 16},
     "fused40": {"num_splits": 40, "fuse_max_splits": 64},
