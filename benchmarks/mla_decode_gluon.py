@@ -17,8 +17,9 @@ column ``NAME@S`` per count), to find where 8-16 sequences of 16-32k keys should
 Variants: ``triton``, ``gluon`` (the Gluon default), ``gluon_fused`` (every split count merged
 in the kernel), ``gluon_peel`` (peel: an item's last tile out of the loop), ``gluon_peel_fused``,
 ``gluon_peel_f1`` (peel, the merge kernel from 2 splits) and ``gluon_all`` (peel, lean, lazy) by
-default; ``gluon_lean`` / ``gluon_lazy``, ``gluon_peel_f8``, ``gluon_s4`` (4 ring slots) and
-``gluon_p1sm`` (one program an SM) on request.
+default; ``gluon_lean`` / ``gluon_lazy``, ``gluon_peel_f8``, ``gluon_s4`` (4 ring slots),
+``gluon_p1sm`` (one program an SM), ``gluon_fb`` (fewer_barriers: 4 CTA barriers a tile, not
+8) and ``gluon_all_fb`` (peel, lean, lazy and fewer_barriers) on request.
 
 Writes $OUT/mla_decode_gluon.json and prints a markdown table.
 """
@@ -47,6 +48,9 @@ VARIANTS = {
     "gluon_lean": (gluon_launch, {"lean": True}),
     "gluon_lazy": (gluon_launch, {"lazy": True}),
     "gluon_all": (gluon_launch, {"peel": True, "lean": True, "lazy": True}),
+    # fewer CTA barriers a tile (8 -> 4 BAR.SYNC), alone and with the three
+    "gluon_fb": (gluon_launch, {"fewer_barriers": True}),
+    "gluon_all_fb": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "fewer_barriers": True}),
     "gluon_s4": (gluon_launch, {"stages": 4}),
     # every split count merged inside the kernel (the default merges > FUSE_MAX_SPLITS with
     # mla_decode's merge kernel; run 85 measured this form as "gluon")
