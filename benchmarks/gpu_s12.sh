@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Session 12's device plan (session 11's retry had no device time left): three calls, ~25 min.
+# Results under $OUT; each step cut to what is left of BUDGET (default 560) seconds.
+#   bash benchmarks/gpu_s12.sh a   on a FRESH machine: (1) the GPU tests of the fp8 Gluon decode after
+#                                  its unused forms were pruned (SASS of the kept forms identical on
+#                                  the CPU) and of the bf16 one; (2) the MLA Gluon tests, then the
+#                                  fewer_barriers forms' first run; (3) the bf16 decode knobs (P2 s2,
+#                                  the balanced grid) beside cuDNN at issue 6's shapes
+#   BUDGET=590 bash benchmarks/gpu_s12.sh b   the MLA key-split sweep at issue 4's short-batch shapes
+#                                  (with all_fb), then Nsight Compute on the three gaps (gpu_s12_ncu.sh)
+#   bash benchmarks/gpu_s12.sh c   end to end: 8B fp8 (the pruned kernel's engine form), 8B bf16 with
+#                                  the defaults, V2-Lite with the MLA Gluon decode off / on; then the
+#                                  gather producer's register split both ways (issue 5: is it the
+#                                  consumers' 224 registers or the cp.async path?)
+set -u
+PART=${1:-a}
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/flashpage_gpu}; mkdir -p "$OUT"
+B=${BUDGET:-560}
+left() { local t=$((B - SECONDS)); [ "$1" -lt "$t" ] && t=$1; [ "$t" -lt 1 ] && t=1; echo $t; }
+FP="python3 -m flashpage"
+PT="python3 -m pytest -q -p no:cacheprovider"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+case "$PART" in
+a)
+  timeout "$(left 120)" $PT -m gpu tests/kernels/test_paged_decode_gluon.py tests/kernels/test_paged_decode_gluon_bf16.py \
+    tests/kernels/test_fp8_kv.py -rf 2>&1 | tee "$OUT/decode_gluon_tests.txt" | tail -n 4
+  echo "decode tests done at ${SECONDS}s"
+  timeout "$(left 140)" $PT -m gpu tests/kernels/test_mla_decode_gluon.py -k "not fb" -rf 2>&1 \
+    | tee "$OUT/mla_tests.txt" | tail -n 4
+  echo "MLA tests done at ${SECONDS}s"
+  # fewer_barriers' first run: a wrong mbarrier phase hangs (the timeout ends it) rather than fails
+  timeout "$(left 110)" $PT -x -m gpu tests/kernels/test_mla_decode_gluon.py -k fb -rf 2>&1 \
+    | tee "$OUT/mla_fb_tests.txt" | tail -n 4
+  echo "MLA fb tests done at ${SECONDS}s"
+  timeout "$(left 100)" python3 benchmarks/decode_gluon_knobs.py --set bf16 --out "$OUT" 2>&1 \
+    | tee "$OUT/decode_bf16_knobs.txt" | tail -n 10
+  echo "part a done at ${SECONDS}s" ;;
+b)
+  # MLA_VARIANTS="triton gluon_all" if part a's fb tests did not pass
+  timeout "$(left 150)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" \
+    --variants ${MLA_VARIANTS:-triton gluon_all gluon_all_fb} --shapes 8x32768 16x16384 8x4096 --splits 0 8 16 24 66 \
+    2>&1 | tee "$OUT/mla_splits.txt" | tail -n 8
+  echo "MLA sweep done at ${SECONDS}s"
+  bash benchmarks/gpu_s12_ncu.sh  # ~250 s (8 cases, 60 s at most each)
+  echo "part b done at ${SECONDS}s" ;;
+c)
+  timeout "$(left 110)" $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --kv-cache-dtype fp8 \
+    --no-hf --json-out "$OUT/throughput_8b_fp8.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  timeout "$(left 90)" $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --no-hf \
+    --json-out "$OUT/throughput_8b_bf16.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  for g in 0 1; do
+    FLASHPAGE_MLA_GLUON=$g timeout "$(left 90)" $FP bench throughput --config deepseek-v2-lite \
+      --gpu-memory-utilization 0.75 --num-requests 64 --no-hf --json-out "$OUT/throughput_v2lite_mla_gluon$g.json" \
+      2>&1 | grep -E "output_tok_per_s|Error"
+  done
+  timeout "$(left 170)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only \
+    --paged-variants gluon_paged,gluon_paged_r224,gluon_paged_gather,gluon_paged_gather_r232 --budget 150 2>&1 \
+    | tee "$OUT/prefill_regs.txt" | tail -n 8
+  echo "part c done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a, b, c)"; exit 2 ;;
+esac
