@@ -604,7 +604,7 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
 
         form = engine_form(group, num_kv_heads, envs.decode_gluon_variant())
         return paged_decode_gluon(q, key_cache, value_cache, block_tables, seq_lens,
-                                  sm_scale=sm_scale, out=out, persistent=True, **form)
+                                  sm_scale=sm_scale, out=out, **form)
     if cfg.gluon and not gluon_bf16_unsupported(q, key_cache, value_cache, window_size, num_splits):
         from flashpage.kernels import paged_decode_gluon_bf16 as g16
 
