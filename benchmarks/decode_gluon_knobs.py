@@ -4,7 +4,7 @@ ragged contexts 101-2048 longest first). GB/s of fp8 KV bytes (% of the copy rat
 the same run), us per call, relative error against the Triton kernel.
 
     python benchmarks/decode_gluon_knobs.py --set persistent   # default variant: programs per SM 2/3/4, stages 2/3/4
-    python benchmarks/decode_gluon_knobs.py --set variants     # the variants dims_m/keys_m/keys_m2, 3-4 per SM
+    python benchmarks/decode_gluon_knobs.py --set variants     # the variants default/keys_m, 3-4 per SM
     python benchmarks/decode_gluon_knobs.py --set bf16         # 16-bit cache: the Gluon keys_m kernel
                                                                # (paged_decode_gluon_bf16.py) vs Triton and cuDNN
 
@@ -36,7 +36,7 @@ SETS = {
     "persistent": {**{f"P{p} s3": {"programs_per_sm": p, "stages": 3} for p in (2, 3, 4)},
                    **{f"P3 s{s}": {"programs_per_sm": 3, "stages": s} for s in (2, 4)}},
     "variants": {f"P{p} {v}": {"programs_per_sm": p, "variant": v}
-                 for p in (3, 4) for v in ("default", "dims_m", "keys_m", "keys_m2")},
+                 for p in (3, 4) for v in ("default", "keys_m")},
 }
 # The 16-bit kernel's knobs (programs an SM x 32 KB stages that fit in shared memory).
 BF16_FORMS = {f"P{p} s{s}": {"programs_per_sm": p, "stages": s} for p, s in ((3, 2), (2, 3), (2, 2), (1, 4), (1, 6))}

@@ -1,14 +1,14 @@
 """Paged decode over an fp8 KV cache, in Gluon for sm_90: paged_decode.py's warp-split loop
-(``DecodeConfig(64, 4, 3, warp_split=True, heads_fastest=True)``) rebuilt on TMA. Its
-persistent form, as its ``keys_m`` variant at 4 programs an SM (``engine_form``), is what
-``paged_decode`` runs for an unsplit fp8 call on Hopper (``DecodeConfig.gluon``; H200: 83-94%
-of copy at the engine's batches against the Triton loop's 62-73%, run 79 in BENCHMARKS.md).
+(``DecodeConfig(64, 4, 3, warp_split=True, heads_fastest=True)``) rebuilt on TMA as one
+persistent kernel. ``paged_decode`` runs it for an unsplit fp8 call on Hopper
+(``DecodeConfig.gluon``) in the form ``engine_form`` picks: the ``keys_m`` variant at 4 programs
+an SM, the default variant at 3 where the GQA group is over 8 (H200: 83-94% of copy at the
+engine's batches against the Triton loop's 62-73%, run 79 in BENCHMARKS.md).
 
 Same contract as ``paged_decode`` for the engine's fp8 decode: q [B, Hq, 128] bf16/fp16,
-key_cache / value_cache [num_blocks, 16, Hkv, 128] float8_e4m3fn, one program per (KV head,
-sequence), KV heads fastest, no key splits, dots in fp16 (q scaled by sm_scale·log2(e) in
-fp32 and rounded to fp16 once; e4m3 widened to fp16 exactly), fp32 accumulation, base-2
-online softmax.
+key_cache / value_cache [num_blocks, 16, Hkv, 128] float8_e4m3fn, (sequence, KV head) items,
+KV heads fastest, no key splits, dots in fp16 (q scaled by sm_scale·log2(e) in fp32 and rounded
+to fp16 once; e4m3 widened to fp16 exactly), fp32 accumulation, base-2 online softmax.
 
 What Gluon lets this kernel do that Triton's pipeliner did not::
 
@@ -17,11 +17,11 @@ What Gluon lets this kernel do that Triton's pipeliner did not::
     value_cache[blk, ...]        --TMA box [16,128]--> V stage rows 16p..16p+15 --LDS.128--> V operand
 
 - Each 64-key tile is 4 pieces of 16 keys (one page each); each piece's K and V rows land by
-  TMA (one [16, 128] box each, 128-byte swizzle) in one ``STAGES``-deep buffer, all 8 boxes
+  TMA (one [16, 128] box each, 128-byte swizzle) in one ``STAGES``-deep ring, all 8 boxes
   of a tile counted by one mbarrier. No register round trip, no LDGSTS address math.
 - Warp p owns piece p of every tile with its own softmax state (as ``WARP_SPLIT``), merged
-  once at the end. Per tile: one mbarrier wait and one CTA barrier (before warp 0 refills
-  the stage every warp has just finished reading) -- as written. Triton 3.6's membar
+  once at the end of an item. Per tile: one mbarrier wait and one CTA barrier (before the
+  stage every warp has just finished reading is refilled) -- as written. Triton 3.6's membar
   analysis adds 9 more: it sees each TMA issue as a write to the stage buffer and to the
   mbarrier, so it puts a bar.sync between consecutive issues (sm_90 SASS: 10 BAR.SYNC per
   tile).
@@ -32,20 +32,25 @@ What Gluon lets this kernel do that Triton's pipeliner did not::
   there (``cvt.rn.f16x2.e4m3x2``). The dots do not care about the order along the head dim
   as long as q uses the same one (for K; q is loaded with it), and the output's columns
   are stored through V's permutation.
-
-The kernel (``_paged_decode_gluon_persistent_kernel``, its section below) is persistent: a
-grid of a few programs per SM, each over several (sequence, KV head) items as one continuous
-tile stream (TMA for the next item in flight while the current one ends). Its ``variant``
-(``_launch(..., variant=...)``, GQA groups <= 8; the default unchanged):
-"dims_m" computes P·V transposed (O^T = V^T P^T: 24 HMMA a tile instead of 32, a 32-register
-accumulator), "keys_m" Q·K^T too (S^T = K Q^T: 16 HMMA), "keys_m2" is keys_m over KV-head pairs
-(one TMA box [2 heads, 16, 128] per page: 4 issues a tile instead of 8); sm_90 SASS of the tile
-loop 463 / 455 / 367 instructions a warp against 590, 138 / 148 / 144 registers, no spill under
-128 (4 programs an SM). See the sections "variant=" above the persistent kernel.
+- Persistent (section "the persistent kernel"): a grid of a few programs per SM, each over
+  several (sequence, KV head) items as one continuous tile stream (TMA for the next item in
+  flight while the current one ends).
+- ``variant="keys_m"`` (its section; GQA groups <= 8) computes both dots transposed, S^T = K Q^T
+  and O^T = V^T P^T, with the group padded to 8 as the mma's N instead of to 16 as its M: 16
+  HMMA a tile instead of 32, a 32-register accumulator; sm_90 SASS of the tile loop 455
+  instructions a warp against 590, 148 registers, no spill under 128 (4 programs an SM).
 
 The last tile of each sequence is masked (keys past seq_len: scores -inf, V rows zeroed: an
 unowned slot may hold NaN, and 0 · NaN is NaN in the P·V dot); its pieces past the context
 re-read the last valid page (an L2 hit) instead of leaving a stage part-filled.
+
+Forms that lost, removed (readable at commit 16f5823, BENCHMARKS.md's paged decode section): a
+program per (KV head, sequence) (runs 68-70: 1.07-1.17x the Triton loop, then 4-15% under this
+persistent kernel in run 74) and a warp-specialized form of it (a TMA producer partition, one-warp
+compute partitions, optionally a lazy rescale: no faster, runs 68 and 70); the persistent variants
+``dims_m`` (O^T = V^T P^T only) and ``keys_m2`` (keys_m over KV-head pairs, half the TMA issues),
+within a few percent of keys_m in run 79 (keys_m2 +0.5% end to end in run 80, once, and only for
+an even KV head count).
 """
 
 from __future__ import annotations
@@ -249,7 +254,8 @@ def _produce(k_desc, v_desc, kv, bars, t, b0, b1, b2, b3,
 
 @gluon.jit
 def _issue_kv(k_desc, v_desc, kv, bars, t, b0, b1, b2, b3, col, pred, S: gl.constexpr):
-    """_issue_tile into the persistent ring (stage t % S: K at 2 (t % S), V at 2 (t % S) + 1)."""
+    """TMA of a tile's 4 K and 4 V pieces into stage t % S of the ring (K at 2 (t % S), V at
+    2 (t % S) + 1), on its mbarrier."""
     stage = t % S
     bar = bars.index(stage)
     mbarrier.expect(bar, 2 * _BN * _D, pred=pred)
@@ -274,34 +280,43 @@ def _load_q_next(q_ptr, item, num_items, HKV: gl.constexpr, stride_qb, stride_qh
     return gl.load(q_ptrs, mask=(r2 < GROUP) & (k2 < _D) & (item < num_items), other=0.0)
 
 
-# ``variant="dims_m"`` (persistent only): P.V computed transposed, O^T = V^T P^T, with the 128
-# head dims as the mma's M (8 m-tiles), the GQA group padded to 8 as N (not to 16 as M) and the
-# piece's 16 keys as K: 8 HMMA a piece instead of 16, an accumulator of [128, 8] fp32 = 32
-# registers a thread instead of 64 (32 FMUL to rescale it, not 64). Q.K^T is unchanged (the
-# group padded to 16 rows) but only its rows 0-7 go on: the softmax runs on 4 scores a thread,
-# not 8 (GROUP <= 8). Rows 0-7 of the score accumulator are, register for register, P^T as the
-# B operand (head g, keys 2t, 2t+1, 2t+8, 2t+9: a permute, no data movement); V^T as the A
-# operand reads the stage through _V_VIEW's permutation with its last two dims swapped (each
-# thread: 16 contiguous bytes of each of its 4 key rows, as before). l is kept per thread ([W, 8,
-# 16], summed at the end: no shuffle per tile); alpha moves from the scores' layout (head on
-# lanes 2-4) to the accumulator's (head on lanes 0-1 and a register): 2 SHFL.IDX a tile. The
-# merge goes through the K half of the stage the next issue will refill ([W, 8, 128] fp16).
+# --------------------------------------------------------------------------- variant="keys_m"
 #
-# Both variants scale q in the mma operand layout (q moved raw, then scaled in fp32 and rounded
-# to fp16 once, as the default does before the move: the same values). Moved after scaling, the
-# operand comes out of the layout conversion's ldmatrix in register quads that cross the mma's,
-# and ptxas copies it into fresh quads before every Q.K^T HMMA (the default loop's ~64
-# IMAD.MOV); written by the scaling, it is allocated as the mma wants, once per item.
+# The engine's form (GQA groups <= 8): both dots transposed, the group padded to 8 as the mma's N
+# instead of to 16 as its M. S^T = K Q^T: the piece's 16 keys as M, the head dims as K, q^T as the
+# B operand (16 registers): 8 HMMA a piece instead of 16. O^T = V^T P^T: the 128 head dims as M (8
+# m-tiles), the 16 keys as K: 8 HMMA a piece, an accumulator of [128, 8] fp32 = 32 registers a
+# thread instead of 64 (32 FMUL to rescale it, not 64). The scores' heads sit on the same lanes
+# and register as the accumulator's (alpha needs no exchange); the max over keys is across lanes
+# 2-4 (3 shuffle rounds); l is kept per thread ([W, 16, 8], summed at the end: no shuffle a
+# tile); P^T moves from the accumulator layout (key g, heads 2t, 2t + 1) to the B operand's (head
+# g, keys 2t, 2t + 1, ...): a transpose within each warp (Triton's layout conversion). K and V^T,
+# both A operands, read the stage through _K_VIEW's and _V_VIEW's permutations with their last
+# two coordinates swapped (each thread: 16 contiguous bytes of a cache row, as before). The merge
+# goes through the K half of the stage the next issue will refill ([W, 8, 128] fp16).
+#
+# q is scaled in the mma operand layout (moved raw, then scaled in fp32 and rounded to fp16 once,
+# as the default does before the move: the same values). Moved after scaling, the operand comes
+# out of the layout conversion in registers that cross the mma's pairs, and ptxas copies it into
+# fresh ones before every Q.K^T HMMA (the default loop's ~64 IMAD.MOV); written by the scaling, it
+# is allocated as the mma wants, once per item.
 #
 # sm_90 SASS a warp a tile (Triton 3.6, tests/kernels/test_paged_decode_gluon.py prints them):
-# default 590 (32 HMMA, 64 FMUL, 10 MUFU, 70 IMAD.MOV), dims_m 463 (24 HMMA, 32 FMUL, 5 MUFU),
-# keys_m 455 (16 HMMA, 32 FMUL, 6 MUFU); the TMA issue and producer cursor (~250, 10 BAR.SYNC:
-# every warp runs the issue code, predicated) are unchanged, now half the loop; keys_m2 (below)
-# halves them: 367 (4 UTMALDG.3D, 6 BAR.SYNC).
-_TOP = gl.constexpr(gl.DistributedLinearLayout(  # rows 0-7 of _MMA's [W, 16, 16] scores
-    reg_bases=[[0, 0, 1], [0, 0, 8]],
+# default 590 (32 HMMA, 64 FMUL, 10 MUFU, 70 IMAD.MOV), keys_m 455 (16 HMMA, 32 FMUL, 6 MUFU);
+# the TMA issue and producer cursor (~250, 10 BAR.SYNC: every warp runs the issue code,
+# predicated) are the same in both, now half the loop.
+# K [piece, key, kk]: _K_VIEW with its last two coordinates swapped.
+_KA_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
+    [0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32],
+    [0, 0, 64], [0, 0, 2], [0, 0, 4],
+    [0, 1, 64], [0, 2, 2], [0, 4, 4],
+    [0, 8, 0], [1, 0, 0], [2, 0, 0],
+]))
+# The A operand's registers reordered so that the first five run along kk bits 0, 3-6 (32 bytes).
+_KA_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32], [0, 0, 64], [0, 8, 0]],
     lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[_W, 8, _PG]))
+    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[_W, _PG, _D]))
 # V^T [piece, n, key]: _V_VIEW with its last two coordinates swapped.
 _VT_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
     [0, 8, 0], [0, 16, 0], [0, 32, 0], [0, 64, 0],  # column bits 0-3
@@ -320,73 +335,9 @@ _MERGE_LOAD_T = gl.constexpr(gl.BlockedLayout(size_per_thread=[_W, 1, 8], thread
 
 
 @gluon.jit
-def _top_rows(s):
-    """Rows 0-7 of [W, 16, 16] scores in _MMA (row bit 3 is a register bit): in _TOP."""
-    s = gl.permute(gl.reshape(s, [_W, 2, 8, _PG]), [0, 2, 3, 1])
-    top, _ = gl.split(s)
-    return gl.convert_layout(top, _TOP, assert_trivial=True)
-
-
-@gluon.jit
-def _attend_dims_m(q, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.constexpr):
-    """_attend for ``variant="dims_m"``: m3 [W, 8] (SliceLayout(2, _TOP)), l4 [W, 8, 16]
-    per-thread partial sums (_TOP), acc = O^T [W, 128, 8] (_MMA)."""
-    k_view = k_stage._reinterpret(gl.float8e4nv, [_W, _D, _PG], _K_VIEW)
-    vt_view = v_stage._reinterpret(gl.float8e4nv, [_W, _D, _PG], _VT_VIEW)
-    kt = k_view.load(_B).to(gl.float16)  # [4, 128, 16]
-    s = _top_rows(mma_v2(q, kt, gl.zeros([_W, 16, _PG], gl.float32, _MMA)))  # [4, 8 heads, 16 keys]
-    if MASKED:
-        offs_p = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _TOP)))
-        offs_j = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(1, _TOP)))
-        key = n0 + gl.expand_dims(gl.expand_dims(offs_p * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_j, 0), 1)
-        s = gl.where(key < seq_len, s, float("-inf"))
-        m_new = gl.maximum(m3, gl.max(s, 2))
-        m_exp = gl.where(m_new == float("-inf"), 0.0, m_new)  # a piece with no key yet
-    else:
-        m_new = gl.maximum(m3, gl.max(s, 2))  # 16 valid keys: finite
-        m_exp = m_new
-    alpha = gl.exp2(m3 - m_exp)
-    p = gl.exp2(s - gl.expand_dims(m_exp, 2))
-    l4 = l4 * gl.expand_dims(alpha, 2) + p
-    pt = gl.convert_layout(gl.permute(p.to(gl.float16), [0, 2, 1]), _B, assert_trivial=True)  # [4, 16 keys, 8]
-    vt = gl.convert_layout(vt_view.load(_VT_LOAD).to(gl.float16), _A)  # [4, 128, 16 keys]
-    if MASKED:
-        offs_vp = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _A)))
-        offs_vj = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(1, _A)))
-        vkey = n0 + gl.expand_dims(gl.expand_dims(offs_vp * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_vj, 0), 1)
-        vt = gl.where(vkey < seq_len, vt, 0.0)
-    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, _MMA))
-    acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha_o, 1))
-    return m_new, l4, acc
-
-
-# ``variant="keys_m"``: also Q.K^T transposed, S^T = K Q^T (the piece's 16 keys as M, the group
-# padded to 8 as N, the head dims as K): 8 HMMA a piece instead of 16 (16 in all), q^T as the B
-# operand (16 registers), the scores' heads on the same lanes and register as the accumulator's
-# (alpha needs no exchange); the max over keys is across lanes 2-4 (3 shuffle rounds), and P^T
-# moves from the accumulator layout (key g, heads 2t, 2t + 1) to the B operand's (head g, keys 2t,
-# 2t + 1, ...): a transpose within each warp (Triton's layout conversion).
-# K [piece, key, kk]: _K_VIEW with its last two coordinates swapped.
-_KA_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
-    [0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32],
-    [0, 0, 64], [0, 0, 2], [0, 0, 4],
-    [0, 1, 64], [0, 2, 2], [0, 4, 4],
-    [0, 8, 0], [1, 0, 0], [2, 0, 0],
-]))
-# The A operand's registers reordered so that the first five run along kk bits 0, 3-6 (32 bytes).
-_KA_LOAD = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32], [0, 0, 64], [0, 8, 0]],
-    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[_W, _PG, _D]))
-
-
-@gluon.jit
-def _attend_keys_m(qt, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.constexpr,
-                   PAIRS: gl.constexpr = False):
-    """_attend for ``variant="keys_m"``: qt [W, 128, 8] (_B), m3 [W, 8] (SliceLayout(1,
-    _MMA)), l4 [W, 16, 8] per-thread partial sums (_MMA), acc = O^T [W, 128, 8] (_MMA). PAIRS
-    (keys_m2): piece w holds keys n0 + 16 (w // 2) ..., not n0 + 16 w."""
-    PW: gl.constexpr = 2 if PAIRS else 1  # pieces a page
+def _attend_keys_m(qt, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.constexpr):
+    """_attend for ``variant="keys_m"``: qt [W, 128, 8] (_B), m3 [W, 8] (SliceLayout(1, _MMA)),
+    l4 [W, 16, 8] per-thread partial sums (_MMA), acc = O^T [W, 128, 8] (_MMA)."""
     ka = gl.convert_layout(k_stage._reinterpret(gl.float8e4nv, [_W, _PG, _D], _KA_VIEW).load(_KA_LOAD)
                            .to(gl.float16), _A)  # [4, 16 keys, 128]
     vt_view = v_stage._reinterpret(gl.float8e4nv, [_W, _D, _PG], _VT_VIEW)
@@ -394,7 +345,7 @@ def _attend_keys_m(qt, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.co
     if MASKED:
         offs_p = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _MMA)))
         offs_j = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA)))
-        key = n0 + gl.expand_dims(gl.expand_dims(offs_p // PW * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_j, 0), 2)
+        key = n0 + gl.expand_dims(gl.expand_dims(offs_p * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_j, 0), 2)
         s = gl.where(key < seq_len, s, float("-inf"))
         m_new = gl.maximum(m3, gl.max(s, 1))
         m_exp = gl.where(m_new == float("-inf"), 0.0, m_new)  # a piece with no key yet
@@ -409,102 +360,10 @@ def _attend_keys_m(qt, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.co
     if MASKED:
         offs_vp = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _A)))
         offs_vj = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(1, _A)))
-        vkey = n0 + gl.expand_dims(gl.expand_dims(offs_vp // PW * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_vj, 0), 1)
+        vkey = n0 + gl.expand_dims(gl.expand_dims(offs_vp * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_vj, 0), 1)
         vt = gl.where(vkey < seq_len, vt, 0.0)
     acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
     return m_new, l4, acc
-
-
-# ``variant="keys_m2"``: keys_m over a pair of KV heads an item. The cache seen as [Hkv, blocks x 16,
-# 128] (strides 128, Hkv x 128, 1: a permuted view, no copy) gives a TMA box [2 heads, 16 slots,
-# 128] that lands two heads' page pieces one after the other, [head][slot] -- the stage layout the
-# views read, piece w = 2 page + head. A tile is then 2 pages x 2 heads: 2 K boxes and 2 V boxes
-# instead of 4 and 4, 2 block ids instead of 4 (the TMA issue is half the loop, executed by every
-# warp), and 2 x 256 contiguous bytes a slot. Items are (sequence, KV-head pair), Hkv / 2 a sequence
-# (as many items a program at the engine's batches as 4-page tiles of one head gave); warp w's
-# q is its head's (w % 2), and the merge sums the 2 pages of each head.
-_TMA_SMEM3 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
-# q^T of both heads broadcast over the 2 pages: [page, head, kk, n] with _B's bases (warp bit 0 the
-# head, warp bit 1 the page), reshaped to [W, 128, 8] it is _B.
-_B_PAIRS = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1, 0], [0, 0, 8, 0], [0, 0, 16, 0], [0, 0, 32, 0], [0, 0, 64, 0]],
-    lane_bases=[[0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]],
-    warp_bases=[[0, 1, 0, 0], [1, 0, 0, 0]], block_bases=[], shape=[2, 2, _D, 8]))
-_Q_NEXT2 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[1, 4, 8],
-                                         warps_per_cta=[2, 2, 1], order=[2, 1, 0]))
-_MERGE_SMEM4 = gl.constexpr(gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[3, 2, 1, 0]))
-_MERGE_LOAD_P = gl.constexpr(gl.BlockedLayout(size_per_thread=[2, 1, 1, 8], threads_per_warp=[1, 1, 2, 16],
-                                              warps_per_cta=[1, 2, 2, 1], order=[3, 2, 1, 0]))
-
-
-@gluon.jit
-def _seek2(item, nprog, num_items, NPI: gl.constexpr, seq_lens_ptr, block_tables_ptr, stride_btb):
-    """_seek over (sequence, KV-head pair) items (NPI pairs a sequence, 32-key tiles a head); the
-    column returned is the pair's first head."""
-    seq_len = gl.load(seq_lens_ptr + item // NPI, mask=item < num_items, other=1)
-    while seq_len <= 0:
-        item += nprog
-        seq_len = gl.load(seq_lens_ptr + item // NPI, mask=item < num_items, other=1)
-    b = gl.minimum(item, num_items - 1) // NPI
-    bt_row = block_tables_ptr + b.to(gl.int64) * stride_btb
-    return item, gl.cdiv(seq_len, 2 * _PG), bt_row, (seq_len - 1) // _PG, (item % NPI) * 2
-
-
-@gluon.jit
-def _tile_blocks2(bt_row, tile, last_page):
-    """The 2 pages of a 32-key tile (past the context: the last page, re-read from L2)."""
-    page = tile * 2
-    b0 = gl.load(bt_row + gl.minimum(page, last_page))
-    b1 = gl.load(bt_row + gl.minimum(page + 1, last_page))
-    return b0, b1
-
-
-@gluon.jit
-def _produce2(k_desc, v_desc, kv, bars, t, b0, b1, item, tile, nt, bt_row, last_page, col,
-              nprog, num_items, NPI: gl.constexpr, seq_lens_ptr, block_tables_ptr, stride_btb,
-              S: gl.constexpr):
-    """_produce for keys_m2: tile t into stage t % S as 2 K and 2 V boxes [2 heads, 16, 128]."""
-    pred = item < num_items
-    stage = t % S
-    bar = bars.index(stage)
-    mbarrier.expect(bar, 2 * _BN * _D, pred=pred)
-    ks = kv.index(2 * stage)
-    vs = kv.index(2 * stage + 1)
-    tma.async_copy_global_to_shared(k_desc, [col, b0 * _PG, 0], bar,
-                                    ks.slice(0, 2 * _PG)._reinterpret(gl.float8e4nv, [2, _PG, _D], _TMA_SMEM3),
-                                    pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [col, b0 * _PG, 0], bar,
-                                    vs.slice(0, 2 * _PG)._reinterpret(gl.float8e4nv, [2, _PG, _D], _TMA_SMEM3),
-                                    pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [col, b1 * _PG, 0], bar,
-                                    ks.slice(2 * _PG, 2 * _PG)._reinterpret(gl.float8e4nv, [2, _PG, _D],
-                                                                            _TMA_SMEM3), pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [col, b1 * _PG, 0], bar,
-                                    vs.slice(2 * _PG, 2 * _PG)._reinterpret(gl.float8e4nv, [2, _PG, _D],
-                                                                            _TMA_SMEM3), pred=pred)
-    tile += 1
-    if tile == nt:
-        item, nt, bt_row, last_page, col = _seek2(item + nprog, nprog, num_items, NPI, seq_lens_ptr,
-                                                  block_tables_ptr, stride_btb)
-        tile = 0
-    b0, b1 = _tile_blocks2(bt_row, tile, last_page)
-    return b0, b1, item, tile, nt, bt_row, last_page, col
-
-
-@gluon.jit
-def _load_q_next2(q_ptr, item, num_items, NPI: gl.constexpr, stride_qb, stride_qh, GROUP: gl.constexpr):
-    """q of a (sequence, KV-head pair) item [2 heads, 8 rows, 128] (rows >= GROUP and past the end
-    zero), columns in K's order, raw."""
-    offs_h = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, _Q_NEXT2)))
-    offs_r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _Q_NEXT2)))
-    offs_k = gl.arange(0, _D, layout=gl.SliceLayout(0, gl.SliceLayout(1, _Q_NEXT2)))
-    h3 = gl.expand_dims(gl.expand_dims(offs_h, 1), 2)
-    r3 = gl.expand_dims(gl.expand_dims(offs_r, 0), 2)
-    k3 = gl.expand_dims(gl.expand_dims(_k_column(offs_k), 0), 1)
-    b64 = (item // NPI).to(gl.int64)
-    head0 = ((item % NPI) * 2 + h3) * GROUP
-    q_ptrs = q_ptr + b64 * stride_qb + (head0 + r3).to(gl.int64) * stride_qh + k3
-    return gl.load(q_ptrs, mask=(r3 < GROUP) & (k3 < _D) & (item < num_items), other=0.0)
 
 
 @gluon.jit(do_not_specialize=["num_items"])
@@ -514,18 +373,16 @@ def _paged_decode_gluon_persistent_kernel(
     stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
     num_items,  # batch * HKV
     HKV: gl.constexpr,  # KV heads
-    GROUP: gl.constexpr,  # query heads per KV head (<= 16)
+    GROUP: gl.constexpr,  # query heads per KV head (<= 16; KEYS_M: <= 8)
     S: gl.constexpr,  # stages: tiles in the buffer (S - 1 in flight while one is computed)
-    VARIANT: gl.constexpr = 0,  # PERSISTENT_VARIANTS: 0 as above, 1 dims_m, 2 keys_m, 3 keys_m2 (GROUP <= 8)
+    KEYS_M: gl.constexpr = False,  # variant "keys_m" (else "default")
 ):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    NPI: gl.constexpr = HKV // 2 if VARIANT == 3 else HKV  # items a sequence
-    TK: gl.constexpr = _BN // 2 if VARIANT == 3 else _BN  # keys of a head a tile
 
     kv = gl.allocate_shared_memory(gl.float8e4nv, [2 * S, _BN, _D], _TMA_SMEM)  # stage s: K 2s, V 2s + 1
     merge_bufs = kv._reinterpret(gl.float16, [S, _W, 16, _D], _MERGE_SMEM)
-    merge_bufs_t = kv._reinterpret(gl.float16, [2 * S, _W, 8, _D], _MERGE_SMEM)  # VARIANT != 0: K halves
+    merge_bufs_t = kv._reinterpret(gl.float16, [2 * S, _W, 8, _D], _MERGE_SMEM)  # KEYS_M: K halves
     bars = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(S):
         mbarrier.init(bars.index(s), count=1)
@@ -533,27 +390,16 @@ def _paged_decode_gluon_persistent_kernel(
 
     # The producer cursor at the program's first item with a key; its first S - 1 tiles in
     # flight (across items where they are short).
-    if VARIANT == 3:
-        p_item, p_nt, p_bt_row, p_last_page, p_col = _seek2(pid, nprog, num_items, NPI, seq_lens_ptr,
-                                                             block_tables_ptr, stride_btb)
-        p_tile = 0
-        b0, b1 = _tile_blocks2(p_bt_row, 0, p_last_page)
-        for t in gl.static_range(S - 1):
-            b0, b1, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce2(
-                k_desc, v_desc, kv, bars, t, b0, b1, p_item, p_tile, p_nt, p_bt_row,
-                p_last_page, p_col, nprog, num_items, NPI, seq_lens_ptr, block_tables_ptr, stride_btb, S)
-        q_next = _load_q_next2(q_ptr, pid, num_items, NPI, stride_qb, stride_qh, GROUP)
-    else:
-        p_item, p_nt, p_bt_row, p_last_page, p_col = _seek(pid, nprog, num_items, HKV, seq_lens_ptr,
-                                                            block_tables_ptr, stride_btb)
-        p_tile = 0
-        b0, b1, b2, b3 = _tile_blocks(p_bt_row, 0, p_last_page)
-        for t in gl.static_range(S - 1):
-            b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
-                k_desc, v_desc, kv, bars, t, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
-                p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
-        q_next = _load_q_next(q_ptr, pid, num_items, HKV, stride_qb, stride_qh, GROUP)
-    seq_len_next = gl.load(seq_lens_ptr + pid // NPI)
+    p_item, p_nt, p_bt_row, p_last_page, p_col = _seek(pid, nprog, num_items, HKV, seq_lens_ptr,
+                                                        block_tables_ptr, stride_btb)
+    p_tile = 0
+    b0, b1, b2, b3 = _tile_blocks(p_bt_row, 0, p_last_page)
+    for t in gl.static_range(S - 1):
+        b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
+            k_desc, v_desc, kv, bars, t, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
+            p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+    q_next = _load_q_next(q_ptr, pid, num_items, HKV, stride_qb, stride_qh, GROUP)
+    seq_len_next = gl.load(seq_lens_ptr + pid // HKV)
 
     o_layout: gl.constexpr = gl.SliceLayout(0, _MERGE_LOAD)
     rows = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, o_layout)), 1)
@@ -562,29 +408,15 @@ def _paged_decode_gluon_persistent_kernel(
     ot_layout: gl.constexpr = gl.SliceLayout(0, _MERGE_LOAD_T)
     rows_t = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, ot_layout)), 1)
     cols_t = gl.expand_dims(_v_column(gl.arange(0, _D, layout=gl.SliceLayout(0, ot_layout))), 0)
-    merge_bufs_p = kv._reinterpret(gl.float16, [2 * S, 2, 2, 8, _D], _MERGE_SMEM4)  # keys_m2: K halves
-    op_layout: gl.constexpr = gl.SliceLayout(0, _MERGE_LOAD_P)  # [2 heads, 8, 128]
-    heads_p = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, op_layout))),
-                                            1), 2)
-    rows_p = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, op_layout))),
-                                           0), 2)
-    cols_p = gl.expand_dims(gl.expand_dims(_v_column(gl.arange(0, _D, layout=gl.SliceLayout(0, gl.SliceLayout(
-        1, op_layout)))), 0), 1)
 
     g = 0  # tiles consumed by this program: stage g % S, phase (g // S) & 1
     for item in range(pid, num_items, nprog):
-        b = item // NPI
-        kvh = item % NPI  # keys_m2: the KV-head pair
+        b = item // HKV
+        kvh = item % HKV
         seq_len = seq_len_next
-        nt = gl.cdiv(seq_len, TK)
-        # q in the A operand layout (every warp a copy), scaled and rounded to fp16 once.
-        if VARIANT == 3:  # keys_m2: each warp its head's q^T (w % 2), scaled after the move as keys_m
-            qn = gl.convert_layout(gl.permute(q_next, [0, 2, 1]), gl.SliceLayout(0, _B_PAIRS))  # [2, 128, 8]
-            qn = gl.expand_dims((qn.to(gl.float32) * sm_scale_log2).to(gl.float16), 0)
-            q4, _ = gl.broadcast(qn, gl.zeros([2, 2, _D, 8], gl.float16, _B_PAIRS))
-            q = gl.convert_layout(gl.reshape(q4, [_W, _D, 8]), _B, assert_trivial=True)
-        elif VARIANT == 2:
-            # keys_m: q^T [128, 8 heads] as the B operand, moved raw and scaled in place (the
+        nt = gl.cdiv(seq_len, _BN)
+        if KEYS_M:
+            # q^T [128, 8 heads] as the B operand, moved raw and scaled in place (the
             # conversion's registers cross the mma's pairs: scaled there, each pair is written once
             # per item instead of copied before every QK HMMA).
             qt = gl.convert_layout(gl.permute(q_next, [1, 0]), gl.SliceLayout(0, _B))  # [128, 16]
@@ -592,27 +424,17 @@ def _paged_decode_gluon_persistent_kernel(
             qt = gl.convert_layout(qt, gl.SliceLayout(0, _B), assert_trivial=True)
             qt = gl.expand_dims((qt.to(gl.float32) * sm_scale_log2).to(gl.float16), 0)
             q, _ = gl.broadcast(qt, gl.zeros([_W, _D, 8], gl.float16, _B))
-        elif VARIANT == 1:  # dims_m: likewise scaled after the move (the A operand's quads)
-            q1 = gl.convert_layout(q_next, gl.SliceLayout(0, _A))
-            q1 = gl.expand_dims((q1.to(gl.float32) * sm_scale_log2).to(gl.float16), 0)
-            q, _ = gl.broadcast(q1, a_zeros)
         else:
+            # q in the A operand layout (every warp a copy), scaled and rounded to fp16 once.
             q1 = (q_next.to(gl.float32) * sm_scale_log2).to(gl.float16)
             q1 = gl.expand_dims(gl.convert_layout(q1, gl.SliceLayout(0, _A)), 0)
             q, _ = gl.broadcast(q1, a_zeros)
-        if VARIANT == 3:
-            q_next = _load_q_next2(q_ptr, item + nprog, num_items, NPI, stride_qb, stride_qh, GROUP)
-        else:
-            q_next = _load_q_next(q_ptr, item + nprog, num_items, HKV, stride_qb, stride_qh, GROUP)
-        seq_len_next = gl.load(seq_lens_ptr + (item + nprog) // NPI, mask=item + nprog < num_items, other=0)
+        q_next = _load_q_next(q_ptr, item + nprog, num_items, HKV, stride_qb, stride_qh, GROUP)
+        seq_len_next = gl.load(seq_lens_ptr + (item + nprog) // HKV, mask=item + nprog < num_items, other=0)
 
-        if VARIANT >= 2:
+        if KEYS_M:
             m3 = gl.full([_W, 8], float("-inf"), gl.float32, gl.SliceLayout(1, _MMA))
             l3 = gl.zeros([_W, _PG, 8], gl.float32, _MMA)  # per-thread partial sums
-            acc = gl.zeros([_W, _D, 8], gl.float32, _MMA)  # O^T
-        elif VARIANT == 1:
-            m3 = gl.full([_W, 8], float("-inf"), gl.float32, gl.SliceLayout(2, _TOP))
-            l3 = gl.zeros([_W, 8, _PG], gl.float32, _TOP)  # per-thread partial sums
             acc = gl.zeros([_W, _D, 8], gl.float32, _MMA)  # O^T
         else:
             m3 = gl.full([_W, 16], float("-inf"), gl.float32, gl.SliceLayout(2, _MMA))
@@ -621,78 +443,46 @@ def _paged_decode_gluon_persistent_kernel(
         for i in range(nt - 1):  # every tile but the last: 64 valid keys
             gl.thread_barrier()  # every warp is done reading tile g - 1's stage
             fence_async_shared()  # ... before the async proxy overwrites it
-            if VARIANT == 3:
-                b0, b1, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce2(
-                    k_desc, v_desc, kv, bars, g + S - 1, b0, b1, p_item, p_tile, p_nt, p_bt_row,
-                    p_last_page, p_col, nprog, num_items, NPI, seq_lens_ptr, block_tables_ptr, stride_btb, S)
-            else:
-                b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
-                    k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
-                    p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+            b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
+                k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
+                p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
             stage = g % S
             mbarrier.wait(bars.index(stage), (g // S) & 1)
-            if VARIANT >= 2:
+            if KEYS_M:
                 m3, l3, acc = _attend_keys_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
-                                             i * TK, seq_len, False, VARIANT == 3)
-            elif VARIANT == 1:
-                m3, l3, acc = _attend_dims_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
                                              i * _BN, seq_len, False)
             else:
                 m3, l3, acc = _attend(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
-                                            i * _BN, seq_len, False)
+                                      i * _BN, seq_len, False)
             g += 1
         if nt > 0:
             gl.thread_barrier()
             fence_async_shared()
-            if VARIANT == 3:
-                b0, b1, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce2(
-                    k_desc, v_desc, kv, bars, g + S - 1, b0, b1, p_item, p_tile, p_nt, p_bt_row,
-                    p_last_page, p_col, nprog, num_items, NPI, seq_lens_ptr, block_tables_ptr, stride_btb, S)
-            else:
-                b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
-                    k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
-                    p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+            b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
+                k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
+                p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
             stage = g % S
             mbarrier.wait(bars.index(stage), (g // S) & 1)
-            if VARIANT >= 2:
+            if KEYS_M:
                 m3, l3, acc = _attend_keys_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
-                                             (nt - 1) * TK, seq_len, True, VARIANT == 3)
-            elif VARIANT == 1:
-                m3, l3, acc = _attend_dims_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
                                              (nt - 1) * _BN, seq_len, True)
             else:
                 m3, l3, acc = _attend(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
-                                            (nt - 1) * _BN, seq_len, True)
+                                      (nt - 1) * _BN, seq_len, True)
             g += 1
 
         # The pieces merged (a piece that saw no key has m = -inf: weight 0; no key at all: zeros),
         # each normalized in registers (|values| <= max |V|: fp16) and summed through the stage the
         # next issue will refill (g + S - 1: not in flight; its refill waits for the CTA barrier at
         # the top of the next tile).
-        if VARIANT == 1:
-            l3 = gl.sum(l3, 2)
-        if VARIANT >= 2:
+        if KEYS_M:
             l3 = gl.sum(l3, 1)
-        if VARIANT == 3:  # pieces 2 page + head: the max and sum over the pages of each head
-            m3 = gl.reshape(m3, [2, 2, 8])
-            l3 = gl.reshape(l3, [2, 2, 8])
         m = gl.max(m3, 0)
         m_safe = gl.where(m == float("-inf"), 0.0, m)
         w3 = gl.exp2(m3 - gl.expand_dims(m_safe, 0))
         l = gl.sum(l3 * w3, 0)
         w3 = w3 / gl.expand_dims(gl.where(l > 0.0, l, 1.0), 0)
-        if VARIANT == 3:
-            merge_buf_p = merge_bufs_p.index(2 * ((g + S - 1) % S))
-            w3o = gl.convert_layout(gl.reshape(w3, [_W, 8]), gl.SliceLayout(1, _MMA))
-            o4 = gl.reshape(gl.permute((acc * gl.expand_dims(w3o, 1)).to(gl.float16), [0, 2, 1]), [2, 2, 8, _D])
-            gl.thread_barrier()  # every warp is done reading the last tile's stage (the same one)
-            merge_buf_p.store(o4)
-            gl.thread_barrier()
-            o_p = gl.sum(merge_buf_p.load(_MERGE_LOAD_P).to(gl.float32), 0)  # [2 heads, 8, 128]
-            out_ptrs = (out_ptr + b.to(gl.int64) * stride_ob
-                        + ((kvh * 2 + heads_p) * GROUP + rows_p).to(gl.int64) * stride_oh + cols_p)
-            gl.store(out_ptrs, o_p.to(out_ptr.dtype.element_ty), mask=(rows_p < GROUP) & (cols_p < _D))
-        elif VARIANT != 0:
+        if KEYS_M:
             merge_buf_t = merge_bufs_t.index(2 * ((g + S - 1) % S))
             w3o = gl.convert_layout(w3, gl.SliceLayout(1, _MMA))
             gl.thread_barrier()  # every warp is done reading the last tile's stage (the same one)
@@ -721,17 +511,6 @@ def _cache_descriptor(cache: torch.Tensor):
     num_blocks, page, hkv, d = cache.shape
     flat = cache.view(num_blocks * page, hkv * d)
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [PAGE, HEAD_DIM], _TMA_SMEM.value)
-
-
-def _cache_descriptor_pairs(cache: torch.Tensor):
-    """keys_m2's TMA descriptor: the cache seen as [Hkv, num_blocks * 16, 128] (strides 128,
-    Hkv * 128, 1: KV heads outermost, a permuted view of the same bytes), one [2, 16, 128] box per
-    page piece of a KV-head pair, landing head by head."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    num_blocks, page, hkv, d = cache.shape
-    view = cache.view(num_blocks * page, hkv, d).permute(1, 0, 2)
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), [2, PAGE, HEAD_DIM], _TMA_SMEM3.value)
 
 
 def _check(q, key_cache, value_cache, block_tables, seq_lens, out):
@@ -785,40 +564,35 @@ def paged_decode_gluon(
     returns out  [B, Hq, 128] in q's dtype (written into ``out`` when given)
 
     No sliding window, no key splits: programs_per_sm x SMs persistent programs, each over
-    (sequence, KV head) items as one tile stream; ``variant`` one of PERSISTENT_VARIANTS,
-    ``programs_per_sm`` None for PROGRAMS_PER_SM (``engine_form`` gives what paged_decode runs).
+    (sequence, KV head) items as one tile stream; ``variant`` one of VARIANTS, ``programs_per_sm``
+    None for PROGRAMS_PER_SM (``engine_form`` gives what paged_decode runs).
     """
     return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale, out=out,
                    variant=variant, programs_per_sm=programs_per_sm or PROGRAMS_PER_SM)
 
 
-def engine_form(group: int, num_kv_heads: int, choice: str | None = None) -> dict:
-    """The persistent kernel's variant and programs per SM that paged_decode runs for a GQA
-    ``group`` over ``num_kv_heads``: "keys_m" at 4 programs an SM (run 79, H200: 83-94% of copy
-    at the engine's fp8 shapes against the default variant's 75-88% at 3 an SM, and 88-94% for
-    dims_m / keys_m2: within a few percent of keys_m, which covers any KV head count);
-    the default variant at 3 where the group is over 8 (the others pad it to 8 rows).
-    ``choice`` (FLASHPAGE_DECODE_GLUON's value when it names a variant) forces one where it
-    can run."""
+def engine_form(group: int, choice: str | None = None) -> dict:
+    """The variant and programs per SM that paged_decode runs for a GQA ``group``: "keys_m" at 4
+    programs an SM (run 79, H200: 83-94% of copy at the engine's fp8 shapes against the default
+    variant's 75-88% at 3 an SM); the default variant at 3 where the group is over 8 (keys_m pads
+    it to 8 rows). ``choice`` (FLASHPAGE_DECODE_GLUON's value when it names a variant) forces one
+    where it can run."""
     variant = ENGINE_VARIANT if choice is None else choice
-    if variant not in PERSISTENT_VARIANTS:
-        raise ValueError(f"FLASHPAGE_DECODE_GLUON: 0, 1 or one of {list(PERSISTENT_VARIANTS)}, got {variant!r}")
-    if group > 8 or (variant == "keys_m2" and num_kv_heads % 2):
-        variant = "default" if group > 8 else "keys_m"
+    if variant not in VARIANTS:
+        raise ValueError(f"FLASHPAGE_DECODE_GLUON: 0, 1 or one of {list(VARIANTS)}, got {variant!r}")
+    if group > 8:
+        variant = "default"
     return {"variant": variant, "programs_per_sm": PROGRAMS_PER_SM if variant == "default" else 4}
 
 
-# The persistent kernel's forms (its VARIANT constexpr): "dims_m", "keys_m" and "keys_m2" cut the
-# instructions of a tile (see the sections "variant=" above the persistent kernel).
-PERSISTENT_VARIANTS = {"default": 0, "dims_m": 1, "keys_m": 2, "keys_m2": 3}
-
+VARIANTS = ("default", "keys_m")  # the kernel's KEYS_M constexpr: keys_m cuts a tile's instructions
 PROGRAMS_PER_SM = 3  # the default: as many as the default variant's registers allow
-ENGINE_VARIANT = "keys_m"  # paged_decode's persistent form (engine_form)
+ENGINE_VARIANT = "keys_m"  # paged_decode's form (engine_form)
 
 
 def persistent_max_regs(programs_per_sm: int) -> int | None:
-    """The persistent kernel's ptxas register cap for ``programs_per_sm`` 128-thread programs
-    on an SM (64K registers; a multiple of 8): None at 1-2 (no cap), 168 at 3, 128 at 4."""
+    """The kernel's ptxas register cap for ``programs_per_sm`` 128-thread programs on an SM
+    (64K registers; a multiple of 8): None at 1-2 (no cap), 168 at 3, 128 at 4."""
     regs = 65536 // (programs_per_sm * 32 * NUM_WARPS) // 8 * 8
     return None if regs >= 256 else regs
 
@@ -834,12 +608,10 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
     """paged_decode_gluon with its knobs: min(batch x Hkv, ``programs_per_sm`` x SMs) programs
     (``programs``: that many instead, for tests: several items a program), ``max_regs`` the
     ptxas register cap (None for ``persistent_max_regs(programs_per_sm)``), ``stages`` tiles in
-    the buffer (STAGES - 1 in flight). ``variant`` (GQA groups <= 8 but for "default"):
-    "default", "dims_m" (P.V as O^T = V^T P^T), "keys_m" (Q.K^T as S^T = K Q^T too) or "keys_m2"
-    (keys_m over KV-head pairs: half the TMA issues; an even KV head count); see
-    PERSISTENT_VARIANTS."""
-    if variant not in PERSISTENT_VARIANTS:
-        raise ValueError(f"variant must be one of {list(PERSISTENT_VARIANTS)}, got {variant!r}")
+    the buffer (STAGES - 1 in flight). ``variant``: "default" or "keys_m" (S^T = K Q^T and O^T =
+    V^T P^T; GQA groups <= 8)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
     if not 1 <= programs_per_sm <= 4:  # 5 would not fit in shared memory (51 KB each)
         raise ValueError(f"programs_per_sm must be 1-4, got {programs_per_sm}")
     if stages < 2:
@@ -853,23 +625,19 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    args = (q, _cache_descriptor(key_cache), _cache_descriptor(value_cache), block_tables, seq_lens, out,
-            sm_scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
     group = num_q_heads // num_kv_heads
     if variant != "default" and group > 8:
         raise ValueError(f"variant {variant!r} pads the GQA group to 8: at most 8 query heads per KV head, "
                          f"got {group}")
-    if variant == "keys_m2":
-        if num_kv_heads % 2:
-            raise ValueError(f"variant 'keys_m2' takes the KV heads in pairs: an even count, got {num_kv_heads}")
-        args = (q, _cache_descriptor_pairs(key_cache), _cache_descriptor_pairs(value_cache), *args[3:])
     max_regs = max_regs or persistent_max_regs(programs_per_sm)
-    num_items = batch * num_kv_heads // (2 if variant == "keys_m2" else 1)
+    num_items = batch * num_kv_heads
     if programs is None:
         programs = programs_per_sm * _num_sms(torch.cuda.current_device() if q.device.index is None
                                               else q.device.index)
     grid = min(num_items, max(1, programs))
     _paged_decode_gluon_persistent_kernel[(grid,)](
-        *args, num_items, HKV=num_kv_heads, GROUP=group, S=stages, VARIANT=PERSISTENT_VARIANTS[variant],
+        q, _cache_descriptor(key_cache), _cache_descriptor(value_cache), block_tables, seq_lens, out,
+        sm_scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        num_items, HKV=num_kv_heads, GROUP=group, S=stages, KEYS_M=variant == "keys_m",
         num_warps=NUM_WARPS, **({"maxnreg": max_regs} if max_regs else {}))
     return out

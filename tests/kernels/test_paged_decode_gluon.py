@@ -6,9 +6,9 @@ and the tile loop reads K and V from shared memory 16 bytes at a time (no byte l
 widens e4m3 to fp16 in registers; its instruction mix is printed. Bad launches raise
 ValueError; engine_form and FLASHPAGE_DECODE_GLUON pick the engine's form.
 GPU (marked gpu): against paged_decode_ref on the same fp8 cache and against the Triton
-kernel, over ragged contexts with NaN in every slot no sequence owns; each variant, at 3 and 4
-programs an SM and on a few programs (many items each, 2-4 stages), with CUDA-graph padding
-rows (seq_len 0), in a CUDA graph, and through paged_decode.
+kernel, over ragged contexts with NaN in every slot no sequence owns; both variants (default,
+keys_m), at 3 and 4 programs an SM and on a few programs (many items each, 2-4 stages), with
+CUDA-graph padding rows (seq_len 0), in a CUDA graph, and through paged_decode.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def compile_sm90(group: int = 4, max_regs: int | None = None, stages: int | None
     and the strides that are multiples of 16 there marked so; 8 KV heads): Triton's
     CompiledKernel. ``max_regs``: the register cap, None for what ``_launch`` passes at
     PROGRAMS_PER_SM (persistent_max_regs); ``stages``: None for STAGES; ``variant``: one of
-    PERSISTENT_VARIANTS."""
+    VARIANTS."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -47,11 +47,9 @@ def compile_sm90(group: int = 4, max_regs: int | None = None, stages: int | None
     from flashpage.kernels import paged_decode_gluon as pg
 
     fn = pg._paged_decode_gluon_persistent_kernel
-    consts = {"GROUP": group, "S": stages or pg.STAGES, "HKV": 8, "VARIANT": pg.PERSISTENT_VARIANTS[variant]}
+    consts = {"GROUP": group, "S": stages or pg.STAGES, "HKV": 8, "KEYS_M": variant == "keys_m"}
     max_regs = max_regs or pg.persistent_max_regs(pg.PROGRAMS_PER_SM)
     desc = f"tensordesc<fp8e4nv[{pg.PAGE}, {pg.HEAD_DIM}],{pg._TMA_SMEM.value!r}>"
-    if variant == "keys_m2":  # KV-head pairs: [2, 16, 128] boxes
-        desc = f"tensordesc<fp8e4nv[2, {pg.PAGE}, {pg.HEAD_DIM}],{pg._TMA_SMEM3.value!r}>"
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc, "block_tables_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "sm_scale_log2": "fp32"})
@@ -90,7 +88,7 @@ def _sm90_report() -> dict:
     from flashpage.kernels import paged_decode_gluon as pg
 
     out = {}
-    for variant in pg.PERSISTENT_VARIANTS:
+    for variant in pg.VARIANTS:
         for name, cap in ((variant, None), (f"{variant}_4", pg.persistent_max_regs(4))):
             k = compile_sm90(max_regs=cap, variant=variant)
             log, sass = ptxas_sm90a(k.asm["ptx"])
@@ -106,7 +104,7 @@ def test_gluon_decode_compiles_for_sm90():
     KB reduction scratch beside it); per warp per 64-key tile 8 TMA boxes (4 K, 4 V page
     pieces), K and V read from shared memory in 16-byte loads only (8: 4 of K, 4 of V), 32 HMMA,
     64 e4m3 -> fp16 widenings, one mbarrier wait, Triton's 10 bar.syncs, no integer division
-    (the KV head count is a constexpr); then the other variants against it. Prints registers,
+    (the KV head count is a constexpr); then keys_m against it. Prints registers,
     shared memory, programs per SM and the loops' mixes."""
     from flashpage.kernels import paged_decode_gluon as pg
 
@@ -132,40 +130,31 @@ def test_gluon_decode_compiles_for_sm90():
     assert not any(o in pl for o in ("MUFU.RCP", "I2F.RP", "IABS"))  # no runtime division
     assert pl["total"] <= 610, pl["total"]  # Triton 3.6: 590
 
-    # The persistent kernel's variants (GQA group padded to 8): the same TMA, the same 16-byte
-    # loads of K and V, the same widenings and one wait a tile, but P.V transposed (dims_m: 8
-    # HMMA a piece instead of 16, a 32-register accumulator: half the rescaling FMULs; the softmax
-    # on 4 scores a thread instead of 8) and, keys_m, Q.K^T too (8 HMMA instead of 16); q scaled
-    # in the mma's operand layout (no operand copies before each QK HMMA). Each loop at least 100
-    # instructions a warp shorter than the default persistent one (590 in Triton 3.6: dims_m
-    # 463, keys_m 455), and under 128 registers (4 programs an SM) without a spill. keys_m2
-    # (keys_m over KV-head pairs): 4 TMA boxes a tile instead of 8 (3-D, [2 heads, 16, 128]), 4
-    # BAR.SYNC fewer, at least 200 shorter (367).
-    for variant, hmma in (("dims_m", 24), ("keys_m", 16), ("keys_m2", 16)):
-        for name in (variant, f"{variant}_4"):
-            r = rep[name]
-            vl = r["loop"]
-            assert r["tma_ptx"] and r["spill_bytes"] == 0, name
-            for op in ("LDS.128", "F2FP.F16.E4M3.UNPACK_B", "SYNCS.PHASECHK.TRANS64.TRYWAIT"):
-                assert vl[op] == pl[op], (name, op)
-            if variant == "keys_m2":
-                assert vl["UTMALDG.3D"] == 4 and "UTMALDG.2D" not in vl, name
-                assert vl["BAR.SYNC.DEFER_BLOCKING"] == pl["BAR.SYNC.DEFER_BLOCKING"] - 4, name
-                assert vl["total"] <= pl["total"] - 200, (name, vl["total"], pl["total"])
-            else:
-                assert vl["UTMALDG.2D"] == pl["UTMALDG.2D"], name
-            assert not any(o.startswith(("LDS", "STS")) and o != "LDS.128" for o in vl), name
-            assert vl["HMMA.16816.F32"] == hmma, name
-            assert vl["FMUL"] <= pl["FMUL"] // 2, name  # the rescale of a [128, 8] accumulator
-            assert vl["MUFU.EX2"] <= 6, name  # 4 scores + the alphas
-            assert vl.get("SHFL.IDX", 0) <= 2, name  # alpha's move (dims_m), P's transpose (keys_m): 2
-            assert vl["total"] <= pl["total"] - 100, (name, vl["total"], pl["total"])
-        assert rep[variant]["regs"] <= pg.persistent_max_regs(pg.PROGRAMS_PER_SM)
-        assert rep[f"{variant}_4"]["regs"] <= pg.persistent_max_regs(4)
+    # keys_m (GQA group padded to 8): the same TMA, the same 16-byte loads of K and V, the same
+    # widenings and one wait a tile, but both dots transposed: 8 HMMA a piece instead of 16, a
+    # [128, 8] accumulator (half the rescaling FMULs), the softmax on 4 scores a thread instead of
+    # 8, q scaled in the mma's operand layout (no operand copies before each QK HMMA). At least 100
+    # instructions a warp shorter than the default (Triton 3.6: 455 against 590), and under 128
+    # registers (4 programs an SM) without a spill.
+    for name in ("keys_m", "keys_m_4"):
+        r = rep[name]
+        vl = r["loop"]
+        assert r["tma_ptx"] and r["spill_bytes"] == 0, name
+        for op in ("UTMALDG.2D", "LDS.128", "F2FP.F16.E4M3.UNPACK_B", "SYNCS.PHASECHK.TRANS64.TRYWAIT",
+                   "BAR.SYNC.DEFER_BLOCKING"):
+            assert vl[op] == pl[op], (name, op)
+        assert not any(o.startswith(("LDS", "STS")) and o != "LDS.128" for o in vl), name
+        assert vl["HMMA.16816.F32"] == 16, name
+        assert vl["FMUL"] <= pl["FMUL"] // 2, name  # the rescale of a [128, 8] accumulator
+        assert vl["MUFU.EX2"] <= 6, name  # 4 scores + the alphas
+        assert vl.get("SHFL.IDX", 0) <= 2, name  # P's transpose
+        assert vl["total"] <= pl["total"] - 100, (name, vl["total"], pl["total"])
+    assert rep["keys_m"]["regs"] <= pg.persistent_max_regs(pg.PROGRAMS_PER_SM)
+    assert rep["keys_m_4"]["regs"] <= pg.persistent_max_regs(4)
 
 
 def test_gluon_decode_variant_views():
-    """The variants' shared-memory views and load layouts are the default variant's with the
+    """keys_m's shared-memory views and load layouts are the default variant's with the
     last two coordinates swapped (V^T of _V_VIEW, K of _K_VIEW^T: the same bytes, the same
     head-dim permutation), and the load layouts own, thread by thread, what the mma operand
     layouts need (so that the conversion only renames registers)."""
@@ -223,27 +212,24 @@ def test_gluon_decode_rejects_what_it_does_not_cover():
         kc32 = torch.zeros(4, 32, 8, 128, device=dev).to(torch.float8_e4m3fn)
         paged_decode_gluon(q, kc32, kc32, tables, lens)
     with pytest.raises(ValueError, match="at most 8 query heads"):  # 16 a KV head: a group of 16
-        _launch(q, kc[:, :, :2].contiguous(), kc[:, :, :2].contiguous(), tables, lens, variant="dims_m")
-    with pytest.raises(ValueError, match="an even count"):  # keys_m2 over one KV head
-        _launch(q[:, :8].contiguous(), kc[:, :, :1].contiguous(), kc[:, :, :1].contiguous(), tables, lens,
-                variant="keys_m2")
+        _launch(q, kc[:, :, :2].contiguous(), kc[:, :, :2].contiguous(), tables, lens, variant="keys_m")
 
 
 def test_engine_form_and_its_switch(monkeypatch):
-    """What paged_decode hands the persistent kernel: keys_m at 4 programs an SM; the default
-    variant at 3 for groups over 8; keys_m2 only over an even KV head count; a variant named
-    by FLASHPAGE_DECODE_GLUON; a misspelt one is an error naming the choices."""
+    """What paged_decode hands the persistent kernel: keys_m at 4 programs an SM (a group of 8
+    too); the default variant at 3 for groups over 8, whatever is asked; a variant named by
+    FLASHPAGE_DECODE_GLUON; a misspelt or removed one is an error naming the choices."""
     from flashpage import envs
     from flashpage.kernels.paged_decode_gluon import engine_form
 
-    assert engine_form(4, 8) == {"variant": "keys_m", "programs_per_sm": 4}
-    assert engine_form(16, 2) == {"variant": "default", "programs_per_sm": 3}
-    assert engine_form(4, 8, "keys_m2") == {"variant": "keys_m2", "programs_per_sm": 4}
-    assert engine_form(4, 1, "keys_m2") == {"variant": "keys_m", "programs_per_sm": 4}
-    assert engine_form(4, 8, "default") == {"variant": "default", "programs_per_sm": 3}
-    with pytest.raises(ValueError, match="FLASHPAGE_DECODE_GLUON.*keys_m2.*'keys'"):
-        engine_form(4, 8, "keys")
-    for value, want in (("1", None), ("0", None), ("dims_m", "dims_m")):
+    assert engine_form(4) == engine_form(8) == {"variant": "keys_m", "programs_per_sm": 4}
+    assert engine_form(16) == engine_form(16, "keys_m") == {"variant": "default", "programs_per_sm": 3}
+    assert engine_form(4, "keys_m") == {"variant": "keys_m", "programs_per_sm": 4}
+    assert engine_form(4, "default") == {"variant": "default", "programs_per_sm": 3}
+    for bad in ("keys", "dims_m", "keys_m2"):
+        with pytest.raises(ValueError, match=f"FLASHPAGE_DECODE_GLUON.*'default', 'keys_m'.*'{bad}'"):
+            engine_form(4, bad)
+    for value, want in (("1", None), ("0", None), ("default", "default")):
         monkeypatch.setenv("FLASHPAGE_DECODE_GLUON", value)
         assert envs.decode_gluon_variant() == want and envs.decode_gluon() == (value != "0")
     monkeypatch.delenv("FLASHPAGE_DECODE_GLUON")
@@ -265,20 +251,12 @@ GLUON_VARIANTS = {"default": {}, "pps4": {"programs_per_sm": 4},
                   # shorter than the tiles in flight
                   "p5": {"programs": 5}, "p7_s2": {"programs": 7, "stages": 2},
                   "p3_s4": {"programs": 3, "stages": 4},
-                  # the variants (P.V transposed; keys_m: Q.K^T too), as compiled, under 128
-                  # registers (4 programs an SM), and on a few programs at 2-4 stages
-                  "dims_m": {"variant": "dims_m"}, "keys_m": {"variant": "keys_m"},
-                  "dims_m_pps4": {"variant": "dims_m", "programs_per_sm": 4},
-                  "keys_m_pps4": {"variant": "keys_m", "programs_per_sm": 4},
-                  "dims_m_p5": {"variant": "dims_m", "programs": 5},
+                  # keys_m (both dots transposed), as compiled, under 128 registers (4 programs an
+                  # SM: the engine's form), and on a few programs at 2-4 stages
+                  "keys_m": {"variant": "keys_m"}, "keys_m_pps4": {"variant": "keys_m", "programs_per_sm": 4},
                   "keys_m_p5": {"variant": "keys_m", "programs": 5},
                   "keys_m_p7_s2": {"variant": "keys_m", "programs": 7, "stages": 2},
-                  "dims_m_p3_s4": {"variant": "dims_m", "programs": 3, "stages": 4},
-                  "keys_m2": {"variant": "keys_m2"},
-                  "keys_m2_pps4": {"variant": "keys_m2", "programs_per_sm": 4},
-                  "keys_m2_p5": {"variant": "keys_m2", "programs": 5},
-                  "keys_m2_p7_s2": {"variant": "keys_m2", "programs": 7, "stages": 2},
-                  "keys_m2_p3_s4": {"variant": "keys_m2", "programs": 3, "stages": 4}}
+                  "keys_m_p3_s4": {"variant": "keys_m", "programs": 3, "stages": 4}}
 
 
 @pytest.mark.gpu
@@ -289,8 +267,7 @@ def test_paged_decode_gluon_gpu(lens, variant, monkeypatch):
     """Against paged_decode_ref on the same fp8 cache (every other slot NaN: a slot read
     past a context poisons the output) within the bf16 decode tolerance, and against the
     Triton kernel within twice it; every output row written (out starts NaN). The default
-    variant at 3 and 4 programs an SM and on 3-7 programs (2-4 stages), and the variants dims_m,
-    keys_m and keys_m2 likewise."""
+    variant at 3 and 4 programs an SM and on 3-7 programs (2-4 stages), and keys_m likewise."""
     from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
 
     from flashpage.kernels.paged_decode import paged_decode, paged_decode_ref
@@ -312,7 +289,7 @@ def test_paged_decode_gluon_gpu(lens, variant, monkeypatch):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("variant", ["default", "dims_m", "keys_m", "keys_m2"])
+@pytest.mark.parametrize("variant", ["default", "keys_m"])
 def test_paged_decode_gluon_sharp_scores(variant):
     """Queries scaled x 8 (scores with a std of ~11 in log2 units: maxima ~23 on a first
     tile, ~40 over 2048 keys), so that a running max jumps by more than 2^8 in the middle of
@@ -335,10 +312,10 @@ def test_paged_decode_gluon_sharp_scores(variant):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("group", [1, 2, 8])
-@pytest.mark.parametrize("variant", ["default", "dims_m", "keys_m", "keys_m2"])
+@pytest.mark.parametrize("variant", ["default", "keys_m"])
 def test_paged_decode_gluon_groups(variant, group):
-    """GQA groups of 1, 2 and 8 query heads a KV head (the variants pad the group to 8: all of
-    it real at 8) against the reference, out starting NaN (every real row written)."""
+    """GQA groups of 1, 2 and 8 query heads a KV head (keys_m pads the group to 8: all of it
+    real at 8) against the reference, out starting NaN (every real row written)."""
     from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
 
     from flashpage.kernels.paged_decode import paged_decode_ref
@@ -357,8 +334,8 @@ def test_paged_decode_gluon_groups(variant, group):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("variant", ["default", "p5", "p7_s2", "p3_s4", "dims_m", "keys_m", "dims_m_p5",
-                                     "keys_m_p7_s2", "keys_m2", "keys_m2_p5", "keys_m2_p7_s2"])
+@pytest.mark.parametrize("variant", ["default", "p5", "p7_s2", "p3_s4", "keys_m", "keys_m_p5", "keys_m_p7_s2",
+                                     "keys_m_p3_s4"])
 def test_paged_decode_gluon_padding_rows(variant):
     """seq_len 0 rows (CUDA-graph padding) among others, first, last and in runs, their block
     tables garbage: zeros for them (out starts NaN), the others as the reference."""
@@ -405,8 +382,8 @@ def check_padding_rows(launch, q, kc, vc, tables, seq_lens):
             assert (out2 == 0).all()
 
 
-GRAPH_VARIANTS = {"default": {}, "dims_m": {"variant": "dims_m"}, "keys_m": {"variant": "keys_m"},
-                  "keys_m2": {"variant": "keys_m2"}}
+GRAPH_VARIANTS = {"default": {}, "keys_m": {"variant": "keys_m"},
+                  "keys_m_pps4": {"variant": "keys_m", "programs_per_sm": 4}}
 
 
 @pytest.mark.gpu
@@ -455,7 +432,7 @@ def check_graph_replay(launch, q, kc, vc, tables, lens, g):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("choice", ["1", "default", "dims_m", "keys_m2"])
+@pytest.mark.parametrize("choice", ["1", "default", "keys_m"])
 @pytest.mark.parametrize("group", [4, 16])
 def test_paged_decode_routes_to_the_engine_form(choice, group, monkeypatch):
     """paged_decode itself (the engine's call) at an unsplit fp8 batch, under each
