@@ -1,15 +1,16 @@
-"""The Gluon fp8 paged decode prototype (kernels/paged_decode_gluon.py) beside the Triton
-kernel's default path (``paged_decode``: the warp-split config at these batches), GB/s.
+"""The persistent Gluon fp8 paged decode (kernels/paged_decode_gluon.py) beside the Triton
+kernel's default path (``paged_decode`` under FLASHPAGE_DECODE_GLUON=0: the warp-split config at
+these batches), GB/s.
 
 GQA 32 / 8 heads, head_dim 128, block_size 16, float8_e4m3fn cache, bf16 q; the engine's
 decode shapes: batch 256 x 1024, 128 x 2048 and 128 ragged contexts 101-2048 longest first.
 GB/s = 2 * sum(contexts) * Hkv * D bytes (the fp8 bytes the contexts hold) / time; each time
 is the median of CUDA-graph replays (gpu_timing.time_graph) of a graph of calls rotating
 over independent copies of the inputs (>= 256 MB in all: out of the L2), with the copy
-bandwidth (gpu_timing.copy_bandwidth) measured in the same run. "gluon r128": the same
-kernel under a 128-register cap (4 programs per SM, ptxas spills a little). "gluon ws": the
-warp-specialized variant (``warp_specialize=True``: a TMA producer partition, 4 one-warp
-compute partitions; 3 programs per SM).
+bandwidth (gpu_timing.copy_bandwidth) measured in the same run. "gluon": the form paged_decode
+runs at this GQA group (``engine_form``: keys_m at 4 programs an SM); "gluon default": the
+default variant at 3 programs an SM (what groups over 8 run). decode_gluon_knobs.py times the
+launch knobs.
 
     python benchmarks/decode_gluon.py --out $OUT      # ~1 minute on an H200
 
@@ -31,6 +32,7 @@ from gpu_timing import copy_bandwidth, time_graph
 
 from flashpage.kernels.paged_decode import paged_decode
 from flashpage.kernels.paged_decode_gluon import _launch as gluon_launch
+from flashpage.kernels.paged_decode_gluon import engine_form
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 ROTATE_BYTES = 256 * 2**20
@@ -103,9 +105,8 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.time()
     copy_before = copy_bandwidth()
-    kernels = {"triton": (paged_decode, {}), "gluon": (gluon_launch, {}),
-               "gluon r128": (gluon_launch, {"max_regs": 128}),
-               "gluon ws": (gluon_launch, {"warp_specialize": True})}
+    kernels = {"triton": (paged_decode, {}), "gluon": (gluon_launch, engine_form(HQ // HKV)),
+               "gluon default": (gluon_launch, {})}
     rows = []
     for name, lens in shapes():
         b = Batch(lens)
@@ -143,12 +144,12 @@ def main() -> None:
     def ratio(g, k):
         return f"{g[k] / g['triton']:.2f}x" if all(isinstance(g.get(x), int) for x in (k, "triton")) else "n/a"
 
-    print("| shape | " + " | ".join(kernels) + " | gluon / triton | gluon ws / triton |")
+    print("| shape | " + " | ".join(kernels) + " | gluon / triton | gluon default / triton |")
     print("| --- |" + " --- |" * (len(kernels) + 2))
     for r in rows:
         g = r["gbps"]
         print(f"| {r['shape']} | " + " | ".join(cell(g[k]) for k in kernels)
-              + f" | {ratio(g, 'gluon')} | {ratio(g, 'gluon ws')} |")
+              + f" | {ratio(g, 'gluon')} | {ratio(g, 'gluon default')} |")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,8 @@ the Triton warp-split loop, at the engine's decode shapes (decode_gluon.py's thr
 ragged contexts 101-2048 longest first). GB/s of fp8 KV bytes (% of the copy rate measured in
 the same run), us per call, relative error against the Triton kernel.
 
-    python benchmarks/decode_gluon_knobs.py --set persistent   # programs per SM 2/3/4, stages 2/3/4
-    python benchmarks/decode_gluon_knobs.py --set stages       # stages; warp-specialized; lazy rescale
-    python benchmarks/decode_gluon_knobs.py --set variants     # persistent variants dims_m/keys_m/keys_m2, 3-4 per SM
+    python benchmarks/decode_gluon_knobs.py --set persistent   # default variant: programs per SM 2/3/4, stages 2/3/4
+    python benchmarks/decode_gluon_knobs.py --set variants     # the variants default/keys_m, 3-4 per SM
     python benchmarks/decode_gluon_knobs.py --set bf16         # 16-bit cache: the Gluon keys_m kernel
                                                                # (paged_decode_gluon_bf16.py) vs Triton and cuDNN
 
@@ -34,14 +33,10 @@ from flashpage.kernels.paged_decode_gluon import _launch as gl
 from flashpage.kernels.paged_decode_gluon_bf16 import _launch as gl16
 
 SETS = {
-    "persistent": {"g s3": {"stages": 3},
-                   **{f"P{p} s3": {"persistent": True, "programs_per_sm": p, "stages": 3} for p in (2, 3, 4)},
-                   **{f"P3 s{s}": {"persistent": True, "programs_per_sm": 3, "stages": s} for s in (2, 4)}},
-    "variants": {f"P{p} {v}": {"persistent": True, "programs_per_sm": p, "variant": v}
-                 for p in (3, 4) for v in ("default", "dims_m", "keys_m", "keys_m2")},
-    "stages": {**{f"g s{s}": {"stages": s} for s in (2, 3, 4)},
-               **{f"ws{'L' if lazy else ''} s{s}": {"warp_specialize": True, "stages": s, "lazy": lazy}
-                  for s in (3, 4, 6) for lazy in (False, True)}},
+    "persistent": {**{f"P{p} s3": {"programs_per_sm": p, "stages": 3} for p in (2, 3, 4)},
+                   **{f"P3 s{s}": {"programs_per_sm": 3, "stages": s} for s in (2, 4)}},
+    "variants": {f"P{p} {v}": {"programs_per_sm": p, "variant": v}
+                 for p in (3, 4) for v in ("default", "keys_m")},
 }
 # The 16-bit kernel's knobs (programs an SM x 32 KB stages that fit in shared memory).
 BF16_FORMS = {f"P{p} s{s}": {"programs_per_sm": p, "stages": s} for p, s in ((3, 2), (2, 3), (2, 2), (1, 4), (1, 6))}

@@ -71,8 +71,8 @@ def decode_gluon() -> bool:
 
 def decode_gluon_variant() -> str | None:
     """FLASHPAGE_DECODE_GLUON set to a variant name of the persistent Gluon decode
-    (paged_decode_gluon.PERSISTENT_VARIANTS: default, dims_m, keys_m, keys_m2) runs that one
-    instead of the engine's (keys_m); None for 1 / unset."""
+    (paged_decode_gluon.VARIANTS: default, keys_m) runs that one instead of the engine's
+    (keys_m; groups over 8 always run default); None for 1 / unset."""
     v = os.environ.get("FLASHPAGE_DECODE_GLUON", "1")
     return None if v in ("0", "1") else v
 

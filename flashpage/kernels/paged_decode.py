@@ -85,11 +85,12 @@ class DecodeConfig:
     # reduction or exchange of P per tile. Needs block_n == 16 * num_warps and a block
     # size >= 16; no window, not with prefetch.
     warp_split: bool = False
-    # The Gluon kernel (paged_decode_gluon.py: TMA-fed pieces, LDS.128 operands; persistent:
-    # 3 programs per SM, each streaming its (sequence, KV head) items back to back) for the
-    # calls it covers (gluon_unsupported says which); the others run this config's Triton
-    # loop. fp8 cache on sm_90 only. Over a 16-bit cache: the persistent Gluon keys_m kernel of
-    # paged_decode_gluon_bf16.py (gluon_bf16_unsupported) unless FLASHPAGE_DECODE_GLUON_BF16=0.
+    # The Gluon kernel (paged_decode_gluon.py: TMA-fed pieces, LDS.128 operands; persistent
+    # programs, each streaming its (sequence, KV head) items back to back, in engine_form's
+    # variant) for the calls it covers (gluon_unsupported says which); the others run this
+    # config's Triton loop. fp8 cache on sm_90 only. Over a 16-bit cache: the persistent
+    # Gluon keys_m kernel of paged_decode_gluon_bf16.py (gluon_bf16_unsupported) unless
+    # FLASHPAGE_DECODE_GLUON_BF16=0.
     gluon: bool = False
 
 
@@ -602,9 +603,9 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
     if cfg.gluon and not gluon_unsupported(q, key_cache, value_cache, window_size, num_splits):
         from flashpage.kernels.paged_decode_gluon import engine_form, paged_decode_gluon
 
-        form = engine_form(group, num_kv_heads, envs.decode_gluon_variant())
+        form = engine_form(group, envs.decode_gluon_variant())
         return paged_decode_gluon(q, key_cache, value_cache, block_tables, seq_lens,
-                                  sm_scale=sm_scale, out=out, persistent=True, **form)
+                                  sm_scale=sm_scale, out=out, **form)
     if cfg.gluon and not gluon_bf16_unsupported(q, key_cache, value_cache, window_size, num_splits):
         from flashpage.kernels import paged_decode_gluon_bf16 as g16
 

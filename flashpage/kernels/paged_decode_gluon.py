@@ -1,14 +1,14 @@
 """Paged decode over an fp8 KV cache, in Gluon for sm_90: paged_decode.py's warp-split loop
-(``DecodeConfig(64, 4, 3, warp_split=True, heads_fastest=True)``) rebuilt on TMA. Its
-persistent form, as its ``keys_m`` variant at 4 programs an SM (``engine_form``), is what
-``paged_decode`` runs for an unsplit fp8 call on Hopper (``DecodeConfig.gluon``; H200: 83-94%
-of copy at the engine's batches against the Triton loop's 62-73%, run 79 in BENCHMARKS.md).
+(``DecodeConfig(64, 4, 3, warp_split=True, heads_fastest=True)``) rebuilt on TMA as one
+persistent kernel. ``paged_decode`` runs it for an unsplit fp8 call on Hopper
+(``DecodeConfig.gluon``) in the form ``engine_form`` picks: the ``keys_m`` variant at 4 programs
+an SM, the default variant at 3 where the GQA group is over 8 (H200: 83-94% of copy at the
+engine's batches against the Triton loop's 62-73%, run 79 in BENCHMARKS.md).
 
 Same contract as ``paged_decode`` for the engine's fp8 decode: q [B, Hq, 128] bf16/fp16,
-key_cache / value_cache [num_blocks, 16, Hkv, 128] float8_e4m3fn, one program per (KV head,
-sequence), KV heads fastest, no key splits, dots in fp16 (q scaled by sm_scale·log2(e) in
-fp32 and rounded to fp16 once; e4m3 widened to fp16 exactly), fp32 accumulation, base-2
-online softmax.
+key_cache / value_cache [num_blocks, 16, Hkv, 128] float8_e4m3fn, (sequence, KV head) items,
+KV heads fastest, no key splits, dots in fp16 (q scaled by sm_scale·log2(e) in fp32 and rounded
+to fp16 once; e4m3 widened to fp16 exactly), fp32 accumulation, base-2 online softmax.
 
 What Gluon lets this kernel do that Triton's pipeliner did not::
 
@@ -17,16 +17,14 @@ What Gluon lets this kernel do that Triton's pipeliner did not::
     value_cache[blk, ...]        --TMA box [16,128]--> V stage rows 16p..16p+15 --LDS.128--> V operand
 
 - Each 64-key tile is 4 pieces of 16 keys (one page each); each piece's K and V rows land by
-  TMA (one [16, 128] box each, 128-byte swizzle) in one ``STAGES``-deep buffer, all 8 boxes
+  TMA (one [16, 128] box each, 128-byte swizzle) in one ``STAGES``-deep ring, all 8 boxes
   of a tile counted by one mbarrier. No register round trip, no LDGSTS address math.
 - Warp p owns piece p of every tile with its own softmax state (as ``WARP_SPLIT``), merged
-  once at the end. Per tile: one mbarrier wait and one CTA barrier (before warp 0 refills
-  the stage every warp has just finished reading) -- as written. Triton 3.6's membar
+  once at the end of an item. Per tile: one mbarrier wait and one CTA barrier (before the
+  stage every warp has just finished reading is refilled) -- as written. Triton 3.6's membar
   analysis adds 9 more: it sees each TMA issue as a write to the stage buffer and to the
   mbarrier, so it puts a bar.sync between consecutive issues (sm_90 SASS: 10 BAR.SYNC per
-  tile). ``warp_specialize=True`` selects a variant (``_paged_decode_gluon_ws_kernel``, see
-  its section below) whose compute warps neither issue TMA nor meet a bar.sync: a producer
-  partition issues, the 4 pieces are 4 one-warp compute partitions.
+  tile).
 - The stage is read back through *views* of the same bytes (``SharedLinearLayout``) whose
   logical head-dim order is a permutation of the physical one, chosen so that each thread's
   mma fragment is 16 contiguous bytes of one cache row: K and V both reach the mma_v2
@@ -34,20 +32,25 @@ What Gluon lets this kernel do that Triton's pipeliner did not::
   there (``cvt.rn.f16x2.e4m3x2``). The dots do not care about the order along the head dim
   as long as q uses the same one (for K; q is loaded with it), and the output's columns
   are stored through V's permutation.
-
-``persistent=True`` selects ``_paged_decode_gluon_persistent_kernel`` (its section below): a
-grid of a few programs per SM, each over several (sequence, KV head) items as one continuous
-tile stream (TMA for the next item in flight while the current one ends). Its ``variant``
-(``_launch(..., persistent=True, variant=...)``, GQA groups <= 8; the default unchanged):
-"dims_m" computes P·V transposed (O^T = V^T P^T: 24 HMMA a tile instead of 32, a 32-register
-accumulator), "keys_m" Q·K^T too (S^T = K Q^T: 16 HMMA), "keys_m2" is keys_m over KV-head pairs
-(one TMA box [2 heads, 16, 128] per page: 4 issues a tile instead of 8); sm_90 SASS of the tile
-loop 463 / 455 / 367 instructions a warp against 590, 138 / 148 / 144 registers, no spill under
-128 (4 programs an SM). See the sections "variant=" above the persistent kernel.
+- Persistent (section "the persistent kernel"): a grid of a few programs per SM, each over
+  several (sequence, KV head) items as one continuous tile stream (TMA for the next item in
+  flight while the current one ends).
+- ``variant="keys_m"`` (its section; GQA groups <= 8) computes both dots transposed, S^T = K Q^T
+  and O^T = V^T P^T, with the group padded to 8 as the mma's N instead of to 16 as its M: 16
+  HMMA a tile instead of 32, a 32-register accumulator; sm_90 SASS of the tile loop 455
+  instructions a warp against 590, 148 registers, no spill under 128 (4 programs an SM).
 
 The last tile of each sequence is masked (keys past seq_len: scores -inf, V rows zeroed: an
 unowned slot may hold NaN, and 0 · NaN is NaN in the P·V dot); its pieces past the context
 re-read the last valid page (an L2 hit) instead of leaving a stage part-filled.
+
+Forms that lost, removed (readable at commit 16f5823, BENCHMARKS.md's paged decode section): a
+program per (KV head, sequence) (runs 68-70: 1.07-1.17x the Triton loop, then 4-15% under this
+persistent kernel in run 74) and a warp-specialized form of it (a TMA producer partition, one-warp
+compute partitions, optionally a lazy rescale: no faster, runs 68 and 70); the persistent variants
+``dims_m`` (O^T = V^T P^T only) and ``keys_m2`` (keys_m over KV-head pairs, half the TMA issues),
+within a few percent of keys_m in run 79 (keys_m2 +0.5% end to end in run 80, once, and only for
+an even KV head count).
 """
 
 from __future__ import annotations
@@ -143,44 +146,13 @@ def _tile_blocks(bt_row, tile, last_page):
 
 
 @gluon.jit
-def _sequence(seq_lens_ptr, block_tables_ptr, stride_btb, b):
-    """Sequence b's length, its index as int64, its block-table row, its 64-key tiles and its
-    last page."""
-    seq_len = gl.load(seq_lens_ptr + b)
-    b64 = b.to(gl.int64)
-    return (seq_len, b64, block_tables_ptr + b64 * stride_btb, gl.cdiv(seq_len, _BN),
-            gl.maximum(seq_len - 1, 0) // _PG)
-
-
-@gluon.jit
 def _issue_piece(k_desc, v_desc, k_smem, v_smem, bar, row0, blk, col, pred):
     tma.async_copy_global_to_shared(k_desc, [blk * _PG, col], bar, k_smem.slice(row0, _PG), pred=pred)
     tma.async_copy_global_to_shared(v_desc, [blk * _PG, col], bar, v_smem.slice(row0, _PG), pred=pred)
 
 
 @gluon.jit
-def _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, tile, b0, b1, b2, b3, col, pred, S: gl.constexpr):
-    """TMA of a tile's 4 K and 4 V pieces into stage tile % S, on its mbarrier."""
-    stage = tile % S
-    bar = bars.index(stage)
-    mbarrier.expect(bar, 2 * _BN * _D, pred=pred)
-    ks = k_smem.index(stage)
-    vs = v_smem.index(stage)
-    _issue_piece(k_desc, v_desc, ks, vs, bar, 0, b0, col, pred)
-    _issue_piece(k_desc, v_desc, ks, vs, bar, _PG, b1, col, pred)
-    _issue_piece(k_desc, v_desc, ks, vs, bar, 2 * _PG, b2, col, pred)
-    _issue_piece(k_desc, v_desc, ks, vs, bar, 3 * _PG, b3, col, pred)
-
-
-@gluon.jit
-def _attend(q, k_smem, v_smem, stage, m3, l3, acc, n0, seq_len, MASKED: gl.constexpr):
-    """One 64-key tile from stage ``stage``: warp p's online-softmax step over keys
-    n0 + 16p .. n0 + 16p + 15 (MASKED: keys >= seq_len dropped, their V rows zeroed)."""
-    return _attend_views(q, k_smem.index(stage), v_smem.index(stage), m3, l3, acc, n0, seq_len, MASKED)
-
-
-@gluon.jit
-def _attend_views(q, k_stage, v_stage, m3, l3, acc, n0, seq_len, MASKED: gl.constexpr):
+def _attend(q, k_stage, v_stage, m3, l3, acc, n0, seq_len, MASKED: gl.constexpr):
     """_attend on one stage's K and V buffers ([64, 128] fp8 each)."""
     k_view = k_stage._reinterpret(
         gl.float8e4nv, [_W, _D, _PG], _K_VIEW)
@@ -212,89 +184,12 @@ def _attend_views(q, k_stage, v_stage, m3, l3, acc, n0, seq_len, MASKED: gl.cons
     return m_new, l3, acc
 
 
-@gluon.jit
-def _paged_decode_gluon_kernel(
-    q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, out_ptr,
-    sm_scale_log2,  # sm_scale * log2(e)
-    stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-    GROUP: gl.constexpr,  # query heads per KV head (<= 16)
-    S: gl.constexpr,  # stages: tiles in the buffer (S - 1 in flight while one is computed)
-):
-    kvh = gl.program_id(0)  # KV heads fastest
-    b = gl.program_id(1)
-    seq_len, b64, bt_row, num_tiles, last_page = _sequence(seq_lens_ptr, block_tables_ptr, stride_btb, b)
-    col = kvh * _D
-
-    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [S, _BN, _D], _TMA_SMEM)
-    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [S, _BN, _D], _TMA_SMEM)
-    bars = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(S):
-        mbarrier.init(bars.index(i), count=1)
-    gl.thread_barrier()
-
-    # The first STAGES - 1 tiles in flight; the next tile's pages loaded one iteration ahead
-    # of their TMA (no warp waits on a block-table load before an issue).
-    for t in gl.static_range(S - 1):
-        b0, b1, b2, b3 = _tile_blocks(bt_row, t, last_page)
-        _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, t, b0, b1, b2, b3, col, t < num_tiles, S)
-    b0, b1, b2, b3 = _tile_blocks(bt_row, S - 1, last_page)
-
-    # q in the A operand layout (every warp a copy; rows >= GROUP zero), its columns in K's
-    # order, scaled and rounded to fp16 once.
-    offs_r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _A)))
-    offs_k = gl.arange(0, _D, layout=gl.SliceLayout(0, gl.SliceLayout(1, _A)))
-    offs_w = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _A)))
-    r3 = gl.expand_dims(gl.expand_dims(offs_r, 0), 2) + gl.expand_dims(gl.expand_dims(offs_w * 0, 1), 2)
-    k3 = gl.expand_dims(gl.expand_dims(_k_column(offs_k), 0), 1)
-    head0 = kvh * GROUP
-    q_ptrs = q_ptr + b64 * stride_qb + (head0 + r3).to(gl.int64) * stride_qh + k3
-    q = gl.load(q_ptrs, mask=(r3 < GROUP) & (k3 < _D), other=0.0)
-    q = (q.to(gl.float32) * sm_scale_log2).to(gl.float16)
-
-    m3 = gl.full([_W, 16], float("-inf"), gl.float32, gl.SliceLayout(2, _MMA))
-    l3 = gl.zeros([_W, 16], gl.float32, gl.SliceLayout(2, _MMA))
-    acc = gl.zeros([_W, 16, _D], gl.float32, _MMA)
-
-    for i in range(num_tiles - 1):  # every tile but the last: 64 valid keys
-        gl.thread_barrier()  # every warp is done reading tile i - 1's stage
-        fence_async_shared()  # ... before the async proxy overwrites it
-        t_next = i + S - 1
-        _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, t_next, b0, b1, b2, b3, col, t_next < num_tiles, S)
-        b0, b1, b2, b3 = _tile_blocks(bt_row, t_next + 1, last_page)
-        stage = i % S
-        mbarrier.wait(bars.index(stage), (i // S) & 1)
-        m3, l3, acc = _attend(q, k_smem, v_smem, stage, m3, l3, acc, i * _BN, seq_len, False)
-    if num_tiles > 0:
-        last = num_tiles - 1
-        stage = last % S
-        mbarrier.wait(bars.index(stage), (last // S) & 1)
-        m3, l3, acc = _attend(q, k_smem, v_smem, stage, m3, l3, acc, last * _BN, seq_len, True)
-    for i in gl.static_range(S):
-        mbarrier.invalidate(bars.index(i))
-
-    # The pieces merged (a piece that saw no key has m = -inf: weight 0).
-    m = gl.max(m3, 0)
-    m_safe = gl.where(m == float("-inf"), 0.0, m)
-    w3 = gl.exp2(m3 - gl.expand_dims(m_safe, 0))
-    l = gl.sum(l3 * w3, 0)
-    o = gl.sum(acc * gl.expand_dims(w3, 2), 0)  # [16, 128]
-    o_layout: gl.constexpr = gl.SliceLayout(0, _MMA)
-    l = gl.convert_layout(gl.where(l > 0.0, l, 1.0), gl.SliceLayout(1, o_layout))
-    o = o / gl.expand_dims(l, 1)
-    offs_or = gl.arange(0, 16, layout=gl.SliceLayout(1, o_layout))
-    offs_on = gl.arange(0, _D, layout=gl.SliceLayout(0, o_layout))
-    rows = gl.expand_dims(offs_or, 1)
-    cols = gl.expand_dims(_v_column(offs_on), 0)
-    out_ptrs = out_ptr + b64 * stride_ob + (head0 + rows).to(gl.int64) * stride_oh + cols
-    gl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < GROUP) & (cols < _D))
-
-
-# --------------------------------------------------------------------------- persistent variant
+# --------------------------------------------------------------------------- the persistent kernel
 #
-# ``_launch(..., persistent=True)``: the same tiles, pieces, views, masking and merge, but a grid
-# of min(items, programs_per_sm x SMs) programs, each looping over the work items pid, pid +
-# nprog, ... (item = b * Hkv + kvh: the heads-fastest order of the grid above, so the engine's
-# longest-first sequences give an LPT-like static schedule) as ONE tile stream:
+# The tiles, pieces, views and masking above on a grid of min(items, programs_per_sm x SMs)
+# programs, each looping over the work items pid, pid + nprog, ... (item = b * Hkv + kvh: KV
+# heads fastest, so the engine's longest-first sequences give an LPT-like static schedule) as
+# ONE tile stream:
 #
 #     item:   |---- pid ----|------ pid + nprog ------|-- pid + 2 nprog --|
 #     tiles:   0   1   2   3  4   5   6   7   8   9   10  11 ...           g: the program's tile count
@@ -359,7 +254,8 @@ def _produce(k_desc, v_desc, kv, bars, t, b0, b1, b2, b3,
 
 @gluon.jit
 def _issue_kv(k_desc, v_desc, kv, bars, t, b0, b1, b2, b3, col, pred, S: gl.constexpr):
-    """_issue_tile into the persistent ring (stage t % S: K at 2 (t % S), V at 2 (t % S) + 1)."""
+    """TMA of a tile's 4 K and 4 V pieces into stage t % S of the ring (K at 2 (t % S), V at
+    2 (t % S) + 1), on its mbarrier."""
     stage = t % S
     bar = bars.index(stage)
     mbarrier.expect(bar, 2 * _BN * _D, pred=pred)
@@ -384,34 +280,43 @@ def _load_q_next(q_ptr, item, num_items, HKV: gl.constexpr, stride_qb, stride_qh
     return gl.load(q_ptrs, mask=(r2 < GROUP) & (k2 < _D) & (item < num_items), other=0.0)
 
 
-# ``variant="dims_m"`` (persistent only): P.V computed transposed, O^T = V^T P^T, with the 128
-# head dims as the mma's M (8 m-tiles), the GQA group padded to 8 as N (not to 16 as M) and the
-# piece's 16 keys as K: 8 HMMA a piece instead of 16, an accumulator of [128, 8] fp32 = 32
-# registers a thread instead of 64 (32 FMUL to rescale it, not 64). Q.K^T is unchanged (the
-# group padded to 16 rows) but only its rows 0-7 go on: the softmax runs on 4 scores a thread,
-# not 8 (GROUP <= 8). Rows 0-7 of the score accumulator are, register for register, P^T as the
-# B operand (head g, keys 2t, 2t+1, 2t+8, 2t+9: a permute, no data movement); V^T as the A
-# operand reads the stage through _V_VIEW's permutation with its last two dims swapped (each
-# thread: 16 contiguous bytes of each of its 4 key rows, as before). l is kept per thread ([W, 8,
-# 16], summed at the end: no shuffle per tile); alpha moves from the scores' layout (head on
-# lanes 2-4) to the accumulator's (head on lanes 0-1 and a register): 2 SHFL.IDX a tile. The
-# merge goes through the K half of the stage the next issue will refill ([W, 8, 128] fp16).
+# --------------------------------------------------------------------------- variant="keys_m"
 #
-# Both variants scale q in the mma operand layout (q moved raw, then scaled in fp32 and rounded
-# to fp16 once, as the default does before the move: the same values). Moved after scaling, the
-# operand comes out of the layout conversion's ldmatrix in register quads that cross the mma's,
-# and ptxas copies it into fresh quads before every Q.K^T HMMA (the default loop's ~64
-# IMAD.MOV); written by the scaling, it is allocated as the mma wants, once per item.
+# The engine's form (GQA groups <= 8): both dots transposed, the group padded to 8 as the mma's N
+# instead of to 16 as its M. S^T = K Q^T: the piece's 16 keys as M, the head dims as K, q^T as the
+# B operand (16 registers): 8 HMMA a piece instead of 16. O^T = V^T P^T: the 128 head dims as M (8
+# m-tiles), the 16 keys as K: 8 HMMA a piece, an accumulator of [128, 8] fp32 = 32 registers a
+# thread instead of 64 (32 FMUL to rescale it, not 64). The scores' heads sit on the same lanes
+# and register as the accumulator's (alpha needs no exchange); the max over keys is across lanes
+# 2-4 (3 shuffle rounds); l is kept per thread ([W, 16, 8], summed at the end: no shuffle a
+# tile); P^T moves from the accumulator layout (key g, heads 2t, 2t + 1) to the B operand's (head
+# g, keys 2t, 2t + 1, ...): a transpose within each warp (Triton's layout conversion). K and V^T,
+# both A operands, read the stage through _K_VIEW's and _V_VIEW's permutations with their last
+# two coordinates swapped (each thread: 16 contiguous bytes of a cache row, as before). The merge
+# goes through the K half of the stage the next issue will refill ([W, 8, 128] fp16).
+#
+# q is scaled in the mma operand layout (moved raw, then scaled in fp32 and rounded to fp16 once,
+# as the default does before the move: the same values). Moved after scaling, the operand comes
+# out of the layout conversion in registers that cross the mma's pairs, and ptxas copies it into
+# fresh ones before every Q.K^T HMMA (the default loop's ~64 IMAD.MOV); written by the scaling, it
+# is allocated as the mma wants, once per item.
 #
 # sm_90 SASS a warp a tile (Triton 3.6, tests/kernels/test_paged_decode_gluon.py prints them):
-# default 590 (32 HMMA, 64 FMUL, 10 MUFU, 70 IMAD.MOV), dims_m 463 (24 HMMA, 32 FMUL, 5 MUFU),
-# keys_m 455 (16 HMMA, 32 FMUL, 6 MUFU); the TMA issue and producer cursor (~250, 10 BAR.SYNC:
-# every warp runs the issue code, predicated) are unchanged, now half the loop; keys_m2 (below)
-# halves them: 367 (4 UTMALDG.3D, 6 BAR.SYNC).
-_TOP = gl.constexpr(gl.DistributedLinearLayout(  # rows 0-7 of _MMA's [W, 16, 16] scores
-    reg_bases=[[0, 0, 1], [0, 0, 8]],
+# default 590 (32 HMMA, 64 FMUL, 10 MUFU, 70 IMAD.MOV), keys_m 455 (16 HMMA, 32 FMUL, 6 MUFU);
+# the TMA issue and producer cursor (~250, 10 BAR.SYNC: every warp runs the issue code,
+# predicated) are the same in both, now half the loop.
+# K [piece, key, kk]: _K_VIEW with its last two coordinates swapped.
+_KA_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
+    [0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32],
+    [0, 0, 64], [0, 0, 2], [0, 0, 4],
+    [0, 1, 64], [0, 2, 2], [0, 4, 4],
+    [0, 8, 0], [1, 0, 0], [2, 0, 0],
+]))
+# The A operand's registers reordered so that the first five run along kk bits 0, 3-6 (32 bytes).
+_KA_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32], [0, 0, 64], [0, 8, 0]],
     lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[_W, 8, _PG]))
+    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[_W, _PG, _D]))
 # V^T [piece, n, key]: _V_VIEW with its last two coordinates swapped.
 _VT_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
     [0, 8, 0], [0, 16, 0], [0, 32, 0], [0, 64, 0],  # column bits 0-3
@@ -430,73 +335,9 @@ _MERGE_LOAD_T = gl.constexpr(gl.BlockedLayout(size_per_thread=[_W, 1, 8], thread
 
 
 @gluon.jit
-def _top_rows(s):
-    """Rows 0-7 of [W, 16, 16] scores in _MMA (row bit 3 is a register bit): in _TOP."""
-    s = gl.permute(gl.reshape(s, [_W, 2, 8, _PG]), [0, 2, 3, 1])
-    top, _ = gl.split(s)
-    return gl.convert_layout(top, _TOP, assert_trivial=True)
-
-
-@gluon.jit
-def _attend_dims_m(q, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.constexpr):
-    """_attend_views for ``variant="dims_m"``: m3 [W, 8] (SliceLayout(2, _TOP)), l4 [W, 8, 16]
-    per-thread partial sums (_TOP), acc = O^T [W, 128, 8] (_MMA)."""
-    k_view = k_stage._reinterpret(gl.float8e4nv, [_W, _D, _PG], _K_VIEW)
-    vt_view = v_stage._reinterpret(gl.float8e4nv, [_W, _D, _PG], _VT_VIEW)
-    kt = k_view.load(_B).to(gl.float16)  # [4, 128, 16]
-    s = _top_rows(mma_v2(q, kt, gl.zeros([_W, 16, _PG], gl.float32, _MMA)))  # [4, 8 heads, 16 keys]
-    if MASKED:
-        offs_p = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _TOP)))
-        offs_j = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(1, _TOP)))
-        key = n0 + gl.expand_dims(gl.expand_dims(offs_p * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_j, 0), 1)
-        s = gl.where(key < seq_len, s, float("-inf"))
-        m_new = gl.maximum(m3, gl.max(s, 2))
-        m_exp = gl.where(m_new == float("-inf"), 0.0, m_new)  # a piece with no key yet
-    else:
-        m_new = gl.maximum(m3, gl.max(s, 2))  # 16 valid keys: finite
-        m_exp = m_new
-    alpha = gl.exp2(m3 - m_exp)
-    p = gl.exp2(s - gl.expand_dims(m_exp, 2))
-    l4 = l4 * gl.expand_dims(alpha, 2) + p
-    pt = gl.convert_layout(gl.permute(p.to(gl.float16), [0, 2, 1]), _B, assert_trivial=True)  # [4, 16 keys, 8]
-    vt = gl.convert_layout(vt_view.load(_VT_LOAD).to(gl.float16), _A)  # [4, 128, 16 keys]
-    if MASKED:
-        offs_vp = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _A)))
-        offs_vj = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(1, _A)))
-        vkey = n0 + gl.expand_dims(gl.expand_dims(offs_vp * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_vj, 0), 1)
-        vt = gl.where(vkey < seq_len, vt, 0.0)
-    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, _MMA))
-    acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha_o, 1))
-    return m_new, l4, acc
-
-
-# ``variant="keys_m"``: also Q.K^T transposed, S^T = K Q^T (the piece's 16 keys as M, the group
-# padded to 8 as N, the head dims as K): 8 HMMA a piece instead of 16 (16 in all), q^T as the B
-# operand (16 registers), the scores' heads on the same lanes and register as the accumulator's
-# (alpha needs no exchange); the max over keys is across lanes 2-4 (3 shuffle rounds), and P^T
-# moves from the accumulator layout (key g, heads 2t, 2t + 1) to the B operand's (head g, keys 2t,
-# 2t + 1, ...): a transpose within each warp (Triton's layout conversion).
-# K [piece, key, kk]: _K_VIEW with its last two coordinates swapped.
-_KA_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
-    [0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32],
-    [0, 0, 64], [0, 0, 2], [0, 0, 4],
-    [0, 1, 64], [0, 2, 2], [0, 4, 4],
-    [0, 8, 0], [1, 0, 0], [2, 0, 0],
-]))
-# The A operand's registers reordered so that the first five run along kk bits 0, 3-6 (32 bytes).
-_KA_LOAD = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 0, 32], [0, 0, 64], [0, 8, 0]],
-    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[_W, _PG, _D]))
-
-
-@gluon.jit
-def _attend_keys_m(qt, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.constexpr,
-                   PAIRS: gl.constexpr = False):
-    """_attend_views for ``variant="keys_m"``: qt [W, 128, 8] (_B), m3 [W, 8] (SliceLayout(1,
-    _MMA)), l4 [W, 16, 8] per-thread partial sums (_MMA), acc = O^T [W, 128, 8] (_MMA). PAIRS
-    (keys_m2): piece w holds keys n0 + 16 (w // 2) ..., not n0 + 16 w."""
-    PW: gl.constexpr = 2 if PAIRS else 1  # pieces a page
+def _attend_keys_m(qt, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.constexpr):
+    """_attend for ``variant="keys_m"``: qt [W, 128, 8] (_B), m3 [W, 8] (SliceLayout(1, _MMA)),
+    l4 [W, 16, 8] per-thread partial sums (_MMA), acc = O^T [W, 128, 8] (_MMA)."""
     ka = gl.convert_layout(k_stage._reinterpret(gl.float8e4nv, [_W, _PG, _D], _KA_VIEW).load(_KA_LOAD)
                            .to(gl.float16), _A)  # [4, 16 keys, 128]
     vt_view = v_stage._reinterpret(gl.float8e4nv, [_W, _D, _PG], _VT_VIEW)
@@ -504,7 +345,7 @@ def _attend_keys_m(qt, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.co
     if MASKED:
         offs_p = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _MMA)))
         offs_j = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MMA)))
-        key = n0 + gl.expand_dims(gl.expand_dims(offs_p // PW * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_j, 0), 2)
+        key = n0 + gl.expand_dims(gl.expand_dims(offs_p * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_j, 0), 2)
         s = gl.where(key < seq_len, s, float("-inf"))
         m_new = gl.maximum(m3, gl.max(s, 1))
         m_exp = gl.where(m_new == float("-inf"), 0.0, m_new)  # a piece with no key yet
@@ -519,102 +360,10 @@ def _attend_keys_m(qt, k_stage, v_stage, m3, l4, acc, n0, seq_len, MASKED: gl.co
     if MASKED:
         offs_vp = gl.arange(0, _W, layout=gl.SliceLayout(1, gl.SliceLayout(2, _A)))
         offs_vj = gl.arange(0, _PG, layout=gl.SliceLayout(0, gl.SliceLayout(1, _A)))
-        vkey = n0 + gl.expand_dims(gl.expand_dims(offs_vp // PW * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_vj, 0), 1)
+        vkey = n0 + gl.expand_dims(gl.expand_dims(offs_vp * _PG, 1), 2) + gl.expand_dims(gl.expand_dims(offs_vj, 0), 1)
         vt = gl.where(vkey < seq_len, vt, 0.0)
     acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
     return m_new, l4, acc
-
-
-# ``variant="keys_m2"``: keys_m over a pair of KV heads an item. The cache seen as [Hkv, blocks x 16,
-# 128] (strides 128, Hkv x 128, 1: a permuted view, no copy) gives a TMA box [2 heads, 16 slots,
-# 128] that lands two heads' page pieces one after the other, [head][slot] -- the stage layout the
-# views read, piece w = 2 page + head. A tile is then 2 pages x 2 heads: 2 K boxes and 2 V boxes
-# instead of 4 and 4, 2 block ids instead of 4 (the TMA issue is half the loop, executed by every
-# warp), and 2 x 256 contiguous bytes a slot. Items are (sequence, KV-head pair), Hkv / 2 a sequence
-# (as many items a program at the engine's batches as 4-page tiles of one head gave); warp w's
-# q is its head's (w % 2), and the merge sums the 2 pages of each head.
-_TMA_SMEM3 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
-# q^T of both heads broadcast over the 2 pages: [page, head, kk, n] with _B's bases (warp bit 0 the
-# head, warp bit 1 the page), reshaped to [W, 128, 8] it is _B.
-_B_PAIRS = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1, 0], [0, 0, 8, 0], [0, 0, 16, 0], [0, 0, 32, 0], [0, 0, 64, 0]],
-    lane_bases=[[0, 0, 2, 0], [0, 0, 4, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]],
-    warp_bases=[[0, 1, 0, 0], [1, 0, 0, 0]], block_bases=[], shape=[2, 2, _D, 8]))
-_Q_NEXT2 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[1, 4, 8],
-                                         warps_per_cta=[2, 2, 1], order=[2, 1, 0]))
-_MERGE_SMEM4 = gl.constexpr(gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[3, 2, 1, 0]))
-_MERGE_LOAD_P = gl.constexpr(gl.BlockedLayout(size_per_thread=[2, 1, 1, 8], threads_per_warp=[1, 1, 2, 16],
-                                              warps_per_cta=[1, 2, 2, 1], order=[3, 2, 1, 0]))
-
-
-@gluon.jit
-def _seek2(item, nprog, num_items, NPI: gl.constexpr, seq_lens_ptr, block_tables_ptr, stride_btb):
-    """_seek over (sequence, KV-head pair) items (NPI pairs a sequence, 32-key tiles a head); the
-    column returned is the pair's first head."""
-    seq_len = gl.load(seq_lens_ptr + item // NPI, mask=item < num_items, other=1)
-    while seq_len <= 0:
-        item += nprog
-        seq_len = gl.load(seq_lens_ptr + item // NPI, mask=item < num_items, other=1)
-    b = gl.minimum(item, num_items - 1) // NPI
-    bt_row = block_tables_ptr + b.to(gl.int64) * stride_btb
-    return item, gl.cdiv(seq_len, 2 * _PG), bt_row, (seq_len - 1) // _PG, (item % NPI) * 2
-
-
-@gluon.jit
-def _tile_blocks2(bt_row, tile, last_page):
-    """The 2 pages of a 32-key tile (past the context: the last page, re-read from L2)."""
-    page = tile * 2
-    b0 = gl.load(bt_row + gl.minimum(page, last_page))
-    b1 = gl.load(bt_row + gl.minimum(page + 1, last_page))
-    return b0, b1
-
-
-@gluon.jit
-def _produce2(k_desc, v_desc, kv, bars, t, b0, b1, item, tile, nt, bt_row, last_page, col,
-              nprog, num_items, NPI: gl.constexpr, seq_lens_ptr, block_tables_ptr, stride_btb,
-              S: gl.constexpr):
-    """_produce for keys_m2: tile t into stage t % S as 2 K and 2 V boxes [2 heads, 16, 128]."""
-    pred = item < num_items
-    stage = t % S
-    bar = bars.index(stage)
-    mbarrier.expect(bar, 2 * _BN * _D, pred=pred)
-    ks = kv.index(2 * stage)
-    vs = kv.index(2 * stage + 1)
-    tma.async_copy_global_to_shared(k_desc, [col, b0 * _PG, 0], bar,
-                                    ks.slice(0, 2 * _PG)._reinterpret(gl.float8e4nv, [2, _PG, _D], _TMA_SMEM3),
-                                    pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [col, b0 * _PG, 0], bar,
-                                    vs.slice(0, 2 * _PG)._reinterpret(gl.float8e4nv, [2, _PG, _D], _TMA_SMEM3),
-                                    pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [col, b1 * _PG, 0], bar,
-                                    ks.slice(2 * _PG, 2 * _PG)._reinterpret(gl.float8e4nv, [2, _PG, _D],
-                                                                            _TMA_SMEM3), pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [col, b1 * _PG, 0], bar,
-                                    vs.slice(2 * _PG, 2 * _PG)._reinterpret(gl.float8e4nv, [2, _PG, _D],
-                                                                            _TMA_SMEM3), pred=pred)
-    tile += 1
-    if tile == nt:
-        item, nt, bt_row, last_page, col = _seek2(item + nprog, nprog, num_items, NPI, seq_lens_ptr,
-                                                  block_tables_ptr, stride_btb)
-        tile = 0
-    b0, b1 = _tile_blocks2(bt_row, tile, last_page)
-    return b0, b1, item, tile, nt, bt_row, last_page, col
-
-
-@gluon.jit
-def _load_q_next2(q_ptr, item, num_items, NPI: gl.constexpr, stride_qb, stride_qh, GROUP: gl.constexpr):
-    """q of a (sequence, KV-head pair) item [2 heads, 8 rows, 128] (rows >= GROUP and past the end
-    zero), columns in K's order, raw."""
-    offs_h = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, _Q_NEXT2)))
-    offs_r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _Q_NEXT2)))
-    offs_k = gl.arange(0, _D, layout=gl.SliceLayout(0, gl.SliceLayout(1, _Q_NEXT2)))
-    h3 = gl.expand_dims(gl.expand_dims(offs_h, 1), 2)
-    r3 = gl.expand_dims(gl.expand_dims(offs_r, 0), 2)
-    k3 = gl.expand_dims(gl.expand_dims(_k_column(offs_k), 0), 1)
-    b64 = (item // NPI).to(gl.int64)
-    head0 = ((item % NPI) * 2 + h3) * GROUP
-    q_ptrs = q_ptr + b64 * stride_qb + (head0 + r3).to(gl.int64) * stride_qh + k3
-    return gl.load(q_ptrs, mask=(r3 < GROUP) & (k3 < _D) & (item < num_items), other=0.0)
 
 
 @gluon.jit(do_not_specialize=["num_items"])
@@ -624,18 +373,16 @@ def _paged_decode_gluon_persistent_kernel(
     stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
     num_items,  # batch * HKV
     HKV: gl.constexpr,  # KV heads
-    GROUP: gl.constexpr,  # query heads per KV head (<= 16)
+    GROUP: gl.constexpr,  # query heads per KV head (<= 16; KEYS_M: <= 8)
     S: gl.constexpr,  # stages: tiles in the buffer (S - 1 in flight while one is computed)
-    VARIANT: gl.constexpr = 0,  # PERSISTENT_VARIANTS: 0 as above, 1 dims_m, 2 keys_m, 3 keys_m2 (GROUP <= 8)
+    KEYS_M: gl.constexpr = False,  # variant "keys_m" (else "default")
 ):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    NPI: gl.constexpr = HKV // 2 if VARIANT == 3 else HKV  # items a sequence
-    TK: gl.constexpr = _BN // 2 if VARIANT == 3 else _BN  # keys of a head a tile
 
     kv = gl.allocate_shared_memory(gl.float8e4nv, [2 * S, _BN, _D], _TMA_SMEM)  # stage s: K 2s, V 2s + 1
     merge_bufs = kv._reinterpret(gl.float16, [S, _W, 16, _D], _MERGE_SMEM)
-    merge_bufs_t = kv._reinterpret(gl.float16, [2 * S, _W, 8, _D], _MERGE_SMEM)  # VARIANT != 0: K halves
+    merge_bufs_t = kv._reinterpret(gl.float16, [2 * S, _W, 8, _D], _MERGE_SMEM)  # KEYS_M: K halves
     bars = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(S):
         mbarrier.init(bars.index(s), count=1)
@@ -643,27 +390,16 @@ def _paged_decode_gluon_persistent_kernel(
 
     # The producer cursor at the program's first item with a key; its first S - 1 tiles in
     # flight (across items where they are short).
-    if VARIANT == 3:
-        p_item, p_nt, p_bt_row, p_last_page, p_col = _seek2(pid, nprog, num_items, NPI, seq_lens_ptr,
-                                                             block_tables_ptr, stride_btb)
-        p_tile = 0
-        b0, b1 = _tile_blocks2(p_bt_row, 0, p_last_page)
-        for t in gl.static_range(S - 1):
-            b0, b1, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce2(
-                k_desc, v_desc, kv, bars, t, b0, b1, p_item, p_tile, p_nt, p_bt_row,
-                p_last_page, p_col, nprog, num_items, NPI, seq_lens_ptr, block_tables_ptr, stride_btb, S)
-        q_next = _load_q_next2(q_ptr, pid, num_items, NPI, stride_qb, stride_qh, GROUP)
-    else:
-        p_item, p_nt, p_bt_row, p_last_page, p_col = _seek(pid, nprog, num_items, HKV, seq_lens_ptr,
-                                                            block_tables_ptr, stride_btb)
-        p_tile = 0
-        b0, b1, b2, b3 = _tile_blocks(p_bt_row, 0, p_last_page)
-        for t in gl.static_range(S - 1):
-            b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
-                k_desc, v_desc, kv, bars, t, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
-                p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
-        q_next = _load_q_next(q_ptr, pid, num_items, HKV, stride_qb, stride_qh, GROUP)
-    seq_len_next = gl.load(seq_lens_ptr + pid // NPI)
+    p_item, p_nt, p_bt_row, p_last_page, p_col = _seek(pid, nprog, num_items, HKV, seq_lens_ptr,
+                                                        block_tables_ptr, stride_btb)
+    p_tile = 0
+    b0, b1, b2, b3 = _tile_blocks(p_bt_row, 0, p_last_page)
+    for t in gl.static_range(S - 1):
+        b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
+            k_desc, v_desc, kv, bars, t, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
+            p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+    q_next = _load_q_next(q_ptr, pid, num_items, HKV, stride_qb, stride_qh, GROUP)
+    seq_len_next = gl.load(seq_lens_ptr + pid // HKV)
 
     o_layout: gl.constexpr = gl.SliceLayout(0, _MERGE_LOAD)
     rows = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, o_layout)), 1)
@@ -672,29 +408,15 @@ def _paged_decode_gluon_persistent_kernel(
     ot_layout: gl.constexpr = gl.SliceLayout(0, _MERGE_LOAD_T)
     rows_t = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, ot_layout)), 1)
     cols_t = gl.expand_dims(_v_column(gl.arange(0, _D, layout=gl.SliceLayout(0, ot_layout))), 0)
-    merge_bufs_p = kv._reinterpret(gl.float16, [2 * S, 2, 2, 8, _D], _MERGE_SMEM4)  # keys_m2: K halves
-    op_layout: gl.constexpr = gl.SliceLayout(0, _MERGE_LOAD_P)  # [2 heads, 8, 128]
-    heads_p = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, op_layout))),
-                                            1), 2)
-    rows_p = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, op_layout))),
-                                           0), 2)
-    cols_p = gl.expand_dims(gl.expand_dims(_v_column(gl.arange(0, _D, layout=gl.SliceLayout(0, gl.SliceLayout(
-        1, op_layout)))), 0), 1)
 
     g = 0  # tiles consumed by this program: stage g % S, phase (g // S) & 1
     for item in range(pid, num_items, nprog):
-        b = item // NPI
-        kvh = item % NPI  # keys_m2: the KV-head pair
+        b = item // HKV
+        kvh = item % HKV
         seq_len = seq_len_next
-        nt = gl.cdiv(seq_len, TK)
-        # q in the A operand layout (every warp a copy), scaled and rounded to fp16 once.
-        if VARIANT == 3:  # keys_m2: each warp its head's q^T (w % 2), scaled after the move as keys_m
-            qn = gl.convert_layout(gl.permute(q_next, [0, 2, 1]), gl.SliceLayout(0, _B_PAIRS))  # [2, 128, 8]
-            qn = gl.expand_dims((qn.to(gl.float32) * sm_scale_log2).to(gl.float16), 0)
-            q4, _ = gl.broadcast(qn, gl.zeros([2, 2, _D, 8], gl.float16, _B_PAIRS))
-            q = gl.convert_layout(gl.reshape(q4, [_W, _D, 8]), _B, assert_trivial=True)
-        elif VARIANT == 2:
-            # keys_m: q^T [128, 8 heads] as the B operand, moved raw and scaled in place (the
+        nt = gl.cdiv(seq_len, _BN)
+        if KEYS_M:
+            # q^T [128, 8 heads] as the B operand, moved raw and scaled in place (the
             # conversion's registers cross the mma's pairs: scaled there, each pair is written once
             # per item instead of copied before every QK HMMA).
             qt = gl.convert_layout(gl.permute(q_next, [1, 0]), gl.SliceLayout(0, _B))  # [128, 16]
@@ -702,27 +424,17 @@ def _paged_decode_gluon_persistent_kernel(
             qt = gl.convert_layout(qt, gl.SliceLayout(0, _B), assert_trivial=True)
             qt = gl.expand_dims((qt.to(gl.float32) * sm_scale_log2).to(gl.float16), 0)
             q, _ = gl.broadcast(qt, gl.zeros([_W, _D, 8], gl.float16, _B))
-        elif VARIANT == 1:  # dims_m: likewise scaled after the move (the A operand's quads)
-            q1 = gl.convert_layout(q_next, gl.SliceLayout(0, _A))
-            q1 = gl.expand_dims((q1.to(gl.float32) * sm_scale_log2).to(gl.float16), 0)
-            q, _ = gl.broadcast(q1, a_zeros)
         else:
+            # q in the A operand layout (every warp a copy), scaled and rounded to fp16 once.
             q1 = (q_next.to(gl.float32) * sm_scale_log2).to(gl.float16)
             q1 = gl.expand_dims(gl.convert_layout(q1, gl.SliceLayout(0, _A)), 0)
             q, _ = gl.broadcast(q1, a_zeros)
-        if VARIANT == 3:
-            q_next = _load_q_next2(q_ptr, item + nprog, num_items, NPI, stride_qb, stride_qh, GROUP)
-        else:
-            q_next = _load_q_next(q_ptr, item + nprog, num_items, HKV, stride_qb, stride_qh, GROUP)
-        seq_len_next = gl.load(seq_lens_ptr + (item + nprog) // NPI, mask=item + nprog < num_items, other=0)
+        q_next = _load_q_next(q_ptr, item + nprog, num_items, HKV, stride_qb, stride_qh, GROUP)
+        seq_len_next = gl.load(seq_lens_ptr + (item + nprog) // HKV, mask=item + nprog < num_items, other=0)
 
-        if VARIANT >= 2:
+        if KEYS_M:
             m3 = gl.full([_W, 8], float("-inf"), gl.float32, gl.SliceLayout(1, _MMA))
             l3 = gl.zeros([_W, _PG, 8], gl.float32, _MMA)  # per-thread partial sums
-            acc = gl.zeros([_W, _D, 8], gl.float32, _MMA)  # O^T
-        elif VARIANT == 1:
-            m3 = gl.full([_W, 8], float("-inf"), gl.float32, gl.SliceLayout(2, _TOP))
-            l3 = gl.zeros([_W, 8, _PG], gl.float32, _TOP)  # per-thread partial sums
             acc = gl.zeros([_W, _D, 8], gl.float32, _MMA)  # O^T
         else:
             m3 = gl.full([_W, 16], float("-inf"), gl.float32, gl.SliceLayout(2, _MMA))
@@ -731,78 +443,46 @@ def _paged_decode_gluon_persistent_kernel(
         for i in range(nt - 1):  # every tile but the last: 64 valid keys
             gl.thread_barrier()  # every warp is done reading tile g - 1's stage
             fence_async_shared()  # ... before the async proxy overwrites it
-            if VARIANT == 3:
-                b0, b1, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce2(
-                    k_desc, v_desc, kv, bars, g + S - 1, b0, b1, p_item, p_tile, p_nt, p_bt_row,
-                    p_last_page, p_col, nprog, num_items, NPI, seq_lens_ptr, block_tables_ptr, stride_btb, S)
-            else:
-                b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
-                    k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
-                    p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+            b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
+                k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
+                p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
             stage = g % S
             mbarrier.wait(bars.index(stage), (g // S) & 1)
-            if VARIANT >= 2:
+            if KEYS_M:
                 m3, l3, acc = _attend_keys_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
-                                             i * TK, seq_len, False, VARIANT == 3)
-            elif VARIANT == 1:
-                m3, l3, acc = _attend_dims_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
                                              i * _BN, seq_len, False)
             else:
-                m3, l3, acc = _attend_views(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
-                                            i * _BN, seq_len, False)
+                m3, l3, acc = _attend(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                      i * _BN, seq_len, False)
             g += 1
         if nt > 0:
             gl.thread_barrier()
             fence_async_shared()
-            if VARIANT == 3:
-                b0, b1, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce2(
-                    k_desc, v_desc, kv, bars, g + S - 1, b0, b1, p_item, p_tile, p_nt, p_bt_row,
-                    p_last_page, p_col, nprog, num_items, NPI, seq_lens_ptr, block_tables_ptr, stride_btb, S)
-            else:
-                b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
-                    k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
-                    p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
+            b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row, p_last_page, p_col = _produce(
+                k_desc, v_desc, kv, bars, g + S - 1, b0, b1, b2, b3, p_item, p_tile, p_nt, p_bt_row,
+                p_last_page, p_col, nprog, num_items, HKV, seq_lens_ptr, block_tables_ptr, stride_btb, S)
             stage = g % S
             mbarrier.wait(bars.index(stage), (g // S) & 1)
-            if VARIANT >= 2:
+            if KEYS_M:
                 m3, l3, acc = _attend_keys_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
-                                             (nt - 1) * TK, seq_len, True, VARIANT == 3)
-            elif VARIANT == 1:
-                m3, l3, acc = _attend_dims_m(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
                                              (nt - 1) * _BN, seq_len, True)
             else:
-                m3, l3, acc = _attend_views(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
-                                            (nt - 1) * _BN, seq_len, True)
+                m3, l3, acc = _attend(q, kv.index(2 * stage), kv.index(2 * stage + 1), m3, l3, acc,
+                                      (nt - 1) * _BN, seq_len, True)
             g += 1
 
         # The pieces merged (a piece that saw no key has m = -inf: weight 0; no key at all: zeros),
         # each normalized in registers (|values| <= max |V|: fp16) and summed through the stage the
         # next issue will refill (g + S - 1: not in flight; its refill waits for the CTA barrier at
         # the top of the next tile).
-        if VARIANT == 1:
-            l3 = gl.sum(l3, 2)
-        if VARIANT >= 2:
+        if KEYS_M:
             l3 = gl.sum(l3, 1)
-        if VARIANT == 3:  # pieces 2 page + head: the max and sum over the pages of each head
-            m3 = gl.reshape(m3, [2, 2, 8])
-            l3 = gl.reshape(l3, [2, 2, 8])
         m = gl.max(m3, 0)
         m_safe = gl.where(m == float("-inf"), 0.0, m)
         w3 = gl.exp2(m3 - gl.expand_dims(m_safe, 0))
         l = gl.sum(l3 * w3, 0)
         w3 = w3 / gl.expand_dims(gl.where(l > 0.0, l, 1.0), 0)
-        if VARIANT == 3:
-            merge_buf_p = merge_bufs_p.index(2 * ((g + S - 1) % S))
-            w3o = gl.convert_layout(gl.reshape(w3, [_W, 8]), gl.SliceLayout(1, _MMA))
-            o4 = gl.reshape(gl.permute((acc * gl.expand_dims(w3o, 1)).to(gl.float16), [0, 2, 1]), [2, 2, 8, _D])
-            gl.thread_barrier()  # every warp is done reading the last tile's stage (the same one)
-            merge_buf_p.store(o4)
-            gl.thread_barrier()
-            o_p = gl.sum(merge_buf_p.load(_MERGE_LOAD_P).to(gl.float32), 0)  # [2 heads, 8, 128]
-            out_ptrs = (out_ptr + b.to(gl.int64) * stride_ob
-                        + ((kvh * 2 + heads_p) * GROUP + rows_p).to(gl.int64) * stride_oh + cols_p)
-            gl.store(out_ptrs, o_p.to(out_ptr.dtype.element_ty), mask=(rows_p < GROUP) & (cols_p < _D))
-        elif VARIANT != 0:
+        if KEYS_M:
             merge_buf_t = merge_bufs_t.index(2 * ((g + S - 1) % S))
             w3o = gl.convert_layout(w3, gl.SliceLayout(1, _MMA))
             gl.thread_barrier()  # every warp is done reading the last tile's stage (the same one)
@@ -823,246 +503,6 @@ def _paged_decode_gluon_persistent_kernel(
         mbarrier.invalidate(bars.index(s))
 
 
-# --------------------------------------------------------------------------- warp-specialized variant
-#
-# ``_launch(..., warp_specialize=True)``: the same tiles, pieces, views and masking, split by
-# ``gl.warp_specialize`` into
-#
-# - a producer: the default partition (a warp-specialized kernel needs ``num_warps`` a multiple
-#   of 4, and the default partition has that many: warp 0's elected lane issues, the other 3
-#   warps run the loop in step): the block ids, then per tile one wait on the stage's *empty*
-#   barrier, one expect and the 8 TMA boxes on its *ready* barrier. Triton's bar.syncs between
-#   TMA issues (see above) stay among these 4 warps;
-# - 4 one-warp compute partitions, warp p owning piece p of every tile: per tile one wait on
-#   the stage's ready barrier and one arrive on its empty barrier (count 4), no bar.sync. The
-#   compute is one warp's share of ``_attend`` (2-D layouts: the 3-D ones minus the piece).
-#
-# Why one-warp compute partitions and not one 4-warp one: Gluon lowers mbarrier.arrive to thread
-# 0 of the partition behind a bar.sync of the partition, and its membar analysis puts a bar.sync
-# before every mbarrier.wait of a multi-warp partition (a 1-warp partition gets bar.warp.sync,
-# no SASS); a 4-warp compute partition would pay 2 bar.sync per tile.
-#
-# The pieces are merged by the compute warps through shared memory at the end: once every warp
-# has arrived on ``sync`` (all stages read, every TMA landed), each stores its m, l and fp32
-# accumulator ([16, 128] = 8 KB = one stage: K's stages for pieces 0-2, V's stage 0 for piece
-# 3), arrives again, and warp p reduces output columns 32p..32p+31 over the 4 pieces.
-#
-# Registers: a program is 8 warps (256 threads): the producer's warpgroup and the compute
-# warps' (no padding). setmaxnreg moves registers from the first (24 a thread) to the second:
-# with ``maxnreg`` M a program holds 256 M and the compute warps get 2 M - 24. M = 80: 136
-# (they use 134), 3 programs per SM like the 4-warp kernel. 4 per SM needs M = 64: 104, and
-# ptxas spills 540 bytes (128 already spills 216). (A 4-warp idle default partition plus a
-# 1-warp producer partition would be 12 warps: 120 for the compute warps at 3 per SM.)
-
-LAZY_LOG2 = gl.constexpr(8.0)  # _attend_piece's LAZY: rescale once a max grew by > 2^8
-
-WS_MAXNREG = 80  # maxnreg at launch: 80 x 256 threads x 3 programs <= 64K; compute warps 136
-
-_MMA1 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
-_A1 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA1, k_width=2))
-_B1 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA1, k_width=2))
-# One piece ([16, 128] fp8 = 2 KB, offset bits 0-10) as _K_VIEW / _V_VIEW see it, minus the piece.
-_K_VIEW1 = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
-    [1, 0], [8, 0], [16, 0], [32, 0],
-    [64, 0], [2, 0], [4, 0],
-    [64, 1], [2, 2], [4, 4],
-    [0, 8],
-]))
-_V_VIEW1 = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
-    [0, 8], [0, 16], [0, 32], [0, 64],
-    [0, 1], [0, 2], [0, 4],
-    [1, 1], [2, 2], [4, 4],
-    [8, 0],
-]))
-_V_LOAD1 = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 8], [0, 16], [0, 32], [0, 64], [1, 0], [8, 0]],
-    lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
-    warp_bases=[], block_bases=[], shape=[16, _D]))
-# The merge: a piece's accumulator [16, 128] fp32 in one 8 KB piece-stage (row-major, 8-byte
-# vectors XOR-swizzled by row against bank conflicts), read back 32 columns a warp.
-_ACC_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0]))
-_ROWS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-_OUT1 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
-                                      order=[1, 0]))
-
-
-@gluon.jit
-def _ws_produce(k_desc, v_desc, kv_k, kv_v, ready, empty, bt_row, num_tiles, last_page, col, S: gl.constexpr):
-    """Producer partition: tile t into stage t % STAGES once every compute warp has released it
-    (the stage's empty barrier), its block ids loaded one tile ahead."""
-    b0, b1, b2, b3 = _tile_blocks(bt_row, 0, last_page)
-    for t in range(num_tiles):
-        stage = t % S
-        mbarrier.wait(empty.index(stage), ((t // S) & 1) ^ 1)  # a fresh barrier passes parity 1
-        fence_async_shared()  # the compute warps' generic reads before the async proxy's writes
-        bar = ready.index(stage)
-        mbarrier.expect(bar, 2 * _BN * _D)
-        base = stage * _W
-        _issue_piece(k_desc, v_desc, kv_k.index(base), kv_v.index(base), bar, 0, b0, col, True)
-        _issue_piece(k_desc, v_desc, kv_k.index(base + 1), kv_v.index(base + 1), bar, 0, b1, col, True)
-        _issue_piece(k_desc, v_desc, kv_k.index(base + 2), kv_v.index(base + 2), bar, 0, b2, col, True)
-        _issue_piece(k_desc, v_desc, kv_k.index(base + 3), kv_v.index(base + 3), bar, 0, b3, col, True)
-        b0, b1, b2, b3 = _tile_blocks(bt_row, t + 1, last_page)
-
-
-@gluon.jit
-def _attend_piece(q, k_piece, v_piece, empty_bar, m, l, acc, key0, seq_len, MASKED: gl.constexpr,
-                  LAZY: gl.constexpr = False):
-    """_attend for one warp: keys key0 .. key0 + 15 from its piece of a stage; the stage's empty
-    barrier arrived on once K and V are in registers.
-
-    LAZY (unmasked tiles): the warp keeps its running max, and skips rescaling l and the
-    accumulator (64 multiplies a thread), unless some row's max grew by more than LAZY_LOG2;
-    p = 2^(s - m) then stays below 2^LAZY_LOG2 (fp16-safe), and every quantity shares the kept
-    max, so the result is unchanged. One warp: the test is a shuffle reduction and a uniform
-    branch."""
-    kt = k_piece._reinterpret(gl.float8e4nv, [_D, _PG], _K_VIEW1).load(_B1).to(gl.float16)  # [128, 16]
-    s = mma_v2(q, kt, gl.zeros([16, _PG], gl.float32, _MMA1))  # [16 rows, 16 keys]
-    if MASKED:
-        offs_j = gl.arange(0, _PG, layout=gl.SliceLayout(0, _MMA1))
-        s = gl.where(gl.expand_dims(key0 + offs_j, 0) < seq_len, s, float("-inf"))
-        m_new = gl.maximum(m, gl.max(s, 1))
-        m_exp = gl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = gl.maximum(m, gl.max(s, 1))
-        m_exp = m_new
-    if LAZY:
-        if gl.max(m_new - m, 0) > LAZY_LOG2:  # -inf rows (first tile): inf, so they rescale
-            alpha = gl.exp2(m - m_new)
-            acc = acc * gl.expand_dims(alpha, 1)
-            l = l * alpha
-            m = m_new
-        p = gl.exp2(s - gl.expand_dims(m, 1))
-        l = l + gl.sum(p, 1)
-        m_new = m
-    else:
-        alpha = gl.exp2(m - m_exp)
-        p = gl.exp2(s - gl.expand_dims(m_exp, 1))
-        l = l * alpha + gl.sum(p, 1)
-        acc = acc * gl.expand_dims(alpha, 1)
-    pa = gl.convert_layout(p.to(gl.float16), _A1)
-    v = v_piece._reinterpret(gl.float8e4nv, [_PG, _D], _V_VIEW1).load(_V_LOAD1)
-    mbarrier.arrive(empty_bar)  # this warp is done with the stage
-    v = gl.convert_layout(v.to(gl.float16), _B1)  # [16 keys, 128]
-    if MASKED:
-        offs_vj = gl.arange(0, _PG, layout=gl.SliceLayout(1, _B1))
-        v = gl.where(gl.expand_dims(key0 + offs_vj, 1) < seq_len, v, 0.0)
-    acc = mma_v2(pa, v, acc)
-    return m_new, l, acc
-
-
-@gluon.jit
-def _ws_piece_stage(kv_k, kv_v, j: gl.constexpr, S: gl.constexpr):
-    """Piece j's accumulator for the merge, [16, 128] fp32 = 8 KB = one stage: K's stages
-    hold pieces 0-2, V's stage 0 piece 3."""
-    if j < S:
-        buf = kv_k._reinterpret(gl.float32, [S, 16, _D], _ACC_SMEM).index(j)
-    else:
-        buf = kv_v._reinterpret(gl.float32, [S, 16, _D], _ACC_SMEM).index(j - S)
-    return buf
-
-
-@gluon.jit
-def _ws_compute(q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
-                sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh,
-                GROUP: gl.constexpr, P: gl.constexpr, S: gl.constexpr, LAZY: gl.constexpr):
-    """Compute partition (one warp): piece P of every tile, then its share of the merge."""
-    head0 = kvh * GROUP
-    offs_r = gl.arange(0, 16, layout=gl.SliceLayout(1, _A1))
-    offs_k = gl.arange(0, _D, layout=gl.SliceLayout(0, _A1))
-    r2 = gl.expand_dims(offs_r, 1)
-    k2 = gl.expand_dims(_k_column(offs_k), 0)
-    q_ptrs = q_ptr + b64 * stride_qb + (head0 + r2).to(gl.int64) * stride_qh + k2
-    q = gl.load(q_ptrs, mask=(r2 < GROUP) & (k2 < _D), other=0.0)
-    q = (q.to(gl.float32) * sm_scale_log2).to(gl.float16)
-
-    m = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, _MMA1))
-    l = gl.zeros([16], gl.float32, gl.SliceLayout(1, _MMA1))
-    acc = gl.zeros([16, _D], gl.float32, _MMA1)
-    for i in range(num_tiles - 1):  # every tile but the last: 64 valid keys
-        stage = i % S
-        mbarrier.wait(ready.index(stage), (i // S) & 1)
-        idx = stage * _W + P
-        m, l, acc = _attend_piece(q, kv_k.index(idx), kv_v.index(idx), empty.index(stage), m, l, acc,
-                                  i * _BN + P * _PG, seq_len, False, LAZY)
-    if num_tiles > 0:
-        last = num_tiles - 1
-        stage = last % S
-        mbarrier.wait(ready.index(stage), (last // S) & 1)
-        idx = stage * _W + P
-        m, l, acc = _attend_piece(q, kv_k.index(idx), kv_v.index(idx), empty.index(stage), m, l, acc,
-                                  last * _BN + P * _PG, seq_len, True)
-
-    # The merge. Phase 0 of sync: every compute warp is past its last tile (no stage is read
-    # any more, every TMA has landed): the K/V buffer is free.
-    mbarrier.arrive(sync)
-    mbarrier.wait(sync, 0)
-    _ws_piece_stage(kv_k, kv_v, P, S).store(acc)
-    ml.index(P).store(m)
-    ml.index(_W + P).store(l)
-    mbarrier.arrive(sync)  # phase 1: every piece's m, l, acc stored
-    mbarrier.wait(sync, 1)
-    rows_l: gl.constexpr = gl.SliceLayout(1, _OUT1)
-    m_all = ml.index(0).load(rows_l)
-    for j in gl.static_range(1, _W):
-        m_all = gl.maximum(m_all, ml.index(j).load(rows_l))
-    m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)  # no piece saw a key
-    l_all = gl.zeros([16], gl.float32, rows_l)
-    o = gl.zeros([16, 32], gl.float32, _OUT1)
-    for j in gl.static_range(_W):
-        w = gl.exp2(ml.index(j).load(rows_l) - m_safe)
-        l_all += ml.index(_W + j).load(rows_l) * w
-        part = _ws_piece_stage(kv_k, kv_v, j, S).slice(32 * P, 32, dim=1).load(_OUT1)
-        o += part * gl.expand_dims(w, 1)
-    o = o / gl.expand_dims(gl.where(l_all > 0.0, l_all, 1.0), 1)
-    rows = gl.expand_dims(gl.arange(0, 16, layout=rows_l), 1)
-    cols = gl.expand_dims(_v_column(32 * P + gl.arange(0, 32, layout=gl.SliceLayout(0, _OUT1))), 0)
-    out_ptrs = out_ptr + b64 * stride_ob + (head0 + rows).to(gl.int64) * stride_oh + cols
-    gl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=(rows < GROUP) & (cols < _D))
-
-
-@gluon.jit
-def _paged_decode_gluon_ws_kernel(
-    q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, out_ptr,
-    sm_scale_log2,  # sm_scale * log2(e)
-    stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-    GROUP: gl.constexpr,  # query heads per KV head (<= 16)
-    COMPUTE_REGS: gl.constexpr,  # setmaxnreg of the compute warps
-    S: gl.constexpr,  # stages
-    LAZY: gl.constexpr,  # rescale only when a row's running max grew by more than LAZY_LOG2
-):
-    kvh = gl.program_id(0)  # KV heads fastest
-    b = gl.program_id(1)
-    seq_len, b64, bt_row, num_tiles, last_page = _sequence(seq_lens_ptr, block_tables_ptr, stride_btb, b)
-    col = kvh * _D
-
-    # Piece-stages: stage s, piece p at index s * 4 + p (one TMA box each).
-    kv_k = gl.allocate_shared_memory(gl.float8e4nv, [S * _W, _PG, _D], _TMA_SMEM)
-    kv_v = gl.allocate_shared_memory(gl.float8e4nv, [S * _W, _PG, _D], _TMA_SMEM)
-    ml = gl.allocate_shared_memory(gl.float32, [2 * _W, 16], _ROWS_SMEM)  # the merge's m, l
-    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    sync = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(S):
-        mbarrier.init(ready.index(i), count=1)  # the producer's expect; the bytes complete it
-        mbarrier.init(empty.index(i), count=_W)  # one arrive per compute warp
-    mbarrier.init(sync, count=_W)
-    fence_async_shared()
-
-    # One compute partition per piece (P, the last argument, a constexpr: 4 copies of the code).
-    gl.warp_specialize([
-        (_ws_produce, (k_desc, v_desc, kv_k, kv_v, ready, empty, bt_row, num_tiles, last_page, col, S)),
-        (_ws_compute, (q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
-                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 0, S, LAZY)),
-        (_ws_compute, (q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
-                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 1, S, LAZY)),
-        (_ws_compute, (q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
-                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 2, S, LAZY)),
-        (_ws_compute, (q_ptr, out_ptr, kv_k, kv_v, ml, ready, empty, sync, seq_len, num_tiles, b64, kvh,
-                       sm_scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, GROUP, 3, S, LAZY)),
-    ], [1, 1, 1, 1], [COMPUTE_REGS] * 4)
-
-
 def _cache_descriptor(cache: torch.Tensor):
     """A TMA descriptor over a cache seen as [num_blocks * 16, Hkv * 128] (row = block * 16 +
     slot), one [16, 128] box per page piece of one KV head."""
@@ -1071,17 +511,6 @@ def _cache_descriptor(cache: torch.Tensor):
     num_blocks, page, hkv, d = cache.shape
     flat = cache.view(num_blocks * page, hkv * d)
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [PAGE, HEAD_DIM], _TMA_SMEM.value)
-
-
-def _cache_descriptor_pairs(cache: torch.Tensor):
-    """keys_m2's TMA descriptor: the cache seen as [Hkv, num_blocks * 16, 128] (strides 128,
-    Hkv * 128, 1: KV heads outermost, a permuted view of the same bytes), one [2, 16, 128] box per
-    page piece of a KV-head pair, landing head by head."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    num_blocks, page, hkv, d = cache.shape
-    view = cache.view(num_blocks * page, hkv, d).permute(1, 0, 2)
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), [2, PAGE, HEAD_DIM], _TMA_SMEM3.value)
 
 
 def _check(q, key_cache, value_cache, block_tables, seq_lens, out):
@@ -1123,8 +552,6 @@ def paged_decode_gluon(
     *,
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
-    warp_specialize: bool = False,
-    persistent: bool = False,
     variant: str = "default",
     programs_per_sm: int | None = None,
 ) -> torch.Tensor:
@@ -1136,51 +563,36 @@ def paged_decode_gluon(
     seq_lens     int32 [B]   context length, the query's own token included
     returns out  [B, Hq, 128] in q's dtype (written into ``out`` when given)
 
-    No sliding window, no key splits: one program per (KV head, sequence). ``warp_specialize``:
-    the variant with a TMA producer partition and one-warp compute partitions. ``persistent``:
-    programs_per_sm x SMs programs, each over (sequence, KV head) items as one tile stream;
-    ``variant`` one of PERSISTENT_VARIANTS, ``programs_per_sm`` None for PROGRAMS_PER_SM
-    (``engine_form`` gives what paged_decode runs).
+    No sliding window, no key splits: programs_per_sm x SMs persistent programs, each over
+    (sequence, KV head) items as one tile stream; ``variant`` one of VARIANTS, ``programs_per_sm``
+    None for PROGRAMS_PER_SM (``engine_form`` gives what paged_decode runs).
     """
     return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale, out=out,
-                   warp_specialize=warp_specialize, persistent=persistent, variant=variant,
-                   programs_per_sm=programs_per_sm or PROGRAMS_PER_SM)
+                   variant=variant, programs_per_sm=programs_per_sm or PROGRAMS_PER_SM)
 
 
-def engine_form(group: int, num_kv_heads: int, choice: str | None = None) -> dict:
-    """The persistent kernel's variant and programs per SM that paged_decode runs for a GQA
-    ``group`` over ``num_kv_heads``: "keys_m" at 4 programs an SM (run 79, H200: 83-94% of copy
-    at the engine's fp8 shapes against the default variant's 75-88% at 3 an SM, and 88-94% for
-    dims_m / keys_m2: within a few percent of keys_m, which covers any KV head count);
-    the default variant at 3 where the group is over 8 (the others pad it to 8 rows).
-    ``choice`` (FLASHPAGE_DECODE_GLUON's value when it names a variant) forces one where it
-    can run."""
+def engine_form(group: int, choice: str | None = None) -> dict:
+    """The variant and programs per SM that paged_decode runs for a GQA ``group``: "keys_m" at 4
+    programs an SM (run 79, H200: 83-94% of copy at the engine's fp8 shapes against the default
+    variant's 75-88% at 3 an SM); the default variant at 3 where the group is over 8 (keys_m pads
+    it to 8 rows). ``choice`` (FLASHPAGE_DECODE_GLUON's value when it names a variant) forces one
+    where it can run."""
     variant = ENGINE_VARIANT if choice is None else choice
-    if variant not in PERSISTENT_VARIANTS:
-        raise ValueError(f"FLASHPAGE_DECODE_GLUON: 0, 1 or one of {list(PERSISTENT_VARIANTS)}, got {variant!r}")
-    if group > 8 or (variant == "keys_m2" and num_kv_heads % 2):
-        variant = "default" if group > 8 else "keys_m"
+    if variant not in VARIANTS:
+        raise ValueError(f"FLASHPAGE_DECODE_GLUON: 0, 1 or one of {list(VARIANTS)}, got {variant!r}")
+    if group > 8:
+        variant = "default"
     return {"variant": variant, "programs_per_sm": PROGRAMS_PER_SM if variant == "default" else 4}
 
 
-def ws_compute_regs(max_regs: int) -> int:
-    """The compute warps' setmaxnreg in the warp-specialized variant under ``maxnreg`` =
-    ``max_regs``: a program's 8 warps hold 256 * max_regs registers, the producer's warpgroup
-    keeps 24 a thread."""
-    return 2 * max_regs - 24
-
-
-# The persistent kernel's forms (its VARIANT constexpr): "dims_m", "keys_m" and "keys_m2" cut the
-# instructions of a tile (see the sections "variant=" above the persistent kernel).
-PERSISTENT_VARIANTS = {"default": 0, "dims_m": 1, "keys_m": 2, "keys_m2": 3}
-
-PROGRAMS_PER_SM = 3  # the persistent variant's default: as many as the 4-warp kernel's registers allow
-ENGINE_VARIANT = "keys_m"  # paged_decode's persistent form (engine_form)
+VARIANTS = ("default", "keys_m")  # the kernel's KEYS_M constexpr: keys_m cuts a tile's instructions
+PROGRAMS_PER_SM = 3  # the default: as many as the default variant's registers allow
+ENGINE_VARIANT = "keys_m"  # paged_decode's form (engine_form)
 
 
 def persistent_max_regs(programs_per_sm: int) -> int | None:
-    """The persistent variant's ptxas register cap for ``programs_per_sm`` 128-thread programs
-    on an SM (64K registers; a multiple of 8): None at 1-2 (no cap), 168 at 3, 128 at 4."""
+    """The kernel's ptxas register cap for ``programs_per_sm`` 128-thread programs on an SM
+    (64K registers; a multiple of 8): None at 1-2 (no cap), 168 at 3, 128 at 4."""
     regs = 65536 // (programs_per_sm * 32 * NUM_WARPS) // 8 * 8
     return None if regs >= 256 else regs
 
@@ -1191,33 +603,19 @@ def _num_sms(device_index: int) -> int:
 
 
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, out=None,
-            max_regs: int | None = None, warp_specialize: bool = False, stages: int = STAGES,
-            lazy: bool = False, persistent: bool = False, programs_per_sm: int = PROGRAMS_PER_SM,
+            max_regs: int | None = None, stages: int = STAGES, programs_per_sm: int = PROGRAMS_PER_SM,
             programs: int | None = None, variant: str = "default"):
-    """paged_decode_gluon with a register cap for ptxas (``max_regs``: 128 lets 4 programs
-    share an SM, at a few spilled registers; None: ptxas decides, 157: 3 per SM).
-
-    ``warp_specialize``: the warp-specialized variant; ``max_regs`` is then the launch's
-    ``maxnreg`` (a multiple of 8; None: ``WS_MAXNREG`` = 80, 3 programs per SM), its compute
-    warps get ``ws_compute_regs(max_regs)`` (136 at 80; 64 would give 4 per SM and 104, which
-    spills). ``stages``: tiles in the buffer (STAGES - 1 in flight). ``lazy``: the
-    warp-specialized variant's lazy rescale (_attend_piece). ``persistent``: the persistent
-    variant, min(batch x Hkv, ``programs_per_sm`` x SMs) programs (``programs``: that many
-    instead, for tests: several items a program), ``max_regs`` None for
-    ``persistent_max_regs(programs_per_sm)``. ``variant`` (persistent only, GQA groups <= 8):
-    "default", "dims_m" (P.V as O^T = V^T P^T), "keys_m" (Q.K^T as S^T = K Q^T too) or "keys_m2"
-    (keys_m over KV-head pairs: half the TMA issues; an even KV head count); see
-    PERSISTENT_VARIANTS."""
-    if persistent and (warp_specialize or lazy):
-        raise ValueError("persistent is a variant of the 4-warp kernel: no warp_specialize, no lazy")
-    if variant not in PERSISTENT_VARIANTS:
-        raise ValueError(f"variant must be one of {list(PERSISTENT_VARIANTS)}, got {variant!r}")
-    if variant != "default" and not persistent:
-        raise ValueError(f"variant {variant!r} is a variant of the persistent kernel: persistent=True")
-    if persistent and not 1 <= programs_per_sm <= 4:  # 5 would not fit in shared memory (51 KB each)
+    """paged_decode_gluon with its knobs: min(batch x Hkv, ``programs_per_sm`` x SMs) programs
+    (``programs``: that many instead, for tests: several items a program), ``max_regs`` the
+    ptxas register cap (None for ``persistent_max_regs(programs_per_sm)``), ``stages`` tiles in
+    the buffer (STAGES - 1 in flight). ``variant``: "default" or "keys_m" (S^T = K Q^T and O^T =
+    V^T P^T; GQA groups <= 8)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
+    if not 1 <= programs_per_sm <= 4:  # 5 would not fit in shared memory (51 KB each)
         raise ValueError(f"programs_per_sm must be 1-4, got {programs_per_sm}")
-    if stages < 2 or (warp_specialize and stages * 2 < NUM_WARPS):
-        raise ValueError(f"stages must be >= 2 (>= {NUM_WARPS // 2} warp-specialized), got {stages}")
+    if stages < 2:
+        raise ValueError(f"stages must be >= 2, got {stages}")
     _check(q, key_cache, value_cache, block_tables, seq_lens, out)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -1227,32 +625,19 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    args = (q, _cache_descriptor(key_cache), _cache_descriptor(value_cache), block_tables, seq_lens, out,
-            sm_scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
     group = num_q_heads // num_kv_heads
     if variant != "default" and group > 8:
         raise ValueError(f"variant {variant!r} pads the GQA group to 8: at most 8 query heads per KV head, "
                          f"got {group}")
-    if variant == "keys_m2":
-        if num_kv_heads % 2:
-            raise ValueError(f"variant 'keys_m2' takes the KV heads in pairs: an even count, got {num_kv_heads}")
-        args = (q, _cache_descriptor_pairs(key_cache), _cache_descriptor_pairs(value_cache), *args[3:])
-    if persistent:
-        max_regs = max_regs or persistent_max_regs(programs_per_sm)
-        num_items = batch * num_kv_heads // (2 if variant == "keys_m2" else 1)
-        if programs is None:
-            programs = programs_per_sm * _num_sms(torch.cuda.current_device() if q.device.index is None
-                                                  else q.device.index)
-        grid = min(num_items, max(1, programs))
-        _paged_decode_gluon_persistent_kernel[(grid,)](
-            *args, num_items, HKV=num_kv_heads, GROUP=group, S=stages, VARIANT=PERSISTENT_VARIANTS[variant],
-            num_warps=NUM_WARPS, **({"maxnreg": max_regs} if max_regs else {}))
-    elif warp_specialize:
-        max_regs = max_regs or WS_MAXNREG
-        _paged_decode_gluon_ws_kernel[(num_kv_heads, batch)](
-            *args, GROUP=group, COMPUTE_REGS=ws_compute_regs(max_regs), S=stages, LAZY=lazy,
-            num_warps=NUM_WARPS, maxnreg=max_regs)
-    else:
-        _paged_decode_gluon_kernel[(num_kv_heads, batch)](
-            *args, GROUP=group, S=stages, num_warps=NUM_WARPS, **({"maxnreg": max_regs} if max_regs else {}))
+    max_regs = max_regs or persistent_max_regs(programs_per_sm)
+    num_items = batch * num_kv_heads
+    if programs is None:
+        programs = programs_per_sm * _num_sms(torch.cuda.current_device() if q.device.index is None
+                                              else q.device.index)
+    grid = min(num_items, max(1, programs))
+    _paged_decode_gluon_persistent_kernel[(grid,)](
+        q, _cache_descriptor(key_cache), _cache_descriptor(value_cache), block_tables, seq_lens, out,
+        sm_scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        num_items, HKV=num_kv_heads, GROUP=group, S=stages, KEYS_M=variant == "keys_m",
+        num_warps=NUM_WARPS, **({"maxnreg": max_regs} if max_regs else {}))
     return out

@@ -1,5 +1,5 @@
 """Paged decode over a 16-bit (bf16 / fp16) KV cache, in Gluon for sm_90: the fp8 kernel's
-persistent ``keys_m`` form (kernels/paged_decode_gluon.py, "variant=" sections) over pages
+persistent ``keys_m`` form (kernels/paged_decode_gluon.py, section 'variant="keys_m"') over pages
 twice as wide, read by ``ldmatrix`` with no widening.
 
 Same contract as ``paged_decode`` for an unsplit 16-bit call: q [B, Hq, 128] bf16/fp16,
@@ -20,7 +20,7 @@ copy; session 9's commit 7eb7ddb, whose 53 GPU tests passed)::
 Half-major, so that the swizzle row is the key: the 8 rows an ``ldmatrix`` 8x8 reads sit in 8
 different chunks (no bank conflict).
 
-The persistent structure is the fp8 kernel's (see its section "persistent variant"): a grid of
+The persistent structure is the fp8 kernel's (see its section "the persistent kernel"): a grid of
 min(items, programs_per_sm x SMs) programs, each walking the (sequence, KV head) items pid, pid
 + nprog, ... (item = b * Hkv + kvh) as ONE tile stream through one ring of ``stages`` tiles:
 the producer cursor (reused from the fp8 module: ``_seek``, ``_tile_blocks``) issues S - 1

@@ -1,15 +1,14 @@
-"""The Gluon fp8 paged decode prototype (kernels/paged_decode_gluon.py).
+"""The persistent Gluon fp8 paged decode (kernels/paged_decode_gluon.py).
 
-CPU: the kernel compiled for sm_90 (Triton's ptxas and nvdisasm, no GPU): the pages arrive
-by TMA, nothing spills, and the main loop reads K and V from shared memory 16 bytes at a
-time (no byte loads) and widens e4m3 to fp16 in registers; its instruction mix is printed.
-The warp-specialized variant likewise, its SASS read by partition: the compute warps' loops
-hold no BAR.SYNC and no TMA issue, every UTMALDG is in the producer partition. The persistent
-variant: its tile loop is the 4-warp kernel's plus the producer cursor's.
+CPU: the kernel compiled for sm_90 (Triton's ptxas and nvdisasm, no GPU) in each variant at 3
+and 4 programs an SM: the pages arrive by TMA, nothing spills (but the default variant at 4),
+and the tile loop reads K and V from shared memory 16 bytes at a time (no byte loads) and
+widens e4m3 to fp16 in registers; its instruction mix is printed. Bad launches raise
+ValueError; engine_form and FLASHPAGE_DECODE_GLUON pick the engine's form.
 GPU (marked gpu): against paged_decode_ref on the same fp8 cache and against the Triton
-kernel, over ragged contexts with NaN in every slot no sequence owns; the 4-warp kernel, the
-warp-specialized variant (``warp_specialize=True``) and the persistent one (``persistent=True``,
-also on a few programs: many items each), with CUDA-graph padding rows (seq_len 0).
+kernel, over ragged contexts with NaN in every slot no sequence owns; both variants (default,
+keys_m), at 3 and 4 programs an SM and on a few programs (many items each, 2-4 stages), with
+CUDA-graph padding rows (seq_len 0), in a CUDA graph, and through paged_decode.
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ import torch
 from sm90 import (  # tests/kernels (on sys.path under pytest)
     ptxas_sm90a,
     ptxas_usage,
-    register_budgets,
-    registers_used,
     run_compiled,
     sass_instructions,
     sass_loops,
@@ -36,35 +33,23 @@ cpu_only = pytest.mark.skipif(GPU, reason="the sm_90 compile without a GPU")
 # --------------------------------------------------------------------------- sm_90 compile (CPU)
 
 
-def compile_sm90(group: int = 4, max_regs: int | None = None, ws: bool = False, stages: int | None = None,
-                 lazy: bool = False, persistent: bool = False, variant: str = "default"):
+def compile_sm90(group: int = 4, max_regs: int | None = None, stages: int | None = None,
+                 variant: str = "default"):
     """The kernel compiled for sm_90 as an H200 launch compiles it (bf16 q and out; pointers
-    and the strides that are multiples of 16 there marked so): Triton's CompiledKernel.
-    ``ws``: the warp-specialized variant, launched as ``_launch`` does (maxnreg ``max_regs`` or
-    WS_MAXNREG, the compute warps' setmaxnreg from it); ``stages``: None for STAGES; ``lazy``:
-    the warp-specialized variant's lazy rescale; ``persistent``: the persistent variant (its
-    register cap ``max_regs``, as ``_launch`` passes it: persistent_max_regs(programs per SM));
-    ``variant``: the persistent kernel's (PERSISTENT_VARIANTS)."""
+    and the strides that are multiples of 16 there marked so; 8 KV heads): Triton's
+    CompiledKernel. ``max_regs``: the register cap, None for what ``_launch`` passes at
+    PROGRAMS_PER_SM (persistent_max_regs); ``stages``: None for STAGES; ``variant``: one of
+    VARIANTS."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashpage.kernels import paged_decode_gluon as pg
 
-    fn = (pg._paged_decode_gluon_ws_kernel if ws else
-          pg._paged_decode_gluon_persistent_kernel if persistent else pg._paged_decode_gluon_kernel)
-    consts = {"GROUP": group, "S": stages or pg.STAGES}
-    if persistent:
-        consts["HKV"] = 8
-        consts["VARIANT"] = pg.PERSISTENT_VARIANTS[variant]
-        max_regs = max_regs or pg.persistent_max_regs(pg.PROGRAMS_PER_SM)
-    if ws:
-        max_regs = max_regs or pg.WS_MAXNREG
-        consts["COMPUTE_REGS"] = pg.ws_compute_regs(max_regs)
-        consts["LAZY"] = lazy
+    fn = pg._paged_decode_gluon_persistent_kernel
+    consts = {"GROUP": group, "S": stages or pg.STAGES, "HKV": 8, "KEYS_M": variant == "keys_m"}
+    max_regs = max_regs or pg.persistent_max_regs(pg.PROGRAMS_PER_SM)
     desc = f"tensordesc<fp8e4nv[{pg.PAGE}, {pg.HEAD_DIM}],{pg._TMA_SMEM.value!r}>"
-    if variant == "keys_m2":  # KV-head pairs: [2, 16, 128] boxes
-        desc = f"tensordesc<fp8e4nv[2, {pg.PAGE}, {pg.HEAD_DIM}],{pg._TMA_SMEM3.value!r}>"
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "k_desc": desc, "v_desc": desc, "block_tables_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "sm_scale_log2": "fp32"})
@@ -89,38 +74,11 @@ def sass_loop_mix(sass: str) -> dict[str, int]:
     return dict(mix)
 
 
-def sass_ws_partitions(sass: str) -> dict:
-    """The warp-specialized kernel's SASS by partition (sm90.register_budgets: the partitions
-    start with a USETMAXREG); the loops are the backward branches before the last EXIT (the
-    mbarrier retry stubs after it excluded) that hold no USETMAXREG (the worker warps'
-    dispatch loop around the partitions). Returns the opcode mix of each loop holding an HMMA
-    (``compute``) or a TMA issue (``producer``), the budgets under which UTMALDG and HMMA
-    occur, and the highest register used under each budget."""
-    ins, labels = sass_instructions(sass)
-    budget = register_budgets(ins)
-    last_exit = max(i for i, t in enumerate(ins) if t.startswith("EXIT"))
-    out: dict = {"compute": [], "producer": []}
-    for lo, hi in sass_loops(ins, labels, last_exit):
-        body = [t.split(" ")[0] for t in ins[lo:hi + 1]]
-        if any(o.startswith("USETMAXREG") for o in body):
-            continue  # the workers' dispatch loop, around the partitions
-        mix: dict = collections.Counter(body)
-        mix["total"] = len(body)
-        mix["budget"] = budget[lo]
-        if any(o.startswith("HMMA") for o in body):
-            out["compute"].append(dict(mix))
-        elif "UTMALDG.2D" in body:
-            out["producer"].append(dict(mix))
-    out["utmaldg_budgets"] = sorted({budget[i] for i, t in enumerate(ins) if t.startswith("UTMALDG")})
-    out["hmma_budgets"] = sorted({budget[i] for i, t in enumerate(ins) if t.startswith("HMMA")})
-    out["registers_used"] = registers_used(ins, budget)
-    return out
-
-
 def _sm90_report() -> dict:
     """(In a subprocess with the interpreter off.) ptxas -v's registers and spills, the
-    shared memory, whether the PTX issues TMA loads, and the main loop's SASS mix; for the
-    kernel as compiled and with a 128-register cap. {"skip": why} where Gluon cannot compile."""
+    shared memory, whether the PTX issues TMA loads, and the tile loop's SASS mix; for each
+    variant at 3 programs an SM (its register cap) and at 4 (128). {"skip": why} where Gluon
+    cannot compile."""
     import triton
 
     try:
@@ -130,39 +88,24 @@ def _sm90_report() -> dict:
     from flashpage.kernels import paged_decode_gluon as pg
 
     out = {}
-    cap4 = pg.persistent_max_regs(4)
-    for name, cap, ws, lazy, persistent, variant in (
-            ("default", None, False, False, False, "default"), ("r128", 128, False, False, False, "default"),
-            ("ws", None, True, False, False, "default"), ("ws_lazy", None, True, True, False, "default"),
-            ("persistent", None, False, False, True, "default"),
-            ("persistent_4", cap4, False, False, True, "default"),
-            ("persistent_dims_m", None, False, False, True, "dims_m"),
-            ("persistent_dims_m_4", cap4, False, False, True, "dims_m"),
-            ("persistent_keys_m", None, False, False, True, "keys_m"),
-            ("persistent_keys_m_4", cap4, False, False, True, "keys_m"),
-            ("persistent_keys_m2", None, False, False, True, "keys_m2"),
-            ("persistent_keys_m2_4", cap4, False, False, True, "keys_m2")):
-        k = compile_sm90(max_regs=cap, ws=ws, lazy=lazy, persistent=persistent, variant=variant)
-        log, sass = ptxas_sm90a(k.asm["ptx"])
-        out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared,
-                         threads=32 * k.metadata.num_warps, tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"])
-        if ws:
-            out[name].update(sass_ws_partitions(sass))
-        else:
-            out[name]["loop"] = sass_loop_mix(sass)
+    for variant in pg.VARIANTS:
+        for name, cap in ((variant, None), (f"{variant}_4", pg.persistent_max_regs(4))):
+            k = compile_sm90(max_regs=cap, variant=variant)
+            log, sass = ptxas_sm90a(k.asm["ptx"])
+            out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, threads=32 * k.metadata.num_warps,
+                             tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], loop=sass_loop_mix(sass))
     return out
 
 
 @cpu_only
 def test_gluon_decode_compiles_for_sm90():
-    """TMA loads, no spill at ptxas's own register count, K and V read from shared memory
-    in 16-byte loads only (8 per warp per 64-key tile: 4 of K, 4 of V), 32 HMMA and 64
-    e4m3 -> fp16 widenings per tile; the warp-specialized variant (WS) likewise per compute
-    warp, plus: its compute loops meet no bar.sync and issue no TMA (one mbarrier wait, one
-    arrive a tile), every UTMALDG is the producer's, no spill at 136 registers for the compute
-    warps; the persistent variant: 3 programs an SM (4 by shared memory), its tile loop the
-    default one's plus the producer cursor; prints registers, shared memory, programs per SM and
-    the loops' mixes."""
+    """The default variant at 3 programs an SM: TMA loads, no spill under its register cap, 3
+    programs an SM by registers and 4 by shared memory (the merge goes through the ring: no 32
+    KB reduction scratch beside it); per warp per 64-key tile 8 TMA boxes (4 K, 4 V page
+    pieces), K and V read from shared memory in 16-byte loads only (8: 4 of K, 4 of V), 32 HMMA,
+    64 e4m3 -> fp16 widenings, one mbarrier wait, Triton's 10 bar.syncs, no integer division
+    (the KV head count is a constexpr); then keys_m against it. Prints registers,
+    shared memory, programs per SM and the loops' mixes."""
     from flashpage.kernels import paged_decode_gluon as pg
 
     rep = run_compiled("test_paged_decode_gluon", "_sm90_report")
@@ -172,88 +115,46 @@ def test_gluon_decode_compiles_for_sm90():
         per_sm = min(65536 // (r["regs"] * r["threads"]), (227 * 1024) // r["shared"])
         print(f"{name}: {r['regs']} registers x {r['threads']} threads, {r['spill_bytes']} bytes spilled, "
               f"{r['shared']} B shared, {per_sm} programs per SM")
-        for key in ("loop", "compute", "producer", "utmaldg_budgets", "hmma_budgets", "registers_used"):
-            if key in r:
-                print(f"  {key}: {r[key]}")
-    d = rep["default"]
-    assert d["tma_ptx"] and d["spill_bytes"] == 0
-    loop = d["loop"]
-    assert loop["UTMALDG.2D"] == 8  # 4 K + 4 V page pieces per tile
-    assert loop["LDS.128"] == 8 and not any(o.startswith("LDS") and o != "LDS.128" for o in loop)
-    assert loop["HMMA.16816.F32"] == 32
-    assert loop["F2FP.F16.E4M3.UNPACK_B"] == 64
-    assert loop["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1  # one mbarrier wait per tile
-
-    ws = rep["ws"]
-    compute_regs = pg.ws_compute_regs(pg.WS_MAXNREG)
-    assert ws["tma_ptx"] and ws["spill_bytes"] == 0 and ws["regs"] == pg.WS_MAXNREG
-    assert ws["threads"] == 256  # the producer's warpgroup + the 4 compute warps
-    assert 65536 // (ws["regs"] * ws["threads"]) == 3
-    assert len(ws["compute"]) == 4  # one loop per one-warp compute partition
-    for c in ws["compute"]:
-        assert c["budget"] == compute_regs
-        assert not any(o.startswith(("BAR", "UTMA")) for o in c)  # no bar.sync, no TMA issue
-        assert c["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1  # the stage's ready barrier
-        assert c["SYNCS.ARRIVE.TRANS64.A1T0"] == 1  # its empty barrier
-        assert c["LDS.128"] == 8 and not any(o.startswith("LDS") and o != "LDS.128" for o in c)
-        assert c["HMMA.16816.F32"] == 32 and c["F2FP.F16.E4M3.UNPACK_B"] == 64
-    assert len(ws["producer"]) == 1
-    p = ws["producer"][0]
-    assert p["UTMALDG.2D"] == 8 and p["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1
-    assert ws["utmaldg_budgets"] == [p["budget"]] == [2 * pg.WS_MAXNREG - compute_regs]  # producer only
-    assert ws["hmma_budgets"] == [compute_regs]
-    assert ws["registers_used"][str(compute_regs)] <= compute_regs
-
-    # Persistent: 3 programs an SM by registers and shared memory (the merge goes through the
-    # ring: no 32 KB reduction scratch beside it), 4 by shared memory too; its tile loop is the
-    # default kernel's (same TMA, loads, HMMA, one wait, the same bar.syncs) plus the producer
-    # cursor, with no integer division (the KV head count is a constexpr).
-    pe = rep["persistent"]
+        print(f"  loop: {r['loop']}")
+    pe = rep["default"]
     assert pe["tma_ptx"] and pe["spill_bytes"] == 0
     assert pe["regs"] <= pg.persistent_max_regs(pg.PROGRAMS_PER_SM) and 65536 // (pe["regs"] * 128) >= 3
     assert 4 * (pe["shared"] + 1024) <= 228 * 1024
     pl = pe["loop"]
-    for op in ("UTMALDG.2D", "LDS.128", "HMMA.16816.F32", "F2FP.F16.E4M3.UNPACK_B",
-               "SYNCS.PHASECHK.TRANS64.TRYWAIT", "BAR.SYNC.DEFER_BLOCKING"):
-        assert pl[op] == loop[op], op
-    assert not any(o.startswith(("LDS", "STS")) and o != "LDS.128" for o in pl)
+    assert pl["UTMALDG.2D"] == 8  # 4 K + 4 V page pieces per tile
+    assert pl["LDS.128"] == 8 and not any(o.startswith(("LDS", "STS")) and o != "LDS.128" for o in pl)
+    assert pl["HMMA.16816.F32"] == 32
+    assert pl["F2FP.F16.E4M3.UNPACK_B"] == 64
+    assert pl["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1  # one mbarrier wait per tile
+    assert pl["BAR.SYNC.DEFER_BLOCKING"] == 10  # Triton's bar.sync between TMA issues, and the release
     assert not any(o in pl for o in ("MUFU.RCP", "I2F.RP", "IABS"))  # no runtime division
-    assert pl["total"] <= loop["total"] + 100, (pl["total"], loop["total"])
+    assert pl["total"] <= 610, pl["total"]  # Triton 3.6: 590
 
-    # The persistent kernel's variants (GQA group padded to 8): the same TMA, the same 16-byte
-    # loads of K and V, the same widenings and one wait a tile, but P.V transposed (dims_m: 8
-    # HMMA a piece instead of 16, a 32-register accumulator: half the rescaling FMULs; the softmax
-    # on 4 scores a thread instead of 8) and, keys_m, Q.K^T too (8 HMMA instead of 16); q scaled
-    # in the mma's operand layout (no operand copies before each QK HMMA). Each loop at least 100
-    # instructions a warp shorter than the default persistent one (590 in Triton 3.6: dims_m
-    # 463, keys_m 455), and under 128 registers (4 programs an SM) without a spill. keys_m2
-    # (keys_m over KV-head pairs): 4 TMA boxes a tile instead of 8 (3-D, [2 heads, 16, 128]), 4
-    # BAR.SYNC fewer, at least 200 shorter (367).
-    for variant, hmma in (("dims_m", 24), ("keys_m", 16), ("keys_m2", 16)):
-        for name in (f"persistent_{variant}", f"persistent_{variant}_4"):
-            r = rep[name]
-            vl = r["loop"]
-            assert r["tma_ptx"] and r["spill_bytes"] == 0, name
-            for op in ("LDS.128", "F2FP.F16.E4M3.UNPACK_B", "SYNCS.PHASECHK.TRANS64.TRYWAIT"):
-                assert vl[op] == loop[op], (name, op)
-            if variant == "keys_m2":
-                assert vl["UTMALDG.3D"] == 4 and "UTMALDG.2D" not in vl, name
-                assert vl["BAR.SYNC.DEFER_BLOCKING"] == pl["BAR.SYNC.DEFER_BLOCKING"] - 4, name
-                assert vl["total"] <= pl["total"] - 200, (name, vl["total"], pl["total"])
-            else:
-                assert vl["UTMALDG.2D"] == loop["UTMALDG.2D"], name
-            assert not any(o.startswith(("LDS", "STS")) and o != "LDS.128" for o in vl), name
-            assert vl["HMMA.16816.F32"] == hmma, name
-            assert vl["FMUL"] <= pl["FMUL"] // 2, name  # the rescale of a [128, 8] accumulator
-            assert vl["MUFU.EX2"] <= 6, name  # 4 scores + the alphas
-            assert vl.get("SHFL.IDX", 0) <= 2, name  # alpha's move (dims_m), P's transpose (keys_m): 2
-            assert vl["total"] <= pl["total"] - 100, (name, vl["total"], pl["total"])
-        assert rep[f"persistent_{variant}"]["regs"] <= pg.persistent_max_regs(pg.PROGRAMS_PER_SM)
-        assert rep[f"persistent_{variant}_4"]["regs"] <= pg.persistent_max_regs(4)
+    # keys_m (GQA group padded to 8): the same TMA, the same 16-byte loads of K and V, the same
+    # widenings and one wait a tile, but both dots transposed: 8 HMMA a piece instead of 16, a
+    # [128, 8] accumulator (half the rescaling FMULs), the softmax on 4 scores a thread instead of
+    # 8, q scaled in the mma's operand layout (no operand copies before each QK HMMA). At least 100
+    # instructions a warp shorter than the default (Triton 3.6: 455 against 590), and under 128
+    # registers (4 programs an SM) without a spill.
+    for name in ("keys_m", "keys_m_4"):
+        r = rep[name]
+        vl = r["loop"]
+        assert r["tma_ptx"] and r["spill_bytes"] == 0, name
+        for op in ("UTMALDG.2D", "LDS.128", "F2FP.F16.E4M3.UNPACK_B", "SYNCS.PHASECHK.TRANS64.TRYWAIT",
+                   "BAR.SYNC.DEFER_BLOCKING"):
+            assert vl[op] == pl[op], (name, op)
+        assert not any(o.startswith(("LDS", "STS")) and o != "LDS.128" for o in vl), name
+        assert vl["HMMA.16816.F32"] == 16, name
+        assert vl["FMUL"] <= pl["FMUL"] // 2, name  # the rescale of a [128, 8] accumulator
+        assert vl["MUFU.EX2"] <= 6, name  # 4 scores + the alphas
+        assert vl.get("SHFL.IDX", 0) <= 2, name  # P's transpose
+        assert vl["total"] <= pl["total"] - 100, (name, vl["total"], pl["total"])
+    assert rep["keys_m"]["regs"] <= pg.persistent_max_regs(pg.PROGRAMS_PER_SM)
+    assert rep["keys_m_4"]["regs"] <= pg.persistent_max_regs(4)
 
 
 def test_gluon_decode_variant_views():
-    """The variants' shared-memory views and load layouts are the default kernel's with the
+    """keys_m's shared-memory views and load layouts are the default variant's with the
     last two coordinates swapped (V^T of _V_VIEW, K of _K_VIEW^T: the same bytes, the same
     head-dim permutation), and the load layouts own, thread by thread, what the mma operand
     layouts need (so that the conversion only renames registers)."""
@@ -290,9 +191,11 @@ def test_gluon_decode_rejects_what_it_does_not_cover():
     from flashpage.kernels.paged_decode_gluon import _launch
 
     with pytest.raises(ValueError, match="variant must be one of"):
-        _launch(q, kc, kc, tables, lens, persistent=True, variant="keys")
-    with pytest.raises(ValueError, match="persistent=True"):
-        _launch(q, kc, kc, tables, lens, variant="keys_m")
+        _launch(q, kc, kc, tables, lens, variant="keys")
+    with pytest.raises(ValueError, match="programs_per_sm must be 1-4"):
+        _launch(q, kc, kc, tables, lens, programs_per_sm=5)
+    with pytest.raises(ValueError, match="stages must be >= 2"):
+        _launch(q, kc, kc, tables, lens, stages=1)
     if not GPU:
         with pytest.raises(ValueError, match="sm_90"):
             paged_decode_gluon(q, kc, kc, tables, lens)
@@ -309,28 +212,24 @@ def test_gluon_decode_rejects_what_it_does_not_cover():
         kc32 = torch.zeros(4, 32, 8, 128, device=dev).to(torch.float8_e4m3fn)
         paged_decode_gluon(q, kc32, kc32, tables, lens)
     with pytest.raises(ValueError, match="at most 8 query heads"):  # 16 a KV head: a group of 16
-        _launch(q, kc[:, :, :2].contiguous(), kc[:, :, :2].contiguous(), tables, lens, persistent=True,
-                variant="dims_m")
-    with pytest.raises(ValueError, match="an even count"):  # keys_m2 over one KV head
-        _launch(q[:, :8].contiguous(), kc[:, :, :1].contiguous(), kc[:, :, :1].contiguous(), tables, lens,
-                persistent=True, variant="keys_m2")
+        _launch(q, kc[:, :, :2].contiguous(), kc[:, :, :2].contiguous(), tables, lens, variant="keys_m")
 
 
 def test_engine_form_and_its_switch(monkeypatch):
-    """What paged_decode hands the persistent kernel: keys_m at 4 programs an SM; the default
-    variant at 3 for groups over 8; keys_m2 only over an even KV head count; a variant named
-    by FLASHPAGE_DECODE_GLUON; a misspelt one is an error naming the choices."""
+    """What paged_decode hands the persistent kernel: keys_m at 4 programs an SM (a group of 8
+    too); the default variant at 3 for groups over 8, whatever is asked; a variant named by
+    FLASHPAGE_DECODE_GLUON; a misspelt or removed one is an error naming the choices."""
     from flashpage import envs
     from flashpage.kernels.paged_decode_gluon import engine_form
 
-    assert engine_form(4, 8) == {"variant": "keys_m", "programs_per_sm": 4}
-    assert engine_form(16, 2) == {"variant": "default", "programs_per_sm": 3}
-    assert engine_form(4, 8, "keys_m2") == {"variant": "keys_m2", "programs_per_sm": 4}
-    assert engine_form(4, 1, "keys_m2") == {"variant": "keys_m", "programs_per_sm": 4}
-    assert engine_form(4, 8, "default") == {"variant": "default", "programs_per_sm": 3}
-    with pytest.raises(ValueError, match="FLASHPAGE_DECODE_GLUON.*keys_m2.*'keys'"):
-        engine_form(4, 8, "keys")
-    for value, want in (("1", None), ("0", None), ("dims_m", "dims_m")):
+    assert engine_form(4) == engine_form(8) == {"variant": "keys_m", "programs_per_sm": 4}
+    assert engine_form(16) == engine_form(16, "keys_m") == {"variant": "default", "programs_per_sm": 3}
+    assert engine_form(4, "keys_m") == {"variant": "keys_m", "programs_per_sm": 4}
+    assert engine_form(4, "default") == {"variant": "default", "programs_per_sm": 3}
+    for bad in ("keys", "dims_m", "keys_m2"):
+        with pytest.raises(ValueError, match=f"FLASHPAGE_DECODE_GLUON.*'default', 'keys_m'.*'{bad}'"):
+            engine_form(4, bad)
+    for value, want in (("1", None), ("0", None), ("default", "default")):
         monkeypatch.setenv("FLASHPAGE_DECODE_GLUON", value)
         assert envs.decode_gluon_variant() == want and envs.decode_gluon() == (value != "0")
     monkeypatch.delenv("FLASHPAGE_DECODE_GLUON")
@@ -347,30 +246,17 @@ GLUON_CASES = [
     [2048, 1000, 200, 64, 17, 1] * 6,  # longest first, 36 sequences (288 programs)
     [65, 63, 128, 129, 191, 192, 193],  # around the 64-key tile boundary
 ]
-GLUON_VARIANTS = {"default": {}, "r128": {"max_regs": 128}, "ws": {"warp_specialize": True},
-                  "s4": {"stages": 4}, "ws_lazy_s4": {"warp_specialize": True, "stages": 4, "lazy": True},
-                  "ws_lazy_s6": {"warp_specialize": True, "stages": 6, "lazy": True},
-                  "persistent": {"persistent": True}, "persistent_pps4": {"persistent": True, "programs_per_sm": 4},
+GLUON_VARIANTS = {"default": {}, "pps4": {"programs_per_sm": 4},
                   # a few programs, many items each: tiles in flight across item boundaries, items
                   # shorter than the tiles in flight
-                  "persistent_p5": {"persistent": True, "programs": 5},
-                  "persistent_p7_s2": {"persistent": True, "programs": 7, "stages": 2},
-                  "persistent_p3_s4": {"persistent": True, "programs": 3, "stages": 4},
-                  # the variants (P.V transposed; keys_m: Q.K^T too), as compiled, under 128
-                  # registers (4 programs an SM), and on a few programs at 2-4 stages
-                  "persistent_dims_m": {"persistent": True, "variant": "dims_m"},
-                  "persistent_keys_m": {"persistent": True, "variant": "keys_m"},
-                  "persistent_dims_m_pps4": {"persistent": True, "variant": "dims_m", "programs_per_sm": 4},
-                  "persistent_keys_m_pps4": {"persistent": True, "variant": "keys_m", "programs_per_sm": 4},
-                  "persistent_dims_m_p5": {"persistent": True, "variant": "dims_m", "programs": 5},
-                  "persistent_keys_m_p5": {"persistent": True, "variant": "keys_m", "programs": 5},
-                  "persistent_keys_m_p7_s2": {"persistent": True, "variant": "keys_m", "programs": 7, "stages": 2},
-                  "persistent_dims_m_p3_s4": {"persistent": True, "variant": "dims_m", "programs": 3, "stages": 4},
-                  "persistent_keys_m2": {"persistent": True, "variant": "keys_m2"},
-                  "persistent_keys_m2_pps4": {"persistent": True, "variant": "keys_m2", "programs_per_sm": 4},
-                  "persistent_keys_m2_p5": {"persistent": True, "variant": "keys_m2", "programs": 5},
-                  "persistent_keys_m2_p7_s2": {"persistent": True, "variant": "keys_m2", "programs": 7, "stages": 2},
-                  "persistent_keys_m2_p3_s4": {"persistent": True, "variant": "keys_m2", "programs": 3, "stages": 4}}
+                  "p5": {"programs": 5}, "p7_s2": {"programs": 7, "stages": 2},
+                  "p3_s4": {"programs": 3, "stages": 4},
+                  # keys_m (both dots transposed), as compiled, under 128 registers (4 programs an
+                  # SM: the engine's form), and on a few programs at 2-4 stages
+                  "keys_m": {"variant": "keys_m"}, "keys_m_pps4": {"variant": "keys_m", "programs_per_sm": 4},
+                  "keys_m_p5": {"variant": "keys_m", "programs": 5},
+                  "keys_m_p7_s2": {"variant": "keys_m", "programs": 7, "stages": 2},
+                  "keys_m_p3_s4": {"variant": "keys_m", "programs": 3, "stages": 4}}
 
 
 @pytest.mark.gpu
@@ -380,10 +266,8 @@ GLUON_VARIANTS = {"default": {}, "r128": {"max_regs": 128}, "ws": {"warp_special
 def test_paged_decode_gluon_gpu(lens, variant, monkeypatch):
     """Against paged_decode_ref on the same fp8 cache (every other slot NaN: a slot read
     past a context poisons the output) within the bf16 decode tolerance, and against the
-    Triton kernel within twice it; every output row written (out starts NaN). Each variant:
-    the 4-warp kernel as compiled, under 128 registers and with 4 stages, the warp-specialized
-    one, with the lazy rescale at 4 and 6 stages, the persistent one at 3 and 4 programs an
-    SM and on 3-7 programs (2-4 stages), and its variants dims_m, keys_m and keys_m2 likewise."""
+    Triton kernel within twice it; every output row written (out starts NaN). The default
+    variant at 3 and 4 programs an SM and on 3-7 programs (2-4 stages), and keys_m likewise."""
     from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
 
     from flashpage.kernels.paged_decode import paged_decode, paged_decode_ref
@@ -405,12 +289,11 @@ def test_paged_decode_gluon_gpu(lens, variant, monkeypatch):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("variant", ["default", "ws", "ws_lazy_s4", "persistent_dims_m", "persistent_keys_m",
-                                     "persistent_keys_m2"])
+@pytest.mark.parametrize("variant", ["default", "keys_m"])
 def test_paged_decode_gluon_sharp_scores(variant):
     """Queries scaled x 8 (scores with a std of ~11 in log2 units: maxima ~23 on a first
-    tile, ~40 over 2048 keys), so that a running max jumps by more than the lazy threshold in
-    the middle of sequences, not only on the first tile: the lazy rescale's taken branch."""
+    tile, ~40 over 2048 keys), so that a running max jumps by more than 2^8 in the middle of
+    sequences, not only on the first tile: the online rescale under large factors."""
     from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
 
     from flashpage.kernels.paged_decode import paged_decode_ref
@@ -429,10 +312,10 @@ def test_paged_decode_gluon_sharp_scores(variant):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("group", [1, 2, 8])
-@pytest.mark.parametrize("variant", ["persistent", "persistent_dims_m", "persistent_keys_m", "persistent_keys_m2"])
+@pytest.mark.parametrize("variant", ["default", "keys_m"])
 def test_paged_decode_gluon_groups(variant, group):
-    """GQA groups of 1, 2 and 8 query heads a KV head (the variants pad the group to 8: all of
-    it real at 8) against the reference, out starting NaN (every real row written)."""
+    """GQA groups of 1, 2 and 8 query heads a KV head (keys_m pads the group to 8: all of it
+    real at 8) against the reference, out starting NaN (every real row written)."""
     from test_fp8_kv import DECODE_TOL, gen, paged_pair, rel_err
 
     from flashpage.kernels.paged_decode import paged_decode_ref
@@ -451,10 +334,8 @@ def test_paged_decode_gluon_groups(variant, group):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("variant", ["default", "persistent", "persistent_p5", "persistent_p7_s2",
-                                     "persistent_p3_s4", "persistent_dims_m", "persistent_keys_m",
-                                     "persistent_dims_m_p5", "persistent_keys_m_p7_s2", "persistent_keys_m2",
-                                     "persistent_keys_m2_p5", "persistent_keys_m2_p7_s2"])
+@pytest.mark.parametrize("variant", ["default", "p5", "p7_s2", "p3_s4", "keys_m", "keys_m_p5", "keys_m_p7_s2",
+                                     "keys_m_p3_s4"])
 def test_paged_decode_gluon_padding_rows(variant):
     """seq_len 0 rows (CUDA-graph padding) among others, first, last and in runs, their block
     tables garbage: zeros for them (out starts NaN), the others as the reference."""
@@ -501,10 +382,8 @@ def check_padding_rows(launch, q, kc, vc, tables, seq_lens):
             assert (out2 == 0).all()
 
 
-GRAPH_VARIANTS = {"default": {}, "ws": {"warp_specialize": True}, "persistent": {"persistent": True},
-                  "persistent_dims_m": {"persistent": True, "variant": "dims_m"},
-                  "persistent_keys_m": {"persistent": True, "variant": "keys_m"},
-                  "persistent_keys_m2": {"persistent": True, "variant": "keys_m2"}}
+GRAPH_VARIANTS = {"default": {}, "keys_m": {"variant": "keys_m"},
+                  "keys_m_pps4": {"variant": "keys_m", "programs_per_sm": 4}}
 
 
 @pytest.mark.gpu
@@ -553,7 +432,7 @@ def check_graph_replay(launch, q, kc, vc, tables, lens, g):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("choice", ["1", "default", "dims_m", "keys_m2"])
+@pytest.mark.parametrize("choice", ["1", "default", "keys_m"])
 @pytest.mark.parametrize("group", [4, 16])
 def test_paged_decode_routes_to_the_engine_form(choice, group, monkeypatch):
     """paged_decode itself (the engine's call) at an unsplit fp8 batch, under each

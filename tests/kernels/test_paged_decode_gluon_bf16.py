@@ -194,7 +194,7 @@ def test_gluon_bf16_rejects_what_it_does_not_cover(monkeypatch):
     assert fits(3, 2) and fits(2, 3) and fits(1, 6)
     assert not fits(3, 3) and not fits(4, 2) and not fits(1, 7) and not fits(2, 1)
     with pytest.raises(ValueError, match="variant must be one of"):
-        _launch(q, kc, kc, tables, lens, variant="dims_m")
+        _launch(q, kc, kc, tables, lens, variant="default")
     with pytest.raises(ValueError, match="do not fit"):
         _launch(q, kc, kc, tables, lens, programs_per_sm=3, stages=3)
     with pytest.raises(ValueError, match="q's dtype"):
