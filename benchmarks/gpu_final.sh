@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# A record of past sessions' device calls (BENCHMARKS.md cites its parts). Parts that name the fp8 Gluon
+# decode's removed forms (dims_m, keys_m2, warp_specialize, the non-persistent kernel) run at 16f5823 only.
 # The GPU work of one session, in parts small enough for one device call each:
 #   bash benchmarks/gpu_final.sh engine    GPU tests of the engine, a decode-step breakdown,
 #                                          8B-shape throughput and latency beside HF

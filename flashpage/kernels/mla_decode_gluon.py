@@ -97,7 +97,7 @@ tile after the one that read the slot. 4 is the least membar allows with two box
 an expect and two copies write each slot's barrier (3 groups, 2 barriers), the waits read the
 barriers, and the ring is read before and after the exchange. One [9, 16, 64] box a slot with
 the ring split by slot parity too (R even) would put both copies in one group: 3. A
-warp-specialized producer (as paged_decode_gluon's ``warp_specialize``) takes the issues out
+warp-specialized producer (as paged_decode_gluon's warp-specialized kernel had, until 16f5823) takes the issues out
 of the compute warps altogether, but Gluon puts a bar.sync before each mbarrier wait and
 arrive of a 4-warp partition, and a 5th warp's registers cost the second program an SM
 unless setmaxnreg moves them.
