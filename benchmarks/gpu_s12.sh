@@ -39,7 +39,7 @@ a)
 b)
   # MLA_VARIANTS="triton gluon_all" if part a's fb tests did not pass
   timeout "$(left 150)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" \
-    --variants ${MLA_VARIANTS:-triton gluon_all gluon_all_fb} --shapes 8x32768 16x16384 8x4096 --splits 0 8 16 24 66 \
+    --variants ${MLA_VARIANTS:-triton gluon_all gluon_all_fb} --shapes 8x32768 16x16384 --splits 0 8 16 24 66 \
     2>&1 | tee "$OUT/mla_splits.txt" | tail -n 8
   echo "MLA sweep done at ${SECONDS}s"
   bash benchmarks/gpu_s12_ncu.sh  # ~250 s (8 cases, 60 s at most each)
