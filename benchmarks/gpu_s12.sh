@@ -7,7 +7,7 @@
 #                                  fewer_barriers forms' first run; (3) the bf16 decode knobs (P2 s2,
 #                                  the balanced grid) beside cuDNN at issue 6's shapes
 #   BUDGET=590 bash benchmarks/gpu_s12.sh b   the MLA key-split sweep at issue 4's short-batch shapes
-#                                  (with all_fb), then Nsight Compute on the three gaps (gpu_s12_ncu.sh)
+#                                  (with all_fb, all_pdl), then Nsight Compute on the three gaps (gpu_s12_ncu.sh)
 #   bash benchmarks/gpu_s12.sh c   end to end: 8B fp8 (the pruned kernel's engine form), 8B bf16 with
 #                                  the defaults, V2-Lite with the MLA Gluon decode off / on; then the
 #                                  gather producer's register split both ways (issue 5: is it the
@@ -38,8 +38,8 @@ a)
   echo "part a done at ${SECONDS}s" ;;
 b)
   # MLA_VARIANTS="triton gluon_all" if part a's fb tests did not pass
-  timeout "$(left 150)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" \
-    --variants ${MLA_VARIANTS:-triton gluon_all gluon_all_fb} --shapes 8x32768 16x16384 --splits 0 8 16 24 66 \
+  timeout "$(left 180)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" \
+    --variants ${MLA_VARIANTS:-triton gluon_all gluon_all_fb gluon_all_pdl} --shapes 8x32768 16x16384 --splits 0 8 16 24 66 \
     2>&1 | tee "$OUT/mla_splits.txt" | tail -n 8
   echo "MLA sweep done at ${SECONDS}s"
   bash benchmarks/gpu_s12_ncu.sh  # ~250 s (8 cases, 60 s at most each)

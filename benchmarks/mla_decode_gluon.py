@@ -19,7 +19,8 @@ in the kernel), ``gluon_peel`` (peel: an item's last tile out of the loop), ``gl
 ``gluon_peel_f1`` (peel, the merge kernel from 2 splits) and ``gluon_all`` (peel, lean, lazy) by
 default; ``gluon_lean`` / ``gluon_lazy``, ``gluon_peel_f8``, ``gluon_s4`` (4 ring slots),
 ``gluon_p1sm`` (one program an SM), ``gluon_fb`` (fewer_barriers: 4 CTA barriers a tile, not
-8) and ``gluon_all_fb`` (peel, lean, lazy and fewer_barriers) on request.
+8), ``gluon_all_fb`` (peel, lean, lazy and fewer_barriers) and ``gluon_all_pdl`` (peel, lean,
+lazy, the merge kernel launched with PDL) on request.
 
 Writes $OUT/mla_decode_gluon.json and prints a markdown table.
 """
@@ -51,6 +52,8 @@ VARIANTS = {
     # fewer CTA barriers a tile (8 -> 4 BAR.SYNC), alone and with the three
     "gluon_fb": (gluon_launch, {"fewer_barriers": True}),
     "gluon_all_fb": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "fewer_barriers": True}),
+    # the merge kernel (past FUSE_MAX_SPLITS splits) launched with PDL, under this kernel's tail
+    "gluon_all_pdl": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "pdl_merge": True}),
     "gluon_s4": (gluon_launch, {"stages": 4}),
     # every split count merged inside the kernel (the default merges > FUSE_MAX_SPLITS with
     # mla_decode's merge kernel; run 85 measured this form as "gluon")

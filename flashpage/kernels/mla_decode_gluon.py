@@ -35,7 +35,8 @@ slots are refilled right after the next tile's barrier.
 Splits: partials (o normalized, fp32 [16, 512], and lse base 2) go to scratch, in
 ``mla_decode``'s layout (mid_o [B, H, S, 512], mid_lse [B, H, S]). Past FUSE_MAX_SPLITS splits
 its merge kernel runs after this one (one program per sequence, head and column chunk: the
-partials read in parallel); up to it, each split counts itself in (an atomic per sequence and head group, acq_rel at gpu scope, after a CTA
+partials read in parallel; ``pdl_merge`` launches it with PDL, this kernel triggering it at its
+start, so its launch hides under this one's tail: not yet timed); up to it, each split counts itself in (an atomic per sequence and head group, acq_rel at gpu scope, after a CTA
 barrier) and the last to arrive merges every partial, in split order from scratch (its own
 too: a call's output does not depend on which split came last), into ``out`` and sets the
 counter back to 0: a captured CUDA graph replays from a clean state. One split (a
@@ -120,6 +121,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashpage.kernels.mla_decode import _merge, _merge_counters
+from flashpage.kernels.pdl import resolve_pdl
 
 _LOG2E = 1.4426950408889634
 RANK, ROPE = 512, 64  # DeepSeek-V2/V3: the only shape taken
@@ -664,7 +666,11 @@ def _mla_decode_gluon_kernel(
     LAZY: gl.constexpr,  # rescale the accumulator only when a row's max grew by > 2^LAZY_LOG2
     MERGE: gl.constexpr = True,  # SPLIT: the last split to arrive merges (else mla_decode's merge kernel)
     FB: gl.constexpr = False,  # fewer CTA barriers a tile: per-slot scratch, a tile's two issues batched
+    PDL_TRIGGER: gl.constexpr = False,  # let the merge kernel (launched with PDL) launch before this one ends
 ):
+    if PDL_TRIGGER:  # the merge kernel waits (griddepcontrol.wait) for this grid before it reads
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -834,13 +840,15 @@ def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -
 
 def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=None, num_splits=None,
             programs: int | None = None, stages: int = STAGES, peel: bool = False, lean: bool = False,
-            lazy: bool = False, fewer_barriers: bool = False, fuse_max_splits: int = FUSE_MAX_SPLITS):
+            lazy: bool = False, fewer_barriers: bool = False, fuse_max_splits: int = FUSE_MAX_SPLITS,
+            pdl_merge: bool = False):
     """mla_decode_gluon with the knobs tests and benchmarks turn: ``programs`` (None: 2 an SM,
     at most one a work item), ``stages`` (ring slots, >= 4), ``peel`` (an item's last tile out
     of the loop), ``lean`` (ring counters, the producer's items without divisions), ``lazy``
     (the accumulator rescaled only when a row's max grew by > 2^8), ``fewer_barriers`` (fewer
     CTA barriers a tile: the module doc), ``fuse_max_splits`` (the most splits merged inside
-    the kernel; more: the merge kernel)."""
+    the kernel; more: the merge kernel), ``pdl_merge`` (that merge kernel launched with PDL,
+    this one letting it launch from its start: its launch under this kernel's tail, not after)."""
     why = mla_gluon_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
     if why:
         raise ValueError("mla_decode_gluon cannot take this call: " + "; ".join(why))
@@ -872,14 +880,15 @@ def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=
     if fused:
         counters = _merge_counters(q.device, B * hg)
     grid = min(items, max(1, programs or slots))
+    pdl = split and not fused and resolve_pdl(pdl_merge, q.device)
     _mla_decode_gluon_kernel[(grid,)](
         q, *_cache_descriptors(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse, counters,
         sm_scale * _LOG2E, 1.0 / num_splits, items, num_splits, hg,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         PAGE=kv_cache.shape[1], R=stages, SPLIT=split, PEEL=peel, LEAN=lean, LAZY=lazy, MERGE=fused,
-        FB=fewer_barriers, num_warps=NUM_WARPS)
+        FB=fewer_barriers, PDL_TRIGGER=pdl, num_warps=NUM_WARPS)
     if split and not fused:
-        _merge(mid_o, mid_lse, out, RANK)
+        _merge(mid_o, mid_lse, out, RANK, pdl)
     return out
 
 

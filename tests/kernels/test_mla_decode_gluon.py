@@ -33,7 +33,7 @@ TOL = 2e-2  # ||out - ref|| / ||ref||, bf16 (test_mla_decode.py's REL_TOL)
 
 def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True, peel: bool = False,
                  lean: bool = False, lazy: bool = False, merge: bool = True,
-                 fewer_barriers: bool = False):
+                 fewer_barriers: bool = False, pdl_trigger: bool = False):
     """The kernel compiled for sm_90 as an H200 launch compiles it (bf16; pointers and the
     strides that are multiples of 16 there marked so)."""
     import triton
@@ -44,7 +44,7 @@ def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True, 
 
     fn = mg._mla_decode_gluon_kernel
     consts = {"PAGE": page, "R": stages or mg.STAGES, "SPLIT": split, "PEEL": peel, "LEAN": lean, "LAZY": lazy,
-              "MERGE": merge, "FB": fewer_barriers}
+              "MERGE": merge, "FB": fewer_barriers, "PDL_TRIGGER": pdl_trigger}
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[8, 16, 64],{mg._TMA_SMEM.value!r}>",
                 "pe_desc": f"tensordesc<bf16[16, 64],{mg._TMA_SMEM2.value!r}>", "block_tables_ptr": "*i32",
@@ -93,25 +93,28 @@ FB_BAR_SYNC = 4  # fewer_barriers' tile loop: the kernel's module doc says which
 def _sm90_report() -> dict:
     """(In a subprocess with the interpreter off.) Registers, spills, shared memory and the tile
     loop's mix of every form at page 64 with splits (R = 5), of the default and "all" at page 16
-    and without splits, of the default and "peel" leaving the merge to the merge kernel, and of
-    "all_fb" at an even ring size (R = 4: its barriers and phases differ from odd R's)."""
+    and without splits, of the default and "peel" leaving the merge to the merge kernel (and
+    "peel" so with pdl_merge's trigger), and of "all_fb" at an even ring size (R = 4: its
+    barriers and phases differ from odd R's)."""
     try:
         import triton.experimental.gluon  # noqa: F401
     except ImportError as ex:
         return {"skip": f"no Gluon in this Triton: {ex}"}
     out = {}
-    compiles = [(form, 64, True, True, None) for form in FORMS]
-    compiles += [(form, page, split, True, None) for form in ("default", "all")
+    compiles = [(form, 64, True, True, None, False) for form in FORMS]
+    compiles += [(form, page, split, True, None, False) for form in ("default", "all")
                  for page, split in ((16, True), (64, False))]
-    compiles += [(form, 64, True, False, None) for form in ("default", "peel")]  # partials for the merge kernel
-    compiles += [("all_fb", 64, True, True, 4)]
-    for form, page, split, merge, stages in compiles:
-        k = compile_sm90(page=page, split=split, merge=merge, stages=stages, **FORMS[form])
+    compiles += [(form, 64, True, False, None, False) for form in ("default", "peel")]  # partials for the merge kernel
+    compiles += [("peel", 64, True, False, None, True)]  # ... which pdl_merge lets launch early
+    compiles += [("all_fb", 64, True, True, 4, False)]
+    for form, page, split, merge, stages, pdl in compiles:
+        k = compile_sm90(page=page, split=split, merge=merge, stages=stages, pdl_trigger=pdl, **FORMS[form])
         log, sass = ptxas_sm90a(k.asm["ptx"])
         name = f"{form}_p{page}" + ("" if split else "_nosplit") + ("" if merge else "_nomerge") \
-            + (f"_s{stages}" if stages else "")
+            + (f"_s{stages}" if stages else "") + ("_pdl" if pdl else "")
         out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, loop=tile_loop_mix(sass),
-                         tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], form=form)
+                         tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], form=form,
+                         trigger="griddepcontrol.launch_dependents" in k.asm["ptx"])
     return out
 
 
@@ -162,6 +165,9 @@ def test_mla_gluon_compiles_for_sm90():
         a, b = rep[f"{fb}_p64"]["loop"], rep[f"{base}_p64"]["loop"]
         assert a["BAR.SYNC.DEFER_BLOCKING"] < b["BAR.SYNC.DEFER_BLOCKING"], fb
         assert a["total"] <= b["total"] + 8, (fb, a["total"], b["total"])
+    # pdl_merge: the trigger once at the start, the tile loop untouched; no other form has it
+    assert [n for n, r in rep.items() if r["trigger"]] == ["peel_p64_nomerge_pdl"]
+    assert rep["peel_p64_nomerge_pdl"]["loop"] == rep["peel_p64_nomerge"]["loop"]
 
 
 def _args(batch=2, heads=16, page=64, blocks=8, device="cpu", dtype=torch.bfloat16):
@@ -289,6 +295,8 @@ KNOBS = {
     "fused40": {"num_splits": 40, "fuse_max_splits": 64},
     "merge_kernel2": {"num_splits": 2, "fuse_max_splits": 1},
     "p5_merge_kernel3": {"programs": 5, "num_splits": 3, "fuse_max_splits": 1},
+    # the merge kernel launched with PDL (griddepcontrol.wait before it reads the partials)
+    "pdl_merge9": {"num_splits": 9, "pdl_merge": True},
 }
 
 
