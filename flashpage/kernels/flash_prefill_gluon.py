@@ -183,6 +183,7 @@ _D = gl.constexpr(HEAD_DIM)
 _BM = gl.constexpr(BLOCK_M)
 _BN = gl.constexpr(BLOCK_N)
 _WM = gl.constexpr(WG_M)
+_MAXNREG = gl.constexpr(MAXNREG)
 
 # wgmma accumulators of one consumer warpgroup: S [64, BLOCK_N] and O [64, 128], m64nNk16.
 _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -193,6 +194,8 @@ _O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta
 _P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT, k_width=2))
 # A tile's box rows (paged), lane p of each producer warp holding box p's.
 _ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+# The same for a producer of one warp (producer="tma1").
+_ROWS_LAYOUT1 = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 # A [16, 128] piece of a V tile over one consumer warpgroup (16 bytes a thread a row: the
 # swizzle's unit), for zeroing the rows past a paged sequence's context.
 _V_ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
@@ -293,14 +296,19 @@ def _kv_range(m0, seq_q, seq_k, CAUSAL: gl.constexpr, PAGED: gl.constexpr):
 
 
 @gluon.jit
-def _kv_rows(j, bt_row, last_page, PAGE: gl.constexpr, PIECE: gl.constexpr):
+def _kv_rows(j, bt_row, last_page, PAGE: gl.constexpr, PIECE: gl.constexpr,
+             PRODUCER_WARPS: gl.constexpr):
     """PAGED: the cache rows (slots) of key tile j's 128 / PIECE boxes, [128 / PIECE] int32 in
     every producer thread's registers: box p starts at key 128 j + PIECE p, in slot
     block_tables[b, page] * PAGE + the key's offset in its page; a page past the context
     (after last_page, the page of key seq_k - 1) re-reads last_page (a valid block id; the
     rows past seq_k are masked and their V zeroed). One load per box, all issued together
-    (the producer loads them before it waits for the ring slot)."""
-    offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT)
+    (the producer loads them before it waits for the ring slot). PRODUCER_WARPS: the
+    producer partition's warps (4, or 1 for producer="tma1"), which the layout spans."""
+    if PRODUCER_WARPS == 1:
+        offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT1)
+    else:
+        offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT)
     pos = j * _BN + offs * PIECE
     blk = gl.load(bt_row + gl.minimum(pos // PAGE, last_page))
     return blk * PAGE + pos % PAGE
@@ -308,12 +316,15 @@ def _kv_rows(j, bt_row, last_page, PAGE: gl.constexpr, PIECE: gl.constexpr):
 
 @gluon.jit
 def _issue_kv(desc, stage, bar, j, k_start, rows, kv_col, PAGED: gl.constexpr,
-              PIECE: gl.constexpr):
+              PIECE: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
     """TMA of key tile j's [128, 128] rows of one KV head into ``stage``, on ``bar``.
     Contiguous: one box at row k_start + 128 j. PAGED: 128 / PIECE boxes of PIECE rows, box p
     at rows[p] (_kv_rows) into stage rows PIECE p .. PIECE p + PIECE - 1."""
     if PAGED:
-        offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT)
+        if PRODUCER_WARPS == 1:
+            offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT1)
+        else:
+            offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT)
         for p in gl.static_range(_BN // PIECE):
             # element p of a tensor every thread holds whole (max, not sum: a replicated
             # layout may be reduced over its copies too; rows are >= 0)
@@ -368,7 +379,7 @@ def _load_tile(t, it, qi, h, m0, q_start, seq, seq_k, bt_row, sched_ptr, slot_pt
                q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, group, CAUSAL: gl.constexpr,
                DYN: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
                PAGED: gl.constexpr, PAGE: gl.constexpr, PIECE: gl.constexpr,
-               SLOT64: gl.constexpr):
+               SLOT64: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
     """One work tile's loads: K_j and V_j of every key tile into ring slot ``it % NUM_STAGES``
     (``it`` counts key tiles over all work tiles) once both consumers have released what it
     held, and Q into Q buffer ``qi % Q_BUFS`` (after K_0, once both consumers are done with
@@ -395,11 +406,11 @@ def _load_tile(t, it, qi, h, m0, q_start, seq, seq_k, bt_row, sched_ptr, slot_pt
             _gather_kv(k_cache_ptr + kv_col, k_smem.index(s), k_ready.index(s), rows)
         else:
             if PAGED:  # the block-table loads under the wait for the slot
-                rows = _kv_rows(j, bt_row, last_page, PAGE, PIECE)
+                rows = _kv_rows(j, bt_row, last_page, PAGE, PIECE, PRODUCER_WARPS)
             mbarrier.wait(k_empty.index(s), phase)
             mbarrier.expect(k_ready.index(s), kv_bytes)
             _issue_kv(k_desc, k_smem.index(s), k_ready.index(s), j, q_start, rows, kv_col, PAGED,
-                      PIECE)
+                      PIECE, PRODUCER_WARPS)
         if j == 0:
             qb = qi % Q_BUFS
             mbarrier.wait(q_empty.index(qb), ((qi // Q_BUFS) & 1) ^ 1)
@@ -417,7 +428,7 @@ def _load_tile(t, it, qi, h, m0, q_start, seq, seq_k, bt_row, sched_ptr, slot_pt
         else:
             mbarrier.expect(v_ready.index(s), kv_bytes)
             _issue_kv(v_desc, v_smem.index(s), v_ready.index(s), j, q_start, rows, kv_col, PAGED,
-                      PIECE)
+                      PIECE, PRODUCER_WARPS)
         if DYN:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if j == 0:
                 nxt = gl.num_programs(0) + gl.atomic_add(sched_ptr, 1)
@@ -431,7 +442,8 @@ def _produce(q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_sm
              seq_lens_ptr, block_tables_ptr, stride_bt,
              sched_ptr, group, num_m, num_heads, num_hb, head_group, CAUSAL: gl.constexpr,
              SCHEDULE: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-             PAGED: gl.constexpr, PAGE: gl.constexpr, PIECE: gl.constexpr, SLOT64: gl.constexpr):
+             PAGED: gl.constexpr, PAGE: gl.constexpr, PIECE: gl.constexpr, SLOT64: gl.constexpr,
+             PRODUCER_WARPS: gl.constexpr):
     """Default partition (one warpgroup; TMA issued by single threads): this program's work
     tiles' loads. Static schedules: tiles _static_tile(0), _static_tile(1), ... Dynamic: tile
     pid first, then #programs + a global counter's next value (fetched early, _load_tile), each
@@ -455,7 +467,7 @@ def _produce(q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_sm
                                    k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem,
                                    k_smem, v_smem, q_bar, q_empty, k_ready,
                                    v_ready, k_empty, v_empty, group, CAUSAL, True, NUM_STAGES,
-                                   Q_BUFS, PAGED, PAGE, PIECE, SLOT64)
+                                   Q_BUFS, PAGED, PAGE, PIECE, SLOT64, PRODUCER_WARPS)
                 qi += 1
             else:  # past a short sequence's end: nothing to load or compute
                 t = nprog + gl.atomic_add(sched_ptr, 1)
@@ -482,7 +494,8 @@ def _produce(q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_sm
                                        q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr,
                                        stride_slot, q_smem, k_smem, v_smem, q_bar,
                                        q_empty, k_ready, v_ready, k_empty, v_empty, group, CAUSAL,
-                                       False, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE, SLOT64)
+                                       False, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE, SLOT64,
+                                       PRODUCER_WARPS)
                     qi += 1
 
 
@@ -728,6 +741,53 @@ def _consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, 
                     qi += 1
 
 
+@gluon.jit
+def _consume_then_arrive(done, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
+                         v_empty, turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr,
+                         sched_ptr, qk_scale, num_m, num_heads, num_hb, head_group, stride_ot,
+                         stride_oh, stride_lse, G: gl.constexpr, CAUSAL: gl.constexpr,
+                         RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
+                         PV_OVERLAP: gl.constexpr, SCHEDULE: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PAGED: gl.constexpr):
+    """producer="tma1": consumer 1 (a worker), then an arrive on ``done``: its work is over,
+    the producer's warpgroup may take its registers back (_idle)."""
+    _consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+             l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr, qk_scale, num_m,
+             num_heads, num_hb, head_group, stride_ot, stride_oh, stride_lse, G, CAUSAL,
+             RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE, NUM_STAGES, Q_BUFS, PAGED)
+    mbarrier.arrive(done)
+
+
+@gluon.jit
+def _produce_then_wait(done, q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem,
+                       k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                       cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr, stride_bt, sched_ptr,
+                       group, num_m, num_heads, num_hb, head_group, CAUSAL: gl.constexpr,
+                       SCHEDULE: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+                       PAGED: gl.constexpr, PAGE: gl.constexpr, PIECE: gl.constexpr,
+                       SLOT64: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
+    """producer="tma1": the producer (one warp), then _idle's wait."""
+    _produce(q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem, k_smem, v_smem,
+             q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, cu_seqlens_ptr, seq_lens_ptr,
+             block_tables_ptr, stride_bt, sched_ptr, group, num_m, num_heads, num_hb, head_group,
+             CAUSAL, SCHEDULE, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE, SLOT64, PRODUCER_WARPS)
+    _idle(done)
+
+
+@gluon.jit
+def _idle(done):
+    """producer="tma1": the producer's warp and the 3 idle warps beside it in its warpgroup
+    return only once consumer 1 is done (its arrive on ``done``). Each of the 4 sets its
+    registers down to the producer's 24 on entering its partition (setmaxnreg is a
+    warpgroup's) and back up to the idle workers' count when it returns; consumer 1's 240
+    take exactly what they and the default partition gave up, so a way back up before
+    consumer 1's own way down spins in setmaxnreg (issue slots the consumers share) and,
+    before consumer 1 got its registers, would starve it for good (Triton pads a 1-warp
+    partition with warps that return at once: that race). Here they sleep in an mbarrier
+    wait instead."""
+    mbarrier.wait(done, 0)
+
+
 # --------------------------------------------------------------------------------- kernel
 
 
@@ -757,6 +817,8 @@ def _flash_prefill_gluon_kernel(
     PAGE: gl.constexpr,  # PAGED: the cache's block size (a power of two >= 16), else 1
     PIECE: gl.constexpr,  # rows of a K/V TMA box: min(PAGE, 128) when PAGED, else 128
     SLOT64: gl.constexpr,  # PAGED_GATHER: cache offsets past int32 (a cache of >= 2**31 elements)
+    PRODUCER_WARPS: gl.constexpr = 4,  # 4: the producer is the default partition (a warpgroup);
+    # 1: a worker of one warp, consumer 0 the default partition (producer="tma1")
 ):
     """Work tiles 0 .. num_m * num_hb - 1 over the programs (a grid of all of them: one each;
     a grid of #SMs: persistent) as SCHEDULE says."""
@@ -788,23 +850,56 @@ def _flash_prefill_gluon_kernel(
     mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
 
-    gl.warp_specialize([
-        (_produce, (q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem,
-                    k_smem, v_smem, q_bar, q_empty, k_ready,
-                    v_ready, k_empty, v_empty, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr,
-                    stride_bt, sched_ptr, group, num_m, num_heads, num_hb, head_group, CAUSAL,
-                    SCHEDULE, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE, SLOT64)),
-        (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                    turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr,
-                    qk_scale, num_m, num_heads, num_hb, head_group, stride_ot, stride_oh,
-                    stride_lse, 0, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE,
-                    NUM_STAGES, Q_BUFS, PAGED)),
-        (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                    turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr,
-                    qk_scale, num_m, num_heads, num_hb, head_group, stride_ot, stride_oh,
-                    stride_lse, 1, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE,
-                    NUM_STAGES, Q_BUFS, PAGED)),
-    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    if PRODUCER_WARPS == 1:
+        # producer="tma1": consumer 0 the default partition (4 warps); workers consumer 1 (4
+        # warps) and, in the third warpgroup, the producer (1 warp) and 3 idle warps (_idle),
+        # each asking for the producer's registers: the default partition gets what is left
+        # of 3 x 128 x MAXNREG, 3 x 168 - CONSUMER_REGS - producer_regs = CONSUMER_REGS: the
+        # budgets of the 4-warp producer's form (240 / 240 / 24)
+        producer_regs: gl.constexpr = 3 * _MAXNREG - 2 * CONSUMER_REGS
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(done, count=1)  # consumer 1's arrive after its last work tile
+        fence_async_shared()
+        gl.warp_specialize([
+            (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
+                        v_empty, turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr,
+                        sched_ptr, qk_scale, num_m, num_heads, num_hb, head_group, stride_ot,
+                        stride_oh, stride_lse, 0, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP,
+                        SCHEDULE, NUM_STAGES, Q_BUFS, PAGED)),
+            (_consume_then_arrive, (done, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
+                        v_empty, turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr,
+                        sched_ptr, qk_scale, num_m, num_heads, num_hb, head_group, stride_ot,
+                        stride_oh, stride_lse, 1, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP,
+                        SCHEDULE, NUM_STAGES, Q_BUFS, PAGED)),
+            (_produce_then_wait, (done, q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr,
+                                  stride_slot, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                                  v_ready, k_empty, v_empty, cu_seqlens_ptr, seq_lens_ptr,
+                                  block_tables_ptr, stride_bt, sched_ptr, group, num_m, num_heads,
+                                  num_hb, head_group, CAUSAL, SCHEDULE, NUM_STAGES, Q_BUFS, PAGED,
+                                  PAGE, PIECE, SLOT64, PRODUCER_WARPS)),
+            (_idle, (done,)),
+            (_idle, (done,)),
+            (_idle, (done,)),
+        ], [4, 1, 1, 1, 1], [CONSUMER_REGS, producer_regs, producer_regs, producer_regs,
+                             producer_regs])
+    else:
+        gl.warp_specialize([
+            (_produce, (q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem,
+                        k_smem, v_smem, q_bar, q_empty, k_ready,
+                        v_ready, k_empty, v_empty, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr,
+                        stride_bt, sched_ptr, group, num_m, num_heads, num_hb, head_group, CAUSAL,
+                        SCHEDULE, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE, SLOT64, PRODUCER_WARPS)),
+            (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                        turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr,
+                        qk_scale, num_m, num_heads, num_hb, head_group, stride_ot, stride_oh,
+                        stride_lse, 0, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE,
+                        NUM_STAGES, Q_BUFS, PAGED)),
+            (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                        turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr,
+                        qk_scale, num_m, num_heads, num_hb, head_group, stride_ot, stride_oh,
+                        stride_lse, 1, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE,
+                        NUM_STAGES, Q_BUFS, PAGED)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # --------------------------------------------------------------------------------- launcher

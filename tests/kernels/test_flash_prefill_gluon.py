@@ -76,7 +76,7 @@ def compile_sm90(**consts):
     consts = {"CAUSAL": True, "RETURN_LSE": False, "PINGPONG": True, "PV_OVERLAP": True,
               "SCHEDULE": fg.DYNAMIC, "NUM_STAGES": fg.STAGES, "Q_BUFS": 2,
               "CONSUMER_REGS": fg.CONSUMER_REGS, "PAGED": fg.CONTIGUOUS, "PAGE": 1,
-              "PIECE": fg.BLOCK_N, "SLOT64": False, **consts}
+              "PIECE": fg.BLOCK_N, "SLOT64": False, "PRODUCER_WARPS": 4, **consts}
     layout = repr(fg._SMEM.value)
     box = consts["PIECE"]  # rows of a K/V box (paged: min(block size, 128))
     sig = {a: "i32" for a in fn.arg_names}
