@@ -136,6 +136,23 @@ zeroing. sm_90 SASS (block 16, causal, dynamic): the producer's loop 347 instruc
 fetch of j = 0 included, as in the 462) under 56 registers (54 used; at 24 and 40 it spills in the loop), the
 consumers at 224 (222 used, no spill; their loops as above plus one MEMBAR.ALL.CTA and
 FENCE.VIEW.ASYNC.S). Not yet run on a GPU (benchmarks/gpu_s11_prefill.sh).
+
+``producer="tma1"`` (PRODUCER_WARPS = 1): the same boxes from a producer of ONE warp. The
+20 bar.syncs above are membar's (it sees every issue write the stage and the ready barrier
+through a dynamic index, i.e. the whole allocation, and orders it after the last), and all 4
+producer warps step through them; among one warp they lower to nothing. Gluon's default
+partition has the kernel's 4 warps, so consumer 0 becomes the default partition and the
+workers are consumer 1 (4 warps), the producer (1) and 3 idle warps (_idle) filling its
+warpgroup; all 4 of that warpgroup ask for 504 - 2 x 240 = 24 registers, so Triton's split
+is the same 240 / 240 / 24. The producer and the idle warps return only after consumer 1's
+arrive on a ``done`` barrier: going back up (setmaxnreg) any earlier would spin for, or
+starve consumer 1 of, registers its own 240 took (Triton's own padding warps return at
+once). sm_90 SASS (block 16, causal, dynamic): the producer's loop 384 instructions, 36
+UTMALDG (one warp issues both halves of a box), 0 bar.sync, under 24 registers (18 used);
+the consumers' loops the same 16 HGMMA, waits and 66 exp2 under P.V, +1 to +4 instructions
+(a thread-index read and moves: consumer 0 is the default partition); 36 B spilled (work-
+tile invariants, none in a loop). Not yet run on a GPU: its correctness tests are
+test_paged_prefill_gather.py's, parametrized over "gather" and "tma1".
 """
 
 from __future__ import annotations
@@ -168,7 +185,7 @@ CONSUMER_REGS = 240
 # pointers need 54 registers (sm_90 SASS: spills in its loop at 24 and 40), the consumers
 # fit 224 (causal: 222 used, no spill): 56 for the producer
 GATHER_CONSUMER_REGS = 224
-PRODUCERS = ("tma", "gather")
+PRODUCERS = ("tma", "gather", "tma1")
 
 
 def engine_producer(block_size: int) -> str:
@@ -1141,9 +1158,11 @@ def paged_prefill_gluon(
     slot's mbarrier when its copies land (cp.async.mbarrier.arrive.noinc, 128 arrivals a
     phase); keys past the context re-read key seq_len - 1's slot, so V needs no zeroing; the
     consumers fence the proxies (fence.proxy.async) before their wgmmas read a gathered stage.
+    ``"tma1"``: the boxes of "tma" issued by a producer of one warp (a worker partition,
+    consumer 0 the default one): no named barrier between its issues (module docstring).
     ``consumer_regs``: each consumer warpgroup's registers (setmaxnreg; a multiple of 8 in
     [208, 240]), the producer warpgroup getting the rest of 384 x 168: None = 240 (producer
-    24) for "tma", GATHER_CONSUMER_REGS = 224 (producer 56) for "gather".
+    24) for "tma" and "tma1", GATHER_CONSUMER_REGS = 224 (producer 56) for "gather".
     """
     q_buffers = _check_options(num_stages, q_buffers, schedule, max_seqlen_k)
     if producer not in PRODUCERS:
@@ -1164,7 +1183,7 @@ def paged_prefill_gluon(
                    head_group=head_group, m_fastest=m_fastest, num_stages=num_stages,
                    q_buffers=q_buffers, cache_descriptors=cache_descriptors,
                    caches=(key_cache, value_cache) if gather else None,
-                   consumer_regs=consumer_regs)
+                   consumer_regs=consumer_regs, producer_warps=1 if producer == "tma1" else 4)
 
 
 def _check_options(num_stages: int, q_buffers: int | None, schedule: str, max_seqlen: int) -> int:
@@ -1183,11 +1202,12 @@ def _check_options(num_stages: int, q_buffers: int | None, schedule: str, max_se
 def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, max_seqlen, *,
             causal, sm_scale, return_lse, out, pingpong, pv_overlap, persistent, schedule,
             head_group, m_fastest, num_stages, q_buffers, cache_descriptors=True, caches=None,
-            consumer_regs=CONSUMER_REGS):
+            consumer_regs=CONSUMER_REGS, producer_warps=4):
     """The kernel over checked inputs: contiguous (block_tables None: k_desc, v_desc over
     [total, Hkv * 128]) or paged (k_desc, v_desc over the cache's [num_blocks * page, Hkv *
     128] slots, seq_lens the key counts; ``caches`` = (key_cache, value_cache): the gather
-    producer, cp.async from them); max_seqlen: the longest query count."""
+    producer, cp.async from them; producer_warps 1: the one-warp TMA producer, "tma1");
+    max_seqlen: the longest query count."""
     total, hq, _ = q.shape
     batch = cu_seqlens.numel() - 1
     num_hb = hq * batch
@@ -1226,7 +1246,8 @@ def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, ma
             PV_OVERLAP=bool(pv_overlap), SCHEDULE=sched_code, NUM_STAGES=num_stages,
             Q_BUFS=q_buffers, CONSUMER_REGS=consumer_regs, PAGED=mode, PAGE=page if paged else 1,
             PIECE=min(page, BLOCK_N) if paged else BLOCK_N,
-            SLOT64=caches is not None and k_cache.numel() >= 2**31, num_warps=4, maxnreg=MAXNREG,
+            SLOT64=caches is not None and k_cache.numel() >= 2**31, PRODUCER_WARPS=producer_warps,
+            num_warps=4, maxnreg=MAXNREG,
         )
     return (out, lse) if return_lse else out
 
