@@ -29,8 +29,9 @@ block-16 cache in shuffled block order; ``gluon_paged_static`` (static schedule)
 ``gluon_paged_gather*`` (``producer="gather"``: cp.async rows instead of TMA boxes; static
 schedule, the defaults, 3 stages, consumers at 232 registers instead of 224, block 128),
 ``gluon_paged_r224`` (the TMA producer with consumers at 224 registers: what gather's
-register split alone costs); the table's last columns: paged / contiguous Gluon (issue 5:
-within 5%), the gather producer's / contiguous, paged / cuDNN, paged / Triton paged. Every output is checked against SDPA flash first (self-attention over the
+register split alone costs), ``gluon_paged_tma1`` / ``_tma1_b128`` (``producer="tma1"``: the
+TMA boxes issued by a producer of one warp); the table's last columns: paged / contiguous
+Gluon (issue 5: within 5%), the gather producer's / contiguous, tma1's / contiguous, paged / cuDNN, paged / Triton paged. Every output is checked against SDPA flash first (self-attention over the
 whole sequence, the new tokens' rows; rel err < 1e-2; a failure is recorded as a string,
 never raised: a hang is not, so run this under ``timeout``); past --budget seconds the
 remaining Gluon variants are skipped (recorded as such). Writes $OUT/prefill_gluon.json
@@ -106,6 +107,9 @@ PAGED_VARIANTS: dict[str, dict] = {
     "gluon_paged_gather_r232": {"producer": "gather", "consumer_regs": 232},  # producer 40: spills
     "gluon_paged_gather_b128": {"producer": "gather"},  # over the block-128 cache
     "gluon_paged_r224": {"consumer_regs": 224},  # the TMA producer under gather's register split
+    # producer="tma1": the TMA boxes from a producer of one warp (no bar.sync between issues)
+    "gluon_paged_tma1": {"producer": "tma1"},
+    "gluon_paged_tma1_b128": {"producer": "tma1"},  # over the block-128 cache (one box a tile)
 }
 COLUMNS = [*GLUON_VARIANTS, *PAGED_VARIANTS, "triton", "triton_paged", "sdpa_cudnn", "sdpa_flash"]
 
@@ -274,8 +278,9 @@ def render(rows: list[dict], env: dict) -> str:
              "shape B x [cached +] new tokens", "",
              "| shape | " + " | ".join(cols)
              + " | gluon / cuDNN | gluon / flash | best gluon | best / cuDNN"
-             + " | paged / gluon | gather / gluon | paged / cuDNN | paged / triton_paged |",
-             "|---" * (len(cols) + 9) + "|"]
+             + " | paged / gluon | gather / gluon | tma1 / gluon | paged / cuDNN"
+             + " | paged / triton_paged |",
+             "|---" * (len(cols) + 10) + "|"]
     for r in rows:
         timed = {c: r[c] for c in GLUON_VARIANTS if isinstance(r.get(c), float)}
         best = max(timed, key=lambda c: timed[c]) if timed else "gluon"
@@ -283,6 +288,7 @@ def render(rows: list[dict], env: dict) -> str:
                      + f" | {ratio(r, 'gluon', 'sdpa_cudnn')} | {ratio(r, 'gluon', 'sdpa_flash')}"
                      + f" | {best} | {ratio(r, best, 'sdpa_cudnn')}"
                      + f" | {ratio(r, 'gluon_paged', 'gluon')} | {ratio(r, 'gluon_paged_gather', 'gluon')}"
+                     + f" | {ratio(r, 'gluon_paged_tma1', 'gluon')}"
                      + f" | {ratio(r, 'gluon_paged', 'sdpa_cudnn')}"
                      + f" | {ratio(r, 'gluon_paged', 'triton_paged')} |")
     fails = [(label(r), c, r[c]) for r in rows for c in COLUMNS if isinstance(r.get(c), str)]

@@ -136,6 +136,23 @@ zeroing. sm_90 SASS (block 16, causal, dynamic): the producer's loop 347 instruc
 fetch of j = 0 included, as in the 462) under 56 registers (54 used; at 24 and 40 it spills in the loop), the
 consumers at 224 (222 used, no spill; their loops as above plus one MEMBAR.ALL.CTA and
 FENCE.VIEW.ASYNC.S). Not yet run on a GPU (benchmarks/gpu_s11_prefill.sh).
+
+``producer="tma1"`` (PRODUCER_WARPS = 1): the same boxes from a producer of ONE warp. The
+20 bar.syncs above are membar's (it sees every issue write the stage and the ready barrier
+through a dynamic index, i.e. the whole allocation, and orders it after the last), and all 4
+producer warps step through them; among one warp they lower to nothing. Gluon's default
+partition has the kernel's 4 warps, so consumer 0 becomes the default partition and the
+workers are consumer 1 (4 warps), the producer (1) and 3 idle warps (_idle) filling its
+warpgroup; all 4 of that warpgroup ask for 504 - 2 x 240 = 24 registers, so Triton's split
+is the same 240 / 240 / 24. The producer and the idle warps return only after consumer 1's
+arrive on a ``done`` barrier: going back up (setmaxnreg) any earlier would spin for, or
+starve consumer 1 of, registers its own 240 took (Triton's own padding warps return at
+once). sm_90 SASS (block 16, causal, dynamic): the producer's loop 384 instructions, 36
+UTMALDG (one warp issues both halves of a box), 0 bar.sync, under 24 registers (18 used);
+the consumers' loops the same 16 HGMMA, waits and 66 exp2 under P.V, +1 to +4 instructions
+(a thread-index read and moves: consumer 0 is the default partition); 36 B spilled (work-
+tile invariants, none in a loop). Not yet run on a GPU: its correctness tests are
+test_paged_prefill_gather.py's, parametrized over "gather" and "tma1".
 """
 
 from __future__ import annotations
@@ -168,7 +185,7 @@ CONSUMER_REGS = 240
 # pointers need 54 registers (sm_90 SASS: spills in its loop at 24 and 40), the consumers
 # fit 224 (causal: 222 used, no spill): 56 for the producer
 GATHER_CONSUMER_REGS = 224
-PRODUCERS = ("tma", "gather")
+PRODUCERS = ("tma", "gather", "tma1")
 
 
 def engine_producer(block_size: int) -> str:
@@ -183,6 +200,7 @@ _D = gl.constexpr(HEAD_DIM)
 _BM = gl.constexpr(BLOCK_M)
 _BN = gl.constexpr(BLOCK_N)
 _WM = gl.constexpr(WG_M)
+_MAXNREG = gl.constexpr(MAXNREG)
 
 # wgmma accumulators of one consumer warpgroup: S [64, BLOCK_N] and O [64, 128], m64nNk16.
 _S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -193,6 +211,8 @@ _O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta
 _P_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_LAYOUT, k_width=2))
 # A tile's box rows (paged), lane p of each producer warp holding box p's.
 _ROWS_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+# The same for a producer of one warp (producer="tma1").
+_ROWS_LAYOUT1 = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 # A [16, 128] piece of a V tile over one consumer warpgroup (16 bytes a thread a row: the
 # swizzle's unit), for zeroing the rows past a paged sequence's context.
 _V_ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
@@ -293,14 +313,19 @@ def _kv_range(m0, seq_q, seq_k, CAUSAL: gl.constexpr, PAGED: gl.constexpr):
 
 
 @gluon.jit
-def _kv_rows(j, bt_row, last_page, PAGE: gl.constexpr, PIECE: gl.constexpr):
+def _kv_rows(j, bt_row, last_page, PAGE: gl.constexpr, PIECE: gl.constexpr,
+             PRODUCER_WARPS: gl.constexpr):
     """PAGED: the cache rows (slots) of key tile j's 128 / PIECE boxes, [128 / PIECE] int32 in
     every producer thread's registers: box p starts at key 128 j + PIECE p, in slot
     block_tables[b, page] * PAGE + the key's offset in its page; a page past the context
     (after last_page, the page of key seq_k - 1) re-reads last_page (a valid block id; the
     rows past seq_k are masked and their V zeroed). One load per box, all issued together
-    (the producer loads them before it waits for the ring slot)."""
-    offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT)
+    (the producer loads them before it waits for the ring slot). PRODUCER_WARPS: the
+    producer partition's warps (4, or 1 for producer="tma1"), which the layout spans."""
+    if PRODUCER_WARPS == 1:
+        offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT1)
+    else:
+        offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT)
     pos = j * _BN + offs * PIECE
     blk = gl.load(bt_row + gl.minimum(pos // PAGE, last_page))
     return blk * PAGE + pos % PAGE
@@ -308,12 +333,15 @@ def _kv_rows(j, bt_row, last_page, PAGE: gl.constexpr, PIECE: gl.constexpr):
 
 @gluon.jit
 def _issue_kv(desc, stage, bar, j, k_start, rows, kv_col, PAGED: gl.constexpr,
-              PIECE: gl.constexpr):
+              PIECE: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
     """TMA of key tile j's [128, 128] rows of one KV head into ``stage``, on ``bar``.
     Contiguous: one box at row k_start + 128 j. PAGED: 128 / PIECE boxes of PIECE rows, box p
     at rows[p] (_kv_rows) into stage rows PIECE p .. PIECE p + PIECE - 1."""
     if PAGED:
-        offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT)
+        if PRODUCER_WARPS == 1:
+            offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT1)
+        else:
+            offs = gl.arange(0, _BN // PIECE, layout=_ROWS_LAYOUT)
         for p in gl.static_range(_BN // PIECE):
             # element p of a tensor every thread holds whole (max, not sum: a replicated
             # layout may be reduced over its copies too; rows are >= 0)
@@ -368,7 +396,7 @@ def _load_tile(t, it, qi, h, m0, q_start, seq, seq_k, bt_row, sched_ptr, slot_pt
                q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, group, CAUSAL: gl.constexpr,
                DYN: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
                PAGED: gl.constexpr, PAGE: gl.constexpr, PIECE: gl.constexpr,
-               SLOT64: gl.constexpr):
+               SLOT64: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
     """One work tile's loads: K_j and V_j of every key tile into ring slot ``it % NUM_STAGES``
     (``it`` counts key tiles over all work tiles) once both consumers have released what it
     held, and Q into Q buffer ``qi % Q_BUFS`` (after K_0, once both consumers are done with
@@ -395,11 +423,11 @@ def _load_tile(t, it, qi, h, m0, q_start, seq, seq_k, bt_row, sched_ptr, slot_pt
             _gather_kv(k_cache_ptr + kv_col, k_smem.index(s), k_ready.index(s), rows)
         else:
             if PAGED:  # the block-table loads under the wait for the slot
-                rows = _kv_rows(j, bt_row, last_page, PAGE, PIECE)
+                rows = _kv_rows(j, bt_row, last_page, PAGE, PIECE, PRODUCER_WARPS)
             mbarrier.wait(k_empty.index(s), phase)
             mbarrier.expect(k_ready.index(s), kv_bytes)
             _issue_kv(k_desc, k_smem.index(s), k_ready.index(s), j, q_start, rows, kv_col, PAGED,
-                      PIECE)
+                      PIECE, PRODUCER_WARPS)
         if j == 0:
             qb = qi % Q_BUFS
             mbarrier.wait(q_empty.index(qb), ((qi // Q_BUFS) & 1) ^ 1)
@@ -417,7 +445,7 @@ def _load_tile(t, it, qi, h, m0, q_start, seq, seq_k, bt_row, sched_ptr, slot_pt
         else:
             mbarrier.expect(v_ready.index(s), kv_bytes)
             _issue_kv(v_desc, v_smem.index(s), v_ready.index(s), j, q_start, rows, kv_col, PAGED,
-                      PIECE)
+                      PIECE, PRODUCER_WARPS)
         if DYN:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if j == 0:
                 nxt = gl.num_programs(0) + gl.atomic_add(sched_ptr, 1)
@@ -431,7 +459,8 @@ def _produce(q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_sm
              seq_lens_ptr, block_tables_ptr, stride_bt,
              sched_ptr, group, num_m, num_heads, num_hb, head_group, CAUSAL: gl.constexpr,
              SCHEDULE: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-             PAGED: gl.constexpr, PAGE: gl.constexpr, PIECE: gl.constexpr, SLOT64: gl.constexpr):
+             PAGED: gl.constexpr, PAGE: gl.constexpr, PIECE: gl.constexpr, SLOT64: gl.constexpr,
+             PRODUCER_WARPS: gl.constexpr):
     """Default partition (one warpgroup; TMA issued by single threads): this program's work
     tiles' loads. Static schedules: tiles _static_tile(0), _static_tile(1), ... Dynamic: tile
     pid first, then #programs + a global counter's next value (fetched early, _load_tile), each
@@ -455,7 +484,7 @@ def _produce(q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_sm
                                    k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem,
                                    k_smem, v_smem, q_bar, q_empty, k_ready,
                                    v_ready, k_empty, v_empty, group, CAUSAL, True, NUM_STAGES,
-                                   Q_BUFS, PAGED, PAGE, PIECE, SLOT64)
+                                   Q_BUFS, PAGED, PAGE, PIECE, SLOT64, PRODUCER_WARPS)
                 qi += 1
             else:  # past a short sequence's end: nothing to load or compute
                 t = nprog + gl.atomic_add(sched_ptr, 1)
@@ -482,7 +511,8 @@ def _produce(q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_sm
                                        q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr,
                                        stride_slot, q_smem, k_smem, v_smem, q_bar,
                                        q_empty, k_ready, v_ready, k_empty, v_empty, group, CAUSAL,
-                                       False, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE, SLOT64)
+                                       False, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE, SLOT64,
+                                       PRODUCER_WARPS)
                     qi += 1
 
 
@@ -728,6 +758,53 @@ def _consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, 
                     qi += 1
 
 
+@gluon.jit
+def _consume_then_arrive(done, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
+                         v_empty, turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr,
+                         sched_ptr, qk_scale, num_m, num_heads, num_hb, head_group, stride_ot,
+                         stride_oh, stride_lse, G: gl.constexpr, CAUSAL: gl.constexpr,
+                         RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
+                         PV_OVERLAP: gl.constexpr, SCHEDULE: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PAGED: gl.constexpr):
+    """producer="tma1": consumer 1 (a worker), then an arrive on ``done``: its work is over,
+    the producer's warpgroup may take its registers back (_idle)."""
+    _consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+             l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr, qk_scale, num_m,
+             num_heads, num_hb, head_group, stride_ot, stride_oh, stride_lse, G, CAUSAL,
+             RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE, NUM_STAGES, Q_BUFS, PAGED)
+    mbarrier.arrive(done)
+
+
+@gluon.jit
+def _produce_then_wait(done, q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem,
+                       k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                       cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr, stride_bt, sched_ptr,
+                       group, num_m, num_heads, num_hb, head_group, CAUSAL: gl.constexpr,
+                       SCHEDULE: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+                       PAGED: gl.constexpr, PAGE: gl.constexpr, PIECE: gl.constexpr,
+                       SLOT64: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
+    """producer="tma1": the producer (one warp), then _idle's wait."""
+    _produce(q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem, k_smem, v_smem,
+             q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, cu_seqlens_ptr, seq_lens_ptr,
+             block_tables_ptr, stride_bt, sched_ptr, group, num_m, num_heads, num_hb, head_group,
+             CAUSAL, SCHEDULE, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE, SLOT64, PRODUCER_WARPS)
+    _idle(done)
+
+
+@gluon.jit
+def _idle(done):
+    """producer="tma1": the producer's warp and the 3 idle warps beside it in its warpgroup
+    return only once consumer 1 is done (its arrive on ``done``). Each of the 4 sets its
+    registers down to the producer's 24 on entering its partition (setmaxnreg is a
+    warpgroup's) and back up to the idle workers' count when it returns; consumer 1's 240
+    take exactly what they and the default partition gave up, so a way back up before
+    consumer 1's own way down spins in setmaxnreg (issue slots the consumers share) and,
+    before consumer 1 got its registers, would starve it for good (Triton pads a 1-warp
+    partition with warps that return at once: that race). Here they sleep in an mbarrier
+    wait instead."""
+    mbarrier.wait(done, 0)
+
+
 # --------------------------------------------------------------------------------- kernel
 
 
@@ -757,6 +834,8 @@ def _flash_prefill_gluon_kernel(
     PAGE: gl.constexpr,  # PAGED: the cache's block size (a power of two >= 16), else 1
     PIECE: gl.constexpr,  # rows of a K/V TMA box: min(PAGE, 128) when PAGED, else 128
     SLOT64: gl.constexpr,  # PAGED_GATHER: cache offsets past int32 (a cache of >= 2**31 elements)
+    PRODUCER_WARPS: gl.constexpr = 4,  # 4: the producer is the default partition (a warpgroup);
+    # 1: a worker of one warp, consumer 0 the default partition (producer="tma1")
 ):
     """Work tiles 0 .. num_m * num_hb - 1 over the programs (a grid of all of them: one each;
     a grid of #SMs: persistent) as SCHEDULE says."""
@@ -788,23 +867,56 @@ def _flash_prefill_gluon_kernel(
     mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
 
-    gl.warp_specialize([
-        (_produce, (q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem,
-                    k_smem, v_smem, q_bar, q_empty, k_ready,
-                    v_ready, k_empty, v_empty, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr,
-                    stride_bt, sched_ptr, group, num_m, num_heads, num_hb, head_group, CAUSAL,
-                    SCHEDULE, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE, SLOT64)),
-        (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                    turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr,
-                    qk_scale, num_m, num_heads, num_hb, head_group, stride_ot, stride_oh,
-                    stride_lse, 0, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE,
-                    NUM_STAGES, Q_BUFS, PAGED)),
-        (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
-                    turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr,
-                    qk_scale, num_m, num_heads, num_hb, head_group, stride_ot, stride_oh,
-                    stride_lse, 1, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE,
-                    NUM_STAGES, Q_BUFS, PAGED)),
-    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    if PRODUCER_WARPS == 1:
+        # producer="tma1": consumer 0 the default partition (4 warps); workers consumer 1 (4
+        # warps) and, in the third warpgroup, the producer (1 warp) and 3 idle warps (_idle),
+        # each asking for the producer's registers: the default partition gets what is left
+        # of 3 x 128 x MAXNREG, 3 x 168 - CONSUMER_REGS - producer_regs = CONSUMER_REGS: the
+        # budgets of the 4-warp producer's form (240 / 240 / 24)
+        producer_regs: gl.constexpr = 3 * _MAXNREG - 2 * CONSUMER_REGS
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(done, count=1)  # consumer 1's arrive after its last work tile
+        fence_async_shared()
+        gl.warp_specialize([
+            (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
+                        v_empty, turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr,
+                        sched_ptr, qk_scale, num_m, num_heads, num_hb, head_group, stride_ot,
+                        stride_oh, stride_lse, 0, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP,
+                        SCHEDULE, NUM_STAGES, Q_BUFS, PAGED)),
+            (_consume_then_arrive, (done, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
+                        v_empty, turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr,
+                        sched_ptr, qk_scale, num_m, num_heads, num_hb, head_group, stride_ot,
+                        stride_oh, stride_lse, 1, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP,
+                        SCHEDULE, NUM_STAGES, Q_BUFS, PAGED)),
+            (_produce_then_wait, (done, q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr,
+                                  stride_slot, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
+                                  v_ready, k_empty, v_empty, cu_seqlens_ptr, seq_lens_ptr,
+                                  block_tables_ptr, stride_bt, sched_ptr, group, num_m, num_heads,
+                                  num_hb, head_group, CAUSAL, SCHEDULE, NUM_STAGES, Q_BUFS, PAGED,
+                                  PAGE, PIECE, SLOT64, PRODUCER_WARPS)),
+            (_idle, (done,)),
+            (_idle, (done,)),
+            (_idle, (done,)),
+        ], [4, 1, 1, 1, 1], [CONSUMER_REGS, producer_regs, producer_regs, producer_regs,
+                             producer_regs])
+    else:
+        gl.warp_specialize([
+            (_produce, (q_desc, k_desc, v_desc, k_cache_ptr, v_cache_ptr, stride_slot, q_smem,
+                        k_smem, v_smem, q_bar, q_empty, k_ready,
+                        v_ready, k_empty, v_empty, cu_seqlens_ptr, seq_lens_ptr, block_tables_ptr,
+                        stride_bt, sched_ptr, group, num_m, num_heads, num_hb, head_group, CAUSAL,
+                        SCHEDULE, NUM_STAGES, Q_BUFS, PAGED, PAGE, PIECE, SLOT64, PRODUCER_WARPS)),
+            (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                        turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr,
+                        qk_scale, num_m, num_heads, num_hb, head_group, stride_ot, stride_oh,
+                        stride_lse, 0, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE,
+                        NUM_STAGES, Q_BUFS, PAGED)),
+            (_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                        turn, l_fence, out_ptr, lse_ptr, cu_seqlens_ptr, seq_lens_ptr, sched_ptr,
+                        qk_scale, num_m, num_heads, num_hb, head_group, stride_ot, stride_oh,
+                        stride_lse, 1, CAUSAL, RETURN_LSE, PINGPONG, PV_OVERLAP, SCHEDULE,
+                        NUM_STAGES, Q_BUFS, PAGED)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # --------------------------------------------------------------------------------- launcher
@@ -1046,9 +1158,11 @@ def paged_prefill_gluon(
     slot's mbarrier when its copies land (cp.async.mbarrier.arrive.noinc, 128 arrivals a
     phase); keys past the context re-read key seq_len - 1's slot, so V needs no zeroing; the
     consumers fence the proxies (fence.proxy.async) before their wgmmas read a gathered stage.
+    ``"tma1"``: the boxes of "tma" issued by a producer of one warp (a worker partition,
+    consumer 0 the default one): no named barrier between its issues (module docstring).
     ``consumer_regs``: each consumer warpgroup's registers (setmaxnreg; a multiple of 8 in
     [208, 240]), the producer warpgroup getting the rest of 384 x 168: None = 240 (producer
-    24) for "tma", GATHER_CONSUMER_REGS = 224 (producer 56) for "gather".
+    24) for "tma" and "tma1", GATHER_CONSUMER_REGS = 224 (producer 56) for "gather".
     """
     q_buffers = _check_options(num_stages, q_buffers, schedule, max_seqlen_k)
     if producer not in PRODUCERS:
@@ -1069,7 +1183,7 @@ def paged_prefill_gluon(
                    head_group=head_group, m_fastest=m_fastest, num_stages=num_stages,
                    q_buffers=q_buffers, cache_descriptors=cache_descriptors,
                    caches=(key_cache, value_cache) if gather else None,
-                   consumer_regs=consumer_regs)
+                   consumer_regs=consumer_regs, producer_warps=1 if producer == "tma1" else 4)
 
 
 def _check_options(num_stages: int, q_buffers: int | None, schedule: str, max_seqlen: int) -> int:
@@ -1088,11 +1202,12 @@ def _check_options(num_stages: int, q_buffers: int | None, schedule: str, max_se
 def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, max_seqlen, *,
             causal, sm_scale, return_lse, out, pingpong, pv_overlap, persistent, schedule,
             head_group, m_fastest, num_stages, q_buffers, cache_descriptors=True, caches=None,
-            consumer_regs=CONSUMER_REGS):
+            consumer_regs=CONSUMER_REGS, producer_warps=4):
     """The kernel over checked inputs: contiguous (block_tables None: k_desc, v_desc over
     [total, Hkv * 128]) or paged (k_desc, v_desc over the cache's [num_blocks * page, Hkv *
     128] slots, seq_lens the key counts; ``caches`` = (key_cache, value_cache): the gather
-    producer, cp.async from them); max_seqlen: the longest query count."""
+    producer, cp.async from them; producer_warps 1: the one-warp TMA producer, "tma1");
+    max_seqlen: the longest query count."""
     total, hq, _ = q.shape
     batch = cu_seqlens.numel() - 1
     num_hb = hq * batch
@@ -1131,7 +1246,8 @@ def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, ma
             PV_OVERLAP=bool(pv_overlap), SCHEDULE=sched_code, NUM_STAGES=num_stages,
             Q_BUFS=q_buffers, CONSUMER_REGS=consumer_regs, PAGED=mode, PAGE=page if paged else 1,
             PIECE=min(page, BLOCK_N) if paged else BLOCK_N,
-            SLOT64=caches is not None and k_cache.numel() >= 2**31, num_warps=4, maxnreg=MAXNREG,
+            SLOT64=caches is not None and k_cache.numel() >= 2**31, PRODUCER_WARPS=producer_warps,
+            num_warps=4, maxnreg=MAXNREG,
         )
     return (out, lse) if return_lse else out
 

@@ -60,6 +60,10 @@ VARIANTS = {  # name -> constexprs besides the defaults (dynamic schedule, PV ov
     "gather16": dict(CAUSAL=True, PINGPONG=True, PAGED=2, PAGE=16, PIECE=16, CONSUMER_REGS=224),
     "gather64_full_static_lse": dict(CAUSAL=False, PINGPONG=True, PAGED=2, PAGE=64, PIECE=64,
                                      SCHEDULE=0, RETURN_LSE=True, CONSUMER_REGS=224),
+    # producer="tma1": paged16's boxes from a producer of one warp (PRODUCER_WARPS 1)
+    "tma1_16": dict(CAUSAL=True, PINGPONG=True, PAGED=True, PAGE=16, PIECE=16, PRODUCER_WARPS=1),
+    "tma1_128_full_static": dict(CAUSAL=False, PINGPONG=True, PAGED=True, PAGE=128, PIECE=128,
+                                 SCHEDULE=0, PRODUCER_WARPS=1),
 }
 
 
@@ -76,7 +80,7 @@ def compile_sm90(**consts):
     consts = {"CAUSAL": True, "RETURN_LSE": False, "PINGPONG": True, "PV_OVERLAP": True,
               "SCHEDULE": fg.DYNAMIC, "NUM_STAGES": fg.STAGES, "Q_BUFS": 2,
               "CONSUMER_REGS": fg.CONSUMER_REGS, "PAGED": fg.CONTIGUOUS, "PAGE": 1,
-              "PIECE": fg.BLOCK_N, "SLOT64": False, **consts}
+              "PIECE": fg.BLOCK_N, "SLOT64": False, "PRODUCER_WARPS": 4, **consts}
     layout = repr(fg._SMEM.value)
     box = consts["PIECE"]  # rows of a K/V box (paged: min(block size, 128))
     sig = {a: "i32" for a in fn.arg_names}
@@ -120,6 +124,7 @@ def sass_partitions(sass: str) -> dict:
         # bar.sync of the whole CTA (no thread count) vs a partition's named barrier (0x80)
         mix["cta_bar"] = sum(1 for t in body if t.startswith("BAR.SYNC") and "," not in t)
         mix["named_bar"] = sum(1 for t in body if t.startswith("BAR.SYNC") and "0x80" in t)
+        mix["bar_sync"] = sum(1 for t in body if t.startswith("BAR.SYNC"))  # any thread count
         # the wgmma waits: 'gsb0, 0x1' = S_j done while P.V is in flight, 'gsb0, 0x0' = all
         mix["wait1"] = sum(1 for t in body if t.startswith("WARPGROUP.DEPBAR") and t.endswith("0x1"))
         mix["wait0"] = sum(1 for t in body if t.startswith("WARPGROUP.DEPBAR") and t.endswith("0x0"))
@@ -160,6 +165,7 @@ def _sm90_report() -> dict:
                          boxes=0 if gather else 128 // consts.get("PIECE", 128),
                          paged=bool(consts.get("PAGED", False)),
                          consumer_regs=consts.get("CONSUMER_REGS", 240),
+                         producer_warps=consts.get("PRODUCER_WARPS", 4),
                          threads=32 * k.metadata.num_warps, warnings=warnings,
                          **sass_partitions(sass))
     return out
@@ -175,7 +181,9 @@ def test_gluon_prefill_compiles_for_sm90():
     tile (S_j waited for while P_{j-1} V_{j-1} runs), and with PV_OVERLAP every exp2 of the
     tile before its ``wait 0``; the gather producer: 32 cp.async (LDGSTS) a key tile, 16
     block-table loads, two mbarrier arrives, no TMA box of K or V, and one proxy fence a
-    tile in each consumer loop; prints the loops' mixes."""
+    tile in each consumer loop; the one-warp TMA producer (tma1): no bar.sync in its loop,
+    fewer instructions than the 4-warp one's, the consumers' loops as with it; prints the
+    loops' mixes."""
     from flashpage.kernels import flash_prefill_gluon as fg
 
     rep = run_compiled("test_flash_prefill_gluon", "_sm90_report")
@@ -201,7 +209,10 @@ def test_gluon_prefill_compiles_for_sm90():
         # consumers (128 num_m - 127) in local memory, stored before the partitions and
         # loaded once per work tile (12 B); gather64_full (consumers at 224, full attention:
         # 222 used) a few such values (24 B); never inside a loop (below)
-        allowed = 32 if r["gather"] and "full" in name else 16 if r["boxes"] > 1 else 0
+        # tma1 (consumer 0 the default partition): 36 B (block 16), 52 (128, full, static): such values of both
+        # consumers and one of the producer, each loaded once per work tile or once
+        allowed = (32 if r["gather"] and "full" in name else 64 if r["producer_warps"] == 1
+                   else 16 if r["boxes"] > 1 else 0)
         assert r["spill_bytes"] <= allowed, (name, r["spill_bytes"])
         for loop in r["consumer"] + r["producer"]:
             assert "LDL" not in loop and "STL" not in loop, name
@@ -236,16 +247,36 @@ def test_gluon_prefill_compiles_for_sm90():
             assert p.get("UTMALDG.2D", 0) in (0, 2), name
             assert p["cta_bar"] == 0, name
             continue
-        # K_j and V_j: one UTMALDG a box each (a box's two 64-column halves issued by two
-        # warps; paged: 128 / PIECE boxes a tile); the Q load of j = 0 outside the innermost
-        # loop, or inside it (2 more: paged16)
-        assert p["UTMALDG.2D"] in (2 * r["boxes"], 2 * r["boxes"] + 2), (name, p["UTMALDG.2D"])
+        if r["producer_warps"] == 1:
+            # one warp issues both 64-column halves of every box: 2 UTMALDG a box (4 for Q's
+            # two boxes, j = 0, in the loop or not), and no bar.sync at all between them
+            assert p["UTMALDG.2D"] in (4 * r["boxes"], 4 * r["boxes"] + 4), (name, p["UTMALDG.2D"])
+            assert p["bar_sync"] == 0, (name, p["bar_sync"])
+        else:
+            # K_j and V_j: one UTMALDG a box each (a box's two 64-column halves issued by two
+            # warps; paged: 128 / PIECE boxes a tile); the Q load of j = 0 outside the
+            # innermost loop, or inside it (2 more: paged16)
+            assert p["UTMALDG.2D"] in (2 * r["boxes"], 2 * r["boxes"] + 2), (name, p["UTMALDG.2D"])
         if r["paged"]:
             # a tile's block-table entries: one load a thread (lane p: box p's), before the
             # wait for the ring slot; each box's row taken from its lane by shuffles (3 a
             # box of 16 rows: 8 lanes), shared by K and V
             assert p["LDG.E"] == 1, name
             assert p.get("SHFL.BFLY", 0) == {1: 0, 2: 2, 4: 8, 8: 24}[r["boxes"]], name
+    # producer="tma1" against the 4-warp producer of the same case (block 16, causal,
+    # dynamic): the producer's loop with no bar.sync (20 named ones in paged16's) and fewer
+    # instructions (sm_90 SASS, Triton 3.6: 384 against 462); the consumers' loops the same
+    # wgmmas, waits and exp2, within a few instructions (consumer 0 the default partition:
+    # a thread-index read and 2 moves more a tile)
+    one, four = rep["tma1_16"], rep["paged16"]
+    assert four["producer"][0]["bar_sync"] >= 16 and one["producer"][0]["bar_sync"] == 0
+    assert one["producer"][0]["total"] < four["producer"][0]["total"] - 50, (
+        one["producer"][0]["total"], four["producer"][0]["total"])
+    for c1, c4 in zip(one["consumer"], four["consumer"], strict=True):
+        for op in ("HGMMA.64x128x16.F32.BF16", "MUFU.EX2", "wait1", "wait0", "ex2_before_wait0",
+                   "bar_sync", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "SYNCS.ARRIVE.TRANS64.A1T0"):
+            assert c1.get(op, 0) == c4.get(op, 0), (op, c1.get(op, 0), c4.get(op, 0))
+        assert c4["total"] <= c1["total"] <= c4["total"] + 8, (c1["total"], c4["total"])
 
 
 def test_default_head_group():
