@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 12's device plan (session 11's retry had no device time left): three calls, ~25 min.
+# Session 12's device plan (session 11's retry had no device time left): three calls, ~25 min (the fp8 decode's
+# pruned forms are checked by their GPU tests and identical SASS, no end-to-end run).
 # Results under $OUT; each step cut to what is left of BUDGET (default 560) seconds.
 #   bash benchmarks/gpu_s12.sh a   on a FRESH machine: (1) the GPU tests of the fp8 Gluon decode after
 #                                  its unused forms were pruned (SASS of the kept forms identical on
@@ -8,10 +9,12 @@
 #                                  the balanced grid) beside cuDNN at issue 6's shapes
 #   BUDGET=590 bash benchmarks/gpu_s12.sh b   the MLA key-split sweep at issue 4's short-batch shapes
 #                                  (with all_fb, all_pdl), then Nsight Compute on the three gaps (gpu_s12_ncu.sh)
-#   bash benchmarks/gpu_s12.sh c   end to end: 8B fp8 (the pruned kernel's engine form), 8B bf16 with
-#                                  the defaults, V2-Lite with the MLA Gluon decode off / on; then the
-#                                  gather producer's register split both ways (issue 5: is it the
-#                                  consumers' 224 registers or the cp.async path?)
+#   bash benchmarks/gpu_s12.sh c   the one-warp TMA prefill producer's first tests (producer="tma1"), the
+#                                  paged prefill by producer (tma1, gather, TMA boxes, and the register
+#                                  split both ways: is gather's gap the consumers' 224 registers?); end to
+#                                  end: 8B bf16 with the defaults (set from parts a-b first), V2-Lite with
+#                                  the MLA Gluon decode off / on. PAGED_VARIANTS without gluon_paged_tma1 if
+#                                  its tests hang.
 set -u
 PART=${1:-a}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -45,8 +48,14 @@ b)
   bash benchmarks/gpu_s12_ncu.sh  # ~250 s (8 cases, 60 s at most each)
   echo "part b done at ${SECONDS}s" ;;
 c)
-  timeout "$(left 110)" $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --kv-cache-dtype fp8 \
-    --no-hf --json-out "$OUT/throughput_8b_fp8.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  # the one-warp TMA producer's first run (producer="tma1"): a hang is the risk, hence -x and its own timeout
+  timeout "$(left 90)" $PT -x -m gpu tests/kernels/test_paged_prefill_gather.py -k tma1 -rf 2>&1 \
+    | tee "$OUT/tma1_tests.txt" | tail -n 4
+  echo "tma1 tests done at ${SECONDS}s"
+  timeout "$(left 170)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only \
+    --paged-variants ${PAGED_VARIANTS:-gluon_paged,gluon_paged_r224,gluon_paged_gather,gluon_paged_gather_r232,gluon_paged_tma1} \
+    --budget 150 2>&1 | tee "$OUT/prefill_producers.txt" | tail -n 8
+  echo "prefill done at ${SECONDS}s"
   timeout "$(left 90)" $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --no-hf \
     --json-out "$OUT/throughput_8b_bf16.json" 2>&1 | grep -E "output_tok_per_s|Error"
   for g in 0 1; do
@@ -54,9 +63,6 @@ c)
       --gpu-memory-utilization 0.75 --num-requests 64 --no-hf --json-out "$OUT/throughput_v2lite_mla_gluon$g.json" \
       2>&1 | grep -E "output_tok_per_s|Error"
   done
-  timeout "$(left 170)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only \
-    --paged-variants gluon_paged,gluon_paged_r224,gluon_paged_gather,gluon_paged_gather_r232 --budget 150 2>&1 \
-    | tee "$OUT/prefill_regs.txt" | tail -n 8
   echo "part c done at ${SECONDS}s" ;;
 *) echo "unknown part $PART (a, b, c)"; exit 2 ;;
 esac
