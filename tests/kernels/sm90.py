@@ -104,6 +104,19 @@ def sass_loops(ins: list[str], labels: dict[str, int], end: int | None = None) -
             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", t)) and labels.get(m[1], i + 1) <= i]
 
 
+def tma_mma_loop_mix(sass: str) -> dict[str, int]:
+    """Opcode counts (modifiers kept: ``LDS.128``, ``LDSM.16.MT88.4``) of a TMA-fed kernel's main
+    loop: the shortest backward-branch span holding both a TMA issue and an HMMA; "total" its
+    length."""
+    ins, labels = sass_instructions(sass)
+    bodies = [[t.split(" ")[0] for t in ins[lo:hi + 1]] for lo, hi in sass_loops(ins, labels)]
+    body = min((b for b in bodies if any(o.startswith("UTMALDG") for o in b) and any(o.startswith("HMMA") for o in b)),
+               key=len)
+    mix = collections.Counter(body)
+    mix["total"] = len(body)
+    return dict(mix)
+
+
 def register_budgets(ins: list[str]) -> list[int | None]:
     """Each instruction's register budget: that of the last USETMAXREG before it (the
     partitions of a warp-specialized kernel start with one), None before any."""

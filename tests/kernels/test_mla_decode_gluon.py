@@ -11,12 +11,16 @@ counters reset themselves) and many back-to-back calls (merge races).
 
 from __future__ import annotations
 
-import collections
 import math
 
 import pytest
 import torch
-from sm90 import ptxas_sm90a, ptxas_usage, run_compiled, sass_instructions, sass_loops
+from sm90 import (
+    ptxas_sm90a,
+    ptxas_usage,
+    run_compiled,
+    tma_mma_loop_mix,
+)
 
 from flashpage.kernels.mla_decode import mla_decode_ref
 from flashpage.kernels.mla_decode_gluon import mla_gluon_unsupported, pick_splits
@@ -56,18 +60,6 @@ def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True, 
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=mg.NUM_WARPS))
-
-
-def tile_loop_mix(sass: str) -> dict[str, int]:
-    """Opcode counts of the tile loop: the shortest backward-branch span holding a TMA issue and
-    an HMMA."""
-    ins, labels = sass_instructions(sass)
-    bodies = [[t.split(" ")[0] for t in ins[lo:hi + 1]] for lo, hi in sass_loops(ins, labels)]
-    body = min((b for b in bodies if any(o.startswith("UTMALDG") for o in b) and any(o.startswith("HMMA") for o in b)),
-               key=len)
-    mix = collections.Counter(body)
-    mix["total"] = len(body)
-    return dict(mix)
 
 
 # The tile-loop forms _launch selects (its peel / lean / lazy / fewer_barriers knobs); every GPU
@@ -112,7 +104,7 @@ def _sm90_report() -> dict:
         log, sass = ptxas_sm90a(k.asm["ptx"])
         name = f"{form}_p{page}" + ("" if split else "_nosplit") + ("" if merge else "_nomerge") \
             + (f"_s{stages}" if stages else "") + ("_pdl" if pdl else "")
-        out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, loop=tile_loop_mix(sass),
+        out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, loop=tma_mma_loop_mix(sass),
                          tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], form=form,
                          trigger="griddepcontrol.launch_dependents" in k.asm["ptx"])
     return out

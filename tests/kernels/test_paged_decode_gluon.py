@@ -13,16 +13,13 @@ CUDA-graph padding rows (seq_len 0), in a CUDA graph, and through paged_decode.
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 from sm90 import (  # tests/kernels (on sys.path under pytest)
     ptxas_sm90a,
     ptxas_usage,
     run_compiled,
-    sass_instructions,
-    sass_loops,
+    tma_mma_loop_mix,
 )
 
 GPU = torch.cuda.is_available()
@@ -62,18 +59,6 @@ def compile_sm90(group: int = 4, max_regs: int | None = None, stages: int | None
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def sass_loop_mix(sass: str) -> dict[str, int]:
-    """Opcode counts of the main loop (the shortest backward-branch span holding both a TMA
-    issue and an HMMA), predicates and modifiers after the first dot kept (``LDS.128``)."""
-    ins, labels = sass_instructions(sass)
-    bodies = [[t.split(" ")[0] for t in ins[lo:hi + 1]] for lo, hi in sass_loops(ins, labels)]
-    body = min((b for b in bodies if any(o.startswith("UTMALDG") for o in b) and any(o.startswith("HMMA") for o in b)),
-               key=len)
-    mix = collections.Counter(body)
-    mix["total"] = len(body)
-    return dict(mix)
-
-
 def _sm90_report() -> dict:
     """(In a subprocess with the interpreter off.) ptxas -v's registers and spills, the
     shared memory, whether the PTX issues TMA loads, and the tile loop's SASS mix; for each
@@ -93,7 +78,7 @@ def _sm90_report() -> dict:
             k = compile_sm90(max_regs=cap, variant=variant)
             log, sass = ptxas_sm90a(k.asm["ptx"])
             out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, threads=32 * k.metadata.num_warps,
-                             tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], loop=sass_loop_mix(sass))
+                             tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], loop=tma_mma_loop_mix(sass))
     return out
 
 

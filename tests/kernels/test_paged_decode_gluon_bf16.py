@@ -15,12 +15,16 @@ replay, and paged_decode's routing under the switch.
 
 from __future__ import annotations
 
-import collections
 import itertools
 
 import pytest
 import torch
-from sm90 import ptxas_sm90a, ptxas_usage, run_compiled, sass_instructions, sass_loops
+from sm90 import (
+    ptxas_sm90a,
+    ptxas_usage,
+    run_compiled,
+    tma_mma_loop_mix,
+)
 
 GPU = torch.cuda.is_available()
 cpu_only = pytest.mark.skipif(GPU, reason="the sm_90 compile without a GPU")
@@ -56,18 +60,6 @@ def compile_sm90(group: int = 4, stages: int = 2, dtype: str = "bf16", programs_
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def sass_loop_mix(sass: str) -> dict[str, int]:
-    """Opcode counts of the tile loop (the shortest backward-branch span holding both a TMA
-    issue and an HMMA), modifiers kept (``LDSM.16.MT88.4``)."""
-    ins, labels = sass_instructions(sass)
-    bodies = [[t.split(" ")[0] for t in ins[lo:hi + 1]] for lo, hi in sass_loops(ins, labels)]
-    body = min((b for b in bodies if any(o.startswith("UTMALDG") for o in b) and any(o.startswith("HMMA") for o in b)),
-               key=len)
-    mix = collections.Counter(body)
-    mix["total"] = len(body)
-    return dict(mix)
-
-
 # name: compile_sm90 arguments (the knobs the benchmark times, fp16, the GQA groups)
 SM90_FORMS: dict[str, dict] = {
     "bf16_p3_s2": {}, "fp16_p3_s2": {"dtype": "fp16"}, "bf16_p2_s3": {"programs_per_sm": 2, "stages": 3},
@@ -89,7 +81,7 @@ def _sm90_report() -> dict:
         k = compile_sm90(**kw)
         log, sass = ptxas_sm90a(k.asm["ptx"])
         out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, threads=32 * k.metadata.num_warps,
-                         tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], loop=sass_loop_mix(sass),
+                         tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], loop=tma_mma_loop_mix(sass),
                          programs_per_sm=kw.get("programs_per_sm", 3), stages=kw.get("stages", 2))
     return out
 
