@@ -916,8 +916,8 @@ def mla_decode_gluon(
     returns out  : [B, H, 512] in q's dtype
 
     ``config`` and ``pdl`` are the Triton kernel's knobs, accepted for a drop-in swap and
-    ignored (this kernel has one tile shape and no PDL launch). It runs ENGINE_FORM's tile-loop
-    knobs. Raises ValueError with ``mla_gluon_unsupported``'s reasons where it cannot run.
+    ignored (this kernel has one tile shape; its merge kernel's PDL launch is ``_launch``'s
+    ``pdl_merge``, off until an H200 run times it). It runs ENGINE_FORM's tile-loop knobs. Raises ValueError with ``mla_gluon_unsupported``'s reasons where it cannot run.
     """
     del config, pdl
     return _launch(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank, sm_scale=sm_scale,
