@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:  # step_metadata imports it itself: nothing may import triton before the flag below
+    from flashpage.attention.backend import AttentionMetadata
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -228,3 +232,25 @@ def run_staggered(engine, prompts: list[list[int]], params) -> dict:
         assert step < 2000, "the engine stopped making progress"
     return {"outputs": [got[str(i)] for i in range(len(prompts))], "chunks": chunks,
             "mixed_steps": mixed_steps}
+
+
+def step_metadata(q_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
+                  num_decodes: int) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata of one step (and the positions of its tokens) as the model runner builds it."""
+    from flashpage.attention.backend import AttentionMetadata
+
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(q_lens, seq_lens, strict=True)])
+    slots = torch.cat([torch.tensor(t)[torch.arange(s - q, s) // block_size] * block_size
+                       + torch.arange(s - q, s) % block_size
+                       for q, s, t in zip(q_lens, seq_lens, tables, strict=True)])
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    md = AttentionMetadata(
+        num_actual_tokens=sum(q_lens), num_seqs=len(q_lens), query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=bt,
+        slot_mapping=slots.long(), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        num_decodes=num_decodes, num_decode_tokens=num_decodes, query_lens_cpu=list(q_lens),
+        seq_lens_cpu=list(seq_lens))
+    return md, positions

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flashpage.attention.backend import AttentionMetadata
+from tests.conftest import step_metadata
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
@@ -45,18 +45,7 @@ def _step(seed=0):
         for p in range(n - lq):  # the cached prefix
             for c in cache:
                 c[t[p // BLOCK], p % BLOCK] = torch.randn(HKV, D, generator=g).to(DTYPE)
-    slots = torch.cat([torch.tensor(t)[torch.arange(s - q, s) // BLOCK] * BLOCK
-                       + torch.arange(s - q, s) % BLOCK
-                       for q, s, t in zip(q_lens, seq_lens, tables, strict=True)])
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(q_lens).cumsum(0)
-    md = AttentionMetadata(
-        num_actual_tokens=sum(q_lens), num_seqs=len(q_lens), query_start_loc=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=bt,
-        slot_mapping=slots.long(), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-        num_decodes=1, num_decode_tokens=1, query_lens_cpu=q_lens, seq_lens_cpu=seq_lens)
+    md, _ = step_metadata(q_lens, seq_lens, tables, BLOCK, num_decodes=1)
     n = sum(q_lens)
     q, k, v = (torch.randn(n, h, D, generator=g).to(DTYPE) for h in (HQ, HKV, HKV))
     return q, k, v, cache, md

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from flashpage import LLM, SamplingParams
-from flashpage.attention.backend import AttentionMetadata
 from flashpage.attention.triton import TritonBackend
 from flashpage.config import EngineConfig
 from flashpage.engine.cuda_graph import DecodeGraphs
@@ -21,6 +20,7 @@ from tests.conftest import (
     random_prompts,
     run_staggered,
     staggered_prompts,
+    step_metadata,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -97,25 +97,6 @@ class SpyBackend:
         return mla_prefill_torch(*args, **kwargs)
 
 
-def metadata(q_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
-             num_decodes: int) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Metadata of one step (and the positions of its tokens) as the model runner builds it."""
-    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(q_lens, seq_lens, strict=True)])
-    slots = torch.cat([torch.tensor(t)[torch.arange(s - q, s) // block_size] * block_size
-                       + torch.arange(s - q, s) % block_size
-                       for q, s, t in zip(q_lens, seq_lens, tables, strict=True)])
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(q_lens).cumsum(0)
-    md = AttentionMetadata(
-        num_actual_tokens=sum(q_lens), num_seqs=len(q_lens), query_start_loc=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=bt,
-        slot_mapping=slots.long(), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-        num_decodes=num_decodes, num_decode_tokens=num_decodes, query_lens_cpu=list(q_lens),
-        seq_lens_cpu=list(seq_lens))
-    return md, positions
-
 
 @pytest.mark.parametrize("name", NAMES)
 def test_absorbed_and_expanded_paths_agree_on_the_same_step(tiny_mla_checkpoint, name):
@@ -144,7 +125,7 @@ def test_absorbed_and_expanded_paths_agree_on_the_same_step(tiny_mla_checkpoint,
         used += k
 
     with torch.no_grad():
-        md, pos = metadata(lens, lens, tables, block_size, num_decodes=0)
+        md, pos = step_metadata(lens, lens, tables, block_size, num_decodes=0)
         hidden = model(torch.tensor(sum(prompts, [])), pos, md)
         last = torch.tensor(lens).cumsum(0) - 1
         next_ids = model.compute_logits(hidden[last]).argmax(-1)
@@ -153,7 +134,7 @@ def test_absorbed_and_expanded_paths_agree_on_the_same_step(tiny_mla_checkpoint,
         outs = {}
         for nd in (3, 0):
             spy.calls = {"decode": 0, "prefill": 0}
-            md, pos = metadata([1, 1, 1], [n + 1 for n in lens], tables, block_size, num_decodes=nd)
+            md, pos = step_metadata([1, 1, 1], [n + 1 for n in lens], tables, block_size, num_decodes=nd)
             outs[nd] = model(next_ids, pos, md)
             path_ran = "decode" if nd else "prefill"
             assert spy.calls[path_ran] == cfg.num_hidden_layers and sum(spy.calls.values()) == spy.calls[path_ran]
