@@ -338,14 +338,15 @@ def fits(programs_per_sm: int, stages: int) -> bool:
 
 
 def engine_form(num_items: int, num_sms: int) -> dict:
-    """The (programs per SM, stages) paged_decode runs for ``num_items`` = batch x Hkv items on
-    ``num_sms`` SMs: 3 programs of 2 stages where there are items for 3 an SM, else 2 of 2.
-    H200 run 86 (decode_gluon_knobs.py --set bf16, GB/s): 2 x 2 over 2 x 3 at all six shapes
-    (+0.5-2.3%); 3 x 2 over 2 x 2 at 128 x 8192 (+1.2%) and 256 ragged 101-2048 (+0.5%, the
-    engine's kind of batch), under it at 64 x 4096, 128 x 2048 and 256 x 1024 (1.0-2.3%)."""
-    if num_items >= 3 * num_sms:
-        return {"variant": "keys_m", "programs_per_sm": 3, "stages": 2}
-    return {"variant": "keys_m", "programs_per_sm": 2, "stages": 2}
+    """The form paged_decode runs for ``num_items`` = batch x Hkv items on ``num_sms`` SMs: 2
+    programs an SM of 2 stages, on ``balanced_grid``'s program count. H200 run 91
+    (decode_gluon_knobs.py --set bf16, x SDPA cuDNN on contiguous K/V in the same run) at 32 x
+    4096, 64 x 4096, 128 x 2048, 128 x 8192, 256 x 1024: 2 x 2 balanced 1.013 / 1.000 / 0.987 /
+    0.993 / 0.985, 2 x 2 1.011 / 0.986 / 0.995 / 0.986 / 0.987, 3 x 2 (run 86's choice at 3 items an
+    SM) 1.010 / 0.967 / 0.984 / 0.968 / 0.969; 256 ragged 101-2048: 253.7 / 251.9 / 251.1 us (3 x 2
+    ahead by 1%). ``num_sms`` stays in the signature: the form is per GPU, not per batch, here."""
+    del num_items, num_sms
+    return {"variant": "keys_m", "programs_per_sm": 2, "stages": 2, "balance": True}
 
 
 @functools.cache
@@ -412,6 +413,7 @@ def paged_decode_gluon_bf16(
     variant: str = "keys_m",
     programs_per_sm: int = 3,
     stages: int = 2,
+    balance: bool = False,
 ) -> torch.Tensor:
     """paged_decode (kernels/paged_decode.py) over a 16-bit cache, in Gluon for sm_90.
 
@@ -422,7 +424,8 @@ def paged_decode_gluon_bf16(
     returns out  [B, Hq, 128] in q's dtype (written into ``out`` when given)
 
     Hq / Hkv 1-8, no sliding window, no key splits: programs_per_sm x SMs persistent programs
-    over the (sequence, KV head) items (``engine_form`` gives what paged_decode runs).
+    over the (sequence, KV head) items (``engine_form`` gives what paged_decode runs);
+    ``balance``: as few programs as give each the same item count (``balanced_grid``).
     """
     return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale, out=out,
-                   variant=variant, programs_per_sm=programs_per_sm, stages=stages)
+                   variant=variant, programs_per_sm=programs_per_sm, stages=stages, balance=balance)

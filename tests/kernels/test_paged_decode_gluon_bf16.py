@@ -216,8 +216,8 @@ def test_balanced_grid():
 
 
 def test_gluon_bf16_switch_and_engine_form(monkeypatch):
-    """FLASHPAGE_DECODE_GLUON_BF16 is on unless set to 0; paged_decode's form: 3 programs an SM
-    of 2 stages where the items fill 3 an SM, else 2 of 3 stages (both fit)."""
+    """FLASHPAGE_DECODE_GLUON_BF16 is on unless set to 0; paged_decode's form: 2 programs an SM
+    of 2 stages on the balanced grid (H200 run 91), which fits, at any item count."""
     from flashpage import envs
     from flashpage.kernels.paged_decode_gluon_bf16 import engine_form, fits
 
@@ -227,8 +227,8 @@ def test_gluon_bf16_switch_and_engine_form(monkeypatch):
     assert envs.decode_gluon_bf16()
     monkeypatch.setenv("FLASHPAGE_DECODE_GLUON_BF16", "0")
     assert not envs.decode_gluon_bf16()
-    assert engine_form(2048, 132) == {"variant": "keys_m", "programs_per_sm": 3, "stages": 2}
-    assert engine_form(256, 132) == {"variant": "keys_m", "programs_per_sm": 2, "stages": 2}
+    assert engine_form(2048, 132) == engine_form(256, 132) == {"variant": "keys_m", "programs_per_sm": 2,
+                                                               "stages": 2, "balance": True}
     for items in (136, 256, 396, 2048):
         form = engine_form(items, 132)
         assert fits(form["programs_per_sm"], form["stages"])
@@ -243,7 +243,8 @@ CASES = [
 ]
 FORMS = {
     "p3_s2": {}, "p2_s3": {"programs_per_sm": 2, "stages": 3}, "p1_s6": {"programs_per_sm": 1, "stages": 6},
-    "p2_s2": {"programs_per_sm": 2, "stages": 2},  # engine_form under 3 items an SM
+    "p2_s2": {"programs_per_sm": 2, "stages": 2},
+    "p2_s2_bal": {"programs_per_sm": 2, "stages": 2, "balance": True},  # engine_form
     "p3_s2_bal": {"balance": True},  # balanced_grid: fewer programs, the same item count each
     # a few programs, many items each: tiles in flight across item boundaries, items shorter than
     # the tiles in flight, the ring wrapping many times
