@@ -54,9 +54,6 @@ VARIANTS = {
     "gluon_all_fb": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "fewer_barriers": True}),
     # the merge kernel (past FUSE_MAX_SPLITS splits) launched with PDL, under this kernel's tail
     "gluon_all_pdl": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "pdl_merge": True}),
-    # each slot issue also prefetches into L2 the item's slot 2 / 4 / 8 further on
-    **{f"gluon_all_pf{d}": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "prefetch": d})
-       for d in (2, 4, 8)},
     "gluon_s4": (gluon_launch, {"stages": 4}),
     # every split count merged inside the kernel (the default merges > FUSE_MAX_SPLITS with
     # mla_decode's merge kernel; run 85 measured this form as "gluon")

@@ -147,8 +147,6 @@ _W = gl.constexpr(NUM_WARPS)
 _SL = gl.constexpr(SLOT)
 _BN = gl.constexpr(BLOCK_N)
 _SLOT_BYTES = gl.constexpr(9 * SLOT * 64 * 2)  # both boxes of a slot
-_ROW = gl.constexpr(RANK + ROPE)  # elements a cache row
-_PF_LAYOUT = gl.constexpr(gl.BlockedLayout([2], [32], [_W], [0]))  # prefetch: a slot's 144 lines, 2 a thread
 
 # Scores: batched mma.sync over [warp, 16 heads, keys], warp w its own slice of the dims.
 _MMA3 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[_W, 1, 1], instr_shape=[1, 16, 8]))
@@ -235,21 +233,6 @@ def _slot_row(bt_row, pos, last_page, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _prefetch_slot(kv_ptr, bt_row, pos, last_page, ok, PAGE: gl.constexpr):
-    """prefetch=PF: the 16 cache rows at key ``pos`` (18 KB, 144 lines of 128 bytes, up to two a
-    thread) into L2 if ``ok``, ahead of the TMA that will read them: more bytes in flight than
-    the ring's shared memory holds (run 92, Nsight Compute at 8 x 32768: the second slot's
-    mbarrier wait, data not yet landed, is 16% of the warps' samples)."""
-    row = _slot_row(bt_row, pos, last_page, PAGE)
-    line = gl.arange(0, 256, layout=_PF_LAYOUT)
-    ptrs = kv_ptr + row.to(gl.int64) * _ROW + line * 64
-    en = gl.where(ok, line, 256)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred %p; setp.lt.s32 %p, $2, 144; @%p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, en], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _cdiv_splits(x, num_splits, inv_splits):
     """cdiv(x, num_splits) for 0 <= x < 2^24 without an integer division: x * (1 / num_splits)
     in fp32 (off by at most one), then corrected (lean=True)."""
@@ -301,13 +284,11 @@ def _seek_lean(item, b, s, hg, nprog, db, ds, dh, b_last, num_items, num_splits,
 @gluon.jit
 def _produce(kv_desc, pe_desc, ring, ring_pe, bars, p, row, item, b, s, hg, slot, nslots, start, bt_row, last_page,
              nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups, seq_lens_ptr,
-             block_tables_ptr, stride_btb, PAGE: gl.constexpr, R: gl.constexpr, LEAN: gl.constexpr,
-             kv_ptr=None, PF: gl.constexpr = 0):
+             block_tables_ptr, stride_btb, PAGE: gl.constexpr, R: gl.constexpr, LEAN: gl.constexpr):
     """Issue the cursor's slot, advance the cursor (to the next item with a key after the last
     slot of one) and load the next slot's cache row. ``p``: the program's issue count (ring
     index p % R), or with LEAN the ring index itself, wrapped by a compare; LEAN also walks
-    the items by _seek_lean (b, s, hg carried; unused otherwise). PF > 0: the slot PF past the
-    cursor's new one, in the same item, prefetched into L2 (_prefetch_slot)."""
+    the items by _seek_lean (b, s, hg carried; unused otherwise)."""
     pred = item < num_items
     if LEAN:
         idx = p
@@ -330,9 +311,6 @@ def _produce(kv_desc, pe_desc, ring, ring_pe, bars, p, row, item, b, s, hg, slot
                                                            seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
         slot = 0
     row = _slot_row(bt_row, start + slot * _SL, last_page, PAGE)
-    if PF > 0:
-        _prefetch_slot(kv_ptr, bt_row, start + (slot + PF) * _SL, last_page,
-                       (slot + PF < nslots) & (item < num_items), PAGE)
     p += 1
     if LEAN:  # noqa: SIM102 (a constexpr test around a runtime one)
         if p == R:
@@ -646,7 +624,7 @@ def _tile(q_lo, q_hi, q_r, ring, ring_pe, bars, bars1, scratch, scratch1, g, ph,
           kv_desc, pe_desc, p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row,
           p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups, seq_lens_ptr,
           block_tables_ptr, stride_btb, dtype: gl.constexpr, PAGE: gl.constexpr, R: gl.constexpr,
-          LEAN: gl.constexpr, MASK: gl.constexpr, LAZY: gl.constexpr, FB: gl.constexpr, kv_ptr, PF: gl.constexpr):
+          LEAN: gl.constexpr, MASK: gl.constexpr, LAZY: gl.constexpr, FB: gl.constexpr):
     """One 32-key tile: the partial scores, the CTA barrier, the refill of the last tile's two
     slots, the softmax step and P V. Returns the consumer's and the producer's new state
     (``p_row0``: FB's row of slot p, the cursor one slot further; unused otherwise)."""
@@ -664,7 +642,7 @@ def _tile(q_lo, q_hi, q_r, ring, ring_pe, bars, bars1, scratch, scratch1, g, ph,
             p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _produce(
                 kv_desc, pe_desc, ring, ring_pe, bars, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
                 p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
-                seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R, LEAN, kv_ptr, PF)
+                seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R, LEAN)
     m, l, acc = _attend(ring, scratch, scratch1, i0, i1, bf, m, l, acc, key0, end, qk_scale, dtype, MASK, LAZY, FB)
     g, ph, buf = _ring_next(g, ph, buf, R, LEAN, FB)
     return (g, ph, buf, m, l, acc,
@@ -673,8 +651,7 @@ def _tile(q_lo, q_hi, q_r, ring, ring_pe, bars, bars1, scratch, scratch1, g, ph,
 
 @gluon.jit(do_not_specialize=["num_items", "num_splits"])
 def _mla_decode_gluon_kernel(
-    q_ptr, kv_desc, pe_desc, kv_ptr,  # kv_ptr: the cache itself (prefetch only)
-    block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, kv_desc, pe_desc, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     counter_ptr,  # int32 [B * head_groups], 0 on entry and on exit (SPLIT only)
     qk_scale,  # sm_scale * log2(e)
     inv_splits,  # 1 / num_splits (fp32; LEAN only)
@@ -690,7 +667,6 @@ def _mla_decode_gluon_kernel(
     MERGE: gl.constexpr = True,  # SPLIT: the last split to arrive merges (else mla_decode's merge kernel)
     FB: gl.constexpr = False,  # fewer CTA barriers a tile: per-slot scratch, a tile's two issues batched
     PDL_TRIGGER: gl.constexpr = False,  # let the merge kernel (launched with PDL) launch before this one ends
-    PF: gl.constexpr = 0,  # > 0: each issue also prefetches into L2 the item's slot PF further on (not with FB)
 ):
     if PDL_TRIGGER:  # the merge kernel waits (griddepcontrol.wait) for this grid before it reads
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
@@ -744,7 +720,7 @@ def _mla_decode_gluon_kernel(
         p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row, p_last_page = _produce(
             kv_desc, pe_desc, ring, ring_pe, bars_k, p, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
             p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
-            seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R, LEAN, kv_ptr, PF)
+            seq_lens_ptr, block_tables_ptr, stride_btb, PAGE, R, LEAN)
     p_row0 = p_row
     if FB:  # the cursor one slot ahead of the issues: p_row0 is slot p's row (-1: none to issue)
         p_row0 = gl.where(p_item < num_items, p_row, -1)
@@ -777,7 +753,7 @@ def _mla_decode_gluon_kernel(
                 q_lo, q_hi, q_r, ring, ring_pe, bars, bars1, scratch, scratch1, g, ph, buf, m, l, acc, start + i * _BN, end,
                 qk_scale, kv_desc, pe_desc, p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start,
                 p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups,
-                seq_lens_ptr, block_tables_ptr, stride_btb, dtype, PAGE, R, LEAN, 1 if PEEL else 0, LAZY, FB, kv_ptr, PF)
+                seq_lens_ptr, block_tables_ptr, stride_btb, dtype, PAGE, R, LEAN, 1 if PEEL else 0, LAZY, FB)
         if PEEL:  # noqa: SIM102 (a constexpr test around a runtime one)
             if nt > 0:
                 (g, ph, buf, m, l, acc,
@@ -786,7 +762,7 @@ def _mla_decode_gluon_kernel(
                     start + n_loop * _BN, end, qk_scale, kv_desc, pe_desc, p, p_row0, p_row, p_item, p_b, p_s, p_hg,
                     p_slot, p_nslots, p_start, p_bt_row, p_last_page, nprog, db, ds, dh, b_last, num_items,
                     num_splits, inv_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb, dtype, PAGE, R,
-                    LEAN, 2, LAZY, FB, kv_ptr, PF)
+                    LEAN, 2, LAZY, FB)
         _finish(acc, m, l, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, b, s, hg, num_splits, head_groups,
                 stride_ob, stride_oh, SPLIT, MERGE)
     for k in gl.static_range(R):  # every issued slot was waited on (none issued past the last item)
@@ -865,23 +841,19 @@ def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -
 def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=None, num_splits=None,
             programs: int | None = None, stages: int = STAGES, peel: bool = False, lean: bool = False,
             lazy: bool = False, fewer_barriers: bool = False, fuse_max_splits: int = FUSE_MAX_SPLITS,
-            pdl_merge: bool = False, prefetch: int = 0):
+            pdl_merge: bool = False):
     """mla_decode_gluon with the knobs tests and benchmarks turn: ``programs`` (None: 2 an SM,
     at most one a work item), ``stages`` (ring slots, >= 4), ``peel`` (an item's last tile out
     of the loop), ``lean`` (ring counters, the producer's items without divisions), ``lazy``
     (the accumulator rescaled only when a row's max grew by > 2^8), ``fewer_barriers`` (fewer
     CTA barriers a tile: the module doc), ``fuse_max_splits`` (the most splits merged inside
     the kernel; more: the merge kernel), ``pdl_merge`` (that merge kernel launched with PDL,
-    this one letting it launch from its start: its launch under this kernel's tail, not after),
-    ``prefetch`` (> 0: each slot issue also prefetches into L2 the slot that many further on in
-    the same item; not with fewer_barriers)."""
+    this one letting it launch from its start: its launch under this kernel's tail, not after)."""
     why = mla_gluon_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
     if why:
         raise ValueError("mla_decode_gluon cannot take this call: " + "; ".join(why))
     if stages < 4:
         raise ValueError(f"stages must be >= 4, got {stages}")
-    if prefetch < 0 or (prefetch and fewer_barriers):
-        raise ValueError(f"prefetch must be >= 0 and is not taken with fewer_barriers, got {prefetch}")
     B, H, _ = q.shape
     if block_tables.shape[0] != B or seq_lens.shape != (B,):
         raise ValueError(f"block_tables must be [B={B}, max_blocks] and seq_lens [B], got "
@@ -910,11 +882,11 @@ def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=
     grid = min(items, max(1, programs or slots))
     pdl = split and not fused and resolve_pdl(pdl_merge, q.device)
     _mla_decode_gluon_kernel[(grid,)](
-        q, *_cache_descriptors(kv_cache), kv_cache, block_tables, seq_lens, out, mid_o, mid_lse, counters,
+        q, *_cache_descriptors(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse, counters,
         sm_scale * _LOG2E, 1.0 / num_splits, items, num_splits, hg,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         PAGE=kv_cache.shape[1], R=stages, SPLIT=split, PEEL=peel, LEAN=lean, LAZY=lazy, MERGE=fused,
-        FB=fewer_barriers, PDL_TRIGGER=pdl, PF=prefetch, num_warps=NUM_WARPS)
+        FB=fewer_barriers, PDL_TRIGGER=pdl, num_warps=NUM_WARPS)
     if split and not fused:
         _merge(mid_o, mid_lse, out, RANK, pdl)
     return out
