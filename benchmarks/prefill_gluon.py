@@ -29,8 +29,8 @@ block-16 cache in shuffled block order; ``gluon_paged_static`` (static schedule)
 ``gluon_paged_gather*`` (``producer="gather"``: cp.async rows instead of TMA boxes; static
 schedule, the defaults, 3 stages, consumers at 232 registers instead of 224, block 128),
 ``gluon_paged_r224`` (the TMA producer with consumers at 224 registers: what gather's
-register split alone costs), ``gluon_paged_tma1`` / ``_tma1_b128`` (``producer="tma1"``: the
-TMA boxes issued by a producer of one warp); the table's last columns: paged / contiguous
+register split alone costs), ``gluon_paged_tma1`` / ``_tma1_b128`` / ``_tma1_stages3`` (``producer="tma1"``:
+the TMA boxes issued by a producer of one warp; over block 128; a 3-deep ring); the table's last columns: paged / contiguous
 Gluon (issue 5: within 5%), the gather producer's / contiguous, tma1's / contiguous, paged / cuDNN, paged / Triton paged. Every output is checked against SDPA flash first (self-attention over the
 whole sequence, the new tokens' rows; rel err < 1e-2; a failure is recorded as a string,
 never raised: a hang is not, so run this under ``timeout``); past --budget seconds the
@@ -110,6 +110,7 @@ PAGED_VARIANTS: dict[str, dict] = {
     # producer="tma1": the TMA boxes from a producer of one warp (no bar.sync between issues)
     "gluon_paged_tma1": {"producer": "tma1"},
     "gluon_paged_tma1_b128": {"producer": "tma1"},  # over the block-128 cache (one box a tile)
+    "gluon_paged_tma1_stages3": {"producer": "tma1", "num_stages": 3},  # its ring 3 deep (one Q buffer)
 }
 COLUMNS = [*GLUON_VARIANTS, *PAGED_VARIANTS, "triton", "triton_paged", "sdpa_cudnn", "sdpa_flash"]
 

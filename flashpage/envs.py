@@ -100,6 +100,13 @@ def prefill_gluon() -> bool:
     return os.environ.get("FLASHPAGE_PREFILL_GLUON", "1") != "0"
 
 
+def prefill_producer() -> str:
+    """FLASHPAGE_PREFILL_PRODUCER: the Gluon paged prefill's K/V producer ("tma", "gather",
+    "tma1"; unset or empty: flash_prefill_gluon.engine_options' choice by block size), for
+    A/B runs. Read at each call; a bad value is a ValueError there."""
+    return os.environ.get("FLASHPAGE_PREFILL_PRODUCER", "").strip()
+
+
 def mla_gluon() -> bool:
     """FLASHPAGE_MLA_GLUON=1: the triton backend's MLA decode on Hopper through the persistent
     Gluon kernel (kernels/mla_decode_gluon.py: one TMA ring, the split merge inside the

@@ -547,12 +547,12 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
     out = _check_out(out, q, dv)
     if (_config is None and envs.prefill_gluon() and q.shape[0] > 0 and batch > 0
             and not gluon_prefill_unsupported(q, key_cache, value_cache, window_size)):
-        from flashpage.kernels.flash_prefill_gluon import engine_producer, paged_prefill_gluon
+        from flashpage.kernels.flash_prefill_gluon import engine_options, paged_prefill_gluon
 
         return paged_prefill_gluon(q, key_cache, value_cache, block_tables, cu_seqlens_q,
                                    seq_lens, max_seqlen_q, max_seqlen_k, causal=causal,
                                    sm_scale=sm_scale, return_lse=return_lse, out=out,
-                                   producer=engine_producer(key_cache.shape[1]))
+                                   **engine_options(key_cache.shape[1], envs.prefill_producer()))
     lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
     if q.shape[0] > 0 and batch > 0:
         slots_k = key_cache.view(-1, hkv, d) if key_cache.is_contiguous() else \

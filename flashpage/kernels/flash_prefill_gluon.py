@@ -188,13 +188,25 @@ GATHER_CONSUMER_REGS = 224
 PRODUCERS = ("tma", "gather", "tma1")
 
 
-def engine_producer(block_size: int) -> str:
-    """The producer flash_prefill.paged_prefill asks for: cp.async rows ("gather") under
-    128-token blocks, TMA boxes from 128 up. H200 run 89 (2 x 4096 / 1 x 16384 / 8 x 1024 /
-    8192 cached + 8192 causal, TFLOP/s): block 16, gather 486 / 538 / 322 / 542 against the
-    boxes' 467 / 527 / 310 / 516; block 128, the boxes 532 / 603 / 356 / 605 against gather's
-    488 / 528 / 321 / 492. The two agree bit for bit (test_paged_prefill_gather.py)."""
-    return "gather" if block_size < BLOCK_N else "tma"
+def engine_options(block_size: int, producer: str = "") -> dict:
+    """paged_prefill_gluon's producer and ring depth as flash_prefill.paged_prefill runs them:
+    ``producer`` ("", or FLASHPAGE_PREFILL_PRODUCER's value: "tma", "gather", "tma1") forces one;
+    by default the one-warp TMA producer ("tma1") under 128-token blocks, TMA boxes ("tma") from
+    128 up. The ring is 3 deep under "tma1" (its warpgroups leave the shared memory a third
+    stage with one Q buffer), 2 otherwise.
+
+    H200, TFLOP/s, block 16, causal, runs 95-96 (five rounds, medians; one round's tma1 / gluon
+    contiguous 0.86-1.07 at 2 x 4096: the Gluon kernels' rounds spread by up to 10%): 2 x 4096
+    tma1 3-deep 519, tma1 487, gather 478 (contiguous 530); 1 x 16384: 579 / 565 / 536 (603);
+    8192 cached + 8192: 567 / 571 / 539. Run 89: gather 3-5% over the 4-warp TMA boxes at block
+    16, 8-19% under them at block 128 (the boxes there as fast as contiguous)."""
+    if producer:
+        if producer not in PRODUCERS:
+            raise ValueError(f"FLASHPAGE_PREFILL_PRODUCER must be one of {list(PRODUCERS)}, got {producer!r}")
+    else:
+        producer = "tma1" if block_size < BLOCK_N else "tma"
+    return {"producer": producer, "num_stages": 3 if producer == "tma1" else STAGES}
+
 
 _D = gl.constexpr(HEAD_DIM)
 _BM = gl.constexpr(BLOCK_M)

@@ -110,10 +110,11 @@ def test_switch_on_sends_the_prefill_part_to_gluon(monkeypatch):
     calls = []
 
     def fake(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
-             max_seqlen_k, *, causal, sm_scale, return_lse, out, producer):
+             max_seqlen_k, *, causal, sm_scale, return_lse, out, producer, num_stages):
         calls.append(dict(q=q, block_tables=block_tables, cu=cu_seqlens_q, seq_lens=seq_lens,
                           max_q=max_seqlen_q, max_k=max_seqlen_k, causal=causal,
-                          sm_scale=sm_scale, return_lse=return_lse, out=out, producer=producer))
+                          sm_scale=sm_scale, return_lse=return_lse, out=out, producer=producer,
+                          num_stages=num_stages))
         out.copy_(paged_prefill_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q,
                                     seq_lens, max_seqlen_q, max_seqlen_k, causal=causal,
                                     sm_scale=sm_scale))
@@ -129,7 +130,8 @@ def test_switch_on_sends_the_prefill_part_to_gluon(monkeypatch):
     assert c["seq_lens"].tolist() == [32, 5] and c["cu"].tolist() == [0, 9, 14]
     assert (c["max_q"], c["max_k"], c["causal"], c["return_lse"]) == (9, 32, True, False)
     assert c["sm_scale"] == D ** -0.5
-    assert c["producer"] == ("gather" if BLOCK < 128 else "tma")  # flash_prefill_gluon.engine_producer
+    # flash_prefill_gluon.engine_options: the one-warp TMA producer, 3 deep, under 128-token blocks
+    assert (c["producer"], c["num_stages"]) == (("tma1", 3) if BLOCK < 128 else ("tma", 2))
     assert c["out"].data_ptr() == out[1:].data_ptr()  # written in place
     _close(out[1:], _reference(q, cache, md))
 
@@ -148,3 +150,22 @@ def test_switch_on_by_default_and_off_with_0(monkeypatch):
     out = _forward(q, k, v, cache, md)
     assert asked == []
     _close(out[1:], _reference(q, cache, md))
+
+
+def test_engine_options_and_the_producer_override(monkeypatch):
+    """engine_options: the one-warp TMA producer with a 3-deep ring under 128-token blocks, the
+    4-warp TMA boxes 2 deep from 128; FLASHPAGE_PREFILL_PRODUCER forces one (its ring follows
+    it), and an unknown one is an error naming the variable."""
+    from flashpage import envs
+    from flashpage.kernels.flash_prefill_gluon import engine_options
+
+    assert engine_options(16) == engine_options(64) == {"producer": "tma1", "num_stages": 3}
+    assert engine_options(128) == engine_options(256) == {"producer": "tma", "num_stages": 2}
+    assert engine_options(16, "gather") == {"producer": "gather", "num_stages": 2}
+    assert engine_options(256, "tma1") == {"producer": "tma1", "num_stages": 3}
+    with pytest.raises(ValueError, match="FLASHPAGE_PREFILL_PRODUCER.*'tma2'"):
+        engine_options(16, "tma2")
+    monkeypatch.setenv("FLASHPAGE_PREFILL_PRODUCER", " gather ")
+    assert envs.prefill_producer() == "gather"
+    monkeypatch.delenv("FLASHPAGE_PREFILL_PRODUCER")
+    assert envs.prefill_producer() == ""

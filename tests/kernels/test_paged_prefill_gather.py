@@ -48,6 +48,22 @@ def test_gather_static_gpu(producer, lens, block_size, hq, hkv, sched):
 @pytest.mark.parametrize("lens", list(LENGTHS.values()), ids=list(LENGTHS))
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (16, 2)], ids=["mha", "gqa4", "gqa8"])
+def test_engine_options_gpu(lens, block_size, hq, hkv):
+    """What flash_prefill.paged_prefill runs (engine_options: tma1 3 deep under 128-token
+    blocks), causal, dynamic schedule, twice: bit for bit the same."""
+    from flashpage.kernels import flash_prefill_gluon as fg
+
+    opts = fg.engine_options(block_size)
+    first, _ = _check_paged(*lens, hq, hkv, block_size, opts)
+    again, _ = _check_paged(*lens, hq, hkv, block_size, opts)
+    assert torch.equal(first, again)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("lens", list(LENGTHS.values()), ids=list(LENGTHS))
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (16, 2)], ids=["mha", "gqa4", "gqa8"])
 @pytest.mark.parametrize("producer", PRODUCERS)
 def test_gather_gpu(producer, lens, block_size, hq, hkv):
     """The default schedule (persistent, dynamic), causal, twice: bit for bit the same, the
