@@ -64,5 +64,44 @@ c)
       2>&1 | grep -E "output_tok_per_s|Error"
   done
   echo "part c done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a, b, c)"; exit 2 ;;
+d)
+  # parts a-c's follow-up (run 94): tma1's two tests part c's 90 s cut off; the MLA L2 prefetch's
+  # first run (tests, then beside Triton and gluon_all); issue 6's own table with the new form
+  timeout "$(left 120)" $PT -m gpu tests/kernels/test_paged_prefill_gather.py -k "tma1 and agrees" -rf 2>&1 \
+    | tee "$OUT/tma1_agree_tests.txt" | tail -n 3
+  timeout "$(left 120)" $PT -x -m gpu tests/kernels/test_mla_decode_gluon.py -k pf4 -rf 2>&1 \
+    | tee "$OUT/mla_pf_tests.txt" | tail -n 3
+  echo "tests done at ${SECONDS}s"
+  timeout "$(left 150)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" \
+    --variants triton gluon_all gluon_all_pf2 gluon_all_pf4 gluon_all_pf8 2>&1 | tee "$OUT/mla_pf.txt" | tail -n 9
+  echo "MLA done at ${SECONDS}s"
+  timeout "$(left 170)" python3 benchmarks/attention_decode.py --out "$OUT" 2>&1 | tee "$OUT/decode.txt" | tail -n 22
+  echo "part d done at ${SECONDS}s" ;;
+e)
+  # the paged prefill by producer, twice (run-to-run spread), a 3-deep ring for tma1; 8B bf16 end to end
+  timeout "$(left 230)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only --rounds 2 \
+    --paged-variants ${PAGED_VARIANTS:-gluon_paged_gather,gluon_paged_tma1,gluon_paged_tma1_stages3} \
+    --budget 200 2>&1 | tee "$OUT/prefill_producers.txt" | tail -n 8
+  echo "prefill done at ${SECONDS}s"
+  timeout "$(left 100)" $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --no-hf \
+    --json-out "$OUT/throughput_8b_bf16.json" 2>&1 | grep -E "output_tok_per_s|Error"
+  echo "part e done at ${SECONDS}s" ;;
+f)
+  # the session's closing call (run 97), after engine_options (tma1, 3 deep, under 128-token blocks)
+  # and the bf16 decode's balanced 2 x 2: the engine form's kernel tests, the engine's and models'
+  # GPU tests, 8B bf16 end to end with it and with FLASHPAGE_PREFILL_PRODUCER=gather (the form it
+  # replaced) in the same run, then the paged prefill over five rounds
+  timeout "$(left 150)" $PT -x -m gpu tests/kernels/test_paged_prefill_gather.py -k engine_options -rf 2>&1 \
+    | tee "$OUT/engine_options_tests.txt" | tail -n 3
+  timeout "$(left 150)" $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 3
+  echo "tests done at ${SECONDS}s"
+  for pr in "" gather; do
+    FLASHPAGE_PREFILL_PRODUCER=$pr timeout "$(left 90)" $FP bench throughput --config llama-3-8b \
+      --gpu-memory-utilization 0.75 --no-hf --json-out "$OUT/throughput_8b_bf16_producer_${pr:-default}.json" 2>&1 \
+      | grep -E "output_tok_per_s|Error"
+  done
+  timeout "$(left 90)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only --rounds 5 \
+    --paged-variants gluon_paged_gather,gluon_paged_tma1_stages3 --budget 80 2>&1 | tee "$OUT/prefill_rounds5.txt" | tail -n 7
+  echo "part f done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-f)"; exit 2 ;;
 esac
