@@ -42,9 +42,6 @@ SETS = {
 BF16_FORMS = {f"P{p} s{s}": {"programs_per_sm": p, "stages": s} for p, s in ((3, 2), (2, 3), (2, 2), (1, 4), (1, 6))}
 # the same with balanced_grid: every program the same number of items (session 11, not yet timed)
 BF16_FORMS.update({f"P{p} s{s} bal": {"programs_per_sm": p, "stages": s, "balance": True} for p, s in ((3, 2), (2, 2))})
-# launched with PDL (griddepcontrol.wait, then launch_dependents, at the start; session 12)
-BF16_FORMS.update({f"P{p} s{s} bal pdl": {"programs_per_sm": p, "stages": s, "balance": True, "pdl": True}
-                   for p, s in ((3, 2), (2, 2))})
 SETS["bf16"] = BF16_FORMS
 
 

@@ -63,7 +63,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashpage.kernels.paged_decode import gluon_bf16_unsupported
 from flashpage.kernels.paged_decode_gluon import _A, _B, _MMA, _seek, _tile_blocks
-from flashpage.kernels.pdl import pdl_launch_kwargs, resolve_pdl
 
 _LOG2E = 1.4426950408889634
 HEAD_DIM = 128
@@ -200,7 +199,6 @@ def _paged_decode_gluon16_kernel(
     HKV: gl.constexpr,  # KV heads
     GROUP: gl.constexpr,  # query heads per KV head (<= 8)
     S: gl.constexpr,  # stages: tiles in the ring (S - 1 in flight while one is computed)
-    PDL: gl.constexpr = False,  # launched with PDL: wait for the previous grid, then let the next launch
 ):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -212,11 +210,6 @@ def _paged_decode_gluon16_kernel(
     for s in gl.static_range(S):
         mbarrier.init(bars.index(s), count=1)
     gl.thread_barrier()
-    if PDL:  # kernels/pdl.py's rule: the wait before any global access, then the trigger
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
 
     # The producer cursor at the program's first item with a key; its first S - 1 tiles in
     # flight (across items where they are short).
@@ -351,10 +344,9 @@ def engine_form(num_items: int, num_sms: int) -> dict:
     4096, 64 x 4096, 128 x 2048, 128 x 8192, 256 x 1024: 2 x 2 balanced 1.013 / 1.000 / 0.987 /
     0.993 / 0.985, 2 x 2 1.011 / 0.986 / 0.995 / 0.986 / 0.987, 3 x 2 (run 86's choice at 3 items an
     SM) 1.010 / 0.967 / 0.984 / 0.968 / 0.969; 256 ragged 101-2048: 253.7 / 251.9 / 251.1 us (3 x 2
-    ahead by 1%). ``num_sms`` stays in the signature: the form is per GPU, not per batch, here.
-    PDL (``pdl`` None) only under FLASHPAGE_PDL=all until it is timed against cuDNN."""
+    ahead by 1%). ``num_sms`` stays in the signature: the form is per GPU, not per batch, here."""
     del num_items, num_sms
-    return {"variant": "keys_m", "programs_per_sm": 2, "stages": 2, "balance": True, "pdl": None}
+    return {"variant": "keys_m", "programs_per_sm": 2, "stages": 2, "balance": True}
 
 
 @functools.cache
@@ -376,14 +368,11 @@ def balanced_grid(num_items: int, programs: int) -> int:
 
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, out=None,
             variant: str = "keys_m", programs_per_sm: int = 3, stages: int = 2, programs: int | None = None,
-            max_regs_cap: int | None = None, balance: bool = False, pdl: bool | None = False):
+            max_regs_cap: int | None = None, balance: bool = False):
     """paged_decode_gluon_bf16 with its knobs: ``programs_per_sm`` x ``stages`` must fit in
     shared memory (``fits``: 3 x 2, 2 x 3, 1 x 2-6, ...); ``programs`` that many programs
     instead (tests: several items a program); ``max_regs_cap`` None for ``max_regs(programs_per_sm)``;
-    ``balance``: ``balanced_grid``'s program count (every program the same number of items);
-    ``pdl``: launched with programmatic dependent launch (kernels/pdl.py; None: under
-    FLASHPAGE_PDL=all only): its launch and barrier setup under the previous kernel's tail, the
-    next kernel's under its own."""
+    ``balance``: ``balanced_grid``'s program count (every program the same number of items)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
     if not fits(programs_per_sm, stages):
@@ -404,12 +393,11 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
                                               else q.device.index)
     regs = max_regs_cap or max_regs(programs_per_sm)
     grid = balanced_grid(num_items, programs) if balance else min(num_items, max(1, programs))
-    use_pdl = resolve_pdl(pdl, q.device, in_auto=False)  # None: only under FLASHPAGE_PDL=all, until timed
     _paged_decode_gluon16_kernel[(grid,)](
         q, _cache_descriptor(key_cache), _cache_descriptor(value_cache), block_tables, seq_lens, out,
         sm_scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        num_items, HKV=num_kv_heads, GROUP=num_q_heads // num_kv_heads, S=stages, PDL=use_pdl,
-        num_warps=NUM_WARPS, **pdl_launch_kwargs(use_pdl), **({"maxnreg": regs} if regs else {}))
+        num_items, HKV=num_kv_heads, GROUP=num_q_heads // num_kv_heads, S=stages,
+        num_warps=NUM_WARPS, **({"maxnreg": regs} if regs else {}))
     return out
 
 
@@ -426,7 +414,6 @@ def paged_decode_gluon_bf16(
     programs_per_sm: int = 3,
     stages: int = 2,
     balance: bool = False,
-    pdl: bool | None = False,
 ) -> torch.Tensor:
     """paged_decode (kernels/paged_decode.py) over a 16-bit cache, in Gluon for sm_90.
 
@@ -438,8 +425,7 @@ def paged_decode_gluon_bf16(
 
     Hq / Hkv 1-8, no sliding window, no key splits: programs_per_sm x SMs persistent programs
     over the (sequence, KV head) items (``engine_form`` gives what paged_decode runs);
-    ``balance``: as few programs as give each the same item count (``balanced_grid``); ``pdl``:
-    a programmatic dependent launch (None: under FLASHPAGE_PDL=all only).
+    ``balance``: as few programs as give each the same item count (``balanced_grid``).
     """
     return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale, out=out,
-                   variant=variant, programs_per_sm=programs_per_sm, stages=stages, balance=balance, pdl=pdl)
+                   variant=variant, programs_per_sm=programs_per_sm, stages=stages, balance=balance)

@@ -34,7 +34,7 @@ hopper = pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 
 # --------------------------------------------------------------------------- sm_90 compile (CPU)
 
 
-def compile_sm90(group: int = 4, stages: int = 2, dtype: str = "bf16", programs_per_sm: int = 3, pdl: bool = False):
+def compile_sm90(group: int = 4, stages: int = 2, dtype: str = "bf16", programs_per_sm: int = 3):
     """The kernel compiled for sm_90 as an H200 launch compiles it (q, caches and out in ``dtype``;
     pointers and the strides that are multiples of 16 there marked so; 8 KV heads; the register
     cap ``_launch`` passes for ``programs_per_sm``)."""
@@ -45,7 +45,7 @@ def compile_sm90(group: int = 4, stages: int = 2, dtype: str = "bf16", programs_
     from flashpage.kernels import paged_decode_gluon_bf16 as pg
 
     fn = pg._paged_decode_gluon16_kernel
-    consts = {"GROUP": group, "S": stages, "HKV": 8, "PDL": pdl}
+    consts = {"GROUP": group, "S": stages, "HKV": 8}
     desc = f"tensordesc<{dtype}[2, {pg.PAGE}, {pg.HALF}],{pg._TMA_SMEM.value!r}>"
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": f"*{dtype}", "k_desc": desc, "v_desc": desc, "block_tables_ptr": "*i32",
@@ -64,19 +64,8 @@ def compile_sm90(group: int = 4, stages: int = 2, dtype: str = "bf16", programs_
 SM90_FORMS: dict[str, dict] = {
     "bf16_p3_s2": {}, "fp16_p3_s2": {"dtype": "fp16"}, "bf16_p2_s3": {"programs_per_sm": 2, "stages": 3},
     "bf16_p1_s6": {"programs_per_sm": 1, "stages": 6}, "bf16_p3_s2_g1": {"group": 1},
-    "bf16_p3_s2_g8": {"group": 8}, "bf16_p2_s2": {"programs_per_sm": 2},
-    "bf16_p2_s2_pdl": {"programs_per_sm": 2, "pdl": True},
+    "bf16_p3_s2_g8": {"group": 8},
 }
-
-
-def _wait_before_global(ptx: str) -> bool:
-    """Whether griddepcontrol.wait comes before the PTX's first global access (ld/st/atom
-    .global, a TMA copy, prefetch of a tensor map): kernels/pdl.py's rule."""
-    import re
-
-    wait = ptx.find("griddepcontrol.wait")
-    first = re.search(r"\b(ld|st|atom|red)\.global|cp\.async\.bulk|prefetch\.tensormap|prefetch\.global", ptx)
-    return wait >= 0 and (first is None or wait < first.start())
 
 
 def _sm90_report() -> dict:
@@ -93,9 +82,6 @@ def _sm90_report() -> dict:
         log, sass = ptxas_sm90a(k.asm["ptx"])
         out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, threads=32 * k.metadata.num_warps,
                          tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], loop=tma_mma_loop_mix(sass),
-                         pdl=[x for x in ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
-                              if x in k.asm["ptx"]],
-                         wait_first=_wait_before_global(k.asm["ptx"]),
                          programs_per_sm=kw.get("programs_per_sm", 3), stages=kw.get("stages", 2))
     return out
 
@@ -137,10 +123,6 @@ def test_gluon_bf16_compiles_for_sm90():
         assert loop["FMUL"] <= 36 and loop["MUFU.EX2"] <= 6, name
         assert not any(o in loop for o in ("MUFU.RCP", "I2F.RP", "IABS")), name  # no runtime division
         assert loop["total"] <= 400, (name, loop["total"])
-        # pdl: the wait and the trigger in the PTX of the PDL form only, its tile loop the same
-        assert r["pdl"] == (["griddepcontrol.wait", "griddepcontrol.launch_dependents"] if "pdl" in name else []), name
-        assert r["wait_first"] == ("pdl" in name), name
-    assert rep["bf16_p2_s2_pdl"]["loop"] == rep["bf16_p2_s2"]["loop"]
 
 
 def _offset_to_logical(bases: list[list[int]], offset: int) -> tuple[int, ...]:
@@ -246,7 +228,7 @@ def test_gluon_bf16_switch_and_engine_form(monkeypatch):
     monkeypatch.setenv("FLASHPAGE_DECODE_GLUON_BF16", "0")
     assert not envs.decode_gluon_bf16()
     assert engine_form(2048, 132) == engine_form(256, 132) == {"variant": "keys_m", "programs_per_sm": 2,
-                                                               "stages": 2, "balance": True, "pdl": None}
+                                                               "stages": 2, "balance": True}
     for items in (136, 256, 396, 2048):
         form = engine_form(items, 132)
         assert fits(form["programs_per_sm"], form["stages"])
@@ -263,7 +245,6 @@ FORMS = {
     "p3_s2": {}, "p2_s3": {"programs_per_sm": 2, "stages": 3}, "p1_s6": {"programs_per_sm": 1, "stages": 6},
     "p2_s2": {"programs_per_sm": 2, "stages": 2},
     "p2_s2_bal": {"programs_per_sm": 2, "stages": 2, "balance": True},  # engine_form
-    "p2_s2_bal_pdl": {"programs_per_sm": 2, "stages": 2, "balance": True, "pdl": True},
     "p3_s2_bal": {"balance": True},  # balanced_grid: fewer programs, the same item count each
     # a few programs, many items each: tiles in flight across item boundaries, items shorter than
     # the tiles in flight, the ring wrapping many times
