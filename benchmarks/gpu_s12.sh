@@ -103,5 +103,22 @@ f)
   timeout "$(left 90)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only --rounds 5 \
     --paged-variants gluon_paged_gather,gluon_paged_tma1_stages3 --budget 80 2>&1 | tee "$OUT/prefill_rounds5.txt" | tail -n 7
   echo "part f done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-f)"; exit 2 ;;
+g)
+  # run 98: the bf16 Gluon decode launched with PDL (its tests; the knobs beside cuDNN; issue 6's
+  # table with FLASHPAGE_PDL=auto (PDL off for it) and =all (on), in turn twice); then Nsight
+  # Compute on the engine's paged prefill form (tma1, 3 deep) at 1 x 16384 and, beside
+  # contiguous, at 8 x 1024
+  timeout "$(left 100)" $PT -x -m gpu tests/kernels/test_paged_decode_gluon_bf16.py -k pdl -rf 2>&1 \
+    | tee "$OUT/decode_pdl_tests.txt" | tail -n 3
+  timeout "$(left 100)" python3 benchmarks/decode_gluon_knobs.py --set bf16 --out "$OUT" 2>&1 \
+    | tee "$OUT/decode_bf16_knobs.txt" | tail -n 9
+  for r in 1 2; do for m in auto all; do
+    FLASHPAGE_PDL=$m timeout "$(left 60)" python3 benchmarks/attention_decode.py --out "$OUT/pdl_$m$r" 2>&1 \
+      | grep -E "^\| (32|64|128) " | cut -d"|" -f1-5 | sed "s/^/$m$r /"
+  done; done
+  echo "decode done at ${SECONDS}s"
+  NCU_CASES="prefill_gluon_paged16_tma1s3 prefill_gluon_8x1k prefill_gluon_paged16_tma1s3_8x1k" \
+    timeout "$(left 200)" bash benchmarks/gpu_s12_ncu.sh
+  echo "part g done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-g)"; exit 2 ;;
 esac

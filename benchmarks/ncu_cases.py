@@ -13,8 +13,10 @@ summaries. Cases:
     mla_bf16_32x4k / mla_bf16_8x32k / mla_fp8_32x4k   MLA decode, 16 heads, 512 + 64, block 64
     prefill_causal / prefill_paged16 / prefill_paged128   2 x 4096 causal, 32 heads, D 128
     prefill_gluon_2x4k / prefill_gluon_1x16k   the Gluon prefill (flash_prefill_gluon.py), causal
-    prefill_gluon_paged16_gather / _tma   the same at 1 x 16384 over a block-16 paged cache, by
-                               the cp.async gather producer / the TMA boxes (issue 5's gap)
+    prefill_gluon_paged16_gather / _tma / _tma1s3   the same at 1 x 16384 over a block-16 paged cache, by
+                               the cp.async gather producer / the TMA boxes / one-warp TMA, 3 deep
+                               (issue 5's gap); prefill_gluon_8x1k / prefill_gluon_paged16_tma1s3_8x1k
+                               at 8 x 1024 (the shape still short of 0.95x)
     decode_bf16_cudnn          SDPA cuDNN at decode_bf16's shape, K/V contiguous (issue 6's baseline;
                                decode_bf16 itself is the Gluon bf16 kernel on Hopper now)
     mla_gluon_8x32k / mla_gluon_32x4k   the Gluon MLA decode (mla_decode_gluon.py, its merge
@@ -89,7 +91,7 @@ def mla_gluon(batch: int, ctx: int):
     return lambda: mla_decode_gluon(q, kv, tables, lens, kv_lora_rank=512, sm_scale=192 ** -0.5)
 
 
-def prefill_gluon_paged(producer: str, batch: int = 1, seq: int = 16384, page: int = 16):
+def prefill_gluon_paged(producer: str, batch: int = 1, seq: int = 16384, page: int = 16, **opts):
     from flashpage.kernels.flash_prefill_gluon import paged_prefill_gluon
 
     q = torch.randn(batch * seq, 32, 128, device=DEV, dtype=BF16)
@@ -98,7 +100,7 @@ def prefill_gluon_paged(producer: str, batch: int = 1, seq: int = 16384, page: i
     vc = torch.randn_like(kc)
     cu = torch.arange(0, batch + 1, device=DEV, dtype=torch.int32) * seq
     lens = torch.full((batch,), seq, device=DEV, dtype=torch.int32)
-    return lambda: paged_prefill_gluon(q, kc, vc, tables, cu, lens, seq, seq, causal=True, producer=producer)
+    return lambda: paged_prefill_gluon(q, kc, vc, tables, cu, lens, seq, seq, causal=True, producer=producer, **opts)
 
 
 def prefill(page: int | None, batch: int = 2, seq: int = 4096):
@@ -133,6 +135,10 @@ CASES = {
     "prefill_gluon_1x16k": lambda: prefill_gluon(1, 16384),
     "prefill_gluon_paged16_gather": lambda: prefill_gluon_paged("gather"),
     "prefill_gluon_paged16_tma": lambda: prefill_gluon_paged("tma"),
+    # the engine's form since session 12 (the one-warp TMA producer, 3 deep), and at 8 x 1024
+    "prefill_gluon_paged16_tma1s3": lambda: prefill_gluon_paged("tma1", num_stages=3),
+    "prefill_gluon_8x1k": lambda: prefill_gluon(8, 1024),
+    "prefill_gluon_paged16_tma1s3_8x1k": lambda: prefill_gluon_paged("tma1", 8, 1024, num_stages=3),
     "decode_bf16_cudnn": lambda: decode_cudnn(),
     "mla_gluon_8x32k": lambda: mla_gluon(8, 32768),
     "mla_gluon_32x4k": lambda: mla_gluon(32, 4096),
