@@ -104,7 +104,8 @@ f)
     --paged-variants gluon_paged_gather,gluon_paged_tma1_stages3 --budget 80 2>&1 | tee "$OUT/prefill_rounds5.txt" | tail -n 7
   echo "part f done at ${SECONDS}s" ;;
 g)
-  # run 98: the bf16 Gluon decode launched with PDL (its tests; the knobs beside cuDNN; issue 6's
+  # run 98 (the pdl knob it timed was reverted after it, d845ce8; 8b38221 has it): the bf16 Gluon
+  # decode launched with PDL (its tests; the knobs beside cuDNN; issue 6's
   # table with FLASHPAGE_PDL=auto (PDL off for it) and =all (on), in turn twice); then Nsight
   # Compute on the engine's paged prefill form (tma1, 3 deep) at 1 x 16384 and, beside
   # contiguous, at 8 x 1024
