@@ -54,8 +54,6 @@ VARIANTS = {
     "gluon_all_fb": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "fewer_barriers": True}),
     # the merge kernel (past FUSE_MAX_SPLITS splits) launched with PDL, under this kernel's tail
     "gluon_all_pdl": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "pdl_merge": True}),
-    # no merge kernel past 4 splits: the grid (cooperative) waits for its last program and merges
-    "gluon_all_gm": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "grid_merge": True}),
     "gluon_s4": (gluon_launch, {"stages": 4}),
     # every split count merged inside the kernel (the default merges > FUSE_MAX_SPLITS with
     # mla_decode's merge kernel; run 85 measured this form as "gluon")

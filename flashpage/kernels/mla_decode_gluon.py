@@ -147,9 +147,6 @@ _W = gl.constexpr(NUM_WARPS)
 _SL = gl.constexpr(SLOT)
 _BN = gl.constexpr(BLOCK_N)
 _SLOT_BYTES = gl.constexpr(9 * SLOT * 64 * 2)  # both boxes of a slot
-# grid_merge: a unit's partials, 8 splits x 256 columns (fp32, 16 a thread, 16-byte loads)
-_GM_SPLITS = gl.constexpr(8)
-_GM_TILE = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [2, 2], [1, 0]))
 
 # Scores: batched mma.sync over [warp, 16 heads, keys], warp w its own slice of the dims.
 _MMA3 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[_W, 1, 1], instr_shape=[1, 16, 8]))
@@ -623,52 +620,6 @@ def _merge_if_last(o, lse, out_ptr, out_off, mid_o_ptr, mid_lse_ptr, counter_ptr
 
 
 @gluon.jit
-def _grid_merge(out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, num_splits, num_units, heads, stride_ob, stride_oh):
-    """grid_merge: every program counts itself in once its partials are stored and waits for
-    all the others (a cooperative launch keeps the whole grid resident, so the wait ends), then
-    the programs merge the partials together, a unit (sequence, head, half of the 512 columns)
-    each in turn: the splits 8 at a time, in split order (deterministic), from L2. The last
-    program out sets both counters back to 0 (a graph replays from a clean state)."""
-    nprog = gl.num_programs(0)
-    gl.thread_barrier()  # every thread's partial stores before this program's count
-    arrived = gl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1
-    while arrived < nprog:
-        arrived = gl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    gl.thread_barrier()  # ... and every thread's loads below after the wait
-    srow = gl.arange(0, _GM_SPLITS, layout=gl.SliceLayout(1, _GM_TILE))
-    cols = gl.arange(0, 256, layout=gl.SliceLayout(0, _GM_TILE))
-    for u in range(gl.program_id(0), num_units, nprog):
-        bh = u // 2
-        col0 = (u % 2) * 256
-        lse_row = mid_lse_ptr + bh.to(gl.int64) * num_splits
-        o_row = mid_o_ptr + bh.to(gl.int64) * num_splits * 512 + col0
-        mm = gl.max(gl.full([_GM_SPLITS], float("-inf"), gl.float32, gl.SliceLayout(1, _GM_TILE)), 0)
-        den = gl.sum(gl.zeros([_GM_SPLITS], gl.float32, gl.SliceLayout(1, _GM_TILE)), 0)
-        acc = gl.zeros([256], gl.float32, gl.SliceLayout(0, _GM_TILE))
-        for c0 in range(0, num_splits, _GM_SPLITS):
-            sp = c0 + srow
-            ok = sp < num_splits
-            lse_c = gl.load(lse_row + sp, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            o_c = gl.load(o_row + gl.expand_dims(sp * 512, 1) + gl.expand_dims(cols, 0),
-                          mask=gl.expand_dims(ok, 1), other=0.0, cache_modifier=".cg")
-            m_new = gl.maximum(mm, gl.max(lse_c, 0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # every partial so far empty
-            a = gl.exp2(mm - m_safe)
-            w = gl.exp2(lse_c - m_safe)
-            acc = acc * a + gl.sum(o_c * gl.expand_dims(w, 1), 0)
-            den = den * a + gl.sum(w, 0)
-            mm = m_new
-        o = acc / gl.where(den > 0.0, den, 1.0)
-        b = bh // heads
-        h = bh % heads
-        gl.store(out_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + col0 + cols,
-                 o.to(out_ptr.dtype.element_ty))
-    if gl.atomic_add(counter_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-        gl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-        gl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed", scope="gpu")
-
-
-@gluon.jit
 def _tile(q_lo, q_hi, q_r, ring, ring_pe, bars, bars1, scratch, scratch1, g, ph, buf, m, l, acc, key0, end, qk_scale,
           kv_desc, pe_desc, p, p_row0, p_row, p_item, p_b, p_s, p_hg, p_slot, p_nslots, p_start, p_bt_row,
           p_last_page, nprog, db, ds, dh, b_last, num_items, num_splits, inv_splits, head_groups, seq_lens_ptr,
@@ -716,7 +667,6 @@ def _mla_decode_gluon_kernel(
     MERGE: gl.constexpr = True,  # SPLIT: the last split to arrive merges (else mla_decode's merge kernel)
     FB: gl.constexpr = False,  # fewer CTA barriers a tile: per-slot scratch, a tile's two issues batched
     PDL_TRIGGER: gl.constexpr = False,  # let the merge kernel (launched with PDL) launch before this one ends
-    GM: gl.constexpr = False,  # SPLIT, not MERGE: the grid merges the partials itself (cooperative launch)
 ):
     if PDL_TRIGGER:  # the merge kernel waits (griddepcontrol.wait) for this grid before it reads
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
@@ -820,9 +770,6 @@ def _mla_decode_gluon_kernel(
     if FB:
         for k in gl.static_range(R):
             mbarrier.invalidate(bars1.index(k))
-    if GM:
-        _grid_merge(out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, num_splits, num_items // num_splits * 32,
-                    head_groups * 16, stride_ob, stride_oh)
 
 
 # --------------------------------------------------------------------------------- launcher
@@ -894,16 +841,14 @@ def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -
 def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=None, num_splits=None,
             programs: int | None = None, stages: int = STAGES, peel: bool = False, lean: bool = False,
             lazy: bool = False, fewer_barriers: bool = False, fuse_max_splits: int = FUSE_MAX_SPLITS,
-            pdl_merge: bool = False, grid_merge: bool = False):
+            pdl_merge: bool = False):
     """mla_decode_gluon with the knobs tests and benchmarks turn: ``programs`` (None: 2 an SM,
     at most one a work item), ``stages`` (ring slots, >= 4), ``peel`` (an item's last tile out
     of the loop), ``lean`` (ring counters, the producer's items without divisions), ``lazy``
     (the accumulator rescaled only when a row's max grew by > 2^8), ``fewer_barriers`` (fewer
     CTA barriers a tile: the module doc), ``fuse_max_splits`` (the most splits merged inside
     the kernel; more: the merge kernel), ``pdl_merge`` (that merge kernel launched with PDL,
-    this one letting it launch from its start: its launch under this kernel's tail, not after),
-    ``grid_merge`` (past fuse_max_splits: no merge kernel; the grid, launched cooperatively so
-    that it is all resident, waits for its last program and merges the partials itself)."""
+    this one letting it launch from its start: its launch under this kernel's tail, not after)."""
     why = mla_gluon_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
     if why:
         raise ValueError("mla_decode_gluon cannot take this call: " + "; ".join(why))
@@ -935,18 +880,14 @@ def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=
     if fused:
         counters = _merge_counters(q.device, B * hg)
     grid = min(items, max(1, programs or slots))
-    gm = split and not fused and grid_merge
-    if gm:
-        counters = _merge_counters(q.device, 2)
-    pdl = split and not fused and not gm and resolve_pdl(pdl_merge, q.device)
+    pdl = split and not fused and resolve_pdl(pdl_merge, q.device)
     _mla_decode_gluon_kernel[(grid,)](
         q, *_cache_descriptors(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse, counters,
         sm_scale * _LOG2E, 1.0 / num_splits, items, num_splits, hg,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         PAGE=kv_cache.shape[1], R=stages, SPLIT=split, PEEL=peel, LEAN=lean, LAZY=lazy, MERGE=fused,
-        FB=fewer_barriers, PDL_TRIGGER=pdl, GM=gm, num_warps=NUM_WARPS,
-        **({"launch_cooperative_grid": True} if gm else {}))
-    if split and not fused and not gm:
+        FB=fewer_barriers, PDL_TRIGGER=pdl, num_warps=NUM_WARPS)
+    if split and not fused:
         _merge(mid_o, mid_lse, out, RANK, pdl)
     return out
 

@@ -37,7 +37,7 @@ TOL = 2e-2  # ||out - ref|| / ||ref||, bf16 (test_mla_decode.py's REL_TOL)
 
 def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True, peel: bool = False,
                  lean: bool = False, lazy: bool = False, merge: bool = True,
-                 fewer_barriers: bool = False, pdl_trigger: bool = False, grid_merge: bool = False):
+                 fewer_barriers: bool = False, pdl_trigger: bool = False):
     """The kernel compiled for sm_90 as an H200 launch compiles it (bf16; pointers and the
     strides that are multiples of 16 there marked so)."""
     import triton
@@ -48,7 +48,7 @@ def compile_sm90(page: int = 64, stages: int | None = None, split: bool = True, 
 
     fn = mg._mla_decode_gluon_kernel
     consts = {"PAGE": page, "R": stages or mg.STAGES, "SPLIT": split, "PEEL": peel, "LEAN": lean, "LAZY": lazy,
-              "MERGE": merge, "FB": fewer_barriers, "PDL_TRIGGER": pdl_trigger, "GM": grid_merge}
+              "MERGE": merge, "FB": fewer_barriers, "PDL_TRIGGER": pdl_trigger}
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[8, 16, 64],{mg._TMA_SMEM.value!r}>",
                 "pe_desc": f"tensordesc<bf16[16, 64],{mg._TMA_SMEM2.value!r}>", "block_tables_ptr": "*i32",
@@ -99,19 +99,14 @@ def _sm90_report() -> dict:
     compiles += [(form, 64, True, False, None, False) for form in ("default", "peel")]  # partials for the merge kernel
     compiles += [("peel", 64, True, False, None, True)]  # ... which pdl_merge lets launch early
     compiles += [("all_fb", 64, True, True, 4, False)]
-    # grid_merge: the merge kernel's partials merged by the grid itself, beside the same form without
-    compiles += [("all", 64, True, False, None, False), ("all", 64, True, False, None, "gm")]
-    for form, page, split, merge, stages, extra in compiles:
-        k = compile_sm90(page=page, split=split, merge=merge, stages=stages, pdl_trigger=extra is True,
-                         grid_merge=extra == "gm", **FORMS[form])
+    for form, page, split, merge, stages, pdl in compiles:
+        k = compile_sm90(page=page, split=split, merge=merge, stages=stages, pdl_trigger=pdl, **FORMS[form])
         log, sass = ptxas_sm90a(k.asm["ptx"])
         name = f"{form}_p{page}" + ("" if split else "_nosplit") + ("" if merge else "_nomerge") \
-            + (f"_s{stages}" if stages else "") + ("_pdl" if extra is True else "") + ("_gm" if extra == "gm" else "")
-        ptx = k.asm["ptx"]
+            + (f"_s{stages}" if stages else "") + ("_pdl" if pdl else "")
         out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, loop=tma_mma_loop_mix(sass),
-                         tma_ptx="cp.async.bulk.tensor" in ptx, form=form,
-                         trigger="griddepcontrol.launch_dependents" in ptx,
-                         acquire_spin="ld.global.gpu.acquire" in ptx, atomics=ptx.count("atom.global.gpu"))
+                         tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"], form=form,
+                         trigger="griddepcontrol.launch_dependents" in k.asm["ptx"])
     return out
 
 
@@ -165,15 +160,6 @@ def test_mla_gluon_compiles_for_sm90():
     # pdl_merge: the trigger once at the start, the tile loop untouched; no other form has it
     assert [n for n, r in rep.items() if r["trigger"]] == ["peel_p64_nomerge_pdl"]
     assert rep["peel_p64_nomerge_pdl"]["loop"] == rep["peel_p64_nomerge"]["loop"]
-    # grid_merge: the tile loop's MMAs, shared loads, barriers, waits, TMA and exp2 the same, its
-    # size within 8 (integer scheduling); the count in, an acquire spin, the count out and the two
-    # resets (4 atomics); no other form spins
-    a, b = rep["all_p64_nomerge_gm"]["loop"], rep["all_p64_nomerge"]["loop"]
-    keys = ("HMMA", "LDSM", "LDS", "STS", "BAR.SYNC", "SYNCS", "UTMALDG", "MUFU")
-    assert {k: v for k, v in a.items() if k.startswith(keys)} == {k: v for k, v in b.items() if k.startswith(keys)}
-    assert abs(a["total"] - b["total"]) <= 8, (a["total"], b["total"])
-    assert rep["all_p64_nomerge_gm"]["acquire_spin"] and rep["all_p64_nomerge_gm"]["atomics"] == 4
-    assert not any(r["acquire_spin"] for n, r in rep.items() if not n.endswith("_gm"))
 
 
 def _args(batch=2, heads=16, page=64, blocks=8, device="cpu", dtype=torch.bfloat16):
@@ -303,10 +289,6 @@ KNOBS = {
     "p5_merge_kernel3": {"programs": 5, "num_splits": 3, "fuse_max_splits": 1},
     # the merge kernel launched with PDL (griddepcontrol.wait before it reads the partials)
     "pdl_merge9": {"num_splits": 9, "pdl_merge": True},
-    # no merge kernel: the grid (cooperative) waits for its last program and merges itself
-    "gm9": {"num_splits": 9, "grid_merge": True},
-    "gm40": {"num_splits": 40, "grid_merge": True},  # more units than programs, splits past 32
-    "p7_gm5": {"programs": 7, "num_splits": 5, "grid_merge": True},
 }
 
 
@@ -347,33 +329,31 @@ def test_mla_gluon_matches_triton_gpu(form):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("form", list(FORMS))
-@pytest.mark.parametrize("merge", [{"fuse_max_splits": 64}, {"fuse_max_splits": 1}, {"grid_merge": True}],
-                         ids=["fused", "merge_kernel", "grid_merge"])
-def test_mla_gluon_many_calls_gpu(form, merge):
+@pytest.mark.parametrize("fuse_max_splits", [64, 1], ids=["fused", "merge_kernel"])
+def test_mla_gluon_many_calls_gpu(form, fuse_max_splits):
     """200 calls back to back with splits (12: the merge's last-arriver election and counter
-    reset under load, the merge kernel after, or the grid's own merge after its wait), every
-    one right and bitwise equal, the counters zero at the end."""
+    reset under load, or the merge kernel after), every one right and bitwise equal, the
+    counters zero at the end."""
     from flashpage.kernels.mla_decode import _COUNTERS
     from flashpage.kernels.mla_decode_gluon import _launch
 
     q, kv, tables, seq_lens = make_case([3000, 1, 2048, 777] * 4, 16, 64, seed=3)
     scale = 1.0 / math.sqrt(RANK + ROPE)
     ref = mla_decode_ref(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale)
-    outs = [_launch(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, **merge, **FORMS[form])
-            for _ in range(200)]
+    outs = [_launch(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, fuse_max_splits=fuse_max_splits,
+                    **FORMS[form]) for _ in range(200)]
     torch.cuda.synchronize()
     for i, o in enumerate(outs):
         assert rel_err(o, ref) < TOL, f"call {i}"
         assert torch.equal(o, outs[0]), f"call {i} differs from call 0"
-    if merge.get("fuse_max_splits", 0) > 1 or merge.get("grid_merge"):
+    if fuse_max_splits > 1:
         assert not _COUNTERS[q.device].any()
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("form", list(FORMS))
-# 3: merged in the kernel; None (16), 7: merge kernel; -7: 7 merged by the grid (grid_merge)
-@pytest.mark.parametrize("num_splits", [None, 1, 3, 7, -7])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 7])  # 3: merged in the kernel; None (16), 7: merge kernel
 def test_mla_gluon_cuda_graph_gpu(num_splits, form):
     """Captured once, replayed 50 times with new queries and lengths (a padding row among
     them): the merge counters reset themselves, every replay right."""
@@ -385,8 +365,7 @@ def test_mla_gluon_cuda_graph_gpu(num_splits, form):
     out = torch.empty(3, 16, RANK, dtype=q.dtype, device=q.device)
 
     def call():
-        _launch(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out,
-                num_splits=abs(num_splits) if num_splits else num_splits, grid_merge=(num_splits or 0) < 0,
+        _launch(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=num_splits,
                 **FORMS[form])
 
     call()  # compile and allocate the counters outside the capture
