@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 13's device plan: the wgmma MLA decode's first run (kernels/mla_decode_wgmma.py, written in
+# session 12 without a GPU), then its speed beside the mma.sync kernels at issue 4's shapes.
+#   bash benchmarks/gpu_s13.sh a    on a FRESH machine: its GPU tests (-x under a timeout: a wrong
+#                                   mbarrier phase hangs), then benchmarks/mla_decode_gluon.py with
+#                                   triton, gluon_all and wgmma (page 64), all six shapes
+# Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
+set -u
+PART=${1:-a}
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/flashpage_gpu}; mkdir -p "$OUT"
+B=${BUDGET:-400}
+left() { local t=$((B - SECONDS)); [ "$1" -lt "$t" ] && t=$1; [ "$t" -lt 1 ] && t=1; echo $t; }
+PT="python3 -m pytest -q -p no:cacheprovider"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+case "$PART" in
+a)
+  timeout "$(left 60)" $PT -x -m gpu tests/kernels/test_mla_decode_wgmma.py -k "one_key and default" -rf 2>&1 \
+    | tee "$OUT/wgmma_smoke.txt" | tail -n 3
+  timeout "$(left 150)" $PT -x -m gpu tests/kernels/test_mla_decode_wgmma.py -rf 2>&1 \
+    | tee "$OUT/wgmma_tests.txt" | tail -n 4
+  echo "tests done at ${SECONDS}s"
+  timeout "$(left 120)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" --variants triton gluon_all wgmma 2>&1 \
+    | tee "$OUT/mla_wgmma.txt" | tail -n 9
+  echo "part a done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a)"; exit 2 ;;
+esac

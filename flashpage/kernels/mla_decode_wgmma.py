@@ -1,0 +1,349 @@
+"""MLA decode over the bf16/fp16 paged latent cache with Hopper's warpgroup MMA, keys as the
+MMA's M (sm_90, Gluon). Same contract as ``mla_decode`` (kernels/mla_decode.py); written in
+session 12 without a GPU to run it: not wired into the engine, timed beside the mma.sync
+kernels by ``benchmarks/mla_decode_gluon.py`` (variant "wgmma").
+
+Why: both mma.sync kernels (Triton's, and mla_decode_gluon's) stream the latents at ~3.8 TB/s
+on an H200 at 8 x 32768 (Nsight Compute, run 92: 80 us for 302 MB, 79% of DRAM peak, no
+over-fetch), where the bf16 GQA decode reaches 4.29 TB/s. Their tiles hold 16 heads as M of
+m16n8k16 and exchange partial scores between warps; here a 64-key tile is one warpgroup's::
+
+    S^T [64 keys, 16 heads] = sum over the 9 slabs s of  K_s [64 keys, 64] . Q_s^T [64, 16]
+    O_c^T [64 dims, 16 heads] += V_c^T [64 dims, 64 keys] . P^T [64 keys, 16]   c = 0..7
+
+as wgmma m64n16k16: A = the latent slab in shared memory as TMA landed it (K-major, 128-byte
+swizzle: wgmma's own A layout; transposed for V^T), B = q's slab (permuted) and P^T (stored to
+shared memory each tile). 9 + 8 wgmma instructions' groups a tile, asynchronous; the softmax is
+over M (the keys: a reduction across the 4 warps). Key splits partial into ``mla_decode``'s
+layout (mid_o [B, H, S, 512] normalized, mid_lse [B, H, S] base 2), merged by its merge kernel.
+
+One program an SM (one warpgroup): a ring of STAGES = 2 tiles (72 KB each: 9 TMA boxes [64
+keys, 64 columns] at columns 0, 64, .., 512 of the cache seen as [blocks x page, 576]) + q
+(18 KB) + P^T (2 KB) ~ 164 KB, so a tile is in flight while the other is computed. Persistent:
+programs walk their (sequence, split, head group) items, the producer cursor a tile ahead
+across item boundaries (mla_decode_gluon's scheme: stage g % STAGES, phase (g // STAGES) & 1).
+Pages: block_size a multiple of 64 (a tile within one page). Keys past an item's end: their
+scores masked to -inf, their V rows zeroed in shared memory before P.V (slots past a context
+may hold anything, NaN included, and 0 x NaN is NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flashpage.kernels.mla_decode import _merge
+from flashpage.kernels.mla_decode_gluon import HEADS, RANK, ROPE, mla_gluon_unsupported
+
+_LOG2E = 1.4426950408889634
+TILE = 64  # keys a tile: wgmma's M
+STAGES = 2  # ring tiles: 2 x 72 KB + q 18 KB + P 2 KB, one program an SM
+NUM_WARPS = 4  # one warpgroup
+MIN_SPLIT_KEYS = 512  # a split keeps at least this many keys (8 tiles)
+
+_T = gl.constexpr(TILE)
+_SLABS = gl.constexpr((RANK + ROPE) // 64)  # 9: 8 value slabs and the rope slab
+_TILE_BYTES = gl.constexpr((RANK + ROPE) * TILE * 2)
+_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+_P_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
+# S^T [64 keys, 16 heads] and each O_c^T [64 dims, 16 heads]: one warpgroup's m64n16 accumulator
+_ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
+# q's [16 heads, 64] slab and a [64 keys, 64] slab through registers (16-byte vectors)
+_Q_LD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+_V_LD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups):
+    """Item -> (sequence, split, head group, first key, end key); splits of equal shares in
+    whole tiles (a tile never crosses a split, nor a page: pages are multiples of 64)."""
+    it = gl.minimum(item, num_items - 1)
+    bs = it // head_groups
+    b = bs // num_splits
+    s = bs % num_splits
+    seq_len = gl.load(seq_lens_ptr + b, mask=item < num_items, other=0)
+    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), _T) * _T
+    start = s * chunk
+    return b, s, it % head_groups, start, gl.minimum(start + chunk, seq_len), seq_len
+
+
+@gluon.jit
+def _seek(item, nprog, num_items, num_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb,
+          PAGE: gl.constexpr):
+    """The producer's next item from ``item`` on with a key (or one past the end: nothing to
+    issue): it, its first key, tile count, block-table row and last page."""
+    b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups)
+    while (end <= start) & (item < num_items):
+        item += nprog
+        b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups)
+    return (item, start, gl.cdiv(gl.maximum(end - start, 0), _T), block_tables_ptr + b.to(gl.int64) * stride_btb,
+            gl.maximum(seq_len - 1, 0) // PAGE)
+
+
+@gluon.jit
+def _issue(desc, ring, bars, g, item, tile, start, bt_row, last_page, num_items, PAGE: gl.constexpr,
+           R: gl.constexpr):
+    """TMA of the cursor's tile (``tile`` of the item from key ``start``) into ring stage g % R:
+    the 9 column slabs of its 64 cache rows, on that stage's barrier; nothing past the last item."""
+    pred = item < num_items
+    pos = start + tile * _T
+    blk = gl.load(bt_row + gl.minimum(pos // PAGE, last_page), mask=pred, other=0)
+    row = blk * PAGE + pos % PAGE
+    stage = g % R
+    bar = bars.index(stage)
+    mbarrier.expect(bar, _TILE_BYTES, pred=pred)
+    for sl in gl.static_range(_SLABS):
+        tma.async_copy_global_to_shared(desc, [row, 64 * sl], bar, ring.index(stage * _SLABS + sl), pred=pred)
+
+
+@gluon.jit
+def _advance(item, tile, nt, start, bt_row, last_page, nprog, num_items, num_splits, head_groups, seq_lens_ptr,
+             block_tables_ptr, stride_btb, PAGE: gl.constexpr):
+    """The cursor one tile on (to the next item with a key after an item's last tile)."""
+    tile += 1
+    if tile == nt:
+        item, start, nt, bt_row, last_page = _seek(item + nprog, nprog, num_items, num_splits, head_groups,
+                                                   seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
+        tile = 0
+    return item, tile, nt, start, bt_row, last_page
+
+
+@gluon.jit
+def _zero_v_tail(ring, stage, valid):
+    """Rows >= ``valid`` of the stage's 8 value slabs set to zero (the last tile of an item):
+    read, select, written back through the generic proxy, then fenced for the wgmma."""
+    rows = gl.expand_dims(gl.arange(0, _T, layout=gl.SliceLayout(1, _V_LD)), 1)
+    for c in gl.static_range(8):
+        slab = ring.index(stage * _SLABS + c)
+        x = slab.load(_V_LD)
+        slab.store(gl.where(rows < valid, x, gl.zeros_like(x)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _pv(ring, stage, p_smem, o0, o1, o2, o3, o4, o5, o6, o7):
+    """O_c^T += V_c^T . P^T for the 8 value slabs c (asynchronous, then waited)."""
+    base = stage * _SLABS
+    o0 = warpgroup_mma(ring.index(base + 0).permute((1, 0)), p_smem, o0, is_async=True)
+    o1 = warpgroup_mma(ring.index(base + 1).permute((1, 0)), p_smem, o1, is_async=True)
+    o2 = warpgroup_mma(ring.index(base + 2).permute((1, 0)), p_smem, o2, is_async=True)
+    o3 = warpgroup_mma(ring.index(base + 3).permute((1, 0)), p_smem, o3, is_async=True)
+    o4 = warpgroup_mma(ring.index(base + 4).permute((1, 0)), p_smem, o4, is_async=True)
+    o5 = warpgroup_mma(ring.index(base + 5).permute((1, 0)), p_smem, o5, is_async=True)
+    o6 = warpgroup_mma(ring.index(base + 6).permute((1, 0)), p_smem, o6, is_async=True)
+    o7 = warpgroup_mma(ring.index(base + 7).permute((1, 0)), p_smem, o7, is_async=True)
+    return warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
+
+
+@gluon.jit
+def _write(o, c, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh,
+           SPLIT: gl.constexpr):
+    """Columns 64c .. 64c + 63 of the item's [16 heads, 512] output, O_c^T / l: into ``out``, or
+    (SPLIT) the split's fp32 partial at mid_o[b, head, s]."""
+    d = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, _ACC)), 1)
+    head = gl.expand_dims(hg * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, _ACC)), 0)
+    x = o / gl.expand_dims(gl.where(l > 0.0, l, 1.0), 0)  # no key at all: zeros
+    if SPLIT:
+        row = ((b * head_groups * 16 + head).to(gl.int64) * num_splits + s) * 512
+        gl.store(mid_o_ptr + row + 64 * c + d, x)
+    else:
+        gl.store(out_ptr + b.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh + 64 * c + d,
+                 x.to(out_ptr.dtype.element_ty))
+
+
+@gluon.jit(do_not_specialize=["num_items", "num_splits"])
+def _mla_decode_wgmma_kernel(
+    q_ptr, kv_desc, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    qk_scale,  # sm_scale * log2(e)
+    num_items,  # B * num_splits * head_groups
+    num_splits, head_groups,
+    stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+    PAGE: gl.constexpr,  # cache block size, a multiple of 64
+    R: gl.constexpr,  # ring tiles
+    SPLIT: gl.constexpr,  # num_splits > 1: partials for the merge kernel
+):
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+
+    ring = gl.allocate_shared_memory(dtype, [R * _SLABS, _T, 64], _SMEM)  # stage t: slabs 9t .. 9t + 8
+    q_smem = gl.allocate_shared_memory(dtype, [_SLABS, 16, 64], _SMEM)
+    p_smem = gl.allocate_shared_memory(dtype, [_T, 16], _P_SMEM)  # P^T [keys, heads]
+    bars = gl.allocate_shared_memory(gl.int64, [R, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(R):
+        mbarrier.init(bars.index(k), count=1)
+    gl.thread_barrier()
+
+    # The producer cursor at the program's first item with a key; its first R tiles in flight.
+    p_item, p_start, p_nt, p_bt_row, p_last_page = _seek(pid, nprog, num_items, num_splits, head_groups,
+                                                         seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
+    p_tile = 0
+    for k in gl.static_range(R):
+        _issue(kv_desc, ring, bars, k, p_item, p_tile, p_start, p_bt_row, p_last_page, num_items, PAGE, R)
+        p_item, p_tile, p_nt, p_start, p_bt_row, p_last_page = _advance(
+            p_item, p_tile, p_nt, p_start, p_bt_row, p_last_page, nprog, num_items, num_splits, head_groups,
+            seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
+
+    qh = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, _Q_LD)), 1)
+    qc = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, _Q_LD)), 0)
+    keys = gl.arange(0, _T, layout=gl.SliceLayout(1, _ACC))
+    g = 0  # tiles consumed: stage g % R, phase (g // R) & 1
+    for item in range(pid, num_items, nprog):
+        b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups)
+        nt = gl.cdiv(gl.maximum(end - start, 0), _T)
+        # q's 16 heads into shared memory, slab by slab (the last tile's wgmmas all waited)
+        q_row = q_ptr + b.to(gl.int64) * stride_qb + (hg * 16 + qh).to(gl.int64) * stride_qh + qc
+        for sl in gl.static_range(_SLABS):
+            q_smem.index(sl).store(gl.load(q_row + 64 * sl))
+        fence_async_shared()
+        gl.thread_barrier()
+        m = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(0, _ACC))
+        l = gl.zeros([16], gl.float32, gl.SliceLayout(0, _ACC))
+        o0 = gl.zeros([64, 16], gl.float32, _ACC)
+        o1 = gl.zeros_like(o0)
+        o2 = gl.zeros_like(o0)
+        o3 = gl.zeros_like(o0)
+        o4 = gl.zeros_like(o0)
+        o5 = gl.zeros_like(o0)
+        o6 = gl.zeros_like(o0)
+        o7 = gl.zeros_like(o0)
+        for t in range(nt):
+            stage = g % R
+            mbarrier.wait(bars.index(stage), (g // R) & 1)
+            key0 = start + t * _T
+            valid = end - key0  # keys of this tile in the item (< 64 only in its last)
+            sacc = gl.zeros([_T, 16], gl.float32, _ACC)
+            for sl in gl.static_range(_SLABS):
+                sacc = warpgroup_mma(ring.index(stage * _SLABS + sl), q_smem.index(sl).permute((1, 0)), sacc,
+                                     use_acc=sl > 0, is_async=True)
+            sacc = warpgroup_mma_wait(0, deps=(sacc,))
+            sc = gl.where(gl.expand_dims(keys < valid, 1), sacc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m, gl.max(sc, 0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_safe)
+            p = gl.exp2(sc - gl.expand_dims(m_safe, 0))
+            l = l * alpha + gl.sum(p, 0)
+            m = m_new
+            a2 = gl.expand_dims(alpha, 0)
+            o0 = o0 * a2
+            o1 = o1 * a2
+            o2 = o2 * a2
+            o3 = o3 * a2
+            o4 = o4 * a2
+            o5 = o5 * a2
+            o6 = o6 * a2
+            o7 = o7 * a2
+            if valid < _T:  # the item's ragged end: V rows past it zeroed (they may hold NaN)
+                _zero_v_tail(ring, stage, valid)
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's P^T (and V zeros) before the wgmmas read them
+            o0, o1, o2, o3, o4, o5, o6, o7 = _pv(ring, stage, p_smem, o0, o1, o2, o3, o4, o5, o6, o7)
+            gl.thread_barrier()  # every warp past its wgmmas: the stage and P^T are free
+            _issue(kv_desc, ring, bars, g + R, p_item, p_tile, p_start, p_bt_row, p_last_page, num_items, PAGE, R)
+            p_item, p_tile, p_nt, p_start, p_bt_row, p_last_page = _advance(
+                p_item, p_tile, p_nt, p_start, p_bt_row, p_last_page, nprog, num_items, num_splits, head_groups,
+                seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
+            g += 1
+        _write(o0, 0, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o1, 1, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o2, 2, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o3, 3, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o4, 4, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o5, 5, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o6, 6, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o7, 7, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        if SPLIT:
+            head = hg * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, _ACC))
+            lse = gl.where(l > 0.0, m + gl.log2(gl.where(l > 0.0, l, 1.0)), float("-inf"))
+            gl.store(mid_lse_ptr + (b * head_groups * 16 + head).to(gl.int64) * num_splits + s, lse)
+    for k in gl.static_range(R):  # every issued tile was waited on (none past the last item)
+        mbarrier.invalidate(bars.index(k))
+
+
+# --------------------------------------------------------------------------------- launcher
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _cache_descriptor(kv_cache: torch.Tensor):
+    """The cache [blocks, page, 576] as [blocks x page rows, 576], boxes of [64 rows, 64 columns]
+    (128-byte swizzle): slab s of a tile is the box at column 64 s."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    flat = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], RANK + ROPE)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [TILE, 64], _SMEM.value)
+
+
+def mla_wgmma_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                          seq_lens: torch.Tensor, *, kv_lora_rank: int) -> list[str]:
+    """Why ``mla_decode_wgmma`` cannot take this call (empty: it can): mla_decode_gluon's
+    reasons, and a block size that is not a multiple of 64."""
+    why = mla_gluon_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
+    if kv_cache.dim() == 3 and kv_cache.shape[1] % TILE:
+        why.append(f"block_size must be a multiple of {TILE}, got {kv_cache.shape[1]}")
+    return why
+
+
+def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -> int:
+    """Key splits a sequence: the most that keep the item count within one a program, each
+    split >= MIN_SPLIT_KEYS keys of ``max_context`` (known on the host)."""
+    by_fill = max(1, programs // (batch * head_groups))
+    by_len = max(1, -(-max_context // MIN_SPLIT_KEYS))
+    return max(1, min(by_fill, by_len))
+
+
+def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     *, kv_lora_rank: int, sm_scale: float, out: torch.Tensor | None = None,
+                     num_splits: int | None = None, programs: int | None = None, stages: int = STAGES
+                     ) -> torch.Tensor:
+    """mla_decode's contract (q [B, H, 576] absorbed, kv_cache [blocks, page, 576] in q's dtype,
+    block_tables int32 [B, max_blocks], seq_lens int32 [B]; returns out [B, H, 512]) on this
+    kernel; ``programs`` (None: one an SM) and ``stages`` (ring tiles, 2 fit) for tests."""
+    why = mla_wgmma_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
+    if why:
+        raise ValueError("mla_decode_wgmma cannot take this call: " + "; ".join(why))
+    B, H, _ = q.shape
+    if block_tables.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError(f"block_tables must be [B={B}, max_blocks] and seq_lens [B], got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    if out is None:
+        out = torch.empty(B, H, RANK, dtype=q.dtype, device=q.device)
+    elif out.shape != (B, H, RANK) or out.stride(-1) != 1 or out.dtype != q.dtype:
+        raise ValueError(f"out must be {q.dtype} [{B}, {H}, {RANK}] with a contiguous last dim")
+    if B == 0:
+        return out
+    hg = H // HEADS
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    slots = programs or _num_sms(dev)
+    if num_splits is None:
+        num_splits = pick_splits(B, hg, block_tables.shape[1] * kv_cache.shape[1], slots)
+    num_splits = max(1, int(num_splits))
+    items = B * hg * num_splits
+    split = num_splits > 1
+    mid_o = mid_lse = out  # unused without splits
+    if split:
+        mid_o = torch.empty(B, H, num_splits, RANK, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    _mla_decode_wgmma_kernel[(min(items, slots),)](
+        q, _cache_descriptor(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse,
+        sm_scale * _LOG2E, items, num_splits, hg,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        PAGE=kv_cache.shape[1], R=stages, SPLIT=split, num_warps=NUM_WARPS)
+    if split:
+        _merge(mid_o, mid_lse, out, RANK)
+    return out

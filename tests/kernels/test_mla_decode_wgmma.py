@@ -1,0 +1,209 @@
+"""The wgmma MLA decode, keys as M (kernels/mla_decode_wgmma.py; written in session 12
+without a GPU).
+
+CPU: the kernel compiled for sm_90 (Triton's ptxas and nvdisasm): warpgroup MMAs m64n16k16
+(9 for S^T, 8 for O^T a tile), TMA loads, one program an SM's shared memory, no spill; the
+unsupported reasons and the split rule. GPU (marked gpu, Hopper only; run under ``timeout``
+and ``-x``: a wrong mbarrier phase hangs): against ``mla_decode_ref`` over the cases of
+test_mla_decode_gluon (part tiles, ragged ends over NaN slots, padding rows), pages 64 and 128,
+splits, few programs (many items each, the ring across items), 128 heads, CUDA-graph replays
+and back-to-back calls (bitwise equal).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from sm90 import ptxas_sm90a, ptxas_usage, run_compiled
+from test_mla_decode_gluon import CASES, TOL, make_case, rel_err
+
+from flashpage.kernels.mla_decode import mla_decode_ref
+
+GPU = torch.cuda.is_available()
+cpu_only = pytest.mark.skipif(GPU, reason="the sm_90 compile without a GPU")
+hopper = pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm_90 GPU")
+RANK, ROPE = 512, 64
+
+
+def compile_sm90(page: int = 64, split: bool = True, stages: int | None = None):
+    """The kernel compiled for sm_90 as an H200 launch compiles it (bf16; the pointers and the
+    strides that are multiples of 16 there marked so)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flashpage.kernels import mla_decode_wgmma as mw
+
+    fn = mw._mla_decode_wgmma_kernel
+    consts = {"PAGE": page, "R": stages or mw.STAGES, "SPLIT": split}
+    sig = {a: "i32" for a in fn.arg_names}
+    sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[64, 64],{mw._SMEM.value!r}>",
+                "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32",
+                "mid_lse_ptr": "*fp32", "qk_scale": "fp32"})
+    sig.update({c: "constexpr" for c in consts})
+    aligned = ("q_ptr", "block_tables_ptr", "seq_lens_ptr", "out_ptr", "mid_o_ptr", "mid_lse_ptr",
+               "stride_qb", "stride_qh", "stride_ob", "stride_oh")
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=mw.NUM_WARPS))
+
+
+def _sm90_report() -> dict:
+    """(In a subprocess with the interpreter off.) Registers, spills, shared memory and the SASS
+    counts of each form (page 64 / 128, split or not)."""
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError as ex:
+        return {"skip": f"no Gluon in this Triton: {ex}"}
+    out = {}
+    for page, split in ((64, True), (64, False), (128, True)):
+        k = compile_sm90(page=page, split=split)
+        log, sass = ptxas_sm90a(k.asm["ptx"])
+        lines = sass.splitlines()
+        count = {op: sum(f" {op} " in ln or f" {op}." in ln for ln in lines)
+                 for op in ("HGMMA.64x16x16.F32.BF16", "UTMALDG.2D", "SYNCS.PHASECHK.TRANS64.TRYWAIT")}
+        out[f"p{page}" + ("" if split else "_nosplit")] = dict(**ptxas_usage(log), shared=k.metadata.shared,
+                                                              count=count, tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"])
+    return out
+
+
+@cpu_only
+def test_mla_wgmma_compiles_for_sm90():
+    """One program an SM (shared memory under 227 KB, registers x 128 threads), no spill, TMA
+    loads; wgmma m64n16k16 in the SASS (the tile's 9 + 8 groups of 4 k-steps); an mbarrier wait
+    a tile."""
+    rep = run_compiled("test_mla_decode_wgmma", "_sm90_report")
+    if "skip" in rep:
+        pytest.skip(rep["skip"])
+    for name, r in rep.items():
+        print(f"{name}: {r['regs']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, {r['count']}")
+        assert r["tma_ptx"], name
+        assert r["spill_bytes"] == 0, name
+        assert r["regs"] * 128 <= 65536 and r["shared"] + 1024 <= 227 * 1024, name
+        assert r["count"]["HGMMA.64x16x16.F32.BF16"] >= (9 + 8) * 4, name
+        assert r["count"]["SYNCS.PHASECHK.TRANS64.TRYWAIT"] >= 1, name
+
+
+def test_mla_wgmma_unsupported_reasons():
+    """The Gluon MLA kernel's reasons (no GPU here: at least that one), and pages that are not a
+    multiple of 64."""
+    from flashpage.kernels.mla_decode_wgmma import mla_wgmma_unsupported, pick_splits
+
+    q = torch.zeros(2, 16, RANK + ROPE, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 16, RANK + ROPE, dtype=torch.bfloat16)
+    tables = torch.zeros(2, 4, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    why = mla_wgmma_unsupported(q, kv, tables, lens, kv_lora_rank=RANK)
+    assert any("multiple of 64" in w for w in why)
+    kv64 = torch.zeros(8, 64, RANK + ROPE, dtype=torch.bfloat16)
+    assert not any("multiple of 64" in w for w in mla_wgmma_unsupported(q, kv64, tables, lens, kv_lora_rank=RANK))
+    # splits: fill the programs, each split >= 512 keys
+    assert pick_splits(8, 1, 32768, 132) == 16
+    assert pick_splits(128, 1, 4096, 132) == 1
+    assert pick_splits(1, 1, 1024, 132) == 2
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def run_and_check(lens, heads=16, page=64, seed=0, **kw):
+    from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
+
+    q, kv, tables, seq_lens = make_case(lens, heads, page, seed)
+    scale = 1.0 / math.sqrt(RANK + ROPE)
+    out = torch.full((len(lens), heads, RANK), float("nan"), dtype=q.dtype, device=q.device)
+    mla_decode_wgmma(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, **kw)
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), "NaN: a slot past a context read, or a row left unwritten"
+    ref = mla_decode_ref(q, kv, tables, seq_lens.clamp_min(1), kv_lora_rank=RANK, sm_scale=scale)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert (out[b] == 0).all(), f"padding row {b} not zero"
+        else:
+            assert rel_err(out[b], ref[b]) < TOL, f"sequence {b} (context {n}): {rel_err(out[b], ref[b]):.2e}"
+    return q, kv, tables, seq_lens, out
+
+
+KNOBS = {
+    "default": {},
+    "nosplit": {"num_splits": 1},
+    "splits3": {"num_splits": 3},
+    "splits40": {"num_splits": 40},  # most splits of the short sequences empty
+    "p1": {"programs": 1},  # one program: every item through one ring
+    "p3_splits9": {"programs": 3, "num_splits": 9},
+}
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("knob", list(KNOBS))
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("case", list(CASES))
+def test_mla_wgmma_gpu(case, page, knob):
+    """Against the reference per sequence, out starting NaN (every row written)."""
+    run_and_check(CASES[case], page=page, **KNOBS[knob])
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("page", [64, 128])
+def test_mla_wgmma_128_heads_gpu(page):
+    """128 heads: 8 head groups of 16, each its own items."""
+    run_and_check([1, 100, 3000, 257], heads=128, page=page)
+    run_and_check([5000, 7, 300], heads=128, page=page, num_splits=5, programs=13)
+
+
+@pytest.mark.gpu
+@hopper
+def test_mla_wgmma_many_calls_and_graph_gpu():
+    """200 calls back to back, every one right and bitwise equal; then captured once in a CUDA
+    graph and replayed with new queries and lengths (a padding row among them), every replay right."""
+    from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
+
+    q, kv, tables, seq_lens = make_case([3000, 1, 2048, 777] * 4, 16, 64, seed=3)
+    scale = 1.0 / math.sqrt(RANK + ROPE)
+    ref = mla_decode_ref(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale)
+    outs = [mla_decode_wgmma(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale) for _ in range(200)]
+    torch.cuda.synchronize()
+    for i, o in enumerate(outs):
+        assert rel_err(o, ref) < TOL, f"call {i}"
+        assert torch.equal(o, outs[0]), f"call {i} differs from call 0"
+
+    q, kv, tables, seq_lens = make_case([2000, 20, 4000], 16, 64, seed=5)
+    out = torch.empty(3, 16, RANK, dtype=q.dtype, device=q.device)
+
+    def call():
+        mla_decode_wgmma(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=7)
+
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    g = torch.Generator().manual_seed(7)
+    for r in range(30):
+        q.copy_(torch.randn(q.shape, generator=g).bfloat16())
+        lens = [int(x) for x in torch.randint(1, 2001, (3,), generator=g)]
+        lens[1] = 0 if r % 10 == 3 else min(lens[1], 20)
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = mla_decode_ref(q, kv, tables, seq_lens.clamp_min(1), kv_lora_rank=RANK, sm_scale=scale)
+        for b, n in enumerate(lens):
+            if n == 0:
+                assert (out[b] == 0).all(), f"replay {r}: padding row"
+            else:
+                assert rel_err(out[b], ref[b]) < TOL, f"replay {r}, sequence {b} ({n})"
+
+
+@pytest.mark.gpu
+@hopper
+def test_mla_wgmma_rejects_page_16_gpu():
+    """A block-16 cache is named in the error, not computed wrong."""
+    from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
+
+    q, kv, tables, seq_lens = make_case([100], 16, 16)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mla_decode_wgmma(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=0.1)
