@@ -13,7 +13,8 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
 for c in ${NCU_CASES:-prefill_gluon_1x16k prefill_gluon_paged16_gather prefill_gluon_paged16_tma decode_bf16 \
          decode_bf16_cudnn mla_gluon_8x32k mla_gluon_32x4k mla_bf16_8x32k}; do
   case $c in prefill_gluon*) k=_flash_prefill_gluon ;; decode_bf16_cudnn) k="(cudnn|sdpa|fmha|flash)" ;;
-    decode*) k=_paged_decode ;; mla_gluon*) k=_mla_decode_gluon ;; mla*) k=_mla_decode_kernel ;; esac
+    decode*) k=_paged_decode ;; mla_gluon*) k=_mla_decode_gluon ;; mla_wgmma*) k=_mla_decode_wgmma ;;
+    mla*) k=_mla_decode_kernel ;; esac
   timeout 60 "$NCU" --clock-control none --set full --import-source yes -k "regex:$k" --launch-skip 2 \
     --launch-count 1 -f -o "$OUT/ncu/$c" python3 benchmarks/ncu_cases.py $c > "$OUT/ncu/$c.log" 2>&1
   "$NCU" --import "$OUT/ncu/$c.ncu-rep" --page details > "$OUT/ncu/$c.details.txt" 2>&1

@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_s13.sh a    on a FRESH machine: its GPU tests (-x under a timeout: a wrong
 #                                   mbarrier phase hangs), then benchmarks/mla_decode_gluon.py with
 #                                   triton, gluon_all and wgmma (page 64), all six shapes
+#   bash benchmarks/gpu_s13.sh b    Nsight Compute on it and on gluon_all at 8 x 32768
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -23,5 +24,9 @@ a)
   timeout "$(left 120)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" --variants triton gluon_all wgmma 2>&1 \
     | tee "$OUT/mla_wgmma.txt" | tail -n 9
   echo "part a done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a)"; exit 2 ;;
+b)
+  # Nsight Compute on the wgmma kernel beside the mma.sync one at 8 x 32768 (~120 s)
+  NCU_CASES="mla_wgmma_8x32k mla_gluon_8x32k" timeout "$(left 200)" bash benchmarks/gpu_s12_ncu.sh
+  echo "part b done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a, b)"; exit 2 ;;
 esac

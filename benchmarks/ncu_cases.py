@@ -20,7 +20,8 @@ summaries. Cases:
     decode_bf16_cudnn          SDPA cuDNN at decode_bf16's shape, K/V contiguous (issue 6's baseline;
                                decode_bf16 itself is the Gluon bf16 kernel on Hopper now)
     mla_gluon_8x32k / mla_gluon_32x4k   the Gluon MLA decode (mla_decode_gluon.py, its merge
-                               kernel after it: profile the first kernel)
+                               kernel after it: profile the first kernel); mla_wgmma_8x32k the
+                               wgmma one (mla_decode_wgmma.py; ncu regex _mla_decode_wgmma)
 """
 
 from __future__ import annotations
@@ -81,14 +82,16 @@ def decode_cudnn(batch: int = 32, ctx: int = 4096):
     return call
 
 
-def mla_gluon(batch: int, ctx: int):
+def mla_gluon(batch: int, ctx: int, wgmma: bool = False):
     from flashpage.kernels.mla_decode_gluon import mla_decode_gluon
+    from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
 
     tables, blocks = _tables(batch, ctx, 64)
     q = torch.randn(batch, 16, 576, device=DEV, dtype=BF16)
     kv = torch.randn(blocks, 64, 576, device=DEV, dtype=BF16)
     lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
-    return lambda: mla_decode_gluon(q, kv, tables, lens, kv_lora_rank=512, sm_scale=192 ** -0.5)
+    fn = mla_decode_wgmma if wgmma else mla_decode_gluon
+    return lambda: fn(q, kv, tables, lens, kv_lora_rank=512, sm_scale=192 ** -0.5)
 
 
 def prefill_gluon_paged(producer: str, batch: int = 1, seq: int = 16384, page: int = 16, **opts):
@@ -142,6 +145,7 @@ CASES = {
     "decode_bf16_cudnn": lambda: decode_cudnn(),
     "mla_gluon_8x32k": lambda: mla_gluon(8, 32768),
     "mla_gluon_32x4k": lambda: mla_gluon(32, 4096),
+    "mla_wgmma_8x32k": lambda: mla_gluon(8, 32768, wgmma=True),  # kernels/mla_decode_wgmma.py
 }
 
 
