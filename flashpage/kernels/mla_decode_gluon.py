@@ -197,16 +197,16 @@ _V_VIEW = gl.constexpr(gl.SharedLinearLayout(offset_bases=[
 
 
 @gluon.jit
-def _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups):
+def _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups, TILE: gl.constexpr = 32):
     """Item -> (sequence, split, head group, first key, end key, sequence length); keys are
-    split as ``splits.split_range`` does (equal shares, multiples of a tile); past the last
-    item: an empty range of the last sequence."""
+    split as ``splits.split_range`` does (equal shares, multiples of a TILE-key tile: 32 here,
+    64 in mla_decode_wgmma); past the last item: an empty range of the last sequence."""
     it = gl.minimum(item, num_items - 1)
     bs = it // head_groups
     b = bs // num_splits
     s = bs % num_splits
     seq_len = gl.load(seq_lens_ptr + b, mask=item < num_items, other=0)
-    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), _BN) * _BN
+    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), TILE) * TILE
     start = s * chunk
     return b, s, it % head_groups, start, gl.minimum(start + chunk, seq_len), seq_len
 

@@ -29,8 +29,6 @@ may hold anything, NaN included, and 0 x NaN is NaN).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -43,7 +41,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashpage.kernels.mla_decode import _merge
-from flashpage.kernels.mla_decode_gluon import HEADS, RANK, ROPE, mla_gluon_unsupported
+from flashpage.kernels.mla_decode_gluon import (
+    HEADS,
+    RANK,
+    ROPE,
+    _item_range,
+    _num_sms,
+    mla_gluon_unsupported,
+)
 
 _LOG2E = 1.4426950408889634
 TILE = 64  # keys a tile: wgmma's M
@@ -64,28 +69,14 @@ _V_LD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
 
 @gluon.jit
-def _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups):
-    """Item -> (sequence, split, head group, first key, end key); splits of equal shares in
-    whole tiles (a tile never crosses a split, nor a page: pages are multiples of 64)."""
-    it = gl.minimum(item, num_items - 1)
-    bs = it // head_groups
-    b = bs // num_splits
-    s = bs % num_splits
-    seq_len = gl.load(seq_lens_ptr + b, mask=item < num_items, other=0)
-    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), _T) * _T
-    start = s * chunk
-    return b, s, it % head_groups, start, gl.minimum(start + chunk, seq_len), seq_len
-
-
-@gluon.jit
 def _seek(item, nprog, num_items, num_splits, head_groups, seq_lens_ptr, block_tables_ptr, stride_btb,
           PAGE: gl.constexpr):
     """The producer's next item from ``item`` on with a key (or one past the end: nothing to
     issue): it, its first key, tile count, block-table row and last page."""
-    b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups)
+    b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups, _T)
     while (end <= start) & (item < num_items):
         item += nprog
-        b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups)
+        b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups, _T)
     return (item, start, gl.cdiv(gl.maximum(end - start, 0), _T), block_tables_ptr + b.to(gl.int64) * stride_btb,
             gl.maximum(seq_len - 1, 0) // PAGE)
 
@@ -200,7 +191,7 @@ def _mla_decode_wgmma_kernel(
     keys = gl.arange(0, _T, layout=gl.SliceLayout(1, _ACC))
     g = 0  # tiles consumed: stage g % R, phase (g // R) & 1
     for item in range(pid, num_items, nprog):
-        b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups)
+        b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups, _T)
         nt = gl.cdiv(gl.maximum(end - start, 0), _T)
         # q's 16 heads into shared memory, slab by slab (the last tile's wgmmas all waited)
         q_row = q_ptr + b.to(gl.int64) * stride_qb + (hg * 16 + qh).to(gl.int64) * stride_qh + qc
@@ -273,11 +264,6 @@ def _mla_decode_wgmma_kernel(
 
 
 # --------------------------------------------------------------------------------- launcher
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _cache_descriptor(kv_cache: torch.Tensor):

@@ -232,23 +232,55 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6)).item()
 
 
-def run_and_check(lens, heads=16, page=64, seed=0, **kw):
+def check_rows(out, q, kv, tables, seq_lens, lens, scale, what=""):
+    """Every row of ``out`` against ``mla_decode_ref``; padding rows (length 0) all zeros."""
+    ref = mla_decode_ref(q, kv, tables, seq_lens.clamp_min(1), kv_lora_rank=RANK, sm_scale=scale)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert (out[b] == 0).all(), f"{what}padding row {b} not zero"
+        else:
+            assert rel_err(out[b], ref[b]) < TOL, f"{what}sequence {b} (context {n}): {rel_err(out[b], ref[b]):.2e}"
+
+
+def run_and_check(lens, heads=16, page=64, seed=0, entry=None, **kw):
+    """``entry`` (default: mla_decode_gluon's _launch with ``kw``) on a fresh case, out starting
+    NaN: no NaN left (no stray slot read, every row written), every row right."""
     from flashpage.kernels.mla_decode_gluon import _launch
 
     q, kv, tables, seq_lens = make_case(lens, heads, page, seed)
     scale = 1.0 / math.sqrt(RANK + ROPE)
     out = torch.full((len(lens), heads, RANK), float("nan"), dtype=q.dtype, device=q.device)
-    _launch(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, **kw)
+    (entry or _launch)(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, **kw)
     torch.cuda.synchronize()
     assert not out.isnan().any(), "NaN: a slot past a context read, or a row left unwritten"
-    ref_lens = seq_lens.clamp_min(1)  # the reference needs a key; padding rows are checked apart
-    ref = mla_decode_ref(q, kv, tables, ref_lens, kv_lora_rank=RANK, sm_scale=scale)
-    for b, n in enumerate(lens):
-        if n == 0:
-            assert (out[b] == 0).all(), f"padding row {b} not zero"
-        else:
-            assert rel_err(out[b], ref[b]) < TOL, f"sequence {b} (context {n}): {rel_err(out[b], ref[b]):.2e}"
+    check_rows(out, q, kv, tables, seq_lens, lens, scale)
     return q, kv, tables, seq_lens, out
+
+
+def check_graph_replays(launch, replays=50):
+    """``launch(q, kv, tables, seq_lens, out, scale)`` on three sequences, captured once in a
+    CUDA graph, replayed ``replays`` times with new queries and lengths (a padding row among
+    them), every replay right. Returns the device."""
+    q, kv, tables, seq_lens = make_case([2000, 20, 4000], 16, 64, seed=5)
+    scale = 1.0 / math.sqrt(RANK + ROPE)
+    out = torch.empty(3, 16, RANK, dtype=q.dtype, device=q.device)
+    launch(q, kv, tables, seq_lens, out, scale)  # compile and allocate outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(q, kv, tables, seq_lens, out, scale)
+    g = torch.Generator().manual_seed(7)
+    for r in range(replays):
+        q.copy_(torch.randn(q.shape, generator=g).bfloat16())
+        lens = [int(x) for x in torch.randint(1, 2001, (3,), generator=g)]
+        if r % 10 == 3:
+            lens[1] = 0
+        lens[1] = min(lens[1], 20)
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_rows(out, q, kv, tables, seq_lens, lens, scale, f"replay {r}: ")
+    return q.device
 
 
 CASES = {
@@ -360,34 +392,7 @@ def test_mla_gluon_cuda_graph_gpu(num_splits, form):
     from flashpage.kernels.mla_decode import _COUNTERS
     from flashpage.kernels.mla_decode_gluon import _launch
 
-    q, kv, tables, seq_lens = make_case([2000, 20, 4000], 16, 64, seed=5)
-    scale = 1.0 / math.sqrt(RANK + ROPE)
-    out = torch.empty(3, 16, RANK, dtype=q.dtype, device=q.device)
-
-    def call():
-        _launch(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=num_splits,
-                **FORMS[form])
-
-    call()  # compile and allocate the counters outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    g = torch.Generator().manual_seed(7)
-    for r in range(50):
-        q.copy_(torch.randn(q.shape, generator=g).bfloat16())
-        lens = [int(x) for x in torch.randint(1, 2001, (3,), generator=g)]
-        if r % 10 == 3:
-            lens[1] = 0
-        lens[1] = min(lens[1], 20)
-        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = mla_decode_ref(q, kv, tables, seq_lens.clamp_min(1), kv_lora_rank=RANK, sm_scale=scale)
-        for b, n in enumerate(lens):
-            if n == 0:
-                assert (out[b] == 0).all(), f"replay {r}: padding row"
-            else:
-                assert rel_err(out[b], ref[b]) < TOL, f"replay {r}, sequence {b} ({n})"
-    if q.device in _COUNTERS:
-        assert not _COUNTERS[q.device].any()
+    dev = check_graph_replays(lambda q, kv, tables, seq_lens, out, scale: _launch(
+        q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=num_splits, **FORMS[form]))
+    if dev in _COUNTERS:
+        assert not _COUNTERS[dev].any()

@@ -17,7 +17,8 @@ import math
 import pytest
 import torch
 from sm90 import ptxas_sm90a, ptxas_usage, run_compiled
-from test_mla_decode_gluon import CASES, TOL, make_case, rel_err
+from test_mla_decode_gluon import CASES, TOL, check_graph_replays, make_case, rel_err
+from test_mla_decode_gluon import run_and_check as gluon_run_and_check
 
 from flashpage.kernels.mla_decode import mla_decode_ref
 
@@ -111,19 +112,7 @@ def test_mla_wgmma_unsupported_reasons():
 def run_and_check(lens, heads=16, page=64, seed=0, **kw):
     from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
 
-    q, kv, tables, seq_lens = make_case(lens, heads, page, seed)
-    scale = 1.0 / math.sqrt(RANK + ROPE)
-    out = torch.full((len(lens), heads, RANK), float("nan"), dtype=q.dtype, device=q.device)
-    mla_decode_wgmma(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, **kw)
-    torch.cuda.synchronize()
-    assert not out.isnan().any(), "NaN: a slot past a context read, or a row left unwritten"
-    ref = mla_decode_ref(q, kv, tables, seq_lens.clamp_min(1), kv_lora_rank=RANK, sm_scale=scale)
-    for b, n in enumerate(lens):
-        if n == 0:
-            assert (out[b] == 0).all(), f"padding row {b} not zero"
-        else:
-            assert rel_err(out[b], ref[b]) < TOL, f"sequence {b} (context {n}): {rel_err(out[b], ref[b]):.2e}"
-    return q, kv, tables, seq_lens, out
+    return gluon_run_and_check(lens, heads, page, seed, entry=mla_decode_wgmma, **kw)
 
 
 KNOBS = {
@@ -171,31 +160,8 @@ def test_mla_wgmma_many_calls_and_graph_gpu():
         assert rel_err(o, ref) < TOL, f"call {i}"
         assert torch.equal(o, outs[0]), f"call {i} differs from call 0"
 
-    q, kv, tables, seq_lens = make_case([2000, 20, 4000], 16, 64, seed=5)
-    out = torch.empty(3, 16, RANK, dtype=q.dtype, device=q.device)
-
-    def call():
-        mla_decode_wgmma(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=7)
-
-    call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    g = torch.Generator().manual_seed(7)
-    for r in range(30):
-        q.copy_(torch.randn(q.shape, generator=g).bfloat16())
-        lens = [int(x) for x in torch.randint(1, 2001, (3,), generator=g)]
-        lens[1] = 0 if r % 10 == 3 else min(lens[1], 20)
-        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = mla_decode_ref(q, kv, tables, seq_lens.clamp_min(1), kv_lora_rank=RANK, sm_scale=scale)
-        for b, n in enumerate(lens):
-            if n == 0:
-                assert (out[b] == 0).all(), f"replay {r}: padding row"
-            else:
-                assert rel_err(out[b], ref[b]) < TOL, f"replay {r}, sequence {b} ({n})"
+    check_graph_replays(lambda q, kv, tables, seq_lens, out, scale: mla_decode_wgmma(
+        q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=7), replays=30)
 
 
 @pytest.mark.gpu
