@@ -829,6 +829,21 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def check_shapes(q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 out: torch.Tensor | None) -> torch.Tensor:
+    """block_tables [B, ...], seq_lens [B] and out [B, H, 512] in q's dtype (allocated when
+    None) for q [B, H, 576], or a ValueError naming what is wrong; returns out."""
+    B, H, _ = q.shape
+    if block_tables.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError(f"block_tables must be [B={B}, max_blocks] and seq_lens [B], got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    if out is None:
+        return torch.empty(B, H, RANK, dtype=q.dtype, device=q.device)
+    if out.shape != (B, H, RANK) or out.stride(-1) != 1 or out.dtype != q.dtype:
+        raise ValueError(f"out must be {q.dtype} [{B}, {H}, {RANK}] with a contiguous last dim")
+    return out
+
+
 def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -> int:
     """Key splits a sequence: the most that keep the item count within one item a program and
     each split >= MIN_SPLIT_KEYS keys (of ``max_context``, an upper bound known on the host:
@@ -855,13 +870,7 @@ def _launch(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out=
     if stages < 4:
         raise ValueError(f"stages must be >= 4, got {stages}")
     B, H, _ = q.shape
-    if block_tables.shape[0] != B or seq_lens.shape != (B,):
-        raise ValueError(f"block_tables must be [B={B}, max_blocks] and seq_lens [B], got "
-                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
-    if out is None:
-        out = torch.empty(B, H, RANK, dtype=q.dtype, device=q.device)
-    elif out.shape != (B, H, RANK) or out.stride(-1) != 1 or out.dtype != q.dtype:
-        raise ValueError(f"out must be {q.dtype} [{B}, {H}, {RANK}] with a contiguous last dim")
+    out = check_shapes(q, block_tables, seq_lens, out)
     if B == 0:
         return out
     hg = H // HEADS

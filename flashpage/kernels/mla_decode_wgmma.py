@@ -47,6 +47,7 @@ from flashpage.kernels.mla_decode_gluon import (
     ROPE,
     _item_range,
     _num_sms,
+    check_shapes,
     mla_gluon_unsupported,
 )
 
@@ -304,13 +305,7 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     if why:
         raise ValueError("mla_decode_wgmma cannot take this call: " + "; ".join(why))
     B, H, _ = q.shape
-    if block_tables.shape[0] != B or seq_lens.shape != (B,):
-        raise ValueError(f"block_tables must be [B={B}, max_blocks] and seq_lens [B], got "
-                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
-    if out is None:
-        out = torch.empty(B, H, RANK, dtype=q.dtype, device=q.device)
-    elif out.shape != (B, H, RANK) or out.stride(-1) != 1 or out.dtype != q.dtype:
-        raise ValueError(f"out must be {q.dtype} [{B}, {H}, {RANK}] with a contiguous last dim")
+    out = check_shapes(q, block_tables, seq_lens, out)
     if B == 0:
         return out
     hg = H // HEADS

@@ -190,6 +190,25 @@ def test_mla_gluon_unsupported_reasons():
             mla_decode_gluon(q, kv, bt, lens, kv_lora_rank=RANK, sm_scale=0.1)
 
 
+def test_mla_check_shapes():
+    """The launchers' shared shape checks (mla_decode_gluon and mla_decode_wgmma): out allocated
+    [B, H, 512] in q's dtype, or a ValueError naming the table, the lengths or out."""
+    from flashpage.kernels.mla_decode_gluon import check_shapes
+
+    q = torch.zeros(2, 16, RANK + ROPE, dtype=torch.bfloat16)
+    tables = torch.zeros(2, 4, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    out = check_shapes(q, tables, lens, None)
+    assert out.shape == (2, 16, RANK) and out.dtype == torch.bfloat16
+    assert check_shapes(q, tables, lens, out) is out
+    with pytest.raises(ValueError, match="block_tables must be"):
+        check_shapes(q, tables[:1], lens, None)
+    with pytest.raises(ValueError, match="seq_lens"):
+        check_shapes(q, tables, lens[:1], None)
+    with pytest.raises(ValueError, match="out must be"):
+        check_shapes(q, tables, lens, out.float())
+
+
 def test_mla_gluon_pick_splits():
     """Splits fill the programs with one item each, keep >= 256 keys, never < 1."""
     assert pick_splits(8, 1, 32768, 264) == 33
