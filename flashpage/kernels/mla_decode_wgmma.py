@@ -22,7 +22,7 @@ keys, 64 columns] at columns 0, 64, .., 512 of the cache seen as [blocks x page,
 (18 KB) + P^T (2 KB) ~ 164 KB, so a tile is in flight while the other is computed. Persistent:
 programs walk their (sequence, split, head group) items, the producer cursor a tile ahead
 across item boundaries (mla_decode_gluon's scheme: stage g % STAGES, phase (g // STAGES) & 1).
-Pages: block_size a multiple of 64 (a tile within one page). Keys past an item's end: their
+Pages: a power of two >= 16 (under 64, a tile's boxes come page by page). Keys past an item's end: their
 scores masked to -inf, their V rows zeroed in shared memory before P.V (slots past a context
 may hold anything, NaN included, and 0 x NaN is NaN).
 """
@@ -86,16 +86,26 @@ def _seek(item, nprog, num_items, num_splits, head_groups, seq_lens_ptr, block_t
 def _issue(desc, ring, bars, g, item, tile, start, bt_row, last_page, num_items, PAGE: gl.constexpr,
            R: gl.constexpr):
     """TMA of the cursor's tile (``tile`` of the item from key ``start``) into ring stage g % R:
-    the 9 column slabs of its 64 cache rows, on that stage's barrier; nothing past the last item."""
+    the 9 column slabs of its 64 cache rows, on that stage's barrier; nothing past the last item.
+    Pages under 64 keys: the tile's 64 / PAGE pages, each its own block id and its own boxes
+    ([PAGE, 64] into rows PAGE p .. of every slab); pages past the context re-read the last one
+    (a valid block; its rows past the context are masked and zeroed)."""
     pred = item < num_items
     pos = start + tile * _T
-    blk = gl.load(bt_row + gl.minimum(pos // PAGE, last_page), mask=pred, other=0)
-    row = blk * PAGE + pos % PAGE
     stage = g % R
     bar = bars.index(stage)
     mbarrier.expect(bar, _TILE_BYTES, pred=pred)
-    for sl in gl.static_range(_SLABS):
-        tma.async_copy_global_to_shared(desc, [row, 64 * sl], bar, ring.index(stage * _SLABS + sl), pred=pred)
+    if PAGE >= _T:
+        blk = gl.load(bt_row + gl.minimum(pos // PAGE, last_page), mask=pred, other=0)
+        row = blk * PAGE + pos % PAGE
+        for sl in gl.static_range(_SLABS):
+            tma.async_copy_global_to_shared(desc, [row, 64 * sl], bar, ring.index(stage * _SLABS + sl), pred=pred)
+    else:
+        for pc in gl.static_range(_T // PAGE):
+            blk = gl.load(bt_row + gl.minimum(pos // PAGE + pc, last_page), mask=pred, other=0)
+            for sl in gl.static_range(_SLABS):
+                tma.async_copy_global_to_shared(desc, [blk * PAGE, 64 * sl], bar,
+                                                ring.index(stage * _SLABS + sl).slice(pc * PAGE, PAGE), pred=pred)
 
 
 @gluon.jit
@@ -161,7 +171,7 @@ def _mla_decode_wgmma_kernel(
     num_items,  # B * num_splits * head_groups
     num_splits, head_groups,
     stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-    PAGE: gl.constexpr,  # cache block size, a multiple of 64
+    PAGE: gl.constexpr,  # cache block size, a power of two >= 16
     R: gl.constexpr,  # ring tiles
     SPLIT: gl.constexpr,  # num_splits > 1: partials for the merge kernel
 ):
@@ -268,22 +278,20 @@ def _mla_decode_wgmma_kernel(
 
 
 def _cache_descriptor(kv_cache: torch.Tensor):
-    """The cache [blocks, page, 576] as [blocks x page rows, 576], boxes of [64 rows, 64 columns]
-    (128-byte swizzle): slab s of a tile is the box at column 64 s."""
+    """The cache [blocks, page, 576] as [blocks x page rows, 576], boxes of [min(page, 64) rows,
+    64 columns] (128-byte swizzle): slab s of a tile is the box(es) at column 64 s."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     flat = kv_cache.view(kv_cache.shape[0] * kv_cache.shape[1], RANK + ROPE)
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [TILE, 64], _SMEM.value)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [min(kv_cache.shape[1], TILE), 64],
+                            _SMEM.value)
 
 
 def mla_wgmma_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                           seq_lens: torch.Tensor, *, kv_lora_rank: int) -> list[str]:
     """Why ``mla_decode_wgmma`` cannot take this call (empty: it can): mla_decode_gluon's
-    reasons, and a block size that is not a multiple of 64."""
-    why = mla_gluon_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
-    if kv_cache.dim() == 3 and kv_cache.shape[1] % TILE:
-        why.append(f"block_size must be a multiple of {TILE}, got {kv_cache.shape[1]}")
-    return why
+    reasons (a bf16/fp16 latent of 512 + 64, a power-of-two block size >= 16, sm_90, ...)."""
+    return mla_gluon_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
 
 
 def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -> int:

@@ -5,8 +5,7 @@ CPU: the kernel compiled for sm_90 (Triton's ptxas and nvdisasm): warpgroup MMAs
 (9 for S^T, 8 for O^T a tile), TMA loads, one program an SM's shared memory, no spill; the
 unsupported reasons and the split rule. GPU (marked gpu, Hopper only; run under ``timeout``
 and ``-x``: a wrong mbarrier phase hangs): against ``mla_decode_ref`` over the cases of
-test_mla_decode_gluon (part tiles, ragged ends over NaN slots, padding rows), pages 64 and 128,
-splits, few programs (many items each, the ring across items), 128 heads, CUDA-graph replays
+test_mla_decode_gluon (part tiles, ragged ends over NaN slots, padding rows), pages 16, 64 and 128, splits, few programs (many items each, the ring across items), 128 heads, CUDA-graph replays
 and back-to-back calls (bitwise equal).
 """
 
@@ -40,7 +39,7 @@ def compile_sm90(page: int = 64, split: bool = True, stages: int | None = None):
     fn = mw._mla_decode_wgmma_kernel
     consts = {"PAGE": page, "R": stages or mw.STAGES, "SPLIT": split}
     sig = {a: "i32" for a in fn.arg_names}
-    sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[64, 64],{mw._SMEM.value!r}>",
+    sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[{min(page, 64)}, 64],{mw._SMEM.value!r}>",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32",
                 "mid_lse_ptr": "*fp32", "qk_scale": "fp32"})
     sig.update({c: "constexpr" for c in consts})
@@ -59,7 +58,7 @@ def _sm90_report() -> dict:
     except ImportError as ex:
         return {"skip": f"no Gluon in this Triton: {ex}"}
     out = {}
-    for page, split in ((64, True), (64, False), (128, True)):
+    for page, split in ((64, True), (64, False), (128, True), (16, True)):
         k = compile_sm90(page=page, split=split)
         log, sass = ptxas_sm90a(k.asm["ptx"])
         lines = sass.splitlines()
@@ -72,34 +71,38 @@ def _sm90_report() -> dict:
 
 @cpu_only
 def test_mla_wgmma_compiles_for_sm90():
-    """One program an SM (shared memory under 227 KB, registers x 128 threads), no spill, TMA
-    loads; wgmma m64n16k16 in the SASS (the tile's 9 + 8 groups of 4 k-steps); an mbarrier wait
-    a tile."""
+    """One program an SM (shared memory under 227 KB, registers x 128 threads), no spill from
+    pages >= 64 (a little at 16), TMA loads; wgmma m64n16k16 in the SASS (the tile's 9 + 8
+    groups of 4 k-steps); an mbarrier wait a tile; 9 boxes a tile (36 from 16-key pages)."""
     rep = run_compiled("test_mla_decode_wgmma", "_sm90_report")
     if "skip" in rep:
         pytest.skip(rep["skip"])
     for name, r in rep.items():
         print(f"{name}: {r['regs']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, {r['count']}")
         assert r["tma_ptx"], name
-        assert r["spill_bytes"] == 0, name
+        # pages >= 64: no spill; 16-key pages: the loop's 36 box issues (4 pages x 9 slabs) beside
+        # the 8 accumulators spill 256 B (Triton 3.6)
+        assert r["spill_bytes"] <= (256 if name.startswith("p16") else 0), name
         assert r["regs"] * 128 <= 65536 and r["shared"] + 1024 <= 227 * 1024, name
         assert r["count"]["HGMMA.64x16x16.F32.BF16"] >= (9 + 8) * 4, name
         assert r["count"]["SYNCS.PHASECHK.TRANS64.TRYWAIT"] >= 1, name
+        # a tile's 9 slabs: one box each from pages >= 64, one a page (4) from 16-key pages
+        # (the prologue's R tiles and the loop's refill: 3 issue sites)
+        assert r["count"]["UTMALDG.2D"] == 3 * 9 * (4 if name.startswith("p16") else 1), name
 
 
 def test_mla_wgmma_unsupported_reasons():
-    """The Gluon MLA kernel's reasons (no GPU here: at least that one), and pages that are not a
-    multiple of 64."""
+    """The Gluon MLA kernel's reasons: no GPU here, and a block size that is not a power of two."""
     from flashpage.kernels.mla_decode_wgmma import mla_wgmma_unsupported, pick_splits
 
     q = torch.zeros(2, 16, RANK + ROPE, dtype=torch.bfloat16)
-    kv = torch.zeros(8, 16, RANK + ROPE, dtype=torch.bfloat16)
     tables = torch.zeros(2, 4, dtype=torch.int32)
     lens = torch.ones(2, dtype=torch.int32)
-    why = mla_wgmma_unsupported(q, kv, tables, lens, kv_lora_rank=RANK)
-    assert any("multiple of 64" in w for w in why)
-    kv64 = torch.zeros(8, 64, RANK + ROPE, dtype=torch.bfloat16)
-    assert not any("multiple of 64" in w for w in mla_wgmma_unsupported(q, kv64, tables, lens, kv_lora_rank=RANK))
+    for page, bad in ((16, False), (64, False), (48, True)):
+        why = mla_wgmma_unsupported(q, torch.zeros(8, page, RANK + ROPE, dtype=torch.bfloat16), tables, lens,
+                                    kv_lora_rank=RANK)
+        assert any("CUDA" in w for w in why)
+        assert any("power of two" in w for w in why) == bad, (page, why)
     # splits: fill the programs, each split >= 512 keys
     assert pick_splits(8, 1, 32768, 132) == 16
     assert pick_splits(128, 1, 4096, 132) == 1
@@ -128,7 +131,7 @@ KNOBS = {
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("knob", list(KNOBS))
-@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("page", [16, 64, 128])
 @pytest.mark.parametrize("case", list(CASES))
 def test_mla_wgmma_gpu(case, page, knob):
     """Against the reference per sequence, out starting NaN (every row written)."""
@@ -137,7 +140,7 @@ def test_mla_wgmma_gpu(case, page, knob):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("page", [16, 64])
 def test_mla_wgmma_128_heads_gpu(page):
     """128 heads: 8 head groups of 16, each its own items."""
     run_and_check([1, 100, 3000, 257], heads=128, page=page)
@@ -162,14 +165,3 @@ def test_mla_wgmma_many_calls_and_graph_gpu():
 
     check_graph_replays(lambda q, kv, tables, seq_lens, out, scale: mla_decode_wgmma(
         q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=7), replays=30)
-
-
-@pytest.mark.gpu
-@hopper
-def test_mla_wgmma_rejects_page_16_gpu():
-    """A block-16 cache is named in the error, not computed wrong."""
-    from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
-
-    q, kv, tables, seq_lens = make_case([100], 16, 16)
-    with pytest.raises(ValueError, match="multiple of 64"):
-        mla_decode_wgmma(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=0.1)
