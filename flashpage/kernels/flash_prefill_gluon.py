@@ -195,11 +195,12 @@ def engine_options(block_size: int, producer: str = "") -> dict:
     128 up. The ring is 3 deep under "tma1" (its warpgroups leave the shared memory a third
     stage with one Q buffer), 2 otherwise.
 
-    H200, TFLOP/s, block 16, causal, runs 95-96 (five rounds, medians; one round's tma1 / gluon
-    contiguous 0.86-1.07 at 2 x 4096: the Gluon kernels' rounds spread by up to 10%): 2 x 4096
-    tma1 3-deep 519, tma1 487, gather 478 (contiguous 530); 1 x 16384: 579 / 565 / 536 (603);
-    8192 cached + 8192: 567 / 571 / 539. Run 89: gather 3-5% over the 4-warp TMA boxes at block
-    16, 8-19% under them at block 128 (the boxes there as fast as contiguous)."""
+    H200, block 16, causal, runs 95-97 (BENCHMARKS.md): over 10 rounds, the median of the paged /
+    contiguous ratio timed in the same round is 0.975 / 0.96 / 0.92 at 2 x 4096 / 1 x 16384 /
+    8 x 1024 for tma1 3 deep, 0.90 / 0.89 / 0.90 for gather (the Gluon kernels' rounds spread by
+    up to 10%); 8192 cached + 8192: 563-599 TFLOP/s against gather's 518-543. Run 89: gather 3-5%
+    over the 4-warp TMA boxes at block 16, 8-19% under them at block 128 (the boxes there as fast
+    as contiguous)."""
     if producer:
         if producer not in PRODUCERS:
             raise ValueError(f"FLASHPAGE_PREFILL_PRODUCER must be one of {list(PRODUCERS)}, got {producer!r}")
