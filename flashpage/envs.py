@@ -107,14 +107,22 @@ def prefill_producer() -> str:
     return os.environ.get("FLASHPAGE_PREFILL_PRODUCER", "").strip()
 
 
-def mla_gluon() -> bool:
-    """FLASHPAGE_MLA_GLUON=1: the triton backend's MLA decode on Hopper through the persistent
-    Gluon kernel (kernels/mla_decode_gluon.py: one TMA ring, the split merge inside the
-    kernel) where it covers the call (mla_gluon_unsupported: bf16/fp16 latents in q's dtype,
-    kv_lora_rank 512 + rope 64, heads a multiple of 16). Off by default until an H200 run
-    shows it at least as fast as the Triton kernel. Read at each call (a decode graph keeps
-    the kernel it captured)."""
-    return os.environ.get("FLASHPAGE_MLA_GLUON", "0") == "1"
+def mla_gluon() -> str:
+    """FLASHPAGE_MLA_GLUON: which Gluon kernel takes the triton backend's MLA decode on Hopper
+    where it covers the call (mla_gluon_unsupported: bf16/fp16 latents in q's dtype, kv_lora_rank
+    512 + rope 64, heads a multiple of 16, a power-of-two block size >= 16): "1" (or "gluon") the
+    persistent mma.sync kernel (kernels/mla_decode_gluon.py), "wgmma" the warpgroup-MMA one
+    (kernels/mla_decode_wgmma.py); unset, "" or "0": neither (the Triton kernel). Off by
+    default until an H200 run shows one at least as fast end to end. Read at each call (a
+    decode graph keeps the kernel it captured); another value is a ValueError naming it."""
+    value = os.environ.get("FLASHPAGE_MLA_GLUON", "0").strip()
+    if value in ("", "0"):
+        return ""
+    if value in ("1", "gluon"):
+        return "gluon"
+    if value == "wgmma":
+        return "wgmma"
+    raise ValueError(f"FLASHPAGE_MLA_GLUON must be 0, 1 (gluon) or wgmma, got {value!r}")
 
 
 def fused_merge() -> bool:

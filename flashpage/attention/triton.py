@@ -119,10 +119,16 @@ class TritonBackend(AttentionBackend):
         nd = q.shape[0]
         q = q.contiguous()
         tables, lens = md.block_tables[:nd], md.seq_lens[:nd]
-        if envs.mla_gluon():
-            from flashpage.kernels.mla_decode_gluon import mla_decode_gluon, mla_gluon_unsupported
+        kernel = envs.mla_gluon()
+        if kernel:
+            from flashpage.kernels import mla_decode_gluon as mg
 
-            if not mla_gluon_unsupported(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank):
-                return mla_decode_gluon(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank,
-                                        sm_scale=scale)
+            if not mg.mla_gluon_unsupported(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank):
+                if kernel == "wgmma":
+                    from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
+
+                    return mla_decode_wgmma(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank,
+                                            sm_scale=scale)
+                return mg.mla_decode_gluon(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank,
+                                           sm_scale=scale)
         return mla_decode(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank, sm_scale=scale)

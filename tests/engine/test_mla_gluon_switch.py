@@ -1,5 +1,6 @@
 """FLASHPAGE_MLA_GLUON: the triton backend's MLA decode through the persistent Gluon kernel
-(kernels/mla_decode_gluon.py) where mla_gluon_unsupported allows it.
+(kernels/mla_decode_gluon.py; "1") or the wgmma one (kernels/mla_decode_wgmma.py; "wgmma")
+where mla_gluon_unsupported allows it.
 
 CPU: the routing of TritonBackend.forward_mla_decode with the kernels stubbed (off: the
 Gluon check is never asked; on, on the CPU: the reasons name the device and the Triton
@@ -25,9 +26,10 @@ RANK, ROPE, H = 512, 64, 16
 def _decode(monkeypatch, switch: str, reasons: list[str] | None):
     import flashpage.kernels.mla_decode as md_mod
     import flashpage.kernels.mla_decode_gluon as mg
+    import flashpage.kernels.mla_decode_wgmma as mw
     from flashpage.attention.triton import TritonBackend
 
-    calls: dict[str, list] = {"triton": [], "gluon": [], "asked": []}
+    calls: dict[str, list] = {"triton": [], "gluon": [], "wgmma": [], "asked": []}
 
     def triton_stub(q, kv, tables, lens, *, kv_lora_rank, sm_scale):
         calls["triton"].append((q, tables, lens))
@@ -37,6 +39,10 @@ def _decode(monkeypatch, switch: str, reasons: list[str] | None):
         calls["gluon"].append((q, tables, lens))
         return q[..., :kv_lora_rank] * 0 + 2
 
+    def wgmma_stub(q, kv, tables, lens, *, kv_lora_rank, sm_scale):
+        calls["wgmma"].append((q, tables, lens))
+        return q[..., :kv_lora_rank] * 0 + 3
+
     real_check = mg.mla_gluon_unsupported
 
     def check(*args, **kwargs):
@@ -45,6 +51,7 @@ def _decode(monkeypatch, switch: str, reasons: list[str] | None):
 
     monkeypatch.setattr(md_mod, "mla_decode", triton_stub)
     monkeypatch.setattr(mg, "mla_decode_gluon", gluon_stub)
+    monkeypatch.setattr(mw, "mla_decode_wgmma", wgmma_stub)
     monkeypatch.setattr(mg, "mla_gluon_unsupported", check)
     monkeypatch.setenv("FLASHPAGE_MLA_GLUON", switch)
     backend = TritonBackend(SimpleNamespace(is_mla=True), torch.device("cpu"), torch.bfloat16)
@@ -74,20 +81,35 @@ def test_switch_on_without_hopper_runs_triton(monkeypatch):
     assert any("CUDA" in w for w in why)
 
 
-def test_switch_on_hands_the_decodes_to_gluon(monkeypatch):
-    out, calls = _decode(monkeypatch, "1", [])
-    assert not calls["triton"] and len(calls["gluon"]) == 1 and (out == 2).all()
-    q, tables, lens = calls["gluon"][0]
+@pytest.mark.parametrize("switch,kernel,value", [("1", "gluon", 2), ("gluon", "gluon", 2), ("wgmma", "wgmma", 3)])
+def test_switch_on_hands_the_decodes_to_gluon(monkeypatch, switch, kernel, value):
+    out, calls = _decode(monkeypatch, switch, [])
+    other = {"gluon": "wgmma", "wgmma": "gluon"}[kernel]
+    assert not calls["triton"] and not calls[other] and len(calls[kernel]) == 1 and (out == value).all()
+    q, tables, lens = calls[kernel][0]
     assert q.is_contiguous() and q.shape == (3, H, RANK + ROPE)
     assert tables.shape == (3, 2) and lens.tolist() == [5, 9, 17]
+
+
+def test_switch_wgmma_without_hopper_runs_triton_and_bad_values_fail(monkeypatch):
+    out, calls = _decode(monkeypatch, "wgmma", None)
+    assert calls["asked"] and not calls["wgmma"] and (out == 1).all()
+    with pytest.raises(ValueError, match="FLASHPAGE_MLA_GLUON.*'yes'"):
+        _decode(monkeypatch, "yes", [])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs an sm_90 GPU")
-def test_gluon_mla_decode_in_the_engine_gpu(tmp_path, monkeypatch):
-    import flashpage.kernels.mla_decode_gluon as mg
+@pytest.mark.parametrize("switch", ["1", "wgmma"])
+def test_gluon_mla_decode_in_the_engine_gpu(tmp_path, monkeypatch, switch):
+    import importlib
+
     from flashpage import LLM, SamplingParams
+
+    module, entry = {"1": ("mla_decode_gluon", "mla_decode_gluon"), "wgmma": ("mla_decode_wgmma", "mla_decode_wgmma")}[
+        switch]
+    mg = importlib.import_module(f"flashpage.kernels.{module}")
 
     # fp16 and fan-in scaled weights: in bf16 (or at std 0.2 throughout) this model's greedy
     # tokens leave the fp32 ones within a few steps whatever the kernel (H200 run 84: Triton and
@@ -108,16 +130,16 @@ def test_gluon_mla_decode_in_the_engine_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHPAGE_MLA_GLUON", "0")
     triton16 = _leading_agreement(tokens("triton", "float16", max_num_seqs=16), truth)
     calls = []
-    real = mg.mla_decode_gluon
+    real = getattr(mg, entry)
 
     def spy(q, *args, **kwargs):
         calls.append(q.shape[0])
         return real(q, *args, **kwargs)
 
-    monkeypatch.setattr(mg, "mla_decode_gluon", spy)
-    monkeypatch.setenv("FLASHPAGE_MLA_GLUON", "1")
+    monkeypatch.setattr(mg, entry, spy)
+    monkeypatch.setenv("FLASHPAGE_MLA_GLUON", switch)
     gluon16 = _leading_agreement(tokens("triton", "float16", max_num_seqs=16), truth)
     total = sum(len(t) for t in truth)
-    assert calls, "the Gluon MLA decode was never called"
+    assert calls, f"the Gluon MLA decode ({entry}) was never called"
     assert gluon16 >= triton16 - 0.05 * total, (gluon16, triton16, total)
     assert gluon16 >= 0.5 * total, (gluon16, total)
