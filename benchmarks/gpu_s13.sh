@@ -5,6 +5,8 @@
 #                                   mbarrier phase hangs), then benchmarks/mla_decode_gluon.py with
 #                                   triton, gluon_all and wgmma (page 64), all six shapes
 #   bash benchmarks/gpu_s13.sh b    Nsight Compute on it and on gluon_all at 8 x 32768
+#   bash benchmarks/gpu_s13.sh c    end to end: the engine GPU test through it; V2-Lite with
+#                                   FLASHPAGE_MLA_GLUON=0 / 1 / wgmma
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -28,5 +30,15 @@ b)
   # Nsight Compute on the wgmma kernel beside the mma.sync one at 8 x 32768 (~120 s)
   NCU_CASES="mla_wgmma_8x32k mla_gluon_8x32k" timeout "$(left 200)" bash benchmarks/gpu_s12_ncu.sh
   echo "part b done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a, b)"; exit 2 ;;
+c)
+  # end to end: the engine GPU test through both Gluon MLA kernels, then V2-Lite with the Triton MLA
+  # decode, the mma.sync Gluon one and the wgmma one (FLASHPAGE_MLA_GLUON=0 / 1 / wgmma), same call
+  timeout "$(left 150)" $PT -m gpu tests/engine/test_mla_gluon_switch.py -rf 2>&1 | tee "$OUT/mla_switch_tests.txt" | tail -n 3
+  for g in 0 1 wgmma; do
+    FLASHPAGE_MLA_GLUON=$g timeout "$(left 90)" python3 -m flashpage bench throughput --config deepseek-v2-lite \
+      --gpu-memory-utilization 0.75 --num-requests 64 --no-hf --json-out "$OUT/throughput_v2lite_mla_$g.json" \
+      2>&1 | grep -E "output_tok_per_s|Error"
+  done
+  echo "part c done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-c)"; exit 2 ;;
 esac

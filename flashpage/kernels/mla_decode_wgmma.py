@@ -1,7 +1,7 @@
 """MLA decode over the bf16/fp16 paged latent cache with Hopper's warpgroup MMA, keys as the
 MMA's M (sm_90, Gluon). Same contract as ``mla_decode`` (kernels/mla_decode.py); written in
-session 12 without a GPU to run it: not wired into the engine, timed beside the mma.sync
-kernels by ``benchmarks/mla_decode_gluon.py`` (variant "wgmma").
+session 12 without a GPU to run it: the engine takes it only under FLASHPAGE_MLA_GLUON=wgmma;
+timed beside the mma.sync kernels by ``benchmarks/mla_decode_gluon.py`` (variant "wgmma").
 
 Why: both mma.sync kernels (Triton's, and mla_decode_gluon's) stream the latents at ~3.8 TB/s
 on an H200 at 8 x 32768 (Nsight Compute, run 92: 80 us for 302 MB, 79% of DRAM peak, no
