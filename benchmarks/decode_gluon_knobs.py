@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -56,12 +57,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--set", choices=list(SETS), default="persistent")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every variant of a shape this many times in turn, the median kept (the "
+                         "forms differ by about the runs' spread: session 12)")
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help="only these columns (triton and cudnn are always timed)")
     args = ap.parse_args()
     t0 = time.time()
     bf16 = args.set == "bf16"
     gluon = gl16 if bf16 else gl
     variants = {"triton": (paged_decode, {}), **({"cudnn": (None, {})} if bf16 else {}),
-                **{k: (gluon, kw) for k, kw in SETS[args.set].items()}}
+                **{k: (gluon, kw) for k, kw in SETS[args.set].items()
+                   if args.variants is None or k in args.variants}}
     gen = torch.Generator().manual_seed(2)
     ragged256 = sorted(torch.randint(101, 2049, (256,), generator=gen).tolist(), reverse=True)
     copy = copy_bandwidth()
@@ -73,6 +80,7 @@ def main() -> None:
         ref = None
         row = {"shape": name}
         gbps = {}
+        calls, times, errs = {}, {}, {}
         for k, (fn, kw) in variants.items():
             try:
                 call = b.sdpa_cudnn() if fn is None else b.fn(fn, **kw)
@@ -81,12 +89,19 @@ def main() -> None:
                 got = b.sdpa_out.squeeze(2) if fn is None else b.out
                 if ref is None:
                     ref = got.clone()
-                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-                t = time_graph(call, b.calls())
-                g = gbps[k] = b.kv_bytes / t / 1e9
-                row[k] = f"{g:.0f} ({100 * g / copy:.0f}%) {t * 1e6:.1f}us e{err:.0e}"
+                errs[k] = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                calls[k] = call
             except Exception as ex:  # one failing variant must not hide the rest
                 row[k] = f"n/a {type(ex).__name__}: {str(ex)[:200]}"
+        for _ in range(args.rounds):  # the variants in turn each round: drift hits them alike
+            for k, call in calls.items():
+                times.setdefault(k, []).append(time_graph(call, b.calls()))
+        for k, ts in times.items():
+            t = statistics.median(ts)
+            g = gbps[k] = b.kv_bytes / t / 1e9
+            row[k] = f"{g:.0f} ({100 * g / copy:.0f}%) {t * 1e6:.1f}us e{errs[k]:.0e}"
+        if args.rounds > 1:
+            row["rounds_us"] = {k: [round(t * 1e6, 1) for t in ts] for k, ts in times.items()}
         if "cudnn" in gbps:  # each cell's ratio to cuDNN, same run
             for k, g in gbps.items():
                 row[k] += f" x{g / gbps['cudnn']:.3f}"

@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_s13.sh b    Nsight Compute on it and on gluon_all at 8 x 32768
 #   bash benchmarks/gpu_s13.sh c    end to end: the engine GPU test through it; V2-Lite with
 #                                   FLASHPAGE_MLA_GLUON=0 / 1 / wgmma
+#   bash benchmarks/gpu_s13.sh d    issue 6: the bf16 decode forms beside cuDNN, medians of 5 rounds
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -40,5 +41,10 @@ c)
       2>&1 | grep -E "output_tok_per_s|Error"
   done
   echo "part c done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-c)"; exit 2 ;;
+d)
+  # issue 6 with medians: the bf16 decode forms and cuDNN in turn, five rounds a shape (~2 min)
+  timeout "$(left 200)" python3 benchmarks/decode_gluon_knobs.py --set bf16 --rounds 5 --out "$OUT" \
+    --variants "P2 s2" "P2 s2 bal" "P3 s2" 2>&1 | tee "$OUT/decode_bf16_rounds.txt" | tail -n 9
+  echo "part d done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-d)"; exit 2 ;;
 esac
