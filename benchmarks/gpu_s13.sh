@@ -24,7 +24,7 @@ a)
   timeout "$(left 150)" $PT -x -m gpu tests/kernels/test_mla_decode_wgmma.py -rf 2>&1 \
     | tee "$OUT/wgmma_tests.txt" | tail -n 4
   echo "tests done at ${SECONDS}s"
-  timeout "$(left 120)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" --variants triton gluon_all wgmma 2>&1 \
+  timeout "$(left 150)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" --variants triton gluon_all wgmma --rounds 3 2>&1 \
     | tee "$OUT/mla_wgmma.txt" | tail -n 9
   echo "part a done at ${SECONDS}s" ;;
 b)

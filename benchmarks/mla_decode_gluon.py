@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -97,6 +98,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES])
     ap.add_argument("--splits", nargs="+", type=int, default=None,
                     help="key-split counts for the Gluon variants (0: the launcher's choice)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the columns of a shape this many times in turn, the median kept")
     args = ap.parse_args()
     columns = _columns(args.variants, args.splits)
     t0 = time.time()
@@ -111,6 +114,7 @@ def main() -> None:
         del s, lat0
         row: dict = {"shape": shape}
         tri = None
+        timed = {}  # name -> (the rotating call, error vs reference, vs triton)
         for name, variant, kw in columns:
             fn = VARIANTS[variant][0]
             kw = _kw(kw)
@@ -132,11 +136,25 @@ def main() -> None:
                     for i in range(n):
                         call(i)
 
-                t = time_graph(rot) / case.rot
-                g = case.bytes / t / 1e9
-                row[name] = f"{g:.0f} ({100 * g / copy:.0f}%) {t * 1e6:.1f}us e{err:.0e} t{terr:.0e}"
+                timed[name] = (rot, err, terr)
             except Exception as ex:  # one failing variant must not hide the rest
                 row[name] = f"n/a {type(ex).__name__}: {str(ex)[:200]}"
+        times: dict[str, list[float]] = {}
+        for _ in range(args.rounds):  # the columns in turn each round: drift hits them alike
+            for name, (rot, _, _) in timed.items():
+                try:
+                    times.setdefault(name, []).append(time_graph(rot) / case.rot)
+                except Exception as ex:
+                    row[name] = f"n/a {type(ex).__name__}: {str(ex)[:200]}"
+        for name, ts in times.items():
+            if name in row:
+                continue
+            t = statistics.median(ts)
+            g = case.bytes / t / 1e9
+            err, terr = timed[name][1], timed[name][2]
+            row[name] = f"{g:.0f} ({100 * g / copy:.0f}%) {t * 1e6:.1f}us e{err:.0e} t{terr:.0e}"
+        if args.rounds > 1:
+            row["rounds_us"] = {k: [round(t * 1e6, 1) for t in ts] for k, ts in times.items()}
         print(json.dumps(row), f"{time.time() - t0:.0f}s", flush=True)
         rows.append(row)
         del case, ref
