@@ -56,7 +56,7 @@ VARIANTS = {
     "gluon_all_fb": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "fewer_barriers": True}),
     # the merge kernel (past FUSE_MAX_SPLITS splits) launched with PDL, under this kernel's tail
     "gluon_all_pdl": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "pdl_merge": True}),
-    # warpgroup MMAs with the keys as M, one program an SM (kernels/mla_decode_wgmma.py; page >= 64)
+    # warpgroup MMAs with the keys as M, one program an SM (kernels/mla_decode_wgmma.py)
     "wgmma": (mla_decode_wgmma, {}),
     "gluon_s4": (gluon_launch, {"stages": 4}),
     # every split count merged inside the kernel (the default merges > FUSE_MAX_SPLITS with
@@ -72,8 +72,8 @@ DEFAULT_VARIANTS = ["triton", "gluon", "gluon_fused", "gluon_peel", "gluon_peel_
 
 
 def _kw(kw: dict) -> dict:
-    if kw.get("programs", 0) < 0:  # -n: n programs an SM
-        return {**kw, "programs": -kw["programs"] * torch.cuda.get_device_properties(0).multi_processor_count}
+    if kw.get("programs") == -1:
+        return {**kw, "programs": torch.cuda.get_device_properties(0).multi_processor_count}
     return kw
 
 

@@ -844,12 +844,13 @@ def check_shapes(q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Te
     return out
 
 
-def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -> int:
+def pick_splits(batch: int, head_groups: int, max_context: int, programs: int,
+                min_split_keys: int = MIN_SPLIT_KEYS) -> int:
     """Key splits a sequence: the most that keep the item count within one item a program and
-    each split >= MIN_SPLIT_KEYS keys (of ``max_context``, an upper bound known on the host:
+    each split >= ``min_split_keys`` keys (of ``max_context``, an upper bound known on the host:
     reading ``seq_lens`` would sync and break CUDA-graph capture)."""
     by_fill = max(1, programs // (batch * head_groups))
-    by_len = max(1, math.ceil(max_context / MIN_SPLIT_KEYS))
+    by_len = max(1, math.ceil(max_context / min_split_keys))
     return max(1, min(by_fill, by_len))
 
 

@@ -50,6 +50,7 @@ from flashpage.kernels.mla_decode_gluon import (
     check_shapes,
     mla_gluon_unsupported,
 )
+from flashpage.kernels.mla_decode_gluon import pick_splits as gluon_pick_splits
 
 _LOG2E = 1.4426950408889634
 TILE = 64  # keys a tile: wgmma's M
@@ -295,11 +296,8 @@ def mla_wgmma_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, block_tables:
 
 
 def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -> int:
-    """Key splits a sequence: the most that keep the item count within one a program, each
-    split >= MIN_SPLIT_KEYS keys of ``max_context`` (known on the host)."""
-    by_fill = max(1, programs // (batch * head_groups))
-    by_len = max(1, -(-max_context // MIN_SPLIT_KEYS))
-    return max(1, min(by_fill, by_len))
+    """mla_decode_gluon's split rule with splits of at least MIN_SPLIT_KEYS (512) keys."""
+    return gluon_pick_splits(batch, head_groups, max_context, programs, MIN_SPLIT_KEYS)
 
 
 def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
