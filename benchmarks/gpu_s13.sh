@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_s13.sh c    end to end: the engine GPU test through it; V2-Lite with
 #                                   FLASHPAGE_MLA_GLUON=0 / 1 / wgmma
 #   bash benchmarks/gpu_s13.sh d    issue 6: the bf16 decode forms beside cuDNN, medians of 5 rounds
+#   bash benchmarks/gpu_s13.sh e    the wgmma MLA decode with a producer warpgroup: tests, the six
+#                                   shapes beside the inline form, Nsight Compute
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -46,5 +48,14 @@ d)
   timeout "$(left 200)" python3 benchmarks/decode_gluon_knobs.py --set bf16 --rounds 5 --out "$OUT" \
     --variants "P2 s2" "P2 s2 bal" "P3 s2" 2>&1 | tee "$OUT/decode_bf16_rounds.txt" | tail -n 9
   echo "part d done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-d)"; exit 2 ;;
+e)
+  # the wgmma MLA decode with a producer warpgroup (producer="warp"): its GPU tests (-x: a wrong
+  # phase hangs), the six shapes beside the inline form, then Nsight Compute on it
+  timeout "$(left 200)" $PT -x -m gpu tests/kernels/test_mla_decode_wgmma.py -k warp -rf 2>&1 \
+    | tee "$OUT/wgmma_ws_tests.txt" | tail -n 4
+  timeout "$(left 150)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" --variants triton gluon_all wgmma wgmma_ws \
+    --rounds 3 2>&1 | tee "$OUT/mla_wgmma_ws.txt" | tail -n 9
+  NCU_CASES="mla_wgmma_ws_8x32k" timeout "$(left 100)" bash benchmarks/gpu_s12_ncu.sh
+  echo "part e done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-e)"; exit 2 ;;
 esac

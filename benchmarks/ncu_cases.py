@@ -21,7 +21,8 @@ summaries. Cases:
                                decode_bf16 itself is the Gluon bf16 kernel on Hopper now)
     mla_gluon_8x32k / mla_gluon_32x4k   the Gluon MLA decode (mla_decode_gluon.py, its merge
                                kernel after it: profile the first kernel); mla_wgmma_8x32k the
-                               wgmma one (mla_decode_wgmma.py; ncu regex _mla_decode_wgmma)
+                               wgmma one (mla_decode_wgmma.py; ncu regex _mla_decode_wgmma),
+                               mla_wgmma_ws_8x32k its producer-warpgroup form
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def decode_cudnn(batch: int = 32, ctx: int = 4096):
     return call
 
 
-def mla_gluon(batch: int, ctx: int, wgmma: bool = False):
+def mla_gluon(batch: int, ctx: int, wgmma: bool = False, **kw):
     from flashpage.kernels.mla_decode_gluon import mla_decode_gluon
     from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
 
@@ -91,7 +92,7 @@ def mla_gluon(batch: int, ctx: int, wgmma: bool = False):
     kv = torch.randn(blocks, 64, 576, device=DEV, dtype=BF16)
     lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
     fn = mla_decode_wgmma if wgmma else mla_decode_gluon
-    return lambda: fn(q, kv, tables, lens, kv_lora_rank=512, sm_scale=192 ** -0.5)
+    return lambda: fn(q, kv, tables, lens, kv_lora_rank=512, sm_scale=192 ** -0.5, **kw)
 
 
 def prefill_gluon_paged(producer: str, batch: int = 1, seq: int = 16384, page: int = 16, **opts):
@@ -146,6 +147,7 @@ CASES = {
     "mla_gluon_8x32k": lambda: mla_gluon(8, 32768),
     "mla_gluon_32x4k": lambda: mla_gluon(32, 4096),
     "mla_wgmma_8x32k": lambda: mla_gluon(8, 32768, wgmma=True),  # kernels/mla_decode_wgmma.py
+    "mla_wgmma_ws_8x32k": lambda: mla_gluon(8, 32768, wgmma=True, producer="warp"),  # its producer warpgroup
 }
 
 

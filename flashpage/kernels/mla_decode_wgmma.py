@@ -57,6 +57,7 @@ TILE = 64  # keys a tile: wgmma's M
 STAGES = 2  # ring tiles: 2 x 72 KB + q 18 KB + P 2 KB, one program an SM
 NUM_WARPS = 4  # one warpgroup
 MIN_SPLIT_KEYS = 512  # a split keeps at least this many keys (8 tiles)
+PRODUCER_REGS = 128  # producer="warp": the producer warpgroup's registers a thread (setmaxnreg; 96: 60 B spilled at page 16)
 
 _T = gl.constexpr(TILE)
 _SLABS = gl.constexpr((RANK + ROPE) // 64)  # 9: 8 value slabs and the rope slab
@@ -275,6 +276,179 @@ def _mla_decode_wgmma_kernel(
         mbarrier.invalidate(bars.index(k))
 
 
+# ------------------------------------------------------------- warp-specialized form
+
+
+@gluon.jit
+def _tile_blocks(bt_row, pos, last_page, PAGE: gl.constexpr):
+    """The block ids of the tile from key ``pos``: one (pages >= 64 keys) or its 64 / PAGE pages
+    (up to 4; the unused ones repeat the first), pages past the context clamped to the last."""
+    first = pos // PAGE
+    b0 = gl.load(bt_row + gl.minimum(first, last_page))
+    b1 = b0
+    b2 = b0
+    b3 = b0
+    if PAGE < _T:
+        b1 = gl.load(bt_row + gl.minimum(first + 1, last_page))
+        if PAGE * 4 == _T:
+            b2 = gl.load(bt_row + gl.minimum(first + 2, last_page))
+            b3 = gl.load(bt_row + gl.minimum(first + 3, last_page))
+    return b0, b1, b2, b3
+
+
+@gluon.jit
+def _copy_tile(desc, ring, bar, stage, pos, b0, b1, b2, b3, PAGE: gl.constexpr):
+    """The tile's 9 column slabs (page by page under 64-key pages) into ring stage ``stage``."""
+    if PAGE >= _T:
+        row = b0 * PAGE + pos % PAGE
+        for sl in gl.static_range(_SLABS):
+            tma.async_copy_global_to_shared(desc, [row, 64 * sl], bar, ring.index(stage * _SLABS + sl))
+    else:
+        for pc in gl.static_range(_T // PAGE):
+            if pc == 0:
+                blk = b0
+            elif pc == 1:
+                blk = b1
+            elif pc == 2:
+                blk = b2
+            else:
+                blk = b3
+            for sl in gl.static_range(_SLABS):
+                tma.async_copy_global_to_shared(desc, [blk * PAGE, 64 * sl], bar,
+                                                ring.index(stage * _SLABS + sl).slice(pc * PAGE, PAGE))
+
+
+@gluon.jit
+def _produce(kv_desc, ring, ready, empty, block_tables_ptr, seq_lens_ptr, num_items, num_splits, head_groups,
+             stride_btb, PAGE: gl.constexpr, R: gl.constexpr):
+    """The producer warpgroup: the program's items' tiles in order into the ring, tile g into
+    stage g % R once the consumer freed it (``empty``, phase (g // R) & 1 ^ 1: the first R pass
+    at once). A tile's block ids are loaded before that wait, so their latency hides under it."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    item, start, nt, bt_row, last_page = _seek(pid, nprog, num_items, num_splits, head_groups, seq_lens_ptr,
+                                               block_tables_ptr, stride_btb, PAGE)
+    g = 0
+    while item < num_items:
+        for t in range(nt):
+            pos = start + t * _T
+            b0, b1, b2, b3 = _tile_blocks(bt_row, pos, last_page, PAGE)
+            stage = g % R
+            mbarrier.wait(empty.index(stage), ((g // R) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, _TILE_BYTES)
+            _copy_tile(kv_desc, ring, bar, stage, pos, b0, b1, b2, b3, PAGE)
+            g += 1
+        item, start, nt, bt_row, last_page = _seek(item + nprog, nprog, num_items, num_splits, head_groups,
+                                                   seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
+
+
+@gluon.jit
+def _consume(q_ptr, ring, q_smem, p_smem, ready, empty, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+             num_items, num_splits, head_groups, stride_qb, stride_qh, stride_ob, stride_oh, R: gl.constexpr,
+             SPLIT: gl.constexpr):
+    """The consumer warpgroup (the default partition): the inline kernel's tile loop, with a
+    stage handed back on ``empty`` after its P.V instead of refilled here."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    qh = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, _Q_LD)), 1)
+    qc = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, _Q_LD)), 0)
+    keys = gl.arange(0, _T, layout=gl.SliceLayout(1, _ACC))
+    g = 0
+    for item in range(pid, num_items, nprog):
+        b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups, _T)
+        nt = gl.cdiv(gl.maximum(end - start, 0), _T)
+        q_row = q_ptr + b.to(gl.int64) * stride_qb + (hg * 16 + qh).to(gl.int64) * stride_qh + qc
+        for sl in gl.static_range(_SLABS):
+            q_smem.index(sl).store(gl.load(q_row + 64 * sl))
+        fence_async_shared()
+        gl.thread_barrier()
+        m = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(0, _ACC))
+        l = gl.zeros([16], gl.float32, gl.SliceLayout(0, _ACC))
+        o0 = gl.zeros([64, 16], gl.float32, _ACC)
+        o1 = gl.zeros_like(o0)
+        o2 = gl.zeros_like(o0)
+        o3 = gl.zeros_like(o0)
+        o4 = gl.zeros_like(o0)
+        o5 = gl.zeros_like(o0)
+        o6 = gl.zeros_like(o0)
+        o7 = gl.zeros_like(o0)
+        for t in range(nt):
+            stage = g % R
+            mbarrier.wait(ready.index(stage), (g // R) & 1)
+            valid = end - (start + t * _T)
+            sacc = gl.zeros([_T, 16], gl.float32, _ACC)
+            for sl in gl.static_range(_SLABS):
+                sacc = warpgroup_mma(ring.index(stage * _SLABS + sl), q_smem.index(sl).permute((1, 0)), sacc,
+                                     use_acc=sl > 0, is_async=True)
+            sacc = warpgroup_mma_wait(0, deps=(sacc,))
+            sc = gl.where(gl.expand_dims(keys < valid, 1), sacc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m, gl.max(sc, 0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_safe)
+            p = gl.exp2(sc - gl.expand_dims(m_safe, 0))
+            l = l * alpha + gl.sum(p, 0)
+            m = m_new
+            a2 = gl.expand_dims(alpha, 0)
+            o0 = o0 * a2
+            o1 = o1 * a2
+            o2 = o2 * a2
+            o3 = o3 * a2
+            o4 = o4 * a2
+            o5 = o5 * a2
+            o6 = o6 * a2
+            o7 = o7 * a2
+            if valid < _T:
+                _zero_v_tail(ring, stage, valid)
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            o0, o1, o2, o3, o4, o5, o6, o7 = _pv(ring, stage, p_smem, o0, o1, o2, o3, o4, o5, o6, o7)
+            gl.thread_barrier()  # every warp past its wgmmas: the stage and P^T are free
+            mbarrier.arrive(empty.index(stage))
+            g += 1
+        _write(o0, 0, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o1, 1, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o2, 2, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o3, 3, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o4, 4, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o5, 5, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o6, 6, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o7, 7, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        if SPLIT:
+            head = hg * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, _ACC))
+            lse = gl.where(l > 0.0, m + gl.log2(gl.where(l > 0.0, l, 1.0)), float("-inf"))
+            gl.store(mid_lse_ptr + (b * head_groups * 16 + head).to(gl.int64) * num_splits + s, lse)
+
+
+@gluon.jit(do_not_specialize=["num_items", "num_splits"])
+def _mla_decode_wgmma_ws_kernel(
+    q_ptr, kv_desc, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, num_items,
+    num_splits, head_groups, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+    PAGE: gl.constexpr, R: gl.constexpr, SPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """producer="warp": the inline kernel's work split between a consumer warpgroup (the tile
+    loop) and a producer warpgroup (block ids and TMA issues), on ready / empty barriers."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    ring = gl.allocate_shared_memory(dtype, [R * _SLABS, _T, 64], _SMEM)
+    q_smem = gl.allocate_shared_memory(dtype, [_SLABS, 16, 64], _SMEM)
+    p_smem = gl.allocate_shared_memory(dtype, [_T, 16], _P_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [R, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [R, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(R):
+        mbarrier.init(ready.index(k), count=1)  # the producer's expect; the TMA bytes complete it
+        mbarrier.init(empty.index(k), count=1)  # the consumer's arrive after the stage's P.V
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consume, (q_ptr, ring, q_smem, p_smem, ready, empty, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+                    qk_scale, num_items, num_splits, head_groups, stride_qb, stride_qh, stride_ob, stride_oh, R,
+                    SPLIT)),
+        (_produce, (kv_desc, ring, ready, empty, block_tables_ptr, seq_lens_ptr, num_items, num_splits,
+                    head_groups, stride_btb, PAGE, R)),
+    ], [4], [PRODUCER_REGS])
+
+
 # --------------------------------------------------------------------------------- launcher
 
 
@@ -302,11 +476,15 @@ def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -
 
 def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      *, kv_lora_rank: int, sm_scale: float, out: torch.Tensor | None = None,
-                     num_splits: int | None = None, programs: int | None = None, stages: int = STAGES
-                     ) -> torch.Tensor:
+                     num_splits: int | None = None, programs: int | None = None, stages: int = STAGES,
+                     producer: str = "inline") -> torch.Tensor:
     """mla_decode's contract (q [B, H, 576] absorbed, kv_cache [blocks, page, 576] in q's dtype,
     block_tables int32 [B, max_blocks], seq_lens int32 [B]; returns out [B, H, 512]) on this
-    kernel; ``programs`` (None: one an SM) and ``stages`` (ring tiles, 2 fit) for tests."""
+    kernel; ``programs`` (None: one an SM) and ``stages`` (ring tiles, 2 fit) for tests;
+    ``producer``: "inline" (one warpgroup issues its own TMA loads between tiles) or "warp" (a
+    producer warpgroup beside the consumer: _mla_decode_wgmma_ws_kernel)."""
+    if producer not in ("inline", "warp"):
+        raise ValueError(f"producer must be 'inline' or 'warp', got {producer!r}")
     why = mla_wgmma_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
     if why:
         raise ValueError("mla_decode_wgmma cannot take this call: " + "; ".join(why))
@@ -326,11 +504,14 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     if split:
         mid_o = torch.empty(B, H, num_splits, RANK, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
-    _mla_decode_wgmma_kernel[(min(items, slots),)](
-        q, _cache_descriptor(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse,
-        sm_scale * _LOG2E, items, num_splits, hg,
-        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        PAGE=kv_cache.shape[1], R=stages, SPLIT=split, num_warps=NUM_WARPS)
+    args = (q, _cache_descriptor(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse, sm_scale * _LOG2E, items,
+            num_splits, hg, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
+    if producer == "warp":
+        _mla_decode_wgmma_ws_kernel[(min(items, slots),)](*args, PAGE=kv_cache.shape[1], R=stages, SPLIT=split,
+                                                         PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS)
+    else:
+        _mla_decode_wgmma_kernel[(min(items, slots),)](*args, PAGE=kv_cache.shape[1], R=stages, SPLIT=split,
+                                                      num_warps=NUM_WARPS)
     if split:
         _merge(mid_o, mid_lse, out, RANK)
     return out

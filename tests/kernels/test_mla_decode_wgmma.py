@@ -27,17 +27,19 @@ hopper = pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 
 RANK, ROPE = 512, 64
 
 
-def compile_sm90(page: int = 64, split: bool = True, stages: int | None = None):
-    """The kernel compiled for sm_90 as an H200 launch compiles it (bf16; the pointers and the
-    strides that are multiples of 16 there marked so)."""
+def compile_sm90(page: int = 64, split: bool = True, stages: int | None = None, ws: bool = False):
+    """The kernel (``ws``: the warp-specialized one) compiled for sm_90 as an H200 launch
+    compiles it (bf16; the pointers and the strides that are multiples of 16 there marked so)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashpage.kernels import mla_decode_wgmma as mw
 
-    fn = mw._mla_decode_wgmma_kernel
+    fn = mw._mla_decode_wgmma_ws_kernel if ws else mw._mla_decode_wgmma_kernel
     consts = {"PAGE": page, "R": stages or mw.STAGES, "SPLIT": split}
+    if ws:
+        consts["PRODUCER_REGS"] = mw.PRODUCER_REGS
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[{min(page, 64)}, 64],{mw._SMEM.value!r}>",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32",
@@ -58,37 +60,43 @@ def _sm90_report() -> dict:
     except ImportError as ex:
         return {"skip": f"no Gluon in this Triton: {ex}"}
     out = {}
-    for page, split in ((64, True), (64, False), (128, True), (16, True)):
-        k = compile_sm90(page=page, split=split)
-        log, sass = ptxas_sm90a(k.asm["ptx"])
-        lines = sass.splitlines()
-        count = {op: sum(f" {op} " in ln or f" {op}." in ln for ln in lines)
-                 for op in ("HGMMA.64x16x16.F32.BF16", "UTMALDG.2D", "SYNCS.PHASECHK.TRANS64.TRYWAIT")}
-        out[f"p{page}" + ("" if split else "_nosplit")] = dict(**ptxas_usage(log), shared=k.metadata.shared,
-                                                              count=count, tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"])
+    for ws in (False, True):
+        for page, split in ((64, True), (64, False), (128, True), (16, True)):
+            k = compile_sm90(page=page, split=split, ws=ws)
+            log, sass = ptxas_sm90a(k.asm["ptx"])
+            lines = sass.splitlines()
+            count = {op: sum(f" {op} " in ln or f" {op}." in ln for ln in lines)
+                     for op in ("HGMMA.64x16x16.F32.BF16", "UTMALDG.2D", "SYNCS.PHASECHK.TRANS64.TRYWAIT",
+                                "USETMAXREG")}
+            name = ("ws_" if ws else "") + f"p{page}" + ("" if split else "_nosplit")
+            out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, count=count,
+                             tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"])
     return out
 
 
 @cpu_only
 def test_mla_wgmma_compiles_for_sm90():
-    """One program an SM (shared memory under 227 KB, registers x 128 threads), no spill from
-    pages >= 64 (a little at 16), TMA loads; wgmma m64n16k16 in the SASS (the tile's 9 + 8
-    groups of 4 k-steps); an mbarrier wait a tile; 9 boxes a tile (36 from 16-key pages)."""
+    """One program an SM (shared memory under 227 KB, registers x its threads), no spill from
+    pages >= 64 (a little at 16 inline; none with the producer warpgroup), TMA loads; wgmma
+    m64n16k16 in the SASS (the tile's 9 + 8 groups of 4 k-steps); an mbarrier wait a tile; 9
+    boxes a tile (36 from 16-key pages); producer="warp": the registers set per warpgroup."""
     rep = run_compiled("test_mla_decode_wgmma", "_sm90_report")
     if "skip" in rep:
         pytest.skip(rep["skip"])
     for name, r in rep.items():
         print(f"{name}: {r['regs']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, {r['count']}")
         assert r["tma_ptx"], name
-        # pages >= 64: no spill; 16-key pages: the loop's 36 box issues (4 pages x 9 slabs) beside
-        # the 8 accumulators spill 256 B (Triton 3.6)
+        ws = name.startswith("ws_")
+        # pages >= 64: no spill; 16-key pages inline: the loop's 36 box issues (4 pages x 9 slabs)
+        # beside the 8 accumulators spill 256 B (Triton 3.6)
         assert r["spill_bytes"] <= (256 if name.startswith("p16") else 0), name
-        assert r["regs"] * 128 <= 65536 and r["shared"] + 1024 <= 227 * 1024, name
+        assert r["regs"] * (256 if ws else 128) <= 65536 and r["shared"] + 1024 <= 227 * 1024, name
         assert r["count"]["HGMMA.64x16x16.F32.BF16"] >= (9 + 8) * 4, name
         assert r["count"]["SYNCS.PHASECHK.TRANS64.TRYWAIT"] >= 1, name
-        # a tile's 9 slabs: one box each from pages >= 64, one a page (4) from 16-key pages
-        # (the prologue's R tiles and the loop's refill: 3 issue sites)
-        assert r["count"]["UTMALDG.2D"] == 3 * 9 * (4 if name.startswith("p16") else 1), name
+        # a tile's 9 slabs: one box each from pages >= 64, one a page (4) from 16-key pages (inline:
+        # the prologue's R tiles and the loop's refill, 3 issue sites; the producer: one)
+        assert r["count"]["UTMALDG.2D"] == (1 if ws else 3) * 9 * (4 if "p16" in name else 1), name
+        assert (r["count"]["USETMAXREG"] > 0) == ws, name
 
 
 def test_mla_wgmma_unsupported_reasons():
@@ -130,26 +138,39 @@ KNOBS = {
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("producer", ["inline", "warp"])
 @pytest.mark.parametrize("knob", list(KNOBS))
-@pytest.mark.parametrize("page", [16, 64, 128])
+@pytest.mark.parametrize("page", [16, 32, 64, 128])
 @pytest.mark.parametrize("case", list(CASES))
-def test_mla_wgmma_gpu(case, page, knob):
+def test_mla_wgmma_gpu(case, page, knob, producer):
     """Against the reference per sequence, out starting NaN (every row written)."""
-    run_and_check(CASES[case], page=page, **KNOBS[knob])
+    run_and_check(CASES[case], page=page, producer=producer, **KNOBS[knob])
 
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("producer", ["inline", "warp"])
 @pytest.mark.parametrize("page", [16, 64])
-def test_mla_wgmma_128_heads_gpu(page):
+def test_mla_wgmma_128_heads_gpu(page, producer):
     """128 heads: 8 head groups of 16, each its own items."""
-    run_and_check([1, 100, 3000, 257], heads=128, page=page)
-    run_and_check([5000, 7, 300], heads=128, page=page, num_splits=5, programs=13)
+    run_and_check([1, 100, 3000, 257], heads=128, page=page, producer=producer)
+    run_and_check([5000, 7, 300], heads=128, page=page, num_splits=5, programs=13, producer=producer)
+
+
+def test_mla_wgmma_producer_name_checked():
+    """A producer other than 'inline' / 'warp' is an error naming the value, before any launch."""
+    from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
+
+    q = torch.zeros(1, 16, RANK + ROPE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'tma'"):
+        mla_decode_wgmma(q, torch.zeros(2, 64, RANK + ROPE, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
+                         torch.ones(1, dtype=torch.int32), kv_lora_rank=RANK, sm_scale=1.0, producer="tma")
 
 
 @pytest.mark.gpu
 @hopper
-def test_mla_wgmma_many_calls_and_graph_gpu():
+@pytest.mark.parametrize("producer", ["inline", "warp"])
+def test_mla_wgmma_many_calls_and_graph_gpu(producer):
     """200 calls back to back, every one right and bitwise equal; then captured once in a CUDA
     graph and replayed with new queries and lengths (a padding row among them), every replay right."""
     from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
@@ -157,11 +178,13 @@ def test_mla_wgmma_many_calls_and_graph_gpu():
     q, kv, tables, seq_lens = make_case([3000, 1, 2048, 777] * 4, 16, 64, seed=3)
     scale = 1.0 / math.sqrt(RANK + ROPE)
     ref = mla_decode_ref(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale)
-    outs = [mla_decode_wgmma(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale) for _ in range(200)]
+    outs = [mla_decode_wgmma(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, producer=producer)
+            for _ in range(200)]
     torch.cuda.synchronize()
     for i, o in enumerate(outs):
         assert rel_err(o, ref) < TOL, f"call {i}"
         assert torch.equal(o, outs[0]), f"call {i} differs from call 0"
 
     check_graph_replays(lambda q, kv, tables, seq_lens, out, scale: mla_decode_wgmma(
-        q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=7), replays=30)
+        q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=7, producer=producer),
+        replays=30)
