@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_s13.sh d    issue 6: the bf16 decode forms beside cuDNN, medians of 5 rounds
 #   bash benchmarks/gpu_s13.sh e    the wgmma MLA decode with a producer warpgroup: tests, the six
 #                                   shapes beside the inline form, Nsight Compute
+#   bash benchmarks/gpu_s13.sh f    the same over a ring of 25 slabs (beside 18), a call's kernels
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -57,5 +58,16 @@ e)
     --rounds 3 2>&1 | tee "$OUT/mla_wgmma_ws.txt" | tail -n 9
   NCU_CASES="mla_wgmma_ws_8x32k" timeout "$(left 100)" bash benchmarks/gpu_s12_ncu.sh
   echo "part e done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-e)"; exit 2 ;;
+f)
+  # producer="warp" over a ring of 25 slabs (a third tile's first 7 slabs in flight): tests,
+  # the six shapes beside 18 slabs (2 whole tiles) and the inline form, a call's kernels, ncu
+  timeout "$(left 200)" $PT -x -m gpu tests/kernels/test_mla_decode_wgmma.py -k warp -rf 2>&1 \
+    | tee "$OUT/wgmma_ws_tests.txt" | tail -n 4
+  timeout "$(left 150)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" \
+    --variants triton wgmma wgmma_ws18 wgmma_ws --rounds 3 2>&1 | tee "$OUT/mla_wgmma_ws.txt" | tail -n 9
+  (cd benchmarks && timeout "$(left 60)" python3 mla_kernel_times.py --out "$OUT" --variants wgmma_ws wgmma triton \
+    2>&1 | tail -n 3)
+  NCU_CASES="mla_wgmma_ws_8x32k" timeout "$(left 100)" bash benchmarks/gpu_s12_ncu.sh
+  echo "part f done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-f)"; exit 2 ;;
 esac

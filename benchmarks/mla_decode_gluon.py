@@ -59,7 +59,8 @@ VARIANTS = {
     # warpgroup MMAs with the keys as M, one program an SM (kernels/mla_decode_wgmma.py)
     "wgmma": (mla_decode_wgmma, {}),
     # the same tile loop with a producer warpgroup issuing the TMA loads (warp specialization)
-    "wgmma_ws": (mla_decode_wgmma, {"producer": "warp"}),
+    "wgmma_ws": (mla_decode_wgmma, {"producer": "warp"}),  # a ring of 25 slabs
+    "wgmma_ws18": (mla_decode_wgmma, {"producer": "warp", "slots": 18}),  # of 18: 2 whole tiles
     "gluon_s4": (gluon_launch, {"stages": 4}),
     # every split count merged inside the kernel (the default merges > FUSE_MAX_SPLITS with
     # mla_decode's merge kernel; run 85 measured this form as "gluon")

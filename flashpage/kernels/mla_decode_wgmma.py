@@ -57,6 +57,8 @@ TILE = 64  # keys a tile: wgmma's M
 STAGES = 2  # ring tiles: 2 x 72 KB + q 18 KB + P 2 KB, one program an SM
 NUM_WARPS = 4  # one warpgroup
 MIN_SPLIT_KEYS = 512  # a split keeps at least this many keys (8 tiles)
+SLOTS = 25  # producer="warp": the slab ring (25 x 8 KB + q 18 KB + P 2 KB = 220 KB; 26 do not fit)
+_NBARS = gl.constexpr(4)  # producer="warp": ready / empty barriers, tile g's at g % 4 (<= 4 tiles held)
 PRODUCER_REGS = 128  # producer="warp": the producer warpgroup's registers a thread (setmaxnreg; 96: 60 B spilled at page 16)
 
 _T = gl.constexpr(TILE)
@@ -297,12 +299,18 @@ def _tile_blocks(bt_row, pos, last_page, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _copy_tile(desc, ring, bar, stage, pos, b0, b1, b2, b3, PAGE: gl.constexpr):
-    """The tile's 9 column slabs (page by page under 64-key pages) into ring stage ``stage``."""
+def _slot(base, sl, SLOTS: gl.constexpr):
+    """The slab slot of a tile's slab ``sl`` (the tile's slab 0 at ``base``), wrapping at SLOTS."""
+    x = base + sl
+    return gl.where(x >= SLOTS, x - SLOTS, x)
+
+
+@gluon.jit
+def _copy_slab(desc, ring, bar, slot, sl, pos, b0, b1, b2, b3, PAGE: gl.constexpr):
+    """Column slab ``sl`` of the tile from key ``pos`` into ring slot ``slot`` (page by page
+    under 64-key pages)."""
     if PAGE >= _T:
-        row = b0 * PAGE + pos % PAGE
-        for sl in gl.static_range(_SLABS):
-            tma.async_copy_global_to_shared(desc, [row, 64 * sl], bar, ring.index(stage * _SLABS + sl))
+        tma.async_copy_global_to_shared(desc, [b0 * PAGE + pos % PAGE, 64 * sl], bar, ring.index(slot))
     else:
         for pc in gl.static_range(_T // PAGE):
             if pc == 0:
@@ -313,17 +321,26 @@ def _copy_tile(desc, ring, bar, stage, pos, b0, b1, b2, b3, PAGE: gl.constexpr):
                 blk = b2
             else:
                 blk = b3
-            for sl in gl.static_range(_SLABS):
-                tma.async_copy_global_to_shared(desc, [blk * PAGE, 64 * sl], bar,
-                                                ring.index(stage * _SLABS + sl).slice(pc * PAGE, PAGE))
+            tma.async_copy_global_to_shared(desc, [blk * PAGE, 64 * sl], bar,
+                                            ring.index(slot).slice(pc * PAGE, PAGE))
+
+
+@gluon.jit
+def _tile_done_wait(empty, e):
+    """Wait until the tile that held slab number ``e`` (9 a tile, counted over the program's
+    tiles) is consumed: tile t's arrive is on empty[t % 4], phase (t // 4) & 1; none if e < 0."""
+    t = gl.maximum(e, 0) // _SLABS
+    mbarrier.wait(empty.index(t % _NBARS), (t // _NBARS) & 1, pred=e >= 0)
 
 
 @gluon.jit
 def _produce(kv_desc, ring, ready, empty, block_tables_ptr, seq_lens_ptr, num_items, num_splits, head_groups,
-             stride_btb, PAGE: gl.constexpr, R: gl.constexpr):
-    """The producer warpgroup: the program's items' tiles in order into the ring, tile g into
-    stage g % R once the consumer freed it (``empty``, phase (g // R) & 1 ^ 1: the first R pass
-    at once). A tile's block ids are loaded before that wait, so their latency hides under it."""
+             stride_btb, PAGE: gl.constexpr, SLOTS: gl.constexpr):
+    """The producer warpgroup: the program's items' tiles in order into the slab ring, slab j of
+    tile g into slot (9 g + j) % SLOTS once the tile that held that slot is consumed (slab
+    9 g + j - SLOTS; SLOTS = 18 is a ring of 2 tiles, 25 lets a third tile's first 7 slabs in
+    while the consumer still holds the one before), all 9 on ready[g % 4]. A tile's block ids
+    are loaded before its waits, so their latency hides under them."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     item, start, nt, bt_row, last_page = _seek(pid, nprog, num_items, num_splits, head_groups, seq_lens_ptr,
@@ -333,22 +350,54 @@ def _produce(kv_desc, ring, ready, empty, block_tables_ptr, seq_lens_ptr, num_it
         for t in range(nt):
             pos = start + t * _T
             b0, b1, b2, b3 = _tile_blocks(bt_row, pos, last_page, PAGE)
-            stage = g % R
-            mbarrier.wait(empty.index(stage), ((g // R) & 1) ^ 1)
-            bar = ready.index(stage)
+            e0 = g * _SLABS - SLOTS
+            # slab 0's slot: its tile (g - 3 or later) consumed, so ready[g % 4] (tile g - 4's) is free too
+            _tile_done_wait(empty, e0)
+            bar = ready.index(g % _NBARS)
             mbarrier.expect(bar, _TILE_BYTES)
-            _copy_tile(kv_desc, ring, bar, stage, pos, b0, b1, b2, b3, PAGE)
+            base = (g * _SLABS) % SLOTS
+            for sl in gl.static_range(_SLABS):
+                if sl > 0:
+                    _tile_done_wait(empty, e0 + sl)
+                _copy_slab(kv_desc, ring, bar, _slot(base, sl, SLOTS), sl, pos, b0, b1, b2, b3, PAGE)
             g += 1
         item, start, nt, bt_row, last_page = _seek(item + nprog, nprog, num_items, num_splits, head_groups,
                                                    seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
 
 
 @gluon.jit
+def _zero_v_tail_slots(ring, base, valid, SLOTS: gl.constexpr):
+    """_zero_v_tail over the tile's 8 value slabs in the slab ring."""
+    rows = gl.expand_dims(gl.arange(0, _T, layout=gl.SliceLayout(1, _V_LD)), 1)
+    for c in gl.static_range(8):
+        slab = ring.index(_slot(base, c, SLOTS))
+        x = slab.load(_V_LD)
+        slab.store(gl.where(rows < valid, x, gl.zeros_like(x)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _pv_slots(ring, base, p_smem, o0, o1, o2, o3, o4, o5, o6, o7, SLOTS: gl.constexpr):
+    """_pv over the tile's 8 value slabs in the slab ring."""
+    o0 = warpgroup_mma(ring.index(_slot(base, 0, SLOTS)).permute((1, 0)), p_smem, o0, is_async=True)
+    o1 = warpgroup_mma(ring.index(_slot(base, 1, SLOTS)).permute((1, 0)), p_smem, o1, is_async=True)
+    o2 = warpgroup_mma(ring.index(_slot(base, 2, SLOTS)).permute((1, 0)), p_smem, o2, is_async=True)
+    o3 = warpgroup_mma(ring.index(_slot(base, 3, SLOTS)).permute((1, 0)), p_smem, o3, is_async=True)
+    o4 = warpgroup_mma(ring.index(_slot(base, 4, SLOTS)).permute((1, 0)), p_smem, o4, is_async=True)
+    o5 = warpgroup_mma(ring.index(_slot(base, 5, SLOTS)).permute((1, 0)), p_smem, o5, is_async=True)
+    o6 = warpgroup_mma(ring.index(_slot(base, 6, SLOTS)).permute((1, 0)), p_smem, o6, is_async=True)
+    o7 = warpgroup_mma(ring.index(_slot(base, 7, SLOTS)).permute((1, 0)), p_smem, o7, is_async=True)
+    return warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
+
+
+@gluon.jit
 def _consume(q_ptr, ring, q_smem, p_smem, ready, empty, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
-             num_items, num_splits, head_groups, stride_qb, stride_qh, stride_ob, stride_oh, R: gl.constexpr,
+             num_items, num_splits, head_groups, stride_qb, stride_qh, stride_ob, stride_oh, SLOTS: gl.constexpr,
              SPLIT: gl.constexpr):
-    """The consumer warpgroup (the default partition): the inline kernel's tile loop, with a
-    stage handed back on ``empty`` after its P.V instead of refilled here."""
+    """The consumer warpgroup (the default partition): the inline kernel's tile loop over the
+    slab ring (tile g: ready[g % 4], its slabs from slot 9 g % SLOTS on), each tile handed back
+    on empty[g % 4] after its P.V instead of refilled here."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -375,12 +424,12 @@ def _consume(q_ptr, ring, q_smem, p_smem, ready, empty, seq_lens_ptr, out_ptr, m
         o6 = gl.zeros_like(o0)
         o7 = gl.zeros_like(o0)
         for t in range(nt):
-            stage = g % R
-            mbarrier.wait(ready.index(stage), (g // R) & 1)
+            mbarrier.wait(ready.index(g % _NBARS), (g // _NBARS) & 1)
+            base = (g * _SLABS) % SLOTS
             valid = end - (start + t * _T)
             sacc = gl.zeros([_T, 16], gl.float32, _ACC)
             for sl in gl.static_range(_SLABS):
-                sacc = warpgroup_mma(ring.index(stage * _SLABS + sl), q_smem.index(sl).permute((1, 0)), sacc,
+                sacc = warpgroup_mma(ring.index(_slot(base, sl, SLOTS)), q_smem.index(sl).permute((1, 0)), sacc,
                                      use_acc=sl > 0, is_async=True)
             sacc = warpgroup_mma_wait(0, deps=(sacc,))
             sc = gl.where(gl.expand_dims(keys < valid, 1), sacc * qk_scale, float("-inf"))
@@ -400,13 +449,13 @@ def _consume(q_ptr, ring, q_smem, p_smem, ready, empty, seq_lens_ptr, out_ptr, m
             o6 = o6 * a2
             o7 = o7 * a2
             if valid < _T:
-                _zero_v_tail(ring, stage, valid)
+                _zero_v_tail_slots(ring, base, valid, SLOTS)
             p_smem.store(p.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
-            o0, o1, o2, o3, o4, o5, o6, o7 = _pv(ring, stage, p_smem, o0, o1, o2, o3, o4, o5, o6, o7)
-            gl.thread_barrier()  # every warp past its wgmmas: the stage and P^T are free
-            mbarrier.arrive(empty.index(stage))
+            o0, o1, o2, o3, o4, o5, o6, o7 = _pv_slots(ring, base, p_smem, o0, o1, o2, o3, o4, o5, o6, o7, SLOTS)
+            gl.thread_barrier()  # every warp past its wgmmas: the tile's slots and P^T are free
+            mbarrier.arrive(empty.index(g % _NBARS))
             g += 1
         _write(o0, 0, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
         _write(o1, 1, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
@@ -426,26 +475,27 @@ def _consume(q_ptr, ring, q_smem, p_smem, ready, empty, seq_lens_ptr, out_ptr, m
 def _mla_decode_wgmma_ws_kernel(
     q_ptr, kv_desc, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, num_items,
     num_splits, head_groups, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-    PAGE: gl.constexpr, R: gl.constexpr, SPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    PAGE: gl.constexpr, SLOTS: gl.constexpr, SPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """producer="warp": the inline kernel's work split between a consumer warpgroup (the tile
-    loop) and a producer warpgroup (block ids and TMA issues), on ready / empty barriers."""
+    loop) and a producer warpgroup (block ids and TMA issues) over a ring of SLOTS [64, 64]
+    slabs (18..25), on 4 ready / empty barriers (a tile's each)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    ring = gl.allocate_shared_memory(dtype, [R * _SLABS, _T, 64], _SMEM)
+    ring = gl.allocate_shared_memory(dtype, [SLOTS, _T, 64], _SMEM)
     q_smem = gl.allocate_shared_memory(dtype, [_SLABS, 16, 64], _SMEM)
     p_smem = gl.allocate_shared_memory(dtype, [_T, 16], _P_SMEM)
-    ready = gl.allocate_shared_memory(gl.int64, [R, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [R, 1], mbarrier.MBarrierLayout())
-    for k in gl.static_range(R):
+    ready = gl.allocate_shared_memory(gl.int64, [_NBARS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [_NBARS, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(_NBARS):
         mbarrier.init(ready.index(k), count=1)  # the producer's expect; the TMA bytes complete it
         mbarrier.init(empty.index(k), count=1)  # the consumer's arrive after the stage's P.V
     fence_async_shared()
     gl.warp_specialize([
         (_consume, (q_ptr, ring, q_smem, p_smem, ready, empty, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-                    qk_scale, num_items, num_splits, head_groups, stride_qb, stride_qh, stride_ob, stride_oh, R,
-                    SPLIT)),
+                    qk_scale, num_items, num_splits, head_groups, stride_qb, stride_qh, stride_ob, stride_oh,
+                    SLOTS, SPLIT)),
         (_produce, (kv_desc, ring, ready, empty, block_tables_ptr, seq_lens_ptr, num_items, num_splits,
-                    head_groups, stride_btb, PAGE, R)),
+                    head_groups, stride_btb, PAGE, SLOTS)),
     ], [4], [PRODUCER_REGS])
 
 
@@ -477,14 +527,17 @@ def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -
 def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      *, kv_lora_rank: int, sm_scale: float, out: torch.Tensor | None = None,
                      num_splits: int | None = None, programs: int | None = None, stages: int = STAGES,
-                     producer: str = "inline") -> torch.Tensor:
+                     producer: str = "inline", slots: int = SLOTS) -> torch.Tensor:
     """mla_decode's contract (q [B, H, 576] absorbed, kv_cache [blocks, page, 576] in q's dtype,
     block_tables int32 [B, max_blocks], seq_lens int32 [B]; returns out [B, H, 512]) on this
     kernel; ``programs`` (None: one an SM) and ``stages`` (ring tiles, 2 fit) for tests;
     ``producer``: "inline" (one warpgroup issues its own TMA loads between tiles) or "warp" (a
-    producer warpgroup beside the consumer: _mla_decode_wgmma_ws_kernel)."""
+    producer warpgroup beside the consumer: _mla_decode_wgmma_ws_kernel, over a ring of ``slots``
+    [64, 64] slabs, 18..25)."""
     if producer not in ("inline", "warp"):
         raise ValueError(f"producer must be 'inline' or 'warp', got {producer!r}")
+    if not 2 * _SLABS.value <= slots <= SLOTS:
+        raise ValueError(f"slots must be in {2 * _SLABS.value}..{SLOTS}, got {slots}")
     why = mla_wgmma_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
     if why:
         raise ValueError("mla_decode_wgmma cannot take this call: " + "; ".join(why))
@@ -494,9 +547,9 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         return out
     hg = H // HEADS
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    slots = programs or _num_sms(dev)
+    nprog = programs or _num_sms(dev)
     if num_splits is None:
-        num_splits = pick_splits(B, hg, block_tables.shape[1] * kv_cache.shape[1], slots)
+        num_splits = pick_splits(B, hg, block_tables.shape[1] * kv_cache.shape[1], nprog)
     num_splits = max(1, int(num_splits))
     items = B * hg * num_splits
     split = num_splits > 1
@@ -507,10 +560,10 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     args = (q, _cache_descriptor(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse, sm_scale * _LOG2E, items,
             num_splits, hg, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
     if producer == "warp":
-        _mla_decode_wgmma_ws_kernel[(min(items, slots),)](*args, PAGE=kv_cache.shape[1], R=stages, SPLIT=split,
+        _mla_decode_wgmma_ws_kernel[(min(items, nprog),)](*args, PAGE=kv_cache.shape[1], SLOTS=slots, SPLIT=split,
                                                          PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS)
     else:
-        _mla_decode_wgmma_kernel[(min(items, slots),)](*args, PAGE=kv_cache.shape[1], R=stages, SPLIT=split,
+        _mla_decode_wgmma_kernel[(min(items, nprog),)](*args, PAGE=kv_cache.shape[1], R=stages, SPLIT=split,
                                                       num_warps=NUM_WARPS)
     if split:
         _merge(mid_o, mid_lse, out, RANK)

@@ -39,7 +39,7 @@ def compile_sm90(page: int = 64, split: bool = True, stages: int | None = None, 
     fn = mw._mla_decode_wgmma_ws_kernel if ws else mw._mla_decode_wgmma_kernel
     consts = {"PAGE": page, "R": stages or mw.STAGES, "SPLIT": split}
     if ws:
-        consts["PRODUCER_REGS"] = mw.PRODUCER_REGS
+        consts = {"PAGE": page, "SLOTS": mw.SLOTS, "SPLIT": split, "PRODUCER_REGS": mw.PRODUCER_REGS}
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[{min(page, 64)}, 64],{mw._SMEM.value!r}>",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32",
@@ -157,14 +157,30 @@ def test_mla_wgmma_128_heads_gpu(page, producer):
     run_and_check([5000, 7, 300], heads=128, page=page, num_splits=5, programs=13, producer=producer)
 
 
-def test_mla_wgmma_producer_name_checked():
-    """A producer other than 'inline' / 'warp' is an error naming the value, before any launch."""
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("slots", [18, 20, 24])
+@pytest.mark.parametrize("page", [16, 64])
+def test_mla_wgmma_warp_slots_gpu(page, slots):
+    """producer="warp" over slab rings of other sizes (18: two whole tiles; 20, 24: a tile's
+    slabs wrapping at odd places), with one program walking every item and with splits."""
+    for kw in ({}, {"programs": 1}, {"num_splits": 9, "programs": 3}):
+        run_and_check([1, 100, 3000, 257, 64, 65], page=page, producer="warp", slots=slots, **kw)
+
+
+def test_mla_wgmma_producer_and_slots_checked():
+    """A producer other than 'inline' / 'warp', or a slab ring outside 18..25, is an error naming
+    the value, before any launch."""
     from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
 
     q = torch.zeros(1, 16, RANK + ROPE, dtype=torch.bfloat16)
+    args = (q, torch.zeros(2, 64, RANK + ROPE, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="'tma'"):
-        mla_decode_wgmma(q, torch.zeros(2, 64, RANK + ROPE, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
-                         torch.ones(1, dtype=torch.int32), kv_lora_rank=RANK, sm_scale=1.0, producer="tma")
+        mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, producer="tma")
+    for bad in (17, 26):
+        with pytest.raises(ValueError, match=f"slots must be in 18..25, got {bad}"):
+            mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, producer="warp", slots=bad)
 
 
 @pytest.mark.gpu
