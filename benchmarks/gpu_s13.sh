@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_s13.sh e    the wgmma MLA decode with a producer warpgroup: tests, the six
 #                                   shapes beside the inline form, Nsight Compute
 #   bash benchmarks/gpu_s13.sh f    the same over a ring of 25 slabs (beside 18), a call's kernels
+#   bash benchmarks/gpu_s13.sh g    two consumer warpgroups splitting the columns (consumers=2)
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -69,5 +70,15 @@ f)
     2>&1 | tail -n 3)
   NCU_CASES="mla_wgmma_ws_8x32k" timeout "$(left 100)" bash benchmarks/gpu_s12_ncu.sh
   echo "part f done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-f)"; exit 2 ;;
+g)
+  # two consumer warpgroups (consumers=2): tests, the six shapes (graphs >= 1 GiB now), kernels, ncu
+  timeout "$(left 200)" $PT -x -m gpu tests/kernels/test_mla_decode_wgmma.py -k warp2 -rf 2>&1 \
+    | tee "$OUT/wgmma_ws2_tests.txt" | tail -n 4
+  timeout "$(left 200)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" \
+    --variants triton gluon_all wgmma_ws wgmma_ws2 wgmma_ws2_18 --rounds 3 2>&1 | tee "$OUT/mla_wgmma_ws2.txt" | tail -n 9
+  (cd benchmarks && timeout "$(left 60)" python3 mla_kernel_times.py --out "$OUT" --variants wgmma_ws2 wgmma_ws triton \
+    2>&1 | tail -n 3)
+  NCU_CASES="mla_wgmma_ws2_8x32k" timeout "$(left 100)" bash benchmarks/gpu_s12_ncu.sh
+  echo "part g done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-g)"; exit 2 ;;
 esac

@@ -8,7 +8,9 @@ Everything in one run, so ratios hold when the machine's speed drifts:
   (SDPA has no kernel for a 576 head dim).
 
 Each figure is the median over CUDA-graph replays of several calls; the calls rotate
-over independent latents (>= 256 MB in all) so small shapes are not timed out of L2.
+over independent latents (>= 1 GiB in all) so small shapes are not timed out of L2 and a graph
+replay's own launch (~5 us on an H200) is under 2% of it (256 MB until session 13: one 302 MB
+call a graph at 8 x 32768, whose launch gap counted as ~6% of the call).
 GB/s = batch * context * 576 * 2 bytes / time. ``--sweep`` also times tile configs and
 split counts. Usage: ``python benchmarks/mla_decode.py --out $OUT/mla.jsonl [--sweep]``.
 
@@ -72,7 +74,7 @@ SHAPES = [(1, 1024), (1, 4096), (1, 32768), (4, 8192), (8, 32768), (16, 16384), 
 SWEEP_CONFIGS = {heads: [c for c in CANDIDATE_CONFIGS if (c.block_h == 16) == (heads == 16)]
                  for heads in (16, 128)}
 SPLIT_LADDER = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
-ROT_BYTES = 256 * 2**20
+ROT_BYTES = 1024 * 2**20  # a graph's calls read >= this (mla_decode_gluon.py --rot-mb sets it)
 
 
 def _compile_one(job: tuple[int, int, bool | tuple[int, ...], MLADecodeConfig]) -> str:

@@ -3,8 +3,10 @@
 latents, page 64 (``--page``), on the issue-4 shapes. GB/s of latent bytes read (% of the
 copy rate measured in the same run), us per call, relative error against an fp32 reference
 on the first rotation (``e``), and against the Triton output (``t``). Each figure is the
-median of CUDA-graph replays over calls that rotate over >= 256 MB of independent latents
-(benchmarks/mla_decode.py's ``Case``), so small shapes are not timed out of L2. One failing
+median of CUDA-graph replays over calls that rotate over >= 1 GiB of independent latents
+(benchmarks/mla_decode.py's ``Case``; ``--rot-mb``), so small shapes are not timed out of L2
+and a replay's launch gap is amortized (``--rot-mb 256``: the form before session 13, where a
+302 MB shape was one call a graph and its ~5 us launch gap counted in it). One failing
 variant prints its error in its cell and the others go on.
 
     python benchmarks/mla_decode_gluon.py --out $OUT          # ~3 min on an H200 (6 variants)
@@ -33,6 +35,7 @@ import os
 import statistics
 import time
 
+import mla_decode as mla_bench
 import torch
 from gpu_timing import copy_bandwidth
 from mla_decode import RANK, Case, time_graph
@@ -61,6 +64,9 @@ VARIANTS = {
     # the same tile loop with a producer warpgroup issuing the TMA loads (warp specialization)
     "wgmma_ws": (mla_decode_wgmma, {"producer": "warp"}),  # a ring of 25 slabs
     "wgmma_ws18": (mla_decode_wgmma, {"producer": "warp", "slots": 18}),  # of 18: 2 whole tiles
+    # two consumer warpgroups splitting the columns (S parts exchanged), ring of 23 / 18 slabs
+    "wgmma_ws2": (mla_decode_wgmma, {"producer": "warp", "consumers": 2}),
+    "wgmma_ws2_18": (mla_decode_wgmma, {"producer": "warp", "consumers": 2, "slots": 18}),
     "gluon_s4": (gluon_launch, {"stages": 4}),
     # every split count merged inside the kernel (the default merges > FUSE_MAX_SPLITS with
     # mla_decode's merge kernel; run 85 measured this form as "gluon")
@@ -101,9 +107,12 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES])
     ap.add_argument("--splits", nargs="+", type=int, default=None,
                     help="key-split counts for the Gluon variants (0: the launcher's choice)")
+    ap.add_argument("--rot-mb", type=int, default=mla_bench.ROT_BYTES >> 20,
+                    help="each CUDA graph's calls read >= this many MiB of independent latents")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time the columns of a shape this many times in turn, the median kept")
     args = ap.parse_args()
+    mla_bench.ROT_BYTES = args.rot_mb << 20
     columns = _columns(args.variants, args.splits)
     t0 = time.time()
     copy = copy_bandwidth()
@@ -162,7 +171,8 @@ def main() -> None:
         rows.append(row)
         del case, ref
         torch.cuda.empty_cache()
-    print(f"copy {copy:.0f} GB/s, {torch.cuda.get_device_name()}, page {args.page}, {time.time() - t0:.0f} s")
+    print(f"copy {copy:.0f} GB/s, {torch.cuda.get_device_name()}, page {args.page}, graphs >= {args.rot_mb} MiB, "
+          f"{time.time() - t0:.0f} s")
     print("GB/s of latent bytes (% of copy), us per call, rel. error vs fp32 reference (e) and vs triton (t)")
     names = [c[0] for c in columns]
     print("| batch x context | " + " | ".join(names) + " |")
@@ -170,7 +180,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['shape']} | " + " | ".join(r.get(k, "") for k in names) + " |")
     with open(os.path.join(args.out, "mla_decode_gluon.json"), "w") as f:
-        json.dump(dict(copy_gbps=round(copy), page=args.page, rows=rows), f, indent=1)
+        json.dump(dict(copy_gbps=round(copy), page=args.page, rot_mb=args.rot_mb, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

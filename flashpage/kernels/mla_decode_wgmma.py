@@ -58,6 +58,11 @@ STAGES = 2  # ring tiles: 2 x 72 KB + q 18 KB + P 2 KB, one program an SM
 NUM_WARPS = 4  # one warpgroup
 MIN_SPLIT_KEYS = 512  # a split keeps at least this many keys (8 tiles)
 SLOTS = 25  # producer="warp": the slab ring (25 x 8 KB + q 18 KB + P 2 KB = 220 KB; 26 do not fit)
+SLOTS2 = 23  # consumers=2: 23 x 8 KB + q 18 KB + 2 P 4 KB + the S exchange 16 KB = 222 KB
+# consumers=2: 3 warpgroups of maxnreg 168 (launch); the second consumer's and the producer's
+# registers (setmaxnreg), the first consumer (the default partition) 3 x 168 - both = 208
+CONSUMER2_REGS = 208
+PRODUCER2_REGS = 88
 _NBARS = gl.constexpr(4)  # producer="warp": ready / empty barriers, tile g's at g % 4 (<= 4 tiles held)
 PRODUCER_REGS = 128  # producer="warp": the producer warpgroup's registers a thread (setmaxnreg; 96: 60 B spilled at page 16)
 
@@ -499,6 +504,141 @@ def _mla_decode_wgmma_ws_kernel(
     ], [4], [PRODUCER_REGS])
 
 
+# ------------------------------------------- two consumer warpgroups (consumers=2)
+
+
+@gluon.jit
+def _consume_half(q_ptr, ring, q_smem, p_smem, s_smem, ready, empty, s_bar, seq_lens_ptr, out_ptr, mid_o_ptr,
+                  mid_lse_ptr, qk_scale, num_items, num_splits, head_groups, stride_qb, stride_qh, stride_ob,
+                  stride_oh, X: gl.constexpr, SLOTS: gl.constexpr, SPLIT: gl.constexpr):
+    """Consumer X of two (consumers=2): the latent's 576 columns split between them, slabs 4X ..
+    4X + 3 (and the rope slab for X = 0). Per tile: its part of S^T to s_smem[X, g % 2], the
+    two parts exchanged on s_bar[g % 2] (an arrive from each) and added in the same order in
+    both (S_0 + S_1: the same softmax, m and l in both), then P^T to its own p_smem[X] and its
+    4 value slabs' O_c^T += V_c^T . P^T. Its 256 output columns at the item's end (and X = 0
+    the lse). A tile is handed back once both arrived on empty[g % 4]."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    qh = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, _Q_LD)), 1)
+    qc = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, _Q_LD)), 0)
+    keys = gl.arange(0, _T, layout=gl.SliceLayout(1, _ACC))
+    c0: gl.constexpr = 4 * X  # the first of its value slabs
+    g = 0
+    for item in range(pid, num_items, nprog):
+        b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups, _T)
+        nt = gl.cdiv(gl.maximum(end - start, 0), _T)
+        # its own q slabs only (the other consumer's may still be read by that one's wgmmas)
+        q_row = q_ptr + b.to(gl.int64) * stride_qb + (hg * 16 + qh).to(gl.int64) * stride_qh + qc
+        for j in gl.static_range(4):
+            q_smem.index(c0 + j).store(gl.load(q_row + 64 * (c0 + j)))
+        if X == 0:
+            q_smem.index(8).store(gl.load(q_row + 64 * 8))
+        fence_async_shared()
+        gl.thread_barrier()
+        m = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(0, _ACC))
+        l = gl.zeros([16], gl.float32, gl.SliceLayout(0, _ACC))
+        o0 = gl.zeros([64, 16], gl.float32, _ACC)
+        o1 = gl.zeros_like(o0)
+        o2 = gl.zeros_like(o0)
+        o3 = gl.zeros_like(o0)
+        for t in range(nt):
+            mbarrier.wait(ready.index(g % _NBARS), (g // _NBARS) & 1)
+            base = (g * _SLABS) % SLOTS
+            valid = end - (start + t * _T)
+            sacc = gl.zeros([_T, 16], gl.float32, _ACC)
+            for j in gl.static_range(4):
+                sacc = warpgroup_mma(ring.index(_slot(base, c0 + j, SLOTS)), q_smem.index(c0 + j).permute((1, 0)),
+                                     sacc, use_acc=j > 0, is_async=True)
+            if X == 0:
+                sacc = warpgroup_mma(ring.index(_slot(base, 8, SLOTS)), q_smem.index(8).permute((1, 0)), sacc,
+                                     is_async=True)
+            sacc = warpgroup_mma_wait(0, deps=(sacc,))
+            sb = g % 2
+            s_smem.index(2 * X + sb).store(sacc)
+            gl.thread_barrier()  # every thread's part stored before the (elected) arrive
+            mbarrier.arrive(s_bar.index(sb))
+            mbarrier.wait(s_bar.index(sb), (g // 2) & 1)
+            other = s_smem.index(2 * (1 - X) + sb).load(_ACC)
+            if X == 0:
+                sacc = sacc + other
+            else:
+                sacc = other + sacc
+            sc = gl.where(gl.expand_dims(keys < valid, 1), sacc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m, gl.max(sc, 0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_safe)
+            p = gl.exp2(sc - gl.expand_dims(m_safe, 0))
+            l = l * alpha + gl.sum(p, 0)
+            m = m_new
+            a2 = gl.expand_dims(alpha, 0)
+            o0 = o0 * a2
+            o1 = o1 * a2
+            o2 = o2 * a2
+            o3 = o3 * a2
+            if valid < _T:  # its own value slabs' rows past the item's end zeroed (may hold NaN)
+                rows = gl.expand_dims(gl.arange(0, _T, layout=gl.SliceLayout(1, _V_LD)), 1)
+                for j in gl.static_range(4):
+                    slab = ring.index(_slot(base, c0 + j, SLOTS))
+                    x = slab.load(_V_LD)
+                    slab.store(gl.where(rows < valid, x, gl.zeros_like(x)))
+            pv = p_smem.index(X)
+            pv.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            o0 = warpgroup_mma(ring.index(_slot(base, c0 + 0, SLOTS)).permute((1, 0)), pv, o0, is_async=True)
+            o1 = warpgroup_mma(ring.index(_slot(base, c0 + 1, SLOTS)).permute((1, 0)), pv, o1, is_async=True)
+            o2 = warpgroup_mma(ring.index(_slot(base, c0 + 2, SLOTS)).permute((1, 0)), pv, o2, is_async=True)
+            o3 = warpgroup_mma(ring.index(_slot(base, c0 + 3, SLOTS)).permute((1, 0)), pv, o3, is_async=True)
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+            gl.thread_barrier()  # every warp past its wgmmas
+            mbarrier.arrive(empty.index(g % _NBARS))
+            g += 1
+        _write(o0, c0 + 0, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o1, c0 + 1, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o2, c0 + 2, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        _write(o3, c0 + 3, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
+        if SPLIT and X == 0:
+            head = hg * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, _ACC))
+            lse = gl.where(l > 0.0, m + gl.log2(gl.where(l > 0.0, l, 1.0)), float("-inf"))
+            gl.store(mid_lse_ptr + (b * head_groups * 16 + head).to(gl.int64) * num_splits + s, lse)
+
+
+@gluon.jit(do_not_specialize=["num_items", "num_splits"])
+def _mla_decode_wgmma_ws2_kernel(
+    q_ptr, kv_desc, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, num_items,
+    num_splits, head_groups, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+    PAGE: gl.constexpr, SLOTS: gl.constexpr, SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    """consumers=2: _consume_half(0) (the default partition), _consume_half(1) and the producer
+    warpgroup over the slab ring; 3 warpgroups of maxnreg 168 (launch), setmaxnreg per partition."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    ring = gl.allocate_shared_memory(dtype, [SLOTS, _T, 64], _SMEM)
+    q_smem = gl.allocate_shared_memory(dtype, [_SLABS, 16, 64], _SMEM)
+    p_smem = gl.allocate_shared_memory(dtype, [2, _T, 16], _P_SMEM)
+    s_smem = gl.allocate_shared_memory(gl.float32, [4, _T, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    ready = gl.allocate_shared_memory(gl.int64, [_NBARS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [_NBARS, 1], mbarrier.MBarrierLayout())
+    s_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(_NBARS):
+        mbarrier.init(ready.index(k), count=1)
+        mbarrier.init(empty.index(k), count=2)  # one arrive per consumer
+    mbarrier.init(s_bar.index(0), count=2)
+    mbarrier.init(s_bar.index(1), count=2)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consume_half, (q_ptr, ring, q_smem, p_smem, s_smem, ready, empty, s_bar, seq_lens_ptr, out_ptr, mid_o_ptr,
+                         mid_lse_ptr, qk_scale, num_items, num_splits, head_groups, stride_qb, stride_qh, stride_ob,
+                         stride_oh, 0, SLOTS, SPLIT)),
+        (_consume_half, (q_ptr, ring, q_smem, p_smem, s_smem, ready, empty, s_bar, seq_lens_ptr, out_ptr, mid_o_ptr,
+                         mid_lse_ptr, qk_scale, num_items, num_splits, head_groups, stride_qb, stride_qh, stride_ob,
+                         stride_oh, 1, SLOTS, SPLIT)),
+        (_produce, (kv_desc, ring, ready, empty, block_tables_ptr, seq_lens_ptr, num_items, num_splits,
+                    head_groups, stride_btb, PAGE, SLOTS)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 # --------------------------------------------------------------------------------- launcher
 
 
@@ -527,17 +667,22 @@ def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -
 def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      *, kv_lora_rank: int, sm_scale: float, out: torch.Tensor | None = None,
                      num_splits: int | None = None, programs: int | None = None, stages: int = STAGES,
-                     producer: str = "inline", slots: int = SLOTS) -> torch.Tensor:
+                     producer: str = "inline", slots: int | None = None, consumers: int = 1) -> torch.Tensor:
     """mla_decode's contract (q [B, H, 576] absorbed, kv_cache [blocks, page, 576] in q's dtype,
     block_tables int32 [B, max_blocks], seq_lens int32 [B]; returns out [B, H, 512]) on this
     kernel; ``programs`` (None: one an SM) and ``stages`` (ring tiles, 2 fit) for tests;
     ``producer``: "inline" (one warpgroup issues its own TMA loads between tiles) or "warp" (a
     producer warpgroup beside the consumer: _mla_decode_wgmma_ws_kernel, over a ring of ``slots``
-    [64, 64] slabs, 18..25)."""
+    [64, 64] slabs, 18..25, None the most); with it, ``consumers`` = 2 splits each tile's columns
+    between two consumer warpgroups (_mla_decode_wgmma_ws2_kernel; slots 18..23)."""
     if producer not in ("inline", "warp"):
         raise ValueError(f"producer must be 'inline' or 'warp', got {producer!r}")
-    if not 2 * _SLABS.value <= slots <= SLOTS:
-        raise ValueError(f"slots must be in {2 * _SLABS.value}..{SLOTS}, got {slots}")
+    if consumers not in (1, 2) or (consumers == 2 and producer != "warp"):
+        raise ValueError(f"consumers must be 1, or 2 with producer='warp'; got {consumers} with {producer!r}")
+    most = SLOTS if consumers == 1 else SLOTS2
+    slots = most if slots is None else slots
+    if not 2 * _SLABS.value <= slots <= most:
+        raise ValueError(f"slots must be in {2 * _SLABS.value}..{most} with {consumers} consumer(s), got {slots}")
     why = mla_wgmma_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
     if why:
         raise ValueError("mla_decode_wgmma cannot take this call: " + "; ".join(why))
@@ -559,7 +704,11 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     args = (q, _cache_descriptor(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse, sm_scale * _LOG2E, items,
             num_splits, hg, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
-    if producer == "warp":
+    if consumers == 2:
+        _mla_decode_wgmma_ws2_kernel[(min(items, nprog),)](*args, PAGE=kv_cache.shape[1], SLOTS=slots, SPLIT=split,
+                                                          CONSUMER_REGS=CONSUMER2_REGS, PRODUCER_REGS=PRODUCER2_REGS,
+                                                          num_warps=NUM_WARPS, maxnreg=168)
+    elif producer == "warp":
         _mla_decode_wgmma_ws_kernel[(min(items, nprog),)](*args, PAGE=kv_cache.shape[1], SLOTS=slots, SPLIT=split,
                                                          PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS)
     else:

@@ -136,40 +136,46 @@ KNOBS = {
 }
 
 
+# the kernel's forms: one warpgroup issuing its own loads; a producer warpgroup beside the
+# consumer; that with two consumer warpgroups splitting the columns
+FORMS = {"inline": {}, "warp": {"producer": "warp"}, "warp2": {"producer": "warp", "consumers": 2}}
+
+
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("producer", ["inline", "warp"])
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("knob", list(KNOBS))
 @pytest.mark.parametrize("page", [16, 32, 64, 128])
 @pytest.mark.parametrize("case", list(CASES))
-def test_mla_wgmma_gpu(case, page, knob, producer):
+def test_mla_wgmma_gpu(case, page, knob, form):
     """Against the reference per sequence, out starting NaN (every row written)."""
-    run_and_check(CASES[case], page=page, producer=producer, **KNOBS[knob])
+    run_and_check(CASES[case], page=page, **FORMS[form], **KNOBS[knob])
 
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("producer", ["inline", "warp"])
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("page", [16, 64])
-def test_mla_wgmma_128_heads_gpu(page, producer):
+def test_mla_wgmma_128_heads_gpu(page, form):
     """128 heads: 8 head groups of 16, each its own items."""
-    run_and_check([1, 100, 3000, 257], heads=128, page=page, producer=producer)
-    run_and_check([5000, 7, 300], heads=128, page=page, num_splits=5, programs=13, producer=producer)
+    run_and_check([1, 100, 3000, 257], heads=128, page=page, **FORMS[form])
+    run_and_check([5000, 7, 300], heads=128, page=page, num_splits=5, programs=13, **FORMS[form])
 
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("slots", [18, 20, 24])
+@pytest.mark.parametrize("form,slots", [("warp", 18), ("warp", 20), ("warp", 24), ("warp2", 18), ("warp2", 22)])
 @pytest.mark.parametrize("page", [16, 64])
-def test_mla_wgmma_warp_slots_gpu(page, slots):
-    """producer="warp" over slab rings of other sizes (18: two whole tiles; 20, 24: a tile's
+def test_mla_wgmma_warp_slots_gpu(page, form, slots):
+    """producer="warp" over slab rings of other sizes (18: two whole tiles; others: a tile's
     slabs wrapping at odd places), with one program walking every item and with splits."""
     for kw in ({}, {"programs": 1}, {"num_splits": 9, "programs": 3}):
-        run_and_check([1, 100, 3000, 257, 64, 65], page=page, producer="warp", slots=slots, **kw)
+        run_and_check([1, 100, 3000, 257, 64, 65], page=page, slots=slots, **FORMS[form], **kw)
 
 
 def test_mla_wgmma_producer_and_slots_checked():
-    """A producer other than 'inline' / 'warp', or a slab ring outside 18..25, is an error naming
+    """A producer other than 'inline' / 'warp', a slab ring outside 18..25 (23 with 2 consumers),
+    or a consumer count other than 1 / 2 (2 only with the producer warpgroup) is an error naming
     the value, before any launch."""
     from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
 
@@ -179,14 +185,19 @@ def test_mla_wgmma_producer_and_slots_checked():
     with pytest.raises(ValueError, match="'tma'"):
         mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, producer="tma")
     for bad in (17, 26):
-        with pytest.raises(ValueError, match=f"slots must be in 18..25, got {bad}"):
+        with pytest.raises(ValueError, match=f"slots must be in 18..25 with 1 consumer.s., got {bad}"):
             mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, producer="warp", slots=bad)
+    with pytest.raises(ValueError, match="slots must be in 18..23 with 2 consumer.s., got 24"):
+        mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, producer="warp", consumers=2, slots=24)
+    for consumers, producer in ((3, "warp"), (2, "inline")):
+        with pytest.raises(ValueError, match=f"consumers must be 1, or 2 with producer='warp'; got {consumers}"):
+            mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, producer=producer, consumers=consumers)
 
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("producer", ["inline", "warp"])
-def test_mla_wgmma_many_calls_and_graph_gpu(producer):
+@pytest.mark.parametrize("form", list(FORMS))
+def test_mla_wgmma_many_calls_and_graph_gpu(form):
     """200 calls back to back, every one right and bitwise equal; then captured once in a CUDA
     graph and replayed with new queries and lengths (a padding row among them), every replay right."""
     from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
@@ -194,7 +205,7 @@ def test_mla_wgmma_many_calls_and_graph_gpu(producer):
     q, kv, tables, seq_lens = make_case([3000, 1, 2048, 777] * 4, 16, 64, seed=3)
     scale = 1.0 / math.sqrt(RANK + ROPE)
     ref = mla_decode_ref(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale)
-    outs = [mla_decode_wgmma(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, producer=producer)
+    outs = [mla_decode_wgmma(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, **FORMS[form])
             for _ in range(200)]
     torch.cuda.synchronize()
     for i, o in enumerate(outs):
@@ -202,5 +213,5 @@ def test_mla_wgmma_many_calls_and_graph_gpu(producer):
         assert torch.equal(o, outs[0]), f"call {i} differs from call 0"
 
     check_graph_replays(lambda q, kv, tables, seq_lens, out, scale: mla_decode_wgmma(
-        q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=7, producer=producer),
+        q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=7, **FORMS[form]),
         replays=30)
