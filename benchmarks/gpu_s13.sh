@@ -80,5 +80,22 @@ g)
     2>&1 | tail -n 3)
   NCU_CASES="mla_wgmma_ws2_8x32k" timeout "$(left 100)" bash benchmarks/gpu_s12_ncu.sh
   echo "part g done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-g)"; exit 2 ;;
+h)
+  # before routing the engine to it: 16-key pages (the engine's block size), 128 heads, the
+  # engine GPU test and V2-Lite end to end with the Triton MLA decode and with it
+  timeout "$(left 100)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" --page 16 \
+    --variants triton gluon_all wgmma_ws2 --rounds 3 2>&1 | tee "$OUT/mla_page16.txt" | tail -n 9
+  mv "$OUT/mla_decode_gluon.json" "$OUT/mla_decode_gluon_page16.json"
+  timeout "$(left 100)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" --heads 128 \
+    --shapes 8x32768 32x4096 128x4096 8x4096 --variants triton wgmma_ws2 --rounds 2 2>&1 \
+    | tee "$OUT/mla_heads128.txt" | tail -n 7
+  mv "$OUT/mla_decode_gluon.json" "$OUT/mla_decode_gluon_heads128.json"
+  timeout "$(left 120)" $PT -m gpu tests/engine/test_mla_gluon_switch.py -rf 2>&1 | tee "$OUT/mla_switch_tests.txt" | tail -n 3
+  for g in 0 wgmma; do
+    FLASHPAGE_MLA_GLUON=$g timeout "$(left 100)" python3 -m flashpage bench throughput --config deepseek-v2-lite \
+      --gpu-memory-utilization 0.75 --num-requests 64 --no-hf --json-out "$OUT/throughput_v2lite_mla_$g.json" \
+      2>&1 | grep -E "output_tok_per_s|Error"
+  done
+  echo "part h done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-h)"; exit 2 ;;
 esac

@@ -60,12 +60,12 @@ VARIANTS = {
     # the merge kernel (past FUSE_MAX_SPLITS splits) launched with PDL, under this kernel's tail
     "gluon_all_pdl": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "pdl_merge": True}),
     # warpgroup MMAs with the keys as M, one program an SM (kernels/mla_decode_wgmma.py)
-    "wgmma": (mla_decode_wgmma, {}),
+    "wgmma": (mla_decode_wgmma, {"producer": "inline"}),
     # the same tile loop with a producer warpgroup issuing the TMA loads (warp specialization)
-    "wgmma_ws": (mla_decode_wgmma, {"producer": "warp"}),  # a ring of 25 slabs
-    "wgmma_ws18": (mla_decode_wgmma, {"producer": "warp", "slots": 18}),  # of 18: 2 whole tiles
+    "wgmma_ws": (mla_decode_wgmma, {"producer": "warp", "consumers": 1}),  # a ring of 25 slabs
+    "wgmma_ws18": (mla_decode_wgmma, {"producer": "warp", "consumers": 1, "slots": 18}),  # of 18: 2 whole tiles
     # two consumer warpgroups splitting the columns (S parts exchanged), ring of 23 / 18 slabs
-    "wgmma_ws2": (mla_decode_wgmma, {"producer": "warp", "consumers": 2}),
+    "wgmma_ws2": (mla_decode_wgmma, {}),  # mla_decode_wgmma's default form
     "wgmma_ws2_18": (mla_decode_wgmma, {"producer": "warp", "consumers": 2, "slots": 18}),
     "gluon_s4": (gluon_launch, {"stages": 4}),
     # every split count merged inside the kernel (the default merges > FUSE_MAX_SPLITS with
@@ -103,6 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     ap.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES])
     ap.add_argument("--splits", nargs="+", type=int, default=None,
@@ -119,7 +120,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         batch, ctx = (int(x) for x in shape.split("x"))
-        case = Case(batch, ctx, 16, args.page)
+        case = Case(batch, ctx, args.heads, args.page)
         lat0 = case.contiguous(0)
         s = torch.bmm(case.q[0].float(), lat0.float().transpose(1, 2)) * case.scale
         ref = torch.bmm(torch.softmax(s, -1), lat0[..., :RANK].float())
@@ -171,7 +172,7 @@ def main() -> None:
         rows.append(row)
         del case, ref
         torch.cuda.empty_cache()
-    print(f"copy {copy:.0f} GB/s, {torch.cuda.get_device_name()}, page {args.page}, graphs >= {args.rot_mb} MiB, "
+    print(f"copy {copy:.0f} GB/s, {torch.cuda.get_device_name()}, page {args.page}, {args.heads} heads, graphs >= {args.rot_mb} MiB, "
           f"{time.time() - t0:.0f} s")
     print("GB/s of latent bytes (% of copy), us per call, rel. error vs fp32 reference (e) and vs triton (t)")
     names = [c[0] for c in columns]
@@ -180,7 +181,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['shape']} | " + " | ".join(r.get(k, "") for k in names) + " |")
     with open(os.path.join(args.out, "mla_decode_gluon.json"), "w") as f:
-        json.dump(dict(copy_gbps=round(copy), page=args.page, rot_mb=args.rot_mb, rows=rows), f, indent=1)
+        json.dump(dict(copy_gbps=round(copy), page=args.page, heads=args.heads, rot_mb=args.rot_mb, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -146,9 +146,9 @@ CASES = {
     "decode_bf16_cudnn": lambda: decode_cudnn(),
     "mla_gluon_8x32k": lambda: mla_gluon(8, 32768),
     "mla_gluon_32x4k": lambda: mla_gluon(32, 4096),
-    "mla_wgmma_8x32k": lambda: mla_gluon(8, 32768, wgmma=True),  # kernels/mla_decode_wgmma.py
-    "mla_wgmma_ws_8x32k": lambda: mla_gluon(8, 32768, wgmma=True, producer="warp"),  # its producer warpgroup
-    "mla_wgmma_ws2_8x32k": lambda: mla_gluon(8, 32768, wgmma=True, producer="warp", consumers=2),  # and 2 consumers
+    "mla_wgmma_8x32k": lambda: mla_gluon(8, 32768, wgmma=True, producer="inline"),  # kernels/mla_decode_wgmma.py
+    "mla_wgmma_ws_8x32k": lambda: mla_gluon(8, 32768, wgmma=True, consumers=1),  # its producer warpgroup
+    "mla_wgmma_ws2_8x32k": lambda: mla_gluon(8, 32768, wgmma=True),  # and 2 consumers (the default)
 }
 
 

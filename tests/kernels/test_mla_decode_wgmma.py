@@ -138,7 +138,7 @@ KNOBS = {
 
 # the kernel's forms: one warpgroup issuing its own loads; a producer warpgroup beside the
 # consumer; that with two consumer warpgroups splitting the columns
-FORMS = {"inline": {}, "warp": {"producer": "warp"}, "warp2": {"producer": "warp", "consumers": 2}}
+FORMS = {"inline": {"producer": "inline"}, "warp": {"producer": "warp", "consumers": 1}, "warp2": {}}
 
 
 @pytest.mark.gpu
@@ -186,7 +186,7 @@ def test_mla_wgmma_producer_and_slots_checked():
         mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, producer="tma")
     for bad in (17, 26):
         with pytest.raises(ValueError, match=f"slots must be in 18..25 with 1 consumer.s., got {bad}"):
-            mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, producer="warp", slots=bad)
+            mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, consumers=1, slots=bad)
     with pytest.raises(ValueError, match="slots must be in 18..23 with 2 consumer.s., got 24"):
         mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, producer="warp", consumers=2, slots=24)
     for consumers, producer in ((3, "warp"), (2, "inline")):
