@@ -110,19 +110,23 @@ def prefill_producer() -> str:
 def mla_gluon() -> str:
     """FLASHPAGE_MLA_GLUON: which Gluon kernel takes the triton backend's MLA decode on Hopper
     where it covers the call (mla_gluon_unsupported: bf16/fp16 latents in q's dtype, kv_lora_rank
-    512 + rope 64, heads a multiple of 16, a power-of-two block size >= 16): "1" (or "gluon") the
-    persistent mma.sync kernel (kernels/mla_decode_gluon.py), "wgmma" the warpgroup-MMA one
-    (kernels/mla_decode_wgmma.py); unset, "" or "0": neither (the Triton kernel). Off by
-    default until an H200 run shows one at least as fast end to end. Read at each call (a
-    decode graph keeps the kernel it captured); another value is a ValueError naming it."""
-    value = os.environ.get("FLASHPAGE_MLA_GLUON", "0").strip()
-    if value in ("", "0"):
+    512 + rope 64, heads a multiple of 16, a power-of-two block size >= 16). Unset or "": "auto",
+    the warpgroup-MMA kernel (kernels/mla_decode_wgmma.py) for 16 heads, where it is the fastest
+    (H200 runs 105-106: 86-90% of copy at 8-16 sequences of 16-32k keys against Triton's 81-86%,
+    V2-Lite end to end +4.6%), the Triton kernel for more heads (compute-bound there: Triton's
+    is faster at 128); "0": the Triton kernel always; "1" (or "gluon"): the persistent mma.sync
+    kernel (kernels/mla_decode_gluon.py); "wgmma": the wgmma one at any head count. Read at each
+    call (a decode graph keeps the kernel it captured); another value is a ValueError naming it."""
+    value = os.environ.get("FLASHPAGE_MLA_GLUON", "").strip()
+    if value == "":
+        return "auto"
+    if value == "0":
         return ""
     if value in ("1", "gluon"):
         return "gluon"
     if value == "wgmma":
         return "wgmma"
-    raise ValueError(f"FLASHPAGE_MLA_GLUON must be 0, 1 (gluon) or wgmma, got {value!r}")
+    raise ValueError(f"FLASHPAGE_MLA_GLUON must be unset, 0, 1 (gluon) or wgmma, got {value!r}")
 
 
 def fused_merge() -> bool:

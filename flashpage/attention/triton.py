@@ -120,6 +120,8 @@ class TritonBackend(AttentionBackend):
         q = q.contiguous()
         tables, lens = md.block_tables[:nd], md.seq_lens[:nd]
         kernel = envs.mla_gluon()
+        if kernel == "auto":  # the wgmma kernel for one 16-head group, else Triton's (envs.mla_gluon)
+            kernel = "wgmma" if q.shape[1] == 16 else ""
         if kernel:
             from flashpage.kernels import mla_decode_gluon as mg
 

@@ -1,9 +1,9 @@
 """FLASHPAGE_MLA_GLUON: the triton backend's MLA decode through the persistent Gluon kernel
-(kernels/mla_decode_gluon.py; "1") or the wgmma one (kernels/mla_decode_wgmma.py; "wgmma")
-where mla_gluon_unsupported allows it.
+(kernels/mla_decode_gluon.py; "1") or the wgmma one (kernels/mla_decode_wgmma.py; "wgmma";
+unset: for 16 heads) where mla_gluon_unsupported allows it.
 
-CPU: the routing of TritonBackend.forward_mla_decode with the kernels stubbed (off: the
-Gluon check is never asked; on, on the CPU: the reasons name the device and the Triton
+CPU: the routing of TritonBackend.forward_mla_decode with the kernels stubbed (off, or unset
+at 128 heads: the Gluon check is never asked; on, on the CPU: the reasons name the device and the Triton
 kernel runs; on, reasons empty: the Gluon entry gets the decodes' q, block tables and
 lengths). GPU (sm_90): a tiny DeepSeek-V2 with V2-Lite's attention dims (16 heads, latent
 512 + 64) decodes through the Gluon kernel, CUDA graphs included, and its fp16 greedy
@@ -23,7 +23,7 @@ from tests.engine.test_triton_backend import _leading_agreement
 RANK, ROPE, H = 512, 64, 16
 
 
-def _decode(monkeypatch, switch: str, reasons: list[str] | None):
+def _decode(monkeypatch, switch: str | None, reasons: list[str] | None, heads: int = H):
     import flashpage.kernels.mla_decode as md_mod
     import flashpage.kernels.mla_decode_gluon as mg
     import flashpage.kernels.mla_decode_wgmma as mw
@@ -53,9 +53,12 @@ def _decode(monkeypatch, switch: str, reasons: list[str] | None):
     monkeypatch.setattr(mg, "mla_decode_gluon", gluon_stub)
     monkeypatch.setattr(mw, "mla_decode_wgmma", wgmma_stub)
     monkeypatch.setattr(mg, "mla_gluon_unsupported", check)
-    monkeypatch.setenv("FLASHPAGE_MLA_GLUON", switch)
+    if switch is None:
+        monkeypatch.delenv("FLASHPAGE_MLA_GLUON", raising=False)
+    else:
+        monkeypatch.setenv("FLASHPAGE_MLA_GLUON", switch)
     backend = TritonBackend(SimpleNamespace(is_mla=True), torch.device("cpu"), torch.bfloat16)
-    q = torch.randn(3, H, RANK + ROPE).transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous
+    q = torch.randn(3, heads, RANK + ROPE).transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous
     kv = torch.zeros(8, 16, RANK + ROPE, dtype=torch.bfloat16)
     md = SimpleNamespace(block_tables=torch.arange(10, dtype=torch.int32).view(5, 2),
                          seq_lens=torch.tensor([5, 9, 17, 3, 3], dtype=torch.int32))
@@ -67,6 +70,22 @@ def test_switch_off_never_asks(monkeypatch):
     out, calls = _decode(monkeypatch, "0", None)
     assert not calls["asked"] and not calls["gluon"] and len(calls["triton"]) == 1
     assert (out == 1).all()
+
+
+@pytest.mark.parametrize("switch", [None, ""])
+def test_switch_unset_takes_wgmma_for_16_heads_only(monkeypatch, switch):
+    """Unset (or empty): the wgmma kernel where it covers the call and q has one 16-head group;
+    128 heads (compute-bound, Triton's kernel faster) never ask."""
+    out, calls = _decode(monkeypatch, switch, [])
+    assert calls["asked"] and len(calls["wgmma"]) == 1 and not calls["triton"] and (out == 3).all()
+    out, calls = _decode(monkeypatch, switch, [], heads=128)
+    assert not calls["asked"] and not calls["wgmma"] and len(calls["triton"]) == 1 and (out == 1).all()
+
+
+def test_switch_unset_on_the_cpu_runs_triton(monkeypatch):
+    """Unset, 16 heads, on the CPU: the kernel's reasons (no CUDA) send the decodes to Triton's."""
+    out, calls = _decode(monkeypatch, None, None)
+    assert calls["asked"] and not calls["wgmma"] and len(calls["triton"]) == 1 and (out == 1).all()
 
 
 def test_switch_on_without_hopper_runs_triton(monkeypatch):
@@ -94,7 +113,7 @@ def test_switch_on_hands_the_decodes_to_gluon(monkeypatch, switch, kernel, value
 def test_switch_wgmma_without_hopper_runs_triton_and_bad_values_fail(monkeypatch):
     out, calls = _decode(monkeypatch, "wgmma", None)
     assert calls["asked"] and not calls["wgmma"] and (out == 1).all()
-    with pytest.raises(ValueError, match="FLASHPAGE_MLA_GLUON.*'yes'"):
+    with pytest.raises(ValueError, match="FLASHPAGE_MLA_GLUON must be unset, 0, 1 .gluon. or wgmma, got 'yes'"):
         _decode(monkeypatch, "yes", [])
 
 

@@ -27,19 +27,25 @@ hopper = pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 
 RANK, ROPE = 512, 64
 
 
-def compile_sm90(page: int = 64, split: bool = True, stages: int | None = None, ws: bool = False):
-    """The kernel (``ws``: the warp-specialized one) compiled for sm_90 as an H200 launch
-    compiles it (bf16; the pointers and the strides that are multiples of 16 there marked so)."""
+def compile_sm90(page: int = 64, split: bool = True, stages: int | None = None, ws: int = 0):
+    """The kernel (``ws``: the warp-specialized one with that many consumers) compiled for sm_90
+    as an H200 launch compiles it (bf16; the pointers and the strides that are multiples of 16
+    there marked so)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashpage.kernels import mla_decode_wgmma as mw
 
-    fn = mw._mla_decode_wgmma_ws_kernel if ws else mw._mla_decode_wgmma_kernel
+    fn = {0: mw._mla_decode_wgmma_kernel, 1: mw._mla_decode_wgmma_ws_kernel, 2: mw._mla_decode_wgmma_ws2_kernel}[ws]
     consts = {"PAGE": page, "R": stages or mw.STAGES, "SPLIT": split}
-    if ws:
+    options = dict(num_warps=mw.NUM_WARPS)
+    if ws == 1:
         consts = {"PAGE": page, "SLOTS": mw.SLOTS, "SPLIT": split, "PRODUCER_REGS": mw.PRODUCER_REGS}
+    elif ws == 2:
+        consts = {"PAGE": page, "SLOTS": mw.SLOTS2, "SPLIT": split, "CONSUMER_REGS": mw.CONSUMER2_REGS,
+                  "PRODUCER_REGS": mw.PRODUCER2_REGS}
+        options["maxnreg"] = 168
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[{min(page, 64)}, 64],{mw._SMEM.value!r}>",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32",
@@ -49,7 +55,7 @@ def compile_sm90(page: int = 64, split: bool = True, stages: int | None = None, 
                "stride_qb", "stride_qh", "stride_ob", "stride_oh")
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=mw.NUM_WARPS))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _sm90_report() -> dict:
@@ -60,7 +66,7 @@ def _sm90_report() -> dict:
     except ImportError as ex:
         return {"skip": f"no Gluon in this Triton: {ex}"}
     out = {}
-    for ws in (False, True):
+    for ws in (0, 1, 2):
         for page, split in ((64, True), (64, False), (128, True), (16, True)):
             k = compile_sm90(page=page, split=split, ws=ws)
             log, sass = ptxas_sm90a(k.asm["ptx"])
@@ -68,7 +74,7 @@ def _sm90_report() -> dict:
             count = {op: sum(f" {op} " in ln or f" {op}." in ln for ln in lines)
                      for op in ("HGMMA.64x16x16.F32.BF16", "UTMALDG.2D", "SYNCS.PHASECHK.TRANS64.TRYWAIT",
                                 "USETMAXREG")}
-            name = ("ws_" if ws else "") + f"p{page}" + ("" if split else "_nosplit")
+            name = ("", "ws_", "ws2_")[ws] + f"p{page}" + ("" if split else "_nosplit")
             out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, count=count,
                              tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"])
     return out
@@ -78,19 +84,21 @@ def _sm90_report() -> dict:
 def test_mla_wgmma_compiles_for_sm90():
     """One program an SM (shared memory under 227 KB, registers x its threads), no spill from
     pages >= 64 (a little at 16 inline; none with the producer warpgroup), TMA loads; wgmma
-    m64n16k16 in the SASS (the tile's 9 + 8 groups of 4 k-steps); an mbarrier wait a tile; 9
-    boxes a tile (36 from 16-key pages); producer="warp": the registers set per warpgroup."""
+    m64n16k16 in the SASS (the tile's 9 + 8 groups of 4 k-steps, split between the consumers
+    in ws2); an mbarrier wait a tile; 9 boxes a tile (36 from 16-key pages); producer="warp":
+    the registers set per warpgroup."""
     rep = run_compiled("test_mla_decode_wgmma", "_sm90_report")
     if "skip" in rep:
         pytest.skip(rep["skip"])
     for name, r in rep.items():
         print(f"{name}: {r['regs']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, {r['count']}")
         assert r["tma_ptx"], name
-        ws = name.startswith("ws_")
+        ws = name.startswith("ws")
         # pages >= 64: no spill; 16-key pages inline: the loop's 36 box issues (4 pages x 9 slabs)
         # beside the 8 accumulators spill 256 B (Triton 3.6)
         assert r["spill_bytes"] <= (256 if name.startswith("p16") else 0), name
-        assert r["regs"] * (256 if ws else 128) <= 65536 and r["shared"] + 1024 <= 227 * 1024, name
+        threads = 384 if name.startswith("ws2_") else 256 if ws else 128
+        assert r["regs"] * threads <= 65536 and r["shared"] + 1024 <= 227 * 1024, name
         assert r["count"]["HGMMA.64x16x16.F32.BF16"] >= (9 + 8) * 4, name
         assert r["count"]["SYNCS.PHASECHK.TRANS64.TRYWAIT"] >= 1, name
         # a tile's 9 slabs: one box each from pages >= 64, one a page (4) from 16-key pages (inline:
