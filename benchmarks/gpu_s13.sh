@@ -97,5 +97,17 @@ h)
       2>&1 | grep -E "output_tok_per_s|Error"
   done
   echo "part h done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-h)"; exit 2 ;;
+i)
+  # the engine's new MLA default (wgmma for 16 heads): the MLA engine GPU tests, then issue 4's
+  # sweep (batch 1-128, contexts 1k-32k) with it beside Triton's at pages 16 and 64
+  timeout "$(left 150)" $PT -m gpu tests/engine/test_mla_triton.py tests/engine/test_mla_gluon_switch.py \
+    tests/kernels/test_mla_decode.py -x -rf 2>&1 | tee "$OUT/mla_engine_tests.txt" | tail -n 3
+  for page in 16 64; do
+    timeout "$(left 120)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" --page $page --rounds 2 \
+      --shapes 1x1024 1x4096 1x32768 4x8192 8x32768 16x16384 32x4096 64x8192 128x1024 128x2048 128x4096 \
+      --variants triton wgmma_ws2 2>&1 | tee "$OUT/mla_sweep_page$page.txt" | tail -n 13
+    mv "$OUT/mla_decode_gluon.json" "$OUT/mla_sweep_page$page.json"
+  done
+  echo "part i done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-i)"; exit 2 ;;
 esac
