@@ -109,5 +109,11 @@ i)
     mv "$OUT/mla_decode_gluon.json" "$OUT/mla_sweep_page$page.json"
   done
   echo "part i done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-i)"; exit 2 ;;
+j)
+  # the wgmma kernel's splits for few short sequences: 512 (default), 256, 128, 64 keys at least
+  timeout "$(left 150)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" --page 16 --rounds 3 \
+    --shapes 1x1024 1x4096 1x32768 4x8192 8x4096 32x4096 128x1024 2x16384 \
+    --variants triton wgmma_ws2 wgmma_ws2_m256 wgmma_ws2_m128 wgmma_ws2_m64 2>&1 | tee "$OUT/mla_splits.txt" | tail -n 10
+  echo "part j done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-j)"; exit 2 ;;
 esac

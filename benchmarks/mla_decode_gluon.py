@@ -67,6 +67,10 @@ VARIANTS = {
     # two consumer warpgroups splitting the columns (S parts exchanged), ring of 23 / 18 slabs
     "wgmma_ws2": (mla_decode_wgmma, {}),  # mla_decode_wgmma's default form
     "wgmma_ws2_18": (mla_decode_wgmma, {"producer": "warp", "consumers": 2, "slots": 18}),
+    # shorter key splits for few short sequences (the default keeps >= 512 keys a split)
+    "wgmma_ws2_m64": (mla_decode_wgmma, {"min_split_keys": 64}),
+    "wgmma_ws2_m128": (mla_decode_wgmma, {"min_split_keys": 128}),
+    "wgmma_ws2_m256": (mla_decode_wgmma, {"min_split_keys": 256}),
     "gluon_s4": (gluon_launch, {"stages": 4}),
     # every split count merged inside the kernel (the default merges > FUSE_MAX_SPLITS with
     # mla_decode's merge kernel; run 85 measured this form as "gluon")

@@ -659,16 +659,17 @@ def mla_wgmma_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     return mla_gluon_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
 
 
-def pick_splits(batch: int, head_groups: int, max_context: int, programs: int) -> int:
-    """mla_decode_gluon's split rule with splits of at least MIN_SPLIT_KEYS (512) keys."""
-    return gluon_pick_splits(batch, head_groups, max_context, programs, MIN_SPLIT_KEYS)
+def pick_splits(batch: int, head_groups: int, max_context: int, programs: int,
+                min_split_keys: int = MIN_SPLIT_KEYS) -> int:
+    """mla_decode_gluon's split rule with splits of at least ``min_split_keys`` keys."""
+    return gluon_pick_splits(batch, head_groups, max_context, programs, min_split_keys)
 
 
 def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      *, kv_lora_rank: int, sm_scale: float, out: torch.Tensor | None = None,
                      num_splits: int | None = None, programs: int | None = None, stages: int = STAGES,
-                     producer: str = "warp", slots: int | None = None, consumers: int | None = None
-                     ) -> torch.Tensor:
+                     producer: str = "warp", slots: int | None = None, consumers: int | None = None,
+                     min_split_keys: int = MIN_SPLIT_KEYS) -> torch.Tensor:
     """mla_decode's contract (q [B, H, 576] absorbed, kv_cache [blocks, page, 576] in q's dtype,
     block_tables int32 [B, max_blocks], seq_lens int32 [B]; returns out [B, H, 512]) on this
     kernel; ``programs`` (None: one an SM) and ``stages`` (the inline form's ring tiles, 2 fit)
@@ -699,7 +700,7 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     nprog = programs or _num_sms(dev)
     if num_splits is None:
-        num_splits = pick_splits(B, hg, block_tables.shape[1] * kv_cache.shape[1], nprog)
+        num_splits = pick_splits(B, hg, block_tables.shape[1] * kv_cache.shape[1], nprog, min_split_keys)
     num_splits = max(1, int(num_splits))
     items = B * hg * num_splits
     split = num_splits > 1
