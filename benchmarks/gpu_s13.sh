@@ -115,5 +115,25 @@ j)
     --shapes 1x1024 1x4096 1x32768 4x8192 8x4096 32x4096 128x1024 2x16384 \
     --variants triton wgmma_ws2 wgmma_ws2_m256 wgmma_ws2_m128 wgmma_ws2_m64 2>&1 | tee "$OUT/mla_splits.txt" | tail -n 10
   echo "part j done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-j)"; exit 2 ;;
+k)
+  # the wgmma kernel's final split rule (>= 64 keys, no empty split): its GPU tests and the
+  # engine's, issue 4's sweep at pages 16 and 64, V2-Lite end to end with Triton's MLA decode
+  # (FLASHPAGE_MLA_GLUON=0) and the default (the wgmma kernel for 16 heads)
+  timeout "$(left 110)" $PT -x -m gpu tests/kernels/test_mla_decode_wgmma.py -k warp2 -rf 2>&1 \
+    | tee "$OUT/wgmma_ws2_tests.txt" | tail -n 2
+  timeout "$(left 80)" $PT -m gpu tests/engine/test_mla_gluon_switch.py -rf 2>&1 | tee "$OUT/mla_switch_tests.txt" | tail -n 2
+  for page in 16 64; do
+    timeout "$(left 60)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" --page $page --rounds 3 \
+      --shapes 1x1024 1x4096 1x32768 4x8192 8x32768 16x16384 32x4096 64x8192 128x1024 128x2048 128x4096 \
+      --variants triton wgmma_ws2 2>&1 | tee "$OUT/mla_sweep_page$page.txt" | tail -n 14
+    mv "$OUT/mla_decode_gluon.json" "$OUT/mla_sweep_page$page.json"
+  done
+  for g in 0 default; do
+    [ $g = default ] && unset FLASHPAGE_MLA_GLUON || export FLASHPAGE_MLA_GLUON=$g
+    timeout "$(left 80)" python3 -m flashpage bench throughput --config deepseek-v2-lite \
+      --gpu-memory-utilization 0.75 --num-requests 64 --no-hf --json-out "$OUT/throughput_v2lite_mla_$g.json" \
+      2>&1 | grep -E "output_tok_per_s|Error"
+  done
+  echo "part k done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-k)"; exit 2 ;;
 esac

@@ -56,7 +56,9 @@ _LOG2E = 1.4426950408889634
 TILE = 64  # keys a tile: wgmma's M
 STAGES = 2  # ring tiles: 2 x 72 KB + q 18 KB + P 2 KB, one program an SM
 NUM_WARPS = 4  # one warpgroup
-MIN_SPLIT_KEYS = 512  # a split keeps at least this many keys (8 tiles)
+# a split keeps at least this many keys (one tile): with 512 (until run 108) a 1 x 1-4k call ran
+# on 2-8 programs, 2x slower than Triton's kernel; 64 ties or beats it at every shape there
+MIN_SPLIT_KEYS = 64
 SLOTS = 25  # producer="warp": the slab ring (25 x 8 KB + q 18 KB + P 2 KB = 220 KB; 26 do not fit)
 SLOTS2 = 23  # consumers=2: 23 x 8 KB + q 18 KB + 2 P 4 KB + the S exchange 16 KB = 222 KB
 # consumers=2: 3 warpgroups of maxnreg 168 (launch); the second consumer's and the producer's
@@ -661,8 +663,12 @@ def mla_wgmma_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, block_tables:
 
 def pick_splits(batch: int, head_groups: int, max_context: int, programs: int,
                 min_split_keys: int = MIN_SPLIT_KEYS) -> int:
-    """mla_decode_gluon's split rule with splits of at least ``min_split_keys`` keys."""
-    return gluon_pick_splits(batch, head_groups, max_context, programs, min_split_keys)
+    """mla_decode_gluon's split rule with splits of at least ``min_split_keys`` keys, then as few
+    splits as cover ``max_context`` in its 64-key-tile share (1 x 32768 on 132 programs: shares
+    of 256 keys, 128 splits, not 132 with 4 empty)."""
+    s = gluon_pick_splits(batch, head_groups, max_context, programs, min_split_keys)
+    chunk = -(-(-(-max_context // s)) // TILE) * TILE
+    return max(1, -(-max_context // chunk))
 
 
 def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -119,10 +119,14 @@ def test_mla_wgmma_unsupported_reasons():
                                     kv_lora_rank=RANK)
         assert any("CUDA" in w for w in why)
         assert any("power of two" in w for w in why) == bad, (page, why)
-    # splits: fill the programs, each split >= 512 keys
+    # splits: fill the programs, each split >= 64 keys, no split left empty by the 64-key rounding
     assert pick_splits(8, 1, 32768, 132) == 16
     assert pick_splits(128, 1, 4096, 132) == 1
-    assert pick_splits(1, 1, 1024, 132) == 2
+    assert pick_splits(1, 1, 1024, 132) == 16
+    assert pick_splits(1, 1, 32768, 132) == 128  # shares of 256 keys (249 rounded up)
+    assert pick_splits(4, 1, 8192, 132) == 32
+    assert pick_splits(1, 1, 1024, 132, min_split_keys=512) == 2
+    assert pick_splits(3, 1, 100, 132) == 2  # 64 and 36 keys
 
 
 # --------------------------------------------------------------------------- GPU
