@@ -29,6 +29,8 @@ may hold anything, NaN included, and 0 x NaN is NaN).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -667,8 +669,8 @@ def pick_splits(batch: int, head_groups: int, max_context: int, programs: int,
     splits as cover ``max_context`` in its 64-key-tile share (1 x 32768 on 132 programs: shares
     of 256 keys, 128 splits, not 132 with 4 empty)."""
     s = gluon_pick_splits(batch, head_groups, max_context, programs, min_split_keys)
-    chunk = -(-(-(-max_context // s)) // TILE) * TILE
-    return max(1, -(-max_context // chunk))
+    chunk = math.ceil(math.ceil(max_context / s) / TILE) * TILE
+    return max(1, math.ceil(max_context / chunk))
 
 
 def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
