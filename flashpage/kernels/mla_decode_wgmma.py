@@ -1,30 +1,44 @@
 """MLA decode over the bf16/fp16 paged latent cache with Hopper's warpgroup MMA, keys as the
-MMA's M (sm_90, Gluon). Same contract as ``mla_decode`` (kernels/mla_decode.py); written in
-session 12 without a GPU to run it: the engine takes it only under FLASHPAGE_MLA_GLUON=wgmma;
-timed beside the mma.sync kernels by ``benchmarks/mla_decode_gluon.py`` (variant "wgmma").
+MMA's M (sm_90, Gluon). Same contract as ``mla_decode`` (kernels/mla_decode.py); the triton
+backend's MLA decode for 16 heads on Hopper (envs.mla_gluon); timed beside the other MLA
+kernels by ``benchmarks/mla_decode_gluon.py`` (BENCHMARKS.md, MLA decode, session 13).
 
 Why: both mma.sync kernels (Triton's, and mla_decode_gluon's) stream the latents at ~3.8 TB/s
 on an H200 at 8 x 32768 (Nsight Compute, run 92: 80 us for 302 MB, 79% of DRAM peak, no
-over-fetch), where the bf16 GQA decode reaches 4.29 TB/s. Their tiles hold 16 heads as M of
-m16n8k16 and exchange partial scores between warps; here a 64-key tile is one warpgroup's::
+over-fetch); a TMA ring with no compute streams them at 4.34 TB/s (run 102,
+benchmarks/mla_stream_probe.py). Here a 64-key tile is::
 
     S^T [64 keys, 16 heads] = sum over the 9 slabs s of  K_s [64 keys, 64] . Q_s^T [64, 16]
     O_c^T [64 dims, 16 heads] += V_c^T [64 dims, 64 keys] . P^T [64 keys, 16]   c = 0..7
 
 as wgmma m64n16k16: A = the latent slab in shared memory as TMA landed it (K-major, 128-byte
 swizzle: wgmma's own A layout; transposed for V^T), B = q's slab (permuted) and P^T (stored to
-shared memory each tile). 9 + 8 wgmma instructions' groups a tile, asynchronous; the softmax is
-over M (the keys: a reduction across the 4 warps). Key splits partial into ``mla_decode``'s
-layout (mid_o [B, H, S, 512] normalized, mid_lse [B, H, S] base 2), merged by its merge kernel.
+shared memory each tile); the softmax is over M (the keys: a reduction across the 4 warps).
+Key splits partial into ``mla_decode``'s layout (mid_o [B, H, S, 512] normalized, mid_lse
+[B, H, S] base 2), merged by its merge kernel; splits of >= 64 keys (``pick_splits``).
 
-One program an SM (one warpgroup): a ring of STAGES = 2 tiles (72 KB each: 9 TMA boxes [64
-keys, 64 columns] at columns 0, 64, .., 512 of the cache seen as [blocks x page, 576]) + q
-(18 KB) + P^T (2 KB) ~ 164 KB, so a tile is in flight while the other is computed. Persistent:
-programs walk their (sequence, split, head group) items, the producer cursor a tile ahead
-across item boundaries (mla_decode_gluon's scheme: stage g % STAGES, phase (g // STAGES) & 1).
-Pages: a power of two >= 16 (under 64, a tile's boxes come page by page). Keys past an item's end: their
-scores masked to -inf, their V rows zeroed in shared memory before P.V (slots past a context
-may hold anything, NaN included, and 0 x NaN is NaN).
+Three forms, one program an SM, persistent over (sequence, split, head group) items
+(``mla_decode_wgmma``'s ``producer`` / ``consumers``):
+
+- ``producer="inline"``: one warpgroup, a ring of 2 tiles (72 KB each: 9 TMA boxes [64 keys,
+  64 columns] at columns 0, 64, .., 512 of the cache seen as [blocks x page, 576]), refilled by
+  the same warpgroup between tiles (stage g % 2, phase (g // 2) & 1). Nsight (run 102): a
+  quarter of its time in the refill, the next block id's load on the path. 8 x 32768: 90 us.
+- ``producer="warp", consumers=1``: a producer warpgroup (block ids loaded before it waits,
+  then the boxes) beside the consumer, over a ring of SLOTS [64, 64] slab slots (tile g's slab
+  j in slot (9 g + j) % SLOTS; 18 = 2 whole tiles, 25 lets a third tile's first 7 slabs in);
+  ready[g % 4] (the bytes) and empty[g % 4] (the consumer's arrive) a tile. 82 us; 25 slots no
+  faster than 18: the consumer's compute paces it (Nsight, run 104).
+- ``producer="warp", consumers=2`` (the default): two consumer warpgroups split each tile's
+  columns (consumer 0: value slabs 0-3 and the rope slab; consumer 1: slabs 4-7), exchange
+  their parts of S^T through shared memory (s_bar[g % 2], double-buffered), add them in the
+  same order (the same softmax, m and l in both) and each accumulates its 4 value slabs' O^T:
+  half the MMAs and rescales each. 23 slab slots (+ q 18 KB, 2 P^T, the exchange 16 KB: 222
+  KB), maxnreg 168 with setmaxnreg per warpgroup. 79-82 us (88% of copy; runs 105-109).
+
+Pages: a power of two >= 16 (under 64, a tile's boxes come page by page). Keys past an item's
+end: their scores masked to -inf, their V rows zeroed in shared memory before P.V (slots past a
+context may hold anything, NaN included, and 0 x NaN is NaN).
 """
 
 from __future__ import annotations
