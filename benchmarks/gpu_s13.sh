@@ -13,6 +13,9 @@
 #   bash benchmarks/gpu_s13.sh f    the same over a ring of 25 slabs (beside 18), a call's kernels
 #   bash benchmarks/gpu_s13.sh g    two consumer warpgroups splitting the columns (consumers=2)
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
+# Parts a, b, e, f and g timed forms of the wgmma kernel since removed (one warpgroup: bench
+# variant "wgmma" then; one consumer: "wgmma_ws", "wgmma_ws18"; ncu cases mla_wgmma_ws*): they
+# run as written at commit 0d3b918. "wgmma" and "wgmma_ws2" are now both the kernel's one form.
 set -u
 PART=${1:-a}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

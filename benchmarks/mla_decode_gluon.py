@@ -59,17 +59,14 @@ VARIANTS = {
     "gluon_all_fb": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "fewer_barriers": True}),
     # the merge kernel (past FUSE_MAX_SPLITS splits) launched with PDL, under this kernel's tail
     "gluon_all_pdl": (gluon_launch, {"peel": True, "lean": True, "lazy": True, "pdl_merge": True}),
-    # warpgroup MMAs with the keys as M, one program an SM (kernels/mla_decode_wgmma.py)
-    "wgmma": (mla_decode_wgmma, {"producer": "inline"}),
-    # the same tile loop with a producer warpgroup issuing the TMA loads (warp specialization)
-    "wgmma_ws": (mla_decode_wgmma, {"producer": "warp", "consumers": 1}),  # a ring of 25 slabs
-    "wgmma_ws18": (mla_decode_wgmma, {"producer": "warp", "consumers": 1, "slots": 18}),  # of 18: 2 whole tiles
-    # two consumer warpgroups splitting the columns (S parts exchanged), ring of 23 / 18 slabs
-    "wgmma_ws2": (mla_decode_wgmma, {}),  # mla_decode_wgmma's default form
-    "wgmma_ws2_18": (mla_decode_wgmma, {"producer": "warp", "consumers": 2, "slots": 18}),
-    # shorter key splits for few short sequences (the default keeps >= 512 keys a split)
-    "wgmma_ws2_m64": (mla_decode_wgmma, {"min_split_keys": 64}),
-    "wgmma_ws2_m128": (mla_decode_wgmma, {"min_split_keys": 128}),
+    # warpgroup MMAs with the keys as M: a producer warpgroup and two consumers, one program an
+    # SM (kernels/mla_decode_wgmma.py; "wgmma_ws2" is its name in session 13's runs, where the
+    # forms it replaced were "wgmma" (one warpgroup) and "wgmma_ws" (one consumer): commit 0d3b918)
+    "wgmma": (mla_decode_wgmma, {}),
+    "wgmma_ws2": (mla_decode_wgmma, {}),
+    "wgmma_ws2_18": (mla_decode_wgmma, {"slots": 18}),  # a ring of 18 slabs (2 whole tiles), not 23
+    # shorter or longer key splits (the default keeps >= 64 keys a split; 512 until run 108)
+    "wgmma_ws2_m512": (mla_decode_wgmma, {"min_split_keys": 512}),
     "wgmma_ws2_m256": (mla_decode_wgmma, {"min_split_keys": 256}),
     "gluon_s4": (gluon_launch, {"stages": 4}),
     # every split count merged inside the kernel (the default merges > FUSE_MAX_SPLITS with

@@ -2,7 +2,7 @@
 and the gaps between them, at one shape: CUDA-graph replays under torch.profiler
 (gpu_timing.graph_kernel_times) beside time_graph's whole-call median.
 
-    python benchmarks/mla_kernel_times.py --shape 8x32768 --variants wgmma_ws triton
+    python benchmarks/mla_kernel_times.py --shape 8x32768 --variants wgmma triton
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shape", default="8x32768")
     ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--variants", nargs="+", default=["wgmma_ws"], choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=["wgmma"], choices=list(VARIANTS))
     args = ap.parse_args()
     batch, ctx = (int(x) for x in args.shape.split("x"))
     case = Case(batch, ctx, 16, args.page)

@@ -21,8 +21,8 @@ summaries. Cases:
                                decode_bf16 itself is the Gluon bf16 kernel on Hopper now)
     mla_gluon_8x32k / mla_gluon_32x4k   the Gluon MLA decode (mla_decode_gluon.py, its merge
                                kernel after it: profile the first kernel); mla_wgmma_8x32k the
-                               wgmma one (mla_decode_wgmma.py; ncu regex _mla_decode_wgmma),
-                               mla_wgmma_ws_8x32k its producer-warpgroup form
+                               wgmma one (mla_decode_wgmma.py; ncu regex _mla_decode_wgmma;
+                               session 13's mla_wgmma_ws*_8x32k were forms since removed)
 """
 
 from __future__ import annotations
@@ -146,9 +146,7 @@ CASES = {
     "decode_bf16_cudnn": lambda: decode_cudnn(),
     "mla_gluon_8x32k": lambda: mla_gluon(8, 32768),
     "mla_gluon_32x4k": lambda: mla_gluon(32, 4096),
-    "mla_wgmma_8x32k": lambda: mla_gluon(8, 32768, wgmma=True, producer="inline"),  # kernels/mla_decode_wgmma.py
-    "mla_wgmma_ws_8x32k": lambda: mla_gluon(8, 32768, wgmma=True, consumers=1),  # its producer warpgroup
-    "mla_wgmma_ws2_8x32k": lambda: mla_gluon(8, 32768, wgmma=True),  # and 2 consumers (the default)
+    "mla_wgmma_8x32k": lambda: mla_gluon(8, 32768, wgmma=True),  # kernels/mla_decode_wgmma.py
 }
 
 

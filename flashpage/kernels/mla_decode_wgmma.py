@@ -17,24 +17,24 @@ shared memory each tile); the softmax is over M (the keys: a reduction across th
 Key splits partial into ``mla_decode``'s layout (mid_o [B, H, S, 512] normalized, mid_lse
 [B, H, S] base 2), merged by its merge kernel; splits of >= 64 keys (``pick_splits``).
 
-Three forms, one program an SM, persistent over (sequence, split, head group) items
-(``mla_decode_wgmma``'s ``producer`` / ``consumers``):
+One program an SM, persistent over (sequence, split, head group) items, of 3 warpgroups:
 
-- ``producer="inline"``: one warpgroup, a ring of 2 tiles (72 KB each: 9 TMA boxes [64 keys,
-  64 columns] at columns 0, 64, .., 512 of the cache seen as [blocks x page, 576]), refilled by
-  the same warpgroup between tiles (stage g % 2, phase (g // 2) & 1). Nsight (run 102): a
-  quarter of its time in the refill, the next block id's load on the path. 8 x 32768: 90 us.
-- ``producer="warp", consumers=1``: a producer warpgroup (block ids loaded before it waits,
-  then the boxes) beside the consumer, over a ring of SLOTS [64, 64] slab slots (tile g's slab
-  j in slot (9 g + j) % SLOTS; 18 = 2 whole tiles, 25 lets a third tile's first 7 slabs in);
-  ready[g % 4] (the bytes) and empty[g % 4] (the consumer's arrive) a tile. 82 us; 25 slots no
-  faster than 18: the consumer's compute paces it (Nsight, run 104).
-- ``producer="warp", consumers=2`` (the default): two consumer warpgroups split each tile's
-  columns (consumer 0: value slabs 0-3 and the rope slab; consumer 1: slabs 4-7), exchange
-  their parts of S^T through shared memory (s_bar[g % 2], double-buffered), add them in the
-  same order (the same softmax, m and l in both) and each accumulates its 4 value slabs' O^T:
-  half the MMAs and rescales each. 23 slab slots (+ q 18 KB, 2 P^T, the exchange 16 KB: 222
-  KB), maxnreg 168 with setmaxnreg per warpgroup. 79-82 us (88% of copy; runs 105-109).
+- the producer (_produce): for each tile of its items, the block ids (loaded before it waits),
+  then the 9 TMA boxes [64 keys, 64 columns] (columns 0, 64, .., 512 of the cache seen as
+  [blocks x page, 576]; 128-byte swizzle) into a ring of SLOTS [64, 64] slab slots (tile g's
+  slab j in slot (9 g + j) % SLOTS), each slot once the tile that held it is consumed;
+  ready[g % 4] (the bytes) and empty[g % 4] (both consumers' arrives) a tile;
+- two consumers (_consume_half) splitting each tile's columns (consumer 0: value slabs 0-3 and
+  the rope slab; consumer 1: slabs 4-7): each its part of S^T, exchanged through shared
+  memory (s_bar[g % 2], double-buffered) and added in the same order (the same softmax, m and
+  l in both), then its 4 value slabs' O^T: half the MMAs and rescales each.
+
+23 slab slots + q 18 KB + 2 P^T 4 KB + the exchange 16 KB = 222 KB; maxnreg 168, setmaxnreg per
+warpgroup. How it got here (H200, 8 x 32768, BENCHMARKS.md): one warpgroup refilling a 2-tile
+ring itself, 90 us a call (a quarter of its time in the refill, the next block id's load on the
+path; Nsight, run 102); a producer warpgroup beside one consumer, 82 us (25 slots no faster than
+18: the consumer's compute paced it; run 104); two consumers, 79-82 us (88% of copy; runs
+105-109). The first two forms are in commit 0d3b918.
 
 Pages: a power of two >= 16 (under 64, a tile's boxes come page by page). Keys past an item's
 end: their scores masked to -inf, their V rows zeroed in shared memory before P.V (slots past a
@@ -70,19 +70,16 @@ from flashpage.kernels.mla_decode_gluon import pick_splits as gluon_pick_splits
 
 _LOG2E = 1.4426950408889634
 TILE = 64  # keys a tile: wgmma's M
-STAGES = 2  # ring tiles: 2 x 72 KB + q 18 KB + P 2 KB, one program an SM
-NUM_WARPS = 4  # one warpgroup
+NUM_WARPS = 4  # a warpgroup a partition
 # a split keeps at least this many keys (one tile): with 512 (until run 108) a 1 x 1-4k call ran
 # on 2-8 programs, 2x slower than Triton's kernel; 64 ties or beats it at every shape there
 MIN_SPLIT_KEYS = 64
-SLOTS = 25  # producer="warp": the slab ring (25 x 8 KB + q 18 KB + P 2 KB = 220 KB; 26 do not fit)
-SLOTS2 = 23  # consumers=2: 23 x 8 KB + q 18 KB + 2 P 4 KB + the S exchange 16 KB = 222 KB
-# consumers=2: 3 warpgroups of maxnreg 168 (launch); the second consumer's and the producer's
-# registers (setmaxnreg), the first consumer (the default partition) 3 x 168 - both = 208
-CONSUMER2_REGS = 208
-PRODUCER2_REGS = 88
-_NBARS = gl.constexpr(4)  # producer="warp": ready / empty barriers, tile g's at g % 4 (<= 4 tiles held)
-PRODUCER_REGS = 128  # producer="warp": the producer warpgroup's registers a thread (setmaxnreg; 96: 60 B spilled at page 16)
+MIN_SLOTS = 18  # the slab ring: 2 whole tiles at least
+SLOTS = 23  # and at most: 23 x 8 KB + q 18 KB + 2 P^T 4 KB + the S exchange 16 KB = 222 KB
+MAXNREG = 168  # 3 warpgroups of 168 registers a thread (launch); setmaxnreg per partition:
+CONSUMER_REGS = 208  # the second consumer (the first, the default partition: 3 x 168 - both = 208)
+PRODUCER_REGS = 88
+_NBARS = gl.constexpr(4)  # ready / empty barriers, tile g's at g % 4 (<= 4 tiles held)
 
 _T = gl.constexpr(TILE)
 _SLABS = gl.constexpr((RANK + ROPE) // 64)  # 9: 8 value slabs and the rope slab
@@ -110,72 +107,6 @@ def _seek(item, nprog, num_items, num_splits, head_groups, seq_lens_ptr, block_t
 
 
 @gluon.jit
-def _issue(desc, ring, bars, g, item, tile, start, bt_row, last_page, num_items, PAGE: gl.constexpr,
-           R: gl.constexpr):
-    """TMA of the cursor's tile (``tile`` of the item from key ``start``) into ring stage g % R:
-    the 9 column slabs of its 64 cache rows, on that stage's barrier; nothing past the last item.
-    Pages under 64 keys: the tile's 64 / PAGE pages, each its own block id and its own boxes
-    ([PAGE, 64] into rows PAGE p .. of every slab); pages past the context re-read the last one
-    (a valid block; its rows past the context are masked and zeroed)."""
-    pred = item < num_items
-    pos = start + tile * _T
-    stage = g % R
-    bar = bars.index(stage)
-    mbarrier.expect(bar, _TILE_BYTES, pred=pred)
-    if PAGE >= _T:
-        blk = gl.load(bt_row + gl.minimum(pos // PAGE, last_page), mask=pred, other=0)
-        row = blk * PAGE + pos % PAGE
-        for sl in gl.static_range(_SLABS):
-            tma.async_copy_global_to_shared(desc, [row, 64 * sl], bar, ring.index(stage * _SLABS + sl), pred=pred)
-    else:
-        for pc in gl.static_range(_T // PAGE):
-            blk = gl.load(bt_row + gl.minimum(pos // PAGE + pc, last_page), mask=pred, other=0)
-            for sl in gl.static_range(_SLABS):
-                tma.async_copy_global_to_shared(desc, [blk * PAGE, 64 * sl], bar,
-                                                ring.index(stage * _SLABS + sl).slice(pc * PAGE, PAGE), pred=pred)
-
-
-@gluon.jit
-def _advance(item, tile, nt, start, bt_row, last_page, nprog, num_items, num_splits, head_groups, seq_lens_ptr,
-             block_tables_ptr, stride_btb, PAGE: gl.constexpr):
-    """The cursor one tile on (to the next item with a key after an item's last tile)."""
-    tile += 1
-    if tile == nt:
-        item, start, nt, bt_row, last_page = _seek(item + nprog, nprog, num_items, num_splits, head_groups,
-                                                   seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
-        tile = 0
-    return item, tile, nt, start, bt_row, last_page
-
-
-@gluon.jit
-def _zero_v_tail(ring, stage, valid):
-    """Rows >= ``valid`` of the stage's 8 value slabs set to zero (the last tile of an item):
-    read, select, written back through the generic proxy, then fenced for the wgmma."""
-    rows = gl.expand_dims(gl.arange(0, _T, layout=gl.SliceLayout(1, _V_LD)), 1)
-    for c in gl.static_range(8):
-        slab = ring.index(stage * _SLABS + c)
-        x = slab.load(_V_LD)
-        slab.store(gl.where(rows < valid, x, gl.zeros_like(x)))
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _pv(ring, stage, p_smem, o0, o1, o2, o3, o4, o5, o6, o7):
-    """O_c^T += V_c^T . P^T for the 8 value slabs c (asynchronous, then waited)."""
-    base = stage * _SLABS
-    o0 = warpgroup_mma(ring.index(base + 0).permute((1, 0)), p_smem, o0, is_async=True)
-    o1 = warpgroup_mma(ring.index(base + 1).permute((1, 0)), p_smem, o1, is_async=True)
-    o2 = warpgroup_mma(ring.index(base + 2).permute((1, 0)), p_smem, o2, is_async=True)
-    o3 = warpgroup_mma(ring.index(base + 3).permute((1, 0)), p_smem, o3, is_async=True)
-    o4 = warpgroup_mma(ring.index(base + 4).permute((1, 0)), p_smem, o4, is_async=True)
-    o5 = warpgroup_mma(ring.index(base + 5).permute((1, 0)), p_smem, o5, is_async=True)
-    o6 = warpgroup_mma(ring.index(base + 6).permute((1, 0)), p_smem, o6, is_async=True)
-    o7 = warpgroup_mma(ring.index(base + 7).permute((1, 0)), p_smem, o7, is_async=True)
-    return warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
-
-
-@gluon.jit
 def _write(o, c, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh,
            SPLIT: gl.constexpr):
     """Columns 64c .. 64c + 63 of the item's [16 heads, 512] output, O_c^T / l: into ``out``, or
@@ -191,117 +122,7 @@ def _write(o, c, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, strid
                  x.to(out_ptr.dtype.element_ty))
 
 
-@gluon.jit(do_not_specialize=["num_items", "num_splits"])
-def _mla_decode_wgmma_kernel(
-    q_ptr, kv_desc, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-    qk_scale,  # sm_scale * log2(e)
-    num_items,  # B * num_splits * head_groups
-    num_splits, head_groups,
-    stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-    PAGE: gl.constexpr,  # cache block size, a power of two >= 16
-    R: gl.constexpr,  # ring tiles
-    SPLIT: gl.constexpr,  # num_splits > 1: partials for the merge kernel
-):
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-
-    ring = gl.allocate_shared_memory(dtype, [R * _SLABS, _T, 64], _SMEM)  # stage t: slabs 9t .. 9t + 8
-    q_smem = gl.allocate_shared_memory(dtype, [_SLABS, 16, 64], _SMEM)
-    p_smem = gl.allocate_shared_memory(dtype, [_T, 16], _P_SMEM)  # P^T [keys, heads]
-    bars = gl.allocate_shared_memory(gl.int64, [R, 1], mbarrier.MBarrierLayout())
-    for k in gl.static_range(R):
-        mbarrier.init(bars.index(k), count=1)
-    gl.thread_barrier()
-
-    # The producer cursor at the program's first item with a key; its first R tiles in flight.
-    p_item, p_start, p_nt, p_bt_row, p_last_page = _seek(pid, nprog, num_items, num_splits, head_groups,
-                                                         seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
-    p_tile = 0
-    for k in gl.static_range(R):
-        _issue(kv_desc, ring, bars, k, p_item, p_tile, p_start, p_bt_row, p_last_page, num_items, PAGE, R)
-        p_item, p_tile, p_nt, p_start, p_bt_row, p_last_page = _advance(
-            p_item, p_tile, p_nt, p_start, p_bt_row, p_last_page, nprog, num_items, num_splits, head_groups,
-            seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
-
-    qh = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, _Q_LD)), 1)
-    qc = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, _Q_LD)), 0)
-    keys = gl.arange(0, _T, layout=gl.SliceLayout(1, _ACC))
-    g = 0  # tiles consumed: stage g % R, phase (g // R) & 1
-    for item in range(pid, num_items, nprog):
-        b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups, _T)
-        nt = gl.cdiv(gl.maximum(end - start, 0), _T)
-        # q's 16 heads into shared memory, slab by slab (the last tile's wgmmas all waited)
-        q_row = q_ptr + b.to(gl.int64) * stride_qb + (hg * 16 + qh).to(gl.int64) * stride_qh + qc
-        for sl in gl.static_range(_SLABS):
-            q_smem.index(sl).store(gl.load(q_row + 64 * sl))
-        fence_async_shared()
-        gl.thread_barrier()
-        m = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(0, _ACC))
-        l = gl.zeros([16], gl.float32, gl.SliceLayout(0, _ACC))
-        o0 = gl.zeros([64, 16], gl.float32, _ACC)
-        o1 = gl.zeros_like(o0)
-        o2 = gl.zeros_like(o0)
-        o3 = gl.zeros_like(o0)
-        o4 = gl.zeros_like(o0)
-        o5 = gl.zeros_like(o0)
-        o6 = gl.zeros_like(o0)
-        o7 = gl.zeros_like(o0)
-        for t in range(nt):
-            stage = g % R
-            mbarrier.wait(bars.index(stage), (g // R) & 1)
-            key0 = start + t * _T
-            valid = end - key0  # keys of this tile in the item (< 64 only in its last)
-            sacc = gl.zeros([_T, 16], gl.float32, _ACC)
-            for sl in gl.static_range(_SLABS):
-                sacc = warpgroup_mma(ring.index(stage * _SLABS + sl), q_smem.index(sl).permute((1, 0)), sacc,
-                                     use_acc=sl > 0, is_async=True)
-            sacc = warpgroup_mma_wait(0, deps=(sacc,))
-            sc = gl.where(gl.expand_dims(keys < valid, 1), sacc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m, gl.max(sc, 0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m - m_safe)
-            p = gl.exp2(sc - gl.expand_dims(m_safe, 0))
-            l = l * alpha + gl.sum(p, 0)
-            m = m_new
-            a2 = gl.expand_dims(alpha, 0)
-            o0 = o0 * a2
-            o1 = o1 * a2
-            o2 = o2 * a2
-            o3 = o3 * a2
-            o4 = o4 * a2
-            o5 = o5 * a2
-            o6 = o6 * a2
-            o7 = o7 * a2
-            if valid < _T:  # the item's ragged end: V rows past it zeroed (they may hold NaN)
-                _zero_v_tail(ring, stage, valid)
-            p_smem.store(p.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's P^T (and V zeros) before the wgmmas read them
-            o0, o1, o2, o3, o4, o5, o6, o7 = _pv(ring, stage, p_smem, o0, o1, o2, o3, o4, o5, o6, o7)
-            gl.thread_barrier()  # every warp past its wgmmas: the stage and P^T are free
-            _issue(kv_desc, ring, bars, g + R, p_item, p_tile, p_start, p_bt_row, p_last_page, num_items, PAGE, R)
-            p_item, p_tile, p_nt, p_start, p_bt_row, p_last_page = _advance(
-                p_item, p_tile, p_nt, p_start, p_bt_row, p_last_page, nprog, num_items, num_splits, head_groups,
-                seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
-            g += 1
-        _write(o0, 0, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o1, 1, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o2, 2, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o3, 3, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o4, 4, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o5, 5, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o6, 6, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o7, 7, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        if SPLIT:
-            head = hg * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, _ACC))
-            lse = gl.where(l > 0.0, m + gl.log2(gl.where(l > 0.0, l, 1.0)), float("-inf"))
-            gl.store(mid_lse_ptr + (b * head_groups * 16 + head).to(gl.int64) * num_splits + s, lse)
-    for k in gl.static_range(R):  # every issued tile was waited on (none past the last item)
-        mbarrier.invalidate(bars.index(k))
-
-
-# ------------------------------------------------------------- warp-specialized form
+# ------------------------------------------------------------- the producer warpgroup
 
 
 @gluon.jit
@@ -388,148 +209,14 @@ def _produce(kv_desc, ring, ready, empty, block_tables_ptr, seq_lens_ptr, num_it
                                                    seq_lens_ptr, block_tables_ptr, stride_btb, PAGE)
 
 
-@gluon.jit
-def _zero_v_tail_slots(ring, base, valid, SLOTS: gl.constexpr):
-    """_zero_v_tail over the tile's 8 value slabs in the slab ring."""
-    rows = gl.expand_dims(gl.arange(0, _T, layout=gl.SliceLayout(1, _V_LD)), 1)
-    for c in gl.static_range(8):
-        slab = ring.index(_slot(base, c, SLOTS))
-        x = slab.load(_V_LD)
-        slab.store(gl.where(rows < valid, x, gl.zeros_like(x)))
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _pv_slots(ring, base, p_smem, o0, o1, o2, o3, o4, o5, o6, o7, SLOTS: gl.constexpr):
-    """_pv over the tile's 8 value slabs in the slab ring."""
-    o0 = warpgroup_mma(ring.index(_slot(base, 0, SLOTS)).permute((1, 0)), p_smem, o0, is_async=True)
-    o1 = warpgroup_mma(ring.index(_slot(base, 1, SLOTS)).permute((1, 0)), p_smem, o1, is_async=True)
-    o2 = warpgroup_mma(ring.index(_slot(base, 2, SLOTS)).permute((1, 0)), p_smem, o2, is_async=True)
-    o3 = warpgroup_mma(ring.index(_slot(base, 3, SLOTS)).permute((1, 0)), p_smem, o3, is_async=True)
-    o4 = warpgroup_mma(ring.index(_slot(base, 4, SLOTS)).permute((1, 0)), p_smem, o4, is_async=True)
-    o5 = warpgroup_mma(ring.index(_slot(base, 5, SLOTS)).permute((1, 0)), p_smem, o5, is_async=True)
-    o6 = warpgroup_mma(ring.index(_slot(base, 6, SLOTS)).permute((1, 0)), p_smem, o6, is_async=True)
-    o7 = warpgroup_mma(ring.index(_slot(base, 7, SLOTS)).permute((1, 0)), p_smem, o7, is_async=True)
-    return warpgroup_mma_wait(0, deps=(o0, o1, o2, o3, o4, o5, o6, o7))
-
-
-@gluon.jit
-def _consume(q_ptr, ring, q_smem, p_smem, ready, empty, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
-             num_items, num_splits, head_groups, stride_qb, stride_qh, stride_ob, stride_oh, SLOTS: gl.constexpr,
-             SPLIT: gl.constexpr):
-    """The consumer warpgroup (the default partition): the inline kernel's tile loop over the
-    slab ring (tile g: ready[g % 4], its slabs from slot 9 g % SLOTS on), each tile handed back
-    on empty[g % 4] after its P.V instead of refilled here."""
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    qh = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, _Q_LD)), 1)
-    qc = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, _Q_LD)), 0)
-    keys = gl.arange(0, _T, layout=gl.SliceLayout(1, _ACC))
-    g = 0
-    for item in range(pid, num_items, nprog):
-        b, s, hg, start, end, seq_len = _item_range(seq_lens_ptr, item, num_items, num_splits, head_groups, _T)
-        nt = gl.cdiv(gl.maximum(end - start, 0), _T)
-        q_row = q_ptr + b.to(gl.int64) * stride_qb + (hg * 16 + qh).to(gl.int64) * stride_qh + qc
-        for sl in gl.static_range(_SLABS):
-            q_smem.index(sl).store(gl.load(q_row + 64 * sl))
-        fence_async_shared()
-        gl.thread_barrier()
-        m = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(0, _ACC))
-        l = gl.zeros([16], gl.float32, gl.SliceLayout(0, _ACC))
-        o0 = gl.zeros([64, 16], gl.float32, _ACC)
-        o1 = gl.zeros_like(o0)
-        o2 = gl.zeros_like(o0)
-        o3 = gl.zeros_like(o0)
-        o4 = gl.zeros_like(o0)
-        o5 = gl.zeros_like(o0)
-        o6 = gl.zeros_like(o0)
-        o7 = gl.zeros_like(o0)
-        for t in range(nt):
-            mbarrier.wait(ready.index(g % _NBARS), (g // _NBARS) & 1)
-            base = (g * _SLABS) % SLOTS
-            valid = end - (start + t * _T)
-            sacc = gl.zeros([_T, 16], gl.float32, _ACC)
-            for sl in gl.static_range(_SLABS):
-                sacc = warpgroup_mma(ring.index(_slot(base, sl, SLOTS)), q_smem.index(sl).permute((1, 0)), sacc,
-                                     use_acc=sl > 0, is_async=True)
-            sacc = warpgroup_mma_wait(0, deps=(sacc,))
-            sc = gl.where(gl.expand_dims(keys < valid, 1), sacc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m, gl.max(sc, 0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m - m_safe)
-            p = gl.exp2(sc - gl.expand_dims(m_safe, 0))
-            l = l * alpha + gl.sum(p, 0)
-            m = m_new
-            a2 = gl.expand_dims(alpha, 0)
-            o0 = o0 * a2
-            o1 = o1 * a2
-            o2 = o2 * a2
-            o3 = o3 * a2
-            o4 = o4 * a2
-            o5 = o5 * a2
-            o6 = o6 * a2
-            o7 = o7 * a2
-            if valid < _T:
-                _zero_v_tail_slots(ring, base, valid, SLOTS)
-            p_smem.store(p.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            o0, o1, o2, o3, o4, o5, o6, o7 = _pv_slots(ring, base, p_smem, o0, o1, o2, o3, o4, o5, o6, o7, SLOTS)
-            gl.thread_barrier()  # every warp past its wgmmas: the tile's slots and P^T are free
-            mbarrier.arrive(empty.index(g % _NBARS))
-            g += 1
-        _write(o0, 0, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o1, 1, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o2, 2, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o3, 3, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o4, 4, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o5, 5, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o6, 6, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        _write(o7, 7, l, out_ptr, mid_o_ptr, b, s, hg, num_splits, head_groups, stride_ob, stride_oh, SPLIT)
-        if SPLIT:
-            head = hg * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, _ACC))
-            lse = gl.where(l > 0.0, m + gl.log2(gl.where(l > 0.0, l, 1.0)), float("-inf"))
-            gl.store(mid_lse_ptr + (b * head_groups * 16 + head).to(gl.int64) * num_splits + s, lse)
-
-
-@gluon.jit(do_not_specialize=["num_items", "num_splits"])
-def _mla_decode_wgmma_ws_kernel(
-    q_ptr, kv_desc, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, num_items,
-    num_splits, head_groups, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-    PAGE: gl.constexpr, SLOTS: gl.constexpr, SPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-):
-    """producer="warp": the inline kernel's work split between a consumer warpgroup (the tile
-    loop) and a producer warpgroup (block ids and TMA issues) over a ring of SLOTS [64, 64]
-    slabs (18..25), on 4 ready / empty barriers (a tile's each)."""
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    ring = gl.allocate_shared_memory(dtype, [SLOTS, _T, 64], _SMEM)
-    q_smem = gl.allocate_shared_memory(dtype, [_SLABS, 16, 64], _SMEM)
-    p_smem = gl.allocate_shared_memory(dtype, [_T, 16], _P_SMEM)
-    ready = gl.allocate_shared_memory(gl.int64, [_NBARS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [_NBARS, 1], mbarrier.MBarrierLayout())
-    for k in gl.static_range(_NBARS):
-        mbarrier.init(ready.index(k), count=1)  # the producer's expect; the TMA bytes complete it
-        mbarrier.init(empty.index(k), count=1)  # the consumer's arrive after the stage's P.V
-    fence_async_shared()
-    gl.warp_specialize([
-        (_consume, (q_ptr, ring, q_smem, p_smem, ready, empty, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-                    qk_scale, num_items, num_splits, head_groups, stride_qb, stride_qh, stride_ob, stride_oh,
-                    SLOTS, SPLIT)),
-        (_produce, (kv_desc, ring, ready, empty, block_tables_ptr, seq_lens_ptr, num_items, num_splits,
-                    head_groups, stride_btb, PAGE, SLOTS)),
-    ], [4], [PRODUCER_REGS])
-
-
-# ------------------------------------------- two consumer warpgroups (consumers=2)
+# ------------------------------------------------------------- the consumer warpgroups
 
 
 @gluon.jit
 def _consume_half(q_ptr, ring, q_smem, p_smem, s_smem, ready, empty, s_bar, seq_lens_ptr, out_ptr, mid_o_ptr,
                   mid_lse_ptr, qk_scale, num_items, num_splits, head_groups, stride_qb, stride_qh, stride_ob,
                   stride_oh, X: gl.constexpr, SLOTS: gl.constexpr, SPLIT: gl.constexpr):
-    """Consumer X of two (consumers=2): the latent's 576 columns split between them, slabs 4X ..
+    """Consumer X of two: the latent's 576 columns split between them, slabs 4X ..
     4X + 3 (and the rope slab for X = 0). Per tile: its part of S^T to s_smem[X, g % 2], the
     two parts exchanged on s_bar[g % 2] (an arrive from each) and added in the same order in
     both (S_0 + S_1: the same softmax, m and l in both), then P^T to its own p_smem[X] and its
@@ -623,14 +310,14 @@ def _consume_half(q_ptr, ring, q_smem, p_smem, s_smem, ready, empty, s_bar, seq_
 
 
 @gluon.jit(do_not_specialize=["num_items", "num_splits"])
-def _mla_decode_wgmma_ws2_kernel(
+def _mla_decode_wgmma_kernel(
     q_ptr, kv_desc, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, num_items,
     num_splits, head_groups, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
     PAGE: gl.constexpr, SLOTS: gl.constexpr, SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
-    """consumers=2: _consume_half(0) (the default partition), _consume_half(1) and the producer
-    warpgroup over the slab ring; 3 warpgroups of maxnreg 168 (launch), setmaxnreg per partition."""
+    """_consume_half(0) (the default partition), _consume_half(1) and the producer warpgroup over
+    the slab ring; 3 warpgroups of maxnreg 168 (launch), setmaxnreg per partition."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     ring = gl.allocate_shared_memory(dtype, [SLOTS, _T, 64], _SMEM)
     q_smem = gl.allocate_shared_memory(dtype, [_SLABS, 16, 64], _SMEM)
@@ -689,28 +376,14 @@ def pick_splits(batch: int, head_groups: int, max_context: int, programs: int,
 
 def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      *, kv_lora_rank: int, sm_scale: float, out: torch.Tensor | None = None,
-                     num_splits: int | None = None, programs: int | None = None, stages: int = STAGES,
-                     producer: str = "warp", slots: int | None = None, consumers: int | None = None,
+                     num_splits: int | None = None, programs: int | None = None, slots: int = SLOTS,
                      min_split_keys: int = MIN_SPLIT_KEYS) -> torch.Tensor:
     """mla_decode's contract (q [B, H, 576] absorbed, kv_cache [blocks, page, 576] in q's dtype,
     block_tables int32 [B, max_blocks], seq_lens int32 [B]; returns out [B, H, 512]) on this
-    kernel; ``programs`` (None: one an SM) and ``stages`` (the inline form's ring tiles, 2 fit)
-    for tests. The form: ``producer`` "warp" (the default: a producer warpgroup issues the TMA
-    loads into a ring of ``slots`` [64, 64] slabs, None the most) with ``consumers`` 2 (the
-    default: two consumer warpgroups split each tile's columns, _mla_decode_wgmma_ws2_kernel;
-    slots 18..23) or 1 (_mla_decode_wgmma_ws_kernel; slots 18..25); or "inline" (one warpgroup
-    issues its own loads between tiles, _mla_decode_wgmma_kernel). H200 (runs 101-105, 8 x 32768):
-    inline 90 us, 1 consumer 82 us, 2 consumers 79 us a call."""
-    if producer not in ("inline", "warp"):
-        raise ValueError(f"producer must be 'inline' or 'warp', got {producer!r}")
-    if consumers is None:
-        consumers = 2 if producer == "warp" else 1
-    if consumers not in (1, 2) or (consumers == 2 and producer != "warp"):
-        raise ValueError(f"consumers must be 1, or 2 with producer='warp'; got {consumers} with {producer!r}")
-    most = SLOTS if consumers == 1 else SLOTS2
-    slots = most if slots is None else slots
-    if not 2 * _SLABS.value <= slots <= most:
-        raise ValueError(f"slots must be in {2 * _SLABS.value}..{most} with {consumers} consumer(s), got {slots}")
+    kernel; ``programs`` (None: one an SM), ``slots`` (the slab ring, MIN_SLOTS..SLOTS) and the
+    split knobs for tests and benchmarks."""
+    if not MIN_SLOTS <= slots <= SLOTS:
+        raise ValueError(f"slots must be in {MIN_SLOTS}..{SLOTS}, got {slots}")
     why = mla_wgmma_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
     if why:
         raise ValueError("mla_decode_wgmma cannot take this call: " + "; ".join(why))
@@ -730,18 +403,11 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     if split:
         mid_o = torch.empty(B, H, num_splits, RANK, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
-    args = (q, _cache_descriptor(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse, sm_scale * _LOG2E, items,
-            num_splits, hg, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
-    if consumers == 2:
-        _mla_decode_wgmma_ws2_kernel[(min(items, nprog),)](*args, PAGE=kv_cache.shape[1], SLOTS=slots, SPLIT=split,
-                                                          CONSUMER_REGS=CONSUMER2_REGS, PRODUCER_REGS=PRODUCER2_REGS,
-                                                          num_warps=NUM_WARPS, maxnreg=168)
-    elif producer == "warp":
-        _mla_decode_wgmma_ws_kernel[(min(items, nprog),)](*args, PAGE=kv_cache.shape[1], SLOTS=slots, SPLIT=split,
-                                                         PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS)
-    else:
-        _mla_decode_wgmma_kernel[(min(items, nprog),)](*args, PAGE=kv_cache.shape[1], R=stages, SPLIT=split,
-                                                      num_warps=NUM_WARPS)
+    _mla_decode_wgmma_kernel[(min(items, nprog),)](
+        q, _cache_descriptor(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse, sm_scale * _LOG2E, items,
+        num_splits, hg, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        PAGE=kv_cache.shape[1], SLOTS=slots, SPLIT=split, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=NUM_WARPS, maxnreg=MAXNREG)
     if split:
         _merge(mid_o, mid_lse, out, RANK)
     return out

@@ -1,12 +1,14 @@
-"""The wgmma MLA decode, keys as M (kernels/mla_decode_wgmma.py; written in session 12
-without a GPU).
+"""The wgmma MLA decode, keys as M (kernels/mla_decode_wgmma.py): a producer warpgroup and two
+consumers; the triton backend's MLA decode for 16 heads on Hopper.
 
 CPU: the kernel compiled for sm_90 (Triton's ptxas and nvdisasm): warpgroup MMAs m64n16k16
-(9 for S^T, 8 for O^T a tile), TMA loads, one program an SM's shared memory, no spill; the
-unsupported reasons and the split rule. GPU (marked gpu, Hopper only; run under ``timeout``
+(S^T and O^T a tile, split between the consumers), TMA loads, one program an SM's shared
+memory, no spill, registers set per warpgroup; the unsupported reasons, the split rule and the
+ring's bounds. GPU (marked gpu, Hopper only; run under ``timeout``
 and ``-x``: a wrong mbarrier phase hangs): against ``mla_decode_ref`` over the cases of
-test_mla_decode_gluon (part tiles, ragged ends over NaN slots, padding rows), pages 16, 64 and 128, splits, few programs (many items each, the ring across items), 128 heads, CUDA-graph replays
-and back-to-back calls (bitwise equal).
+test_mla_decode_gluon (part tiles, ragged ends over NaN slots, padding rows), pages 16-128,
+splits, few programs (many items each, the ring across items), slab rings of 18-23, 128 heads,
+CUDA-graph replays and back-to-back calls (bitwise equal).
 """
 
 from __future__ import annotations
@@ -27,25 +29,19 @@ hopper = pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] != 
 RANK, ROPE = 512, 64
 
 
-def compile_sm90(page: int = 64, split: bool = True, stages: int | None = None, ws: int = 0):
-    """The kernel (``ws``: the warp-specialized one with that many consumers) compiled for sm_90
-    as an H200 launch compiles it (bf16; the pointers and the strides that are multiples of 16
-    there marked so)."""
+def compile_sm90(page: int = 64, split: bool = True):
+    """The kernel compiled for sm_90 as an H200 launch compiles it (bf16; the pointers and the
+    strides that are multiples of 16 there marked so)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashpage.kernels import mla_decode_wgmma as mw
 
-    fn = {0: mw._mla_decode_wgmma_kernel, 1: mw._mla_decode_wgmma_ws_kernel, 2: mw._mla_decode_wgmma_ws2_kernel}[ws]
-    consts = {"PAGE": page, "R": stages or mw.STAGES, "SPLIT": split}
-    options = dict(num_warps=mw.NUM_WARPS)
-    if ws == 1:
-        consts = {"PAGE": page, "SLOTS": mw.SLOTS, "SPLIT": split, "PRODUCER_REGS": mw.PRODUCER_REGS}
-    elif ws == 2:
-        consts = {"PAGE": page, "SLOTS": mw.SLOTS2, "SPLIT": split, "CONSUMER_REGS": mw.CONSUMER2_REGS,
-                  "PRODUCER_REGS": mw.PRODUCER2_REGS}
-        options["maxnreg"] = 168
+    fn = mw._mla_decode_wgmma_kernel
+    consts = {"PAGE": page, "SLOTS": mw.SLOTS, "SPLIT": split, "CONSUMER_REGS": mw.CONSUMER_REGS,
+              "PRODUCER_REGS": mw.PRODUCER_REGS}
+    options = dict(num_warps=mw.NUM_WARPS, maxnreg=mw.MAXNREG)
     sig = {a: "i32" for a in fn.arg_names}
     sig.update({"q_ptr": "*bf16", "kv_desc": f"tensordesc<bf16[{min(page, 64)}, 64],{mw._SMEM.value!r}>",
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32",
@@ -60,51 +56,44 @@ def compile_sm90(page: int = 64, split: bool = True, stages: int | None = None, 
 
 def _sm90_report() -> dict:
     """(In a subprocess with the interpreter off.) Registers, spills, shared memory and the SASS
-    counts of each form (page 64 / 128, split or not)."""
+    counts at pages 16, 64, 128, split or not."""
     try:
         import triton.experimental.gluon  # noqa: F401
     except ImportError as ex:
         return {"skip": f"no Gluon in this Triton: {ex}"}
     out = {}
-    for ws in (0, 1, 2):
-        for page, split in ((64, True), (64, False), (128, True), (16, True)):
-            k = compile_sm90(page=page, split=split, ws=ws)
-            log, sass = ptxas_sm90a(k.asm["ptx"])
-            lines = sass.splitlines()
-            count = {op: sum(f" {op} " in ln or f" {op}." in ln for ln in lines)
-                     for op in ("HGMMA.64x16x16.F32.BF16", "UTMALDG.2D", "SYNCS.PHASECHK.TRANS64.TRYWAIT",
-                                "USETMAXREG")}
-            name = ("", "ws_", "ws2_")[ws] + f"p{page}" + ("" if split else "_nosplit")
-            out[name] = dict(**ptxas_usage(log), shared=k.metadata.shared, count=count,
-                             tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"])
+    for page, split in ((64, True), (64, False), (128, True), (16, True)):
+        k = compile_sm90(page=page, split=split)
+        log, sass = ptxas_sm90a(k.asm["ptx"])
+        lines = sass.splitlines()
+        count = {op: sum(f" {op} " in ln or f" {op}." in ln for ln in lines)
+                 for op in ("HGMMA.64x16x16.F32.BF16", "UTMALDG.2D", "SYNCS.PHASECHK.TRANS64.TRYWAIT",
+                            "USETMAXREG")}
+        out[f"p{page}" + ("" if split else "_nosplit")] = dict(**ptxas_usage(log), shared=k.metadata.shared,
+                                                              count=count, tma_ptx="cp.async.bulk.tensor" in k.asm["ptx"])
     return out
 
 
 @cpu_only
 def test_mla_wgmma_compiles_for_sm90():
-    """One program an SM (shared memory under 227 KB, registers x its threads), no spill from
-    pages >= 64 (a little at 16 inline; none with the producer warpgroup), TMA loads; wgmma
-    m64n16k16 in the SASS (the tile's 9 + 8 groups of 4 k-steps, split between the consumers
-    in ws2); an mbarrier wait a tile; 9 boxes a tile (36 from 16-key pages); producer="warp":
-    the registers set per warpgroup."""
+    """One program an SM (shared memory under 227 KB, 384 threads x maxnreg registers), no spill,
+    TMA loads; wgmma m64n16k16 in the SASS (a tile's S^T and O^T: 9 + 8 groups of 4 k-steps,
+    split between the consumers); mbarrier waits; 9 boxes a tile issued at one site (36 from
+    16-key pages, one a page); the registers set per warpgroup (setmaxnreg)."""
+    from flashpage.kernels import mla_decode_wgmma as mw
+
     rep = run_compiled("test_mla_decode_wgmma", "_sm90_report")
     if "skip" in rep:
         pytest.skip(rep["skip"])
     for name, r in rep.items():
         print(f"{name}: {r['regs']} registers, {r['spill_bytes']} bytes spilled, {r['shared']} B shared, {r['count']}")
         assert r["tma_ptx"], name
-        ws = name.startswith("ws")
-        # pages >= 64: no spill; 16-key pages inline: the loop's 36 box issues (4 pages x 9 slabs)
-        # beside the 8 accumulators spill 256 B (Triton 3.6)
-        assert r["spill_bytes"] <= (256 if name.startswith("p16") else 0), name
-        threads = 384 if name.startswith("ws2_") else 256 if ws else 128
-        assert r["regs"] * threads <= 65536 and r["shared"] + 1024 <= 227 * 1024, name
+        assert r["spill_bytes"] == 0, name
+        assert r["regs"] <= mw.MAXNREG and r["shared"] + 1024 <= 227 * 1024, name
         assert r["count"]["HGMMA.64x16x16.F32.BF16"] >= (9 + 8) * 4, name
-        assert r["count"]["SYNCS.PHASECHK.TRANS64.TRYWAIT"] >= 1, name
-        # a tile's 9 slabs: one box each from pages >= 64, one a page (4) from 16-key pages (inline:
-        # the prologue's R tiles and the loop's refill, 3 issue sites; the producer: one)
-        assert r["count"]["UTMALDG.2D"] == (1 if ws else 3) * 9 * (4 if "p16" in name else 1), name
-        assert (r["count"]["USETMAXREG"] > 0) == ws, name
+        assert r["count"]["SYNCS.PHASECHK.TRANS64.TRYWAIT"] >= 3, name  # ready, empty, the S exchange
+        assert r["count"]["UTMALDG.2D"] == 9 * (4 if name.startswith("p16") else 1), name
+        assert r["count"]["USETMAXREG"] > 0, name
 
 
 def test_mla_wgmma_unsupported_reasons():
@@ -148,68 +137,51 @@ KNOBS = {
 }
 
 
-# the kernel's forms: one warpgroup issuing its own loads; a producer warpgroup beside the
-# consumer; that with two consumer warpgroups splitting the columns
-FORMS = {"inline": {"producer": "inline"}, "warp": {"producer": "warp", "consumers": 1}, "warp2": {}}
-
-
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("knob", list(KNOBS))
 @pytest.mark.parametrize("page", [16, 32, 64, 128])
 @pytest.mark.parametrize("case", list(CASES))
-def test_mla_wgmma_gpu(case, page, knob, form):
+def test_mla_wgmma_gpu(case, page, knob):
     """Against the reference per sequence, out starting NaN (every row written)."""
-    run_and_check(CASES[case], page=page, **FORMS[form], **KNOBS[knob])
+    run_and_check(CASES[case], page=page, **KNOBS[knob])
 
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("page", [16, 64])
-def test_mla_wgmma_128_heads_gpu(page, form):
+def test_mla_wgmma_128_heads_gpu(page):
     """128 heads: 8 head groups of 16, each its own items."""
-    run_and_check([1, 100, 3000, 257], heads=128, page=page, **FORMS[form])
-    run_and_check([5000, 7, 300], heads=128, page=page, num_splits=5, programs=13, **FORMS[form])
+    run_and_check([1, 100, 3000, 257], heads=128, page=page)
+    run_and_check([5000, 7, 300], heads=128, page=page, num_splits=5, programs=13)
 
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("form,slots", [("warp", 18), ("warp", 20), ("warp", 24), ("warp2", 18), ("warp2", 22)])
+@pytest.mark.parametrize("slots", [18, 20, 22])
 @pytest.mark.parametrize("page", [16, 64])
-def test_mla_wgmma_warp_slots_gpu(page, form, slots):
-    """producer="warp" over slab rings of other sizes (18: two whole tiles; others: a tile's
-    slabs wrapping at odd places), with one program walking every item and with splits."""
+def test_mla_wgmma_slots_gpu(page, slots):
+    """Slab rings of other sizes (18: two whole tiles; 20, 22: a tile's slabs wrapping at odd
+    places), with one program walking every item and with splits."""
     for kw in ({}, {"programs": 1}, {"num_splits": 9, "programs": 3}):
-        run_and_check([1, 100, 3000, 257, 64, 65], page=page, slots=slots, **FORMS[form], **kw)
+        run_and_check([1, 100, 3000, 257, 64, 65], page=page, slots=slots, **kw)
 
 
-def test_mla_wgmma_producer_and_slots_checked():
-    """A producer other than 'inline' / 'warp', a slab ring outside 18..25 (23 with 2 consumers),
-    or a consumer count other than 1 / 2 (2 only with the producer warpgroup) is an error naming
-    the value, before any launch."""
+def test_mla_wgmma_slots_checked():
+    """A slab ring outside 18..23 is an error naming the value, before any launch."""
     from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
 
     q = torch.zeros(1, 16, RANK + ROPE, dtype=torch.bfloat16)
     args = (q, torch.zeros(2, 64, RANK + ROPE, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
             torch.ones(1, dtype=torch.int32))
-    with pytest.raises(ValueError, match="'tma'"):
-        mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, producer="tma")
-    for bad in (17, 26):
-        with pytest.raises(ValueError, match=f"slots must be in 18..25 with 1 consumer.s., got {bad}"):
-            mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, consumers=1, slots=bad)
-    with pytest.raises(ValueError, match="slots must be in 18..23 with 2 consumer.s., got 24"):
-        mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, producer="warp", consumers=2, slots=24)
-    for consumers, producer in ((3, "warp"), (2, "inline")):
-        with pytest.raises(ValueError, match=f"consumers must be 1, or 2 with producer='warp'; got {consumers}"):
-            mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, producer=producer, consumers=consumers)
+    for bad in (17, 24):
+        with pytest.raises(ValueError, match=f"slots must be in 18..23, got {bad}"):
+            mla_decode_wgmma(*args, kv_lora_rank=RANK, sm_scale=1.0, slots=bad)
 
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("form", list(FORMS))
-def test_mla_wgmma_many_calls_and_graph_gpu(form):
+def test_mla_wgmma_many_calls_and_graph_gpu():
     """200 calls back to back, every one right and bitwise equal; then captured once in a CUDA
     graph and replayed with new queries and lengths (a padding row among them), every replay right."""
     from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
@@ -217,13 +189,11 @@ def test_mla_wgmma_many_calls_and_graph_gpu(form):
     q, kv, tables, seq_lens = make_case([3000, 1, 2048, 777] * 4, 16, 64, seed=3)
     scale = 1.0 / math.sqrt(RANK + ROPE)
     ref = mla_decode_ref(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale)
-    outs = [mla_decode_wgmma(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, **FORMS[form])
-            for _ in range(200)]
+    outs = [mla_decode_wgmma(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale) for _ in range(200)]
     torch.cuda.synchronize()
     for i, o in enumerate(outs):
         assert rel_err(o, ref) < TOL, f"call {i}"
         assert torch.equal(o, outs[0]), f"call {i} differs from call 0"
 
     check_graph_replays(lambda q, kv, tables, seq_lens, out, scale: mla_decode_wgmma(
-        q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=7, **FORMS[form]),
-        replays=30)
+        q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out, num_splits=7), replays=30)
