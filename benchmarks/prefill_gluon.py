@@ -149,6 +149,8 @@ def main() -> None:
     ap.add_argument("--paged-variants", default="",
                     help="comma-separated paged Gluon variants (default: all; 'none' for none)")
     ap.add_argument("--causal-only", action="store_true", help="only the causal shapes")
+    ap.add_argument("--shapes", default="",
+                    help="comma-separated BxS (e.g. 8x1024; prefixed ones as PREFIX+BxS, 8192+1x8192): only these")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every column this many times, in turn, and keep the median")
     args = ap.parse_args()
@@ -172,8 +174,11 @@ def main() -> None:
     os.environ["FLASHPAGE_PREFILL_GLUON"] = "0"  # triton_paged: the Triton kernel
     t0 = time.time()
     rows = []
+    only = {x for x in args.shapes.split(",") if x}
     for b, s, causal, prefix in SHAPES:
         if args.causal_only and not causal:
+            continue
+        if only and (f"{prefix}+{b}x{s}" if prefix else f"{b}x{s}") not in only:
             continue
         n = prefix + s  # keys a sequence
         g = torch.Generator(device="cuda").manual_seed(0)

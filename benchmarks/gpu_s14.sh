@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Session 14's device plan.
+#   bash benchmarks/gpu_s14.sh a    the wgmma MLA decode's GPU tests as session 13 left the module
+#                                   (one form kept, the kernel code unchanged; run under -x and
+#                                   a timeout: a wrong mbarrier phase hangs), the engine's switch
+#                                   test, then issue 4's sweep at page 16 once more
+#   bash benchmarks/gpu_s14.sh b    issue 5, decided by pairs: the paged Gluon prefill's forms
+#                                   against the contiguous one, graph replays back to back
+#                                   (benchmarks/prefill_paired.py), 2 x 4096, 1 x 16384, 8 x 1024
+# Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
+set -u
+PART=${1:-a}
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/flashpage_gpu}; mkdir -p "$OUT"
+B=${BUDGET:-400}
+left() { local t=$((B - SECONDS)); [ "$1" -lt "$t" ] && t=$1; [ "$t" -lt 1 ] && t=1; echo $t; }
+PT="python3 -m pytest -q -p no:cacheprovider"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+case "$PART" in
+a)
+  timeout "$(left 150)" $PT -x -m gpu tests/kernels/test_mla_decode_wgmma.py -rf 2>&1 \
+    | tee "$OUT/wgmma_tests.txt" | tail -n 3
+  timeout "$(left 90)" $PT -m gpu tests/engine/test_mla_gluon_switch.py -rf 2>&1 | tee "$OUT/mla_switch_tests.txt" | tail -n 2
+  timeout "$(left 60)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" --page 16 --rounds 3 \
+    --shapes 1x1024 1x4096 1x32768 4x8192 8x32768 16x16384 32x4096 64x8192 128x1024 128x2048 128x4096 \
+    --variants triton wgmma 2>&1 | tee "$OUT/mla_sweep_page16.txt" | tail -n 14
+  echo "part a done at ${SECONDS}s" ;;
+b)
+  timeout "$(left 240)" python3 benchmarks/prefill_paired.py --out "$OUT" --pairs 200 2>&1 \
+    | tee "$OUT/prefill_paired.txt" | tail -n 9
+  echo "part b done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-b)"; exit 2 ;;
+esac
