@@ -9,10 +9,9 @@ from collections.abc import Callable
 import torch
 
 
-def time_graph(fn: Callable[[], object], calls: int = 1, reps: int = 20) -> float:
-    """Median seconds of one ``fn()`` call: a CUDA graph of ``calls`` calls (after two
-    eager warm-up calls on a side stream), replayed ``reps`` times after three warm
-    replays, each replay between two events."""
+def capture_graph(fn: Callable[[], object], calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of ``fn()``, after two eager warm-up calls on a side
+    stream, replayed once (its first replay out of the way)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -24,17 +23,29 @@ def time_graph(fn: Callable[[], object], calls: int = 1, reps: int = 20) -> floa
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    for _ in range(3):
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_replay(graph: torch.cuda.CUDAGraph) -> float:
+    """Seconds of one replay of ``graph``, between two events."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+def time_graph(fn: Callable[[], object], calls: int = 1, reps: int = 20) -> float:
+    """Median seconds of one ``fn()`` call: a CUDA graph of ``calls`` calls (capture_graph),
+    replayed ``reps`` times after three warm replays, each replay between two events."""
+    graph = capture_graph(fn, calls)
+    for _ in range(2):
         graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
+    times = [time_replay(graph) / calls for _ in range(reps)]
     del graph
     return statistics.median(times)
 

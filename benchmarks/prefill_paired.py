@@ -25,34 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from gpu_timing import capture_graph, time_replay  # noqa: E402
 
 HEADS, D, PAGE = 32, 128, 16
-
-
-def graph_of(fn, calls: int) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def timed(g: torch.cuda.CUDAGraph) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3
 
 
 def measure(shape: str, forms: list[str], pairs: int) -> dict:
@@ -80,7 +55,7 @@ def measure(shape: str, forms: list[str], pairs: int) -> dict:
     flops = 4 * b * HEADS * D * s * s / 2
     contiguous = flash_prefill_gluon(q, k, v, cu, s, causal=True).float()
     calls = max(1, round(2e-3 / (flops / 500e12)))  # ~2 ms a replay
-    g_c = graph_of(lambda: flash_prefill_gluon(q, k, v, cu, s, causal=True), calls)
+    g_c = capture_graph(lambda: flash_prefill_gluon(q, k, v, cu, s, causal=True), calls)
     row: dict = dict(shape=shape, causal=True, page=PAGE, calls_per_graph=calls, pairs=pairs)
     for form in forms:
         kw = engine_options(PAGE) if form == "engine" else \
@@ -90,13 +65,13 @@ def measure(shape: str, forms: list[str], pairs: int) -> dict:
             return paged_prefill_gluon(q, kc, vc, tables, cu, lens, s, s, causal=True, **kw)
 
         err = float((paged().float() - contiguous).norm() / contiguous.norm())
-        g_p = graph_of(paged, calls)
+        g_p = capture_graph(paged, calls)
         ratios, tc, tp = [], [], []
         for i in range(pairs):
             if i % 2:
-                a, c = timed(g_p), timed(g_c)
+                a, c = time_replay(g_p), time_replay(g_c)
             else:
-                c, a = timed(g_c), timed(g_p)
+                c, a = time_replay(g_c), time_replay(g_p)
             ratios.append(c / a)  # paged throughput / contiguous throughput
             tc.append(c / calls)
             tp.append(a / calls)
