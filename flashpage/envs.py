@@ -114,9 +114,10 @@ def mla_gluon() -> str:
     the warpgroup-MMA kernel (kernels/mla_decode_wgmma.py) for 16 heads, where it is the fastest
     (H200 runs 105-109: 87-89% of copy at 8-16 sequences of 16-32k keys against Triton's 83-85%,
     ahead at every shape of issue 4's sweep; V2-Lite's decode steps 0.6-1.1% shorter), the
-    Triton kernel for more heads (compute-bound there: Triton's is faster at 128); "0": the Triton kernel always; "1" (or "gluon"): the persistent mma.sync
-    kernel (kernels/mla_decode_gluon.py); "wgmma": the wgmma one at any head count. Read at each
-    call (a decode graph keeps the kernel it captured); another value is a ValueError naming it."""
+    Triton kernel for more heads (compute-bound there: Triton's is faster at 128); "0": the
+    Triton kernel always; "1" (or "gluon"): the persistent mma.sync kernel
+    (kernels/mla_decode_gluon.py); "wgmma": the wgmma one at any head count. Read at each call
+    (a decode graph keeps the kernel it captured); another value is a ValueError naming it."""
     value = os.environ.get("FLASHPAGE_MLA_GLUON", "").strip()
     if value == "":
         return "auto"
