@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from gpu_timing import capture_graph, time_replay  # noqa: E402
-
-HEADS, D, PAGE = 32, 128, 16
+from prefill_gluon import HEADS, PAGE, D, _paged  # noqa: E402
 
 
 def measure(shape: str, forms: list[str], pairs: int) -> dict:
@@ -43,15 +42,7 @@ def measure(shape: str, forms: list[str], pairs: int) -> dict:
     q, k, v = (torch.randn(b * s, HEADS, D, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu = torch.arange(0, b * s + 1, s, dtype=torch.int32, device="cuda")
     lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
-    nblk = -(-s // PAGE)
-    tables = torch.randperm(b * nblk, device="cuda").view(b, nblk).int()
-    kc = torch.empty(b * nblk, PAGE, HEADS, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.empty_like(kc)
-    pos = torch.arange(s, device="cuda")
-    for i in range(b):  # sequence i's keys and values into its shuffled blocks
-        slot = tables[i].long()[pos // PAGE] * PAGE + pos % PAGE
-        kc.view(-1, HEADS, D)[slot] = k[i * s:(i + 1) * s]
-        vc.view(-1, HEADS, D)[slot] = v[i * s:(i + 1) * s]
+    kc, vc, tables = _paged(k, v, b, s, PAGE)  # prefill_gluon.py's shuffled block-16 cache
     flops = 4 * b * HEADS * D * s * s / 2
     contiguous = flash_prefill_gluon(q, k, v, cu, s, causal=True).float()
     calls = max(1, round(2e-3 / (flops / 500e12)))  # ~2 ms a replay
