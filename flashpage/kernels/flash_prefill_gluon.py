@@ -652,8 +652,8 @@ def _zero_v_tail(v_stage, n0, seq_k):
 
 
 @gluon.jit
-def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l_fence, it, n_full,
-            n_tiles, qk_scale, rows, seq, G: gl.constexpr, CAUSAL: gl.constexpr,
+def _attend(q, q_empty, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l_fence, it,
+            n_full, n_tiles, qk_scale, rows, seq, G: gl.constexpr, CAUSAL: gl.constexpr,
             PINGPONG: gl.constexpr, PV_OVERLAP: gl.constexpr, NUM_STAGES: gl.constexpr,
             PAGED: gl.constexpr):
     """One work tile's key tiles (ring positions it .. it + n_tiles - 1), the default schedule
@@ -675,6 +675,11 @@ def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l_fence
         m, l, o, p, alpha = _tile(j, it, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                   turn, l_fence, m, l, o, p, alpha, qk_scale, rows, seq, G, True,
                                   CAUSAL, PINGPONG, PV_OVERLAP, NUM_STAGES, PAGED)
+    # every S of the work tile is done (the last wgmma wait retired it): Q may be replaced
+    # while the last P.V and the store run (with one Q buffer the producer's next Q, and the
+    # K/V behind it, wait for this; released after the P.V instead, the next work tile waited
+    # for its Q's whole load)
+    mbarrier.arrive(q_empty)
     # the last key tile's P.V
     last = it + n_tiles - 1
     sv = last % NUM_STAGES
@@ -703,10 +708,9 @@ def _compute_tile(it, h, m0, q_start, seq, seq_k, q, k_smem, v_smem, q_empty, k_
     n_full, n_tiles = _kv_range(m0, seq, seq_k, CAUSAL, PAGED)
     row0 = m0 + G * _WM
     rows = row0 + gl.arange(0, _WM, layout=gl.SliceLayout(1, _S_LAYOUT))
-    m, l, o = _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, l_fence, it,
-                      n_full, n_tiles, qk_scale, rows + (seq_k - seq), seq_k, G, CAUSAL, PINGPONG,
-                      PV_OVERLAP, NUM_STAGES, PAGED)
-    mbarrier.arrive(q_empty)  # every S of this work tile is done: Q may be replaced
+    m, l, o = _attend(q, q_empty, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                      l_fence, it, n_full, n_tiles, qk_scale, rows + (seq_k - seq), seq_k, G,
+                      CAUSAL, PINGPONG, PV_OVERLAP, NUM_STAGES, PAGED)
 
     l_safe = gl.where(l == 0.0, 1.0, l)
     o = o * gl.expand_dims(_to_rows_o(1.0 / l_safe), 1)  # 2 divisions a thread, not 64
