@@ -15,9 +15,6 @@ Each under a minute on an H200; writes $OUT/decode_gluon_knobs_<set>.json.
 default (FLASHPAGE_DECODE_GLUON_BF16 unset), "cudnn" SDPA cuDNN on the same K/V gathered into a
 contiguous [B, Hkv, ctx, D] cache, "P{p} s{s}" the persistent Gluon kernel at p programs an SM
 of s stages (32 KB each); each cell also gives its ratio to cuDNN (x) in the same run.
-``--l2 256 0``: each chosen Gluon form also as "<form> L2 <n>", its TMA maps re-encoded with an
-n-byte L2 promotion (kernels/tma_maps.py; Triton encodes 128): a 256-byte row of a 16-bit page
-is read as two 128-byte halves, 16 rows apart in a box.
 """
 
 from __future__ import annotations
@@ -35,7 +32,6 @@ from gpu_timing import copy_bandwidth, time_graph
 from flashpage.kernels.paged_decode import paged_decode
 from flashpage.kernels.paged_decode_gluon import _launch as gl
 from flashpage.kernels.paged_decode_gluon_bf16 import _launch as gl16
-from flashpage.kernels.tma_maps import l2_promotion
 
 SETS = {
     "persistent": {**{f"P{p} s3": {"programs_per_sm": p, "stages": 3} for p in (2, 3, 4)},
@@ -57,14 +53,6 @@ def bf16_shapes() -> list[tuple[str, list[int]]]:
         ("256 x ragged 101-2048, longest first", ragged256)]
 
 
-def promoted(call, n: int):
-    """``call`` with every TMA map it encodes at an n-byte L2 promotion (a graph captures them)."""
-    def c():
-        with l2_promotion(n):
-            call()
-    return c
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--set", choices=list(SETS), default="persistent")
@@ -74,16 +62,13 @@ def main() -> None:
                          "forms differ by about the runs' spread: session 12)")
     ap.add_argument("--variants", nargs="*", default=None,
                     help="only these columns (triton and cudnn are always timed)")
-    ap.add_argument("--l2", nargs="*", type=int, default=[],
-                    help="also each Gluon form with its TMA maps at these L2 promotions (bytes)")
     args = ap.parse_args()
     t0 = time.time()
     bf16 = args.set == "bf16"
     gluon = gl16 if bf16 else gl
-    forms = {k: kw for k, kw in SETS[args.set].items() if args.variants is None or k in args.variants}
     variants = {"triton": (paged_decode, {}), **({"cudnn": (None, {})} if bf16 else {}),
-                **{k: (gluon, kw) for k, kw in forms.items()},
-                **{f"{k} L2 {n}": (gluon, {**kw, "l2": n}) for k, kw in forms.items() for n in args.l2}}
+                **{k: (gluon, kw) for k, kw in SETS[args.set].items()
+                   if args.variants is None or k in args.variants}}
     gen = torch.Generator().manual_seed(2)
     ragged256 = sorted(torch.randint(101, 2049, (256,), generator=gen).tolist(), reverse=True)
     copy = copy_bandwidth()
@@ -98,9 +83,7 @@ def main() -> None:
         calls, times, errs = {}, {}, {}
         for k, (fn, kw) in variants.items():
             try:
-                call = b.sdpa_cudnn() if fn is None else b.fn(fn, **{a: x for a, x in kw.items() if a != "l2"})
-                if "l2" in kw:
-                    call = promoted(call, kw["l2"])
+                call = b.sdpa_cudnn() if fn is None else b.fn(fn, **kw)
                 b.i = b.copies - 1  # the check call on copy 0, as every kernel's
                 call()
                 got = b.sdpa_out.squeeze(2) if fn is None else b.out

@@ -7,10 +7,6 @@
 #   bash benchmarks/gpu_s14.sh b    issue 5, decided by pairs: the paged Gluon prefill's forms
 #                                   against the contiguous one, graph replays back to back
 #                                   (benchmarks/prefill_paired.py), 2 x 4096, 1 x 16384, 8 x 1024
-#   bash benchmarks/gpu_s14.sh c    run 112: the Gluon prefill's GPU tests after the consumers release Q
-#                                   before the last P.V (not after it), the pairs again; then TMA maps
-#                                   at a 256-byte / no L2 promotion (kernels/tma_maps.py) in the 16-bit
-#                                   paged decode beside cuDNN (issue 6) and in the wgmma MLA decode
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -33,16 +29,5 @@ b)
   timeout "$(left 240)" python3 benchmarks/prefill_paired.py --out "$OUT" --pairs 200 2>&1 \
     | tee "$OUT/prefill_paired.txt" | tail -n 9
   echo "part b done at ${SECONDS}s" ;;
-c)
-  timeout "$(left 200)" $PT -x -m gpu tests/kernels/test_flash_prefill_gluon.py tests/kernels/test_paged_prefill_gather.py \
-    -k "engine_options or prefill_dynamic_gpu or cuda_graph or paged_gluon_gpu or l2_promotion or prefill_options" -rf 2>&1 | tee "$OUT/prefill_tests.txt" | tail -n 3
-  timeout "$(left 90)" python3 benchmarks/prefill_paired.py --out "$OUT" --pairs 200 --paged engine 2>&1 \
-    | tee "$OUT/prefill_paired.txt" | tail -n 4
-  timeout "$(left 120)" python3 benchmarks/decode_gluon_knobs.py --set bf16 --rounds 3 --variants "P2 s2 bal" \
-    --l2 256 0 --out "$OUT" 2>&1 | tee "$OUT/decode_l2.txt" | tail -n 9
-  timeout "$(left 90)" python3 benchmarks/mla_decode_gluon.py --out "$OUT" --page 16 --rounds 3 \
-    --shapes 8x32768 16x16384 64x8192 128x4096 --variants triton wgmma wgmma_l2_256 wgmma_l2_0 2>&1 \
-    | tee "$OUT/mla_l2.txt" | tail -n 7
-  echo "part c done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-c)"; exit 2 ;;
+*) echo "unknown part $PART (a-b)"; exit 2 ;;
 esac

@@ -20,8 +20,7 @@ Variants: ``triton``, ``gluon`` (the Gluon default), ``gluon_fused`` (every spli
 in the kernel), ``gluon_peel`` (peel: an item's last tile out of the loop), ``gluon_peel_fused``,
 ``gluon_peel_f1`` (peel, the merge kernel from 2 splits) and ``gluon_all`` (peel, lean, lazy) by
 default; ``gluon_lean`` / ``gluon_lazy``, ``gluon_peel_f8``, ``gluon_s4`` (4 ring slots),
-``gluon_p1sm`` (one program an SM), ``wgmma_l2_256`` / ``wgmma_l2_0`` (the wgmma kernel's
-TMA maps with a 256-byte / no L2 promotion, not Triton's 128), ``gluon_fb`` (fewer_barriers: 4 CTA barriers a tile, not
+``gluon_p1sm`` (one program an SM), ``gluon_fb`` (fewer_barriers: 4 CTA barriers a tile, not
 8), ``gluon_all_fb`` (peel, lean, lazy and fewer_barriers) and ``gluon_all_pdl`` (peel, lean,
 lazy, the merge kernel launched with PDL) on request.
 
@@ -31,7 +30,6 @@ Writes $OUT/mla_decode_gluon.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -45,7 +43,6 @@ from mla_decode import RANK, Case, time_graph
 from flashpage.kernels.mla_decode import mla_decode
 from flashpage.kernels.mla_decode_gluon import _launch as gluon_launch
 from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
-from flashpage.kernels.tma_maps import l2_promotion
 
 SHAPES = [(8, 32768), (16, 16384), (32, 4096), (64, 8192), (128, 4096), (8, 4096)]
 # name -> (entry, keyword arguments); "triton" is the default path the engine runs today.
@@ -71,10 +68,6 @@ VARIANTS = {
     # shorter or longer key splits (the default keeps >= 64 keys a split; 512 until run 108)
     "wgmma_ws2_m512": (mla_decode_wgmma, {"min_split_keys": 512}),
     "wgmma_ws2_m256": (mla_decode_wgmma, {"min_split_keys": 256}),
-    # its TMA maps re-encoded with a 256-byte (or no) L2 promotion, not Triton's 128
-    # (kernels/tma_maps.py l2_promotion): a latent row's 128-byte column boxes filled in pairs
-    "wgmma_l2_256": (mla_decode_wgmma, {"l2": 256}),
-    "wgmma_l2_0": (mla_decode_wgmma, {"l2": 0}),
     "gluon_s4": (gluon_launch, {"stages": 4}),
     # every split count merged inside the kernel (the default merges > FUSE_MAX_SPLITS with
     # mla_decode's merge kernel; run 85 measured this form as "gluon")
@@ -141,10 +134,8 @@ def main() -> None:
             kw = _kw(kw)
             try:
                 def call(i, fn=fn, kw=kw, case=case):
-                    l2 = kw.get("l2")
-                    with l2_promotion(l2) if l2 is not None else contextlib.nullcontext():
-                        fn(case.q[i], case.pool, case.tables[i], case.lens, kv_lora_rank=RANK, sm_scale=case.scale,
-                           out=case.out, **{k: v for k, v in kw.items() if k != "l2"})
+                    fn(case.q[i], case.pool, case.tables[i], case.lens, kv_lora_rank=RANK, sm_scale=case.scale,
+                       out=case.out, **kw)
 
                 case.out.fill_(float("nan"))
                 call(0)

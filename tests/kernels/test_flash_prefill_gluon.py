@@ -350,53 +350,6 @@ def test_tma_map_cache_cpu():
     tma_maps.clear()
 
 
-def test_tma_l2_promotion_args_cpu():
-    """tma_maps.encode_args: Triton's fill_tma_descriptor arguments in cuTensorMapEncodeTiled's
-    order (innermost first, outer strides in bytes), as driver.c translates them (the 16-bit
-    decode's 3-D [2, 16, 64] box over a [Hkv * 2, rows, 64] view); l2_promotion refuses a size
-    CUDA has no promotion for and puts the plain encoder back after."""
-    import types
-
-    from flashpage.kernels import tma_maps
-
-    args = (4096, 3, 2, 10, [2, 16, 64], [16, 1000, 64], [64, 1024, 1], 0)
-    assert tma_maps.encode_args(args) == (10, 3, 4096, [64, 1000, 16], [2048, 128], [64, 16, 2], 3, 0)
-    assert tma_maps.encode_args((0, 3, 1, 13, [64, 128], [99, 128], [128, 1], 1))[-1] == 1  # NaN fill
-    with pytest.raises(ValueError, match="unit inner stride"):
-        tma_maps.encode_args((0, 3, 2, 10, [64, 128], [99, 128], [128, 2], 0))
-    utils = types.SimpleNamespace(fill_tma_descriptor=lambda *a: a)
-    plain = utils.fill_tma_descriptor
-    with pytest.raises(ValueError, match="L2 promotion"), tma_maps.l2_promotion(32, utils):
-        pass
-    with tma_maps.l2_promotion(256, utils):
-        assert utils.fill_tma_descriptor is not plain and utils.fill_tma_descriptor.real is plain
-        with tma_maps.cached_tma_maps(utils):  # under it the memo stays out: every map fresh
-            assert utils.fill_tma_descriptor.real is plain
-    assert utils.fill_tma_descriptor is plain
-
-
-@pytest.mark.gpu
-@hopper
-def test_tma_l2_promotion_gpu():
-    """Triton's maps are cuTensorMapEncodeTiled's at a 128-byte promotion byte for byte (else
-    l2_promotion raises), and the kernels read the same bytes under any promotion: contiguous
-    and paged prefill bit for bit the same at 0 and 256 as at Triton's 128."""
-    from flashpage.kernels import tma_maps
-    from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon, paged_prefill_gluon
-
-    lens = [700, 1, 129]
-    q, k, v, cu = _ragged(lens, 8, 2, seed=3)
-    base = flash_prefill_gluon(q, k, v, cu, max(lens), cache_descriptors=False)
-    args = _paged_case([300, 5], [100, 2000], 8, 2, 16, seed=5)
-    pbase = paged_prefill_gluon(*args, cache_descriptors=False)
-    for n in (0, 256):
-        with tma_maps.l2_promotion(n):
-            out = flash_prefill_gluon(q, k, v, cu, max(lens))
-            pout = paged_prefill_gluon(*args)
-        torch.cuda.synchronize()
-        assert torch.equal(out, base) and torch.equal(pout, pbase), n
-
-
 def test_gluon_prefill_rejects_bad_input():
     from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon
 
