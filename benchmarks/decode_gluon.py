@@ -42,7 +42,9 @@ FP8 = torch.float8_e4m3fn
 class Batch:
     """One decode batch (given contexts) over copies of its K/V at random blocks."""
 
-    def __init__(self, lens: list[int], kv_dtype: torch.dtype = FP8):
+    def __init__(self, lens: list[int], kv_dtype: torch.dtype = FP8, ordered: bool = False):
+        """ordered: every sequence's blocks consecutive in the cache, in order (a fresh
+        allocator's tables), not shuffled over it."""
         self.lens = lens
         self.batch = len(lens)
         size = kv_dtype.itemsize
@@ -52,7 +54,8 @@ class Batch:
         total = self.copies * self.batch * nblk
         self.key_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
         self.value_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
-        self.tables = torch.randperm(total, device="cuda", dtype=torch.int32).view(self.copies, self.batch, nblk)
+        order = torch.arange if ordered else torch.randperm
+        self.tables = order(total, device="cuda", dtype=torch.int32).view(self.copies, self.batch, nblk)
         self.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         self.q = torch.randn(self.copies, self.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
         self.out = torch.empty(self.batch, HQ, D, device="cuda", dtype=torch.bfloat16)

@@ -15,6 +15,7 @@ Each under a minute on an H200; writes $OUT/decode_gluon_knobs_<set>.json.
 default (FLASHPAGE_DECODE_GLUON_BF16 unset), "cudnn" SDPA cuDNN on the same K/V gathered into a
 contiguous [B, Hkv, ctx, D] cache, "P{p} s{s}" the persistent Gluon kernel at p programs an SM
 of s stages (32 KB each); each cell also gives its ratio to cuDNN (x) in the same run.
+``--ordered``: each sequence's blocks consecutive in the cache (the default shuffles them over it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import statistics
 import time
 
 import torch
-from decode_gluon import Batch, shapes  # sets FLASHPAGE_DECODE_GLUON=0: "triton" is Triton
+from decode_gluon import FP8, Batch, shapes  # sets FLASHPAGE_DECODE_GLUON=0: "triton" is Triton
 from gpu_timing import copy_bandwidth, time_graph
 
 from flashpage.kernels.paged_decode import paged_decode
@@ -62,6 +63,9 @@ def main() -> None:
                          "forms differ by about the runs' spread: session 12)")
     ap.add_argument("--variants", nargs="*", default=None,
                     help="only these columns (triton and cudnn are always timed)")
+    ap.add_argument("--ordered", action="store_true",
+                    help="each sequence's blocks consecutive in the cache (not shuffled): what the page "
+                         "scatter costs, against cuDNN's contiguous K/V")
     args = ap.parse_args()
     t0 = time.time()
     bf16 = args.set == "bf16"
@@ -73,10 +77,10 @@ def main() -> None:
     ragged256 = sorted(torch.randint(101, 2049, (256,), generator=gen).tolist(), reverse=True)
     copy = copy_bandwidth()
     rows = []
-    path = os.path.join(args.out, f"decode_gluon_knobs_{args.set}.json")
+    path = os.path.join(args.out, f"decode_gluon_knobs_{args.set}{'_ordered' if args.ordered else ''}.json")
     all_shapes = bf16_shapes() if bf16 else shapes() + [("256 x ragged 101-2048, longest first", ragged256)]
     for name, lens in all_shapes:
-        b = Batch(lens, torch.bfloat16) if bf16 else Batch(lens)
+        b = Batch(lens, torch.bfloat16 if bf16 else FP8, ordered=args.ordered)
         ref = None
         row = {"shape": name}
         gbps = {}

@@ -7,6 +7,10 @@
 #   bash benchmarks/gpu_s14.sh b    issue 5, decided by pairs: the paged Gluon prefill's forms
 #                                   against the contiguous one, graph replays back to back
 #                                   (benchmarks/prefill_paired.py), 2 x 4096, 1 x 16384, 8 x 1024
+#   bash benchmarks/gpu_s14.sh d    run 113: issue 5's table after the early Q release (contiguous Gluon,
+#                                   the engine's paged form, Triton, SDPA cuDNN and flash, 3 rounds);
+#                                   the 16-bit decode over shuffled and over ordered block tables
+#                                   beside cuDNN (what the page scatter costs: issue 6)
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -29,5 +33,13 @@ b)
   timeout "$(left 240)" python3 benchmarks/prefill_paired.py --out "$OUT" --pairs 200 2>&1 \
     | tee "$OUT/prefill_paired.txt" | tail -n 9
   echo "part b done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-b)"; exit 2 ;;
+d)
+  timeout "$(left 330)" python3 benchmarks/prefill_gluon.py --out "$OUT" --variants gluon --causal-only \
+    --paged-variants gluon_paged_tma1_stages3 --rounds 3 --budget 300 2>&1 | tee "$OUT/prefill_gluon.txt" | tail -n 8
+  for o in "" --ordered; do
+    timeout "$(left 60)" python3 benchmarks/decode_gluon_knobs.py --set bf16 --rounds 3 --variants "P2 s2 bal" $o \
+      --out "$OUT" 2>&1 | tee "$OUT/decode_bf16${o:+_ordered}.txt" | tail -n 9
+  done
+  echo "part d done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-d)"; exit 2 ;;
 esac
