@@ -42,23 +42,25 @@ FP8 = torch.float8_e4m3fn
 class Batch:
     """One decode batch (given contexts) over copies of its K/V at random blocks."""
 
-    def __init__(self, lens: list[int], kv_dtype: torch.dtype = FP8, ordered: bool = False):
+    def __init__(self, lens: list[int], kv_dtype: torch.dtype = FP8, ordered: bool = False,
+                 hq: int = HQ, hkv: int = HKV):
         """ordered: every sequence's blocks consecutive in the cache, in order (a fresh
-        allocator's tables), not shuffled over it."""
+        allocator's tables), not shuffled over it. hq / hkv: query and KV heads."""
+        self.hq, self.hkv = hq, hkv
         self.lens = lens
         self.batch = len(lens)
         size = kv_dtype.itemsize
-        self.kv_bytes = 2 * sum(lens) * HKV * D * size
+        self.kv_bytes = 2 * sum(lens) * hkv * D * size
         self.nblk = nblk = -(-max(lens) // BS)
-        self.copies = max(1, -(-ROTATE_BYTES // (2 * self.batch * nblk * BS * HKV * D * size)))
+        self.copies = max(1, -(-ROTATE_BYTES // (2 * self.batch * nblk * BS * hkv * D * size)))
         total = self.copies * self.batch * nblk
-        self.key_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
-        self.value_cache = torch.randn(total, BS, HKV, D, device="cuda").to(kv_dtype)
+        self.key_cache = torch.randn(total, BS, hkv, D, device="cuda").to(kv_dtype)
+        self.value_cache = torch.randn(total, BS, hkv, D, device="cuda").to(kv_dtype)
         order = torch.arange if ordered else torch.randperm
         self.tables = order(total, device="cuda", dtype=torch.int32).view(self.copies, self.batch, nblk)
         self.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        self.q = torch.randn(self.copies, self.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-        self.out = torch.empty(self.batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        self.q = torch.randn(self.copies, self.batch, hq, D, device="cuda", dtype=torch.bfloat16)
+        self.out = torch.empty(self.batch, hq, D, device="cuda", dtype=torch.bfloat16)
         self.i = 0
 
     def calls(self) -> int:
@@ -83,8 +85,8 @@ class Batch:
             raise ValueError("SDPA's contiguous K/V needs one context length")
         ctx = self.lens[0]
         t = self.tables.long()
-        k = self.key_cache[t].view(self.copies, self.batch, self.nblk * BS, HKV, D)[:, :, :ctx]
-        v = self.value_cache[t].view(self.copies, self.batch, self.nblk * BS, HKV, D)[:, :, :ctx]
+        k = self.key_cache[t].view(self.copies, self.batch, self.nblk * BS, self.hkv, D)[:, :, :ctx]
+        v = self.value_cache[t].view(self.copies, self.batch, self.nblk * BS, self.hkv, D)[:, :, :ctx]
         k, v = k.transpose(2, 3).contiguous(), v.transpose(2, 3).contiguous()
         q4 = self.q.unsqueeze(3)  # [copies, B, Hq, 1, D]
 

@@ -11,6 +11,9 @@
 #                                   the engine's paged form, Triton, SDPA cuDNN and flash, 3 rounds);
 #                                   the 16-bit decode over shuffled and over ordered block tables
 #                                   beside cuDNN (what the page scatter costs: issue 6)
+#   bash benchmarks/gpu_s14.sh e    run 114: issue 5's pairs once more on another machine; the 16-bit decode
+#                                   with one KV head (4 KB contiguous page pieces, the same items and
+#                                   bytes), shuffled and ordered tables, beside cuDNN
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -41,5 +44,13 @@ d)
       --out "$OUT" 2>&1 | tee "$OUT/decode_bf16${o:+_ordered}.txt" | tail -n 9
   done
   echo "part d done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-d)"; exit 2 ;;
+e)
+  timeout "$(left 90)" python3 benchmarks/prefill_paired.py --out "$OUT" --pairs 200 --paged engine 2>&1 \
+    | tee "$OUT/prefill_paired.txt" | tail -n 4
+  for o in "" --ordered; do
+    timeout "$(left 60)" python3 benchmarks/decode_gluon_knobs.py --set bf16 --rounds 3 --variants "P2 s2 bal" \
+      --kv-heads 1 $o --out "$OUT" 2>&1 | tee "$OUT/decode_bf16_hkv1${o:+_ordered}.txt" | tail -n 9
+  done
+  echo "part e done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-e)"; exit 2 ;;
 esac
