@@ -42,10 +42,12 @@ FP8 = torch.float8_e4m3fn
 class Batch:
     """One decode batch (given contexts) over copies of its K/V at random blocks."""
 
-    def __init__(self, lens: list[int], kv_dtype: torch.dtype = FP8, ordered: bool = False,
+    def __init__(self, lens: list[int], kv_dtype: torch.dtype = FP8, runs: int = 1,
                  hq: int = HQ, hkv: int = HKV):
-        """ordered: every sequence's blocks consecutive in the cache, in order (a fresh
-        allocator's tables), not shuffled over it. hq / hkv: query and KV heads."""
+        """runs: the blocks shuffled over the cache in runs of this many consecutive ones (1:
+        each on its own; 4: where a block-64 cache's would lie); 0: none shuffled, each
+        sequence's blocks consecutive, in order (a fresh allocator's tables). hq / hkv: query
+        and KV heads."""
         self.hq, self.hkv = hq, hkv
         self.lens = lens
         self.batch = len(lens)
@@ -54,10 +56,13 @@ class Batch:
         self.nblk = nblk = -(-max(lens) // BS)
         self.copies = max(1, -(-ROTATE_BYTES // (2 * self.batch * nblk * BS * hkv * D * size)))
         total = self.copies * self.batch * nblk
-        self.key_cache = torch.randn(total, BS, hkv, D, device="cuda").to(kv_dtype)
-        self.value_cache = torch.randn(total, BS, hkv, D, device="cuda").to(kv_dtype)
-        order = torch.arange if ordered else torch.randperm
-        self.tables = order(total, device="cuda", dtype=torch.int32).view(self.copies, self.batch, nblk)
+        run = runs or total
+        groups = -(-total // run)
+        self.key_cache = torch.randn(groups * run, BS, hkv, D, device="cuda").to(kv_dtype)
+        self.value_cache = torch.randn(groups * run, BS, hkv, D, device="cuda").to(kv_dtype)
+        starts = torch.randperm(groups, device="cuda", dtype=torch.int32) * run
+        blocks = (starts[:, None] + torch.arange(run, device="cuda", dtype=torch.int32)).flatten()
+        self.tables = blocks[:total].view(self.copies, self.batch, nblk)
         self.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         self.q = torch.randn(self.copies, self.batch, hq, D, device="cuda", dtype=torch.bfloat16)
         self.out = torch.empty(self.batch, hq, D, device="cuda", dtype=torch.bfloat16)

@@ -15,7 +15,8 @@ Each under a minute on an H200; writes $OUT/decode_gluon_knobs_<set>.json.
 default (FLASHPAGE_DECODE_GLUON_BF16 unset), "cudnn" SDPA cuDNN on the same K/V gathered into a
 contiguous [B, Hkv, ctx, D] cache, "P{p} s{s}" the persistent Gluon kernel at p programs an SM
 of s stages (32 KB each); each cell also gives its ratio to cuDNN (x) in the same run.
-``--ordered``: each sequence's blocks consecutive in the cache (the default shuffles them over it).
+``--ordered``: each sequence's blocks consecutive in the cache (the default shuffles them over it);
+``--runs 4``: shuffled in runs of 4 consecutive blocks (the places a block-64 cache's blocks take).
 ``--kv-heads 1``: the same bytes and items as one KV head (4 query heads) of 8x the batch, so
 that each item's page piece is 4 KB contiguous (what an HND page would give every head).
 """
@@ -68,6 +69,8 @@ def main() -> None:
     ap.add_argument("--ordered", action="store_true",
                     help="each sequence's blocks consecutive in the cache (not shuffled): what the page "
                          "scatter costs, against cuDNN's contiguous K/V")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="blocks shuffled in runs of this many consecutive ones (4: a block-64 cache's places)")
     ap.add_argument("--kv-heads", type=int, default=8,
                     help="KV heads (query heads 4x); the batch scaled by 8 / this, so that a shape's items "
                          "and bytes stay those it names: at 1 a page piece of one head is 4 KB contiguous, "
@@ -83,11 +86,13 @@ def main() -> None:
     ragged256 = sorted(torch.randint(101, 2049, (256,), generator=gen).tolist(), reverse=True)
     copy = copy_bandwidth()
     rows = []
-    tag = ("_ordered" if args.ordered else "") + (f"_hkv{args.kv_heads}" if args.kv_heads != 8 else "")
+    runs = 0 if args.ordered else args.runs
+    tag = ("_ordered" if runs == 0 else f"_runs{runs}" if runs > 1 else "") + (
+        f"_hkv{args.kv_heads}" if args.kv_heads != 8 else "")
     path = os.path.join(args.out, f"decode_gluon_knobs_{args.set}{tag}.json")
     all_shapes = bf16_shapes() if bf16 else shapes() + [("256 x ragged 101-2048, longest first", ragged256)]
     for name, lens in all_shapes:
-        b = Batch(lens * (8 // args.kv_heads), torch.bfloat16 if bf16 else FP8, ordered=args.ordered,
+        b = Batch(lens * (8 // args.kv_heads), torch.bfloat16 if bf16 else FP8, runs=runs,
                   hq=4 * args.kv_heads, hkv=args.kv_heads)
         ref = None
         row = {"shape": name}

@@ -14,6 +14,8 @@
 #   bash benchmarks/gpu_s14.sh e    run 114: issue 5's pairs once more on another machine; the 16-bit decode
 #                                   with one KV head (4 KB contiguous page pieces, the same items and
 #                                   bytes), shuffled and ordered tables, beside cuDNN
+#   bash benchmarks/gpu_s14.sh f    run 115: the 16-bit decode beside cuDNN with its blocks shuffled one by
+#                                   one, in runs of 4 (a block-64 cache's places) and 16, and in order
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -52,5 +54,11 @@ e)
       --kv-heads 1 $o --out "$OUT" 2>&1 | tee "$OUT/decode_bf16_hkv1${o:+_ordered}.txt" | tail -n 9
   done
   echo "part e done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-e)"; exit 2 ;;
+f)
+  for o in "--runs 1" "--runs 4" "--runs 16" --ordered; do
+    timeout "$(left 60)" python3 benchmarks/decode_gluon_knobs.py --set bf16 --rounds 3 --variants "P2 s2 bal" \
+      $o --out "$OUT" 2>&1 | tee "$OUT/decode_bf16_${o//[- ]/}.txt" | tail -n 9
+  done
+  echo "part f done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-f)"; exit 2 ;;
 esac
