@@ -16,6 +16,9 @@
 #                                   bytes), shuffled and ordered tables, beside cuDNN
 #   bash benchmarks/gpu_s14.sh f    run 115: the 16-bit decode beside cuDNN with its blocks shuffled one by
 #                                   one, in runs of 4 (a block-64 cache's places) and 16, and in order
+#   bash benchmarks/gpu_s14.sh g    run 116: the same with one KV head (4 KB page pieces, contiguous), blocks
+#                                   shuffled one by one and in runs of 8 (32 KB: a whole block-16 page of 8
+#                                   heads read by one program)
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -60,5 +63,11 @@ f)
       $o --out "$OUT" 2>&1 | tee "$OUT/decode_bf16_${o//[- ]/}.txt" | tail -n 9
   done
   echo "part f done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-f)"; exit 2 ;;
+g)
+  for o in "--runs 1" "--runs 8" "--runs 64"; do
+    timeout "$(left 60)" python3 benchmarks/decode_gluon_knobs.py --set bf16 --rounds 3 --variants "P2 s2 bal" \
+      --kv-heads 1 $o --out "$OUT" 2>&1 | tee "$OUT/decode_bf16_hkv1_${o//[- ]/}.txt" | tail -n 9
+  done
+  echo "part g done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-g)"; exit 2 ;;
 esac
