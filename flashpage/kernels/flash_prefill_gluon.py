@@ -33,7 +33,9 @@ Else one program per tile (the hardware hands them out in order). A program is 3
                                                one both consumers arrive on), and Q (two
                                                [64, 128] boxes) into Q buffer qi % Q_BUFS
                                                right after K_0, once both consumers released
-                                               that buffer (q_empty); dynamic: the tile index
+                                               that buffer (q_empty: each arrives once its last
+                                               S is done, before its last P.V and store, so
+                                               one Q buffer loads under them); dynamic: the tile index
                                                posted with it (sched[2 + 2 pid + buffer]), and
                                                the next one fetched
     warpgroup 1 (worker, CONSUMER_REGS = 240)  consumer 0: query rows m0 .. m0 + 63
@@ -195,10 +197,12 @@ def engine_options(block_size: int, producer: str = "") -> dict:
     128 up. The ring is 3 deep under "tma1" (its warpgroups leave the shared memory a third
     stage with one Q buffer), 2 otherwise.
 
-    H200, block 16, causal, runs 95-97 (BENCHMARKS.md): over 10 rounds, the median of the paged /
-    contiguous ratio timed in the same round is 0.975 / 0.96 / 0.92 at 2 x 4096 / 1 x 16384 /
-    8 x 1024 for tma1 3 deep, 0.90 / 0.89 / 0.90 for gather (the Gluon kernels' rounds spread by
-    up to 10%); 8192 cached + 8192: 563-599 TFLOP/s against gather's 518-543. Run 89: gather 3-5%
+    H200, block 16, causal (BENCHMARKS.md): the paged / contiguous ratio of graph replays timed
+    back to back in 200 pairs (benchmarks/prefill_paired.py, runs 112 and 114, the consumers
+    releasing Q before the last P.V) 0.975 / 0.978 / 0.966 at 2 x 4096 / 1 x 16384 / 8 x 1024 for
+    tma1 3 deep, 0.87 / 0.90 / 0.87 for tma1 2 deep (run 111); over runs 95-97's rounds gather
+    0.90 / 0.89 / 0.90 (the Gluon kernels' rounds spread by up to 10%: hence the pairs); 8192
+    cached + 8192: 563-599 TFLOP/s against gather's 518-543. Run 89: gather 3-5%
     over the 4-warp TMA boxes at block 16, 8-19% under them at block 128 (the boxes there as fast
     as contiguous)."""
     if producer:
