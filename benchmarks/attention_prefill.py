@@ -1,5 +1,7 @@
 """Prefill attention throughput: ours (contiguous and paged) beside SDPA's flash and cuDNN
-backends and flex_attention, all measured in one run, bf16, 32 heads.
+backends and flex_attention, all measured in one run, bf16, 32 heads. "ours" / "paged" are the
+Triton kernel; at head_dim 128 on Hopper also "gluon" (flash_prefill_gluon, contiguous) and
+"engine16" / "engine128" (paged_prefill as the engine calls it: the Gluon paged kernel).
 
     python benchmarks/attention_prefill.py --out DIR [--tune] [--jobs 12]
 
@@ -92,6 +94,22 @@ def make_paged(k: torch.Tensor, v: torch.Tensor, b: int, s: int, bs: int):
     vc[perm] = v.view(b * nb, bs, *v.shape[1:])
     seq_lens = torch.full((b,), s, dtype=torch.int32, device=k.device)
     return kc, vc, tables, seq_lens
+
+
+def gluon_covers(d: int, dev: str) -> bool:
+    """The Gluon FA3-style kernels (head_dim 128, sm_90) run here: their columns are timed."""
+    return dev == "cuda" and d == 128 and torch.cuda.get_device_capability()[0] == 9
+
+
+def engine_fn(q, k, v, cu, s, causal, paged=None):
+    """What the engine runs: the Gluon kernel over contiguous K/V, or paged_prefill with no
+    explicit config (its own dispatch: the Gluon paged kernel on Hopper over 16-bit caches)."""
+    if paged is None:
+        from flashpage.kernels.flash_prefill_gluon import flash_prefill_gluon
+
+        return lambda: flash_prefill_gluon(q, k, v, cu, s, causal=causal)
+    kc, vc, tables, seq_lens = paged
+    return lambda: paged_prefill(q, kc, vc, tables, cu, seq_lens, s, s, causal=causal)
 
 
 def ours_fn(q, k, v, cu, s, causal, cfg, paged=None):
@@ -271,11 +289,16 @@ def main() -> None:
                 row["best_cfg"] = cfg_name(best)
                 row["ours_best"] = row[f"ours[{cfg_name(best)}]"]
                 measure = _measurer(row, None, smoke, records)
+                gluon = gluon_covers(d, dev)
+                if gluon:
+                    measure("gluon", engine_fn(q, k, v, cu, s, causal))
                 for bs in PAGE_SIZES:
                     if s % bs:
                         continue
                     paged = make_paged(k, v, b, s, bs)
                     measure(f"paged{bs}", ours_fn(q, k, v, cu, s, causal, default, paged))
+                    if gluon:
+                        measure(f"engine{bs}", engine_fn(q, k, v, cu, s, causal, paged))
                     if best != default and not paged_all:
                         measure(f"paged{bs}_best", ours_fn(q, k, v, cu, s, causal, best, paged))
                     for cfg in cfgs if paged_all else ():
@@ -324,13 +347,15 @@ def _fmt(x) -> str:
 
 def render(rows: list[dict], env: dict, cmd: str) -> str:
     cols = [("ours", "ours"), ("paged16", "paged bs16"), ("paged128", "paged bs128"),
-            ("ours_gqa4", "ours GQA 32/8"), ("sdpa_flash", "SDPA flash"),
+            ("ours_gqa4", "ours GQA 32/8"), ("gluon", "Gluon"), ("engine16", "engine paged bs16"),
+            ("engine128", "engine paged bs128"), ("sdpa_flash", "SDPA flash"),
             ("sdpa_cudnn", "SDPA cuDNN"), ("flex", "flex")]
     lines = [f"Prefill attention, bf16, {rows[0]['heads'] if rows else HEADS} heads, TFLOP/s "
              f"(causal counts half). {env}", f"`{cmd}`", "",
              "| B x S | causal | D | " + " | ".join(c[1] for c in cols)
-             + " | ours/cuDNN | ours/flash | paged16/ours | best cfg (TFLOP/s) |",
-             "|" + " --- |" * (len(cols) + 7)]
+             + " | ours/cuDNN | ours/flash | paged16/ours | Gluon/cuDNN | Gluon/flash | engine16/Gluon"
+             " | best cfg (TFLOP/s) |",
+             "|" + " --- |" * (len(cols) + 10)]
     for r in rows:
         def ratio(a, b, r=r):
             x, y = r.get(a), r.get(b)
@@ -339,7 +364,11 @@ def render(rows: list[dict], env: dict, cmd: str) -> str:
         lines.append(f"| {r['batch']}x{r['seqlen']} | {'yes' if r['causal'] else 'no'} | "
                      f"{r['head_dim']} | " + " | ".join(_fmt(r.get(c[0])) for c in cols)
                      + f" | {ratio('ours', 'sdpa_cudnn')} | {ratio('ours', 'sdpa_flash')} | "
-                     f"{ratio('paged16', 'ours')} | {best} |")
+                     f"{ratio('paged16', 'ours')} | {ratio('gluon', 'sdpa_cudnn')} | "
+                     f"{ratio('gluon', 'sdpa_flash')} | {ratio('engine16', 'gluon')} | {best} |")
+    lines.append("\nours / paged: the Triton kernel (flash_attn_varlen, paged_prefill with its config); Gluon:"
+                 " flash_prefill_gluon (head_dim 128, sm_90); engine paged: paged_prefill as the engine calls it"
+                 " (no config: the Gluon paged kernel where it covers the call)")
     lines.append(f"\nours = default config ({', '.join(sorted({r['default_cfg'] for r in rows}))})")
     lines += candidate_table(rows)
     return "\n".join(lines) + "\n"

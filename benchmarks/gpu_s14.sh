@@ -19,6 +19,9 @@
 #   bash benchmarks/gpu_s14.sh g    run 116: the same with one KV head (4 KB page pieces, contiguous), blocks
 #                                   shuffled one by one and in runs of 8 (32 KB: a whole block-16 page of 8
 #                                   heads read by one program)
+#   bash benchmarks/gpu_s14.sh h    run 117: issue 5's named benchmark with the engine's kernels in it
+#                                   (attention_prefill.py: Triton, Gluon, the engine's paged call, SDPA
+#                                   flash / cuDNN, flex; head_dim 64 and 128, causal and not)
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -69,5 +72,9 @@ g)
       --kv-heads 1 $o --out "$OUT" 2>&1 | tee "$OUT/decode_bf16_hkv1_${o//[- ]/}.txt" | tail -n 9
   done
   echo "part g done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-g)"; exit 2 ;;
+h)
+  timeout "$(left 540)" python3 benchmarks/attention_prefill.py --jobs 12 --out "$OUT" 2>&1 \
+    | tee "$OUT/attention_prefill.txt" | tail -n 20
+  echo "part h done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-h)"; exit 2 ;;
 esac
