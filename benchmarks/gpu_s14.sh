@@ -22,6 +22,9 @@
 #   bash benchmarks/gpu_s14.sh h    run 117: issue 5's named benchmark with the engine's kernels in it
 #                                   (attention_prefill.py: Triton, Gluon, the engine's paged call, SDPA
 #                                   flash / cuDNN, flex; head_dim 64 and 128, causal and not)
+#   bash benchmarks/gpu_s14.sh i    run 118: host time per prefill call (launch_overhead.py, cProfile of
+#                                   the engine's path): attention_prefill.py's do_bench had the Gluon
+#                                   paths at 8 x 1024 causal 28-47% under prefill_gluon.py's
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -76,5 +79,9 @@ h)
   timeout "$(left 540)" python3 benchmarks/attention_prefill.py --jobs 12 --out "$OUT" 2>&1 \
     | tee "$OUT/attention_prefill.txt" | tail -n 20
   echo "part h done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-h)"; exit 2 ;;
+i)
+  timeout "$(left 200)" python3 benchmarks/launch_overhead.py --out "$OUT" --profile 2>&1 \
+    | tee "$OUT/launch_overhead.txt" | tail -n 60
+  echo "part i done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-i)"; exit 2 ;;
 esac
