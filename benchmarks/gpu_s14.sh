@@ -25,6 +25,9 @@
 #   bash benchmarks/gpu_s14.sh i    run 118: host time per prefill call (launch_overhead.py, cProfile of
 #                                   the engine's path): attention_prefill.py's do_bench had the Gluon
 #                                   paths at 8 x 1024 causal 28-47% under prefill_gluon.py's
+#   bash benchmarks/gpu_s14.sh j    run 119: kernels/fast_launch.py's GPU tests and the prefill GPU tests
+#                                   it touches, host time per call with it off / on, issue 5's
+#                                   benchmark at head_dim 128 causal
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -83,5 +86,14 @@ i)
   timeout "$(left 200)" python3 benchmarks/launch_overhead.py --out "$OUT" --profile 2>&1 \
     | tee "$OUT/launch_overhead.txt" | tail -n 60
   echo "part i done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-i)"; exit 2 ;;
+j)
+  timeout "$(left 150)" $PT -x -m gpu tests/kernels/test_fast_launch.py tests/kernels/test_flash_prefill_gluon.py \
+    tests/kernels/test_paged_prefill_gather.py -k "fast_launch or cuda_graph or one_compile or tma_map_cache \
+    or dispatches or engine_options" -rf 2>&1 | tee "$OUT/fast_launch_tests.txt" | tail -n 3
+  timeout "$(left 100)" python3 benchmarks/launch_overhead.py --out "$OUT" --profile 2>&1 \
+    | tee "$OUT/launch_overhead.txt" | head -n 40
+  timeout "$(left 200)" python3 benchmarks/attention_prefill.py --dims 128 --no-flex --out "$OUT" 2>&1 \
+    | tee "$OUT/attention_prefill.txt" | tail -n 12
+  echo "part j done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-j)"; exit 2 ;;
 esac

@@ -8,7 +8,9 @@ its GPU time is the median of CUDA-event pairs around single calls at the timed 
 Hopper), ``gluon_paged`` (paged_prefill_gluon called directly with the engine's options),
 ``gluon`` (flash_prefill_gluon, contiguous), ``triton_paged`` (paged_prefill with
 FLASHPAGE_PREFILL_GLUON=0's route: the Triton kernel), and an empty ``torch.empty`` + add
-for scale. ``--profile``: cProfile's top functions of the engine path over N calls.
+for scale; host times with FLASHPAGE_FAST_LAUNCH=0 (Triton's JIT dispatch on every call,
+``host_us_jit``) and =1 (kernels/fast_launch.py, ``host_us``). ``--profile``: cProfile's top
+functions of the engine path over N calls.
 
     python benchmarks/launch_overhead.py --out $OUT [--profile]
 
@@ -105,7 +107,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     small = paths(1, 128)  # GPU work of a few us: the host is what is timed
-    rows = {name: {"host_us": round(host_us(fn, args.calls), 1)} for name, fn in small.items()}
+    rows = {}
+    for fast in ("0", "1"):  # Triton's JIT dispatch every call, then kernels/fast_launch.py's path
+        os.environ["FLASHPAGE_FAST_LAUNCH"] = fast
+        for name, fn in small.items():
+            rows.setdefault(name, {})["host_us" if fast == "1" else "host_us_jit"] = round(host_us(fn, args.calls), 1)
     for shape in ((1, 2048), (8, 1024)):  # a prompt chunk's attention, for scale
         for name, fn in paths(*shape).items():
             rows[name][f"gpu_us_{shape[0]}x{shape[1]}"] = round(gpu_us(fn), 1)

@@ -107,6 +107,14 @@ def prefill_producer() -> str:
     return os.environ.get("FLASHPAGE_PREFILL_PRODUCER", "").strip()
 
 
+def fast_launch() -> bool:
+    """JIT kernels launched straight through their compiled form after their first launch
+    (kernels/fast_launch.py: the Gluon prefill; Triton's per-call dispatch is ~110 us of its
+    ~200 us host time a call on an H200, run 118). FLASHPAGE_FAST_LAUNCH=0 sends every launch
+    through Triton's JIT. Read at each call."""
+    return os.environ.get("FLASHPAGE_FAST_LAUNCH", "1") != "0"
+
+
 def mla_gluon() -> str:
     """FLASHPAGE_MLA_GLUON: which Gluon kernel takes the triton backend's MLA decode on Hopper
     where it covers the call (mla_gluon_unsupported: bf16/fp16 latents in q's dtype, kv_lora_rank

@@ -1,0 +1,74 @@
+"""A JIT kernel launched straight through its compiled form after its first launch.
+
+Triton 3.6's ``kernel[grid](*args, **constexprs)`` does, on every call, the work of finding
+the compiled kernel: it binds the arguments, specializes each (dtype, 16-byte alignment,
+ints equal to 1 or divisible by 16), hashes a cache key, and compares every module global
+the kernel read against its value at compile time (the Gluon prefill reads 14 constexpr
+globals). On an H200's host that is ~110 us of the Gluon prefill's ~200 us a call (run 118,
+benchmarks/launch_overhead.py), where our Triton paged prefill's whole call costs 72 us, and
+the engine calls it once a layer in every step with prompt tokens, eagerly.
+
+``FastLauncher(kernel)(grid, args, constexprs, options)`` launches as ``kernel[grid](*args,
+**constexprs, **options)`` would, the first time through exactly that (which compiles or
+loads the kernel and launches it); after that it keeps the compiled kernel under a key that
+holds every constexpr and option value and, for every positional argument, a superset of
+what Triton specializes on (a tensor's dtype and 16-byte alignment; an int's == 1, % 16 and
+32-bit range; a TMA descriptor's dtype, block shape, layout and padding), and launches the
+compiled kernel directly (CompiledKernel[grid]: the current stream, launch hooks honoured;
+a CUDA graph captures it as usual). A call whose key is new goes through the JIT once more.
+Not checked on the fast path: module globals changed after the first launch (ours are
+constants). FLASHPAGE_FAST_LAUNCH=0 sends every launch through the JIT.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flashpage import envs
+
+
+def arg_key(a: Any) -> Any:
+    """What a positional kernel argument contributes to the compiled-kernel key: at least
+    everything Triton's specialization reads from it."""
+    if isinstance(a, torch.Tensor):
+        return ("t", a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool):
+        return ("b", a)
+    if isinstance(a, int):
+        return ("i", a == 1, a % 16 == 0, -(2**31) <= a < 2**31, 0 <= a < 2**64)
+    if isinstance(a, float):
+        return "f"
+    if a is None:
+        return None
+    if hasattr(a, "block_shape") and hasattr(a, "base"):  # a host TMA descriptor
+        return ("d", a.base.dtype, tuple(a.block_shape), a.layout, getattr(a, "padding", None))
+    raise TypeError(f"fast_launch: no key for a kernel argument of type {type(a).__name__}")
+
+
+class FastLauncher:
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        # the constexpr parameters in signature order: the compiled kernel takes every
+        # parameter positionally, constexprs included (as the JIT passes them)
+        self.params = list(kernel.arg_names)
+        self.compiled: dict[tuple, Any] = {}
+        self.jit_launches = 0  # launches that went through the JIT (tests)
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict) -> None:
+        if not envs.fast_launch():
+            self.jit_launches += 1
+            self.kernel[grid](*args, **constexprs, **options)
+            return
+        key = (torch.cuda.current_device(), tuple(constexprs.items()), tuple(options.items()),
+               tuple(arg_key(a) for a in args))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            self.jit_launches += 1
+            compiled = self.kernel[grid](*args, **constexprs, **options)
+            if compiled is not None:
+                self.compiled[key] = compiled
+            return
+        rest = [constexprs[name] for name in self.params[len(args):]]
+        compiled[(*grid, 1, 1)[:3]](*args, *rest)
