@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, read once per device index (a launch path's checks
+    ask on every call; torch's lookup costs a few us each)."""
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def interpreting() -> bool:
@@ -18,5 +30,5 @@ def sm90_reasons(t: torch.Tensor, capability: tuple[int, int] | None = None) -> 
     or the interpreter count as none)."""
     if capability is None:
         capability = ((0, 0) if t.device.type != "cuda" or interpreting()
-                      else torch.cuda.get_device_capability(t.device))
+                      else cuda_capability(t.device))
     return [] if capability[0] == 9 else ["needs a Hopper (sm_90) GPU, not the interpreter"]

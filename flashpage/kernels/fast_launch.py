@@ -32,19 +32,20 @@ from flashpage import envs
 def arg_key(a: Any) -> Any:
     """What a positional kernel argument contributes to the compiled-kernel key: at least
     everything Triton's specialization reads from it."""
-    if isinstance(a, torch.Tensor):
-        return ("t", a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, bool):
-        return ("b", a)
-    if isinstance(a, int):
-        return ("i", a == 1, a % 16 == 0, -(2**31) <= a < 2**31, 0 <= a < 2**64)
-    if isinstance(a, float):
+    t = type(a)
+    if t is int:
+        return (a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 0)
+    if t is float:
         return "f"
+    if t is bool:
+        return ("b", a)
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
     if a is None:
         return None
     if hasattr(a, "block_shape") and hasattr(a, "base"):  # a host TMA descriptor
         return ("d", a.base.dtype, tuple(a.block_shape), a.layout, getattr(a, "padding", None))
-    raise TypeError(f"fast_launch: no key for a kernel argument of type {type(a).__name__}")
+    raise TypeError(f"fast_launch: no key for a kernel argument of type {t.__name__}")
 
 
 class FastLauncher:

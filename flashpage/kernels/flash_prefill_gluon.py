@@ -173,6 +173,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from flashpage.kernels.device import cuda_capability
 from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.tma_maps import cached_tma_maps
 
@@ -994,7 +995,7 @@ def _check(q, k, v, cu_seqlens, max_seqlen, sm_scale, out) -> None:
     devices = {t.device for t in (q, k, v, cu_seqlens)} | ({out.device} if out is not None else set())
     if len(devices) != 1:
         raise ValueError(f"q, k, v, cu_seqlens (and out) must be on one device, got {sorted(map(str, devices))}")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if q.device.type != "cuda" or cuda_capability(q.device)[0] != 9:
         raise ValueError("flash_prefill_gluon runs on CUDA sm_90 (Hopper) only")
 
 
@@ -1120,7 +1121,7 @@ def _check_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens
     devices = {t.device for t in tensors} | ({out.device} if out is not None else set())
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if q.device.type != "cuda" or cuda_capability(q.device)[0] != 9:
         raise ValueError("paged_prefill_gluon runs on CUDA sm_90 (Hopper) only")
 
 
