@@ -103,7 +103,7 @@ k)
     -k "fast_launch or cuda_graph or one_compile or dispatches" -rf 2>&1 | tee "$OUT/fast_launch_tests.txt" | tail -n 2
   timeout "$(left 60)" python3 benchmarks/launch_overhead.py --out "$OUT" 2>&1 | tail -n 32
   i=0
-  for f in 0 1 0 1; do
+  for f in 0 1; do
     i=$((i + 1))
     FLASHPAGE_FAST_LAUNCH=$f timeout "$(left 110)" python3 -m flashpage bench latency --config llama-3-8b \
       --gpu-memory-utilization 0.5 --no-hf --input-len 128 --output-len 2 --iters 20 \
