@@ -31,6 +31,8 @@
 #   bash benchmarks/gpu_s14.sh k    run 120: the fast launch's tests again (arg keys by type, the capability
 #                                   cached), host time per call, then an 8B prompt's time to first
 #                                   token with FLASHPAGE_FAST_LAUNCH=0 / 1 (bench latency, 128 tokens)
+#   ORDER="1 0 1 0" SKIP_TESTS=1 bash benchmarks/gpu_s14.sh k    run 121: the latency runs alone, in the
+#                                   other order, twice
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -99,11 +101,11 @@ j)
     | tee "$OUT/attention_prefill.txt" | tail -n 12
   echo "part j done at ${SECONDS}s" ;;
 k)
-  timeout "$(left 100)" $PT -x -m gpu tests/kernels/test_fast_launch.py tests/kernels/test_flash_prefill_gluon.py \
+  [ -n "${SKIP_TESTS:-}" ] || timeout "$(left 100)" $PT -x -m gpu tests/kernels/test_fast_launch.py tests/kernels/test_flash_prefill_gluon.py \
     -k "fast_launch or cuda_graph or one_compile or dispatches" -rf 2>&1 | tee "$OUT/fast_launch_tests.txt" | tail -n 2
-  timeout "$(left 60)" python3 benchmarks/launch_overhead.py --out "$OUT" 2>&1 | tail -n 32
+  [ -n "${SKIP_TESTS:-}" ] || timeout "$(left 60)" python3 benchmarks/launch_overhead.py --out "$OUT" 2>&1 | tail -n 32
   i=0
-  for f in 0 1; do
+  for f in ${ORDER:-0 1}; do
     i=$((i + 1))
     FLASHPAGE_FAST_LAUNCH=$f timeout "$(left 110)" python3 -m flashpage bench latency --config llama-3-8b \
       --gpu-memory-utilization 0.5 --no-hf --input-len 128 --output-len 2 --iters 20 \
