@@ -33,6 +33,8 @@
 #                                   token with FLASHPAGE_FAST_LAUNCH=0 / 1 (bench latency, 128 tokens)
 #   ORDER="1 0 1 0" SKIP_TESTS=1 bash benchmarks/gpu_s14.sh k    run 121: the latency runs alone, in the
 #                                   other order, twice
+#   bash benchmarks/gpu_s14.sh l    run 122: where an 8B 128-token prompt's time to first token goes on the
+#                                   host (profile_ttft.py: cProfile, kernels' GPU time)
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -112,5 +114,8 @@ k)
       --json-out "$OUT/latency_fast${f}_$i.json" 2>&1 | grep -i "ttft\|error" | tail -n 3
   done
   echo "part k done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-k)"; exit 2 ;;
+l)
+  timeout "$(left 200)" python3 benchmarks/profile_ttft.py --config llama-3-8b --out "$OUT" 2>&1 | head -n 120
+  echo "part l done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-l)"; exit 2 ;;
 esac
