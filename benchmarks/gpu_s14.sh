@@ -35,6 +35,8 @@
 #                                   other order, twice
 #   bash benchmarks/gpu_s14.sh l    run 122: where an 8B 128-token prompt's time to first token goes on the
 #                                   host (profile_ttft.py: cProfile, kernels' GPU time)
+#   bash benchmarks/gpu_s14.sh m    run 123: RMSNorm, rotary (+ cache write) and SiLU-mul through the fast
+#                                   launch too: their GPU tests, then profile_ttft.py with it off / on
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -117,5 +119,13 @@ k)
 l)
   timeout "$(left 200)" python3 benchmarks/profile_ttft.py --config llama-3-8b --out "$OUT" 2>&1 | head -n 120
   echo "part l done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-l)"; exit 2 ;;
+m)
+  timeout "$(left 120)" $PT -x -m gpu tests/kernels/test_fast_launch.py tests/kernels/test_fused_ops.py \
+    tests/kernels/test_pdl.py -rf 2>&1 | tee "$OUT/fused_fast_tests.txt" | tail -n 2
+  for f in 0 1; do
+    FLASHPAGE_FAST_LAUNCH=$f timeout "$(left 80)" python3 benchmarks/profile_ttft.py --config llama-3-8b \
+      --out "$OUT/fast$f" 2>&1 | grep -E "request_ms_median|gpu_kernel_ms|kernel_launches"
+  done
+  echo "part m done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-m)"; exit 2 ;;
 esac

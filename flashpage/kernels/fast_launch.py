@@ -17,7 +17,10 @@ what Triton specializes on (a tensor's dtype and 16-byte alignment; an int's == 
 compiled kernel directly (CompiledKernel[grid]: the current stream, launch hooks honoured;
 a CUDA graph captures it as usual). A call whose key is new goes through the JIT once more.
 Not checked on the fast path: module globals changed after the first launch (ours are
-constants). FLASHPAGE_FAST_LAUNCH=0 sends every launch through the JIT.
+constants). The constexprs must be passed by keyword, all of them, in signature order, after
+every other parameter positionally (else every launch goes through the JIT). Under the
+interpreter (TRITON_INTERPRET=1) and with FLASHPAGE_FAST_LAUNCH=0 every launch goes through
+the JIT.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 from flashpage import envs
+from flashpage.kernels.device import interpreting
 
 
 def arg_key(a: Any) -> Any:
@@ -51,14 +55,14 @@ def arg_key(a: Any) -> Any:
 class FastLauncher:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        # the constexpr parameters in signature order: the compiled kernel takes every
-        # parameter positionally, constexprs included (as the JIT passes them)
-        self.params = list(kernel.arg_names)
+        # every parameter in signature order: the compiled kernel takes them all positionally,
+        # constexprs included (as the JIT passes them)
+        self.params = list(getattr(kernel, "arg_names", ()))
         self.compiled: dict[tuple, Any] = {}
         self.jit_launches = 0  # launches that went through the JIT (tests)
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict) -> None:
-        if not envs.fast_launch():
+        if not envs.fast_launch() or interpreting():
             self.jit_launches += 1
             self.kernel[grid](*args, **constexprs, **options)
             return
@@ -68,8 +72,9 @@ class FastLauncher:
         if compiled is None:
             self.jit_launches += 1
             compiled = self.kernel[grid](*args, **constexprs, **options)
-            if compiled is not None:
+            # only where the constexprs are exactly the parameters after the positional ones
+            # (a constexpr left to its default would be missing from the positional call)
+            if compiled is not None and self.params[len(args):] == list(constexprs):
                 self.compiled[key] = compiled
             return
-        rest = [constexprs[name] for name in self.params[len(args):]]
-        compiled[(*grid, 1, 1)[:3]](*args, *rest)
+        compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values())

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 _MAX_HIDDEN = 65536
@@ -86,16 +87,18 @@ def rms_norm(
     block = triton.next_power_of_2(hidden)
     if x2.shape[0]:
         use_pdl = resolve_pdl(pdl, x.device)
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, res_out,
-            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-            eps, HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            PDL=use_pdl, num_warps=min(16, max(4, block // 512)), **pdl_launch_kwargs(use_pdl),
-        )
+        _LAUNCH((x2.shape[0],),
+                (x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
+                 float(eps)),
+                dict(HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, PDL=use_pdl),
+                dict(num_warps=min(16, max(4, block // 512)), **pdl_launch_kwargs(use_pdl)))
     out = out.view(x.shape)
     if residual is None:
         return out
     return out, res_out.view(x.shape)
+
+
+_LAUNCH = FastLauncher(_rms_norm_kernel)
 
 
 def rms_norm_ref(x, weight, eps, residual=None):

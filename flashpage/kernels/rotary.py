@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from flashpage.kernels.cache_write import _check_kv, write_kv_cache_ref
+from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 
@@ -173,20 +174,24 @@ def _launch(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapp
     use_pdl = resolve_pdl(pdl, q.device)
     if not write:  # placeholders for unused pointers and strides
         v, key_cache, value_cache, slot_mapping = k, k.unsqueeze(0), k.unsqueeze(0), positions
-    _rotary_kernel[(num_tokens,)](
-        positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapping,
-        num_q_heads, num_kv_heads,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos_sin_cache.stride(0),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        WRITE_CACHE=write, IS_NEOX=is_neox, PAGE=key_cache.shape[1] if write else 1,
-        HALF=half, HALF_PAD=half_pad, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        REST_PAD=triton.next_power_of_2(max(1, head_dim - 2 * half)),
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, PDL=use_pdl, num_warps=4,
-        **pdl_launch_kwargs(use_pdl),
+    _LAUNCH(
+        (num_tokens,),
+        (positions, q, k, v, cos_sin_cache, key_cache, value_cache, slot_mapping,
+         num_q_heads, num_kv_heads,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+         cos_sin_cache.stride(0),
+         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)),
+        dict(WRITE_CACHE=write, IS_NEOX=bool(is_neox), PAGE=key_cache.shape[1] if write else 1,
+             HALF=half, HALF_PAD=half_pad, HEAD_DIM=head_dim,
+             BLOCK_D=triton.next_power_of_2(head_dim),
+             REST_PAD=triton.next_power_of_2(max(1, head_dim - 2 * half)),
+             BLOCK_HQ=block_hq, BLOCK_HK=block_hk, PDL=use_pdl),
+        dict(num_warps=4, **pdl_launch_kwargs(use_pdl)),
     )
+
+
+_LAUNCH = FastLauncher(_rotary_kernel)
 
 
 def apply_rotary(

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 _BLOCK = 1024  # elements of I per program; benchmarks/fused_ops.py sweeps it
@@ -47,10 +48,12 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, *,
     o2 = out.view(-1, inter)
     if x2.shape[0] and inter:
         use_pdl = resolve_pdl(pdl, x.device)
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, _BLOCK))](
-            x2, o2, inter, x2.stride(0), o2.stride(0), BLOCK=_BLOCK, PDL=use_pdl, num_warps=4,
-            **pdl_launch_kwargs(use_pdl))
+        _LAUNCH((x2.shape[0], triton.cdiv(inter, _BLOCK)), (x2, o2, inter, x2.stride(0), o2.stride(0)),
+                dict(BLOCK=_BLOCK, PDL=use_pdl), dict(num_warps=4, **pdl_launch_kwargs(use_pdl)))
     return out
+
+
+_LAUNCH = FastLauncher(_silu_and_mul_kernel)
 
 
 def silu_and_mul_ref(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

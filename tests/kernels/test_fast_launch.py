@@ -64,6 +64,7 @@ def test_fast_launcher_dispatch(monkeypatch):
     launch = FastLauncher(k)
     buf = torch.zeros(64, dtype=torch.float32)
     consts, opts = {"BLOCK": 64, "EVEN": True}, {"num_warps": 4}
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     launch((3,), (buf, 100, 0.5), consts, opts)
     launch((5,), (buf, 100, 0.25), consts, opts)  # same key: compiled, constexprs positional
     launch((5, 2), (buf, 116, 0.25), consts, opts)  # 116 % 16 == 4 as 100's: same key
@@ -79,6 +80,15 @@ def test_fast_launcher_dispatch(monkeypatch):
     launch((1,), (buf[1:], 100, 0.5), consts, opts)
     assert k.log[-1][0] == "compiled"
     monkeypatch.setenv("FLASHPAGE_FAST_LAUNCH", "0")
+    launch((1,), (buf, 100, 0.5), consts, opts)
+    assert k.log[-1][0] == "jit"
+    monkeypatch.setenv("FLASHPAGE_FAST_LAUNCH", "1")
+    for bad in ({"EVEN": True, "BLOCK": 64}, {"BLOCK": 64}):  # out of order; one left to its default
+        other = FastLauncher(_Kernel())
+        for _ in range(2):
+            other((1,), (buf, 100, 0.5), bad, opts)
+        assert other.jit_launches == 2 and not other.compiled
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter: always the JIT
     launch((1,), (buf, 100, 0.5), consts, opts)
     assert k.log[-1][0] == "jit"
 
