@@ -67,8 +67,13 @@ class FastLauncher:
             self.jit_launches += 1
             self.kernel[grid](*args, **constexprs, **options)
             return
-        key = (torch.cuda.current_device(), tuple(constexprs.items()), tuple(options.items()),
-               tuple(arg_key(a) for a in args))
+        try:
+            key = (torch.cuda.current_device(), tuple(constexprs.items()), tuple(options.items()),
+                   tuple(arg_key(a) for a in args))
+        except TypeError:  # an argument of a kind arg_key does not know: Triton's own dispatch
+            self.jit_launches += 1
+            self.kernel[grid](*args, **constexprs, **options)
+            return
         compiled = self.compiled.get(key)
         if compiled is None:
             self.jit_launches += 1

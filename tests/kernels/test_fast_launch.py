@@ -88,6 +88,10 @@ def test_fast_launcher_dispatch(monkeypatch):
         for _ in range(2):
             other((1,), (buf, 100, 0.5), bad, opts)
         assert other.jit_launches == 2 and not other.compiled
+    odd = FastLauncher(_Kernel())  # an argument arg_key does not know: the JIT, never cached
+    for _ in range(2):
+        odd((1,), (buf, 100, object()), consts, opts)
+    assert odd.jit_launches == 2 and not odd.compiled
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter: always the JIT
     launch((1,), (buf, 100, 0.5), consts, opts)
     assert k.log[-1][0] == "jit"
