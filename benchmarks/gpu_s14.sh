@@ -37,6 +37,7 @@
 #                                   host (profile_ttft.py: cProfile, kernels' GPU time)
 #   bash benchmarks/gpu_s14.sh m    run 123: RMSNorm, rotary (+ cache write) and SiLU-mul through the fast
 #                                   launch too: their GPU tests, then profile_ttft.py with it off / on
+#   bash benchmarks/gpu_s14.sh n    run 124: the engine's and models' GPU tests with the fast launch on
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -127,5 +128,8 @@ m)
       --out "$OUT/fast$f" 2>&1 | grep -E "request_ms_median|gpu_kernel_ms|kernel_launches"
   done
   echo "part m done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-m)"; exit 2 ;;
+n)
+  timeout "$(left 170)" $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 4
+  echo "part n done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-n)"; exit 2 ;;
 esac
