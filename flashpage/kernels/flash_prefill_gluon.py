@@ -1269,11 +1269,11 @@ def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, ma
                   PIECE=min(page, BLOCK_N) if paged else BLOCK_N,
                   SLOT64=caches is not None and k_cache.numel() >= 2**31, PRODUCER_WARPS=producer_warps)
     with cached_tma_maps(enabled=cache_descriptors):
-        _LAUNCHER((grid,), args, consts, dict(num_warps=4, maxnreg=MAXNREG))
+        _LAUNCH((grid,), args, consts, dict(num_warps=4, maxnreg=MAXNREG))
     return (out, lse) if return_lse else out
 
 
-_LAUNCHER = FastLauncher(_flash_prefill_gluon_kernel)  # Triton's per-call dispatch skipped after a variant's first launch
+_LAUNCH = FastLauncher(_flash_prefill_gluon_kernel)  # Triton's per-call dispatch skipped after a variant's first launch
 
 
 def default_head_group(num_m: int, num_hb: int, num_sms: int) -> int:
