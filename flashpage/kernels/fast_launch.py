@@ -62,22 +62,24 @@ class FastLauncher:
         self.compiled: dict[tuple, Any] = {}
         self.jit_launches = 0  # launches that went through the JIT (tests)
 
+    def _jit(self, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict) -> Any:
+        """Triton's own dispatch (compiles or finds the kernel, launches it) -> the compiled kernel."""
+        self.jit_launches += 1
+        return self.kernel[grid](*args, **constexprs, **options)
+
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict) -> None:
         if not envs.fast_launch() or interpreting():
-            self.jit_launches += 1
-            self.kernel[grid](*args, **constexprs, **options)
+            self._jit(grid, args, constexprs, options)
             return
         try:
             key = (torch.cuda.current_device(), tuple(constexprs.items()), tuple(options.items()),
                    tuple(arg_key(a) for a in args))
         except TypeError:  # an argument of a kind arg_key does not know: Triton's own dispatch
-            self.jit_launches += 1
-            self.kernel[grid](*args, **constexprs, **options)
+            self._jit(grid, args, constexprs, options)
             return
         compiled = self.compiled.get(key)
         if compiled is None:
-            self.jit_launches += 1
-            compiled = self.kernel[grid](*args, **constexprs, **options)
+            compiled = self._jit(grid, args, constexprs, options)
             # only where the constexprs are exactly the parameters after the positional ones
             # (a constexpr left to its default would be missing from the positional call)
             if compiled is not None and self.params[len(args):] == list(constexprs):
