@@ -116,6 +116,13 @@ def fast_launch() -> bool:
     return os.environ.get("FLASHPAGE_FAST_LAUNCH", "1") != "0"
 
 
+def prefill_graphs() -> bool:
+    """FLASHPAGE_PREFILL_GRAPHS: capture CUDA graphs for short prompt-only steps (up to 4
+    requests, up to 1024 tokens; engine/cuda_graph.PrefillGraphs) beside the decode graphs.
+    On by default ("0" turns it off). Read when the engine starts."""
+    return os.environ.get("FLASHPAGE_PREFILL_GRAPHS", "1").strip().lower() not in ("0", "off", "")
+
+
 def mla_gluon() -> str:
     """FLASHPAGE_MLA_GLUON: which Gluon kernel takes the triton backend's MLA decode on Hopper
     where it covers the call (mla_gluon_unsupported: bf16/fp16 latents in q's dtype, kv_lora_rank

@@ -51,6 +51,9 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool] = False
+    # Prompt-only steps capturable too: the prefill path has no host syncs and reads only
+    # the metadata's device tensors and its max_query_len / max_seq_len bounds.
+    supports_prefill_graphs: ClassVar[bool] = False
 
     def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.model_config = model_config

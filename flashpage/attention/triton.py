@@ -35,6 +35,7 @@ def _interpreting() -> bool:
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    supports_prefill_graphs = True  # MLA's prompt path is not (the model opts out)
 
     @classmethod
     def unsupported_reasons(cls, model_config: ModelConfig, device: torch.device,

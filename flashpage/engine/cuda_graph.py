@@ -1,17 +1,25 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps and for short prompt-only steps.
 
 A decode step launches a few hundred small kernels; on the GPU their launch cost, not
 their work, bounds the step. We capture the whole forward + logits once per batch-size
 bucket (1, 2, 4, 8, 16, 24, 32, ... up to ``max_num_seqs``), all graphs sharing one
 memory pool, and replay the smallest bucket that holds the step's batch.
 
-Inputs live in static buffers the graphs were captured with; padding rows write
+A short prompt is host-bound the same way: an 8B 128-token prompt ran 5.4 ms of kernels
+in 23-62 ms (333 launches, BENCHMARKS.md session 14). ``PrefillGraphs`` captures
+prompt-only steps (no decodes) of up to ``PREFILL_SEQS`` requests and up to
+``PREFILL_MAX_TOKENS`` tokens, one graph per (request slots, token bucket).
+
+Inputs live in static buffers the graphs were captured with. Decode padding rows write
 nowhere (slot -1) and attend to one token of block 0, so they cost almost nothing and
-touch no request's cache.
+touch no request's cache. Prompt padding rows (past the step's tokens) belong to no
+request: slot -1, and the attention kernels, which work per request from the query
+offsets, never read or write them; padding request slots have no queries.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +32,18 @@ def batch_buckets(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 8)) + list(range(272, 1025, 16))
     out = [s for s in sizes if s < max_bs]
     return out + [max_bs]
+
+
+def _capture(run: Callable[[], torch.Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Run ``run`` twice (kernels compile, the allocator settles), then capture it into a
+    graph in ``pool`` (None: a new one); returns the graph and its output tensor."""
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = run()
+    return g, out
 
 
 class DecodeGraphs:
@@ -56,17 +76,14 @@ class DecodeGraphs:
         max_seq = self.max_blocks * 1  # only used for grid shapes that the tables fix anyway
         for bs in reversed(self.buckets):
             md = self.metadata(bs, max_seq)
-            for _ in range(2):  # warm up: compile kernels, settle the allocator
+
+            def run(bs: int = bs, md: AttentionMetadata = md) -> torch.Tensor:
                 hidden = self.model(self.input_ids[:bs], self.positions[:bs], md)
-                self.model.compute_logits(hidden)  # type: ignore[operator]
-            torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                hidden = self.model(self.input_ids[:bs], self.positions[:bs], md)
-                self.logits[bs] = self.model.compute_logits(hidden)  # type: ignore[operator]
+                return self.model.compute_logits(hidden)  # type: ignore[operator]
+
+            self.graphs[bs], self.logits[bs] = _capture(run, self.pool)
             if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[bs] = g
+                self.pool = self.graphs[bs].pool()
         torch.cuda.synchronize(self.device)
 
     def bucket(self, n: int) -> int | None:
@@ -95,3 +112,110 @@ class DecodeGraphs:
             self.block_tables[n:bs].zero_()
         self.graphs[bs].replay()
         return self.logits[bs][:logits_rows]
+
+
+PREFILL_MAX_TOKENS = 1024
+PREFILL_SEQS = (1, 4)
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Token counts prompt-only steps are padded to: finer where the padded rows cost
+    compute (the GEMMs of a few hundred rows and up), up to ``max_tokens`` (<= 1024)."""
+    cap = min(max_tokens, PREFILL_MAX_TOKENS)
+    sizes = [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    return [s for s in sizes if s < cap] + [cap]
+
+
+class PrefillGraphs:
+    """Graphs of prompt-only steps: up to ``max(seq_slots)`` requests (the step padded to the
+    smallest slot count that holds it, 1 or 4) and up to ``max_tokens`` tokens (padded to
+    ``prefill_buckets``). One graph per (slots, tokens), captured with the backend's
+    ``prepare`` inside it, so that what it derives on the device (the triton backend's
+    query offsets) follows the static buffers; its host values are the bucket's: the
+    longest query count = the token bucket, the longest context = the tables' capacity.
+
+    ``capture=False`` keeps the padded static-buffer forward but runs it eagerly: the same
+    inputs without CUDA (the CPU tests check the padding with it)."""
+
+    def __init__(self, model: nn.Module, prepare: Callable[[AttentionMetadata], AttentionMetadata],
+                 max_tokens: int, max_blocks: int, block_size: int, device: torch.device,
+                 seq_slots: tuple[int, ...] = PREFILL_SEQS) -> None:
+        self.model = model
+        self.prepare = prepare
+        self.device = device
+        self.token_buckets = prefill_buckets(max_tokens)
+        self.seq_slots = sorted(seq_slots)
+        self.capacity = max_blocks * block_size
+        tokens, seqs = self.token_buckets[-1], self.seq_slots[-1]
+        i32, i64 = torch.int32, torch.int64
+        self.input_ids = torch.zeros(tokens, dtype=i64, device=device)
+        self.positions = torch.zeros(tokens, dtype=i64, device=device)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=i64, device=device)
+        self.query_start_loc = torch.zeros(seqs + 1, dtype=i32, device=device)
+        self.seq_lens = torch.ones(seqs, dtype=i32, device=device)
+        self.block_tables = torch.zeros(seqs, max_blocks, dtype=i32, device=device)
+        self.logits_indices = torch.zeros(seqs, dtype=i64, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+
+    def key(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
+        """The (slots, tokens) graph a prompt-only step of this size replays; None: too big."""
+        seqs = next((s for s in self.seq_slots if s >= num_seqs), None)
+        tokens = next((t for t in self.token_buckets if t >= num_tokens), None)
+        return None if seqs is None or tokens is None else (seqs, tokens)
+
+    def forward(self, seqs: int, tokens: int) -> torch.Tensor:
+        """The padded step over the static buffers -> logits [seqs, V] (the rows
+        ``logits_indices`` point at)."""
+        md = self.prepare(AttentionMetadata(
+            num_actual_tokens=tokens, num_seqs=seqs,
+            query_start_loc=self.query_start_loc[: seqs + 1], seq_lens=self.seq_lens[:seqs],
+            block_tables=self.block_tables[:seqs], slot_mapping=self.slot_mapping[:tokens],
+            max_query_len=tokens, max_seq_len=self.capacity, num_decodes=0, num_decode_tokens=0,
+            query_lens_cpu=[tokens] * seqs, seq_lens_cpu=[self.capacity] * seqs))
+        hidden = self.model(self.input_ids[:tokens], self.positions[:tokens], md)
+        return self.model.compute_logits(hidden[self.logits_indices[:seqs]])  # type: ignore[operator]
+
+    @torch.inference_mode()
+    def capture(self, pool: Any = None) -> Any:
+        """Capture every (slots, tokens) graph, largest first, into ``pool`` (the decode
+        graphs' pool: graphs never run at once); returns the pool."""
+        for seqs in reversed(self.seq_slots):
+            for tokens in reversed(self.token_buckets):
+                key = (seqs, tokens)
+
+                def run(s: int = seqs, t: int = tokens) -> torch.Tensor:
+                    return self.forward(s, t)
+
+                self.graphs[key], self.logits[key] = _capture(run, pool)
+                if pool is None:
+                    pool = self.graphs[key].pool()
+        torch.cuda.synchronize(self.device)
+        return pool
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+            logits_indices: torch.Tensor) -> torch.Tensor:
+        """A prompt-only step (``md.num_decodes == 0``) that ``key`` fits -> the logits of
+        its ``logits_indices`` rows [len(logits_indices), V]."""
+        n, k = md.num_actual_tokens, md.num_seqs
+        key = self.key(k, n)
+        assert key is not None and md.num_decodes == 0
+        seqs, tokens = key
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
+        if tokens > n:
+            self.slot_mapping[n:tokens].fill_(-1)  # padding rows: no cache write
+        self.query_start_loc[: k + 1].copy_(md.query_start_loc, non_blocking=True)
+        if seqs > k:
+            self.query_start_loc[k + 1: seqs + 1].fill_(n)  # padding slots: no queries
+        self.seq_lens[:k].copy_(md.seq_lens, non_blocking=True)
+        self.block_tables[:k, : md.block_tables.shape[1]].copy_(md.block_tables, non_blocking=True)
+        rows = logits_indices.shape[0]
+        self.logits_indices[:rows].copy_(logits_indices, non_blocking=True)
+        if seqs > rows:
+            self.logits_indices[rows:seqs].zero_()  # in range of any bucket (a stale one may not be)
+        if key in self.graphs:
+            self.graphs[key].replay()
+            return self.logits[key][:rows]
+        return self.forward(seqs, tokens)[:rows]

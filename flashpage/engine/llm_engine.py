@@ -152,6 +152,16 @@ class LLMEngine:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, 512), self.max_model_len)
             logger.info("captured decode CUDA graphs for %d batch sizes in %.1fs",
                         len(self.runner.graphs.buckets), time.perf_counter() - t1)  # type: ignore[union-attr]
+            # Short prompt-only steps too, where the backend's prompt path and the model's
+            # are sync-free (not MLA's context expansion nor the MoE's prompt path).
+            if (backend_cls.supports_prefill_graphs and envs.prefill_graphs()
+                    and getattr(self.model, "supports_prefill_graphs", True)):
+                t1 = time.perf_counter()
+                self.runner.capture_prefill_graphs(
+                    min(config.max_num_batched_tokens, self.max_model_len), self.max_model_len)
+                pg = self.runner.prefill_graphs
+                logger.info("captured prompt CUDA graphs for up to %d requests of %d tokens in %.1fs",
+                            pg.seq_slots[-1], pg.token_buckets[-1], time.perf_counter() - t1)  # type: ignore[union-attr]
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
         self._counter = 0

@@ -16,7 +16,7 @@ from torch import nn
 
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata
 from flashpage.config import ModelConfig
-from flashpage.engine.cuda_graph import DecodeGraphs
+from flashpage.engine.cuda_graph import DecodeGraphs, PrefillGraphs
 from flashpage.engine.sampler import PendingSample, Sampler
 from flashpage.engine.scheduler import SchedulerOutput
 from flashpage.engine.sequence import PLACEHOLDER, Request
@@ -60,6 +60,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         self.pin = device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self._rows: dict[str, np.ndarray] = {}
         # The last launched step's sampled tokens (on the device) and each request's row
         # in them: a next step's input that is still a PLACEHOLDER is read from there.
@@ -71,6 +72,17 @@ class ModelRunner:
         max_blocks = _table_width(-(-max_model_len // self.block_size))
         self.graphs = DecodeGraphs(self.model, max_bs, max_blocks, self.device)
         self.graphs.capture()
+
+    def capture_prefill_graphs(self, max_tokens: int, max_model_len: int, *, capture: bool = True) -> None:
+        """Graphs for prompt-only steps of up to 4 requests and ``max_tokens`` (<= 1024)
+        tokens, in the decode graphs' pool (cuda_graph.PrefillGraphs; needs a backend whose
+        prompt path has no host syncs). ``capture=False``: the same padded steps, run
+        eagerly (tests on the CPU)."""
+        max_blocks = _table_width(-(-max_model_len // self.block_size))
+        self.prefill_graphs = PrefillGraphs(self.model, self.backend.prepare, max_tokens,
+                                            max_blocks, self.block_size, self.device)
+        if capture:
+            self.prefill_graphs.capture(self.graphs.pool if self.graphs is not None else None)
 
     # ------------------------------------------------------------------ cache
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor]:
@@ -214,6 +226,10 @@ class ModelRunner:
             # [batch, vocab] per step; the next replay rewrites them after sampling).
             assert len(inp.sample_requests) == md.num_seqs
             logits = self.graphs.run(inp.input_ids, inp.positions, md, md.num_seqs)
+        elif (self.prefill_graphs is not None and md.num_decodes == 0
+                and self.prefill_graphs.key(md.num_seqs, md.num_actual_tokens) is not None):
+            # A short prompt-only step: its host time is its launches (cuda_graph.py).
+            logits = self.prefill_graphs.run(inp.input_ids, inp.positions, md, inp.logits_indices)
         else:
             hidden = self.model(inp.input_ids, inp.positions, md)
             if not inp.sample_requests:

@@ -64,6 +64,10 @@ class DeepseekForCausalLM(nn.Module):
     # Decode steps are capturable: the MoE runs sync-free up to SYNC_FREE_MAX_TOKENS (the
     # engine's largest graph batch) and MLA decode has static shapes (layers/mla_attention).
     supports_cuda_graphs = True
+    # Prompt steps are not: MLA expands each request's latents to its context length, a host
+    # value per step (layers/mla_attention), and the MoE's prompt path counts tokens per
+    # expert on the host.
+    supports_prefill_graphs = False
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Session 15's device plan.
+#   bash benchmarks/gpu_s15.sh a    run 125: the prompt-step CUDA graphs (engine/cuda_graph.PrefillGraphs):
+#                                   their GPU test, the engine's and models' GPU tests with them on, then
+#                                   an 8B prompt's time to first token with them on / off in turn in one
+#                                   process (benchmarks/ttft_graphs.py, 1 and 4 requests of 16-2000 tokens)
+# Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
+set -u
+PART=${1:-a}
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/flashpage_gpu}; mkdir -p "$OUT"
+B=${BUDGET:-400}
+left() { local t=$((B - SECONDS)); [ "$1" -lt "$t" ] && t=$1; [ "$t" -lt 1 ] && t=1; echo $t; }
+PT="python3 -m pytest -q -p no:cacheprovider"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+case "$PART" in
+a)
+  timeout "$(left 200)" $PT -m gpu tests/engine/test_prefill_graphs.py tests/engine tests/models -rf 2>&1 \
+    | tee "$OUT/engine_gpu_tests.txt" | tail -n 6
+  timeout "$(left 200)" python3 benchmarks/ttft_graphs.py --config llama-3-8b --out "$OUT" 2>&1 \
+    | tee "$OUT/ttft_graphs.txt" | grep -v "^\s*$" | tail -n 16
+  echo "part a done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a)"; exit 2 ;;
+esac

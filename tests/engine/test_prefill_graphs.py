@@ -1,0 +1,162 @@
+"""CUDA graphs of short prompt-only steps (engine/cuda_graph.PrefillGraphs).
+
+The CPU runs the graphs' padded static-buffer step eagerly (``capture=False``) under the
+Triton interpreter: the padding (rows past the step's tokens, request slots past its
+requests, stale buffer contents from larger steps) must leave every token as the plain
+step gives it. The GPU test captures and replays them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flashpage import LLM, SamplingParams
+from flashpage.engine.cuda_graph import PrefillGraphs, prefill_buckets
+from tests.conftest import random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+
+def test_prefill_buckets_and_keys():
+    assert prefill_buckets(8192) == [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    assert prefill_buckets(300) == [16, 32, 64, 96, 128, 192, 256, 300]
+    assert prefill_buckets(8) == [8]
+    pg = PrefillGraphs(torch.nn.Identity(), lambda md: md, 300, 4, 16, torch.device("cpu"))
+    assert pg.key(1, 1) == (1, 16)
+    assert pg.key(1, 17) == (1, 32)
+    assert pg.key(2, 300) == (4, 300)
+    assert pg.key(4, 97) == (4, 128)
+    assert pg.key(5, 20) is None  # more requests than slots: eager
+    assert pg.key(1, 301) is None  # more tokens than the largest bucket: eager
+
+
+class _Recorder(torch.nn.Module):
+    """A model that returns each row's input id as its hidden state and records what the
+    padded step showed it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, input_ids, positions, md):
+        self.seen.append(dict(tokens=input_ids.shape[0], qsl=md.query_start_loc.tolist(),
+                              slots=md.slot_mapping.tolist(), seq_lens=md.seq_lens.tolist(),
+                              max_q=md.max_query_len))
+        return input_ids.float()[:, None]
+
+    def compute_logits(self, hidden):
+        return hidden
+
+
+def _step_md(q_lens, ctx_lens, first_slot):
+    from flashpage.attention.backend import AttentionMetadata
+
+    n = sum(q_lens)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return AttentionMetadata(
+        num_actual_tokens=n, num_seqs=len(q_lens), query_start_loc=qsl,
+        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+        block_tables=torch.arange(len(q_lens) * 2, dtype=torch.int32).view(-1, 2),
+        slot_mapping=torch.arange(first_slot, first_slot + n), max_query_len=max(q_lens),
+        max_seq_len=max(ctx_lens), num_decodes=0, num_decode_tokens=0)
+
+
+def test_padding_after_a_larger_step():
+    """A small step after a large one: its padding rows write no slot, its padding request
+    slots have no queries (a stale offset past the bucket would send a kernel out of its
+    rows), the logits rows it does not sample point at row 0, whatever the larger step
+    left in the buffers."""
+    model = _Recorder()
+    pg = PrefillGraphs(model, lambda md: md, 64, 4, 16, torch.device("cpu"))
+    ids = torch.arange(100, 164)
+    big = _step_md([20, 20, 20, 4], [20, 20, 20, 4], 0)
+    logits = pg.run(ids, torch.arange(64), big, torch.tensor([19, 39, 59, 63]))
+    assert logits[:, 0].tolist() == [119, 139, 159, 163]
+    assert model.seen[-1]["tokens"] == 64 and model.seen[-1]["qsl"] == [0, 20, 40, 60, 64]
+    small = _step_md([5, 3], [5, 9], 200)
+    logits = pg.run(ids[:8], torch.arange(8), small, torch.tensor([4]))  # one of two sampled
+    seen = model.seen[-1]
+    assert seen["tokens"] == 16 and seen["max_q"] == 16
+    assert seen["qsl"] == [0, 5, 8, 8, 8]
+    assert seen["slots"] == list(range(200, 208)) + [-1] * 8
+    assert seen["seq_lens"][:2] == [5, 9]
+    assert logits[:, 0].tolist() == [104]
+    assert pg.logits_indices.tolist() == [4, 0, 0, 0]
+
+
+def _steps(llm, batches):
+    """Each batch of prompts generated in turn (so each starts with a prompt-only step)."""
+    out = []
+    for prompts in batches:
+        out += [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return out
+
+
+def _batches():
+    short = random_prompts(3, 3, 14, seed=21)
+    long_ = random_prompts(1, 40, 40, seed=22)  # chunked by the 32-token budget
+    return [
+        long_,  # 32 tokens (no sample: a middle chunk), then 8 over the cached 32
+        short,  # three requests in one step: 4 slots, one padding
+        [long_[0][:33] + [5, 6]],  # a prefix hit: 32 cached, 3 new
+        random_prompts(6, 2, 5, seed=23),  # six requests: more than 4, eager
+        random_prompts(1, 2, 2, seed=24),  # 2 tokens, a step after larger ones (stale buffers)
+    ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_padded_prompt_steps_give_the_plain_steps_tokens(tiny_checkpoint, monkeypatch):
+    pytest.importorskip("triton")
+    path = str(tiny_checkpoint("head64_gqa"))
+    kw = dict(dtype="float32", device="cpu", attention_backend="triton", block_size=16,
+              max_num_batched_tokens=32)
+    ref = _steps(LLM(path, **kw), _batches())
+
+    llm = LLM(path, **kw)
+    runner = llm.engine.runner
+    runner.capture_prefill_graphs(32, llm.engine.max_model_len, capture=False)
+    pg = runner.prefill_graphs
+    assert pg is not None and pg.token_buckets == [16, 32]
+    keys = []
+    real = PrefillGraphs.run
+
+    def spy(self, input_ids, positions, md, logits_indices):
+        keys.append((self.key(md.num_seqs, md.num_actual_tokens), logits_indices.shape[0]))
+        return real(self, input_ids, positions, md, logits_indices)
+
+    monkeypatch.setattr(PrefillGraphs, "run", spy)
+    got = _steps(llm, _batches())
+    assert got == ref
+    # the middle chunk (no sample), its last 8 tokens, three prompts in 4 slots, the prefix
+    # hit's 3 new tokens, the 2-token prompt; the 6-request step ran eagerly
+    assert keys == [((1, 32), 0), ((1, 16), 1), ((4, 32), 3), ((1, 16), 1), ((1, 16), 1)], keys
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prompt_graphs_captured_and_replayed_gpu(tiny_checkpoint, monkeypatch):
+    """fp32 on the GPU: replayed prompt graphs give the eager engine's tokens (the same
+    kernels; only the padded rows differ)."""
+    path = str(tiny_checkpoint("head64_gqa"))
+    kw = dict(dtype="float32", device="cuda", attention_backend="triton", block_size=16,
+              max_num_batched_tokens=32)
+    monkeypatch.setenv("FLASHPAGE_PREFILL_GRAPHS", "0")
+    eager = LLM(path, **kw)
+    assert eager.engine.runner.prefill_graphs is None
+    ref = _steps(eager, _batches())
+    del eager
+    monkeypatch.setenv("FLASHPAGE_PREFILL_GRAPHS", "1")
+    llm = LLM(path, **kw)
+    pg = llm.engine.runner.prefill_graphs
+    assert pg is not None and set(pg.graphs) == {(s, t) for s in (1, 4) for t in (16, 32)}
+    replays = []
+    real = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay",
+                        lambda g: (replays.append(g in pg.graphs.values()), real(g))[1])
+    assert _steps(llm, _batches()) == ref
+    assert sum(replays) == 5, replays  # the five prompt-only steps the CPU test names
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
