@@ -4,6 +4,9 @@
 #                                   their GPU test, the engine's and models' GPU tests with them on, then
 #                                   an 8B prompt's time to first token with them on / off in turn in one
 #                                   process (benchmarks/ttft_graphs.py, 1 and 4 requests of 16-2000 tokens)
+#   bash benchmarks/gpu_s15.sh b    run 126: the piecewise graphs (all but attention) beside them: the graph
+#                                   GPU tests, the engine's and models', then ttft_graphs.py with three
+#                                   modes (whole, piecewise, eager) and mixed steps (decodes + a prompt)
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -20,5 +23,11 @@ a)
   timeout "$(left 200)" python3 benchmarks/ttft_graphs.py --config llama-3-8b --out "$OUT" 2>&1 \
     | tee "$OUT/ttft_graphs.txt" | grep -v "^\s*$" | tail -n 16
   echo "part a done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a)"; exit 2 ;;
+b)
+  timeout "$(left 220)" $PT -m gpu tests/engine/test_prefill_graphs.py tests/engine tests/models -rf 2>&1 \
+    | tee "$OUT/engine_gpu_tests.txt" | tail -n 6
+  timeout "$(left 260)" python3 benchmarks/ttft_graphs.py --config llama-3-8b --out "$OUT" 2>&1 \
+    | tee "$OUT/ttft_graphs.txt" | grep -v "^\s*$" | grep -iv "warn" | tail -n 22
+  echo "part b done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-b)"; exit 2 ;;
 esac

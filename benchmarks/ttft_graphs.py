@@ -1,14 +1,19 @@
-"""Time to first token with and without the prompt-step CUDA graphs, in one process.
+"""Prompt steps with and without their CUDA graphs, in one process.
 
-One engine of random --config weights; for each prompt length and batch (requests arriving
-together), requests of max_tokens 1 are timed with the engine's prompt graphs on and off in
-turn (on, off, on, off, ...: the same machine state for both), each a new random prompt (no
-prefix hit). Also the GPU time of one such step's kernels (torch.profiler's sum, graphs
-off): what a step would take with no host time at all.
+One engine of random --config weights, its graphs swapped in and out between requests:
+"whole" (the prompt-only step graphs, PrefillGraphs, where a step fits them), "piecewise"
+(PiecewiseGraphs: all but attention), "eager" (neither). Modes in turn (whole, piecewise,
+eager, whole, ...: the same machine state for each), every prompt new (no prefix hit).
+
+1. Time to first token: for each prompt length and batch (requests arriving together),
+   requests of max_tokens 1; also the GPU time of one such step's kernels (torch.profiler's
+   sum, eager): what the step would take with no host time at all.
+2. Mixed steps (--decodes): that many requests decoding, a new prompt of each --mixed-lens
+   length joining every step (max_tokens 1): ms per step, piecewise against eager.
 
     python benchmarks/ttft_graphs.py --config llama-3-8b --out $OUT
 
-Writes $OUT/ttft_graphs.json; prints one line per (length, batch).
+Writes $OUT/ttft_graphs.json; prints one line per shape.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ def main() -> None:
     ap.add_argument("--input-lens", type=int, nargs="+", default=[16, 128, 512, 1000, 2000])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--iters", type=int, default=20, help="timed requests per mode and shape")
+    ap.add_argument("--decodes", type=int, nargs="*", default=[16, 64])
+    ap.add_argument("--mixed-lens", type=int, nargs="*", default=[16, 128, 512])
+    ap.add_argument("--mixed-steps", type=int, default=10, help="timed steps per mode, 3 rounds")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -41,17 +49,26 @@ def main() -> None:
               gpu_memory_utilization=args.gpu_memory_utilization)
     start_s = time.perf_counter() - t0
     runner = llm.engine.runner
-    graphs = runner.prefill_graphs
-    if graphs is None:
-        raise SystemExit("the engine captured no prompt graphs (FLASHPAGE_PREFILL_GRAPHS=0, eager, "
-                         "or a backend/model without them)")
+    whole, pieces = runner.prefill_graphs, runner.piecewise
+    if whole is None or pieces is None:
+        raise SystemExit("the engine captured no prompt graphs (FLASHPAGE_PREFILL_GRAPHS / "
+                         "FLASHPAGE_PIECEWISE_GRAPHS=0, eager, or a backend/model without them)")
+
+    def mode(name: str) -> None:
+        runner.prefill_graphs = whole if name == "whole" else None
+        runner.piecewise = pieces if name in ("whole", "piecewise") else None
+
+    modes = ("whole", "piecewise", "eager")
     g = torch.Generator().manual_seed(0)
     vocab = llm.engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     sync = torch.cuda.synchronize
 
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
     def one(n: int, batch: int) -> float:
-        prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for _ in range(batch)]
+        prompts = [prompt(n) for _ in range(batch)]
         sync()
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
@@ -65,34 +82,66 @@ def main() -> None:
         for batch in args.batches:
             if n * batch > llm.engine.config.max_num_batched_tokens:
                 continue
-            key = graphs.key(batch, n * batch)
-            ms: dict[str, list[float]] = {"on": [], "off": []}
-            for mode in ("on", "off"):  # warm: the first request of a shape compiles nothing new
-                runner.prefill_graphs = graphs if mode == "on" else None
+            key = whole.key(batch, n * batch)
+            ms: dict[str, list[float]] = {m: [] for m in modes}
+            for m in modes:  # warm: the first request of a shape compiles nothing new
+                mode(m)
                 one(n, batch)
             for _ in range(args.iters):
-                for mode in ("on", "off"):
-                    runner.prefill_graphs = graphs if mode == "on" else None
-                    ms[mode].append(one(n, batch))
-            runner.prefill_graphs = None
+                for m in modes:
+                    mode(m)
+                    ms[m].append(one(n, batch))
+            mode("eager")
             with profile(activities=[ProfilerActivity.CUDA]) as tp:
                 one(n, batch)
                 sync()
             kernels = [e for e in tp.key_averages() if e.self_device_time_total > 0]
-            row = dict(input_len=n, batch=batch, graph=list(key) if key else None,
-                       ttft_ms_on=round(statistics.median(ms["on"]), 2),
-                       ttft_ms_off=round(statistics.median(ms["off"]), 2),
+            row = dict(input_len=n, batch=batch, whole_graph=list(key) if key else None,
+                       piecewise_bucket=pieces.bucket(n * batch),
                        gpu_kernel_ms_eager=round(sum(e.self_device_time_total for e in kernels) / 1e3, 2),
-                       launches_eager=sum(e.count for e in kernels),
-                       ms_on=[round(x, 2) for x in ms["on"]], ms_off=[round(x, 2) for x in ms["off"]])
+                       launches_eager=sum(e.count for e in kernels))
+            for m in modes:
+                row[f"ttft_ms_{m}"] = round(statistics.median(ms[m]), 2)
+                row[f"ms_{m}"] = [round(x, 2) for x in ms[m]]
             rows.append(row)
-            print(f"{n:6d} tokens x {batch}: graphs {row['ttft_ms_on']:8.2f} ms, eager "
-                  f"{row['ttft_ms_off']:8.2f} ms ({row['ttft_ms_off'] / row['ttft_ms_on']:.2f}x), kernels "
-                  f"{row['gpu_kernel_ms_eager']:7.2f} ms in {row['launches_eager']} launches; graph {key}",
-                  flush=True)
-    runner.prefill_graphs = graphs
+            print(f"{n:6d} tokens x {batch}: whole {row['ttft_ms_whole']:7.2f} ms, piecewise "
+                  f"{row['ttft_ms_piecewise']:7.2f}, eager {row['ttft_ms_eager']:7.2f}; kernels "
+                  f"{row['gpu_kernel_ms_eager']:7.2f} ms in {row['launches_eager']} launches; whole graph "
+                  f"{key}, piecewise bucket {row['piecewise_bucket']}", flush=True)
+    mixed = []
+    eng = llm.engine
+    long_params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True, detokenize=False)
+    for d in args.decodes:
+        ids = [eng.add_request(None, prompt(64), long_params) for _ in range(d)]
+        for _ in range(4):  # their prompts, then decoding
+            eng.step()
+        for n in args.mixed_lens:
+            per: dict[str, list[float]] = {m: [] for m in ("piecewise", "eager")}
+            for _ in range(3):
+                for m in per:
+                    mode(m)
+                    eng.add_request(None, prompt(n), params)
+                    eng.step()  # warm: the pipeline holds steps of this kind
+                    sync()
+                    t = time.perf_counter()
+                    for _ in range(args.mixed_steps):
+                        eng.add_request(None, prompt(n), params)
+                        eng.step()
+                    sync()
+                    per[m].append((time.perf_counter() - t) * 1e3 / args.mixed_steps)
+            row = dict(decodes=d, input_len=n, piecewise_bucket=pieces.bucket(d + n),
+                       step_ms_piecewise=round(statistics.median(per["piecewise"]), 2),
+                       step_ms_eager=round(statistics.median(per["eager"]), 2),
+                       rounds=per)
+            mixed.append(row)
+            print(f"{d:4d} decodes + a {n}-token prompt a step: piecewise {row['step_ms_piecewise']:7.2f} ms "
+                  f"a step, eager {row['step_ms_eager']:7.2f} (bucket {row['piecewise_bucket']})", flush=True)
+        eng.abort_request(ids)
+        while eng.has_unfinished_requests():
+            eng.step()
+    mode("whole")
     res = dict(config=args.config, device=torch.cuda.get_device_name(), engine_start_s=round(start_s, 1),
-               token_buckets=graphs.token_buckets, seq_slots=graphs.seq_slots, rows=rows)
+               token_buckets=whole.token_buckets, seq_slots=whole.seq_slots, rows=rows, mixed=mixed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ttft_graphs.json").write_text(json.dumps(res, indent=1))

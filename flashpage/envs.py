@@ -123,6 +123,14 @@ def prefill_graphs() -> bool:
     return os.environ.get("FLASHPAGE_PREFILL_GRAPHS", "1").strip().lower() not in ("0", "off", "")
 
 
+def piecewise_graphs() -> bool:
+    """FLASHPAGE_PIECEWISE_GRAPHS: capture the forward in pieces around its attention layers
+    for the steps no whole-step graph takes (decodes beside prompt chunks, more than 4
+    prompts) of up to 1024 tokens (engine/cuda_graph.PiecewiseGraphs; attention runs eagerly
+    between the pieces). On by default ("0" turns it off). Read when the engine starts."""
+    return os.environ.get("FLASHPAGE_PIECEWISE_GRAPHS", "1").strip().lower() not in ("0", "off", "")
+
+
 def mla_gluon() -> str:
     """FLASHPAGE_MLA_GLUON: which Gluon kernel takes the triton backend's MLA decode on Hopper
     where it covers the call (mla_gluon_unsupported: bf16/fp16 latents in q's dtype, kv_lora_rank

@@ -12,6 +12,7 @@ the model runner owns.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -46,6 +47,9 @@ class AttentionMetadata:
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific, set in prepare()
+    # Piecewise CUDA graphs (engine/cuda_graph.PiecewiseGraphs): called as
+    # split(layer, q, k, v, write_kv) -> out in place of the backend at each attention layer.
+    split: Callable[..., torch.Tensor] | None = None
 
 
 class AttentionBackend(ABC):

@@ -157,6 +157,7 @@ class PrefillGraphs:
         self.logits_indices = torch.zeros(seqs, dtype=i64, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.pool: Any = None
 
     def key(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
         """The (slots, tokens) graph a prompt-only step of this size replays; None: too big."""
@@ -191,6 +192,7 @@ class PrefillGraphs:
                 if pool is None:
                     pool = self.graphs[key].pool()
         torch.cuda.synchronize(self.device)
+        self.pool = pool
         return pool
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
@@ -219,3 +221,134 @@ class PrefillGraphs:
             self.graphs[key].replay()
             return self.logits[key][:rows]
         return self.forward(seqs, tokens)[:rows]
+
+
+class PiecewiseGraphs:
+    """Graphs of the steps the whole-step graphs do not take (decodes beside prompt chunks,
+    more than 4 prompts) of up to ``max_tokens`` tokens: per token bucket the forward is
+    captured in pieces between its attention layers, and each layer's attention runs eagerly
+    between the pieces' replays, over the step's own metadata (any mix of decodes and
+    prompts: the kernels and their grids are chosen per step, as without graphs).
+
+    The pieces hold everything else (norms, projections, rotary with the K/V cache write
+    through the static slot mapping, MLPs), ~7 of a layer's ~9 launches. Capture: the
+    model's attention layers call ``split`` (``AttentionMetadata.split``), which ends the
+    current piece's capture, records the layer's q, k, v (tensors of the pieces' pool that
+    the replay finds at the same addresses) and hands back a view of one static output
+    buffer that the next piece reads; replay: piece, attention into that buffer, piece, ...
+    Padding rows (past the step's tokens) write no slot and are not attended (the step's
+    metadata covers its own tokens only).
+
+    ``capture=False``: the same padded steps run eagerly through ``split`` (CPU tests)."""
+
+    def __init__(self, model: nn.Module, max_tokens: int, q_width: int, kv_width: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.token_buckets = prefill_buckets(max_tokens)
+        tokens = self.token_buckets[-1]
+        i64 = torch.int64
+        self.input_ids = torch.zeros(tokens, dtype=i64, device=device)
+        self.positions = torch.zeros(tokens, dtype=i64, device=device)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=i64, device=device)
+        # [tokens, Hq * D]: the attention's output; its inputs copied where the replay finds
+        # them (k and v only when the backend writes the cache; a copy of q is cheaper
+        # than keeping every layer's projections out of the pool's reuse)
+        self.attn_out = torch.zeros(tokens * q_width, dtype=dtype, device=device)
+        self.q = torch.zeros(tokens * q_width, dtype=dtype, device=device)
+        self.k = torch.zeros(tokens * kv_width, dtype=dtype, device=device)
+        self.v = torch.zeros(tokens * kv_width, dtype=dtype, device=device)
+        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.calls: dict[int, list[tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, bool]]] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+
+    def bucket(self, num_tokens: int) -> int | None:
+        return next((t for t in self.token_buckets if t >= num_tokens), None)
+
+    def _out(self, q: torch.Tensor) -> torch.Tensor:
+        """The static attention output, shaped as q [tokens, Hq, D]."""
+        return self._static(self.attn_out, q)
+
+    @staticmethod
+    def _static(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return buf[: like.numel()].view(like.shape)
+
+    def _forward(self, tokens: int, split: Callable[..., torch.Tensor]) -> torch.Tensor:
+        md = AttentionMetadata(
+            num_actual_tokens=tokens, num_seqs=0, query_start_loc=self.slot_mapping[:0],
+            seq_lens=self.slot_mapping[:0], block_tables=self.slot_mapping[:0].view(0, 0),
+            slot_mapping=self.slot_mapping[:tokens], max_query_len=0, max_seq_len=0,
+            num_decodes=0, num_decode_tokens=0, split=split)
+        return self.model(self.input_ids[:tokens], self.positions[:tokens], md)
+
+    @torch.inference_mode()
+    def capture(self, pool: Any = None) -> Any:
+        """Capture every bucket's pieces, largest first, into ``pool``; returns the pool."""
+        stream = torch.cuda.Stream(self.device)
+        for tokens in reversed(self.token_buckets):
+            for _ in range(2):  # kernels compile, the allocator settles (no attention run)
+                self._forward(tokens, lambda layer, q, k, v, write_kv: self._out(q))
+            torch.cuda.synchronize(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                pool = self._capture_pieces(tokens, pool)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        return pool
+
+    def _capture_pieces(self, tokens: int, pool: Any) -> Any:
+        """One bucket's pieces (on a side stream); returns the pool (the first piece's if None)."""
+        pieces = [torch.cuda.CUDAGraph()]
+        calls: list[tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+        pieces[0].capture_begin(pool=pool)
+
+        def split(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  write_kv: bool) -> torch.Tensor:
+            nonlocal pool
+            qs, ks, vs = (self._static(b, t) for b, t in ((self.q, q), (self.k, k), (self.v, v)))
+            qs.copy_(q)
+            if write_kv:
+                ks.copy_(k)
+                vs.copy_(v)
+            pieces[-1].capture_end()
+            if pool is None:
+                pool = pieces[-1].pool()
+            calls.append((layer, qs, ks, vs, write_kv))
+            pieces.append(torch.cuda.CUDAGraph())
+            pieces[-1].capture_begin(pool=pool)
+            return self._out(q)
+
+        hidden = self._forward(tokens, split)
+        pieces[-1].capture_end()
+        self.pieces[tokens], self.calls[tokens], self.hidden[tokens] = pieces, calls, hidden
+        return pool if pool is not None else pieces[0].pool()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """A step of ``md.num_actual_tokens`` <= the largest bucket tokens -> its hidden
+        states [num_actual_tokens, hidden]."""
+        n = md.num_actual_tokens
+        tokens = self.bucket(n)
+        assert tokens is not None
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
+        if tokens > n:
+            self.slot_mapping[n:tokens].fill_(-1)  # padding rows: no cache write
+
+        def attend(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   write_kv: bool) -> torch.Tensor:
+            """The layer's attention over the step's metadata into the static output."""
+            out = self._out(q)
+            res = layer.backend.forward(q, k, v, layer.kv_cache, md, scale=layer.scale,  # type: ignore[union-attr, operator]
+                                        sliding_window=layer.sliding_window, write_kv=write_kv)
+            out[:n].copy_(res[:n])
+            return out
+
+        if tokens not in self.pieces:  # not captured: the padded step, eagerly
+            return self._forward(tokens, attend)[:n]
+        pieces, calls = self.pieces[tokens], self.calls[tokens]
+        for i, piece in enumerate(pieces):
+            piece.replay()
+            if i < len(calls):
+                attend(*calls[i])
+        return self.hidden[tokens][:n]

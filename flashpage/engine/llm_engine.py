@@ -152,16 +152,24 @@ class LLMEngine:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, 512), self.max_model_len)
             logger.info("captured decode CUDA graphs for %d batch sizes in %.1fs",
                         len(self.runner.graphs.buckets), time.perf_counter() - t1)  # type: ignore[union-attr]
-            # Short prompt-only steps too, where the backend's prompt path and the model's
-            # are sync-free (not MLA's context expansion nor the MoE's prompt path).
-            if (backend_cls.supports_prefill_graphs and envs.prefill_graphs()
-                    and getattr(self.model, "supports_prefill_graphs", True)):
+            # Prompt steps too, where the backend's prompt path and the model's are sync-free
+            # (not MLA's context expansion nor the MoE's prompt path): short prompt-only
+            # steps whole, the other steps of up to 1024 tokens in pieces around attention.
+            prompt_graphs = (backend_cls.supports_prefill_graphs
+                             and getattr(self.model, "supports_prefill_graphs", True))
+            max_tokens = min(config.max_num_batched_tokens, self.max_model_len)
+            if prompt_graphs and envs.prefill_graphs():
                 t1 = time.perf_counter()
-                self.runner.capture_prefill_graphs(
-                    min(config.max_num_batched_tokens, self.max_model_len), self.max_model_len)
+                self.runner.capture_prefill_graphs(max_tokens, self.max_model_len)
                 pg = self.runner.prefill_graphs
                 logger.info("captured prompt CUDA graphs for up to %d requests of %d tokens in %.1fs",
                             pg.seq_slots[-1], pg.token_buckets[-1], time.perf_counter() - t1)  # type: ignore[union-attr]
+            if prompt_graphs and envs.piecewise_graphs():
+                t1 = time.perf_counter()
+                self.runner.capture_piecewise_graphs(max_tokens)
+                logger.info("captured piecewise CUDA graphs (attention eager) for steps of up to %d "
+                            "tokens in %.1fs", self.runner.piecewise.token_buckets[-1],  # type: ignore[union-attr]
+                            time.perf_counter() - t1)
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
         self._counter = 0

@@ -16,7 +16,7 @@ from torch import nn
 
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata
 from flashpage.config import ModelConfig
-from flashpage.engine.cuda_graph import DecodeGraphs, PrefillGraphs
+from flashpage.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs, PrefillGraphs
 from flashpage.engine.sampler import PendingSample, Sampler
 from flashpage.engine.scheduler import SchedulerOutput
 from flashpage.engine.sequence import PLACEHOLDER, Request
@@ -61,6 +61,7 @@ class ModelRunner:
         self.pin = device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         self._rows: dict[str, np.ndarray] = {}
         # The last launched step's sampled tokens (on the device) and each request's row
         # in them: a next step's input that is still a PLACEHOLDER is read from there.
@@ -83,6 +84,19 @@ class ModelRunner:
                                             max_blocks, self.block_size, self.device)
         if capture:
             self.prefill_graphs.capture(self.graphs.pool if self.graphs is not None else None)
+
+    def capture_piecewise_graphs(self, max_tokens: int, *, capture: bool = True) -> None:
+        """Piecewise graphs (all but attention) for the other steps of up to ``max_tokens``
+        (<= 1024) tokens, in the decode graphs' pool (cuda_graph.PiecewiseGraphs).
+        ``capture=False``: the same padded steps, run eagerly (tests on the CPU)."""
+        c = self.config
+        self.piecewise = PiecewiseGraphs(self.model, max_tokens, c.num_attention_heads * c.head_dim,
+                                         c.num_key_value_heads * c.head_dim, self.dtype, self.device)
+        if capture:
+            pool = self.prefill_graphs.pool if self.prefill_graphs is not None else None
+            if pool is None and self.graphs is not None:
+                pool = self.graphs.pool
+            self.piecewise.capture(pool)
 
     # ------------------------------------------------------------------ cache
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor]:
@@ -231,7 +245,11 @@ class ModelRunner:
             # A short prompt-only step: its host time is its launches (cuda_graph.py).
             logits = self.prefill_graphs.run(inp.input_ids, inp.positions, md, inp.logits_indices)
         else:
-            hidden = self.model(inp.input_ids, inp.positions, md)
+            if self.piecewise is not None and self.piecewise.bucket(md.num_actual_tokens) is not None:
+                # Mixed and many-prompt steps: all but the attention replayed (cuda_graph.py).
+                hidden = self.piecewise.run(inp.input_ids, inp.positions, md)
+            else:
+                hidden = self.model(inp.input_ids, inp.positions, md)
             if not inp.sample_requests:
                 return [], None
             logits = self.model.compute_logits(hidden[inp.logits_indices])  # type: ignore[operator]

@@ -54,6 +54,9 @@ class Attention(nn.Module):
                 write_kv = False
             else:
                 q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, self.kv_cache, metadata, scale=self.scale,
-                                   sliding_window=self.sliding_window, write_kv=write_kv)
+        if metadata.split is not None:  # a piecewise graph's capture or eager run
+            out = metadata.split(self, q, k, v, write_kv)
+        else:
+            out = self.backend.forward(q, k, v, self.kv_cache, metadata, scale=self.scale,
+                                       sliding_window=self.sliding_window, write_kv=write_kv)
         return out.reshape(n, self.num_heads * self.head_dim)

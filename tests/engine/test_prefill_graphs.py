@@ -1,6 +1,7 @@
-"""CUDA graphs of short prompt-only steps (engine/cuda_graph.PrefillGraphs).
+"""CUDA graphs of prompt steps: short prompt-only steps whole (engine/cuda_graph.PrefillGraphs),
+the other steps of up to 1024 tokens in pieces around attention (PiecewiseGraphs).
 
-The CPU runs the graphs' padded static-buffer step eagerly (``capture=False``) under the
+The CPU runs the graphs' padded static-buffer steps eagerly (``capture=False``) under the
 Triton interpreter: the padding (rows past the step's tokens, request slots past its
 requests, stale buffer contents from larger steps) must leave every token as the plain
 step gives it. The GPU test captures and replays them."""
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from flashpage import LLM, SamplingParams
-from flashpage.engine.cuda_graph import PrefillGraphs, prefill_buckets
+from flashpage.engine.cuda_graph import PiecewiseGraphs, PrefillGraphs, prefill_buckets
 from tests.conftest import random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -103,6 +104,8 @@ def _batches():
         [long_[0][:33] + [5, 6]],  # a prefix hit: 32 cached, 3 new
         random_prompts(6, 2, 5, seed=23),  # six requests: more than 4, eager
         random_prompts(1, 2, 2, seed=24),  # 2 tokens, a step after larger ones (stale buffers)
+        # 5 + 27 tokens, then the 40-token prompt's last 13 beside the first one's decode
+        random_prompts(1, 5, 5, seed=25) + random_prompts(1, 40, 40, seed=26),
     ]
 
 
@@ -132,31 +135,89 @@ def test_padded_prompt_steps_give_the_plain_steps_tokens(tiny_checkpoint, monkey
     assert got == ref
     # the middle chunk (no sample), its last 8 tokens, three prompts in 4 slots, the prefix
     # hit's 3 new tokens, the 2-token prompt; the 6-request step ran eagerly
-    assert keys == [((1, 32), 0), ((1, 16), 1), ((4, 32), 3), ((1, 16), 1), ((1, 16), 1)], keys
+    assert keys == [((1, 32), 0), ((1, 16), 1), ((4, 32), 3), ((1, 16), 1), ((1, 16), 1),
+                    ((4, 32), 1)], keys
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_piecewise_steps_give_the_plain_steps_tokens(tiny_checkpoint, monkeypatch):
+    """Every step but the whole-graph ones through the pieces (run eagerly here): prompts
+    alone and in sixes, decodes beside a prompt chunk, decodes alone (the decode graphs
+    are not captured on the CPU), with the attention over each step's own metadata."""
+    pytest.importorskip("triton")
+    path = str(tiny_checkpoint("head64_gqa"))
+    kw = dict(dtype="float32", device="cpu", attention_backend="triton", block_size=16,
+              max_num_batched_tokens=32)
+    ref = _steps(LLM(path, **kw), _batches())
+    llm = LLM(path, **kw)
+    llm.engine.runner.capture_piecewise_graphs(32, capture=False)
+    steps = []
+    real = PiecewiseGraphs.run
+
+    def spy(self, input_ids, positions, md):
+        steps.append((md.num_decodes, md.num_seqs, md.num_actual_tokens))
+        return real(self, input_ids, positions, md)
+
+    monkeypatch.setattr(PiecewiseGraphs, "run", spy)
+    assert _steps(llm, _batches()) == ref
+    assert (1, 2, 14) in steps, steps  # the mixed step: 1 decode + the last 13 prompt tokens
+    assert (0, 6, sum(map(len, _batches()[3]))) in steps, steps  # six prompts in one step
+    assert any(d == s > 1 for d, s, _ in steps), steps  # decodes alone
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_prompt_graphs_captured_and_replayed_gpu(tiny_checkpoint, monkeypatch):
-    """fp32 on the GPU: replayed prompt graphs give the eager engine's tokens (the same
-    kernels; only the padded rows differ)."""
+    """fp32 on the GPU: replayed prompt graphs, whole and in pieces, give the eager engine's
+    tokens (the same kernels; only the padded rows differ)."""
     path = str(tiny_checkpoint("head64_gqa"))
     kw = dict(dtype="float32", device="cuda", attention_backend="triton", block_size=16,
               max_num_batched_tokens=32)
     monkeypatch.setenv("FLASHPAGE_PREFILL_GRAPHS", "0")
+    monkeypatch.setenv("FLASHPAGE_PIECEWISE_GRAPHS", "0")
     eager = LLM(path, **kw)
-    assert eager.engine.runner.prefill_graphs is None
+    assert eager.engine.runner.prefill_graphs is None and eager.engine.runner.piecewise is None
     ref = _steps(eager, _batches())
     del eager
     monkeypatch.setenv("FLASHPAGE_PREFILL_GRAPHS", "1")
+    monkeypatch.setenv("FLASHPAGE_PIECEWISE_GRAPHS", "1")
     llm = LLM(path, **kw)
-    pg = llm.engine.runner.prefill_graphs
+    pg, pw = llm.engine.runner.prefill_graphs, llm.engine.runner.piecewise
     assert pg is not None and set(pg.graphs) == {(s, t) for s in (1, 4) for t in (16, 32)}
+    assert pw is not None and set(pw.pieces) == {16, 32}
+    assert all(len(p) == 3 for p in pw.pieces.values())  # 2 layers: 3 pieces around 2 attentions
     replays = []
     real = torch.cuda.CUDAGraph.replay
+    whole = set(pg.graphs.values())
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay",
-                        lambda g: (replays.append(g in pg.graphs.values()), real(g))[1])
+                        lambda g: (replays.append("whole" if g in whole else g), real(g))[1])
     assert _steps(llm, _batches()) == ref
-    assert sum(replays) == 5, replays  # the five prompt-only steps the CPU test names
+    assert replays.count("whole") == 6, replays  # the six prompt-only steps the CPU test names
+    pieces = {id(p) for ps in pw.pieces.values() for p in ps}
+    assert sum(id(g) in pieces for g in replays if g != "whole") >= 2 * 3  # the six-prompt and mixed steps
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_piecewise_alone_gpu(tiny_checkpoint, monkeypatch):
+    """Piecewise graphs without the whole-step ones take every non-decode step (prompts of
+    one request too) and still give the eager engine's fp32 tokens."""
+    path = str(tiny_checkpoint("head64_gqa"))
+    kw = dict(dtype="float32", device="cuda", attention_backend="triton", block_size=16,
+              max_num_batched_tokens=32)
+    monkeypatch.setenv("FLASHPAGE_PREFILL_GRAPHS", "0")
+    monkeypatch.setenv("FLASHPAGE_PIECEWISE_GRAPHS", "0")
+    ref = _steps(LLM(path, **kw), _batches())
+    monkeypatch.setenv("FLASHPAGE_PIECEWISE_GRAPHS", "1")
+    llm = LLM(path, **kw)
+    assert llm.engine.runner.prefill_graphs is None and llm.engine.runner.piecewise is not None
+    runs = []
+    real = PiecewiseGraphs.run
+    monkeypatch.setattr(PiecewiseGraphs, "run", lambda self, *a: (runs.append(a[2].num_seqs), real(self, *a))[1])
+    assert _steps(llm, _batches()) == ref
+    assert len(runs) >= 8, runs
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
