@@ -6,6 +6,9 @@ the kernels' sum is host time: Python and launches the GPU waits on.
 
     python benchmarks/profile_ttft.py --config llama-3-8b --out $OUT
 
+With --decodes N: N requests decoding and a new prompt of --input-len tokens joining every
+step (a mixed step, as each arrival makes while others decode); the timed unit is one step.
+
 Writes $OUT/profile_ttft.json and $OUT/profile_ttft.txt (the cProfile tables).
 """
 
@@ -33,6 +36,7 @@ def main() -> None:
     ap.add_argument("--config", default="llama-3-8b")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--decodes", type=int, default=0, help="requests decoding beside each prompt")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -42,9 +46,23 @@ def main() -> None:
     vocab = llm.engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
 
-    def one(i: int) -> None:  # a new prompt each time: no prefix-cache hit
-        prompt = torch.randint(0, vocab, (args.input_len,), generator=g).tolist()
-        llm.generate([prompt], params, use_tqdm=False)
+    def new_prompt(n: int) -> list[int]:  # a new prompt each time: no prefix-cache hit
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    eng = llm.engine
+    if args.decodes:
+        long_params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True, detokenize=False)
+        for _ in range(args.decodes):
+            eng.add_request(None, new_prompt(64), long_params)
+        for _ in range(4):
+            eng.step()
+
+    def one(i: int) -> None:
+        if args.decodes:  # one mixed step
+            eng.add_request(None, new_prompt(args.input_len), params)
+            eng.step()
+        else:
+            llm.generate([new_prompt(args.input_len)], params, use_tqdm=False)
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for i in range(3):
@@ -72,7 +90,7 @@ def main() -> None:
         kernels = [e for e in tp.key_averages() if e.self_device_time_total > 0]
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3
     launches = sum(e.count for e in kernels)
-    res = {"config": args.config, "input_len": args.input_len, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    res = {"config": args.config, "input_len": args.input_len, "decodes": args.decodes, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "request_ms_median": round(statistics.median(walls) * 1e3, 2),
            "request_ms_all": [round(w * 1e3, 2) for w in walls],
            "gpu_kernel_ms": round(gpu_ms, 2), "kernel_launches": launches,

@@ -173,7 +173,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashpage.kernels.device import cuda_capability
+from flashpage.kernels.device import cuda_capability, num_sms
 from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.tma_maps import cached_tma_maps
 
@@ -1307,4 +1307,4 @@ def _sched_buffer(device: torch.device, num_sms: int, schedule: int) -> torch.Te
 
 
 def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return num_sms(device)

@@ -46,7 +46,8 @@ import triton
 import triton.language as tl
 
 from flashpage import envs
-from flashpage.kernels.device import sm90_reasons
+from flashpage.kernels.device import cuda_capability, sm90_reasons
+from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.kv_dtype import check_kv_cache_dtype, f16_dots, f16_query, is_fp8
 from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
@@ -138,7 +139,7 @@ def default_config(device: torch.device, head_dim: int, programs: int | None = N
     FLASHPAGE_DECODE_GLUON=0 turns it off.
     """
     if device.type == "cuda" and not _interpreting():
-        major, _ = torch.cuda.get_device_capability(device)
+        major, _ = cuda_capability(device)
         if major == 9 and triton.next_power_of_2(head_dim) == 128:
             if fp8:
                 # From 64 programs (batch >= 8 at 8 KV heads) each warp takes its own 16-key
@@ -648,7 +649,9 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
     # The merge loads [GROUP_PAD, MERGE_CHUNK, BLOCK_D] fp32 at once: <= 8K values.
     merge_chunk = max(1, min(triton.next_power_of_2(num_splits), 8192 // (group_pad * block_d)))
     grid = (num_kv_heads, batch, num_splits) if cfg.heads_fastest else (batch, num_kv_heads, num_splits)
-    _paged_decode_kernel[grid](
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
+                   **({"maxnreg": cfg.max_regs} if cfg.max_regs and not _interpreting() else {}))
+    _DECODE_LAUNCH(grid, (
         q, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
         counters if fused_merge else seq_lens,
         sm_scale * _LOG2E, window_size or 0,
@@ -656,17 +659,14 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1), num_splits,
+        out.stride(0), out.stride(1), num_splits), dict(
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=block_size,
         BLOCK_N=cfg.block_n, SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None,
         IEEE=q.dtype == torch.float32, PREFETCH=cfg.prefetch,
         PREFETCH_V=cfg.prefetch_v and not cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
         PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, key_cache.dtype),
-        WARP_SPLIT=warp_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
-        **({"maxnreg": cfg.max_regs} if cfg.max_regs and not _interpreting() else {}),
-    )
+        WARP_SPLIT=warp_split), options)
     if num_splits > 1 and not fused_merge:
         _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
     return out
@@ -731,11 +731,17 @@ def _merge(mid_o, mid_lse, out, num_splits: int, block_d: int, pdl: bool = False
     """The merge kernel over mid_o [B, Hq, num_splits, D] and mid_lse [B, Hq, num_splits];
     pdl: launch it with PDL (already resolved: True only where supported)."""
     batch, num_q_heads, _, head_dim = mid_o.shape
-    _merge_splits_kernel[(batch * num_q_heads,)](
-        mid_o, mid_lse, out, num_q_heads, out.stride(0), out.stride(1), num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl, num_warps=4, **pdl_launch_kwargs(pdl),
-    )
+    _MERGE_LAUNCH((batch * num_q_heads,),
+                  (mid_o, mid_lse, out, num_q_heads, out.stride(0), out.stride(1), num_splits),
+                  dict(SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+                       BLOCK_D=block_d, PDL=pdl),
+                  dict(num_warps=4, **pdl_launch_kwargs(pdl)))
+
+
+# Launched past Triton's per-call dispatch after a variant's first launch (kernels/fast_launch.py):
+# a mixed step launches both in every layer, eagerly (host ~55 us a launch through the JIT, run 127)
+_DECODE_LAUNCH = FastLauncher(_paged_decode_kernel)
+_MERGE_LAUNCH = FastLauncher(_merge_splits_kernel)
 
 
 def paged_decode(

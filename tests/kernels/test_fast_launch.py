@@ -137,3 +137,32 @@ def test_gluon_prefill_fast_launch_matches_jit(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_decode_fast_launch_matches_jit(monkeypatch, dtype):
+    """The Triton paged decode and its split merge through the compiled kernels and through
+    the JIT: bit for bit the same over splits (merge kernel and fused merge), PDL on and off,
+    batches and tables that change from call to call."""
+    from test_paged_decode import make_case
+
+    from flashpage.kernels import paged_decode as pd
+
+    configs = [pd.DecodeConfig(64, 4, 3), pd.DecodeConfig(64, 4, 3, fused_merge=True),
+               pd.DecodeConfig(64, 4, 2, heads_fastest=True)]
+    for i, (lens, splits, pdl) in enumerate((([300, 1, 77], 4, True), ([2000], 9, False),
+                                             ([5, 900, 64, 33], 1, True), ([129, 16], 3, False))):
+        case = make_case(lens, 8, 2, 128, 16, dtype, device="cuda", seed=i)
+        for cfg in configs:
+            def run(c=case, cfg=cfg, splits=splits, pdl=pdl):
+                return pd._launch(*c, sm_scale=None, window_size=None, out=None, num_splits=splits,
+                                  config=cfg, pdl=pdl)
+            monkeypatch.setenv("FLASHPAGE_FAST_LAUNCH", "0")
+            slow = run()
+            monkeypatch.setenv("FLASHPAGE_FAST_LAUNCH", "1")
+            fast1, fast2 = run(), run()  # the second from the compiled kernels
+            torch.cuda.synchronize()
+            assert torch.equal(slow, fast1) and torch.equal(slow, fast2), (lens, splits, cfg)
+    assert pd._DECODE_LAUNCH.compiled and pd._MERGE_LAUNCH.compiled

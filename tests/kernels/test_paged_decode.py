@@ -198,7 +198,7 @@ def test_default_config_by_generation(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setitem(mod._SM_COUNT, 0, 132)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(mod, "cuda_capability", lambda device: (9, 0))
     small, large = mod.default_config(cuda, 128, 264), mod.default_config(cuda, 128, 265)
     assert (small.num_stages, small.programs_per_sm, small.heads_fastest) == (3, 2, False)
     assert small.num_warps == 8 and mod.default_config(cuda, 128, 132).num_warps == 4  # split below
@@ -230,7 +230,7 @@ def test_default_config_by_generation(monkeypatch):
     monkeypatch.delenv("FLASHPAGE_FUSED_MERGE")
     assert mod.default_config(cuda, 128) == large
     assert mod.default_config(cuda, 64, 8) == DecodeConfig(64, 4, 3)  # not measured: generic
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(mod, "cuda_capability", lambda device: (8, 0))
     assert mod.default_config(cuda, 128, 8) == DecodeConfig(64, 4, 3)
     assert mod.default_config(cuda, 256, 8) == DecodeConfig(32, 4, 3)
     assert mod.default_config(torch.device("cpu"), 128, 8) == DecodeConfig(64, 4, 3)
@@ -299,7 +299,7 @@ def test_fused_merge_matches_merge_kernel(case, monkeypatch):
     q, kc, vc, bt, lens = make_case(seq_lens, hq, hkv, d, 16, torch.float32, seed=7)
     kw = dict(sm_scale=None, window_size=None, num_splits=splits)
     two = _launch(q, kc, vc, bt, lens, out=None, config=DecodeConfig(32, 4, 3), **kw)
-    monkeypatch.setattr(mod, "_merge_splits_kernel", None)  # the fused path must not launch it
+    monkeypatch.setattr(mod, "_MERGE_LAUNCH", None)  # the fused path must not launch the merge
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
         _launch(q, kc, vc, bt, lens, out=out, config=DecodeConfig(32, 4, 3, fused_merge=True), **kw)
