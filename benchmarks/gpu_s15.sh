@@ -12,6 +12,11 @@
 #   bash benchmarks/gpu_s15.sh d    run 128: the Triton paged decode and its merge through the fast launch,
 #                                   the SM count and capability cached: their GPU tests, the engine's and
 #                                   models', then ttft_graphs.py (16-512 tokens; mixed steps) once more
+#   bash benchmarks/gpu_s15.sh e    run 129: serving (bench serve, 8B) with the prompt graphs on and off
+#                                   (FLASHPAGE_PREFILL_GRAPHS / FLASHPAGE_PIECEWISE_GRAPHS=0): run 5's load (16
+#                                   req/s, 512 in, 128 out) and a light one (2 req/s, 256 in, 64 out).
+#                                   Needs fastapi, pydantic, starlette, uvicorn as wheels in .whl (carry)
+#   bash benchmarks/gpu_s15.sh f    run 130: the 8B offline throughput workload with the prompt graphs on / off
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -45,5 +50,30 @@ d)
   timeout "$(left 220)" python3 benchmarks/ttft_graphs.py --config llama-3-8b --input-lens 16 128 512 \
     --out "$OUT" 2>&1 | tee "$OUT/ttft_graphs.txt" | grep -v "^\s*$" | grep -iv "warn" | tail -n 14
   echo "part d done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-d)"; exit 2 ;;
+e)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site || exit 1
+  for g in 1 0; do
+    for load in "16 300 512 128" "2 60 256 64"; do
+      set -- $load
+      FLASHPAGE_PREFILL_GRAPHS=$g FLASHPAGE_PIECEWISE_GRAPHS=$g timeout "$(left 150)" python3 -m flashpage \
+        bench serve --config llama-3-8b --request-rate $1 --num-prompts $2 --input-len $3 --output-len $4 \
+        --json-out "$OUT/serve_graphs${g}_rate$1.json" > "$OUT/serve_graphs${g}_rate$1.txt" 2>&1
+      python3 - "$OUT/serve_graphs${g}_rate$1.json" "$g" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+keys = [k for k in r if any(w in k for w in ("ttft", "itl", "throughput", "failed", "completed"))]
+print("graphs", sys.argv[2], {k: r[k] for k in keys})
+PY
+    done
+  done
+  echo "part e done at ${SECONDS}s" ;;
+f)
+  for g in 1 0; do
+    FLASHPAGE_PREFILL_GRAPHS=$g FLASHPAGE_PIECEWISE_GRAPHS=$g timeout "$(left 200)" python3 -m flashpage \
+      bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --no-hf \
+      --json-out "$OUT/throughput_graphs$g.json" 2>&1 | grep -i "tok/s\|error\|captured" | tail -n 4
+  done
+  echo "part f done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-f)"; exit 2 ;;
 esac
