@@ -145,31 +145,9 @@ class LLMEngine:
             logger.info("decode GEMMs timed against cuBLAS in %.1fs", time.perf_counter() - t1)
         # One-row linears may take our GEMV (FLASHPAGE_GEMV, read when graphs are captured).
         set_row_gemv(self.model, self.device.type == "cuda" and backend_cls.name == "triton")
-        # A model can opt out of graphs (none does today).
         if (self.device.type == "cuda" and backend_cls.supports_cuda_graphs
                 and getattr(self.model, "supports_cuda_graphs", True) and not config.enforce_eager):
-            t1 = time.perf_counter()
-            self.runner.capture_decode_graphs(min(config.max_num_seqs, 512), self.max_model_len)
-            logger.info("captured decode CUDA graphs for %d batch sizes in %.1fs",
-                        len(self.runner.graphs.buckets), time.perf_counter() - t1)  # type: ignore[union-attr]
-            # Prompt steps too, where the backend's prompt path and the model's are sync-free
-            # (not MLA's context expansion nor the MoE's prompt path): short prompt-only
-            # steps whole, the other steps of up to 1024 tokens in pieces around attention.
-            prompt_graphs = (backend_cls.supports_prefill_graphs
-                             and getattr(self.model, "supports_prefill_graphs", True))
-            max_tokens = min(config.max_num_batched_tokens, self.max_model_len)
-            if prompt_graphs and envs.prefill_graphs():
-                t1 = time.perf_counter()
-                self.runner.capture_prefill_graphs(max_tokens, self.max_model_len)
-                pg = self.runner.prefill_graphs
-                logger.info("captured prompt CUDA graphs for up to %d requests of %d tokens in %.1fs",
-                            pg.seq_slots[-1], pg.token_buckets[-1], time.perf_counter() - t1)  # type: ignore[union-attr]
-            if prompt_graphs and envs.piecewise_graphs():
-                t1 = time.perf_counter()
-                self.runner.capture_piecewise_graphs(max_tokens)
-                logger.info("captured piecewise CUDA graphs (attention eager) for steps of up to %d "
-                            "tokens in %.1fs", self.runner.piecewise.token_buckets[-1],  # type: ignore[union-attr]
-                            time.perf_counter() - t1)
+            self._capture_graphs(backend_cls.supports_prefill_graphs)
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
         self._counter = 0
@@ -185,6 +163,27 @@ class LLMEngine:
                     mc.architecture, mc.attention_kind, str(self.dtype).replace("torch.", ""),
                     self.device, time.perf_counter() - t0, self.num_blocks, config.block_size,
                     str(self.kv_dtype).replace("torch.", ""))
+
+    def _capture_graphs(self, backend_prompt_graphs: bool) -> None:
+        """CUDA graphs (engine/cuda_graph.py): decode-only steps; where the backend's prompt
+        path and the model's are sync-free (not MLA's context expansion nor the MoE's prompt
+        path), short prompt-only steps whole and the other steps of up to 1024 tokens in
+        pieces around attention. Each kind logged with its time and the memory it reserved."""
+        cfg, runner = self.config, self.runner
+        prompt_graphs = backend_prompt_graphs and getattr(self.model, "supports_prefill_graphs", True)
+        max_tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
+        kinds = [("decode", lambda: runner.capture_decode_graphs(min(cfg.max_num_seqs, 512),
+                                                                 self.max_model_len))]
+        if prompt_graphs and envs.prefill_graphs():
+            kinds.append(("prompt-only (up to 4 requests)",
+                          lambda: runner.capture_prefill_graphs(max_tokens, self.max_model_len)))
+        if prompt_graphs and envs.piecewise_graphs():
+            kinds.append(("piecewise (attention eager)", lambda: runner.capture_piecewise_graphs(max_tokens)))
+        for name, capture in kinds:
+            t0, m0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+            capture()
+            logger.info("captured %s CUDA graphs in %.1fs (%.0f MiB reserved)", name,
+                        time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - m0) / 2**20)
 
     def warm_up(self) -> None:
         """Run a few throwaway requests so the kernels of every step kind compile now, not
