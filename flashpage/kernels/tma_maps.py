@@ -20,7 +20,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-CAPACITY = 64  # maps remembered (q, k, v of a few shapes and layers' worth of buffers)
+# Maps remembered (128 bytes each). Every layer has its own K and V cache: an 8B model's 64
+# cache maps and its q buffers, taken in turn each step, never hit an LRU of 64.
+CAPACITY = 1024
 
 _maps: OrderedDict[tuple, Any] = OrderedDict()
 fill_calls = 0
