@@ -17,6 +17,9 @@
 #                                   req/s, 512 in, 128 out) and a light one (2 req/s, 256 in, 64 out).
 #                                   Needs fastapi, pydantic, starlette, uvicorn as wheels in .whl (carry)
 #   bash benchmarks/gpu_s15.sh f    run 130: the 8B offline throughput workload with the prompt graphs on / off
+#   bash benchmarks/gpu_s15.sh g    run 131: the graph capture as one engine method (time and memory of each
+#                                   kind logged), TMA maps remembered up to 1024: the engine's and models' GPU
+#                                   tests, the TMA-map tests, ttft_graphs.py (16 / 128 tokens, mixed steps)
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 set -u
 PART=${1:-a}
@@ -75,5 +78,12 @@ f)
       --json-out "$OUT/throughput_graphs$g.json" 2>&1 | grep -i "tok/s\|error\|captured" | tail -n 4
   done
   echo "part f done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-f)"; exit 2 ;;
+g)
+  timeout "$(left 170)" $PT -m gpu tests/engine tests/models -rf 2>&1 | tee "$OUT/engine_gpu_tests.txt" | tail -n 3
+  timeout "$(left 60)" $PT -m gpu tests/kernels/test_flash_prefill_gluon.py tests/kernels/test_fast_launch.py \
+    -k "tma_map or fast_launch" -rf 2>&1 | tee "$OUT/tma_tests.txt" | tail -n 2
+  timeout "$(left 150)" python3 benchmarks/ttft_graphs.py --config llama-3-8b --input-lens 16 128 --batches 1 \
+    --out "$OUT" 2>&1 | tee "$OUT/ttft_graphs.txt" | grep -i "captured\|tokens\|decodes" | tail -n 14
+  echo "part g done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-g)"; exit 2 ;;
 esac

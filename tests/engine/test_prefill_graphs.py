@@ -109,14 +109,25 @@ def _batches():
     ]
 
 
+_CPU_REF: dict[str, list[list[int]]] = {}
+
+
+def _cpu_reference(tiny_checkpoint):
+    """The tiny model's path, the engine's arguments and its plain (eager, unpadded) tokens
+    for ``_batches()`` on the CPU: computed once for both CPU tests (interpreted: ~25 s)."""
+    path = str(tiny_checkpoint("head64_gqa"))
+    kw = dict(dtype="float32", device="cpu", attention_backend="triton", block_size=16,
+              max_num_batched_tokens=32)
+    if path not in _CPU_REF:
+        _CPU_REF[path] = _steps(LLM(path, **kw), _batches())
+    return path, kw, _CPU_REF[path]
+
+
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
 def test_padded_prompt_steps_give_the_plain_steps_tokens(tiny_checkpoint, monkeypatch):
     pytest.importorskip("triton")
-    path = str(tiny_checkpoint("head64_gqa"))
-    kw = dict(dtype="float32", device="cpu", attention_backend="triton", block_size=16,
-              max_num_batched_tokens=32)
-    ref = _steps(LLM(path, **kw), _batches())
+    path, kw, ref = _cpu_reference(tiny_checkpoint)
 
     llm = LLM(path, **kw)
     runner = llm.engine.runner
@@ -147,10 +158,7 @@ def test_piecewise_steps_give_the_plain_steps_tokens(tiny_checkpoint, monkeypatc
     alone and in sixes, decodes beside a prompt chunk, decodes alone (the decode graphs
     are not captured on the CPU), with the attention over each step's own metadata."""
     pytest.importorskip("triton")
-    path = str(tiny_checkpoint("head64_gqa"))
-    kw = dict(dtype="float32", device="cpu", attention_backend="triton", block_size=16,
-              max_num_batched_tokens=32)
-    ref = _steps(LLM(path, **kw), _batches())
+    path, kw, ref = _cpu_reference(tiny_checkpoint)
     llm = LLM(path, **kw)
     llm.engine.runner.capture_piecewise_graphs(32, capture=False)
     steps = []
