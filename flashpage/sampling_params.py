@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -24,6 +25,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen)
     prompt_logprobs: int | None = None
+    # token id -> added to its logit before penalties and temperature (OpenAI's logit_bias:
+    # -100 bans a token in practice, +100 all but forces it); values in [-100, 100]
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (benchmarks; stop strings need text)
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
@@ -73,3 +77,12 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+                if (not isinstance(b, int | float) or isinstance(b, bool) or not math.isfinite(b)
+                        or not -100.0 <= b <= 100.0):
+                    raise ValueError(f"logit_bias of token {t} must be a number in [-100, 100], got {b!r}")

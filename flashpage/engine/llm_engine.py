@@ -292,6 +292,10 @@ class LLMEngine:
         else:
             text, ids = None, list(prompt)
         self._validate_ids(ids)
+        vocab = self.model_config.vocab_size
+        for t in params.logit_bias or ():
+            if t >= vocab:
+                raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "

@@ -1,6 +1,7 @@
 """Turn each request's logits into its next token.
 
-Order of processing, as in vLLM: penalties (repetition, presence, frequency) ->
+Order of processing, as in vLLM: logit bias (and min_tokens: stop tokens and eos at -inf
+until a request has that many outputs) -> penalties (repetition, presence, frequency) ->
 temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the exponential race
 (argmax of p / Exp(1) noise), which needs no cumulative sum and is exact. A request
 with a seed draws its noise from a generator seeded by (seed, output position), so its
@@ -94,6 +95,18 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
+
+
+def _biases(r: Request, vocab: int) -> dict[int, float] | None:
+    """``r``'s additive logit biases for its next token: its ``logit_bias`` (token ids checked
+    against the vocabulary when the request was added), and -inf on the tokens min_tokens
+    holds back (Request.held_back_tokens; a stop token id past the vocabulary, which cannot
+    be sampled anyway, is left out); None if there are none."""
+    out = dict(r.sampling_params.logit_bias or {})
+    for t in r.held_back_tokens():
+        if t < vocab:
+            out[t] = float("-inf")
+    return out or None
 
 
 def needs_known_tokens(p: SamplingParams) -> bool:
@@ -190,9 +203,15 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
 
+        vocab = logits.shape[1]
+        biases = {i: b for i, (r, p) in enumerate(zip(requests, params, strict=True))
+                  if (p.min_tokens or p.logit_bias) and (b := _biases(r, vocab))}
         pen_rows = [i for i, p in enumerate(params) if needs_known_tokens(p)]
-        if pen_rows:
+        if biases or pen_rows:  # a copy: the logits may be a CUDA graph's output
             logits = logits.to(torch.float32, copy=True)
+        if biases:
+            self._apply_biases(logits, biases)
+        if pen_rows:
             self._apply_penalties(logits, pen_rows, requests)
 
         greedy = [p.greedy for p in params]
@@ -205,6 +224,19 @@ class Sampler:
         if raw_logprobs is None:
             return PendingSample(tokens, params, None)
         return PendingSample(tokens, params, self._logprobs(raw_logprobs, tokens, params))
+
+    @staticmethod
+    def _apply_biases(logits: torch.Tensor, biases: dict[int, dict[int, float]]) -> None:
+        """logits[row, token] += bias for every entry, in one host-to-device copy."""
+        rows = [i for i, b in biases.items() for _ in b]
+        toks = [t for b in biases.values() for t in b]
+        vals = [v for b in biases.values() for v in b.values()]
+        host = torch.tensor([rows, toks], dtype=torch.long)
+        host_v = torch.tensor(vals, dtype=torch.float32)
+        dev = logits.device
+        if dev.type == "cuda":
+            host, host_v = host.pin_memory().to(dev, non_blocking=True), host_v.pin_memory().to(dev, non_blocking=True)
+        logits.index_put_((host[0], host[1]), host_v, accumulate=True)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:

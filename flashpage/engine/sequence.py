@@ -107,6 +107,13 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    def held_back_tokens(self) -> frozenset[int]:
+        """Tokens its next output may not be: while it has fewer than ``min_tokens`` outputs,
+        its stop token ids and (unless ``ignore_eos``) eos, as vLLM's min_tokens masks them."""
+        if self.num_output_tokens >= self.sampling_params.min_tokens:
+            return frozenset()
+        return self._stop_ids if self._ignore_eos else self._stop_ids | self._eos_ids
+
     @property
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens

@@ -64,6 +64,8 @@ class _SamplingFields(_Body):
     frequency_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
     stream: Bool | None = False
     stream_options: StreamOptions | None = None
+    # token id (as a string, OpenAI's JSON keys) -> bias in [-100, 100] added to its logit
+    logit_bias: dict[Str, Float] | None = None
     user: Any = None
     # vLLM's extras
     top_k: Int | None = Field(default=None, ge=-1, le=2**31 - 1)

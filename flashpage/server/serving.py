@@ -179,10 +179,27 @@ def sampling_params(state: ServerState, req: CompletionRequest | ChatCompletionR
         value = getattr(req, name)
         if value is not None:
             kw[name] = value
+    if req.logit_bias:
+        kw["logit_bias"] = _logit_bias(req.logit_bias, vocab)
     try:
         return SamplingParams(**kw)
     except ValueError as e:  # SamplingParams names the field first
         raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+
+
+def _logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:
+    """OpenAI's {"token id": bias} -> {token id: bias}; 400 naming a key that is not a token
+    id of this model or a bias outside [-100, 100]."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or not int(key) < vocab:
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}",
+                              "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(f"logit_bias of token {key} must be in [-100, 100], got {value}",
+                              "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def check_length(state: ServerState, n_prompt: int, max_tokens: int | None) -> int:

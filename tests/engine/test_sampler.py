@@ -234,3 +234,50 @@ def test_sampler_kernel_env(monkeypatch):
     assert Sampler(8)._kernel_on(x) and not Sampler(8, use_kernel=False)._kernel_on(x)
     monkeypatch.setenv("FLASHPAGE_SAMPLER_KERNEL", "0")
     assert not Sampler(8)._kernel_on(x)
+
+
+def test_logit_bias_moves_and_bans_tokens(kernel):
+    """+100 makes token 5 the greedy choice; -100 on the argmax hands it to the runner-up;
+    logprobs stay those of the raw logits (vLLM's default)."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
+    reqs = [_req(SamplingParams(temperature=0, logit_bias={5: 100.0}), "a"),
+            _req(SamplingParams(temperature=0, logit_bias={0: -100.0}, logprobs=0), "b"),
+            _req(SamplingParams(temperature=0), "c")]
+    out = Sampler(6, use_kernel=kernel)(logits.to(KERNEL_DEVICE if kernel else "cpu"), reqs)
+    assert out.token_ids == [5, 1, 0]
+    raw = torch.log_softmax(logits[1], -1)
+    assert out.logprobs[1].logprob == pytest.approx(float(raw[1]), abs=1e-5)
+    # sampled rows: a -100 token never drawn
+    assert 0 not in _draws(LOGITS, SamplingParams(temperature=1.0, logit_bias={0: -100.0}), kernel)
+
+
+def test_min_tokens_holds_stop_tokens_and_eos_back(kernel):
+    """vLLM's min_tokens: until a request has that many outputs its stop token ids and eos
+    are not sampled (not merely not stopped on); from then on they are, and ignore_eos leaves
+    eos alone. Eos here is token 0, the argmax; stop token 1 the runner-up."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
+
+    def pick(params: SamplingParams, outputs: int) -> int:
+        r = Request("r", [1, 2, 3], params, eos_token_id=0)
+        for _ in range(outputs):
+            r.append_output_token(4)
+        return _run(logits, [r], kernel)[0]
+
+    held = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    assert pick(held, 0) == 2 and pick(held, 1) == 2  # eos and the stop token held back
+    assert pick(held, 2) == 0  # min_tokens reached: eos again
+    assert pick(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True, stop_token_ids=[1]), 0) == 0
+    # a stop token id past the vocabulary is skipped (it cannot be drawn); eos still held back
+    assert pick(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[10**6]), 0) == 1
+    assert 0 not in _draws(LOGITS, SamplingParams(temperature=1.0, min_tokens=1,
+                                                   stop_token_ids=[0]), kernel)
+
+
+@pytest.mark.parametrize("bias, needle", [
+    ({-1: 1.0}, "keys"), ({True: 1.0}, "keys"), ({"5": 1.0}, "keys"),
+    ({5: 101.0}, "[-100, 100]"), ({5: float("nan")}, "[-100, 100]"), ([5], "dict"),
+])
+def test_logit_bias_validation(bias, needle):
+    with pytest.raises(ValueError, match="logit_bias") as e:
+        SamplingParams(logit_bias=bias)
+    assert needle in str(e.value)

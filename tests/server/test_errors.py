@@ -82,6 +82,12 @@ def test_too_long_states_both_numbers(server):
     ("stream", "yes", "stream"),
     ("echo", True, "echo"),
     ("prompt", [5, 300], "outside the vocabulary"),
+    ("logit_bias", {"abc": 1}, "logit_bias keys must be token ids"),
+    ("logit_bias", {"300": 1}, "token ids in [0, 256)"),
+    ("logit_bias", {"-1": 1}, "logit_bias keys"),
+    ("logit_bias", {"5": 200}, "[-100, 100]"),
+    ("logit_bias", {"5": "x"}, "logit_bias"),
+    ("logit_bias", [5], "logit_bias"),
     ("prompt", {"text": "hi"}, "prompt"),
 ])
 def test_invalid_parameters(server, field, value, needle):

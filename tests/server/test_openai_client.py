@@ -196,3 +196,14 @@ def test_chat_logprobs(client, server):
     r = client.chat.completions.create(model=server.model, messages=CONVERSATION, max_tokens=4,
                                        temperature=0)
     assert r.choices[0].logprobs is None
+
+
+def test_logit_bias_equals_offline(client, server, offline_llm):
+    """OpenAI's logit_bias ({"token id": bias}) as offline SamplingParams.logit_bias."""
+    bias = {7: 100.0, 9: -100.0}
+    exp = offline_llm.generate(PROMPTS[:1], greedy(5, ignore_eos=True, logit_bias=bias),
+                               use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=5, temperature=0,
+                                  logit_bias={str(k): v for k, v in bias.items()},
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == exp.text and exp.token_ids == [7] * 5
