@@ -3,7 +3,8 @@
 ``build_app(async_engine, served_model_name, api_key=None)`` makes the app;
 ``run_server(args)`` (``flashpage serve``) builds the engine and runs uvicorn.
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming as
-server-sent events), GET /v1/models, GET /health, GET /metrics. See docs/server.md.
+server-sent events), GET /v1/models, GET /health, GET /metrics, POST /tokenize and
+POST /detokenize (vLLM's). See docs/server.md.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from flashpage.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     bad_request,
     validation_error,
 )
@@ -118,6 +121,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         _check_key(state, request)
         req = await _parse(state, request, ChatCompletionRequest)
         return await serving.chat(state, request, req, arrival)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        _check_key(state, request)
+        return await serving.tokenize(state, await _parse(state, request, TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        _check_key(state, request)
+        return await serving.detokenize(state, await _parse(state, request, DetokenizeRequest))
 
     return app
 

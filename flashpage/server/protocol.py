@@ -112,6 +112,22 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
 
 
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): a text prompt, or chat messages through the chat template."""
+
+    model: Str | None = None
+    prompt: Str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: Bool = True  # prompt only (the chat template places its own)
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: Str | None = None
+    tokens: TokenIds
+
+
 # Fields that take one of several shapes: one sentence beats pydantic's error per shape.
 _SHAPES = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",

@@ -28,6 +28,8 @@ from flashpage.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     bad_request,
 )
 from flashpage.server.render import ChoiceState, chat_logprobs, completion_logprobs, sse
@@ -159,6 +161,33 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
                              "usage": usage(len(ids), completion_tokens)})
 
     return await unless_disconnected(request, answer())
+
+
+# ---------------------------------------------------------------------------- /tokenize
+async def tokenize(state: ServerState, req: TokenizeRequest) -> Response:
+    """vLLM's /tokenize: the ids a prompt (or a chat, through the template) becomes, as the
+    generation endpoints would feed them to the model."""
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("send exactly one of prompt and messages", "prompt")
+    if req.messages is not None:
+        if not req.messages:
+            raise bad_request("messages is empty", "messages")
+        ids = await state.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.text()} for m in req.messages])
+    else:
+        ids = await state.tokenizer.encode(req.prompt or "", req.add_special_tokens)
+    return JSONResponse({"count": len(ids), "max_model_len": state.engine.max_model_len,
+                         "tokens": ids})
+
+
+async def detokenize(state: ServerState, req: DetokenizeRequest) -> Response:
+    """vLLM's /detokenize: token ids (each in the vocabulary) -> text, special tokens kept."""
+    vocab = state.engine.vocab_size
+    for i, t in enumerate(req.tokens):
+        if not 0 <= t < vocab:
+            raise bad_request(f"token id {t} at position {i} is outside the vocabulary [0, {vocab})",
+                              "tokens")
+    return JSONResponse({"prompt": await state.tokenizer.decode(req.tokens)})
 
 
 # ---------------------------------------------------------------------------- shared steps

@@ -31,15 +31,25 @@ class ServerTokenizer:
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._tok is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
-        return await self._run(self._encode, text)
+        return await self._run(self._encode, text, add_special_tokens)
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # Same call as LLMEngine.tokenize, so served and offline prompts are the same ids.
         assert self._tok is not None  # checked by encode()
-        return list(self._tok.encode(text, add_special_tokens=True))
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    async def decode(self, ids: list[int]) -> str:
+        """Token ids -> text, special tokens kept (what /detokenize answers)."""
+        if self._tok is None:
+            raise bad_request("this model has no tokenizer: nothing to detokenize with", "tokens")
+        return await self._run(self._decode, ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        assert self._tok is not None  # checked by decode()
+        return str(self._tok.decode(ids, skip_special_tokens=False))
 
     async def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
         if self._tok is None or not getattr(self._tok, "chat_template", None):

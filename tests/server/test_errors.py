@@ -120,6 +120,7 @@ def test_unknown_model(server):
 def test_routes_and_methods(server):
     assert_error(httpx.get(server.url + "/v1/nothing"), 404)
     assert_error(httpx.get(server.url + "/v1/completions"), 405)
+    assert_error(httpx.get(server.url + "/tokenize"), 405)
     assert_error(httpx.get(server.url + "/docs"), 404)  # no schema or docs side doors
     assert_error(httpx.get(server.url + "/openapi.json"), 404)
     assert httpx.get(server.url + "/health").status_code == 200
@@ -155,6 +156,8 @@ def test_api_key(keyed_server):
     assert httpx.post(url, json=body, headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
     assert_error(httpx.get(s.url + "/v1/models"), 401)
     assert_error(httpx.get(s.url + "/metrics"), 401)
+    assert_error(httpx.post(s.url + "/tokenize", json={"prompt": "hi"}), 401)
+    assert_error(httpx.post(s.url + "/detokenize", json={"tokens": [5]}), 401)
     assert httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
     assert httpx.get(s.url + "/health").status_code == 200
     # The key is checked before the body is even parsed.

@@ -207,3 +207,34 @@ def test_logit_bias_equals_offline(client, server, offline_llm):
                                   logit_bias={str(k): v for k, v in bias.items()},
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == exp.text and exp.token_ids == [7] * 5
+
+
+def test_tokenize_and_detokenize(server, offline_llm):
+    """vLLM's /tokenize gives the ids the generation endpoints feed the model (a prompt, or
+    a chat through the template); /detokenize turns ids back into the text."""
+    import httpx
+
+    url = server.url
+    r = httpx.post(url + "/tokenize", json={"model": server.model, "prompt": PROMPTS[0]}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = offline_llm.engine.tokenize(PROMPTS[0])
+    assert body["tokens"] == ids and body["count"] == len(ids)
+    assert body["max_model_len"] == offline_llm.engine.max_model_len
+    plain = httpx.post(url + "/tokenize", json={"prompt": PROMPTS[0], "add_special_tokens": False},
+                       timeout=30).json()["tokens"]
+    assert plain == ids[1:] and ids[0] == 1  # the bos the template processor adds
+    chat = httpx.post(url + "/tokenize", json={"messages": CONVERSATION}, timeout=30).json()
+    tok = offline_llm.engine.tokenizer
+    assert chat["tokens"] == list(tok.apply_chat_template(CONVERSATION, add_generation_prompt=True,
+                                                          tokenize=True, return_dict=False))
+    r = httpx.post(url + "/detokenize", json={"tokens": plain}, timeout=30)
+    assert r.status_code == 200 and r.json()["prompt"] == PROMPTS[0]
+    for path, bad, needle in (("/tokenize", {}, "exactly one of prompt and messages"),
+                              ("/tokenize", {"prompt": "a", "messages": CONVERSATION}, "exactly one"),
+                              ("/tokenize", {"messages": []}, "messages"),
+                              ("/detokenize", {"tokens": [5, 256]}, "outside the vocabulary"),
+                              ("/detokenize", {"tokens": "hi"}, "tokens"),
+                              ("/tokenize", {"model": "other", "prompt": "a"}, "does not exist")):
+        r = httpx.post(url + path, json=bad, timeout=30)
+        assert r.status_code in (400, 404) and needle in r.json()["error"]["message"], (path, bad, r.text)
