@@ -45,3 +45,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request was refused; outputs is then empty
     new_text: list[str] = field(default_factory=list)  # per output: the text added by this step
+    # SamplingParams.prompt_logprobs: entry p for prompt token p given the ones before it
+    # (None for the first), as far as the prompt has been computed
+    prompt_logprobs: list[Logprobs | None] | None = None

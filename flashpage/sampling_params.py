@@ -24,6 +24,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen)
+    # logprobs of each prompt token given the ones before it (None for the first), with this
+    # many alternatives: vLLM's; such a request takes no prefix-cache hit (each position's
+    # logits are computed)
     prompt_logprobs: int | None = None
     # token id -> added to its logit before penalties and temperature (OpenAI's logit_bias:
     # -100 bans a token in practice, +100 all but forces it); values in [-100, 100]
@@ -71,6 +74,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}")
         if self._stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
         if any(not isinstance(s, str) or not s for s in self._stop):

@@ -462,8 +462,10 @@ class LLMEngine:
             for c in parent.children:
                 self._children.pop(c.request.request_id, None)
                 self._sync_ids.discard(c.request.request_id)
+        plp = parent.children[0].request.prompt_logprobs
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
-                             finished=done, metrics=parent.metrics, new_text=new_text)
+                             finished=done, metrics=parent.metrics, new_text=new_text,
+                             prompt_logprobs=list(plp) if plp is not None else None)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ scheduled token of requests that reach the end of their known tokens this step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ class StepInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sample_requests: list[Request]
+    # prompt_logprobs: (request, its first row in the step, its first position, rows) for
+    # the rows whose next token is a prompt token
+    prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -164,6 +167,7 @@ class ModelRunner:
             pend_src = (buf[offs[i]:offs[i + 1]] for i in range(9))
         tables2d = tables.reshape(num_seqs, width)
         sample_reqs: list[Request] = []
+        prompt_rows: list[tuple[Request, int, int, int]] = []
         num_decodes = 0
         t = 0
         k = 0
@@ -184,6 +188,9 @@ class ModelRunner:
                 positions[t:t + n] = pos
                 slot_mapping[t:t + n] = row[pos // bs].astype(np.int64) * bs + pos % bs
             seq_lens[i] = end
+            if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                # rows at positions start .. predict prompt tokens start + 1 ..
+                prompt_rows.append((req, t, start, min(end, req.num_prompt_tokens - 1) - start))
             t += n
             qsl[i + 1] = t
             if end == req.num_tokens:
@@ -215,7 +222,38 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
         )
         md = self.backend.prepare(md)
-        return StepInputs(d_input_ids, d_positions, md, d_logits, sample_reqs)
+        return StepInputs(d_input_ids, d_positions, md, d_logits, sample_reqs, prompt_rows)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list[tuple[Request, int, int, int]]) -> None:
+        """Each prompt_rows row's logprobs of the prompt token after it (raw log_softmax, its
+        rank, the top prompt_logprobs alternatives), appended to its request's
+        ``prompt_logprobs`` (a position already there, from before a preemption, is kept).
+        Waits for the device: prompt logprobs are for evaluation, not for speed."""
+        from flashpage.engine.sampler import Logprobs
+
+        rows = torch.cat([torch.arange(t, t + k) for _, t, _, k in prompt_rows])
+        targets = torch.tensor([tok for r, _, p, k in prompt_rows
+                                for tok in r.all_token_ids[p + 1: p + 1 + k]])
+        logits = self.model.compute_logits(hidden[rows.to(hidden.device)])  # type: ignore[operator]
+        lp = torch.log_softmax(logits[:, : self.config.vocab_size].float(), dim=-1)
+        chosen = lp.gather(1, targets.to(lp.device)[:, None])
+        ranks = ((lp > chosen).sum(1) + 1).tolist()
+        kmax = max(r.sampling_params.prompt_logprobs or 0 for r, *_ in prompt_rows)
+        top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (None, None)
+        chosen_l = chosen[:, 0].tolist()
+        top_vl = top_v.tolist() if top_v is not None else None
+        top_il = top_i.tolist() if top_i is not None else None
+        j = 0
+        for req, _, pos, k in prompt_rows:
+            want = req.sampling_params.prompt_logprobs or 0
+            plp = req.prompt_logprobs
+            assert plp is not None
+            for p in range(pos, pos + k):
+                if len(plp) == p + 1:  # token p + 1's entry
+                    top = list(zip(top_il[j][:want], top_vl[j][:want], strict=True)) \
+                        if want and top_il and top_vl else []
+                    plp.append(Logprobs(int(targets[j]), chosen_l[j], ranks[j], top))
+                j += 1
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -233,14 +271,14 @@ class ModelRunner:
             return [], None
         inp = self.prepare(out)
         md = inp.metadata
-        if (self.graphs is not None and md.num_decodes == md.num_seqs
+        if (self.graphs is not None and md.num_decodes == md.num_seqs and not inp.prompt_rows
                 and self.graphs.bucket(md.num_seqs) is not None):
             # One token per request, each sampled: token index == row of the captured
             # logits == logits index, so the rows are used in place (no gather of
             # [batch, vocab] per step; the next replay rewrites them after sampling).
             assert len(inp.sample_requests) == md.num_seqs
             logits = self.graphs.run(inp.input_ids, inp.positions, md, md.num_seqs)
-        elif (self.prefill_graphs is not None and md.num_decodes == 0
+        elif (self.prefill_graphs is not None and md.num_decodes == 0 and not inp.prompt_rows
                 and self.prefill_graphs.key(md.num_seqs, md.num_actual_tokens) is not None):
             # A short prompt-only step: its host time is its launches (cuda_graph.py).
             logits = self.prefill_graphs.run(inp.input_ids, inp.positions, md, inp.logits_indices)
@@ -250,6 +288,8 @@ class ModelRunner:
                 hidden = self.piecewise.run(inp.input_ids, inp.positions, md)
             else:
                 hidden = self.model(inp.input_ids, inp.positions, md)
+            if inp.prompt_rows:
+                self._prompt_logprobs(hidden, inp.prompt_rows)
             if not inp.sample_requests:
                 return [], None
             logits = self.model.compute_logits(hidden[inp.logits_indices])  # type: ignore[operator]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from flashpage.sampling_params import SamplingParams
 
@@ -98,6 +99,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
+        # prompt_logprobs: entry p is prompt token p's logprobs given the ones before it
+        # (sampler.Logprobs; None for token 0), filled as the prompt's chunks run
+        self.prompt_logprobs: list[Any] | None = [None] if sampling_params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:

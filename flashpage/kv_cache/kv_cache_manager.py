@@ -123,7 +123,8 @@ class KVCacheManager:
         produces logits. Returns ``(blocks, num_tokens_hit)``; nothing is taken yet (pass
         the blocks to ``allocate_slots``).
         """
-        if not self.enable_prefix_caching or request.request_id in self._blocks:
+        if (not self.enable_prefix_caching or request.request_id in self._blocks
+                or request.sampling_params.prompt_logprobs is not None):  # every position's logits
             return [], 0
         B = self.block_size
         tokens = request.all_token_ids
