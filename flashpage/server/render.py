@@ -67,6 +67,33 @@ def completion_logprobs(tok: Any, lps: list[Logprobs], st: ChoiceState,
             "text_offset": offsets}
 
 
+def echo_logprobs(tok: Any, prompt_ids: list[int], plps: list[Logprobs | None] | None,
+                  st: ChoiceState) -> dict[str, Any]:
+    """completion_logprobs' shape for an echoed prompt: every prompt token, its logprob and
+    top alternatives from the request's prompt_logprobs (null for the first token, which
+    has nothing before it)."""
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for i, t in enumerate(prompt_ids):
+        s = tok.token_str(t)
+        tokens.append(s)
+        offsets.append(st.text_offset)
+        st.text_offset += len(s)
+        lp = plps[i] if plps is not None and i < len(plps) else None
+        if lp is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(_lp(lp.logprob))
+        top = {tok.token_str(a): _lp(v) for a, v in lp.top}
+        top.setdefault(s, _lp(lp.logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
 def chat_logprobs(tok: Any, lps: list[Logprobs], want: bool) -> dict[str, Any] | None:
     """``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
     if not want:

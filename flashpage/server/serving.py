@@ -32,7 +32,13 @@ from flashpage.server.protocol import (
     TokenizeRequest,
     bad_request,
 )
-from flashpage.server.render import ChoiceState, chat_logprobs, completion_logprobs, sse
+from flashpage.server.render import (
+    ChoiceState,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    sse,
+)
 from flashpage.server.tokenize import ServerTokenizer
 
 logger = logging.getLogger("flashpage.server")
@@ -64,8 +70,8 @@ class ServerState:
 # ---------------------------------------------------------------------------- /v1/completions
 async def completions(state: ServerState, request: Request, req: CompletionRequest,
                       arrival: float) -> Response:
-    if req.echo:
-        raise bad_request("echo is not supported", "echo")
+    if req.echo and req.stream:
+        raise bad_request("echo is not supported with stream", "echo")
     raw = req.prompt
     one = isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw))
     items: list[Any] = [raw] if one else list(raw)
@@ -76,6 +82,8 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
                           "prompt")
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     params = sampling_params(state, req, max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
+        params.prompt_logprobs = req.logprobs
     prompts: list[list[int]] = []
     for item in items:
         if isinstance(item, str):
@@ -106,12 +114,22 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
         finals = await collect(streams)
         choices, completion_tokens = [], 0
         for p, out in enumerate(finals):
+            echo = ""
+            if req.echo:  # the prompt as sent, or its ids decoded
+                item = items[p]
+                echo = item if isinstance(item, str) else \
+                    (await state.tokenizer.decode(prompts[p]) if tok.has_tokenizer else "")
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
-                choices.append({"index": p * params.n + o.index, "text": o.text,
-                                "logprobs": completion_logprobs(tok, o.logprobs or [],
-                                                                ChoiceState(), want_lp),
-                                "finish_reason": o.finish_reason})
+                st = ChoiceState()
+                lps = completion_logprobs(tok, o.logprobs or [], st, want_lp)
+                if req.echo and lps is not None:
+                    head = echo_logprobs(tok, prompts[p], out.prompt_logprobs, ChoiceState())
+                    for key in ("tokens", "token_logprobs", "top_logprobs"):
+                        lps[key] = head[key] + lps[key]
+                    lps["text_offset"] = head["text_offset"] + [len(echo) + x for x in lps["text_offset"]]
+                choices.append({"index": p * params.n + o.index, "text": echo + o.text,
+                                "logprobs": lps, "finish_reason": o.finish_reason})
         choices.sort(key=lambda c: int(c["index"]))  # type: ignore[call-overload]
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": state.model_name, "choices": choices,

@@ -25,6 +25,10 @@ class ServerTokenizer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashpage-tokenize")
         self.token_str = lru_cache(maxsize=1 << 16)(self._token_str)
 
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tok is not None
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -61,6 +61,12 @@ def test_too_long_states_both_numbers(server):
         client.completions.create(model=server.model, prompt=ids, max_tokens=100)
 
 
+def test_echo_with_stream_is_refused(server):
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 2, "echo": True, "stream": True}
+    assert_error(post(server, "/v1/completions", body), 400, "echo is not supported with stream",
+                 param="echo")
+
+
 @pytest.mark.parametrize("field, value, needle", [
     ("temperature", -1.0, "temperature"),
     ("temperature", "hot", "temperature"),
@@ -80,7 +86,7 @@ def test_too_long_states_both_numbers(server):
     ("min_p", 2.0, "min_p"),
     ("seed", 2**64, "seed"),
     ("stream", "yes", "stream"),
-    ("echo", True, "echo"),
+    ("echo", "yes", "echo"),
     ("prompt", [5, 300], "outside the vocabulary"),
     ("logit_bias", {"abc": 1}, "logit_bias keys must be token ids"),
     ("logit_bias", {"300": 1}, "token ids in [0, 256)"),

@@ -238,3 +238,27 @@ def test_tokenize_and_detokenize(server, offline_llm):
                               ("/tokenize", {"model": "other", "prompt": "a"}, "does not exist")):
         r = httpx.post(url + path, json=bad, timeout=30)
         assert r.status_code in (400, 404) and needle in r.json()["error"]["message"], (path, bad, r.text)
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, server, offline_llm):
+    """lm-eval-harness's loglikelihood request (echo, logprobs 1, max_tokens 1): the prompt
+    comes back before the completion, its tokens' logprobs are the offline prompt_logprobs
+    (null for the first), then the completion's."""
+    exp = offline_llm.generate(PROMPTS[:1], greedy(1, prompt_logprobs=1, logprobs=1),
+                               use_tqdm=False)[0]
+    r = client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=1, temperature=0,
+                                  echo=True, logprobs=1)
+    c = r.choices[0]
+    assert c.text == PROMPTS[0] + exp.outputs[0].text
+    lp = c.logprobs
+    n = len(exp.prompt_token_ids)
+    assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for got, want in zip(lp.token_logprobs[1:n], exp.prompt_logprobs[1:], strict=True):
+        assert abs(got - want.logprob) < 1e-4
+    assert abs(lp.token_logprobs[n] - exp.outputs[0].logprobs[0].logprob) < 1e-4
+    assert lp.text_offset == sorted(lp.text_offset)
+    # token-id prompts echo their decoded text; without logprobs no prompt scoring is asked
+    ids = offline_llm.engine.tokenize(PROMPTS[1])
+    r = client.completions.create(model=server.model, prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert r.choices[0].text.startswith(offline_llm.engine.tokenizer.decode(ids))
+    assert r.choices[0].logprobs is None
