@@ -31,6 +31,7 @@ class ChoiceState:
     finished: bool = False
     role_sent: bool = False  # chat: the first delta carries the role
     text_offset: int = 0  # completions logprobs: characters of token text so far
+    echo_sent: bool = False  # completions echo: the prompt went out first
 
     def advance(self, new_text: str, o: CompletionOutput) -> tuple[str | None, int, str | None]:
         """(text delta, number of new tokens, finish reason) for this step's output of the

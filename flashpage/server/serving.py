@@ -45,9 +45,10 @@ logger = logging.getLogger("flashpage.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
-# (choice index, its stream state, text delta, logprobs of the new tokens, finish reason)
-# -> one entry of a chunk's "choices"
-ChoiceRenderer = Callable[[int, ChoiceState, str, list[Logprobs], str | None], dict[str, Any]]
+# (choice index, its stream state, text delta, logprobs of the new tokens, finish reason, the
+# request's output) -> one entry of a chunk's "choices"
+ChoiceRenderer = Callable[[int, ChoiceState, str, list[Logprobs], str | None, RequestOutput],
+                          dict[str, Any]]
 
 
 class ServerState:
@@ -70,8 +71,6 @@ class ServerState:
 # ---------------------------------------------------------------------------- /v1/completions
 async def completions(state: ServerState, request: Request, req: CompletionRequest,
                       arrival: float) -> Response:
-    if req.echo and req.stream:
-        raise bad_request("echo is not supported with stream", "echo")
     raw = req.prompt
     one = isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw))
     items: list[Any] = [raw] if one else list(raw)
@@ -94,17 +93,36 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
             ids = list(item)
         check_length(state, len(ids), max_tokens)
         prompts.append(ids)
+    tok, want_lp = state.tokenizer, req.logprobs is not None
+    echoes = [""] * len(prompts)  # echo: each prompt as sent, or its ids decoded
+    if req.echo:
+        echoes = [item if isinstance(item, str) else
+                  (await tok.decode(ids) if tok.has_tokenizer else "")
+                  for item, ids in zip(items, prompts, strict=True)]
     streams = await start(state, "cmpl", prompts, params, arrival)
     rid = f"cmpl-{uuid.uuid4().hex}"
     n_prompt = sum(len(p) for p in prompts)
-    tok, want_lp = state.tokenizer, req.logprobs is not None
+
+    def render(p: int, st: ChoiceState, delta: str, lps: list[Logprobs],
+               out: RequestOutput) -> tuple[str, dict[str, Any] | None]:
+        """A choice's text and logprobs so far, the echoed prompt first on its first call."""
+        head = None
+        if req.echo and not st.echo_sent:
+            st.echo_sent = True
+            if want_lp:
+                head = echo_logprobs(tok, prompts[p], out.prompt_logprobs, ChoiceState())
+            st.text_offset = len(echoes[p])
+            delta = echoes[p] + delta
+        body = completion_logprobs(tok, lps, st, want_lp)
+        if head is not None and body is not None:
+            body = {k: head[k] + body[k] for k in body}
+        return delta, body
 
     if req.stream:
         def choice(idx: int, st: ChoiceState, delta: str, lps: list[Logprobs],
-                   finish: str | None) -> dict[str, Any]:
-            return {"index": idx, "text": delta,
-                    "logprobs": completion_logprobs(tok, lps, st, want_lp),
-                    "finish_reason": finish}
+                   finish: str | None, out: RequestOutput) -> dict[str, Any]:
+            text, lp = render(idx // params.n, st, delta, lps, out)
+            return {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish}
 
         return stream_response(state, streams, params.n, rid, "text_completion", n_prompt,
                                bool(req.stream_options and req.stream_options.include_usage),
@@ -114,22 +132,11 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
         finals = await collect(streams)
         choices, completion_tokens = [], 0
         for p, out in enumerate(finals):
-            echo = ""
-            if req.echo:  # the prompt as sent, or its ids decoded
-                item = items[p]
-                echo = item if isinstance(item, str) else \
-                    (await state.tokenizer.decode(prompts[p]) if tok.has_tokenizer else "")
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
-                st = ChoiceState()
-                lps = completion_logprobs(tok, o.logprobs or [], st, want_lp)
-                if req.echo and lps is not None:
-                    head = echo_logprobs(tok, prompts[p], out.prompt_logprobs, ChoiceState())
-                    for key in ("tokens", "token_logprobs", "top_logprobs"):
-                        lps[key] = head[key] + lps[key]
-                    lps["text_offset"] = head["text_offset"] + [len(echo) + x for x in lps["text_offset"]]
-                choices.append({"index": p * params.n + o.index, "text": echo + o.text,
-                                "logprobs": lps, "finish_reason": o.finish_reason})
+                text, lp = render(p, ChoiceState(), o.text, o.logprobs or [], out)
+                choices.append({"index": p * params.n + o.index, "text": text,
+                                "logprobs": lp, "finish_reason": o.finish_reason})
         choices.sort(key=lambda c: int(c["index"]))  # type: ignore[call-overload]
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": state.model_name, "choices": choices,
@@ -156,7 +163,7 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
 
     if req.stream:
         def choice(idx: int, st: ChoiceState, delta: str, lps: list[Logprobs],
-                   finish: str | None) -> dict[str, Any]:
+                   finish: str | None, out: RequestOutput) -> dict[str, Any]:
             d: dict[str, Any] = {"content": delta}
             if not st.role_sent:  # the first chunk of each choice names the role
                 st.role_sent = True
@@ -365,7 +372,7 @@ def stream_response(state: ServerState, streams: list[RequestStream], n: int, ri
                         continue
                     lps = o.logprobs[len(o.logprobs) - new_tokens:] if o.logprobs and new_tokens \
                         else []
-                    yield sse(chunk([render(idx, st, delta, lps, finish)]))
+                    yield sse(chunk([render(idx, st, delta, lps, finish, out)]))
             if include_usage:
                 last = chunk([])
                 last["usage"] = usage(prompt_tokens, sum(s.tokens for s in states))

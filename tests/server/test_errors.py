@@ -61,12 +61,6 @@ def test_too_long_states_both_numbers(server):
         client.completions.create(model=server.model, prompt=ids, max_tokens=100)
 
 
-def test_echo_with_stream_is_refused(server):
-    body = {"model": server.model, "prompt": "hello", "max_tokens": 2, "echo": True, "stream": True}
-    assert_error(post(server, "/v1/completions", body), 400, "echo is not supported with stream",
-                 param="echo")
-
-
 @pytest.mark.parametrize("field, value, needle", [
     ("temperature", -1.0, "temperature"),
     ("temperature", "hot", "temperature"),

@@ -262,3 +262,18 @@ def test_echo_with_logprobs_scores_the_prompt(client, server, offline_llm):
     r = client.completions.create(model=server.model, prompt=ids, max_tokens=2, temperature=0, echo=True)
     assert r.choices[0].text.startswith(offline_llm.engine.tokenizer.decode(ids))
     assert r.choices[0].logprobs is None
+
+
+def test_echo_streamed_equals_echo_answered(client, server):
+    """Streamed, the echoed prompt (and its scored tokens) comes first in each choice's first
+    chunk; joined, the chunks give the non-streamed answer's text and logprobs."""
+    kw = dict(model=server.model, prompt=PROMPTS[2], max_tokens=4, temperature=0, echo=True, logprobs=2)
+    whole = client.completions.create(**kw).choices[0]
+    text, tokens, lps = "", [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            tokens += c.logprobs.tokens
+            lps += c.logprobs.token_logprobs
+    assert text == whole.text and text.startswith(PROMPTS[2])
+    assert tokens == whole.logprobs.tokens and lps == whole.logprobs.token_logprobs
