@@ -229,3 +229,32 @@ def test_piecewise_alone_gpu(tiny_checkpoint, monkeypatch):
     assert _steps(llm, _batches()) == ref
     assert len(runs) >= 8, runs
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_prompt_logprobs_through_the_pieces(tiny_checkpoint):
+    """A request with prompt_logprobs never takes a whole-step graph (its logits rows are
+    the prompt's); through the pieces (run eagerly) its prompt logprobs equal the plain
+    engine's, chunked over a 16-token budget."""
+    path = str(tiny_checkpoint("head64_gqa"))
+    kw = dict(dtype="float32", device="cpu", attention_backend="triton", block_size=16,
+              max_num_batched_tokens=16)
+    prompt = random_prompts(1, 20, 20, seed=51)[0]
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    ref = LLM(path, **kw).generate([prompt], params, use_tqdm=False)[0]
+    llm = LLM(path, **kw)
+    llm.engine.runner.capture_prefill_graphs(16, llm.engine.max_model_len, capture=False)
+    llm.engine.runner.capture_piecewise_graphs(16, capture=False)
+    whole = []
+    real = PrefillGraphs.run
+    PrefillGraphs.run = lambda self, *a: (whole.append(1), real(self, *a))[1]  # type: ignore[method-assign]
+    try:
+        got = llm.generate([prompt], params, use_tqdm=False)[0]
+    finally:
+        PrefillGraphs.run = real  # type: ignore[method-assign]
+    assert not whole
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert len(got.prompt_logprobs) == len(prompt) == len(ref.prompt_logprobs)
+    for a, b in zip(got.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-5 and a.top[0][0] == b.top[0][0]
