@@ -21,14 +21,8 @@
 #                                   kind logged), TMA maps remembered up to 1024: the engine's and models' GPU
 #                                   tests, the TMA-map tests, ttft_graphs.py (16 / 128 tokens, mixed steps)
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
-set -u
 PART=${1:-a}
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/flashpage_gpu}; mkdir -p "$OUT"
-B=${BUDGET:-400}
-left() { local t=$((B - SECONDS)); [ "$1" -lt "$t" ] && t=$1; [ "$t" -lt 1 ] && t=1; echo $t; }
-PT="python3 -m pytest -q -p no:cacheprovider"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_lib.sh"
 case "$PART" in
 a)
   timeout "$(left 200)" $PT -m gpu tests/engine/test_prefill_graphs.py tests/engine tests/models -rf 2>&1 \

@@ -46,17 +46,36 @@ def _capture(run: Callable[[], torch.Tensor], pool: Any) -> tuple[torch.cuda.CUD
     return g, out
 
 
-class DecodeGraphs:
+class _StaticInputs:
+    """The per-token inputs every graph kind replays from: input ids, positions and slot
+    mapping of up to ``rows`` tokens (padding rows: slot -1, no cache write)."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        i64 = torch.int64
+        self.input_ids = torch.zeros(rows, dtype=i64, device=device)
+        self.positions = torch.zeros(rows, dtype=i64, device=device)
+        self.slot_mapping = torch.full((rows,), -1, dtype=i64, device=device)
+
+    def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+              padded: int) -> None:
+        """The step's ``n`` tokens into rows 0 .. n - 1; rows n .. padded - 1 write no slot."""
+        n = input_ids.shape[0]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(slot_mapping[:n], non_blocking=True)
+        if padded > n:
+            self.slot_mapping[n:padded].fill_(-1)
+
+
+class DecodeGraphs(_StaticInputs):
     def __init__(self, model: nn.Module, max_bs: int, max_blocks: int, device: torch.device) -> None:
+        super().__init__(max_bs, device)
         self.model = model
         self.device = device
         self.max_bs = max_bs
         self.max_blocks = max_blocks
         self.buckets = batch_buckets(max_bs)
-        i32, i64 = torch.int32, torch.int64
-        self.input_ids = torch.zeros(max_bs, dtype=i64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=i64, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=i64, device=device)
+        i32 = torch.int32
         self.seq_lens = torch.ones(max_bs, dtype=i32, device=device)
         self.block_tables = torch.zeros(max_bs, max_blocks, dtype=i32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=i32, device=device)
@@ -100,14 +119,11 @@ class DecodeGraphs:
         n = md.num_seqs
         bs = self.bucket(n)
         assert bs is not None
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
+        self._load(input_ids, positions, md.slot_mapping, bs)
         self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
         width = md.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(md.block_tables, non_blocking=True)
         if bs > n:
-            self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(1)
             self.block_tables[n:bs].zero_()
         self.graphs[bs].replay()
@@ -126,7 +142,7 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return [s for s in sizes if s < cap] + [cap]
 
 
-class PrefillGraphs:
+class PrefillGraphs(_StaticInputs):
     """Graphs of prompt-only steps: up to ``max(seq_slots)`` requests (the step padded to the
     smallest slot count that holds it, 1 or 4) and up to ``max_tokens`` tokens (padded to
     ``prefill_buckets``). One graph per (slots, tokens), captured with the backend's
@@ -148,9 +164,7 @@ class PrefillGraphs:
         self.capacity = max_blocks * block_size
         tokens, seqs = self.token_buckets[-1], self.seq_slots[-1]
         i32, i64 = torch.int32, torch.int64
-        self.input_ids = torch.zeros(tokens, dtype=i64, device=device)
-        self.positions = torch.zeros(tokens, dtype=i64, device=device)
-        self.slot_mapping = torch.full((tokens,), -1, dtype=i64, device=device)
+        super().__init__(tokens, device)
         self.query_start_loc = torch.zeros(seqs + 1, dtype=i32, device=device)
         self.seq_lens = torch.ones(seqs, dtype=i32, device=device)
         self.block_tables = torch.zeros(seqs, max_blocks, dtype=i32, device=device)
@@ -203,11 +217,7 @@ class PrefillGraphs:
         key = self.key(k, n)
         assert key is not None and md.num_decodes == 0
         seqs, tokens = key
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
-        if tokens > n:
-            self.slot_mapping[n:tokens].fill_(-1)  # padding rows: no cache write
+        self._load(input_ids, positions, md.slot_mapping, tokens)
         self.query_start_loc[: k + 1].copy_(md.query_start_loc, non_blocking=True)
         if seqs > k:
             self.query_start_loc[k + 1: seqs + 1].fill_(n)  # padding slots: no queries
@@ -223,7 +233,7 @@ class PrefillGraphs:
         return self.forward(seqs, tokens)[:rows]
 
 
-class PiecewiseGraphs:
+class PiecewiseGraphs(_StaticInputs):
     """Graphs of the steps the whole-step graphs do not take (decodes beside prompt chunks,
     more than 4 prompts) of up to ``max_tokens`` tokens: per token bucket the forward is
     captured in pieces between its attention layers, and each layer's attention runs eagerly
@@ -247,10 +257,7 @@ class PiecewiseGraphs:
         self.device = device
         self.token_buckets = prefill_buckets(max_tokens)
         tokens = self.token_buckets[-1]
-        i64 = torch.int64
-        self.input_ids = torch.zeros(tokens, dtype=i64, device=device)
-        self.positions = torch.zeros(tokens, dtype=i64, device=device)
-        self.slot_mapping = torch.full((tokens,), -1, dtype=i64, device=device)
+        super().__init__(tokens, device)
         # [tokens, Hq * D]: the attention's output; its inputs copied where the replay finds
         # them (k and v only when the backend writes the cache; a copy of q is cheaper
         # than keeping every layer's projections out of the pool's reuse)
@@ -329,11 +336,7 @@ class PiecewiseGraphs:
         n = md.num_actual_tokens
         tokens = self.bucket(n)
         assert tokens is not None
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
-        if tokens > n:
-            self.slot_mapping[n:tokens].fill_(-1)  # padding rows: no cache write
+        self._load(input_ids, positions, md.slot_mapping, tokens)
 
         def attend(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    write_kv: bool) -> torch.Tensor:

@@ -258,3 +258,29 @@ def test_prompt_logprobs_through_the_pieces(tiny_checkpoint):
     assert len(got.prompt_logprobs) == len(prompt) == len(ref.prompt_logprobs)
     for a, b in zip(got.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-5 and a.top[0][0] == b.top[0][0]
+
+
+def test_decode_graph_inputs_after_a_larger_batch():
+    """DecodeGraphs.run's loading (the replay stubbed): the step's rows in place, padding rows
+    up to the bucket with slot -1, a context of 1 and block 0, whatever a larger batch left."""
+    from flashpage.engine.cuda_graph import DecodeGraphs
+
+    class Replay:
+        calls = 0
+
+        def replay(self):
+            Replay.calls += 1
+
+    g = DecodeGraphs(torch.nn.Identity(), 8, 4, torch.device("cpu"))
+    for bs in g.buckets:
+        g.graphs[bs] = Replay()  # type: ignore[assignment]
+        g.logits[bs] = torch.arange(bs, dtype=torch.float32)[:, None].expand(bs, 5)
+    big = _step_md([1] * 8, [9] * 8, 100)
+    g.run(torch.arange(8), torch.arange(8), big, 8)
+    small = _step_md([1] * 3, [5, 6, 7], 40)
+    logits = g.run(torch.tensor([7, 8, 9]), torch.tensor([4, 5, 6]), small, 3)
+    assert Replay.calls == 2 and logits.shape == (3, 5) and g.bucket(3) == 4
+    assert g.input_ids[:3].tolist() == [7, 8, 9] and g.positions[:3].tolist() == [4, 5, 6]
+    assert g.slot_mapping[:4].tolist() == [40, 41, 42, -1]
+    assert g.seq_lens[:4].tolist() == [5, 6, 7, 1]
+    assert g.block_tables[3].tolist() == [0, 0, 0, 0] and g.block_tables[:3, :2].tolist() == [[0, 1], [2, 3], [4, 5]]
