@@ -47,8 +47,8 @@ class AttentionMetadata:
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific, set in prepare()
-    # Piecewise CUDA graphs (engine/cuda_graph.PiecewiseGraphs): called as
-    # split(layer, q, k, v, write_kv) -> out in place of the backend at each attention layer.
+    # Piecewise CUDA graphs (engine/cuda_graph.PiecewiseGraphs): an attention layer calls
+    # split(run, inputs, out_shape) -> out in place of its core, run(md, *inputs) -> out.
     split: Callable[..., torch.Tensor] | None = None
 
 

@@ -19,6 +19,7 @@ offsets, never read or write them; padding request slots have no queries.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -233,6 +234,11 @@ class PrefillGraphs(_StaticInputs):
         return self.forward(seqs, tokens)[:rows]
 
 
+# One attention layer's core as a piece boundary records it: run(md, *inputs) -> out, the
+# static inputs it reads at replay, and the static output view the next piece reads.
+_Call = tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], torch.Tensor]
+
+
 class PiecewiseGraphs(_StaticInputs):
     """Graphs of the steps the whole-step graphs do not take (decodes beside prompt chunks,
     more than 4 prompts) of up to ``max_tokens`` tokens: per token bucket the forward is
@@ -240,45 +246,48 @@ class PiecewiseGraphs(_StaticInputs):
     between the pieces' replays, over the step's own metadata (any mix of decodes and
     prompts: the kernels and their grids are chosen per step, as without graphs).
 
-    The pieces hold everything else (norms, projections, rotary with the K/V cache write
-    through the static slot mapping, MLPs), ~7 of a layer's ~9 launches. Capture: the
-    model's attention layers call ``split`` (``AttentionMetadata.split``), which ends the
-    current piece's capture, records the layer's q, k, v (tensors of the pieces' pool that
-    the replay finds at the same addresses) and hands back a view of one static output
-    buffer that the next piece reads; replay: piece, attention into that buffer, piece, ...
+    The pieces hold everything else (norms, projections, rotary with the cache write through
+    the static slot mapping, MLPs), ~7 of a layer's ~9 launches. An attention layer hands its
+    core to ``AttentionMetadata.split`` as ``split(run, inputs, out_shape)``: ``run(md,
+    *inputs)`` computes the output (``Attention``: the backend over q, k, v; ``MLAAttention``:
+    ``attend`` over the query halves). Capture: ``split`` copies the inputs into static
+    buffers (inside the piece: cheaper than keeping every layer's projections out of the
+    pool's reuse), ends the piece, records the call, begins the next piece and hands back a
+    view of one static output buffer; replay: piece, ``run`` into that buffer, piece, ...
     Padding rows (past the step's tokens) write no slot and are not attended (the step's
-    metadata covers its own tokens only).
+    metadata covers its own tokens only). Static buffers are sized by the largest bucket's
+    warm-up, before any capture.
 
-    ``capture=False``: the same padded steps run eagerly through ``split`` (CPU tests)."""
+    ``capture=False``: the same padded steps, each core run eagerly (CPU tests)."""
 
-    def __init__(self, model: nn.Module, max_tokens: int, q_width: int, kv_width: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, max_tokens: int, device: torch.device) -> None:
         self.model = model
         self.device = device
         self.token_buckets = prefill_buckets(max_tokens)
-        tokens = self.token_buckets[-1]
-        super().__init__(tokens, device)
-        # [tokens, Hq * D]: the attention's output; its inputs copied where the replay finds
-        # them (k and v only when the backend writes the cache; a copy of q is cheaper
-        # than keeping every layer's projections out of the pool's reuse)
-        self.attn_out = torch.zeros(tokens * q_width, dtype=dtype, device=device)
-        self.q = torch.zeros(tokens * q_width, dtype=dtype, device=device)
-        self.k = torch.zeros(tokens * kv_width, dtype=dtype, device=device)
-        self.v = torch.zeros(tokens * kv_width, dtype=dtype, device=device)
+        super().__init__(self.token_buckets[-1], device)
+        self.inputs: list[torch.Tensor] = []  # flat static buffers, one per input position
+        self.out = torch.empty(0, device=device)  # flat static output
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.calls: dict[int, list[tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, bool]]] = {}
+        self.calls: dict[int, list[_Call]] = {}
         self.hidden: dict[int, torch.Tensor] = {}
 
     def bucket(self, num_tokens: int) -> int | None:
         return next((t for t in self.token_buckets if t >= num_tokens), None)
 
-    def _out(self, q: torch.Tensor) -> torch.Tensor:
-        """The static attention output, shaped as q [tokens, Hq, D]."""
-        return self._static(self.attn_out, q)
-
     @staticmethod
-    def _static(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return buf[: like.numel()].view(like.shape)
+    def _view(buf: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return buf[: math.prod(shape)].view(shape)
+
+    def _size(self, inputs: tuple[torch.Tensor, ...], out_shape: tuple[int, ...]) -> None:
+        """Grow the static buffers to hold these inputs and output (warm-ups only: no capture
+        is running)."""
+        for i, t in enumerate(inputs):
+            if i == len(self.inputs):
+                self.inputs.append(torch.empty(0, dtype=t.dtype, device=self.device))
+            if self.inputs[i].numel() < t.numel():
+                self.inputs[i] = torch.empty(t.numel(), dtype=t.dtype, device=self.device)
+        if self.out.numel() < math.prod(out_shape):
+            self.out = torch.empty(math.prod(out_shape), dtype=inputs[0].dtype, device=self.device)
 
     def _forward(self, tokens: int, split: Callable[..., torch.Tensor]) -> torch.Tensor:
         md = AttentionMetadata(
@@ -291,10 +300,16 @@ class PiecewiseGraphs(_StaticInputs):
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> Any:
         """Capture every bucket's pieces, largest first, into ``pool``; returns the pool."""
+
+        def warm(run: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
+                 out_shape: tuple[int, ...]) -> torch.Tensor:  # no attention run
+            self._size(inputs, out_shape)
+            return self._view(self.out, out_shape)
+
         stream = torch.cuda.Stream(self.device)
         for tokens in reversed(self.token_buckets):
-            for _ in range(2):  # kernels compile, the allocator settles (no attention run)
-                self._forward(tokens, lambda layer, q, k, v, write_kv: self._out(q))
+            for _ in range(2):  # kernels compile, the allocator settles, the buffers are sized
+                self._forward(tokens, warm)
             torch.cuda.synchronize(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -306,24 +321,23 @@ class PiecewiseGraphs(_StaticInputs):
     def _capture_pieces(self, tokens: int, pool: Any) -> Any:
         """One bucket's pieces (on a side stream); returns the pool (the first piece's if None)."""
         pieces = [torch.cuda.CUDAGraph()]
-        calls: list[tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+        calls: list[_Call] = []
         pieces[0].capture_begin(pool=pool)
 
-        def split(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  write_kv: bool) -> torch.Tensor:
+        def split(run: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
+                  out_shape: tuple[int, ...]) -> torch.Tensor:
             nonlocal pool
-            qs, ks, vs = (self._static(b, t) for b, t in ((self.q, q), (self.k, k), (self.v, v)))
-            qs.copy_(q)
-            if write_kv:
-                ks.copy_(k)
-                vs.copy_(v)
+            static = tuple(self._view(self.inputs[i], tuple(t.shape)) for i, t in enumerate(inputs))
+            for s, t in zip(static, inputs, strict=True):
+                s.copy_(t)
             pieces[-1].capture_end()
             if pool is None:
                 pool = pieces[-1].pool()
-            calls.append((layer, qs, ks, vs, write_kv))
+            out = self._view(self.out, out_shape)
+            calls.append((run, static, out))
             pieces.append(torch.cuda.CUDAGraph())
             pieces[-1].capture_begin(pool=pool)
-            return self._out(q)
+            return out
 
         hidden = self._forward(tokens, split)
         pieces[-1].capture_end()
@@ -337,21 +351,12 @@ class PiecewiseGraphs(_StaticInputs):
         tokens = self.bucket(n)
         assert tokens is not None
         self._load(input_ids, positions, md.slot_mapping, tokens)
-
-        def attend(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   write_kv: bool) -> torch.Tensor:
-            """The layer's attention over the step's metadata into the static output."""
-            out = self._out(q)
-            res = layer.backend.forward(q, k, v, layer.kv_cache, md, scale=layer.scale,  # type: ignore[union-attr, operator]
-                                        sliding_window=layer.sliding_window, write_kv=write_kv)
-            out[:n].copy_(res[:n])
-            return out
-
-        if tokens not in self.pieces:  # not captured: the padded step, eagerly
-            return self._forward(tokens, attend)[:n]
+        if tokens not in self.pieces:  # not captured: the padded step, each core eagerly
+            return self._forward(tokens, lambda run, inputs, out_shape: run(md, *inputs))[:n]
         pieces, calls = self.pieces[tokens], self.calls[tokens]
         for i, piece in enumerate(pieces):
             piece.replay()
             if i < len(calls):
-                attend(*calls[i])
+                run, inputs, out = calls[i]
+                out[:n].copy_(run(md, *inputs)[:n])
         return self.hidden[tokens][:n]

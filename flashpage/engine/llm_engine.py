@@ -171,13 +171,15 @@ class LLMEngine:
         pieces around attention. Each kind logged with its time and the memory it reserved."""
         cfg, runner = self.config, self.runner
         prompt_graphs = backend_prompt_graphs and getattr(self.model, "supports_prefill_graphs", True)
-        max_tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
+        piecewise = backend_prompt_graphs and getattr(self.model, "supports_piecewise_graphs", True)
+        max_tokens = min(cfg.max_num_batched_tokens, self.max_model_len,
+                         getattr(self.model, "max_graph_tokens", None) or 1 << 30)
         kinds = [("decode", lambda: runner.capture_decode_graphs(min(cfg.max_num_seqs, 512),
                                                                  self.max_model_len))]
         if prompt_graphs and envs.prefill_graphs():
             kinds.append(("prompt-only (up to 4 requests)",
                           lambda: runner.capture_prefill_graphs(max_tokens, self.max_model_len)))
-        if prompt_graphs and envs.piecewise_graphs():
+        if piecewise and envs.piecewise_graphs():
             kinds.append(("piecewise (attention eager)", lambda: runner.capture_piecewise_graphs(max_tokens)))
         for name, capture in kinds:
             t0, m0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)

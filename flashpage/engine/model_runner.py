@@ -92,9 +92,7 @@ class ModelRunner:
         """Piecewise graphs (all but attention) for the other steps of up to ``max_tokens``
         (<= 1024) tokens, in the decode graphs' pool (cuda_graph.PiecewiseGraphs).
         ``capture=False``: the same padded steps, run eagerly (tests on the CPU)."""
-        c = self.config
-        self.piecewise = PiecewiseGraphs(self.model, max_tokens, c.num_attention_heads * c.head_dim,
-                                         c.num_key_value_heads * c.head_dim, self.dtype, self.device)
+        self.piecewise = PiecewiseGraphs(self.model, max_tokens, self.device)
         if capture:
             pool = self.prefill_graphs.pool if self.prefill_graphs is not None else None
             if pool is None and self.graphs is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,9 +55,15 @@ class Attention(nn.Module):
                 write_kv = False
             else:
                 q, k = rotary(positions, q, k)
-        if metadata.split is not None:  # a piecewise graph's capture or eager run
-            out = metadata.split(self, q, k, v, write_kv)
+        if metadata.split is not None:  # a piecewise graph's boundary (engine/cuda_graph.py)
+            out = metadata.split(functools.partial(self._core, write_kv=write_kv), (q, k, v), tuple(q.shape))
         else:
-            out = self.backend.forward(q, k, v, self.kv_cache, metadata, scale=self.scale,
-                                       sliding_window=self.sliding_window, write_kv=write_kv)
+            out = self._core(metadata, q, k, v, write_kv=write_kv)
         return out.reshape(n, self.num_heads * self.head_dim)
+
+    def _core(self, md: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              write_kv: bool) -> torch.Tensor:
+        """The backend's attention (and cache write unless ``write_kv`` is False)."""
+        assert self.backend is not None and self.kv_cache is not None
+        return self.backend.forward(q, k, v, self.kv_cache, md, scale=self.scale,
+                                    sliding_window=self.sliding_window, write_kv=write_kv)

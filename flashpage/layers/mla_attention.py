@@ -223,8 +223,14 @@ class MLAAttention(nn.Module):
         n_act = md.num_actual_tokens
         write = getattr(self.backend, "write_mla_cache", None) or write_mla_cache_torch
         write(latent[:n_act], self.kv_cache, md.slot_mapping[:n_act])
-        out = self.attend(q_nope, q_pe, md)
+        if md.split is not None:  # a piecewise graph's boundary (engine/cuda_graph.py)
+            out = md.split(self._core, (q_nope, q_pe), (n, h, self.v_head_dim))
+        else:
+            out = self.attend(q_nope, q_pe, md)
         return self.o_proj(out.reshape(n, h * self.v_head_dim))
+
+    def _core(self, md: AttentionMetadata, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        return self.attend(q_nope, q_pe, md)
 
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """q_nope [N, H, nope], q_pe [N, H, rope] (rope applied), this step's entries already

@@ -19,7 +19,7 @@ from flashpage.attention.backend import AttentionMetadata
 from flashpage.config import ModelConfig
 from flashpage.layers.linear import ColumnParallelLinear, VocabEmbedding
 from flashpage.layers.mla_attention import MLAAttention, MLARotaryEmbedding
-from flashpage.layers.moe import DeepseekMLP, DeepseekMoE
+from flashpage.layers.moe import SYNC_FREE_MAX_TOKENS, DeepseekMLP, DeepseekMoE
 from flashpage.layers.norm import RMSNorm
 from flashpage.models.common import DecoderStack, PreNormDecoderLayer
 
@@ -64,10 +64,14 @@ class DeepseekForCausalLM(nn.Module):
     # Decode steps are capturable: the MoE runs sync-free up to SYNC_FREE_MAX_TOKENS (the
     # engine's largest graph batch) and MLA decode has static shapes (layers/mla_attention).
     supports_cuda_graphs = True
-    # Prompt steps are not: MLA expands each request's latents to its context length, a host
-    # value per step (layers/mla_attention), and the MoE's prompt path counts tokens per
-    # expert on the host.
+    # Whole prompt steps are not: MLA expands each request's latents to its context length, a
+    # host value per step (layers/mla_attention), and the MoE's prompt path counts tokens per
+    # expert on the host past SYNC_FREE_MAX_TOKENS. Piecewise graphs (MLA's attend eager between
+    # the pieces) hold up to that many tokens; checked eagerly on the CPU
+    # (tests/models/test_deepseek.py), off until a GPU run has captured them.
     supports_prefill_graphs = False
+    supports_piecewise_graphs = False
+    max_graph_tokens = SYNC_FREE_MAX_TOKENS
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()

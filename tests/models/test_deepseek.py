@@ -223,3 +223,63 @@ def test_decode_step_has_no_host_sync(tiny_mla_checkpoint, name):
             layer.mlp.experts.sync_free_max_tokens = -1
     with pytest.raises((NotImplementedError, RuntimeError)):
         meta_decode_step(model, 3)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_piecewise_step_has_no_host_sync(tiny_mla_checkpoint, name):
+    """What makes DeepSeek's piecewise graphs capturable: every piece (the forward with MLA's
+    attend cut out, engine/cuda_graph.PiecewiseGraphs) of up to 512 tokens runs on meta
+    tensors, so nothing in it reads the device back; at 513 the MoE's grouped path does."""
+    from flashpage.engine.cuda_graph import PiecewiseGraphs
+
+    path = tiny_mla_checkpoint(name)
+    model = load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+    assert model.max_graph_tokens == 512
+    meta = torch.device("meta")
+    model = model.to(meta)
+    for layer in model.attention_layers():
+        layer.kv_cache = torch.empty(layer.kv_cache_shape(8, 4), device=meta)
+        layer.backend = ShapeOnlyMLABackend()
+    cores = []
+
+    def split(run, inputs, out_shape):
+        cores.append(run)
+        return torch.empty(out_shape, device=meta)
+
+    pg = PiecewiseGraphs(model, 1024, meta)
+    with torch.inference_mode():
+        for tokens in (16, 96, 512):
+            assert pg._forward(tokens, split).shape == (tokens, model.config.hidden_size)
+        assert len(cores) == 3 * model.config.num_hidden_layers
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            pg._forward(513, split)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_piecewise_steps_give_the_plain_steps_tokens(tiny_mla_checkpoint, name):
+    """The padded piecewise steps (run eagerly here) with MLA's attend over each step's own
+    metadata: prompts alone and together, decodes beside a prompt chunk, equal tokens."""
+    from flashpage.engine.cuda_graph import PiecewiseGraphs
+
+    path = str(tiny_mla_checkpoint(name))
+    prompts = random_prompts(3, 3, 20, seed=61) + random_prompts(1, 40, 40, seed=62)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=32, block_size=8)
+    ref = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, **kw)
+    llm.engine.runner.capture_piecewise_graphs(32, capture=False)
+    runs = []
+    real = PiecewiseGraphs.run
+
+    def spy(self, input_ids, positions, md):
+        runs.append((md.num_decodes, md.num_seqs))
+        return real(self, input_ids, positions, md)
+
+    PiecewiseGraphs.run = spy  # type: ignore[method-assign]
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        PiecewiseGraphs.run = real  # type: ignore[method-assign]
+    assert got == ref
+    assert any(0 < d < s for d, s in runs), runs  # a mixed step went through the pieces
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
