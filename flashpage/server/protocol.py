@@ -73,6 +73,7 @@ class _SamplingFields(_Body):
     repetition_penalty: Float | None = Field(default=None, gt=0.0)
     ignore_eos: Bool | None = False
     min_tokens: Int | None = Field(default=None, ge=0)
+    prompt_logprobs: Int | None = Field(default=None, ge=0, le=20)
     include_stop_str_in_output: Bool | None = False
     skip_special_tokens: Bool | None = True
 

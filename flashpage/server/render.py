@@ -95,6 +95,26 @@ def echo_logprobs(tok: Any, prompt_ids: list[int], plps: list[Logprobs | None] |
             "text_offset": offsets}
 
 
+def prompt_logprobs(tok: Any, prompt_ids: list[int],
+                    plps: list[Logprobs | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, null for the first, else {token id:
+    {logprob, rank, decoded_token}} for the token and its top alternatives."""
+    if plps is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for t, lp in zip(prompt_ids, plps, strict=False):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(a): {"logprob": _lp(v), "rank": None, "decoded_token": tok.token_str(a)}
+                 for a, v in lp.top}
+        for rank, (a, _) in enumerate(lp.top, 1):
+            entry[str(a)]["rank"] = rank
+        entry[str(t)] = {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": tok.token_str(t)}
+        out.append(entry)
+    return out
+
+
 def chat_logprobs(tok: Any, lps: list[Logprobs], want: bool) -> dict[str, Any] | None:
     """``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
     if not want:

@@ -37,6 +37,7 @@ from flashpage.server.render import (
     chat_logprobs,
     completion_logprobs,
     echo_logprobs,
+    prompt_logprobs,
     sse,
 )
 from flashpage.server.tokenize import ServerTokenizer
@@ -135,8 +136,11 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
                 text, lp = render(p, ChoiceState(), o.text, o.logprobs or [], out)
-                choices.append({"index": p * params.n + o.index, "text": text,
-                                "logprobs": lp, "finish_reason": o.finish_reason})
+                entry: dict[str, Any] = {"index": p * params.n + o.index, "text": text,
+                                         "logprobs": lp, "finish_reason": o.finish_reason}
+                if req.prompt_logprobs is not None:
+                    entry["prompt_logprobs"] = prompt_logprobs(tok, prompts[p], out.prompt_logprobs)
+                choices.append(entry)
         choices.sort(key=lambda c: int(c["index"]))  # type: ignore[call-overload]
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": state.model_name, "choices": choices,
@@ -177,9 +181,13 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
 
     async def answer() -> Response:
         out = (await collect(streams))[0]
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": chat_logprobs(tok, o.logprobs or [], want_lp),
-                    "finish_reason": o.finish_reason} for o in out.outputs]
+        choices: list[dict[str, Any]] = [
+            {"index": o.index, "message": {"role": "assistant", "content": o.text},
+             "logprobs": chat_logprobs(tok, o.logprobs or [], want_lp),
+             "finish_reason": o.finish_reason} for o in out.outputs]
+        if req.prompt_logprobs is not None:
+            for c in choices:
+                c["prompt_logprobs"] = prompt_logprobs(tok, ids, out.prompt_logprobs)
         completion_tokens = sum(len(o.token_ids) for o in out.outputs)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                              "model": state.model_name, "choices": choices,
@@ -229,7 +237,7 @@ def sampling_params(state: ServerState, req: CompletionRequest | ChatCompletionR
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         skip_special_tokens=req.skip_special_tokens is not False)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "min_tokens"):
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs"):
         value = getattr(req, name)
         if value is not None:
             kw[name] = value

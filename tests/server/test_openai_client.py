@@ -277,3 +277,20 @@ def test_echo_streamed_equals_echo_answered(client, server):
             lps += c.logprobs.token_logprobs
     assert text == whole.text and text.startswith(PROMPTS[2])
     assert tokens == whole.logprobs.tokens and lps == whole.logprobs.token_logprobs
+
+
+def test_prompt_logprobs_as_vllm_returns_them(client, server, offline_llm):
+    """vLLM's prompt_logprobs extra: per prompt token null for the first, else {token id:
+    {logprob, rank, decoded_token}} with the token itself and its top alternatives."""
+    exp = offline_llm.generate(PROMPTS[:1], greedy(1, prompt_logprobs=2), use_tqdm=False)[0]
+    r = client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    plp = r.model_dump()["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(exp.prompt_token_ids) and plp[0] is None
+    for entry, want, tok in zip(plp[1:], exp.prompt_logprobs[1:], exp.prompt_token_ids[1:], strict=True):
+        assert abs(entry[str(tok)]["logprob"] - want.logprob) < 1e-4 and entry[str(tok)]["rank"] == want.rank
+        assert {str(t) for t, _ in want.top} <= set(entry) and len(entry) <= 3
+    chat = client.chat.completions.create(model=server.model, messages=CONVERSATION, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    plp = chat.model_dump()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and all(len(e) == 1 for e in plp[1:])
