@@ -23,6 +23,7 @@ from flashpage.engine.sequence import PLACEHOLDER, Request
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 
 TABLE_WIDTH_MULTIPLE = 16
+PROMPT_LOGPROB_ROWS = 512  # prompt_logprobs: logits rows computed at once (512 x 128k fp32: 256 MB)
 
 
 def _table_width(blocks: int) -> int:
@@ -232,15 +233,24 @@ class ModelRunner:
         rows = torch.cat([torch.arange(t, t + k) for _, t, _, k in prompt_rows])
         targets = torch.tensor([tok for r, _, p, k in prompt_rows
                                 for tok in r.all_token_ids[p + 1: p + 1 + k]])
-        logits = self.model.compute_logits(hidden[rows.to(hidden.device)])  # type: ignore[operator]
-        lp = torch.log_softmax(logits[:, : self.config.vocab_size].float(), dim=-1)
-        chosen = lp.gather(1, targets.to(lp.device)[:, None])
-        ranks = ((lp > chosen).sum(1) + 1).tolist()
         kmax = max(r.sampling_params.prompt_logprobs or 0 for r, *_ in prompt_rows)
-        top_v, top_i = lp.topk(kmax, dim=-1) if kmax else (None, None)
-        chosen_l = chosen[:, 0].tolist()
-        top_vl = top_v.tolist() if top_v is not None else None
-        top_il = top_i.tolist() if top_i is not None else None
+        chosen_l: list[float] = []
+        ranks: list[int] = []
+        top_vl: list[list[float]] = []
+        top_il: list[list[int]] = []
+        # In chunks of rows: a whole 8k-token chunk's fp32 logits over a 128k vocabulary
+        # would be 4 GB (and as much again for their log_softmax).
+        for c in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            sub, tgt = rows[c: c + PROMPT_LOGPROB_ROWS], targets[c: c + PROMPT_LOGPROB_ROWS]
+            logits = self.model.compute_logits(hidden[sub.to(hidden.device)])  # type: ignore[operator]
+            lp = torch.log_softmax(logits[:, : self.config.vocab_size].float(), dim=-1)
+            chosen = lp.gather(1, tgt.to(lp.device)[:, None])
+            ranks += ((lp > chosen).sum(1) + 1).tolist()
+            chosen_l += chosen[:, 0].tolist()
+            if kmax:
+                top_v, top_i = lp.topk(kmax, dim=-1)
+                top_vl += top_v.tolist()
+                top_il += top_i.tolist()
         j = 0
         for req, _, pos, k in prompt_rows:
             want = req.sampling_params.prompt_logprobs or 0

@@ -40,7 +40,7 @@ def test_logit_bias_and_min_tokens_end_to_end(tiny_checkpoint):
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
 
 
-def test_prompt_logprobs_equal_transformers(tiny_checkpoint):
+def test_prompt_logprobs_equal_transformers(tiny_checkpoint, monkeypatch):
     """SamplingParams.prompt_logprobs: token p's logprob given tokens < p (None for the
     first), its rank and the top-k, equal to transformers' log_softmax in fp32; across
     chunked prefill (40 tokens over a 32-token budget), for the same prompt twice (no prefix
@@ -53,6 +53,9 @@ def test_prompt_logprobs_equal_transformers(tiny_checkpoint):
     prompt = random_prompts(1, 40, 40, seed=41)[0]
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    import flashpage.engine.model_runner as mr
+
+    monkeypatch.setattr(mr, "PROMPT_LOGPROB_ROWS", 7)  # rows in several chunks
     llm = LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=32)
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
     outs = llm.generate([prompt, prompt, prompt[:9]],
