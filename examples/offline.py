@@ -16,3 +16,16 @@ print(chat[0].outputs[0].text)
 samples = llm.generate("Once upon a time", SamplingParams(n=3, temperature=1.0, max_tokens=20, seed=0))
 for s in samples[0].outputs:
     print(s.index, repr(s.text))
+
+# Score continuations, as evaluation harnesses do: each prompt token's logprob given the
+# ones before it (prompt_logprobs; the first token has none).
+context = "The capital of France is"
+for answer in (" Paris", " Berlin"):
+    scored = llm.generate(context + answer, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    n = len(scored.prompt_token_ids) - len(llm.engine.tokenize(context))  # the answer's tokens
+    print(repr(answer), round(sum(lp.logprob for lp in scored.prompt_logprobs[-n:]), 2))
+
+# Steer the sampler: the likeliest answer's first token banned (OpenAI's logit_bias).
+paris = llm.engine.tokenize(context + " Paris")[len(llm.engine.tokenize(context))]
+banned = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={paris: -100.0})
+print(repr(llm.generate(context, banned)[0].outputs[0].text))

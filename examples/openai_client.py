@@ -4,6 +4,7 @@
     python examples/openai_client.py
 """
 
+import httpx
 from openai import OpenAI
 
 client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
@@ -19,3 +20,13 @@ stream = client.completions.create(model=model, prompt="Once upon a time", max_t
 for chunk in stream:
     print(chunk.choices[0].text, end="", flush=True)
 print()
+
+# Score a continuation (what lm-eval-harness's loglikelihood requests do): the prompt echoed
+# with its tokens' logprobs, the first token's null.
+scored = client.completions.create(model=model, prompt="The capital of France is Paris",
+                                   max_tokens=1, temperature=0, echo=True, logprobs=1)
+lp = scored.choices[0].logprobs
+print(list(zip(lp.tokens, lp.token_logprobs, strict=True))[-3:])
+
+# Count tokens against the context without generating (vLLM's /tokenize).
+print(httpx.post("http://127.0.0.1:8000/tokenize", json={"prompt": "Once upon a time"}).json())
