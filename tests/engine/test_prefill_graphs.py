@@ -284,3 +284,71 @@ def test_decode_graph_inputs_after_a_larger_batch():
     assert g.slot_mapping[:4].tolist() == [40, 41, 42, -1]
     assert g.seq_lens[:4].tolist() == [5, 6, 7, 1]
     assert g.block_tables[3].tolist() == [0, 0, 0, 0] and g.block_tables[:3, :2].tolist() == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_piecewise_capture_bookkeeping_on_fake_graphs(tiny_checkpoint, monkeypatch):
+    """The capture's sequencing, which only a GPU runs for real, on stand-in graphs: per
+    bucket one piece more than attention layers, each begun in the pool of the first; every
+    layer's call records static inputs (the capture's copies landed in them) and the one
+    static output; a replay runs piece, core over the step's metadata, piece, ... in order."""
+    from flashpage.engine.cuda_graph import PiecewiseGraphs
+
+    log = []
+
+    class FakeGraph:
+        def capture_begin(self, pool=None):
+            log.append(("begin", pool))
+
+        def capture_end(self):
+            log.append(("end",))
+
+        def pool(self):
+            return "pool-0"
+
+        def replay(self):
+            log.append(("replay", self))
+
+    class FakeStream:
+        def __init__(self, *a):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    llm = LLM(str(tiny_checkpoint("llama2_mha")), dtype="float32", device="cpu",
+              max_num_batched_tokens=32)
+    layers = llm.engine.model.config.num_hidden_layers
+    pg = PiecewiseGraphs(llm.engine.model, 32, torch.device("cpu"))
+    pg.input_ids[:32] = torch.arange(5, 37)
+    assert pg.capture() == "pool-0"
+    assert set(pg.pieces) == {16, 32} and all(len(p) == layers + 1 for p in pg.pieces.values())
+    assert log[0] == ("begin", None) and all(e == ("begin", "pool-0") for e in log[1:] if e[0] == "begin")
+    assert [e[0] for e in log] == ["begin", "end"] * (2 * (layers + 1))
+    q_width = llm.engine.model_config.num_attention_heads * llm.engine.model_config.head_dim
+    for tokens, calls in pg.calls.items():
+        assert len(calls) == layers
+        for run, inputs, out in calls:
+            assert callable(run)
+            assert [t.shape[0] for t in inputs] == [tokens] * 3  # q, k, v of the bucket's rows
+            assert out.shape[0] == tokens and out.numel() == tokens * q_width
+            assert out.data_ptr() == pg.out.data_ptr()  # one static output
+            assert inputs[0].abs().sum() > 0  # the capture's copy of q landed
+    seen = []
+    for calls in pg.calls.values():  # each core stands in: it says which layer and what it got
+        for i, (_, inputs, out) in enumerate(calls):
+            calls[i] = (lambda md, *t, i=i, shape=out.shape: (
+                seen.append((i, md.num_actual_tokens, len(t))), torch.full(shape, float(i)))[1],
+                inputs, out)
+    log.clear()
+    md = _step_md([5, 7], [5, 7], 0)
+    with torch.inference_mode():  # as the model runner runs steps
+        pg.run(torch.arange(12), torch.arange(12), md)
+    assert [e[0] for e in log] == ["replay"] * (layers + 1)
+    assert seen == [(i, 12, 3) for i in range(layers)]  # in order, the step's own metadata
+    assert log[0][1] is pg.pieces[16][0] and log[-1][1] is pg.pieces[16][-1]
+    assert pg.out[:12 * q_width].eq(layers - 1).all()  # the last core's rows in the static output
