@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,16 +175,29 @@ class LLMEngine:
         piecewise = backend_prompt_graphs and getattr(self.model, "supports_piecewise_graphs", True)
         max_tokens = min(cfg.max_num_batched_tokens, self.max_model_len,
                          getattr(self.model, "max_graph_tokens", None) or 1 << 30)
-        kinds = [("decode", lambda: runner.capture_decode_graphs(min(cfg.max_num_seqs, 512),
-                                                                 self.max_model_len))]
+        # (name, capture, what turns the kind off if its capture fails: None = fatal)
+        kinds: list[tuple[str, Callable[[], None], str | None]] = [
+            ("decode", lambda: runner.capture_decode_graphs(min(cfg.max_num_seqs, 512),
+                                                            self.max_model_len), None)]
         if prompt_graphs and envs.prefill_graphs():
             kinds.append(("prompt-only (up to 4 requests)",
-                          lambda: runner.capture_prefill_graphs(max_tokens, self.max_model_len)))
+                          lambda: runner.capture_prefill_graphs(max_tokens, self.max_model_len),
+                          "prefill_graphs"))
         if piecewise and envs.piecewise_graphs():
-            kinds.append(("piecewise (attention eager)", lambda: runner.capture_piecewise_graphs(max_tokens)))
-        for name, capture in kinds:
+            kinds.append(("piecewise (attention eager)",
+                          lambda: runner.capture_piecewise_graphs(max_tokens), "piecewise"))
+        for name, capture, attr in kinds:
             t0, m0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-            capture()
+            try:
+                capture()
+                torch.cuda.synchronize(self.device)
+            except Exception as e:
+                if attr is None:
+                    raise
+                # the newer graph kinds: a failed capture leaves their steps eager, not the engine down
+                setattr(runner, attr, None)
+                logger.warning("%s CUDA graphs off (their steps run eagerly): capture failed: %s", name, e)
+                continue
             logger.info("captured %s CUDA graphs in %.1fs (%.0f MiB reserved)", name,
                         time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - m0) / 2**20)
 

@@ -352,3 +352,31 @@ def test_piecewise_capture_bookkeeping_on_fake_graphs(tiny_checkpoint, monkeypat
     assert seen == [(i, 12, 3) for i in range(layers)]  # in order, the step's own metadata
     assert log[0][1] is pg.pieces[16][0] and log[-1][1] is pg.pieces[16][-1]
     assert pg.out[:12 * q_width].eq(layers - 1).all()  # the last core's rows in the static output
+
+
+def test_a_failed_prompt_graph_capture_leaves_those_steps_eager(tiny_checkpoint, monkeypatch, caplog):
+    """LLMEngine._capture_graphs (CUDA-only; stubbed here): a prompt-only or piecewise capture
+    that raises turns that kind off with a warning naming it, the engine goes on; a decode
+    capture that raises stops the engine."""
+    import logging
+
+    llm = LLM(str(tiny_checkpoint("llama2_mha")), dtype="float32", device="cpu")
+    eng, runner = llm.engine, llm.engine.runner
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(runner, "capture_decode_graphs", lambda *a, **k: None)
+    monkeypatch.setattr(runner, "capture_prefill_graphs",
+                        lambda *a, **k: setattr(runner, "prefill_graphs", "whole"))
+
+    def broken(*a, **k):
+        runner.piecewise = "half-built"
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner, "capture_piecewise_graphs", broken)
+    with caplog.at_level(logging.WARNING, logger="flashpage"):
+        eng._capture_graphs(True)
+    assert runner.prefill_graphs == "whole" and runner.piecewise is None
+    assert "piecewise (attention eager) CUDA graphs off" in caplog.text and "stream is capturing" in caplog.text
+    monkeypatch.setattr(runner, "capture_decode_graphs", broken)
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        eng._capture_graphs(True)
