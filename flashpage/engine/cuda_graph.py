@@ -19,6 +19,7 @@ offsets, never read or write them; padding request slots have no queries.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -339,7 +340,12 @@ class PiecewiseGraphs(_StaticInputs):
             pieces[-1].capture_begin(pool=pool)
             return out
 
-        hidden = self._forward(tokens, split)
+        try:
+            hidden = self._forward(tokens, split)
+        except BaseException:  # end the open capture, or the stream stays in capture mode
+            with contextlib.suppress(Exception):
+                pieces[-1].capture_end()
+            raise
         pieces[-1].capture_end()
         self.pieces[tokens], self.calls[tokens], self.hidden[tokens] = pieces, calls, hidden
         return pool if pool is not None else pieces[0].pool()
