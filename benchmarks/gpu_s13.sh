@@ -16,14 +16,8 @@
 # Parts a, b, e, f and g timed forms of the wgmma kernel since removed (one warpgroup: bench
 # variant "wgmma" then; one consumer: "wgmma_ws", "wgmma_ws18"; ncu cases mla_wgmma_ws*): they
 # run as written at commit 0d3b918. "wgmma" and "wgmma_ws2" are now both the kernel's one form.
-set -u
 PART=${1:-a}
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/flashpage_gpu}; mkdir -p "$OUT"
-B=${BUDGET:-400}
-left() { local t=$((B - SECONDS)); [ "$1" -lt "$t" ] && t=$1; [ "$t" -lt 1 ] && t=1; echo $t; }
-PT="python3 -m pytest -q -p no:cacheprovider"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_lib.sh"
 case "$PART" in
 a)
   timeout "$(left 60)" $PT -x -m gpu tests/kernels/test_mla_decode_wgmma.py -k "one_key and default" -rf 2>&1 \

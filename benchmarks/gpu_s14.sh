@@ -39,14 +39,8 @@
 #                                   launch too: their GPU tests, then profile_ttft.py with it off / on
 #   bash benchmarks/gpu_s14.sh n    run 124: the engine's and models' GPU tests with the fast launch on
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
-set -u
 PART=${1:-a}
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/flashpage_gpu}; mkdir -p "$OUT"
-B=${BUDGET:-400}
-left() { local t=$((B - SECONDS)); [ "$1" -lt "$t" ] && t=$1; [ "$t" -lt 1 ] && t=1; echo $t; }
-PT="python3 -m pytest -q -p no:cacheprovider"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_lib.sh"
 case "$PART" in
 a)
   timeout "$(left 150)" $PT -x -m gpu tests/kernels/test_mla_decode_wgmma.py -rf 2>&1 \
