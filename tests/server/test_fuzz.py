@@ -42,12 +42,15 @@ COMMON = {
     "min_tokens": st.integers(min_value=0, max_value=1),
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
+    "logit_bias": st.dictionaries(st.integers(min_value=0, max_value=255).map(str),
+                                  st.floats(min_value=-100, max_value=100), max_size=3),
+    "prompt_logprobs": st.integers(min_value=0, max_value=3),
 }
 COMPLETIONS = dict(COMMON, **{
     "prompt": st.one_of(text, st.lists(text, min_size=1, max_size=3), token_ids,
                         st.lists(token_ids, min_size=1, max_size=3)),
     "logprobs": st.integers(min_value=0, max_value=5),
-    "echo": st.just(False),
+    "echo": st.booleans(),
 })
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant"])},
