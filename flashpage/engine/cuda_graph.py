@@ -286,9 +286,10 @@ class PiecewiseGraphs(_StaticInputs):
             if i == len(self.inputs):
                 self.inputs.append(torch.empty(0, dtype=t.dtype, device=self.device))
             if self.inputs[i].numel() < t.numel():
-                self.inputs[i] = torch.empty(t.numel(), dtype=t.dtype, device=self.device)
+                self.inputs[i] = torch.zeros(t.numel(), dtype=t.dtype, device=self.device)
         if self.out.numel() < math.prod(out_shape):
-            self.out = torch.empty(math.prod(out_shape), dtype=inputs[0].dtype, device=self.device)
+            # zeros: the warm-ups feed this output on to the next layers (a MoE router included)
+            self.out = torch.zeros(math.prod(out_shape), dtype=inputs[0].dtype, device=self.device)
 
     def _forward(self, tokens: int, split: Callable[..., torch.Tensor]) -> torch.Tensor:
         md = AttentionMetadata(
