@@ -123,12 +123,19 @@ def prefill_graphs() -> bool:
     return os.environ.get("FLASHPAGE_PREFILL_GRAPHS", "1").strip().lower() not in ("0", "off", "")
 
 
-def piecewise_graphs() -> bool:
+def piecewise_graphs() -> str:
     """FLASHPAGE_PIECEWISE_GRAPHS: capture the forward in pieces around its attention layers
     for the steps no whole-step graph takes (decodes beside prompt chunks, more than 4
     prompts) of up to 1024 tokens (engine/cuda_graph.PiecewiseGraphs; attention runs eagerly
-    between the pieces). On by default ("0" turns it off). Read when the engine starts."""
-    return os.environ.get("FLASHPAGE_PIECEWISE_GRAPHS", "1").strip().lower() not in ("0", "off", "")
+    between the pieces). "on" (the default) where the model supports them, "off" (or "0")
+    nowhere, "all" also for models whose pieces are built but not yet validated on a GPU
+    (``supports_piecewise_graphs = False``: DeepSeek). Read when the engine starts."""
+    value = os.environ.get("FLASHPAGE_PIECEWISE_GRAPHS", "on").strip().lower()
+    if value in ("0", "off", "false", ""):
+        return "off"
+    if value in ("1", "on", "true", "all"):
+        return "all" if value == "all" else "on"
+    raise ValueError(f"FLASHPAGE_PIECEWISE_GRAPHS must be on, off or all, got {value!r}")
 
 
 def mla_gluon() -> str:

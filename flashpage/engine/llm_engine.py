@@ -172,7 +172,8 @@ class LLMEngine:
         pieces around attention. Each kind logged with its time and the memory it reserved."""
         cfg, runner = self.config, self.runner
         prompt_graphs = backend_prompt_graphs and getattr(self.model, "supports_prefill_graphs", True)
-        piecewise = backend_prompt_graphs and getattr(self.model, "supports_piecewise_graphs", True)
+        piecewise = backend_prompt_graphs and envs.piecewise_graphs() != "off" and (
+            getattr(self.model, "supports_piecewise_graphs", True) or envs.piecewise_graphs() == "all")
         max_tokens = min(cfg.max_num_batched_tokens, self.max_model_len,
                          getattr(self.model, "max_graph_tokens", None) or 1 << 30)
         # (name, capture, what turns the kind off if its capture fails: None = fatal)
@@ -183,7 +184,7 @@ class LLMEngine:
             kinds.append(("prompt-only (up to 4 requests)",
                           lambda: runner.capture_prefill_graphs(max_tokens, self.max_model_len),
                           "prefill_graphs"))
-        if piecewise and envs.piecewise_graphs():
+        if piecewise:
             kinds.append(("piecewise (attention eager)",
                           lambda: runner.capture_piecewise_graphs(max_tokens), "piecewise"))
         for name, capture, attr in kinds:

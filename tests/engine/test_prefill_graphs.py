@@ -380,3 +380,34 @@ def test_a_failed_prompt_graph_capture_leaves_those_steps_eager(tiny_checkpoint,
     monkeypatch.setattr(runner, "capture_decode_graphs", broken)
     with pytest.raises(RuntimeError, match="stream is capturing"):
         eng._capture_graphs(True)
+
+
+def test_piecewise_switch_values(tiny_checkpoint, monkeypatch):
+    """FLASHPAGE_PIECEWISE_GRAPHS: on (default) where the model supports the pieces, all also
+    where they wait for a GPU run (supports_piecewise_graphs = False), off nowhere; anything
+    else names the variable."""
+    llm = LLM(str(tiny_checkpoint("llama2_mha")), dtype="float32", device="cpu")
+    eng, runner = llm.engine, llm.engine.runner
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(runner, "capture_decode_graphs", lambda *a, **k: None)
+    monkeypatch.setattr(runner, "capture_prefill_graphs", lambda *a, **k: None)
+    asked = []
+    monkeypatch.setattr(runner, "capture_piecewise_graphs", lambda n: asked.append(n))
+    monkeypatch.setattr(type(eng.model), "supports_piecewise_graphs", False, raising=False)
+    monkeypatch.setattr(type(eng.model), "max_graph_tokens", 100, raising=False)
+    for value, want in (("on", []), (None, []), ("off", []), ("0", []), ("all", [100])):
+        asked.clear()
+        if value is None:
+            monkeypatch.delenv("FLASHPAGE_PIECEWISE_GRAPHS", raising=False)
+        else:
+            monkeypatch.setenv("FLASHPAGE_PIECEWISE_GRAPHS", value)
+        eng._capture_graphs(True)
+        assert asked == want, value
+    monkeypatch.setattr(type(eng.model), "supports_piecewise_graphs", True)
+    monkeypatch.setenv("FLASHPAGE_PIECEWISE_GRAPHS", "1")
+    eng._capture_graphs(True)
+    assert asked == [100, 100]  # the model's max_graph_tokens caps the buckets
+    monkeypatch.setenv("FLASHPAGE_PIECEWISE_GRAPHS", "sometimes")
+    with pytest.raises(ValueError, match="FLASHPAGE_PIECEWISE_GRAPHS must be on, off or all"):
+        eng._capture_graphs(True)
