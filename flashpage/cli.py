@@ -35,6 +35,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: the model's dtype; fp8: float8_e4m3fn, half the KV bytes of bf16 "
                         "(scale 1)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the text) instead of the tokenizer's own")
     g.add_argument("--random-weights-config", default=None, metavar="CONFIG",
                    help="random weights of this config.json's shape (benchmarks; no tokenizer)")
 
@@ -61,7 +63,9 @@ def build_llm(args: argparse.Namespace) -> Any:
                attention_backend=args.attention_backend, num_gpu_blocks=args.num_gpu_blocks,
                gpu_memory_utilization=args.gpu_memory_utilization,
                enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-               kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, random_weights_config=getattr(args, "random_weights_config", None))
+               kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
+               chat_template=getattr(args, "chat_template", None),
+               random_weights_config=getattr(args, "random_weights_config", None))
 
 
 def sampling_params(args: argparse.Namespace) -> Any:

@@ -317,6 +317,9 @@ class EngineConfig:
     # 1 (as vLLM's default), half the bytes per token of bf16 (MLA: the latent cache)
     kv_cache_dtype: str = "auto"
     seed: int = 0
+    # A Jinja chat template (the text, or a file holding it) instead of the tokenizer's own:
+    # vLLM's --chat-template, for models whose template is missing or not the one wanted
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -33,7 +33,7 @@ class LLM:
                  attention_backend: str | None = None, num_gpu_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
                  enforce_eager: bool = False, async_scheduling: bool | None = None,
-                 kv_cache_dtype: str = "auto",
+                 kv_cache_dtype: str = "auto", chat_template: str | None = None,
                  seed: int = 0, random_weights_config: str | None = None) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
@@ -41,7 +41,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend, enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, seed=seed)
+            async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, seed=seed,
+            chat_template=chat_template)
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory
         self.engine = LLMEngine(cfg, random_config=random_weights_config, tokenizer=tokenizer)

@@ -9,6 +9,7 @@ changed. ``n > 1`` is handled as n child requests sharing the prompt's cached bl
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -121,6 +122,8 @@ class LLMEngine:
         set_fused_moe(self.model, backend_cls.name == "triton" and self.device.type == "cuda"
                       and envs.fused_moe())
         self.tokenizer = load_tokenizer(self.source, tokenizer)
+        if config.chat_template is not None:
+            self._set_chat_template(config.chat_template)
         self.eos_token_ids = self._eos_ids()
         self.num_blocks = config.num_gpu_blocks or self._num_blocks()
         capacity = self.num_blocks * config.block_size
@@ -246,6 +249,24 @@ class LLMEngine:
         self.scheduler.num_preemptions = self.scheduler.num_steps = 0
 
     # ------------------------------------------------------------------ setup helpers
+    def _set_chat_template(self, template: str) -> None:
+        """Replace the tokenizer's chat template: ``template`` is a file holding one, or the
+        Jinja text itself; a syntax error is named now, not at the first chat."""
+        if self.tokenizer is None:
+            raise ValueError("chat_template needs a tokenizer (this model has none)")
+        source = "chat_template"
+        if "{" not in template and os.path.isfile(template):
+            source = template
+            with open(template, encoding="utf-8") as f:
+                template = f.read()
+        import jinja2
+
+        try:
+            jinja2.Environment().parse(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{source} is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+        self.tokenizer.chat_template = template
+
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_id)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -294,3 +294,29 @@ def test_prompt_logprobs_as_vllm_returns_them(client, server, offline_llm):
                                           extra_body={"prompt_logprobs": 0})
     plp = chat.model_dump()["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and all(len(e) == 1 for e in plp[1:])
+
+
+def test_chat_template_override(tiny_model_dir, tmp_path):
+    """chat_template (vLLM's --chat-template): the text or a file replaces the tokenizer's
+    template; a Jinja syntax error is named when the engine starts; so is a model without
+    a tokenizer."""
+    from flashpage import LLM
+    from tests.server.conftest import engine_kwargs
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    conv = [{"role": "user", "content": "hello there"}]
+    for given in (template, str(tmp_path / "t.jinja")):
+        (tmp_path / "t.jinja").write_text(template)
+        llm = LLM(str(tiny_model_dir), chat_template=given, **engine_kwargs())
+        tok = llm.engine.tokenizer
+        want = tok.encode("[user] hello there\n[assistant]", add_special_tokens=False)
+        assert llm.chat_prompt_ids(conv) == want
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        LLM(str(tiny_model_dir), chat_template="{% for m in messages %}", **engine_kwargs())
+    import argparse
+
+    from flashpage.cli import add_engine_arguments
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)  # generate, chat, serve and bench share these
+    assert parser.parse_args(["--chat-template", "x.jinja"]).chat_template == "x.jinja"
