@@ -31,6 +31,9 @@ class SamplingParams:
     # token id -> added to its logit before penalties and temperature (OpenAI's logit_bias:
     # -100 bans a token in practice, +100 all but forces it); values in [-100, 100]
     logit_bias: dict[int, float] | None = None
+    # keep only the prompt's last this many tokens (vLLM's; a long chat history that would
+    # not fit the context is cut from the front instead of refused)
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (benchmarks; stop strings need text)
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
@@ -83,6 +86,10 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
+                or self.truncate_prompt_tokens < 1):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")

@@ -329,6 +329,9 @@ class LLMEngine:
             ids = self.tokenize(prompt)
         else:
             text, ids = None, list(prompt)
+        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+            ids = ids[-params.truncate_prompt_tokens:]  # the text no longer matches: not kept
+            text = None
         self._validate_ids(ids)
         vocab = self.model_config.vocab_size
         for t in params.logit_bias or ():

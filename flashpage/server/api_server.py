@@ -3,8 +3,8 @@
 ``build_app(async_engine, served_model_name, api_key=None)`` makes the app;
 ``run_server(args)`` (``flashpage serve``) builds the engine and runs uvicorn.
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming as
-server-sent events), GET /v1/models, GET /health, GET /metrics, POST /tokenize and
-POST /detokenize (vLLM's). See docs/server.md.
+server-sent events), GET /v1/models, GET /health, GET /metrics, GET /version, POST /tokenize
+and POST /detokenize (vLLM's). See docs/server.md.
 """
 
 from __future__ import annotations
@@ -99,6 +99,12 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         with contextlib.suppress(EngineDeadError):
             state.metrics.set_engine_stats(await async_engine.stats())
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> Response:
+        from flashpage import __version__
+
+        return JSONResponse({"version": __version__})
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -85,13 +85,16 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
         params.prompt_logprobs = req.logprobs
     prompts: list[list[int]] = []
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, str):
             if not item:
                 raise bad_request("the prompt is empty", "prompt")
             ids = await state.tokenizer.encode(item)
         else:
             ids = list(item)
+        keep = req.truncate_prompt_tokens
+        if keep is not None and len(ids) > keep:
+            ids = items[i] = ids[-keep:]  # cut from the front (echo shows what was kept)
         check_length(state, len(ids), max_tokens)
         prompts.append(ids)
     tok, want_lp = state.tokenizer, req.logprobs is not None
@@ -154,6 +157,8 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
                arrival: float) -> Response:
     conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
     ids = await state.tokenizer.apply_chat_template(conversation)
+    if req.truncate_prompt_tokens is not None:
+        ids = ids[-req.truncate_prompt_tokens:]  # the conversation's oldest tokens go first
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     max_tokens = check_length(state, len(ids), max_tokens)
@@ -237,7 +242,8 @@ def sampling_params(state: ServerState, req: CompletionRequest | ChatCompletionR
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         skip_special_tokens=req.skip_special_tokens is not False)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs"):
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs",
+                 "truncate_prompt_tokens"):
         value = getattr(req, name)
         if value is not None:
             kw[name] = value

@@ -78,3 +78,21 @@ def test_prompt_logprobs_equal_transformers(tiny_checkpoint, monkeypatch):
     for a, b in zip(again[1:], outs[0].prompt_logprobs[1:], strict=True):  # batched apart: fp32 sums
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-5
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_checkpoint):
+    """truncate_prompt_tokens (vLLM's): the prompt's last k tokens, as if only they were sent;
+    shorter prompts untouched; a bad value named."""
+    import pytest
+
+    llm = LLM(str(tiny_checkpoint("head64_gqa")), dtype="float32", device="cpu")
+    prompt = random_prompts(1, 30, 30, seed=71)[0]
+    greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    cut, tail = llm.generate([prompt, prompt[-10:]],
+                             [SamplingParams(truncate_prompt_tokens=10, **greedy),
+                              SamplingParams(**greedy)], use_tqdm=False)
+    assert cut.prompt_token_ids == prompt[-10:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    whole = llm.generate([prompt], SamplingParams(truncate_prompt_tokens=100, **greedy), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == prompt
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1"):
+        SamplingParams(truncate_prompt_tokens=0)

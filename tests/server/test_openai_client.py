@@ -320,3 +320,23 @@ def test_chat_template_override(tiny_model_dir, tmp_path):
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)  # generate, chat, serve and bench share these
     assert parser.parse_args(["--chat-template", "x.jinja"]).chat_template == "x.jinja"
+
+
+def test_truncate_prompt_tokens_and_version(client, server, offline_llm):
+    """A prompt past the context is refused, unless truncate_prompt_tokens cuts it from the
+    front (then it answers as the kept tokens would); GET /version."""
+    import httpx
+
+    ids = [5, 17, 99, 3, 200] * 40  # 200 tokens: past the test server's context
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=server.model, prompt=ids, max_tokens=3, temperature=0)
+    r = client.completions.create(model=server.model, prompt=ids, max_tokens=3, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 20, "ignore_eos": True})
+    exp = offline_llm.generate([ids[-20:]], greedy(3, ignore_eos=True), use_tqdm=False)[0]
+    assert r.choices[0].text == exp.outputs[0].text and r.usage.prompt_tokens == 20
+    chat = client.chat.completions.create(model=server.model, messages=CONVERSATION, max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    from flashpage import __version__
+
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}
