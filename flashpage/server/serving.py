@@ -83,7 +83,7 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     params = sampling_params(state, req, max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
-        params.prompt_logprobs = req.logprobs
+        params.prompt_logprobs = max(req.logprobs, params.prompt_logprobs or 0)
     prompts: list[list[int]] = []
     for i, item in enumerate(items):
         if isinstance(item, str):
