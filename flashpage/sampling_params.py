@@ -31,6 +31,9 @@ class SamplingParams:
     # token id -> added to its logit before penalties and temperature (OpenAI's logit_bias:
     # -100 bans a token in practice, +100 all but forces it); values in [-100, 100]
     logit_bias: dict[int, float] | None = None
+    # the only tokens that may be sampled (vLLM's; e.g. an answer among A-D): every other
+    # token's logit is -inf, before logit_bias and penalties
+    allowed_token_ids: list[int] | None = None
     # keep only the prompt's last this many tokens (vLLM's; a long chat history that would
     # not fit the context is cut from the front instead of refused)
     truncate_prompt_tokens: int | None = None
@@ -90,6 +93,10 @@ class SamplingParams:
                 not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
                 or self.truncate_prompt_tokens < 1):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")

@@ -334,9 +334,10 @@ class LLMEngine:
             text = None
         self._validate_ids(ids)
         vocab = self.model_config.vocab_size
-        for t in params.logit_bias or ():
-            if t >= vocab:
-                raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab})")
+        for name, ids_ in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            for t in ids_:
+                if t >= vocab:
+                    raise ValueError(f"{name} token id {t} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "

@@ -1,7 +1,7 @@
 """Turn each request's logits into its next token.
 
-Order of processing, as in vLLM: logit bias (and min_tokens: stop tokens and eos at -inf
-until a request has that many outputs) -> penalties (repetition, presence, frequency) ->
+Order of processing, as in vLLM: allowed_token_ids (all others at -inf), logit bias (and
+min_tokens: stop tokens and eos at -inf until a request has that many outputs) -> penalties (repetition, presence, frequency) ->
 temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the exponential race
 (argmax of p / Exp(1) noise), which needs no cumulative sum and is exact. A request
 with a seed draws its noise from a generator seeded by (seed, output position), so its
@@ -204,11 +204,14 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
 
         vocab = logits.shape[1]
+        allowed = {i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids}
         biases = {i: b for i, (r, p) in enumerate(zip(requests, params, strict=True))
                   if (p.min_tokens or p.logit_bias) and (b := _biases(r, vocab))}
         pen_rows = [i for i, p in enumerate(params) if needs_known_tokens(p)]
-        if biases or pen_rows:  # a copy: the logits may be a CUDA graph's output
+        if allowed or biases or pen_rows:  # a copy: the logits may be a CUDA graph's output
             logits = logits.to(torch.float32, copy=True)
+        if allowed:
+            self._apply_allowed(logits, allowed)
         if biases:
             self._apply_biases(logits, biases)
         if pen_rows:
@@ -224,6 +227,21 @@ class Sampler:
         if raw_logprobs is None:
             return PendingSample(tokens, params, None)
         return PendingSample(tokens, params, self._logprobs(raw_logprobs, tokens, params))
+
+    @staticmethod
+    def _apply_allowed(logits: torch.Tensor, allowed: dict[int, list[int]]) -> None:
+        """Rows of ``allowed``: every logit but those of their allowed tokens to -inf (one
+        host-to-device copy for the batch)."""
+        rows = torch.tensor(list(allowed), dtype=torch.long)
+        pairs = torch.tensor([(j, t) for j, ids in enumerate(allowed.values()) for t in ids],
+                             dtype=torch.long)
+        dev = logits.device
+        if dev.type == "cuda":
+            rows, pairs = rows.pin_memory().to(dev, non_blocking=True), pairs.pin_memory().to(dev, non_blocking=True)
+        keep = torch.zeros(len(allowed), logits.shape[1], dtype=torch.bool, device=dev)
+        keep[pairs[:, 0], pairs[:, 1]] = True
+        sub = logits.index_select(0, rows).masked_fill_(~keep, float("-inf"))
+        logits.index_copy_(0, rows, sub)
 
     @staticmethod
     def _apply_biases(logits: torch.Tensor, biases: dict[int, dict[int, float]]) -> None:

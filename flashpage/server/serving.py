@@ -249,6 +249,10 @@ def sampling_params(state: ServerState, req: CompletionRequest | ChatCompletionR
             kw[name] = value
     if req.logit_bias:
         kw["logit_bias"] = _logit_bias(req.logit_bias, vocab)
+    if req.allowed_token_ids is not None:
+        if any(not 0 <= t < vocab for t in req.allowed_token_ids):
+            raise bad_request(f"allowed_token_ids must be token ids in [0, {vocab})", "allowed_token_ids")
+        kw["allowed_token_ids"] = list(req.allowed_token_ids)
     try:
         return SamplingParams(**kw)
     except ValueError as e:  # SamplingParams names the field first

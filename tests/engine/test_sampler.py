@@ -281,3 +281,16 @@ def test_logit_bias_validation(bias, needle):
     with pytest.raises(ValueError, match="logit_bias") as e:
         SamplingParams(logit_bias=bias)
     assert needle in str(e.value)
+
+
+def test_allowed_token_ids_restrict_the_draw(kernel):
+    """allowed_token_ids: greedy takes the best allowed token, sampling draws only allowed
+    ones, other rows are untouched, and logit_bias applies on top."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
+    reqs = [_req(SamplingParams(temperature=0, allowed_token_ids=[3, 5]), "a"),
+            _req(SamplingParams(temperature=0), "b"),
+            _req(SamplingParams(temperature=0, allowed_token_ids=[3, 5], logit_bias={5: 10.0}), "c")]
+    assert _run(logits, reqs, kernel) == [3, 0, 5]
+    assert _draws(LOGITS, SamplingParams(temperature=5.0, allowed_token_ids=[2, 4]), kernel) == {2, 4}
+    with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
+        SamplingParams(allowed_token_ids=[])

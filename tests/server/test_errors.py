@@ -88,6 +88,8 @@ def test_too_long_states_both_numbers(server):
     ("logit_bias", {"5": 200}, "[-100, 100]"),
     ("logit_bias", {"5": "x"}, "logit_bias"),
     ("logit_bias", [5], "logit_bias"),
+    ("allowed_token_ids", [5, 256], "allowed_token_ids must be token ids in [0, 256)"),
+    ("allowed_token_ids", [], "allowed_token_ids"),
     ("prompt", {"text": "hi"}, "prompt"),
 ])
 def test_invalid_parameters(server, field, value, needle):

@@ -340,3 +340,14 @@ def test_truncate_prompt_tokens_and_version(client, server, offline_llm):
     from flashpage import __version__
 
     assert httpx.get(server.url + "/version").json() == {"version": __version__}
+
+
+def test_allowed_token_ids_equal_offline(client, server, offline_llm):
+    """vLLM's allowed_token_ids extra: every generated token among them, as offline."""
+    allowed = [7, 9, 11]
+    exp = offline_llm.generate(PROMPTS[:1], greedy(4, ignore_eos=True, allowed_token_ids=allowed),
+                               use_tqdm=False)[0].outputs[0]
+    assert set(exp.token_ids) <= set(allowed)
+    r = client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                  extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert r.choices[0].text == exp.text
