@@ -45,6 +45,8 @@ COMMON = {
     "logit_bias": st.dictionaries(st.integers(min_value=0, max_value=255).map(str),
                                   st.floats(min_value=-100, max_value=100), max_size=3),
     "prompt_logprobs": st.integers(min_value=0, max_value=3),
+    "allowed_token_ids": st.lists(st.integers(min_value=0, max_value=255), min_size=1, max_size=4),
+    "truncate_prompt_tokens": st.integers(min_value=1, max_value=40),
 }
 COMPLETIONS = dict(COMMON, **{
     "prompt": st.one_of(text, st.lists(text, min_size=1, max_size=3), token_ids,
