@@ -54,18 +54,7 @@ def completion_logprobs(tok: Any, lps: list[Logprobs], st: ChoiceState,
     sampled token is always among its position's top_logprobs (so up to k + 1 entries)."""
     if not want:
         return None
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in lps:
-        s = tok.token_str(lp.token_id)
-        tokens.append(s)
-        token_lps.append(_lp(lp.logprob))
-        top = {tok.token_str(t): _lp(v) for t, v in lp.top}
-        top.setdefault(s, _lp(lp.logprob))
-        tops.append(top)
-        offsets.append(st.text_offset)
-        st.text_offset += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
+    return _completion_entries(tok, [(lp.token_id, lp) for lp in lps], st)
 
 
 def echo_logprobs(tok: Any, prompt_ids: list[int], plps: list[Logprobs | None] | None,
@@ -73,22 +62,30 @@ def echo_logprobs(tok: Any, prompt_ids: list[int], plps: list[Logprobs | None] |
     """completion_logprobs' shape for an echoed prompt: every prompt token, its logprob and
     top alternatives from the request's prompt_logprobs (null for the first token, which
     has nothing before it)."""
+    plps = plps or []
+    return _completion_entries(
+        tok, [(t, plps[i] if i < len(plps) else None) for i, t in enumerate(prompt_ids)], st)
+
+
+def _completion_entries(tok: Any, items: list[tuple[int, Logprobs | None]],
+                        st: ChoiceState) -> dict[str, Any]:
+    """The completions logprobs lists for (token id, its logprobs or None) items; text
+    offsets run on from ``st``."""
     tokens: list[str] = []
     token_lps: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
-    for i, t in enumerate(prompt_ids):
-        s = tok.token_str(t)
+    for token_id, lp in items:
+        s = tok.token_str(token_id)
         tokens.append(s)
         offsets.append(st.text_offset)
         st.text_offset += len(s)
-        lp = plps[i] if plps is not None and i < len(plps) else None
         if lp is None:
             token_lps.append(None)
             tops.append(None)
             continue
         token_lps.append(_lp(lp.logprob))
-        top = {tok.token_str(a): _lp(v) for a, v in lp.top}
+        top = {tok.token_str(t): _lp(v) for t, v in lp.top}
         top.setdefault(s, _lp(lp.logprob))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -106,10 +103,8 @@ def prompt_logprobs(tok: Any, prompt_ids: list[int],
         if lp is None:
             out.append(None)
             continue
-        entry = {str(a): {"logprob": _lp(v), "rank": None, "decoded_token": tok.token_str(a)}
-                 for a, v in lp.top}
-        for rank, (a, _) in enumerate(lp.top, 1):
-            entry[str(a)]["rank"] = rank
+        entry = {str(a): {"logprob": _lp(v), "rank": rank, "decoded_token": tok.token_str(a)}
+                 for rank, (a, v) in enumerate(lp.top, 1)}
         entry[str(t)] = {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": tok.token_str(t)}
         out.append(entry)
     return out
