@@ -97,6 +97,11 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on ``dev``: on CUDA through pinned memory, not waiting for the stream."""
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
 def _biases(r: Request, vocab: int) -> dict[int, float] | None:
     """``r``'s additive logit biases for its next token: its ``logit_bias`` (token ids checked
     against the vocabulary when the request was added), and -inf on the tokens min_tokens
@@ -232,12 +237,10 @@ class Sampler:
     def _apply_allowed(logits: torch.Tensor, allowed: dict[int, list[int]]) -> None:
         """Rows of ``allowed``: every logit but those of their allowed tokens to -inf (one
         host-to-device copy for the batch)."""
-        rows = torch.tensor(list(allowed), dtype=torch.long)
-        pairs = torch.tensor([(j, t) for j, ids in enumerate(allowed.values()) for t in ids],
-                             dtype=torch.long)
         dev = logits.device
-        if dev.type == "cuda":
-            rows, pairs = rows.pin_memory().to(dev, non_blocking=True), pairs.pin_memory().to(dev, non_blocking=True)
+        rows = _to_device(torch.tensor(list(allowed), dtype=torch.long), dev)
+        pairs = _to_device(torch.tensor([(j, t) for j, ids in enumerate(allowed.values()) for t in ids],
+                                        dtype=torch.long), dev)
         keep = torch.zeros(len(allowed), logits.shape[1], dtype=torch.bool, device=dev)
         keep[pairs[:, 0], pairs[:, 1]] = True
         sub = logits.index_select(0, rows).masked_fill_(~keep, float("-inf"))
@@ -249,12 +252,9 @@ class Sampler:
         rows = [i for i, b in biases.items() for _ in b]
         toks = [t for b in biases.values() for t in b]
         vals = [v for b in biases.values() for v in b.values()]
-        host = torch.tensor([rows, toks], dtype=torch.long)
-        host_v = torch.tensor(vals, dtype=torch.float32)
-        dev = logits.device
-        if dev.type == "cuda":
-            host, host_v = host.pin_memory().to(dev, non_blocking=True), host_v.pin_memory().to(dev, non_blocking=True)
-        logits.index_put_((host[0], host[1]), host_v, accumulate=True)
+        idx = _to_device(torch.tensor([rows, toks], dtype=torch.long), logits.device)
+        values = _to_device(torch.tensor(vals, dtype=torch.float32), logits.device)
+        logits.index_put_((idx[0], idx[1]), values, accumulate=True)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
@@ -324,7 +324,7 @@ class Sampler:
         table = torch.tensor([[p.temperature, float(p.top_k if p.top_k > 0 else vocab), p.top_p,
                                p.min_p, float(i)] for i, p in zip(filtered, sub, strict=True)],
                              dtype=torch.float32)
-        table = table.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else table
+        table = _to_device(table, dev)
         rows = table[:, 4].long()
         x = logits.index_select(0, rows).float() / table[:, 0:1]
         x = self._filter(x, table[:, 1:2].long(), table[:, 2:3], table[:, 3:4])
@@ -342,7 +342,7 @@ class Sampler:
             [[1.0 if g else p.temperature, float(p.top_k if p.top_k > 0 else vocab),
               p.top_p, p.min_p, float(g)] for p, g in zip(params, greedy, strict=True)],
             dtype=torch.float32)
-        table = table.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else table
+        table = _to_device(table, dev)
         temps, top_k, top_p, min_p = table[:, 0:1], table[:, 1:2].long(), table[:, 2:3], table[:, 3:4]
         argmax = row_argmax(logits) if any(greedy) else None
         x = logits / temps
