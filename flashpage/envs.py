@@ -133,8 +133,10 @@ def piecewise_graphs() -> str:
     value = os.environ.get("FLASHPAGE_PIECEWISE_GRAPHS", "on").strip().lower()
     if value in ("0", "off", "false", ""):
         return "off"
-    if value in ("1", "on", "true", "all"):
-        return "all" if value == "all" else "on"
+    if value in ("1", "on", "true"):
+        return "on"
+    if value == "all":
+        return "all"
     raise ValueError(f"FLASHPAGE_PIECEWISE_GRAPHS must be on, off or all, got {value!r}")
 
 

@@ -175,8 +175,9 @@ class LLMEngine:
         pieces around attention. Each kind logged with its time and the memory it reserved."""
         cfg, runner = self.config, self.runner
         prompt_graphs = backend_prompt_graphs and getattr(self.model, "supports_prefill_graphs", True)
-        piecewise = backend_prompt_graphs and envs.piecewise_graphs() != "off" and (
-            getattr(self.model, "supports_piecewise_graphs", True) or envs.piecewise_graphs() == "all")
+        pieces_mode = envs.piecewise_graphs()
+        piecewise = backend_prompt_graphs and pieces_mode != "off" and (
+            getattr(self.model, "supports_piecewise_graphs", True) or pieces_mode == "all")
         max_tokens = min(cfg.max_num_batched_tokens, self.max_model_len,
                          getattr(self.model, "max_graph_tokens", None) or 1 << 30)
         # (name, capture, what turns the kind off if its capture fails: None = fatal)
