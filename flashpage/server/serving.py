@@ -27,6 +27,7 @@ from flashpage.server.metrics import ServerMetrics
 from flashpage.server.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -155,8 +156,7 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
 # ---------------------------------------------------------------------------- /v1/chat
 async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
                arrival: float) -> Response:
-    conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
-    ids = await state.tokenizer.apply_chat_template(conversation)
+    ids = await state.tokenizer.apply_chat_template(_conversation(req.messages))
     if req.truncate_prompt_tokens is not None:
         ids = ids[-req.truncate_prompt_tokens:]  # the conversation's oldest tokens go first
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -201,6 +201,11 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     return await unless_disconnected(request, answer())
 
 
+def _conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Chat messages as the chat template takes them (text parts joined)."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
 # ---------------------------------------------------------------------------- /tokenize
 async def tokenize(state: ServerState, req: TokenizeRequest) -> Response:
     """vLLM's /tokenize: the ids a prompt (or a chat, through the template) becomes, as the
@@ -210,8 +215,7 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> Response:
     if req.messages is not None:
         if not req.messages:
             raise bad_request("messages is empty", "messages")
-        ids = await state.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.text()} for m in req.messages])
+        ids = await state.tokenizer.apply_chat_template(_conversation(req.messages))
     else:
         ids = await state.tokenizer.encode(req.prompt or "", req.add_special_tokens)
     return JSONResponse({"count": len(ids), "max_model_len": state.engine.max_model_len,
