@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps and for short prompt-only steps.
+"""CUDA graphs for decode-only steps, short prompt-only steps, and the rest in pieces.
 
 A decode step launches a few hundred small kernels; on the GPU their launch cost, not
 their work, bounds the step. We capture the whole forward + logits once per batch-size
@@ -9,6 +9,9 @@ A short prompt is host-bound the same way: an 8B 128-token prompt ran 5.4 ms of 
 in 23-62 ms (333 launches, BENCHMARKS.md session 14). ``PrefillGraphs`` captures
 prompt-only steps (no decodes) of up to ``PREFILL_SEQS`` requests and up to
 ``PREFILL_MAX_TOKENS`` tokens, one graph per (request slots, token bucket).
+``PiecewiseGraphs`` takes every other step of up to ``PREFILL_MAX_TOKENS`` tokens (decodes
+beside prompt chunks, more prompts): the forward in pieces between its attention layers,
+each layer's attention run eagerly in between over the step's own metadata.
 
 Inputs live in static buffers the graphs were captured with. Decode padding rows write
 nowhere (slot -1) and attend to one token of block 0, so they cost almost nothing and
