@@ -129,7 +129,7 @@ def piecewise_graphs() -> str:
     prompts) of up to 1024 tokens (engine/cuda_graph.PiecewiseGraphs; attention runs eagerly
     between the pieces). "on" (the default) where the model supports them, "off" (or "0")
     nowhere, "all" also for models whose pieces are built but not yet validated on a GPU
-    (``supports_piecewise_graphs = False``: DeepSeek). Read when the engine starts."""
+    (``supports_piecewise_graphs = False``; no model today). Read when the engine starts."""
     value = os.environ.get("FLASHPAGE_PIECEWISE_GRAPHS", "on").strip().lower()
     if value in ("0", "off", "false", ""):
         return "off"

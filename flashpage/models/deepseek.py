@@ -67,10 +67,10 @@ class DeepseekForCausalLM(nn.Module):
     # Whole prompt steps are not: MLA expands each request's latents to its context length, a
     # host value per step (layers/mla_attention), and the MoE's prompt path counts tokens per
     # expert on the host past SYNC_FREE_MAX_TOKENS. Piecewise graphs (MLA's attend eager between
-    # the pieces) hold up to that many tokens; checked eagerly on the CPU
-    # (tests/models/test_deepseek.py), off until a GPU run has captured them.
+    # the pieces) hold up to that many tokens (tests/models/test_deepseek.py on the CPU,
+    # tests/engine/test_mla_triton.py captured on the GPU).
     supports_prefill_graphs = False
-    supports_piecewise_graphs = False
+    supports_piecewise_graphs = True
     max_graph_tokens = SYNC_FREE_MAX_TOKENS
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:

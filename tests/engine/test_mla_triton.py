@@ -133,3 +133,33 @@ def test_cuda_graphs_bf16_as_close_to_fp32_as_eager(tiny_mla_checkpoint, name):
     eager16, graphs16 = _leading_agreement(eager_toks, truth), _leading_agreement(graph_toks, truth)
     total = sum(len(t) for t in truth)
     assert graphs16 >= eager16 - 0.05 * total, (graphs16, eager16, total)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", NAMES)
+def test_piecewise_graphs_match_eager_fp32(tiny_mla_checkpoint, name, monkeypatch):
+    """DeepSeek's piecewise graphs captured and replayed (MLA's attend eager between the
+    pieces): prompts alone, more than four together and decodes beside a prompt chunk give
+    the tokens of the engine without them, in fp32; no blocks left behind."""
+    from flashpage.engine.cuda_graph import PiecewiseGraphs
+
+    path = tiny_mla_checkpoint(name)
+    prompts = random_prompts(6, 3, 30, seed=21) + random_prompts(2, 70, 90, seed=22)
+    params = _staggered_params(len(prompts))
+    kw = dict(max_num_seqs=16, max_num_batched_tokens=64)
+    monkeypatch.setenv("FLASHPAGE_PIECEWISE_GRAPHS", "off")
+    ref, llm = _tokens(path, "triton", "cuda", "float32", prompts, params, **kw)
+    assert llm.engine.runner.piecewise is None
+    del llm
+    monkeypatch.setenv("FLASHPAGE_PIECEWISE_GRAPHS", "on")
+    runs: list[tuple[int, int]] = []
+    real = PiecewiseGraphs.run
+    monkeypatch.setattr(PiecewiseGraphs, "run", lambda self, ids, pos, md: (
+        runs.append((md.num_decodes, md.num_seqs)), real(self, ids, pos, md))[1])
+    got, llm = _tokens(path, "triton", "cuda", "float32", prompts, params, **kw)
+    pw = llm.engine.runner.piecewise
+    assert pw is not None and max(pw.pieces) == 64 and pw.pieces
+    assert got == ref
+    assert any(0 < d < s for d, s in runs), runs  # a mixed step replayed the pieces
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks

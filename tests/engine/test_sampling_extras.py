@@ -75,8 +75,10 @@ def test_prompt_logprobs_equal_transformers(tiny_checkpoint, monkeypatch):
     # asked again: the prompt's blocks are cached now, and still every position is computed
     again = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
     assert again is not None and len(again) == len(prompt) and again[0] is None
-    for a, b in zip(again[1:], outs[0].prompt_logprobs[1:], strict=True):  # batched apart: fp32 sums
-        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-5
+    for p, (a, b) in enumerate(zip(again[1:], outs[0].prompt_logprobs[1:], strict=True), 1):
+        # batched apart, so fp32 sums in another order: held to the reference like the first
+        assert a.token_id == b.token_id and a.rank == b.rank
+        assert abs(a.logprob - float(ref[p - 1][prompt[p]])) < 1e-4
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
 
 
