@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument("--mixed-lens", type=int, nargs="*", default=[16, 128, 512])
     ap.add_argument("--mixed-steps", type=int, default=10, help="timed steps per mode, 3 rounds")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also profile the host side of the first mixed shape's piecewise steps "
+                         "(cProfile, top functions into mixed_cprofile.txt) and time its kernels")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     # the engine's start-up lines: each graph kind's capture time and reserved memory
@@ -114,6 +117,34 @@ def main() -> None:
                   f"{key}, piecewise bucket {row['piecewise_bucket']}", flush=True)
     mixed = []
     eng = llm.engine
+
+    def profile_mixed(n: int) -> None:
+        """Where a piecewise mixed step's host time goes (cProfile over 10 steps), and its
+        kernels' own time (torch.profiler, one more step)."""
+        import cProfile
+        import io
+        import pstats
+
+        mode("piecewise")
+        pr = cProfile.Profile()
+        sync()
+        pr.enable()
+        for _ in range(10):
+            eng.add_request(None, prompt(n), params)
+            eng.step()
+        sync()
+        pr.disable()
+        with profile(activities=[ProfilerActivity.CUDA]) as tp:
+            eng.add_request(None, prompt(n), params)
+            eng.step()
+            sync()
+        kernels = [e for e in tp.key_averages() if e.self_device_time_total > 0]
+        text = io.StringIO()
+        text.write(f"kernels of one piecewise step: {sum(e.self_device_time_total for e in kernels) / 1e3:.2f} ms "
+                   f"in {sum(e.count for e in kernels)} launches\n")
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(pr, stream=text).sort_stats(key).print_stats(45)
+        (Path(args.out) / "mixed_cprofile.txt").write_text(text.getvalue())
     long_params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True, detokenize=False)
     for d in args.decodes:
         ids = [eng.add_request(None, prompt(64), long_params) for _ in range(d)]
@@ -133,6 +164,8 @@ def main() -> None:
                         eng.step()
                     sync()
                     per[m].append((time.perf_counter() - t) * 1e3 / args.mixed_steps)
+            if args.cprofile and not mixed:
+                profile_mixed(n)
             row = dict(decodes=d, input_len=n, piecewise_bucket=pieces.bucket(d + n),
                        step_ms_piecewise=round(statistics.median(per["piecewise"]), 2),
                        step_ms_eager=round(statistics.median(per["eager"]), 2),

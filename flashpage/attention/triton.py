@@ -72,8 +72,9 @@ class TritonBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, write_kv: bool = True) -> torch.Tensor:
         from flashpage.kernels.cache_write import write_kv_cache
-        from flashpage.kernels.flash_prefill import paged_prefill
-        from flashpage.kernels.paged_decode import paged_decode
+        from flashpage.kernels.flash_prefill import PrefillPlan
+        from flashpage.kernels.paged_decode import DecodePlan
+        from flashpage.kernels.plan import planned
 
         key_cache, value_cache = kv_cache
         md = metadata
@@ -82,15 +83,19 @@ class TritonBackend(AttentionBackend):
             write_kv_cache(k[:n], v[:n], key_cache, value_cache, md.slot_mapping[:n])
         out = torch.empty_like(q)
         nd, ndt = md.num_decodes, md.num_decode_tokens
+        # Each kernel planned once a step, by its first layer; later layers only launch
+        # (kernels/plan.py): the step's tables, lengths and geometry are every layer's.
         if nd:
-            paged_decode(q[:nd], key_cache, value_cache, md.block_tables[:nd], md.seq_lens[:nd],
-                         sm_scale=scale, window_size=sliding_window, out=out[:nd])
+            qd, od = q[:nd], out[:nd]
+            planned(md.extra, ("decode", sliding_window, scale), lambda: DecodePlan(
+                qd, key_cache, value_cache, md.block_tables[:nd], md.seq_lens[:nd], sm_scale=scale,
+                window_size=sliding_window, out=od), qd, key_cache, value_cache, od)
         if md.num_seqs > nd:
-            paged_prefill(q[ndt:n], key_cache, value_cache, md.block_tables[nd:],
-                          md.extra["prefill_qsl"], md.seq_lens[nd:],
-                          md.extra["prefill_max_q"], md.extra["prefill_max_k"],
-                          causal=True, sm_scale=scale, window_size=sliding_window,
-                          out=out[ndt:n])
+            qp, op = q[ndt:n], out[ndt:n]
+            planned(md.extra, ("prefill", sliding_window, scale), lambda: PrefillPlan(
+                qp, key_cache, value_cache, md.block_tables[nd:], md.extra["prefill_qsl"],
+                md.seq_lens[nd:], md.extra["prefill_max_q"], md.extra["prefill_max_k"], causal=True,
+                sm_scale=scale, window_size=sliding_window, out=op), qp, key_cache, value_cache, op)
         return out
 
     def write_mla_cache(self, latent: torch.Tensor, kv_cache: torch.Tensor,

@@ -54,6 +54,7 @@ import triton.language as tl
 from flashpage import envs
 from flashpage.kernels.device import sm90_reasons
 from flashpage.kernels.kv_dtype import check_kv_cache_dtype
+from flashpage.kernels.plan import Launch, LaunchPlan
 
 try:  # host-side TMA descriptors (Hopper and newer)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -522,6 +523,19 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
     block_tables[b, p // bs] * bs + p % bs; query i of b sits at position
     seq_lens[b] - q_len_b + i. Returns as `flash_attn_varlen`.
     """
+    launch = _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+                         max_seqlen_k, causal=causal, sm_scale=sm_scale, window_size=window_size,
+                         return_lse=return_lse, out=out, _config=_config)
+    out = _check_out(out, q, value_cache.shape[-1])
+    lse = launch(q, key_cache, value_cache, out)
+    return (out, lse) if return_lse else out
+
+
+def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+                max_seqlen_k, *, causal, sm_scale, window_size, return_lse, out,
+                _config: PrefillConfig | None = None) -> Launch:
+    """paged_prefill's checks and kernel choice once -> launch(q, key_cache, value_cache, out)
+    -> lse or None, for tensors of this geometry over these tables, offsets and lengths."""
     if key_cache.dim() != 4:
         raise ValueError(f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
                          f"got {tuple(key_cache.shape)}")
@@ -544,24 +558,45 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
         raise ValueError(f"block_tables has {block_tables.shape[1]} blocks of {page_size} tokens, "
                          f"fewer than max_seqlen_k={max_seqlen_k}")
     window = _check_window(window_size)
-    out = _check_out(out, q, dv)
+    if out is not None:
+        _check_out(out, q, dv)
     if (_config is None and envs.prefill_gluon() and q.shape[0] > 0 and batch > 0
             and not gluon_prefill_unsupported(q, key_cache, value_cache, window_size)):
-        from flashpage.kernels.flash_prefill_gluon import engine_options, paged_prefill_gluon
+        from flashpage.kernels.flash_prefill_gluon import engine_options, plan_paged
 
-        return paged_prefill_gluon(q, key_cache, value_cache, block_tables, cu_seqlens_q,
-                                   seq_lens, max_seqlen_q, max_seqlen_k, causal=causal,
-                                   sm_scale=sm_scale, return_lse=return_lse, out=out,
-                                   **engine_options(key_cache.shape[1], envs.prefill_producer()))
-    lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
-    if q.shape[0] > 0 and batch > 0:
-        slots_k = key_cache.view(-1, hkv, d) if key_cache.is_contiguous() else \
-            key_cache.flatten(0, 1)
-        slots_v = value_cache.view(-1, hkv, dv) if value_cache.is_contiguous() else \
-            value_cache.flatten(0, 1)
-        _launch(q, slots_k, slots_v, out, lse, cu_seqlens_q, None, seq_lens, block_tables,
-                page_size, batch, max_seqlen_q, causal, sm_scale, window, _config)
-    return (out, lse) if return_lse else out
+        return plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                          max_seqlen_q, max_seqlen_k, causal=causal, sm_scale=sm_scale,
+                          return_lse=return_lse, out=out,
+                          **engine_options(key_cache.shape[1], envs.prefill_producer()))
+
+    def launch(q, key_cache, value_cache, out):
+        lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
+        if q.shape[0] > 0 and batch > 0:
+            slots_k = key_cache.view(-1, hkv, d) if key_cache.is_contiguous() else key_cache.flatten(0, 1)
+            slots_v = value_cache.view(-1, hkv, dv) if value_cache.is_contiguous() else value_cache.flatten(0, 1)
+            _launch(q, slots_k, slots_v, out, lse, cu_seqlens_q, None, seq_lens, block_tables,
+                    page_size, batch, max_seqlen_q, causal, sm_scale, window, _config)
+        return lse
+
+    return launch
+
+
+class PrefillPlan(LaunchPlan):
+    """paged_prefill planned for the layers of a step (kernels/plan.py): the checks and the
+    kernel's choices once for one block table, query offsets and lengths; ``run(q,
+    key_cache, value_cache, out)`` as paged_prefill over them (no lse)."""
+
+    name = "PrefillPlan"
+
+    def __init__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                 max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
+                 sm_scale: float | None = None, window_size: int | None = None,
+                 out: torch.Tensor | None = None) -> None:
+        launch = _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                             max_seqlen_q, max_seqlen_k, causal=causal, sm_scale=sm_scale,
+                             window_size=window_size, return_lse=False, out=out)
+        super().__init__(launch, q, key_cache, value_cache, out)
 
 
 def gluon_prefill_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

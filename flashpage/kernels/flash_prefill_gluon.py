@@ -1187,6 +1187,26 @@ def paged_prefill_gluon(
     [208, 240]), the producer warpgroup getting the rest of 384 x 168: None = 240 (producer
     24) for "tma" and "tma1", GATHER_CONSUMER_REGS = 224 (producer 56) for "gather".
     """
+    launch = plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+                        max_seqlen_k, causal=causal, sm_scale=sm_scale, return_lse=return_lse, out=out,
+                        pingpong=pingpong, pv_overlap=pv_overlap, persistent=persistent,
+                        schedule=schedule, head_group=head_group, m_fastest=m_fastest,
+                        num_stages=num_stages, q_buffers=q_buffers, cache_descriptors=cache_descriptors,
+                        producer=producer, consumer_regs=consumer_regs)
+    out = torch.empty_like(q) if out is None else out
+    lse = launch(q, key_cache, value_cache, out)
+    return (out, lse) if return_lse else out
+
+
+def plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+               max_seqlen_k, *, causal=True, sm_scale=None, return_lse=False, out=None, pingpong=True,
+               pv_overlap=True, persistent=True, schedule="dynamic", head_group=None, m_fastest=False,
+               num_stages=STAGES, q_buffers=None, cache_descriptors=True, producer="tma",
+               consumer_regs=None):
+    """paged_prefill_gluon's checks and choices once -> launch(q, key_cache, value_cache, out)
+    -> lse (None without return_lse) for tensors of the same geometry over the planned tables,
+    offsets and lengths (flash_prefill.PrefillPlan holds callers to it). Each cache's TMA
+    descriptor is made once per plan."""
     q_buffers = _check_options(num_stages, q_buffers, schedule, max_seqlen_k)
     if producer not in PRODUCERS:
         raise ValueError(f"producer must be one of {PRODUCERS}, got {producer!r}")
@@ -1199,14 +1219,25 @@ def paged_prefill_gluon(
                  max_seqlen_k, sm_scale, out)
     page = key_cache.shape[1]
     box = min(page, BLOCK_N)
-    return _launch(q, _descriptor(key_cache, box), _descriptor(value_cache, box), key_cache.shape[2],
-                   cu_seqlens_q, seq_lens, block_tables, page, max_seqlen_q, causal=causal,
-                   sm_scale=sm_scale, return_lse=return_lse, out=out, pingpong=pingpong,
-                   pv_overlap=pv_overlap, persistent=persistent, schedule=schedule,
-                   head_group=head_group, m_fastest=m_fastest, num_stages=num_stages,
-                   q_buffers=q_buffers, cache_descriptors=cache_descriptors,
-                   caches=(key_cache, value_cache) if gather else None,
-                   consumer_regs=consumer_regs, producer_warps=1 if producer == "tma1" else 4)
+    inner = _plan_launch(q, key_cache.shape[2], cu_seqlens_q, seq_lens, block_tables, page, max_seqlen_q,
+                         causal=causal, sm_scale=sm_scale, return_lse=return_lse, pingpong=pingpong,
+                         pv_overlap=pv_overlap, persistent=persistent, schedule=schedule,
+                         head_group=head_group, m_fastest=m_fastest, num_stages=num_stages,
+                         q_buffers=q_buffers, cache_descriptors=cache_descriptors,
+                         slot64=gather and key_cache.numel() >= 2**31, consumer_regs=consumer_regs,
+                         producer_warps=1 if producer == "tma1" else 4, gather=gather)
+    descriptors: dict[int, object] = {}
+
+    def descriptor(cache):
+        d = descriptors.get(cache.data_ptr())
+        if d is None:
+            d = descriptors[cache.data_ptr()] = _descriptor(cache, box)
+        return d
+
+    def launch(q, kc, vc, out):
+        return inner(q, descriptor(kc), descriptor(vc), out, (kc, vc) if gather else None)
+
+    return launch
 
 
 def _check_options(num_stages: int, q_buffers: int | None, schedule: str, max_seqlen: int) -> int:
@@ -1231,16 +1262,34 @@ def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, ma
     128] slots, seq_lens the key counts; ``caches`` = (key_cache, value_cache): the gather
     producer, cp.async from them; producer_warps 1: the one-warp TMA producer, "tma1");
     max_seqlen: the longest query count."""
+    launch = _plan_launch(q, hkv, cu_seqlens, seq_lens, block_tables, page, max_seqlen, causal=causal,
+                          sm_scale=sm_scale, return_lse=return_lse, pingpong=pingpong,
+                          pv_overlap=pv_overlap, persistent=persistent, schedule=schedule,
+                          head_group=head_group, m_fastest=m_fastest, num_stages=num_stages,
+                          q_buffers=q_buffers, cache_descriptors=cache_descriptors,
+                          slot64=caches is not None and caches[0].numel() >= 2**31,
+                          consumer_regs=consumer_regs, producer_warps=producer_warps,
+                          gather=caches is not None)
+    out = torch.empty_like(q) if out is None else out
+    lse = launch(q, k_desc, v_desc, out, caches)
+    return (out, lse) if return_lse else out
+
+
+def _plan_launch(q, hkv, cu_seqlens, seq_lens, block_tables, page, max_seqlen, *, causal, sm_scale,
+                 return_lse, pingpong, pv_overlap, persistent, schedule, head_group, m_fastest,
+                 num_stages, q_buffers, cache_descriptors, slot64, consumer_regs, producer_warps, gather):
+    """_launch's choices (work, grid, schedule, head group, constexprs) for q's shape ->
+    launch(q, k_desc, v_desc, out, caches) -> lse or None; q's TMA descriptor made once per
+    address."""
     total, hq, _ = q.shape
     batch = cu_seqlens.numel() - 1
     num_hb = hq * batch
     if head_group is not None and not 1 <= int(head_group) <= num_hb:
         raise ValueError(f"head_group must be in [1, heads x sequences = {num_hb}], got {head_group}")
     scale = (1.0 / math.sqrt(HEAD_DIM) if sm_scale is None else float(sm_scale)) * _LOG2E
-    out = torch.empty_like(q) if out is None else out
-    lse = torch.empty(hq, total, dtype=torch.float32, device=q.device) if return_lse else None
     if total == 0 or batch == 0:
-        return (out, lse) if return_lse else out
+        return lambda q, *_: (torch.empty(hq, total, dtype=torch.float32, device=q.device)
+                              if return_lse else None)
     num_m = -(-int(max_seqlen) // BLOCK_M)
     work = num_m * num_hb
     sms = _num_sms(q.device)
@@ -1250,27 +1299,37 @@ def _launch(q, k_desc, v_desc, hkv, cu_seqlens, seq_lens, block_tables, page, ma
         head_group = 1
     elif head_group is None:
         head_group = default_head_group(num_m, num_hb, sms)
-    grid = min(work, sms) if persistent else work
+    grid = (min(work, sms) if persistent else work,)
     sched_code = _SCHEDULES[schedule] if persistent else STATIC
     sched = _sched_buffer(q.device, sms, sched_code)
-    if sched_code == DYNAMIC_MEMSET:
-        sched[:2].zero_()
     paged = block_tables is not None
-    mode = CONTIGUOUS if not paged else PAGED_GATHER if caches is not None else PAGED_TMA
-    k_cache, v_cache = caches if caches is not None else (q, q)
-    args = (_descriptor(q, WG_M), k_desc, v_desc, out, lse if lse is not None else out, cu_seqlens,
-            seq_lens if paged else cu_seqlens, block_tables if paged else cu_seqlens,
-            block_tables.stride(0) if paged else 0, k_cache, v_cache,
-            k_cache.stride(1) if caches is not None else 0, sched, scale, hq // hkv, num_m, hq, num_hb,
-            int(head_group), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0)
+    mode = CONTIGUOUS if not paged else PAGED_GATHER if gather else PAGED_TMA
     consts = dict(CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), PINGPONG=bool(pingpong),
                   PV_OVERLAP=bool(pv_overlap), SCHEDULE=sched_code, NUM_STAGES=num_stages,
                   Q_BUFS=q_buffers, CONSUMER_REGS=consumer_regs, PAGED=mode, PAGE=page if paged else 1,
-                  PIECE=min(page, BLOCK_N) if paged else BLOCK_N,
-                  SLOT64=caches is not None and k_cache.numel() >= 2**31, PRODUCER_WARPS=producer_warps)
-    with cached_tma_maps(enabled=cache_descriptors):
-        _LAUNCH((grid,), args, consts, dict(num_warps=4, maxnreg=MAXNREG))
-    return (out, lse) if return_lse else out
+                  PIECE=min(page, BLOCK_N) if paged else BLOCK_N, SLOT64=bool(slot64),
+                  PRODUCER_WARPS=producer_warps)
+    options = dict(num_warps=4, maxnreg=MAXNREG)
+    q_descriptors: dict[int, object] = {}
+
+    def launch(q, k_desc, v_desc, out, caches):
+        q_desc = q_descriptors.get(q.data_ptr())
+        if q_desc is None:
+            q_desc = q_descriptors[q.data_ptr()] = _descriptor(q, WG_M)
+        lse = torch.empty(hq, total, dtype=torch.float32, device=q.device) if return_lse else None
+        k_cache, v_cache = caches if caches is not None else (q, q)
+        if sched_code == DYNAMIC_MEMSET:
+            sched[:2].zero_()
+        args = (q_desc, k_desc, v_desc, out, lse if lse is not None else out, cu_seqlens,
+                seq_lens if paged else cu_seqlens, block_tables if paged else cu_seqlens,
+                block_tables.stride(0) if paged else 0, k_cache, v_cache,
+                k_cache.stride(1) if caches is not None else 0, sched, scale, hq // hkv, num_m, hq, num_hb,
+                int(head_group), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0)
+        with cached_tma_maps(enabled=cache_descriptors):
+            _LAUNCH(grid, args, consts, options)
+        return lse
+
+    return launch
 
 
 _LAUNCH = FastLauncher(_flash_prefill_gluon_kernel)  # Triton's per-call dispatch skipped after a variant's first launch

@@ -51,6 +51,7 @@ from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.kv_dtype import check_kv_cache_dtype, f16_dots, f16_query, is_fp8
 from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
+from flashpage.kernels.plan import Launch, LaunchPlan
 from flashpage.kernels.splits import split_range
 
 _LOG2E = 1.4426950408889634
@@ -577,16 +578,27 @@ def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out):
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
             num_splits, config: DecodeConfig | None = None, pdl: bool | None = None):
     """paged_decode with an explicit tile config (the benchmark sweeps them)."""
+    launch = _plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
+                   window_size=window_size, out=out, num_splits=num_splits, config=config, pdl=pdl)
+    out = torch.empty_like(q) if out is None else out
+    if q.shape[0]:
+        launch(q, key_cache, value_cache, out)
+    return out
+
+
+def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
+          num_splits, config: DecodeConfig | None = None, pdl: bool | None = None) -> Launch:
+    """The checks and every choice of a call (kernel, config, splits, grid, scratch), made
+    once -> launch(q, key_cache, value_cache, out) for tensors of this geometry (DecodePlan
+    holds callers to it). The tables and lengths are the planned ones."""
     _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    if out is None:
-        out = torch.empty_like(q)
     if batch == 0:
-        return out
+        return lambda *_: None
     cfg = config or default_config(q.device, head_dim, batch * num_kv_heads,
                                    fp8=is_fp8(key_cache.dtype))
     hpb = cfg.heads_per_program
@@ -605,45 +617,45 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
         from flashpage.kernels.paged_decode_gluon import engine_form, paged_decode_gluon
 
         form = engine_form(group, envs.decode_gluon_variant())
-        return paged_decode_gluon(q, key_cache, value_cache, block_tables, seq_lens,
-                                  sm_scale=sm_scale, out=out, **form)
+        return lambda q, kc, vc, out: paged_decode_gluon(q, kc, vc, block_tables, seq_lens,
+                                                         sm_scale=sm_scale, out=out, **form)
     if cfg.gluon and not gluon_bf16_unsupported(q, key_cache, value_cache, window_size, num_splits):
         from flashpage.kernels import paged_decode_gluon_bf16 as g16
 
         form16 = g16.engine_form(batch * num_kv_heads, _num_sms(q.device))
-        return g16.paged_decode_gluon_bf16(q, key_cache, value_cache, block_tables, seq_lens,
-                                           sm_scale=sm_scale, out=out, **form16)
+        return g16.plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
+                        out=out, **form16)
     # FLASHPAGE_PDL=auto leaves the unsplit kernel without PDL: on the H200 it timed 0.91x
     # at 32 x 4096 with it (split kernels and their merge: 1.04x at 1 x 32768)
     use_pdl = resolve_pdl(pdl, q.device, in_auto=num_splits > 1)
     launch_kw = pdl_launch_kwargs(use_pdl)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(group))
-
-    if num_splits > 1:
+    split = num_splits > 1
+    if split:  # scratch shared by every launch of the plan (one stream: each merge reads it first)
         mid_o = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        mid_o = mid_lse = out  # unused
+    common = dict(SPLIT=split, HAS_WINDOW=window_size is not None, IEEE=q.dtype == torch.float32,
+                  PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, key_cache.dtype))
+    scale2, window = sm_scale * _LOG2E, window_size or 0
     if hpb > 1:
-        _paged_decode_rows_kernel[(batch, num_kv_heads // hpb, num_splits)](
-            q, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
-            sm_scale * _LOG2E, window_size or 0,
-            q.stride(0), q.stride(1),
-            key_cache.stride(0), key_cache.stride(1), value_cache.stride(0), value_cache.stride(1),
-            block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
-            GROUP=group, HPB=hpb, ROWS_PAD=max(16, triton.next_power_of_2(hpb * group)),
-            HEAD_DIM=head_dim, WIDTH=hpb * head_dim, PAGE=block_size, BLOCK_N=cfg.block_n,
-            SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None, IEEE=q.dtype == torch.float32,
-            PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, key_cache.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
-        )
-        if num_splits > 1:
-            _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
-        return out
+        rows = dict(GROUP=group, HPB=hpb, ROWS_PAD=max(16, triton.next_power_of_2(hpb * group)),
+                    HEAD_DIM=head_dim, WIDTH=hpb * head_dim, PAGE=block_size, BLOCK_N=cfg.block_n,
+                    **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw)
+
+        def launch_rows(q, kc, vc, out):
+            _paged_decode_rows_kernel[(batch, num_kv_heads // hpb, num_splits)](
+                q, kc, vc, block_tables, seq_lens, out, mid_o if split else out,
+                mid_lse if split else out, scale2, window, q.stride(0), q.stride(1),
+                kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+                block_tables.stride(0), out.stride(0), out.stride(1), num_splits, **rows)
+            if split:
+                _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
+
+        return launch_rows
     warp_split = (cfg.warp_split and window_size is None and block_size >= 16 and not cfg.prefetch
                   and not cfg.prefetch_v and cfg.block_n == 16 * cfg.num_warps and block_d == head_dim)
-    counters = _split_counters(q.device, batch * num_kv_heads) if num_splits > 1 and cfg.fused_merge else None
+    counters = _split_counters(q.device, batch * num_kv_heads) if split and cfg.fused_merge else None
     fused_merge = counters is not None
     group_pad = triton.next_power_of_2(group)
     # The merge loads [GROUP_PAD, MERGE_CHUNK, BLOCK_D] fp32 at once: <= 8K values.
@@ -651,25 +663,41 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
     grid = (num_kv_heads, batch, num_splits) if cfg.heads_fastest else (batch, num_kv_heads, num_splits)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
                    **({"maxnreg": cfg.max_regs} if cfg.max_regs and not _interpreting() else {}))
-    _DECODE_LAUNCH(grid, (
-        q, key_cache, value_cache, block_tables, seq_lens, out, mid_o, mid_lse,
-        counters if fused_merge else seq_lens,
-        sm_scale * _LOG2E, window_size or 0,
-        q.stride(0), q.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1), num_splits), dict(
+    consts = dict(
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=block_size,
-        BLOCK_N=cfg.block_n, SPLIT=num_splits > 1, HAS_WINDOW=window_size is not None,
+        BLOCK_N=cfg.block_n, SPLIT=split, HAS_WINDOW=window_size is not None,
         IEEE=q.dtype == torch.float32, PREFETCH=cfg.prefetch,
         PREFETCH_V=cfg.prefetch_v and not cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
-        PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, key_cache.dtype),
-        WARP_SPLIT=warp_split), options)
-    if num_splits > 1 and not fused_merge:
-        _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
-    return out
+        PDL=use_pdl, F16_DOTS=common["F16_DOTS"], WARP_SPLIT=warp_split)
+
+    def launch(q, kc, vc, out):
+        _DECODE_LAUNCH(grid, (
+            q, kc, vc, block_tables, seq_lens, out, mid_o if split else out, mid_lse if split else out,
+            counters if fused_merge else seq_lens, scale2, window,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+            vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0),
+            out.stride(0), out.stride(1), num_splits), consts, options)
+        if split and not fused_merge:
+            _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
+
+    return launch
+
+
+class DecodePlan(LaunchPlan):
+    """paged_decode planned for the layers of a step (kernels/plan.py): the checks and every
+    choice (kernel, config, splits, grid, scratch) for one block table and one set of lengths;
+    ``run(q, key_cache, value_cache, out)`` as paged_decode over them."""
+
+    name = "DecodePlan"
+
+    def __init__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sm_scale: float | None = None,
+                 window_size: int | None = None, out: torch.Tensor | None = None,
+                 num_splits: int | None = None, pdl: bool | None = None) -> None:
+        launch = _plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
+                       window_size=window_size, out=out, num_splits=num_splits, pdl=pdl)
+        super().__init__(launch, q, key_cache, value_cache, out)
 
 
 def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

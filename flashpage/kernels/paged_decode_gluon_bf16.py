@@ -61,8 +61,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     tma,
 )
 
+from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.paged_decode import gluon_bf16_unsupported
 from flashpage.kernels.paged_decode_gluon import _A, _B, _MMA, _seek, _tile_blocks
+from flashpage.kernels.tma_maps import cached_tma_maps
 
 _LOG2E = 1.4426950408889634
 HEAD_DIM = 128
@@ -373,6 +375,21 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
     shared memory (``fits``: 3 x 2, 2 x 3, 1 x 2-6, ...); ``programs`` that many programs
     instead (tests: several items a program); ``max_regs_cap`` None for ``max_regs(programs_per_sm)``;
     ``balance``: ``balanced_grid``'s program count (every program the same number of items)."""
+    launch = plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale, out=out,
+                  variant=variant, programs_per_sm=programs_per_sm, stages=stages, programs=programs,
+                  max_regs_cap=max_regs_cap, balance=balance)
+    out = torch.empty_like(q) if out is None else out
+    launch(q, key_cache, value_cache, out)
+    return out
+
+
+def plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, out=None,
+         variant: str = "keys_m", programs_per_sm: int = 3, stages: int = 2, programs: int | None = None,
+         max_regs_cap: int | None = None, balance: bool = False):
+    """_launch's checks and choices once -> launch(q, key_cache, value_cache, out) for tensors
+    of the same geometry over the planned tables and lengths (paged_decode.DecodePlan holds
+    callers to it). Each cache's TMA descriptor is made once per plan, and the launch skips
+    Triton's dispatch (kernels/fast_launch.py) and re-encoding the maps (kernels/tma_maps.py)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
     if not fits(programs_per_sm, stages):
@@ -383,22 +400,35 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
     num_kv_heads = key_cache.shape[2]
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    if out is None:
-        out = torch.empty_like(q)
     if batch == 0:
-        return out
+        return lambda *_: None
     num_items = batch * num_kv_heads
     if programs is None:
         programs = programs_per_sm * _num_sms(torch.cuda.current_device() if q.device.index is None
                                               else q.device.index)
     regs = max_regs_cap or max_regs(programs_per_sm)
-    grid = balanced_grid(num_items, programs) if balance else min(num_items, max(1, programs))
-    _paged_decode_gluon16_kernel[(grid,)](
-        q, _cache_descriptor(key_cache), _cache_descriptor(value_cache), block_tables, seq_lens, out,
-        sm_scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        num_items, HKV=num_kv_heads, GROUP=num_q_heads // num_kv_heads, S=stages,
-        num_warps=NUM_WARPS, **({"maxnreg": regs} if regs else {}))
-    return out
+    grid = (balanced_grid(num_items, programs) if balance else min(num_items, max(1, programs)),)
+    consts = dict(HKV=num_kv_heads, GROUP=num_q_heads // num_kv_heads, S=stages)
+    options = dict(num_warps=NUM_WARPS, **({"maxnreg": regs} if regs else {}))
+    scale2 = sm_scale * _LOG2E
+    descriptors: dict[int, object] = {}
+
+    def descriptor(cache):
+        d = descriptors.get(cache.data_ptr())
+        if d is None:
+            d = descriptors[cache.data_ptr()] = _cache_descriptor(cache)
+        return d
+
+    def launch(q, kc, vc, out):
+        with cached_tma_maps():
+            _LAUNCH(grid, (q, descriptor(kc), descriptor(vc), block_tables, seq_lens, out, scale2,
+                           q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+                           num_items), consts, options)
+
+    return launch
+
+
+_LAUNCH = FastLauncher(_paged_decode_gluon16_kernel)
 
 
 def paged_decode_gluon_bf16(

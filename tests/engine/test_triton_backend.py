@@ -54,9 +54,37 @@ def test_triton_backend_matches_torch_native_interpreted(tiny_checkpoint, monkey
     monkeypatch.setattr(silu_mod, "silu_and_mul", counted("silu_and_mul", silu_mod.silu_and_mul))
     ref = _run(path, "torch_native", "cpu", "float32", prompts)
     assert not any(calls.values()), "torch_native must not run our kernels"
+    # the decode and prefill kernels planned once a step, by its first layer (kernels/plan.py)
+    import flashpage.kernels.flash_prefill as fp_mod
+    import flashpage.kernels.paged_decode as pd_mod
+    from flashpage.attention.triton import TritonBackend
+
+    made = {"decode": 0, "prefill": 0}
+    layer_calls = {"decode": 0, "prefill": 0}
+
+    def counted_plan(kind, cls):
+        class Counted(cls):
+            def __init__(self, *a, **kw):
+                made[kind] += 1
+                super().__init__(*a, **kw)
+        return Counted
+
+    monkeypatch.setattr(pd_mod, "DecodePlan", counted_plan("decode", pd_mod.DecodePlan))
+    monkeypatch.setattr(fp_mod, "PrefillPlan", counted_plan("prefill", fp_mod.PrefillPlan))
+    forward = TritonBackend.forward
+
+    def counting_forward(self, q, k, v, kv_cache, md, **kw):
+        layer_calls["decode"] += md.num_decodes > 0
+        layer_calls["prefill"] += md.num_seqs > md.num_decodes
+        return forward(self, q, k, v, kv_cache, md, **kw)
+
+    monkeypatch.setattr(TritonBackend, "forward", counting_forward)
     got = _run(path, "triton", "cpu", "float32", prompts)
     assert all(calls.values()), f"the triton engine skipped a fused kernel: {calls}"
     assert got == ref
+    layers = ModelConfig.from_hf(path).num_hidden_layers
+    assert layers > 1 and made["decode"] > 0 and made["prefill"] > 0
+    assert layer_calls == {k: n * layers for k, n in made.items()}, (layer_calls, made)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
