@@ -65,7 +65,11 @@ class LaunchPlan:
 def planned(plans: dict, key: object, make: Callable[[], LaunchPlan], q: torch.Tensor,
             key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor) -> None:
     """Launch ``plans[key]`` on these tensors, planned first (``make()``) where it is missing
-    or was planned for another geometry."""
+    or was planned for another geometry. Plans made during a CUDA-graph capture and outside
+    one are kept apart: a plan's scratch (the decode's split buffers) must come from the
+    graph's own pool to live as long as the graph (a capture's warm-up run plans first)."""
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        key = (key, "captured")
     plan = plans.get(key)
     if plan is None or not plan.fits(q, key_cache, value_cache, out):
         plan = plans[key] = make()

@@ -100,7 +100,7 @@ def test_switch_on_cpu_names_only_the_device(monkeypatch):
 
 
 def test_switch_on_sends_the_prefill_part_to_gluon(monkeypatch):
-    """The reasons stubbed empty (as on an H200): the Gluon entry is called once, with the
+    """The reasons stubbed empty (as on an H200): the Gluon entry (its plan) is called once, with the
     step's prefill part, and what it writes into ``out`` is the backend's output."""
     from flashpage.kernels import flash_prefill_gluon
     from flashpage.kernels.flash_prefill import paged_prefill_ref
@@ -115,12 +115,15 @@ def test_switch_on_sends_the_prefill_part_to_gluon(monkeypatch):
                           max_q=max_seqlen_q, max_k=max_seqlen_k, causal=causal,
                           sm_scale=sm_scale, return_lse=return_lse, out=out, producer=producer,
                           num_stages=num_stages))
-        out.copy_(paged_prefill_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q,
-                                    seq_lens, max_seqlen_q, max_seqlen_k, causal=causal,
-                                    sm_scale=sm_scale))
-        return out
 
-    monkeypatch.setattr(flash_prefill_gluon, "paged_prefill_gluon", fake)
+        def launch(q, key_cache, value_cache, out):
+            out.copy_(paged_prefill_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q,
+                                        seq_lens, max_seqlen_q, max_seqlen_k, causal=causal,
+                                        sm_scale=sm_scale))
+
+        return launch
+
+    monkeypatch.setattr(flash_prefill_gluon, "plan_paged", fake)
     q, k, v, cache, md = _step(seed=1)
     out = _forward(q, k, v, cache, md)
     assert len(asked) == 1 and len(calls) == 1

@@ -171,13 +171,13 @@ def test_gluon_prefill_in_the_engine_gpu(tiny_checkpoint, monkeypatch):
     monkeypatch.setenv("FLASHPAGE_PREFILL_GLUON", "0")
     triton16 = _leading_agreement(_run(path, "triton", "cuda", "bfloat16", prompts), truth)
     calls = []
-    real = fpg.paged_prefill_gluon
+    real = fpg.plan_paged  # planned once a step (kernels/plan.py): each step's prompt rows once
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape[0])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fpg, "paged_prefill_gluon", spy)
+    monkeypatch.setattr(fpg, "plan_paged", spy)
     monkeypatch.setenv("FLASHPAGE_PREFILL_GLUON", "1")
     gluon16 = _leading_agreement(_run(path, "triton", "cuda", "bfloat16", prompts), truth)
     total = sum(len(t) for t in truth)

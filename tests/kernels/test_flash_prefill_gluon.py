@@ -805,8 +805,8 @@ def test_paged_prefill_dispatches_to_gluon(monkeypatch):
     from flashpage.kernels.flash_prefill import paged_prefill, paged_prefill_ref
 
     calls = []
-    real = fg.paged_prefill_gluon
-    monkeypatch.setattr(fg, "paged_prefill_gluon", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fg.plan_paged
+    monkeypatch.setattr(fg, "plan_paged", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setenv("FLASHPAGE_PREFILL_GLUON", "1")
     args = _paged_case([300, 1, 64], [1000, 77, 0], 8, 2, 16, seed=4)
     out = torch.empty(args[0].shape, dtype=args[0].dtype, device="cuda")

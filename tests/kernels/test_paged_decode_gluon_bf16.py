@@ -381,8 +381,8 @@ def test_paged_decode_routes_bf16_to_gluon(batch, dtype, monkeypatch):
     lens = ([2048, 1000, 200, 64, 17, 1] * 50)[:batch]
     q, kc, vc, tables, seq_lens, _ = _case(lens, dtype, batch)
     calls = []
-    real = g16.paged_decode_gluon_bf16
-    monkeypatch.setattr(g16, "paged_decode_gluon_bf16", lambda *a, **k: calls.append(k) or real(*a, **k))
+    real = g16.plan
+    monkeypatch.setattr(g16, "plan", lambda *a, **k: calls.append(k) or real(*a, **k))
     monkeypatch.setenv("FLASHPAGE_DECODE_GLUON_BF16", "1")
     cfg = default_config(kc.device, 128, batch * 8)
     assert cfg.gluon and choose_num_splits(batch, 8, tables.shape[1] * 16, _num_sms(kc.device),

@@ -119,3 +119,28 @@ def test_plans_gpu_bf16_gluon():
     for q, kc, vc in pre:
         ref = paged_prefill_ref(q, kc, vc, ptables, cq, plens, mq, mk)
         assert _rel(pplan.run(q, kc, vc), ref) < 1.6e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_a_capture_plans_apart_from_its_warm_up():
+    """A capture's warm-up plans first; inside the capture a plan of its own is made, so that
+    the split scratch the graph writes comes from the graph's pool (the warm-up plan's,
+    freed with it, was reused memory by the time an 8B engine replayed its decode graphs)."""
+    layers, tables, lens = _decode_layers([2000, 7], 8, 1, 128, 16, torch.bfloat16, 1)
+    q, kc, vc = layers[0]
+    out = torch.empty_like(q)
+    plans: dict = {}
+
+    def make() -> LaunchPlan:
+        return DecodePlan(q, kc, vc, tables, lens, out=out)
+
+    planned(plans, "decode", make, q, kc, vc, out)  # the warm-up run
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        planned(plans, "decode", make, q, kc, vc, out)
+    assert set(plans) == {"decode", ("decode", "captured")}
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(out, paged_decode_ref(q, kc, vc, tables, lens)) < 1.2e-2
