@@ -9,7 +9,9 @@ eager, whole, ...: the same machine state for each), every prompt new (no prefix
    requests of max_tokens 1; also the GPU time of one such step's kernels (torch.profiler's
    sum, eager): what the step would take with no host time at all.
 2. Mixed steps (--decodes): that many requests decoding, a new prompt of each --mixed-lens
-   length joining every step (max_tokens 1): ms per step, piecewise against eager.
+   length joining every step (max_tokens 1): ms per step, piecewise against eager and
+   against "replanned" (piecewise with each layer planning its attention kernels anew, as
+   before kernels/plan.py). --cprofile: the host profile of the first shape's piecewise steps.
 
     python benchmarks/ttft_graphs.py --config llama-3-8b --out $OUT
 
@@ -60,9 +62,19 @@ def main() -> None:
         raise SystemExit("the engine captured no piecewise graphs (FLASHPAGE_PIECEWISE_GRAPHS=off, "
                          "eager, a backend without them, or a model waiting for =all)")
 
+    import flashpage.kernels.plan as plan_mod
+
+    planned = plan_mod.planned
+
+    def replanned(plans, key, make, *tensors):  # the attention kernels planned in every layer
+        make().launch(*tensors)
+
     def mode(name: str) -> None:
+        """whole / piecewise / eager; "replanned": piecewise with each layer's attention
+        planning its kernels anew (as before kernels/plan.py), the plans' same-run baseline."""
         runner.prefill_graphs = whole if name == "whole" else None
-        runner.piecewise = pieces if name in ("whole", "piecewise") else None
+        runner.piecewise = pieces if name in ("whole", "piecewise", "replanned") else None
+        plan_mod.planned = replanned if name == "replanned" else planned  # type: ignore[assignment]
 
     # a model without whole prompt-step graphs (DeepSeek): piecewise against eager only
     modes = ("whole", "piecewise", "eager") if whole is not None else ("piecewise", "eager")
@@ -151,7 +163,7 @@ def main() -> None:
         for _ in range(4):  # their prompts, then decoding
             eng.step()
         for n in args.mixed_lens:
-            per: dict[str, list[float]] = {m: [] for m in ("piecewise", "eager")}
+            per: dict[str, list[float]] = {m: [] for m in ("piecewise", "replanned", "eager")}
             for _ in range(3):
                 for m in per:
                     mode(m)
@@ -168,11 +180,13 @@ def main() -> None:
                 profile_mixed(n)
             row = dict(decodes=d, input_len=n, piecewise_bucket=pieces.bucket(d + n),
                        step_ms_piecewise=round(statistics.median(per["piecewise"]), 2),
+                       step_ms_replanned=round(statistics.median(per["replanned"]), 2),
                        step_ms_eager=round(statistics.median(per["eager"]), 2),
                        rounds=per)
             mixed.append(row)
             print(f"{d:4d} decodes + a {n}-token prompt a step: piecewise {row['step_ms_piecewise']:7.2f} ms "
-                  f"a step, eager {row['step_ms_eager']:7.2f} (bucket {row['piecewise_bucket']})", flush=True)
+                  f"a step, replanned {row['step_ms_replanned']:7.2f}, eager {row['step_ms_eager']:7.2f} "
+                  f"(bucket {row['piecewise_bucket']})", flush=True)
         eng.abort_request(ids)
         while eng.has_unfinished_requests():
             eng.step()

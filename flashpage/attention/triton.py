@@ -55,6 +55,11 @@ class TritonBackend(AttentionBackend):
             reasons.append(f"KV cache dtype {kv_cache_dtype} is not supported")
         return reasons
 
+    def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(model_config, device, dtype)
+        # the KV caches' TMA descriptors (Gluon kernels), made once for the engine's life
+        self.descriptors: dict = {}
+
     def prepare(self, md: AttentionMetadata) -> AttentionMetadata:
         nd = md.num_decodes
         if md.num_seqs > nd:
@@ -89,13 +94,15 @@ class TritonBackend(AttentionBackend):
             qd, od = q[:nd], out[:nd]
             planned(md.extra, ("decode", sliding_window, scale), lambda: DecodePlan(
                 qd, key_cache, value_cache, md.block_tables[:nd], md.seq_lens[:nd], sm_scale=scale,
-                window_size=sliding_window, out=od), qd, key_cache, value_cache, od)
+                window_size=sliding_window, out=od, descriptors=self.descriptors), qd, key_cache,
+                value_cache, od)
         if md.num_seqs > nd:
             qp, op = q[ndt:n], out[ndt:n]
             planned(md.extra, ("prefill", sliding_window, scale), lambda: PrefillPlan(
                 qp, key_cache, value_cache, md.block_tables[nd:], md.extra["prefill_qsl"],
                 md.seq_lens[nd:], md.extra["prefill_max_q"], md.extra["prefill_max_k"], causal=True,
-                sm_scale=scale, window_size=sliding_window, out=op), qp, key_cache, value_cache, op)
+                sm_scale=scale, window_size=sliding_window, out=op, descriptors=self.descriptors), qp,
+                key_cache, value_cache, op)
         return out
 
     def write_mla_cache(self, latent: torch.Tensor, kv_cache: torch.Tensor,

@@ -26,6 +26,7 @@ the JIT.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,14 +68,44 @@ class FastLauncher:
         self.jit_launches += 1
         return self.kernel[grid](*args, **constexprs, **options)
 
+    @staticmethod
+    def _key(args: tuple, constexprs: dict, options: dict) -> tuple | None:
+        try:
+            return (torch.cuda.current_device(), tuple(constexprs.items()), tuple(options.items()),
+                    tuple(arg_key(a) for a in args))
+        except TypeError:  # an argument of a kind arg_key does not know: Triton's own dispatch
+            return None
+
+    def bind(self, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict,
+             varying: tuple[int, ...]) -> Callable[[tuple], None]:
+        """Launch now, as a call would -> launch(args) for later launches on this grid whose
+        arguments have these arguments' keys (arg_key: the same dtypes, integer classes and
+        descriptor geometry; the caller's promise, as a plan's layers keep it: their own q,
+        caches and out, kernels/plan.py) but for the alignment of the tensors at ``varying``.
+        Those launches call the compiled kernel straight, with no key made, while the
+        ``varying`` tensors keep this call's 16-byte alignment (else a call's full dispatch)."""
+        self(grid, args, constexprs, options)
+        key = None if not envs.fast_launch() or interpreting() else self._key(args, constexprs, options)
+        compiled = self.compiled.get(key) if key is not None else None
+        if compiled is None:
+            return lambda a: self(grid, a, constexprs, options)
+        run, consts = compiled[(*grid, 1, 1)[:3]], tuple(constexprs.values())
+        aligned = tuple(args[i].data_ptr() % 16 == 0 for i in varying)
+
+        def launch(a: tuple) -> None:
+            if tuple(a[i].data_ptr() % 16 == 0 for i in varying) == aligned:
+                run(*a, *consts)
+            else:
+                self(grid, a, constexprs, options)
+
+        return launch
+
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict) -> None:
         if not envs.fast_launch() or interpreting():
             self._jit(grid, args, constexprs, options)
             return
-        try:
-            key = (torch.cuda.current_device(), tuple(constexprs.items()), tuple(options.items()),
-                   tuple(arg_key(a) for a in args))
-        except TypeError:  # an argument of a kind arg_key does not know: Triton's own dispatch
+        key = self._key(args, constexprs, options)
+        if key is None:
             self._jit(grid, args, constexprs, options)
             return
         compiled = self.compiled.get(key)

@@ -533,7 +533,7 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
 
 def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
                 max_seqlen_k, *, causal, sm_scale, window_size, return_lse, out,
-                _config: PrefillConfig | None = None) -> Launch:
+                _config: PrefillConfig | None = None, descriptors: dict | None = None) -> Launch:
     """paged_prefill's checks and kernel choice once -> launch(q, key_cache, value_cache, out)
     -> lse or None, for tensors of this geometry over these tables, offsets and lengths."""
     if key_cache.dim() != 4:
@@ -566,7 +566,7 @@ def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
 
         return plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                           max_seqlen_q, max_seqlen_k, causal=causal, sm_scale=sm_scale,
-                          return_lse=return_lse, out=out,
+                          return_lse=return_lse, out=out, descriptors=descriptors,
                           **engine_options(key_cache.shape[1], envs.prefill_producer()))
 
     def launch(q, key_cache, value_cache, out):
@@ -584,7 +584,9 @@ def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
 class PrefillPlan(LaunchPlan):
     """paged_prefill planned for the layers of a step (kernels/plan.py): the checks and the
     kernel's choices once for one block table, query offsets and lengths; ``run(q,
-    key_cache, value_cache, out)`` as paged_prefill over them (no lse)."""
+    key_cache, value_cache, out)`` as paged_prefill over them (no lse). ``descriptors``: a
+    dict the caller keeps across plans (one per engine), where the Gluon kernel's cache
+    descriptors are made once."""
 
     name = "PrefillPlan"
 
@@ -592,10 +594,11 @@ class PrefillPlan(LaunchPlan):
                  block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                  max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
                  sm_scale: float | None = None, window_size: int | None = None,
-                 out: torch.Tensor | None = None) -> None:
+                 out: torch.Tensor | None = None, descriptors: dict | None = None) -> None:
         launch = _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                              max_seqlen_q, max_seqlen_k, causal=causal, sm_scale=sm_scale,
-                             window_size=window_size, return_lse=False, out=out)
+                             window_size=window_size, return_lse=False, out=out,
+                             descriptors=descriptors)
         super().__init__(launch, q, key_cache, value_cache, out)
 
 

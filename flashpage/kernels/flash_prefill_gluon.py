@@ -175,7 +175,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashpage.kernels.device import cuda_capability, num_sms
 from flashpage.kernels.fast_launch import FastLauncher
-from flashpage.kernels.tma_maps import cached_tma_maps
+from flashpage.kernels.tma_maps import cached_tma_maps, descriptor
 
 _LOG2E = 1.4426950408889634
 HEAD_DIM = 128
@@ -1202,11 +1202,12 @@ def plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, 
                max_seqlen_k, *, causal=True, sm_scale=None, return_lse=False, out=None, pingpong=True,
                pv_overlap=True, persistent=True, schedule="dynamic", head_group=None, m_fastest=False,
                num_stages=STAGES, q_buffers=None, cache_descriptors=True, producer="tma",
-               consumer_regs=None):
+               consumer_regs=None, descriptors: dict | None = None):
     """paged_prefill_gluon's checks and choices once -> launch(q, key_cache, value_cache, out)
     -> lse (None without return_lse) for tensors of the same geometry over the planned tables,
     offsets and lengths (flash_prefill.PrefillPlan holds callers to it). Each cache's TMA
-    descriptor is made once per plan."""
+    descriptor is made once, kept in ``descriptors`` (a caller's dict kept across plans, e.g.
+    one per engine; None: this plan's own)."""
     q_buffers = _check_options(num_stages, q_buffers, schedule, max_seqlen_k)
     if producer not in PRODUCERS:
         raise ValueError(f"producer must be one of {PRODUCERS}, got {producer!r}")
@@ -1226,16 +1227,15 @@ def plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, 
                          q_buffers=q_buffers, cache_descriptors=cache_descriptors,
                          slot64=gather and key_cache.numel() >= 2**31, consumer_regs=consumer_regs,
                          producer_warps=1 if producer == "tma1" else 4, gather=gather)
-    descriptors: dict[int, object] = {}
+    descs = {} if descriptors is None else descriptors
+    kind = f"prefill{box}"
 
-    def descriptor(cache):
-        d = descriptors.get(cache.data_ptr())
-        if d is None:
-            d = descriptors[cache.data_ptr()] = _descriptor(cache, box)
-        return d
+    def make(cache):
+        return _descriptor(cache, box)
 
     def launch(q, kc, vc, out):
-        return inner(q, descriptor(kc), descriptor(vc), out, (kc, vc) if gather else None)
+        return inner(q, descriptor(descs, kind, kc, make), descriptor(descs, kind, vc, make), out,
+                     (kc, vc) if gather else None)
 
     return launch
 
@@ -1310,12 +1310,14 @@ def _plan_launch(q, hkv, cu_seqlens, seq_lens, block_tables, page, max_seqlen, *
                   PIECE=min(page, BLOCK_N) if paged else BLOCK_N, SLOT64=bool(slot64),
                   PRODUCER_WARPS=producer_warps)
     options = dict(num_warps=4, maxnreg=MAXNREG)
-    q_descriptors: dict[int, object] = {}
+    q_descriptors: dict = {}
+    bound: list = []  # the launch bound by the first (fast_launch.bind)
+
+    def make_q(q):
+        return _descriptor(q, WG_M)
 
     def launch(q, k_desc, v_desc, out, caches):
-        q_desc = q_descriptors.get(q.data_ptr())
-        if q_desc is None:
-            q_desc = q_descriptors[q.data_ptr()] = _descriptor(q, WG_M)
+        q_desc = descriptor(q_descriptors, "q", q, make_q)
         lse = torch.empty(hq, total, dtype=torch.float32, device=q.device) if return_lse else None
         k_cache, v_cache = caches if caches is not None else (q, q)
         if sched_code == DYNAMIC_MEMSET:
@@ -1326,7 +1328,10 @@ def _plan_launch(q, hkv, cu_seqlens, seq_lens, block_tables, page, max_seqlen, *
                 k_cache.stride(1) if caches is not None else 0, sched, scale, hq // hkv, num_m, hq, num_hb,
                 int(head_group), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0)
         with cached_tma_maps(enabled=cache_descriptors):
-            _LAUNCH(grid, args, consts, options)
+            if bound:
+                bound[0](args)
+            else:
+                bound.append(_LAUNCH.bind(grid, args, consts, options, varying=(3, 4, 9, 10)))
         return lse
 
     return launch

@@ -587,10 +587,12 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
 
 
 def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
-          num_splits, config: DecodeConfig | None = None, pdl: bool | None = None) -> Launch:
+          num_splits, config: DecodeConfig | None = None, pdl: bool | None = None,
+          descriptors: dict | None = None) -> Launch:
     """The checks and every choice of a call (kernel, config, splits, grid, scratch), made
     once -> launch(q, key_cache, value_cache, out) for tensors of this geometry (DecodePlan
-    holds callers to it). The tables and lengths are the planned ones."""
+    holds callers to it). The tables and lengths are the planned ones; ``descriptors``: a
+    dict kept across plans for the Gluon kernel's cache descriptors (None: the plan's own)."""
     _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -624,7 +626,7 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
 
         form16 = g16.engine_form(batch * num_kv_heads, _num_sms(q.device))
         return g16.plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
-                        out=out, **form16)
+                        out=out, descriptors=descriptors, **form16)
     # FLASHPAGE_PDL=auto leaves the unsplit kernel without PDL: on the H200 it timed 0.91x
     # at 32 x 4096 with it (split kernels and their merge: 1.04x at 1 x 32768)
     use_pdl = resolve_pdl(pdl, q.device, in_auto=num_splits > 1)
@@ -671,15 +673,25 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
         PDL=use_pdl, F16_DOTS=common["F16_DOTS"], WARP_SPLIT=warp_split)
 
+    merge = split and not fused_merge
+    bound: list = []  # the kernel (and merge) launches bound by the first layer (fast_launch.bind)
+
     def launch(q, kc, vc, out):
-        _DECODE_LAUNCH(grid, (
-            q, kc, vc, block_tables, seq_lens, out, mid_o if split else out, mid_lse if split else out,
-            counters if fused_merge else seq_lens, scale2, window,
-            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-            vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0),
-            out.stride(0), out.stride(1), num_splits), consts, options)
-        if split and not fused_merge:
-            _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
+        args = (q, kc, vc, block_tables, seq_lens, out, mid_o if split else out,
+                mid_lse if split else out, counters if fused_merge else seq_lens, scale2, window,
+                q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+                vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0),
+                out.stride(0), out.stride(1), num_splits)
+        margs = (mid_o, mid_lse, out, num_q_heads, out.stride(0), out.stride(1), num_splits) if merge else ()
+        if bound:
+            bound[0](args)
+            if merge:
+                bound[1](margs)
+            return
+        bound.append(_DECODE_LAUNCH.bind(grid, args, consts, options, varying=(0, 1, 2, 5, 6, 7)))
+        if merge:
+            bound.append(_MERGE_LAUNCH.bind((batch * num_q_heads,), margs, *_merge_form(
+                num_splits, head_dim, block_d, use_pdl), varying=(2,)))
 
     return launch
 
@@ -687,16 +699,20 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
 class DecodePlan(LaunchPlan):
     """paged_decode planned for the layers of a step (kernels/plan.py): the checks and every
     choice (kernel, config, splits, grid, scratch) for one block table and one set of lengths;
-    ``run(q, key_cache, value_cache, out)`` as paged_decode over them."""
+    ``run(q, key_cache, value_cache, out)`` as paged_decode over them. ``descriptors``: a dict
+    the caller keeps across plans (one per engine), where the Gluon kernel's cache
+    descriptors are made once."""
 
     name = "DecodePlan"
 
     def __init__(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sm_scale: float | None = None,
                  window_size: int | None = None, out: torch.Tensor | None = None,
-                 num_splits: int | None = None, pdl: bool | None = None) -> None:
+                 num_splits: int | None = None, pdl: bool | None = None,
+                 descriptors: dict | None = None) -> None:
         launch = _plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
-                       window_size=window_size, out=out, num_splits=num_splits, pdl=pdl)
+                       window_size=window_size, out=out, num_splits=num_splits, pdl=pdl,
+                       descriptors=descriptors)
         super().__init__(launch, q, key_cache, value_cache, out)
 
 
@@ -755,15 +771,19 @@ def gluon_bf16_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     return reasons
 
 
+def _merge_form(num_splits: int, head_dim: int, block_d: int, pdl: bool) -> tuple[dict, dict]:
+    """The merge kernel's constexprs and launch options."""
+    return (dict(SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl),
+            dict(num_warps=4, **pdl_launch_kwargs(pdl)))
+
+
 def _merge(mid_o, mid_lse, out, num_splits: int, block_d: int, pdl: bool = False) -> None:
     """The merge kernel over mid_o [B, Hq, num_splits, D] and mid_lse [B, Hq, num_splits];
     pdl: launch it with PDL (already resolved: True only where supported)."""
     batch, num_q_heads, _, head_dim = mid_o.shape
     _MERGE_LAUNCH((batch * num_q_heads,),
                   (mid_o, mid_lse, out, num_q_heads, out.stride(0), out.stride(1), num_splits),
-                  dict(SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-                       BLOCK_D=block_d, PDL=pdl),
-                  dict(num_warps=4, **pdl_launch_kwargs(pdl)))
+                  *_merge_form(num_splits, head_dim, block_d, pdl))
 
 
 # Launched past Triton's per-call dispatch after a variant's first launch (kernels/fast_launch.py):

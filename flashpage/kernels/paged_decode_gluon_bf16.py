@@ -64,7 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.paged_decode import gluon_bf16_unsupported
 from flashpage.kernels.paged_decode_gluon import _A, _B, _MMA, _seek, _tile_blocks
-from flashpage.kernels.tma_maps import cached_tma_maps
+from flashpage.kernels.tma_maps import cached_tma_maps, descriptor
 
 _LOG2E = 1.4426950408889634
 HEAD_DIM = 128
@@ -385,11 +385,13 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None,
 
 def plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, out=None,
          variant: str = "keys_m", programs_per_sm: int = 3, stages: int = 2, programs: int | None = None,
-         max_regs_cap: int | None = None, balance: bool = False):
+         max_regs_cap: int | None = None, balance: bool = False, descriptors: dict | None = None):
     """_launch's checks and choices once -> launch(q, key_cache, value_cache, out) for tensors
     of the same geometry over the planned tables and lengths (paged_decode.DecodePlan holds
-    callers to it). Each cache's TMA descriptor is made once per plan, and the launch skips
-    Triton's dispatch (kernels/fast_launch.py) and re-encoding the maps (kernels/tma_maps.py)."""
+    callers to it). Each cache's TMA descriptor is made once, kept in ``descriptors`` (a
+    caller's dict kept across plans, e.g. one per engine; None: this plan's own), and the
+    launches skip Triton's dispatch (kernels/fast_launch.py) and re-encoding the maps
+    (kernels/tma_maps.py)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
     if not fits(programs_per_sm, stages):
@@ -411,19 +413,18 @@ def plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale=None, ou
     consts = dict(HKV=num_kv_heads, GROUP=num_q_heads // num_kv_heads, S=stages)
     options = dict(num_warps=NUM_WARPS, **({"maxnreg": regs} if regs else {}))
     scale2 = sm_scale * _LOG2E
-    descriptors: dict[int, object] = {}
-
-    def descriptor(cache):
-        d = descriptors.get(cache.data_ptr())
-        if d is None:
-            d = descriptors[cache.data_ptr()] = _cache_descriptor(cache)
-        return d
+    descs = {} if descriptors is None else descriptors
+    bound: list = []
 
     def launch(q, kc, vc, out):
+        args = (q, descriptor(descs, "g16", kc, _cache_descriptor), descriptor(descs, "g16", vc, _cache_descriptor),
+                block_tables, seq_lens, out, scale2, q.stride(0), q.stride(1), block_tables.stride(0),
+                out.stride(0), out.stride(1), num_items)
         with cached_tma_maps():
-            _LAUNCH(grid, (q, descriptor(kc), descriptor(vc), block_tables, seq_lens, out, scale2,
-                           q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-                           num_items), consts, options)
+            if bound:
+                bound[0](args)
+            else:
+                bound.append(_LAUNCH.bind(grid, args, consts, options, varying=(0, 5)))
 
     return launch
 

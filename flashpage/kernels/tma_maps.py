@@ -78,3 +78,14 @@ def cached_tma_maps(utils: Any = None, enabled: bool = True) -> Iterator[None]:
 
 def clear() -> None:
     _maps.clear()
+
+
+def descriptor(memo: dict, kind: str, t: Any, make: Callable[[Any], Any]) -> Any:
+    """``make(t)`` (a host TensorDescriptor over tensor ``t``), remembered in ``memo`` under
+    ``kind`` and t's address, shape, strides and dtype: a KV cache's descriptors made once for
+    as long as the caller keeps ``memo`` (each holds its tensor, so the address stays its)."""
+    key = (kind, t.data_ptr(), t.shape, t.stride(), t.dtype)
+    d = memo.get(key)
+    if d is None:
+        d = memo[key] = make(t)
+    return d

@@ -110,7 +110,7 @@ def test_switch_on_sends_the_prefill_part_to_gluon(monkeypatch):
     calls = []
 
     def fake(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
-             max_seqlen_k, *, causal, sm_scale, return_lse, out, producer, num_stages):
+             max_seqlen_k, *, causal, sm_scale, return_lse, out, producer, num_stages, descriptors):
         calls.append(dict(q=q, block_tables=block_tables, cu=cu_seqlens_q, seq_lens=seq_lens,
                           max_q=max_seqlen_q, max_k=max_seqlen_k, causal=causal,
                           sm_scale=sm_scale, return_lse=return_lse, out=out, producer=producer,

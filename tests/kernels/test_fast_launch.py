@@ -97,6 +97,31 @@ def test_fast_launcher_dispatch(monkeypatch):
     assert k.log[-1][0] == "jit"
 
 
+def test_bound_launches_call_the_compiled_kernel(monkeypatch):
+    """bind: the first launch as a call makes it; later ones straight to the compiled kernel
+    for new tensors at the varying positions, a call's dispatch where their alignment
+    changes; the interpreter and FLASHPAGE_FAST_LAUNCH=0 always through the JIT."""
+    monkeypatch.delenv("FLASHPAGE_FAST_LAUNCH", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    k = _Kernel()
+    launcher = FastLauncher(k)
+    a, b = torch.zeros(64), torch.ones(64)
+    consts, opts = {"BLOCK": 64, "EVEN": True}, {"num_warps": 4}
+    launch = launcher.bind((3,), (a, 100, 0.5), consts, opts, varying=(0,))
+    assert [e[0] for e in k.log] == ["jit"]
+    launch((b, 100, 0.5))
+    assert k.log[-1] == ("compiled", (3, 1, 1), (b, 100, 0.5, 64, True))
+    launch((b[1:], 100, 0.5))  # misaligned: the full dispatch (a new key, through the JIT)
+    assert k.log[-1][0] == "jit" and launcher.jit_launches == 2
+    launch((a, 100, 0.5))
+    assert k.log[-1][0] == "compiled"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpreted = launcher.bind((3,), (a, 100, 0.5), consts, opts, varying=(0,))
+    interpreted((b, 100, 0.5))
+    assert [e[0] for e in k.log[-2:]] == ["jit", "jit"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 def test_gluon_prefill_fast_launch_matches_jit(monkeypatch):

@@ -144,3 +144,21 @@ def test_a_capture_plans_apart_from_its_warm_up():
     graph.replay()
     torch.cuda.synchronize()
     assert _rel(out, paged_decode_ref(q, kc, vc, tables, lens)) < 1.2e-2
+
+
+def test_descriptor_memo_keys_on_the_tensor_geometry():
+    from flashpage.kernels.tma_maps import descriptor
+
+    memo: dict = {}
+    made = []
+
+    def make(t):
+        made.append(t)
+        return object()
+
+    cache = torch.zeros(4, 16, 2, 64)
+    first = descriptor(memo, "k", cache, make)
+    assert descriptor(memo, "k", cache, make) is first and len(made) == 1
+    assert descriptor(memo, "v", cache, make) is not first  # another kernel's kind
+    assert descriptor(memo, "k", cache[:2], make) is not first  # same address, another shape
+    assert len(made) == 3
