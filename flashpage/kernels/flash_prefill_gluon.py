@@ -1310,14 +1310,16 @@ def _plan_launch(q, hkv, cu_seqlens, seq_lens, block_tables, page, max_seqlen, *
                   PIECE=min(page, BLOCK_N) if paged else BLOCK_N, SLOT64=bool(slot64),
                   PRODUCER_WARPS=producer_warps)
     options = dict(num_warps=4, maxnreg=MAXNREG)
-    q_descriptors: dict = {}
+    # The last q's descriptor (a piecewise step's layers share one q buffer); only the last,
+    # as each holds its q: an eager step's 32 layers' q kept alive would grow its peak memory
+    # (its address: the geometry is the plan's, and the q held keeps the address its own)
+    last_q: list = [None, None]
     bound: list = []  # the launch bound by the first (fast_launch.bind)
 
-    def make_q(q):
-        return _descriptor(q, WG_M)
-
     def launch(q, k_desc, v_desc, out, caches):
-        q_desc = descriptor(q_descriptors, "q", q, make_q)
+        if last_q[0] is None or last_q[0].data_ptr() != q.data_ptr():
+            last_q[:] = [q, _descriptor(q, WG_M)]
+        q_desc = last_q[1]
         lse = torch.empty(hq, total, dtype=torch.float32, device=q.device) if return_lse else None
         k_cache, v_cache = caches if caches is not None else (q, q)
         if sched_code == DYNAMIC_MEMSET:
