@@ -119,6 +119,15 @@ def test_plans_gpu_bf16_gluon():
     for q, kc, vc in pre:
         ref = paged_prefill_ref(q, kc, vc, ptables, cq, plens, mq, mk)
         assert _rel(pplan.run(q, kc, vc), ref) < 1.6e-2
+    # the plan holds no layer's q but the last one's (an eager step's peak memory)
+    import weakref
+
+    qs = [q.clone() for q, _, _ in pre]
+    refs = [weakref.ref(q) for q in qs]
+    for q, (_, kc, vc) in zip(qs, pre, strict=True):
+        pplan.run(q, kc, vc)
+    del q, qs
+    assert [r() is None for r in refs] == [True, True, False]
 
 
 @pytest.mark.gpu
