@@ -214,6 +214,8 @@ class _Compiler:
         if missing:
             raise ValueError(f"{where}: required property {missing[0]!r} is not in properties")
         ws = self.ws
+        if not props:  # properties {} and additionalProperties false
+            return rf"\{{{ws}\}}"
         items = [(f"{literal(name)}{ws}:{ws}{self.regex(sub, f'{where}/properties/{name}')}",
                   name in required) for name, sub in props.items()]
         sep = f"{ws},{ws}"

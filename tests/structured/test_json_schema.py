@@ -83,6 +83,7 @@ CASES = [
     (OPTIONAL, [{}, {"p": 1}, {"q": False}, {"r": None}, {"p": -3, "r": None}, {"p": 0, "q": True, "r": None}],
      [{"q": 1}, {"p": None}, [], None]),
     (MAP, [{}, {"a": 1}, {"b c": 20, "": 3}], [{"a": 0}, {"a": "1"}, [1]]),
+    ({"type": "object", "properties": {}, "additionalProperties": False}, [{}], [{"a": 1}, []]),
     (ANY_ITEMS, [[], [1, "x", None, {"a": [True]}], [[[]]]], [[1, 2, 3, 4, 5], {}, "[]"]),
     ({"enum": ["x", 1, None, True, 2.5]}, ["x", 1, None, True, 2.5], ["y", 2, False]),
     ({"type": "string", "pattern": "^[ab]{2}$"}, ["ab", "bb"], ["abc", "a", "", 5]),
