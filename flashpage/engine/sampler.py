@@ -116,12 +116,15 @@ def _biases(r: Request, vocab: int) -> dict[int, float] | None:
     return out or None
 
 
+def has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 def needs_known_tokens(p: SamplingParams) -> bool:
     """Penalties and structured outputs: sampling reads the request's earlier tokens on the
     host (the penalties' counts; the guide's state, advanced by each token read back), so
     async scheduling must read each step back before the next one is sampled."""
-    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-            or p.frequency_penalty != 0.0 or p.structured_outputs is not None)
+    return has_penalties(p) or p.structured_outputs is not None
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -216,7 +219,7 @@ class Sampler:
         allowed = {i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids}
         biases = {i: b for i, (r, p) in enumerate(zip(requests, params, strict=True))
                   if (p.min_tokens or p.logit_bias) and (b := _biases(r, vocab))}
-        pen_rows = [i for i, p in enumerate(params) if needs_known_tokens(p)]
+        pen_rows = [i for i, p in enumerate(params) if has_penalties(p)]
         if guided or allowed or biases or pen_rows:  # a copy: the logits may be a CUDA graph's output
             logits = logits.to(torch.float32, copy=True)
         if guided:

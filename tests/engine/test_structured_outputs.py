@@ -139,7 +139,8 @@ def test_needs_a_tokenizer(tiny_checkpoint):
 def test_async_scheduling_reads_guided_steps_back_first(byte_model_dir, monkeypatch):
     """A guided request's mask needs its previous token on the host: with async scheduling
     the engine reads each step back before sampling the next (as for penalties), and the
-    outputs equal the synchronous engine's."""
+    outputs equal the synchronous engine's. (The read-back is all they share with penalties:
+    no penalty pass runs for them.)"""
     runs = {}
     for mode in (False, True):
         llm = LLM(str(byte_model_dir), dtype="float32", device="cpu", max_model_len=256,
@@ -155,6 +156,7 @@ def test_async_scheduling_reads_guided_steps_back_first(byte_model_dir, monkeypa
             return launch(logits, requests)
 
         monkeypatch.setattr(sampler, "launch", checked)
+        monkeypatch.setattr(sampler, "_apply_penalties", lambda *a: pytest.fail("no penalties asked"))
         params = [_params(s, structured_outputs=StructuredOutputsParams(json=SCHEMA)) for s in range(3)]
         params.append(_params(7, max_tokens=30))
         outs = llm.generate(["a", "b", "c", "d"], params, use_tqdm=False)
