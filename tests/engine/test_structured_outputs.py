@@ -163,3 +163,24 @@ def test_async_scheduling_reads_guided_steps_back_first(byte_model_dir, monkeypa
         runs[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
         assert seen and not any(seen)  # every guided row sampled with all its tokens known
     assert runs[True] == runs[False]
+
+
+def test_sampler_masks_a_copy_of_the_logits():
+    """The logits may be a CUDA graph's output buffer: masking must not write into them."""
+    import torch
+
+    from flashpage.engine.sampler import Sampler
+    from flashpage.engine.sequence import Request
+    from flashpage.structured.guide import CompiledGuide, GuideState, TokenIndex
+
+    vocab: list[bytes | None] = [None, None, None, b"a", b"b", b"ab", b"c"]
+    guide = CompiledGuide(LazyDFA(ByteNFA(parse_regex("ab?c"))), TokenIndex(vocab, [EOS]))
+    params = SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams(regex="ab?c"))
+    guided = Request("g", [1], params, EOS)
+    guided.guide = GuideState(guide)
+    free = Request("f", [1], SamplingParams(temperature=0.0), EOS)
+    logits = torch.tensor([[0.0, 0, 9, 1, 2, 3, 8]] * 2)
+    before = logits.clone()
+    out = Sampler(len(vocab), use_kernel=False)(logits, [guided, free])
+    assert out.token_ids == [5, 2]  # "ab" (best of a / ab), the unguided row's argmax (eos)
+    assert torch.equal(logits, before)
