@@ -28,5 +28,17 @@ scored = client.completions.create(model=model, prompt="The capital of France is
 lp = scored.choices[0].logprobs
 print(list(zip(lp.tokens, lp.token_logprobs, strict=True))[-3:])
 
+# Structured outputs: JSON valid against a schema (OpenAI's response_format), or vLLM's
+# guided_choice / guided_regex / structured_outputs through extra_body.
+schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 30}},
+          "required": ["capital"]}
+as_json = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "The capital of France, as JSON."}],
+    temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+print(as_json.choices[0].message.content)
+label = client.completions.create(model=model, prompt="Paris is in Europe. True or false?",
+                                  max_tokens=4, extra_body={"guided_choice": ["true", "false"]})
+print(label.choices[0].text)
+
 # Count tokens against the context without generating (vLLM's /tokenize).
 print(httpx.post("http://127.0.0.1:8000/tokenize", json={"prompt": "Once upon a time"}).json())

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from flashpage.sampling_params import SamplingParams
+from flashpage.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams",
+           "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: importing flashpage must not load torch models

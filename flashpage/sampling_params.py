@@ -2,8 +2,83 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputsError(ValueError):
+    """A structured-outputs spec that cannot be used (bad regex or schema, unsupported)."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must look like, as vLLM (>= 0.10) asks for it: exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text): the output is a JSON text valid
+      against it (the supported subset: ``structured/json_schema.py``);
+    - ``regex``: the whole output matches it (``structured/regex_parser.py``'s subset);
+    - ``choice``: the output is one of these strings;
+    - ``json_object=True``: the output is a JSON object (nesting bounded, 4 levels).
+
+    ``grammar`` (EBNF / Lark) is not supported: a StructuredOutputsError says so.
+    ``disable_any_whitespace``: no whitespace between JSON tokens; ``whitespace_pattern``:
+    the regex used there instead of the default ``[ ]?`` (outlines' option).
+    """
+
+    json: str | dict[str, Any] | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self) -> None:
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise StructuredOutputsError(
+                "structured outputs take exactly one of json, regex, choice, json_object"
+                f" (got {', '.join(given) if given else 'none'})")
+        if self.grammar is not None:
+            raise StructuredOutputsError(
+                "structured outputs: grammar (EBNF / Lark) is not supported; use json, regex or choice")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise StructuredOutputsError(f"structured outputs: regex must be a string, got {self.regex!r}")
+        if self.choice is not None and (
+                not isinstance(self.choice, list | tuple) or not self.choice
+                or any(not isinstance(c, str) for c in self.choice) or not any(self.choice)):
+            raise StructuredOutputsError(
+                f"structured outputs: choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.json is not None and not isinstance(self.json, str | dict | bool):
+            raise StructuredOutputsError(
+                f"structured outputs: json must be a JSON schema (object or text), got {self.json!r}")
+        if self.json_object not in (None, True, False):
+            raise StructuredOutputsError("structured outputs: json_object must be a boolean")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise StructuredOutputsError("structured outputs: whitespace_pattern must be a string")
+
+    def cache_key(self) -> tuple[Any, ...]:
+        """Hashable and equal for equal specs (a schema's key order kept: it orders the output)."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and not isinstance(value, str):
+            value = _json.dumps(value)
+        elif self.kind == "choice":
+            value = tuple(value)
+        return (self.kind, value, self.disable_any_whitespace, self.whitespace_pattern)
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM < 0.10's name for the same thing
 
 
 @dataclass
@@ -39,6 +114,10 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (benchmarks; stop strings need text)
+    # the output's shape (vLLM's): a JSON schema, regex, choice or any JSON object; the
+    # request ends ("stop") once nothing but eos could follow
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM < 0.10's name: moved to the above
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +126,15 @@ class SamplingParams:
         else:
             self._stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise StructuredOutputsError("give structured_outputs or guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise StructuredOutputsError(f"structured_outputs: {e}") from None
         self.validate()
 
     @property
@@ -97,6 +185,10 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise StructuredOutputsError("structured_outputs must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")

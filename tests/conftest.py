@@ -64,8 +64,9 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
 }
 
 
-def build_tiny_checkpoint(path: Path, name: str, seed: int = 0) -> Path:
-    """Save a tiny random HF checkpoint (fp32 safetensors + config.json) under ``path``."""
+def build_tiny_checkpoint(path: Path, name: str, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random HF checkpoint (fp32 safetensors + config.json) under ``path``;
+    ``overrides``: config fields over the named model's (e.g. a larger vocab_size)."""
     import transformers
 
     cls_name, extra = TINY_MODELS[name]
@@ -73,6 +74,7 @@ def build_tiny_checkpoint(path: Path, name: str, seed: int = 0) -> Path:
                 num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6,
                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     base.update(extra)
+    base.update(overrides)
     config = getattr(transformers, cls_name)(**base)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -164,6 +166,19 @@ def tiny_mla_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     return _checkpoints(tmp_path_factory, build_tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def byte_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama whose tokenizer is byte-level BPE (as SmolLM2's, Llama 3's):
+    every byte is a token, so any text (JSON, regex matches) can be written with it, and
+    multi-byte characters come as partial UTF-8 tokens too. vocab 320, eos 2."""
+    from tests.byte_tokenizer import VOCAB_SIZE, build_byte_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_byte_bpe")
+    build_tiny_checkpoint(path, "llama2_mha", vocab_size=VOCAB_SIZE)
+    build_byte_tokenizer(path)
+    return path
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

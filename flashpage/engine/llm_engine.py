@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,7 +31,11 @@ from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
 from flashpage.layers.moe import set_fused_moe
 from flashpage.models.loader import ModelSource, load_model, resolve_model
 from flashpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from flashpage.sampling_params import SamplingParams
+from flashpage.sampling_params import SamplingParams, StructuredOutputsError
+
+if TYPE_CHECKING:
+    from flashpage.structured.compiler import GuideCompiler
+    from flashpage.structured.guide import CompiledGuide
 
 logger = logging.getLogger("flashpage")
 
@@ -159,6 +163,7 @@ class LLMEngine:
                                  else config.async_scheduling)
         self._inflight: _Inflight | None = None  # the launched step not yet read back
         self._sync_ids: set[str] = set()  # requests whose sampling needs every token known
+        self._guides: GuideCompiler | None = None  # structured outputs, built on first use
         if self.device.type == "cuda":
             t1 = time.perf_counter()
             self.warm_up()
@@ -346,6 +351,7 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                 "no room for any output token")
+        guide = self._compile_guide(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = _Parent(request_id, text, ids, params, [], RequestMetrics(arrival))
         for i in range(params.n):
@@ -354,6 +360,10 @@ class LLMEngine:
                 child_params = _child_params(params, i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, child_params, self.eos_token_ids, arrival)
+            if guide is not None:
+                from flashpage.structured.guide import GuideState
+
+                req.guide = GuideState(guide, allow_eos=not child_params.ignore_eos)
             try:
                 self.scheduler.add_request(req)
             except ValueError:
@@ -369,6 +379,21 @@ class LLMEngine:
         for c in parent.children:
             self._children[c.request.request_id] = c
         return request_id
+
+    def _compile_guide(self, params: SamplingParams) -> CompiledGuide | None:
+        """The request's structured-outputs guide (compiled once per spec and cached), or
+        None; a StructuredOutputsError (a ValueError) naming what is wrong with the spec."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.tokenizer is None:
+            raise StructuredOutputsError("structured outputs need a tokenizer (this model has none)")
+        if self._guides is None:
+            from flashpage.structured.compiler import GuideCompiler
+
+            self._guides = GuideCompiler(self.tokenizer, self.model_config.vocab_size,
+                                         self.eos_token_ids)
+        return self._guides.compile(spec)
 
     def _validate_ids(self, ids: list[int]) -> None:
         if not ids:

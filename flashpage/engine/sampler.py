@@ -1,6 +1,8 @@
 """Turn each request's logits into its next token.
 
-Order of processing, as in vLLM: allowed_token_ids (all others at -inf), logit bias (and
+Order of processing, as in vLLM: the structured-output mask (a guided request's row keeps
+only the tokens its pattern allows next; vLLM applies its grammar bitmask first too),
+allowed_token_ids (all others at -inf), logit bias (and
 min_tokens: stop tokens and eos at -inf until a request has that many outputs) -> penalties (repetition, presence, frequency) ->
 temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the exponential race
 (argmax of p / Exp(1) noise), which needs no cumulative sum and is exact. A request
@@ -114,11 +116,15 @@ def _biases(r: Request, vocab: int) -> dict[int, float] | None:
     return out or None
 
 
+def has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 def needs_known_tokens(p: SamplingParams) -> bool:
-    """Penalties: sampling reads the request's earlier tokens on the host, so async
-    scheduling must read each step back before the next one is sampled."""
-    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-            or p.frequency_penalty != 0.0)
+    """Penalties and structured outputs: sampling reads the request's earlier tokens on the
+    host (the penalties' counts; the guide's state, advanced by each token read back), so
+    async scheduling must read each step back before the next one is sampled."""
+    return has_penalties(p) or p.structured_outputs is not None
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -209,12 +215,15 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
 
         vocab = logits.shape[1]
+        guided = [i for i, r in enumerate(requests) if r.guide is not None]
         allowed = {i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids}
         biases = {i: b for i, (r, p) in enumerate(zip(requests, params, strict=True))
                   if (p.min_tokens or p.logit_bias) and (b := _biases(r, vocab))}
-        pen_rows = [i for i, p in enumerate(params) if needs_known_tokens(p)]
-        if allowed or biases or pen_rows:  # a copy: the logits may be a CUDA graph's output
+        pen_rows = [i for i, p in enumerate(params) if has_penalties(p)]
+        if guided or allowed or biases or pen_rows:  # a copy: the logits may be a CUDA graph's output
             logits = logits.to(torch.float32, copy=True)
+        if guided:
+            self._apply_guides(logits, guided, requests)
         if allowed:
             self._apply_allowed(logits, allowed)
         if biases:
@@ -232,6 +241,16 @@ class Sampler:
         if raw_logprobs is None:
             return PendingSample(tokens, params, None)
         return PendingSample(tokens, params, self._logprobs(raw_logprobs, tokens, params))
+
+    @staticmethod
+    def _apply_guides(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
+        """Guided rows: every token their pattern does not allow next to -inf. Each mask
+        [V] is cached on the device per guide state, so a step copies only the row ids."""
+        dev = logits.device
+        masks = torch.stack([requests[i].guide.mask(dev) for i in rows])  # type: ignore[union-attr]
+        index = _to_device(torch.tensor(rows, dtype=torch.long), dev)
+        sub = logits.index_select(0, index).masked_fill_(~masks[:, : logits.shape[1]], float("-inf"))
+        logits.index_copy_(0, index, sub)
 
     @staticmethod
     def _apply_allowed(logits: torch.Tensor, allowed: dict[int, list[int]]) -> None:

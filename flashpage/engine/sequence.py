@@ -12,9 +12,12 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashpage.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from flashpage.structured.guide import GuideState
 
 
 class RequestStatus(enum.IntEnum):
@@ -102,6 +105,9 @@ class Request:
         # prompt_logprobs: entry p is prompt token p's logprobs given the ones before it
         # (sampler.Logprobs; None for token 0), filled as the prompt's chunks run
         self.prompt_logprobs: list[Any] | None = [None] if sampling_params.prompt_logprobs is not None else None
+        # structured outputs: where the output stands in its pattern, advanced with each
+        # resolved token (set by the engine, which compiles the pattern)
+        self.guide: GuideState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +144,8 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.num_resolved_outputs = len(self.output_token_ids)
+        if self.guide is not None:
+            self.guide.advance(token_id)
 
     def append_placeholder(self) -> None:
         """A token sampled on the GPU in the step just launched; ``resolve_next`` fills it."""
@@ -150,6 +158,8 @@ class Request:
         self.output_token_ids[i] = token_id
         self.all_token_ids[self.num_prompt_tokens + i] = token_id
         self.num_resolved_outputs = i + 1
+        if self.guide is not None:
+            self.guide.advance(token_id)
         return self._stop_status(i + 1, max_model_len)
 
     def drop_unresolved(self) -> None:
@@ -170,8 +180,10 @@ class Request:
         """The finish status the last appended token causes, or None to go on.
 
         Order: stop token ids and eos (both only once ``min_tokens`` outputs exist, as in
-        vLLM; eos not with ``ignore_eos``), then length (``max_tokens`` outputs, or
-        ``max_model_len`` tokens in all). Sets ``stop_reason`` to the stop token id.
+        vLLM; eos not with ``ignore_eos``), a guide that allows nothing but eos next (the
+        structured output is complete, whatever min_tokens says), then length
+        (``max_tokens`` outputs, or ``max_model_len`` tokens in all). Sets ``stop_reason``
+        to the stop token id.
         """
         return self._stop_status(len(self.output_token_ids), max_model_len)
 
@@ -184,6 +196,8 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
             if last in self._eos_ids and not self._ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
+        if self.guide is not None and n_out == self.num_resolved_outputs and self.guide.is_finished():
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= self._max_tokens or self.num_prompt_tokens + n_out >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -52,6 +52,40 @@ class StreamOptions(_Body):
     include_usage: Bool = False
 
 
+JSONValue = Str | dict[str, Any] | Bool  # a JSON schema: an object, its text, or true / false
+
+
+class JSONSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema: the schema under ``schema`` (``strict`` and the
+    name are accepted; the output always follows the schema)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Str | None = None
+    description: Str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: text (no constraint), json_object or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's (>= 0.10) structured_outputs: exactly one of json, regex, choice, json_object."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_: JSONValue | None = Field(default=None, alias="json")
+    regex: Str | None = None
+    choice: list[Str] | None = None
+    grammar: Str | None = None
+    json_object: Bool | None = None
+    disable_any_whitespace: Bool = False
+    whitespace_pattern: Str | None = None
+
+
 class _SamplingFields(_Body):
     model: Str | None = None
     max_tokens: Int | None = Field(default=None, ge=1)
@@ -78,6 +112,15 @@ class _SamplingFields(_Body):
     allowed_token_ids: list[Int] | None = Field(default=None, min_length=1)
     include_stop_str_in_output: Bool | None = False
     skip_special_tokens: Bool | None = True
+    # structured outputs: OpenAI's response_format, vLLM's guided_* (< 0.10) and
+    # structured_outputs (>= 0.10); at most one of them
+    response_format: ResponseFormat | None = None
+    guided_json: JSONValue | None = None
+    guided_regex: Str | None = None
+    guided_choice: list[Str] | None = None
+    guided_grammar: Str | None = None
+    guided_whitespace_pattern: Str | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flashpage.engine.sampler import Logprobs
 from flashpage.outputs import RequestOutput
-from flashpage.sampling_params import SamplingParams
+from flashpage.sampling_params import SamplingParams, StructuredOutputsError
 from flashpage.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from flashpage.server.metrics import ServerMetrics
 from flashpage.server.protocol import (
@@ -41,6 +41,7 @@ from flashpage.server.render import (
     prompt_logprobs,
     sse,
 )
+from flashpage.server.structured import structured_field, structured_outputs
 from flashpage.server.tokenize import ServerTokenizer
 
 logger = logging.getLogger("flashpage.server")
@@ -104,7 +105,7 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
         echoes = [item if isinstance(item, str) else
                   (await tok.decode(ids) if tok.has_tokenizer else "")
                   for item, ids in zip(items, prompts, strict=True)]
-    streams = await start(state, "cmpl", prompts, params, arrival)
+    streams = await start(state, "cmpl", prompts, params, arrival, structured_field(req))
     rid = f"cmpl-{uuid.uuid4().hex}"
     n_prompt = sum(len(p) for p in prompts)
 
@@ -166,7 +167,7 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     want_lp = bool(req.logprobs)
     params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if want_lp else None)
-    streams = await start(state, "chatcmpl", [ids], params, arrival)
+    streams = await start(state, "chatcmpl", [ids], params, arrival, structured_field(req))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tok = state.tokenizer
 
@@ -257,6 +258,7 @@ def sampling_params(state: ServerState, req: CompletionRequest | ChatCompletionR
         if any(not 0 <= t < vocab for t in req.allowed_token_ids):
             raise bad_request(f"allowed_token_ids must be token ids in [0, {vocab})", "allowed_token_ids")
         kw["allowed_token_ids"] = list(req.allowed_token_ids)
+    kw["structured_outputs"] = structured_outputs(req)
     try:
         return SamplingParams(**kw)
     except ValueError as e:  # SamplingParams names the field first
@@ -299,8 +301,10 @@ def check_length(state: ServerState, n_prompt: int, max_tokens: int | None) -> i
 
 
 async def start(state: ServerState, prefix: str, prompts: list[list[int]],
-                params: SamplingParams, arrival: float) -> list[RequestStream]:
-    """Add one engine request per prompt; if one is refused, abort the others (400)."""
+                params: SamplingParams, arrival: float,
+                structured_param: str | None = None) -> list[RequestStream]:
+    """Add one engine request per prompt; if one is refused, abort the others (400, naming
+    ``structured_param`` when the engine could not compile the structured-outputs spec)."""
     streams: list[RequestStream] = []
     base = f"{prefix}-{uuid.uuid4().hex}"
     try:
@@ -311,6 +315,8 @@ async def start(state: ServerState, prefix: str, prompts: list[list[int]],
             s.abort()
         if isinstance(e, EngineDeadError):
             raise APIError(503, str(e), "server_error") from None
+        if isinstance(e, StructuredOutputsError):
+            raise bad_request(str(e), structured_param or "structured_outputs") from None
         if isinstance(e, ValueError):
             raise bad_request(str(e), "prompt") from None
         raise

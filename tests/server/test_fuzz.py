@@ -22,6 +22,9 @@ json_values = st.recursive(
 text = st.text(alphabet="abcdefghij klmnopqrstuvwxyz,.?!", min_size=1, max_size=24)
 token_ids = st.lists(st.integers(min_value=3, max_value=255), min_size=1, max_size=8)
 
+SCHEMAS = [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"enum": ["one", "two"]},
+           {"type": "string", "maxLength": 3}, '{"type": "boolean"}', {"not": {}}, {"$ref": "#/x"}]
+
 # field -> a strategy of valid values. A body is valid, valid but for one field, or chaos.
 COMMON = {
     "model": st.just("tiny"),
@@ -48,6 +51,17 @@ COMMON = {
     "allowed_token_ids": st.lists(st.integers(min_value=0, max_value=255), min_size=1, max_size=4),
     "truncate_prompt_tokens": st.integers(min_value=1, max_value=40),
 }
+# At most one of these per body (several at once is a 400 of its own, drawn by "chaos").
+STRUCTURED = {
+    "guided_regex": st.sampled_from([r"\d+", "(yes|no)", "[a-z ]{1,8}", "(", "a(?=b)", "", "x{2,1}"]),
+    "guided_choice": st.lists(text, min_size=1, max_size=3),
+    "guided_json": st.sampled_from(SCHEMAS),
+    "structured_outputs": st.one_of(
+        st.fixed_dictionaries({"choice": st.lists(text, min_size=1, max_size=3)}),
+        st.fixed_dictionaries({"regex": st.sampled_from(["[a-z]+", "the (quick|lazy)"])}),
+        st.fixed_dictionaries({"json": st.sampled_from(SCHEMAS)}),
+        st.fixed_dictionaries({"json_object": st.booleans()})),
+}
 COMPLETIONS = dict(COMMON, **{
     "prompt": st.one_of(text, st.lists(text, min_size=1, max_size=3), token_ids,
                         st.lists(token_ids, min_size=1, max_size=3)),
@@ -64,6 +78,13 @@ CHAT = dict(COMMON, **{
     "logprobs": st.booleans(),
     "top_logprobs": st.integers(min_value=0, max_value=5),
 })
+CHAT_STRUCTURED = dict(STRUCTURED, **{
+    "response_format": st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+        st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+            {"name": st.just("x"), "schema": st.sampled_from([x for x in SCHEMAS if isinstance(x, dict)])},
+            optional={"strict": st.booleans()})})),
+})
 REQUIRED = {"prompt", "messages"}
 EDGES = st.sampled_from([None, True, False, 0, -1, 1, 17, 21, 129, 256, 2**63, 2**64, -(2**64),
                          0.0, -0.0, 1e-300, 1e300, float("nan"), float("inf"), "", "x", [], {},
@@ -71,12 +92,16 @@ EDGES = st.sampled_from([None, True, False, 0, -1, 1, 17, 21, 129, 256, 2**63, 2
 
 
 @st.composite
-def bodies(draw, fields: dict) -> dict:
+def bodies(draw, fields: dict, structured: dict) -> dict:
     mode = draw(st.sampled_from(["valid", "one_bad", "one_bad", "chaos"]))
     body = {}
     for name, valid in fields.items():
         if name in REQUIRED or draw(st.booleans()):
             body[name] = draw(valid)
+    if draw(st.integers(0, 2)) == 0:
+        name = draw(st.sampled_from(sorted(structured)))
+        body[name] = draw(structured[name])
+    fields = dict(fields, **structured)
     if mode == "one_bad":
         name = draw(st.sampled_from(sorted(fields)))
         if draw(st.booleans()):
@@ -96,8 +121,8 @@ def bodies(draw, fields: dict) -> dict:
 
 
 requests_ = st.one_of(
-    st.tuples(st.just("/v1/completions"), bodies(COMPLETIONS).map(lambda b: json.dumps(b).encode())),
-    st.tuples(st.just("/v1/chat/completions"), bodies(CHAT).map(lambda b: json.dumps(b).encode())),
+    st.tuples(st.just("/v1/completions"), bodies(COMPLETIONS, STRUCTURED).map(lambda b: json.dumps(b).encode())),
+    st.tuples(st.just("/v1/chat/completions"), bodies(CHAT, CHAT_STRUCTURED).map(lambda b: json.dumps(b).encode())),
     st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
               st.one_of(st.binary(max_size=64),
                         json_values.map(lambda v: json.dumps(v).encode()))),
