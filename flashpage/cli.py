@@ -149,6 +149,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return run_inspect(args)
 
 
+def add_tool_arguments(p: argparse.ArgumentParser) -> None:
+    from flashpage.server.tools import PARSERS
+
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="how the model writes tool calls (hermes: Qwen2.5, Hermes; llama3_json: "
+                        "Llama 3.1+; mistral)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"; needs '
+                        "--tool-call-parser)")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from flashpage.server.api_server import run_server
 
@@ -200,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
+    add_tool_arguments(p)
     add_engine_arguments(p)
     p.set_defaults(func=cmd_serve)
 

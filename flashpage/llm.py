@@ -70,20 +70,24 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts")
         return self._run(plist, params, use_tqdm)
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list) and generate."""
+             add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list) and generate.
+        ``tools``: OpenAI function definitions the template shows the model (as vLLM's; the
+        server reads calls back, server/tools.py)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[Prompt] = [self.chat_prompt_ids(c, add_generation_prompt) for c in convs]  # type: ignore[arg-type]
+        prompts: list[Prompt] = [self.chat_prompt_ids(c, add_generation_prompt, tools)  # type: ignore[arg-type]
+                                 for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def chat_prompt_ids(self, conversation: list[dict[str, str]],
-                        add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
-        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+        ids = tok.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
                                       tokenize=True, return_dict=False)
         return list(ids)
 

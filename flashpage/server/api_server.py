@@ -45,14 +45,19 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
-              max_n: int = 16, max_body_bytes: int = 4 << 20, max_prompts: int = 64) -> FastAPI:
+              max_n: int = 16, max_body_bytes: int = 4 << 20, max_prompts: int = 64,
+              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
     """The FastAPI app. The engine thread starts with the app (lifespan) and stops with it.
 
     max_n bounds ``n``; max_body_bytes the request body (413 beyond); max_prompts the
-    number of prompts in one /v1/completions request.
+    number of prompts in one /v1/completions request; tool_call_parser how the model's tool
+    calls are read (server/tools.py), needed with enable_auto_tool_choice for tool_choice
+    "auto".
     """
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     state = ServerState(async_engine, served_model_name, api_key, max_n, max_body_bytes,
-                        max_prompts)
+                        max_prompts, tool_call_parser, enable_auto_tool_choice)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -213,12 +218,16 @@ def run_server(args: argparse.Namespace) -> int:
             raise ValueError(f"two models given: {model_path!r} and --model {args.model!r}")
         args.model = model_path
     random_cfg = getattr(args, "random_weights_config", None)
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")  # before loading
     llm = build_llm(args)
     name = args.served_model_name or _default_name(args.model, random_cfg)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who reaches it can use it",
                        args.host)
-    app = build_app(AsyncEngine(llm.engine), name, args.api_key)
+    app = build_app(AsyncEngine(llm.engine), name, args.api_key,
+                    tool_call_parser=getattr(args, "tool_call_parser", None),
+                    enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)))
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=5)
@@ -240,7 +249,7 @@ def _default_name(model: str | None, random_cfg: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python -m flashpage.server.api_server``: the same as ``flashpage serve``."""
     from flashpage import envs
-    from flashpage.cli import add_engine_arguments
+    from flashpage.cli import add_engine_arguments, add_tool_arguments
 
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(prog="python -m flashpage.server.api_server")
@@ -249,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
+    add_tool_arguments(p)
     add_engine_arguments(p)
     return run_server(p.parse_args(argv))
 

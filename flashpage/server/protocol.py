@@ -136,10 +136,25 @@ class TextPart(_Body):
     text: Str
 
 
+class FunctionCall(_Body):
+    name: Str
+    arguments: Str  # a JSON object, as text (OpenAI's)
+
+
+class ToolCallBody(_Body):
+    """An assistant message's earlier tool call, sent back in the conversation."""
+
+    id: Str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Str
     content: Str | list[TextPart] | None = None
     name: Str | None = None
+    tool_calls: list[ToolCallBody] | None = None  # an assistant's calls
+    tool_call_id: Str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -149,10 +164,35 @@ class ChatMessage(_Body):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDef(_Body):
+    name: Str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: Bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: Str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    # tool calls (server/tools.py, server/tool_choice.py): OpenAI's
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = True
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: Bool | None = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
@@ -164,6 +204,7 @@ class TokenizeRequest(_Body):
     model: Str | None = None
     prompt: Str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None  # messages only: shown to the chat template
     add_special_tokens: Bool = True  # prompt only (the chat template places its own)
 
 

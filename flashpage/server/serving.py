@@ -21,13 +21,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flashpage.engine.sampler import Logprobs
 from flashpage.outputs import RequestOutput
-from flashpage.sampling_params import SamplingParams, StructuredOutputsError
+from flashpage.sampling_params import (
+    SamplingParams,
+    StructuredOutputsError,
+    StructuredOutputsParams,
+)
 from flashpage.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from flashpage.server.metrics import ServerMetrics
 from flashpage.server.protocol import (
     APIError,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -43,6 +46,13 @@ from flashpage.server.render import (
 )
 from flashpage.server.structured import structured_field, structured_outputs
 from flashpage.server.tokenize import ServerTokenizer
+from flashpage.server.tool_choice import (
+    assistant_message,
+    conversation,
+    finish_reason,
+    tool_request,
+)
+from flashpage.server.tools import ToolCall, ToolStream, get_parser
 
 logger = logging.getLogger("flashpage.server")
 
@@ -58,7 +68,12 @@ class ServerState:
     """What the handlers share: the engine, the served name, limits, metrics, tokenizer."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None,
-                 max_n: int, max_body_bytes: int, max_prompts: int) -> None:
+                 max_n: int, max_body_bytes: int, max_prompts: int, tool_parser: str | None = None,
+                 auto_tool_choice: bool = False) -> None:
+        if tool_parser is not None:
+            get_parser(tool_parser)  # an unknown name fails at start-up
+        self.tool_parser = tool_parser
+        self.auto_tool_choice = auto_tool_choice
         self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key.encode() if api_key else None
@@ -157,7 +172,8 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
 # ---------------------------------------------------------------------------- /v1/chat
 async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
                arrival: float) -> Response:
-    ids = await state.tokenizer.apply_chat_template(_conversation(req.messages))
+    tools = tool_request(req, state.tool_parser, state.auto_tool_choice)
+    ids = await state.tokenizer.apply_chat_template(conversation(req.messages), tools.template_tools)
     if req.truncate_prompt_tokens is not None:
         ids = ids[-req.truncate_prompt_tokens:]  # the conversation's oldest tokens go first
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -166,18 +182,32 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     want_lp = bool(req.logprobs)
-    params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if want_lp else None)
-    streams = await start(state, "chatcmpl", [ids], params, arrival, structured_field(req))
+    params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if want_lp else None,
+                             tools.structured)
+    streams = await start(state, "chatcmpl", [ids], params, arrival,
+                          "tools" if tools.structured is not None else structured_field(req))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tok = state.tokenizer
 
     if req.stream:
+        calls_in: dict[int, ToolStream] = {}  # choice -> its text through the tool parser
+
         def choice(idx: int, st: ChoiceState, delta: str, lps: list[Logprobs],
                    finish: str | None, out: RequestOutput) -> dict[str, Any]:
             d: dict[str, Any] = {"content": delta}
+            if tools.parser is not None:  # content up to a call; the calls when it ends
+                ts = calls_in.setdefault(idx, ToolStream(tools.parser))
+                text, calls = ts.feed(delta), list[ToolCall]()
+                if finish is not None:
+                    rest, calls = ts.finish()
+                    text += rest or ""
+                d = {"content": text or (None if calls else "")}
+                if calls:
+                    d["tool_calls"] = [c.to_openai(i) for i, c in enumerate(calls)]
+                finish = finish_reason(finish, calls)
             if not st.role_sent:  # the first chunk of each choice names the role
                 st.role_sent = True
-                d = {"role": "assistant", "content": delta}
+                d = {"role": "assistant", **d}
             return {"index": idx, "delta": d, "logprobs": chat_logprobs(tok, lps, want_lp),
                     "finish_reason": finish}
 
@@ -187,10 +217,12 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
 
     async def answer() -> Response:
         out = (await collect(streams))[0]
-        choices: list[dict[str, Any]] = [
-            {"index": o.index, "message": {"role": "assistant", "content": o.text},
-             "logprobs": chat_logprobs(tok, o.logprobs or [], want_lp),
-             "finish_reason": o.finish_reason} for o in out.outputs]
+        choices: list[dict[str, Any]] = []
+        for o in out.outputs:
+            content, calls = tools.parser.extract(o.text) if tools.parser is not None else (o.text, [])
+            choices.append({"index": o.index, "message": assistant_message(content, calls),
+                            "logprobs": chat_logprobs(tok, o.logprobs or [], want_lp),
+                            "finish_reason": finish_reason(o.finish_reason, calls)})
         if req.prompt_logprobs is not None:
             for c in choices:
                 c["prompt_logprobs"] = prompt_logprobs(tok, ids, out.prompt_logprobs)
@@ -202,11 +234,6 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     return await unless_disconnected(request, answer())
 
 
-def _conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Chat messages as the chat template takes them (text parts joined)."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
-
-
 # ---------------------------------------------------------------------------- /tokenize
 async def tokenize(state: ServerState, req: TokenizeRequest) -> Response:
     """vLLM's /tokenize: the ids a prompt (or a chat, through the template) becomes, as the
@@ -216,7 +243,8 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> Response:
     if req.messages is not None:
         if not req.messages:
             raise bad_request("messages is empty", "messages")
-        ids = await state.tokenizer.apply_chat_template(_conversation(req.messages))
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        ids = await state.tokenizer.apply_chat_template(conversation(req.messages), tools)
     else:
         ids = await state.tokenizer.encode(req.prompt or "", req.add_special_tokens)
     return JSONResponse({"count": len(ids), "max_model_len": state.engine.max_model_len,
@@ -235,7 +263,10 @@ async def detokenize(state: ServerState, req: DetokenizeRequest) -> Response:
 
 # ---------------------------------------------------------------------------- shared steps
 def sampling_params(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
-                    max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+                    max_tokens: int | None, logprobs: int | None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """``structured``: the output's shape when the server sets it (a forced tool choice);
+    else the request's own structured-outputs fields."""
     if req.n > state.max_n:
         raise bad_request(f"n must be at most {state.max_n}, got {req.n}", "n")
     vocab = state.engine.vocab_size
@@ -258,7 +289,7 @@ def sampling_params(state: ServerState, req: CompletionRequest | ChatCompletionR
         if any(not 0 <= t < vocab for t in req.allowed_token_ids):
             raise bad_request(f"allowed_token_ids must be token ids in [0, {vocab})", "allowed_token_ids")
         kw["allowed_token_ids"] = list(req.allowed_token_ids)
-    kw["structured_outputs"] = structured_outputs(req)
+    kw["structured_outputs"] = structured if structured is not None else structured_outputs(req)
     try:
         return SamplingParams(**kw)
     except ValueError as e:  # SamplingParams names the field first

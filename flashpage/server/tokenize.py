@@ -55,15 +55,18 @@ class ServerTokenizer:
         assert self._tok is not None  # checked by decode()
         return str(self._tok.decode(ids, skip_special_tokens=False))
 
-    async def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
+    async def apply_chat_template(self, conversation: list[dict[str, Any]],
+                                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation through the chat template (``tools``: OpenAI function definitions
+        the template shows the model) -> prompt ids."""
         if self._tok is None or not getattr(self._tok, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
-        return await self._run(self._chat, conversation)
+        return await self._run(self._chat, conversation, tools)
 
-    def _chat(self, conversation: list[dict[str, str]]) -> list[int]:
+    def _chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         assert self._tok is not None  # checked by apply_chat_template()
         try:
-            ids = self._tok.apply_chat_template(conversation, add_generation_prompt=True,
+            ids = self._tok.apply_chat_template(conversation, tools=tools, add_generation_prompt=True,
                                                 tokenize=True, return_dict=False)
         except Exception as e:  # the template refused the conversation (roles, order, ...)
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None

@@ -111,7 +111,7 @@ class LiveServer:
 
 @contextlib.contextmanager
 def live_server(model_dir: Path, api_key: str | None = None, name: str = "tiny",
-                **app_kw) -> Iterator[LiveServer]:
+                engine_kw: dict | None = None, **app_kw) -> Iterator[LiveServer]:
     """A server on 127.0.0.1 (a free port) in a background thread; stopped on exit.
 
     Its engine schedules asynchronously, as it does on a GPU (the CPU default is
@@ -123,7 +123,7 @@ def live_server(model_dir: Path, api_key: str | None = None, name: str = "tiny",
     from flashpage.server.api_server import build_app
     from flashpage.server.async_engine import AsyncEngine
 
-    llm = LLM(str(model_dir), **engine_kwargs(), async_scheduling=True)
+    llm = LLM(str(model_dir), **{**engine_kwargs(), **(engine_kw or {})}, async_scheduling=True)
     async_engine = AsyncEngine(llm.engine)
     app = build_app(async_engine, name, api_key=api_key, **app_kw)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -72,11 +72,19 @@ message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant"])},
     optional={"content": st.one_of(text, st.none(), st.lists(
         st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2))})
+tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "get_x", "g-1"])},
+    optional={"parameters": st.sampled_from([x for x in SCHEMAS if isinstance(x, dict)]),
+              "description": text})})
 CHAT = dict(COMMON, **{
     "messages": st.lists(message, min_size=1, max_size=3),
     "max_completion_tokens": st.integers(min_value=1, max_value=4),
     "logprobs": st.booleans(),
     "top_logprobs": st.integers(min_value=0, max_value=5),
+    "tools": st.lists(tool, min_size=1, max_size=2),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})})),
+    "parallel_tool_calls": st.booleans(),
 })
 CHAT_STRUCTURED = dict(STRUCTURED, **{
     "response_format": st.one_of(

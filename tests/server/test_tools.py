@@ -1,0 +1,193 @@
+"""Tool calls through /v1/chat/completions (OpenAI's tools and tool_choice): the template
+shown the tools and earlier calls, "auto" read back by the server's parser, "required" and
+a named function forced by structured outputs (arguments valid against the tool's schema),
+streamed and not; what a request cannot ask for is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import LiveServer, live_server
+
+jsonschema = pytest.importorskip("jsonschema")
+
+TEMPLATE = (
+    "{% if tools %}<s>system: tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}: {% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
+    "<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}\n"
+    "{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"]}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["zone"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+CALL_TEXT = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(byte_model_dir, tmp_path_factory) -> Path:
+    """The byte-level tiny model with a chat template that shows tools and earlier calls."""
+    path = tmp_path_factory.mktemp("tiny_tools")
+    shutil.copytree(byte_model_dir, path, dirs_exist_ok=True)
+    jinja = path / "chat_template.jinja"
+    if jinja.exists():
+        jinja.write_text(TEMPLATE)
+    cfg_file = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    if "chat_template" in cfg or not jinja.exists():
+        cfg["chat_template"] = TEMPLATE
+        cfg_file.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_model_dir) -> Iterator[LiveServer]:
+    with live_server(tool_model_dir, engine_kw={"max_model_len": 512}, tool_call_parser="hermes",
+                     enable_auto_tool_choice=True) as s:
+        yield s
+
+
+def _chat(server: LiveServer, body: dict) -> httpx.Response:
+    return httpx.post(server.url + "/v1/chat/completions",
+                      json={"model": server.model, "messages": MESSAGES, **body}, timeout=60)
+
+
+def _stream(server: LiveServer, body: dict) -> list[dict]:
+    chunks = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60,
+                      json={"model": server.model, "messages": MESSAGES, "stream": True, **body}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def _check_call(call: dict, names=("get_weather", "get_time")) -> str:
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+    name = call["function"]["name"]
+    assert name in names
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[name])
+    return name
+
+
+def test_the_template_is_shown_tools_and_earlier_calls(tool_server):
+    earlier = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = httpx.post(tool_server.url + "/tokenize", json={"messages": earlier, "tools": TOOLS}, timeout=30)
+    assert r.status_code == 200, r.text
+    text = httpx.post(tool_server.url + "/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30).json()["prompt"]
+    assert "system: tools: get_weather get_time" in text
+    # the arguments as an object, as templates expect them (not the JSON text OpenAI sends)
+    assert '"arguments": {"city": "Paris", "days": 3}' in text and "tool: sunny" in text
+
+
+def test_auto_reads_the_models_calls(tool_server):
+    # the answer forced to a hermes call by a guided choice; the server's parser reads it back
+    r = _chat(tool_server, {"tools": TOOLS, "guided_choice": [CALL_TEXT], "max_tokens": 120})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+    [call] = c["message"]["tool_calls"]
+    assert _check_call(call) == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    # without a call the answer is content, as without tools
+    plain = _chat(tool_server, {"tools": TOOLS, "guided_choice": ["It is sunny."], "max_tokens": 40}).json()
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny."}
+    assert plain["choices"][0]["finish_reason"] == "stop"
+
+
+def test_auto_streamed(tool_server):
+    chunks = _stream(tool_server, {"tools": TOOLS, "guided_choice": ["Let me see. " + CALL_TEXT],
+                                   "max_tokens": 120})
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "assistant"
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert content == "Let me see. "  # nothing of the call leaks out as content
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["index"] == 0 and _check_call(calls[0]) == "get_weather"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_named_function_is_forced(tool_server, seed):
+    r = _chat(tool_server, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                            "temperature": 1.0, "seed": seed, "n": 2, "max_tokens": 60})
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+        [call] = c["message"]["tool_calls"]
+        assert _check_call(call, names=("get_time",)) == "get_time"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_is_one_or_more_calls(tool_server, parallel):
+    for seed in range(3):
+        body = {"tools": TOOLS, "tool_choice": "required", "temperature": 1.0, "seed": seed,
+                "max_tokens": 200, "parallel_tool_calls": parallel}
+        c = _chat(tool_server, body).json()["choices"][0]
+        if c["finish_reason"] == "length":  # a random model may ramble past max_tokens
+            continue
+        assert c["finish_reason"] == "tool_calls", c
+        calls = c["message"]["tool_calls"]
+        assert len(calls) >= 1 and (parallel or len(calls) == 1)
+        for call in calls:
+            _check_call(call)
+    streamed = _stream(tool_server, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {
+        "name": "get_weather"}}, "max_tokens": 60})
+    deltas = [c["choices"][0]["delta"] for c in streamed if c["choices"]]
+    assert not "".join(d.get("content") or "" for d in deltas)
+    [call] = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert _check_call(call, names=("get_weather",)) == "get_weather"
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"tool_choice": "auto"}, "tool_choice", "tool_choice needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "'nope', which is not among the tools"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools", "distinct names"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "shapes the output itself"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", ""),
+])
+def test_bad_tool_requests_are_named(tool_server, body, param, says):
+    r = _chat(tool_server, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert param in (err["param"] or "") and says in err["message"], err
+
+
+def test_auto_needs_the_servers_parser(byte_model_dir):
+    with live_server(byte_model_dir, engine_kw={"max_model_len": 512}) as plain:
+        r = _chat(plain, {"tools": TOOLS})
+        assert r.status_code == 400
+        assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+        # forcing a function needs no parser
+        r = _chat(plain, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                          "max_tokens": 60})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"]
+    with pytest.raises(ValueError, match="unknown tool call parser"):
+        with live_server(byte_model_dir, tool_call_parser="nope"):
+            pass
+
+
+def test_offline_chat_shows_the_template_tools(tool_model_dir):
+    from flashpage import LLM
+
+    llm = LLM(str(tool_model_dir), dtype="float32", device="cpu", max_model_len=512)
+    with_tools = llm.chat_prompt_ids(MESSAGES, tools=TOOLS)
+    assert "system: tools: get_weather get_time" in llm.engine.tokenizer.decode(with_tools)
+    assert len(llm.chat_prompt_ids(MESSAGES)) < len(with_tools)
