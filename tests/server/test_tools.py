@@ -179,9 +179,9 @@ def test_auto_needs_the_servers_parser(byte_model_dir):
         r = _chat(plain, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
                           "max_tokens": 60})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"]
-    with pytest.raises(ValueError, match="unknown tool call parser"):
-        with live_server(byte_model_dir, tool_call_parser="nope"):
-            pass
+    with pytest.raises(ValueError, match="unknown tool call parser"), \
+            live_server(byte_model_dir, tool_call_parser="nope"):
+        pass
 
 
 def test_offline_chat_shows_the_template_tools(tool_model_dir):
