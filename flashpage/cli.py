@@ -39,6 +39,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template (a file, or the text) instead of the tokenizer's own")
     g.add_argument("--random-weights-config", default=None, metavar="CONFIG",
                    help="random weights of this config.json's shape (benchmarks; no tokenizer)")
+    g.add_argument("--pooling-type", default=None, choices=["last", "mean", "cls"],
+                   help="embeddings: how a prompt's hidden states are pooled (default: the model's "
+                        "sentence-transformers config, else last)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,7 +68,8 @@ def build_llm(args: argparse.Namespace) -> Any:
                enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                chat_template=getattr(args, "chat_template", None),
-               random_weights_config=getattr(args, "random_weights_config", None))
+               random_weights_config=getattr(args, "random_weights_config", None),
+               pooling_type=getattr(args, "pooling_type", None))
 
 
 def sampling_params(args: argparse.Namespace) -> Any:

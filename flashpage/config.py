@@ -320,11 +320,16 @@ class EngineConfig:
     # A Jinja chat template (the text, or a file holding it) instead of the tokenizer's own:
     # vLLM's --chat-template, for models whose template is missing or not the one wanted
     chat_template: str | None = None
+    # embeddings: how a prompt's hidden states are pooled ("last", "mean", "cls"); None: the
+    # model folder's sentence-transformers Pooling config, else "last" (flashpage/pooling.py)
+    pooling_type: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.pooling_type is not None and self.pooling_type not in ("last", "mean", "cls"):
+            raise ValueError(f"pooling_type must be last, mean or cls, got {self.pooling_type!r}")
         bs = self.block_size
         if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}")

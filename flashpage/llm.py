@@ -9,6 +9,7 @@ from typing import Any, cast
 from flashpage.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine
 from flashpage.outputs import RequestOutput
+from flashpage.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from flashpage.sampling_params import SamplingParams
 
 logger = logging.getLogger("flashpage")
@@ -34,7 +35,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
                  enforce_eager: bool = False, async_scheduling: bool | None = None,
                  kv_cache_dtype: str = "auto", chat_template: str | None = None,
-                 seed: int = 0, random_weights_config: str | None = None) -> None:
+                 seed: int = 0, random_weights_config: str | None = None,
+                 pooling_type: str | None = None) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
             num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
@@ -42,7 +44,7 @@ class LLM:
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend, enforce_eager=enforce_eager,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, seed=seed,
-            chat_template=chat_template)
+            chat_template=chat_template, pooling_type=pooling_type)
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory
         self.engine = LLMEngine(cfg, random_config=random_weights_config, tokenizer=tokenizer)
@@ -70,6 +72,18 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts")
         return self._run(plist, params, use_tqdm)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+              *, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (text, token ids, or {"prompt_token_ids": [...]}): its hidden
+        states pooled the model's way (flashpage/pooling.py), as vLLM's LLM.embed. Outputs
+        in prompt order; a prompt that cannot run has ``error`` set and no outputs."""
+        plist = _as_prompt_list(prompts)
+        params = [pooling_params or PoolingParams()] * len(plist)
+        outs = self._run(plist, params, use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
+                                       EmbeddingOutput(o.embedding) if o.embedding is not None else None,
+                                       o.finished, o.error) for o in outs]
+
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,
              add_generation_prompt: bool = True,
@@ -91,7 +105,7 @@ class LLM:
                                       tokenize=True, return_dict=False)
         return list(ids)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams],
+    def _run(self, prompts: list[Prompt], params: Sequence[SamplingParams | PoolingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         results: dict[str, RequestOutput] = {}

@@ -48,3 +48,5 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: entry p for prompt token p given the ones before it
     # (None for the first), as far as the prompt has been computed
     prompt_logprobs: list[Logprobs | None] | None = None
+    # an embedding request's vector once finished (flashpage/pooling.py); outputs is empty
+    embedding: list[float] | None = None

@@ -31,6 +31,7 @@ from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
 from flashpage.layers.moe import set_fused_moe
 from flashpage.models.loader import ModelSource, load_model, resolve_model
 from flashpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from flashpage.pooling import PoolingParams, PoolingState, pooling_type_of
 from flashpage.sampling_params import SamplingParams, StructuredOutputsError
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ class _Parent:
     params: SamplingParams
     children: list[_Child]
     metrics: RequestMetrics
+    pooling: PoolingParams | None = None  # an embedding request
 
 
 class LLMEngine:
@@ -110,6 +112,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.source: ModelSource = resolve_model(config.model, random_config)
+        self.pooling_type = config.pooling_type or pooling_type_of(
+            self.source.path if self.source.kind == "hf" else None)
         self.model_config: ModelConfig = self.source.config
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -321,10 +325,18 @@ class LLMEngine:
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | None = None,
+                    params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None) -> str:
-        """Queue a request; raises ValueError (naming the problem) if it can never run."""
+        """Queue a request; raises ValueError (naming the problem) if it can never run.
+        PoolingParams: an embedding request (flashpage/pooling.py): its prompt's pooled hidden
+        states come back as ``RequestOutput.embedding``."""
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            pooling.validate(self.model_config.hidden_size)
+            # one greedy token nobody reads: the scheduler and async scheduling as for any request
+            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
         params = params or SamplingParams()
+        assert isinstance(params, SamplingParams)
         params.validate()
         if request_id is None:
             request_id = str(self._counter)
@@ -353,7 +365,7 @@ class LLMEngine:
                 "no room for any output token")
         guide = self._compile_guide(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        parent = _Parent(request_id, text, ids, params, [], RequestMetrics(arrival))
+        parent = _Parent(request_id, text, ids, params, [], RequestMetrics(arrival), pooling)
         for i in range(params.n):
             child_params = params
             if params.n > 1:
@@ -364,6 +376,8 @@ class LLMEngine:
                 from flashpage.structured.guide import GuideState
 
                 req.guide = GuideState(guide, allow_eos=not child_params.ignore_eos)
+            if pooling is not None:
+                req.pooling = PoolingState(self.pooling_type)
             try:
                 self.scheduler.add_request(req)
             except ValueError:
@@ -534,6 +548,11 @@ class LLMEngine:
                 self._children.pop(c.request.request_id, None)
                 self._sync_ids.discard(c.request.request_id)
         plp = parent.children[0].request.prompt_logprobs
+        if parent.pooling is not None:  # an embedding: the vector once done, no completion
+            st = parent.children[0].request.pooling
+            embedding = st.embedding(parent.pooling) if done and st is not None else None
+            return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, [],
+                                 finished=done, metrics=parent.metrics, embedding=embedding)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
                              finished=done, metrics=parent.metrics, new_text=new_text,
                              prompt_logprobs=list(plp) if plp is not None else None)

@@ -46,6 +46,8 @@ class StepInputs:
     # prompt_logprobs: (request, its first row in the step, its first position, rows) for
     # the rows whose next token is a prompt token
     prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    # embeddings: (request, its first row in the step, its first position, prompt rows)
+    pool_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -167,6 +169,7 @@ class ModelRunner:
         tables2d = tables.reshape(num_seqs, width)
         sample_reqs: list[Request] = []
         prompt_rows: list[tuple[Request, int, int, int]] = []
+        pool_rows: list[tuple[Request, int, int, int]] = []
         num_decodes = 0
         t = 0
         k = 0
@@ -190,6 +193,8 @@ class ModelRunner:
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 # rows at positions start .. predict prompt tokens start + 1 ..
                 prompt_rows.append((req, t, start, min(end, req.num_prompt_tokens - 1) - start))
+            if req.pooling is not None and start < req.num_prompt_tokens:
+                pool_rows.append((req, t, start, min(end, req.num_prompt_tokens) - start))
             t += n
             qsl[i + 1] = t
             if end == req.num_tokens:
@@ -221,7 +226,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
         )
         md = self.backend.prepare(md)
-        return StepInputs(d_input_ids, d_positions, md, d_logits, sample_reqs, prompt_rows)
+        return StepInputs(d_input_ids, d_positions, md, d_logits, sample_reqs, prompt_rows, pool_rows)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list[tuple[Request, int, int, int]]) -> None:
         """Each prompt_rows row's logprobs of the prompt token after it (raw log_softmax, its
@@ -279,14 +284,17 @@ class ModelRunner:
             return [], None
         inp = self.prepare(out)
         md = inp.metadata
-        if (self.graphs is not None and md.num_decodes == md.num_seqs and not inp.prompt_rows
+        # Steps whose hidden states are read (prompt logprobs, embeddings) skip the graphs
+        # that hand back only the sampled rows' logits.
+        reads_hidden = bool(inp.prompt_rows or inp.pool_rows)
+        if (self.graphs is not None and md.num_decodes == md.num_seqs and not reads_hidden
                 and self.graphs.bucket(md.num_seqs) is not None):
             # One token per request, each sampled: token index == row of the captured
             # logits == logits index, so the rows are used in place (no gather of
             # [batch, vocab] per step; the next replay rewrites them after sampling).
             assert len(inp.sample_requests) == md.num_seqs
             logits = self.graphs.run(inp.input_ids, inp.positions, md, md.num_seqs)
-        elif (self.prefill_graphs is not None and md.num_decodes == 0 and not inp.prompt_rows
+        elif (self.prefill_graphs is not None and md.num_decodes == 0 and not reads_hidden
                 and self.prefill_graphs.key(md.num_seqs, md.num_actual_tokens) is not None):
             # A short prompt-only step: its host time is its launches (cuda_graph.py).
             logits = self.prefill_graphs.run(inp.input_ids, inp.positions, md, inp.logits_indices)
@@ -298,6 +306,9 @@ class ModelRunner:
                 hidden = self.model(inp.input_ids, inp.positions, md)
             if inp.prompt_rows:
                 self._prompt_logprobs(hidden, inp.prompt_rows)
+            for req, t, start, n in inp.pool_rows:  # final-norm hidden states (flashpage/pooling.py)
+                assert req.pooling is not None
+                req.pooling.add(hidden[t:t + n], start, req.num_prompt_tokens)
             if not inp.sample_requests:
                 return [], None
             logits = self.model.compute_logits(hidden[inp.logits_indices])  # type: ignore[operator]

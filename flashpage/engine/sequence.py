@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from flashpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from flashpage.pooling import PoolingState
     from flashpage.structured.guide import GuideState
 
 
@@ -108,6 +109,8 @@ class Request:
         # structured outputs: where the output stands in its pattern, advanced with each
         # resolved token (set by the engine, which compiles the pattern)
         self.guide: GuideState | None = None
+        # embeddings: the prompt's hidden states pooled as its chunks run (set by the engine)
+        self.pooling: PoolingState | None = None
 
     @property
     def num_tokens(self) -> int:

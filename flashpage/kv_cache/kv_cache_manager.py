@@ -124,7 +124,8 @@ class KVCacheManager:
         the blocks to ``allocate_slots``).
         """
         if (not self.enable_prefix_caching or request.request_id in self._blocks
-                or request.sampling_params.prompt_logprobs is not None):  # every position's logits
+                or request.sampling_params.prompt_logprobs is not None  # every position's logits
+                or (request.pooling is not None and request.pooling.needs_every_position)):
             return [], 0
         B = self.block_size
         tokens = request.all_token_ids

@@ -33,6 +33,7 @@ from flashpage.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     bad_request,
     validation_error,
@@ -132,6 +133,14 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         _check_key(state, request)
         req = await _parse(state, request, ChatCompletionRequest)
         return await serving.chat(state, request, req, arrival)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        from flashpage.server.embeddings import embeddings
+
+        arrival = time.monotonic()
+        _check_key(state, request)
+        return await embeddings(state, request, await _parse(state, request, EmbeddingRequest), arrival)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -36,6 +36,7 @@ from flashpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from flashpage.engine.llm_engine import LLMEngine
+    from flashpage.pooling import PoolingParams
     from flashpage.server.metrics import ServerMetrics
 
 logger = logging.getLogger("flashpage.server")
@@ -156,9 +157,13 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
 
+    @property
+    def hidden_size(self) -> int:
+        return self.engine.model_config.hidden_size
+
     # ------------------------------------------------------------------ asyncio side
     async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams, arrival_time: float | None = None) -> RequestStream:
+                          params: SamplingParams | PoolingParams, arrival_time: float | None = None) -> RequestStream:
         """Queue a request; raises ValueError (the engine's message) if it cannot run."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
@@ -176,7 +181,7 @@ class AsyncEngine:
         return stream
 
     async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams, arrival_time: float | None = None,
+                       params: SamplingParams | PoolingParams, arrival_time: float | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """add_request, then yield the request's outputs; leaving early aborts it."""
         stream = await self.add_request(request_id, prompt, params, arrival_time)
@@ -263,7 +268,7 @@ class AsyncEngine:
             elif kind == "shutdown":
                 self._stop = True
 
-    def _do_add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def _do_add(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
                 arrival_time: float | None, stream: RequestStream,
                 fut: concurrent.futures.Future[None]) -> None:
         if not fut.set_running_or_notify_cancel():
@@ -279,7 +284,7 @@ class AsyncEngine:
             return
         self._streams[request_id] = stream
         if self.metrics is not None:
-            self.metrics.on_added(request_id, params.n)
+            self.metrics.on_added(request_id, getattr(params, "n", 1))  # an embedding: one
         fut.set_result(None)
 
     def _do_abort(self, request_id: str) -> None:

@@ -198,6 +198,17 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
 
 
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings (OpenAI's): ``input`` a text, texts, token ids, or lists of ids."""
+
+    model: Str | None = None
+    input: Str | list[Str] | TokenIds | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(default=None, ge=1)
+    user: Any = None
+    truncate_prompt_tokens: Int | None = Field(default=None, ge=1)  # vLLM's
+
+
 class TokenizeRequest(_Body):
     """POST /tokenize (vLLM's): a text prompt, or chat messages through the chat template."""
 

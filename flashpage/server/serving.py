@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flashpage.engine.sampler import Logprobs
 from flashpage.outputs import RequestOutput
+from flashpage.pooling import PoolingParams
 from flashpage.sampling_params import (
     SamplingParams,
     StructuredOutputsError,
@@ -332,10 +333,10 @@ def check_length(state: ServerState, n_prompt: int, max_tokens: int | None) -> i
 
 
 async def start(state: ServerState, prefix: str, prompts: list[list[int]],
-                params: SamplingParams, arrival: float,
-                structured_param: str | None = None) -> list[RequestStream]:
+                params: SamplingParams | PoolingParams, arrival: float,
+                structured_param: str | None = None, prompt_param: str = "prompt") -> list[RequestStream]:
     """Add one engine request per prompt; if one is refused, abort the others (400, naming
-    ``structured_param`` when the engine could not compile the structured-outputs spec)."""
+    ``prompt_param``, or ``structured_param`` when the engine could not compile the structured-outputs spec)."""
     streams: list[RequestStream] = []
     base = f"{prefix}-{uuid.uuid4().hex}"
     try:
@@ -349,7 +350,7 @@ async def start(state: ServerState, prefix: str, prompts: list[list[int]],
         if isinstance(e, StructuredOutputsError):
             raise bad_request(str(e), structured_param or "structured_outputs") from None
         if isinstance(e, ValueError):
-            raise bad_request(str(e), "prompt") from None
+            raise bad_request(str(e), prompt_param) from None
         raise
     return streams
 

@@ -128,7 +128,23 @@ def bodies(draw, fields: dict, structured: dict) -> dict:
     return body
 
 
+EMBEDDINGS = {"input": st.one_of(text, st.lists(text, min_size=1, max_size=3), token_ids,
+                                 st.lists(token_ids, min_size=1, max_size=3)),
+              "encoding_format": st.sampled_from(["float", "base64"]),
+              "dimensions": st.integers(min_value=1, max_value=80),
+              "truncate_prompt_tokens": st.integers(min_value=1, max_value=40)}
+
+
+@st.composite
+def embedding_bodies(draw) -> dict:
+    body = {name: draw(valid) for name, valid in EMBEDDINGS.items() if name == "input" or draw(st.booleans())}
+    if draw(st.booleans()):
+        body[draw(st.sampled_from(sorted(EMBEDDINGS)))] = draw(st.one_of(EDGES, json_values))
+    return body
+
+
 requests_ = st.one_of(
+    st.tuples(st.just("/v1/embeddings"), embedding_bodies().map(lambda b: json.dumps(b).encode())),
     st.tuples(st.just("/v1/completions"), bodies(COMPLETIONS, STRUCTURED).map(lambda b: json.dumps(b).encode())),
     st.tuples(st.just("/v1/chat/completions"), bodies(CHAT, CHAT_STRUCTURED).map(lambda b: json.dumps(b).encode())),
     st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
@@ -148,6 +164,8 @@ def check_response(r: httpx.Response, body: bytes) -> None:
         assert events[-1] == "[DONE]", r.text[-300:]
         for e in events[:-1]:
             assert "error" not in json.loads(e), e
+    elif r.json().get("object") == "list":  # /v1/embeddings
+        assert r.json()["data"] and all(d["embedding"] for d in r.json()["data"]), r.text
     else:
         assert r.json()["choices"], r.text
 

@@ -1,0 +1,126 @@
+"""Embeddings: a prompt's hidden states pooled into one vector (vLLM's pooling requests).
+
+An embedding request runs its prompt through the model like any other (chunked prefill,
+batched beside generation, its KV blocks freed when it ends) and takes the final-norm hidden
+states of its prompt tokens, pooled the model's way:
+
+- ``last``: the last token's (decoder embedding models: e5-mistral, gte-Qwen2, Qwen3-Embedding);
+- ``mean``: the average over the prompt's tokens;
+- ``cls``: the first token's.
+
+The model's way comes from its sentence-transformers files (``modules.json`` naming a
+Pooling module whose ``config.json`` sets ``pooling_mode_lasttoken`` / ``_mean_tokens`` /
+``_cls_token``), else ``last``; ``LLM(pooling_type=...)`` / ``--pooling-type`` override it.
+``PoolingParams`` (per request): ``dimensions`` keeps the first that many values (Matryoshka
+embeddings), ``normalize`` (default on) scales the vector to unit length, after the cut.
+
+In the engine an embedding request is a request for one greedy token that nobody reads: the
+scheduler, preemption and async scheduling need nothing new; the model runner pools the
+prompt rows of each step (engine/model_runner.py) and the output carries the vector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass
+class PoolingParams:
+    dimensions: int | None = None  # keep the first this many values (Matryoshka); None: all
+    normalize: bool = True  # L2-normalize (after the cut)
+
+    def validate(self, hidden_size: int | None = None) -> None:
+        d = self.dimensions
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {d!r}")
+        if d is not None and hidden_size is not None and d > hidden_size:
+            raise ValueError(f"dimensions must be at most the model's {hidden_size}, got {d}")
+
+
+def pooling_type_of(model_dir: str | None) -> str:
+    """The model folder's sentence-transformers pooling (see the module docstring), else last."""
+    if not model_dir or not os.path.isdir(model_dir):
+        return "last"
+    try:
+        with open(os.path.join(model_dir, "modules.json")) as f:
+            modules = json.load(f)
+        folder = next(m["path"] for m in modules if m.get("type", "").endswith("Pooling"))
+        with open(os.path.join(model_dir, folder, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError, StopIteration, KeyError, TypeError):
+        return "last"
+    for key, kind in (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
+                      ("pooling_mode_cls_token", "cls")):
+        if cfg.get(key):
+            return kind
+    return "last"
+
+
+class PoolingState:
+    """One request's pooling as its prompt's chunks run: ``add(rows, start, num_prompt)``
+    with the final-norm hidden states [n, hidden] of prompt positions start .. start + n - 1;
+    ``vector`` once the last prompt position has been added. A chunk at position 0 starts
+    over (a preempted request computes its prompt again)."""
+
+    def __init__(self, kind: str) -> None:
+        if kind not in POOLING_TYPES:
+            raise ValueError(f"pooling type must be one of {POOLING_TYPES}, got {kind!r}")
+        self.kind = kind
+        self.total: torch.Tensor | None = None  # mean: the running sum (fp32)
+        self.count = 0
+        self.vector: torch.Tensor | None = None
+
+    @property
+    def needs_every_position(self) -> bool:
+        """mean and cls read positions a prefix-cache hit would skip; last only the last."""
+        return self.kind != "last"
+
+    def add(self, rows: torch.Tensor, start: int, num_prompt: int) -> None:
+        if start == 0:
+            self.total, self.count, self.vector = None, 0, None
+        end = start + rows.shape[0]
+        # copies: the rows may be a graph's static buffer, rewritten by the next step
+        if self.kind == "cls":
+            if start == 0:
+                self.vector = rows[0].float().clone()
+            return
+        if self.kind == "mean":
+            part = rows.float().sum(0)
+            self.total = part if self.total is None else self.total + part
+            self.count += rows.shape[0]
+            if end == num_prompt:
+                self.vector = self.total / self.count
+            return
+        if end == num_prompt:
+            self.vector = rows[-1].float().clone()
+
+    def embedding(self, params: PoolingParams) -> list[float]:
+        """The pooled vector, cut to ``dimensions`` and normalized as asked."""
+        if self.vector is None:
+            raise RuntimeError("the prompt has not been pooled yet")
+        v = self.vector[: params.dimensions] if params.dimensions else self.vector
+        if params.normalize:
+            v = torch.nn.functional.normalize(v, dim=0)
+        return [float(x) for x in v.cpu().tolist()]
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt (vLLM's shape): ``outputs.embedding``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None
+    finished: bool = True
+    error: str | None = None  # the prompt was refused; outputs is None

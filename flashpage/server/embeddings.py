@@ -1,0 +1,60 @@
+"""POST /v1/embeddings (OpenAI's): each input's pooled hidden states (flashpage/pooling.py),
+as floats or base64 (little-endian float32, what OpenAI's client asks for by default)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from flashpage.pooling import PoolingParams
+from flashpage.server.protocol import EmbeddingRequest, bad_request
+from flashpage.server.serving import ServerState, collect, start, unless_disconnected
+
+
+async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest,
+                     arrival: float) -> Response:
+    raw = req.input
+    one = isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw))
+    items: list[Any] = [raw] if one else list(raw)
+    if not items:
+        raise bad_request("the input is empty", "input")
+    if len(items) > state.max_prompts:
+        raise bad_request(f"at most {state.max_prompts} inputs per request, got {len(items)}", "input")
+    hidden = state.engine.hidden_size
+    if req.dimensions is not None and req.dimensions > hidden:
+        raise bad_request(f"dimensions must be at most the model's {hidden}, got {req.dimensions}",
+                          "dimensions")
+    limit = state.engine.max_model_len
+    prompts: list[list[int]] = []
+    for item in items:
+        if isinstance(item, str) and not item or not isinstance(item, str) and not item:
+            raise bad_request("an input is empty", "input")
+        ids = await state.tokenizer.encode(item) if isinstance(item, str) else list(item)
+        keep = req.truncate_prompt_tokens
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:]
+        if len(ids) >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens; an input has "
+                              f"{len(ids)} (embeddings take up to {limit - 1}).", "input")
+        prompts.append(ids)
+    params = PoolingParams(dimensions=req.dimensions)
+    streams = await start(state, "embd", prompts, params, arrival, prompt_param="input")
+
+    async def answer() -> Response:
+        outs = await collect(streams)
+        data = []
+        for i, out in enumerate(outs):
+            vec = out.embedding or []
+            value: Any = vec if req.encoding_format == "float" else \
+                base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        n = sum(len(p) for p in prompts)
+        return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "data": data,
+                             "model": state.model_name, "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+    return await unless_disconnected(request, answer())
