@@ -13,18 +13,12 @@ from fastapi.responses import JSONResponse, Response
 
 from flashpage.pooling import PoolingParams
 from flashpage.server.protocol import EmbeddingRequest, bad_request
-from flashpage.server.serving import ServerState, collect, start, unless_disconnected
+from flashpage.server.serving import ServerState, collect, prompt_items, start, unless_disconnected
 
 
 async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest,
                      arrival: float) -> Response:
-    raw = req.input
-    one = isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw))
-    items: list[Any] = [raw] if one else list(raw)
-    if not items:
-        raise bad_request("the input is empty", "input")
-    if len(items) > state.max_prompts:
-        raise bad_request(f"at most {state.max_prompts} inputs per request, got {len(items)}", "input")
+    items = prompt_items(state, req.input, "input")
     hidden = state.engine.hidden_size
     if req.dimensions is not None and req.dimensions > hidden:
         raise bad_request(f"dimensions must be at most the model's {hidden}, got {req.dimensions}",

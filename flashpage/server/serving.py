@@ -88,16 +88,21 @@ class ServerState:
 
 
 # ---------------------------------------------------------------------------- /v1/completions
-async def completions(state: ServerState, request: Request, req: CompletionRequest,
-                      arrival: float) -> Response:
-    raw = req.prompt
+def prompt_items(state: ServerState, raw: Any, field: str) -> list[Any]:
+    """A text, texts, token ids or lists of ids (OpenAI's prompt / input) -> the list of
+    prompts; 400 naming ``field`` when there are none or more than the server takes."""
     one = isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw))
     items: list[Any] = [raw] if one else list(raw)
     if not items:
-        raise bad_request("the prompt is empty", "prompt")
+        raise bad_request(f"the {field} is empty", field)
     if len(items) > state.max_prompts:
-        raise bad_request(f"at most {state.max_prompts} prompts per request, got {len(items)}",
-                          "prompt")
+        raise bad_request(f"at most {state.max_prompts} prompts per request, got {len(items)}", field)
+    return items
+
+
+async def completions(state: ServerState, request: Request, req: CompletionRequest,
+                      arrival: float) -> Response:
+    items = prompt_items(state, req.prompt, "prompt")
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     params = sampling_params(state, req, max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
