@@ -94,3 +94,24 @@ def test_pooling_type_from_sentence_transformers_files(tmp_path):
         assert pooling_type_of(str(tmp_path)) == kind
     with pytest.raises(ValueError, match="pooling_type must be last, mean or cls"):
         LLM(str(tmp_path), pooling_type="max")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["last", "mean"])
+def test_embed_on_the_gpu_with_graphs(tiny_checkpoint, kind):
+    """fp32 on the GPU with every graph kind captured: the steps that pool skip the graphs
+    that return only sampled logits, the piecewise ones hand back the hidden states; the
+    vectors are transformers', beside generation."""
+    path = tiny_checkpoint("head64_gqa")
+    prompts = random_prompts(6, 3, 30, seed=17) + random_prompts(1, 70, 70, seed=18)
+    hidden = _hf_hidden(path, prompts)
+    llm = LLM(str(path), dtype="float32", device="cuda", attention_backend="triton", block_size=16,
+              max_num_batched_tokens=64, pooling_type=kind)
+    assert llm.engine.runner.graphs is not None
+    outs = llm.embed(prompts, use_tqdm=False)
+    for o, h in zip(outs, hidden, strict=True):
+        want = h[-1] if kind == "last" else h.mean(0)
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), torch.nn.functional.normalize(want, dim=0),
+                                   atol=1e-4, rtol=1e-3)
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
