@@ -363,7 +363,7 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                 "no room for any output token")
-        guide = self._compile_guide(params)
+        guide = self.compile_guide(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = _Parent(request_id, text, ids, params, [], RequestMetrics(arrival), pooling)
         for i in range(params.n):
@@ -394,9 +394,12 @@ class LLMEngine:
             self._children[c.request.request_id] = c
         return request_id
 
-    def _compile_guide(self, params: SamplingParams) -> CompiledGuide | None:
+    def compile_guide(self, params: SamplingParams) -> CompiledGuide | None:
         """The request's structured-outputs guide (compiled once per spec and cached), or
-        None; a StructuredOutputsError (a ValueError) naming what is wrong with the spec."""
+        None; a StructuredOutputsError (a ValueError) naming what is wrong with the spec.
+        Another thread may call it ahead of add_request (the server does, so that a new
+        spec's compile, up to ~0.2 s, does not hold up every request's steps); add_request
+        then finds it cached."""
         spec = params.structured_outputs
         if spec is None:
             return None

@@ -124,6 +124,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self.dead: BaseException | None = None
+        self._compiler: concurrent.futures.ThreadPoolExecutor | None = None  # compile_guide's
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -140,6 +141,9 @@ class AsyncEngine:
         self._submit(("shutdown",))
         self._thread.join(timeout)
         self._thread = None
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
+            self._compiler = None
 
     @property
     def is_running(self) -> bool:
@@ -179,6 +183,16 @@ class AsyncEngine:
             stream.abort()  # cancelled while queued: the add (if it ran) is undone
             raise
         return stream
+
+    async def compile_guide(self, params: SamplingParams) -> None:
+        """Compile a structured-outputs spec on a worker thread, ahead of add_request (which
+        then finds it in the engine's cache): not on the engine thread, between everyone's
+        steps. Raises the engine's StructuredOutputsError for a bad spec."""
+        if params.structured_outputs is None:
+            return
+        if self._compiler is None:
+            self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flashpage-guides")
+        await asyncio.get_running_loop().run_in_executor(self._compiler, self.engine.compile_guide, params)
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams | PoolingParams, arrival_time: float | None = None,

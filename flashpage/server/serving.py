@@ -345,6 +345,8 @@ async def start(state: ServerState, prefix: str, prompts: list[list[int]],
     streams: list[RequestStream] = []
     base = f"{prefix}-{uuid.uuid4().hex}"
     try:
+        if isinstance(params, SamplingParams):  # a structured-outputs spec: compiled off the engine thread
+            await state.engine.compile_guide(params)
         for i, ids in enumerate(prompts):
             streams.append(await state.engine.add_request(f"{base}-{i}", ids, params, arrival))
     except BaseException as e:

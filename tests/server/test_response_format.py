@@ -128,3 +128,27 @@ def test_bad_specs_are_400_naming_the_field(json_server, body, param, message):
     assert err["param"] == param and re.search(message, err["message"]), err
     m = json_server.wait_idle()
     assert m["flashpage:kv_cache_blocks_used"] == 0
+
+
+def test_a_new_spec_compiles_off_the_engine_thread(json_server, monkeypatch):
+    """The server compiles a request's structured-outputs spec on a worker thread before
+    adding it: the engine thread, which steps every request, only finds it cached."""
+    import threading
+
+    from flashpage.structured.compiler import GuideCompiler
+
+    misses: list[str] = []
+    real = GuideCompiler.compile
+
+    def spy(self, spec):
+        if spec.cache_key() not in self._guides:
+            misses.append(threading.current_thread().name)
+        return real(self, spec)
+
+    monkeypatch.setattr(GuideCompiler, "compile", spy)
+    r = _post(json_server, "/v1/completions", {"prompt": "Answer:", "guided_regex": "(zz|yy)[0-9]{3}", "max_tokens": 20})
+    assert r.status_code == 200, r.text
+    assert re.fullmatch("(zz|yy)[0-9]{3}", r.json()["choices"][0]["text"])
+    assert misses and all(name.startswith("flashpage-guides") for name in misses), misses
+    bad = _post(json_server, "/v1/completions", {"prompt": "x", "guided_regex": "a(?=b)", "max_tokens": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
