@@ -48,22 +48,7 @@ d)
     --out "$OUT" 2>&1 | tee "$OUT/ttft_graphs.txt" | grep -v "^\s*$" | grep -iv "warn" | tail -n 14
   echo "part d done at ${SECONDS}s" ;;
 e)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site || exit 1
-  for g in 1 0; do
-    for load in "16 300 512 128" "2 60 256 64"; do
-      set -- $load
-      FLASHPAGE_PREFILL_GRAPHS=$g FLASHPAGE_PIECEWISE_GRAPHS=$g timeout "$(left 150)" python3 -m flashpage \
-        bench serve --config llama-3-8b --request-rate $1 --num-prompts $2 --input-len $3 --output-len $4 \
-        --json-out "$OUT/serve_graphs${g}_rate$1.json" > "$OUT/serve_graphs${g}_rate$1.txt" 2>&1
-      python3 - "$OUT/serve_graphs${g}_rate$1.json" "$g" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-keys = [k for k in r if any(w in k for w in ("ttft", "itl", "throughput", "failed", "completed"))]
-print("graphs", sys.argv[2], {k: r[k] for k in keys})
-PY
-    done
-  done
+  serve_graph_loads
   echo "part e done at ${SECONDS}s" ;;
 f)
   for g in 1 0; do

@@ -7,6 +7,8 @@
 #                                   then ttft_graphs.py (8B: capture lines, mixed steps vs replanned)
 #   bash benchmarks/gpu_s17.sh b    serving with the plans (bench serve, 8B): run 129's loads (16 req/s
 #                                   512/128, 2 req/s 256/64), graphs on and off. Carry [".whl"]
+#   bash benchmarks/gpu_s17.sh c    the decode / prefill kernel GPU files after the bound launches, whole
+#                                   (run 137 ran 123 of them before its limit, none failed)
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -22,17 +24,12 @@ a)
     | tee "$OUT/ttft_graphs.txt" | grep -i "captured\|tokens x\|decodes +" | tail -n 12
   echo "part a done at ${SECONDS}s" ;;
 b)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site || exit 1
-  for g in 1 0; do
-    for load in "16 300 512 128" "2 60 256 64"; do
-      set -- $load
-      FLASHPAGE_PREFILL_GRAPHS=$g FLASHPAGE_PIECEWISE_GRAPHS=$g timeout "$(left 150)" python3 -m flashpage \
-        bench serve --config llama-3-8b --request-rate $1 --num-prompts $2 --input-len $3 --output-len $4 \
-        --json-out "$OUT/serve_graphs${g}_rate$1.json" > "$OUT/serve_graphs${g}_rate$1.txt" 2>&1
-      tail -n 4 "$OUT/serve_graphs${g}_rate$1.txt"
-    done
-  done
+  serve_graph_loads
   echo "part b done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-b)"; exit 2 ;;
+c)
+  timeout "$(left 300)" $PT -m gpu tests/kernels/test_paged_decode.py tests/kernels/test_paged_decode_gluon_bf16.py \
+    tests/kernels/test_flash_prefill_gluon.py tests/kernels/test_fast_launch.py tests/kernels/test_fp8_kv.py -rf 2>&1 \
+    | tee "$OUT/kernel_gpu_tests.txt" | tail -n 3
+  echo "part c done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-c)"; exit 2 ;;
 esac
