@@ -132,7 +132,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         arrival = time.monotonic()
         _check_key(state, request)
         req = await _parse(state, request, ChatCompletionRequest)
-        return await serving.chat(state, request, req, arrival)
+        from flashpage.server.chat import chat
+
+        return await chat(state, request, req, arrival)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:

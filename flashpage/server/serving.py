@@ -1,5 +1,6 @@
-"""The two generation endpoints: a validated request in, engine requests out, and their
-outputs back as one JSON answer or as server-sent events.
+"""/v1/completions and the steps every endpoint shares (chat: chat.py, embeddings:
+embeddings.py): a validated request in, engine requests out, and their outputs back as one
+JSON answer or as server-sent events.
 
 A /v1/completions request with several prompts is one engine request per prompt; each
 engine request carries its ``n`` choices, numbered ``prompt_index * n + i`` in the answer.
@@ -39,7 +40,6 @@ from flashpage.server.protocol import (
 )
 from flashpage.server.render import (
     ChoiceState,
-    chat_logprobs,
     completion_logprobs,
     echo_logprobs,
     prompt_logprobs,
@@ -48,12 +48,9 @@ from flashpage.server.render import (
 from flashpage.server.structured import structured_field, structured_outputs
 from flashpage.server.tokenize import ServerTokenizer
 from flashpage.server.tool_choice import (
-    assistant_message,
     conversation,
-    finish_reason,
-    tool_request,
 )
-from flashpage.server.tools import ToolCall, ToolStream, get_parser
+from flashpage.server.tools import get_parser
 
 logger = logging.getLogger("flashpage.server")
 
@@ -171,71 +168,6 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": state.model_name, "choices": choices,
                              "usage": usage(n_prompt, completion_tokens)})
-
-    return await unless_disconnected(request, answer())
-
-
-# ---------------------------------------------------------------------------- /v1/chat
-async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
-               arrival: float) -> Response:
-    tools = tool_request(req, state.tool_parser, state.auto_tool_choice)
-    ids = await state.tokenizer.apply_chat_template(conversation(req.messages), tools.template_tools)
-    if req.truncate_prompt_tokens is not None:
-        ids = ids[-req.truncate_prompt_tokens:]  # the conversation's oldest tokens go first
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-        else req.max_tokens
-    max_tokens = check_length(state, len(ids), max_tokens)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    want_lp = bool(req.logprobs)
-    params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if want_lp else None,
-                             tools.structured)
-    streams = await start(state, "chatcmpl", [ids], params, arrival,
-                          "tools" if tools.structured is not None else structured_field(req))
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    tok = state.tokenizer
-
-    if req.stream:
-        calls_in: dict[int, ToolStream] = {}  # choice -> its text through the tool parser
-
-        def choice(idx: int, st: ChoiceState, delta: str, lps: list[Logprobs],
-                   finish: str | None, out: RequestOutput) -> dict[str, Any]:
-            d: dict[str, Any] = {"content": delta}
-            if tools.parser is not None:  # content up to a call; the calls when it ends
-                ts = calls_in.setdefault(idx, ToolStream(tools.parser))
-                text, calls = ts.feed(delta), list[ToolCall]()
-                if finish is not None:
-                    rest, calls = ts.finish()
-                    text += rest or ""
-                d = {"content": text or (None if calls else "")}
-                if calls:
-                    d["tool_calls"] = [c.to_openai(i) for i, c in enumerate(calls)]
-                finish = finish_reason(finish, calls)
-            if not st.role_sent:  # the first chunk of each choice names the role
-                st.role_sent = True
-                d = {"role": "assistant", **d}
-            return {"index": idx, "delta": d, "logprobs": chat_logprobs(tok, lps, want_lp),
-                    "finish_reason": finish}
-
-        return stream_response(state, streams, params.n, rid, "chat.completion.chunk", len(ids),
-                               bool(req.stream_options and req.stream_options.include_usage),
-                               choice)
-
-    async def answer() -> Response:
-        out = (await collect(streams))[0]
-        choices: list[dict[str, Any]] = []
-        for o in out.outputs:
-            content, calls = tools.parser.extract(o.text) if tools.parser is not None else (o.text, [])
-            choices.append({"index": o.index, "message": assistant_message(content, calls),
-                            "logprobs": chat_logprobs(tok, o.logprobs or [], want_lp),
-                            "finish_reason": finish_reason(o.finish_reason, calls)})
-        if req.prompt_logprobs is not None:
-            for c in choices:
-                c["prompt_logprobs"] = prompt_logprobs(tok, ids, out.prompt_logprobs)
-        completion_tokens = sum(len(o.token_ids) for o in out.outputs)
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
-                             "model": state.model_name, "choices": choices,
-                             "usage": usage(len(ids), completion_tokens)})
 
     return await unless_disconnected(request, answer())
 

@@ -1,0 +1,99 @@
+"""POST /v1/chat/completions: messages through the chat template (with the request's tools,
+server/tool_choice.py), generated, and the answer read back as content and tool calls,
+streamed or whole."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from flashpage.engine.sampler import Logprobs
+from flashpage.outputs import RequestOutput
+from flashpage.server.protocol import ChatCompletionRequest, bad_request
+from flashpage.server.render import ChoiceState, chat_logprobs, prompt_logprobs
+from flashpage.server.serving import (
+    ServerState,
+    check_length,
+    collect,
+    sampling_params,
+    start,
+    stream_response,
+    unless_disconnected,
+    usage,
+)
+from flashpage.server.structured import structured_field
+from flashpage.server.tool_choice import (
+    assistant_message,
+    conversation,
+    finish_reason,
+    tool_request,
+)
+from flashpage.server.tools import ToolCall, ToolStream
+
+
+async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
+               arrival: float) -> Response:
+    tools = tool_request(req, state.tool_parser, state.auto_tool_choice)
+    ids = await state.tokenizer.apply_chat_template(conversation(req.messages), tools.template_tools)
+    if req.truncate_prompt_tokens is not None:
+        ids = ids[-req.truncate_prompt_tokens:]  # the conversation's oldest tokens go first
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    max_tokens = check_length(state, len(ids), max_tokens)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    want_lp = bool(req.logprobs)
+    params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if want_lp else None,
+                             tools.structured)
+    streams = await start(state, "chatcmpl", [ids], params, arrival,
+                          "tools" if tools.structured is not None else structured_field(req))
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    tok = state.tokenizer
+
+    if req.stream:
+        calls_in: dict[int, ToolStream] = {}  # choice -> its text through the tool parser
+
+        def choice(idx: int, st: ChoiceState, delta: str, lps: list[Logprobs],
+                   finish: str | None, out: RequestOutput) -> dict[str, Any]:
+            d: dict[str, Any] = {"content": delta}
+            if tools.parser is not None:  # content up to a call; the calls when it ends
+                ts = calls_in.setdefault(idx, ToolStream(tools.parser))
+                text, calls = ts.feed(delta), list[ToolCall]()
+                if finish is not None:
+                    rest, calls = ts.finish()
+                    text += rest or ""
+                d = {"content": text or (None if calls else "")}
+                if calls:
+                    d["tool_calls"] = [c.to_openai(i) for i, c in enumerate(calls)]
+                finish = finish_reason(finish, calls)
+            if not st.role_sent:  # the first chunk of each choice names the role
+                st.role_sent = True
+                d = {"role": "assistant", **d}
+            return {"index": idx, "delta": d, "logprobs": chat_logprobs(tok, lps, want_lp),
+                    "finish_reason": finish}
+
+        return stream_response(state, streams, params.n, rid, "chat.completion.chunk", len(ids),
+                               bool(req.stream_options and req.stream_options.include_usage),
+                               choice)
+
+    async def answer() -> Response:
+        out = (await collect(streams))[0]
+        choices: list[dict[str, Any]] = []
+        for o in out.outputs:
+            content, calls = tools.parser.extract(o.text) if tools.parser is not None else (o.text, [])
+            choices.append({"index": o.index, "message": assistant_message(content, calls),
+                            "logprobs": chat_logprobs(tok, o.logprobs or [], want_lp),
+                            "finish_reason": finish_reason(o.finish_reason, calls)})
+        if req.prompt_logprobs is not None:
+            for c in choices:
+                c["prompt_logprobs"] = prompt_logprobs(tok, ids, out.prompt_logprobs)
+        completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                             "model": state.model_name, "choices": choices,
+                             "usage": usage(len(ids), completion_tokens)})
+
+    return await unless_disconnected(request, answer())
