@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +21,7 @@ from flashpage import envs
 from flashpage.attention.registry import select_backend
 from flashpage.config import EngineConfig, ModelConfig, dtype_bytes, resolve_kv_cache_dtype
 from flashpage.engine.model_runner import ModelRunner
+from flashpage.engine.output import ChildRequest, ParentRequest, child_params
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
 from flashpage.engine.scheduler import Scheduler
 from flashpage.engine.sequence import Request, RequestStatus
@@ -30,7 +31,7 @@ from flashpage.layers import ops
 from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
 from flashpage.layers.moe import set_fused_moe
 from flashpage.models.loader import ModelSource, load_model, resolve_model
-from flashpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from flashpage.outputs import RequestMetrics, RequestOutput
 from flashpage.pooling import PoolingParams, PoolingState, pooling_type_of
 from flashpage.sampling_params import SamplingParams, StructuredOutputsError
 
@@ -70,37 +71,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 @dataclass
-class _Child:
-    """Engine-side state of one sample (one scheduler Request)."""
-
-    request: Request
-    parent_id: str
-    index: int
-    detok: IncrementalDetokenizer | None
-    text: str = ""
-    sent: int = 0  # characters of text already reported
-    stop_reason: int | str | None = None
-    logprobs: list[Any] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-
-
-@dataclass
 class _Inflight:
     """A launched step: the requests that get a token, in the sampler's row order."""
 
     requests: list[Request]
     pending: PendingSample
-
-
-@dataclass
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    children: list[_Child]
-    metrics: RequestMetrics
-    pooling: PoolingParams | None = None  # an embedding request
 
 
 class LLMEngine:
@@ -160,8 +135,8 @@ class LLMEngine:
         if (self.device.type == "cuda" and backend_cls.supports_cuda_graphs
                 and getattr(self.model, "supports_cuda_graphs", True) and not config.enforce_eager):
             self._capture_graphs(backend_cls.supports_prefill_graphs)
-        self._children: dict[str, _Child] = {}
-        self._parents: dict[str, _Parent] = {}
+        self._children: dict[str, ChildRequest] = {}
+        self._parents: dict[str, ParentRequest] = {}
         self._counter = 0
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
@@ -365,17 +340,15 @@ class LLMEngine:
                 "no room for any output token")
         guide = self.compile_guide(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        parent = _Parent(request_id, text, ids, params, [], RequestMetrics(arrival), pooling)
+        parent = ParentRequest(request_id, text, ids, params, [], RequestMetrics(arrival), pooling)
         for i in range(params.n):
-            child_params = params
-            if params.n > 1:
-                child_params = _child_params(params, i)
+            sample = params if params.n == 1 else child_params(params, i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, ids, child_params, self.eos_token_ids, arrival)
+            req = Request(rid, ids, sample, self.eos_token_ids, arrival)
             if guide is not None:
                 from flashpage.structured.guide import GuideState
 
-                req.guide = GuideState(guide, allow_eos=not child_params.ignore_eos)
+                req.guide = GuideState(guide, allow_eos=not sample.ignore_eos)
             if pooling is not None:
                 req.pooling = PoolingState(self.pooling_type)
             try:
@@ -385,9 +358,9 @@ class LLMEngine:
                 raise
             detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
                      if self.tokenizer is not None and params.detokenize else None)
-            child = _Child(req, request_id, i, detok)
+            child = ChildRequest(req, request_id, i, detok)
             parent.children.append(child)
-            if needs_known_tokens(child_params):
+            if needs_known_tokens(sample):
                 self._sync_ids.add(rid)
         self._parents[request_id] = parent
         for c in parent.children:
@@ -490,75 +463,25 @@ class LLMEngine:
             if lp is not None:
                 child.logprobs.append(lp)
                 child.cumulative_logprob += lp.logprob
-            self._detokenize(child, result.token_ids[i], req.request_id in finished)
+            if child.add_token(result.token_ids[i], req.request_id in finished):  # a stop string
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             m = self._parents[child.parent_id].metrics
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
         if final_only:
-            return [self._make_output(pid, now) for pid in touched if self._is_done(pid)]
+            return [self._make_output(pid, now) for pid in touched if self._parents[pid].is_done()]
         return [self._make_output(pid, now) for pid in touched]
-
-    def _is_done(self, parent_id: str) -> bool:
-        return all(c.request.is_finished() for c in self._parents[parent_id].children)
-
-    def _detokenize(self, child: _Child, token: int, finished: bool) -> None:
-        req = child.request
-        if (finished and req.status == RequestStatus.FINISHED_STOPPED
-                and token in (req.sampling_params.stop_token_ids or ())):
-            child.stop_reason = token
-        if child.detok is None:
-            return
-        child.detok.add(token)
-        text = child.detok.text
-        stops = req.sampling_params.stop_strings
-        if stops:
-            start = max(0, len(child.text) - max(len(s) for s in stops) + 1)
-            hit = _find_stop(text, stops, start)
-            if hit is not None:
-                pos, s = hit
-                keep = pos + len(s) if req.sampling_params.include_stop_str_in_output else pos
-                text = text[:keep]
-                child.stop_reason = s
-                if finished:  # also hit max_tokens this step: the stop string wins
-                    req.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        child.text = text
 
     def _make_output(self, parent_id: str, now: float) -> RequestOutput:
         parent = self._parents[parent_id]
-        outs, new_text = [], []
-        for c in parent.children:
-            r = c.request
-            reason = RequestStatus.finish_reason(r.status) if r.is_finished() else None
-            # Hold back a tail that might be the start of a stop string.
-            visible = c.text if reason or not r.sampling_params.stop_strings else \
-                c.text[: max(c.sent, len(c.text) - max(len(s) for s in r.sampling_params.stop_strings) + 1)]
-            new_text.append(visible[c.sent:])
-            c.sent = len(visible)
-            outs.append(CompletionOutput(
-                index=c.index, text=visible,
-                token_ids=r.output_token_ids[: r.num_resolved_outputs],  # no placeholders
-                finish_reason=reason, stop_reason=c.stop_reason,
-                logprobs=list(c.logprobs) if r.sampling_params.logprobs is not None else None,
-                cumulative_logprob=c.cumulative_logprob if c.logprobs else None))
-        done = all(o.finish_reason is not None for o in outs)
-        if done:
-            parent.metrics.finished_time = now
+        out = parent.output(now)
+        if out.finished:
             del self._parents[parent_id]
             for c in parent.children:
                 self._children.pop(c.request.request_id, None)
                 self._sync_ids.discard(c.request.request_id)
-        plp = parent.children[0].request.prompt_logprobs
-        if parent.pooling is not None:  # an embedding: the vector once done, no completion
-            st = parent.children[0].request.pooling
-            embedding = st.embedding(parent.pooling) if done and st is not None else None
-            return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, [],
-                                 finished=done, metrics=parent.metrics, embedding=embedding)
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
-                             finished=done, metrics=parent.metrics, new_text=new_text,
-                             prompt_logprobs=list(plp) if plp is not None else None)
+        return out
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
@@ -570,20 +493,3 @@ class LLMEngine:
             "kv_cache": kv,
         }
 
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    import dataclasses
-
-    child = dataclasses.replace(params, n=1)
-    if params.seed is not None:
-        child.seed = params.seed + index
-    return child
-
-
-def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
-    best: tuple[int, str] | None = None
-    for s in stops:
-        pos = text.find(s, start)
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, s)
-    return best
