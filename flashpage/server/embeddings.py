@@ -26,7 +26,7 @@ async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest
     limit = state.engine.max_model_len
     prompts: list[list[int]] = []
     for item in items:
-        if isinstance(item, str) and not item or not isinstance(item, str) and not item:
+        if not item:  # "" or []
             raise bad_request("an input is empty", "input")
         ids = await state.tokenizer.encode(item) if isinstance(item, str) else list(item)
         keep = req.truncate_prompt_tokens

@@ -32,10 +32,6 @@ class ToolRequest:
     structured: StructuredOutputsParams | None = None  # required / named: the output's shape
     parser: ToolParser | None = None  # how the answer is read (every mode but "" and "none")
 
-    @property
-    def reads_calls(self) -> bool:
-        return self.parser is not None
-
 
 def _arguments_schema(tool: ToolDef) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object"}
