@@ -42,6 +42,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pooling-type", default=None, choices=["last", "mean", "cls"],
                    help="embeddings: how a prompt's hidden states are pooled (default: the model's "
                         "sentence-transformers config, else last)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4}\' (drafts looked up in the request\'s own tokens)')
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,7 +72,8 @@ def build_llm(args: argparse.Namespace) -> Any:
                kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                chat_template=getattr(args, "chat_template", None),
                random_weights_config=getattr(args, "random_weights_config", None),
-               pooling_type=getattr(args, "pooling_type", None))
+               pooling_type=getattr(args, "pooling_type", None),
+               speculative_config=getattr(args, "speculative_config", None))
 
 
 def sampling_params(args: argparse.Namespace) -> Any:

@@ -323,11 +323,19 @@ class EngineConfig:
     # embeddings: how a prompt's hidden states are pooled ("last", "mean", "cls"); None: the
     # model folder's sentence-transformers Pooling config, else "last" (flashpage/pooling.py)
     pooling_type: str | None = None
+    # speculative decoding, as vLLM's speculative_config: {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (a dict or
+    # its JSON text; engine/spec_decode.py); None: off
+    speculative_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.speculative_config is not None:
+            from flashpage.engine.spec_decode import SpeculativeConfig
+
+            SpeculativeConfig.parse(self.speculative_config)  # a bad one named now
         if self.pooling_type is not None and self.pooling_type not in ("last", "mean", "cls"):
             raise ValueError(f"pooling_type must be last, mean or cls, got {self.pooling_type!r}")
         bs = self.block_size

@@ -25,6 +25,7 @@ from flashpage.engine.output import ChildRequest, ParentRequest, child_params
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
 from flashpage.engine.scheduler import Scheduler
 from flashpage.engine.sequence import Request, RequestStatus
+from flashpage.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
 from flashpage.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.layers import ops
@@ -140,6 +141,14 @@ class LLMEngine:
         self._counter = 0
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
+        # speculative decoding (engine/spec_decode.py): a step's drafts come from the last
+        # step's tokens, so steps are scheduled after the last one is read back
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = NgramProposer(spec, self.max_model_len) if spec is not None else None
+        if self.proposer is not None:
+            if config.async_scheduling:
+                logger.warning("async scheduling is off while speculative decoding is on")
+            self.async_scheduling = False
         self._inflight: _Inflight | None = None  # the launched step not yet read back
         self._sync_ids: set[str] = set()  # requests whose sampling needs every token known
         self._guides: GuideCompiler | None = None  # structured outputs, built on first use
@@ -232,6 +241,8 @@ class LLMEngine:
         # the sampling kernel's fp32 variant (after penalties or a top-k/top-p filter)
         self.runner.sampler.warm_up(self.device)
         self.kv_manager.reset_prefix_cache()
+        if self.proposer is not None:
+            self.proposer.stats = SpecStats()
         kv = self.kv_manager
         kv.prefix_queries = kv.prefix_hits = kv.pool.num_evictions = 0
         self.scheduler.num_preemptions = self.scheduler.num_steps = 0
@@ -426,6 +437,8 @@ class LLMEngine:
         if self._inflight is not None and (not self.async_scheduling or self._sync_ids):
             outputs = self._read_back(self._inflight, final_only)  # penalties: tokens first
             self._inflight = None
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         now = time.monotonic()
         for req, _ in out.scheduled:
@@ -450,7 +463,8 @@ class LLMEngine:
         """Wait for a launched step's tokens; append them, stop requests, detokenize."""
         result = step.pending.result()
         reqs = step.requests
-        finished = {r.request_id for r in self.scheduler.resolve(reqs, result.token_ids)}
+        tokens, drafted, starts = self._drafted(step, result.token_ids)
+        finished = {r.request_id for r in self.scheduler.resolve(reqs, tokens, drafted)}
         now = time.monotonic()
         touched: dict[str, None] = {}
         for i, req in enumerate(reqs):
@@ -463,7 +477,10 @@ class LLMEngine:
             if lp is not None:
                 child.logprobs.append(lp)
                 child.cumulative_logprob += lp.logprob
-            if child.add_token(result.token_ids[i], req.request_id in finished):  # a stop string
+            if drafted is not None and req.request_id in drafted:
+                self._add_drafted(child, drafted[req.request_id] + [tokens[i]], starts[req.request_id],
+                                  req.request_id in finished)
+            elif child.add_token(tokens[i], req.request_id in finished):  # a stop string
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             m = self._parents[child.parent_id].metrics
             if m.first_token_time is None:
@@ -472,6 +489,46 @@ class LLMEngine:
         if final_only:
             return [self._make_output(pid, now) for pid in touched if self._parents[pid].is_done()]
         return [self._make_output(pid, now) for pid in touched]
+
+    def _drafted(self, step: _Inflight, tokens: list[int]
+                 ) -> tuple[list[int], dict[str, list[int]] | None, dict[str, int]]:
+        """A speculative step's tokens: each checked request's last token (the one drawn at
+        its first rejected draft, else the step's sample), its accepted drafts, and how many
+        outputs it had resolved before them."""
+        checked = step.pending.drafted
+        if not checked or self.proposer is None:
+            return tokens, None, {}
+        tokens = list(tokens)
+        stats = self.proposer.stats
+        drafted: dict[str, list[int]] = {}
+        starts: dict[str, int] = {}
+        for i, req in enumerate(step.requests):
+            got = checked.get(req.request_id)
+            if got is None:
+                continue
+            accepted, drawn, num_drafts = got
+            drafted[req.request_id] = accepted
+            starts[req.request_id] = req.num_resolved_outputs
+            if drawn is not None:
+                tokens[i] = drawn
+            stats.num_drafts += 1
+            stats.num_draft_tokens += num_drafts
+            stats.num_accepted_tokens += len(accepted)
+        return tokens, drafted, starts
+
+    def _add_drafted(self, child: ChildRequest, tokens: list[int], start: int, finished: bool) -> None:
+        """Hand a speculative step's tokens to the sample one by one, as far as the request
+        took them (``start``: its outputs before them); a stop string among them ends the
+        sample there, the tokens after it dropped."""
+        req = child.request
+        taken = req.num_output_tokens - start
+        for j, tok in enumerate(tokens[:taken]):
+            stop_now = child.add_token(tok, finished)
+            if stop_now or isinstance(child.stop_reason, str):
+                req.truncate_outputs(start + j + 1)
+                if stop_now:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                return
 
     def _make_output(self, parent_id: str, now: float) -> RequestOutput:
         parent = self._parents[parent_id]
@@ -486,10 +543,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         kv = self.kv_manager.stats()
-        return {
+        out: dict[str, Any] = {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache": kv,
         }
+        if self.proposer is not None:
+            out["spec_decode"] = self.proposer.stats.as_dict()
+        return out
 

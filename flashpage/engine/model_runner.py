@@ -20,6 +20,7 @@ from flashpage.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs, PrefillGr
 from flashpage.engine.sampler import PendingSample, Sampler
 from flashpage.engine.scheduler import SchedulerOutput
 from flashpage.engine.sequence import PLACEHOLDER, Request
+from flashpage.engine.spec_decode import verify_drafts
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 
 TABLE_WIDTH_MULTIPLE = 16
@@ -48,6 +49,9 @@ class StepInputs:
     prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
     # embeddings: (request, its first row in the step, its first position, prompt rows)
     pool_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    # speculative decoding: (request, its drafts) in the order of their logits rows, which
+    # follow the sampled requests' rows in logits_indices (engine/spec_decode.py)
+    spec: list[tuple[Request, list[int]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -155,7 +159,11 @@ class ModelRunner:
         # [input_ids | positions | slot_mapping | qsl | seq_lens | logits_idx | block_tables]
         rows = [self._table_row(r) for r, _ in sched]
         width = _table_width(max((len(r) for r in rows), default=1))
-        n_logits = sum(1 for r, n in sched if r.num_computed_tokens + n == r.num_tokens)
+        # Requests whose range reaches their last known token get a logits row there; those
+        # with drafts after it (speculative decoding) one more per draft, after all the others.
+        n_sample = sum(1 for r, n in sched if r.num_computed_tokens + n >= r.num_tokens)
+        n_drafts = sum(max(r.num_computed_tokens + n - r.num_tokens, 0) for r, n in sched)
+        n_logits = n_sample + n_drafts
         # Decodes whose input token is still being sampled by the previous step.
         pending = [i for i, (r, n) in enumerate(sched)
                    if n == 1 and r.all_token_ids[r.num_computed_tokens] == PLACEHOLDER]
@@ -170,9 +178,11 @@ class ModelRunner:
         sample_reqs: list[Request] = []
         prompt_rows: list[tuple[Request, int, int, int]] = []
         pool_rows: list[tuple[Request, int, int, int]] = []
+        spec: list[tuple[Request, list[int]]] = []
         num_decodes = 0
         t = 0
         k = 0
+        d = n_sample  # the next draft-checking row in logits_idx
         for i, (req, n) in enumerate(sched):
             start = req.num_computed_tokens
             end = start + n
@@ -185,7 +195,19 @@ class ModelRunner:
                 if num_decodes == i:
                     num_decodes += 1
             else:
-                input_ids[t:t + n] = req.all_token_ids[start:end]
+                drafted = end - req.num_tokens
+                if drafted > 0:  # its last token, then its drafts
+                    drafts = req.spec_token_ids[:drafted]
+                    input_ids[t:t + n - drafted] = req.all_token_ids[start:]
+                    input_ids[t + n - drafted:t + n] = drafts
+                    # the rows at its last token and at every draft but the last check the
+                    # drafts; the last draft's row is its sampled row, as any request's
+                    first = t + n - drafted - 1
+                    logits_idx[d:d + drafted] = np.arange(first, first + drafted)
+                    d += drafted
+                    spec.append((req, drafts))
+                else:
+                    input_ids[t:t + n] = req.all_token_ids[start:end]
                 pos = np.arange(start, end, dtype=np.int64)
                 positions[t:t + n] = pos
                 slot_mapping[t:t + n] = row[pos // bs].astype(np.int64) * bs + pos % bs
@@ -197,7 +219,7 @@ class ModelRunner:
                 pool_rows.append((req, t, start, min(end, req.num_prompt_tokens) - start))
             t += n
             qsl[i + 1] = t
-            if end == req.num_tokens:
+            if end >= req.num_tokens:
                 logits_idx[k] = t - 1
                 k += 1
                 sample_reqs.append(req)
@@ -226,7 +248,8 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
         )
         md = self.backend.prepare(md)
-        return StepInputs(d_input_ids, d_positions, md, d_logits, sample_reqs, prompt_rows, pool_rows)
+        return StepInputs(d_input_ids, d_positions, md, d_logits, sample_reqs, prompt_rows, pool_rows,
+                          spec)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list[tuple[Request, int, int, int]]) -> None:
         """Each prompt_rows row's logprobs of the prompt token after it (raw log_softmax, its
@@ -284,9 +307,9 @@ class ModelRunner:
             return [], None
         inp = self.prepare(out)
         md = inp.metadata
-        # Steps whose hidden states are read (prompt logprobs, embeddings) skip the graphs
-        # that hand back only the sampled rows' logits.
-        reads_hidden = bool(inp.prompt_rows or inp.pool_rows)
+        # Steps whose hidden states are read (prompt logprobs, embeddings) or that check
+        # drafts skip the graphs that hand back only the sampled rows' logits.
+        reads_hidden = bool(inp.prompt_rows or inp.pool_rows or inp.spec)
         if (self.graphs is not None and md.num_decodes == md.num_seqs and not reads_hidden
                 and self.graphs.bucket(md.num_seqs) is not None):
             # One token per request, each sampled: token index == row of the captured
@@ -314,4 +337,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inp.logits_indices])  # type: ignore[operator]
         if not inp.sample_requests:
             return [], None
-        return inp.sample_requests, self.sampler.launch(logits, inp.sample_requests)
+        if not inp.spec:
+            return inp.sample_requests, self.sampler.launch(logits, inp.sample_requests)
+        n = len(inp.sample_requests)
+        pending = self.sampler.launch(logits[:n], inp.sample_requests)
+        checked = verify_drafts(logits[n:], inp.spec, self.config.vocab_size)
+        pending.drafted = {r.request_id: v for (r, _), v in zip(inp.spec, checked, strict=True)}
+        return inp.sample_requests, pending

@@ -65,6 +65,9 @@ class PendingSample:
         self._params = params
         self._host = [_to_host(t) for t in (tokens, *(lp or ()))]
         self._has_lp = lp is not None
+        # speculative decoding: request id -> (accepted drafts, the token drawn at the first
+        # rejected one or None, drafts checked), for the requests whose drafts ran this step
+        self.drafted: dict[str, tuple[list[int], int | None, int]] | None = None
         self._event: torch.cuda.Event | None = None
         if tokens.is_cuda:
             self._event = torch.cuda.Event()

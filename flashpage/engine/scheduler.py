@@ -164,10 +164,13 @@ class Scheduler:
             if req.length_capped(self.max_model_len):
                 i += 1  # finishes when its last token is read back: nothing left to run
                 continue
-            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            num_new = min(len(req.all_token_ids) + len(req.spec_token_ids) - req.num_computed_tokens,
+                          budget)
             if num_new <= 0:  # defensive: a running request always has >= 1 token to do
                 i += 1
                 continue
+            if req.spec_token_ids:  # drafts (after its one last token) as far as the budget goes
+                del req.spec_token_ids[max(num_new - 1, 0):]
             while kv.allocate_slots(req, num_new) is None:
                 victim = running.pop()
                 self._preempt(victim)
@@ -220,6 +223,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -238,16 +242,24 @@ class Scheduler:
             if req.status == RequestStatus.RUNNING:
                 req.append_placeholder()
 
-    def resolve(self, sampled: list[Request], tokens: list[int]) -> list[Request]:
+    def resolve(self, sampled: list[Request], tokens: list[int],
+                drafted: dict[str, list[int]] | None = None) -> list[Request]:
         """Async scheduling: the launched step's tokens, read back. Fills each request's
         oldest placeholder and finishes (and frees) the requests that stop on it; requests
-        finished or aborted meanwhile are skipped. Returns the requests that finished."""
+        finished or aborted meanwhile are skipped. ``drafted``: a speculative step's
+        accepted drafts by request id, which come before its token (Request.resolve_drafted).
+        Returns the requests that finished."""
         max_model_len = self.max_model_len
         finished: list[Request] = []
         for req, token in zip(sampled, tokens, strict=True):
             if req.is_finished() or not req.num_unresolved:
                 continue
-            status = req.resolve_next(token, max_model_len)
+            accepted = drafted.get(req.request_id) if drafted is not None else None
+            if accepted is not None:
+                status = req.resolve_drafted([*accepted, token], max_model_len)
+                self.kv_cache_manager.trim(req)
+            else:
+                status = req.resolve_next(token, max_model_len)
             if status is None:
                 continue
             if req.status != RequestStatus.RUNNING:  # preempted while its token was in flight

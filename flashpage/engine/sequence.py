@@ -111,6 +111,10 @@ class Request:
         self.guide: GuideState | None = None
         # embeddings: the prompt's hidden states pooled as its chunks run (set by the engine)
         self.pooling: PoolingState | None = None
+        # speculative decoding: tokens guessed to follow all_token_ids, run (and checked)
+        # beside its last token in the next step (engine/spec_decode.py); the scheduler
+        # trims them to its budget
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -164,6 +168,30 @@ class Request:
         if self.guide is not None:
             self.guide.advance(token_id)
         return self._stop_status(i + 1, max_model_len)
+
+    def resolve_drafted(self, tokens: list[int], max_model_len: int) -> RequestStatus | None:
+        """A speculative step's tokens (accepted drafts, then the model's own): fill the
+        placeholder with the first and append the rest, stopping at the first that finishes
+        the request (those after it are dropped). Unless finished, every token but the new
+        last one is now computed: K/V written past it (rejected drafts) is overwritten later."""
+        status = self.resolve_next(tokens[0], max_model_len)
+        for t in tokens[1:]:
+            if status is not None:
+                break
+            self.append_output_token(t)
+            status = self.check_stop(max_model_len)
+        self.num_computed_tokens = len(self.all_token_ids) - 1
+        self.spec_token_ids = []
+        return status
+
+    def truncate_outputs(self, n: int) -> None:
+        """Keep only the first ``n`` outputs (a stop string found in the middle of a
+        speculative step's tokens ends the sample there)."""
+        k = len(self.output_token_ids) - n
+        if k > 0:
+            del self.output_token_ids[-k:]
+            del self.all_token_ids[-k:]
+            self.num_resolved_outputs = min(self.num_resolved_outputs, n)
 
     def drop_unresolved(self) -> None:
         """Forget outputs sampled after the one that finished the request."""

@@ -217,6 +217,13 @@ class KVCacheManager:
             parent_cid = b.content_id
         self._num_registered[rid] = num_full
 
+    def trim(self, request: Request) -> None:
+        """The request's stored tokens back to its computed ones (a speculative step's
+        rejected drafts); its blocks stay, to be written again as it grows."""
+        rid = request.request_id
+        if rid in self._num_stored:
+            self._num_stored[rid] = min(self._num_stored[rid], request.num_computed_tokens)
+
     def free(self, request: Request) -> None:
         """Return the request's blocks (finish, abort or preemption).
 

@@ -67,6 +67,14 @@ class _EngineStateCollector(Collector):
             ("prefix_cache_queries", "Prefix-cache block lookups.", kv.prefix_queries),
             ("prefix_cache_hits", "Prefix-cache block lookups that hit.", kv.prefix_hits),
         ]
+        spec = s.get("spec_decode")
+        if spec is not None:  # vLLM's spec_decode_* counters
+            counters += [
+                ("spec_decode_num_drafts", "Steps in which a request ran drafts.", spec["num_drafts"]),
+                ("spec_decode_num_draft_tokens", "Draft tokens run.", spec["num_draft_tokens"]),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 spec["num_accepted_tokens"]),
+            ]
         for name, doc, value in counters:
             yield CounterMetricFamily(P + name, doc, value=float(value))
 

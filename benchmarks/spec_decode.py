@@ -1,0 +1,150 @@
+"""Speculative decoding (n-gram drafts) against plain decoding, in one process.
+
+One engine (random --config weights, or --model), its proposer swapped between runs, every
+run greedy with the same prompts: each prompt is a random block of --block tokens repeated
+to --input-len, so n-gram lookups find matches in it. Modes per batch size:
+
+- plain: no drafts (async scheduling on, as the engine runs without speculation)
+- ngram k=K: the real n-gram proposer; what it gains depends on how much of the model's
+  output repeats what came before (random weights: whatever they do)
+- right k=K / wrong k=K: drafts scripted from plain's own tokens, all right (every draft
+  accepted: the most a step of k drafts can give) or all wrong (none accepted: the price
+  of checking k drafts), which bound what any proposer gets from this model and machine.
+
+Prints output tokens/s, the mean inter-token gap (ms), steps, and the drafts' acceptance
+for each; checks every mode's tokens against plain's (greedy: they must be equal, bar
+fp ties that verification's different kernels may break the other way).
+
+    python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 2 4 --json-out $OUT/spec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from flashpage.bench.common import resolve_config
+from flashpage.engine.sequence import Request
+from flashpage.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
+from flashpage.llm import LLM
+from flashpage.sampling_params import SamplingParams
+
+
+class ScriptedProposer(NgramProposer):
+    """Drafts from known answers (by prompt index in the request id): right, or each +1."""
+
+    answers: dict[str, list[int]]
+    shift: int = 0
+    vocab: int = 1
+
+    def draft(self, req: Request, k: int) -> list[int]:
+        ans = self.answers[req.request_id]
+        i = req.num_output_tokens
+        return [(t + self.shift) % self.vocab for t in ans[i:i + k]]
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams, iters: int) -> dict[str, Any]:
+    eng = llm.engine
+    times, gaps, steps, outs = [], [], [], []
+    for _ in range(iters):
+        n0 = eng.scheduler.num_steps
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize(eng.device)
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params)
+        done: dict[str, Any] = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        times.append(time.perf_counter() - t0)
+        steps.append(eng.scheduler.num_steps - n0)
+        outs = [done[str(i)] for i in range(len(prompts))]
+        for o in outs:
+            m, n = o.metrics, len(o.outputs[0].token_ids)
+            if m is not None and m.first_token_time is not None and m.last_token_time is not None and n > 1:
+                gaps.append((m.last_token_time - m.first_token_time) / (n - 1))
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    t = statistics.median(times)
+    return {"seconds": t, "output_tok_per_s": tokens / t, "itl_ms": 1e3 * statistics.median(gaps),
+            "steps": statistics.median(steps), "token_ids": [o.outputs[0].token_ids for o in outs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None, help="random weights of this shape (e.g. llama-3-8b)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--ks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--block", type=int, default=24, help="the repeated block's length")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    kmax = max(args.ks)
+    llm = LLM(args.model, random_weights_config=resolve_config(args.config), dtype=args.dtype,
+              device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
+              speculative_config={"method": "ngram", "num_speculative_tokens": kmax})
+    eng = llm.engine
+    ngram = eng.proposer
+    assert ngram is not None
+    vocab = eng.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+    g = torch.Generator().manual_seed(0)
+    results: dict[str, Any] = {"config": args.config or args.model, "device": str(eng.device),
+                               "dtype": str(eng.dtype), "input_len": args.input_len,
+                               "block": args.block, "output_len": args.output_len, "runs": []}
+    for bs in args.batch_sizes:
+        prompts = []
+        for _ in range(bs):
+            block = torch.randint(3, vocab, (args.block,), generator=g).tolist()
+            prompts.append((block * (args.input_len // args.block + 1))[: args.input_len])
+        eng.proposer, eng.async_scheduling = None, eng.device.type == "cuda"
+        _run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), 1)  # warm
+        plain = _run(llm, prompts, params, args.iters)
+        want = plain["token_ids"]
+        modes: list[tuple[str, NgramProposer]] = []
+        for k in args.ks:
+            cfg = SpeculativeConfig(num_speculative_tokens=k)
+            modes.append((f"ngram k={k}", NgramProposer(cfg, eng.max_model_len)))
+            for name, shift in (("right", 0), ("wrong", 1)):
+                sp = ScriptedProposer(cfg, eng.max_model_len)
+                sp.answers = {str(i): a for i, a in enumerate(want)}
+                sp.shift, sp.vocab = shift, vocab
+                modes.append((f"{name} k={k}", sp))
+        rows = [("plain", plain, None)]
+        eng.async_scheduling = False
+        for name, prop in modes:
+            eng.proposer = prop
+            prop.stats = SpecStats()
+            r = _run(llm, prompts, params, args.iters)
+            rows.append((name, r, prop.stats.as_dict()))
+        for name, r, st in rows:
+            same = sum(a == b for a, b in zip(r["token_ids"], want, strict=True))
+            line = (f"batch {bs:3d} {name:12s} {r['output_tok_per_s']:9.1f} tok/s  ITL {r['itl_ms']:6.2f} ms  "
+                    f"steps {r['steps']:5.0f}  x{r['output_tok_per_s'] / plain['output_tok_per_s']:.2f}")
+            if st is not None:
+                line += (f"  accepted {st['num_accepted_tokens']}/{st['num_draft_tokens']} "
+                         f"({st['acceptance_rate']:.0%}), {st['mean_accepted_length']:.2f} tokens a draft step")
+            line += f"  tokens = plain's: {same}/{bs}"
+            print(line, flush=True)
+            results["runs"].append({"batch": bs, "mode": name, **{k: v for k, v in r.items() if k != "token_ids"},
+                                    "same_tokens": same, "spec": st})
+    eng.proposer = ngram
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Speculative decoding by n-gram lookup (vLLM's ``{"method": "ngram"}``, "prompt lookup").
+
+Each step, a request in its decode phase looks for the last ``n`` tokens it holds
+(``prompt_lookup_max`` down to ``prompt_lookup_min``) earlier in its own prompt and output;
+the tokens that followed the latest earlier match become up to ``num_speculative_tokens``
+drafts. The scheduler gives the request its last token and the drafts in one step (a
+short chunk over its cached context: no new kernel), the model's logits at those positions
+verify the drafts, and the step emits every accepted draft plus one token of the model's
+own: 1 to k + 1 tokens for about the price of one decode step, since decode reads the
+same weights and KV cache either way.
+
+Verification keeps the output distribution the model's (rejection sampling with a draft
+that is certain, as vLLM does for n-gram drafts): greedy rows accept a draft while it is
+the argmax; sampled rows accept draft ``d`` with probability ``p(d)`` (``p`` after
+temperature, top-k, top-p and min-p) and on rejection draw from ``p`` without ``d``. A
+greedy request's tokens are those of plain decoding.
+
+Requests whose sampling reads their tokens one at a time on the host (penalties, structured
+outputs, logprobs, logit bias, allowed token ids, min_tokens still holding back stop
+tokens) are not speculated; they decode beside the others as before. The engine schedules
+synchronously while speculating (a step's drafts need the last step's tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from flashpage.engine.sampler import Sampler, has_penalties, row_argmax
+from flashpage.engine.sequence import Request
+
+_SEED_MIX = 1_000_003
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` for n-gram drafts (the only method here)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config method {self.method!r} is not supported; "
+                             "only 'ngram' (prompt lookup) is")
+        for name in _KEYS[1:]:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {v!r}")
+        if self.num_speculative_tokens > 16:
+            raise ValueError("speculative_config num_speculative_tokens must be <= 16, got "
+                             f"{self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) is "
+                             f"above prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, spec: SpeculativeConfig | dict[str, object] | str | None) -> SpeculativeConfig | None:
+        """A config from a dict or its JSON text (the CLI's ``--speculative-config``); None
+        passes through. Unknown keys are named in a ValueError."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(spec).__name__}")
+        unknown = sorted(set(spec) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {list(_KEYS)}")
+        if "method" not in spec:
+            raise ValueError("speculative_config needs a method (\"ngram\")")
+        return cls(**spec)  # type: ignore[arg-type]
+
+
+def find_ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
+    """The up-to-``k`` tokens that followed the latest earlier occurrence of ``tokens``'s
+    last ``n`` tokens, for the largest ``n`` in ``[min_n, max_n]`` that occurs; empty if
+    none does. ``tokens`` int64 [L]."""
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        # starts i < L - n whose n tokens equal the suffix (the suffix itself excluded)
+        m = L - n
+        hit = tokens[:m] == tokens[m]
+        for j in range(1, n):
+            hit &= tokens[j:m + j] == tokens[m + j]
+        idx = np.flatnonzero(hit)
+        if len(idx):
+            start = int(idx[-1]) + n
+            return tokens[start:start + k]
+    return tokens[:0]
+
+
+def speculable(req: Request) -> bool:
+    """Whether ``req``'s next tokens may be drafted (see the module doc)."""
+    p = req.sampling_params
+    return (p.logprobs is None and req.guide is None and req.pooling is None
+            and not p.logit_bias and not p.allowed_token_ids and not has_penalties(p)
+            and not req.held_back_tokens())
+
+
+@dataclass
+class SpecStats:
+    """vLLM's spec-decode counters: steps with drafts, drafts proposed, drafts accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": (1 + self.num_accepted_tokens / self.num_drafts
+                                         if self.num_drafts else 0.0)}
+
+
+@dataclass
+class NgramProposer:
+    """Drafts for the running requests, from each one's own tokens (kept as int64 arrays
+    grown as tokens arrive, so a step copies only what is new)."""
+
+    config: SpeculativeConfig
+    max_model_len: int
+    stats: SpecStats = field(default_factory=SpecStats)
+    _arrays: dict[str, tuple[np.ndarray, int]] = field(default_factory=dict)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set ``spec_token_ids`` of every request in ``running`` (empty where it cannot be
+        drafted: mid-prompt, not speculable, no match, or no room left)."""
+        cfg = self.config
+        live = set()
+        for req in running:
+            live.add(req.request_id)
+            req.spec_token_ids = []
+            n = req.num_tokens
+            if req.num_computed_tokens != n - 1 or req.num_unresolved or not speculable(req):
+                continue
+            # room: max_tokens outputs and max_model_len tokens after the step's last token
+            room = min(cfg.num_speculative_tokens, self.max_model_len - n - 1,
+                       (req.max_tokens if req.max_tokens is not None else 1 << 62)
+                       - req.num_output_tokens - 1)
+            if room < 1:
+                continue
+            req.spec_token_ids = self.draft(req, room)
+        for rid in [r for r in self._arrays if r not in live]:
+            del self._arrays[rid]
+
+    def draft(self, req: Request, k: int) -> list[int]:
+        """Up to ``k`` tokens guessed to follow ``req``'s tokens."""
+        cfg = self.config
+        return find_ngram_drafts(self._tokens(req), k, cfg.prompt_lookup_min,
+                                 cfg.prompt_lookup_max).tolist()
+
+    def _tokens(self, req: Request) -> np.ndarray:
+        arr, filled = self._arrays.get(req.request_id, (np.empty(0, np.int64), 0))
+        n = req.num_tokens
+        if n > len(arr):
+            grown = np.empty(max(2 * len(arr), n + 64), np.int64)
+            grown[:filled] = arr[:filled]
+            arr = grown
+        if n > filled:
+            arr[filled:n] = req.all_token_ids[filled:n]
+        self._arrays[req.request_id] = (arr, n)
+        return arr[:n]
+
+
+@torch.no_grad()
+def verify_drafts(logits: torch.Tensor, spec: list[tuple[Request, list[int]]],
+                  vocab: int) -> list[tuple[list[int], int | None, int]]:
+    """Check each request's drafts against the model. ``logits`` [sum of drafts, >= vocab]:
+    row ``j`` of a request's block is the model's next-token logits at its draft ``j``'s
+    position. Returns, per request, (the accepted drafts, the token drawn where the first
+    draft was rejected, or None when all were accepted: the step's ordinary sample at the
+    last position is then the bonus token; and the number of drafts)."""
+    logits = logits[:, :vocab].float()
+    dev = logits.device
+    drafts = torch.tensor([d for _, ds in spec for d in ds], dtype=torch.long)
+    rows = [(r, j) for r, ds in spec for j in range(len(ds))]
+    greedy = torch.tensor([r.sampling_params.greedy for r, _ in rows], dtype=torch.bool)
+    target = row_argmax(logits)
+    accept = target.cpu() == drafts
+    recovered = target
+    if not bool(greedy.all()):
+        params = [r.sampling_params for r, _ in rows]
+        table = torch.tensor([[1.0 if p.greedy else p.temperature,
+                               float(p.top_k if p.top_k > 0 else vocab), p.top_p, p.min_p]
+                              for p in params], dtype=torch.float32).to(dev)
+        x = logits / table[:, 0:1]
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
+            x = Sampler._filter(x, table[:, 1:2].long(), table[:, 2:3], table[:, 3:4])
+        probs = torch.softmax(x, dim=-1)
+        d_dev = drafts.to(dev)
+        p_draft = probs.gather(1, d_dev[:, None])[:, 0]
+        uniform = torch.rand(len(rows), device=dev)
+        noise = torch.empty_like(probs).exponential_()
+        for i, (r, j) in enumerate(rows):
+            seed = r.sampling_params.seed
+            if seed is not None:  # its own stream, keyed by the output position drawn
+                g = torch.Generator(device=dev)
+                g.manual_seed((seed * _SEED_MIX + r.num_output_tokens + j) % (1 << 63) ^ 0x5EC)
+                uniform[i] = torch.rand((), generator=g, device=dev)
+                noise[i].exponential_(generator=g)
+        # rejected: draw from p with the draft's mass removed (renormalizing is implicit
+        # in the race argmax(p / Exp(1)))
+        rest = probs.scatter(1, d_dev[:, None], 0.0)
+        sampled = row_argmax(rest / noise)
+        accept = torch.where(greedy, accept, (uniform < p_draft).cpu())
+        recovered = torch.where(greedy.to(dev), target, sampled)
+    acc, rec = accept.tolist(), recovered.tolist()
+    out: list[tuple[list[int], int | None, int]] = []
+    i = 0
+    for _, ds in spec:
+        a = 0
+        while a < len(ds) and acc[i + a]:
+            a += 1
+        out.append((ds[:a], rec[i + a] if a < len(ds) else None, len(ds)))
+        i += len(ds)
+    return out
