@@ -36,7 +36,7 @@ class LLM:
                  enforce_eager: bool = False, async_scheduling: bool | None = None,
                  kv_cache_dtype: str = "auto", chat_template: str | None = None,
                  seed: int = 0, random_weights_config: str | None = None,
-                 pooling_type: str | None = None) -> None:
+                 pooling_type: str | None = None, quantization: str | None = None) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
             num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
@@ -44,7 +44,7 @@ class LLM:
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend, enforce_eager=enforce_eager,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, seed=seed,
-            chat_template=chat_template, pooling_type=pooling_type)
+            chat_template=chat_template, pooling_type=pooling_type, quantization=quantization)
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory
         self.engine = LLMEngine(cfg, random_config=random_weights_config, tokenizer=tokenizer)
