@@ -50,6 +50,7 @@ def result_header(benchmark: str, engine: Any, config: str | None,
         "dtype": str(engine.dtype).replace("torch.", ""),
         "attention_backend": engine.backend_name,
         "kv_cache_dtype": str(getattr(engine, "kv_dtype", engine.dtype)).replace("torch.", ""),
+        "quantization": getattr(engine.config, "quantization", None),
         # Which decode-batch GEMM each linear shape uses at 1/2/4/8 rows (timed at start-up).
         "decode_gemm": {shape: {str(rows): pick for rows, (pick, _) in by_rows.items()}
                         for shape, by_rows in getattr(engine, "skinny_report", {}).items()},

@@ -17,9 +17,10 @@ How a quantized linear of M rows runs (``_ParallelLinear.forward``):
 
     CUDA, one row (row_gemv)        kernels/gemv.gemv_row with the scale: W8A16
     CUDA, rows tuned to ours        kernels/gemv.skinny_linear with the scale: W8A16
-    CUDA, otherwise (bf16 / fp16)   W8A8: x quantized per token (dynamic scales, torch
-                                    ops, graph-capturable), torch._scaled_mm with
-                                    row-wise scales (sm_89+, N and K multiples of 16)
+    CUDA, otherwise (bf16 / fp16)   W8A8: x quantized per token (dynamic scales, one
+                                    kernel: kernels/fp8_quant.py; graph-capturable), then
+                                    torch._scaled_mm with row-wise scales (sm_89+, N and
+                                    K multiples of 16)
     elsewhere (CPU, fp32, old GPUs) the weight dequantized to x's dtype, then F.linear
 
 Checkpoints whose weights are already fp8 (with their own scales) are not read here.
@@ -172,10 +173,16 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
         raise ValueError(f"quantization={method!r}: this model has no linear layer to quantize")
     if count == 0:
         return 0
-    if any(p.is_cuda for p in model.parameters()):
-        torch.cuda.empty_cache()
-    logger.info("fp8 weights: %d linears, %.2f GiB -> %.2f GiB", count, before / 2**30,
-                after / 2**30)
+    logger.info("fp8 weights: %d linears, %.1f MiB -> %.1f MiB", count, before / 2**20,
+                after / 2**20)
+    dev = next((p.device for p in model.parameters() if p.is_cuda), None)
+    if dev is not None:
+        torch.cuda.empty_cache()  # the 16-bit weights' memory back for the KV cache
+        from flashpage.kernels.device import cuda_capability
+
+        if cuda_capability(dev) < (8, 9):
+            logger.warning("this GPU has no e4m3 tensor cores (sm_89+): steps of more rows than "
+                           "the decode GEMMs take dequantize each weight per call (slow)")
     return count
 
 

@@ -160,6 +160,40 @@ def test_deepseek_keeps_kv_b_proj_experts_and_router_16bit(tiny_mla_checkpoint):
             assert p.dtype == torch.float32, n
 
 
+@pytest.mark.parametrize("name", ["llama31_gqa", "tied", "qwen2_bias", "deepseek_v3", "deepseek_v2"])
+def test_inspect_weight_bytes_equal_the_loaded_models(name, tiny_checkpoint, tiny_mla_checkpoint):
+    """``flashpage inspect --quantization fp8`` counts, from the config alone, the bytes the
+    engine's fp8 model holds (its parameters and scales), to the byte."""
+    from flashpage.bench.common import weight_bytes
+    from flashpage.config import ModelConfig
+    from flashpage.inspect import inspect_config
+
+    path = (tiny_mla_checkpoint if name.startswith("deepseek") else tiny_checkpoint)(name)
+    cfg = ModelConfig.from_hf(path)
+    for q in (None, "fp8"):
+        info = inspect_config(cfg, 1 << 30, "fp32", quantization=q)
+        assert info["weights_bytes"] == weight_bytes(_load(path, q)), q
+
+
+def test_inspect_llama3_8b_fp8_by_hand():
+    from flashpage.config import ModelConfig
+    from flashpage.inspect import inspect_config
+    from tests.conftest import SHARED_CONFIGS
+
+    path = SHARED_CONFIGS / "llama-3-8b"
+    if not path.exists():
+        pytest.skip("needs ../shared/configs")
+    info = inspect_config(ModelConfig.from_hf(path), 80 << 30, "bf16", quantization="fp8")
+    h, i, layers = 4096, 14336, 32
+    per_layer = [(6144, h), (h, h), (2 * i, h), (h, i)]
+    fp8 = layers * sum(n * k for n, k in per_layer)
+    rows = layers * sum(n for n, _ in per_layer)
+    total = 8_030_261_248
+    assert info["weights_bytes"] == (total - fp8) * 2 + fp8 + 4 * rows
+    with pytest.raises(ValueError, match="quantization must be"):
+        inspect_config(ModelConfig.from_hf(path), 80 << 30, "bf16", quantization="int4")
+
+
 def test_hf_weights_give_the_dequantized_tensors(tiny_checkpoint):
     path = tiny_checkpoint("llama31_gqa")
     base, model = dict(_load(path, None).hf_weights()), dict(_load(path, "fp8").hf_weights())
