@@ -20,6 +20,12 @@ gate/up row: SiLU·mul first, fused into ours), lm_head 128256x4096.
   then that with each whole-row tile for the down projection (K = 14336).
 
     python benchmarks/gemv.py --out $OUT     # $OUT/gemv.json, gemv.md
+    python benchmarks/gemv.py --fp8 --out $OUT   # e4m3 weights, a scale per row
+                                                 # ($OUT/gemv_fp8.*; baseline: W8A8 _scaled_mm)
+
+``--fp8``: the weights quantized as ``quantization="fp8"`` keeps them (layers/quant.py); the
+baseline is the path such a layer runs without our GEMV (the activation quantized per token,
+then ``torch._scaled_mm``), GB/s and the weight-read limit count one byte a weight.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", choices=["shapes", "chain"], default=None)
+    ap.add_argument("--fp8", action="store_true", help="e4m3 weights with per-row scales")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gemv.py needs a CUDA GPU")
@@ -52,17 +59,28 @@ def main() -> int:
     from flashpage.kernels.gemv import ROW_CANDIDATES, RowConfig, gemv_row
     from flashpage.kernels.rms_norm import rms_norm
     from flashpage.kernels.silu_mul import silu_and_mul
+    from flashpage.layers.quant import fp8_linear, quantize_fp8_rowwise
 
     torch.manual_seed(0)
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy:,.0f} GB/s")
 
+    scales: dict[int, torch.Tensor] = {}  # fp8 weight's data_ptr -> its row scales
+
     def weights(n, k, count=LAYERS):
-        return [torch.randn(n, k, device="cuda", dtype=DT) / k ** 0.5 for _ in range(count)]
+        ws = [torch.randn(n, k, device="cuda", dtype=DT) / k ** 0.5 for _ in range(count)]
+        if not args.fp8:
+            return ws
+        out = []
+        for w in ws:
+            q, scale = quantize_fp8_rowwise(w)
+            scales[q.data_ptr()] = scale
+            out.append(q)
+        return out
 
     layers = {"qkv": weights(QKV, HIDDEN), "o_proj": weights(HIDDEN, HIDDEN),
               "gate_up": weights(2 * INTER, HIDDEN), "down": weights(HIDDEN, INTER)}
-    lm_head = weights(VOCAB, HIDDEN, 1)[0]
+    lm_head = torch.randn(VOCAB, HIDDEN, device="cuda", dtype=DT) / HIDDEN ** 0.5  # 16-bit (as the engine's)
     norm_w = torch.rand(HIDDEN, device="cuda", dtype=DT) + 0.5
     x_in = {"qkv": torch.randn(1, HIDDEN, device="cuda", dtype=DT),
             "o_proj": torch.randn(1, HIDDEN, device="cuda", dtype=DT),
@@ -74,13 +92,15 @@ def main() -> int:
 
     def linear(kind, x, w, cfg, pdl):
         silu = kind == "down"
+        scale = scales.get(w.data_ptr())
         if cfg == "cublas":
-            return F.linear(silu_and_mul(x) if silu else x, w)
-        return gemv_row(x, w, config=cfg, silu_mul=silu, pdl=pdl)
+            a = silu_and_mul(x) if silu else x
+            return F.linear(a, w) if scale is None else fp8_linear(a, w, scale)
+        return gemv_row(x, w, config=cfg, silu_mul=silu, pdl=pdl, scale=scale)
 
     if args.only in (None, "shapes"):
         for kind, ws in [*layers.items(), ("lm_head", [lm_head])]:
-            nbytes = sum(w.numel() * 2 for w in ws)
+            nbytes = sum(w.numel() * w.element_size() for w in ws)
             for cfg in ["cublas", *configs]:
                 for pdl in ([False] if cfg == "cublas" else [False, True]):
                     t = time_graph(lambda kind=kind, ws=ws, cfg=cfg, pdl=pdl:
@@ -93,7 +113,8 @@ def main() -> int:
                           f"{row['gbps']:7.0f} GB/s ({row['of_copy']:.0%} of copy)")
 
     if args.only in (None, "chain"):
-        total = sum(w.numel() * 2 for ws in layers.values() for w in ws) + lm_head.numel() * 2
+        total = (sum(w.numel() * w.element_size() for ws in layers.values() for w in ws)
+                 + lm_head.numel() * lm_head.element_size())
         limit = total / (copy * 1e9)
         x0 = torch.randn(1, HIDDEN, device="cuda", dtype=DT)
 
@@ -106,8 +127,9 @@ def main() -> int:
                 for kind in ("qkv", "gate_up"):
                     if fuse:
                         new_res = torch.empty_like(x) if res is not None else None
-                        h = gemv_row(x, layers[kind][i], config=cfg, pdl=pdl, norm=(norm_w, 1e-5),
-                                     residual=res, residual_out=new_res)
+                        w = layers[kind][i]
+                        h = gemv_row(x, w, config=cfg, pdl=pdl, norm=(norm_w, 1e-5),
+                                     residual=res, residual_out=new_res, scale=scales.get(w.data_ptr()))
                         res = new_res if res is not None else x
                     else:
                         if res is None:
@@ -140,7 +162,8 @@ def main() -> int:
                   f"({limit / t:.1%} of the weight-read limit {limit * 1e3:.3f} ms)")
 
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gemv.json"), "w") as f:
+    stem = "gemv_fp8" if args.fp8 else "gemv"
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(results, f, indent=1)
     lines = ["| shape | kernel | PDL | us per call | GB/s | of copy |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['kernel']} | {int(r['pdl'])} | {r['us_per_call']:.1f} | "
@@ -148,7 +171,7 @@ def main() -> int:
     lines += ["", "| chain kernel | PDL | ms per step | of the weight-read limit |", "|---|---|---|---|"]
     lines += [f"| {r['kernel']} | {int(r['pdl'])} | {r['ms_per_step']:.3f} | {r['of_limit']:.1%} |"
               for r in results["chain"]]
-    with open(os.path.join(args.out, "gemv.md"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
         f.write(f"copy bandwidth {copy:,.0f} GB/s\n\n" + "\n".join(lines) + "\n")
     return 0
 

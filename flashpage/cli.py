@@ -34,6 +34,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: float8_e4m3fn, half the KV bytes of bf16 "
                         "(scale 1)")
+    g.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="fp8: attention and MLP weights quantized at load to float8_e4m3fn with "
+                        "per-row scales (half the weight bytes of bf16); embeddings, LM head, norms "
+                        "and MoE experts stay 16-bit")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the text) instead of the tokenizer's own")
@@ -70,6 +74,7 @@ def build_llm(args: argparse.Namespace) -> Any:
                gpu_memory_utilization=args.gpu_memory_utilization,
                enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
+               quantization=getattr(args, "quantization", None),
                chat_template=getattr(args, "chat_template", None),
                random_weights_config=getattr(args, "random_weights_config", None),
                pooling_type=getattr(args, "pooling_type", None),

@@ -38,6 +38,15 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, 
                "fp8": 1, "float8": 1, "fp8_e4m3": 1, "float8_e4m3fn": 1}
 # EngineConfig.kv_cache_dtype: "auto" caches K/V in the model's dtype
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# EngineConfig.quantization (None: none): how weights are kept (layers/quant.py)
+QUANTIZATION_METHODS = ("fp8",)
+
+
+def check_quantization(method: str | None) -> None:
+    """ValueError naming the allowed values unless ``method`` is None or one of them."""
+    if method is not None and method not in QUANTIZATION_METHODS:
+        allowed = ", ".join(repr(m) for m in QUANTIZATION_METHODS)
+        raise ValueError(f"quantization must be None or one of {allowed}, got {method!r}")
 
 
 class ConfigError(ValueError):
@@ -316,6 +325,9 @@ class EngineConfig:
     # "auto": K/V cached in the model's dtype; "fp8" / "fp8_e4m3": float8_e4m3fn with scale
     # 1 (as vLLM's default), half the bytes per token of bf16 (MLA: the latent cache)
     kv_cache_dtype: str = "auto"
+    # None: weights as loaded; "fp8": attention and dense-MLP linears quantized at load to
+    # float8_e4m3fn with per-output-row scales (vLLM's --quantization fp8; layers/quant.py)
+    quantization: str | None = None
     seed: int = 0
     # A Jinja chat template (the text, or a file holding it) instead of the tokenizer's own:
     # vLLM's --chat-template, for models whose template is missing or not the one wanted
@@ -332,6 +344,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        check_quantization(self.quantization)
         if self.speculative_config is not None:
             from flashpage.engine.spec_decode import SpeculativeConfig
 

@@ -21,11 +21,14 @@ def cache_dir() -> str:
                           os.path.join(os.path.expanduser("~"), ".cache", "flashpage"))
 
 
-def skinny_gemm() -> bool:
+def skinny_gemm(default: bool = False) -> bool:
     """FLASHPAGE_SKINNY_GEMM=1: time our decode-batch GEMM (kernels/gemv.py) against cuBLAS
-    at start-up and use it where it wins. Off by default: it won per call (qkv and the LM
-    head at one row) but has not yet been shown to win end to end (BENCHMARKS.md)."""
-    return os.environ.get("FLASHPAGE_SKINNY_GEMM", "0") == "1"
+    at start-up and use it where it wins; =0: never. Unset: ``default``, which the engine
+    makes on for fp8 weights only (there the alternative is W8A8, an activation-quantizing
+    kernel before each GEMM) and off for 16-bit ones: it won per call (qkv and the LM head
+    at one row) but has not yet been shown to win end to end (BENCHMARKS.md)."""
+    value = os.environ.get("FLASHPAGE_SKINNY_GEMM", "").strip()
+    return default if not value else value == "1"
 
 
 def gemv_row() -> bool:

@@ -36,7 +36,7 @@ import re
 import sys
 from typing import Any
 
-from flashpage.config import ConfigError, ModelConfig, dtype_bytes
+from flashpage.config import ConfigError, ModelConfig, check_quantization, dtype_bytes
 
 DEFAULT_MEMORY = "80GiB"
 DEFAULT_DTYPE = "bf16"
@@ -118,6 +118,29 @@ def _mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     return total, active
 
 
+def fp8_weight_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """[N, K] of every linear ``quantization="fp8"`` keeps in e4m3 (layers/quant.py):
+    attention projections (not MLA's kv_b_proj), dense MLPs and shared experts; not the
+    embeddings, LM head, routed experts or router."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.is_mla:
+        assert cfg.kv_lora_rank is not None
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        q = ([(cfg.q_lora_rank, h), (heads * qk, cfg.q_lora_rank)] if cfg.q_lora_rank
+             else [(heads * qk, h)])
+        attn = q + [(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h), (h, heads * cfg.v_head_dim)]
+    else:
+        q_dim, kv_dim = heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        attn = [(q_dim + 2 * kv_dim, h), (h, q_dim)]
+    shapes = []
+    for layer in range(cfg.num_hidden_layers):
+        inter = cfg.intermediate_size
+        if _is_moe_layer(cfg, layer):
+            inter = cfg.moe_intermediate_size * cfg.n_shared_experts
+        shapes += attn + ([(2 * inter, h), (h, inter)] if inter else [])
+    return shapes
+
+
 def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     """(total, active per token) parameters of the model, from its config alone."""
     h = cfg.hidden_size
@@ -134,9 +157,12 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
 
 # --------------------------------------------------------------------- report
 def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTYPE,
-                   kv_cache_dtype: str = "auto") -> dict[str, Any]:
+                   kv_cache_dtype: str = "auto", quantization: str | None = None) -> dict[str, Any]:
     """Every figure ``flashpage inspect`` reports, as a JSON-serializable dict. The weights
-    take ``dtype``; the KV cache ``kv_cache_dtype`` ("auto": ``dtype``, "fp8": 1 byte)."""
+    take ``dtype`` (``quantization`` "fp8": those the engine quantizes 1 byte each, plus an
+    fp32 scale per output row); the KV cache ``kv_cache_dtype`` ("auto": ``dtype``, "fp8":
+    1 byte)."""
+    check_quantization(quantization)
     wbytes = dtype_bytes(dtype)
     kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     nbytes = dtype_bytes(kv_dtype)
@@ -147,6 +173,10 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
     kv_total = kv_per_layer * layers
     total_params, active_params = param_counts(cfg)
     weights_bytes = total_params * wbytes
+    if quantization == "fp8":
+        shapes = fp8_weight_shapes(cfg)
+        fp8_values = sum(n * k for n, k in shapes)
+        weights_bytes += fp8_values * (1 - wbytes) + 4 * sum(n for n, _ in shapes)
     info: dict[str, Any] = {
         "architecture": cfg.architecture,
         "model_type": cfg.model_type,
@@ -175,6 +205,7 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "tokens_in_memory": memory_bytes // kv_total,
         "param_count": total_params,
         "active_param_count": active_params,
+        "quantization": quantization,
         "weights_bytes": weights_bytes,
         "tokens_in_memory_after_weights": max(0, memory_bytes - weights_bytes) // kv_total,
     }
@@ -251,7 +282,8 @@ def format_report(info: dict[str, Any]) -> str:
         ("parameters", f"{info['param_count'] / 1e9:.3f} B"
          + (f" ({info['active_param_count'] / 1e9:.3f} B active per token)"
             if info["active_param_count"] != info["param_count"] else "")),
-        (f"weights ({dt})", _size(info["weights_bytes"])),
+        (f"weights ({dt}{', fp8 linears' if info.get('quantization') else ''})",
+         _size(info["weights_bytes"])),
         (f"tokens in {mem} - weights", f"{info['tokens_in_memory_after_weights']:,}"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -305,6 +337,9 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the KV cache's dtype (auto: --dtype; fp8: what the engine's "
                              "--kv-cache-dtype fp8 caches, 1 byte per value)")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="the weights as the engine's --quantization keeps them (fp8: "
+                             "attention and MLP linears 1 byte per weight)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--backends", action="store_true",
                         help="also say which attention backends can run this model on this "
@@ -323,7 +358,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         memory = parse_memory(args.memory)
         cfg, source = load_model_config(positional or option)
-        info = inspect_config(cfg, memory, args.dtype, getattr(args, "kv_cache_dtype", "auto"))
+        info = inspect_config(cfg, memory, args.dtype, getattr(args, "kv_cache_dtype", "auto"),
+                              getattr(args, "quantization", None))
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         print(f"flashpage inspect: error: {e}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ class LLM:
                  enforce_eager: bool = False, async_scheduling: bool | None = None,
                  kv_cache_dtype: str = "auto", chat_template: str | None = None,
                  seed: int = 0, random_weights_config: str | None = None,
-                 pooling_type: str | None = None,
+                 pooling_type: str | None = None, quantization: str | None = None,
                  speculative_config: dict[str, Any] | str | None = None) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
@@ -45,7 +45,7 @@ class LLM:
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend, enforce_eager=enforce_eager,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, seed=seed,
-            chat_template=chat_template, pooling_type=pooling_type,
+            chat_template=chat_template, pooling_type=pooling_type, quantization=quantization,
             speculative_config=speculative_config)
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory

@@ -50,6 +50,7 @@ def result_header(benchmark: str, engine: Any, config: str | None,
         "dtype": str(engine.dtype).replace("torch.", ""),
         "attention_backend": engine.backend_name,
         "kv_cache_dtype": str(getattr(engine, "kv_dtype", engine.dtype)).replace("torch.", ""),
+        "quantization": getattr(engine.config, "quantization", None),
         # Which decode-batch GEMM each linear shape uses at 1/2/4/8 rows (timed at start-up).
         "decode_gemm": {shape: {str(rows): pick for rows, (pick, _) in by_rows.items()}
                         for shape, by_rows in getattr(engine, "skinny_report", {}).items()},
@@ -120,7 +121,9 @@ def hf_model(engine: Any) -> Any:
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     # Same weights as ours (the speed does not depend on them, but it costs nothing).
-    named = getattr(engine.model, "hf_weights", engine.model.named_parameters)
+    from flashpage.layers.quant import dequantized_parameters
+
+    named = getattr(engine.model, "hf_weights", lambda: dequantized_parameters(engine.model))
     ours = dict(named())
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -193,10 +196,12 @@ def weight_bytes(model: torch.nn.Module, tokens: int | None = None) -> int:
                     share[p.data_ptr()] = float(fraction(tokens))
     seen: set[int] = set()
     total = 0.0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size() * share.get(p.data_ptr(), 1.0)
+    scales = [b for name, b in model.named_buffers() if name.endswith("weight_scale")]  # fp8
+    tensors: list[torch.Tensor] = [*model.parameters(), *scales]
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size() * share.get(t.data_ptr(), 1.0)
     return int(total)
 
 

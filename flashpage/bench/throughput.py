@@ -29,7 +29,7 @@ def roofline(engine, wl, bandwidth: float | None, flops: float | None, batch: in
     / batch) plus the KV cache it attends to; every token costs 2 x params FLOPs."""
     mc = engine.model_config
     wbytes = weight_bytes(engine.model)
-    params = wbytes / engine.model.lm_head.weight.element_size()
+    params = sum(p.numel() for p in {p.data_ptr(): p for p in engine.model.parameters()}.values())
     tokens = wl.num_prompt_tokens + wl.num_output_tokens
     steps = wl.num_output_tokens / batch
     kv_per_token = mc.kv_bytes_per_token(str(engine.dtype).replace("torch.", ""))

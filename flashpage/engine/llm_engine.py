@@ -100,7 +100,8 @@ class LLMEngine:
         logger.info("attention backend: %s", why)
         self.backend_name = backend_cls.name
         self.model = load_model(self.source, self.dtype, self.device,
-                                max_positions=self.max_model_len, seed=config.seed)
+                                max_positions=self.max_model_len, seed=config.seed,
+                                quantization=config.quantization)
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         set_fused_moe(self.model, backend_cls.name == "triton" and self.device.type == "cuda"
@@ -123,13 +124,15 @@ class LLMEngine:
         backend = backend_cls(mc, self.device, self.dtype)
         self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
                                   config.block_size, self.device, self.dtype, self.kv_dtype)
-        # Decode-batch GEMMs: ours where it beats cuBLAS on this GPU (timed now, before the
-        # graphs capture whichever is chosen); only beside our fused kernels.
-        if (self.device.type == "cuda" and backend_cls.name == "triton" and envs.skinny_gemm()
-                and self.dtype in (torch.float16, torch.bfloat16)):
+        # Decode-batch GEMMs: ours where it beats cuBLAS (fp8: W8A8) on this GPU (timed now,
+        # before the graphs capture whichever is chosen); only beside our fused kernels.
+        fp8 = config.quantization == "fp8"
+        if (self.device.type == "cuda" and backend_cls.name == "triton"
+                and envs.skinny_gemm(default=fp8) and self.dtype in (torch.float16, torch.bfloat16)):
             t1 = time.perf_counter()
+            rows = (1, 2, 4, 8, 16) if fp8 else (1, 2, 4, 8)
             self.skinny_report = tune_skinny_gemms(
-                self.model, tuple(b for b in (1, 2, 4, 8) if b <= config.max_num_seqs))
+                self.model, tuple(b for b in rows if b <= config.max_num_seqs), dtype=self.dtype)
             logger.info("decode GEMMs timed against cuBLAS in %.1fs", time.perf_counter() - t1)
         # One-row linears may take our GEMV (FLASHPAGE_GEMV, read when graphs are captured).
         set_row_gemv(self.model, self.device.type == "cuda" and backend_cls.name == "triton")

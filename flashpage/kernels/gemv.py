@@ -11,7 +11,7 @@ kernel computes ``silu(gate) * up`` on the fly (rounded as ``kernels/silu_mul`` 
 so the SiLU·mul kernel and its round trip disappear at decode batches.
 
 Whether this beats cuBLAS depends on the GPU and the shape, so the engine times both at
-start-up (``pick_config``) and uses ours only where it wins.
+start-up (``kernels/gemv_tune.pick_config``) and uses ours only where it wins.
 
 ``gemv_row`` is the one-row case (a single sequence decoding), built for a chain of
 kernels rather than for one call: no tensor cores (a row of x times a tile of w, summed
@@ -27,6 +27,12 @@ ahead of the one it multiplies (loads issued a tile early, in registers). With w
 rows the RMSNorm before the linear (and its residual add) moves into the prologue: every
 program normalizes the 8 KB row itself, so the norm's own kernel, with its wait and its
 round trip, is gone from the step.
+
+FP8 weights (``quantization="fp8"``, layers/quant.py): w in float8_e4m3fn with one fp32
+scale per output row, ``scale`` [N]. Both kernels widen each weight tile to the
+activations' dtype right after the load (exact: every e4m3 value is an fp16 and a bf16
+value) and multiply the row's scale into the fp32 sum before the bias,
+y[n] = scale[n] * sum_k x[k] w[n, k] + bias[n]: W8A16, half the weight bytes of bf16.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import triton.language as tl
 from flashpage import envs
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
-MAX_M = 8
+MAX_M = 16  # tl.dot pads the rows to 16 anyway
 
 
 @dataclass(frozen=True)
@@ -74,14 +80,15 @@ def _silu_mul(g, u, OUT_DTYPE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    dt = x_ptr.dtype.element_ty  # the dots' dtype: fp8 weights are widened to it
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -101,20 +108,40 @@ def _gemv_kernel(
             xm = m_mask[:, None] & k_mask[None, :]
         if SILU_MUL:
             x = _silu_mul(tl.load(x_rows + kk[None, :], mask=xm, other=0.0),
-                          tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0), w.dtype).to(w.dtype)
+                          tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0), dt).to(dt)
         else:
             x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x, tl.trans(w.to(dt)), acc)
+    if HAS_SCALE:
+        acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+def _check_weight(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """w in x's dtype, or float8_e4m3fn with ``scale`` fp32 [N] (ValueError otherwise)."""
+    if w.dtype == torch.float8_e4m3fn:
+        if scale is None:
+            raise ValueError("fp8 weights need their scale (fp32 [N], one per output row)")
+        if scale.shape != (w.shape[0],) or scale.dtype != torch.float32 or scale.stride(0) != 1:
+            raise ValueError(f"scale must be contiguous fp32 [{w.shape[0]}], got "
+                             f"{scale.dtype} {tuple(scale.shape)}")
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"x dtype {x.dtype} unsupported with fp8 weights")
+    elif scale is not None:
+        raise ValueError(f"scale is for float8_e4m3fn weights, w is {w.dtype}")
+    elif x.dtype != w.dtype:
+        raise ValueError(f"dtype mismatch: x {x.dtype}, w {w.dtype}")
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                   config: GemvConfig = GemvConfig(), silu_mul: bool = False,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (or [M, 2K] with ``silu_mul``), w [N, K], bias [N] -> [M, N]; M <= MAX_M."""
+                  out: torch.Tensor | None = None, *, scale: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] with ``silu_mul``), w [N, K], bias [N] -> [M, N]; M <= MAX_M.
+    w float8_e4m3fn: ``scale`` fp32 [N] multiplies each output feature (W8A16)."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     m, kx = x.shape
@@ -125,14 +152,13 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         raise ValueError(f"skinny_linear takes 1..{MAX_M} rows, got {m}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("x and w must be contiguous in their last dimension")
-    if x.dtype != w.dtype:
-        raise ValueError(f"dtype mismatch: x {x.dtype}, w {w.dtype}")
+    _check_weight(x, w, scale)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, w, bias if bias is not None else w, out,
+        x, w, bias if bias is not None else x, scale if scale is not None else x, out,
         m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, SILU_MUL=silu_mul,
         BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -141,53 +167,19 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 
 def skinny_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                      silu_mul: bool = False) -> torch.Tensor:
-    """The same in PyTorch: fp32 accumulation, the activation rounded as the kernel does."""
+                      silu_mul: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The same in PyTorch: fp32 accumulation, the activation rounded as the kernel does;
+    ``scale`` [N] (fp8 weights) multiplies the fp32 sums before the bias."""
     if silu_mul:
         k = w.shape[1]
         g, u = x[:, :k].float(), x[:, k:].float()
         x = (torch.nn.functional.silu(g).to(x.dtype).float() * u).to(x.dtype)
     y = x.float() @ w.float().t()
+    if scale is not None:
+        y = y * scale.float()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
-
-
-def pick_config(w: torch.Tensor, m: int, silu_mul: bool = False, iters: int = 20
-                ) -> tuple[GemvConfig | None, dict[str, float]]:
-    """Time cuBLAS (``F.linear``, with the SiLU·mul kernel before it when ``silu_mul``)
-    against every candidate at ``m`` rows, each call on a cold L2 as in a real decode step.
-    Returns the fastest candidate, or None when cuBLAS is as fast, and the times (us)."""
-    from flashpage.kernels.silu_mul import silu_and_mul
-
-    n, k = w.shape
-    x = torch.randn(m, 2 * k if silu_mul else k, device=w.device, dtype=w.dtype)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=w.device)
-
-    def cublas() -> torch.Tensor:
-        return torch.nn.functional.linear(silu_and_mul(x) if silu_mul else x, w)
-
-    def timed(fn) -> float:
-        fn()  # compile / warm up
-        ts = []
-        for _ in range(iters):
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ts.append(start.elapsed_time(end) * 1e3)
-        ts.sort()
-        return ts[len(ts) // 2]
-
-    times = {"cublas": timed(cublas)}
-    best: GemvConfig | None = None
-    for cfg in CANDIDATES:
-        times[cfg.name] = timed(lambda cfg=cfg: skinny_linear(x, w, config=cfg, silu_mul=silu_mul))
-        if times[cfg.name] < times["cublas"] * 0.97 and (best is None or times[cfg.name] < times[best.name]):
-            best = cfg
-    return best, times
 
 
 @dataclass(frozen=True)
@@ -239,22 +231,24 @@ def max_whole_row() -> int:
 
 @triton.jit
 def _gemv_row_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr,
     res_ptr, nw_ptr, res_out_ptr, eps,  # NORM: residual in, norm weight, x + residual out
     N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    dt = w_ptr.dtype.element_ty
+    dt = x_ptr.dtype.element_ty  # the activations' rounding (fp8 weights: not w's dtype)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    # The first weight tile is requested before the wait: weights are only ever read.
+    # The first weight tile (and fp8 rows' scales) requested before the wait: weights are
+    # only ever read.
     w_next = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :],
                      other=0.0)
+    w_scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0) if HAS_SCALE else 1.0
     pdl_prologue(PDL)
     if WHOLE_ROW:  # K <= BLOCK_K: one tile, no loop
         k_mask = offs_k < K
@@ -300,6 +294,8 @@ def _gemv_row_kernel(
                 x = xr.to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        y *= w_scale
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -326,10 +322,12 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
              pdl: bool | None = None, out: torch.Tensor | None = None, *,
              norm: tuple[torch.Tensor, float] | None = None,
              residual: torch.Tensor | None = None,
-             residual_out: torch.Tensor | None = None) -> torch.Tensor:
+             residual_out: torch.Tensor | None = None,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] (or [1, 2K] with ``silu_mul``: silu(gate) * up computed on the fly),
     w [N, K], bias [N] -> [1, N], fp32 accumulation. ``pdl``: programmatic dependent
-    launch (None: per FLASHPAGE_PDL and the device).
+    launch (None: per FLASHPAGE_PDL and the device). w float8_e4m3fn: ``scale`` fp32 [N]
+    multiplies each output feature's sum (W8A16; loaded before the PDL wait too).
 
     ``norm`` = (weight [K], eps): the input is rmsnorm(x + residual) * weight, computed
     in the prologue (kernels/rms_norm's rounding), and with ``residual`` the sum
@@ -345,8 +343,7 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         raise ValueError(f"x has {kx} columns, w needs {2 * k if silu_mul else k}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("x and w must be contiguous in their last dimension")
-    if x.dtype != w.dtype:
-        raise ValueError(f"dtype mismatch: x {x.dtype}, w {w.dtype}")
+    _check_weight(x, w, scale)
     cfg = config or default_row_config(n, k, whole=norm is not None)
     whole = k <= cfg.block_k
     nw, eps = norm if norm is not None else (w, 0.0)
@@ -367,11 +364,11 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     use_pdl = resolve_pdl(pdl, x.device)
     _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, w, bias if bias is not None else w, out,
+        x, w, bias if bias is not None else x, scale if scale is not None else x, out,
         residual if residual is not None else x, nw,
         residual_out if residual is not None else x, eps,
         n, k, w.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, SILU_MUL=silu_mul,
         NORM=norm is not None, HAS_RES=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WHOLE_ROW=whole, PDL=use_pdl,
         num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(use_pdl),
@@ -380,10 +377,10 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
 
 def gemv_row_norm_ref(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                      residual: torch.Tensor | None = None, bias: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      residual: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                      scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """rmsnorm(x + residual) * norm_w, then the linear, in PyTorch (HF's rounding);
     returns (y, x + residual)."""
     s = x if residual is None else x + residual
     h = s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + eps)
-    return skinny_linear_ref(norm_w * h.to(x.dtype), w, bias), s
+    return skinny_linear_ref(norm_w * h.to(x.dtype), w, bias, scale=scale), s

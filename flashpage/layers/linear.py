@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpage import envs
+from flashpage.layers.quant import FP8_DTYPE, fp8_linear, quantize_fp8_rowwise
 
 logger = logging.getLogger("flashpage")
 
@@ -52,12 +53,16 @@ class _ParallelLinear(nn.Module):
     cuBLAS at start-up (``tune_skinny_gemms``); empty = always cuBLAS. ``silu_input``
     marks an MLP's down projection, whose ``silu_mul_forward`` takes the gate/up output.
     ``row_gemv``: one-row inputs may go through ``kernels/gemv.gemv_row`` (set by the
-    engine beside our fused kernels on a GPU; used while FLASHPAGE_GEMV is on)."""
+    engine beside our fused kernels on a GPU; used while FLASHPAGE_GEMV is on).
+    ``weight_scale``: None, or fp32 [N] once ``quantize_fp8`` has made ``weight``
+    float8_e4m3fn (layers/quant.py); ``quantizable = False`` keeps a layer 16-bit."""
 
     split_dim: int = 0
     skinny: dict[int, Any]
     silu_input: bool = False
     row_gemv: bool = False
+    quantizable: bool = True
+    weight_scale: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -76,8 +81,23 @@ class _ParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        self.register_buffer("weight_scale", None)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.weight_scale is not None
+
+    def quantize_fp8(self) -> None:
+        """Replace the loaded weight by its row-wise e4m3 form and scales (after loading:
+        ``weight_loader`` copies into a 16-bit weight)."""
+        q, scale = quantize_fp8_rowwise(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = scale
+        self.skinny = {}  # configs timed for the 16-bit weight
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.is_quantized:
+            raise RuntimeError("weights load before quantization (the layer holds fp8 already)")
         dim = self.split_dim if param.dim() > 1 or self.split_dim == 0 else None
         if dim is not None and self.tp_size > 1:
             size = param.shape[dim]
@@ -107,15 +127,18 @@ class _ParallelLinear(nn.Module):
 
             norm_w, eps = cast(torch.Tensor, x.norm.weight), float(cast(float, x.norm.eps))
             return gemv_row(x.x, self.weight, self.bias, norm=(norm_w, eps),
-                            residual=x.residual, residual_out=x.residual_out)
+                            residual=x.residual, residual_out=x.residual_out,
+                            scale=self.weight_scale)
         if self._use_row_gemv(x):
             from flashpage.kernels.gemv import gemv_row
 
-            return gemv_row(x, self.weight, self.bias)
+            return gemv_row(x, self.weight, self.bias, scale=self.weight_scale)
         if self.skinny and x.dim() == 2 and (cfg := self.skinny.get(x.shape[0])) is not None:
             from flashpage.kernels.gemv import skinny_linear
 
-            return skinny_linear(x, self.weight, self.bias, cfg)
+            return skinny_linear(x, self.weight, self.bias, cfg, scale=self.weight_scale)
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def silu_mul_forward(self, h: torch.Tensor) -> torch.Tensor | None:
@@ -124,43 +147,58 @@ class _ParallelLinear(nn.Module):
         if self._use_row_gemv(h):
             from flashpage.kernels.gemv import gemv_row
 
-            return gemv_row(h, self.weight, self.bias, silu_mul=True)
+            return gemv_row(h, self.weight, self.bias, silu_mul=True, scale=self.weight_scale)
         if self.skinny and h.dim() == 2 and (cfg := self.skinny.get(h.shape[0])) is not None:
             from flashpage.kernels.gemv import skinny_linear
 
-            return skinny_linear(h, self.weight, self.bias, cfg, silu_mul=True)
+            return skinny_linear(h, self.weight, self.bias, cfg, silu_mul=True,
+                                 scale=self.weight_scale)
         return None
 
 
 def set_row_gemv(model: nn.Module, enabled: bool) -> int:
-    """Allow (or forbid) ``gemv_row`` in every 16-bit linear of ``model``; returns how
-    many layers may use it."""
+    """Allow (or forbid) ``gemv_row`` in every 16-bit or fp8 linear of ``model``; returns
+    how many layers may use it."""
     count = 0
     for m in model.modules():
         if isinstance(m, _ParallelLinear):
-            m.row_gemv = enabled and m.weight.dtype in (torch.float16, torch.bfloat16)
+            m.row_gemv = enabled and (m.weight.dtype in (torch.float16, torch.bfloat16)
+                                      or m.is_quantized)
             count += m.row_gemv
     return count
 
 
-def tune_skinny_gemms(model: nn.Module, rows: tuple[int, ...] = (1, 2, 4, 8)) -> dict[str, Any]:
-    """Time our decode-batch GEMM against cuBLAS for every distinct linear shape of
-    ``model`` (on the GPU, 16-bit weights) at each row count, and route the layers to ours
-    where it wins. Returns {shape: {rows: (config name or "cublas", {candidate: us})}}."""
-    from flashpage.kernels.gemv import pick_config
+def tune_skinny_gemms(model: nn.Module, rows: tuple[int, ...] = (1, 2, 4, 8),
+                      dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Time our decode-batch GEMM against the path a layer runs otherwise for every
+    distinct linear shape of ``model`` (on the GPU; 16-bit weights against cuBLAS, fp8
+    ones, with activations of ``dtype``, against W8A8 ``_scaled_mm``) at each row count,
+    and route the layers to ours where it wins.
+    Returns {shape: {rows: (config name or "cublas", {candidate: us})}}."""
+    from flashpage.kernels.gemv_tune import pick_config
 
     layers = [m for m in model.modules() if isinstance(m, _ParallelLinear)]
     groups: dict[tuple[Any, ...], list[_ParallelLinear]] = {}
     for m in layers:
         w = m.weight
-        if w.is_cuda and w.dtype in (torch.float16, torch.bfloat16):
+        if w.is_cuda and (w.dtype in (torch.float16, torch.bfloat16) or m.is_quantized):
             groups.setdefault((tuple(w.shape), w.dtype, m.silu_input), []).append(m)
     report: dict[str, Any] = {}
-    for (shape, _, silu), mods in groups.items():
-        key = f"{shape[0]}x{shape[1]}{' (silu_mul)' if silu else ''}"
+    for (shape, wdt, silu), mods in groups.items():
+        fp8 = wdt == FP8_DTYPE
+        key = f"{shape[0]}x{shape[1]}{' fp8' if fp8 else ''}{' (silu_mul)' if silu else ''}"
         report[key] = {}
+        w, scale = mods[0].weight, mods[0].weight_scale
+
+        def w8a8(a: torch.Tensor, w: torch.Tensor = w, scale: Any = scale) -> torch.Tensor:
+            return fp8_linear(a, w, scale)
+
         for m_rows in rows:
-            cfg, times = pick_config(mods[0].weight, m_rows, silu_mul=silu)
+            if fp8:
+                cfg, times = pick_config(w, m_rows, silu_mul=silu, scale=scale,
+                                         dtype=dtype or torch.bfloat16, baseline=w8a8)
+            else:
+                cfg, times = pick_config(w, m_rows, silu_mul=silu)
             report[key][m_rows] = (cfg.name if cfg else "cublas", times)
             if cfg is not None:
                 for mod in mods:

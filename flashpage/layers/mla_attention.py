@@ -197,6 +197,8 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
                                               h * (self.qk_nope_head_dim + self.v_head_dim))
+        # absorbed into queries and outputs as a matrix (layers/mla.py): never fp8
+        self.kv_b_proj.quantizable = False
         self.o_proj = RowParallelLinear(h * self.v_head_dim, hidden, bias=bias)
         self.rotary_emb = rotary_emb  # one module shared by all layers (no parameters)
         self.scale = mla_softmax_scale(config)

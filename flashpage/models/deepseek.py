@@ -82,6 +82,7 @@ class DeepseekForCausalLM(nn.Module):
         self.config = config
         self.model = DeepseekModel(config, max_positions or config.max_position_embeddings)
         self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size)
+        self.lm_head.quantizable = False  # logits stay 16-bit under quantization="fp8"
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

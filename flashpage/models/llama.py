@@ -25,6 +25,7 @@ from flashpage.layers.linear import (
 )
 from flashpage.layers.mlp import GatedMLP
 from flashpage.layers.norm import RMSNorm
+from flashpage.layers.quant import dequantized_parameters
 from flashpage.layers.rotary import get_rope
 from flashpage.models.common import DecoderStack, PreNormDecoderLayer
 
@@ -92,6 +93,7 @@ class LlamaForCausalLM(nn.Module):
         max_positions = max_positions or config.max_position_embeddings
         self.model = LlamaModel(config, max_positions)
         self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size)
+        self.lm_head.quantizable = False  # logits stay 16-bit under quantization="fp8"
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -176,10 +178,10 @@ class LlamaForCausalLM(nn.Module):
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The parameters under HF's names (the merged ones split back into their pieces)."""
-        for name, p in self.named_parameters():
+        for name, data in dequantized_parameters(self):  # fp8 weights back in 16 bits
             pieces = self._pieces(name) if name.split(".")[1:2] == ["layers"] else []
             if not pieces:
-                yield name, p.data
+                yield name, data
             for hf in pieces:
                 _, off, rows = self._split_name(hf)  # type: ignore[misc]
-                yield hf, p.data[off:off + rows]
+                yield hf, data[off:off + rows]

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from flashpage.config import ConfigError, ModelConfig
+from flashpage.layers.quant import quantize_model
 from flashpage.models.registry import model_class
 
 
@@ -201,7 +202,10 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
 
 # ----------------------------------------------------------------------------- build + load
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-               max_positions: int | None = None, seed: int = 0) -> nn.Module:
+               max_positions: int | None = None, seed: int = 0,
+               quantization: str | None = None) -> nn.Module:
+    """The model of ``source`` in ``dtype`` on ``device``, its weights loaded (or random),
+    then quantized per ``quantization`` (None or "fp8": layers/quant.quantize_model)."""
     cls = model_class(source.config)
     with torch.device(device):
         model = cls(source.config, max_positions)  # type: ignore[call-arg]
@@ -225,6 +229,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                              | set(getattr(model, "missing_pieces", [])))
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ModelLoadError(f"{source.path}: {len(missing)} weight(s) missing from the checkpoint: {shown}")
+    quantize_model(model, quantization)
     return model.eval()
 
 

@@ -1,0 +1,204 @@
+"""Online FP8 weight quantization (``quantization="fp8"``, vLLM's ``--quantization fp8``).
+
+A 16-bit (or fp32) checkpoint is loaded as usual; then every attention and dense-MLP
+linear (``ColumnParallelLinear`` / ``RowParallelLinear`` whose ``quantizable`` is left on)
+keeps its weight as float8_e4m3fn with one fp32 scale per output row:
+
+    scale[n] = amax_k |W[n, k]| / 448          (448: e4m3's largest finite value)
+    Wq[n, k] = e4m3(W[n, k] / scale[n])        (round to nearest even)
+    W[n, k] ~ scale[n] * Wq[n, k]              (relative error <= 2^-4 for normal values)
+
+Left in 16 bits: embeddings, the LM head (tied or not: logits are the most sensitive
+product and one row of it is read per token anyway), norms, the MoE router and routed
+experts (``layers/moe.py``, their own fused kernel) and MLA's ``kv_b_proj`` (its weight is
+absorbed into queries and outputs, read as a matrix rather than called as a linear).
+
+How a quantized linear of M rows runs (``_ParallelLinear.forward``):
+
+    CUDA, one row (row_gemv)        kernels/gemv.gemv_row with the scale: W8A16
+    CUDA, rows tuned to ours        kernels/gemv.skinny_linear with the scale: W8A16
+    CUDA, otherwise (bf16 / fp16)   W8A8: x quantized per token (dynamic scales, one
+                                    kernel: kernels/fp8_quant.py; graph-capturable), then
+                                    torch._scaled_mm with row-wise scales (sm_89+, N and
+                                    K multiples of 16)
+    elsewhere (CPU, fp32, old GPUs) the weight dequantized to x's dtype, then F.linear
+
+Checkpoints whose weights are already fp8 (with their own scales) are not read here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashpage.config import check_quantization
+
+logger = logging.getLogger("flashpage")
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# Scales are floored so an all-zero row (or token) quantizes to zeros, not NaN.
+MIN_SCALE = 1e-12
+
+
+# ----------------------------------------------------------------------------- the math
+def quantize_fp8_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (any float dtype) -> (float8_e4m3fn [N, K], fp32 scales [N]), symmetric,
+    one scale per row: scale = amax(|row|) / 448, each value divided by its row's scale in
+    fp32 and rounded to nearest even (no value can exceed 448, so nothing saturates)."""
+    if w.dim() != 2:
+        raise ValueError(f"expected a [N, K] weight, got {tuple(w.shape)}")
+    if not w.is_floating_point() or w.dtype.itemsize == 1:
+        raise ValueError(f"cannot quantize a {w.dtype} weight (fp8 checkpoints are not supported)")
+    w32 = w.float()
+    scale = (w32.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_fp8_rowwise(q: torch.Tensor, scale: torch.Tensor,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The reference inverse: scale[n] * q[n, k] in fp32, then ``dtype``."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], fp32 scales [M, 1]): each row by its own amax
+    (dynamic activation scales). Torch ops, no host sync; on the GPU the engine runs
+    kernels/fp8_quant.quantize_per_token instead (one launch, the same bits)."""
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A16 reference: x [..., K] @ dequantized(q)^T in fp32 (+ bias), in x's dtype."""
+    y = x.float() @ dequantize_fp8_rowwise(q, scale).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def w8a8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """What ``scaled_mm_linear`` computes, emulated exactly in fp32 on any device: x
+    quantized per token, the fp8 x fp8 products summed in fp32, both scales applied to
+    the sum, then the bias; x [M, K] -> [M, N] in ``out_dtype`` (default x's)."""
+    xq, xs = quantize_fp8_per_token(x)
+    y = (xq.float() @ q.float().t()) * xs * scale.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)
+
+
+# ----------------------------------------------------------------------------- GPU paths
+def scaled_mm_supported(x: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether ``scaled_mm_linear`` takes this call: CUDA with e4m3 tensor cores (sm_89+),
+    16-bit activations, N and K multiples of 16 (``_scaled_mm``'s layout rule)."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    n, k = q.shape
+    if n % 16 or k % 16:
+        return False
+    from flashpage.kernels.device import cuda_capability
+
+    return cuda_capability(x.device) >= (8, 9)
+
+
+def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 on the GPU: x [M, K] (bf16/fp16) quantized per token (one Triton kernel,
+    kernels/fp8_quant.py), then one ``torch._scaled_mm(x_fp8 [M, K] row-major, q^T [K, N]
+    column-major, scale_a [M, 1], scale_b [1, N], bias, out_dtype=bf16)`` (row-wise
+    scaling). fp16 activations get a bf16 product cast back (row-wise scaling is bf16-out
+    on every torch that has it)."""
+    from flashpage.kernels.fp8_quant import quantize_per_token
+
+    xq, xs = quantize_per_token(x)
+    b = bias.to(torch.bfloat16) if bias is not None and bias.dtype != torch.bfloat16 else bias
+    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, -1), bias=b,
+                         out_dtype=torch.bfloat16)
+    return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A quantized linear's general path: x [..., K] -> [..., N]. W8A8 ``_scaled_mm``
+    where it runs, else the weight dequantized to x's dtype (CPU, fp32 models, old GPUs:
+    correct, not fast: it rebuilds the 16-bit weight on every call)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] and scaled_mm_supported(x2, q):
+        y = scaled_mm_linear(x2.contiguous(), q, scale, bias)
+    else:
+        w = (q.to(torch.float32) * scale[:, None]).to(x.dtype)
+        y = F.linear(x2, w, bias)
+    return y.view(*lead, q.shape[0])
+
+
+# ----------------------------------------------------------------------------- the model
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str | None) -> int:
+    """Quantize every quantizable linear of ``model`` in place (``method`` "fp8"; None:
+    nothing); returns how many it quantized (those quantized before are left). Tied weights (an LM head sharing the embedding) and
+    linears marked ``quantizable = False`` stay as they are. On CUDA the freed 16-bit
+    weights go back to the device, so the KV cache sized next sees the memory."""
+    from flashpage.layers.linear import VocabEmbedding, _ParallelLinear
+
+    check_quantization(method)
+    if method is None:
+        return 0
+    embedded = {p.data_ptr() for m in model.modules()
+                if isinstance(m, nn.Embedding | VocabEmbedding) for p in m.parameters()}
+    count, candidates, before, after = 0, 0, 0, 0
+    for m in model.modules():
+        if not isinstance(m, _ParallelLinear) or not m.quantizable:
+            continue
+        if m.weight.data_ptr() in embedded:
+            continue
+        candidates += 1
+        if m.is_quantized:  # quantized before: left as it is
+            continue
+        before += m.weight.numel() * m.weight.element_size()
+        m.quantize_fp8()
+        after += m.weight.numel() + 4 * m.weight.shape[0]  # e4m3 values, fp32 scales
+        count += 1
+    if candidates == 0:
+        raise ValueError(f"quantization={method!r}: this model has no linear layer to quantize")
+    if count == 0:
+        return 0
+    logger.info("fp8 weights: %d linears, %.1f MiB -> %.1f MiB", count, before / 2**20,
+                after / 2**20)
+    dev = next((p.device for p in model.parameters() if p.is_cuda), None)
+    if dev is not None:
+        torch.cuda.empty_cache()  # the 16-bit weights' memory back for the KV cache
+        from flashpage.kernels.device import cuda_capability
+
+        if cuda_capability(dev) < (8, 9):
+            logger.warning("this GPU has no e4m3 tensor cores (sm_89+): steps of more rows than "
+                           "the decode GEMMs take dequantize each weight per call (slow)")
+    return count
+
+
+def quantized_linears(model: nn.Module) -> list[str]:
+    """Names of the linears of ``model`` that hold fp8 weights (tests, reports)."""
+    return [name for name, m in model.named_modules()
+            if getattr(m, "weight_scale", None) is not None and m.weight.dtype == FP8_DTYPE]
+
+
+def dequantized_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named_parameters`` with every fp8 weight dequantized to the model's 16/32-bit
+    dtype (what a transformers copy of the model is given: benchmarks' baselines)."""
+    scales = {name.removesuffix("_scale"): b for name, b in model.named_buffers()
+              if name.endswith("weight_scale")}
+    dtype = next((p.dtype for p in model.parameters() if p.dtype != FP8_DTYPE), torch.float32)
+    for name, p in model.named_parameters():
+        scale = scales.get(name)
+        yield name, p.data if scale is None else dequantize_fp8_rowwise(p.data, scale, dtype)
+
