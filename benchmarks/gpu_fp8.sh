@@ -14,37 +14,6 @@
 # is left of BUDGET (default 400) seconds. No carry needed (random weights; configs in benchmarks/configs).
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
-FP="python3 -m flashpage"
-# one line per run: the figures that answer "what did fp8 buy"
-summary() {
-  python3 - "$@" <<'PY'
-import json, sys
-for path in sys.argv[1:]:
-    try:
-        r = json.load(open(path))
-    except (OSError, ValueError) as e:
-        print(path, "missing:", e); continue
-    f = r["flashpage"]
-    keys = ("decode_tok_per_s", "ttft_s", "output_tok_per_s", "total_tok_per_s", "seconds")
-    extra = {k: r[k] for k in ("weight_read_limit_tok_per_s", "fraction_of_limit") if k in r}
-    if "roofline" in r:
-        extra["weight_bytes"] = r["roofline"].get("weight_bytes")
-    print(path.rsplit("/", 1)[-1], {k: round(f[k], 4) for k in keys if k in f}, extra,
-          "decode_gemm:", r.get("decode_gemm"))
-PY
-}
-latency() {  # name, then extra flags
-  local name=$1; shift
-  timeout "$(left 120)" $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 64 \
-    --no-hf --json-out "$OUT/latency_$name.json" "$@" > "$OUT/latency_$name.txt" 2>&1
-  summary "$OUT/latency_$name.json"
-}
-throughput() {
-  local name=$1; shift
-  timeout "$(left 190)" $FP bench throughput --config llama-3-8b --gpu-memory-utilization 0.75 --no-hf \
-    --json-out "$OUT/throughput_$name.json" "$@" > "$OUT/throughput_$name.txt" 2>&1
-  summary "$OUT/throughput_$name.json"
-}
 case "$PART" in
 a)
   timeout "$(left 200)" $PT -m gpu tests/kernels/test_gemv_fp8.py tests/models/test_fp8_weights.py \
