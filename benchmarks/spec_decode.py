@@ -1,8 +1,15 @@
 """Speculative decoding (n-gram drafts) against plain decoding, in one process.
 
 One engine (random --config weights, or --model), its proposer swapped between runs, every
-run greedy with the same prompts: each prompt is a random block of --block tokens repeated
-to --input-len, so n-gram lookups find matches in it. Modes per batch size:
+run greedy with the same prompts. Random weights' greedy tokens hang on near-ties that the
+verification's kernels (a short prompt chunk) and decode's break differently, so by default
+the weights are arranged to count (--counting): every attention and MLP output projection
+zeroed (the residual stream stays the token's embedding) and the LM head rolled so that
+token t's next is t + 1 by a wide margin. The steps compute exactly what the 8B's do (the
+same GEMMs, attention and cache traffic); only the answer is known. Each prompt is a random
+block, a run t, t + 1, ... of --output-len / 2 tokens, another random block and t: its
+output counts on from t, and for its first half repeats the prompt's run (what n-gram
+lookup is for: copying from the context). Modes per batch size:
 
 - plain: no drafts (async scheduling on, as the engine runs without speculation)
 - ngram k=K: the real n-gram proposer; what it gains depends on how much of the model's
@@ -48,6 +55,22 @@ class ScriptedProposer(NgramProposer):
         return [(t + self.shift) % self.vocab for t in ans[i:i + k]]
 
 
+def make_counting(model: torch.nn.Module) -> None:
+    """Zero every o_proj / down_proj and roll the LM head: greedy next token = token + 1."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+        emb = model.model.embed_tokens.weight  # type: ignore[union-attr]
+        norm_w = model.model.norm.weight.float()  # type: ignore[union-attr]
+        head = model.lm_head.weight  # type: ignore[union-attr]
+        assert head.data_ptr() != emb.data_ptr(), "tied embeddings: not supported here"
+        for i in range(0, emb.shape[0], 8192):  # head[t + 1] = unit(norm_w * emb[t])
+            u = torch.nn.functional.normalize(emb[i:i + 8192].float() * norm_w, dim=-1)
+            rows = (torch.arange(i, i + u.shape[0], device=u.device) + 1) % emb.shape[0]
+            head[rows] = u.to(head.dtype)
+
+
 def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams, iters: int) -> dict[str, Any]:
     eng = llm.engine
     times, gaps, steps, outs = [], [], [], []
@@ -89,6 +112,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--no-counting", dest="counting", action="store_false",
+                    help="keep the random weights as drawn (greedy tokens then flip on near-ties)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     kmax = max(args.ks)
@@ -99,16 +124,27 @@ def main() -> None:
     ngram = eng.proposer
     assert ngram is not None
     vocab = eng.model_config.vocab_size
+    if args.counting:
+        make_counting(eng.model)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     g = torch.Generator().manual_seed(0)
-    results: dict[str, Any] = {"config": args.config or args.model, "device": str(eng.device),
+    results: dict[str, Any] = {"config": args.config or args.model, "counting": args.counting,
+                               "device": str(eng.device),
                                "dtype": str(eng.dtype), "input_len": args.input_len,
                                "block": args.block, "output_len": args.output_len, "runs": []}
     for bs in args.batch_sizes:
         prompts = []
         for _ in range(bs):
-            block = torch.randint(3, vocab, (args.block,), generator=g).tolist()
-            prompts.append((block * (args.input_len // args.block + 1))[: args.input_len])
+            if args.counting:
+                run = args.output_len // 2
+                t = int(torch.randint(3, vocab - run - 1, (), generator=g))
+                pad = max(args.input_len - run - 1, 2)
+                a = torch.randint(3, vocab, (pad // 2,), generator=g).tolist()
+                b = torch.randint(3, vocab, (pad - pad // 2,), generator=g).tolist()
+                prompts.append(a + list(range(t, t + run)) + b + [t])
+            else:
+                block = torch.randint(3, vocab, (args.block,), generator=g).tolist()
+                prompts.append((block * (args.input_len // args.block + 1))[: args.input_len])
         eng.proposer, eng.async_scheduling = None, eng.device.type == "cuda"
         _run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), 1)  # warm
         plain = _run(llm, prompts, params, args.iters)

@@ -143,7 +143,9 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     """Token counts prompt-only steps are padded to: finer where the padded rows cost
     compute (the GEMMs of a few hundred rows and up), up to ``max_tokens`` (<= 1024)."""
     cap = min(max_tokens, PREFILL_MAX_TOKENS)
-    sizes = [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    # 4 and 8: a short prompt, or a request checking its drafts (speculative decoding), runs
+    # GEMMs of 4 / 8 rows instead of 16 (near one row's cost where the skinny GEMM is tuned)
+    sizes = [4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
     return [s for s in sizes if s < cap] + [cap]
 
 
@@ -156,11 +158,15 @@ class PrefillGraphs(_StaticInputs):
     longest query count = the token bucket, the longest context = the tables' capacity.
 
     ``capture=False`` keeps the padded static-buffer forward but runs it eagerly: the same
-    inputs without CUDA (the CPU tests check the padding with it)."""
+    inputs without CUDA (the CPU tests check the padding with it).
+
+    ``rows_per_seq``: logits rows a graph computes per request slot (capped by its token
+    bucket): 1, or 1 + drafts with speculative decoding, whose steps of requests that all
+    check drafts then fit these graphs too."""
 
     def __init__(self, model: nn.Module, prepare: Callable[[AttentionMetadata], AttentionMetadata],
                  max_tokens: int, max_blocks: int, block_size: int, device: torch.device,
-                 seq_slots: tuple[int, ...] = PREFILL_SEQS) -> None:
+                 seq_slots: tuple[int, ...] = PREFILL_SEQS, rows_per_seq: int = 1) -> None:
         self.model = model
         self.prepare = prepare
         self.device = device
@@ -173,7 +179,8 @@ class PrefillGraphs(_StaticInputs):
         self.query_start_loc = torch.zeros(seqs + 1, dtype=i32, device=device)
         self.seq_lens = torch.ones(seqs, dtype=i32, device=device)
         self.block_tables = torch.zeros(seqs, max_blocks, dtype=i32, device=device)
-        self.logits_indices = torch.zeros(seqs, dtype=i64, device=device)
+        self.rows_per_seq = rows_per_seq
+        self.logits_indices = torch.zeros(seqs * rows_per_seq, dtype=i64, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.pool: Any = None
@@ -184,9 +191,13 @@ class PrefillGraphs(_StaticInputs):
         tokens = next((t for t in self.token_buckets if t >= num_tokens), None)
         return None if seqs is None or tokens is None else (seqs, tokens)
 
+    def rows(self, key: tuple[int, int]) -> int:
+        """How many logits rows graph ``key`` = (slots, tokens) computes."""
+        return min(key[0] * self.rows_per_seq, key[1])
+
     def forward(self, seqs: int, tokens: int) -> torch.Tensor:
-        """The padded step over the static buffers -> logits [seqs, V] (the rows
-        ``logits_indices`` point at)."""
+        """The padded step over the static buffers -> logits [rows((seqs, tokens)), V] (the
+        rows ``logits_indices`` point at)."""
         md = self.prepare(AttentionMetadata(
             num_actual_tokens=tokens, num_seqs=seqs,
             query_start_loc=self.query_start_loc[: seqs + 1], seq_lens=self.seq_lens[:seqs],
@@ -194,7 +205,8 @@ class PrefillGraphs(_StaticInputs):
             max_query_len=tokens, max_seq_len=self.capacity, num_decodes=0, num_decode_tokens=0,
             query_lens_cpu=[tokens] * seqs, seq_lens_cpu=[self.capacity] * seqs))
         hidden = self.model(self.input_ids[:tokens], self.positions[:tokens], md)
-        return self.model.compute_logits(hidden[self.logits_indices[:seqs]])  # type: ignore[operator]
+        rows = self.rows((seqs, tokens))
+        return self.model.compute_logits(hidden[self.logits_indices[:rows]])  # type: ignore[operator]
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> Any:
@@ -228,10 +240,11 @@ class PrefillGraphs(_StaticInputs):
             self.query_start_loc[k + 1: seqs + 1].fill_(n)  # padding slots: no queries
         self.seq_lens[:k].copy_(md.seq_lens, non_blocking=True)
         self.block_tables[:k, : md.block_tables.shape[1]].copy_(md.block_tables, non_blocking=True)
-        rows = logits_indices.shape[0]
+        rows, cap = logits_indices.shape[0], self.rows(key)
+        assert rows <= cap
         self.logits_indices[:rows].copy_(logits_indices, non_blocking=True)
-        if seqs > rows:
-            self.logits_indices[rows:seqs].zero_()  # in range of any bucket (a stale one may not be)
+        if cap > rows:
+            self.logits_indices[rows:cap].zero_()  # in range of any bucket (a stale one may not be)
         if key in self.graphs:
             self.graphs[key].replay()
             return self.logits[key][:rows]

@@ -122,6 +122,7 @@ class LLMEngine:
                                    self.max_model_len, self.kv_manager,
                                    watermark=config.kv_watermark)
         backend = backend_cls(mc, self.device, self.dtype)
+        self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
                                   config.block_size, self.device, self.dtype, self.kv_dtype)
         # Decode-batch GEMMs: ours where it beats cuBLAS (fp8: W8A8) on this GPU (timed now,
@@ -146,8 +147,8 @@ class LLMEngine:
                                  else config.async_scheduling)
         # speculative decoding (engine/spec_decode.py): a step's drafts come from the last
         # step's tokens, so steps are scheduled after the last one is read back
-        spec = SpeculativeConfig.parse(config.speculative_config)
-        self.proposer = NgramProposer(spec, self.max_model_len) if spec is not None else None
+        self.proposer = NgramProposer(self.spec_config, self.max_model_len) \
+            if self.spec_config is not None else None
         if self.proposer is not None:
             if config.async_scheduling:
                 logger.warning("async scheduling is off while speculative decoding is on")
@@ -174,6 +175,7 @@ class LLMEngine:
         pieces_mode = envs.piecewise_graphs()
         piecewise = backend_prompt_graphs and pieces_mode != "off" and (
             getattr(self.model, "supports_piecewise_graphs", True) or pieces_mode == "all")
+        spec_k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
         max_tokens = min(cfg.max_num_batched_tokens, self.max_model_len,
                          getattr(self.model, "max_graph_tokens", None) or 1 << 30)
         # (name, capture, what turns the kind off if its capture fails: None = fatal)
@@ -182,7 +184,8 @@ class LLMEngine:
                                                             self.max_model_len), None)]
         if prompt_graphs and envs.prefill_graphs():
             kinds.append(("prompt-only (up to 4 requests)",
-                          lambda: runner.capture_prefill_graphs(max_tokens, self.max_model_len),
+                          lambda: runner.capture_prefill_graphs(max_tokens, self.max_model_len,
+                                                                rows_per_seq=1 + spec_k),
                           "prefill_graphs"))
         if piecewise:
             kinds.append(("piecewise (attention eager)",

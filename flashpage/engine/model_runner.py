@@ -84,14 +84,16 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, max_bs, max_blocks, self.device)
         self.graphs.capture()
 
-    def capture_prefill_graphs(self, max_tokens: int, max_model_len: int, *, capture: bool = True) -> None:
+    def capture_prefill_graphs(self, max_tokens: int, max_model_len: int, *, capture: bool = True,
+                               rows_per_seq: int = 1) -> None:
         """Graphs for prompt-only steps of up to 4 requests and ``max_tokens`` (<= 1024)
         tokens, in the decode graphs' pool (cuda_graph.PrefillGraphs; needs a backend whose
         prompt path has no host syncs). ``capture=False``: the same padded steps, run
         eagerly (tests on the CPU)."""
         max_blocks = _table_width(-(-max_model_len // self.block_size))
         self.prefill_graphs = PrefillGraphs(self.model, self.backend.prepare, max_tokens,
-                                            max_blocks, self.block_size, self.device)
+                                            max_blocks, self.block_size, self.device,
+                                            rows_per_seq=rows_per_seq)
         if capture:
             self.prefill_graphs.capture(self.graphs.pool if self.graphs is not None else None)
 
@@ -307,10 +309,11 @@ class ModelRunner:
             return [], None
         inp = self.prepare(out)
         md = inp.metadata
-        # Steps whose hidden states are read (prompt logprobs, embeddings) or that check
-        # drafts skip the graphs that hand back only the sampled rows' logits.
-        reads_hidden = bool(inp.prompt_rows or inp.pool_rows or inp.spec)
-        if (self.graphs is not None and md.num_decodes == md.num_seqs and not reads_hidden
+        # Steps whose hidden states are read (prompt logprobs, embeddings) skip the graphs
+        # that hand back only the sampled rows' logits; steps that check drafts (more rows
+        # than requests) the decode graphs, and the prompt-step ones unless they have the rows.
+        reads_hidden = bool(inp.prompt_rows or inp.pool_rows)
+        if (self.graphs is not None and md.num_decodes == md.num_seqs and not reads_hidden and not inp.spec
                 and self.graphs.bucket(md.num_seqs) is not None):
             # One token per request, each sampled: token index == row of the captured
             # logits == logits index, so the rows are used in place (no gather of
@@ -318,7 +321,8 @@ class ModelRunner:
             assert len(inp.sample_requests) == md.num_seqs
             logits = self.graphs.run(inp.input_ids, inp.positions, md, md.num_seqs)
         elif (self.prefill_graphs is not None and md.num_decodes == 0 and not reads_hidden
-                and self.prefill_graphs.key(md.num_seqs, md.num_actual_tokens) is not None):
+                and (key := self.prefill_graphs.key(md.num_seqs, md.num_actual_tokens)) is not None
+                and len(inp.logits_indices) <= self.prefill_graphs.rows(key)):
             # A short prompt-only step: its host time is its launches (cuda_graph.py).
             logits = self.prefill_graphs.run(inp.input_ids, inp.positions, md, inp.logits_indices)
         else:

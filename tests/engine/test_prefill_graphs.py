@@ -21,12 +21,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 
 def test_prefill_buckets_and_keys():
-    assert prefill_buckets(8192) == [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
-    assert prefill_buckets(300) == [16, 32, 64, 96, 128, 192, 256, 300]
-    assert prefill_buckets(8) == [8]
+    assert prefill_buckets(8192) == [4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    assert prefill_buckets(300) == [4, 8, 16, 32, 64, 96, 128, 192, 256, 300]
+    assert prefill_buckets(8) == [4, 8]
+    assert prefill_buckets(6) == [4, 6]
     pg = PrefillGraphs(torch.nn.Identity(), lambda md: md, 300, 4, 16, torch.device("cpu"))
-    assert pg.key(1, 1) == (1, 16)
+    assert pg.key(1, 1) == (1, 4)
+    assert pg.key(1, 5) == (1, 8)
+    assert pg.key(1, 9) == (1, 16)
     assert pg.key(1, 17) == (1, 32)
+    # one logits row per slot; with speculative decoding 1 + k, capped by the token bucket
+    assert pg.rows((4, 300)) == 4
+    spec = PrefillGraphs(torch.nn.Identity(), lambda md: md, 300, 4, 16, torch.device("cpu"), rows_per_seq=5)
+    assert spec.rows((1, 4)) == 4 and spec.rows((1, 8)) == 5 and spec.rows((4, 16)) == 16
+    assert spec.rows((4, 32)) == 20 and spec.logits_indices.shape == (20,)
     assert pg.key(2, 300) == (4, 300)
     assert pg.key(4, 97) == (4, 128)
     assert pg.key(5, 20) is None  # more requests than slots: eager
@@ -76,15 +84,15 @@ def test_padding_after_a_larger_step():
     logits = pg.run(ids, torch.arange(64), big, torch.tensor([19, 39, 59, 63]))
     assert logits[:, 0].tolist() == [119, 139, 159, 163]
     assert model.seen[-1]["tokens"] == 64 and model.seen[-1]["qsl"] == [0, 20, 40, 60, 64]
-    small = _step_md([5, 3], [5, 9], 200)
-    logits = pg.run(ids[:8], torch.arange(8), small, torch.tensor([4]))  # one of two sampled
+    small = _step_md([6, 4], [6, 10], 200)
+    logits = pg.run(ids[:10], torch.arange(10), small, torch.tensor([5]))  # one of two sampled
     seen = model.seen[-1]
     assert seen["tokens"] == 16 and seen["max_q"] == 16
-    assert seen["qsl"] == [0, 5, 8, 8, 8]
-    assert seen["slots"] == list(range(200, 208)) + [-1] * 8
-    assert seen["seq_lens"][:2] == [5, 9]
-    assert logits[:, 0].tolist() == [104]
-    assert pg.logits_indices.tolist() == [4, 0, 0, 0]
+    assert seen["qsl"] == [0, 6, 10, 10, 10]
+    assert seen["slots"] == list(range(200, 210)) + [-1] * 6
+    assert seen["seq_lens"][:2] == [6, 10]
+    assert logits[:, 0].tolist() == [105]
+    assert pg.logits_indices.tolist() == [5, 0, 0, 0]
 
 
 def _steps(llm, batches):
@@ -133,7 +141,7 @@ def test_padded_prompt_steps_give_the_plain_steps_tokens(tiny_checkpoint, monkey
     runner = llm.engine.runner
     runner.capture_prefill_graphs(32, llm.engine.max_model_len, capture=False)
     pg = runner.prefill_graphs
-    assert pg is not None and pg.token_buckets == [16, 32]
+    assert pg is not None and pg.token_buckets == [4, 8, 16, 32]
     keys = []
     real = PrefillGraphs.run
 
@@ -146,7 +154,7 @@ def test_padded_prompt_steps_give_the_plain_steps_tokens(tiny_checkpoint, monkey
     assert got == ref
     # the middle chunk (no sample), its last 8 tokens, three prompts in 4 slots, the prefix
     # hit's 3 new tokens, the 2-token prompt; the 6-request step ran eagerly
-    assert keys == [((1, 32), 0), ((1, 16), 1), ((4, 32), 3), ((1, 16), 1), ((1, 16), 1),
+    assert keys == [((1, 32), 0), ((1, 8), 1), ((4, 32), 3), ((1, 4), 1), ((1, 4), 1),
                     ((4, 32), 1)], keys
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
 
@@ -326,9 +334,9 @@ def test_piecewise_capture_bookkeeping_on_fake_graphs(tiny_checkpoint, monkeypat
     pg = PiecewiseGraphs(llm.engine.model, 32, torch.device("cpu"))
     pg.input_ids[:32] = torch.arange(5, 37)
     assert pg.capture() == "pool-0"
-    assert set(pg.pieces) == {16, 32} and all(len(p) == layers + 1 for p in pg.pieces.values())
+    assert set(pg.pieces) == {4, 8, 16, 32} and all(len(p) == layers + 1 for p in pg.pieces.values())
     assert log[0] == ("begin", None) and all(e == ("begin", "pool-0") for e in log[1:] if e[0] == "begin")
-    assert [e[0] for e in log] == ["begin", "end"] * (2 * (layers + 1))
+    assert [e[0] for e in log] == ["begin", "end"] * (4 * (layers + 1))
     q_width = llm.engine.model_config.num_attention_heads * llm.engine.model_config.head_dim
     for tokens, calls in pg.calls.items():
         assert len(calls) == layers

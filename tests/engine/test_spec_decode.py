@@ -4,6 +4,7 @@ engine's outputs, which must be those of plain decoding for greedy requests."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -301,6 +302,38 @@ def test_seeded_sampling_with_drafts_is_reproducible(tiny_checkpoint):
     assert batch[0].outputs[0].token_ids == alone
     assert llm.engine.stats()["spec_decode"]["num_drafts"] > 0
     assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_draft_steps_through_padded_prompt_graphs(tiny_checkpoint, monkeypatch):
+    """The prompt-step graphs' padded forward (run eagerly here) with 1 + k logits rows per
+    request slot: steps of requests that all check drafts take it (the logits rows are
+    more than the requests), the others the plain path; the tokens are plain decoding's."""
+    from flashpage.engine.cuda_graph import PrefillGraphs
+
+    path = tiny_checkpoint("head64_gqa")
+    kw = dict(dtype="float32", device="cpu", attention_backend="triton", block_size=16,
+              max_num_batched_tokens=32)
+    prompts = random_prompts(2, 5, 12, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(path), speculative_config=NGRAM, **kw)
+    llm.engine.runner.capture_prefill_graphs(32, llm.engine.max_model_len, capture=False, rows_per_seq=5)
+    _with_oracle(llm, want, wrong=3)
+    keys = []
+    real = PrefillGraphs.run
+
+    def spy(self, input_ids, positions, md, logits_indices):
+        keys.append((self.key(md.num_seqs, md.num_actual_tokens), logits_indices.shape[0]))
+        return real(self, input_ids, positions, md, logits_indices)
+
+    monkeypatch.setattr(PrefillGraphs, "run", spy)
+    got = [o.outputs[0].token_ids for o in _generate_ids(llm, prompts, params)]
+    assert got == want
+    drafted = [(key, rows) for key, rows in keys if rows > 2]
+    assert drafted, keys  # steps whose logits rows outnumber their requests took the graphs
+    assert all(rows <= min(key[0] * 5, key[1]) for key, rows in keys)
 
 
 @pytest.mark.gpu
