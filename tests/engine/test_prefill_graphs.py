@@ -202,8 +202,8 @@ def test_prompt_graphs_captured_and_replayed_gpu(tiny_checkpoint, monkeypatch):
     monkeypatch.setenv("FLASHPAGE_PIECEWISE_GRAPHS", "1")
     llm = LLM(path, **kw)
     pg, pw = llm.engine.runner.prefill_graphs, llm.engine.runner.piecewise
-    assert pg is not None and set(pg.graphs) == {(s, t) for s in (1, 4) for t in (16, 32)}
-    assert pw is not None and set(pw.pieces) == {16, 32}
+    assert pg is not None and set(pg.graphs) == {(s, t) for s in (1, 4) for t in (4, 8, 16, 32)}
+    assert pw is not None and set(pw.pieces) == {4, 8, 16, 32}
     assert all(len(p) == 3 for p in pw.pieces.values())  # 2 layers: 3 pieces around 2 attentions
     replays = []
     real = torch.cuda.CUDAGraph.replay
