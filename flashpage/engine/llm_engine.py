@@ -25,7 +25,7 @@ from flashpage.engine.output import ChildRequest, ParentRequest, child_params
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
 from flashpage.engine.scheduler import Scheduler
 from flashpage.engine.sequence import Request, RequestStatus
-from flashpage.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
+from flashpage.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig, unpack_checked
 from flashpage.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.layers import ops
@@ -469,7 +469,10 @@ class LLMEngine:
         """Wait for a launched step's tokens; append them, stop requests, detokenize."""
         result = step.pending.result()
         reqs = step.requests
-        tokens, drafted, starts = self._drafted(step, result.token_ids)
+        checked = step.pending.drafted
+        tokens, drafted, starts = result.token_ids, None, dict[str, int]()
+        if checked and self.proposer is not None:  # speculative decoding (engine/spec_decode.py)
+            tokens, drafted, starts = unpack_checked(reqs, tokens, checked, self.proposer.stats)
         finished = {r.request_id for r in self.scheduler.resolve(reqs, tokens, drafted)}
         now = time.monotonic()
         touched: dict[str, None] = {}
@@ -479,15 +482,20 @@ class LLMEngine:
             if child is None or (req.is_finished() and req.request_id not in finished):
                 continue
             touched[child.parent_id] = None
-            lp = result.logprobs[i]
-            if lp is not None:
-                child.logprobs.append(lp)
-                child.cumulative_logprob += lp.logprob
             if drafted is not None and req.request_id in drafted:
-                self._add_drafted(child, drafted[req.request_id] + [tokens[i]], starts[req.request_id],
-                                  req.request_id in finished)
-            elif child.add_token(tokens[i], req.request_id in finished):  # a stop string
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                got = checked[req.request_id]  # type: ignore[index]
+                lps = None if got.logprobs is None else \
+                    got.logprobs + ([result.logprobs[i]] if got.drawn is None else [])
+                if child.add_tokens(drafted[req.request_id] + [tokens[i]], starts[req.request_id],
+                                    req.request_id in finished, lps):  # a stop string
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            else:
+                lp = result.logprobs[i]
+                if lp is not None:
+                    child.logprobs.append(lp)
+                    child.cumulative_logprob += lp.logprob
+                if child.add_token(tokens[i], req.request_id in finished):  # a stop string
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             m = self._parents[child.parent_id].metrics
             if m.first_token_time is None:
                 m.first_token_time = now
@@ -495,46 +503,6 @@ class LLMEngine:
         if final_only:
             return [self._make_output(pid, now) for pid in touched if self._parents[pid].is_done()]
         return [self._make_output(pid, now) for pid in touched]
-
-    def _drafted(self, step: _Inflight, tokens: list[int]
-                 ) -> tuple[list[int], dict[str, list[int]] | None, dict[str, int]]:
-        """A speculative step's tokens: each checked request's last token (the one drawn at
-        its first rejected draft, else the step's sample), its accepted drafts, and how many
-        outputs it had resolved before them."""
-        checked = step.pending.drafted
-        if not checked or self.proposer is None:
-            return tokens, None, {}
-        tokens = list(tokens)
-        stats = self.proposer.stats
-        drafted: dict[str, list[int]] = {}
-        starts: dict[str, int] = {}
-        for i, req in enumerate(step.requests):
-            got = checked.get(req.request_id)
-            if got is None:
-                continue
-            accepted, drawn, num_drafts = got
-            drafted[req.request_id] = accepted
-            starts[req.request_id] = req.num_resolved_outputs
-            if drawn is not None:
-                tokens[i] = drawn
-            stats.num_drafts += 1
-            stats.num_draft_tokens += num_drafts
-            stats.num_accepted_tokens += len(accepted)
-        return tokens, drafted, starts
-
-    def _add_drafted(self, child: ChildRequest, tokens: list[int], start: int, finished: bool) -> None:
-        """Hand a speculative step's tokens to the sample one by one, as far as the request
-        took them (``start``: its outputs before them); a stop string among them ends the
-        sample there, the tokens after it dropped."""
-        req = child.request
-        taken = req.num_output_tokens - start
-        for j, tok in enumerate(tokens[:taken]):
-            stop_now = child.add_token(tok, finished)
-            if stop_now or isinstance(child.stop_reason, str):
-                req.truncate_outputs(start + j + 1)
-                if stop_now:
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-                return
 
     def _make_output(self, parent_id: str, now: float) -> RequestOutput:
         parent = self._parents[parent_id]

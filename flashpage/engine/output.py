@@ -64,6 +64,24 @@ class ChildRequest:
         self.text = text
         return stop_now
 
+    def add_tokens(self, tokens: list[int], start: int, finished: bool,
+                   logprobs: list[Any] | None) -> bool:
+        """A speculative step's tokens (and their logprobs), one by one, as far as the request
+        took them (``start``: its outputs before them); a stop string among them ends the
+        sample there, the tokens after it dropped. True as ``add_token``: the caller finishes
+        the sample."""
+        req = self.request
+        taken = req.num_output_tokens - start
+        for j, tok in enumerate(tokens[:taken]):
+            if logprobs is not None:
+                self.logprobs.append(logprobs[j])
+                self.cumulative_logprob += logprobs[j].logprob
+            stop_now = self.add_token(tok, finished)
+            if stop_now or isinstance(self.stop_reason, str):
+                req.truncate_outputs(start + j + 1)
+                return stop_now
+        return False
+
     def output(self) -> CompletionOutput:
         """The sample so far; a text tail that may still begin a stop string held back."""
         r = self.request

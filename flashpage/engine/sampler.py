@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -65,9 +66,9 @@ class PendingSample:
         self._params = params
         self._host = [_to_host(t) for t in (tokens, *(lp or ()))]
         self._has_lp = lp is not None
-        # speculative decoding: request id -> (accepted drafts, the token drawn at the first
-        # rejected one or None, drafts checked), for the requests whose drafts ran this step
-        self.drafted: dict[str, tuple[list[int], int | None, int]] | None = None
+        # speculative decoding: request id -> its drafts as checked (spec_decode.Checked), for
+        # the requests whose drafts ran this step
+        self.drafted: dict[str, Any] | None = None
         self._event: torch.cuda.Event | None = None
         if tokens.is_cuda:
             self._event = torch.cuda.Event()

@@ -16,8 +16,9 @@ temperature, top-k, top-p and min-p) and on rejection draw from ``p`` without ``
 greedy request's tokens are those of plain decoding.
 
 Requests whose sampling reads their tokens one at a time on the host (penalties, structured
-outputs, logprobs, logit bias, allowed token ids, min_tokens still holding back stop
-tokens) are not speculated; they decode beside the others as before. The engine schedules
+outputs, logit bias, allowed token ids, min_tokens still holding back stop tokens) are not
+speculated; they decode beside the others as before. Logprobs come with every token, drafted
+or not (the raw distribution's at the token's row, as the sampler's). The engine schedules
 synchronously while speculating (a step's drafts need the last step's tokens).
 """
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from flashpage.engine.sampler import Sampler, has_penalties, row_argmax
+from flashpage.engine.sampler import Logprobs, Sampler, has_penalties, row_argmax
 from flashpage.engine.sequence import Request
 
 _SEED_MIX = 1_000_003
@@ -102,9 +103,8 @@ def find_ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.
 def speculable(req: Request) -> bool:
     """Whether ``req``'s next tokens may be drafted (see the module doc)."""
     p = req.sampling_params
-    return (p.logprobs is None and req.guide is None and req.pooling is None
-            and not p.logit_bias and not p.allowed_token_ids and not has_penalties(p)
-            and not req.held_back_tokens())
+    return (req.guide is None and req.pooling is None and not p.logit_bias
+            and not p.allowed_token_ids and not has_penalties(p) and not req.held_back_tokens())
 
 
 @dataclass
@@ -177,14 +177,27 @@ class NgramProposer:
         return arr[:n]
 
 
+@dataclass
+class Checked:
+    """One request's drafts after the model checked them: those accepted, the token drawn
+    at the first rejected one (None when all passed: the step's ordinary sample at the last
+    position is then the bonus token), how many ran, and (when the request asked for
+    logprobs) the logprobs of each token those rows emit (the accepted drafts, then the
+    drawn one)."""
+
+    accepted: list[int]
+    drawn: int | None
+    num_drafts: int
+    logprobs: list[Logprobs] | None = None
+
+
 @torch.no_grad()
 def verify_drafts(logits: torch.Tensor, spec: list[tuple[Request, list[int]]],
-                  vocab: int) -> list[tuple[list[int], int | None, int]]:
+                  vocab: int) -> list[Checked]:
     """Check each request's drafts against the model. ``logits`` [sum of drafts, >= vocab]:
     row ``j`` of a request's block is the model's next-token logits at its draft ``j``'s
-    position. Returns, per request, (the accepted drafts, the token drawn where the first
-    draft was rejected, or None when all were accepted: the step's ordinary sample at the
-    last position is then the bonus token; and the number of drafts)."""
+    position. Logprobs, for the requests that ask, are the raw distribution's (as the
+    sampler's)."""
     logits = logits[:, :vocab].float()
     dev = logits.device
     drafts = torch.tensor([d for _, ds in spec for d in ds], dtype=torch.long)
@@ -219,13 +232,61 @@ def verify_drafts(logits: torch.Tensor, spec: list[tuple[Request, list[int]]],
         sampled = row_argmax(rest / noise)
         accept = torch.where(greedy, accept, (uniform < p_draft).cpu())
         recovered = torch.where(greedy.to(dev), target, sampled)
+    kmax = max((r.sampling_params.logprobs or 0) for r, _ in spec) \
+        if any(r.sampling_params.logprobs is not None for r, _ in spec) else None
+    lps = _row_logprobs(logits, torch.where(accept.to(dev), drafts.to(dev), recovered), kmax) \
+        if kmax is not None else None
     acc, rec = accept.tolist(), recovered.tolist()
-    out: list[tuple[list[int], int | None, int]] = []
+    out: list[Checked] = []
     i = 0
-    for _, ds in spec:
+    for r, ds in spec:
         a = 0
         while a < len(ds) and acc[i + a]:
             a += 1
-        out.append((ds[:a], rec[i + a] if a < len(ds) else None, len(ds)))
+        emitted = ds[:a] + ([rec[i + a]] if a < len(ds) else [])
+        want = r.sampling_params.logprobs
+        row_lps = None
+        if lps is not None and want is not None:
+            chosen, ranks, top_v, top_i = lps
+            row_lps = [Logprobs(t, chosen[i + j], ranks[i + j],
+                                list(zip(top_i[i + j][:want], top_v[i + j][:want], strict=True)))
+                       for j, t in enumerate(emitted)]
+        out.append(Checked(ds[:a], rec[i + a] if a < len(ds) else None, len(ds), row_lps))
         i += len(ds)
     return out
+
+
+def _row_logprobs(logits: torch.Tensor, tokens: torch.Tensor, kmax: int
+                  ) -> tuple[list[float], list[int], list[list[float]], list[list[int]]]:
+    """Each row's raw logprob of ``tokens[row]``, its rank, and the top ``kmax`` (values,
+    ids), on the host."""
+    raw = torch.log_softmax(logits, dim=-1)
+    chosen = raw.gather(1, tokens[:, None])
+    ranks = (raw > chosen).sum(dim=1) + 1
+    if kmax:
+        top_v, top_i = raw.topk(kmax, dim=-1)
+        return chosen[:, 0].tolist(), ranks.tolist(), top_v.tolist(), top_i.tolist()
+    n = len(tokens)
+    return chosen[:, 0].tolist(), ranks.tolist(), [[]] * n, [[]] * n
+
+
+def unpack_checked(requests: list[Request], tokens: list[int], checked: dict[str, Checked],
+                   stats: SpecStats) -> tuple[list[int], dict[str, list[int]], dict[str, int]]:
+    """A speculative step read back: each request's last token (the one drawn at its first
+    rejected draft, else the step's sample), the accepted drafts of those that ran drafts,
+    and how many outputs each of those had resolved before them; the counters updated."""
+    tokens = list(tokens)
+    drafted: dict[str, list[int]] = {}
+    starts: dict[str, int] = {}
+    for i, req in enumerate(requests):
+        got = checked.get(req.request_id)
+        if got is None:
+            continue
+        drafted[req.request_id] = got.accepted
+        starts[req.request_id] = req.num_resolved_outputs
+        if got.drawn is not None:
+            tokens[i] = got.drawn
+        stats.num_drafts += 1
+        stats.num_draft_tokens += got.num_drafts
+        stats.num_accepted_tokens += len(got.accepted)
+    return tokens, drafted, starts

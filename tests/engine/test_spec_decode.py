@@ -68,7 +68,7 @@ def _probs_of_first_token(logits: torch.Tensor, draft: int, params: SamplingPara
     ``draft`` against ``logits`` (the accepted draft, or the token drawn on rejection)."""
     req = Request("r", [1, 2], params)
     got = verify_drafts(logits.expand(n, -1), [(req, [draft])] * n, logits.shape[-1])
-    firsts = torch.tensor([acc[0] if acc else drawn for acc, drawn, _ in got])
+    firsts = torch.tensor([c.accepted[0] if c.accepted else c.drawn for c in got])
     return torch.bincount(firsts, minlength=logits.shape[-1]).float() / n
 
 
@@ -101,12 +101,21 @@ def test_greedy_rows_accept_exactly_the_argmax_prefix():
     logits = torch.full((3, 6), -5.0)
     logits[0, 4] = logits[1, 2] = logits[2, 1] = 3.0  # argmax per row: 4, 2, 1
     req = Request("r", [1], SamplingParams(temperature=0.0))
-    (acc, drawn, k), = verify_drafts(logits, [(req, [4, 2, 5])], 6)
-    assert (acc, drawn, k) == ([4, 2], 1, 3)
-    (acc, drawn, _), = verify_drafts(logits, [(req, [4, 2, 1])], 6)
-    assert (acc, drawn) == ([4, 2, 1], None)
-    (acc, drawn, _), = verify_drafts(logits, [(req, [3, 2, 1])], 6)
-    assert (acc, drawn) == ([], 4)
+    c, = verify_drafts(logits, [(req, [4, 2, 5])], 6)
+    assert (c.accepted, c.drawn, c.num_drafts, c.logprobs) == ([4, 2], 1, 3, None)
+    c, = verify_drafts(logits, [(req, [4, 2, 1])], 6)
+    assert (c.accepted, c.drawn) == ([4, 2, 1], None)
+    c, = verify_drafts(logits, [(req, [3, 2, 1])], 6)
+    assert (c.accepted, c.drawn) == ([], 4)
+    # logprobs: the raw distribution's, of each emitted token (accepted drafts, then drawn)
+    lp_req = Request("l", [1], SamplingParams(temperature=0.0, logprobs=2))
+    c, = verify_drafts(logits, [(lp_req, [4, 0, 5])], 6)
+    assert (c.accepted, c.drawn) == ([4], 2)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert [lp.token_id for lp in c.logprobs] == [4, 2] and [lp.rank for lp in c.logprobs] == [1, 1]
+    assert c.logprobs[0].logprob == pytest.approx(raw[0, 4].item())
+    top = c.logprobs[1].top  # row 1's top 2: token 2, then one of the tied rest
+    assert len(top) == 2 and top[0][0] == 2 and top[1][1] == pytest.approx(raw[1, 0].item())
 
 
 def _llm(path, spec=None, **kw) -> LLM:
@@ -244,8 +253,9 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_text_and_tokens_there(byt
 
 
 def test_unspeculable_requests_decode_beside_drafted_ones(tiny_checkpoint):
-    """A penalized request and one asking for logprobs get no drafts but share the steps;
-    each request's tokens are what it gets without speculation."""
+    """A penalized request gets no drafts but shares the steps with drafted ones, one asking
+    for logprobs among them; each request's tokens are what it gets without speculation, and
+    the logprobs those of plain decoding, token for token."""
     path = tiny_checkpoint("llama31_gqa")
     prompts = _repetitive_prompts()[:3]
     plist = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
@@ -268,10 +278,15 @@ def test_unspeculable_requests_decode_beside_drafted_ones(tiny_checkpoint):
     while llm.engine.has_unfinished_requests():
         for o in llm.engine.step():
             got[o.request_id] = o
-    assert drafted == {"0"}
+    assert drafted == {"0", "2"}
     for i, w in enumerate(want):
         assert got[str(i)].outputs[0].token_ids == w.outputs[0].token_ids
-    assert [lp.token_id for lp in got["2"].outputs[0].logprobs] == want[2].outputs[0].token_ids
+    mine, theirs = got["2"].outputs[0], want[2].outputs[0]
+    assert [lp.token_id for lp in mine.logprobs] == theirs.token_ids
+    for a, b in zip(mine.logprobs, theirs.logprobs, strict=True):
+        assert a.rank == b.rank and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert mine.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-3)
 
 
 def test_preemption_with_drafts_keeps_the_tokens(tiny_checkpoint):

@@ -140,6 +140,16 @@ def test_quantize_per_token_matches_torch_bit_for_bit(m, k, block, dtype):
         assert torch.all(q.float().abs().amax(dim=1)[x.abs().amax(dim=1) > 0] == 448)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_quantize_per_token_bit_for_bit_on_the_gpu():
+    """The check above in the GPU runs' selection (-m gpu), bf16 included: the compiled
+    kernel's fp32 -> e4m3 conversion rounds as torch's does."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for m, k, block in [(5, 100, 2048), (3, 300, 64), (64, 14336, 2048)]:
+            test_quantize_per_token_matches_torch_bit_for_bit(m, k, block, dtype)
+
+
 def test_quantize_per_token_rejects_bad_input():
     with pytest.raises(ValueError, match=r"\[M, K\]"):
         quantize_per_token(torch.zeros(2, 3, 4))
