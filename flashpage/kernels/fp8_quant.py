@@ -65,5 +65,6 @@ def quantize_per_token(x: torch.Tensor, block_k: int = BLOCK_K) -> tuple[torch.T
 def quantize_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same in torch (layers/quant.quantize_fp8_per_token is this function)."""
     x32 = x.float()
-    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    amax = x32.abs().amax(dim=-1, keepdim=True)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)  # IEEE division, as the kernel (layers/quant.py says why)
     return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale

@@ -71,7 +71,10 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     (dynamic activation scales). Torch ops, no host sync; on the GPU the engine runs
     kernels/fp8_quant.quantize_per_token instead (one launch, the same bits)."""
     x32 = x.float()
-    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    # amax / 448 divided as a tensor by a tensor: CUDA divides by a Python scalar through its
+    # reciprocal (an ulp off at times; run 147), the kernel's div_rn is IEEE's
+    amax = x32.abs().amax(dim=-1, keepdim=True)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
