@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -26,7 +27,9 @@ import torch
 from flashpage import LLM
 from flashpage.bench.common import resolve_config
 from flashpage.layers.quant import dequantized_parameters
-from tests.conftest import random_prompts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (the repository root)
+from tests.conftest import random_prompts  # noqa: E402
 
 
 def main() -> None:

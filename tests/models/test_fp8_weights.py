@@ -330,15 +330,19 @@ def test_cli_passes_quantization_to_the_engine(monkeypatch):
 def test_engine_fp8_bf16_on_the_gpu_with_graphs(tiny_checkpoint):
     """bf16 on CUDA with the engine's defaults (triton backend, CUDA graphs): decode graphs
     captured over fp8 weights; one sequence (gemv_row), a batch (skinny or W8A8) and long
-    prompts (W8A8 _scaled_mm) agree with the bf16 engine where bf16 is sure."""
+    prompts (W8A8 _scaled_mm) agree with the bf16 engine where bf16 is sure. "Sure" is this
+    checkpoint's: an exact fp32 emulation of the same rounding on the CPU (session 17:
+    quant.w8a8_linear_ref for every row, prompts as here) moves tokens whose top-2 margin is
+    up to 2.26 nats (W8A16 alone: 2.26 too; run 141 failed a 1-nat rule written before any
+    GPU run) and keeps 55% of all tokens on top (W8A16 65%)."""
     path = tiny_checkpoint("head128_gqa")
     for prompts in (random_prompts(1, 5, 5, seed=1), random_prompts(12, 3, 300, seed=2)):
         quant, margins, ranks = _teacher_forced(path, prompts, max_tokens=24, dtype="bfloat16",
                                                 num_gpu_blocks=1024)
         assert quant.engine.runner.graphs is not None  # decode graphs captured
         assert len(quantized_linears(quant.engine.model)) == 8
-        assert torch.all(ranks[margins > 1.0] == 1)
-        assert (ranks == 1).float().mean() > 0.65  # W8A8 rounds the activations too
+        assert torch.all(ranks[margins > 3.0] == 1)
+        assert (ranks == 1).float().mean() > 0.45  # W8A8 rounds the activations too
         del quant
 
 
@@ -347,8 +351,12 @@ def test_engine_fp8_bf16_on_the_gpu_with_graphs(tiny_checkpoint):
 def test_8b_shaped_layers_fp8_hidden_states_close_to_bf16(tmp_path):
     """Two layers of Llama 3 8B's shape (4096 / 14336, 128k vocabulary), random weights, bf16:
     the final hidden states of fp8 and bf16 engines (LLM.embed: the last position, graphs on)
-    stay within a cosine of 0.99, and greedy decoding runs through the captured graphs at
-    batch 1 and 8."""
+    stay as close as e4m3's rounding allows, and greedy decoding runs through the captured
+    graphs at batch 1 and 8. The bound is the exact emulation's: W8A8 in fp32 on the CPU at
+    this shape and init (N(0, 0.02), session 17) gives cosines of 0.977 min / 0.984 mean over
+    400 positions (weights' rounding alone 0.992 mean, the activations' alone 0.992); a wrong
+    scale or layout gives far less. Run 141 measured 0.978 min / 0.983 mean against a 0.99
+    written before any GPU run."""
     from pathlib import Path
 
     from flashpage import LLM, SamplingParams
@@ -374,4 +382,4 @@ def test_8b_shaped_layers_fp8_hidden_states_close_to_bf16(tmp_path):
         gc.collect()
         torch.cuda.empty_cache()
     cos = torch.nn.functional.cosine_similarity(embs["fp8"], embs[None], dim=-1)
-    assert torch.all(cos > 0.99), cos
+    assert cos.min() > 0.965 and cos.mean() > 0.975, cos
