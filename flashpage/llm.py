@@ -9,7 +9,13 @@ from typing import Any, cast
 from flashpage.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine
 from flashpage.outputs import RequestOutput
-from flashpage.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
+from flashpage.pooling import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from flashpage.sampling_params import SamplingParams
 
 logger = logging.getLogger("flashpage")
@@ -85,6 +91,30 @@ class LLM:
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
                                        EmbeddingOutput(o.embedding) if o.embedding is not None else None,
                                        o.finished, o.error) for o in outs]
+
+    def score(self, text_1: Prompt | Sequence[Prompt], text_2: Prompt | Sequence[Prompt], *,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score for embedding models: the cosine of the embeddings of ``text_1``
+        and each of ``text_2`` (one item against many), or of each pair (equal lengths).
+        Each distinct text is embedded once; a pair with a refused text has ``error`` set."""
+        left, right = _as_prompt_list(text_1), _as_prompt_list(text_2)
+        if len(left) != 1 and len(left) != len(right):
+            raise ValueError(f"text_1 has {len(left)} items and text_2 {len(right)}: give text_1 "
+                             "one item, or both the same number")
+        keys = [repr(p) for p in left + right]
+        unique = list(dict.fromkeys(keys))
+        embs = self.embed([(left + right)[keys.index(k)] for k in unique], use_tqdm=use_tqdm)
+        by_key = dict(zip(unique, embs, strict=True))
+        out = []
+        for j in range(len(right)):
+            a = by_key[keys[0 if len(left) == 1 else j]]
+            b = by_key[keys[len(left) + j]]
+            if a.outputs is None or b.outputs is None:
+                out.append(ScoringRequestOutput(str(j), None, True, a.error or b.error))
+                continue
+            cos = sum(x * y for x, y in zip(a.outputs.embedding, b.outputs.embedding, strict=True))
+            out.append(ScoringRequestOutput(str(j), ScoringOutput(cos)))
+        return out
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,

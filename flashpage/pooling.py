@@ -124,3 +124,19 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput | None
     finished: bool = True
     error: str | None = None  # the prompt was refused; outputs is None
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What LLM.score returns per pair (vLLM's shape): ``outputs.score``, the cosine of the
+    two texts' embeddings."""
+
+    request_id: str
+    outputs: ScoringOutput | None
+    finished: bool = True
+    error: str | None = None  # a text of the pair was refused; outputs is None

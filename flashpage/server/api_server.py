@@ -34,6 +34,8 @@ from flashpage.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     bad_request,
     validation_error,
@@ -143,6 +145,25 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         arrival = time.monotonic()
         _check_key(state, request)
         return await embeddings(state, request, await _parse(state, request, EmbeddingRequest), arrival)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score_pairs(request: Request) -> Response:
+        from flashpage.server.score import score
+
+        arrival = time.monotonic()
+        _check_key(state, request)
+        return await score(state, request, await _parse(state, request, ScoreRequest), arrival)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank_documents(request: Request) -> Response:
+        from flashpage.server.score import rerank
+
+        arrival = time.monotonic()
+        _check_key(state, request)
+        return await rerank(state, request, await _parse(state, request, RerankRequest), arrival)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -16,6 +16,25 @@ from flashpage.server.protocol import EmbeddingRequest, bad_request
 from flashpage.server.serving import ServerState, collect, prompt_items, start, unless_disconnected
 
 
+async def encode_inputs(state: ServerState, items: list[Any], field: str,
+                        truncate: int | None = None) -> list[list[int]]:
+    """Texts or token-id lists -> prompts an embedding request takes (``truncate``: keep the
+    last that many tokens); 400 naming ``field`` for an empty or too long one."""
+    limit = state.engine.max_model_len
+    prompts: list[list[int]] = []
+    for item in items:
+        if not item:  # "" or []
+            raise bad_request(f"an item of {field} is empty", field)
+        ids = await state.tokenizer.encode(item) if isinstance(item, str) else list(item)
+        if truncate is not None and len(ids) > truncate:
+            ids = ids[-truncate:]
+        if len(ids) >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens; an item of "
+                              f"{field} has {len(ids)} (embeddings take up to {limit - 1}).", field)
+        prompts.append(ids)
+    return prompts
+
+
 async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest,
                      arrival: float) -> Response:
     items = prompt_items(state, req.input, "input")
@@ -23,19 +42,7 @@ async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest
     if req.dimensions is not None and req.dimensions > hidden:
         raise bad_request(f"dimensions must be at most the model's {hidden}, got {req.dimensions}",
                           "dimensions")
-    limit = state.engine.max_model_len
-    prompts: list[list[int]] = []
-    for item in items:
-        if not item:  # "" or []
-            raise bad_request("an input is empty", "input")
-        ids = await state.tokenizer.encode(item) if isinstance(item, str) else list(item)
-        keep = req.truncate_prompt_tokens
-        if keep is not None and len(ids) > keep:
-            ids = ids[-keep:]
-        if len(ids) >= limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens; an input has "
-                              f"{len(ids)} (embeddings take up to {limit - 1}).", "input")
-        prompts.append(ids)
+    prompts = await encode_inputs(state, items, "input", req.truncate_prompt_tokens)
     params = PoolingParams(dimensions=req.dimensions)
     streams = await start(state, "embd", prompts, params, arrival, prompt_param="input")
 

@@ -209,6 +209,28 @@ class EmbeddingRequest(_Body):
     truncate_prompt_tokens: Int | None = Field(default=None, ge=1)  # vLLM's
 
 
+class ScoreRequest(_Body):
+    """POST /score, /v1/score (vLLM's): ``text_1`` one item and ``text_2`` several (each
+    pair scored), or both the same length (pairwise); an item a text or token ids."""
+
+    model: Str | None = None
+    text_1: Str | list[Str] | TokenIds | list[TokenIds]
+    text_2: Str | list[Str] | TokenIds | list[TokenIds]
+    truncate_prompt_tokens: Int | None = Field(default=None, ge=1)
+
+
+class RerankRequest(_Body):
+    """POST /rerank, /v1/rerank, /v2/rerank (vLLM's, Jina / Cohere shape): ``documents``
+    ordered by relevance to ``query``; ``top_n`` (0 or none: all) of them."""
+
+    model: Str | None = None
+    query: Str
+    documents: list[Str]
+    top_n: Int | None = Field(default=None, ge=0)
+    return_documents: Bool = True
+    truncate_prompt_tokens: Int | None = Field(default=None, ge=1)
+
+
 class TokenizeRequest(_Body):
     """POST /tokenize (vLLM's): a text prompt, or chat messages through the chat template."""
 

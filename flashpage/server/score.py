@@ -1,0 +1,85 @@
+"""POST /score and /rerank (vLLM's, for embedding models): relevance as the cosine of two
+embeddings (each text's pooled hidden states, flashpage/pooling.py, L2-normalized). Every
+distinct text is embedded once per request; a cross-encoder (one forward over the pair)
+is not what these models are."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from flashpage.pooling import PoolingParams
+from flashpage.server.embeddings import encode_inputs
+from flashpage.server.protocol import RerankRequest, ScoreRequest, bad_request
+from flashpage.server.serving import ServerState, collect, prompt_items, start, unless_disconnected
+
+
+async def _similarities(state: ServerState, request: Request, left: list[list[int]],
+                        right: list[list[int]], pairs: list[tuple[int, int]], arrival: float,
+                        field: str, reply: Any) -> Response:
+    """Embed the distinct prompts of ``left`` + ``right`` and hand ``reply`` the cosine of
+    each pair (left index, right index) and the prompt tokens embedded."""
+    unique: dict[tuple[int, ...], int] = {}
+    for ids in left + right:
+        unique.setdefault(tuple(ids), len(unique))
+    prompts = [list(k) for k in unique]
+    streams = await start(state, "score", prompts, PoolingParams(), arrival, prompt_param=field)
+
+    async def answer() -> Response:
+        vecs = [out.embedding or [] for out in await collect(streams)]
+        li = [unique[tuple(ids)] for ids in left]
+        ri = [unique[tuple(ids)] for ids in right]
+        scores = [sum(a * b for a, b in zip(vecs[li[i]], vecs[ri[j]], strict=True)) for i, j in pairs]
+        return reply(scores, sum(len(p) for p in prompts))
+
+    return await unless_disconnected(request, answer())
+
+
+async def score(state: ServerState, request: Request, req: ScoreRequest, arrival: float) -> Response:
+    t1 = prompt_items(state, req.text_1, "text_1")
+    t2 = prompt_items(state, req.text_2, "text_2")
+    if len(t1) == 1:
+        pairs = [(0, j) for j in range(len(t2))]
+    elif len(t1) == len(t2):
+        pairs = [(i, i) for i in range(len(t1))]
+    else:
+        raise bad_request(f"text_1 has {len(t1)} items and text_2 {len(t2)}: give text_1 one item, "
+                          "or both the same number", "text_1")
+    left = await encode_inputs(state, t1, "text_1", req.truncate_prompt_tokens)
+    right = await encode_inputs(state, t2, "text_2", req.truncate_prompt_tokens)
+
+    def reply(scores: list[float], tokens: int) -> Response:
+        return JSONResponse({
+            "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": state.model_name,
+            "data": [{"index": k, "object": "score", "score": s} for k, s in enumerate(scores)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    return await _similarities(state, request, left, right, pairs, arrival, "text_1", reply)
+
+
+async def rerank(state: ServerState, request: Request, req: RerankRequest, arrival: float) -> Response:
+    if not req.documents:
+        raise bad_request("documents is empty", "documents")
+    docs = prompt_items(state, req.documents, "documents")
+    left = await encode_inputs(state, [req.query], "query", req.truncate_prompt_tokens)
+    right = await encode_inputs(state, docs, "documents", req.truncate_prompt_tokens)
+    top_n = req.top_n or len(docs)
+
+    def reply(scores: list[float], tokens: int) -> Response:
+        order = sorted(range(len(docs)), key=lambda j: -scores[j])[:top_n]
+        results = []
+        for j in order:
+            r: dict[str, Any] = {"index": j, "relevance_score": scores[j]}
+            if req.return_documents:
+                r["document"] = {"text": docs[j]}
+            results.append(r)
+        return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": state.model_name,
+                             "usage": {"total_tokens": tokens}, "results": results})
+
+    return await _similarities(state, request, left, right, [(0, j) for j in range(len(docs))],
+                               arrival, "documents", reply)
