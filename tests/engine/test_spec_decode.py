@@ -372,3 +372,19 @@ def test_drafts_on_the_gpu_with_graphs(tiny_checkpoint, wrong):
     assert got == want
     assert oracle.stats.num_accepted_tokens > 0
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_drafts_over_an_mla_cache(tiny_mla_checkpoint, name):
+    """DeepSeek (MLA latents, MoE): a draft-checking step is a short chunk over the latent
+    cache like any other; tokens are plain decoding's, drafts partly wrong."""
+    path = tiny_mla_checkpoint(name)
+    prompts = random_prompts(3, 5, 30, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in _llm(path).generate(prompts, params, use_tqdm=False)]
+    llm = _llm(path, NGRAM)
+    oracle = _with_oracle(llm, want, wrong=3)
+    got = [o.outputs[0].token_ids for o in _generate_ids(llm, prompts, params)]
+    assert got == want
+    assert 0 < oracle.stats.num_accepted_tokens < oracle.stats.num_draft_tokens
+    assert llm.engine.kv_manager.stats().blocks_used == 0
