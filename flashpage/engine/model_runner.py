@@ -344,7 +344,15 @@ class ModelRunner:
         if not inp.spec:
             return inp.sample_requests, self.sampler.launch(logits, inp.sample_requests)
         n = len(inp.sample_requests)
-        pending = self.sampler.launch(logits[:n], inp.sample_requests)
+        for req, drafts in inp.spec:  # the sampled row follows the drafts: the pattern's state there
+            if req.guide is not None:
+                req.guide.lookahead = req.guide.states_along(drafts)[-1]
+        try:
+            pending = self.sampler.launch(logits[:n], inp.sample_requests)
+        finally:
+            for req, _ in inp.spec:
+                if req.guide is not None:
+                    req.guide.lookahead = None
         checked = verify_drafts(logits[n:], inp.spec, self.config.vocab_size)
         pending.drafted = {r.request_id: v for (r, _), v in zip(inp.spec, checked, strict=True)}
         return inp.sample_requests, pending

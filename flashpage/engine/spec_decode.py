@@ -15,9 +15,11 @@ the argmax; sampled rows accept draft ``d`` with probability ``p(d)`` (``p`` aft
 temperature, top-k, top-p and min-p) and on rejection draw from ``p`` without ``d``. A
 greedy request's tokens are those of plain decoding.
 
-Requests whose sampling reads their tokens one at a time on the host (penalties, structured
-outputs, logit bias, allowed token ids, min_tokens still holding back stop tokens) are not
-speculated; they decode beside the others as before. Logprobs come with every token, drafted
+Requests whose sampling reads their tokens one at a time on the host (penalties, logit bias,
+allowed token ids, min_tokens still holding back stop tokens) are not speculated; they decode
+beside the others as before. A structured-outputs request is drafted as far as its pattern
+allows, and each draft row is masked by the pattern's state after the drafts before it (the
+sampled row after the last draft by the state after all of them). Logprobs come with every token, drafted
 or not (the raw distribution's at the token's row, as the sampler's). The engine schedules
 synchronously while speculating (a step's drafts need the last step's tokens).
 """
@@ -103,7 +105,7 @@ def find_ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.
 def speculable(req: Request) -> bool:
     """Whether ``req``'s next tokens may be drafted (see the module doc)."""
     p = req.sampling_params
-    return (req.guide is None and req.pooling is None and not p.logit_bias
+    return (req.pooling is None and not p.logit_bias
             and not p.allowed_token_ids and not has_penalties(p) and not req.held_back_tokens())
 
 
@@ -154,7 +156,10 @@ class NgramProposer:
                        - req.num_output_tokens - 1)
             if room < 1:
                 continue
-            req.spec_token_ids = self.draft(req, room)
+            drafts = self.draft(req, room)
+            if req.guide is not None and drafts:  # only drafts its pattern allows
+                drafts = drafts[:len(req.guide.states_along(drafts)) - 1]
+            req.spec_token_ids = drafts
         for rid in [r for r in self._arrays if r not in live]:
             del self._arrays[rid]
 
@@ -202,6 +207,15 @@ def verify_drafts(logits: torch.Tensor, spec: list[tuple[Request, list[int]]],
     dev = logits.device
     drafts = torch.tensor([d for _, ds in spec for d in ds], dtype=torch.long)
     rows = [(r, j) for r, ds in spec for j in range(len(ds))]
+    guided = [i for i, (r, _) in enumerate(rows) if r.guide is not None]
+    if guided:  # each row masked by its pattern state: after the drafts before it
+        states = {r.request_id: r.guide.states_along(ds) for r, ds in spec if r.guide is not None}
+        masks = torch.stack([rows[i][0].guide.guide.mask(  # type: ignore[union-attr]
+            states[rows[i][0].request_id][rows[i][1]], rows[i][0].guide.allow_eos, dev)  # type: ignore[union-attr]
+            for i in guided])
+        index = torch.tensor(guided, dtype=torch.long, device=dev)
+        logits = logits.index_copy(0, index, logits.index_select(0, index).masked_fill_(
+            ~masks[:, :vocab], float("-inf")))  # a copy: the caller's logits stay as they are
     greedy = torch.tensor([r.sampling_params.greedy for r, _ in rows], dtype=torch.bool)
     target = row_argmax(logits)
     accept = target.cpu() == drafts

@@ -131,6 +131,20 @@ class GuideState:
         self.guide = guide
         self.allow_eos = allow_eos
         self.state = guide.start
+        # speculative decoding: the state after this step's drafts, which the step's sampled
+        # row (after the last draft) is masked for; None otherwise
+        self.lookahead: int | None = None
+
+    def states_along(self, tokens: list[int]) -> list[int]:
+        """The states after each prefix of ``tokens`` from the current one: [state, after
+        tokens[0], ...] up to the first token the pattern does not allow (excluded)."""
+        out = [self.state]
+        for t in tokens:
+            nxt = self.guide.next_state(out[-1], t)
+            if nxt == 0:
+                break
+            out.append(nxt)
+        return out
 
     def advance(self, token_id: int) -> None:
         try:
@@ -146,4 +160,5 @@ class GuideState:
         return self.guide.allowed(self.state).size == 0
 
     def mask(self, device: torch.device) -> torch.Tensor:
-        return self.guide.mask(self.state, self.allow_eos, device)
+        state = self.state if self.lookahead is None else self.lookahead
+        return self.guide.mask(state, self.allow_eos, device)

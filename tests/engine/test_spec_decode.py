@@ -388,3 +388,34 @@ def test_drafts_over_an_mla_cache(tiny_mla_checkpoint, name):
     assert got == want
     assert 0 < oracle.stats.num_accepted_tokens < oracle.stats.num_draft_tokens
     assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+@pytest.mark.parametrize("wrong", [0, 3])
+def test_structured_outputs_with_drafts(byte_model_dir, wrong):
+    """A JSON-schema request's drafts stop where its pattern would (a draft it forbids is
+    never run), each draft row is masked by the pattern's state after the drafts before it,
+    the sampled row after the last by the state after all: greedy tokens are plain guided
+    decoding's, drafts right or every third wrong; sampled ones still match the schema."""
+    from flashpage import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    guided = StructuredOutputsParams(json=schema)
+    prompts = ["the quick brown fox", '{"name": "Ada", "age": 36}']
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=guided)
+    kw = dict(max_model_len=256)
+    want = _llm(byte_model_dir, **kw).generate(prompts, params, use_tqdm=False)
+    llm = _llm(byte_model_dir, NGRAM, **kw)
+    oracle = _with_oracle(llm, [w.outputs[0].token_ids for w in want], wrong)
+    got = _generate_ids(llm, prompts, params)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    for g in got:
+        out = json.loads(g.outputs[0].text)
+        assert set(out) == {"name", "age"} and isinstance(out["age"], int)
+    assert oracle.stats.num_accepted_tokens > 0
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured_outputs=guided)
+    llm2 = _llm(byte_model_dir, NGRAM, **kw)
+    for o in llm2.generate(prompts * 2, sampled, use_tqdm=False):
+        assert set(json.loads(o.outputs[0].text)) == {"name", "age"}
+    assert llm.engine.kv_manager.stats().blocks_used == llm2.engine.kv_manager.stats().blocks_used == 0
