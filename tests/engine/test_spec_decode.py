@@ -391,7 +391,7 @@ def test_drafts_over_an_mla_cache(tiny_mla_checkpoint, name):
 
 
 @pytest.mark.parametrize("wrong", [0, 3])
-def test_structured_outputs_with_drafts(byte_model_dir, wrong):
+def test_structured_outputs_with_drafts(byte_model_dir, wrong, device="cpu"):
     """A JSON-schema request's drafts stop where its pattern would (a draft it forbids is
     never run), each draft row is masked by the pattern's state after the drafts before it,
     the sampled row after the last by the state after all: greedy tokens are plain guided
@@ -404,7 +404,9 @@ def test_structured_outputs_with_drafts(byte_model_dir, wrong):
     guided = StructuredOutputsParams(json=schema)
     prompts = ["the quick brown fox", '{"name": "Ada", "age": 36}']
     params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=guided)
-    kw = dict(max_model_len=256)
+    kw: dict = dict(max_model_len=256, device=device)
+    if device == "cuda":  # fp32 over our kernels, every graph kind captured
+        kw.update(attention_backend="triton", block_size=16, max_num_batched_tokens=128)
     want = _llm(byte_model_dir, **kw).generate(prompts, params, use_tqdm=False)
     llm = _llm(byte_model_dir, NGRAM, **kw)
     oracle = _with_oracle(llm, [w.outputs[0].token_ids for w in want], wrong)
@@ -419,3 +421,11 @@ def test_structured_outputs_with_drafts(byte_model_dir, wrong):
     for o in llm2.generate(prompts * 2, sampled, use_tqdm=False):
         assert set(json.loads(o.outputs[0].text)) == {"name", "age"}
     assert llm.engine.kv_manager.stats().blocks_used == llm2.engine.kv_manager.stats().blocks_used == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_structured_outputs_with_drafts_on_the_gpu(byte_model_dir):
+    """The same on CUDA: masks per draft row from the device's mask cache, the sampled row's
+    through the lookahead state, the steps on the graphs."""
+    test_structured_outputs_with_drafts(byte_model_dir, 3, device="cuda")
