@@ -269,3 +269,18 @@ def step_metadata(q_lens: list[int], seq_lens: list[int], tables: list[list[int]
         num_decodes=num_decodes, num_decode_tokens=num_decodes, query_lens_cpu=list(q_lens),
         seq_lens_cpu=list(seq_lens))
     return md, positions
+
+
+def record_prompt_graph_keys(monkeypatch) -> list[tuple[tuple[int, int] | None, int]]:
+    """Record each PrefillGraphs.run call's (slots, tokens) key and logits rows, in order."""
+    from flashpage.engine.cuda_graph import PrefillGraphs
+
+    keys: list[tuple[tuple[int, int] | None, int]] = []
+    real = PrefillGraphs.run
+
+    def spy(self, input_ids, positions, md, logits_indices):
+        keys.append((self.key(md.num_seqs, md.num_actual_tokens), logits_indices.shape[0]))
+        return real(self, input_ids, positions, md, logits_indices)
+
+    monkeypatch.setattr(PrefillGraphs, "run", spy)
+    return keys

@@ -20,7 +20,7 @@ from flashpage.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs, PrefillGr
 from flashpage.engine.sampler import PendingSample, Sampler
 from flashpage.engine.scheduler import SchedulerOutput
 from flashpage.engine.sequence import PLACEHOLDER, Request
-from flashpage.engine.spec_decode import verify_drafts
+from flashpage.engine.spec_decode import guide_states, verify_drafts
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 
 TABLE_WIDTH_MULTIPLE = 16
@@ -344,15 +344,16 @@ class ModelRunner:
         if not inp.spec:
             return inp.sample_requests, self.sampler.launch(logits, inp.sample_requests)
         n = len(inp.sample_requests)
-        for req, drafts in inp.spec:  # the sampled row follows the drafts: the pattern's state there
+        states = guide_states(inp.spec)
+        for req, _ in inp.spec:  # the sampled row follows the drafts: the pattern's state there
             if req.guide is not None:
-                req.guide.lookahead = req.guide.states_along(drafts)[-1]
+                req.guide.lookahead = states[req.request_id][-1]
         try:
             pending = self.sampler.launch(logits[:n], inp.sample_requests)
         finally:
             for req, _ in inp.spec:
                 if req.guide is not None:
                     req.guide.lookahead = None
-        checked = verify_drafts(logits[n:], inp.spec, self.config.vocab_size)
+        checked = verify_drafts(logits[n:], inp.spec, self.config.vocab_size, states)
         pending.drafted = {r.request_id: v for (r, _), v in zip(inp.spec, checked, strict=True)}
         return inp.sample_requests, pending

@@ -205,26 +205,36 @@ class Checked:
     logprobs: list[Logprobs] | None = None
 
 
+def guide_states(spec: list[tuple[Request, list[int]]]) -> dict[str, list[int]]:
+    """Each structured-outputs request's pattern states along its drafts (GuideState.states_along:
+    [now, after draft 1, ...]); the proposer cut its drafts where the pattern would refuse them,
+    so there are len(drafts) + 1."""
+    return {r.request_id: r.guide.states_along(ds) for r, ds in spec if r.guide is not None}
+
+
 @torch.no_grad()
-def verify_drafts(logits: torch.Tensor, spec: list[tuple[Request, list[int]]],
-                  vocab: int) -> list[Checked]:
+def verify_drafts(logits: torch.Tensor, spec: list[tuple[Request, list[int]]], vocab: int,
+                  states: dict[str, list[int]] | None = None) -> list[Checked]:
     """Check each request's drafts against the model. ``logits`` [sum of drafts, >= vocab]:
     row ``j`` of a request's block is the model's next-token logits at its draft ``j``'s
-    position. Logprobs, for the requests that ask, are the raw distribution's (as the
-    sampler's)."""
+    position. ``states``: ``guide_states(spec)``, given for structured-outputs requests.
+    Logprobs, for the requests that ask, are the raw distribution's (as the sampler's)."""
     logits = logits[:, :vocab].float()
     dev = logits.device
     drafts = torch.tensor([d for _, ds in spec for d in ds], dtype=torch.long)
     rows = [(r, j) for r, ds in spec for j in range(len(ds))]
     guided = [i for i, (r, _) in enumerate(rows) if r.guide is not None]
-    if guided:  # each row masked by its pattern state: after the drafts before it
-        states = {r.request_id: r.guide.states_along(ds) for r, ds in spec if r.guide is not None}
-        masks = torch.stack([rows[i][0].guide.guide.mask(  # type: ignore[union-attr]
-            states[rows[i][0].request_id][rows[i][1]], rows[i][0].guide.allow_eos, dev)  # type: ignore[union-attr]
-            for i in guided])
+    if guided:  # each row masked by its pattern's state after the drafts before it
+        assert states is not None
+        masks = []
+        for i in guided:
+            r, j = rows[i]
+            gs = r.guide
+            assert gs is not None
+            masks.append(gs.guide.mask(states[r.request_id][j], gs.allow_eos, dev))
         index = torch.tensor(guided, dtype=torch.long, device=dev)
         logits = logits.index_copy(0, index, logits.index_select(0, index).masked_fill_(
-            ~masks[:, :vocab], float("-inf")))  # a copy: the caller's logits stay as they are
+            ~torch.stack(masks)[:, :vocab], float("-inf")))  # a copy: the caller's logits stay as they are
     greedy = torch.tensor([r.sampling_params.greedy for r, _ in rows], dtype=torch.bool)
     target = row_argmax(logits)
     accept = target.cpu() == drafts

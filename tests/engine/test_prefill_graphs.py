@@ -15,7 +15,7 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from flashpage.engine.cuda_graph import PiecewiseGraphs, PrefillGraphs, prefill_buckets
-from tests.conftest import random_prompts
+from tests.conftest import random_prompts, record_prompt_graph_keys
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
@@ -142,14 +142,7 @@ def test_padded_prompt_steps_give_the_plain_steps_tokens(tiny_checkpoint, monkey
     runner.capture_prefill_graphs(32, llm.engine.max_model_len, capture=False)
     pg = runner.prefill_graphs
     assert pg is not None and pg.token_buckets == [4, 8, 16, 32]
-    keys = []
-    real = PrefillGraphs.run
-
-    def spy(self, input_ids, positions, md, logits_indices):
-        keys.append((self.key(md.num_seqs, md.num_actual_tokens), logits_indices.shape[0]))
-        return real(self, input_ids, positions, md, logits_indices)
-
-    monkeypatch.setattr(PrefillGraphs, "run", spy)
+    keys = record_prompt_graph_keys(monkeypatch)
     got = _steps(llm, _batches())
     assert got == ref
     # the middle chunk (no sample), its last 8 tokens, three prompts in 4 slots, the prefix

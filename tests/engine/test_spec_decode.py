@@ -19,7 +19,7 @@ from flashpage.engine.spec_decode import (
     find_ngram_drafts,
     verify_drafts,
 )
-from tests.conftest import random_prompts
+from tests.conftest import random_prompts, record_prompt_graph_keys
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
@@ -345,8 +345,6 @@ def test_draft_steps_through_padded_prompt_graphs(tiny_checkpoint, monkeypatch):
     """The prompt-step graphs' padded forward (run eagerly here) with 1 + k logits rows per
     request slot: steps of requests that all check drafts take it (the logits rows are
     more than the requests), the others the plain path; the tokens are plain decoding's."""
-    from flashpage.engine.cuda_graph import PrefillGraphs
-
     path = tiny_checkpoint("head64_gqa")
     kw = dict(dtype="float32", device="cpu", attention_backend="triton", block_size=16,
               max_num_batched_tokens=32)
@@ -356,14 +354,7 @@ def test_draft_steps_through_padded_prompt_graphs(tiny_checkpoint, monkeypatch):
     llm = LLM(str(path), speculative_config=NGRAM, **kw)
     llm.engine.runner.capture_prefill_graphs(32, llm.engine.max_model_len, capture=False, rows_per_seq=5)
     _with_oracle(llm, want, wrong=3)
-    keys = []
-    real = PrefillGraphs.run
-
-    def spy(self, input_ids, positions, md, logits_indices):
-        keys.append((self.key(md.num_seqs, md.num_actual_tokens), logits_indices.shape[0]))
-        return real(self, input_ids, positions, md, logits_indices)
-
-    monkeypatch.setattr(PrefillGraphs, "run", spy)
+    keys = record_prompt_graph_keys(monkeypatch)
     got = [o.outputs[0].token_ids for o in _generate_ids(llm, prompts, params)]
     assert got == want
     drafted = [(key, rows) for key, rows in keys if rows > 2]
