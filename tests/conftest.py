@@ -181,6 +181,18 @@ def byte_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def byte_model_dir_head64(tmp_path_factory) -> Path:
+    """byte_model_dir's tokenizer over head64_gqa's shapes: head_dim 64, which our Triton
+    kernels take (byte_model_dir's 16 is too small for them)."""
+    from tests.byte_tokenizer import VOCAB_SIZE, build_byte_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_byte_bpe_head64")
+    build_tiny_checkpoint(path, "head64_gqa", vocab_size=VOCAB_SIZE)
+    build_byte_tokenizer(path)
+    return path
+
+
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (fp32, CPU, one at a time)."""
     import transformers

@@ -436,7 +436,8 @@ def test_structured_outputs_with_drafts(byte_model_dir, wrong, device="cpu"):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_structured_outputs_with_drafts_on_the_gpu(byte_model_dir):
-    """The same on CUDA: masks per draft row from the device's mask cache, the sampled row's
-    through the lookahead state, the steps on the graphs."""
-    test_structured_outputs_with_drafts(byte_model_dir, 3, device="cuda")
+def test_structured_outputs_with_drafts_on_the_gpu(byte_model_dir_head64):
+    """The same on CUDA (head_dim 64, which the Triton kernels take): masks per draft row
+    from the device's mask cache, the sampled row's through the lookahead state, the steps
+    on the graphs."""
+    test_structured_outputs_with_drafts(byte_model_dir_head64, 3, device="cuda")
