@@ -22,6 +22,12 @@ gate/up row: SiLU·mul first, fused into ours), lm_head 128256x4096.
     python benchmarks/gemv.py --out $OUT     # $OUT/gemv.json, gemv.md
     python benchmarks/gemv.py --fp8 --out $OUT   # e4m3 weights, a scale per row
                                                  # ($OUT/gemv_fp8.*; baseline: W8A8 _scaled_mm)
+    python benchmarks/gemv.py --fp8 --only shapes --kinds down --pdl 1 \
+        --tiles n16k512w8,n32k256w8 --out $OUT   # a sweep: these tiles, this shape
+
+``--tiles`` (names as ``RowConfig.name`` prints them, without ``row-``) replaces
+``ROW_CANDIDATES``; ``--down-tiles`` adds chain variants (default + norms) with each as the
+down projection's tile.
 
 ``--fp8``: the weights quantized as ``quantization="fp8"`` keeps them (layers/quant.py); the
 baseline is the path such a layer runs without our GEMV (the activation quantized per token,
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +57,10 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--only", choices=["shapes", "chain"], default=None)
     ap.add_argument("--fp8", action="store_true", help="e4m3 weights with per-row scales")
+    ap.add_argument("--tiles", default=None, help="comma-separated tiles (n16k512w8,...)")
+    ap.add_argument("--down-tiles", default="", help="chain variants with these down tiles")
+    ap.add_argument("--kinds", default="qkv,o_proj,gate_up,down,lm_head")
+    ap.add_argument("--pdl", choices=["0", "1", "both"], default="both")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gemv.py needs a CUDA GPU")
@@ -87,7 +98,19 @@ def main() -> int:
             "gate_up": torch.randn(1, HIDDEN, device="cuda", dtype=DT),
             "down": torch.randn(1, 2 * INTER, device="cuda", dtype=DT),
             "lm_head": torch.randn(1, HIDDEN, device="cuda", dtype=DT)}
-    configs: list[RowConfig | None] = [None, *ROW_CANDIDATES]
+    def tiles(names: str) -> list[RowConfig]:
+        out = []
+        for name in filter(None, names.split(",")):
+            m = re.fullmatch(r"(?:row-)?n(\d+)k(\d+)w(\d+)", name.strip())
+            if m is None:
+                raise SystemExit(f"--tiles: {name!r} is not a tile name such as n16k512w8")
+            out.append(RowConfig(*map(int, m.groups())))
+        return out
+
+    candidates = tiles(args.tiles) if args.tiles is not None else list(ROW_CANDIDATES)
+    configs: list[RowConfig | None] = [None, *candidates]
+    pdls = {"0": [False], "1": [True], "both": [False, True]}[args.pdl]
+    kinds = args.kinds.split(",")
     results: dict = {"copy_gbps": copy, "shapes": [], "chain": []}
 
     def linear(kind, x, w, cfg, pdl):
@@ -100,9 +123,11 @@ def main() -> int:
 
     if args.only in (None, "shapes"):
         for kind, ws in [*layers.items(), ("lm_head", [lm_head])]:
+            if kind not in kinds:
+                continue
             nbytes = sum(w.numel() * w.element_size() for w in ws)
             for cfg in ["cublas", *configs]:
-                for pdl in ([False] if cfg == "cublas" else [False, True]):
+                for pdl in ([False] if cfg == "cublas" else pdls):
                     t = time_graph(lambda kind=kind, ws=ws, cfg=cfg, pdl=pdl:
                                    [linear(kind, x_in[kind], w, cfg, pdl) for w in ws])
                     name = cfg if cfg == "cublas" else (cfg.name if cfg else "row-default")
@@ -145,9 +170,10 @@ def main() -> int:
             return linear("lm_head", h, lm_head, cfg, pdl)
 
         variants = [("cublas", False, False), ("cublas", True, False)]
-        variants += [(cfg, pdl, False) for cfg in configs for pdl in (False, True)]
-        variants += [(None, False, True), (None, True, True)]
+        variants += [(cfg, pdl, False) for cfg in configs for pdl in pdls]
+        variants += [(None, pdl, True) for pdl in pdls]
         variants += [(None, True, True, c) for c in configs if c and c.block_k >= INTER]
+        variants += [(None, True, True, c) for c in tiles(args.down_tiles)]
         for cfg, pdl, fuse, *down in variants:
             down_cfg = down[0] if down else None
             t = time_graph(lambda cfg=cfg, pdl=pdl, fuse=fuse, down_cfg=down_cfg:

@@ -10,6 +10,9 @@
 #                                             light load) on and off: what a loaded server pays for
 #                                             synchronous steps when drafts rarely hit (random weights).
 #                                             Carry [".whl"]
+#   BUDGET=300 bash benchmarks/gpu_s18.sh c   the structured-outputs test with drafts on a head_dim-64
+#                                             checkpoint (run 149 ran it on head_dim 16: refused), then
+#                                             a sweep of one-row tiles over e4m3 weights (qkv, o_proj, down)
 # Results under $OUT; each step cut to what is left of BUDGET (default 400) seconds.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -32,5 +35,15 @@ b)
       "$OUT/serve_$name.json" "$name"
   done
   echo "part b done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-b)"; exit 2 ;;
+c)
+  timeout "$(left 120)" $PT -m gpu tests/engine/test_spec_decode.py -k structured -rf 2>&1 \
+    | tee "$OUT/gpu_tests.txt" | tail -n 3
+  TILES=n4k4096w4,n8k4096w8,n8k4096w4,n2k4096w2,n2k4096w4,n1k4096w1,n1k4096w2,n16k4096w16
+  TILES=$TILES,n8k512w4,n16k512w4,n16k512w8,n32k512w8,n32k512w16,n16k256w4,n32k256w4,n32k256w8
+  TILES=$TILES,n64k256w8,n64k128w8,n8k1024w4,n8k1024w8,n4k1024w4,n4k2048w4,n4k2048w8,n16k1024w16
+  timeout "$(left 30)" python3 benchmarks/gemv.py --fp8 --only shapes --kinds qkv,o_proj,down \
+    --pdl 1 --tiles "$TILES" --out "$OUT" > "$OUT/gemv_fp8_sweep.txt" 2>&1
+  for kind in qkv o_proj down; do grep "^$kind" "$OUT/gemv_fp8_sweep.txt" | sort -k4 -n | head -n 4; done
+  echo "part c done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-c)"; exit 2 ;;
 esac
