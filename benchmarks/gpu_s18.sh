@@ -38,12 +38,34 @@ b)
 c)
   timeout "$(left 120)" $PT -m gpu tests/engine/test_spec_decode.py -k structured -rf 2>&1 \
     | tee "$OUT/gpu_tests.txt" | tail -n 3
-  TILES=n4k4096w4,n8k4096w8,n8k4096w4,n2k4096w2,n2k4096w4,n1k4096w1,n1k4096w2,n16k4096w16
-  TILES=$TILES,n8k512w4,n16k512w4,n16k512w8,n32k512w8,n32k512w16,n16k256w4,n32k256w4,n32k256w8
-  TILES=$TILES,n64k256w8,n64k128w8,n8k1024w4,n8k1024w8,n4k1024w4,n4k2048w4,n4k2048w8,n16k1024w16
-  timeout "$(left 30)" python3 benchmarks/gemv.py --fp8 --only shapes --kinds qkv,o_proj,down \
+  # run 150 (qkv, o_proj: whole rows and loops) cut short after the first down tiles: whole
+  # rows of 14336 (4096-wide tiles looped) spill; the down projection's looped tiles here
+  TILES=n8k512w4,n16k512w4,n16k512w8,n32k512w8,n32k512w16,n16k256w4,n32k256w4,n32k256w8
+  TILES=$TILES,n64k256w8,n8k1024w4,n8k1024w8,n4k1024w4,n4k2048w4,n4k2048w8,n16k1024w16
+  TILES=$TILES,n8k256w2,n16k256w8,n8k512w8,n4k512w2,n2k1024w2,n2k2048w4,n4k512w4,n2k512w2
+  timeout "$(left 400)" python3 benchmarks/gemv.py --fp8 --only shapes --kinds down \
     --pdl 1 --tiles "$TILES" --out "$OUT" > "$OUT/gemv_fp8_sweep.txt" 2>&1
-  for kind in qkv o_proj down; do grep "^$kind" "$OUT/gemv_fp8_sweep.txt" | sort -k4 -n | head -n 4; done
+  for kind in down; do grep "^$kind" "$OUT/gemv_fp8_sweep.txt" | sort -k4 -n | head -n 6; done
   echo "part c done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-c)"; exit 2 ;;
+d)
+  # the looped tile with 2-3 tiles in flight (RowConfig.ahead) on the down projection, fp8 then
+  # bf16, then the fp8 chain with the best-looking ones as its down tiles
+  TILES=n16k512w8,n16k512w8a2,n16k512w8a3,n8k512w4a2,n8k512w4a3,n16k256w4a2,n16k256w4a3
+  TILES=$TILES,n32k256w8a2,n32k256w8a3,n16k1024w8a2,n8k1024w4a2,n8k1024w4a3,n4k1024w4a3
+  TILES=$TILES,n32k512w16a2,n16k512w4a3,n8k256w2a3,n4k512w2a3,n16k256w8a3,n8k512w8a3
+  timeout "$(left 400)" python3 benchmarks/gemv.py --fp8 --only shapes --kinds down \
+    --pdl 1 --tiles "$TILES" --out "$OUT" > "$OUT/gemv_fp8_ahead.txt" 2>&1
+  grep "^down" "$OUT/gemv_fp8_ahead.txt" | sort -k4 -n | head -n 8
+  mkdir -p "$OUT/bf16"
+  timeout "$(left 300)" python3 benchmarks/gemv.py --only shapes --kinds down \
+    --pdl 1 --tiles "$TILES" --out "$OUT/bf16" > "$OUT/gemv_bf16_ahead.txt" 2>&1
+  grep "^down" "$OUT/gemv_bf16_ahead.txt" | sort -k4 -n | head -n 5
+  DOWN=$(grep "^down" "$OUT/gemv_fp8_ahead.txt" | grep -v cublas | sort -k4 -n | head -n 4 \
+    | awk '{print $2}' | sed 's/^row-//' | grep -v default | paste -sd,)
+  echo "chain down tiles: $DOWN"
+  timeout "$(left 60)" python3 benchmarks/gemv.py --fp8 --only chain --pdl 1 --tiles "" \
+    --down-tiles "$DOWN" --out "$OUT" > "$OUT/gemv_fp8_chain.txt" 2>&1
+  grep "^chain" "$OUT/gemv_fp8_chain.txt"
+  echo "part d done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-d)"; exit 2 ;;
 esac
