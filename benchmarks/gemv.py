@@ -25,7 +25,8 @@ gate/up row: SiLU·mul first, fused into ours), lm_head 128256x4096.
     python benchmarks/gemv.py --fp8 --only shapes --kinds down --pdl 1 \
         --tiles n16k512w8,n32k256w8 --out $OUT   # a sweep: these tiles, this shape
 
-``--tiles`` (names as ``RowConfig.name`` prints them, without ``row-``) replaces
+``--down-silu separate`` runs our SiLU·mul kernel before a plain GEMV (``none``: no SiLU·mul
+at all, the GEMV alone over the gate half). ``--tiles`` (names as ``RowConfig.name`` prints them, without ``row-``) replaces
 ``ROW_CANDIDATES``; ``--down-tiles`` adds chain variants (default + norms) with each as the
 down projection's tile.
 
@@ -61,6 +62,9 @@ def main() -> int:
     ap.add_argument("--down-tiles", default="", help="chain variants with these down tiles")
     ap.add_argument("--kinds", default="qkv,o_proj,gate_up,down,lm_head")
     ap.add_argument("--pdl", choices=["0", "1", "both"], default="both")
+    ap.add_argument("--down-silu", choices=["fused", "separate", "none"], default="fused",
+                    help="down's SiLU·mul: in our GEMV's prologue, our kernel before it, or "
+                         "none (a plain GEMV over the gate half)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gemv.py needs a CUDA GPU")
@@ -119,6 +123,9 @@ def main() -> int:
         if cfg == "cublas":
             a = silu_and_mul(x) if silu else x
             return F.linear(a, w) if scale is None else fp8_linear(a, w, scale)
+        if silu and args.down_silu != "fused":
+            x = silu_and_mul(x, pdl=pdl) if args.down_silu == "separate" else x[:, :INTER]
+            silu = False
         return gemv_row(x, w, config=cfg, silu_mul=silu, pdl=pdl, scale=scale)
 
     if args.only in (None, "shapes"):

@@ -67,5 +67,20 @@ d)
     --down-tiles "$DOWN" --out "$OUT" > "$OUT/gemv_fp8_chain.txt" 2>&1
   grep "^chain" "$OUT/gemv_fp8_chain.txt"
   echo "part d done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-d)"; exit 2 ;;
+e)
+  # run 152: more tiles in flight made fp8 down slower (60% -> 42%), bf16's at 97% either way:
+  # not bytes in flight. Is it the SiLU·mul prologue (exp and divide per column, repeated by
+  # every warp holding the column)? The GEMV alone, and our SiLU·mul kernel before it.
+  TILES=n16k512w8,n8k512w4,n16k512w4,n32k512w8,n8k1024w4,n16k1024w8,n4k1024w4,n4k2048w4,n32k256w8
+  for mode in none separate; do
+    mkdir -p "$OUT/$mode"
+    timeout "$(left 200)" python3 benchmarks/gemv.py --fp8 --only shapes --kinds down --pdl 1 \
+      --tiles "$TILES" --down-silu $mode --out "$OUT/$mode" > "$OUT/gemv_fp8_down_$mode.txt" 2>&1
+    echo "== $mode"; grep "^down" "$OUT/gemv_fp8_down_$mode.txt" | sort -k4 -n | head -n 4
+  done
+  timeout "$(left 60)" python3 benchmarks/gemv.py --fp8 --only chain --pdl 1 --tiles "" \
+    --down-silu separate --out "$OUT/separate" > "$OUT/gemv_fp8_chain_separate.txt" 2>&1
+  grep "^chain" "$OUT/gemv_fp8_chain_separate.txt"
+  echo "part e done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-e)"; exit 2 ;;
 esac
