@@ -82,5 +82,27 @@ e)
     --down-silu separate --out "$OUT/separate" > "$OUT/gemv_fp8_chain_separate.txt" 2>&1
   grep "^chain" "$OUT/gemv_fp8_chain_separate.txt"
   echo "part e done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-e)"; exit 2 ;;
+f)
+  # run 153: fp8 down at 59% without any SiLU·mul too: the looped path itself. Grouped
+  # sums (RowConfig.group): an accumulator 1/group of the tile, bigger tiles then affordable
+  T=n16k512w8,n16k512w8g16,n16k1024w8g16,n16k2048w8g16,n32k1024w8g16,n8k2048w4g16,n16k1024w4g16
+  T=$T,n32k512w8g16,n8k1024w4g16,n4k2048w4g16,n16k512w8g8,n16k1024w8g8,n16k2048w16g16
+  T=$T,n32k2048w16g16,n64k512w8g16,n8k4096w8g16,n4k4096w4g16,n16k1024w8g4
+  timeout "$(left 400)" python3 benchmarks/gemv.py --fp8 --only shapes --pdl 1 --tiles "$T" \
+    --out "$OUT" > "$OUT/gemv_fp8_group.txt" 2>&1
+  for kind in qkv o_proj gate_up down lm_head; do
+    grep "^$kind" "$OUT/gemv_fp8_group.txt" | sort -k4 -n | head -n 3; done
+  mkdir -p "$OUT/bf16"
+  timeout "$(left 200)" python3 benchmarks/gemv.py --only shapes --kinds down,o_proj --pdl 1 \
+    --tiles n16k512w8,n16k512w8g8,n16k1024w8g8,n16k1024w8g16,n32k1024w8g8 \
+    --out "$OUT/bf16" > "$OUT/gemv_bf16_group.txt" 2>&1
+  grep "^down\|^o_proj" "$OUT/gemv_bf16_group.txt" | sort -k4 -n
+  DOWN=$(grep "^down" "$OUT/gemv_fp8_group.txt" | grep -v "cublas\|default" | sort -k4 -n \
+    | head -n 3 | awk '{print $2}' | sed 's/^row-//' | paste -sd,)
+  echo "chain down tiles: $DOWN"
+  timeout "$(left 60)" python3 benchmarks/gemv.py --fp8 --only chain --pdl 1 --tiles "" \
+    --down-tiles "$DOWN" --out "$OUT" > "$OUT/gemv_fp8_chain.txt" 2>&1
+  grep "^chain" "$OUT/gemv_fp8_chain.txt"
+  echo "part f done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-f)"; exit 2 ;;
 esac
