@@ -105,10 +105,10 @@ def main() -> int:
     def tiles(names: str) -> list[RowConfig]:
         out = []
         for name in filter(None, names.split(",")):
-            m = re.fullmatch(r"(?:row-)?n(\d+)k(\d+)w(\d+)(?:g(\d+))?", name.strip())
+            m = re.fullmatch(r"(?:row-)?n(\d+)k(\d+)w(\d+)", name.strip())
             if m is None:
-                raise SystemExit(f"--tiles: {name!r} is not a tile name such as n16k512w8 or n16k512w8g16")
-            out.append(RowConfig(*map(int, m.groups(default="1"))))
+                raise SystemExit(f"--tiles: {name!r} is not a tile name such as n16k512w8")
+            out.append(RowConfig(*map(int, m.groups())))
         return out
 
     candidates = tiles(args.tiles) if args.tiles is not None else list(ROW_CANDIDATES)

@@ -185,26 +185,22 @@ def skinny_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 @dataclass(frozen=True)
 class RowConfig:
     """``gemv_row``'s tile: ``block_n`` output features per program, ``block_k`` columns
-    of their weight rows per loop step (one such tile in flight ahead of the one used).
+    of their weight rows per loop step (``ahead`` such tiles in flight ahead of the one used).
     With ``block_k`` >= K a program loads its whole rows at once, before the wait."""
 
     block_n: int = 4
     block_k: int = 1024
     num_warps: int = 4
-    # Looped tiles: each step's products summed over runs of ``group`` adjacent columns
-    # (one thread's vector) before they meet the accumulator, which is then
-    # [block_n, block_k / group] fp32, not a float per weight of the tile.
-    group: int = 1
+    ahead: int = 1  # looped tiles: how many weight (and x) tiles are in flight, 1-3
 
     def __post_init__(self) -> None:
-        if self.group < 1 or self.group & (self.group - 1) or self.block_k % self.group:
-            raise ValueError(f"RowConfig.group must be a power of two dividing block_k "
-                             f"({self.block_k}), got {self.group}")
+        if self.ahead not in (1, 2, 3):
+            raise ValueError(f"RowConfig.ahead must be 1, 2 or 3, got {self.ahead}")
 
     @property
     def name(self) -> str:
         return f"row-n{self.block_n}k{self.block_k}w{self.num_warps}" + (
-            f"g{self.group}" if self.group > 1 else "")
+            f"a{self.ahead}" if self.ahead > 1 else "")
 
 
 # The tiles benchmarks/gemv.py times and the GPU tests run (default_row_config picks).
@@ -240,6 +236,18 @@ def max_whole_row() -> int:
 
 
 @triton.jit
+def _row_tile(w_rows, x_ptr, n_mask, kn, K, SILU_MUL: tl.constexpr):
+    """The weight tile at columns ``kn`` and x's (with SILU_MUL also the up half's)."""
+    kn_mask = kn < K
+    w = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & kn_mask[None, :], other=0.0)
+    x = tl.load(x_ptr + kn, mask=kn_mask, other=0.0)
+    u = x
+    if SILU_MUL:
+        u = tl.load(x_ptr + K + kn, mask=kn_mask, other=0.0)
+    return w, x, u
+
+
+@triton.jit
 def _gemv_row_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr,
     res_ptr, nw_ptr, res_out_ptr, eps,  # NORM: residual in, norm weight, x + residual out
@@ -247,7 +255,7 @@ def _gemv_row_kernel(
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr, PDL: tl.constexpr,
-    GROUP: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dt = x_ptr.dtype.element_ty  # the activations' rounding (fp8 weights: not w's dtype)
@@ -257,14 +265,8 @@ def _gemv_row_kernel(
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     # The first weight tile (and fp8 rows' scales) requested before the wait: weights are
     # only ever read.
-    if GROUP > 1:  # tiles [BLOCK_N, BLOCK_K / GROUP, GROUP]
-        cols = (tl.arange(0, BLOCK_K // GROUP)[:, None] * GROUP
-                + tl.arange(0, GROUP)[None, :])
-        w_next = tl.load(w_rows[:, :, None] + cols[None, :, :],
-                         mask=n_mask[:, None, None] & (cols < K)[None, :, :], other=0.0)
-    else:
-        w_next = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :],
-                         other=0.0)
+    w_next = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :],
+                     other=0.0)
     w_scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0) if HAS_SCALE else 1.0
     pdl_prologue(PDL)
     if WHOLE_ROW:  # K <= BLOCK_K: one tile, no loop
@@ -286,53 +288,37 @@ def _gemv_row_kernel(
         else:
             x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         y = tl.sum(w_next.to(tl.float32) * x[None, :], axis=1)
-    elif GROUP > 1:
-        # As below, over 3-D tiles: a step's products are summed within each thread's run
-        # of GROUP columns first, so the accumulator is GROUP times smaller than the tile
-        # (over one-byte e4m3 weights a [BLOCK_N, BLOCK_K] fp32 one is 4x the tile's bytes,
-        # and its registers, not the loads, set how many programs an SM holds).
-        c_mask = cols < K
-        x_next = tl.load(x_ptr + cols, mask=c_mask, other=0.0)
-        u_next = x_next
-        if SILU_MUL:
-            u_next = tl.load(x_ptr + K + cols, mask=c_mask, other=0.0)
-        acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            w = w_next
-            xr = x_next
-            ur = u_next
-            kn = k0 + BLOCK_K + cols
-            kn_mask = kn < K
-            w_next = tl.load(w_rows[:, :, None] + kn[None, :, :],
-                             mask=n_mask[:, None, None] & kn_mask[None, :, :], other=0.0)
-            x_next = tl.load(x_ptr + kn, mask=kn_mask, other=0.0)
-            if SILU_MUL:
-                u_next = tl.load(x_ptr + K + kn, mask=kn_mask, other=0.0)
-                x = _silu_mul(xr, ur, dt)
-            else:
-                x = xr.to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)
-        y = tl.sum(acc, axis=1)
     else:
         # x (or the gate/up columns) is loaded a tile ahead too: an L2 round trip on every
         # iteration's critical path would otherwise cost ~1/3 of a 14336-wide row's time.
+        # AHEAD > 1 keeps more tiles in flight: the fp32 accumulator is 4 bytes for each
+        # one-byte e4m3 weight of a tile, so bigger tiles are not the way to more bytes
+        # in flight over fp8 rows; more tiles of one-byte registers each are.
         k_mask = offs_k < K
         x_next = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
         u_next = x_next
         if SILU_MUL:
             u_next = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0)
+        if AHEAD >= 2:
+            w_2, x_2, u_2 = _row_tile(w_rows, x_ptr, n_mask, BLOCK_K + offs_k, K, SILU_MUL)
+        if AHEAD >= 3:
+            w_3, x_3, u_3 = _row_tile(w_rows, x_ptr, n_mask, 2 * BLOCK_K + offs_k, K, SILU_MUL)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             w = w_next
             xr = x_next
             ur = u_next
-            kn = k0 + BLOCK_K + offs_k
-            kn_mask = kn < K
-            w_next = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & kn_mask[None, :],
-                             other=0.0)
-            x_next = tl.load(x_ptr + kn, mask=kn_mask, other=0.0)
+            kn = k0 + AHEAD * BLOCK_K + offs_k
+            if AHEAD == 1:
+                w_next, x_next, u_next = _row_tile(w_rows, x_ptr, n_mask, kn, K, SILU_MUL)
+            elif AHEAD == 2:
+                w_next, x_next, u_next = w_2, x_2, u_2
+                w_2, x_2, u_2 = _row_tile(w_rows, x_ptr, n_mask, kn, K, SILU_MUL)
+            else:
+                w_next, x_next, u_next = w_2, x_2, u_2
+                w_2, x_2, u_2 = w_3, x_3, u_3
+                w_3, x_3, u_3 = _row_tile(w_rows, x_ptr, n_mask, kn, K, SILU_MUL)
             if SILU_MUL:
-                u_next = tl.load(x_ptr + K + kn, mask=kn_mask, other=0.0)
                 x = _silu_mul(xr, ur, dt)
             else:
                 x = xr.to(tl.float32)
@@ -415,8 +401,7 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, SILU_MUL=silu_mul,
         NORM=norm is not None, HAS_RES=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WHOLE_ROW=whole, PDL=use_pdl,
-        GROUP=1 if whole else cfg.group, num_warps=cfg.num_warps, num_stages=1,
-        **pdl_launch_kwargs(use_pdl),
+        AHEAD=cfg.ahead, num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(use_pdl),
     )
     return out
 
