@@ -185,22 +185,16 @@ def skinny_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 @dataclass(frozen=True)
 class RowConfig:
     """``gemv_row``'s tile: ``block_n`` output features per program, ``block_k`` columns
-    of their weight rows per loop step (``ahead`` such tiles in flight ahead of the one used).
+    of their weight rows per loop step (one such tile in flight ahead of the one used).
     With ``block_k`` >= K a program loads its whole rows at once, before the wait."""
 
     block_n: int = 4
     block_k: int = 1024
     num_warps: int = 4
-    ahead: int = 1  # looped tiles: how many weight (and x) tiles are in flight, 1-3
-
-    def __post_init__(self) -> None:
-        if self.ahead not in (1, 2, 3):
-            raise ValueError(f"RowConfig.ahead must be 1, 2 or 3, got {self.ahead}")
 
     @property
     def name(self) -> str:
-        return f"row-n{self.block_n}k{self.block_k}w{self.num_warps}" + (
-            f"a{self.ahead}" if self.ahead > 1 else "")
+        return f"row-n{self.block_n}k{self.block_k}w{self.num_warps}"
 
 
 # The tiles benchmarks/gemv.py times and the GPU tests run (default_row_config picks).
@@ -236,18 +230,6 @@ def max_whole_row() -> int:
 
 
 @triton.jit
-def _row_tile(w_rows, x_ptr, n_mask, kn, K, SILU_MUL: tl.constexpr):
-    """The weight tile at columns ``kn`` and x's (with SILU_MUL also the up half's)."""
-    kn_mask = kn < K
-    w = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & kn_mask[None, :], other=0.0)
-    x = tl.load(x_ptr + kn, mask=kn_mask, other=0.0)
-    u = x
-    if SILU_MUL:
-        u = tl.load(x_ptr + K + kn, mask=kn_mask, other=0.0)
-    return w, x, u
-
-
-@triton.jit
 def _gemv_row_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr,
     res_ptr, nw_ptr, res_out_ptr, eps,  # NORM: residual in, norm weight, x + residual out
@@ -255,7 +237,6 @@ def _gemv_row_kernel(
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr, PDL: tl.constexpr,
-    AHEAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dt = x_ptr.dtype.element_ty  # the activations' rounding (fp8 weights: not w's dtype)
@@ -291,34 +272,23 @@ def _gemv_row_kernel(
     else:
         # x (or the gate/up columns) is loaded a tile ahead too: an L2 round trip on every
         # iteration's critical path would otherwise cost ~1/3 of a 14336-wide row's time.
-        # AHEAD > 1 keeps more tiles in flight: the fp32 accumulator is 4 bytes for each
-        # one-byte e4m3 weight of a tile, so bigger tiles are not the way to more bytes
-        # in flight over fp8 rows; more tiles of one-byte registers each are.
         k_mask = offs_k < K
         x_next = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
         u_next = x_next
         if SILU_MUL:
             u_next = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0)
-        if AHEAD >= 2:
-            w_2, x_2, u_2 = _row_tile(w_rows, x_ptr, n_mask, BLOCK_K + offs_k, K, SILU_MUL)
-        if AHEAD >= 3:
-            w_3, x_3, u_3 = _row_tile(w_rows, x_ptr, n_mask, 2 * BLOCK_K + offs_k, K, SILU_MUL)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             w = w_next
             xr = x_next
             ur = u_next
-            kn = k0 + AHEAD * BLOCK_K + offs_k
-            if AHEAD == 1:
-                w_next, x_next, u_next = _row_tile(w_rows, x_ptr, n_mask, kn, K, SILU_MUL)
-            elif AHEAD == 2:
-                w_next, x_next, u_next = w_2, x_2, u_2
-                w_2, x_2, u_2 = _row_tile(w_rows, x_ptr, n_mask, kn, K, SILU_MUL)
-            else:
-                w_next, x_next, u_next = w_2, x_2, u_2
-                w_2, x_2, u_2 = w_3, x_3, u_3
-                w_3, x_3, u_3 = _row_tile(w_rows, x_ptr, n_mask, kn, K, SILU_MUL)
+            kn = k0 + BLOCK_K + offs_k
+            kn_mask = kn < K
+            w_next = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & kn_mask[None, :],
+                             other=0.0)
+            x_next = tl.load(x_ptr + kn, mask=kn_mask, other=0.0)
             if SILU_MUL:
+                u_next = tl.load(x_ptr + K + kn, mask=kn_mask, other=0.0)
                 x = _silu_mul(xr, ur, dt)
             else:
                 x = xr.to(tl.float32)
@@ -401,7 +371,7 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, SILU_MUL=silu_mul,
         NORM=norm is not None, HAS_RES=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WHOLE_ROW=whole, PDL=use_pdl,
-        AHEAD=cfg.ahead, num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(use_pdl),
+        num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(use_pdl),
     )
     return out
 

@@ -112,9 +112,6 @@ def test_llama_mlp_routes_tuned_rows_through_the_skinny_kernel():
     (5, 24, False, False, None),                     # default tile: whole rows
     (21, 48, True, True, RowConfig(4, 64, 1)),       # whole rows wider than K, SiLU·mul
     (1, 40, True, False, None),                      # one output feature
-    (24, 160, True, False, RowConfig(8, 32, 1, ahead=2)),   # two tiles in flight, K ragged
-    (16, 256, False, True, RowConfig(4, 64, 2, ahead=3)),   # three, SiLU·mul
-    (9, 80, False, False, RowConfig(4, 32, 1, ahead=3)),    # more ahead than tiles left
 ])
 def test_gemv_row_cpu(n, k, bias, silu, cfg, dtype):
     if GPU:
@@ -123,8 +120,6 @@ def test_gemv_row_cpu(n, k, bias, silu, cfg, dtype):
 
 
 def test_gemv_row_rejects_bad_input():
-    with pytest.raises(ValueError, match="ahead must be 1, 2 or 3"):
-        RowConfig(4, 64, 1, ahead=4)
     with pytest.raises(ValueError, match="one row, got 2"):
         gemv_row(torch.zeros(2, 64), torch.zeros(16, 64))
     with pytest.raises(ValueError, match="needs 128"):
