@@ -106,12 +106,14 @@ class CanonicalJson:
             self._out = ["".join(self._out)]
         return self._out[0] if self._out else ""
 
-    def feed(self, text: str) -> None:
-        for c in text:
-            if self.failed:
-                return
+    def feed(self, text: str, stop: bool = False) -> int:
+        """Read ``text`` (``stop``: only up to the end of the value); the characters read."""
+        for i, c in enumerate(text):
+            if self.failed or (stop and self.done):
+                return i
             self._char(c)
             self.pos += 1
+        return len(text)
 
     def end(self) -> None:
         if self._token is not None and not self.failed:
