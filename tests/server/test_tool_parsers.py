@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from flashpage.server.tool_choice import _ForcedCalls
 from flashpage.server.tool_stream import ToolStream
@@ -214,3 +216,65 @@ def test_arguments_go_out_as_they_are_written(name, text, sent):
         for piece in pieces:
             entries += stream.feed(piece)[1]
         assert [(c["name"], c["arguments"]) for c in _merged(entries)] == sent, pieces
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8)
+_call_lists = st.lists(st.tuples(st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
+                            st.dictionaries(st.text(max_size=4), _json_values, max_size=4)), min_size=1, max_size=3)
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=st.sampled_from(["hermes", "llama3_json", "mistral"]), calls=_call_lists,
+       spacing=st.sampled_from([dict(), dict(separators=(",", ":")), dict(indent=1, ensure_ascii=False)]),
+       prefix=st.text(alphabet="ab .\n", max_size=5), data=st.data())
+def test_any_calls_any_split(name, calls, spacing, prefix, data):
+    """Random calls written the way each family writes them (spacing, escapes, numbers as the
+    model may write them), maybe cut off anywhere: the stream agrees with the non-streamed
+    reading for random splits and for one character a delta."""
+    key = "parameters" if name == "llama3_json" else "arguments"
+    objs = [json.dumps({"name": n, key: a}, **spacing) for n, a in calls]
+    if name == "hermes":
+        text = prefix + "\n".join(f"<tool_call>\n{o}\n</tool_call>" for o in objs)
+    elif name == "llama3_json":
+        text = "<|python_tag|>" + "; ".join(objs)
+    else:
+        text = prefix + "[TOOL_CALLS]" + json.dumps([{"name": n, key: a} for n, a in calls], **spacing)
+    text = text[:data.draw(st.integers(0, len(text)))] if data.draw(st.booleans()) else text
+    ref_content, ref_calls = get_parser(name).extract(text)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=3)))
+    bounds = [0, *cuts, len(text)]
+    for pieces in ([text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)], list(text) + [""]):
+        sent, entries, got = _stream(name, pieces)
+        streamed = _merged(entries)
+        if ref_calls:
+            assert [(c.name, c.arguments) for c in got] == [(c.name, c.arguments) for c in ref_calls]
+            assert [(c["name"], c["arguments"]) for c in streamed] == [(c.name, c.arguments) for c in got]
+        else:
+            assert sent == text and got == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(answer=st.sampled_from(ANSWERS), edits=st.lists(st.tuples(
+    st.integers(0, 10**4), st.integers(0, 2), st.sampled_from(list('{}[]",: ;1e.\\u<>/\n') + ['"name"', "true"])),
+    min_size=1, max_size=3), data=st.data())
+def test_edited_answers_any_split(answer, edits, data):
+    """The answers above with characters inserted, deleted or replaced: never an error;
+    calls only as the non-streamed reading has them, else all the text as content."""
+    name, text = answer[0], answer[1]
+    for at, how, ch in edits:
+        at %= len(text) + 1
+        text = text[:at] + ("" if how == 1 else ch) + text[at + (how > 0):]
+    _, ref_calls = _parser(name).extract(text)
+    event(f"{len(ref_calls)} calls")
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=3)))
+    bounds = [0, *cuts, len(text)]
+    for pieces in ([text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)], list(text) + [""]):
+        sent, entries, got = _stream(name, pieces)
+        streamed = _merged(entries)
+        if ref_calls:
+            assert [(c["name"], c["arguments"]) for c in streamed] == [(c.name, c.arguments) for c in ref_calls]
+        else:
+            assert sent == text and got == []
