@@ -9,9 +9,9 @@ For each call of a streamed choice, the client gets first
 writes it, server/partial_json.py) cut where the model's tokens happened to end: a piece is
 sent only once the rest of the answer cannot change it (a number waits for the character
 after it), so the pieces always add up to the non-streamed arguments, however the text was
-split into deltas. A call whose arguments cannot be streamed that way (arguments written as a
-JSON string, llama3's ``arguments`` where ``parameters`` would win, the name after the
-arguments) goes out whole once its JSON closes.
+split into deltas. Arguments that cannot be streamed that way (written as a JSON string,
+llama3's ``arguments`` where a later ``parameters`` would win) go out whole once the call's
+JSON closes; arguments written before the name go out with it.
 
 A parser's ``reader()`` follows the text as it grows and keeps ``calls`` (StreamedCall):
 where each one's name and arguments are in a ``CanonicalJson``, and its final form
@@ -182,6 +182,8 @@ class ToolStream:
         content = self._content(delta)
         if not self.reader.dead:
             self.reader.feed(self.text)
+        if self.reader.dead:  # likely not calls after all: nothing more until the end decides
+            return content, []
         return content, _deltas(self.reader.calls)
 
     def finish(self, delta: str = "") -> tuple[str | None, list[dict[str, Any]], list[ToolCall]]:
