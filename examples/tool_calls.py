@@ -28,6 +28,15 @@ call = reply.choices[0].message.tool_calls[0]
 args = json.loads(call.function.arguments)
 print(call.function.name, args, reply.choices[0].finish_reason)  # ... tool_calls
 
+# Streamed, as vLLM streams calls: the name first, then the arguments piece by piece
+# (joined, the pieces are the non-streamed arguments).
+for chunk in client.chat.completions.create(
+        model=model, messages=messages, tools=tools, temperature=0, max_tokens=60, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}):
+    for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+        print(delta.function.name or "", delta.function.arguments or "", sep="", end="|", flush=True)
+print()
+
 # Answer the call and let the model go on with the tool's result.
 messages += [reply.choices[0].message.model_dump(exclude_none=True),
              {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"forecast": "sunny", **args})}]

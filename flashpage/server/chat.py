@@ -32,7 +32,8 @@ from flashpage.server.tool_choice import (
     finish_reason,
     tool_request,
 )
-from flashpage.server.tools import ToolCall, ToolStream
+from flashpage.server.tool_stream import ToolStream
+from flashpage.server.tools import ToolCall
 
 
 async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
@@ -60,15 +61,17 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
         def choice(idx: int, st: ChoiceState, delta: str, lps: list[Logprobs],
                    finish: str | None, out: RequestOutput) -> dict[str, Any]:
             d: dict[str, Any] = {"content": delta}
-            if tools.parser is not None:  # content up to a call; the calls when it ends
+            if tools.parser is not None:  # content up to a call, then the calls as they come
                 ts = calls_in.setdefault(idx, ToolStream(tools.parser))
-                text, calls = ts.feed(delta), list[ToolCall]()
-                if finish is not None:
-                    rest, calls = ts.finish()
-                    text += rest or ""
-                d = {"content": text or (None if calls else "")}
-                if calls:
-                    d["tool_calls"] = [c.to_openai(i) for i, c in enumerate(calls)]
+                calls: list[ToolCall] = []
+                if finish is None:
+                    text, deltas = ts.feed(delta)
+                else:
+                    rest, deltas, calls = ts.finish(delta)
+                    text = rest or ""
+                d = {"content": text or (None if deltas or calls else "")}
+                if deltas:
+                    d["tool_calls"] = deltas
                 finish = finish_reason(finish, calls)
             if not st.role_sent:  # the first chunk of each choice names the role
                 st.role_sent = True

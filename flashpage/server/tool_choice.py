@@ -16,12 +16,15 @@ The forced modes need no parser, and take no other structured-outputs request (4
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from flashpage.sampling_params import StructuredOutputsParams
+from flashpage.server.partial_json import Members, dumps, loads
 from flashpage.server.protocol import ChatCompletionRequest, ChatMessage, ToolDef, bad_request
 from flashpage.server.structured import structured_field
+from flashpage.server.tool_stream import CallReader, JsonCalls
 from flashpage.server.tools import ToolCall, ToolParser, get_parser
 
 
@@ -82,32 +85,57 @@ def tool_request(req: ChatCompletionRequest, parser_name: str | None,
 class _ForcedCalls(ToolParser):
     """The forced modes' answers: a named function's arguments object (``name`` set) or
     "required"'s list of {"name", "parameters"}; the whole answer is the call(s), so a stream
-    holds all of it. An answer cut short (max_tokens) does not parse: it stays content."""
+    sends no content, only the calls as they are written. An answer cut short (max_tokens)
+    does not parse: it stays content."""
 
     def __init__(self, name: str | None) -> None:
         self.function = name
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
+            value = loads(text)
+        except ValueError:
             return text, []
         if self.function is not None:
-            if not isinstance(value, dict):
-                return text, []
-            return None, [ToolCall(self.function, json.dumps(value, ensure_ascii=False))]
+            call = self._named(value)
+            return (None, [call]) if call is not None else (text, [])
         if not isinstance(value, list) or not value:
             return text, []
-        calls = []
-        for item in value:
-            if not (isinstance(item, dict) and isinstance(item.get("name"), str)
-                    and isinstance(item.get("parameters"), dict)):
-                return text, []
-            calls.append(ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
-        return None, calls
+        calls = [_required_call(item) for item in value]
+        if any(c is None for c in calls):
+            return text, []
+        return None, [c for c in calls if c is not None]
 
     def hold(self, text: str) -> int:
         return 0
+
+    def reader(self) -> CallReader:
+        if self.function is not None:
+            return _WholeAnswer(self._named, name=self.function)
+        return _WholeAnswer(_required_call, args_key="parameters", lists=True, objects=False)
+
+    def _named(self, value: Any) -> ToolCall | None:
+        return ToolCall(self.function or "", dumps(value)) if isinstance(value, dict) else None
+
+
+class _WholeAnswer(CallReader):
+    """The whole answer one JSON value: the calls (JsonCalls' arguments say how)."""
+
+    def __init__(self, call_of: Callable[[Any], ToolCall | None], **kw: Any) -> None:
+        super().__init__()
+        self.body = JsonCalls(self, 0, call_of, **kw)
+
+    def feed(self, text: str) -> None:
+        self.body.read(text, len(text))
+
+
+def _required_call(item: Any) -> ToolCall | None:
+    if not (isinstance(item, dict) and isinstance(item.get("name"), str)
+            and isinstance(item.get("parameters"), dict)):
+        return None
+    if isinstance(item, Members) and (item.count("name") > 1 or item.count("parameters") > 1):
+        return None
+    return ToolCall(item["name"], dumps(item["parameters"]))
 
 
 def assistant_message(content: str | None, calls: list[ToolCall]) -> dict[str, Any]:

@@ -15,25 +15,31 @@ An answer whose call does not parse as JSON of that shape is content, not a call
 sees what the model wrote). ``tool_choice`` "required" and a named function need no parser:
 structured outputs make the model write the call's JSON (server/serving.py, ``tool_guide``).
 
-Streaming: ``ToolStream`` sends content as it comes until the text could be the start of a
-call, holds the rest, and at the end sends the calls in one delta (``tool_calls`` with their
-ids, names and whole arguments) or, if none parsed, the held text as content.
+A call's ``arguments`` are its JSON object written again canonically (``json.dumps``'s
+spacing; every member, repeats included: server/partial_json.py); a call object that repeats
+``name`` or its arguments key is not a call (which one would count?).
+
+Streaming (server/tool_stream.py): content goes out as it comes until the text could be the
+start of a call; each parser's ``reader()`` then follows the calls as they are written, so
+each call's name goes out as soon as it is complete and its arguments piece by piece.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from flashpage.server.partial_json import Members, dumps, loads
+from flashpage.server.tool_stream import CallReader, JsonCalls, new_call_id
 
 
 @dataclass
 class ToolCall:
     name: str
     arguments: str  # a JSON object, as text
-    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=new_call_id)
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "type": "function",
@@ -44,18 +50,22 @@ class ToolCall:
 
 
 def _call(obj: Any, args_key: str) -> ToolCall | None:
-    """{"name": str, args_key: object or JSON text} -> a ToolCall; anything else None."""
+    """{"name": str, args_key: object or JSON text} (read by ``loads``) -> a ToolCall;
+    anything else, or a call repeating its name or arguments, None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get(args_key, obj.get("arguments", {}))
+    key = args_key if args_key in obj else "arguments"
+    if isinstance(obj, Members) and (obj.count("name") > 1 or obj.count(key) > 1):
+        return None
+    args = obj.get(key, {})
     if isinstance(args, str):
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+            args = loads(args)
+        except ValueError:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    return ToolCall(obj["name"], dumps(args))
 
 
 def _prefix_at_end(text: str, marker: str) -> int:
@@ -72,7 +82,8 @@ def _prefix_at_end(text: str, marker: str) -> int:
 
 class ToolParser:
     """extract(text) -> (content or None, calls); hold(text) -> the index from which the text
-    may be (the start of) a call, len(text) if none of it can."""
+    may be (the start of) a call, len(text) if none of it can; reader() -> what follows the
+    calls of a streamed answer as it is written (server/tool_stream.py)."""
 
     name = ""
 
@@ -81,6 +92,9 @@ class ToolParser:
 
     def hold(self, text: str) -> int:
         raise NotImplementedError
+
+    def reader(self) -> CallReader:
+        return CallReader()
 
 
 def _content(*parts: str) -> str | None:
@@ -99,8 +113,8 @@ class HermesParser(ToolParser):
         calls = []
         for body in self._CALL.findall(text):
             try:
-                call = _call(json.loads(body.strip()), "arguments")
-            except json.JSONDecodeError:
+                call = _call(loads(body.strip()), "arguments")
+            except ValueError:
                 call = None
             if call is None:
                 return text, []
@@ -109,6 +123,38 @@ class HermesParser(ToolParser):
 
     def hold(self, text: str) -> int:
         return _prefix_at_end(text, self.OPEN)
+
+    def reader(self) -> CallReader:
+        return _HermesReader()
+
+
+class _HermesReader(CallReader):
+    """Text outside calls skipped; each ``<tool_call>`` body read as one call object up to
+    ``</tool_call>`` (not fed while the text ends in what may be the start of that tag)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = 0  # where reading goes on in the text
+        self.body: JsonCalls | None = None  # the call being read
+
+    def feed(self, text: str) -> None:
+        open_, close = HermesParser.OPEN, HermesParser.CLOSE
+        while not self.dead:
+            if self.body is None:
+                i = text.find(open_, self.pos)
+                if i < 0:
+                    self.pos = max(self.pos, len(text) - len(open_) + 1)
+                    return
+                self.pos = i + len(open_)
+                self.body = JsonCalls(self, self.pos, lambda v: _call(v, "arguments"))
+            end = self.pos + _prefix_at_end(text[self.pos:], close)
+            self.pos += self.body.read(text, end)
+            if not text.startswith(close, end) or self.dead:
+                return
+            if not self.body.json.done:  # a call cut short: not a call
+                self.dead = True
+                return
+            self.pos, self.body = end + len(close), None
 
 
 class Llama3JsonParser(ToolParser):
@@ -121,11 +167,11 @@ class Llama3JsonParser(ToolParser):
             body = body[len(self.TAG):].lstrip()
         if not body.startswith("{"):
             return text, []
-        calls, i, decoder = [], 0, json.JSONDecoder()
+        calls, i, decoder = [], 0, json.JSONDecoder(object_pairs_hook=Members)
         while i < len(body):
             try:
                 obj, i = decoder.raw_decode(body, i)
-            except json.JSONDecodeError:
+            except ValueError:
                 return text, []
             call = _call(obj, "parameters")
             if call is None:
@@ -144,6 +190,44 @@ class Llama3JsonParser(ToolParser):
             return start
         return len(text)
 
+    def reader(self) -> CallReader:
+        return _Llama3Reader()
+
+
+class _Llama3Reader(CallReader):
+    """Whitespace, ``<|python_tag|>`` and whitespace, then call objects apart by ``;`` and
+    whitespace; "parameters" streamed (Llama's key; "arguments", which it overrides, goes out
+    whole when its call closes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = 0
+        self.tagged = False
+        self.started = False  # the first object began
+        self.body: JsonCalls | None = None
+
+    def feed(self, text: str) -> None:
+        tag = Llama3JsonParser.TAG
+        while not self.dead and self.pos < len(text):
+            if self.body is not None:
+                self.pos += self.body.read(text, len(text), stop=True)
+                if not self.body.json.done:
+                    return
+                self.body = None
+                continue
+            c = text[self.pos]
+            if c == "{":
+                self.started = True
+                self.body = JsonCalls(self, self.pos, lambda v: _call(v, "parameters"), "parameters")
+            elif self.started and c in "; \t\r\n" or not self.started and c.isspace():
+                self.pos += 1
+            elif not self.started and not self.tagged and text.startswith(tag, self.pos):
+                self.pos, self.tagged = self.pos + len(tag), True
+            elif not self.started and not self.tagged and tag.startswith(text[self.pos:]):
+                return  # the tag may be coming
+            else:
+                self.dead = True
+
 
 class MistralParser(ToolParser):
     name = "mistral"
@@ -154,8 +238,8 @@ class MistralParser(ToolParser):
         if i < 0:
             return text, []
         try:
-            items = json.loads(text[i + len(self.MARK):].strip())
-        except json.JSONDecodeError:
+            items = loads(text[i + len(self.MARK):].strip())
+        except ValueError:
             return text, []
         items = items if isinstance(items, list) else [items]
         calls = [_call(it, "arguments") for it in items]
@@ -166,6 +250,26 @@ class MistralParser(ToolParser):
     def hold(self, text: str) -> int:
         return _prefix_at_end(text, self.MARK)
 
+    def reader(self) -> CallReader:
+        return _MistralReader()
+
+
+class _MistralReader(CallReader):
+    """After ``[TOOL_CALLS]``: one JSON list of call objects, or one call object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body: JsonCalls | None = None
+
+    def feed(self, text: str) -> None:
+        if self.body is None:
+            i = text.find(MistralParser.MARK)
+            if i < 0:
+                return
+            self.body = JsonCalls(self, i + len(MistralParser.MARK), lambda v: _call(v, "arguments"),
+                                  lists=True)
+        self.body.read(text, len(text))
+
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
 
@@ -174,29 +278,3 @@ def get_parser(name: str) -> ToolParser:
     if name not in PARSERS:
         raise ValueError(f"unknown tool call parser {name!r}: one of {sorted(PARSERS)}")
     return PARSERS[name]()
-
-
-class ToolStream:
-    """One streamed choice's text through a parser: ``feed(delta)`` -> the content to send
-    now (all but what may be the start of a call); ``finish()`` -> (the content still to send,
-    or None; the calls). Held text that turns out not to be a call goes out as content."""
-
-    def __init__(self, parser: ToolParser) -> None:
-        self.parser = parser
-        self.text = ""
-        self.sent = 0  # characters of text already sent as content
-
-    def feed(self, delta: str) -> str:
-        self.text += delta
-        cut = self.parser.hold(self.text)
-        if cut <= self.sent:
-            return ""
-        out, self.sent = self.text[self.sent:cut], cut
-        return out
-
-    def finish(self) -> tuple[str | None, list[ToolCall]]:
-        rest = self.text[self.sent:]
-        content, calls = self.parser.extract(rest)
-        if not calls:
-            return rest or None, []
-        return content, calls

@@ -110,16 +110,81 @@ def test_auto_reads_the_models_calls(tool_server):
     assert plain["choices"][0]["finish_reason"] == "stop"
 
 
-def test_auto_streamed(tool_server):
-    chunks = _stream(tool_server, {"tools": TOOLS, "guided_choice": ["Let me see. " + CALL_TEXT],
-                                   "max_tokens": 120})
-    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
-    assert deltas[0]["role"] == "assistant"
-    content = "".join(d.get("content") or "" for d in deltas)
-    assert content == "Let me see. "  # nothing of the call leaks out as content
-    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert len(calls) == 1 and calls[0]["index"] == 0 and _check_call(calls[0]) == "get_weather"
-    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+def _streamed(chunks: list[dict], choice: int = 0) -> tuple[str, list[dict], str | None]:
+    """A choice's chunks read as a client reads them: (content, the calls with their argument
+    pieces joined, finish reason). Checks vLLM's order: each call's first delta has its id,
+    type and name, later ones only argument pieces; nothing after the finish reason."""
+    content, calls, finish, pieces = "", [], None, 0
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            if c["index"] != choice:
+                continue
+            assert finish is None, f"a delta after the finish reason: {c}"
+            d = c["delta"]
+            content += d.get("content") or ""
+            for tc in d.get("tool_calls", []):
+                i, f = tc["index"], tc["function"]
+                if i == len(calls):
+                    assert tc["type"] == "function" and tc["id"].startswith("chatcmpl-tool-"), tc
+                    calls.append({"id": tc["id"], "type": "function",
+                                  "function": {"name": f["name"], "arguments": f["arguments"]}})
+                else:
+                    assert i < len(calls) and set(tc) == {"index", "function"} and set(f) == {"arguments"}, tc
+                    calls[i]["function"]["arguments"] += f["arguments"]
+                    pieces += 1
+            finish = c["finish_reason"]
+    if calls:
+        assert pieces >= len(calls), "arguments streamed in pieces, not all with the name"
+    return content, calls, finish
+
+
+def _same_calls(streamed: list[dict], answered: list[dict]) -> None:
+    assert [c["function"] for c in streamed] == [c["function"] for c in answered]
+
+
+TWO_CALLS = ('Let me see. <tool_call>{"name":"get_weather","arguments":{"city":"Paris","days":3}}</tool_call>\n'
+             '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
+
+
+@pytest.mark.parametrize("text, content", [
+    ("Let me see. " + CALL_TEXT, "Let me see. "),
+    (TWO_CALLS, "Let me see. "),
+    ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>"),
+])
+def test_auto_streamed(tool_server, text, content):
+    body = {"tools": TOOLS, "guided_choice": [text], "max_tokens": 200}
+    answered = _chat(tool_server, body).json()["choices"][0]
+    chunks = _stream(tool_server, body)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    got, calls, finish = _streamed(chunks)
+    assert got == content  # nothing of a call leaks out as content
+    assert finish == answered["finish_reason"] == ("tool_calls" if calls else "stop")
+    _same_calls(calls, answered["message"].get("tool_calls", []))
+    for call in calls:
+        _check_call(call)
+    if calls:  # the first call's name went out before its arguments were all written
+        first = next(i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("tool_calls"))
+        assert first < len(chunks) - 5
+
+
+def test_auto_streamed_with_the_openai_client(tool_server):
+    """The official client's stream helper puts the pieces back together into the
+    non-streamed message."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=tool_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model=tool_server.model, messages=MESSAGES, tools=TOOLS, max_tokens=200,
+              extra_body={"guided_choice": [TWO_CALLS]})
+    answered = client.chat.completions.create(**kw).choices[0]
+    argument_deltas = 0
+    with client.chat.completions.stream(**kw) as stream:
+        for event in stream:
+            argument_deltas += event.type == "tool_calls.function.arguments.delta"
+        final = stream.get_final_completion().choices[0]
+    assert argument_deltas > 2
+    assert final.finish_reason == answered.finish_reason == "tool_calls"
+    assert [(c.id.startswith("chatcmpl-tool-"), c.function.name, c.function.arguments)
+            for c in final.message.tool_calls] == [(True, c.function.name, c.function.arguments)
+                                                   for c in answered.message.tool_calls]
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -146,12 +211,22 @@ def test_required_is_one_or_more_calls(tool_server, parallel):
         assert len(calls) >= 1 and (parallel or len(calls) == 1)
         for call in calls:
             _check_call(call)
-    streamed = _stream(tool_server, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {
-        "name": "get_weather"}}, "max_tokens": 60})
-    deltas = [c["choices"][0]["delta"] for c in streamed if c["choices"]]
-    assert not "".join(d.get("content") or "" for d in deltas)
-    [call] = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert _check_call(call, names=("get_weather",)) == "get_weather"
+
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_calls_streamed(tool_server, choice):
+    """Streamed as "auto" streams: the pieces add up to the non-streamed answer's arguments
+    for the same generation (an answer cut off by max_tokens is content, both ways)."""
+    for seed in range(3):
+        body = {"tools": TOOLS, "tool_choice": choice, "temperature": 1.0, "seed": seed, "max_tokens": 120}
+        answered = _chat(tool_server, body).json()["choices"][0]
+        content, calls, finish = _streamed(_stream(tool_server, body))
+        assert finish == answered["finish_reason"]
+        assert content == (answered["message"]["content"] or "")
+        _same_calls(calls if finish == "tool_calls" else [], answered["message"].get("tool_calls", []))
+        for call in calls if finish == "tool_calls" else []:
+            _check_call(call)
 
 
 @pytest.mark.parametrize("body, param, says", [
