@@ -283,7 +283,7 @@ ncu-only)  # Nsight Compute on $NCU_CASES (default: every ncu_cases.py case): su
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1); mkdir -p "$OUT/ncu"
   for c in ${NCU_CASES:-decode_bf16 decode_fp8 mla_bf16_32x4k mla_bf16_8x32k mla_fp8_32x4k prefill_causal prefill_paged16 prefill_paged128}; do
     case $c in decode*) k=_paged_decode ;;  # the Triton kernel or, over fp8 on Hopper, the Gluon one
-    mla*) k=_mla_decode_kernel ;; prefill_gluon*) k=_flash_prefill_gluon ;; *) k=_prefill_fwd ;; esac
+    mla*) k=_mla_decode_kernel ;; gemv*) k=_gemv_row ;; prefill_gluon*) k=_flash_prefill_gluon ;; *) k=_prefill_fwd ;; esac
     timeout 150 "$NCU" --clock-control none --set full --import-source yes -k "regex:^$k" --launch-skip 2 \
       --launch-count 1 -f -o "$OUT/ncu/$c" python3 benchmarks/ncu_cases.py $c > "$OUT/ncu/$c.log" 2>&1
     "$NCU" --import "$OUT/ncu/$c.ncu-rep" --page details > "$OUT/ncu/$c.details.txt" 2>&1

@@ -106,5 +106,24 @@ f)
     --down-tiles "$DOWN" --out "$OUT" > "$OUT/gemv_fp8_chain.txt" 2>&1
   grep "^chain" "$OUT/gemv_fp8_chain.txt"
   echo "part f done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-f)"; exit 2 ;;
+g)
+  # where the fp8 down GEMV's warps stall (Nsight Compute; bf16 down and fp8 gate_up beside it),
+  # then where DeepSeek-V2-Lite's piecewise steps spend their host time (cProfile; MLA's
+  # attention calls are not planned: 14-38 ms steps for 8-16 ms of kernels, run 133)
+  NCU_CASES="gemv_fp8_down gemv_bf16_down gemv_fp8_gate_up" timeout "$(left 200)" \
+    bash benchmarks/gpu_final.sh ncu-only 2>&1 | tail -n 3
+  tar xzf "$OUT/ncu.tgz" -C /tmp && for c in gemv_fp8_down gemv_bf16_down gemv_fp8_gate_up; do
+    echo "== $c"; python3 benchmarks/ncu_stalls.py /tmp/ncu/$c.sass.csv 12 2>&1 | head -n 30
+    grep -E "Duration|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots Busy|Executed Ipc A" /tmp/ncu/$c.details.txt | head -n 9
+  done > "$OUT/ncu_gemv_summary.txt" 2>&1
+  head -c 5000 "$OUT/ncu_gemv_summary.txt"
+  for mode in prompt mixed; do
+    mkdir -p "$OUT/$mode"
+    extra=$([ $mode = mixed ] && echo "--decodes 16 --input-len 16" || echo "--input-len 128")
+    timeout "$(left 100)" python3 benchmarks/profile_ttft.py --config deepseek-v2-lite --iters 10 \
+      $extra --out "$OUT/$mode" > "$OUT/profile_v2lite_$mode.log" 2>&1
+    echo "== $mode"; head -c 2500 "$OUT/$mode/profile_ttft.txt"
+  done
+  echo "part g done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-g)"; exit 2 ;;
 esac

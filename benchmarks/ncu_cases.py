@@ -19,6 +19,7 @@ summaries. Cases:
                                at 8 x 1024 (the shape still short of 0.95x)
     decode_bf16_cudnn          SDPA cuDNN at decode_bf16's shape, K/V contiguous (issue 6's baseline;
                                decode_bf16 itself is the Gluon bf16 kernel on Hopper now)
+    gemv_fp8_down / gemv_bf16_down / gemv_fp8_gate_up   the one-row GEMV (ncu regex _gemv_row)
     mla_gluon_8x32k / mla_gluon_32x4k   the Gluon MLA decode (mla_decode_gluon.py, its merge
                                kernel after it: profile the first kernel); mla_wgmma_8x32k the
                                wgmma one (mla_decode_wgmma.py; ncu regex _mla_decode_wgmma;
@@ -124,7 +125,26 @@ def prefill(page: int | None, batch: int = 2, seq: int = 4096):
     return lambda: paged_prefill(q, kc, vc, tables, cu, lens, seq, seq, causal=True)
 
 
+def gemv(kind: str, fp8: bool):
+    """One-row GEMV (kernels/gemv.gemv_row, default tile) over an 8B shape's weight: down
+    (4096 x 14336, SiLU·mul in the prologue) or gate_up (28672 x 4096, whole rows), e4m3
+    rows with their scales or bf16 (session 18: fp8 down stays at ~60% of copy)."""
+    from flashpage.kernels.gemv import gemv_row
+    from flashpage.layers.quant import quantize_fp8_rowwise
+
+    n, k = (4096, 14336) if kind == "down" else (28672, 4096)
+    w = torch.randn(n, k, device=DEV, dtype=BF16) / k ** 0.5
+    scale = None
+    if fp8:
+        w, scale = quantize_fp8_rowwise(w)
+    x = torch.randn(1, 2 * k if kind == "down" else k, device=DEV, dtype=BF16)
+    return lambda: gemv_row(x, w, silu_mul=kind == "down", scale=scale)
+
+
 CASES = {
+    "gemv_fp8_down": lambda: gemv("down", True),
+    "gemv_bf16_down": lambda: gemv("down", False),
+    "gemv_fp8_gate_up": lambda: gemv("gate_up", True),
     "decode_bf16": lambda: decode(BF16),
     "decode_fp8": lambda: decode(torch.float8_e4m3fn),
     "decode_fp8_256x1k": lambda: decode(torch.float8_e4m3fn, 256, 1024),  # an 8B engine step's
