@@ -125,5 +125,29 @@ g)
     echo "== $mode"; head -c 2500 "$OUT/$mode/profile_ttft.txt"
   done
   echo "part g done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-g)"; exit 2 ;;
+h)
+  # run 156's Nsight Compute: fp8 down's most sampled stall is a barrier around a shared-memory
+  # store inside the tile loop (x handed to the warps each step). x_rows: x read as a tile of
+  # the weight tile's layout (no conversion in the loop, per the sm_90 TTGIR)
+  T=n16k512w8,n8k512w4,n16k1024w8,n8k1024w4,n32k512w8,n4k2048w4,n16k256w4,n32k256w8,n8k2048w8
+  for xr in 0 1; do for silu in fused separate; do
+    d=$OUT/fp8_x${xr}_$silu; mkdir -p "$d"
+    timeout "$(left 60)" python3 benchmarks/gemv.py --fp8 --only shapes --kinds down --pdl 1 \
+      --tiles "$T" --x-rows $xr --down-silu $silu --out "$d" > "$d.txt" 2>&1
+    echo "== fp8 x_rows=$xr silu=$silu"; grep "^down" "$d.txt" | grep -v cublas | sort -k4 -n | head -n 3
+  done; done
+  for xr in 0 1; do
+    d=$OUT/bf16_x$xr; mkdir -p "$d"
+    timeout "$(left 60)" python3 benchmarks/gemv.py --only shapes --kinds down,o_proj --pdl 1 \
+      --tiles n16k512w8,n8k1024w4,n16k1024w8 --x-rows $xr --out "$d" > "$d.txt" 2>&1
+    echo "== bf16 x_rows=$xr"; grep "^down\|^o_proj" "$d.txt" | grep -v cublas | sort -k4 -n | head -n 6
+  done
+  for xr in 0 1; do for silu in fused separate; do
+    d=$OUT/chain_x${xr}_$silu; mkdir -p "$d"
+    timeout "$(left 30)" python3 benchmarks/gemv.py --fp8 --only chain --pdl 1 --tiles "" \
+      --x-rows $xr --down-silu $silu --out "$d" > "$d.txt" 2>&1
+    echo "== chain x_rows=$xr silu=$silu"; grep "^chain row" "$d.txt"
+  done; done
+  echo "part h done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-h)"; exit 2 ;;
 esac
