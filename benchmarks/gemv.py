@@ -62,8 +62,6 @@ def main() -> int:
     ap.add_argument("--down-tiles", default="", help="chain variants with these down tiles")
     ap.add_argument("--kinds", default="qkv,o_proj,gate_up,down,lm_head")
     ap.add_argument("--pdl", choices=["0", "1", "both"], default="both")
-    ap.add_argument("--x-rows", choices=["auto", "0", "1"], default="auto",
-                    help="gemv_row's x_rows (auto: on for fp8 weights)")
     ap.add_argument("--down-silu", choices=["fused", "separate", "none"], default="fused",
                     help="down's SiLU·mul: in our GEMV's prologue, our kernel before it, or "
                          "none (a plain GEMV over the gate half)")
@@ -116,7 +114,6 @@ def main() -> int:
     candidates = tiles(args.tiles) if args.tiles is not None else list(ROW_CANDIDATES)
     configs: list[RowConfig | None] = [None, *candidates]
     pdls = {"0": [False], "1": [True], "both": [False, True]}[args.pdl]
-    x_rows = {"auto": None, "0": False, "1": True}[args.x_rows]
     kinds = args.kinds.split(",")
     results: dict = {"copy_gbps": copy, "shapes": [], "chain": []}
 
@@ -129,7 +126,7 @@ def main() -> int:
         if silu and args.down_silu != "fused":
             x = silu_and_mul(x, pdl=pdl) if args.down_silu == "separate" else x[:, :INTER]
             silu = False
-        return gemv_row(x, w, config=cfg, silu_mul=silu, pdl=pdl, scale=scale, x_rows=x_rows)
+        return gemv_row(x, w, config=cfg, silu_mul=silu, pdl=pdl, scale=scale)
 
     if args.only in (None, "shapes"):
         for kind, ws in [*layers.items(), ("lm_head", [lm_head])]:
@@ -163,7 +160,7 @@ def main() -> int:
                     if fuse:
                         new_res = torch.empty_like(x) if res is not None else None
                         w = layers[kind][i]
-                        h = gemv_row(x, w, config=cfg, pdl=pdl, norm=(norm_w, 1e-5), x_rows=x_rows,
+                        h = gemv_row(x, w, config=cfg, pdl=pdl, norm=(norm_w, 1e-5),
                                      residual=res, residual_out=new_res, scale=scales.get(w.data_ptr()))
                         res = new_res if res is not None else x
                     else:

@@ -10,8 +10,8 @@
 #                                             light load) on and off: what a loaded server pays for
 #                                             synchronous steps when drafts rarely hit (random weights).
 #                                             Carry [".whl"]
-# Parts d-f ran kernels since dropped (RowConfig.ahead, commit 80c00cf; RowConfig.group, the
-# commit after 88ba6b6): they name tiles (a2, g16) today's gemv.py no longer parses.
+# Parts d-f and h ran kernels since dropped (RowConfig.ahead, commit 80c00cf; RowConfig.group, the
+# commit after 88ba6b6; gemv_row(x_rows=), the commit before this note): they name tiles (a2, g16) and flags (--x-rows) today's gemv.py no longer has.
 #   BUDGET=300 bash benchmarks/gpu_s18.sh c   the structured-outputs test with drafts on a head_dim-64
 #                                             checkpoint (run 149 ran it on head_dim 16: refused), then
 #                                             a sweep of one-row tiles over e4m3 weights (qkv, o_proj, down)

@@ -233,11 +233,10 @@ def max_whole_row() -> int:
 def _gemv_row_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr,
     res_ptr, nw_ptr, res_out_ptr, eps,  # NORM: residual in, norm weight, x + residual out
-    N, K, stride_wn, stride_x0,
+    N, K, stride_wn,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr, PDL: tl.constexpr,
-    X_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dt = x_ptr.dtype.element_ty  # the activations' rounding (fp8 weights: not w's dtype)
@@ -273,22 +272,11 @@ def _gemv_row_kernel(
     else:
         # x (or the gate/up columns) is loaded a tile ahead too: an L2 round trip on every
         # iteration's critical path would otherwise cost ~1/3 of a 14336-wide row's time.
-        # X_ROWS: x loaded as a [BLOCK_N, BLOCK_K] tile (a zero row stride, which the
-        # compiler cannot see), so it takes the weight tile's layout: loaded as a vector,
-        # x reaches each warp through shared memory, two barriers every step that keep a
-        # program's warps in lockstep (e4m3 rows, Nsight Compute: the most sampled stall).
         k_mask = offs_k < K
-        if X_ROWS:
-            x_rows = x_ptr + offs_n[:, None] * stride_x0
-            x_next = tl.load(x_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-            u_next = x_next
-            if SILU_MUL:
-                u_next = tl.load(x_rows + K + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-        else:
-            x_next = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
-            u_next = x_next
-            if SILU_MUL:
-                u_next = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0)
+        x_next = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+        u_next = x_next
+        if SILU_MUL:
+            u_next = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             w = w_next
@@ -298,22 +286,13 @@ def _gemv_row_kernel(
             kn_mask = kn < K
             w_next = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & kn_mask[None, :],
                              other=0.0)
-            if X_ROWS:
-                x_next = tl.load(x_rows + kn[None, :], mask=kn_mask[None, :], other=0.0)
-                if SILU_MUL:
-                    u_next = tl.load(x_rows + K + kn[None, :], mask=kn_mask[None, :], other=0.0)
-            else:
-                x_next = tl.load(x_ptr + kn, mask=kn_mask, other=0.0)
-                if SILU_MUL:
-                    u_next = tl.load(x_ptr + K + kn, mask=kn_mask, other=0.0)
+            x_next = tl.load(x_ptr + kn, mask=kn_mask, other=0.0)
             if SILU_MUL:
+                u_next = tl.load(x_ptr + K + kn, mask=kn_mask, other=0.0)
                 x = _silu_mul(xr, ur, dt)
             else:
                 x = xr.to(tl.float32)
-            if X_ROWS:
-                acc += w.to(tl.float32) * x
-            else:
-                acc += w.to(tl.float32) * x[None, :]
+            acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
     if HAS_SCALE:
         y *= w_scale
@@ -344,7 +323,7 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
              norm: tuple[torch.Tensor, float] | None = None,
              residual: torch.Tensor | None = None,
              residual_out: torch.Tensor | None = None,
-             scale: torch.Tensor | None = None, x_rows: bool | None = None) -> torch.Tensor:
+             scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] (or [1, 2K] with ``silu_mul``: silu(gate) * up computed on the fly),
     w [N, K], bias [N] -> [1, N], fp32 accumulation. ``pdl``: programmatic dependent
     launch (None: per FLASHPAGE_PDL and the device). w float8_e4m3fn: ``scale`` fp32 [N]
@@ -353,11 +332,7 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     ``norm`` = (weight [K], eps): the input is rmsnorm(x + residual) * weight, computed
     in the prologue (kernels/rms_norm's rounding), and with ``residual`` the sum
     x + residual is written to ``residual_out`` [1, K] (what the RMSNorm kernel returns
-    beside its output). Needs whole rows (K <= WHOLE_ROW_LIMIT).
-
-    ``x_rows`` (looped tiles): x read as a tile of the weight tile's shape, each warp its
-    own copy from L1, rather than once and handed to the warps through shared memory
-    (None: for fp8 weights)."""
+    beside its output). Needs whole rows (K <= WHOLE_ROW_LIMIT)."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"x must be [1, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     m, kx = x.shape
@@ -387,18 +362,16 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         raise ValueError("residual needs norm")
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    if x_rows is None:
-        x_rows = w.dtype == torch.float8_e4m3fn
     use_pdl = resolve_pdl(pdl, x.device)
     _gemv_row_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, bias if bias is not None else x, scale if scale is not None else x, out,
         residual if residual is not None else x, nw,
         residual_out if residual is not None else x, eps,
-        n, k, w.stride(0), 0,
+        n, k, w.stride(0),
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, SILU_MUL=silu_mul,
         NORM=norm is not None, HAS_RES=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WHOLE_ROW=whole, PDL=use_pdl,
-        X_ROWS=bool(x_rows) and not whole, num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(use_pdl),
+        num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(use_pdl),
     )
     return out
 

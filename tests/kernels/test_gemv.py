@@ -119,21 +119,6 @@ def test_gemv_row_cpu(n, k, bias, silu, cfg, dtype):
     _check(1, n, k, dtype, bias, silu, cfg, 1e-4 if dtype == torch.float32 else 2e-2, fn=gemv_row)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n,k,bias,silu,cfg", [
-    (48, 64, False, False, RowConfig(8, 32, 1)),     # two K tiles
-    (37, 96, True, False, RowConfig(8, 64, 1)),      # ragged N and K
-    (16, 256, False, True, RowConfig(4, 64, 2)),     # SiLU·mul on x's tile, four K tiles
-    (21, 48, True, True, RowConfig(4, 64, 1)),       # whole rows: x_rows has no effect
-])
-def test_gemv_row_x_rows_cpu(n, k, bias, silu, cfg, dtype):
-    """x read as a tile of the weight tile's shape (the fp8 default) over 16-bit weights."""
-    if GPU:
-        pytest.skip("the CPU variant (interpreter)")
-    _check(1, n, k, dtype, bias, silu, cfg, 1e-4 if dtype == torch.float32 else 2e-2,
-           fn=gemv_row, x_rows=True)
-
-
 def test_gemv_row_rejects_bad_input():
     with pytest.raises(ValueError, match="one row, got 2"):
         gemv_row(torch.zeros(2, 64), torch.zeros(16, 64))
