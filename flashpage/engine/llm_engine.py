@@ -371,7 +371,7 @@ class LLMEngine:
                 "no room for any output token")
         guide = self.compile_guide(params)
         if lora_request is not None:
-            self._check_lora(lora_request)
+            self.add_lora(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = ParentRequest(request_id, text, ids, params, [], RequestMetrics(arrival), pooling)
         for i in range(params.n):
@@ -400,8 +400,9 @@ class LLMEngine:
             self._children[c.request.request_id] = c
         return request_id
 
-    def _check_lora(self, lora_request: LoRARequest) -> None:
-        """The adapter read and checked (once per id), or a ValueError naming the problem."""
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (add_request does it the first time an id comes);
+        a ValueError names the problem. As vLLM's ``add_lora``."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         if self.lora is None:
