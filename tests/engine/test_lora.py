@@ -102,9 +102,11 @@ def test_mixed_batch_gives_each_prompt_its_solo_tokens(setup, async_scheduling):
 
     llm.engine.scheduler.schedule = spy
     loras = [setup.requests[n] if n else None for n in names]
-    got = _tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False))
+    outs = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+    got = _tokens(outs)
     want = [setup.solo(n, prompts, 3)[i] for i, n in enumerate(names)]
     assert got == want
+    assert [o.lora_request for o in outs] == loras  # as vLLM's RequestOutput.lora_request
     assert max(seen) == 4  # one step held a, b, c and no adapter together
     assert llm.engine.lora is not None and llm.engine.lora.num_loads == 3
     _idle(llm)
