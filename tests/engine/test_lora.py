@@ -138,6 +138,20 @@ def test_more_adapters_than_slots_wait_and_complete(setup):
     _idle(llm)
 
 
+def test_preemption_under_adapters(setup):
+    """A KV cache too small for the batch: preempted requests come back (their adapter in a
+    slot again, maybe another one) and still give their own tokens."""
+    prompts = random_prompts(6, 20, 30, seed=9)
+    names = ["a", "b", "c", None, "a", "c"]
+    llm = LLM(str(setup.base), enable_lora=True, max_loras=2, max_lora_rank=16,
+              num_gpu_blocks=14, **KW)
+    loras = [setup.requests[n] if n else None for n in names]
+    got = _tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False))
+    assert got == [setup.solo(n, prompts, 9)[i] for i, n in enumerate(names)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    _idle(llm)
+
+
 def test_prefix_cache_is_not_shared_across_adapters(setup):
     prompt = random_prompts(1, 41, 41, seed=8)[0]  # 5 full blocks of 8, then 1 token
     llm = LLM(str(setup.base), enable_lora=True, max_loras=2, max_lora_rank=16, **KW)
@@ -356,29 +370,30 @@ def test_mixed_adapters_on_the_gpu_with_graphs(tiny_checkpoint, tmp_path):
     merged = {n: merge_adapter(base, p, tmp_path / f"merged_{n}") for n, p in ad.items()}
     reqs = {n: LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(ad.items())}
     kw = dict(dtype="float32", device="cuda", attention_backend="triton", block_size=16,
-              max_num_batched_tokens=128, max_model_len=256)
+              max_num_batched_tokens=128, max_model_len=256, max_num_seqs=16)
     prompts = random_prompts(9, 3, 60, seed=21)
     names = ["a", None, "b", "a", None, "b", "b", "a", None]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    want = []
-    for i, n in enumerate(names):
-        ref = LLM(str(base if n is None else merged[n]), **kw)
-        want.append(_tokens(ref.generate([prompts[i]], params, use_tqdm=False))[0])
+    want: list[list[int]] = [[] for _ in prompts]
+    for name in ("a", "b", None):  # each prompt alone on its merged checkpoint (or the base)
+        ref = LLM(str(base if name is None else merged[name]), **kw)
+        for i, n in enumerate(names):
+            if n == name:
+                want[i] = _tokens(ref.generate([prompts[i]], params, use_tqdm=False))[0]
         del ref
         torch.cuda.empty_cache()
     llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, **kw)
     runner = llm.engine.runner
     assert runner.graphs is not None and runner.piecewise is not None
-    replays = {"decode": 0}
-    real = runner.graphs.run
+    replays = {"decode": 0, "pieces": 0}
+    for key, graphs in (("decode", runner.graphs), ("pieces", runner.piecewise)):
+        def spy(*a, _real=graphs.run, _key=key, **k):
+            replays[_key] += 1
+            return _real(*a, **k)
 
-    def spy(*a, **k):
-        replays["decode"] += 1
-        return real(*a, **k)
-
-    runner.graphs.run = spy  # type: ignore[method-assign]
+        graphs.run = spy  # type: ignore[method-assign]
     got = _tokens(llm.generate(prompts, params, lora_request=[reqs[n] if n else None for n in names],
                                use_tqdm=False))
     assert got == want
-    assert replays["decode"] > 0
+    assert replays["decode"] > 0 and replays["pieces"] > 0, replays
     _idle(llm)

@@ -133,3 +133,10 @@ def test_parse_lora_modules():
     for bad in ("a", "=/x", "a=", '{"name": "b"}'):
         with pytest.raises(ValueError, match="--lora-modules"):
             parse_lora_modules([bad])
+
+
+def test_serve_refuses_lora_modules_without_enable_lora(capsys):
+    from flashpage.cli import main
+
+    assert main(["serve", "--lora-modules", "a=/x"]) == 2  # before any model loads
+    assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
