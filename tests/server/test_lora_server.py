@@ -140,3 +140,20 @@ def test_serve_refuses_lora_modules_without_enable_lora(capsys):
 
     assert main(["serve", "--lora-modules", "a=/x"]) == 2  # before any model loads
     assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
+
+
+def test_embeddings_under_an_adapter(lora_server, adapters):
+    """/v1/embeddings with an adapter's name: the merged checkpoint's pooled hidden states."""
+    import torch
+
+    r = httpx.post(lora_server.url + "/v1/embeddings", json={"model": "chat", "input": PROMPTS},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "chat"
+    got = torch.tensor([d["embedding"] for d in r.json()["data"]])
+    merged = LLM(str(adapters["chat"][1]), **engine_kwargs()).embed(PROMPTS, use_tqdm=False)
+    torch.testing.assert_close(got, torch.tensor([o.outputs.embedding for o in merged]),
+                               atol=1e-5, rtol=1e-4)
+    base = httpx.post(lora_server.url + "/v1/embeddings", json={"model": "tiny", "input": PROMPTS},
+                      timeout=60).json()["data"]
+    assert (got - torch.tensor([d["embedding"] for d in base])).abs().max() > 1e-2
