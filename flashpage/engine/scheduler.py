@@ -63,7 +63,7 @@ class Scheduler:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.watermark_blocks = int(watermark * kv_cache_manager.num_blocks)
-        # LoRA: the most distinct adapters among running requests (the engine's slots); 0: no LoRA
+        # LoRA: the most distinct adapters among running requests (the engine's slots); 0: no cap
         self.max_loras = max_loras
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Request] = deque()
@@ -199,7 +199,7 @@ class Scheduler:
                 if req.num_unresolved:  # preempted with a token still in flight: next step
                     break
                 lid = req.lora_int_id
-                if lid and lid not in loras and len(loras) >= self.max_loras:
+                if self.max_loras and lid and lid not in loras and len(loras) >= self.max_loras:
                     w += 1  # every adapter slot is held by running requests: it waits
                     continue
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
