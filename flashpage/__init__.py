@@ -6,7 +6,7 @@ from flashpage.sampling_params import GuidedDecodingParams, SamplingParams, Stru
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams",
-           "PoolingParams", "RequestOutput", "CompletionOutput", "__version__"]
+           "PoolingParams", "RequestOutput", "CompletionOutput", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: importing flashpage must not load torch models
@@ -14,6 +14,10 @@ def __getattr__(name: str):  # lazy: importing flashpage must not load torch mod
         from flashpage.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from flashpage.lora.request import LoRARequest
+
+        return LoRARequest
     if name == "PoolingParams":
         from flashpage.pooling import PoolingParams
 

@@ -46,6 +46,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pooling-type", default=None, choices=["last", "mean", "cls"],
                    help="embeddings: how a prompt's hidden states are pooled (default: the model's "
                         "sentence-transformers config, else last)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) beside the base model")
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="LoRA: the most distinct adapters in one step (their slots)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="LoRA: the largest adapter rank")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}\' (drafts looked up in the request\'s own tokens)')
@@ -78,7 +83,37 @@ def build_llm(args: argparse.Namespace) -> Any:
                chat_template=getattr(args, "chat_template", None),
                random_weights_config=getattr(args, "random_weights_config", None),
                pooling_type=getattr(args, "pooling_type", None),
-               speculative_config=getattr(args, "speculative_config", None))
+               speculative_config=getattr(args, "speculative_config", None),
+               enable_lora=getattr(args, "enable_lora", False),
+               max_loras=getattr(args, "max_loras", 1), max_lora_rank=getattr(args, "max_lora_rank", 16))
+
+
+def add_lora_module_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters a request selects by naming one as its model: name=path "
+                        "or JSON {\"name\": ..., \"path\": ...} (needs --enable-lora)")
+
+
+def parse_lora_modules(items: list[str]) -> list[Any]:
+    """--lora-modules' name=path (or vLLM's JSON form) items -> LoRARequests, ids 1, 2, ..."""
+    import json
+
+    from flashpage.lora.request import LoRARequest
+
+    out = []
+    for i, item in enumerate(items):
+        if item.lstrip().startswith("{"):
+            try:
+                d = json.loads(item)
+                name, path = d["name"], d["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules: {item!r} is not JSON with name and path") from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: {item!r} is not name=path")
+        out.append(LoRARequest(name, i + 1, path))
+    return out
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
@@ -225,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
     add_tool_arguments(p)
+    add_lora_module_arguments(p)
     add_engine_arguments(p)
     p.set_defaults(func=cmd_serve)
 

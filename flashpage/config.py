@@ -339,6 +339,12 @@ class EngineConfig:
     # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m} (a dict or
     # its JSON text; engine/spec_decode.py); None: off
     speculative_config: dict[str, Any] | str | None = None
+    # LoRA adapters (vLLM's enable_lora / max_loras / max_lora_rank; flashpage/lora/): requests
+    # may name a PEFT adapter; a step runs at most max_loras distinct ones (its slots), each of
+    # rank <= max_lora_rank
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -351,6 +357,10 @@ class EngineConfig:
             SpeculativeConfig.parse(self.speculative_config)  # a bad one named now
         if self.pooling_type is not None and self.pooling_type not in ("last", "mean", "cls"):
             raise ValueError(f"pooling_type must be last, mean or cls, got {self.pooling_type!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         bs = self.block_size
         if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}")

@@ -8,6 +8,7 @@ from typing import Any, cast
 
 from flashpage.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine
+from flashpage.lora.request import LoRARequest
 from flashpage.outputs import RequestOutput
 from flashpage.pooling import (
     EmbeddingOutput,
@@ -43,7 +44,8 @@ class LLM:
                  kv_cache_dtype: str = "auto", chat_template: str | None = None,
                  seed: int = 0, random_weights_config: str | None = None,
                  pooling_type: str | None = None, quantization: str | None = None,
-                 speculative_config: dict[str, Any] | str | None = None) -> None:
+                 speculative_config: dict[str, Any] | str | None = None,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
             num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
@@ -52,7 +54,8 @@ class LLM:
             attention_backend=attention_backend, enforce_eager=enforce_eager,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, seed=seed,
             chat_template=chat_template, pooling_type=pooling_type, quantization=quantization,
-            speculative_config=speculative_config)
+            speculative_config=speculative_config, enable_lora=enable_lora, max_loras=max_loras,
+            max_lora_rank=max_lora_rank)
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory
         self.engine = LLMEngine(cfg, random_config=random_weights_config, tokenizer=tokenizer)
@@ -62,12 +65,15 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+                 *, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}).
 
         Outputs come back in prompt order. A prompt that cannot run (empty, too long,
-        token ids outside the vocabulary, ...) gets an output whose ``error`` says why;
-        the others still complete.
+        token ids outside the vocabulary, a LoRA adapter that cannot be loaded, ...) gets an
+        output whose ``error`` says why; the others still complete. ``lora_request``: one
+        adapter for every prompt, or one (or None) per prompt (needs ``enable_lora``).
         """
         plist = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -78,16 +84,18 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(plist):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts")
-        return self._run(plist, params, use_tqdm)
+        return self._run(plist, params, use_tqdm, _per_prompt_loras(lora_request, len(plist)))
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
-              *, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              *, use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              ) -> list[EmbeddingRequestOutput]:
         """Embed every prompt (text, token ids, or {"prompt_token_ids": [...]}): its hidden
         states pooled the model's way (flashpage/pooling.py), as vLLM's LLM.embed. Outputs
         in prompt order; a prompt that cannot run has ``error`` set and no outputs."""
         plist = _as_prompt_list(prompts)
         params = [pooling_params or PoolingParams()] * len(plist)
-        outs = self._run(plist, params, use_tqdm)
+        outs = self._run(plist, params, use_tqdm, _per_prompt_loras(lora_request, len(plist)))
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
                                        EmbeddingOutput(o.embedding) if o.embedding is not None else None,
                                        o.finished, o.error) for o in outs]
@@ -119,14 +127,16 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,
              add_generation_prompt: bool = True,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list) and generate.
         ``tools``: OpenAI function definitions the template shows the model (as vLLM's; the
         server reads calls back, server/tools.py)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = [self.chat_prompt_ids(c, add_generation_prompt, tools)  # type: ignore[arg-type]
                                  for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
                         tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -138,16 +148,17 @@ class LLM:
         return list(ids)
 
     def _run(self, prompts: list[Prompt], params: Sequence[SamplingParams | PoolingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, loras: Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.engine
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        loras = loras if loras is not None else [None] * len(prompts)
+        for i, (p, sp, lora) in enumerate(zip(prompts, params, loras, strict=True)):
             rid = f"gen-{id(self)}-{engine._counter}-{i}"
             order.append(rid)
             ids_or_text = p["prompt_token_ids"] if isinstance(p, dict) else p
             try:
-                engine.add_request(rid, ids_or_text, sp)
+                engine.add_request(rid, ids_or_text, sp, lora_request=lora)
             except ValueError as e:
                 logger.warning("request %d refused: %s", i, e)
                 ids = [] if isinstance(ids_or_text, str) else list(cast(list[int], ids_or_text))
@@ -174,6 +185,17 @@ class LLM:
             if pending:  # interrupted: leave nothing behind in the cache
                 engine.abort_request(pending)
         return [results[rid] for rid in order]
+
+
+def _per_prompt_loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                      n: int) -> list[LoRARequest | None] | None:
+    """vLLM's ``lora_request``: one for all prompts, or one (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} LoRA requests for {n} prompts")
+    return loras
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flashpage.engine.sampler import Logprobs
+
+if TYPE_CHECKING:
+    from flashpage.lora.request import LoRARequest
 
 
 @dataclass
@@ -50,3 +54,4 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     # an embedding request's vector once finished (flashpage/pooling.py); outputs is empty
     embedding: list[float] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it ran with (flashpage/lora/), as vLLM's

@@ -31,12 +31,14 @@ from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.layers import ops
 from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
 from flashpage.layers.moe import set_fused_moe
+from flashpage.lora.request import LoRARequest
 from flashpage.models.loader import ModelSource, load_model, resolve_model
 from flashpage.outputs import RequestMetrics, RequestOutput
 from flashpage.pooling import PoolingParams, PoolingState, pooling_type_of
 from flashpage.sampling_params import SamplingParams, StructuredOutputsError
 
 if TYPE_CHECKING:
+    from flashpage.lora.manager import LoRAManager
     from flashpage.structured.compiler import GuideCompiler
     from flashpage.structured.guide import CompiledGuide
 
@@ -106,6 +108,14 @@ class LLMEngine:
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         set_fused_moe(self.model, backend_cls.name == "triton" and self.device.type == "cuda"
                       and envs.fused_moe())
+        # LoRA slots (flashpage/lora/): on the device before the KV cache takes what is left
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            from flashpage.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                    max(config.max_num_batched_tokens, config.max_num_seqs),
+                                    self.device, self.dtype)
         self.tokenizer = load_tokenizer(self.source, tokenizer)
         if config.chat_template is not None:
             self._set_chat_template(config.chat_template)
@@ -120,11 +130,13 @@ class LLMEngine:
                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.kv_manager,
-                                   watermark=config.kv_watermark)
+                                   watermark=config.kv_watermark,
+                                   max_loras=config.max_loras if config.enable_lora else 0)
         backend = backend_cls(mc, self.device, self.dtype)
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
                                   config.block_size, self.device, self.dtype, self.kv_dtype)
+        self.runner.lora = self.lora
         # Decode-batch GEMMs: ours where it beats cuBLAS (fp8: W8A8) on this GPU (timed now,
         # before the graphs capture whichever is chosen); only beside our fused kernels.
         fp8 = config.quantization == "fp8"
@@ -318,10 +330,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | PoolingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request; raises ValueError (naming the problem) if it can never run.
         PoolingParams: an embedding request (flashpage/pooling.py): its prompt's pooled hidden
-        states come back as ``RequestOutput.embedding``."""
+        states come back as ``RequestOutput.embedding``. ``lora_request``: the LoRA adapter
+        it runs with (read and checked here the first time its id is seen)."""
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None:
             pooling.validate(self.model_config.hidden_size)
@@ -356,12 +370,14 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                 "no room for any output token")
         guide = self.compile_guide(params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = ParentRequest(request_id, text, ids, params, [], RequestMetrics(arrival), pooling)
         for i in range(params.n):
             sample = params if params.n == 1 else child_params(params, i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, ids, sample, self.eos_token_ids, arrival)
+            req = Request(rid, ids, sample, self.eos_token_ids, arrival, lora_request)
             if guide is not None:
                 from flashpage.structured.guide import GuideState
 
@@ -383,6 +399,17 @@ class LLMEngine:
         for c in parent.children:
             self._children[c.request.request_id] = c
         return request_id
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (add_request does it the first time an id comes);
+        a ValueError names the problem. As vLLM's ``add_lora``."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but the engine "
+                             "was started without enable_lora (LLM(..., enable_lora=True), "
+                             "flashpage serve --enable-lora)")
+        self.lora.add(lora_request, lambda: {r.lora_int_id for r in self.scheduler.requests.values()})
 
     def compile_guide(self, params: SamplingParams) -> CompiledGuide | None:
         """The request's structured-outputs guide (compiled once per spec and cached), or
@@ -446,6 +473,9 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        if self.lora is not None and out.scheduled:  # the step's adapters into slots
+            self.lora.activate((r.lora_int_id for r, _ in out.scheduled),
+                               {r.lora_int_id for r in self.scheduler.running})
         now = time.monotonic()
         for req, _ in out.scheduled:
             child = self._children.get(req.request_id)
@@ -525,5 +555,7 @@ class LLMEngine:
         }
         if self.proposer is not None:
             out["spec_decode"] = self.proposer.stats.as_dict()
+        if self.lora is not None:
+            out["lora"] = self.lora.stats()
         return out
 

@@ -22,6 +22,7 @@ from flashpage.engine.scheduler import SchedulerOutput
 from flashpage.engine.sequence import PLACEHOLDER, Request
 from flashpage.engine.spec_decode import guide_states, verify_drafts
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
+from flashpage.lora.manager import LoRAManager
 
 TABLE_WIDTH_MULTIPLE = 16
 PROMPT_LOGPROB_ROWS = 512  # prompt_logprobs: logits rows computed at once (512 x 128k fp32: 256 MB)
@@ -77,6 +78,9 @@ class ModelRunner:
         # in them: a next step's input that is still a PLACEHOLDER is read from there.
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
+        # LoRA (flashpage/lora/): each step writes its tokens' adapter slots into
+        # lora.state.token_slots, which every LoRA linear (and graph) reads
+        self.lora: LoRAManager | None = None
 
     def capture_decode_graphs(self, max_bs: int, max_model_len: int) -> None:
         """Capture decode-step CUDA graphs (needs a backend without host syncs)."""
@@ -158,7 +162,8 @@ class ModelRunner:
         total = out.total_num_scheduled_tokens
         bs = self.block_size
         # One int64 staging array -> one host-to-device copy per step:
-        # [input_ids | positions | slot_mapping | qsl | seq_lens | logits_idx | block_tables]
+        # [input_ids | positions | slot_mapping | qsl | seq_lens | logits_idx | block_tables
+        #  | pending decodes' rows | LoRA slot of each token]
         rows = [self._table_row(r) for r, _ in sched]
         width = _table_width(max((len(r) for r in rows), default=1))
         # Requests whose range reaches their last known token get a logits row there; those
@@ -170,12 +175,13 @@ class ModelRunner:
         pending = [i for i, (r, n) in enumerate(sched)
                    if n == 1 and r.all_token_ids[r.num_computed_tokens] == PLACEHOLDER]
         n_pend = len(pending)
+        lora = self.lora
         sizes = [total, total, total, num_seqs + 1, num_seqs, n_logits, num_seqs * width,
-                 n_pend, n_pend]
+                 n_pend, n_pend, total if lora is not None else 0]
         offs = np.cumsum([0, *sizes])
         buf = np.zeros(int(offs[-1]), dtype=np.int64)
         input_ids, positions, slot_mapping, qsl, seq_lens, logits_idx, tables, pend_dst, \
-            pend_src = (buf[offs[i]:offs[i + 1]] for i in range(9))
+            pend_src, lora_slots = (buf[offs[i]:offs[i + 1]] for i in range(10))
         tables2d = tables.reshape(num_seqs, width)
         sample_reqs: list[Request] = []
         prompt_rows: list[tuple[Request, int, int, int]] = []
@@ -214,6 +220,8 @@ class ModelRunner:
                 positions[t:t + n] = pos
                 slot_mapping[t:t + n] = row[pos // bs].astype(np.int64) * bs + pos % bs
             seq_lens[i] = end
+            if lora is not None:
+                lora_slots[t:t + n] = lora.slot_index[req.lora_int_id] if req.lora_int_id else -1
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 # rows at positions start .. predict prompt tokens start + 1 ..
                 prompt_rows.append((req, t, start, min(end, req.num_prompt_tokens - 1) - start))
@@ -230,7 +238,11 @@ class ModelRunner:
             pend_src[j] = self._prev_rows[sched[i][0].request_id]
         dev = self._to_device(buf)
         d_input_ids, d_positions, d_slots, d_qsl, d_seq_lens, d_logits, d_tables, d_dst, \
-            d_src = (dev[offs[i]:offs[i + 1]] for i in range(9))
+            d_src, d_lora = (dev[offs[i]:offs[i + 1]] for i in range(10))
+        if lora is not None:
+            # in stream order after the step in flight (async scheduling) has read it
+            lora.state.token_slots[:total].copy_(d_lora)
+            lora.state.token_slots[total:].fill_(-1)
         if n_pend:
             assert self._prev_tokens is not None
             d_input_ids[d_dst] = self._prev_tokens[d_src]

@@ -128,7 +128,8 @@ class ParentRequest:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
                              finished=done, metrics=self.metrics,
                              new_text=[c.new_text for c in self.children],
-                             prompt_logprobs=list(plp) if plp is not None else None)
+                             prompt_logprobs=list(plp) if plp is not None else None,
+                             lora_request=self.children[0].request.lora_request)
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -14,7 +14,9 @@ Each step has a token budget (``max_num_batched_tokens``) and a cap on running r
    chunked if they do not fit, while ``len(running) < max_num_seqs``. A waiting request
    is admitted only if its blocks (after prefix hits) can be had; otherwise admission
    stops for this step (FIFO: the head is never overtaken). No preemption here, which
-   keeps same-step prefix hits safe.
+   keeps same-step prefix hits safe. With ``max_loras`` (LoRA), the running requests hold
+   at most that many distinct adapters: a waiting request whose adapter would be one too
+   many is passed over (it keeps its place) and the ones after it may go, as vLLM's.
 
 ``schedule()`` does NOT advance ``num_computed_tokens`` (except that an admitted
 request's counter is set to its prefix-cache hit): the tokens scheduled for request r
@@ -48,7 +50,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 kv_cache_manager: KVCacheManager, watermark: float = 0.0) -> None:
+                 kv_cache_manager: KVCacheManager, watermark: float = 0.0,
+                 max_loras: int = 0) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
         self.max_num_seqs = max_num_seqs
@@ -60,6 +63,8 @@ class Scheduler:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.watermark_blocks = int(watermark * kv_cache_manager.num_blocks)
+        # LoRA: the most distinct adapters among running requests (the engine's slots); 0: no cap
+        self.max_loras = max_loras
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
@@ -187,10 +192,16 @@ class Scheduler:
         new_ids: list[str] = []
         if not preempted:
             waiting = self.waiting
-            while waiting and budget > 0 and len(running) < self.max_num_seqs:
-                req = waiting[0]
+            loras = {r.lora_int_id for r in running if r.lora_int_id} if self.max_loras else set()
+            w = 0  # the next waiting request to try (those before it wait for an adapter slot)
+            while w < len(waiting) and budget > 0 and len(running) < self.max_num_seqs:
+                req = waiting[w]
                 if req.num_unresolved:  # preempted with a token still in flight: next step
                     break
+                lid = req.lora_int_id
+                if self.max_loras and lid and lid not in loras and len(loras) >= self.max_loras:
+                    w += 1  # every adapter slot is held by running requests: it waits
+                    continue
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
                 num_new = min(req.num_tokens - num_hit, budget)
                 if running and self.watermark_blocks:
@@ -201,7 +212,12 @@ class Scheduler:
                         break
                 if kv.allocate_slots(req, num_new, hit_blocks) is None:
                     break
-                waiting.popleft()
+                if w:
+                    del waiting[w]
+                else:
+                    waiting.popleft()
+                if lid:
+                    loras.add(lid)
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from flashpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from flashpage.lora.request import LoRARequest
     from flashpage.pooling import PoolingState
     from flashpage.structured.guide import GuideState
 
@@ -74,8 +75,13 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | Sequence[int] | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        # LoRA: the adapter it runs with (flashpage/lora/); its id (0: none) keys the
+        # scheduler's adapter count, the slot map and the prefix cache's hash root
+        self.lora_request = lora_request
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id

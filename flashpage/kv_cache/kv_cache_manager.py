@@ -130,9 +130,10 @@ class KVCacheManager:
         B = self.block_size
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // B
-        prefix_cache.update_block_hashes(request.block_hashes, tokens, B, max_blocks)
+        root, root_cid = prefix_cache.cache_root(request.lora_int_id)
+        prefix_cache.update_block_hashes(request.block_hashes, tokens, B, max_blocks, root)
         hits = prefix_cache.find_longest_cache_hit(self.pool, request.block_hashes, tokens, B,
-                                                   max_blocks)
+                                                   max_blocks, root_cid)
         self._pending_query[request.request_id] = (len(tokens), len(hits) * B)
         return hits, len(hits) * B
 
@@ -207,9 +208,10 @@ class KVCacheManager:
         num_full = min(num_full, (len(tokens) - request.num_unresolved) // B)
         if num_full <= self._num_registered[rid]:
             return
-        hashes = prefix_cache.update_block_hashes(request.block_hashes, tokens, B, num_full)
+        root, root_cid = prefix_cache.cache_root(request.lora_int_id)
+        hashes = prefix_cache.update_block_hashes(request.block_hashes, tokens, B, num_full, root)
         start = self._num_registered[rid]
-        parent_cid = blocks[start - 1].content_id if start else None
+        parent_cid = blocks[start - 1].content_id if start else root_cid
         register = self.pool.register
         for i in range(start, num_full):
             b = blocks[i]

@@ -7,6 +7,9 @@ Block ``i`` of a request (token positions ``[i*B, (i+1)*B)``), once full, has th
 (128 bits of blake2b-512; the ``digest_size=16`` variant is 2x slower to call in CPython)
 
 so equal prefixes give equal hashes and a block's hash depends on everything before it.
+A request with a LoRA adapter starts its chain from ``cache_root(lora_int_id)`` instead
+(its own ROOT, and its first block's parent content id ``-lora_int_id``): K/V computed
+under one adapter is never found by a request under another, or under none.
 The hash only finds a candidate: a hit is taken only if the cached block's token ids
 equal the request's AND its parent content id equals the content id of the block matched
 just before (see ``KVCacheBlock.content_id``). By induction a hit block's whole prefix is
@@ -35,6 +38,15 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
 _default_hash = hash_block_tokens
 
 
+def cache_root(salt: int) -> tuple[bytes | None, int | None]:
+    """(the chain's root hash, the root's parent content id) for requests under ``salt``
+    (a LoRA adapter id; 0: the base model, whose root is ROOT_HASH and parent None).
+    Content ids are positive, so ``-salt`` never equals a real block's."""
+    if not salt:
+        return None, None
+    return hashlib.blake2b(ROOT_HASH + b"lora" + struct.pack("<q", salt)).digest()[:16], -salt
+
+
 def _pack_le(token_ids: Sequence[int]) -> bytes:
     a = array("q", token_ids)
     if sys.byteorder == "big":
@@ -43,8 +55,9 @@ def _pack_le(token_ids: Sequence[int]) -> bytes:
 
 
 def update_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], block_size: int,
-                        num_blocks: int) -> list[bytes]:
-    """Extend ``block_hashes`` in place to cover the first ``num_blocks`` full blocks."""
+                        num_blocks: int, root: bytes | None = None) -> list[bytes]:
+    """Extend ``block_hashes`` in place to cover the first ``num_blocks`` full blocks
+    (``root``: the chain's root, ``cache_root``'s; None: ROOT_HASH)."""
     start = len(block_hashes)
     if start >= num_blocks:
         return block_hashes
@@ -53,7 +66,7 @@ def update_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], blo
         # Same bytes as hash_block_tokens, packed once for all blocks (~4x faster).
         data = _pack_le(token_ids[start * B:num_blocks * B])
         step = 8 * B
-        parent = block_hashes[start - 1] if start else ROOT_HASH
+        parent = block_hashes[start - 1] if start else (root or ROOT_HASH)
         blake2b = hashlib.blake2b
         for off in range(0, len(data), step):
             parent = blake2b(parent + data[off:off + step]).digest()[:16]
@@ -62,17 +75,18 @@ def update_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], blo
     # A replaced hash function (tests force collisions this way): call it per block.
     for i in range(start, num_blocks):
         block_hashes.append(
-            hash_block_tokens(block_hashes[i - 1] if i else None, token_ids[i * B:(i + 1) * B])
+            hash_block_tokens(block_hashes[i - 1] if i else root, token_ids[i * B:(i + 1) * B])
         )
     return block_hashes
 
 
 def find_longest_cache_hit(pool: BlockPool, block_hashes: Sequence[bytes],
                            token_ids: Sequence[int], block_size: int,
-                           max_blocks: int) -> list[KVCacheBlock]:
-    """The cached blocks holding the longest prefix of ``token_ids`` (at most ``max_blocks``)."""
+                           max_blocks: int, root_cid: int | None = None) -> list[KVCacheBlock]:
+    """The cached blocks holding the longest prefix of ``token_ids`` (at most ``max_blocks``;
+    ``root_cid``: the first block's parent content id, ``cache_root``'s)."""
     hits: list[KVCacheBlock] = []
-    parent_cid: int | None = None
+    parent_cid = root_cid
     cached = pool.cached
     for i in range(max_blocks):
         b = cached.get(block_hashes[i])

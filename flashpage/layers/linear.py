@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from torch import nn
 
 from flashpage import envs
 from flashpage.layers.quant import FP8_DTYPE, fp8_linear, quantize_fp8_rowwise
+
+if TYPE_CHECKING:
+    from flashpage.lora.layers import LoRALinear
 
 logger = logging.getLogger("flashpage")
 
@@ -55,7 +58,10 @@ class _ParallelLinear(nn.Module):
     ``row_gemv``: one-row inputs may go through ``kernels/gemv.gemv_row`` (set by the
     engine beside our fused kernels on a GPU; used while FLASHPAGE_GEMV is on).
     ``weight_scale``: None, or fp32 [N] once ``quantize_fp8`` has made ``weight``
-    float8_e4m3fn (layers/quant.py); ``quantizable = False`` keeps a layer 16-bit."""
+    float8_e4m3fn (layers/quant.py); ``quantizable = False`` keeps a layer 16-bit.
+    ``lora``: the adapter slots the engine attached with ``enable_lora`` (flashpage/lora/):
+    each token's adapter delta is added to the base output, and the norm and SiLU·mul
+    stay out of the GEMV (the delta needs the normed input, the down delta silu(g)·u)."""
 
     split_dim: int = 0
     skinny: dict[int, Any]
@@ -63,6 +69,7 @@ class _ParallelLinear(nn.Module):
     row_gemv: bool = False
     quantizable: bool = True
     weight_scale: torch.Tensor | None
+    lora: LoRALinear | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -112,7 +119,9 @@ class _ParallelLinear(nn.Module):
 
     def fuses_norm(self, x: torch.Tensor, norm: nn.Module) -> bool:
         """Whether ``forward(PendingNorm(x, ..., norm, ...))`` computes the norm inside
-        our GEMV (one row, rows short enough to load whole, our kernels on)."""
+        our GEMV (one row, rows short enough to load whole, our kernels on, no LoRA)."""
+        if self.lora is not None:
+            return False
         if not (self._use_row_gemv(x) and getattr(norm, "fused", False) and x.is_contiguous()):
             return False  # (and Triton, an optional dependency, stays unimported on the CPU)
         from flashpage.kernels.gemv import WHOLE_ROW_LIMIT
@@ -120,6 +129,13 @@ class _ParallelLinear(nn.Module):
         return x.shape[1] <= WHOLE_ROW_LIMIT and norm.weight.dtype == x.dtype
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        if self.lora is not None:
+            if isinstance(x, PendingNorm):
+                x = x.compute()
+            return self.lora.apply(x, self._forward(x))
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if isinstance(x, PendingNorm):
             if not self.fuses_norm(x.x, x.norm):
                 return self.forward(x.compute())
@@ -144,6 +160,8 @@ class _ParallelLinear(nn.Module):
     def silu_mul_forward(self, h: torch.Tensor) -> torch.Tensor | None:
         """linear(silu(gate) * up) from the gate/up output h [M, 2K] in one kernel, when
         tuned for M rows; None otherwise (the caller runs SiLU·mul, then ``forward``)."""
+        if self.lora is not None:
+            return None
         if self._use_row_gemv(h):
             from flashpage.kernels.gemv import gemv_row
 

@@ -121,6 +121,22 @@ class LlamaForCausalLM(nn.Module):
         out["mlp.up_proj.weight"] = ("mlp.gate_up_proj.weight", inter, inter)
         return out
 
+    def lora_targets(self) -> dict[str, tuple[str, int, int]]:
+        """The linears a LoRA adapter may adapt (flashpage/lora/): HF module path ->
+        (our linear's module path, its output row offset, rows). q/k/v_proj are slices of
+        qkv_proj, gate/up_proj of gate_up_proj."""
+        hidden = self.config.hidden_size
+        out: dict[str, tuple[str, int, int]] = {}
+        for i in range(self.config.num_hidden_layers):
+            p = f"model.layers.{i}"
+            for hf, (ours, off, rows) in self._shards().items():
+                if hf.endswith(".weight"):
+                    out[f"{p}.{hf.removesuffix('.weight')}"] = (
+                        f"{p}.{ours.removesuffix('.weight')}", off, rows)
+            out[f"{p}.self_attn.o_proj"] = (f"{p}.self_attn.o_proj", 0, hidden)
+            out[f"{p}.mlp.down_proj"] = (f"{p}.mlp.down_proj", 0, hidden)
+        return out
+
     def _split_name(self, name: str) -> tuple[str, int, int] | None:
         """model.layers.N.<HF piece> -> (merged parameter name, row offset, rows), or None."""
         parts = name.split(".")

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: FastAPI app over one AsyncEngine.
 
-``build_app(async_engine, served_model_name, api_key=None)`` makes the app;
+``build_app(async_engine, served_model_name, api_key=None, lora_modules=...)`` makes the app;
 ``run_server(args)`` (``flashpage serve``) builds the engine and runs uvicorn.
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming as
 server-sent events), GET /v1/models, GET /health, GET /metrics, GET /version, POST /tokenize
@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flashpage.lora.request import LoRARequest
 from flashpage.server import serving
 from flashpage.server.async_engine import AsyncEngine, EngineDeadError
 from flashpage.server.protocol import (
@@ -49,18 +50,26 @@ M = TypeVar("M", bound=BaseModel)
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
               max_n: int = 16, max_body_bytes: int = 4 << 20, max_prompts: int = 64,
-              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
+              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+              lora_modules: list[LoRARequest] | None = None) -> FastAPI:
     """The FastAPI app. The engine thread starts with the app (lifespan) and stops with it.
 
     max_n bounds ``n``; max_body_bytes the request body (413 beyond); max_prompts the
     number of prompts in one /v1/completions request; tool_call_parser how the model's tool
     calls are read (server/tools.py), needed with enable_auto_tool_choice for tool_choice
-    "auto".
+    "auto". lora_modules: LoRA adapters a request selects by naming one as its "model"
+    (vLLM's --lora-modules), each read and checked now (a bad one stops the start).
     """
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    loras = {lr.lora_name: lr for lr in lora_modules or []}
+    if len(loras) != len(lora_modules or []) or served_model_name in loras:
+        raise ValueError("--lora-modules: each adapter needs a name of its own, not the served "
+                         f"model's ({served_model_name!r})")
+    for lr in loras.values():
+        async_engine.engine.add_lora(lr)  # before the engine thread starts
     state = ServerState(async_engine, served_model_name, api_key, max_n, max_body_bytes,
-                        max_prompts, tool_call_parser, enable_auto_tool_choice)
+                        max_prompts, tool_call_parser, enable_auto_tool_choice, loras)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -117,10 +126,12 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         _check_key(state, request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "flashpage", "max_model_len": async_engine.max_model_len,
-            "vocab_size": async_engine.vocab_size}]})
+        base = {"object": "model", "created": state.created, "owned_by": "flashpage",
+                "max_model_len": async_engine.max_model_len, "vocab_size": async_engine.vocab_size}
+        data = [{"id": state.model_name, **base, "parent": None}]
+        data += [{"id": name, **base, "root": lr.lora_path, "parent": state.model_name}
+                 for name, lr in state.lora_modules.items()]  # LoRA adapters, as vLLM lists them
+        return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -231,9 +242,10 @@ async def _parse(state: ServerState, request: Request, model: type[M]) -> M:
     except RecursionError:
         raise bad_request("request body nested too deeply") from None
     name = getattr(req, "model", None)
-    if name is not None and name != state.model_name:
-        raise APIError(404, f"The model `{name}` does not exist (this server serves "
-                       f"`{state.model_name}`).", "not_found_error", "model", "model_not_found")
+    if name is not None and name != state.model_name and name not in state.lora_modules:
+        served = ", ".join(f"`{n}`" for n in state.served_names())
+        raise APIError(404, f"The model `{name}` does not exist (this server serves {served}).",
+                       "not_found_error", "model", "model_not_found")
     return req
 
 
@@ -252,6 +264,11 @@ def run_server(args: argparse.Namespace) -> int:
     random_cfg = getattr(args, "random_weights_config", None)
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")  # before loading
+    from flashpage.cli import parse_lora_modules
+
+    loras = parse_lora_modules(getattr(args, "lora_modules", None) or [])
+    if loras and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     llm = build_llm(args)
     name = args.served_model_name or _default_name(args.model, random_cfg)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -259,7 +276,8 @@ def run_server(args: argparse.Namespace) -> int:
                        args.host)
     app = build_app(AsyncEngine(llm.engine), name, args.api_key,
                     tool_call_parser=getattr(args, "tool_call_parser", None),
-                    enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)))
+                    enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
+                    lora_modules=loras)
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=5)
@@ -281,7 +299,7 @@ def _default_name(model: str | None, random_cfg: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python -m flashpage.server.api_server``: the same as ``flashpage serve``."""
     from flashpage import envs
-    from flashpage.cli import add_engine_arguments, add_tool_arguments
+    from flashpage.cli import add_engine_arguments, add_lora_module_arguments, add_tool_arguments
 
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(prog="python -m flashpage.server.api_server")
@@ -291,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
     add_tool_arguments(p)
+    add_lora_module_arguments(p)
     add_engine_arguments(p)
     return run_server(p.parse_args(argv))
 

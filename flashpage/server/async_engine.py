@@ -36,6 +36,7 @@ from flashpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from flashpage.engine.llm_engine import LLMEngine
+    from flashpage.lora.request import LoRARequest
     from flashpage.pooling import PoolingParams
     from flashpage.server.metrics import ServerMetrics
 
@@ -167,13 +168,15 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ asyncio side
     async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams | PoolingParams, arrival_time: float | None = None) -> RequestStream:
-        """Queue a request; raises ValueError (the engine's message) if it cannot run."""
+                          params: SamplingParams | PoolingParams, arrival_time: float | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue a request (``lora_request``: the adapter it runs with); raises ValueError
+        (the engine's message) if it cannot run."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         stream = RequestStream(self, request_id)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(("add", request_id, prompt, params, arrival_time, stream, fut))
+        self._submit(("add", request_id, prompt, params, arrival_time, lora_request, stream, fut))
         try:
             await asyncio.wrap_future(fut)
         except ValueError:
@@ -196,9 +199,9 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams | PoolingParams, arrival_time: float | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """add_request, then yield the request's outputs; leaving early aborts it."""
-        stream = await self.add_request(request_id, prompt, params, arrival_time)
+        stream = await self.add_request(request_id, prompt, params, arrival_time, lora_request)
         try:
             async for out in stream:
                 yield out
@@ -283,12 +286,12 @@ class AsyncEngine:
                 self._stop = True
 
     def _do_add(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
-                arrival_time: float | None, stream: RequestStream,
+                arrival_time: float | None, lora_request: LoRARequest | None, stream: RequestStream,
                 fut: concurrent.futures.Future[None]) -> None:
         if not fut.set_running_or_notify_cancel():
             return  # the caller gave up before we got here
         try:
-            self.engine.add_request(request_id, prompt, params, arrival_time)
+            self.engine.add_request(request_id, prompt, params, arrival_time, lora_request)
         except ValueError as e:
             fut.set_exception(e)
             return

@@ -51,7 +51,8 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if want_lp else None,
                              tools.structured)
     streams = await start(state, "chatcmpl", [ids], params, arrival,
-                          "tools" if tools.structured is not None else structured_field(req))
+                          "tools" if tools.structured is not None else structured_field(req),
+                          model=req.model)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tok = state.tokenizer
 
@@ -81,7 +82,7 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
 
         return stream_response(state, streams, params.n, rid, "chat.completion.chunk", len(ids),
                                bool(req.stream_options and req.stream_options.include_usage),
-                               choice)
+                               choice, model=req.model)
 
     async def answer() -> Response:
         out = (await collect(streams))[0]
@@ -96,7 +97,7 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
                 c["prompt_logprobs"] = prompt_logprobs(tok, ids, out.prompt_logprobs)
         completion_tokens = sum(len(o.token_ids) for o in out.outputs)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
-                             "model": state.model_name, "choices": choices,
+                             "model": state.response_model(req.model), "choices": choices,
                              "usage": usage(len(ids), completion_tokens)})
 
     return await unless_disconnected(request, answer())

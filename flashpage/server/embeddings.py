@@ -44,7 +44,8 @@ async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest
                           "dimensions")
     prompts = await encode_inputs(state, items, "input", req.truncate_prompt_tokens)
     params = PoolingParams(dimensions=req.dimensions)
-    streams = await start(state, "embd", prompts, params, arrival, prompt_param="input")
+    streams = await start(state, "embd", prompts, params, arrival, prompt_param="input",
+                          model=req.model)
 
     async def answer() -> Response:
         outs = await collect(streams)
@@ -56,6 +57,6 @@ async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest
             data.append({"object": "embedding", "index": i, "embedding": value})
         n = sum(len(p) for p in prompts)
         return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "data": data,
-                             "model": state.model_name, "usage": {"prompt_tokens": n, "total_tokens": n}})
+                             "model": state.response_model(req.model), "usage": {"prompt_tokens": n, "total_tokens": n}})
 
     return await unless_disconnected(request, answer())

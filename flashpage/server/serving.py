@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flashpage.engine.sampler import Logprobs
+from flashpage.lora.request import LoRARequest
 from flashpage.outputs import RequestOutput
 from flashpage.pooling import PoolingParams
 from flashpage.sampling_params import (
@@ -67,7 +68,8 @@ class ServerState:
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None,
                  max_n: int, max_body_bytes: int, max_prompts: int, tool_parser: str | None = None,
-                 auto_tool_choice: bool = False) -> None:
+                 auto_tool_choice: bool = False,
+                 lora_modules: dict[str, LoRARequest] | None = None) -> None:
         if tool_parser is not None:
             get_parser(tool_parser)  # an unknown name fails at start-up
         self.tool_parser = tool_parser
@@ -82,6 +84,15 @@ class ServerState:
         engine.metrics = self.metrics
         self.tokenizer = ServerTokenizer(engine.tokenizer)
         self.created = int(time.time())
+        # --lora-modules: a request's "model" naming one runs with that adapter
+        self.lora_modules = dict(lora_modules or {})
+
+    def served_names(self) -> list[str]:
+        return [self.model_name, *self.lora_modules]
+
+    def response_model(self, model: str | None) -> str:
+        """The "model" of an answer: the adapter asked for, else the served model."""
+        return model if model is not None and model in self.lora_modules else self.model_name
 
 
 # ---------------------------------------------------------------------------- /v1/completions
@@ -123,7 +134,8 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
         echoes = [item if isinstance(item, str) else
                   (await tok.decode(ids) if tok.has_tokenizer else "")
                   for item, ids in zip(items, prompts, strict=True)]
-    streams = await start(state, "cmpl", prompts, params, arrival, structured_field(req))
+    streams = await start(state, "cmpl", prompts, params, arrival, structured_field(req),
+                          model=req.model)
     rid = f"cmpl-{uuid.uuid4().hex}"
     n_prompt = sum(len(p) for p in prompts)
 
@@ -150,7 +162,7 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
 
         return stream_response(state, streams, params.n, rid, "text_completion", n_prompt,
                                bool(req.stream_options and req.stream_options.include_usage),
-                               choice)
+                               choice, model=req.model)
 
     async def answer() -> Response:
         finals = await collect(streams)
@@ -166,7 +178,7 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
                 choices.append(entry)
         choices.sort(key=lambda c: int(c["index"]))  # type: ignore[call-overload]
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                             "model": state.model_name, "choices": choices,
+                             "model": state.response_model(req.model), "choices": choices,
                              "usage": usage(n_prompt, completion_tokens)})
 
     return await unless_disconnected(request, answer())
@@ -271,16 +283,19 @@ def check_length(state: ServerState, n_prompt: int, max_tokens: int | None) -> i
 
 async def start(state: ServerState, prefix: str, prompts: list[list[int]],
                 params: SamplingParams | PoolingParams, arrival: float,
-                structured_param: str | None = None, prompt_param: str = "prompt") -> list[RequestStream]:
-    """Add one engine request per prompt; if one is refused, abort the others (400, naming
-    ``prompt_param``, or ``structured_param`` when the engine could not compile the structured-outputs spec)."""
+                structured_param: str | None = None, prompt_param: str = "prompt", *,
+                model: str | None = None) -> list[RequestStream]:
+    """Add one engine request per prompt (under the LoRA adapter ``model`` names, if it
+    names one); if one is refused, abort the others (400, naming ``prompt_param``, or
+    ``structured_param`` when the engine could not compile the structured-outputs spec)."""
     streams: list[RequestStream] = []
+    lora = state.lora_modules.get(model) if model is not None else None
     base = f"{prefix}-{uuid.uuid4().hex}"
     try:
         if isinstance(params, SamplingParams):  # a structured-outputs spec: compiled off the engine thread
             await state.engine.compile_guide(params)
         for i, ids in enumerate(prompts):
-            streams.append(await state.engine.add_request(f"{base}-{i}", ids, params, arrival))
+            streams.append(await state.engine.add_request(f"{base}-{i}", ids, params, arrival, lora))
     except BaseException as e:
         for s in streams:
             s.abort()
@@ -347,7 +362,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def stream_response(state: ServerState, streams: list[RequestStream], n: int, rid: str,
                     obj: str, prompt_tokens: int, include_usage: bool,
-                    render: ChoiceRenderer) -> StreamingResponse:
+                    render: ChoiceRenderer, model: str | None = None) -> StreamingResponse:
     """Server-sent events: a chunk per choice per step that gave it tokens, its finish
     reason on its last chunk, the usage chunk if asked, then ``data: [DONE]``."""
     states = [ChoiceState() for _ in range(len(streams) * n)]
@@ -355,7 +370,7 @@ def stream_response(state: ServerState, streams: list[RequestStream], n: int, ri
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         c: dict[str, Any] = {"id": rid, "object": obj, "created": created,
-                             "model": state.model_name, "choices": choices}
+                             "model": state.response_model(model), "choices": choices}
         if include_usage:
             c["usage"] = None
         return c

@@ -421,3 +421,31 @@ def test_watermark_keeps_blocks_free_for_running_requests():
     assert [r.request_id for r, _ in alone.schedule().scheduled] == ["big"]
     with pytest.raises(ValueError, match="watermark"):
         Scheduler(8, 1000, 200, kv, watermark=1.5)
+
+
+def test_max_loras_caps_the_adapters_running_together():
+    """Two adapter slots: a waiting request whose adapter would be a third is passed over
+    (it keeps its place) and those behind it with a running adapter, or none, go; it is
+    admitted once a running adapter's requests are all done."""
+    from flashpage.lora.request import LoRARequest
+
+    kv = KVCacheManager(64, 4)
+    s, runner = Scheduler(8, 64, 256, kv, max_loras=2), FakeRunner(kv)
+
+    def LR(rid: str, lid: int, max_tokens: int) -> Request:
+        r = R(rid, 6, max_tokens=max_tokens)
+        r.lora_request = LoRARequest(f"l{lid}", lid, "/unused") if lid else None
+        r.lora_int_id = lid
+        return r
+
+    for rid, lid, mt in (("a", 1, 2), ("b", 2, 6), ("c", 3, 2), ("d", 1, 2), ("e", 0, 2),
+                         ("f", 3, 2)):
+        s.add_request(LR(rid, lid, mt))
+    out, _ = step(s, runner)
+    assert sched_view(out) == [("a", 6), ("b", 6), ("d", 6), ("e", 6)]
+    assert [r.request_id for r in s.waiting] == ["c", "f"]
+    step(s, runner)  # a, d and e finish: adapter 1 leaves
+    out, _ = step(s, runner)
+    assert sched_view(out) == [("b", 1), ("c", 6), ("f", 6)]
+    run_all(s, runner)
+    assert kv.num_free_blocks == 64

@@ -92,3 +92,42 @@ def test_forced_collision_parent_mismatch_is_a_miss(monkeypatch):
     # ... and one with a's prefix hits nothing (level 0 slot holds 5678).
     e = req("e", [1, 2, 3, 4, 9, 9, 9, 9, 7])
     assert kv.get_computed_blocks(e) == ([], 0)
+
+
+def _lora_req(rid: str, tokens: list[int], lora_id: int) -> Request:
+    from flashpage.lora.request import LoRARequest
+
+    lora = LoRARequest(f"l{lora_id}", lora_id, "/unused") if lora_id else None
+    return Request(rid, tokens, SamplingParams(max_tokens=4), lora_request=lora)
+
+
+def test_adapters_root_their_own_chains():
+    """K/V computed under a LoRA adapter is another model's: equal tokens under another
+    adapter (or none) miss, under the same adapter hit, exact block ids."""
+    kv = KVCacheManager(16, 4)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 0]
+    kv.allocate_slots(_lora_req("a", tokens, 1), 9)
+    assert kv.get_block_ids("a") == [0, 1, 2]
+    for rid, lid in (("base", 0), ("other", 2)):
+        r = _lora_req(rid, tokens, lid)
+        assert kv.get_computed_blocks(r) == ([], 0)
+        kv.allocate_slots(r, 9)
+    assert kv.get_block_ids("base") == [3, 4, 5] and kv.get_block_ids("other") == [6, 7, 8]
+    for rid, lid, want in (("a2", 1, [0, 1]), ("base2", 0, [3, 4]), ("other2", 2, [6, 7])):
+        blocks, n = kv.get_computed_blocks(_lora_req(rid, tokens, lid))
+        assert [b.block_id for b in blocks] == want and n == 8
+    root, cid = prefix_cache.cache_root(1)
+    assert prefix_cache.cache_root(0) == (None, None) and cid == -1
+    assert update_block_hashes([], tokens, 4, 1, root) != update_block_hashes([], tokens, 4, 1)
+
+
+def test_adapter_roots_hold_under_a_forced_collision(monkeypatch):
+    """Every block hashes the same: the root's parent content id (-adapter id) alone keeps
+    an adapter's first block from another adapter's request."""
+    monkeypatch.setattr(prefix_cache, "hash_block_tokens", lambda parent, toks: b"\0" * 16)
+    kv = KVCacheManager(8, 4)
+    kv.allocate_slots(_lora_req("a", [1, 2, 3, 4, 0], 1), 5)
+    assert kv.get_computed_blocks(_lora_req("b", [1, 2, 3, 4, 0], 2)) == ([], 0)
+    assert kv.get_computed_blocks(_lora_req("c", [1, 2, 3, 4, 0], 0)) == ([], 0)
+    blocks, n = kv.get_computed_blocks(_lora_req("d", [1, 2, 3, 4, 0], 1))
+    assert [b.block_id for b in blocks] == [0] and n == 4
