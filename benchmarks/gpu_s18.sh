@@ -149,5 +149,14 @@ h)
     echo "== chain x_rows=$xr silu=$silu"; grep "^chain row" "$d.txt"
   done; done
   echo "part h done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-h)"; exit 2 ;;
+i)
+  # LoRA adapters (session 18's helper): the mixed-adapter GPU test (every graph kind), the
+  # engine's other GPU tests around it, then what enable_lora costs on the 8B shape
+  timeout "$(left 150)" $PT -m gpu tests/engine/test_lora.py tests/engine/test_spec_decode.py \
+    -rf 2>&1 | tee "$OUT/gpu_tests.txt" | tail -n 3
+  timeout "$(left 10)" python3 benchmarks/lora.py --config llama-3-8b --batch-sizes 1 16 \
+    --max-loras 4 --rank 16 --output-len 64 --iters 2 --json-out "$OUT/lora.json" 2>&1 \
+    | tee "$OUT/lora.txt" | tail -n 12
+  echo "part i done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-i)"; exit 2 ;;
 esac
