@@ -152,8 +152,8 @@ def mla_gluon() -> str:
     ahead at every shape of issue 4's sweep; V2-Lite's decode steps 0.6-1.1% shorter), the
     Triton kernel for more heads (compute-bound there: Triton's is faster at 128); "0": the
     Triton kernel always; "1" (or "gluon"): the persistent mma.sync kernel
-    (kernels/mla_decode_gluon.py); "wgmma": the wgmma one at any head count. Read at each call
-    (a decode graph keeps the kernel it captured); another value is a ValueError naming it."""
+    (kernels/mla_decode_gluon.py); "wgmma": the wgmma one at any head count. Read when a step
+    plans its MLA decode (its first layer; a decode graph keeps the kernel it captured); another value is a ValueError naming it."""
     value = os.environ.get("FLASHPAGE_MLA_GLUON", "").strip()
     if value == "":
         return "auto"

@@ -116,34 +116,43 @@ class TritonBackend(AttentionBackend):
                             md: AttentionMetadata, *, scale: float) -> torch.Tensor:
         """The non-decode requests: q [Nq, H, nope + rope] their new tokens; k [Nk, H,
         nope + rope], v [Nk, H, v_dim] their whole expanded contexts (lengths
-        ``seq_lens[num_decodes:]``) -> [Nq, H, v_dim], bottom-right causal."""
-        from flashpage.kernels.flash_prefill import flash_attn_varlen
+        ``seq_lens[num_decodes:]``) -> [Nq, H, v_dim], bottom-right causal. Planned once a
+        step by the first layer (kernels/plan.py); later layers only launch."""
+        from flashpage.kernels.flash_prefill import VarlenPlan
+        from flashpage.kernels.plan import planned
 
-        return flash_attn_varlen(q.contiguous(), k.contiguous(), v.contiguous(),
-                                 md.extra["prefill_qsl"], md.extra["prefill_cu_k"],
-                                 md.extra["prefill_max_q"], md.extra["prefill_max_k"],
-                                 causal=True, sm_scale=scale)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = q.new_empty(*q.shape[:2], v.shape[-1])
+        cu_q, cu_k = md.extra["prefill_qsl"], md.extra["prefill_cu_k"]
+        max_q, max_k = md.extra["prefill_max_q"], md.extra["prefill_max_k"]
+        planned(md.extra, ("mla_prefill", scale), lambda: VarlenPlan(
+            q, k, v, cu_q, cu_k, max_q, max_k, causal=True, sm_scale=scale, out=out), q, k, v, out)
+        return out
 
     def forward_mla_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                            *, kv_lora_rank: int, scale: float) -> torch.Tensor:
-        """q [nd, H, R + rope] absorbed queries of the leading decodes -> [nd, H, R]."""
-        from flashpage.kernels.mla_decode import mla_decode
+        """q [nd, H, R + rope] absorbed queries of the leading decodes -> [nd, H, R]. The
+        kernel (envs.mla_gluon), its splits, scratch and launch are planned once a step, by
+        the first layer (kernels/plan.py); later layers only launch."""
+        from flashpage.kernels.mla_decode import MLADecodePlan
+        from flashpage.kernels.plan import planned
 
-        nd = q.shape[0]
+        nd, h = q.shape[0], q.shape[1]
         q = q.contiguous()
+        out = q.new_empty(nd, h, kv_lora_rank)
         tables, lens = md.block_tables[:nd], md.seq_lens[:nd]
-        kernel = envs.mla_gluon()
-        if kernel == "auto":  # the wgmma kernel for one 16-head group, else Triton's (envs.mla_gluon)
-            kernel = "wgmma" if q.shape[1] == 16 else ""
-        if kernel:
-            from flashpage.kernels import mla_decode_gluon as mg
 
-            if not mg.mla_gluon_unsupported(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank):
-                if kernel == "wgmma":
-                    from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
+        def make() -> MLADecodePlan:
+            kernel = envs.mla_gluon()
+            if kernel == "auto":  # the wgmma kernel for one 16-head group, else Triton's
+                kernel = "wgmma" if h == 16 else ""
+            if kernel:
+                from flashpage.kernels import mla_decode_gluon as mg
 
-                    return mla_decode_wgmma(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank,
-                                            sm_scale=scale)
-                return mg.mla_decode_gluon(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank,
-                                           sm_scale=scale)
-        return mla_decode(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank, sm_scale=scale)
+                if mg.mla_gluon_unsupported(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank):
+                    kernel = ""
+            return MLADecodePlan(q, kv_cache, tables, lens, kv_lora_rank=kv_lora_rank, sm_scale=scale,
+                                 out=out, kernel=kernel, descriptors=self.descriptors)
+
+        planned(md.extra, ("mla_decode", kv_lora_rank, scale), make, q, kv_cache, kv_cache, out)
+        return out

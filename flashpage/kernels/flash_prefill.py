@@ -53,6 +53,7 @@ import triton.language as tl
 
 from flashpage import envs
 from flashpage.kernels.device import sm90_reasons
+from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.kv_dtype import check_kv_cache_dtype
 from flashpage.kernels.plan import Launch, LaunchPlan
 
@@ -431,11 +432,12 @@ def _desc(t: torch.Tensor, rows: int, heads: int, d: int, box_rows: int):
     return TensorDescriptor(t, [max(rows, 1), heads * d], [t.stride(0), 1], [box_rows, d])
 
 
-def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, batch,
-            max_seqlen_q, causal, sm_scale, window, cfg: PrefillConfig | None):
+def _form(q, k, v, paged, page_size, batch, max_seqlen_q, causal, sm_scale, window,
+          cfg: PrefillConfig | None):
+    """The choices of a call (tile config, TMA or pointers, grid, constexprs) from its tensors'
+    geometry -> (grid, constexprs, options, use_tma, cfg, scale)."""
     total_q, hq, d = q.shape
-    hkv, dv = k.shape[-2], v.shape[-1]
-    paged = block_tables is not None
+    dv = v.shape[-1]
     # Tile widths: powers of two >= 16 (tl.dot's smallest), padding masked in the kernel.
     block_d = max(16, triton.next_power_of_2(d))
     block_dv = max(16, triton.next_power_of_2(dv))
@@ -450,34 +452,95 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, ba
         mode = _KV_PAGED_TMA if use_tma else _KV_PAGED
     else:
         mode = _KV_CONTIG_TMA if use_tma else _KV_CONTIG
+    scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * _LOG2E
+    num_m = triton.cdiv(max(int(max_seqlen_q), 1), cfg.block_m)
+    grid = (num_m, hq, batch) if cfg.m_fastest else (hq, batch, num_m)
+    if max(grid[1:]) > 65535:
+        raise ValueError(f"grid {grid} too large: batch and heads must be <= 65535")
+    consts = dict(HEAD_DIM=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  QK_DIM=d, HEAD_DIM_V=block_dv, V_DIM=dv, CAUSAL=bool(causal),
+                  HAS_WINDOW=window > 0, KV_MODE=mode, PAGE_SIZE=page_size if paged else 1,
+                  RETURN_LSE=False, IEEE=q.dtype == torch.float32,
+                  WARP_SPEC=cfg.warp_specialize, M_FASTEST=cfg.m_fastest)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return grid, consts, options, use_tma, cfg, scale
+
+
+def _args(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, use_tma, cfg, scale, window):
+    """_prefill_fwd's positional arguments for these tensors."""
+    hkv, d = k.shape[-2], q.shape[-1]
     desc_q = desc_k = desc_v = None
     if use_tma:
-        desc_q = _desc(q, total_q, hq, d, cfg.block_m)
+        desc_q = _desc(q, q.shape[0], q.shape[1], d, cfg.block_m)
         desc_k = _desc(k, k.shape[0], hkv, d, cfg.block_n)
         desc_v = _desc(v, v.shape[0], hkv, d, cfg.block_n)
     if lse is None:
         lse_arg, stride_lse = out, 0  # never written (RETURN_LSE is off)
     else:
         lse_arg, stride_lse = lse, lse.stride(0)
-    scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * _LOG2E
-    num_m = triton.cdiv(max(int(max_seqlen_q), 1), cfg.block_m)
-    grid = (num_m, hq, batch) if cfg.m_fastest else (hq, batch, num_m)
-    if max(grid[1:]) > 65535:
-        raise ValueError(f"grid {grid} too large: batch and heads must be <= 65535")
-    _prefill_fwd[grid](
-        q, k, v, out, lse_arg, desc_q, desc_k, desc_v,
-        cu_q, cu_k if cu_k is not None else cu_q,
-        seq_lens if seq_lens is not None else cu_q,
-        block_tables if paged else cu_q,
-        scale, window, hq // hkv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), stride_lse, block_tables.stride(0) if paged else 0,
-        HEAD_DIM=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        QK_DIM=d, HEAD_DIM_V=block_dv, V_DIM=dv, CAUSAL=bool(causal),
-        HAS_WINDOW=window > 0, KV_MODE=mode, PAGE_SIZE=page_size if paged else 1,
-        RETURN_LSE=lse is not None, IEEE=q.dtype == torch.float32,
-        WARP_SPEC=cfg.warp_specialize, M_FASTEST=cfg.m_fastest, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    paged = block_tables is not None
+    return (q, k, v, out, lse_arg, desc_q, desc_k, desc_v,
+            cu_q, cu_k if cu_k is not None else cu_q,
+            seq_lens if seq_lens is not None else cu_q,
+            block_tables if paged else cu_q,
+            scale, window, q.shape[1] // hkv,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), stride_lse, block_tables.stride(0) if paged else 0)
+
+
+def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, batch,
+            max_seqlen_q, causal, sm_scale, window, cfg: PrefillConfig | None):
+    grid, consts, options, use_tma, cfg, scale = _form(
+        q, k, v, block_tables is not None, page_size, batch, max_seqlen_q, causal, sm_scale, window, cfg)
+    consts["RETURN_LSE"] = lse is not None
+    _prefill_fwd[grid](*_args(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, use_tma, cfg, scale,
+                              window), **consts, **options)
+
+
+class VarlenPlan(LaunchPlan):
+    """flash_attn_varlen planned for the layers of a step (kernels/plan.py), as MLA's prompt
+    path calls it over each layer's own expanded keys and values: the checks, tile config and
+    grid chosen once for one set of query and key offsets; ``run(q, k, v, out)`` as
+    flash_attn_varlen over them (causal as planned, no lse), the launches after the first
+    bound past Triton's dispatch (kernels/fast_launch.py) unless TMA descriptors are made per
+    call."""
+
+    name = "VarlenPlan"
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                 causal: bool = True, sm_scale: float | None = None, window_size: int | None = None,
+                 out: torch.Tensor | None = None) -> None:
+        _check_qkv(q, k, v, "k, v")
+        if k.dim() != 3:
+            raise ValueError(f"k, v must be [total_k, num_kv_heads, head_dim], got {tuple(k.shape)}")
+        batch = _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
+        if _check_cu("cu_seqlens_k", cu_seqlens_k, q.device) != batch:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k differ in length: {batch + 1} vs "
+                             f"{cu_seqlens_k.numel()}")
+        window = _check_window(window_size)
+        if out is not None:
+            _check_out(out, q, v.shape[-1])
+        grid, consts, options, use_tma, cfg, scale = _form(
+            q, k, v, False, 0, batch, max_seqlen_q, causal, sm_scale, window, None)
+        bound: list = []
+
+        def launch(q, k, v, out):
+            if q.shape[0] == 0 or batch == 0:
+                return
+            args = _args(q, k, v, out, None, cu_seqlens_q, cu_seqlens_k, None, None, use_tma, cfg,
+                         scale, window)
+            if bound:
+                bound[0](args)
+            elif use_tma:
+                _prefill_fwd[grid](*args, **consts, **options)
+            else:
+                bound.append(_PREFILL_LAUNCH.bind(grid, args, consts, options, varying=(0, 1, 2, 3, 4)))
+
+        super().__init__(launch, q, k, v, out)
+
+
+_PREFILL_LAUNCH = FastLauncher(_prefill_fwd)
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

@@ -48,8 +48,10 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.kv_dtype import check_latent_cache_dtype, f16_dots, f16_query, is_fp8
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
+from flashpage.kernels.plan import Launch, LaunchPlan
 from flashpage.kernels.splits import split_range
 
 _LOG2E = 1.4426950408889634
@@ -503,6 +505,21 @@ def mla_decode(
                    decides from the device and FLASHPAGE_PDL
     returns out  : [B, H, kv_lora_rank] in q's dtype
     """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H, D], got {tuple(q.shape)}")
+    if out is None:
+        out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
+    launch = _plan(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank, sm_scale=sm_scale,
+                   out=out, num_splits=num_splits, config=config, pdl=pdl)
+    launch(q, kv_cache, kv_cache, out)
+    return out
+
+
+def _plan(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out, num_splits=None,
+          config: MLADecodeConfig | None = None, pdl: bool | None = None) -> Launch:
+    """mla_decode's checks and choices (config, splits, scratch, grid) once -> launch(q,
+    kv_cache, kv_cache, out) for tensors of this geometry over these tables and lengths (the
+    second cache argument, a LaunchPlan's value cache, is the same latent cache and unused)."""
     if q.dim() != 3 or kv_cache.dim() != 3:
         raise ValueError(f"q must be [B, H, D] and kv_cache [num_blocks, block_size, D], got "
                          f"{tuple(q.shape)} and {tuple(kv_cache.shape)}")
@@ -522,12 +539,10 @@ def mla_decode(
                          f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("q, kv_cache and block_tables need a contiguous last dim")
-    if out is None:
-        out = torch.empty(B, H, kv_lora_rank, dtype=q.dtype, device=q.device)
-    elif out.shape != (B, H, kv_lora_rank) or out.stride(-1) != 1:
+    if out is None or out.shape != (B, H, kv_lora_rank) or out.stride(-1) != 1:
         raise ValueError(f"out must be [{B}, {H}, {kv_lora_rank}] with a contiguous last dim")
     if B == 0:
-        return out
+        return lambda *_: None
 
     cfg = config or default_config(H, q.device, fp8=is_fp8(kv_cache.dtype))
     block_r = triton.next_power_of_2(kv_lora_rank)
@@ -540,31 +555,72 @@ def mla_decode(
     num_splits = max(1, int(num_splits))
     split = num_splits > 1
     fused = split and num_splits <= cfg.fuse_merge_max_splits
-    if split:
+    if split:  # scratch shared by every launch of the plan (one stream: each reads it first)
         mid_o = torch.empty(B, H, num_splits, block_r, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        mid_o = mid_lse = out  # unused
     counters = _merge_counters(q.device, B * head_blocks) if fused else seq_lens  # else unused
     use_pdl = resolve_pdl(pdl, q.device, in_auto=False)  # timed 0.97-0.99x with PDL (H200)
-    launch_kw = pdl_launch_kwargs(use_pdl)
-    _mla_decode_kernel[(head_blocks, B, num_splits)](
-        q, kv_cache, block_tables, seq_lens, out, mid_o, mid_lse, counters,
-        sm_scale * _LOG2E,
-        H, num_splits,
-        q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        RANK=kv_lora_rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE=page, SPLIT=split, FUSED=fused,
-        IEEE=q.dtype == torch.float32, PDL=use_pdl, F16_DOTS=f16_dots(q.dtype, kv_cache.dtype),
-        PREFETCH=cfg.prefetch, QK_CHUNKS=qk_chunks,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
-    )
-    if split and not fused:
-        _merge(mid_o, mid_lse, out, kv_lora_rank, use_pdl)
-    return out
+    grid = (head_blocks, B, num_splits)
+    consts = dict(RANK=kv_lora_rank, ROPE=rope, BLOCK_R=block_r, BLOCK_P=block_p,
+                  BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PAGE=page, SPLIT=split, FUSED=fused,
+                  IEEE=q.dtype == torch.float32, PDL=use_pdl,
+                  F16_DOTS=f16_dots(q.dtype, kv_cache.dtype), PREFETCH=cfg.prefetch,
+                  QK_CHUNKS=qk_chunks)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(use_pdl))
+    scale2 = sm_scale * _LOG2E
+    merge = split and not fused
+    bound: list = []  # the kernel (and merge) launches bound by the first call (fast_launch.bind)
+
+    def launch(q, kc, _vc, out):
+        args = (q, kc, block_tables, seq_lens, out, mid_o if split else out,
+                mid_lse if split else out, counters, scale2, H, num_splits,
+                q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0),
+                out.stride(0), out.stride(1))
+        if bound:
+            bound[0](args)
+        else:
+            bound.append(_DECODE_LAUNCH.bind(grid, args, consts, options, varying=(0, 1, 4)))
+        if merge:
+            _merge(mid_o, mid_lse, out, kv_lora_rank, use_pdl)
+
+    return launch
+
+
+class MLADecodePlan(LaunchPlan):
+    """An MLA decode call planned for the layers of a step (kernels/plan.py): kernel
+    (``kernel``: "wgmma", "gluon" or "" for this file's Triton kernel), splits, scratch and
+    grid chosen once over one block table and set of lengths; ``run(q, kv_cache, kv_cache,
+    out)`` as the chosen kernel's function over them. ``descriptors``: a dict the caller
+    keeps across plans (one per engine), where the wgmma kernel's cache descriptors are made
+    once; ``num_splits`` and ``config``: the Triton kernel's knobs (tests, benchmarks)."""
+
+    name = "MLADecodePlan"
+
+    def __init__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, *, kv_lora_rank: int, sm_scale: float, out: torch.Tensor,
+                 kernel: str = "", descriptors: dict | None = None, num_splits: int | None = None,
+                 config: MLADecodeConfig | None = None) -> None:
+        launch: Launch
+        if kernel == "wgmma":
+            from flashpage.kernels.mla_decode_wgmma import plan as wgmma_plan
+
+            launch = wgmma_plan(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank,
+                                sm_scale=sm_scale, out=out, descriptors=descriptors)
+        elif kernel == "gluon":  # not planned inside: its function on every launch
+            from flashpage.kernels.mla_decode_gluon import mla_decode_gluon
+
+            def launch(q, kc, _vc, out):
+                mla_decode_gluon(q, kc, block_tables, seq_lens, kv_lora_rank=kv_lora_rank,
+                                 sm_scale=sm_scale, out=out)
+        elif kernel == "":
+            launch = _plan(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank,
+                           sm_scale=sm_scale, out=out, num_splits=num_splits, config=config)
+        else:
+            raise ValueError(f"kernel must be 'wgmma', 'gluon' or '', got {kernel!r}")
+        super().__init__(launch, q, kv_cache, kv_cache, out)
+
+
+_DECODE_LAUNCH = FastLauncher(_mla_decode_kernel)
 
 
 def _merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, kv_lora_rank: int,

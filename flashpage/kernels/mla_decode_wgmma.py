@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.mla_decode import _merge
 from flashpage.kernels.mla_decode_gluon import (
     HEADS,
@@ -67,6 +68,7 @@ from flashpage.kernels.mla_decode_gluon import (
     mla_gluon_unsupported,
 )
 from flashpage.kernels.mla_decode_gluon import pick_splits as gluon_pick_splits
+from flashpage.kernels.tma_maps import cached_tma_maps, descriptor
 
 _LOG2E = 1.4426950408889634
 TILE = 64  # keys a tile: wgmma's M
@@ -382,15 +384,32 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     block_tables int32 [B, max_blocks], seq_lens int32 [B]; returns out [B, H, 512]) on this
     kernel; ``programs`` (None: one an SM), ``slots`` (the slab ring, MIN_SLOTS..SLOTS) and the
     split knobs for tests and benchmarks."""
+    out = check_shapes(q, block_tables, seq_lens, out)
+    plan(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank, sm_scale=sm_scale, out=out,
+         num_splits=num_splits, programs=programs, slots=slots, min_split_keys=min_split_keys,
+         bind=False)(q, kv_cache, kv_cache, out)
+    return out
+
+
+def plan(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+         *, kv_lora_rank: int, sm_scale: float, out: torch.Tensor, num_splits: int | None = None,
+         programs: int | None = None, slots: int = SLOTS, min_split_keys: int = MIN_SPLIT_KEYS,
+         descriptors: dict | None = None, bind: bool = True):
+    """mla_decode_wgmma's checks and choices (splits, scratch, grid) once -> launch(q, kv_cache,
+    kv_cache, out) for tensors of this geometry over these tables and lengths
+    (mla_decode.MLADecodePlan holds callers to it; the second cache argument is unused). Each
+    cache's TMA descriptor is made once, kept in ``descriptors`` (a caller's dict kept across
+    plans; None: this plan's own); with ``bind`` the launches after the first skip Triton's
+    dispatch (kernels/fast_launch.py)."""
     if not MIN_SLOTS <= slots <= SLOTS:
         raise ValueError(f"slots must be in {MIN_SLOTS}..{SLOTS}, got {slots}")
     why = mla_wgmma_unsupported(q, kv_cache, block_tables, seq_lens, kv_lora_rank=kv_lora_rank)
     if why:
         raise ValueError("mla_decode_wgmma cannot take this call: " + "; ".join(why))
     B, H, _ = q.shape
-    out = check_shapes(q, block_tables, seq_lens, out)
+    check_shapes(q, block_tables, seq_lens, out)
     if B == 0:
-        return out
+        return lambda *_: None
     hg = H // HEADS
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     nprog = programs or _num_sms(dev)
@@ -400,14 +419,32 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     items = B * hg * num_splits
     split = num_splits > 1
     mid_o = mid_lse = out  # unused without splits
-    if split:
+    if split:  # scratch shared by every launch of the plan (one stream: each merge reads it first)
         mid_o = torch.empty(B, H, num_splits, RANK, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
-    _mla_decode_wgmma_kernel[(min(items, nprog),)](
-        q, _cache_descriptor(kv_cache), block_tables, seq_lens, out, mid_o, mid_lse, sm_scale * _LOG2E, items,
-        num_splits, hg, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        PAGE=kv_cache.shape[1], SLOTS=slots, SPLIT=split, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=NUM_WARPS, maxnreg=MAXNREG)
-    if split:
-        _merge(mid_o, mid_lse, out, RANK)
-    return out
+    grid = (min(items, nprog),)
+    consts = dict(PAGE=kv_cache.shape[1], SLOTS=slots, SPLIT=split, CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS)
+    options = dict(num_warps=NUM_WARPS, maxnreg=MAXNREG)
+    scale2 = sm_scale * _LOG2E
+    descs: dict = {} if descriptors is None else descriptors
+    bound: list = []
+
+    def launch(q, kc, _vc, out):
+        args = (q, descriptor(descs, "mla_wgmma", kc, _cache_descriptor), block_tables, seq_lens, out,
+                mid_o if split else out, mid_lse if split else out, scale2, items, num_splits, hg,
+                q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
+        with cached_tma_maps():
+            if bound:
+                bound[0](args)
+            elif bind:
+                bound.append(_LAUNCH.bind(grid, args, consts, options, varying=(0, 4)))
+            else:
+                _mla_decode_wgmma_kernel[grid](*args, **consts, **options)
+        if split:
+            _merge(mid_o, mid_lse, out, RANK)
+
+    return launch
+
+
+_LAUNCH = FastLauncher(_mla_decode_wgmma_kernel)

@@ -2,7 +2,7 @@
 (kernels/mla_decode_gluon.py; "1") or the wgmma one (kernels/mla_decode_wgmma.py; "wgmma";
 unset: for 16 heads) where mla_gluon_unsupported allows it.
 
-CPU: the routing of TritonBackend.forward_mla_decode with the kernels stubbed (off, or unset
+CPU: the routing of TritonBackend.forward_mla_decode with the kernels' plans stubbed (off, or unset
 at 128 heads: the Gluon check is never asked; on, on the CPU: the reasons name the device and the Triton
 kernel runs; on, reasons empty: the Gluon entry gets the decodes' q, block tables and
 lengths). GPU (sm_90): a tiny DeepSeek-V2 with V2-Lite's attention dims (16 heads, latent
@@ -31,17 +31,15 @@ def _decode(monkeypatch, switch: str | None, reasons: list[str] | None, heads: i
 
     calls: dict[str, list] = {"triton": [], "gluon": [], "wgmma": [], "asked": []}
 
-    def triton_stub(q, kv, tables, lens, *, kv_lora_rank, sm_scale):
-        calls["triton"].append((q, tables, lens))
-        return q[..., :kv_lora_rank] * 0 + 1
+    def planner(name, value):  # a kernel's plan: records its call, launches write ``value``
+        def plan(q, kv, tables, lens, *, kv_lora_rank, sm_scale, out, **kw):
+            calls[name].append((q, tables, lens))
+            return lambda q, kc, vc, out: out.fill_(value)
+        return plan
 
-    def gluon_stub(q, kv, tables, lens, *, kv_lora_rank, sm_scale):
+    def gluon_stub(q, kv, tables, lens, *, kv_lora_rank, sm_scale, out):
         calls["gluon"].append((q, tables, lens))
-        return q[..., :kv_lora_rank] * 0 + 2
-
-    def wgmma_stub(q, kv, tables, lens, *, kv_lora_rank, sm_scale):
-        calls["wgmma"].append((q, tables, lens))
-        return q[..., :kv_lora_rank] * 0 + 3
+        out.fill_(2)
 
     real_check = mg.mla_gluon_unsupported
 
@@ -49,9 +47,9 @@ def _decode(monkeypatch, switch: str | None, reasons: list[str] | None, heads: i
         calls["asked"].append(1)
         return real_check(*args, **kwargs) if reasons is None else reasons
 
-    monkeypatch.setattr(md_mod, "mla_decode", triton_stub)
+    monkeypatch.setattr(md_mod, "_plan", planner("triton", 1))
     monkeypatch.setattr(mg, "mla_decode_gluon", gluon_stub)
-    monkeypatch.setattr(mw, "mla_decode_wgmma", wgmma_stub)
+    monkeypatch.setattr(mw, "plan", planner("wgmma", 3))
     monkeypatch.setattr(mg, "mla_gluon_unsupported", check)
     if switch is None:
         monkeypatch.delenv("FLASHPAGE_MLA_GLUON", raising=False)
@@ -61,8 +59,13 @@ def _decode(monkeypatch, switch: str | None, reasons: list[str] | None, heads: i
     q = torch.randn(3, heads, RANK + ROPE).transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous
     kv = torch.zeros(8, 16, RANK + ROPE, dtype=torch.bfloat16)
     md = SimpleNamespace(block_tables=torch.arange(10, dtype=torch.int32).view(5, 2),
-                         seq_lens=torch.tensor([5, 9, 17, 3, 3], dtype=torch.int32))
+                         seq_lens=torch.tensor([5, 9, 17, 3, 3], dtype=torch.int32), extra={})
     out = backend.forward_mla_decode(q.bfloat16(), kv, md, kv_lora_rank=RANK, scale=0.1)
+    # a second layer of the step: the plan launches again, nothing is chosen or planned anew
+    asked, planned = len(calls["asked"]), len(calls["triton"]) + len(calls["wgmma"])
+    out2 = backend.forward_mla_decode(q.bfloat16(), kv, md, kv_lora_rank=RANK, scale=0.1)
+    assert torch.equal(out2, out) and len(calls["asked"]) == asked
+    assert len(calls["triton"]) + len(calls["wgmma"]) == planned
     return out, calls
 
 
@@ -104,7 +107,9 @@ def test_switch_on_without_hopper_runs_triton(monkeypatch):
 def test_switch_on_hands_the_decodes_to_gluon(monkeypatch, switch, kernel, value):
     out, calls = _decode(monkeypatch, switch, [])
     other = {"gluon": "wgmma", "wgmma": "gluon"}[kernel]
-    assert not calls["triton"] and not calls[other] and len(calls[kernel]) == 1 and (out == value).all()
+    # the wgmma kernel is planned once for both layers, the mma.sync one called by each
+    launches = {"gluon": 2, "wgmma": 1}[kernel]
+    assert not calls["triton"] and not calls[other] and len(calls[kernel]) == launches and (out == value).all()
     q, tables, lens = calls[kernel][0]
     assert q.is_contiguous() and q.shape == (3, H, RANK + ROPE)
     assert tables.shape == (3, 2) and lens.tolist() == [5, 9, 17]
@@ -126,8 +131,9 @@ def test_gluon_mla_decode_in_the_engine_gpu(tmp_path, monkeypatch, switch):
 
     from flashpage import LLM, SamplingParams
 
-    module, entry = {"1": ("mla_decode_gluon", "mla_decode_gluon"), "wgmma": ("mla_decode_wgmma", "mla_decode_wgmma")}[
-        switch]
+    # the engine plans the wgmma kernel once a step (mla_decode_wgmma.plan); the mma.sync one is
+    # called by every layer
+    module, entry = {"1": ("mla_decode_gluon", "mla_decode_gluon"), "wgmma": ("mla_decode_wgmma", "plan")}[switch]
     mg = importlib.import_module(f"flashpage.kernels.{module}")
 
     # fp16 and fan-in scaled weights: in bf16 (or at std 0.2 throughout) this model's greedy

@@ -43,13 +43,13 @@ def test_mla_prefill_kernel_matches_torch_native_interpreted(tiny_mla_checkpoint
     prompts.append(prompts[0][:17] + [9, 8, 7])
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     calls: list[tuple[int, int, int, int]] = []  # (queries, keys, qk dim, v dim)
-    original = fp.flash_attn_varlen
+    original = fp._args  # every launch's arguments, planned (VarlenPlan) or not
 
     def spy(q, k, v, *a, **kw):
         calls.append((q.shape[0], k.shape[0], q.shape[-1], v.shape[-1]))
         return original(q, k, v, *a, **kw)
 
-    monkeypatch.setattr(fp, "flash_attn_varlen", spy)
+    monkeypatch.setattr(fp, "_args", spy)
     got, llm = _tokens(path, "triton", "cpu", "float32", prompts, params,
                        max_num_batched_tokens=24)
     cfg = llm.engine.model_config

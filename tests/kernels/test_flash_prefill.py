@@ -216,6 +216,36 @@ def test_separate_v_head_dim_paged_and_window_cpu():
     _check_varlen([45, 20], [10, 2], 4, 2, 24, torch.float32, window=13, dv=16)
 
 
+@pytest.mark.parametrize("d,dv", [(24, 16), (64, 64)])  # MLA-shaped (pointers), equal dims
+def test_varlen_plan_serves_every_layer(d, dv):
+    """A VarlenPlan made over one layer's q, k, v and out launches other layers' (new
+    tensors, the same geometry) as flash_attn_varlen computes them; another geometry is
+    refused. On the GPU in bf16 (TMA where the dims are equal), on the CPU in fp32."""
+    from flashpage.kernels.flash_prefill import VarlenPlan
+
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    q_lens, prefixes = [1, 37, 20], [0, 12, 33]
+    layers = [_ragged(q_lens, prefixes, 4, 2, d, dtype, seed=s, dv=dv) for s in range(3)]
+    q0, k0, v0, cq, ck, mq, mk = layers[0]
+    out0 = q0.new_empty(*q0.shape[:2], dv)
+    plan = VarlenPlan(q0, k0, v0, cq, ck, mq, mk, causal=True, sm_scale=0.3, out=out0)
+    for _ in range(2):  # the second round: every launch bound
+        for q, k, v, *_ in layers:
+            out = q.new_full((*q.shape[:2], dv), float("nan"))
+            plan.run(q, k, v, out)
+            want = flash_attn_varlen(q, k, v, cq, ck, mq, mk, causal=True, sm_scale=0.3)
+            assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="differ in shape"):
+        plan.run(q0[:5], k0, v0, out0[:5])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 128)])  # MLA's dims (pointers), TMA
+def test_varlen_plan_serves_every_layer_gpu(d, dv):
+    test_varlen_plan_serves_every_layer(d, dv)
+
+
 @cpu_only
 def test_padded_head_dims_never_read_past_a_row():
     """The padding columns of a 192 row are the next head's first 64: if they were read

@@ -204,6 +204,37 @@ def test_mla_decode_deepseek_dims(dtype, chunks):
     check([33, 7], 16, 512, 64, 16, dtype, "cpu", num_splits=2, config=cfg)
 
 
+@pytest.mark.parametrize("num_splits,fuse", [(1, 8), (3, 8), (3, 1)])  # one program / fused / merge kernel
+def test_mla_decode_plan_serves_every_layer(num_splits, fuse):
+    """An MLADecodePlan made over one layer's q, cache and out launches another layer's
+    (other tensors, the same geometry) as mla_decode computes them, splits and their merge
+    included; another geometry is refused."""
+    from flashpage.kernels.mla_decode import MLADecodePlan
+
+    lens, heads, rank, rope, page = [50, 1, 130], 16, 64, 16, 8
+    q1, kv1, tables, lens_t = make_case(lens, heads, rank, rope, page, torch.float32, "cpu", seed=1)
+    q2 = torch.randn_like(q1)
+    kv2 = kv1.clone()  # the same blocks (the plan's tables), other latents; spare blocks stay NaN
+    kv2[~kv1.isnan()] = torch.randn(int((~kv1.isnan()).sum()), generator=torch.Generator().manual_seed(2))
+    scale = 0.2
+    cfg = MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, fuse_merge_max_splits=fuse)
+    out1, out2 = torch.empty(3, heads, rank), torch.full((3, heads, rank), float("nan"))
+    plan = MLADecodePlan(q1, kv1, tables, lens_t, kv_lora_rank=rank, sm_scale=scale, out=out1,
+                         num_splits=num_splits, config=cfg)
+    plan.run(q1, kv1, kv1, out1)
+    plan.run(q2, kv2, kv2, out2)
+    for q, kv, out in ((q1, kv1, out1), (q2, kv2, out2)):
+        want = mla_decode(q, kv, tables, lens_t, kv_lora_rank=rank, sm_scale=scale,
+                          num_splits=num_splits, config=cfg)
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    ref = mla_decode_ref(q2, kv2, tables, lens_t, kv_lora_rank=rank, sm_scale=scale)
+    assert (out2 - ref).norm() / ref.norm() < REL_TOL[torch.float32]
+    with pytest.raises(ValueError, match="differ in shape"):
+        plan.run(q2[:2], kv2, kv2, out2[:2])
+    with pytest.raises(ValueError, match="kernel must be"):
+        MLADecodePlan(q1, kv1, tables, lens_t, kv_lora_rank=rank, sm_scale=scale, out=out1, kernel="x")
+
+
 def test_mla_decode_rejects_bad_inputs():
     q, kv, tables, lens = make_case([4], 4, 64, 16, 16, torch.float32, "cpu")
     with pytest.raises(ValueError, match="kv_lora_rank"):

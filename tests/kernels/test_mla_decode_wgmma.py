@@ -167,6 +167,40 @@ def test_mla_wgmma_slots_gpu(page, slots):
         run_and_check([1, 100, 3000, 257, 64, 65], page=page, slots=slots, **kw)
 
 
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("num_splits", [1, 7])
+def test_mla_wgmma_plan_serves_every_layer_gpu(num_splits):
+    """An MLADecodePlan on the wgmma kernel (as the triton backend plans it once a step, the
+    launches after the first bound past Triton's dispatch, one descriptor per cache kept in the
+    caller's dict) over three layers' queries and caches: each as the kernel's function gives,
+    bitwise, and right against the reference."""
+    from flashpage.kernels.mla_decode import MLADecodePlan
+    from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
+
+    lens = [3000, 1, 2048, 777, 0, 65]
+    q, kv, tables, seq_lens = make_case(lens, 16, 64, seed=5)
+    layers = [(q, kv)]
+    for _ in range(2):  # two more layers: other queries, other latents in the same blocks
+        layers.append((torch.randn_like(q), torch.where(kv.isnan(), kv, torch.randn_like(kv))))
+    scale = 1.0 / math.sqrt(RANK + ROPE)
+    descriptors: dict = {}
+    out0 = torch.empty(len(lens), 16, RANK, dtype=torch.bfloat16, device="cuda")
+    plan = MLADecodePlan(q, kv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale, out=out0,
+                         kernel="wgmma", descriptors=descriptors)
+    for _ in range(2):  # the second round: every launch bound
+        for lq, lkv in layers:
+            out = torch.full_like(out0, float("nan"))
+            plan.run(lq, lkv, lkv, out)
+            want = mla_decode_wgmma(lq, lkv, tables, seq_lens, kv_lora_rank=RANK, sm_scale=scale,
+                                    num_splits=None)
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
+            assert rel_err(out, mla_decode_ref(lq, lkv, tables, seq_lens, kv_lora_rank=RANK,
+                                               sm_scale=scale)) < TOL
+    assert len(descriptors) == len(layers)
+
+
 def test_mla_wgmma_slots_checked():
     """A slab ring outside 18..23 is an error naming the value, before any launch."""
     from flashpage.kernels.mla_decode_wgmma import mla_decode_wgmma
