@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 19's device plan (written at the end of session 18). Each step runs under
+# `timeout "$(left N)"` (at most N seconds, at most what is left of BUDGET); NOTE left N is a
+# cap, not a reserve: give a step the seconds it may take.
+#   BUDGET=420 bash benchmarks/gpu_s19.sh a   MLA plans (session 18, CPU-tested only): the wgmma plan
+#                                             over three layers, VarlenPlan in bf16 (TMA and MLA's
+#                                             pointer path), the MLA kernel / engine GPU tests; then
+#                                             V2-Lite's piecewise steps by profile_ttft.py (run 156:
+#                                             prompt 14.5 ms / mixed 18.4 ms for 11.9 / 10.8 ms of
+#                                             kernels) and ttft_graphs.py (run 133's table)
+# Results under $OUT.
+PART=${1:-a}
+source "$(dirname "$0")/gpu_lib.sh"
+case "$PART" in
+a)
+  timeout "$(left 150)" $PT -m gpu -x tests/kernels/test_mla_decode_wgmma.py tests/kernels/test_mla_decode.py \
+    tests/kernels/test_flash_prefill.py -k "plan_serves or many_calls or varlen_gpu or mla_decode_gpu" 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -n 3
+  timeout "$(left 150)" $PT -m gpu tests/engine/test_mla_triton.py tests/engine/test_mla_gluon_switch.py \
+    tests/models/test_deepseek.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.txt" | tail -n 3
+  for mode in prompt mixed; do
+    mkdir -p "$OUT/$mode"
+    extra=$([ $mode = mixed ] && echo "--decodes 16 --input-len 16" || echo "--input-len 128")
+    timeout "$(left 90)" python3 benchmarks/profile_ttft.py --config deepseek-v2-lite --iters 10 \
+      $extra --out "$OUT/$mode" > "$OUT/profile_v2lite_$mode.log" 2>&1
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], r['request_ms_median'], 'ms for', r['gpu_kernel_ms'], 'ms of kernels')" \
+      "$OUT/$mode/profile_ttft.json" $mode
+  done
+  timeout "$(left 150)" python3 benchmarks/ttft_graphs.py --config deepseek-v2-lite --input-lens 16 128 \
+    --batches 1 4 --decodes 16 64 --mixed-lens 16 128 --out "$OUT" 2>&1 | tail -n 14
+  echo "part a done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a)"; exit 2 ;;
+esac
