@@ -158,13 +158,10 @@ class LLMEngine:
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         # speculative decoding (engine/spec_decode.py): a step's drafts come from the last
-        # step's tokens, so steps are scheduled after the last one is read back
+        # step's tokens, so while a request drafts (its drafting not backed off) a step is
+        # read back before the next is scheduled; otherwise scheduling stays asynchronous
         self.proposer = NgramProposer(self.spec_config, self.max_model_len) \
             if self.spec_config is not None else None
-        if self.proposer is not None:
-            if config.async_scheduling:
-                logger.warning("async scheduling is off while speculative decoding is on")
-            self.async_scheduling = False
         self._inflight: _Inflight | None = None  # the launched step not yet read back
         self._sync_ids: set[str] = set()  # requests whose sampling needs every token known
         self._guides: GuideCompiler | None = None  # structured outputs, built on first use
@@ -467,8 +464,12 @@ class LLMEngine:
         request that stops on a token thereby gets one more token computed, discarded.
         """
         outputs: list[RequestOutput] = []
-        if self._inflight is not None and (not self.async_scheduling or self._sync_ids):
-            outputs = self._read_back(self._inflight, final_only)  # penalties: tokens first
+        if self.proposer is not None and self.proposer.backoff is not None:
+            self.proposer.backoff.tick()
+        if self._inflight is not None and (
+                not self.async_scheduling or self._sync_ids or self._inflight.pending.drafted
+                or (self.proposer is not None and self.proposer.wants_tokens(self.scheduler.running))):
+            outputs = self._read_back(self._inflight, final_only)  # penalties, drafts: tokens first
             self._inflight = None
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
@@ -503,6 +504,7 @@ class LLMEngine:
         tokens, drafted, starts = result.token_ids, None, dict[str, int]()
         if checked and self.proposer is not None:  # speculative decoding (engine/spec_decode.py)
             tokens, drafted, starts = unpack_checked(reqs, tokens, checked, self.proposer.stats)
+            self.proposer.learn(checked)
         finished = {r.request_id for r in self.scheduler.resolve(reqs, tokens, drafted)}
         now = time.monotonic()
         touched: dict[str, None] = {}

@@ -229,6 +229,68 @@ def test_right_and_wrong_drafts_give_the_same_tokens(tiny_checkpoint, wrong):
     assert llm.engine.kv_manager.stats().blocks_used == 0
 
 
+def test_backoff_pauses_unproductive_drafting_and_doubles_the_pause():
+    """patience unproductive drafting steps in a row pause a request for base steps, the
+    next pause twice that (up to cap); an accepted draft resets both."""
+    from flashpage.engine.spec_decode import SpecBackoff
+
+    bo = SpecBackoff(patience=2, base=3, cap=8)
+    drafting = []
+    outcomes = iter([False, False,   # steps 1-2 unproductive: pause 3 (steps 3-5)
+                     False, False,   # steps 6-7: pause 6 (8-13)
+                     True, False, False,  # steps 14-16: reset, then pause 3 (17-19)
+                     False, False, False, False, False, False, False])  # pauses 6, then 8 (cap)
+    for _ in range(40):
+        bo.tick()
+        on = bo.drafting("r")
+        drafting.append(on)
+        if on:
+            bo.record("r", next(outcomes, False))
+    runs = "".join("d" if d else "." for d in drafting)
+    assert runs == "dd...dd......ddd...dd......dd........dd.", runs
+    bo.forget("r")
+    assert bo.drafting("r") and bo.drafting("never seen")
+    with pytest.raises(ValueError, match="backoff must be true or false"):
+        SpeculativeConfig.parse({"method": "ngram", "backoff": "yes"})
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_wrong_drafts_back_off_and_let_scheduling_go_async(tiny_checkpoint, monkeypatch,
+                                                           async_scheduling):
+    """Drafts that are always wrong: with back-off each request checks drafts in a few short
+    bursts (far fewer checking steps than without), and with async scheduling the steps in
+    between are scheduled before the last one is read back (inputs from the device); the
+    tokens are plain decoding's either way."""
+    from flashpage.engine.scheduler import Scheduler
+
+    path = tiny_checkpoint("head64_gqa")
+    prompts = random_prompts(3, 5, 30, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in _llm(path).generate(prompts, params, use_tqdm=False)]
+    real = Scheduler.schedule
+    unresolved_steps = []
+
+    def spy(self):
+        unresolved_steps.append(any(r.num_unresolved for r in self.running))
+        return real(self)
+
+    monkeypatch.setattr(Scheduler, "schedule", spy)
+    drafts = {}
+    for backoff in (False, True):
+        unresolved_steps.clear()
+        llm = _llm(path, {**NGRAM, "backoff": backoff}, async_scheduling=async_scheduling)
+        oracle = _with_oracle(llm, want, wrong=1)
+        got = [o.outputs[0].token_ids for o in _generate_ids(llm, prompts, params)]
+        assert got == want
+        assert oracle.stats.num_accepted_tokens == 0
+        drafts[backoff] = oracle.stats.num_drafts
+        # async scheduling only once nobody drafts: never without back-off
+        assert any(unresolved_steps) == (async_scheduling and backoff), unresolved_steps
+        assert llm.engine.kv_manager.stats().blocks_used == 0
+    assert drafts[False] >= 3 * 58  # every decode step of every request checked drafts
+    assert 0 < drafts[True] < drafts[False] / 3, drafts
+
+
 def test_a_stop_token_inside_accepted_drafts_ends_the_output_there(tiny_checkpoint):
     """eos and a stop token id that plain decoding meets mid-way are met inside a run of
     accepted drafts: the output ends on them, max_tokens is never passed."""
