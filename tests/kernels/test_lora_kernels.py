@@ -1,14 +1,17 @@
 """kernels/lora.py (the gathered LoRA shrink and expand) against their PyTorch references:
 fp32/fp16 on the CPU under the interpreter, bf16 on the GPU; ragged T, tokens without an
 adapter among the others, 1-4 slots, n not a power of two, K and OUT not multiples of
-the tiles, split K, the SiLU·mul prologue."""
+the tiles, split K, the SiLU·mul prologue, and LoRALinear.apply over them."""
 
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
 
 from flashpage.kernels.lora import (
+    KERNEL_MAX_TOKENS,
     MAX_PARTIAL_ROWS,
     ExpandConfig,
     ShrinkConfig,
@@ -175,6 +178,64 @@ def test_default_configs():
     assert _k_split(4096, default_shrink_config(256)) == 1024  # 4 splits of 64-token tiles
 
 
+@pytest.fixture
+def kernels_on(monkeypatch):
+    """LoRALinear runs kernels/lora.py on the CPU only when asked (the interpreter is slow)."""
+    monkeypatch.setenv("FLASHPAGE_LORA_KERNELS", "1")
+
+
+def _lora_linear(in_f, slices, num_slots, rank, dtype, seed):
+    from flashpage.lora.layers import LoRALinear, LoRAState
+
+    g = torch.Generator().manual_seed(seed)
+    out_f = sum(r for _, r in slices)
+    state = LoRAState(KERNEL_MAX_TOKENS + 8, torch.device(DEV))
+    lin = LoRALinear(state, in_f, out_f, slices, num_slots=num_slots, max_rank=rank,
+                     device=torch.device(DEV), dtype=dtype)
+    pieces = {}
+    for s in range(num_slots - 1):  # the last slot stays empty
+        r = rank - s  # ranks under the maximum
+        pieces[s] = {j: (torch.randn(r, in_f, generator=g) / in_f ** 0.5,
+                         torch.randn(rows, r, generator=g) / r ** 0.5)
+                     for j, (_, rows) in enumerate(slices) if (j + s) % 3 != 2}
+        lin.set_slot(s, pieces[s])
+    return lin, pieces, out_f
+
+
+def _check_apply(t, dtype, seed, kernels_expected, tol):
+    from flashpage.lora.layers import lora_delta_ref
+
+    slices = [(0, 48), (48, 16), (64, 16)]  # q, k, v of a qkv_proj
+    lin, pieces, out_f = _lora_linear(40, slices, 4, 16, dtype, seed)
+    assert lin.kernel_max_tokens == KERNEL_MAX_TOKENS
+    g = torch.Generator().manual_seed(seed + 1)
+    slots = torch.randint(-1, 4, (t,), generator=g)
+    lin.state.token_slots[:t] = slots.to(DEV)
+    x = torch.randn(t, 40, generator=g).to(DEV, dtype)
+    y0 = torch.randn(t, out_f, generator=g).to(DEV, dtype)
+    import flashpage.kernels.lora as kl
+
+    with mock.patch.object(kl, "lora_shrink", wraps=kl.lora_shrink) as spy:
+        got = lin.apply(x, y0.clone())
+    assert spy.called == kernels_expected
+    pieces_cpu = {s: {j: (a, b) for j, (a, b) in p.items()} for s, p in pieces.items()}
+    want = y0.float().cpu() + lora_delta_ref(x.cpu(), slots.tolist(), pieces_cpu, slices, out_f)
+    torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lora_linear_apply_through_the_kernels_cpu(dtype, kernels_on):
+    """qkv-like slices (n = 3 x 16 = 48), 4 slots (one empty), ranks under the maximum,
+    some slices untouched: apply through the kernels equals the per-token reference."""
+    _check_apply(37, dtype, 0, True, 1e-4 if dtype == torch.float32 else 3e-2)
+
+
+@CPU_ONLY
+def test_lora_linear_keeps_the_dense_path_above_the_threshold(kernels_on):
+    _check_apply(KERNEL_MAX_TOKENS + 1, torch.float32, 1, False, 1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("t", [1, 7, 16, 64, 200, 256])
@@ -214,3 +275,27 @@ def test_kernels_in_a_cuda_graph_read_the_slot_map_in_place():
         torch.cuda.synchronize()
         want = lora_expand_ref(lora_shrink_ref(x, a, slots, n), b, slots, n, y)
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("t", [1, 16, 100])
+def test_lora_linear_apply_gpu_bf16(t, monkeypatch):
+    monkeypatch.delenv("FLASHPAGE_LORA_KERNELS", raising=False)  # auto: on CUDA
+    _check_apply(t, torch.bfloat16, t, True, 3e-2)
+
+
+def test_the_switch_decides_where_the_kernels_run(monkeypatch):
+    from flashpage.lora.layers import LoRALinear, LoRAState
+
+    def limit():
+        dev = torch.device(DEV)
+        return LoRALinear(LoRAState(4, dev), 8, 8, [(0, 8)], 1, 4, dev, torch.float32
+                          ).kernel_max_tokens
+
+    monkeypatch.delenv("FLASHPAGE_LORA_KERNELS", raising=False)
+    assert limit() == (KERNEL_MAX_TOKENS if GPU else 0)  # auto: CUDA only
+    monkeypatch.setenv("FLASHPAGE_LORA_KERNELS", "1")
+    assert limit() == KERNEL_MAX_TOKENS  # (the interpreter on the CPU: tests/conftest.py)
+    monkeypatch.setenv("FLASHPAGE_LORA_KERNELS", "0")
+    assert limit() == 0
