@@ -236,6 +236,45 @@ def test_lora_linear_keeps_the_dense_path_above_the_threshold(kernels_on):
     _check_apply(KERNEL_MAX_TOKENS + 1, torch.float32, 1, False, 1e-4)
 
 
+@CPU_ONLY
+def test_down_projection_keeps_its_fused_silu_mul_with_lora(monkeypatch, kernels_on):
+    """A one-row down projection with LoRA: silu_mul_forward runs the fused GEMV and the
+    shrink's SiLU·mul prologue (no activation materialized) and equals SiLU·mul, then the
+    linear with its delta."""
+    from flashpage.layers.activation import SiluAndMul
+    from flashpage.layers.linear import RowParallelLinear, set_row_gemv
+    from flashpage.lora.layers import LoRALinear, LoRAState, lora_delta_ref
+
+    torch.manual_seed(0)
+    dtype = torch.float16
+    k, out_f = 48, 32
+    down = RowParallelLinear(k, out_f).to(dtype)
+    torch.nn.init.normal_(down.weight, std=0.1)
+    down.silu_input = True
+    assert set_row_gemv(down, True) == 1
+    monkeypatch.setenv("FLASHPAGE_GEMV", "1")
+    state = LoRAState(8, torch.device("cpu"))
+    down.lora = LoRALinear(state, k, out_f, [(0, out_f)], num_slots=2, max_rank=8,
+                           device=torch.device("cpu"), dtype=dtype)
+    piece = {0: (torch.randn(8, k) / k ** 0.5, torch.randn(out_f, 8) / 8 ** 0.5)}
+    down.lora.set_slot(1, piece)
+    h = torch.randn(1, 2 * k, dtype=dtype)
+    act = SiluAndMul()(h)
+    import flashpage.kernels.gemv as gemv
+
+    for slot in (1, -1):
+        state.token_slots[0] = slot
+        with mock.patch.object(gemv, "gemv_row", wraps=gemv.gemv_row) as spy:
+            got = down.silu_mul_forward(h)
+        assert got is not None
+        assert [c.kwargs.get("silu_mul", False) for c in spy.call_args_list] == [True]
+        want = torch.nn.functional.linear(act, down.weight).float() + lora_delta_ref(
+            act, [slot], {1: piece}, [(0, out_f)], out_f)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    down.lora.kernel_max_tokens = 0  # the dense path: SiLU·mul stays outside the GEMV
+    assert down.silu_mul_forward(h) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("t", [1, 7, 16, 64, 200, 256])
