@@ -6,11 +6,25 @@ batch size, each mode timed over the same prompts (output tokens/s and the mean 
 
 - base: an engine without LoRA
 - lora, none: an engine with ``max_loras`` slots, no request naming an adapter (the delta
-  still runs: every slot's columns, masked)
+  still runs: the kernels launch and read no weights; the dense path computes every slot's
+  columns, masked)
 - lora, one: every request under one adapter
 - lora, mixed: requests spread over ``--max-loras`` adapters, all in the same steps
 
     python benchmarks/lora.py --config llama-3-8b --batch-sizes 1 16 64 --max-loras 4 --rank 16 --json-out $OUT/lora.json
+
+The engine adds the delta through kernels/lora.py's gathered kernels on CUDA at steps of up
+to KERNEL_MAX_TOKENS tokens; FLASHPAGE_LORA_KERNELS=0 in the environment times the dense
+torch path instead (A/B).
+
+``--kernels`` (GPU only) times the delta alone instead, per adapted linear of the 8B shape
+(qkv 4096 -> 6144 with n = 3 x rank, o 4096 -> 4096, gate_up 4096 -> 28672, down
+14336 -> 4096), ``--max-loras`` slots: the dense torch path (shrink GEMM over every slot,
+mask, expand addmm) against lora_shrink + lora_expand, beside the base GEMM, at
+T = 1, 16, 64, 256 with tokens over all slots (mixed), one slot, or none; us per call, the
+median of CUDA-graph replays of 20 calls (benchmarks/gpu_timing.py):
+
+    python benchmarks/lora.py --kernels --max-loras 4 --rank 16 --json-out $OUT/lora_kernels.json
 """
 
 from __future__ import annotations
@@ -75,6 +89,61 @@ def _time(llm: LLM, prompts: list[list[int]], params: SamplingParams,
     return best
 
 
+# (name, in, out, slices) of the 8B shape's adapted linears
+KERNEL_SHAPES = (("qkv", 4096, 6144, 3), ("o", 4096, 4096, 1), ("gate_up", 4096, 28672, 2),
+                 ("down", 14336, 4096, 1))
+
+
+def kernel_bench(num_slots: int, rank: int, tokens: tuple[int, ...] = (1, 16, 64, 256),
+                 dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+    """us per call of the dense delta, the kernels' and the base GEMM, per shape, T and mix."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--kernels needs a CUDA GPU")
+    rows: list[dict[str, Any]] = []
+    for name, k, out, slices in KERNEL_SHAPES:
+        rows += _bench_shape(name, k, out, slices * rank, num_slots, tokens, dtype)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _bench_shape(name: str, k: int, out: int, n: int, num_slots: int, tokens: tuple[int, ...],
+                 dtype: torch.dtype) -> list[dict[str, Any]]:
+    import torch.nn.functional as F
+    from gpu_timing import time_graph  # benchmarks/, the script's folder
+
+    from flashpage.kernels.lora import lora_expand, lora_shrink
+
+    w = torch.randn(out, k, device="cuda", dtype=dtype) * 0.02
+    a = torch.randn(num_slots * n, k, device="cuda", dtype=dtype) * 0.02
+    b = torch.randn(out, num_slots * n, device="cuda", dtype=dtype) * 0.02
+    col_slot = torch.arange(num_slots, device="cuda").repeat_interleave(n)
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, k, device="cuda", dtype=dtype)
+        y = torch.zeros(t, out, device="cuda", dtype=dtype)
+        base_us = 1e6 * time_graph(lambda x=x: F.linear(x, w), calls=20)
+        for mix in ("mixed", "one", "none"):
+            slots = {"mixed": torch.arange(t, device="cuda") % num_slots,
+                     "one": torch.zeros(t, dtype=torch.long, device="cuda"),
+                     "none": torch.full((t,), -1, device="cuda")}[mix]
+
+            def dense(x=x, y=y, slots=slots):
+                xa = F.linear(x, a) * (slots[:, None] == col_slot[None, :]).to(x.dtype)
+                return torch.addmm(y, xa, b.t())
+
+            def kernels(x=x, y=y, slots=slots):
+                return lora_expand(lora_shrink(x, a, slots, n), b, slots, n, y)
+
+            row = {"linear": name, "in": k, "out": out, "n": n, "tokens": t, "mix": mix,
+                   "base_us": base_us, "dense_us": 1e6 * time_graph(dense, calls=20),
+                   "kernels_us": 1e6 * time_graph(kernels, calls=20)}
+            rows.append(row)
+            print(f"{name:8s} T {t:4d}  {mix:5s}  base GEMM {row['base_us']:7.1f} us  dense "
+                  f"delta {row['dense_us']:7.1f} us  kernels {row['kernels_us']:7.1f} us  "
+                  f"({row['dense_us'] / row['kernels_us']:.2f}x)", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/lora.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,7 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--device", default="auto")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--kernels", action="store_true",
+                   help="time the delta's kernels against the dense path per linear (GPU)")
     args = p.parse_args(argv)
+    if args.kernels:
+        rows = kernel_bench(args.max_loras, args.rank)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"args": vars(args), "kernels": rows},
+                                                      indent=2))
+        return 0
     cfg = None if args.model else resolve_config(args.config)
     kw: dict[str, Any] = dict(device=args.device, random_weights_config=cfg,
                               max_model_len=args.input_len + args.output_len + 16,

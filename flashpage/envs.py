@@ -207,3 +207,15 @@ def sampler_kernel() -> bool | None:
     Triton's interpreter); "0": never (the torch path: softmax, exponential noise, argmax)."""
     mode = os.environ.get("FLASHPAGE_SAMPLER_KERNEL", "auto").strip().lower()
     return {"1": True, "0": False}.get(mode)
+
+
+
+def lora_kernels() -> bool | None:
+    """FLASHPAGE_LORA_KERNELS: each LoRA linear adds its adapters' delta through the two
+    gathered kernels (kernels/lora.py: every token reads only its own slot's A and B) at
+    steps of up to kernels/lora.KERNEL_MAX_TOKENS tokens, instead of two dense GEMMs over
+    every slot's columns and a mask. "auto" (the default): on CUDA; "1": on the CPU too,
+    through Triton's interpreter (tests; slow); "0": never. Read when the engine builds
+    its LoRA layers."""
+    mode = os.environ.get("FLASHPAGE_LORA_KERNELS", "auto").strip().lower()
+    return {"1": True, "0": False}.get(mode)

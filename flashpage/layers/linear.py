@@ -60,8 +60,9 @@ class _ParallelLinear(nn.Module):
     ``weight_scale``: None, or fp32 [N] once ``quantize_fp8`` has made ``weight``
     float8_e4m3fn (layers/quant.py); ``quantizable = False`` keeps a layer 16-bit.
     ``lora``: the adapter slots the engine attached with ``enable_lora`` (flashpage/lora/):
-    each token's adapter delta is added to the base output, and the norm and SiLU·mul
-    stay out of the GEMV (the delta needs the normed input, the down delta silu(g)·u)."""
+    each token's adapter delta is added to the base output. The SiLU·mul stays fused into
+    the down projection's GEMV where the delta runs through kernels/lora.py (its shrink
+    takes silu(g)·u on the fly); the RMSNorm never moves into the GEMV with LoRA (below)."""
 
     split_dim: int = 0
     skinny: dict[int, Any]
@@ -121,6 +122,10 @@ class _ParallelLinear(nn.Module):
         """Whether ``forward(PendingNorm(x, ..., norm, ...))`` computes the norm inside
         our GEMV (one row, rows short enough to load whole, our kernels on, no LoRA)."""
         if self.lora is not None:
+            # The delta's shrink needs the normed row, which the GEMV computes only in its
+            # registers: fusing would mean the shrink normalizing x again in its own
+            # prologue (and running before the GEMV writes residual_out, which may alias
+            # residual). Not done yet: the norm runs as its own kernel.
             return False
         if not (self._use_row_gemv(x) and getattr(norm, "fused", False) and x.is_contiguous()):
             return False  # (and Triton, an optional dependency, stays unimported on the CPU)
@@ -159,9 +164,17 @@ class _ParallelLinear(nn.Module):
 
     def silu_mul_forward(self, h: torch.Tensor) -> torch.Tensor | None:
         """linear(silu(gate) * up) from the gate/up output h [M, 2K] in one kernel, when
-        tuned for M rows; None otherwise (the caller runs SiLU·mul, then ``forward``)."""
-        if self.lora is not None:
+        tuned for M rows; None otherwise (the caller runs SiLU·mul, then ``forward``).
+        With LoRA only where the delta runs through kernels/lora.py, whose shrink takes
+        the same gate/up output (the dense delta would need the activation materialized)."""
+        if self.lora is None:
+            return self._silu_mul_base(h)
+        if not self.lora.uses_kernels(h, h):
             return None
+        y = self._silu_mul_base(h)
+        return None if y is None else self.lora.apply(h, y, silu_mul=True)
+
+    def _silu_mul_base(self, h: torch.Tensor) -> torch.Tensor | None:
         if self._use_row_gemv(h):
             from flashpage.kernels.gemv import gemv_row
 

@@ -16,14 +16,25 @@ The step's tokens each carry a slot (``LoRAState.token_slots``, -1: none). For x
 Two dense GEMMs with S * n inner columns and a compare: shapes depend on T alone, there is
 no host sync and no per-slot split, so the same code runs in CUDA graphs (the slot map is
 a static buffer each step writes). The cost over the base GEMM is about
-2 S n / min(in, out) (4 slots x 3 slices x rank 16 at 4096 wide: 9% on qkv_proj); a
-gathered per-slot kernel (punica's SGMV) would pay only the token's own slot.
+2 S n / min(in, out) (4 slots x 3 slices x rank 16 at 4096 wide: 9% on qkv_proj), and at
+decode steps its five kernels per linear cost more than the FLOPs.
+
+So at steps of up to ``kernels/lora.KERNEL_MAX_TOKENS`` tokens, on CUDA, the same delta runs
+as two gathered kernels (``lora_shrink``, ``lora_expand``: each token reads only its own
+slot's A rows and B columns, y updated in place, nothing read or written for tokens
+without an adapter); FLASHPAGE_LORA_KERNELS=0 keeps the dense path, =1 runs the kernels on
+the CPU too, through Triton's interpreter (tests). Same semantics: the shrink's fp32 sums
+rounded to the activations' dtype, the expand accumulated in fp32 and added to y once.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+
+from flashpage import envs
 
 
 class LoRAState:
@@ -54,6 +65,12 @@ class LoRALinear:
         self.a = torch.zeros(num_slots * self.cols, in_features, device=device, dtype=dtype)
         self.b = torch.zeros(out_features, num_slots * self.cols, device=device, dtype=dtype)
         self.col_slot = torch.arange(num_slots, device=device).repeat_interleave(self.cols)
+        # steps of up to this many tokens run kernels/lora.py's kernels (0: never)
+        self.kernel_max_tokens = 0
+        if _use_kernels(envs.lora_kernels(), device):
+            from flashpage.kernels.lora import KERNEL_MAX_TOKENS
+
+            self.kernel_max_tokens = KERNEL_MAX_TOKENS
 
     def set_slot(self, slot: int, pieces: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot ``slot`` <- ``pieces`` {slice index: (A [r, in], B [rows, r] scaled)};
@@ -68,15 +85,48 @@ class LoRALinear:
             self.a[c:c + r].copy_(a)
             self.b[off:off + rows, c:c + r].copy_(b)
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y + each token's adapter delta; x [T, in], y [T, out] (the base output)."""
+    def uses_kernels(self, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """Whether ``apply(x, y)`` runs kernels/lora.py's kernels (else the dense path)."""
+        return (x.dim() == 2 and x.shape[0] <= self.kernel_max_tokens
+                and x.dtype == y.dtype == self.a.dtype and y.stride(-1) == 1)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """y + each token's adapter delta; x [T, in], y [T, out] (the base output), which
+        the kernels update in place. ``silu_mul``: x is the gate/up output [T, 2 in] and the
+        delta is taken of silu(gate) * up (only where ``uses_kernels``: the shrink computes
+        it on the fly)."""
         t = x.shape[0]
         if t > self.state.max_tokens:
             raise RuntimeError(f"a LoRA step of {t} tokens, more than the slot map's "
                                f"{self.state.max_tokens}")
         slots = self.state.token_slots[:t]
+        if self.uses_kernels(x, y):
+            from flashpage.kernels.lora import lora_expand, lora_shrink
+
+            if x.stride(1) != 1:
+                x = x.contiguous()
+            xa = lora_shrink(x, self.a, slots, self.cols, silu_mul=silu_mul)
+            return lora_expand(xa, self.b, slots, self.cols, y)
+        if silu_mul:
+            raise ValueError("apply(silu_mul=True) needs the kernels (uses_kernels)")
         xa = F.linear(x, self.a) * (slots[:, None] == self.col_slot[None, :]).to(x.dtype)
         return torch.addmm(y, xa, self.b.t())
+
+
+def _use_kernels(mode: bool | None, device: torch.device) -> bool:
+    """FLASHPAGE_LORA_KERNELS: None (auto) on CUDA; True on the CPU too where Triton's
+    interpreter runs (tests: Triton is optional there); False never."""
+    if mode is False or device.type not in ("cuda", "cpu"):
+        return False
+    if device.type == "cuda":
+        return True
+    if not mode or os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def lora_delta_ref(x: torch.Tensor, token_slots: list[int],

@@ -86,8 +86,15 @@ def test_adapter_tokens_equal_the_merged_checkpoint(tiny_checkpoint, tmp_path, m
     _idle(llm)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_mixed_batch_gives_each_prompt_its_solo_tokens(setup, async_scheduling):
+@pytest.mark.parametrize("async_scheduling,kernels", [(False, False), (True, False), (False, True)],
+                         ids=["sync", "async", "kernels"])
+def test_mixed_batch_gives_each_prompt_its_solo_tokens(setup, async_scheduling, kernels,
+                                                       monkeypatch):
+    """kernels: the delta through kernels/lora.py (under the interpreter on the CPU)."""
+    if kernels and not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (tests/conftest.py)")
+        monkeypatch.setenv("FLASHPAGE_LORA_KERNELS", "1")
     prompts = random_prompts(8, 4, 40, seed=3)
     names = ["a", "b", None, "b", "a", None, "c", "a"]
     llm = LLM(str(setup.base), enable_lora=True, max_loras=3, max_lora_rank=16,
@@ -296,9 +303,14 @@ def test_drafts_with_adapters(setup):
     _idle(llm)
 
 
-def test_lora_linear_matches_the_per_token_reference():
+@pytest.mark.parametrize("kernels", [False, True], ids=["dense", "kernels"])
+def test_lora_linear_matches_the_per_token_reference(kernels, monkeypatch):
     """Fused slices of different widths, ranks under the maximum, tokens of every slot and
-    none: the batched delta equals one token at a time."""
+    none: the batched delta (dense, or kernels/lora.py's under the interpreter) equals one
+    token at a time."""
+    if kernels and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on the CPU under TRITON_INTERPRET=1 (tests/conftest.py)")
+    monkeypatch.setenv("FLASHPAGE_LORA_KERNELS", "1" if kernels else "0")
     g = torch.Generator().manual_seed(0)
     slices = [(0, 16), (16, 8), (24, 8)]  # q, k, v of a qkv_proj
     state = LoRAState(32, torch.device("cpu"))
@@ -317,7 +329,8 @@ def test_lora_linear_matches_the_per_token_reference():
     state.token_slots[: len(slots)] = torch.tensor(slots)
     x = torch.randn(len(slots), 12, generator=g)
     y0 = torch.randn(len(slots), 32, generator=g)
-    got = lin.apply(x, y0)
+    assert lin.uses_kernels(x, y0) == kernels
+    got = lin.apply(x, y0.clone())
     want = y0 + lora_delta_ref(x, slots, pieces, slices, 32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[1], y0[1]) and torch.equal(got[4], y0[4])  # none / an empty slot
@@ -328,8 +341,10 @@ def test_lora_linear_matches_the_per_token_reference():
 def test_padded_graph_steps_read_the_slot_map(tiny_checkpoint, tmp_path, monkeypatch):
     """The graphs' padded static-buffer steps (run eagerly on the CPU: capture=False), prompt
     graphs and pieces, read each token's adapter from the slot map: a mixed batch gives
-    the eager engine's tokens."""
+    the eager engine's tokens (its delta dense, theirs through kernels/lora.py: slot -1 on
+    the padding)."""
     pytest.importorskip("triton")
+    monkeypatch.setenv("FLASHPAGE_LORA_KERNELS", "0")
     base = tiny_checkpoint("head64_gqa")
     ad = {n: write_adapter(tmp_path / n, base, r=4, alpha=8, seed=i) for i, n in enumerate("ab")}
     reqs = {n: LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(ad.items())}
@@ -339,7 +354,9 @@ def test_padded_graph_steps_read_the_slot_map(tiny_checkpoint, tmp_path, monkeyp
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     eager = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, **kw)
     want = _tokens(eager.generate(prompts, params, lora_request=loras, use_tqdm=False))
+    monkeypatch.setenv("FLASHPAGE_LORA_KERNELS", "1")
     llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, **kw)
+    assert llm.engine.lora is not None and llm.engine.lora.layers[0].kernel_max_tokens > 0
     runner = llm.engine.runner
     runner.capture_prefill_graphs(32, llm.engine.max_model_len, capture=False)
     runner.capture_piecewise_graphs(32, capture=False)
