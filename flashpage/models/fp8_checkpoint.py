@@ -26,7 +26,8 @@ config's ignore list) stay so, with ``quantization="fp8"`` too.
 Not read: ``input_scale`` (static activation scales): activations are quantized per token
 at run time (W8A8 on the GPU), each token's scale from its own amax, which never clips
 and rounds no coarser than one calibrated scale for all tokens; ``k_scale`` / ``v_scale``
-(the fp8 KV cache is kept at scale 1).
+(the fp8 KV cache is kept at scale 1); zero points, which symmetric checkpoints may store
+as zeros (a non-zero one is an error).
 """
 
 from __future__ import annotations
@@ -200,6 +201,11 @@ def _stream(files: list[str], skip: set[str], fp8: dict[str, _Fp8Tensor], kept: 
                     if name in skip:
                         continue
                     t = f.get_tensor(name)
+                    if name.endswith("_zero_point"):  # symmetric checkpoints may store zeros
+                        if t.any():
+                            raise ModelLoadError(f"{path}: {name} is not zero (asymmetric fp8 "
+                                                 "is not supported)")
+                        continue
                     if name not in fp8:
                         yield name, t
                     elif name in kept:

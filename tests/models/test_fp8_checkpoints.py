@@ -425,6 +425,8 @@ def test_sharded_checkpoint_with_scales_apart_from_their_weights(fp8_checkpoint,
     fp8, _, _ = fp8_checkpoint("llama31_gqa", "ct_tensor_static")
     path = _copy(fp8, tmp_path / "sharded")
     tensors = load_file(str(path / "model.safetensors"))
+    # llm-compressor may write zero points (all zero) beside symmetric scales: skipped
+    tensors["model.layers.0.mlp.down_proj.weight_zero_point"] = torch.zeros(1, dtype=torch.int8)
     (path / "model.safetensors").unlink()
     shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
     a, b = shards.values()
@@ -464,6 +466,8 @@ def test_broken_fp8_checkpoints_are_clear_errors(fp8_checkpoint, tmp_path):
         (lambda t: t.update({w + "_scale": torch.ones(3, 1)}), None,
          rf"{w}: scale of shape \(3, 1\), expected \[32, 1\] \(per-channel"),
         (lambda t: t.update({w + "_scale_inv": torch.ones(32, 1)}), None, "has two scales"),
+        (lambda t: t.update({w.removesuffix("weight") + "weight_zero_point": torch.ones(32, 1)}),
+         None, r"weight_zero_point is not zero \(asymmetric fp8 is not supported\)"),
         (lambda t: t.update({w: t[w].to(torch.float8_e5m2)}), None,
          rf"tensor {w} is F8_E5M2"),
         (None, lambda c: c.pop("quantization_config"),
