@@ -37,7 +37,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None, choices=["fp8"],
                    help="fp8: attention and MLP weights quantized at load to float8_e4m3fn with "
                         "per-row scales (half the weight bytes of bf16); embeddings, LM head, norms "
-                        "and MoE experts stay 16-bit")
+                        "and MoE experts stay 16-bit. Checkpoints already in fp8 (config.json's "
+                        "quantization_config) need no flag")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the text) instead of the tokenizer's own")

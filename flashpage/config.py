@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -42,11 +43,20 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATION_METHODS = ("fp8",)
 
 
+# quantization_config.quant_method of the checkpoints we read (models/fp8_checkpoint.py):
+# their linears are stored as float8_e4m3fn with their own scales
+FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
+
+
 def check_quantization(method: str | None) -> None:
     """ValueError naming the allowed values unless ``method`` is None or one of them."""
     if method is not None and method not in QUANTIZATION_METHODS:
         allowed = ", ".join(repr(m) for m in QUANTIZATION_METHODS)
-        raise ValueError(f"quantization must be None or one of {allowed}, got {method!r}")
+        hint = ""
+        if method in FP8_CHECKPOINT_METHODS:
+            hint = (f" ({method} checkpoints are read as they are, from their config's "
+                    "quantization_config: no flag needed)")
+        raise ValueError(f"quantization must be None or one of {allowed}, got {method!r}{hint}")
 
 
 class ConfigError(ValueError):
@@ -83,6 +93,152 @@ class RopeScaling:
         kwargs = {k: v for k, v in d.items() if k in known and v is not None}
         kwargs["rope_type"] = rope_type
         return RopeScaling(**kwargs)
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """A checkpoint whose linears are stored as float8_e4m3fn with their own scales: HF's
+    ``quantization_config`` of quant_method fp8 (HF / vLLM, DeepSeek-V3), compressed-tensors
+    (llm-compressor, 8-bit float weights) or fbgemm_fp8. ``models/fp8_checkpoint.py`` reads
+    the tensors; anything else (int4, AWQ, GPTQ, bitsandbytes, int8 ...) is a ConfigError.
+
+    ``weight_strategy``: "tensor" (one scale per weight tensor), "channel" (one per output
+    row) or "block" (one per ``block_size`` tile, rows x cols). ``activation_scheme``:
+    "dynamic", or "static" (calibrated ``input_scale`` tensors, which we do not use:
+    activations are quantized per token at run time). ``ignored``: the modules the config
+    says are left unquantized, as written (names, or "re:" patterns)."""
+
+    method: str
+    weight_strategy: str
+    block_size: tuple[int, int] | None = None
+    activation_scheme: str = "dynamic"
+    ignored: tuple[str, ...] = ()
+
+    def ignores(self, module: str) -> bool:
+        """Whether ``module`` (a HF module path) is in the ignore list: the same name, a
+        module above it, or a "re:" pattern matching it from its start."""
+        for entry in self.ignored:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], module):
+                    return True
+            elif module == entry or module.startswith(entry + "."):
+                return True
+        return False
+
+    def describe(self) -> str:
+        """One line: how the checkpoint's weights are stored and what loading makes of them."""
+        scales = {"tensor": "per-tensor scales", "channel": "per-channel scales"}.get(
+            self.weight_strategy, f"{self.block_size[0]}x{self.block_size[1]} block scales"
+            if self.block_size else "block scales")
+        text = f"fp8 e4m3 ({self.method}, {scales}, {self.activation_scheme} activations)"
+        if self.ignored:
+            text += f", {len(self.ignored)} module(s) left 16-bit"
+        return text
+
+    @staticmethod
+    def from_dict(d: Any, where: str) -> CheckpointQuantization:
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: quantization_config must be a JSON object, got {d!r}")
+        method = d.get("quant_method")
+        if method is None:
+            raise ConfigError(f"{where}: quantization_config has no quant_method")
+        if method not in FP8_CHECKPOINT_METHODS:
+            raise ConfigError(
+                f"{where}: quantization_config.quant_method {method!r} is not supported "
+                f"(checkpoints read: fp8 weights, quant_method {', '.join(FP8_CHECKPOINT_METHODS)}; "
+                "or load a 16-bit checkpoint, with quantization='fp8' for fp8 weights)")
+        if method == "compressed-tensors":
+            return CheckpointQuantization._compressed_tensors(d, where)
+        ignored = _string_list(d, "modules_to_not_convert", where) + _string_list(
+            d, "ignored_layers", where)
+        if method == "fbgemm_fp8":
+            # weight_scale [N, 1]; activation_scale_ub only clamps the dynamic activation scales
+            return CheckpointQuantization(method, "channel", None, "dynamic", ignored)
+        # "fp8": weight_block_size [bn, bk] with weight_scale_inv tiles, else per-tensor scales
+        field_ = f"{where}: quantization_config"
+        scheme = str(d.get("activation_scheme", "dynamic")).lower()
+        if scheme not in ("dynamic", "static"):
+            raise ConfigError(f"{field_}.activation_scheme must be 'dynamic' or 'static', "
+                              f"got {d.get('activation_scheme')!r}")
+        for key, ok in (("fmt", ("e4m3", None)), ("scale_fmt", ("float", "ue8m0", None)),
+                        ("expert_dtype", ("fp8", None))):
+            if d.get(key) not in ok:
+                raise ConfigError(f"{field_}.{key} {d.get(key)!r} is not supported "
+                                  f"(supported: {', '.join(repr(v) for v in ok if v)})")
+        block = _block_size(d.get("weight_block_size"), f"{field_}.weight_block_size")
+        return CheckpointQuantization(method, "block" if block else "tensor", block, scheme,
+                                      ignored)
+
+    @staticmethod
+    def _compressed_tensors(d: dict[str, Any], where: str) -> CheckpointQuantization:
+        """llm-compressor's format: config_groups of weights (8-bit float, symmetric,
+        strategy tensor / channel / block) and input_activations (dynamic or static)."""
+        field_ = f"{where}: quantization_config"
+        fmt = d.get("format")
+        if fmt not in (None, "float-quantized", "naive-quantized"):
+            raise ConfigError(f"{field_}.format {fmt!r} is not supported (fp8 checkpoints are "
+                              "'float-quantized'; packed int4 / int8 / sparse ones are not read)")
+        sparsity = d.get("sparsity_config")
+        if isinstance(sparsity, dict) and sparsity.get("format", "dense") != "dense":
+            raise ConfigError(f"{field_}.sparsity_config (format {sparsity.get('format')!r}) "
+                              "is not supported")
+        groups = d.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            raise ConfigError(f"{field_}.config_groups must be a non-empty object")
+        found: set[tuple[str, tuple[int, int] | None, str]] = set()
+        for name, g in groups.items():
+            gf = f"{field_}.config_groups.{name}"
+            w = g.get("weights") if isinstance(g, dict) else None
+            if not isinstance(w, dict):
+                raise ConfigError(f"{gf}.weights is missing")
+            bits, kind = w.get("num_bits"), w.get("type", "int")
+            if bits != 8 or kind != "float":
+                raise ConfigError(f"{gf}.weights: {bits}-bit {kind} weights are not supported "
+                                  "(only 8-bit float, fp8 e4m3)")
+            if w.get("symmetric") is False:
+                raise ConfigError(f"{gf}.weights.symmetric: asymmetric fp8 weights are not supported")
+            if w.get("dynamic"):
+                raise ConfigError(f"{gf}.weights.dynamic: dynamic weight scales are not supported")
+            strategy = w.get("strategy", "tensor")
+            if strategy not in ("tensor", "channel", "block"):
+                raise ConfigError(f"{gf}.weights.strategy {strategy!r} is not supported "
+                                  "(supported: 'tensor', 'channel', 'block')")
+            block = (_block_size(w.get("block_structure"), f"{gf}.weights.block_structure",
+                                 required=True) if strategy == "block" else None)
+            a = g.get("input_activations")
+            scheme = "dynamic"
+            if isinstance(a, dict):
+                if a.get("num_bits", 8) != 8 or a.get("type", "float") != "float":
+                    raise ConfigError(f"{gf}.input_activations: {a.get('num_bits')}-bit "
+                                      f"{a.get('type')} activations are not supported")
+                scheme = "dynamic" if a.get("dynamic", True) else "static"
+            found.add((strategy, block, scheme))
+        if len({(s, b) for s, b, _ in found}) > 1:
+            raise ConfigError(f"{field_}.config_groups: groups with different weight strategies "
+                              f"({sorted(str(s) for s, _, _ in found)}) are not supported")
+        strategy, block, _ = next(iter(found))
+        scheme = "static" if any(s == "static" for _, _, s in found) else "dynamic"
+        return CheckpointQuantization("compressed-tensors", strategy, block, scheme,
+                                      _string_list(d, "ignore", where))
+
+
+def _string_list(d: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
+    v = d.get(key)
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ConfigError(f"{where}: quantization_config.{key} must be a list of module names, "
+                          f"got {v!r}")
+    return tuple(v)
+
+
+def _block_size(v: Any, field_: str, required: bool = False) -> tuple[int, int] | None:
+    if v is None and not required:
+        return None
+    if (not isinstance(v, list | tuple) or len(v) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v)):
+        raise ConfigError(f"{field_} must be two positive integers [rows, cols], got {v!r}")
+    return int(v[0]), int(v[1])
 
 
 @dataclass(frozen=True)
@@ -127,6 +283,8 @@ class ModelConfig:
     topk_group: int = 1
     scoring_func: str = "softmax"
     norm_topk_prob: bool = False
+    # fp8 checkpoints (HF quantization_config): how their weights are stored; None: 16/32-bit
+    quantization_config: CheckpointQuantization | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ loading
@@ -232,6 +390,8 @@ class ModelConfig:
             topk_group=d.get("topk_group") or 1,
             scoring_func=d.get("scoring_func") or "softmax",
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            quantization_config=(None if d.get("quantization_config") is None else
+                                 CheckpointQuantization.from_dict(d["quantization_config"], where)),
             raw=d,
         )
 

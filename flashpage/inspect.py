@@ -36,7 +36,13 @@ import re
 import sys
 from typing import Any
 
-from flashpage.config import ConfigError, ModelConfig, check_quantization, dtype_bytes
+from flashpage.config import (
+    CheckpointQuantization,
+    ConfigError,
+    ModelConfig,
+    check_quantization,
+    dtype_bytes,
+)
 
 DEFAULT_MEMORY = "80GiB"
 DEFAULT_DTYPE = "bf16"
@@ -118,27 +124,50 @@ def _mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     return total, active
 
 
-def fp8_weight_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """[N, K] of every linear ``quantization="fp8"`` keeps in e4m3 (layers/quant.py):
-    attention projections (not MLA's kv_b_proj), dense MLPs and shared experts; not the
-    embeddings, LM head, routed experts or router."""
+def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
+    """(HF modules whose rows it holds, N, K) of every linear our fp8 layers can hold in
+    e4m3 (layers/quant.py): attention projections (not MLA's kv_b_proj), dense MLPs and
+    shared experts; not the embeddings, LM head, routed experts or router. Merged linears
+    (Llama's qkv_proj, gate_up_proj; DeepSeek's gate_up_proj) name their pieces."""
     h, heads = cfg.hidden_size, cfg.num_attention_heads
-    if cfg.is_mla:
-        assert cfg.kv_lora_rank is not None
-        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        q = ([(cfg.q_lora_rank, h), (heads * qk, cfg.q_lora_rank)] if cfg.q_lora_rank
-             else [(heads * qk, h)])
-        attn = q + [(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h), (h, heads * cfg.v_head_dim)]
-    else:
-        q_dim, kv_dim = heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        attn = [(q_dim + 2 * kv_dim, h), (h, q_dim)]
-    shapes = []
+    out: list[tuple[tuple[str, ...], int, int]] = []
     for layer in range(cfg.num_hidden_layers):
+        a, m = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
+        if cfg.is_mla:
+            assert cfg.kv_lora_rank is not None
+            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            if cfg.q_lora_rank:
+                out += [((f"{a}.q_a_proj",), cfg.q_lora_rank, h),
+                        ((f"{a}.q_b_proj",), heads * qk, cfg.q_lora_rank)]
+            else:
+                out.append(((f"{a}.q_proj",), heads * qk, h))
+            out += [((f"{a}.kv_a_proj_with_mqa",), cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
+                    ((f"{a}.o_proj",), h, heads * cfg.v_head_dim)]
+        else:
+            q_dim, kv_dim = heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            out += [((f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"), q_dim + 2 * kv_dim, h),
+                    ((f"{a}.o_proj",), h, q_dim)]
         inter = cfg.intermediate_size
         if _is_moe_layer(cfg, layer):
             inter = cfg.moe_intermediate_size * cfg.n_shared_experts
-        shapes += attn + ([(2 * inter, h), (h, inter)] if inter else [])
-    return shapes
+            m += ".shared_experts"
+        if inter:
+            out += [((f"{m}.gate_proj", f"{m}.up_proj"), 2 * inter, h), ((f"{m}.down_proj",), h, inter)]
+    return out
+
+
+def fp8_weight_shapes(cfg: ModelConfig, quantization: str | None = "fp8") -> list[tuple[int, int]]:
+    """[N, K] of every linear the engine holds in e4m3 for ``quantization`` ("fp8": every
+    one ``fp8_linears`` names) and the checkpoint's own ``quantization_config``: an fp8
+    checkpoint's per-tensor / per-channel linears are kept (block-scaled ones only under
+    "fp8"); those with a piece in its ignore list stay 16-bit either way
+    (models/fp8_checkpoint.py)."""
+    qc = cfg.quantization_config
+    keeps = quantization == "fp8" or (qc is not None and qc.weight_strategy != "block")
+    if not keeps:
+        return []
+    return [(n, k) for pieces, n, k in fp8_linears(cfg)
+            if qc is None or not any(qc.ignores(p) for p in pieces)]
 
 
 def param_counts(cfg: ModelConfig) -> tuple[int, int]:
@@ -159,8 +188,9 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
 def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTYPE,
                    kv_cache_dtype: str = "auto", quantization: str | None = None) -> dict[str, Any]:
     """Every figure ``flashpage inspect`` reports, as a JSON-serializable dict. The weights
-    take ``dtype`` (``quantization`` "fp8": those the engine quantizes 1 byte each, plus an
-    fp32 scale per output row); the KV cache ``kv_cache_dtype`` ("auto": ``dtype``, "fp8":
+    take ``dtype`` (``quantization`` "fp8", or an fp8 checkpoint's quantization_config:
+    those the engine holds in e4m3 1 byte each, plus an fp32 scale per output row:
+    ``fp8_weight_shapes``); the KV cache ``kv_cache_dtype`` ("auto": ``dtype``, "fp8":
     1 byte)."""
     check_quantization(quantization)
     wbytes = dtype_bytes(dtype)
@@ -173,10 +203,11 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
     kv_total = kv_per_layer * layers
     total_params, active_params = param_counts(cfg)
     weights_bytes = total_params * wbytes
-    if quantization == "fp8":
-        shapes = fp8_weight_shapes(cfg)
+    shapes = fp8_weight_shapes(cfg, quantization)
+    if shapes:
         fp8_values = sum(n * k for n, k in shapes)
         weights_bytes += fp8_values * (1 - wbytes) + 4 * sum(n for n, _ in shapes)
+    qc = cfg.quantization_config
     info: dict[str, Any] = {
         "architecture": cfg.architecture,
         "model_type": cfg.model_type,
@@ -206,6 +237,12 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "param_count": total_params,
         "active_param_count": active_params,
         "quantization": quantization,
+        # an fp8 checkpoint's own quantization_config (config.CheckpointQuantization)
+        "quantization_config": None if qc is None else {
+            "method": qc.method, "weight_strategy": qc.weight_strategy,
+            "block_size": list(qc.block_size) if qc.block_size else None,
+            "activation_scheme": qc.activation_scheme, "ignored": list(qc.ignored)},
+        "fp8_linears": len(shapes),
         "weights_bytes": weights_bytes,
         "tokens_in_memory_after_weights": max(0, memory_bytes - weights_bytes) // kv_total,
     }
@@ -276,13 +313,22 @@ def format_report(info: dict[str, Any]) -> str:
     if mla:
         rows.append(("equivalent GQA groups", f"{mla['equivalent_gqa_groups']:.2f} "
                                                "((kv_lora_rank + rope) / (2 * qk_nope_head_dim))"))
+    qc = info.get("quantization_config")
+    if qc:
+        desc = CheckpointQuantization(qc["method"], qc["weight_strategy"],
+                                      tuple(qc["block_size"]) if qc["block_size"] else None,
+                                      qc["activation_scheme"], tuple(qc["ignored"])).describe()
+        kept = ("kept in e4m3, a scale per row" if qc["weight_strategy"] != "block" else
+                f"dequantized to {dt} at load"
+                + (", then quantized per row" if info.get("quantization") else ""))
+        rows.append(("checkpoint weights", f"{desc}: {kept}"))
     mem = _size(info["memory_bytes"])
     rows += [
         (f"tokens in {mem}", f"{info['tokens_in_memory']:,} (KV cache alone)"),
         ("parameters", f"{info['param_count'] / 1e9:.3f} B"
          + (f" ({info['active_param_count'] / 1e9:.3f} B active per token)"
             if info["active_param_count"] != info["param_count"] else "")),
-        (f"weights ({dt}{', fp8 linears' if info.get('quantization') else ''})",
+        (f"weights ({dt}{', fp8 linears' if info.get('fp8_linears') else ''})",
          _size(info["weights_bytes"])),
         (f"tokens in {mem} - weights", f"{info['tokens_in_memory_after_weights']:,}"),
     ]

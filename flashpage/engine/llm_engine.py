@@ -31,6 +31,7 @@ from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.layers import ops
 from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
 from flashpage.layers.moe import set_fused_moe
+from flashpage.layers.quant import quantized_linears
 from flashpage.lora.request import LoRARequest
 from flashpage.models.loader import ModelSource, load_model, resolve_model
 from flashpage.outputs import RequestMetrics, RequestOutput
@@ -139,7 +140,8 @@ class LLMEngine:
         self.runner.lora = self.lora
         # Decode-batch GEMMs: ours where it beats cuBLAS (fp8: W8A8) on this GPU (timed now,
         # before the graphs capture whichever is chosen); only beside our fused kernels.
-        fp8 = config.quantization == "fp8"
+        # (fp8: quantization="fp8", or an fp8 checkpoint's e4m3 weights kept as they are)
+        fp8 = bool(quantized_linears(self.model))
         if (self.device.type == "cuda" and backend_cls.name == "triton"
                 and envs.skinny_gemm(default=fp8) and self.dtype in (torch.float16, torch.bfloat16)):
             t1 = time.perf_counter()

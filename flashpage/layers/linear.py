@@ -58,7 +58,8 @@ class _ParallelLinear(nn.Module):
     ``row_gemv``: one-row inputs may go through ``kernels/gemv.gemv_row`` (set by the
     engine beside our fused kernels on a GPU; used while FLASHPAGE_GEMV is on).
     ``weight_scale``: None, or fp32 [N] once ``quantize_fp8`` has made ``weight``
-    float8_e4m3fn (layers/quant.py); ``quantizable = False`` keeps a layer 16-bit.
+    float8_e4m3fn (layers/quant.py) or ``hold_fp8`` has made it ready for an fp8
+    checkpoint's; ``quantizable = False`` keeps a layer 16-bit.
     ``lora``: the adapter slots the engine attached with ``enable_lora`` (flashpage/lora/):
     each token's adapter delta is added to the base output. The SiLU·mul stays fused into
     the down projection's GEMV where the delta runs through kernels/lora.py (its shrink
@@ -103,8 +104,19 @@ class _ParallelLinear(nn.Module):
         self.weight_scale = scale
         self.skinny = {}  # configs timed for the 16-bit weight
 
+    def hold_fp8(self) -> None:
+        """Hold an fp8 checkpoint's weight (models/fp8_checkpoint.py): ``weight`` becomes an
+        empty float8_e4m3fn [N, K] and ``weight_scale`` an empty fp32 [N], both filled by
+        loading (e4m3 values as stored, each row's scale)."""
+        w = self.weight
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.weight_scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+        self.skinny = {}
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if self.is_quantized:
+        if self.is_quantized and param is self.weight and loaded.dtype != FP8_DTYPE:
             raise RuntimeError("weights load before quantization (the layer holds fp8 already)")
         dim = self.split_dim if param.dim() > 1 or self.split_dim == 0 else None
         if dim is not None and self.tp_size > 1:

@@ -23,7 +23,10 @@ How a quantized linear of M rows runs (``_ParallelLinear.forward``):
                                     K multiples of 16)
     elsewhere (CPU, fp32, old GPUs) the weight dequantized to x's dtype, then F.linear
 
-Checkpoints whose weights are already fp8 (with their own scales) are not read here.
+A checkpoint whose weights are already fp8 (config.json's quantization_config) is loaded
+into this same form, its e4m3 values and per-tensor or per-channel scales as stored, one
+scale per output row (models/fp8_checkpoint.py); ``quantize_model`` then leaves those
+linears as they are, and the ones the checkpoint left 16-bit (``quantizable = False``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def quantize_fp8_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if w.dim() != 2:
         raise ValueError(f"expected a [N, K] weight, got {tuple(w.shape)}")
     if not w.is_floating_point() or w.dtype.itemsize == 1:
-        raise ValueError(f"cannot quantize a {w.dtype} weight (fp8 checkpoints are not supported)")
+        raise ValueError(f"cannot quantize a {w.dtype} weight (an fp8 checkpoint's weights are "
+                         "read with their scales: models/fp8_checkpoint.py)")
     w32 = w.float()
     scale = (w32.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
     q = (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

@@ -26,8 +26,9 @@ from flashpage.models.common import DecoderStack, PreNormDecoderLayer
 # Checkpoints hold one tensor per routed expert; we keep them fused, [E, ...] per layer.
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-# The dense MLPs' and shared experts' gate_proj / up_proj: rows of their gate_up_proj.
-_GATE_UP = re.compile(r"^(?P<prefix>.+)\.(?P<proj>gate|up)_proj\.weight$")
+# The dense MLPs' and shared experts' gate_proj / up_proj: rows of their gate_up_proj (and
+# an fp8 checkpoint's per-row scales, models/fp8_checkpoint.py, rows of its weight_scale).
+_GATE_UP = re.compile(r"^(?P<prefix>.+)\.(?P<proj>gate|up)_proj\.(?P<kind>weight|weight_scale)$")
 
 
 def is_moe_layer(config: ModelConfig, layer_idx: int) -> bool:
@@ -119,7 +120,7 @@ class DeepseekForCausalLM(nn.Module):
             if ".shared_experts." in name and tensor.numel() == 0 and name not in targets:
                 continue  # transformers writes a zero-width shared MLP when there is none
             g = _GATE_UP.match(name)
-            if g and name not in targets and f"{g['prefix']}.gate_up_proj.weight" in targets:
+            if g and name not in targets and f"{g['prefix']}.gate_up_proj.{g['kind']}" in targets:
                 self._load_gate_up(targets, g, tensor, expert_pieces, loaded)
                 continue
             if name not in targets:
@@ -138,9 +139,9 @@ class DeepseekForCausalLM(nn.Module):
 
     def _load_gate_up(self, targets: dict[str, torch.Tensor], m: re.Match[str], tensor: torch.Tensor,
                       pieces: dict[str, set[tuple[int, str]]], loaded: set[str]) -> None:
-        """``...{gate,up}_proj.weight`` of a dense MLP or the shared experts -> rows [:I] /
-        [I:] of its ``gate_up_proj.weight`` (loaded once both have arrived)."""
-        fused = f"{m['prefix']}.gate_up_proj.weight"
+        """``...{gate,up}_proj.weight`` (or ``.weight_scale``) of a dense MLP or the shared
+        experts -> rows [:I] / [I:] of its ``gate_up_proj``'s (loaded once both have arrived)."""
+        fused = f"{m['prefix']}.gate_up_proj.{m['kind']}"
         param = targets[fused]
         inter = param.shape[0] // 2
         dst = param.data[:inter] if m["proj"] == "gate" else param.data[inter:]

@@ -113,12 +113,14 @@ class LlamaForCausalLM(nn.Module):
         q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
             c.intermediate_size
         out = {}
-        for kind in ("weight", "bias"):
+        # weight_scale: an fp8 checkpoint's per-row scales (models/fp8_checkpoint.py)
+        for kind in ("weight", "bias", "weight_scale"):
             out[f"self_attn.q_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", 0, q)
             out[f"self_attn.k_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", q, kv)
             out[f"self_attn.v_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", q + kv, kv)
-        out["mlp.gate_proj.weight"] = ("mlp.gate_up_proj.weight", 0, inter)
-        out["mlp.up_proj.weight"] = ("mlp.gate_up_proj.weight", inter, inter)
+        for kind in ("weight", "weight_scale"):
+            out[f"mlp.gate_proj.{kind}"] = (f"mlp.gate_up_proj.{kind}", 0, inter)
+            out[f"mlp.up_proj.{kind}"] = (f"mlp.gate_up_proj.{kind}", inter, inter)
         return out
 
     def lora_targets(self) -> dict[str, tuple[str, int, int]]:
@@ -156,7 +158,9 @@ class LlamaForCausalLM(nn.Module):
 
         A merged parameter counts as loaded once all its HF pieces have arrived; a piece
         that never arrives is reported under its HF name by the loader."""
-        params = dict(self.named_parameters())
+        params: dict[str, torch.Tensor] = dict(self.named_parameters())
+        # the per-row scales of linears that hold an fp8 checkpoint's weights (hold_fp8)
+        params.update((n, b) for n, b in self.named_buffers() if n.endswith(".weight_scale"))
         loaded: set[str] = set()
         # merged param -> HF pieces still missing
         pending = {n: set(self._pieces(n)) for n in params if n.split(".")[1:2] == ["layers"]

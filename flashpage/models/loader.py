@@ -1,4 +1,5 @@
-"""Find a model's files and load its weights: HF safetensors (single or sharded), GGUF, or random.
+"""Find a model's files and load its weights: HF safetensors (single or sharded; fp8 ones
+through models/fp8_checkpoint.py), GGUF, or random.
 
 ``resolve_model`` decides what a ``model`` argument names; ``load_model`` builds the
 module on the target device and fills it.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +68,7 @@ def resolve_model(model: str | None, random_config: str | None = None) -> ModelS
 
 
 # ----------------------------------------------------------------------------- safetensors
-def _safetensors_files(folder: str) -> list[str]:
+def safetensors_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
@@ -87,13 +88,21 @@ def _safetensors_files(folder: str) -> list[str]:
 
 
 def iter_safetensors(folder: str, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a 16/32-bit checkpoint as stored; an fp8 one is a ModelLoadError
+    (its values mean nothing without the scales that models/fp8_checkpoint.py applies,
+    which a config.json without quantization_config does not ask for)."""
     from safetensors import SafetensorError, safe_open
 
-    for path in _safetensors_files(folder):
+    for path in safetensors_files(folder):
         try:
             with safe_open(path, framework="pt", device=device) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    yield name, f.get_tensor(name)
+                    t = f.get_tensor(name)
+                    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                        raise ModelLoadError(
+                            f"{path}: tensor {name} is {str(t.dtype).replace('torch.', '')} but "
+                            f"{folder}/config.json has no quantization_config saying how to read it")
+                    yield name, t
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{path} is corrupt or not a safetensors file: {e}") from e
 
@@ -205,7 +214,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None, seed: int = 0,
                quantization: str | None = None) -> nn.Module:
     """The model of ``source`` in ``dtype`` on ``device``, its weights loaded (or random),
-    then quantized per ``quantization`` (None or "fp8": layers/quant.quantize_model)."""
+    then quantized per ``quantization`` (None or "fp8": layers/quant.quantize_model). An fp8
+    checkpoint (config.json's quantization_config) keeps its e4m3 weights where our fp8
+    linears can run them, with no flag (models/fp8_checkpoint.py)."""
     cls = model_class(source.config)
     with torch.device(device):
         model = cls(source.config, max_positions)  # type: ignore[call-arg]
@@ -214,8 +225,15 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         init_random_(model, seed)
     else:
         assert source.path is not None
-        weights = (iter_gguf(source.path, source.config) if source.kind == "gguf"
-                   else iter_safetensors(source.path, "cpu"))
+        weights: Iterable[tuple[str, torch.Tensor]]
+        if source.kind == "gguf":
+            weights = iter_gguf(source.path, source.config)
+        elif source.config.quantization_config is not None:
+            from flashpage.models.fp8_checkpoint import fp8_checkpoint_weights
+
+            weights = fp8_checkpoint_weights(model, source.config, source.path)
+        else:
+            weights = iter_safetensors(source.path, "cpu")
         loaded = model.load_weights(weights)  # type: ignore[operator]
         # Parameters and persistent buffers (e.g. DeepSeek-V3's e_score_correction_bias).
         expected = set(model.state_dict().keys())

@@ -70,7 +70,7 @@ def test_rowwise_quantization_round_trip_bounds():
 def test_quantization_rejects_what_it_cannot_read():
     with pytest.raises(ValueError, match=r"\[N, K\]"):
         quantize_fp8_rowwise(torch.zeros(4))
-    with pytest.raises(ValueError, match="fp8 checkpoints are not supported"):
+    with pytest.raises(ValueError, match="cannot quantize a torch.float8_e4m3fn weight"):
         quantize_fp8_rowwise(torch.zeros(4, 4, dtype=FP8_DTYPE))
     with pytest.raises(ValueError, match="cannot quantize"):
         quantize_fp8_rowwise(torch.zeros(4, 4, dtype=torch.int32))

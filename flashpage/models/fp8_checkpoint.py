@@ -1,0 +1,220 @@
+"""Checkpoints whose weights are already fp8, read as vLLM reads them: no flag, the
+config's ``quantization_config`` says so (parsed once: ``config.CheckpointQuantization``).
+
+Every ``X.weight`` stored as float8_e4m3fn comes with ``X.weight_scale`` or
+``X.weight_scale_inv`` (the same thing under DeepSeek's name: the factor that multiplies
+the stored values back, W = scale * Wq). Our fp8 linears hold e4m3 rows with one fp32
+scale per output row (layers/quant.py), so:
+
+    scale in the file                 what the model holds
+    []  or [1]     (strategy tensor)  Wq as stored, weight_scale [N] = the scale on every row
+    [N] or [N, 1]  (strategy channel) Wq as stored, weight_scale [N] = the scale
+    [N/bn, K/bk]   (strategy block)   scale * Wq in fp32, then the model's dtype: a tile's
+                                      scale has no per-row form; quantization="fp8" then
+                                      re-quantizes it per row, as any 16-bit weight
+
+A merged linear (Llama's qkv_proj, gate_up_proj) takes each piece's rows with that
+piece's own scale, so q, k and v under different per-tensor scales stay exact (vLLM
+re-quantizes such a fused weight to the largest of its scales instead).
+
+Kept in e4m3: a ``ColumnParallelLinear`` / ``RowParallelLinear`` left ``quantizable``
+whose pieces are all e4m3 with a per-tensor or per-channel scale. Everything else that
+the file holds in e4m3 (embeddings, the LM head, MLA's kv_b_proj, MoE experts, block
+scales) is dequantized to the model's dtype. Linears the file holds in 16 bits (the
+config's ignore list) stay so, with ``quantization="fp8"`` too.
+
+Not read: ``input_scale`` (static activation scales): activations are quantized per token
+at run time (W8A8 on the GPU), each token's scale from its own amax, which never clips
+and rounds no coarser than one calibrated scale for all tokens; ``k_scale`` / ``v_scale``
+(the fp8 KV cache is kept at scale 1); zero points, which symmetric checkpoints may store
+as zeros (a non-zero one is an error).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from flashpage.config import CheckpointQuantization, ModelConfig
+from flashpage.layers.linear import _ParallelLinear
+from flashpage.layers.quant import FP8_DTYPE
+from flashpage.models.loader import ModelLoadError, safetensors_files
+
+logger = logging.getLogger("flashpage")
+
+# Tensors beside the weights that are read by nobody (see the module's docstring).
+UNUSED_SUFFIXES = (".input_scale", ".input_scale_ub", ".activation_scale", ".k_scale",
+                   ".v_scale", ".kv_scale")
+# HF projections that live in one of our merged linears (models/llama.py, deepseek.py).
+MERGED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+@dataclass(frozen=True)
+class _Fp8Tensor:
+    scale_name: str
+    shape: tuple[int, ...]
+
+
+def dequantize_fp8_checkpoint(q: torch.Tensor, scale: torch.Tensor,
+                              block: tuple[int, int] | None = None) -> torch.Tensor:
+    """A stored e4m3 weight q [N, K] times its scale, in fp32: a scalar or one per row,
+    or with ``block`` (bn, bk) one per tile, scale [ceil(N/bn), ceil(K/bk)] (edge tiles
+    partial)."""
+    s = scale.float()
+    if block is not None:
+        n, k = q.shape
+        s = s.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+        return q.float() * s
+    return q.float() * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
+
+
+def row_scales(name: str, shape: tuple[int, ...], scale: torch.Tensor,
+               qc: CheckpointQuantization) -> torch.Tensor | None:
+    """fp32 [N] for a weight of ``shape`` whose scale is per tensor or per channel; None
+    for block scales. ModelLoadError when the scale's shape is not what the config says."""
+    n = shape[0]
+    if qc.weight_strategy == "block":
+        assert qc.block_size is not None
+        bn, bk = qc.block_size
+        want = (-(-n // bn), -(-shape[1] // bk))
+        if tuple(scale.shape) != want:
+            raise ModelLoadError(f"{name}: block scales of shape {tuple(scale.shape)}, expected "
+                                 f"{list(want)} for a {list(shape)} weight in {bn}x{bk} blocks")
+        return None
+    if qc.weight_strategy == "tensor":
+        if scale.numel() != 1:
+            raise ModelLoadError(f"{name}: scale of shape {tuple(scale.shape)}, expected one "
+                                 f"value (per-tensor, as quantization_config says)")
+        return scale.float().reshape(1).expand(n).clone()
+    if tuple(scale.shape) not in ((n,), (n, 1)):
+        raise ModelLoadError(f"{name}: scale of shape {tuple(scale.shape)}, expected [{n}, 1] "
+                             f"(per-channel, as quantization_config says)")
+    return scale.float().reshape(n).clone()
+
+
+def _linear_of(model: nn.Module, hf_module: str) -> tuple[str, _ParallelLinear] | None:
+    """Our linear that holds the HF module's weight (itself, or the merged one its rows
+    go into), or None (an embedding, the experts, a router ...)."""
+    parent, _, leaf = hf_module.rpartition(".")
+    for path in (hf_module, f"{parent}.{MERGED[leaf]}" if leaf in MERGED else None):
+        if path is None:
+            continue
+        try:
+            m = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(m, _ParallelLinear):
+            return path, m
+    return None
+
+
+def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig,
+                           folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Prepare ``model`` for the fp8 checkpoint in ``folder`` and return its weights as
+    ``load_weights`` takes them: the linears that keep e4m3 are turned to hold it now (an
+    e4m3 ``weight`` and an fp32 ``weight_scale`` [N] to fill), and each of their weights
+    comes as (``X.weight`` e4m3, ``X.weight_scale`` fp32 [rows]); every other e4m3 weight
+    comes dequantized (fp32), every other tensor as stored, the unused scales not at all.
+    Shapes, scales and dtypes are checked from the files' headers before anything loads."""
+    from safetensors import safe_open
+
+    qc = config.quantization_config
+    assert qc is not None
+    files = safetensors_files(folder)
+    header: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # name -> (file, dtype, shape)
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                sl = f.get_slice(name)
+                header[name] = (path, sl.get_dtype(), tuple(sl.get_shape()))
+    fp8: dict[str, _Fp8Tensor] = {}
+    for name, (_, dtype, shape) in header.items():
+        if dtype == "F8_E5M2" or (dtype == "F8_E4M3" and not name.endswith(".weight")):
+            raise ModelLoadError(f"{folder}: tensor {name} is {dtype}; only *.weight tensors "
+                                 "in float8_e4m3fn are read")
+        if dtype != "F8_E4M3":
+            continue
+        if len(shape) != 2:
+            raise ModelLoadError(f"{folder}: fp8 weight {name} has shape {list(shape)}; "
+                                 "only [N, K] linears are read")
+        found = [name + s for s in ("_scale", "_scale_inv") if name + s in header]
+        if len(found) != 1:
+            raise ModelLoadError(f"{folder}: fp8 weight {name} has "
+                                 f"{'no scale' if not found else 'two scales'} "
+                                 f"({name}_scale or {name}_scale_inv)")
+        fp8[name] = _Fp8Tensor(found[0], shape)
+    if not fp8:
+        raise ModelLoadError(f"{folder}: config.json has a quantization_config ({qc.method}) "
+                             "but no tensor is float8_e4m3fn")
+    scales: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for t in fp8.values():
+                if header[t.scale_name][0] == path:
+                    scales[t.scale_name] = f.get_tensor(t.scale_name)
+    rows = {name: row_scales(name, t.shape, scales[t.scale_name], qc) for name, t in fp8.items()}
+
+    # Which of our linears keep e4m3: all their pieces in the file e4m3 with row scales.
+    pieces: dict[str, list[str]] = {}
+    linears: dict[str, _ParallelLinear] = {}
+    for name in header:
+        if name.endswith(".weight") and (hit := _linear_of(model, name[:-7])) is not None:
+            pieces.setdefault(hit[0], []).append(name)
+            linears[hit[0]] = hit[1]
+    kept: set[str] = set()
+    for path, names in pieces.items():
+        m = linears[path]
+        if not all(n in fp8 for n in names):
+            m.quantizable = False  # (partly) left 16-bit by the checkpoint: quantization="fp8" too
+        elif m.quantizable and all(rows[n] is not None for n in names):
+            m.hold_fp8()
+            kept.update(names)
+    dequantized = sorted(set(fp8) - kept)
+    logger.info("fp8 checkpoint, %s: %d weights kept in e4m3 with their scales, %d dequantized "
+                "to %s%s", qc.describe(), len(kept), len(dequantized),
+                str(next(p.dtype for p in model.parameters() if p.dtype != FP8_DTYPE)).replace(
+                    "torch.", ""),
+                f" ({', '.join(dequantized[:3])}{' ...' if len(dequantized) > 3 else ''})"
+                if dequantized else "")
+    unused = [n for n in header if n.endswith(UNUSED_SUFFIXES)]
+    if unused:
+        logger.info("fp8 checkpoint: %d static activation / KV scales not used (activations are "
+                    "quantized per token at run time)", len(unused))
+    skip = set(unused) | {t.scale_name for t in fp8.values()}
+    return _stream(files, skip, fp8, kept, rows, scales, qc.block_size)
+
+
+def _stream(files: list[str], skip: set[str], fp8: dict[str, _Fp8Tensor], kept: set[str],
+            rows: dict[str, torch.Tensor | None], scales: dict[str, torch.Tensor],
+            block: tuple[int, int] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    if name in skip:
+                        continue
+                    t = f.get_tensor(name)
+                    if name.endswith("_zero_point"):  # symmetric checkpoints may store zeros
+                        if t.any():
+                            raise ModelLoadError(f"{path}: {name} is not zero (asymmetric fp8 "
+                                                 "is not supported)")
+                        continue
+                    if name not in fp8:
+                        yield name, t
+                    elif name in kept:
+                        r = rows[name]
+                        assert r is not None
+                        yield name, t
+                        yield name + "_scale", r
+                    else:
+                        yield name, dequantize_fp8_checkpoint(
+                            t, scales[fp8[name].scale_name], block if rows[name] is None else None)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{path} is corrupt or not a safetensors file: {e}") from e
