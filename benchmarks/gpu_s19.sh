@@ -8,6 +8,12 @@
 #                                             V2-Lite's piecewise steps by profile_ttft.py (run 156:
 #                                             prompt 14.5 ms / mixed 18.4 ms for 11.9 / 10.8 ms of
 #                                             kernels) and ttft_graphs.py (run 133's table)
+#   BUDGET=500 bash benchmarks/gpu_s19.sh b   LoRA's gathered kernels (kernels/lora.py) and pre-quantized fp8
+#                                             checkpoints (models/fp8_checkpoint.py): their GPU tests, the
+#                                             kernels against the dense path, then the 8B engine with
+#                                             enable_lora, kernels on / off (run 159: 0.62-0.65x base)
+#   BUDGET=300 bash benchmarks/gpu_s19.sh c   n-gram drafting's back-off (SpecBackoff): bench serve at
+#                                             run 155's light load, drafts on (backoff on / off). Carry [".whl"]
 # Results under $OUT.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -28,5 +34,29 @@ a)
   timeout "$(left 150)" python3 benchmarks/ttft_graphs.py --config deepseek-v2-lite --input-lens 16 128 \
     --batches 1 4 --decodes 16 64 --mixed-lens 16 128 --out "$OUT" 2>&1 | tail -n 14
   echo "part a done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a)"; exit 2 ;;
+b)
+  timeout "$(left 200)" $PT -m gpu tests/kernels/test_lora_kernels.py tests/engine/test_lora.py \
+    tests/models/test_fp8_checkpoints.py -rf 2>&1 | tee "$OUT/gpu_tests_b.txt" | tail -n 3
+  timeout "$(left 60)" python3 benchmarks/lora.py --kernels --max-loras 4 --rank 16 \
+    --json-out "$OUT/lora_kernels.json" 2>&1 | tee "$OUT/lora_kernels.txt" | tail -n 30
+  for k in auto 0; do
+    FLASHPAGE_LORA_KERNELS=$k timeout "$(left 120)" python3 benchmarks/lora.py --config llama-3-8b \
+      --batch-sizes 1 16 --max-loras 4 --rank 16 --output-len 64 --iters 2 \
+      --json-out "$OUT/lora_8b_kernels_$k.json" > "$OUT/lora_8b_kernels_$k.txt" 2>&1
+    echo "== kernels=$k"; tail -n 8 "$OUT/lora_8b_kernels_$k.txt"
+  done
+  echo "part b done at ${SECONDS}s" ;;
+c)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site || exit 1
+  for bo in true false; do
+    timeout "$(left 140)" python3 -m flashpage bench serve --config llama-3-8b --request-rate 2 \
+      --num-prompts 60 --input-len 256 --output-len 64 \
+      --speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"backoff\": $bo}" \
+      --json-out "$OUT/serve_ngram_backoff_$bo.json" > "$OUT/serve_ngram_backoff_$bo.txt" 2>&1
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], r['completed'], r['ttft_ms'], r['itl_ms'])" \
+      "$OUT/serve_ngram_backoff_$bo.json" "backoff=$bo"
+  done
+  echo "part c done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-c)"; exit 2 ;;
 esac
