@@ -497,6 +497,18 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, ba
                               window), **consts, **options)
 
 
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, window_size) -> tuple[int, int, int]:
+    """flash_attn_varlen's checks -> (query heads, batch, window)."""
+    hq = _check_qkv(q, k, v, "k, v")[0]
+    if k.dim() != 3:
+        raise ValueError(f"k, v must be [total_k, num_kv_heads, head_dim], got {tuple(k.shape)}")
+    batch = _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
+    if _check_cu("cu_seqlens_k", cu_seqlens_k, q.device) != batch:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k differ in length: {batch + 1} vs "
+                         f"{cu_seqlens_k.numel()}")
+    return hq, batch, _check_window(window_size)
+
+
 class VarlenPlan(LaunchPlan):
     """flash_attn_varlen planned for the layers of a step (kernels/plan.py), as MLA's prompt
     path calls it over each layer's own expanded keys and values: the checks, tile config and
@@ -511,14 +523,7 @@ class VarlenPlan(LaunchPlan):
                  cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                  causal: bool = True, sm_scale: float | None = None, window_size: int | None = None,
                  out: torch.Tensor | None = None) -> None:
-        _check_qkv(q, k, v, "k, v")
-        if k.dim() != 3:
-            raise ValueError(f"k, v must be [total_k, num_kv_heads, head_dim], got {tuple(k.shape)}")
-        batch = _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
-        if _check_cu("cu_seqlens_k", cu_seqlens_k, q.device) != batch:
-            raise ValueError(f"cu_seqlens_q and cu_seqlens_k differ in length: {batch + 1} vs "
-                             f"{cu_seqlens_k.numel()}")
-        window = _check_window(window_size)
+        _, batch, window = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, window_size)
         if out is not None:
             _check_out(out, q, v.shape[-1])
         grid, consts, options, use_tma, cfg, scale = _form(
@@ -556,15 +561,8 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     log of the softmax denominator, -inf for a query that sees no key) if return_lse.
     The default sm_scale is D ** -0.5.
     """
-    hq, _, _, dv = _check_qkv(q, k, v, "k, v")
-    if k.dim() != 3:
-        raise ValueError(f"k, v must be [total_k, num_kv_heads, head_dim], got {tuple(k.shape)}")
-    batch = _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
-    if _check_cu("cu_seqlens_k", cu_seqlens_k, q.device) != batch:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k differ in length: {batch + 1} vs "
-                         f"{cu_seqlens_k.numel()}")
-    window = _check_window(window_size)
-    out = _check_out(out, q, dv)
+    hq, batch, window = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, window_size)
+    out = _check_out(out, q, v.shape[-1])
     lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
     if q.shape[0] > 0 and batch > 0:
         _launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, None, 0, batch,
