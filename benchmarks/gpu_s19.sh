@@ -12,8 +12,10 @@
 #                                             checkpoints (models/fp8_checkpoint.py): their GPU tests, the
 #                                             kernels against the dense path, then the 8B engine with
 #                                             enable_lora, kernels on / off (run 159: 0.62-0.65x base)
-#   BUDGET=300 bash benchmarks/gpu_s19.sh c   n-gram drafting's back-off (SpecBackoff): bench serve at
-#                                             run 155's light load, drafts on (backoff on / off). Carry [".whl"]
+#   BUDGET=450 bash benchmarks/gpu_s19.sh c   n-gram drafting's back-off (SpecBackoff): spec_decode.py on
+#                                             the 8B counting weights (run 143's table, now with
+#                                             wrong+bo and async scheduling), then bench serve at run
+#                                             155's light load, drafts on (backoff on / off). Carry [".whl"]
 # Results under $OUT.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -47,6 +49,8 @@ b)
   done
   echo "part b done at ${SECONDS}s" ;;
 c)
+  timeout "$(left 150)" python3 benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 4 \
+    --json-out "$OUT/spec_backoff.json" 2>&1 | grep "^batch"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site || exit 1
   for bo in true false; do

@@ -16,7 +16,12 @@ lookup is for: copying from the context). Modes per batch size:
   output repeats what came before (random weights: whatever they do)
 - right k=K / wrong k=K: drafts scripted from plain's own tokens, all right (every draft
   accepted: the most a step of k drafts can give) or all wrong (none accepted: the price
-  of checking k drafts), which bound what any proposer gets from this model and machine.
+  of checking k drafts), which bound what any proposer gets from this model and machine
+  (drafting's back-off off, so every step drafts)
+- wrong+bo k=K: all wrong with the back-off on (engine/spec_decode.SpecBackoff), as a
+  request whose drafts miss runs by default
+
+Speculating modes schedule as the engine does (async on CUDA while nobody drafts).
 
 Prints output tokens/s, the mean inter-token gap (ms), steps, and the drafts' acceptance
 for each; checks every mode's tokens against plain's (greedy: they must be equal, bar
@@ -152,14 +157,14 @@ def main() -> None:
         modes: list[tuple[str, NgramProposer]] = []
         for k in args.ks:
             cfg = SpeculativeConfig(num_speculative_tokens=k)
+            bounds = SpeculativeConfig(num_speculative_tokens=k, backoff=False)
             modes.append((f"ngram k={k}", NgramProposer(cfg, eng.max_model_len)))
-            for name, shift in (("right", 0), ("wrong", 1)):
-                sp = ScriptedProposer(cfg, eng.max_model_len)
+            for name, shift, c in (("right", 0, bounds), ("wrong", 1, bounds), ("wrong+bo", 1, cfg)):
+                sp = ScriptedProposer(c, eng.max_model_len)
                 sp.answers = {str(i): a for i, a in enumerate(want)}
                 sp.shift, sp.vocab = shift, vocab
                 modes.append((f"{name} k={k}", sp))
         rows = [("plain", plain, None)]
-        eng.async_scheduling = False
         for name, prop in modes:
             eng.proposer = prop
             prop.stats = SpecStats()
