@@ -281,6 +281,7 @@ PARSERS: dict[str, str] = {
     "hermes": "tools:HermesParser",
     "llama3_json": "tools:Llama3JsonParser",
     "mistral": "tools:MistralParser",
+    "pythonic": "pythonic_calls:PythonicParser",
 }
 
 
