@@ -282,6 +282,7 @@ PARSERS: dict[str, str] = {
     "llama3_json": "tools:Llama3JsonParser",
     "mistral": "tools:MistralParser",
     "pythonic": "pythonic_calls:PythonicParser",
+    "qwen3_coder": "qwen3_coder_calls:Qwen3CoderParser",
 }
 
 
