@@ -283,6 +283,7 @@ PARSERS: dict[str, str] = {
     "mistral": "tools:MistralParser",
     "pythonic": "pythonic_calls:PythonicParser",
     "qwen3_coder": "qwen3_coder_calls:Qwen3CoderParser",
+    "deepseek_v3": "deepseek_calls:DeepSeekV3Parser",
 }
 
 
