@@ -9,7 +9,11 @@ server's choice (``--tool-call-parser``, with ``--enable-auto-tool-choice`` for 
   {...}}</tool_call>``, any number, text around them as the message's content;
 - ``llama3_json`` (Llama 3.1-3.3): the whole answer one or more ``{"name": ..., "parameters":
   {...}}`` objects separated by ``;``, optionally after ``<|python_tag|>``;
-- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name": ..., "arguments": {...}}``.
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name": ..., "arguments": {...}}``;
+- ``pythonic`` (Llama 3.2 / 4: a Python list of calls, server/pythonic_calls.py),
+  ``qwen3_coder`` (Qwen3-Coder's XML-like tags, values typed by the tool's schema,
+  server/qwen3_coder_calls.py) and ``deepseek_v3`` (DeepSeek-V3 / R1's special tokens around
+  JSON, server/deepseek_calls.py), each in its own module, imported when chosen.
 
 An answer whose call does not parse as JSON of that shape is content, not a call (the client
 sees what the model wrote). ``tool_choice`` "required" and a named function need no parser:
