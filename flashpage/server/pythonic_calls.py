@@ -32,11 +32,9 @@ from flashpage.server.tools import ToolCall, ToolParser
 
 START, END = "<|python_start|>", "<|python_end|>"
 _WS = " \t\r\n"
-# a complete string from its opening quote: one-line (a backslash escapes anything, a newline
-# too), or triple-quoted; a string prefix (r, b, f) is read as part of the value's text
-_STRING = {q: re.compile(f"{q}(?:[^{q}\\\\\\n]|\\\\.)*{q}", re.DOTALL) for q in "'\""}
-_OPEN_STRING = {q: re.compile(f"{q}(?:[^{q}\\\\\\n]|\\\\.)*\\\\?", re.DOTALL) for q in "'\""}
-_TRIPLE = {q: re.compile(f"{q * 3}(?:[^{q}\\\\]|\\\\.|{q}(?!{q * 2}))*{q * 3}", re.DOTALL) for q in "'\""}
+# what matters inside a string: its quote, a backslash (it escapes the next character, a
+# newline too, in raw strings as well), a newline (the end of a one-line string: not Python)
+_IN_STRING = {q: re.compile(f"[{q}\\\\\n]") for q in "'\""}
 _CLOSER = {"(": ")", "[": "]", "{": "}"}
 
 
@@ -128,19 +126,31 @@ class PythonicParser(ToolParser):
         return _PythonicReader()
 
 
-def _string_end(text: str, i: int) -> int | None:
-    """Where the string opening at ``text[i]`` ends (the index after it); None if the text
-    ends first; -1 if it is not a string (a newline in a one-line string)."""
-    q = text[i]
-    if len(text) - i < 3 and text[i:] == q * (len(text) - i):
-        return None  # "" may be empty or open a triple-quoted string
-    if text.startswith(q * 3, i):
-        m = _TRIPLE[q].match(text, i)
-        return m.end() if m else None
-    m = _STRING[q].match(text, i)
-    if m:
-        return m.end()
-    return None if _OPEN_STRING[q].match(text, i).end() == len(text) else -1  # type: ignore[union-attr]
+def _string_end(text: str, at: int, quote: str, triple: bool) -> tuple[int, int | None]:
+    """Reading on from ``at`` inside a string opened with ``quote`` (three of them:
+    ``triple``): (where to read on from next time, the index after its closing quote or None
+    if the text ends first, or -1 if it is not a string)."""
+    while True:
+        m = _IN_STRING[quote].search(text, at)
+        if m is None:
+            return len(text), None
+        i, c = m.start(), m.group()
+        if c == "\\":
+            if i + 1 >= len(text):
+                return i, None
+            at = i + 2
+        elif c == "\n":
+            if not triple:
+                return i, -1
+            at = i + 1
+        elif not triple:
+            return i + 1, i + 1
+        elif text.startswith(quote * 3, i):
+            return i + 3, i + 3
+        elif len(text) - i < 3 and text[i:] == quote * (len(text) - i):
+            return i, None  # the closing quotes may be coming
+        else:
+            at = i + 1
 
 
 class _PythonicReader(CallReader):
@@ -154,6 +164,7 @@ class _PythonicReader(CallReader):
         self.tagged = False  # <|python_start|> or <|python_end|> read, in start / after
         self.mark = 0  # where the name or argument being read began
         self.brackets: list[str] = []  # open inside the argument being read
+        self.string: tuple[str, bool] | None = None  # the quote (and if tripled) of the string being read
         self.call: StreamedCall | None = None
         self.keys: list[str] = []  # the call's arguments so far
         self.comma = False  # list state: a comma came last
@@ -225,15 +236,20 @@ class _PythonicReader(CallReader):
     def _args(self, text: str) -> bool:
         """Up to the next ``,`` or ``)`` outside strings, comments and brackets."""
         while self.pos < len(text):
-            c = text[self.pos]
-            if c in "'\"":
-                end = _string_end(text, self.pos)
+            if self.string is not None:
+                self.pos, end = _string_end(text, self.pos, *self.string)
                 if end is None:
                     return False
-                if end < 0:
-                    self.dead = True
+                self.dead, self.string = end < 0, None
+                if self.dead:
                     return True
-                self.pos = end
+                continue
+            c = text[self.pos]
+            if c in "'\"":
+                if len(text) - self.pos < 3 and text[self.pos:] == c * (len(text) - self.pos):
+                    return False  # "" may be empty or open a triple-quoted string
+                triple = text.startswith(c * 3, self.pos)
+                self.string, self.pos = (c, triple), self.pos + (3 if triple else 1)
                 continue
             if c == "#":
                 end = text.find("\n", self.pos)

@@ -61,6 +61,7 @@ ANSWERS = [  # the model's text, the content a stream sends (None: the text), ca
     ("  [get_weather(city='Par\\'is', days=3, opts={'a': [1, 2.50, None, True]}, z=-1)]\n", "  ", 1),
     ('<|python_start|>[f(s="""x""\\"y\n""", t=(1,), u={"k": "#)]"}, # c)\n v=1,)]<|python_end|>', "", 1),
     ('[f(x="a", y=\'\'), g(z="")]', "", 2),
+    ("[f(a='''it's \"x\"\n''' '', b=\"line\\\ncont\", c=r'\\'', d='''''')]", "", 1),
     ("[ f ( x = 1 ) , g ( ) , ]", "", 2),
     ("Hello [f(x=1)]", None, 0),
     ("[not a call]", None, 0),
