@@ -202,8 +202,9 @@ def add_tool_arguments(p: argparse.ArgumentParser) -> None:
     from flashpage.server.tools import PARSERS
 
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
-                   help="how the model writes tool calls (hermes: Qwen2.5, Hermes; llama3_json: "
-                        "Llama 3.1+; mistral)")
+                   help="how the model writes tool calls, as vLLM names them (hermes: Qwen2.5, "
+                        "Hermes; llama3_json: Llama 3.1+; mistral; pythonic: Llama 3.2 / 4; "
+                        "qwen3_coder: Qwen3-Coder; deepseek_v3: DeepSeek-V3 / R1)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide when to call tools (tool_choice "auto"; needs '
                         "--tool-call-parser)")

@@ -61,7 +61,7 @@ def tool_request(req: ChatCompletionRequest, parser_name: str | None,
             raise bad_request('tool_choice "auto" needs the server started with --enable-auto-tool-choice '
                               "and --tool-call-parser (or ask for \"required\" or a named function)",
                               "tool_choice")
-        return ToolRequest("auto", defs, parser=get_parser(parser_name))
+        return ToolRequest("auto", defs, parser=get_parser(parser_name, defs))
     other = structured_field(req)
     if other is not None:
         raise bad_request(f"tool_choice {choice if isinstance(choice, str) else 'of a function'} shapes "
@@ -89,6 +89,7 @@ class _ForcedCalls(ToolParser):
     does not parse: it stays content."""
 
     def __init__(self, name: str | None) -> None:
+        super().__init__()
         self.function = name
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:

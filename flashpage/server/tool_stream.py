@@ -15,7 +15,8 @@ JSON closes; arguments written before the name go out with it.
 
 A parser's ``reader()`` follows the text as it grows and keeps ``calls`` (StreamedCall):
 where each one's name and arguments are in a ``CanonicalJson``, and its final form
-(``final``, the parser's own reading) once its JSON closed. What the reader cannot follow
+(``final``, the parser's own reading) once its JSON closed; a format that is not JSON
+(pythonic, qwen3_coder) writes the arguments known so far itself (``partial``). What the reader cannot follow
 (text that is not a call after all) makes it stop (``dead``); nothing is sent for calls
 after that until the end. At the end the parser reads the whole answer, as for a
 non-streamed one, and that reading decides: the rest of each call goes out, or, if the answer
@@ -55,6 +56,7 @@ class StreamedCall:
     args_at: int | None = None  # their offset in json's output; None: not streamed piecewise
     args_end: int | None = None  # where they ended, once they did
     final: ToolCall | None = None  # the parser's reading, once the call's JSON closed
+    partial: str = ""  # the arguments so far, where a reader writes them itself (json None)
     header_sent: bool = False
     sent: str = ""  # arguments sent
 
@@ -62,7 +64,9 @@ class StreamedCall:
         """The start of the final arguments known so far."""
         if self.final is not None:
             return self.final.arguments
-        if self.json is None or self.args_at is None:
+        if self.json is None:
+            return self.partial
+        if self.args_at is None:
             return ""
         end = self.args_end if self.args_end is not None else self.json.size
         return self.json.text()[self.args_at:end]

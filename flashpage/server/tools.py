@@ -9,7 +9,11 @@ server's choice (``--tool-call-parser``, with ``--enable-auto-tool-choice`` for 
   {...}}</tool_call>``, any number, text around them as the message's content;
 - ``llama3_json`` (Llama 3.1-3.3): the whole answer one or more ``{"name": ..., "parameters":
   {...}}`` objects separated by ``;``, optionally after ``<|python_tag|>``;
-- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name": ..., "arguments": {...}}``.
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name": ..., "arguments": {...}}``;
+- ``pythonic`` (Llama 3.2 / 4: a Python list of calls, server/pythonic_calls.py),
+  ``qwen3_coder`` (Qwen3-Coder's XML-like tags, values typed by the tool's schema,
+  server/qwen3_coder_calls.py) and ``deepseek_v3`` (DeepSeek-V3 / R1's special tokens around
+  JSON, server/deepseek_calls.py), each in its own module, imported when chosen.
 
 An answer whose call does not parse as JSON of that shape is content, not a call (the client
 sees what the model wrote). ``tool_choice`` "required" and a named function need no parser:
@@ -26,6 +30,7 @@ each call's name goes out as soon as it is complete and its arguments piece by p
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -83,9 +88,13 @@ def _prefix_at_end(text: str, marker: str) -> int:
 class ToolParser:
     """extract(text) -> (content or None, calls); hold(text) -> the index from which the text
     may be (the start of) a call, len(text) if none of it can; reader() -> what follows the
-    calls of a streamed answer as it is written (server/tool_stream.py)."""
+    calls of a streamed answer as it is written (server/tool_stream.py). ``tools``: the
+    request's tool definitions (OpenAI's dicts), for formats whose reading depends on them."""
 
     name = ""
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         raise NotImplementedError
@@ -271,10 +280,21 @@ class _MistralReader(CallReader):
         self.body.read(text, len(text))
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+# name -> "module:class" under flashpage.server, imported when chosen (vLLM's names)
+PARSERS: dict[str, str] = {
+    "hermes": "tools:HermesParser",
+    "llama3_json": "tools:Llama3JsonParser",
+    "mistral": "tools:MistralParser",
+    "pythonic": "pythonic_calls:PythonicParser",
+    "qwen3_coder": "qwen3_coder_calls:Qwen3CoderParser",
+    "deepseek_v3": "deepseek_calls:DeepSeekV3Parser",
+}
 
 
-def get_parser(name: str) -> ToolParser:
+def get_parser(name: str, tools: list[dict[str, Any]] | None = None) -> ToolParser:
+    """The parser vLLM's ``--tool-call-parser NAME`` names, for a request with ``tools``."""
     if name not in PARSERS:
         raise ValueError(f"unknown tool call parser {name!r}: one of {sorted(PARSERS)}")
-    return PARSERS[name]()
+    module, cls = PARSERS[name].split(":")
+    parser: type[ToolParser] = getattr(importlib.import_module(f"flashpage.server.{module}"), cls)
+    return parser(tools)

@@ -187,6 +187,36 @@ def test_auto_streamed_with_the_openai_client(tool_server):
                                                    for c in answered.message.tool_calls]
 
 
+OTHER_FORMATS = [  # --tool-call-parser, an answer calling get_weather(city="Paris", days=3) and get_time
+    ("pythonic", '[get_weather(city="Paris", days=3), get_time(zone=\'UTC\')]', ""),
+    ("qwen3_coder", "Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+                    "<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>", "Let me see.\n"),
+    ("deepseek_v3", "Let me see.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                    '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>'
+                    'get_time\n```json\n{"zone": "UTC"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me see."),
+]
+
+
+@pytest.mark.parametrize("parser, text, content", OTHER_FORMATS)
+def test_other_formats_through_the_server(tool_model_dir, parser, text, content):
+    """vLLM's other --tool-call-parser names: the same calls read back, streamed and not
+    (qwen3_coder's "3" an integer because the request's schema says days is one)."""
+    with live_server(tool_model_dir, engine_kw={"max_model_len": 512}, tool_call_parser=parser,
+                     enable_auto_tool_choice=True) as server:
+        body = {"tools": TOOLS, "guided_choice": [text], "max_tokens": 300}
+        answered = _chat(server, body).json()["choices"][0]
+        assert answered["finish_reason"] == "tool_calls", answered
+        calls = answered["message"]["tool_calls"]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "UTC"})]
+        for call in calls:
+            _check_call(call)
+        got, streamed, finish = _streamed(_stream(server, body))
+        assert got == content and finish == "tool_calls"
+        _same_calls(streamed, calls)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_named_function_is_forced(tool_server, seed):
     r = _chat(tool_server, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},

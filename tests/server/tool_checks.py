@@ -1,0 +1,65 @@
+"""Checks the tool-call format tests share: an answer through a ToolStream cut into deltas
+every way, against the parser's non-streamed reading (tests/server/test_tool_parsers.py's
+contract, for any parser)."""
+
+from __future__ import annotations
+
+from flashpage.server.tool_stream import ToolStream
+from flashpage.server.tools import ToolParser
+from tests.server.test_tool_parsers import _merged, _splits
+
+LATE = "late"  # not calls, found out only after a call went out (it cannot be taken back)
+
+
+def stream(parser: ToolParser, pieces: list[str]) -> tuple[str, list[dict], list]:
+    """The pieces through a ToolStream: (content sent, tool-call delta entries, final calls)."""
+    s, content, entries = ToolStream(parser), "", []
+    for piece in pieces[:-1]:
+        text, deltas = s.feed(piece)
+        content += text
+        entries += deltas
+    rest, deltas, calls = s.finish(pieces[-1])
+    return content + (rest or ""), entries + deltas, calls
+
+
+def agrees(parser: ToolParser, text: str, pieces: list[str], ref_calls: list | None = None,
+           content: str | None = None) -> int:
+    """The stream of ``pieces`` agrees with the non-streamed reading of their text: the same
+    calls, each one's argument pieces adding up to its arguments, the content ``content``
+    (when given); or, no calls, all the text as content. The number of calls."""
+    if ref_calls is None:
+        ref_calls = parser.extract(text)[1]
+    sent, entries, got = stream(parser, pieces)
+    streamed = _merged(entries)
+    if ref_calls:
+        assert [(c.name, c.arguments) for c in got] == [(c.name, c.arguments) for c in ref_calls]
+        assert [(c["name"], c["arguments"]) for c in streamed] == [(c.name, c.arguments) for c in got], pieces
+        assert [c["id"] for c in streamed] == [c.id for c in got]
+        assert content is None or sent == content, (pieces, sent)
+    else:
+        assert sent == text and got == [], (pieces, sent)
+    return len(ref_calls)
+
+
+def every_split(parser: ToolParser, text: str, content: str | None, want: int | str) -> None:
+    """``text`` cut into deltas every way: ``want`` calls (LATE: none, found out after a call
+    went out), content as ``content`` says (None: the text)."""
+    _, ref_calls = parser.extract(text)
+    assert len(ref_calls) == (0 if want == LATE else want)
+    for pieces in _splits(text):
+        agrees(parser, text, pieces, ref_calls, content)
+        if not ref_calls and want != LATE:
+            assert stream(parser, pieces)[1] == [], pieces  # it never looked like a call
+
+
+def sent_by_now(parser: ToolParser, text: str) -> list[tuple[str, str]]:
+    """What went out for ``text`` fed so far (one character a delta, and whole): the calls'
+    names and their arguments so far; the same both ways."""
+    out = []
+    for pieces in (list(text), [text]):
+        s, entries = ToolStream(parser), []
+        for piece in pieces:
+            entries += s.feed(piece)[1]
+        out.append([(c["name"], c["arguments"]) for c in _merged(entries)])
+    assert out[0] == out[1]
+    return out[0]
