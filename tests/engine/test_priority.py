@@ -135,3 +135,22 @@ def test_cli_passes_scheduling_policy_to_the_engine(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--scheduling-policy", "lifo"])
     assert "invalid choice: 'lifo'" in capsys.readouterr().err
+
+
+def test_spec_decoding_and_n_samples_under_priority(reference):
+    """n-gram drafts (repetitive prompts), n = 2 children sharing their prompt's blocks and
+    chunked prompts, in a cache that forces preemption: every sample's greedy tokens equal
+    fcfs's, whatever the priorities."""
+    path = reference[0]
+    prompts = [(p * 4)[:24] for p in random_prompts(5, 4, 8, seed=6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=2)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    kw = {**KW, "num_gpu_blocks": 16, "max_num_batched_tokens": 20}
+    fcfs = LLM(str(path), speculative_config=spec, **kw)
+    want = [[o.token_ids for o in out.outputs] for out in fcfs.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(path), speculative_config=spec, scheduling_policy="priority", **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False, priority=[4, 1, 3, 0, 2])
+    assert [[o.token_ids for o in out.outputs] for out in outs] == want
+    assert llm.engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
+    assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0, "drafts were meant to run"
+    assert llm.engine.kv_manager.stats().blocks_used == 0
