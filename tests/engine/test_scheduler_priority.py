@@ -1,7 +1,8 @@
 """The priority scheduling policy (vLLM's ``--scheduling-policy priority``), exactly: which
-request is admitted, scheduled and preempted, in which order. Each test runs the same
-requests under fcfs too where the two differ, so it fails if the policy is ignored.
-Outputs are checked against the fake model's unbatched reference (test_scheduler)."""
+request is admitted, scheduled and preempted, in which order. The order and preemption
+tests run the same requests under fcfs too, to show the two differ there; each rule has a
+test that fails without it (checked by removing each in turn). Outputs are checked
+against the fake model's unbatched reference (test_scheduler)."""
 
 from __future__ import annotations
 
