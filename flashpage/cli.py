@@ -52,6 +52,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loras", type=int, default=1,
                    help="LoRA: the most distinct adapters in one step (their slots)")
     g.add_argument("--max-lora-rank", type=int, default=16, help="LoRA: the largest adapter rank")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: requests served in arrival order; priority: by each request's "
+                        "priority (lower first, ties by arrival; the server's \"priority\" "
+                        "field), a higher one preempting lower ones when the KV cache is full")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}\' (drafts looked up in the request\'s own tokens)')
@@ -86,7 +90,8 @@ def build_llm(args: argparse.Namespace) -> Any:
                pooling_type=getattr(args, "pooling_type", None),
                speculative_config=getattr(args, "speculative_config", None),
                enable_lora=getattr(args, "enable_lora", False),
-               max_loras=getattr(args, "max_loras", 1), max_lora_rank=getattr(args, "max_lora_rank", 16))
+               max_loras=getattr(args, "max_loras", 1), max_lora_rank=getattr(args, "max_lora_rank", 16),
+               scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
 
 
 def add_lora_module_arguments(p: argparse.ArgumentParser) -> None:

@@ -505,8 +505,14 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # vLLM's scheduling_policy: "fcfs" (arrival order), or "priority" (each request's
+    # priority, lower first, ties by arrival; a higher priority may preempt a lower one)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        from flashpage.engine.scheduler import check_scheduling_policy
+
+        check_scheduling_policy(self.scheduling_policy)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

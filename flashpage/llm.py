@@ -45,7 +45,8 @@ class LLM:
                  seed: int = 0, random_weights_config: str | None = None,
                  pooling_type: str | None = None, quantization: str | None = None,
                  speculative_config: dict[str, Any] | str | None = None,
-                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16) -> None:
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 scheduling_policy: str = "fcfs") -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
             num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
@@ -55,7 +56,7 @@ class LLM:
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, seed=seed,
             chat_template=chat_template, pooling_type=pooling_type, quantization=quantization,
             speculative_config=speculative_config, enable_lora=enable_lora, max_loras=max_loras,
-            max_lora_rank=max_lora_rank)
+            max_lora_rank=max_lora_rank, scheduling_policy=scheduling_policy)
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory
         self.engine = LLMEngine(cfg, random_config=random_weights_config, tokenizer=tokenizer)
@@ -67,13 +68,15 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 ) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}).
 
         Outputs come back in prompt order. A prompt that cannot run (empty, too long,
         token ids outside the vocabulary, a LoRA adapter that cannot be loaded, ...) gets an
         output whose ``error`` says why; the others still complete. ``lora_request``: one
         adapter for every prompt, or one (or None) per prompt (needs ``enable_lora``).
+        ``priority``: one integer per prompt, lower served first (needs
+        ``scheduling_policy="priority"``; priorities change the order, not the outputs).
         """
         plist = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -84,7 +87,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(plist):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts")
-        return self._run(plist, params, use_tqdm, _per_prompt_loras(lora_request, len(plist)))
+        priorities = self._per_prompt_priorities(priority, len(plist))
+        return self._run(plist, params, use_tqdm, _per_prompt_loras(lora_request, len(plist)),
+                         priorities)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
               *, use_tqdm: bool = True,
@@ -129,14 +134,16 @@ class LLM:
              add_generation_prompt: bool = True,
              tools: list[dict[str, Any]] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-             ) -> list[RequestOutput]:
+             priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list) and generate.
         ``tools``: OpenAI function definitions the template shows the model (as vLLM's; the
-        server reads calls back, server/tools.py)."""
+        server reads calls back, server/tools.py). ``priority``: one per conversation, as
+        in ``generate``."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = [self.chat_prompt_ids(c, add_generation_prompt, tools)  # type: ignore[arg-type]
                                  for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                             priority=priority)
 
     def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
                         tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -147,18 +154,33 @@ class LLM:
                                       tokenize=True, return_dict=False)
         return list(ids)
 
+    def _per_prompt_priorities(self, priority: Sequence[int] | None, n: int) -> list[int]:
+        """vLLM's ``priority``: a list with one integer per prompt; checked whole before any
+        request is added (a wrong one is the caller's mistake, not a prompt's)."""
+        if priority is None:
+            return [0] * n
+        if isinstance(priority, int) or not isinstance(priority, Sequence):
+            raise ValueError(f"priority must be a list with one integer per prompt, got {priority!r}")
+        if len(priority) != n:
+            raise ValueError(f"got {len(priority)} priorities for {n} prompts")
+        for p in priority:
+            self.engine.check_priority(p)
+        return list(priority)
+
     def _run(self, prompts: list[Prompt], params: Sequence[SamplingParams | PoolingParams],
-             use_tqdm: bool, loras: Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool, loras: Sequence[LoRARequest | None] | None = None,
+             priorities: Sequence[int] | None = None) -> list[RequestOutput]:
         engine = self.engine
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         loras = loras if loras is not None else [None] * len(prompts)
-        for i, (p, sp, lora) in enumerate(zip(prompts, params, loras, strict=True)):
+        priorities = priorities if priorities is not None else [0] * len(prompts)
+        for i, (p, sp, lora, prio) in enumerate(zip(prompts, params, loras, priorities, strict=True)):
             rid = f"gen-{id(self)}-{engine._counter}-{i}"
             order.append(rid)
             ids_or_text = p["prompt_token_ids"] if isinstance(p, dict) else p
             try:
-                engine.add_request(rid, ids_or_text, sp, lora_request=lora)
+                engine.add_request(rid, ids_or_text, sp, lora_request=lora, priority=prio)
             except ValueError as e:
                 logger.warning("request %d refused: %s", i, e)
                 ids = [] if isinstance(ids_or_text, str) else list(cast(list[int], ids_or_text))

@@ -132,7 +132,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.kv_manager,
                                    watermark=config.kv_watermark,
-                                   max_loras=config.max_loras if config.enable_lora else 0)
+                                   max_loras=config.max_loras if config.enable_lora else 0,
+                                   policy=config.scheduling_policy)
         backend = backend_cls(mc, self.device, self.dtype)
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
@@ -330,11 +331,13 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None, priority: int = 0) -> str:
         """Queue a request; raises ValueError (naming the problem) if it can never run.
         PoolingParams: an embedding request (flashpage/pooling.py): its prompt's pooled hidden
         states come back as ``RequestOutput.embedding``. ``lora_request``: the LoRA adapter
-        it runs with (read and checked here the first time its id is seen)."""
+        it runs with (read and checked here the first time its id is seen). ``priority``:
+        with the priority scheduling policy, lower values are served first (as vLLM's)."""
+        self.check_priority(priority)
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None:
             pooling.validate(self.model_config.hidden_size)
@@ -376,7 +379,7 @@ class LLMEngine:
         for i in range(params.n):
             sample = params if params.n == 1 else child_params(params, i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, ids, sample, self.eos_token_ids, arrival, lora_request)
+            req = Request(rid, ids, sample, self.eos_token_ids, arrival, lora_request, priority)
             if guide is not None:
                 from flashpage.structured.guide import GuideState
 
@@ -398,6 +401,16 @@ class LLMEngine:
         for c in parent.children:
             self._children[c.request.request_id] = c
         return request_id
+
+    def check_priority(self, priority: object) -> None:
+        """A ValueError unless ``priority`` is an integer this engine takes: any under the
+        priority scheduling policy, 0 only under fcfs (vLLM's rule and words)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"Got priority {priority} but priority scheduling is not enabled: "
+                             "start the engine with scheduling_policy='priority' "
+                             "(--scheduling-policy priority)")
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter now (add_request does it the first time an id comes);

@@ -18,6 +18,19 @@ Each step has a token budget (``max_num_batched_tokens``) and a cap on running r
    at most that many distinct adapters: a waiting request whose adapter would be one too
    many is passed over (it keeps its place) and the ones after it may go, as vLLM's.
 
+With ``policy="priority"`` (vLLM's ``--scheduling-policy priority``) both queues are kept
+sorted by ``Request.queue_order`` (priority, lower first; then arrival): a preempted request
+goes back to its place in that order, not to the head, and "the most recently admitted
+running request" above becomes the lowest-priority, latest-arriving one (the last of
+``running``), never one already scheduled in the step since running requests get their
+tokens in that order too. One more rule: before a running request gets its tokens, the
+first waiting request (the adapter rule above applies) whose priority is strictly higher
+(a lower value) is admitted ahead of it; if it lacks a seat or blocks, running requests it
+outranks are preempted, the lowest first, until it fits (only when it would fit with all
+of theirs freed; none of them has been scheduled yet in the step, so nobody has taken a
+prefix hit on blocks they were to write). Ties never preempt, so equal priorities cannot
+evict each other back and forth.
+
 ``schedule()`` does NOT advance ``num_computed_tokens`` (except that an admitted
 request's counter is set to its prefix-cache hit): the tokens scheduled for request r
 are positions ``[r.num_computed_tokens, r.num_computed_tokens + n)``, and r needs a
@@ -27,6 +40,7 @@ sampled token exactly when that range ends at ``r.num_tokens``.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -48,12 +62,28 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def check_scheduling_policy(policy: object) -> str:
+    if policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling_policy must be fcfs or priority, got {policy!r}")
+    return str(policy)
+
+
+def _order(req: Request) -> tuple[int, float, int]:
+    return req.queue_order
+
+
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  kv_cache_manager: KVCacheManager, watermark: float = 0.0,
-                 max_loras: int = 0) -> None:
+                 max_loras: int = 0, policy: str = "fcfs") -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
+        self.policy = check_scheduling_policy(policy)
+        self._by_priority = policy == "priority"
+        self._num_added = 0  # the tie-break of queue_order: requests equal in all else
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -66,8 +96,8 @@ class Scheduler:
         # LoRA: the most distinct adapters among running requests (the engine's slots); 0: no cap
         self.max_loras = max_loras
         self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order
+        self.waiting: deque[Request] = deque()  # fcfs: arrival order; priority: queue_order
+        self.running: list[Request] = []  # fcfs: admission order; priority: queue_order
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.num_steps = 0
@@ -119,8 +149,13 @@ class Scheduler:
                 f"{kv.block_size} tokens, but the whole cache has only {kv.num_blocks} blocks"
             )
         request.status = RequestStatus.WAITING
+        request.queue_order = (request.priority, request.arrival_time, self._num_added)
+        self._num_added += 1
         self.requests[rid] = request
-        self.waiting.append(request)
+        if self._by_priority:
+            bisect.insort(self.waiting, request, key=_order)
+        else:
+            self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         status: RequestStatus) -> list[Request]:
@@ -161,11 +196,24 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
+        new_ids: list[str] = []
         running = self.running
+        outranking = self._by_priority  # waiting requests may still go ahead of running ones
 
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if outranking and self.waiting and self.waiting[0].priority < req.priority:
+                n = self._admit_ahead(i, budget, scheduled, preempted, new_ids)
+                if n:
+                    budget -= n
+                    i += 1  # the admitted request now sits before req
+                    continue
+                if n is None:
+                    outranking = False  # the first that outranks cannot get in: none this step
+                    if i == len(running):  # (defensive: it gives up before preempting req)
+                        break
+                    req = running[i]
             if req.length_capped(self.max_model_len):
                 i += 1  # finishes when its last token is read back: nothing left to run
                 continue
@@ -189,40 +237,30 @@ class Scheduler:
                 continue
             break  # req preempted itself: it was the last running request
 
-        new_ids: list[str] = []
         if not preempted:
             waiting = self.waiting
-            loras = {r.lora_int_id for r in running if r.lora_int_id} if self.max_loras else set()
+            loras = self._running_loras()
             w = 0  # the next waiting request to try (those before it wait for an adapter slot)
             while w < len(waiting) and budget > 0 and len(running) < self.max_num_seqs:
                 req = waiting[w]
                 if req.num_unresolved:  # preempted with a token still in flight: next step
                     break
-                lid = req.lora_int_id
-                if self.max_loras and lid and lid not in loras and len(loras) >= self.max_loras:
+                if self._no_adapter_slot(req, loras):
                     w += 1  # every adapter slot is held by running requests: it waits
                     continue
-                hit_blocks, num_hit = kv.get_computed_blocks(req)
-                num_new = min(req.num_tokens - num_hit, budget)
-                if running and self.watermark_blocks:
-                    # Blocks this admission may take from the free queue: the fresh ones and
-                    # (at most) the cached hits, which may be sitting in it.
-                    need = kv.blocks_needed(num_hit + num_new)
-                    if kv.num_free_blocks - need < self.watermark_blocks:
-                        break
-                if kv.allocate_slots(req, num_new, hit_blocks) is None:
+                num_new = self._admit(req, budget)
+                if not num_new:
                     break
                 if w:
                     del waiting[w]
                 else:
                     waiting.popleft()
-                if lid:
-                    loras.add(lid)
-                req.num_computed_tokens = num_hit
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                req.status = RequestStatus.RUNNING
-                running.append(req)
+                if req.lora_int_id:
+                    loras.add(req.lora_int_id)
+                if self._by_priority:
+                    bisect.insort(running, req, key=_order)
+                else:
+                    running.append(req)
                 scheduled.append((req, num_new))
                 new_ids.append(req.request_id)
                 budget -= num_new
@@ -237,6 +275,80 @@ class Scheduler:
             new_request_ids=new_ids,
         )
 
+    def _running_loras(self) -> set[int]:
+        """The adapters running requests hold (only counted with a max_loras cap)."""
+        return {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
+
+    def _no_adapter_slot(self, req: Request, loras: set[int]) -> bool:
+        lid = req.lora_int_id
+        return bool(self.max_loras and lid and lid not in loras and len(loras) >= self.max_loras)
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Take a waiting request's blocks (after its prefix hits) for its first chunk and
+        mark it running; returns the chunk's tokens, or 0 (nothing changed) when the blocks
+        cannot be had. The caller moves it between the queues."""
+        kv = self.kv_cache_manager
+        hit_blocks, num_hit = kv.get_computed_blocks(req)
+        num_new = min(req.num_tokens - num_hit, budget)
+        if self.running and self.watermark_blocks:
+            # Blocks this admission may take from the free queue: the fresh ones and (at
+            # most) the cached hits, which may be sitting in it.
+            need = kv.blocks_needed(num_hit + num_new)
+            if kv.num_free_blocks - need < self.watermark_blocks:
+                return 0
+        if kv.allocate_slots(req, num_new, hit_blocks) is None:
+            return 0
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        return num_new
+
+    def _admit_ahead(self, i: int, budget: int, scheduled: list[tuple[Request, int]],
+                     preempted: list[str], new_ids: list[str]) -> int | None:
+        """Priority policy, before ``running[i]`` gets its tokens: admit the first waiting
+        request that may go (as in admission: it stops at one with a token in flight and
+        passes over one without an adapter slot) if its priority is strictly higher than
+        ``running[i]``'s, preempting ``running[i:]`` (all of lower priority, none scheduled
+        yet) from the last while it lacks a seat or blocks. Returns its tokens; 0 when no
+        waiting request outranks ``running[i]``; None when one does but cannot get in (then
+        nobody is preempted)."""
+        running, waiting, kv = self.running, self.waiting, self.kv_cache_manager
+        loras = self._running_loras()
+        w = 0
+        while w < len(waiting) and self._no_adapter_slot(waiting[w], loras):
+            w += 1
+        if w == len(waiting) or waiting[w].num_unresolved:
+            return None
+        req = waiting[w]
+        if req.priority >= running[i].priority:
+            return 0
+        # Would it fit with every request it outranks gone? As _admit and allocate_slots
+        # will count, with their blocks freed (those no one else holds) and its prefix hits
+        # among the free blocks it takes.
+        hits, num_hit = kv.get_computed_blocks(req)
+        total = kv.blocks_needed(num_hit + min(req.num_tokens - num_hit, budget))
+        freed = kv.blocks_freed_by([r.request_id for r in running[i:]])
+        free_after = kv.num_free_blocks + len(freed)
+        hits_taken_from_free = sum(1 for b in hits if b.ref_cnt == 0 or b.block_id in freed)
+        if (total - len(hits) > free_after - hits_taken_from_free
+                or (i and free_after - total < self.watermark_blocks)):
+            return None
+        while True:
+            num_new = self._admit(req, budget) if len(running) < self.max_num_seqs else 0
+            if num_new:
+                break
+            if len(running) == i:
+                return None
+            victim = running.pop()
+            self._preempt(victim)  # sorts after req (a lower priority): index w still holds req
+            preempted.append(victim.request_id)
+        del waiting[w]
+        bisect.insort(running, req, hi=i, key=_order)  # after those already scheduled
+        scheduled.append((req, num_new))
+        new_ids.append(req.request_id)
+        return num_new
+
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
         req.spec_token_ids = []
@@ -244,7 +356,10 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self._by_priority:
+            bisect.insort(self.waiting, req, key=_order)  # back to its place, not the head
+        else:
+            self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------- update
     def advance(self, out: SchedulerOutput, sampled: list[Request]) -> None:

@@ -76,8 +76,12 @@ class Request:
         eos_token_id: int | Sequence[int] | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # The priority scheduling policy serves lower values first, ties by arrival
+        # (vLLM's); ``queue_order`` is its sort key, the scheduler's add counter last
+        self.priority = priority
         # LoRA: the adapter it runs with (flashpage/lora/); its id (0: none) keys the
         # scheduler's adapter count, the slot map and the prefix cache's hash root
         self.lora_request = lora_request
@@ -98,6 +102,7 @@ class Request:
                             else 1 << 62)
         self._ignore_eos = sampling_params.ignore_eos
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.queue_order: tuple[int, float, int] = (priority, self.arrival_time, 0)
 
         self.output_token_ids: list[int] = []
         self.num_resolved_outputs = 0  # leading outputs known on the host (async scheduling)

@@ -242,6 +242,17 @@ class KVCacheManager:
         del self._num_registered[rid]
         self.pool.free_blocks(reversed(blocks))
 
+    def blocks_freed_by(self, request_ids: list[str]) -> set[int]:
+        """Ids of the blocks that freeing these requests would return to the free queue:
+        those no other request holds (the priority scheduler asks before preempting)."""
+        held: dict[int, int] = {}
+        refs: dict[int, int] = {}
+        for rid in request_ids:
+            for b in self._blocks.get(rid, ()):
+                held[b.block_id] = held.get(b.block_id, 0) + 1
+                refs[b.block_id] = b.ref_cnt
+        return {bid for bid, n in held.items() if refs[bid] == n}
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (only when no block is in use). Returns success."""
         if self.pool.free_queue.num_free != self.num_blocks:

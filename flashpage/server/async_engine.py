@@ -167,16 +167,22 @@ class AsyncEngine:
         return self.engine.model_config.hidden_size
 
     # ------------------------------------------------------------------ asyncio side
+    def check_priority(self, priority: object) -> None:
+        """The engine's ValueError for a priority it does not take (reads only its config)."""
+        self.engine.check_priority(priority)
+
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams | PoolingParams, arrival_time: float | None = None,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
-        """Queue a request (``lora_request``: the adapter it runs with); raises ValueError
-        (the engine's message) if it cannot run."""
+                          lora_request: LoRARequest | None = None,
+                          priority: int = 0) -> RequestStream:
+        """Queue a request (``lora_request``: the adapter it runs with; ``priority``: for the
+        priority scheduling policy); raises ValueError (the engine's message) if it cannot run."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         stream = RequestStream(self, request_id)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(("add", request_id, prompt, params, arrival_time, lora_request, stream, fut))
+        self._submit(("add", request_id, prompt, params, arrival_time, lora_request, priority,
+                      stream, fut))
         try:
             await asyncio.wrap_future(fut)
         except ValueError:
@@ -199,9 +205,11 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams | PoolingParams, arrival_time: float | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """add_request, then yield the request's outputs; leaving early aborts it."""
-        stream = await self.add_request(request_id, prompt, params, arrival_time, lora_request)
+        stream = await self.add_request(request_id, prompt, params, arrival_time, lora_request,
+                                        priority)
         try:
             async for out in stream:
                 yield out
@@ -286,12 +294,13 @@ class AsyncEngine:
                 self._stop = True
 
     def _do_add(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
-                arrival_time: float | None, lora_request: LoRARequest | None, stream: RequestStream,
-                fut: concurrent.futures.Future[None]) -> None:
+                arrival_time: float | None, lora_request: LoRARequest | None, priority: int,
+                stream: RequestStream, fut: concurrent.futures.Future[None]) -> None:
         if not fut.set_running_or_notify_cancel():
             return  # the caller gave up before we got here
         try:
-            self.engine.add_request(request_id, prompt, params, arrival_time, lora_request)
+            self.engine.add_request(request_id, prompt, params, arrival_time, lora_request,
+                                    priority=priority)
         except ValueError as e:
             fut.set_exception(e)
             return

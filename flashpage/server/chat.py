@@ -18,6 +18,7 @@ from flashpage.server.render import ChoiceState, chat_logprobs, prompt_logprobs
 from flashpage.server.serving import (
     ServerState,
     check_length,
+    check_priority,
     collect,
     sampling_params,
     start,
@@ -38,6 +39,7 @@ from flashpage.server.tools import ToolCall
 
 async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
                arrival: float) -> Response:
+    check_priority(state, req.priority)
     tools = tool_request(req, state.tool_parser, state.auto_tool_choice)
     ids = await state.tokenizer.apply_chat_template(conversation(req.messages), tools.template_tools)
     if req.truncate_prompt_tokens is not None:
@@ -52,7 +54,7 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
                              tools.structured)
     streams = await start(state, "chatcmpl", [ids], params, arrival,
                           "tools" if tools.structured is not None else structured_field(req),
-                          model=req.model)
+                          model=req.model, priority=req.priority)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tok = state.tokenizer
 

@@ -112,6 +112,8 @@ class _SamplingFields(_Body):
     allowed_token_ids: list[Int] | None = Field(default=None, min_length=1)
     include_stop_str_in_output: Bool | None = False
     skip_special_tokens: Bool | None = True
+    # the priority scheduling policy's (vLLM's): lower first; non-zero needs that policy
+    priority: Int = Field(default=0, ge=-_I64 - 1, le=_I64)
     # structured outputs: OpenAI's response_format, vLLM's guided_* (< 0.10) and
     # structured_outputs (>= 0.10); at most one of them
     response_format: ResponseFormat | None = None

@@ -110,6 +110,7 @@ def prompt_items(state: ServerState, raw: Any, field: str) -> list[Any]:
 
 async def completions(state: ServerState, request: Request, req: CompletionRequest,
                       arrival: float) -> Response:
+    check_priority(state, req.priority)
     items = prompt_items(state, req.prompt, "prompt")
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     params = sampling_params(state, req, max_tokens, req.logprobs)
@@ -135,7 +136,7 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
                   (await tok.decode(ids) if tok.has_tokenizer else "")
                   for item, ids in zip(items, prompts, strict=True)]
     streams = await start(state, "cmpl", prompts, params, arrival, structured_field(req),
-                          model=req.model)
+                          model=req.model, priority=req.priority)
     rid = f"cmpl-{uuid.uuid4().hex}"
     n_prompt = sum(len(p) for p in prompts)
 
@@ -261,6 +262,15 @@ def _logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:
     return out
 
 
+def check_priority(state: ServerState, priority: int) -> None:
+    """400 naming ``priority`` for one the engine does not take: non-zero needs
+    ``--scheduling-policy priority`` (vLLM answers the same)."""
+    try:
+        state.engine.check_priority(priority)
+    except ValueError as e:
+        raise bad_request(str(e), "priority") from None
+
+
 def check_length(state: ServerState, n_prompt: int, max_tokens: int | None) -> int:
     """The max_tokens to use; 400 (stating both numbers) when it does not fit the context.
     No max_tokens (chat): the rest of the context, as vLLM does."""
@@ -284,10 +294,11 @@ def check_length(state: ServerState, n_prompt: int, max_tokens: int | None) -> i
 async def start(state: ServerState, prefix: str, prompts: list[list[int]],
                 params: SamplingParams | PoolingParams, arrival: float,
                 structured_param: str | None = None, prompt_param: str = "prompt", *,
-                model: str | None = None) -> list[RequestStream]:
+                model: str | None = None, priority: int = 0) -> list[RequestStream]:
     """Add one engine request per prompt (under the LoRA adapter ``model`` names, if it
-    names one); if one is refused, abort the others (400, naming ``prompt_param``, or
-    ``structured_param`` when the engine could not compile the structured-outputs spec)."""
+    names one; with ``priority``, checked by ``check_priority``); if one is refused, abort
+    the others (400, naming ``prompt_param``, or ``structured_param`` when the engine could
+    not compile the structured-outputs spec)."""
     streams: list[RequestStream] = []
     lora = state.lora_modules.get(model) if model is not None else None
     base = f"{prefix}-{uuid.uuid4().hex}"
@@ -295,7 +306,8 @@ async def start(state: ServerState, prefix: str, prompts: list[list[int]],
         if isinstance(params, SamplingParams):  # a structured-outputs spec: compiled off the engine thread
             await state.engine.compile_guide(params)
         for i, ids in enumerate(prompts):
-            streams.append(await state.engine.add_request(f"{base}-{i}", ids, params, arrival, lora))
+            streams.append(await state.engine.add_request(f"{base}-{i}", ids, params, arrival, lora,
+                                                          priority))
     except BaseException as e:
         for s in streams:
             s.abort()

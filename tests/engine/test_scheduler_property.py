@@ -55,6 +55,7 @@ class Spec:
     stop_ids: list[int]
     abort_at: int | None  # step after its arrival at which it is aborted
     abort_mid_step: bool  # abort between the runner and update_from_output
+    priority: int  # looked at only by the priority policy
 
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 20, 21], [30] * 9]
@@ -75,6 +76,7 @@ def request_spec(draw) -> Spec:
         stop_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)),
         abort_at=draw(st.one_of(st.none(), st.none(), st.integers(0, 20))),
         abort_mid_step=draw(st.booleans()),
+        priority=draw(st.integers(0, 3)),
     )
 
 
@@ -105,6 +107,10 @@ def check_invariants(s: Scheduler, kv: KVCacheManager, scheduled_tokens: int) ->
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert r.num_computed_tokens == 0 and kv.get_block_ids(r.request_id) == []
     assert set(s.requests) == {r.request_id for r in s.running} | {r.request_id for r in s.waiting}
+    if s.policy == "priority":  # both queues in (priority, arrival) order
+        for queue in (list(s.waiting), s.running):
+            keys = [r.queue_order for r in queue]
+            assert keys == sorted(keys), queue
 
 
 def refused_expected(spec: Spec, B: int, num_blocks: int, max_model_len: int) -> bool:
@@ -128,14 +134,16 @@ def refused_expected(spec: Spec, B: int, num_blocks: int, max_model_len: int) ->
     prefix=st.booleans(),
     specs=st.lists(request_spec(), min_size=1, max_size=10),
     async_mode=st.booleans(),
+    policy=st.sampled_from(["fcfs", "priority"]),
 )
 def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs, budget,
-                                          max_model_len, prefix, specs, async_mode):
+                                          max_model_len, prefix, specs, async_mode, policy):
     """With ``async_mode`` the loop is the engine's async one: advance() right after the
-    step is "launched", the previous step's tokens resolve()d only then."""
+    step is "launched", the previous step's tokens resolve()d only then. The priority
+    policy preempts for arrivals too: the same invariants and outputs hold."""
     num_blocks = max(1, -(-max_model_len // block_size) + extra_blocks)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    s = Scheduler(max_num_seqs, budget, max_model_len, kv)
+    s = Scheduler(max_num_seqs, budget, max_model_len, kv, policy=policy)
     runner = AsyncFakeRunner(kv) if async_mode else FakeRunner(kv)
     inflight: tuple[list[Request], list[int]] | None = None
     reqs: dict[str, tuple[Request, Spec]] = {}
@@ -149,7 +157,8 @@ def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs
             rid = f"r{i}"
             r = Request(rid, spec.prompt, SamplingParams(
                 max_tokens=spec.max_tokens, min_tokens=spec.min_tokens,
-                stop_token_ids=spec.stop_ids), eos_token_id=spec.eos)
+                stop_token_ids=spec.stop_ids), eos_token_id=spec.eos,
+                priority=spec.priority if policy == "priority" else 0)
             expect_refusal = refused_expected(spec, block_size, num_blocks, max_model_len)
             try:
                 s.add_request(r)
@@ -188,6 +197,7 @@ def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs
     event(f"prefix hits: {kv.prefix_hits > 0}")
     event(f"aborted: {len(aborted) > 0}")
     event(f"async: {async_mode}")
+    event(f"policy: {policy}")
     assert kv.num_free_blocks == num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     for rid, (r, spec) in reqs.items():

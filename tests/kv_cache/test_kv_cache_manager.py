@@ -113,6 +113,24 @@ def test_no_prefix_caching_means_no_hits():
 
 
 # -------------------------------------------------------------- prefix sharing
+def test_blocks_freed_by_counts_only_blocks_no_one_else_holds():
+    kv = KVCacheManager(10, 4)
+    a = req("a", list(range(10)))
+    kv.allocate_slots(a, 10)  # [0, 1, 2]
+    b = req("b", list(range(8)) + [50, 51, 52])
+    kv.allocate_slots(b, 3, kv.get_computed_blocks(b)[0])  # [0, 1, 3]: 0 and 1 shared
+    c = req("c", [60, 61])
+    kv.allocate_slots(c, 2)  # [4]
+    assert kv.blocks_freed_by(["a"]) == {2}
+    assert kv.blocks_freed_by(["b", "c"]) == {3, 4}
+    assert kv.blocks_freed_by(["a", "b"]) == {0, 1, 2, 3}
+    assert kv.blocks_freed_by(["nobody"]) == set()
+    before = kv.num_free_blocks
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks - before == 4  # as it said
+
+
 def test_prefix_hit_shares_blocks_with_ref_counts():
     kv = KVCacheManager(10, 4)
     a = req("a", list(range(10)))
