@@ -338,3 +338,43 @@ def test_the_switch_decides_where_the_kernels_run(monkeypatch):
     assert limit() == KERNEL_MAX_TOKENS  # (the interpreter on the CPU: tests/conftest.py)
     monkeypatch.setenv("FLASHPAGE_LORA_KERNELS", "0")
     assert limit() == 0
+
+
+def _sm90_lora_report() -> list[str]:
+    """(In a subprocess with the interpreter off.) Both kernels compiled for sm_90 at every
+    token tile the launchers pick (bf16, fp16 and fp32 operands, the shrink with and without
+    its SiLU·mul prologue), with the default tiles: the shared memory each needs."""
+    import torch as th
+    from sm90 import compile_sm90
+
+    from flashpage.kernels import lora as lk
+
+    out = []
+    for dt, tt in ((th.bfloat16, "bf16"), (th.float16, "fp16"), (th.float32, "fp32")):
+        for t in (1, 32, 256):
+            sc, ec = lk.default_shrink_config(t), lk.default_expand_config(t)
+            for silu in (False, True):
+                k = compile_sm90(lk._lora_shrink_kernel, dict(
+                    SILU_MUL=silu, PRECISION=lk._precision(dt), BLOCK_T=sc.block_t,
+                    BLOCK_N=lk._block_n(48), BLOCK_K=sc.block_k),
+                    {"x_ptr": f"*{tt}", "a_ptr": f"*{tt}", "slot_ptr": "*i64", "out_ptr": "*fp32"},
+                    num_warps=sc.num_warps, num_stages=3)
+                out.append(f"shrink {tt} t={t} silu={silu} smem={k.metadata.shared}")
+            k = compile_sm90(lk._lora_expand_kernel, dict(
+                PRECISION=lk._precision(dt), BLOCK_T=ec.block_t, BLOCK_N=lk._block_n(48),
+                BLOCK_O=ec.block_o),
+                {"xa_ptr": "*fp32", "b_ptr": f"*{tt}", "slot_ptr": "*i64", "y_ptr": f"*{tt}"},
+                num_warps=ec.num_warps, num_stages=3)
+            out.append(f"expand {tt} t={t} smem={k.metadata.shared}")
+    return out
+
+
+@CPU_ONLY
+def test_lora_kernels_compile_for_sm90():
+    """Both kernels build for an H200 (Triton's ptxas on the CPU) at every tile the
+    launchers choose, within an SM's shared memory: a GPU-only compile error shows in CI."""
+    from sm90 import run_compiled
+
+    report = run_compiled("test_lora_kernels", "_sm90_lora_report")
+    assert len(report) == 3 * 3 * 3
+    assert all(int(r.rsplit("smem=", 1)[1]) <= 227 * 1024 for r in report), report
