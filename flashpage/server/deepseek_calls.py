@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from flashpage.server.partial_json import dumps
-from flashpage.server.tool_stream import CallReader, JsonCalls
+from flashpage.server.tool_stream import CallReader, JsonCalls, TagReader
 from flashpage.server.tools import ToolCall, ToolParser, _content, _prefix_at_end
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -54,7 +54,7 @@ class DeepSeekV3Parser(ToolParser):
         return _DeepSeekReader()
 
 
-class _DeepSeekReader(CallReader):
+class _DeepSeekReader(TagReader):
     """outside -> (calls begin) calls -> (call begin) type -> (sep) name -> (newline) fence ->
     (```json) args -> (the object) fence_end -> (```) call_end -> (call end) calls;
     calls -> (calls end) done."""
@@ -67,20 +67,6 @@ class _DeepSeekReader(CallReader):
         self.end: int | None = None  # and where they end, once they did
         self.name = ""
         self.body: JsonCalls | None = None
-
-    def feed(self, text: str) -> None:
-        while not self.dead and self.state != "done" and self.pos < len(text):
-            if not getattr(self, "_" + self.state)(text):
-                return
-
-    def _expect(self, text: str, tag: str, state: str) -> bool:
-        while self.pos < len(text) and text[self.pos] in _WS:
-            self.pos += 1
-        if text.startswith(tag, self.pos):
-            self.pos, self.state = self.pos + len(tag), state
-            return True
-        self.dead = not tag.startswith(text[self.pos:])
-        return False
 
     def _outside(self, text: str) -> bool:
         i = text.find(CALLS_BEGIN, self.pos)

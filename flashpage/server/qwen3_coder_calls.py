@@ -42,7 +42,7 @@ from typing import Any
 
 from flashpage.server.partial_json import dumps, loads
 from flashpage.server.pythonic_calls import literal
-from flashpage.server.tool_stream import CallReader, StreamedCall, new_call_id
+from flashpage.server.tool_stream import StreamedCall, TagReader, new_call_id
 from flashpage.server.tools import ToolCall, ToolParser, _content, _prefix_at_end
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -145,7 +145,7 @@ class Qwen3CoderParser(ToolParser):
         return _Qwen3CoderReader(properties)
 
 
-class _Qwen3CoderReader(CallReader):
+class _Qwen3CoderReader(TagReader):
     """outside -> (``<tool_call>``) open -> (``<function=``) function -> (NAME ``>``) params;
     params -> (``<parameter=``) parameter -> (NAME ``>``) value0 -> value -> (``</parameter>``)
     params; params -> (``</function>``) close -> (``</tool_call>``) outside."""
@@ -162,20 +162,6 @@ class _Qwen3CoderReader(CallReader):
         self.streams = False  # its value goes out as it comes (a string)
         self.value_at = self.sent = 0  # where its value starts, how far it went out
 
-    def feed(self, text: str) -> None:
-        while not self.dead and self.pos < len(text):
-            if not getattr(self, "_" + self.state)(text):
-                return
-
-    def _expect(self, text: str, tag: str, state: str) -> bool:
-        """Whitespace, then ``tag`` (-> ``state``); wait while the text may be its start."""
-        while self.pos < len(text) and text[self.pos] in _WS:
-            self.pos += 1
-        if text.startswith(tag, self.pos):
-            self.pos, self.state = self.pos + len(tag), state
-            return True
-        self.dead = not tag.startswith(text[self.pos:])
-        return False
 
     def _name(self, text: str, bad: set[str]) -> str | None:
         """The name up to ``>``; None to wait (or dead)."""

@@ -84,6 +84,33 @@ class CallReader:
         pass
 
 
+_WS = " \t\r\n"
+
+
+class TagReader(CallReader):
+    """A CallReader over tagged text, as a state machine: ``state`` names the method
+    ``_<state>(text)`` that reads on from ``pos`` (False: wait for more text); the state
+    "done" ends it."""
+
+    state = "outside"
+    pos = 0
+
+    def feed(self, text: str) -> None:
+        while not self.dead and self.state != "done" and self.pos < len(text):
+            if not getattr(self, "_" + self.state)(text):
+                return
+
+    def _expect(self, text: str, tag: str, state: str) -> bool:
+        """Whitespace, then ``tag`` (-> ``state``); wait while the text may be its start."""
+        while self.pos < len(text) and text[self.pos] in _WS:
+            self.pos += 1
+        if text.startswith(tag, self.pos):
+            self.pos, self.state = self.pos + len(tag), state
+            return True
+        self.dead = not tag.startswith(text[self.pos:])
+        return False
+
+
 class JsonCalls:
     """The calls in one JSON value, read as it comes: the value one call object, or (with
     ``lists``) a list of them; each call's arguments the value of ``args_key`` in it,
