@@ -16,6 +16,9 @@
 #                                             the 8B counting weights (run 143's table, now with
 #                                             wrong+bo and async scheduling), then bench serve at run
 #                                             155's light load, drafts on (backoff on / off). Carry [".whl"]
+#   BUDGET=200 bash benchmarks/gpu_s19.sh d   the e4m3 GEMV on the tensor cores (benchmarks/gemv_fp8_dot.py:
+#                                             f16 tiles x x replicated in 16 columns, wgmma, cp.async
+#                                             stages per the sm_90 compile) against gemv_row, 4 shapes
 # Results under $OUT.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -62,5 +65,8 @@ c)
       "$OUT/serve_ngram_backoff_$bo.json" "backoff=$bo"
   done
   echo "part c done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-c)"; exit 2 ;;
+d)
+  timeout "$(left 180)" python3 benchmarks/gemv_fp8_dot.py --out "$OUT" 2>&1 | tee "$OUT/gemv_fp8_dot.txt" | tail -n 30
+  echo "part d done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-d)"; exit 2 ;;
 esac
