@@ -94,29 +94,41 @@ class LLM:
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
               *, use_tqdm: bool = True,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-              ) -> list[EmbeddingRequestOutput]:
+              priority: Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
         """Embed every prompt (text, token ids, or {"prompt_token_ids": [...]}): its hidden
         states pooled the model's way (flashpage/pooling.py), as vLLM's LLM.embed. Outputs
-        in prompt order; a prompt that cannot run has ``error`` set and no outputs."""
+        in prompt order; a prompt that cannot run has ``error`` set and no outputs.
+        ``priority``: one integer per prompt, as in ``generate`` (the order, not the vectors)."""
         plist = _as_prompt_list(prompts)
         params = [pooling_params or PoolingParams()] * len(plist)
-        outs = self._run(plist, params, use_tqdm, _per_prompt_loras(lora_request, len(plist)))
+        priorities = self._per_prompt_priorities(priority, len(plist))
+        outs = self._run(plist, params, use_tqdm, _per_prompt_loras(lora_request, len(plist)),
+                         priorities)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
                                        EmbeddingOutput(o.embedding) if o.embedding is not None else None,
                                        o.finished, o.error) for o in outs]
 
     def score(self, text_1: Prompt | Sequence[Prompt], text_2: Prompt | Sequence[Prompt], *,
-              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+              use_tqdm: bool = True,
+              priority: Sequence[int] | None = None) -> list[ScoringRequestOutput]:
         """vLLM's LLM.score for embedding models: the cosine of the embeddings of ``text_1``
         and each of ``text_2`` (one item against many), or of each pair (equal lengths).
-        Each distinct text is embedded once; a pair with a refused text has ``error`` set."""
+        Each distinct text is embedded once; a pair with a refused text has ``error`` set.
+        ``priority``: one integer per pair (per output), as in ``generate``; a text in
+        several pairs is embedded at the lowest value (the most urgent) of them."""
         left, right = _as_prompt_list(text_1), _as_prompt_list(text_2)
         if len(left) != 1 and len(left) != len(right):
             raise ValueError(f"text_1 has {len(left)} items and text_2 {len(right)}: give text_1 "
                              "one item, or both the same number")
+        per_pair = self._per_prompt_priorities(priority, len(right), "pair")
         keys = [repr(p) for p in left + right]
         unique = list(dict.fromkeys(keys))
-        embs = self.embed([(left + right)[keys.index(k)] for k in unique], use_tqdm=use_tqdm)
+        urgent: dict[str, int] = {}
+        for j, prio in enumerate(per_pair):
+            for k in (keys[0 if len(left) == 1 else j], keys[len(left) + j]):
+                urgent[k] = min(urgent.get(k, prio), prio)
+        embs = self.embed([(left + right)[keys.index(k)] for k in unique], use_tqdm=use_tqdm,
+                          priority=[urgent.get(k, 0) for k in unique])
         by_key = dict(zip(unique, embs, strict=True))
         out = []
         for j in range(len(right)):
@@ -154,15 +166,17 @@ class LLM:
                                       tokenize=True, return_dict=False)
         return list(ids)
 
-    def _per_prompt_priorities(self, priority: Sequence[int] | None, n: int) -> list[int]:
-        """vLLM's ``priority``: a list with one integer per prompt; checked whole before any
-        request is added (a wrong one is the caller's mistake, not a prompt's)."""
+    def _per_prompt_priorities(self, priority: Sequence[int] | None, n: int,
+                               what: str = "prompt") -> list[int]:
+        """vLLM's ``priority``: a list with one integer per prompt (per ``what``); checked
+        whole before any request is added (a wrong one is the caller's mistake, not a
+        prompt's)."""
         if priority is None:
             return [0] * n
         if isinstance(priority, int) or not isinstance(priority, Sequence):
-            raise ValueError(f"priority must be a list with one integer per prompt, got {priority!r}")
+            raise ValueError(f"priority must be a list with one integer per {what}, got {priority!r}")
         if len(priority) != n:
-            raise ValueError(f"got {len(priority)} priorities for {n} prompts")
+            raise ValueError(f"got {len(priority)} priorities for {n} {what}s")
         for p in priority:
             self.engine.check_priority(p)
         return list(priority)

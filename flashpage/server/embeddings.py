@@ -13,7 +13,14 @@ from fastapi.responses import JSONResponse, Response
 
 from flashpage.pooling import PoolingParams
 from flashpage.server.protocol import EmbeddingRequest, bad_request
-from flashpage.server.serving import ServerState, collect, prompt_items, start, unless_disconnected
+from flashpage.server.serving import (
+    ServerState,
+    check_priority,
+    collect,
+    prompt_items,
+    start,
+    unless_disconnected,
+)
 
 
 async def encode_inputs(state: ServerState, items: list[Any], field: str,
@@ -37,6 +44,7 @@ async def encode_inputs(state: ServerState, items: list[Any], field: str,
 
 async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest,
                      arrival: float) -> Response:
+    check_priority(state, req.priority)
     items = prompt_items(state, req.input, "input")
     hidden = state.engine.hidden_size
     if req.dimensions is not None and req.dimensions > hidden:
@@ -45,7 +53,7 @@ async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest
     prompts = await encode_inputs(state, items, "input", req.truncate_prompt_tokens)
     params = PoolingParams(dimensions=req.dimensions)
     streams = await start(state, "embd", prompts, params, arrival, prompt_param="input",
-                          model=req.model)
+                          model=req.model, priority=req.priority)
 
     async def answer() -> Response:
         outs = await collect(streams)

@@ -21,6 +21,9 @@ TokenIds = list[Int]
 
 # Sampling seeds and top_k end up in torch tensors / generators: keep them in int64.
 _I64 = 2**63 - 1
+# the priority scheduling policy's (vLLM's) field on every request that runs on the engine:
+# lower first; non-zero needs that policy (the handlers' check_priority)
+Priority = Annotated[Int, Field(ge=-_I64 - 1, le=_I64)]
 
 
 class APIError(Exception):
@@ -112,8 +115,7 @@ class _SamplingFields(_Body):
     allowed_token_ids: list[Int] | None = Field(default=None, min_length=1)
     include_stop_str_in_output: Bool | None = False
     skip_special_tokens: Bool | None = True
-    # the priority scheduling policy's (vLLM's): lower first; non-zero needs that policy
-    priority: Int = Field(default=0, ge=-_I64 - 1, le=_I64)
+    priority: Priority = 0
     # structured outputs: OpenAI's response_format, vLLM's guided_* (< 0.10) and
     # structured_outputs (>= 0.10); at most one of them
     response_format: ResponseFormat | None = None
@@ -209,6 +211,7 @@ class EmbeddingRequest(_Body):
     dimensions: Int | None = Field(default=None, ge=1)
     user: Any = None
     truncate_prompt_tokens: Int | None = Field(default=None, ge=1)  # vLLM's
+    priority: Priority = 0
 
 
 class ScoreRequest(_Body):
@@ -219,6 +222,7 @@ class ScoreRequest(_Body):
     text_1: Str | list[Str] | TokenIds | list[TokenIds]
     text_2: Str | list[Str] | TokenIds | list[TokenIds]
     truncate_prompt_tokens: Int | None = Field(default=None, ge=1)
+    priority: Priority = 0
 
 
 class RerankRequest(_Body):
@@ -231,6 +235,7 @@ class RerankRequest(_Body):
     top_n: Int | None = Field(default=None, ge=0)
     return_documents: Bool = True
     truncate_prompt_tokens: Int | None = Field(default=None, ge=1)
+    priority: Priority = 0
 
 
 class TokenizeRequest(_Body):

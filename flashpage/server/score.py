@@ -15,19 +15,28 @@ from fastapi.responses import JSONResponse, Response
 from flashpage.pooling import PoolingParams
 from flashpage.server.embeddings import encode_inputs
 from flashpage.server.protocol import RerankRequest, ScoreRequest, bad_request
-from flashpage.server.serving import ServerState, collect, prompt_items, start, unless_disconnected
+from flashpage.server.serving import (
+    ServerState,
+    check_priority,
+    collect,
+    prompt_items,
+    start,
+    unless_disconnected,
+)
 
 
 async def _similarities(state: ServerState, request: Request, left: list[list[int]],
                         right: list[list[int]], pairs: list[tuple[int, int]], arrival: float,
-                        field: str, reply: Any) -> Response:
-    """Embed the distinct prompts of ``left`` + ``right`` and hand ``reply`` the cosine of
-    each pair (left index, right index) and the prompt tokens embedded."""
+                        field: str, reply: Any, priority: int) -> Response:
+    """Embed the distinct prompts of ``left`` + ``right`` (at ``priority``) and hand
+    ``reply`` the cosine of each pair (left index, right index) and the prompt tokens
+    embedded."""
     unique: dict[tuple[int, ...], int] = {}
     for ids in left + right:
         unique.setdefault(tuple(ids), len(unique))
     prompts = [list(k) for k in unique]
-    streams = await start(state, "score", prompts, PoolingParams(), arrival, prompt_param=field)
+    streams = await start(state, "score", prompts, PoolingParams(), arrival, prompt_param=field,
+                          priority=priority)
 
     async def answer() -> Response:
         vecs = [out.embedding or [] for out in await collect(streams)]
@@ -40,6 +49,7 @@ async def _similarities(state: ServerState, request: Request, left: list[list[in
 
 
 async def score(state: ServerState, request: Request, req: ScoreRequest, arrival: float) -> Response:
+    check_priority(state, req.priority)
     t1 = prompt_items(state, req.text_1, "text_1")
     t2 = prompt_items(state, req.text_2, "text_2")
     if len(t1) == 1:
@@ -59,10 +69,12 @@ async def score(state: ServerState, request: Request, req: ScoreRequest, arrival
             "data": [{"index": k, "object": "score", "score": s} for k, s in enumerate(scores)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    return await _similarities(state, request, left, right, pairs, arrival, "text_1", reply)
+    return await _similarities(state, request, left, right, pairs, arrival, "text_1", reply,
+                               req.priority)
 
 
 async def rerank(state: ServerState, request: Request, req: RerankRequest, arrival: float) -> Response:
+    check_priority(state, req.priority)
     if not req.documents:
         raise bad_request("documents is empty", "documents")
     docs = prompt_items(state, req.documents, "documents")
@@ -82,4 +94,4 @@ async def rerank(state: ServerState, request: Request, req: RerankRequest, arriv
                              "usage": {"total_tokens": tokens}, "results": results})
 
     return await _similarities(state, request, left, right, [(0, j) for j in range(len(docs))],
-                               arrival, "documents", reply)
+                               arrival, "documents", reply, req.priority)

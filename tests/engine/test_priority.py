@@ -1,6 +1,7 @@
 """The priority scheduling policy end to end (tiny model, CPU): priorities change the
 order in which requests are served under memory pressure, never their greedy tokens;
-the ``priority`` argument of LLM.generate / chat and LLMEngine.add_request is checked."""
+the ``priority`` argument of LLM.generate / chat / embed / score and
+LLMEngine.add_request is checked."""
 
 from __future__ import annotations
 
@@ -154,3 +155,63 @@ def test_spec_decoding_and_n_samples_under_priority(reference):
     assert llm.engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
     assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0, "drafts were meant to run"
     assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+def _spy_finish_order(engine: LLMEngine, order: list[str]) -> None:
+    """Record the ids of the requests as they finish (LLM._run's steps), in order."""
+    step = engine.step
+
+    def spy(*args, **kw):
+        outs = step(*args, **kw)
+        order.extend(o.request_id for o in outs if o.finished)
+        return outs
+
+    engine.step = spy  # type: ignore[method-assign]
+
+
+def test_llm_embed_and_score_priority_argument(reference):
+    """LLM.embed and LLM.score take ``priority`` as generate does: checked the same way, it
+    reaches each request and changes the order they are served in (one 16-token prompt a
+    step: the batch budget is 20 tokens), never the vectors or scores."""
+    import torch
+
+    path, prompts, _ = reference
+    kw = {**KW, "max_num_batched_tokens": 20, "enable_prefix_caching": False}
+    fcfs = LLM(str(path), **kw)
+    want = [o.outputs.embedding for o in fcfs.embed(prompts, use_tqdm=False)]
+    llm = LLM(str(path), scheduling_policy="priority", **kw)
+    order: list[str] = []
+    _spy_finish_order(llm.engine, order)
+    outs = llm.embed(prompts, use_tqdm=False, priority=[3, 0, 2, 0, 1, 5])
+    for o, w in zip(outs, want, strict=True):
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), torch.tensor(w), atol=1e-6, rtol=1e-5)
+    ids = [o.request_id for o in outs]
+    assert order == [ids[i] for i in (1, 3, 4, 2, 0, 5)]
+    # score: one priority per pair; the query, in every pair, goes at the most urgent of them
+    seen: dict[int, int] = {}
+    add = llm.engine.add_request
+    llm.engine.add_request = lambda rid, p, *a, **k: (seen.setdefault(len(p), k["priority"]),  # type: ignore[method-assign]
+                                                      add(rid, p, *a, **k))[1]
+    query, docs = prompts[0][:5], [prompts[1][:6], prompts[2][:7], prompts[3][:8]]
+    got = llm.score(query, docs, use_tqdm=False, priority=[4, 2, 6])
+    assert seen == {5: 2, 6: 4, 7: 2, 8: 6}
+    ref = fcfs.score(query, docs, use_tqdm=False)
+    assert [s.outputs.score for s in got] == pytest.approx([s.outputs.score for s in ref], abs=1e-6)
+    del llm.engine.add_request
+    with pytest.raises(ValueError, match="got 2 priorities for 6 prompts"):
+        llm.embed(prompts, use_tqdm=False, priority=[0, 1])
+    with pytest.raises(ValueError, match="priority must be an integer, got True"):
+        llm.embed(prompts[:1], use_tqdm=False, priority=[True])
+    with pytest.raises(ValueError, match="one integer per prompt, got 3"):
+        llm.embed(prompts[:1], use_tqdm=False, priority=3)
+    with pytest.raises(ValueError, match="got 2 priorities for 3 pairs"):
+        llm.score(query, docs, use_tqdm=False, priority=[0, 1])
+    with pytest.raises(ValueError, match=r"one integer per pair, got 1\.5"):
+        llm.score(query, docs, use_tqdm=False, priority=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Got priority 1 but priority scheduling is not enabled"):
+        fcfs.score(query, docs, use_tqdm=False, priority=[0, 1, 0])
+    with pytest.raises(ValueError, match="Got priority -3 but priority scheduling is not enabled"):
+        fcfs.embed(prompts[:2], use_tqdm=False, priority=[0, -3])
+    assert fcfs.embed(prompts[:2], use_tqdm=False, priority=[0, 0])[0].outputs is not None
+    for e in (llm.engine, fcfs.engine):
+        assert not e.has_unfinished_requests() and e.kv_manager.stats().blocks_used == 0
