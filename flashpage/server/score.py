@@ -27,16 +27,16 @@ from flashpage.server.serving import (
 
 async def _similarities(state: ServerState, request: Request, left: list[list[int]],
                         right: list[list[int]], pairs: list[tuple[int, int]], arrival: float,
-                        field: str, reply: Any, priority: int) -> Response:
-    """Embed the distinct prompts of ``left`` + ``right`` (at ``priority``) and hand
-    ``reply`` the cosine of each pair (left index, right index) and the prompt tokens
-    embedded."""
+                        field: str, reply: Any, priority: int, model: str | None) -> Response:
+    """Embed the distinct prompts of ``left`` + ``right`` (at ``priority``, under the LoRA
+    adapter ``model`` names if it names one) and hand ``reply`` the cosine of each pair
+    (left index, right index) and the prompt tokens embedded."""
     unique: dict[tuple[int, ...], int] = {}
     for ids in left + right:
         unique.setdefault(tuple(ids), len(unique))
     prompts = [list(k) for k in unique]
     streams = await start(state, "score", prompts, PoolingParams(), arrival, prompt_param=field,
-                          priority=priority)
+                          model=model, priority=priority)
 
     async def answer() -> Response:
         vecs = [out.embedding or [] for out in await collect(streams)]
@@ -65,12 +65,12 @@ async def score(state: ServerState, request: Request, req: ScoreRequest, arrival
     def reply(scores: list[float], tokens: int) -> Response:
         return JSONResponse({
             "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-            "model": state.model_name,
+            "model": state.response_model(req.model),
             "data": [{"index": k, "object": "score", "score": s} for k, s in enumerate(scores)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     return await _similarities(state, request, left, right, pairs, arrival, "text_1", reply,
-                               req.priority)
+                               req.priority, req.model)
 
 
 async def rerank(state: ServerState, request: Request, req: RerankRequest, arrival: float) -> Response:
@@ -90,8 +90,8 @@ async def rerank(state: ServerState, request: Request, req: RerankRequest, arriv
             if req.return_documents:
                 r["document"] = {"text": docs[j]}
             results.append(r)
-        return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": state.model_name,
+        return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": state.response_model(req.model),
                              "usage": {"total_tokens": tokens}, "results": results})
 
     return await _similarities(state, request, left, right, [(0, j) for j in range(len(docs))],
-                               arrival, "documents", reply, req.priority)
+                               arrival, "documents", reply, req.priority, req.model)

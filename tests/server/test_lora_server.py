@@ -157,3 +157,12 @@ def test_embeddings_under_an_adapter(lora_server, adapters):
     base = httpx.post(lora_server.url + "/v1/embeddings", json={"model": "tiny", "input": PROMPTS},
                       timeout=60).json()["data"]
     assert (got - torch.tensor([d["embedding"] for d in base])).abs().max() > 1e-2
+    # /score and /rerank under the adapter: the cosines of its embeddings
+    want = [float(got[0] @ got[j]) for j in range(len(PROMPTS))]
+    for path, body, key in (("/score", {"text_1": PROMPTS[0], "text_2": PROMPTS}, "data"),
+                            ("/rerank", {"query": PROMPTS[0], "documents": PROMPTS}, "results")):
+        r = httpx.post(lora_server.url + path, json={"model": "chat", **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "chat"
+        got_scores = {d["index"]: d.get("score", d.get("relevance_score")) for d in r.json()[key]}
+        assert [got_scores[j] for j in range(len(PROMPTS))] == pytest.approx(want, abs=1e-4)
