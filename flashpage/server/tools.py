@@ -286,8 +286,10 @@ PARSERS: dict[str, str] = {
     "llama3_json": "tools:Llama3JsonParser",
     "mistral": "tools:MistralParser",
     "pythonic": "pythonic_calls:PythonicParser",
+    "llama4_pythonic": "pythonic_calls:PythonicParser",  # Llama 4's <|python_start|> is read
     "qwen3_coder": "qwen3_coder_calls:Qwen3CoderParser",
     "deepseek_v3": "deepseek_calls:DeepSeekV3Parser",
+    "deepseek_v31": "deepseek_calls:DeepSeekV31Parser",
 }
 
 
