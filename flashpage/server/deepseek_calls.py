@@ -24,7 +24,7 @@ DeepSeek-V3.1 writes each call without the type and the fence, its name up to th
 
     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
-SectionReader is the part the formats of calls between special tokens share.
+Kimi K2 (server/kimi_calls.py) is SectionReader too, with its own tokens and call header.
 """
 
 from __future__ import annotations
