@@ -207,6 +207,9 @@ OTHER_FORMATS = [  # --tool-call-parser, an answer calling get_weather(city="Par
                 '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|><|tool_call_begin|>'
                 'functions.get_time:1<|tool_call_argument_begin|>{"zone": "UTC"}<|tool_call_end|>'
                 "<|tool_calls_section_end|>", "Let me see."),
+    ("glm45", "Let me see.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+              "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>get_time\n"
+              "<arg_key>zone</arg_key>\n<arg_value>UTC</arg_value>\n</tool_call>", "Let me see.\n"),
 ]
 IDS = {"kimi_k2": r"functions\.get_(weather:0|time:1)"}  # the model's own ids (vLLM's kimi_k2)
 
