@@ -114,14 +114,16 @@ class TagReader(CallReader):
 class JsonCalls:
     """The calls in one JSON value, read as it comes: the value one call object, or (with
     ``lists``) a list of them; each call's arguments the value of ``args_key`` in it,
-    streamed when it is an object; ``name`` given: the value is that function's arguments.
+    streamed when it is an object; ``name`` given: the value is that function's arguments
+    (``call_id``: the call's id, where the format gives one).
     ``call_of(value)`` reads a closed call object as the parser does (None: not a call).
     A second "name" or ``args_key`` in a call stops its streaming (``call_of`` refuses it)."""
 
     def __init__(self, reader: CallReader, base: int, call_of: Callable[[Any], ToolCall | None],
                  args_key: str = "arguments", lists: bool = False, objects: bool = True,
-                 name: str | None = None) -> None:
+                 name: str | None = None, call_id: str | None = None) -> None:
         self.reader, self.base, self.call_of = reader, base, call_of
+        self.call_id = call_id
         self.args_key, self.lists, self.objects, self.name = args_key, lists, objects, name
         self.json = CanonicalJson(self._start, self._end)
         self.depth: int | None = None  # of the call objects: 0 (the value) or 1 (a list's items)
@@ -156,7 +158,7 @@ class JsonCalls:
             if c != "{":
                 self.reader.dead = True
                 return
-            self.call = StreamedCall(new_call_id(), self.name, self.json)
+            self.call = StreamedCall(self.call_id or new_call_id(), self.name, self.json)
             self.reader.calls.append(self.call)
             self.raw_at, self.seen, self.stopped = raw, set(), False
             if self.name is not None:

@@ -10,10 +10,13 @@ server's choice (``--tool-call-parser``, with ``--enable-auto-tool-choice`` for 
 - ``llama3_json`` (Llama 3.1-3.3): the whole answer one or more ``{"name": ..., "parameters":
   {...}}`` objects separated by ``;``, optionally after ``<|python_tag|>``;
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name": ..., "arguments": {...}}``;
-- ``pythonic`` (Llama 3.2 / 4: a Python list of calls, server/pythonic_calls.py),
-  ``qwen3_coder`` (Qwen3-Coder's XML-like tags, values typed by the tool's schema,
-  server/qwen3_coder_calls.py) and ``deepseek_v3`` (DeepSeek-V3 / R1's special tokens around
-  JSON, server/deepseek_calls.py), each in its own module, imported when chosen.
+- ``pythonic`` (Llama 3.2 / 4: a Python list of calls, server/pythonic_calls.py; vLLM's
+  ``llama4_pythonic`` the same), ``qwen3_coder`` (Qwen3-Coder's XML-like tags, values typed
+  by the tool's schema, server/qwen3_coder_calls.py), ``deepseek_v3`` and ``deepseek_v31``
+  (DeepSeek-V3 / R1 and V3.1's special tokens around JSON, server/deepseek_calls.py) and
+  ``kimi_k2`` (Kimi K2's, the call ids the model's, server/kimi_calls.py) and ``glm45``
+  (GLM-4.5's key / value tags, values typed by the tool's schema, server/glm_calls.py), each
+  in its own module, imported when chosen.
 
 An answer whose call does not parse as JSON of that shape is content, not a call (the client
 sees what the model wrote). ``tool_choice`` "required" and a named function need no parser:
@@ -286,8 +289,12 @@ PARSERS: dict[str, str] = {
     "llama3_json": "tools:Llama3JsonParser",
     "mistral": "tools:MistralParser",
     "pythonic": "pythonic_calls:PythonicParser",
+    "llama4_pythonic": "pythonic_calls:PythonicParser",  # Llama 4's <|python_start|> is read
     "qwen3_coder": "qwen3_coder_calls:Qwen3CoderParser",
     "deepseek_v3": "deepseek_calls:DeepSeekV3Parser",
+    "deepseek_v31": "deepseek_calls:DeepSeekV31Parser",
+    "kimi_k2": "kimi_calls:KimiK2Parser",
+    "glm45": "glm_calls:Glm45Parser",
 }
 
 

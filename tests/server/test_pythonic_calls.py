@@ -138,3 +138,12 @@ def test_edited_answers_any_split(answer, edits, data):
     bounds = [0, *cuts, len(text)]
     event(f"{agrees(P, text, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])} calls")
     agrees(P, text, list(text) + [""])
+
+
+def test_llama4_pythonic_is_pythonic():
+    """vLLM's ``llama4_pythonic``: the same reading, Llama 4's wrapper tokens included."""
+    llama4 = get_parser("llama4_pythonic")
+    for text in ['<|python_start|>[get_weather(city="Paris")]<|python_end|>', "[f(a=1), g()]", "no calls"]:
+        assert [(c.name, c.arguments) for c in llama4.extract(text)[1]] == [
+            (c.name, c.arguments) for c in P.extract(text)[1]]
+    every_split(llama4, '<|python_start|>[get_weather(city="Paris", days=3)]<|python_end|>', "", 1)

@@ -6,6 +6,7 @@ streamed and not; what a request cannot ask for is a 400 naming the field."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,8 +76,12 @@ def _stream(server: LiveServer, body: dict) -> list[dict]:
     return chunks
 
 
-def _check_call(call: dict, names=("get_weather", "get_time")) -> str:
-    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+OUR_ID = r"chatcmpl-tool-[0-9a-f]{24}"
+ANY_ID = OUR_ID + r"|functions\.\w+:\d+"  # ours, or Kimi K2's own (vLLM's kimi_k2 keeps it)
+
+
+def _check_call(call: dict, names=("get_weather", "get_time"), ids=OUR_ID) -> str:
+    assert call["type"] == "function" and re.fullmatch(ids, call["id"]), call
     name = call["function"]["name"]
     assert name in names
     jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[name])
@@ -125,7 +130,7 @@ def _streamed(chunks: list[dict], choice: int = 0) -> tuple[str, list[dict], str
             for tc in d.get("tool_calls", []):
                 i, f = tc["index"], tc["function"]
                 if i == len(calls):
-                    assert tc["type"] == "function" and tc["id"].startswith("chatcmpl-tool-"), tc
+                    assert tc["type"] == "function" and re.fullmatch(ANY_ID, tc["id"]), tc
                     calls.append({"id": tc["id"], "type": "function",
                                   "function": {"name": f["name"], "arguments": f["arguments"]}})
                 else:
@@ -195,7 +200,18 @@ OTHER_FORMATS = [  # --tool-call-parser, an answer calling get_weather(city="Par
     ("deepseek_v3", "Let me see.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                     '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>'
                     'get_time\n```json\n{"zone": "UTC"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me see."),
+    ("deepseek_v31", "Let me see.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                     '{"city": "Paris", "days": 3}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>'
+                     '{"zone": "UTC"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me see."),
+    ("kimi_k2", "Let me see.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|><|tool_call_begin|>'
+                'functions.get_time:1<|tool_call_argument_begin|>{"zone": "UTC"}<|tool_call_end|>'
+                "<|tool_calls_section_end|>", "Let me see."),
+    ("glm45", "Let me see.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+              "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>get_time\n"
+              "<arg_key>zone</arg_key>\n<arg_value>UTC</arg_value>\n</tool_call>", "Let me see.\n"),
 ]
+IDS = {"kimi_k2": r"functions\.get_(weather:0|time:1)"}  # the model's own ids (vLLM's kimi_k2)
 
 
 @pytest.mark.parametrize("parser, text, content", OTHER_FORMATS)
@@ -211,10 +227,12 @@ def test_other_formats_through_the_server(tool_model_dir, parser, text, content)
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
             ("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "UTC"})]
         for call in calls:
-            _check_call(call)
+            _check_call(call, ids=IDS.get(parser, OUR_ID))
         got, streamed, finish = _streamed(_stream(server, body))
         assert got == content and finish == "tool_calls"
         _same_calls(streamed, calls)
+        if parser in IDS:
+            assert [c["id"] for c in streamed] == [c["id"] for c in calls]
 
 
 @pytest.mark.parametrize("seed", range(3))
