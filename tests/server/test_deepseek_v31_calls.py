@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from flashpage.server.deepseek_calls import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 from flashpage.server.tools import get_parser
-from tests.server.tool_checks import LATE, agrees, every_split, sent_by_now
+from tests.server.tool_checks import (
+    JSON_VALUES,
+    LATE,
+    agrees_when_cut,
+    edited,
+    every_split,
+    sent_by_now,
+)
 
 P = get_parser("deepseek_v31")
 
@@ -78,15 +85,9 @@ def test_arguments_go_out_as_they_are_written(text, sent):
     assert sent_by_now(P, text) == sent
 
 
-_json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False) | st.text(max_size=6),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-    max_leaves=8)
-
-
 @settings(max_examples=150, deadline=None)
 @given(calls=st.lists(st.tuples(st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
-                                st.dictionaries(st.text(max_size=4), _json_values, max_size=4)),
+                                st.dictionaries(st.text(max_size=4), JSON_VALUES, max_size=4)),
                       min_size=1, max_size=3),
        spacing=st.sampled_from([{}, {"separators": (",", ":")}, {"indent": 1, "ensure_ascii": False}]),
        prefix=st.text(alphabet="ab .\n", max_size=5), data=st.data())
@@ -96,10 +97,7 @@ def test_any_calls_any_split(calls, spacing, prefix, data):
         (n, json.loads(json.dumps(a))) for n, a in calls]
     if data.draw(st.booleans()):
         text = text[:data.draw(st.integers(0, len(text)))]
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=3)))
-    bounds = [0, *cuts, len(text)]
-    agrees(P, text, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
-    agrees(P, text, list(text) + [""])
+    agrees_when_cut(P, text, data)
 
 
 @settings(max_examples=200, deadline=None)
@@ -107,11 +105,5 @@ def test_any_calls_any_split(calls, spacing, prefix, data):
     st.integers(0, 10**4), st.integers(0, 2), st.sampled_from(list('{}[]",: \n1') + [CALL_END, CALLS_END, SEP])),
     min_size=1, max_size=2), data=st.data())
 def test_edited_answers_any_split(answer, edits, data):
-    text = answer[0]
-    for at, how, ch in edits:
-        at %= len(text) + 1
-        text = text[:at] + ("" if how == 1 else ch) + text[at + (how > 0):]
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=3)))
-    bounds = [0, *cuts, len(text)]
-    agrees(P, text, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
-    agrees(P, text, list(text) + [""])
+    text = edited(answer[0], edits)
+    agrees_when_cut(P, text, data)

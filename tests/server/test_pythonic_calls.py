@@ -10,7 +10,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from flashpage.server.tools import get_parser
-from tests.server.tool_checks import LATE, agrees, every_split, sent_by_now
+from tests.server.tool_checks import LATE, agrees_when_cut, edited, every_split, sent_by_now
 
 P = get_parser("pythonic")
 
@@ -117,10 +117,7 @@ def test_any_calls_any_split(calls, spacing, data):
     assert full == [(n, json.loads(json.dumps(a))) for n, a in calls]
     if data.draw(st.booleans()):
         text = text[:data.draw(st.integers(0, len(text)))]
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=3)))
-    bounds = [0, *cuts, len(text)]
-    agrees(P, text, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
-    agrees(P, text, list(text) + [""])
+    agrees_when_cut(P, text, data)
 
 
 @settings(max_examples=300, deadline=None)
@@ -130,14 +127,8 @@ def test_any_calls_any_split(calls, spacing, data):
 def test_edited_answers_any_split(answer, edits, data):
     """The answers above with characters inserted, deleted or replaced: never an error;
     calls only as the non-streamed reading has them, else all the text as content."""
-    text = answer[0]
-    for at, how, ch in edits:
-        at %= len(text) + 1
-        text = text[:at] + ("" if how == 1 else ch) + text[at + (how > 0):]
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=3)))
-    bounds = [0, *cuts, len(text)]
-    event(f"{agrees(P, text, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])} calls")
-    agrees(P, text, list(text) + [""])
+    text = edited(answer[0], edits)
+    event(f"{agrees_when_cut(P, text, data)} calls")
 
 
 def test_llama4_pythonic_is_pythonic():

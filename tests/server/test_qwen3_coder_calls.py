@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from flashpage.server.qwen3_coder_calls import convert
 from flashpage.server.tools import get_parser
-from tests.server.tool_checks import LATE, agrees, every_split, sent_by_now
+from tests.server.tool_checks import LATE, agrees_when_cut, edited, every_split, sent_by_now
 
 PROPS = {"city": {"type": "string"}, "days": {"type": "integer"}, "temp": {"type": "number"},
          "metric": {"type": "boolean"}, "opts": {"type": "object"}, "tags": {"type": ["array", "null"]},
@@ -125,10 +125,7 @@ def test_any_calls_any_split(calls, prefix, data):
     assert [c.name for c in full] == [n for n, _ in calls]
     if data.draw(st.booleans()):
         text = text[:data.draw(st.integers(0, len(text)))]
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=3)))
-    bounds = [0, *cuts, len(text)]
-    agrees(P, text, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
-    agrees(P, text, list(text) + [""])
+    agrees_when_cut(P, text, data)
 
 
 @settings(max_examples=200, deadline=None)
@@ -137,11 +134,5 @@ def test_any_calls_any_split(calls, prefix, data):
                                                                                    "</function>", "<tool_call>"])),
     min_size=1, max_size=2), data=st.data())
 def test_edited_answers_any_split(answer, edits, data):
-    text = answer[0]
-    for at, how, ch in edits:
-        at %= len(text) + 1
-        text = text[:at] + ("" if how == 1 else ch) + text[at + (how > 0):]
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=3)))
-    bounds = [0, *cuts, len(text)]
-    agrees(P, text, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
-    agrees(P, text, list(text) + [""])
+    text = edited(answer[0], edits)
+    agrees_when_cut(P, text, data)

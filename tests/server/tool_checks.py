@@ -4,6 +4,8 @@ contract, for any parser)."""
 
 from __future__ import annotations
 
+from hypothesis import strategies as st
+
 from flashpage.server.tool_stream import ToolStream
 from flashpage.server.tools import ToolParser
 from tests.server.test_tool_parsers import _merged, _splits
@@ -63,3 +65,28 @@ def sent_by_now(parser: ToolParser, text: str) -> list[tuple[str, str]]:
         out.append([(c["name"], c["arguments"]) for c in _merged(entries)])
     assert out[0] == out[1]
     return out[0]
+
+
+# JSON values for fuzzed arguments
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8)
+
+
+def edited(text: str, edits: list[tuple[int, int, str]]) -> str:
+    """``text`` with each edit (where, 0 insert / 1 delete / 2 replace, character) applied."""
+    for at, how, ch in edits:
+        at %= len(text) + 1
+        text = text[:at] + ("" if how == 1 else ch) + text[at + (how > 0):]
+    return text
+
+
+def agrees_when_cut(parser: ToolParser, text: str, data) -> int:
+    """``agrees`` for ``text`` cut at up to 3 places hypothesis draws (``data``: st.data()),
+    then fed one character a delta; the number of calls."""
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=3)))
+    bounds = [0, *cuts, len(text)]
+    n = agrees(parser, text, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
+    agrees(parser, text, list(text) + [""])
+    return n
