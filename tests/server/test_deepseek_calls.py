@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 from flashpage.server.deepseek_calls import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 from flashpage.server.tools import get_parser
 from tests.server.tool_checks import (
-    JSON_VALUES,
+    JSON_CALLS,
+    JSON_SPACINGS,
     LATE,
     agrees_when_cut,
+    cut_off_then_agrees,
     edited,
     every_split,
     sent_by_now,
@@ -79,18 +81,12 @@ def test_arguments_go_out_as_they_are_written(text, sent):
 
 
 @settings(max_examples=150, deadline=None)
-@given(calls=st.lists(st.tuples(st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
-                                st.dictionaries(st.text(max_size=4), JSON_VALUES, max_size=4)),
-                      min_size=1, max_size=3),
-       spacing=st.sampled_from([{}, {"separators": (",", ":")}, {"indent": 1, "ensure_ascii": False}]),
-       prefix=st.text(alphabet="ab .\n", max_size=5), data=st.data())
+@given(calls=JSON_CALLS, spacing=JSON_SPACINGS, prefix=st.text(alphabet="ab .\n", max_size=5), data=st.data())
 def test_any_calls_any_split(calls, spacing, prefix, data):
     text = prefix + _calls(*(_call(n, json.dumps(a, **spacing)) for n, a in calls))
     assert [(c.name, json.loads(c.arguments)) for c in P.extract(text)[1]] == [
         (n, json.loads(json.dumps(a))) for n, a in calls]
-    if data.draw(st.booleans()):
-        text = text[:data.draw(st.integers(0, len(text)))]
-    agrees_when_cut(P, text, data)
+    cut_off_then_agrees(P, text, data)
 
 
 @settings(max_examples=200, deadline=None)

@@ -74,6 +74,20 @@ JSON_VALUES = st.recursive(
     max_leaves=8)
 
 
+# calls with JSON arguments: (name, arguments) lists, and the ways json.dumps may space them
+JSON_CALLS = st.lists(st.tuples(st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
+                                st.dictionaries(st.text(max_size=4), JSON_VALUES, max_size=4)),
+                      min_size=1, max_size=3)
+JSON_SPACINGS = st.sampled_from([{}, {"separators": (",", ":")}, {"indent": 1, "ensure_ascii": False}])
+
+
+def cut_off_then_agrees(parser: ToolParser, text: str, data) -> None:
+    """Maybe cut ``text`` short (a model stopped anywhere), then ``agrees_when_cut``."""
+    if data.draw(st.booleans()):
+        text = text[:data.draw(st.integers(0, len(text)))]
+    agrees_when_cut(parser, text, data)
+
+
 def edited(text: str, edits: list[tuple[int, int, str]]) -> str:
     """``text`` with each edit (where, 0 insert / 1 delete / 2 replace, character) applied."""
     for at, how, ch in edits:
