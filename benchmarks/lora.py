@@ -33,6 +33,7 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,7 @@ def _bench_shape(name: str, k: int, out: int, n: int, num_slots: int, tokens: tu
     import torch.nn.functional as F
     from gpu_timing import time_graph  # benchmarks/, the script's folder
 
-    from flashpage.kernels.lora import lora_expand, lora_shrink
+    from flashpage.kernels.lora import default_shrink_config, lora_expand, lora_shrink
 
     w = torch.randn(out, k, device="cuda", dtype=dtype) * 0.02
     a = torch.randn(num_slots * n, k, device="cuda", dtype=dtype) * 0.02
@@ -134,13 +135,21 @@ def _bench_shape(name: str, k: int, out: int, n: int, num_slots: int, tokens: tu
             def kernels(x=x, y=y, slots=slots):
                 return lora_expand(lora_shrink(x, a, slots, n), b, slots, n, y)
 
-            row = {"linear": name, "in": k, "out": out, "n": n, "tokens": t, "mix": mix,
-                   "base_us": base_us, "dense_us": 1e6 * time_graph(dense, calls=20),
-                   "kernels_us": 1e6 * time_graph(kernels, calls=20)}
+            looped_cfg = replace(default_shrink_config(t), slot_grid=False)
+
+            def looped(x=x, y=y, slots=slots, cfg=looped_cfg):  # the shrink's slots in one program
+                return lora_expand(lora_shrink(x, a, slots, n, cfg), b, slots, n, y)
+
+            row: dict[str, Any] = {
+                "linear": name, "in": k, "out": out, "n": n, "tokens": t, "mix": mix,
+                "base_us": base_us, "dense_us": 1e6 * time_graph(dense, calls=20),
+                "kernels_us": 1e6 * time_graph(kernels, calls=20),
+                "looped_us": 1e6 * time_graph(looped, calls=20)}
             rows.append(row)
             print(f"{name:8s} T {t:4d}  {mix:5s}  base GEMM {row['base_us']:7.1f} us  dense "
                   f"delta {row['dense_us']:7.1f} us  kernels {row['kernels_us']:7.1f} us  "
-                  f"({row['dense_us'] / row['kernels_us']:.2f}x)", flush=True)
+                  f"({row['dense_us'] / row['kernels_us']:.2f}x; slots looped "
+                  f"{row['looped_us']:7.1f} us)", flush=True)
     return rows
 
 

@@ -58,9 +58,11 @@ CASES = [
     (19, 96, 33, 3, 8, ShrinkConfig(16, 32, 2, 1), ExpandConfig(16, 16, 1)),    # two T tiles, n padded to 16
     (40, 100, 48, 4, 32, ShrinkConfig(32, 16, 4, 1), ExpandConfig(32, 32, 1)),  # 4 slots, K % 16 != 0
     (130, 48, 24, 4, 48, ShrinkConfig(64, 16, 4, 1), ExpandConfig(64, 16, 1)),  # the large-T tiles
+    (40, 100, 48, 4, 32, ShrinkConfig(32, 16, 4, 1, slot_grid=False),           # slots looped in
+     ExpandConfig(32, 32, 1)),                                                  # one program
     (3, 32, 16, 2, 16, None, None),                                             # default configs
 ]
-IDS = ["t1", "t5-n48", "t19-n8", "t40-s4", "t130", "default"]
+IDS = ["t1", "t5-n48", "t19-n8", "t40-s4", "t130", "t40-s4-looped", "default"]
 
 
 @CPU_ONLY
@@ -355,7 +357,8 @@ def _sm90_lora_report() -> list[str]:
             sc, ec = lk.default_shrink_config(t), lk.default_expand_config(t)
             for silu in (False, True):
                 k = compile_sm90(lk._lora_shrink_kernel, dict(
-                    SILU_MUL=silu, PRECISION=lk._precision(dt), BLOCK_T=sc.block_t,
+                    SILU_MUL=silu, PRECISION=lk._precision(dt), SLOT_GRID=sc.slot_grid,
+                    BLOCK_T=sc.block_t,
                     BLOCK_N=lk._block_n(48), BLOCK_K=sc.block_k),
                     {"x_ptr": f"*{tt}", "a_ptr": f"*{tt}", "slot_ptr": "*i64", "out_ptr": "*fp32"},
                     num_warps=sc.num_warps, num_stages=3)
