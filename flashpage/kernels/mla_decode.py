@@ -42,6 +42,7 @@ the bytes. The partials and the merge stay fp32 either way.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -568,7 +569,7 @@ def _plan(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out, n
                   QK_CHUNKS=qk_chunks)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(use_pdl))
     scale2 = sm_scale * _LOG2E
-    merge = split and not fused
+    merge = merge_launcher(mid_o, mid_lse, kv_lora_rank, use_pdl) if split and not fused else None
     bound: list = []  # the kernel (and merge) launches bound by the first call (fast_launch.bind)
 
     def launch(q, kc, _vc, out):
@@ -580,8 +581,8 @@ def _plan(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sm_scale, out, n
             bound[0](args)
         else:
             bound.append(_DECODE_LAUNCH.bind(grid, args, consts, options, varying=(0, 1, 4)))
-        if merge:
-            _merge(mid_o, mid_lse, out, kv_lora_rank, use_pdl)
+        if merge is not None:
+            merge(out)
 
     return launch
 
@@ -623,18 +624,39 @@ class MLADecodePlan(LaunchPlan):
 _DECODE_LAUNCH = FastLauncher(_mla_decode_kernel)
 
 
-def _merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, kv_lora_rank: int,
-           pdl: bool = False) -> None:
-    """out [B, H, kv_lora_rank] from the splits' partials mid_o [B, H, S, BLOCK_R] (fp32)
-    and mid_lse [B, H, S] (base 2): the merge kernel, one program per (b, h, column chunk)."""
+_MERGE_LAUNCH = FastLauncher(_mla_merge_kernel)
+
+
+def merge_launcher(mid_o: torch.Tensor, mid_lse: torch.Tensor, kv_lora_rank: int, pdl: bool = False,
+                   bind: bool = True) -> Callable[[torch.Tensor], None]:
+    """launch(out): out [B, H, kv_lora_rank] from the splits' partials mid_o [B, H, S, BLOCK_R]
+    (fp32) and mid_lse [B, H, S] (base 2), the merge kernel, one program per (b, h, column
+    chunk). A plan's layers share the scratch, so with ``bind`` the launches after the first
+    skip Triton's dispatch (fast_launch.bind: ``out`` the one argument that varies)."""
     B, H, num_splits, block_r = mid_o.shape
     block_s = triton.next_power_of_2(num_splits)
     chunk_r = min(block_r, max(16, 4096 // block_s))  # <= 4K fp32 per program
-    _mla_merge_kernel[(B, H, triton.cdiv(kv_lora_rank, chunk_r))](
-        mid_o, mid_lse, out, H, num_splits, out.stride(0), out.stride(1),
-        RANK=kv_lora_rank, BLOCK_R=block_r, BLOCK_S=block_s, CHUNK_R=chunk_r, PDL=pdl,
-        num_warps=4, **pdl_launch_kwargs(pdl),
-    )
+    grid = (B, H, triton.cdiv(kv_lora_rank, chunk_r))
+    consts = dict(RANK=kv_lora_rank, BLOCK_R=block_r, BLOCK_S=block_s, CHUNK_R=chunk_r, PDL=pdl)
+    options = dict(num_warps=4, **pdl_launch_kwargs(pdl))
+    bound: list = []
+
+    def launch(out: torch.Tensor) -> None:
+        args = (mid_o, mid_lse, out, H, num_splits, out.stride(0), out.stride(1))
+        if bound:
+            bound[0](args)
+        elif bind:
+            bound.append(_MERGE_LAUNCH.bind(grid, args, consts, options, varying=(2,)))
+        else:
+            _MERGE_LAUNCH(grid, args, consts, options)
+
+    return launch
+
+
+def _merge(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, kv_lora_rank: int,
+           pdl: bool = False) -> None:
+    """One merge (``merge_launcher``'s kernel) outside a plan."""
+    merge_launcher(mid_o, mid_lse, kv_lora_rank, pdl, bind=False)(out)
 
 
 def mla_decode_ref(

@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashpage.kernels.fast_launch import FastLauncher
-from flashpage.kernels.mla_decode import _merge
+from flashpage.kernels.mla_decode import merge_launcher
 from flashpage.kernels.mla_decode_gluon import (
     HEADS,
     RANK,
@@ -429,6 +429,7 @@ def plan(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, se
     scale2 = sm_scale * _LOG2E
     descs: dict = {} if descriptors is None else descriptors
     bound: list = []
+    merge = merge_launcher(mid_o, mid_lse, RANK, bind=bind) if split else None
 
     def launch(q, kc, _vc, out):
         args = (q, descriptor(descs, "mla_wgmma", kc, _cache_descriptor), block_tables, seq_lens, out,
@@ -441,8 +442,8 @@ def plan(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, se
                 bound.append(_LAUNCH.bind(grid, args, consts, options, varying=(0, 4)))
             else:
                 _mla_decode_wgmma_kernel[grid](*args, **consts, **options)
-        if split:
-            _merge(mid_o, mid_lse, out, RANK)
+        if merge is not None:
+            merge(out)
 
     return launch
 
