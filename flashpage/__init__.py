@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from flashpage.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from flashpage.sampling_params import (
+    BeamSearchParams,
+    GuidedDecodingParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams",
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "GuidedDecodingParams",
            "PoolingParams", "RequestOutput", "CompletionOutput", "LoRARequest", "__version__"]
 
 

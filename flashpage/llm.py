@@ -6,6 +6,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, cast
 
+from flashpage.beam_search import BeamSearch, BeamSearchOutput, run_beam_search
 from flashpage.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine
 from flashpage.lora.request import LoRARequest
@@ -17,7 +18,7 @@ from flashpage.pooling import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from flashpage.sampling_params import SamplingParams
+from flashpage.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("flashpage")
 
@@ -140,6 +141,42 @@ class LLM:
             cos = sum(x * y for x, y in zip(a.outputs.embedding, b.outputs.embedding, strict=True))
             out.append(ScoringRequestOutput(str(j), ScoringOutput(cos)))
         return out
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: each prompt's ``params.beam_width`` likeliest continuations
+        by length-penalized log-probability, best first (flashpage/beam_search.py: every live
+        beam a one-token request each step, the prefix cache sharing their blocks). A prompt
+        that cannot run gets an output whose ``error`` says why; the others still complete."""
+        plist = _as_prompt_list(prompts)
+        loras = _per_prompt_loras(lora_request, len(plist)) or [None] * len(plist)
+        ids: list[list[int]] = []
+        for p in plist:
+            raw = p["prompt_token_ids"] if isinstance(p, dict) else p
+            ids.append(self.engine.tokenize(raw) if isinstance(raw, str) else list(raw))
+        engine = self.engine
+        search = BeamSearch(ids, params, engine.eos_token_ids, engine.max_model_len)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=params.max_tokens, desc="beam search", unit="step", dynamic_ncols=True)
+
+        def step(reqs: list[tuple[int, list[int]]]) -> list[RequestOutput]:
+            if bar is not None:
+                bar.update(1)
+            return self._run([r[1] for r in reqs], [search.step_params] * len(reqs), False,
+                             [loras[r[0]] for r in reqs])
+
+        try:
+            run_beam_search(search, step)
+        finally:
+            if bar is not None:
+                bar.close()
+        tok = engine.tokenizer
+        return search.results(
+            (lambda t: str(tok.decode(t, skip_special_tokens=True))) if tok is not None else None)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,

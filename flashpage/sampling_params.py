@@ -198,3 +198,28 @@ class SamplingParams:
                 if (not isinstance(b, int | float) or isinstance(b, bool) or not math.isfinite(b)
                         or not -100.0 <= b <= 100.0):
                     raise ValueError(f"logit_bias of token {t} must be a number in [-100, 100], got {b!r}")
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's BeamSearchParams. ``temperature`` is accepted for compatibility: the beams are
+    chosen by the model's log-probabilities, which it does not change."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.beam_width > 10:  # 2 * width alternatives a step, within logprobs' limit of 20
+            raise ValueError(f"beam_width must be at most 10, got {self.beam_width}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")

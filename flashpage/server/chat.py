@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import Request
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from flashpage.engine.sampler import Logprobs
 from flashpage.outputs import RequestOutput
+from flashpage.server.async_engine import RequestStream
 from flashpage.server.protocol import ChatCompletionRequest, bad_request
 from flashpage.server.render import ChoiceState, chat_logprobs, prompt_logprobs
 from flashpage.server.serving import (
@@ -52,9 +54,26 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     want_lp = bool(req.logprobs)
     params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if want_lp else None,
                              tools.structured)
-    streams = await start(state, "chatcmpl", [ids], params, arrival,
-                          "tools" if tools.structured is not None else structured_field(req),
-                          model=req.model, priority=req.priority)
+    if req.use_beam_search:  # the n best beams (server/beam.py), shaped as generated choices
+        from flashpage.server.beam import beam_outputs, beam_params
+
+        if tools.structured is not None:
+            raise bad_request("a forced tool choice is not supported with use_beam_search",
+                              "tool_choice")
+        beams = beam_params(state, req, max_tokens)
+        streams: list[RequestStream] = []
+
+        def finals_of() -> Awaitable[list[RequestOutput]]:
+            return beam_outputs(state, [ids], beams, arrival,
+                                (req.top_logprobs or 0) if want_lp else None, model=req.model,
+                                priority=req.priority)
+    else:
+        streams = await start(state, "chatcmpl", [ids], params, arrival,
+                              "tools" if tools.structured is not None else structured_field(req),
+                              model=req.model, priority=req.priority)
+
+        def finals_of() -> Awaitable[list[RequestOutput]]:
+            return collect(streams)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tok = state.tokenizer
 
@@ -87,7 +106,7 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
                                choice, model=req.model)
 
     async def answer() -> Response:
-        out = (await collect(streams))[0]
+        out = (await finals_of())[0]
         choices: list[dict[str, Any]] = []
         for o in out.outputs:
             content, calls = tools.parser.extract(o.text) if tools.parser is not None else (o.text, [])

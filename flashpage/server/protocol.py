@@ -116,6 +116,9 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: Bool | None = False
     skip_special_tokens: Bool | None = True
     priority: Priority = 0
+    # beam search (vLLM's): n beams, the n likeliest continuations (server/beam.py)
+    use_beam_search: Bool | None = False
+    length_penalty: Float | None = None
     # structured outputs: OpenAI's response_format, vLLM's guided_* (< 0.10) and
     # structured_outputs (>= 0.10); at most one of them
     response_format: ResponseFormat | None = None

@@ -135,8 +135,21 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
         echoes = [item if isinstance(item, str) else
                   (await tok.decode(ids) if tok.has_tokenizer else "")
                   for item, ids in zip(items, prompts, strict=True)]
-    streams = await start(state, "cmpl", prompts, params, arrival, structured_field(req),
-                          model=req.model, priority=req.priority)
+    if req.use_beam_search:  # the n best beams (server/beam.py), shaped as generated choices
+        from flashpage.server.beam import beam_outputs, beam_params
+
+        beams = beam_params(state, req, max_tokens)
+        streams: list[RequestStream] = []
+
+        def finals_of() -> Awaitable[list[RequestOutput]]:
+            return beam_outputs(state, prompts, beams, arrival, req.logprobs, model=req.model,
+                                priority=req.priority)
+    else:
+        streams = await start(state, "cmpl", prompts, params, arrival, structured_field(req),
+                              model=req.model, priority=req.priority)
+
+        def finals_of() -> Awaitable[list[RequestOutput]]:
+            return collect(streams)
     rid = f"cmpl-{uuid.uuid4().hex}"
     n_prompt = sum(len(p) for p in prompts)
 
@@ -166,7 +179,7 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
                                choice, model=req.model)
 
     async def answer() -> Response:
-        finals = await collect(streams)
+        finals = await finals_of()
         choices, completion_tokens = [], 0
         for p, out in enumerate(finals):
             for o in out.outputs:

@@ -45,15 +45,15 @@ class ServerTokenizer:
         assert self._tok is not None  # checked by encode()
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
-    async def decode(self, ids: list[int]) -> str:
-        """Token ids -> text, special tokens kept (what /detokenize answers)."""
+    async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Token ids -> text, special tokens kept (what /detokenize answers) unless skipped."""
         if self._tok is None:
             raise bad_request("this model has no tokenizer: nothing to detokenize with", "tokens")
-        return await self._run(self._decode, ids)
+        return await self._run(self._decode, ids, skip_special_tokens)
 
-    def _decode(self, ids: list[int]) -> str:
+    def _decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         assert self._tok is not None  # checked by decode()
-        return str(self._tok.decode(ids, skip_special_tokens=False))
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     async def apply_chat_template(self, conversation: list[dict[str, Any]],
                                   tools: list[dict[str, Any]] | None = None) -> list[int]:
