@@ -219,3 +219,12 @@ def lora_kernels() -> bool | None:
     its LoRA layers."""
     mode = os.environ.get("FLASHPAGE_LORA_KERNELS", "auto").strip().lower()
     return {"1": True, "0": False}.get(mode)
+
+
+def allow_runtime_lora_updating() -> bool:
+    """FLASHPAGE_ALLOW_RUNTIME_LORA_UPDATING=1 (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING):
+    the server takes POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs
+    --enable-lora); without it those paths do not exist, as in vLLM."""
+    value = (os.environ.get("FLASHPAGE_ALLOW_RUNTIME_LORA_UPDATING")
+             or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") or "")
+    return value.strip().lower() in ("1", "true", "yes", "on")

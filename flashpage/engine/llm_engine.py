@@ -423,6 +423,13 @@ class LLMEngine:
                              "flashpage serve --enable-lora)")
         self.lora.add(lora_request, lambda: {r.lora_int_id for r in self.scheduler.requests.values()})
 
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter ``lora_id`` (vLLM's ``remove_lora``): False if it was not loaded.
+        Requests running with it finish with it."""
+        if self.lora is None:
+            return False
+        return self.lora.remove(lora_id, {r.lora_int_id for r in self.scheduler.requests.values()})
+
     def compile_guide(self, params: SamplingParams) -> CompiledGuide | None:
         """The request's structured-outputs guide (compiled once per spec and cached), or
         None; a StructuredOutputsError (a ValueError) naming what is wrong with the spec.

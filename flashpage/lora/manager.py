@@ -108,6 +108,20 @@ class LoRAManager:
                     req.lora_int_id, adapter.rank, len(adapter.modules), adapter.num_bytes / 2**20)
         return adapter
 
+    def remove(self, lora_int_id: int, live_ids: set[int]) -> bool:
+        """Forget an adapter (vLLM's remove_lora): its host copy and its slot, unless a
+        request still running holds it (that request keeps it until it ends; the next
+        ``add`` with this id reads the folder again). False if it was not loaded."""
+        if lora_int_id not in self.adapters and lora_int_id not in self.slot_index:
+            return False
+        if lora_int_id in live_ids:
+            return True
+        self.adapters.pop(lora_int_id, None)
+        slot = self.slot_index.pop(lora_int_id, None)
+        if slot is not None:
+            self.slots[slot] = None
+        return True
+
     # ------------------------------------------------------------------ slots
     def activate(self, ids: Iterable[int], pinned: set[int]) -> dict[int, int]:
         """Put every adapter in ``ids`` (a step's) in a slot; slots of adapters in

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flashpage import envs
 from flashpage.lora.request import LoRARequest
 from flashpage.server import serving
 from flashpage.server.async_engine import AsyncEngine, EngineDeadError
@@ -35,9 +36,11 @@ from flashpage.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     bad_request,
     validation_error,
 )
@@ -175,6 +178,20 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         arrival = time.monotonic()
         _check_key(state, request)
         return await rerank(state, request, await _parse(state, request, RerankRequest), arrival)
+
+    if envs.allow_runtime_lora_updating():  # vLLM's runtime LoRA updating (server/lora_admin.py)
+        from flashpage.server.lora_admin import load_lora_adapter, unload_lora_adapter
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora(request: Request) -> Response:
+            _check_key(state, request)
+            return await load_lora_adapter(state, await _parse(state, request, LoadLoRAAdapterRequest))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora(request: Request) -> Response:
+            _check_key(state, request)
+            return await unload_lora_adapter(state, await _parse(state, request,
+                                                                 UnloadLoRAAdapterRequest))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -8,7 +8,8 @@ gets each request's outputs back on its own asyncio.Queue::
     ───────────────────                          ─────────────
     add_request ── ("add", ..., future) ──►  ┐
     stream.abort ─ ("abort", id) ─────────►  ├ drain commands
-    stats() ────── ("stats", future) ─────►  ┘
+    stats() ────── ("stats", future) ─────►  │
+    call(fn) ───── ("call", fn, future) ──►  ┘
                                               step() while there is work, else sleep
     RequestStream._queue ◄── call_soon_threadsafe(put_nowait, RequestOutput)
 
@@ -28,8 +29,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from flashpage.outputs import RequestOutput
 from flashpage.sampling_params import SamplingParams
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from flashpage.lora.request import LoRARequest
     from flashpage.pooling import PoolingParams
     from flashpage.server.metrics import ServerMetrics
+
+T = TypeVar("T")
 
 logger = logging.getLogger("flashpage.server")
 
@@ -224,6 +227,15 @@ class AsyncEngine:
         self._submit(("stats", fut))
         return await asyncio.wrap_future(fut)
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """fn(engine) on the engine thread between two steps (as stats); its exception
+        comes back here."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._submit(("call", fn, fut))
+        return await asyncio.wrap_future(fut)
+
     def _submit(self, cmd: tuple[Any, ...]) -> None:
         self._commands.put(cmd)
         self._wake.set()
@@ -242,7 +254,7 @@ class AsyncEngine:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                fut = cmd[-1] if cmd[0] == "add" else cmd[1] if cmd[0] == "stats" else None
+                fut = cmd[-1] if cmd[0] in ("add", "call") else cmd[1] if cmd[0] == "stats" else None
                 if isinstance(fut, concurrent.futures.Future) and fut.set_running_or_notify_cancel():
                     fut.set_exception(error)
 
@@ -288,6 +300,13 @@ class AsyncEngine:
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(self.engine.stats())
+                    except Exception as e:
+                        fut.set_exception(e)
+            elif kind == "call":
+                fn, fut = cmd[1], cmd[2]
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self.engine))
                     except Exception as e:
                         fut.set_exception(e)
             elif kind == "shutdown":

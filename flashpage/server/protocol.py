@@ -289,3 +289,17 @@ def _is_type_tag(x: object) -> bool:
     # pydantic names the union member it tried ("str", "list[int]", ...) inside loc.
     return isinstance(x, str) and (x in ("str", "int", "float", "bool", "function-after")
                                    or x.startswith(("list[", "constrained-")))
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's, with runtime LoRA updating on)."""
+
+    lora_name: Str = Field(min_length=1)
+    lora_path: Str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: Str = Field(min_length=1)
+    lora_int_id: Int | None = None

@@ -86,6 +86,8 @@ class ServerState:
         self.created = int(time.time())
         # --lora-modules: a request's "model" naming one runs with that adapter
         self.lora_modules = dict(lora_modules or {})
+        # the last adapter id given out (runtime loads take the next: server/lora_admin.py)
+        self.lora_ids = max((lr.lora_int_id for lr in self.lora_modules.values()), default=0)
 
     def served_names(self) -> list[str]:
         return [self.model_name, *self.lora_modules]

@@ -414,3 +414,26 @@ def test_mixed_adapters_on_the_gpu_with_graphs(tiny_checkpoint, tmp_path):
     assert got == want
     assert replays["decode"] > 0 and replays["pieces"] > 0, replays
     _idle(llm)
+
+
+def test_remove_lora_spares_running_requests(setup):
+    """remove_lora (vLLM's) while a request runs with the adapter: it finishes with it (the
+    merged checkpoint's tokens); once nothing holds it, the adapter and its slot are gone,
+    and the same id read again from its folder answers the same."""
+    llm = LLM(str(setup.base), enable_lora=True, max_loras=1, max_lora_rank=16, **KW)
+    e = llm.engine
+    prompt = random_prompts(1, 6, 6, seed=5)[0]
+    want = setup.solo("a", [prompt], seed=5)[0]
+    a = setup.requests["a"]
+    e.add_request("r", prompt, GREEDY, lora_request=a)
+    outs = e.step()
+    assert e.remove_lora(a.lora_int_id)  # held by "r": kept for it
+    assert a.lora_int_id in e.lora.adapters
+    while e.has_unfinished_requests():
+        outs += e.step()
+    assert [o for o in outs if o.finished][0].outputs[0].token_ids == want
+    assert e.remove_lora(a.lora_int_id)
+    assert a.lora_int_id not in e.lora.adapters and e.lora.slots == [None]
+    assert not e.remove_lora(a.lora_int_id)  # no longer loaded
+    assert _tokens(llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=a)) == [want]
+    _idle(llm)
