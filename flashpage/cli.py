@@ -214,6 +214,12 @@ def add_tool_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide when to call tools (tool_choice "auto"; needs '
                         "--tool-call-parser)")
+    from flashpage.server.reasoning import REASONING_PARSERS
+
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="answer a reasoning model's <think> ... </think> apart, as a chat "
+                        "message's reasoning (vLLM's names: deepseek_r1: DeepSeek-R1, QwQ; "
+                        "qwen3; deepseek_v3: DeepSeek-V3.1; glm45)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -180,27 +180,32 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,
-             add_generation_prompt: bool = True,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list) and generate.
         ``tools``: OpenAI function definitions the template shows the model (as vLLM's; the
-        server reads calls back, server/tools.py). ``priority``: one per conversation, as
+        server reads calls back, server/tools.py). ``continue_final_message``: the last
+        (assistant) message is continued rather than a new turn opened (with
+        add_generation_prompt False); ``chat_template_kwargs``: more for the template (e.g.
+        ``{"enable_thinking": False}``), as vLLM's. ``priority``: one per conversation, as
         in ``generate``."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[Prompt] = [self.chat_prompt_ids(c, add_generation_prompt, tools)  # type: ignore[arg-type]
+        extra = dict(chat_template_kwargs or {}, continue_final_message=continue_final_message)
+        prompts: list[Prompt] = [self.chat_prompt_ids(c, add_generation_prompt, tools, **extra)  # type: ignore[arg-type]
                                  for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                              priority=priority)
 
     def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
-                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+                        tools: list[dict[str, Any]] | None = None, **template_kw: Any) -> list[int]:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
         ids = tok.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                                      tokenize=True, return_dict=False)
+                                      tokenize=True, return_dict=False, **template_kw)
         return list(ids)
 
     def _per_prompt_priorities(self, priority: Sequence[int] | None, n: int,

@@ -16,6 +16,7 @@ from flashpage.engine.sampler import Logprobs
 from flashpage.outputs import RequestOutput
 from flashpage.server.async_engine import RequestStream
 from flashpage.server.protocol import ChatCompletionRequest, bad_request
+from flashpage.server.reasoning import ReasoningSplitter
 from flashpage.server.render import ChoiceState, chat_logprobs, prompt_logprobs
 from flashpage.server.serving import (
     ServerState,
@@ -38,12 +39,36 @@ from flashpage.server.tool_choice import (
 from flashpage.server.tool_stream import ToolStream
 from flashpage.server.tools import ToolCall
 
+# apply_chat_template's own parameters: not for a request's chat_template_kwargs to set
+_RESERVED = {"conversation", "tools", "documents", "chat_template", "tokenize", "return_dict",
+             "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+             "return_assistant_tokens_mask", "add_generation_prompt", "continue_final_message"}
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """What the chat template is given beyond the messages and tools; 400s naming the field."""
+    extra = dict(req.chat_template_kwargs or {})
+    bad = sorted(set(extra) & _RESERVED)
+    if bad:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)} (use the request's "
+                          "own fields)", "chat_template_kwargs")
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt: false",
+                              "continue_final_message")
+        if req.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the "
+                              "assistant's", "continue_final_message")
+    return {**extra, "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message}
+
 
 async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
                arrival: float) -> Response:
     check_priority(state, req.priority)
     tools = tool_request(req, state.tool_parser, state.auto_tool_choice)
-    ids = await state.tokenizer.apply_chat_template(conversation(req.messages), tools.template_tools)
+    ids = await state.tokenizer.apply_chat_template(conversation(req.messages), tools.template_tools,
+                                                    **template_kwargs(req))
     if req.truncate_prompt_tokens is not None:
         ids = ids[-req.truncate_prompt_tokens:]  # the conversation's oldest tokens go first
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -76,12 +101,24 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
             return collect(streams)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     tok = state.tokenizer
+    # a reasoning model's thinking apart from its answer (server/reasoning.py)
+    # (include_reasoning false: still split, the reasoning then left out)
+    fmt = state.reasoning
+    prompt_tail = (await tok.decode(ids[-8:]) if fmt is not None and tok.has_tokenizer else "")
+
+    def splitter() -> ReasoningSplitter | None:
+        return ReasoningSplitter(fmt, prompt_tail) if fmt is not None else None
 
     if req.stream:
         calls_in: dict[int, ToolStream] = {}  # choice -> its text through the tool parser
+        thinking: dict[int, ReasoningSplitter | None] = {}  # choice -> its reasoning splitter
 
         def choice(idx: int, st: ChoiceState, delta: str, lps: list[Logprobs],
                    finish: str | None, out: RequestOutput) -> dict[str, Any]:
+            rs = thinking.setdefault(idx, splitter())
+            reasoning = ""
+            if rs is not None:  # the thinking goes out as reasoning, the rest as content
+                reasoning, delta = rs.feed(delta) if finish is None else rs.finish(delta)
             d: dict[str, Any] = {"content": delta}
             if tools.parser is not None:  # content up to a call, then the calls as they come
                 ts = calls_in.setdefault(idx, ToolStream(tools.parser))
@@ -95,6 +132,9 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
                 if deltas:
                     d["tool_calls"] = deltas
                 finish = finish_reason(finish, calls)
+            if reasoning and req.include_reasoning:
+                d = {"reasoning": reasoning, "reasoning_content": reasoning,
+                     **{k: v for k, v in d.items() if v or k != "content"}}
             if not st.role_sent:  # the first chunk of each choice names the role
                 st.role_sent = True
                 d = {"role": "assistant", **d}
@@ -109,8 +149,14 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
         out = (await finals_of())[0]
         choices: list[dict[str, Any]] = []
         for o in out.outputs:
-            content, calls = tools.parser.extract(o.text) if tools.parser is not None else (o.text, [])
-            choices.append({"index": o.index, "message": assistant_message(content, calls),
+            rs, reasoning, text = splitter(), None, o.text
+            if rs is not None:
+                reasoning, text = rs.split(o.text)
+            content, calls = tools.parser.extract(text) if tools.parser is not None else (text, [])
+            message = assistant_message(content, calls)
+            if rs is not None and req.include_reasoning:
+                message["reasoning"] = message["reasoning_content"] = reasoning
+            choices.append({"index": o.index, "message": message,
                             "logprobs": chat_logprobs(tok, o.logprobs or [], want_lp),
                             "finish_reason": finish_reason(o.finish_reason, calls)})
         if req.prompt_logprobs is not None:

@@ -201,6 +201,14 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = True
     max_completion_tokens: Int | None = Field(default=None, ge=1)
+    # vLLM's: what the chat template is given (e.g. {"enable_thinking": false} for Qwen3,
+    # {"thinking": true} for DeepSeek-V3.1), whether it opens the assistant's turn, or
+    # continues the last (assistant) message instead
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    # vLLM's: with a reasoning parser, leave the reasoning out of the answer
+    include_reasoning: Bool = True
     logprobs: Bool | None = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
 

@@ -69,9 +69,15 @@ class ServerState:
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None,
                  max_n: int, max_body_bytes: int, max_prompts: int, tool_parser: str | None = None,
                  auto_tool_choice: bool = False,
-                 lora_modules: dict[str, LoRARequest] | None = None) -> None:
+                 lora_modules: dict[str, LoRARequest] | None = None,
+                 reasoning_parser: str | None = None) -> None:
         if tool_parser is not None:
             get_parser(tool_parser)  # an unknown name fails at start-up
+        self.reasoning = None
+        if reasoning_parser is not None:
+            from flashpage.server.reasoning import get_reasoning_parser
+
+            self.reasoning = get_reasoning_parser(reasoning_parser)  # (an unknown one: now)
         self.tool_parser = tool_parser
         self.auto_tool_choice = auto_tool_choice
         self.engine = engine

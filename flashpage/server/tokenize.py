@@ -56,18 +56,23 @@ class ServerTokenizer:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     async def apply_chat_template(self, conversation: list[dict[str, Any]],
-                                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+                                  tools: list[dict[str, Any]] | None = None,
+                                  **template_kw: Any) -> list[int]:
         """The conversation through the chat template (``tools``: OpenAI function definitions
         the template shows the model) -> prompt ids."""
         if self._tok is None or not getattr(self._tok, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
-        return await self._run(self._chat, conversation, tools)
+        return await self._run(self._chat, conversation, tools, template_kw)
 
-    def _chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def _chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+              template_kw: dict[str, Any]) -> list[int]:
+        """``template_kw``: add_generation_prompt (default True), continue_final_message and
+        the request's chat_template_kwargs, as apply_chat_template takes them."""
         assert self._tok is not None  # checked by apply_chat_template()
+        kw = {"add_generation_prompt": True, **template_kw}
         try:
-            ids = self._tok.apply_chat_template(conversation, tools=tools, add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
+            ids = self._tok.apply_chat_template(conversation, tools=tools, tokenize=True,
+                                                return_dict=False, **kw)
         except Exception as e:  # the template refused the conversation (roles, order, ...)
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
         return list(ids)

@@ -1,0 +1,114 @@
+"""Reasoning parsers (vLLM's ``--reasoning-parser``): a reasoning model's thinking, written
+between ``<think>`` and ``</think>``, answered apart from its content, as ``reasoning`` (and
+``reasoning_content``, its older name) beside ``content`` in a chat message or delta.
+
+Every format here writes ``<think> ... </think>`` and differs in where the thinking starts:
+
+- ``deepseek_r1`` (DeepSeek-R1, its distills, QwQ): always thinking first, whether or not the
+  model writes the opening tag (R1 often leaves it out; newer templates put it in the prompt);
+  no ``</think>`` at all means the answer was cut off while thinking: all of it is reasoning.
+- ``qwen3`` (Qwen3, Qwen3-Thinking), ``deepseek_v3`` (DeepSeek-V3.1 / 3.2, thinking when its
+  template was asked to, ``chat_template_kwargs: {"thinking": true}``), ``glm45``: thinking
+  only where the output opens with ``<think>`` or the prompt (the template) ends with it;
+  else all content. (vLLM's qwen3 parser calls an unclosed ``<think>`` content when not
+  streaming and reasoning when streaming; here both are reasoning, so a streamed answer always adds up
+  to the non-streamed one.)
+
+``ReasoningSplitter`` follows the text as it comes (``feed`` pieces, then ``finish``): each
+piece becomes (reasoning, content) deltas, a tag split across pieces held back until it is
+known; the non-streamed split is the same machine fed the whole text at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    name: str
+    implicit_start: bool  # thinking from the first token, opening tag or not
+
+
+REASONING_PARSERS = {
+    "deepseek_r1": ReasoningFormat("deepseek_r1", True),
+    "qwen3": ReasoningFormat("qwen3", False),
+    "deepseek_v3": ReasoningFormat("deepseek_v3", False),
+    "glm45": ReasoningFormat("glm45", False),
+}
+
+
+def get_reasoning_parser(name: str) -> ReasoningFormat:
+    try:
+        return REASONING_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: "
+                         f"{', '.join(sorted(REASONING_PARSERS))}") from None
+
+
+def _held(buf: str, tag: str) -> int:
+    """Length of the longest end of ``buf`` that could begin ``tag``."""
+    for n in range(min(len(buf), len(tag) - 1), 0, -1):
+        if tag.startswith(buf[-n:]):
+            return n
+    return 0
+
+
+class ReasoningSplitter:
+    """One choice's text -> reasoning and content. ``prompt_tail``: the end of the prompt as
+    text (a template that opens the thinking itself ends with ``<think>``)."""
+
+    def __init__(self, fmt: ReasoningFormat, prompt_tail: str = "") -> None:
+        opened = prompt_tail.rstrip().endswith(START)
+        # "open": expecting an optional <think> then thinking; "maybe": thinking only if
+        # the output opens with <think>; "think"; "content"
+        self.state = "open" if fmt.implicit_start or opened else "maybe"
+        self.buf = ""
+        self.saw_reasoning = False
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        """The (reasoning, content) text this piece adds."""
+        self.buf += piece
+        return self._run(final=False)
+
+    def finish(self, piece: str = "") -> tuple[str, str]:
+        """The last piece: everything held back goes out."""
+        self.buf += piece
+        return self._run(final=True)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole answer -> (reasoning or None, content)."""
+        r, c = self.finish(text)
+        return (r if self.saw_reasoning else None), c
+
+    def _run(self, final: bool) -> tuple[str, str]:
+        reasoning: list[str] = []
+        content: list[str] = []
+        while True:
+            buf = self.buf
+            if self.state in ("open", "maybe"):
+                body = buf.lstrip()
+                if body.startswith(START):
+                    self.buf, self.state = body[len(START):], "think"
+                    self.saw_reasoning = True
+                    continue
+                if (START.startswith(body) and not final) or not body and not final:
+                    return "".join(reasoning), "".join(content)  # could still open
+                self.state = "think" if self.state == "open" else "content"
+                self.saw_reasoning |= self.state == "think"
+                continue
+            if self.state == "think":
+                at = buf.find(END)
+                if at >= 0:
+                    reasoning.append(buf[:at])
+                    self.buf, self.state = buf[at + len(END):], "content"
+                    continue
+                keep = 0 if final else _held(buf, END)
+                reasoning.append(buf[:len(buf) - keep])
+                self.buf = buf[len(buf) - keep:]
+                return "".join(reasoning), "".join(content)
+            content.append(buf)  # content: as it comes
+            self.buf = ""
+            return "".join(reasoning), "".join(content)
