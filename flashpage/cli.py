@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -56,9 +57,25 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="fcfs: requests served in arrival order; priority: by each request's "
                         "priority (lower first, ties by arrival; the server's \"priority\" "
                         "field), a higher one preempting lower ones when the KV cache is full")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults: auto (the model's generation_config.json: its "
+                        "temperature, top_p, top_k, min_p, repetition_penalty for what a request "
+                        "leaves unset, max_new_tokens as a cap), vllm (none), or a folder's file")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON", type=_json_object,
+                   help='values over the generation config, e.g. \'{"temperature": 0.5}\'')
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}\' (drafts looked up in the request\'s own tokens)')
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,7 +108,9 @@ def build_llm(args: argparse.Namespace) -> Any:
                speculative_config=getattr(args, "speculative_config", None),
                enable_lora=getattr(args, "enable_lora", False),
                max_loras=getattr(args, "max_loras", 1), max_lora_rank=getattr(args, "max_lora_rank", 16),
-               scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
+               scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+               generation_config=getattr(args, "generation_config", "auto"),
+               override_generation_config=getattr(args, "override_generation_config", None))
 
 
 def add_lora_module_arguments(p: argparse.ArgumentParser) -> None:

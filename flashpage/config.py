@@ -508,6 +508,11 @@ class EngineConfig:
     # vLLM's scheduling_policy: "fcfs" (arrival order), or "priority" (each request's
     # priority, lower first, ties by arrival; a higher priority may preempt a lower one)
     scheduling_policy: str = "fcfs"
+    # vLLM's --generation-config: "auto" (the model folder's generation_config.json: its
+    # recommended sampling defaults and end-of-turn tokens), "vllm" (no sampling defaults)
+    # or a folder; override_generation_config: values over it (flashpage/generation_config.py)
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         from flashpage.engine.scheduler import check_scheduling_policy

@@ -47,7 +47,8 @@ class LLM:
                  pooling_type: str | None = None, quantization: str | None = None,
                  speculative_config: dict[str, Any] | str | None = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", generation_config: str = "auto",
+                 override_generation_config: dict[str, Any] | None = None) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
             num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
@@ -57,13 +58,20 @@ class LLM:
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, seed=seed,
             chat_template=chat_template, pooling_type=pooling_type, quantization=quantization,
             speculative_config=speculative_config, enable_lora=enable_lora, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, scheduling_policy=scheduling_policy)
+            max_lora_rank=max_lora_rank, scheduling_policy=scheduling_policy,
+            generation_config=generation_config,
+            override_generation_config=override_generation_config)
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory
         self.engine = LLMEngine(cfg, random_config=random_weights_config, tokenizer=tokenizer)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no SamplingParams (vLLM's): the model's
+        generation_config.json defaults (flashpage/generation_config.py), else SamplingParams()."""
+        return SamplingParams(**self.engine.generation_defaults.sampling_kwargs())
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -81,7 +89,7 @@ class LLM:
         """
         plist = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(plist)
         else:

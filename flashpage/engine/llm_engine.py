@@ -27,6 +27,7 @@ from flashpage.engine.scheduler import Scheduler
 from flashpage.engine.sequence import Request, RequestStatus
 from flashpage.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig, unpack_checked
 from flashpage.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from flashpage.generation_config import load_generation_defaults
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.layers import ops
 from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
@@ -95,6 +96,13 @@ class LLMEngine:
             self.source.path if self.source.kind == "hf" else None)
         self.model_config: ModelConfig = self.source.config
         mc = self.model_config
+        self.generation_defaults = load_generation_defaults(
+            config.generation_config, self.source.path if self.source.kind == "hf" else None,
+            config.override_generation_config)
+        if self.generation_defaults.sampling or self.generation_defaults.max_tokens:
+            logger.info("sampling defaults from %s: %s (--generation-config vllm: none)",
+                        self.generation_defaults.source or "override_generation_config",
+                        self.generation_defaults.sampling_kwargs())
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.skinny_report: dict[str, Any] = {}
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
@@ -289,6 +297,7 @@ class LLMEngine:
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         if isinstance(tok_eos, int):
             ids.add(tok_eos)
+        ids.update(self.generation_defaults.eos_token_ids)
         return tuple(sorted(ids))
 
     def _num_blocks(self) -> int:

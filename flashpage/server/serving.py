@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flashpage.engine.sampler import Logprobs
+from flashpage.generation_config import GenerationDefaults
 from flashpage.lora.request import LoRARequest
 from flashpage.outputs import RequestOutput
 from flashpage.pooling import PoolingParams
@@ -244,6 +245,11 @@ def sampling_params(state: ServerState, req: CompletionRequest | ChatCompletionR
     vocab = state.engine.vocab_size
     if logprobs is not None and logprobs > vocab:
         raise bad_request(f"logprobs must be at most the vocabulary size {vocab}", "logprobs")
+    # the model's generation_config.json: defaults for what the request leaves unset, and
+    # max_new_tokens as a cap (flashpage/generation_config.py)
+    defaults = getattr(state.engine.engine, "generation_defaults", None) or GenerationDefaults()
+    if defaults.max_tokens is not None and max_tokens is not None:
+        max_tokens = min(max_tokens, defaults.max_tokens)
     kw: dict[str, Any] = dict(
         n=req.n, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop, seed=req.seed,
         ignore_eos=bool(req.ignore_eos),
@@ -253,6 +259,8 @@ def sampling_params(state: ServerState, req: CompletionRequest | ChatCompletionR
                  "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs",
                  "truncate_prompt_tokens"):
         value = getattr(req, name)
+        if value is None:
+            value = defaults.sampling.get(name)
         if value is not None:
             kw[name] = value
     if req.logit_bias:
