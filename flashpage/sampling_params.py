@@ -109,6 +109,9 @@ class SamplingParams:
     # the only tokens that may be sampled (vLLM's; e.g. an answer among A-D): every other
     # token's logit is -inf, before logit_bias and penalties
     allowed_token_ids: list[int] | None = None
+    # words the output may not contain (vLLM's): each word's tokens, with and without a
+    # leading space; the last token of one is barred wherever the output ends in the rest
+    bad_words: list[str] | None = None
     # keep only the prompt's last this many tokens (vLLM's; a long chat history that would
     # not fit the context is cut from the front instead of refused)
     truncate_prompt_tokens: int | None = None
@@ -181,6 +184,10 @@ class SamplingParams:
                 not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
                 or self.truncate_prompt_tokens < 1):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, list | tuple)
+                or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):

@@ -292,6 +292,19 @@ class LLMEngine:
             raise ValueError(f"{source} is not a valid Jinja template: {e.message} (line {e.lineno})") from None
         self.tokenizer.chat_template = template
 
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """SamplingParams.bad_words -> token ids: each word as written (leading spaces
+        dropped) and after a space, as a tokenizer writes a word inside a sentence (vLLM's)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer (this model has none)")
+        out: list[list[int]] = []
+        for w in words:
+            for text in (w.lstrip(), " " + w.lstrip()):
+                ids = [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+                if ids and ids not in out and all(t < self.model_config.vocab_size for t in ids):
+                    out.append(ids)
+        return out
+
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_id)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -380,6 +393,7 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                 "no room for any output token")
+        bad_word_ids = self._bad_word_ids(params.bad_words) if params.bad_words else []
         guide = self.compile_guide(params)
         if lora_request is not None:
             self.add_lora(lora_request)
@@ -389,6 +403,7 @@ class LLMEngine:
             sample = params if params.n == 1 else child_params(params, i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, sample, self.eos_token_ids, arrival, lora_request, priority)
+            req.bad_word_ids = bad_word_ids
             if guide is not None:
                 from flashpage.structured.guide import GuideState
 

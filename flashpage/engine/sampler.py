@@ -117,6 +117,12 @@ def _biases(r: Request, vocab: int) -> dict[int, float] | None:
     for t in r.held_back_tokens():
         if t < vocab:
             out[t] = float("-inf")
+    if r.bad_word_ids:  # a bad word's last token, where the output ends in the rest of it
+        outs = r.output_token_ids
+        for ids in r.bad_word_ids:
+            head = len(ids) - 1
+            if head == 0 or (len(outs) >= head and outs[len(outs) - head:] == ids[:-1]):
+                out[ids[-1]] = float("-inf")
     return out or None
 
 
@@ -125,10 +131,11 @@ def has_penalties(p: SamplingParams) -> bool:
 
 
 def needs_known_tokens(p: SamplingParams) -> bool:
-    """Penalties and structured outputs: sampling reads the request's earlier tokens on the
-    host (the penalties' counts; the guide's state, advanced by each token read back), so
-    async scheduling must read each step back before the next one is sampled."""
-    return has_penalties(p) or p.structured_outputs is not None
+    """Penalties, structured outputs and bad words: sampling reads the request's earlier
+    tokens on the host (the penalties' counts; the guide's state, advanced by each token read
+    back; the end of the output a bad word may continue), so async scheduling must read each
+    step back before the next one is sampled."""
+    return has_penalties(p) or p.structured_outputs is not None or bool(p.bad_words)
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -222,7 +229,7 @@ class Sampler:
         guided = [i for i, r in enumerate(requests) if r.guide is not None]
         allowed = {i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids}
         biases = {i: b for i, (r, p) in enumerate(zip(requests, params, strict=True))
-                  if (p.min_tokens or p.logit_bias) and (b := _biases(r, vocab))}
+                  if (p.min_tokens or p.logit_bias or r.bad_word_ids) and (b := _biases(r, vocab))}
         pen_rows = [i for i, p in enumerate(params) if has_penalties(p)]
         if guided or allowed or biases or pen_rows:  # a copy: the logits may be a CUDA graph's output
             logits = logits.to(torch.float32, copy=True)

@@ -126,6 +126,8 @@ class Request:
         # beside its last token in the next step (engine/spec_decode.py); the scheduler
         # trims them to its budget
         self.spec_token_ids: list[int] = []
+        # SamplingParams.bad_words as token ids (set by the engine, which tokenizes them)
+        self.bad_word_ids: list[list[int]] = []
 
     @property
     def num_tokens(self) -> int:

@@ -123,7 +123,8 @@ def speculable(req: Request) -> bool:
     """Whether ``req``'s next tokens may be drafted (see the module doc)."""
     p = req.sampling_params
     return (req.pooling is None and not p.logit_bias
-            and not p.allowed_token_ids and not has_penalties(p) and not req.held_back_tokens())
+            and not p.allowed_token_ids and not has_penalties(p) and not req.held_back_tokens()
+            and not p.bad_words)
 
 
 @dataclass

@@ -4,8 +4,8 @@ the request's ``n`` choices its ``n`` likeliest continuations, best first
 is shaped as a generated one, so the endpoints render it as usual.
 
 Not streamed (the best beams are known only at the end) and without what a beam cannot
-honour: stop strings, structured outputs, logit_bias, allowed_token_ids, prompt_logprobs,
-echo: each a 400 naming the field. Sampling knobs (temperature, top_p, penalties, ...) do
+honour: stop strings, structured outputs, logit_bias, allowed_token_ids, bad_words,
+prompt_logprobs, echo: each a 400 naming the field. Sampling knobs (temperature, top_p, penalties, ...) do
 not change which beams are kept; they are accepted and have no effect, as in vLLM.
 """
 
@@ -26,7 +26,7 @@ def beam_params(state: ServerState, req: CompletionRequest | ChatCompletionReque
     if req.stream:
         raise bad_request("use_beam_search answers at once: it cannot stream (send stream: false)",
                           "stream")
-    for name in ("stop", "logit_bias", "allowed_token_ids", "prompt_logprobs", "echo"):
+    for name in ("stop", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "echo"):
         if getattr(req, name, None):
             raise bad_request(f"{name} is not supported with use_beam_search", name)
     field = structured_field(req)

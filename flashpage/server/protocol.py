@@ -113,6 +113,7 @@ class _SamplingFields(_Body):
     prompt_logprobs: Int | None = Field(default=None, ge=0, le=20)
     truncate_prompt_tokens: Int | None = Field(default=None, ge=1)
     allowed_token_ids: list[Int] | None = Field(default=None, min_length=1)
+    bad_words: list[Str] | None = None
     include_stop_str_in_output: Bool | None = False
     skip_special_tokens: Bool | None = True
     priority: Priority = 0

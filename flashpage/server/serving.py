@@ -257,7 +257,7 @@ def sampling_params(state: ServerState, req: CompletionRequest | ChatCompletionR
         skip_special_tokens=req.skip_special_tokens is not False)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs",
-                 "truncate_prompt_tokens"):
+                 "truncate_prompt_tokens", "bad_words"):
         value = getattr(req, name)
         if value is None:
             value = defaults.sampling.get(name)
