@@ -57,6 +57,27 @@ class EncoderConfig:
         """The longest prompt the position table covers (XLM-R: 514 - 2 = 512)."""
         return self.max_position_embeddings - self.position_offset
 
+    def num_params(self) -> int:
+        """Parameters of the model as the engine loads it (the head too, for a cross-encoder)."""
+        h, i, n = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        embed = (self.vocab_size + self.max_position_embeddings + max(self.type_vocab_size, 1)) * h + 2 * h
+        layer = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
+        head = 0
+        if self.head == "classify":
+            head = h * h + h + h * self.num_labels + self.num_labels
+        return embed + n * layer + head
+
+    def report(self, dtype_bytes: int) -> dict[str, Any]:
+        """What ``flashpage inspect`` says of an encoder: its shape and weights, and that it
+        has no KV cache (each prompt is read whole in one forward; nothing is kept)."""
+        return {"architecture": self.architecture, "encoder_only": True,
+                "task": "embed" if self.head == "embed" else "score (cross-encoder)",
+                "hidden_size": self.hidden_size, "num_layers": self.num_hidden_layers,
+                "num_heads": self.num_attention_heads, "max_prompt_len": self.max_prompt_len,
+                "num_labels": self.num_labels if self.head == "classify" else None,
+                "params": self.num_params(), "weight_bytes": self.num_params() * dtype_bytes,
+                "kv_cache": None}
+
     @classmethod
     def from_hf(cls, config: str | dict[str, Any]) -> EncoderConfig:
         """From a config.json path, a folder holding one, or its dict."""

@@ -86,22 +86,8 @@ class EncoderEngine:
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
     def encode_pair(self, text_1: str | list[int], text_2: str | list[int]) -> list[int]:
-        """A cross-encoder's input for one pair, as its tokenizer joins two texts
-        (BERT: [CLS] a [SEP] b [SEP]; XLM-R: <s> a </s></s> b </s>). Token-id prompts are
-        joined the same way, with the tokenizer's cls and sep ids."""
-        tok = self.tokenizer
-        if tok is None:
-            raise ValueError("this model has no tokenizer: a cross-encoder needs one to join "
-                             "the two texts of a pair")
-        if isinstance(text_1, str) and isinstance(text_2, str):
-            return list(tok(text_1, text_2)["input_ids"])
-        a = tok.encode(text_1, add_special_tokens=False) if isinstance(text_1, str) else list(text_1)
-        b = tok.encode(text_2, add_special_tokens=False) if isinstance(text_2, str) else list(text_2)
-        cls_id, sep_id = tok.cls_token_id, tok.sep_token_id
-        if cls_id is None or sep_id is None:
-            raise ValueError("the tokenizer has no cls / sep token to join a pair of token-id prompts")
-        middle = [sep_id, sep_id] if self.model_config.family == "roberta" else [sep_id]
-        return [cls_id, *a, *middle, *b, sep_id]
+        """A cross-encoder's input for one pair (``join_pair`` with this model's tokenizer)."""
+        return join_pair(self.tokenizer, self.model_config.family, text_1, text_2)
 
     def truncate_prompt(self, ids: list[int], keep: int) -> list[int]:
         """``truncate_prompt_tokens`` for an encoder: the first ``keep - 1`` tokens and the
@@ -286,6 +272,25 @@ class EncoderEngine:
         return {"num_running": 0, "num_waiting": len(self._waiting), "num_preemptions": 0,
                 "kv_cache": kv, "encoder": {"num_forwards": self.num_forwards,
                                             "num_batched_tokens": self.num_batched_tokens}}
+
+
+def join_pair(tok: Any | None, family: str, text_1: str | list[int],
+              text_2: str | list[int]) -> list[int]:
+    """One pair as the cross-encoder's tokenizer joins two texts (BERT: [CLS] a [SEP] b
+    [SEP]; XLM-R: <s> a </s></s> b </s>); token-id prompts are joined the same way, with
+    the tokenizer's cls and sep ids. ``family``: EncoderConfig.family."""
+    if tok is None:
+        raise ValueError("this model has no tokenizer: a cross-encoder needs one to join the "
+                         "two texts of a pair")
+    if isinstance(text_1, str) and isinstance(text_2, str):
+        return list(tok(text_1, text_2)["input_ids"])
+    a = tok.encode(text_1, add_special_tokens=False) if isinstance(text_1, str) else list(text_1)
+    b = tok.encode(text_2, add_special_tokens=False) if isinstance(text_2, str) else list(text_2)
+    cls_id, sep_id = tok.cls_token_id, tok.sep_token_id
+    if cls_id is None or sep_id is None:
+        raise ValueError("the tokenizer has no cls / sep token to join a pair of token-id prompts")
+    middle = [sep_id, sep_id] if family == "roberta" else [sep_id]
+    return [cls_id, *a, *middle, *b, sep_id]
 
 
 def _load_tokenizer(path: str | None) -> Any | None:
