@@ -121,7 +121,11 @@ class EncoderEngine:
         if task == "embed" and self.model_config.head != "embed":
             raise ValueError(f"this model ({self.model_config.architecture}) is a cross-encoder: "
                              "it scores pairs of texts (LLM.score, /score, /rerank), it does not embed")
-        if task == "score" and self.model_config.head == "classify" and self.model_config.num_labels != 1:
+        if task == "score" and self.model_config.head == "embed":
+            raise ValueError(f"this model ({self.model_config.architecture}) is an encoder-only "
+                             "embedding model: it has no head to score a pair with (LLM.score and "
+                             "/score take the cosine of its embeddings instead)")
+        if task == "score" and self.model_config.num_labels != 1:
             raise ValueError(f"this classifier has {self.model_config.num_labels} labels; only a "
                              "one-label cross-encoder gives a score")
 
