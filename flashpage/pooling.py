@@ -143,7 +143,7 @@ class ScoringOutput:
 @dataclass
 class ScoringRequestOutput:
     """What LLM.score returns per pair (vLLM's shape): ``outputs.score``, the cosine of the
-    two texts' embeddings."""
+    two texts' embeddings (a cross-encoder's: its head's score of the pair)."""
 
     request_id: str
     outputs: ScoringOutput | None

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-WORDS = ("the quick brown fox jumps over lazy dog hello world paged cache keys values of every "
-         "token in fixed size blocks a an is are one two three four five six seven eight nine ten "
-         "paris france capital city river bank money water").split()
+_SENTENCE = ("the quick brown fox jumps over lazy dog hello world paged cache keys values of every "
+             "token in fixed size blocks a an is are one two three four five six seven eight nine "
+             "ten paris france capital city river bank money water")
+WORDS = _SENTENCE.split(" ")
 BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 ROBERTA_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
 LETTERS = "abcdefghijklmnopqrstuvwxyz"

@@ -99,10 +99,10 @@ class EncoderConfig:
                               f"model_type {raw.get('model_type')!r}); encoders: {sorted(ENCODER_ARCHITECTURES)}")
         family, head = ENCODER_ARCHITECTURES[arch]
 
-        def need(key: str, kind: type = int) -> Any:
+        def need(key: str) -> int:
             v = raw.get(key)
-            if not isinstance(v, kind) or isinstance(v, bool) or (kind is int and v < 1):
-                raise ConfigError(f"config.json: {key} must be a positive {kind.__name__}, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"config.json: {key} must be a positive integer, got {v!r}")
             return v
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")

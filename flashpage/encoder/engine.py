@@ -221,8 +221,10 @@ class EncoderEngine:
                                       metrics=metrics, embedding=vec))
         return outs
 
-    def _inputs(self, batch: list[_Pending]) -> tuple[torch.Tensor, ...]:
-        """Padded [B, T] input ids, token types, positions and valid mask (None: no padding)."""
+    def _inputs(self, batch: list[_Pending]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor | None, torch.Tensor]:
+        """Padded [B, T] input ids, token types, positions and valid mask on the device (None:
+        no padding), and the valid mask on the host."""
         mc = self.model_config
         lens = [len(r.ids) for r in batch]
         width = max(lens)

@@ -5,7 +5,7 @@ forward per pair, the score the head's logit through a sigmoid (vLLM's)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -14,6 +14,9 @@ from flashpage.pooling import PoolingParams
 from flashpage.server.embeddings import fit_prompt
 from flashpage.server.protocol import bad_request
 from flashpage.server.serving import ServerState, collect, start, unless_disconnected
+
+if TYPE_CHECKING:
+    from flashpage.encoder.engine import EncoderEngine
 
 
 def is_cross_encoder(state: ServerState) -> bool:
@@ -27,7 +30,7 @@ async def cross_scores(state: ServerState, request: Request, left: list[Any], ri
     """Score each pair (left index, right index) of the raw items (texts or token ids) and
     hand ``reply`` the scores and the prompt tokens run. 400 naming the field (``fields``:
     left's, right's) of an empty item, or right's for a pair longer than the model takes."""
-    engine = state.engine.engine
+    engine = cast("EncoderEngine", state.engine.engine)  # is_cross_encoder said so
     try:
         engine.check_task("score")  # a classifier of several labels gives no score
     except ValueError as e:

@@ -122,3 +122,26 @@ def test_pytorch_bin_with_old_layernorm_names(encoder_checkpoint, tmp_path):
     torch.save(renamed, tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match="encoder.layer.1.output.dense.weight"):
         _llm(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bits_on_the_gpu(encoder_checkpoint, dtype):
+    """CUDA in 16 bits (SDPA's flash kernel for a batch without padding, the efficient one
+    with a mask): close to transformers' fp32 on the CPU."""
+    path = encoder_checkpoint("xlmr")
+    llm = _llm(path, dtype=dtype, device="cuda")
+    hidden = _hf_hidden(path, llm.get_tokenizer(), TEXTS)
+    outs = llm.embed(TEXTS, use_tqdm=False) + llm.embed(TEXTS[:1], use_tqdm=False)
+    for o, h in zip(outs, hidden + hidden[:1], strict=True):
+        cos = torch.nn.functional.cosine_similarity(torch.tensor(o.outputs.embedding), h.mean(0), dim=0)
+        assert cos > 0.995, (dtype, float(cos))
+    path = encoder_checkpoint("bert_reranker")
+    llm = _llm(path, dtype=dtype, device="cuda")
+    tok, model = llm.get_tokenizer(), hf_model(path)
+    with torch.no_grad():
+        want = [torch.sigmoid(model(**tok(QUERY, t, return_tensors="pt")).logits[0, 0]).item()
+                for t in TEXTS]
+    got = [o.outputs.score for o in llm.score(QUERY, TEXTS, use_tqdm=False)]
+    assert got == pytest.approx(want, abs=3e-2)
