@@ -62,6 +62,8 @@ def test_embeddings_and_cosine_scores(bert_dir):
             llm.embed([cut], use_tqdm=False)[0].outputs.embedding, abs=1e-5)
         r = _post(srv, "/v1/completions", {"prompt": "hello", "max_tokens": 3})
         assert r.status_code == 400 and "does not support generation" in r.json()["error"]["message"]
+        r = _post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "does not support generation" in r.json()["error"]["message"]
         srv.wait_idle()
 
 
