@@ -7,7 +7,7 @@ no chunks. So its engine is a queue and a batcher, not the decoder's scheduler:
     step()        take waiting requests in queue order while the padded batch
                   (requests x longest prompt) fits max_num_batched_tokens (one always
                   runs, however long), one forward, and finish every request of it:
-                  embed -> the hidden states pooled (flashpage/pooling.py's PoolingState)
+                  embed -> each prompt's rows pooled on the device (pool(): mean, cls, last)
                   score -> the classification head on the first token, then sigmoid
 
 It offers what LLM (generate refused, embed, score) and the server's AsyncEngine call on
@@ -251,21 +251,19 @@ class EncoderEngine:
         hidden = self.model(ids, types, positions, mask)
         self.num_forwards += 1
         self.num_batched_tokens += ids.numel()
-        out: list[list[float]] = []
-        scores: list[float] = []
-        if any(r.params.task == "score" for r in batch):
+        if batch[0].params.task == "score":  # one model does one task: the batch is all scores
             logits = self.model.classify(hidden[:, 0]).float()[:, 0]
             if self.model_config.score_activation == "sigmoid":
                 logits = torch.sigmoid(logits)
-            scores = logits.cpu().tolist()
+            return [[s] for s in logits.cpu().tolist()]
+        # every vector pooled on the device, then one copy to the host (not one per request)
+        pooled = pool(hidden, valid.to(hidden.device), self.pooling_type).cpu()
+        out = []
         for b, r in enumerate(batch):
-            if r.params.task == "score":
-                out.append([scores[b]])
-                continue
-            n = int(valid[b].sum())
-            state = PoolingState(self.pooling_type)
-            state.add(hidden[b, :n], 0, n)
-            out.append(state.embedding(r.params))
+            v = pooled[b, : r.params.dimensions] if r.params.dimensions else pooled[b]
+            if r.params.normalize:
+                v = torch.nn.functional.normalize(v, dim=0)
+            out.append(v.tolist())
         return out
 
     # ------------------------------------------------------------------ stats
@@ -278,6 +276,18 @@ class EncoderEngine:
         return {"num_running": 0, "num_waiting": len(self._waiting), "num_preemptions": 0,
                 "kv_cache": kv, "encoder": {"num_forwards": self.num_forwards,
                                             "num_batched_tokens": self.num_batched_tokens}}
+
+
+def pool(hidden: torch.Tensor, valid: torch.Tensor, kind: str) -> torch.Tensor:
+    """[B, T, hidden] states and [B, T] valid mask -> [B, hidden] fp32 vectors, each prompt's
+    own rows pooled as PoolingState pools them: mean (summed in fp32), cls (row 0), last."""
+    if kind == "cls":
+        return hidden[:, 0].float()
+    lens = valid.sum(1)
+    if kind == "last":
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lens - 1].float()
+    total = (hidden.float() * valid[..., None]).sum(1)
+    return total / lens[:, None]
 
 
 def join_pair(tok: Any | None, family: str, text_1: str | list[int],
