@@ -401,6 +401,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"flashpage inspect: error: two models given ({positional!r} and --model {option!r})",
               file=sys.stderr)
         return 2
+    encoder_rc = _inspect_encoder(positional or option, args)
+    if encoder_rc is not None:
+        return encoder_rc
     try:
         memory = parse_memory(args.memory)
         cfg, source = load_model_config(positional or option)
@@ -417,6 +420,33 @@ def run_inspect(args: argparse.Namespace) -> int:
             print(f"flashpage inspect: error: {e}", file=sys.stderr)
             return 2
     print(json.dumps(info, indent=2) if args.json else format_report(info))
+    return 0
+
+
+def _inspect_encoder(model: str | None, args: argparse.Namespace) -> int | None:
+    """An encoder-only model (flashpage/encoder/): print its report, which says it has no KV
+    cache (there is no memory to fill), and return the exit code; anything else: None."""
+    from flashpage.encoder.config import EncoderConfig, is_encoder_model
+
+    if model is None or not is_encoder_model(os.path.expanduser(model)):
+        return None
+    try:
+        cfg = EncoderConfig.from_hf(os.path.expanduser(model))
+        nbytes = dtype_bytes(args.dtype)
+        if nbytes == 1:
+            raise ConfigError("encoder weights are not quantized: use --dtype fp32, fp16 or bf16")
+    except ValueError as e:
+        print(f"flashpage inspect: error: {e}", file=sys.stderr)
+        return 2
+    info = cfg.report(nbytes)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(f"{cfg.architecture}: encoder-only ({info['task']}), {cfg.num_hidden_layers} layers, "
+              f"hidden {cfg.hidden_size}, prompts up to {cfg.max_prompt_len} tokens\n"
+              f"weights: {info['params'] / 1e6:.2f}M params, {_size(info['weight_bytes'])} in {args.dtype}\n"
+              "KV cache: none (an encoder reads each prompt whole in one forward and keeps "
+              "nothing; --memory does not apply)")
     return 0
 
 

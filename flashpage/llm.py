@@ -8,6 +8,7 @@ from typing import Any, cast
 
 from flashpage.beam_search import BeamSearch, BeamSearchOutput, run_beam_search
 from flashpage.config import EngineConfig
+from flashpage.encoder.config import is_encoder_model
 from flashpage.engine.llm_engine import LLMEngine
 from flashpage.lora.request import LoRARequest
 from flashpage.outputs import RequestOutput
@@ -63,7 +64,14 @@ class LLM:
             override_generation_config=override_generation_config)
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory
-        self.engine = LLMEngine(cfg, random_config=random_weights_config, tokenizer=tokenizer)
+        if is_encoder_model(random_weights_config or model):
+            from flashpage.encoder.engine import EncoderEngine
+
+            # duck-typed: the subset of LLMEngine that LLM and the server's AsyncEngine call
+            self.engine = cast(LLMEngine, EncoderEngine(cfg, random_config=random_weights_config,
+                                                        tokenizer=tokenizer))
+        else:
+            self.engine = LLMEngine(cfg, random_config=random_weights_config, tokenizer=tokenizer)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -71,7 +79,8 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no SamplingParams (vLLM's): the model's
         generation_config.json defaults (flashpage/generation_config.py), else SamplingParams()."""
-        return SamplingParams(**self.engine.generation_defaults.sampling_kwargs())
+        defaults = getattr(self.engine, "generation_defaults", None)  # (an encoder: none)
+        return SamplingParams(**defaults.sampling_kwargs()) if defaults is not None else SamplingParams()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -87,6 +96,7 @@ class LLM:
         ``priority``: one integer per prompt, lower served first (needs
         ``scheduling_policy="priority"``; priorities change the order, not the outputs).
         """
+        self._check_task("generate")
         plist = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -108,6 +118,7 @@ class LLM:
         states pooled the model's way (flashpage/pooling.py), as vLLM's LLM.embed. Outputs
         in prompt order; a prompt that cannot run has ``error`` set and no outputs.
         ``priority``: one integer per prompt, as in ``generate`` (the order, not the vectors)."""
+        self._check_task("embed")
         plist = _as_prompt_list(prompts)
         params = [pooling_params or PoolingParams()] * len(plist)
         priorities = self._per_prompt_priorities(priority, len(plist))
@@ -120,16 +131,20 @@ class LLM:
     def score(self, text_1: Prompt | Sequence[Prompt], text_2: Prompt | Sequence[Prompt], *,
               use_tqdm: bool = True,
               priority: Sequence[int] | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's LLM.score for embedding models: the cosine of the embeddings of ``text_1``
-        and each of ``text_2`` (one item against many), or of each pair (equal lengths).
-        Each distinct text is embedded once; a pair with a refused text has ``error`` set.
-        ``priority``: one integer per pair (per output), as in ``generate``; a text in
-        several pairs is embedded at the lowest value (the most urgent) of them."""
+        """vLLM's LLM.score: ``text_1`` against each of ``text_2`` (one item against many),
+        or each pair (equal lengths). Embedding models: the cosine of the two embeddings,
+        each distinct text embedded once. Cross-encoders (flashpage/encoder/): one forward
+        over each pair joined by the tokenizer, the head's logit through a sigmoid. A pair
+        with a refused text has ``error`` set. ``priority``: one integer per pair (per
+        output), as in ``generate``; a text in several pairs is embedded at the lowest value
+        (the most urgent) of them."""
         left, right = _as_prompt_list(text_1), _as_prompt_list(text_2)
         if len(left) != 1 and len(left) != len(right):
             raise ValueError(f"text_1 has {len(left)} items and text_2 {len(right)}: give text_1 "
                              "one item, or both the same number")
         per_pair = self._per_prompt_priorities(priority, len(right), "pair")
+        if "score" in getattr(self.engine, "supported_tasks", ()):
+            return self._cross_score(left, right, per_pair, use_tqdm)
         keys = [repr(p) for p in left + right]
         unique = list(dict.fromkeys(keys))
         urgent: dict[str, int] = {}
@@ -157,6 +172,7 @@ class LLM:
         by length-penalized log-probability, best first (flashpage/beam_search.py: every live
         beam a one-token request each step, the prefix cache sharing their blocks). A prompt
         that cannot run gets an output whose ``error`` says why; the others still complete."""
+        self._check_task("generate")
         plist = _as_prompt_list(prompts)
         loras = _per_prompt_loras(lora_request, len(plist)) or [None] * len(plist)
         ids: list[list[int]] = []
@@ -186,6 +202,28 @@ class LLM:
         return search.results(
             (lambda t: str(tok.decode(t, skip_special_tokens=True))) if tok is not None else None)
 
+    def _cross_score(self, left: list[Prompt], right: list[Prompt], priorities: list[int],
+                     use_tqdm: bool) -> list[ScoringRequestOutput]:
+        """A cross-encoder's score of each pair: one request per pair (engine.encode_pair)."""
+        self._check_task("score")
+        encode_pair = self.engine.encode_pair  # type: ignore[attr-defined]
+
+        def text(p: Prompt) -> str | list[int]:
+            return cast(list[int], p["prompt_token_ids"]) if isinstance(p, dict) else p
+
+        pairs: list[Prompt] = [encode_pair(text(left[0 if len(left) == 1 else j]), text(b))
+                               for j, b in enumerate(right)]
+        outs = self._run(pairs, [PoolingParams(task="score")] * len(pairs), use_tqdm, None, priorities)
+        return [ScoringRequestOutput(str(j), ScoringOutput(o.embedding[0]) if o.embedding else None,
+                                     True, o.error) for j, o in enumerate(outs)]
+
+    def _check_task(self, task: str) -> None:
+        """An encoder engine refuses what its model does not do (generation, or embedding
+        on a cross-encoder) with a ValueError saying what it does instead."""
+        check = getattr(self.engine, "check_task", None)
+        if check is not None:
+            check(task)
+
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -200,6 +238,7 @@ class LLM:
         add_generation_prompt False); ``chat_template_kwargs``: more for the template (e.g.
         ``{"enable_thinking": False}``), as vLLM's. ``priority``: one per conversation, as
         in ``generate``."""
+        self._check_task("generate")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         extra = dict(chat_template_kwargs or {}, continue_final_message=continue_final_message)
         prompts: list[Prompt] = [self.chat_prompt_ids(c, add_generation_prompt, tools, **extra)  # type: ignore[arg-type]

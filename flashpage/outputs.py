@@ -52,6 +52,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: entry p for prompt token p given the ones before it
     # (None for the first), as far as the prompt has been computed
     prompt_logprobs: list[Logprobs | None] | None = None
-    # an embedding request's vector once finished (flashpage/pooling.py); outputs is empty
+    # an embedding request's vector once finished (flashpage/pooling.py); outputs is empty.
+    # A cross-encoder's score request (flashpage/encoder/): its score, one value
     embedding: list[float] | None = None
     lora_request: LoRARequest | None = None  # the adapter it ran with (flashpage/lora/), as vLLM's

@@ -28,25 +28,34 @@ from dataclasses import dataclass
 import torch
 
 POOLING_TYPES = ("last", "mean", "cls")
+POOLING_TASKS = ("embed", "score")
 
 
 @dataclass
 class PoolingParams:
     dimensions: int | None = None  # keep the first this many values (Matryoshka); None: all
     normalize: bool = True  # L2-normalize (after the cut)
+    # "embed": the pooled vector; "score": a cross-encoder's score of the pair the prompt
+    # holds (flashpage/encoder/; LLM.score and the server's /score, /rerank send it)
+    task: str = "embed"
 
     def validate(self, hidden_size: int | None = None) -> None:
+        if self.task not in POOLING_TASKS:
+            raise ValueError(f"pooling task must be one of {POOLING_TASKS}, got {self.task!r}")
         d = self.dimensions
+        if d is not None and self.task == "score":
+            raise ValueError("dimensions applies to embeddings, not to a cross-encoder's score")
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ValueError(f"dimensions must be a positive integer, got {d!r}")
         if d is not None and hidden_size is not None and d > hidden_size:
             raise ValueError(f"dimensions must be at most the model's {hidden_size}, got {d}")
 
 
-def pooling_type_of(model_dir: str | None) -> str:
-    """The model folder's sentence-transformers pooling (see the module docstring), else last."""
+def pooling_type_of(model_dir: str | None, default: str = "last") -> str:
+    """The model folder's sentence-transformers pooling (see the module docstring), else
+    ``default`` (last for decoders; encoders pass mean, as sentence-transformers does)."""
     if not model_dir or not os.path.isdir(model_dir):
-        return "last"
+        return default
     try:
         with open(os.path.join(model_dir, "modules.json")) as f:
             modules = json.load(f)
@@ -54,12 +63,12 @@ def pooling_type_of(model_dir: str | None) -> str:
         with open(os.path.join(model_dir, folder, "config.json")) as f:
             cfg = json.load(f)
     except (OSError, ValueError, StopIteration, KeyError, TypeError):
-        return "last"
+        return default
     for key, kind in (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
                       ("pooling_mode_cls_token", "cls")):
         if cfg.get(key):
             return kind
-    return "last"
+    return default
 
 
 class PoolingState:
@@ -134,7 +143,7 @@ class ScoringOutput:
 @dataclass
 class ScoringRequestOutput:
     """What LLM.score returns per pair (vLLM's shape): ``outputs.score``, the cosine of the
-    two texts' embeddings."""
+    two texts' embeddings (a cross-encoder's: its head's score of the pair)."""
 
     request_id: str
     outputs: ScoringOutput | None

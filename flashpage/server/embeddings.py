@@ -26,20 +26,30 @@ from flashpage.server.serving import (
 async def encode_inputs(state: ServerState, items: list[Any], field: str,
                         truncate: int | None = None) -> list[list[int]]:
     """Texts or token-id lists -> prompts an embedding request takes (``truncate``: keep the
-    last that many tokens); 400 naming ``field`` for an empty or too long one."""
-    limit = state.engine.max_model_len
+    last that many tokens; an encoder: the first ones and its closing [SEP]); 400 naming
+    ``field`` for an empty or too long one."""
     prompts: list[list[int]] = []
     for item in items:
         if not item:  # "" or []
             raise bad_request(f"an item of {field} is empty", field)
         ids = await state.tokenizer.encode(item) if isinstance(item, str) else list(item)
-        if truncate is not None and len(ids) > truncate:
-            ids = ids[-truncate:]
-        if len(ids) >= limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens; an item of "
-                              f"{field} has {len(ids)} (embeddings take up to {limit - 1}).", field)
-        prompts.append(ids)
+        prompts.append(fit_prompt(state, ids, field, truncate))
     return prompts
+
+
+def fit_prompt(state: ServerState, ids: list[int], field: str, truncate: int | None) -> list[int]:
+    """``ids`` truncated as asked; 400 naming ``field`` if still longer than a pooling request
+    takes (a decoder: max_model_len - 1, room for its one unread token; an encoder: all)."""
+    engine = state.engine.engine
+    if truncate is not None and len(ids) > truncate:
+        cut = getattr(engine, "truncate_prompt", None)  # an encoder keeps its [CLS] ... [SEP]
+        ids = cut(ids, truncate) if cut is not None else ids[-truncate:]
+    limit = state.engine.max_model_len
+    takes = getattr(engine, "max_pooled_len", limit - 1)
+    if len(ids) > takes:
+        raise bad_request(f"This model's maximum context length is {limit} tokens; an item of "
+                          f"{field} has {len(ids)} (embeddings take up to {takes}).", field)
+    return ids
 
 
 async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest,

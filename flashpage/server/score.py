@@ -1,7 +1,7 @@
-"""POST /score and /rerank (vLLM's, for embedding models): relevance as the cosine of two
-embeddings (each text's pooled hidden states, flashpage/pooling.py, L2-normalized). Every
-distinct text is embedded once per request; a cross-encoder (one forward over the pair)
-is not what these models are."""
+"""POST /score and /rerank (vLLM's). Embedding models: relevance as the cosine of two
+embeddings (each text's pooled hidden states, flashpage/pooling.py, L2-normalized), every
+distinct text embedded once per request. Cross-encoders (one forward over each pair, its
+score from the model's head): server/cross_encoder.py."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from flashpage.pooling import PoolingParams
+from flashpage.server.cross_encoder import cross_scores, is_cross_encoder
 from flashpage.server.embeddings import encode_inputs
 from flashpage.server.protocol import RerankRequest, ScoreRequest, bad_request
 from flashpage.server.serving import (
@@ -59,8 +60,6 @@ async def score(state: ServerState, request: Request, req: ScoreRequest, arrival
     else:
         raise bad_request(f"text_1 has {len(t1)} items and text_2 {len(t2)}: give text_1 one item, "
                           "or both the same number", "text_1")
-    left = await encode_inputs(state, t1, "text_1", req.truncate_prompt_tokens)
-    right = await encode_inputs(state, t2, "text_2", req.truncate_prompt_tokens)
 
     def reply(scores: list[float], tokens: int) -> Response:
         return JSONResponse({
@@ -69,6 +68,11 @@ async def score(state: ServerState, request: Request, req: ScoreRequest, arrival
             "data": [{"index": k, "object": "score", "score": s} for k, s in enumerate(scores)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
+    if is_cross_encoder(state):
+        return await cross_scores(state, request, t1, t2, pairs, arrival, ("text_1", "text_2"),
+                                  reply, req.priority, req.model, req.truncate_prompt_tokens)
+    left = await encode_inputs(state, t1, "text_1", req.truncate_prompt_tokens)
+    right = await encode_inputs(state, t2, "text_2", req.truncate_prompt_tokens)
     return await _similarities(state, request, left, right, pairs, arrival, "text_1", reply,
                                req.priority, req.model)
 
@@ -78,8 +82,6 @@ async def rerank(state: ServerState, request: Request, req: RerankRequest, arriv
     if not req.documents:
         raise bad_request("documents is empty", "documents")
     docs = prompt_items(state, req.documents, "documents")
-    left = await encode_inputs(state, [req.query], "query", req.truncate_prompt_tokens)
-    right = await encode_inputs(state, docs, "documents", req.truncate_prompt_tokens)
     top_n = req.top_n or len(docs)
 
     def reply(scores: list[float], tokens: int) -> Response:
@@ -93,5 +95,11 @@ async def rerank(state: ServerState, request: Request, req: RerankRequest, arriv
         return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": state.response_model(req.model),
                              "usage": {"total_tokens": tokens}, "results": results})
 
+    if is_cross_encoder(state):
+        return await cross_scores(state, request, [req.query], docs, [(0, j) for j in range(len(docs))],
+                                  arrival, ("query", "documents"), reply, req.priority,
+                                  req.model, req.truncate_prompt_tokens)
+    left = await encode_inputs(state, [req.query], "query", req.truncate_prompt_tokens)
+    right = await encode_inputs(state, docs, "documents", req.truncate_prompt_tokens)
     return await _similarities(state, request, left, right, [(0, j) for j in range(len(docs))],
                                arrival, "documents", reply, req.priority, req.model)

@@ -45,6 +45,14 @@ class ServerTokenizer:
         assert self._tok is not None  # checked by encode()
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
+    async def encode_pair(self, text_1: str | list[int], text_2: str | list[int],
+                          family: str) -> list[int]:
+        """A cross-encoder's input for one pair (flashpage/encoder/engine.py's join_pair),
+        on the tokenizer thread with this copy of the tokenizer."""
+        from flashpage.encoder.engine import join_pair
+
+        return await self._run(join_pair, self._tok, family, text_1, text_2)
+
     async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Token ids -> text, special tokens kept (what /detokenize answers) unless skipped."""
         if self._tok is None:

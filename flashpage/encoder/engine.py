@@ -1,0 +1,321 @@
+"""EncoderEngine: BERT-style embedding models and cross-encoders, apart from the KV cache.
+
+An encoder reads a whole prompt in one forward and keeps nothing: no KV cache, no decode,
+no chunks. So its engine is a queue and a batcher, not the decoder's scheduler:
+
+    add_request   validate (a ValueError naming the problem; nothing else touched), queue
+    step()        take waiting requests in queue order while the padded batch
+                  (requests x longest prompt) fits max_num_batched_tokens (one always
+                  runs, however long), one forward, and finish every request of it:
+                  embed -> each prompt's rows pooled on the device (pool(): mean, cls, last)
+                  score -> the classification head on the first token, then sigmoid
+
+It offers what LLM (generate refused, embed, score) and the server's AsyncEngine call on
+an LLMEngine: add_request, step, abort_request, has_unfinished_requests, check_priority,
+compile_guide, stats, tokenizer, model_config (vocab_size, hidden_size), max_model_len.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashpage.config import EngineConfig
+from flashpage.encoder.config import EncoderConfig
+from flashpage.encoder.model import load_encoder
+from flashpage.kv_cache.kv_cache_manager import KVCacheStats
+from flashpage.outputs import RequestMetrics, RequestOutput
+from flashpage.pooling import PoolingParams, PoolingState, pooling_type_of
+
+logger = logging.getLogger("flashpage")
+
+
+@dataclass(order=True)
+class _Pending:
+    key: tuple[int, float, int]  # queue order: (priority or 0, arrival, add counter)
+    request_id: str = field(compare=False)
+    prompt: str | None = field(compare=False)
+    ids: list[int] = field(compare=False)
+    params: PoolingParams = field(compare=False)
+    arrival: float = field(compare=False)
+
+
+class EncoderEngine:
+    """Runs an encoder-only model (flashpage/encoder/config.py's architectures)."""
+
+    def __init__(self, config: EngineConfig, *, random_config: str | None = None,
+                 tokenizer: str | None = None) -> None:
+        from flashpage.engine.llm_engine import resolve_device, resolve_dtype
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        folder = None if random_config is not None else config.model
+        assert folder is not None or random_config is not None  # LLM only dispatches these here
+        self.model_config = EncoderConfig.from_hf(random_config or folder or "")
+        mc = self.model_config
+        self.supported_tasks: tuple[str, ...] = ("embed",) if mc.head == "embed" else ("score",)
+        if config.max_model_len is not None and config.max_model_len > mc.max_prompt_len:
+            raise ValueError(f"max_model_len {config.max_model_len} is more than this encoder's "
+                             f"positions allow ({mc.max_prompt_len})")
+        # the longest prompt taken (no output tokens: a prompt may fill it)
+        self.max_model_len = config.max_model_len or mc.max_prompt_len
+        self.max_pooled_len = self.max_model_len
+        self.pooling_type = config.pooling_type or pooling_type_of(folder, default="mean")
+        PoolingState(self.pooling_type)  # an unknown --pooling-type fails here
+        self.model = load_encoder(mc, folder, self.dtype, self.device, config.seed)
+        self.tokenizer = _load_tokenizer(tokenizer or folder)
+        self.sep_token_id: int | None = getattr(self.tokenizer, "sep_token_id", None)
+        self._waiting: list[_Pending] = []
+        self._ids: set[str] = set()
+        self._counter = 0  # request ids (LLM._run reads and bumps it too)
+        self._adds = 0
+        self.num_forwards = 0
+        self.num_batched_tokens = 0  # padded tokens run, over all forwards
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def encode_pair(self, text_1: str | list[int], text_2: str | list[int]) -> list[int]:
+        """A cross-encoder's input for one pair (``join_pair`` with this model's tokenizer)."""
+        return join_pair(self.tokenizer, self.model_config.family, text_1, text_2)
+
+    def truncate_prompt(self, ids: list[int], keep: int) -> list[int]:
+        """``truncate_prompt_tokens`` for an encoder: the first ``keep - 1`` tokens and the
+        closing special token ([SEP] / </s>), as the tokenizer's right-side truncation."""
+        if len(ids) <= keep:
+            return ids
+        return ids[: keep - 1] + ids[-1:] if keep > 1 else ids[:1]
+
+    def check_priority(self, priority: object) -> None:
+        """As LLMEngine's: any integer under the priority policy, 0 only under fcfs."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"Got priority {priority} but priority scheduling is not enabled: "
+                             "start the engine with scheduling_policy='priority' "
+                             "(--scheduling-policy priority)")
+
+    def _no_generation(self) -> ValueError:
+        return ValueError(f"this model ({self.model_config.architecture}) is an encoder-only "
+                          f"{'embedding model' if self.model_config.head == 'embed' else 'cross-encoder'}"
+                          f" and does not support generation; it serves {self.supported_tasks[0]} "
+                          f"({'/v1/embeddings' if self.model_config.head == 'embed' else '/score, /rerank'})")
+
+    def compile_guide(self, params: Any) -> None:
+        raise self._no_generation()
+
+    def check_task(self, task: str) -> None:
+        """A ValueError unless this model does ``task`` ("generate", "embed", "score")."""
+        if task == "generate":
+            raise self._no_generation()
+        if task == "embed" and self.model_config.head != "embed":
+            raise ValueError(f"this model ({self.model_config.architecture}) is a cross-encoder: "
+                             "it scores pairs of texts (LLM.score, /score, /rerank), it does not embed")
+        if task == "score" and self.model_config.head == "embed":
+            raise ValueError(f"this model ({self.model_config.architecture}) is an encoder-only "
+                             "embedding model: it has no head to score a pair with (LLM.score and "
+                             "/score take the cosine of its embeddings instead)")
+        if task == "score" and self.model_config.num_labels != 1:
+            raise ValueError(f"this classifier has {self.model_config.num_labels} labels; only a "
+                             "one-label cross-encoder gives a score")
+
+    def add_lora(self, lora_request: Any) -> None:
+        raise ValueError("LoRA adapters are not supported on encoder models")
+
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: PoolingParams | Any = None, arrival_time: float | None = None,
+                    lora_request: Any = None, priority: int = 0) -> str:
+        """Queue a pooling request; raises ValueError (naming the problem) if it cannot run.
+        ``params.task``: "embed" (embedding models) or "score" (a cross-encoder; the prompt
+        is a pair joined by ``encode_pair``)."""
+        self.check_priority(priority)
+        if not isinstance(params, PoolingParams):
+            raise self._no_generation()
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        params.validate(self.model_config.hidden_size)
+        self.check_task(params.task)
+        if request_id is None:
+            request_id = str(self._counter)
+            self._counter += 1
+        if request_id in self._ids:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            text: str | None = prompt
+            ids = self.tokenize(prompt)
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} at position {i} is outside the "
+                                 f"vocabulary [0, {vocab})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but this encoder takes at most "
+                             f"{self.max_model_len} (max_position_embeddings "
+                             f"{self.model_config.max_position_embeddings}"
+                             f"{', less the RoBERTa offset' if self.model_config.position_offset else ''}"
+                             "); shorten it or set truncate_prompt_tokens")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        prio = priority if self.config.scheduling_policy == "priority" else 0
+        self._adds += 1
+        bisect.insort(self._waiting, _Pending((prio, arrival, self._adds), request_id, text, ids,
+                                              params, arrival))
+        self._ids.add(request_id)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        self._waiting = [r for r in self._waiting if r.request_id not in ids]
+        self._ids -= ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------ step
+    def _take_batch(self) -> list[_Pending]:
+        budget, seats = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        batch: list[_Pending] = []
+        width = 0
+        for r in self._waiting:
+            w = max(width, len(r.ids))
+            if batch and (w * (len(batch) + 1) > budget or len(batch) >= seats):
+                break
+            batch.append(r)
+            width = w
+        del self._waiting[: len(batch)]
+        return batch
+
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One forward over the next batch; every request in it finishes."""
+        batch = self._take_batch()
+        if not batch:
+            return []
+        started = time.monotonic()
+        with torch.inference_mode():
+            results = self._run(batch)
+        now = time.monotonic()
+        outs = []
+        for r, vec in zip(batch, results, strict=True):
+            self._ids.discard(r.request_id)
+            metrics = RequestMetrics(r.arrival, first_scheduled_time=started, first_token_time=now,
+                                     last_token_time=now, finished_time=now)
+            outs.append(RequestOutput(r.request_id, r.prompt, r.ids, [], finished=True,
+                                      metrics=metrics, embedding=vec))
+        return outs
+
+    def _inputs(self, batch: list[_Pending]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor | None, torch.Tensor]:
+        """Padded [B, T] input ids, token types, positions and valid mask on the device (None:
+        no padding), and the valid mask on the host."""
+        mc = self.model_config
+        lens = [len(r.ids) for r in batch]
+        width = max(lens)
+        ids = torch.full((len(batch), width), mc.pad_token_id, dtype=torch.long)
+        types = torch.zeros((len(batch), width), dtype=torch.long)
+        for b, r in enumerate(batch):
+            ids[b, : lens[b]] = torch.tensor(r.ids)
+            # a pair's second text is segment 1 (BERT): from just after its first [SEP]
+            if r.params.task == "score" and mc.type_vocab_size > 1 and self.sep_token_id is not None \
+                    and self.sep_token_id in r.ids:
+                types[b, r.ids.index(self.sep_token_id) + 1: lens[b]] = 1
+        valid = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]
+        if mc.family == "roberta":  # HF's positions: count non-pad tokens, after padding_idx
+            real = (ids != mc.pad_token_id) & valid
+            positions = torch.cumsum(real, 1) * real + mc.pad_token_id
+        else:
+            positions = torch.arange(width).expand(len(batch), width)
+        dev = self.device
+        return (ids.to(dev), types.to(dev), positions.to(dev),
+                valid.to(dev) if min(lens) < width else None, valid)
+
+    def _run(self, batch: list[_Pending]) -> list[list[float]]:
+        ids, types, positions, mask, valid = self._inputs(batch)
+        hidden = self.model(ids, types, positions, mask)
+        self.num_forwards += 1
+        self.num_batched_tokens += ids.numel()
+        if batch[0].params.task == "score":  # one model does one task: the batch is all scores
+            logits = self.model.classify(hidden[:, 0]).float()[:, 0]
+            if self.model_config.score_activation == "sigmoid":
+                logits = torch.sigmoid(logits)
+            return [[s] for s in logits.cpu().tolist()]
+        # every vector pooled on the device, then one copy to the host (not one per request)
+        pooled = pool(hidden, valid.to(hidden.device), self.pooling_type).cpu()
+        out = []
+        for b, r in enumerate(batch):
+            v = pooled[b, : r.params.dimensions] if r.params.dimensions else pooled[b]
+            if r.params.normalize:
+                v = torch.nn.functional.normalize(v, dim=0)
+            out.append(v.tolist())
+        return out
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        """LLMEngine.stats()'s shape (the server's /metrics reads it); no KV cache: zeros."""
+        kv = KVCacheStats(num_blocks=0, block_size=0, blocks_used=0, blocks_free=0,
+                          blocks_cached_free=0, tokens_stored=0, slots_allocated=0,
+                          utilization=1.0, usage=0.0, prefix_queries=0, prefix_hits=0,
+                          prefix_hit_rate=0.0, num_evictions=0)
+        return {"num_running": 0, "num_waiting": len(self._waiting), "num_preemptions": 0,
+                "kv_cache": kv, "encoder": {"num_forwards": self.num_forwards,
+                                            "num_batched_tokens": self.num_batched_tokens}}
+
+
+def pool(hidden: torch.Tensor, valid: torch.Tensor, kind: str) -> torch.Tensor:
+    """[B, T, hidden] states and [B, T] valid mask -> [B, hidden] fp32 vectors, each prompt's
+    own rows pooled as PoolingState pools them: mean (summed in fp32), cls (row 0), last."""
+    if kind == "cls":
+        return hidden[:, 0].float()
+    lens = valid.sum(1)
+    if kind == "last":
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lens - 1].float()
+    total = (hidden.float() * valid[..., None]).sum(1)
+    return total / lens[:, None]
+
+
+def join_pair(tok: Any | None, family: str, text_1: str | list[int],
+              text_2: str | list[int]) -> list[int]:
+    """One pair as the cross-encoder's tokenizer joins two texts (BERT: [CLS] a [SEP] b
+    [SEP]; XLM-R: <s> a </s></s> b </s>); token-id prompts are joined the same way, with
+    the tokenizer's cls and sep ids. ``family``: EncoderConfig.family."""
+    if tok is None:
+        raise ValueError("this model has no tokenizer: a cross-encoder needs one to join the "
+                         "two texts of a pair")
+    if isinstance(text_1, str) and isinstance(text_2, str):
+        return list(tok(text_1, text_2)["input_ids"])
+    a = tok.encode(text_1, add_special_tokens=False) if isinstance(text_1, str) else list(text_1)
+    b = tok.encode(text_2, add_special_tokens=False) if isinstance(text_2, str) else list(text_2)
+    cls_id, sep_id = tok.cls_token_id, tok.sep_token_id
+    if cls_id is None or sep_id is None:
+        raise ValueError("the tokenizer has no cls / sep token to join a pair of token-id prompts")
+    middle = [sep_id, sep_id] if family == "roberta" else [sep_id]
+    return [cls_id, *a, *middle, *b, sep_id]
+
+
+def _load_tokenizer(path: str | None) -> Any | None:
+    if path is None or not os.path.isdir(path):
+        return None
+    if not any(os.path.isfile(os.path.join(path, f)) for f in
+               ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "sentencepiece.bpe.model")):
+        return None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

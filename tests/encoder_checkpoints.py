@@ -1,0 +1,94 @@
+"""Tiny random BERT / XLM-RoBERTa checkpoints (embedding models and one-label
+cross-encoders) with tokenizers made offline: a WordPiece vocabulary (BertTokenizer) and
+a word-level tokenizer.json with RoBERTa's specials (<s> 0, <pad> 1, </s> 2, <unk> 3)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+_SENTENCE = ("the quick brown fox jumps over lazy dog hello world paged cache keys values of every "
+             "token in fixed size blocks a an is are one two three four five six seven eight nine "
+             "ten paris france capital city river bank money water")
+WORDS = _SENTENCE.split(" ")
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+ROBERTA_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+MAX_POSITIONS = 64
+
+# name -> (transformers class, family, extra config)
+ENCODERS: dict[str, tuple[str, str, dict]] = {
+    "bert": ("BertModel", "bert", {}),
+    "bert_cls_pooling": ("BertModel", "bert", {}),  # sentence-transformers Pooling: cls (bge's)
+    "bert_reranker": ("BertForSequenceClassification", "bert", {"num_labels": 1}),
+    "bert_two_labels": ("BertForSequenceClassification", "bert", {"num_labels": 2}),
+    "xlmr": ("XLMRobertaModel", "roberta", {}),
+    "xlmr_reranker": ("XLMRobertaForSequenceClassification", "roberta", {"num_labels": 1}),
+}
+
+
+def _bert_tokenizer(folder: Path) -> int:
+    from transformers import BertTokenizer
+
+    vocab = BERT_SPECIALS + list(LETTERS) + ["##" + c for c in LETTERS] + WORDS
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(folder)
+    return len(vocab)
+
+
+def _roberta_tokenizer(folder: Path) -> int:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(ROBERTA_SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                            cls_token="<s>", pad_token="<pad>", unk_token="<unk>").save_pretrained(folder)
+    return len(vocab)
+
+
+def build_encoder_checkpoint(folder: Path, name: str, seed: int = 0, **overrides) -> Path:
+    """Save the named tiny encoder (fp32 safetensors, config.json, tokenizer) in ``folder``."""
+    import transformers
+
+    cls_name, family, extra = ENCODERS[name]
+    n_vocab = _bert_tokenizer(folder) if family == "bert" else _roberta_tokenizer(folder)
+    base = dict(vocab_size=n_vocab + 3, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=128, layer_norm_eps=1e-12)
+    if family == "bert":
+        config = transformers.BertConfig(**base, max_position_embeddings=MAX_POSITIONS,
+                                         type_vocab_size=2, pad_token_id=0, **extra, **overrides)
+    else:  # XLM-R: positions start after pad (1), so 2 more than the longest prompt
+        config = transformers.XLMRobertaConfig(**base, max_position_embeddings=MAX_POSITIONS + 2,
+                                               type_vocab_size=1, pad_token_id=1, bos_token_id=0,
+                                               eos_token_id=2, **extra, **overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config).eval()
+    # Random init is tiny (std 0.02): widen it so the outputs differ between prompts.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "LayerNorm.weight" in n:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    if name == "bert_cls_pooling":
+        (folder / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (folder / "1_Pooling").mkdir()
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": 64, "pooling_mode_cls_token": True,
+             "pooling_mode_mean_tokens": False}))
+    return folder
+
+
+def hf_model(folder: Path):
+    """transformers' model of a checkpoint built above (fp32, eval)."""
+    import transformers
+
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, arch).from_pretrained(folder, dtype=torch.float32).eval()
