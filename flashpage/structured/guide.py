@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from flashpage.structured.automaton import AutomatonTooLarge, LazyDFA
+from flashpage.structured.automaton import AutomatonTooLarge, TableDFA
 
 logger = logging.getLogger("flashpage")
 
@@ -52,7 +52,7 @@ class TokenIndex:
         self.data = np.frombuffer(bytes(buf), dtype=np.uint8).reshape(len(ids), width)
         self.eos_ids = tuple(sorted(e for e in eos if 0 <= e < self.vocab_size))
 
-    def allowed(self, dfa: LazyDFA, state: int) -> np.ndarray:
+    def allowed(self, dfa: TableDFA, state: int) -> np.ndarray:
         """Token ids (sorted int64) whose bytes lead from ``state`` to a live state."""
         if state == 0:
             return np.zeros(0, dtype=np.int64)
@@ -80,7 +80,7 @@ class TokenIndex:
 class CompiledGuide:
     """One pattern's DFA and its per-state allowed tokens over one vocabulary."""
 
-    def __init__(self, dfa: LazyDFA, index: TokenIndex) -> None:
+    def __init__(self, dfa: TableDFA, index: TokenIndex) -> None:
         self.dfa = dfa
         self.index = index
         self.start = dfa.start

@@ -1,0 +1,171 @@
+"""A grammar's text -> the byte automaton its guide walks.
+
+``grammar_parser.py`` reads the text into rules; here they are checked (every name used is
+defined; no left recursion) and compiled one of two ways:
+
+- no rule reaches itself: every reference is replaced by its rule's body, giving one regex
+  tree, and the regex machinery (``automaton.LazyDFA``) takes it as it is: exact, and as
+  cheap as the regex it spells;
+- recursive (or too large once inlined): ``pushdown.PushdownDFA``, whose states are the
+  pushdown configurations the output reaches (same interface, exact too).
+
+Both end where the start rule (``root`` / ``start``) may end: eos is allowed there only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from flashpage.sampling_params import StructuredOutputsError
+from flashpage.structured.automaton import ByteNFA, LazyDFA, TableDFA
+from flashpage.structured.grammar_parser import Grammar, parse_grammar, rule_refs
+from flashpage.structured.pushdown import GrammarNFA, ItemDFA, PushdownDFA
+from flashpage.structured.regex_parser import Alt, CharSet, Concat, Node, Ref, Repeat
+
+MAX_INLINE_SIZE = 20_000  # nodes (repeats counted out) past which a grammar is not inlined
+
+
+def compile_grammar(text: str) -> TableDFA:
+    """The automaton of a GBNF or Lark grammar; StructuredOutputsError naming what is wrong."""
+    g = parse_grammar(text)
+    for name, node in g.rules.items():
+        for ref in _find_refs(node):
+            if ref.name not in g.rules:
+                raise StructuredOutputsError(
+                    f"grammar: rule '{ref.name}' is used (in '{name}', {ref.where}) but not defined")
+    order = _reachable(g)
+    sizes: dict[str, int] = {}
+    if _cycle(g, order, lambda n: rule_refs(g.rules[n])) is None and _size(g, g.root, sizes) <= MAX_INLINE_SIZE:
+        return LazyDFA(ByteNFA(_inline(g, g.root, {})))
+    nullable = _nullable(g)
+    left = _cycle(g, order, lambda n: sorted(_first_refs(g.rules[n], nullable)))
+    if left is not None:
+        raise StructuredOutputsError(
+            f"grammar: rule '{left[0]}' is left-recursive ({' -> '.join(left)} before any "
+            "character is read); rewrite it with repetition, e.g. expr ::= term (\"+\" term)*")
+    index = {name: i for i, name in enumerate(order)}
+    return PushdownDFA(ItemDFA(GrammarNFA([g.rules[n] for n in order], index)))
+
+
+def _find_refs(node: Node) -> list[Ref]:
+    if isinstance(node, Ref):
+        return [node]
+    if isinstance(node, Concat | Alt):
+        return [r for item in (node.items if isinstance(node, Concat) else node.options)
+                for r in _find_refs(item)]
+    if isinstance(node, Repeat):
+        return _find_refs(node.node)
+    return []
+
+
+def _reachable(g: Grammar) -> list[str]:
+    """The rules the start rule reaches, the start rule first."""
+    order, seen = [g.root], {g.root}
+    for name in order:
+        for ref in rule_refs(g.rules[name]):
+            if ref not in seen:
+                seen.add(ref)
+                order.append(ref)
+    return order
+
+
+def _cycle(g: Grammar, order: list[str], edges: Callable[[str], Iterable[str]]) -> list[str] | None:
+    """A path ``a -> ... -> a`` through ``edges`` (name -> names), or None."""
+    color: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in order:
+        if root in color:
+            continue
+        path: list[str] = [root]
+        stack = [iter(edges(root))]
+        color[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                color[path.pop()] = 2
+                stack.pop()
+            elif color.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            elif nxt not in color:
+                color[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(edges(nxt)))
+    return None
+
+
+def _size(g: Grammar, name: str, memo: dict[str, int]) -> int:
+    if name not in memo:
+        memo[name] = _node_size(g, g.rules[name], memo)
+    return memo[name]
+
+
+def _node_size(g: Grammar, node: Node, memo: dict[str, int]) -> int:
+    if isinstance(node, Ref):
+        return _size(g, node.name, memo)
+    if isinstance(node, Concat):
+        return 1 + sum(_node_size(g, n, memo) for n in node.items)
+    if isinstance(node, Alt):
+        return 1 + sum(_node_size(g, n, memo) for n in node.options)
+    if isinstance(node, Repeat):
+        return 1 + _node_size(g, node.node, memo) * max(1, node.min, node.max or 0)
+    return 1
+
+
+def _inline(g: Grammar, name: str, memo: dict[str, Node]) -> Node:
+    if name not in memo:
+        memo[name] = _inline_node(g, g.rules[name], memo)
+    return memo[name]
+
+
+def _inline_node(g: Grammar, node: Node, memo: dict[str, Node]) -> Node:
+    if isinstance(node, Ref):
+        return _inline(g, node.name, memo)
+    if isinstance(node, Concat):
+        return Concat(tuple(_inline_node(g, n, memo) for n in node.items))
+    if isinstance(node, Alt):
+        return Alt(tuple(_inline_node(g, n, memo) for n in node.options))
+    if isinstance(node, Repeat):
+        return Repeat(_inline_node(g, node.node, memo), node.min, node.max)
+    return node
+
+
+def _nullable(g: Grammar) -> set[str]:
+    """The rules that can match the empty string."""
+    out: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for name, node in g.rules.items():
+            if name not in out and _node_nullable(node, out):
+                out.add(name)
+                changed = True
+    return out
+
+
+def _node_nullable(node: Node, nullable: set[str]) -> bool:
+    if isinstance(node, Ref):
+        return node.name in nullable
+    if isinstance(node, CharSet):
+        return False
+    if isinstance(node, Concat):
+        return all(_node_nullable(n, nullable) for n in node.items)
+    if isinstance(node, Alt):
+        return any(_node_nullable(n, nullable) for n in node.options)
+    return node.min == 0 or _node_nullable(node.node, nullable)
+
+
+def _first_refs(node: Node, nullable: set[str]) -> set[str]:
+    """The rules ``node`` may call before reading a character."""
+    if isinstance(node, Ref):
+        return {node.name}
+    if isinstance(node, Concat):
+        out: set[str] = set()
+        for n in node.items:
+            out |= _first_refs(n, nullable)
+            if not _node_nullable(n, nullable):
+                break
+        return out
+    if isinstance(node, Alt):
+        return set().union(*(_first_refs(n, nullable) for n in node.options))
+    if isinstance(node, Repeat):
+        return _first_refs(node.node, nullable) if node.max != 0 else set()
+    return set()
