@@ -350,6 +350,7 @@ class _LarkParser(_Scanner):
             what = "%ignore (write the whitespace into the rules instead)" if word == "ignore" else f"%{word}"
             raise self.error(f"{what} is not supported", at)
         path = self.name()
+        self.skip(newlines=False)
         names: list[tuple[str, str]] = []
         if self.peek() == ".":
             self.pos += 1
