@@ -26,7 +26,8 @@ class StructuredOutputsParams:
     - ``grammar``: the output is a sentence of this context-free grammar, written as GBNF /
       EBNF (``root ::= ...``, llama.cpp's and xgrammar's dialect) or in Lark's basic syntax
       (``start: ...``); recursion allowed, left recursion refused
-      (``structured/grammar_parser.py`` lists the syntax).
+      (``structured/grammar_parser.py`` and
+      ``lark_parser.py`` list the syntax).
 
     ``disable_any_whitespace``: no whitespace between JSON tokens; ``whitespace_pattern``:
     the regex used there instead of the default ``[ ]?`` (outlines' option).

@@ -1,6 +1,7 @@
 """A grammar's text -> the byte automaton its guide walks.
 
-``grammar_parser.py`` reads the text into rules; here they are checked (every name used is
+``grammar_parser.py`` (GBNF, told by its ``::=``) or ``lark_parser.py`` reads the text
+into rules; here they are checked (every name used is
 defined; no left recursion) and compiled one of two ways:
 
 - no rule reaches itself: every reference is replaced by its rule's body, giving one regex
@@ -18,11 +19,30 @@ from collections.abc import Callable, Iterable
 
 from flashpage.sampling_params import StructuredOutputsError
 from flashpage.structured.automaton import ByteNFA, LazyDFA, TableDFA
-from flashpage.structured.grammar_parser import Grammar, parse_grammar, rule_refs
+from flashpage.structured.grammar_parser import GbnfParser, Grammar, rule_refs
+from flashpage.structured.lark_parser import LarkParser
 from flashpage.structured.pushdown import GrammarNFA, ItemDFA, PushdownDFA
 from flashpage.structured.regex_parser import Alt, CharSet, Concat, Node, Ref, Repeat
 
 MAX_INLINE_SIZE = 20_000  # nodes (repeats counted out) past which a grammar is not inlined
+
+
+def parse_grammar(text: str) -> Grammar:
+    """GBNF (if the text has ``::=``) or Lark -> a Grammar whose start rule exists."""
+    if not isinstance(text, str):
+        raise StructuredOutputsError(f"structured outputs: grammar must be a string, got {text!r}")
+    if "::=" in text:
+        g = GbnfParser(text).parse()
+        root, dialect = "root", "GBNF"
+    else:
+        g = LarkParser(text).parse()
+        root, dialect = "start", "Lark"
+    if not g:
+        raise StructuredOutputsError(f"grammar: no rules (a {dialect} grammar needs a '{root}' rule)")
+    if root not in g:
+        raise StructuredOutputsError(f"grammar: no '{root}' rule (the {dialect} grammar starts there)")
+    rules = {name: node for name, (node, _) in g.items()}
+    return Grammar(rules, root, {name: at for name, (_, at) in g.items()})
 
 
 def compile_grammar(text: str) -> TableDFA:

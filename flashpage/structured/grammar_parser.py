@@ -1,20 +1,12 @@
-"""Grammar text -> rules: name -> syntax tree (``regex_parser``'s nodes, ``Ref`` for a rule).
+"""GBNF / EBNF text -> rules: name -> syntax tree (``regex_parser``'s nodes, ``Ref`` for a
+rule), and the scanner it shares with ``lark_parser.py``.
 
-Two dialects, told apart by ``::=``:
-
-- GBNF / EBNF as llama.cpp and xgrammar write it (vLLM's ``grammar``): ``name ::= body``,
-  the start rule ``root``; a body is alternatives ``|`` of sequences of ``"literals"``
-  (or ``'...'``) with escapes ``\\n \\t \\r \\\\ \\" \\xhh \\uhhhh \\Uhhhhhhhh``, classes
-  ``[a-z]`` / ``[^"\\\\]``, ``.`` (any character), rule names and ``( )`` groups, each
-  quantified by ``* + ?`` or ``{m}`` ``{m,}`` ``{m,n}``; ``#`` comments; rules may span lines
-  (a rule ends where the next ``name ::=`` begins).
-- Lark's basic syntax (outlines' CFGs): ``name: body`` (``?name`` / ``!name`` / ``name.2``
-  read as ``name``), the start rule ``start``; terminals (UPPERCASE names) are rules too;
-  ``"literal"`` (``"..."i`` case-insensitive), ``/regex/`` (no flags), ``"a".."z"``,
-  ``[optional]``, ``( )``, ``* + ?``, ``~ n`` / ``~ n..m``, ``-> alias`` (ignored), ``//``
-  comments, a rule continued on the next line by a leading ``|``; ``%import common.NAME``
-  (or ``common (A, B)``) for Lark's common terminals. ``%ignore`` is refused: whitespace
-  between terminals has to be written into the rules.
+GBNF / EBNF as llama.cpp and xgrammar write it (vLLM's ``grammar``): ``name ::= body``, the
+start rule ``root``; a body is alternatives ``|`` of sequences of ``"literals"`` (or
+``'...'``) with escapes ``\\n \\t \\r \\\\ \\" \\xhh \\uhhhh \\Uhhhhhhhh``, classes ``[a-z]`` /
+``[^"\\\\]``, ``.`` (any character), rule names and ``( )`` groups, each quantified by
+``* + ?`` or ``{m}`` ``{m,}`` ``{m,n}``; ``#`` comments; rules may span lines (a rule ends
+where the next ``name ::=`` begins).
 
 Errors are StructuredOutputsError naming what is wrong and where (line, column).
 """
@@ -35,37 +27,11 @@ from flashpage.structured.regex_parser import (
     literal,
     negate,
     normalize,
-    parse_regex,
 )
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a", "b": "\b", "0": "\0"}
-_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 ANY_CHAR = negate(())
-
-# Lark's common.lark terminals that %import can name (ESCAPED_STRING without its lookbehind).
-_LARK_COMMON = r"""
-DIGIT: "0".."9"
-HEXDIGIT: "a".."f" | "A".."F" | DIGIT
-INT: DIGIT+
-SIGNED_INT: ["+"|"-"] INT
-DECIMAL: INT "." INT? | "." INT
-_EXP: ("e"|"E") SIGNED_INT
-FLOAT: INT _EXP | DECIMAL _EXP?
-SIGNED_FLOAT: ["+"|"-"] FLOAT
-NUMBER: FLOAT | INT
-SIGNED_NUMBER: ["+"|"-"] NUMBER
-ESCAPED_STRING: /"([^"\\\n]|\\.)*"/
-LCASE_LETTER: "a".."z"
-UCASE_LETTER: "A".."Z"
-LETTER: UCASE_LETTER | LCASE_LETTER
-WORD: LETTER+
-CNAME: ("_"|LETTER) ("_"|LETTER|DIGIT)*
-WS_INLINE: (" "|/\t/)+
-WS: /[ \t\f\r\n]/+
-CR: /\r/
-LF: /\n/
-NEWLINE: (CR? LF)+
-"""
 
 
 class Grammar:
@@ -77,25 +43,7 @@ class Grammar:
         self.where = where  # rule name -> "line L, column C" of its definition
 
 
-def parse_grammar(text: str) -> Grammar:
-    """GBNF (if the text has ``::=``) or Lark -> a Grammar whose start rule exists."""
-    if not isinstance(text, str):
-        raise StructuredOutputsError(f"structured outputs: grammar must be a string, got {text!r}")
-    if "::=" in text:
-        g = _GbnfParser(text).parse()
-        root, dialect = "root", "GBNF"
-    else:
-        g = _LarkParser(text).parse()
-        root, dialect = "start", "Lark"
-    if not g:
-        raise StructuredOutputsError(f"grammar: no rules (a {dialect} grammar needs a '{root}' rule)")
-    if root not in g:
-        raise StructuredOutputsError(f"grammar: no '{root}' rule (the {dialect} grammar starts there)")
-    rules = {name: node for name, (node, _) in g.items()}
-    return Grammar(rules, root, {name: at for name, (_, at) in g.items()})
-
-
-class _Scanner:
+class Scanner:
     """A position in the text, with the shared pieces of both dialects' syntax."""
 
     comment = "#"
@@ -131,7 +79,7 @@ class _Scanner:
 
     def name(self) -> str:
         start = self.pos
-        while self.peek() and self.peek() in _NAME_CHARS:
+        while self.peek() and self.peek() in NAME_CHARS:
             self.pos += 1
         return self.t[start: self.pos]
 
@@ -212,15 +160,15 @@ class _Scanner:
         return lo, hi
 
 
-def _seq(items: list[Node]) -> Node:
+def seq(items: list[Node]) -> Node:
     return items[0] if len(items) == 1 else Concat(tuple(items))
 
 
-def _alt(options: list[Node]) -> Node:
+def alt(options: list[Node]) -> Node:
     return options[0] if len(options) == 1 else Alt(tuple(options))
 
 
-class _GbnfParser(_Scanner):
+class GbnfParser(Scanner):
     def parse(self) -> dict[str, tuple[Node, str]]:
         self.skip()
         while self.pos < len(self.t):
@@ -252,7 +200,7 @@ class _GbnfParser(_Scanner):
         while self.peek() == "|":
             self.pos += 1
             options.append(self.sequence())
-        return _alt(options)
+        return alt(options)
 
     def sequence(self) -> Node:
         items: list[Node] = []
@@ -260,7 +208,7 @@ class _GbnfParser(_Scanner):
             self.skip()
             c = self.peek()
             if c in ("", "|", ")") or self.at_rule_start():
-                return _seq(items) if items else EMPTY
+                return seq(items) if items else EMPTY
             items.append(self.quantified())
 
     def quantified(self) -> Node:
@@ -297,217 +245,9 @@ class _GbnfParser(_Scanner):
                 raise self.error("missing ')' for the '(' here", at)
             self.pos += 1
             return node
-        if c in _NAME_CHARS:
+        if c in NAME_CHARS:
             return Ref(self.name(), self.where(at))
         raise self.error(f"unexpected {c!r}")
-
-
-class _LarkParser(_Scanner):
-    comment = "//"
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.depth = 0  # inside ( ) or [ ]: newlines are blanks there
-        self.imports: list[tuple[str, str, int]] = []  # (common name, local name, position)
-
-    def parse(self) -> dict[str, tuple[Node, str]]:
-        self.skip()
-        while self.pos < len(self.t):
-            at = self.pos
-            if self.peek() == "%":
-                self.directive()
-            else:
-                if self.peek() in ("?", "!"):
-                    self.pos += 1
-                name = self.name()
-                if not name or name[0].isdigit() or "-" in name:
-                    raise self.error(f"expected a rule or terminal name, found {self.peek()!r}")
-                if self.peek() == ".":  # a priority: the language is the same
-                    self.pos += 1
-                    self.skip(newlines=False)
-                    if self.peek() == "-":
-                        self.pos += 1
-                    if not self.name().isdecimal():
-                        raise self.error("expected a priority number after '.'")
-                self.skip(newlines=False)
-                if self.peek() != ":":
-                    raise self.error(f"expected ':' after '{name}'")
-                self.pos += 1
-                self.define(name, self.expansions(), at)
-            self.skip(newlines=False)
-            if self.pos < len(self.t) and self.peek() != "\n":
-                raise self.error(f"unexpected {self.peek()!r}")
-            self.skip()
-        self.add_imports()
-        return self.rules
-
-    def directive(self) -> None:
-        at = self.pos
-        self.pos += 1
-        word = self.name()
-        self.skip(newlines=False)
-        if word != "import":
-            what = "%ignore (write the whitespace into the rules instead)" if word == "ignore" else f"%{word}"
-            raise self.error(f"{what} is not supported", at)
-        path = self.name()
-        self.skip(newlines=False)
-        names: list[tuple[str, str]] = []
-        if self.peek() == ".":
-            self.pos += 1
-            name = self.name()
-            self.skip(newlines=False)
-            alias = name
-            if self.t.startswith("->", self.pos):
-                self.pos += 2
-                self.skip(newlines=False)
-                alias = self.name()
-            names.append((name, alias))
-        elif self.peek() == "(":
-            self.pos += 1
-            while True:
-                self.skip()
-                name = self.name()
-                if not name:
-                    raise self.error("expected a name in %import ( ... )")
-                names.append((name, name))
-                self.skip()
-                if self.peek() == ")":
-                    self.pos += 1
-                    break
-                if self.peek() != ",":
-                    raise self.error("expected ',' or ')' in %import ( ... )")
-                self.pos += 1
-        if path != "common" or not names:
-            raise self.error("only %import common.NAME (Lark's common terminals) is supported", at)
-        self.imports.extend((n, a, at) for n, a in names)
-
-    def add_imports(self) -> None:
-        if not self.imports:
-            return
-        common = _LarkParser(_LARK_COMMON).parse()
-        todo = []
-        for name, alias, at in self.imports:
-            if name not in common:
-                raise self.error(f"common.{name} is not one of the terminals flashpage knows", at)
-            self.define(alias, common[name][0], at)
-            todo.append(common[name][0])
-        while todo:  # the common terminals they use, unless the grammar defines its own
-            node = todo.pop()
-            for ref in rule_refs(node):
-                if ref not in self.rules:
-                    self.rules[ref] = (common[ref][0], "Lark's common.lark")
-                    todo.append(common[ref][0])
-
-    def skip_inline(self) -> None:
-        """Past blanks; past a newline only inside brackets or before a continuing '|'."""
-        self.skip(newlines=self.depth > 0)
-        if self.peek() == "\n":
-            save = self.pos
-            self.skip()
-            if self.peek() != "|":
-                self.pos = save
-
-    def expansions(self) -> Node:
-        options = [self.expansion()]
-        while self.peek() == "|":
-            self.pos += 1
-            options.append(self.expansion())
-        return _alt(options)
-
-    def expansion(self) -> Node:
-        items: list[Node] = []
-        while True:
-            self.skip_inline()
-            c = self.peek()
-            if self.t.startswith("->", self.pos):  # an alias names the tree node: no effect here
-                self.pos += 2
-                self.skip(newlines=False)
-                if not self.name():
-                    raise self.error("expected a name after '->'")
-                self.skip_inline()
-                c = self.peek()
-            if c in ("", "\n", "|", ")", "]"):
-                return _seq(items) if items else EMPTY
-            items.append(self.quantified())
-
-    def quantified(self) -> Node:
-        node = self.atom()
-        while True:
-            c = self.peek()
-            if c in ("*", "+", "?"):
-                self.pos += 1
-                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
-                node = Repeat(node, lo, hi)
-                continue
-            save = self.pos
-            self.skip(newlines=False)
-            if self.peek() != "~":
-                self.pos = save
-                return node
-            at = self.pos
-            self.pos += 1
-            self.skip(newlines=False)
-            lo_s = self.name()
-            hi_s = lo_s
-            if self.t.startswith("..", self.pos):
-                self.pos += 2
-                hi_s = self.name()
-            if not lo_s.isdecimal() or not hi_s.isdecimal() or int(hi_s) < int(lo_s):
-                raise self.error("bad repetition: '~ n' or '~ n..m'", at)
-            if int(hi_s) > MAX_REPEAT:
-                raise self.error(f"repeat bounds over {MAX_REPEAT} are not supported", at)
-            node = Repeat(node, int(lo_s), int(hi_s))
-
-    def atom(self) -> Node:
-        at = self.pos
-        c = self.peek()
-        if c in ("(", "["):
-            self.pos += 1
-            self.depth += 1
-            node = self.expansions()
-            self.skip()
-            self.depth -= 1
-            close = ")" if c == "(" else "]"
-            if self.peek() != close:
-                raise self.error(f"missing '{close}' for the '{c}' here", at)
-            self.pos += 1
-            return node if c == "(" else Repeat(node, 0, 1)
-        if c == '"':
-            text = self.string()
-            if self.t.startswith("..", self.pos) and self.peek(2) == '"':
-                self.pos += 2
-                end = self.string()
-                if len(text) != 1 or len(end) != 1 or end < text:
-                    raise self.error("a range is two single characters, the first not after the second", at)
-                return CharSet(((ord(text), ord(end)),))
-            if self.peek() == "i" and self.peek(1) not in _NAME_CHARS:
-                self.pos += 1
-                return Concat(tuple(CharSet(normalize([(ord(x), ord(x)) for x in {ch, ch.lower(), ch.upper()}
-                                                       if len(x) == 1])) for ch in text))
-            return literal(text)
-        if c == "/":
-            return self.regexp()
-        if c and c in _NAME_CHARS:
-            return Ref(self.name(), self.where(at))
-        raise self.error(f"unexpected {c!r}")
-
-    def regexp(self) -> Node:
-        at = self.pos
-        self.pos += 1
-        start = self.pos
-        while self.peek() != "/":
-            if self.peek() in ("", "\n"):
-                raise self.error("unterminated /regex/", at)
-            self.pos += 2 if self.peek() == "\\" else 1
-        pattern = self.t[start: self.pos].replace("\\/", "/")
-        self.pos += 1
-        flags = self.name()
-        if flags:
-            raise self.error(f"regex flags ({flags}) are not supported", at)
-        try:
-            return parse_regex(pattern)
-        except ValueError as e:
-            raise self.error(str(e), at) from None
 
 
 def rule_refs(node: Node) -> list[str]:
