@@ -71,13 +71,14 @@ class GuideCompiler:
                 dfa = compile_grammar(spec.grammar)
             else:
                 dfa = LazyDFA(ByteNFA(parse_regex(spec_to_regex(spec))))
+            guide = CompiledGuide(dfa, self.index)
+            start_ids = guide.allowed(guide.start)  # the first walk may pass the automaton's limits
         except StructuredOutputsError:
             raise
         except (ValueError, RecursionError) as e:
             what = "nesting too deep" if isinstance(e, RecursionError) else str(e)
             raise StructuredOutputsError(f"structured outputs ({spec.kind}): {what}") from None
-        guide = CompiledGuide(dfa, self.index)
-        if guide.allowed(guide.start).size == 0:
+        if start_ids.size == 0:
             if dfa.accepting[dfa.start] and not dfa.is_live(dfa.start):
                 why = "matches only the empty string: there is nothing to generate"
             elif dfa.is_live(dfa.start):

@@ -300,16 +300,20 @@ def test_bad_grammars_are_named_errors(text, message):
 
 
 class _Tokenizer:
-    all_special_ids = [0, 1, 15]
+    """Just enough of a HF tokenizer for token_bytes: decode() per token."""
+
+    def __init__(self, vocab: list[bytes | None] = VOCAB) -> None:
+        self.vocab = vocab
+        self.all_special_ids = [i for i, b in enumerate(vocab) if b is None]
 
     def __len__(self) -> int:
-        return len(VOCAB)
+        return len(self.vocab)
 
     def convert_ids_to_tokens(self, ids):
         return [str(i) for i in ids]
 
     def decode(self, ids):
-        return (VOCAB[ids[0]] or b"").decode()
+        return (self.vocab[ids[0]] or b"").decode()
 
 
 def test_compiler_takes_grammars_and_names_their_errors():
@@ -342,3 +346,20 @@ def test_right_recursion_does_not_deepen_the_stack():
     n = dfa.num_states
     assert dfa.walk(s, b",3,4,5,6,7,8") == s and dfa.num_states == n
     assert dfa.accepting[dfa.walk(s, b"]")]
+
+
+def test_too_ambiguous_a_grammar_ends_the_request_not_the_engine():
+    """Each 'a' more doubles the ways ``e`` parses: past MAX_STACKS the request's guide
+    stops (nothing allowed, so it ends) and nothing raises; a grammar ambiguous from its
+    very start is refused when compiled."""
+    grammar = 'root ::= e\ne ::= "a" | "a" e e | "a" e "b" e | "a" e "c" e e'
+    guide = CompiledGuide(compile_grammar(grammar), TokenIndex([None, None, b"a", b"b", b"c"], [EOS]))
+    state = GuideState(guide)
+    for _ in range(40):
+        if state.is_finished():
+            break
+        state.advance(2)
+    assert state.state == 0 and state.is_finished()
+    vocab: list[bytes | None] = [None, None, b"a", b"a" * 40]  # one token past the limit
+    with pytest.raises(StructuredOutputsError, match=r"\(grammar\): the grammar is too ambiguous"):
+        GuideCompiler(_Tokenizer(vocab), len(vocab), [EOS]).compile(StructuredOutputsParams(grammar=grammar))
