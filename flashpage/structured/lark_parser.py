@@ -5,12 +5,14 @@
 case-insensitive), ``/regex/`` (no flags), ``"a".."z"``, ``[optional]``, ``( )``, ``* + ?``,
 ``~ n`` / ``~ n..m``, ``-> alias`` (ignored), ``//`` comments, a rule continued on the next
 line by a leading ``|``; ``%import common.NAME`` (or ``common (A, B)``) for Lark's common
-terminals. ``%ignore`` is refused: whitespace between terminals has to be written into the
-rules (Lark's lexer is not modelled: a terminal is matched as its rule's characters, not
-as the longest token).
+terminals; ``%ignore X`` lets ``X*`` come before every terminal a rule uses (a literal, a
+/regex/, a TERMINAL) and at the end, which is where Lark's lexer skips it. Lark's lexer is
+not otherwise modelled: a terminal is matched as its characters, not as the longest token.
 """
 
 from __future__ import annotations
+
+import re
 
 from flashpage.structured.grammar_parser import NAME_CHARS, Scanner, alt, rule_refs, seq
 from flashpage.structured.regex_parser import (
@@ -25,6 +27,13 @@ from flashpage.structured.regex_parser import (
     normalize,
     parse_regex,
 )
+
+IGNORE = "%ignore"  # the rule %ignore's terminals make (a name no grammar can write)
+
+
+def _is_terminal(name: str) -> bool:
+    return name.lstrip("_")[:1].isupper()
+
 
 # Lark's common.lark terminals that %import can name (ESCAPED_STRING without its lookbehind).
 _LARK_COMMON = r"""
@@ -59,6 +68,10 @@ class LarkParser(Scanner):
         super().__init__(text)
         self.depth = 0  # inside ( ) or [ ]: newlines are blanks there
         self.imports: list[tuple[str, str, int]] = []  # (common name, local name, position)
+        # %ignore X: X* may come before every terminal a rule uses, and at the very end
+        self.ignoring = re.search(r"^[ \t]*%ignore\b", text, re.M) is not None
+        self.ignored: list[Node] = []
+        self.in_rule = False  # parsing a rule's body (not a terminal's): its terminals take X*
 
     def parse(self) -> dict[str, tuple[Node, str]]:
         self.skip()
@@ -83,12 +96,18 @@ class LarkParser(Scanner):
                 if self.peek() != ":":
                     raise self.error(f"expected ':' after '{name}'")
                 self.pos += 1
+                self.in_rule = not _is_terminal(name)
                 self.define(name, self.expansions(), at)
             self.skip(newlines=False)
             if self.pos < len(self.t) and self.peek() != "\n":
                 raise self.error(f"unexpected {self.peek()!r}")
             self.skip()
         self.add_imports()
+        if self.ignored:
+            self.rules[IGNORE] = (Repeat(alt(self.ignored), 0, None), "%ignore")
+            if "start" in self.rules:
+                node, where = self.rules["start"]
+                self.rules["start"] = (Concat((node, Ref(IGNORE))), where)
         return self.rules
 
     def directive(self) -> None:
@@ -96,9 +115,12 @@ class LarkParser(Scanner):
         self.pos += 1
         word = self.name()
         self.skip(newlines=False)
+        if word == "ignore":
+            self.in_rule = False
+            self.ignored.append(self.expansions())
+            return
         if word != "import":
-            what = "%ignore (write the whitespace into the rules instead)" if word == "ignore" else f"%{word}"
-            raise self.error(f"{what} is not supported", at)
+            raise self.error(f"%{word} is not supported", at)
         path = self.name()
         self.skip(newlines=False)
         names: list[tuple[str, str]] = []
@@ -210,6 +232,14 @@ class LarkParser(Scanner):
 
     def atom(self) -> Node:
         at = self.pos
+        node, terminal = self.bare_atom()
+        if terminal and self.in_rule and self.ignoring:
+            return Concat((Ref(IGNORE, self.where(at)), node))
+        return node
+
+    def bare_atom(self) -> tuple[Node, bool]:
+        """The next atom, and whether it is a terminal (a literal, a regex, a TERMINAL)."""
+        at = self.pos
         c = self.peek()
         if c in ("(", "["):
             self.pos += 1
@@ -221,7 +251,7 @@ class LarkParser(Scanner):
             if self.peek() != close:
                 raise self.error(f"missing '{close}' for the '{c}' here", at)
             self.pos += 1
-            return node if c == "(" else Repeat(node, 0, 1)
+            return (node if c == "(" else Repeat(node, 0, 1)), False
         if c == '"':
             text = self.string()
             if self.t.startswith("..", self.pos) and self.peek(2) == '"':
@@ -229,16 +259,17 @@ class LarkParser(Scanner):
                 end = self.string()
                 if len(text) != 1 or len(end) != 1 or end < text:
                     raise self.error("a range is two single characters, the first not after the second", at)
-                return CharSet(((ord(text), ord(end)),))
+                return CharSet(((ord(text), ord(end)),)), True
             if self.peek() == "i" and self.peek(1) not in NAME_CHARS:
                 self.pos += 1
                 return Concat(tuple(CharSet(normalize([(ord(x), ord(x)) for x in {ch, ch.lower(), ch.upper()}
-                                                       if len(x) == 1])) for ch in text))
-            return literal(text)
+                                                       if len(x) == 1])) for ch in text)), True
+            return literal(text), True
         if c == "/":
-            return self.regexp()
+            return self.regexp(), True
         if c and c in NAME_CHARS:
-            return Ref(self.name(), self.where(at))
+            name = self.name()
+            return Ref(name, self.where(at)), _is_terminal(name)
         raise self.error(f"unexpected {c!r}")
 
     def regexp(self) -> Node:

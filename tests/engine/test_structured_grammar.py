@@ -14,9 +14,11 @@ from tests.structured.test_grammar import (
     ARITH,
     ARITH_LARK,
     JSON_GBNF,
+    JSON_LARK,
     LIST_GBNF,
     arith_ok,
     json_ok,
+    lark_json_ok,
     list_ok,
 )
 
@@ -35,7 +37,8 @@ def _params(seed: int | None, grammar: str, **kw) -> SamplingParams:
 
 
 def test_outputs_are_sentences_of_their_grammars(llm):
-    cases = [(ARITH, arith_ok), (ARITH_LARK, arith_ok), (JSON_GBNF, json_ok), (LIST_GBNF, list_ok)]
+    cases = [(ARITH, arith_ok), (ARITH_LARK, arith_ok), (JSON_GBNF, json_ok), (JSON_LARK, lark_json_ok),
+             (LIST_GBNF, list_ok)]
     prompts, params, checks = [], [], []
     for seed in (None, 0, 1, 2):  # greedy, then sampled with three seeds
         for grammar, ok in cases:

@@ -45,6 +45,20 @@ string ::= "\"" ( [^"\\\x00-\x1F] | "\\" ["\\/nt] | "\\u" [0-9a-f]{4} )* "\""
 number ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)?
 ws     ::= " "?
 """
+JSON_LARK = r"""
+?start: value
+?value: object | array | string
+      | SIGNED_NUMBER -> number
+      | "true" | "false" | "null"
+array  : "[" [value ("," value)*] "]"
+object : "{" [pair ("," pair)*] "}"
+pair   : string ":" value
+string : ESCAPED_STRING
+%import common.ESCAPED_STRING
+%import common.SIGNED_NUMBER
+%import common.WS
+%ignore WS
+"""
 PARENS = r"""
 root ::= pair*
 pair ::= "(" pair* ")" | "[" pair* "]"
@@ -152,6 +166,51 @@ def json_ok(s: str) -> bool:
     return value() and pos == len(s)
 
 
+_LARK_TOKEN = re.compile(r'[ \t\f\r\n]*(?:("([^"\\\n]|\\.)*")|([+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?)'
+                         r'|([][{}:,]|true|false|null))')
+
+
+def lark_json_ok(s: str) -> bool:
+    """JSON_LARK's language: Lark's tokens (ESCAPED_STRING, SIGNED_NUMBER, punctuation),
+    whitespace skipped between them, then a recursive descent over the tokens."""
+    tokens, pos = [], 0
+    while (m := _LARK_TOKEN.match(s, pos)) and m.end() > pos and pos < len(s.rstrip(" \t\f\r\n")):
+        tokens.append("s" if m.group(1) else "n" if m.group(3) else m.group(6))
+        pos = m.end()
+    if s[pos:].strip(" \t\f\r\n"):
+        return False
+    i = 0
+
+    def value() -> bool:
+        nonlocal i
+        if i >= len(tokens):
+            return False
+        t = tokens[i]
+        i += 1
+        if t in ("s", "n", "true", "false", "null"):
+            return True
+        if t not in ("[", "{"):
+            return False
+        close = "]" if t == "[" else "}"
+        if i < len(tokens) and tokens[i] == close:
+            i += 1
+            return True
+        while True:
+            if close == "}":
+                if tokens[i: i + 2] != ["s", ":"]:
+                    return False
+                i += 2
+            if not value() or i >= len(tokens):
+                return False
+            i += 1
+            if tokens[i - 1] == close:
+                return True
+            if tokens[i - 1] != ",":
+                return False
+
+    return value() and i == len(tokens)
+
+
 def parens_ok(s: str) -> bool:
     stack = []
     for c in s:
@@ -170,6 +229,7 @@ CASES: list[tuple[str, str, Callable[[str], bool], type]] = [
     ("arith", ARITH, arith_ok, PushdownDFA),
     ("arith lark", ARITH_LARK, arith_ok, PushdownDFA),
     ("json", JSON_GBNF, json_ok, PushdownDFA),
+    ("json lark", JSON_LARK, lark_json_ok, PushdownDFA),
     ("parens", PARENS, parens_ok, PushdownDFA),
     ("list", LIST_GBNF, list_ok, LazyDFA),
     ("list lark", LIST_LARK, list_ok, LazyDFA),
@@ -178,6 +238,7 @@ VALID = {
     "arith": ["1", "(1+2)*3", "((4))", "12*(3-4)/5", "0/0-0"],
     "arith lark": ["7", "(8)", "1*(2+(3))"],
     "json": ['{"a": [1, -2.5, {"b": null}], "c": "x\\n\\u00e9"}', "[]", '""', "[[[]]]", "-0.5"],
+    "json lark": [' { "a" : [ 1 , -2.5e3 , true ] ,"b":null } \n', "[]", '"x\\q"', "[[+.5, 1.]]"],
     "parens": ["", "()", "([])()", "[[(())]]"],
     "list": ["[]", "[a]", "[ab, 'c d',e]", "['']"],
     "list lark": ["[]", "[a,b]", "['x y', z]"],
@@ -220,7 +281,7 @@ def test_edited_strings_judged_as_the_recognizer_does(name, text, ok, kind):
     the recognizer accepts them."""
     dfa = compile_grammar(text)
     rng = random.Random(1)
-    alphabet = sorted(set("".join(VALID[name])) | set("()[]{}\",: 'a1-+*/."))
+    alphabet = sorted(set("".join(VALID[name])) | set("()[]{}\",: 'a1-+*/.\n"))
     both = [0, 0]
     for _ in range(400):
         s = list(rng.choice(VALID[name]))
@@ -288,7 +349,7 @@ def test_masks_equal_brute_force_for_a_recursive_grammar():
     ("root ::= \"a\"{3,1}", "min greater than max"),
     ("root ::= \"\\q\"", r"bad escape \\q"),
     ("root ::= \"a\" ) \"b\"", r"expected a rule name, found '\)' at line 1, column 14"),
-    ("start: \"a\"\n%ignore \" \"", "%ignore .* is not supported at line 2"),
+    ("start: \"a\"\n%declare X", "%declare is not supported at line 2"),
     ("start: /a/i", r"regex flags \(i\) are not supported"),
     ("start: /a(?=b)/", "lookaround"),
     ("start: X\n%import common.NOPE", "common.NOPE is not one of"),
