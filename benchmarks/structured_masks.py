@@ -54,12 +54,24 @@ expr   ::= term (("+" | "-") term)*
 term   ::= factor (("*" | "/") factor)*
 factor ::= [0-9]+ | "(" expr ")"
 """
+# Lark's JSON example, %ignore WS and all
+JSON_LARK = r"""
+?start: value
+?value: object | array | string | SIGNED_NUMBER | "true" | "false" | "null"
+array  : "[" [value ("," value)*] "]"
+object : "{" [pair ("," pair)*] "}"
+pair   : string ":" value
+string : ESCAPED_STRING
+%import common (ESCAPED_STRING, SIGNED_NUMBER, WS)
+%ignore WS
+"""
 CASES = [
     ("json schema", dict(json=SCHEMA), json.dumps(INSTANCE)),
     ("json_object", dict(json_object=True), json.dumps({"a": [1, 2, {"b": "c d"}], "e": None})),
     ("regex", dict(regex=r"\(\d{3}\) \d{3}-\d{4}"), "(555) 123-4567"),
     ("choice", dict(choice=["positive", "negative", "neutral"]), "neutral"),
     ("json gbnf", dict(grammar=JSON_GBNF), json.dumps({**INSTANCE, "nested": [[1, {"x": [2.5e3]}], []]})),
+    ("json lark", dict(grammar=JSON_LARK), json.dumps({**INSTANCE, "nested": [[1, {"x": [2.5e3]}], []]}, indent=2)),
     ("arith gbnf", dict(grammar=ARITH_GBNF), "((12+3)*(4-(5/6)))*789+((1))"),
 ]
 
