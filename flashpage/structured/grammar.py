@@ -1,6 +1,6 @@
 """A grammar's text -> the byte automaton its guide walks.
 
-``grammar_parser.py`` (GBNF, told by its ``::=``) or ``lark_parser.py`` reads the text
+``grammar_parser.py`` (GBNF, told by a line starting ``name ::=``) or ``lark_parser.py`` reads the text
 into rules; here they are checked (every name used is
 defined; no left recursion) and compiled one of two ways:
 
@@ -15,6 +15,7 @@ Both end where the start rule (``root`` / ``start``) may end: eos is allowed the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 from flashpage.sampling_params import StructuredOutputsError
@@ -24,14 +25,15 @@ from flashpage.structured.lark_parser import LarkParser
 from flashpage.structured.pushdown import GrammarNFA, ItemDFA, PushdownDFA
 from flashpage.structured.regex_parser import Alt, CharSet, Concat, Node, Ref, Repeat
 
+_GBNF_RULE = re.compile(r"^[ \t]*[A-Za-z0-9_-]+[ \t]*::=", re.M)  # a line starting "name ::="
 MAX_INLINE_SIZE = 20_000  # nodes (repeats counted out) past which a grammar is not inlined
 
 
 def parse_grammar(text: str) -> Grammar:
-    """GBNF (if the text has ``::=``) or Lark -> a Grammar whose start rule exists."""
+    """GBNF (if a line starts ``name ::=``) or Lark -> a Grammar whose start rule exists."""
     if not isinstance(text, str):
         raise StructuredOutputsError(f"structured outputs: grammar must be a string, got {text!r}")
-    if "::=" in text:
+    if _GBNF_RULE.search(text):
         g = GbnfParser(text).parse()
         root, dialect = "root", "GBNF"
     else:

@@ -391,6 +391,7 @@ def test_compiler_takes_grammars_and_names_their_errors():
 
 
 def test_lark_syntax_pieces():
+    assert compile_grammar('start: "a ::= b"').matches(b"a ::= b")  # Lark, though it has '::='
     dfa = compile_grammar('start: a "-" b\na: "x"i ~ 2\nb: ["q"] ("0".."3")+ -> digits\n'
                           '    | /z+/\n%import common (WS, INT)')
     for s, want in [("xX-q012", True), ("Xx-3", True), ("xx-zz", True), ("xx-", False),
