@@ -8,7 +8,10 @@ defined; no left recursion) and compiled one of two ways:
   tree, and the regex machinery (``automaton.LazyDFA``) takes it as it is: exact, and as
   cheap as the regex it spells;
 - recursive (or too large once inlined): ``pushdown.PushdownDFA``, whose states are the
-  pushdown configurations the output reaches (same interface, exact too).
+  pushdown configurations the output reaches (same interface, exact too). Rules on no
+  cycle are still inlined where they are used, so only the start rule and the recursive
+  ones are calls: fewer and shorter stacks, fewer configurations to walk the vocabulary
+  from.
 
 Both end where the start rule (``root`` / ``start``) may end: eos is allowed there only.
 """
@@ -57,16 +60,26 @@ def compile_grammar(text: str) -> TableDFA:
                     f"grammar: rule '{ref.name}' is used (in '{name}', {ref.where}) but not defined")
     order = _reachable(g)
     sizes: dict[str, int] = {}
-    if _cycle(g, order, lambda n: rule_refs(g.rules[n])) is None and _size(g, g.root, sizes) <= MAX_INLINE_SIZE:
-        return LazyDFA(ByteNFA(_inline(g, g.root, {})))
+    none: frozenset[str] = frozenset()
+    if _cycle(g, order, lambda n: rule_refs(g.rules[n])) is None and _size(g, g.root, sizes, none) <= MAX_INLINE_SIZE:
+        return LazyDFA(ByteNFA(_inline(g, g.root, {}, none)))
     nullable = _nullable(g)
     left = _cycle(g, order, lambda n: sorted(_first_refs(g.rules[n], nullable)))
     if left is not None:
         raise StructuredOutputsError(
             f"grammar: rule '{left[0]}' is left-recursive ({' -> '.join(left)} before any "
             "character is read); rewrite it with repetition, e.g. expr ::= term (\"+\" term)*")
-    index = {name: i for i, name in enumerate(order)}
-    return PushdownDFA(ItemDFA(GrammarNFA([g.rules[n] for n in order], index)))
+    # Rules on no cycle are inlined where they are used (fewer calls: fewer, shorter stacks),
+    # unless large; the start rule and the recursive ones stay rules.
+    keep = {n for n in order if _reaches_itself(g, n)} | {g.root}
+    sizes = {}
+    keep |= {n for n in order if n not in keep and _size(g, n, sizes, frozenset(keep)) > MAX_INLINE_SIZE // 10}
+    kept = frozenset(keep)
+    calls = [n for n in order if n in kept]
+    memo: dict[str, Node] = {}
+    index = {name: i for i, name in enumerate(calls)}
+    bodies = [_inline_node(g, g.rules[n], memo, kept) for n in calls]
+    return PushdownDFA(ItemDFA(GrammarNFA(bodies, index)))
 
 
 def _find_refs(node: Node) -> list[Ref]:
@@ -114,39 +127,55 @@ def _cycle(g: Grammar, order: list[str], edges: Callable[[str], Iterable[str]]) 
     return None
 
 
-def _size(g: Grammar, name: str, memo: dict[str, int]) -> int:
+def _reaches_itself(g: Grammar, name: str) -> bool:
+    seen: set[str] = set()
+    todo = rule_refs(g.rules[name])
+    while todo:
+        n = todo.pop()
+        if n == name:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(rule_refs(g.rules[n]))
+    return False
+
+
+def _size(g: Grammar, name: str, memo: dict[str, int], keep: frozenset[str]) -> int:
+    """How many nodes ``name`` inlines into (repeats counted out); ``keep``: rules that stay
+    references (1 node each)."""
     if name not in memo:
-        memo[name] = _node_size(g, g.rules[name], memo)
+        memo[name] = _node_size(g, g.rules[name], memo, keep)
     return memo[name]
 
 
-def _node_size(g: Grammar, node: Node, memo: dict[str, int]) -> int:
+def _node_size(g: Grammar, node: Node, memo: dict[str, int], keep: frozenset[str]) -> int:
     if isinstance(node, Ref):
-        return _size(g, node.name, memo)
+        return 1 if node.name in keep else _size(g, node.name, memo, keep)
     if isinstance(node, Concat):
-        return 1 + sum(_node_size(g, n, memo) for n in node.items)
+        return 1 + sum(_node_size(g, n, memo, keep) for n in node.items)
     if isinstance(node, Alt):
-        return 1 + sum(_node_size(g, n, memo) for n in node.options)
+        return 1 + sum(_node_size(g, n, memo, keep) for n in node.options)
     if isinstance(node, Repeat):
-        return 1 + _node_size(g, node.node, memo) * max(1, node.min, node.max or 0)
+        return 1 + _node_size(g, node.node, memo, keep) * max(1, node.min, node.max or 0)
     return 1
 
 
-def _inline(g: Grammar, name: str, memo: dict[str, Node]) -> Node:
+def _inline(g: Grammar, name: str, memo: dict[str, Node], keep: frozenset[str]) -> Node:
     if name not in memo:
-        memo[name] = _inline_node(g, g.rules[name], memo)
+        memo[name] = _inline_node(g, g.rules[name], memo, keep)
     return memo[name]
 
 
-def _inline_node(g: Grammar, node: Node, memo: dict[str, Node]) -> Node:
+def _inline_node(g: Grammar, node: Node, memo: dict[str, Node], keep: frozenset[str]) -> Node:
+    """``node`` with every reference to a rule not in ``keep`` replaced by its body."""
     if isinstance(node, Ref):
-        return _inline(g, node.name, memo)
+        return node if node.name in keep else _inline(g, node.name, memo, keep)
     if isinstance(node, Concat):
-        return Concat(tuple(_inline_node(g, n, memo) for n in node.items))
+        return Concat(tuple(_inline_node(g, n, memo, keep) for n in node.items))
     if isinstance(node, Alt):
-        return Alt(tuple(_inline_node(g, n, memo) for n in node.options))
+        return Alt(tuple(_inline_node(g, n, memo, keep) for n in node.options))
     if isinstance(node, Repeat):
-        return Repeat(_inline_node(g, node.node, memo), node.min, node.max)
+        return Repeat(_inline_node(g, node.node, memo, keep), node.min, node.max)
     return node
 
 
