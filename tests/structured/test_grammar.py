@@ -425,3 +425,11 @@ def test_too_ambiguous_a_grammar_ends_the_request_not_the_engine():
     vocab: list[bytes | None] = [None, None, b"a", b"a" * 40]  # one token past the limit
     with pytest.raises(StructuredOutputsError, match=r"\(grammar\): the grammar is too ambiguous"):
         GuideCompiler(_Tokenizer(vocab), len(vocab), [EOS]).compile(StructuredOutputsParams(grammar=grammar))
+
+
+def test_a_grammar_too_large_to_inline_runs_as_calls():
+    """No recursion, but inlined it would be 4^9 nodes: the large rules stay calls."""
+    rules = ['r0 ::= "x" | "yz"'] + [f"r{i} ::= r{i - 1} | r{i - 1} | r{i - 1} | r{i - 1}" for i in range(1, 9)]
+    dfa = compile_grammar("root ::= r8 \"!\" r8\n" + "\n".join(rules))
+    assert isinstance(dfa, PushdownDFA)
+    assert [dfa.matches(s) for s in (b"x!yz", b"yz!x", b"x!", b"xx!x", b"x!y")] == [True, True, False, False, False]
