@@ -7,6 +7,7 @@ grammar fails alone."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from flashpage import LLM, SamplingParams, StructuredOutputsParams
 from flashpage.structured.grammar import compile_grammar
@@ -99,3 +100,22 @@ def test_bad_grammar_fails_alone(llm):
         assert [len(outs[i].outputs[0].token_ids) for i in (0, 2)] == [6, 6]
         assert llm.engine.kv_manager.stats().blocks_used == 0
         assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grammar_outputs_on_the_gpu(byte_model_dir_head64):
+    """On CUDA (head_dim 64, which the Triton kernels take; async scheduling, graphs): the
+    masks are copied to the device per configuration, the outputs are the CPU engine's."""
+    grammar_checks = [(ARITH, arith_ok), (JSON_LARK, lark_json_ok), (JSON_GBNF, json_ok)]
+    params = [_params(seed, g) for seed in (None, 0, 1) for g, _ in grammar_checks]
+    runs = {}
+    for device in ("cuda", "cpu"):
+        llm = LLM(str(byte_model_dir_head64), dtype="float32", device=device, max_model_len=256, block_size=16)
+        outs = [o.outputs[0] for o in llm.generate(["Write one:"] * len(params), params, use_tqdm=False)]
+        runs[device] = [(o.text, o.finish_reason) for o in outs]
+        for o, (_, ok) in zip(outs, grammar_checks * 3, strict=True):
+            assert o.finish_reason == "length" or ok(o.text), o.text
+        assert llm.engine.kv_manager.stats().blocks_used == 0
+    same = sum(a == b for a, b in zip(runs["cuda"], runs["cpu"], strict=True))
+    assert same >= len(params) // 2, runs  # fp32 on both; a near-tie may still flip a sample
