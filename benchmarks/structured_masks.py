@@ -1,9 +1,9 @@
 """Structured outputs on the CPU: what a guide costs over the default model's vocabulary
 (SmolLM2, 49,152 byte-level BPE tokens).
 
-For each spec: the compile time (regex -> NFA -> lazy DFA, plus the start state's allowed
-tokens), then a walk along a valid output tokenized as the model would write it, timing
-each DFA state's allowed-token computation the first time it is reached (the cost a
+For each spec: the compile time (regex -> NFA -> lazy DFA, or a grammar's pushdown
+automaton, plus the start state's allowed tokens), then a walk along a valid output tokenized as the model would write it, timing
+each DFA state's (a grammar's: each pushdown configuration's) allowed-token computation the first time it is reached (the cost a
 request pays on the host, once per state per spec) and the cached lookups after it.
 The vocabulary index (token bytes) is built once per engine: its time is printed first.
 
@@ -38,11 +38,41 @@ SCHEMA = {
 }
 INSTANCE = {"name": "Ada Lovelace", "age": 36, "email": "ada@math.org", "tags": ["math", "poet"],
             "address": {"city": "London", "zip": "12345"}, "active": True}
+# llama.cpp's json.gbnf: recursive, so it runs as a pushdown automaton (structured/pushdown.py)
+JSON_GBNF = r"""
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+ws     ::= | " " | "\n" [ \t]{0,20}
+"""
+ARITH_GBNF = r"""
+root   ::= expr
+expr   ::= term (("+" | "-") term)*
+term   ::= factor (("*" | "/") factor)*
+factor ::= [0-9]+ | "(" expr ")"
+"""
+# Lark's JSON example, %ignore WS and all
+JSON_LARK = r"""
+?start: value
+?value: object | array | string | SIGNED_NUMBER | "true" | "false" | "null"
+array  : "[" [value ("," value)*] "]"
+object : "{" [pair ("," pair)*] "}"
+pair   : string ":" value
+string : ESCAPED_STRING
+%import common (ESCAPED_STRING, SIGNED_NUMBER, WS)
+%ignore WS
+"""
 CASES = [
     ("json schema", dict(json=SCHEMA), json.dumps(INSTANCE)),
     ("json_object", dict(json_object=True), json.dumps({"a": [1, 2, {"b": "c d"}], "e": None})),
     ("regex", dict(regex=r"\(\d{3}\) \d{3}-\d{4}"), "(555) 123-4567"),
     ("choice", dict(choice=["positive", "negative", "neutral"]), "neutral"),
+    ("json gbnf", dict(grammar=JSON_GBNF), json.dumps({**INSTANCE, "nested": [[1, {"x": [2.5e3]}], []]})),
+    ("json lark", dict(grammar=JSON_LARK), json.dumps({**INSTANCE, "nested": [[1, {"x": [2.5e3]}], []]}, indent=2)),
+    ("arith gbnf", dict(grammar=ARITH_GBNF), "((12+3)*(4-(5/6)))*789+((1))"),
 ]
 
 
@@ -66,7 +96,7 @@ def main() -> None:
     index = compiler.index
     results: dict[str, object] = {"vocab": len(tok), "index_ms": (time.perf_counter() - t0) * 1e3}
     print(f"vocabulary index: {len(index.ids)} tokens, {results['index_ms']:.0f} ms")
-    print(f"{'spec':<12} {'compile ms':>10} {'states':>7} {'first visit ms (mean / max)':>28} "
+    print(f"{'spec':<14} {'compile ms':>10} {'states':>7} {'first visit ms (mean / max)':>28} "
           f"{'cached us':>10} {'allowed (mean)':>15}")
     for name, kw, text in CASES:
         spec = StructuredOutputsParams(**kw)
@@ -94,7 +124,7 @@ def main() -> None:
                "first_ms_max": max(firsts), "cached_us": cached_us,
                "allowed_mean": statistics.mean(sizes)}
         results[name] = row
-        print(f"{name:<12} {compile_ms:>10.1f} {len(firsts):>7} "
+        print(f"{name:<14} {compile_ms:>10.1f} {len(firsts):>7} "
               f"{row['first_ms_mean']:>18.2f} / {row['first_ms_max']:<7.2f} {cached_us:>10.2f} "
               f"{row['allowed_mean']:>15.0f}")
     if args.json:

@@ -1,4 +1,4 @@
-"""Structured outputs with the default model: a JSON schema, a choice, a regex.
+"""Structured outputs with the default model: a JSON schema, a choice, a regex, a grammar.
 
 The output is constrained token by token (tokens that would leave the pattern are never
 sampled) and the request ends once the pattern is complete. The server takes the same
@@ -39,3 +39,15 @@ print(llm.chat(review, SamplingParams(temperature=0, structured_outputs=label))[
 date = StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}")
 when = [{"role": "user", "content": "When did the Berlin Wall fall? Answer as YYYY-MM-DD."}]
 print(llm.chat(when, SamplingParams(temperature=0, structured_outputs=date))[0].outputs[0].text)
+
+# A context-free grammar (GBNF, as vLLM / llama.cpp / xgrammar write it; Lark's `start: ...`
+# syntax works too). This one is recursive - parentheses nest - so a regex could not say it.
+ARITH = r"""
+root   ::= expr
+expr   ::= term (" " ("+" | "-") " " term)*
+term   ::= factor (" * " factor)*
+factor ::= [0-9]+ | "(" expr ")"
+"""
+calc = [{"role": "user", "content": "Write an arithmetic expression equal to 42, with parentheses."}]
+expr = StructuredOutputsParams(grammar=ARITH)
+print(llm.chat(calc, SamplingParams(temperature=0, max_tokens=40, structured_outputs=expr))[0].outputs[0].text)

@@ -22,9 +22,13 @@ class StructuredOutputsParams:
       against it (the supported subset: ``structured/json_schema.py``);
     - ``regex``: the whole output matches it (``structured/regex_parser.py``'s subset);
     - ``choice``: the output is one of these strings;
-    - ``json_object=True``: the output is a JSON object (nesting bounded, 4 levels).
+    - ``json_object=True``: the output is a JSON object (nesting bounded, 4 levels);
+    - ``grammar``: the output is a sentence of this context-free grammar, written as GBNF /
+      EBNF (``root ::= ...``, llama.cpp's and xgrammar's dialect) or in Lark's basic syntax
+      (``start: ...``); recursion allowed, left recursion refused
+      (``structured/grammar_parser.py`` and
+      ``lark_parser.py`` list the syntax).
 
-    ``grammar`` (EBNF / Lark) is not supported: a StructuredOutputsError says so.
     ``disable_any_whitespace``: no whitespace between JSON tokens; ``whitespace_pattern``:
     the regex used there instead of the default ``[ ]?`` (outlines' option).
     """
@@ -48,11 +52,11 @@ class StructuredOutputsParams:
         given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise StructuredOutputsError(
-                "structured outputs take exactly one of json, regex, choice, json_object"
+                "structured outputs take exactly one of json, regex, choice, grammar, json_object"
                 f" (got {', '.join(given) if given else 'none'})")
-        if self.grammar is not None:
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise StructuredOutputsError(
-                "structured outputs: grammar (EBNF / Lark) is not supported; use json, regex or choice")
+                f"structured outputs: grammar must be a non-empty string (GBNF or Lark), got {self.grammar!r}")
         if self.regex is not None and not isinstance(self.regex, str):
             raise StructuredOutputsError(f"structured outputs: regex must be a string, got {self.regex!r}")
         if self.choice is not None and (

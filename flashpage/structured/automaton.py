@@ -96,82 +96,37 @@ class ByteNFA:
         raise TypeError(f"unknown regex node {node!r}")
 
 
-class LazyDFA:
-    """The subset construction of a ByteNFA, built on demand.
+class TableDFA:
+    """A DFA whose transition rows are built on demand: ``table``, ``has_row`` and
+    ``accepting`` as the module docstring lays them out, state 0 dead. Subclasses say how
+    a state's row is built (``_build_row``) and add states with ``_new_state``; this is
+    all ``guide.py`` reads, so a regex's LazyDFA and a grammar's pushdown automaton
+    (``pushdown.py``) serve the same guides."""
 
-    A DFA state is the set of NFA states reachable after some input, keeping only those
-    that matter (with byte edges, or the accepting one), so equivalent sets share a state.
-    """
-
-    def __init__(self, nfa: ByteNFA, max_states: int = MAX_DFA_STATES) -> None:
-        self.nfa = nfa
+    def __init__(self, max_states: int) -> None:
         self.max_states = max_states
-        self._closures: dict[int, frozenset[int]] = {}
-        self._ids: dict[frozenset[int], int] = {}
-        self._sets: list[frozenset[int]] = []
         self.accepting: list[bool] = []
         self.table = np.full((64, 256), -1, dtype=np.int32)
         self.has_row = np.zeros(64, dtype=bool)
-        dead = self._add(frozenset())
-        self.table[dead] = dead
-        self.has_row[dead] = True
-        self.start = self._add(self._closure([nfa.start]))
+        self.start = 0
 
     @property
     def num_states(self) -> int:
-        return len(self._sets)
+        return len(self.accepting)
 
-    def _closure(self, states: list[int] | set[int]) -> frozenset[int]:
-        out: set[int] = set()
-        for q in states:
-            c = self._closures.get(q)
-            if c is None:
-                c = self._closures[q] = self._closure_of(q)
-            out |= c
-        return frozenset(out)
-
-    def _closure_of(self, q: int) -> frozenset[int]:
-        nfa, seen, stack = self.nfa, {q}, [q]
-        while stack:
-            for t in nfa.eps[stack.pop()]:
-                if t not in seen:
-                    seen.add(t)
-                    stack.append(t)
-        return frozenset(s for s in seen if nfa.edges[s] or s == nfa.accept)
-
-    def _add(self, states: frozenset[int]) -> int:
-        sid = self._ids.get(states)
-        if sid is not None:
-            return sid
-        sid = len(self._sets)
+    def _new_state(self, accepting: bool) -> int:
+        sid = len(self.accepting)
         if sid >= self.max_states:
             raise AutomatonTooLarge(f"the pattern's automaton grew past {self.max_states} states")
         if sid >= self.table.shape[0]:
             grow = self.table.shape[0]
             self.table = np.concatenate([self.table, np.full((grow, 256), -1, np.int32)])
             self.has_row = np.concatenate([self.has_row, np.zeros(grow, dtype=bool)])
-        self._ids[states] = sid
-        self._sets.append(states)
-        self.accepting.append(self.nfa.accept in states)
+        self.accepting.append(accepting)
         return sid
 
     def _build_row(self, s: int) -> None:
-        buckets: list[list[int]] = [[] for _ in range(256)]
-        edges = self.nfa.edges
-        for q in self._sets[s]:
-            for lo, hi, t in edges[q]:
-                for b in range(lo, hi + 1):
-                    buckets[b].append(t)
-        memo: dict[tuple[int, ...], int] = {(): 0}
-        row = self.table[s]
-        for b, targets in enumerate(buckets):
-            key = tuple(sorted(set(targets)))
-            sid = memo.get(key)
-            if sid is None:
-                sid = memo[key] = self._add(self._closure(set(key)))
-                row = self.table[s]  # _add may have grown (reallocated) the table
-            row[b] = sid
-        self.has_row[s] = True
+        raise NotImplementedError
 
     def ensure_rows(self, states: np.ndarray) -> None:
         """Build the rows of every state in ``states`` (int array) that has none yet."""
@@ -201,3 +156,68 @@ class LazyDFA:
         if not self.has_row[s]:
             self._build_row(s)
         return bool(self.table[s].any())
+
+
+class LazyDFA(TableDFA):
+    """The subset construction of a ByteNFA, built on demand.
+
+    A DFA state is the set of NFA states reachable after some input, keeping only those
+    that matter (with byte edges, or the accepting one), so equivalent sets share a state.
+    """
+
+    def __init__(self, nfa: ByteNFA, max_states: int = MAX_DFA_STATES) -> None:
+        super().__init__(max_states)
+        self.nfa = nfa
+        self._closures: dict[int, frozenset[int]] = {}
+        self._ids: dict[frozenset[int], int] = {}
+        self._sets: list[frozenset[int]] = []
+        dead = self._add(frozenset())
+        self.table[dead] = dead
+        self.has_row[dead] = True
+        self.start = self._add(self._closure([nfa.start]))
+
+    def _closure(self, states: list[int] | set[int]) -> frozenset[int]:
+        out: set[int] = set()
+        for q in states:
+            c = self._closures.get(q)
+            if c is None:
+                c = self._closures[q] = self._closure_of(q)
+            out |= c
+        return frozenset(out)
+
+    def _closure_of(self, q: int) -> frozenset[int]:
+        nfa, seen, stack = self.nfa, {q}, [q]
+        while stack:
+            for t in nfa.eps[stack.pop()]:
+                if t not in seen:
+                    seen.add(t)
+                    stack.append(t)
+        return frozenset(s for s in seen if nfa.edges[s] or s == nfa.accept)
+
+    def _add(self, states: frozenset[int]) -> int:
+        sid = self._ids.get(states)
+        if sid is None:
+            sid = self._ids[states] = self._new_state(self._is_accepting(states))
+            self._sets.append(states)
+        return sid
+
+    def _is_accepting(self, states: frozenset[int]) -> bool:
+        return self.nfa.accept in states
+
+    def _build_row(self, s: int) -> None:
+        buckets: list[list[int]] = [[] for _ in range(256)]
+        edges = self.nfa.edges
+        for q in self._sets[s]:
+            for lo, hi, t in edges[q]:
+                for b in range(lo, hi + 1):
+                    buckets[b].append(t)
+        memo: dict[tuple[int, ...], int] = {(): 0}
+        row = self.table[s]
+        for b, targets in enumerate(buckets):
+            key = tuple(sorted(set(targets)))
+            sid = memo.get(key)
+            if sid is None:
+                sid = memo[key] = self._add(self._closure(set(key)))
+                row = self.table[s]  # _add may have grown (reallocated) the table
+            row[b] = sid
+        self.has_row[s] = True

@@ -1,8 +1,9 @@
 """StructuredOutputsParams -> a CompiledGuide for one tokenizer, cached by spec.
 
-Every kind becomes a regex first (a JSON schema through ``json_schema.py``, a choice as
-the alternation of its escaped strings), then a byte NFA, a lazy DFA and the guide over
-the vocabulary. Compiling happens when a request is added, so a bad spec is that
+Every kind but a grammar becomes a regex first (a JSON schema through ``json_schema.py``,
+a choice as the alternation of its escaped strings), then a byte NFA, a lazy DFA and the
+guide over the vocabulary; a grammar becomes a lazy DFA or a pushdown automaton with the
+same interface (``grammar.py``). Compiling happens when a request is added, so a bad spec is that
 request's ValueError (a StructuredOutputsError) and nobody else's; the start state's
 tokens are computed then too, which refuses patterns no token can begin.
 """
@@ -15,7 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from flashpage.sampling_params import StructuredOutputsError, StructuredOutputsParams
-from flashpage.structured.automaton import ByteNFA, LazyDFA
+from flashpage.structured.automaton import ByteNFA, LazyDFA, TableDFA
+from flashpage.structured.grammar import compile_grammar
 from flashpage.structured.guide import CompiledGuide, TokenIndex
 from flashpage.structured.json_schema import WHITESPACE, json_object_regex, json_schema_to_regex
 from flashpage.structured.regex_parser import parse_regex
@@ -64,14 +66,19 @@ class GuideCompiler:
             self._guides.move_to_end(key)
             return guide
         try:
-            dfa = LazyDFA(ByteNFA(parse_regex(spec_to_regex(spec))))
+            dfa: TableDFA
+            if spec.grammar is not None:
+                dfa = compile_grammar(spec.grammar)
+            else:
+                dfa = LazyDFA(ByteNFA(parse_regex(spec_to_regex(spec))))
+            guide = CompiledGuide(dfa, self.index)
+            start_ids = guide.allowed(guide.start)  # the first walk may pass the automaton's limits
         except StructuredOutputsError:
             raise
         except (ValueError, RecursionError) as e:
             what = "nesting too deep" if isinstance(e, RecursionError) else str(e)
             raise StructuredOutputsError(f"structured outputs ({spec.kind}): {what}") from None
-        guide = CompiledGuide(dfa, self.index)
-        if guide.allowed(guide.start).size == 0:
+        if start_ids.size == 0:
             if dfa.accepting[dfa.start] and not dfa.is_live(dfa.start):
                 why = "matches only the empty string: there is nothing to generate"
             elif dfa.is_live(dfa.start):

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from flashpage.structured.automaton import AutomatonTooLarge, LazyDFA
+from flashpage.structured.automaton import AutomatonTooLarge, TableDFA
 
 logger = logging.getLogger("flashpage")
 
@@ -52,7 +52,7 @@ class TokenIndex:
         self.data = np.frombuffer(bytes(buf), dtype=np.uint8).reshape(len(ids), width)
         self.eos_ids = tuple(sorted(e for e in eos if 0 <= e < self.vocab_size))
 
-    def allowed(self, dfa: LazyDFA, state: int) -> np.ndarray:
+    def allowed(self, dfa: TableDFA, state: int) -> np.ndarray:
         """Token ids (sorted int64) whose bytes lead from ``state`` to a live state."""
         if state == 0:
             return np.zeros(0, dtype=np.int64)
@@ -80,7 +80,7 @@ class TokenIndex:
 class CompiledGuide:
     """One pattern's DFA and its per-state allowed tokens over one vocabulary."""
 
-    def __init__(self, dfa: LazyDFA, index: TokenIndex) -> None:
+    def __init__(self, dfa: TableDFA, index: TokenIndex) -> None:
         self.dfa = dfa
         self.index = index
         self.start = dfa.start
@@ -105,7 +105,11 @@ class CompiledGuide:
         key = (state, allow_eos, str(device))
         m = self._masks.get(key)
         if m is None:
-            ids = self.allowed(state)
+            try:
+                ids = self.allowed(state)
+            except AutomatonTooLarge as e:  # a drafted state (speculative decoding): nothing
+                logger.warning("structured output guide stopped: %s", e)
+                ids = np.zeros(0, dtype=np.int64)
             if allow_eos and self.accepting(state) and self.index.eos_ids:
                 ids = np.concatenate([ids, np.asarray(self.index.eos_ids, dtype=np.int64)])
             host = torch.zeros(self.index.vocab_size, dtype=torch.bool)
@@ -120,7 +124,11 @@ class CompiledGuide:
         if not 0 <= token_id < self.index.vocab_size:
             return 0
         b = self.index.token_bytes[token_id]
-        return 0 if b is None else self.dfa.walk(state, b)
+        try:
+            return 0 if b is None else self.dfa.walk(state, b)
+        except AutomatonTooLarge as e:  # past the automaton's limits: as if not allowed
+            logger.warning("structured output guide stopped: %s", e)
+            return 0
 
 
 class GuideState:

@@ -10,13 +10,14 @@ anyway). Everything else is a ValueError naming it: backreferences, lookarounds,
 boundaries, inline flags, possessive quantifiers, conditionals.
 
 The tree has four node kinds: ``CharSet`` (sorted disjoint code point ranges), ``Concat``,
-``Alt`` and ``Repeat``; ``Concat(())`` is the empty string.
+``Alt`` and ``Repeat``; ``Concat(())`` is the empty string. Grammars (``grammar.py``) add a
+fifth, ``Ref``, a rule's name, which they replace or turn into calls before any automaton.
 """
 
 from __future__ import annotations
 
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_CODEPOINT = 0x10FFFF
 MAX_REPEAT = 10_000  # a bound beyond this is almost surely a mistake, and a huge automaton
@@ -46,7 +47,14 @@ class Repeat:
     max: int | None  # None: unbounded
 
 
-Node = CharSet | Concat | Alt | Repeat
+@dataclass(frozen=True)
+class Ref:
+    """A grammar rule's name where its text goes (``grammar.py``); never made by a regex."""
+    name: str
+    where: str = field(default="", compare=False)  # "line L, column C" in the grammar
+
+
+Node = CharSet | Concat | Alt | Repeat | Ref
 EMPTY = Concat(())
 
 

@@ -23,6 +23,17 @@ SCHEMA = {
     "required": ["city", "temperature"],
 }
 MESSAGES = [{"role": "user", "content": "The weather in Paris, as JSON."}]
+PARENS = 'root ::= "(" inner ")"\ninner ::= ("x" | "(" inner ")")*'  # recursive: a pushdown guide
+LIST_LARK = 'start: "[" [WORD (", " WORD)*] "]"\nWORD: /[a-z]+/'
+
+
+def _balanced(text: str) -> bool:
+    depth = 0
+    for i, c in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth <= 0 and i < len(text) - 1:
+            return False
+    return depth == 0
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +81,8 @@ def test_chat_json_object_and_text(json_server):
     ("structured_outputs", {"regex": "(ab|cd){2}!"}, lambda t: re.fullmatch("(ab|cd){2}!", t)),
     ("structured_outputs", {"json": json.dumps(SCHEMA)},
      lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+    ("structured_outputs", {"grammar": PARENS}, lambda t: re.fullmatch(r"[(x)]+", t) and _balanced(t)),
+    ("guided_grammar", LIST_LARK, lambda t: re.fullmatch(r"\[([a-z]+(, [a-z]+)*)?\]", t)),
 ])
 def test_vllm_fields_on_both_endpoints(json_server, path, field, value, check):
     body: dict = {field: value, "temperature": 1.0, "seed": 3, "max_tokens": 80, "n": 2}
@@ -112,7 +125,10 @@ def test_official_client(json_server):
     ({"guided_json": "{bad"}, "guided_json", "not valid JSON"),
     ({"guided_json": {"type": "object", "not": {}}}, "guided_json", "'not' is not supported"),
     ({"guided_choice": []}, "guided_choice", "non-empty list"),
-    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "grammar"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "rule 'x' is used"),
+    ({"guided_grammar": "start: a\na: a \"b\" | \"b\""}, "guided_grammar", "left-recursive"),
+    ({"guided_grammar": "root ::= (\"a\""}, "guided_grammar", "missing '\\)' .* line 1, column 10"),
+    ({"structured_outputs": {"grammar": 3}}, "structured_outputs.grammar", "valid string"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),

@@ -114,7 +114,8 @@ def test_compiler_caches_and_names_bad_specs():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(), "exactly one of"),
     (dict(regex="a", choice=["a"]), "exactly one of"),
-    (dict(grammar="root ::= 'a'"), "grammar"),
+    (dict(grammar=5), "grammar must be a non-empty string"),
+    (dict(grammar=" \n"), "grammar must be a non-empty string"),
     (dict(choice=[]), "non-empty list of strings"),
     (dict(choice=["a", 1]), "non-empty list of strings"),
     (dict(regex=5), "regex must be a string"),
