@@ -1,4 +1,5 @@
-"""Speculative decoding by n-gram lookup (vLLM's ``{"method": "ngram"}``, "prompt lookup").
+"""Speculative decoding by n-gram lookup (vLLM's ``{"method": "ngram"}``, "prompt lookup"),
+or by a small draft model (``{"model": PATH}``, method "draft_model": engine/draft_model.py).
 
 Each step, a request in its decode phase looks for the last ``n`` tokens it holds
 (``prompt_lookup_max`` down to ``prompt_lookup_min``) earlier in its own prompt and output;
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,16 +39,23 @@ import torch
 from flashpage.engine.sampler import Logprobs, Sampler, has_penalties, row_argmax
 from flashpage.engine.sequence import Request
 
+if TYPE_CHECKING:
+    from flashpage.engine.scheduler import SchedulerOutput
+
 _SEED_MIX = 1_000_003
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "backoff")
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+         "backoff")
+METHODS = ("ngram", "draft_model")
 _INT_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's ``speculative_config`` for n-gram drafts (the only method here)."""
+    """vLLM's ``speculative_config``: n-gram drafts, or a draft model's (``model``: a
+    smaller model with the target's vocabulary; method "draft_model", inferred from it)."""
 
     method: str = "ngram"
+    model: str | None = None
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
@@ -55,9 +64,13 @@ class SpeculativeConfig:
     backoff: bool = True
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is not supported; "
-                             "only 'ngram' (prompt lookup) is")
+                             "use 'ngram' (prompt lookup) or 'draft_model' (with a model)")
+        if self.method == "draft_model":
+            check_draft_model(self.model)
+        elif self.model is not None:
+            raise ValueError(f"speculative_config model is for method 'draft_model', not {self.method!r}")
         if not isinstance(self.backoff, bool):
             raise ValueError(f"speculative_config backoff must be true or false, got {self.backoff!r}")
         for name in _INT_KEYS:
@@ -88,8 +101,28 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: {list(_KEYS)}")
         if "method" not in spec:
-            raise ValueError("speculative_config needs a method (\"ngram\")")
+            if "model" not in spec:
+                raise ValueError("speculative_config needs a method (\"ngram\") or a draft model")
+            spec = {**spec, "method": "draft_model"}  # as vLLM infers it from a model
         return cls(**spec)  # type: ignore[arg-type]
+
+
+def check_draft_model(model: object) -> None:
+    """A ValueError unless ``model`` is a folder (or .gguf file) holding a model whose
+    architecture we load, neither MLA nor MoE (reads its config.json only)."""
+    from flashpage.models.loader import ModelLoadError, resolve_model
+
+    if not isinstance(model, str) or not model:
+        raise ValueError("speculative_config method 'draft_model' needs a model (the draft's "
+                         f"path), got {model!r}")
+    try:
+        cfg = resolve_model(model).config
+    except (ModelLoadError, ValueError) as e:
+        raise ValueError(f"speculative_config model {model!r} cannot be loaded: {e}") from None
+    if cfg.is_mla or cfg.n_routed_experts or cfg.num_experts_per_tok:
+        raise ValueError(f"speculative_config model {model!r} is {cfg.architecture} with "
+                         f"{'MLA attention' if cfg.is_mla else 'experts (MoE)'}: draft models must be "
+                         "dense with MHA/GQA attention")
 
 
 def find_ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
@@ -227,7 +260,7 @@ class NgramProposer:
                 continue
             drafts = self.draft(req, room)
             if req.guide is not None and drafts:  # only drafts its pattern allows
-                drafts = drafts[:len(req.guide.states_along(drafts)) - 1]
+                drafts = self.fit_guide(req, drafts)
             req.spec_token_ids = drafts
             if bo is not None and not drafts:
                 bo.record(req.request_id, False)
@@ -242,6 +275,15 @@ class NgramProposer:
         if self.backoff is not None:
             for rid, got in checked.items():
                 self.backoff.record(rid, bool(got.accepted))
+
+    def fit_guide(self, req: Request, drafts: list[int]) -> list[int]:
+        """A structured-outputs request's drafts cut where its pattern refuses one."""
+        assert req.guide is not None
+        return drafts[:len(req.guide.states_along(drafts)) - 1]
+
+    def fill(self, out: SchedulerOutput) -> None:
+        """After scheduling, before the step runs: nothing for n-gram drafts, which are
+        known when proposed (a draft model's are computed here: engine/draft_model.py)."""
 
     def draft(self, req: Request, k: int) -> list[int]:
         """Up to ``k`` tokens guessed to follow ``req``'s tokens."""

@@ -1,0 +1,210 @@
+"""Speculative decoding with a draft model (vLLM's ``{"model": PATH, "num_speculative_tokens": k}``).
+
+A smaller model with the target's vocabulary proposes the drafts; the target checks them
+exactly as it checks n-gram drafts (spec_decode.verify_drafts), so greedy requests get plain
+decoding's tokens whatever the draft says.
+
+The draft keeps its own paged K/V cache: a second pool indexed by the SAME block ids and
+block tables as the target's (same block size, same number of blocks). The target's
+scheduler, allocator and prefix cache do all the bookkeeping; a block holds the same
+tokens in both pools::
+
+    target pool  [num_blocks, B, Hkv,  D ]   block 7 = tokens 16..31 of request "a"
+    draft pool   [num_blocks, B, Hkv', D']   block 7 = the same tokens, the draft's K/V
+
+The memory profiler sizes a block by both models' bytes (LLMEngine._num_blocks).
+
+A step, per scheduled request (``DraftModelProposer.fill``, after the scheduler ran and
+before the target runs):
+
+1. before scheduling, ``propose`` gives each request that may draft ``room`` placeholder
+   drafts, so the scheduler budgets and allocates slots for them (it may cut them);
+2. one batched forward of the draft over the tokens its cache lacks: the prompt chunk the
+   target runs this step, or, at a decode, the tokens since its last pass (the accepted
+   drafts and the bonus token of the last check; one token when it did not draft); its
+   logits at a drafting request's last token give draft 1;
+3. ``k - 1`` single-token forwards (one row per drafting request) give drafts 2 .. k, their
+   K/V written to the slots the scheduler allocated for the drafts; the placeholders are
+   overwritten in place, and the target runs its step with them.
+
+Each request's ``done`` count (positions whose draft K/V is right) starts at its computed
+tokens when first seen (a prefix-cache hit's blocks were written into both pools when first
+computed) and never passes its resolved tokens: under async scheduling a token still being
+sampled is caught up at a later step. Drafts are the draft's argmax (greedy drafting: the
+verifier's one-hot draft distribution is then exact, for sampled requests too). The draft
+runs eagerly (no CUDA graphs). Structured-outputs requests are not drafted by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from flashpage.attention.backend import AttentionBackend, AttentionMetadata
+from flashpage.config import ModelConfig
+from flashpage.engine.spec_decode import NgramProposer, SpeculativeConfig
+from flashpage.kv_cache.kv_cache_manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from flashpage.engine.scheduler import SchedulerOutput
+    from flashpage.engine.sequence import Request
+    from flashpage.models.loader import ModelSource
+
+_PLACEHOLDER_DRAFT = 0  # a valid token id: what the scheduler sees until fill() runs
+
+
+def check_draft_config(draft: ModelConfig, target: ModelConfig) -> None:
+    """A ValueError unless ``draft`` can draft for ``target``: the same vocabulary size
+    (its token ids are the target's), dense, MHA/GQA attention."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config model has vocab_size {draft.vocab_size}, the target "
+                         f"{target.vocab_size}: a draft model must share the target's vocabulary")
+    if draft.is_mla or draft.n_routed_experts or draft.num_experts_per_tok:
+        raise ValueError(f"speculative_config model ({draft.architecture}) must be dense with "
+                         "MHA/GQA attention (MLA and MoE drafts are not supported)")
+
+
+@dataclass
+class _Row:
+    """One request's tokens in a draft forward: ``tokens`` at positions ``start ..``."""
+
+    req: Request
+    start: int
+    tokens: list[int]
+    table: np.ndarray
+
+
+class DraftRunner:
+    """The draft model, its K/V pool (the target's block ids) and its forwards."""
+
+    def __init__(self, model: nn.Module, model_config: ModelConfig, backend: AttentionBackend,
+                 kv_manager: KVCacheManager, num_blocks: int, block_size: int,
+                 device: torch.device, kv_dtype: torch.dtype, vocab_size: int) -> None:
+        self.model, self.config, self.backend = model, model_config, backend
+        self.kv_manager, self.block_size, self.device = kv_manager, block_size, device
+        self.vocab_size = vocab_size
+        backend.bind_kv_cache(num_blocks, block_size)
+        for layer in model.attention_layers():  # type: ignore[operator]
+            shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+            layer.kv_cache = (torch.zeros(shape, dtype=kv_dtype, device=device),
+                              torch.zeros(shape, dtype=kv_dtype, device=device))
+            layer.backend = backend
+
+    def table(self, req: Request) -> np.ndarray:
+        return np.asarray(self.kv_manager.get_block_ids(req.request_id), dtype=np.int64)
+
+    @torch.inference_mode()
+    def forward(self, rows: list[_Row], want: list[int]) -> list[int]:
+        """One draft forward over ``rows`` (each row's tokens appended to its context);
+        the argmax next token after the last token of each row in ``want`` (row indices)."""
+        from flashpage.engine.model_runner import _table_width
+
+        bs = self.block_size
+        # decodes (one token) first, as every backend expects
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens) != 1)
+        lens = np.array([len(rows[i].tokens) for i in order], dtype=np.int64)
+        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        total = int(qsl[-1])
+        ids = np.empty(total, dtype=np.int64)
+        pos = np.empty(total, dtype=np.int64)
+        seq_lens = np.empty(len(rows), dtype=np.int64)
+        width = _table_width(max(len(r.table) for r in rows))
+        tables = np.zeros((len(rows), width), dtype=np.int64)
+        for j, i in enumerate(order):
+            r = rows[i]
+            a, b = int(qsl[j]), int(qsl[j + 1])
+            ids[a:b] = r.tokens
+            pos[a:b] = np.arange(r.start, r.start + len(r.tokens))
+            seq_lens[j] = r.start + len(r.tokens)
+            tables[j, :len(r.table)] = r.table
+        slots = tables[np.repeat(np.arange(len(rows)), lens), pos // bs] * bs + pos % bs
+        where = {i: j for j, i in enumerate(order)}
+        logits_idx = np.array([qsl[where[i] + 1] - 1 for i in want], dtype=np.int64)
+        dev = self.device
+        num_decodes = int((lens == 1).sum())
+        md = AttentionMetadata(
+            num_actual_tokens=total, num_seqs=len(rows),
+            query_start_loc=torch.from_numpy(qsl).to(dev, torch.int32),
+            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
+            block_tables=torch.from_numpy(tables).to(dev, torch.int32),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()),
+            num_decodes=num_decodes, num_decode_tokens=num_decodes,
+            query_lens_cpu=lens.tolist(), seq_lens_cpu=seq_lens.tolist())
+        md = self.backend.prepare(md)
+        hidden = self.model(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), md)
+        if not want:
+            return []
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(dev)])  # type: ignore[operator]
+        return logits[:, :self.vocab_size].argmax(dim=-1).tolist()
+
+
+@dataclass
+class DraftModelProposer(NgramProposer):
+    """Drafts from a draft model (the module doc); the drafting rules (who drafts, how many,
+    back-off) are NgramProposer's."""
+
+    runner: DraftRunner | None = None
+    # request id -> positions whose K/V in the draft's pool is right (0 .. done - 1)
+    _done: dict[str, int] = field(default_factory=dict)
+
+    def draft(self, req: Request, k: int) -> list[int]:
+        return [_PLACEHOLDER_DRAFT] * k  # computed in fill(), once the slots exist
+
+    def fit_guide(self, req: Request, drafts: list[int]) -> list[int]:
+        return []  # the draft's tokens are not known before scheduling: not drafted
+
+    def propose(self, running: list[Request]) -> None:
+        super().propose(running)
+        live = {r.request_id for r in running}
+        for rid in [r for r in self._done if r not in live]:
+            del self._done[rid]
+
+    def fill(self, out: SchedulerOutput) -> None:
+        runner = self.runner
+        assert runner is not None
+        for rid in out.preempted_request_ids:  # its blocks are gone
+            self._done.pop(rid, None)
+        rows: list[_Row] = []
+        drafting: list[int] = []  # indices into rows
+        for req, n in out.scheduled:
+            start = min(self._done.get(req.request_id, req.num_computed_tokens), req.num_computed_tokens)
+            known = req.num_prompt_tokens + req.num_resolved_outputs  # past it: being sampled
+            end = min(req.num_computed_tokens + n, known)
+            if end <= start:
+                continue
+            self._done[req.request_id] = end
+            if req.spec_token_ids:
+                assert end == req.num_tokens, "a drafting request's tokens are all known"
+                drafting.append(len(rows))
+            rows.append(_Row(req, start, req.all_token_ids[start:end], runner.table(req)))
+        if not rows:
+            return
+        nxt = runner.forward(rows, drafting)
+        for t, i in zip(nxt, drafting, strict=True):
+            rows[i].req.spec_token_ids[0] = t
+        # drafts 2 .. k: one token each, at the slots the scheduler gave the drafts
+        active = [rows[i] for i in drafting]
+        for j in range(1, max((len(r.req.spec_token_ids) for r in active), default=0)):
+            active = [r for r in active if len(r.req.spec_token_ids) > j]
+            step = [_Row(r.req, r.req.num_tokens + j - 1, [r.req.spec_token_ids[j - 1]], r.table)
+                    for r in active]
+            nxt = runner.forward(step, list(range(len(step))))
+            for r, t in zip(active, nxt, strict=True):
+                r.req.spec_token_ids[j] = t
+
+
+def build_draft_proposer(config: SpeculativeConfig, source: ModelSource, target: ModelConfig,
+                         model: nn.Module, backend: AttentionBackend, kv_manager: KVCacheManager,
+                         num_blocks: int, block_size: int, device: torch.device,
+                         kv_dtype: torch.dtype, max_model_len: int) -> DraftModelProposer:
+    """The proposer over a loaded draft ``model`` (``source``'s), its pool allocated."""
+    check_draft_config(source.config, target)
+    runner = DraftRunner(model, source.config, backend, kv_manager, num_blocks, block_size,
+                         device, kv_dtype, target.vocab_size)
+    return DraftModelProposer(config, max_model_len, runner=runner)
