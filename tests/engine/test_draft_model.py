@@ -5,6 +5,7 @@ every draft accepted (its K/V pool, indexed by the target's block ids, stays in 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -89,7 +90,7 @@ def test_a_different_draft_gives_plain_decodings_tokens(tiny_checkpoint, drafts,
     assert llm.engine.kv_manager.stats().blocks_used == 0
 
 
-def test_preemption_and_async_backoff_keep_the_tokens(tiny_checkpoint, drafts):
+def test_preemption_and_async_backoff_keep_the_tokens(tiny_checkpoint, drafts, monkeypatch):
     """A cache too small for every request (preemptions: both pools' blocks freed and
     recomputed), then async scheduling with the back-off on (a wrong draft backs off; the
     draft catches up on tokens sampled while it was not looking)."""
@@ -101,8 +102,18 @@ def test_preemption_and_async_backoff_keep_the_tokens(tiny_checkpoint, drafts):
     assert _ids(llm, prompts, params) == want
     assert llm.engine.scheduler.num_preemptions > 0, "the small cache was meant to preempt"
     assert llm.engine.kv_manager.stats().blocks_used == 0
+    from flashpage.engine.scheduler import Scheduler
+
+    real, unresolved = Scheduler.schedule, []
+
+    def spy(self):
+        unresolved.append(any(r.num_unresolved for r in self.running))
+        return real(self)
+
+    monkeypatch.setattr(Scheduler, "schedule", spy)
     llm = _llm(path, drafts["other"], async_scheduling=True)
     assert _ids(llm, prompts, params) == want
+    assert any(unresolved), "backed-off requests were meant to schedule asynchronously"
     assert llm.engine.stats()["spec_decode"]["num_drafts"] > 0
     assert llm.engine.kv_manager.stats().blocks_used == 0
 
@@ -156,3 +167,43 @@ def test_bad_draft_models_are_named(tmp_path, drafts, tiny_checkpoint):
     wide = build_tiny_checkpoint(tmp_path / "wide", "llama2_mha", vocab_size=300, num_hidden_layers=1)
     with pytest.raises(ValueError, match="vocab_size 300, the target 256"):
         _llm(tiny_checkpoint("llama31_gqa"), wide)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_the_draft_on_the_triton_backend(tiny_checkpoint):
+    """The triton backend's kernels (interpreted) for both pools: the target as its own
+    draft, every draft accepted, plain decoding's tokens (torch_native's, which the backend
+    tests hold equal to triton's)."""
+    path = tiny_checkpoint("head64_gqa")
+    prompts = [random_prompts(1, 4, 4, seed=8)[0], random_prompts(1, 9, 9, seed=9)[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = _ids(_llm(path, block_size=16), prompts, params)  # torch_native: as the tests of
+    llm = _llm(path, path, attention_backend="triton", block_size=16,  # both backends say
+               spec={"num_speculative_tokens": 2})  # (interpreted: each forward takes seconds)
+    assert _ids(llm, prompts, params) == want
+    st = llm.engine.stats()["spec_decode"]
+    assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0, st
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("draft", ["self", "other"])
+def test_the_draft_on_the_gpu_with_graphs(tiny_checkpoint, tmp_path, draft):
+    """fp32 on the GPU, triton backend, the target's graphs captured (the draft runs
+    eagerly): plain decoding's tokens; the target as its own draft has (nearly) every draft
+    accepted (its drafts come from the decode kernel, the checks from the prefill one)."""
+    path = tiny_checkpoint("head64_gqa")
+    other = build_tiny_checkpoint(tmp_path / "d", "head64_gqa", seed=1, num_hidden_layers=1)
+    prompts = random_prompts(5, 5, 40, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kw = dict(device="cuda", attention_backend="triton", block_size=16, max_num_batched_tokens=128)
+    want = _ids(_llm(path, **kw), prompts, params)
+    llm = _llm(path, path if draft == "self" else other, **kw)
+    assert llm.engine.runner.graphs is not None
+    assert _ids(llm, prompts, params) == want
+    st = llm.engine.stats()["spec_decode"]
+    assert st["num_draft_tokens"] > 0
+    if draft == "self":
+        assert st["acceptance_rate"] > 0.95, st
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
