@@ -30,9 +30,12 @@ before the target runs):
 Each request's ``done`` count (positions whose draft K/V is right) starts at its computed
 tokens when first seen (a prefix-cache hit's blocks were written into both pools when first
 computed) and never passes its resolved tokens: under async scheduling a token still being
-sampled is caught up at a later step. Drafts are the draft's argmax (greedy drafting: the
-verifier's one-hot draft distribution is then exact, for sampled requests too). The draft
-runs eagerly (no CUDA graphs). Structured-outputs requests are not drafted by it.
+sampled is caught up at a later step. A greedy request's drafts are the draft's argmax; a
+sampled request's are drawn from the draft's distribution q processed as the request samples
+(temperature, top-k, top-p, min-p), and the verifier accepts draft ``d`` with probability
+min(1, p(d) / q(d)) and on rejection draws from max(p - q, 0), normalized: the output is
+distributed as the target's. The draft runs eagerly (no CUDA graphs). Structured-outputs
+requests are not drafted by it.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from torch import nn
 
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata
 from flashpage.config import ModelConfig
-from flashpage.engine.spec_decode import NgramProposer, SpeculativeConfig
+from flashpage.engine.sampler import row_argmax
+from flashpage.engine.spec_decode import SEED_MIX, NgramProposer, SpeculativeConfig, processed_probs
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:
@@ -98,9 +102,10 @@ class DraftRunner:
         return np.asarray(self.kv_manager.get_block_ids(req.request_id), dtype=np.int64)
 
     @torch.inference_mode()
-    def forward(self, rows: list[_Row], want: list[int]) -> list[int]:
+    def forward(self, rows: list[_Row], want: list[int]) -> torch.Tensor:
         """One draft forward over ``rows`` (each row's tokens appended to its context);
-        the argmax next token after the last token of each row in ``want`` (row indices)."""
+        the fp32 next-token logits [len(want), vocab] after the last token of each row in
+        ``want`` (row indices)."""
         from flashpage.engine.model_runner import _table_width
 
         bs = self.block_size
@@ -138,10 +143,8 @@ class DraftRunner:
             query_lens_cpu=lens.tolist(), seq_lens_cpu=seq_lens.tolist())
         md = self.backend.prepare(md)
         hidden = self.model(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), md)
-        if not want:
-            return []
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(dev)])  # type: ignore[operator]
-        return logits[:, :self.vocab_size].argmax(dim=-1).tolist()
+        return logits[:, :self.vocab_size].float()
 
 
 @dataclass
@@ -160,6 +163,8 @@ class DraftModelProposer(NgramProposer):
         return []  # the draft's tokens are not known before scheduling: not drafted
 
     def propose(self, running: list[Request]) -> None:
+        for req in running:
+            req.spec_probs = None
         super().propose(running)
         live = {r.request_id for r in running}
         for rid in [r for r in self._done if r not in live]:
@@ -185,18 +190,45 @@ class DraftModelProposer(NgramProposer):
             rows.append(_Row(req, start, req.all_token_ids[start:end], runner.table(req)))
         if not rows:
             return
-        nxt = runner.forward(rows, drafting)
-        for t, i in zip(nxt, drafting, strict=True):
-            rows[i].req.spec_token_ids[0] = t
+        active = [rows[i].req for i in drafting]
+        for req in active:
+            req.spec_probs = None if req.sampling_params.greedy else torch.empty(
+                len(req.spec_token_ids), runner.vocab_size, device=runner.device)
+        self._pick(runner.forward(rows, drafting), active, 0)
         # drafts 2 .. k: one token each, at the slots the scheduler gave the drafts
-        active = [rows[i] for i in drafting]
-        for j in range(1, max((len(r.req.spec_token_ids) for r in active), default=0)):
-            active = [r for r in active if len(r.req.spec_token_ids) > j]
-            step = [_Row(r.req, r.req.num_tokens + j - 1, [r.req.spec_token_ids[j - 1]], r.table)
+        tables = {rows[i].req.request_id: rows[i].table for i in drafting}
+        for j in range(1, max((len(r.spec_token_ids) for r in active), default=0)):
+            active = [r for r in active if len(r.spec_token_ids) > j]
+            step = [_Row(r, r.num_tokens + j - 1, [r.spec_token_ids[j - 1]], tables[r.request_id])
                     for r in active]
-            nxt = runner.forward(step, list(range(len(step))))
-            for r, t in zip(active, nxt, strict=True):
-                r.req.spec_token_ids[j] = t
+            self._pick(runner.forward(step, list(range(len(step)))), active, j)
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, reqs: list[Request], j: int) -> None:
+        """Draft ``j`` of each of ``reqs`` from its row of ``logits``: the argmax for a
+        greedy request; else drawn from the draft's distribution as the request samples
+        (temperature, top-k/p, min-p), kept in ``spec_probs`` for the verifier; a seeded
+        request's draw from its own stream (seed, output position), as the verifier's."""
+        tokens = row_argmax(logits)
+        sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            q = processed_probs(logits.index_select(0, rows),
+                                [reqs[i].sampling_params for i in sampled], logits.shape[1])
+            noise = torch.empty_like(q).exponential_()
+            for n, i in enumerate(sampled):
+                r = reqs[i]
+                probs = r.spec_probs
+                assert probs is not None
+                probs[j] = q[n]
+                seed = r.sampling_params.seed
+                if seed is not None:
+                    g = torch.Generator(device=q.device)
+                    g.manual_seed((seed * SEED_MIX + r.num_output_tokens + j) % (1 << 63) ^ 0xD4A)
+                    noise[n].exponential_(generator=g)
+            tokens = tokens.index_copy(0, rows, row_argmax(q / noise))
+        for r, t in zip(reqs, tokens.tolist(), strict=True):
+            r.spec_token_ids[j] = t
 
 
 def build_draft_proposer(config: SpeculativeConfig, source: ModelSource, target: ModelConfig,

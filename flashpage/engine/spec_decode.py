@@ -41,8 +41,9 @@ from flashpage.engine.sequence import Request
 
 if TYPE_CHECKING:
     from flashpage.engine.scheduler import SchedulerOutput
+    from flashpage.sampling_params import SamplingParams
 
-_SEED_MIX = 1_000_003
+SEED_MIX = 1_000_003
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "backoff")
 METHODS = ("ngram", "draft_model")
@@ -353,30 +354,33 @@ def verify_drafts(logits: torch.Tensor, spec: list[tuple[Request, list[int]]], v
     accept = target.cpu() == drafts
     recovered = target
     if not bool(greedy.all()):
-        params = [r.sampling_params for r, _ in rows]
-        table = torch.tensor([[1.0 if p.greedy else p.temperature,
-                               float(p.top_k if p.top_k > 0 else vocab), p.top_p, p.min_p]
-                              for p in params], dtype=torch.float32).to(dev)
-        x = logits / table[:, 0:1]
-        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
-            x = Sampler._filter(x, table[:, 1:2].long(), table[:, 2:3], table[:, 3:4])
-        probs = torch.softmax(x, dim=-1)
+        probs = processed_probs(logits, [r.sampling_params for r, _ in rows], vocab)
         d_dev = drafts.to(dev)
+        # q, the distribution each draft was drawn from: a draft model's where it sampled
+        # (Request.spec_probs), else certain (one-hot: n-gram drafts, greedy drafting)
+        q = torch.zeros_like(probs).scatter_(1, d_dev[:, None], 1.0)
+        i = 0
+        for r, ds in spec:
+            if r.spec_probs is not None:
+                q[i:i + len(ds)] = r.spec_probs[:len(ds), :vocab]
+            i += len(ds)
         p_draft = probs.gather(1, d_dev[:, None])[:, 0]
+        q_draft = q.gather(1, d_dev[:, None])[:, 0]
         uniform = torch.rand(len(rows), device=dev)
         noise = torch.empty_like(probs).exponential_()
         for i, (r, j) in enumerate(rows):
             seed = r.sampling_params.seed
             if seed is not None:  # its own stream, keyed by the output position drawn
                 g = torch.Generator(device=dev)
-                g.manual_seed((seed * _SEED_MIX + r.num_output_tokens + j) % (1 << 63) ^ 0x5EC)
+                g.manual_seed((seed * SEED_MIX + r.num_output_tokens + j) % (1 << 63) ^ 0x5EC)
                 uniform[i] = torch.rand((), generator=g, device=dev)
                 noise[i].exponential_(generator=g)
-        # rejected: draw from p with the draft's mass removed (renormalizing is implicit
-        # in the race argmax(p / Exp(1)))
-        rest = probs.scatter(1, d_dev[:, None], 0.0)
+        # accepted with probability min(1, p(d) / q(d)); rejected: drawn from max(p - q, 0)
+        # (renormalizing is implicit in the race argmax(x / Exp(1))); a one-hot q makes
+        # these p(d) and p without d
+        rest = (probs - q).clamp_(min=0.0)
         sampled = row_argmax(rest / noise)
-        accept = torch.where(greedy, accept, (uniform < p_draft).cpu())
+        accept = torch.where(greedy, accept, (uniform * q_draft < p_draft).cpu())
         recovered = torch.where(greedy.to(dev), target, sampled)
     kmax = max((r.sampling_params.logprobs or 0) for r, _ in spec) \
         if any(r.sampling_params.logprobs is not None for r, _ in spec) else None
@@ -400,6 +404,18 @@ def verify_drafts(logits: torch.Tensor, spec: list[tuple[Request, list[int]]], v
         out.append(Checked(ds[:a], rec[i + a] if a < len(ds) else None, len(ds), row_lps))
         i += len(ds)
     return out
+
+
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams], vocab: int) -> torch.Tensor:
+    """Each row's next-token distribution as its request samples it: softmax after
+    temperature (1 for greedy rows), top-k, top-p and min-p. ``logits`` fp32 [n, vocab]."""
+    table = torch.tensor([[1.0 if p.greedy else p.temperature,
+                           float(p.top_k if p.top_k > 0 else vocab), p.top_p, p.min_p]
+                          for p in params], dtype=torch.float32).to(logits.device)
+    x = logits / table[:, 0:1]
+    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
+        x = Sampler._filter(x, table[:, 1:2].long(), table[:, 2:3], table[:, 3:4])
+    return torch.softmax(x, dim=-1)
 
 
 def _row_logprobs(logits: torch.Tensor, tokens: torch.Tensor, kmax: int

@@ -207,3 +207,32 @@ def test_the_draft_on_the_gpu_with_graphs(tiny_checkpoint, tmp_path, draft):
     if draft == "self":
         assert st["acceptance_rate"] > 0.95, st
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.7, top_k=4)], ids=["plain", "top_k"])
+def test_sampled_drafts_from_q_keep_the_model_distribution(params):
+    """Drafts drawn from a draft distribution q far from the model's p, checked with q
+    (accept with min(1, p/q), else draw from max(p - q, 0)): the first token a step emits is
+    distributed as p (processed as the request samples), and drafts are accepted at the
+    rate sum(min(p, q)) (checking them as certain drafts keeps p too, but accepts only
+    sum(p * q): 0.09 here against 0.40)."""
+    from flashpage.engine.sequence import Request
+    from flashpage.engine.spec_decode import processed_probs, verify_drafts
+
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
+    want = processed_probs(logits, [params], 8)[0]
+    q = torch.softmax(torch.tensor([-1.0, 0.0, 2.0, 0.5, 1.0, 1.5, 0.0, 1.0]), dim=-1)
+    n = 40_000
+    drafts = torch.multinomial(q, n, replacement=True).tolist()
+    reqs = []
+    for d in range(8):  # one request per draft token, each with q as its draft's distribution
+        reqs.append(Request(str(d), [1, 2], params))
+        reqs[-1].spec_probs = q[None]
+    got = verify_drafts(logits.expand(n, -1), [(reqs[d], [d]) for d in drafts], 8)
+    firsts = torch.tensor([c.accepted[0] if c.accepted else c.drawn for c in got])
+    freq = torch.bincount(firsts, minlength=8).float() / n
+    assert torch.allclose(freq, want, atol=0.012), (freq, want)
+    accepted = sum(bool(c.accepted) for c in got) / n
+    assert accepted == pytest.approx(float(torch.minimum(want, q).sum()), abs=0.012)
