@@ -102,24 +102,28 @@ class DraftRunner:
         return np.asarray(self.kv_manager.get_block_ids(req.request_id), dtype=np.int64)
 
     @torch.inference_mode()
-    def forward(self, rows: list[_Row], want: list[int]) -> torch.Tensor:
+    def forward(self, rows: list[_Row], want: list[int],
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One draft forward over ``rows`` (each row's tokens appended to its context);
         the fp32 next-token logits [len(want), vocab] after the last token of each row in
-        ``want`` (row indices)."""
+        ``want`` (row indices). ``input_ids``: the tokens on the device instead of the rows'
+        (rows of one token each: the last forward's drafts, not read back)."""
         from flashpage.engine.model_runner import _table_width
 
-        bs = self.block_size
+        bs, n = self.block_size, len(rows)
         # decodes (one token) first, as every backend expects
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens) != 1)
+        order = sorted(range(n), key=lambda i: len(rows[i].tokens) != 1)
         lens = np.array([len(rows[i].tokens) for i in order], dtype=np.int64)
-        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(lens, out=qsl[1:])
-        total = int(qsl[-1])
-        ids = np.empty(total, dtype=np.int64)
-        pos = np.empty(total, dtype=np.int64)
-        seq_lens = np.empty(len(rows), dtype=np.int64)
+        total = int(lens.sum())
         width = _table_width(max(len(r.table) for r in rows))
-        tables = np.zeros((len(rows), width), dtype=np.int64)
+        # one staging array, one copy to the device:
+        # [input_ids | positions | slot_mapping | query_start_loc | seq_lens | logits rows | tables]
+        sizes = [total, total, total, n + 1, n, len(want), n * width]
+        offs = np.cumsum([0, *sizes])
+        buf = np.zeros(int(offs[-1]), dtype=np.int64)
+        ids, pos, slots, qsl, seq_lens, logits_idx, flat = (buf[offs[i]:offs[i + 1]] for i in range(7))
+        tables = flat.reshape(n, width)
+        np.cumsum(lens, out=qsl[1:])
         for j, i in enumerate(order):
             r = rows[i]
             a, b = int(qsl[j]), int(qsl[j + 1])
@@ -127,23 +131,27 @@ class DraftRunner:
             pos[a:b] = np.arange(r.start, r.start + len(r.tokens))
             seq_lens[j] = r.start + len(r.tokens)
             tables[j, :len(r.table)] = r.table
-        slots = tables[np.repeat(np.arange(len(rows)), lens), pos // bs] * bs + pos % bs
+        slots[:] = tables[np.repeat(np.arange(n), lens), pos // bs] * bs + pos % bs
         where = {i: j for j, i in enumerate(order)}
-        logits_idx = np.array([qsl[where[i] + 1] - 1 for i in want], dtype=np.int64)
-        dev = self.device
+        logits_idx[:] = [qsl[where[i] + 1] - 1 for i in want]
+        t = torch.from_numpy(buf)
+        dev = t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
+            else t.to(self.device)
+        d_ids, d_pos, d_slots, d_qsl, d_seq, d_logits, d_tables = (dev[offs[i]:offs[i + 1]] for i in range(7))
+        if input_ids is not None:
+            assert len(input_ids) == total and total == n, "device input ids are one token a row"
+            d_ids = input_ids
         num_decodes = int((lens == 1).sum())
         md = AttentionMetadata(
-            num_actual_tokens=total, num_seqs=len(rows),
-            query_start_loc=torch.from_numpy(qsl).to(dev, torch.int32),
-            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
-            block_tables=torch.from_numpy(tables).to(dev, torch.int32),
-            slot_mapping=torch.from_numpy(slots).to(dev),
+            num_actual_tokens=total, num_seqs=n,
+            query_start_loc=d_qsl.to(torch.int32), seq_lens=d_seq.to(torch.int32),
+            block_tables=d_tables.view(n, width).to(torch.int32), slot_mapping=d_slots,
             max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()),
             num_decodes=num_decodes, num_decode_tokens=num_decodes,
             query_lens_cpu=lens.tolist(), seq_lens_cpu=seq_lens.tolist())
         md = self.backend.prepare(md)
-        hidden = self.model(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), md)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(dev)])  # type: ignore[operator]
+        hidden = self.model(d_ids, d_pos, md)
+        logits = self.model.compute_logits(hidden[d_logits])  # type: ignore[operator]
         return logits[:, :self.vocab_size].float()
 
 
@@ -194,18 +202,33 @@ class DraftModelProposer(NgramProposer):
         for req in active:
             req.spec_probs = None if req.sampling_params.greedy else torch.empty(
                 len(req.spec_token_ids), runner.vocab_size, device=runner.device)
-        self._pick(runner.forward(rows, drafting), active, 0)
-        # drafts 2 .. k: one token each, at the slots the scheduler gave the drafts
+        logits = runner.forward(rows, drafting)
+        if not active:  # only catching up (prompt chunks, requests not drafting)
+            return
+        tokens = self._pick(logits, active, 0)
+        picked = [(active, tokens)]
+        # drafts 2 .. k: one token each, at the slots the scheduler gave the drafts; each
+        # forward's input is the last one's drafts, left on the device (read back once)
         tables = {rows[i].req.request_id: rows[i].table for i in drafting}
         for j in range(1, max((len(r.spec_token_ids) for r in active), default=0)):
-            active = [r for r in active if len(r.spec_token_ids) > j]
-            step = [_Row(r, r.num_tokens + j - 1, [r.spec_token_ids[j - 1]], tables[r.request_id])
+            keep = [i for i, r in enumerate(active) if len(r.spec_token_ids) > j]
+            if len(keep) < len(active):
+                active = [active[i] for i in keep]
+                tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
+            step = [_Row(r, r.num_tokens + j - 1, [_PLACEHOLDER_DRAFT], tables[r.request_id])
                     for r in active]
-            self._pick(runner.forward(step, list(range(len(step)))), active, j)
+            tokens = self._pick(runner.forward(step, list(range(len(step))), tokens), active, j)
+            picked.append((active, tokens))
+        values = torch.cat([t for _, t in picked]).tolist()
+        i = 0
+        for j, (reqs, _) in enumerate(picked):
+            for r in reqs:
+                r.spec_token_ids[j] = values[i]
+                i += 1
 
     @staticmethod
-    def _pick(logits: torch.Tensor, reqs: list[Request], j: int) -> None:
-        """Draft ``j`` of each of ``reqs`` from its row of ``logits``: the argmax for a
+    def _pick(logits: torch.Tensor, reqs: list[Request], j: int) -> torch.Tensor:
+        """Draft ``j`` of each of ``reqs`` (on the device) from its row of ``logits``: the argmax for a
         greedy request; else drawn from the draft's distribution as the request samples
         (temperature, top-k/p, min-p), kept in ``spec_probs`` for the verifier; a seeded
         request's draw from its own stream (seed, output position), as the verifier's."""
@@ -227,8 +250,7 @@ class DraftModelProposer(NgramProposer):
                     g.manual_seed((seed * SEED_MIX + r.num_output_tokens + j) % (1 << 63) ^ 0xD4A)
                     noise[n].exponential_(generator=g)
             tokens = tokens.index_copy(0, rows, row_argmax(q / noise))
-        for r, t in zip(reqs, tokens.tolist(), strict=True):
-            r.spec_token_ids[j] = t
+        return tokens
 
 
 def build_draft_proposer(config: SpeculativeConfig, source: ModelSource, target: ModelConfig,
