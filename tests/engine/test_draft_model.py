@@ -133,6 +133,21 @@ def test_sampled_requests_with_a_draft_are_seeded_and_counted(tiny_checkpoint, d
     assert llm.engine.kv_manager.stats().blocks_used == 0
 
 
+def test_the_kv_budget_holds_both_pools(tiny_checkpoint, drafts):
+    """A block costs the target's and the draft's bytes: the same memory gives fewer
+    blocks, and the draft's pool has one for each of the target's."""
+    path, mem = tiny_checkpoint("llama31_gqa"), 1 << 20
+    plain = _llm(path, kv_cache_memory=mem).engine
+    eng = _llm(path, drafts["other"], kv_cache_memory=mem).engine
+    draft_cfg = eng.proposer.runner.config
+    per_token = plain.model_config.kv_bytes_per_token("float32")
+    assert plain.num_blocks == mem // (8 * per_token)
+    assert eng.num_blocks == mem // (8 * (per_token + draft_cfg.kv_bytes_per_token("float32")))
+    assert eng.num_blocks < plain.num_blocks
+    layers = eng.proposer.runner.model.attention_layers()
+    assert len(layers) == 1 and all(c.shape[0] == eng.num_blocks for c in layers[0].kv_cache)
+
+
 def test_draft_model_config_from_vllm_words(drafts):
     """A model with no method means draft_model (as vLLM infers it); JSON text too."""
     c = SpeculativeConfig.parse({"model": str(drafts["other"]), "num_speculative_tokens": 2})
