@@ -49,6 +49,7 @@ from torch import nn
 
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata
 from flashpage.config import ModelConfig
+from flashpage.engine.model_runner import _table_width
 from flashpage.engine.sampler import row_argmax
 from flashpage.engine.spec_decode import SEED_MIX, NgramProposer, SpeculativeConfig, processed_probs
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
@@ -108,8 +109,6 @@ class DraftRunner:
         the fp32 next-token logits [len(want), vocab] after the last token of each row in
         ``want`` (row indices). ``input_ids``: the tokens on the device instead of the rows'
         (rows of one token each: the last forward's drafts, not read back)."""
-        from flashpage.engine.model_runner import _table_width
-
         bs, n = self.block_size, len(rows)
         # decodes (one token) first, as every backend expects
         order = sorted(range(n), key=lambda i: len(rows[i].tokens) != 1)
