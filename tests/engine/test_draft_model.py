@@ -135,6 +135,21 @@ def test_sampled_requests_with_a_draft_are_seeded_and_counted(tiny_checkpoint, d
     assert llm.engine.kv_manager.stats().blocks_used == 0
 
 
+def test_unspeculable_requests_decode_beside_drafted_ones(tiny_checkpoint, drafts):
+    """A request with a repetition penalty is not drafted (its sampling reads its tokens one
+    at a time) but its tokens still fill the draft's pool; both get plain decoding's tokens."""
+    path = tiny_checkpoint("llama31_gqa")
+    prompts = random_prompts(2, 8, 16, seed=11)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3)]
+    want = _ids(_llm(path), prompts, params)
+    llm = _llm(path, drafts["self"])
+    assert _ids(llm, prompts, params) == want
+    st = llm.engine.stats()["spec_decode"]
+    # the first request alone drafts: 3 + 3 + 2 drafts (room: max_tokens) after its prompt step
+    assert (st["num_drafts"], st["num_draft_tokens"], st["acceptance_rate"]) == (3, 8, 1.0), st
+
+
 def test_the_kv_budget_holds_both_pools(tiny_checkpoint, drafts):
     """A block costs the target's and the draft's bytes: the same memory gives fewer
     blocks, and the draft's pool has one for each of the target's."""
