@@ -20,6 +20,11 @@ lookup is for: copying from the context). Modes per batch size:
   (drafting's back-off off, so every step drafts)
 - wrong+bo k=K: all wrong with the back-off on (engine/spec_decode.SpecBackoff), as a
   request whose drafts miss runs by default
+- draft L=N k=K (with --draft-layers N ...): a draft model (engine/draft_model.py) of the
+  target's shapes with its first N layers (0: all of them, the target itself), the
+  target's weights for those (and, with --counting, counting too: every draft right); its
+  own K/V pool over the target's blocks, run eagerly; back-off off. What a step costs with
+  an N-layer draft, beside "right k=K" (the same accepted drafts for free)
 
 Speculating modes schedule as the engine does (async on CUDA while nobody drafts).
 
@@ -28,11 +33,13 @@ for each; checks every mode's tokens against plain's (greedy: they must be equal
 fp ties that verification's different kernels may break the other way).
 
     python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 2 4 --json-out $OUT/spec.json
+    python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 4 --draft-layers 1 0
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -41,9 +48,12 @@ from typing import Any
 import torch
 
 from flashpage.bench.common import resolve_config
+from flashpage.engine.draft_model import DraftModelProposer, DraftRunner, check_draft_config
 from flashpage.engine.sequence import Request
 from flashpage.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
+from flashpage.layers.ops import set_fused_ops
 from flashpage.llm import LLM
+from flashpage.models.loader import ModelSource, load_model
 from flashpage.sampling_params import SamplingParams
 
 
@@ -74,6 +84,24 @@ def make_counting(model: torch.nn.Module) -> None:
             u = torch.nn.functional.normalize(emb[i:i + 8192].float() * norm_w, dim=-1)
             rows = (torch.arange(i, i + u.shape[0], device=u.device) + 1) % emb.shape[0]
             head[rows] = u.to(head.dtype)
+
+
+def draft_runner(llm: LLM, layers: int) -> DraftRunner:
+    """A draft of the target's shapes with its first ``layers`` layers (0: all) and the
+    target's weights for them (counting ones too, if the target's are), its pool on the
+    target's blocks."""
+    eng = llm.engine
+    mc = eng.model_config
+    cfg = dataclasses.replace(mc, num_hidden_layers=layers or mc.num_hidden_layers)
+    source = ModelSource("random", None, cfg)
+    model = load_model(source, eng.dtype, eng.device, max_positions=eng.max_model_len)
+    missing = model.load_state_dict(eng.model.state_dict(), strict=False).missing_keys
+    assert not missing, missing  # every draft weight is the target's (extra layers unused)
+    backend = type(eng.runner.backend)
+    set_fused_ops(model, backend.name == "triton")
+    check_draft_config(cfg, mc)
+    return DraftRunner(model, cfg, backend(cfg, eng.device, eng.dtype), eng.kv_manager,
+                       eng.num_blocks, eng.config.block_size, eng.device, eng.kv_dtype, mc.vocab_size)
 
 
 def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams, iters: int) -> dict[str, Any]:
@@ -119,11 +147,19 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--no-counting", dest="counting", action="store_false",
                     help="keep the random weights as drawn (greedy tokens then flip on near-ties)")
+    ap.add_argument("--draft-layers", type=int, nargs="*", default=[],
+                    help="also time draft models of the target's shapes with this many of its "
+                         "layers (0: all: the target as its own draft)")
+    ap.add_argument("--num-gpu-blocks", type=int, default=None,
+                    help="KV blocks (default: from memory; 4096 with --draft-layers, as each "
+                         "draft's pool has as many blocks as the target's)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     kmax = max(args.ks)
+    blocks = args.num_gpu_blocks or (4096 if args.draft_layers else None)
     llm = LLM(args.model, random_weights_config=resolve_config(args.config), dtype=args.dtype,
               device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
+              num_gpu_blocks=blocks,
               speculative_config={"method": "ngram", "num_speculative_tokens": kmax})
     eng = llm.engine
     ngram = eng.proposer
@@ -137,6 +173,7 @@ def main() -> None:
                                "device": str(eng.device),
                                "dtype": str(eng.dtype), "input_len": args.input_len,
                                "block": args.block, "output_len": args.output_len, "runs": []}
+    runners: dict[int, DraftRunner] = {}  # one draft model (and pool) per layer count
     for bs in args.batch_sizes:
         prompts = []
         for _ in range(bs):
@@ -164,10 +201,20 @@ def main() -> None:
                 sp.answers = {str(i): a for i, a in enumerate(want)}
                 sp.shift, sp.vocab = shift, vocab
                 modes.append((f"{name} k={k}", sp))
+            for n in args.draft_layers:
+                if n not in runners:
+                    runners[n] = draft_runner(llm, n)
+                # (the proposer reads k and backoff alone: a draft_model config wants a path)
+                modes.append((f"draft L={n} k={k}", DraftModelProposer(
+                    SpeculativeConfig(num_speculative_tokens=k, backoff=False), eng.max_model_len,
+                    runner=runners[n])))
         rows = [("plain", plain, None)]
         for name, prop in modes:
             eng.proposer = prop
             prop.stats = SpecStats()
+            if isinstance(prop, DraftModelProposer):
+                # blocks cached by the other modes hold no K/V in the draft's pool
+                eng.kv_manager.reset_prefix_cache()
             r = _run(llm, prompts, params, args.iters)
             rows.append((name, r, prop.stats.as_dict()))
         for name, r, st in rows:

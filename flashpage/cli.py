@@ -65,7 +65,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help='values over the generation config, e.g. \'{"temperature": 0.5}\'')
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4}\' (drafts looked up in the request\'s own tokens)')
+                        '"prompt_lookup_max": 4}\' (drafts looked up in the request\'s own tokens), '
+                        'or \'{"model": "DRAFT_PATH", "num_speculative_tokens": 4}\' (a smaller draft '
+                        'model with the same vocabulary)')
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flashpage import envs
+from flashpage.attention.backend import AttentionBackend
 from flashpage.attention.registry import select_backend
 from flashpage.config import EngineConfig, ModelConfig, dtype_bytes, resolve_kv_cache_dtype
+from flashpage.engine.draft_model import build_draft_proposer, check_draft_config
 from flashpage.engine.model_runner import ModelRunner
 from flashpage.engine.output import ChildRequest, ParentRequest, child_params
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
@@ -34,7 +36,7 @@ from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
 from flashpage.layers.moe import set_fused_moe
 from flashpage.layers.quant import quantized_linears
 from flashpage.lora.request import LoRARequest
-from flashpage.models.loader import ModelSource, load_model, resolve_model
+from flashpage.models.loader import ModelLoadError, ModelSource, load_model, resolve_model
 from flashpage.outputs import RequestMetrics, RequestOutput
 from flashpage.pooling import PoolingParams, PoolingState, pooling_type_of
 from flashpage.sampling_params import SamplingParams, StructuredOutputsError
@@ -115,6 +117,10 @@ class LLMEngine:
                                 quantization=config.quantization)
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
+        self.spec_config = SpeculativeConfig.parse(config.speculative_config)
+        self.draft: tuple[ModelSource, torch.nn.Module, type[AttentionBackend]] | None = None
+        if self.spec_config is not None and self.spec_config.method == "draft_model":
+            self.draft = self._load_draft(self.spec_config)
         set_fused_moe(self.model, backend_cls.name == "triton" and self.device.type == "cuda"
                       and envs.fused_moe())
         # LoRA slots (flashpage/lora/): on the device before the KV cache takes what is left
@@ -143,7 +149,6 @@ class LLMEngine:
                                    max_loras=config.max_loras if config.enable_lora else 0,
                                    policy=config.scheduling_policy)
         backend = backend_cls(mc, self.device, self.dtype)
-        self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
                                   config.block_size, self.device, self.dtype, self.kv_dtype)
         self.runner.lora = self.lora
@@ -171,8 +176,16 @@ class LLMEngine:
         # speculative decoding (engine/spec_decode.py): a step's drafts come from the last
         # step's tokens, so while a request drafts (its drafting not backed off) a step is
         # read back before the next is scheduled; otherwise scheduling stays asynchronous
-        self.proposer = NgramProposer(self.spec_config, self.max_model_len) \
-            if self.spec_config is not None else None
+        self.proposer: NgramProposer | None = None
+        if self.draft is not None:  # engine/draft_model.py
+            assert self.spec_config is not None
+            source, model, draft_backend = self.draft
+            self.proposer = build_draft_proposer(
+                self.spec_config, source, mc, model, draft_backend(source.config, self.device, self.dtype),
+                self.kv_manager, self.num_blocks, config.block_size, self.device, self.kv_dtype,
+                self.max_model_len)
+        elif self.spec_config is not None:
+            self.proposer = NgramProposer(self.spec_config, self.max_model_len)
         self._inflight: _Inflight | None = None  # the launched step not yet read back
         self._sync_ids: set[str] = set()  # requests whose sampling needs every token known
         self._guides: GuideCompiler | None = None  # structured outputs, built on first use
@@ -313,9 +326,32 @@ class LLMEngine:
         ids.update(self.generation_defaults.eos_token_ids)
         return tuple(sorted(ids))
 
+    def _load_draft(self, spec: SpeculativeConfig) -> tuple[ModelSource, torch.nn.Module,
+                                                            type[AttentionBackend]]:
+        """The draft model of ``spec`` (speculative decoding, engine/draft_model.py) loaded
+        beside the target, with the attention backend it runs on (the one requested, else
+        the default for its shapes); a ValueError names what does not fit."""
+        assert spec.model is not None
+        try:
+            source = resolve_model(spec.model)
+        except ModelLoadError as e:
+            raise ValueError(f"speculative_config model {spec.model!r} cannot be loaded: {e}") from None
+        check_draft_config(source.config, self.model_config)
+        backend_cls, why = select_backend(self.config.attention_backend, source.config, self.device,
+                                          self.dtype, kv_cache_dtype=self.kv_dtype)
+        logger.info("draft model %s: attention backend %s", spec.model, why)
+        model = load_model(source, self.dtype, self.device, max_positions=self.max_model_len,
+                           seed=self.config.seed, quantization=self.config.quantization)
+        ops.set_fused_ops(model, backend_cls.name == "triton")
+        return source, model, backend_cls
+
     def _num_blocks(self) -> int:
         mc, cfg = self.model_config, self.config
-        per_block = mc.kv_bytes_per_token(str(self.kv_dtype).replace("torch.", "")) * cfg.block_size
+        kv_dtype = str(self.kv_dtype).replace("torch.", "")
+        per_token = mc.kv_bytes_per_token(kv_dtype)
+        if self.draft is not None:  # its pool has a block for each of the target's
+            per_token += self.draft[0].config.kv_bytes_per_token(kv_dtype)
+        per_block = per_token * cfg.block_size
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = self._activation_bytes()
@@ -520,6 +556,8 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        if self.proposer is not None:  # a draft model's drafts, now that they have slots
+            self.proposer.fill(out)
         if self.lora is not None and out.scheduled:  # the step's adapters into slots
             self.lora.activate((r.lora_int_id for r, _ in out.scheduled),
                                {r.lora_int_id for r in self.scheduler.running})

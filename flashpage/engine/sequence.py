@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from flashpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from flashpage.lora.request import LoRARequest
     from flashpage.pooling import PoolingState
     from flashpage.structured.guide import GuideState
@@ -128,6 +130,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         # SamplingParams.bad_words as token ids (set by the engine, which tokenizes them)
         self.bad_word_ids: list[list[int]] = []
+        # a draft model's sampled drafts: the distribution each was drawn from [drafts,
+        # vocab] (on the device; None: certain drafts), for rejection sampling
+        self.spec_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""Speculative decoding by n-gram lookup (vLLM's ``{"method": "ngram"}``, "prompt lookup").
+"""Speculative decoding by n-gram lookup (vLLM's ``{"method": "ngram"}``, "prompt lookup"),
+or by a small draft model (``{"model": PATH}``, method "draft_model": engine/draft_model.py).
 
 Each step, a request in its decode phase looks for the last ``n`` tokens it holds
 (``prompt_lookup_max`` down to ``prompt_lookup_min``) earlier in its own prompt and output;
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,16 +39,24 @@ import torch
 from flashpage.engine.sampler import Logprobs, Sampler, has_penalties, row_argmax
 from flashpage.engine.sequence import Request
 
-_SEED_MIX = 1_000_003
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "backoff")
+if TYPE_CHECKING:
+    from flashpage.engine.scheduler import SchedulerOutput
+    from flashpage.sampling_params import SamplingParams
+
+SEED_MIX = 1_000_003
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+         "backoff")
+METHODS = ("ngram", "draft_model")
 _INT_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's ``speculative_config`` for n-gram drafts (the only method here)."""
+    """vLLM's ``speculative_config``: n-gram drafts, or a draft model's (``model``: a
+    smaller model with the target's vocabulary; method "draft_model", inferred from it)."""
 
     method: str = "ngram"
+    model: str | None = None
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
@@ -55,9 +65,13 @@ class SpeculativeConfig:
     backoff: bool = True
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is not supported; "
-                             "only 'ngram' (prompt lookup) is")
+                             "use 'ngram' (prompt lookup) or 'draft_model' (with a model)")
+        if self.method == "draft_model":
+            check_draft_model(self.model)
+        elif self.model is not None:
+            raise ValueError(f"speculative_config model is for method 'draft_model', not {self.method!r}")
         if not isinstance(self.backoff, bool):
             raise ValueError(f"speculative_config backoff must be true or false, got {self.backoff!r}")
         for name in _INT_KEYS:
@@ -88,8 +102,28 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: {list(_KEYS)}")
         if "method" not in spec:
-            raise ValueError("speculative_config needs a method (\"ngram\")")
+            if "model" not in spec:
+                raise ValueError("speculative_config needs a method (\"ngram\") or a draft model")
+            spec = {**spec, "method": "draft_model"}  # as vLLM infers it from a model
         return cls(**spec)  # type: ignore[arg-type]
+
+
+def check_draft_model(model: object) -> None:
+    """A ValueError unless ``model`` is a folder (or .gguf file) holding a model whose
+    architecture we load, neither MLA nor MoE (reads its config.json only)."""
+    from flashpage.models.loader import ModelLoadError, resolve_model
+
+    if not isinstance(model, str) or not model:
+        raise ValueError("speculative_config method 'draft_model' needs a model (the draft's "
+                         f"path), got {model!r}")
+    try:
+        cfg = resolve_model(model).config
+    except (ModelLoadError, ValueError) as e:
+        raise ValueError(f"speculative_config model {model!r} cannot be loaded: {e}") from None
+    if cfg.is_mla or cfg.n_routed_experts or cfg.num_experts_per_tok:
+        raise ValueError(f"speculative_config model {model!r} is {cfg.architecture} with "
+                         f"{'MLA attention' if cfg.is_mla else 'experts (MoE)'}: draft models must be "
+                         "dense with MHA/GQA attention")
 
 
 def find_ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
@@ -228,7 +262,7 @@ class NgramProposer:
                 continue
             drafts = self.draft(req, room)
             if req.guide is not None and drafts:  # only drafts its pattern allows
-                drafts = drafts[:len(req.guide.states_along(drafts)) - 1]
+                drafts = self.fit_guide(req, drafts)
             req.spec_token_ids = drafts
             if bo is not None and not drafts:
                 bo.record(req.request_id, False)
@@ -243,6 +277,15 @@ class NgramProposer:
         if self.backoff is not None:
             for rid, got in checked.items():
                 self.backoff.record(rid, bool(got.accepted))
+
+    def fit_guide(self, req: Request, drafts: list[int]) -> list[int]:
+        """A structured-outputs request's drafts cut where its pattern refuses one."""
+        assert req.guide is not None
+        return drafts[:len(req.guide.states_along(drafts)) - 1]
+
+    def fill(self, out: SchedulerOutput) -> None:
+        """After scheduling, before the step runs: nothing for n-gram drafts, which are
+        known when proposed (a draft model's are computed here: engine/draft_model.py)."""
 
     def draft(self, req: Request, k: int) -> list[int]:
         """Up to ``k`` tokens guessed to follow ``req``'s tokens."""
@@ -312,30 +355,33 @@ def verify_drafts(logits: torch.Tensor, spec: list[tuple[Request, list[int]]], v
     accept = target.cpu() == drafts
     recovered = target
     if not bool(greedy.all()):
-        params = [r.sampling_params for r, _ in rows]
-        table = torch.tensor([[1.0 if p.greedy else p.temperature,
-                               float(p.top_k if p.top_k > 0 else vocab), p.top_p, p.min_p]
-                              for p in params], dtype=torch.float32).to(dev)
-        x = logits / table[:, 0:1]
-        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
-            x = Sampler._filter(x, table[:, 1:2].long(), table[:, 2:3], table[:, 3:4])
-        probs = torch.softmax(x, dim=-1)
+        probs = processed_probs(logits, [r.sampling_params for r, _ in rows], vocab)
         d_dev = drafts.to(dev)
+        # q, the distribution each draft was drawn from: a draft model's where it sampled
+        # (Request.spec_probs), else certain (one-hot: n-gram drafts, greedy drafting)
+        q = torch.zeros_like(probs).scatter_(1, d_dev[:, None], 1.0)
+        i = 0
+        for r, ds in spec:
+            if r.spec_probs is not None:
+                q[i:i + len(ds)] = r.spec_probs[:len(ds), :vocab]
+            i += len(ds)
         p_draft = probs.gather(1, d_dev[:, None])[:, 0]
+        q_draft = q.gather(1, d_dev[:, None])[:, 0]
         uniform = torch.rand(len(rows), device=dev)
         noise = torch.empty_like(probs).exponential_()
         for i, (r, j) in enumerate(rows):
             seed = r.sampling_params.seed
             if seed is not None:  # its own stream, keyed by the output position drawn
                 g = torch.Generator(device=dev)
-                g.manual_seed((seed * _SEED_MIX + r.num_output_tokens + j) % (1 << 63) ^ 0x5EC)
+                g.manual_seed((seed * SEED_MIX + r.num_output_tokens + j) % (1 << 63) ^ 0x5EC)
                 uniform[i] = torch.rand((), generator=g, device=dev)
                 noise[i].exponential_(generator=g)
-        # rejected: draw from p with the draft's mass removed (renormalizing is implicit
-        # in the race argmax(p / Exp(1)))
-        rest = probs.scatter(1, d_dev[:, None], 0.0)
+        # accepted with probability min(1, p(d) / q(d)); rejected: drawn from max(p - q, 0)
+        # (renormalizing is implicit in the race argmax(x / Exp(1))); a one-hot q makes
+        # these p(d) and p without d
+        rest = (probs - q).clamp_(min=0.0)
         sampled = row_argmax(rest / noise)
-        accept = torch.where(greedy, accept, (uniform < p_draft).cpu())
+        accept = torch.where(greedy, accept, (uniform * q_draft < p_draft).cpu())
         recovered = torch.where(greedy.to(dev), target, sampled)
     kmax = max((r.sampling_params.logprobs or 0) for r, _ in spec) \
         if any(r.sampling_params.logprobs is not None for r, _ in spec) else None
@@ -359,6 +405,18 @@ def verify_drafts(logits: torch.Tensor, spec: list[tuple[Request, list[int]]], v
         out.append(Checked(ds[:a], rec[i + a] if a < len(ds) else None, len(ds), row_lps))
         i += len(ds)
     return out
+
+
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams], vocab: int) -> torch.Tensor:
+    """Each row's next-token distribution as its request samples it: softmax after
+    temperature (1 for greedy rows), top-k, top-p and min-p. ``logits`` fp32 [n, vocab]."""
+    table = torch.tensor([[1.0 if p.greedy else p.temperature,
+                           float(p.top_k if p.top_k > 0 else vocab), p.top_p, p.min_p]
+                          for p in params], dtype=torch.float32).to(logits.device)
+    x = logits / table[:, 0:1]
+    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
+        x = Sampler._filter(x, table[:, 1:2].long(), table[:, 2:3], table[:, 3:4])
+    return torch.softmax(x, dim=-1)
 
 
 def _row_logprobs(logits: torch.Tensor, tokens: torch.Tensor, kmax: int
