@@ -240,7 +240,11 @@ def add_tool_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="answer a reasoning model's <think> ... </think> apart, as a chat "
                         "message's reasoning (vLLM's names: deepseek_r1: DeepSeek-R1, QwQ; "
-                        "qwen3; deepseek_v3: DeepSeek-V3.1; glm45)")
+                        "qwen3; deepseek_v3: DeepSeek-V3.1; glm45); structured outputs then "
+                        "start after the thinking")
+    p.add_argument("--structured-outputs-in-reasoning", action="store_true",
+                   help="with --reasoning-parser: structured outputs cover the thinking too "
+                        "(vLLM's enable_in_reasoning)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

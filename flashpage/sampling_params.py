@@ -31,6 +31,12 @@ class StructuredOutputsParams:
 
     ``disable_any_whitespace``: no whitespace between JSON tokens; ``whitespace_pattern``:
     the regex used there instead of the default ``[ ]?`` (outlines' option).
+
+    ``reasoning`` (ours; the server sets it with ``--reasoning-parser``): a reasoning model
+    thinks first, unconstrained, and the pattern starts after ``</think>`` (and optional
+    whitespace): ``"first"``: the output starts inside the thinking (DeepSeek-R1, or a
+    template that opened ``<think>``); ``"optional"``: only if it opens with ``<think>``
+    (Qwen3); None: the pattern from the first token (``structured/reasoning_prefix.py``).
     """
 
     json: str | dict[str, Any] | bool | None = None
@@ -40,6 +46,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +78,9 @@ class StructuredOutputsParams:
             raise StructuredOutputsError("structured outputs: json_object must be a boolean")
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise StructuredOutputsError("structured outputs: whitespace_pattern must be a string")
+        if self.reasoning not in (None, "first", "optional"):
+            raise StructuredOutputsError(
+                f"structured outputs: reasoning must be 'first', 'optional' or None, got {self.reasoning!r}")
 
     def cache_key(self) -> tuple[Any, ...]:
         """Hashable and equal for equal specs (a schema's key order kept: it orders the output)."""
@@ -79,7 +89,7 @@ class StructuredOutputsParams:
             value = _json.dumps(value)
         elif self.kind == "choice":
             value = tuple(value)
-        return (self.kind, value, self.disable_any_whitespace, self.whitespace_pattern)
+        return (self.kind, value, self.disable_any_whitespace, self.whitespace_pattern, self.reasoning)
 
 
 GuidedDecodingParams = StructuredOutputsParams  # vLLM < 0.10's name for the same thing

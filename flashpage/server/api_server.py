@@ -55,7 +55,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
               max_n: int = 16, max_body_bytes: int = 4 << 20, max_prompts: int = 64,
               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
               lora_modules: list[LoRARequest] | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None,
+              structured_outputs_in_reasoning: bool = False) -> FastAPI:
     """The FastAPI app. The engine thread starts with the app (lifespan) and stops with it.
 
     max_n bounds ``n``; max_body_bytes the request body (413 beyond); max_prompts the
@@ -64,7 +65,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     "auto". lora_modules: LoRA adapters a request selects by naming one as its "model"
     (vLLM's --lora-modules), each read and checked now (a bad one stops the start).
     reasoning_parser: how a reasoning model's thinking is told from its answer
-    (server/reasoning.py).
+    (server/reasoning.py); structured outputs then start after the thinking, unless
+    structured_outputs_in_reasoning (vLLM's enable_in_reasoning: the pattern covers it too).
     """
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
@@ -77,6 +79,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     state = ServerState(async_engine, served_model_name, api_key, max_n, max_body_bytes,
                         max_prompts, tool_call_parser, enable_auto_tool_choice, loras,
                         reasoning_parser)
+    state.structured_in_reasoning = structured_outputs_in_reasoning
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -298,7 +301,9 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(AsyncEngine(llm.engine), name, args.api_key,
                     tool_call_parser=getattr(args, "tool_call_parser", None),
                     enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
-                    lora_modules=loras, reasoning_parser=getattr(args, "reasoning_parser", None))
+                    lora_modules=loras, reasoning_parser=getattr(args, "reasoning_parser", None),
+                    structured_outputs_in_reasoning=bool(getattr(args, "structured_outputs_in_reasoning",
+                                                                 False)))
     logger.info("serving %r on http://%s:%d", name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=5)

@@ -16,7 +16,7 @@ from flashpage.engine.sampler import Logprobs
 from flashpage.outputs import RequestOutput
 from flashpage.server.async_engine import RequestStream
 from flashpage.server.protocol import ChatCompletionRequest, bad_request
-from flashpage.server.reasoning import ReasoningSplitter
+from flashpage.server.reasoning import ReasoningSplitter, structured_reasoning
 from flashpage.server.render import ChoiceState, chat_logprobs, prompt_logprobs
 from flashpage.server.serving import (
     ServerState,
@@ -85,6 +85,14 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     want_lp = bool(req.logprobs)
     params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if want_lp else None,
                              tools.structured)
+    tok = state.tokenizer
+    # a reasoning model's thinking apart from its answer (server/reasoning.py)
+    # (include_reasoning false: still split, the reasoning then left out)
+    fmt = state.reasoning
+    prompt_tail = (await tok.decode(ids[-8:]) if fmt is not None and tok.has_tokenizer else "")
+    if (fmt is not None and params.structured_outputs is not None
+            and not state.structured_in_reasoning):  # the shape after the thinking
+        params.structured_outputs.reasoning = structured_reasoning(fmt, prompt_tail)
     if req.use_beam_search:  # the n best beams (server/beam.py), shaped as generated choices
         from flashpage.server.beam import beam_outputs, beam_params
 
@@ -106,11 +114,6 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
         def finals_of() -> Awaitable[list[RequestOutput]]:
             return collect(streams)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    tok = state.tokenizer
-    # a reasoning model's thinking apart from its answer (server/reasoning.py)
-    # (include_reasoning false: still split, the reasoning then left out)
-    fmt = state.reasoning
-    prompt_tail = (await tok.decode(ids[-8:]) if fmt is not None and tok.has_tokenizer else "")
 
     def splitter() -> ReasoningSplitter | None:
         return ReasoningSplitter(fmt, prompt_tail) if fmt is not None else None

@@ -48,6 +48,18 @@ def get_reasoning_parser(name: str) -> ReasoningFormat:
                          f"{', '.join(sorted(REASONING_PARSERS))}") from None
 
 
+def opens_thinking(fmt: ReasoningFormat, prompt_tail: str) -> bool:
+    """Whether the output starts inside the thinking: the format's way, or a template that
+    ended the prompt with ``<think>``."""
+    return fmt.implicit_start or prompt_tail.rstrip().endswith(START)
+
+
+def structured_reasoning(fmt: ReasoningFormat, prompt_tail: str) -> str:
+    """StructuredOutputsParams.reasoning for this format and prompt: the pattern starts
+    after the thinking (structured/reasoning_prefix.py)."""
+    return "first" if opens_thinking(fmt, prompt_tail) else "optional"
+
+
 def _held(buf: str, tag: str) -> int:
     """Length of the longest end of ``buf`` that could begin ``tag``."""
     for n in range(min(len(buf), len(tag) - 1), 0, -1):
@@ -61,10 +73,9 @@ class ReasoningSplitter:
     text (a template that opens the thinking itself ends with ``<think>``)."""
 
     def __init__(self, fmt: ReasoningFormat, prompt_tail: str = "") -> None:
-        opened = prompt_tail.rstrip().endswith(START)
         # "open": expecting an optional <think> then thinking; "maybe": thinking only if
         # the output opens with <think>; "think"; "content"
-        self.state = "open" if fmt.implicit_start or opened else "maybe"
+        self.state = "open" if opens_thinking(fmt, prompt_tail) else "maybe"
         self.buf = ""
         self.saw_reasoning = False
 

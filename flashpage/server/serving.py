@@ -75,6 +75,7 @@ class ServerState:
         if tool_parser is not None:
             get_parser(tool_parser)  # an unknown name fails at start-up
         self.reasoning = None
+        self.structured_in_reasoning = False  # structured outputs cover the thinking too
         if reasoning_parser is not None:
             from flashpage.server.reasoning import get_reasoning_parser
 

@@ -20,6 +20,7 @@ from flashpage.structured.automaton import ByteNFA, LazyDFA, TableDFA
 from flashpage.structured.grammar import compile_grammar
 from flashpage.structured.guide import CompiledGuide, TokenIndex
 from flashpage.structured.json_schema import WHITESPACE, json_object_regex, json_schema_to_regex
+from flashpage.structured.reasoning_prefix import ThinkingThenDFA
 from flashpage.structured.regex_parser import parse_regex
 from flashpage.structured.vocab import token_bytes
 
@@ -71,6 +72,8 @@ class GuideCompiler:
                 dfa = compile_grammar(spec.grammar)
             else:
                 dfa = LazyDFA(ByteNFA(parse_regex(spec_to_regex(spec))))
+            if spec.reasoning is not None:  # free thinking first (structured/reasoning_prefix.py)
+                dfa = ThinkingThenDFA(dfa, spec.reasoning)
             guide = CompiledGuide(dfa, self.index)
             start_ids = guide.allowed(guide.start)  # the first walk may pass the automaton's limits
         except StructuredOutputsError:

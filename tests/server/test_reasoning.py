@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,7 +77,10 @@ def think_model_dir(byte_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module", params=["qwen3", "deepseek_r1"])
 def think_server(request, think_model_dir) -> Iterator[LiveServer]:
-    with live_server(think_model_dir, reasoning_parser=request.param) as s:
+    """Structured outputs cover the thinking here (vLLM's enable_in_reasoning), so the tests
+    can force an output with one."""
+    with live_server(think_model_dir, reasoning_parser=request.param,
+                     structured_outputs_in_reasoning=True) as s:
         s.parser = request.param  # type: ignore[attr-defined]
         yield s
 
@@ -148,3 +152,24 @@ def test_template_fields(think_model_dir):
                                        tokenize=True, return_dict=False)
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want)
         assert "reasoning" not in r.json()["choices"][0]["message"]  # no parser: no field
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_structured_outputs_start_after_the_thinking(parser, think_model_dir):
+    """With a reasoning parser the pattern starts after </think>. '<' barred: qwen3's
+    output cannot open a thinking, so it is the pattern from the first token; deepseek_r1's
+    is thinking from the first token and, unable to close it, runs to max_tokens."""
+    from transformers import AutoTokenizer
+
+    lt = AutoTokenizer.from_pretrained(think_model_dir).encode("<", add_special_tokens=False)
+    assert len(lt) == 1
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0,
+            "structured_outputs": {"regex": "[a-z]{2,6}"}, "logit_bias": {str(lt[0]): -100}}
+    with live_server(think_model_dir, reasoning_parser=parser) as s:
+        choice = post(s, "/v1/chat/completions", body).json()["choices"][0]
+    if parser == "qwen3":
+        assert choice["finish_reason"] == "stop" and choice["message"]["reasoning"] is None
+        assert re.fullmatch("[a-z]{2,6}", choice["message"]["content"])
+    else:
+        assert choice["finish_reason"] == "length" and choice["message"]["content"] == ""
+        assert choice["message"]["reasoning"] and "<" not in choice["message"]["reasoning"]
