@@ -159,6 +159,14 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
         return await chat(state, request, req, arrival)
 
+    @app.post("/v1/responses")
+    async def responses_endpoint(request: Request) -> Response:
+        from flashpage.server.responses import ResponsesRequest, responses
+
+        arrival = time.monotonic()
+        _check_key(state, request)
+        return await responses(state, request, await _parse(state, request, ResponsesRequest), arrival)
+
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         from flashpage.server.embeddings import embeddings
