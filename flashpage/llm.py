@@ -13,6 +13,8 @@ from flashpage.engine.llm_engine import LLMEngine
 from flashpage.lora.request import LoRARequest
 from flashpage.outputs import RequestOutput
 from flashpage.pooling import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingParams,
@@ -217,12 +219,30 @@ class LLM:
         return [ScoringRequestOutput(str(j), ScoringOutput(o.embedding[0]) if o.embedding else None,
                                      True, o.error) for j, o in enumerate(outs)]
 
+    def classify(self, prompts: Prompt | Sequence[Prompt], *, use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[ClassificationRequestOutput]:
+        """vLLM's LLM.classify: a sequence classifier's (BertForSequenceClassification,
+        XLMRobertaForSequenceClassification) class probabilities per prompt, softmax over its
+        labels (one label: the sigmoid); ``self.engine.model_config.labels`` names them. A
+        prompt that cannot run has ``error`` set and no outputs."""
+        self._check_task("classify")
+        plist = _as_prompt_list(prompts)
+        priorities = self._per_prompt_priorities(priority, len(plist))
+        outs = self._run(plist, [PoolingParams(task="classify")] * len(plist), use_tqdm, None, priorities)
+        return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
+                                            ClassificationOutput(o.embedding) if o.embedding is not None else None,
+                                            True, o.error) for o in outs]
+
     def _check_task(self, task: str) -> None:
         """An encoder engine refuses what its model does not do (generation, or embedding
-        on a cross-encoder) with a ValueError saying what it does instead."""
+        on a cross-encoder) with a ValueError saying what it does instead; a decoder does
+        not classify."""
         check = getattr(self.engine, "check_task", None)
         if check is not None:
             check(task)
+        elif task == "classify":
+            raise ValueError("this model is not a sequence classifier: classify needs one (a "
+                             "BertForSequenceClassification / XLMRobertaForSequenceClassification)")
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 POOLING_TYPES = ("last", "mean", "cls")
-POOLING_TASKS = ("embed", "score")
+POOLING_TASKS = ("embed", "score", "classify")
 
 
 @dataclass
@@ -36,15 +36,16 @@ class PoolingParams:
     dimensions: int | None = None  # keep the first this many values (Matryoshka); None: all
     normalize: bool = True  # L2-normalize (after the cut)
     # "embed": the pooled vector; "score": a cross-encoder's score of the pair the prompt
-    # holds (flashpage/encoder/; LLM.score and the server's /score, /rerank send it)
+    # holds (flashpage/encoder/; LLM.score and the server's /score, /rerank send it);
+    # "classify": a sequence classifier's class probabilities (LLM.classify, /classify)
     task: str = "embed"
 
     def validate(self, hidden_size: int | None = None) -> None:
         if self.task not in POOLING_TASKS:
             raise ValueError(f"pooling task must be one of {POOLING_TASKS}, got {self.task!r}")
         d = self.dimensions
-        if d is not None and self.task == "score":
-            raise ValueError("dimensions applies to embeddings, not to a cross-encoder's score")
+        if d is not None and self.task != "embed":
+            raise ValueError(f"dimensions applies to embeddings, not to a {self.task} request")
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ValueError(f"dimensions must be a positive integer, got {d!r}")
         if d is not None and hidden_size is not None and d > hidden_size:
@@ -131,6 +132,28 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput | None
+    finished: bool = True
+    error: str | None = None  # the prompt was refused; outputs is None
+
+
+@dataclass
+class ClassificationOutput:
+    """A classifier's class probabilities (softmax over its labels; one label: the sigmoid)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What LLM.classify returns per prompt (vLLM's shape): ``outputs.probs``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput | None
     finished: bool = True
     error: str | None = None  # the prompt was refused; outputs is None
 

@@ -39,6 +39,7 @@ class EncoderConfig:
     hidden_act: str
     pad_token_id: int
     num_labels: int  # classify only (1 for the others)
+    labels: tuple[str, ...] = ()  # config.json's id2label, in id order (classify only)
     # a one-label cross-encoder's score activation: "sigmoid" (vLLM's and sentence-transformers'
     # default) or "identity" (the checkpoint's sentence-transformers config says Identity)
     score_activation: str = "sigmoid"
@@ -137,7 +138,14 @@ class EncoderConfig:
                    max_position_embeddings=max_pos, type_vocab_size=raw.get("type_vocab_size", 2),
                    layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)), hidden_act=act,
                    pad_token_id=pad, num_labels=num_labels,
+                   labels=_labels(labels, num_labels) if head != "embed" else (),
                    score_activation=_score_activation(raw, folder))
+
+
+def _labels(id2label: Any, n: int) -> tuple[str, ...]:
+    """id2label's names in id order ("LABEL_i" where it names none, as transformers does)."""
+    names = id2label if isinstance(id2label, dict) else {}
+    return tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(n))
 
 
 def encoder_architecture(raw: dict[str, Any]) -> str | None:

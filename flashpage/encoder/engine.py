@@ -127,7 +127,11 @@ class EncoderEngine:
                              "/score take the cosine of its embeddings instead)")
         if task == "score" and self.model_config.num_labels != 1:
             raise ValueError(f"this classifier has {self.model_config.num_labels} labels; only a "
-                             "one-label cross-encoder gives a score")
+                             "one-label cross-encoder gives a score (LLM.classify, /classify give "
+                             "its class probabilities)")
+        if task == "classify" and self.model_config.head != "classify":
+            raise ValueError(f"this model ({self.model_config.architecture}) is an embedding "
+                             "model: it has no classification head")
 
     def add_lora(self, lora_request: Any) -> None:
         raise ValueError("LoRA adapters are not supported on encoder models")
@@ -251,11 +255,13 @@ class EncoderEngine:
         hidden = self.model(ids, types, positions, mask)
         self.num_forwards += 1
         self.num_batched_tokens += ids.numel()
-        if batch[0].params.task == "score":  # one model does one task: the batch is all scores
-            logits = self.model.classify(hidden[:, 0]).float()[:, 0]
+        if batch[0].params.task != "embed":  # one head: the batch is all scores or classes
+            logits = self.model.classify(hidden[:, 0]).float()
+            if logits.shape[1] > 1:  # classes: their probabilities
+                return logits.softmax(-1).cpu().tolist()
             if self.model_config.score_activation == "sigmoid":
                 logits = torch.sigmoid(logits)
-            return [[s] for s in logits.cpu().tolist()]
+            return logits.cpu().tolist()
         # every vector pooled on the device, then one copy to the host (not one per request)
         pooled = pool(hidden, valid.to(hidden.device), self.pooling_type).cpu()
         out = []

@@ -33,6 +33,7 @@ from flashpage.server.async_engine import AsyncEngine, EngineDeadError
 from flashpage.server.protocol import (
     APIError,
     ChatCompletionRequest,
+    ClassifyRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -174,6 +175,14 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         arrival = time.monotonic()
         _check_key(state, request)
         return await embeddings(state, request, await _parse(state, request, EmbeddingRequest), arrival)
+
+    @app.post("/classify")
+    async def classify_inputs(request: Request) -> Response:
+        from flashpage.server.embeddings import classify
+
+        arrival = time.monotonic()
+        _check_key(state, request)
+        return await classify(state, request, await _parse(state, request, ClassifyRequest), arrival)
 
     @app.post("/score")
     @app.post("/v1/score")

@@ -1,10 +1,12 @@
 """POST /v1/embeddings (OpenAI's): each input's pooled hidden states (flashpage/pooling.py),
-as floats or base64 (little-endian float32, what OpenAI's client asks for by default)."""
+as floats or base64 (little-endian float32, what OpenAI's client asks for by default); and
+POST /classify (vLLM's): a sequence classifier's class probabilities."""
 
 from __future__ import annotations
 
 import base64
 import struct
+import time
 import uuid
 from typing import Any
 
@@ -12,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from flashpage.pooling import PoolingParams
-from flashpage.server.protocol import EmbeddingRequest, bad_request
+from flashpage.server.protocol import ClassifyRequest, EmbeddingRequest, bad_request
 from flashpage.server.serving import (
     ServerState,
     check_priority,
@@ -76,5 +78,41 @@ async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest
         n = sum(len(p) for p in prompts)
         return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "data": data,
                              "model": state.response_model(req.model), "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+    return await unless_disconnected(request, answer())
+
+
+async def classify(state: ServerState, request: Request, req: ClassifyRequest,
+                   arrival: float) -> Response:
+    """POST /classify (vLLM's): a sequence classifier's class probabilities per input, with
+    the likeliest label's name (config.json's id2label)."""
+    check_priority(state, req.priority)
+    check = getattr(state.engine.engine, "check_task", None)
+    try:
+        if check is None:
+            raise ValueError("this model is not a sequence classifier: /classify needs one (a "
+                             "BertForSequenceClassification / XLMRobertaForSequenceClassification)")
+        check("classify")
+    except ValueError as e:
+        raise bad_request(str(e), "model") from None
+    items = prompt_items(state, req.input, "input")
+    prompts = await encode_inputs(state, items, "input", req.truncate_prompt_tokens)
+    streams = await start(state, "classify", prompts, PoolingParams(task="classify"), arrival,
+                          prompt_param="input", model=req.model, priority=req.priority)
+    labels: tuple[str, ...] = getattr(state.engine.engine.model_config, "labels", ())
+
+    async def answer() -> Response:
+        outs = await collect(streams)
+        data = []
+        for i, out in enumerate(outs):
+            probs = out.embedding or []
+            best = max(range(len(probs)), key=probs.__getitem__) if probs else 0
+            data.append({"index": i, "label": labels[best] if best < len(labels) else str(best),
+                         "probs": probs, "num_classes": len(probs)})
+        n = sum(len(p) for p in prompts)
+        return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list",
+                             "created": int(time.time()), "model": state.response_model(req.model),
+                             "data": data, "usage": {"prompt_tokens": n, "total_tokens": n,
+                                                     "completion_tokens": 0}})
 
     return await unless_disconnected(request, answer())

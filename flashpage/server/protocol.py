@@ -312,3 +312,13 @@ class UnloadLoRAAdapterRequest(_Body):
 
     lora_name: Str = Field(min_length=1)
     lora_int_id: Int | None = None
+
+
+class ClassifyRequest(_Body):
+    """POST /classify (vLLM's): ``input`` a text, texts, token ids, or lists of ids."""
+
+    model: Str | None = None
+    input: Str | list[Str] | TokenIds | list[TokenIds]
+    truncate_prompt_tokens: Int | None = Field(default=None, ge=1)
+    priority: Priority = 0
+    user: Any = None
