@@ -249,11 +249,12 @@ def test_quantization_fp8_leaves_int4_linears(int4_checkpoint):
     assert quantized_linears(m) == []  # layer 1's qkv_proj was left (partly) 16-bit by the file
 
 
-def _generate(path, prompts):
+def _generate(path, prompts, max_tokens=10):
     from flashpage import LLM, SamplingParams
 
     llm = LLM(str(path), device="cpu", dtype="float32")
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                ignore_eos=True),
                         use_tqdm=False)
     n = len(int4_linears(llm.engine.model))
     del llm
@@ -271,6 +272,27 @@ def test_engine_tokens_equal_transformers_on_the_dequantized_checkpoint(int4_che
     tokens, n = _generate(path, prompts)
     assert n > 0
     assert tokens == hf_greedy(ref, prompts, 10)
+
+
+def test_engine_tokens_through_our_kernel_under_the_interpreter(int4_checkpoint, monkeypatch):
+    """The same with every int4 linear run by our Triton kernel (the interpreter stands in
+    for the GPU; the CPU path would dequantize in torch): the layout the loader built is the
+    one the kernel reads, inside the model."""
+    import flashpage.layers.linear as linear_mod
+
+    calls = []
+
+    def kernel(x, qweight, scales, zeros, bias=None):
+        calls.append(x.shape[0])
+        x2 = x.reshape(-1, x.shape[-1])
+        return w4a16_matmul(x2, qweight, scales, zeros, bias).view(*x.shape[:-1], -1)
+
+    monkeypatch.setattr(linear_mod, "int4_linear", kernel)
+    path, ref, _ = int4_checkpoint("qwen2_bias", "gptq_g32")
+    prompts = random_prompts(2, 3, 12, seed=4)
+    tokens, _ = _generate(path, prompts, max_tokens=6)
+    assert calls and max(calls) > 1
+    assert tokens == hf_greedy(ref, prompts, 6)
 
 
 # ----------------------------------------------------------------------------- broken files
@@ -333,30 +355,40 @@ def test_inspect_reports_the_int4_quantization(int4_checkpoint, capsys):
 @pytest.mark.parametrize("fmt", ["awq_g32", "gptq_g32"])
 def test_int4_checkpoint_bf16_on_the_gpu_with_graphs(int4_checkpoint, fmt):
     """bf16 on CUDA, engine defaults (triton, CUDA graphs, our W4A16 kernel at decode and
-    prompt steps): each greedy token of the bf16 engine over the dequantized checkpoint,
-    fed back, is the int4 engine's top token where bf16 is sure (the weights are the same
-    values; only the order of the sums differs)."""
+    prompt steps) against the bf16 engine over the dequantized checkpoint (the same weight
+    values; only the order of the sums differs): each engine's greedy tokens, fed to the
+    other as a prompt, are the other's top token wherever the first was sure. The int4
+    engine's own decoding (graphs, split-K kernel) and its prompt steps are both checked."""
     from flashpage import LLM, SamplingParams
 
     path, ref, _ = int4_checkpoint("head128_gqa", fmt)
     prompts = random_prompts(12, 3, 300, seed=2)
-    base = LLM(str(ref), dtype="bfloat16", num_gpu_blocks=1024)
-    outs = base.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                 logprobs=2), use_tqdm=False)
-    margins = torch.tensor([lp.top[0][1] - lp.top[1][1] for o in outs for lp in o.outputs[0].logprobs])
-    full = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    forced = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def sure_and_full(outs):
+        margins = torch.tensor([lp.top[0][1] - lp.top[1][1] for o in outs
+                                for lp in o.outputs[0].logprobs])
+        return margins > 1.0, [p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)]
+
+    def ranks(llm, full):
+        outs = llm.generate(full, forced, use_tqdm=False)
+        return torch.tensor([e.rank for p, o in zip(prompts, outs, strict=True)
+                             for e in o.prompt_logprobs[len(p):]])
+
+    def engine(folder):
+        gc.collect()
+        torch.cuda.empty_cache()
+        return LLM(str(folder), dtype="bfloat16", num_gpu_blocks=1024)
+
+    base = engine(ref)
+    base_sure, base_full = sure_and_full(base.generate(prompts, greedy, use_tqdm=False))
     del base
-    gc.collect()
-    torch.cuda.empty_cache()
-    quant = LLM(str(path), dtype="bfloat16", num_gpu_blocks=1024)
+    quant = engine(path)
     assert quant.engine.runner.graphs is not None
     assert len(int4_linears(quant.engine.model)) > 0
-    forced = quant.generate(full, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    ranks = torch.tensor([e.rank for p, o in zip(prompts, forced, strict=True)
-                          for e in o.prompt_logprobs[len(p):]])
-    assert torch.all(ranks[margins > 1.0] == 1)
-    decoded = quant.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
-                                                     ignore_eos=True), use_tqdm=False)
-    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
-               for a, b in zip(outs, decoded, strict=True))
-    assert same >= len(prompts) // 2
+    assert torch.all(ranks(quant, base_full)[base_sure] == 1)  # int4 prompt steps
+    quant_sure, quant_full = sure_and_full(quant.generate(prompts, greedy, use_tqdm=False))
+    del quant
+    base = engine(ref)
+    assert torch.all(ranks(base, quant_full)[quant_sure] == 1)  # int4 decode steps (graphs)
