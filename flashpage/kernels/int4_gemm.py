@@ -19,9 +19,9 @@ x and BLOCK_N output features, walks K a BLOCK_K tile at a time, loads the tile'
 words [BLOCK_N, BLOCK_K/8], unpacks the nibbles in registers (shift, mask, reshape),
 applies each group's zero and scale (BLOCK_K spans whole groups, or a group spans whole
 tiles) and feeds ``tl.dot`` with an fp32 accumulator. Decode batches (1-16 rows) take
-BLOCK_M 16 (``tl.dot``'s smallest) and split K between programs (``split_k``) so that a
-projection of a few thousand features still fills the GPU: each split writes fp32
-partial sums, added once after. ``dequantize_int4`` unpacks the whole weight to x's dtype
+BLOCK_M 16 (``tl.dot``'s smallest); every row count splits K between programs
+(``split_k``) until there are ~2 programs per SM, so that a projection of a few thousand
+features still fills the GPU: each split writes fp32 partial sums, added once after. ``dequantize_int4`` unpacks the whole weight to x's dtype
 (for large prompt steps, where a 16-bit GEMM wins). Their references: ``unpack_int4``,
 ``dequantize_int4_ref``, ``int4_linear_ref``.
 """
@@ -167,11 +167,17 @@ class Int4Config:
 
 
 SKINNY = Int4Config(16, 64, 128, split_k=0, num_warps=4, num_stages=4)  # 1-16 rows
-GEMM = Int4Config(64, 128, 64, split_k=1, num_warps=4, num_stages=3)
+GEMM = Int4Config(64, 128, 64, split_k=0, num_warps=4, num_stages=3)  # 17+ rows
 
 
 def default_config(m: int) -> Int4Config:
     return SKINNY if m <= 16 else GEMM
+
+
+def kernel_supports(k: int, g: int) -> bool:
+    """Whether ``w4a16_matmul`` takes a K-wide weight in groups of G on the GPU: its K tiles
+    (dividing K and G, or G dividing them) must be 16 wide at least for ``tl.dot``."""
+    return _block_k(k, g, 16) == 16
 
 
 def check_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> int:

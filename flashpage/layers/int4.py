@@ -7,8 +7,8 @@ bytes of a bf16 weight, plus 2.5 bytes per group of G values (~0.5 byte per 128-
 How a call of M rows runs (``int4_linear``):
 
     CUDA, M <= GEMM_ROWS       kernels/int4_gemm.w4a16_matmul: nibbles unpacked and
-                               dequantized in registers, tl.dot in fp32 (split K for the
-                               1-16 rows of decode batches)
+                               dequantized in registers, tl.dot in fp32 (K split to
+                               fill the GPU); K tiles under 16 wide: as below
     CUDA, more rows            the weight dequantized to x's dtype by one kernel, then
                                cuBLAS (a prompt step's GEMM is compute-bound)
     elsewhere (CPU)            the weight dequantized in torch, then F.linear (correct,
@@ -37,9 +37,9 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.is_cuda and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        from flashpage.kernels.int4_gemm import dequantize_int4, w4a16_matmul
+        from flashpage.kernels.int4_gemm import dequantize_int4, kernel_supports, w4a16_matmul
 
-        if x2.shape[0] <= GEMM_ROWS:
+        if x2.shape[0] <= GEMM_ROWS and kernel_supports(k, k // scales.shape[1]):
             y = w4a16_matmul(x2, qweight, scales, zeros, bias)
         else:
             y = F.linear(x2, dequantize_int4(qweight, scales, zeros, x2.dtype), bias)
