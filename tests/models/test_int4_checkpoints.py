@@ -229,8 +229,11 @@ def test_loaded_weights_are_the_quantizers_to_the_bit(int4_checkpoint, model, fm
     pieces = [qs[f"model.layers.0.self_attn.{h}"] for h in ("q_proj", "k_proj", "v_proj")]
     assert torch.equal(unpack_int4(qkv.weight), torch.cat(pieces))
     assert qkv.in_features == 64
+    dev = "cuda" if GPU else "cpu"  # the CPU: the interpreter
     x = torch.randn(3, qkv.in_features)
-    y = w4a16_matmul(x, qkv.weight, qkv.w4_scales, qkv.w4_zeros, qkv.bias)  # the interpreter
+    on = [t.to(dev) if t is not None else None
+          for t in (x, qkv.weight, qkv.w4_scales, qkv.w4_zeros, qkv.bias)]
+    y = w4a16_matmul(*on).cpu()
     lin = x @ got["model.layers.0.self_attn.q_proj.weight"].t()
     if qkv.bias is not None:
         lin = lin + qkv.bias[:lin.shape[1]]
@@ -274,6 +277,8 @@ def test_engine_tokens_equal_transformers_on_the_dequantized_checkpoint(int4_che
     assert tokens == hf_greedy(ref, prompts, 10)
 
 
+@pytest.mark.skipif(GPU, reason="the CPU variant (on a GPU the engine runs our kernel itself: "
+                               "test_int4_checkpoint_bf16_on_the_gpu_with_graphs)")
 def test_engine_tokens_through_our_kernel_under_the_interpreter(int4_checkpoint, monkeypatch):
     """The same with every int4 linear run by our Triton kernel (the interpreter stands in
     for the GPU; the CPU path would dequantize in torch): the layout the loader built is the
