@@ -43,10 +43,11 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     if k % PACK:
         raise ValueError(f"K={k} is not a multiple of {PACK}")
-    q = q.to(torch.int64).reshape(n, k // PACK, PACK)
-    shifts = torch.arange(PACK, device=q.device) * 4
-    words = (q << shifts).sum(dim=-1)  # disjoint bits: the sum is the OR
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    q = q.to(torch.int32).reshape(n, k // PACK, PACK)
+    words = q[..., 0].clone(memory_format=torch.contiguous_format)
+    for j in range(1, PACK):  # int32 shifts wrap: nibble 7 lands in the sign bit
+        words |= q[..., j] << (4 * j)
+    return words
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:

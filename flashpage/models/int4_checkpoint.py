@@ -141,6 +141,7 @@ def _stream(header: dict[str, tuple[str, str, tuple[int, ...]]], qc: CheckpointQ
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{path} is corrupt or not a safetensors file: {e}") from e
 
+    device = next(p.device for p in model.parameters())
     for name in header:
         mod = name.rsplit(".", 1)[0]
         if mod in modules and name.endswith(_PARTS):
@@ -153,8 +154,9 @@ def _stream(header: dict[str, tuple[str, str, tuple[int, ...]]], qc: CheckpointQ
                 if not torch.equal(read(mod + ".g_idx").to(torch.int64), want):
                     raise ModelLoadError(f"{header[name][0]}: {mod}.g_idx is not k // group_size "
                                          "(act-order / desc_act checkpoints are not read)")
-            qweight, scales, zeros = to_layout(read(name), read(mod + ".qzeros"),
-                                               read(mod + ".scales"))
+            # repacked on the model's device (a GPU unpacks an 8B model's words in ~1 s)
+            qweight, scales, zeros = to_layout(*(read(mod + part).to(device) for part in
+                                                 (".qweight", ".qzeros", ".scales")))
             if mod in kept:
                 yield mod + ".weight", qweight
                 yield mod + ".w4_scales", scales
