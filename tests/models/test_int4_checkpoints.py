@@ -300,6 +300,27 @@ def test_engine_tokens_through_our_kernel_under_the_interpreter(int4_checkpoint,
     assert tokens == hf_greedy(ref, prompts, 6)
 
 
+def test_lora_over_int4_linears(int4_checkpoint, tmp_path):
+    """A LoRA adapter over the int4 checkpoint (its delta added to the int4 linear's output):
+    the tokens of the dequantized twin with the adapter merged into its weights."""
+    from flashpage import LLM, LoRARequest, SamplingParams
+    from tests.peft_adapter import merge_adapter, write_adapter
+
+    path, ref, _ = int4_checkpoint("llama31_gqa", "awq_g32")
+    adapter = write_adapter(tmp_path / "a", ref, r=8, alpha=16, seed=5)
+    merged = merge_adapter(ref, adapter, tmp_path / "merged")
+    prompts = random_prompts(2, 4, 20, seed=11)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(path), device="cpu", dtype="float32", enable_lora=True, max_loras=1,
+              max_lora_rank=8)
+    got = llm.generate(prompts, greedy, lora_request=LoRARequest("a", 1, str(adapter)),
+                       use_tqdm=False)
+    del llm
+    gc.collect()
+    want, _ = _generate(merged, prompts, max_tokens=8)
+    assert [o.outputs[0].token_ids for o in got] == want
+
+
 # ----------------------------------------------------------------------------- broken files
 def _copy(src: Path, dst: Path, edit=None, config_edit=None) -> Path:
     shutil.copytree(src, dst)
