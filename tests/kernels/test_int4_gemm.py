@@ -105,6 +105,45 @@ def test_launcher_names_bad_shapes():
         w4a16_matmul(x, qw, scales.repeat(1, 8), zeros.repeat(1, 8))
 
 
+def _compile_int4_kernels() -> dict[str, dict]:
+    """(In a subprocess with the interpreter off.) The decode-batch W4A16 kernel (bf16, split
+    K, groups of 128: the 8B shapes' form) and the dequantizing kernel compiled for sm_90 as
+    a launch specializes them: name -> {"mma": whether the dots run on tensor cores,
+    registers, spilled bytes}."""
+    from sm90 import compile_sm90, ptxas_sm90a, ptxas_usage
+
+    from flashpage.kernels import int4_gemm as m
+
+    aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K", "stride_xm", "stride_om")
+    cfg = m.SKINNY
+    kernels = {
+        "skinny_bf16": compile_sm90(m._w4a16_kernel, dict(
+            G=128, TG=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            SPLIT_K=2, HAS_BIAS=False, PRECISION="tf32"),
+            {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": "*fp32"},
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned),
+        "dequant_bf16": compile_sm90(m._dequant_kernel, dict(
+            G=128, TG=128, BLOCK_N=64, BLOCK_K=128),
+            {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8"}, num_warps=4, num_stages=1,
+            aligned=aligned[1:7]),
+    }
+    out = {}
+    for name, k in kernels.items():
+        ptx = k.asm["ptx"]
+        out[name] = {"mma": "mma" in ptx, **ptxas_usage(ptxas_sm90a(ptx)[0])}
+    return out
+
+
+def test_int4_kernels_compile_for_sm90():
+    """On the CPU: the kernels build for an H200 (the nibble unpacking's reshapes and the
+    transposed weight tile lower), the decode kernel's dots on tensor cores, nothing spilled."""
+    from sm90 import run_compiled
+
+    got = run_compiled("test_int4_gemm", "_compile_int4_kernels")
+    assert got["skinny_bf16"]["mma"]
+    assert all(v["spill_bytes"] == 0 for v in got.values()), got
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("n,k,m", [(6144, 4096, 1), (4096, 4096, 8), (4096, 14336, 16),

@@ -265,11 +265,11 @@ def _generate(path, prompts, max_tokens=10):
     return [o.outputs[0].token_ids for o in outs], n
 
 
-@pytest.mark.parametrize("model,fmt", [("llama31_gqa", "awq_g32"), ("qwen2_bias", "gptq_g32")])
+@pytest.mark.parametrize("model,fmt", [("llama31_gqa", "awq_g32")])
 def test_engine_tokens_equal_transformers_on_the_dequantized_checkpoint(int4_checkpoint, model,
                                                                         fmt):
     """LLM(int4 checkpoint) with no flag, fp32 on the CPU: transformers' greedy tokens over
-    the dequantized fp32 twin."""
+    the dequantized fp32 twin (GPTQ on Qwen2: the test after this one, through our kernel)."""
     path, ref, _ = int4_checkpoint(model, fmt)
     prompts = random_prompts(3, 3, 20, seed=3)
     tokens, n = _generate(path, prompts)
