@@ -11,19 +11,30 @@ pieces' rows stacked and a row of the weight is contiguous along K:
     w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G]      in fp32, then x's dtype
 
 G (the group size) is a multiple of 8 dividing K; G = K is one group per row (GPTQ's
-group_size -1). Every path computes that value in fp32 and rounds it once to x's dtype,
-so the dequantized weight is the same bits wherever it is built.
+group_size -1). The dequantizing paths compute that value in fp32 and round it once to
+x's dtype, so the dequantized weight is the same bits wherever it is built.
 
 ``w4a16_matmul`` is one Triton kernel for every row count: a program owns BLOCK_M rows of
-x and BLOCK_N output features, walks K a BLOCK_K tile at a time, loads the tile's packed
-words [BLOCK_N, BLOCK_K/8], unpacks the nibbles in registers (shift, mask, reshape),
-applies each group's zero and scale (BLOCK_K spans whole groups, or a group spans whole
-tiles) and feeds ``tl.dot`` with an fp32 accumulator. Decode batches (1-16 rows) take
-BLOCK_M 16 (``tl.dot``'s smallest); every row count splits K between programs
-(``split_k``) until there are ~2 programs per SM, so that a projection of a few thousand
-features still fills the GPU: each split writes fp32 partial sums, added once after. ``dequantize_int4`` unpacks the whole weight to x's dtype
-(for large prompt steps, where a 16-bit GEMM wins). Their references: ``unpack_int4``,
-``dequantize_int4_ref``, ``int4_linear_ref``.
+x and BLOCK_N output features and walks K a BLOCK_K tile at a time, each tile inside one
+group (BLOCK_K divides G). It loads the tile's packed words [BLOCK_N, BLOCK_K/8], unpacks
+the nibbles in registers (shift, mask, reshape) straight into 16-bit floats (each nibble
+ORed into the mantissa of 128.0 in bf16, 1024.0 in fp16: OFFSET + q, no int-to-float
+conversion), and ``tl.dot``s them with x in fp32; the group's zero point and scale, one
+per feature, then apply to that partial sum, not to every weight:
+
+    sum_k x[m, k] w[n, k] = s[n] * (sum_k x[m, k] (OFFSET + q[n, k]) - (OFFSET + z[n]) sum_k x[m, k])
+
+(built for sm_90 that is ~580 SASS instructions per 64 x 128 tile and 4 warps, against
+~1,600 with the weight dequantized before the dot: the broadcast scales and zeros were
+loaded and converted per weight.) The sums' rounding differs from the dequantized
+weight's linear (exact products, fp32 sums; a cancellation of OFFSET * sum(x) costs a few
+of fp32's bits), far inside 16-bit rounding. K is split between programs (``split_k``)
+until there are ~2 per SM, so that a projection of a few thousand features fills the GPU
+at decode batches: each split writes fp32 partial sums, added once after. Decode batches
+(1-16 rows) take BLOCK_M 16 (``tl.dot``'s smallest). ``dequantize_int4`` unpacks the whole
+weight to x's dtype with the reference's bits (for large prompt steps, where a 16-bit
+GEMM wins). Their references: ``unpack_int4``, ``dequantize_int4_ref``,
+``int4_linear_ref``.
 """
 
 from __future__ import annotations
@@ -103,9 +114,18 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, KW, NG,
 
 @triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
-                  stride_om, stride_os, G: tl.constexpr, TG: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
+                  stride_om, stride_os, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, MAGIC: tl.constexpr,
+                  OFFSET: tl.constexpr):
+    """A K tile lies inside one group (BLOCK_K divides G), so its zero and scale are one
+    per output feature and come out of the sum:
+
+        sum_k x[m, k] (q[n, k] - z[n]) s[n] = s[n] (sum_k x[m, k] q[n, k] - z[n] sum_k x[m, k])
+
+    The dot runs over the raw nibbles (0..15: exact in any 16-bit type), and the zero and
+    scale touch the [BLOCK_M, BLOCK_N] partial sum, not every weight (broadcast into the
+    weight tile, each thread would load and convert its own copy per weight)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -119,15 +139,33 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stride_x
     per_split = tl.cdiv(tiles, SPLIT_K)
     start = pid_k * per_split
     end = tl.minimum(start + per_split, tiles)
+    shifts = tl.arange(0, 8) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(start, end):
         k0 = t * BLOCK_K
-        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, KW, NG, G, TG, BLOCK_N,
-                          BLOCK_K)
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        packed = tl.load(qw_ptr + offs_n[:, None] * KW + offs_w[None, :], mask=n_mask[:, None],
+                         other=0)
+        q = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None], other=0.0)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+        if MAGIC != 0:
+            # the nibble ORed into the mantissa of a 16-bit float whose last bit is worth 1
+            # (bf16 0x4300 = 128, fp16 0x6400 = 1024): the value OFFSET + q, exactly, with
+            # no int-to-float conversion (a quarter-rate instruction); OFFSET * sum(x) is
+            # taken off with the zero point
+            w = (q | MAGIC).to(tl.int16).to(x.dtype, bitcast=True)
+            z_off = OFFSET
+        else:
+            w = q.to(x.dtype)
+            z_off = 0.0
+        part = tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        g_row = offs_n * NG + k0 // G
+        s = tl.load(s_ptr + g_row, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_row, mask=n_mask, other=0).to(tl.float32) + z_off
+        x_sum = tl.sum(x.to(tl.float32), axis=1)
+        acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLIT_K == 1:
@@ -171,6 +209,10 @@ SKINNY = Int4Config(16, 64, 128, split_k=0, num_warps=4, num_stages=4)  # 1-16 r
 GEMM = Int4Config(64, 128, 64, split_k=0, num_warps=4, num_stages=3)  # 17+ rows
 
 
+# activations' dtype -> (16-bit pattern of a float whose last mantissa bit is worth 1, its value)
+MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+
+
 def default_config(m: int) -> Int4Config:
     return SKINNY if m <= 16 else GEMM
 
@@ -178,7 +220,7 @@ def default_config(m: int) -> Int4Config:
 def kernel_supports(k: int, g: int) -> bool:
     """Whether ``w4a16_matmul`` takes a K-wide weight in groups of G on the GPU: its K tiles
     (dividing K and G, or G dividing them) must be 16 wide at least for ``tl.dot``."""
-    return _block_k(k, g, 16) == 16
+    return _block_k(k, g, 16, within_group=True) == 16
 
 
 def check_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> int:
@@ -200,10 +242,11 @@ def check_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor)
     return g
 
 
-def _block_k(k: int, g: int, want: int) -> int:
-    """The largest power of two <= want dividing K, and dividing G or divided by it."""
+def _block_k(k: int, g: int, want: int, within_group: bool = False) -> int:
+    """The largest power of two <= want dividing K, and dividing G or divided by it
+    (``within_group``: dividing G: each K tile in one group)."""
     bk = want
-    while bk > PACK and (k % bk or (g % bk and bk % g)):
+    while bk > PACK and (k % bk or (g % bk and (within_group or bk % g))):
         bk //= 2
     return bk
 
@@ -233,7 +276,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x = x.contiguous()
     m = x.shape[0]
     cfg = config or default_config(m)
-    bk = _block_k(k, g, cfg.block_k)
+    bk = _block_k(k, g, cfg.block_k, within_group=True)
     tiles_n, tiles_m = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
     split = cfg.split_k or _split_k(tiles_n, tiles_m, k // bk, x.device)
     split = max(1, min(split, k // bk))
@@ -246,8 +289,9 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     _w4a16_kernel[(tiles_n, tiles_m, split)](
         x, qweight, scales, zeros, bias if bias is not None else x, out, m, n, k, x.stride(0),
-        n, m * n, G=g, TG=min(g, bk), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
+        n, m * n, G=g, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
         SPLIT_K=split, HAS_BIAS=bias is not None, PRECISION=precision,
+        MAGIC=MAGIC.get(x.dtype, (0, 0.0))[0], OFFSET=MAGIC.get(x.dtype, (0, 0.0))[1],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split == 1:
         return out

@@ -6,9 +6,10 @@ bytes of a bf16 weight, plus 2.5 bytes per group of G values (~0.5 byte per 128-
 
 How a call of M rows runs (``int4_linear``):
 
-    CUDA, M <= GEMM_ROWS       kernels/int4_gemm.w4a16_matmul: nibbles unpacked and
-                               dequantized in registers, tl.dot in fp32 (K split to
-                               fill the GPU); K tiles under 16 wide: as below
+    CUDA, M <= GEMM_ROWS       kernels/int4_gemm.w4a16_matmul: nibbles unpacked in
+                               registers, tl.dot in fp32, each group's scale and zero
+                               on the partial sums (K split to fill the GPU); K tiles
+                               under 16 wide: as below
     CUDA, more rows            the weight dequantized to x's dtype by one kernel, then
                                cuBLAS (a prompt step's GEMM is compute-bound)
     elsewhere (CPU)            the weight dequantized in torch, then F.linear (correct,

@@ -48,6 +48,17 @@ def test_pack_unpack_round_trip_and_dequantize_meaning():
     assert deq[n, k].item() == want.item()
 
 
+def test_nibbles_ored_into_16_bit_floats_are_offset_plus_q():
+    """The kernel's conversion: each 16-bit pattern of MAGIC with a nibble in its low bits
+    is the float OFFSET + q (bf16 on the GPU, where the interpreter cannot check it)."""
+    from flashpage.kernels.int4_gemm import MAGIC
+
+    q = torch.arange(16, dtype=torch.int16)
+    for dtype, (pattern, offset) in MAGIC.items():
+        got = (q | pattern).view(dtype).float()
+        assert torch.equal(got, offset + q.float()), dtype
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,k,g", [(40, 64, 32), (64, 256, 128), (72, 128, 128)])
 def test_dequantize_kernel_is_the_reference_to_the_bit(n, k, g, dtype):
@@ -110,7 +121,7 @@ def _compile_int4_kernels() -> dict[str, dict]:
     K, groups of 128: the 8B shapes' form) and the dequantizing kernel compiled for sm_90 as
     a launch specializes them: name -> {"mma": whether the dots run on tensor cores,
     registers, spilled bytes}."""
-    from sm90 import compile_sm90, ptxas_sm90a, ptxas_usage
+    from sm90 import compile_sm90, ptxas_sm90a, ptxas_usage, sass_instructions, sass_loops
 
     from flashpage.kernels import int4_gemm as m
 
@@ -118,8 +129,8 @@ def _compile_int4_kernels() -> dict[str, dict]:
     cfg = m.SKINNY
     kernels = {
         "skinny_bf16": compile_sm90(m._w4a16_kernel, dict(
-            G=128, TG=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            SPLIT_K=2, HAS_BIAS=False, PRECISION="tf32"),
+            G=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            SPLIT_K=2, HAS_BIAS=False, PRECISION="tf32", MAGIC=0x4300, OFFSET=128.0),
             {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": "*fp32"},
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned),
         "dequant_bf16": compile_sm90(m._dequant_kernel, dict(
@@ -130,17 +141,25 @@ def _compile_int4_kernels() -> dict[str, dict]:
     out = {}
     for name, k in kernels.items():
         ptx = k.asm["ptx"]
-        out[name] = {"mma": "mma" in ptx, **ptxas_usage(ptxas_sm90a(ptx)[0])}
+        log, sass = ptxas_sm90a(ptx)
+        ins, labels = sass_instructions(sass)
+        loops = sass_loops(ins, labels)
+        lo, hi = max(loops, key=lambda p: p[1] - p[0]) if loops else (0, -1)
+        out[name] = {"mma": "mma" in ptx, "loop": hi - lo + 1,
+                     "loop_i2f": sum(t.startswith("I2F") for t in ins[lo:hi + 1]),
+                     **ptxas_usage(log)}
     return out
 
 
 def test_int4_kernels_compile_for_sm90():
     """On the CPU: the kernels build for an H200 (the nibble unpacking's reshapes and the
-    transposed weight tile lower), the decode kernel's dots on tensor cores, nothing spilled."""
+    transposed weight tile lower), the decode kernel's dots on tensor cores with no
+    int-to-float conversion per weight (the 128 + q bf16 pattern), nothing spilled."""
     from sm90 import run_compiled
 
     got = run_compiled("test_int4_gemm", "_compile_int4_kernels")
     assert got["skinny_bf16"]["mma"]
+    assert got["skinny_bf16"]["loop_i2f"] <= 8, got  # 64 a thread converted one by one
     assert all(v["spill_bytes"] == 0 for v in got.values()), got
 
 
