@@ -33,7 +33,7 @@ from torch import nn
 from flashpage.config import CheckpointQuantization, ModelConfig
 from flashpage.kernels.int4_gemm import dequantize_int4_ref
 from flashpage.layers.linear import _ParallelLinear
-from flashpage.models.fp8_checkpoint import _linear_of
+from flashpage.models.fp8_checkpoint import linear_of
 from flashpage.models.int4_formats import awq_to_layout, gptq_to_layout
 from flashpage.models.loader import ModelLoadError, safetensors_files
 
@@ -109,7 +109,7 @@ def int4_checkpoint_weights(model: nn.Module, config: ModelConfig,
     for name in header:
         if name.endswith((".weight", ".qweight")):
             mod = name.rsplit(".", 1)[0]
-            if (hit := _linear_of(model, mod)) is not None:
+            if (hit := linear_of(model, mod)) is not None:
                 pieces.setdefault(hit[0], []).append(mod)
                 linears[hit[0]] = hit[1]
     kept: set[str] = set()
@@ -166,6 +166,6 @@ def _stream(header: dict[str, tuple[str, str, tuple[int, ...]]], qc: CheckpointQ
             continue
         t = read(name)
         if name.endswith(".bias") and mod in modules and not t.any() \
-                and (hit := _linear_of(model, mod)) is not None and hit[1].bias is None:
+                and (hit := linear_of(model, mod)) is not None and hit[1].bias is None:
             continue  # GPTQ writers store zero biases for linears that have none
         yield name, t
