@@ -39,7 +39,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="fp8: attention and MLP weights quantized at load to float8_e4m3fn with "
                         "per-row scales (half the weight bytes of bf16); embeddings, LM head, norms "
                         "and MoE experts stay 16-bit. Checkpoints already in fp8 (config.json's "
-                        "quantization_config) need no flag")
+                        "quantization_config; AWQ / GPTQ int4 ones too) need no flag")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the text) instead of the tokenizer's own")

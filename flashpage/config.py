@@ -46,6 +46,8 @@ QUANTIZATION_METHODS = ("fp8",)
 # quantization_config.quant_method of the checkpoints we read (models/fp8_checkpoint.py):
 # their linears are stored as float8_e4m3fn with their own scales
 FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
+# ... and those whose linears are 4-bit integers in groups (models/int4_checkpoint.py)
+INT4_CHECKPOINT_METHODS = ("awq", "gptq")
 
 
 def check_quantization(method: str | None) -> None:
@@ -53,7 +55,7 @@ def check_quantization(method: str | None) -> None:
     if method is not None and method not in QUANTIZATION_METHODS:
         allowed = ", ".join(repr(m) for m in QUANTIZATION_METHODS)
         hint = ""
-        if method in FP8_CHECKPOINT_METHODS:
+        if method in FP8_CHECKPOINT_METHODS + INT4_CHECKPOINT_METHODS:
             hint = (f" ({method} checkpoints are read as they are, from their config's "
                     "quantization_config: no flag needed)")
         raise ValueError(f"quantization must be None or one of {allowed}, got {method!r}{hint}")
@@ -97,10 +99,14 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class CheckpointQuantization:
-    """A checkpoint whose linears are stored as float8_e4m3fn with their own scales: HF's
-    ``quantization_config`` of quant_method fp8 (HF / vLLM, DeepSeek-V3), compressed-tensors
-    (llm-compressor, 8-bit float weights) or fbgemm_fp8. ``models/fp8_checkpoint.py`` reads
-    the tensors; anything else (int4, AWQ, GPTQ, bitsandbytes, int8 ...) is a ConfigError.
+    """A checkpoint whose linears are stored quantized, from HF's ``quantization_config``:
+    float8_e4m3fn with their own scales (quant_method fp8 (HF / vLLM, DeepSeek-V3),
+    compressed-tensors (llm-compressor, 8-bit float weights) or fbgemm_fp8; read by
+    ``models/fp8_checkpoint.py``), or 4-bit integers in groups along K with a scale and a
+    zero point each (quant_method awq (AutoAWQ's GEMM packing) or gptq (desc_act false);
+    ``weight_strategy`` "group", ``bits`` 4, ``group_size`` None for one group per row; read
+    by ``models/int4_checkpoint.py``). Anything else (bitsandbytes, int8, marlin ...) is a
+    ConfigError.
 
     ``weight_strategy``: "tensor" (one scale per weight tensor), "channel" (one per output
     row) or "block" (one per ``block_size`` tile, rows x cols). ``activation_scheme``:
@@ -113,6 +119,12 @@ class CheckpointQuantization:
     block_size: tuple[int, int] | None = None
     activation_scheme: str = "dynamic"
     ignored: tuple[str, ...] = ()
+    bits: int = 8
+    group_size: int | None = None  # int4: values per scale along K (None: the whole row)
+
+    @property
+    def is_int4(self) -> bool:
+        return self.bits == 4
 
     def ignores(self, module: str) -> bool:
         """Whether ``module`` (a HF module path) is in the ignore list: the same name, a
@@ -127,6 +139,10 @@ class CheckpointQuantization:
 
     def describe(self) -> str:
         """One line: how the checkpoint's weights are stored and what loading makes of them."""
+        if self.is_int4:
+            group = f"groups of {self.group_size}" if self.group_size else "one group per row"
+            text = f"int4 ({self.method}, {group}, fp16 scales and zero points)"
+            return text + (f", {len(self.ignored)} module(s) left 16-bit" if self.ignored else "")
         scales = {"tensor": "per-tensor scales", "channel": "per-channel scales"}.get(
             self.weight_strategy, f"{self.block_size[0]}x{self.block_size[1]} block scales"
             if self.block_size else "block scales")
@@ -142,10 +158,13 @@ class CheckpointQuantization:
         method = d.get("quant_method")
         if method is None:
             raise ConfigError(f"{where}: quantization_config has no quant_method")
+        if method in INT4_CHECKPOINT_METHODS:
+            return CheckpointQuantization._int4(d, method, where)
         if method not in FP8_CHECKPOINT_METHODS:
             raise ConfigError(
                 f"{where}: quantization_config.quant_method {method!r} is not supported "
                 f"(checkpoints read: fp8 weights, quant_method {', '.join(FP8_CHECKPOINT_METHODS)}; "
+                f"4-bit {' and '.join(INT4_CHECKPOINT_METHODS)}; "
                 "or load a 16-bit checkpoint, with quantization='fp8' for fp8 weights)")
         if method == "compressed-tensors":
             return CheckpointQuantization._compressed_tensors(d, where)
@@ -168,6 +187,43 @@ class CheckpointQuantization:
         block = _block_size(d.get("weight_block_size"), f"{field_}.weight_block_size")
         return CheckpointQuantization(method, "block" if block else "tensor", block, scheme,
                                       ignored)
+
+    @staticmethod
+    def _int4(d: dict[str, Any], method: str, where: str) -> CheckpointQuantization:
+        """AWQ (HF's AwqConfig or AutoAWQ's quant_config: bits / w_bit, group_size /
+        q_group_size, zero_point, version) and GPTQ (bits, group_size, desc_act, sym,
+        checkpoint_format); the values a layout other than the two we read would need are
+        named as ConfigErrors."""
+        f = f"{where}: quantization_config"
+        bits_key = "w_bit" if "w_bit" in d and "bits" not in d else "bits"
+        if d.get(bits_key) != 4:
+            raise ConfigError(f"{f}.{bits_key} {d.get(bits_key)!r} is not supported "
+                              f"({method} checkpoints are read at 4 bits)")
+        g_key = "q_group_size" if "q_group_size" in d and "group_size" not in d else "group_size"
+        g = d.get(g_key, -1 if method == "gptq" else None)
+        if not isinstance(g, int) or isinstance(g, bool) or not (g == -1 or (g > 0 and g % 8 == 0)):
+            raise ConfigError(f"{f}.{g_key} must be -1 (one group per row) or a positive "
+                              f"multiple of 8, got {g!r}")
+        if method == "awq":
+            version = str(d.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise ConfigError(f"{f}.version {d.get('version')!r} is not supported (AWQ's "
+                                  "'gemm' packing is read; gemv / exllama / marlin ones are not)")
+            if d.get("zero_point", True) is not True:
+                raise ConfigError(f"{f}.zero_point {d.get('zero_point')!r} is not supported "
+                                  "(AWQ checkpoints with zero points are read)")
+        else:
+            for key, ok in (("desc_act", (False, None)), ("is_marlin_format", (False, None)),
+                            ("checkpoint_format", ("gptq", None)), ("sym", (True, False, None))):
+                if d.get(key) not in ok:
+                    why = {"desc_act": "act-order groups (g_idx) are not read",
+                           "is_marlin_format": "marlin-packed weights are not read",
+                           "checkpoint_format": "the 'gptq' packing is read",
+                           "sym": "true or false"}[key]
+                    raise ConfigError(f"{f}.{key} {d.get(key)!r} is not supported ({why})")
+        ignored = _string_list(d, "modules_to_not_convert", where)
+        return CheckpointQuantization(method, "group", None, "dynamic", ignored, 4,
+                                      None if g == -1 else g)
 
     @staticmethod
     def _compressed_tensors(d: dict[str, Any], where: str) -> CheckpointQuantization:
@@ -220,6 +276,17 @@ class CheckpointQuantization:
         scheme = "static" if any(s == "static" for _, _, s in found) else "dynamic"
         return CheckpointQuantization("compressed-tensors", strategy, block, scheme,
                                       _string_list(d, "ignore", where))
+
+
+def _checkpoint_quantization(d: dict[str, Any], arch: str,
+                              where: str) -> CheckpointQuantization | None:
+    if d.get("quantization_config") is None:
+        return None
+    qc = CheckpointQuantization.from_dict(d["quantization_config"], where)
+    if qc.is_int4 and arch not in LLAMA_FAMILY:
+        raise ConfigError(f"{where}: {qc.method} (int4) checkpoints are read for the Llama family "
+                          f"({', '.join(sorted(LLAMA_FAMILY))}), not {arch}")
+    return qc
 
 
 def _string_list(d: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
@@ -283,7 +350,7 @@ class ModelConfig:
     topk_group: int = 1
     scoring_func: str = "softmax"
     norm_topk_prob: bool = False
-    # fp8 checkpoints (HF quantization_config): how their weights are stored; None: 16/32-bit
+    # fp8 / int4 checkpoints (HF quantization_config): how their weights are stored; None: 16/32-bit
     quantization_config: CheckpointQuantization | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -390,8 +457,7 @@ class ModelConfig:
             topk_group=d.get("topk_group") or 1,
             scoring_func=d.get("scoring_func") or "softmax",
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            quantization_config=(None if d.get("quantization_config") is None else
-                                 CheckpointQuantization.from_dict(d["quantization_config"], where)),
+            quantization_config=_checkpoint_quantization(d, arch, where),
             raw=d,
         )
 

@@ -163,11 +163,23 @@ def fp8_weight_shapes(cfg: ModelConfig, quantization: str | None = "fp8") -> lis
     "fp8"); those with a piece in its ignore list stay 16-bit either way
     (models/fp8_checkpoint.py)."""
     qc = cfg.quantization_config
+    if qc is not None and qc.is_int4:
+        return []  # int4 linears stay int4 under "fp8" too: int4_weight_shapes
     keeps = quantization == "fp8" or (qc is not None and qc.weight_strategy != "block")
     if not keeps:
         return []
     return [(n, k) for pieces, n, k in fp8_linears(cfg)
             if qc is None or not any(qc.ignores(p) for p in pieces)]
+
+
+def int4_weight_shapes(cfg: ModelConfig) -> list[tuple[int, int, int]]:
+    """[N, K, G] of every linear the engine holds in int4 for an AWQ / GPTQ checkpoint:
+    those ``fp8_linears`` names with no piece in its ignore list (models/int4_checkpoint.py)."""
+    qc = cfg.quantization_config
+    if qc is None or not qc.is_int4:
+        return []
+    return [(n, k, qc.group_size or k) for pieces, n, k in fp8_linears(cfg)
+            if not any(qc.ignores(p) for p in pieces)]
 
 
 def param_counts(cfg: ModelConfig) -> tuple[int, int]:
@@ -207,6 +219,9 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
     if shapes:
         fp8_values = sum(n * k for n, k in shapes)
         weights_bytes += fp8_values * (1 - wbytes) + 4 * sum(n for n, _ in shapes)
+    int4 = int4_weight_shapes(cfg)
+    for n, k, g in int4:  # half a byte a value, an fp16 scale and a uint8 zero a group
+        weights_bytes += n * k // 2 - n * k * wbytes + 3 * n * (k // g)
     qc = cfg.quantization_config
     info: dict[str, Any] = {
         "architecture": cfg.architecture,
@@ -241,8 +256,10 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "quantization_config": None if qc is None else {
             "method": qc.method, "weight_strategy": qc.weight_strategy,
             "block_size": list(qc.block_size) if qc.block_size else None,
-            "activation_scheme": qc.activation_scheme, "ignored": list(qc.ignored)},
+            "activation_scheme": qc.activation_scheme, "ignored": list(qc.ignored),
+            "bits": qc.bits, "group_size": qc.group_size},
         "fp8_linears": len(shapes),
+        "int4_linears": len(int4),
         "weights_bytes": weights_bytes,
         "tokens_in_memory_after_weights": max(0, memory_bytes - weights_bytes) // kv_total,
     }
@@ -317,8 +334,10 @@ def format_report(info: dict[str, Any]) -> str:
     if qc:
         desc = CheckpointQuantization(qc["method"], qc["weight_strategy"],
                                       tuple(qc["block_size"]) if qc["block_size"] else None,
-                                      qc["activation_scheme"], tuple(qc["ignored"])).describe()
-        kept = ("kept in e4m3, a scale per row" if qc["weight_strategy"] != "block" else
+                                      qc["activation_scheme"], tuple(qc["ignored"]),
+                                      qc["bits"], qc["group_size"]).describe()
+        kept = ("kept in int4 (4 bits a value), repacked for our kernels" if qc["bits"] == 4
+                else "kept in e4m3, a scale per row" if qc["weight_strategy"] != "block" else
                 f"dequantized to {dt} at load"
                 + (", then quantized per row" if info.get("quantization") else ""))
         rows.append(("checkpoint weights", f"{desc}: {kept}"))
@@ -328,7 +347,8 @@ def format_report(info: dict[str, Any]) -> str:
         ("parameters", f"{info['param_count'] / 1e9:.3f} B"
          + (f" ({info['active_param_count'] / 1e9:.3f} B active per token)"
             if info["active_param_count"] != info["param_count"] else "")),
-        (f"weights ({dt}{', fp8 linears' if info.get('fp8_linears') else ''})",
+        (f"weights ({dt}{', fp8 linears' if info.get('fp8_linears') else ''}"
+         f"{', int4 linears' if info.get('int4_linears') else ''})",
          _size(info["weights_bytes"])),
         (f"tokens in {mem} - weights", f"{info['tokens_in_memory_after_weights']:,}"),
     ]

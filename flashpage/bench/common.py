@@ -196,7 +196,8 @@ def weight_bytes(model: torch.nn.Module, tokens: int | None = None) -> int:
                     share[p.data_ptr()] = float(fraction(tokens))
     seen: set[int] = set()
     total = 0.0
-    scales = [b for name, b in model.named_buffers() if name.endswith("weight_scale")]  # fp8
+    scales = [b for name, b in model.named_buffers()  # fp8 scales; int4 scales and zeros
+              if name.endswith(("weight_scale", "w4_scales", "w4_zeros"))]
     tensors: list[torch.Tensor] = [*model.parameters(), *scales]
     for t in tensors:
         if t.data_ptr() not in seen:

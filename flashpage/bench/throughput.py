@@ -29,7 +29,8 @@ def roofline(engine, wl, bandwidth: float | None, flops: float | None, batch: in
     / batch) plus the KV cache it attends to; every token costs 2 x params FLOPs."""
     mc = engine.model_config
     wbytes = weight_bytes(engine.model)
-    params = sum(p.numel() for p in {p.data_ptr(): p for p in engine.model.parameters()}.values())
+    params = sum(p.numel() * (8 if p.dtype == torch.int32 else 1)  # int4: 8 values a word
+                 for p in {p.data_ptr(): p for p in engine.model.parameters()}.values())
     tokens = wl.num_prompt_tokens + wl.num_output_tokens
     steps = wl.num_output_tokens / batch
     kv_per_token = mc.kv_bytes_per_token(str(engine.dtype).replace("torch.", ""))

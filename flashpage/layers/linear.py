@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpage import envs
+from flashpage.layers.int4 import int4_linear
 from flashpage.layers.quant import FP8_DTYPE, fp8_linear, quantize_fp8_rowwise
 
 if TYPE_CHECKING:
@@ -59,7 +60,9 @@ class _ParallelLinear(nn.Module):
     engine beside our fused kernels on a GPU; used while FLASHPAGE_GEMV is on).
     ``weight_scale``: None, or fp32 [N] once ``quantize_fp8`` has made ``weight``
     float8_e4m3fn (layers/quant.py) or ``hold_fp8`` has made it ready for an fp8
-    checkpoint's; ``quantizable = False`` keeps a layer 16-bit.
+    checkpoint's; ``quantizable = False`` keeps a layer 16-bit. ``w4_scales`` / ``w4_zeros``:
+    None, or the groups' scales and zero points once ``hold_int4`` has made ``weight`` an
+    AWQ / GPTQ checkpoint's packed int4 (layers/int4.py).
     ``lora``: the adapter slots the engine attached with ``enable_lora`` (flashpage/lora/):
     each token's adapter delta is added to the base output. The SiLU·mul stays fused into
     the down projection's GEMV where the delta runs through kernels/lora.py (its shrink
@@ -71,6 +74,8 @@ class _ParallelLinear(nn.Module):
     row_gemv: bool = False
     quantizable: bool = True
     weight_scale: torch.Tensor | None
+    w4_scales: torch.Tensor | None
+    w4_zeros: torch.Tensor | None
     lora: LoRALinear | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
@@ -91,10 +96,25 @@ class _ParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.register_buffer("weight_scale", None)
+        self.register_buffer("w4_scales", None)
+        self.register_buffer("w4_zeros", None)
 
     @property
     def is_quantized(self) -> bool:
+        """Whether the weight is fp8 (scales per row; int4 is ``is_int4``)."""
         return self.weight_scale is not None
+
+    @property
+    def is_int4(self) -> bool:
+        return self.w4_scales is not None
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1] * (8 if self.is_int4 else 1)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
 
     def quantize_fp8(self) -> None:
         """Replace the loaded weight by its row-wise e4m3 form and scales (after loading:
@@ -113,6 +133,23 @@ class _ParallelLinear(nn.Module):
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.weight_scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+        self.skinny = {}
+
+    def hold_int4(self, group_size: int, scale_dtype: torch.dtype) -> None:
+        """Hold an int4 checkpoint's weight (models/int4_checkpoint.py) in our layout
+        (kernels/int4_gemm.py): ``weight`` becomes an empty int32 [N, K/8], ``w4_scales``
+        an empty ``scale_dtype`` [N, K/G] and ``w4_zeros`` an empty uint8 [N, K/G], all
+        filled by loading."""
+        n, k = self.weight.shape
+        if k % group_size or group_size % 8:
+            raise ValueError(f"K={k} is not a multiple of the group size {group_size} (itself "
+                             "a multiple of 8)")
+        dev = self.weight.device
+        self.weight = nn.Parameter(torch.empty(n, k // 8, dtype=torch.int32, device=dev),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.w4_scales = torch.empty(n, k // group_size, dtype=scale_dtype, device=dev)
+        self.w4_zeros = torch.empty(n, k // group_size, dtype=torch.uint8, device=dev)
         self.skinny = {}
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -172,6 +209,9 @@ class _ParallelLinear(nn.Module):
             return skinny_linear(x, self.weight, self.bias, cfg, scale=self.weight_scale)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        if self.w4_scales is not None:
+            assert self.w4_zeros is not None
+            return int4_linear(x, self.weight, self.w4_scales, self.w4_zeros, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def silu_mul_forward(self, h: torch.Tensor) -> torch.Tensor | None:

@@ -170,7 +170,7 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
         if m.weight.data_ptr() in embedded:
             continue
         candidates += 1
-        if m.is_quantized:  # quantized before: left as it is
+        if m.is_quantized or m.is_int4:  # quantized before (an fp8 / int4 checkpoint): left
             continue
         before += m.weight.numel() * m.weight.element_size()
         m.quantize_fp8()
@@ -200,12 +200,21 @@ def quantized_linears(model: nn.Module) -> list[str]:
 
 
 def dequantized_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``named_parameters`` with every fp8 weight dequantized to the model's 16/32-bit
+    """``named_parameters`` with every fp8 or int4 weight dequantized to the model's 16/32-bit
     dtype (what a transformers copy of the model is given: benchmarks' baselines)."""
-    scales = {name.removesuffix("_scale"): b for name, b in model.named_buffers()
+    buffers = dict(model.named_buffers())
+    scales = {name.removesuffix("_scale"): b for name, b in buffers.items()
               if name.endswith("weight_scale")}
-    dtype = next((p.dtype for p in model.parameters() if p.dtype != FP8_DTYPE), torch.float32)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()
+                  and p.dtype != FP8_DTYPE), torch.float32)
     for name, p in model.named_parameters():
         scale = scales.get(name)
-        yield name, p.data if scale is None else dequantize_fp8_rowwise(p.data, scale, dtype)
+        int4 = buffers.get(name.removesuffix("weight") + "w4_scales")
+        if int4 is not None:
+            from flashpage.kernels.int4_gemm import dequantize_int4_ref
+
+            zeros = buffers[name.removesuffix("weight") + "w4_zeros"]
+            yield name, dequantize_int4_ref(p.data, int4, zeros, dtype)
+        else:
+            yield name, p.data if scale is None else dequantize_fp8_rowwise(p.data, scale, dtype)
 

@@ -59,7 +59,7 @@ class LoRAManager:
         self.layers: list[LoRALinear] = []
         for ours, pieces in groups.items():
             linear = modules[ours]
-            out_f, in_f = linear.weight.shape  # type: ignore[union-attr]
+            out_f, in_f = linear.out_features, linear.in_features  # type: ignore[union-attr]
             pieces.sort()
             lora = LoRALinear(self.state, int(in_f), int(out_f), [(o, r) for o, r, _ in pieces],
                               max_loras, max_lora_rank, device, dtype)

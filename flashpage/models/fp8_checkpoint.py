@@ -97,7 +97,7 @@ def row_scales(name: str, shape: tuple[int, ...], scale: torch.Tensor,
     return scale.float().reshape(n).clone()
 
 
-def _linear_of(model: nn.Module, hf_module: str) -> tuple[str, _ParallelLinear] | None:
+def linear_of(model: nn.Module, hf_module: str) -> tuple[str, _ParallelLinear] | None:
     """Our linear that holds the HF module's weight (itself, or the merged one its rows
     go into), or None (an embedding, the experts, a router ...)."""
     parent, _, leaf = hf_module.rpartition(".")
@@ -163,7 +163,7 @@ def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig,
     pieces: dict[str, list[str]] = {}
     linears: dict[str, _ParallelLinear] = {}
     for name in header:
-        if name.endswith(".weight") and (hit := _linear_of(model, name[:-7])) is not None:
+        if name.endswith(".weight") and (hit := linear_of(model, name[:-7])) is not None:
             pieces.setdefault(hit[0], []).append(name)
             linears[hit[0]] = hit[1]
     kept: set[str] = set()

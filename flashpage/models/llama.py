@@ -113,12 +113,14 @@ class LlamaForCausalLM(nn.Module):
         q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
             c.intermediate_size
         out = {}
-        # weight_scale: an fp8 checkpoint's per-row scales (models/fp8_checkpoint.py)
-        for kind in ("weight", "bias", "weight_scale"):
+        # weight_scale: an fp8 checkpoint's per-row scales (models/fp8_checkpoint.py);
+        # w4_scales / w4_zeros: an int4 one's per-group rows (models/int4_checkpoint.py)
+        q4 = ("w4_scales", "w4_zeros")
+        for kind in ("weight", "bias", "weight_scale", *q4):
             out[f"self_attn.q_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", 0, q)
             out[f"self_attn.k_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", q, kv)
             out[f"self_attn.v_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", q + kv, kv)
-        for kind in ("weight", "weight_scale"):
+        for kind in ("weight", "weight_scale", *q4):
             out[f"mlp.gate_proj.{kind}"] = (f"mlp.gate_up_proj.{kind}", 0, inter)
             out[f"mlp.up_proj.{kind}"] = (f"mlp.gate_up_proj.{kind}", inter, inter)
         return out
@@ -159,8 +161,10 @@ class LlamaForCausalLM(nn.Module):
         A merged parameter counts as loaded once all its HF pieces have arrived; a piece
         that never arrives is reported under its HF name by the loader."""
         params: dict[str, torch.Tensor] = dict(self.named_parameters())
-        # the per-row scales of linears that hold an fp8 checkpoint's weights (hold_fp8)
-        params.update((n, b) for n, b in self.named_buffers() if n.endswith(".weight_scale"))
+        # the per-row scales of linears that hold an fp8 checkpoint's weights (hold_fp8), the
+        # per-group scales and zeros of those that hold an int4 one's (hold_int4)
+        params.update((n, b) for n, b in self.named_buffers()
+                      if n.endswith((".weight_scale", ".w4_scales", ".w4_zeros")))
         loaded: set[str] = set()
         # merged param -> HF pieces still missing
         pending = {n: set(self._pieces(n)) for n in params if n.split(".")[1:2] == ["layers"]

@@ -1,5 +1,6 @@
 """Find a model's files and load its weights: HF safetensors (single or sharded; fp8 ones
-through models/fp8_checkpoint.py), GGUF, or random.
+through models/fp8_checkpoint.py, AWQ / GPTQ int4 ones through models/int4_checkpoint.py),
+GGUF, or random.
 
 ``resolve_model`` decides what a ``model`` argument names; ``load_model`` builds the
 module on the target device and fills it.
@@ -216,7 +217,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     """The model of ``source`` in ``dtype`` on ``device``, its weights loaded (or random),
     then quantized per ``quantization`` (None or "fp8": layers/quant.quantize_model). An fp8
     checkpoint (config.json's quantization_config) keeps its e4m3 weights where our fp8
-    linears can run them, with no flag (models/fp8_checkpoint.py)."""
+    linears can run them, with no flag (models/fp8_checkpoint.py); an AWQ / GPTQ one its
+    4-bit weights (models/int4_checkpoint.py)."""
     cls = model_class(source.config)
     with torch.device(device):
         model = cls(source.config, max_positions)  # type: ignore[call-arg]
@@ -228,7 +230,11 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         weights: Iterable[tuple[str, torch.Tensor]]
         if source.kind == "gguf":
             weights = iter_gguf(source.path, source.config)
-        elif source.config.quantization_config is not None:
+        elif (qc := source.config.quantization_config) is not None and qc.is_int4:
+            from flashpage.models.int4_checkpoint import int4_checkpoint_weights
+
+            weights = int4_checkpoint_weights(model, source.config, source.path)
+        elif qc is not None:
             from flashpage.models.fp8_checkpoint import fp8_checkpoint_weights
 
             weights = fp8_checkpoint_weights(model, source.config, source.path)

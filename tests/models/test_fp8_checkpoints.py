@@ -220,8 +220,9 @@ def _ct(weights=None, **kw):
 
 
 @pytest.mark.parametrize("qc,match", [
-    ({"quant_method": "awq", "bits": 4}, r"quant_method 'awq' is not supported"),
-    ({"quant_method": "gptq", "bits": 4}, r"quant_method 'gptq' is not supported"),
+    ({"quant_method": "awq", "bits": 8}, r"quantization_config.bits 8 is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "desc_act": True},
+     r"quantization_config.desc_act True is not supported"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True},
      r"quant_method 'bitsandbytes' is not supported"),
     ({"bits": 4}, r"quantization_config has no quant_method"),
@@ -501,7 +502,7 @@ def test_inspect_reports_the_checkpoint_quantization(fp8_checkpoint, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["quantization_config"] == {"method": "fp8", "weight_strategy": "block",
                                            "block_size": [32, 48], "activation_scheme": "dynamic",
-                                           "ignored": []}
+                                           "ignored": [], "bits": 8, "group_size": None}
     assert main([str(ref), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["quantization_config"] is None
 

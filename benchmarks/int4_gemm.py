@@ -1,0 +1,133 @@
+"""W4A16 linears on the GPU (kernels/int4_gemm.py): our Triton kernel against torch's
+dequantize-then-matmul and the bf16 GEMM of the same shape.
+
+Llama-3-8B shapes, bf16 activations, int4 weights in groups of 128 (AWQ / GPTQ's usual):
+qkv 4096 -> 6144, o_proj 4096 -> 4096, gate_up 4096 -> 28672, down 14336 -> 4096. Each
+timed call streams its weight from HBM: a CUDA graph cycles through enough distinct copies
+of the weight to be far past the L2 (50 MB). For every shape and row count (default 1, 2,
+4, 8, 16, 64, 256, 1024):
+
+    ours            w4a16_matmul, its default tile for the rows (split K at 1-16 rows)
+    ours:<cfg>      each --configs tile (names as Int4Config.name prints them)
+    layer           int4_linear: what the engine runs (ours up to layers/int4.GEMM_ROWS
+                    rows, dequantize kernel + cuBLAS above)
+    deq+cublas      our dequantizing kernel, then F.linear
+    torch deq+mm    the pure-torch reference: unpack, dequantize, F.linear
+    bf16            F.linear over a bf16 weight of the same shape (the 16-bit baseline)
+
+Printed and written (--json-out): us per call, GB/s of the weight bytes each reads (int4:
+half a byte a value plus the groups' fp16 scales and uint8 zeros; bf16: two bytes), and
+the TFLOP/s of the product. First, ours is checked against the reference at 1 and 64 rows.
+
+    python benchmarks/int4_gemm.py --json-out $OUT/int4_gemm.json
+    python benchmarks/int4_gemm.py --shapes down --rows 1,4,16 --configs m16n32k256s0w4st4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}  # name -> (N out, K in)
+L2_PAST = 256 << 20  # bytes of distinct weights a graph cycles through
+
+
+def parse_config(name: str):
+    from flashpage.kernels.int4_gemm import Int4Config
+
+    m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)", name.strip())
+    if m is None:
+        raise SystemExit(f"--configs: {name!r} is not a name such as m16n64k128s0w4st4")
+    return Int4Config(*map(int, m.groups()))
+
+
+def _variants(x: torch.Tensor, ws: list, bf16: list, extra: list, dt: torch.dtype) -> dict:
+    """label -> a call of every weight copy (the timed unit)."""
+    from flashpage.kernels.int4_gemm import dequantize_int4, dequantize_int4_ref, w4a16_matmul
+    from flashpage.layers.int4 import int4_linear
+
+    out = {"ours": lambda: [w4a16_matmul(x, *w) for w in ws]}
+    for c in extra:
+        out[f"ours:{c.name}"] = lambda c=c: [w4a16_matmul(x, *w, config=c) for w in ws]
+    out["layer"] = lambda: [int4_linear(x, *w) for w in ws]
+    out["deq+cublas"] = lambda: [F.linear(x, dequantize_int4(*w, dt)) for w in ws]
+    out["torch deq+mm"] = lambda: [F.linear(x, dequantize_int4_ref(*w, dt)) for w in ws]
+    out["bf16"] = lambda: [F.linear(x, w) for w in bf16]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--rows", default="1,2,4,8,16,64,256,1024")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--configs", default="m16n32k256s0w4st4,m16n128k128s0w4st4",
+                    help="extra tiles of ours (comma-separated Int4Config names)")
+    ap.add_argument("--no-torch-ref", action="store_true", help="skip torch's dequant+matmul")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    extra = [parse_config(c) for c in filter(None, args.configs.split(","))]
+    if not torch.cuda.is_available():
+        print("int4_gemm.py needs a CUDA GPU")
+        return 1
+    from gpu_timing import time_graph
+
+    from flashpage.kernels.int4_gemm import int4_linear_ref, pack_int4, w4a16_matmul
+
+    torch.manual_seed(0)
+    dt, g = torch.bfloat16, args.group
+    results: dict = {"device": torch.cuda.get_device_name(), "group_size": g, "rows": []}
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        q4_bytes = n * k // 2 + 3 * n * (k // g)
+        copies = max(2, -(-L2_PAST // q4_bytes))
+        ws = []
+        for _ in range(copies):
+            q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32)
+            scales = (torch.rand(n, k // g, device="cuda") * 0.01 + 1e-3).half()
+            zeros = torch.randint(1, 16, (n, k // g), device="cuda").to(torch.uint8)
+            ws.append((pack_int4(q), scales, zeros))
+            del q
+        bf16 = [torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+                for _ in range(max(2, -(-L2_PAST // (2 * n * k))))]
+        for m in (1, 64):  # correctness first
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+            err = (w4a16_matmul(x, *ws[0]).float() - int4_linear_ref(x, *ws[0]).float()).abs().max()
+            print(f"{name} {n}x{k} m={m}: max |ours - reference| = {err.item():.3g}")
+        for m in map(int, args.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+            variants = _variants(x, ws, bf16, extra, dt)
+            if args.no_torch_ref:
+                variants.pop("torch deq+mm")
+            for label, fn in variants.items():
+                calls = len(bf16) if label == "bf16" else copies
+                t = time_graph(fn, reps=10) / calls
+                nbytes = 2 * n * k if label == "bf16" else q4_bytes
+                row = {"shape": name, "n": n, "k": k, "rows": m, "kernel": label,
+                       "us": t * 1e6, "weight_gbps": nbytes / t / 1e9,
+                       "tflops": 2 * m * n * k / t / 1e12}
+                results["rows"].append(row)
+                print(f"{name:8s} {n:6d}x{k:<6d} m={m:<5d} {label:28s} {row['us']:9.1f} us "
+                      f"{row['weight_gbps']:7.0f} GB/s {row['tflops']:7.1f} TFLOP/s")
+        ws.clear()
+        bf16.clear()
+        torch.cuda.empty_cache()
+    if args.json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
