@@ -228,3 +228,11 @@ def allow_runtime_lora_updating() -> bool:
     value = (os.environ.get("FLASHPAGE_ALLOW_RUNTIME_LORA_UPDATING")
              or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") or "")
     return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def int4_kernel() -> bool:
+    """FLASHPAGE_INT4_KERNEL=1: int4 (AWQ / GPTQ) linears of up to layers/int4.GEMM_ROWS rows
+    run our W4A16 Triton kernel on CUDA. Off by default: on an H200 (run 165) it read 0.25-0.5
+    TB/s (0.2-0.6x the bf16 GEMM's time) and its 8B-shape GPU checks failed in a few elements,
+    so int4 weights are dequantized by a kernel, then multiplied by cuBLAS."""
+    return os.environ.get("FLASHPAGE_INT4_KERNEL", "0").strip().lower() in ("1", "true", "on")

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from flashpage.config import EngineConfig
@@ -164,10 +165,12 @@ class EncoderEngine:
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
-        for i, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} at position {i} is outside the "
-                                 f"vocabulary [0, {vocab})")
+        arr = np.asarray(ids) if all(type(t) is int for t in ids) else None  # (bools are not ids)
+        if arr is None or arr.dtype.kind != "i" or int(arr.min()) < 0 or int(arr.max()) >= vocab:
+            for i, t in enumerate(ids):  # name the first bad one
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt token id {t!r} at position {i} is outside the "
+                                     f"vocabulary [0, {vocab})")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but this encoder takes at most "
                              f"{self.max_model_len} (max_position_embeddings "
@@ -232,10 +235,10 @@ class EncoderEngine:
         mc = self.model_config
         lens = [len(r.ids) for r in batch]
         width = max(lens)
-        ids = torch.full((len(batch), width), mc.pad_token_id, dtype=torch.long)
+        pad = mc.pad_token_id
+        ids = torch.tensor([r.ids + [pad] * (width - len(r.ids)) for r in batch], dtype=torch.long)
         types = torch.zeros((len(batch), width), dtype=torch.long)
         for b, r in enumerate(batch):
-            ids[b, : lens[b]] = torch.tensor(r.ids)
             # a pair's second text is segment 1 (BERT): from just after its first [SEP]
             if r.params.task == "score" and mc.type_vocab_size > 1 and self.sep_token_id is not None \
                     and self.sep_token_id in r.ids:
@@ -263,7 +266,10 @@ class EncoderEngine:
                 logits = torch.sigmoid(logits)
             return logits.cpu().tolist()
         # every vector pooled on the device, then one copy to the host (not one per request)
-        pooled = pool(hidden, valid.to(hidden.device), self.pooling_type).cpu()
+        pooled = pool(hidden, valid.to(hidden.device), self.pooling_type)
+        if all(r.params.dimensions is None and r.params.normalize for r in batch):  # the usual case
+            return torch.nn.functional.normalize(pooled, dim=1).cpu().tolist()
+        pooled = pooled.cpu()
         out = []
         for b, r in enumerate(batch):
             v = pooled[b, : r.params.dimensions] if r.params.dimensions else pooled[b]

@@ -6,12 +6,14 @@ bytes of a bf16 weight, plus 2.5 bytes per group of G values (~0.5 byte per 128-
 
 How a call of M rows runs (``int4_linear``):
 
-    CUDA, M <= GEMM_ROWS       kernels/int4_gemm.w4a16_matmul: nibbles unpacked in
-                               registers, tl.dot in fp32, each group's scale and zero
+    CUDA, M <= GEMM_ROWS,      kernels/int4_gemm.w4a16_matmul: nibbles unpacked in
+    FLASHPAGE_INT4_KERNEL=1    registers, tl.dot in fp32, each group's scale and zero
                                on the partial sums (K split to fill the GPU); K tiles
-                               under 16 wide: as below
-    CUDA, more rows            the weight dequantized to x's dtype by one kernel, then
-                               cuBLAS (a prompt step's GEMM is compute-bound)
+                               under 16 wide: as below. Off by default: on the H200 (run
+                               165) slower than the path below and wrong in a few elements
+    CUDA otherwise             the weight dequantized to x's dtype by one kernel, then
+                               cuBLAS: 4-bit memory, but each call writes and reads the
+                               16-bit weight (0.3-0.6x the bf16 GEMM's speed at 1-64 rows)
     elsewhere (CPU)            the weight dequantized in torch, then F.linear (correct,
                                rebuilt every call)
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from flashpage import envs
 
 # Rows up to which CUDA runs the W4A16 kernel, dequantize + cuBLAS above (not yet tuned)
 GEMM_ROWS = 128
@@ -40,7 +44,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if x2.is_cuda and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
         from flashpage.kernels.int4_gemm import dequantize_int4, kernel_supports, w4a16_matmul
 
-        if x2.shape[0] <= GEMM_ROWS and kernel_supports(k, k // scales.shape[1]):
+        if x2.shape[0] <= GEMM_ROWS and envs.int4_kernel() and kernel_supports(k, k // scales.shape[1]):
             y = w4a16_matmul(x2, qweight, scales, zeros, bias)
         else:
             y = F.linear(x2, dequantize_int4(qweight, scales, zeros, x2.dtype), bias)
