@@ -117,5 +117,8 @@ def test_grammar_outputs_on_the_gpu(byte_model_dir_head64):
         for o, (_, ok) in zip(outs, grammar_checks * 3, strict=True):
             assert o.finish_reason == "length" or ok(o.text), o.text
         assert llm.engine.kv_manager.stats().blocks_used == 0
-    same = sum(a == b for a, b in zip(runs["cuda"], runs["cpu"], strict=True))
-    assert same >= len(params) // 2, runs  # fp32 on both; a near-tie may still flip a sample
+    # greedy outputs equal the CPU engine's (fp32 on both); sampled ones draw from another
+    # generator on CUDA (the Gumbel kernel's Philox stream), so only their validity is compared
+    # (run 164: the three greedy ones equal, the six sampled ones not)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    assert [runs["cuda"][i] for i in greedy] == [runs["cpu"][i] for i in greedy], runs

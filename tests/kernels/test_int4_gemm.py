@@ -32,6 +32,18 @@ def _weight(n: int, k: int, g: int, seed: int, scale_dtype=torch.float16):
     return pack_int4(q).to(DEV), scales.to(DEV), zeros.to(DEV), q.to(DEV)
 
 
+def _as_close_as_the_reference(got, ref16, x, qw, scales, zeros, b=None):
+    """16-bit outputs against the fp32 linear of the dequantized weight: ours within 1.5x the
+    16-bit reference's own error (cuBLAS over the dequantized weight). A plain tolerance fails
+    both where row 0's 40x scales make outputs of ~300 (a bf16 step of 2) sum to near zero
+    (runs 164-167: ours 1.41 from fp32, the reference 2.12)."""
+    want = x.float() @ dequantize_int4_ref(qw, scales, zeros, torch.float32).t()
+    if b is not None:
+        want = want + b.float()
+    ours, theirs = (got.float() - want).abs().max().item(), (ref16.float() - want).abs().max().item()
+    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+
+
 def test_pack_unpack_round_trip_and_dequantize_meaning():
     qw, scales, zeros, q = _weight(24, 64, 32, 0)
     assert qw.shape == (24, 8) and qw.dtype == torch.int32
@@ -94,11 +106,16 @@ def test_w4a16_matmul_matches_reference(m, n, k, g, bias, cfg, dtype):
     ref = int4_linear_ref(x, qw, scales, zeros, b)
     assert got.shape == (m, n) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
-    # the reference is the linear of the dequantized weight (its groups really are per row)
+    if dtype == torch.bfloat16:  # (the GPU) both rounded to bf16: judged against fp32
+        _as_close_as_the_reference(got, ref, x, qw, scales, zeros, b)
+    else:
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    # the reference is the linear of the dequantized weight (its groups really are per row;
+    # in bf16 that is what _as_close_as_the_reference compared with)
     w = dequantize_int4_ref(qw, scales, zeros, torch.float32)
     lin = x.float() @ w.t() + (b.float() if bias else 0)
-    torch.testing.assert_close(ref.float(), lin, atol=tol * 10, rtol=tol * 10)
+    if dtype != torch.bfloat16:
+        torch.testing.assert_close(ref.float(), lin, atol=tol * 10, rtol=tol * 10)
 
 
 def test_launcher_names_bad_shapes():
@@ -171,5 +188,4 @@ def test_w4a16_bf16_8b_shapes_on_the_gpu(n, k, m):
     qw, scales, zeros, _ = _weight(n, k, 128, 7)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     got = w4a16_matmul(x, qw, scales, zeros)
-    torch.testing.assert_close(got.float(), int4_linear_ref(x, qw, scales, zeros).float(),
-                               atol=3e-2, rtol=3e-2)
+    _as_close_as_the_reference(got, int4_linear_ref(x, qw, scales, zeros), x, qw, scales, zeros)
