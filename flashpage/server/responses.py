@@ -298,28 +298,20 @@ async def _events(chat_stream: StreamingResponse, rid: str, req: ResponsesReques
             for ch in chunk.get("choices", []):
                 d = ch.get("delta", {})
                 finish = ch.get("finish_reason") or finish
-                if d.get("reasoning"):
-                    if open_item is None or open_item["type"] != "reasoning":
+                for key, kind, delta_event in (("reasoning", "reasoning", "response.reasoning_text.delta"),
+                                               ("content", "message", "response.output_text.delta")):
+                    if not d.get(key):
+                        continue
+                    if open_item is None or open_item["type"] != kind:
                         for e in close(open_item) if open_item is not None else []:
                             yield e
-                        open_item = {**_reasoning_item(""), "status": "in_progress"}
+                        open_item = ({**_reasoning_item(""), "status": "in_progress"} if kind == "reasoning"
+                                     else _message_item("", "in_progress"))
                         for e in begin(open_item):
                             yield e
-                    open_item["content"][0]["text"] += d["reasoning"]
-                    yield event("response.reasoning_text.delta", item_id=open_item["id"],
-                                output_index=output.index(open_item), content_index=0,
-                                delta=d["reasoning"])
-                if d.get("content"):
-                    if open_item is None or open_item["type"] != "message":
-                        for e in close(open_item) if open_item is not None else []:
-                            yield e
-                        open_item = _message_item("", "in_progress")
-                        for e in begin(open_item):
-                            yield e
-                    open_item["content"][0]["text"] += d["content"]
-                    yield event("response.output_text.delta", item_id=open_item["id"],
-                                output_index=output.index(open_item), content_index=0,
-                                delta=d["content"])
+                    open_item["content"][0]["text"] += d[key]
+                    yield event(delta_event, item_id=open_item["id"], output_index=output.index(open_item),
+                                content_index=0, delta=d[key])
                 for tc in d.get("tool_calls") or []:
                     item = calls.get(tc["index"])
                     fn = tc.get("function", {})
