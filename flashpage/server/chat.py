@@ -30,6 +30,7 @@ from flashpage.server.serving import (
     usage,
 )
 from flashpage.server.structured import structured_field
+from flashpage.server.tokenize import template_kwargs
 from flashpage.server.tool_choice import (
     assistant_message,
     conversation,
@@ -38,29 +39,6 @@ from flashpage.server.tool_choice import (
 )
 from flashpage.server.tool_stream import ToolStream
 from flashpage.server.tools import ToolCall
-
-# apply_chat_template's own parameters: not for a request's chat_template_kwargs to set
-_RESERVED = {"conversation", "tools", "documents", "chat_template", "tokenize", "return_dict",
-             "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
-             "return_assistant_tokens_mask", "add_generation_prompt", "continue_final_message"}
-
-
-def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
-    """What the chat template is given beyond the messages and tools; 400s naming the field."""
-    extra = dict(req.chat_template_kwargs or {})
-    bad = sorted(set(extra) & _RESERVED)
-    if bad:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)} (use the request's "
-                          "own fields)", "chat_template_kwargs")
-    if req.continue_final_message:
-        if req.add_generation_prompt:
-            raise bad_request("continue_final_message needs add_generation_prompt: false",
-                              "continue_final_message")
-        if req.messages[-1].role != "assistant":
-            raise bad_request("continue_final_message needs the last message to be the "
-                              "assistant's", "continue_final_message")
-    return {**extra, "add_generation_prompt": req.add_generation_prompt,
-            "continue_final_message": req.continue_final_message}
 
 
 async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,

@@ -258,6 +258,10 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     tools: list[ToolDef] | None = None  # messages only: shown to the chat template
     add_special_tokens: Bool = True  # prompt only (the chat template places its own)
+    # messages only, as the chat endpoint takes them (vLLM's)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
 
 
 class DetokenizeRequest(_Body):

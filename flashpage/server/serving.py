@@ -48,7 +48,7 @@ from flashpage.server.render import (
     sse,
 )
 from flashpage.server.structured import structured_field, structured_outputs
-from flashpage.server.tokenize import ServerTokenizer
+from flashpage.server.tokenize import ServerTokenizer, template_kwargs
 from flashpage.server.tool_choice import (
     conversation,
 )
@@ -218,7 +218,8 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> Response:
         if not req.messages:
             raise bad_request("messages is empty", "messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        ids = await state.tokenizer.apply_chat_template(conversation(req.messages), tools)
+        ids = await state.tokenizer.apply_chat_template(conversation(req.messages), tools,
+                                                        **template_kwargs(req))
     else:
         ids = await state.tokenizer.encode(req.prompt or "", req.add_special_tokens)
     return JSONResponse({"count": len(ids), "max_model_len": state.engine.max_model_len,

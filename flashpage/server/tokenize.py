@@ -90,3 +90,29 @@ class ServerTokenizer:
         if self._dec is None:
             return f"token_id:{token_id}"
         return self._dec.decode([token_id], skip_special_tokens=False)
+
+
+# apply_chat_template's own parameters: not for a request's chat_template_kwargs to set
+_RESERVED = {"conversation", "tools", "documents", "chat_template", "tokenize", "return_dict",
+             "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+             "return_assistant_tokens_mask", "add_generation_prompt", "continue_final_message"}
+
+
+def template_kwargs(req: Any) -> dict[str, Any]:
+    """What the chat template is given beyond the messages and tools (a chat or /tokenize
+    request's chat_template_kwargs, add_generation_prompt, continue_final_message); 400s
+    naming the field."""
+    extra = dict(req.chat_template_kwargs or {})
+    bad = sorted(set(extra) & _RESERVED)
+    if bad:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)} (use the request's "
+                          "own fields)", "chat_template_kwargs")
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt: false",
+                              "continue_final_message")
+        if req.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the "
+                              "assistant's", "continue_final_message")
+    return {**extra, "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message}

@@ -173,3 +173,21 @@ def test_structured_outputs_start_after_the_thinking(parser, think_model_dir):
     else:
         assert choice["finish_reason"] == "length" and choice["message"]["content"] == ""
         assert choice["message"]["reasoning"] and "<" not in choice["message"]["reasoning"]
+
+
+def test_tokenize_takes_the_template_fields(think_model_dir):
+    """/tokenize gives the ids chat would feed the model for the same template fields."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(think_model_dir)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    with live_server(think_model_dir) as s:
+        r = post(s, "/tokenize", {"messages": msgs, "chat_template_kwargs": {"thinking": True}})
+        assert r.json()["tokens"] == tok.apply_chat_template(msgs, add_generation_prompt=True, thinking=True,
+                                                             tokenize=True, return_dict=False)
+        r = post(s, "/tokenize", {"messages": msgs, "add_generation_prompt": False,
+                                  "continue_final_message": True})
+        assert r.json()["tokens"] == tok.apply_chat_template(msgs, continue_final_message=True,
+                                                             tokenize=True, return_dict=False)
+        assert_error(post(s, "/tokenize", {"messages": msgs, "continue_final_message": True}), 400,
+                     "add_generation_prompt", param="continue_final_message")
