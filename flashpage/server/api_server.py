@@ -168,6 +168,17 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         _check_key(state, request)
         return await responses(state, request, await _parse(state, request, ResponsesRequest), arrival)
 
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        _check_key(state, request)
+        return JSONResponse(state.responses.get(response_id, None)[0])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        _check_key(state, request)
+        state.responses.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         from flashpage.server.embeddings import embeddings

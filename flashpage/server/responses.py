@@ -12,8 +12,11 @@ chat chunks become Responses events (``response.created``, ``response.output_ite
 ``response.output_text.delta``, ``response.function_call_arguments.delta``, ...,
 ``response.completed``), each with its ``sequence_number``.
 
-Not kept: responses are not stored (``store`` is accepted and answered false), so
-``previous_response_id`` is a 400; built-in tools (web search, file search, ...) are 400s.
+Stored (``store``, true by default as OpenAI's) in memory, the latest ``MAX_STORED`` of
+them: ``GET /v1/responses/{id}`` answers one again, ``DELETE`` forgets it, and a request's
+``previous_response_id`` continues its conversation (its input and output items before the
+new input; its instructions are not carried over, as OpenAI's). A server restart forgets
+them all. Built-in tools (web search, file search, ...) are 400s.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -29,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError
 
 from flashpage.server.protocol import (
+    APIError,
     Bool,
     ChatCompletionRequest,
     Float,
@@ -86,16 +91,59 @@ def _text_of(content: Any, where: str) -> str:
     raise bad_request(f"{where}: content must be a text or a list of text parts", "input")
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """``instructions`` and ``input`` as chat messages."""
+MAX_STORED = 1024  # responses kept for previous_response_id / GET, the latest first
+
+
+class ResponseStore:
+    """Stored responses (id -> the response and the conversation's items up to it), LRU."""
+
+    def __init__(self, limit: int = MAX_STORED) -> None:
+        self.limit = limit
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, rid: str, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
+        self._items[rid] = (response, items)
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str, param: str | None = "previous_response_id"
+            ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        try:
+            self._items.move_to_end(rid)
+            return self._items[rid]
+        except KeyError:
+            raise APIError(404, f"Response with id '{rid}' not found.", "invalid_request_error",
+                           param) from None
+
+    def delete(self, rid: str) -> None:
+        self.get(rid, None)
+        del self._items[rid]
+
+
+def _input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": req.input}] if isinstance(req.input, str) else list(req.input)
+
+
+def _output_as_input(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the next request's input items (its text as an
+    assistant message; its calls as they are; its reasoning left out)."""
+    items: list[dict[str, Any]] = []
+    for o in output:
+        if o["type"] == "message":
+            items.append({"role": "assistant", "content": "".join(p["text"] for p in o["content"])})
+        elif o["type"] == "function_call":
+            items.append({k: o[k] for k in ("type", "call_id", "name", "arguments")})
+    return items
+
+
+def _messages(req: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``instructions``, the earlier conversation's items and ``input`` as chat messages."""
     msgs: list[dict[str, Any]] = []
     if req.instructions:
         msgs.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        return [*msgs, {"role": "user", "content": req.input}]
-    for i, item in enumerate(req.input):
+    for i, item in enumerate(history + _input_items(req)):
         kind = item.get("type", "message")
-        where = f"input[{i}]"
+        where = f"input[{i - len(history)}]" if i >= len(history) else "previous_response_id's items"
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -121,8 +169,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return msgs
 
 
-def _chat_body(req: ResponsesRequest, stream: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": stream,
+def _chat_body(req: ResponsesRequest, stream: bool, history: list[dict[str, Any]]) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": req.model, "messages": _messages(req, history), "stream": stream,
                             "priority": req.priority, "parallel_tool_calls": req.parallel_tool_calls}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                  "chat_template_kwargs"):
@@ -178,7 +226,8 @@ def _envelope(rid: str, req: ResponsesRequest, model: str, status: str,
             "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "model": model, "output": output, "parallel_tool_calls": req.parallel_tool_calls,
-            "previous_response_id": None, "reasoning": None, "store": False,
+            "previous_response_id": req.previous_response_id, "reasoning": None,
+            "store": req.store is not False,
             "temperature": req.temperature, "text": {"format": {"type": "text"}}
             if req.text is None or req.text.format is None else {"format": req.text.format},
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
@@ -206,11 +255,11 @@ async def responses(state: ServerState, request: Request, req: ResponsesRequest,
                     arrival: float) -> Response:
     from flashpage.server.chat import chat
 
+    history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        raise bad_request("previous_response_id needs stored responses, which this server does not "
-                          "keep: send the conversation as input", "previous_response_id")
+        history = state.responses.get(req.previous_response_id)[1]
     try:
-        chat_req = ChatCompletionRequest.model_validate(_chat_body(req, bool(req.stream)))
+        chat_req = ChatCompletionRequest.model_validate(_chat_body(req, bool(req.stream), history))
     except ValidationError as e:
         raise validation_error(e) from None
     rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
@@ -220,7 +269,8 @@ async def responses(state: ServerState, request: Request, req: ResponsesRequest,
         return answer
     if req.stream:
         assert isinstance(answer, StreamingResponse)
-        return StreamingResponse(_events(answer, rid, req, model, created), media_type="text/event-stream",
+        return StreamingResponse(_events(answer, rid, req, model, created, state, history),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     body = json.loads(bytes(answer.body))
     choice = body["choices"][0]
@@ -233,12 +283,19 @@ async def responses(state: ServerState, request: Request, req: ResponsesRequest,
                                     "incomplete" if finish == "length" else "completed"))
     output += [_call_item(c) for c in msg.get("tool_calls") or []]
     status = "incomplete" if finish == "length" else "completed"
-    return JSONResponse(_envelope(rid, req, model, status, output, _usage(body.get("usage")),
-                                  finish, created))
+    done = _envelope(rid, req, model, status, output, _usage(body.get("usage")), finish, created)
+    _keep(state, req, done, history)
+    return JSONResponse(done)
+
+
+def _keep(state: ServerState, req: ResponsesRequest, done: dict[str, Any],
+          history: list[dict[str, Any]]) -> None:
+    if req.store is not False:
+        state.responses.put(done["id"], done, history + _input_items(req) + _output_as_input(done["output"]))
 
 
 async def _events(chat_stream: StreamingResponse, rid: str, req: ResponsesRequest, model: str,
-                  created: int) -> AsyncIterator[str]:
+                  created: int, state: ServerState, history: list[dict[str, Any]]) -> AsyncIterator[str]:
     """The chat stream's chunks as Responses events."""
     seq = 0
     output: list[dict[str, Any]] = []
@@ -334,5 +391,6 @@ async def _events(chat_stream: StreamingResponse, rid: str, req: ResponsesReques
             yield e
     status = "incomplete" if finish == "length" else "completed"
     done = _envelope(rid, req, model, status, output, _usage(usage), finish, created)
+    _keep(state, req, done, history)
     yield event("response.completed" if status == "completed" else "response.incomplete", response=done)
 

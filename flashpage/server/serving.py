@@ -94,8 +94,19 @@ class ServerState:
         self.created = int(time.time())
         # --lora-modules: a request's "model" naming one runs with that adapter
         self.lora_modules = dict(lora_modules or {})
+        # stored Responses API answers (server/responses.py), made at the first one
+        self._responses: Any = None
         # the last adapter id given out (runtime loads take the next: server/lora_admin.py)
         self.lora_ids = max((lr.lora_int_id for lr in self.lora_modules.values()), default=0)
+
+    @property
+    def responses(self) -> Any:
+        """The Responses API's store (server/responses.ResponseStore)."""
+        if self._responses is None:
+            from flashpage.server.responses import ResponseStore
+
+            self._responses = ResponseStore()
+        return self._responses
 
     def served_names(self) -> list[str]:
         return [self.model_name, *self.lora_modules]

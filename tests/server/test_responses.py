@@ -101,7 +101,6 @@ def test_text_format_json_object(byte_model_dir):
 
 
 @pytest.mark.parametrize("body, param, needle", [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "does not keep"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input", "not supported"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "functions only"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text", "not supported"),
@@ -109,3 +108,34 @@ def test_text_format_json_object(byte_model_dir):
 ])
 def test_what_is_refused(server, body, param, needle):
     assert_error(post(server, "/v1/responses", body), 400, needle, param=param)
+
+
+def test_stored_responses_continue_a_conversation(client, server):
+    """previous_response_id: the earlier input and output before the new input (chat's prompt
+    for the same messages); GET answers a stored response again, DELETE forgets it; store
+    false keeps nothing; an unknown id is a 404."""
+    first = client.responses.create(model="tiny", input="hello there", max_output_tokens=4,
+                                    temperature=0, instructions="Be brief.")
+    second = client.responses.create(model="tiny", input="and then?", max_output_tokens=4,
+                                     temperature=0, previous_response_id=first.id)
+    assert second.previous_response_id == first.id
+    messages = [{"role": "user", "content": "hello there"},
+                {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "and then?"}]  # instructions are not carried over
+    text, _, usage = _chat_text(client, messages, 4)
+    assert second.output_text == text and second.usage.input_tokens == usage.prompt_tokens
+    again = client.responses.retrieve(first.id)
+    assert again.output_text == first.output_text and again.id == first.id
+    streamed = list(client.responses.create(model="tiny", input="and then?", max_output_tokens=4,
+                                            temperature=0, previous_response_id=first.id, stream=True))
+    assert streamed[-1].response.output_text == text
+    assert client.responses.retrieve(streamed[-1].response.id).output_text == text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    kept_out = client.responses.create(model="tiny", input="x", max_output_tokens=2, store=False)
+    assert kept_out.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept_out.id)
+    assert_error(post(server, "/v1/responses", {"input": "x", "previous_response_id": "resp_nope"}),
+                 404, "not found", param="previous_response_id")
