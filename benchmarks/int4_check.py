@@ -7,6 +7,7 @@ checks failed in run 164 (tests/kernels/test_int4_gemm.py's weights: row 0's sca
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -24,6 +25,9 @@ from flashpage.kernels.int4_gemm import (  # noqa: E402
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("int4_check.py needs a CUDA GPU")
     for n, k, m in [(4096, 14336, 16), (4096, 4096, 300), (6144, 4096, 1)]:
         qw, scales, zeros, _ = _weight(n, k, 128, 7)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
