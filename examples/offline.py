@@ -29,3 +29,17 @@ for answer in (" Paris", " Berlin"):
 paris = llm.engine.tokenize(context + " Paris")[len(llm.engine.tokenize(context))]
 banned = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={paris: -100.0})
 print(repr(llm.generate(context, banned)[0].outputs[0].text))
+
+# Beam search (vLLM's LLM.beam_search): the 3 likeliest continuations by length-penalized
+# log-probability, best first.
+from flashpage import BeamSearchParams  # noqa: E402
+
+for seq in llm.beam_search("The best way to learn a language is",
+                           BeamSearchParams(beam_width=3, max_tokens=12))[0].sequences:
+    print(round(seq.cum_logprob, 2), repr(seq.text))
+
+# Words the output may not contain (vLLM's bad_words), and the model's own sampling defaults
+# (its generation_config.json, what generate() uses without SamplingParams).
+print(llm.generate("My favourite fruit is", SamplingParams(temperature=0, max_tokens=12,
+                                                           bad_words=["apple", "banana"]))[0].outputs[0].text)
+print(llm.get_default_sampling_params())

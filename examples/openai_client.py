@@ -42,3 +42,19 @@ print(label.choices[0].text)
 
 # Count tokens against the context without generating (vLLM's /tokenize).
 print(httpx.post("http://127.0.0.1:8000/tokenize", json={"prompt": "Once upon a time"}).json())
+
+# OpenAI's Responses API (POST /v1/responses), stored for a follow-up by previous_response_id.
+first = client.responses.create(model=model, input="Name a primary color.", max_output_tokens=16,
+                                temperature=0)
+print(first.output_text)
+follow = client.responses.create(model=model, input="And another one?", max_output_tokens=16,
+                                 temperature=0, previous_response_id=first.id)
+print(follow.output_text)
+
+# Beam search on completions (vLLM's use_beam_search): n beams, best first.
+beams = client.completions.create(model=model, prompt="The sky is", max_tokens=8, n=3,
+                                  extra_body={"use_beam_search": True})
+print([c.text for c in beams.choices])
+
+# A reasoning model's thinking comes back apart from its answer when the server runs with
+# --reasoning-parser (deepseek_r1, qwen3, ...): message.reasoning beside message.content.
