@@ -56,6 +56,18 @@ def test_mistral():
     assert p.extract("[TOOL_CALLS] nope") == ("[TOOL_CALLS] nope", [])
 
 
+def test_granite():
+    p = get_parser("granite")
+    for text in ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
+                 ' <tool_call> [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]\n',
+                 '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]'):
+        content, calls = p.extract(text)
+        assert content is None and _calls(calls) == [("get_weather", WEATHER)]
+    for text in ('Sure. [{"name": "f", "arguments": {}}]', '<tool_call>{"name": "f", "arguments": {}}',
+                 '[{"name": "f", "arguments": {}}] and more', "[]", '[{"name": "f"}, 3]'):
+        assert p.extract(text) == (text, [])
+
+
 def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="unknown tool call parser 'qwen9'"):
         get_parser("qwen9")
@@ -114,6 +126,8 @@ ANSWERS = [  # parser, the model's text, the content a stream sends (None: the t
     ("mistral", "[TOOL_CALLS] nope", None, 0),
     ("mistral", "[TOOL_CALLS][]", None, 0),
     ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {}}, 5]', None, LATE),
+    ("granite", '<|tool_call|>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]', "", 2),
+    ("granite", 'Plain words [not calls]', None, 0),
     ("named", '{"city": "Paris", "days": 3}', "", 1),
     ("named", ' { "city" : "Par\\u00eds" ,\n "days" : 3 } ', "", 1),
     ("named", '{"city": "Pa', None, LATE),
@@ -205,6 +219,8 @@ STREAMED = [  # the text so far -> the calls sent by then (name, arguments so fa
     ("llama3_json", '{"name": "f", "arguments": {"x": [1, "y', [("f", "")]),  # parameters may follow
     ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {"y": "z',
      [("a", '{"x": 1}'), ("b", '{"y": "z')]),
+    ("granite", '<tool_call>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {"y": "z',
+     [("a", '{"x": 1}'), ("b", '{"y": "z')]),
     ("named", ' {"city": "Par', [("get_weather", '{"city": "Par')]),
     ("required", '[{"name": "get_time", "parameters": {"zone": "U', [("get_time", '{"zone": "U')]),
 ]
@@ -230,7 +246,7 @@ _call_lists = st.lists(st.tuples(st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
 
 
 @settings(max_examples=150, deadline=None)
-@given(name=st.sampled_from(["hermes", "llama3_json", "mistral"]), calls=_call_lists,
+@given(name=st.sampled_from(["hermes", "llama3_json", "mistral", "granite"]), calls=_call_lists,
        spacing=st.sampled_from([dict(), dict(separators=(",", ":")), dict(indent=1, ensure_ascii=False)]),
        prefix=st.text(alphabet="ab .\n", max_size=5), data=st.data())
 def test_any_calls_any_split(name, calls, spacing, prefix, data):
@@ -243,6 +259,9 @@ def test_any_calls_any_split(name, calls, spacing, prefix, data):
         text = prefix + "\n".join(f"<tool_call>\n{o}\n</tool_call>" for o in objs)
     elif name == "llama3_json":
         text = "<|python_tag|>" + "; ".join(objs)
+    elif name == "granite":
+        text = prefix.replace("a", " ").replace("b", "") + "<|tool_call|>" + \
+            json.dumps([{"name": n, key: a} for n, a in calls], **spacing)
     else:
         text = prefix + "[TOOL_CALLS]" + json.dumps([{"name": n, key: a} for n, a in calls], **spacing)
     text = text[:data.draw(st.integers(0, len(text)))] if data.draw(st.booleans()) else text
