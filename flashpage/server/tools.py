@@ -295,7 +295,8 @@ PARSERS: dict[str, str] = {
     "deepseek_v31": "deepseek_calls:DeepSeekV31Parser",
     "kimi_k2": "kimi_calls:KimiK2Parser",
     "glm45": "glm_calls:Glm45Parser",
-    "granite": "granite_calls:GraniteParser",
+    "granite": "json_list_calls:GraniteParser",
+    "jamba": "json_list_calls:JambaParser",
 }
 
 

@@ -68,6 +68,16 @@ def test_granite():
         assert p.extract(text) == (text, [])
 
 
+def test_jamba():
+    p = get_parser("jamba")
+    content, calls = p.extract('Sure. <tool_calls>[{"name": "get_weather", "arguments": '
+                               '{"city": "Paris", "unit": "celsius"}}]</tool_calls>\n')
+    assert content == "Sure." and _calls(calls) == [("get_weather", WEATHER)]
+    for text in ('<tool_calls>[{"name": "f", "arguments": {}}]', '<tool_calls>[{"name": "f", "arguments": {}}]'
+                 '</tool_calls> and more', "<tool_calls>[]</tool_calls>", "<tool_calls>{}</tool_calls>"):
+        assert p.extract(text) == (text, [])
+
+
 def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="unknown tool call parser 'qwen9'"):
         get_parser("qwen9")
@@ -128,6 +138,8 @@ ANSWERS = [  # parser, the model's text, the content a stream sends (None: the t
     ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {}}, 5]', None, LATE),
     ("granite", '<|tool_call|>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]', "", 2),
     ("granite", 'Plain words [not calls]', None, 0),
+    ("jamba", 'ok <tool_calls>[{"name": "a", "arguments": {"x": 1}}]</tool_calls>', "ok ", 1),
+    ("jamba", 'ok <tool_calls>[{"name": "a", "arguments": {"x": 1}}]', None, LATE),
     ("named", '{"city": "Paris", "days": 3}', "", 1),
     ("named", ' { "city" : "Par\\u00eds" ,\n "days" : 3 } ', "", 1),
     ("named", '{"city": "Pa', None, LATE),
@@ -221,6 +233,8 @@ STREAMED = [  # the text so far -> the calls sent by then (name, arguments so fa
      [("a", '{"x": 1}'), ("b", '{"y": "z')]),
     ("granite", '<tool_call>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {"y": "z',
      [("a", '{"x": 1}'), ("b", '{"y": "z')]),
+    ("jamba", 'Hi <tool_calls>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {"y": "z',
+     [("a", '{"x": 1}'), ("b", '{"y": "z')]),
     ("named", ' {"city": "Par', [("get_weather", '{"city": "Par')]),
     ("required", '[{"name": "get_time", "parameters": {"zone": "U', [("get_time", '{"zone": "U')]),
 ]
@@ -246,7 +260,7 @@ _call_lists = st.lists(st.tuples(st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
 
 
 @settings(max_examples=150, deadline=None)
-@given(name=st.sampled_from(["hermes", "llama3_json", "mistral", "granite"]), calls=_call_lists,
+@given(name=st.sampled_from(["hermes", "llama3_json", "mistral", "granite", "jamba"]), calls=_call_lists,
        spacing=st.sampled_from([dict(), dict(separators=(",", ":")), dict(indent=1, ensure_ascii=False)]),
        prefix=st.text(alphabet="ab .\n", max_size=5), data=st.data())
 def test_any_calls_any_split(name, calls, spacing, prefix, data):
@@ -259,6 +273,9 @@ def test_any_calls_any_split(name, calls, spacing, prefix, data):
         text = prefix + "\n".join(f"<tool_call>\n{o}\n</tool_call>" for o in objs)
     elif name == "llama3_json":
         text = "<|python_tag|>" + "; ".join(objs)
+    elif name == "jamba":
+        text = prefix + "<tool_calls>" + json.dumps([{"name": n, key: a} for n, a in calls], **spacing) + \
+            "</tool_calls>"
     elif name == "granite":
         text = prefix.replace("a", " ").replace("b", "") + "<|tool_call|>" + \
             json.dumps([{"name": n, key: a} for n, a in calls], **spacing)
