@@ -63,6 +63,8 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     want_lp = bool(req.logprobs)
     params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if want_lp else None,
                              tools.structured)
+    if tools.parser is not None and tools.parser.keeps_special_tokens:
+        params.skip_special_tokens = False  # the calls' markers are special tokens
     tok = state.tokenizer
     # a reasoning model's thinking apart from its answer (server/reasoning.py)
     # (include_reasoning false: still split, the reasoning then left out)

@@ -76,6 +76,7 @@ class _GraniteReader(CallReader):
 
 class JambaParser(ToolParser):
     name = "jamba"
+    keeps_special_tokens = True  # <tool_calls> and </tool_calls> are Jamba's special tokens
     OPEN, CLOSE = "<tool_calls>", "</tool_calls>"
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:

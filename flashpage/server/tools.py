@@ -95,6 +95,9 @@ class ToolParser:
     request's tool definitions (OpenAI's dicts), for formats whose reading depends on them."""
 
     name = ""
+    # the format's markers are special tokens the answer's text must keep (the request's
+    # skip_special_tokens is then off, as vLLM's parser for the format turns it off)
+    keeps_special_tokens = False
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = tools or []

@@ -314,3 +314,26 @@ def test_offline_chat_shows_the_template_tools(tool_model_dir):
     with_tools = llm.chat_prompt_ids(MESSAGES, tools=TOOLS)
     assert "system: tools: get_weather get_time" in llm.engine.tokenizer.decode(with_tools)
     assert len(llm.chat_prompt_ids(MESSAGES)) < len(with_tools)
+
+
+@pytest.mark.parametrize("parser, keeps", [("jamba", True), ("hermes", False)])
+def test_a_format_of_special_tokens_keeps_them_in_the_text(tool_model_dir, parser, keeps):
+    """jamba's <tool_calls> tags are special tokens: with tools its requests decode with
+    skip_special_tokens off (as vLLM's parser asks); other formats keep the request's."""
+    with live_server(tool_model_dir, engine_kw={"max_model_len": 512}, tool_call_parser=parser,
+                     enable_auto_tool_choice=True) as s:
+        engine = s.async_engine.engine
+        seen = []
+        add = engine.add_request
+
+        def spy(*args, **kw):
+            seen.append(args[2].skip_special_tokens)
+            return add(*args, **kw)
+
+        engine.add_request = spy
+        try:
+            r = _chat(s, {"tools": TOOLS, "max_tokens": 4})
+        finally:
+            del engine.add_request
+        assert r.status_code == 200, r.text
+        assert seen == [not keeps]
