@@ -30,6 +30,8 @@ import torch
 from flashpage.config import EngineConfig
 from flashpage.encoder.config import EncoderConfig
 from flashpage.encoder.model import load_encoder
+from flashpage.engine.scheduler import check_priority
+from flashpage.engine.sequence import prompt_text_and_ids
 from flashpage.kv_cache.kv_cache_manager import KVCacheStats
 from flashpage.outputs import RequestMetrics, RequestOutput
 from flashpage.pooling import PoolingParams, PoolingState, pooling_type_of
@@ -99,12 +101,7 @@ class EncoderEngine:
 
     def check_priority(self, priority: object) -> None:
         """As LLMEngine's: any integer under the priority policy, 0 only under fcfs."""
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority and self.config.scheduling_policy != "priority":
-            raise ValueError(f"Got priority {priority} but priority scheduling is not enabled: "
-                             "start the engine with scheduling_policy='priority' "
-                             "(--scheduling-policy priority)")
+        check_priority(priority, self.config.scheduling_policy)
 
     def _no_generation(self) -> ValueError:
         return ValueError(f"this model ({self.model_config.architecture}) is an encoder-only "
@@ -155,13 +152,7 @@ class EncoderEngine:
             self._counter += 1
         if request_id in self._ids:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            text: str | None = prompt
-            ids = self.tokenize(prompt)
-        else:
-            text, ids = None, list(prompt)
+        text, ids = prompt_text_and_ids(prompt, self.tokenize)
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size

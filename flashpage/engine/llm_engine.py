@@ -25,8 +25,8 @@ from flashpage.engine.draft_model import build_draft_proposer, check_draft_confi
 from flashpage.engine.model_runner import ModelRunner
 from flashpage.engine.output import ChildRequest, ParentRequest, child_params
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
-from flashpage.engine.scheduler import Scheduler
-from flashpage.engine.sequence import Request, RequestStatus
+from flashpage.engine.scheduler import Scheduler, check_priority
+from flashpage.engine.sequence import Request, RequestStatus, prompt_text_and_ids
 from flashpage.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig, unpack_checked
 from flashpage.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from flashpage.generation_config import load_generation_defaults
@@ -409,13 +409,7 @@ class LLMEngine:
             self._counter += 1
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            text: str | None = prompt
-            ids = self.tokenize(prompt)
-        else:
-            text, ids = None, list(prompt)
+        text, ids = prompt_text_and_ids(prompt, self.tokenize)
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
             ids = ids[-params.truncate_prompt_tokens:]  # the text no longer matches: not kept
             text = None
@@ -465,12 +459,7 @@ class LLMEngine:
     def check_priority(self, priority: object) -> None:
         """A ValueError unless ``priority`` is an integer this engine takes: any under the
         priority scheduling policy, 0 only under fcfs (vLLM's rule and words)."""
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority and self.config.scheduling_policy != "priority":
-            raise ValueError(f"Got priority {priority} but priority scheduling is not enabled: "
-                             "start the engine with scheduling_policy='priority' "
-                             "(--scheduling-policy priority)")
+        check_priority(priority, self.config.scheduling_policy)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter now (add_request does it the first time an id comes);

@@ -71,6 +71,17 @@ def check_scheduling_policy(policy: object) -> str:
     return str(policy)
 
 
+def check_priority(priority: object, policy: str) -> None:
+    """A ValueError unless ``priority`` is an integer an engine under ``policy`` takes: any
+    under the priority scheduling policy, 0 only under fcfs (vLLM's rule and words)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority and policy != "priority":
+        raise ValueError(f"Got priority {priority} but priority scheduling is not enabled: "
+                         "start the engine with scheduling_policy='priority' "
+                         "(--scheduling-policy priority)")
+
+
 def _order(req: Request) -> tuple[int, float, int]:
     return req.queue_order
 

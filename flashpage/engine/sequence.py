@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from flashpage.sampling_params import SamplingParams
@@ -54,6 +54,17 @@ _FINISH_REASON: dict[RequestStatus, str] = {
 # Stands in ``all_token_ids`` for a token sampled on the GPU but not yet read back (async
 # scheduling): the next step feeds the model that token straight from the GPU.
 PLACEHOLDER = -1
+
+
+def prompt_text_and_ids(prompt: str | list[int], tokenize: Callable[[str], list[int]]
+                        ) -> tuple[str | None, list[int]]:
+    """A request's prompt (text, or token ids) -> (its text or None, its ids); an empty text
+    is a ValueError."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return prompt, tokenize(prompt)
+    return None, list(prompt)
 
 
 class RequestRefused(ValueError):
