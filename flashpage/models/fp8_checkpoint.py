@@ -113,6 +113,17 @@ def linear_of(model: nn.Module, hf_module: str) -> tuple[str, _ParallelLinear] |
     return None
 
 
+def linears_of(model: nn.Module, keys: dict[str, str]
+               ) -> dict[str, tuple[_ParallelLinear, list[str]]]:
+    """Our linears the checkpoint's modules go into: {key: its HF module path} -> {our
+    linear's path: (the linear, the keys whose modules it holds, in order)}."""
+    out: dict[str, tuple[_ParallelLinear, list[str]]] = {}
+    for key, hf_module in keys.items():
+        if (hit := linear_of(model, hf_module)) is not None:
+            out.setdefault(hit[0], (hit[1], []))[1].append(key)
+    return out
+
+
 def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig,
                            folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Prepare ``model`` for the fp8 checkpoint in ``folder`` and return its weights as
@@ -160,15 +171,8 @@ def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig,
     rows = {name: row_scales(name, t.shape, scales[t.scale_name], qc) for name, t in fp8.items()}
 
     # Which of our linears keep e4m3: all their pieces in the file e4m3 with row scales.
-    pieces: dict[str, list[str]] = {}
-    linears: dict[str, _ParallelLinear] = {}
-    for name in header:
-        if name.endswith(".weight") and (hit := linear_of(model, name[:-7])) is not None:
-            pieces.setdefault(hit[0], []).append(name)
-            linears[hit[0]] = hit[1]
     kept: set[str] = set()
-    for path, names in pieces.items():
-        m = linears[path]
+    for m, names in linears_of(model, {n: n[:-7] for n in header if n.endswith(".weight")}).values():
         if not all(n in fp8 for n in names):
             m.quantizable = False  # (partly) left 16-bit by the checkpoint: quantization="fp8" too
         elif m.quantizable and all(rows[n] is not None for n in names):

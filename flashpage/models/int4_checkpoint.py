@@ -32,8 +32,7 @@ from torch import nn
 
 from flashpage.config import CheckpointQuantization, ModelConfig
 from flashpage.kernels.int4_gemm import dequantize_int4_ref
-from flashpage.layers.linear import _ParallelLinear
-from flashpage.models.fp8_checkpoint import linear_of
+from flashpage.models.fp8_checkpoint import linear_of, linears_of
 from flashpage.models.int4_formats import awq_to_layout, gptq_to_layout
 from flashpage.models.loader import ModelLoadError, safetensors_files
 
@@ -104,17 +103,9 @@ def int4_checkpoint_weights(model: nn.Module, config: ModelConfig,
         groups[mod] = g
 
     # Which of our linears keep int4: all their pieces int4 in the file, and quantizable.
-    pieces: dict[str, list[str]] = {}
-    linears: dict[str, _ParallelLinear] = {}
-    for name in header:
-        if name.endswith((".weight", ".qweight")):
-            mod = name.rsplit(".", 1)[0]
-            if (hit := linear_of(model, mod)) is not None:
-                pieces.setdefault(hit[0], []).append(mod)
-                linears[hit[0]] = hit[1]
+    mods_in = {m: m for m in (n.rsplit(".", 1)[0] for n in header if n.endswith((".weight", ".qweight")))}
     kept: set[str] = set()
-    for path, mods in pieces.items():
-        m = linears[path]
+    for m, mods in linears_of(model, mods_in).values():
         if not all(x in groups for x in mods):
             m.quantizable = False  # (partly) left 16-bit by the checkpoint: quantization="fp8" too
         elif m.quantizable:
