@@ -20,9 +20,10 @@ from flashpage.server.serving import ServerState, collect, start
 from flashpage.server.structured import structured_field
 
 
-def beam_params(state: ServerState, req: CompletionRequest | ChatCompletionRequest,
-                max_tokens: int) -> BeamSearchParams:
-    """The request's beam search, or a 400 naming the field it cannot take."""
+def beam_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> BeamSearchParams:
+    """The request's beam search, or a 400 naming the field it cannot take (``n`` against
+    the server's limit and the rest of the sampling fields: checked by sampling_params
+    first)."""
     if req.stream:
         raise bad_request("use_beam_search answers at once: it cannot stream (send stream: false)",
                           "stream")
@@ -32,8 +33,6 @@ def beam_params(state: ServerState, req: CompletionRequest | ChatCompletionReque
     field = structured_field(req)
     if field is not None:
         raise bad_request("structured outputs are not supported with use_beam_search", field)
-    if req.n > state.max_n:
-        raise bad_request(f"n must be at most {state.max_n}, got {req.n}", "n")
     try:
         return BeamSearchParams(
             beam_width=req.n, max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos),
