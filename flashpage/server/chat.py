@@ -79,7 +79,7 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
         if tools.structured is not None:
             raise bad_request("a forced tool choice is not supported with use_beam_search",
                               "tool_choice")
-        beams = beam_params(req, max_tokens)
+        beams = beam_params(req, params.max_tokens or max_tokens)
         streams: list[RequestStream] = []
 
         def finals_of() -> Awaitable[list[RequestOutput]]:

@@ -159,7 +159,7 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
     if req.use_beam_search:  # the n best beams (server/beam.py), shaped as generated choices
         from flashpage.server.beam import beam_outputs, beam_params
 
-        beams = beam_params(req, max_tokens)
+        beams = beam_params(req, params.max_tokens or max_tokens)
         streams: list[RequestStream] = []
 
         def finals_of() -> Awaitable[list[RequestOutput]]:

@@ -23,3 +23,5 @@ def test_unset_fields_take_the_models_defaults(tiny_model_dir, tmp_path):
         assert r.json()["usage"]["completion_tokens"] == 9  # 3 each: the cap
         sampled = post(s, "/v1/completions", {**body, "temperature": 1.5, "seed": 1})
         assert len({c["text"] for c in sampled.json()["choices"]}) > 1  # the request's own wins
+        beams = post(s, "/v1/completions", {**body, "use_beam_search": True})  # capped too
+        assert beams.status_code == 200 and beams.json()["usage"]["completion_tokens"] == 9
