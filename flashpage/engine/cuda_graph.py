@@ -3,7 +3,9 @@
 A decode step launches a few hundred small kernels; on the GPU their launch cost, not
 their work, bounds the step. We capture the whole forward + logits once per batch-size
 bucket (1, 2, 4, 8, 16, 24, 32, ... up to ``max_num_seqs``), all graphs sharing one
-memory pool, and replay the smallest bucket that holds the step's batch.
+memory pool, and replay the smallest bucket that holds the step's batch. A draft model
+(speculative decoding, engine/draft_model.py) gets decode graphs of its own, over its own
+K/V pool, in the same memory pool: its single-token forwards are decode steps too.
 
 A short prompt is host-bound the same way: an 8B 128-token prompt ran 5.4 ms of kernels
 in 23-62 ms (333 launches, BENCHMARKS.md session 14). ``PrefillGraphs`` captures
@@ -73,42 +75,63 @@ class _StaticInputs:
 
 
 class DecodeGraphs(_StaticInputs):
-    def __init__(self, model: nn.Module, max_bs: int, max_blocks: int, device: torch.device) -> None:
+    """Graphs of decode-only steps of ``model``, one per batch bucket up to ``max_bs``,
+    reading the K/V pool its attention layers hold: the target's (ModelRunner) or a draft
+    model's (engine/draft_model.DraftRunner), each with its own DecodeGraphs.
+
+    ``logits=False``: the graphs end at the final hidden states [bs, hidden] and the caller
+    computes the logits of the rows it wants (a draft: per bucket a [bs, vocab] output would
+    stay reserved beside the target's). Buckets not captured (``capture`` not called: the
+    CPU tests) run the same padded static-buffer forward eagerly."""
+
+    def __init__(self, model: nn.Module, max_bs: int, max_blocks: int, device: torch.device,
+                 logits: bool = True) -> None:
         super().__init__(max_bs, device)
         self.model = model
         self.device = device
         self.max_bs = max_bs
         self.max_blocks = max_blocks
+        self.with_logits = logits
         self.buckets = batch_buckets(max_bs)
         i32 = torch.int32
         self.seq_lens = torch.ones(max_bs, dtype=i32, device=device)
         self.block_tables = torch.zeros(max_bs, max_blocks, dtype=i32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=i32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # each graph's output (hidden states: logits=False)
         self.pool: Any = None  # the shared graph memory pool handle (torch's _POOL_HANDLE)
 
-    def metadata(self, bs: int, max_seq_len: int) -> AttentionMetadata:
+    def metadata(self, bs: int, max_seq_len: int, seq_lens_cpu: list[int] | None = None) -> AttentionMetadata:
         return AttentionMetadata(
             num_actual_tokens=bs, num_seqs=bs,
             query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs], slot_mapping=self.slot_mapping[:bs],
-            max_query_len=1, max_seq_len=max_seq_len, num_decodes=bs, num_decode_tokens=bs)
+            max_query_len=1, max_seq_len=max_seq_len, num_decodes=bs, num_decode_tokens=bs,
+            query_lens_cpu=[1] * bs if seq_lens_cpu is not None else [],
+            seq_lens_cpu=seq_lens_cpu if seq_lens_cpu is not None else [])
+
+    def forward(self, bs: int, md: AttentionMetadata) -> torch.Tensor:
+        """The padded step of bucket ``bs`` over the static buffers -> logits [bs, V] (hidden
+        states [bs, H] with logits=False)."""
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], md)
+        return self.model.compute_logits(hidden) if self.with_logits else hidden  # type: ignore[operator]
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool: Any = None) -> Any:
+        """Capture every bucket, largest first, into ``pool`` (None: a new one); returns the pool."""
+        self.pool = pool
         max_seq = self.max_blocks * 1  # only used for grid shapes that the tables fix anyway
         for bs in reversed(self.buckets):
             md = self.metadata(bs, max_seq)
 
             def run(bs: int = bs, md: AttentionMetadata = md) -> torch.Tensor:
-                hidden = self.model(self.input_ids[:bs], self.positions[:bs], md)
-                return self.model.compute_logits(hidden)  # type: ignore[operator]
+                return self.forward(bs, md)
 
             self.graphs[bs], self.logits[bs] = _capture(run, self.pool)
             if self.pool is None:
                 self.pool = self.graphs[bs].pool()
         torch.cuda.synchronize(self.device)
+        return self.pool
 
     def bucket(self, n: int) -> int | None:
         if n > self.max_bs:
@@ -120,7 +143,8 @@ class DecodeGraphs(_StaticInputs):
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
             logits_rows: int) -> torch.Tensor:
-        """Replay for a decode-only batch of ``md.num_seqs`` requests; returns logits [n, V]."""
+        """Replay for a decode-only batch of ``md.num_seqs`` requests; returns logits [n, V]
+        (hidden states [n, H] with logits=False)."""
         n = md.num_seqs
         bs = self.bucket(n)
         assert bs is not None
@@ -131,6 +155,9 @@ class DecodeGraphs(_StaticInputs):
         if bs > n:
             self.seq_lens[n:bs].fill_(1)
             self.block_tables[n:bs].zero_()
+        if bs not in self.graphs:  # not captured: the same padded step, eagerly (host lengths too)
+            lens = [*md.seq_lens_cpu[:n], *[1] * (bs - n)]
+            return self.forward(bs, self.metadata(bs, max(lens), lens))[:logits_rows]
         self.graphs[bs].replay()
         return self.logits[bs][:logits_rows]
 
