@@ -407,12 +407,22 @@ def verify_drafts(logits: torch.Tensor, spec: list[tuple[Request, list[int]]], v
     return out
 
 
-def processed_probs(logits: torch.Tensor, params: list[SamplingParams], vocab: int) -> torch.Tensor:
+def sampling_table(params: list[SamplingParams], vocab: int, device: torch.device) -> torch.Tensor:
+    """[n, 4] fp32 on ``device``: each row's (temperature, top-k, top-p, min-p) as
+    ``processed_probs`` applies them (temperature 1 for greedy rows, top-k 0 = ``vocab``)."""
+    return torch.tensor([[1.0 if p.greedy else p.temperature,
+                          float(p.top_k if p.top_k > 0 else vocab), p.top_p, p.min_p]
+                         for p in params], dtype=torch.float32).to(device)
+
+
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams], vocab: int,
+                    table: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's next-token distribution as its request samples it: softmax after
-    temperature (1 for greedy rows), top-k, top-p and min-p. ``logits`` fp32 [n, vocab]."""
-    table = torch.tensor([[1.0 if p.greedy else p.temperature,
-                           float(p.top_k if p.top_k > 0 else vocab), p.top_p, p.min_p]
-                          for p in params], dtype=torch.float32).to(logits.device)
+    temperature (1 for greedy rows), top-k, top-p and min-p. ``logits`` fp32 [n, vocab];
+    ``table``: ``sampling_table(params, ...)`` made before (one copy to the device for
+    several calls over the same rows)."""
+    if table is None:
+        table = sampling_table(params, vocab, logits.device)
     x = logits / table[:, 0:1]
     if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
         x = Sampler._filter(x, table[:, 1:2].long(), table[:, 2:3], table[:, 3:4])
