@@ -40,8 +40,9 @@ requests are not drafted by it.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -49,9 +50,16 @@ from torch import nn
 
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata
 from flashpage.config import ModelConfig
+from flashpage.engine.cuda_graph import DecodeGraphs
 from flashpage.engine.model_runner import _table_width
 from flashpage.engine.sampler import row_argmax
-from flashpage.engine.spec_decode import SEED_MIX, NgramProposer, SpeculativeConfig, processed_probs
+from flashpage.engine.spec_decode import (
+    SEED_MIX,
+    NgramProposer,
+    SpeculativeConfig,
+    processed_probs,
+    sampling_table,
+)
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 
 if TYPE_CHECKING:
@@ -83,8 +91,50 @@ class _Row:
     table: np.ndarray
 
 
+def decode_steps(starts: list[int], counts: list[int], tables: list[np.ndarray], block_size: int
+                 ) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+    """The host inputs of a step's single-token forwards, over its drafting rows ordered most
+    drafts first (``counts`` non-increasing, each >= 1): forward j (1 .. k - 1, k = counts[0])
+    runs rows 0 .. m_j - 1, those with more than j drafts, row i's draft j at position
+    ``starts[i] + j - 1`` (``starts``: each row's token count, draft 1's position) into the
+    slot its table gives it there (the scheduler's, for the drafts)::
+
+        counts [4, 4, 2]   m = [3, 2, 2]   forward 2 runs rows 0, 1 (row 2 is done)
+
+    Returns (m_j for each forward, positions [k - 1, n], slots [k - 1, n], tables [n, width]
+    padded with block 0); entries past a forward's rows are 0."""
+    n, k = len(counts), counts[0]
+    width = _table_width(max(len(t) for t in tables))
+    table = np.zeros((n, width), dtype=np.int64)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    rows = [sum(c > j for c in counts) for j in range(1, k)]
+    positions = np.zeros((k - 1, n), dtype=np.int64)
+    slots = np.zeros((k - 1, n), dtype=np.int64)
+    first = np.asarray(starts, dtype=np.int64)
+    for j, m in enumerate(rows):
+        pos = first[:m] + j
+        positions[j, :m] = pos
+        slots[j, :m] = table[np.arange(m), pos // block_size] * block_size + pos % block_size
+    return rows, positions, slots, table
+
+
+@dataclass
+class _Steps:
+    """``decode_steps``' inputs on the device, copied once for the k - 1 forwards."""
+
+    rows: list[int]
+    positions: torch.Tensor  # [k - 1, n] int64
+    slots: torch.Tensor  # [k - 1, n] int64
+    seq_lens: torch.Tensor  # [k - 1, n] int32
+    query_start_loc: torch.Tensor  # [n + 1] int32: 0, 1, .., n
+    tables: torch.Tensor  # [n, width] int32
+    seq_lens_cpu: np.ndarray  # [k - 1, n]
+
+
 class DraftRunner:
-    """The draft model, its K/V pool (the target's block ids) and its forwards."""
+    """The draft model, its K/V pool (the target's block ids), its forwards and, once
+    ``capture_graphs`` ran, its decode graphs (cuda_graph.DecodeGraphs over its own pool)."""
 
     def __init__(self, model: nn.Module, model_config: ModelConfig, backend: AttentionBackend,
                  kv_manager: KVCacheManager, num_blocks: int, block_size: int,
@@ -92,6 +142,8 @@ class DraftRunner:
         self.model, self.config, self.backend = model, model_config, backend
         self.kv_manager, self.block_size, self.device = kv_manager, block_size, device
         self.vocab_size = vocab_size
+        self.graphs: DecodeGraphs | None = None
+        self.graph_forwards = 0  # forwards that went through the decode graphs
         backend.bind_kv_cache(num_blocks, block_size)
         for layer in model.attention_layers():  # type: ignore[operator]
             shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
@@ -99,16 +151,50 @@ class DraftRunner:
                               torch.zeros(shape, dtype=kv_dtype, device=device))
             layer.backend = backend
 
+    def capture_graphs(self, max_bs: int, max_model_len: int, pool: Any = None, *,
+                       capture: bool = True) -> Any:
+        """Decode graphs of batches up to ``max_bs`` in ``pool`` (the target's: they never run
+        at once); returns the pool. They end at the hidden states: the logits of the rows
+        wanted are computed eagerly (no [bucket, vocab] output kept per bucket). Set only once
+        captured: a failed capture leaves the draft eager. ``capture=False``: the same padded
+        static-buffer forwards, run eagerly (tests on the CPU)."""
+        max_blocks = _table_width(-(-max_model_len // self.block_size))
+        graphs = DecodeGraphs(self.model, max_bs, max_blocks, self.device, logits=False)
+        if capture:
+            pool = graphs.capture(pool)
+        self.graphs = graphs
+        return pool
+
     def table(self, req: Request) -> np.ndarray:
         return np.asarray(self.kv_manager.get_block_ids(req.request_id), dtype=np.int64)
 
+    def _to_device(self, buf: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(buf)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
+            else t.to(self.device)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+             rows: torch.Tensor | None) -> torch.Tensor:
+        """The forward (replayed where a graph fits: one token a row) -> the logits of hidden
+        rows ``rows`` (None: all) [rows, vocab], in the model's dtype."""
+        graphs = self.graphs
+        if graphs is not None and md.num_decodes == md.num_seqs and graphs.bucket(md.num_seqs) is not None:
+            hidden = graphs.run(input_ids, positions, md, md.num_seqs)
+            self.graph_forwards += 1
+        else:
+            hidden = self.model(input_ids, positions, self.backend.prepare(md))
+        if rows is not None:
+            hidden = hidden[rows]
+        logits = self.model.compute_logits(hidden)  # type: ignore[operator]
+        if logits.shape[1] != self.vocab_size:
+            logits = logits[:, :self.vocab_size].contiguous()
+        return logits
+
     @torch.inference_mode()
-    def forward(self, rows: list[_Row], want: list[int],
-                input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, rows: list[_Row], want: list[int]) -> torch.Tensor:
         """One draft forward over ``rows`` (each row's tokens appended to its context);
-        the fp32 next-token logits [len(want), vocab] after the last token of each row in
-        ``want`` (row indices). ``input_ids``: the tokens on the device instead of the rows'
-        (rows of one token each: the last forward's drafts, not read back)."""
+        the next-token logits [len(want), vocab] after the last token of each row in
+        ``want`` (row indices)."""
         bs, n = self.block_size, len(rows)
         # decodes (one token) first, as every backend expects
         order = sorted(range(n), key=lambda i: len(rows[i].tokens) != 1)
@@ -133,13 +219,8 @@ class DraftRunner:
         slots[:] = tables[np.repeat(np.arange(n), lens), pos // bs] * bs + pos % bs
         where = {i: j for j, i in enumerate(order)}
         logits_idx[:] = [qsl[where[i] + 1] - 1 for i in want]
-        t = torch.from_numpy(buf)
-        dev = t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
-            else t.to(self.device)
+        dev = self._to_device(buf)
         d_ids, d_pos, d_slots, d_qsl, d_seq, d_logits, d_tables = (dev[offs[i]:offs[i + 1]] for i in range(7))
-        if input_ids is not None:
-            assert len(input_ids) == total and total == n, "device input ids are one token a row"
-            d_ids = input_ids
         num_decodes = int((lens == 1).sum())
         md = AttentionMetadata(
             num_actual_tokens=total, num_seqs=n,
@@ -148,10 +229,77 @@ class DraftRunner:
             max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()),
             num_decodes=num_decodes, num_decode_tokens=num_decodes,
             query_lens_cpu=lens.tolist(), seq_lens_cpu=seq_lens.tolist())
-        md = self.backend.prepare(md)
-        hidden = self.model(d_ids, d_pos, md)
-        logits = self.model.compute_logits(hidden[d_logits])  # type: ignore[operator]
-        return logits[:, :self.vocab_size].float()
+        return self._run(d_ids, d_pos, md, d_logits)
+
+    def prepare_steps(self, starts: list[int], counts: list[int], tables: list[np.ndarray]) -> _Steps:
+        """``decode_steps``' inputs on the device, in one copy."""
+        rows, positions, slots, table = decode_steps(starts, counts, tables, self.block_size)
+        n = len(counts)
+        seq_lens = positions + 1
+        # [positions | slots | seq_lens | query_start_loc | tables]: the last three int32
+        buf = np.concatenate([positions.ravel(), slots.ravel(), seq_lens.ravel(),
+                              np.arange(n + 1, dtype=np.int64), table.ravel()])
+        dev = self._to_device(buf)
+        jn = positions.size
+        i32 = dev[2 * jn:].to(torch.int32)
+        return _Steps(rows, dev[:jn].view(positions.shape), dev[jn:2 * jn].view(positions.shape),
+                      i32[:jn].view(positions.shape), i32[jn:jn + n + 1],
+                      i32[jn + n + 1:].view(table.shape), seq_lens)
+
+    @torch.inference_mode()
+    def step(self, steps: _Steps, j: int, input_ids: torch.Tensor) -> torch.Tensor:
+        """Single-token forward ``j + 1`` of ``steps`` over its first ``steps.rows[j]`` rows,
+        whose input tokens (the last forward's drafts) stay on the device -> logits [m, vocab]."""
+        m = steps.rows[j]
+        lens = steps.seq_lens_cpu[j, :m]
+        md = AttentionMetadata(
+            num_actual_tokens=m, num_seqs=m, query_start_loc=steps.query_start_loc[:m + 1],
+            seq_lens=steps.seq_lens[j, :m], block_tables=steps.tables[:m],
+            slot_mapping=steps.slots[j, :m], max_query_len=1, max_seq_len=int(lens.max()),
+            num_decodes=m, num_decode_tokens=m, query_lens_cpu=[1] * m, seq_lens_cpu=lens.tolist())
+        return self._run(input_ids, steps.positions[j, :m], md, None)
+
+
+class _DraftPicker:
+    """Draws the drafts of a step's drafting requests (most drafts first) from each forward's
+    logits: the argmax for a greedy request; else drawn from the draft's distribution as the
+    request samples (temperature, top-k/p, min-p), kept in its ``spec_probs`` (a view of one
+    [sampled, k, vocab] tensor) for the verifier; a seeded request's draw from its own stream
+    (seed, output position), as the verifier's. Everything a forward needs is on the device
+    before the first: no copy to the device between forwards."""
+
+    def __init__(self, reqs: list[Request], counts: list[int], vocab: int, device: torch.device) -> None:
+        self.reqs, self.vocab = reqs, vocab
+        self.sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
+        self.params = [reqs[i].sampling_params for i in self.sampled]
+        if self.sampled:
+            self.rows = torch.tensor(self.sampled, device=device)
+            self.table = sampling_table(self.params, vocab, device)
+            self.q = torch.empty(len(self.sampled), counts[0], vocab, device=device)
+            for s, i in enumerate(self.sampled):
+                reqs[i].spec_probs = self.q[s, :counts[i]]
+
+    def pick(self, logits: torch.Tensor, j: int, out: torch.Tensor) -> None:
+        """Draft ``j + 1`` of the first ``len(logits)`` requests into ``out`` [len(logits)]
+        (on the device) from their rows of ``logits``."""
+        m = logits.shape[0]
+        out.copy_(row_argmax(logits))
+        n = bisect.bisect_left(self.sampled, m)  # the sampled requests among the first m
+        if not n:
+            return
+        rows = self.rows[:n]
+        q = processed_probs(logits.index_select(0, rows).float(), self.params[:n], self.vocab,
+                            self.table[:n])
+        self.q[:n, j] = q
+        noise = torch.empty_like(q).exponential_()
+        for s in range(n):
+            r = self.reqs[self.sampled[s]]
+            seed = r.sampling_params.seed
+            if seed is not None:
+                g = torch.Generator(device=q.device)
+                g.manual_seed((seed * SEED_MIX + r.num_output_tokens + j) % (1 << 63) ^ 0xD4A)
+                noise[s].exponential_(generator=g)
+        out.index_copy_(0, rows, row_argmax(q / noise))
 
 
 @dataclass
@@ -197,59 +345,25 @@ class DraftModelProposer(NgramProposer):
             rows.append(_Row(req, start, req.all_token_ids[start:end], runner.table(req)))
         if not rows:
             return
+        # most drafts first: each single-token forward runs a prefix of them (decode_steps)
+        drafting.sort(key=lambda i: -len(rows[i].req.spec_token_ids))
         active = [rows[i].req for i in drafting]
-        for req in active:
-            req.spec_probs = None if req.sampling_params.greedy else torch.empty(
-                len(req.spec_token_ids), runner.vocab_size, device=runner.device)
+        counts = [len(r.spec_token_ids) for r in active]
+        picker = _DraftPicker(active, counts, runner.vocab_size, runner.device)
         logits = runner.forward(rows, drafting)
         if not active:  # only catching up (prompt chunks, requests not drafting)
             return
-        tokens = self._pick(logits, active, 0)
-        picked = [(active, tokens)]
-        # drafts 2 .. k: one token each, at the slots the scheduler gave the drafts; each
-        # forward's input is the last one's drafts, left on the device (read back once)
-        tables = {rows[i].req.request_id: rows[i].table for i in drafting}
-        for j in range(1, max((len(r.spec_token_ids) for r in active), default=0)):
-            keep = [i for i, r in enumerate(active) if len(r.spec_token_ids) > j]
-            if len(keep) < len(active):
-                active = [active[i] for i in keep]
-                tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
-            step = [_Row(r, r.num_tokens + j - 1, [_PLACEHOLDER_DRAFT], tables[r.request_id])
-                    for r in active]
-            tokens = self._pick(runner.forward(step, list(range(len(step))), tokens), active, j)
-            picked.append((active, tokens))
-        values = torch.cat([t for _, t in picked]).tolist()
-        i = 0
-        for j, (reqs, _) in enumerate(picked):
-            for r in reqs:
-                r.spec_token_ids[j] = values[i]
-                i += 1
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, reqs: list[Request], j: int) -> torch.Tensor:
-        """Draft ``j`` of each of ``reqs`` (on the device) from its row of ``logits``: the argmax for a
-        greedy request; else drawn from the draft's distribution as the request samples
-        (temperature, top-k/p, min-p), kept in ``spec_probs`` for the verifier; a seeded
-        request's draw from its own stream (seed, output position), as the verifier's."""
-        tokens = row_argmax(logits)
-        sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
-        if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            q = processed_probs(logits.index_select(0, rows),
-                                [reqs[i].sampling_params for i in sampled], logits.shape[1])
-            noise = torch.empty_like(q).exponential_()
-            for n, i in enumerate(sampled):
-                r = reqs[i]
-                probs = r.spec_probs
-                assert probs is not None
-                probs[j] = q[n]
-                seed = r.sampling_params.seed
-                if seed is not None:
-                    g = torch.Generator(device=q.device)
-                    g.manual_seed((seed * SEED_MIX + r.num_output_tokens + j) % (1 << 63) ^ 0xD4A)
-                    noise[n].exponential_(generator=g)
-            tokens = tokens.index_copy(0, rows, row_argmax(q / noise))
-        return tokens
+        # drafts[j, i]: draft j + 1 of active[i]; each forward's input is the last one's
+        # drafts, left on the device (read back once, below)
+        drafts = torch.zeros(counts[0], len(active), dtype=torch.int64, device=runner.device)
+        picker.pick(logits, 0, drafts[0])
+        if counts[0] > 1:  # drafts 2 .. k: at the slots the scheduler gave the drafts
+            steps = runner.prepare_steps([r.num_tokens for r in active], counts,
+                                         [rows[i].table for i in drafting])
+            for j, m in enumerate(steps.rows):
+                picker.pick(runner.step(steps, j, drafts[j, :m]), j + 1, drafts[j + 1, :m])
+        for req, c, got in zip(active, counts, drafts.T.tolist(), strict=True):
+            req.spec_token_ids[:] = got[:c]  # the placeholders, in place
 
 
 def build_draft_proposer(config: SpeculativeConfig, source: ModelSource, target: ModelConfig,
