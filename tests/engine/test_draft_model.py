@@ -35,18 +35,23 @@ def drafts(tmp_path_factory, tiny_checkpoint):
     """name -> a draft checkpoint for llama31_gqa: "other" a different random model (one
     layer, 1 KV head, seed 1); "noisy" the target's weights with noise (drafts that are
     mostly right: acceptance and rejection both)."""
-    from safetensors.torch import load_file, save_file
-
     target = tiny_checkpoint("llama31_gqa")
     other = build_tiny_checkpoint(tmp_path_factory.mktemp("draft_other"), "mqa", seed=1,
                                   num_hidden_layers=1)
-    noisy = tmp_path_factory.mktemp("draft_noisy")
-    shutil.copy(target / "config.json", noisy / "config.json")
+    noisy = noisy_copy(target, tmp_path_factory.mktemp("draft_noisy"))
+    return {"self": target, "other": other, "noisy": noisy}
+
+
+def noisy_copy(target, dest):
+    """``target``'s checkpoint with noise on its weights (norms kept) into ``dest``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copy(target / "config.json", dest / "config.json")
     g = torch.Generator().manual_seed(3)
     weights = {k: v + 0.005 * torch.randn(v.shape, generator=g) if "norm" not in k else v
                for k, v in load_file(target / "model.safetensors").items()}
-    save_file(weights, noisy / "model.safetensors", metadata={"format": "pt"})
-    return {"self": target, "other": other, "noisy": noisy}
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
 
 
 def _prompts() -> list[list[int]]:
