@@ -21,11 +21,7 @@ from flashpage import envs
 from flashpage.attention.backend import AttentionBackend
 from flashpage.attention.registry import select_backend
 from flashpage.config import EngineConfig, ModelConfig, dtype_bytes, resolve_kv_cache_dtype
-from flashpage.engine.draft_model import (
-    DraftModelProposer,
-    build_draft_proposer,
-    check_draft_config,
-)
+from flashpage.engine.draft_model import DraftRunner, build_draft_proposer, check_draft_config
 from flashpage.engine.model_runner import ModelRunner
 from flashpage.engine.output import ChildRequest, ParentRequest, child_params
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
@@ -190,7 +186,7 @@ class LLMEngine:
                 self.max_model_len)
             if (self.device.type == "cuda" and not config.enforce_eager and draft_backend.supports_cuda_graphs
                     and getattr(model, "supports_cuda_graphs", True)):
-                self._capture_draft_graphs(self.proposer)
+                self._capture_draft_graphs(self.proposer.runner)
         elif self.spec_config is not None:
             self.proposer = NgramProposer(self.spec_config, self.max_model_len)
         self._inflight: _Inflight | None = None  # the launched step not yet read back
@@ -248,11 +244,10 @@ class LLMEngine:
             logger.info("captured %s CUDA graphs in %.1fs (%.0f MiB reserved)", name,
                         time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - m0) / 2**20)
 
-    def _capture_draft_graphs(self, proposer: DraftModelProposer) -> None:
+    def _capture_draft_graphs(self, runner: DraftRunner | None) -> None:
         """Decode graphs for the draft model's single-token forwards (engine/draft_model.py),
         at the target's batch buckets and in its graphs' pool; a failed capture leaves the
         draft eager, with a warning."""
-        runner = proposer.runner
         assert runner is not None
         pool = self.runner.graphs.pool if self.runner.graphs is not None else None
         torch.cuda.empty_cache()

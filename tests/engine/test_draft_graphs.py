@@ -142,7 +142,7 @@ def test_draft_graph_capture_failure_leaves_the_draft_eager(tiny_checkpoint, mon
     asked = []
     monkeypatch.setattr(runner, "capture_graphs", lambda *a: (
         asked.append(a), setattr(runner, "graphs", "captured")))
-    eng._capture_draft_graphs(eng.proposer)
+    eng._capture_draft_graphs(runner)
     assert asked == [(6, eng.max_model_len, None)] and runner.graphs == "captured"
 
     def broken(*a):
@@ -150,7 +150,7 @@ def test_draft_graph_capture_failure_leaves_the_draft_eager(tiny_checkpoint, mon
 
     monkeypatch.setattr(runner, "capture_graphs", broken)
     with caplog.at_level(logging.WARNING, logger="flashpage"):
-        eng._capture_draft_graphs(eng.proposer)
+        eng._capture_draft_graphs(runner)
     assert runner.graphs is None
     assert "draft model CUDA graphs off" in caplog.text and "stream is capturing" in caplog.text
     prompts = random_prompts(2, 5, 9, seed=1)
