@@ -23,8 +23,10 @@ lookup is for: copying from the context). Modes per batch size:
 - draft L=N k=K (with --draft-layers N ...): a draft model (engine/draft_model.py) of the
   target's shapes with its first N layers (0: all of them, the target itself), the
   target's weights for those (and, with --counting, counting too: every draft right); its
-  own K/V pool over the target's blocks, run eagerly; back-off off. What a step costs with
-  an N-layer draft, beside "right k=K" (the same accepted drafts for free)
+  own K/V pool over the target's blocks, its single-token forwards replayed from its decode
+  CUDA graphs as the engine runs it; back-off off. What a step costs with an N-layer
+  draft, beside "right k=K" (the same accepted drafts for free)
+- draft L=N k=K eager (with --draft-eager too): the same draft with its graphs set aside
 
 Speculating modes schedule as the engine does (async on CUDA while nobody drafts).
 
@@ -34,6 +36,7 @@ fp ties that verification's different kernels may break the other way).
 
     python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 2 4 --json-out $OUT/spec.json
     python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 4 --draft-layers 1 0
+    python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 4 --draft-layers 1 --draft-eager
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from typing import Any
 import torch
 
 from flashpage.bench.common import resolve_config
+from flashpage.engine.cuda_graph import DecodeGraphs
 from flashpage.engine.draft_model import DraftModelProposer, DraftRunner, check_draft_config
 from flashpage.engine.sequence import Request
 from flashpage.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
@@ -89,7 +93,8 @@ def make_counting(model: torch.nn.Module) -> None:
 def draft_runner(llm: LLM, layers: int) -> DraftRunner:
     """A draft of the target's shapes with its first ``layers`` layers (0: all) and the
     target's weights for them (counting ones too, if the target's are), its pool on the
-    target's blocks."""
+    target's blocks, its decode graphs captured as the engine captures a draft's (where the
+    target's are: CUDA, not enforce_eager)."""
     eng = llm.engine
     mc = eng.model_config
     cfg = dataclasses.replace(mc, num_hidden_layers=layers or mc.num_hidden_layers)
@@ -100,8 +105,11 @@ def draft_runner(llm: LLM, layers: int) -> DraftRunner:
     backend = type(eng.runner.backend)
     set_fused_ops(model, backend.name == "triton")
     check_draft_config(cfg, mc)
-    return DraftRunner(model, cfg, backend(cfg, eng.device, eng.dtype), eng.kv_manager,
-                       eng.num_blocks, eng.config.block_size, eng.device, eng.kv_dtype, mc.vocab_size)
+    runner = DraftRunner(model, cfg, backend(cfg, eng.device, eng.dtype), eng.kv_manager,
+                         eng.num_blocks, eng.config.block_size, eng.device, eng.kv_dtype, mc.vocab_size)
+    if eng.runner.graphs is not None and backend.supports_cuda_graphs:
+        eng._capture_draft_graphs(runner)
+    return runner
 
 
 def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams, iters: int) -> dict[str, Any]:
@@ -150,6 +158,9 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, nargs="*", default=[],
                     help="also time draft models of the target's shapes with this many of its "
                          "layers (0: all: the target as its own draft)")
+    ap.add_argument("--draft-eager", action="store_true",
+                    help="also time each --draft-layers draft with its CUDA graphs set aside "
+                         "(eager forwards, as before the draft had graphs)")
     ap.add_argument("--num-gpu-blocks", type=int, default=None,
                     help="KV blocks (default: from memory; 4096 with --draft-layers, as each "
                          "draft's pool has as many blocks as the target's)")
@@ -191,39 +202,50 @@ def main() -> None:
         _run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), 1)  # warm
         plain = _run(llm, prompts, params, args.iters)
         want = plain["token_ids"]
-        modes: list[tuple[str, NgramProposer]] = []
+        # (name, proposer, the draft's graphs for this mode: None = eager)
+        modes: list[tuple[str, NgramProposer, DecodeGraphs | None]] = []
         for k in args.ks:
             cfg = SpeculativeConfig(num_speculative_tokens=k)
             bounds = SpeculativeConfig(num_speculative_tokens=k, backoff=False)
-            modes.append((f"ngram k={k}", NgramProposer(cfg, eng.max_model_len)))
+            modes.append((f"ngram k={k}", NgramProposer(cfg, eng.max_model_len), None))
             for name, shift, c in (("right", 0, bounds), ("wrong", 1, bounds), ("wrong+bo", 1, cfg)):
                 sp = ScriptedProposer(c, eng.max_model_len)
                 sp.answers = {str(i): a for i, a in enumerate(want)}
                 sp.shift, sp.vocab = shift, vocab
-                modes.append((f"{name} k={k}", sp))
+                modes.append((f"{name} k={k}", sp, None))
             for n in args.draft_layers:
                 if n not in runners:
                     runners[n] = draft_runner(llm, n)
                 # (the proposer reads k and backoff alone: a draft_model config wants a path)
-                modes.append((f"draft L={n} k={k}", DraftModelProposer(
-                    SpeculativeConfig(num_speculative_tokens=k, backoff=False), eng.max_model_len,
-                    runner=runners[n])))
+                for eager in (False, True) if args.draft_eager else (False,):
+                    graphs = None if eager else runners[n].graphs
+                    modes.append((f"draft L={n} k={k}{' eager' if eager else ''}", DraftModelProposer(
+                        SpeculativeConfig(num_speculative_tokens=k, backoff=False), eng.max_model_len,
+                        runner=runners[n]), graphs))
         rows = [("plain", plain, None)]
-        for name, prop in modes:
+        for name, prop, graphs in modes:
             eng.proposer = prop
             prop.stats = SpecStats()
             if isinstance(prop, DraftModelProposer):
+                assert prop.runner is not None
+                prop.runner.graphs, prop.runner.graph_forwards = graphs, 0
                 # blocks cached by the other modes hold no K/V in the draft's pool
                 eng.kv_manager.reset_prefix_cache()
             r = _run(llm, prompts, params, args.iters)
-            rows.append((name, r, prop.stats.as_dict()))
+            st = prop.stats.as_dict()
+            if isinstance(prop, DraftModelProposer):
+                assert prop.runner is not None
+                st["draft_graph_forwards"] = prop.runner.graph_forwards
+            rows.append((name, r, st))
         for name, r, st in rows:
             same = sum(a == b for a, b in zip(r["token_ids"], want, strict=True))
-            line = (f"batch {bs:3d} {name:12s} {r['output_tok_per_s']:9.1f} tok/s  ITL {r['itl_ms']:6.2f} ms  "
+            line = (f"batch {bs:3d} {name:19s} {r['output_tok_per_s']:9.1f} tok/s  ITL {r['itl_ms']:6.2f} ms  "
                     f"steps {r['steps']:5.0f}  x{r['output_tok_per_s'] / plain['output_tok_per_s']:.2f}")
             if st is not None:
                 line += (f"  accepted {st['num_accepted_tokens']}/{st['num_draft_tokens']} "
                          f"({st['acceptance_rate']:.0%}), {st['mean_accepted_length']:.2f} tokens a draft step")
+                if "draft_graph_forwards" in st:
+                    line += f", {st['draft_graph_forwards']} draft graph forwards"
             line += f"  tokens = plain's: {same}/{bs}"
             print(line, flush=True)
             results["runs"].append({"batch": bs, "mode": name, **{k: v for k, v in r.items() if k != "token_ids"},
