@@ -34,8 +34,16 @@ sampled is caught up at a later step. A greedy request's drafts are the draft's 
 sampled request's are drawn from the draft's distribution q processed as the request samples
 (temperature, top-k, top-p, min-p), and the verifier accepts draft ``d`` with probability
 min(1, p(d) / q(d)) and on rejection draws from max(p - q, 0), normalized: the output is
-distributed as the target's. The draft runs eagerly (no CUDA graphs). Structured-outputs
-requests are not drafted by it.
+distributed as the target's. Structured-outputs requests are not drafted by it.
+
+The drafting requests go most drafts first, so each single-token forward runs a prefix of
+them (``decode_steps``): the k - 1 forwards' inputs are built and copied once, each takes
+the last one's drafts on the device, and the drafts are read back once a step. On CUDA the
+single-token forwards, and a catch-up of one token a request, replay decode CUDA graphs of
+the draft's own (``DraftRunner.capture_graphs``: cuda_graph.DecodeGraphs over the draft
+model and its pool, the target's batch buckets, in the target's graph pool); off with
+``enforce_eager``, and a capture that fails leaves the draft eager. A catch-up over prompt
+chunks (or several tokens a request) runs eagerly.
 """
 
 from __future__ import annotations
