@@ -10,6 +10,7 @@ as the eager draft's. The GPU tests capture and replay them."""
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -187,9 +188,27 @@ def test_hidden_state_graphs_after_a_larger_batch():
     assert Model.seen[-1] == ([7, 8, 9, 4], [5, 6, 7, 1], [40, 41, 42, -1]), Model.seen[-1]
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_graphed_drafts_on_the_triton_backend(tiny_checkpoint):
+    """The graphs' padded forwards through the triton backend's kernels (interpreted): the
+    decode kernel over the static buffers (tables as wide as the longest context, padding
+    rows of context 1 in block 0); plain decoding's tokens, every draft accepted."""
+    path = tiny_checkpoint("head64_gqa")
+    prompts = [random_prompts(1, 4, 4, seed=8)[0], random_prompts(1, 9, 9, seed=9)[0],
+               random_prompts(1, 6, 6, seed=10)[0]]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (5, 3, 5)]
+    want = _ids(_llm(path, block_size=16), prompts, params)
+    llm = _llm(path, path, attention_backend="triton", block_size=16, spec={"num_speculative_tokens": 2})
+    log = _graphed(llm)
+    assert _ids(llm, prompts, params) == want
+    assert any(b > n for n, b in log), log
+    assert llm.engine.stats()["spec_decode"]["acceptance_rate"] == 1.0
+
+
 def _gpu_llms(path, draft, **kw):
     kw = dict(device="cuda", attention_backend="triton", block_size=16, max_num_batched_tokens=128,
-              num_gpu_blocks=256, **kw)
+              num_gpu_blocks=256, max_num_seqs=16, **kw)
     return _llm(path, **kw), _llm(path, draft, spec={"backoff": False}, **kw)
 
 
@@ -237,14 +256,15 @@ def test_draft_graphs_on_the_gpu(tiny_checkpoint, tmp_path, draft, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_draft_graphs_through_preemption_on_the_gpu(tiny_checkpoint):
-    """A cache too small for every request (16 blocks of 16): preemptions free both pools'
+    """A cache too small for every request (10 blocks of 16): preemptions free both pools'
     blocks; with the draft's graphs replayed the tokens are plain decoding's."""
     path = tiny_checkpoint("head64_gqa")
     prompts = random_prompts(6, 10, 30, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    kw = dict(device="cuda", attention_backend="triton", block_size=16, max_num_batched_tokens=32)
+    kw = dict(device="cuda", attention_backend="triton", block_size=16, max_num_batched_tokens=32,
+              max_num_seqs=16)
     want = _ids(_llm(path, num_gpu_blocks=256, **kw), prompts, params)
-    llm = _llm(path, path, num_gpu_blocks=16, **kw)
+    llm = _llm(path, path, num_gpu_blocks=10, **kw)
     assert llm.engine.proposer.runner.graphs is not None
     assert _ids(llm, prompts, params) == want
     assert llm.engine.scheduler.num_preemptions > 0, "the small cache was meant to preempt"
@@ -257,7 +277,7 @@ def test_draft_graphs_through_preemption_on_the_gpu(tiny_checkpoint):
 def test_enforce_eager_captures_no_draft_graphs(tiny_checkpoint):
     path = tiny_checkpoint("head64_gqa")
     llm = _llm(path, path, device="cuda", attention_backend="triton", block_size=16,
-               num_gpu_blocks=64, enforce_eager=True)
+               num_gpu_blocks=64, max_num_seqs=16, enforce_eager=True)
     assert llm.engine.runner.graphs is None and llm.engine.proposer.runner.graphs is None
     prompts = random_prompts(2, 5, 9, seed=1)
     assert _ids(llm, prompts, GREEDY) and llm.engine.proposer.runner.graph_forwards == 0
