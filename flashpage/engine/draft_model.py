@@ -184,7 +184,7 @@ class DraftRunner:
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
              rows: torch.Tensor | None) -> torch.Tensor:
         """The forward (replayed where a graph fits: one token a row) -> the logits of hidden
-        rows ``rows`` (None: all) [rows, vocab], in the model's dtype."""
+        rows ``rows`` (None: all) [rows, vocab], in the model's dtype (none wanted: no logits)."""
         graphs = self.graphs
         if graphs is not None and md.num_decodes == md.num_seqs and graphs.bucket(md.num_seqs) is not None:
             hidden = graphs.run(input_ids, positions, md, md.num_seqs)
@@ -192,6 +192,8 @@ class DraftRunner:
         else:
             hidden = self.model(input_ids, positions, self.backend.prepare(md))
         if rows is not None:
+            if not rows.numel():  # only catching up
+                return hidden[:0]
             hidden = hidden[rows]
         logits = self.model.compute_logits(hidden)  # type: ignore[operator]
         if logits.shape[1] != self.vocab_size:
