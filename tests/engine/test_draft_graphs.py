@@ -206,6 +206,48 @@ def test_graphed_drafts_on_the_triton_backend(tiny_checkpoint):
     assert llm.engine.stats()["spec_decode"]["acceptance_rate"] == 1.0
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_draft_graph_capture_on_fake_graphs(tiny_checkpoint, monkeypatch):
+    """The capture's bookkeeping, which only a GPU runs for real, on stand-in graphs (the
+    triton backend, interpreted: a capture has no host lengths): every bucket captured in the
+    pool handed over (the target's), each graph's output the hidden states [bucket, hidden];
+    a step then replays its bucket's graph."""
+    import contextlib
+
+    captured = []
+
+    class FakeGraph:
+        def replay(self):
+            captured.append(("replay", self))
+
+        def pool(self):
+            raise AssertionError("the pool was handed over: not a new one")
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        captured.append(("capture", pool))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    path = tiny_checkpoint("head64_gqa")
+    llm = _llm(path, path, attention_backend="triton", block_size=16, spec={"num_speculative_tokens": 2})
+    runner = llm.engine.proposer.runner
+    assert runner.capture_graphs(4, llm.engine.max_model_len, "target-pool") == "target-pool"
+    g = runner.graphs
+    assert captured == [("capture", "target-pool")] * 3 and g.pool == "target-pool"
+    hidden = llm.engine.model_config.hidden_size
+    assert {b: tuple(t.shape) for b, t in g.logits.items()} == {b: (b, hidden) for b in (1, 2, 4)}
+    captured.clear()
+    prompts = random_prompts(2, 4, 9, seed=1)
+    # replays of fake graphs compute nothing: the tokens are not checked, only the dispatch
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert captured and all(e[0] == "replay" and e[1] in g.graphs.values() for e in captured)
+    assert runner.graph_forwards == len(captured)
+
+
 def _gpu_llms(path, draft, **kw):
     kw = dict(device="cuda", attention_backend="triton", block_size=16, max_num_batched_tokens=128,
               num_gpu_blocks=256, max_num_seqs=16, **kw)
