@@ -185,6 +185,7 @@ def main() -> None:
                                "dtype": str(eng.dtype), "input_len": args.input_len,
                                "block": args.block, "output_len": args.output_len, "runs": []}
     runners: dict[int, DraftRunner] = {}  # one draft model (and pool) per layer count
+    captured: dict[int, DecodeGraphs | None] = {}  # their graphs (None: eager only)
     for bs in args.batch_sizes:
         prompts = []
         for _ in range(bs):
@@ -216,9 +217,10 @@ def main() -> None:
             for n in args.draft_layers:
                 if n not in runners:
                     runners[n] = draft_runner(llm, n)
+                    captured[n] = runners[n].graphs  # (each run sets the runner's own)
                 # (the proposer reads k and backoff alone: a draft_model config wants a path)
                 for eager in (False, True) if args.draft_eager else (False,):
-                    graphs = None if eager else runners[n].graphs
+                    graphs = None if eager else captured[n]
                     modes.append((f"draft L={n} k={k}{' eager' if eager else ''}", DraftModelProposer(
                         SpeculativeConfig(num_speculative_tokens=k, backoff=False), eng.max_model_len,
                         runner=runners[n]), graphs))
