@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Session 20's device plan: what the session built on the CPU, on the H200.
+#   BUDGET=300 bash benchmarks/gpu_s20.sh draft   the draft model's decode graphs: GPU tests, then
+#                                                 an 8B-shaped 1-layer draft with graphs and eager
+#                                                 (run 165: 11.0 ms a step eager at batch 1)
+# Results under $OUT.
+PART=${1:-draft}
+source "$(dirname "$0")/gpu_lib.sh"
+case "$PART" in
+draft)
+  timeout "$(left 170)" $PT -m gpu -rf tests/engine/test_draft_graphs.py tests/engine/test_draft_model.py \
+    tests/engine/test_prefill_graphs.py 2>&1 | tee "$OUT/gpu_draft_tests.txt" | tail -n 12
+  timeout "$(left 200)" python3 benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 4 \
+    --draft-layers 1 --draft-eager --json-out "$OUT/spec_draft_graphs.json" 2>&1 \
+    | tee "$OUT/spec_draft_graphs.txt" | grep -E "^batch|draft|Error|Traceback" | head -40
+  echo "part draft done at ${SECONDS}s" ;;
+*) echo "unknown part $PART"; exit 2 ;;
+esac
