@@ -4,36 +4,46 @@ word c = w[n, 8c + j]; scales [N, K/G]; zeros uint8 [N, K/G]; w = (q - z) * s).
 
 At 1-16 rows a linear only streams its weight, so the kernel is built like gemv.py's
 ``gemv_row``, not like a GEMM: a program owns ``block_n`` output features and walks K a
-``block_k`` tile at a time (K optionally split between ``split_k`` programs), and the
-weight is read once for all M rows::
+``block_k`` tile at a time (K split between ``split_k`` programs where the features alone
+leave SMs idle), and the weight is read once for all M rows::
 
-    program (pid_n, pid_k)       qweight rows offs_n, words of its K range, coalesced along K
-        tile t:  packed [BLOCK_N, BLOCK_K/8] int32   (next tile's words loaded before this
-                 one is used: one tile in flight, in registers)
-                 q = packed >> 4j & 0xF              [BLOCK_N, BLOCK_K] in registers
-                 w = (q - z) * s                     fp32, z and s one per (feature, group)
-                 rows: acc[n, m] += sum_k w[n, k] x[m, k]
+    program (pid_n, pid_k)     qweight rows offs_n, its K range's words, coalesced along K
+      tile t: packed [BLOCK_N, BLOCK_K/8] int32      (tile t + 1's words, scales and zeros
+                                                      loaded before t is used: one tile in
+                                                      flight, in registers)
+              q - z  [BLOCK_N, BLOCK_K/8, 2, 2, 2]   a word's 8 nibbles in the thread that
+                                                      loaded it (tl.join), no int-to-float
+                                                      conversion (OR into a float's mantissa)
+              rows:  acc[n, m] += s[n, g] * sum_k (q - z)[n, k] x[m, k]
 
 Two ways to do the row products (``Int4GemvConfig.dot``):
 
     dot False   CUDA cores: for each row m (unrolled over BLOCK_M = M rounded up to a power
-                of two) the fp32 products w * x[m] summed over the tile, added to column m
-                of the [BLOCK_N, BLOCK_M] accumulator. One FMA per weight per row: cheap
-                at 1-4 rows; at 16 rows the FMAs alone (16 per weight) exceed what the
-                H200's CUDA cores do at 2 TB/s of int4 bytes.
-    dot True    tensor cores with the operands swapped: w rounded to x's dtype (the bits
-                the dequantizing reference builds) is the A operand [BLOCK_N, BLOCK_K],
-                x's tile transposed the B operand [BLOCK_K, 16] (``tl.dot``'s smallest N):
-                no FMA per row, BLOCK_N >= 16.
+                of two) each word's 8 products summed in its thread, times the word's
+                scale, stacked per row with tl.join; the sum across threads once at the
+                end. One FMA per weight per row: ~7 SASS instructions a weight at one
+                row for sm_90, ~14 at four.
+    dot True    tensor cores, operands swapped: q - z in x's dtype (exact: -16..15) is the
+                A operand [BLOCK_N, BLOCK_K] straight from registers, x's tile transposed
+                the B operand [BLOCK_K, 16] (tl.dot's smallest N; rows past M are zeros);
+                the group's scale multiplies the tile's [BLOCK_N, 16] result. BLOCK_N >= 16,
+                the K tile inside one group (16 wide at least; else the CUDA cores).
+    asm True    (with dot, 16-bit x, on the GPU) the nibbles become 16-bit floats by inline
+                PTX, two per lop3 (OR into the mantissa of 128.0 in bf16, 1024.0 in fp16)
+                and one fma takes OFFSET + z off both: ~4 instructions a weight for sm_90
+                against ~6 with the fp32 unpacking. The interpreter runs the plain path.
 
-Dequantizing per weight (a subtract and a multiply, shared by all rows) rather than
-applying s and z to per-group partial sums keeps any group size G (a multiple of 8
-dividing K; G = K allowed) in one code path: a tile holds BLOCK_K / min(G, BLOCK_K)
-groups, and their scales and zeros are loaded once per (feature, group). With split K
-each program writes fp32 partial sums [split, M, N], added (and the bias) after.
+Scales and zero points are loaded once per (feature, tile) where the tile lies in one group
+(BLOCK_K <= G: G = 128 and K tiles of 128, the 8B checkpoints' case), else once per word
+(a word lies in one group: G is a multiple of 8 dividing K, G = K allowed). With split K
+each program writes fp32 partial sums [split, M, N], added (and the bias) after by one
+small kernel, in split order (deterministic, no atomics).
 
-``int4_gemv_ref`` is ``int4_linear_ref`` (kernels/int4_gemm.py). ``default_config`` is a
-first guess until benchmarks/int4_gemv.py has been run on a GPU.
+The tensor cores' sums are exact products of q - z and x (fp32 accumulation), the scale
+applied after: not the bits of the dequantized weight's linear (which rounds (q - z) * s
+to x's dtype first), but nearer fp32's. ``int4_gemv_ref`` is ``int4_linear_ref``
+(kernels/int4_gemm.py). ``default_config`` is a first guess from the SASS until
+benchmarks/int4_gemv.py has been run on a GPU.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.device import interpreting
 from flashpage.kernels.int4_gemm import PACK, _block_k, check_int4, int4_linear_ref
 
 MAX_ROWS = 16  # rows of x one call takes: the dot path's B operand is 16 wide
@@ -59,84 +70,168 @@ class Int4GemvConfig:
     num_warps: int = 4
     num_stages: int = 1
     dot: bool = False  # row products on tensor cores (see the module's docstring)
+    asm: bool = False  # with dot: nibbles to 16-bit floats by inline PTX, two an instruction
 
     @property
     def name(self) -> str:
-        return (f"{'d' if self.dot else 'f'}n{self.block_n}k{self.block_k}s{self.split_k}"
+        kind = ("a" if self.asm else "d") if self.dot else "f"
+        return (f"{kind}n{self.block_n}k{self.block_k}s{self.split_k}"
                 f"w{self.num_warps}st{self.num_stages}")
 
 
-# The tiles benchmarks/int4_gemv.py sweeps beside the default (not yet measured).
+# The tiles benchmarks/int4_gemv.py sweeps beside the default (not yet measured on a GPU).
 CANDIDATES = (
-    Int4GemvConfig(16, 256, 0, 4, dot=False),
-    Int4GemvConfig(32, 256, 0, 4, dot=False),
-    Int4GemvConfig(8, 512, 0, 4, dot=False),
-    Int4GemvConfig(64, 128, 0, 8, dot=False),
-    Int4GemvConfig(32, 128, 0, 4, dot=True),
-    Int4GemvConfig(64, 128, 0, 4, dot=True),
-    Int4GemvConfig(64, 256, 0, 4, dot=True),
-    Int4GemvConfig(128, 128, 0, 8, dot=True),
+    Int4GemvConfig(64, 128, 0, 4),                    # CUDA cores
+    Int4GemvConfig(32, 128, 0, 4),
+    Int4GemvConfig(64, 128, 0, 4, dot=True),          # tensor cores, plain unpacking
+    Int4GemvConfig(32, 128, 0, 4, dot=True, asm=True),  # mma.sync (under 64 features)
+    Int4GemvConfig(64, 64, 0, 4, dot=True, asm=True),
+    Int4GemvConfig(64, 128, 1, 4, dot=True, asm=True),  # no split K
+    Int4GemvConfig(128, 128, 0, 4, dot=True, asm=True),
+    Int4GemvConfig(128, 128, 0, 8, dot=True, asm=True),
+    Int4GemvConfig(256, 128, 0, 8, dot=True, asm=True),
 )
 
 
 def default_config(m: int, n: int, k: int) -> Int4GemvConfig:
-    """The tile for m rows of a [n, k] weight. A first guess (no GPU figures yet): CUDA
-    cores up to 2 rows, where one FMA per weight per row is cheap, tensor cores above."""
-    if m <= 2:
-        return Int4GemvConfig(16, 256, 0, 4, dot=False)
-    return Int4GemvConfig(64, 128, 0, 4, dot=True)
+    """The tile for m rows of a [n, k] weight. A first guess from the kernels' SASS (no GPU
+    figures yet), the same for every row count: tensor cores with the inline-PTX unpacking
+    (~4 instructions a weight for sm_90 against ~7 on the CUDA cores at one row, ~14 at
+    four: the tensor cores' 16-row padding costs nothing that matters here)."""
+    return Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True)
 
 
 def parse_config(name: str) -> Int4GemvConfig:
     """The config an ``Int4GemvConfig.name`` names (e.g. ``dn64k128s0w4st1``)."""
     import re
 
-    match = re.fullmatch(r"([df])n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)", name.strip())
+    match = re.fullmatch(r"([dfa])n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)", name.strip())
     if match is None:
         raise ValueError(f"{name!r} is not a config name such as dn64k128s0w4st1")
     kind, *nums = match.groups()
     bn, bk, split, warps, stages = map(int, nums)
-    return Int4GemvConfig(bn, bk, split, warps, stages, dot=kind == "d")
+    return Int4GemvConfig(bn, bk, split, warps, stages, dot=kind != "f", asm=kind == "a")
 
 
 @triton.jit
 def _load_tile(qw_rows, s_rows, z_rows, n_mask, t, end, G: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Tile t's packed words [BLOCK_N, BLOCK_K/8] and each word's scale and zero point
-    [BLOCK_N, BLOCK_K/8] (a word lies in one group; all zero past ``end``: the prefetch
-    after the last tile). The scales and zeros take the words' layout: no conversion."""
+    """Tile t's packed words [BLOCK_N, BLOCK_K/8] and their scales and zero points: one
+    per feature [BLOCK_N, 1] where the tile lies in one group (BLOCK_K <= G), else one per
+    word [BLOCK_N, BLOCK_K/8] (a word lies in one group), in the words' layout. All zero
+    past ``end`` (the prefetch after the last tile)."""
     live = t < end
     k0 = t * BLOCK_K
     offs_w = tl.arange(0, BLOCK_K // 8)
     packed = tl.load(qw_rows + (k0 // 8 + offs_w)[None, :], mask=n_mask[:, None] & live, other=0)
-    groups = (k0 + offs_w * 8) // G
-    s = tl.load(s_rows + groups[None, :], mask=n_mask[:, None] & live, other=0.0)
-    z = tl.load(z_rows + groups[None, :], mask=n_mask[:, None] & live, other=0)
+    if BLOCK_K <= G:
+        s = tl.load(s_rows + k0 // G, mask=n_mask[:, None] & live, other=0.0)
+        z = tl.load(z_rows + k0 // G, mask=n_mask[:, None] & live, other=0)
+    else:
+        groups = (k0 + offs_w * 8) // G
+        s = tl.load(s_rows + groups[None, :], mask=n_mask[:, None] & live, other=0.0)
+        z = tl.load(z_rows + groups[None, :], mask=n_mask[:, None] & live, other=0)
     return packed, s, z
 
 
 @triton.jit
-def _row_part(w3, x_ptr, stride_xm, k0, M, m: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum over each word's 8 columns of w * x[m] (in a thread's registers): [BN, BK/8]."""
-    offs = k0 + tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
-    xr = tl.load(x_ptr + m * stride_xm + offs, mask=m < M, other=0.0).to(tl.float32)
-    return tl.sum(w3 * xr[None, :, :], axis=2)
+def _unpack_words(packed, z):
+    """Packed words [BN, W] and their zero points ([BN, W] or [BN, 1]) -> q - z in fp32
+    [BN, W, 2, 2, 2] (integers: the scale goes on sums of them), nibble j of a word at
+    [..., j >> 2, (j >> 1) & 1, j & 1] (so a reshape to [BN, 8W] is the K order). tl.join stacks in a thread's registers: a word's
+    8 weights stay in the thread that loaded it (a 3D [BN, W, 8] shift puts them in 8
+    lanes). Each nibble is ORed into the mantissa of 2^23 (0x4B000000): the fp32 2^23 + q
+    with no int-to-float conversion; 2^23 is taken off with the zero point, exactly."""
+    pk = packed.to(tl.uint32, bitcast=True)
+    n0 = ((pk & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n1 = (((pk >> 4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n2 = (((pk >> 8) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n3 = (((pk >> 12) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n4 = (((pk >> 16) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n5 = (((pk >> 20) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n6 = (((pk >> 24) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n7 = ((pk >> 28) | 0x4B000000).to(tl.float32, bitcast=True)
+    q = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+                tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+    zf = z.to(tl.float32) + 8388608.0
+    return q - zf[:, :, None, None, None]
+
+
+# PTX of one packed word and its -(OFFSET + zero) as a 16-bit float -> its 8 values q - z
+# in that 16-bit type, two per instruction: each pair of nibbles (j, j + 4) masked into the
+# mantissas of OFFSET (bf16 0x4300 = 128, fp16 0x6400 = 1024: the float OFFSET + q, exact)
+# by one lop3, then OFFSET + z taken off both by one fma (x * 1 - (OFFSET + z), exact).
+_UNPACK_PTX = """{
+.reg .b32 w, t, p, nz, one, mask, magic;
+mov.b32 w, $8;
+mov.b32 nz, {$9, $9};
+mov.b32 one, ONE;
+mov.b32 mask, 0x000F000F;
+mov.b32 magic, MAGIC;
+lop3.b32 p, w, mask, magic, 0xEA;
+fma.rn.TY p, p, one, nz;
+mov.b32 {$0, $4}, p;
+shr.u32 t, w, 4;
+lop3.b32 p, t, mask, magic, 0xEA;
+fma.rn.TY p, p, one, nz;
+mov.b32 {$1, $5}, p;
+shr.u32 t, w, 8;
+lop3.b32 p, t, mask, magic, 0xEA;
+fma.rn.TY p, p, one, nz;
+mov.b32 {$2, $6}, p;
+shr.u32 t, w, 12;
+lop3.b32 p, t, mask, magic, 0xEA;
+fma.rn.TY p, p, one, nz;
+mov.b32 {$3, $7}, p;
+}"""
+# x's dtype -> (its 16-bit pattern of OFFSET, OFFSET, the pair (1.0, 1.0), the PTX type)
+_UNPACK_TYPES = {torch.bfloat16: ("0x43004300", 128.0, "0x3F803F80", "bf16x2"),
+                 torch.float16: ("0x64006400", 1024.0, "0x3C003C00", "f16x2")}
+
+
+def _unpack_ptx(dtype: torch.dtype) -> str:
+    magic, _, one, ty = _UNPACK_TYPES[dtype]
+    return _UNPACK_PTX.replace("MAGIC", magic).replace("ONE", one).replace("TY", ty)
 
 
 @triton.jit
-def _rows_part(w3, x_ptr, stride_xm, k0, M, m0: tl.constexpr, ROWS: tl.constexpr,
+def _unpack_words_asm(packed, z, DT: tl.constexpr, PTX: tl.constexpr, OFFSET: tl.constexpr):
+    """``_unpack_words`` in x's 16-bit type by inline PTX (the GPU only): [BN, W, 2, 2, 2]."""
+    nz = (-(z.to(tl.float32) + OFFSET)).to(DT)
+    nz = tl.broadcast_to(nz, packed.shape)
+    outs = tl.inline_asm_elementwise(
+        PTX.value, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [packed, nz],
+        dtype=(DT.value,) * 8, is_pure=True, pack=1)
+    n0, n1, n2, n3, n4, n5, n6, n7 = outs
+    return tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+                   tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+
+
+@triton.jit
+def _row_part(w5, sf, x_ptr, stride_xm, k0, M, m: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each word's sum of (q - z) * x[m] over its 8 columns (in a thread's registers),
+    times the word's scale ``sf``: [BN, W]. One multiply by the scale per word per row
+    rather than one per weight."""
+    xr = tl.load(x_ptr + m * stride_xm + k0 + tl.arange(0, BLOCK_K), mask=m < M, other=0.0)
+    x5 = tl.reshape(xr.to(tl.float32), (BLOCK_K // 8, 2, 2, 2))
+    p = w5 * x5[None, :, :, :, :]
+    return tl.sum(tl.sum(tl.sum(p, axis=4), axis=3), axis=2) * sf
+
+
+@triton.jit
+def _rows_part(w5, sf, x_ptr, stride_xm, k0, M, m0: tl.constexpr, ROWS: tl.constexpr,
                BLOCK_K: tl.constexpr):
-    """Rows m0 .. m0 + ROWS - 1 of x against w3 [BN, BK/8, 8]: [BN, BK/8, ROWS], the rows
-    stacked by tl.join (a new in-thread dimension: no select, no layout conversion)."""
+    """Rows m0 .. m0 + ROWS - 1 of x against w5: [BN, W, ROWS], the rows stacked by
+    tl.join (a new in-thread dimension: no select, no layout conversion)."""
     if ROWS == 1:
-        return _row_part(w3, x_ptr, stride_xm, k0, M, m0, BLOCK_K)[:, :, None]
+        return _row_part(w5, sf, x_ptr, stride_xm, k0, M, m0, BLOCK_K)[:, :, None]
     elif ROWS == 2:
-        return tl.join(_row_part(w3, x_ptr, stride_xm, k0, M, m0, BLOCK_K),
-                       _row_part(w3, x_ptr, stride_xm, k0, M, m0 + 1, BLOCK_K))
+        return tl.join(_row_part(w5, sf, x_ptr, stride_xm, k0, M, m0, BLOCK_K),
+                       _row_part(w5, sf, x_ptr, stride_xm, k0, M, m0 + 1, BLOCK_K))
     else:
         HALF: tl.constexpr = ROWS // 2
-        lo = _rows_part(w3, x_ptr, stride_xm, k0, M, m0, HALF, BLOCK_K)
-        hi = _rows_part(w3, x_ptr, stride_xm, k0, M, m0 + HALF, HALF, BLOCK_K)
-        # [BN, W, HALF, 2] -> [BN, W, ROWS]: row m0 + j * ... ordered by the permute below
+        lo = _rows_part(w5, sf, x_ptr, stride_xm, k0, M, m0, HALF, BLOCK_K)
+        hi = _rows_part(w5, sf, x_ptr, stride_xm, k0, M, m0 + HALF, HALF, BLOCK_K)
+        # [BN, W, HALF, 2] -> [BN, W, 2, HALF] -> [BN, W, ROWS]: row m0 + i at index i
         return tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)),
                           (lo.shape[0], lo.shape[1], ROWS))
 
@@ -146,7 +241,8 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
                       stride_om, stride_os, G: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, ASM: tl.constexpr = False,
+                      PTX: tl.constexpr = "", OFFSET: tl.constexpr = 0.0):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,11 +258,8 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
     per_split = tl.cdiv(tiles, SPLIT_K)
     start = pid_k * per_split
     end = tl.minimum(start + per_split, tiles)
-    shifts = (tl.arange(0, 8) * 4).to(tl.uint32)
     if DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    elif BLOCK_M == 1:  # products summed across threads once, at the end (as gemv_row)
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:  # per-word partial sums; the sum over words (across threads) once, at the end
         acc3 = tl.zeros((BLOCK_N, BLOCK_K // 8, BLOCK_M), dtype=tl.float32)
     packed_n, s_n, z_n = _load_tile(qw_rows, s_rows, z_rows, n_mask, start, end, G, BLOCK_K)
@@ -175,30 +268,24 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
         # the next tile's words requested before this one is used (weights are only read)
         packed_n, s_n, z_n = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 1, end, G,
                                         BLOCK_K)
-        # each nibble ORed into the mantissa of 2^23 (0x4B000000): the fp32 2^23 + q with
-        # no int-to-float conversion; 2^23 goes with the zero point, exactly
-        pk = packed.to(tl.uint32, bitcast=True)
-        q = (((pk[:, :, None] >> shifts[None, None, :]) & 0xF) | 0x4B000000).to(
-            tl.float32, bitcast=True)
-        zf = z.to(tl.float32) + 8388608.0
-        w3 = (q - zf[:, :, None]) * s.to(tl.float32)[:, :, None]  # [BN, W, 8]
+        if ASM:  # q - z in x's dtype, [BN, W, 2, 2, 2]
+            w5 = _unpack_words_asm(packed, z, x_ptr.dtype.element_ty, PTX, OFFSET)
+        else:  # q - z in fp32
+            w5 = _unpack_words(packed, z)
+        sf = s.to(tl.float32)
         k0 = t * BLOCK_K
         if DOT:
-            # w in x's dtype: the dequantizing reference's bits; rows past M load zeros
+            # rows past M load zeros
             xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None],
                          mask=m_mask[None, :], other=0.0)  # [BK, BLOCK_M]
-            w = tl.reshape(w3, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
-            acc = tl.dot(w, xt, acc, input_precision=PRECISION)
-        elif BLOCK_M == 1:
-            xr = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
-            acc2 += tl.reshape(w3, (BLOCK_N, BLOCK_K)) * xr[None, :]
+            # q - z (exact in 16 bits) on tensor cores; the tile lies in one group
+            # (the launcher's BLOCK_K divides G), so its scale is one per feature, after
+            w = tl.reshape(w5, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
+            acc += tl.dot(w, xt, input_precision=PRECISION) * sf
         else:
-            acc3 += _rows_part(w3, x_ptr, stride_xm, k0, M, 0, BLOCK_M, BLOCK_K)
+            acc3 += _rows_part(w5, sf, x_ptr, stride_xm, k0, M, 0, BLOCK_M, BLOCK_K)
     if not DOT:
-        if BLOCK_M == 1:
-            acc = tl.sum(acc2, axis=1)[:, None]
-        else:
-            acc = tl.sum(acc3, axis=1)
+        acc = tl.sum(acc3, axis=1)
     out_mask = n_mask[:, None] & m_mask[None, :]
     out = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
     if SPLIT_K == 1:
@@ -207,6 +294,21 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.store(out, acc, mask=out_mask)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, b_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = sum over the splits of part[split, m, n] (in split order: deterministic)
+    + bias[n], in out's dtype: one launch for the sum, the bias and the rounding."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for i in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + i * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def supports(m: int, k: int, g: int) -> bool:
@@ -248,26 +350,30 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or default_config(m, n, k)
-    bk = _block_k(k, g, cfg.block_k)
-    # tensor cores need 16-wide tiles; narrower K tiles (K = 8 x odd) use the CUDA cores
-    dot = cfg.dot and bk >= 16 and cfg.block_n >= 16
+    # tensor cores: K tiles inside one group (the scale goes on the dot), 16 wide at least;
+    # else (K or G = 8 x odd, or block_n < 16) the CUDA cores, with any tile
+    bk_dot = _block_k(k, g, cfg.block_k, within_group=True)
+    dot = cfg.dot and bk_dot >= 16 and cfg.block_n >= 16
+    bk = bk_dot if dot else _block_k(k, g, cfg.block_k)
+    # inline PTX runs on the GPU only, for 16-bit x (the interpreter takes the plain path)
+    asm = dot and cfg.asm and x.dtype in _UNPACK_TYPES and not interpreting()
     tiles_n = triton.cdiv(n, cfg.block_n)
     split = cfg.split_k or _split_k(tiles_n, k // bk, x.device)
     split = max(1, min(split, k // bk))
-    if split == 1:
-        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    else:
-        out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _int4_gemv_kernel[(tiles_n, split)](
         x, qweight, scales, zeros, bias if bias is not None else x, out, m, n, k,
         x.stride(0), n, m * n, G=g,
         BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=bk,
         SPLIT_K=split, HAS_BIAS=bias is not None, DOT=dot,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
+        PTX=_unpack_ptx(x.dtype) if asm else "",
+        OFFSET=_UNPACK_TYPES[x.dtype][1] if asm else 0.0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split == 1:
-        return out
-    y = out.sum(0)
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](
+            out, bias if bias is not None else out, y, m * n, n, SPLIT_K=split,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y
