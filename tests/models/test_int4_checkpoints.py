@@ -383,11 +383,11 @@ def test_inspect_reports_the_int4_quantization(int4_checkpoint, capsys):
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["awq_g32", "gptq_g32"])
 def test_int4_checkpoint_bf16_on_the_gpu_with_graphs(int4_checkpoint, fmt):
-    """bf16 on CUDA, engine defaults (triton, CUDA graphs, our W4A16 kernel at decode and
-    prompt steps) against the bf16 engine over the dequantized checkpoint (the same weight
+    """bf16 on CUDA, engine defaults (triton, CUDA graphs, the int4 GEMV at steps of 1-16
+    rows, dequantize + cuBLAS above) against the bf16 engine over the dequantized checkpoint (the same weight
     values; only the order of the sums differs): each engine's greedy tokens, fed to the
     other as a prompt, are the other's top token wherever the first was sure. The int4
-    engine's own decoding (graphs, split-K kernel) and its prompt steps are both checked."""
+    engine's own decoding (graphs, split-K GEMV) and its prompt steps are both checked."""
     from flashpage import LLM, SamplingParams
 
     path, ref, _ = int4_checkpoint("head128_gqa", fmt)
