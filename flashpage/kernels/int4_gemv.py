@@ -8,9 +8,9 @@ At 1-16 rows a linear only streams its weight, so the kernel is built like gemv.
 leave SMs idle), and the weight is read once for all M rows::
 
     program (pid_n, pid_k)     qweight rows offs_n, its K range's words, coalesced along K
-      tile t: packed [BLOCK_N, BLOCK_K/8] int32      (tile t + 1's words, scales and zeros
-                                                      loaded before t is used: one tile in
-                                                      flight, in registers)
+      tile t: packed [BLOCK_N, BLOCK_K/8] int32      (tile t + prefetch's words, scales
+                                                      and zeros loaded before t is used:
+                                                      1-3 tiles in flight, in registers)
               q - z  [BLOCK_N, BLOCK_K/8, 2, 2, 2]   a word's 8 nibbles in the thread that
                                                       loaded it (tl.join), no int-to-float
                                                       conversion (OR into a float's mantissa)
@@ -71,24 +71,28 @@ class Int4GemvConfig:
     num_stages: int = 1
     dot: bool = False  # row products on tensor cores (see the module's docstring)
     asm: bool = False  # with dot: nibbles to 16-bit floats by inline PTX, two an instruction
+    prefetch: int = 2  # K tiles in flight per program (1..3), in registers
 
     @property
     def name(self) -> str:
         kind = ("a" if self.asm else "d") if self.dot else "f"
         return (f"{kind}n{self.block_n}k{self.block_k}s{self.split_k}"
-                f"w{self.num_warps}st{self.num_stages}")
+                f"w{self.num_warps}st{self.num_stages}p{self.prefetch}")
 
 
 # The tiles benchmarks/int4_gemv.py sweeps beside the default (not yet measured on a GPU).
 CANDIDATES = (
-    Int4GemvConfig(64, 128, 0, 4),                    # CUDA cores
-    Int4GemvConfig(32, 128, 0, 4),
-    Int4GemvConfig(64, 128, 0, 4, dot=True),          # tensor cores, plain unpacking
-    Int4GemvConfig(32, 128, 0, 4, dot=True, asm=True),  # mma.sync (under 64 features)
-    Int4GemvConfig(64, 64, 0, 4, dot=True, asm=True),
-    Int4GemvConfig(64, 128, 1, 4, dot=True, asm=True),  # no split K
+    Int4GemvConfig(64, 128, 0, 4),                              # CUDA cores
+    Int4GemvConfig(64, 128, 0, 4, dot=True),                    # tensor cores, plain unpack
+    Int4GemvConfig(32, 128, 0, 4, dot=True, asm=True),          # mma.sync (< 64 features)
+    Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=1),
+    Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=3),
+    Int4GemvConfig(64, 128, 1, 4, dot=True, asm=True),          # no split K
+    Int4GemvConfig(64, 128, 4, 4, dot=True, asm=True),          # more programs per SM
+    Int4GemvConfig(64, 128, 8, 4, dot=True, asm=True),
+    Int4GemvConfig(64, 64, 0, 4, dot=True, asm=True, prefetch=3),
     Int4GemvConfig(128, 128, 0, 4, dot=True, asm=True),
-    Int4GemvConfig(128, 128, 0, 8, dot=True, asm=True),
+    Int4GemvConfig(128, 128, 0, 8, dot=True, asm=True, prefetch=3),
     Int4GemvConfig(256, 128, 0, 8, dot=True, asm=True),
 )
 
@@ -97,20 +101,24 @@ def default_config(m: int, n: int, k: int) -> Int4GemvConfig:
     """The tile for m rows of a [n, k] weight. A first guess from the kernels' SASS (no GPU
     figures yet), the same for every row count: tensor cores with the inline-PTX unpacking
     (~4 instructions a weight for sm_90 against ~7 on the CUDA cores at one row, ~14 at
-    four: the tensor cores' 16-row padding costs nothing that matters here)."""
-    return Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True)
+    four: the tensor cores' 16-row padding costs nothing that matters here), two tiles in
+    flight per program."""
+    return Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=2)
 
 
 def parse_config(name: str) -> Int4GemvConfig:
-    """The config an ``Int4GemvConfig.name`` names (e.g. ``dn64k128s0w4st1``)."""
+    """The config an ``Int4GemvConfig.name`` names (e.g. ``an64k128s0w4st1p2``: a / d / f
+    tensor cores with inline PTX / tensor cores / CUDA cores, block_n, block_k, split_k,
+    num_warps, num_stages, prefetch)."""
     import re
 
-    match = re.fullmatch(r"([dfa])n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)", name.strip())
+    match = re.fullmatch(r"([dfa])n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)p(\d+)", name.strip())
     if match is None:
-        raise ValueError(f"{name!r} is not a config name such as dn64k128s0w4st1")
+        raise ValueError(f"{name!r} is not a config name such as an64k128s0w4st1p2")
     kind, *nums = match.groups()
-    bn, bk, split, warps, stages = map(int, nums)
-    return Int4GemvConfig(bn, bk, split, warps, stages, dot=kind != "f", asm=kind == "a")
+    bn, bk, split, warps, stages, prefetch = map(int, nums)
+    return Int4GemvConfig(bn, bk, split, warps, stages, dot=kind != "f", asm=kind == "a",
+                          prefetch=prefetch)
 
 
 @triton.jit
@@ -241,7 +249,8 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
                       stride_om, stride_os, G: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
-                      PRECISION: tl.constexpr, ASM: tl.constexpr = False,
+                      PRECISION: tl.constexpr, PREFETCH: tl.constexpr = 2,
+                      ASM: tl.constexpr = False,
                       PTX: tl.constexpr = "", OFFSET: tl.constexpr = 0.0):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -262,12 +271,25 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:  # per-word partial sums; the sum over words (across threads) once, at the end
         acc3 = tl.zeros((BLOCK_N, BLOCK_K // 8, BLOCK_M), dtype=tl.float32)
-    packed_n, s_n, z_n = _load_tile(qw_rows, s_rows, z_rows, n_mask, start, end, G, BLOCK_K)
+    # PREFETCH tiles in flight, in registers: tile t + PREFETCH's words are requested before
+    # tile t is used (weights are only read). A program's bytes in flight are what hide
+    # HBM's latency: at ~2 programs per SM, one 64 x 128 tile (4 KB) each is too few.
+    pa, sa, za = _load_tile(qw_rows, s_rows, z_rows, n_mask, start, end, G, BLOCK_K)
+    if PREFETCH >= 2:
+        pb, sb, zb = _load_tile(qw_rows, s_rows, z_rows, n_mask, start + 1, end, G, BLOCK_K)
+    if PREFETCH >= 3:
+        pc, sc, zc = _load_tile(qw_rows, s_rows, z_rows, n_mask, start + 2, end, G, BLOCK_K)
     for t in range(start, end):
-        packed, s, z = packed_n, s_n, z_n
-        # the next tile's words requested before this one is used (weights are only read)
-        packed_n, s_n, z_n = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 1, end, G,
-                                        BLOCK_K)
+        packed, s, z = pa, sa, za
+        if PREFETCH == 1:
+            pa, sa, za = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 1, end, G, BLOCK_K)
+        elif PREFETCH == 2:
+            pa, sa, za = pb, sb, zb
+            pb, sb, zb = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 2, end, G, BLOCK_K)
+        else:
+            pa, sa, za = pb, sb, zb
+            pb, sb, zb = pc, sc, zc
+            pc, sc, zc = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 3, end, G, BLOCK_K)
         if ASM:  # q - z in x's dtype, [BN, W, 2, 2, 2]
             w5 = _unpack_words_asm(packed, z, x_ptr.dtype.element_ty, PTX, OFFSET)
         else:  # q - z in fp32
@@ -350,6 +372,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or default_config(m, n, k)
+    if not 1 <= cfg.prefetch <= 3:
+        raise ValueError(f"prefetch must be 1, 2 or 3 tiles, got {cfg.prefetch}")
     # tensor cores: K tiles inside one group (the scale goes on the dot), 16 wide at least;
     # else (K or G = 8 x odd, or block_n < 16) the CUDA cores, with any tile
     bk_dot = _block_k(k, g, cfg.block_k, within_group=True)
@@ -366,7 +390,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x, qweight, scales, zeros, bias if bias is not None else x, out, m, n, k,
         x.stride(0), n, m * n, G=g,
         BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=bk,
-        SPLIT_K=split, HAS_BIAS=bias is not None, DOT=dot,
+        SPLIT_K=split, HAS_BIAS=bias is not None, DOT=dot, PREFETCH=cfg.prefetch,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
         PTX=_unpack_ptx(x.dtype) if asm else "",
         OFFSET=_UNPACK_TYPES[x.dtype][1] if asm else 0.0,

@@ -1,7 +1,7 @@
 """The row-wise int4 GEMV (kernels/int4_gemv.py) against the dequantizing reference: 1, 3
-and 16 rows, N ragged against the block, groups of 32 / 128 and one group per row, zero
-points 0 and 16, split K on and off, bias, both ways of doing the row products (CUDA cores
-and tensor cores); fp32 / fp16 on the CPU under the interpreter (small shapes: a few
+and 16 rows, N ragged against the block, groups of 8 / 32 / 128 and one group per row, zero
+points 0 and 16, split K on and off, 1-3 tiles in flight, bias, both ways of doing the row
+products (CUDA cores and tensor cores; the inline-PTX unpacking replayed in torch); fp32 / fp16 on the CPU under the interpreter (small shapes: a few
 seconds), bf16 at Llama-3-8B shapes on the GPU, judged as test_int4_gemm.py judges its
 kernel (against fp32, beside cuBLAS over the dequantized weight)."""
 
@@ -27,8 +27,8 @@ DOT = Int4GemvConfig(16, 64, split_k=1, dot=True)
 CASES = [
     # m, n, k, g, zero (None: random 0..16), bias, config
     (1, 40, 128, 32, None, True, FMA),                                  # 2 tiles, ragged N
-    (1, 24, 256, 256, 16, False, Int4GemvConfig(16, 64, 2, dot=False)),  # G = K, split 2
-    (3, 40, 256, 128, 0, True, FMA),                                    # rows past M masked
+    (1, 24, 256, 256, 16, False, Int4GemvConfig(16, 64, 2, prefetch=3)),  # G = K, split
+    (3, 40, 256, 128, 0, True, Int4GemvConfig(16, 64, 1, prefetch=1)),  # rows past M masked
     (3, 24, 128, 32, None, False, Int4GemvConfig(16, 64, 2, dot=True)),  # split K, dot
     (16, 40, 128, 128, 16, True, DOT),                                  # G = K, dot, bias
     (16, 20, 64, 32, None, False, Int4GemvConfig(8, 32, 2, dot=False)),  # 16 rows on FMAs
@@ -92,6 +92,8 @@ def test_launcher_names_bad_input():
         int4_gemv(x.to(torch.float64), qw, scales, zeros)
     with pytest.raises(ValueError, match="bias must be"):
         int4_gemv(x, qw, scales, zeros, torch.zeros(16, dtype=torch.float16, device=DEV))
+    with pytest.raises(ValueError, match="prefetch must be 1, 2 or 3"):
+        int4_gemv(x, qw, scales, zeros, config=Int4GemvConfig(prefetch=4))
     with pytest.raises(ValueError, match="qweight must be int32"):
         int4_gemv(x, qw.float(), scales, zeros)
     with pytest.raises(ValueError, match="zeros must be uint8"):
@@ -164,7 +166,7 @@ def _compile_int4_gemv() -> dict[str, dict]:
     for name, (bm, cfg, asm) in forms.items():
         k = compile_sm90(m._int4_gemv_kernel, dict(
             G=128, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=2,
-            HAS_BIAS=False, DOT=cfg.dot, PRECISION="tf32", ASM=asm,
+            HAS_BIAS=False, DOT=cfg.dot, PRECISION="tf32", PREFETCH=cfg.prefetch, ASM=asm,
             PTX=m._unpack_ptx(torch.bfloat16) if asm else "", OFFSET=128.0 if asm else 0.0),
             {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": "*fp32"},
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned)
