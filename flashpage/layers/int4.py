@@ -8,9 +8,10 @@ How a call of M rows runs (``int4_linear``; ``cuda_path`` picks on CUDA):
 
     CUDA, M <= GEMV_ROWS (16)    kernels/int4_gemv.int4_gemv: a row-wise GEMV, each program
                                  streams its features' packed words along K once for all
-                                 M rows, nibbles unpacked and dequantized in registers,
-                                 fp32 sums (CUDA-core FMAs at 1-2 rows, tensor cores above;
-                                 K split to fill the GPU). The default
+                                 M rows, q - z unpacked in registers (inline PTX), tensor
+                                 cores with x as the 16-wide operand, the group scale on
+                                 the fp32 sums; K split to fill the GPU. The default (not
+                                 yet timed on a GPU)
     CUDA, M <= GEMM_ROWS (128),  kernels/int4_gemm.w4a16_matmul: the tl.dot kernel (K tiles
     FLASHPAGE_INT4_KERNEL=gemm   of 16 at least, else as below). Opt-in: on the H200 (run
     (or 1)                       165) slower than the path below at 1-64 rows
