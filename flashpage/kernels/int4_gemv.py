@@ -100,10 +100,12 @@ CANDIDATES = (
 def default_config(m: int, n: int, k: int) -> Int4GemvConfig:
     """The tile for m rows of a [n, k] weight. A first guess from the kernels' SASS (no GPU
     figures yet), the same for every row count: tensor cores with the inline-PTX unpacking
-    (~4 instructions a weight for sm_90 against ~7 on the CUDA cores at one row, ~14 at
-    four: the tensor cores' 16-row padding costs nothing that matters here), two tiles in
-    flight per program."""
-    return Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=2)
+    (~4.4 instructions a weight for sm_90 against ~7.6 on the CUDA cores at one row, ~14
+    at four: the tensor cores' 16-row padding costs nothing that matters here). Tiles in
+    flight by bytes per SM: a weight of a few thousand features runs ~2 programs per SM
+    (split K), each with 3 tiles ahead (12 KB; 149 registers); gate_up's 28672 features
+    run ~3.4 per SM, with 2 tiles ahead (128 registers: 4 programs fit an SM)."""
+    return Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=2 if n >= 16384 else 3)
 
 
 def parse_config(name: str) -> Int4GemvConfig:

@@ -192,7 +192,7 @@ def test_int4_gemv_compiles_for_sm90():
     assert got["default_asm"]["mma"], got
     assert not got["fma_1row"]["mma"], got
     assert all(v["spill_bytes"] == 0 for v in got.values()), got
-    assert got["default_asm"]["per_weight"] <= 5, got  # 4.0 when written
+    assert got["default_asm"]["per_weight"] <= 5, got  # 4.4 when written
     assert got["fma_1row"]["per_weight"] <= 9, got  # 7.3 when written
 
 
