@@ -9,8 +9,9 @@ of the weight to be far past the L2 (50 MB). For every shape and row count (defa
 
     ours            w4a16_matmul, its default tile for the rows (split K at 1-16 rows)
     ours:<cfg>      each --configs tile (names as Int4Config.name prints them)
-    layer           int4_linear: what the engine runs (ours up to layers/int4.GEMM_ROWS
-                    rows, dequantize kernel + cuBLAS above)
+    layer           int4_linear: what the engine runs (kernels/int4_gemv.py up to
+                    layers/int4.GEMV_ROWS rows, dequantize kernel + cuBLAS above; the
+                    decode sizes' comparison is benchmarks/int4_gemv.py)
     deq+cublas      our dequantizing kernel, then F.linear
     torch deq+mm    the pure-torch reference: unpack, dequantize, F.linear
     bf16            F.linear over a bf16 weight of the same shape (the 16-bit baseline)

@@ -230,9 +230,20 @@ def allow_runtime_lora_updating() -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
-def int4_kernel() -> bool:
-    """FLASHPAGE_INT4_KERNEL=1: int4 (AWQ / GPTQ) linears of up to layers/int4.GEMM_ROWS rows
-    run our W4A16 Triton kernel on CUDA. Off by default: on an H200 (run 165) it read 0.25-0.5
-    TB/s (0.2-0.6x the bf16 GEMM's time) and its 8B-shape GPU checks failed in a few elements,
-    so int4 weights are dequantized by a kernel, then multiplied by cuBLAS."""
-    return os.environ.get("FLASHPAGE_INT4_KERNEL", "0").strip().lower() in ("1", "true", "on")
+_INT4_KERNELS = {"": "gemv", "gemv": "gemv", "gemm": "gemm", "1": "gemm", "true": "gemm",
+                 "on": "gemm", "dequant": "dequant", "0": "dequant", "false": "dequant",
+                 "off": "dequant"}
+
+
+def int4_kernel() -> str:
+    """FLASHPAGE_INT4_KERNEL: how CUDA runs int4 (AWQ / GPTQ) linears (layers/int4.py).
+    Unset or ``gemv``: kernels/int4_gemv.py's row-wise GEMV up to layers/int4.GEMV_ROWS
+    (16) rows, the weight dequantized by a kernel and multiplied by cuBLAS above. ``gemm``
+    (or 1, as before the GEMV): kernels/int4_gemm.py's tl.dot kernel up to GEMM_ROWS (128)
+    rows (on an H200, run 165, it read 0.25-0.5 TB/s: slower than dequantizing).
+    ``dequant`` (or 0): dequantize + cuBLAS at every row count."""
+    value = os.environ.get("FLASHPAGE_INT4_KERNEL", "").strip().lower()
+    if value not in _INT4_KERNELS:
+        raise ValueError(f"FLASHPAGE_INT4_KERNEL must be gemv, gemm or dequant (or 1 / 0), "
+                         f"got {value!r}")
+    return _INT4_KERNELS[value]

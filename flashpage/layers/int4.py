@@ -4,20 +4,27 @@ kept so merged linears load their pieces' rows as any weight), ``w4_scales`` [N,
 ``w4_zeros`` uint8 [N, K/G] beside it (``_ParallelLinear.hold_int4``). A quarter of the
 bytes of a bf16 weight, plus 2.5 bytes per group of G values (~0.5 byte per 128-group).
 
-How a call of M rows runs (``int4_linear``):
+How a call of M rows runs (``int4_linear``; ``cuda_path`` picks on CUDA):
 
-    CUDA, M <= GEMM_ROWS,      kernels/int4_gemm.w4a16_matmul: nibbles unpacked in
-    FLASHPAGE_INT4_KERNEL=1    registers, tl.dot in fp32, each group's scale and zero
-                               on the partial sums (K split to fill the GPU); K tiles
-                               under 16 wide: as below. Off by default: on the H200 (run
-                               165) slower than the path below and wrong in a few elements
-    CUDA otherwise             the weight dequantized to x's dtype by one kernel, then
-                               cuBLAS: 4-bit memory, but each call writes and reads the
-                               16-bit weight (0.3-0.6x the bf16 GEMM's speed at 1-64 rows)
-    elsewhere (CPU)            the weight dequantized in torch, then F.linear (correct,
-                               rebuilt every call)
+    CUDA, M <= GEMV_ROWS (16)    kernels/int4_gemv.int4_gemv: a row-wise GEMV, each program
+                                 streams its features' packed words along K once for all
+                                 M rows, q - z unpacked in registers (inline PTX), tensor
+                                 cores with x as the 16-wide operand, the group scale on
+                                 the fp32 sums; K split to fill the GPU. The default (not
+                                 yet timed on a GPU)
+    CUDA, M <= GEMM_ROWS (128),  kernels/int4_gemm.w4a16_matmul: the tl.dot kernel (K tiles
+    FLASHPAGE_INT4_KERNEL=gemm   of 16 at least, else as below). Opt-in: on the H200 (run
+    (or 1)                       165) slower than the path below at 1-64 rows
+    CUDA otherwise, or           the weight dequantized to x's dtype by one kernel, then
+    FLASHPAGE_INT4_KERNEL=       cuBLAS: 4-bit memory, but each call writes and reads the
+    dequant (or 0)               16-bit weight (0.3-0.6x the bf16 GEMM's speed at 1-64 rows)
+    elsewhere (CPU)              the weight dequantized in torch, then F.linear (correct,
+                                 rebuilt every call)
 
-The threshold is a first guess, not a measurement: benchmarks/int4_gemm.py times both.
+The choice reads only shapes and one environment variable (no tensor values, no device
+query): cheap per linear per step, and the same at every replay of a captured CUDA graph.
+GEMV_ROWS is where the GEMV's tensor-core form stops padding to 16 rows;
+benchmarks/int4_gemv.py times it against the other paths at 1-16 rows.
 """
 
 from __future__ import annotations
@@ -28,8 +35,23 @@ from torch import nn
 
 from flashpage import envs
 
-# Rows up to which CUDA runs the W4A16 kernel, dequantize + cuBLAS above (not yet tuned)
+# Rows up to which CUDA runs the int4 GEMV by default (dequantize + cuBLAS above)
+GEMV_ROWS = 16
+# Rows up to which FLASHPAGE_INT4_KERNEL=gemm runs the tl.dot W4A16 kernel (not tuned)
 GEMM_ROWS = 128
+
+
+def cuda_path(m: int, k: int, g: int) -> str:
+    """The CUDA path of an M-row call of a K-wide weight in groups of G: "gemv", "gemm"
+    (the tl.dot kernel) or "dequant" (dequantize + cuBLAS); see the module's docstring."""
+    from flashpage.kernels import int4_gemm, int4_gemv
+
+    choice = envs.int4_kernel()
+    if choice == "dequant":
+        return "dequant"
+    if choice == "gemm":
+        return "gemm" if m <= GEMM_ROWS and int4_gemm.kernel_supports(k, g) else "dequant"
+    return "gemv" if m <= GEMV_ROWS and int4_gemv.supports(m, k, g) else "dequant"
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -42,9 +64,13 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.is_cuda and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        from flashpage.kernels.int4_gemm import dequantize_int4, kernel_supports, w4a16_matmul
+        from flashpage.kernels.int4_gemm import dequantize_int4, w4a16_matmul
+        from flashpage.kernels.int4_gemv import int4_gemv
 
-        if x2.shape[0] <= GEMM_ROWS and envs.int4_kernel() and kernel_supports(k, k // scales.shape[1]):
+        path = cuda_path(x2.shape[0], k, k // scales.shape[1])
+        if path == "gemv":
+            y = int4_gemv(x2, qweight, scales, zeros, bias)
+        elif path == "gemm":
             y = w4a16_matmul(x2, qweight, scales, zeros, bias)
         else:
             y = F.linear(x2, dequantize_int4(qweight, scales, zeros, x2.dtype), bias)

@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from flashpage.config import CheckpointQuantization, ConfigError, ModelConfig
 from flashpage.kernels.int4_gemm import unpack_int4, w4a16_matmul
-from flashpage.layers.int4 import int4_linears
+from flashpage.kernels.int4_gemv import int4_gemv
+from flashpage.layers.int4 import GEMV_ROWS, int4_linears
 from flashpage.models.int4_formats import awq_tensors, gptq_tensors, quantize_int4
 from flashpage.models.loader import ModelLoadError
 from tests.conftest import hf_greedy, random_prompts
@@ -280,7 +281,7 @@ def test_engine_tokens_equal_transformers_on_the_dequantized_checkpoint(int4_che
 @pytest.mark.skipif(GPU, reason="the CPU variant (on a GPU the engine runs our kernel itself: "
                                "test_int4_checkpoint_bf16_on_the_gpu_with_graphs)")
 def test_engine_tokens_through_our_kernel_under_the_interpreter(int4_checkpoint, monkeypatch):
-    """The same with every int4 linear run by our Triton kernel (the interpreter stands in
+    """The same with every int4 linear run by our Triton kernels (the interpreter stands in
     for the GPU; the CPU path would dequantize in torch): the layout the loader built is the
     one the kernel reads, inside the model."""
     import flashpage.layers.linear as linear_mod
@@ -290,7 +291,9 @@ def test_engine_tokens_through_our_kernel_under_the_interpreter(int4_checkpoint,
     def kernel(x, qweight, scales, zeros, bias=None):
         calls.append(x.shape[0])
         x2 = x.reshape(-1, x.shape[-1])
-        return w4a16_matmul(x2, qweight, scales, zeros, bias).view(*x.shape[:-1], -1)
+        # the engine's CUDA choice: the GEMV at decode rows, a matmul kernel above
+        run = int4_gemv if x2.shape[0] <= GEMV_ROWS else w4a16_matmul
+        return run(x2, qweight, scales, zeros, bias).view(*x.shape[:-1], -1)
 
     monkeypatch.setattr(linear_mod, "int4_linear", kernel)
     path, ref, _ = int4_checkpoint("qwen2_bias", "gptq_g32")
@@ -380,11 +383,11 @@ def test_inspect_reports_the_int4_quantization(int4_checkpoint, capsys):
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["awq_g32", "gptq_g32"])
 def test_int4_checkpoint_bf16_on_the_gpu_with_graphs(int4_checkpoint, fmt):
-    """bf16 on CUDA, engine defaults (triton, CUDA graphs, our W4A16 kernel at decode and
-    prompt steps) against the bf16 engine over the dequantized checkpoint (the same weight
+    """bf16 on CUDA, engine defaults (triton, CUDA graphs, the int4 GEMV at steps of 1-16
+    rows, dequantize + cuBLAS above) against the bf16 engine over the dequantized checkpoint (the same weight
     values; only the order of the sums differs): each engine's greedy tokens, fed to the
     other as a prompt, are the other's top token wherever the first was sure. The int4
-    engine's own decoding (graphs, split-K kernel) and its prompt steps are both checked."""
+    engine's own decoding (graphs, split-K GEMV) and its prompt steps are both checked."""
     from flashpage import LLM, SamplingParams
 
     path, ref, _ = int4_checkpoint("head128_gqa", fmt)

@@ -1,0 +1,148 @@
+"""The int4 GEMV (kernels/int4_gemv.py) at decode sizes on the GPU: its default tile and a
+sweep of tiles, beside the tl.dot W4A16 kernel, dequantize + cuBLAS and the bf16 GEMM.
+
+Llama-3-8B shapes, bf16 activations, int4 weights in groups of 128: qkv 4096 -> 6144,
+o_proj 4096 -> 4096, gate_up 4096 -> 28672, down 14336 -> 4096; rows 1, 2, 4, 8, 16. Each
+timed call streams its weight from HBM: a CUDA graph cycles through enough distinct copies
+of the weight to be far past the L2 (50 MB). Per shape and row count:
+
+    gemv            int4_gemv at default_config (what the engine runs: layers/int4.py)
+    gemv:<cfg>      each --configs tile (Int4GemvConfig.name: f/d = FMAs / tensor cores,
+                    n block_n, k block_k, s split_k (0: auto), w warps, st stages)
+    w4a16           int4_gemm.w4a16_matmul at its default tile (FLASHPAGE_INT4_KERNEL=gemm)
+    deq+cublas      int4_gemm.dequantize_int4, then F.linear
+    bf16            F.linear over a bf16 weight of the same shape (cuBLAS)
+
+Printed and written (--json-out): us per call, GB/s of the weight bytes each reads (int4:
+qweight + fp16 scales + uint8 zeros; bf16: two bytes a value), and at the end the best
+GEMV tile per shape and row count (to set default_config from one run). Each GEMV tile is
+first checked against the dequantizing reference (max |err| printed beside its time; bf16
+outputs of up to ~|reference| x 2^-8 apart are rounding, see tests/kernels/test_int4_gemv.py).
+
+    python benchmarks/int4_gemv.py --json-out $OUT/int4_gemv.json
+    python benchmarks/int4_gemv.py --shapes down --rows 1,16 --configs fn16k256s0w4st1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}  # name -> (N out, K in)
+L2_PAST = 256 << 20  # bytes of distinct weights a graph cycles through
+
+
+def _variants(x: torch.Tensor, ws: list, bf16: list, sweep: list) -> dict:
+    """label -> a call of every weight copy (the timed unit)."""
+    from flashpage.kernels.int4_gemm import dequantize_int4, w4a16_matmul
+    from flashpage.kernels.int4_gemv import int4_gemv
+
+    out = {"gemv": lambda: [int4_gemv(x, *w) for w in ws]}
+    for c in sweep:
+        out[f"gemv:{c.name}"] = lambda c=c: [int4_gemv(x, *w, config=c) for w in ws]
+    out["w4a16"] = lambda: [w4a16_matmul(x, *w) for w in ws]
+    out["deq+cublas"] = lambda: [F.linear(x, dequantize_int4(*w, x.dtype)) for w in ws]
+    out["bf16"] = lambda: [F.linear(x, w) for w in bf16]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--configs", default=None,
+                    help="GEMV tiles swept (comma-separated Int4GemvConfig names; default: "
+                         "int4_gemv.CANDIDATES)")
+    ap.add_argument("--reps", type=int, default=10, help="graph replays timed per variant")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("int4_gemv.py needs a CUDA GPU")
+        return 1
+    from gpu_timing import time_graph
+
+    from flashpage.kernels.int4_gemm import int4_linear_ref, pack_int4
+    from flashpage.kernels.int4_gemv import CANDIDATES, int4_gemv, parse_config
+
+    sweep = ([parse_config(c) for c in filter(None, args.configs.split(","))]
+             if args.configs is not None else list(CANDIDATES))
+    torch.manual_seed(0)
+    dt, g = torch.bfloat16, args.group
+    rows = [int(r) for r in args.rows.split(",")]
+    results: dict = {"device": torch.cuda.get_device_name(), "group_size": g, "rows": [],
+                     "best": []}
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        q4_bytes = n * k // 2 + 3 * n * (k // g)
+        copies = max(2, -(-L2_PAST // q4_bytes))
+        ws = []
+        for _ in range(copies):
+            q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32)
+            scales = (torch.rand(n, k // g, device="cuda") * 0.01 + 1e-3).half()
+            zeros = torch.randint(1, 16, (n, k // g), device="cuda").to(torch.uint8)
+            ws.append((pack_int4(q), scales, zeros))
+            del q
+        bf16 = [torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+                for _ in range(max(2, -(-L2_PAST // (2 * n * k))))]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+            timed = {}
+            ref = int4_linear_ref(x, *ws[0]).float()
+            for label, fn in _variants(x, ws, bf16, sweep).items():
+                calls = len(bf16) if label == "bf16" else copies
+                try:
+                    err = float("nan")
+                    if label.startswith("gemv"):  # each tile checked before it is timed
+                        cfg = parse_config(label[5:]) if ":" in label else None
+                        got = int4_gemv(x, *ws[0], config=cfg).float()
+                        err = (got - ref).abs().max().item()
+                    t = time_graph(fn, reps=args.reps) / calls
+                except Exception as e:  # a tile that does not build (shared memory): noted
+                    print(f"{name:8s} m={m:<3d} {label:32s} failed: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]}")
+                    continue
+                nbytes = 2 * n * k if label == "bf16" else q4_bytes
+                row = {"shape": name, "n": n, "k": k, "rows": m, "kernel": label,
+                       "us": t * 1e6, "weight_gbps": nbytes / t / 1e9,
+                       "int4_gbps_equiv": q4_bytes / t / 1e9, "max_err": err,
+                       "ref_max": ref.abs().max().item()}
+                results["rows"].append(row)
+                timed[label] = t
+                print(f"{name:8s} {n:6d}x{k:<6d} m={m:<3d} {label:32s} {row['us']:8.1f} us "
+                      f"{row['weight_gbps']:7.0f} GB/s"
+                      + (f"  max|err| {err:.3g} of {row['ref_max']:.3g}" if err == err else ""))
+            gemvs = {lb: t for lb, t in timed.items() if lb.startswith("gemv")}
+            if gemvs:
+                best = min(gemvs, key=gemvs.__getitem__)
+                results["best"].append({"shape": name, "rows": m, "kernel": best,
+                                        "us": gemvs[best] * 1e6,
+                                        "int4_gbps": q4_bytes / gemvs[best] / 1e9,
+                                        "default_us": gemvs.get("gemv", float("nan")) * 1e6,
+                                        "bf16_us": timed.get("bf16", float("nan")) * 1e6})
+        ws.clear()
+        bf16.clear()
+        torch.cuda.empty_cache()
+    print("\nbest GEMV tile per shape and rows (gemv = the default):")
+    for b in results["best"]:
+        print(f"  {b['shape']:8s} m={b['rows']:<3d} {b['kernel']:32s} {b['us']:8.1f} us "
+              f"{b['int4_gbps']:6.0f} GB/s int4   default {b['default_us']:8.1f} us   "
+              f"bf16 {b['bf16_us']:8.1f} us")
+    if args.json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,405 @@
+"""Row-wise int4 GEMV for decode batches (1-16 rows): y[M, N] = x[M, K] @ dequant(w)[N, K]^T
+(+ bias), over the int4 layout of kernels/int4_gemm.py (qweight int32 [N, K/8], nibble j of
+word c = w[n, 8c + j]; scales [N, K/G]; zeros uint8 [N, K/G]; w = (q - z) * s).
+
+At 1-16 rows a linear only streams its weight, so the kernel is built like gemv.py's
+``gemv_row``, not like a GEMM: a program owns ``block_n`` output features and walks K a
+``block_k`` tile at a time (K split between ``split_k`` programs where the features alone
+leave SMs idle), and the weight is read once for all M rows::
+
+    program (pid_n, pid_k)     qweight rows offs_n, its K range's words, coalesced along K
+      tile t: packed [BLOCK_N, BLOCK_K/8] int32      (tile t + prefetch's words, scales
+                                                      and zeros loaded before t is used:
+                                                      1-3 tiles in flight, in registers)
+              q - z  [BLOCK_N, BLOCK_K/8, 2, 2, 2]   a word's 8 nibbles in the thread that
+                                                      loaded it (tl.join), no int-to-float
+                                                      conversion (OR into a float's mantissa)
+              rows:  acc[n, m] += s[n, g] * sum_k (q - z)[n, k] x[m, k]
+
+Two ways to do the row products (``Int4GemvConfig.dot``):
+
+    dot False   CUDA cores: for each row m (unrolled over BLOCK_M = M rounded up to a power
+                of two) each word's 8 products summed in its thread, times the word's
+                scale, stacked per row with tl.join; the sum across threads once at the
+                end. One FMA per weight per row: ~7 SASS instructions a weight at one
+                row for sm_90, ~14 at four.
+    dot True    tensor cores, operands swapped: q - z in x's dtype (exact: -16..15) is the
+                A operand [BLOCK_N, BLOCK_K] straight from registers, x's tile transposed
+                the B operand [BLOCK_K, 16] (tl.dot's smallest N; rows past M are zeros);
+                the group's scale multiplies the tile's [BLOCK_N, 16] result. BLOCK_N >= 16,
+                the K tile inside one group (16 wide at least; else the CUDA cores).
+    asm True    (with dot, 16-bit x, on the GPU) the nibbles become 16-bit floats by inline
+                PTX, two per lop3 (OR into the mantissa of 128.0 in bf16, 1024.0 in fp16)
+                and one fma takes OFFSET + z off both: ~4 instructions a weight for sm_90
+                against ~6 with the fp32 unpacking. The interpreter runs the plain path.
+
+Scales and zero points are loaded once per (feature, tile) where the tile lies in one group
+(BLOCK_K <= G: G = 128 and K tiles of 128, the 8B checkpoints' case), else once per word
+(a word lies in one group: G is a multiple of 8 dividing K, G = K allowed). With split K
+each program writes fp32 partial sums [split, M, N], added (and the bias) after by one
+small kernel, in split order (deterministic, no atomics).
+
+The tensor cores' sums are exact products of q - z and x (fp32 accumulation), the scale
+applied after: not the bits of the dequantized weight's linear (which rounds (q - z) * s
+to x's dtype first), but nearer fp32's. ``int4_gemv_ref`` is ``int4_linear_ref``
+(kernels/int4_gemm.py). ``default_config`` is a first guess from the SASS until
+benchmarks/int4_gemv.py has been run on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from flashpage.kernels.device import interpreting
+from flashpage.kernels.int4_gemm import PACK, _block_k, check_int4, int4_linear_ref
+
+MAX_ROWS = 16  # rows of x one call takes: the dot path's B operand is 16 wide
+
+int4_gemv_ref = int4_linear_ref
+
+
+@dataclass(frozen=True)
+class Int4GemvConfig:
+    block_n: int = 16
+    block_k: int = 256
+    split_k: int = 0  # 0: chosen from the GPU's SM count at the call (1 off the GPU)
+    num_warps: int = 4
+    num_stages: int = 1
+    dot: bool = False  # row products on tensor cores (see the module's docstring)
+    asm: bool = False  # with dot: nibbles to 16-bit floats by inline PTX, two an instruction
+    prefetch: int = 2  # K tiles in flight per program (1..3), in registers
+
+    @property
+    def name(self) -> str:
+        kind = ("a" if self.asm else "d") if self.dot else "f"
+        return (f"{kind}n{self.block_n}k{self.block_k}s{self.split_k}"
+                f"w{self.num_warps}st{self.num_stages}p{self.prefetch}")
+
+
+# The tiles benchmarks/int4_gemv.py sweeps beside the default (not yet measured on a GPU).
+CANDIDATES = (
+    Int4GemvConfig(64, 128, 0, 4),                              # CUDA cores
+    Int4GemvConfig(64, 128, 0, 4, dot=True),                    # tensor cores, plain unpack
+    Int4GemvConfig(32, 128, 0, 4, dot=True, asm=True),          # mma.sync (< 64 features)
+    Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=1),
+    Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=3),
+    Int4GemvConfig(64, 128, 1, 4, dot=True, asm=True),          # no split K
+    Int4GemvConfig(64, 128, 4, 4, dot=True, asm=True),          # more programs per SM
+    Int4GemvConfig(64, 128, 8, 4, dot=True, asm=True),
+    Int4GemvConfig(64, 64, 0, 4, dot=True, asm=True, prefetch=3),
+    Int4GemvConfig(128, 128, 0, 4, dot=True, asm=True),
+    Int4GemvConfig(128, 128, 0, 8, dot=True, asm=True, prefetch=3),
+    Int4GemvConfig(256, 128, 0, 8, dot=True, asm=True),
+)
+
+
+def default_config(m: int, n: int, k: int) -> Int4GemvConfig:
+    """The tile for m rows of a [n, k] weight. A first guess from the kernels' SASS (no GPU
+    figures yet), the same for every row count: tensor cores with the inline-PTX unpacking
+    (~4.4 instructions a weight for sm_90 against ~7.6 on the CUDA cores at one row, ~14
+    at four: the tensor cores' 16-row padding costs nothing that matters here). Tiles in
+    flight by bytes per SM: a weight of a few thousand features runs ~2 programs per SM
+    (split K), each with 3 tiles ahead (12 KB; 149 registers); gate_up's 28672 features
+    run ~3.4 per SM, with 2 tiles ahead (128 registers: 4 programs fit an SM)."""
+    return Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=2 if n >= 16384 else 3)
+
+
+def parse_config(name: str) -> Int4GemvConfig:
+    """The config an ``Int4GemvConfig.name`` names (e.g. ``an64k128s0w4st1p2``: a / d / f
+    tensor cores with inline PTX / tensor cores / CUDA cores, block_n, block_k, split_k,
+    num_warps, num_stages, prefetch)."""
+    import re
+
+    match = re.fullmatch(r"([dfa])n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)p(\d+)", name.strip())
+    if match is None:
+        raise ValueError(f"{name!r} is not a config name such as an64k128s0w4st1p2")
+    kind, *nums = match.groups()
+    bn, bk, split, warps, stages, prefetch = map(int, nums)
+    return Int4GemvConfig(bn, bk, split, warps, stages, dot=kind != "f", asm=kind == "a",
+                          prefetch=prefetch)
+
+
+@triton.jit
+def _load_tile(qw_rows, s_rows, z_rows, n_mask, t, end, G: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile t's packed words [BLOCK_N, BLOCK_K/8] and their scales and zero points: one
+    per feature [BLOCK_N, 1] where the tile lies in one group (BLOCK_K <= G), else one per
+    word [BLOCK_N, BLOCK_K/8] (a word lies in one group), in the words' layout. All zero
+    past ``end`` (the prefetch after the last tile)."""
+    live = t < end
+    k0 = t * BLOCK_K
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(qw_rows + (k0 // 8 + offs_w)[None, :], mask=n_mask[:, None] & live, other=0)
+    if BLOCK_K <= G:
+        s = tl.load(s_rows + k0 // G, mask=n_mask[:, None] & live, other=0.0)
+        z = tl.load(z_rows + k0 // G, mask=n_mask[:, None] & live, other=0)
+    else:
+        groups = (k0 + offs_w * 8) // G
+        s = tl.load(s_rows + groups[None, :], mask=n_mask[:, None] & live, other=0.0)
+        z = tl.load(z_rows + groups[None, :], mask=n_mask[:, None] & live, other=0)
+    return packed, s, z
+
+
+@triton.jit
+def _unpack_words(packed, z):
+    """Packed words [BN, W] and their zero points ([BN, W] or [BN, 1]) -> q - z in fp32
+    [BN, W, 2, 2, 2] (integers: the scale goes on sums of them), nibble j of a word at
+    [..., j >> 2, (j >> 1) & 1, j & 1] (so a reshape to [BN, 8W] is the K order). tl.join stacks in a thread's registers: a word's
+    8 weights stay in the thread that loaded it (a 3D [BN, W, 8] shift puts them in 8
+    lanes). Each nibble is ORed into the mantissa of 2^23 (0x4B000000): the fp32 2^23 + q
+    with no int-to-float conversion; 2^23 is taken off with the zero point, exactly."""
+    pk = packed.to(tl.uint32, bitcast=True)
+    n0 = ((pk & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n1 = (((pk >> 4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n2 = (((pk >> 8) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n3 = (((pk >> 12) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n4 = (((pk >> 16) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n5 = (((pk >> 20) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n6 = (((pk >> 24) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n7 = ((pk >> 28) | 0x4B000000).to(tl.float32, bitcast=True)
+    q = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+                tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+    zf = z.to(tl.float32) + 8388608.0
+    return q - zf[:, :, None, None, None]
+
+
+# PTX of one packed word and its -(OFFSET + zero) as a 16-bit float -> its 8 values q - z
+# in that 16-bit type, two per instruction: each pair of nibbles (j, j + 4) masked into the
+# mantissas of OFFSET (bf16 0x4300 = 128, fp16 0x6400 = 1024: the float OFFSET + q, exact)
+# by one lop3, then OFFSET + z taken off both by one fma (x * 1 - (OFFSET + z), exact).
+_UNPACK_PTX = """{
+.reg .b32 w, t, p, nz, one, mask, magic;
+mov.b32 w, $8;
+mov.b32 nz, {$9, $9};
+mov.b32 one, ONE;
+mov.b32 mask, 0x000F000F;
+mov.b32 magic, MAGIC;
+lop3.b32 p, w, mask, magic, 0xEA;
+fma.rn.TY p, p, one, nz;
+mov.b32 {$0, $4}, p;
+shr.u32 t, w, 4;
+lop3.b32 p, t, mask, magic, 0xEA;
+fma.rn.TY p, p, one, nz;
+mov.b32 {$1, $5}, p;
+shr.u32 t, w, 8;
+lop3.b32 p, t, mask, magic, 0xEA;
+fma.rn.TY p, p, one, nz;
+mov.b32 {$2, $6}, p;
+shr.u32 t, w, 12;
+lop3.b32 p, t, mask, magic, 0xEA;
+fma.rn.TY p, p, one, nz;
+mov.b32 {$3, $7}, p;
+}"""
+# x's dtype -> (its 16-bit pattern of OFFSET, OFFSET, the pair (1.0, 1.0), the PTX type)
+_UNPACK_TYPES = {torch.bfloat16: ("0x43004300", 128.0, "0x3F803F80", "bf16x2"),
+                 torch.float16: ("0x64006400", 1024.0, "0x3C003C00", "f16x2")}
+
+
+def _unpack_ptx(dtype: torch.dtype) -> str:
+    magic, _, one, ty = _UNPACK_TYPES[dtype]
+    return _UNPACK_PTX.replace("MAGIC", magic).replace("ONE", one).replace("TY", ty)
+
+
+@triton.jit
+def _unpack_words_asm(packed, z, DT: tl.constexpr, PTX: tl.constexpr, OFFSET: tl.constexpr):
+    """``_unpack_words`` in x's 16-bit type by inline PTX (the GPU only): [BN, W, 2, 2, 2]."""
+    nz = (-(z.to(tl.float32) + OFFSET)).to(DT)
+    nz = tl.broadcast_to(nz, packed.shape)
+    outs = tl.inline_asm_elementwise(
+        PTX.value, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [packed, nz],
+        dtype=(DT.value,) * 8, is_pure=True, pack=1)
+    n0, n1, n2, n3, n4, n5, n6, n7 = outs
+    return tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+                   tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+
+
+@triton.jit
+def _row_part(w5, sf, x_ptr, stride_xm, k0, M, m: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each word's sum of (q - z) * x[m] over its 8 columns (in a thread's registers),
+    times the word's scale ``sf``: [BN, W]. One multiply by the scale per word per row
+    rather than one per weight."""
+    xr = tl.load(x_ptr + m * stride_xm + k0 + tl.arange(0, BLOCK_K), mask=m < M, other=0.0)
+    x5 = tl.reshape(xr.to(tl.float32), (BLOCK_K // 8, 2, 2, 2))
+    p = w5 * x5[None, :, :, :, :]
+    return tl.sum(tl.sum(tl.sum(p, axis=4), axis=3), axis=2) * sf
+
+
+@triton.jit
+def _rows_part(w5, sf, x_ptr, stride_xm, k0, M, m0: tl.constexpr, ROWS: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """Rows m0 .. m0 + ROWS - 1 of x against w5: [BN, W, ROWS], the rows stacked by
+    tl.join (a new in-thread dimension: no select, no layout conversion)."""
+    if ROWS == 1:
+        return _row_part(w5, sf, x_ptr, stride_xm, k0, M, m0, BLOCK_K)[:, :, None]
+    elif ROWS == 2:
+        return tl.join(_row_part(w5, sf, x_ptr, stride_xm, k0, M, m0, BLOCK_K),
+                       _row_part(w5, sf, x_ptr, stride_xm, k0, M, m0 + 1, BLOCK_K))
+    else:
+        HALF: tl.constexpr = ROWS // 2
+        lo = _rows_part(w5, sf, x_ptr, stride_xm, k0, M, m0, HALF, BLOCK_K)
+        hi = _rows_part(w5, sf, x_ptr, stride_xm, k0, M, m0 + HALF, HALF, BLOCK_K)
+        # [BN, W, HALF, 2] -> [BN, W, 2, HALF] -> [BN, W, ROWS]: row m0 + i at index i
+        return tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)),
+                          (lo.shape[0], lo.shape[1], ROWS))
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
+                      stride_om, stride_os, G: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
+                      PRECISION: tl.constexpr, PREFETCH: tl.constexpr = 2,
+                      ASM: tl.constexpr = False,
+                      PTX: tl.constexpr = "", OFFSET: tl.constexpr = 0.0):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    NG = K // G
+    qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * (K // 8)
+    s_rows = s_ptr + offs_n[:, None].to(tl.int64) * NG
+    z_rows = z_ptr + offs_n[:, None].to(tl.int64) * NG
+    tiles = K // BLOCK_K
+    per_split = tl.cdiv(tiles, SPLIT_K)
+    start = pid_k * per_split
+    end = tl.minimum(start + per_split, tiles)
+    if DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:  # per-word partial sums; the sum over words (across threads) once, at the end
+        acc3 = tl.zeros((BLOCK_N, BLOCK_K // 8, BLOCK_M), dtype=tl.float32)
+    # PREFETCH tiles in flight, in registers: tile t + PREFETCH's words are requested before
+    # tile t is used (weights are only read). A program's bytes in flight are what hide
+    # HBM's latency: at ~2 programs per SM, one 64 x 128 tile (4 KB) each is too few.
+    pa, sa, za = _load_tile(qw_rows, s_rows, z_rows, n_mask, start, end, G, BLOCK_K)
+    if PREFETCH >= 2:
+        pb, sb, zb = _load_tile(qw_rows, s_rows, z_rows, n_mask, start + 1, end, G, BLOCK_K)
+    if PREFETCH >= 3:
+        pc, sc, zc = _load_tile(qw_rows, s_rows, z_rows, n_mask, start + 2, end, G, BLOCK_K)
+    for t in range(start, end):
+        packed, s, z = pa, sa, za
+        if PREFETCH == 1:
+            pa, sa, za = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 1, end, G, BLOCK_K)
+        elif PREFETCH == 2:
+            pa, sa, za = pb, sb, zb
+            pb, sb, zb = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 2, end, G, BLOCK_K)
+        else:
+            pa, sa, za = pb, sb, zb
+            pb, sb, zb = pc, sc, zc
+            pc, sc, zc = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 3, end, G, BLOCK_K)
+        if ASM:  # q - z in x's dtype, [BN, W, 2, 2, 2]
+            w5 = _unpack_words_asm(packed, z, x_ptr.dtype.element_ty, PTX, OFFSET)
+        else:  # q - z in fp32
+            w5 = _unpack_words(packed, z)
+        sf = s.to(tl.float32)
+        k0 = t * BLOCK_K
+        if DOT:
+            # rows past M load zeros
+            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None],
+                         mask=m_mask[None, :], other=0.0)  # [BK, BLOCK_M]
+            # q - z (exact in 16 bits) on tensor cores; the tile lies in one group
+            # (the launcher's BLOCK_K divides G), so its scale is one per feature, after
+            w = tl.reshape(w5, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
+            acc += tl.dot(w, xt, input_precision=PRECISION) * sf
+        else:
+            acc3 += _rows_part(w5, sf, x_ptr, stride_xm, k0, M, 0, BLOCK_M, BLOCK_K)
+    if not DOT:
+        acc = tl.sum(acc3, axis=1)
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    out = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out, acc, mask=out_mask)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, b_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = sum over the splits of part[split, m, n] (in split order: deterministic)
+    + bias[n], in out's dtype: one launch for the sum, the bias and the rounding."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for i in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + i * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def supports(m: int, k: int, g: int) -> bool:
+    """Whether ``int4_gemv`` takes m rows of a K-wide weight in groups of G (any valid
+    layout: G a multiple of 8 dividing K)."""
+    return 1 <= m <= MAX_ROWS and k % PACK == 0 and g % PACK == 0 and k % g == 0
+
+
+def _split_k(tiles_n: int, k_tiles: int, device: torch.device) -> int:
+    """Splits of K until the programs reach ~2 per SM (1 off the GPU)."""
+    if device.type != "cuda":
+        return 1
+    from flashpage.kernels.device import num_sms
+
+    target = 2 * num_sms(device)
+    split = 1
+    while tiles_n * split * 2 <= target and split * 2 <= k_tiles:
+        split *= 2
+    return split
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+              zeros: torch.Tensor, bias: torch.Tensor | None = None,
+              config: Int4GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (fp16 / bf16 / fp32, 1 <= M <= 16) @ the int4 weight -> [M, N] in x's
+    dtype (+ bias [N]); fp32 accumulation."""
+    g = check_int4(qweight, scales, zeros)
+    n, k = qweight.shape[0], qweight.shape[1] * PACK
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} does not fit a [{n}, {k}] weight")
+    m = x.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"int4_gemv takes 1..{MAX_ROWS} rows, got {m}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{n}] in x's dtype {x.dtype}, got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or default_config(m, n, k)
+    if not 1 <= cfg.prefetch <= 3:
+        raise ValueError(f"prefetch must be 1, 2 or 3 tiles, got {cfg.prefetch}")
+    # tensor cores: K tiles inside one group (the scale goes on the dot), 16 wide at least;
+    # else (K or G = 8 x odd, or block_n < 16) the CUDA cores, with any tile
+    bk_dot = _block_k(k, g, cfg.block_k, within_group=True)
+    dot = cfg.dot and bk_dot >= 16 and cfg.block_n >= 16
+    bk = bk_dot if dot else _block_k(k, g, cfg.block_k)
+    # inline PTX runs on the GPU only, for 16-bit x (the interpreter takes the plain path)
+    asm = dot and cfg.asm and x.dtype in _UNPACK_TYPES and not interpreting()
+    tiles_n = triton.cdiv(n, cfg.block_n)
+    split = cfg.split_k or _split_k(tiles_n, k // bk, x.device)
+    split = max(1, min(split, k // bk))
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    _int4_gemv_kernel[(tiles_n, split)](
+        x, qweight, scales, zeros, bias if bias is not None else x, out, m, n, k,
+        x.stride(0), n, m * n, G=g,
+        BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=bk,
+        SPLIT_K=split, HAS_BIAS=bias is not None, DOT=dot, PREFETCH=cfg.prefetch,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
+        PTX=_unpack_ptx(x.dtype) if asm else "",
+        OFFSET=_UNPACK_TYPES[x.dtype][1] if asm else 0.0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](
+            out, bias if bias is not None else out, y, m * n, n, SPLIT_K=split,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y

@@ -1,0 +1,226 @@
+"""The row-wise int4 GEMV (kernels/int4_gemv.py) against the dequantizing reference: 1, 3
+and 16 rows, N ragged against the block, groups of 8 / 32 / 128 and one group per row, zero
+points 0 and 16, split K on and off, 1-3 tiles in flight, bias, both ways of doing the row
+products (CUDA cores and tensor cores; the inline-PTX unpacking replayed in torch); fp32 / fp16 on the CPU under the interpreter (small shapes: a few
+seconds), bf16 at Llama-3-8B shapes on the GPU, judged as test_int4_gemm.py judges its
+kernel (against fp32, beside cuBLAS over the dequantized weight)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_int4_gemm import DEV, GPU, _as_close_as_the_reference, _weight
+
+from flashpage.kernels.int4_gemm import int4_linear_ref, pack_int4
+from flashpage.kernels.int4_gemv import (
+    CANDIDATES,
+    MAX_ROWS,
+    Int4GemvConfig,
+    default_config,
+    int4_gemv,
+    parse_config,
+)
+
+FMA = Int4GemvConfig(16, 64, split_k=1, dot=False)
+DOT = Int4GemvConfig(16, 64, split_k=1, dot=True)
+
+CASES = [
+    # m, n, k, g, zero (None: random 0..16), bias, config
+    (1, 40, 128, 32, None, True, FMA),                                  # 2 tiles, ragged N
+    (1, 24, 256, 256, 16, False, Int4GemvConfig(16, 64, 2, prefetch=3)),  # G = K, split
+    (3, 40, 256, 128, 0, True, Int4GemvConfig(16, 64, 1, prefetch=1)),  # rows past M masked
+    (3, 24, 128, 32, None, False, Int4GemvConfig(16, 64, 2, dot=True)),  # split K, dot
+    (16, 40, 128, 128, 16, True, DOT),                                  # G = K, dot, bias
+    (16, 20, 64, 32, None, False, Int4GemvConfig(8, 32, 2, dot=False)),  # 16 rows on FMAs
+]
+
+
+def _case(m, n, k, g, zero, bias, dtype):
+    qw, scales, zeros, _ = _weight(n, k, g, m * 100 + n + k)
+    if zero is not None:
+        zeros.fill_(zero)
+    gen = torch.Generator(device="cpu").manual_seed(m + k)
+    x = torch.randn(m, k, generator=gen).to(DEV, dtype)
+    b = torch.randn(n, generator=gen).to(DEV, dtype) if bias else None
+    return x, qw, scales, zeros, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,g,zero,bias,cfg", CASES)
+def test_int4_gemv_matches_reference(m, n, k, g, zero, bias, cfg, dtype):
+    if GPU and dtype == torch.float16:
+        dtype = torch.bfloat16
+    x, qw, scales, zeros, b = _case(m, n, k, g, zero, bias, dtype)
+    got = int4_gemv(x, qw, scales, zeros, b, cfg)
+    ref = int4_linear_ref(x, qw, scales, zeros, b)
+    assert got.shape == (m, n) and got.dtype == dtype
+    if dtype == torch.bfloat16:
+        _as_close_as_the_reference(got, ref, x, qw, scales, zeros, b)
+    else:
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_default_config_runs_and_names_round_trip():
+    """The launcher's own choice (split K off the GPU) at 1 and 5 rows, and every config's
+    name (what the benchmark prints) parses back to it."""
+    for m in (1, 5):
+        x, qw, scales, zeros, b = _case(m, 24, 128, 64, None, True, torch.float32)
+        torch.testing.assert_close(int4_gemv(x, qw, scales, zeros, b),
+                                   int4_linear_ref(x, qw, scales, zeros, b), atol=1e-4, rtol=1e-4)
+    for cfg in (*CANDIDATES, default_config(1, 4096, 4096), default_config(16, 4096, 4096)):
+        assert parse_config(cfg.name) == cfg
+    with pytest.raises(ValueError, match="not a config name"):
+        parse_config("n16k64")
+
+
+def test_narrow_k_tiles_fall_back_to_cuda_cores():
+    """K = 8 x odd: 8-wide tiles, too narrow for tl.dot; a dot config still runs (on FMAs)."""
+    x, qw, scales, zeros, _ = _case(3, 16, 24, 8, None, False, torch.float32)
+    got = int4_gemv(x, qw, scales, zeros, config=DOT)
+    torch.testing.assert_close(got, int4_linear_ref(x, qw, scales, zeros), atol=1e-4, rtol=1e-4)
+
+
+def test_launcher_names_bad_input():
+    qw, scales, zeros, _ = _weight(16, 64, 32, 1)
+    x = torch.randn(2, 64).to(DEV)
+    with pytest.raises(ValueError, match="x .* does not fit"):
+        int4_gemv(torch.randn(2, 32).to(DEV), qw, scales, zeros)
+    with pytest.raises(ValueError, match=f"1..{MAX_ROWS} rows, got 17"):
+        int4_gemv(torch.randn(17, 64).to(DEV), qw, scales, zeros)
+    with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
+        int4_gemv(x.to(torch.float64), qw, scales, zeros)
+    with pytest.raises(ValueError, match="bias must be"):
+        int4_gemv(x, qw, scales, zeros, torch.zeros(16, dtype=torch.float16, device=DEV))
+    with pytest.raises(ValueError, match="prefetch must be 1, 2 or 3"):
+        int4_gemv(x, qw, scales, zeros, config=Int4GemvConfig(prefetch=4))
+    with pytest.raises(ValueError, match="qweight must be int32"):
+        int4_gemv(x, qw.float(), scales, zeros)
+    with pytest.raises(ValueError, match="zeros must be uint8"):
+        int4_gemv(x, qw, scales, zeros.int())
+    # K = 60, not a whole number of words: no [N, K/8] weight fits it
+    with pytest.raises(ValueError, match="x .* does not fit"):
+        int4_gemv(torch.randn(2, 60).to(DEV), qw, scales, zeros)
+    with pytest.raises(ValueError, match="group size 4 is not a multiple of 8"):
+        int4_gemv(x, qw, scales.repeat(1, 8), zeros.repeat(1, 8))
+
+
+def test_layer_dispatch_runs_the_gemv_on_cuda_decode_rows(monkeypatch):
+    """layers/int4.int4_linear's choice, read without a GPU: the GEMV at 1-16 rows by
+    default, the old tl.dot kernel with FLASHPAGE_INT4_KERNEL=gemm (or 1), dequantize +
+    cuBLAS with =dequant and above GEMV_ROWS."""
+    from flashpage.layers.int4 import GEMV_ROWS, cuda_path
+
+    monkeypatch.delenv("FLASHPAGE_INT4_KERNEL", raising=False)
+    assert cuda_path(1, 4096, 128) == cuda_path(GEMV_ROWS, 4096, 128) == "gemv"
+    assert cuda_path(GEMV_ROWS + 1, 4096, 128) == "dequant"
+    for value, want in (("gemm", "gemm"), ("1", "gemm"), ("dequant", "dequant"),
+                        ("0", "dequant"), ("gemv", "gemv")):
+        monkeypatch.setenv("FLASHPAGE_INT4_KERNEL", value)
+        assert cuda_path(4, 4096, 128) == want, value
+    monkeypatch.setenv("FLASHPAGE_INT4_KERNEL", "fast")
+    with pytest.raises(ValueError, match="FLASHPAGE_INT4_KERNEL"):
+        cuda_path(4, 4096, 128)
+
+
+def test_unpack_ptx_constants_give_q_minus_z():
+    """The inline PTX's arithmetic (which the interpreter cannot run), replayed in torch on
+    its own constants: lop3 (w >> 4i) & 0x000F000F | MAGIC makes the 16-bit pair
+    (OFFSET + q[i], OFFSET + q[i + 4]), and x * 1 - (OFFSET + z) is q - z, exactly."""
+    from flashpage.kernels.int4_gemv import _UNPACK_TYPES, _unpack_ptx
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (64, 8), generator=gen, dtype=torch.int32)
+    z = torch.randint(0, 17, (64, 1), generator=gen, dtype=torch.int32)
+    words = pack_int4(q)[:, 0].to(torch.int64) & 0xFFFFFFFF
+    for dtype, (magic, offset, one, ty) in _UNPACK_TYPES.items():
+        ptx = _unpack_ptx(dtype)
+        assert magic in ptx and one in ptx and f"fma.rn.{ty}" in ptx and "0xEA" in ptx
+        assert torch.tensor([int(one, 16) & 0xFFFF], dtype=torch.int16).view(dtype).item() == 1.0
+        nz = (-(z.float() + offset)).to(dtype)
+        got = torch.empty(64, 8, dtype=torch.float32)
+        for i in range(4):
+            pair = ((words >> (4 * i)) & 0x000F000F) | int(magic, 16)  # lop3 0xEA: a & b | c
+            halves = torch.stack([pair & 0xFFFF, pair >> 16], 1).to(torch.int16)  # wraps
+            vals = halves.view(dtype)  # [64, 2]: (OFFSET + q[i], OFFSET + q[i + 4])
+            res = (vals.float() * 1.0 + nz.float()).to(dtype)  # fma, exact
+            got[:, i], got[:, i + 4] = res[:, 0].float(), res[:, 1].float()
+        assert torch.equal(got, (q - z).float()), dtype
+
+
+def _compile_int4_gemv() -> dict[str, dict]:
+    """(In a subprocess with the interpreter off.) The GEMV's forms compiled for sm_90 as a
+    bf16 launch of the 8B shapes specializes them (groups of 128, split K): name ->
+    {"mma", "regs", "spill_bytes", "per_weight" (SASS instructions of the K loop per
+    weight a thread holds)}."""
+    import torch
+    from sm90 import compile_sm90, ptxas_sm90a, ptxas_usage, sass_instructions, sass_loops
+
+    from flashpage.kernels import int4_gemv as m
+
+    aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K", "stride_xm",
+               "stride_om", "stride_os")
+    default = m.default_config(16, 4096, 4096)
+    forms = {"fma_1row": (1, m.CANDIDATES[0], False), "default_asm": (16, default, default.asm)}
+    out = {}
+    for name, (bm, cfg, asm) in forms.items():
+        k = compile_sm90(m._int4_gemv_kernel, dict(
+            G=128, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=2,
+            HAS_BIAS=False, DOT=cfg.dot, PRECISION="tf32", PREFETCH=cfg.prefetch, ASM=asm,
+            PTX=m._unpack_ptx(torch.bfloat16) if asm else "", OFFSET=128.0 if asm else 0.0),
+            {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": "*fp32"},
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned)
+        ptx = k.asm["ptx"]
+        log, sass = ptxas_sm90a(ptx)
+        ins, labels = sass_instructions(sass)
+        loops = sass_loops(ins, labels)
+        lo, hi = max(loops, key=lambda p: p[1] - p[0]) if loops else (0, -1)
+        weights = cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
+        out[name] = {"mma": "mma" in ptx, "per_weight": (hi - lo + 1) / weights,
+                     **ptxas_usage(log)}
+    return out
+
+
+def test_int4_gemv_compiles_for_sm90():
+    """On the CPU: both forms build for an H200, the default on tensor cores, nothing
+    spilled (a spill in the K loop would cost more than the weight's bytes), and the K
+    loop stays near its instruction count per weight (sm_90 issues ~128 a cycle per SM:
+    at 4 a weight, ~8.4e12 weights/s, 4.2 TB/s of int4 bytes; 2.4 TB/s at 7)."""
+    from sm90 import run_compiled
+
+    got = run_compiled("test_int4_gemv", "_compile_int4_gemv")
+    assert got["default_asm"]["mma"], got
+    assert not got["fma_1row"]["mma"], got
+    assert all(v["spill_bytes"] == 0 for v in got.values()), got
+    assert got["default_asm"]["per_weight"] <= 5, got  # 4.4 when written
+    assert got["fma_1row"]["per_weight"] <= 9, got  # 7.3 when written
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_int4_gemv_bf16_8b_shapes_on_the_gpu(n, k, m):
+    qw, scales, zeros, _ = _weight(n, k, 128, 7)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    got = int4_gemv(x, qw, scales, zeros)
+    _as_close_as_the_reference(got, int4_linear_ref(x, qw, scales, zeros), x, qw, scales, zeros)
+    # and the layer's path at these rows is this kernel
+    from flashpage.layers.int4 import int4_linear
+
+    assert torch.equal(int4_linear(x, qw, scales, zeros), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("cfg", CANDIDATES, ids=lambda c: c.name)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_int4_gemv_candidates_bf16_on_the_gpu(cfg, m):
+    """Every tile the benchmark sweeps is correct on the GPU (o_proj's shape, bias)."""
+    n, k = 4096, 4096
+    qw, scales, zeros, _ = _weight(n, k, 128, 3)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+    got = int4_gemv(x, qw, scales, zeros, b, cfg)
+    _as_close_as_the_reference(got, int4_linear_ref(x, qw, scales, zeros, b), x, qw, scales,
+                               zeros, b)
