@@ -3,6 +3,8 @@
 #   BUDGET=300 bash benchmarks/gpu_s20.sh draft   the draft model's decode graphs: GPU tests, then
 #                                                 an 8B-shaped 1-layer draft with graphs and eager
 #                                                 (run 165: 11.0 ms a step eager at batch 1)
+#   BUDGET=300 bash benchmarks/gpu_s20.sh int4    the int4 GEMV (1-16 rows): GPU tests, then its tiles
+#                                                 beside the tl.dot kernel, dequantize + cuBLAS, bf16
 # Results under $OUT.
 PART=${1:-draft}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -14,5 +16,11 @@ draft)
     --draft-layers 1 --draft-eager --json-out "$OUT/spec_draft_graphs.json" 2>&1 \
     | tee "$OUT/spec_draft_graphs.txt" | grep -E "^batch|draft|Error|Traceback" | head -40
   echo "part draft done at ${SECONDS}s" ;;
+int4)
+  timeout "$(left 150)" $PT -rfs tests/kernels/test_int4_gemv.py tests/kernels/test_int4_gemm.py \
+    tests/models/test_int4_checkpoints.py 2>&1 | tee "$OUT/gpu_int4_tests.txt" | tail -n 12
+  timeout "$(left 240)" python3 benchmarks/int4_gemv.py --json-out "$OUT/int4_gemv.json" > "$OUT/int4_gemv.txt" 2>&1
+  tail -n 40 "$OUT/int4_gemv.txt"
+  echo "part int4 done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
