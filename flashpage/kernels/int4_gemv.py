@@ -80,32 +80,33 @@ class Int4GemvConfig:
                 f"w{self.num_warps}st{self.num_stages}p{self.prefetch}")
 
 
-# The tiles benchmarks/int4_gemv.py sweeps beside the default (not yet measured on a GPU).
+# The tiles benchmarks/int4_gemv.py sweeps beside the default (run 171 on the H200: see
+# BENCHMARKS.md, INT4 weights; no split and 256 features, the slowest there, swapped for the
+# CUDA cores' one-row form with the splits that won on the tensor cores).
 CANDIDATES = (
     Int4GemvConfig(64, 128, 0, 4),                              # CUDA cores
     Int4GemvConfig(64, 128, 0, 4, dot=True),                    # tensor cores, plain unpack
     Int4GemvConfig(32, 128, 0, 4, dot=True, asm=True),          # mma.sync (< 64 features)
     Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=1),
     Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=3),
-    Int4GemvConfig(64, 128, 1, 4, dot=True, asm=True),          # no split K
+    Int4GemvConfig(64, 128, 4, 4),                              # CUDA cores, fixed splits
+    Int4GemvConfig(64, 128, 8, 4),
     Int4GemvConfig(64, 128, 4, 4, dot=True, asm=True),          # more programs per SM
     Int4GemvConfig(64, 128, 8, 4, dot=True, asm=True),
     Int4GemvConfig(64, 64, 0, 4, dot=True, asm=True, prefetch=3),
     Int4GemvConfig(128, 128, 0, 4, dot=True, asm=True),
     Int4GemvConfig(128, 128, 0, 8, dot=True, asm=True, prefetch=3),
-    Int4GemvConfig(256, 128, 0, 8, dot=True, asm=True),
 )
 
 
 def default_config(m: int, n: int, k: int) -> Int4GemvConfig:
-    """The tile for m rows of a [n, k] weight. A first guess from the kernels' SASS (no GPU
-    figures yet), the same for every row count: tensor cores with the inline-PTX unpacking
-    (~4.4 instructions a weight for sm_90 against ~7.6 on the CUDA cores at one row, ~14
-    at four: the tensor cores' 16-row padding costs nothing that matters here). Tiles in
-    flight by bytes per SM: a weight of a few thousand features runs ~2 programs per SM
-    (split K), each with 3 tiles ahead (12 KB; 149 registers); gate_up's 28672 features
-    run ~3.4 per SM, with 2 tiles ahead (128 registers: 4 programs fit an SM)."""
-    return Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=2 if n >= 16384 else 3)
+    """The tile for m rows of a [n, k] weight, from the H200 sweep of run 171
+    (benchmarks/int4_gemv.py at the 8B shapes, 1-16 rows): 64 features by 128 of K, two
+    tiles in flight; one row on the CUDA cores (no 16-row padding: 26.7 us against 28.8 for
+    the tensor cores at down's 4096 x 14336), more rows on the tensor cores with the
+    inline-PTX unpacking (the CUDA cores' 8 rows took 3.4x as long). K's split is
+    ``_split_k``'s (what the sweep's best tiles had)."""
+    return Int4GemvConfig(64, 128, 0, 4, dot=m > 1, asm=m > 1, prefetch=2)
 
 
 def parse_config(name: str) -> Int4GemvConfig:
@@ -275,7 +276,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
         acc3 = tl.zeros((BLOCK_N, BLOCK_K // 8, BLOCK_M), dtype=tl.float32)
     # PREFETCH tiles in flight, in registers: tile t + PREFETCH's words are requested before
     # tile t is used (weights are only read). A program's bytes in flight are what hide
-    # HBM's latency: at ~2 programs per SM, one 64 x 128 tile (4 KB) each is too few.
+    # HBM's latency: one 64 x 128 tile (4 KB) each was too few (prefetch 2 won run 171's sweep).
     pa, sa, za = _load_tile(qw_rows, s_rows, z_rows, n_mask, start, end, G, BLOCK_K)
     if PREFETCH >= 2:
         pb, sb, zb = _load_tile(qw_rows, s_rows, z_rows, n_mask, start + 1, end, G, BLOCK_K)
@@ -342,14 +343,18 @@ def supports(m: int, k: int, g: int) -> bool:
 
 
 def _split_k(tiles_n: int, k_tiles: int, device: torch.device) -> int:
-    """Splits of K until the programs reach ~2 per SM (1 off the GPU)."""
+    """K's split: a power of two leaving each program ~8-16 K tiles (the sweep's best at
+    every 8B shape: 4 for K 4096, 8 for K 14336; ~2 programs per SM had left qkv 39% and
+    gate_up 6% slower), doubled further while the programs do not cover the SMs (1 off
+    the GPU)."""
     if device.type != "cuda":
         return 1
     from flashpage.kernels.device import num_sms
 
-    target = 2 * num_sms(device)
     split = 1
-    while tiles_n * split * 2 <= target and split * 2 <= k_tiles:
+    while split * 2 <= min(8, k_tiles // 8):
+        split *= 2
+    while tiles_n * split < num_sms(device) and split * 2 <= k_tiles:
         split *= 2
     return split
 
