@@ -145,9 +145,9 @@ def cut_and_normalize(pooled: torch.Tensor, dims: Sequence[int | None],
     where asked (the zeros do not count in the norm). [B, hidden] -> [B, hidden]."""
     if all(d is None for d in dims) and all(normalize):  # the usual case
         return torch.nn.functional.normalize(pooled, dim=1)
-    hidden = pooled.shape[1]
-    keep = torch.tensor([d or hidden for d in dims]).to(pooled.device, non_blocking=True)
-    cut = pooled * (torch.arange(hidden, device=pooled.device)[None, :] < keep[:, None])
+    hidden, dev, pin = pooled.shape[1], pooled.device, pooled.is_cuda  # pinned: no stream sync
+    keep = torch.tensor([d or hidden for d in dims], pin_memory=pin).to(dev, non_blocking=True)
+    cut = pooled * (torch.arange(hidden, device=dev)[None, :] < keep[:, None])
     unit = torch.nn.functional.normalize(cut, dim=1)
-    wants = torch.tensor(list(normalize)).to(pooled.device, non_blocking=True)
+    wants = torch.tensor(list(normalize), pin_memory=pin).to(dev, non_blocking=True)
     return torch.where(wants[:, None], unit, cut)
