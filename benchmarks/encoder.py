@@ -122,6 +122,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--json-out", default=None)
     p.add_argument("--host-only", action="store_true", help="forwards stubbed (module docstring)")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each batch back before launching the next (CUDA's default overlaps them)")
     p.add_argument("--repeat", type=int, default=1, help="time each side this many times, keep the best")
     args = p.parse_args()
 
@@ -135,7 +137,8 @@ def main() -> None:
         path = Path(tmp) / "config.json"
         path.write_text(json.dumps(cfg))
         llm = LLM(random_weights_config=str(path), dtype=args.dtype, device=args.device,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=1 << 16)
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=1 << 16,
+                  async_scheduling=False if args.no_async_scheduling else None)
         engine = llm.engine
         hf_cfg = transformers.AutoConfig.from_pretrained(tmp)
         cls = getattr(transformers, cfg["architectures"][0])
@@ -168,6 +171,7 @@ def main() -> None:
                "batch": batch, "ours_prompts_s": args.num_prompts / t_ours, "ours_tok_s": tokens / t_ours,
                "hf_prompts_s": args.num_prompts / t_hf, "hf_tok_s": tokens / t_hf,
                "speedup": t_hf / t_ours, "host_only": args.host_only, "repeat": args.repeat,
+               "async_scheduling": getattr(engine, "async_scheduling", None),
                ("min_cosine" if task == "embed" else "max_score_diff"): agree}
         rows.append(row)
         print(json.dumps(row))
