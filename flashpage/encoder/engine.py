@@ -229,7 +229,11 @@ class EncoderEngine:
         return bool(self._waiting) or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._waiting) + (len(self._inflight.requests) if self._inflight else 0)
+        return len(self._waiting) + self._num_running()
+
+    def _num_running(self) -> int:
+        """Requests of the batch in flight, less the aborted ones."""
+        return sum(not r.aborted for r in self._inflight.requests) if self._inflight else 0
 
     # ------------------------------------------------------------------ step
     def _take_batch(self) -> list[_Pending]:
@@ -322,8 +326,7 @@ class EncoderEngine:
                           blocks_cached_free=0, tokens_stored=0, slots_allocated=0,
                           utilization=1.0, usage=0.0, prefix_queries=0, prefix_hits=0,
                           prefix_hit_rate=0.0, num_evictions=0)
-        running = len(self._inflight.requests) if self._inflight is not None else 0
-        return {"num_running": running, "num_waiting": len(self._waiting), "num_preemptions": 0,
+        return {"num_running": self._num_running(), "num_waiting": len(self._waiting), "num_preemptions": 0,
                 "kv_cache": kv, "encoder": {"num_forwards": self.num_forwards,
                                             "num_batched_tokens": self.num_batched_tokens}}
 

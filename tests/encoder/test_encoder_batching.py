@@ -125,6 +125,7 @@ def test_async_scheduling_reads_back_one_step_later(encoder_checkpoint):
     assert eng.step() == [] and eng.get_num_unfinished_requests() == 3  # "a" runs
     assert eng.stats()["num_running"] == 1 and eng.stats()["num_waiting"] == 2
     eng.abort_request("a")  # in flight: read back, then dropped
+    assert eng.get_num_unfinished_requests() == 2 and eng.has_unfinished_requests()
     eng.add_request("a", TEXTS[1], PoolingParams())  # its id is free again
     assert eng.step() == []  # "b" launched, "a" (aborted) read back
     assert [o.request_id for o in eng.step()] == ["b"]
