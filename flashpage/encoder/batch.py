@@ -35,6 +35,9 @@ def pick(lengths: Sequence[int], budget: int, seats: int) -> list[int]:
     order). Padding a batch of like lengths wastes little; a queue of equal lengths gives the
     plain queue-order batch."""
     head = lengths[0]
+    fit = max(1, min(seats, budget // head, len(lengths)))
+    if all(lengths[i] == head for i in range(fit)):  # as many as fit, all of its length
+        return list(range(fit))
     order = sorted(range(len(lengths)), key=lambda i: abs(lengths[i] - head))
     chosen: list[int] = []
     width = 0
