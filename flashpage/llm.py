@@ -6,6 +6,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any, cast
 
+import numpy as np
+
 from flashpage.beam_search import BeamSearch, BeamSearchOutput, run_beam_search
 from flashpage.config import EngineConfig
 from flashpage.encoder.config import is_encoder_model
@@ -119,6 +121,8 @@ class LLM:
         """Embed every prompt (text, token ids, or {"prompt_token_ids": [...]}): its hidden
         states pooled the model's way (flashpage/pooling.py), as vLLM's LLM.embed. Outputs
         in prompt order; a prompt that cannot run has ``error`` set and no outputs.
+        ``outputs.embedding`` is a list of floats (made on first read); ``outputs.data`` the
+        same vector as a float32 numpy array, without the list.
         ``priority``: one integer per prompt, as in ``generate`` (the order, not the vectors)."""
         self._check_task("embed")
         plist = _as_prompt_list(prompts)
@@ -163,7 +167,7 @@ class LLM:
             if a.outputs is None or b.outputs is None:
                 out.append(ScoringRequestOutput(str(j), None, True, a.error or b.error))
                 continue
-            cos = sum(x * y for x, y in zip(a.outputs.embedding, b.outputs.embedding, strict=True))
+            cos = float(np.dot(a.outputs.data.astype(np.float64), b.outputs.data.astype(np.float64)))
             out.append(ScoringRequestOutput(str(j), ScoringOutput(cos)))
         return out
 
@@ -216,7 +220,8 @@ class LLM:
         pairs: list[Prompt] = [encode_pair(text(left[0 if len(left) == 1 else j]), text(b))
                                for j, b in enumerate(right)]
         outs = self._run(pairs, [PoolingParams(task="score")] * len(pairs), use_tqdm, None, priorities)
-        return [ScoringRequestOutput(str(j), ScoringOutput(o.embedding[0]) if o.embedding else None,
+        return [ScoringRequestOutput(str(j), ScoringOutput(float(o.embedding[0]))
+                                     if o.embedding is not None else None,
                                      True, o.error) for j, o in enumerate(outs)]
 
     def classify(self, prompts: Prompt | Sequence[Prompt], *, use_tqdm: bool = True,
@@ -230,7 +235,8 @@ class LLM:
         priorities = self._per_prompt_priorities(priority, len(plist))
         outs = self._run(plist, [PoolingParams(task="classify")] * len(plist), use_tqdm, None, priorities)
         return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
-                                            ClassificationOutput(o.embedding) if o.embedding is not None else None,
+                                            ClassificationOutput(o.embedding.tolist())
+                                            if o.embedding is not None else None,
                                             True, o.error) for o in outs]
 
     def _check_task(self, task: str) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from flashpage.engine.sampler import Logprobs
 
 if TYPE_CHECKING:
@@ -52,7 +54,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: entry p for prompt token p given the ones before it
     # (None for the first), as far as the prompt has been computed
     prompt_logprobs: list[Logprobs | None] | None = None
-    # an embedding request's vector once finished (flashpage/pooling.py); outputs is empty.
-    # A cross-encoder's score request (flashpage/encoder/): its score, one value
-    embedding: list[float] | None = None
+    # an embedding request's vector once finished (flashpage/pooling.py), a float32 numpy
+    # array (LLM.embed's EmbeddingOutput makes the list); outputs is empty. A cross-encoder's
+    # score request (flashpage/encoder/): its score, one value; a classifier's: its classes'
+    embedding: np.ndarray | None = None
     lora_request: LoRARequest | None = None  # the adapter it ran with (flashpage/lora/), as vLLM's

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 POOLING_TYPES = ("last", "mean", "cls")
@@ -110,19 +113,54 @@ class PoolingState:
         if end == num_prompt:
             self.vector = rows[-1].float().clone()
 
-    def embedding(self, params: PoolingParams) -> list[float]:
-        """The pooled vector, cut to ``dimensions`` and normalized as asked."""
+    def embedding(self, params: PoolingParams) -> np.ndarray:
+        """The pooled vector, cut to ``dimensions`` and normalized as asked: a float32 numpy
+        array (RequestOutput.embedding)."""
         if self.vector is None:
             raise RuntimeError("the prompt has not been pooled yet")
         v = self.vector[: params.dimensions] if params.dimensions else self.vector
         if params.normalize:
             v = torch.nn.functional.normalize(v, dim=0)
-        return [float(x) for x in v.cpu().tolist()]
+        return v.cpu().numpy()
 
 
-@dataclass
 class EmbeddingOutput:
-    embedding: list[float]
+    """One embedding (vLLM's EmbeddingOutput). ``embedding`` is the vector as a list of
+    floats, as vLLM's, but made from ``data`` (the float32 numpy array the engine hands
+    over) on its first read, then kept: a caller who wants an array or a tensor
+    (``out.data``, ``torch.from_numpy(out.data)``) never pays for 768 Python floats, and
+    one who reads ``embedding`` gets a real list (json.dumps, ==, slicing all as before)."""
+
+    __slots__ = ("data", "_list")
+
+    def __init__(self, embedding: np.ndarray | Sequence[float]) -> None:
+        self._list: list[float] | None = None
+        if isinstance(embedding, np.ndarray):
+            self.data = embedding
+        else:
+            self._list = list(embedding)
+            self.data = np.asarray(self._list, dtype=np.float32)
+
+    @property
+    def embedding(self) -> list[float]:
+        if self._list is None:
+            self._list = self.data.tolist()
+        return self._list
+
+    @embedding.setter
+    def embedding(self, value: Sequence[float]) -> None:
+        self._list = list(value)
+        self.data = np.asarray(self._list, dtype=np.float32)
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.data)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, EmbeddingOutput) and self.embedding == other.embedding
+
+    def __repr__(self) -> str:
+        return f"EmbeddingOutput(hidden_size={self.hidden_size})"
 
 
 @dataclass

@@ -4,11 +4,20 @@ An encoder reads a whole prompt in one forward and keeps nothing: no KV cache, n
 no chunks. So its engine is a queue and a batcher, not the decoder's scheduler:
 
     add_request   validate (a ValueError naming the problem; nothing else touched), queue
-    step()        take waiting requests in queue order while the padded batch
-                  (requests x longest prompt) fits max_num_batched_tokens (one always
-                  runs, however long), one forward, and finish every request of it:
-                  embed -> each prompt's rows pooled on the device (pool(): mean, cls, last)
+    step()        take the head of the queue and the waiting requests nearest its length
+                  while the padded batch (requests x longest prompt) fits
+                  max_num_batched_tokens (one always runs, however long; batch.py), one
+                  forward, and finish every request of it:
+                  embed -> each prompt's rows pooled on the device (batch.pool: mean, cls,
+                           last), cut and normalized there, the whole batch copied back once
                   score -> the classification head on the first token, then sigmoid
+                  With async scheduling (CUDA's default) a step launches its batch and
+                  returns the PREVIOUS one's outputs: the host reads one batch back and
+                  builds the next while the device runs, so the device never waits on it.
+
+A finished request's ``RequestOutput.embedding`` is a float32 numpy row (a score: one
+value; classes: their probabilities), not a list: LLM.embed's EmbeddingOutput makes the
+list on first read, the server encodes base64 straight from the bytes.
 
 It offers what LLM (generate refused, embed, score) and the server's AsyncEngine call on
 an LLMEngine: add_request, step, abort_request, has_unfinished_requests, check_priority,
@@ -18,6 +27,7 @@ compile_guide, stats, tokenizer, model_config (vocab_size, hidden_size), max_mod
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import os
 import time
@@ -28,6 +38,7 @@ import numpy as np
 import torch
 
 from flashpage.config import EngineConfig
+from flashpage.encoder.batch import cut_and_normalize, pack, pick, pool, to_device, window
 from flashpage.encoder.config import EncoderConfig
 from flashpage.encoder.model import load_encoder
 from flashpage.engine.scheduler import check_priority
@@ -37,6 +48,7 @@ from flashpage.outputs import RequestMetrics, RequestOutput
 from flashpage.pooling import PoolingParams, PoolingState, pooling_type_of
 
 logger = logging.getLogger("flashpage")
+_INT = {int}
 
 
 @dataclass(order=True)
@@ -45,8 +57,21 @@ class _Pending:
     request_id: str = field(compare=False)
     prompt: str | None = field(compare=False)
     ids: list[int] = field(compare=False)
+    array: np.ndarray = field(compare=False)  # the ids as int64: what batches are built from
     params: PoolingParams = field(compare=False)
     arrival: float = field(compare=False)
+    aborted: bool = field(default=False, compare=False)  # while its batch runs
+
+
+@dataclass
+class _Launched:
+    """A batch whose forward is queued on the device; ``out`` [B, D] fp32 on the host is
+    filled once ``ready`` (None on the CPU: already) has passed."""
+
+    requests: list[_Pending]
+    started: float
+    out: torch.Tensor
+    ready: torch.cuda.Event | None
 
 
 class EncoderEngine:
@@ -75,7 +100,11 @@ class EncoderEngine:
         self.model = load_encoder(mc, folder, self.dtype, self.device, config.seed)
         self.tokenizer = _load_tokenizer(tokenizer or folder)
         self.sep_token_id: int | None = getattr(self.tokenizer, "sep_token_id", None)
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._pin = self.device.type == "cuda"
         self._waiting: list[_Pending] = []
+        self._inflight: _Launched | None = None
         self._ids: set[str] = set()
         self._counter = 0  # request ids (LLM._run reads and bumps it too)
         self._adds = 0
@@ -156,12 +185,21 @@ class EncoderEngine:
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
-        arr = np.asarray(ids) if all(type(t) is int for t in ids) else None  # (bools are not ids)
-        if arr is None or arr.dtype.kind != "i" or int(arr.min()) < 0 or int(arr.max()) >= vocab:
+        arr = None
+        if set(map(type, ids)) == _INT:  # plain ints (bools are not ids)
+            arr = np.fromiter(ids, np.int64, len(ids))
+            # a numpy reduce costs microseconds before its first element: Python's min / max
+            # are quicker up to a few hundred ids (a negative id is a huge unsigned one)
+            if (not 0 <= min(ids) <= max(ids) < vocab if len(ids) < 256
+                    else int(arr.view(np.uint64).max()) >= vocab):
+                arr = None
+        if arr is None:
             for i, t in enumerate(ids):  # name the first bad one
                 if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                     raise ValueError(f"prompt token id {t!r} at position {i} is outside the "
                                      f"vocabulary [0, {vocab})")
+            ids = [int(t) for t in ids]  # subclasses of int
+            arr = np.asarray(ids, dtype=np.int64)
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but this encoder takes at most "
                              f"{self.max_model_len} (max_position_embeddings "
@@ -171,103 +209,115 @@ class EncoderEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         prio = priority if self.config.scheduling_policy == "priority" else 0
         self._adds += 1
-        bisect.insort(self._waiting, _Pending((prio, arrival, self._adds), request_id, text, ids,
-                                              params, arrival))
+        pending = _Pending((prio, arrival, self._adds), request_id, text, ids, arr, params, arrival)
+        if not self._waiting or self._waiting[-1].key <= pending.key:
+            self._waiting.append(pending)  # the usual case: it goes last
+        else:
+            bisect.insort(self._waiting, pending)
         self._ids.add(request_id)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         self._waiting = [r for r in self._waiting if r.request_id not in ids]
+        if self._inflight is not None:  # running: its output is dropped when read back
+            for r in self._inflight.requests:
+                r.aborted = r.aborted or r.request_id in ids
         self._ids -= ids
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting)
+        return bool(self._waiting) or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + self._num_running()
+
+    def _num_running(self) -> int:
+        """Requests of the batch in flight, less the aborted ones."""
+        return sum(not r.aborted for r in self._inflight.requests) if self._inflight else 0
 
     # ------------------------------------------------------------------ step
     def _take_batch(self) -> list[_Pending]:
+        """The next batch (batch.pick) from the head of the queue, of the head's priority."""
+        waiting = self._waiting
+        if not waiting:
+            return []
+        prio = waiting[0].key[0]
         budget, seats = self.config.max_num_batched_tokens, self.config.max_num_seqs
-        batch: list[_Pending] = []
-        width = 0
-        for r in self._waiting:
-            w = max(width, len(r.ids))
-            if batch and (w * (len(batch) + 1) > budget or len(batch) >= seats):
-                break
-            batch.append(r)
-            width = w
-        del self._waiting[: len(batch)]
+        head = window((len(r.ids) for r in itertools.takewhile(lambda r: r.key[0] == prio, waiting)),
+                      budget, seats)
+        n = len(head)
+        chosen = pick(head, budget, seats)
+        batch = [waiting[i] for i in chosen]
+        if len(chosen) == chosen[-1] + 1:  # a prefix of the queue (equal lengths, say)
+            del waiting[: len(chosen)]
+        else:
+            taken = set(chosen)
+            waiting[:n] = [r for i, r in enumerate(waiting[:n]) if i not in taken]
         return batch
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """One forward over the next batch; every request in it finishes."""
+        """Launch the next batch; every request of a batch finishes when it is read back:
+        this one at once, or with async scheduling at the next call (module docstring)."""
         batch = self._take_batch()
-        if not batch:
-            return []
-        started = time.monotonic()
-        with torch.inference_mode():
-            results = self._run(batch)
-        now = time.monotonic()
-        outs = []
-        for r, vec in zip(batch, results, strict=True):
-            self._ids.discard(r.request_id)
-            metrics = RequestMetrics(r.arrival, first_scheduled_time=started, first_token_time=now,
-                                     last_token_time=now, finished_time=now)
-            outs.append(RequestOutput(r.request_id, r.prompt, r.ids, [], finished=True,
-                                      metrics=metrics, embedding=vec))
+        launched = self._launch(batch) if batch else None
+        previous, self._inflight = self._inflight, launched
+        outs = self._finish(previous) if previous is not None else []
+        if self._inflight is not None and not self.async_scheduling:
+            outs += self._finish(self._inflight)
+            self._inflight = None
         return outs
 
-    def _inputs(self, batch: list[_Pending]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                      torch.Tensor | None, torch.Tensor]:
-        """Padded [B, T] input ids, token types, positions and valid mask on the device (None:
-        no padding), and the valid mask on the host."""
+    def _launch(self, batch: list[_Pending]) -> _Launched:
+        """Queue the batch's forward, pooling and copy back on the device; no sync."""
         mc = self.model_config
-        lens = [len(r.ids) for r in batch]
-        width = max(lens)
-        pad = mc.pad_token_id
-        ids = torch.tensor([r.ids + [pad] * (width - len(r.ids)) for r in batch], dtype=torch.long)
-        types = torch.zeros((len(batch), width), dtype=torch.long)
-        for b, r in enumerate(batch):
-            # a pair's second text is segment 1 (BERT): from just after its first [SEP]
-            if r.params.task == "score" and mc.type_vocab_size > 1 and self.sep_token_id is not None \
-                    and self.sep_token_id in r.ids:
-                types[b, r.ids.index(self.sep_token_id) + 1: lens[b]] = 1
-        valid = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]
-        if mc.family == "roberta":  # HF's positions: count non-pad tokens, after padding_idx
-            real = (ids != mc.pad_token_id) & valid
-            positions = torch.cumsum(real, 1) * real + mc.pad_token_id
-        else:
-            positions = torch.arange(width).expand(len(batch), width)
-        dev = self.device
-        return (ids.to(dev), types.to(dev), positions.to(dev),
-                valid.to(dev) if min(lens) < width else None, valid)
+        started = time.monotonic()
+        with torch.inference_mode():
+            pairs = [r.params.task == "score" and mc.type_vocab_size > 1 for r in batch]
+            host = pack([r.array for r in batch], mc.pad_token_id, self.sep_token_id, pairs,
+                        self._pin)
+            x = to_device(host, self.device, mc.pad_token_id, mc.family == "roberta")
+            hidden = self.model(x.ids, x.types, x.positions, x.valid)
+            self.num_forwards += 1
+            self.num_batched_tokens += x.ids.numel()
+            out = self._head(batch, hidden, x.valid)
+            ready = None
+            if out.device.type == "cuda":  # into pinned memory; the event says when it landed
+                out = out.to("cpu", non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+        return _Launched(batch, started, out, ready)
 
-    def _run(self, batch: list[_Pending]) -> list[list[float]]:
-        ids, types, positions, mask, valid = self._inputs(batch)
-        hidden = self.model(ids, types, positions, mask)
-        self.num_forwards += 1
-        self.num_batched_tokens += ids.numel()
+    def _head(self, batch: list[_Pending], hidden: torch.Tensor,
+              valid: torch.Tensor | None) -> torch.Tensor:
+        """[B, T, hidden] -> [B, D] fp32 on the device: embeddings pooled, cut and normalized
+        (each row's first ``dimensions`` count), or the head's probabilities."""
         if batch[0].params.task != "embed":  # one head: the batch is all scores or classes
             logits = self.model.classify(hidden[:, 0]).float()
             if logits.shape[1] > 1:  # classes: their probabilities
-                return logits.softmax(-1).cpu().tolist()
-            if self.model_config.score_activation == "sigmoid":
-                logits = torch.sigmoid(logits)
-            return logits.cpu().tolist()
-        # every vector pooled on the device, then one copy to the host (not one per request)
-        pooled = pool(hidden, valid.to(hidden.device), self.pooling_type)
-        if all(r.params.dimensions is None and r.params.normalize for r in batch):  # the usual case
-            return torch.nn.functional.normalize(pooled, dim=1).cpu().tolist()
-        pooled = pooled.cpu()
-        out = []
-        for b, r in enumerate(batch):
-            v = pooled[b, : r.params.dimensions] if r.params.dimensions else pooled[b]
-            if r.params.normalize:
-                v = torch.nn.functional.normalize(v, dim=0)
-            out.append(v.tolist())
-        return out
+                return logits.softmax(-1)
+            return torch.sigmoid(logits) if self.model_config.score_activation == "sigmoid" else logits
+        pooled = pool(hidden, valid, self.pooling_type)
+        return cut_and_normalize(pooled, [r.params.dimensions for r in batch],
+                                 [r.params.normalize for r in batch])
+
+    def _finish(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a launched batch's copy, and give each request its row (a copy: the
+        host buffer is pinned memory, returned to torch's cache)."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        rows = launched.out.numpy()
+        now = time.monotonic()
+        outs = []
+        for r, row in zip(launched.requests, rows, strict=True):
+            if r.aborted:
+                continue
+            self._ids.discard(r.request_id)
+            d = r.params.dimensions
+            metrics = RequestMetrics(r.arrival, first_scheduled_time=launched.started,
+                                     first_token_time=now, last_token_time=now, finished_time=now)
+            outs.append(RequestOutput(r.request_id, r.prompt, r.ids, [], finished=True,
+                                      metrics=metrics, embedding=(row[:d] if d else row).copy()))
+        return outs
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
@@ -276,21 +326,9 @@ class EncoderEngine:
                           blocks_cached_free=0, tokens_stored=0, slots_allocated=0,
                           utilization=1.0, usage=0.0, prefix_queries=0, prefix_hits=0,
                           prefix_hit_rate=0.0, num_evictions=0)
-        return {"num_running": 0, "num_waiting": len(self._waiting), "num_preemptions": 0,
+        return {"num_running": self._num_running(), "num_waiting": len(self._waiting), "num_preemptions": 0,
                 "kv_cache": kv, "encoder": {"num_forwards": self.num_forwards,
                                             "num_batched_tokens": self.num_batched_tokens}}
-
-
-def pool(hidden: torch.Tensor, valid: torch.Tensor, kind: str) -> torch.Tensor:
-    """[B, T, hidden] states and [B, T] valid mask -> [B, hidden] fp32 vectors, each prompt's
-    own rows pooled as PoolingState pools them: mean (summed in fp32), cls (row 0), last."""
-    if kind == "cls":
-        return hidden[:, 0].float()
-    lens = valid.sum(1)
-    if kind == "last":
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lens - 1].float()
-    total = (hidden.float() * valid[..., None]).sum(1)
-    return total / lens[:, None]
 
 
 def join_pair(tok: Any | None, family: str, text_1: str | list[int],

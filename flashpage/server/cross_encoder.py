@@ -51,7 +51,8 @@ async def cross_scores(state: ServerState, request: Request, left: list[Any], ri
                           prompt_param=field, model=model, priority=priority)
 
     async def answer() -> Response:
-        scores = [(out.embedding or [0.0])[0] for out in await collect(streams)]
+        scores = [float(out.embedding[0]) if out.embedding is not None else 0.0
+                  for out in await collect(streams)]
         return reply(scores, sum(len(p) for p in prompts))
 
     return await unless_disconnected(request, answer())

@@ -5,11 +5,11 @@ POST /classify (vLLM's): a sequence classifier's class probabilities."""
 from __future__ import annotations
 
 import base64
-import struct
 import time
 import uuid
 from typing import Any
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -71,9 +71,10 @@ async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest
         outs = await collect(streams)
         data = []
         for i, out in enumerate(outs):
-            vec = out.embedding or []
-            value: Any = vec if req.encoding_format == "float" else \
-                base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            # float32 straight from the array: numpy's tolist, or its bytes for base64
+            vec = np.asarray(out.embedding if out.embedding is not None else [], dtype="<f4")
+            value: Any = vec.tolist() if req.encoding_format == "float" else \
+                base64.b64encode(vec.tobytes()).decode()
             data.append({"object": "embedding", "index": i, "embedding": value})
         n = sum(len(p) for p in prompts)
         return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "data": data,
@@ -105,7 +106,7 @@ async def classify(state: ServerState, request: Request, req: ClassifyRequest,
         outs = await collect(streams)
         data = []
         for i, out in enumerate(outs):
-            probs = out.embedding or []
+            probs = out.embedding.tolist() if out.embedding is not None else []
             best = max(range(len(probs)), key=probs.__getitem__) if probs else 0
             data.append({"index": i, "label": labels[best] if best < len(labels) else str(best),
                          "probs": probs, "num_classes": len(probs)})

@@ -9,6 +9,7 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -40,10 +41,11 @@ async def _similarities(state: ServerState, request: Request, left: list[list[in
                           model=model, priority=priority)
 
     async def answer() -> Response:
-        vecs = [out.embedding or [] for out in await collect(streams)]
+        vecs = [np.asarray(out.embedding if out.embedding is not None else [], dtype=np.float64)
+                for out in await collect(streams)]
         li = [unique[tuple(ids)] for ids in left]
         ri = [unique[tuple(ids)] for ids in right]
-        scores = [sum(a * b for a, b in zip(vecs[li[i]], vecs[ri[j]], strict=True)) for i, j in pairs]
+        scores = [float(np.dot(vecs[li[i]], vecs[ri[j]])) for i, j in pairs]
         return reply(scores, sum(len(p) for p in prompts))
 
     return await unless_disconnected(request, answer())

@@ -1,10 +1,14 @@
 """The server on encoder models (flashpage/encoder/): /v1/embeddings on a BERT embedding
-model and /score, /rerank on a cross-encoder equal the offline LLM's; generation, embedding
+model (floats, and base64 of their very float32 bytes) and /score, /rerank on a
+cross-encoder equal the offline LLM's; generation, embedding
 a cross-encoder and over-long items are 400s naming the field, and cost nobody else."""
 
 from __future__ import annotations
 
+import base64
+
 import httpx
+import numpy as np
 import pytest
 
 from tests.encoder_checkpoints import MAX_POSITIONS, build_encoder_checkpoint
@@ -45,6 +49,16 @@ def test_embeddings_and_cosine_scores(bert_dir):
         got = [d["embedding"] for d in r.json()["data"]]
         for g, w in zip(got, want, strict=True):
             assert g == pytest.approx(w, abs=1e-5)
+        # base64: the bytes of the very float32 values the float answer lists (one input a
+        # request: a batch of its own both times, so the same vector to the bit)
+        floats, b64 = (_post(srv, "/v1/embeddings", {"input": DOCS[1], "encoding_format": f}).json()
+                       for f in ("float", "base64"))
+        assert base64.b64decode(b64["data"][0]["embedding"]) == \
+            np.asarray(floats["data"][0]["embedding"], dtype="<f4").tobytes()
+        r = _post(srv, "/v1/embeddings", {"input": DOCS, "encoding_format": "base64"})
+        assert r.status_code == 200, r.text
+        for d, g in zip(r.json()["data"], got, strict=True):
+            assert np.frombuffer(base64.b64decode(d["embedding"]), "<f4").tolist() == pytest.approx(g, abs=1e-6)
         r = _post(srv, "/score", {"text_1": DOCS[0], "text_2": DOCS[1:]})
         assert r.status_code == 200, r.text
         cos = [o.outputs.score for o in llm.score(DOCS[0], DOCS[1:], use_tqdm=False)]
