@@ -5,6 +5,10 @@
 #                                                 (run 165: 11.0 ms a step eager at batch 1)
 #   BUDGET=300 bash benchmarks/gpu_s20.sh int4    the int4 GEMV (1-16 rows): GPU tests, then its tiles
 #                                                 beside the tl.dot kernel, dequantize + cuBLAS, bf16
+#   BUDGET=420 bash benchmarks/gpu_s20.sh enc     encoders after the host work was cut: GPU tests,
+#                                                 bge-base / reranker beside transformers (async
+#                                                 read-back on and off, host only); the int4 GEMV's
+#                                                 new defaults (run 171's sweep) timed again
 # Results under $OUT.
 PART=${1:-draft}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -22,5 +26,18 @@ int4)
   timeout "$(left 240)" python3 benchmarks/int4_gemv.py --json-out "$OUT/int4_gemv.json" > "$OUT/int4_gemv.txt" 2>&1
   tail -n 40 "$OUT/int4_gemv.txt"
   echo "part int4 done at ${SECONDS}s" ;;
+enc)
+  timeout "$(left 120)" $PT -rf tests/encoder tests/server/test_encoder_server.py \
+    tests/server/test_embeddings_endpoint.py 2>&1 | tee "$OUT/gpu_enc_tests.txt" | tail -n 6
+  E="python3 benchmarks/encoder.py --num-prompts 1024"
+  timeout "$(left 60)" $E --shape bge-base --lengths 128 512 --json-out "$OUT/enc_bge_bf16.json" 2>&1 | tail -n 3
+  timeout "$(left 60)" $E --shape bge-base --lengths 128 512 --no-async-scheduling \
+    --json-out "$OUT/enc_bge_bf16_sync.json" 2>&1 | tail -n 3
+  timeout "$(left 60)" $E --shape bge-reranker-base --lengths 256 --json-out "$OUT/enc_rerank.json" 2>&1 | tail -n 2
+  timeout "$(left 40)" $E --shape bge-base --lengths 128 --host-only --repeat 5 \
+    --json-out "$OUT/enc_bge_host.json" 2>&1 | tail -n 2
+  timeout "$(left 150)" python3 benchmarks/int4_gemv.py --json-out "$OUT/int4_gemv.json" > "$OUT/int4_gemv.txt" 2>&1
+  tail -n 22 "$OUT/int4_gemv.txt"
+  echo "part enc done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
