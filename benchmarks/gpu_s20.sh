@@ -27,6 +27,8 @@ int4)
   tail -n 40 "$OUT/int4_gemv.txt"
   echo "part int4 done at ${SECONDS}s" ;;
 enc)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site  # the server's wheels (carry .whl)
   timeout "$(left 120)" $PT -rf tests/encoder tests/server/test_encoder_server.py \
     tests/server/test_embeddings_endpoint.py 2>&1 | tee "$OUT/gpu_enc_tests.txt" | tail -n 6
   E="python3 benchmarks/encoder.py --num-prompts 1024"

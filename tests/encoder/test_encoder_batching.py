@@ -132,7 +132,9 @@ def test_async_scheduling_reads_back_one_step_later(encoder_checkpoint):
     assert [o.request_id for o in eng.step()] == ["c"]
     last = eng.step()
     assert [o.request_id for o in last] == ["a"] and not eng.has_unfinished_requests()
-    np.testing.assert_array_equal(last[0].embedding, want[1])  # the new "a": TEXTS[1]'s vector
+    # the new "a": TEXTS[1]'s vector (ran alone here, batched above: on a GPU another batch
+    # shape may round differently, H200 run 172: 1e-7 apart)
+    np.testing.assert_allclose(last[0].embedding, want[1], rtol=1e-5, atol=1e-6)
     assert eng.step() == []
 
 
