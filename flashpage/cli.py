@@ -35,9 +35,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model's dtype; fp8: float8_e4m3fn, half the KV bytes of bf16 "
                         "(scale 1)")
-    g.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+    g.add_argument("--quantization", "-q", default=None, choices=["fp8", "int4", "rtn"],
                    help="fp8: attention and MLP weights quantized at load to float8_e4m3fn with "
-                        "per-row scales (half the weight bytes of bf16); embeddings, LM head, norms "
+                        "per-row scales (half the weight bytes of bf16); int4: to 4-bit integers "
+                        "in groups of 128 (RTN_GROUP_SIZE), round to nearest (a quarter); rtn: "
+                        "vLLM's name for it (with RTN_NUM_BITS=4). Embeddings, LM head, norms "
                         "and MoE experts stay 16-bit. Checkpoints already in fp8 (config.json's "
                         "quantization_config; AWQ / GPTQ int4 ones too) need no flag")
     g.add_argument("--seed", type=int, default=0)

@@ -39,8 +39,11 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, 
                "fp8": 1, "float8": 1, "fp8_e4m3": 1, "float8_e4m3fn": 1}
 # EngineConfig.kv_cache_dtype: "auto" caches K/V in the model's dtype
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-# EngineConfig.quantization (None: none): how weights are kept (layers/quant.py)
-QUANTIZATION_METHODS = ("fp8",)
+# EngineConfig.quantization (None: none): how weights are kept (layers/quant.py). "int4"
+# and "rtn" (vLLM's name: RTN_NUM_BITS=4, RTN_GROUP_SIZE) quantize 16-bit weights to int4
+# groups at load, round to nearest
+QUANTIZATION_METHODS = ("fp8", "int4", "rtn")
+ONLINE_INT4_METHODS = ("int4", "rtn")
 
 
 # quantization_config.quant_method of the checkpoints we read (models/fp8_checkpoint.py):
@@ -50,8 +53,47 @@ FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
 INT4_CHECKPOINT_METHODS = ("awq", "gptq")
 
 
+def online_int4_group_size(method: str) -> int | None:
+    """The group size ``method`` ("int4" / "rtn") quantizes to int4 with: RTN_GROUP_SIZE
+    (default 128; -1: one group a row, None). "rtn" is vLLM's online round-to-nearest, whose
+    RTN_NUM_BITS defaults to 8: only 4 is read here, anything else a ValueError."""
+    if method == "rtn":
+        bits = os.environ.get("RTN_NUM_BITS")
+        if bits is None or bits.strip() != "4":
+            shown = "RTN_NUM_BITS='8' (vLLM's default when unset)" if bits is None else f"RTN_NUM_BITS={bits!r}"
+            raise ValueError(f"quantization='rtn' keeps 4-bit weights only, got {shown}: set "
+                             "RTN_NUM_BITS=4, or use quantization='fp8' for 8-bit weights")
+    raw = os.environ.get("RTN_GROUP_SIZE", "128")
+    try:
+        group = int(raw)
+    except ValueError:
+        group = 0
+    if group == -1:
+        return None
+    if group < 8 or group % 8:
+        raise ValueError(f"RTN_GROUP_SIZE must be a positive multiple of 8 or -1 (one group a "
+                         f"row), got {raw!r}")
+    return group
+
+
+def int4_group_for(k: int, group: int | None) -> int | None:
+    """The group size a K-wide linear gets under the online int4 methods: ``group`` where
+    it divides K, else the largest power of two under it that does (SmolLM2's K = 576:
+    64), else one group a row (None)."""
+    if group is None or k % group == 0:
+        return group
+    g = 1 << (group.bit_length() - 1)
+    while g >= 8 and k % g:
+        g //= 2
+    return g if g >= 8 else None
+
+
 def check_quantization(method: str | None) -> None:
-    """ValueError naming the allowed values unless ``method`` is None or one of them."""
+    """ValueError naming the allowed values unless ``method`` is None or one of them (and,
+    for the online int4 methods, their environment's settings are readable)."""
+    if method in ONLINE_INT4_METHODS:
+        online_int4_group_size(method)
+        return
     if method is not None and method not in QUANTIZATION_METHODS:
         allowed = ", ".join(repr(m) for m in QUANTIZATION_METHODS)
         hint = ""

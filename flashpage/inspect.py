@@ -37,11 +37,14 @@ import sys
 from typing import Any
 
 from flashpage.config import (
+    ONLINE_INT4_METHODS,
     CheckpointQuantization,
     ConfigError,
     ModelConfig,
     check_quantization,
     dtype_bytes,
+    int4_group_for,
+    online_int4_group_size,
 )
 
 DEFAULT_MEMORY = "80GiB"
@@ -172,10 +175,16 @@ def fp8_weight_shapes(cfg: ModelConfig, quantization: str | None = "fp8") -> lis
             if qc is None or not any(qc.ignores(p) for p in pieces)]
 
 
-def int4_weight_shapes(cfg: ModelConfig) -> list[tuple[int, int, int]]:
+def int4_weight_shapes(cfg: ModelConfig, quantization: str | None = None) -> list[tuple[int, int, int]]:
     """[N, K, G] of every linear the engine holds in int4 for an AWQ / GPTQ checkpoint:
-    those ``fp8_linears`` names with no piece in its ignore list (models/int4_checkpoint.py)."""
+    those ``fp8_linears`` names with no piece in its ignore list (models/int4_checkpoint.py);
+    for a 16-bit checkpoint under ``quantization`` "int4" / "rtn", every one of them whose K
+    is a multiple of 8 (layers/quant.py)."""
     qc = cfg.quantization_config
+    if (qc is None or not qc.is_int4) and quantization in ONLINE_INT4_METHODS and (
+            qc is None or qc.weight_strategy == "block"):
+        group = online_int4_group_size(quantization)
+        return [(n, k, int4_group_for(k, group) or k) for _, n, k in fp8_linears(cfg) if k % 8 == 0]
     if qc is None or not qc.is_int4:
         return []
     return [(n, k, qc.group_size or k) for pieces, n, k in fp8_linears(cfg)
@@ -219,7 +228,7 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
     if shapes:
         fp8_values = sum(n * k for n, k in shapes)
         weights_bytes += fp8_values * (1 - wbytes) + 4 * sum(n for n, _ in shapes)
-    int4 = int4_weight_shapes(cfg)
+    int4 = int4_weight_shapes(cfg, quantization)
     for n, k, g in int4:  # half a byte a value, an fp16 scale and a uint8 zero a group
         weights_bytes += n * k // 2 - n * k * wbytes + 3 * n * (k // g)
     qc = cfg.quantization_config
@@ -403,9 +412,10 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the KV cache's dtype (auto: --dtype; fp8: what the engine's "
                              "--kv-cache-dtype fp8 caches, 1 byte per value)")
-    parser.add_argument("--quantization", default=None, choices=["fp8"],
+    parser.add_argument("--quantization", default=None, choices=["fp8", "int4", "rtn"],
                         help="the weights as the engine's --quantization keeps them (fp8: "
-                             "attention and MLP linears 1 byte per weight)")
+                             "attention and MLP linears 1 byte per weight; int4 / rtn: half a "
+                             "byte, plus a scale and zero point per group)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--backends", action="store_true",
                         help="also say which attention backends can run this model on this "

@@ -124,6 +124,18 @@ class _ParallelLinear(nn.Module):
         self.weight_scale = scale
         self.skinny = {}  # configs timed for the 16-bit weight
 
+    def quantize_int4(self, group_size: int | None) -> None:
+        """Replace the loaded 16-bit weight by int4 groups of ``group_size`` along K (None:
+        one a row), round to nearest, asymmetric, fp16 scales (models/int4_formats.
+        quantize_int4), packed into our layout (kernels/int4_gemm.py): quantization="int4"."""
+        from flashpage.kernels.int4_gemm import pack_int4
+        from flashpage.models.int4_formats import quantize_int4
+
+        q, scales, zeros = quantize_int4(self.weight.data, group_size)
+        self.weight = nn.Parameter(pack_int4(q), requires_grad=False)
+        self.w4_scales, self.w4_zeros = scales, zeros
+        self.skinny = {}
+
     def hold_fp8(self) -> None:
         """Hold an fp8 checkpoint's weight (models/fp8_checkpoint.py): ``weight`` becomes an
         empty float8_e4m3fn [N, K] and ``weight_scale`` an empty fp32 [N], both filled by

@@ -1,4 +1,4 @@
-"""Online FP8 weight quantization (``quantization="fp8"``, vLLM's ``--quantization fp8``).
+"""Online weight quantization: FP8 (``quantization="fp8"``, vLLM's ``--quantization fp8``) and int4.
 
 A 16-bit (or fp32) checkpoint is loaded as usual; then every attention and dense-MLP
 linear (``ColumnParallelLinear`` / ``RowParallelLinear`` whose ``quantizable`` is left on)
@@ -22,6 +22,10 @@ How a quantized linear of M rows runs (``_ParallelLinear.forward``):
                                     torch._scaled_mm with row-wise scales (sm_89+, N and
                                     K multiples of 16)
     elsewhere (CPU, fp32, old GPUs) the weight dequantized to x's dtype, then F.linear
+
+``quantization="int4"`` (or vLLM's "rtn" with RTN_NUM_BITS=4) rounds the same linears to
+4-bit integers in groups along K instead (``_ParallelLinear.quantize_int4``: the int4 layout
+AWQ / GPTQ checkpoints load into, run by layers/int4.py).
 
 A checkpoint whose weights are already fp8 (config.json's quantization_config) is loaded
 into this same form, its e4m3 values and per-tensor or per-channel scales as stored, one
@@ -152,15 +156,18 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 # ----------------------------------------------------------------------------- the model
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str | None) -> int:
-    """Quantize every quantizable linear of ``model`` in place (``method`` "fp8"; None:
-    nothing); returns how many it quantized (those quantized before are left). Tied weights (an LM head sharing the embedding) and
-    linears marked ``quantizable = False`` stay as they are. On CUDA the freed 16-bit
-    weights go back to the device, so the KV cache sized next sees the memory."""
+    """Quantize every quantizable linear of ``model`` in place (``method`` "fp8", "int4" /
+    "rtn"; None: nothing); returns how many it quantized (those quantized before are left).
+    Tied weights (an LM head sharing the embedding) and linears marked ``quantizable =
+    False`` stay as they are. On CUDA the freed 16-bit weights go back to the device, so
+    the KV cache sized next sees the memory."""
+    from flashpage.config import ONLINE_INT4_METHODS, int4_group_for, online_int4_group_size
     from flashpage.layers.linear import VocabEmbedding, _ParallelLinear
 
     check_quantization(method)
     if method is None:
         return 0
+    int4_group = online_int4_group_size(method) if method in ONLINE_INT4_METHODS else None
     embedded = {p.data_ptr() for m in model.modules()
                 if isinstance(m, nn.Embedding | VocabEmbedding) for p in m.parameters()}
     count, candidates, before, after = 0, 0, 0, 0
@@ -173,18 +180,28 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
         if m.is_quantized or m.is_int4:  # quantized before (an fp8 / int4 checkpoint): left
             continue
         before += m.weight.numel() * m.weight.element_size()
-        m.quantize_fp8()
-        after += m.weight.numel() + 4 * m.weight.shape[0]  # e4m3 values, fp32 scales
+        if method in ONLINE_INT4_METHODS:
+            k = m.weight.shape[1]
+            if k % 8:
+                continue  # no int4 layout for it (K a multiple of 8): left 16-bit
+            m.quantize_int4(int4_group_for(k, int4_group))
+            after += sum(t.numel() * t.element_size() for t in (m.weight, m.w4_scales, m.w4_zeros)
+                         if t is not None)
+        else:
+            m.quantize_fp8()
+            after += m.weight.numel() + 4 * m.weight.shape[0]  # e4m3 values, fp32 scales
         count += 1
     if candidates == 0:
         raise ValueError(f"quantization={method!r}: this model has no linear layer to quantize")
     if count == 0:
         return 0
-    logger.info("fp8 weights: %d linears, %.1f MiB -> %.1f MiB", count, before / 2**20,
+    logger.info("%s weights: %d linears, %.1f MiB -> %.1f MiB", method, count, before / 2**20,
                 after / 2**20)
     dev = next((p.device for p in model.parameters() if p.is_cuda), None)
     if dev is not None:
         torch.cuda.empty_cache()  # the 16-bit weights' memory back for the KV cache
+        if method in ONLINE_INT4_METHODS:
+            return count
         from flashpage.kernels.device import cuda_capability
 
         if cuda_capability(dev) < (8, 9):

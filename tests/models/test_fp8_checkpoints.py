@@ -264,10 +264,11 @@ def test_quantization_flag_on_fp8_checkpoints(fp8_checkpoint):
     for bad in ("compressed-tensors", "fbgemm_fp8"):
         with pytest.raises(ValueError, match=r"quantization must be None or one of 'fp8'.*no flag"):
             LLM(str(fp8), device="cpu", quantization=bad)
-    with pytest.raises(ValueError, match=r"quantization must be None or one of 'fp8', got 'int4'$"):
-        LLM(str(fp8), device="cpu", quantization="int4")
+    with pytest.raises(ValueError, match=r"quantization must be None or one of 'fp8', 'int4', 'rtn', got 'int8'$"):
+        LLM(str(fp8), device="cpu", quantization="int8")
     a, b = _load(fp8), _load(fp8, "fp8")
     assert quantized_linears(a) == quantized_linears(b)
+    assert quantized_linears(_load(fp8, "int4")) == quantized_linears(a)  # e4m3 kept, not rounded again
     for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(p.view(torch.uint8) if p.dtype == FP8_DTYPE else p,
                            q.view(torch.uint8) if q.dtype == FP8_DTYPE else q), n

@@ -191,8 +191,11 @@ def test_inspect_llama3_8b_fp8_by_hand():
     rows = layers * sum(n for n, _ in per_layer)
     total = 8_030_261_248
     assert info["weights_bytes"] == (total - fp8) * 2 + fp8 + 4 * rows
+    int4 = inspect_config(ModelConfig.from_hf(path), 80 << 30, "bf16", quantization="int4")
+    groups = layers * sum(n * k // 128 for n, k in per_layer)  # an fp16 scale, a uint8 zero each
+    assert int4["weights_bytes"] == (total - fp8) * 2 + fp8 // 2 + 3 * groups
     with pytest.raises(ValueError, match="quantization must be"):
-        inspect_config(ModelConfig.from_hf(path), 80 << 30, "bf16", quantization="int4")
+        inspect_config(ModelConfig.from_hf(path), 80 << 30, "bf16", quantization="int8")
 
 
 def test_hf_weights_give_the_dequantized_tensors(tiny_checkpoint):
@@ -298,13 +301,13 @@ def test_bad_quantization_is_a_clear_error(tiny_checkpoint):
     from flashpage.cli import main
     from flashpage.config import EngineConfig
 
-    for bad in ("int4", "FP8", "awq", ""):
-        with pytest.raises(ValueError, match=r"quantization must be None or one of 'fp8', got"):
+    for bad in ("int8", "FP8", "awq", ""):
+        with pytest.raises(ValueError, match=r"quantization must be None or one of 'fp8', 'int4', 'rtn', got"):
             EngineConfig(quantization=bad)
-    with pytest.raises(ValueError, match="quantization must be None or one of 'fp8'"):
+    with pytest.raises(ValueError, match="quantization must be None or one of 'fp8', 'int4', 'rtn'"):
         LLM(str(tiny_checkpoint("llama31_gqa")), device="cpu", quantization="int8")
     with pytest.raises(SystemExit) as e:
-        main(["generate", "hi", "--quantization", "int4"])
+        main(["generate", "hi", "--quantization", "int8"])
     assert e.value.code == 2
 
 
