@@ -9,6 +9,8 @@
 #                                                 bge-base / reranker beside transformers (async
 #                                                 read-back on and off, host only); the int4 GEMV's
 #                                                 new defaults (run 171's sweep) timed again
+#   BUDGET=300 bash benchmarks/gpu_s20.sh int4e2e quantization="int4": its GPU test, then the 8B shape's
+#                                                 batch-1 and batch-8 latency, bf16 / int4 / fp8 in turn
 # Results under $OUT.
 PART=${1:-draft}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -41,5 +43,13 @@ enc)
   timeout "$(left 150)" python3 benchmarks/int4_gemv.py --json-out "$OUT/int4_gemv.json" > "$OUT/int4_gemv.txt" 2>&1
   tail -n 22 "$OUT/int4_gemv.txt"
   echo "part enc done at ${SECONDS}s" ;;
+int4e2e)
+  timeout "$(left 90)" $PT -m gpu -rf tests/models/test_int4_online.py 2>&1 | tee "$OUT/gpu_int4_online.txt" | tail -n 3
+  for bs in 1 8; do
+    latency bf16_bs$bs --batch-size $bs
+    latency int4_bs$bs --batch-size $bs --quantization int4
+    latency fp8_bs$bs --batch-size $bs --quantization fp8
+  done
+  echo "part int4e2e done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
