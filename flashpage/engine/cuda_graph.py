@@ -5,7 +5,8 @@ their work, bounds the step. We capture the whole forward + logits once per batc
 bucket (1, 2, 4, 8, 16, 24, 32, ... up to ``max_num_seqs``), all graphs sharing one
 memory pool, and replay the smallest bucket that holds the step's batch. A draft model
 (speculative decoding, engine/draft_model.py) gets decode graphs of its own, over its own
-K/V pool, in the same memory pool: its single-token forwards are decode steps too.
+K/V pool, in the same memory pool: its single-token forwards are decode steps too; and
+``PrefillGraphs`` of its own for its catch-ups of up to 1 + k tokens a request.
 
 A short prompt is host-bound the same way: an 8B 128-token prompt ran 5.4 ms of kernels
 in 23-62 ms (333 launches, BENCHMARKS.md session 14). ``PrefillGraphs`` captures

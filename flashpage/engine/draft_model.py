@@ -41,9 +41,16 @@ them (``decode_steps``): the k - 1 forwards' inputs are built and copied once, e
 the last one's drafts on the device, and the drafts are read back once a step. On CUDA the
 single-token forwards, and a catch-up of one token a request, replay decode CUDA graphs of
 the draft's own (``DraftRunner.capture_graphs``: cuda_graph.DecodeGraphs over the draft
-model and its pool, the target's batch buckets, in the target's graph pool); off with
-``enforce_eager``, and a capture that fails leaves the draft eager. A catch-up over prompt
-chunks (or several tokens a request) runs eagerly.
+model and its pool, the target's batch buckets, in the target's graph pool). A catch-up of
+up to 1 + k tokens a request (the accepted drafts and the bonus token, 1 .. k + 1 side by
+side) replays catch-up graphs (``DraftRunner.capture_catchup_graphs``: cuda_graph.PrefillGraphs
+with ``tokens_per_seq = 1 + k``, the shape of the target's verify steps: per batch bucket b
+one graph of b request slots and b * (1 + k) tokens, up to 1024; every request through the
+prompt kernel, padding rows writing no slot, padding slots without queries), where the
+draft's backend has a sync-free prompt path. Both end at the hidden states; the logits of
+the drafting rows are one eager GEMM. Off with ``enforce_eager``; a capture that fails
+leaves the draft eager (the catch-up graphs' alone: its catch-ups). A catch-up over a prompt
+chunk longer than 1 + k tokens runs eagerly (a short one fits the catch-up graphs).
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-"""The draft model's decode graphs (engine/draft_model.py over cuda_graph.DecodeGraphs): its
-single-token forwards, and a catch-up of one token a request, replayed at the target's batch
-buckets over the draft's own K/V pool.
+"""The draft model's graphs (engine/draft_model.py): decode graphs (cuda_graph.DecodeGraphs)
+for its single-token forwards and a catch-up of one token a request, replayed at the
+target's batch buckets over the draft's own K/V pool; catch-up graphs (cuda_graph.PrefillGraphs
+with tokens_per_seq = 1 + k) for its catch-ups of up to 1 + k tokens a request.
 
 The CPU runs the graphs' padded static-buffer forwards eagerly (``capture=False``): padding
-rows past the batch, the shrinking batches of requests with fewer drafts, the drafts fed
-from one forward to the next on the device, must leave every token as plain decoding's and
-as the eager draft's. The GPU tests capture and replay them."""
+rows past the batch, padding request slots, the shrinking batches of requests with fewer
+drafts, catch-ups of 1 .. k + 1 tokens side by side, the drafts fed from one forward to the
+next on the device, must leave every token as plain decoding's and as the eager draft's,
+and a catch-up must write the eager one's K/V slots and no others. The GPU tests capture
+and replay them."""
 
 from __future__ import annotations
 
