@@ -473,9 +473,11 @@ def test_captured_catchup_writes_the_eager_slots_on_the_gpu(tiny_checkpoint):
     want, (slots, kv, logits), (g_slots, g_kv, g_logits) = _catchup_writes(runner, True)
     assert runner.catchup is not None and runner.catchup.graphs
     assert slots == g_slots == want, (slots, g_slots, want)
+    # fp32 through Triton's tf32 dots, the eager and graphed steps' host lengths (the prompt
+    # kernel's choices) apart: close, not equal (a wrong slot would be the sentinel, 7.0)
     for a, b in zip(kv, g_kv, strict=True):
-        torch.testing.assert_close(a, b)
-    torch.testing.assert_close(logits, g_logits)
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(logits, g_logits, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.gpu
