@@ -318,11 +318,18 @@ def test_hidden_state_graphs_after_a_larger_batch():
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
-def test_graphed_drafts_on_the_triton_backend(tiny_checkpoint):
+@pytest.mark.parametrize("host", ["step", "bucket"])
+def test_graphed_drafts_on_the_triton_backend(tiny_checkpoint, monkeypatch, host):
     """The graphs' padded forwards through the triton backend's kernels (interpreted): the
     decode kernel over the static buffers (tables as wide as the longest context, padding
     rows of context 1 in block 0) and the prompt kernel over the catch-up graphs' (padding
-    request slots without queries); plain decoding's tokens, every draft accepted."""
+    request slots without queries, stale lengths and tables); plain decoding's tokens, every
+    draft accepted. ``bucket``: the catch-ups' host lengths a captured graph's (the longest
+    query 1 + k, the longest context the tables' capacity), not the step's own."""
+    if host == "bucket":
+        real = PrefillGraphs.forward
+        monkeypatch.setattr(PrefillGraphs, "forward", lambda self, seqs, tokens, lens=None:
+                            real(self, seqs, tokens))
     path = tiny_checkpoint("head64_gqa")
     prompts = [random_prompts(1, 4, 4, seed=8)[0], random_prompts(1, 9, 9, seed=9)[0],
                random_prompts(1, 6, 6, seed=10)[0]]
