@@ -24,9 +24,12 @@ lookup is for: copying from the context). Modes per batch size:
   target's shapes with its first N layers (0: all of them, the target itself), the
   target's weights for those (and, with --counting, counting too: every draft right); its
   own K/V pool over the target's blocks, its single-token forwards replayed from its decode
-  CUDA graphs as the engine runs it; back-off off. What a step costs with an N-layer
-  draft, beside "right k=K" (the same accepted drafts for free)
-- draft L=N k=K eager (with --draft-eager too): the same draft with its graphs set aside
+  CUDA graphs and its catch-ups of up to 1 + k tokens a request from its catch-up graphs,
+  as the engine runs it; back-off off. What a step costs with an N-layer draft, beside
+  "right k=K" (the same accepted drafts for free); each line counts the draft's graph
+  forwards and, of its catch-ups, those replayed
+- draft L=N k=K eager (with --draft-eager too): the same draft with its graphs (both kinds)
+  set aside
 
 Speculating modes schedule as the engine does (async on CUDA while nobody drafts).
 
@@ -51,7 +54,7 @@ from typing import Any
 import torch
 
 from flashpage.bench.common import resolve_config
-from flashpage.engine.cuda_graph import DecodeGraphs
+from flashpage.engine.cuda_graph import DecodeGraphs, PrefillGraphs
 from flashpage.engine.draft_model import DraftModelProposer, DraftRunner, check_draft_config
 from flashpage.engine.sequence import Request
 from flashpage.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
@@ -93,8 +96,8 @@ def make_counting(model: torch.nn.Module) -> None:
 def draft_runner(llm: LLM, layers: int) -> DraftRunner:
     """A draft of the target's shapes with its first ``layers`` layers (0: all) and the
     target's weights for them (counting ones too, if the target's are), its pool on the
-    target's blocks, its decode graphs captured as the engine captures a draft's (where the
-    target's are: CUDA, not enforce_eager)."""
+    target's blocks, its decode and catch-up graphs captured as the engine captures a
+    draft's (where the target's are: CUDA, not enforce_eager)."""
     eng = llm.engine
     mc = eng.model_config
     cfg = dataclasses.replace(mc, num_hidden_layers=layers or mc.num_hidden_layers)
@@ -185,7 +188,8 @@ def main() -> None:
                                "dtype": str(eng.dtype), "input_len": args.input_len,
                                "block": args.block, "output_len": args.output_len, "runs": []}
     runners: dict[int, DraftRunner] = {}  # one draft model (and pool) per layer count
-    captured: dict[int, DecodeGraphs | None] = {}  # their graphs (None: eager only)
+    # their (decode, catch-up) graphs (None: eager only)
+    captured: dict[int, tuple[DecodeGraphs | None, PrefillGraphs | None]] = {}
     for bs in args.batch_sizes:
         prompts = []
         for _ in range(bs):
@@ -203,24 +207,24 @@ def main() -> None:
         _run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), 1)  # warm
         plain = _run(llm, prompts, params, args.iters)
         want = plain["token_ids"]
-        # (name, proposer, the draft's graphs for this mode: None = eager)
-        modes: list[tuple[str, NgramProposer, DecodeGraphs | None]] = []
+        # (name, proposer, the draft's decode and catch-up graphs for this mode: None = eager)
+        modes: list[tuple[str, NgramProposer, tuple[DecodeGraphs | None, PrefillGraphs | None]]] = []
         for k in args.ks:
             cfg = SpeculativeConfig(num_speculative_tokens=k)
             bounds = SpeculativeConfig(num_speculative_tokens=k, backoff=False)
-            modes.append((f"ngram k={k}", NgramProposer(cfg, eng.max_model_len), None))
+            modes.append((f"ngram k={k}", NgramProposer(cfg, eng.max_model_len), (None, None)))
             for name, shift, c in (("right", 0, bounds), ("wrong", 1, bounds), ("wrong+bo", 1, cfg)):
                 sp = ScriptedProposer(c, eng.max_model_len)
                 sp.answers = {str(i): a for i, a in enumerate(want)}
                 sp.shift, sp.vocab = shift, vocab
-                modes.append((f"{name} k={k}", sp, None))
+                modes.append((f"{name} k={k}", sp, (None, None)))
             for n in args.draft_layers:
                 if n not in runners:
                     runners[n] = draft_runner(llm, n)
-                    captured[n] = runners[n].graphs  # (each run sets the runner's own)
+                    captured[n] = runners[n].graphs, runners[n].catchup  # (each run sets the runner's own)
                 # (the proposer reads k and backoff alone: a draft_model config wants a path)
                 for eager in (False, True) if args.draft_eager else (False,):
-                    graphs = None if eager else captured[n]
+                    graphs = (None, None) if eager else captured[n]
                     modes.append((f"draft L={n} k={k}{' eager' if eager else ''}", DraftModelProposer(
                         SpeculativeConfig(num_speculative_tokens=k, backoff=False), eng.max_model_len,
                         runner=runners[n]), graphs))
@@ -230,7 +234,8 @@ def main() -> None:
             prop.stats = SpecStats()
             if isinstance(prop, DraftModelProposer):
                 assert prop.runner is not None
-                prop.runner.graphs, prop.runner.graph_forwards = graphs, 0
+                prop.runner.graphs, prop.runner.catchup = graphs
+                prop.runner.graph_forwards = prop.runner.catchup_forwards = 0
                 # blocks cached by the other modes hold no K/V in the draft's pool
                 eng.kv_manager.reset_prefix_cache()
             r = _run(llm, prompts, params, args.iters)
@@ -238,6 +243,7 @@ def main() -> None:
             if isinstance(prop, DraftModelProposer):
                 assert prop.runner is not None
                 st["draft_graph_forwards"] = prop.runner.graph_forwards
+                st["draft_catchup_graph_forwards"] = prop.runner.catchup_forwards
             rows.append((name, r, st))
         for name, r, st in rows:
             same = sum(a == b for a, b in zip(r["token_ids"], want, strict=True))
@@ -247,7 +253,8 @@ def main() -> None:
                 line += (f"  accepted {st['num_accepted_tokens']}/{st['num_draft_tokens']} "
                          f"({st['acceptance_rate']:.0%}), {st['mean_accepted_length']:.2f} tokens a draft step")
                 if "draft_graph_forwards" in st:
-                    line += f", {st['draft_graph_forwards']} draft graph forwards"
+                    line += (f", {st['draft_graph_forwards']} draft graph forwards, "
+                             f"{st['draft_catchup_graph_forwards']} graphed catch-ups")
             line += f"  tokens = plain's: {same}/{bs}"
             print(line, flush=True)
             results["runs"].append({"batch": bs, "mode": name, **{k: v for k, v in r.items() if k != "token_ids"},

@@ -5,7 +5,8 @@ their work, bounds the step. We capture the whole forward + logits once per batc
 bucket (1, 2, 4, 8, 16, 24, 32, ... up to ``max_num_seqs``), all graphs sharing one
 memory pool, and replay the smallest bucket that holds the step's batch. A draft model
 (speculative decoding, engine/draft_model.py) gets decode graphs of its own, over its own
-K/V pool, in the same memory pool: its single-token forwards are decode steps too.
+K/V pool, in the same memory pool: its single-token forwards are decode steps too; and
+``PrefillGraphs`` of its own for its catch-ups of up to 1 + k tokens a request.
 
 A short prompt is host-bound the same way: an 8B 128-token prompt ran 5.4 ms of kernels
 in 23-62 ms (333 launches, BENCHMARKS.md session 14). ``PrefillGraphs`` captures
@@ -189,18 +190,35 @@ class PrefillGraphs(_StaticInputs):
 
     ``rows_per_seq``: logits rows a graph computes per request slot (capped by its token
     bucket): 1, or 1 + drafts with speculative decoding, whose steps of requests that all
-    check drafts then fit these graphs too."""
+    check drafts then fit these graphs too.
+
+    ``tokens_per_seq`` (a draft model's catch-ups, engine/draft_model.py: up to 1 + k tokens
+    a request): steps of at most that many tokens a request, one graph per slot count of
+    ``slots * tokens_per_seq`` tokens (slot counts past ``max_tokens`` dropped), whose host
+    longest query is ``tokens_per_seq`` (the prompt kernel's grid: a few query blocks a
+    request, not the bucket's). ``logits=False``: a graph ends at the hidden states of its
+    logits rows [rows, hidden] (the caller computes the logits: no [rows, vocab] kept per
+    graph)."""
 
     def __init__(self, model: nn.Module, prepare: Callable[[AttentionMetadata], AttentionMetadata],
                  max_tokens: int, max_blocks: int, block_size: int, device: torch.device,
-                 seq_slots: tuple[int, ...] = PREFILL_SEQS, rows_per_seq: int = 1) -> None:
+                 seq_slots: tuple[int, ...] = PREFILL_SEQS, rows_per_seq: int = 1, *,
+                 tokens_per_seq: int | None = None, logits: bool = True) -> None:
         self.model = model
         self.prepare = prepare
         self.device = device
-        self.token_buckets = prefill_buckets(max_tokens)
-        self.seq_slots = sorted(seq_slots)
+        self.tokens_per_seq = tokens_per_seq
+        self.with_logits = logits
+        if tokens_per_seq is None:
+            self.token_buckets = prefill_buckets(max_tokens)
+            self.seq_slots = sorted(seq_slots)
+            self.keys = [(s, t) for s in self.seq_slots for t in self.token_buckets]
+        else:
+            self.seq_slots = [s for s in sorted(seq_slots) if s * tokens_per_seq <= max_tokens]
+            self.token_buckets = [s * tokens_per_seq for s in self.seq_slots]
+            self.keys = list(zip(self.seq_slots, self.token_buckets, strict=True))
         self.capacity = max_blocks * block_size
-        tokens, seqs = self.token_buckets[-1], self.seq_slots[-1]
+        tokens, seqs = max(self.token_buckets, default=0), max(self.seq_slots, default=0)
         i32, i64 = torch.int32, torch.int64
         super().__init__(tokens, device)
         self.query_start_loc = torch.zeros(seqs + 1, dtype=i32, device=device)
@@ -213,53 +231,57 @@ class PrefillGraphs(_StaticInputs):
         self.pool: Any = None
 
     def key(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
-        """The (slots, tokens) graph a prompt-only step of this size replays; None: too big."""
-        seqs = next((s for s in self.seq_slots if s >= num_seqs), None)
-        tokens = next((t for t in self.token_buckets if t >= num_tokens), None)
-        return None if seqs is None or tokens is None else (seqs, tokens)
+        """The (slots, tokens) graph a step of this size replays (the smallest that holds
+        it); None: too big."""
+        return next(((s, t) for s, t in self.keys if s >= num_seqs and t >= num_tokens), None)
 
     def rows(self, key: tuple[int, int]) -> int:
         """How many logits rows graph ``key`` = (slots, tokens) computes."""
         return min(key[0] * self.rows_per_seq, key[1])
 
-    def forward(self, seqs: int, tokens: int) -> torch.Tensor:
+    def forward(self, seqs: int, tokens: int, lens: tuple[list[int], list[int]] | None = None
+                ) -> torch.Tensor:
         """The padded step over the static buffers -> logits [rows((seqs, tokens)), V] (the
-        rows ``logits_indices`` point at)."""
+        rows ``logits_indices`` point at; their hidden states with logits=False). Host
+        lengths: the bucket's (a graph's), or ``lens`` = (query lengths, contexts) of every
+        slot (the step's own, run eagerly: the torch_native backend reads them per request)."""
+        max_q = min(tokens, self.tokens_per_seq or tokens)
+        qlens, ctx = lens if lens is not None else ([max_q] * seqs, [self.capacity] * seqs)
         md = self.prepare(AttentionMetadata(
             num_actual_tokens=tokens, num_seqs=seqs,
             query_start_loc=self.query_start_loc[: seqs + 1], seq_lens=self.seq_lens[:seqs],
             block_tables=self.block_tables[:seqs], slot_mapping=self.slot_mapping[:tokens],
-            max_query_len=tokens, max_seq_len=self.capacity, num_decodes=0, num_decode_tokens=0,
-            query_lens_cpu=[tokens] * seqs, seq_lens_cpu=[self.capacity] * seqs))
+            max_query_len=max_q, max_seq_len=self.capacity, num_decodes=0, num_decode_tokens=0,
+            query_lens_cpu=qlens, seq_lens_cpu=ctx))
         hidden = self.model(self.input_ids[:tokens], self.positions[:tokens], md)
-        rows = self.rows((seqs, tokens))
-        return self.model.compute_logits(hidden[self.logits_indices[:rows]])  # type: ignore[operator]
+        hidden = hidden[self.logits_indices[:self.rows((seqs, tokens))]]
+        return self.model.compute_logits(hidden) if self.with_logits else hidden  # type: ignore[operator]
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> Any:
         """Capture every (slots, tokens) graph, largest first, into ``pool`` (the decode
         graphs' pool: graphs never run at once); returns the pool."""
-        for seqs in reversed(self.seq_slots):
-            for tokens in reversed(self.token_buckets):
-                key = (seqs, tokens)
+        for key in reversed(self.keys):
 
-                def run(s: int = seqs, t: int = tokens) -> torch.Tensor:
-                    return self.forward(s, t)
+            def run(s: int = key[0], t: int = key[1]) -> torch.Tensor:
+                return self.forward(s, t)
 
-                self.graphs[key], self.logits[key] = _capture(run, pool)
-                if pool is None:
-                    pool = self.graphs[key].pool()
+            self.graphs[key], self.logits[key] = _capture(run, pool)
+            if pool is None:
+                pool = self.graphs[key].pool()
         torch.cuda.synchronize(self.device)
         self.pool = pool
         return pool
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
             logits_indices: torch.Tensor) -> torch.Tensor:
-        """A prompt-only step (``md.num_decodes == 0``) that ``key`` fits -> the logits of
-        its ``logits_indices`` rows [len(logits_indices), V]."""
+        """A step that ``key`` fits -> the logits of its ``logits_indices`` rows
+        [len(logits_indices), V] (hidden states with logits=False). Every request takes the
+        prompt path in the graph, a one-token one too (the target sends prompt-only steps,
+        a draft model its catch-ups, decodes first or not)."""
         n, k = md.num_actual_tokens, md.num_seqs
         key = self.key(k, n)
-        assert key is not None and md.num_decodes == 0
+        assert key is not None
         seqs, tokens = key
         self._load(input_ids, positions, md.slot_mapping, tokens)
         self.query_start_loc[: k + 1].copy_(md.query_start_loc, non_blocking=True)
@@ -275,7 +297,11 @@ class PrefillGraphs(_StaticInputs):
         if key in self.graphs:
             self.graphs[key].replay()
             return self.logits[key][:rows]
-        return self.forward(seqs, tokens)[:rows]
+        lens = None
+        if md.query_lens_cpu and md.seq_lens_cpu:  # not captured: the step's own host lengths
+            pad = seqs - k
+            lens = ([*md.query_lens_cpu, *[0] * pad], [*md.seq_lens_cpu, *[0] * pad])
+        return self.forward(seqs, tokens, lens)[:rows]
 
 
 # One attention layer's core as a piece boundary records it: run(md, *inputs) -> out, the

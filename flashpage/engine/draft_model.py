@@ -41,9 +41,16 @@ them (``decode_steps``): the k - 1 forwards' inputs are built and copied once, e
 the last one's drafts on the device, and the drafts are read back once a step. On CUDA the
 single-token forwards, and a catch-up of one token a request, replay decode CUDA graphs of
 the draft's own (``DraftRunner.capture_graphs``: cuda_graph.DecodeGraphs over the draft
-model and its pool, the target's batch buckets, in the target's graph pool); off with
-``enforce_eager``, and a capture that fails leaves the draft eager. A catch-up over prompt
-chunks (or several tokens a request) runs eagerly.
+model and its pool, the target's batch buckets, in the target's graph pool). A catch-up of
+up to 1 + k tokens a request (the accepted drafts and the bonus token, 1 .. k + 1 side by
+side) replays catch-up graphs (``DraftRunner.capture_catchup_graphs``: cuda_graph.PrefillGraphs
+with ``tokens_per_seq = 1 + k``, the shape of the target's verify steps: per batch bucket b
+one graph of b request slots and b * (1 + k) tokens, up to 1024; every request through the
+prompt kernel, padding rows writing no slot, padding slots without queries), where the
+draft's backend has a sync-free prompt path. Both end at the hidden states; the logits of
+the drafting rows are one eager GEMM. Off with ``enforce_eager``; a capture that fails
+leaves the draft eager (the catch-up graphs' alone: its catch-ups). A catch-up over a prompt
+chunk longer than 1 + k tokens runs eagerly (a short one fits the catch-up graphs).
 """
 
 from __future__ import annotations
@@ -58,7 +65,12 @@ from torch import nn
 
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata
 from flashpage.config import ModelConfig
-from flashpage.engine.cuda_graph import DecodeGraphs
+from flashpage.engine.cuda_graph import (
+    PREFILL_MAX_TOKENS,
+    DecodeGraphs,
+    PrefillGraphs,
+    batch_buckets,
+)
 from flashpage.engine.model_runner import _table_width
 from flashpage.engine.sampler import row_argmax
 from flashpage.engine.spec_decode import (
@@ -142,7 +154,9 @@ class _Steps:
 
 class DraftRunner:
     """The draft model, its K/V pool (the target's block ids), its forwards and, once
-    ``capture_graphs`` ran, its decode graphs (cuda_graph.DecodeGraphs over its own pool)."""
+    ``capture_graphs`` ran, its decode graphs (cuda_graph.DecodeGraphs over its own pool),
+    once ``capture_catchup_graphs`` ran, its catch-up graphs (cuda_graph.PrefillGraphs of up
+    to 1 + k tokens a request)."""
 
     def __init__(self, model: nn.Module, model_config: ModelConfig, backend: AttentionBackend,
                  kv_manager: KVCacheManager, num_blocks: int, block_size: int,
@@ -152,6 +166,8 @@ class DraftRunner:
         self.vocab_size = vocab_size
         self.graphs: DecodeGraphs | None = None
         self.graph_forwards = 0  # forwards that went through the decode graphs
+        self.catchup: PrefillGraphs | None = None
+        self.catchup_forwards = 0  # catch-ups that went through the catch-up graphs
         backend.bind_kv_cache(num_blocks, block_size)
         for layer in model.attention_layers():  # type: ignore[operator]
             shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
@@ -173,6 +189,24 @@ class DraftRunner:
         self.graphs = graphs
         return pool
 
+    def capture_catchup_graphs(self, max_bs: int, max_model_len: int, tokens_per_seq: int,
+                               pool: Any = None, *, capture: bool = True) -> Any:
+        """Graphs of catch-ups of up to ``tokens_per_seq`` (1 + k) tokens a request (the
+        accepted drafts and the bonus token): cuda_graph.PrefillGraphs over the draft model,
+        one per batch bucket up to ``max_bs`` of bucket x ``tokens_per_seq`` tokens (up to
+        1024), in ``pool`` (the target's); returns the pool. They end at the hidden states of
+        the drafting requests' last tokens, as the decode graphs do. Set only once captured;
+        ``capture=False``: the same padded forwards, run eagerly (tests on the CPU)."""
+        max_blocks = _table_width(-(-max_model_len // self.block_size))
+        max_tokens = min(PREFILL_MAX_TOKENS, getattr(self.model, "max_graph_tokens", None) or 1 << 30)
+        graphs = PrefillGraphs(self.model, self.backend.prepare, max_tokens, max_blocks,
+                               self.block_size, self.device, tuple(batch_buckets(max_bs)),
+                               tokens_per_seq=tokens_per_seq, logits=False)
+        if capture:
+            pool = graphs.capture(pool)
+        self.catchup = graphs
+        return pool
+
     def table(self, req: Request) -> np.ndarray:
         return np.asarray(self.kv_manager.get_block_ids(req.request_id), dtype=np.int64)
 
@@ -183,18 +217,25 @@ class DraftRunner:
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
              rows: torch.Tensor | None) -> torch.Tensor:
-        """The forward (replayed where a graph fits: one token a row) -> the logits of hidden
-        rows ``rows`` (None: all) [rows, vocab], in the model's dtype (none wanted: no logits)."""
-        graphs = self.graphs
+        """The forward (replayed where a graph fits: the decode graphs for one token a row,
+        the catch-up graphs for up to 1 + k) -> the logits of hidden rows ``rows`` (None:
+        all) [rows, vocab], in the model's dtype (none wanted: no logits)."""
+        graphs, catchup = self.graphs, self.catchup
         if graphs is not None and md.num_decodes == md.num_seqs and graphs.bucket(md.num_seqs) is not None:
             hidden = graphs.run(input_ids, positions, md, md.num_seqs)
             self.graph_forwards += 1
+        elif (rows is not None and catchup is not None and catchup.tokens_per_seq is not None
+                and md.max_query_len <= catchup.tokens_per_seq
+                and catchup.key(md.num_seqs, md.num_actual_tokens) is not None):
+            hidden = catchup.run(input_ids, positions, md, rows)  # rows ``rows`` already
+            self.catchup_forwards += 1
+            rows = None
         else:
             hidden = self.model(input_ids, positions, self.backend.prepare(md))
         if rows is not None:
-            if not rows.numel():  # only catching up
-                return hidden[:0]
             hidden = hidden[rows]
+        if not hidden.shape[0]:  # only catching up
+            return hidden
         logits = self.model.compute_logits(hidden)  # type: ignore[operator]
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, :self.vocab_size].contiguous()

@@ -246,20 +246,38 @@ class LLMEngine:
 
     def _capture_draft_graphs(self, runner: DraftRunner | None) -> None:
         """Decode graphs for the draft model's single-token forwards (engine/draft_model.py),
-        at the target's batch buckets and in its graphs' pool; a failed capture leaves the
-        draft eager, with a warning."""
+        at the target's batch buckets and in its graphs' pool; then, where the draft's
+        prompt path is sync-free, graphs of its catch-ups of up to 1 + k tokens a request.
+        A failed capture leaves the draft eager (the catch-up graphs' alone its catch-ups),
+        with a warning."""
         assert runner is not None
         pool = self.runner.graphs.pool if self.runner.graphs is not None else None
+        max_bs = min(self.config.max_num_seqs, 512)
         torch.cuda.empty_cache()
         t0, m0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         try:
-            runner.capture_graphs(min(self.config.max_num_seqs, 512), self.max_model_len, pool)
+            pool = runner.capture_graphs(max_bs, self.max_model_len, pool)
             torch.cuda.synchronize(self.device)
         except Exception as e:
             runner.graphs = None
             logger.warning("draft model CUDA graphs off (the draft runs eagerly): capture failed: %s", e)
             return
         logger.info("captured draft model decode CUDA graphs in %.1fs (%.0f MiB reserved)",
+                    time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - m0) / 2**20)
+        if not (runner.backend.supports_prefill_graphs and getattr(runner.model, "supports_prefill_graphs", True)):
+            return
+        k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 1
+        torch.cuda.empty_cache()
+        t0, m0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        try:
+            runner.capture_catchup_graphs(max_bs, self.max_model_len, 1 + k, pool)
+            torch.cuda.synchronize(self.device)
+        except Exception as e:
+            runner.catchup = None
+            logger.warning("draft model catch-up CUDA graphs off (its catch-ups of several tokens "
+                           "a request run eagerly): capture failed: %s", e)
+            return
+        logger.info("captured draft model catch-up CUDA graphs in %.1fs (%.0f MiB reserved)",
                     time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - m0) / 2**20)
 
     def warm_up(self) -> None:
