@@ -11,6 +11,9 @@
 #                                                 new defaults (run 171's sweep) timed again
 #   BUDGET=300 bash benchmarks/gpu_s20.sh int4e2e quantization="int4": its GPU test, then the 8B shape's
 #                                                 batch-1 and batch-8 latency, bf16 / int4 / fp8 in turn
+#   BUDGET=420 bash benchmarks/gpu_s20.sh check   the int4 GEMV at the tiny models' shapes (run 173's failed
+#                                                 online-int4 GPU test), the int4 GPU tests; the draft's
+#                                                 catch-up graphs: GPU tests, then graphed vs eager
 # Results under $OUT.
 PART=${1:-draft}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -51,5 +54,16 @@ int4e2e)
     latency fp8_bs$bs --batch-size $bs --quantization fp8
   done
   echo "part int4e2e done at ${SECONDS}s" ;;
+check)
+  timeout "$(left 60)" python3 benchmarks/int4_gemv_check.py > "$OUT/int4_gemv_check.txt" 2>&1
+  grep -E "worst|Error|Traceback" "$OUT/int4_gemv_check.txt"; grep -E "K=  128 G=128 m= (1|8) " "$OUT/int4_gemv_check.txt"
+  timeout "$(left 120)" $PT -m gpu -rf tests/models/test_int4_online.py tests/models/test_int4_checkpoints.py \
+    2>&1 | tee "$OUT/gpu_int4_tests.txt" | tail -n 4
+  timeout "$(left 150)" $PT -m gpu -rf tests/engine/test_draft_graphs.py tests/engine/test_draft_model.py \
+    tests/engine/test_prefill_graphs.py tests/engine/test_spec_decode.py 2>&1 | tee "$OUT/gpu_draft_tests.txt" | tail -n 6
+  timeout "$(left 200)" python3 benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 4 \
+    --draft-layers 1 --draft-eager --json-out "$OUT/spec_draft_catchup.json" 2>&1 \
+    | tee "$OUT/spec_draft_catchup.txt" | grep -E "^batch|Error|Traceback" | head -40
+  echo "part check done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
