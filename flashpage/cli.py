@@ -11,6 +11,8 @@ from typing import Any
 
 from flashpage import envs
 
+logger = logging.getLogger("flashpage")
+
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -43,6 +45,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "and MoE experts stay 16-bit. Checkpoints already in fp8 (config.json's "
                         "quantization_config; AWQ / GPTQ int4 ones too) need no flag")
     g.add_argument("--seed", type=int, default=0)
+    add_vllm_compat_arguments(p)
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the text) instead of the tokenizer's own")
     g.add_argument("--random-weights-config", default=None, metavar="CONFIG",
@@ -72,6 +75,52 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         'model with the same vocabulary)')
 
 
+def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM flags a pasted vLLM command carries, taken for what they mean here
+    (``apply_vllm_compat``): one GPU, prompts always chunked, preemption by recomputation,
+    our own model code."""
+    g = p.add_argument_group("vLLM compatibility")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="1 only: flashpage runs on one GPU")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1 only")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="1 only")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefix caching (on by default; --no-enable-prefix-caching = --no-prefix-caching)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="prompts are always chunked here (--max-num-batched-tokens a step): "
+                        "accepted, no effect")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted, no effect: flashpage runs its own model code, never a checkpoint's")
+    g.add_argument("--swap-space", type=float, default=None,
+                   help="accepted, no effect: a preempted request's KV is recomputed, not swapped")
+    g.add_argument("--disable-log-stats", action="store_true", help="accepted, no effect")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted, no effect (requests are not logged)")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs a request may ask for: 20 here (a smaller value is "
+                        "not enforced yet; a larger one is an error)")
+
+
+def apply_vllm_compat(args: argparse.Namespace) -> None:
+    """Check and fold the vLLM compatibility flags into ours: a parallel size other than 1
+    or --max-logprobs above 20 is a ValueError naming the flag; --no-enable-prefix-caching
+    turns prefix caching off; the no-effect flags log what they do not do."""
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        size = getattr(args, flag, 1)
+        if size != 1:
+            name = "--" + flag.replace("_", "-")
+            raise ValueError(f"{name} {size}: flashpage runs on one GPU (1 only)")
+    if getattr(args, "max_logprobs", 20) > 20:
+        raise ValueError(f"--max-logprobs {args.max_logprobs}: at most 20 here")
+    if getattr(args, "enable_prefix_caching", None) is False:
+        args.no_prefix_caching = True
+    if getattr(args, "enable_chunked_prefill", None) is False:
+        logger.warning("--no-enable-chunked-prefill: prompts are always chunked here "
+                       "(raise --max-num-batched-tokens to run long prompts in fewer steps)")
+    if getattr(args, "swap_space", None):
+        logger.info("--swap-space: no CPU swap here; a preempted request's KV is recomputed")
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -96,6 +145,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_llm(args: argparse.Namespace) -> Any:
     from flashpage.llm import LLM
+
+    apply_vllm_compat(args)
 
     return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -249,6 +300,34 @@ def add_tool_arguments(p: argparse.ArgumentParser) -> None:
                         "(vLLM's enable_in_reasoning)")
 
 
+def add_http_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's HTTP flags: CORS (its defaults: every origin, method and header, no
+    credentials), TLS, a root path behind a proxy, uvicorn's log level."""
+    g = p.add_argument_group("HTTP")
+    g.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
+                   help='CORS origins, a JSON list (default ["*"])')
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON")
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--ssl-keyfile", default=None)
+    g.add_argument("--ssl-certfile", default=None)
+    g.add_argument("--ssl-ca-certs", default=None)
+    g.add_argument("--root-path", default=None,
+                   help="the path prefix a proxy serves the app under (FastAPI's root_path)")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"a JSON list of strings is needed, got {text!r}")
+    return value
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from flashpage.server.api_server import run_server
 
@@ -270,6 +349,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, RuntimeError, OSError) as e:
+        logging.getLogger("flashpage").debug("failed after %.1fs", time.perf_counter() - t0, exc_info=True)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flashpage`` command line: a subcommand each, its handler in ``func``."""
     parser = argparse.ArgumentParser(prog="flashpage", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -300,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
+    add_http_arguments(p)
     add_tool_arguments(p)
     add_lora_module_arguments(p)
     add_engine_arguments(p)
@@ -309,15 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("what", choices=["memory", "throughput", "latency", "serve"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     p.set_defaults(func=cmd_bench)
-
-    args = parser.parse_args(argv)
-    t0 = time.perf_counter()
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, RuntimeError, OSError) as e:
-        logging.getLogger("flashpage").debug("failed after %.1fs", time.perf_counter() - t0, exc_info=True)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return parser
 
 
 if __name__ == "__main__":

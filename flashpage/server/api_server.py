@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -57,7 +57,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
               lora_modules: list[LoRARequest] | None = None,
               reasoning_parser: str | None = None,
-              structured_outputs_in_reasoning: bool = False) -> FastAPI:
+              structured_outputs_in_reasoning: bool = False,
+              cors: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app. The engine thread starts with the app (lifespan) and stops with it.
 
     max_n bounds ``n``; max_body_bytes the request body (413 beyond); max_prompts the
@@ -68,6 +69,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     reasoning_parser: how a reasoning model's thinking is told from its answer
     (server/reasoning.py); structured outputs then start after the thinking, unless
     structured_outputs_in_reasoning (vLLM's enable_in_reasoning: the pattern covers it too).
+    cors: starlette's CORSMiddleware arguments (allow_origins, allow_methods, allow_headers,
+    allow_credentials; None: no CORS headers).
     """
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
@@ -94,6 +97,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     # No docs or schema routes: every route but /health needs the key when one is set.
     app = FastAPI(title="flashpage", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    if cors is not None:  # preflight OPTIONS answered before any route (and its key check)
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, **cors)
     app.state.flashpage = state
 
     @app.exception_handler(APIError)
@@ -331,11 +338,24 @@ def run_server(args: argparse.Namespace) -> int:
                     enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
                     lora_modules=loras, reasoning_parser=getattr(args, "reasoning_parser", None),
                     structured_outputs_in_reasoning=bool(getattr(args, "structured_outputs_in_reasoning",
-                                                                 False)))
-    logger.info("serving %r on http://%s:%d", name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=5)
+                                                                 False)),
+                    cors=_cors(args))
+    ssl = {k: getattr(args, k, None) for k in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs")}
+    logger.info("serving %r on %s://%s:%d", name, "https" if ssl["ssl_certfile"] else "http",
+                args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port,
+                log_level=getattr(args, "uvicorn_log_level", "warning"),
+                timeout_graceful_shutdown=5, root_path=getattr(args, "root_path", None) or "",
+                **{k: v for k, v in ssl.items() if v})
     return 0
+
+
+def _cors(args: argparse.Namespace) -> dict[str, Any]:
+    """The CLI's CORS flags as CORSMiddleware's arguments (vLLM's defaults: all allowed)."""
+    return {"allow_origins": getattr(args, "allowed_origins", ["*"]),
+            "allow_methods": getattr(args, "allowed_methods", ["*"]),
+            "allow_headers": getattr(args, "allowed_headers", ["*"]),
+            "allow_credentials": bool(getattr(args, "allow_credentials", False))}
 
 
 def _default_name(model: str | None, random_cfg: str | None) -> str:
