@@ -300,6 +300,8 @@ PARSERS: dict[str, str] = {
     "glm45": "glm_calls:Glm45Parser",
     "granite": "json_list_calls:GraniteParser",
     "jamba": "json_list_calls:JambaParser",
+    "internlm": "marked_json_calls:InternLMParser",
+    "granite-20b-fc": "marked_json_calls:Granite20bFCParser",
 }
 
 

@@ -210,6 +210,11 @@ OTHER_FORMATS = [  # --tool-call-parser, an answer calling get_weather(city="Par
     ("glm45", "Let me see.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
               "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>get_time\n"
               "<arg_key>zone</arg_key>\n<arg_value>UTC</arg_value>\n</tool_call>", "Let me see.\n"),
+    ("internlm", 'Let me see.<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Paris", '
+                 '"days": 3}}<|action_end|><|action_start|><|plugin|>\n{"name": "get_time", "parameters": '
+                 '{"zone": "UTC"}}<|action_end|>', "Let me see."),
+    ("granite-20b-fc", 'Let me see.<function_call> {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+                       '\n<function_call> {"name": "get_time", "arguments": {"zone": "UTC"}}', "Let me see."),
 ]
 IDS = {"kimi_k2": r"functions\.get_(weather:0|time:1)"}  # the model's own ids (vLLM's kimi_k2)
 
