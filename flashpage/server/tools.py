@@ -294,6 +294,7 @@ PARSERS: dict[str, str] = {
     "pythonic": "pythonic_calls:PythonicParser",
     "llama4_pythonic": "pythonic_calls:PythonicParser",  # Llama 4's <|python_start|> is read
     "qwen3_coder": "qwen3_coder_calls:Qwen3CoderParser",
+    "qwen3_xml": "qwen3_coder_calls:Qwen3XmlParser",  # the same tags, values read as vLLM's qwen3_xml
     "deepseek_v3": "deepseek_calls:DeepSeekV3Parser",
     "deepseek_v31": "deepseek_calls:DeepSeekV31Parser",
     "kimi_k2": "kimi_calls:KimiK2Parser",
