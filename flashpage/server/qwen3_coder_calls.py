@@ -38,9 +38,9 @@ with vLLM's qwen3_xml reading of the values (``convert_xml``): the type only fro
 schema's ``type`` (no ``anyOf``, a list of types or a type it does not know read as
 "string"); "null" null for every type, a string too ("None" is text); arrays read as Python
 literals only (JSON's ``true`` keeps the text); objects as JSON, or as a Python literal
-where the text has a ``'`` and a bracket. Where vLLM's own output is not JSON (a non-string
-"null", which it writes as nothing; an object that is not JSON, written verbatim) the value
-here is null or the text. Its string values stream once they cannot be "null". Its
+where the text has a ``'`` and a bracket. "null" is null here where vLLM's arguments text
+has ``""`` for a string (its parsed parameters None) and nothing, not JSON, for other types;
+an object that is not JSON, which vLLM writes in verbatim, is its text here. Its string values stream once they cannot be "null". Its
 structure is read as qwen3_coder's (vLLM's XML parser also closes tags the model left open,
 and takes a ``<function=`` without ``<tool_call>``; here those make the answer content).
 """

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from flashpage.server.qwen3_coder_calls import convert, convert_xml
 from flashpage.server.tools import get_parser
 from tests.server.test_qwen3_coder_calls import PROPS, TOOLS, _call
-from tests.server.tool_checks import LATE, agrees_when_cut, every_split, sent_by_now
+from tests.server.tool_checks import LATE, agrees_when_cut, edited, every_split, sent_by_now
 
 P = get_parser("qwen3_xml", TOOLS)
 XPROPS = {**PROPS, "Days": {"type": "Integer"}, "seq": {"type": "sequence"}, "ints": {"type": "list[int]"}}
@@ -100,3 +100,11 @@ def test_any_calls_any_split(calls, prefix, data):
     if data.draw(st.booleans()):
         text = text[:data.draw(st.integers(0, len(text)))]
     agrees_when_cut(P, text, data)
+
+
+@settings(max_examples=150, deadline=None)
+@given(answer=st.sampled_from([a for a in ANSWERS if a[2] != 0]), edits=st.lists(st.tuples(
+    st.integers(0, 10**4), st.integers(0, 2), st.sampled_from(list("<>/=\nNul") + ["</parameter>", "null", "</function>"])),
+    min_size=1, max_size=2), data=st.data())
+def test_edited_answers_any_split(answer, edits, data):
+    agrees_when_cut(P, edited(answer[0], edits), data)
