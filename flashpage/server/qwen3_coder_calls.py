@@ -32,6 +32,17 @@ Streamed as written: a call's header once ``<function=NAME>`` is; a string param
 character by character (held back only where it may be the start of ``</parameter>`` or
 the newline before it), any other value once its ``</parameter>`` is read. The non-streamed
 reading is this same reader run over the whole answer, so the two agree.
+
+``qwen3_xml`` (vLLM's newer parser for the same model and tags, an XML parser) is this reader
+with vLLM's qwen3_xml reading of the values (``convert_xml``): the type only from the
+schema's ``type`` (no ``anyOf``, a list of types or a type it does not know read as
+"string"); "null" null for every type, a string too ("None" is text); arrays read as Python
+literals only (JSON's ``true`` keeps the text); objects as JSON, or as a Python literal
+where the text has a ``'`` and a bracket. "null" is null here where vLLM's arguments text
+has ``""`` for a string (its parsed parameters None) and nothing, not JSON, for other types;
+an object that is not JSON, which vLLM writes in verbatim, is its text here. Its string values stream once they cannot be "null". Its
+structure is read as qwen3_coder's (vLLM's XML parser also closes tags the model left open,
+and takes a ``<function=`` without ``<tool_call>``; here those make the answer content).
 """
 
 from __future__ import annotations
@@ -74,6 +85,29 @@ def _literal_or(text: str, then: Any) -> Any:
         return then
 
 
+_INTEGERS = ("int", "uint", "long", "short", "unsigned")
+_NUMBERS = (*_INTEGERS, "num", "float")
+_BOOLEANS = ("boolean", "bool", "binary")
+
+
+def _scalar(text: str, kind: str) -> Any:
+    """An integer, number or boolean type's reading of a text (the text where it is not one)."""
+    if kind.startswith(_INTEGERS):
+        try:
+            return int(text)
+        except ValueError:
+            return text
+    if kind in _BOOLEANS:
+        return text.lower() == "true"
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    if not math.isfinite(number):
+        return text
+    return int(number) if number.is_integer() else number
+
+
 def convert(text: str, schema: Any) -> Any:
     """A parameter's text as the value its schema's type says (None: the tool does not
     declare it: the text)."""
@@ -84,21 +118,8 @@ def convert(text: str, schema: Any) -> Any:
         return None
     if kind in _STRING_TYPES:
         return text
-    if kind.startswith(("int", "uint", "long", "short", "unsigned")):
-        try:
-            return int(text)
-        except ValueError:
-            return text
-    if kind.startswith(("num", "float")):
-        try:
-            number = float(text)
-        except ValueError:
-            return text
-        if not math.isfinite(number):
-            return text
-        return int(number) if number.is_integer() else number
-    if kind in ("boolean", "bool", "binary"):
-        return text.lower() == "true"
+    if kind.startswith(_NUMBERS) or kind in _BOOLEANS:
+        return _scalar(text, kind)
     if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
         try:  # JSON; a JSON string that holds a Python literal read once more
             value = loads(text)
@@ -117,6 +138,7 @@ def _escaped(text: str) -> str:
 
 class Qwen3CoderParser(ToolParser):
     name = "qwen3_coder"
+    READER: type[_Qwen3CoderReader]  # set below the readers
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if OPEN not in text:
@@ -142,7 +164,7 @@ class Qwen3CoderParser(ToolParser):
             params = function.get("parameters") or {}
             props = params.get("properties") if isinstance(params, dict) else None
             properties[function.get("name")] = props if isinstance(props, dict) else {}
-        return _Qwen3CoderReader(properties)
+        return self.READER(properties)
 
 
 class _Qwen3CoderReader(TagReader):
@@ -160,8 +182,20 @@ class _Qwen3CoderReader(TagReader):
         self.params = 0  # the call's parameters so far
         self.schema: Any = None  # the parameter's (None: not declared)
         self.streams = False  # its value goes out as it comes (a string)
+        self.quoted = False  # its opening quote went out
         self.value_at = self.sent = 0  # where its value starts, how far it went out
 
+    def _streams(self, schema: Any) -> bool:
+        """Whether a value of this schema is a string, going out as it comes."""
+        kind, nullable = _type(schema)
+        return schema is None or (kind in _STRING_TYPES and not nullable)
+
+    def _holds(self, start: str) -> bool:
+        """Whether a string value that starts so may yet be read otherwise (it waits)."""
+        return False
+
+    def _convert(self, text: str, schema: Any) -> Any:
+        return convert(text, schema)
 
     def _name(self, text: str, bad: set[str]) -> str | None:
         """The name up to ``>``; None to wait (or dead)."""
@@ -214,10 +248,10 @@ class _Qwen3CoderReader(TagReader):
             return False
         props = self.properties.get(self.call.name or "", {})
         self.schema = props.get(key)
-        kind, nullable = _type(self.schema)
-        self.streams = self.schema is None or (kind in _STRING_TYPES and not nullable)
+        self.streams = self._streams(self.schema)
         self.call.partial += ("{" if not self.params else ", ") + dumps(key) + ": "
-        self.call.partial += '"' if self.streams else ""
+        self.quoted = self.streams and not self._holds("")
+        self.call.partial += '"' if self.quoted else ""
         self.params += 1
         self.state = "value0"
         return True
@@ -236,16 +270,16 @@ class _Qwen3CoderReader(TagReader):
             if self.streams:
                 cut = self.pos + _prefix_at_end(text[self.pos:], PARAMETER_END)
                 cut -= cut > self.value_at and text[cut - 1] == "\n"
-                if cut > self.sent:
-                    self.call.partial += _escaped(text[self.sent:cut])
-                    self.sent = cut
+                if cut > self.sent and (self.quoted or not self._holds(text[self.value_at:cut])):
+                    self.call.partial += ("" if self.quoted else '"') + _escaped(text[self.sent:cut])
+                    self.sent, self.quoted = cut, True
             return False
         value = text[self.value_at:end]
         value = value[:-1] if value.endswith("\n") else value
-        if self.streams:
+        if self.streams and self.quoted:
             self.call.partial += _escaped(value[self.sent - self.value_at:]) + '"'
         else:
-            self.call.partial += dumps(convert(value, self.schema))
+            self.call.partial += dumps(self._convert(value, self.schema))
         self.pos, self.state = end + len(PARAMETER_END), "params"
         return True
 
@@ -255,3 +289,58 @@ class _Qwen3CoderReader(TagReader):
         self.spans[-1] = (self.spans[-1][0], self.pos)
         return True
 
+
+# vLLM's qwen3_xml: the same tags, each value read as vLLM's qwen3_xml parser reads it
+_XML_CONTAINERS = ("array", "arr", "sequence")
+
+
+def xml_kind(schema: Any) -> str:
+    """A parameter schema's type as vLLM's qwen3_xml reads it: its ``type`` as written (no
+    ``anyOf``; a list of types is not one), a type it does not know (or none: an undeclared
+    parameter, a tool the request does not have) "string"."""
+    kind = str(schema.get("type", "string")) if isinstance(schema, dict) else "string"
+    known = (kind in _STRING_TYPES or kind in _BOOLEANS or kind == "object" or kind in _XML_CONTAINERS
+             or kind.startswith((*_NUMBERS, "dict", "list")))
+    return kind.strip().lower() if known else "string"
+
+
+def convert_xml(text: str, schema: Any) -> Any:
+    """A parameter's text as vLLM's qwen3_xml reads it: "null" (any case) null whatever the
+    type; strings their text; integers, numbers and booleans as ``convert``; an array
+    (``list...``, ``dict...``, ``sequence``) a Python literal, else its text; an object JSON,
+    or a Python literal where it has a quote ``'`` and a bracket, else its text."""
+    kind = xml_kind(schema)
+    if text.lower() == "null":
+        return None
+    if kind in _STRING_TYPES:
+        return text
+    if kind.startswith(_NUMBERS) or kind in _BOOLEANS:
+        return _scalar(text, kind)
+    if kind == "object" and not ("'" in text and any(c in text for c in "[{(")):
+        try:
+            return loads(text)
+        except ValueError:
+            return text
+    return _literal_or(text, text)
+
+
+class _Qwen3XmlReader(_Qwen3CoderReader):
+    """qwen3_coder's reader with qwen3_xml's values: every string streams, its opening quote
+    held while the value may still be "null"."""
+
+    def _streams(self, schema: Any) -> bool:
+        return xml_kind(schema) in _STRING_TYPES
+
+    def _holds(self, start: str) -> bool:
+        return "null".startswith(start.lower())
+
+    def _convert(self, text: str, schema: Any) -> Any:
+        return convert_xml(text, schema)
+
+
+class Qwen3XmlParser(Qwen3CoderParser):
+    name = "qwen3_xml"
+    READER = _Qwen3XmlReader
+
+
+Qwen3CoderParser.READER = _Qwen3CoderReader

@@ -15,8 +15,11 @@ server's choice (``--tool-call-parser``, with ``--enable-auto-tool-choice`` for 
   by the tool's schema, server/qwen3_coder_calls.py), ``deepseek_v3`` and ``deepseek_v31``
   (DeepSeek-V3 / R1 and V3.1's special tokens around JSON, server/deepseek_calls.py) and
   ``kimi_k2`` (Kimi K2's, the call ids the model's, server/kimi_calls.py) and ``glm45``
-  (GLM-4.5's key / value tags, values typed by the tool's schema, server/glm_calls.py), each
-  in its own module, imported when chosen.
+  (GLM-4.5's key / value tags, values typed by the tool's schema, server/glm_calls.py),
+  ``qwen3_xml`` (qwen3_coder's tags, values read as vLLM's qwen3_xml reads them),
+  ``granite`` and ``jamba`` (a JSON list, server/json_list_calls.py), ``internlm`` and
+  ``granite-20b-fc`` (a marker before each JSON call object, server/marked_json_calls.py),
+  each in its own module, imported when chosen.
 
 An answer whose call does not parse as JSON of that shape is content, not a call (the client
 sees what the model wrote). ``tool_choice`` "required" and a named function need no parser:
@@ -294,12 +297,15 @@ PARSERS: dict[str, str] = {
     "pythonic": "pythonic_calls:PythonicParser",
     "llama4_pythonic": "pythonic_calls:PythonicParser",  # Llama 4's <|python_start|> is read
     "qwen3_coder": "qwen3_coder_calls:Qwen3CoderParser",
+    "qwen3_xml": "qwen3_coder_calls:Qwen3XmlParser",  # the same tags, values read as vLLM's qwen3_xml
     "deepseek_v3": "deepseek_calls:DeepSeekV3Parser",
     "deepseek_v31": "deepseek_calls:DeepSeekV31Parser",
     "kimi_k2": "kimi_calls:KimiK2Parser",
     "glm45": "glm_calls:Glm45Parser",
     "granite": "json_list_calls:GraniteParser",
     "jamba": "json_list_calls:JambaParser",
+    "internlm": "marked_json_calls:InternLMParser",
+    "granite-20b-fc": "marked_json_calls:Granite20bFCParser",
 }
 
 

@@ -197,6 +197,9 @@ OTHER_FORMATS = [  # --tool-call-parser, an answer calling get_weather(city="Par
     ("qwen3_coder", "Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
                     "<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>", "Let me see.\n"),
+    ("qwen3_xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+                  "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n"
+                  "</parameter>\n</function>\n</tool_call>", ""),
     ("deepseek_v3", "Let me see.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                     '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>'
                     'get_time\n```json\n{"zone": "UTC"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me see."),
@@ -210,6 +213,11 @@ OTHER_FORMATS = [  # --tool-call-parser, an answer calling get_weather(city="Par
     ("glm45", "Let me see.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
               "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>get_time\n"
               "<arg_key>zone</arg_key>\n<arg_value>UTC</arg_value>\n</tool_call>", "Let me see.\n"),
+    ("internlm", 'Let me see.<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Paris", '
+                 '"days": 3}}<|action_end|><|action_start|><|plugin|>\n{"name": "get_time", "parameters": '
+                 '{"zone": "UTC"}}<|action_end|>', "Let me see."),
+    ("granite-20b-fc", 'Let me see.<function_call> {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+                       '\n<function_call> {"name": "get_time", "arguments": {"zone": "UTC"}}', "Let me see."),
 ]
 IDS = {"kimi_k2": r"functions\.get_(weather:0|time:1)"}  # the model's own ids (vLLM's kimi_k2)
 
