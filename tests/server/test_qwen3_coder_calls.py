@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from flashpage.server.qwen3_coder_calls import convert
 from flashpage.server.tools import get_parser
-from tests.server.tool_checks import LATE, agrees_when_cut, edited, every_split, sent_by_now
+from tests.server.tool_checks import (
+    LATE,
+    agrees_when_cut,
+    edited,
+    every_split,
+    sent_by_now,
+    tagged_calls,
+)
 
 PROPS = {"city": {"type": "string"}, "days": {"type": "integer"}, "temp": {"type": "number"},
          "metric": {"type": "boolean"}, "opts": {"type": "object"}, "tags": {"type": ["array", "null"]},
@@ -107,14 +114,10 @@ def test_arguments_go_out_as_they_are_written(text, sent):
     assert sent_by_now(P, text) == sent
 
 
-_texts = st.lists(st.sampled_from(list("ab <>/=\n\"\\{}[]1.é") + ["</parameter", "<parameter=", "null"]),
-                  max_size=8).map(lambda s: "".join(s).replace("</parameter>", ""))
 
 
 @settings(max_examples=150, deadline=None)
-@given(calls=st.lists(st.tuples(st.sampled_from(["get_weather", "get_time", "other"]),
-                                st.lists(st.tuples(st.sampled_from(sorted(PROPS) + ["extra"]), _texts), max_size=4)),
-                      min_size=1, max_size=3),
+@given(calls=tagged_calls(PROPS, "ab <>/=\n\"\\{}[]1.é", ["</parameter", "<parameter=", "null"], "</parameter>"),
        prefix=st.text(alphabet="ab .\n<", max_size=5), data=st.data())
 def test_any_calls_any_split(calls, prefix, data):
     """Random calls (values with tags, quotes, newlines; every schema type), maybe cut off

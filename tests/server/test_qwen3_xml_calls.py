@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 from flashpage.server.qwen3_coder_calls import convert, convert_xml
 from flashpage.server.tools import get_parser
 from tests.server.test_qwen3_coder_calls import PROPS, TOOLS, _call
-from tests.server.tool_checks import LATE, agrees_when_cut, edited, every_split, sent_by_now
+from tests.server.tool_checks import (
+    LATE,
+    agrees_when_cut,
+    edited,
+    every_split,
+    sent_by_now,
+    tagged_calls,
+)
 
 P = get_parser("qwen3_xml", TOOLS)
 XPROPS = {**PROPS, "Days": {"type": "Integer"}, "seq": {"type": "sequence"}, "ints": {"type": "list[int]"}}
@@ -83,14 +90,10 @@ def test_strings_go_out_once_they_cannot_be_null(text, sent):
     assert sent_by_now(P, text) == sent
 
 
-_texts = st.lists(st.sampled_from(list("ab <>/=\n\"'\\{}[]1.é") + ["</parameter", "null", "Nu", "true"]),
-                  max_size=8).map(lambda s: "".join(s).replace("</parameter>", ""))
 
 
 @settings(max_examples=150, deadline=None)
-@given(calls=st.lists(st.tuples(st.sampled_from(["get_weather", "get_time", "other"]),
-                                st.lists(st.tuples(st.sampled_from(sorted(PROPS) + ["extra"]), _texts), max_size=4)),
-                      min_size=1, max_size=3),
+@given(calls=tagged_calls(PROPS, "ab <>/=\n\"'\\{}[]1.é", ["</parameter", "null", "Nu", "true"], "</parameter>"),
        prefix=st.text(alphabet="ab .\n<", max_size=5), data=st.data())
 def test_any_calls_any_split(calls, prefix, data):
     """Random calls (values with tags, quotes, "null"s; every schema type), maybe cut off

@@ -104,3 +104,17 @@ def agrees_when_cut(parser: ToolParser, text: str, data) -> int:
     n = agrees(parser, text, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
     agrees(parser, text, list(text) + [""])
     return n
+
+
+def tagged_calls(props: dict, chars: str, extra: list[str], closing: str) -> st.SearchStrategy:
+    """Random XML-ish calls for the tag formats' property tests (glm45, qwen3_coder,
+    qwen3_xml): 1-3 calls of a known or unknown function, each up to 4 (parameter, value)
+    pairs over ``props`` and one undeclared, values of up to 8 pieces (a character of
+    ``chars`` or an ``extra`` string) that never hold the value's ``closing`` tag."""
+    values = st.lists(st.sampled_from(list(chars) + extra), max_size=8).map(
+        lambda s: "".join(s).replace(closing, ""))
+    return st.lists(st.tuples(st.sampled_from(["get_weather", "get_time", "other"]),
+                              st.lists(st.tuples(st.sampled_from(sorted(props) + ["extra"]), values),
+                                       max_size=4)),
+                    min_size=1, max_size=3)
+
