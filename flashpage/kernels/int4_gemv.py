@@ -87,22 +87,27 @@ class Int4GemvConfig:
                 f"w{self.num_warps}st{self.num_stages}p{self.prefetch}")
 
 
-# The tiles benchmarks/int4_gemv.py sweeps beside the default (run 171 on the H200: see
-# BENCHMARKS.md, INT4 weights; no split and 256 features, the slowest there, swapped for the
-# CUDA cores' one-row form with the splits that won on the tensor cores).
+# The tiles benchmarks/int4_gemv.py sweeps beside the default. Register prefetch (run 172 on
+# the H200, BENCHMARKS.md INT4 weights): the one-row and many-row winners and their 4-way
+# splits kept; 32 / 128 features, 64-wide K tiles, 8 warps, plain unpacking and 8-way
+# splits, never best there, dropped. Pipelined (prefetch 0, Triton's cp.async pipeliner,
+# not yet timed): 3-5 stages, 64 / 128 features, K tiles of 128 / 256 (the tensor cores
+# cap theirs at G = 128), K split auto / 4 / 8, on both kinds of cores.
 CANDIDATES = (
-    Int4GemvConfig(64, 128, 0, 4),                              # CUDA cores
-    Int4GemvConfig(64, 128, 0, 4, dot=True),                    # tensor cores, plain unpack
-    Int4GemvConfig(32, 128, 0, 4, dot=True, asm=True),          # mma.sync (< 64 features)
-    Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=1),
+    Int4GemvConfig(64, 128, 0, 4),                              # CUDA cores, 1 row's best
+    Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=1),  # 2-16 rows' best
     Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=3),
-    Int4GemvConfig(64, 128, 4, 4),                              # CUDA cores, fixed splits
-    Int4GemvConfig(64, 128, 8, 4),
-    Int4GemvConfig(64, 128, 4, 4, dot=True, asm=True),          # more programs per SM
-    Int4GemvConfig(64, 128, 8, 4, dot=True, asm=True),
-    Int4GemvConfig(64, 64, 0, 4, dot=True, asm=True, prefetch=3),
-    Int4GemvConfig(128, 128, 0, 4, dot=True, asm=True),
-    Int4GemvConfig(128, 128, 0, 8, dot=True, asm=True, prefetch=3),
+    Int4GemvConfig(64, 128, 4, 4),                              # CUDA cores, fixed split
+    Int4GemvConfig(64, 128, 4, 4, dot=True, asm=True),
+    Int4GemvConfig(64, 128, 0, 4, 3, prefetch=0),               # pipelined, CUDA cores
+    Int4GemvConfig(64, 128, 0, 4, 4, prefetch=0),
+    Int4GemvConfig(64, 256, 0, 4, 4, prefetch=0),
+    Int4GemvConfig(64, 128, 4, 4, 4, prefetch=0),
+    Int4GemvConfig(64, 128, 0, 4, 3, dot=True, asm=True, prefetch=0),  # pipelined, tensor
+    Int4GemvConfig(64, 128, 0, 4, 4, dot=True, asm=True, prefetch=0),
+    Int4GemvConfig(64, 128, 0, 4, 5, dot=True, asm=True, prefetch=0),
+    Int4GemvConfig(64, 128, 8, 4, 4, dot=True, asm=True, prefetch=0),
+    Int4GemvConfig(128, 128, 0, 4, 4, dot=True, asm=True, prefetch=0),
 )
 
 

@@ -21,6 +21,10 @@ How a call of M rows runs (``int4_linear``; ``cuda_path`` picks on CUDA):
     elsewhere (CPU)              the weight dequantized in torch, then F.linear (correct,
                                  rebuilt every call)
 
+An MLP's down projection at the GEMV's rows takes the gate/up output itself
+(``fuses_silu_mul``; layers/linear.py ``_silu_mul_base``): the GEMV computes silu(gate) * up
+per K tile on the fly, so SiLU·mul's own kernel and its [M, K] round trip are gone.
+
 The choice reads only shapes and one environment variable (no tensor values, no device
 query): cheap per linear per step, and the same at every replay of a captured CUDA graph.
 GEMV_ROWS is where the GEMV's tensor-core form stops padding to 16 rows;
@@ -52,6 +56,17 @@ def cuda_path(m: int, k: int, g: int) -> str:
     if choice == "gemm":
         return "gemm" if m <= GEMM_ROWS and int4_gemm.kernel_supports(k, g) else "dequant"
     return "gemv" if m <= GEMV_ROWS and int4_gemv.supports(m, k, g) else "dequant"
+
+
+def fuses_silu_mul(h: torch.Tensor, k: int, g: int) -> bool:
+    """Whether an int4 down projection (K-wide weight, groups of G) takes the MLP's gate/up
+    output h [M, 2K] itself: the int4 GEMV with its SiLU·mul prologue, one kernel where the
+    unfused path runs SiLU·mul and then the GEMV. Where ``int4_linear`` would run the GEMV
+    (CUDA, M <= GEMV_ROWS, FLASHPAGE_INT4_KERNEL not gemm / dequant); shapes, dtype,
+    device and the environment only, as ``cuda_path``."""
+    return (h.is_cuda and h.dim() == 2 and h.shape[1] == 2 * k
+            and h.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and cuda_path(h.shape[0], k, g) == "gemv")
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
