@@ -58,15 +58,16 @@ def cuda_path(m: int, k: int, g: int) -> str:
     return "gemv" if m <= GEMV_ROWS and int4_gemv.supports(m, k, g) else "dequant"
 
 
-def fuses_silu_mul(h: torch.Tensor, k: int, g: int) -> bool:
+def fuses_silu_mul(shape: tuple[int, ...], dtype: torch.dtype, cuda: bool, k: int,
+                   g: int) -> bool:
     """Whether an int4 down projection (K-wide weight, groups of G) takes the MLP's gate/up
-    output h [M, 2K] itself: the int4 GEMV with its SiLU·mul prologue, one kernel where the
-    unfused path runs SiLU·mul and then the GEMV. Where ``int4_linear`` would run the GEMV
-    (CUDA, M <= GEMV_ROWS, FLASHPAGE_INT4_KERNEL not gemm / dequant); shapes, dtype,
-    device and the environment only, as ``cuda_path``."""
-    return (h.is_cuda and h.dim() == 2 and h.shape[1] == 2 * k
-            and h.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and cuda_path(h.shape[0], k, g) == "gemv")
+    output h (``shape`` [M, 2K], ``dtype``, on CUDA or not) itself: the int4 GEMV with its
+    SiLU·mul prologue, one kernel where the unfused path runs SiLU·mul and then the GEMV.
+    Where ``int4_linear`` would run the GEMV (CUDA, M <= GEMV_ROWS, FLASHPAGE_INT4_KERNEL
+    not gemm / dequant); like ``cuda_path``, no tensor values and no device query."""
+    return (cuda and len(shape) == 2 and shape[1] == 2 * k
+            and dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and cuda_path(shape[0], k, g) == "gemv")
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -243,7 +243,7 @@ class _ParallelLinear(nn.Module):
         if self.w4_scales is not None:
             assert self.w4_zeros is not None
             k, g = self.in_features, self.in_features // self.w4_scales.shape[1]
-            if not fuses_silu_mul(h, k, g):
+            if not fuses_silu_mul(tuple(h.shape), h.dtype, h.is_cuda, k, g):
                 return None
             from flashpage.kernels.int4_gemv import int4_gemv
 
