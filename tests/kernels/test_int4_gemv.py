@@ -340,3 +340,27 @@ def test_int4_gemv_candidates_bf16_on_the_gpu(cfg, m):
     got = int4_gemv(x, qw, scales, zeros, b, cfg)
     _as_close_as_the_reference(got, int4_linear_ref(x, qw, scales, zeros, b), x, qw, scales,
                                zeros, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("cfg", [None, *(c for c in CANDIDATES if c.pipelined)],
+                         ids=lambda c: "default" if c is None else c.name)
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_int4_gemv_silu_mul_bf16_8b_down_on_the_gpu(cfg, m):
+    """The 8B down projection (4096 x 14336) from the gate/up output h [M, 28672]: the
+    fused GEMV against SiLU·mul (kernels/silu_mul) then the reference, at the default tile
+    and every pipelined one; and the layer's decision at these rows is the fused path."""
+    from flashpage.kernels.silu_mul import silu_and_mul
+    from flashpage.layers.int4 import fuses_silu_mul
+
+    n, k = 4096, 14336
+    qw, scales, zeros, _ = _weight(n, k, 128, 11)
+    h = torch.randn(m, 2 * k, device=DEV, dtype=torch.bfloat16) * 2
+    got = int4_gemv(h, qw, scales, zeros, config=cfg, silu_mul=True)
+    act = silu_and_mul(h)
+    _as_close_as_the_reference(got, int4_linear_ref(act, qw, scales, zeros), act, qw, scales,
+                               zeros)
+    if cfg is None:
+        assert torch.equal(got, int4_gemv(act, qw, scales, zeros))  # the same sums
+        assert fuses_silu_mul(tuple(h.shape), h.dtype, h.is_cuda, k, 128)
