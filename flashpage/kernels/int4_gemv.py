@@ -284,10 +284,21 @@ def _rows_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0: tl.constexpr, ROWS: tl.co
 
 
 @triton.jit
+def _widen(xs, COLS: tl.constexpr, WIDTH: tl.constexpr):
+    """xs [R, COLS] -> [R, WIDTH] (powers of two), column i at i * WIDTH / COLS, zeros
+    between (tl.join with zeros, in a thread's registers)."""
+    if COLS >= WIDTH:
+        return xs
+    else:
+        wide = tl.reshape(tl.join(xs, tl.zeros_like(xs)), (xs.shape[0], 2 * COLS))
+        return _widen(wide, 2 * COLS, WIDTH)
+
+
+@triton.jit
 def _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
                   PRECISION: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-                  OFFSET: tl.constexpr, SILU_MUL: tl.constexpr):
+                  OFFSET: tl.constexpr, SILU_MUL: tl.constexpr, SILU_M: tl.constexpr):
     """K tile t's share of the sums: [BLOCK_N, BLOCK_M] on the tensor cores (DOT), else
     per-word partial sums [BLOCK_N, BLOCK_K / 8, BLOCK_M]."""
     if ASM:  # q - z in x's dtype, [BN, W, 2, 2, 2]
@@ -297,11 +308,20 @@ def _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M: tl.constexpr
     sf = s.to(tl.float32)
     k0 = t * BLOCK_K
     if DOT:
-        offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
-        # rows past M load zeros
-        xt = _load_x(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None],
-                     (offs_m < M)[None, :], K, SILU_MUL)  # [BK, BLOCK_M]
+        if SILU_MUL and SILU_M < BLOCK_M:
+            # SiLU·mul for the M rows' power of two only (not tl.dot's 16: at 64 features
+            # the 16 columns' exp and divisions took as many instructions as the weights),
+            # row i then at column i * 16 / SILU_M (the kernel folds the sums at the end)
+            offs_s = tl.arange(0, SILU_M)
+            xs = _load_x(x_ptr + offs_s[None, :] * stride_xm + (k0 + offs_k)[:, None],
+                         (offs_s < M)[None, :], K, SILU_MUL)  # [BK, SILU_M]
+            xt = _widen(xs, SILU_M, BLOCK_M)
+        else:
+            offs_m = tl.arange(0, BLOCK_M)
+            # rows past M load zeros
+            xt = _load_x(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None],
+                         (offs_m < M)[None, :], K, SILU_MUL)  # [BK, BLOCK_M]
         # q - z (exact in 16 bits) on tensor cores; the tile lies in one group
         # (the launcher's BLOCK_K divides G), so its scale is one per feature, after
         w = tl.reshape(w5, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
@@ -318,13 +338,12 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
                       PRECISION: tl.constexpr, PREFETCH: tl.constexpr = 2,
                       ASM: tl.constexpr = False,
                       PTX: tl.constexpr = "", OFFSET: tl.constexpr = 0.0,
-                      NUM_STAGES: tl.constexpr = 1, SILU_MUL: tl.constexpr = False):
+                      NUM_STAGES: tl.constexpr = 1, SILU_MUL: tl.constexpr = False,
+                      SILU_M: tl.constexpr = 16):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
     NG = K // G
     # stride_qw = K / 8 as its own argument: a launch marks it divisible by 16 where it is
     # (K % 128 == 0), so a thread's 4 words load as one 16-byte vector, not two 8-byte ones
@@ -353,7 +372,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
             s, z = sn, zn
             sn, zn = _load_groups(s_rows, z_rows, n_mask, t + 1, end, G, BLOCK_K)
             part = _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL)
+                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL, SILU_M)
             if DOT:
                 acc += part
             else:
@@ -380,13 +399,19 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
                 pb, sb, zb = pc, sc, zc
                 pc, sc, zc = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 3, end, G, BLOCK_K)
             part = _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL)
+                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL, SILU_M)
             if DOT:
                 acc += part
             else:
                 acc3 += part
     if not DOT:
         acc = tl.sum(acc3, axis=1)
+    if DOT and SILU_MUL and SILU_M < BLOCK_M:  # row i's sums at column i * 16 / SILU_M
+        acc = tl.sum(tl.reshape(acc, (BLOCK_N, SILU_M, BLOCK_M // SILU_M)), axis=2)
+        offs_m = tl.arange(0, SILU_M)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
     out_mask = n_mask[:, None] & m_mask[None, :]
     out = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
     if SPLIT_K == 1:
@@ -481,7 +506,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
         PTX=_unpack_ptx(x.dtype) if asm else "",
         OFFSET=_UNPACK_TYPES[x.dtype][1] if asm else 0.0, NUM_STAGES=cfg.num_stages,
-        SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SILU_MUL=silu_mul, SILU_M=triton.next_power_of_2(m) if silu_mul else 16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](
