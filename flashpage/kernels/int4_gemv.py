@@ -8,13 +8,39 @@ At 1-16 rows a linear only streams its weight, so the kernel is built like gemv.
 leave SMs idle), and the weight is read once for all M rows::
 
     program (pid_n, pid_k)     qweight rows offs_n, its K range's words, coalesced along K
-      tile t: packed [BLOCK_N, BLOCK_K/8] int32      (tile t + prefetch's words, scales
-                                                      and zeros loaded before t is used:
-                                                      1-3 tiles in flight, in registers)
+      tile t: packed [BLOCK_N, BLOCK_K/8] int32      (kept in flight ahead of their use:
+                                                      see below)
               q - z  [BLOCK_N, BLOCK_K/8, 2, 2, 2]   a word's 8 nibbles in the thread that
                                                       loaded it (tl.join), no int-to-float
                                                       conversion (OR into a float's mantissa)
               rows:  acc[n, m] += s[n, g] * sum_k (q - z)[n, k] x[m, k]
+
+HBM's latency is hidden only by bytes in flight, so each program keeps K tiles requested
+ahead of the one it multiplies, one of two ways (``Int4GemvConfig.prefetch``):
+
+    prefetch 1-3   by hand, in registers: tile t + prefetch's words, scales and zeros are
+                   loaded before tile t is used (the loop rotates the loaded tiles). Each
+                   tile in flight holds its words in registers (64 x 128: 16 a thread at 4
+                   warps), which caps how many a program can keep (3; 2 won run 171).
+    prefetch 0     by Triton's software pipeliner: a plain ``tl.range(start, end,
+                   num_stages=NUM_STAGES)`` loop that loads, unpacks and multiplies tile t;
+                   on sm_90 the pipeliner turns the word tiles (and the tensor cores' x
+                   tiles) into cp.async copies into shared memory issued num_stages - 1
+                   tiles ahead (LDGSTS, 16 bytes a copy), so the tiles in flight cost shared
+                   memory, not registers (64 x 128 at 4 stages: 96 registers, 44 KB). The
+                   scales and zero points (2 and 1 bytes a feature, too narrow for cp.async,
+                   which the pipeliner would leave a load waited on in its own iteration)
+                   are loaded one tile ahead by hand. ~4.2 SASS instructions a weight in
+                   the K loop with the inline-PTX tensor-core form, ~7.3 on the CUDA cores
+                   at one row (3.8 / 7.4 with register prefetch).
+
+With ``silu_mul`` x is an MLP's gate/up output h [M, 2K] (gate | up, as gemv.gemv_row takes
+it) and each K tile of x is silu(gate) * up, computed in fp32 from the two halves and
+rounded to x's dtype twice as kernels/silu_mul rounds (gemv.py's ``_silu_mul``): the
+numbers the unfused path multiplies, so SiLU·mul's kernel and its [M, K] round trip go.
+Every program recomputes it for its K range (as gemv_row does); the tensor cores take it
+for M's power of two only, widened to tl.dot's 16 columns after (row i at column
+i * 16 / rows, folded at the end): ~5.0 instructions a weight at 4 rows.
 
 Two ways to do the row products (``Int4GemvConfig.dot``):
 

@@ -11,7 +11,11 @@ How a call of M rows runs (``int4_linear``; ``cuda_path`` picks on CUDA):
                                  M rows, q - z unpacked in registers (inline PTX), tensor
                                  cores with x as the 16-wide operand, the group scale on
                                  the fp32 sums (one row: the CUDA cores); K split. The
-                                 default: 0.79-0.88x the bf16 GEMM's time (H200, run 171)
+                                 default: 0.79-0.88x the bf16 GEMM's time (H200, run 171).
+                                 Its tiles keep K tiles in flight in registers (prefetch
+                                 1-3) or through Triton's cp.async pipeliner (prefetch 0).
+                                 An MLP's down projection: the same GEMV from the gate/up
+                                 output, SiLU·mul in its prologue (``fuses_silu_mul``)
     CUDA, M <= GEMM_ROWS (128),  kernels/int4_gemm.w4a16_matmul: the tl.dot kernel (K tiles
     FLASHPAGE_INT4_KERNEL=gemm   of 16 at least, else as below). Opt-in: on the H200 (run
     (or 1)                       165) slower than the path below at 1-64 rows
