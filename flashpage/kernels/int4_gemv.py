@@ -8,13 +8,39 @@ At 1-16 rows a linear only streams its weight, so the kernel is built like gemv.
 leave SMs idle), and the weight is read once for all M rows::
 
     program (pid_n, pid_k)     qweight rows offs_n, its K range's words, coalesced along K
-      tile t: packed [BLOCK_N, BLOCK_K/8] int32      (tile t + prefetch's words, scales
-                                                      and zeros loaded before t is used:
-                                                      1-3 tiles in flight, in registers)
+      tile t: packed [BLOCK_N, BLOCK_K/8] int32      (kept in flight ahead of their use:
+                                                      see below)
               q - z  [BLOCK_N, BLOCK_K/8, 2, 2, 2]   a word's 8 nibbles in the thread that
                                                       loaded it (tl.join), no int-to-float
                                                       conversion (OR into a float's mantissa)
               rows:  acc[n, m] += s[n, g] * sum_k (q - z)[n, k] x[m, k]
+
+HBM's latency is hidden only by bytes in flight, so each program keeps K tiles requested
+ahead of the one it multiplies, one of two ways (``Int4GemvConfig.prefetch``):
+
+    prefetch 1-3   by hand, in registers: tile t + prefetch's words, scales and zeros are
+                   loaded before tile t is used (the loop rotates the loaded tiles). Each
+                   tile in flight holds its words in registers (64 x 128: 16 a thread at 4
+                   warps), which caps how many a program can keep (3; 2 won run 171).
+    prefetch 0     by Triton's software pipeliner: a plain ``tl.range(start, end,
+                   num_stages=NUM_STAGES)`` loop that loads, unpacks and multiplies tile t;
+                   on sm_90 the pipeliner turns the word tiles (and the tensor cores' x
+                   tiles) into cp.async copies into shared memory issued num_stages - 1
+                   tiles ahead (LDGSTS, 16 bytes a copy), so the tiles in flight cost shared
+                   memory, not registers (64 x 128 at 4 stages: 96 registers, 44 KB). The
+                   scales and zero points (2 and 1 bytes a feature, too narrow for cp.async,
+                   which the pipeliner would leave a load waited on in its own iteration)
+                   are loaded one tile ahead by hand. ~4.2 SASS instructions a weight in
+                   the K loop with the inline-PTX tensor-core form, ~7.3 on the CUDA cores
+                   at one row (3.8 / 7.4 with register prefetch).
+
+With ``silu_mul`` x is an MLP's gate/up output h [M, 2K] (gate | up, as gemv.gemv_row takes
+it) and each K tile of x is silu(gate) * up, computed in fp32 from the two halves and
+rounded to x's dtype twice as kernels/silu_mul rounds (gemv.py's ``_silu_mul``): the
+numbers the unfused path multiplies, so SiLU·mul's kernel and its [M, K] round trip go.
+Every program recomputes it for its K range (as gemv_row does); the tensor cores take it
+for M's power of two only, widened to tl.dot's 16 columns after (row i at column
+i * 16 / rows, folded at the end): ~5.0 instructions a weight at 4 rows.
 
 Two ways to do the row products (``Int4GemvConfig.dot``):
 
@@ -55,6 +81,7 @@ import triton
 import triton.language as tl
 
 from flashpage.kernels.device import interpreting
+from flashpage.kernels.gemv import _silu_mul
 from flashpage.kernels.int4_gemm import PACK, _block_k, check_int4, int4_linear_ref
 
 MAX_ROWS = 16  # rows of x one call takes: the dot path's B operand is 16 wide
@@ -68,10 +95,16 @@ class Int4GemvConfig:
     block_k: int = 256
     split_k: int = 0  # 0: chosen from the GPU's SM count at the call (1 off the GPU)
     num_warps: int = 4
-    num_stages: int = 1
+    num_stages: int = 1  # with prefetch 0: the software pipeliner's stages
     dot: bool = False  # row products on tensor cores (see the module's docstring)
     asm: bool = False  # with dot: nibbles to 16-bit floats by inline PTX, two an instruction
-    prefetch: int = 2  # K tiles in flight per program (1..3), in registers
+    # K tiles in flight per program: 1..3 prefetched in registers, or 0: the K loop left to
+    # Triton's software pipeliner (num_stages - 1 tiles in flight, in shared memory)
+    prefetch: int = 2
+
+    @property
+    def pipelined(self) -> bool:
+        return self.prefetch == 0
 
     @property
     def name(self) -> str:
@@ -80,22 +113,27 @@ class Int4GemvConfig:
                 f"w{self.num_warps}st{self.num_stages}p{self.prefetch}")
 
 
-# The tiles benchmarks/int4_gemv.py sweeps beside the default (run 171 on the H200: see
-# BENCHMARKS.md, INT4 weights; no split and 256 features, the slowest there, swapped for the
-# CUDA cores' one-row form with the splits that won on the tensor cores).
+# The tiles benchmarks/int4_gemv.py sweeps beside the default. Register prefetch (run 172 on
+# the H200, BENCHMARKS.md INT4 weights): the one-row and many-row winners and their 4-way
+# splits kept; 32 / 128 features, 64-wide K tiles, 8 warps, plain unpacking and 8-way
+# splits, never best there, dropped. Pipelined (prefetch 0, Triton's cp.async pipeliner,
+# not yet timed): 3-5 stages, 64 / 128 features, K tiles of 128 / 256 (the tensor cores
+# cap theirs at G = 128), K split auto / 4 / 8, on both kinds of cores.
 CANDIDATES = (
-    Int4GemvConfig(64, 128, 0, 4),                              # CUDA cores
-    Int4GemvConfig(64, 128, 0, 4, dot=True),                    # tensor cores, plain unpack
-    Int4GemvConfig(32, 128, 0, 4, dot=True, asm=True),          # mma.sync (< 64 features)
-    Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=1),
+    Int4GemvConfig(64, 128, 0, 4),                              # CUDA cores, 1 row's best
+    Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=1),  # 2-16 rows' best
     Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=3),
-    Int4GemvConfig(64, 128, 4, 4),                              # CUDA cores, fixed splits
-    Int4GemvConfig(64, 128, 8, 4),
-    Int4GemvConfig(64, 128, 4, 4, dot=True, asm=True),          # more programs per SM
-    Int4GemvConfig(64, 128, 8, 4, dot=True, asm=True),
-    Int4GemvConfig(64, 64, 0, 4, dot=True, asm=True, prefetch=3),
-    Int4GemvConfig(128, 128, 0, 4, dot=True, asm=True),
-    Int4GemvConfig(128, 128, 0, 8, dot=True, asm=True, prefetch=3),
+    Int4GemvConfig(64, 128, 4, 4),                              # CUDA cores, fixed split
+    Int4GemvConfig(64, 128, 4, 4, dot=True, asm=True),
+    Int4GemvConfig(64, 128, 0, 4, 3, prefetch=0),               # pipelined, CUDA cores
+    Int4GemvConfig(64, 128, 0, 4, 4, prefetch=0),
+    Int4GemvConfig(64, 256, 0, 4, 4, prefetch=0),
+    Int4GemvConfig(64, 128, 4, 4, 4, prefetch=0),
+    Int4GemvConfig(64, 128, 0, 4, 3, dot=True, asm=True, prefetch=0),  # pipelined, tensor
+    Int4GemvConfig(64, 128, 0, 4, 4, dot=True, asm=True, prefetch=0),
+    Int4GemvConfig(64, 128, 0, 4, 5, dot=True, asm=True, prefetch=0),
+    Int4GemvConfig(64, 128, 8, 4, 4, dot=True, asm=True, prefetch=0),
+    Int4GemvConfig(128, 128, 0, 4, 4, dot=True, asm=True, prefetch=0),
 )
 
 
@@ -131,9 +169,19 @@ def _load_tile(qw_rows, s_rows, z_rows, n_mask, t, end, G: tl.constexpr, BLOCK_K
     word [BLOCK_N, BLOCK_K/8] (a word lies in one group), in the words' layout. All zero
     past ``end`` (the prefetch after the last tile)."""
     live = t < end
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(qw_rows + (t * (BLOCK_K // 8) + offs_w)[None, :],
+                     mask=n_mask[:, None] & live, other=0)
+    s, z = _load_groups(s_rows, z_rows, n_mask, t, end, G, BLOCK_K)
+    return packed, s, z
+
+
+@triton.jit
+def _load_groups(s_rows, z_rows, n_mask, t, end, G: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile t's scales and zero points (``_load_tile``'s), zero past ``end``."""
+    live = t < end
     k0 = t * BLOCK_K
     offs_w = tl.arange(0, BLOCK_K // 8)
-    packed = tl.load(qw_rows + (k0 // 8 + offs_w)[None, :], mask=n_mask[:, None] & live, other=0)
     if BLOCK_K <= G:
         s = tl.load(s_rows + k0 // G, mask=n_mask[:, None] & live, other=0.0)
         z = tl.load(z_rows + k0 // G, mask=n_mask[:, None] & live, other=0)
@@ -141,7 +189,7 @@ def _load_tile(qw_rows, s_rows, z_rows, n_mask, t, end, G: tl.constexpr, BLOCK_K
         groups = (k0 + offs_w * 8) // G
         s = tl.load(s_rows + groups[None, :], mask=n_mask[:, None] & live, other=0.0)
         z = tl.load(z_rows + groups[None, :], mask=n_mask[:, None] & live, other=0)
-    return packed, s, z
+    return s, z
 
 
 @triton.jit
@@ -218,52 +266,114 @@ def _unpack_words_asm(packed, z, DT: tl.constexpr, PTX: tl.constexpr, OFFSET: tl
 
 
 @triton.jit
-def _row_part(w5, sf, x_ptr, stride_xm, k0, M, m: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_x(ptrs, mask, K, SILU_MUL: tl.constexpr):
+    """x's values at ``ptrs`` in x's dtype; with SILU_MUL (x the gate/up output [M, 2K])
+    silu(gate) * up from its columns at ptrs and ptrs + K, in fp32, rounded to x's dtype
+    as kernels/silu_mul rounds (gemv.py's ``_silu_mul``: what the unfused path multiplies)."""
+    if SILU_MUL:
+        dt = ptrs.dtype.element_ty
+        return _silu_mul(tl.load(ptrs, mask=mask, other=0.0),
+                         tl.load(ptrs + K, mask=mask, other=0.0), dt).to(dt)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _row_part(w5, sf, x_ptr, stride_xm, k0, M, K, m: tl.constexpr, BLOCK_K: tl.constexpr,
+              SILU_MUL: tl.constexpr):
     """Each word's sum of (q - z) * x[m] over its 8 columns (in a thread's registers),
     times the word's scale ``sf``: [BN, W]. One multiply by the scale per word per row
     rather than one per weight."""
-    xr = tl.load(x_ptr + m * stride_xm + k0 + tl.arange(0, BLOCK_K), mask=m < M, other=0.0)
+    xr = _load_x(x_ptr + m * stride_xm + k0 + tl.arange(0, BLOCK_K), m < M, K, SILU_MUL)
     x5 = tl.reshape(xr.to(tl.float32), (BLOCK_K // 8, 2, 2, 2))
     p = w5 * x5[None, :, :, :, :]
     return tl.sum(tl.sum(tl.sum(p, axis=4), axis=3), axis=2) * sf
 
 
 @triton.jit
-def _rows_part(w5, sf, x_ptr, stride_xm, k0, M, m0: tl.constexpr, ROWS: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+def _rows_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0: tl.constexpr, ROWS: tl.constexpr,
+               BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr):
     """Rows m0 .. m0 + ROWS - 1 of x against w5: [BN, W, ROWS], the rows stacked by
     tl.join (a new in-thread dimension: no select, no layout conversion)."""
     if ROWS == 1:
-        return _row_part(w5, sf, x_ptr, stride_xm, k0, M, m0, BLOCK_K)[:, :, None]
+        return _row_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0, BLOCK_K, SILU_MUL)[:, :, None]
     elif ROWS == 2:
-        return tl.join(_row_part(w5, sf, x_ptr, stride_xm, k0, M, m0, BLOCK_K),
-                       _row_part(w5, sf, x_ptr, stride_xm, k0, M, m0 + 1, BLOCK_K))
+        return tl.join(_row_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0, BLOCK_K, SILU_MUL),
+                       _row_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0 + 1, BLOCK_K, SILU_MUL))
     else:
         HALF: tl.constexpr = ROWS // 2
-        lo = _rows_part(w5, sf, x_ptr, stride_xm, k0, M, m0, HALF, BLOCK_K)
-        hi = _rows_part(w5, sf, x_ptr, stride_xm, k0, M, m0 + HALF, HALF, BLOCK_K)
+        lo = _rows_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0, HALF, BLOCK_K, SILU_MUL)
+        hi = _rows_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0 + HALF, HALF, BLOCK_K, SILU_MUL)
         # [BN, W, HALF, 2] -> [BN, W, 2, HALF] -> [BN, W, ROWS]: row m0 + i at index i
         return tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)),
                           (lo.shape[0], lo.shape[1], ROWS))
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
-                      stride_om, stride_os, G: tl.constexpr,
+def _widen(xs, COLS: tl.constexpr, WIDTH: tl.constexpr):
+    """xs [R, COLS] -> [R, WIDTH] (powers of two), column i at i * WIDTH / COLS, zeros
+    between (tl.join with zeros, in a thread's registers)."""
+    if COLS >= WIDTH:
+        return xs
+    else:
+        wide = tl.reshape(tl.join(xs, tl.zeros_like(xs)), (xs.shape[0], 2 * COLS))
+        return _widen(wide, 2 * COLS, WIDTH)
+
+
+@triton.jit
+def _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                  PRECISION: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
+                  OFFSET: tl.constexpr, SILU_MUL: tl.constexpr, SILU_M: tl.constexpr):
+    """K tile t's share of the sums: [BLOCK_N, BLOCK_M] on the tensor cores (DOT), else
+    per-word partial sums [BLOCK_N, BLOCK_K / 8, BLOCK_M]."""
+    if ASM:  # q - z in x's dtype, [BN, W, 2, 2, 2]
+        w5 = _unpack_words_asm(packed, z, x_ptr.dtype.element_ty, PTX, OFFSET)
+    else:  # q - z in fp32
+        w5 = _unpack_words(packed, z)
+    sf = s.to(tl.float32)
+    k0 = t * BLOCK_K
+    if DOT:
+        offs_k = tl.arange(0, BLOCK_K)
+        if SILU_MUL and SILU_M < BLOCK_M:
+            # SiLU·mul for the M rows' power of two only (not tl.dot's 16: at 64 features
+            # the 16 columns' exp and divisions took as many instructions as the weights),
+            # row i then at column i * 16 / SILU_M (the kernel folds the sums at the end)
+            offs_s = tl.arange(0, SILU_M)
+            xs = _load_x(x_ptr + offs_s[None, :] * stride_xm + (k0 + offs_k)[:, None],
+                         (offs_s < M)[None, :], K, SILU_MUL)  # [BK, SILU_M]
+            xt = _widen(xs, SILU_M, BLOCK_M)
+        else:
+            offs_m = tl.arange(0, BLOCK_M)
+            # rows past M load zeros
+            xt = _load_x(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None],
+                         (offs_m < M)[None, :], K, SILU_MUL)  # [BK, BLOCK_M]
+        # q - z (exact in 16 bits) on tensor cores; the tile lies in one group
+        # (the launcher's BLOCK_K divides G), so its scale is one per feature, after
+        w = tl.reshape(w5, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
+        return tl.dot(w, xt, input_precision=PRECISION) * sf
+    else:
+        return _rows_part(w5, sf, x_ptr, stride_xm, k0, M, K, 0, BLOCK_M, BLOCK_K, SILU_MUL)
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stride_qw,
+                      stride_xm, stride_om, stride_os, G: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                       PRECISION: tl.constexpr, PREFETCH: tl.constexpr = 2,
                       ASM: tl.constexpr = False,
-                      PTX: tl.constexpr = "", OFFSET: tl.constexpr = 0.0):
+                      PTX: tl.constexpr = "", OFFSET: tl.constexpr = 0.0,
+                      NUM_STAGES: tl.constexpr = 1, SILU_MUL: tl.constexpr = False,
+                      SILU_M: tl.constexpr = 16):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    offs_k = tl.arange(0, BLOCK_K)
     NG = K // G
-    qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * (K // 8)
+    # stride_qw = K / 8 as its own argument: a launch marks it divisible by 16 where it is
+    # (K % 128 == 0), so a thread's 4 words load as one 16-byte vector, not two 8-byte ones
+    qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * stride_qw
     s_rows = s_ptr + offs_n[:, None].to(tl.int64) * NG
     z_rows = z_ptr + offs_n[:, None].to(tl.int64) * NG
     tiles = K // BLOCK_K
@@ -274,43 +384,60 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:  # per-word partial sums; the sum over words (across threads) once, at the end
         acc3 = tl.zeros((BLOCK_N, BLOCK_K // 8, BLOCK_M), dtype=tl.float32)
-    # PREFETCH tiles in flight, in registers: tile t + PREFETCH's words are requested before
-    # tile t is used (weights are only read). A program's bytes in flight are what hide
-    # HBM's latency: one 64 x 128 tile (4 KB) each was too few (prefetch 2 won run 171's sweep).
-    pa, sa, za = _load_tile(qw_rows, s_rows, z_rows, n_mask, start, end, G, BLOCK_K)
-    if PREFETCH >= 2:
-        pb, sb, zb = _load_tile(qw_rows, s_rows, z_rows, n_mask, start + 1, end, G, BLOCK_K)
-    if PREFETCH >= 3:
-        pc, sc, zc = _load_tile(qw_rows, s_rows, z_rows, n_mask, start + 2, end, G, BLOCK_K)
-    for t in range(start, end):
-        packed, s, z = pa, sa, za
-        if PREFETCH == 1:
-            pa, sa, za = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 1, end, G, BLOCK_K)
-        elif PREFETCH == 2:
-            pa, sa, za = pb, sb, zb
-            pb, sb, zb = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 2, end, G, BLOCK_K)
-        else:
-            pa, sa, za = pb, sb, zb
-            pb, sb, zb = pc, sc, zc
-            pc, sc, zc = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 3, end, G, BLOCK_K)
-        if ASM:  # q - z in x's dtype, [BN, W, 2, 2, 2]
-            w5 = _unpack_words_asm(packed, z, x_ptr.dtype.element_ty, PTX, OFFSET)
-        else:  # q - z in fp32
-            w5 = _unpack_words(packed, z)
-        sf = s.to(tl.float32)
-        k0 = t * BLOCK_K
-        if DOT:
-            # rows past M load zeros
-            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None],
-                         mask=m_mask[None, :], other=0.0)  # [BK, BLOCK_M]
-            # q - z (exact in 16 bits) on tensor cores; the tile lies in one group
-            # (the launcher's BLOCK_K divides G), so its scale is one per feature, after
-            w = tl.reshape(w5, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
-            acc += tl.dot(w, xt, input_precision=PRECISION) * sf
-        else:
-            acc3 += _rows_part(w5, sf, x_ptr, stride_xm, k0, M, 0, BLOCK_M, BLOCK_K)
+    if PREFETCH == 0:
+        # Triton's software pipeliner keeps NUM_STAGES - 1 tiles in flight: on sm_90 the
+        # loads become cp.async copies into shared memory, issued stages ahead, so the
+        # tiles in flight hold no registers (see the module's docstring). The scales and
+        # zero points (2 and 1 bytes a feature: too narrow for cp.async, so the pipeliner
+        # leaves them a load waited on in its own iteration) go one tile ahead by hand.
+        sn, zn = _load_groups(s_rows, z_rows, n_mask, start, end, G, BLOCK_K)
+        for t in tl.range(start, end, num_stages=NUM_STAGES):
+            offs_w = tl.arange(0, BLOCK_K // 8)
+            packed = tl.load(qw_rows + (t * (BLOCK_K // 8) + offs_w)[None, :],
+                             mask=n_mask[:, None], other=0)
+            s, z = sn, zn
+            sn, zn = _load_groups(s_rows, z_rows, n_mask, t + 1, end, G, BLOCK_K)
+            part = _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M, BLOCK_N,
+                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL, SILU_M)
+            if DOT:
+                acc += part
+            else:
+                acc3 += part
+    else:
+        # PREFETCH tiles in flight, in registers: tile t + PREFETCH's words are requested
+        # before tile t is used (weights are only read). A program's bytes in flight are
+        # what hide HBM's latency: one 64 x 128 tile (4 KB) each was too few (prefetch 2
+        # won run 171's sweep).
+        pa, sa, za = _load_tile(qw_rows, s_rows, z_rows, n_mask, start, end, G, BLOCK_K)
+        if PREFETCH >= 2:
+            pb, sb, zb = _load_tile(qw_rows, s_rows, z_rows, n_mask, start + 1, end, G, BLOCK_K)
+        if PREFETCH >= 3:
+            pc, sc, zc = _load_tile(qw_rows, s_rows, z_rows, n_mask, start + 2, end, G, BLOCK_K)
+        for t in range(start, end):
+            packed, s, z = pa, sa, za
+            if PREFETCH == 1:
+                pa, sa, za = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 1, end, G, BLOCK_K)
+            elif PREFETCH == 2:
+                pa, sa, za = pb, sb, zb
+                pb, sb, zb = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 2, end, G, BLOCK_K)
+            else:
+                pa, sa, za = pb, sb, zb
+                pb, sb, zb = pc, sc, zc
+                pc, sc, zc = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 3, end, G, BLOCK_K)
+            part = _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M, BLOCK_N,
+                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL, SILU_M)
+            if DOT:
+                acc += part
+            else:
+                acc3 += part
     if not DOT:
         acc = tl.sum(acc3, axis=1)
+    if DOT and SILU_MUL and SILU_M < BLOCK_M:  # row i's sums at column i * 16 / SILU_M
+        acc = tl.sum(tl.reshape(acc, (BLOCK_N, SILU_M, BLOCK_M // SILU_M)), axis=2)
+        offs_m = tl.arange(0, SILU_M)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
     out_mask = n_mask[:, None] & m_mask[None, :]
     out = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
     if SPLIT_K == 1:
@@ -361,13 +488,16 @@ def _split_k(tiles_n: int, k_tiles: int, device: torch.device) -> int:
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
               zeros: torch.Tensor, bias: torch.Tensor | None = None,
-              config: Int4GemvConfig | None = None) -> torch.Tensor:
+              config: Int4GemvConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (fp16 / bf16 / fp32, 1 <= M <= 16) @ the int4 weight -> [M, N] in x's
-    dtype (+ bias [N]); fp32 accumulation."""
+    dtype (+ bias [N]); fp32 accumulation. ``silu_mul``: x is an MLP's gate/up output
+    [M, 2K] (gate | up, as gemv.gemv_row takes it) and the kernel multiplies
+    silu(gate) * up, computed per K tile and rounded as kernels/silu_mul rounds."""
     g = check_int4(qweight, scales, zeros)
     n, k = qweight.shape[0], qweight.shape[1] * PACK
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x {tuple(x.shape)} does not fit a [{n}, {k}] weight")
+    if x.dim() != 2 or x.shape[1] != (2 * k if silu_mul else k):
+        what = "an x (gate | up)" if silu_mul else "x"
+        raise ValueError(f"{what} {tuple(x.shape)} does not fit a [{n}, {k}] weight")
     m = x.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"int4_gemv takes 1..{MAX_ROWS} rows, got {m}")
@@ -379,8 +509,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or default_config(m, n, k)
-    if not 1 <= cfg.prefetch <= 3:
-        raise ValueError(f"prefetch must be 1, 2 or 3 tiles, got {cfg.prefetch}")
+    if not 0 <= cfg.prefetch <= 3:
+        raise ValueError(f"prefetch must be 0 (Triton pipelines) or 1, 2, 3 tiles, "
+                         f"got {cfg.prefetch}")
     # tensor cores: K tiles inside one group (the scale goes on the dot), 16 wide at least;
     # else (K or G = 8 x odd, or block_n < 16) the CUDA cores, with any tile
     bk_dot = _block_k(k, g, cfg.block_k, within_group=True)
@@ -395,13 +526,13 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _int4_gemv_kernel[(tiles_n, split)](
         x, qweight, scales, zeros, bias if bias is not None else x, out, m, n, k,
-        x.stride(0), n, m * n, G=g,
+        qweight.stride(0), x.stride(0), n, m * n, G=g,
         BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=bk,
         SPLIT_K=split, HAS_BIAS=bias is not None, DOT=dot, PREFETCH=cfg.prefetch,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
         PTX=_unpack_ptx(x.dtype) if asm else "",
-        OFFSET=_UNPACK_TYPES[x.dtype][1] if asm else 0.0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        OFFSET=_UNPACK_TYPES[x.dtype][1] if asm else 0.0, NUM_STAGES=cfg.num_stages,
+        SILU_MUL=silu_mul, SILU_M=triton.next_power_of_2(m) if silu_mul else 16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](

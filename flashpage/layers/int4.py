@@ -11,7 +11,11 @@ How a call of M rows runs (``int4_linear``; ``cuda_path`` picks on CUDA):
                                  M rows, q - z unpacked in registers (inline PTX), tensor
                                  cores with x as the 16-wide operand, the group scale on
                                  the fp32 sums (one row: the CUDA cores); K split. The
-                                 default: 0.79-0.88x the bf16 GEMM's time (H200, run 171)
+                                 default: 0.79-0.88x the bf16 GEMM's time (H200, run 171).
+                                 Its tiles keep K tiles in flight in registers (prefetch
+                                 1-3) or through Triton's cp.async pipeliner (prefetch 0).
+                                 An MLP's down projection: the same GEMV from the gate/up
+                                 output, SiLU·mul in its prologue (``fuses_silu_mul``)
     CUDA, M <= GEMM_ROWS (128),  kernels/int4_gemm.w4a16_matmul: the tl.dot kernel (K tiles
     FLASHPAGE_INT4_KERNEL=gemm   of 16 at least, else as below). Opt-in: on the H200 (run
     (or 1)                       165) slower than the path below at 1-64 rows
@@ -20,6 +24,10 @@ How a call of M rows runs (``int4_linear``; ``cuda_path`` picks on CUDA):
     dequant (or 0)               16-bit weight (0.3-0.6x the bf16 GEMM's speed at 1-64 rows)
     elsewhere (CPU)              the weight dequantized in torch, then F.linear (correct,
                                  rebuilt every call)
+
+An MLP's down projection at the GEMV's rows takes the gate/up output itself
+(``fuses_silu_mul``; layers/linear.py ``_silu_mul_base``): the GEMV computes silu(gate) * up
+per K tile on the fly, so SiLU·mul's own kernel and its [M, K] round trip are gone.
 
 The choice reads only shapes and one environment variable (no tensor values, no device
 query): cheap per linear per step, and the same at every replay of a captured CUDA graph.
@@ -52,6 +60,18 @@ def cuda_path(m: int, k: int, g: int) -> str:
     if choice == "gemm":
         return "gemm" if m <= GEMM_ROWS and int4_gemm.kernel_supports(k, g) else "dequant"
     return "gemv" if m <= GEMV_ROWS and int4_gemv.supports(m, k, g) else "dequant"
+
+
+def fuses_silu_mul(shape: tuple[int, ...], dtype: torch.dtype, cuda: bool, k: int,
+                   g: int) -> bool:
+    """Whether an int4 down projection (K-wide weight, groups of G) takes the MLP's gate/up
+    output h (``shape`` [M, 2K], ``dtype``, on CUDA or not) itself: the int4 GEMV with its
+    SiLU·mul prologue, one kernel where the unfused path runs SiLU·mul and then the GEMV.
+    Where ``int4_linear`` would run the GEMV (CUDA, M <= GEMV_ROWS, FLASHPAGE_INT4_KERNEL
+    not gemm / dequant); like ``cuda_path``, no tensor values and no device query."""
+    return (cuda and len(shape) == 2 and shape[1] == 2 * k
+            and dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and cuda_path(shape[0], k, g) == "gemv")
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

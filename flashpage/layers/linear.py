@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpage import envs
-from flashpage.layers.int4 import int4_linear
+from flashpage.layers.int4 import fuses_silu_mul, int4_linear
 from flashpage.layers.quant import FP8_DTYPE, fp8_linear, quantize_fp8_rowwise
 
 if TYPE_CHECKING:
@@ -228,7 +228,8 @@ class _ParallelLinear(nn.Module):
 
     def silu_mul_forward(self, h: torch.Tensor) -> torch.Tensor | None:
         """linear(silu(gate) * up) from the gate/up output h [M, 2K] in one kernel, when
-        tuned for M rows; None otherwise (the caller runs SiLU·mul, then ``forward``).
+        tuned for M rows (an int4 weight: at the int4 GEMV's rows on CUDA, layers/int4.py
+        ``fuses_silu_mul``); None otherwise (the caller runs SiLU·mul, then ``forward``).
         With LoRA only where the delta runs through kernels/lora.py, whose shrink takes
         the same gate/up output (the dense delta would need the activation materialized)."""
         if self.lora is None:
@@ -239,6 +240,15 @@ class _ParallelLinear(nn.Module):
         return None if y is None else self.lora.apply(h, y, silu_mul=True)
 
     def _silu_mul_base(self, h: torch.Tensor) -> torch.Tensor | None:
+        if self.w4_scales is not None:
+            assert self.w4_zeros is not None
+            k, g = self.in_features, self.in_features // self.w4_scales.shape[1]
+            if not fuses_silu_mul(tuple(h.shape), h.dtype, h.is_cuda, k, g):
+                return None
+            from flashpage.kernels.int4_gemv import int4_gemv
+
+            return int4_gemv(h, self.weight, self.w4_scales, self.w4_zeros, self.bias,
+                             silu_mul=True)
         if self._use_row_gemv(h):
             from flashpage.kernels.gemv import gemv_row
 

@@ -27,7 +27,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         h = self.gate_up_proj(x)
-        y = self.down_proj.silu_mul_forward(h)  # one kernel at one-row (or tuned) steps
+        y = self.down_proj.silu_mul_forward(h)  # one kernel at one-row (or tuned) steps, int4: 1-16 rows
         return y if y is not None else self.down_proj(self.act(h))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]

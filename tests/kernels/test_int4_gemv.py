@@ -1,9 +1,13 @@
 """The row-wise int4 GEMV (kernels/int4_gemv.py) against the dequantizing reference: 1, 3
 and 16 rows, N ragged against the block, groups of 8 / 32 / 128 and one group per row, zero
 points 0 and 16, split K on and off, 1-3 tiles in flight, bias, both ways of doing the row
-products (CUDA cores and tensor cores; the inline-PTX unpacking replayed in torch); fp32 / fp16 on the CPU under the interpreter (small shapes: a few
-seconds), bf16 at Llama-3-8B shapes on the GPU, judged as test_int4_gemm.py judges its
-kernel (against fp32, beside cuBLAS over the dequantized weight)."""
+products (CUDA cores and tensor cores; the inline-PTX unpacking replayed in torch), the K
+loop left to Triton's pipeliner (prefetch 0) and the SiLU·mul prologue (silu_mul=True, an
+MLP's gate/up output in), and the layer's choice of the fused down projection; fp32 / fp16
+on the CPU under the interpreter (small shapes: a few seconds), bf16 at Llama-3-8B shapes
+on the GPU, judged as test_int4_gemm.py judges its kernel (against fp32, beside cuBLAS over
+the dequantized weight). The sm_90 compile test reads the pipelined form's cp.async copies
+and its SASS instructions per weight without a GPU."""
 
 from __future__ import annotations
 
@@ -32,7 +36,14 @@ CASES = [
     (3, 24, 128, 32, None, False, Int4GemvConfig(16, 64, 2, dot=True)),  # split K, dot
     (16, 40, 128, 128, 16, True, DOT),                                  # G = K, dot, bias
     (16, 20, 64, 32, None, False, Int4GemvConfig(8, 32, 2, dot=False)),  # 16 rows on FMAs
+    # the K loop left to Triton's pipeliner (prefetch 0; stages ignored by the interpreter)
+    (1, 40, 256, 32, None, True, Int4GemvConfig(16, 64, 1, 4, 3, prefetch=0)),   # 4 tiles
+    (3, 40, 256, 128, None, False, Int4GemvConfig(16, 64, 2, 4, 4, prefetch=0)),  # split
+    (5, 24, 256, 256, 16, True, Int4GemvConfig(16, 64, 2, 4, 3, dot=True, prefetch=0)),
+    (16, 40, 128, 32, None, False, Int4GemvConfig(16, 32, 1, 4, 5, dot=True, prefetch=0)),
 ]
+PIPE_FMA = Int4GemvConfig(16, 64, 2, 4, 3, prefetch=0)
+PIPE_DOT = Int4GemvConfig(16, 64, 2, 4, 3, dot=True, prefetch=0)
 
 
 def _case(m, n, k, g, zero, bias, dtype):
@@ -59,6 +70,38 @@ def test_int4_gemv_matches_reference(m, n, k, g, zero, bias, cfg, dtype):
     else:
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def _silu_mul_ref(h):
+    from flashpage.kernels.silu_mul import silu_and_mul_ref
+
+    return silu_and_mul_ref(h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,g,cfg", [
+    (1, 40, 128, 32, FMA), (3, 24, 256, 128, DOT), (1, 40, 256, 32, PIPE_FMA),
+    (5, 40, 256, 256, PIPE_DOT)])
+def test_int4_gemv_silu_mul_matches_silu_then_reference(m, n, k, g, cfg, dtype):
+    """silu_mul=True on the gate/up output h [M, 2K]: silu(gate) * up rounded to x's dtype
+    (kernels/silu_mul's rounding), then the reference; both forms, both K loops."""
+    if GPU and dtype == torch.float16:
+        dtype = torch.bfloat16
+    qw, scales, zeros, _ = _weight(n, k, g, m + n + k)
+    gen = torch.Generator(device="cpu").manual_seed(m * 7 + k)
+    h = (torch.randn(m, 2 * k, generator=gen) * 2).to(DEV, dtype)
+    b = torch.randn(n, generator=gen).to(DEV, dtype)
+    got = int4_gemv(h, qw, scales, zeros, b, cfg, silu_mul=True)
+    act = _silu_mul_ref(h)
+    ref = int4_linear_ref(act, qw, scales, zeros, b)
+    assert got.shape == (m, n) and got.dtype == dtype
+    if dtype == torch.bfloat16:
+        _as_close_as_the_reference(got, ref, act, qw, scales, zeros, b)
+    else:
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match=r"x \(gate \| up\)"):
+        int4_gemv(h[:, :k], qw, scales, zeros, config=cfg, silu_mul=True)
 
 
 def test_default_config_runs_and_names_round_trip():
@@ -92,7 +135,7 @@ def test_launcher_names_bad_input():
         int4_gemv(x.to(torch.float64), qw, scales, zeros)
     with pytest.raises(ValueError, match="bias must be"):
         int4_gemv(x, qw, scales, zeros, torch.zeros(16, dtype=torch.float16, device=DEV))
-    with pytest.raises(ValueError, match="prefetch must be 1, 2 or 3"):
+    with pytest.raises(ValueError, match="prefetch must be 0 .* or 1, 2, 3"):
         int4_gemv(x, qw, scales, zeros, config=Int4GemvConfig(prefetch=4))
     with pytest.raises(ValueError, match="qweight must be int32"):
         int4_gemv(x, qw.float(), scales, zeros)
@@ -121,6 +164,60 @@ def test_layer_dispatch_runs_the_gemv_on_cuda_decode_rows(monkeypatch):
     monkeypatch.setenv("FLASHPAGE_INT4_KERNEL", "fast")
     with pytest.raises(ValueError, match="FLASHPAGE_INT4_KERNEL"):
         cuda_path(4, 4096, 128)
+
+
+def test_layer_dispatch_fuses_silu_mul_into_int4_down_projections(monkeypatch):
+    """layers/int4.fuses_silu_mul (a pure function of shape, dtype, device and env): an int4
+    down projection takes the gate/up output itself on CUDA at 1-16 rows, wherever
+    int4_linear would run the GEMV; not on the CPU, above 16 rows, with another kernel
+    chosen, or for an h of the wrong width."""
+    from flashpage.layers.int4 import GEMV_ROWS, fuses_silu_mul
+
+    monkeypatch.delenv("FLASHPAGE_INT4_KERNEL", raising=False)
+    bf = torch.bfloat16
+    for m in (1, 8, GEMV_ROWS):
+        assert fuses_silu_mul((m, 28672), bf, True, 14336, 128), m
+    assert not fuses_silu_mul((GEMV_ROWS + 1, 28672), bf, True, 14336, 128)
+    assert not fuses_silu_mul((1, 28672), bf, False, 14336, 128)  # the CPU
+    assert not fuses_silu_mul((1, 14336), bf, True, 14336, 128)  # not gate | up
+    assert not fuses_silu_mul((1, 28672), torch.float64, True, 14336, 128)
+    for value in ("dequant", "gemm"):
+        monkeypatch.setenv("FLASHPAGE_INT4_KERNEL", value)
+        assert not fuses_silu_mul((1, 28672), bf, True, 14336, 128), value
+
+
+def test_int4_mlp_down_projection_runs_the_fused_gemv(monkeypatch):
+    """An int4 MLP's down projection, its CUDA choice forced on the CPU (the interpreter
+    runs the kernel): silu_mul_forward is the fused GEMV and equals SiLU·mul then the
+    layer; without the choice (the CPU) it declines and the MLP runs the two steps."""
+    import flashpage.layers.linear as linear
+    from flashpage.layers.mlp import GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 64).to(DEV)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        lin.weight.data.normal_(0, 0.2)
+        lin.quantize_int4(32)
+    x = torch.randn(3, 32).to(DEV)
+    h = mlp.gate_up_proj(x)
+    unfused = mlp.down_proj(_silu_mul_ref(h))
+    if not GPU:
+        assert mlp.down_proj.silu_mul_forward(h) is None
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("silu_mul"))
+        return real(*args, **kwargs)
+
+    import flashpage.kernels.int4_gemv as gemv_mod
+
+    real = gemv_mod.int4_gemv
+    monkeypatch.setattr(gemv_mod, "int4_gemv", spy)
+    monkeypatch.setattr(linear, "fuses_silu_mul", lambda *a: True)
+    got = mlp.down_proj.silu_mul_forward(h)
+    assert calls == [True] and got is not None
+    torch.testing.assert_close(got, unfused, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mlp(x), unfused, atol=1e-4, rtol=1e-4)
 
 
 def test_unpack_ptx_constants_give_q_minus_z():
@@ -152,22 +249,33 @@ def _compile_int4_gemv() -> dict[str, dict]:
     """(In a subprocess with the interpreter off.) The GEMV's forms compiled for sm_90 as a
     bf16 launch of the 8B shapes specializes them (groups of 128, split K): name ->
     {"mma", "regs", "spill_bytes", "per_weight" (SASS instructions of the K loop per
-    weight a thread holds)}."""
+    weight a thread holds), "async_copies" (the TTGIR's cp.async copies into shared memory,
+    the pipeliner's), "ldgsts" (their SASS in the K loop), "shared" (bytes)}."""
     import torch
     from sm90 import compile_sm90, ptxas_sm90a, ptxas_usage, sass_instructions, sass_loops
 
     from flashpage.kernels import int4_gemv as m
 
-    aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K", "stride_xm",
-               "stride_om", "stride_os")
+    aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K", "stride_qw",
+               "stride_xm", "stride_om", "stride_os")
     default = m.default_config(16, 4096, 4096)
-    forms = {"fma_1row": (1, m.CANDIDATES[0], False), "default_asm": (16, default, default.asm)}
+    pipe_fma = m.Int4GemvConfig(64, 128, 0, 4, 3, prefetch=0)
+    pipe_asm = m.Int4GemvConfig(64, 128, 0, 4, 4, dot=True, asm=True, prefetch=0)
+    assert pipe_fma in m.CANDIDATES and pipe_asm in m.CANDIDATES
+    # name -> (BLOCK_M, config, inline PTX, SiLU·mul's rows (0: no SiLU·mul))
+    forms = {"fma_1row": (1, m.CANDIDATES[0], False, 0),
+             "default_asm": (16, default, default.asm, 0),
+             "pipe_fma_1row": (1, pipe_fma, False, 0),
+             "pipe_asm": (16, pipe_asm, True, 0),
+             "pipe_asm_silu4": (16, pipe_asm, True, 4),
+             "pipe_fma_1row_silu": (1, pipe_fma, False, 1)}
     out = {}
-    for name, (bm, cfg, asm) in forms.items():
+    for name, (bm, cfg, asm, silu) in forms.items():
         k = compile_sm90(m._int4_gemv_kernel, dict(
             G=128, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=2,
             HAS_BIAS=False, DOT=cfg.dot, PRECISION="tf32", PREFETCH=cfg.prefetch, ASM=asm,
-            PTX=m._unpack_ptx(torch.bfloat16) if asm else "", OFFSET=128.0 if asm else 0.0),
+            PTX=m._unpack_ptx(torch.bfloat16) if asm else "", OFFSET=128.0 if asm else 0.0,
+            NUM_STAGES=cfg.num_stages, SILU_MUL=silu > 0, SILU_M=silu or 16),
             {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": "*fp32"},
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned)
         ptx = k.asm["ptx"]
@@ -177,7 +285,9 @@ def _compile_int4_gemv() -> dict[str, dict]:
         lo, hi = max(loops, key=lambda p: p[1] - p[0]) if loops else (0, -1)
         weights = cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
         out[name] = {"mma": "mma" in ptx, "per_weight": (hi - lo + 1) / weights,
-                     **ptxas_usage(log)}
+                     "async_copies": k.asm["ttgir"].count("ttg.async_copy_global_to_local"),
+                     "ldgsts": sum(t.startswith("LDGSTS") for t in ins[lo:hi + 1]),
+                     "shared": k.metadata.shared, **ptxas_usage(log)}
     return out
 
 
@@ -192,8 +302,20 @@ def test_int4_gemv_compiles_for_sm90():
     assert got["default_asm"]["mma"], got
     assert not got["fma_1row"]["mma"], got
     assert all(v["spill_bytes"] == 0 for v in got.values()), got
-    assert got["default_asm"]["per_weight"] <= 5, got  # 4.4 when written
-    assert got["fma_1row"]["per_weight"] <= 9, got  # 7.3 when written
+    assert got["default_asm"]["per_weight"] <= 5, got  # 4.4 when written (3.8 with stride_qw)
+    assert got["fma_1row"]["per_weight"] <= 9, got  # 7.3 when written (7.4 with stride_qw)
+    # the K loop left to the pipeliner: its word tiles (and x's, for the tensor cores) are
+    # cp.async copies into shared memory, issued inside the K loop (LDGSTS), stages ahead
+    assert got["fma_1row"]["async_copies"] == got["default_asm"]["async_copies"] == 0, got
+    for name in ("pipe_fma_1row", "pipe_asm", "pipe_asm_silu4", "pipe_fma_1row_silu"):
+        assert got[name]["async_copies"] > 0 and got[name]["ldgsts"] > 0, (name, got)
+        assert got[name]["shared"] > 0, (name, got)
+    assert got["pipe_asm"]["mma"] and got["pipe_asm"]["per_weight"] <= 5, got  # 4.2 written
+    assert got["pipe_fma_1row"]["per_weight"] <= 9, got  # 7.3 when written
+    # SiLU·mul's exp and division, per K tile for the rows' power of two (4 here): 5.0
+    # when written (7.8 when the tensor cores' 16 columns each took it); one row: 7.7
+    assert got["pipe_asm_silu4"]["per_weight"] <= 6, got
+    assert got["pipe_fma_1row_silu"]["per_weight"] <= 9, got
 
 
 @pytest.mark.gpu
@@ -224,3 +346,27 @@ def test_int4_gemv_candidates_bf16_on_the_gpu(cfg, m):
     got = int4_gemv(x, qw, scales, zeros, b, cfg)
     _as_close_as_the_reference(got, int4_linear_ref(x, qw, scales, zeros, b), x, qw, scales,
                                zeros, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("cfg", [None, *(c for c in CANDIDATES if c.pipelined)],
+                         ids=lambda c: "default" if c is None else c.name)
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_int4_gemv_silu_mul_bf16_8b_down_on_the_gpu(cfg, m):
+    """The 8B down projection (4096 x 14336) from the gate/up output h [M, 28672]: the
+    fused GEMV against SiLU·mul (kernels/silu_mul) then the reference, at the default tile
+    and every pipelined one; and the layer's decision at these rows is the fused path."""
+    from flashpage.kernels.silu_mul import silu_and_mul
+    from flashpage.layers.int4 import fuses_silu_mul
+
+    n, k = 4096, 14336
+    qw, scales, zeros, _ = _weight(n, k, 128, 11)
+    h = torch.randn(m, 2 * k, device=DEV, dtype=torch.bfloat16) * 2
+    got = int4_gemv(h, qw, scales, zeros, config=cfg, silu_mul=True)
+    act = silu_and_mul(h)
+    _as_close_as_the_reference(got, int4_linear_ref(act, qw, scales, zeros), act, qw, scales,
+                               zeros)
+    if cfg is None:
+        assert torch.equal(got, int4_gemv(act, qw, scales, zeros))  # the same sums
+        assert fuses_silu_mul(tuple(h.shape), h.dtype, h.is_cuda, k, 128)
