@@ -56,10 +56,12 @@ L2_PAST = 256 << 20  # bytes of distinct weights a graph cycles through
 def _variants(x: torch.Tensor, ws: list, bf16: list, sweep: list) -> dict:
     """label -> a call of every weight copy (the timed unit)."""
     from flashpage.kernels.int4_gemm import dequantize_int4, w4a16_matmul
-    from flashpage.kernels.int4_gemv import int4_gemv
+    from flashpage.kernels.int4_gemv import PAD_ROWS, int4_gemv
 
     out = {"gemv": lambda: [int4_gemv(x, *w) for w in ws]}
     for c in sweep:
+        if x.shape[0] > PAD_ROWS and not c.dot:
+            continue  # past 16 rows the tensor cores only
         out[f"gemv:{c.name}"] = lambda c=c: [int4_gemv(x, *w, config=c) for w in ws]
     out["w4a16"] = lambda: [w4a16_matmul(x, *w) for w in ws]
     out["deq+cublas"] = lambda: [F.linear(x, dequantize_int4(*w, x.dtype)) for w in ws]

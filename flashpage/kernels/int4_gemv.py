@@ -84,7 +84,11 @@ from flashpage.kernels.device import interpreting
 from flashpage.kernels.gemv import _silu_mul
 from flashpage.kernels.int4_gemm import PACK, _block_k, check_int4, int4_linear_ref
 
-MAX_ROWS = 16  # rows of x one call takes: the dot path's B operand is 16 wide
+# Rows of x one call takes: up to 16 either form (the dot path pads x to tl.dot's 16-wide
+# operand), 17-64 on the tensor cores only (x's operand 32 or 64 wide: the weight still read
+# once, where dequantize + cuBLAS writes and reads a 16-bit copy of it)
+MAX_ROWS = 64
+PAD_ROWS = 16
 
 int4_gemv_ref = int4_linear_ref
 
@@ -144,7 +148,7 @@ def default_config(m: int, n: int, k: int) -> Int4GemvConfig:
     the tensor cores at down's 4096 x 14336), more rows on the tensor cores with the
     inline-PTX unpacking (the CUDA cores' 8 rows took 3.4x as long). K's split is
     ``_split_k``'s (what the sweep's best tiles had)."""
-    return Int4GemvConfig(64, 128, 0, 4, dot=m > 1, asm=m > 1, prefetch=2)
+    return Int4GemvConfig(64, 128, 0, 4, dot=m > 1, asm=m > 1, prefetch=2 if m <= PAD_ROWS else 1)
 
 
 def parse_config(name: str) -> Int4GemvConfig:
@@ -465,8 +469,10 @@ def _split_sum_kernel(part_ptr, b_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr,
 
 def supports(m: int, k: int, g: int) -> bool:
     """Whether ``int4_gemv`` takes m rows of a K-wide weight in groups of G (any valid
-    layout: G a multiple of 8 dividing K)."""
-    return 1 <= m <= MAX_ROWS and k % PACK == 0 and g % PACK == 0 and k % g == 0
+    layout: G a multiple of 8 dividing K; past 16 rows, K tiles the tensor cores take)."""
+    if not (1 <= m <= MAX_ROWS and k % PACK == 0 and g % PACK == 0 and k % g == 0):
+        return False
+    return m <= PAD_ROWS or _block_k(k, g, 128, within_group=True) >= 16
 
 
 def _split_k(tiles_n: int, k_tiles: int, device: torch.device) -> int:
@@ -489,7 +495,7 @@ def _split_k(tiles_n: int, k_tiles: int, device: torch.device) -> int:
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
               zeros: torch.Tensor, bias: torch.Tensor | None = None,
               config: Int4GemvConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """x [M, K] (fp16 / bf16 / fp32, 1 <= M <= 16) @ the int4 weight -> [M, N] in x's
+    """x [M, K] (fp16 / bf16 / fp32, 1 <= M <= 64: past 16 a tensor-core config) @ the int4 weight -> [M, N] in x's
     dtype (+ bias [N]); fp32 accumulation. ``silu_mul``: x is an MLP's gate/up output
     [M, 2K] (gate | up, as gemv.gemv_row takes it) and the kernel multiplies
     silu(gate) * up, computed per K tile and rounded as kernels/silu_mul rounds."""
@@ -517,6 +523,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     bk_dot = _block_k(k, g, cfg.block_k, within_group=True)
     dot = cfg.dot and bk_dot >= 16 and cfg.block_n >= 16
     bk = bk_dot if dot else _block_k(k, g, cfg.block_k)
+    if m > PAD_ROWS and not dot:
+        raise ValueError(f"{m} rows (past {PAD_ROWS}) run on the tensor cores only: a dot config "
+                         f"with K tiles of 16 at least (K={k}, G={g}, {cfg.name})")
     # inline PTX runs on the GPU only, for 16-bit x (the interpreter takes the plain path)
     asm = dot and cfg.asm and x.dtype in _UNPACK_TYPES and not interpreting()
     tiles_n = triton.cdiv(n, cfg.block_n)
@@ -527,7 +536,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     _int4_gemv_kernel[(tiles_n, split)](
         x, qweight, scales, zeros, bias if bias is not None else x, out, m, n, k,
         qweight.stride(0), x.stride(0), n, m * n, G=g,
-        BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=bk,
+        BLOCK_M=max(PAD_ROWS, triton.next_power_of_2(m)) if dot else triton.next_power_of_2(m),
+        BLOCK_N=cfg.block_n, BLOCK_K=bk,
         SPLIT_K=split, HAS_BIAS=bias is not None, DOT=dot, PREFETCH=cfg.prefetch,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
         PTX=_unpack_ptx(x.dtype) if asm else "",

@@ -23,6 +23,7 @@ from flashpage.kernels.int4_gemv import (
     default_config,
     int4_gemv,
     parse_config,
+    supports,
 )
 
 FMA = Int4GemvConfig(16, 64, split_k=1, dot=False)
@@ -117,6 +118,20 @@ def test_default_config_runs_and_names_round_trip():
         parse_config("n16k64")
 
 
+@pytest.mark.parametrize("m", [17, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_more_than_16_rows_on_the_tensor_cores(m, dtype):
+    """17-64 rows: x's operand 32 or 64 wide, split K, bias; the default config and the
+    pipelined form."""
+    x, qw, scales, zeros, b = _case(m, 40, 128, 32, None, True, dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    ref = int4_linear_ref(x.float(), qw, scales, zeros, b.float()).to(dtype)
+    for cfg in (None, Int4GemvConfig(32, 64, 2, 4, dot=True, prefetch=0, num_stages=3)):
+        got = int4_gemv(x, qw, scales, zeros, b, cfg)
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    assert supports(m, 128, 32) and not supports(m, 24, 8)  # past 16: tl.dot's K tiles only
+
+
 def test_narrow_k_tiles_fall_back_to_cuda_cores():
     """K = 8 x odd: 8-wide tiles, too narrow for tl.dot; a dot config still runs (on FMAs)."""
     x, qw, scales, zeros, _ = _case(3, 16, 24, 8, None, False, torch.float32)
@@ -129,8 +144,10 @@ def test_launcher_names_bad_input():
     x = torch.randn(2, 64).to(DEV)
     with pytest.raises(ValueError, match="x .* does not fit"):
         int4_gemv(torch.randn(2, 32).to(DEV), qw, scales, zeros)
-    with pytest.raises(ValueError, match=f"1..{MAX_ROWS} rows, got 17"):
-        int4_gemv(torch.randn(17, 64).to(DEV), qw, scales, zeros)
+    with pytest.raises(ValueError, match=f"1..{MAX_ROWS} rows, got {MAX_ROWS + 1}"):
+        int4_gemv(torch.randn(MAX_ROWS + 1, 64).to(DEV), qw, scales, zeros)
+    with pytest.raises(ValueError, match="17 rows .past 16. run on the tensor cores only"):
+        int4_gemv(torch.randn(17, 64).to(DEV), qw, scales, zeros, config=Int4GemvConfig(64, 32, 1, 4))
     with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
         int4_gemv(x.to(torch.float64), qw, scales, zeros)
     with pytest.raises(ValueError, match="bias must be"):
@@ -321,16 +338,17 @@ def test_int4_gemv_compiles_for_sm90():
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
 def test_int4_gemv_bf16_8b_shapes_on_the_gpu(n, k, m):
     qw, scales, zeros, _ = _weight(n, k, 128, 7)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     got = int4_gemv(x, qw, scales, zeros)
     _as_close_as_the_reference(got, int4_linear_ref(x, qw, scales, zeros), x, qw, scales, zeros)
     # and the layer's path at these rows is this kernel
-    from flashpage.layers.int4 import int4_linear
+    from flashpage.layers.int4 import GEMV_ROWS, int4_linear
 
-    assert torch.equal(int4_linear(x, qw, scales, zeros), got)
+    if m <= GEMV_ROWS:
+        assert torch.equal(int4_linear(x, qw, scales, zeros), got)
 
 
 @pytest.mark.gpu
