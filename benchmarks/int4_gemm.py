@@ -52,6 +52,25 @@ def parse_config(name: str):
     return Int4Config(*map(int, m.groups()))
 
 
+def weight_copies(n: int, k: int, g: int, dt: torch.dtype) -> tuple[list, list, int]:
+    """Random int4 weights [n, k] in groups of g (packed words, fp16 scales, uint8 zeros)
+    and bf16 ones of the same shape, each in enough copies that a graph cycling through them
+    reads past L2; and one int4 copy's bytes."""
+    from flashpage.kernels.int4_gemm import pack_int4
+
+    q4_bytes = n * k // 2 + 3 * n * (k // g)
+    ws = []
+    for _ in range(max(2, -(-L2_PAST // q4_bytes))):
+        q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32)
+        scales = (torch.rand(n, k // g, device="cuda") * 0.01 + 1e-3).half()
+        zeros = torch.randint(1, 16, (n, k // g), device="cuda").to(torch.uint8)
+        ws.append((pack_int4(q), scales, zeros))
+        del q
+    bf16 = [torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+            for _ in range(max(2, -(-L2_PAST // (2 * n * k))))]
+    return ws, bf16, q4_bytes
+
+
 def _variants(x: torch.Tensor, ws: list, bf16: list, extra: list, dt: torch.dtype) -> dict:
     """label -> a call of every weight copy (the timed unit)."""
     from flashpage.kernels.int4_gemm import dequantize_int4, dequantize_int4_ref, w4a16_matmul
@@ -83,24 +102,15 @@ def main() -> int:
         return 1
     from gpu_timing import time_graph
 
-    from flashpage.kernels.int4_gemm import int4_linear_ref, pack_int4, w4a16_matmul
+    from flashpage.kernels.int4_gemm import int4_linear_ref, w4a16_matmul
 
     torch.manual_seed(0)
     dt, g = torch.bfloat16, args.group
     results: dict = {"device": torch.cuda.get_device_name(), "group_size": g, "rows": []}
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        q4_bytes = n * k // 2 + 3 * n * (k // g)
-        copies = max(2, -(-L2_PAST // q4_bytes))
-        ws = []
-        for _ in range(copies):
-            q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32)
-            scales = (torch.rand(n, k // g, device="cuda") * 0.01 + 1e-3).half()
-            zeros = torch.randint(1, 16, (n, k // g), device="cuda").to(torch.uint8)
-            ws.append((pack_int4(q), scales, zeros))
-            del q
-        bf16 = [torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
-                for _ in range(max(2, -(-L2_PAST // (2 * n * k))))]
+        ws, bf16, q4_bytes = weight_copies(n, k, g, dt)
+        copies = len(ws)
         for m in (1, 64):  # correctness first
             x = torch.randn(m, k, device="cuda", dtype=dt)
             err = (w4a16_matmul(x, *ws[0]).float() - int4_linear_ref(x, *ws[0]).float()).abs().max()

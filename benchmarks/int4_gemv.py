@@ -47,10 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336)}  # name -> (N out, K in)
-L2_PAST = 256 << 20  # bytes of distinct weights a graph cycles through
+from int4_gemm import SHAPES, weight_copies  # noqa: E402 (the shapes and weights of both)
 
 
 def _variants(x: torch.Tensor, ws: list, bf16: list, sweep: list) -> dict:
@@ -124,7 +121,7 @@ def main() -> int:
         return 1
     from gpu_timing import time_graph
 
-    from flashpage.kernels.int4_gemm import int4_linear_ref, pack_int4
+    from flashpage.kernels.int4_gemm import int4_linear_ref
     from flashpage.kernels.int4_gemv import CANDIDATES, int4_gemv, parse_config
 
     sweep = ([parse_config(c) for c in filter(None, args.configs.split(","))]
@@ -136,17 +133,8 @@ def main() -> int:
                      "best": [], "silu_mul": []}
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        q4_bytes = n * k // 2 + 3 * n * (k // g)
-        copies = max(2, -(-L2_PAST // q4_bytes))
-        ws = []
-        for _ in range(copies):
-            q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32)
-            scales = (torch.rand(n, k // g, device="cuda") * 0.01 + 1e-3).half()
-            zeros = torch.randint(1, 16, (n, k // g), device="cuda").to(torch.uint8)
-            ws.append((pack_int4(q), scales, zeros))
-            del q
-        bf16 = [torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
-                for _ in range(max(2, -(-L2_PAST // (2 * n * k))))]
+        ws, bf16, q4_bytes = weight_copies(n, k, g, dt)
+        copies = len(ws)
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=dt)
             timed = {}
