@@ -14,6 +14,10 @@
 #   BUDGET=420 bash benchmarks/gpu_s20.sh check   the int4 GEMV at the tiny models' shapes (run 173's failed
 #                                                 online-int4 GPU test), the int4 GPU tests; the draft's
 #                                                 catch-up graphs: GPU tests, then graphed vs eager
+#   BUDGET=480 bash benchmarks/gpu_s20.sh final   the int4 GEMV after the pipelined form, fused SiLU·mul,
+#                                                 16-byte word loads and 17-64 rows: GPU tests, the
+#                                                 sweep at 1 / 8 / 16 / 32 / 64 rows, then the 8B's
+#                                                 batch-1 / 8 latency int4 beside bf16
 # Results under $OUT.
 PART=${1:-draft}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -65,5 +69,17 @@ check)
     --draft-layers 1 --draft-eager --json-out "$OUT/spec_draft_catchup.json" 2>&1 \
     | tee "$OUT/spec_draft_catchup.txt" | grep -E "^batch|Error|Traceback" | head -40
   echo "part check done at ${SECONDS}s" ;;
+final)
+  timeout "$(left 130)" $PT -rf tests/kernels/test_int4_gemv.py tests/models/test_int4_online.py \
+    tests/models/test_int4_checkpoints.py 2>&1 | tee "$OUT/gpu_int4_tests.txt" | tail -n 4
+  timeout "$(left 230)" python3 benchmarks/int4_gemv.py --rows 1,8,16,32,64 --json-out "$OUT/int4_gemv.json" \
+    > "$OUT/int4_gemv.txt" 2>&1
+  grep -A60 "best GEMV tile" "$OUT/int4_gemv.txt" | head -60
+  grep -E "silu|fused" "$OUT/int4_gemv.txt" | tail -n 12
+  for bs in 1 8; do
+    latency int4_bs$bs --batch-size $bs --quantization int4
+    latency bf16_bs$bs --batch-size $bs
+  done
+  echo "part final done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
