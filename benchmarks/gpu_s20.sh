@@ -80,6 +80,7 @@ final)
     latency int4_bs$bs --batch-size $bs --quantization int4
     latency bf16_bs$bs --batch-size $bs
   done
+  (cd "$OUT" && tar -czf latency.tgz latency_* && rm -f latency_*)  # few files come back
   echo "part final done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
