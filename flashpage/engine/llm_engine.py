@@ -291,7 +291,10 @@ class LLMEngine:
             raise RuntimeError("warm_up() needs an idle engine")
         vocab = self.model_config.vocab_size
         chunk = max(1, min(self.config.max_num_batched_tokens // 2, self.max_model_len // 2, 512))
-        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
+        params: SamplingParams | PoolingParams = SamplingParams(
+            temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
+        if self.model_config.is_classifier:  # prompts only: a classifier never decodes
+            params = PoolingParams(task="classify")
         prompt = [i % vocab for i in range(1, chunk + 1)]
         a = max(1, chunk // 4)
         self.add_request("__warmup_0", prompt[:a], params)
@@ -436,6 +439,7 @@ class LLMEngine:
         with the priority scheduling policy, lower values are served first (as vLLM's)."""
         self.check_priority(priority)
         pooling = params if isinstance(params, PoolingParams) else None
+        self.check_task(pooling.task if pooling is not None else "generate")
         if pooling is not None:
             pooling.validate(self.model_config.hidden_size)
             # one greedy token nobody reads: the scheduler and async scheduling as for any request
@@ -463,7 +467,7 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                 "no room for any output token")
         bad_word_ids = self._bad_word_ids(params.bad_words) if params.bad_words else []
-        guide = self.compile_guide(params)
+        guide = self.compile_guide(params) if pooling is None else None
         if lora_request is not None:
             self.add_lora(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -478,7 +482,7 @@ class LLMEngine:
 
                 req.guide = GuideState(guide, allow_eos=not sample.ignore_eos)
             if pooling is not None:
-                req.pooling = PoolingState(self.pooling_type)
+                req.pooling = PoolingState(self.pooling_type, *self._pooling_head(pooling))
             try:
                 self.scheduler.add_request(req)
             except ValueError:
@@ -494,6 +498,49 @@ class LLMEngine:
         for c in parent.children:
             self._children[c.request.request_id] = c
         return request_id
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """What this model does: a decoder generates and embeds; a sequence classifier
+        classifies, and scores a pair when it has one label (check_task says so otherwise)."""
+        return ("classify", "score") if self.model_config.is_classifier else ("generate", "embed")
+
+    def check_task(self, task: str) -> None:
+        """A ValueError unless this model does ``task`` ("generate", "embed", "score",
+        "classify"), saying what it does instead (as EncoderEngine.check_task)."""
+        mc = self.model_config
+        if not mc.is_classifier:
+            if task == "classify":
+                raise ValueError(f"this model ({mc.architecture}) is not a sequence classifier: "
+                                 "classify needs one (a *ForSequenceClassification checkpoint: "
+                                 "Qwen2ForSequenceClassification, BertForSequenceClassification, ...)")
+            return
+        if task == "generate":
+            raise ValueError(f"this model ({mc.architecture}) is a sequence classifier: use classify "
+                             "(LLM.classify, /classify) or score (one label: LLM.score, /score, "
+                             "/rerank); it has no LM head to generate with")
+        if task == "embed":
+            raise ValueError(f"this model ({mc.architecture}) is a sequence classifier: use classify "
+                             "(LLM.classify, /classify); it does not embed (as vLLM's classifiers)")
+        if task == "score" and mc.num_labels != 1:
+            raise ValueError(f"this classifier has {mc.num_labels} labels; only a one-label "
+                             "classifier gives a score (LLM.classify, /classify give its class "
+                             "probabilities)")
+
+    def encode_pair(self, text_1: str | list[int], text_2: str | list[int]) -> list[int]:
+        """A one-label classifier's input for one pair (LLM.score): the two texts joined by
+        the tokenizer's pair encoding (encoder/engine.py join_pair, family "decoder")."""
+        from flashpage.encoder.engine import join_pair
+
+        return join_pair(self.tokenizer, "decoder", text_1, text_2)
+
+    def _pooling_head(self, params: PoolingParams) -> tuple[Any, str]:
+        """(head, activation) for PoolingState: a classifier's score head on the pooled
+        vector, and what turns its logits into the output; (None, "") for an embedding."""
+        if params.task == "embed":
+            return None, ""
+        model, dtype = self.model, self.dtype
+        return (lambda v: model.classify(v.to(dtype))), self.model_config.score_activation  # type: ignore[operator]
 
     def check_priority(self, priority: object) -> None:
         """A ValueError unless ``priority`` is an integer this engine takes: any under the
