@@ -118,6 +118,9 @@ class LLMEngine:
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
+        if self.spec_config is not None and mc.is_classifier:
+            raise ValueError(f"speculative_config: this model ({mc.architecture}) is a sequence "
+                             "classifier; it does not generate, so it has nothing to speculate")
         self.draft: tuple[ModelSource, torch.nn.Module, type[AttentionBackend]] | None = None
         if self.spec_config is not None and self.spec_config.method == "draft_model":
             self.draft = self._load_draft(self.spec_config)
@@ -215,10 +218,15 @@ class LLMEngine:
         max_tokens = min(cfg.max_num_batched_tokens, self.max_model_len,
                          getattr(self.model, "max_graph_tokens", None) or 1 << 30)
         # (name, capture, what turns the kind off if its capture fails: None = fatal)
-        kinds: list[tuple[str, Callable[[], None], str | None]] = [
-            ("decode", lambda: runner.capture_decode_graphs(min(cfg.max_num_seqs, 512),
-                                                            self.max_model_len), None)]
-        if prompt_graphs and envs.prefill_graphs():
+        kinds: list[tuple[str, Callable[[], None], str | None]] = []
+        # A sequence classifier's requests are all pooling ones: every step reads hidden
+        # states, which the decode and prompt-only graphs do not hand back (and it never
+        # decodes); the piecewise graphs alone serve it.
+        whole_step_graphs = not self.model_config.is_classifier
+        if whole_step_graphs:
+            kinds.append(("decode", lambda: runner.capture_decode_graphs(
+                min(cfg.max_num_seqs, 512), self.max_model_len), None))
+        if whole_step_graphs and prompt_graphs and envs.prefill_graphs():
             kinds.append(("prompt-only (up to 4 requests)",
                           lambda: runner.capture_prefill_graphs(max_tokens, self.max_model_len,
                                                                 rows_per_seq=1 + spec_k),

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from flashpage import LLM, SamplingParams
+from flashpage import LLM, PoolingParams, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from tests.byte_tokenizer import VOCAB_SIZE, build_byte_tokenizer
 from tests.server.conftest import live_server
@@ -24,8 +24,10 @@ FAMILIES = {
 }
 ENGINE = dict(dtype="float32", device="cpu", block_size=8, num_gpu_blocks=64,
               max_num_batched_tokens=16, max_model_len=256)  # 16 tokens a step: chunks
-PROMPTS = [[5, 6, 7], list(range(10, 17)), [(7 * i + 3) % 300 + 4 for i in range(20)],
-           [(7 * i + 3) % 300 + 4 for i in range(33)]]  # the last extends the third: a cached prefix
+# lengths 3, 7, 16 (two whole blocks: its last token is still run), 20, and 33, which extends
+# the 20-token one: a cached prefix
+PROMPTS = [[5, 6, 7], list(range(10, 17)), list(range(40, 56)),
+           [(7 * i + 3) % 300 + 4 for i in range(20)], [(7 * i + 3) % 300 + 4 for i in range(33)]]
 LABELS = {3: {"0": "neg", "1": "neutral", "2": "pos"}, 1: {"0": "relevant"}}
 
 
@@ -81,17 +83,62 @@ def test_classify_matches_transformers(checkpoints, family, num_labels):
     assert mc.labels == tuple(LABELS[num_labels].values())
     want = [(logit.softmax(-1) if num_labels > 1 else torch.sigmoid(logit)).tolist()
             for logit in _reference(path, PROMPTS)]
-    first = llm.classify(PROMPTS[:3], use_tqdm=False)  # 30 tokens: chunked over steps
+    first = llm.classify(PROMPTS[:4], use_tqdm=False)  # 46 tokens: chunked over steps
     hits = llm.engine.kv_manager.prefix_hits
-    again = llm.classify(PROMPTS, use_tqdm=False)  # PROMPTS[3] over PROMPTS[2]'s cached blocks
+    again = llm.classify(PROMPTS, use_tqdm=False)  # PROMPTS[4] over PROMPTS[3]'s cached blocks
     assert llm.engine.kv_manager.prefix_hits > hits
-    for outs, ref in ((first, want[:3]), (again, want)):
+    for outs, ref in ((first, want[:4]), (again, want)):
         for o, w in zip(outs, ref, strict=True):
             assert o.error is None and o.outputs.num_classes == num_labels
             assert o.outputs.probs == pytest.approx(w, abs=1e-5)
     if num_labels > 1:
         assert len({round(o.outputs.probs[0], 4) for o in again}) == len(PROMPTS)  # told apart
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks  # no leaks
+
+
+def test_classify_through_piecewise_steps(checkpoints, monkeypatch):
+    """The steps through the piecewise graphs' padded buckets (run eagerly on the CPU; the
+    only graphs a classifier captures, its steps all reading hidden states): the same
+    probabilities as the plain steps."""
+    from flashpage.engine.cuda_graph import PiecewiseGraphs
+
+    path = checkpoints("qwen2", 1)
+    want = [o.outputs.probs for o in LLM(str(path), **ENGINE).classify(PROMPTS, use_tqdm=False)]
+    llm = LLM(str(path), **ENGINE)
+    llm.engine.runner.capture_piecewise_graphs(16, capture=False)
+    calls = []
+    real = PiecewiseGraphs.run
+
+    def spy(self, input_ids, positions, md):
+        calls.append(md.num_actual_tokens)
+        return real(self, input_ids, positions, md)
+
+    monkeypatch.setattr(PiecewiseGraphs, "run", spy)
+    outs = llm.classify(PROMPTS, use_tqdm=False)
+    assert calls and any(n % 16 for n in calls)  # padded buckets
+    for o, w in zip(outs, want, strict=True):
+        assert o.outputs.probs == pytest.approx(w, abs=1e-5)
+
+
+def test_classify_through_preemption(checkpoints):
+    """Five blocks of 8 tokens, priority scheduling: a 33-token prompt half run is preempted
+    by a more urgent one that needs its blocks, then runs again from the start; both get
+    the probabilities they get alone."""
+    path = checkpoints("llama", 3)
+    a, b = PROMPTS[4], PROMPTS[4][::-1]
+    want = [o.outputs.probs for o in LLM(str(path), **ENGINE).classify([a, b], use_tqdm=False)]
+    eng = LLM(str(path), **{**ENGINE, "num_gpu_blocks": 5, "enable_prefix_caching": False,
+                            "scheduling_policy": "priority"}).engine
+    eng.add_request("a", a, PoolingParams(task="classify"), priority=1)
+    outs = eng.step()
+    eng.add_request("b", b, PoolingParams(task="classify"), priority=0)
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert eng.scheduler.num_preemptions > 0
+    got = {o.request_id: o.embedding.tolist() for o in outs if o.finished}
+    assert got["a"] == pytest.approx(want[0], abs=1e-5)
+    assert got["b"] == pytest.approx(want[1], abs=1e-5)
+    assert eng.kv_manager.num_free_blocks == eng.num_blocks
 
 
 def test_score_and_refusals(checkpoints):
