@@ -45,7 +45,7 @@ from flashpage.engine.scheduler import check_priority
 from flashpage.engine.sequence import prompt_text_and_ids
 from flashpage.kv_cache.kv_cache_manager import KVCacheStats
 from flashpage.outputs import RequestMetrics, RequestOutput
-from flashpage.pooling import PoolingParams, PoolingState, pooling_type_of
+from flashpage.pooling import PoolingParams, PoolingState, activate, pooling_type_of
 
 logger = logging.getLogger("flashpage")
 _INT = {int}
@@ -293,9 +293,7 @@ class EncoderEngine:
         (each row's first ``dimensions`` count), or the head's probabilities."""
         if batch[0].params.task != "embed":  # one head: the batch is all scores or classes
             logits = self.model.classify(hidden[:, 0]).float()
-            if logits.shape[1] > 1:  # classes: their probabilities
-                return logits.softmax(-1)
-            return torch.sigmoid(logits) if self.model_config.score_activation == "sigmoid" else logits
+            return activate(logits, self.model_config.score_activation)
         pooled = pool(hidden, valid, self.pooling_type)
         return cut_and_normalize(pooled, [r.params.dimensions for r in batch],
                                  [r.params.normalize for r in batch])

@@ -188,6 +188,16 @@ def test_classifier_config(tmp_path):
     (tmp_path / "config_sentence_transformers.json").write_text(
         json.dumps({"activation_fn": "torch.nn.modules.linear.Identity"}))
     assert ModelConfig.from_hf(tmp_path).score_activation == "identity"
+    # the encoders' classifiers follow the same rule
+    from flashpage.encoder.config import EncoderConfig
+
+    bert = dict(architectures=["BertForSequenceClassification"], vocab_size=64, hidden_size=32,
+                num_attention_heads=4, num_hidden_layers=1, intermediate_size=64,
+                max_position_embeddings=64)
+    assert EncoderConfig.from_hf({**bert, "num_labels": 3}).score_activation == "softmax"
+    assert EncoderConfig.from_hf({**bert, "num_labels": 1}).score_activation == "sigmoid"
+    assert EncoderConfig.from_hf({**bert, "num_labels": 3, "problem_type": "multi_label_classification"}
+                                 ).score_activation == "sigmoid"
 
 
 def test_inspect_a_classifier(checkpoints, capsys):
