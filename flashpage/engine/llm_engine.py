@@ -427,8 +427,9 @@ class LLMEngine:
             heads = 4 * mc.num_attention_heads * mc.head_dim
         width = 4 * mc.hidden_size + 3 * max(mc.intermediate_size, mc.moe_intermediate_size) \
             + heads
+        logits = mc.num_labels if mc.is_classifier else mc.vocab_size  # a classifier's: its labels
         return cfg.max_num_batched_tokens * width * nbytes * 2 \
-            + cfg.max_num_seqs * mc.vocab_size * 12 + (512 << 20)
+            + cfg.max_num_seqs * logits * 12 + (512 << 20)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:

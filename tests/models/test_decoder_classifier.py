@@ -120,6 +120,18 @@ def test_classify_through_piecewise_steps(checkpoints, monkeypatch):
         assert o.outputs.probs == pytest.approx(w, abs=1e-5)
 
 
+def test_ignored_token_through_the_sampling_kernel(checkpoints):
+    """On CUDA the one ignored token is drawn by the Gumbel-max kernel from the score logits
+    ([n, 1] here, not a vocabulary's width): run it (interpreted) on the CPU."""
+    pytest.importorskip("triton")
+    path = checkpoints("qwen2", 1)
+    want = [o.outputs.probs for o in LLM(str(path), **ENGINE).classify(PROMPTS[:2], use_tqdm=False)]
+    llm = LLM(str(path), **ENGINE)
+    llm.engine.runner.sampler.use_kernel = True
+    outs = llm.classify(PROMPTS[:2], use_tqdm=False)
+    assert [o.outputs.probs[0] for o in outs] == pytest.approx([w[0] for w in want], abs=1e-6)
+
+
 def test_classify_through_preemption(checkpoints):
     """Five blocks of 8 tokens, priority scheduling: a 33-token prompt half run is preempted
     by a more urgent one that needs its blocks, then runs again from the start; both get
