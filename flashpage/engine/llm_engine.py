@@ -523,6 +523,10 @@ class LLMEngine:
                 raise ValueError(f"this model ({mc.architecture}) is not a sequence classifier: "
                                  "classify needs one (a *ForSequenceClassification checkpoint: "
                                  "Qwen2ForSequenceClassification, BertForSequenceClassification, ...)")
+            if task == "score":
+                raise ValueError(f"this model ({mc.architecture}) has no classification head to "
+                                 "score a pair with (LLM.score and /score take the cosine of its "
+                                 "embeddings instead)")
             return
         if task == "generate":
             raise ValueError(f"this model ({mc.architecture}) is a sequence classifier: use classify "

@@ -179,6 +179,15 @@ def test_score_and_refusals(checkpoints):
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
 
 
+def test_a_plain_decoder_neither_classifies_nor_scores_a_pair(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("qwen2_bias")), **ENGINE)
+    with pytest.raises(ValueError, match="not a sequence classifier"):
+        llm.classify([[5, 6, 7]])
+    with pytest.raises(ValueError, match="no classification head"):
+        llm.engine.add_request(None, [5, 6, 7], PoolingParams(task="score"))
+    assert len(llm.embed([[5, 6, 7]], use_tqdm=False)[0].outputs.embedding) == 64  # it embeds
+
+
 def test_classifier_config(tmp_path):
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=4, architectures=["Qwen2ForSequenceClassification"],
