@@ -162,6 +162,14 @@ def test_score_and_refusals(checkpoints):
     want = [torch.sigmoid(logit)[0].item() for logit in _reference(path, pairs)]
     got = llm.score(query, docs, use_tqdm=False)
     assert [o.outputs.score for o in got] == pytest.approx(want, abs=1e-5)
+    eng = llm.engine  # a classify and a score request in one batch: the same sigmoid
+    eng.add_request("c", pairs[0], PoolingParams(task="classify"))
+    eng.add_request("s", pairs[0], PoolingParams(task="score"))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    both = {o.request_id: o.embedding.tolist() for o in outs if o.finished}
+    assert both["c"] == both["s"] == pytest.approx([want[0]], abs=1e-5)
     # text prompts classify as their token ids do; a mixed batch with an embedding-free engine
     assert llm.classify(docs[0], use_tqdm=False)[0].outputs.probs == pytest.approx(
         llm.classify([tok.encode(docs[0])], use_tqdm=False)[0].outputs.probs, abs=1e-6)
