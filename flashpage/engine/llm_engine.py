@@ -94,8 +94,11 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.source: ModelSource = resolve_model(config.model, random_config)
-        self.pooling_type = config.pooling_type or pooling_type_of(
+        # a classifier reads its last token, as HF's *ForSequenceClassification (its folder's
+        # sentence-transformers Pooling, if it had one, is not what its head was trained on)
+        default_pooling = "last" if self.source.config.is_classifier else pooling_type_of(
             self.source.path if self.source.kind == "hf" else None)
+        self.pooling_type = config.pooling_type or default_pooling
         self.model_config: ModelConfig = self.source.config
         mc = self.model_config
         self.generation_defaults = load_generation_defaults(
@@ -549,9 +552,9 @@ class LLMEngine:
 
     def _pooling_head(self, params: PoolingParams) -> tuple[Any, str]:
         """(head, activation) for PoolingState: a classifier's score head on the pooled
-        vector, and what turns its logits into the output; (None, "") for an embedding."""
+        vector, and what turns its logits into the output; no head for an embedding."""
         if params.task == "embed":
-            return None, ""
+            return None, "identity"
         model, dtype = self.model, self.dtype
         return (lambda v: model.classify(v.to(dtype))), self.model_config.score_activation  # type: ignore[operator]
 
