@@ -17,12 +17,20 @@ if TYPE_CHECKING:
     import torch
 
 # Architectures we can run, by family. DeepSeek is parsed for ``inspect`` and MLA.
+# decoder sequence classifiers: the body of the family, a ``score`` head over the last
+# token's hidden state instead of the LM head (models/llama.py LlamaForSequenceClassification)
+CLASSIFIER_ARCHITECTURES = {
+    "LlamaForSequenceClassification",
+    "MistralForSequenceClassification",
+    "Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification",
+}
 LLAMA_FAMILY = {
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
-}
+} | CLASSIFIER_ARCHITECTURES
 DEEPSEEK_FAMILY = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY | DEEPSEEK_FAMILY
 
@@ -331,6 +339,49 @@ def _checkpoint_quantization(d: dict[str, Any], arch: str,
     return qc
 
 
+def classifier_labels(d: dict[str, Any], where: str) -> tuple[int, tuple[str, ...]]:
+    """A sequence classifier's label count (``num_labels``, else id2label's size, else 2 as
+    transformers' default) and names in id order ("LABEL_i" where id2label names none, as
+    transformers does); a ConfigError for a count that is not a positive integer or an
+    id2label that does not fit it."""
+    id2label = d.get("id2label")
+    if id2label is not None and not isinstance(id2label, dict):
+        raise ConfigError(f"{where}: id2label must be an object of label id -> name, got {id2label!r}")
+    n = d.get("num_labels", len(id2label) if id2label else 2)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"{where}: num_labels must be a positive integer, got {n!r}")
+    names = id2label or {}
+    bad = [k for k in names if not str(k).lstrip("-").isdigit() or not 0 <= int(k) < n]
+    if bad:
+        raise ConfigError(f"{where}: id2label names label id(s) {bad[:3]} outside the "
+                          f"{n} labels [0, {n})")
+    return n, tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(n))
+
+
+def classifier_activation(d: dict[str, Any], folder: str | None, num_labels: int) -> str:
+    """What turns a sequence classifier's logits into its outputs (vLLM's rule, after
+    transformers' loss for ``problem_type``): a sentence-transformers CrossEncoder's
+    ``activation_fn`` (config_sentence_transformers.json, or config.json's
+    ``sbert_ce_default_activation_function``) of Identity -> "identity"; problem_type
+    "regression" -> "identity", "multi_label_classification" -> "sigmoid" (each label on
+    its own); else "softmax" over the labels, "sigmoid" for one label."""
+    name = d.get("sbert_ce_default_activation_function")
+    if name is None and folder:
+        try:
+            with open(os.path.join(folder, "config_sentence_transformers.json"), encoding="utf-8") as f:
+                name = json.load(f).get("activation_fn")
+        except (OSError, ValueError, AttributeError):
+            name = None
+    if isinstance(name, str) and name.rsplit(".", 1)[-1] == "Identity":
+        return "identity"
+    problem = d.get("problem_type")
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification":
+        return "sigmoid"
+    return "sigmoid" if num_labels == 1 else "softmax"
+
+
 def _string_list(d: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
     v = d.get(key)
     if v is None:
@@ -394,6 +445,12 @@ class ModelConfig:
     norm_topk_prob: bool = False
     # fp8 / int4 checkpoints (HF quantization_config): how their weights are stored; None: 16/32-bit
     quantization_config: CheckpointQuantization | None = None
+    # a sequence classifier (CLASSIFIER_ARCHITECTURES; 0 for any other model): its labels
+    # (id2label's names in id order) and what turns its logits into probabilities
+    # (classifier_activation: "softmax", "sigmoid" or "identity")
+    num_labels: int = 0
+    labels: tuple[str, ...] = ()
+    score_activation: str = "softmax"
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ loading
@@ -417,10 +474,15 @@ class ModelConfig:
                 raise ConfigError(f"{path} is not valid JSON: {e}") from e
         if not isinstance(d, dict):
             raise ConfigError(f"{where}: expected a JSON object")
-        return ModelConfig._from_dict(d, where)
+        return ModelConfig._from_dict(d, where, None if where == "config" else os.path.dirname(where))
+
+    @property
+    def is_classifier(self) -> bool:
+        """A sequence classifier (LLM.classify, /classify; one label: LLM.score too)."""
+        return self.architecture in CLASSIFIER_ARCHITECTURES
 
     @staticmethod
-    def _from_dict(d: dict[str, Any], where: str) -> ModelConfig:
+    def _from_dict(d: dict[str, Any], where: str, folder: str | None = None) -> ModelConfig:
         archs = d.get("architectures") or []
         arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(d.get("model_type", ""), "")
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -460,6 +522,11 @@ class ModelConfig:
         rope_scaling = d.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
+        num_labels, activation = 0, "softmax"
+        labels: tuple[str, ...] = ()
+        if arch in CLASSIFIER_ARCHITECTURES:
+            num_labels, labels = classifier_labels(d, where)
+            activation = classifier_activation(d, folder, num_labels)
         return ModelConfig(
             architecture=arch,
             model_type=model_type,
@@ -500,6 +567,9 @@ class ModelConfig:
             scoring_func=d.get("scoring_func") or "softmax",
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
             quantization_config=_checkpoint_quantization(d, arch, where),
+            num_labels=num_labels,
+            labels=labels,
+            score_activation=activation,
             raw=d,
         )
 

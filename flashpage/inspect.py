@@ -195,7 +195,8 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     """(total, active per token) parameters of the model, from its config alone."""
     h = cfg.hidden_size
     embed = cfg.vocab_size * h
-    fixed = embed + h + (0 if cfg.tie_word_embeddings else embed)  # + final norm, lm_head
+    head = h * cfg.num_labels if cfg.is_classifier else (0 if cfg.tie_word_embeddings else embed)
+    fixed = embed + h + head  # + final norm, lm_head (a classifier's: its score head)
     total = active = fixed
     attn = _attention_params(cfg) + 2 * h  # + input and post-attention norms
     for layer in range(cfg.num_hidden_layers):
@@ -271,6 +272,8 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "int4_linears": len(int4),
         "weights_bytes": weights_bytes,
         "tokens_in_memory_after_weights": max(0, memory_bytes - weights_bytes) // kv_total,
+        # a sequence classifier's labels (config.json's id2label), None for a generator
+        "labels": list(cfg.labels) if cfg.is_classifier else None,
     }
     if cfg.is_mla:
         assert cfg.kv_lora_rank is not None
@@ -324,6 +327,10 @@ def format_report(info: dict[str, Any]) -> str:
             ("group size", str(info["group_size"])),
             ("head_dim", str(info["head_dim"])),
         ]
+    if info.get("labels"):
+        labels = info["labels"]
+        rows.append(("task", f"classify: {len(labels)} label(s) {', '.join(labels[:8])}"
+                             f"{' ...' if len(labels) > 8 else ''} (no LM head: no generation)"))
     if info["sliding_window"]:
         rows.append(("sliding window", f"{info['sliding_window']} (figures below cache every token)"))
     rows += [

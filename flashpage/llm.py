@@ -139,8 +139,9 @@ class LLM:
               priority: Sequence[int] | None = None) -> list[ScoringRequestOutput]:
         """vLLM's LLM.score: ``text_1`` against each of ``text_2`` (one item against many),
         or each pair (equal lengths). Embedding models: the cosine of the two embeddings,
-        each distinct text embedded once. Cross-encoders (flashpage/encoder/): one forward
-        over each pair joined by the tokenizer, the head's logit through a sigmoid. A pair
+        each distinct text embedded once. Cross-encoders (flashpage/encoder/, and one-label
+        decoder classifiers): one forward over each pair joined by the tokenizer (its pair
+        encoding: encoder/engine.py join_pair), the head's logit through a sigmoid. A pair
         with a refused text has ``error`` set. ``priority``: one integer per pair (per
         output), as in ``generate``; a text in several pairs is embedded at the lowest value
         (the most urgent) of them."""
@@ -226,10 +227,12 @@ class LLM:
 
     def classify(self, prompts: Prompt | Sequence[Prompt], *, use_tqdm: bool = True,
                  priority: Sequence[int] | None = None) -> list[ClassificationRequestOutput]:
-        """vLLM's LLM.classify: a sequence classifier's (BertForSequenceClassification,
-        XLMRobertaForSequenceClassification) class probabilities per prompt, softmax over its
-        labels (one label: the sigmoid); ``self.engine.model_config.labels`` names them. A
-        prompt that cannot run has ``error`` set and no outputs."""
+        """vLLM's LLM.classify: a sequence classifier's class probabilities per prompt
+        (BertForSequenceClassification, XLMRobertaForSequenceClassification; the decoders'
+        Qwen2ForSequenceClassification, LlamaForSequenceClassification, ... read at the last
+        prompt token), softmax over its labels (one label: the sigmoid; config's problem_type
+        may say otherwise: config.classifier_activation); ``self.engine.model_config.labels``
+        names them. A prompt that cannot run has ``error`` set and no outputs."""
         self._check_task("classify")
         plist = _as_prompt_list(prompts)
         priorities = self._per_prompt_priorities(priority, len(plist))
@@ -240,15 +243,10 @@ class LLM:
                                             True, o.error) for o in outs]
 
     def _check_task(self, task: str) -> None:
-        """An encoder engine refuses what its model does not do (generation, or embedding
-        on a cross-encoder) with a ValueError saying what it does instead; a decoder does
-        not classify."""
-        check = getattr(self.engine, "check_task", None)
-        if check is not None:
-            check(task)
-        elif task == "classify":
-            raise ValueError("this model is not a sequence classifier: classify needs one (a "
-                             "BertForSequenceClassification / XLMRobertaForSequenceClassification)")
+        """The engine refuses what its model does not do (generation on an encoder or a
+        sequence classifier, embedding on a cross-encoder or classifier, classify on a
+        model without a classification head) with a ValueError saying what it does instead."""
+        self.engine.check_task(task)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,

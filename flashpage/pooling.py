@@ -17,13 +17,19 @@ embeddings), ``normalize`` (default on) scales the vector to unit length, after 
 In the engine an embedding request is a request for one greedy token that nobody reads: the
 scheduler, preemption and async scheduling need nothing new; the model runner pools the
 prompt rows of each step (engine/model_runner.py) and the output carries the vector.
+
+A decoder sequence classifier (Qwen2ForSequenceClassification, ...; models/llama.py) runs
+the same way: its classify / score requests pool the last prompt token's hidden state (HF's
+last non-pad token), and the output is its ``score`` head's logits through the model's
+activation (config.classifier_activation: softmax over the labels, one label's sigmoid). Its
+ignored token is sampled from those logits (the model has no LM head).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,12 +85,17 @@ class PoolingState:
     """One request's pooling as its prompt's chunks run: ``add(rows, start, num_prompt)``
     with the final-norm hidden states [n, hidden] of prompt positions start .. start + n - 1;
     ``vector`` once the last prompt position has been added. A chunk at position 0 starts
-    over (a preempted request computes its prompt again)."""
+    over (a preempted request computes its prompt again). ``head`` (a classifier's): pooled
+    vector [1, hidden] fp32 -> logits [1, num_labels], turned into the output by
+    ``activation`` ("softmax", "sigmoid" or "identity")."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 activation: str = "softmax") -> None:
         if kind not in POOLING_TYPES:
             raise ValueError(f"pooling type must be one of {POOLING_TYPES}, got {kind!r}")
         self.kind = kind
+        self.head = head
+        self.activation = activation
         self.total: torch.Tensor | None = None  # mean: the running sum (fp32)
         self.count = 0
         self.vector: torch.Tensor | None = None
@@ -118,10 +129,26 @@ class PoolingState:
         array (RequestOutput.embedding)."""
         if self.vector is None:
             raise RuntimeError("the prompt has not been pooled yet")
+        if self.head is not None:  # a classifier: its probabilities (or score)
+            with torch.inference_mode():
+                logits = self.head(self.vector[None])[0].float()
+                return activate(logits, self.activation).cpu().numpy()
         v = self.vector[: params.dimensions] if params.dimensions else self.vector
         if params.normalize:
             v = torch.nn.functional.normalize(v, dim=0)
         return v.cpu().numpy()
+
+
+def activate(logits: torch.Tensor, activation: str) -> torch.Tensor:
+    """A classifier's logits [..., num_labels] -> its outputs: "softmax" over the labels,
+    "sigmoid" of each, or "identity" (the logits as they are)."""
+    if activation == "softmax":
+        return logits.softmax(-1)
+    if activation == "sigmoid":
+        return torch.sigmoid(logits)
+    if activation == "identity":
+        return logits
+    raise ValueError(f"classifier activation must be softmax, sigmoid or identity, got {activation!r}")
 
 
 class EmbeddingOutput:

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from flashpage.config import ConfigError
+from flashpage.config import ConfigError, classifier_activation
 
 # architecture -> (family, head): "bert" positions start at 0; "roberta" at padding_idx + 1
 ENCODER_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -40,8 +40,10 @@ class EncoderConfig:
     pad_token_id: int
     num_labels: int  # classify only (1 for the others)
     labels: tuple[str, ...] = ()  # config.json's id2label, in id order (classify only)
-    # a one-label cross-encoder's score activation: "sigmoid" (vLLM's and sentence-transformers'
-    # default) or "identity" (the checkpoint's sentence-transformers config says Identity)
+    # what turns a classifier's logits into its outputs (config.classifier_activation, the rule
+    # decoder classifiers follow too): "softmax" over several labels, "sigmoid" of one (vLLM's
+    # and sentence-transformers' default), "identity" where the checkpoint's
+    # sentence-transformers config says Identity or problem_type says regression
     score_activation: str = "sigmoid"
 
     @property
@@ -139,7 +141,7 @@ class EncoderConfig:
                    layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)), hidden_act=act,
                    pad_token_id=pad, num_labels=num_labels,
                    labels=_labels(labels, num_labels) if head != "embed" else (),
-                   score_activation=_score_activation(raw, folder))
+                   score_activation=classifier_activation(raw, folder, num_labels))
 
 
 def _labels(id2label: Any, n: int) -> tuple[str, ...]:
@@ -177,19 +179,3 @@ def is_encoder_model(model: str | None) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(raw, dict) and encoder_architecture(raw) is not None
-
-
-def _score_activation(raw: dict[str, Any], folder: str | None) -> str:
-    """sentence-transformers' CrossEncoder activation when the checkpoint names one
-    (``sbert_ce_default_activation_function`` in config.json, or ``activation_fn`` in
-    config_sentence_transformers.json): Identity -> raw logits; else sigmoid."""
-    name = raw.get("sbert_ce_default_activation_function")
-    if name is None and folder is not None:
-        try:
-            with open(os.path.join(folder, "config_sentence_transformers.json")) as f:
-                name = json.load(f).get("activation_fn")
-        except (OSError, ValueError, AttributeError):
-            name = None
-    if isinstance(name, str) and name.rsplit(".", 1)[-1] == "Identity":
-        return "identity"
-    return "sigmoid"

@@ -45,7 +45,7 @@ from flashpage.engine.scheduler import check_priority
 from flashpage.engine.sequence import prompt_text_and_ids
 from flashpage.kv_cache.kv_cache_manager import KVCacheStats
 from flashpage.outputs import RequestMetrics, RequestOutput
-from flashpage.pooling import PoolingParams, PoolingState, pooling_type_of
+from flashpage.pooling import PoolingParams, PoolingState, activate, pooling_type_of
 
 logger = logging.getLogger("flashpage")
 _INT = {int}
@@ -293,9 +293,7 @@ class EncoderEngine:
         (each row's first ``dimensions`` count), or the head's probabilities."""
         if batch[0].params.task != "embed":  # one head: the batch is all scores or classes
             logits = self.model.classify(hidden[:, 0]).float()
-            if logits.shape[1] > 1:  # classes: their probabilities
-                return logits.softmax(-1)
-            return torch.sigmoid(logits) if self.model_config.score_activation == "sigmoid" else logits
+            return activate(logits, self.model_config.score_activation)
         pooled = pool(hidden, valid, self.pooling_type)
         return cut_and_normalize(pooled, [r.params.dimensions for r in batch],
                                  [r.params.normalize for r in batch])
@@ -335,7 +333,10 @@ def join_pair(tok: Any | None, family: str, text_1: str | list[int],
               text_2: str | list[int]) -> list[int]:
     """One pair as the cross-encoder's tokenizer joins two texts (BERT: [CLS] a [SEP] b
     [SEP]; XLM-R: <s> a </s></s> b </s>); token-id prompts are joined the same way, with
-    the tokenizer's cls and sep ids. ``family``: EncoderConfig.family."""
+    the tokenizer's cls and sep ids. ``family``: EncoderConfig.family, or "decoder" for a
+    decoder sequence classifier: its tokenizer's own pair encoding (vLLM's: the tokenizer
+    called on text and text_pair; Llama's: <s> a <s> b, Qwen2's: a b, nothing between),
+    token ids through the same build_inputs_with_special_tokens."""
     if tok is None:
         raise ValueError("this model has no tokenizer: a cross-encoder needs one to join the "
                          "two texts of a pair")
@@ -343,6 +344,8 @@ def join_pair(tok: Any | None, family: str, text_1: str | list[int],
         return list(tok(text_1, text_2)["input_ids"])
     a = tok.encode(text_1, add_special_tokens=False) if isinstance(text_1, str) else list(text_1)
     b = tok.encode(text_2, add_special_tokens=False) if isinstance(text_2, str) else list(text_2)
+    if family == "decoder":
+        return [int(t) for t in tok.build_inputs_with_special_tokens(a, b)]
     cls_id, sep_id = tok.cls_token_id, tok.sep_token_id
     if cls_id is None or sep_id is None:
         raise ValueError("the tokenizer has no cls / sep token to join a pair of token-id prompts")

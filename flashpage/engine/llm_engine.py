@@ -94,8 +94,11 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.source: ModelSource = resolve_model(config.model, random_config)
-        self.pooling_type = config.pooling_type or pooling_type_of(
+        # a classifier reads its last token, as HF's *ForSequenceClassification (its folder's
+        # sentence-transformers Pooling, if it had one, is not what its head was trained on)
+        default_pooling = "last" if self.source.config.is_classifier else pooling_type_of(
             self.source.path if self.source.kind == "hf" else None)
+        self.pooling_type = config.pooling_type or default_pooling
         self.model_config: ModelConfig = self.source.config
         mc = self.model_config
         self.generation_defaults = load_generation_defaults(
@@ -118,6 +121,9 @@ class LLMEngine:
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
+        if self.spec_config is not None and mc.is_classifier:
+            raise ValueError(f"speculative_config: this model ({mc.architecture}) is a sequence "
+                             "classifier; it does not generate, so it has nothing to speculate")
         self.draft: tuple[ModelSource, torch.nn.Module, type[AttentionBackend]] | None = None
         if self.spec_config is not None and self.spec_config.method == "draft_model":
             self.draft = self._load_draft(self.spec_config)
@@ -215,10 +221,15 @@ class LLMEngine:
         max_tokens = min(cfg.max_num_batched_tokens, self.max_model_len,
                          getattr(self.model, "max_graph_tokens", None) or 1 << 30)
         # (name, capture, what turns the kind off if its capture fails: None = fatal)
-        kinds: list[tuple[str, Callable[[], None], str | None]] = [
-            ("decode", lambda: runner.capture_decode_graphs(min(cfg.max_num_seqs, 512),
-                                                            self.max_model_len), None)]
-        if prompt_graphs and envs.prefill_graphs():
+        kinds: list[tuple[str, Callable[[], None], str | None]] = []
+        # A sequence classifier's requests are all pooling ones: every step reads hidden
+        # states, which the decode and prompt-only graphs do not hand back (and it never
+        # decodes); the piecewise graphs alone serve it.
+        whole_step_graphs = not self.model_config.is_classifier
+        if whole_step_graphs:
+            kinds.append(("decode", lambda: runner.capture_decode_graphs(
+                min(cfg.max_num_seqs, 512), self.max_model_len), None))
+        if whole_step_graphs and prompt_graphs and envs.prefill_graphs():
             kinds.append(("prompt-only (up to 4 requests)",
                           lambda: runner.capture_prefill_graphs(max_tokens, self.max_model_len,
                                                                 rows_per_seq=1 + spec_k),
@@ -291,7 +302,10 @@ class LLMEngine:
             raise RuntimeError("warm_up() needs an idle engine")
         vocab = self.model_config.vocab_size
         chunk = max(1, min(self.config.max_num_batched_tokens // 2, self.max_model_len // 2, 512))
-        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
+        params: SamplingParams | PoolingParams = SamplingParams(
+            temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
+        if self.model_config.is_classifier:  # prompts only: a classifier never decodes
+            params = PoolingParams(task="classify")
         prompt = [i % vocab for i in range(1, chunk + 1)]
         a = max(1, chunk // 4)
         self.add_request("__warmup_0", prompt[:a], params)
@@ -416,8 +430,9 @@ class LLMEngine:
             heads = 4 * mc.num_attention_heads * mc.head_dim
         width = 4 * mc.hidden_size + 3 * max(mc.intermediate_size, mc.moe_intermediate_size) \
             + heads
+        logits = mc.num_labels if mc.is_classifier else mc.vocab_size  # a classifier's: its labels
         return cfg.max_num_batched_tokens * width * nbytes * 2 \
-            + cfg.max_num_seqs * mc.vocab_size * 12 + (512 << 20)
+            + cfg.max_num_seqs * logits * 12 + (512 << 20)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:
@@ -436,6 +451,7 @@ class LLMEngine:
         with the priority scheduling policy, lower values are served first (as vLLM's)."""
         self.check_priority(priority)
         pooling = params if isinstance(params, PoolingParams) else None
+        self.check_task(pooling.task if pooling is not None else "generate")
         if pooling is not None:
             pooling.validate(self.model_config.hidden_size)
             # one greedy token nobody reads: the scheduler and async scheduling as for any request
@@ -463,7 +479,7 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                 "no room for any output token")
         bad_word_ids = self._bad_word_ids(params.bad_words) if params.bad_words else []
-        guide = self.compile_guide(params)
+        guide = self.compile_guide(params) if pooling is None else None
         if lora_request is not None:
             self.add_lora(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -478,7 +494,7 @@ class LLMEngine:
 
                 req.guide = GuideState(guide, allow_eos=not sample.ignore_eos)
             if pooling is not None:
-                req.pooling = PoolingState(self.pooling_type)
+                req.pooling = PoolingState(self.pooling_type, *self._pooling_head(pooling))
             try:
                 self.scheduler.add_request(req)
             except ValueError:
@@ -494,6 +510,53 @@ class LLMEngine:
         for c in parent.children:
             self._children[c.request.request_id] = c
         return request_id
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """What this model does: a decoder generates and embeds; a sequence classifier
+        classifies, and scores a pair when it has one label (check_task says so otherwise)."""
+        return ("classify", "score") if self.model_config.is_classifier else ("generate", "embed")
+
+    def check_task(self, task: str) -> None:
+        """A ValueError unless this model does ``task`` ("generate", "embed", "score",
+        "classify"), saying what it does instead (as EncoderEngine.check_task)."""
+        mc = self.model_config
+        if not mc.is_classifier:
+            if task == "classify":
+                raise ValueError(f"this model ({mc.architecture}) is not a sequence classifier: "
+                                 "classify needs one (a *ForSequenceClassification checkpoint: "
+                                 "Qwen2ForSequenceClassification, BertForSequenceClassification, ...)")
+            if task == "score":
+                raise ValueError(f"this model ({mc.architecture}) has no classification head to "
+                                 "score a pair with (LLM.score and /score take the cosine of its "
+                                 "embeddings instead)")
+            return
+        if task == "generate":
+            raise ValueError(f"this model ({mc.architecture}) is a sequence classifier: use classify "
+                             "(LLM.classify, /classify) or score (one label: LLM.score, /score, "
+                             "/rerank); it has no LM head to generate with")
+        if task == "embed":
+            raise ValueError(f"this model ({mc.architecture}) is a sequence classifier: use classify "
+                             "(LLM.classify, /classify); it does not embed (as vLLM's classifiers)")
+        if task == "score" and mc.num_labels != 1:
+            raise ValueError(f"this classifier has {mc.num_labels} labels; only a one-label "
+                             "classifier gives a score (LLM.classify, /classify give its class "
+                             "probabilities)")
+
+    def encode_pair(self, text_1: str | list[int], text_2: str | list[int]) -> list[int]:
+        """A one-label classifier's input for one pair (LLM.score): the two texts joined by
+        the tokenizer's pair encoding (encoder/engine.py join_pair, family "decoder")."""
+        from flashpage.encoder.engine import join_pair
+
+        return join_pair(self.tokenizer, "decoder", text_1, text_2)
+
+    def _pooling_head(self, params: PoolingParams) -> tuple[Any, str]:
+        """(head, activation) for PoolingState: a classifier's score head on the pooled
+        vector, and what turns its logits into the output; no head for an embedding."""
+        if params.task == "embed":
+            return None, "identity"
+        model, dtype = self.model, self.dtype
+        return (lambda v: model.classify(v.to(dtype))), self.model_config.score_activation  # type: ignore[operator]
 
     def check_priority(self, priority: object) -> None:
         """A ValueError unless ``priority`` is an integer this engine takes: any under the

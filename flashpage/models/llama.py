@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+"""The Llama family: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), and their
+*ForSequenceClassification (the same body, a ``score`` head instead of the LM head).
 
 Parameter names are HF's, except two merged projections: ``qkv_proj`` holds q_proj,
 k_proj and v_proj stacked, ``gate_up_proj`` holds gate_proj and up_proj (one GEMM each
@@ -209,3 +210,27 @@ class LlamaForCausalLM(nn.Module):
             for hf in pieces:
                 _, off, rows = self._split_name(hf)  # type: ignore[misc]
                 yield hf, data[off:off + rows]
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """HF's Llama / Mistral / Qwen2 / Qwen3 ForSequenceClassification: the decoder body and
+    ``score`` = Linear(hidden, num_labels, bias=False) (checkpoint key ``score.weight``; no
+    lm_head), read at the last prompt token (flashpage/pooling.py PoolingState with a head).
+
+    ``compute_logits`` gives the score logits [n, num_labels]: the engine samples its
+    pooling requests' one ignored greedy token from them (a label id, never read), so the
+    sampler and the captured graphs need no vocabulary-wide head."""
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.model = LlamaModel(config, max_positions or config.max_position_embeddings)
+        self.score = ColumnParallelLinear(config.hidden_size, config.num_labels)
+        self.score.quantizable = False  # the head stays 16-bit under quantization="fp8"
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.score(hidden)
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pooled hidden states [n, hidden] -> score logits [n, num_labels]."""
+        return self.score(hidden)

@@ -13,6 +13,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    "LlamaForSequenceClassification": ("flashpage.models.llama", "LlamaForSequenceClassification"),
+    "MistralForSequenceClassification": ("flashpage.models.llama", "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("flashpage.models.llama", "LlamaForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("flashpage.models.llama", "LlamaForSequenceClassification"),
     "DeepseekV2ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
 }

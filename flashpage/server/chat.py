@@ -44,12 +44,10 @@ from flashpage.server.tools import ToolCall
 async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
                arrival: float) -> Response:
     check_priority(state, req.priority)
-    check_task = getattr(state.engine.engine, "check_task", None)  # an encoder model's
-    if check_task is not None:
-        try:
-            check_task("generate")
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
+    try:  # an encoder's, or a sequence classifier's: no generation
+        state.engine.engine.check_task("generate")
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
     tools = tool_request(req, state.tool_parser, state.auto_tool_choice)
     ids = await state.tokenizer.apply_chat_template(conversation(req.messages), tools.template_tools,
                                                     **template_kwargs(req))

@@ -1,6 +1,7 @@
 """/score and /rerank on a cross-encoder (flashpage/encoder/: *ForSequenceClassification
-with one label): each (text_1, text_2) pair joined by the tokenizer into one prompt, one
-forward per pair, the score the head's logit through a sigmoid (vLLM's)."""
+with one label, or a one-label decoder classifier such as Qwen2ForSequenceClassification):
+each (text_1, text_2) pair joined by the tokenizer into one prompt, one forward per pair,
+the score the head's logit through a sigmoid (vLLM's)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ async def cross_scores(state: ServerState, request: Request, left: list[Any], ri
     """Score each pair (left index, right index) of the raw items (texts or token ids) and
     hand ``reply`` the scores and the prompt tokens run. 400 naming the field (``fields``:
     left's, right's) of an empty item, or right's for a pair longer than the model takes."""
-    engine = cast("EncoderEngine", state.engine.engine)  # is_cross_encoder said so
+    engine = cast("EncoderEngine", state.engine.engine)  # is_cross_encoder said so (or a decoder classifier)
     try:
         engine.check_task("score")  # a classifier of several labels gives no score
     except ValueError as e:
@@ -39,7 +40,7 @@ async def cross_scores(state: ServerState, request: Request, left: list[Any], ri
         if any(not item for item in items):
             raise bad_request(f"an item of {name} is empty", name)
     field = fields[1]
-    family = engine.model_config.family
+    family = getattr(engine.model_config, "family", "decoder")  # EncoderConfig's, else a decoder
     prompts = []
     for i, j in pairs:
         try:

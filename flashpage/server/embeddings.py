@@ -88,12 +88,8 @@ async def classify(state: ServerState, request: Request, req: ClassifyRequest,
     """POST /classify (vLLM's): a sequence classifier's class probabilities per input, with
     the likeliest label's name (config.json's id2label)."""
     check_priority(state, req.priority)
-    check = getattr(state.engine.engine, "check_task", None)
     try:
-        if check is None:
-            raise ValueError("this model is not a sequence classifier: /classify needs one (a "
-                             "BertForSequenceClassification / XLMRobertaForSequenceClassification)")
-        check("classify")
+        state.engine.engine.check_task("classify")
     except ValueError as e:
         raise bad_request(str(e), "model") from None
     items = prompt_items(state, req.input, "input")
