@@ -38,9 +38,10 @@ With ``silu_mul`` x is an MLP's gate/up output h [M, 2K] (gate | up, as gemv.gem
 it) and each K tile of x is silu(gate) * up, computed in fp32 from the two halves and
 rounded to x's dtype twice as kernels/silu_mul rounds (gemv.py's ``_silu_mul``): the
 numbers the unfused path multiplies, so SiLU·mul's kernel and its [M, K] round trip go.
-Every program recomputes it for its K range (as gemv_row does); the tensor cores take it
-for M's power of two only, widened to tl.dot's 16 columns after (row i at column
-i * 16 / rows, folded at the end): ~5.0 instructions a weight at 4 rows.
+Every program recomputes it for its K range (as gemv_row does). On the H200 (run 175) it
+pays at one row only (26.6 us at down, as SiLU·mul then the GEMV), and costs 8-16 rows on
+the tensor cores 1.1-1.5x the unfused pair (every column's exp and division beside ~4
+instructions a weight): the engine fuses it at one row (layers/int4.fuses_silu_mul).
 
 Two ways to do the row products (``Int4GemvConfig.dot``):
 
@@ -148,7 +149,11 @@ def default_config(m: int, n: int, k: int) -> Int4GemvConfig:
     the tensor cores at down's 4096 x 14336), more rows on the tensor cores with the
     inline-PTX unpacking (the CUDA cores' 8 rows took 3.4x as long). K's split is
     ``_split_k``'s (what the sweep's best tiles had)."""
-    return Int4GemvConfig(64, 128, 0, 4, dot=m > 1, asm=m > 1, prefetch=2 if m <= PAD_ROWS else 1)
+    if m == 1:
+        return Int4GemvConfig(64, 128, 0, 4, prefetch=2)
+    # run 175 (1-64 rows): Triton's pipelining (3 stages through shared memory) best or
+    # within 4% at 8-16 rows and 5-18% ahead of register prefetch at 32-64
+    return Int4GemvConfig(64, 128, 0, 4, 3, dot=True, asm=True, prefetch=0)
 
 
 def parse_config(name: str) -> Int4GemvConfig:
@@ -314,21 +319,10 @@ def _rows_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0: tl.constexpr, ROWS: tl.co
 
 
 @triton.jit
-def _widen(xs, COLS: tl.constexpr, WIDTH: tl.constexpr):
-    """xs [R, COLS] -> [R, WIDTH] (powers of two), column i at i * WIDTH / COLS, zeros
-    between (tl.join with zeros, in a thread's registers)."""
-    if COLS >= WIDTH:
-        return xs
-    else:
-        wide = tl.reshape(tl.join(xs, tl.zeros_like(xs)), (xs.shape[0], 2 * COLS))
-        return _widen(wide, 2 * COLS, WIDTH)
-
-
-@triton.jit
 def _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
                   PRECISION: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-                  OFFSET: tl.constexpr, SILU_MUL: tl.constexpr, SILU_M: tl.constexpr):
+                  OFFSET: tl.constexpr, SILU_MUL: tl.constexpr):
     """K tile t's share of the sums: [BLOCK_N, BLOCK_M] on the tensor cores (DOT), else
     per-word partial sums [BLOCK_N, BLOCK_K / 8, BLOCK_M]."""
     if ASM:  # q - z in x's dtype, [BN, W, 2, 2, 2]
@@ -339,19 +333,11 @@ def _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M: tl.constexpr
     k0 = t * BLOCK_K
     if DOT:
         offs_k = tl.arange(0, BLOCK_K)
-        if SILU_MUL and SILU_M < BLOCK_M:
-            # SiLU·mul for the M rows' power of two only (not tl.dot's 16: at 64 features
-            # the 16 columns' exp and divisions took as many instructions as the weights),
-            # row i then at column i * 16 / SILU_M (the kernel folds the sums at the end)
-            offs_s = tl.arange(0, SILU_M)
-            xs = _load_x(x_ptr + offs_s[None, :] * stride_xm + (k0 + offs_k)[:, None],
-                         (offs_s < M)[None, :], K, SILU_MUL)  # [BK, SILU_M]
-            xt = _widen(xs, SILU_M, BLOCK_M)
-        else:
-            offs_m = tl.arange(0, BLOCK_M)
-            # rows past M load zeros
-            xt = _load_x(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None],
-                         (offs_m < M)[None, :], K, SILU_MUL)  # [BK, BLOCK_M]
+        offs_m = tl.arange(0, BLOCK_M)
+        # rows past M load zeros (with SILU_MUL every column's silu(g) * u is computed: a
+        # form folding M < 16 rows into fewer columns failed its H200 check, run 175)
+        xt = _load_x(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None],
+                     (offs_m < M)[None, :], K, SILU_MUL)  # [BK, BLOCK_M]
         # q - z (exact in 16 bits) on tensor cores; the tile lies in one group
         # (the launcher's BLOCK_K divides G), so its scale is one per feature, after
         w = tl.reshape(w5, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
@@ -368,8 +354,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
                       PRECISION: tl.constexpr, PREFETCH: tl.constexpr = 2,
                       ASM: tl.constexpr = False,
                       PTX: tl.constexpr = "", OFFSET: tl.constexpr = 0.0,
-                      NUM_STAGES: tl.constexpr = 1, SILU_MUL: tl.constexpr = False,
-                      SILU_M: tl.constexpr = 16):
+                      NUM_STAGES: tl.constexpr = 1, SILU_MUL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -402,7 +387,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
             s, z = sn, zn
             sn, zn = _load_groups(s_rows, z_rows, n_mask, t + 1, end, G, BLOCK_K)
             part = _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL, SILU_M)
+                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL)
             if DOT:
                 acc += part
             else:
@@ -429,18 +414,14 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
                 pb, sb, zb = pc, sc, zc
                 pc, sc, zc = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 3, end, G, BLOCK_K)
             part = _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL, SILU_M)
+                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL)
             if DOT:
                 acc += part
             else:
                 acc3 += part
     if not DOT:
         acc = tl.sum(acc3, axis=1)
-    if DOT and SILU_MUL and SILU_M < BLOCK_M:  # row i's sums at column i * 16 / SILU_M
-        acc = tl.sum(tl.reshape(acc, (BLOCK_N, SILU_M, BLOCK_M // SILU_M)), axis=2)
-        offs_m = tl.arange(0, SILU_M)
-    else:
-        offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     out_mask = n_mask[:, None] & m_mask[None, :]
     out = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -542,7 +523,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
         PTX=_unpack_ptx(x.dtype) if asm else "",
         OFFSET=_UNPACK_TYPES[x.dtype][1] if asm else 0.0, NUM_STAGES=cfg.num_stages,
-        SILU_MUL=silu_mul, SILU_M=triton.next_power_of_2(m) if silu_mul else 16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](

@@ -6,16 +6,15 @@ bytes of a bf16 weight, plus 2.5 bytes per group of G values (~0.5 byte per 128-
 
 How a call of M rows runs (``int4_linear``; ``cuda_path`` picks on CUDA):
 
-    CUDA, M <= GEMV_ROWS (16)    kernels/int4_gemv.int4_gemv: a row-wise GEMV, each program
+    CUDA, M <= GEMV_ROWS (64)    kernels/int4_gemv.int4_gemv: a row-wise GEMV, each program
                                  streams its features' packed words along K once for all
                                  M rows, q - z unpacked in registers (inline PTX), tensor
-                                 cores with x as the 16-wide operand, the group scale on
-                                 the fp32 sums (one row: the CUDA cores); K split. The
-                                 default: 0.79-0.88x the bf16 GEMM's time (H200, run 171).
-                                 Its tiles keep K tiles in flight in registers (prefetch
-                                 1-3) or through Triton's cp.async pipeliner (prefetch 0).
-                                 An MLP's down projection: the same GEMV from the gate/up
-                                 output, SiLU·mul in its prologue (``fuses_silu_mul``)
+                                 cores with x as the 16- to 64-wide operand, the group
+                                 scale on the fp32 sums (one row: the CUDA cores); K split,
+                                 K tiles through Triton's cp.async pipeliner (one row:
+                                 register prefetch). H200, run 175: 0.73-0.88x the bf16
+                                 GEMM's time at 1-16 rows, 0.83-0.95x at 32, 1.04-1.12x at
+                                 64 (dequantize + cuBLAS: 1.6-2.7x)
     CUDA, M <= GEMM_ROWS (128),  kernels/int4_gemm.w4a16_matmul: the tl.dot kernel (K tiles
     FLASHPAGE_INT4_KERNEL=gemm   of 16 at least, else as below). Opt-in: on the H200 (run
     (or 1)                       165) slower than the path below at 1-64 rows
@@ -25,14 +24,15 @@ How a call of M rows runs (``int4_linear``; ``cuda_path`` picks on CUDA):
     elsewhere (CPU)              the weight dequantized in torch, then F.linear (correct,
                                  rebuilt every call)
 
-An MLP's down projection at the GEMV's rows takes the gate/up output itself
-(``fuses_silu_mul``; layers/linear.py ``_silu_mul_base``): the GEMV computes silu(gate) * up
-per K tile on the fly, so SiLU·mul's own kernel and its [M, K] round trip are gone.
+An MLP's down projection at one row takes the gate/up output itself (``fuses_silu_mul``;
+layers/linear.py ``_silu_mul_base``): the GEMV computes silu(gate) * up per K tile on the
+fly, so SiLU·mul's own kernel and its [1, K] round trip are gone (at 8-16 rows the fused
+form was slower, run 175).
 
 The choice reads only shapes and one environment variable (no tensor values, no device
 query): cheap per linear per step, and the same at every replay of a captured CUDA graph.
-GEMV_ROWS is where the GEMV's tensor-core form stops padding to 16 rows;
-benchmarks/int4_gemv.py times it against the other paths at 1-16 rows.
+GEMV_ROWS is the most rows the GEMV takes (run 175: still 2x dequantize + cuBLAS's speed at
+64; not timed past it); benchmarks/int4_gemv.py times it against the other paths.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ from torch import nn
 from flashpage import envs
 
 # Rows up to which CUDA runs the int4 GEMV by default (dequantize + cuBLAS above)
-GEMV_ROWS = 16
+GEMV_ROWS = 64
+# Rows at which an int4 down projection runs SiLU·mul inside the GEMV
+FUSED_SILU_ROWS = 1
 # Rows up to which FLASHPAGE_INT4_KERNEL=gemm runs the tl.dot W4A16 kernel (not tuned)
 GEMM_ROWS = 128
 
@@ -66,10 +68,11 @@ def fuses_silu_mul(shape: tuple[int, ...], dtype: torch.dtype, cuda: bool, k: in
                    g: int) -> bool:
     """Whether an int4 down projection (K-wide weight, groups of G) takes the MLP's gate/up
     output h (``shape`` [M, 2K], ``dtype``, on CUDA or not) itself: the int4 GEMV with its
-    SiLU·mul prologue, one kernel where the unfused path runs SiLU·mul and then the GEMV.
+    SiLU·mul prologue, one kernel where the unfused path runs SiLU·mul and then the GEMV;
+    at one row only (H200, run 175: 8-16 rows fused took 1.1-1.5x the unfused pair).
     Where ``int4_linear`` would run the GEMV (CUDA, M <= GEMV_ROWS, FLASHPAGE_INT4_KERNEL
     not gemm / dequant); like ``cuda_path``, no tensor values and no device query."""
-    return (cuda and len(shape) == 2 and shape[1] == 2 * k
+    return (cuda and len(shape) == 2 and shape[0] == FUSED_SILU_ROWS and shape[1] == 2 * k
             and dtype in (torch.float16, torch.bfloat16, torch.float32)
             and cuda_path(shape[0], k, g) == "gemv")
 

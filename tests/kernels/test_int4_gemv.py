@@ -185,16 +185,16 @@ def test_layer_dispatch_runs_the_gemv_on_cuda_decode_rows(monkeypatch):
 
 def test_layer_dispatch_fuses_silu_mul_into_int4_down_projections(monkeypatch):
     """layers/int4.fuses_silu_mul (a pure function of shape, dtype, device and env): an int4
-    down projection takes the gate/up output itself on CUDA at 1-16 rows, wherever
-    int4_linear would run the GEMV; not on the CPU, above 16 rows, with another kernel
-    chosen, or for an h of the wrong width."""
+    down projection takes the gate/up output itself on CUDA at one row (fused, 8-16 rows
+    were slower on the H200, run 175), wherever int4_linear would run the GEMV; not on the
+    CPU, at more rows, with another kernel chosen, or for an h of the wrong width."""
     from flashpage.layers.int4 import GEMV_ROWS, fuses_silu_mul
 
     monkeypatch.delenv("FLASHPAGE_INT4_KERNEL", raising=False)
     bf = torch.bfloat16
-    for m in (1, 8, GEMV_ROWS):
-        assert fuses_silu_mul((m, 28672), bf, True, 14336, 128), m
-    assert not fuses_silu_mul((GEMV_ROWS + 1, 28672), bf, True, 14336, 128)
+    assert fuses_silu_mul((1, 28672), bf, True, 14336, 128)
+    for m in (2, 8, GEMV_ROWS, GEMV_ROWS + 1):
+        assert not fuses_silu_mul((m, 28672), bf, True, 14336, 128), m
     assert not fuses_silu_mul((1, 28672), bf, False, 14336, 128)  # the CPU
     assert not fuses_silu_mul((1, 14336), bf, True, 14336, 128)  # not gate | up
     assert not fuses_silu_mul((1, 28672), torch.float64, True, 14336, 128)
@@ -276,23 +276,26 @@ def _compile_int4_gemv() -> dict[str, dict]:
     aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K", "stride_qw",
                "stride_xm", "stride_om", "stride_os")
     default = m.default_config(16, 4096, 4096)
+    prefetch_asm = m.Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=2)
     pipe_fma = m.Int4GemvConfig(64, 128, 0, 4, 3, prefetch=0)
     pipe_asm = m.Int4GemvConfig(64, 128, 0, 4, 4, dot=True, asm=True, prefetch=0)
     assert pipe_fma in m.CANDIDATES and pipe_asm in m.CANDIDATES
-    # name -> (BLOCK_M, config, inline PTX, SiLU·mul's rows (0: no SiLU·mul))
-    forms = {"fma_1row": (1, m.CANDIDATES[0], False, 0),
-             "default_asm": (16, default, default.asm, 0),
-             "pipe_fma_1row": (1, pipe_fma, False, 0),
-             "pipe_asm": (16, pipe_asm, True, 0),
-             "pipe_asm_silu4": (16, pipe_asm, True, 4),
-             "pipe_fma_1row_silu": (1, pipe_fma, False, 1)}
+    # name -> (BLOCK_M, config, inline PTX, SiLU·mul)
+    forms = {"fma_1row": (1, m.CANDIDATES[0], False, False),
+             "prefetch_asm": (16, prefetch_asm, True, False),
+             "default_asm": (16, default, default.asm, False),
+             "asm_64rows": (64, default, default.asm, False),
+             "pipe_fma_1row": (1, pipe_fma, False, False),
+             "pipe_asm": (16, pipe_asm, True, False),
+             "pipe_asm_silu": (16, pipe_asm, True, True),
+             "pipe_fma_1row_silu": (1, pipe_fma, False, True)}
     out = {}
     for name, (bm, cfg, asm, silu) in forms.items():
         k = compile_sm90(m._int4_gemv_kernel, dict(
             G=128, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=2,
             HAS_BIAS=False, DOT=cfg.dot, PRECISION="tf32", PREFETCH=cfg.prefetch, ASM=asm,
             PTX=m._unpack_ptx(torch.bfloat16) if asm else "", OFFSET=128.0 if asm else 0.0,
-            NUM_STAGES=cfg.num_stages, SILU_MUL=silu > 0, SILU_M=silu or 16),
+            NUM_STAGES=cfg.num_stages, SILU_MUL=silu),
             {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": "*fp32"},
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned)
         ptx = k.asm["ptx"]
@@ -319,19 +322,20 @@ def test_int4_gemv_compiles_for_sm90():
     assert got["default_asm"]["mma"], got
     assert not got["fma_1row"]["mma"], got
     assert all(v["spill_bytes"] == 0 for v in got.values()), got
-    assert got["default_asm"]["per_weight"] <= 5, got  # 4.4 when written (3.8 with stride_qw)
+    assert got["prefetch_asm"]["per_weight"] <= 5, got  # 4.4 when written (3.8 with stride_qw)
     assert got["fma_1row"]["per_weight"] <= 9, got  # 7.3 when written (7.4 with stride_qw)
     # the K loop left to the pipeliner: its word tiles (and x's, for the tensor cores) are
     # cp.async copies into shared memory, issued inside the K loop (LDGSTS), stages ahead
-    assert got["fma_1row"]["async_copies"] == got["default_asm"]["async_copies"] == 0, got
-    for name in ("pipe_fma_1row", "pipe_asm", "pipe_asm_silu4", "pipe_fma_1row_silu"):
+    assert got["fma_1row"]["async_copies"] == got["prefetch_asm"]["async_copies"] == 0, got
+    for name in ("default_asm", "asm_64rows", "pipe_fma_1row", "pipe_asm", "pipe_asm_silu",
+                 "pipe_fma_1row_silu"):
         assert got[name]["async_copies"] > 0 and got[name]["ldgsts"] > 0, (name, got)
         assert got[name]["shared"] > 0, (name, got)
     assert got["pipe_asm"]["mma"] and got["pipe_asm"]["per_weight"] <= 5, got  # 4.2 written
+    assert got["default_asm"]["per_weight"] <= 5 and got["asm_64rows"]["mma"], got
     assert got["pipe_fma_1row"]["per_weight"] <= 9, got  # 7.3 when written
-    # SiLU·mul's exp and division, per K tile for the rows' power of two (4 here): 5.0
-    # when written (7.8 when the tensor cores' 16 columns each took it); one row: 7.7
-    assert got["pipe_asm_silu4"]["per_weight"] <= 6, got
+    # SiLU·mul's exp and division per K tile, one row on the CUDA cores (what the engine
+    # fuses): 7.7 when written
     assert got["pipe_fma_1row_silu"]["per_weight"] <= 9, got
 
 
@@ -374,7 +378,7 @@ def test_int4_gemv_candidates_bf16_on_the_gpu(cfg, m):
 def test_int4_gemv_silu_mul_bf16_8b_down_on_the_gpu(cfg, m):
     """The 8B down projection (4096 x 14336) from the gate/up output h [M, 28672]: the
     fused GEMV against SiLU·mul (kernels/silu_mul) then the reference, at the default tile
-    and every pipelined one; and the layer's decision at these rows is the fused path."""
+    and every pipelined one; and the layer fuses it at one row only."""
     from flashpage.kernels.silu_mul import silu_and_mul
     from flashpage.layers.int4 import fuses_silu_mul
 
@@ -387,4 +391,4 @@ def test_int4_gemv_silu_mul_bf16_8b_down_on_the_gpu(cfg, m):
                                zeros)
     if cfg is None:
         assert torch.equal(got, int4_gemv(act, qw, scales, zeros))  # the same sums
-        assert fuses_silu_mul(tuple(h.shape), h.dtype, h.is_cuda, k, 128)
+        assert fuses_silu_mul(tuple(h.shape), h.dtype, h.is_cuda, k, 128) == (m == 1)
