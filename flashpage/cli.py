@@ -95,7 +95,10 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
                    help="accepted, no effect: a preempted request's KV is recomputed, not swapped")
     g.add_argument("--disable-log-stats", action="store_true", help="accepted, no effect")
     g.add_argument("--disable-log-requests", action="store_true",
-                   help="accepted, no effect (requests are not logged)")
+                   help="accepted, no effect (requests are logged only with --enable-log-requests)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request at arrival (id, route, prompt tokens, sampling "
+                        "params) and at finish (finish reason, output tokens), at INFO")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs a request may ask for: 20 here (a smaller value is "
                         "not enforced yet; a larger one is an error)")

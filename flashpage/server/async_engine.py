@@ -129,6 +129,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self.dead: BaseException | None = None
         self._compiler: concurrent.futures.ThreadPoolExecutor | None = None  # compile_guide's
+        self.log_requests = False  # --enable-log-requests (server/request_log.py)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -182,6 +183,10 @@ class AsyncEngine:
         priority scheduling policy); raises ValueError (the engine's message) if it cannot run."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
+        if self.log_requests:
+            from flashpage.server.request_log import log_arrival
+
+            log_arrival(request_id, prompt, params)
         stream = RequestStream(self, request_id)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._submit(("add", request_id, prompt, params, arrival_time, lora_request, priority,
@@ -348,6 +353,10 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if out.finished:
                 self._streams.pop(out.request_id, None)
+                if self.log_requests:
+                    from flashpage.server.request_log import log_finish
+
+                    log_finish(out)
             if stream is not None:
                 batches.setdefault(stream._loop, []).append((stream, out))
         # One wake-up of each event loop per step, not one per request.
