@@ -1,13 +1,14 @@
 """POST /v1/embeddings (OpenAI's): each input's pooled hidden states (flashpage/pooling.py),
 as floats or base64 (little-endian float32, what OpenAI's client asks for by default); and
-POST /classify (vLLM's): a sequence classifier's class probabilities."""
+POST /classify (vLLM's): a sequence classifier's class probabilities; POST /pooling (vLLM's): either,
+as plain vectors."""
 
 from __future__ import annotations
 
 import base64
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from fastapi import Request
@@ -56,16 +57,31 @@ def fit_prompt(state: ServerState, ids: list[int], field: str, truncate: int | N
 
 async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest,
                      arrival: float) -> Response:
+    return await pooled(state, request, req, arrival, "embedding")
+
+
+async def pooled(state: ServerState, request: Request, req: EmbeddingRequest, arrival: float,
+                 kind: Literal["embedding", "pooling"]) -> Response:
+    """/v1/embeddings (kind "embedding": each item ``{"object": "embedding", "embedding":
+    vector}``) and vLLM's /pooling ("pooling": ``{"object": "pooling", "data": vector}``, a
+    sequence classifier's class probabilities as its vector), floats or base64."""
     check_priority(state, req.priority)
     items = prompt_items(state, req.input, "input")
     hidden = state.engine.hidden_size
     if req.dimensions is not None and req.dimensions > hidden:
         raise bad_request(f"dimensions must be at most the model's {hidden}, got {req.dimensions}",
                           "dimensions")
+    classifier = kind == "pooling" and getattr(state.engine.engine.model_config, "is_classifier",
+                                               False)
+    if classifier and req.dimensions is not None:
+        raise bad_request("dimensions applies to embeddings, not a classifier's probabilities",
+                          "dimensions")
     prompts = await encode_inputs(state, items, "input", req.truncate_prompt_tokens)
-    params = PoolingParams(dimensions=req.dimensions)
-    streams = await start(state, "embd", prompts, params, arrival, prompt_param="input",
+    params = PoolingParams(task="classify") if classifier else PoolingParams(dimensions=req.dimensions)
+    prefix = "embd" if kind == "embedding" else "pool"
+    streams = await start(state, prefix, prompts, params, arrival, prompt_param="input",
                           model=req.model, priority=req.priority)
+    key = "embedding" if kind == "embedding" else "data"
 
     async def answer() -> Response:
         outs = await collect(streams)
@@ -75,10 +91,15 @@ async def embeddings(state: ServerState, request: Request, req: EmbeddingRequest
             vec = np.asarray(out.embedding if out.embedding is not None else [], dtype="<f4")
             value: Any = vec.tolist() if req.encoding_format == "float" else \
                 base64.b64encode(vec.tobytes()).decode()
-            data.append({"object": "embedding", "index": i, "embedding": value})
+            data.append({"object": kind, "index": i, key: value})
         n = sum(len(p) for p in prompts)
-        return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "data": data,
-                             "model": state.response_model(req.model), "usage": {"prompt_tokens": n, "total_tokens": n}})
+        body: dict[str, Any] = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": "list",
+                                "data": data, "model": state.response_model(req.model),
+                                "usage": {"prompt_tokens": n, "total_tokens": n}}
+        if kind == "pooling":  # vLLM's PoolingResponse carries created and completion_tokens
+            body["created"] = int(time.time())
+            body["usage"]["completion_tokens"] = 0
+        return JSONResponse(body)
 
     return await unless_disconnected(request, answer())
 

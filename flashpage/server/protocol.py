@@ -226,6 +226,11 @@ class EmbeddingRequest(_Body):
     priority: Priority = 0
 
 
+class PoolingRequest(EmbeddingRequest):
+    """POST /pooling (vLLM's): the embeddings request's fields; each input's pooled output
+    (an embedding model's vector, a classifier's class probabilities)."""
+
+
 class ScoreRequest(_Body):
     """POST /score, /v1/score (vLLM's): ``text_1`` one item and ``text_2`` several (each
     pair scored), or both the same length (pairwise); an item a text or token ids."""
