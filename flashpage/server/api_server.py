@@ -4,7 +4,8 @@
 ``run_server(args)`` (``flashpage serve``) builds the engine and runs uvicorn.
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming as
 server-sent events), GET /v1/models, GET /health, GET /metrics, GET /version, POST /tokenize
-and POST /detokenize (vLLM's). See docs/server.md.
+and POST /detokenize, POST /pooling, SageMaker's GET|POST /ping and POST /invocations (vLLM's).
+See docs/server.md.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
               lora_modules: list[LoRARequest] | None = None,
               reasoning_parser: str | None = None,
               structured_outputs_in_reasoning: bool = False,
-              cors: dict[str, Any] | None = None) -> FastAPI:
+              cors: dict[str, Any] | None = None, log_requests: bool = False) -> FastAPI:
     """The FastAPI app. The engine thread starts with the app (lifespan) and stops with it.
 
     max_n bounds ``n``; max_body_bytes the request body (413 beyond); max_prompts the
@@ -70,7 +71,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     (server/reasoning.py); structured outputs then start after the thinking, unless
     structured_outputs_in_reasoning (vLLM's enable_in_reasoning: the pattern covers it too).
     cors: starlette's CORSMiddleware arguments (allow_origins, allow_methods, allow_headers,
-    allow_credentials; None: no CORS headers).
+    allow_credentials; None: no CORS headers). log_requests: vLLM's --enable-log-requests,
+    an INFO line per request at arrival and at finish (server/request_log.py).
     """
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
@@ -102,6 +104,11 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
         app.add_middleware(CORSMiddleware, **cors)
     app.state.flashpage = state
+    async_engine.log_requests = log_requests
+    if log_requests:  # tags each HTTP request with its route for the log lines
+        from flashpage.server.request_log import RouteTag
+
+        app.add_middleware(RouteTag)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -122,6 +129,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         return _error_response(state, APIError(500, "internal server error", "server_error"))
 
     @app.get("/health")
+    @app.get("/ping")  # SageMaker's health check (vLLM's), GET or POST
+    @app.post("/ping")
     async def health() -> Response:
         if not async_engine.is_running:
             return _error_response(state, APIError(503, "the engine is not running",
@@ -221,6 +230,33 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         _check_key(state, request)
         return await rerank(state, request, await _parse(state, request, RerankRequest), arrival)
 
+    @app.post("/pooling")
+    async def pooling(request: Request) -> Response:
+        from flashpage.server.embeddings import pooled
+        from flashpage.server.protocol import PoolingRequest
+
+        arrival = time.monotonic()
+        _check_key(state, request)
+        return await pooled(state, request, await _parse(state, request, PoolingRequest), arrival,
+                            "pooling")
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one inference route (vLLM's): the first request shape the body
+        validates as, in vLLM's order, picks the route; otherwise a 400 naming the shapes."""
+        arrival = time.monotonic()
+        _check_key(state, request)
+        data = await _read_json(state, request)
+        for model, handler in _invocation_routes(state):
+            try:
+                model.model_validate(data)
+            except (ValidationError, RecursionError):
+                continue
+            return await handler(state, request, _validate(state, data, model), arrival)
+        names = ", ".join(m.__name__ for m, _ in _invocation_routes(state))
+        raise bad_request("the body matches no request this server takes at /invocations; "
+                          f"expected one of: {names}")
+
     if envs.allow_runtime_lora_updating():  # vLLM's runtime LoRA updating (server/lora_admin.py)
         from flashpage.server.lora_admin import load_lora_adapter, unload_lora_adapter
 
@@ -286,7 +322,7 @@ async def _read_body(state: ServerState, request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def _parse(state: ServerState, request: Request, model: type[M]) -> M:
+async def _read_json(state: ServerState, request: Request) -> dict[str, Any]:
     body = await _read_body(state, request)
     try:
         data = json.loads(body)
@@ -294,6 +330,10 @@ async def _parse(state: ServerState, request: Request, model: type[M]) -> M:
         raise bad_request(f"malformed JSON body: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
+    return data
+
+
+def _validate(state: ServerState, data: dict[str, Any], model: type[M]) -> M:
     try:
         req = model.model_validate(data)
     except ValidationError as e:
@@ -306,6 +346,26 @@ async def _parse(state: ServerState, request: Request, model: type[M]) -> M:
         raise APIError(404, f"The model `{name}` does not exist (this server serves {served}).",
                        "not_found_error", "model", "model_not_found")
     return req
+
+
+async def _parse(state: ServerState, request: Request, model: type[M]) -> M:
+    return _validate(state, await _read_json(state, request), model)
+
+
+def _invocation_routes(state: ServerState) -> list[tuple[type[BaseModel], Any]]:
+    """/invocations' request shapes and handlers, in vLLM's order (the first that validates
+    wins): chat ("messages"), completions ("prompt"), embeddings ("input"; a sequence
+    classifier's "input" goes to /classify, as vLLM routes only the tasks a model does),
+    score ("text_1", "text_2"), rerank ("query", "documents")."""
+    from flashpage.server.chat import chat
+    from flashpage.server.embeddings import classify, embeddings
+    from flashpage.server.score import rerank, score
+
+    classifier = getattr(state.engine.engine.model_config, "is_classifier", False)
+    pool: tuple[type[BaseModel], Any] = (ClassifyRequest, classify) if classifier else \
+        (EmbeddingRequest, embeddings)
+    return [(ChatCompletionRequest, chat), (CompletionRequest, serving.completions), pool,
+            (ScoreRequest, score), (RerankRequest, rerank)]
 
 
 # ---------------------------------------------------------------------------- run
@@ -339,7 +399,8 @@ def run_server(args: argparse.Namespace) -> int:
                     lora_modules=loras, reasoning_parser=getattr(args, "reasoning_parser", None),
                     structured_outputs_in_reasoning=bool(getattr(args, "structured_outputs_in_reasoning",
                                                                  False)),
-                    cors=_cors(args))
+                    cors=_cors(args),
+                    log_requests=bool(getattr(args, "enable_log_requests", False)))
     ssl = {k: getattr(args, k, None) for k in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs")}
     logger.info("serving %r on %s://%s:%d", name, "https" if ssl["ssl_certfile"] else "http",
                 args.host, args.port)
