@@ -343,6 +343,11 @@ class AsyncEngine:
         self.engine.abort_request(request_id)
         if self.metrics is not None:
             self.metrics.on_aborted(request_id)
+        if self.log_requests:
+            from flashpage.server.request_log import logger
+
+            logger.info("request %s finished: finish_reason=abort (client gone or cancelled)",
+                        request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

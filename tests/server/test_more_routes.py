@@ -152,6 +152,21 @@ def test_log_requests(tiny_model_dir, caplog):
     assert all("quick brown" not in m for m in lines)  # token ids arrive: no prompt text
 
 
+def test_log_requests_an_abort(tiny_model_dir, caplog):
+    caplog.set_level(logging.INFO, logger="flashpage.server.requests")
+    body = {"prompt": "hello", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with live_server(tiny_model_dir, log_requests=True) as s:
+        with httpx.Client(timeout=30) as client, \
+                client.stream("POST", s.url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # leave mid-stream: the request is aborted
+        s.wait_idle()
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "flashpage.server.requests"]
+    assert len(lines) == 2 and "arrived" in lines[0] and "route=/v1/completions" in lines[0]
+    assert lines[1].endswith("finish_reason=abort (client gone or cancelled)"), lines
+
+
 def test_log_requests_off_by_default(server, caplog):
     caplog.set_level(logging.INFO, logger="flashpage.server.requests")
     assert _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
