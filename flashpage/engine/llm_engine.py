@@ -474,7 +474,11 @@ class LLMEngine:
             for t in ids_:
                 if t >= vocab:
                     raise ValueError(f"{name} token id {t} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
+        if pooling is not None and len(ids) > self.max_pooled_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                f"a {pooling.task} request takes up to {self.max_pooled_len}")
+        if pooling is None and len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                 "no room for any output token")
@@ -511,6 +515,12 @@ class LLMEngine:
         for c in parent.children:
             self._children[c.request.request_id] = c
         return request_id
+
+    @property
+    def max_pooled_len(self) -> int:
+        """The longest prompt an embed / classify / score request takes: all of max_model_len
+        (vLLM's rule), its one ignored token never being written to the KV cache."""
+        return self.max_model_len
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
