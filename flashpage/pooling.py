@@ -16,7 +16,10 @@ embeddings), ``normalize`` (default on) scales the vector to unit length, after 
 
 In the engine an embedding request is a request for one greedy token that nobody reads: the
 scheduler, preemption and async scheduling need nothing new; the model runner pools the
-prompt rows of each step (engine/model_runner.py) and the output carries the vector.
+prompt rows of each step (engine/model_runner.py), the requests whose prompts end in a step
+get their outputs as one batch read back with its tokens (``PooledBatch``), and the output
+carries the vector. The ignored token is never computed: a pooling prompt may fill
+max_model_len (vLLM's rule).
 
 A decoder sequence classifier (Qwen2ForSequenceClassification, ...; models/llama.py) runs
 the same way: its classify / score requests pool the last prompt token's hidden state (HF's
@@ -90,15 +93,18 @@ class PoolingState:
     ``activation`` ("softmax", "sigmoid" or "identity")."""
 
     def __init__(self, kind: str, head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 activation: str = "softmax") -> None:
+                 activation: str = "softmax", params: PoolingParams | None = None) -> None:
         if kind not in POOLING_TYPES:
             raise ValueError(f"pooling type must be one of {POOLING_TYPES}, got {kind!r}")
         self.kind = kind
         self.head = head
         self.activation = activation
+        self.params = params or PoolingParams()
         self.total: torch.Tensor | None = None  # mean: the running sum (fp32)
         self.count = 0
         self.vector: torch.Tensor | None = None
+        # the finished output, read back with its step (PooledBatch.deliver)
+        self.output: np.ndarray | None = None
 
     @property
     def needs_every_position(self) -> bool:
@@ -126,7 +132,8 @@ class PoolingState:
 
     def embedding(self, params: PoolingParams) -> np.ndarray:
         """The pooled vector, cut to ``dimensions`` and normalized as asked: a float32 numpy
-        array (RequestOutput.embedding)."""
+        array (RequestOutput.embedding). Waits for the device: the engine reads its outputs
+        through PooledBatch instead; this is the one-request reference."""
         if self.vector is None:
             raise RuntimeError("the prompt has not been pooled yet")
         if self.head is not None:  # a classifier: its probabilities (or score)
@@ -137,6 +144,63 @@ class PoolingState:
         if params.normalize:
             v = torch.nn.functional.normalize(v, dim=0)
         return v.cpu().numpy()
+
+
+class PooledBatch:
+    """The outputs of the pooling requests whose prompts end in one step, made on the device
+    as one batch per kind of output (a classifier's head and activation; an embedding's
+    ``dimensions`` and ``normalize``) and brought to the host in ONE copy: on CUDA a
+    non-blocking copy into pinned memory with an event behind it, so that launching the
+    step never waits for the device; ``deliver()`` (when the engine reads the step's sampled
+    tokens back) waits for that event and hands each request its float32 numpy row.
+
+    ::
+
+        device  [k, width] fp32   rows in group order, each zero-padded to the widest
+        host    pinned [k, width] -> state.output = row[:its width] (a copy)
+    """
+
+    def __init__(self, states: list[PoolingState]) -> None:
+        groups: dict[tuple[Any, ...], list[PoolingState]] = {}
+        for st in states:
+            if st.vector is None:
+                raise RuntimeError("the prompt has not been pooled yet")
+            key = (st.head, st.activation) if st.head is not None else \
+                (None, st.params.dimensions, st.params.normalize)
+            groups.setdefault(key, []).append(st)
+        parts: list[torch.Tensor] = []
+        self.states: list[PoolingState] = []
+        with torch.inference_mode():
+            for key, group in groups.items():
+                vecs = torch.stack([st.vector for st in group])  # type: ignore[misc]
+                if key[0] is not None:  # a classifier: its head's logits through the activation
+                    out = activate(key[0](vecs).float(), key[1])
+                else:
+                    dims, normalize = key[1], key[2]
+                    out = vecs[:, :dims] if dims else vecs
+                    if normalize:
+                        out = torch.nn.functional.normalize(out, dim=1)
+                parts.append(out)
+                self.states += group
+            self.widths = [p.shape[1] for p in parts for _ in range(p.shape[0])]
+            width = max(self.widths)
+            rows = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+            self._event: torch.cuda.Event | None = None
+            if rows.is_cuda:
+                self._host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                self._host.copy_(rows, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+            else:
+                self._host = rows
+
+    def deliver(self) -> None:
+        """Wait for the copy (this step's only) and set each request's ``output``."""
+        if self._event is not None:
+            self._event.synchronize()
+        host = self._host.numpy()
+        for i, (st, w) in enumerate(zip(self.states, self.widths, strict=True)):
+            st.output = host[i, :w].copy()
 
 
 def activate(logits: torch.Tensor, activation: str) -> torch.Tensor:

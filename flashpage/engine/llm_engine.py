@@ -474,7 +474,11 @@ class LLMEngine:
             for t in ids_:
                 if t >= vocab:
                     raise ValueError(f"{name} token id {t} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
+        if pooling is not None and len(ids) > self.max_pooled_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                f"a {pooling.task} request takes up to {self.max_pooled_len}")
+        if pooling is None and len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                 "no room for any output token")
@@ -494,7 +498,8 @@ class LLMEngine:
 
                 req.guide = GuideState(guide, allow_eos=not sample.ignore_eos)
             if pooling is not None:
-                req.pooling = PoolingState(self.pooling_type, *self._pooling_head(pooling))
+                req.pooling = PoolingState(self.pooling_type, *self._pooling_head(pooling),
+                                           params=pooling)
             try:
                 self.scheduler.add_request(req)
             except ValueError:
@@ -510,6 +515,12 @@ class LLMEngine:
         for c in parent.children:
             self._children[c.request.request_id] = c
         return request_id
+
+    @property
+    def max_pooled_len(self) -> int:
+        """The longest prompt an embed / classify / score request takes: all of max_model_len
+        (vLLM's rule), its one ignored token never being written to the KV cache."""
+        return self.max_model_len
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
@@ -555,8 +566,12 @@ class LLMEngine:
         vector, and what turns its logits into the output; no head for an embedding."""
         if params.task == "embed":
             return None, "identity"
-        model, dtype = self.model, self.dtype
-        return (lambda v: model.classify(v.to(dtype))), self.model_config.score_activation  # type: ignore[operator]
+        return self._classify, self.model_config.score_activation
+
+    def _classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """A classifier's score head: pooled vectors [n, hidden] fp32 -> logits [n, num_labels]
+        (one callable for every request, so a step's finishing requests share one batch)."""
+        return self.model.classify(pooled.to(self.dtype))  # type: ignore[operator]
 
     def check_priority(self, priority: object) -> None:
         """A ValueError unless ``priority`` is an integer this engine takes: any under the
@@ -674,6 +689,8 @@ class LLMEngine:
     def _read_back(self, step: _Inflight, final_only: bool) -> list[RequestOutput]:
         """Wait for a launched step's tokens; append them, stop requests, detokenize."""
         result = step.pending.result()
+        if step.pending.pooled is not None:  # the step's pooled outputs, copied with its tokens
+            step.pending.pooled.deliver()
         reqs = step.requests
         checked = step.pending.drafted
         tokens, drafted, starts = result.token_ids, None, dict[str, int]()

@@ -23,6 +23,7 @@ from flashpage.engine.sequence import PLACEHOLDER, Request
 from flashpage.engine.spec_decode import guide_states, verify_drafts
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.lora.manager import LoRAManager
+from flashpage.pooling import PooledBatch, PoolingState
 
 TABLE_WIDTH_MULTIPLE = 16
 PROMPT_LOGPROB_ROWS = 512  # prompt_logprobs: logits rows computed at once (512 x 128k fp32: 256 MB)
@@ -345,12 +346,24 @@ class ModelRunner:
                 hidden = self.model(inp.input_ids, inp.positions, md)
             if inp.prompt_rows:
                 self._prompt_logprobs(hidden, inp.prompt_rows)
+            pooled: list[PoolingState] = []  # the prompts that end this step
             for req, t, start, n in inp.pool_rows:  # final-norm hidden states (flashpage/pooling.py)
                 assert req.pooling is not None
                 req.pooling.add(hidden[t:t + n], start, req.num_prompt_tokens)
+                if start + n == req.num_prompt_tokens:
+                    pooled.append(req.pooling)
             if not inp.sample_requests:
                 return [], None
             logits = self.model.compute_logits(hidden[inp.logits_indices])  # type: ignore[operator]
+            if pooled:  # their outputs as one batch, read back with the step's tokens
+                reqs, pending = self._launch(inp, logits)
+                assert pending is not None
+                pending.pooled = PooledBatch(pooled)
+                return reqs, pending
+        return self._launch(inp, logits)
+
+    def _launch(self, inp: StepInputs, logits: torch.Tensor) -> tuple[list[Request], PendingSample | None]:
+        """Sample the step's tokens (and check its drafts) from its logits rows."""
         if not inp.sample_requests:
             return [], None
         if not inp.spec:

@@ -121,7 +121,9 @@ class ParentRequest:
             self.metrics.finished_time = now
         if self.pooling is not None:  # an embedding: the vector once done, no completion
             st = self.children[0].request.pooling
-            embedding = st.embedding(self.pooling) if done and st is not None else None
+            embedding = None
+            if done and st is not None:  # read back with its step (pooling.PooledBatch)
+                embedding = st.output if st.output is not None else st.embedding(self.pooling)
             return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [],
                                  finished=done, metrics=self.metrics, embedding=embedding)
         plp = self.children[0].request.prompt_logprobs

@@ -31,6 +31,7 @@ import torch
 
 from flashpage import envs
 from flashpage.engine.sequence import Request
+from flashpage.pooling import PooledBatch
 from flashpage.sampling_params import SamplingParams
 
 _SEED_MIX = 1_000_003
@@ -69,6 +70,8 @@ class PendingSample:
         # speculative decoding: request id -> its drafts as checked (spec_decode.Checked), for
         # the requests whose drafts ran this step
         self.drafted: dict[str, Any] | None = None
+        # the outputs of the pooling requests whose prompts ended this step (flashpage/pooling.py)
+        self.pooled: PooledBatch | None = None
         self._event: torch.cuda.Event | None = None
         if tokens.is_cuda:
             self._event = torch.cuda.Event()

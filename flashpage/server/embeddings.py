@@ -42,13 +42,13 @@ async def encode_inputs(state: ServerState, items: list[Any], field: str,
 
 def fit_prompt(state: ServerState, ids: list[int], field: str, truncate: int | None) -> list[int]:
     """``ids`` truncated as asked; 400 naming ``field`` if still longer than a pooling request
-    takes (a decoder: max_model_len - 1, room for its one unread token; an encoder: all)."""
+    takes (max_model_len: the engine's ``max_pooled_len``)."""
     engine = state.engine.engine
     if truncate is not None and len(ids) > truncate:
         cut = getattr(engine, "truncate_prompt", None)  # an encoder keeps its [CLS] ... [SEP]
         ids = cut(ids, truncate) if cut is not None else ids[-truncate:]
     limit = state.engine.max_model_len
-    takes = getattr(engine, "max_pooled_len", limit - 1)
+    takes = engine.max_pooled_len
     if len(ids) > takes:
         raise bad_request(f"This model's maximum context length is {limit} tokens; an item of "
                           f"{field} has {len(ids)} (embeddings take up to {takes}).", field)

@@ -57,3 +57,18 @@ def test_bad_embedding_requests(server, body, param):
     r = _post(server, body)
     assert r.status_code == 400, r.text
     assert param in (r.json()["error"]["param"] or ""), r.json()
+
+
+def test_embedding_input_fills_max_model_len(server, offline_llm):
+    """Up to max_model_len tokens (vLLM's rule: the ignored token takes no KV slot); one
+    more is a 400 naming the limit."""
+    from tests.server.conftest import MAX_MODEL_LEN
+
+    ids = [(7 * i) % 200 + 3 for i in range(MAX_MODEL_LEN)]
+    r = _post(server, {"input": ids})
+    assert r.status_code == 200, r.text
+    want = offline_llm.embed([ids], use_tqdm=False)[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(r.json()["data"][0]["embedding"]), torch.tensor(want),
+                               atol=1e-5, rtol=1e-4)
+    r = _post(server, {"input": ids + [5]})
+    assert r.status_code == 400 and f"take up to {MAX_MODEL_LEN}" in r.json()["error"]["message"]
