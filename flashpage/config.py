@@ -503,6 +503,10 @@ class ModelConfig:
     # "no_post_processing": one label per token, its row); () for a checkpoint's own head
     classifier_from_token: tuple[str, ...] = ()
     classifier_method: str = ""
+    # vLLM's use_pad_token: LLM.score joins a pair by the tokenizer's pair encoding (True, a
+    # cross-encoder's way) or as the one text text_1 + text_2 (False: the default of a
+    # classifier made from an LM head, whose prompt template the user splits between them)
+    use_pad_token: bool = True
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ loading
@@ -532,6 +536,12 @@ class ModelConfig:
             d = apply_hf_overrides(d, hf_overrides)
             where = f"{where} with hf_overrides"
         return ModelConfig._from_dict(d, where, None if where == "config" else os.path.dirname(where))
+
+    @property
+    def pair_family(self) -> str:
+        """How LLM.score joins a pair (encoder/engine.py join_pair): the tokenizer's pair
+        encoding ("decoder"), or text_1 + text_2 as one text ("concat", use_pad_token false)."""
+        return "decoder" if self.use_pad_token else "concat"
 
     @property
     def is_classifier(self) -> bool:
@@ -633,6 +643,7 @@ class ModelConfig:
             score_activation=activation,
             classifier_from_token=from_token if arch in CLASSIFIER_ARCHITECTURES else (),
             classifier_method=method if arch in CLASSIFIER_ARCHITECTURES else "",
+            use_pad_token=bool(d.get("use_pad_token", not from_token)),
             raw=d,
         )
 

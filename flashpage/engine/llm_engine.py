@@ -563,10 +563,12 @@ class LLMEngine:
 
     def encode_pair(self, text_1: str | list[int], text_2: str | list[int]) -> list[int]:
         """A one-label classifier's input for one pair (LLM.score): the two texts joined by
-        the tokenizer's pair encoding (encoder/engine.py join_pair, family "decoder")."""
+        the tokenizer's pair encoding (encoder/engine.py join_pair, family "decoder"), or with
+        ModelConfig.use_pad_token false (a classifier made from an LM head, vLLM's default for
+        one) as the one text text_1 + text_2 (family "concat")."""
         from flashpage.encoder.engine import join_pair
 
-        return join_pair(self.tokenizer, "decoder", text_1, text_2)
+        return join_pair(self.tokenizer, self.model_config.pair_family, text_1, text_2)
 
     def _pooling_head(self, params: PoolingParams) -> tuple[Any, str]:
         """(head, activation) for PoolingState: a classifier's score head on the pooled
