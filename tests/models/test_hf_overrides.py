@@ -83,9 +83,10 @@ def _last_logits(path, prompts: list[list[int]]) -> list[torch.Tensor]:
         return [model(torch.tensor([p])).logits[0, -1] for p in prompts]
 
 
-PAIRS = [("query : the cat sat on the mat ?", "document : a cat sat on a mat"),
-         ("query : the cat sat on the mat ?", "document : the dog is the answer"),
-         ("Judge : is the document relevant ?", "the answer is yes")]
+# text_2 opens with its space, as Qwen3-Reranker's template splits between the two texts
+PAIRS = [("query : the cat sat on the mat ?", " document : a cat sat on a mat"),
+         ("query : the cat sat on the mat ?", " document : the dog is the answer"),
+         ("Judge : is the document relevant ?", " the answer is yes")]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -101,13 +102,40 @@ def test_two_token_reranker_is_p_yes(causal_lms, family):
     assert mc.classifier_from_token == ("no", "yes") and mc.classifier_method == "from_2_way_softmax"
     tok = llm.get_tokenizer()
     no, yes = tok.convert_tokens_to_ids(["no", "yes"])
+    # vLLM's use_pad_token false for an LM made a reranker: the pair is the one text a + b
+    assert not mc.use_pad_token
     ids = [llm.engine.encode_pair(a, b) for a, b in PAIRS]
+    assert ids == [tok(a + b)["input_ids"] for a, b in PAIRS]
+    assert llm.engine.encode_pair([1, 7, 8], [9]) == [1, 7, 8, 9]  # ids: as given, joined
     want = [logits[[no, yes]].softmax(-1)[1].item() for logits in _last_logits(path, ids)]
     got = [o.outputs.score for o in llm.score([a for a, _ in PAIRS], [b for _, b in PAIRS],
                                               use_tqdm=False)]
     assert got == pytest.approx(want, abs=1e-5)
     assert len({round(w, 3) for w in want}) == len(PAIRS)  # told apart
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_score_through_the_server_and_use_pad_token(causal_lms):
+    """/score joins the pair as LLM.score does (one text); use_pad_token true in hf_overrides
+    asks for the tokenizer's pair encoding instead (here <s> a b: no separator)."""
+    import httpx
+
+    from tests.server.conftest import live_server
+
+    path = causal_lms("qwen3")
+    left, right = [a for a, _ in PAIRS], [b for _, b in PAIRS]
+    want = [o.outputs.score for o in LLM(str(path), hf_overrides=QWEN3_RERANKER, **ENGINE).score(
+        left, right, use_tqdm=False)]
+    with live_server(path, engine_kw={**ENGINE, "hf_overrides": QWEN3_RERANKER}) as s:
+        r = httpx.post(s.url + "/score", json={"model": s.model, "text_1": left, "text_2": right},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert [d["score"] for d in r.json()["data"]] == pytest.approx(want, abs=1e-5)
+        s.wait_idle()
+    llm = LLM(str(path), hf_overrides={**QWEN3_RERANKER, "use_pad_token": True}, **ENGINE)
+    assert llm.engine.model_config.use_pad_token
+    tok = llm.get_tokenizer()
+    assert llm.engine.encode_pair(*PAIRS[0]) == tok(*PAIRS[0])["input_ids"]
 
 
 def test_one_token_is_the_sigmoid_of_its_logit(causal_lms):
