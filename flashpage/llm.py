@@ -70,6 +70,9 @@ class LLM:
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory
         if is_encoder_model(random_weights_config or model):
+            if hf_overrides is not None:
+                raise ValueError("hf_overrides apply to decoder models; this is an encoder model "
+                                 "(flashpage/encoder/), whose config.json is read as it is")
             from flashpage.encoder.engine import EncoderEngine
 
             # duck-typed: the subset of LLMEngine that LLM and the server's AsyncEngine call

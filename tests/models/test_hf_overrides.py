@@ -204,6 +204,16 @@ def test_bad_overrides_are_refused():
         ModelConfig.from_hf(base, {"is_original_qwen3_reranker": True})
 
 
+def test_encoder_model_refuses_hf_overrides(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["BertModel"], "model_type": "bert", "vocab_size": 32, "hidden_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}))
+    with pytest.raises(ValueError, match="hf_overrides apply to decoder models"):
+        LLM(str(tmp_path), hf_overrides={"num_labels": 1}, device="cpu")
+
+
 def test_cli_hf_overrides(capsys):
     from flashpage.cli import build_parser
 
