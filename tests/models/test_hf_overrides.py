@@ -2,9 +2,11 @@
 (models/seq_cls_from_lm.py, Qwen3-Reranker's recipe): LLM.score of a Qwen3ForCausalLM /
 LlamaForCausalLM checkpoint overridden to *ForSequenceClassification with
 classifier_from_token ["no", "yes"] equals transformers' softmax over the [no, yes] logits
-at the last token of the same ids (P(yes)); one token: the sigmoid of its logit; other
+at the last token of the same ids (P(yes)), the pair joined as the one text a + b (vLLM's
+use_pad_token false), through /score too; one token: the sigmoid of its logit; other
 overridden fields reach the engine's config; the errors (bad JSON on the CLI, a token that
-is several tokens, a causal LM served as a classifier without the override)."""
+is several tokens, a causal LM served as a classifier without the override, overrides on an
+encoder model)."""
 
 from __future__ import annotations
 
