@@ -27,13 +27,19 @@ from flashpage.models.loader import ModelLoadError
 
 
 def classifier_token_ids(tokenizer: Any | None, tokens: tuple[str, ...]) -> list[int]:
-    """The vocabulary id of each of ``tokens``; each must encode to exactly one token."""
+    """The vocabulary id of each of ``tokens``: a vocabulary entry's own id (vLLM looks them
+    up with convert_tokens_to_ids, so "Ġyes" works too), else the text's encoding, which must
+    be exactly one token."""
     if tokenizer is None:
         raise ModelLoadError(
             f"classifier_from_token {list(tokens)} needs the model's tokenizer (it has none; "
             "pass tokenizer=)")
     ids = []
+    vocab = tokenizer.get_vocab()
     for t in tokens:
+        if t in vocab:
+            ids.append(int(vocab[t]))
+            continue
         enc = [int(i) for i in tokenizer.encode(t, add_special_tokens=False)]
         if len(enc) != 1:
             raise ModelLoadError(
