@@ -68,6 +68,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "leaves unset, max_new_tokens as a cap), vllm (none), or a folder's file")
     g.add_argument("--override-generation-config", default=None, metavar="JSON", type=_json_object,
                    help='values over the generation config, e.g. \'{"temperature": 0.5}\'')
+    g.add_argument("--hf-overrides", default=None, metavar="JSON", type=_json_object,
+                   help="fields over the model's config.json, as vLLM, e.g. '{\"architectures\": "
+                        "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+                        "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' (a causal LM "
+                        "served as a reranker: its score head built from the LM head's rows)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}\' (drafts looked up in the request\'s own tokens), '
@@ -168,7 +173,8 @@ def build_llm(args: argparse.Namespace) -> Any:
                max_loras=getattr(args, "max_loras", 1), max_lora_rank=getattr(args, "max_lora_rank", 16),
                scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
                generation_config=getattr(args, "generation_config", "auto"),
-               override_generation_config=getattr(args, "override_generation_config", None))
+               override_generation_config=getattr(args, "override_generation_config", None),
+               hf_overrides=getattr(args, "hf_overrides", None))
 
 
 def add_lora_module_arguments(p: argparse.ArgumentParser) -> None:

@@ -382,6 +382,52 @@ def classifier_activation(d: dict[str, Any], folder: str | None, num_labels: int
     return "sigmoid" if num_labels == 1 else "softmax"
 
 
+def apply_hf_overrides(d: dict[str, Any], overrides: Any) -> dict[str, Any]:
+    """vLLM's ``hf_overrides``: ``overrides``' fields over config.json's ``d`` (a new dict),
+    a dict value merged into a dict field key by key (``{"rope_scaling": {"factor": 4.0}}``
+    keeps the other rope_scaling fields), anything else replacing the field; a ConfigError
+    for overrides that are not a dict of field names."""
+    if not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides):
+        raise ConfigError(f"hf_overrides must be a dict of config.json fields, got {overrides!r}")
+    out = dict(d)
+    for k, v in overrides.items():
+        old = out.get(k)
+        out[k] = apply_hf_overrides(old, v) if isinstance(v, dict) and isinstance(old, dict) else v
+    return out
+
+
+CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def classifier_from_token(d: dict[str, Any], where: str) -> tuple[tuple[str, ...], str]:
+    """vLLM's fields for a classifier made from a causal LM's head (hf_overrides):
+    ``classifier_from_token`` (the tokens) and ``method``; ``is_original_qwen3_reranker``
+    means "from_2_way_softmax" (Qwen3-Reranker's P(yes) over [no, yes]). Without a method,
+    two tokens are a 2-way softmax and one its row (bge-reranker-v2-gemma's "Yes")."""
+    tokens = d.get("classifier_from_token")
+    method = d.get("method")
+    if d.get("is_original_qwen3_reranker"):
+        method = "from_2_way_softmax"
+    if tokens is None:
+        if d.get("is_original_qwen3_reranker"):
+            raise ConfigError(f"{where}: is_original_qwen3_reranker needs classifier_from_token "
+                              '(Qwen3-Reranker\'s: ["no", "yes"])')
+        return (), ""
+    if (not isinstance(tokens, list) or not tokens
+            or not all(isinstance(t, str) and t for t in tokens)):
+        raise ConfigError(f"{where}: classifier_from_token must be a non-empty list of token "
+                          f"strings, got {tokens!r}")
+    if method is None:
+        method = "from_2_way_softmax" if len(tokens) == 2 else "no_post_processing"
+    if method not in CLASSIFIER_METHODS:
+        raise ConfigError(f"{where}: method must be one of {', '.join(CLASSIFIER_METHODS)}, "
+                          f"got {method!r}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ConfigError(f"{where}: method from_2_way_softmax needs two classifier_from_token "
+                          f"([negative, positive]), got {tokens!r}")
+    return tuple(tokens), method
+
+
 def _string_list(d: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
     v = d.get(key)
     if v is None:
@@ -451,12 +497,24 @@ class ModelConfig:
     num_labels: int = 0
     labels: tuple[str, ...] = ()
     score_activation: str = "softmax"
+    # a classifier built at load from a causal LM's head (vLLM's hf_overrides
+    # classifier_from_token / method; models/seq_cls_from_lm.py): the tokens whose LM head
+    # rows make ``score`` and how ("from_2_way_softmax": one label, row[1] - row[0];
+    # "no_post_processing": one label per token, its row); () for a checkpoint's own head
+    classifier_from_token: tuple[str, ...] = ()
+    classifier_method: str = ""
+    # vLLM's use_pad_token: LLM.score joins a pair by the tokenizer's pair encoding (True, a
+    # cross-encoder's way) or as the one text text_1 + text_2 (False: the default of a
+    # classifier made from an LM head, whose prompt template the user splits between them)
+    use_pad_token: bool = True
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ loading
     @staticmethod
-    def from_hf(source: str | os.PathLike[str] | dict[str, Any]) -> ModelConfig:
-        """Read a HF ``config.json`` (a path to the file or its folder, or the dict)."""
+    def from_hf(source: str | os.PathLike[str] | dict[str, Any],
+                hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """Read a HF ``config.json`` (a path to the file or its folder, or the dict), with
+        ``hf_overrides`` (vLLM's) over it: apply_hf_overrides."""
         if isinstance(source, dict):
             d = dict(source)
             where = "config"
@@ -474,7 +532,16 @@ class ModelConfig:
                 raise ConfigError(f"{path} is not valid JSON: {e}") from e
         if not isinstance(d, dict):
             raise ConfigError(f"{where}: expected a JSON object")
+        if hf_overrides is not None:
+            d = apply_hf_overrides(d, hf_overrides)
+            where = f"{where} with hf_overrides"
         return ModelConfig._from_dict(d, where, None if where == "config" else os.path.dirname(where))
+
+    @property
+    def pair_family(self) -> str:
+        """How LLM.score joins a pair (encoder/engine.py join_pair): the tokenizer's pair
+        encoding ("decoder"), or text_1 + text_2 as one text ("concat", use_pad_token false)."""
+        return "decoder" if self.use_pad_token else "concat"
 
     @property
     def is_classifier(self) -> bool:
@@ -524,7 +591,11 @@ class ModelConfig:
             rope_scaling = rope_params
         num_labels, activation = 0, "softmax"
         labels: tuple[str, ...] = ()
+        from_token, method = classifier_from_token(d, where)
         if arch in CLASSIFIER_ARCHITECTURES:
+            if from_token:  # the head's labels are the tokens' (vLLM sets num_labels so too)
+                n = 1 if method == "from_2_way_softmax" else len(from_token)
+                d = {**d, "num_labels": n, "id2label": None if n == 1 else dict(enumerate(from_token))}
             num_labels, labels = classifier_labels(d, where)
             activation = classifier_activation(d, folder, num_labels)
         return ModelConfig(
@@ -570,6 +641,9 @@ class ModelConfig:
             num_labels=num_labels,
             labels=labels,
             score_activation=activation,
+            classifier_from_token=from_token if arch in CLASSIFIER_ARCHITECTURES else (),
+            classifier_method=method if arch in CLASSIFIER_ARCHITECTURES else "",
+            use_pad_token=bool(d.get("use_pad_token", not from_token)),
             raw=d,
         )
 
@@ -692,6 +766,10 @@ class EngineConfig:
     # or a folder; override_generation_config: values over it (flashpage/generation_config.py)
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
+    # vLLM's hf_overrides: fields over the model's config.json before it is read
+    # (config.apply_hf_overrides), e.g. {"architectures": ["Qwen3ForSequenceClassification"],
+    # "classifier_from_token": ["no", "yes"]} to serve a causal LM as a reranker
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         from flashpage.engine.scheduler import check_scheduling_policy
@@ -701,6 +779,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
         check_quantization(self.quantization)
+        if self.hf_overrides is not None:
+            apply_hf_overrides({}, self.hf_overrides)  # not a dict: named now
         if self.speculative_config is not None:
             from flashpage.engine.spec_decode import SpeculativeConfig
 

@@ -53,7 +53,8 @@ class LLM:
                  speculative_config: dict[str, Any] | str | None = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  scheduling_policy: str = "fcfs", generation_config: str = "auto",
-                 override_generation_config: dict[str, Any] | None = None) -> None:
+                 override_generation_config: dict[str, Any] | None = None,
+                 hf_overrides: dict[str, Any] | None = None) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
             num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
@@ -65,10 +66,13 @@ class LLM:
             speculative_config=speculative_config, enable_lora=enable_lora, max_loras=max_loras,
             max_lora_rank=max_lora_rank, scheduling_policy=scheduling_policy,
             generation_config=generation_config,
-            override_generation_config=override_generation_config)
+            override_generation_config=override_generation_config, hf_overrides=hf_overrides)
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory
         if is_encoder_model(random_weights_config or model):
+            if hf_overrides is not None:
+                raise ValueError("hf_overrides apply to decoder models; this is an encoder model "
+                                 "(flashpage/encoder/), whose config.json is read as it is")
             from flashpage.encoder.engine import EncoderEngine
 
             # duck-typed: the subset of LLMEngine that LLM and the server's AsyncEngine call

@@ -336,10 +336,18 @@ def join_pair(tok: Any | None, family: str, text_1: str | list[int],
     the tokenizer's cls and sep ids. ``family``: EncoderConfig.family, or "decoder" for a
     decoder sequence classifier: its tokenizer's own pair encoding (vLLM's: the tokenizer
     called on text and text_pair; Llama's: <s> a <s> b, Qwen2's: a b, nothing between),
-    token ids through the same build_inputs_with_special_tokens."""
+    token ids through the same build_inputs_with_special_tokens. "concat": the one text
+    text_1 + text_2 (vLLM's use_pad_token false, a reranker made from a causal LM); token
+    ids as given, one after the other (a text beside them encoded without special tokens)."""
     if tok is None:
         raise ValueError("this model has no tokenizer: a cross-encoder needs one to join the "
                          "two texts of a pair")
+    if family == "concat":
+        if isinstance(text_1, str) and isinstance(text_2, str):
+            return list(tok(text_1 + text_2)["input_ids"])
+        ids = [tok.encode(t, add_special_tokens=False) if isinstance(t, str) else list(t)
+               for t in (text_1, text_2)]
+        return [int(t) for t in ids[0] + ids[1]]
     if isinstance(text_1, str) and isinstance(text_2, str):
         return list(tok(text_1, text_2)["input_ids"])
     a = tok.encode(text_1, add_special_tokens=False) if isinstance(text_1, str) else list(text_1)

@@ -93,7 +93,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
-        self.source: ModelSource = resolve_model(config.model, random_config)
+        self.source: ModelSource = resolve_model(config.model, random_config, config.hf_overrides)
         # a classifier reads its last token, as HF's *ForSequenceClassification (its folder's
         # sentence-transformers Pooling, if it had one, is not what its head was trained on)
         default_pooling = "last" if self.source.config.is_classifier else pooling_type_of(
@@ -115,9 +115,17 @@ class LLMEngine:
                                           kv_cache_dtype=self.kv_dtype)
         logger.info("attention backend: %s", why)
         self.backend_name = backend_cls.name
+        # before the model: a classifier made from a causal LM's head (hf_overrides'
+        # classifier_from_token) needs its tokens' ids to build its score head
+        self.tokenizer = load_tokenizer(self.source, tokenizer)
+        token_ids = None
+        if mc.classifier_from_token and self.source.kind != "random":
+            from flashpage.models.seq_cls_from_lm import classifier_token_ids
+
+            token_ids = classifier_token_ids(self.tokenizer, mc.classifier_from_token)
         self.model = load_model(self.source, self.dtype, self.device,
                                 max_positions=self.max_model_len, seed=config.seed,
-                                quantization=config.quantization)
+                                quantization=config.quantization, classifier_token_ids=token_ids)
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
@@ -137,7 +145,6 @@ class LLMEngine:
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
                                     max(config.max_num_batched_tokens, config.max_num_seqs),
                                     self.device, self.dtype)
-        self.tokenizer = load_tokenizer(self.source, tokenizer)
         if config.chat_template is not None:
             self._set_chat_template(config.chat_template)
         self.eos_token_ids = self._eos_ids()
@@ -556,10 +563,12 @@ class LLMEngine:
 
     def encode_pair(self, text_1: str | list[int], text_2: str | list[int]) -> list[int]:
         """A one-label classifier's input for one pair (LLM.score): the two texts joined by
-        the tokenizer's pair encoding (encoder/engine.py join_pair, family "decoder")."""
+        the tokenizer's pair encoding (encoder/engine.py join_pair, family "decoder"), or with
+        ModelConfig.use_pad_token false (a classifier made from an LM head, vLLM's default for
+        one) as the one text text_1 + text_2 (family "concat")."""
         from flashpage.encoder.engine import join_pair
 
-        return join_pair(self.tokenizer, "decoder", text_1, text_2)
+        return join_pair(self.tokenizer, self.model_config.pair_family, text_1, text_2)
 
     def _pooling_head(self, params: PoolingParams) -> tuple[Any, str]:
         """(head, activation) for PoolingState: a classifier's score head on the pooled

@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,20 +39,22 @@ class ModelSource:
         return self.path
 
 
-def resolve_model(model: str | None, random_config: str | None = None) -> ModelSource:
+def resolve_model(model: str | None, random_config: str | None = None,
+                  hf_overrides: dict[str, Any] | None = None) -> ModelSource:
     """None -> the default model (SmolLM2-135M-Instruct GGUF); a .gguf file; a HF folder;
-    or, with ``random_config``, a config.json whose weights will be random."""
+    or, with ``random_config``, a config.json whose weights will be random. ``hf_overrides``
+    (vLLM's) go over the config read (config.apply_hf_overrides)."""
     from flashpage.models.gguf_config import default_model_path, gguf_to_hf_config
 
     if random_config is not None:
-        return ModelSource("random", None, ModelConfig.from_hf(random_config))
+        return ModelSource("random", None, ModelConfig.from_hf(random_config, hf_overrides))
     if model is None:
         model = default_model_path()
     if not os.path.exists(model):
         raise ModelLoadError(f"model path {model!r} does not exist")
     if os.path.isdir(model):
         if os.path.isfile(os.path.join(model, "config.json")):
-            return ModelSource("hf", model, ModelConfig.from_hf(model))
+            return ModelSource("hf", model, ModelConfig.from_hf(model, hf_overrides))
         ggufs = sorted(glob.glob(os.path.join(model, "*.gguf")))
         if ggufs:
             model = ggufs[0]
@@ -64,7 +67,7 @@ def resolve_model(model: str | None, random_config: str | None = None) -> ModelS
             raise
         except Exception as e:
             raise ModelLoadError(f"{model} is not a readable GGUF file: {e}") from e
-        return ModelSource("gguf", model, ModelConfig.from_hf(cfg))
+        return ModelSource("gguf", model, ModelConfig.from_hf(cfg, hf_overrides))
     raise ModelLoadError(f"{model!r} is neither a model folder nor a .gguf file")
 
 
@@ -213,12 +216,15 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
 # ----------------------------------------------------------------------------- build + load
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None, seed: int = 0,
-               quantization: str | None = None) -> nn.Module:
+               quantization: str | None = None,
+               classifier_token_ids: list[int] | None = None) -> nn.Module:
     """The model of ``source`` in ``dtype`` on ``device``, its weights loaded (or random),
     then quantized per ``quantization`` (None or "fp8": layers/quant.quantize_model). An fp8
     checkpoint (config.json's quantization_config) keeps its e4m3 weights where our fp8
     linears can run them, with no flag (models/fp8_checkpoint.py); an AWQ / GPTQ one its
-    4-bit weights (models/int4_checkpoint.py)."""
+    4-bit weights (models/int4_checkpoint.py). A sequence classifier from a causal LM's
+    checkpoint gets ``score`` from its LM head's rows at ``classifier_token_ids``
+    (models/seq_cls_from_lm.py; the ids of config.classifier_from_token)."""
     cls = model_class(source.config)
     with torch.device(device):
         model = cls(source.config, max_positions)  # type: ignore[call-arg]
@@ -240,6 +246,10 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
             weights = fp8_checkpoint_weights(model, source.config, source.path)
         else:
             weights = iter_safetensors(source.path, "cpu")
+        if source.config.is_classifier:
+            from flashpage.models.seq_cls_from_lm import score_from_lm_head
+
+            weights = score_from_lm_head(weights, source.config, classifier_token_ids, source.path)
         loaded = model.load_weights(weights)  # type: ignore[operator]
         # Parameters and persistent buffers (e.g. DeepSeek-V3's e_score_correction_bias).
         expected = set(model.state_dict().keys())
@@ -252,7 +262,12 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
             missing = sorted({m for m in missing if not pieces(m)}
                              | set(getattr(model, "missing_pieces", [])))
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ModelLoadError(f"{source.path}: {len(missing)} weight(s) missing from the checkpoint: {shown}")
+            hint = ""
+            if "score.weight" in missing and not source.config.classifier_from_token:
+                hint = ("; a causal LM served as a classifier gets score.weight from its LM head "
+                        "with hf_overrides' classifier_from_token (e.g. [\"no\", \"yes\"])")
+            raise ModelLoadError(f"{source.path}: {len(missing)} weight(s) missing from the "
+                                 f"checkpoint: {shown}{hint}")
     quantize_model(model, quantization)
     return model.eval()
 

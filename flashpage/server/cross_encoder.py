@@ -40,7 +40,9 @@ async def cross_scores(state: ServerState, request: Request, left: list[Any], ri
         if any(not item for item in items):
             raise bad_request(f"an item of {name} is empty", name)
     field = fields[1]
-    family = getattr(engine.model_config, "family", "decoder")  # EncoderConfig's, else a decoder
+    # EncoderConfig's family, else a decoder classifier's (ModelConfig.pair_family)
+    mc = engine.model_config
+    family = str(getattr(mc, "family", None) or getattr(mc, "pair_family", "decoder"))
     prompts = []
     for i, j in pairs:
         try:
