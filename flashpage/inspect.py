@@ -181,8 +181,7 @@ def int4_weight_shapes(cfg: ModelConfig, quantization: str | None = None) -> lis
     for a 16-bit checkpoint under ``quantization`` "int4" / "rtn", every one of them whose K
     is a multiple of 8 (layers/quant.py)."""
     qc = cfg.quantization_config
-    if (qc is None or not qc.is_int4) and quantization in ONLINE_INT4_METHODS and (
-            qc is None or qc.weight_strategy == "block"):
+    if quantization in ONLINE_INT4_METHODS and (qc is None or qc.weight_strategy == "block"):
         group = online_int4_group_size(quantization)
         return [(n, k, int4_group_for(k, group) or k) for _, n, k in fp8_linears(cfg) if k % 8 == 0]
     if qc is None or not qc.is_int4:

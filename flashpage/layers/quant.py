@@ -179,11 +179,11 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
         candidates += 1
         if m.is_quantized or m.is_int4:  # quantized before (an fp8 / int4 checkpoint): left
             continue
+        k = m.weight.shape[1]
+        if method in ONLINE_INT4_METHODS and k % 8:
+            continue  # no int4 layout for it (K a multiple of 8): left 16-bit
         before += m.weight.numel() * m.weight.element_size()
         if method in ONLINE_INT4_METHODS:
-            k = m.weight.shape[1]
-            if k % 8:
-                continue  # no int4 layout for it (K a multiple of 8): left 16-bit
             m.quantize_int4(int4_group_for(k, int4_group))
             after += sum(t.numel() * t.element_size() for t in (m.weight, m.w4_scales, m.w4_zeros)
                          if t is not None)
@@ -200,8 +200,7 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
     dev = next((p.device for p in model.parameters() if p.is_cuda), None)
     if dev is not None:
         torch.cuda.empty_cache()  # the 16-bit weights' memory back for the KV cache
-        if method in ONLINE_INT4_METHODS:
-            return count
+    if dev is not None and method == "fp8":
         from flashpage.kernels.device import cuda_capability
 
         if cuda_capability(dev) < (8, 9):
