@@ -64,6 +64,27 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
 }
 
 
+def edited_copy(src: Path, dst: Path, edit=None, config_edit=None) -> Path:
+    """A copy of the checkpoint folder ``src`` at ``dst``, its model.safetensors tensors
+    (a name -> tensor dict) and its config.json (a dict) passed through ``edit`` and
+    ``config_edit`` in place (broken-file tests)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if edit is not None:
+        t = load_file(str(dst / "model.safetensors"))
+        edit(t)
+        save_file(t, str(dst / "model.safetensors"))
+    if config_edit is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        config_edit(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
 def build_tiny_checkpoint(path: Path, name: str, seed: int = 0, **overrides) -> Path:
     """Save a tiny random HF checkpoint (fp32 safetensors + config.json) under ``path``;
     ``overrides``: config fields over the named model's (e.g. a larger vocab_size)."""

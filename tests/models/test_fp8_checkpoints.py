@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from flashpage.config import CheckpointQuantization, ConfigError, ModelConfig
 from flashpage.layers.quant import FP8_DTYPE, FP8_MAX, quantized_linears
 from flashpage.models.loader import ModelLoadError
-from tests.conftest import random_prompts
+from tests.conftest import edited_copy, random_prompts
 
 GPU = torch.cuda.is_available()
 LAYER_LINEARS = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
@@ -425,7 +425,7 @@ def test_sharded_checkpoint_with_scales_apart_from_their_weights(fp8_checkpoint,
     """A sharded fp8 checkpoint (model.safetensors.index.json) whose scales sit in another
     shard than their weights, after them: loaded the same as the single file."""
     fp8, _, _ = fp8_checkpoint("llama31_gqa", "ct_tensor_static")
-    path = _copy(fp8, tmp_path / "sharded")
+    path = edited_copy(fp8, tmp_path / "sharded")
     tensors = load_file(str(path / "model.safetensors"))
     # llm-compressor may write zero points (all zero) beside symmetric scales: skipped
     tensors["model.layers.0.mlp.down_proj.weight_zero_point"] = torch.zeros(1, dtype=torch.int8)
@@ -447,19 +447,6 @@ def test_sharded_checkpoint_with_scales_apart_from_their_weights(fp8_checkpoint,
 
 
 # ----------------------------------------------------------------------------- broken files
-def _copy(src: Path, dst: Path, edit=None, config_edit=None) -> Path:
-    shutil.copytree(src, dst)
-    if edit is not None:
-        t = load_file(str(dst / "model.safetensors"))
-        edit(t)
-        save_file(t, str(dst / "model.safetensors"))
-    if config_edit is not None:
-        cfg = json.loads((dst / "config.json").read_text())
-        config_edit(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def test_broken_fp8_checkpoints_are_clear_errors(fp8_checkpoint, tmp_path):
     fp8, _, _ = fp8_checkpoint("llama31_gqa", "ct_channel")
     w = "model.layers.0.self_attn.k_proj.weight"
@@ -481,11 +468,11 @@ def test_broken_fp8_checkpoints_are_clear_errors(fp8_checkpoint, tmp_path):
             strategy="tensor"), r"scale of shape \(\d+, 1\), expected one value \(per-tensor"),
     ]
     for i, (edit, config_edit, match) in enumerate(cases):
-        path = _copy(fp8, tmp_path / str(i), edit, config_edit)
+        path = edited_copy(fp8, tmp_path / str(i), edit, config_edit)
         with pytest.raises(ModelLoadError, match=match):
             _load(path)
     blocks, _, _ = fp8_checkpoint("llama31_gqa", "fp8_block")
-    path = _copy(blocks, tmp_path / "blocks", config_edit=lambda c: c["quantization_config"].update(
+    path = edited_copy(blocks, tmp_path / "blocks", config_edit=lambda c: c["quantization_config"].update(
         weight_block_size=[16, 48]))
     with pytest.raises(ModelLoadError, match=r"block scales of shape \(\d+, 2\), expected \[\d+, 2\] for a \[\d+, 64\] weight in 16x48 blocks"):
         _load(path)

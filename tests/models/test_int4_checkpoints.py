@@ -27,7 +27,7 @@ from flashpage.kernels.int4_gemv import int4_gemv
 from flashpage.layers.int4 import GEMV_ROWS, int4_linears
 from flashpage.models.int4_formats import awq_tensors, gptq_tensors, quantize_int4
 from flashpage.models.loader import ModelLoadError
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import edited_copy, hf_greedy, random_prompts
 
 GPU = torch.cuda.is_available()
 OURS = {"self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"], "self_attn.o_proj": ["o_proj"],
@@ -325,19 +325,6 @@ def test_lora_over_int4_linears(int4_checkpoint, tmp_path):
 
 
 # ----------------------------------------------------------------------------- broken files
-def _copy(src: Path, dst: Path, edit=None, config_edit=None) -> Path:
-    shutil.copytree(src, dst)
-    if edit is not None:
-        t = load_file(str(dst / "model.safetensors"))
-        edit(t)
-        save_file(t, str(dst / "model.safetensors"))
-    if config_edit is not None:
-        cfg = json.loads((dst / "config.json").read_text())
-        config_edit(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def test_broken_int4_checkpoints_are_clear_errors(int4_checkpoint, tmp_path):
     path, _, _ = int4_checkpoint("qwen2_bias", "gptq_g32")
     m = "model.layers.0.self_attn.k_proj"
@@ -358,7 +345,7 @@ def test_broken_int4_checkpoints_are_clear_errors(int4_checkpoint, tmp_path):
         (None, lambda c: c.pop("quantization_config"), r"has no place in LlamaForCausalLM"),
     ]
     for i, (edit, config_edit, match) in enumerate(cases):
-        bad = _copy(path, tmp_path / str(i), edit, config_edit)
+        bad = edited_copy(path, tmp_path / str(i), edit, config_edit)
         with pytest.raises((ModelLoadError, ValueError), match=match):
             _load(bad)
 
