@@ -43,13 +43,18 @@ pays at one row only (26.6 us at down, as SiLU·mul then the GEMV), and costs 8-
 the tensor cores 1.1-1.5x the unfused pair (every column's exp and division beside ~4
 instructions a weight): the engine fuses it at one row (layers/int4.fuses_silu_mul).
 
-Two ways to do the row products (``Int4GemvConfig.dot``):
+Three ways to do the row products (``Int4GemvConfig.dot`` / ``chain``):
 
     dot False   CUDA cores: for each row m (unrolled over BLOCK_M = M rounded up to a power
                 of two) each word's 8 products summed in its thread, times the word's
                 scale, stacked per row with tl.join; the sum across threads once at the
                 end. One FMA per weight per row: ~7 SASS instructions a weight at one
                 row for sm_90, ~14 at four.
+    chain True  (without dot) CUDA cores, each nibble made 2048 + q or 128 + q in fp32 by
+                one lop3 (``_NIBBLES_PTX``: no zero point per weight), a word's 8 products
+                chained in FFMAs, (2048 + z) and (128 + z) times the word's two sums of x
+                taken off once: ~5.5-5.9 instructions a weight at one row (the one-row
+                default: run 177, 0.87-0.99x the plain unpacking's time).
     dot True    tensor cores, operands swapped: q - z in x's dtype (exact: -16..15) is the
                 A operand [BLOCK_N, BLOCK_K] straight from registers, x's tile transposed
                 the B operand [BLOCK_K, 16] (tl.dot's smallest N; rows past M are zeros);
@@ -106,6 +111,9 @@ class Int4GemvConfig:
     # K tiles in flight per program: 1..3 prefetched in registers, or 0: the K loop left to
     # Triton's software pipeliner (num_stages - 1 tiles in flight, in shared memory)
     prefetch: int = 2
+    # without dot: each word's products chained in FFMAs from 128 + q (``_row_chain``),
+    # ~3 instructions a weight a row, not the fp32 unpacking's ~7
+    chain: bool = False
 
     @property
     def pipelined(self) -> bool:
@@ -113,7 +121,7 @@ class Int4GemvConfig:
 
     @property
     def name(self) -> str:
-        kind = ("a" if self.asm else "d") if self.dot else "f"
+        kind = ("a" if self.asm else "d") if self.dot else ("c" if self.chain else "f")
         return (f"{kind}n{self.block_n}k{self.block_k}s{self.split_k}"
                 f"w{self.num_warps}st{self.num_stages}p{self.prefetch}")
 
@@ -125,7 +133,11 @@ class Int4GemvConfig:
 # not yet timed): 3-5 stages, 64 / 128 features, K tiles of 128 / 256 (the tensor cores
 # cap theirs at G = 128), K split auto / 4 / 8, on both kinds of cores.
 CANDIDATES = (
-    Int4GemvConfig(64, 128, 0, 4),                              # CUDA cores, 1 row's best
+    Int4GemvConfig(32, 128, 0, 2, chain=True),                  # FFMA chains, 1 row's best
+    Int4GemvConfig(64, 128, 0, 4, chain=True),
+    Int4GemvConfig(64, 128, 8, 4, chain=True),
+    Int4GemvConfig(64, 128, 0, 4, 4, prefetch=0, chain=True),
+    Int4GemvConfig(64, 128, 0, 4),                              # CUDA cores, plain unpacking
     Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=1),  # 2-16 rows' best
     Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=3),
     Int4GemvConfig(64, 128, 4, 4),                              # CUDA cores, fixed split
@@ -148,9 +160,11 @@ def default_config(m: int, n: int, k: int) -> Int4GemvConfig:
     tiles in flight; one row on the CUDA cores (no 16-row padding: 26.7 us against 28.8 for
     the tensor cores at down's 4096 x 14336), more rows on the tensor cores with the
     inline-PTX unpacking (the CUDA cores' 8 rows took 3.4x as long). K's split is
-    ``_split_k``'s (what the sweep's best tiles had)."""
+    ``_split_k``'s (what the sweep's best tiles had). One row since run 177: the CUDA
+    cores' FFMA chains (``_row_chain``), 32 features a program, 2 warps."""
     if m == 1:
-        return Int4GemvConfig(64, 128, 0, 4, prefetch=2)
+        # run 177: the FFMA chains 0.87-0.99x the plain unpacking's time at the 8B shapes
+        return Int4GemvConfig(32, 128, 0, 2, prefetch=2, chain=True)
     # run 175 (1-64 rows): Triton's pipelining (3 stages through shared memory) best or
     # within 4% at 8-16 rows and 5-18% ahead of register prefetch at 32-64
     return Int4GemvConfig(64, 128, 0, 4, 3, dot=True, asm=True, prefetch=0)
@@ -162,13 +176,13 @@ def parse_config(name: str) -> Int4GemvConfig:
     num_warps, num_stages, prefetch)."""
     import re
 
-    match = re.fullmatch(r"([dfa])n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)p(\d+)", name.strip())
+    match = re.fullmatch(r"([dfac])n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)p(\d+)", name.strip())
     if match is None:
         raise ValueError(f"{name!r} is not a config name such as an64k128s0w4st1p2")
     kind, *nums = match.groups()
     bn, bk, split, warps, stages, prefetch = map(int, nums)
-    return Int4GemvConfig(bn, bk, split, warps, stages, dot=kind != "f", asm=kind == "a",
-                          prefetch=prefetch)
+    return Int4GemvConfig(bn, bk, split, warps, stages, dot=kind in "ad", asm=kind == "a",
+                          prefetch=prefetch, chain=kind == "c")
 
 
 @triton.jit
@@ -222,6 +236,93 @@ def _unpack_words(packed, z):
                 tl.join(tl.join(n1, n5), tl.join(n3, n7)))
     zf = z.to(tl.float32) + 8388608.0
     return q - zf[:, :, None, None, None]
+
+
+# PTX of one packed word -> its 8 nibbles as fp32 (``_row_chain``), two magics: a nibble at
+# bits 12-15 ORed into 2048.0's mantissa (0x45000000, where bit 12 is worth 1) is 2048 + q,
+# at bits 16-19 into 128.0's (0x43000000) 128 + q. Four shifts bring every nibble to one
+# of the two places (w: 3 and 4; w << 8: 1 and 2; w >> 8: 5 and 6; w << 12: 0; w >> 12: 7),
+# one lop3 each (a & mask | magic, both in registers): 12 instructions for 8 weights.
+# Outputs in the order $0-$3 = nibbles 3, 1, 5, 0 (2048 + q), $4-$7 = 4, 2, 6, 7 (128 + q).
+_NIBBLES_PTX = tl.constexpr("""{
+.reg .b32 t, ma, mb, ca, cb;
+mov.b32 ma, 0x0000F000;
+mov.b32 mb, 0x000F0000;
+mov.b32 ca, 0x45000000;
+mov.b32 cb, 0x43000000;
+lop3.b32 $0, $8, ma, ca, 0xEA;
+lop3.b32 $4, $8, mb, cb, 0xEA;
+shl.b32 t, $8, 8;
+lop3.b32 $1, t, ma, ca, 0xEA;
+lop3.b32 $5, t, mb, cb, 0xEA;
+shr.u32 t, $8, 8;
+lop3.b32 $2, t, ma, ca, 0xEA;
+lop3.b32 $6, t, mb, cb, 0xEA;
+shl.b32 t, $8, 12;
+lop3.b32 $3, t, ma, ca, 0xEA;
+shr.u32 t, $8, 12;
+lop3.b32 $7, t, mb, cb, 0xEA;
+}""")
+
+
+@triton.jit
+def _nibbles_2048_128(packed, ASM: tl.constexpr):
+    """Packed words [BN, W] -> 8 fp32 tensors [BN, W]: nibbles 3, 1, 5, 0 as 2048 + q,
+    then 4, 2, 6, 7 as 128 + q (``_NIBBLES_PTX``; the interpreter runs the same bit
+    arithmetic in Triton ops, which ptxas leaves two lop3s a weight)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _NIBBLES_PTX.value, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
+            dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        w = packed.to(tl.uint32, bitcast=True)
+        lo = w << 8
+        hi = w >> 8
+        a3 = ((w & 0xF000) | 0x45000000).to(tl.float32, bitcast=True)
+        a1 = ((lo & 0xF000) | 0x45000000).to(tl.float32, bitcast=True)
+        a5 = ((hi & 0xF000) | 0x45000000).to(tl.float32, bitcast=True)
+        a0 = (((w << 12) & 0xF000) | 0x45000000).to(tl.float32, bitcast=True)
+        b4 = ((w & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+        b2 = ((lo & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+        b6 = ((hi & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+        b7 = (((w >> 12) & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+        return a3, a1, a5, a0, b4, b2, b6, b7
+
+
+@triton.jit
+def _row_chain(packed, z, sf, x_ptr, stride_xm, k0, M, K, m: tl.constexpr,
+               BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, ASM: tl.constexpr):
+    """Row m's sums of the words [BN, W], one FFMA a weight: each word's 8 products
+    (2048 + q) * x or (128 + q) * x (``_nibbles_2048_128``, exact in fp32) chained in its
+    thread, then (2048 + z) and (128 + z) times the word's two sums of x taken off once
+    and the scale applied once: [BN, W]. A chain carries 2048 * x beside the q * x wanted:
+    ~2^-15 of a word's sum lost to rounding, far below a 16-bit output's 2^-9."""
+    a3, a1, a5, a0, b4, b2, b6, b7 = _nibbles_2048_128(packed, ASM)
+    # the tile's x (with SiLU·mul: silu(gate) * up) computed once, a column a thread, then
+    # split into the 8 columns of each word: [W] each, broadcast over the features (Triton
+    # moves them through shared memory; as fast as each thread loading its own, run 177)
+    xr = _load_x(x_ptr + m * stride_xm + k0 + tl.arange(0, BLOCK_K), m < M, K, SILU_MUL)
+    xe, xo = tl.split(tl.reshape(xr.to(tl.float32), (BLOCK_K // 8, 2, 2, 2)))
+    xee, xeo = tl.split(xe)
+    xoe, xoo = tl.split(xo)
+    x0, x4 = tl.split(xee)
+    x2, x6 = tl.split(xeo)
+    x1, x5 = tl.split(xoe)
+    x3, x7 = tl.split(xoo)
+    x0, x1, x2, x3 = x0[None, :], x1[None, :], x2[None, :], x3[None, :]
+    x4, x5, x6, x7 = x4[None, :], x5[None, :], x6[None, :], x7[None, :]
+    acc = b4 * x4
+    acc = tl.fma(b2, x2, acc)
+    acc = tl.fma(b6, x6, acc)
+    acc = tl.fma(b7, x7, acc)
+    acc = tl.fma(a3, x3, acc)
+    acc = tl.fma(a1, x1, acc)
+    acc = tl.fma(a5, x5, acc)
+    acc = tl.fma(a0, x0, acc)
+    zf = z.to(tl.float32)
+    acc = tl.fma(-(zf + 2048.0), (x3 + x1) + (x5 + x0), acc)
+    acc = tl.fma(-(zf + 128.0), (x4 + x2) + (x6 + x7), acc)
+    return acc * sf
 
 
 # PTX of one packed word and its -(OFFSET + zero) as a 16-bit float -> its 8 values q - z
@@ -288,31 +389,40 @@ def _load_x(ptrs, mask, K, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _row_part(w5, sf, x_ptr, stride_xm, k0, M, K, m: tl.constexpr, BLOCK_K: tl.constexpr,
-              SILU_MUL: tl.constexpr):
+def _row_part(w5, c, sf, x_ptr, stride_xm, k0, M, K, m: tl.constexpr, BLOCK_K: tl.constexpr,
+              SILU_MUL: tl.constexpr, CHAIN: tl.constexpr, ASM: tl.constexpr):
     """Each word's sum of (q - z) * x[m] over its 8 columns (in a thread's registers),
     times the word's scale ``sf``: [BN, W]. One multiply by the scale per word per row
-    rather than one per weight."""
-    xr = _load_x(x_ptr + m * stride_xm + k0 + tl.arange(0, BLOCK_K), m < M, K, SILU_MUL)
-    x5 = tl.reshape(xr.to(tl.float32), (BLOCK_K // 8, 2, 2, 2))
-    p = w5 * x5[None, :, :, :, :]
-    return tl.sum(tl.sum(tl.sum(p, axis=4), axis=3), axis=2) * sf
+    rather than one per weight. With CHAIN, w5 is the packed words and c their zero
+    points (``_row_chain``; ASM: its inline PTX)."""
+    if CHAIN:
+        return _row_chain(w5, c, sf, x_ptr, stride_xm, k0, M, K, m, BLOCK_K, SILU_MUL, ASM)
+    else:
+        xr = _load_x(x_ptr + m * stride_xm + k0 + tl.arange(0, BLOCK_K), m < M, K, SILU_MUL)
+        x5 = tl.reshape(xr.to(tl.float32), (BLOCK_K // 8, 2, 2, 2))
+        p = w5 * x5[None, :, :, :, :]
+        return tl.sum(tl.sum(tl.sum(p, axis=4), axis=3), axis=2) * sf
 
 
 @triton.jit
-def _rows_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0: tl.constexpr, ROWS: tl.constexpr,
-               BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr):
+def _rows_part(w5, c, sf, x_ptr, stride_xm, k0, M, K, m0: tl.constexpr, ROWS: tl.constexpr,
+               BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, CHAIN: tl.constexpr,
+               ASM: tl.constexpr):
     """Rows m0 .. m0 + ROWS - 1 of x against w5: [BN, W, ROWS], the rows stacked by
     tl.join (a new in-thread dimension: no select, no layout conversion)."""
     if ROWS == 1:
-        return _row_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0, BLOCK_K, SILU_MUL)[:, :, None]
+        return _row_part(w5, c, sf, x_ptr, stride_xm, k0, M, K, m0, BLOCK_K, SILU_MUL,
+                         CHAIN, ASM)[:, :, None]
     elif ROWS == 2:
-        return tl.join(_row_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0, BLOCK_K, SILU_MUL),
-                       _row_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0 + 1, BLOCK_K, SILU_MUL))
+        return tl.join(
+            _row_part(w5, c, sf, x_ptr, stride_xm, k0, M, K, m0, BLOCK_K, SILU_MUL, CHAIN, ASM),
+            _row_part(w5, c, sf, x_ptr, stride_xm, k0, M, K, m0 + 1, BLOCK_K, SILU_MUL, CHAIN, ASM))
     else:
         HALF: tl.constexpr = ROWS // 2
-        lo = _rows_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0, HALF, BLOCK_K, SILU_MUL)
-        hi = _rows_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0 + HALF, HALF, BLOCK_K, SILU_MUL)
+        lo = _rows_part(w5, c, sf, x_ptr, stride_xm, k0, M, K, m0, HALF, BLOCK_K, SILU_MUL,
+                        CHAIN, ASM)
+        hi = _rows_part(w5, c, sf, x_ptr, stride_xm, k0, M, K, m0 + HALF, HALF, BLOCK_K,
+                        SILU_MUL, CHAIN, ASM)
         # [BN, W, HALF, 2] -> [BN, W, 2, HALF] -> [BN, W, ROWS]: row m0 + i at index i
         return tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)),
                           (lo.shape[0], lo.shape[1], ROWS))
@@ -322,28 +432,33 @@ def _rows_part(w5, sf, x_ptr, stride_xm, k0, M, K, m0: tl.constexpr, ROWS: tl.co
 def _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
                   PRECISION: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-                  OFFSET: tl.constexpr, SILU_MUL: tl.constexpr):
+                  OFFSET: tl.constexpr, SILU_MUL: tl.constexpr, CHAIN: tl.constexpr):
     """K tile t's share of the sums: [BLOCK_N, BLOCK_M] on the tensor cores (DOT), else
     per-word partial sums [BLOCK_N, BLOCK_K / 8, BLOCK_M]."""
-    if ASM:  # q - z in x's dtype, [BN, W, 2, 2, 2]
-        w5 = _unpack_words_asm(packed, z, x_ptr.dtype.element_ty, PTX, OFFSET)
-    else:  # q - z in fp32
-        w5 = _unpack_words(packed, z)
-    sf = s.to(tl.float32)
-    k0 = t * BLOCK_K
-    if DOT:
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_m = tl.arange(0, BLOCK_M)
-        # rows past M load zeros (with SILU_MUL every column's silu(g) * u is computed: a
-        # form folding M < 16 rows into fewer columns failed its H200 check, run 175)
-        xt = _load_x(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None],
-                     (offs_m < M)[None, :], K, SILU_MUL)  # [BK, BLOCK_M]
-        # q - z (exact in 16 bits) on tensor cores; the tile lies in one group
-        # (the launcher's BLOCK_K divides G), so its scale is one per feature, after
-        w = tl.reshape(w5, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
-        return tl.dot(w, xt, input_precision=PRECISION) * sf
+    if CHAIN:  # the CUDA cores' FFMA chains (``_row_chain``)
+        return _rows_part(packed, z, s.to(tl.float32), x_ptr, stride_xm, t * BLOCK_K, M, K, 0,
+                          BLOCK_M, BLOCK_K, SILU_MUL, True, ASM)
     else:
-        return _rows_part(w5, sf, x_ptr, stride_xm, k0, M, K, 0, BLOCK_M, BLOCK_K, SILU_MUL)
+        if ASM:  # q - z in x's dtype, [BN, W, 2, 2, 2]
+            w5 = _unpack_words_asm(packed, z, x_ptr.dtype.element_ty, PTX, OFFSET)
+        else:  # q - z in fp32
+            w5 = _unpack_words(packed, z)
+        sf = s.to(tl.float32)
+        k0 = t * BLOCK_K
+        if DOT:
+            offs_k = tl.arange(0, BLOCK_K)
+            offs_m = tl.arange(0, BLOCK_M)
+            # rows past M load zeros (with SILU_MUL every column's silu(g) * u is computed: a
+            # form folding M < 16 rows into fewer columns failed its H200 check, run 175)
+            xt = _load_x(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None],
+                         (offs_m < M)[None, :], K, SILU_MUL)  # [BK, BLOCK_M]
+            # q - z (exact in 16 bits) on tensor cores; the tile lies in one group
+            # (the launcher's BLOCK_K divides G), so its scale is one per feature, after
+            w = tl.reshape(w5, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
+            return tl.dot(w, xt, input_precision=PRECISION) * sf
+        else:
+            return _rows_part(w5, sf, sf, x_ptr, stride_xm, k0, M, K, 0, BLOCK_M, BLOCK_K,
+                              SILU_MUL, False, False)
 
 
 @triton.jit
@@ -354,7 +469,8 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
                       PRECISION: tl.constexpr, PREFETCH: tl.constexpr = 2,
                       ASM: tl.constexpr = False,
                       PTX: tl.constexpr = "", OFFSET: tl.constexpr = 0.0,
-                      NUM_STAGES: tl.constexpr = 1, SILU_MUL: tl.constexpr = False):
+                      NUM_STAGES: tl.constexpr = 1, SILU_MUL: tl.constexpr = False,
+                      CHAIN: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -387,7 +503,8 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
             s, z = sn, zn
             sn, zn = _load_groups(s_rows, z_rows, n_mask, t + 1, end, G, BLOCK_K)
             part = _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL)
+                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL,
+                                 CHAIN)
             if DOT:
                 acc += part
             else:
@@ -414,7 +531,8 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
                 pb, sb, zb = pc, sc, zc
                 pc, sc, zc = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 3, end, G, BLOCK_K)
             part = _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL)
+                                 BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL,
+                                 CHAIN)
             if DOT:
                 acc += part
             else:
@@ -509,6 +627,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          f"with K tiles of 16 at least (K={k}, G={g}, {cfg.name})")
     # inline PTX runs on the GPU only, for 16-bit x (the interpreter takes the plain path)
     asm = dot and cfg.asm and x.dtype in _UNPACK_TYPES and not interpreting()
+    chain = cfg.chain and not dot
+    if chain:
+        asm = not interpreting()  # the nibbles' PTX (fp32 out, whatever x's dtype)
     tiles_n = triton.cdiv(n, cfg.block_n)
     split = cfg.split_k or _split_k(tiles_n, k // bk, x.device)
     split = max(1, min(split, k // bk))
@@ -523,7 +644,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
         PTX=_unpack_ptx(x.dtype) if asm else "",
         OFFSET=_UNPACK_TYPES[x.dtype][1] if asm else 0.0, NUM_STAGES=cfg.num_stages,
-        SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SILU_MUL=silu_mul, CHAIN=chain, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](

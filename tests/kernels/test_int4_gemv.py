@@ -28,6 +28,8 @@ from flashpage.kernels.int4_gemv import (
 
 FMA = Int4GemvConfig(16, 64, split_k=1, dot=False)
 DOT = Int4GemvConfig(16, 64, split_k=1, dot=True)
+CHAIN = Int4GemvConfig(16, 64, split_k=1, chain=True)
+PIPE_CHAIN = Int4GemvConfig(16, 64, 2, 4, 3, prefetch=0, chain=True)
 
 CASES = [
     # m, n, k, g, zero (None: random 0..16), bias, config
@@ -42,6 +44,12 @@ CASES = [
     (3, 40, 256, 128, None, False, Int4GemvConfig(16, 64, 2, 4, 4, prefetch=0)),  # split
     (5, 24, 256, 256, 16, True, Int4GemvConfig(16, 64, 2, 4, 3, dot=True, prefetch=0)),
     (16, 40, 128, 32, None, False, Int4GemvConfig(16, 32, 1, 4, 5, dot=True, prefetch=0)),
+    # the FFMA chains from 2048 + q / 128 + q (chain=True): groups of 8 (a scale per word),
+    # zero points 0 and 16, split, rows past M, both K loops
+    (1, 40, 128, 32, None, True, CHAIN),
+    (1, 24, 256, 8, 16, False, Int4GemvConfig(16, 64, 2, chain=True, prefetch=3)),
+    (3, 40, 256, 128, 0, True, Int4GemvConfig(16, 64, 2, chain=True, prefetch=1)),
+    (1, 40, 256, 256, None, False, PIPE_CHAIN),
 ]
 PIPE_FMA = Int4GemvConfig(16, 64, 2, 4, 3, prefetch=0)
 PIPE_DOT = Int4GemvConfig(16, 64, 2, 4, 3, dot=True, prefetch=0)
@@ -88,7 +96,7 @@ def _silu_mul_ref(h):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,n,k,g,cfg", [
     (1, 40, 128, 32, FMA), (3, 24, 256, 128, DOT), (1, 40, 256, 32, PIPE_FMA),
-    (5, 40, 256, 256, PIPE_DOT)])
+    (5, 40, 256, 256, PIPE_DOT), (1, 40, 128, 32, CHAIN), (2, 24, 256, 128, PIPE_CHAIN)])
 def test_int4_gemv_silu_mul_matches_silu_then_reference(m, n, k, g, cfg, dtype):
     """silu_mul=True on the gate/up output h [M, 2K]: silu(gate) * up rounded to x's dtype
     (kernels/silu_mul's rounding), then the reference; both forms, both K loops."""
@@ -262,6 +270,37 @@ def test_unpack_ptx_constants_give_q_minus_z():
         assert torch.equal(got, (q - z).float()), dtype
 
 
+def test_nibbles_ptx_gives_2048_and_128_plus_q():
+    """The chains' inline PTX (which the interpreter cannot run), replayed in torch from
+    its own text: each shift then lop3 (a & mask | magic) gives nibbles 3, 1, 5, 0 as the
+    fp32 2048 + q and 4, 2, 6, 7 as 128 + q, exactly."""
+    import re
+
+    from flashpage.kernels.int4_gemv import _NIBBLES_PTX
+
+    ptx = _NIBBLES_PTX.value
+    regs = dict(re.findall(r"mov\.b32 (\w+), (0x[0-9A-F]+);", ptx))
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (256, 8), generator=gen, dtype=torch.int32)
+    w = pack_int4(q)[:, 0].to(torch.int64) & 0xFFFFFFFF
+    t = w
+    got = {}
+    for line in ptx.splitlines():
+        if line.startswith(("shl.b32", "shr.u32")):
+            n = int(line.rstrip(";").split(",")[-1])
+            t = (w << n) & 0xFFFFFFFF if line.startswith("shl") else w >> n
+        elif line.startswith("lop3.b32"):
+            out, src, mask, magic, op = (a.strip() for a in line[9:].rstrip(";").split(","))
+            assert op == "0xEA"  # a & b | c
+            v = ((w if src == "$8" else t) & int(regs[mask], 16)) | int(regs[magic], 16)
+            got[int(out[1:])] = v.to(torch.int32).view(torch.float32)
+    assert sorted(got) == list(range(8))
+    for i, j in enumerate((3, 1, 5, 0)):
+        assert torch.equal(got[i], q[:, j].float() + 2048), j
+    for i, j in enumerate((4, 2, 6, 7)):
+        assert torch.equal(got[4 + i], q[:, j].float() + 128), j
+
+
 def _compile_int4_gemv() -> dict[str, dict]:
     """(In a subprocess with the interpreter off.) The GEMV's forms compiled for sm_90 as a
     bf16 launch of the 8B shapes specializes them (groups of 128, split K): name ->
@@ -279,23 +318,27 @@ def _compile_int4_gemv() -> dict[str, dict]:
     prefetch_asm = m.Int4GemvConfig(64, 128, 0, 4, dot=True, asm=True, prefetch=2)
     pipe_fma = m.Int4GemvConfig(64, 128, 0, 4, 3, prefetch=0)
     pipe_asm = m.Int4GemvConfig(64, 128, 0, 4, 4, dot=True, asm=True, prefetch=0)
-    assert pipe_fma in m.CANDIDATES and pipe_asm in m.CANDIDATES
+    chain = m.default_config(1, 4096, 4096)
+    assert pipe_fma in m.CANDIDATES and pipe_asm in m.CANDIDATES and chain in m.CANDIDATES
     # name -> (BLOCK_M, config, inline PTX, SiLU·mul)
-    forms = {"fma_1row": (1, m.CANDIDATES[0], False, False),
+    forms = {"fma_1row": (1, m.Int4GemvConfig(64, 128, 0, 4), False, False),
              "prefetch_asm": (16, prefetch_asm, True, False),
              "default_asm": (16, default, default.asm, False),
              "asm_64rows": (64, default, default.asm, False),
              "pipe_fma_1row": (1, pipe_fma, False, False),
              "pipe_asm": (16, pipe_asm, True, False),
              "pipe_asm_silu": (16, pipe_asm, True, True),
-             "pipe_fma_1row_silu": (1, pipe_fma, False, True)}
+             "pipe_fma_1row_silu": (1, pipe_fma, False, True),
+             "chain_1row": (1, chain, True, False),
+             "chain_1row_silu": (1, chain, True, True)}
     out = {}
     for name, (bm, cfg, asm, silu) in forms.items():
         k = compile_sm90(m._int4_gemv_kernel, dict(
             G=128, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=2,
             HAS_BIAS=False, DOT=cfg.dot, PRECISION="tf32", PREFETCH=cfg.prefetch, ASM=asm,
-            PTX=m._unpack_ptx(torch.bfloat16) if asm else "", OFFSET=128.0 if asm else 0.0,
-            NUM_STAGES=cfg.num_stages, SILU_MUL=silu),
+            PTX=m._unpack_ptx(torch.bfloat16) if asm and cfg.dot else "",
+            OFFSET=128.0 if asm and cfg.dot else 0.0,
+            NUM_STAGES=cfg.num_stages, SILU_MUL=silu, CHAIN=cfg.chain),
             {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": "*fp32"},
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned)
         ptx = k.asm["ptx"]
@@ -337,6 +380,11 @@ def test_int4_gemv_compiles_for_sm90():
     # SiLU·mul's exp and division per K tile, one row on the CUDA cores (what the engine
     # fuses): 7.7 when written
     assert got["pipe_fma_1row_silu"]["per_weight"] <= 9, got
+    # the one-row default: the FFMA chains, ~2 instructions a weight fewer (5.5 / 6.0 with
+    # SiLU·mul when written)
+    assert not got["chain_1row"]["mma"] and got["chain_1row"]["async_copies"] == 0, got
+    assert got["chain_1row"]["per_weight"] <= 6.2, got
+    assert got["chain_1row_silu"]["per_weight"] <= 6.6, got
 
 
 @pytest.mark.gpu
