@@ -642,8 +642,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         BLOCK_N=cfg.block_n, BLOCK_K=bk,
         SPLIT_K=split, HAS_BIAS=bias is not None, DOT=dot, PREFETCH=cfg.prefetch,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
-        PTX=_unpack_ptx(x.dtype) if asm else "",
-        OFFSET=_UNPACK_TYPES[x.dtype][1] if asm else 0.0, NUM_STAGES=cfg.num_stages,
+        PTX=_unpack_ptx(x.dtype) if asm and dot else "",
+        OFFSET=_UNPACK_TYPES[x.dtype][1] if asm and dot else 0.0, NUM_STAGES=cfg.num_stages,
         SILU_MUL=silu_mul, CHAIN=chain, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
