@@ -226,6 +226,56 @@ def test_qwen2_moe_shared_expert_loads_and_gives_hf_weights_back(tiny_moe_checkp
     assert mine["model.layers.0.mlp.experts.down_proj"].shape == (8, 64, 32)
 
 
+def test_lora_targets_skip_the_routed_experts(tiny_moe_checkpoint):
+    """Adapters reach attention, dense MLPs and Qwen2-MoE's shared expert, never a linear
+    that is not there (layer 1's MLP is experts)."""
+    model = load_model(resolve_model(str(tiny_moe_checkpoint("qwen3_moe"))), torch.float32,
+                       torch.device("cpu"))
+    targets = model.lora_targets()
+    modules = dict(model.named_modules())
+    assert all(ours in modules for ours, _, _ in targets.values())
+    assert "model.layers.0.mlp.down_proj" in targets and "model.layers.0.mlp.gate_proj" in targets
+    assert "model.layers.1.self_attn.q_proj" in targets
+    assert not any(hf.startswith("model.layers.1.mlp") for hf in targets)
+    q2 = load_model(resolve_model(str(tiny_moe_checkpoint("qwen2_moe"))), torch.float32,
+                    torch.device("cpu")).lora_targets()
+    assert q2["model.layers.1.mlp.shared_expert.up_proj"] == (
+        "model.layers.1.mlp.shared_expert.gate_up_proj", 48, 48)
+
+
+class _ShapeOnlyBackend:
+    """The attention backend's forward as a shape-only stand-in: what runs on meta tensors
+    is then the model's own code."""
+
+    def forward(self, q, k, v, kv_cache, md, **kw):
+        return torch.empty_like(q)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_steps_up_to_512_tokens_have_no_host_sync(tiny_moe_checkpoint, name):
+    """What makes these models capturable in CUDA graphs (decode, prompt-only and piecewise,
+    up to ``max_graph_tokens``): a step of up to 512 tokens runs on meta tensors, which hold
+    no data (``.tolist()``, ``bool()``, data-dependent shapes raise); at 513 the experts'
+    grouped path reads its counts back, as the check must see."""
+    from flashpage.engine.cuda_graph import DecodeGraphs
+
+    model = load_model(resolve_model(str(tiny_moe_checkpoint(name))), torch.float32,
+                       torch.device("cpu"))
+    assert model.max_graph_tokens == 512
+    meta = torch.device("meta")
+    model = model.to(meta)
+    for layer in model.attention_layers():
+        layer.kv_cache = (torch.empty(1, device=meta), torch.empty(1, device=meta))
+        layer.backend = _ShapeOnlyBackend()
+    graphs = DecodeGraphs(model, 513, 4, meta)
+    with torch.inference_mode():
+        for bs in (1, 3, 16, 512):  # gathered-weights experts at 1, all-experts above
+            out = model(graphs.input_ids[:bs], graphs.positions[:bs], graphs.metadata(bs, 16))
+            assert out.shape == (bs, model.config.hidden_size)
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            model(graphs.input_ids, graphs.positions, graphs.metadata(513, 16))
+
+
 # ----------------------------------------------------------------- config
 def _raw(kind: str, **kw) -> dict:
     d = _hf_config(kind).to_dict()
