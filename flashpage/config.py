@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -32,7 +32,9 @@ LLAMA_FAMILY = {
     "Qwen3ForCausalLM",
 } | CLASSIFIER_ARCHITECTURES
 DEEPSEEK_FAMILY = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY | DEEPSEEK_FAMILY
+# the Llama body with mixture-of-experts MLPs (models/llama.py, layers/moe.SparseMoeBlock)
+LLAMA_MOE_FAMILY = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY
 
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -41,6 +43,9 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -339,6 +344,61 @@ def _checkpoint_quantization(d: dict[str, Any], arch: str,
     return qc
 
 
+def _positive_int(d: dict[str, Any], key: str, where: str, default: Any = None,
+                  why: str = "") -> int:
+    v = d.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ConfigError(f"{where}: {key} must be a positive integer{why}, got {v!r}")
+    return v
+
+
+def _llama_moe_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """The MoE fields of Mixtral / Qwen2-MoE / Qwen3-MoE under ModelConfig's names (DeepSeek's:
+    ``n_routed_experts``, ``moe_intermediate_size``), validated.
+
+    Mixtral: ``num_local_experts`` experts of ``intermediate_size`` in every layer, the top-k
+    weights always renormalized. Qwen: ``num_experts`` (transformers 5 writes Qwen3-MoE's as
+    ``num_local_experts``) of ``moe_intermediate_size``; layer i is MoE unless it is in
+    ``mlp_only_layers`` or (i + 1) % ``decoder_sparse_step`` != 0, else a dense MLP of
+    ``intermediate_size``; renormalized if ``norm_topk_prob``. Qwen2-MoE adds a shared expert
+    of ``shared_expert_intermediate_size`` behind a sigmoid gate."""
+    layers = d["num_hidden_layers"]
+    mixtral = arch == "MixtralForCausalLM"
+    experts_key = "num_local_experts" if mixtral or "num_experts" not in d else "num_experts"
+    experts = _positive_int(d, experts_key, where)
+    top_k = _positive_int(d, "num_experts_per_tok", where)
+    if top_k > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok ({top_k}) must be at most "
+                          f"{experts_key} ({experts}): each token picks that many distinct experts")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
+                          f"{arch} (supported: 'silu')")
+    out: dict[str, Any] = dict(n_routed_experts=experts, num_experts_per_tok=top_k)
+    if mixtral:
+        return out | dict(moe_intermediate_size=_positive_int(d, "intermediate_size", where),
+                          norm_topk_prob=True)
+    step = _positive_int(d, "decoder_sparse_step", where, default=1)
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in only):
+        raise ConfigError(f"{where}: mlp_only_layers must be a list of layer indices in "
+                          f"[0, {layers}), got {only!r}")
+    dense = [i for i in range(layers) if i in only or (i + 1) % step]
+    if dense:
+        _positive_int(d, "intermediate_size", where,
+                      why=f" (dense MLP in layer(s) {', '.join(map(str, dense[:4]))})")
+    out |= dict(moe_intermediate_size=_positive_int(d, "moe_intermediate_size", where),
+                decoder_sparse_step=step, mlp_only_layers=tuple(sorted(set(only))),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)))
+    if arch == "Qwen2MoeForCausalLM":
+        if d.get("use_sliding_window"):
+            raise ConfigError(f"{where}: use_sliding_window is not supported for Qwen2-MoE (its "
+                              "window is per layer, up to max_window_layers)")
+        out["shared_expert_intermediate_size"] = _positive_int(
+            d, "shared_expert_intermediate_size", where)
+    return out
+
+
 def classifier_labels(d: dict[str, Any], where: str) -> tuple[int, tuple[str, ...]]:
     """A sequence classifier's label count (``num_labels``, else id2label's size, else 2 as
     transformers' default) and names in id order ("LABEL_i" where id2label names none, as
@@ -476,7 +536,9 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    # MoE (DeepSeek-V2/V3)
+    # MoE: DeepSeek-V2/V3's names, every family's meaning (config._llama_moe_fields maps
+    # Mixtral's num_local_experts, Qwen's num_experts to n_routed_experts; Mixtral's
+    # intermediate_size to moe_intermediate_size); which layers are MoE: is_moe_layer
     n_routed_experts: int | None = None
     n_shared_experts: int = 0
     num_experts_per_tok: int = 0
@@ -489,6 +551,9 @@ class ModelConfig:
     topk_group: int = 1
     scoring_func: str = "softmax"
     norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1  # Qwen MoE: layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's one shared expert (sigmoid-gated)
     # fp8 / int4 checkpoints (HF quantization_config): how their weights are stored; None: 16/32-bit
     quantization_config: CheckpointQuantization | None = None
     # a sequence classifier (CLASSIFIER_ARCHITECTURES; 0 for any other model): its labels
@@ -581,7 +646,8 @@ class ModelConfig:
         eos_t: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         model_type = d.get("model_type", "")
         sliding = d.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        if (model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+                and not d.get("use_sliding_window", False)):
             sliding = None
         # transformers >= 5 writes rope_theta and the scaling under rope_parameters.
         rope_params = d.get("rope_parameters") or {}
@@ -598,7 +664,11 @@ class ModelConfig:
                 d = {**d, "num_labels": n, "id2label": None if n == 1 else dict(enumerate(from_token))}
             num_labels, labels = classifier_labels(d, where)
             activation = classifier_activation(d, folder, num_labels)
-        return ModelConfig(
+        moe = _llama_moe_fields(d, arch, where) if arch in LLAMA_MOE_FAMILY else {}
+        # Qwen2-MoE names its q/k/v bias qkv_bias (on unless set false, as Qwen2's)
+        bias = (d.get("qkv_bias", True) if model_type == "qwen2_moe"
+                else d.get("attention_bias", model_type == "qwen2"))
+        return replace(ModelConfig(
             architecture=arch,
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -614,8 +684,8 @@ class ModelConfig:
             rope_scaling=RopeScaling.from_dict(rope_scaling),
             hidden_act=d.get("hidden_act", "silu"),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            attention_bias=bool(bias),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=sliding,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos_t,
@@ -645,7 +715,17 @@ class ModelConfig:
             classifier_method=method if arch in CLASSIFIER_ARCHITECTURES else "",
             use_pad_token=bool(d.get("use_pad_token", not from_token)),
             raw=d,
-        )
+        ), **moe)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the mixture of experts: DeepSeek's rule
+        (``first_k_dense_replace``, ``moe_layer_freq``), else Qwen's (``mlp_only_layers``,
+        ``decoder_sparse_step``; Mixtral: every layer)."""
+        if not self.n_routed_experts:
+            return False
+        if self.architecture in DEEPSEEK_FAMILY:
+            return layer >= self.first_k_dense_replace and layer % max(self.moe_layer_freq, 1) == 0
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
     # --------------------------------------------------------------- attention
     @property

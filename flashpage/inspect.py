@@ -21,8 +21,10 @@ Definitions (each figure can be checked by hand):
 * Tokens in memory: ``memory // kv_bytes_per_token``, the KV cache alone; the same
   after subtracting the weights' size (``param_count * dtype bytes``), clamped at 0.
 * Parameters are counted from the config: embeddings, attention (MLA's low-rank
-  projections and norms included), MLP (MoE routed and shared experts, router),
-  norms, and the LM head unless tied. DeepSeek-V3's multi-token-prediction layers
+  projections and norms included), MLP (MoE routed and shared experts, router,
+  Qwen2-MoE's shared-expert gate), norms, and the LM head unless tied. Active per token:
+  the same with ``num_experts_per_tok`` routed experts in each MoE layer (Mixtral-8x7B:
+  46.7B, 12.9B active; Qwen3-30B-A3B: 30.5B, 3.3B; Qwen1.5-MoE-A2.7B: 14.3B, 2.7B). DeepSeek-V3's multi-token-prediction layers
   (``num_nextn_predict_layers``) are not part of the model that serves, and are left
   out: 671B for V3, as its paper counts.
 """
@@ -95,25 +97,26 @@ def _attention_params(cfg: ModelConfig) -> int:
     n = h * q_dim + 2 * h * kv_dim + q_dim * h
     if cfg.attention_bias:
         n += q_dim + 2 * kv_dim
-        if cfg.model_type != "qwen2":  # Llama's attention_bias also puts a bias on o_proj
+        if cfg.model_type not in ("qwen2", "qwen2_moe"):  # Llama's also biases o_proj
             n += h
     if cfg.qk_norm:
         n += 2 * d
     return n
 
 
-def _is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    return (
-        cfg.n_routed_experts is not None
-        and layer >= cfg.first_k_dense_replace
-        and layer % cfg.moe_layer_freq == 0
-    )
+def _shared_experts(cfg: ModelConfig) -> tuple[str, int]:
+    """(module name, intermediate size) of an MoE layer's always-on MLP: DeepSeek's
+    ``shared_experts`` (n_shared_experts of moe_intermediate_size, merged), Qwen2-MoE's
+    ``shared_expert``; size 0 where there is none."""
+    if cfg.shared_expert_intermediate_size:
+        return "shared_expert", cfg.shared_expert_intermediate_size
+    return "shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts
 
 
 def _mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     """(total, active per token) parameters of one layer's MLP."""
     h = cfg.hidden_size
-    if not _is_moe_layer(cfg, layer):
+    if not cfg.is_moe_layer(layer):
         n = 3 * h * cfg.intermediate_size
         return n, n
     assert cfg.n_routed_experts is not None
@@ -121,7 +124,9 @@ def _mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     router = cfg.n_routed_experts * h
     if cfg.topk_method == "noaux_tc":  # e_score_correction_bias
         router += cfg.n_routed_experts
-    shared = cfg.n_shared_experts * expert
+    shared = 3 * h * _shared_experts(cfg)[1]
+    if cfg.shared_expert_intermediate_size:
+        shared += h  # Qwen2-MoE's shared_expert_gate
     total = router + shared + cfg.n_routed_experts * expert
     active = router + shared + cfg.num_experts_per_tok * expert
     return total, active
@@ -151,9 +156,9 @@ def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
             out += [((f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"), q_dim + 2 * kv_dim, h),
                     ((f"{a}.o_proj",), h, q_dim)]
         inter = cfg.intermediate_size
-        if _is_moe_layer(cfg, layer):
-            inter = cfg.moe_intermediate_size * cfg.n_shared_experts
-            m += ".shared_experts"
+        if cfg.is_moe_layer(layer):
+            shared, inter = _shared_experts(cfg)
+            m += f".{shared}"
         if inter:
             out += [((f"{m}.gate_proj", f"{m}.up_proj"), 2 * inter, h), ((f"{m}.down_proj",), h, inter)]
     return out
@@ -271,6 +276,12 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "int4_linears": len(int4),
         "weights_bytes": weights_bytes,
         "tokens_in_memory_after_weights": max(0, memory_bytes - weights_bytes) // kv_total,
+        # MoE: routed experts, how many a token takes, in how many layers; None: dense
+        "moe": None if not cfg.n_routed_experts else {
+            "experts": cfg.n_routed_experts, "experts_per_token": cfg.num_experts_per_tok,
+            "moe_layers": sum(cfg.is_moe_layer(i) for i in range(layers)),
+            "expert_intermediate_size": cfg.moe_intermediate_size,
+            "shared_intermediate_size": _shared_experts(cfg)[1]},
         # a sequence classifier's labels (config.json's id2label), None for a generator
         "labels": list(cfg.labels) if cfg.is_classifier else None,
     }
@@ -330,6 +341,13 @@ def format_report(info: dict[str, Any]) -> str:
         labels = info["labels"]
         rows.append(("task", f"classify: {len(labels)} label(s) {', '.join(labels[:8])}"
                              f"{' ...' if len(labels) > 8 else ''} (no LM head: no generation)"))
+    if info.get("moe"):
+        moe = info["moe"]
+        shared = (f", a shared MLP of {moe['shared_intermediate_size']}"
+                  if moe["shared_intermediate_size"] else "")
+        rows.append(("experts", f"{moe['experts_per_token']} of {moe['experts']} per token "
+                                f"(intermediate {moe['expert_intermediate_size']}{shared}), "
+                                f"in {moe['moe_layers']} of {layers} layers"))
     if info["sliding_window"]:
         rows.append(("sliding window", f"{info['sliding_window']} (figures below cache every token)"))
     rows += [

@@ -131,6 +131,36 @@ TINY_MLA_MODELS: dict[str, tuple[str, dict]] = {
 }
 
 
+# Mixtral, Qwen2-MoE, Qwen3-MoE: the Llama body with MoE MLPs (models/llama.py), 2 layers.
+# name -> (HF config class name, extra config kwargs)
+_MOE_BASE = dict(num_hidden_layers=2, num_key_value_heads=2, num_experts_per_tok=2,
+                 moe_intermediate_size=32)
+TINY_MOE_MODELS: dict[str, tuple[str, dict]] = {
+    # 8 experts of intermediate_size, top-2 renormalized (always), every layer; a window
+    # shorter than the prompts
+    "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, num_key_value_heads=2,
+                                      num_local_experts=8, num_experts_per_tok=2,
+                                      sliding_window=24)),
+    # q/k norm; layer 0 dense (mlp_only_layers); top-3 of 8, renormalized
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_MOE_BASE, head_dim=16, num_experts=8,
+                                         num_experts_per_tok=3, norm_topk_prob=True,
+                                         mlp_only_layers=[0])),
+    # decoder_sparse_step 2: layer 0 dense, layer 1 MoE; top-2 of 4, not renormalized
+    "qwen3_moe_step2": ("Qwen3MoeConfig", dict(_MOE_BASE, head_dim=16, num_experts=4,
+                                               decoder_sparse_step=2, norm_topk_prob=False)),
+    # qkv bias, a shared expert behind a sigmoid gate, top-2 of 8 not renormalized
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_MOE_BASE, num_experts=8, norm_topk_prob=False,
+                                         shared_expert_intermediate_size=48)),
+}
+
+
+def build_tiny_moe_checkpoint(path: Path, name: str, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random Mixtral / Qwen MoE checkpoint (fp32 safetensors + config.json)
+    under ``path``; ``overrides``: config fields over the named model's."""
+    cls_name, extra = TINY_MOE_MODELS[name]
+    return _save_tiny_routed(path, cls_name, {**extra, **overrides}, seed, False)
+
+
 def build_tiny_mla_checkpoint(path: Path, name: str, seed: int = 0, fan_in_init: bool = False,
                               **overrides) -> Path:
     """Save a tiny random DeepSeek checkpoint (fp32 safetensors + config.json) under ``path``;
@@ -138,14 +168,19 @@ def build_tiny_mla_checkpoint(path: Path, name: str, seed: int = 0, fan_in_init:
     ``fan_in_init``: weights of std 0.2 x sqrt(64 / fan-in) instead of 0.2 (wide overrides:
     latent 512 at std 0.2 blows activations up until bf16 and fp32 greedy tokens part after
     a few steps whatever the kernels, 81 of 495 with torch_native on the CPU)."""
+    cls_name, extra = TINY_MLA_MODELS[name]
+    return _save_tiny_routed(path, cls_name, {**extra, **overrides}, seed, fan_in_init)
+
+
+def _save_tiny_routed(path: Path, cls_name: str, extra: dict, seed: int, fan_in_init: bool) -> Path:
+    """A tiny random MoE checkpoint: router weights wider than the rest, so that no expert
+    choice is near a tie (build_tiny_mla_checkpoint says what ``fan_in_init`` does)."""
     import transformers
 
-    cls_name, extra = TINY_MLA_MODELS[name]
     base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                 max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
     base.update(extra)
-    base.update(overrides)
     config = getattr(transformers, cls_name)(**base)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -185,6 +220,11 @@ def tiny_mla_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_checkpoint(tmp_path_factory):
+    return _checkpoints(tmp_path_factory, build_tiny_moe_checkpoint)
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     return _checkpoints(tmp_path_factory, build_tiny_checkpoint)
 
@@ -214,16 +254,18 @@ def byte_model_dir_head64(tmp_path_factory) -> Path:
     return path
 
 
-def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt (fp32, CPU, one at a time)."""
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int,
+              dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (fp32 on the CPU unless told, one at
+    a time)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     model.generation_config.eos_token_id = None
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
             outs.append(out[0, len(p):].tolist())

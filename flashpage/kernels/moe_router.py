@@ -6,12 +6,15 @@ one-token decode step each is a kernel launch and a round trip for a few hundred
 Here one program per token does all of it in registers, as ``layers/moe.MoEGate`` does it
 in torch (same arithmetic in fp32):
 
-- ``greedy`` (V2): top-k of softmax(logits);
+- ``greedy`` (V2, Mixtral, Qwen MoE): top-k of softmax(logits);
 - ``group_limited_greedy`` (V2): groups ranked by their best softmax score, the scores of
   all but the ``topk_group`` best set to 0, then top-k;
 - ``noaux_tc`` (V3): s = sigmoid(logits); groups ranked by the sum of their two best
   s + bias; outside the ``topk_group`` best, -inf; top-k of s + bias; weights = s of the
-  chosen (normalized to sum 1 with ``norm_topk_prob``).
+  chosen.
+
+With ``norm_topk_prob`` the k weights are then divided by their sum (V3; Mixtral and Qwen's
+``greedy``; layers/moe.MoEGate sets it only where transformers normalizes).
 
 Then weights times ``scale`` (routed_scaling_factor). The experts come out best first;
 among equal scores the lowest expert id wins (torch leaves the order of ties open).
@@ -101,7 +104,7 @@ def moe_route(logits: torch.Tensor, top_k: int, method: str = "greedy", *, n_gro
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits fp32 [N, E] -> (weights fp32 [N, top_k], ids int64 [N, top_k]), as
     ``MoEGate`` routes (see the module docstring); ``bias`` fp32 [E] for noaux_tc.
-    ``norm_topk_prob`` applies to noaux_tc only (as transformers does)."""
+    ``norm_topk_prob``: the k weights divided by their sum, any method."""
     if method not in METHODS:
         raise ValueError(f"unknown routing method {method!r} (known: {', '.join(METHODS)})")
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
@@ -130,7 +133,7 @@ def moe_route(logits: torch.Tensor, top_k: int, method: str = "greedy", *, n_gro
         TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
         TOPK_GROUP=topk_group,
         GROUP_PAD=max(2, triton.next_power_of_2(groups)), PER_PAD=max(2, triton.next_power_of_2(per)),
-        METHOD=METHODS[method], NORM_TOPK=norm_topk_prob and method == "noaux_tc", PDL=use_pdl,
+        METHOD=METHODS[method], NORM_TOPK=norm_topk_prob, PDL=use_pdl,
         num_warps=1 if e <= 256 else 4, **pdl_launch_kwargs(use_pdl),
     )
     return weights, ids

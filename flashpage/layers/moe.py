@@ -1,4 +1,8 @@
-"""DeepSeek-V2/V3 mixture of experts: a top-k gate, routed experts, shared experts.
+"""Mixtures of experts: a top-k gate, routed experts, shared experts.
+
+DeepSeek-V2/V3's (``DeepseekMoE``), and Mixtral's, Qwen2-MoE's and Qwen3-MoE's
+(``SparseMoeBlock``, in the Llama body of models/llama.py): all route with ``MoEGate``
+and run their routed experts as ``FusedExperts``.
 
 Parameter names are those of transformers 5.x, so its state_dicts load by name::
 
@@ -25,6 +29,8 @@ Routing, as transformers computes it (fp32 logits):
   within; weights are the *uncorrected* sigmoid scores, normalised if
   ``norm_topk_prob``, times ``routed_scaling_factor``. transformers' V3 always routes
   this way, whatever ``topk_method``/``scoring_func`` say (its config has neither).
+- Mixtral, Qwen2-MoE, Qwen3-MoE (``greedy``): top-k of the softmax, the k weights then
+  divided by their sum (Mixtral always, Qwen if ``norm_topk_prob``), no scaling.
 
 Experts run one of three ways, chosen by the token count alone (a shape, so a CUDA graph
 captured for a batch size always replays the same path):
@@ -53,12 +59,14 @@ All three weight each expert output in fp32, round it to the model dtype, then s
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flashpage import envs
-from flashpage.config import ModelConfig
+from flashpage.config import DEEPSEEK_FAMILY, ModelConfig
 from flashpage.layers.fp32 import KeepFp32
 from flashpage.layers.mlp import GatedMLP
 
@@ -83,7 +91,9 @@ class MoEGate(KeepFp32, nn.Module):
         self.method = routing_method(config)
         self.n_group = config.n_group or 1
         self.topk_group = config.topk_group or 1
-        self.norm_topk_prob = config.norm_topk_prob
+        # transformers' V2 ignores norm_topk_prob on its softmax routes; Mixtral and Qwen use it
+        self.norm_topk_prob = config.norm_topk_prob and (
+            self.method == "noaux_tc" or config.architecture not in DEEPSEEK_FAMILY)
         self.routed_scaling_factor = config.routed_scaling_factor
         if self.method != "greedy" and self.num_experts % self.n_group:
             raise ValueError(f"n_routed_experts ({self.num_experts}) must be a multiple of "
@@ -129,6 +139,8 @@ class MoEGate(KeepFp32, nn.Module):
                 group_scores = scores.view(n, self.n_group, -1).amax(-1)
                 scores = self._mask_groups(scores, group_scores, 0.0)
             weights, ids = scores.topk(self.top_k, dim=-1, sorted=False)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
         return weights * self.routed_scaling_factor, ids
 
     def _mask_groups(self, scores: torch.Tensor, group_scores: torch.Tensor,
@@ -258,6 +270,38 @@ class FusedExperts(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
+# Checkpoints hold one tensor per routed expert; we keep them fused, [E, ...] per layer.
+EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+
+
+def load_expert_weight(targets: dict[str, torch.Tensor], m: re.Match[str], tensor: torch.Tensor,
+                       pieces: dict[str, set[tuple[int, str]]], loaded: set[str]) -> None:
+    """A checkpoint's ``...experts.{e}.{gate,up,down}_proj.weight`` (``m``: EXPERT_NAME's
+    match) -> rows [:I] / [I:] of ``gate_up_proj[e]``, or ``down_proj[e]``, of the
+    FusedExperts in ``targets`` (name -> parameter); the fused name joins ``loaded`` once
+    every expert's pieces have arrived (``pieces``: what arrived so far)."""
+    prefix, e, proj = m["prefix"], int(m["e"]), m["proj"]
+    fused = f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}"
+    if fused not in targets:
+        raise ValueError(f"checkpoint tensor {m.string!r} has no place in the model "
+                         "(this layer has no routed experts)")
+    param = targets[fused]
+    num_experts = param.shape[0]
+    if e >= num_experts:
+        raise ValueError(f"{m.string}: expert {e} >= the model's {num_experts} experts")
+    dst = param.data[e]
+    if proj != "down":
+        inter = dst.shape[0] // 2
+        dst = dst[:inter] if proj == "gate" else dst[inter:]
+    if dst.shape != tensor.shape:
+        raise ValueError(f"{m.string}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+    dst.copy_(tensor)
+    got = pieces.setdefault(fused, set())
+    got.add((e, proj))
+    if len(got) == num_experts * (1 if proj == "down" else 2):
+        loaded.add(fused)
+
+
 def set_fused_moe(model: nn.Module, enabled: bool) -> None:
     """Run every MoE layer of ``model`` through the fused Triton kernel up to
     ``sync_free_max_tokens`` tokens (True) or the torch sync-free path (False); with it,
@@ -309,5 +353,33 @@ class DeepseekMoE(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-__all__ = ["SYNC_FREE_MAX_TOKENS", "DeepseekMLP", "DeepseekMoE", "FusedExperts", "MoEGate",
-           "routing_method", "set_fused_moe"]
+class SparseMoeBlock(nn.Module):
+    """Mixtral's, Qwen2-MoE's and Qwen3-MoE's MoE MLP (transformers 5's module names):
+    ``gate`` (softmax top-k, MoEGate), ``experts`` (FusedExperts of moe_intermediate_size),
+    and for Qwen2-MoE ``shared_expert`` (GatedMLP of shared_expert_intermediate_size) whose
+    output, times sigmoid(``shared_expert_gate``(x)) (one logit a token), joins the routed
+    experts'. forward takes [..., hidden] and keeps the shape."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = MoEGate(config)
+        self.experts = FusedExperts(config)
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)
+
+
+__all__ = ["EXPERT_NAME", "SYNC_FREE_MAX_TOKENS", "DeepseekMLP", "DeepseekMoE", "FusedExperts",
+           "MoEGate", "SparseMoeBlock", "load_expert_weight", "routing_method", "set_fused_moe"]

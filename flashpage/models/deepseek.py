@@ -19,21 +19,20 @@ from flashpage.attention.backend import AttentionMetadata
 from flashpage.config import ModelConfig
 from flashpage.layers.linear import ColumnParallelLinear, VocabEmbedding
 from flashpage.layers.mla_attention import MLAAttention, MLARotaryEmbedding
-from flashpage.layers.moe import SYNC_FREE_MAX_TOKENS, DeepseekMLP, DeepseekMoE
+from flashpage.layers.moe import (
+    EXPERT_NAME,
+    SYNC_FREE_MAX_TOKENS,
+    DeepseekMLP,
+    DeepseekMoE,
+    load_expert_weight,
+)
 from flashpage.layers.norm import RMSNorm
 from flashpage.models.common import DecoderStack, PreNormDecoderLayer
 
-# Checkpoints hold one tensor per routed expert; we keep them fused, [E, ...] per layer.
-_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # The dense MLPs' and shared experts' gate_proj / up_proj: rows of their gate_up_proj (and
 # an fp8 checkpoint's per-row scales, models/fp8_checkpoint.py, rows of its weight_scale).
 _GATE_UP = re.compile(r"^(?P<prefix>.+)\.(?P<proj>gate|up)_proj\.(?P<kind>weight|weight_scale)$")
-
-
-def is_moe_layer(config: ModelConfig, layer_idx: int) -> bool:
-    return (bool(config.n_routed_experts) and layer_idx >= config.first_k_dense_replace
-            and layer_idx % max(config.moe_layer_freq, 1) == 0)
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):
@@ -43,7 +42,7 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = MLAAttention(config, layer_idx, rotary_emb)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp: nn.Module = (DeepseekMoE(config) if is_moe_layer(config, layer_idx)
+        self.mlp: nn.Module = (DeepseekMoE(config) if config.is_moe_layer(layer_idx)
                                else DeepseekMLP(config.hidden_size, config.intermediate_size))
 
 
@@ -113,9 +112,9 @@ class DeepseekForCausalLM(nn.Module):
             layer = _LAYER.match(name)
             if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
                 continue  # V3's multi-token-prediction layer: not used for generation
-            m = _EXPERT.match(name)
+            m = EXPERT_NAME.match(name)
             if m and name not in targets:
-                self._load_expert(targets, m, tensor, expert_pieces, loaded)
+                load_expert_weight(targets, m, tensor, expert_pieces, loaded)
                 continue
             if ".shared_experts." in name and tensor.numel() == 0 and name not in targets:
                 continue  # transformers writes a zero-width shared MLP when there is none
@@ -153,29 +152,5 @@ class DeepseekForCausalLM(nn.Module):
         if len(got) == 2:
             loaded.add(fused)
 
-    def _load_expert(self, targets: dict[str, torch.Tensor], m: re.Match[str], tensor: torch.Tensor,
-                     pieces: dict[str, set[tuple[int, str]]], loaded: set[str]) -> None:
-        """``...experts.{e}.{gate,up,down}_proj.weight`` -> gate_up_proj[e] rows [:I] / [I:],
-        down_proj[e]."""
-        prefix, e, proj = m["prefix"], int(m["e"]), m["proj"]
-        fused = f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}"
-        if fused not in targets:
-            raise ValueError(f"checkpoint tensor {m.string!r} has no place in {type(self).__name__}")
-        param = targets[fused]
-        num_experts = param.shape[0]
-        if e >= num_experts:
-            raise ValueError(f"{m.string}: expert {e} >= n_routed_experts ({num_experts})")
-        dst = param.data[e]
-        if proj != "down":
-            inter = dst.shape[0] // 2
-            dst = dst[:inter] if proj == "gate" else dst[inter:]
-        if dst.shape != tensor.shape:
-            raise ValueError(f"{m.string}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
-        dst.copy_(tensor)
-        got = pieces.setdefault(fused, set())
-        got.add((e, proj))
-        if len(got) == num_experts * (1 if proj == "down" else 2):
-            loaded.add(fused)
 
-
-__all__ = ["DeepseekForCausalLM", "is_moe_layer"]
+__all__ = ["DeepseekForCausalLM"]

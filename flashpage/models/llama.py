@@ -1,14 +1,21 @@
 """The Llama family: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), and their
-*ForSequenceClassification (the same body, a ``score`` head instead of the LM head).
+*ForSequenceClassification (the same body, a ``score`` head instead of the LM head); and the
+same body with mixture-of-experts MLPs (``layers/moe.SparseMoeBlock`` where
+``config.is_moe_layer``): Mixtral, Qwen2-MoE (plus a gated shared expert), Qwen3-MoE.
 
 Parameter names are HF's, except two merged projections: ``qkv_proj`` holds q_proj,
 k_proj and v_proj stacked, ``gate_up_proj`` holds gate_proj and up_proj (one GEMM each
 instead of five, and SiLU·mul reads its [N, 2I] input without a copy). ``load_weights``
 takes HF's names and places each tensor in its slice; ``hf_weights`` gives them back.
+Routed experts are fused per layer (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj``
+[E, H, I], transformers 5's names); checkpoints hold one tensor per expert
+(``mlp.experts.{e}.gate_proj.weight`` ...; Mixtral's ``block_sparse_moe.experts.{e}.w1``
+(gate) / ``w3`` (up) / ``w2`` (down), renamed on load as transformers 5 does).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import cast
 
@@ -25,10 +32,30 @@ from flashpage.layers.linear import (
     VocabEmbedding,
 )
 from flashpage.layers.mlp import GatedMLP
+from flashpage.layers.moe import (
+    EXPERT_NAME,
+    SYNC_FREE_MAX_TOKENS,
+    SparseMoeBlock,
+    load_expert_weight,
+)
 from flashpage.layers.norm import RMSNorm
 from flashpage.layers.quant import dequantized_parameters
 from flashpage.layers.rotary import get_rope
 from flashpage.models.common import DecoderStack, PreNormDecoderLayer
+
+_MIXTRAL = re.compile(r"^(?P<layer>model\.layers\.\d+)\.block_sparse_moe\.(?P<rest>.+)$")
+_MIXTRAL_EXPERT = re.compile(r"^experts\.(\d+)\.(w[123])\.")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def _moe_name(name: str) -> str:
+    """Mixtral's names as transformers 5 loads them: block_sparse_moe -> mlp, its experts'
+    w1 / w2 / w3 -> gate_proj / down_proj / up_proj; any other name as it is."""
+    m = _MIXTRAL.match(name)
+    if m is None:
+        return name
+    rest = _MIXTRAL_EXPERT.sub(lambda e: f"experts.{e[1]}.{_MIXTRAL_PROJ[e[2]]}.", m["rest"])
+    return f"{m['layer']}.mlp.{rest}"
 
 
 class LlamaAttention(nn.Module):
@@ -66,15 +93,18 @@ class LlamaMLP(GatedMLP):
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
     self_attn: LlamaAttention
-    mlp: LlamaMLP
+    mlp: LlamaMLP | SparseMoeBlock
     def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, max_positions)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = (SparseMoeBlock(config) if config.is_moe_layer(layer_idx)
+                    else LlamaMLP(config.hidden_size, config.intermediate_size))
 
-    def norm_consumers(self) -> tuple[ColumnParallelLinear, ColumnParallelLinear]:
+    def norm_consumers(self) -> tuple[ColumnParallelLinear, ColumnParallelLinear] | None:
+        if isinstance(self.mlp, SparseMoeBlock):
+            return None  # the router and the shared expert both read the normed input
         return self.self_attn.qkv_proj, self.mlp.gate_up_proj
 
 
@@ -88,9 +118,15 @@ class LlamaModel(DecoderStack):
 
 
 class LlamaForCausalLM(nn.Module):
+    # With MoE layers, CUDA graphs hold up to this many tokens: past it the experts' grouped
+    # path reads its per-expert counts back to the host (layers/moe.FusedExperts).
+    max_graph_tokens: int | None = None
+
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = config
+        if config.n_routed_experts:
+            self.max_graph_tokens = SYNC_FREE_MAX_TOKENS
         max_positions = max_positions or config.max_position_embeddings
         self.model = LlamaModel(config, max_positions)
         self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size)
@@ -124,13 +160,19 @@ class LlamaForCausalLM(nn.Module):
         for kind in ("weight", "weight_scale", *q4):
             out[f"mlp.gate_proj.{kind}"] = (f"mlp.gate_up_proj.{kind}", 0, inter)
             out[f"mlp.up_proj.{kind}"] = (f"mlp.gate_up_proj.{kind}", inter, inter)
+            if shared := c.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert
+                out[f"mlp.shared_expert.gate_proj.{kind}"] = (
+                    f"mlp.shared_expert.gate_up_proj.{kind}", 0, shared)
+                out[f"mlp.shared_expert.up_proj.{kind}"] = (
+                    f"mlp.shared_expert.gate_up_proj.{kind}", shared, shared)
         return out
 
     def lora_targets(self) -> dict[str, tuple[str, int, int]]:
         """The linears a LoRA adapter may adapt (flashpage/lora/): HF module path ->
         (our linear's module path, its output row offset, rows). q/k/v_proj are slices of
-        qkv_proj, gate/up_proj of gate_up_proj."""
+        qkv_proj, gate/up_proj of gate_up_proj. Not the MoE layers' routed experts."""
         hidden = self.config.hidden_size
+        modules = dict(self.named_modules())
         out: dict[str, tuple[str, int, int]] = {}
         for i in range(self.config.num_hidden_layers):
             p = f"model.layers.{i}"
@@ -140,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
                         f"{p}.{ours.removesuffix('.weight')}", off, rows)
             out[f"{p}.self_attn.o_proj"] = (f"{p}.self_attn.o_proj", 0, hidden)
             out[f"{p}.mlp.down_proj"] = (f"{p}.mlp.down_proj", 0, hidden)
-        return out
+        return {hf: t for hf, t in out.items() if t[0] in modules}
 
     def _split_name(self, name: str) -> tuple[str, int, int] | None:
         """model.layers.N.<HF piece> -> (merged parameter name, row offset, rows), or None."""
@@ -170,8 +212,13 @@ class LlamaForCausalLM(nn.Module):
         # merged param -> HF pieces still missing
         pending = {n: set(self._pieces(n)) for n in params if n.split(".")[1:2] == ["layers"]
                    and self._pieces(n)}
+        expert_pieces: dict[str, set[tuple[int, str]]] = {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
+                continue
+            name = _moe_name(name)
+            if (m := EXPERT_NAME.match(name)) is not None:  # one expert's piece of the fused
+                load_expert_weight(params, m, tensor, expert_pieces, loaded)
                 continue
             if name == "rope_freqs":  # GGUF: Llama 3.1 scaling as frequency factors
                 for layer in self.model.layers:

@@ -17,6 +17,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForSequenceClassification": ("flashpage.models.llama", "LlamaForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("flashpage.models.llama", "LlamaForSequenceClassification"),
     "Qwen3ForSequenceClassification": ("flashpage.models.llama", "LlamaForSequenceClassification"),
+    "MixtralForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    "Qwen2MoeForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
     "DeepseekV2ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
 }
