@@ -2,7 +2,8 @@
 importable without Triton: the CPU path of a block-scaled linear (layers/quant.py) and the
 fp8 checkpoint loader use them as well as the tests.
 
-``dequantize_fp8_block`` is what the layout means; ``quantize_per_token_group_ref`` the
+``dequantize_fp8_block`` is what the layout means (``quantize_fp8_block`` makes one as
+the checkpoints are made); ``quantize_per_token_group_ref`` the
 activation quantizer's bits; ``w8a8_block_linear_ref`` the W8A8 product emulated in fp32
 (the same e4m3 operands and scales, one fp32 sum per K group times both its scales);
 ``w8a16_block_linear_ref`` the weight-only one.
@@ -28,6 +29,20 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int,
     return (q.float() * s).to(dtype)
 
 
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], fp32 [ceil(N/bn), ceil(K/bk)]) as DeepSeek-V3's checkpoints
+    are made: each tile's scale its amax / 448 (edge tiles partial), each value divided by
+    its tile's scale and rounded to nearest even (benchmarks' and tests' weights)."""
+    (n, k), (bn, bk) = w.shape, block
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
+    padded[:n, :k] = w.float()
+    amax = padded.view(nb, bn, kb, bk).abs().amax(dim=(1, 3))
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
+    s = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def quantize_per_token_group_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], fp32 [M, ceil(K/group)]): each row's groups of ``group``
     columns (the last one partial) by their own amax, as kernels/fp8_quant quantizes whole
@@ -41,7 +56,7 @@ def quantize_per_token_group_ref(x: torch.Tensor, group: int) -> tuple[torch.Ten
     amax = g.abs().amax(dim=-1, keepdim=True)
     scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(m, -1)[:, :k].contiguous(), scale.squeeze(-1)
+    return q.view(m, groups * group)[:, :k].contiguous(), scale.squeeze(-1)
 
 
 def w8a8_block_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
