@@ -143,7 +143,7 @@ def parse_config(name: str) -> BlockFp8Config:
     return BlockFp8Config(*map(int, m.groups()))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile serves every row count
 def _w8a8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
                        stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
                        BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -190,7 +190,7 @@ def _w8a8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
              mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _w8a16_block_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
                         stride_xm, stride_wn, stride_wsn, stride_om, stride_os,
                         BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,

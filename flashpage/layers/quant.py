@@ -159,22 +159,35 @@ def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 BLOCK_W8A16_ROWS = 16
 
 
+def block_fp8_path(x: torch.Tensor) -> str:
+    """The path of a block-scaled linear over x [M, K]: "w8a16", "w8a8" or "dequant" (see
+    the module's docstring). It reads only shapes, dtypes and the device's capability: the
+    same at every graph replay."""
+    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return "dequant"
+    from flashpage.kernels.device import cuda_capability
+
+    if (x.shape[0] > BLOCK_W8A16_ROWS and x.dtype != torch.float32
+            and cuda_capability(x.device) >= (8, 9)):
+        return "w8a8"
+    return "w8a16"
+
+
 def fp8_block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                      block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
     """A block-scaled fp8 linear: x [..., K] -> [..., N], q e4m3 [N, K], scale fp32
-    [ceil(N/bn), ceil(K/bk)] (see the module's docstring for the paths). The path reads
-    only shapes, dtypes and the device's capability: the same at every graph replay."""
+    [ceil(N/bn), ceil(K/bk)], along ``block_fp8_path``."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.is_cuda and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        from flashpage.kernels.device import cuda_capability
-        from flashpage.kernels.fp8_block_gemm import w8a8_block_linear, w8a16_block_matmul
+    path = block_fp8_path(x2)
+    if path == "w8a8":
+        from flashpage.kernels.fp8_block_gemm import w8a8_block_linear
 
-        if (x2.shape[0] > BLOCK_W8A16_ROWS and x2.dtype != torch.float32
-                and cuda_capability(x2.device) >= (8, 9)):
-            y = w8a8_block_linear(x2, q, scale, block, bias)
-        else:
-            y = w8a16_block_matmul(x2, q, scale, block, bias)
+        y = w8a8_block_linear(x2, q, scale, block, bias)
+    elif path == "w8a16":
+        from flashpage.kernels.fp8_block_gemm import w8a16_block_matmul
+
+        y = w8a16_block_matmul(x2, q, scale, block, bias)
     else:
         from flashpage.kernels.fp8_block_ref import dequantize_fp8_block
 

@@ -300,3 +300,50 @@ def test_block_kernels_compile_for_sm90():
     assert "wgmma" in ptx["w8a8"] and "e4m3.e4m3" in ptx["w8a8"]
     assert "e4m3x2" in ptx["w8a16"] and ("mma" in ptx["w8a16"])
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx["quant"]
+
+
+# ----------------------------------------------------------------------------- in the engine
+@CPU_ONLY
+@pytest.mark.parametrize("path", ["w8a16", "w8a8"])
+def test_engine_over_the_block_kernels_cpu(tiny_checkpoint, tmp_path, monkeypatch, path):
+    """The engine on a block-scaled checkpoint (32 x 48 blocks: partial tiles, merged
+    qkv / gate_up) with its linears routed through the CUDA paths' kernels under the
+    interpreter (fp32) gives the greedy tokens and log-probabilities (to fp32's summation
+    order) of the same engine over the path's reference: for weight-only, the dequantized
+    checkpoint itself; for W8A8, its fp32 emulation (activations rounded to e4m3 per group
+    move this tiny model's small logit margins: its tokens part from the dequantized
+    checkpoint's within a few steps, the kernel's and the emulation's do not)."""
+    from flashpage import LLM, SamplingParams
+    from flashpage.kernels import fp8_block_gemm
+    from flashpage.kernels.fp8_block_ref import w8a8_block_linear_ref
+    from flashpage.layers import quant
+    from tests.conftest import random_prompts
+    from tests.models.test_fp8_checkpoints import build_fp8_checkpoint
+
+    fp8, ref = tmp_path / "fp8", tmp_path / "ref"
+    build_fp8_checkpoint(tiny_checkpoint("llama31_gqa"), fp8, ref, "fp8_block")
+    prompts = random_prompts(3, 3, 12, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+
+    def generate(folder):
+        outs = LLM(str(folder), device="cpu", dtype="float32").generate(prompts, params,
+                                                                        use_tqdm=False)
+        return ([o.outputs[0].token_ids for o in outs],
+                [lp.top[0][1] for o in outs for lp in o.outputs[0].logprobs])
+
+    kernel = "w8a16_block_matmul" if path == "w8a16" else "w8a8_block_linear"
+    monkeypatch.setattr(quant, "block_fp8_path", lambda x: path)
+    if path == "w8a16":
+        want = generate(ref)
+    else:  # the same engine over the emulation, for the kernel's call
+        with monkeypatch.context() as mp:
+            mp.setattr(fp8_block_gemm, kernel, lambda x, q, s, block, bias=None:
+                       w8a8_block_linear_ref(x, q, s, block, bias))
+            want = generate(fp8)
+    calls = []
+    real = getattr(fp8_block_gemm, kernel)
+    monkeypatch.setattr(fp8_block_gemm, kernel, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = generate(fp8)
+    assert len(calls) >= 8 * 6  # 8 block linears, every step
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=0)
