@@ -197,11 +197,15 @@ def int4_weight_shapes(cfg: ModelConfig, quantization: str | None = None) -> lis
     """[N, K, G] of every linear the engine holds in int4 for an AWQ / GPTQ checkpoint:
     those ``fp8_linears`` names with no piece in its ignore list (models/int4_checkpoint.py);
     for a 16-bit checkpoint under ``quantization`` "int4" / "rtn", every one of them whose K
-    is a multiple of 8 (layers/quant.py)."""
+    is a multiple of 8 (layers/quant.py); for a block-scaled fp8 one, those it dequantized
+    at load (``fp8_weight_shapes`` names the ones it keeps in e4m3) and does not ignore."""
     qc = cfg.quantization_config
     if quantization in ONLINE_INT4_METHODS and (qc is None or qc.weight_strategy == "block"):
         group = online_int4_group_size(quantization)
-        return [(n, k, int4_group_for(k, group) or k) for _, n, k in fp8_linears(cfg) if k % 8 == 0]
+        return [(n, k, int4_group_for(k, group) or k) for pieces, n, k in fp8_linears(cfg)
+                if k % 8 == 0 and (qc is None or (
+                    not any(qc.ignores(p) for p in pieces)
+                    and qc.block_unsupported(_piece_rows(cfg, pieces, n)) is not None))]
     if qc is None or not qc.is_int4:
         return []
     return [(n, k, qc.group_size or k) for pieces, n, k in fp8_linears(cfg)

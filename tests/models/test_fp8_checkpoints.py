@@ -387,6 +387,24 @@ def test_quantization_fp8_requantizes_only_what_the_checkpoint_quantized(fp8_che
     assert info["weights_bytes"] == weight_bytes(model)
 
 
+def test_quantization_int4_on_a_block_checkpoint(fp8_checkpoint):
+    """quantization="int4" on a block-scaled checkpoint: the linears kept in e4m3 stay so,
+    the merged one dequantized at load (qkv_proj: q_proj is half a 128-row block) is rounded
+    to int4; inspect counts the bytes the engine holds."""
+    from flashpage.bench.common import weight_bytes
+    from flashpage.inspect import inspect_config
+    from flashpage.layers.int4 import int4_linears
+
+    fp8, _, stored = fp8_checkpoint("llama31_gqa", "fp8_block128")
+    model = _load(fp8, "int4")
+    kept = _expected_fp8(stored, "fp8_block128")
+    assert quantized_linears(model) == kept
+    assert int4_linears(model) == [f"model.layers.{i}.self_attn.qkv_proj" for i in range(2)]
+    info = inspect_config(ModelConfig.from_hf(fp8), 1 << 30, "fp32", quantization="int4")
+    assert info["weights_bytes"] == weight_bytes(model)
+    assert info["fp8_linears"] == len(kept) and info["int4_linears"] == 2
+
+
 def _generate(path, prompts, **kw):
     from flashpage import LLM, SamplingParams
 
