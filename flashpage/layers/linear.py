@@ -63,7 +63,8 @@ class _ParallelLinear(nn.Module):
     checkpoint's; ``quantizable = False`` keeps a layer 16-bit. ``weight_block``: None, or
     (bn, bk) when a block-scaled fp8 checkpoint's weight is held as stored (``hold_fp8(block)``):
     ``weight_scale`` is then fp32 [ceil(N/bn), ceil(K/bk)], one per tile, and the layer runs
-    ``fp8_block_linear`` (never our per-row GEMVs). ``w4_scales`` / ``w4_zeros``:
+    ``gemv_row`` (one row, block scales) or ``fp8_block_linear`` (never the tuned skinny
+    GEMM, whose scales are per row). ``w4_scales`` / ``w4_zeros``:
     None, or the groups' scales and zero points once ``hold_int4`` has made ``weight`` an
     AWQ / GPTQ checkpoint's packed int4 (layers/int4.py).
     ``lora``: the adapter slots the engine attached with ``enable_lora`` (flashpage/lora/):
@@ -184,7 +185,7 @@ class _ParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def _use_row_gemv(self, x: torch.Tensor) -> bool:
-        return (self.row_gemv and self.weight_block is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+        return (self.row_gemv and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
                 and envs.gemv_row())
 
     def fuses_norm(self, x: torch.Tensor, norm: nn.Module) -> bool:
@@ -218,11 +219,12 @@ class _ParallelLinear(nn.Module):
             norm_w, eps = cast(torch.Tensor, x.norm.weight), float(cast(float, x.norm.eps))
             return gemv_row(x.x, self.weight, self.bias, norm=(norm_w, eps),
                             residual=x.residual, residual_out=x.residual_out,
-                            scale=self.weight_scale)
+                            scale=self.weight_scale, block=self.weight_block)
         if self._use_row_gemv(x):
             from flashpage.kernels.gemv import gemv_row
 
-            return gemv_row(x, self.weight, self.bias, scale=self.weight_scale)
+            return gemv_row(x, self.weight, self.bias, scale=self.weight_scale,
+                            block=self.weight_block)
         if self.weight_block is not None:
             assert self.weight_scale is not None
             return fp8_block_linear(x, self.weight, self.weight_scale, self.weight_block, self.bias)
@@ -263,7 +265,8 @@ class _ParallelLinear(nn.Module):
         if self._use_row_gemv(h):
             from flashpage.kernels.gemv import gemv_row
 
-            return gemv_row(h, self.weight, self.bias, silu_mul=True, scale=self.weight_scale)
+            return gemv_row(h, self.weight, self.bias, silu_mul=True, scale=self.weight_scale,
+                            block=self.weight_block)
         if self.skinny and h.dim() == 2 and (cfg := self.skinny.get(h.shape[0])) is not None:
             from flashpage.kernels.gemv import skinny_linear
 
@@ -273,14 +276,13 @@ class _ParallelLinear(nn.Module):
 
 
 def set_row_gemv(model: nn.Module, enabled: bool) -> int:
-    """Allow (or forbid) ``gemv_row`` in every 16-bit or fp8 linear of ``model`` (fp8 with a
-    scale per row: block-scaled ones run their own kernels); returns how many layers may
-    use it."""
+    """Allow (or forbid) ``gemv_row`` in every 16-bit or fp8 linear of ``model`` (scales per
+    row or per block); returns how many layers may use it."""
     count = 0
     for m in model.modules():
         if isinstance(m, _ParallelLinear):
             m.row_gemv = enabled and (m.weight.dtype in (torch.float16, torch.bfloat16)
-                                      or (m.is_quantized and m.weight_block is None))
+                                      or m.is_quantized)
             count += m.row_gemv
     return count
 

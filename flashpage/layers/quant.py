@@ -35,8 +35,10 @@ linears as they are, and the ones the checkpoint left 16-bit (``quantizable = Fa
 A block-scaled checkpoint (DeepSeek-V3, Qwen3-FP8: ``weight_block_size`` [bn, bk]) keeps
 its e4m3 values with their tiles' scales, ``weight_scale`` fp32 [ceil(N/bn), ceil(K/bk)]
 and ``weight_block`` (bn, bk) on the linear (``hold_fp8(block)``), run by
-``fp8_block_linear`` (kernels/fp8_block_gemm.py):
+``fp8_block_linear`` (kernels/fp8_block_gemm.py), after the one-row GEMV:
 
+    CUDA, one row (row_gemv)           kernels/gemv.gemv_row with the block scales: W8A16,
+                                       norm / SiLU·mul prologues and PDL as per-row fp8
     CUDA, M <= BLOCK_W8A16_ROWS (16)   w8a16_block_matmul: the weight tile widened to x's
                                        dtype in registers, its block scale on the fp32
                                        partial sum; K split (the decode sizes: bandwidth)

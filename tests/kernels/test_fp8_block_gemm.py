@@ -27,6 +27,7 @@ from flashpage.kernels.fp8_block_ref import (
     w8a16_block_linear_ref,
 )
 from flashpage.kernels.fp8_quant import quantize_per_token_ref
+from flashpage.kernels.gemv import RowConfig, gemv_row, gemv_row_norm_ref, skinny_linear_ref
 from tests.kernels.test_fp8_kv import (  # noqa: F401  (autouse: torch's fp8 casts in the interpreter)
     exact_fp8_casts_in_the_interpreter,
 )
@@ -176,6 +177,58 @@ def test_w8a8_block_cpu(m, n, k, block, bias, out_dtype):
     assert 2 ** -10 < err < 2 ** -4, err
 
 
+ROW_CASES = [  # n, k, block, config (None: default_row_config), silu_mul
+    (96, 256, (128, 128), None, False),                 # whole row, sub-tiles of 128
+    (200, 300, (128, 128), None, True),                 # partial N and K blocks, SiLU·mul
+    (64, 100, (32, 48), None, False),                   # whole row of 128: sub-tiles of 16
+    (130, 512, (128, 128), RowConfig(4, 128, 4), False),  # looped, a tile = a block
+    (130, 512, (64, 32), RowConfig(8, 64, 4), True),    # looped, two blocks a tile
+    (70, 200, (32, 48), RowConfig(4, 64, 4), False),    # looped, tiles across block edges
+]
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,block,cfg,silu", ROW_CASES)
+def test_gemv_row_block_scales_cpu(n, k, block, cfg, silu, dtype):
+    """The one-row GEMV (kernels/gemv.gemv_row) over block-scaled weights: each sub-tile's
+    sum under its block's scale equals the dequantized weight's linear (SiLU·mul rounded as
+    the skinny reference rounds it)."""
+    _, q, s, b, g = _weights(n, k, block, n + k, bias=True, dtype=dtype)
+    x = torch.randn(1, 2 * k if silu else k, device=DEV, generator=g).to(dtype)
+    got = gemv_row(x, q, b, config=cfg, silu_mul=silu, scale=s, block=block)
+    ref = skinny_linear_ref(x, dequantize_fp8_block(q, s, block), b, silu_mul=silu)
+    assert got.dtype == dtype and got.shape == (1, n)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("with_res", [False, True])
+def test_gemv_row_block_scales_norm_prologue_cpu(with_res):
+    """The RMSNorm (and residual add) in the GEMV's prologue, block scales on the sums."""
+    _, q, s, b, g = _weights(150, 384, (128, 128), 7, bias=True)
+    x = torch.randn(1, 384, device=DEV, generator=g)
+    res = torch.randn(1, 384, device=DEV, generator=g) if with_res else None
+    nw = torch.rand(384, device=DEV, generator=g) + 0.5
+    res_out = torch.empty_like(x) if with_res else None
+    got = gemv_row(x, q, b, norm=(nw, 1e-6), residual=res, residual_out=res_out, scale=s,
+                   block=(128, 128))
+    ref, summed = gemv_row_norm_ref(x, dequantize_fp8_block(q, s, (128, 128)), nw, 1e-6, res, b)
+    torch.testing.assert_close(got, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+    if with_res:
+        assert torch.equal(res_out, summed)
+
+
+def test_gemv_row_block_scales_are_checked():
+    x = torch.zeros(1, 96, device=DEV)
+    q = torch.zeros(64, 96, dtype=FP8, device=DEV)
+    with pytest.raises(ValueError, match="block-scaled fp8 weights need their scales"):
+        gemv_row(x, q, block=(32, 48))
+    with pytest.raises(ValueError, match=r"block scales must be fp32 \[2, 2\]"):
+        gemv_row(x, q, scale=torch.ones(64, device=DEV), block=(32, 48))
+
+
 def test_fp8_block_linear_on_the_cpu_is_the_dequantized_linear():
     """layers/quant.fp8_block_linear off CUDA: the weight dequantized to x's dtype, then
     F.linear, for any leading shape: the dequantized checkpoint's own product, to the bit."""
@@ -204,6 +257,26 @@ def test_w8a16_block_gpu_bf16(m, n, k):
     got = w8a16_block_matmul(x, q, s, (128, 128))
     ref = w8a16_block_linear_ref(x, q, s, (128, 128))
     assert _rel(got, ref) < 2 ** -8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("n,k,silu", [(4096, 4096, False), (28672, 4096, False),
+                                      (4096, 14336, True), (576, 7168, False)])
+def test_gemv_row_block_scales_gpu_bf16(n, k, silu, pdl):
+    """The one-row GEMV over block scales in bf16, whole rows (K 4096, 7168) and looped
+    (14336, SiLU·mul), with and without PDL; and its norm prologue at K 4096."""
+    _, q, s, _, g = _weights(n, k, (128, 128), n + k)
+    x = torch.randn(1, 2 * k if silu else k, device="cuda", generator=g).bfloat16()
+    got = gemv_row(x, q, silu_mul=silu, scale=s, block=(128, 128), pdl=pdl)
+    ref = skinny_linear_ref(x, dequantize_fp8_block(q, s, (128, 128)), silu_mul=silu)
+    assert _rel(got, ref) < 2 ** -8
+    if k == 4096:
+        nw = torch.rand(k, device="cuda", generator=g).bfloat16() + 0.5
+        got = gemv_row(x, q, norm=(nw, 1e-6), scale=s, block=(128, 128), pdl=pdl)
+        ref, _ = gemv_row_norm_ref(x, dequantize_fp8_block(q, s, (128, 128)), nw, 1e-6)
+        assert _rel(got, ref) < 2 ** -8
 
 
 @pytest.mark.gpu
