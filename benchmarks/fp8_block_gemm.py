@@ -6,8 +6,10 @@ Llama-3-8B shapes (N out x K in): 4096x4096 (o_proj), 14336x4096 (gate / up), 40
 its weight from HBM: a CUDA graph cycles through enough distinct copies of the weight to
 be far past the L2 (50 MB on the H200). Variants:
 
-    layer         layers/quant.fp8_block_linear: what the engine runs (weight-only up to
-                  BLOCK_W8A16_ROWS rows, W8A8 above on sm_89+)
+    row gemv      kernels/gemv.gemv_row with the block scales (one row only): what the
+                  engine runs at one row (its default tile, PDL per FLASHPAGE_PDL)
+    layer         layers/quant.fp8_block_linear: what the engine runs past one row
+                  (weight-only up to BLOCK_W8A16_ROWS rows, W8A8 above on sm_89+)
     w8a16         w8a16_block_matmul: the weight tile widened to bf16 in registers, the
                   block scale on each K tile's fp32 partial sum (K split at few rows)
     w8a8          quantize_per_token_group + w8a8_block_matmul (e4m3 tensor cores)
@@ -74,10 +76,13 @@ def _variants(x: torch.Tensor, blocks: list, rows: list, bf16: list, extra: list
         w8a16_block_matmul,
     )
     from flashpage.kernels.fp8_block_ref import dequantize_fp8_block
+    from flashpage.kernels.gemv import gemv_row
     from flashpage.layers.quant import BLOCK_W8A16_ROWS, fp8_block_linear, scaled_mm_linear
 
     m = x.shape[0]
-    out = {"layer": lambda: [fp8_block_linear(x, q, s, BLOCK) for q, s in blocks],
+    out = {"row gemv": lambda: [gemv_row(x, q, scale=s, block=BLOCK) for q, s in blocks]} \
+        if m == 1 else {}
+    out |= {"layer": lambda: [fp8_block_linear(x, q, s, BLOCK) for q, s in blocks],
            "w8a16": lambda: [w8a16_block_matmul(x, q, s, BLOCK) for q, s in blocks]}
     if fp8_cores:
         xq, xs = quantize_per_token_group(x, BLOCK[1])
