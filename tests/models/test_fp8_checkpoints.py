@@ -589,9 +589,11 @@ def test_inspect_reports_the_checkpoint_quantization(fp8_checkpoint, capsys):
 @pytest.mark.parametrize("fmt", ["ct_channel", "fp8_tensor_static", "fp8_block", "fp8_block128"])
 def test_fp8_checkpoint_bf16_on_the_gpu_with_graphs(fp8_checkpoint, fmt):
     """bf16 on CUDA, engine defaults (triton, CUDA graphs, our GEMV / W8A8 over the kept
-    e4m3 weights): each greedy token of the bf16 engine over the dequantized checkpoint, fed
-    back, is the fp8 checkpoint engine's top token where bf16 is sure (the same rule as
-    test_fp8_weights' GPU test: W8A8 rounds the activations too), and decode graphs captured."""
+    e4m3 weights; block-scaled ones through kernels/fp8_block_gemm.py and, one sequence
+    alone, the one-row GEMV): each greedy token of the bf16 engine over the dequantized
+    checkpoint, fed back, is the fp8 checkpoint engine's top token where bf16 is sure (the
+    same rule as test_fp8_weights' GPU test: W8A8 rounds the activations too), and decode
+    graphs captured."""
     from flashpage import LLM, SamplingParams
 
     fp8, ref, _ = fp8_checkpoint("head128_gqa", fmt)
@@ -612,3 +614,15 @@ def test_fp8_checkpoint_bf16_on_the_gpu_with_graphs(fp8_checkpoint, fmt):
                           for e in o.prompt_logprobs[len(p):]])
     assert torch.all(ranks[margins > 3.0] == 1)
     assert (ranks == 1).float().mean() > 0.45
+    if FORMATS[fmt]["strategy"] == "block":
+        # one sequence alone: its decode steps take the one-row GEMV over the block scales
+        blocks = [m for m in quant.engine.model.modules() if getattr(m, "weight_block", None)]
+        assert blocks and all(m.row_gemv for m in blocks)
+        one = quant.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=24,
+                                                          ignore_eos=True), use_tqdm=False)
+        got, want = one[0].outputs[0].token_ids, outs[0].outputs[0].token_ids
+        for i, lp in enumerate(outs[0].outputs[0].logprobs):
+            if got[:i] != want[:i]:
+                break
+            if lp.top[0][1] - lp.top[1][1] > 3.0:
+                assert got[i] == want[i], (i, got, want)
