@@ -29,7 +29,8 @@ At 1-16 rows a linear only streams its weight: this reads 1 byte a weight (half 
 and rounds the activations no further. K is split between programs until they cover the
 SMs (the int4 GEMV's rule, kernels/int4_gemv.py), the fp32 partial sums added by one
 kernel after. Any GPU Triton converts e4m3 on, and fp32 activations (its dots in IEEE
-fp32): the fallback where W8A8 cannot run.
+fp32): the fallback where W8A8 cannot run. (One row alone takes kernels/gemv.gemv_row,
+which applies the same block scales with the one-row GEMV's norm prologue and PDL.)
 
 Their pure-torch references live beside them in kernels/fp8_block_ref.py (no Triton:
 the CPU path and the loader use them too).
