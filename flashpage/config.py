@@ -192,6 +192,24 @@ class CheckpointQuantization:
                 return True
         return False
 
+    def block_unsupported(self, pieces: list[tuple[str, int]]) -> str | None:
+        """Why a linear whose weight stacks ``pieces`` (HF module, rows) along N cannot keep
+        this block-scaled checkpoint's e4m3 values and tile scales (None: it can; it is then
+        dequantized at load, models/fp8_checkpoint.py): the block kernels' K tiles
+        (kernels/fp8_block_ref.tile_k) need bk a multiple of 16, and a merged linear's
+        scales stack along their N-block axis only where each piece's rows are a multiple
+        of bn (else one tile would span two pieces under two scales)."""
+        assert self.block_size is not None
+        bn, bk = self.block_size
+        if bk % 16:
+            return f"no kernel for K blocks of {bk} (a multiple of 16 needed)"
+        if len(pieces) > 1:
+            for name, rows in pieces:
+                if rows % bn:
+                    return (f"{name} has {rows} rows, not a multiple of the {bn}-row blocks "
+                            "its merged linear stacks")
+        return None
+
     def describe(self) -> str:
         """One line: how the checkpoint's weights are stored and what loading makes of them."""
         if self.is_int4:

@@ -164,31 +164,53 @@ def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
     return out
 
 
-def fp8_weight_shapes(cfg: ModelConfig, quantization: str | None = "fp8") -> list[tuple[int, int]]:
-    """[N, K] of every linear the engine holds in e4m3 for ``quantization`` ("fp8": every
-    one ``fp8_linears`` names) and the checkpoint's own ``quantization_config``: an fp8
-    checkpoint's per-tensor / per-channel linears are kept (block-scaled ones only under
-    "fp8"); those with a piece in its ignore list stay 16-bit either way
-    (models/fp8_checkpoint.py)."""
+def _piece_rows(cfg: ModelConfig, pieces: tuple[str, ...], n: int) -> list[tuple[str, int]]:
+    """Each HF piece of a linear ``fp8_linears`` names, with its rows (q, k, v; gate, up)."""
+    if len(pieces) == 3:
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        return list(zip(pieces, (n - 2 * kv, kv, kv), strict=True))
+    return [(p, n // len(pieces)) for p in pieces]
+
+
+def fp8_weight_shapes(cfg: ModelConfig, quantization: str | None = "fp8"
+                      ) -> list[tuple[int, int, int, bool]]:
+    """(N, K, fp32 scales it holds, whether they are per tile) of every linear the engine
+    holds in e4m3 for ``quantization`` ("fp8": every one ``fp8_linears`` names) and the
+    checkpoint's own ``quantization_config``: an fp8 checkpoint's per-tensor / per-channel
+    linears are kept with a scale per row, block-scaled ones with a scale per tile, except
+    merged ones whose block scales do not stack (``CheckpointQuantization.
+    block_unsupported``: dequantized, so kept only under "fp8", a scale per row); those
+    with a piece in its ignore list stay 16-bit either way (models/fp8_checkpoint.py)."""
     qc = cfg.quantization_config
     if qc is not None and qc.is_int4:
         return []  # int4 linears stay int4 under "fp8" too: int4_weight_shapes
-    keeps = quantization == "fp8" or (qc is not None and qc.weight_strategy != "block")
-    if not keeps:
-        return []
-    return [(n, k) for pieces, n, k in fp8_linears(cfg)
-            if qc is None or not any(qc.ignores(p) for p in pieces)]
+    out = []
+    for pieces, n, k in fp8_linears(cfg):
+        if qc is not None and any(qc.ignores(p) for p in pieces):
+            continue
+        if (qc is not None and qc.weight_strategy == "block"
+                and qc.block_unsupported(_piece_rows(cfg, pieces, n)) is None):
+            assert qc.block_size is not None
+            bn, bk = qc.block_size
+            out.append((n, k, -(-n // bn) * -(-k // bk), True))
+        elif quantization == "fp8" or (qc is not None and qc.weight_strategy != "block"):
+            out.append((n, k, n, False))
+    return out
 
 
 def int4_weight_shapes(cfg: ModelConfig, quantization: str | None = None) -> list[tuple[int, int, int]]:
     """[N, K, G] of every linear the engine holds in int4 for an AWQ / GPTQ checkpoint:
     those ``fp8_linears`` names with no piece in its ignore list (models/int4_checkpoint.py);
     for a 16-bit checkpoint under ``quantization`` "int4" / "rtn", every one of them whose K
-    is a multiple of 8 (layers/quant.py)."""
+    is a multiple of 8 (layers/quant.py); for a block-scaled fp8 one, those it dequantized
+    at load (``fp8_weight_shapes`` names the ones it keeps in e4m3) and does not ignore."""
     qc = cfg.quantization_config
     if quantization in ONLINE_INT4_METHODS and (qc is None or qc.weight_strategy == "block"):
         group = online_int4_group_size(quantization)
-        return [(n, k, int4_group_for(k, group) or k) for _, n, k in fp8_linears(cfg) if k % 8 == 0]
+        return [(n, k, int4_group_for(k, group) or k) for pieces, n, k in fp8_linears(cfg)
+                if k % 8 == 0 and (qc is None or (
+                    not any(qc.ignores(p) for p in pieces)
+                    and qc.block_unsupported(_piece_rows(cfg, pieces, n)) is not None))]
     if qc is None or not qc.is_int4:
         return []
     return [(n, k, qc.group_size or k) for pieces, n, k in fp8_linears(cfg)
@@ -231,8 +253,8 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
     weights_bytes = total_params * wbytes
     shapes = fp8_weight_shapes(cfg, quantization)
     if shapes:
-        fp8_values = sum(n * k for n, k in shapes)
-        weights_bytes += fp8_values * (1 - wbytes) + 4 * sum(n for n, _ in shapes)
+        fp8_values = sum(n * k for n, k, _, _ in shapes)
+        weights_bytes += fp8_values * (1 - wbytes) + 4 * sum(s for _, _, s, _ in shapes)
     int4 = int4_weight_shapes(cfg, quantization)
     for n, k, g in int4:  # half a byte a value, an fp16 scale and a uint8 zero a group
         weights_bytes += n * k // 2 - n * k * wbytes + 3 * n * (k // g)
@@ -273,6 +295,8 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
             "activation_scheme": qc.activation_scheme, "ignored": list(qc.ignored),
             "bits": qc.bits, "group_size": qc.group_size},
         "fp8_linears": len(shapes),
+        # a block-scaled checkpoint's linears kept with their tiles' scales
+        "fp8_block_linears": sum(block for *_, block in shapes),
         "int4_linears": len(int4),
         "weights_bytes": weights_bytes,
         "tokens_in_memory_after_weights": max(0, memory_bytes - weights_bytes) // kv_total,
@@ -371,7 +395,8 @@ def format_report(info: dict[str, Any]) -> str:
                                       qc["bits"], qc["group_size"]).describe()
         kept = ("kept in int4 (4 bits a value), repacked for our kernels" if qc["bits"] == 4
                 else "kept in e4m3, a scale per row" if qc["weight_strategy"] != "block" else
-                f"dequantized to {dt} at load"
+                f"kept in e4m3, a scale per block ({info['fp8_block_linears']} linears)"
+                if info.get("fp8_block_linears") else f"dequantized to {dt} at load"
                 + (", then quantized per row" if info.get("quantization") else ""))
         rows.append(("checkpoint weights", f"{desc}: {kept}"))
     mem = _size(info["memory_bytes"])

@@ -33,6 +33,12 @@ scale per output row, ``scale`` [N]. Both kernels widen each weight tile to the
 activations' dtype right after the load (exact: every e4m3 value is an fp16 and a bf16
 value) and multiply the row's scale into the fp32 sum before the bias,
 y[n] = scale[n] * sum_k x[k] w[n, k] + bias[n]: W8A16, half the weight bytes of bf16.
+``gemv_row`` takes a block-scaled checkpoint's weights too (``block`` (bn, bk), ``scale``
+fp32 [ceil(N/bn), ceil(K/bk)], kernels/fp8_block_gemm.py's layout): each weight tile's
+products are summed per TB columns (TB the largest power of two dividing both bk and the
+tile, so a sub-tile lies in one block) and each sub-sum takes its block's scale,
+y[n] = sum_g ws[n // bn, g] * sum_{k in g} x[k] w[n, k]; the scales are requested before
+the PDL wait with the first weight tile, and the norm / SiLU·mul prologues are unchanged.
 """
 
 from __future__ import annotations
@@ -120,9 +126,19 @@ def _gemv_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _check_weight(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> None:
-    """w in x's dtype, or float8_e4m3fn with ``scale`` fp32 [N] (ValueError otherwise)."""
-    if w.dtype == torch.float8_e4m3fn:
+def _check_weight(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+                  block: tuple[int, int] | None = None) -> None:
+    """w in x's dtype, or float8_e4m3fn with ``scale`` fp32 [N] (with ``block`` (bn, bk):
+    fp32 [ceil(N/bn), ceil(K/bk)], rows contiguous) (ValueError otherwise)."""
+    if block is not None:
+        from flashpage.kernels.fp8_block_ref import check_block_scales
+
+        if scale is None:
+            raise ValueError("block-scaled fp8 weights need their scales")
+        check_block_scales(w, scale, block)
+        if scale.stride(1) != 1:
+            raise ValueError("block scales must be contiguous in their last dimension")
+    elif w.dtype == torch.float8_e4m3fn:
         if scale is None:
             raise ValueError("fp8 weights need their scale (fp32 [N], one per output row)")
         if scale.shape != (w.shape[0],) or scale.dtype != torch.float32 or scale.stride(0) != 1:
@@ -233,10 +249,11 @@ def max_whole_row() -> int:
 def _gemv_row_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr,
     res_ptr, nw_ptr, res_out_ptr, eps,  # NORM: residual in, norm weight, x + residual out
-    N, K, stride_wn,
+    N, K, stride_wn, stride_sn,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_ROW: tl.constexpr, PDL: tl.constexpr,
+    SBN: tl.constexpr, SBK: tl.constexpr, TB: tl.constexpr,  # block scales (SBN > 0)
 ):
     pid = tl.program_id(0)
     dt = x_ptr.dtype.element_ty  # the activations' rounding (fp8 weights: not w's dtype)
@@ -248,7 +265,13 @@ def _gemv_row_kernel(
     # only ever read.
     w_next = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :],
                      other=0.0)
-    w_scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0) if HAS_SCALE else 1.0
+    if SBN > 0:  # block scales: [BLOCK_N, BLOCK_K // TB], one per TB-column sub-tile
+        sub = tl.arange(0, BLOCK_K // TB) * TB
+        s_rows = s_ptr + (offs_n // SBN)[:, None] * stride_sn
+        w_scale = tl.load(s_rows + (sub // SBK)[None, :],
+                          mask=n_mask[:, None] & (sub < K)[None, :], other=0.0)
+    else:
+        w_scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0) if HAS_SCALE else 1.0
     pdl_prologue(PDL)
     if WHOLE_ROW:  # K <= BLOCK_K: one tile, no loop
         k_mask = offs_k < K
@@ -268,7 +291,11 @@ def _gemv_row_kernel(
             x = (nw * (s * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         else:
             x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        y = tl.sum(w_next.to(tl.float32) * x[None, :], axis=1)
+        if SBN > 0:
+            part = tl.reshape(w_next.to(tl.float32) * x[None, :], (BLOCK_N, BLOCK_K // TB, TB))
+            y = tl.sum(tl.sum(part, axis=2) * w_scale, axis=1)
+        else:
+            y = tl.sum(w_next.to(tl.float32) * x[None, :], axis=1)
     else:
         # x (or the gate/up columns) is loaded a tile ahead too: an L2 round trip on every
         # iteration's critical path would otherwise cost ~1/3 of a 14336-wide row's time.
@@ -278,6 +305,7 @@ def _gemv_row_kernel(
         if SILU_MUL:
             u_next = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_N, BLOCK_K // TB), dtype=tl.float32)  # block scales: per sub-tile
         for k0 in range(0, K, BLOCK_K):
             w = w_next
             xr = x_next
@@ -292,9 +320,19 @@ def _gemv_row_kernel(
                 x = _silu_mul(xr, ur, dt)
             else:
                 x = xr.to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
-        y = tl.sum(acc, axis=1)
-    if HAS_SCALE:
+            if SBN > 0:
+                sub_k = k0 + sub
+                s = tl.load(s_rows + (sub_k // SBK)[None, :],
+                            mask=n_mask[:, None] & (sub_k < K)[None, :], other=0.0)
+                part = tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, BLOCK_K // TB, TB))
+                acc_b += tl.sum(part, axis=2) * s
+            else:
+                acc += w.to(tl.float32) * x[None, :]
+        if SBN > 0:
+            y = tl.sum(acc_b, axis=1)
+        else:
+            y = tl.sum(acc, axis=1)
+    if HAS_SCALE and SBN == 0:
         y *= w_scale
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -323,11 +361,14 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
              norm: tuple[torch.Tensor, float] | None = None,
              residual: torch.Tensor | None = None,
              residual_out: torch.Tensor | None = None,
-             scale: torch.Tensor | None = None) -> torch.Tensor:
+             scale: torch.Tensor | None = None,
+             block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [1, K] (or [1, 2K] with ``silu_mul``: silu(gate) * up computed on the fly),
     w [N, K], bias [N] -> [1, N], fp32 accumulation. ``pdl``: programmatic dependent
     launch (None: per FLASHPAGE_PDL and the device). w float8_e4m3fn: ``scale`` fp32 [N]
-    multiplies each output feature's sum (W8A16; loaded before the PDL wait too).
+    multiplies each output feature's sum (W8A16; loaded before the PDL wait too); with
+    ``block`` (bn, bk), ``scale`` is the tiles' fp32 [ceil(N/bn), ceil(K/bk)] and each
+    block's sub-sum takes its own (see the module's docstring).
 
     ``norm`` = (weight [K], eps): the input is rmsnorm(x + residual) * weight, computed
     in the prologue (kernels/rms_norm's rounding), and with ``residual`` the sum
@@ -343,9 +384,13 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         raise ValueError(f"x has {kx} columns, w needs {2 * k if silu_mul else k}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("x and w must be contiguous in their last dimension")
-    _check_weight(x, w, scale)
+    _check_weight(x, w, scale, block)
     cfg = config or default_row_config(n, k, whole=norm is not None)
     whole = k <= cfg.block_k
+    tb = 1
+    if block is not None:  # sub-tiles of TB columns inside one K block: TB divides bk and the tile
+        while block[1] % (2 * tb) == 0 and cfg.block_k % (2 * tb) == 0:
+            tb *= 2
     nw, eps = norm if norm is not None else (w, 0.0)
     if norm is not None:
         if silu_mul:
@@ -367,10 +412,12 @@ def gemv_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         x, w, bias if bias is not None else x, scale if scale is not None else x, out,
         residual if residual is not None else x, nw,
         residual_out if residual is not None else x, eps,
-        n, k, w.stride(0),
+        n, k, w.stride(0), scale.stride(0) if block is not None and scale is not None else 0,
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, SILU_MUL=silu_mul,
         NORM=norm is not None, HAS_RES=residual is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WHOLE_ROW=whole, PDL=use_pdl,
+        SBN=block[0] if block is not None else 0, SBK=block[1] if block is not None else 0,
+        TB=tb,
         num_warps=cfg.num_warps, num_stages=1, **pdl_launch_kwargs(use_pdl),
     )
     return out

@@ -18,7 +18,7 @@ from torch import nn
 
 from flashpage import envs
 from flashpage.layers.int4 import fuses_silu_mul, int4_linear
-from flashpage.layers.quant import FP8_DTYPE, fp8_linear, quantize_fp8_rowwise
+from flashpage.layers.quant import FP8_DTYPE, fp8_block_linear, fp8_linear, quantize_fp8_rowwise
 
 if TYPE_CHECKING:
     from flashpage.lora.layers import LoRALinear
@@ -60,7 +60,11 @@ class _ParallelLinear(nn.Module):
     engine beside our fused kernels on a GPU; used while FLASHPAGE_GEMV is on).
     ``weight_scale``: None, or fp32 [N] once ``quantize_fp8`` has made ``weight``
     float8_e4m3fn (layers/quant.py) or ``hold_fp8`` has made it ready for an fp8
-    checkpoint's; ``quantizable = False`` keeps a layer 16-bit. ``w4_scales`` / ``w4_zeros``:
+    checkpoint's; ``quantizable = False`` keeps a layer 16-bit. ``weight_block``: None, or
+    (bn, bk) when a block-scaled fp8 checkpoint's weight is held as stored (``hold_fp8(block)``):
+    ``weight_scale`` is then fp32 [ceil(N/bn), ceil(K/bk)], one per tile, and the layer runs
+    ``gemv_row`` (one row, block scales) or ``fp8_block_linear`` (never the tuned skinny
+    GEMM, whose scales are per row). ``w4_scales`` / ``w4_zeros``:
     None, or the groups' scales and zero points once ``hold_int4`` has made ``weight`` an
     AWQ / GPTQ checkpoint's packed int4 (layers/int4.py).
     ``lora``: the adapter slots the engine attached with ``enable_lora`` (flashpage/lora/):
@@ -74,6 +78,7 @@ class _ParallelLinear(nn.Module):
     row_gemv: bool = False
     quantizable: bool = True
     weight_scale: torch.Tensor | None
+    weight_block: tuple[int, int] | None = None
     w4_scales: torch.Tensor | None
     w4_zeros: torch.Tensor | None
     lora: LoRALinear | None = None
@@ -136,15 +141,19 @@ class _ParallelLinear(nn.Module):
         self.w4_scales, self.w4_zeros = scales, zeros
         self.skinny = {}
 
-    def hold_fp8(self) -> None:
+    def hold_fp8(self, block: tuple[int, int] | None = None) -> None:
         """Hold an fp8 checkpoint's weight (models/fp8_checkpoint.py): ``weight`` becomes an
         empty float8_e4m3fn [N, K] and ``weight_scale`` an empty fp32 [N], both filled by
-        loading (e4m3 values as stored, each row's scale)."""
+        loading (e4m3 values as stored, each row's scale); with ``block`` (bn, bk) the
+        scales are the tiles', fp32 [ceil(N/bn), ceil(K/bk)]."""
         w = self.weight
+        n, k = w.shape
         self.weight = nn.Parameter(torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.weight_scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+        shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+        self.weight_scale = torch.empty(shape, dtype=torch.float32, device=w.device)
+        self.weight_block = block
         self.skinny = {}
 
     def hold_int4(self, group_size: int, scale_dtype: torch.dtype) -> None:
@@ -210,11 +219,15 @@ class _ParallelLinear(nn.Module):
             norm_w, eps = cast(torch.Tensor, x.norm.weight), float(cast(float, x.norm.eps))
             return gemv_row(x.x, self.weight, self.bias, norm=(norm_w, eps),
                             residual=x.residual, residual_out=x.residual_out,
-                            scale=self.weight_scale)
+                            scale=self.weight_scale, block=self.weight_block)
         if self._use_row_gemv(x):
             from flashpage.kernels.gemv import gemv_row
 
-            return gemv_row(x, self.weight, self.bias, scale=self.weight_scale)
+            return gemv_row(x, self.weight, self.bias, scale=self.weight_scale,
+                            block=self.weight_block)
+        if self.weight_block is not None:
+            assert self.weight_scale is not None
+            return fp8_block_linear(x, self.weight, self.weight_scale, self.weight_block, self.bias)
         if self.skinny and x.dim() == 2 and (cfg := self.skinny.get(x.shape[0])) is not None:
             from flashpage.kernels.gemv import skinny_linear
 
@@ -252,7 +265,8 @@ class _ParallelLinear(nn.Module):
         if self._use_row_gemv(h):
             from flashpage.kernels.gemv import gemv_row
 
-            return gemv_row(h, self.weight, self.bias, silu_mul=True, scale=self.weight_scale)
+            return gemv_row(h, self.weight, self.bias, silu_mul=True, scale=self.weight_scale,
+                            block=self.weight_block)
         if self.skinny and h.dim() == 2 and (cfg := self.skinny.get(h.shape[0])) is not None:
             from flashpage.kernels.gemv import skinny_linear
 
@@ -262,8 +276,8 @@ class _ParallelLinear(nn.Module):
 
 
 def set_row_gemv(model: nn.Module, enabled: bool) -> int:
-    """Allow (or forbid) ``gemv_row`` in every 16-bit or fp8 linear of ``model``; returns
-    how many layers may use it."""
+    """Allow (or forbid) ``gemv_row`` in every 16-bit or fp8 linear of ``model`` (scales per
+    row or per block); returns how many layers may use it."""
     count = 0
     for m in model.modules():
         if isinstance(m, _ParallelLinear):
@@ -286,6 +300,8 @@ def tune_skinny_gemms(model: nn.Module, rows: tuple[int, ...] = (1, 2, 4, 8),
     groups: dict[tuple[Any, ...], list[_ParallelLinear]] = {}
     for m in layers:
         w = m.weight
+        if m.weight_block is not None:
+            continue  # block-scaled fp8: layers/quant.fp8_block_linear picks its own path
         if w.is_cuda and (w.dtype in (torch.float16, torch.bfloat16) or m.is_quantized):
             groups.setdefault((tuple(w.shape), w.dtype, m.silu_input), []).append(m)
     report: dict[str, Any] = {}

@@ -31,6 +31,24 @@ A checkpoint whose weights are already fp8 (config.json's quantization_config) i
 into this same form, its e4m3 values and per-tensor or per-channel scales as stored, one
 scale per output row (models/fp8_checkpoint.py); ``quantize_model`` then leaves those
 linears as they are, and the ones the checkpoint left 16-bit (``quantizable = False``).
+
+A block-scaled checkpoint (DeepSeek-V3, Qwen3-FP8: ``weight_block_size`` [bn, bk]) keeps
+its e4m3 values with their tiles' scales, ``weight_scale`` fp32 [ceil(N/bn), ceil(K/bk)]
+and ``weight_block`` (bn, bk) on the linear (``hold_fp8(block)``), run by
+``fp8_block_linear`` (kernels/fp8_block_gemm.py), after the one-row GEMV:
+
+    CUDA, one row (row_gemv)           kernels/gemv.gemv_row with the block scales: W8A16,
+                                       norm / SiLU·mul prologues and PDL as per-row fp8
+    CUDA, M <= BLOCK_W8A16_ROWS (16)   w8a16_block_matmul: the weight tile widened to x's
+                                       dtype in registers, its block scale on the fp32
+                                       partial sum; K split (the decode sizes: bandwidth)
+    CUDA, 16-bit x, sm_89+             W8A8: x quantized per token per bk-group (one
+                                       kernel), w8a8_block_matmul on the e4m3 tensor cores,
+                                       both scales on each K tile's partial sum
+    CUDA otherwise (fp32, old GPUs)    w8a16_block_matmul
+    elsewhere (CPU)                    the weight dequantized (scale * value, fp32) to x's
+                                       dtype, then F.linear: the dequantized checkpoint's
+                                       very weights (correct, not fast)
 """
 
 from __future__ import annotations
@@ -138,6 +156,47 @@ def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
 
+# Rows up to which a block-scaled linear runs weight-only on CUDA (W8A8 above): not timed
+# on a GPU yet (benchmarks/fp8_block_gemm.py prints both paths at 1-2048 rows).
+BLOCK_W8A16_ROWS = 16
+
+
+def block_fp8_path(x: torch.Tensor) -> str:
+    """The path of a block-scaled linear over x [M, K]: "w8a16", "w8a8" or "dequant" (see
+    the module's docstring). It reads only shapes, dtypes and the device's capability: the
+    same at every graph replay."""
+    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return "dequant"
+    from flashpage.kernels.device import cuda_capability
+
+    if (x.shape[0] > BLOCK_W8A16_ROWS and x.dtype != torch.float32
+            and cuda_capability(x.device) >= (8, 9)):
+        return "w8a8"
+    return "w8a16"
+
+
+def fp8_block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A block-scaled fp8 linear: x [..., K] -> [..., N], q e4m3 [N, K], scale fp32
+    [ceil(N/bn), ceil(K/bk)], along ``block_fp8_path``."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    path = block_fp8_path(x2)
+    if path == "w8a8":
+        from flashpage.kernels.fp8_block_gemm import w8a8_block_linear
+
+        y = w8a8_block_linear(x2, q, scale, block, bias)
+    elif path == "w8a16":
+        from flashpage.kernels.fp8_block_gemm import w8a16_block_matmul
+
+        y = w8a16_block_matmul(x2, q, scale, block, bias)
+    else:
+        from flashpage.kernels.fp8_block_ref import dequantize_fp8_block
+
+        y = F.linear(x2, dequantize_fp8_block(q, scale, block, x2.dtype), bias)
+    return y.view(*lead, q.shape[0])
+
+
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """A quantized linear's general path: x [..., K] -> [..., N]. W8A8 ``_scaled_mm``
@@ -221,6 +280,8 @@ def dequantized_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor
     buffers = dict(model.named_buffers())
     scales = {name.removesuffix("_scale"): b for name, b in buffers.items()
               if name.endswith("weight_scale")}
+    blocks = {f"{name}.weight": m.weight_block for name, m in model.named_modules()
+              if getattr(m, "weight_block", None) is not None}
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()
                   and p.dtype != FP8_DTYPE), torch.float32)
     for name, p in model.named_parameters():
@@ -231,6 +292,11 @@ def dequantized_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor
 
             zeros = buffers[name.removesuffix("weight") + "w4_zeros"]
             yield name, dequantize_int4_ref(p.data, int4, zeros, dtype)
+        elif name in blocks:
+            from flashpage.kernels.fp8_block_ref import dequantize_fp8_block
+
+            assert scale is not None
+            yield name, dequantize_fp8_block(p.data, scale, blocks[name], dtype)
         else:
             yield name, p.data if scale is None else dequantize_fp8_rowwise(p.data, scale, dtype)
 

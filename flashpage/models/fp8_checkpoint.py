@@ -4,23 +4,27 @@ config's ``quantization_config`` says so (parsed once: ``config.CheckpointQuanti
 Every ``X.weight`` stored as float8_e4m3fn comes with ``X.weight_scale`` or
 ``X.weight_scale_inv`` (the same thing under DeepSeek's name: the factor that multiplies
 the stored values back, W = scale * Wq). Our fp8 linears hold e4m3 rows with one fp32
-scale per output row (layers/quant.py), so:
+scale per output row, or per tile for block-scaled files (layers/quant.py), so:
 
     scale in the file                 what the model holds
     []  or [1]     (strategy tensor)  Wq as stored, weight_scale [N] = the scale on every row
     [N] or [N, 1]  (strategy channel) Wq as stored, weight_scale [N] = the scale
-    [N/bn, K/bk]   (strategy block)   scale * Wq in fp32, then the model's dtype: a tile's
-                                      scale has no per-row form; quantization="fp8" then
-                                      re-quantizes it per row, as any 16-bit weight
+    [N/bn, K/bk]   (strategy block)   Wq as stored, weight_scale [N/bn, K/bk] = the tiles'
+                                      scales, weight_block (bn, bk): kernels/fp8_block_gemm
 
 A merged linear (Llama's qkv_proj, gate_up_proj) takes each piece's rows with that
 piece's own scale, so q, k and v under different per-tensor scales stay exact (vLLM
-re-quantizes such a fused weight to the largest of its scales instead).
+re-quantizes such a fused weight to the largest of its scales instead); block scales stack
+along their N-block axis, which is exact only where every piece's rows are a multiple of
+bn: a merged linear with a piece that is not (or blocks bk not a multiple of 16, which
+the kernels' K tiles need: ``CheckpointQuantization.block_unsupported``) is dequantized
+to the model's dtype instead, with a log line (quantization="fp8" then re-quantizes it
+per row, as any 16-bit weight).
 
 Kept in e4m3: a ``ColumnParallelLinear`` / ``RowParallelLinear`` left ``quantizable``
-whose pieces are all e4m3 with a per-tensor or per-channel scale. Everything else that
-the file holds in e4m3 (embeddings, the LM head, MLA's kv_b_proj, MoE experts, block
-scales) is dequantized to the model's dtype. Linears the file holds in 16 bits (the
+whose pieces are all e4m3 with a per-tensor, per-channel or (as above) block scale.
+Everything else that the file holds in e4m3 (embeddings, the LM head, MLA's kv_b_proj,
+MoE experts) is dequantized to the model's dtype. Linears the file holds in 16 bits (the
 config's ignore list) stay so, with ``quantization="fp8"`` too.
 
 Not read: ``input_scale`` (static activation scales): activations are quantized per token
@@ -40,6 +44,7 @@ import torch
 from torch import nn
 
 from flashpage.config import CheckpointQuantization, ModelConfig
+from flashpage.kernels.fp8_block_ref import dequantize_fp8_block
 from flashpage.layers.linear import _ParallelLinear
 from flashpage.layers.quant import FP8_DTYPE
 from flashpage.models.loader import ModelLoadError, safetensors_files
@@ -67,9 +72,7 @@ def dequantize_fp8_checkpoint(q: torch.Tensor, scale: torch.Tensor,
     partial)."""
     s = scale.float()
     if block is not None:
-        n, k = q.shape
-        s = s.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
-        return q.float() * s
+        return dequantize_fp8_block(q, s, block)
     return q.float() * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
 
 
@@ -128,8 +131,9 @@ def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig,
                            folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Prepare ``model`` for the fp8 checkpoint in ``folder`` and return its weights as
     ``load_weights`` takes them: the linears that keep e4m3 are turned to hold it now (an
-    e4m3 ``weight`` and an fp32 ``weight_scale`` [N] to fill), and each of their weights
-    comes as (``X.weight`` e4m3, ``X.weight_scale`` fp32 [rows]); every other e4m3 weight
+    e4m3 ``weight`` and an fp32 ``weight_scale`` [N], or [N/bn, K/bk] for block scales, to
+    fill), and each of their weights comes as (``X.weight`` e4m3, ``X.weight_scale`` fp32
+    [rows] or the file's tiles); every other e4m3 weight
     comes dequantized (fp32), every other tensor as stored, the unused scales not at all.
     Shapes, scales and dtypes are checked from the files' headers before anything loads."""
     from safetensors import safe_open
@@ -170,14 +174,31 @@ def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig,
                     scales[t.scale_name] = f.get_tensor(t.scale_name)
     rows = {name: row_scales(name, t.shape, scales[t.scale_name], qc) for name, t in fp8.items()}
 
-    # Which of our linears keep e4m3: all their pieces in the file e4m3 with row scales.
+    # Which of our linears keep e4m3: all their pieces in the file e4m3 with row scales, or
+    # with block scales that stack (block_unsupported).
     kept: set[str] = set()
-    for m, names in linears_of(model, {n: n[:-7] for n in header if n.endswith(".weight")}).values():
+    unstacked: list[str] = []
+    linears = linears_of(model, {n: n[:-7] for n in header if n.endswith(".weight")})
+    for path, (m, names) in linears.items():
         if not all(n in fp8 for n in names):
             m.quantizable = False  # (partly) left 16-bit by the checkpoint: quantization="fp8" too
-        elif m.quantizable and all(rows[n] is not None for n in names):
+        elif not m.quantizable:
+            continue
+        elif all(rows[n] is not None for n in names):
             m.hold_fp8()
             kept.update(names)
+        elif qc.weight_strategy == "block":
+            assert qc.block_size is not None
+            why = qc.block_unsupported([(n[:-7], fp8[n].shape[0]) for n in names])
+            if why is None:
+                m.hold_fp8(qc.block_size)
+                kept.update(names)
+            else:
+                unstacked.append(f"{path} ({why})")
+    if unstacked:
+        logger.warning("fp8 checkpoint: %d linears dequantized to 16 bits instead of kept in e4m3 "
+                       "with their block scales: %s%s", len(unstacked), unstacked[0],
+                       f" and {len(unstacked) - 1} more" if len(unstacked) > 1 else "")
     dequantized = sorted(set(fp8) - kept)
     logger.info("fp8 checkpoint, %s: %d weights kept in e4m3 with their scales, %d dequantized "
                 "to %s%s", qc.describe(), len(kept), len(dequantized),
@@ -214,9 +235,9 @@ def _stream(files: list[str], skip: set[str], fp8: dict[str, _Fp8Tensor], kept: 
                         yield name, t
                     elif name in kept:
                         r = rows[name]
-                        assert r is not None
                         yield name, t
-                        yield name + "_scale", r
+                        yield name + "_scale", r if r is not None else scales[
+                            fp8[name].scale_name].float()
                     else:
                         yield name, dequantize_fp8_checkpoint(
                             t, scales[fp8[name].scale_name], block if rows[name] is None else None)

@@ -30,6 +30,7 @@ from flashpage.layers.linear import (
     PendingNorm,
     RowParallelLinear,
     VocabEmbedding,
+    _ParallelLinear,
 )
 from flashpage.layers.mlp import GatedMLP
 from flashpage.layers.moe import (
@@ -150,7 +151,8 @@ class LlamaForCausalLM(nn.Module):
         q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
             c.intermediate_size
         out = {}
-        # weight_scale: an fp8 checkpoint's per-row scales (models/fp8_checkpoint.py);
+        # weight_scale: an fp8 checkpoint's per-row scales (models/fp8_checkpoint.py; block
+        # scales: rows of N-blocks, load_weights divides by bn);
         # w4_scales / w4_zeros: an int4 one's per-group rows (models/int4_checkpoint.py)
         q4 = ("w4_scales", "w4_zeros")
         for kind in ("weight", "bias", "weight_scale", *q4):
@@ -230,6 +232,12 @@ class LlamaForCausalLM(nn.Module):
             if split is not None:
                 target, offset, rows = split
                 param = params[target]
+                if target.endswith(".weight_scale") and param.dim() == 2:
+                    # block scales (hold_fp8(block)): the pieces' rows are whole N-blocks
+                    block = cast(_ParallelLinear, self.get_submodule(
+                        target.removesuffix(".weight_scale"))).weight_block
+                    assert block is not None
+                    offset, rows = offset // block[0], rows // block[0]
                 if tensor.shape[0] != rows or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not fit "
                                      f"rows {offset}:{offset + rows} of {target} {tuple(param.shape)}")

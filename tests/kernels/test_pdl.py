@@ -195,21 +195,25 @@ def _compile_ptx() -> dict[str, str]:
         "mla_merge": (mla._mla_merge_kernel, dict(RANK=512, BLOCK_R=512, BLOCK_S=8, CHUNK_R=512), 4, 3),
         "gemv_row": (gemv._gemv_row_kernel, dict(
             HAS_BIAS=False, HAS_SCALE=False, SILU_MUL=False, NORM=True, HAS_RES=True, BLOCK_N=4,
-            BLOCK_K=4096, WHOLE_ROW=True), 4, 1),
+            BLOCK_K=4096, WHOLE_ROW=True, SBN=0, SBK=0, TB=1), 4, 1),
         "moe_route": (moe_router._route_kernel, dict(
             TOP_K=8, K_PAD=8, TOPK_GROUP=4, GROUP_PAD=8, PER_PAD=32, METHOD=2, NORM_TOPK=True), 1, 1),
         "gemv_row_looped": (gemv._gemv_row_kernel, dict(
             HAS_BIAS=False, HAS_SCALE=False, SILU_MUL=True, NORM=False, HAS_RES=False, BLOCK_N=16,
-            BLOCK_K=512, WHOLE_ROW=False), 8, 1),
+            BLOCK_K=512, WHOLE_ROW=False, SBN=0, SBK=0, TB=1), 8, 1),
         # fp8 weights (w_ptr below): the row scales load before the wait too
         "gemv_row_fp8": (gemv._gemv_row_kernel, dict(
             HAS_BIAS=False, HAS_SCALE=True, SILU_MUL=False, NORM=True, HAS_RES=True, BLOCK_N=4,
-            BLOCK_K=4096, WHOLE_ROW=True), 4, 1),
+            BLOCK_K=4096, WHOLE_ROW=True, SBN=0, SBK=0, TB=1), 4, 1),
+        # block-scaled fp8 (kernels/fp8_block_gemm.py's layout): the tiles' scales too
+        "gemv_row_fp8_block": (gemv._gemv_row_kernel, dict(
+            HAS_BIAS=False, HAS_SCALE=True, SILU_MUL=False, NORM=True, HAS_RES=True, BLOCK_N=4,
+            BLOCK_K=4096, WHOLE_ROW=True, SBN=128, SBK=128, TB=128), 4, 1),
     }
     out = {}
     for name, (fn, consts, warps, stages) in kernels.items():
         types = {**ptr, "eps": "fp32", "sm_scale_log2": "fp32", "s_ptr": "*fp32"}
-        if name.endswith("fp8"):
+        if "fp8" in name:
             types["w_ptr"] = "*fp8e4nv"
         k = compile_sm90(fn, {**consts, "PDL": True}, types,
                          num_warps=warps, num_stages=stages, launch_pdl=True)
@@ -221,12 +225,12 @@ def _compile_ptx() -> dict[str, str]:
 # Kernels that load, before the wait, what no kernel of a step writes (their launchers'
 # docstrings say which); every other kernel waits before any global access.
 _EARLY_LOADS = {"rms_norm", "rotary", "paged_decode", "gemv_row", "gemv_row_looped", "gemv_row_fp8",
-                "moe_route"}
+                "gemv_row_fp8_block", "moe_route"}
 
 
 def test_ptx_waits_before_any_global_access():
     ptx = run_compiled("test_pdl", "_compile_ptx")
-    assert len(ptx) == 12
+    assert len(ptx) == 13
     for name, text in ptx.items():
         lines = text.splitlines()
         waits = [i for i, line in enumerate(lines) if _WAIT in line]

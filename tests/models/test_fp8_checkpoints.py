@@ -4,10 +4,11 @@ fp8, compressed-tensors, fbgemm_fp8), read with no flag (models/fp8_checkpoint.p
 Each test checkpoint is a tiny random model quantized here with the formats' own formulas
 (per tensor, per channel, per block), written with its scales; its reference twin holds the
 same weights dequantized (scale * e4m3 value, fp32) under a plain config. Checked: the
-config's parsing and its errors, which layers keep e4m3, the loaded weights against the
-file's (to the bit), the engine's tokens and log-probabilities against the twin's, ignored
-layers, broken files, ``flashpage inspect``; on the GPU (skipped without one) bf16 with
-graphs."""
+config's parsing and its errors, which layers keep e4m3 (block-scaled ones with their tiles'
+scales, merged linears whose pieces are not whole blocks dequantized), the loaded weights
+against the file's (to the bit), the engine's tokens and log-probabilities against the
+twin's (and transformers' tokens), ignored layers, broken files, ``flashpage inspect``; on
+the GPU (skipped without one) bf16 with graphs."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from tests.conftest import edited_copy, random_prompts
 
 GPU = torch.cuda.is_available()
 LAYER_LINEARS = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+# llama31_gqa's merged pieces' rows (tests/conftest: 4 heads of 16, 2 KV heads, MLP 128)
+PIECE_ROWS = {"q_proj": 64, "k_proj": 32, "v_proj": 32, "gate_proj": 128, "up_proj": 128}
 
 
 # ----------------------------------------------------------------------------- builders
@@ -71,6 +74,11 @@ FORMATS: dict[str, dict] = {
     "fp8_block": dict(config={"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                               "weight_block_size": [32, 48]},
                       strategy="block", block=(32, 48), scale_name="weight_scale_inv"),
+    # the published 128 x 128: on llama31_gqa (q_proj 64 rows) qkv_proj cannot stack its
+    # pieces' block scales and is dequantized; o_proj's 64 rows are one partial block
+    "fp8_block128": dict(config={"quant_method": "fp8", "activation_scheme": "dynamic",
+                                 "weight_block_size": [128, 128]},
+                         strategy="block", block=(128, 128), scale_name="weight_scale_inv"),
     # vLLM's per-tensor fp8 with static activation scales; one of q/k/v left 16-bit; the
     # embeddings stored fp8 too (transformers' modules_to_convert)
     "fp8_tensor_static": dict(config={"quant_method": "fp8", "activation_scheme": "static",
@@ -276,10 +284,10 @@ def test_quantization_flag_on_fp8_checkpoints(fp8_checkpoint):
 
 # ----------------------------------------------------------------------------- loading
 def _expected_fp8(stored: dict[str, str], fmt: str | None = None) -> list[str]:
-    """Our linears (Llama's) whose pieces the file holds all in fp8, if ``fmt``'s scales
-    have a per-row form (None: whatever the scales)."""
-    if fmt is not None and FORMATS[fmt]["strategy"] == "block":
-        return []
+    """Our linears (llama31_gqa's) whose pieces the file holds all in fp8, and with ``fmt``'s
+    block scales whose pieces are whole blocks (None: whatever the scales: quantization="fp8"
+    re-quantizes the rest per row)."""
+    block = FORMATS[fmt].get("block") if fmt is not None else None
     out = []
     for i in range(2):
         p = f"model.layers.{i}"
@@ -287,17 +295,19 @@ def _expected_fp8(stored: dict[str, str], fmt: str | None = None) -> list[str]:
                   "mlp.gate_up_proj": ["gate_proj", "up_proj"], "mlp.down_proj": ["down_proj"]}
         for ours, hf in pieces.items():
             sub = ours.split(".")[0]
-            if all(stored[f"{p}.{sub}.{h}.weight"] == "fp8" for h in hf):
+            whole = block is None or len(hf) == 1 or all(PIECE_ROWS[h] % block[0] == 0 for h in hf)
+            if all(stored[f"{p}.{sub}.{h}.weight"] == "fp8" for h in hf) and whole:
                 out.append(f"{p}.{ours}")
     return out
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_loaded_weights_are_the_files_to_the_bit(fp8_checkpoint, fmt):
-    """Per-tensor and per-channel weights keep the file's e4m3 bytes with each piece's scale
-    on its rows (q, k and v of one qkv_proj each under its own per-tensor scale); block-scaled
-    ones, the LM head and embeddings come dequantized; ignored layers as stored. Every
-    weight, read back in HF's names, equals scale * value computed from the file."""
+    """Every format keeps the file's e4m3 bytes with each piece's scale on its rows (q, k and
+    v of one qkv_proj each under its own per-tensor scale; block scales stacked along their
+    N-block axis); a merged linear whose pieces are not whole blocks, the LM head and
+    embeddings come dequantized; ignored layers as stored. Every weight, read back in HF's
+    names, equals scale * value computed from the file."""
     from flashpage.bench.common import weight_bytes
     from flashpage.inspect import inspect_config
 
@@ -309,6 +319,9 @@ def test_loaded_weights_are_the_files_to_the_bit(fp8_checkpoint, fmt):
         assert "model.layers.1.self_attn.qkv_proj" not in expected
     if fmt == "fbgemm":
         assert "model.layers.0.mlp.gate_up_proj" not in expected
+    if fmt == "fp8_block128":  # q_proj's 64 rows are half a block: qkv_proj dequantized
+        assert "model.layers.0.self_attn.qkv_proj" not in expected
+        assert "model.layers.0.mlp.gate_up_proj" in expected
     file = load_file(str(fp8 / "model.safetensors"))
     want = load_file(str(ref / "model.safetensors"))
     got = dict(model.hf_weights())
@@ -320,12 +333,20 @@ def test_loaded_weights_are_the_files_to_the_bit(fp8_checkpoint, fmt):
         m = model.get_submodule(path)
         assert m.weight.dtype == FP8_DTYPE and m.weight_scale.dtype == torch.float32
         # the e4m3 bytes as stored, each piece's rows under its own scale
+        block = FORMATS[fmt].get("block")
+        assert m.weight_block == block
         for hf in model._pieces(f"{path}.weight") or [f"{path}.weight"]:
             _, off, rows = model._split_name(hf) or (None, 0, m.weight.shape[0])
             assert torch.equal(m.weight[off:off + rows].view(torch.uint8),
                                file[hf].view(torch.uint8)), hf
-            s = file[hf.removesuffix("weight") + scale_name].float().reshape(-1)
-            assert torch.equal(m.weight_scale[off:off + rows], s.expand(rows)), hf
+            s = file[hf.removesuffix("weight") + scale_name].float()
+            if block is not None:  # the tiles' scales, this piece's N-blocks of them
+                bn, bk = block
+                assert m.weight_scale.shape == (-(-m.weight.shape[0] // bn),
+                                                -(-m.weight.shape[1] // bk))
+                assert torch.equal(m.weight_scale[off // bn:-(-(off + rows) // bn)], s), hf
+            else:
+                assert torch.equal(m.weight_scale[off:off + rows], s.reshape(-1).expand(rows)), hf
     qkv = [file[f"model.layers.0.self_attn.{x}_proj.{scale_name}"].float().reshape(-1)
            for x in "qkv"]
     if FORMATS[fmt]["strategy"] == "tensor":
@@ -344,23 +365,44 @@ def test_loaded_weights_are_the_files_to_the_bit(fp8_checkpoint, fmt):
     assert info["quantization_config"]["method"] == FORMATS[fmt]["config"]["quant_method"]
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "ct_channel", "fp8_tensor_static"])
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_block128", "ct_channel", "fp8_tensor_static"])
 def test_quantization_fp8_requantizes_only_what_the_checkpoint_quantized(fp8_checkpoint, fmt):
-    """quantization="fp8" on an fp8 checkpoint: the kept e4m3 weights stay; block-scaled
-    ones (dequantized at load) are quantized per row like any 16-bit weight; layers the
-    checkpoint left 16-bit stay 16-bit."""
+    """quantization="fp8" on an fp8 checkpoint: the kept e4m3 weights stay (the checkpoint's
+    own bytes and scales, not a re-quantization); merged block-scaled ones dequantized at
+    load are quantized per row like any 16-bit weight; layers the checkpoint left 16-bit
+    stay 16-bit."""
     from flashpage.bench.common import weight_bytes
     from flashpage.inspect import inspect_config
 
     fp8, _, stored = fp8_checkpoint("llama31_gqa", fmt)
     model = _load(fp8, "fp8")
     assert quantized_linears(model) == _expected_fp8(stored)
-    if fmt != "fp8_block":  # the checkpoint's own e4m3 bytes, not a re-quantization
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(
-            (p for p in model.parameters() if p.dtype == FP8_DTYPE),
-            (p for p in _load(fp8).parameters() if p.dtype == FP8_DTYPE), strict=True))
+    plain = _load(fp8)
+    assert quantized_linears(plain) == _expected_fp8(stored, fmt)
+    for path in quantized_linears(plain):
+        a, b = model.get_submodule(path), plain.get_submodule(path)
+        assert torch.equal(a.weight.view(torch.uint8), b.weight.view(torch.uint8)), path
+        assert torch.equal(a.weight_scale, b.weight_scale) and a.weight_block == b.weight_block
     info = inspect_config(ModelConfig.from_hf(fp8), 1 << 30, "fp32", quantization="fp8")
     assert info["weights_bytes"] == weight_bytes(model)
+
+
+def test_quantization_int4_on_a_block_checkpoint(fp8_checkpoint):
+    """quantization="int4" on a block-scaled checkpoint: the linears kept in e4m3 stay so,
+    the merged one dequantized at load (qkv_proj: q_proj is half a 128-row block) is rounded
+    to int4; inspect counts the bytes the engine holds."""
+    from flashpage.bench.common import weight_bytes
+    from flashpage.inspect import inspect_config
+    from flashpage.layers.int4 import int4_linears
+
+    fp8, _, stored = fp8_checkpoint("llama31_gqa", "fp8_block128")
+    model = _load(fp8, "int4")
+    kept = _expected_fp8(stored, "fp8_block128")
+    assert quantized_linears(model) == kept
+    assert int4_linears(model) == [f"model.layers.{i}.self_attn.qkv_proj" for i in range(2)]
+    info = inspect_config(ModelConfig.from_hf(fp8), 1 << 30, "fp32", quantization="int4")
+    assert info["weights_bytes"] == weight_bytes(model)
+    assert info["fp8_linears"] == len(kept) and info["int4_linears"] == 2
 
 
 def _generate(path, prompts, **kw):
@@ -379,27 +421,73 @@ def _generate(path, prompts, **kw):
 @pytest.mark.parametrize("model,fmt", [("llama31_gqa", "ct_channel"),
                                        ("llama31_gqa", "fp8_tensor_static"),
                                        ("llama31_gqa", "fp8_block"),
+                                       ("llama31_gqa", "fp8_block128"),
                                        ("qwen2_bias", "fbgemm"),
                                        ("deepseek_v3", "ct_channel"),
                                        ("deepseek_v3", "fp8_block")])
 def test_engine_tokens_equal_the_dequantized_checkpoints(fp8_checkpoint, model, fmt):
-    """LLM(fp8 checkpoint) with no flag, fp32 on the CPU (e4m3 weights dequantized per call:
-    scale * value, the very weights of the reference): the same greedy tokens and the same
-    log-probabilities, to the bit, as the engine over the dequantized fp32 checkpoint."""
+    """LLM(fp8 checkpoint) with no flag, fp32 on the CPU (e4m3 weights, per row or per block,
+    dequantized per call: scale * value, the very weights of the reference): the same greedy
+    tokens and the same log-probabilities, to the bit, as the engine over the dequantized
+    fp32 checkpoint."""
     fp8, ref, _ = fp8_checkpoint(model, fmt)
     prompts = random_prompts(4, 3, 30, seed=5)
     tokens, logprobs, n_fp8 = _generate(fp8, prompts)
     ref_tokens, ref_logprobs, ref_fp8 = _generate(ref, prompts)
-    assert ref_fp8 == 0 and (n_fp8 > 0) == (FORMATS[fmt]["strategy"] != "block")
+    assert ref_fp8 == 0 and n_fp8 > 0
     assert tokens == ref_tokens
     assert logprobs == ref_logprobs
 
 
-def test_deepseek_keeps_what_our_fp8_linears_run(fp8_checkpoint):
-    """DeepSeek-V3 stored per channel, everything fp8 but the router: MLA's projections, the
-    dense MLP and shared experts keep e4m3; kv_b_proj (absorbed as a matrix), the routed
-    experts (their fused kernel) and the LM head come dequantized; the router as stored."""
-    fp8, ref, stored = fp8_checkpoint("deepseek_v3", "ct_channel")
+@pytest.mark.parametrize("model,fmt", [("llama31_gqa", "fp8_block"), ("deepseek_v3", "fp8_block"),
+                                       ("llama31_gqa", "fp8_block128")])
+def test_block_fp8_stays_e4m3_and_matches_transformers(fp8_checkpoint, model, fmt):
+    """A block-scaled checkpoint (DeepSeek-V3's form) keeps its linears as stored: each one's
+    only tensors are the e4m3 weight and its fp32 tile scales, nothing 16/32-bit of [N, K]
+    is kept beside them (the model is 3 bytes per kept weight value smaller than the
+    dequantized twin, plus the scales), and greedy decoding on the CPU (fp32, the weights
+    dequantized per call) gives transformers' tokens over the dequantized checkpoint."""
+    from flashpage import LLM, SamplingParams
+    from flashpage.bench.common import weight_bytes
+    from tests.conftest import hf_greedy
+
+    fp8, ref, _ = fp8_checkpoint(model, fmt)
+    bn, bk = FORMATS[fmt]["block"]
+    llm = LLM(str(fp8), device="cpu", dtype="float32")
+    m = llm.engine.model
+    kept = quantized_linears(m)
+    assert kept
+    values = scales = 0
+    for path in kept:
+        lin = m.get_submodule(path)
+        n, k = lin.weight.shape
+        assert [name for name, _ in lin.named_parameters()] == ["weight"], path
+        assert [name for name, _ in lin.named_buffers()] == ["weight_scale"], path
+        assert not [a for a, v in vars(lin).items() if isinstance(v, torch.Tensor)], path
+        assert lin.weight.dtype == FP8_DTYPE and lin.weight_block == (bn, bk)
+        assert lin.weight_scale.dtype == torch.float32
+        assert lin.weight_scale.shape == (-(-n // bn), -(-k // bk))
+        values += n * k
+        scales += lin.weight_scale.numel()
+    twin = _load(ref)
+    assert weight_bytes(m) == weight_bytes(twin) - 3 * values + 4 * scales
+    del twin
+    prompts = random_prompts(3, 3, 20, seed=11)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)
+    del llm
+    gc.collect()
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ref, prompts, 10)
+
+
+@pytest.mark.parametrize("fmt", ["ct_channel", "fp8_block"])
+def test_deepseek_keeps_what_our_fp8_linears_run(fp8_checkpoint, fmt):
+    """DeepSeek-V3 stored per channel or per block (its own form), everything fp8 but the
+    router: MLA's projections, the dense MLP and shared experts keep e4m3 (block scales too:
+    gate_up_proj's pieces are whole 32-row blocks, q_a_proj's 24 rows one partial block);
+    kv_b_proj (absorbed as a matrix), the routed experts (their fused kernel) and the LM head
+    come dequantized; the router as stored."""
+    fp8, ref, stored = fp8_checkpoint("deepseek_v3", fmt)
     model = _load(fp8)
     attn = ["self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
             "self_attn.o_proj"]
@@ -484,8 +572,8 @@ def test_inspect_reports_the_checkpoint_quantization(fp8_checkpoint, capsys):
     fp8, ref, _ = fp8_checkpoint("llama31_gqa", "fp8_block")
     assert main([str(fp8)]) == 0
     out = capsys.readouterr().out
-    assert "fp8 e4m3 (fp8, 32x48 block scales, dynamic activations)" in out
-    assert "dequantized" in out
+    assert "fp8 e4m3 (fp8, 32x48 block scales, dynamic activations): kept in e4m3, a scale per " \
+        "block (8 linears)" in out
     assert main([str(fp8), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["quantization_config"] == {"method": "fp8", "weight_strategy": "block",
@@ -498,12 +586,14 @@ def test_inspect_reports_the_checkpoint_quantization(fp8_checkpoint, capsys):
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fmt", ["ct_channel", "fp8_tensor_static"])
+@pytest.mark.parametrize("fmt", ["ct_channel", "fp8_tensor_static", "fp8_block", "fp8_block128"])
 def test_fp8_checkpoint_bf16_on_the_gpu_with_graphs(fp8_checkpoint, fmt):
     """bf16 on CUDA, engine defaults (triton, CUDA graphs, our GEMV / W8A8 over the kept
-    e4m3 weights): each greedy token of the bf16 engine over the dequantized checkpoint, fed
-    back, is the fp8 checkpoint engine's top token where bf16 is sure (the same rule as
-    test_fp8_weights' GPU test: W8A8 rounds the activations too), and decode graphs captured."""
+    e4m3 weights; block-scaled ones through kernels/fp8_block_gemm.py and, one sequence
+    alone, the one-row GEMV): each greedy token of the bf16 engine over the dequantized
+    checkpoint, fed back, is the fp8 checkpoint engine's top token where bf16 is sure (the
+    same rule as test_fp8_weights' GPU test: W8A8 rounds the activations too), and decode
+    graphs captured."""
     from flashpage import LLM, SamplingParams
 
     fp8, ref, _ = fp8_checkpoint("head128_gqa", fmt)
@@ -524,3 +614,15 @@ def test_fp8_checkpoint_bf16_on_the_gpu_with_graphs(fp8_checkpoint, fmt):
                           for e in o.prompt_logprobs[len(p):]])
     assert torch.all(ranks[margins > 3.0] == 1)
     assert (ranks == 1).float().mean() > 0.45
+    if FORMATS[fmt]["strategy"] == "block":
+        # one sequence alone: its decode steps take the one-row GEMV over the block scales
+        blocks = [m for m in quant.engine.model.modules() if getattr(m, "weight_block", None)]
+        assert blocks and all(m.row_gemv for m in blocks)
+        one = quant.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=24,
+                                                          ignore_eos=True), use_tqdm=False)
+        got, want = one[0].outputs[0].token_ids, outs[0].outputs[0].token_ids
+        for i, lp in enumerate(outs[0].outputs[0].logprobs):
+            if got[:i] != want[:i]:
+                break
+            if lp.top[0][1] - lp.top[1][1] > 3.0:
+                assert got[i] == want[i], (i, got, want)

@@ -1,0 +1,312 @@
+"""Block-scaled fp8 linears (DeepSeek-V3's and Qwen3-FP8's checkpoints): y[M, N] =
+x[M, K] @ W[N, K]^T (+ bias) with the weight kept as stored,
+
+    w   float8_e4m3fn [N, K]
+    ws  fp32 [ceil(N/BN), ceil(K/BK)]         W[n, k] = ws[n // BN, k // BK] * w[n, k]
+
+(BN x BK the checkpoint's ``weight_block_size``, 128 x 128 in every published one; edge
+tiles partial). Two kernels, one per regime:
+
+``w8a8_block_matmul`` (W8A8, DeepSeek-V3's own recipe): x is quantized per token per
+group of BK columns (``quantize_per_token_group``: a scale per (row, group) from the
+group's amax, computed at run time, x [M, K] -> e4m3 [M, K] and fp32 [M, ceil(K/BK)]),
+then each K tile of the product, inside one group, runs on the e4m3 tensor cores and
+takes both scales on its fp32 partial sum:
+
+    acc[m, n] += dot(xq[m, tile], w[n, tile]) * xs[m, g] * ws[n // BN, g]     g = k0 // BK
+
+A K tile is BLOCK_K columns, the largest power of two dividing BK up to 128 (128 for 128 x
+128 blocks; 16 at least, ``tl.dot``'s smallest: ``tile_k``), so a tile never straddles two
+groups. Needs e4m3 tensor cores (sm_89+).
+
+``w8a16_block_matmul`` (weight-only, the decode sizes): x stays 16-bit; each weight tile
+is widened to x's dtype in registers (exact: every e4m3 value is an fp16 and a bf16
+value), ``tl.dot``-ed with x in fp32, and the tile's block scale goes on the partial sum:
+
+    acc[m, n] += dot(x[m, tile], w[n, tile]) * ws[n // BN, g]
+
+At 1-16 rows a linear only streams its weight: this reads 1 byte a weight (half of bf16)
+and rounds the activations no further. K is split between programs until they cover the
+SMs (the int4 GEMV's rule, kernels/int4_gemv.py), the fp32 partial sums added by one
+kernel after. Any GPU Triton converts e4m3 on, and fp32 activations (its dots in IEEE
+fp32): the fallback where W8A8 cannot run. (One row alone takes kernels/gemv.gemv_row,
+which applies the same block scales with the one-row GEMV's norm prologue and PDL.)
+
+Their pure-torch references live beside them in kernels/fp8_block_ref.py (no Triton:
+the CPU path and the loader use them too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from flashpage.kernels.fp8_block_ref import FP8_MAX, MIN_SCALE, check_block_scales, tile_k
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_call(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                bias: torch.Tensor | None) -> int:
+    """Shapes and dtypes of a kernel call; returns the K tile."""
+    check_block_scales(q, scale, block)
+    n, k = q.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} does not fit a [{n}, {k}] weight")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if scale.stride(1) != 1 or q.stride(1) != 1:
+        raise ValueError("weight and scales must be contiguous in their last dimension")
+    bk_tile = tile_k(block[1])
+    if not bk_tile:
+        raise ValueError(f"no kernel for K blocks of {block[1]} (a multiple of 16 needed)")
+    return bk_tile
+
+
+# ----------------------------------------------------------------------------- activations
+@triton.jit
+def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, NG, stride_xm, stride_qm, stride_sm,
+                         G: tl.constexpr, BLOCK_G: tl.constexpr, GROUPS: tl.constexpr,
+                         FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """Row ``program_id(0)``, groups GROUPS * program_id(1) onwards: a [GROUPS, BLOCK_G]
+    tile whose rows are groups of G columns (BLOCK_G = G rounded up to a power of two)."""
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = tl.arange(0, BLOCK_G)
+    k = groups[:, None] * G + cols[None, :]
+    mask = (cols[None, :] < G) & (k < K) & (groups[:, None] < NG)
+    x = tl.load(x_ptr + row * stride_xm + k, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), MIN_SCALE)
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_sm + groups, scale, mask=groups < NG)
+
+
+def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (fp16, bf16 or fp32; rows contiguous) -> (float8_e4m3fn [M, K], fp32
+    [M, ceil(K/group)]): the bits of ``quantize_per_token_group_ref``, one launch, no host
+    sync (graph-capturable)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x dtype {x.dtype} unsupported (float16, bfloat16, float32)")
+    if x.stride(1) != 1:
+        raise ValueError("x must be contiguous in its last dimension")
+    if group <= 0:
+        raise ValueError(f"group must be positive, got {group}")
+    m, k = x.shape
+    ng = -(-k // group)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, ng), dtype=torch.float32, device=x.device)
+    if m and k:
+        block_g = max(16, triton.next_power_of_2(group))
+        groups = max(1, min(triton.next_power_of_2(ng), 4096 // block_g))
+        _quant_groups_kernel[(m, triton.cdiv(ng, groups))](
+            x, q, s, k, ng, x.stride(0), q.stride(0), s.stride(0), G=group, BLOCK_G=block_g,
+            GROUPS=groups, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=4)
+    return q, s
+
+
+# ----------------------------------------------------------------------------- the GEMMs
+@dataclass(frozen=True)
+class BlockFp8Config:
+    block_m: int
+    block_n: int
+    split_k: int = 1  # w8a16 only; 0: chosen from the SM count at the call
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8  # w8a8: programs walk GROUP_M row tiles per column tile (L2 reuse)
+
+    @property
+    def name(self) -> str:
+        return (f"m{self.block_m}n{self.block_n}s{self.split_k}w{self.num_warps}"
+                f"st{self.num_stages}g{self.group_m}")
+
+
+# Not tuned on a GPU yet (benchmarks/fp8_block_gemm.py --configs times others): the tiles
+# vLLM's and SGLang's block-fp8 Triton GEMMs default to for 128 x 128 blocks (64-128 rows,
+# 128 columns, K tiles of 128), and the int4 GEMV's decode tile.
+W8A16_SKINNY = BlockFp8Config(16, 64, split_k=0, num_warps=4, num_stages=4)  # 1-16 rows
+W8A16_GEMM = BlockFp8Config(64, 128, num_warps=4, num_stages=3)
+W8A8_SMALL = BlockFp8Config(64, 128, num_warps=4, num_stages=3, group_m=8)  # up to 128 rows
+W8A8_LARGE = BlockFp8Config(128, 128, num_warps=8, num_stages=3, group_m=8)
+
+
+def parse_config(name: str) -> BlockFp8Config:
+    """A ``BlockFp8Config.name`` (m64n128s1w4st3g8) back to its config."""
+    import re
+
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)w(\d+)st(\d+)g(\d+)", name.strip())
+    if m is None:
+        raise ValueError(f"{name!r} is not a config name such as m64n128s1w4st3g8")
+    return BlockFp8Config(*map(int, m.groups()))
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile serves every row count
+def _w8a8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
+                       stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
+                       BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of the output; programs in GROUP_M-row bands so that
+    neighbours share the weight tiles they read (the Triton tutorial's ordering)."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    band = GROUP_M * tiles_n
+    first_m = (pid // band) * GROUP_M
+    rows_in_band = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % band) % rows_in_band
+    pid_n = (pid % band) // rows_in_band
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows and features past the end read row 0's / feature 0's data (never stored): the
+    # loads need no mask along M and N
+    rm = (offs_m % M).to(tl.int64)
+    rn = (offs_n % N).to(tl.int64)
+    a_rows = a_ptr + rm[:, None] * stride_am
+    w_rows = w_ptr + rn[:, None] * stride_wn
+    as_rows = as_ptr + rm * stride_asm
+    ws_rows = ws_ptr + (rn // BN) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        if EVEN_K:
+            a = tl.load(a_rows + kk[None, :])
+            w = tl.load(w_rows + kk[None, :])
+        else:
+            a = tl.load(a_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+        g = k0 // BK
+        a_s = tl.load(as_rows + g)
+        w_s = tl.load(ws_rows + g)
+        acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a16_block_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
+                        stride_xm, stride_wn, stride_wsn, stride_om, stride_os,
+                        BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (pid_n, pid_m, pid_k): BLOCK_N features of BLOCK_M rows over split pid_k's
+    share of the K tiles; with SPLIT_K > 1 its fp32 partial sums go to out[pid_k]."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    dt = x_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    ws_rows = ws_ptr + (offs_n // BN) * stride_wsn
+    tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(tiles, SPLIT_K)
+    start = pid_k * per_split
+    end = tl.minimum(start + per_split, tiles)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(start, end):
+        kk = t * BLOCK_K + offs_k
+        if EVEN_K:
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (kk < K)[None, :]
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask, other=0.0)
+            x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask, other=0.0)
+        w_s = tl.load(ws_rows + (t * BLOCK_K) // BK, mask=n_mask, other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(dt)), input_precision=PRECISION) * w_s[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    out = out_ptr + pid_k * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out, acc, mask=out_mask)
+
+
+def w8a16_block_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                       block: tuple[int, int], bias: torch.Tensor | None = None,
+                       config: BlockFp8Config | None = None) -> torch.Tensor:
+    """x [M, K] (fp16 / bf16 / fp32) @ the block-scaled e4m3 weight q [N, K] (scale
+    [ceil(N/bn), ceil(K/bk)]) -> [M, N] in x's dtype (+ bias [N]); weight-only (W8A16)."""
+    from flashpage.kernels.int4_gemv import _split_k, _split_sum_kernel
+
+    bk_tile = _check_call(x, q, scale, block, bias)
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x dtype {x.dtype} unsupported (float16, bfloat16, float32)")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    (m, k), n = x.shape, q.shape[0]
+    cfg = config or (W8A16_SKINNY if m <= 16 else W8A16_GEMM)
+    tiles_n, tiles_m, k_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), \
+        triton.cdiv(k, bk_tile)
+    split = cfg.split_k or (_split_k(tiles_n * tiles_m, k_tiles, x.device) if m else 1)
+    split = max(1, min(split, k_tiles))
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return y
+    out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    _w8a16_block_kernel[(tiles_n, tiles_m, split)](
+        x, q, scale, bias if bias is not None else x, out, m, n, k,
+        x.stride(0), q.stride(0), scale.stride(0), n, m * n,
+        BN=block[0], BK=block[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk_tile,
+        SPLIT_K=split, HAS_BIAS=bias is not None, EVEN_K=k % bk_tile == 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        _split_sum_kernel[(triton.cdiv(m * n, 1024),)](
+            out, bias if bias is not None else out, y, m * n, n, SPLIT_K=split,
+            HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
+    return y
+
+
+def w8a8_block_matmul(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                      block: tuple[int, int], bias: torch.Tensor | None = None,
+                      out_dtype: torch.dtype = torch.bfloat16,
+                      config: BlockFp8Config | None = None) -> torch.Tensor:
+    """xq e4m3 [M, K] with its per-token-group scales xs fp32 [M, ceil(K/bk)]
+    (``quantize_per_token_group(x, bk)``) @ the block-scaled e4m3 weight q [N, K] (scale
+    [ceil(N/bn), ceil(K/bk)]) -> [M, N] in ``out_dtype`` (+ bias [N]). sm_89+ (e4m3
+    tensor cores) or the interpreter."""
+    bk_tile = _check_call(xq, q, scale, block, bias)
+    m, k = xq.shape
+    n = q.shape[0]
+    if xq.dtype != torch.float8_e4m3fn or xq.stride(1) != 1:
+        raise ValueError(f"xq must be contiguous float8_e4m3fn [M, K], got {xq.dtype}")
+    if xs.shape != (m, -(-k // block[1])) or xs.dtype != torch.float32 or xs.stride(1) != 1:
+        raise ValueError(f"xs must be fp32 [{m}, {-(-k // block[1])}] (a scale per token per "
+                         f"{block[1]}-group), got {xs.dtype} {tuple(xs.shape)}")
+    y = torch.empty(m, n, device=xq.device, dtype=out_dtype)
+    if m == 0:
+        return y
+    cfg = config or (W8A8_SMALL if m <= 128 else W8A8_LARGE)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _w8a8_block_kernel[grid](
+        xq, xs, q, scale, bias if bias is not None else y, y, m, n, k,
+        xq.stride(0), xs.stride(0), q.stride(0), scale.stride(0), y.stride(0),
+        BN=block[0], BK=block[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk_tile,
+        GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, EVEN_K=k % bk_tile == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def w8a8_block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                      block: tuple[int, int], bias: torch.Tensor | None = None,
+                      config: BlockFp8Config | None = None) -> torch.Tensor:
+    """x [M, K] (16-bit or fp32) quantized per token per group (one kernel), then
+    ``w8a8_block_matmul``; the output in x's dtype."""
+    xq, xs = quantize_per_token_group(x if x.stride(1) == 1 else x.contiguous(), block[1])
+    return w8a8_block_matmul(xq, xs, q, scale, block, bias, out_dtype=x.dtype, config=config)
