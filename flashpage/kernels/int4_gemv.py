@@ -65,6 +65,12 @@ Three ways to do the row products (``Int4GemvConfig.dot`` / ``chain``):
                 and one fma takes OFFSET + z off both: ~4 instructions a weight for sm_90
                 against ~6 with the fp32 unpacking. The interpreter runs the plain path.
 
+At one row on the chains, ``norm`` moves the RMSNorm before the linear (and its residual
+add) into the prologue, as gemv.gemv_row does: every program computes the row's statistics
+from L2 (``_norm_rstd``), program (0, 0) writes x + residual, and each K tile's x is normed
+as it is loaded (``_norm_x``). With PDL (kernels/pdl.py) the first weight tiles are
+requested before the wait on the previous kernel; the split-K sum launches with PDL too.
+
 Scales and zero points are loaded once per (feature, tile) where the tile lies in one group
 (BLOCK_K <= G: G = 128 and K tiles of 128, the 8B checkpoints' case), else once per word
 (a word lies in one group: G is a multiple of 8 dividing K, G = K allowed). With split K
@@ -89,6 +95,7 @@ import triton.language as tl
 from flashpage.kernels.device import interpreting
 from flashpage.kernels.gemv import _silu_mul
 from flashpage.kernels.int4_gemm import PACK, _block_k, check_int4, int4_linear_ref
+from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 # Rows of x one call takes: up to 16 either form (the dot path pads x to tl.dot's 16-wide
 # operand), 17-64 on the tensor cores only (x's operand 32 or 64 wide: the weight still read
@@ -290,19 +297,18 @@ def _nibbles_2048_128(packed, ASM: tl.constexpr):
 
 
 @triton.jit
-def _row_chain(packed, z, sf, x_ptr, stride_xm, k0, M, K, m: tl.constexpr,
-               BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, ASM: tl.constexpr):
-    """Row m's sums of the words [BN, W], one FFMA a weight: each word's 8 products
+def _row_chain(packed, z, sf, xr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """A row's sums of the words [BN, W] against its x tile ``xr`` [BLOCK_K] (fp32), one
+    FFMA a weight: each word's 8 products
     (2048 + q) * x or (128 + q) * x (``_nibbles_2048_128``, exact in fp32) chained in its
     thread, then (2048 + z) and (128 + z) times the word's two sums of x taken off once
     and the scale applied once: [BN, W]. A chain carries 2048 * x beside the q * x wanted:
     ~2^-15 of a word's sum lost to rounding, far below a 16-bit output's 2^-9."""
     a3, a1, a5, a0, b4, b2, b6, b7 = _nibbles_2048_128(packed, ASM)
-    # the tile's x (with SiLU·mul: silu(gate) * up) computed once, a column a thread, then
-    # split into the 8 columns of each word: [W] each, broadcast over the features (Triton
-    # moves them through shared memory; as fast as each thread loading its own, run 177)
-    xr = _load_x(x_ptr + m * stride_xm + k0 + tl.arange(0, BLOCK_K), m < M, K, SILU_MUL)
-    xe, xo = tl.split(tl.reshape(xr.to(tl.float32), (BLOCK_K // 8, 2, 2, 2)))
+    # the tile's x, computed once (a column a thread), split into the 8 columns of each
+    # word: [W] each, broadcast over the features (Triton moves them through shared
+    # memory; as fast as each thread loading its own, run 177)
+    xe, xo = tl.split(tl.reshape(xr, (BLOCK_K // 8, 2, 2, 2)))
     xee, xeo = tl.split(xe)
     xoe, xoo = tl.split(xo)
     x0, x4 = tl.split(xee)
@@ -389,6 +395,39 @@ def _load_x(ptrs, mask, K, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
+def _norm_x(x_ptr, res_ptr, nw_ptr, offs, mask, rstd, HAS_RES: tl.constexpr):
+    """rmsnorm(x + residual) * weight at columns ``offs`` of the one row, in fp32, rounded
+    as kernels/rms_norm and HF round it (gemv.py's prologue): the sum to x's dtype, then
+    s * rstd, then the product with the weight."""
+    dt = x_ptr.dtype.element_ty
+    s = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        s = (s + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+        s = s.to(tl.float32)
+    nw = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return (nw * (s * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _norm_rstd(x_ptr, res_ptr, res_out_ptr, eps, K, write, HAS_RES: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean((x + residual)^2) + eps) over the whole row (x + residual rounded to
+    x's dtype first), K ``BLOCK_K`` at a time from L2; where ``write``, x + residual is
+    stored to ``res_out_ptr`` on the way (one program does it)."""
+    dt = x_ptr.dtype.element_ty
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        s = tl.load(x_ptr + offs).to(tl.float32)
+        if HAS_RES:
+            s = (s + tl.load(res_ptr + offs).to(tl.float32)).to(dt)
+            tl.store(res_out_ptr + offs, s, mask=write)
+            s = s.to(tl.float32)
+        ss += s * s
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
 def _row_part(w5, c, sf, x_ptr, stride_xm, k0, M, K, m: tl.constexpr, BLOCK_K: tl.constexpr,
               SILU_MUL: tl.constexpr, CHAIN: tl.constexpr, ASM: tl.constexpr):
     """Each word's sum of (q - z) * x[m] over its 8 columns (in a thread's registers),
@@ -396,7 +435,8 @@ def _row_part(w5, c, sf, x_ptr, stride_xm, k0, M, K, m: tl.constexpr, BLOCK_K: t
     rather than one per weight. With CHAIN, w5 is the packed words and c their zero
     points (``_row_chain``; ASM: its inline PTX)."""
     if CHAIN:
-        return _row_chain(w5, c, sf, x_ptr, stride_xm, k0, M, K, m, BLOCK_K, SILU_MUL, ASM)
+        xr = _load_x(x_ptr + m * stride_xm + k0 + tl.arange(0, BLOCK_K), m < M, K, SILU_MUL)
+        return _row_chain(w5, c, sf, xr.to(tl.float32), BLOCK_K, ASM)
     else:
         xr = _load_x(x_ptr + m * stride_xm + k0 + tl.arange(0, BLOCK_K), m < M, K, SILU_MUL)
         x5 = tl.reshape(xr.to(tl.float32), (BLOCK_K // 8, 2, 2, 2))
@@ -432,10 +472,16 @@ def _rows_part(w5, c, sf, x_ptr, stride_xm, k0, M, K, m0: tl.constexpr, ROWS: tl
 def _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
                   PRECISION: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-                  OFFSET: tl.constexpr, SILU_MUL: tl.constexpr, CHAIN: tl.constexpr):
+                  OFFSET: tl.constexpr, SILU_MUL: tl.constexpr, CHAIN: tl.constexpr,
+                  res_ptr, nw_ptr, rstd, NORM: tl.constexpr, HAS_RES: tl.constexpr):
     """K tile t's share of the sums: [BLOCK_N, BLOCK_M] on the tensor cores (DOT), else
-    per-word partial sums [BLOCK_N, BLOCK_K / 8, BLOCK_M]."""
-    if CHAIN:  # the CUDA cores' FFMA chains (``_row_chain``)
+    per-word partial sums [BLOCK_N, BLOCK_K / 8, BLOCK_M]. NORM (one row, CHAIN): x is
+    rmsnorm(x + residual) * weight (``_norm_x``, ``rstd`` the row's)."""
+    if NORM:
+        offs = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        xr = _norm_x(x_ptr, res_ptr, nw_ptr, offs, offs < K, rstd, HAS_RES)
+        return _row_chain(packed, z, s.to(tl.float32), xr, BLOCK_K, ASM)[:, :, None]
+    elif CHAIN:  # the CUDA cores' FFMA chains (``_row_chain``)
         return _rows_part(packed, z, s.to(tl.float32), x_ptr, stride_xm, t * BLOCK_K, M, K, 0,
                           BLOCK_M, BLOCK_K, SILU_MUL, True, ASM)
     else:
@@ -470,7 +516,14 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
                       ASM: tl.constexpr = False,
                       PTX: tl.constexpr = "", OFFSET: tl.constexpr = 0.0,
                       NUM_STAGES: tl.constexpr = 1, SILU_MUL: tl.constexpr = False,
-                      CHAIN: tl.constexpr = False):
+                      CHAIN: tl.constexpr = False,
+                      res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0,
+                      NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
+    # NORM (one row, CHAIN): x is rmsnorm(x + residual) * nw, the norm's statistics computed
+    # by every program from the whole row (L2), x + residual written by program (0, 0).
+    # PDL: the first weight tiles are requested before the wait (weights are only read),
+    # x and everything else after (kernels/pdl.py).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -489,7 +542,12 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:  # per-word partial sums; the sum over words (across threads) once, at the end
         acc3 = tl.zeros((BLOCK_N, BLOCK_K // 8, BLOCK_M), dtype=tl.float32)
+    rstd = 1.0
     if PREFETCH == 0:
+        pdl_prologue(PDL)
+        if NORM:
+            rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, eps, K, (pid_n == 0) & (pid_k == 0),
+                              HAS_RES, BLOCK_K)
         # Triton's software pipeliner keeps NUM_STAGES - 1 tiles in flight: on sm_90 the
         # loads become cp.async copies into shared memory, issued stages ahead, so the
         # tiles in flight hold no registers (see the module's docstring). The scales and
@@ -504,7 +562,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
             sn, zn = _load_groups(s_rows, z_rows, n_mask, t + 1, end, G, BLOCK_K)
             part = _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M, BLOCK_N,
                                  BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL,
-                                 CHAIN)
+                                 CHAIN, res_ptr, nw_ptr, rstd, NORM, HAS_RES)
             if DOT:
                 acc += part
             else:
@@ -519,6 +577,10 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
             pb, sb, zb = _load_tile(qw_rows, s_rows, z_rows, n_mask, start + 1, end, G, BLOCK_K)
         if PREFETCH >= 3:
             pc, sc, zc = _load_tile(qw_rows, s_rows, z_rows, n_mask, start + 2, end, G, BLOCK_K)
+        pdl_prologue(PDL)
+        if NORM:
+            rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, eps, K, (pid_n == 0) & (pid_k == 0),
+                              HAS_RES, BLOCK_K)
         for t in range(start, end):
             packed, s, z = pa, sa, za
             if PREFETCH == 1:
@@ -532,7 +594,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
                 pc, sc, zc = _load_tile(qw_rows, s_rows, z_rows, n_mask, t + 3, end, G, BLOCK_K)
             part = _tile_product(packed, s, z, t, x_ptr, stride_xm, M, K, BLOCK_M, BLOCK_N,
                                  BLOCK_K, DOT, PRECISION, ASM, PTX, OFFSET, SILU_MUL,
-                                 CHAIN)
+                                 CHAIN, res_ptr, nw_ptr, rstd, NORM, HAS_RES)
             if DOT:
                 acc += part
             else:
@@ -553,9 +615,10 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stri
 
 @triton.jit
 def _split_sum_kernel(part_ptr, b_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = sum over the splits of part[split, m, n] (in split order: deterministic)
     + bias[n], in out's dtype: one launch for the sum, the bias and the rounding."""
+    pdl_prologue(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -593,11 +656,20 @@ def _split_k(tiles_n: int, k_tiles: int, device: torch.device) -> int:
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
               zeros: torch.Tensor, bias: torch.Tensor | None = None,
-              config: Int4GemvConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """x [M, K] (fp16 / bf16 / fp32, 1 <= M <= 64: past 16 a tensor-core config) @ the int4 weight -> [M, N] in x's
-    dtype (+ bias [N]); fp32 accumulation. ``silu_mul``: x is an MLP's gate/up output
-    [M, 2K] (gate | up, as gemv.gemv_row takes it) and the kernel multiplies
-    silu(gate) * up, computed per K tile and rounded as kernels/silu_mul rounds."""
+              config: Int4GemvConfig | None = None, silu_mul: bool = False, *,
+              norm: tuple[torch.Tensor, float] | None = None,
+              residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+              pdl: bool | None = None) -> torch.Tensor:
+    """x [M, K] (fp16 / bf16 / fp32, 1 <= M <= 64: past 16 a tensor-core config) @ the int4
+    weight -> [M, N] in x's dtype (+ bias [N]); fp32 accumulation. ``silu_mul``: x is an
+    MLP's gate/up output [M, 2K] (gate | up, as gemv.gemv_row takes it) and the kernel
+    multiplies silu(gate) * up, computed per K tile and rounded as kernels/silu_mul rounds.
+
+    ``norm`` = (weight [K], eps), one row on the chain form only: the input is
+    rmsnorm(x + residual) * weight (kernels/rms_norm's rounding, as gemv.gemv_row's
+    prologue), and with ``residual`` the sum x + residual is written to ``residual_out``
+    [1, K]. ``pdl``: programmatic dependent launch (None: per FLASHPAGE_PDL and the
+    device; kernels/pdl.py)."""
     g = check_int4(qweight, scales, zeros)
     n, k = qweight.shape[0], qweight.shape[1] * PACK
     if x.dim() != 2 or x.shape[1] != (2 * k if silu_mul else k):
@@ -614,6 +686,20 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or default_config(m, n, k)
+    if norm is not None:
+        nw = norm[0]
+        if m != 1 or silu_mul or not cfg.chain or cfg.dot:
+            raise ValueError(f"norm takes one row (got {m}) on a chain config (got {cfg.name}), "
+                             "without silu_mul")
+        if nw.shape != (k,) or nw.stride(0) != 1 or nw.dtype != x.dtype:
+            raise ValueError(f"norm weight must be contiguous [{k}] in {x.dtype}, got "
+                             f"{nw.dtype} {tuple(nw.shape)}")
+        if residual is not None and any(
+                t is None or t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous()
+                for t in (residual, residual_out)):
+            raise ValueError("residual and residual_out must be contiguous rows like x")
+    elif residual is not None:
+        raise ValueError("residual needs norm")
     if not 0 <= cfg.prefetch <= 3:
         raise ValueError(f"prefetch must be 0 (Triton pipelines) or 1, 2, 3 tiles, "
                          f"got {cfg.prefetch}")
@@ -633,6 +719,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     tiles_n = triton.cdiv(n, cfg.block_n)
     split = cfg.split_k or _split_k(tiles_n, k // bk, x.device)
     split = max(1, min(split, k // bk))
+    use_pdl = resolve_pdl(pdl, x.device)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _int4_gemv_kernel[(tiles_n, split)](
@@ -644,10 +731,17 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ASM=asm,
         PTX=_unpack_ptx(x.dtype) if asm and dot else "",
         OFFSET=_UNPACK_TYPES[x.dtype][1] if asm and dot else 0.0, NUM_STAGES=cfg.num_stages,
-        SILU_MUL=silu_mul, CHAIN=chain, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SILU_MUL=silu_mul, CHAIN=chain,
+        res_ptr=residual if residual is not None else x,
+        nw_ptr=norm[0] if norm is not None else x,
+        res_out_ptr=residual_out if residual_out is not None else x,
+        eps=float(norm[1]) if norm is not None else 0.0, NORM=norm is not None,
+        HAS_RES=residual is not None, PDL=use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_kwargs(use_pdl))
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](
             out, bias if bias is not None else out, y, m * n, n, SPLIT_K=split,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+            HAS_BIAS=bias is not None, BLOCK=block, PDL=use_pdl, num_warps=4,
+            **pdl_launch_kwargs(use_pdl))
     return y

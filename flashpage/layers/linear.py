@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpage import envs
+from flashpage.layers.int4 import fuses_norm as int4_fuses_norm
 from flashpage.layers.int4 import fuses_silu_mul, int4_linear
 from flashpage.layers.quant import FP8_DTYPE, fp8_block_linear, fp8_linear, quantize_fp8_rowwise
 
@@ -197,7 +198,13 @@ class _ParallelLinear(nn.Module):
             # prologue (and running before the GEMV writes residual_out, which may alias
             # residual). Not done yet: the norm runs as its own kernel.
             return False
-        if not (self._use_row_gemv(x) and getattr(norm, "fused", False) and x.is_contiguous()):
+        if not (getattr(norm, "fused", False) and x.is_contiguous()):
+            return False
+        if self.w4_scales is not None:  # int4: the chain GEMV's prologue (layers/int4.py)
+            k = self.in_features
+            return (norm.weight.dtype == x.dtype and int4_fuses_norm(
+                tuple(x.shape), x.dtype, x.is_cuda, k, k // self.w4_scales.shape[1]))
+        if not self._use_row_gemv(x):
             return False  # (and Triton, an optional dependency, stays unimported on the CPU)
         from flashpage.kernels.gemv import WHOLE_ROW_LIMIT
 
@@ -217,6 +224,13 @@ class _ParallelLinear(nn.Module):
             from flashpage.kernels.gemv import gemv_row
 
             norm_w, eps = cast(torch.Tensor, x.norm.weight), float(cast(float, x.norm.eps))
+            if self.w4_scales is not None:
+                from flashpage.kernels.int4_gemv import int4_gemv
+
+                assert self.w4_zeros is not None
+                return int4_gemv(x.x, self.weight, self.w4_scales, self.w4_zeros, self.bias,
+                                 norm=(norm_w, eps), residual=x.residual,
+                                 residual_out=x.residual_out)
             return gemv_row(x.x, self.weight, self.bias, norm=(norm_w, eps),
                             residual=x.residual, residual_out=x.residual_out,
                             scale=self.weight_scale, block=self.weight_block)

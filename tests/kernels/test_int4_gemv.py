@@ -115,6 +115,50 @@ def test_int4_gemv_silu_mul_matches_silu_then_reference(m, n, k, g, cfg, dtype):
         int4_gemv(h[:, :k], qw, scales, zeros, config=cfg, silu_mul=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("res", [True, False])
+@pytest.mark.parametrize("k,g,cfg", [(256, 32, Int4GemvConfig(16, 64, 2, chain=True)),
+                                     (128, 128, CHAIN), (256, 128, PIPE_CHAIN)])
+def test_int4_gemv_norm_prologue_matches_norm_then_reference(k, g, cfg, res, dtype):
+    """norm=(weight, eps): rmsnorm(x + residual) * weight in the prologue (x + residual
+    rounded to x's dtype, then s * rstd, then the weight's product: HF's rounding), then
+    the GEMV; x + residual written to residual_out exactly, by one program."""
+    if GPU and dtype == torch.float16:
+        dtype = torch.bfloat16
+    n = 40
+    qw, scales, zeros, _ = _weight(n, k, g, k + n)
+    gen = torch.Generator(device="cpu").manual_seed(k + res)
+    x = torch.randn(1, k, generator=gen).to(DEV, dtype)
+    r = torch.randn(1, k, generator=gen).to(DEV, dtype) if res else None
+    nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(DEV, dtype)
+    b = torch.randn(n, generator=gen).to(DEV, dtype)
+    r_out = torch.full_like(x, float("nan")) if res else None
+    got = int4_gemv(x, qw, scales, zeros, b, cfg, norm=(nw, 1e-5), residual=r,
+                    residual_out=r_out)
+    s = x if r is None else x + r
+    h = s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    act = nw * h.to(dtype)
+    _judge(got, int4_linear_ref(act, qw, scales, zeros, b), act, qw, scales, zeros, b)
+    if res:
+        assert torch.equal(r_out, s)
+
+
+def test_int4_gemv_norm_names_bad_input():
+    qw, scales, zeros, _ = _weight(24, 128, 32, 5)
+    x = torch.randn(1, 128, device=DEV)
+    nw = torch.ones(128, device=DEV)
+    with pytest.raises(ValueError, match="one row"):
+        int4_gemv(x.repeat(2, 1), qw, scales, zeros, config=CHAIN, norm=(nw, 1e-5))
+    with pytest.raises(ValueError, match="chain config"):
+        int4_gemv(x, qw, scales, zeros, config=FMA, norm=(nw, 1e-5))
+    with pytest.raises(ValueError, match="norm weight"):
+        int4_gemv(x, qw, scales, zeros, config=CHAIN, norm=(nw[:64], 1e-5))
+    with pytest.raises(ValueError, match="residual_out"):
+        int4_gemv(x, qw, scales, zeros, config=CHAIN, norm=(nw, 1e-5), residual=x)
+    with pytest.raises(ValueError, match="residual needs norm"):
+        int4_gemv(x, qw, scales, zeros, config=CHAIN, residual=x, residual_out=x.clone())
+
+
 def test_default_config_runs_and_names_round_trip():
     """The launcher's own choice (split K off the GPU) at 1 and 5 rows, and every config's
     name (what the benchmark prints) parses back to it."""
@@ -209,6 +253,67 @@ def test_layer_dispatch_fuses_silu_mul_into_int4_down_projections(monkeypatch):
     for value in ("dequant", "gemm"):
         monkeypatch.setenv("FLASHPAGE_INT4_KERNEL", value)
         assert not fuses_silu_mul((1, 28672), bf, True, 14336, 128), value
+
+
+def test_layer_dispatch_fuses_the_norm_into_one_row_int4_linears(monkeypatch):
+    """layers/int4.fuses_norm (shape, dtype, device, env): the RMSNorm moves into an int4
+    linear's GEMV at one row on CUDA wherever int4_linear runs the GEMV; not on the CPU, at
+    more rows, with another kernel chosen, or for an x of the wrong width."""
+    from flashpage.layers.int4 import fuses_norm
+
+    monkeypatch.delenv("FLASHPAGE_INT4_KERNEL", raising=False)
+    bf = torch.bfloat16
+    assert fuses_norm((1, 4096), bf, True, 4096, 128)
+    assert not fuses_norm((2, 4096), bf, True, 4096, 128)
+    assert not fuses_norm((1, 4096), bf, False, 4096, 128)
+    assert not fuses_norm((1, 2048), bf, True, 4096, 128)
+    assert not fuses_norm((1, 4096), torch.float64, True, 4096, 128)
+    monkeypatch.setenv("FLASHPAGE_INT4_KERNEL", "dequant")
+    assert not fuses_norm((1, 4096), bf, True, 4096, 128)
+
+
+@pytest.mark.parametrize("res", [True, False])
+def test_int4_linear_takes_a_pending_norm(monkeypatch, res):
+    """An int4 linear handed the RMSNorm unevaluated (PendingNorm), its CUDA choice forced
+    on the CPU (the interpreter runs the kernel): one int4_gemv call with norm=, equal to
+    the norm then the layer, x + residual written to residual_out; without the choice it
+    computes the norm first."""
+    import flashpage.kernels.int4_gemv as gemv_mod
+    import flashpage.layers.linear as linear
+    from flashpage.layers.linear import ColumnParallelLinear, PendingNorm
+    from flashpage.layers.norm import RMSNorm
+
+    torch.manual_seed(1)
+    lin = ColumnParallelLinear(128, 48, bias=True).to(DEV)
+    lin.weight.data.normal_(0, 0.2)
+    lin.bias.data.normal_(0, 0.2)
+    lin.quantize_int4(32)
+    norm = RMSNorm(128, 1e-5).to(DEV)
+    norm.weight.data.normal_(1, 0.1)
+    norm.fused = True
+    x, r = torch.randn(1, 128, device=DEV), torch.randn(1, 128, device=DEV)
+    want_x, want_r = norm(x, r) if res else (norm(x), None)
+    want = lin(want_x)
+    r_out = torch.empty_like(x) if res else None
+    if not GPU:
+        assert not lin.fuses_norm(x, norm)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("norm") is not None)
+        return real(*args, **kwargs)
+
+    real = gemv_mod.int4_gemv
+    monkeypatch.setattr(gemv_mod, "int4_gemv", spy)
+    monkeypatch.setattr(linear, "int4_fuses_norm", lambda *a: True)
+    assert lin.fuses_norm(x, norm)
+    got = lin(PendingNorm(x, r if res else None, norm, r_out))
+    assert calls == [True]
+    # fp32 x: the chains carry 2048 * x beside q * x, ~2^-13 of a word's sum (the dense
+    # reference is exact in fp32; bf16 outputs round at 2^-9)
+    torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-3)
+    if res:
+        assert torch.equal(r_out, want_r)
 
 
 def test_int4_mlp_down_projection_runs_the_fused_gemv(monkeypatch):
@@ -330,16 +435,20 @@ def _compile_int4_gemv() -> dict[str, dict]:
              "pipe_asm_silu": (16, pipe_asm, True, True),
              "pipe_fma_1row_silu": (1, pipe_fma, False, True),
              "chain_1row": (1, chain, True, False),
-             "chain_1row_silu": (1, chain, True, True)}
+             "chain_1row_silu": (1, chain, True, True),
+             "chain_1row_norm_pdl": (1, chain, True, False, True)}
     out = {}
-    for name, (bm, cfg, asm, silu) in forms.items():
+    for name, (bm, cfg, asm, silu, *rest) in forms.items():
+        norm = bool(rest and rest[0])
         k = compile_sm90(m._int4_gemv_kernel, dict(
             G=128, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=2,
             HAS_BIAS=False, DOT=cfg.dot, PRECISION="tf32", PREFETCH=cfg.prefetch, ASM=asm,
             PTX=m._unpack_ptx(torch.bfloat16) if asm and cfg.dot else "",
             OFFSET=128.0 if asm and cfg.dot else 0.0,
-            NUM_STAGES=cfg.num_stages, SILU_MUL=silu, CHAIN=cfg.chain),
-            {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": "*fp32"},
+            NUM_STAGES=cfg.num_stages, SILU_MUL=silu, CHAIN=cfg.chain, NORM=norm,
+            HAS_RES=norm, PDL=norm),
+            {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": "*fp32",
+             "eps": "fp32"},
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned)
         ptx = k.asm["ptx"]
         log, sass = ptxas_sm90a(ptx)
@@ -385,6 +494,8 @@ def test_int4_gemv_compiles_for_sm90():
     assert not got["chain_1row"]["mma"] and got["chain_1row"]["async_copies"] == 0, got
     assert got["chain_1row"]["per_weight"] <= 6.2, got
     assert got["chain_1row_silu"]["per_weight"] <= 6.6, got
+    # the RMSNorm prologue costs the K loop little (x's tile normed instead of loaded)
+    assert got["chain_1row_norm_pdl"]["per_weight"] <= 6.6, got
 
 
 @pytest.mark.gpu
