@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from flashpage.kernels.fp8_block_ref import FP8_MAX, MIN_SCALE, check_block_scales, tile_k
+from flashpage.kernels.fp8_quant import check_activations
 
 
 # ----------------------------------------------------------------------------- checks
@@ -88,12 +89,7 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
     """x [M, K] (fp16, bf16 or fp32; rows contiguous) -> (float8_e4m3fn [M, K], fp32
     [M, ceil(K/group)]): the bits of ``quantize_per_token_group_ref``, one launch, no host
     sync (graph-capturable)."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"x dtype {x.dtype} unsupported (float16, bfloat16, float32)")
-    if x.stride(1) != 1:
-        raise ValueError("x must be contiguous in its last dimension")
+    check_activations(x)
     if group <= 0:
         raise ValueError(f"group must be positive, got {group}")
     m, k = x.shape

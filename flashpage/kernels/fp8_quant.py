@@ -42,15 +42,20 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
     tl.store(s_ptr + row, scale)
 
 
-def quantize_per_token(x: torch.Tensor, block_k: int = BLOCK_K) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (fp16, bf16 or fp32; rows contiguous) -> (float8_e4m3fn [M, K],
-    fp32 [M, 1])."""
+def check_activations(x: torch.Tensor) -> None:
+    """A quantizer's input: [M, K], fp16 / bf16 / fp32, rows contiguous (else ValueError)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x dtype {x.dtype} unsupported (float16, bfloat16, float32)")
     if x.stride(1) != 1:
         raise ValueError("x must be contiguous in its last dimension")
+
+
+def quantize_per_token(x: torch.Tensor, block_k: int = BLOCK_K) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (fp16, bf16 or fp32; rows contiguous) -> (float8_e4m3fn [M, K],
+    fp32 [M, 1])."""
+    check_activations(x)
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
