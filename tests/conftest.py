@@ -214,11 +214,13 @@ def byte_model_dir_head64(tmp_path_factory) -> Path:
     return path
 
 
-def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt (fp32, CPU, one at a time)."""
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int,
+              **load_kwargs) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (fp32, CPU, one at a time);
+    ``load_kwargs`` go to from_pretrained (e.g. attn_implementation="eager")."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_kwargs)
     model.generation_config.eos_token_id = None
     outs = []
     with torch.no_grad():

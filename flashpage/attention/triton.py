@@ -53,6 +53,10 @@ class TritonBackend(AttentionBackend):
             reasons.append(f"dtype {dtype} is not supported")
         if kv_cache_dtype not in (None, dtype, torch.float8_e4m3fn):
             reasons.append(f"KV cache dtype {kv_cache_dtype} is not supported")
+        if model_config.attn_logit_softcapping is not None:
+            reasons.append(f"attention logit softcapping (attn_logit_softcapping "
+                           f"{model_config.attn_logit_softcapping:g}, Gemma 2) is not in our "
+                           "Triton kernels yet")
         return reasons
 
     def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -75,7 +79,11 @@ class TritonBackend(AttentionBackend):
         return md
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
-                sliding_window: int | None = None, write_kv: bool = True) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None,
+                write_kv: bool = True) -> torch.Tensor:
+        if softcap is not None:
+            raise ValueError("the triton backend has no attention softcap (unsupported_reasons "
+                             "declines such models)")
         from flashpage.kernels.cache_write import write_kv_cache
         from flashpage.kernels.flash_prefill import PrefillPlan
         from flashpage.kernels.paged_decode import DecodePlan

@@ -19,6 +19,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForSequenceClassification": ("flashpage.models.llama", "LlamaForSequenceClassification"),
     "DeepseekV2ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
+    "GemmaForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
+    "Gemma2ForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
 }
 
 
