@@ -2,7 +2,8 @@
 attention): prompts longer than the 8-token sliding window, Gemma 2's softcaps on, Gemma 3's
 q/k norms, local rope base and linear-scaled global rope; chunked prompts over a cached
 prefix and prefix hits; the (1 + w) norms folded at load and given back by hf_weights; the
-config fields, and which attention backends take which family (and why not)."""
+config fields, and which attention backends take which family (and why not); the triton
+backend (interpreted) with Gemma 2's softcap and Gemma 3's windows in our kernels."""
 
 from __future__ import annotations
 
@@ -205,32 +206,33 @@ def test_config_errors_name_the_field(fields, match):
 
 
 def test_backends_say_which_gemma_they_run():
-    """Gemma 2's attention softcap is torch_native's alone: triton and flex decline it with
-    the reason (and the default on CUDA falls to torch_native); Gemma 3 runs on triton;
-    flex takes no per-layer windows."""
+    """triton (the default on CUDA) runs Gemma 2's softcap and Gemma 3's per-layer windows;
+    flex declines both, saying why."""
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     g2 = ModelConfig.from_hf(dict(_BASE, model_type="gemma2", head_dim=128))
     # 7 layers: the 6th global, the others windowed (a 3-layer Gemma 3 is all windowed)
     g3 = ModelConfig.from_hf(dict(_BASE, model_type="gemma3_text", head_dim=128, num_hidden_layers=7))
     all_local = ModelConfig.from_hf(dict(_BASE, model_type="gemma3_text", head_dim=128))
     assert not backend_reasons("flex", all_local, cuda, bf16)
-    assert any("softcapping" in r for r in backend_reasons("triton", g2, cuda, bf16))
+    assert not backend_reasons("triton", g2, cuda, bf16)
     assert not backend_reasons("triton", g3, cuda, bf16)
     assert any("per-layer sliding windows" in r for r in backend_reasons("flex", g3, cuda, bf16))
+    assert any("softcapping" in r for r in backend_reasons("flex", g2, cuda, bf16))
     with pytest.raises(BackendUnavailable, match="softcapping"):
-        select_backend("triton", g2, cuda, bf16)
-    cls, why = select_backend(None, g2, cuda, bf16)
-    assert cls.name == "torch_native" and "softcapping" in why
+        select_backend("flex", g2, cuda, bf16)
+    assert select_backend(None, g2, cuda, bf16)[0].name == "triton"
     assert select_backend(None, g3, cuda, bf16)[0].name == "triton"
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
-def test_gemma3_on_the_triton_backend_interpreted(tmp_path):
-    """Our kernels (per-layer windows planned apart, the fused GELU-tanh·mul, RMSNorm and
-    rotary) give transformers' tokens, head_dim 64."""
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_on_the_triton_backend_interpreted(tmp_path, name):
+    """Our kernels (per-layer windows planned apart, Gemma 2's softcap in the decode and
+    prefill kernels, the fused GELU-tanh·mul, RMSNorm and rotary) give transformers'
+    tokens, head_dim 64, prompts chunked past the window."""
     pytest.importorskip("triton")
-    path = build_tiny_gemma(tmp_path / "g3", "gemma3", num_attention_heads=2, num_key_value_heads=1,
+    path = build_tiny_gemma(tmp_path / name, name, num_attention_heads=2, num_key_value_heads=1,
                             head_dim=64, query_pre_attn_scalar=16)
     prompts = random_prompts(2, 12, 30, seed=3)
     expected = hf_greedy(path, prompts, 6, **EAGER)
@@ -258,9 +260,9 @@ def _leading_agreement(got: list[list[int]], truth: list[list[int]]) -> int:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", NAMES)
 def test_gemma_on_the_gpu_fp32_and_bf16(tmp_path, name):
-    """On CUDA, the default backend (triton for Gemma 1/3, torch_native for Gemma 2, whose
-    attention softcap the kernels lack), CUDA graphs and fused ops on: fp32 gives
-    transformers' tokens; bf16 follows them about as far as transformers' own bf16 does."""
+    """On CUDA, the default backend (triton: the softcap and per-layer windows in our
+    kernels), CUDA graphs and fused ops on: fp32 gives transformers' tokens; bf16 follows
+    them about as far as transformers' own bf16 does."""
     import transformers
 
     path = build_tiny_gemma(tmp_path / name, name, head_dim=64, num_attention_heads=4,
@@ -270,8 +272,7 @@ def test_gemma_on_the_gpu_fp32_and_bf16(tmp_path, name):
 
     def ours(dtype: str) -> list[list[int]]:
         llm = LLM(str(path), dtype=dtype, device="cuda", block_size=16, max_num_batched_tokens=64)
-        want = "torch_native" if name == "gemma2" else "triton"
-        assert llm.engine.backend_name == want
+        assert llm.engine.backend_name == "triton"
         return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
     assert ours("float32") == truth
