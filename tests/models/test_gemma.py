@@ -165,6 +165,21 @@ def test_norms_fold_one_plus_w_and_hf_weights_give_it_back(gemma_checkpoint):
     assert "lm_head.weight" not in stored and model.lm_head.weight is model.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_inspect_counts_the_checkpoints_parameters(gemma_checkpoint, name):
+    """flashpage inspect's count from the config alone (Gemma 2/3's four norms a layer, q/k
+    norms, a tied head) is the number of values the checkpoint stores."""
+    from flashpage.inspect import format_report, inspect_config, param_counts
+
+    path = gemma_checkpoint(name)
+    cfg = ModelConfig.from_hf(path)
+    stored = sum(t.numel() for _, t in iter_safetensors(str(path)))
+    assert param_counts(cfg) == (stored, stored)
+    if name != "gemma":
+        assert "sliding window                 8 on 2 of 3 layers" in format_report(
+            inspect_config(cfg, 1 << 30))
+
+
 def test_config_fields():
     g2 = ModelConfig.from_hf(dict(_BASE, model_type="gemma2"))
     assert g2.architecture == "Gemma2ForCausalLM" and g2.tie_word_embeddings
