@@ -65,7 +65,7 @@ class GemmaDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = GatedMLP(h, config.intermediate_size, act=config.hidden_act)
 
-    def norm_consumers(self) -> tuple[ColumnParallelLinear, ColumnParallelLinear]:
+    def norm_consumers(self) -> tuple[ColumnParallelLinear, ColumnParallelLinear] | None:
         return self.self_attn.qkv_proj, self.mlp.gate_up_proj
 
 
@@ -77,6 +77,10 @@ class Gemma2DecoderLayer(GemmaDecoderLayer):
         super().__init__(config, layer_idx, max_positions)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def norm_consumers(self) -> None:
+        """None: this forward runs each norm on its own (no GEMV norm prologue yet)."""
+        return None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
