@@ -47,7 +47,7 @@ from flashpage.kernels.cache_write import (
 from flashpage.kernels.kv_cache_write import KV_WRITE_VARIANTS, kv_write_name, write_kv_rows
 from flashpage.kernels.rms_norm import rms_norm
 from flashpage.kernels.rotary import apply_rotary, compute_cos_sin_cache, rotary_and_cache_write
-from flashpage.kernels.silu_mul import silu_and_mul
+from flashpage.kernels.silu_mul import gelu_tanh_and_mul, silu_and_mul
 
 N, HIDDEN, INTER, HQ, HKV, D, BS = 16384, 4096, 14336, 32, 8, 128, 16
 MLA_WIDTH = 512 + 64
@@ -124,6 +124,9 @@ def bench_silu(rows):
         record(rows, f"silu_and_mul (BLOCK {block})", 3 * N * INTER * E, lambda: silu_and_mul(gu),
                None, "tile sweep")
     silu_mul._BLOCK = default
+    record(rows, "gelu_tanh_and_mul", 3 * N * INTER * E, lambda: gelu_tanh_and_mul(gu),
+           lambda: F.gelu(gu[:, :INTER], approximate="tanh") * gu[:, INTER:],
+           f"Gemma's MLP activation, [{N}, 2×{INTER}] -> [{N}, {INTER}]")
 
 
 def bench_rotary_and_cache(rows):

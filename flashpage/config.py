@@ -34,7 +34,10 @@ LLAMA_FAMILY = {
 DEEPSEEK_FAMILY = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
 # the Llama body with mixture-of-experts MLPs (models/llama.py, layers/moe.SparseMoeBlock)
 LLAMA_MOE_FAMILY = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY
+# models/gemma.py: Llama's shape with (1 + w) norms, scaled embeddings and GELU-tanh;
+# Gemma 2/3 add post-norms, per-layer sliding windows and softcaps (_gemma_fields)
+GEMMA_FAMILY = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
 
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -46,6 +49,9 @@ _MODEL_TYPE_TO_ARCH = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -525,6 +531,81 @@ def _block_size(v: Any, field_: str, required: bool = False) -> tuple[int, int] 
     return int(v[0]), int(v[1])
 
 
+# HF's layer_types entries (Gemma 2/3): a layer attends within sliding_window, or to all
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# the GELU of Gemma's MLP: the tanh approximation ("gelu" in Gemma 1 configs means it too)
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
+
+
+def _positive(d: dict[str, Any], key: str, default: Any, where: str) -> float | None:
+    """``d[key]`` (``default`` when absent; null stays None) as a positive number."""
+    v = d.get(key, default)
+    if v is None:
+        return None
+    if not isinstance(v, int | float) or isinstance(v, bool) or v <= 0:
+        raise ConfigError(f"{where}: {key} must be a positive number or null, got {v!r}")
+    return float(v)
+
+
+def _gemma_fields(d: dict[str, Any], where: str, model_type: str) -> dict[str, Any]:
+    """What Gemma 1/2/3 read beyond Llama's fields, with transformers' defaults where a
+    field is absent: the activation, per-layer window types, the attention scale, the
+    softcaps, and Gemma 3's two rope bases (old configs: rope_theta, rope_local_base_freq,
+    rope_scaling, sliding_window_pattern; transformers >= 5: rope_parameters keyed by
+    layer type, layer_types)."""
+    if d.get("use_bidirectional_attention"):
+        raise ConfigError(f"{where}: use_bidirectional_attention (an embedding model's encoder) "
+                          "is not supported: Gemma runs as a causal LM here")
+    act_key = "hidden_act" if model_type == "gemma" else "hidden_activation"
+    act = d.get(act_key) or "gelu_pytorch_tanh"
+    if model_type == "gemma" and act == "gelu":  # as transformers reads Gemma 1's configs
+        act = "gelu_pytorch_tanh"
+    if act not in GEMMA_ACTIVATIONS:
+        raise ConfigError(f"{where}: {act_key} {act!r} is not supported for {model_type} "
+                          f"(supported: {', '.join(GEMMA_ACTIVATIONS)})")
+    out: dict[str, Any] = {"hidden_act": act}
+    if model_type == "gemma":
+        return {**out, "sliding_window": None}
+    n = d["num_hidden_layers"]
+    window = d.get("sliding_window", 4096)
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
+    types = d.get("layer_types")
+    if types is None:  # Gemma 2 alternates from a sliding layer 0; Gemma 3 every `pattern`-th is global
+        pattern = 2 if model_type == "gemma2" else d.get(
+            "sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+            raise ConfigError(f"{where}: sliding_window_pattern must be a positive integer, "
+                              f"got {pattern!r}")
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if (not isinstance(types, list) or len(types) != n
+            or any(t not in LAYER_TYPES for t in types)):
+        raise ConfigError(f"{where}: layer_types must list one of {', '.join(LAYER_TYPES)} for "
+                          f"each of the {n} layers, got {types!r}")
+    caps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
+    out.update(
+        sliding_window=window, layer_types=tuple(types),
+        query_pre_attn_scalar=_positive(d, "query_pre_attn_scalar", 256, where),
+        attn_logit_softcapping=_positive(d, "attn_logit_softcapping", caps[0], where),
+        final_logit_softcapping=_positive(d, "final_logit_softcapping", caps[1], where))
+    if model_type == "gemma3_text":
+        rp = d.get("rope_parameters") or {}
+        if "full_attention" in rp or "sliding_attention" in rp:
+            full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+        else:
+            full = {"rope_theta": d.get("rope_theta", 1_000_000.0), **(d.get("rope_scaling") or {})}
+            local = {"rope_theta": d.get("rope_local_base_freq", 10_000.0)}
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise ConfigError(f"{where}: the sliding layers' rope must be the default one "
+                              f"(Gemma 3's), got {local!r}")
+        scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+        out.update(qk_norm=True, rope_theta=float(full.get("rope_theta", 1_000_000.0)),
+                   rope_local_theta=float(local.get("rope_theta", 10_000.0)),
+                   rope_scaling=scaling if scaling.get("rope_type", scaling.get("type", "default"))
+                   != "default" else None)
+    return out
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -543,8 +624,15 @@ class ModelConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k and v
-    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm on each head of q and k
     sliding_window: int | None = None
+    # Gemma 2/3: each layer's LAYER_TYPES entry (attention_window); (): every layer as
+    # sliding_window says
+    layer_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float | None = None  # Gemma 2/3: scores scaled by its -1/2 power
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: the same on the logits
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' rope base (no scaling)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
@@ -686,6 +774,13 @@ class ModelConfig:
         # Qwen2-MoE names its q/k/v bias qkv_bias (on unless set false, as Qwen2's)
         bias = (d.get("qkv_bias", True) if model_type == "qwen2_moe"
                 else d.get("attention_bias", model_type == "qwen2"))
+        hidden_act = d.get("hidden_act", "silu")
+        gemma: dict[str, Any] = {}
+        if arch in GEMMA_FAMILY:
+            gemma = _gemma_fields(d, where, model_type)
+            hidden_act, sliding = gemma.pop("hidden_act"), gemma.pop("sliding_window")
+            rope_theta = gemma.pop("rope_theta", rope_theta)
+            rope_scaling = gemma.pop("rope_scaling", rope_scaling)
         return replace(ModelConfig(
             architecture=arch,
             model_type=model_type,
@@ -700,10 +795,10 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=RopeScaling.from_dict(rope_scaling),
-            hidden_act=d.get("hidden_act", "silu"),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            hidden_act=hidden_act,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMA_FAMILY)),
             attention_bias=bool(bias),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=gemma.pop("qk_norm", model_type in ("qwen3", "qwen3_moe")),
             sliding_window=sliding,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos_t,
@@ -733,6 +828,7 @@ class ModelConfig:
             classifier_method=method if arch in CLASSIFIER_ARCHITECTURES else "",
             use_pad_token=bool(d.get("use_pad_token", not from_token)),
             raw=d,
+            **gemma,
         ), **moe)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -746,6 +842,17 @@ class ModelConfig:
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
     # --------------------------------------------------------------- attention
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it attends to the whole context)."""
+        if self.layer_types and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by: query_pre_attn_scalar ** -0.5 (Gemma 2/3), else head_dim's."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None

@@ -225,6 +225,8 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     fixed = embed + h + head  # + final norm, lm_head (a classifier's: its score head)
     total = active = fixed
     attn = _attention_params(cfg) + 2 * h  # + input and post-attention norms
+    if cfg.model_type in ("gemma2", "gemma3_text"):
+        attn += 2 * h  # + pre- and post-feedforward norms
     for layer in range(cfg.num_hidden_layers):
         mlp_total, mlp_active = _mlp_params(cfg, layer)
         total += attn + mlp_total
@@ -272,6 +274,9 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "head_dim": None if cfg.is_mla else cfg.head_dim,
         "mla": None,
         "sliding_window": cfg.sliding_window,
+        # Gemma 2/3 window some layers only (layer_types)
+        "sliding_window_layers": sum(cfg.attention_window(i) is not None
+                                     for i in range(cfg.num_hidden_layers)),
         "max_position_embeddings": cfg.max_position_embeddings,
         "dtype": dtype,
         "dtype_bytes": wbytes,
@@ -373,7 +378,10 @@ def format_report(info: dict[str, Any]) -> str:
                                 f"(intermediate {moe['expert_intermediate_size']}{shared}), "
                                 f"in {moe['moe_layers']} of {layers} layers"))
     if info["sliding_window"]:
-        rows.append(("sliding window", f"{info['sliding_window']} (figures below cache every token)"))
+        windowed, layers = info["sliding_window_layers"], info["num_hidden_layers"]
+        where = "" if windowed == layers else f" on {windowed} of {layers} layers"
+        rows.append(("sliding window", f"{info['sliding_window']}{where} "
+                                       "(figures below cache every token)"))
     rows += [
         (f"KV per token per layer ({kdt})",
          f"{info['kv_values_per_token_per_layer']:,} values = "

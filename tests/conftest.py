@@ -255,12 +255,14 @@ def byte_model_dir_head64(tmp_path_factory) -> Path:
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int,
-              dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[list[int]]:
+              dtype: torch.dtype = torch.float32, device: str = "cpu",
+              **load_kwargs) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (fp32 on the CPU unless told, one at
-    a time)."""
+    a time); ``load_kwargs`` go to from_pretrained (e.g. attn_implementation="eager")."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                              **load_kwargs).to(device)
     model.generation_config.eos_token_id = None
     outs = []
     with torch.no_grad():

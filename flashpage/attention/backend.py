@@ -91,7 +91,12 @@ class AttentionBackend(ABC):
         *,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
         write_kv: bool = True,
     ) -> torch.Tensor:
         """q [N, Hq, D], k/v [N, Hkv, D]: write k/v to the cache (unless the caller already
-        did, ``write_kv=False``), attend, return [N, Hq, D]."""
+        did, ``write_kv=False``), attend, return [N, Hq, D]. ``sliding_window``: the
+        calling layer's (a query at position p sees keys p - window < j <= p);
+        ``softcap``: scores (after ``scale``) become softcap * tanh(scores / softcap)
+        before the softmax (only backends whose unsupported_reasons accept
+        attn_logit_softcapping get one)."""

@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 Q_TILE = 128
 
 
+def windows(config: ModelConfig) -> set[int | None]:
+    """The sliding windows the model's layers attend within (None: the whole context)."""
+    return {config.attention_window(i) for i in range(config.num_hidden_layers)}
+
+
 class FlexBackend(AttentionBackend):
     name = "flex"
 
@@ -62,6 +67,12 @@ class FlexBackend(AttentionBackend):
         if kv_cache_dtype is not None and kv_cache_dtype != dtype:
             reasons.append(f"a {str(kv_cache_dtype).replace('torch.', '')} KV cache is not supported "
                            "by the flex backend (FlexAttention reads K/V in the query dtype)")
+        if len(windows(model_config)) > 1:
+            reasons.append("per-layer sliding windows (layer_types: windowed and global layers) "
+                           "are not supported by the flex backend (one mask a step)")
+        if model_config.attn_logit_softcapping is not None:
+            reasons.append("attention logit softcapping (attn_logit_softcapping) is not "
+                           "supported by the flex backend")
         return reasons
 
     def bind_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -77,7 +88,8 @@ class FlexBackend(AttentionBackend):
 
         bs, nblocks = self.block_size, self.num_blocks
         # Decodes as a batch of one-query entries (below), unless a window needs positions.
-        nd = md.num_decodes if self.model_config.sliding_window is None else 0
+        window = next(iter(windows(self.model_config)))  # one for all layers (unsupported_reasons)
+        nd = md.num_decodes if window is None else 0
         md.extra["flex_nd"] = nd
         if nd:
             md.extra["flex_decode_mask"] = self._decode_mask(md, nd)
@@ -112,7 +124,6 @@ class FlexBackend(AttentionBackend):
         dev = md.block_tables.device
         d_req, d_pos, d_logical = (torch.from_numpy(a).to(dev) for a in (q_req, q_pos, logical))
         d_tables = md.block_tables.long()
-        window = self.model_config.sliding_window
 
         def mask_mod(b, h, qi, ki):  # noqa: ANN001 (FlexAttention's signature)
             r = d_req[qi]
@@ -172,7 +183,11 @@ class FlexBackend(AttentionBackend):
             BLOCK_SIZE=(Q_TILE, bs), mask_mod=mask_mod, seq_lengths=(1, ncols * bs))
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
-                sliding_window: int | None = None, write_kv: bool = True) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None,
+                write_kv: bool = True) -> torch.Tensor:
+        if softcap is not None:
+            raise ValueError("the flex backend has no attention softcap (unsupported_reasons "
+                             "declines such models)")
         key_cache, value_cache = kv_cache
         md = metadata
         n = md.num_actual_tokens

@@ -62,6 +62,25 @@ def causal_mask(q_len: int, k_len: int, window: int | None, device: torch.device
     return mask
 
 
+def softcap_scores(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's attention logit softcapping: softcap * tanh(scores / softcap), in place."""
+    if softcap is None:
+        return scores
+    return scores.div_(softcap).tanh_().mul_(softcap)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float, softcap: float | None) -> torch.Tensor:
+    """q [Hq, Lq, D], k/v [Hkv, Lk, D], mask [Lq, Lk] (True: attend) -> [Hq, Lq, D], in fp32
+    with the scores softcapped before the mask and softmax (SDPA has no softcap)."""
+    hkv, d = k.shape[0], k.shape[-1]
+    qg = q.reshape(hkv, -1, q.shape[1], d).float()  # [Hkv, G, Lq, D]: GQA without repeats
+    scores = torch.matmul(qg, k.float().transpose(1, 2)[:, None]) * scale  # [Hkv, G, Lq, Lk]
+    scores = softcap_scores(scores, softcap).masked_fill_(~mask, float("-inf"))
+    o = torch.matmul(scores.softmax(dim=-1), v.float()[:, None])  # [Hkv, G, Lq, D]
+    return o.reshape(q.shape).to(q.dtype)
+
+
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
 
@@ -72,7 +91,8 @@ class TorchNativeBackend(AttentionBackend):
         return []
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
-                sliding_window: int | None = None, write_kv: bool = True) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None,
+                write_kv: bool = True) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         n = metadata.num_actual_tokens
         if write_kv:
@@ -80,7 +100,8 @@ class TorchNativeBackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = metadata.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], key_cache, value_cache, metadata, scale, sliding_window)
+            out[:nd] = self._decode(q[:nd], key_cache, value_cache, metadata, scale, sliding_window,
+                                    softcap)
         start = metadata.num_decode_tokens
         for i in range(nd, metadata.num_seqs):
             q_len = metadata.query_lens_cpu[i]
@@ -89,7 +110,11 @@ class TorchNativeBackend(AttentionBackend):
             kk = gather_paged(key_cache, bt, k_len).to(q.dtype)  # (an fp8 cache: up-cast)
             vv = gather_paged(value_cache, bt, k_len).to(q.dtype)
             qi = q[start:start + q_len].transpose(0, 1)
-            if q_len == k_len and sliding_window is None:  # no cached prefix: plain causal
+            if softcap is not None:
+                o = masked_attention(qi, kk.transpose(0, 1), vv.transpose(0, 1),
+                                     causal_mask(q_len, k_len, sliding_window, q.device), scale,
+                                     softcap)
+            elif q_len == k_len and sliding_window is None:  # no cached prefix: plain causal
                 o = F.scaled_dot_product_attention(
                     qi, kk.transpose(0, 1), vv.transpose(0, 1), is_causal=True, scale=scale,
                     enable_gqa=True)
@@ -104,7 +129,8 @@ class TorchNativeBackend(AttentionBackend):
 
     @staticmethod
     def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                md: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+                md: AttentionMetadata, scale: float, window: int | None,
+                softcap: float | None = None) -> torch.Tensor:
         nd = q.shape[0]
         lens = md.seq_lens[:nd].long()
         max_len = max(md.seq_lens_cpu[:nd])
@@ -124,6 +150,7 @@ class TorchNativeBackend(AttentionBackend):
         # scores before the softmax and makes this reference the least accurate backend.
         qg = q.view(nd, hkv, -1, d).float()  # [nd, Hkv, G, D]: GQA without repeating K/V
         scores = torch.matmul(qg, kk.float().permute(0, 2, 3, 1)) * scale  # [nd, Hkv, G, L]
+        scores = softcap_scores(scores, softcap)
         scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
         o = torch.matmul(probs, vv.float().transpose(1, 2))  # [nd, Hkv, G, D]

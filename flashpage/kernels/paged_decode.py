@@ -52,6 +52,7 @@ from flashpage.kernels.kv_dtype import check_kv_cache_dtype, f16_dots, f16_query
 from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 from flashpage.kernels.plan import Launch, LaunchPlan
+from flashpage.kernels.softcap import softcap_log2, softcap_ref
 from flashpage.kernels.splits import split_range
 
 _LOG2E = 1.4426950408889634
@@ -237,14 +238,17 @@ def _piece_rows(x_ptr, stride_b, stride_t, stride_h, kvh, blkp, first, offs_j, o
 
 
 @triton.jit
-def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, IEEE: tl.constexpr):
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, softcap, IEEE: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
     """One online-softmax step over a tile of keys (base-2 exponentials). K/V tiles of an
     fp8 cache are widened to q's dtype first (a no-op for a cache in q's dtype); scores
-    are ``q . k * sm_scale_log2``."""
+    are ``q . k * sm_scale_log2``, softcapped with SOFTCAP (``softcap``: cap * log2(e))."""
     k = k.to(q.dtype)
     v = v.to(q.dtype)
-    qk = _dot(q, tl.trans(k), IEEE)
-    qk = tl.where(n_mask[None, :], qk * sm_scale_log2, float("-inf"))
+    qk = _dot(q, tl.trans(k), IEEE) * sm_scale_log2
+    if SOFTCAP:
+        qk = softcap_log2(qk, softcap)
+    qk = tl.where(n_mask[None, :], qk, float("-inf"))
     # Every tile holds at least one valid key, so m_new is finite.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -261,6 +265,7 @@ def _paged_decode_kernel(
     counter_ptr,  # int32 [>= B * Hkv], zero on entry (FUSED_MERGE only)
     sm_scale_log2,  # sm_scale * log2(e): the softmax runs in base 2
     window,  # keys j >= seq_len - window (ignored unless HAS_WINDOW)
+    softcap,  # attention logit softcap * log2(e) (ignored unless SOFTCAP)
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -285,6 +290,7 @@ def _paged_decode_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     F16_DOTS: tl.constexpr,  # an fp8 cache under a 16-bit q: pre-scaled fp16 q, fp16 dots
     WARP_SPLIT: tl.constexpr,  # pieces of 16 keys with their own softmax state (config.warp_split)
+    SOFTCAP: tl.constexpr,  # scores -> cap * tanh(scores / cap) (Gemma 2; not with WARP_SPLIT)
 ):
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
@@ -329,7 +335,8 @@ def _paged_decode_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             blk_after = _block_ids(bt_row, offs_n + 2 * BLOCK_N, end, PAGE)
             k_next, v_next = _load_kv(*kv_args, blk_next, offs_n + BLOCK_N, end, offs_d, d_mask, PAGE)
-            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
+            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, softcap,
+                                          IEEE, SOFTCAP)
             k, v, blk_next = k_next, v_next, blk_after
     elif PREFETCH_V:
         # K through Triton's pipeline; V one tile ahead in registers, widened on arrival.
@@ -352,7 +359,8 @@ def _paged_decode_kernel(
             v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blk_x, offs_x, end, offs_d,
                                 d_mask, PAGE).to(q.dtype)
             blk = blk_x
-            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
+            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, softcap,
+                                          IEEE, SOFTCAP)
     elif WARP_SPLIT:
         # Tile = NP pieces of 16 keys (each inside one page); [NP, ...] state per piece.
         # Loads are masked by key (rows are contiguous along D, so the vector loads stay
@@ -402,7 +410,8 @@ def _paged_decode_kernel(
             blk_x = _block_ids(bt_row, offs_n + BLOCK_N, end, PAGE)
             k, v = _load_kv(*kv_args, blk, offs_n, end, offs_d, d_mask, PAGE)
             blk = blk_x
-            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, IEEE)
+            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, softcap,
+                                          IEEE, SOFTCAP)
 
     has_keys = l_i > 0.0  # false for an empty split (or an empty sequence)
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
@@ -543,7 +552,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(want, max_context // min_keys, max_splits))
 
 
-def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out):
+def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, softcap=None):
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {tuple(q.shape)}")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
@@ -571,15 +580,19 @@ def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out):
         raise ValueError("block_tables must be contiguous in its last dimension")
     if window_size is not None and window_size < 1:
         raise ValueError(f"window_size must be >= 1 or None, got {window_size}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
         raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with a contiguous last dimension")
 
 
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
-            num_splits, config: DecodeConfig | None = None, pdl: bool | None = None):
+            num_splits, config: DecodeConfig | None = None, pdl: bool | None = None,
+            softcap: float | None = None):
     """paged_decode with an explicit tile config (the benchmark sweeps them)."""
     launch = _plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
-                   window_size=window_size, out=out, num_splits=num_splits, config=config, pdl=pdl)
+                   window_size=window_size, out=out, num_splits=num_splits, config=config, pdl=pdl,
+                   softcap=softcap)
     out = torch.empty_like(q) if out is None else out
     if q.shape[0]:
         launch(q, key_cache, value_cache, out)
@@ -588,12 +601,12 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
 
 def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
           num_splits, config: DecodeConfig | None = None, pdl: bool | None = None,
-          descriptors: dict | None = None) -> Launch:
+          descriptors: dict | None = None, softcap: float | None = None) -> Launch:
     """The checks and every choice of a call (kernel, config, splits, grid, scratch), made
     once -> launch(q, key_cache, value_cache, out) for tensors of this geometry (DecodePlan
     holds callers to it). The tables and lengths are the planned ones; ``descriptors``: a
     dict kept across plans for the Gluon kernel's cache descriptors (None: the plan's own)."""
-    _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out)
+    _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, softcap)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
@@ -604,9 +617,9 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
     cfg = config or default_config(q.device, head_dim, batch * num_kv_heads,
                                    fp8=is_fp8(key_cache.dtype))
     hpb = cfg.heads_per_program
-    if hpb > 1 and (num_kv_heads % hpb or head_dim & (head_dim - 1) or head_dim < 16
+    if hpb > 1 and (softcap is not None or num_kv_heads % hpb or head_dim & (head_dim - 1) or head_dim < 16
                     or key_cache.stride(2) != head_dim or value_cache.stride(2) != head_dim):
-        hpb = 1  # the row kernel's conditions (paged_decode_rows.py) do not hold
+        hpb = 1  # the row kernel's conditions (paged_decode_rows.py; no softcap) do not hold
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
         if window_size is not None:
@@ -615,13 +628,15 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
                                        programs_per_sm=cfg.programs_per_sm)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if cfg.gluon and not gluon_unsupported(q, key_cache, value_cache, window_size, num_splits):
+    if cfg.gluon and not gluon_unsupported(q, key_cache, value_cache, window_size, num_splits,
+                                           softcap=softcap):
         from flashpage.kernels.paged_decode_gluon import engine_form, paged_decode_gluon
 
         form = engine_form(group, envs.decode_gluon_variant())
         return lambda q, kc, vc, out: paged_decode_gluon(q, kc, vc, block_tables, seq_lens,
                                                          sm_scale=sm_scale, out=out, **form)
-    if cfg.gluon and not gluon_bf16_unsupported(q, key_cache, value_cache, window_size, num_splits):
+    if cfg.gluon and not gluon_bf16_unsupported(q, key_cache, value_cache, window_size, num_splits,
+                                                softcap=softcap):
         from flashpage.kernels import paged_decode_gluon_bf16 as g16
 
         form16 = g16.engine_form(batch * num_kv_heads, _num_sms(q.device))
@@ -655,8 +670,9 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
                 _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
 
         return launch_rows
-    warp_split = (cfg.warp_split and window_size is None and block_size >= 16 and not cfg.prefetch
-                  and not cfg.prefetch_v and cfg.block_n == 16 * cfg.num_warps and block_d == head_dim)
+    warp_split = (cfg.warp_split and window_size is None and softcap is None and block_size >= 16
+                  and not cfg.prefetch and not cfg.prefetch_v and cfg.block_n == 16 * cfg.num_warps
+                  and block_d == head_dim)
     counters = _split_counters(q.device, batch * num_kv_heads) if split and cfg.fused_merge else None
     fused_merge = counters is not None
     group_pad = triton.next_power_of_2(group)
@@ -671,7 +687,8 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
         IEEE=q.dtype == torch.float32, PREFETCH=cfg.prefetch,
         PREFETCH_V=cfg.prefetch_v and not cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
-        PDL=use_pdl, F16_DOTS=common["F16_DOTS"], WARP_SPLIT=warp_split)
+        PDL=use_pdl, F16_DOTS=common["F16_DOTS"], WARP_SPLIT=warp_split, SOFTCAP=softcap is not None)
+    softcap2 = (softcap or 1.0) * _LOG2E
 
     merge = split and not fused_merge
     bound: list = []  # the kernel (and merge) launches bound by the first layer (fast_launch.bind)
@@ -679,7 +696,7 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
     def launch(q, kc, vc, out):
         args = (q, kc, vc, block_tables, seq_lens, out, mid_o if split else out,
                 mid_lse if split else out, counters if fused_merge else seq_lens, scale2, window,
-                q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+                softcap2, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
                 vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0),
                 out.stride(0), out.stride(1), num_splits)
         margs = (mid_o, mid_lse, out, num_q_heads, out.stride(0), out.stride(1), num_splits) if merge else ()
@@ -709,16 +726,17 @@ class DecodePlan(LaunchPlan):
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sm_scale: float | None = None,
                  window_size: int | None = None, out: torch.Tensor | None = None,
                  num_splits: int | None = None, pdl: bool | None = None,
-                 descriptors: dict | None = None) -> None:
+                 descriptors: dict | None = None, softcap: float | None = None) -> None:
         launch = _plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
                        window_size=window_size, out=out, num_splits=num_splits, pdl=pdl,
-                       descriptors=descriptors)
+                       descriptors=descriptors, softcap=softcap)
         super().__init__(launch, q, key_cache, value_cache, out)
 
 
 def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       window_size: int | None, num_splits: int,
-                      capability: tuple[int, int] | None = None) -> list[str]:
+                      capability: tuple[int, int] | None = None, *,
+                      softcap: float | None = None) -> list[str]:
     """Why the Gluon fp8 kernel (paged_decode_gluon.py) cannot take this call; empty if it can.
     ``capability``: the device's compute capability (None: read from q's device)."""
     reasons = sm90_reasons(q, capability)
@@ -735,6 +753,8 @@ def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         reasons.append(f"covers up to 16 query heads per KV head, got {q.shape[1] // num_kv_heads}")
     if window_size is not None:
         reasons.append("has no sliding window")
+    if softcap is not None:
+        reasons.append("has no logit softcap")
     if num_splits != 1:
         reasons.append(f"does not split the keys ({num_splits} splits asked)")
     return reasons
@@ -742,7 +762,8 @@ def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
 def gluon_bf16_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            window_size: int | None, num_splits: int,
-                           capability: tuple[int, int] | None = None) -> list[str]:
+                           capability: tuple[int, int] | None = None, *,
+                           softcap: float | None = None) -> list[str]:
     """Why the Gluon 16-bit kernel (paged_decode_gluon_bf16.py: persistent keys_m) cannot take
     this call; empty if it can. ``capability``: the device's compute capability (None: read
     from q's device; a CPU tensor or the interpreter has none)."""
@@ -766,6 +787,8 @@ def gluon_bf16_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                        f"got {q.shape[1]} over {num_kv_heads}")
     if window_size is not None:
         reasons.append("has no sliding window")
+    if softcap is not None:
+        reasons.append("has no logit softcap")
     if num_splits != 1:
         reasons.append(f"does not split the keys ({num_splits} splits asked)")
     return reasons
@@ -804,6 +827,7 @@ def paged_decode(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     pdl: bool | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
@@ -813,6 +837,8 @@ def paged_decode(
     block_tables int32 [B, max_blocks]; entries past seq_lens are never read
     seq_lens     int32 [B]   context length, the query's own token included
     window_size  W: only keys j > (seq_lens[b] - 1) - W are attended
+    softcap      c: scores (after sm_scale) become c * tanh(scores / c) before the softmax
+                 (Gemma 2's attn_logit_softcapping; the Gluon and row kernels step aside)
     num_splits   key-range splits per sequence; None picks from the batch size and
                  the block table's width (no device sync)
     pdl          programmatic dependent launch of its kernels (kernels/pdl.py): True all,
@@ -821,7 +847,7 @@ def paged_decode(
     returns out  [B, Hq, D] in q's dtype (written into ``out`` when given)
     """
     return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
-                   window_size=window_size, out=out, num_splits=num_splits, pdl=pdl)
+                   window_size=window_size, out=out, num_splits=num_splits, pdl=pdl, softcap=softcap)
 
 
 def paged_decode_ref(
@@ -836,6 +862,7 @@ def paged_decode_ref(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     pdl: bool | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Pure-torch paged_decode, in fp32 (an fp8 cache's values read exactly), one sequence at
     a time. num_splits and pdl are ignored."""
@@ -855,6 +882,7 @@ def paged_decode_ref(
         k = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
+        scores = softcap_ref(scores, softcap)
         res[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
     res = res.to(q.dtype)
     if out is not None:

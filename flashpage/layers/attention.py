@@ -21,12 +21,15 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 layer_idx: int, sliding_window: int | None = None) -> None:
+                 layer_idx: int, sliding_window: int | None = None,
+                 softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.layer_idx = layer_idx
+        # this layer's own window (Gemma 2/3 alternate windowed and global layers)
         self.sliding_window = sliding_window
+        self.softcap = softcap  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.backend: AttentionBackend | None = None
 
@@ -66,4 +69,5 @@ class Attention(nn.Module):
         """The backend's attention (and cache write unless ``write_kv`` is False)."""
         assert self.backend is not None and self.kv_cache is not None
         return self.backend.forward(q, k, v, self.kv_cache, md, scale=self.scale,
-                                    sliding_window=self.sliding_window, write_kv=write_kv)
+                                    sliding_window=self.sliding_window, softcap=self.softcap,
+                                    write_kv=write_kv)

@@ -1,12 +1,13 @@
-"""The SiLU-gated MLP of Llama-family layers and of DeepSeek's dense layers and shared
-experts: down(silu(gate(x)) * up(x)), with gate and up merged into one linear."""
+"""The gated MLP of Llama-family layers, DeepSeek's dense layers and shared experts
+(SiLU) and Gemma's (GELU-tanh): down(act(gate(x)) * up(x)), with gate and up merged into
+one linear."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from flashpage.layers.activation import SiluAndMul
+from flashpage.layers.activation import GeluTanhAndMul, SiluAndMul
 from flashpage.layers.linear import ColumnParallelLinear, PendingNorm, RowParallelLinear
 
 
@@ -18,16 +19,20 @@ class GatedMLP(nn.Module):
     A state dict in HF's names (``gate_proj.weight``, ``up_proj.weight``) loads too: the
     two are stacked on load (``_load_from_state_dict``)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"GatedMLP: activation {act!r} is not one of silu, gelu_pytorch_tanh")
         self.gate_up_proj = ColumnParallelLinear(hidden_size, 2 * intermediate_size)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
-        self.down_proj.silu_input = True
-        self.act = SiluAndMul()
+        # SiLU only: the GEMVs can compute silu(gate) * up in the down projection's prologue
+        self.down_proj.silu_input = act == "silu"
+        self.act: SiluAndMul | GeluTanhAndMul = SiluAndMul() if act == "silu" else GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         h = self.gate_up_proj(x)
-        y = self.down_proj.silu_mul_forward(h)  # one kernel at one-row (or tuned) steps, int4: 1-16 rows
+        # one kernel at one-row (or tuned) steps, int4: 1-16 rows
+        y = self.down_proj.silu_mul_forward(h) if self.down_proj.silu_input else None
         return y if y is not None else self.down_proj(self.act(h))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]

@@ -52,3 +52,12 @@ def silu_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         return silu_and_mul_kernel(x)
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    if fused:
+        from flashpage.kernels.silu_mul import gelu_tanh_and_mul as gelu_tanh_and_mul_kernel
+
+        return gelu_tanh_and_mul_kernel(x)
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]

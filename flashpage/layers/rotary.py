@@ -100,6 +100,12 @@ class RotaryEmbedding(KeepFp32, ops.FusedOpsModule):
                 apply_rotary_torch(positions, k, self.cos_sin_cache, self.is_neox))
 
 
-def get_rope(config: ModelConfig, max_positions: int) -> RotaryEmbedding:
+def get_rope(config: ModelConfig, max_positions: int, layer: int | None = None) -> RotaryEmbedding:
+    """Layer ``layer``'s rotary embedding: Gemma 3's sliding layers use their own base
+    (rope_local_theta) without scaling, every other layer rope_theta and rope_scaling."""
+    if (layer is not None and config.rope_local_theta is not None
+            and config.layer_types[layer] == "sliding_attention"):
+        return RotaryEmbedding(config.head_dim, config.head_dim, max_positions,
+                               config.rope_local_theta, None, is_neox=True)
     return RotaryEmbedding(config.head_dim, config.head_dim, max_positions, config.rope_theta,
                            config.rope_scaling, is_neox=True)

@@ -72,8 +72,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        self.rotary_emb = get_rope(config, max_positions)
-        self.attn = Attention(h, d, kv, d**-0.5, layer_idx, config.sliding_window)
+        self.rotary_emb = get_rope(config, max_positions, layer_idx)
+        # head_dim ** -0.5 and one window for all layers but in Gemma (its attention is this)
+        self.attn = Attention(h, d, kv, config.attention_scale, layer_idx,
+                              config.attention_window(layer_idx), config.attn_logit_softcapping)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | PendingNorm,
                 md: AttentionMetadata) -> torch.Tensor:
@@ -129,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         if config.n_routed_experts:
             self.max_graph_tokens = SYNC_FREE_MAX_TOKENS
         max_positions = max_positions or config.max_position_embeddings
-        self.model = LlamaModel(config, max_positions)
+        self.model: DecoderStack = LlamaModel(config, max_positions)  # (Gemma's: GemmaModel)
         self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size)
         self.lm_head.quantizable = False  # logits stay 16-bit under quantization="fp8"
         if config.tie_word_embeddings:

@@ -22,6 +22,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
     "DeepseekV2ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
+    "GemmaForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
+    "Gemma2ForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
 }
 
 

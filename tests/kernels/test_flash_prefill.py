@@ -85,9 +85,9 @@ def _close(out, ref, dtype):
 
 
 def _check_varlen(q_lens, prefixes, hq, hkv, d, dtype, causal=True, window=None, cfg=None,
-                  lse=True, dv=None):
+                  lse=True, dv=None, softcap=None):
     q, k, v, cq, ck, mq, mk = _ragged(q_lens, prefixes, hq, hkv, d, dtype, dv=dv)
-    kw = dict(causal=causal, window_size=window, return_lse=lse)
+    kw = dict(causal=causal, window_size=window, return_lse=lse, softcap=softcap)
     out = q.new_full((*q.shape[:2], v.shape[-1]), float("nan"))  # every row must be written
     res = flash_attn_varlen(q, k, v, cq, ck, mq, mk, out=out, _config=cfg, **kw)
     ref = flash_attn_varlen_ref(q, k, v, cq, ck, mq, mk, **kw)
@@ -101,24 +101,39 @@ def _check_varlen(q_lens, prefixes, hq, hkv, d, dtype, causal=True, window=None,
 
 
 def _check_paged(q_lens, prefixes, hq, hkv, d, dtype, block_size, causal=True, window=None,
-                 cfg=None, dv=None):
+                 cfg=None, dv=None, softcap=None):
     q, k, v, cq, ck, mq, mk = _ragged(q_lens, prefixes, hq, hkv, d, dtype, seed=1, dv=dv)
     kc, vc, tables, seq_lens = _to_paged(k, v, ck, block_size)
-    kw = dict(causal=causal, window_size=window, return_lse=True)
+    kw = dict(causal=causal, window_size=window, return_lse=True, softcap=softcap)
     out, lse = paged_prefill(q, kc, vc, tables, cq, seq_lens, mq, mk, _config=cfg, **kw)
     ref, ref_lse = paged_prefill_ref(q, kc, vc, tables, cq, seq_lens, mq, mk, **kw)
     _close(out, ref, dtype)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4 if dtype == torch.float32 else 2e-3,
                                rtol=1e-4)
     # the paged kernel must agree with the contiguous one on the same keys
-    flat = flash_attn_varlen(q, k, v, cq, ck, mq, mk, causal=causal, window_size=window, _config=cfg)
+    flat = flash_attn_varlen(q, k, v, cq, ck, mq, mk, causal=causal, window_size=window, _config=cfg,
+                             softcap=softcap)
     _close(out, flat, dtype)
+    if softcap is not None:  # the cap changes the result: the checks above could fail
+        uncapped = paged_prefill_ref(q, kc, vc, tables, cq, seq_lens, mq, mk, causal=causal,
+                                     window_size=window)[0]
+        assert ((uncapped.float() - ref.float()).norm() / ref.float().norm()).item() > 0.05
 
 
 # ----------------------------------------------------------------------------- CPU (interpreter)
 # lengths: 1, non-multiples of the 32 x 16 tiles, and one longer than two query tiles
 LENS = [1, 37, 16, 70]
 cpu_only = pytest.mark.skipif(HAS_CUDA, reason="interpreter grid; the GPU grid covers this")
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 13])
+def test_softcap_cpu(dtype, window):
+    """Gemma 2's attention logit softcap in every stage (window edge, unmasked, diagonal),
+    paged and contiguous, a cached prefix ahead of the queries."""
+    _check_varlen([45, 20, 1], [10, 2, 30], 4, 2, 64, dtype, window=window, softcap=0.5)
+    _check_paged([45, 20, 1], [10, 2, 30], 4, 2, 64, dtype, 16, window=window, softcap=0.5)
 
 
 @cpu_only
@@ -285,10 +300,10 @@ def _compile_sm90_candidates() -> dict:
                       HEAD_DIM_V=128, V_DIM=128, CAUSAL=True, HAS_WINDOW=False,
                       KV_MODE=fp._KV_PAGED if page else fp._KV_CONTIG_TMA,
                       PAGE_SIZE=page or 1, RETURN_LSE=False, IEEE=False, WARP_SPEC=False,
-                      M_FASTEST=True)
+                      M_FASTEST=True, SOFTCAP=False)
         types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Lse": "*fp32",
                  "cu_q": "*i32", "cu_k": "*i32", "seq_lens": "*i32", "block_tables": "*i32",
-                 "qk_scale": "fp32"}
+                 "qk_scale": "fp32", "softcap": "fp32"}
         for desc, rows in (("desc_q", cfg.block_m), ("desc_k", cfg.block_n),
                            ("desc_v", cfg.block_n)):
             if page:
@@ -397,6 +412,15 @@ def test_paged_gpu(d, block_size):
 @pytest.mark.gpu
 def test_paged_window_gpu():
     _check_paged([1, 900], [5000, 100], 8, 1, 128, BF16, 16, window=1024)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
+def test_paged_softcap_gpu(d):
+    """Gemma 2's softcap (the Gluon prefill steps aside for it), with and without a window."""
+    _check_paged([1, 900], [5000, 100], 8, 2, d, BF16, 16, window=1024, softcap=0.5)
+    _check_paged([1, 900], [5000, 100], 8, 2, d, BF16, 16, softcap=0.5)
 
 
 @gpu

@@ -309,16 +309,16 @@ def _decode_id(case):
     return f"{hq}x{hkv}-d{d}-bs{bs}-s{splits}-w{window}-{cfg and config_name(cfg)}"
 
 
-def run_decode_case(case, dtype, seed=0):
+def run_decode_case(case, dtype, seed=0, softcap=None):
     lens, hq, hkv, d, bs, splits, window, cfg = case
     g = gen(seed + sum(lens))
     kc16, vc16, kc8, vc8, tables, seq_lens = paged_pair(lens, hkv, d, bs, dtype, g)
     q = torch.randn(len(lens), hq, d, generator=g, device=DEVICE).to(dtype)
-    kw = dict(sm_scale=None, window_size=window, num_splits=splits, config=cfg)
+    kw = dict(sm_scale=None, window_size=window, num_splits=splits, config=cfg, softcap=softcap)
     out8 = _launch(q, kc8, vc8, tables, seq_lens, out=torch.full_like(q, float("nan")), **kw)
     out16 = _launch(q, kc16, vc16, tables, seq_lens, out=None, **kw)
-    ref8 = paged_decode_ref(q, kc8, vc8, tables, seq_lens, window_size=window)
-    ref16 = paged_decode_ref(q, kc16, vc16, tables, seq_lens, window_size=window)
+    ref8 = paged_decode_ref(q, kc8, vc8, tables, seq_lens, window_size=window, softcap=softcap)
+    ref16 = paged_decode_ref(q, kc16, vc16, tables, seq_lens, window_size=window, softcap=softcap)
     assert out8.dtype == dtype
     check_fp8_attention(out8, ref8, out16, ref16, DECODE_TOL[dtype])
 
@@ -330,6 +330,14 @@ def test_paged_decode_fp8(case, dtype):
     run_decode_case(case, dtype)
 
 
+@cpu_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_fp8_softcap(dtype):
+    """Gemma 2's softcap over an fp8 cache: under a 16-bit q the dots take a pre-scaled q
+    (F16_DOTS), and the cap applies to the same base-2 scores."""
+    run_decode_case(([70, 20], 8, 2, 64, 16, 2, 24, None), dtype, softcap=0.5)
+
+
 # --------------------------------------------------------------------------- paged prefill
 
 
@@ -338,13 +346,13 @@ def _cu(lens) -> torch.Tensor:
 
 
 def run_prefill_case(q_lens, prefixes, hq, hkv, d, block_size, dtype, *, window=None, cfg=None,
-                     seed=0):
+                     seed=0, softcap=None):
     g = gen(seed + sum(q_lens))
     seq = [lq + p for lq, p in zip(q_lens, prefixes, strict=True)]
     kc16, vc16, kc8, vc8, tables, seq_lens = paged_pair(seq, hkv, d, block_size, dtype, g)
     q = torch.randn(sum(q_lens), hq, d, generator=g, device=DEVICE).to(dtype)
     cq, mq, mk = _cu(q_lens), max(q_lens), max(seq)
-    kw = dict(window_size=window, return_lse=True)
+    kw = dict(window_size=window, return_lse=True, softcap=softcap)
     out = torch.full_like(q, float("nan"))  # every row must be written
     out8, lse8 = paged_prefill(q, kc8, vc8, tables, cq, seq_lens, mq, mk, out=out, _config=cfg, **kw)
     out16, _ = paged_prefill(q, kc16, vc16, tables, cq, seq_lens, mq, mk, _config=cfg, **kw)
@@ -367,6 +375,7 @@ def test_paged_prefill_fp8(dtype, hq, hkv, block_size):
 @cpu_only
 def test_paged_prefill_fp8_window():
     run_prefill_case([30, 9], [45, 0], 4, 2, 64, 16, torch.float16, window=20)
+    run_prefill_case([30, 9], [45, 0], 4, 2, 64, 16, torch.float16, window=20, softcap=0.5)
 
 
 @cpu_only
@@ -436,7 +445,7 @@ def _compile_fp8_ptx() -> dict[str, str]:
            "seq_lens": "*i32", "block_tables": "*i32", "Lse": "*fp32"}
     decode = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64,
                   HAS_WINDOW=False, IEEE=False, HEADS_FASTEST=False, FUSED_MERGE=False,
-                  GROUP_PAD=4, MERGE_CHUNK=1, PDL=False, F16_DOTS=True, WARP_SPLIT=False)
+                  GROUP_PAD=4, MERGE_CHUNK=1, PDL=False, F16_DOTS=True, WARP_SPLIT=False, SOFTCAP=False)
     kernels = {
         "write_kv": (cw._write_kv_kernel, dict(PAGE=16, NUM_HEADS=8, HEAD_DIM=128, BLOCK_T=4,
                                                 BLOCK_E=1024), set(), 8, 3),
@@ -452,19 +461,28 @@ def _compile_fp8_ptx() -> dict[str, str]:
             **decode, "SPLIT": True, "PREFETCH": True, "PREFETCH_V": False}, decode_fp8, 4, 1),
         "paged_decode_prefetch_v": (pd._paged_decode_kernel, {
             **decode, "SPLIT": False, "PREFETCH": False, "PREFETCH_V": True}, decode_fp8, 4, 3),
+        # Gemma 2's softcap, as the engine launches it (split, window)
+        "paged_decode_softcap": (pd._paged_decode_kernel, {
+            **decode, "SPLIT": True, "PREFETCH": False, "PREFETCH_V": False, "HAS_WINDOW": True,
+            "SOFTCAP": True}, decode_fp8, 4, 3),
         "paged_decode_rows": (rows._paged_decode_rows_kernel, dict(
             GROUP=4, HPB=2, ROWS_PAD=16, HEAD_DIM=128, WIDTH=256, PAGE=16, BLOCK_N=32,
             SPLIT=True, HAS_WINDOW=False, IEEE=False, PDL=False, F16_DOTS=True), decode_fp8, 4, 3),
         "paged_prefill": (fp_mod._prefill_fwd, dict(
             HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, QK_DIM=128, HEAD_DIM_V=128, V_DIM=128,
             CAUSAL=True, HAS_WINDOW=False, KV_MODE=fp_mod._KV_PAGED, PAGE_SIZE=16,
-            RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True), set(), 8, 3),
+            RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True, SOFTCAP=False), set(), 8, 3),
+        "paged_prefill_softcap": (fp_mod._prefill_fwd, dict(
+            HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, QK_DIM=128, HEAD_DIM_V=128, V_DIM=128,
+            CAUSAL=True, HAS_WINDOW=True, KV_MODE=fp_mod._KV_PAGED, PAGE_SIZE=16,
+            RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True, SOFTCAP=True), set(), 8, 3),
     }
     out = {}
     for name, (fn, consts, extra_fp8, warps, stages) in kernels.items():
         # the prefill's TMA descriptors: None, the pointer path
         consts = {**consts, **{a: None for a in ("desc_q", "desc_k", "desc_v") if a in fn.arg_names}}
         types = {**ptr, "Q": "*bf16", "Out": "*bf16", "sm_scale_log2": "fp32", "qk_scale": "fp32",
+                 "softcap": "fp32",
                  **{a: "*fp8e4nv" for a in fp8 | extra_fp8}}
         k = compile_sm90(fn, consts, types, num_warps=warps, num_stages=stages)
         out[name] = k.asm["ptx"]
@@ -478,7 +496,7 @@ def test_fp8_kernels_compile_for_sm90():
     decode kernels (bf16 q) widen it to fp16 in one step and run fp16 dots, never widening
     through fp16 to bf16 (three conversions per pair: slower than a bf16 cache)."""
     ptx = run_compiled("test_fp8_kv", "_compile_fp8_ptx")
-    assert len(ptx) == 8
+    assert len(ptx) == 10
     for name in ("write_kv", "write_kv_rows", "rotary_write"):
         assert "cvt.rn.satfinite.e4m3x2" in ptx[name], name
     for name, text in ptx.items():

@@ -1,5 +1,5 @@
 """The small fused kernels against their references (and against HF transformers where
-the layout must match it): cache writes, rotary (+ cache write), RMSNorm, SiLU-and-mul."""
+the layout must match it): cache writes, rotary (+ cache write), RMSNorm, SiLU- and GELU-tanh-and-mul."""
 
 from __future__ import annotations
 
@@ -30,7 +30,12 @@ from flashpage.kernels.rotary import (
     rotary_and_cache_write,
     rotary_and_cache_write_ref,
 )
-from flashpage.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
+from flashpage.kernels.silu_mul import (
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -321,11 +326,31 @@ def test_silu_and_mul(dtype, inter):
         assert (got == want).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 1500])
+def test_gelu_tanh_and_mul(dtype, inter):
+    """Gemma's gelu_pytorch_tanh(gate) * up, against torch's own GELU (tanh approximation):
+    the kernel writes 0.5 x (1 + tanh(u)) as x * sigmoid(2u)."""
+    g = gen(inter + 1)
+    x = randn(3, 4, 2 * inter, dtype=dtype, g=g) * 4
+    x[0, 0, :8] = torch.tensor([-30.0, -10.0, -3.0, -0.5, 0.0, 0.5, 3.0, 30.0], dtype=dtype)
+    got = gelu_tanh_and_mul(x)
+    assert got.shape == (3, 4, inter)
+    tol = {torch.float32: (1e-5, 1.3e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
+    want = gelu_tanh_and_mul_ref(x)
+    torch.testing.assert_close(got, want, atol=tol[dtype][0], rtol=tol[dtype][1])
+    assert not torch.equal(got, silu_and_mul_ref(x))
+    if dtype != torch.float32:  # HF's rounding steps are reproduced: nearly all bits equal
+        assert (got == want).float().mean() > 0.99
+
+
 def test_fused_ops_reject_bad_inputs():
     with pytest.raises(ValueError, match="weight must be"):
         rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-6)
     with pytest.raises(ValueError, match="must be even"):
         silu_and_mul(torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="must be even"):
+        gelu_tanh_and_mul(torch.zeros(2, 7))
     with pytest.raises(ValueError, match="rot_dim"):
         apply_rotary(torch.zeros(2, dtype=torch.long), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8),
                      torch.zeros(4, 10))

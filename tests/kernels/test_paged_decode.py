@@ -65,13 +65,18 @@ def check(out, ref, dtype):
 
 
 def run_and_check(seq_lens, hq, hkv, d, bs, dtype, *, num_splits=None, window_size=None, seed=0,
-                  device=DEVICE, config=None):
+                  device=DEVICE, config=None, softcap=None):
     q, kc, vc, bt, lens = make_case(seq_lens, hq, hkv, d, bs, dtype, seed=seed, device=device)
+    if softcap is not None:
+        q = q * 4  # scores of a few units, well into the cap's bend
     out = torch.full_like(q, float("nan"))  # every element must be written
     _launch(q, kc, vc, bt, lens, sm_scale=None, out=out, num_splits=num_splits, window_size=window_size,
-            config=config)
-    ref = paged_decode_ref(q, kc, vc, bt, lens, window_size=window_size)
+            config=config, softcap=softcap)
+    ref = paged_decode_ref(q, kc, vc, bt, lens, window_size=window_size, softcap=softcap)
     check(out, ref, dtype)
+    if softcap is not None:  # the cap changes the result: the check above could fail
+        uncapped = paged_decode_ref(q, kc, vc, bt, lens, window_size=window_size)
+        assert ((uncapped.float() - ref.float()).norm() / ref.float().norm()).item() > 0.05
 
 
 # (seq_lens, q heads, kv heads, head_dim, block_size, num_splits, window)
@@ -103,6 +108,26 @@ def test_prefetch_v_matches_reference(dtype):
 def test_paged_decode_matches_reference(case, dtype):
     seq_lens, hq, hkv, d, bs, splits, window = case
     run_and_check(seq_lens, hq, hkv, d, bs, dtype, num_splits=splits, window_size=window)
+
+
+# (seq_lens, q heads, kv heads, head_dim, block_size, num_splits, window, config): Gemma 2's
+# attention logit softcap on the main loop, with splits, a window, V prefetched, and asked of
+# the warp-split loop and the row kernel (which step aside for it)
+SOFTCAP_CASES = [
+    ([1, 17, 40], 4, 4, 64, 16, None, None, None),
+    ([97, 3, 64], 8, 2, 64, 16, 3, 20, None),
+    ([1, 32, 100], 8, 2, 64, 16, 2, None, DecodeConfig(32, 4, 3, prefetch_v=True)),
+    ([33, 70], 8, 2, 64, 16, 1, None, DecodeConfig(64, 4, 3, warp_split=True)),
+    ([33, 70], 8, 4, 64, 16, 2, None, DecodeConfig(32, 4, 3, heads_per_program=2)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: f"{c[0]}-s{c[5]}-w{c[6]}-{c[7]}")
+def test_softcap_matches_reference(case, dtype):
+    seq_lens, hq, hkv, d, bs, splits, window, config = case
+    run_and_check(seq_lens, hq, hkv, d, bs, dtype, num_splits=splits, window_size=window,
+                  config=config, softcap=2.5)
 
 
 def test_splits_agree_with_one_split():
@@ -371,6 +396,10 @@ def test_paged_decode_gpu_bf16(case):
     for splits in (None, 1, 7):
         run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, num_splits=splits, seed=sum(case))
     run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, window_size=500, seed=sum(case))
+    # Gemma 2: a softcap (the default config's Gluon kernels step aside for it)
+    run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, window_size=500, seed=sum(case),
+                  softcap=50.0 / 8)
+    run_and_check(seq_lens, hq, hkv, d, bs, torch.bfloat16, num_splits=7, seed=sum(case), softcap=3.0)
 
 
 @pytest.mark.gpu

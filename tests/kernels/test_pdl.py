@@ -177,14 +177,15 @@ def _compile_ptx() -> dict[str, str]:
            "weights_ptr": "*fp32", "ids_ptr": "*i64", "scale": "fp32"}
     kernels = {
         "rms_norm": (rn._rms_norm_kernel, dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True), 8, 3),
-        "silu_mul": (sm._silu_and_mul_kernel, dict(BLOCK=1024), 4, 3),
+        "silu_mul": (sm._silu_and_mul_kernel, dict(BLOCK=1024, GELU_TANH=False), 4, 3),
         "rotary": (rot._rotary_kernel, dict(
             WRITE_CACHE=True, IS_NEOX=True, PAGE=16, HALF=64, HALF_PAD=64, HEAD_DIM=128,
             BLOCK_D=128, REST_PAD=1, BLOCK_HQ=32, BLOCK_HK=8), 4, 3),
         "paged_decode": (pd._paged_decode_kernel, dict(
             GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, SPLIT=True,
             HAS_WINDOW=False, IEEE=False, PREFETCH=False, HEADS_FASTEST=False, FUSED_MERGE=True,
-            GROUP_PAD=4, MERGE_CHUNK=16, PREFETCH_V=False, F16_DOTS=False, WARP_SPLIT=False), 4, 5),
+            GROUP_PAD=4, MERGE_CHUNK=16, PREFETCH_V=False, F16_DOTS=False, WARP_SPLIT=False,
+            SOFTCAP=False), 4, 5),
         "paged_decode_rows": (rows._paged_decode_rows_kernel, dict(
             GROUP=4, HPB=2, ROWS_PAD=16, HEAD_DIM=128, WIDTH=256, PAGE=16, BLOCK_N=32,
             SPLIT=True, HAS_WINDOW=False, IEEE=False, F16_DOTS=False), 4, 3),
@@ -212,7 +213,7 @@ def _compile_ptx() -> dict[str, str]:
     }
     out = {}
     for name, (fn, consts, warps, stages) in kernels.items():
-        types = {**ptr, "eps": "fp32", "sm_scale_log2": "fp32", "s_ptr": "*fp32"}
+        types = {**ptr, "eps": "fp32", "sm_scale_log2": "fp32", "s_ptr": "*fp32", "softcap": "fp32"}
         if "fp8" in name:
             types["w_ptr"] = "*fp8e4nv"
         k = compile_sm90(fn, {**consts, "PDL": True}, types,
