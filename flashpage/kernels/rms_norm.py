@@ -5,7 +5,9 @@
 
 Rounding follows HF Llama exactly: the sum r is rounded to x's dtype, the norm runs
 in fp32, is rounded to x's dtype, and only then multiplied by weight
-(y = (r.float() * rsqrt(mean(r.float()^2) + eps)).to(dtype) * weight).
+(y = (r.float() * rsqrt(mean(r.float()^2) + eps)).to(dtype) * weight). An fp32 weight
+beside 16-bit x is HF Gemma's rounding instead: the product taken in fp32, rounded once
+(y = (r.float() * rsqrt(...) * weight).to(dtype); Gemma keeps 1 + w in fp32).
 One program per row, the whole row in registers: x and residual are read once,
 out and r written once.
 """
@@ -31,6 +33,7 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    W_FP32: tl.constexpr = False,  # Gemma's rounding: the weight's product before the cast
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -44,7 +47,10 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / HIDDEN + eps)
-    y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
+    if W_FP32:
+        y = xf * rstd * w.to(tl.float32)
+    else:
+        y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -90,7 +96,8 @@ def rms_norm(
         _LAUNCH((x2.shape[0],),
                 (x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
                  float(eps)),
-                dict(HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, PDL=use_pdl),
+                dict(HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, PDL=use_pdl,
+                     W_FP32=weight.dtype == torch.float32 and x.dtype != torch.float32),
                 dict(num_warps=min(16, max(4, block // 512)), **pdl_launch_kwargs(use_pdl)))
     out = out.view(x.shape)
     if residual is None:
@@ -102,10 +109,14 @@ _LAUNCH = FastLauncher(_rms_norm_kernel)
 
 
 def rms_norm_ref(x, weight, eps, residual=None):
-    """Pure-torch rms_norm, written as HF Llama writes it."""
+    """Pure-torch rms_norm, written as HF Llama writes it (an fp32 weight beside 16-bit x:
+    as HF Gemma writes it)."""
     if residual is not None:
         x = x + residual
     xf = x.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    out = (y * weight).to(x.dtype)
+    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32 and x.dtype != torch.float32:
+        out = (h * weight).to(x.dtype)
+    else:
+        out = (h.to(x.dtype) * weight).to(x.dtype)
     return out if residual is None else (out, x)

@@ -16,7 +16,7 @@ from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 _BLOCK = 1024  # elements of I per program; benchmarks/fused_ops.py sweeps it
-_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit

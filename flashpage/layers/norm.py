@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from flashpage.layers import ops
+from flashpage.layers.fp32 import KeepFp32
 
 
 class RMSNorm(ops.FusedOpsModule):
@@ -24,3 +25,10 @@ class RMSNorm(ops.FusedOpsModule):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return ops.rms_norm(x, self.weight, self.eps, residual, fused=self.fused)
+
+
+class GemmaRMSNorm(KeepFp32, RMSNorm):
+    """Gemma's RMSNorm: ``weight`` holds 1 + w (the checkpoint's w plus one, models/gemma.py)
+    and stays fp32 through ``model.to(dtype)``, and the product is taken in fp32 before the
+    one rounding to x's dtype, as HF Gemma computes ``norm(x.float()) * (1 + w.float())``.
+    (Rounded to bf16, 1 + w keeps ~8 bits of a small w: the tokens part from HF's.)"""

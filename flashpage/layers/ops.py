@@ -41,7 +41,10 @@ def rms_norm(
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(dtype)
+    if weight.dtype == torch.float32 and dtype != torch.float32:
+        out = (h * weight).to(dtype)  # an fp32 weight: Gemma's rounding (layers/norm.py)
+    else:
+        out = weight * h.to(dtype)
     return out if residual is None else (out, residual)
 
 

@@ -5,8 +5,11 @@ All three are Llama's layer (models/llama.py: merged ``qkv_proj`` / ``gate_up_pr
 HF's names otherwise, the same load_weights) with these differences:
 
 - every RMSNorm multiplies by (1 + weight): the 1 is added to the checkpoint's weight at
-  load (in fp32, then rounded once to the model dtype) so the norm is our RMSNorm, fused
-  kernels and the GEMV's norm prologue included; ``hf_weights`` takes it off again;
+  load, in fp32, and kept there (layers/norm.GemmaRMSNorm: a bf16 1 + w would keep ~8 bits
+  of a small w), the product taken in fp32 before the one rounding, as transformers does;
+  our RMSNorm kernel takes that rounding from the fp32 weight (the GEMV's norm prologue,
+  whose weight must be x's dtype, steps aside in 16-bit models); ``hf_weights`` takes
+  the 1 off again;
 - the embeddings are scaled by sqrt(hidden_size), rounded to the model dtype first (as
   transformers does), and the LM head is tied to them;
 - the MLP is GELU-tanh(gate) * up (``gelu_pytorch_tanh``);
@@ -34,7 +37,7 @@ from flashpage.attention.backend import AttentionMetadata
 from flashpage.config import ModelConfig
 from flashpage.layers.linear import ColumnParallelLinear, VocabEmbedding
 from flashpage.layers.mlp import GatedMLP
-from flashpage.layers.norm import RMSNorm
+from flashpage.layers.norm import GemmaRMSNorm
 from flashpage.models.common import DecoderStack, PreNormDecoderLayer
 from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -60,9 +63,9 @@ class GemmaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = LlamaAttention(config, layer_idx, max_positions)
-        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.self_attn = LlamaAttention(config, layer_idx, max_positions, GemmaRMSNorm)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.mlp = GatedMLP(h, config.intermediate_size, act=config.hidden_act)
 
     def norm_consumers(self) -> tuple[ColumnParallelLinear, ColumnParallelLinear] | None:
@@ -75,8 +78,8 @@ class Gemma2DecoderLayer(GemmaDecoderLayer):
 
     def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
         super().__init__(config, layer_idx, max_positions)
-        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def norm_consumers(self) -> None:
         """None: this forward runs each norm on its own (no GEMV norm prologue yet)."""
@@ -102,7 +105,7 @@ class GemmaModel(DecoderStack):
         layer = GemmaDecoderLayer if config.model_type == "gemma" else Gemma2DecoderLayer
         self.layers = nn.ModuleList(
             layer(config, i, max_positions) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -135,7 +138,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
             (name, t.float() + 1.0 if is_gemma_norm(name) else t) for name, t in weights)
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """HF's names and values: each norm weight as w = ours - 1 (in fp32, cast back; a
-        16-bit model's 1 + w was rounded once at load, so w comes back to that rounding)."""
+        """HF's names and values: each norm weight as w = ours - 1 (in fp32, kept there)."""
         for name, t in super().hf_weights():
             yield name, ((t.float() - 1.0).to(t.dtype) if is_gemma_norm(name) else t)

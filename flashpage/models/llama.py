@@ -60,7 +60,9 @@ def _moe_name(name: str) -> str:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int,
+                 norm_cls: type[RMSNorm] = RMSNorm) -> None:
+        """``norm_cls``: the q/k norms' class (Qwen3's RMSNorm; Gemma 3's GemmaRMSNorm)."""
         super().__init__()
         h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
@@ -69,8 +71,8 @@ class LlamaAttention(nn.Module):
                                              bias=config.attention_bias)
         self.o_proj = RowParallelLinear(h * d, config.hidden_size, bias=False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+            self.q_norm = norm_cls(d, config.rms_norm_eps)
+            self.k_norm = norm_cls(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.rotary_emb = get_rope(config, max_positions, layer_idx)
         # head_dim ** -0.5 and one window for all layers but in Gemma (its attention is this)

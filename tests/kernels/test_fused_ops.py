@@ -312,6 +312,36 @@ def test_rms_norm_matches_hf():
                                norm(x).detach())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp32_weight_is_gemmas_rounding(dtype, with_residual):
+    """An fp32 weight beside 16-bit x (Gemma's 1 + w, layers/norm.GemmaRMSNorm): the
+    product taken in fp32, rounded once, as transformers' GemmaRMSNorm computes it."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as HFGemmaRMSNorm
+
+    if dtype == torch.bfloat16 and not torch.cuda.is_available():
+        pytest.skip("the interpreter computes bf16 wrongly")
+    g = gen(512)
+    x = randn(3, 512, dtype=dtype, g=g) * 3
+    residual = randn(3, 512, dtype=dtype, g=g) if with_residual else None
+    hf = HFGemmaRMSNorm(512, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(512, generator=torch.Generator().manual_seed(3)) * 0.3)
+    w = (hf.weight.detach().float() + 1.0).to(DEVICE)  # what models/gemma.py loads
+    got = rms_norm(x, w, 1e-6, residual)
+    s = x if residual is None else x + residual
+    want = hf.to(DEVICE)(s)
+    ref = rms_norm_ref(x, w, 1e-6, residual)
+    if with_residual:
+        assert torch.equal(got[1], s) and torch.equal(ref[1], s)
+        got, ref = got[0], ref[0]
+    assert torch.equal(ref.cpu(), want.detach().cpu())  # the reference is HF's Gemma norm
+    # the kernel's sum of squares runs in another order: one rounding step at most
+    torch.testing.assert_close(got, want.detach(), atol=1e-3 if dtype == torch.float16 else 8e-3,
+                               rtol=1e-3 if dtype == torch.float16 else 8e-3)
+    assert (got == want).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [64, 1500])
 def test_silu_and_mul(dtype, inter):
