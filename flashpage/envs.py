@@ -235,6 +235,15 @@ _INT4_KERNELS = {"": "gemv", "gemv": "gemv", "gemm": "gemm", "1": "gemm", "true"
                  "off": "dequant"}
 
 
+def int4_fused_norm() -> bool:
+    """FLASHPAGE_INT4_FUSED_NORM=1: at one-row steps an int4 linear computes the RMSNorm
+    before it in its GEMV's prologue (kernels/int4_gemv ``norm=``, layers/int4.fuses_norm).
+    Off by default: the 8B's batch-1 int4 decode ran at 264 tok/s with it and the int4
+    GEMV's PDL launches on, against 312 without either (H200, runs 178-179; which of the
+    two cost it is not yet measured). Read when a decode graph is captured."""
+    return os.environ.get("FLASHPAGE_INT4_FUSED_NORM", "0").strip().lower() in ("1", "on", "true")
+
+
 def int4_kernel() -> str:
     """FLASHPAGE_INT4_KERNEL: how CUDA runs int4 (AWQ / GPTQ) linears (layers/int4.py).
     Unset or ``gemv``: kernels/int4_gemv.py's row-wise GEMV up to layers/int4.GEMV_ROWS

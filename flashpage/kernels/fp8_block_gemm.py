@@ -280,6 +280,9 @@ def w8a8_block_matmul(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale
     bk_tile = _check_call(xq, q, scale, block, bias)
     m, k = xq.shape
     n = q.shape[0]
+    if bk_tile < 32 and xq.is_cuda:
+        raise ValueError(f"w8a8 needs K blocks of 32 at least on the GPU (an e4m3 tl.dot's "
+                         f"smallest K), got {block[1]}: use w8a16_block_matmul")
     if xq.dtype != torch.float8_e4m3fn or xq.stride(1) != 1:
         raise ValueError(f"xq must be contiguous float8_e4m3fn [M, K], got {xq.dtype}")
     if xs.shape != (m, -(-k // block[1])) or xs.dtype != torch.float32 or xs.stride(1) != 1:

@@ -719,7 +719,9 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     tiles_n = triton.cdiv(n, cfg.block_n)
     split = cfg.split_k or _split_k(tiles_n, k // bk, x.device)
     split = max(1, min(split, k // bk))
-    use_pdl = resolve_pdl(pdl, x.device)
+    # PDL only with FLASHPAGE_PDL=all: with it and the norm prologue on, the 8B's batch-1
+    # decode lost 15% (run 179; not yet split between the two)
+    use_pdl = resolve_pdl(pdl, x.device, in_auto=False)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _int4_gemv_kernel[(tiles_n, split)](

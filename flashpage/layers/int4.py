@@ -27,9 +27,11 @@ How a call of M rows runs (``int4_linear``; ``cuda_path`` picks on CUDA):
 An MLP's down projection at one row takes the gate/up output itself (``fuses_silu_mul``;
 layers/linear.py ``_silu_mul_base``): the GEMV computes silu(gate) * up per K tile on the
 fly, so SiLU·mul's own kernel and its [1, K] round trip are gone (at 8-16 rows the fused
-form was slower, run 175). Likewise at one row the RMSNorm before qkv and gate/up moves into
-their GEMV's prologue (``fuses_norm``; models/common.PreNormDecoderLayer hands the norm over
-unevaluated), and the GEMV launches with PDL where the GPU has it (kernels/pdl.py).
+form was slower, run 175). With FLASHPAGE_INT4_FUSED_NORM=1 the RMSNorm before qkv and
+gate/up moves into their GEMV's prologue at one row too (``fuses_norm``; models/common.
+PreNormDecoderLayer hands the norm over unevaluated), and FLASHPAGE_PDL=all launches the
+GEMV with PDL (kernels/pdl.py): both off by default, the pair cost the 8B's batch-1 decode
+15% on the H200 (run 179).
 
 The choice reads only shapes and one environment variable (no tensor values, no device
 query): cheap per linear per step, and the same at every replay of a captured CUDA graph.
@@ -83,10 +85,11 @@ def fuses_norm(shape: tuple[int, ...], dtype: torch.dtype, cuda: bool, k: int, g
     """Whether an int4 linear (K-wide weight, groups of G) computes the RMSNorm before it
     in its GEMV's prologue at a ``shape`` [1, K] step (kernels/int4_gemv ``norm=``, the
     one-row chain form; layers/linear.py ``fuses_norm``): one row on CUDA where
-    ``int4_linear`` would run the GEMV; like ``cuda_path``, no tensor values."""
+    ``int4_linear`` would run the GEMV, and FLASHPAGE_INT4_FUSED_NORM=1 (off by default: see
+    envs.int4_fused_norm); like ``cuda_path``, no tensor values."""
     return (cuda and len(shape) == 2 and shape[0] == 1 and shape[1] == k
             and dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and cuda_path(1, k, g) == "gemv")
+            and envs.int4_fused_norm() and cuda_path(1, k, g) == "gemv")
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -161,15 +161,17 @@ def scaled_mm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 BLOCK_W8A16_ROWS = 16
 
 
-def block_fp8_path(x: torch.Tensor) -> str:
-    """The path of a block-scaled linear over x [M, K]: "w8a16", "w8a8" or "dequant" (see
-    the module's docstring). It reads only shapes, dtypes and the device's capability: the
-    same at every graph replay."""
+def block_fp8_path(x: torch.Tensor, block: tuple[int, int]) -> str:
+    """The path of a block-scaled linear over x [M, K] in ``block`` (bn, bk) tiles: "w8a16",
+    "w8a8" or "dequant" (see the module's docstring). W8A8 needs K tiles of 32 at least
+    (an e4m3 tl.dot's smallest K on sm_90: blocks 16 wide failed to compile, run 179). It
+    reads only shapes, dtypes and the device's capability: the same at every graph replay."""
     if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return "dequant"
     from flashpage.kernels.device import cuda_capability
+    from flashpage.kernels.fp8_block_ref import tile_k
 
-    if (x.shape[0] > BLOCK_W8A16_ROWS and x.dtype != torch.float32
+    if (x.shape[0] > BLOCK_W8A16_ROWS and x.dtype != torch.float32 and tile_k(block[1]) >= 32
             and cuda_capability(x.device) >= (8, 9)):
         return "w8a8"
     return "w8a16"
@@ -181,7 +183,7 @@ def fp8_block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     [ceil(N/bn), ceil(K/bk)], along ``block_fp8_path``."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    path = block_fp8_path(x2)
+    path = block_fp8_path(x2, block)
     if path == "w8a8":
         from flashpage.kernels.fp8_block_gemm import w8a8_block_linear
 

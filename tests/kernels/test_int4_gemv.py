@@ -256,13 +256,17 @@ def test_layer_dispatch_fuses_silu_mul_into_int4_down_projections(monkeypatch):
 
 
 def test_layer_dispatch_fuses_the_norm_into_one_row_int4_linears(monkeypatch):
-    """layers/int4.fuses_norm (shape, dtype, device, env): the RMSNorm moves into an int4
-    linear's GEMV at one row on CUDA wherever int4_linear runs the GEMV; not on the CPU, at
-    more rows, with another kernel chosen, or for an x of the wrong width."""
+    """layers/int4.fuses_norm (shape, dtype, device, env): with FLASHPAGE_INT4_FUSED_NORM=1
+    the RMSNorm moves into an int4 linear's GEMV at one row on CUDA wherever int4_linear
+    runs the GEMV; not by default, on the CPU, at more rows, with another kernel chosen, or
+    for an x of the wrong width."""
     from flashpage.layers.int4 import fuses_norm
 
     monkeypatch.delenv("FLASHPAGE_INT4_KERNEL", raising=False)
     bf = torch.bfloat16
+    monkeypatch.delenv("FLASHPAGE_INT4_FUSED_NORM", raising=False)
+    assert not fuses_norm((1, 4096), bf, True, 4096, 128)  # off by default (run 179)
+    monkeypatch.setenv("FLASHPAGE_INT4_FUSED_NORM", "1")
     assert fuses_norm((1, 4096), bf, True, 4096, 128)
     assert not fuses_norm((2, 4096), bf, True, 4096, 128)
     assert not fuses_norm((1, 4096), bf, False, 4096, 128)
