@@ -101,6 +101,8 @@ def _attention_params(cfg: ModelConfig) -> int:
             n += h
     if cfg.qk_norm:
         n += 2 * d
+    if cfg.model_type == "olmo2":  # q_norm / k_norm over the whole projections
+        n += q_dim + kv_dim
     return n
 
 

@@ -20,6 +20,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
     "Qwen2MoeForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    "Phi3ForCausalLM": ("flashpage.models.phi3", "Phi3ForCausalLM"),
+    "GraniteForCausalLM": ("flashpage.models.granite", "GraniteForCausalLM"),
+    "Olmo2ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
     "DeepseekV2ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
 }
