@@ -185,6 +185,17 @@ def test_inspect_counts_transformers_parameters(tiny_variant, name):
     assert total == active == hf.num_parameters()
 
 
+def test_inspect_reports_partial_rotary_and_longrope(tiny_variant, capsys):
+    from flashpage.inspect import main
+
+    assert main([str(tiny_variant("phi3_longrope"))]) == 0
+    out = capsys.readouterr().out
+    assert "Phi3ForCausalLM (phi3)" in out
+    assert "first 12 of 16 dims, longrope: long factors when max_model_len > 32" in out
+    assert main([str(tiny_variant("granite"))]) == 0
+    assert "rotary" not in capsys.readouterr().out  # all of each head, unscaled: no row
+
+
 def test_config_fields():
     phi = ModelConfig.from_hf(_raw("phi3_longrope"))
     assert phi.architecture == "Phi3ForCausalLM" and phi.partial_rotary_factor == 0.75
