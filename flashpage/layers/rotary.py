@@ -1,7 +1,10 @@
 """Rotary position embedding: inv_freq per scaling type, a cos/sin cache, and its application.
 
 ``cos_sin_cache`` is ``[max_positions, rot_dim]`` fp32: cos in the first half, sin in
-the second (the layout the Triton rotary kernel reads).
+the second (the layout the Triton rotary kernel reads); rot_dim < head_dim rotates the
+first rot_dim dims of each head only (Phi-3's partial_rotary_factor). longrope's choice of
+factors is made once from max_positions (``uses_long_factors``), and its attention factor
+is folded into the cache.
 """
 
 from __future__ import annotations
