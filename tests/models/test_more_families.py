@@ -22,11 +22,19 @@ import torch
 import transformers
 
 from flashpage import LLM, SamplingParams
-from flashpage.config import ConfigError, ModelConfig
+from flashpage.config import ConfigError, EngineConfig, ModelConfig
+from flashpage.engine.llm_engine import LLMEngine
 from flashpage.inspect import param_counts
 from flashpage.layers.rotary import get_rope
 from flashpage.models.loader import iter_safetensors, load_model, resolve_model
-from tests.conftest import _checkpoints, _save_tiny_routed, hf_greedy, random_prompts
+from tests.conftest import (
+    _checkpoints,
+    _save_tiny_routed,
+    hf_greedy,
+    random_prompts,
+    run_staggered,
+    staggered_prompts,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 ORIGINAL = 32  # phi3_longrope's original_max_position_embeddings
@@ -153,6 +161,41 @@ def test_fused_rotary_kernel_on_the_partial_width():
         torch.testing.assert_close(g_, w, atol=1e-5, rtol=1e-5)
         assert torch.equal(g_[..., 12:], x[..., 12:])
         assert not torch.allclose(g_[..., :12], x[..., :12])
+
+
+@pytest.mark.parametrize("name", ["olmo2", "granite"])
+def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny_variant, name):
+    """10 prompts (4 sharing a 32-token prefix) over several steps into a cache too small
+    for all: chunked prefill, preemption, prefix hits, mixed steps; transformers' tokens
+    (OLMo2's own residual stream, Granite's multipliers, over chunks)."""
+    path = tiny_variant(name)
+    prompts = staggered_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = hf_greedy(path, prompts, params.max_tokens)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=4,
+                                    num_gpu_blocks=40, max_num_batched_tokens=24, max_num_seqs=6,
+                                    attention_backend="torch_native"))
+    run = run_staggered(engine, prompts, params)
+    assert run["chunks"] and run["mixed_steps"] > 0
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv_manager.stats().prefix_hits > 0
+    assert run["outputs"] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["phi3_longrope", "olmo2"])
+def test_greedy_on_our_kernels_matches_transformers(tmp_path, name):
+    """The triton backend (our attention, RMSNorm, SiLU-mul and fused rotary + cache-write
+    kernels; on the CPU in the interpreter, ~50 s each): Phi-3's 48 rotary dims of 64 with
+    the long factors, OLMo2's norms over the whole q / k projections."""
+    path = _gpu_checkpoint(tmp_path, name)
+    prompts = random_prompts(1, 34, 34, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", device=DEV, block_size=16, attention_backend="triton")
+    rotary = llm.engine.model.model.layers[0].self_attn.rotary_emb
+    assert rotary.fused and rotary.cos_sin_cache.shape[1] == (48 if name == "phi3_longrope" else 64)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == hf_greedy(path, prompts, params.max_tokens)
 
 
 # ----------------------------------------------------------------- loading, inspect
