@@ -8,10 +8,28 @@ an optional sliding window, tied or untied embeddings (Phi-4-mini ties them)."""
 
 from __future__ import annotations
 
+import logging
+
+from flashpage.config import ModelConfig
+from flashpage.layers.rotary import uses_long_factors
 from flashpage.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger("flashpage")
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__(config, max_positions)
+        rs, n = config.rope_scaling, max_positions or config.max_position_embeddings
+        if rs is not None and rs.rope_type == "longrope":
+            original = rs.original_max_position_embeddings
+            if uses_long_factors(rs, n):
+                logger.info("longrope: the long factors, for max_model_len %d > %s (the short "
+                            "ones, better within it, take max_model_len <= %s)", n, original,
+                            original)
+            else:
+                logger.info("longrope: the short factors (max_model_len %d <= %s)", n, original)
+
     def _shards(self) -> dict[str, tuple[str, int, int]]:
         return {}  # nothing to stack: the checkpoint's qkv_proj / gate_up_proj are ours
 

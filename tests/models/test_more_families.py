@@ -343,6 +343,8 @@ def _gpu_prompts(name: str, n: int, seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("name", NAMES)
 def test_gpu_fp32_kernels_and_graphs_give_transformers_tokens(tmp_path, name):
     path = _gpu_checkpoint(tmp_path, name)
+    # seed 22: transformers' fp32 top-2 logprobs are >= 1.4e-3 apart at every step of every
+    # family (on the CPU), far above what fp32 on the GPU and on the CPU differ by
     prompts = _gpu_prompts(name, 8, seed=22)
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True)
               for i in range(len(prompts))]  # decode batches shrink through the graph sizes
