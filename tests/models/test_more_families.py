@@ -5,9 +5,11 @@ whole-width q/k norms): models/phi3.py, granite.py, olmo2.py.
 CPU, fp32: greedy tokens equal transformers' for each family; longrope with max_model_len
 above original_max_position_embeddings (long factors) and at most it (short factors),
 each against transformers on prompts that keep it on the same factors all along, and our
-cos/sin caches against transformers' rotary module; the fused rotary kernel on the
-partial width; weights back under HF's names; ``flashpage inspect``'s parameter counts
-against transformers'; config errors.
+cos/sin caches against transformers' rotary module; prompt logprobs (Granite's logits
+scaling); OLMo2 / Granite over chunked prefill, preemption and prefix hits; Phi-3 / OLMo2 on
+our Triton kernels (interpreter); the fused rotary kernel on the partial width; Llama's
+o_proj bias; weights back under HF's names; ``flashpage inspect``'s parameter counts and
+rotary row; config errors.
 GPU (marked gpu): fp32 on the Triton kernels and CUDA graphs gives transformers' tokens,
 and bf16 follows fp32 about as far as transformers' bf16 does.
 """
@@ -196,6 +198,17 @@ def test_greedy_on_our_kernels_matches_transformers(tmp_path, name):
     assert rotary.fused and rotary.cos_sin_cache.shape[1] == (48 if name == "phi3_longrope" else 64)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == hf_greedy(path, prompts, params.max_tokens)
+
+
+def test_llama_attention_bias_biases_o_proj_too(tmp_path):
+    """HF's Llama puts attention_bias on o_proj as on q/k/v (Granite and OLMo2 reuse
+    LlamaAttention): the checkpoint loads and gives transformers' tokens."""
+    path = _save_tiny_routed(tmp_path / "llama_bias", "LlamaConfig",
+                             dict(num_hidden_layers=2, num_key_value_heads=2, attention_bias=True),
+                             0, False)
+    assert "model.layers.0.self_attn.o_proj.bias" in dict(iter_safetensors(str(path)))
+    prompts = random_prompts(2, 5, 30, seed=4)
+    assert _greedy(path, prompts) == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
 # ----------------------------------------------------------------- loading, inspect
