@@ -8,6 +8,7 @@ serving knobs (cache, scheduler, backend).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields, replace
@@ -37,7 +38,10 @@ LLAMA_MOE_FAMILY = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCau
 # models/gemma.py: Llama's shape with (1 + w) norms, scaled embeddings and GELU-tanh;
 # Gemma 2/3 add post-norms, per-layer sliding windows and softcaps (_gemma_fields)
 GEMMA_FAMILY = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
+# the Llama body with one twist each (models/phi3.py, granite.py, olmo2.py; _variant_fields)
+LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
+                           | LLAMA_VARIANTS)
 
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -52,6 +56,9 @@ _MODEL_TYPE_TO_ARCH = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -128,7 +135,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rope scaling as HF writes it; ``rope_type`` is one of default, linear, llama3, yarn."""
+    """Rope scaling as HF writes it; ``rope_type`` is one of default, linear, llama3, yarn,
+    longrope."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -141,19 +149,26 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # longrope (Phi-3): one factor per rotated pair for sequences within
+    # original_max_position_embeddings (short) and beyond it (long), and the factor cos and
+    # sin are multiplied by (_longrope resolves it as transformers does when it is absent)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float | None = None
 
     @staticmethod
     def from_dict(d: dict[str, Any] | None) -> RopeScaling | None:
         if not d:
             return None
         rope_type = d.get("rope_type", d.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
+        if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
             raise ConfigError(
                 f"rope_scaling type {rope_type!r} is not supported "
-                "(supported: default, linear, llama3, yarn)"
+                "(supported: default, linear, llama3, yarn, longrope)"
             )
         known = {f.name for f in fields(RopeScaling)}
-        kwargs = {k: v for k, v in d.items() if k in known and v is not None}
+        kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in d.items() if k in known and v is not None}
         kwargs["rope_type"] = rope_type
         return RopeScaling(**kwargs)
 
@@ -423,6 +438,78 @@ def _llama_moe_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any
     return out
 
 
+def _positive_number(d: dict[str, Any], key: str, where: str, default: float) -> float:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"{where}: {key} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
+                    rope: dict[str, Any] | None) -> dict[str, Any]:
+    """Phi-3's partial rotary and longrope, Granite's multipliers (ModelConfig's names),
+    validated; OLMo2 needs none (its q/k norms are models/olmo2.py's own)."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
+                          f"{arch} (supported: 'silu')")
+    out: dict[str, Any] = {}
+    if arch == "GraniteForCausalLM":
+        if d.get("mlp_bias"):
+            raise ConfigError(f"{where}: mlp_bias true is not supported for {arch} (the "
+                              "gate/up/down projections have no bias here)")
+        # absent: GraniteConfig's defaults, 1.0 each (the attention scale too)
+        out.update((k, _positive_number(d, k, where, 1.0)) for k in (
+            "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+            "logits_scaling"))
+    if arch == "Phi3ForCausalLM":
+        # transformers 5 writes it inside rope_parameters too
+        params = d.get("rope_parameters")
+        params = params if isinstance(params, dict) else {}
+        f = d.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+        if (not isinstance(f, int | float) or isinstance(f, bool) or not 0 < f <= 1
+                or int(head_dim * f) < 2 or int(head_dim * f) % 2):
+            raise ConfigError(f"{where}: partial_rotary_factor must be in (0, 1] and give an even "
+                              f"rotary width of at least 2 of head_dim {head_dim}, got {f!r}")
+        out["partial_rotary_factor"] = float(f)
+        if rope and rope.get("rope_type", rope.get("type")) == "longrope":
+            out["rope_scaling"] = _longrope(d, rope, where, int(head_dim * f))
+    return out
+
+
+def _longrope(d: dict[str, Any], rope: dict[str, Any], where: str, rot_dim: int) -> RopeScaling:
+    """longrope's fields, validated, with the attention factor resolved as transformers
+    does: the config's ``attention_factor``, else sqrt(1 + ln(s) / ln(original)) for
+    s = ``factor`` (else max_position_embeddings / original_max_position_embeddings) > 1,
+    else 1. Which factor list a model uses is models/phi3.py's choice (max_model_len)."""
+    f = f"{where}: rope_scaling"
+    original = rope.get("original_max_position_embeddings",
+                        d.get("original_max_position_embeddings"))
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 1:
+        raise ConfigError(f"{f}: longrope needs original_max_position_embeddings, an integer "
+                          f"> 1 (the pretraining length), got {original!r}")
+    lists: dict[str, Any] = {}
+    for key in ("short_factor", "long_factor"):
+        v = rope.get(key)
+        if (not isinstance(v, list | tuple) or len(v) != rot_dim // 2 or not all(
+                isinstance(x, int | float) and not isinstance(x, bool) and x > 0 for x in v)):
+            shown = f"{len(v)} values" if isinstance(v, list | tuple) else repr(v)
+            raise ConfigError(f"{f}.{key} must be a list of {rot_dim // 2} positive numbers "
+                              f"(one per rotated pair of the {rot_dim} rotary dims), got {shown}")
+        lists[key] = tuple(float(x) for x in v)
+    factor = rope.get("factor")
+    if factor is None:
+        factor = (d.get("max_position_embeddings") or 2048) / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    elif not isinstance(attention, int | float) or isinstance(attention, bool) or attention <= 0:
+        raise ConfigError(f"{f}.attention_factor must be a positive number, got {attention!r}")
+    return RopeScaling(rope_type="longrope", original_max_position_embeddings=original,
+                       attention_factor=float(attention), **lists)
+
+
 def classifier_labels(d: dict[str, Any], where: str) -> tuple[int, tuple[str, ...]]:
     """A sequence classifier's label count (``num_labels``, else id2label's size, else 2 as
     transformers' default) and names in id order ("LABEL_i" where id2label names none, as
@@ -660,6 +747,15 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # Qwen MoE: layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's one shared expert (sigmoid-gated)
+    # Phi-3: rotary on the first rotary_dim = int(head_dim * partial_rotary_factor) dims of a head
+    partial_rotary_factor: float = 1.0
+    # Granite: embeddings x embedding_multiplier; each attention / MLP output x
+    # residual_multiplier before its residual add; attention scale attention_multiplier
+    # (None: head_dim ** -0.5); logits / logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # fp8 / int4 checkpoints (HF quantization_config): how their weights are stored; None: 16/32-bit
     quantization_config: CheckpointQuantization | None = None
     # a sequence classifier (CLASSIFIER_ARCHITECTURES; 0 for any other model): its labels
@@ -729,7 +825,7 @@ class ModelConfig:
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
-        if arch in LLAMA_FAMILY:
+        if arch in LLAMA_FAMILY | LLAMA_VARIANTS:
             required.append("intermediate_size")
         missing = [k for k in required if d.get(k) is None]
         if missing:
@@ -761,6 +857,13 @@ class ModelConfig:
         rope_scaling = d.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
+        if (model_type == "phi3" and isinstance(rope_scaling, dict)
+                and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("su", "yarn")):
+            rope_scaling = {**rope_scaling, "rope_type": "longrope"}  # Phi3Config's old names
+        if (arch != "Phi3ForCausalLM" and isinstance(rope_scaling, dict)
+                and rope_scaling.get("rope_type", rope_scaling.get("type")) == "longrope"):
+            raise ConfigError(f"{where}: rope_scaling type 'longrope' is read for "
+                              f"Phi3ForCausalLM only, not {arch}")
         num_labels, activation = 0, "softmax"
         labels: tuple[str, ...] = ()
         from_token, method = classifier_from_token(d, where)
@@ -771,6 +874,8 @@ class ModelConfig:
             num_labels, labels = classifier_labels(d, where)
             activation = classifier_activation(d, folder, num_labels)
         moe = _llama_moe_fields(d, arch, where) if arch in LLAMA_MOE_FAMILY else {}
+        variant = (_variant_fields(d, arch, where, head_dim, rope_scaling)
+                   if arch in LLAMA_VARIANTS else {})
         # Qwen2-MoE names its q/k/v bias qkv_bias (on unless set false, as Qwen2's)
         bias = (d.get("qkv_bias", True) if model_type == "qwen2_moe"
                 else d.get("attention_bias", model_type == "qwen2"))
@@ -829,7 +934,7 @@ class ModelConfig:
             use_pad_token=bool(d.get("use_pad_token", not from_token)),
             raw=d,
             **gemma,
-        ), **moe)
+        ), **moe, **variant)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts: DeepSeek's rule
@@ -852,6 +957,11 @@ class ModelConfig:
     def attention_scale(self) -> float:
         """What q.k is multiplied by: query_pre_attn_scalar ** -0.5 (Gemma 2/3), else head_dim's."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that rotary rotates (Phi-4-mini: 3/4 of them)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def is_mla(self) -> bool:

@@ -101,6 +101,8 @@ def _attention_params(cfg: ModelConfig) -> int:
             n += h
     if cfg.qk_norm:
         n += 2 * d
+    if cfg.model_type == "olmo2":  # q_norm / k_norm over the whole projections
+        n += q_dim + kv_dim
     return n
 
 
@@ -277,6 +279,12 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         # Gemma 2/3 window some layers only (layer_types)
         "sliding_window_layers": sum(cfg.attention_window(i) is not None
                                      for i in range(cfg.num_hidden_layers)),
+        # rotary over the first rotary_dim dims of a head (Phi-3's partial_rotary_factor) and
+        # its scaling (longrope: the factor lists applied past original_max_position_embeddings)
+        "rotary_dim": None if cfg.is_mla else cfg.rotary_dim,
+        "rope_scaling": None if cfg.rope_scaling is None else {
+            "type": cfg.rope_scaling.rope_type,
+            "original_max_position_embeddings": cfg.rope_scaling.original_max_position_embeddings},
         "max_position_embeddings": cfg.max_position_embeddings,
         "dtype": dtype,
         "dtype_bytes": wbytes,
@@ -366,6 +374,14 @@ def format_report(info: dict[str, Any]) -> str:
             ("group size", str(info["group_size"])),
             ("head_dim", str(info["head_dim"])),
         ]
+        rope = info.get("rope_scaling")
+        if info.get("rotary_dim") != info["head_dim"] or (rope and rope["type"] == "longrope"):
+            text = f"first {info['rotary_dim']} of {info['head_dim']} dims"
+            if rope and rope["type"] == "longrope":
+                original = rope["original_max_position_embeddings"]
+                text += (f", longrope: long factors when max_model_len > {original}, "
+                         "short ones otherwise")
+            rows.append(("rotary", text))
     if info.get("labels"):
         labels = info["labels"]
         rows.append(("task", f"classify: {len(labels)} label(s) {', '.join(labels[:8])}"

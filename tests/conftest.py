@@ -274,6 +274,33 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int,
     return outs
 
 
+def bf16_teacher_forced_hits(path: Path, prompts: list[list[int]], truth: list[list[int]],
+                             hf_kwargs: dict | None = None, **llm_kwargs) -> tuple[int, int]:
+    """(ours, transformers'): over every position of the fp32 continuations ``truth``, how
+    often the bf16 model's top token is fp32's, given the fp32 tokens before it (teacher-
+    forced: greedy bf16 runs of a tiny random model part chaotically once one token
+    differs). Ours through LLM(path, dtype="bfloat16", device="cuda", **llm_kwargs) and
+    prompt_logprobs; transformers' bf16 on CUDA (``hf_kwargs`` to from_pretrained)."""
+    import transformers
+
+    from flashpage import LLM, SamplingParams
+
+    seqs = [p + t for p, t in zip(prompts, truth, strict=True)]
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, **(hf_kwargs or {})).cuda()
+    hf_hits = 0
+    with torch.no_grad():
+        for p, s in zip(prompts, seqs, strict=True):
+            pred = hf16(torch.tensor([s], device="cuda")).logits[0, len(p) - 1:-1].argmax(-1)
+            hf_hits += sum(a == b for a, b in zip(pred.tolist(), s[len(p):], strict=True))
+    llm = LLM(str(path), dtype="bfloat16", device="cuda", **llm_kwargs)
+    outs = llm.generate(seqs, SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0),
+                        use_tqdm=False)
+    ours = sum(o.prompt_logprobs[i].rank == 1 for p, s, o in zip(prompts, seqs, outs, strict=True)
+               for i in range(len(p), len(s)))
+    return ours, hf_hits
+
+
 def random_prompts(n: int, lo: int, hi: int, vocab: int = 256, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()

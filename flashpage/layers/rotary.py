@@ -1,7 +1,10 @@
 """Rotary position embedding: inv_freq per scaling type, a cos/sin cache, and its application.
 
 ``cos_sin_cache`` is ``[max_positions, rot_dim]`` fp32: cos in the first half, sin in
-the second (the layout the Triton rotary kernel reads).
+the second (the layout the Triton rotary kernel reads); rot_dim < head_dim rotates the
+first rot_dim dims of each head only (Phi-3's partial_rotary_factor). longrope's choice of
+factors is made once from max_positions (``uses_long_factors``), and its attention factor
+is folded into the cache.
 """
 
 from __future__ import annotations
@@ -20,7 +23,26 @@ def default_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
 
 
-def scaled_inv_freq(base: float, dim: int, scaling: RopeScaling | None) -> torch.Tensor:
+def uses_long_factors(scaling: RopeScaling, max_positions: int) -> bool:
+    """longrope: whether the long factors apply. transformers switches per forward, on the
+    longest position it is given (> original_max_position_embeddings: long), so a sequence
+    that grows past it keeps the keys it cached with the short factors. A cache that must
+    stay valid picks once, as vLLM does: long whenever the model may see positions past
+    the original length (max_model_len > original_max_position_embeddings)."""
+    assert scaling.original_max_position_embeddings is not None
+    return max_positions > scaling.original_max_position_embeddings
+
+
+def scaled_inv_freq(base: float, dim: int, scaling: RopeScaling | None,
+                    max_positions: int | None = None) -> torch.Tensor:
+    if scaling is not None and scaling.rope_type == "longrope":
+        if max_positions is None:
+            raise ValueError("longrope picks its factors by max_positions: pass it")
+        long = uses_long_factors(scaling, max_positions)
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor,
+                               dtype=torch.float32)
+        # transformers' expression, so fp32 values match bit for bit
+        return 1.0 / (factors * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     inv_freq = default_inv_freq(base, dim)
     if scaling is None or scaling.rope_type == "default":
         return inv_freq
@@ -75,8 +97,11 @@ class RotaryEmbedding(KeepFp32, ops.FusedOpsModule):
         self.head_dim = head_dim
         self.is_neox = is_neox
         self.max_positions = max_positions
-        self.inv_freq = scaled_inv_freq(base, rot_dim, scaling)
-        self.register_buffer("cos_sin_cache", build_cos_sin_cache(self.inv_freq, max_positions),
+        self.inv_freq = scaled_inv_freq(base, rot_dim, scaling, max_positions)
+        # longrope's attention factor scales cos and sin (so q.k by its square)
+        self.mscale = (scaling.attention_factor or 1.0) if scaling is not None else 1.0
+        self.register_buffer("cos_sin_cache",
+                             build_cos_sin_cache(self.inv_freq, max_positions, self.mscale),
                              persistent=False)
 
     def set_frequency_factors(self, factors: torch.Tensor) -> None:
@@ -85,7 +110,8 @@ class RotaryEmbedding(KeepFp32, ops.FusedOpsModule):
         if factors.shape != self.inv_freq.shape:
             raise ValueError(f"rope_freqs has shape {tuple(factors.shape)}, expected "
                              f"{tuple(self.inv_freq.shape)} (one factor per rotated pair)")
-        cache = build_cos_sin_cache(self.inv_freq / factors.float().cpu(), self.max_positions)
+        cache = build_cos_sin_cache(self.inv_freq / factors.float().cpu(), self.max_positions,
+                                    self.mscale)
         self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -101,11 +127,13 @@ class RotaryEmbedding(KeepFp32, ops.FusedOpsModule):
 
 
 def get_rope(config: ModelConfig, max_positions: int, layer: int | None = None) -> RotaryEmbedding:
-    """Layer ``layer``'s rotary embedding: Gemma 3's sliding layers use their own base
-    (rope_local_theta) without scaling, every other layer rope_theta and rope_scaling."""
+    """Layer ``layer``'s rotary embedding, neox-style over the first ``config.rotary_dim``
+    dims of each head (all of them but for a partial_rotary_factor: the fused kernels take
+    the partial width too): Gemma 3's sliding layers use their own base (rope_local_theta)
+    without scaling, every other layer rope_theta and rope_scaling."""
     if (layer is not None and config.rope_local_theta is not None
             and config.layer_types[layer] == "sliding_attention"):
-        return RotaryEmbedding(config.head_dim, config.head_dim, max_positions,
+        return RotaryEmbedding(config.head_dim, config.rotary_dim, max_positions,
                                config.rope_local_theta, None, is_neox=True)
-    return RotaryEmbedding(config.head_dim, config.head_dim, max_positions, config.rope_theta,
+    return RotaryEmbedding(config.head_dim, config.rotary_dim, max_positions, config.rope_theta,
                            config.rope_scaling, is_neox=True)

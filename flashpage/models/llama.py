@@ -69,7 +69,9 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = h * d, kv * d
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, (h + 2 * kv) * d,
                                              bias=config.attention_bias)
-        self.o_proj = RowParallelLinear(h * d, config.hidden_size, bias=False)
+        # HF biases o_proj with q/k/v (Llama, Granite, OLMo2), but for Qwen2's
+        self.o_proj = RowParallelLinear(h * d, config.hidden_size, bias=config.attention_bias
+                                        and config.model_type not in ("qwen2", "qwen2_moe"))
         if config.qk_norm:
             self.q_norm = norm_cls(d, config.rms_norm_eps)
             self.k_norm = norm_cls(d, config.rms_norm_eps)
@@ -132,12 +134,16 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         if config.n_routed_experts:
             self.max_graph_tokens = SYNC_FREE_MAX_TOKENS
-        max_positions = max_positions or config.max_position_embeddings
-        self.model: DecoderStack = LlamaModel(config, max_positions)  # (Gemma's: GemmaModel)
+        self.model: DecoderStack = self._decoder(
+            config, max_positions or config.max_position_embeddings)
         self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size)
         self.lm_head.quantizable = False  # logits stay 16-bit under quantization="fp8"
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _decoder(self, config: ModelConfig, max_positions: int) -> DecoderStack:
+        """The body (a family on the Llama head and loading overrides it)."""
+        return LlamaModel(config, max_positions)
 
     def attention_layers(self) -> list[Attention]:
         return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.model.layers]

@@ -18,7 +18,13 @@ from flashpage.attention.registry import BackendUnavailable, backend_reasons, se
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.models.gemma import is_gemma_norm
 from flashpage.models.loader import iter_safetensors, load_model, resolve_model
-from tests.conftest import hf_greedy, random_prompts, run_staggered, staggered_prompts
+from tests.conftest import (
+    bf16_teacher_forced_hits,
+    hf_greedy,
+    random_prompts,
+    run_staggered,
+    staggered_prompts,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 WINDOW = 8
@@ -291,7 +297,6 @@ def test_gemma_on_the_gpu_fp32_and_bf16(tmp_path, name):
     """On CUDA, the default backend (triton: the softcap and per-layer windows in our
     kernels), CUDA graphs and fused ops on: fp32 gives transformers' tokens; bf16 follows
     them about as closely as transformers' own bf16 does (teacher-forced)."""
-    import transformers
 
     path = build_tiny_gemma(tmp_path / name, name, head_dim=64, num_attention_heads=4,
                             num_key_value_heads=2, hidden_size=128)
@@ -304,21 +309,8 @@ def test_gemma_on_the_gpu_fp32_and_bf16(tmp_path, name):
         return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
     assert ours("float32") == truth
-    # bf16, teacher-forced (greedy runs of a tiny random model part chaotically once one
-    # token differs): at each position of the fp32 continuations, whether the bf16 model's
-    # top token is fp32's; ours as often as transformers' own bf16
-    seqs = [p + t for p, t in zip(prompts, truth, strict=True)]
-    hf16 = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16, **EAGER).cuda()
-    hf_hits = 0
-    with torch.no_grad():
-        for p, s in zip(prompts, seqs, strict=True):
-            pred = hf16(torch.tensor([s], device="cuda")).logits[0, len(p) - 1:-1].argmax(-1)
-            hf_hits += sum(a == b for a, b in zip(pred.tolist(), s[len(p):], strict=True))
-    llm = LLM(str(path), dtype="bfloat16", device="cuda", block_size=16, max_num_batched_tokens=64)
-    outs = llm.generate(seqs, SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0),
-                        use_tqdm=False)
-    our_hits = sum(o.prompt_logprobs[i].rank == 1 for p, s, o in zip(prompts, seqs, outs, strict=True)
-                   for i in range(len(p), len(s)))
+    # bf16, teacher-forced: ours picks fp32's token as often as transformers' own bf16
+    our_hits, hf_hits = bf16_teacher_forced_hits(path, prompts, truth, EAGER, block_size=16,
+                                                 max_num_batched_tokens=64)
     total = sum(len(t) for t in truth)
     assert our_hits >= hf_hits - 0.03 * total and our_hits >= 0.85 * total, (our_hits, hf_hits)
