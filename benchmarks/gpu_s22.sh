@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Session 22's device plan: what session 21 left unverified on the GPU, then two A/Bs.
+#   BUDGET=560 bash benchmarks/gpu_s22.sh verify  the GPU tests run 179 did not finish or that changed
+#                                                 after it: int4 (chains, fp32 x, norm prologue), block
+#                                                 fp8 kept fp8 (16-wide blocks now w8a16), the MoE
+#                                                 families, Gemma (1 + w in fp32, teacher-forced bf16),
+#                                                 Phi-3 / Granite / OLMo2 (and any family merged since)
+#   BUDGET=420 bash benchmarks/gpu_s22.sh ab      the 8B int4 batch-1 decode: neither / the norm prologue
+#                                                 alone / PDL alone (run 179: both together -15%); then
+#                                                 the block-fp8 W8A8 GEMM's tiles at 256 / 2048 rows
+# Results under $OUT.
+PART=${1:-verify}
+source "$(dirname "$0")/gpu_lib.sh"
+case "$PART" in
+verify)
+  timeout "$(left 230)" $PT -rf tests/kernels/test_int4_gemv.py tests/models/test_int4_online.py \
+    tests/models/test_int4_checkpoints.py 2>&1 | tee "$OUT/gpu_int4_tests.txt" | tail -n 4
+  timeout "$(left 90)" $PT -m gpu -rf tests/kernels/test_fp8_block_gemm.py tests/models/test_fp8_checkpoints.py \
+    2>&1 | tee "$OUT/gpu_fp8blk_tests.txt" | tail -n 4
+  timeout "$(left 150)" $PT -m gpu -rf tests/models/test_moe_families.py tests/kernels/test_moe_router.py \
+    tests/kernels/test_fused_moe.py 2>&1 | tee "$OUT/gpu_moe_tests.txt" | tail -n 4
+  timeout "$(left 150)" $PT -m gpu -rf tests/models/test_gemma.py tests/models/test_more_families.py \
+    $(ls tests/models/test_cohere_starcoder.py 2>/dev/null) 2>&1 | tee "$OUT/gpu_family_tests.txt" | tail -n 4
+  (cd "$OUT" && tar -czf tests.tgz gpu_*_tests.txt && rm -f gpu_*_tests.txt)
+  echo "part verify done at ${SECONDS}s" ;;
+ab)
+  latency int4_bs1 --batch-size 1 --quantization int4
+  FLASHPAGE_INT4_FUSED_NORM=1 latency int4_norm_bs1 --batch-size 1 --quantization int4
+  FLASHPAGE_PDL=all latency int4_pdlall_bs1 --batch-size 1 --quantization int4
+  latency bf16_bs1 --batch-size 1
+  timeout "$(left 150)" python3 benchmarks/fp8_block_gemm.py --rows 256,2048 --no-deq \
+    --configs m128n256s1w8st3g8,m128n128s1w4st4g8,m64n256s1w4st4g8,m128n128s1w8st4g8,m256n128s1w8st3g8 \
+    --json-out "$OUT/fp8_block_w8a8.json" > "$OUT/fp8_block_w8a8.txt" 2>&1; tail -n 40 "$OUT/fp8_block_w8a8.txt"
+  (cd "$OUT" && tar -czf latency.tgz latency_* && rm -f latency_*)
+  echo "part ab done at ${SECONDS}s" ;;
+*) echo "unknown part $PART"; exit 2 ;;
+esac
