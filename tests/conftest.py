@@ -353,6 +353,33 @@ def run_staggered(engine, prompts: list[list[int]], params) -> dict:
             "mixed_steps": mixed_steps}
 
 
+def assert_staggered_matches_hf(path: Path, hf_kwargs: dict | None = None, **engine_kwargs) -> None:
+    """10 prompts (4 sharing a 32-token prefix) arrive over several steps into a cache too
+    small for all of them (fp32, CPU, block 4, 40 blocks, 24-token budget, 6 sequences):
+    chunked prefill, mixed steps, preemption and prefix hits must all happen, every output
+    must equal transformers' greedy tokens (``hf_kwargs`` to from_pretrained), and no block
+    may be left in use. ``engine_kwargs`` go to EngineConfig (e.g. attention_backend)."""
+    from flashpage import SamplingParams
+    from flashpage.config import EngineConfig
+    from flashpage.engine.llm_engine import LLMEngine
+
+    prompts = staggered_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = hf_greedy(path, prompts, params.max_tokens, **(hf_kwargs or {}))
+    engine = LLMEngine(EngineConfig(**{
+        "model": str(path), "dtype": "float32", "device": "cpu", "block_size": 4,
+        "num_gpu_blocks": 40, "max_num_batched_tokens": 24, "max_num_seqs": 6,
+        **engine_kwargs}))
+    run = run_staggered(engine, prompts, params)
+    assert run["chunks"], "the token budget was meant to force chunked prefill"
+    assert run["mixed_steps"] > 0, "decodes and prompt chunks were meant to share steps"
+    assert run["outputs"] == expected
+    assert engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
+    kv = engine.kv_manager.stats()
+    assert kv.prefix_hits > 0, "the shared prefix was meant to hit the cache"
+    assert kv.blocks_used == 0
+
+
 def step_metadata(q_lens: list[int], seq_lens: list[int], tables: list[list[int]], block_size: int,
                   num_decodes: int) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata of one step (and the positions of its tokens) as the model runner builds it."""

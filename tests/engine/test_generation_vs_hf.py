@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from flashpage import LLM, SamplingParams
-from tests.conftest import TINY_MODELS, hf_greedy, random_prompts, run_staggered, staggered_prompts
+from tests.conftest import (
+    TINY_MODELS,
+    assert_staggered_matches_hf,
+    hf_greedy,
+    random_prompts,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -27,24 +32,7 @@ def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny_checkpoin
     """10 prompts (4 sharing a 32-token prefix) arrive over several steps into a cache
     too small for all of them; chunked prefill, preemption and prefix hits all happen,
     and every output still equals transformers'."""
-    from flashpage.config import EngineConfig
-    from flashpage.engine.llm_engine import LLMEngine
-
-    path = tiny_checkpoint("llama31_gqa")
-    prompts = staggered_prompts()
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    expected = hf_greedy(path, prompts, params.max_tokens)
-    cfg = EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=4,
-                       num_gpu_blocks=40, max_num_batched_tokens=24, max_num_seqs=6)
-    engine = LLMEngine(cfg)
-    run = run_staggered(engine, prompts, params)
-    assert run["chunks"], "the token budget was meant to force chunked prefill"
-    assert run["mixed_steps"] > 0, "decodes and prompt chunks were meant to share steps"
-    assert run["outputs"] == expected
-    assert engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
-    kv = engine.kv_manager.stats()
-    assert kv.prefix_hits > 0, "the shared prefix was meant to hit the cache"
-    assert kv.blocks_used == 0
+    assert_staggered_matches_hf(tiny_checkpoint("llama31_gqa"))
 
 
 def test_sharded_checkpoint_loads(tiny_checkpoint, tmp_path):

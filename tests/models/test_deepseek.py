@@ -9,17 +9,14 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from flashpage.attention.triton import TritonBackend
-from flashpage.config import EngineConfig
 from flashpage.engine.cuda_graph import DecodeGraphs
-from flashpage.engine.llm_engine import LLMEngine
 from flashpage.layers.mla_attention import MLAAttention, mla_decode_torch, mla_prefill_torch
 from flashpage.models.loader import iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     TINY_MLA_MODELS,
+    assert_staggered_matches_hf,
     hf_greedy,
     random_prompts,
-    run_staggered,
-    staggered_prompts,
     step_metadata,
 )
 
@@ -63,22 +60,7 @@ def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny_mla_check
     small for all of them: chunked prefill (expanded path over a cached prefix), preemption
     and prefix hits all happen, decodes share steps with chunks, and every output still
     equals transformers'."""
-    path = tiny_mla_checkpoint(name)
-    prompts = staggered_prompts()
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    expected = hf_greedy(path, prompts, params.max_tokens)
-    cfg = EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=4,
-                       num_gpu_blocks=40, max_num_batched_tokens=24, max_num_seqs=6,
-                       attention_backend="torch_native")
-    engine = LLMEngine(cfg)
-    run = run_staggered(engine, prompts, params)
-    assert run["chunks"], "the token budget was meant to force chunked prefill"
-    assert run["mixed_steps"] > 0, "decodes and prompt chunks were meant to share steps"
-    assert run["outputs"] == expected
-    assert engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
-    kv = engine.kv_manager.stats()
-    assert kv.prefix_hits > 0, "the shared prefix was meant to hit the cache"
-    assert kv.blocks_used == 0
+    assert_staggered_matches_hf(tiny_mla_checkpoint(name), attention_backend="torch_native")
 
 
 # ----------------------------------------------------------------- the two paths, one step

@@ -21,18 +21,16 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from flashpage import LLM, SamplingParams
-from flashpage.config import ConfigError, EngineConfig, ModelConfig
-from flashpage.engine.llm_engine import LLMEngine
+from flashpage.config import ConfigError, ModelConfig
 from flashpage.layers.moe import FusedExperts, SparseMoeBlock, set_fused_moe
 from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     TINY_MOE_MODELS,
+    assert_staggered_matches_hf,
     build_tiny_moe_checkpoint,
     edited_copy,
     hf_greedy,
     random_prompts,
-    run_staggered,
-    staggered_prompts,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -104,18 +102,7 @@ def test_greedy_matches_transformers_on_the_fused_kernel(tiny_moe_checkpoint, na
 def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny_moe_checkpoint, name):
     """10 prompts (4 sharing a 32-token prefix) over several steps into a cache too small
     for all: chunked prefill, preemption, prefix hits, mixed steps; transformers' tokens."""
-    ckpt = tiny_moe_checkpoint(name)
-    prompts = staggered_prompts()
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    expected = hf_greedy(ckpt, prompts, params.max_tokens)
-    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype="float32", device="cpu", block_size=4,
-                                    num_gpu_blocks=40, max_num_batched_tokens=24, max_num_seqs=6,
-                                    attention_backend="torch_native"))
-    run = run_staggered(engine, prompts, params)
-    assert run["chunks"] and run["mixed_steps"] > 0
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.kv_manager.stats().prefix_hits > 0
-    assert run["outputs"] == expected
+    assert_staggered_matches_hf(tiny_moe_checkpoint(name), attention_backend="torch_native")
 
 
 # ----------------------------------------------------------------- against HF's modules
