@@ -117,14 +117,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
     which layer): Llama's loading, LoRA targets and head, with the differences above."""
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = GemmaModel(config, max_positions or config.max_position_embeddings)
-        self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size)
-        self.lm_head.quantizable = False  # logits stay 16-bit under quantization="fp8"
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, max_positions)
         self.final_softcap = config.final_logit_softcapping
+
+    def _decoder(self, config: ModelConfig, max_positions: int) -> DecoderStack:
+        return GemmaModel(config, max_positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
