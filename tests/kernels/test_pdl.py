@@ -176,7 +176,8 @@ def _compile_ptx() -> dict[str, str]:
            "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "logits_ptr": "*fp32", "bias_ptr": "*fp32",
            "weights_ptr": "*fp32", "ids_ptr": "*i64", "scale": "fp32"}
     kernels = {
-        "rms_norm": (rn._rms_norm_kernel, dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True), 8, 3),
+        "rms_norm": (rn._rms_norm_kernel, dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, W_FP32=False),
+                     8, 3),
         "silu_mul": (sm._silu_and_mul_kernel, dict(BLOCK=1024, GELU_TANH=False), 4, 3),
         "rotary": (rot._rotary_kernel, dict(
             WRITE_CACHE=True, IS_NEOX=True, PAGE=16, HALF=64, HALF_PAD=64, HEAD_DIM=128,
