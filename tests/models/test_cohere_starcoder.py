@@ -352,7 +352,10 @@ def test_gpu_fp32_kernels_and_graphs_give_transformers_tokens(tmp_path, name):
     """Our attention, fused rotary + cache-write (interleaved for Cohere) and window
     kernels, eager and in CUDA graphs, against transformers' fp32 tokens."""
     path = _gpu_checkpoint(tmp_path, name)
-    prompts = random_prompts(8, 1, 120, seed=22)  # most past starcoder2's 16-token window
+    # most past starcoder2's 16-token window; seed 28: transformers' fp32 top-2 logprobs are
+    # >= 1.7e-3 apart at every step of every model here (on the CPU; seed 22's come within
+    # 2.9e-4), far above what fp32 on the GPU and on the CPU differ by
+    prompts = random_prompts(8, 1, 120, seed=28)
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True)
               for i in range(len(prompts))]  # decode batches shrink through the graph sizes
     graphs, llm = _gpu_tokens(path, "float32", prompts, params, max_num_seqs=16)
