@@ -38,8 +38,10 @@ LLAMA_MOE_FAMILY = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCau
 # models/gemma.py: Llama's shape with (1 + w) norms, scaled embeddings and GELU-tanh;
 # Gemma 2/3 add post-norms, per-layer sliding windows and softcaps (_gemma_fields)
 GEMMA_FAMILY = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
-# the Llama body with one twist each (models/phi3.py, granite.py, olmo2.py; _variant_fields)
-LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM"}
+# the Llama body with one twist each (models/phi3.py, granite.py, olmo2.py, cohere.py,
+# starcoder2.py; _variant_fields)
+LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
+                  "CohereForCausalLM", "Starcoder2ForCausalLM"}
 SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
                            | LLAMA_VARIANTS)
 
@@ -59,6 +61,8 @@ _MODEL_TYPE_TO_ARCH = {
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "cohere": "CohereForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -449,12 +453,17 @@ def _positive_number(d: dict[str, Any], key: str, where: str, default: float) ->
 
 def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
                     rope: dict[str, Any] | None) -> dict[str, Any]:
-    """Phi-3's partial rotary and longrope, Granite's multipliers (ModelConfig's names),
-    validated; OLMo2 needs none (its q/k norms are models/olmo2.py's own)."""
+    """Phi-3's partial rotary and longrope, Granite's multipliers, Cohere's and Starcoder2's
+    LayerNorm fields (ModelConfig's names), validated; OLMo2 needs none (its q/k norms are
+    models/olmo2.py's own)."""
+    if arch == "Starcoder2ForCausalLM":
+        return _starcoder2_fields(d, where)
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
                           f"{arch} (supported: 'silu')")
     out: dict[str, Any] = {}
+    if arch == "CohereForCausalLM":
+        return _cohere_fields(d, where)
     if arch == "GraniteForCausalLM":
         if d.get("mlp_bias"):
             raise ConfigError(f"{where}: mlp_bias true is not supported for {arch} (the "
@@ -476,6 +485,47 @@ def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
         if rope and rope.get("rope_type", rope.get("type")) == "longrope":
             out["rope_scaling"] = _longrope(d, rope, where, int(head_dim * f))
     return out
+
+
+def _flag(d: dict[str, Any], key: str, default: bool, where: str) -> bool:
+    v = d.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where}: {key} must be true or false, got {v!r}")
+    return v
+
+
+def _cohere_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """Command-R / Aya (CohereConfig's defaults where a field is absent): LayerNorms without
+    bias of ``layer_norm_eps`` (held as rms_norm_eps: the norms' epsilon), logits x
+    ``logit_scale``, rotary on interleaved pairs, the head tied to the embeddings, and
+    Command-R+'s per-head q/k LayerNorms (``use_qk_norm``)."""
+    scale = d.get("logit_scale", 0.0625)
+    if (not isinstance(scale, int | float) or isinstance(scale, bool) or not math.isfinite(scale)
+            or scale == 0):
+        raise ConfigError(f"{where}: logit_scale must be a finite non-zero number, got {scale!r}")
+    return dict(rms_norm_eps=_positive_number(d, "layer_norm_eps", where, 1e-5),
+                logit_scale=float(scale), rope_interleaved=True,
+                qk_norm=_flag(d, "use_qk_norm", False, where),
+                tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
+
+
+def _starcoder2_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """StarCoder2 (Starcoder2Config's defaults where a field is absent): LayerNorms with bias
+    of ``norm_epsilon`` (held as rms_norm_eps), ``use_bias`` on q/k/v/o and on the MLP's
+    c_fc / c_proj, a GELU (``hidden_act``) between them, the head tied to the embeddings.
+    The sliding window is read as every family's (``sliding_window``)."""
+    from flashpage.layers.activation import PLAIN_ACTIVATIONS
+
+    act = d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in PLAIN_ACTIVATIONS:
+        raise ConfigError(f"{where}: hidden_act {act!r} is not supported for "
+                          f"Starcoder2ForCausalLM (supported: {', '.join(PLAIN_ACTIVATIONS)})")
+    bias = _flag(d, "use_bias", True, where)
+    return dict(rms_norm_eps=_positive_number(d, "norm_epsilon", where, 1e-5), hidden_act=act,
+                attention_bias=bias, mlp_bias=bias,
+                tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
 
 
 def _longrope(d: dict[str, Any], rope: dict[str, Any], where: str, rot_dim: int) -> RopeScaling:
@@ -705,7 +755,7 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6  # the norms' epsilon (Cohere's, Starcoder2's LayerNorms' too)
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     hidden_act: str = "silu"
@@ -756,6 +806,12 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Cohere: logits x logit_scale; rotary on interleaved pairs (x[2i], x[2i + 1]), GPT-J's
+    # layout, instead of halves (x[i], x[i + rot_dim / 2])
+    logit_scale: float = 1.0
+    rope_interleaved: bool = False
+    # Starcoder2: the MLP's c_fc / c_proj have a bias (use_bias, with attention_bias)
+    mlp_bias: bool = False
     # fp8 / int4 checkpoints (HF quantization_config): how their weights are stored; None: 16/32-bit
     quantization_config: CheckpointQuantization | None = None
     # a sequence classifier (CLASSIFIER_ARCHITECTURES; 0 for any other model): its labels

@@ -99,8 +99,8 @@ def _attention_params(cfg: ModelConfig) -> int:
         n += q_dim + 2 * kv_dim
         if cfg.model_type not in ("qwen2", "qwen2_moe"):  # Llama's also biases o_proj
             n += h
-    if cfg.qk_norm:
-        n += 2 * d
+    if cfg.qk_norm:  # Cohere's q/k LayerNorms have weights per head; Qwen3's one of head_dim
+        n += q_dim + kv_dim if cfg.model_type == "cohere" else 2 * d
     if cfg.model_type == "olmo2":  # q_norm / k_norm over the whole projections
         n += q_dim + kv_dim
     return n
@@ -119,7 +119,11 @@ def _mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     """(total, active per token) parameters of one layer's MLP."""
     h = cfg.hidden_size
     if not cfg.is_moe_layer(layer):
-        n = 3 * h * cfg.intermediate_size
+        inter = cfg.intermediate_size
+        if cfg.model_type == "starcoder2":  # c_fc, c_proj (not gated)
+            n = 2 * h * inter + (inter + h if cfg.mlp_bias else 0)
+        else:
+            n = 3 * h * inter
         return n, n
     assert cfg.n_routed_experts is not None
     expert = 3 * h * cfg.moe_intermediate_size
@@ -161,7 +165,9 @@ def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
         if cfg.is_moe_layer(layer):
             shared, inter = _shared_experts(cfg)
             m += f".{shared}"
-        if inter:
+        if cfg.model_type == "starcoder2":
+            out += [((f"{m}.c_fc",), inter, h), ((f"{m}.c_proj",), h, inter)]
+        elif inter:
             out += [((f"{m}.gate_proj", f"{m}.up_proj"), 2 * inter, h), ((f"{m}.down_proj",), h, inter)]
     return out
 
@@ -224,11 +230,13 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     h = cfg.hidden_size
     embed = cfg.vocab_size * h
     head = h * cfg.num_labels if cfg.is_classifier else (0 if cfg.tie_word_embeddings else embed)
-    fixed = embed + h + head  # + final norm, lm_head (a classifier's: its score head)
+    norm = 2 * h if cfg.model_type == "starcoder2" else h  # its LayerNorms' bias too
+    fixed = embed + norm + head  # + final norm, lm_head (a classifier's: its score head)
     total = active = fixed
-    attn = _attention_params(cfg) + 2 * h  # + input and post-attention norms
-    if cfg.model_type in ("gemma2", "gemma3_text"):
-        attn += 2 * h  # + pre- and post-feedforward norms
+    # input and post-attention norms; Gemma 2/3's pre- and post-feedforward ones too;
+    # Cohere's one norm feeds attention and the MLP
+    norms = {"gemma2": 4, "gemma3_text": 4, "cohere": 1}.get(cfg.model_type, 2)
+    attn = _attention_params(cfg) + norms * norm
     for layer in range(cfg.num_hidden_layers):
         mlp_total, mlp_active = _mlp_params(cfg, layer)
         total += attn + mlp_total
@@ -282,6 +290,7 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         # rotary over the first rotary_dim dims of a head (Phi-3's partial_rotary_factor) and
         # its scaling (longrope: the factor lists applied past original_max_position_embeddings)
         "rotary_dim": None if cfg.is_mla else cfg.rotary_dim,
+        "rotary_interleaved": cfg.rope_interleaved,  # Cohere's pairs (x[2i], x[2i + 1])
         "rope_scaling": None if cfg.rope_scaling is None else {
             "type": cfg.rope_scaling.rope_type,
             "original_max_position_embeddings": cfg.rope_scaling.original_max_position_embeddings},
@@ -375,9 +384,13 @@ def format_report(info: dict[str, Any]) -> str:
             ("head_dim", str(info["head_dim"])),
         ]
         rope = info.get("rope_scaling")
-        if info.get("rotary_dim") != info["head_dim"] or (rope and rope["type"] == "longrope"):
-            text = f"first {info['rotary_dim']} of {info['head_dim']} dims"
-            if rope and rope["type"] == "longrope":
+        longrope = bool(rope and rope["type"] == "longrope")
+        if info.get("rotary_dim") != info["head_dim"] or longrope or info.get("rotary_interleaved"):
+            text = (f"first {info['rotary_dim']} of {info['head_dim']} dims"
+                    if info.get("rotary_dim") != info["head_dim"] else "all dims")
+            if info.get("rotary_interleaved"):
+                text += ", interleaved pairs (GPT-J's layout)"
+            if rope and longrope:
                 original = rope["original_max_position_embeddings"]
                 text += (f", longrope: long factors when max_model_len > {original}, "
                          "short ones otherwise")

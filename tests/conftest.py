@@ -187,7 +187,9 @@ def _save_tiny_routed(path: Path, cls_name: str, extra: dict, seed: int, fan_in_
     # Widen the small random init so logits are far from ties (as build_tiny_checkpoint).
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if "norm" in n:
+            if "norm" in n and n.endswith(".bias"):
+                p.normal_(0, 0.2)  # a LayerNorm's (Starcoder2): 0.5-1.5 would swamp the logits
+            elif "norm" in n:
                 p.uniform_(0.5, 1.5)
             elif "gate.weight" in n:
                 p.normal_(0, 0.5)  # router logits far apart: no near-tied expert choices

@@ -1,8 +1,10 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm (and Gemma's) and LayerNorm, each optionally fused with the residual add that
+precedes it."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flashpage.layers import ops
@@ -32,3 +34,34 @@ class GemmaRMSNorm(KeepFp32, RMSNorm):
     and stays fp32 through ``model.to(dtype)``, and the product is taken in fp32 before the
     one rounding to x's dtype, as HF Gemma computes ``norm(x.float()) * (1 + w.float())``.
     (Rounded to bf16, 1 + w keeps ~8 bits of a small w: the tokens part from HF's.)"""
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim: ``(x - mean) / sqrt(var + eps) * weight (+ bias)``, with
+    ``forward(x, residual)`` -> (norm(x + residual), x + residual) as RMSNorm's.
+
+    Computed in fp32 and rounded once to x's dtype, as transformers' CohereLayerNorm does
+    (and torch's CUDA layer_norm for Starcoder2's nn.LayerNorm). ``shape``: the weight's,
+    ending in the normalized dim; a leading dim is per head (Command-R+'s q/k norms hold
+    [heads, head_dim] and norm each head of [N, heads, head_dim] over its head_dim).
+
+    Plain PyTorch, not a FusedOpsModule: it has no ``fused`` flag, so the GEMV norm
+    prologues (``_ParallelLinear.fuses_norm``, RMSNorm's math) never take it."""
+
+    def __init__(self, shape: int | tuple[int, ...], eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(shape))
+        self.bias = nn.Parameter(torch.zeros(shape)) if bias else None
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()
+        if self.bias is not None:
+            h = h + self.bias.float()
+        out = h.to(x.dtype)
+        return out if residual is None else (out, residual)

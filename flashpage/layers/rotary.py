@@ -127,13 +127,15 @@ class RotaryEmbedding(KeepFp32, ops.FusedOpsModule):
 
 
 def get_rope(config: ModelConfig, max_positions: int, layer: int | None = None) -> RotaryEmbedding:
-    """Layer ``layer``'s rotary embedding, neox-style over the first ``config.rotary_dim``
-    dims of each head (all of them but for a partial_rotary_factor: the fused kernels take
-    the partial width too): Gemma 3's sliding layers use their own base (rope_local_theta)
+    """Layer ``layer``'s rotary embedding over the first ``config.rotary_dim`` dims of each
+    head (all of them but for a partial_rotary_factor: the fused kernels take the partial
+    width too), on halves (neox, HF Llama's) or, for ``config.rope_interleaved`` (Cohere),
+    on neighbouring pairs: Gemma 3's sliding layers use their own base (rope_local_theta)
     without scaling, every other layer rope_theta and rope_scaling."""
+    neox = not config.rope_interleaved
     if (layer is not None and config.rope_local_theta is not None
             and config.layer_types[layer] == "sliding_attention"):
         return RotaryEmbedding(config.head_dim, config.rotary_dim, max_positions,
-                               config.rope_local_theta, None, is_neox=True)
+                               config.rope_local_theta, None, is_neox=neox)
     return RotaryEmbedding(config.head_dim, config.rotary_dim, max_positions, config.rope_theta,
-                           config.rope_scaling, is_neox=True)
+                           config.rope_scaling, is_neox=neox)

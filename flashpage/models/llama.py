@@ -60,6 +60,9 @@ def _moe_name(name: str) -> str:
 
 
 class LlamaAttention(nn.Module):
+    q_norm: nn.Module  # with config.qk_norm: norm_cls's (Cohere's: per-head LayerNorms)
+    k_norm: nn.Module
+
     def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int,
                  norm_cls: type[RMSNorm] = RMSNorm) -> None:
         """``norm_cls``: the q/k norms' class (Qwen3's RMSNorm; Gemma 3's GemmaRMSNorm)."""

@@ -23,6 +23,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("flashpage.models.phi3", "Phi3ForCausalLM"),
     "GraniteForCausalLM": ("flashpage.models.granite", "GraniteForCausalLM"),
     "Olmo2ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
+    "CohereForCausalLM": ("flashpage.models.cohere", "CohereForCausalLM"),
+    "Starcoder2ForCausalLM": ("flashpage.models.starcoder2", "Starcoder2ForCausalLM"),
     "DeepseekV2ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "GemmaForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),

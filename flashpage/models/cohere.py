@@ -1,0 +1,76 @@
+"""Cohere's Command-R / Command-R+ / Aya (CohereForCausalLM): Llama's projections, names and
+loading (models/llama.py: merged ``qkv_proj`` / ``gate_up_proj``, SiLU-gated MLP) with:
+
+- LayerNorms without bias (layers/norm.LayerNorm: mean-subtracted, in fp32) instead of
+  RMSNorms, and ONE norm a layer, whose output both attention and the MLP read::
+
+      x -> input_layernorm -> h;   x + attn(h) + mlp(h)
+
+- logits x ``logit_scale`` (Command-R: 1/16), the head tied to the embeddings;
+- rotary on interleaved pairs (x[2i], x[2i + 1]), transformers' Cohere rotate_half
+  (config.rope_interleaved; our rotary kernels' is_neox=False);
+- Command-R+'s ``use_qk_norm``: a LayerNorm on each head of q and of k, with its own
+  weights per head ([heads, head_dim]), before rotary.
+
+No norm here is an RMSNorm, so the one-row GEMV norm prologues are not used
+(``norm_consumers`` stays None; LayerNorm has no ``fused`` flag either)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flashpage.attention.backend import AttentionMetadata
+from flashpage.config import ModelConfig
+from flashpage.layers.linear import VocabEmbedding
+from flashpage.layers.mlp import GatedMLP
+from flashpage.layers.norm import LayerNorm
+from flashpage.models.common import DecoderStack
+from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class CohereAttention(LlamaAttention):
+    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
+        super().__init__(config, layer_idx, max_positions)
+        if config.qk_norm:  # per-head weights, not Qwen3's one head_dim-wide RMSNorm
+            self.q_norm = LayerNorm((self.num_heads, self.head_dim), config.rms_norm_eps,
+                                    bias=False)
+            self.k_norm = LayerNorm((self.num_kv_heads, self.head_dim), config.rms_norm_eps,
+                                    bias=False)
+
+
+class CohereDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
+        super().__init__()
+        self.input_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps, bias=False)
+        self.self_attn = CohereAttention(config, layer_idx, max_positions)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """DecoderStack's convention: (x, residual) whose sum is the hidden state. Returned
+        as (mlp, residual + attn): the next norm's add makes (residual + attn) + mlp, the
+        very order of transformers' sum."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        return self.mlp(h), residual + self.self_attn(positions, h, md)
+
+
+class CohereModel(DecoderStack):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            CohereDecoderLayer(config, i, max_positions) for i in range(config.num_hidden_layers))
+        self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps, bias=False)
+
+
+class CohereForCausalLM(LlamaForCausalLM):
+    def _decoder(self, config: ModelConfig, max_positions: int) -> DecoderStack:
+        return CohereModel(config, max_positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden) * self.config.logit_scale
