@@ -148,16 +148,18 @@ def test_guided_greedy_drafts_give_plain_guided_tokens(byte_model_dir, drafts, m
     assert llm.engine.kv_manager.stats().blocks_used == 0
 
 
-def test_a_batch_of_guided_and_unguided_requests(byte_model_dir, drafts, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_batch_of_guided_and_unguided_requests(byte_model_dir, drafts, monkeypatch, async_scheduling):
     """Guided requests of every kind beside unguided ones (one with ignore_eos), chunked
-    prefill, a noisy draft: everyone's tokens are plain decoding's; every guided request has
-    drafts accepted."""
+    prefill, a noisy draft, scheduling sync and async: everyone's tokens are plain
+    decoding's; every guided request has drafts accepted."""
     specs = ["json", "regex", None, "choice", None]
     prompts = [*PROMPTS[:2], "the quick brown fox", PROMPTS[2], random_prompts(1, 12, 12, seed=3)[0]]
     params = [_greedy(s) for s in specs]
     params[2] = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     want = _ids(_llm(byte_model_dir), prompts, params)
-    llm = _llm(byte_model_dir, drafts["noisy"], max_num_batched_tokens=24)
+    llm = _llm(byte_model_dir, drafts["noisy"], max_num_batched_tokens=24,
+               async_scheduling=async_scheduling)
     watch = _Watch(llm, monkeypatch)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
@@ -229,6 +231,40 @@ def test_seeded_sampled_guided_requests_with_a_draft(byte_model_dir, drafts, mon
     assert llm.engine.kv_manager.stats().blocks_used == 0
 
 
+def test_guided_sampled_drafts_from_a_masked_q_keep_the_model_distribution(byte_model_dir):
+    """A guided sampled request's draft drawn from q masked by its pattern without eos (as
+    the draft model draws it), checked against that q with the target's row masked by the
+    pattern with eos: the first token a step emits is distributed as the masked p, eos
+    included (drawn at a rejection, from max(p - q, 0))."""
+    from flashpage.engine.spec_decode import guide_states, processed_probs, verify_drafts
+    from flashpage.structured.guide import GuideState
+
+    llm = _llm(byte_model_dir)
+    guide = llm.engine.compile_guide(SamplingParams(structured_outputs=StructuredOutputsParams(
+        regex="[a-z]*")))
+    vocab = llm.engine.model_config.vocab_size
+    params = SamplingParams(temperature=1.0)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, vocab, generator=g) * 2
+    logits[0, EOS] = 4.0  # the pattern may end here: eos takes a share of p
+    p_mask = guide.mask(guide.start, True, torch.device("cpu"))
+    want = processed_probs(logits.masked_fill(~p_mask, float("-inf")), [params], vocab)[0]
+    q_mask = guide.mask(guide.start, False, torch.device("cpu"))
+    q = torch.softmax((torch.randn(vocab, generator=g) * 2).masked_fill(~q_mask, float("-inf")), -1)
+    assert want[EOS] > 0.05 and q[EOS] == 0
+    n = 40_000
+    reqs = []
+    for i, d in enumerate(torch.multinomial(q, n, replacement=True, generator=g).tolist()):
+        r = Request(str(i), [1, 2], params)
+        r.guide, r.spec_probs = GuideState(guide), q[None]
+        reqs.append((r, [d]))
+    got = verify_drafts(logits.expand(n, -1), reqs, vocab, guide_states(reqs))
+    firsts = torch.tensor([c.accepted[0] if c.accepted else c.drawn for c in got])
+    freq = torch.bincount(firsts, minlength=vocab).float() / n
+    assert (freq[~p_mask] == 0).all()
+    assert torch.allclose(freq, want, atol=0.012), (freq[EOS], want[EOS])
+
+
 def test_cut_drafts_shrinks_the_step():
     """SchedulerOutput.cut_drafts: the request's tokens this step and the step's total lose
     the cut drafts; keeping more than it has is named."""
@@ -283,3 +319,37 @@ def test_picker_masks_and_cuts_by_the_pattern(byte_model_dir):
     assert picker.keep == [3, 2, 4]  # "abc": nothing but eos may follow; eos: cut before it
     picker.pick(logits([c_id], [c_id], [EOS]), 3, out[3])  # the cut rows are left unmasked
     assert out[3].tolist() == [c_id, c_id, EOS] and picker.keep == [3, 2, 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_guided_drafts_on_the_gpu_with_graphs(byte_model_dir_head64, monkeypatch):
+    """fp32 on CUDA over the Triton kernels, the target's and the draft's graphs captured,
+    the target as its own draft: guided (and one unguided) greedy requests get plain
+    decoding's tokens with (nearly) every draft accepted, the draft's single-token forwards
+    on its graphs; seeded sampled guided requests are reproducible and keep their patterns."""
+    path = byte_model_dir_head64
+    kw: dict = dict(device="cuda", attention_backend="triton", block_size=16, max_num_batched_tokens=128)
+    specs = ["json", "regex", "choice", None]
+    prompts = [*PROMPTS, "the quick brown fox"]
+    params = [_greedy(s) for s in specs]
+    params[3] = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = _ids(_llm(path, **kw), prompts, params)
+    llm = _llm(path, path, **kw)
+    runner = llm.engine.proposer.runner
+    assert llm.engine.runner.graphs is not None and runner.graphs is not None
+    watch = _Watch(llm, monkeypatch)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    _check_patterns(outs[:3], specs[:3])
+    assert runner.graph_forwards > 0
+    st = llm.engine.stats()["spec_decode"]
+    assert watch.guided_drafts > 0 and st["acceptance_rate"] > 0.95, st
+    assert all(watch.accepted.get(o.request_id, 0) > 0 for o in outs[:3]), watch.accepted
+    seeded = [SamplingParams(temperature=0.8, seed=7, max_tokens=48, structured_outputs=SPECS[s])
+              for s in SPECS]
+    alone = [_ids(llm, [p], s)[0] for p, s in zip(PROMPTS, seeded, strict=True)]
+    outs = llm.generate(PROMPTS, seeded, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    _check_patterns(outs, list(SPECS))
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
