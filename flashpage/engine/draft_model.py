@@ -340,7 +340,7 @@ class _DraftPicker:
     cutting on the state after the drafts before does not."""
 
     def __init__(self, reqs: list[Request], counts: list[int], vocab: int, device: torch.device) -> None:
-        self.reqs, self.vocab, self.device = reqs, vocab, device
+        self.reqs, self.vocab = reqs, vocab
         self.sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
         self.params = [reqs[i].sampling_params for i in self.sampled]
         if self.sampled:
