@@ -34,11 +34,21 @@ sampled is caught up at a later step. A greedy request's drafts are the draft's 
 sampled request's are drawn from the draft's distribution q processed as the request samples
 (temperature, top-k, top-p, min-p), and the verifier accepts draft ``d`` with probability
 min(1, p(d) / q(d)) and on rejection draws from max(p - q, 0), normalized: the output is
-distributed as the target's. Structured-outputs requests are not drafted by it.
+distributed as the target's.
+
+A structured-outputs request is drafted under its pattern: each draft forward's logits at its
+row are masked by the pattern's state after its drafts so far (advanced on the host, its
+drafts read back after each forward), and its drafts end where the pattern allows nothing but
+eos next (a greedy one's also where the draft picks eos). The scheduler gave it slots for
+``room`` drafts before they were known; when fewer are kept, ``SchedulerOutput.cut_drafts``
+shortens its tokens this step (the target checks only the real drafts, and its pattern states
+come from them: the runner reads the drafts after ``fill``), the surplus slots staying with it
+unused, as a rejected draft's.
 
 The drafting requests go most drafts first, so each single-token forward runs a prefix of
 them (``decode_steps``): the k - 1 forwards' inputs are built and copied once, each takes
-the last one's drafts on the device, and the drafts are read back once a step. On CUDA the
+the last one's drafts on the device, and the drafts are read back once a step (and the
+guided requests' after each forward). On CUDA the
 single-token forwards, and a catch-up of one token a request, replay decode CUDA graphs of
 the draft's own (``DraftRunner.capture_graphs``: cuda_graph.DecodeGraphs over the draft
 model and its pool, the target's batch buckets, in the target's graph pool). A catch-up of
@@ -48,7 +58,8 @@ with ``tokens_per_seq = 1 + k``, the shape of the target's verify steps: per bat
 one graph of b request slots and b * (1 + k) tokens, up to 1024; every request through the
 prompt kernel, padding rows writing no slot, padding slots without queries), where the
 draft's backend has a sync-free prompt path. Both end at the hidden states; the logits of
-the drafting rows are one eager GEMM. Off with ``enforce_eager``; a capture that fails
+the drafting rows are one eager GEMM (and the structured-outputs masks applied to them
+after it: guided drafting runs on the graphs too). Off with ``enforce_eager``; a capture that fails
 leaves the draft eager (the catch-up graphs' alone: its catch-ups). A catch-up over a prompt
 chunk longer than 1 + k tokens runs eagerly (a short one fits the catch-up graphs).
 """
@@ -316,8 +327,17 @@ class _DraftPicker:
     logits: the argmax for a greedy request; else drawn from the draft's distribution as the
     request samples (temperature, top-k/p, min-p), kept in its ``spec_probs`` (a view of one
     [sampled, k, vocab] tensor) for the verifier; a seeded request's draw from its own stream
-    (seed, output position), as the verifier's. Everything a forward needs is on the device
-    before the first: no copy to the device between forwards."""
+    (seed, output position), as the verifier's. Without structured-outputs requests everything
+    a forward needs is on the device before the first: no copy between forwards.
+
+    A structured-outputs request's row of each forward is masked by its pattern's state after
+    its drafts so far (advanced on the host: its drafts are read back after each forward, a
+    few ints), so every draft is one the pattern allows. Its drafts end (``keep``) where the
+    pattern allows nothing but eos next, and, greedy, where the draft's pick is eos (it may
+    pick eos where the pattern may end; the target's own row after the last draft then
+    decides). A sampled request's draft never picks eos (its q, masked without it, is what
+    the verifier checks against): cutting where a drawn draft is eos would skew its output,
+    cutting on the state after the drafts before does not."""
 
     def __init__(self, reqs: list[Request], counts: list[int], vocab: int, device: torch.device) -> None:
         self.reqs, self.vocab = reqs, vocab
@@ -329,28 +349,70 @@ class _DraftPicker:
             self.q = torch.empty(len(self.sampled), counts[0], vocab, device=device)
             for s, i in enumerate(self.sampled):
                 reqs[i].spec_probs = self.q[s, :counts[i]]
+        self.keep = list(counts)  # the drafts each request keeps (a guided one's may end early)
+        # guided request (index) -> its pattern's state after its drafts so far
+        self.states: dict[int, int] = {}
+        for i, r in enumerate(reqs):
+            if r.guide is not None:
+                self.states[i] = r.guide.state
+                if not r.guide.guide.can_continue(r.guide.state):  # (it would have finished)
+                    self.keep[i] = 0
 
     def pick(self, logits: torch.Tensor, j: int, out: torch.Tensor) -> None:
         """Draft ``j + 1`` of the first ``len(logits)`` requests into ``out`` [len(logits)]
         (on the device) from their rows of ``logits``."""
         m = logits.shape[0]
+        guided = [i for i in self.states if i < m and self.keep[i] > j]
+        if guided:
+            logits = self._mask(logits, guided)
         out.copy_(row_argmax(logits))
         n = bisect.bisect_left(self.sampled, m)  # the sampled requests among the first m
-        if not n:
-            return
-        rows = self.rows[:n]
-        q = processed_probs(logits.index_select(0, rows).float(), self.params[:n], self.vocab,
-                            self.table[:n])
-        self.q[:n, j] = q
-        noise = torch.empty_like(q).exponential_()
-        for s in range(n):
-            r = self.reqs[self.sampled[s]]
-            seed = r.sampling_params.seed
-            if seed is not None:
-                g = torch.Generator(device=q.device)
-                g.manual_seed((seed * SEED_MIX + r.num_output_tokens + j) % (1 << 63) ^ 0xD4A)
-                noise[s].exponential_(generator=g)
-        out.index_copy_(0, rows, row_argmax(q / noise))
+        if n:
+            rows = self.rows[:n]
+            q = processed_probs(logits.index_select(0, rows).float(), self.params[:n], self.vocab,
+                                self.table[:n])
+            self.q[:n, j] = q
+            noise = torch.empty_like(q).exponential_()
+            for s in range(n):
+                r = self.reqs[self.sampled[s]]
+                seed = r.sampling_params.seed
+                if seed is not None:
+                    g = torch.Generator(device=q.device)
+                    g.manual_seed((seed * SEED_MIX + r.num_output_tokens + j) % (1 << 63) ^ 0xD4A)
+                    noise[s].exponential_(generator=g)
+            out.index_copy_(0, rows, row_argmax(q / noise))
+        if guided:
+            self._advance(guided, j, out)
+
+    def _mask(self, logits: torch.Tensor, guided: list[int]) -> torch.Tensor:
+        """A copy of ``logits`` with each guided row's tokens its pattern does not allow next
+        at -inf (eos allowed only to a greedy request, where the pattern may end)."""
+        masks = []
+        for i in guided:
+            r = self.reqs[i]
+            gs = r.guide
+            assert gs is not None
+            masks.append(gs.guide.mask(self.states[i], gs.allow_eos and r.sampling_params.greedy,
+                                       logits.device))
+        index = torch.tensor(guided, dtype=torch.long).to(logits.device)
+        return logits.index_copy(0, index, logits.index_select(0, index).masked_fill_(
+            ~torch.stack(masks)[:, :logits.shape[1]], float("-inf")))
+
+    def _advance(self, guided: list[int], j: int, out: torch.Tensor) -> None:
+        """The guided requests' states past their draft ``j + 1`` (read back): a request's
+        drafts end before an eos (the pattern's next_state 0) and after a draft past which
+        the pattern allows nothing but eos."""
+        got = out[torch.tensor(guided, dtype=torch.long).to(out.device)].tolist()
+        for i, t in zip(guided, got, strict=True):
+            gs = self.reqs[i].guide
+            assert gs is not None
+            state = gs.guide.next_state(self.states[i], t)
+            if not state:
+                self.keep[i] = j
+                continue
+            self.states[i] = state
+            if not gs.guide.can_continue(state):
+                self.keep[i] = min(self.keep[i], j + 1)
 
 
 @dataclass
@@ -366,7 +428,7 @@ class DraftModelProposer(NgramProposer):
         return [_PLACEHOLDER_DRAFT] * k  # computed in fill(), once the slots exist
 
     def fit_guide(self, req: Request, drafts: list[int]) -> list[int]:
-        return []  # the draft's tokens are not known before scheduling: not drafted
+        return drafts  # drawn in fill() under the pattern's masks, cut there where it ends
 
     def propose(self, running: list[Request]) -> None:
         for req in running:
@@ -413,8 +475,13 @@ class DraftModelProposer(NgramProposer):
                                          [rows[i].table for i in drafting])
             for j, m in enumerate(steps.rows):
                 picker.pick(runner.step(steps, j, drafts[j, :m]), j + 1, drafts[j + 1, :m])
-        for req, c, got in zip(active, counts, drafts.T.tolist(), strict=True):
+        for req, c, keep, got in zip(active, counts, picker.keep, drafts.T.tolist(), strict=True):
             req.spec_token_ids[:] = got[:c]  # the placeholders, in place
+            if keep < c:  # a guided request's pattern ended: fewer tokens than scheduled
+                n = out.cut_drafts(req, keep)
+                runner.kv_manager.trim(req, req.num_computed_tokens + n)
+                if not keep and self.backoff is not None:
+                    self.backoff.record(req.request_id, False)
 
 
 def build_draft_proposer(config: SpeculativeConfig, source: ModelSource, target: ModelConfig,

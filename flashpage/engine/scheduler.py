@@ -61,6 +61,23 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    def cut_drafts(self, req: Request, keep: int) -> int:
+        """Keep only ``req``'s first ``keep`` drafts, after it was scheduled with all of them
+        (a draft model's structured-outputs drafts end where the pattern does, known only once
+        drafted: engine/draft_model.py). Its tokens this step and the step's total shrink by
+        the rest; the slots allocated for them stay with the request, unused, as a rejected
+        draft's do. Returns its tokens this step now."""
+        if not 0 <= keep <= len(req.spec_token_ids):
+            raise ValueError(f"request {req.request_id!r}: cannot keep {keep} of its "
+                             f"{len(req.spec_token_ids)} drafts")
+        i = next(i for i, (r, _) in enumerate(self.scheduled) if r is req)
+        cut = len(req.spec_token_ids) - keep
+        n = self.scheduled[i][1] - cut
+        self.scheduled[i] = (req, n)
+        self.total_num_scheduled_tokens -= cut
+        del req.spec_token_ids[keep:]
+        return n
+
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 

@@ -219,12 +219,14 @@ class KVCacheManager:
             parent_cid = b.content_id
         self._num_registered[rid] = num_full
 
-    def trim(self, request: Request) -> None:
+    def trim(self, request: Request, num_tokens: int | None = None) -> None:
         """The request's stored tokens back to its computed ones (a speculative step's
-        rejected drafts); its blocks stay, to be written again as it grows."""
+        rejected drafts), or to ``num_tokens`` (drafts cut after scheduling); its blocks
+        stay, to be written again as it grows."""
         rid = request.request_id
         if rid in self._num_stored:
-            self._num_stored[rid] = min(self._num_stored[rid], request.num_computed_tokens)
+            upto = request.num_computed_tokens if num_tokens is None else num_tokens
+            self._num_stored[rid] = min(self._num_stored[rid], upto)
 
     def free(self, request: Request) -> None:
         """Return the request's blocks (finish, abort or preemption).

@@ -99,6 +99,15 @@ class CompiledGuide:
     def accepting(self, state: int) -> bool:
         return self.dfa.accepting[state]
 
+    def can_continue(self, state: int) -> bool:
+        """Whether a token other than eos may follow ``state`` (False past the automaton's
+        limits, as ``mask`` then allows none)."""
+        try:
+            return self.allowed(state).size > 0
+        except AutomatonTooLarge as e:
+            logger.warning("structured output guide stopped: %s", e)
+            return False
+
     def mask(self, state: int, allow_eos: bool, device: torch.device) -> torch.Tensor:
         """bool [vocab_size]: the tokens that may come next from ``state`` (eos where the
         pattern may end, if ``allow_eos``); cached per state on ``device``."""
