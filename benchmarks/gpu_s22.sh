@@ -4,7 +4,8 @@
 #                                                 after it: int4 (chains, fp32 x, norm prologue), block
 #                                                 fp8 kept fp8 (16-wide blocks now w8a16), the MoE
 #                                                 families, Gemma (1 + w in fp32, teacher-forced bf16),
-#                                                 Phi-3 / Granite / OLMo2 (and any family merged since)
+#                                                 Phi-3 / Granite / OLMo2 / Cohere / Starcoder2, and the
+#                                                 draft model drafting guided requests
 #   BUDGET=420 bash benchmarks/gpu_s22.sh ab      the 8B int4 batch-1 decode: neither / the norm prologue
 #                                                 alone / PDL alone (run 179: both together -15%); then
 #                                                 the block-fp8 W8A8 GEMM's tiles at 256 / 2048 rows
@@ -20,7 +21,8 @@ verify)
   timeout "$(left 150)" $PT -m gpu -rf tests/models/test_moe_families.py tests/kernels/test_moe_router.py \
     tests/kernels/test_fused_moe.py 2>&1 | tee "$OUT/gpu_moe_tests.txt" | tail -n 4
   timeout "$(left 150)" $PT -m gpu -rf tests/models/test_gemma.py tests/models/test_more_families.py \
-    $(ls tests/models/test_cohere_starcoder.py 2>/dev/null) 2>&1 | tee "$OUT/gpu_family_tests.txt" | tail -n 4
+    tests/models/test_cohere_starcoder.py tests/engine/test_draft_guided.py 2>&1 \
+    | tee "$OUT/gpu_family_tests.txt" | tail -n 4
   (cd "$OUT" && tar -czf tests.tgz gpu_*_tests.txt && rm -f gpu_*_tests.txt)
   echo "part verify done at ${SECONDS}s" ;;
 ab)
