@@ -23,8 +23,7 @@ import torch
 import transformers
 
 from flashpage import LLM, SamplingParams
-from flashpage.config import ConfigError, EngineConfig, ModelConfig
-from flashpage.engine.llm_engine import LLMEngine
+from flashpage.config import ConfigError, ModelConfig
 from flashpage.inspect import param_counts
 from flashpage.layers import ops
 from flashpage.layers.linear import ColumnParallelLinear
@@ -34,11 +33,10 @@ from flashpage.models.loader import iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
     _save_tiny_routed,
+    assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
     hf_greedy,
     random_prompts,
-    run_staggered,
-    staggered_prompts,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -126,18 +124,7 @@ def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny, name):
     """10 prompts (4 sharing a 32-token prefix) over several steps into a cache too small
     for all: chunked prefill, preemption, prefix hits, mixed steps; transformers' tokens
     (Cohere's parallel residual stream, Starcoder2's window, over chunks)."""
-    path = tiny(name)
-    prompts = staggered_prompts()
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    expected = hf_greedy(path, prompts, params.max_tokens)
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=4,
-                                    num_gpu_blocks=40, max_num_batched_tokens=24, max_num_seqs=6,
-                                    attention_backend="torch_native"))
-    run = run_staggered(engine, prompts, params)
-    assert run["chunks"] and run["mixed_steps"] > 0
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.kv_manager.stats().prefix_hits > 0
-    assert run["outputs"] == expected
+    assert_staggered_matches_hf(tiny(name), attention_backend="torch_native")
 
 
 @pytest.mark.slow
