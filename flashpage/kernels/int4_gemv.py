@@ -299,9 +299,8 @@ def _nibbles_2048_128(packed, ASM: tl.constexpr):
 @triton.jit
 def _row_chain(packed, z, sf, xr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     """A row's sums of the words [BN, W] against its x tile ``xr`` [BLOCK_K] (fp32), one
-    FFMA a weight: each word's 8 products
-    (2048 + q) * x or (128 + q) * x (``_nibbles_2048_128``, exact in fp32) chained in its
-    thread, then (2048 + z) and (128 + z) times the word's two sums of x taken off once
+    FFMA a weight: each word's 8 products (2048 + q) * x or (128 + q) * x
+    (``_nibbles_2048_128``, exact in fp32) chained in its thread, then (2048 + z) and (128 + z) times the word's two sums of x taken off once
     and the scale applied once: [BN, W]. A chain carries 2048 * x beside the q * x wanted:
     ~2^-15 of a word's sum lost to rounding, far below a 16-bit output's 2^-9."""
     a3, a1, a5, a0, b4, b2, b6, b7 = _nibbles_2048_128(packed, ASM)
