@@ -276,6 +276,30 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int,
     return outs
 
 
+def assert_gpu_graphs_match_hf(path: Path, prompts: list[list[int]], **llm_kwargs):
+    """On CUDA in fp32 (triton backend, block 16): greedy runs of 4 + 2i tokens for prompt i
+    (decode batches shrink through the graph sizes) equal with CUDA graphs and eagerly, and
+    equal transformers' fp32 tokens (a prefix of its longest run). Returns the graphed LLM
+    for a caller's own checks. ``llm_kwargs`` go to both LLMs."""
+    from flashpage import LLM, SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+
+    def run(**kw):
+        llm = LLM(str(path), dtype="float32", device="cuda", **{
+            "attention_backend": "triton", "block_size": 16, **llm_kwargs, **kw})
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm
+
+    graphs, llm = run(max_num_seqs=16)
+    assert llm.engine.runner.graphs is not None, "decode graphs were not captured"
+    eager, _ = run(enforce_eager=True)
+    assert graphs == eager
+    longest = hf_greedy(path, prompts, params[-1].max_tokens)  # greedy: shorter runs are prefixes
+    assert graphs == [t[:sp.max_tokens] for t, sp in zip(longest, params, strict=True)]
+    return llm
+
+
 def bf16_teacher_forced_hits(path: Path, prompts: list[list[int]], truth: list[list[int]],
                              hf_kwargs: dict | None = None, **llm_kwargs) -> tuple[int, int]:
     """(ours, transformers'): over every position of the fp32 continuations ``truth``, how

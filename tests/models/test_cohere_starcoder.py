@@ -33,6 +33,7 @@ from flashpage.models.loader import iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
     _save_tiny_routed,
+    assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
     hf_greedy,
@@ -327,11 +328,6 @@ def _gpu_checkpoint(tmp_path: Path, name: str) -> Path:
                       num_key_value_heads=2)
 
 
-def _gpu_tokens(path, dtype, prompts, params, **kw):
-    llm = LLM(str(path), dtype=dtype, device="cuda", attention_backend="triton", block_size=16, **kw)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", NAMES)
@@ -342,17 +338,9 @@ def test_gpu_fp32_kernels_and_graphs_give_transformers_tokens(tmp_path, name):
     # most past starcoder2's 16-token window; seed 28: transformers' fp32 top-2 logprobs are
     # >= 1.7e-3 apart at every step of every model here (on the CPU; seed 22's come within
     # 2.9e-4), far above what fp32 on the GPU and on the CPU differ by
-    prompts = random_prompts(8, 1, 120, seed=28)
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True)
-              for i in range(len(prompts))]  # decode batches shrink through the graph sizes
-    graphs, llm = _gpu_tokens(path, "float32", prompts, params, max_num_seqs=16)
-    assert llm.engine.runner.graphs is not None, "decode graphs were not captured"
+    llm = assert_gpu_graphs_match_hf(path, random_prompts(8, 1, 120, seed=28))
     rotary = llm.engine.model.model.layers[0].self_attn.rotary_emb
     assert rotary.fused and rotary.is_neox == (not name.startswith("cohere"))
-    eager, _ = _gpu_tokens(path, "float32", prompts, params, enforce_eager=True)
-    assert graphs == eager
-    longest = hf_greedy(path, prompts, params[-1].max_tokens)  # greedy: shorter runs are prefixes
-    assert graphs == [t[:sp.max_tokens] for t, sp in zip(longest, params, strict=True)]
 
 
 @pytest.mark.gpu

@@ -31,6 +31,7 @@ from flashpage.models.loader import iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
     _save_tiny_routed,
+    assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
     hf_greedy,
@@ -319,11 +320,6 @@ def _gpu_checkpoint(tmp_path: Path, name: str) -> Path:
     return build_tiny_variant(tmp_path / name, name, **over)
 
 
-def _gpu_tokens(path, dtype, prompts, params, **kw):
-    llm = LLM(str(path), dtype=dtype, device="cuda", attention_backend="triton", block_size=16, **kw)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm
-
-
 def _gpu_prompts(name: str, n: int, seed: int) -> list[list[int]]:
     # longrope: past the original 32 positions from the start (transformers: long factors)
     return random_prompts(n, 33 if name == "phi3_longrope" else 1, 120, seed=seed)
@@ -336,15 +332,7 @@ def test_gpu_fp32_kernels_and_graphs_give_transformers_tokens(tmp_path, name):
     path = _gpu_checkpoint(tmp_path, name)
     # seed 22: transformers' fp32 top-2 logprobs are >= 1.4e-3 apart at every step of every
     # family (on the CPU), far above what fp32 on the GPU and on the CPU differ by
-    prompts = _gpu_prompts(name, 8, seed=22)
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True)
-              for i in range(len(prompts))]  # decode batches shrink through the graph sizes
-    graphs, llm = _gpu_tokens(path, "float32", prompts, params, max_num_seqs=16)
-    assert llm.engine.runner.graphs is not None, "decode graphs were not captured"
-    eager, _ = _gpu_tokens(path, "float32", prompts, params, enforce_eager=True)
-    assert graphs == eager
-    longest = hf_greedy(path, prompts, params[-1].max_tokens)  # greedy: shorter runs are prefixes
-    assert graphs == [t[:sp.max_tokens] for t, sp in zip(longest, params, strict=True)]
+    assert_gpu_graphs_match_hf(path, _gpu_prompts(name, 8, seed=22))
 
 
 @pytest.mark.gpu
