@@ -45,7 +45,17 @@ def test_stream_disconnect_frees_blocks(server, endpoint):
     assert m.get(ABORT, 0.0) - before == 4
 
 
-def test_non_streamed_disconnect_frees_blocks(server):
+def test_non_streamed_disconnect_frees_blocks(server, monkeypatch):
+    # Each engine step made to take 10 ms, so the 110 steps outlast the 0.3 s read timeout on
+    # any machine (a fast CPU finished all sixteen choices inside it).
+    engine = server.async_engine.engine
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
     before = server.metrics().get(ABORT, 0.0)
     body = dict(model=server.model, prompt="hello world", max_tokens=110, n=16,
                 temperature=1.0, ignore_eos=True)
