@@ -19,6 +19,7 @@ from torch import nn
 from flashpage import envs
 from flashpage.layers.int4 import fuses_norm as int4_fuses_norm
 from flashpage.layers.int4 import fuses_silu_mul, int4_linear
+from flashpage.layers.norm import RMSNorm
 from flashpage.layers.quant import FP8_DTYPE, fp8_block_linear, fp8_linear, quantize_fp8_rowwise
 
 if TYPE_CHECKING:
@@ -198,8 +199,8 @@ class _ParallelLinear(nn.Module):
             # prologue (and running before the GEMV writes residual_out, which may alias
             # residual). Not done yet: the norm runs as its own kernel.
             return False
-        if not (getattr(norm, "fused", False) and x.is_contiguous()):
-            return False
+        if not (isinstance(norm, RMSNorm) and norm.fused and x.is_contiguous()):
+            return False  # the prologues compute RMSNorm (a fused LayerNorm runs on its own)
         if self.w4_scales is not None:  # int4: the chain GEMV's prologue (layers/int4.py)
             k = self.in_features
             return (norm.weight.dtype == x.dtype and int4_fuses_norm(

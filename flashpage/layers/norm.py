@@ -4,7 +4,6 @@ precedes it."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashpage.layers import ops
@@ -36,7 +35,7 @@ class GemmaRMSNorm(KeepFp32, RMSNorm):
     (Rounded to bf16, 1 + w keeps ~8 bits of a small w: the tokens part from HF's.)"""
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(ops.FusedOpsModule):
     """LayerNorm over the last dim: ``(x - mean) / sqrt(var + eps) * weight (+ bias)``, with
     ``forward(x, residual)`` -> (norm(x + residual), x + residual) as RMSNorm's.
 
@@ -45,8 +44,9 @@ class LayerNorm(nn.Module):
     ending in the normalized dim; a leading dim is per head (Command-R+'s q/k norms hold
     [heads, head_dim] and norm each head of [N, heads, head_dim] over its head_dim).
 
-    Plain PyTorch, not a FusedOpsModule: it has no ``fused`` flag, so the GEMV norm
-    prologues (``_ParallelLinear.fuses_norm``, RMSNorm's math) never take it."""
+    ``fused``: our Triton kernel (kernels/layer_norm.py), the residual add and per-head
+    weights included. The GEMV norm prologues (``_ParallelLinear.fuses_norm``) compute
+    RMSNorm and never take it."""
 
     def __init__(self, shape: int | tuple[int, ...], eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__()
@@ -57,11 +57,4 @@ class LayerNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-            residual = x
-        h = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()
-        if self.bias is not None:
-            h = h + self.bias.float()
-        out = h.to(x.dtype)
-        return out if residual is None else (out, residual)
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, residual, fused=self.fused)

@@ -48,6 +48,28 @@ def rms_norm(
     return out if residual is None else (out, residual)
 
 
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+    residual: torch.Tensor | None = None, fused: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm over the last dim in fp32, rounded once to x's dtype; weight and bias
+    [W] or [heads, W] (a row per head of x [..., heads, W]), either may be None."""
+    if fused:
+        from flashpage.kernels.layer_norm import layer_norm as layer_norm_kernel
+
+        return layer_norm_kernel(x, weight, bias, eps, residual)
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = F.layer_norm(x.float(), (x.shape[-1],), eps=eps)
+    if weight is not None:
+        h = h * weight.float()
+    if bias is not None:
+        h = h + bias.float()
+    out = h.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
 def silu_and_mul(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
     if fused:
         from flashpage.kernels.silu_mul import silu_and_mul as silu_and_mul_kernel

@@ -13,7 +13,8 @@ loading (models/llama.py: merged ``qkv_proj`` / ``gate_up_proj``, SiLU-gated MLP
   weights per head ([heads, head_dim]), before rotary.
 
 No norm here is an RMSNorm, so the one-row GEMV norm prologues are not used
-(``norm_consumers`` stays None; LayerNorm has no ``fused`` flag either)."""
+(``norm_consumers`` stays None; ``fuses_norm`` takes RMSNorms only); with our kernels on,
+the LayerNorms (q/k's per-head ones too) run kernels/layer_norm.py."""
 
 from __future__ import annotations
 

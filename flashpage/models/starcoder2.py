@@ -8,8 +8,9 @@
   -> ``c_proj`` (layers/mlp.MLP);
 - one ``sliding_window`` for every layer, the head tied to the embeddings.
 
-The LayerNorms take the residual add as RMSNorm does (``norm(x, residual)``), but not the
-one-row GEMV norm prologues, which compute RMSNorm (``norm_consumers`` stays None)."""
+The LayerNorms take the residual add as RMSNorm does (``norm(x, residual)``; with our
+kernels on, fused in kernels/layer_norm.py), but not the one-row GEMV norm prologues,
+which compute RMSNorm (``norm_consumers`` stays None)."""
 
 from __future__ import annotations
 

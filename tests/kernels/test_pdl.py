@@ -20,6 +20,7 @@ import torch
 from sm90 import compile_sm90, run_compiled  # tests/kernels (on sys.path under pytest)
 
 from flashpage.kernels import pdl as pdl_mod
+from flashpage.kernels.layer_norm import layer_norm, layer_norm_ref
 from flashpage.kernels.mla_decode import mla_decode, mla_decode_ref
 from flashpage.kernels.paged_decode import DecodeConfig, _launch, paged_decode, paged_decode_ref
 from flashpage.kernels.pdl import pdl_enabled, pdl_launch_kwargs, resolve_pdl
@@ -118,6 +119,9 @@ def test_launchers_run_under_the_interpreter_with_pdl_set(monkeypatch, pdl):
     out, res = rms_norm(x, w, 1e-6, r, pdl=pdl)
     out_ref, res_ref = rms_norm_ref(x, w, 1e-6, r)
     assert torch.equal(res, res_ref) and _rel_err(out, out_ref) < 1e-6
+    out, res = layer_norm(x, w, r[0], 1e-6, r, pdl=pdl)
+    out_ref, res_ref = layer_norm_ref(x, w, r[0], 1e-6, r)
+    assert torch.equal(res, res_ref) and _rel_err(out, out_ref) < 1e-6
     assert _rel_err(silu_and_mul(x, pdl=pdl), silu_and_mul_ref(x)) < 1e-6
 
     n, hq, hkv, d, bs, nblk = 5, 4, 2, 32, 8, 4
@@ -164,6 +168,7 @@ def _compile_ptx() -> dict[str, str]:
     """Every decode-path kernel compiled for sm_90 with PDL=True: name -> PTX (no GPU needed,
     Triton ships ptxas; runs with the interpreter off, in a subprocess)."""
     from flashpage.kernels import gemv, moe_router
+    from flashpage.kernels import layer_norm as ln
     from flashpage.kernels import mla_decode as mla
     from flashpage.kernels import paged_decode as pd
     from flashpage.kernels import paged_decode_rows as rows
@@ -178,6 +183,8 @@ def _compile_ptx() -> dict[str, str]:
     kernels = {
         "rms_norm": (rn._rms_norm_kernel, dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, W_FP32=False),
                      8, 3),
+        "layer_norm": (ln._layer_norm_kernel, dict(
+            WIDTH=4096, BLOCK=4096, BLOCK_R=1, HAS_WEIGHT=True, HAS_BIAS=True, HAS_RESIDUAL=True), 8, 3),
         "silu_mul": (sm._silu_and_mul_kernel, dict(BLOCK=1024, GELU_TANH=False), 4, 3),
         "rotary": (rot._rotary_kernel, dict(
             WRITE_CACHE=True, IS_NEOX=True, PAGE=16, HALF=64, HALF_PAD=64, HEAD_DIM=128,
@@ -226,13 +233,13 @@ def _compile_ptx() -> dict[str, str]:
 
 # Kernels that load, before the wait, what no kernel of a step writes (their launchers'
 # docstrings say which); every other kernel waits before any global access.
-_EARLY_LOADS = {"rms_norm", "rotary", "paged_decode", "gemv_row", "gemv_row_looped", "gemv_row_fp8",
+_EARLY_LOADS = {"rms_norm", "layer_norm", "rotary", "paged_decode", "gemv_row", "gemv_row_looped", "gemv_row_fp8",
                 "gemv_row_fp8_block", "moe_route"}
 
 
 def test_ptx_waits_before_any_global_access():
     ptx = run_compiled("test_pdl", "_compile_ptx")
-    assert len(ptx) == 13
+    assert len(ptx) == 14
     for name, text in ptx.items():
         lines = text.splitlines()
         waits = [i for i, line in enumerate(lines) if _WAIT in line]
