@@ -9,7 +9,8 @@ medians.
 
     python benchmarks/fused_ops.py --out $OUT
 
-writes $OUT/fused_ops.json and $OUT/fused_ops.md.
+writes $OUT/fused_ops.json and $OUT/fused_ops.md (``--only norm``: the RMSNorm and
+LayerNorm rows alone, to fused_ops_norm.json / .md).
 
     python benchmarks/fused_ops.py --only kv_write --out $OUT
 
@@ -45,6 +46,7 @@ from flashpage.kernels.cache_write import (
     write_mla_cache_ref,
 )
 from flashpage.kernels.kv_cache_write import KV_WRITE_VARIANTS, kv_write_name, write_kv_rows
+from flashpage.kernels.layer_norm import layer_norm, layer_norm_ref
 from flashpage.kernels.rms_norm import rms_norm
 from flashpage.kernels.rotary import apply_rotary, compute_cos_sin_cache, rotary_and_cache_write
 from flashpage.kernels.silu_mul import gelu_tanh_and_mul, silu_and_mul
@@ -112,6 +114,31 @@ def bench_norm(rows):
     record(rows, "rms_norm", 2 * x.numel() * E, lambda: rms_norm(x, w, 1e-5), lambda: hf_rms_norm(x, w, 1e-5))
     record(rows, "rms_norm + residual", 4 * x.numel() * E, lambda: rms_norm(x, w, 1e-5, res),
            lambda: hf_rms_norm(x, w, 1e-5, res), "reads x, residual; writes out, x + residual")
+    bench_layer_norm(rows, x, res)
+
+
+def bench_layer_norm(rows, x, res):
+    """Starcoder2's LayerNorm (weight and bias; Cohere's has no bias), against the layer's
+    torch path (layer_norm_ref: the add, an fp32 copy, torch's layer_norm, weight, bias and
+    the rounding as separate kernels) and against torch's own one-kernel layer_norm on bf16
+    (no residual add; its rounding of the weight product differs slightly). Then Command-R+'s
+    per-head q norm: weight [heads, head_dim] over q, a strided view of the qkv output."""
+    w = torch.randn(HIDDEN, device=DEV, dtype=DT)
+    b = torch.randn(HIDDEN, device=DEV, dtype=DT)
+    nbytes = 2 * x.numel() * E
+    record(rows, "layer_norm (weight, bias)", nbytes, lambda: layer_norm(x, w, b, 1e-5),
+           lambda: layer_norm_ref(x, w, b, 1e-5), "torch: fp32 layer_norm, then * w + b, rounded")
+    record(rows, "layer_norm + residual", 2 * nbytes, lambda: layer_norm(x, w, b, 1e-5, res),
+           lambda: layer_norm_ref(x, w, b, 1e-5, res), "reads x, residual; writes out, x + residual")
+    record(rows, "layer_norm vs torch's bf16 kernel", nbytes, lambda: layer_norm(x, w, b, 1e-5),
+           lambda: F.layer_norm(x, (HIDDEN,), w, b, 1e-5), "torch: F.layer_norm on bf16, one kernel")
+    record(rows, "layer_norm (weight, no bias), 1 row", 2 * HIDDEN * E, lambda: layer_norm(x[:1], w, None, 1e-5),
+           lambda: layer_norm_ref(x[:1], w, None, 1e-5), "a decode step's: launch-bound")
+    qkv = torch.randn(N, (HQ + 2 * HKV) * D, device=DEV, dtype=DT)
+    q = qkv[:, :HQ * D].view(N, HQ, D)
+    wq = torch.randn(HQ, D, device=DEV, dtype=DT)
+    record(rows, "layer_norm per-head q", 2 * q.numel() * E, lambda: layer_norm(q, wq, None, 1e-5),
+           lambda: layer_norm_ref(q, wq, None, 1e-5), f"q [{N}, {HQ}, {D}] of a qkv output, weight [{HQ}, {D}]")
 
 
 def bench_silu(rows):
@@ -319,8 +346,9 @@ def kv_write_main(out: str, mla: bool = False) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", choices=["kv_write", "mla_write"], default=None,
-                    help="time only the K/V (or MLA latent) cache write, two ways")
+    ap.add_argument("--only", choices=["kv_write", "mla_write", "norm"], default=None,
+                    help="time only the K/V (or MLA latent) cache write, two ways; or only the "
+                         "RMSNorm and LayerNorm rows (fused_ops_norm.json / .md)")
     ap.add_argument("--precompile", action="store_true",
                     help="with --only kv_write: run each kernel once at the benchmark's shape (fills "
                          "Triton's cache; may run beside other untimed GPU work), then exit")
@@ -340,7 +368,9 @@ def main() -> None:
     torch.cuda.empty_cache()
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     rows: list[dict] = []
-    for section in (bench_norm, bench_silu, bench_rotary_and_cache, bench_mla_write):
+    sections = (bench_norm,) if args.only == "norm" else (
+        bench_norm, bench_silu, bench_rotary_and_cache, bench_mla_write)
+    for section in sections:
         section(rows)
         torch.cuda.empty_cache()
     copy_end = copy_bandwidth()
@@ -349,7 +379,8 @@ def main() -> None:
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 copy_gbps=round(copy), copy_end_gbps=round(copy_end), tokens=N)
-    with open(os.path.join(args.out, "fused_ops.json"), "w") as f:
+    name = "fused_ops_norm" if args.only == "norm" else "fused_ops"
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     lines = [f"Fused ops, Llama-3-8B shapes, {N} tokens, bf16, {meta['gpu']}, torch {meta['torch']}, "
              f"triton {meta['triton']}. GB/s of the bytes each op must move; copy bandwidth "
@@ -361,7 +392,7 @@ def main() -> None:
         pct = f"{100 * r['fused'] / copy:.0f}%" if ok else "-"
         up = f"{r['fused'] / r['torch']:.1f}×" if ok and isinstance(r["torch"], int) and r["torch"] else "-"
         lines.append(f"| {r['op']} | {r['mbytes']} | {r['fused']} | {pct} | {r['torch']} | {up} | {r['note']} |")
-    with open(os.path.join(args.out, "fused_ops.md"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
