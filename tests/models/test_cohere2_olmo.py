@@ -203,6 +203,33 @@ def test_inspect_counts_transformers_parameters(tiny, name):
     assert total == active == hf.num_parameters()
 
 
+@pytest.mark.parametrize(("cls_name", "kw"), [
+    ("Cohere2Config", dict(  # Command R7B's config.json
+        vocab_size=256000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, sliding_window=4096,
+        sliding_window_pattern=4, rope_theta=50000.0, logit_scale=0.25,
+        max_position_embeddings=132096)),
+    ("OlmoConfig", dict(  # OLMo-7B-0724-hf's
+        vocab_size=50304, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, max_position_embeddings=4096, tie_word_embeddings=False)),
+])
+def test_inspect_counts_full_size_models(cls_name, kw):
+    """The released shapes, against transformers' model built on the meta device."""
+    from flashpage.inspect import format_report, inspect_config
+
+    hf_cfg = getattr(transformers, cls_name)(**kw)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    arch = cls_name.replace("Config", "ForCausalLM")
+    cfg = ModelConfig.from_hf({**hf_cfg.to_dict(), "architectures": [arch]})
+    assert param_counts(cfg) == (hf.num_parameters(),) * 2
+    report = format_report(inspect_config(cfg, 80 * 2**30))
+    if arch == "Cohere2ForCausalLM":
+        assert hf.num_parameters() == 8_028_033_024
+        assert "none on the 8 full-attention layers (NoPE)" in report
+        assert "4096 on 24 of 32 layers" in report
+
+
 def test_inspect_reports_windows_and_nope_layers(tiny, capsys):
     from flashpage.inspect import main
 
