@@ -38,10 +38,10 @@ LLAMA_MOE_FAMILY = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCau
 # models/gemma.py: Llama's shape with (1 + w) norms, scaled embeddings and GELU-tanh;
 # Gemma 2/3 add post-norms, per-layer sliding windows and softcaps (_gemma_fields)
 GEMMA_FAMILY = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
-# the Llama body with one twist each (models/phi3.py, granite.py, olmo2.py, cohere.py,
-# starcoder2.py; _variant_fields)
-LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                  "CohereForCausalLM", "Starcoder2ForCausalLM"}
+# the Llama body with one twist each (models/phi3.py, granite.py, olmo.py, olmo2.py,
+# cohere.py (Cohere2 too), starcoder2.py; _variant_fields)
+LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM",
+                  "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM"}
 SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
                            | LLAMA_VARIANTS)
 
@@ -60,8 +60,10 @@ _MODEL_TYPE_TO_ARCH = {
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "olmo": "OlmoForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "cohere": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
 }
 
@@ -453,17 +455,20 @@ def _positive_number(d: dict[str, Any], key: str, where: str, default: float) ->
 
 def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
                     rope: dict[str, Any] | None) -> dict[str, Any]:
-    """Phi-3's partial rotary and longrope, Granite's multipliers, Cohere's and Starcoder2's
-    LayerNorm fields (ModelConfig's names), validated; OLMo2 needs none (its q/k norms are
-    models/olmo2.py's own)."""
+    """Phi-3's partial rotary and longrope, Granite's multipliers, Cohere's, Cohere2's and
+    Starcoder2's LayerNorm fields, OLMo's clip_qkv (ModelConfig's names), validated; OLMo2
+    needs none (its q/k norms are models/olmo2.py's own)."""
     if arch == "Starcoder2ForCausalLM":
         return _starcoder2_fields(d, where)
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
                           f"{arch} (supported: 'silu')")
     out: dict[str, Any] = {}
-    if arch == "CohereForCausalLM":
-        return _cohere_fields(d, where)
+    if arch in ("CohereForCausalLM", "Cohere2ForCausalLM"):
+        return _cohere_fields(d, arch, where, head_dim)
+    if arch == "OlmoForCausalLM":
+        # OlmoLayerNorm: no weight, no bias, transformers' fixed epsilon (held as rms_norm_eps)
+        return dict(rms_norm_eps=1e-5, clip_qkv=_positive(d, "clip_qkv", None, where))
     if arch == "GraniteForCausalLM":
         if d.get("mlp_bias"):
             raise ConfigError(f"{where}: mlp_bias true is not supported for {arch} (the "
@@ -496,19 +501,42 @@ def _flag(d: dict[str, Any], key: str, default: bool, where: str) -> bool:
     return v
 
 
-def _cohere_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+def _cohere_fields(d: dict[str, Any], arch: str, where: str, head_dim: int) -> dict[str, Any]:
     """Command-R / Aya (CohereConfig's defaults where a field is absent): LayerNorms without
     bias of ``layer_norm_eps`` (held as rms_norm_eps: the norms' epsilon), logits x
     ``logit_scale``, rotary on interleaved pairs, the head tied to the embeddings, and
-    Command-R+'s per-head q/k LayerNorms (``use_qk_norm``)."""
+    Command-R+'s per-head q/k LayerNorms (``use_qk_norm``).
+
+    Command R7B / Command A (Cohere2Config's defaults): the same, without q/k norms, and
+    layers of two kinds (``layer_types``, else every ``sliding_window_pattern``-th (4)
+    layer full attention): sliding ones attend within ``sliding_window`` with rotary,
+    full-attention ones to the whole context with no positional embedding at all (NoPE).
+    head_dim is hidden_size / num_attention_heads, whatever config.json says (as
+    transformers' Cohere2Config sets it): another value is a ConfigError."""
     scale = d.get("logit_scale", 0.0625)
     if (not isinstance(scale, int | float) or isinstance(scale, bool) or not math.isfinite(scale)
             or scale == 0):
         raise ConfigError(f"{where}: logit_scale must be a finite non-zero number, got {scale!r}")
-    return dict(rms_norm_eps=_positive_number(d, "layer_norm_eps", where, 1e-5),
-                logit_scale=float(scale), rope_interleaved=True,
-                qk_norm=_flag(d, "use_qk_norm", False, where),
-                tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
+    out = dict(rms_norm_eps=_positive_number(d, "layer_norm_eps", where, 1e-5),
+               logit_scale=float(scale), rope_interleaved=True,
+               qk_norm=_flag(d, "use_qk_norm", False, where),
+               tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
+    if arch == "CohereForCausalLM":
+        return out
+    if out["qk_norm"]:
+        raise ConfigError(f"{where}: use_qk_norm true is not supported for {arch} (transformers' "
+                          "Cohere2 has no q/k norms)")
+    if head_dim != d["hidden_size"] // d["num_attention_heads"]:
+        raise ConfigError(f"{where}: head_dim {head_dim} is not supported for {arch}: transformers "
+                          f"uses hidden_size / num_attention_heads = "
+                          f"{d['hidden_size'] // d['num_attention_heads']}")
+    window = d.get("sliding_window", 4096)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        # transformers' Cohere2 would neither window nor rotate any layer without one
+        raise ConfigError(f"{where}: sliding_window must be a positive integer for {arch}, "
+                          f"got {window!r}")
+    return out | dict(sliding_window=window, full_attention_nope=True,
+                      layer_types=_layer_types(d, where, d.get("sliding_window_pattern", 4)))
 
 
 def _starcoder2_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
@@ -668,10 +696,28 @@ def _block_size(v: Any, field_: str, required: bool = False) -> tuple[int, int] 
     return int(v[0]), int(v[1])
 
 
-# HF's layer_types entries (Gemma 2/3): a layer attends within sliding_window, or to all
+# HF's layer_types entries (Gemma 2/3, Cohere2): a layer attends within sliding_window, or to all
 LAYER_TYPES = ("sliding_attention", "full_attention")
 # the GELU of Gemma's MLP: the tanh approximation ("gelu" in Gemma 1 configs means it too)
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
+
+
+def _layer_types(d: dict[str, Any], where: str, pattern: Any) -> tuple[str, ...]:
+    """Each layer's LAYER_TYPES entry: config.json's ``layer_types``, else transformers'
+    rule for the older ``sliding_window_pattern`` (Gemma 2/3, Cohere2): every
+    ``pattern``-th layer (1-based) attends to all, the others within the window."""
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types is None:
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+            raise ConfigError(f"{where}: sliding_window_pattern must be a positive integer, "
+                              f"got {pattern!r}")
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if (not isinstance(types, list | tuple) or len(types) != n
+            or any(t not in LAYER_TYPES for t in types)):
+        raise ConfigError(f"{where}: layer_types must list one of {', '.join(LAYER_TYPES)} for "
+                          f"each of the {n} layers, got {types!r}")
+    return tuple(types)
 
 
 def _positive(d: dict[str, Any], key: str, default: Any, where: str) -> float | None:
@@ -703,25 +749,15 @@ def _gemma_fields(d: dict[str, Any], where: str, model_type: str) -> dict[str, A
     out: dict[str, Any] = {"hidden_act": act}
     if model_type == "gemma":
         return {**out, "sliding_window": None}
-    n = d["num_hidden_layers"]
     window = d.get("sliding_window", 4096)
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
-    types = d.get("layer_types")
-    if types is None:  # Gemma 2 alternates from a sliding layer 0; Gemma 3 every `pattern`-th is global
-        pattern = 2 if model_type == "gemma2" else d.get(
-            "sliding_window_pattern", d.get("_sliding_window_pattern", 6))
-        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
-            raise ConfigError(f"{where}: sliding_window_pattern must be a positive integer, "
-                              f"got {pattern!r}")
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    if (not isinstance(types, list) or len(types) != n
-            or any(t not in LAYER_TYPES for t in types)):
-        raise ConfigError(f"{where}: layer_types must list one of {', '.join(LAYER_TYPES)} for "
-                          f"each of the {n} layers, got {types!r}")
+    # Gemma 2 alternates from a sliding layer 0; Gemma 3 every `pattern`-th is global
+    pattern = 2 if model_type == "gemma2" else d.get(
+        "sliding_window_pattern", d.get("_sliding_window_pattern", 6))
     caps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
     out.update(
-        sliding_window=window, layer_types=tuple(types),
+        sliding_window=window, layer_types=_layer_types(d, where, pattern),
         query_pre_attn_scalar=_positive(d, "query_pre_attn_scalar", 256, where),
         attn_logit_softcapping=_positive(d, "attn_logit_softcapping", caps[0], where),
         final_logit_softcapping=_positive(d, "final_logit_softcapping", caps[1], where))
@@ -763,8 +799,8 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q, k and v
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm on each head of q and k
     sliding_window: int | None = None
-    # Gemma 2/3: each layer's LAYER_TYPES entry (attention_window); (): every layer as
-    # sliding_window says
+    # Gemma 2/3, Cohere2: each layer's LAYER_TYPES entry (attention_window); (): every layer
+    # as sliding_window says
     layer_types: tuple[str, ...] = ()
     query_pre_attn_scalar: float | None = None  # Gemma 2/3: scores scaled by its -1/2 power
     attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
@@ -810,8 +846,13 @@ class ModelConfig:
     # layout, instead of halves (x[i], x[i + rot_dim / 2])
     logit_scale: float = 1.0
     rope_interleaved: bool = False
+    # Cohere2: the full-attention layers (layer_types) take no positional embedding at all
+    # (NoPE: q and k unrotated; uses_rope); the sliding ones rotate
+    full_attention_nope: bool = False
     # Starcoder2: the MLP's c_fc / c_proj have a bias (use_bias, with attention_bias)
     mlp_bias: bool = False
+    # OLMo (1): q, k and v clamped to [-clip_qkv, clip_qkv] after their projections
+    clip_qkv: float | None = None
     # fp8 / int4 checkpoints (HF quantization_config): how their weights are stored; None: 16/32-bit
     quantization_config: CheckpointQuantization | None = None
     # a sequence classifier (CLASSIFIER_ARCHITECTURES; 0 for any other model): its labels
@@ -1008,6 +1049,11 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] == "full_attention":
             return None
         return self.sliding_window
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates q and k (all but Cohere2's full-attention layers)."""
+        return not (self.full_attention_nope and self.layer_types
+                    and self.layer_types[layer] == "full_attention")
 
     @property
     def attention_scale(self) -> float:

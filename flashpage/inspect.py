@@ -230,12 +230,13 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     h = cfg.hidden_size
     embed = cfg.vocab_size * h
     head = h * cfg.num_labels if cfg.is_classifier else (0 if cfg.tie_word_embeddings else embed)
-    norm = 2 * h if cfg.model_type == "starcoder2" else h  # its LayerNorms' bias too
+    # Starcoder2's LayerNorms have a bias too; OLMo (1)'s neither weight nor bias
+    norm = {"starcoder2": 2 * h, "olmo": 0}.get(cfg.model_type, h)
     fixed = embed + norm + head  # + final norm, lm_head (a classifier's: its score head)
     total = active = fixed
     # input and post-attention norms; Gemma 2/3's pre- and post-feedforward ones too;
-    # Cohere's one norm feeds attention and the MLP
-    norms = {"gemma2": 4, "gemma3_text": 4, "cohere": 1}.get(cfg.model_type, 2)
+    # Cohere's (and Cohere2's) one norm feeds attention and the MLP
+    norms = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "cohere2": 1}.get(cfg.model_type, 2)
     attn = _attention_params(cfg) + norms * norm
     for layer in range(cfg.num_hidden_layers):
         mlp_total, mlp_active = _mlp_params(cfg, layer)
@@ -284,13 +285,15 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "head_dim": None if cfg.is_mla else cfg.head_dim,
         "mla": None,
         "sliding_window": cfg.sliding_window,
-        # Gemma 2/3 window some layers only (layer_types)
+        # Gemma 2/3 and Cohere2 window some layers only (layer_types)
         "sliding_window_layers": sum(cfg.attention_window(i) is not None
                                      for i in range(cfg.num_hidden_layers)),
         # rotary over the first rotary_dim dims of a head (Phi-3's partial_rotary_factor) and
         # its scaling (longrope: the factor lists applied past original_max_position_embeddings)
         "rotary_dim": None if cfg.is_mla else cfg.rotary_dim,
         "rotary_interleaved": cfg.rope_interleaved,  # Cohere's pairs (x[2i], x[2i + 1])
+        # layers without any positional embedding (Cohere2's full-attention ones: NoPE)
+        "nope_layers": sum(not cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)),
         "rope_scaling": None if cfg.rope_scaling is None else {
             "type": cfg.rope_scaling.rope_type,
             "original_max_position_embeddings": cfg.rope_scaling.original_max_position_embeddings},
@@ -390,6 +393,8 @@ def format_report(info: dict[str, Any]) -> str:
                     if info.get("rotary_dim") != info["head_dim"] else "all dims")
             if info.get("rotary_interleaved"):
                 text += ", interleaved pairs (GPT-J's layout)"
+            if info.get("nope_layers"):
+                text += (f"; none on the {info['nope_layers']} full-attention layers (NoPE)")
             if rope and longrope:
                 original = rope["original_max_position_embeddings"]
                 text += (f", longrope: long factors when max_model_len > {original}, "

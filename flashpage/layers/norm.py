@@ -43,15 +43,18 @@ class LayerNorm(ops.FusedOpsModule):
     (and torch's CUDA layer_norm for Starcoder2's nn.LayerNorm). ``shape``: the weight's,
     ending in the normalized dim; a leading dim is per head (Command-R+'s q/k norms hold
     [heads, head_dim] and norm each head of [N, heads, head_dim] over its head_dim).
+    ``elementwise_affine=False`` (torch's name): no weight and no bias at all, OLMo (1)'s
+    non-parametric norm (``shape`` then only says the normalized width).
 
     ``fused``: our Triton kernel (kernels/layer_norm.py), the residual add and per-head
     weights included. The GEMV norm prologues (``_ParallelLinear.fuses_norm``) compute
     RMSNorm and never take it."""
 
-    def __init__(self, shape: int | tuple[int, ...], eps: float = 1e-5, bias: bool = True) -> None:
+    def __init__(self, shape: int | tuple[int, ...], eps: float = 1e-5, bias: bool = True,
+                 elementwise_affine: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(shape))
-        self.bias = nn.Parameter(torch.zeros(shape)) if bias else None
+        self.weight = nn.Parameter(torch.ones(shape)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(shape)) if bias and elementwise_affine else None
         self.eps = eps
 
     def forward(

@@ -1,5 +1,6 @@
-"""Cohere's Command-R / Command-R+ / Aya (CohereForCausalLM): Llama's projections, names and
-loading (models/llama.py: merged ``qkv_proj`` / ``gate_up_proj``, SiLU-gated MLP) with:
+"""Cohere's Command-R / Command-R+ / Aya (CohereForCausalLM) and Command R7B / Command A
+(Cohere2ForCausalLM): Llama's projections, names and loading (models/llama.py: merged
+``qkv_proj`` / ``gate_up_proj``, SiLU-gated MLP) with:
 
 - LayerNorms without bias (layers/norm.LayerNorm: mean-subtracted, in fp32) instead of
   RMSNorms, and ONE norm a layer, whose output both attention and the MLP read::
@@ -11,6 +12,13 @@ loading (models/llama.py: merged ``qkv_proj`` / ``gate_up_proj``, SiLU-gated MLP
   (config.rope_interleaved; our rotary kernels' is_neox=False);
 - Command-R+'s ``use_qk_norm``: a LayerNorm on each head of q and of k, with its own
   weights per head ([heads, head_dim]), before rotary.
+
+Command R7B / Command A (Cohere2ForCausalLM) are this very model, their differences all
+in ModelConfig and read by LlamaAttention: layers of two kinds (``config.layer_types``),
+sliding ones attending within ``sliding_window`` with rotary as above, full-attention
+ones to the whole context with no positional embedding at all (NoPE:
+``config.uses_rope`` is False there, so the layer has no ``rotary_emb`` and q and k go to
+the cache unrotated); no q/k norms.
 
 No norm here is an RMSNorm, so the one-row GEMV norm prologues are not used
 (``norm_consumers`` stays None; ``fuses_norm`` takes RMSNorms only); with our kernels on,

@@ -79,7 +79,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = norm_cls(d, config.rms_norm_eps)
             self.k_norm = norm_cls(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        self.rotary_emb = get_rope(config, max_positions, layer_idx)
+        # None: no positional embedding in this layer (Cohere2's full-attention layers)
+        self.rotary_emb = (get_rope(config, max_positions, layer_idx)
+                           if config.uses_rope(layer_idx) else None)
         # head_dim ** -0.5 and one window for all layers but in Gemma (its attention is this)
         self.attn = Attention(h, d, kv, config.attention_scale, layer_idx,
                               config.attention_window(layer_idx), config.attn_logit_softcapping)
@@ -237,7 +239,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "rope_freqs":  # GGUF: Llama 3.1 scaling as frequency factors
                 for layer in self.model.layers:
-                    cast(LlamaDecoderLayer, layer).self_attn.rotary_emb.set_frequency_factors(tensor)
+                    rotary = cast(LlamaDecoderLayer, layer).self_attn.rotary_emb
+                    if rotary is not None:
+                        rotary.set_frequency_factors(tensor)
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
