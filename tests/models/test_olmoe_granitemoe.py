@@ -25,7 +25,7 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
-from flashpage.inspect import inspect_config, param_counts
+from flashpage.inspect import format_report, inspect_config, param_counts
 from flashpage.layers.moe import FusedExperts, SparseMoeBlock, set_fused_moe
 from flashpage.models.granite import GraniteMoeBlock
 from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model, resolve_model
@@ -332,6 +332,10 @@ def test_inspect_counts_transformers_parameters(tiny, name):
     assert total == sum(p.numel() for p in model.parameters())
     idle = (cfg.n_routed_experts - cfg.num_experts_per_tok) * 3 * 64 * 32
     assert total - active == 2 * idle
+    report = format_report(inspect_config(cfg, 1 << 30, "fp32"))
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+    assert f"{k} of {e} per token (intermediate 32" in report and "in 2 of 2 layers" in report
+    assert ("a shared MLP of 48" in report) == (name == "granitemoeshared")
 
 
 @pytest.mark.parametrize("name", ["olmoe", "granitemoeshared"])
