@@ -33,8 +33,14 @@ LLAMA_FAMILY = {
     "Qwen3ForCausalLM",
 } | CLASSIFIER_ARCHITECTURES
 DEEPSEEK_FAMILY = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
-# the Llama body with mixture-of-experts MLPs (models/llama.py, layers/moe.SparseMoeBlock)
-LLAMA_MOE_FAMILY = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
+# the Llama body with mixture-of-experts MLPs (models/llama.py, layers/moe.SparseMoeBlock;
+# OLMoE's attention is OLMo2's, models/olmoe.py; Granite MoE's body Granite's, its block
+# models/granite.GraniteMoeBlock): _llama_moe_fields
+LLAMA_MOE_FAMILY = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                    "OlmoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"}
+# ... of which these have experts of intermediate_size in every layer (no dense layers)
+_EVERY_LAYER_MOE = {"MixtralForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
+                    "GraniteMoeSharedForCausalLM"}
 # models/gemma.py: Llama's shape with (1 + w) norms, scaled embeddings and GELU-tanh;
 # Gemma 2/3 add post-norms, per-layer sliding windows and softcaps (_gemma_fields)
 GEMMA_FAMILY = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
@@ -55,6 +61,9 @@ _MODEL_TYPE_TO_ARCH = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -398,15 +407,17 @@ def _positive_int(d: dict[str, Any], key: str, where: str, default: Any = None,
 
 
 def _llama_moe_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
-    """The MoE fields of Mixtral / Qwen2-MoE / Qwen3-MoE under ModelConfig's names (DeepSeek's:
-    ``n_routed_experts``, ``moe_intermediate_size``), validated.
+    """The MoE fields of Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / Granite MoE under
+    ModelConfig's names (DeepSeek's: ``n_routed_experts``, ``moe_intermediate_size``), validated.
 
     Mixtral: ``num_local_experts`` experts of ``intermediate_size`` in every layer, the top-k
     weights always renormalized. Qwen: ``num_experts`` (transformers 5 writes Qwen3-MoE's as
     ``num_local_experts``) of ``moe_intermediate_size``; layer i is MoE unless it is in
     ``mlp_only_layers`` or (i + 1) % ``decoder_sparse_step`` != 0, else a dense MLP of
     ``intermediate_size``; renormalized if ``norm_topk_prob``. Qwen2-MoE adds a shared expert
-    of ``shared_expert_intermediate_size`` behind a sigmoid gate."""
+    of ``shared_expert_intermediate_size`` behind a sigmoid gate. OLMoE (_olmoe_fields) and
+    Granite MoE (_granite_moe_fields): experts of ``intermediate_size`` in every layer, as
+    Mixtral's."""
     layers = d["num_hidden_layers"]
     mixtral = arch == "MixtralForCausalLM"
     experts_key = "num_local_experts" if mixtral or "num_experts" not in d else "num_experts"
@@ -419,9 +430,13 @@ def _llama_moe_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any
         raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
                           f"{arch} (supported: 'silu')")
     out: dict[str, Any] = dict(n_routed_experts=experts, num_experts_per_tok=top_k)
-    if mixtral:
-        return out | dict(moe_intermediate_size=_positive_int(d, "intermediate_size", where),
-                          norm_topk_prob=True)
+    if arch in _EVERY_LAYER_MOE:
+        out["moe_intermediate_size"] = _positive_int(d, "intermediate_size", where)
+        if arch == "OlmoeForCausalLM":
+            return out | _olmoe_fields(d, where)
+        if arch != "MixtralForCausalLM":
+            return out | _granite_moe_fields(d, arch, where)
+        return out | dict(norm_topk_prob=True)
     step = _positive_int(d, "decoder_sparse_step", where, default=1)
     only = d.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(
@@ -442,6 +457,49 @@ def _llama_moe_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any
         out["shared_expert_intermediate_size"] = _positive_int(
             d, "shared_expert_intermediate_size", where)
     return out
+
+
+def _olmoe_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """OLMoE (OlmoeConfig's defaults where a field is absent): ``norm_topk_prob`` (false:
+    the top-k softmax weights as they are), ``clip_qkv`` (q, k, v clamped to +-clip after
+    the q/k norms; null: none), RMSNorms of ``rms_norm_eps`` 1e-5. Its q_norm spans
+    hidden_size and its k_norm (hidden_size / heads) * kv_heads: a head_dim other than
+    hidden_size / heads would not fit them (transformers' model would not build)."""
+    heads = d["num_attention_heads"]
+    if d["hidden_size"] % heads or d.get("head_dim") not in (None, d["hidden_size"] // heads):
+        raise ConfigError(f"{where}: head_dim {d.get('head_dim')!r} with hidden_size "
+                          f"{d['hidden_size']} over {heads} heads is not supported for "
+                          "OlmoeForCausalLM (its q_norm spans hidden_size = heads * head_dim)")
+    if d.get("sliding_window") is not None:
+        raise ConfigError(f"{where}: sliding_window is not supported for OlmoeForCausalLM "
+                          "(transformers' OLMoE masks no window; only its flash-attention "
+                          "path would read one)")
+    return dict(norm_topk_prob=_flag(d, "norm_topk_prob", False, where),
+                clip_qkv=_positive(d, "clip_qkv", None, where),
+                rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5))
+
+
+def _granite_moe_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """Granite MoE (GraniteMoeConfig's defaults where a field is absent): Granite's
+    multipliers, routing as a softmax over the k best logits (the top-k softmax weights
+    renormalized: ``norm_topk_prob``), and GraniteMoeShared's ``shared_intermediate_size``
+    (0: no shared MLP), held as shared_expert_intermediate_size. transformers' attention
+    reads no sliding_window here, and neither do we."""
+    out = _granite_multipliers(d, where) | dict(norm_topk_prob=True, sliding_window=None)
+    if arch == "GraniteMoeSharedForCausalLM":
+        shared = d.get("shared_intermediate_size", 0)
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ConfigError(f"{where}: shared_intermediate_size must be an integer >= 0 "
+                              f"(0: no shared MLP), got {shared!r}")
+        out["shared_expert_intermediate_size"] = shared
+    return out
+
+
+def _granite_multipliers(d: dict[str, Any], where: str) -> dict[str, float]:
+    """Granite's four scalars; absent: GraniteConfig's defaults, 1.0 each (the attention
+    scale too)."""
+    return {k: _positive_number(d, k, where, 1.0) for k in (
+        "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")}
 
 
 def _positive_number(d: dict[str, Any], key: str, where: str, default: float) -> float:
@@ -473,10 +531,7 @@ def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
         if d.get("mlp_bias"):
             raise ConfigError(f"{where}: mlp_bias true is not supported for {arch} (the "
                               "gate/up/down projections have no bias here)")
-        # absent: GraniteConfig's defaults, 1.0 each (the attention scale too)
-        out.update((k, _positive_number(d, k, where, 1.0)) for k in (
-            "embedding_multiplier", "residual_multiplier", "attention_multiplier",
-            "logits_scaling"))
+        out.update(_granite_multipliers(d, where))
     if arch == "Phi3ForCausalLM":
         # transformers 5 writes it inside rope_parameters too
         params = d.get("rope_parameters")
@@ -725,7 +780,7 @@ def _positive(d: dict[str, Any], key: str, default: Any, where: str) -> float | 
     v = d.get(key, default)
     if v is None:
         return None
-    if not isinstance(v, int | float) or isinstance(v, bool) or v <= 0:
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
         raise ConfigError(f"{where}: {key} must be a positive number or null, got {v!r}")
     return float(v)
 
@@ -832,7 +887,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1  # Qwen MoE: layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's one shared expert (sigmoid-gated)
+    # the one shared expert beside the routed ones: Qwen2-MoE's (sigmoid-gated),
+    # GraniteMoeShared's shared_mlp (shared_intermediate_size; not gated)
+    shared_expert_intermediate_size: int = 0
     # Phi-3: rotary on the first rotary_dim = int(head_dim * partial_rotary_factor) dims of a head
     partial_rotary_factor: float = 1.0
     # Granite: embeddings x embedding_multiplier; each attention / MLP output x
@@ -851,7 +908,8 @@ class ModelConfig:
     full_attention_nope: bool = False
     # Starcoder2: the MLP's c_fc / c_proj have a bias (use_bias, with attention_bias)
     mlp_bias: bool = False
-    # OLMo (1): q, k and v clamped to [-clip_qkv, clip_qkv] after their projections
+    # OLMo (1): q, k and v clamped to [-clip_qkv, clip_qkv] after their projections; OLMoE:
+    # after its q/k norms (None: not clamped)
     clip_qkv: float | None = None
     # fp8 / int4 checkpoints (HF quantization_config): how their weights are stored; None: 16/32-bit
     quantization_config: CheckpointQuantization | None = None

@@ -101,7 +101,7 @@ def _attention_params(cfg: ModelConfig) -> int:
             n += h
     if cfg.qk_norm:  # Cohere's q/k LayerNorms have weights per head; Qwen3's one of head_dim
         n += q_dim + kv_dim if cfg.model_type == "cohere" else 2 * d
-    if cfg.model_type == "olmo2":  # q_norm / k_norm over the whole projections
+    if cfg.model_type in ("olmo2", "olmoe"):  # q_norm / k_norm over the whole projections
         n += q_dim + kv_dim
     return n
 
@@ -109,9 +109,11 @@ def _attention_params(cfg: ModelConfig) -> int:
 def _shared_experts(cfg: ModelConfig) -> tuple[str, int]:
     """(module name, intermediate size) of an MoE layer's always-on MLP: DeepSeek's
     ``shared_experts`` (n_shared_experts of moe_intermediate_size, merged), Qwen2-MoE's
-    ``shared_expert``; size 0 where there is none."""
+    ``shared_expert``, GraniteMoeShared's ``shared_mlp`` (beside the layer's
+    block_sparse_moe in its checkpoints); size 0 where there is none."""
     if cfg.shared_expert_intermediate_size:
-        return "shared_expert", cfg.shared_expert_intermediate_size
+        name = "shared_mlp" if cfg.model_type == "granitemoeshared" else "shared_expert"
+        return name, cfg.shared_expert_intermediate_size
     return "shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts
 
 
@@ -131,7 +133,7 @@ def _mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     if cfg.topk_method == "noaux_tc":  # e_score_correction_bias
         router += cfg.n_routed_experts
     shared = 3 * h * _shared_experts(cfg)[1]
-    if cfg.shared_expert_intermediate_size:
+    if cfg.model_type == "qwen2_moe":
         shared += h  # Qwen2-MoE's shared_expert_gate
     total = router + shared + cfg.n_routed_experts * expert
     active = router + shared + cfg.num_experts_per_tok * expert
@@ -165,7 +167,11 @@ def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
         if cfg.is_moe_layer(layer):
             shared, inter = _shared_experts(cfg)
             m += f".{shared}"
-        if cfg.model_type == "starcoder2":
+        if cfg.model_type == "granitemoeshared" and inter:
+            # beside block_sparse_moe in the layer, gate and up in one checkpoint tensor
+            m = f"model.layers.{layer}.shared_mlp"
+            out += [((f"{m}.input_linear",), 2 * inter, h), ((f"{m}.output_linear",), h, inter)]
+        elif cfg.model_type == "starcoder2":
             out += [((f"{m}.c_fc",), inter, h), ((f"{m}.c_proj",), h, inter)]
         elif inter:
             out += [((f"{m}.gate_proj", f"{m}.up_proj"), 2 * inter, h), ((f"{m}.down_proj",), h, inter)]

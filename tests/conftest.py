@@ -191,7 +191,7 @@ def _save_tiny_routed(path: Path, cls_name: str, extra: dict, seed: int, fan_in_
                 p.normal_(0, 0.2)  # a LayerNorm's (Starcoder2): 0.5-1.5 would swamp the logits
             elif "norm" in n:
                 p.uniform_(0.5, 1.5)
-            elif "gate.weight" in n:
+            elif "gate.weight" in n or "router.weight" in n:  # router.weight: Granite MoE's
                 p.normal_(0, 0.5)  # router logits far apart: no near-tied expert choices
             elif fan_in_init and p.dim() == 2:
                 p.normal_(0, 0.2 * min(1.0, (64 / p.shape[1]) ** 0.5))

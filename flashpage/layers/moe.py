@@ -1,8 +1,9 @@
 """Mixtures of experts: a top-k gate, routed experts, shared experts.
 
-DeepSeek-V2/V3's (``DeepseekMoE``), and Mixtral's, Qwen2-MoE's and Qwen3-MoE's
-(``SparseMoeBlock``, in the Llama body of models/llama.py): all route with ``MoEGate``
-and run their routed experts as ``FusedExperts``.
+DeepSeek-V2/V3's (``DeepseekMoE``), Mixtral's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's
+(``SparseMoeBlock``, in the Llama body of models/llama.py and OLMoE's of models/olmoe.py),
+and Granite MoE's (``models/granite.GraniteMoeBlock``): all route with ``MoEGate`` and run
+their routed experts as ``FusedExperts``.
 
 Parameter names are those of transformers 5.x, so its state_dicts load by name::
 
@@ -29,8 +30,10 @@ Routing, as transformers computes it (fp32 logits):
   within; weights are the *uncorrected* sigmoid scores, normalised if
   ``norm_topk_prob``, times ``routed_scaling_factor``. transformers' V3 always routes
   this way, whatever ``topk_method``/``scoring_func`` say (its config has neither).
-- Mixtral, Qwen2-MoE, Qwen3-MoE (``greedy``): top-k of the softmax, the k weights then
-  divided by their sum (Mixtral always, Qwen if ``norm_topk_prob``), no scaling.
+- Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE (``greedy``): top-k of the softmax,
+  the k weights then divided by their sum (Mixtral always, Qwen and OLMoE if
+  ``norm_topk_prob``; Granite MoE always: transformers' softmax over the k best logits is
+  the same), no scaling.
 
 Experts run one of three ways, chosen by the token count alone (a shape, so a CUDA graph
 captured for a batch size always replays the same path):
@@ -354,7 +357,7 @@ class DeepseekMoE(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Mixtral's, Qwen2-MoE's and Qwen3-MoE's MoE MLP (transformers 5's module names):
+    """Mixtral's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's MoE MLP (transformers 5's module names):
     ``gate`` (softmax top-k, MoEGate), ``experts`` (FusedExperts of moe_intermediate_size),
     and for Qwen2-MoE ``shared_expert`` (GatedMLP of shared_expert_intermediate_size) whose
     output, times sigmoid(``shared_expert_gate``(x)) (one logit a token), joins the routed

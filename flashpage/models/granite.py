@@ -6,9 +6,24 @@ logits_scaling.
 
 The multipliers sit inside the modules (the embedding, the attention's and the MLP's
 outputs), so the pre-norm layer, its fused residual-add norms and its one-row GEMV
-norm prologues (models/common.PreNormDecoderLayer) are Llama's unchanged."""
+norm prologues (models/common.PreNormDecoderLayer) are Llama's unchanged.
+
+Granite MoE (GraniteMoeForCausalLM, Granite 3.0 1B-A400M / 3B-A800M) and GraniteMoeShared:
+the same body with ``GraniteMoeBlock`` as every layer's MLP (so no norm prologues: the
+router reads the normed input beside the experts). Its checkpoints name it differently
+from ours (``_GRANITE_MOE_NAMES``): the layer's ``block_sparse_moe`` holds
+``router.layer.weight`` [E, H] and the experts fused on disk, ``input_linear.weight``
+[E, 2I, H] (gate rows, then up: transformers 5 only renames it ``experts.gate_up_proj``)
+and ``output_linear.weight`` [E, H, I]; GraniteMoeShared's ``shared_mlp`` beside it,
+``input_linear`` [2S, H] (gate, then up) and ``output_linear`` [H, S]. Ours are the
+block's ``mlp.router.weight``, ``mlp.experts.{gate_up,down}_proj`` (layers/moe.py) and
+``mlp.shared_mlp.{gate_up,down}_proj.weight`` (layers/mlp.GatedMLP); ``hf_weights`` gives
+the checkpoint's names back."""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -16,6 +31,8 @@ from torch import nn
 from flashpage.attention.backend import AttentionMetadata
 from flashpage.config import ModelConfig
 from flashpage.layers.linear import ColumnParallelLinear, PendingNorm, VocabEmbedding
+from flashpage.layers.mlp import GatedMLP
+from flashpage.layers.moe import FusedExperts, MoEGate
 from flashpage.layers.norm import RMSNorm
 from flashpage.models.common import DecoderStack, PreNormDecoderLayer
 from flashpage.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
@@ -51,18 +68,45 @@ class GraniteMLP(LlamaMLP):
         return super().forward(x) * self.residual_multiplier
 
 
+class GraniteMoeBlock(nn.Module):
+    """Granite MoE's MLP: ``router`` (softmax over the k best logits = the top-k softmax
+    weights renormalized, MoEGate), ``experts`` (FusedExperts of intermediate_size) and,
+    for GraniteMoeShared, ``shared_mlp`` (GatedMLP of shared_intermediate_size, not gated)
+    added to them; the sum x residual_multiplier. forward takes [..., hidden] and keeps
+    the shape."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.router = MoEGate(config)
+        self.experts = FusedExperts(config)
+        shared = config.shared_expert_intermediate_size
+        self.shared_mlp = GatedMLP(config.hidden_size, shared) if shared else None
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        weights, ids = self.router(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_mlp is not None:
+            out = out + self.shared_mlp(x)
+        return (out * self.residual_multiplier).view(shape)
+
+
 class GraniteDecoderLayer(PreNormDecoderLayer):
     self_attn: GraniteAttention
-    mlp: GraniteMLP
+    mlp: GraniteMLP | GraniteMoeBlock
 
     def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = GraniteAttention(config, layer_idx, max_positions)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GraniteMLP(config)
+        self.mlp = GraniteMoeBlock(config) if config.n_routed_experts else GraniteMLP(config)
 
-    def norm_consumers(self) -> tuple[ColumnParallelLinear, ColumnParallelLinear]:
+    def norm_consumers(self) -> tuple[ColumnParallelLinear, ColumnParallelLinear] | None:
+        if isinstance(self.mlp, GraniteMoeBlock):
+            return None  # the router and the shared MLP both read the normed input
         return self.self_attn.qkv_proj, self.mlp.gate_up_proj
 
 
@@ -82,3 +126,35 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden) / self.config.logits_scaling
+
+
+# Granite MoE checkpoint names (after ``model.layers.{i}.``) -> ours
+_GRANITE_MOE_NAMES = {
+    "block_sparse_moe.router.layer.weight": "mlp.router.weight",
+    "block_sparse_moe.input_linear.weight": "mlp.experts.gate_up_proj",
+    "block_sparse_moe.output_linear.weight": "mlp.experts.down_proj",
+    "shared_mlp.input_linear.weight": "mlp.shared_mlp.gate_up_proj.weight",
+    "shared_mlp.output_linear.weight": "mlp.shared_mlp.down_proj.weight",
+}
+_GRANITE_MOE_HF = {ours: hf for hf, ours in _GRANITE_MOE_NAMES.items()}
+_LAYER = re.compile(r"^(model\.layers\.\d+)\.(.+)$")
+
+
+def _rename(name: str, table: dict[str, str]) -> str | None:
+    m = _LAYER.match(name)
+    return None if m is None or m[2] not in table else f"{m[1]}.{table[m[2]]}"
+
+
+class GraniteMoeForCausalLM(GraniteForCausalLM):
+    """Granite MoE and GraniteMoeShared: GraniteForCausalLM whose layers hold a
+    GraniteMoeBlock (config.n_routed_experts), loading the checkpoint's names
+    (``_GRANITE_MOE_NAMES``; transformers 5's in-memory ``block_sparse_moe.router.weight``
+    and ``block_sparse_moe.experts.*`` load too, through Mixtral's rename to ``mlp``)."""
+
+    def _checkpoint_name(self, name: str) -> str:
+        ours = _rename(name, _GRANITE_MOE_NAMES)
+        return ours if ours is not None else super()._checkpoint_name(name)
+
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, t in super().hf_weights():
+            yield _rename(name, _GRANITE_MOE_HF) or name, t

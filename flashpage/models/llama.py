@@ -215,6 +215,11 @@ class LlamaForCausalLM(nn.Module):
         prefix, sub = ".".join(parts[:3]), ".".join(parts[3:])
         return [f"{prefix}.{hf}" for hf, (ours, _, _) in self._shards().items() if ours == sub]
 
+    def _checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as ``load_weights`` places it (Mixtral's expert names
+        as transformers 5 reads them, ``_moe_name``; a family may rename more)."""
+        return _moe_name(name)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy (HF name, tensor) pairs into the parameters; returns the names loaded.
 
@@ -233,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            name = _moe_name(name)
+            name = self._checkpoint_name(name)
             if (m := EXPERT_NAME.match(name)) is not None:  # one expert's piece of the fused
                 load_expert_weight(params, m, tensor, expert_pieces, loaded)
                 continue

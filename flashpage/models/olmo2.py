@@ -2,7 +2,8 @@
 norms moved. No pre-norms: each block's output is RMS-normed before its residual add
 (``post_attention_layernorm`` after attention, ``post_feedforward_layernorm`` after the
 MLP), and q_norm / k_norm are RMSNorms over the WHOLE q and k projections (hidden-wide,
-``heads * head_dim``, not per head as Qwen3's), before rotary.
+``heads * head_dim``, not per head as Qwen3's), before rotary. OLMoE's attention is this one
+(models/olmoe.py), with its ``clip_qkv`` clamp after the norms.
 
 The residual stream keeps DecoderStack's convention: a layer returns (x, residual)
 whose sum is the hidden state, and the final norm adds them; no norm here can take the
@@ -29,12 +30,16 @@ class Olmo2Attention(LlamaAttention):
         super().__init__(config, layer_idx, max_positions)
         self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
+        self.clip_qkv = config.clip_qkv  # OLMoE's; None for OLMo2
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | PendingNorm,
                 md: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = cast(torch.Tensor, self.q_norm(q))
         k = cast(torch.Tensor, self.k_norm(k))
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         o = self.attn(q, k, v, md, positions=positions, rotary=self.rotary_emb)
         return self.o_proj(o)
 
