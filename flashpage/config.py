@@ -539,13 +539,16 @@ _GPT2_NAMES = (("n_embd", "hidden_size"), ("n_layer", "num_hidden_layers"),
                ("n_head", "num_attention_heads"))
 
 
-def _gpt2_names(d: dict[str, Any], where: str) -> dict[str, Any]:
+def _gpt2_names(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
     """GPT-2's config.json with the common names added (a new dict): hidden_size from
     ``n_embd``, num_hidden_layers from ``n_layer``, num_attention_heads from ``n_head``,
     max_position_embeddings from ``n_positions`` (GPT2Config's 1024 when absent) and
-    intermediate_size from ``n_inner`` (null: 4 * n_embd); a bad field is named as the
-    file writes it (a common name the file uses instead is read too)."""
+    intermediate_size from ``n_inner`` (null: 4 * n_embd), and model_type from ``arch``
+    where the file has none; a bad field is named as the file writes it (a common name the
+    file uses instead is read too)."""
     out = dict(d)
+    out["model_type"] = d.get("model_type") or ("gpt2" if arch == "GPT2LMHeadModel"
+                                                 else "gpt_bigcode")
     for theirs, ours in (*_GPT2_NAMES, ("n_positions", "max_position_embeddings")):
         key = theirs if theirs in d or ours not in d else ours
         out[ours] = _positive_int(d, key, where, 1024 if theirs == "n_positions" else None)
@@ -955,7 +958,7 @@ class ModelConfig:
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         if arch in GPT2_FAMILY:
-            d = _gpt2_names(d, where)
+            d = _gpt2_names(d, arch, where)
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
         if arch in LLAMA_FAMILY | LLAMA_VARIANTS:
             required.append("intermediate_size")
