@@ -166,12 +166,13 @@ class GPT2LMHeadModel(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param, t = params[name], self._ours(name, tensor)
-            if param.shape != t.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not fit "
-                                 f"{tuple(param.shape)}" + (" (transposed: a Conv1D weight)"
-                                                            if t is not tensor else ""))
-            param.data.copy_(t)
+            param = params[name]
+            conv1d = self.conv1d and _CONV1D.match(name) is not None
+            want = tuple(param.shape[::-1] if conv1d else param.shape)
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {want}"
+                                 + (" (a Conv1D weight, stored [in, out])" if conv1d else ""))
+            param.data.copy_(self._ours(name, tensor))
             loaded.add(name)
         return loaded
 

@@ -210,6 +210,20 @@ def test_hub_gpt2_file_layout_loads(tiny, tmp_path):
                                                  b.state_dict().values(), strict=True))
 
 
+def test_conv1d_weight_in_the_wrong_layout_is_named(tiny, tmp_path):
+    """A GPT-2 file whose c_fc weight is stored [out, in] (nn.Linear's) is refused, naming
+    the tensor and the layout it should have."""
+
+    def transpose(t):
+        t["transformer.h.1.mlp.c_fc.weight"] = t["transformer.h.1.mlp.c_fc.weight"].t().contiguous()
+
+    bad = edited_copy(tiny("gpt2"), tmp_path / "bad", edit=transpose)
+    with pytest.raises(ValueError, match=r"transformer\.h\.1\.mlp\.c_fc\.weight: checkpoint "
+                                         r"shape \(256, 64\) != \(64, 256\) \(a Conv1D weight, "
+                                         r"stored \[in, out\]\)"):
+        load_model(resolve_model(str(bad)), torch.float32, torch.device("cpu"))
+
+
 def test_lora_on_gpt2_conv1d_gives_the_merged_models_tokens(tiny, tmp_path):
     """A PEFT adapter (fan_in_fan_out, as PEFT writes it for Conv1D) on c_attn, attn.c_proj,
     c_fc and mlp.c_proj: ours with the adapter = transformers on the merged checkpoint,
