@@ -579,8 +579,10 @@ def _gpt2_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
     unsupported = {"add_cross_attention": "cross-attention layers (an encoder-decoder's) are not "
                                           "built here"}
     if gpt2:
-        unsupported["reorder_and_upcast_attn"] = ("its fp32-upcast attention is not "
-                                                  "reproduced (set it false to run anyway)")
+        # transformers applies it on its eager path only (q.k of fp32-upcast q and k)
+        unsupported["reorder_and_upcast_attn"] = (
+            "its upcast q.k is not reproduced (hf_overrides={'reorder_and_upcast_attn': "
+            "False} runs the model as transformers' sdpa path does)")
     for key, why in unsupported.items():
         if _flag(d, key, False, where):
             raise ConfigError(f"{where}: {key} true is not supported for {arch}: {why}")
