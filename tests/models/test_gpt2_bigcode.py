@@ -6,7 +6,7 @@ CPU, fp32: greedy tokens and prompt logprobs equal transformers' for each; chunk
 preemption and prefix hits (the positions of every chunk); generation ends at n_positions
 and a max_model_len past it is refused; MQA caches one KV head; weights back under HF's
 names and layouts; the Hub's GPT-2 file layout (no ``transformer.`` prefix, mask buffers)
-loads; a LoRA adapter on GPT-2's Conv1D linears gives the merged model's tokens;
+loads; a LoRA adapter (on GPT-2's Conv1D linears too) gives the merged model's tokens;
 ``flashpage inspect``'s parameter counts (GPT-2 small, StarCoder too); config fields and
 errors.
 GPU (marked gpu): fp32 on the Triton kernels and CUDA graphs gives transformers' tokens,
@@ -224,13 +224,17 @@ def test_conv1d_weight_in_the_wrong_layout_is_named(tiny, tmp_path):
         load_model(resolve_model(str(bad)), torch.float32, torch.device("cpu"))
 
 
-def test_lora_on_gpt2_conv1d_gives_the_merged_models_tokens(tiny, tmp_path):
-    """A PEFT adapter (fan_in_fan_out, as PEFT writes it for Conv1D) on c_attn, attn.c_proj,
-    c_fc and mlp.c_proj: ours with the adapter = transformers on the merged checkpoint,
-    W [in, out] + scaling * (B @ A)^T, computed from the files alone."""
-    path = tiny("gpt2_scaled")
-    shapes = {"attn.c_attn": (64, 192), "attn.c_proj": (64, 64), "mlp.c_fc": (64, 96),
-              "mlp.c_proj": (96, 64)}
+@pytest.mark.parametrize("name", ["gpt2_scaled", "bigcode_mqa"])
+def test_lora_gives_the_merged_models_tokens(tiny, tmp_path, name):
+    """A PEFT adapter on c_attn, attn.c_proj, c_fc and mlp.c_proj (GPT-2's Conv1D ones with
+    fan_in_fan_out, as PEFT writes them): ours with the adapter = transformers on the
+    merged checkpoint, W + scaling * B @ A (Conv1D's [in, out]: its transpose), computed
+    from the files alone."""
+    path = tiny(name)
+    conv1d = name.startswith("gpt2")
+    inter, qkv = (96, 192) if conv1d else (256, 96)  # MQA: q (64) + one k and v head (16)
+    shapes = {"attn.c_attn": (64, qkv), "attn.c_proj": (64, 64), "mlp.c_fc": (64, inter),
+              "mlp.c_proj": (inter, 64)}
     r, alpha = 4, 8
     g = torch.Generator().manual_seed(0)
     adapter, merged = tmp_path / "adapter", load_file(str(path / "model.safetensors"))
@@ -241,11 +245,12 @@ def test_lora_on_gpt2_conv1d_gives_the_merged_models_tokens(tiny, tmp_path):
             a, b = torch.randn(r, fin, generator=g) * 0.15, torch.randn(fout, r, generator=g) * 0.15
             key = f"base_model.model.transformer.h.{i}.{sub}"
             tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
-            merged[f"transformer.h.{i}.{sub}.weight"] += (alpha / r) * (b @ a).t()
+            delta = (alpha / r) * b @ a
+            merged[f"transformer.h.{i}.{sub}.weight"] += delta.t() if conv1d else delta
     save_file(tensors, str(adapter / "adapter_model.safetensors"))
     (adapter / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
-        "target_modules": ["c_attn", "c_proj", "c_fc"], "fan_in_fan_out": True,
+        "target_modules": ["c_attn", "c_proj", "c_fc"], "fan_in_fan_out": conv1d,
         "lora_dropout": 0.0, "bias": "none"}))
     merged_path = edited_copy(path, tmp_path / "merged", edit=lambda t: t.update(merged))
     prompts = random_prompts(3, 5, 40, seed=3)
