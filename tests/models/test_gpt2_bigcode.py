@@ -261,6 +261,28 @@ def test_lora_gives_the_merged_models_tokens(tiny, tmp_path, name):
     assert got == want and want != hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bigcode_mha"])
+def test_fp8_at_load_runs_the_dequantized_weights(tiny, tmp_path, name):
+    """quantization="fp8" quantizes the four linears of each block (not the tied head);
+    its weights given back under HF's layouts (dequantized, Conv1D transposed, BigCode's
+    c_attn rows per head) are a checkpoint on which transformers gives our fp8 tokens."""
+    from flashpage.layers.quant import quantized_linears
+
+    path = tiny(name)
+    llm = _llm(path, quantization="fp8")
+    model = llm.engine.model
+    assert sorted(quantized_linears(model)) == sorted(
+        f"transformer.h.{i}.{sub}" for i in range(2)
+        for sub in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    weights = {n: w.contiguous() for n, w in model.hf_weights()}
+    deq = edited_copy(path, tmp_path / "deq", edit=lambda t: t.update(weights))
+    prompts = random_prompts(3, 5, 40, seed=4)
+    got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert got == hf_greedy(deq, prompts, GREEDY.max_tokens)
+    assert not torch.equal(weights["transformer.h.0.mlp.c_fc.weight"],
+                           load_file(str(path / "model.safetensors"))["transformer.h.0.mlp.c_fc.weight"])
+
+
 # ----------------------------------------------------------------- inspect, config
 @pytest.mark.parametrize("name", NAMES)
 def test_inspect_counts_transformers_parameters(tiny, name):
