@@ -2,8 +2,9 @@
 SantaCoder: nn.Linear weights, multi-query attention, or per-head c_attn rows without it):
 learned absolute positions, no rotary (models/gpt2.py).
 
-CPU, fp32: greedy tokens and prompt logprobs equal transformers' for each; chunked prefill,
-preemption and prefix hits (the positions of every chunk); generation ends at n_positions
+CPU, fp32: greedy tokens and prompt logprobs equal transformers' for each (and on our
+Triton kernels in the interpreter); chunked prefill, preemption and prefix hits (the
+positions of every chunk); generation ends at n_positions
 and a max_model_len past it is refused; MQA caches one KV head; weights back under HF's
 names and layouts; the Hub's GPT-2 file layout (no ``transformer.`` prefix, mask buffers)
 loads; a LoRA adapter (on GPT-2's Conv1D linears too) gives the merged model's tokens;
@@ -55,6 +56,7 @@ TINY: dict[str, tuple[str, dict]] = {
                                              n_inner=96, tie_word_embeddings=False)),
 }
 NAMES = sorted(TINY)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ARCH = {"GPT2Config": "GPT2LMHeadModel", "GPTBigCodeConfig": "GPTBigCodeForCausalLM"}
 
 
@@ -125,6 +127,19 @@ def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny, name):
     for all: each chunk, recomputed prompt and cached prefix must add wpe's rows for its
     own positions to give transformers' tokens."""
     assert_staggered_matches_hf(tiny(name), attention_backend="torch_native")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bigcode_mqa"])
+def test_greedy_on_our_kernels_matches_transformers(tmp_path, name):
+    """The triton backend (our prefill and paged decode attention with no rotary, MQA's
+    one KV head; on the CPU in the interpreter, a few seconds each)."""
+    path = _gpu_checkpoint(tmp_path, name)
+    prompts = random_prompts(2, 20, 34, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", device=DEV, block_size=16, attention_backend="triton")
+    assert llm.engine.backend_name == "triton"
+    got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert got == hf_greedy(path, prompts, params.max_tokens)
 
 
 def test_generation_ends_at_n_positions(tiny):
