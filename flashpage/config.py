@@ -48,8 +48,12 @@ GEMMA_FAMILY = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # cohere.py (Cohere2 too), starcoder2.py; _variant_fields)
 LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM",
                   "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM"}
+# models/gpt2.py: learned absolute positions (wpe) instead of rotary, GPT-2's config names
+# (n_embd, n_layer, n_head, n_positions, n_inner); GPT-BigCode (StarCoder 1, SantaCoder) with
+# multi-query attention (_gpt2_fields)
+GPT2_FAMILY = {"GPT2LMHeadModel", "GPTBigCodeForCausalLM"}
 SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
-                           | LLAMA_VARIANTS)
+                           | LLAMA_VARIANTS | GPT2_FAMILY)
 
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -74,6 +78,8 @@ _MODEL_TYPE_TO_ARCH = {
     "cohere": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "gpt_bigcode": "GPTBigCodeForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -611,6 +617,72 @@ def _starcoder2_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
                 tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
 
 
+# GPT2Config's and GPTBigCodeConfig's names (their attribute_map) -> ModelConfig's
+_GPT2_NAMES = (("n_embd", "hidden_size"), ("n_layer", "num_hidden_layers"),
+               ("n_head", "num_attention_heads"))
+
+
+def _gpt2_names(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """GPT-2's config.json with the common names added (a new dict): hidden_size from
+    ``n_embd``, num_hidden_layers from ``n_layer``, num_attention_heads from ``n_head``,
+    max_position_embeddings from ``n_positions`` (GPT2Config's 1024 when absent) and
+    intermediate_size from ``n_inner`` (null: 4 * n_embd), and model_type from ``arch``
+    where the file has none; a bad field is named as the file writes it (a common name the
+    file uses instead is read too)."""
+    out = dict(d)
+    out["model_type"] = d.get("model_type") or ("gpt2" if arch == "GPT2LMHeadModel"
+                                                 else "gpt_bigcode")
+    for theirs, ours in (*_GPT2_NAMES, ("n_positions", "max_position_embeddings")):
+        key = theirs if theirs in d or ours not in d else ours
+        out[ours] = _positive_int(d, key, where, 1024 if theirs == "n_positions" else None)
+    hidden, heads = out["hidden_size"], out["num_attention_heads"]
+    if hidden % heads:
+        raise ConfigError(f"{where}: n_embd ({hidden}) is not a multiple of n_head ({heads})")
+    inner = d.get("n_inner")
+    out["intermediate_size"] = 4 * hidden if inner is None else _positive_int(
+        d, "n_inner", where, why=" or null (4 * n_embd)")
+    out.pop("head_dim", None)  # n_embd / n_head, whatever else the file says
+    return out
+
+
+def _gpt2_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """GPT-2 and GPT-BigCode (their configs' defaults where a field is absent): learned
+    positions, LayerNorms with bias of ``layer_norm_epsilon``, biases on every linear, the
+    MLP's ``activation_function`` (GPT-2: gelu_new, BigCode: gelu_pytorch_tanh), the head
+    tied to wte; GPT-2's attention scales (``scale_attn_weights`` false: q.k unscaled;
+    ``scale_attn_by_inverse_layer_idx``: / (layer + 1)); BigCode's ``multi_query`` (one
+    KV head). ``d``: _gpt2_names' dict."""
+    from flashpage.layers.activation import PLAIN_ACTIVATIONS
+
+    gpt2 = arch == "GPT2LMHeadModel"
+    act = d.get("activation_function") or ("gelu_new" if gpt2 else "gelu_pytorch_tanh")
+    if act not in PLAIN_ACTIVATIONS:
+        raise ConfigError(f"{where}: activation_function {act!r} is not supported for {arch} "
+                          f"(supported: {', '.join(PLAIN_ACTIVATIONS)})")
+    unsupported = {"add_cross_attention": "cross-attention layers (an encoder-decoder's) are not "
+                                          "built here"}
+    if gpt2:
+        # transformers applies it on its eager path only (q.k of fp32-upcast q and k)
+        unsupported["reorder_and_upcast_attn"] = (
+            "its upcast q.k is not reproduced (hf_overrides={'reorder_and_upcast_attn': "
+            "False} runs the model as transformers' sdpa path does)")
+    for key, why in unsupported.items():
+        if _flag(d, key, False, where):
+            raise ConfigError(f"{where}: {key} true is not supported for {arch}: {why}")
+    if d.get("quantization_config") is not None:
+        raise ConfigError(f"{where}: quantization_config (a pre-quantized checkpoint) is not read "
+                          f"for {arch}; load a 16/32-bit one (quantization='fp8' or 'int4' "
+                          "quantizes it at load)")
+    mqa = not gpt2 and _flag(d, "multi_query", True, where)
+    return dict(rms_norm_eps=_positive_number(d, "layer_norm_epsilon", where, 1e-5),
+                hidden_act=act, attention_bias=True, mlp_bias=True, learned_positions=True,
+                num_key_value_heads=1 if mqa else d["num_attention_heads"],
+                tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where),
+                scale_attn_weights=_flag(d, "scale_attn_weights", True, where),
+                scale_attn_by_inverse_layer_idx=gpt2 and _flag(
+                    d, "scale_attn_by_inverse_layer_idx", False, where))
+
+
 def _longrope(d: dict[str, Any], rope: dict[str, Any], where: str, rot_dim: int) -> RopeScaling:
     """longrope's fields, validated, with the attention factor resolved as transformers
     does: the config's ``attention_factor``, else sqrt(1 + ln(s) / ln(original)) for
@@ -846,7 +918,7 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
-    rms_norm_eps: float = 1e-6  # the norms' epsilon (Cohere's, Starcoder2's LayerNorms' too)
+    rms_norm_eps: float = 1e-6  # the norms' epsilon (Cohere's, Starcoder2's, GPT-2's LayerNorms' too)
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     hidden_act: str = "silu"
@@ -911,6 +983,13 @@ class ModelConfig:
     # OLMo (1): q, k and v clamped to [-clip_qkv, clip_qkv] after their projections; OLMoE:
     # after its q/k norms (None: not clamped)
     clip_qkv: float | None = None
+    # GPT-2, GPT-BigCode: learned absolute position embeddings (wpe: max_position_embeddings
+    # rows, so a hard limit on max_model_len) added to the token embeddings; no rotary
+    learned_positions: bool = False
+    # GPT-2: q.k scaled by head_dim ** -0.5 unless scale_attn_weights is false (then 1), and
+    # also by 1 / (layer + 1) with scale_attn_by_inverse_layer_idx (BigCode reads the first)
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
     # fp8 / int4 checkpoints (HF quantization_config): how their weights are stored; None: 16/32-bit
     quantization_config: CheckpointQuantization | None = None
     # a sequence classifier (CLASSIFIER_ARCHITECTURES; 0 for any other model): its labels
@@ -979,6 +1058,8 @@ class ModelConfig:
                 f"{where}: architecture {arch or d.get('model_type')!r} is not supported; "
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
+        if arch in GPT2_FAMILY:
+            d = _gpt2_names(d, arch, where)
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
         if arch in LLAMA_FAMILY | LLAMA_VARIANTS:
             required.append("intermediate_size")
@@ -1030,7 +1111,8 @@ class ModelConfig:
             activation = classifier_activation(d, folder, num_labels)
         moe = _llama_moe_fields(d, arch, where) if arch in LLAMA_MOE_FAMILY else {}
         variant = (_variant_fields(d, arch, where, head_dim, rope_scaling)
-                   if arch in LLAMA_VARIANTS else {})
+                   if arch in LLAMA_VARIANTS else
+                   _gpt2_fields(d, arch, where) if arch in GPT2_FAMILY else {})
         # Qwen2-MoE names its q/k/v bias qkv_bias (on unless set false, as Qwen2's)
         bias = (d.get("qkv_bias", True) if model_type == "qwen2_moe"
                 else d.get("attention_bias", model_type == "qwen2"))

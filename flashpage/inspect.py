@@ -20,7 +20,7 @@ Definitions (each figure can be checked by hand):
   d_c = 4 d_h = 512, d_h^R = d_h / 2 = 64, d_h = 128: (512 + 64) / 256 = 2.25.
 * Tokens in memory: ``memory // kv_bytes_per_token``, the KV cache alone; the same
   after subtracting the weights' size (``param_count * dtype bytes``), clamped at 0.
-* Parameters are counted from the config: embeddings, attention (MLA's low-rank
+* Parameters are counted from the config: embeddings (GPT-2's learned positions too), attention (MLA's low-rank
   projections and norms included), MLP (MoE routed and shared experts, router,
   Qwen2-MoE's shared-expert gate), norms, and the LM head unless tied. Active per token:
   the same with ``num_experts_per_tok`` routed experts in each MoE layer (Mixtral-8x7B:
@@ -78,6 +78,11 @@ def parse_memory(s: str) -> int:
 
 
 # ------------------------------------------------------------------ parameters
+# families whose MLP is c_fc -> act -> c_proj with biases (not gated) and whose LayerNorms
+# have a bias
+_PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode")
+
+
 def _attention_params(cfg: ModelConfig) -> int:
     h = cfg.hidden_size
     heads = cfg.num_attention_heads
@@ -122,7 +127,7 @@ def _mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     h = cfg.hidden_size
     if not cfg.is_moe_layer(layer):
         inter = cfg.intermediate_size
-        if cfg.model_type == "starcoder2":  # c_fc, c_proj (not gated)
+        if cfg.model_type in _PLAIN_MLP:  # c_fc, c_proj (not gated)
             n = 2 * h * inter + (inter + h if cfg.mlp_bias else 0)
         else:
             n = 3 * h * inter
@@ -149,6 +154,13 @@ def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
     out: list[tuple[tuple[str, ...], int, int]] = []
     for layer in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
+        if cfg.learned_positions:  # GPT-2's names; c_attn holds q, k and v
+            a, m = f"transformer.h.{layer}.attn", f"transformer.h.{layer}.mlp"
+            q_dim, kv_dim = heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            out += [((f"{a}.c_attn",), q_dim + 2 * kv_dim, h), ((f"{a}.c_proj",), h, q_dim),
+                    ((f"{m}.c_fc",), cfg.intermediate_size, h),
+                    ((f"{m}.c_proj",), h, cfg.intermediate_size)]
+            continue
         if cfg.is_mla:
             assert cfg.kv_lora_rank is not None
             qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -236,9 +248,10 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     h = cfg.hidden_size
     embed = cfg.vocab_size * h
     head = h * cfg.num_labels if cfg.is_classifier else (0 if cfg.tie_word_embeddings else embed)
-    # Starcoder2's LayerNorms have a bias too; OLMo (1)'s neither weight nor bias
-    norm = {"starcoder2": 2 * h, "olmo": 0}.get(cfg.model_type, h)
-    fixed = embed + norm + head  # + final norm, lm_head (a classifier's: its score head)
+    # LayerNorms with a bias too (Starcoder2's, GPT-2's); OLMo (1)'s hold neither weight nor bias
+    norm = 0 if cfg.model_type == "olmo" else 2 * h if cfg.model_type in _PLAIN_MLP else h
+    wpe = cfg.max_position_embeddings * h if cfg.learned_positions else 0
+    fixed = embed + wpe + norm + head  # + final norm, lm_head (a classifier's: its score head)
     total = active = fixed
     # input and post-attention norms; Gemma 2/3's pre- and post-feedforward ones too;
     # Cohere's (and Cohere2's) one norm feeds attention and the MLP
@@ -296,7 +309,9 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
                                      for i in range(cfg.num_hidden_layers)),
         # rotary over the first rotary_dim dims of a head (Phi-3's partial_rotary_factor) and
         # its scaling (longrope: the factor lists applied past original_max_position_embeddings)
-        "rotary_dim": None if cfg.is_mla else cfg.rotary_dim,
+        "rotary_dim": None if cfg.is_mla or cfg.learned_positions else cfg.rotary_dim,
+        # GPT-2's wpe rows: positions past max_position_embeddings have none
+        "learned_positions": cfg.learned_positions,
         "rotary_interleaved": cfg.rope_interleaved,  # Cohere's pairs (x[2i], x[2i + 1])
         # layers without any positional embedding (Cohere2's full-attention ones: NoPE)
         "nope_layers": sum(not cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)),
@@ -394,7 +409,12 @@ def format_report(info: dict[str, Any]) -> str:
         ]
         rope = info.get("rope_scaling")
         longrope = bool(rope and rope["type"] == "longrope")
-        if info.get("rotary_dim") != info["head_dim"] or longrope or info.get("rotary_interleaved"):
+        if info.get("learned_positions"):
+            n = info["max_position_embeddings"]
+            rows.append(("positions", f"learned (wpe, {n:,} rows: max_model_len at most {n:,}), "
+                                      "no rotary"))
+        elif (info.get("rotary_dim") != info["head_dim"] or longrope
+              or info.get("rotary_interleaved")):
             text = (f"first {info['rotary_dim']} of {info['head_dim']} dims"
                     if info.get("rotary_dim") != info["head_dim"] else "all dims")
             if info.get("rotary_interleaved"):

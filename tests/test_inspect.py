@@ -295,10 +295,10 @@ def test_bad_input_is_a_clear_error(
 
 
 def test_unsupported_architecture_in_config(tmp_path: Path, capsys) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BloomForCausalLM"]}))
     rc, _, err = _run([str(tmp_path)], capsys)
     assert rc == 2
-    assert "GPT2LMHeadModel" in err and "not supported" in err
+    assert "BloomForCausalLM" in err and "not supported" in err
 
 
 def test_corrupt_config(tmp_path: Path, capsys) -> None:

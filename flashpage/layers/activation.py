@@ -1,5 +1,5 @@
 """The gated MLP activations on a merged [.., 2*I] input: act(gate) * up; and the plain
-ones of non-gated MLPs (Starcoder2's c_fc -> act -> c_proj), by HF's ``hidden_act`` name."""
+ones of non-gated MLPs (Starcoder2's, GPT-2's c_fc -> act -> c_proj), by HF's ``hidden_act`` name."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ class GeluTanhAndMul(ops.FusedOpsModule):
 
 
 # HF hidden_act -> F.gelu's approximate= (transformers' ACT2FN: "gelu" is the exact erf
-# GELU, "gelu_pytorch_tanh" torch's tanh approximation)
-PLAIN_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+# GELU, "gelu_pytorch_tanh" torch's tanh approximation; "gelu_new", GPT-2's, is the same
+# tanh formula written out in torch ops: equal up to rounding, one kernel here)
+PLAIN_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none", "gelu_new": "tanh"}
 
 
 class Gelu(nn.Module):

@@ -278,7 +278,8 @@ def init_random_(model: nn.Module, seed: int = 0) -> None:
     """Random weights of the model's real shape, for benchmarks: N(0, 0.02), norms at 1."""
     gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight") or "layernorm" in name:
+        if (name.endswith("norm.weight") or "layernorm" in name
+                or (".ln_" in name and name.endswith(".weight"))):  # GPT-2's ln_1, ln_2, ln_f
             p.fill_(1.0)
         else:
             g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))

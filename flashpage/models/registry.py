@@ -30,6 +30,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "CohereForCausalLM": ("flashpage.models.cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("flashpage.models.cohere", "CohereForCausalLM"),
     "Starcoder2ForCausalLM": ("flashpage.models.starcoder2", "Starcoder2ForCausalLM"),
+    "GPT2LMHeadModel": ("flashpage.models.gpt2", "GPT2LMHeadModel"),
+    "GPTBigCodeForCausalLM": ("flashpage.models.gpt2", "GPTBigCodeForCausalLM"),
     "DeepseekV2ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "GemmaForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
