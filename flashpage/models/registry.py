@@ -25,6 +25,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Olmo2ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
     "CohereForCausalLM": ("flashpage.models.cohere", "CohereForCausalLM"),
     "Starcoder2ForCausalLM": ("flashpage.models.starcoder2", "Starcoder2ForCausalLM"),
+    "GPTNeoXForCausalLM": ("flashpage.models.gpt_neox", "GPTNeoXForCausalLM"),
+    "PhiForCausalLM": ("flashpage.models.phi", "PhiForCausalLM"),
     "DeepseekV2ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "GemmaForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
