@@ -78,6 +78,14 @@ def parse_memory(s: str) -> int:
 
 
 # ------------------------------------------------------------------ parameters
+# families whose MLP is not gated (c_fc -> act -> c_proj, under their names) and whose
+# LayerNorms have a bias
+_PLAIN_MLP = ("starcoder2", "gpt_neox", "phi")
+# norms a layer: input and post-attention; Gemma 2/3's pre- and post-feedforward ones too;
+# Cohere's and Phi's one norm feeds attention and the MLP
+_NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "phi": 1}
+
+
 def _attention_params(cfg: ModelConfig) -> int:
     h = cfg.hidden_size
     heads = cfg.num_attention_heads
@@ -100,7 +108,8 @@ def _attention_params(cfg: ModelConfig) -> int:
         if cfg.model_type not in ("qwen2", "qwen2_moe"):  # Llama's also biases o_proj
             n += h
     if cfg.qk_norm:  # Cohere's q/k LayerNorms have weights per head; Qwen3's one of head_dim
-        n += q_dim + kv_dim if cfg.model_type == "cohere" else 2 * d
+        # (Phi's LayerNorms a bias too)
+        n += {"cohere": q_dim + kv_dim, "phi": 4 * d}.get(cfg.model_type, 2 * d)
     if cfg.model_type == "olmo2":  # q_norm / k_norm over the whole projections
         n += q_dim + kv_dim
     return n
@@ -120,7 +129,7 @@ def _mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     h = cfg.hidden_size
     if not cfg.is_moe_layer(layer):
         inter = cfg.intermediate_size
-        if cfg.model_type == "starcoder2":  # c_fc, c_proj (not gated)
+        if cfg.model_type in _PLAIN_MLP:  # c_fc, c_proj (not gated)
             n = 2 * h * inter + (inter + h if cfg.mlp_bias else 0)
         else:
             n = 3 * h * inter
@@ -165,7 +174,7 @@ def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
         if cfg.is_moe_layer(layer):
             shared, inter = _shared_experts(cfg)
             m += f".{shared}"
-        if cfg.model_type == "starcoder2":
+        if cfg.model_type in _PLAIN_MLP:  # under our names (these read no fp8 checkpoints)
             out += [((f"{m}.c_fc",), inter, h), ((f"{m}.c_proj",), h, inter)]
         elif inter:
             out += [((f"{m}.gate_proj", f"{m}.up_proj"), 2 * inter, h), ((f"{m}.down_proj",), h, inter)]
@@ -230,13 +239,11 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     h = cfg.hidden_size
     embed = cfg.vocab_size * h
     head = h * cfg.num_labels if cfg.is_classifier else (0 if cfg.tie_word_embeddings else embed)
-    norm = 2 * h if cfg.model_type == "starcoder2" else h  # its LayerNorms' bias too
+    head += cfg.vocab_size if cfg.lm_head_bias else 0  # Phi's
+    norm = 2 * h if cfg.model_type in _PLAIN_MLP else h  # their LayerNorms' bias too
     fixed = embed + norm + head  # + final norm, lm_head (a classifier's: its score head)
     total = active = fixed
-    # input and post-attention norms; Gemma 2/3's pre- and post-feedforward ones too;
-    # Cohere's one norm feeds attention and the MLP
-    norms = {"gemma2": 4, "gemma3_text": 4, "cohere": 1}.get(cfg.model_type, 2)
-    attn = _attention_params(cfg) + norms * norm
+    attn = _attention_params(cfg) + _NORMS_PER_LAYER.get(cfg.model_type, 2) * norm
     for layer in range(cfg.num_hidden_layers):
         mlp_total, mlp_active = _mlp_params(cfg, layer)
         total += attn + mlp_total
