@@ -23,7 +23,7 @@ import pytest
 import torch
 import transformers
 
-from flashpage import LLM, SamplingParams
+from flashpage import LLM, LoRARequest, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.inspect import param_counts
 from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model, resolve_model
@@ -37,6 +37,7 @@ from tests.conftest import (
     hf_greedy,
     random_prompts,
 )
+from tests.peft_adapter import merge_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -164,6 +165,61 @@ def test_weights_come_back_under_hf_names(tiny, name):
         targets = model.lora_targets()
         assert LORA[name].items() <= targets.items()
         assert len(targets) == 2 * (3 if name == "neox" else 6)  # no query_key_value
+
+
+def test_checkpoint_mask_buffers_are_skipped(tiny, tmp_path):
+    """Pythia's files hold the causal mask buffers (attention.bias, masked_bias) and
+    rotary_emb.inv_freq: read past, as transformers does."""
+
+    def add(t):
+        t["gpt_neox.layers.0.attention.bias"] = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+        t["gpt_neox.layers.0.attention.masked_bias"] = torch.tensor(-1e9)
+        t["gpt_neox.layers.0.attention.rotary_emb.inv_freq"] = torch.ones(2)
+
+    path = edited_copy(tiny("neox"), tmp_path / "with_buffers", edit=add)
+    model = load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+    assert "gpt_neox.layers.0.attention.bias" not in dict(model.hf_weights())
+
+
+# name -> the HF modules a LoRA adapter adapts (in both layers), in_features, out_features
+LORA_MODULES = {
+    "neox": {"attention.dense": (64, 64), "mlp.dense_h_to_4h": (64, 128),
+             "mlp.dense_4h_to_h": (128, 64)},
+    "phi_qk_gqa": {"self_attn.q_proj": (64, 64), "self_attn.v_proj": (64, 32),
+                   "self_attn.dense": (64, 64), "mlp.fc1": (64, 128), "mlp.fc2": (128, 64)},
+}
+
+
+@pytest.mark.parametrize("name", sorted(LORA_MODULES))
+def test_lora_adapter_under_hf_names_gives_the_merged_checkpoints_tokens(tiny, tmp_path, name):
+    """A PEFT adapter naming the family's own modules (gpt_neox.layers.N.mlp.dense_h_to_4h,
+    model.layers.N.mlp.fc1 ...) gives transformers' tokens of the checkpoint with it merged."""
+    base = tiny(name)
+    prefix = "gpt_neox.layers" if name == "neox" else "model.layers"
+    g = torch.Generator().manual_seed(3)
+    tensors = {}
+    for layer in range(2):
+        for module, (fin, fout) in LORA_MODULES[name].items():
+            key = f"base_model.model.{prefix}.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(4, fin, generator=g) * 0.2
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, 4, generator=g) * 0.2
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps(dict(
+        peft_type="LORA", task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0,
+        target_modules=sorted({m.split(".")[-1] for m in LORA_MODULES[name]}), bias="none",
+        fan_in_fan_out=False, use_rslora=False, modules_to_save=None)))
+    merged = merge_adapter(base, adapter, tmp_path / "merged")
+    prompts = random_prompts(3, 4, 30, seed=11)
+    llm = _llm(base, enable_lora=True, max_loras=1, max_lora_rank=4)
+    outs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("a", 1, str(adapter)),
+                        use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == hf_greedy(merged, prompts, GREEDY.max_tokens)
+    assert got != hf_greedy(base, prompts, GREEDY.max_tokens)  # the adapter does something
 
 
 @pytest.mark.parametrize(("name", "dropped"), [
