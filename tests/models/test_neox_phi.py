@@ -403,3 +403,18 @@ def test_gpu_bf16_follows_fp32_as_far_as_transformers_bf16(tmp_path, name):
     ours16, hf16 = bf16_teacher_forced_hits(path, prompts, truth, attention_backend="triton")
     total = sum(len(t) for t in truth)
     assert ours16 >= hf16 - 0.03 * total and ours16 >= 0.85 * total, (ours16, hf16, total)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_phi2_head_dim_80_runs_on_torch_native(tmp_path):
+    """Phi-2's head_dim 80 (and Pythia-2.8B's; NeoX-20B's 96) is no head_dim of our Triton
+    kernels: the default backend on CUDA is then torch_native, whose fp32 tokens (biased
+    LM head, 32 of 80 dims rotated) are transformers'."""
+    path = build_tiny(tmp_path / "phi80", "phi", hidden_size=160, num_attention_heads=2,
+                      partial_rotary_factor=0.4)
+    prompts = random_prompts(4, 1, 60, seed=2)
+    llm = LLM(str(path), dtype="float32", device="cuda")
+    assert llm.engine.backend_name == "torch_native"
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == hf_greedy(path, prompts, GREEDY.max_tokens)
