@@ -487,15 +487,8 @@ def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
             "embedding_multiplier", "residual_multiplier", "attention_multiplier",
             "logits_scaling"))
     if arch == "Phi3ForCausalLM":
-        # transformers 5 writes it inside rope_parameters too
-        params = d.get("rope_parameters")
-        params = params if isinstance(params, dict) else {}
-        f = d.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
-        if (not isinstance(f, int | float) or isinstance(f, bool) or not 0 < f <= 1
-                or int(head_dim * f) < 2 or int(head_dim * f) % 2):
-            raise ConfigError(f"{where}: partial_rotary_factor must be in (0, 1] and give an even "
-                              f"rotary width of at least 2 of head_dim {head_dim}, got {f!r}")
-        out["partial_rotary_factor"] = float(f)
+        f = _partial_rotary(d, where, head_dim, "partial_rotary_factor", 1.0)
+        out["partial_rotary_factor"] = f
         if rope and rope.get("rope_type", rope.get("type")) == "longrope":
             out["rope_scaling"] = _longrope(d, rope, where, int(head_dim * f))
     return out
@@ -845,7 +838,8 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
-    rms_norm_eps: float = 1e-6  # the norms' epsilon (Cohere's, Starcoder2's LayerNorms' too)
+    # the norms' epsilon (Cohere's, Starcoder2's, GPT-NeoX's, Phi's LayerNorms' too)
+    rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     hidden_act: str = "silu"
