@@ -273,10 +273,12 @@ class LlamaForCausalLM(nn.Module):
                     loaded.add(target)
                 continue
             if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                raise ValueError(f"checkpoint tensor {self.hf_name(name)!r} has no place in "
+                                 f"{type(self).__name__}")
             param = params[name]
             if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                raise ValueError(f"{self.hf_name(name)}: checkpoint shape {tuple(tensor.shape)} "
+                                 f"!= {tuple(param.shape)}")
             param.data.copy_(tensor)
             loaded.add(name)
         self.missing_pieces = sorted(p for ps in pending.values() for p in ps)

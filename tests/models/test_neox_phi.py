@@ -235,6 +235,22 @@ def test_missing_tensor_is_named_as_the_checkpoint_names_it(tiny, tmp_path, name
         load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
 
 
+@pytest.mark.parametrize(("name", "edit", "message"), [
+    ("neox", lambda t: t.update({"gpt_neox.layers.0.attention.extra.weight": torch.ones(2)}),
+     "checkpoint tensor 'gpt_neox.layers.0.attention.extra.weight' has no place"),
+    ("neox", lambda t: t.update({"gpt_neox.layers.1.mlp.dense_4h_to_h.bias": torch.ones(3)}),
+     r"gpt_neox.layers.1.mlp.dense_4h_to_h.bias: checkpoint shape \(3,\) != \(64,\)"),
+    ("neox", lambda t: t.update({"gpt_neox.layers.0.attention.query_key_value.bias": torch.ones(96)}),
+     r"query_key_value.bias: checkpoint shape \(96,\) does not have 3 x 4 heads x 16 = 192 rows"),
+    ("phi", lambda t: t.update({"model.final_layernorm.bias": torch.ones(3)}),
+     r"model.final_layernorm.bias: checkpoint shape \(3,\) != \(64,\)"),
+])
+def test_bad_tensor_is_named_as_the_checkpoint_names_it(tiny, tmp_path, name, edit, message):
+    path = edited_copy(tiny(name), tmp_path / "edited", edit=edit)
+    with pytest.raises(ValueError, match=message):
+        load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_inspect_counts_transformers_parameters(tiny, name):
     path = tiny(name)
