@@ -45,9 +45,13 @@ _EVERY_LAYER_MOE = {"MixtralForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCaus
 # Gemma 2/3 add post-norms, per-layer sliding windows and softcaps (_gemma_fields)
 GEMMA_FAMILY = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # the Llama body with one twist each (models/phi3.py, granite.py, olmo.py, olmo2.py,
-# cohere.py (Cohere2 too), starcoder2.py; _variant_fields)
+# cohere.py (Cohere2 too), starcoder2.py, gpt_neox.py, phi.py; _variant_fields)
 LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM",
-                  "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM"}
+                  "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
+                  "GPTNeoXForCausalLM", "PhiForCausalLM"}
+# ... of which these name their modules otherwise (models/common.HFNames): their
+# checkpoints' quantization_config is not read
+RENAMED_VARIANTS = {"GPTNeoXForCausalLM", "PhiForCausalLM"}
 # models/gpt2.py: learned absolute positions (wpe) instead of rotary, GPT-2's config names
 # (n_embd, n_layer, n_head, n_positions, n_inner); GPT-BigCode (StarCoder 1, SantaCoder) with
 # multi-query attention (_gpt2_fields)
@@ -80,6 +84,8 @@ _MODEL_TYPE_TO_ARCH = {
     "starcoder2": "Starcoder2ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "phi": "PhiForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -397,6 +403,10 @@ def _checkpoint_quantization(d: dict[str, Any], arch: str,
                               where: str) -> CheckpointQuantization | None:
     if d.get("quantization_config") is None:
         return None
+    if arch in RENAMED_VARIANTS:
+        raise ConfigError(f"{where}: quantization_config is not read for {arch} (fp8 / int4 "
+                          "checkpoints of it are not supported; load a 16-bit one, with "
+                          "quantization='fp8' or 'int4' to quantize it at load)")
     qc = CheckpointQuantization.from_dict(d["quantization_config"], where)
     if qc.is_int4 and arch not in LLAMA_FAMILY:
         raise ConfigError(f"{where}: {qc.method} (int4) checkpoints are read for the Llama family "
@@ -524,6 +534,10 @@ def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
     needs none (its q/k norms are models/olmo2.py's own)."""
     if arch == "Starcoder2ForCausalLM":
         return _starcoder2_fields(d, where)
+    if arch == "GPTNeoXForCausalLM":
+        return _gpt_neox_fields(d, where)
+    if arch == "PhiForCausalLM":
+        return _phi_fields(d, where)
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
                           f"{arch} (supported: 'silu')")
@@ -539,15 +553,8 @@ def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
                               "gate/up/down projections have no bias here)")
         out.update(_granite_multipliers(d, where))
     if arch == "Phi3ForCausalLM":
-        # transformers 5 writes it inside rope_parameters too
-        params = d.get("rope_parameters")
-        params = params if isinstance(params, dict) else {}
-        f = d.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
-        if (not isinstance(f, int | float) or isinstance(f, bool) or not 0 < f <= 1
-                or int(head_dim * f) < 2 or int(head_dim * f) % 2):
-            raise ConfigError(f"{where}: partial_rotary_factor must be in (0, 1] and give an even "
-                              f"rotary width of at least 2 of head_dim {head_dim}, got {f!r}")
-        out["partial_rotary_factor"] = float(f)
+        f = _partial_rotary(d, where, head_dim, "partial_rotary_factor", 1.0)
+        out["partial_rotary_factor"] = f
         if rope and rope.get("rope_type", rope.get("type")) == "longrope":
             out["rope_scaling"] = _longrope(d, rope, where, int(head_dim * f))
     return out
@@ -605,12 +612,7 @@ def _starcoder2_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
     of ``norm_epsilon`` (held as rms_norm_eps), ``use_bias`` on q/k/v/o and on the MLP's
     c_fc / c_proj, a GELU (``hidden_act``) between them, the head tied to the embeddings.
     The sliding window is read as every family's (``sliding_window``)."""
-    from flashpage.layers.activation import PLAIN_ACTIVATIONS
-
-    act = d.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in PLAIN_ACTIVATIONS:
-        raise ConfigError(f"{where}: hidden_act {act!r} is not supported for "
-                          f"Starcoder2ForCausalLM (supported: {', '.join(PLAIN_ACTIVATIONS)})")
+    act = _plain_act(d, "Starcoder2ForCausalLM", where, "gelu_pytorch_tanh")
     bias = _flag(d, "use_bias", True, where)
     return dict(rms_norm_eps=_positive_number(d, "norm_epsilon", where, 1e-5), hidden_act=act,
                 attention_bias=bias, mlp_bias=bias,
@@ -681,6 +683,87 @@ def _gpt2_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
                 scale_attn_weights=_flag(d, "scale_attn_weights", True, where),
                 scale_attn_by_inverse_layer_idx=gpt2 and _flag(
                     d, "scale_attn_by_inverse_layer_idx", False, where))
+
+
+def _plain_act(d: dict[str, Any], arch: str, where: str, default: str) -> str:
+    """A non-gated MLP's ``hidden_act`` (``default`` where absent), one of PLAIN_ACTIVATIONS."""
+    from flashpage.layers.activation import PLAIN_ACTIVATIONS
+
+    act = d.get("hidden_act") or default
+    if act not in PLAIN_ACTIVATIONS:
+        raise ConfigError(f"{where}: hidden_act {act!r} is not supported for {arch} "
+                          f"(supported: {', '.join(PLAIN_ACTIVATIONS)})")
+    return str(act)
+
+
+def _whole_heads(d: dict[str, Any], where: str) -> int:
+    """head_dim of a family that has none but hidden_size / num_attention_heads."""
+    h, heads = d["hidden_size"], d["num_attention_heads"]
+    if d.get("head_dim") not in (None, h // heads) or h % heads:
+        raise ConfigError(f"{where}: hidden_size ({h}) must be num_attention_heads ({heads}) "
+                          f"x head_dim{'' if d.get('head_dim') is None else ' ' + repr(d['head_dim'])}"
+                          " (this family's heads split the hidden state)")
+    return int(h // heads)
+
+
+def _partial_rotary(d: dict[str, Any], where: str, head_dim: int, legacy: str,
+                    default: float) -> float:
+    """The fraction of each head that rotary rotates: ``partial_rotary_factor`` (at the top
+    or, as transformers 5 writes it, in rope_parameters), else the older ``legacy`` key
+    (GPT-NeoX's rotary_pct), else ``default``; it must give an even width >= 2."""
+    params = d.get("rope_parameters")
+    params = params if isinstance(params, dict) else {}
+    key = ("partial_rotary_factor" if "partial_rotary_factor" in d or
+           "partial_rotary_factor" in params or legacy not in d else legacy)
+    f = d.get(key, params.get(key, default))
+    if (not isinstance(f, int | float) or isinstance(f, bool) or not 0 < f <= 1
+            or int(head_dim * f) < 2 or int(head_dim * f) % 2):
+        raise ConfigError(f"{where}: {key} must be in (0, 1] and give an even rotary width of "
+                          f"at least 2 of head_dim {head_dim}, got {f!r}")
+    return float(f)
+
+
+def _gpt_neox_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """GPT-NeoX / Pythia (GPTNeoXConfig's defaults where a field is absent): LayerNorms with
+    bias of ``layer_norm_eps``, ``attention_bias`` on query_key_value and dense, a biased
+    dense_h_to_4h -> ``hidden_act`` -> dense_4h_to_h MLP, ``use_parallel_residual``, rotary
+    on the first ``rotary_pct`` of each head (neox halves) with base ``rotary_emb_base``,
+    an untied ``embed_out`` unless ``tie_word_embeddings``."""
+    arch = "GPTNeoXForCausalLM"
+    head_dim = _whole_heads(d, where)
+    if d.get("num_key_value_heads") not in (None, d["num_attention_heads"]):
+        raise ConfigError(f"{where}: num_key_value_heads {d['num_key_value_heads']!r} is not "
+                          f"read for {arch} (its heads are all query, key and value heads)")
+    params = d.get("rope_parameters")
+    params = params if isinstance(params, dict) else {}
+    theta = params.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base", 10000.0)))
+    if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
+        raise ConfigError(f"{where}: rotary_emb_base (the rope theta) must be a positive "
+                          f"number, got {theta!r}")
+    return dict(rms_norm_eps=_positive_number(d, "layer_norm_eps", where, 1e-5),
+                hidden_act=_plain_act(d, arch, where, "gelu"),
+                attention_bias=_flag(d, "attention_bias", True, where), mlp_bias=True,
+                use_parallel_residual=_flag(d, "use_parallel_residual", True, where),
+                partial_rotary_factor=_partial_rotary(d, where, head_dim, "rotary_pct", 0.25),
+                rope_theta=float(theta), head_dim=head_dim,
+                tie_word_embeddings=_flag(d, "tie_word_embeddings", False, where))
+
+
+def _phi_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """Phi-1 / 1.5 / 2 (PhiConfig's defaults where a field is absent): one LayerNorm with
+    bias (``layer_norm_eps``) feeding attention and the MLP in parallel, biased q/k/v/dense,
+    fc1 -> ``hidden_act`` (gelu_new) -> fc2 with biases, rotary on the first
+    ``partial_rotary_factor`` (0.5) of each head, ``qk_layernorm`` (a LayerNorm with bias
+    over each head of q and k), an LM head with a bias."""
+    arch = "PhiForCausalLM"
+    head_dim = _whole_heads(d, where)
+    return dict(rms_norm_eps=_positive_number(d, "layer_norm_eps", where, 1e-5),
+                hidden_act=_plain_act(d, arch, where, "gelu_new"),
+                attention_bias=True, mlp_bias=True, lm_head_bias=True,
+                qk_norm=_flag(d, "qk_layernorm", False, where),
+                partial_rotary_factor=_partial_rotary(d, where, head_dim, "partial_rotary_factor",
+                                                      0.5),
+                tie_word_embeddings=_flag(d, "tie_word_embeddings", False, where))
 
 
 def _longrope(d: dict[str, Any], rope: dict[str, Any], where: str, rot_dim: int) -> RopeScaling:
@@ -918,7 +1001,8 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
-    rms_norm_eps: float = 1e-6  # the norms' epsilon (Cohere's, Starcoder2's, GPT-2's LayerNorms' too)
+    # the norms' epsilon (Cohere's, Starcoder2's, GPT-2's, GPT-NeoX's, Phi's LayerNorms' too)
+    rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     hidden_act: str = "silu"
@@ -978,7 +1062,8 @@ class ModelConfig:
     # Cohere2: the full-attention layers (layer_types) take no positional embedding at all
     # (NoPE: q and k unrotated; uses_rope); the sliding ones rotate
     full_attention_nope: bool = False
-    # Starcoder2: the MLP's c_fc / c_proj have a bias (use_bias, with attention_bias)
+    # Starcoder2: the MLP's c_fc / c_proj have a bias (use_bias, with attention_bias); GPT-2's,
+    # GPT-NeoX's and Phi's MLPs (under their names) always
     mlp_bias: bool = False
     # OLMo (1): q, k and v clamped to [-clip_qkv, clip_qkv] after their projections; OLMoE:
     # after its q/k norms (None: not clamped)
@@ -990,6 +1075,10 @@ class ModelConfig:
     # also by 1 / (layer + 1) with scale_attn_by_inverse_layer_idx (BigCode reads the first)
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
+    # GPT-NeoX: attention reads input_layernorm(x), the MLP post_attention_layernorm(x), both
+    # added to x (models/common.ParallelDecoderLayer); False: the MLP after attention
+    use_parallel_residual: bool = False
+    lm_head_bias: bool = False  # Phi-1/1.5/2: the LM head has a bias
     # fp8 / int4 checkpoints (HF quantization_config): how their weights are stored; None: 16/32-bit
     quantization_config: CheckpointQuantization | None = None
     # a sequence classifier (CLASSIFIER_ARCHITECTURES; 0 for any other model): its labels

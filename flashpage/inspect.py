@@ -78,9 +78,12 @@ def parse_memory(s: str) -> int:
 
 
 # ------------------------------------------------------------------ parameters
-# families whose MLP is c_fc -> act -> c_proj with biases (not gated) and whose LayerNorms
-# have a bias
-_PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode")
+# families whose MLP is not gated (c_fc -> act -> c_proj, under their names) and whose
+# LayerNorms have a bias
+_PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "phi")
+# norms a layer: input and post-attention; Gemma 2/3's pre- and post-feedforward ones too;
+# Cohere's (and Cohere2's) and Phi's one norm feeds attention and the MLP
+_NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "cohere2": 1, "phi": 1}
 
 
 def _attention_params(cfg: ModelConfig) -> int:
@@ -105,7 +108,8 @@ def _attention_params(cfg: ModelConfig) -> int:
         if cfg.model_type not in ("qwen2", "qwen2_moe"):  # Llama's also biases o_proj
             n += h
     if cfg.qk_norm:  # Cohere's q/k LayerNorms have weights per head; Qwen3's one of head_dim
-        n += q_dim + kv_dim if cfg.model_type == "cohere" else 2 * d
+        # (Phi's LayerNorms a bias too)
+        n += {"cohere": q_dim + kv_dim, "phi": 4 * d}.get(cfg.model_type, 2 * d)
     if cfg.model_type in ("olmo2", "olmoe"):  # q_norm / k_norm over the whole projections
         n += q_dim + kv_dim
     return n
@@ -183,7 +187,7 @@ def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
             # beside block_sparse_moe in the layer, gate and up in one checkpoint tensor
             m = f"model.layers.{layer}.shared_mlp"
             out += [((f"{m}.input_linear",), 2 * inter, h), ((f"{m}.output_linear",), h, inter)]
-        elif cfg.model_type == "starcoder2":
+        elif cfg.model_type in _PLAIN_MLP:  # under our names (these read no fp8 checkpoints)
             out += [((f"{m}.c_fc",), inter, h), ((f"{m}.c_proj",), h, inter)]
         elif inter:
             out += [((f"{m}.gate_proj", f"{m}.up_proj"), 2 * inter, h), ((f"{m}.down_proj",), h, inter)]
@@ -248,15 +252,13 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     h = cfg.hidden_size
     embed = cfg.vocab_size * h
     head = h * cfg.num_labels if cfg.is_classifier else (0 if cfg.tie_word_embeddings else embed)
-    # LayerNorms with a bias too (Starcoder2's, GPT-2's); OLMo (1)'s hold neither weight nor bias
+    head += cfg.vocab_size if cfg.lm_head_bias else 0  # Phi's
+    # LayerNorms with a bias too (Starcoder2's, GPT-2's, ...); OLMo (1)'s hold neither weight nor bias
     norm = 0 if cfg.model_type == "olmo" else 2 * h if cfg.model_type in _PLAIN_MLP else h
     wpe = cfg.max_position_embeddings * h if cfg.learned_positions else 0
     fixed = embed + wpe + norm + head  # + final norm, lm_head (a classifier's: its score head)
     total = active = fixed
-    # input and post-attention norms; Gemma 2/3's pre- and post-feedforward ones too;
-    # Cohere's (and Cohere2's) one norm feeds attention and the MLP
-    norms = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "cohere2": 1}.get(cfg.model_type, 2)
-    attn = _attention_params(cfg) + norms * norm
+    attn = _attention_params(cfg) + _NORMS_PER_LAYER.get(cfg.model_type, 2) * norm
     for layer in range(cfg.num_hidden_layers):
         mlp_total, mlp_active = _mlp_params(cfg, layer)
         total += attn + mlp_total

@@ -23,9 +23,10 @@ class GeluTanhAndMul(ops.FusedOpsModule):
 
 
 # HF hidden_act -> F.gelu's approximate= (transformers' ACT2FN: "gelu" is the exact erf
-# GELU, "gelu_pytorch_tanh" torch's tanh approximation; "gelu_new", GPT-2's, is the same
-# tanh formula written out in torch ops: equal up to rounding, one kernel here)
-PLAIN_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none", "gelu_new": "tanh"}
+# GELU, "gelu_pytorch_tanh" torch's tanh approximation; "gelu_new" (Phi) and "gelu_fast"
+# (GPT-NeoX-20B) the same tanh formula written out in torch ops, equal up to rounding)
+PLAIN_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none", "gelu_new": "tanh",
+                     "gelu_fast": "tanh"}
 
 
 class Gelu(nn.Module):

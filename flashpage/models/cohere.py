@@ -3,7 +3,8 @@
 ``qkv_proj`` / ``gate_up_proj``, SiLU-gated MLP) with:
 
 - LayerNorms without bias (layers/norm.LayerNorm: mean-subtracted, in fp32) instead of
-  RMSNorms, and ONE norm a layer, whose output both attention and the MLP read::
+  RMSNorms, and ONE norm a layer, whose output both attention and the MLP read
+  (models/common.ParallelDecoderLayer)::
 
       x -> input_layernorm -> h;   x + attn(h) + mlp(h)
 
@@ -29,12 +30,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flashpage.attention.backend import AttentionMetadata
 from flashpage.config import ModelConfig
 from flashpage.layers.linear import VocabEmbedding
 from flashpage.layers.mlp import GatedMLP
 from flashpage.layers.norm import LayerNorm
-from flashpage.models.common import DecoderStack
+from flashpage.models.common import DecoderStack, ParallelDecoderLayer
 from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
 
 
@@ -48,24 +48,18 @@ class CohereAttention(LlamaAttention):
                                     bias=False)
 
 
-class CohereDecoderLayer(nn.Module):
+class CohereDecoderLayer(ParallelDecoderLayer):
+    """One norm whose output attention and the MLP both read; summed as transformers
+    does, (x + attn) + mlp."""
+
+    residual_first = True
+
     def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
         super().__init__()
         self.input_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps, bias=False)
         self.self_attn = CohereAttention(config, layer_idx, max_positions)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act=config.hidden_act)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """DecoderStack's convention: (x, residual) whose sum is the hidden state. Returned
-        as (mlp, residual + attn): the next norm's add makes (residual + attn) + mlp, the
-        very order of transformers' sum."""
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        return self.mlp(h), residual + self.self_attn(positions, h, md)
+        self.post_attention_layernorm = None
 
 
 class CohereModel(DecoderStack):

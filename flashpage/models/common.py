@@ -1,7 +1,10 @@
 """What every decoder-only family here shares: the pre-norm layer with the residual add
-fused into the next norm, and the embed -> layers -> final norm stack."""
+fused into the next norm, the parallel layer (attention and MLP on the same input), the
+embed -> layers -> final norm stack, and the map between a checkpoint's names and ours."""
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -54,6 +57,70 @@ class PreNormDecoderLayer(nn.Module):
         x = self.self_attn(positions, x, md)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+class ParallelDecoderLayer(nn.Module):
+    """Attention and the MLP both read the layer's input, normed, and both add to it
+    (GPT-J's "parallel" layer)::
+
+        x + attn(h) + mlp(h),  h = input_layernorm(x)          Cohere, Phi-1/1.5/2: one norm
+        x + attn(input_layernorm(x)) + mlp(post_attention_layernorm(x))
+                                                               GPT-NeoX (use_parallel_residual)
+
+    Subclasses set ``input_layernorm``, ``self_attn``, ``mlp`` and
+    ``post_attention_layernorm`` (None: the MLP reads h too).
+
+    Returned as DecoderStack's pair whose sum the next norm adds, in transformers' order of
+    the three-way sum (bf16 rounds each add): ``residual_first`` (Cohere's
+    (x + attn) + mlp) -> (mlp, x + attn); else (attn + mlp) + x -> (attn + mlp, x)."""
+
+    input_layernorm: nn.Module
+    self_attn: nn.Module
+    mlp: nn.Module
+    post_attention_layernorm: nn.Module | None
+    residual_first = False
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h_mlp = h if self.post_attention_layernorm is None else self.post_attention_layernorm(residual)
+        attn = self.self_attn(positions, h, md)
+        if self.residual_first:
+            return self.mlp(h_mlp), residual + attn
+        return attn + self.mlp(h_mlp), residual
+
+
+class HFNames:
+    """A checkpoint's module names <-> ours, for a family built on the Llama body whose
+    checkpoints name its modules otherwise (GPT-NeoX's ``gpt_neox.layers.3.attention.dense``
+    is our ``model.layers.3.self_attn.o_proj``). ``table``: HF module path -> ours, "{}"
+    standing for a layer index, most specific first; each maps a name that starts with it
+    (a whole path component), the rest kept; a name no entry matches is the same in both."""
+
+    def __init__(self, table: dict[str, str]) -> None:
+        self._to_ours = [(self._pattern(hf), ours) for hf, ours in table.items()]
+        self._to_hf = [(self._pattern(ours), hf) for hf, ours in table.items()]
+
+    @staticmethod
+    def _pattern(path: str) -> re.Pattern[str]:
+        return re.compile(re.escape(path).replace(r"\{\}", r"(\d+)") + r"(?=\.|$)")
+
+    @staticmethod
+    def _map(name: str, table: list[tuple[re.Pattern[str], str]]) -> str:
+        for pattern, repl in table:
+            if (m := pattern.match(name)) is not None:
+                return repl.format(*m.groups()) + name[m.end():]
+        return name
+
+    def to_ours(self, name: str) -> str:
+        return self._map(name, self._to_ours)
+
+    def to_hf(self, name: str) -> str:
+        return self._map(name, self._to_hf)
 
 
 class DecoderStack(nn.Module):

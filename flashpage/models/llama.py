@@ -42,7 +42,7 @@ from flashpage.layers.moe import (
 from flashpage.layers.norm import RMSNorm
 from flashpage.layers.quant import dequantized_parameters
 from flashpage.layers.rotary import get_rope
-from flashpage.models.common import DecoderStack, PreNormDecoderLayer
+from flashpage.models.common import DecoderStack, HFNames, PreNormDecoderLayer
 
 _MIXTRAL = re.compile(r"^(?P<layer>model\.layers\.\d+)\.block_sparse_moe\.(?P<rest>.+)$")
 _MIXTRAL_EXPERT = re.compile(r"^experts\.(\d+)\.(w[123])\.")
@@ -133,6 +133,9 @@ class LlamaForCausalLM(nn.Module):
     # With MoE layers, CUDA graphs hold up to this many tokens: past it the experts' grouped
     # path reads its per-expert counts back to the host (layers/moe.FusedExperts).
     max_graph_tokens: int | None = None
+    # A family whose checkpoints name our modules otherwise (GPT-NeoX, Phi): their names
+    # are mapped to ours at load and back in hf_weights, lora_targets and hf_name
+    hf_names: HFNames | None = None
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -141,7 +144,8 @@ class LlamaForCausalLM(nn.Module):
             self.max_graph_tokens = SYNC_FREE_MAX_TOKENS
         self.model: DecoderStack = self._decoder(
             config, max_positions or config.max_position_embeddings)
-        self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size)
+        self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size,
+                                            bias=config.lm_head_bias)
         self.lm_head.quantizable = False  # logits stay 16-bit under quantization="fp8"
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -159,6 +163,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def hf_name(self, name: str) -> str:
+        """Our parameter or module path under the checkpoint's names."""
+        return name if self.hf_names is None else self.hf_names.to_hf(name)
 
     def _shards(self) -> dict[str, tuple[str, int, int]]:
         """HF suffix -> (our suffix, row offset, rows) for the merged projections."""
@@ -187,8 +195,9 @@ class LlamaForCausalLM(nn.Module):
     def lora_targets(self) -> dict[str, tuple[str, int, int]]:
         """The linears a LoRA adapter may adapt (flashpage/lora/): HF module path ->
         (our linear's module path, its output row offset, rows). q/k/v_proj are slices of
-        qkv_proj, gate/up_proj of gate_up_proj. Not the MoE layers' routed experts."""
-        hidden = self.config.hidden_size
+        qkv_proj, gate/up_proj of gate_up_proj; a non-gated MLP's c_fc / c_proj (under the
+        family's own names: hf_name). Not the MoE layers' routed experts."""
+        hidden, inter = self.config.hidden_size, self.config.intermediate_size
         modules = dict(self.named_modules())
         out: dict[str, tuple[str, int, int]] = {}
         for i in range(self.config.num_hidden_layers):
@@ -199,7 +208,9 @@ class LlamaForCausalLM(nn.Module):
                         f"{p}.{ours.removesuffix('.weight')}", off, rows)
             out[f"{p}.self_attn.o_proj"] = (f"{p}.self_attn.o_proj", 0, hidden)
             out[f"{p}.mlp.down_proj"] = (f"{p}.mlp.down_proj", 0, hidden)
-        return {hf: t for hf, t in out.items() if t[0] in modules}
+            out[f"{p}.mlp.c_fc"] = (f"{p}.mlp.c_fc", 0, inter)
+            out[f"{p}.mlp.c_proj"] = (f"{p}.mlp.c_proj", 0, hidden)
+        return {self.hf_name(hf): t for hf, t in out.items() if t[0] in modules}
 
     def _split_name(self, name: str) -> tuple[str, int, int] | None:
         """model.layers.N.<HF piece> -> (merged parameter name, row offset, rows), or None."""
@@ -217,7 +228,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _checkpoint_name(self, name: str) -> str:
         """A checkpoint tensor's name as ``load_weights`` places it (Mixtral's expert names
-        as transformers 5 reads them, ``_moe_name``; a family may rename more)."""
+        as transformers 5 reads them, ``_moe_name``; ``hf_names``' family's names mapped to
+        ours first; a family may rename more)."""
+        if self.hf_names is not None:
+            name = self.hf_names.to_ours(name)
         return _moe_name(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -269,10 +283,12 @@ class LlamaForCausalLM(nn.Module):
                     loaded.add(target)
                 continue
             if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                raise ValueError(f"checkpoint tensor {self.hf_name(name)!r} has no place in "
+                                 f"{type(self).__name__}")
             param = params[name]
             if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                raise ValueError(f"{self.hf_name(name)}: checkpoint shape {tuple(tensor.shape)} "
+                                 f"!= {tuple(param.shape)}")
             param.data.copy_(tensor)
             loaded.add(name)
         self.missing_pieces = sorted(p for ps in pending.values() for p in ps)
@@ -283,10 +299,10 @@ class LlamaForCausalLM(nn.Module):
         for name, data in dequantized_parameters(self):  # fp8 weights back in 16 bits
             pieces = self._pieces(name) if name.split(".")[1:2] == ["layers"] else []
             if not pieces:
-                yield name, data
+                yield self.hf_name(name), data
             for hf in pieces:
                 _, off, rows = self._split_name(hf)  # type: ignore[misc]
-                yield hf, data[off:off + rows]
+                yield self.hf_name(hf), data[off:off + rows]
 
 
 class LlamaForSequenceClassification(LlamaForCausalLM):

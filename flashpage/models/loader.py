@@ -260,7 +260,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         if missing:
             # Merged parameters (qkv_proj, gate_up_proj): name the checkpoint's own tensors.
             pieces: Callable[[str], list[str]] = getattr(model, "_pieces", lambda name: [])
-            missing = sorted({m for m in missing if not pieces(m)}
+            # under the checkpoint's names where the family's differ from ours (GPT-NeoX, Phi)
+            hf_name: Callable[[str], str] = getattr(model, "hf_name", lambda name: name)
+            missing = sorted({hf_name(m) for m in missing if not pieces(m)}
                              | set(getattr(model, "missing_pieces", [])))
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             hint = ""

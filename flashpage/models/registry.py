@@ -32,6 +32,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Starcoder2ForCausalLM": ("flashpage.models.starcoder2", "Starcoder2ForCausalLM"),
     "GPT2LMHeadModel": ("flashpage.models.gpt2", "GPT2LMHeadModel"),
     "GPTBigCodeForCausalLM": ("flashpage.models.gpt2", "GPTBigCodeForCausalLM"),
+    "GPTNeoXForCausalLM": ("flashpage.models.gpt_neox", "GPTNeoXForCausalLM"),
+    "PhiForCausalLM": ("flashpage.models.phi", "PhiForCausalLM"),
     "DeepseekV2ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "GemmaForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),

@@ -14,8 +14,6 @@ which compute RMSNorm (``norm_consumers`` stays None)."""
 
 from __future__ import annotations
 
-from typing import cast
-
 from torch import nn
 
 from flashpage.config import ModelConfig
@@ -48,13 +46,3 @@ class Starcoder2Model(DecoderStack):
 class Starcoder2ForCausalLM(LlamaForCausalLM):
     def _decoder(self, config: ModelConfig, max_positions: int) -> DecoderStack:
         return Starcoder2Model(config, max_positions)
-
-    def lora_targets(self) -> dict[str, tuple[str, int, int]]:
-        """Llama's attention targets, and the MLP's c_fc / c_proj under their own names."""
-        out = super().lora_targets()
-        for i in range(self.config.num_hidden_layers):
-            mlp = cast(MLP, cast(Starcoder2DecoderLayer, self.model.layers[i]).mlp)
-            for name, rows in (("c_fc", mlp.c_fc.out_features), ("c_proj", mlp.c_proj.out_features)):
-                path = f"model.layers.{i}.mlp.{name}"
-                out[path] = (path, 0, rows)
-        return out

@@ -1,0 +1,141 @@
+"""EleutherAI's GPT-NeoX / Pythia (GPTNeoXForCausalLM): Llama's attention, head and loading
+(models/llama.py) under GPT-NeoX's names (models/common.HFNames), with:
+
+- LayerNorms with bias (layers/norm.LayerNorm, ``layer_norm_eps``);
+- ``use_parallel_residual`` (Pythia, 20B: true): attention and the MLP both read the
+  layer's input, each through its own norm (models/common.ParallelDecoderLayer)::
+
+      x + attn(input_layernorm(x)) + mlp(post_attention_layernorm(x))
+
+  else the pre-norm layer (models/common.PreNormDecoderLayer);
+- the fused ``attention.query_key_value`` [3 x hidden, hidden] (with ``dense``, biased
+  unless ``attention_bias`` is false), whose rows go head by head, each head's q, k and v
+  together::
+
+      checkpoint rows  [q0 k0 v0 | q1 k1 v1 | ...]   (each a head_dim-row block)
+      our qkv_proj     [q0 q1 ... | k0 k1 ... | v0 v1 ...]
+
+  de-interleaved at load (one reshape and transpose) and interleaved back in
+  ``hf_weights``; so its q, k, v split as Llama's and none of the kernels change;
+- rotary on the first ``rotary_pct`` of each head (neox halves), base ``rotary_emb_base``;
+- the non-gated MLP ``dense_h_to_4h`` -> GELU (``hidden_act``) -> ``dense_4h_to_h``,
+  biased (layers/mlp.MLP, our c_fc / c_proj);
+- an untied ``embed_out`` head unless ``tie_word_embeddings``.
+
+Our names are Llama's (``model.layers.N.self_attn.qkv_proj``); the checkpoint's
+(``gpt_neox.layers.N.attention.query_key_value``) come back from ``hf_weights``,
+``lora_targets`` and ``hf_name``. LoRA targets: dense, dense_h_to_4h and dense_4h_to_h,
+not query_key_value (its rows are not one slice of ours: ``_shards`` names no pieces)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from flashpage.config import ModelConfig
+from flashpage.layers.linear import VocabEmbedding
+from flashpage.layers.mlp import MLP
+from flashpage.layers.norm import LayerNorm
+from flashpage.models.common import (
+    DecoderStack,
+    HFNames,
+    ParallelDecoderLayer,
+    PreNormDecoderLayer,
+)
+from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
+
+NAMES = HFNames({
+    "gpt_neox.embed_in": "model.embed_tokens",
+    "gpt_neox.final_layer_norm": "model.norm",
+    "embed_out": "lm_head",
+    "gpt_neox.layers.{}.attention.query_key_value": "model.layers.{}.self_attn.qkv_proj",
+    "gpt_neox.layers.{}.attention.dense": "model.layers.{}.self_attn.o_proj",
+    "gpt_neox.layers.{}.attention": "model.layers.{}.self_attn",
+    "gpt_neox.layers.{}.mlp.dense_h_to_4h": "model.layers.{}.mlp.c_fc",
+    "gpt_neox.layers.{}.mlp.dense_4h_to_h": "model.layers.{}.mlp.c_proj",
+    "gpt_neox.layers.{}": "model.layers.{}",  # input_layernorm, post_attention_layernorm
+})
+# older checkpoints (Pythia's) hold the causal mask buffers transformers ignores too
+_MASK_BUFFERS = re.compile(r"^gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias)$")
+_QKV = re.compile(r"\.attention\.query_key_value\.(weight|bias)$")
+
+
+def _build(layer: nn.Module, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
+    h, eps = config.hidden_size, config.rms_norm_eps
+    layer.input_layernorm = LayerNorm(h, eps)
+    layer.self_attn = LlamaAttention(config, layer_idx, max_positions)
+    layer.post_attention_layernorm = LayerNorm(h, eps)
+    layer.mlp = MLP(h, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
+
+
+class GPTNeoXParallelLayer(ParallelDecoderLayer):
+    """use_parallel_residual: each branch its own norm of x; summed (attn + mlp) + x, as
+    transformers' mlp + attn + x."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
+        super().__init__()
+        _build(self, config, layer_idx, max_positions)
+
+
+class GPTNeoXSequentialLayer(PreNormDecoderLayer):
+    """use_parallel_residual false: x + attn(ln1(x)), then + mlp(ln2(...))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
+        super().__init__()
+        _build(self, config, layer_idx, max_positions)
+
+
+class GPTNeoXModel(DecoderStack):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        layer = GPTNeoXParallelLayer if config.use_parallel_residual else GPTNeoXSequentialLayer
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layer(config, i, max_positions)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def _regroup(t: torch.Tensor, heads: int, to_ours: bool) -> torch.Tensor:
+    """query_key_value's rows (a weight [3 heads d, K] or bias [3 heads d]) from the
+    checkpoint's [heads, 3, d] order to ours, [3, heads, d] (``to_ours``), or back."""
+    rows = t.shape[0]
+    shape = (heads, 3, rows // (3 * heads)) if to_ours else (3, heads, rows // (3 * heads))
+    return t.reshape(*shape, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
+
+
+class GPTNeoXForCausalLM(LlamaForCausalLM):
+    hf_names = NAMES
+
+    def _decoder(self, config: ModelConfig, max_positions: int) -> DecoderStack:
+        return GPTNeoXModel(config, max_positions)
+
+    def _shards(self) -> dict[str, tuple[str, int, int]]:
+        return {}  # nothing to stack: query_key_value is our qkv_proj, once regrouped
+
+    def _regrouped(self, weights: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        c = self.config
+        want = 3 * c.num_attention_heads * c.head_dim
+        for name, t in weights:
+            if _MASK_BUFFERS.match(name):
+                continue
+            if _QKV.search(name):
+                if t.shape[0] != want:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not have "
+                                     f"3 x {c.num_attention_heads} heads x {c.head_dim} = "
+                                     f"{want} rows")
+                t = _regroup(t, c.num_attention_heads, to_ours=True)
+            yield name, t
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._regrouped(weights))
+
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The parameters under GPT-NeoX's names, query_key_value's rows head by head again."""
+        for name, t in super().hf_weights():
+            yield name, (_regroup(t, self.config.num_attention_heads, to_ours=False)
+                         if _QKV.search(name) else t)
+
