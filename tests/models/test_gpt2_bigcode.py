@@ -374,7 +374,7 @@ def test_config_fields():
     ("gpt2", dict(n_inner=0), r"n_inner must be a positive integer or null \(4 \* n_embd\)"),
     ("gpt2", dict(activation_function="relu"),
      r"activation_function 'relu' is not supported for GPT2LMHeadModel \(supported: "
-     r"gelu_pytorch_tanh, gelu, gelu_new\)"),
+     r"gelu_pytorch_tanh, gelu, gelu_new, gelu_fast\)"),
     ("gpt2", dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn true is not supported"),
     ("gpt2", dict(add_cross_attention=True), "add_cross_attention true is not supported"),
     ("gpt2", dict(scale_attn_weights="yes"), "scale_attn_weights must be true or false"),
@@ -382,8 +382,8 @@ def test_config_fields():
     ("gpt2", dict(quantization_config={"quant_method": "fp8"}),
      "quantization_config .* is not read for GPT2LMHeadModel"),
     ("bigcode_mqa", dict(multi_query="true"), "multi_query must be true or false, got 'true'"),
-    ("bigcode_mqa", dict(activation_function="gelu_fast"),
-     "activation_function 'gelu_fast' is not supported for GPTBigCodeForCausalLM"),
+    ("bigcode_mqa", dict(activation_function="quick_gelu"),
+     "activation_function 'quick_gelu' is not supported for GPTBigCodeForCausalLM"),
     ("bigcode_mqa", dict(tie_word_embeddings=1), "tie_word_embeddings must be true or false"),
 ])
 def test_bad_config_is_a_clear_error(name, edit, message):
