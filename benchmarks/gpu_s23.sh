@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Session 22's device plan: what session 21 left unverified on the GPU, then two A/Bs.
-#   BUDGET=560 bash benchmarks/gpu_s22.sh verify  the GPU tests run 179 did not finish or that changed
+# Session 23's device plan (session 22 had no device time): what sessions 21-22 left unverified
+# on the GPU, then two A/Bs.
+#   BUDGET=560 bash benchmarks/gpu_s23.sh verify  the GPU tests run 179 did not finish or that changed
 #                                                 after it: int4 (chains, fp32 x, norm prologue), block
 #                                                 fp8 kept fp8 (16-wide blocks now w8a16), the MoE
 #                                                 families, Gemma (1 + w in fp32, teacher-forced bf16),
 #                                                 Phi-3 / Granite / OLMo2 / Cohere / Starcoder2, and the
 #                                                 draft model drafting guided requests
-#   BUDGET=420 bash benchmarks/gpu_s22.sh ab      the 8B int4 batch-1 decode: neither / the norm prologue
+#   BUDGET=420 bash benchmarks/gpu_s23.sh ab      the 8B int4 batch-1 decode: neither / the norm prologue
 #                                                 alone / PDL alone (run 179: both together -15%); then
 #                                                 the block-fp8 W8A8 GEMM's tiles at 256 / 2048 rows
+#   BUDGET=420 bash benchmarks/gpu_s23.sh families  session 22's: the fused LayerNorm kernel (tests, then
+#                                                 GB/s beside torch and copy), Cohere2 / OLMo (1),
+#                                                 OLMoE / Granite MoE, GPT-2 / GPT-BigCode, GPT-NeoX /
+#                                                 Phi-1/1.5/2 (fp32 kernels + graphs = transformers'
+#                                                 tokens, bf16 teacher-forced, the slow greedy runs)
 # Results under $OUT.
 PART=${1:-verify}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -35,5 +41,15 @@ ab)
     --json-out "$OUT/fp8_block_w8a8.json" > "$OUT/fp8_block_w8a8.txt" 2>&1; tail -n 40 "$OUT/fp8_block_w8a8.txt"
   (cd "$OUT" && tar -czf latency.tgz latency_* && rm -f latency_*)
   echo "part ab done at ${SECONDS}s" ;;
+families)
+  timeout "$(left 90)" $PT -rf tests/kernels/test_layer_norm_kernel.py tests/kernels/test_pdl.py 2>&1 \
+    | tee "$OUT/gpu_lnorm_tests.txt" | tail -n 4
+  timeout "$(left 90)" python3 benchmarks/fused_ops.py --only norm --out "$OUT" > "$OUT/fused_norm.txt" 2>&1
+  tail -n 20 "$OUT/fused_norm.txt"
+  timeout "$(left 300)" $PT -m "gpu or slow" -rf tests/models/test_cohere2_olmo.py \
+    tests/models/test_olmoe_granitemoe.py tests/models/test_gpt2_bigcode.py tests/models/test_neox_phi.py \
+    2>&1 | tee "$OUT/gpu_newfam_tests.txt" | tail -n 6
+  (cd "$OUT" && tar -czf families.tgz gpu_*_tests.txt fused_norm.txt && rm -f gpu_*_tests.txt fused_norm.txt)
+  echo "part families done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
