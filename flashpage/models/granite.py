@@ -22,9 +22,6 @@ the checkpoint's names back."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -34,7 +31,7 @@ from flashpage.layers.linear import ColumnParallelLinear, PendingNorm, VocabEmbe
 from flashpage.layers.mlp import GatedMLP
 from flashpage.layers.moe import FusedExperts, MoEGate
 from flashpage.layers.norm import RMSNorm
-from flashpage.models.common import DecoderStack, PreNormDecoderLayer
+from flashpage.models.common import DecoderStack, HFNames, PreNormDecoderLayer
 from flashpage.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
@@ -128,33 +125,20 @@ class GraniteForCausalLM(LlamaForCausalLM):
         return self.lm_head(hidden) / self.config.logits_scaling
 
 
-# Granite MoE checkpoint names (after ``model.layers.{i}.``) -> ours
-_GRANITE_MOE_NAMES = {
-    "block_sparse_moe.router.layer.weight": "mlp.router.weight",
-    "block_sparse_moe.input_linear.weight": "mlp.experts.gate_up_proj",
-    "block_sparse_moe.output_linear.weight": "mlp.experts.down_proj",
-    "shared_mlp.input_linear.weight": "mlp.shared_mlp.gate_up_proj.weight",
-    "shared_mlp.output_linear.weight": "mlp.shared_mlp.down_proj.weight",
-}
-_GRANITE_MOE_HF = {ours: hf for hf, ours in _GRANITE_MOE_NAMES.items()}
-_LAYER = re.compile(r"^(model\.layers\.\d+)\.(.+)$")
-
-
-def _rename(name: str, table: dict[str, str]) -> str | None:
-    m = _LAYER.match(name)
-    return None if m is None or m[2] not in table else f"{m[1]}.{table[m[2]]}"
+# Granite MoE's checkpoint names -> ours (its MoE block sits under our ``mlp``)
+_GRANITE_MOE_NAMES = HFNames({
+    "model.layers.{}.block_sparse_moe.router.layer": "model.layers.{}.mlp.router",
+    "model.layers.{}.block_sparse_moe.input_linear.weight": "model.layers.{}.mlp.experts.gate_up_proj",
+    "model.layers.{}.block_sparse_moe.output_linear.weight": "model.layers.{}.mlp.experts.down_proj",
+    "model.layers.{}.shared_mlp.input_linear": "model.layers.{}.mlp.shared_mlp.gate_up_proj",
+    "model.layers.{}.shared_mlp.output_linear": "model.layers.{}.mlp.shared_mlp.down_proj",
+})
 
 
 class GraniteMoeForCausalLM(GraniteForCausalLM):
     """Granite MoE and GraniteMoeShared: GraniteForCausalLM whose layers hold a
     GraniteMoeBlock (config.n_routed_experts), loading the checkpoint's names
-    (``_GRANITE_MOE_NAMES``; transformers 5's in-memory ``block_sparse_moe.router.weight``
+    (``_GRANITE_MOE_NAMES``, as ``hf_names``; transformers 5's in-memory ``block_sparse_moe.router.weight``
     and ``block_sparse_moe.experts.*`` load too, through Mixtral's rename to ``mlp``)."""
 
-    def _checkpoint_name(self, name: str) -> str:
-        ours = _rename(name, _GRANITE_MOE_NAMES)
-        return ours if ours is not None else super()._checkpoint_name(name)
-
-    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        for name, t in super().hf_weights():
-            yield _rename(name, _GRANITE_MOE_HF) or name, t
+    hf_names = _GRANITE_MOE_NAMES

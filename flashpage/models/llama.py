@@ -226,14 +226,6 @@ class LlamaForCausalLM(nn.Module):
         prefix, sub = ".".join(parts[:3]), ".".join(parts[3:])
         return [f"{prefix}.{hf}" for hf, (ours, _, _) in self._shards().items() if ours == sub]
 
-    def _checkpoint_name(self, name: str) -> str:
-        """A checkpoint tensor's name as ``load_weights`` places it (Mixtral's expert names
-        as transformers 5 reads them, ``_moe_name``; ``hf_names``' family's names mapped to
-        ours first; a family may rename more)."""
-        if self.hf_names is not None:
-            name = self.hf_names.to_ours(name)
-        return _moe_name(name)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy (HF name, tensor) pairs into the parameters; returns the names loaded.
 
@@ -252,7 +244,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            name = self._checkpoint_name(name)
+            if self.hf_names is not None:
+                name = self.hf_names.to_ours(name)
+            name = _moe_name(name)  # Mixtral's expert names as transformers 5 reads them
             if (m := EXPERT_NAME.match(name)) is not None:  # one expert's piece of the fused
                 load_expert_weight(params, m, tensor, expert_pieces, loaded)
                 continue
