@@ -216,6 +216,39 @@ def _checkpoints(tmp_path_factory, build):
     return get
 
 
+def tiny_table_builder(table: dict[str, tuple[str, dict]]):
+    """``build(path, name, seed=0, **overrides)`` over a family test's table of tiny
+    checkpoints (name -> (transformers config class, its fields)), each saved by
+    _save_tiny_routed (routers widened, dense weights as transformers initializes them)."""
+
+    def build(path: Path, name: str, seed: int = 0, **overrides) -> Path:
+        cls_name, extra = table[name]
+        return _save_tiny_routed(path, cls_name, {**extra, **overrides}, seed, False)
+
+    return build
+
+
+def cpu_llm(path: Path, **kw):
+    """Our engine as the family tests run it against transformers: fp32 on the CPU, blocks
+    of 8, torch_native attention (a keyword overrides any of these)."""
+    from flashpage import LLM
+
+    return LLM(str(path), **{"dtype": "float32", "device": "cpu", "block_size": 8,
+                             "attention_backend": "torch_native", **kw})
+
+
+def cpu_greedy(path: Path, prompts: list[list[int]], params=None, **kw) -> list[list[int]]:
+    """cpu_llm's tokens for each prompt (greedy, 12 tokens, EOS ignored unless ``params``
+    says otherwise), every KV block handed back after."""
+    from flashpage import SamplingParams
+
+    llm = cpu_llm(path, **kw)
+    params = params or SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.kv_manager.stats().blocks_used == 0
+    return [o.outputs[0].token_ids for o in outs]
+
+
 @pytest.fixture(scope="session")
 def tiny_mla_checkpoint(tmp_path_factory):
     return _checkpoints(tmp_path_factory, build_tiny_mla_checkpoint)

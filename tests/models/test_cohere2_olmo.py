@@ -29,12 +29,14 @@ from flashpage.layers.rotary import get_rope
 from flashpage.models.loader import iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
-    _save_tiny_routed,
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
+    cpu_greedy,
+    cpu_llm,
     hf_greedy,
     random_prompts,
+    tiny_table_builder,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -64,26 +66,12 @@ NAMES = sorted(TINY)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_tiny(path: Path, name: str, seed: int = 0, **overrides) -> Path:
-    cls_name, extra = TINY[name]
-    return _save_tiny_routed(path, cls_name, {**extra, **overrides}, seed, False)
+build_tiny = tiny_table_builder(TINY)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return _checkpoints(tmp_path_factory, build_tiny)
-
-
-def _llm(path: Path, **kw) -> LLM:
-    return LLM(str(path), dtype="float32", device="cpu", block_size=8,
-               attention_backend="torch_native", **kw)
-
-
-def _greedy(path: Path, prompts: list[list[int]], params=GREEDY, **kw) -> list[list[int]]:
-    llm = _llm(path, **kw)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.kv_manager.stats().blocks_used == 0
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _prompts() -> list[list[int]]:
@@ -93,12 +81,12 @@ def _prompts() -> list[list[int]]:
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_matches_transformers(tiny, name):
     path = tiny(name)
-    assert _greedy(path, _prompts()) == hf_greedy(path, _prompts(), GREEDY.max_tokens)
+    assert cpu_greedy(path, _prompts()) == hf_greedy(path, _prompts(), GREEDY.max_tokens)
 
 
 def test_cohere2_layers_rotate_and_window_by_kind(tiny):
     """Sliding layers: a window and a rotary; full-attention layers: neither (NoPE)."""
-    llm = _llm(tiny("cohere2_pattern"))
+    llm = cpu_llm(tiny("cohere2_pattern"))
     layers = llm.engine.model.model.layers
     assert [lay.self_attn.attn.sliding_window for lay in layers] == [8, 8, 8, None]
     assert [lay.self_attn.rotary_emb is not None for lay in layers] == [True, True, True, False]
@@ -110,16 +98,16 @@ def test_cohere2_window_nope_and_clip_each_change_the_tokens(tiny):
     full-attention layer, or without OLMo's clip_qkv the tokens are others (and ours
     equal transformers', test_greedy_matches_transformers)."""
     path, prompts = tiny("cohere2"), _prompts()
-    ours = _greedy(path, prompts)
-    assert ours != _greedy(path, prompts, hf_overrides={"sliding_window": 512})
-    llm = _llm(path)
+    ours = cpu_greedy(path, prompts)
+    assert ours != cpu_greedy(path, prompts, hf_overrides={"sliding_window": 512})
+    llm = cpu_llm(path)
     full = llm.engine.model.model.layers[1].self_attn
     assert full.rotary_emb is None
     full.rotary_emb = get_rope(llm.engine.model.config, 512, 0)  # rotate it as the sliding one
     roped = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert roped != ours
     olmo = tiny("olmo")
-    assert _greedy(olmo, prompts) != _greedy(olmo, prompts, hf_overrides={"clip_qkv": None})
+    assert cpu_greedy(olmo, prompts) != cpu_greedy(olmo, prompts, hf_overrides={"clip_qkv": None})
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -129,7 +117,7 @@ def test_prompt_logprobs_match_transformers(tiny, name):
     path = tiny(name)
     prompt = random_prompts(1, 40, 40, seed=5)[0]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    out = _llm(path).generate([prompt], params, use_tqdm=False)[0]
+    out = cpu_llm(path).generate([prompt], params, use_tqdm=False)[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt])).logits[0, :-1]

@@ -32,12 +32,14 @@ from flashpage.layers.rotary import get_rope
 from flashpage.models.loader import iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
-    _save_tiny_routed,
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
+    cpu_greedy,
+    cpu_llm,
     hf_greedy,
     random_prompts,
+    tiny_table_builder,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -64,9 +66,7 @@ NAMES = sorted(TINY)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_tiny(path: Path, name: str, seed: int = 0, **overrides) -> Path:
-    cls_name, extra = TINY[name]
-    return _save_tiny_routed(path, cls_name, {**extra, **overrides}, seed, False)
+build_tiny = tiny_table_builder(TINY)
 
 
 @pytest.fixture(scope="module")
@@ -74,30 +74,18 @@ def tiny(tmp_path_factory):
     return _checkpoints(tmp_path_factory, build_tiny)
 
 
-def _llm(path: Path, **kw) -> LLM:
-    return LLM(str(path), dtype="float32", device="cpu", block_size=8,
-               attention_backend="torch_native", **kw)
-
-
-def _greedy(path: Path, prompts: list[list[int]], params=GREEDY, **kw) -> list[list[int]]:
-    llm = _llm(path, **kw)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.kv_manager.stats().blocks_used == 0
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_matches_transformers(tiny, name):
     path = tiny(name)
     prompts = random_prompts(3, WINDOW + 4, 40, seed=1)  # past starcoder2's window
-    assert _greedy(path, prompts) == hf_greedy(path, prompts, GREEDY.max_tokens)
+    assert cpu_greedy(path, prompts) == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
 def test_starcoder2_window_is_applied(tiny):
     """Without the window (hf_overrides) the tokens are others: the window matters here."""
     path = tiny("starcoder2")
     prompts = random_prompts(3, WINDOW + 4, 40, seed=1)
-    assert _greedy(path, prompts) != _greedy(path, prompts, hf_overrides={"sliding_window": None})
+    assert cpu_greedy(path, prompts) != cpu_greedy(path, prompts, hf_overrides={"sliding_window": None})
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -107,7 +95,7 @@ def test_prompt_logprobs_match_transformers(tiny, name):
     path = tiny(name)
     prompt = random_prompts(1, 40, 40, seed=5)[0]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    out = _llm(path).generate([prompt], params, use_tqdm=False)[0]
+    out = cpu_llm(path).generate([prompt], params, use_tqdm=False)[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt])).logits[0, :-1]

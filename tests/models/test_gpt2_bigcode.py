@@ -33,6 +33,7 @@ from tests.conftest import (
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
+    cpu_llm,
     edited_copy,
     hf_greedy,
     random_prompts,
@@ -87,11 +88,6 @@ def tiny(tmp_path_factory):
     return _checkpoints(tmp_path_factory, build_tiny)
 
 
-def _llm(path: Path, **kw) -> LLM:
-    return LLM(str(path), dtype="float32", device="cpu", block_size=8,
-               attention_backend="torch_native", **kw)
-
-
 def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
@@ -100,7 +96,7 @@ def _tokens(outs) -> list[list[int]]:
 def test_greedy_matches_transformers(tiny, name):
     path = tiny(name)
     prompts = random_prompts(3, 5, 60, seed=1)
-    llm = _llm(path)
+    llm = cpu_llm(path)
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy(
         path, prompts, GREEDY.max_tokens)
     assert llm.engine.kv_manager.stats().blocks_used == 0
@@ -112,7 +108,7 @@ def test_prompt_logprobs_match_transformers(tiny, name):
     path = tiny(name)
     prompt = random_prompts(1, 60, 60, seed=5)[0]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    out = _llm(path).generate([prompt], params, use_tqdm=False)[0]
+    out = cpu_llm(path).generate([prompt], params, use_tqdm=False)[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt])).logits[0, :-1]
@@ -149,8 +145,8 @@ def test_generation_ends_at_n_positions(tiny):
     path = tiny("gpt2")
     with pytest.raises(ConfigError, match=r"max_model_len 129 is past GPT2LMHeadModel's "
                                           r"n_positions \(128\)"):
-        _llm(path, max_model_len=N_POSITIONS + 1)
-    llm = _llm(path)
+        cpu_llm(path, max_model_len=N_POSITIONS + 1)
+    llm = cpu_llm(path)
     assert llm.engine.max_model_len == N_POSITIONS
     refused = llm.generate([[5] * N_POSITIONS], GREEDY, use_tqdm=False)[0]
     assert "prompt has 128 tokens but max_model_len is 128" in refused.error
@@ -158,7 +154,7 @@ def test_generation_ends_at_n_positions(tiny):
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == N_POSITIONS
     assert out.token_ids == hf_greedy(path, [prompt], N_POSITIONS - len(prompt))[0]
-    shorter = _llm(path, max_model_len=64)  # below n_positions: fine
+    shorter = cpu_llm(path, max_model_len=64)  # below n_positions: fine
     assert shorter.engine.max_model_len == 64
 
 
@@ -166,7 +162,7 @@ def test_generation_ends_at_n_positions(tiny):
 def test_multi_query_caches_one_kv_head(tiny, name, kv_heads):
     """multi_query: one K and one V head per layer in the paged cache (and in the bytes
     per token the cache is sized by, and in inspect's figures)."""
-    llm = _llm(tiny(name))
+    llm = cpu_llm(tiny(name))
     for layer in llm.engine.model.attention_layers():
         k, v = layer.kv_cache
         assert k.shape[2:] == v.shape[2:] == (kv_heads, 16)
@@ -269,7 +265,7 @@ def test_lora_gives_the_merged_models_tokens(tiny, tmp_path, name):
         "lora_dropout": 0.0, "bias": "none"}))
     merged_path = edited_copy(path, tmp_path / "merged", edit=lambda t: t.update(merged))
     prompts = random_prompts(3, 5, 40, seed=3)
-    llm = _llm(path, enable_lora=True, max_lora_rank=8)
+    llm = cpu_llm(path, enable_lora=True, max_lora_rank=8)
     got = _tokens(llm.generate(prompts, GREEDY, lora_request=LoRARequest("a", 1, str(adapter)),
                                use_tqdm=False))
     want = hf_greedy(merged_path, prompts, GREEDY.max_tokens)
@@ -284,7 +280,7 @@ def test_fp8_at_load_runs_the_dequantized_weights(tiny, tmp_path, name):
     from flashpage.layers.quant import quantized_linears
 
     path = tiny(name)
-    llm = _llm(path, quantization="fp8")
+    llm = cpu_llm(path, quantization="fp8")
     model = llm.engine.model
     assert sorted(quantized_linears(model)) == sorted(
         f"transformer.h.{i}.{sub}" for i in range(2)

@@ -34,8 +34,10 @@ from tests.conftest import (
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
+    cpu_greedy,
     hf_greedy,
     random_prompts,
+    tiny_table_builder,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -64,22 +66,12 @@ NAMES = sorted(TINY_VARIANTS)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_tiny_variant(path: Path, name: str, seed: int = 0, **overrides) -> Path:
-    cls_name, extra = TINY_VARIANTS[name]
-    return _save_tiny_routed(path, cls_name, {**extra, **overrides}, seed, False)
+build_tiny_variant = tiny_table_builder(TINY_VARIANTS)
 
 
 @pytest.fixture(scope="module")
 def tiny_variant(tmp_path_factory):
     return _checkpoints(tmp_path_factory, build_tiny_variant)
-
-
-def _greedy(path: Path, prompts: list[list[int]], params=GREEDY, **kw) -> list[list[int]]:
-    llm = LLM(str(path), dtype="float32", device="cpu", block_size=8,
-              attention_backend="torch_native", **kw)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.kv_manager.stats().blocks_used == 0
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -89,7 +81,7 @@ def test_greedy_matches_transformers(tiny_variant, name):
     # the long factors from the first step, as we do for max_model_len 512
     prompts = (random_prompts(3, 33, 60, seed=1) if name == "phi3_longrope"
                else random_prompts(3, 5, 40, seed=1))
-    assert _greedy(path, prompts) == hf_greedy(path, prompts, GREEDY.max_tokens)
+    assert cpu_greedy(path, prompts) == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -117,9 +109,9 @@ def test_longrope_short_factors_within_the_original_length(tiny_variant):
     prompts = random_prompts(3, 5, 20, seed=2)
     assert max(map(len, prompts)) + GREEDY.max_tokens <= ORIGINAL
     expected = hf_greedy(path, prompts, GREEDY.max_tokens)
-    assert _greedy(path, prompts, max_model_len=ORIGINAL) == expected
+    assert cpu_greedy(path, prompts, max_model_len=ORIGINAL) == expected
     # the long factors give other tokens here: the choice is really made
-    assert _greedy(path, prompts, max_model_len=4 * ORIGINAL) != expected
+    assert cpu_greedy(path, prompts, max_model_len=4 * ORIGINAL) != expected
 
 
 @pytest.mark.parametrize("max_positions", [ORIGINAL, 4 * ORIGINAL])
@@ -197,7 +189,7 @@ def test_llama_attention_bias_biases_o_proj_too(tmp_path):
                              0, False)
     assert "model.layers.0.self_attn.o_proj.bias" in dict(iter_safetensors(str(path)))
     prompts = random_prompts(2, 5, 30, seed=4)
-    assert _greedy(path, prompts) == hf_greedy(path, prompts, GREEDY.max_tokens)
+    assert cpu_greedy(path, prompts) == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
 # ----------------------------------------------------------------- loading, inspect

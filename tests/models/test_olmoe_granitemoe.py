@@ -31,13 +31,14 @@ from flashpage.models.granite import GraniteMoeBlock
 from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
-    _save_tiny_routed,
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
+    cpu_llm,
     edited_copy,
     hf_greedy,
     random_prompts,
+    tiny_table_builder,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -67,9 +68,7 @@ ARCH = {"OlmoeConfig": "OlmoeForCausalLM", "GraniteMoeConfig": "GraniteMoeForCau
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_tiny(path: Path, name: str, seed: int = 0, **overrides) -> Path:
-    cls_name, extra = TINY[name]
-    return _save_tiny_routed(path, cls_name, {**extra, **overrides}, seed, False)
+build_tiny = tiny_table_builder(TINY)
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +96,6 @@ def _count_path(monkeypatch, path: str) -> list[int]:
     return calls
 
 
-def _llm(path: Path, **kw) -> LLM:
-    return LLM(str(path), dtype="float32", device=kw.pop("device", "cpu"), block_size=8,
-               attention_backend="torch_native", **kw)
-
-
 def _tokens(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -113,7 +107,7 @@ def test_greedy_matches_transformers(tiny, name, path, monkeypatch):
     ckpt = tiny(name)
     prompts = random_prompts(3, 5, 40, seed=1)
     expected = hf_greedy(ckpt, prompts, GREEDY.max_tokens)
-    llm = _llm(ckpt)
+    llm = cpu_llm(ckpt)
     blocks = [layer.mlp for layer in llm.engine.model.model.layers]
     assert all(isinstance(b, GraniteMoeBlock if name.startswith("granite") else SparseMoeBlock)
                for b in blocks)
@@ -134,7 +128,7 @@ def test_greedy_matches_transformers_on_the_fused_kernel(tiny, monkeypatch):
     prompts = random_prompts(2, 5, 30, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     expected = hf_greedy(ckpt, prompts, params.max_tokens)
-    llm = _llm(ckpt, device=DEV)
+    llm = cpu_llm(ckpt, device=DEV)
     _use_path(llm.engine.model, "fused")
     calls = _count_path(monkeypatch, "fused")
     assert _tokens(llm, prompts, params) == expected
@@ -148,7 +142,7 @@ def test_clip_qkv_clamps(tiny, tmp_path):
     assert ModelConfig.from_hf(ckpt).clip_qkv == CLIP
     unclipped = edited_copy(ckpt, tmp_path / "unclipped", config_edit=lambda c: c.update(clip_qkv=None))
     prompts = random_prompts(2, 5, 40, seed=1)
-    got = _tokens(_llm(unclipped), prompts)
+    got = _tokens(cpu_llm(unclipped), prompts)
     assert got == hf_greedy(unclipped, prompts, GREEDY.max_tokens)
     assert got != hf_greedy(ckpt, prompts, GREEDY.max_tokens)
 
@@ -160,7 +154,7 @@ def test_prompt_logprobs_match_transformers(tiny, name):
     path = tiny(name)
     prompt = random_prompts(1, 40, 40, seed=5)[0]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    out = _llm(path).generate([prompt], params, use_tqdm=False)[0]
+    out = cpu_llm(path).generate([prompt], params, use_tqdm=False)[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt])).logits[0, :-1]
