@@ -16,13 +16,14 @@ and bf16 follows fp32 about as far as transformers' bf16 does.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from flashpage import LLM, SamplingParams
+from flashpage import LLM, LoRARequest, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.inspect import inspect_config, param_counts
 from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model, resolve_model
@@ -35,6 +36,7 @@ from tests.conftest import (
     hf_greedy,
     random_prompts,
 )
+from tests.peft_adapter import merge_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -190,6 +192,47 @@ def test_gptj_mask_buffers_are_skipped(tiny, tmp_path):
     assert "transformer.h.0.attn.bias" not in dict(model.hf_weights())
 
 
+# name -> the HF modules a LoRA adapter adapts (in both layers), in_features, out_features
+LORA_MODULES = {
+    "gptj": {"attn.q_proj": (64, 64), "attn.v_proj": (64, 64), "attn.out_proj": (64, 64),
+             "mlp.fc_in": (64, 128), "mlp.fc_out": (128, 64)},
+    "falcon_40b": {"self_attention.dense": (64, 64), "mlp.dense_h_to_4h": (64, 128),
+                   "mlp.dense_4h_to_h": (128, 64)},
+}
+
+
+@pytest.mark.parametrize("name", sorted(LORA_MODULES))
+def test_lora_adapter_under_hf_names_gives_the_merged_checkpoints_tokens(tiny, tmp_path, name):
+    """A PEFT adapter naming the family's own modules (transformer.h.N.attn.q_proj,
+    transformer.h.N.mlp.dense_h_to_4h ...) gives transformers' tokens of the checkpoint
+    with it merged."""
+    base = tiny(name)
+    g = torch.Generator().manual_seed(3)
+    tensors = {}
+    for layer in range(2):
+        for module, (fin, fout) in LORA_MODULES[name].items():
+            key = f"base_model.model.transformer.h.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(4, fin, generator=g) * 0.2
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, 4, generator=g) * 0.2
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps(dict(
+        peft_type="LORA", task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0,
+        target_modules=sorted({m.split(".")[-1] for m in LORA_MODULES[name]}), bias="none",
+        fan_in_fan_out=False, use_rslora=False, modules_to_save=None)))
+    merged = merge_adapter(base, adapter, tmp_path / "merged")
+    prompts = random_prompts(2, 4, 30, seed=11)
+    llm = _llm(base, enable_lora=True, max_loras=1, max_lora_rank=4)
+    outs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("a", 1, str(adapter)),
+                        use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == hf_greedy(merged, prompts, GREEDY.max_tokens)
+    assert got != hf_greedy(base, prompts, GREEDY.max_tokens)  # the adapter does something
+
+
 @pytest.mark.parametrize(("name", "dropped"), [
     ("gptj", "transformer.h.1.attn.v_proj.weight"),
     ("gptj", "lm_head.bias"),
@@ -335,7 +378,7 @@ def test_bad_config_is_a_clear_error(raw, edit, message):
         ModelConfig.from_hf({**raw, **edit})
 
 
-# ----------------------------------------------------------------------------- GPU
+# ----------------------------------------------------------------------------- kernels
 def _gpu_checkpoint(tmp_path: Path, name: str) -> Path:
     """head_dim 64, the smallest the Triton attention kernels take; 4 query heads (GPT-J:
     16 of 64 dims rotated)."""
@@ -344,6 +387,24 @@ def _gpu_checkpoint(tmp_path: Path, name: str) -> Path:
                           rotary_dim=16 if name == "gptj" else 64)
     return build_tiny(tmp_path / name, name, hidden_size=256)
 
+
+@pytest.mark.slow
+def test_gptj_greedy_on_our_kernels_matches_transformers(tmp_path):
+    """The triton backend: our attention and the fused rotary + cache-write kernel on
+    GPT-J's interleaved pairs over the first 16 of 64 dims (a partial rotary on pairs, which
+    no other family has; on the CPU in the interpreter, ~10 s)."""
+    path = _gpu_checkpoint(tmp_path, "gptj")
+    prompts = random_prompts(1, 34, 34, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", device=DEV, block_size=16, attention_backend="triton")
+    rotary = llm.engine.model.model.layers[0].self_attn.rotary_emb
+    assert rotary.fused and not rotary.is_neox
+    assert rotary.cos_sin_cache.shape[-1] == 16  # the rotated dims
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == hf_greedy(path, prompts, params.max_tokens)
+
+
+# ----------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
