@@ -1202,7 +1202,8 @@ class ModelConfig:
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
     # GPT-NeoX: attention reads input_layernorm(x), the MLP post_attention_layernorm(x), both
-    # added to x (models/common.ParallelDecoderLayer); False: the MLP after attention
+    # added to x (models/common.ParallelDecoderLayer); False: the MLP after attention.
+    # Falcon: its parallel layer (new_decoder_architecture or parallel_attn), norms below
     use_parallel_residual: bool = False
     lm_head_bias: bool = False  # Phi-1/1.5/2, GPT-J: the LM head has a bias
     # Falcon: the norms of a parallel layer (use_parallel_residual): 2 (ln_attn for attention,
