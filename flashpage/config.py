@@ -45,13 +45,15 @@ _EVERY_LAYER_MOE = {"MixtralForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCaus
 # Gemma 2/3 add post-norms, per-layer sliding windows and softcaps (_gemma_fields)
 GEMMA_FAMILY = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # the Llama body with one twist each (models/phi3.py, granite.py, olmo.py, olmo2.py,
-# cohere.py (Cohere2 too), starcoder2.py, gpt_neox.py, phi.py; _variant_fields)
+# cohere.py (Cohere2 too), starcoder2.py, gpt_neox.py, phi.py, gptj.py, falcon.py;
+# _variant_fields)
 LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM",
                   "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
-                  "GPTNeoXForCausalLM", "PhiForCausalLM"}
+                  "GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM"}
 # ... of which these name their modules otherwise (models/common.HFNames): their
 # checkpoints' quantization_config is not read
-RENAMED_VARIANTS = {"GPTNeoXForCausalLM", "PhiForCausalLM"}
+RENAMED_VARIANTS = {"GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM",
+                    "FalconForCausalLM"}
 # models/gpt2.py: learned absolute positions (wpe) instead of rotary, GPT-2's config names
 # (n_embd, n_layer, n_head, n_positions, n_inner); GPT-BigCode (StarCoder 1, SantaCoder) with
 # multi-query attention (_gpt2_fields)
@@ -86,6 +88,8 @@ _MODEL_TYPE_TO_ARCH = {
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
     "phi": "PhiForCausalLM",
+    "gptj": "GPTJForCausalLM",
+    "falcon": "FalconForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -538,6 +542,10 @@ def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
         return _gpt_neox_fields(d, where)
     if arch == "PhiForCausalLM":
         return _phi_fields(d, where)
+    if arch == "GPTJForCausalLM":
+        return _gptj_fields(d, where)
+    if arch == "FalconForCausalLM":
+        return _falcon_fields(d, where)
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
                           f"{arch} (supported: 'silu')")
@@ -619,21 +627,24 @@ def _starcoder2_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
                 tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
 
 
-# GPT2Config's and GPTBigCodeConfig's names (their attribute_map) -> ModelConfig's
+# GPT2Config's, GPTBigCodeConfig's and GPTJConfig's names (their attribute_map) -> ModelConfig's
 _GPT2_NAMES = (("n_embd", "hidden_size"), ("n_layer", "num_hidden_layers"),
                ("n_head", "num_attention_heads"))
 
 
+_GPT2_MODEL_TYPES = {"GPT2LMHeadModel": "gpt2", "GPTBigCodeForCausalLM": "gpt_bigcode",
+                     "GPTJForCausalLM": "gptj"}
+
+
 def _gpt2_names(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
-    """GPT-2's config.json with the common names added (a new dict): hidden_size from
+    """GPT-2's (GPT-BigCode's, GPT-J's) config.json with the common names added (a new dict): hidden_size from
     ``n_embd``, num_hidden_layers from ``n_layer``, num_attention_heads from ``n_head``,
     max_position_embeddings from ``n_positions`` (GPT2Config's 1024 when absent) and
     intermediate_size from ``n_inner`` (null: 4 * n_embd), and model_type from ``arch``
     where the file has none; a bad field is named as the file writes it (a common name the
     file uses instead is read too)."""
     out = dict(d)
-    out["model_type"] = d.get("model_type") or ("gpt2" if arch == "GPT2LMHeadModel"
-                                                 else "gpt_bigcode")
+    out["model_type"] = d.get("model_type") or _GPT2_MODEL_TYPES[arch]
     for theirs, ours in (*_GPT2_NAMES, ("n_positions", "max_position_embeddings")):
         key = theirs if theirs in d or ours not in d else ours
         out[ours] = _positive_int(d, key, where, 1024 if theirs == "n_positions" else None)
@@ -764,6 +775,121 @@ def _phi_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
                 partial_rotary_factor=_partial_rotary(d, where, head_dim, "partial_rotary_factor",
                                                       0.5),
                 tie_word_embeddings=_flag(d, "tie_word_embeddings", False, where))
+
+
+def _gptj_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """GPT-J (GPTJConfig's defaults where a field is absent; ``d``: _gpt2_names' dict): one
+    LayerNorm with bias (``layer_norm_epsilon``) feeding attention and the MLP in parallel,
+    q/k/v/out_proj without bias, rotary on the first ``rotary_dim`` (64) dims of each head on
+    interleaved pairs (rotate_every_two) with base 10000, fc_in -> ``activation_function``
+    (gelu_new) -> fc_out with biases, an LM head with a bias, untied unless
+    ``tie_word_embeddings``."""
+    arch = "GPTJForCausalLM"
+    head_dim = d["hidden_size"] // d["num_attention_heads"]
+    rot = d.get("rotary_dim", 64)
+    if (not isinstance(rot, int) or isinstance(rot, bool) or rot < 2 or rot % 2
+            or rot > head_dim):
+        # null: transformers rotates n_embd dims of each head_dim-wide head (a shape error)
+        raise ConfigError(f"{where}: rotary_dim must be an even integer from 2 to head_dim "
+                          f"({head_dim}) for {arch}, got {rot!r}")
+    for key in ("rope_scaling", "rope_parameters", "rope_theta"):
+        if d.get(key) is not None:
+            raise ConfigError(f"{where}: {key} is not read for {arch}: its rotary has base "
+                              "10000 and no scaling, as transformers' GPT-J")
+    act = d.get("activation_function") or "gelu_new"
+    if act not in _plain_activations():
+        raise ConfigError(f"{where}: activation_function {act!r} is not supported for {arch} "
+                          f"(supported: {', '.join(_plain_activations())})")
+    factor = rot / head_dim
+    while int(head_dim * factor) < rot:  # rotary_dim = int(head_dim * factor) exactly
+        factor = math.nextafter(factor, 2.0)
+    return dict(rms_norm_eps=_positive_number(d, "layer_norm_epsilon", where, 1e-5),
+                hidden_act=act, attention_bias=False, mlp_bias=True, lm_head_bias=True,
+                rope_interleaved=True, partial_rotary_factor=factor, rope_theta=10000.0,
+                rope_scaling=None, tie_word_embeddings=_flag(d, "tie_word_embeddings", False, where))
+
+
+def _plain_activations() -> dict[str, str]:
+    from flashpage.layers.activation import PLAIN_ACTIVATIONS
+
+    return PLAIN_ACTIVATIONS
+
+
+def _falcon_names(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """Falcon's config.json with the common names added (a new dict): hidden_size from the
+    old ``n_embed`` where the file has it (FalconConfig reads it so), intermediate_size
+    from ``ffn_hidden_size`` (null: 4 x hidden_size)."""
+    out = dict(d)
+    if d.get("n_embed") is not None:
+        out["hidden_size"] = _positive_int(d, "n_embed", where)
+    hidden = out.get("hidden_size")
+    ffn = d.get("ffn_hidden_size")
+    if ffn is None:
+        out["intermediate_size"] = 4 * hidden if isinstance(hidden, int) else None
+    else:
+        out["intermediate_size"] = _positive_int(d, "ffn_hidden_size", where,
+                                                 why=" or null (4 x hidden_size)")
+    return out
+
+
+def _falcon_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """Falcon (FalconConfig's defaults where a field is absent; ``d``: _falcon_names'
+    dict): LayerNorms with bias (``layer_norm_epsilon``), ``bias`` on query_key_value,
+    dense and the MLP's dense_h_to_4h -> ``activation`` (gelu) -> dense_4h_to_h, rotary
+    on whole heads (neox halves, rope_parameters' theta), the head tied unless
+    ``tie_word_embeddings`` is false. Its layer, as transformers' FalconDecoderLayer:
+
+    - ``new_decoder_architecture`` (40B / 180B / Falcon2-11B): parallel, ``num_kv_heads``
+      KV heads, ``num_ln_in_parallel_attn`` norms (null: 2, ln_attn and ln_mlp; 1: one);
+    - else (7B): ``multi_query`` -> one KV head (else every head its own);
+      ``parallel_attn`` -> one input_layernorm feeding both, else sequential
+      (input_layernorm, then post_attention_layernorm after attention's residual add).
+
+    ``alibi`` (Falcon-RW) is a ConfigError, as are the combinations transformers' own
+    layer cannot run (it would fail on a missing norm or a head-count reshape)."""
+    arch = "FalconForCausalLM"
+    if _flag(d, "alibi", False, where):
+        raise ConfigError(f"{where}: alibi true (Falcon-RW's ALiBi position biases) is not "
+                          f"supported for {arch}: our attention kernels have no ALiBi")
+    head_dim = _whole_heads(d, where)
+    heads = d["num_attention_heads"]
+    new = _flag(d, "new_decoder_architecture", False, where)
+    parallel = _flag(d, "parallel_attn", True, where)
+    kv = d.get("num_kv_heads")
+    if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 1
+                           or heads % kv):
+        raise ConfigError(f"{where}: num_kv_heads must be a positive divisor of "
+                          f"num_attention_heads ({heads}) or null, got {kv!r}")
+    lns = d.get("num_ln_in_parallel_attn")
+    if lns not in (None, 1, 2) or isinstance(lns, bool):
+        raise ConfigError(f"{where}: num_ln_in_parallel_attn must be 1, 2 or null, got {lns!r}")
+    if new:
+        if not parallel:
+            raise ConfigError(f"{where}: parallel_attn false is not supported with "
+                              "new_decoder_architecture true (transformers' Falcon layer then "
+                              "has no norm for the MLP)")
+        kv_heads, norms = kv or heads, lns or 2
+    else:
+        if lns == 2 and parallel:
+            raise ConfigError(f"{where}: num_ln_in_parallel_attn 2 needs new_decoder_"
+                              "architecture true (transformers' Falcon-7B layer reads one "
+                              "input_layernorm)")
+        mqa = _flag(d, "multi_query", True, where)
+        if not mqa and kv not in (None, heads):
+            raise ConfigError(f"{where}: num_kv_heads {kv} is not supported with multi_query "
+                              f"false and new_decoder_architecture false: every one of the "
+                              f"{heads} heads has its own k and v there")
+        kv_heads, norms = (1 if mqa else heads), 1 if parallel else 2
+    act = d.get("activation") or "gelu"
+    if act not in _plain_activations():
+        raise ConfigError(f"{where}: activation {act!r} is not supported for {arch} "
+                          f"(supported: {', '.join(_plain_activations())})")
+    bias = _flag(d, "bias", False, where)
+    return dict(rms_norm_eps=_positive_number(d, "layer_norm_epsilon", where, 1e-5),
+                hidden_act=act, attention_bias=bias, mlp_bias=bias, head_dim=head_dim,
+                num_key_value_heads=kv_heads, use_parallel_residual=new or parallel,
+                parallel_norms=norms,
+                tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
 
 
 def _longrope(d: dict[str, Any], rope: dict[str, Any], where: str, rot_dim: int) -> RopeScaling:
@@ -1076,9 +1202,14 @@ class ModelConfig:
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
     # GPT-NeoX: attention reads input_layernorm(x), the MLP post_attention_layernorm(x), both
-    # added to x (models/common.ParallelDecoderLayer); False: the MLP after attention
+    # added to x (models/common.ParallelDecoderLayer); False: the MLP after attention.
+    # Falcon: its parallel layer (new_decoder_architecture or parallel_attn), norms below
     use_parallel_residual: bool = False
-    lm_head_bias: bool = False  # Phi-1/1.5/2: the LM head has a bias
+    lm_head_bias: bool = False  # Phi-1/1.5/2, GPT-J: the LM head has a bias
+    # Falcon: the norms of a parallel layer (use_parallel_residual): 2 (ln_attn for attention,
+    # ln_mlp for the MLP, both of x: Falcon-40B/180B, as GPT-NeoX's) or 1 whose output both
+    # read (Falcon-7B, Falcon2-11B)
+    parallel_norms: int = 2
     # fp8 / int4 checkpoints (HF quantization_config): how their weights are stored; None: 16/32-bit
     quantization_config: CheckpointQuantization | None = None
     # a sequence classifier (CLASSIFIER_ARCHITECTURES; 0 for any other model): its labels
@@ -1147,8 +1278,10 @@ class ModelConfig:
                 f"{where}: architecture {arch or d.get('model_type')!r} is not supported; "
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
-        if arch in GPT2_FAMILY:
+        if arch in GPT2_FAMILY or arch == "GPTJForCausalLM":
             d = _gpt2_names(d, arch, where)
+        elif arch == "FalconForCausalLM":
+            d = _falcon_names(d, where)
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
         if arch in LLAMA_FAMILY | LLAMA_VARIANTS:
             required.append("intermediate_size")

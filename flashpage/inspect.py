@@ -80,10 +80,17 @@ def parse_memory(s: str) -> int:
 # ------------------------------------------------------------------ parameters
 # families whose MLP is not gated (c_fc -> act -> c_proj, under their names) and whose
 # LayerNorms have a bias
-_PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "phi")
+_PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "phi", "gptj", "falcon")
 # norms a layer: input and post-attention; Gemma 2/3's pre- and post-feedforward ones too;
-# Cohere's (and Cohere2's) and Phi's one norm feeds attention and the MLP
-_NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "cohere2": 1, "phi": 1}
+# Cohere's (and Cohere2's), Phi's and GPT-J's one norm feeds attention and the MLP
+_NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "cohere2": 1, "phi": 1,
+                    "gptj": 1}
+
+
+def _norms_per_layer(cfg: ModelConfig) -> int:
+    if cfg.model_type == "falcon":  # a parallel layer's one or two (ln_attn, ln_mlp)
+        return cfg.parallel_norms if cfg.use_parallel_residual else 2
+    return _NORMS_PER_LAYER.get(cfg.model_type, 2)
 
 
 def _attention_params(cfg: ModelConfig) -> int:
@@ -258,7 +265,7 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     wpe = cfg.max_position_embeddings * h if cfg.learned_positions else 0
     fixed = embed + wpe + norm + head  # + final norm, lm_head (a classifier's: its score head)
     total = active = fixed
-    attn = _attention_params(cfg) + _NORMS_PER_LAYER.get(cfg.model_type, 2) * norm
+    attn = _attention_params(cfg) + _norms_per_layer(cfg) * norm
     for layer in range(cfg.num_hidden_layers):
         mlp_total, mlp_active = _mlp_params(cfg, layer)
         total += attn + mlp_total

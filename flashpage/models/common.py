@@ -123,6 +123,31 @@ class HFNames:
         return self._map(name, self._to_hf)
 
 
+def regroup_qkv(t: torch.Tensor, kv_heads: int, head_dim: int, to_ours: bool) -> torch.Tensor:
+    """A fused query_key_value's rows (a weight [rows, K] or bias [rows]) laid out per KV
+    group, each group's q heads then its one k and one v head, to our qkv_proj's (all q
+    heads, all k, all v: Llama's split), or back (``to_ours`` False)::
+
+        checkpoint  [q0 .. q(g-1) k0 v0 | qg .. q(2g-1) k1 v1 | ...]   (head_dim rows each)
+        ours        [q0 q1 ... | k0 k1 ... | v0 v1 ...]
+
+    GPT-NeoX's and Falcon's MHA form is this with one q head a group ([q0 k0 v0 | ...]),
+    Falcon-7B's MQA one group ([q0 .. q(h-1) k v], already ours), Falcon-40B's its
+    ``num_kv_heads`` groups. ``t.shape[0]``: (heads + 2 kv_heads) x head_dim."""
+    rest = t.shape[1:]
+    per_group = t.shape[0] // (kv_heads * head_dim)  # q heads of a group, + 2
+    if to_ours:
+        g = t.reshape(kv_heads, per_group, head_dim, *rest)
+        parts = [g[:, :-2], g[:, -2], g[:, -1]]
+    else:
+        q, k, v = t.split([t.shape[0] - 2 * kv_heads * head_dim, kv_heads * head_dim,
+                           kv_heads * head_dim])
+        parts = [torch.cat([q.reshape(kv_heads, per_group - 2, head_dim, *rest),
+                            k.reshape(kv_heads, 1, head_dim, *rest),
+                            v.reshape(kv_heads, 1, head_dim, *rest)], dim=1)]
+    return torch.cat([p.reshape(-1, *rest) for p in parts]).contiguous()
+
+
 class DecoderStack(nn.Module):
     """Subclasses set ``embed_tokens``, ``layers`` (of PreNormDecoderLayer) and ``norm``."""
 

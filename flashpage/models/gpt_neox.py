@@ -15,8 +15,8 @@
       checkpoint rows  [q0 k0 v0 | q1 k1 v1 | ...]   (each a head_dim-row block)
       our qkv_proj     [q0 q1 ... | k0 k1 ... | v0 v1 ...]
 
-  de-interleaved at load (one reshape and transpose) and interleaved back in
-  ``hf_weights``; so its q, k, v split as Llama's and none of the kernels change;
+  de-interleaved at load (models/common.regroup_qkv, one q head a group) and interleaved
+  back in ``hf_weights``; so its q, k, v split as Llama's and none of the kernels change;
 - rotary on the first ``rotary_pct`` of each head (neox halves), base ``rotary_emb_base``;
 - the non-gated MLP ``dense_h_to_4h`` -> GELU (``hidden_act``) -> ``dense_4h_to_h``,
   biased (layers/mlp.MLP, our c_fc / c_proj);
@@ -44,6 +44,7 @@ from flashpage.models.common import (
     HFNames,
     ParallelDecoderLayer,
     PreNormDecoderLayer,
+    regroup_qkv,
 )
 from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -98,14 +99,6 @@ class GPTNeoXModel(DecoderStack):
         self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def _regroup(t: torch.Tensor, heads: int, to_ours: bool) -> torch.Tensor:
-    """query_key_value's rows (a weight [3 heads d, K] or bias [3 heads d]) from the
-    checkpoint's [heads, 3, d] order to ours, [3, heads, d] (``to_ours``), or back."""
-    rows = t.shape[0]
-    shape = (heads, 3, rows // (3 * heads)) if to_ours else (3, heads, rows // (3 * heads))
-    return t.reshape(*shape, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
-
-
 class GPTNeoXForCausalLM(LlamaForCausalLM):
     hf_names = NAMES
 
@@ -127,7 +120,7 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
                     raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not have "
                                      f"3 x {c.num_attention_heads} heads x {c.head_dim} = "
                                      f"{want} rows")
-                t = _regroup(t, c.num_attention_heads, to_ours=True)
+                t = regroup_qkv(t, c.num_attention_heads, c.head_dim, to_ours=True)
             yield name, t
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -135,7 +128,8 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The parameters under GPT-NeoX's names, query_key_value's rows head by head again."""
+        c = self.config
         for name, t in super().hf_weights():
-            yield name, (_regroup(t, self.config.num_attention_heads, to_ours=False)
+            yield name, (regroup_qkv(t, c.num_attention_heads, c.head_dim, to_ours=False)
                          if _QKV.search(name) else t)
 

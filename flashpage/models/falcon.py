@@ -1,0 +1,141 @@
+"""TII's Falcon (FalconForCausalLM): Llama's attention, head and loading (models/llama.py)
+under Falcon's names (models/common.HFNames), with:
+
+- LayerNorms with bias (``layer_norm_epsilon``) and a layer of one of three forms
+  (ModelConfig.use_parallel_residual, parallel_norms; models/common's layers)::
+
+      Falcon-40B / 180B (new_decoder_architecture):  x + attn(ln_attn(x)) + mlp(ln_mlp(x))
+      Falcon-7B, Falcon2-11B (parallel_attn / one norm): x + attn(h) + mlp(h), h = ln(x)
+      parallel_attn false:   x + attn(input_layernorm(x)), then + mlp(post_attention_layernorm)
+
+- the fused ``self_attention.query_key_value``, its rows laid out per KV group (the
+  group's q heads, then its k and v head; models/common.regroup_qkv)::
+
+      new_decoder_architecture  num_kv_heads groups   [q.. k v | q.. k v | ...]
+      multi_query (7B)          one group             [q0 .. q(h-1) k v]
+      neither                   a group a head        [q0 k0 v0 | q1 k1 v1 | ...]
+
+  regrouped into our qkv_proj ([q | k | v], Llama's split) at load and back in
+  ``hf_weights``; so the KV cache holds num_kv_heads heads (one for MQA) and none of the
+  kernels change;
+- rotary on whole heads (neox halves), ``bias`` on query_key_value, dense and the MLP;
+- the non-gated MLP ``dense_h_to_4h`` -> GELU (``activation``) -> ``dense_4h_to_h`` (our
+  c_fc / c_proj), ``ln_f`` (our model.norm), the head tied to word_embeddings unless
+  ``tie_word_embeddings`` is false.
+
+LoRA targets: dense, dense_h_to_4h and dense_4h_to_h, not query_key_value (its rows are
+not one slice of ours). ALiBi (Falcon-RW) is refused in config.py."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from flashpage.config import ModelConfig
+from flashpage.layers.linear import VocabEmbedding
+from flashpage.layers.mlp import MLP
+from flashpage.layers.norm import LayerNorm
+from flashpage.models.common import (
+    DecoderStack,
+    HFNames,
+    ParallelDecoderLayer,
+    PreNormDecoderLayer,
+    regroup_qkv,
+)
+from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
+
+_QKV = re.compile(r"\.self_attention\.query_key_value\.(weight|bias)$")
+
+
+def falcon_names(config: ModelConfig) -> HFNames:
+    """Falcon's names for ``config``'s layer form: ln_attn / ln_mlp where a parallel layer
+    has two norms, else input_layernorm (and post_attention_layernorm) as ours."""
+    table = {
+        "transformer.word_embeddings": "model.embed_tokens",
+        "transformer.ln_f": "model.norm",
+        "transformer.h.{}.self_attention.query_key_value": "model.layers.{}.self_attn.qkv_proj",
+        "transformer.h.{}.self_attention.dense": "model.layers.{}.self_attn.o_proj",
+        "transformer.h.{}.self_attention": "model.layers.{}.self_attn",
+        "transformer.h.{}.mlp.dense_h_to_4h": "model.layers.{}.mlp.c_fc",
+        "transformer.h.{}.mlp.dense_4h_to_h": "model.layers.{}.mlp.c_proj",
+    }
+    if config.use_parallel_residual and config.parallel_norms == 2:
+        table["transformer.h.{}.ln_attn"] = "model.layers.{}.input_layernorm"
+        table["transformer.h.{}.ln_mlp"] = "model.layers.{}.post_attention_layernorm"
+    table["transformer.h.{}"] = "model.layers.{}"  # input_layernorm, post_attention_layernorm, mlp
+    return HFNames(table)
+
+
+def _build(layer: nn.Module, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
+    h, eps = config.hidden_size, config.rms_norm_eps
+    layer.input_layernorm = LayerNorm(h, eps)
+    layer.self_attn = LlamaAttention(config, layer_idx, max_positions)
+    layer.mlp = MLP(h, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
+
+
+class FalconParallelLayer(ParallelDecoderLayer):
+    """new_decoder_architecture or parallel_attn: (attn + mlp) + x, as transformers'
+    (mlp + attn) + x; the MLP reads its own norm of x where there are two."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
+        super().__init__()
+        _build(self, config, layer_idx, max_positions)
+        self.post_attention_layernorm = (LayerNorm(config.hidden_size, config.rms_norm_eps)
+                                         if config.parallel_norms == 2 else None)
+
+
+class FalconSequentialLayer(PreNormDecoderLayer):
+    """parallel_attn false (7B form): x + attn(ln(x)), then + mlp(post_attention_layernorm)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
+        super().__init__()
+        _build(self, config, layer_idx, max_positions)
+        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class FalconModel(DecoderStack):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        layer = FalconParallelLayer if config.use_parallel_residual else FalconSequentialLayer
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layer(config, i, max_positions)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class FalconForCausalLM(LlamaForCausalLM):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        self.hf_names = falcon_names(config)
+        super().__init__(config, max_positions)
+
+    def _decoder(self, config: ModelConfig, max_positions: int) -> DecoderStack:
+        return FalconModel(config, max_positions)
+
+    def _shards(self) -> dict[str, tuple[str, int, int]]:
+        return {}  # nothing to stack: query_key_value is our qkv_proj, once regrouped
+
+    def _regrouped(self, weights: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        c = self.config
+        heads, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        want = (heads + 2 * kv) * d
+        for name, t in weights:
+            if _QKV.search(name):
+                if t.shape[0] != want:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not have "
+                                     f"({heads} query + 2 x {kv} KV heads) x {d} = {want} rows")
+                t = regroup_qkv(t, kv, d, to_ours=True)
+            yield name, t
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._regrouped(weights))
+
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The parameters under Falcon's names, query_key_value's rows per KV group again."""
+        c = self.config
+        for name, t in super().hf_weights():
+            yield name, (regroup_qkv(t, c.num_key_value_heads, c.head_dim, to_ours=False)
+                         if _QKV.search(name) else t)
