@@ -32,6 +32,7 @@ from tests.conftest import (
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
+    cpu_llm,
     edited_copy,
     hf_greedy,
     random_prompts,
@@ -92,18 +93,13 @@ def tiny(tmp_path_factory):
     return _checkpoints(tmp_path_factory, build_tiny)
 
 
-def _llm(path: Path, **kw) -> LLM:
-    return LLM(str(path), dtype="float32", device="cpu", block_size=8,
-               attention_backend="torch_native", **kw)
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_and_prompt_logprobs_match_transformers(tiny, name):
     """Greedy tokens equal transformers'; each prompt token's logprob is transformers'
     log-softmax (GPT-J's without its LM-head bias would be others)."""
     path = tiny(name)
     prompts = random_prompts(2, 5, 30, seed=1)
-    llm = _llm(path)
+    llm = cpu_llm(path)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == hf_greedy(path, prompts, GREEDY.max_tokens)
     prompt = random_prompts(1, 30, 30, seed=5)[0]
@@ -225,7 +221,7 @@ def test_lora_adapter_under_hf_names_gives_the_merged_checkpoints_tokens(tiny, t
         fan_in_fan_out=False, use_rslora=False, modules_to_save=None)))
     merged = merge_adapter(base, adapter, tmp_path / "merged")
     prompts = random_prompts(2, 4, 30, seed=11)
-    llm = _llm(base, enable_lora=True, max_loras=1, max_lora_rank=4)
+    llm = cpu_llm(base, enable_lora=True, max_loras=1, max_lora_rank=4)
     outs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("a", 1, str(adapter)),
                         use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
