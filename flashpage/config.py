@@ -45,13 +45,13 @@ _EVERY_LAYER_MOE = {"MixtralForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCaus
 # Gemma 2/3 add post-norms, per-layer sliding windows and softcaps (_gemma_fields)
 GEMMA_FAMILY = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # the Llama body with one twist each (models/phi3.py, granite.py, olmo.py, olmo2.py,
-# cohere.py (Cohere2 too), starcoder2.py, gpt_neox.py, phi.py; _variant_fields)
+# cohere.py (Cohere2 too), starcoder2.py, gpt_neox.py, phi.py, opt.py; _variant_fields)
 LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM",
                   "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
-                  "GPTNeoXForCausalLM", "PhiForCausalLM"}
+                  "GPTNeoXForCausalLM", "PhiForCausalLM", "OPTForCausalLM"}
 # ... of which these name their modules otherwise (models/common.HFNames): their
 # checkpoints' quantization_config is not read
-RENAMED_VARIANTS = {"GPTNeoXForCausalLM", "PhiForCausalLM"}
+RENAMED_VARIANTS = {"GPTNeoXForCausalLM", "PhiForCausalLM", "OPTForCausalLM"}
 # models/gpt2.py: learned absolute positions (wpe) instead of rotary, GPT-2's config names
 # (n_embd, n_layer, n_head, n_positions, n_inner); GPT-BigCode (StarCoder 1, SantaCoder) with
 # multi-query attention (_gpt2_fields)
@@ -86,6 +86,7 @@ _MODEL_TYPE_TO_ARCH = {
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
     "phi": "PhiForCausalLM",
+    "opt": "OPTForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -538,6 +539,8 @@ def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
         return _gpt_neox_fields(d, where)
     if arch == "PhiForCausalLM":
         return _phi_fields(d, where)
+    if arch == "OPTForCausalLM":
+        return _opt_fields(d, where)
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
                           f"{arch} (supported: 'silu')")
@@ -764,6 +767,48 @@ def _phi_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
                 partial_rotary_factor=_partial_rotary(d, where, head_dim, "partial_rotary_factor",
                                                       0.5),
                 tie_word_embeddings=_flag(d, "tie_word_embeddings", False, where))
+
+
+def _opt_names(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """OPT's config.json with intermediate_size added (a new dict) from ``ffn_dim``
+    (OPTConfig's 3072 where absent), the name a bad value is reported under."""
+    key = "ffn_dim" if "ffn_dim" in d or "intermediate_size" not in d else "intermediate_size"
+    return {**d, "intermediate_size": _positive_int(d, key, where, 3072)}
+
+
+def _opt_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """OPT (OPTConfig's defaults where a field is absent): learned positions read at
+    position + 2 (``embed_positions`` has max_position_embeddings + 2 rows), LayerNorms
+    with bias (nn.LayerNorm's fixed epsilon 1e-5; none of their parameters with
+    ``layer_norm_elementwise_affine`` false), ``enable_bias`` on q/k/v/out_proj and on fc1 /
+    fc2, ``activation_function`` (relu) between those, ``do_layer_norm_before`` (false:
+    each norm after its residual add, OPT-350m), the final norm unless that is false or
+    ``_remove_final_layer_norm``, embeddings of ``word_embed_proj_dim`` (projected in and
+    out where it is not hidden_size), the head tied to them unless ``tie_word_embeddings``
+    is false."""
+    from flashpage.layers.activation import PLAIN_ACTIVATIONS
+
+    arch = "OPTForCausalLM"
+    head_dim = _whole_heads(d, where)
+    if d.get("num_key_value_heads") not in (None, d["num_attention_heads"]):
+        raise ConfigError(f"{where}: num_key_value_heads {d['num_key_value_heads']!r} is not "
+                          f"read for {arch} (its heads are all query, key and value heads)")
+    act = d.get("activation_function") or "relu"
+    if act not in PLAIN_ACTIVATIONS:
+        raise ConfigError(f"{where}: activation_function {act!r} is not supported for {arch} "
+                          f"(supported: {', '.join(PLAIN_ACTIVATIONS)})")
+    proj = d.get("word_embed_proj_dim")
+    proj = d["hidden_size"] if proj is None else _positive_int(
+        d, "word_embed_proj_dim", where, why=" or null (hidden_size)")
+    bias = _flag(d, "enable_bias", True, where)
+    before = _flag(d, "do_layer_norm_before", True, where)
+    return dict(rms_norm_eps=1e-5, hidden_act=str(act), attention_bias=bias, mlp_bias=bias,
+                learned_positions=True, position_offset=2, head_dim=head_dim,
+                do_layer_norm_before=before,
+                final_norm=before and not _flag(d, "_remove_final_layer_norm", False, where),
+                norm_elementwise_affine=_flag(d, "layer_norm_elementwise_affine", True, where),
+                word_embed_proj_dim=proj,
+                tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
 
 
 def _longrope(d: dict[str, Any], rope: dict[str, Any], where: str, rot_dim: int) -> RopeScaling:
@@ -1068,9 +1113,22 @@ class ModelConfig:
     # OLMo (1): q, k and v clamped to [-clip_qkv, clip_qkv] after their projections; OLMoE:
     # after its q/k norms (None: not clamped)
     clip_qkv: float | None = None
-    # GPT-2, GPT-BigCode: learned absolute position embeddings (wpe: max_position_embeddings
+    # GPT-2, GPT-BigCode, OPT: learned absolute position embeddings (wpe: max_position_embeddings
     # rows, so a hard limit on max_model_len) added to the token embeddings; no rotary
     learned_positions: bool = False
+    # OPT: position p reads the learned row p + position_offset (2: its embed_positions has
+    # max_position_embeddings + 2 rows)
+    position_offset: int = 0
+    # OPT: False (OPT-350m): post-LN, each LayerNorm after its residual add, x = norm(x + f(x))
+    do_layer_norm_before: bool = True
+    # a norm after the last layer (OPT: none with do_layer_norm_before false or
+    # _remove_final_layer_norm)
+    final_norm: bool = True
+    # OPT's layer_norm_elementwise_affine: False: its LayerNorms have no weight and no bias
+    norm_elementwise_affine: bool = True
+    # OPT: the token embeddings' (and the LM head's) width, projected in to hidden_size and
+    # out from it (project_in / project_out) where it differs (OPT-350m: 512 of 1024)
+    word_embed_proj_dim: int | None = None
     # GPT-2: q.k scaled by head_dim ** -0.5 unless scale_attn_weights is false (then 1), and
     # also by 1 / (layer + 1) with scale_attn_by_inverse_layer_idx (BigCode reads the first)
     scale_attn_weights: bool = True
@@ -1149,6 +1207,8 @@ class ModelConfig:
             )
         if arch in GPT2_FAMILY:
             d = _gpt2_names(d, arch, where)
+        elif arch == "OPTForCausalLM":
+            d = _opt_names(d, where)
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
         if arch in LLAMA_FAMILY | LLAMA_VARIANTS:
             required.append("intermediate_size")
@@ -1280,8 +1340,9 @@ class ModelConfig:
         return self.sliding_window
 
     def uses_rope(self, layer: int) -> bool:
-        """Whether layer ``layer`` rotates q and k (all but Cohere2's full-attention layers)."""
-        return not (self.full_attention_nope and self.layer_types
+        """Whether layer ``layer`` rotates q and k (all but Cohere2's full-attention layers,
+        and none with learned positions)."""
+        return not self.learned_positions and not (self.full_attention_nope and self.layer_types
                     and self.layer_types[layer] == "full_attention")
 
     @property
