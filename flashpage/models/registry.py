@@ -34,6 +34,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GPTBigCodeForCausalLM": ("flashpage.models.gpt2", "GPTBigCodeForCausalLM"),
     "GPTNeoXForCausalLM": ("flashpage.models.gpt_neox", "GPTNeoXForCausalLM"),
     "PhiForCausalLM": ("flashpage.models.phi", "PhiForCausalLM"),
+    "OPTForCausalLM": ("flashpage.models.opt", "OPTForCausalLM"),
     "DeepseekV2ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "GemmaForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
