@@ -286,7 +286,8 @@ class LlamaForCausalLM(nn.Module):
                                  f"!= {tuple(param.shape)}")
             param.data.copy_(tensor)
             loaded.add(name)
-        self.missing_pieces = sorted(p for ps in pending.values() for p in ps)
+        # under the checkpoint's names (OPT's q/k/v_proj sit under model.decoder.layers)
+        self.missing_pieces = sorted(self.hf_name(p) for ps in pending.values() for p in ps)
         return loaded
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
