@@ -45,15 +45,16 @@ _EVERY_LAYER_MOE = {"MixtralForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCaus
 # Gemma 2/3 add post-norms, per-layer sliding windows and softcaps (_gemma_fields)
 GEMMA_FAMILY = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # the Llama body with one twist each (models/phi3.py, granite.py, olmo.py, olmo2.py,
-# cohere.py (Cohere2 too), starcoder2.py, gpt_neox.py, phi.py, gptj.py, falcon.py;
+# cohere.py (Cohere2 too), starcoder2.py, gpt_neox.py, phi.py, gptj.py, falcon.py, opt.py;
 # _variant_fields)
 LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM",
                   "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
-                  "GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM"}
+                  "GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
+                  "OPTForCausalLM"}
 # ... of which these name their modules otherwise (models/common.HFNames): their
 # checkpoints' quantization_config is not read
 RENAMED_VARIANTS = {"GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM",
-                    "FalconForCausalLM"}
+                    "FalconForCausalLM", "OPTForCausalLM"}
 # models/gpt2.py: learned absolute positions (wpe) instead of rotary, GPT-2's config names
 # (n_embd, n_layer, n_head, n_positions, n_inner); GPT-BigCode (StarCoder 1, SantaCoder) with
 # multi-query attention (_gpt2_fields)
@@ -90,6 +91,7 @@ _MODEL_TYPE_TO_ARCH = {
     "phi": "PhiForCausalLM",
     "gptj": "GPTJForCausalLM",
     "falcon": "FalconForCausalLM",
+    "opt": "OPTForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -546,6 +548,8 @@ def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
         return _gptj_fields(d, where)
     if arch == "FalconForCausalLM":
         return _falcon_fields(d, where)
+    if arch == "OPTForCausalLM":
+        return _opt_fields(d, where)
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
                           f"{arch} (supported: 'silu')")
@@ -665,13 +669,9 @@ def _gpt2_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
     tied to wte; GPT-2's attention scales (``scale_attn_weights`` false: q.k unscaled;
     ``scale_attn_by_inverse_layer_idx``: / (layer + 1)); BigCode's ``multi_query`` (one
     KV head). ``d``: _gpt2_names' dict."""
-    from flashpage.layers.activation import PLAIN_ACTIVATIONS
-
     gpt2 = arch == "GPT2LMHeadModel"
-    act = d.get("activation_function") or ("gelu_new" if gpt2 else "gelu_pytorch_tanh")
-    if act not in PLAIN_ACTIVATIONS:
-        raise ConfigError(f"{where}: activation_function {act!r} is not supported for {arch} "
-                          f"(supported: {', '.join(PLAIN_ACTIVATIONS)})")
+    act = _plain_act(d, arch, where, "gelu_new" if gpt2 else "gelu_pytorch_tanh",
+                     "activation_function")
     unsupported = {"add_cross_attention": "cross-attention layers (an encoder-decoder's) are not "
                                           "built here"}
     if gpt2:
@@ -696,13 +696,15 @@ def _gpt2_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
                     d, "scale_attn_by_inverse_layer_idx", False, where))
 
 
-def _plain_act(d: dict[str, Any], arch: str, where: str, default: str) -> str:
-    """A non-gated MLP's ``hidden_act`` (``default`` where absent), one of PLAIN_ACTIVATIONS."""
+def _plain_act(d: dict[str, Any], arch: str, where: str, default: str,
+               key: str = "hidden_act") -> str:
+    """A non-gated MLP's activation, ``d[key]`` (``default`` where absent or null; GPT-2's
+    key is activation_function, Falcon's activation), one of PLAIN_ACTIVATIONS."""
     from flashpage.layers.activation import PLAIN_ACTIVATIONS
 
-    act = d.get("hidden_act") or default
+    act = d.get(key) or default
     if act not in PLAIN_ACTIVATIONS:
-        raise ConfigError(f"{where}: hidden_act {act!r} is not supported for {arch} "
+        raise ConfigError(f"{where}: {key} {act!r} is not supported for {arch} "
                           f"(supported: {', '.join(PLAIN_ACTIVATIONS)})")
     return str(act)
 
@@ -796,10 +798,7 @@ def _gptj_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
         if d.get(key) is not None:
             raise ConfigError(f"{where}: {key} is not read for {arch}: its rotary has base "
                               "10000 and no scaling, as transformers' GPT-J")
-    act = d.get("activation_function") or "gelu_new"
-    if act not in _plain_activations():
-        raise ConfigError(f"{where}: activation_function {act!r} is not supported for {arch} "
-                          f"(supported: {', '.join(_plain_activations())})")
+    act = _plain_act(d, arch, where, "gelu_new", "activation_function")
     factor = rot / head_dim
     while int(head_dim * factor) < rot:  # rotary_dim = int(head_dim * factor) exactly
         factor = math.nextafter(factor, 2.0)
@@ -807,12 +806,6 @@ def _gptj_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
                 hidden_act=act, attention_bias=False, mlp_bias=True, lm_head_bias=True,
                 rope_interleaved=True, partial_rotary_factor=factor, rope_theta=10000.0,
                 rope_scaling=None, tie_word_embeddings=_flag(d, "tie_word_embeddings", False, where))
-
-
-def _plain_activations() -> dict[str, str]:
-    from flashpage.layers.activation import PLAIN_ACTIVATIONS
-
-    return PLAIN_ACTIVATIONS
 
 
 def _falcon_names(d: dict[str, Any], where: str) -> dict[str, Any]:
@@ -880,15 +873,49 @@ def _falcon_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
                               f"false and new_decoder_architecture false: every one of the "
                               f"{heads} heads has its own k and v there")
         kv_heads, norms = (1 if mqa else heads), 1 if parallel else 2
-    act = d.get("activation") or "gelu"
-    if act not in _plain_activations():
-        raise ConfigError(f"{where}: activation {act!r} is not supported for {arch} "
-                          f"(supported: {', '.join(_plain_activations())})")
+    act = _plain_act(d, arch, where, "gelu", "activation")
     bias = _flag(d, "bias", False, where)
     return dict(rms_norm_eps=_positive_number(d, "layer_norm_epsilon", where, 1e-5),
                 hidden_act=act, attention_bias=bias, mlp_bias=bias, head_dim=head_dim,
                 num_key_value_heads=kv_heads, use_parallel_residual=new or parallel,
                 parallel_norms=norms,
+                tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
+
+
+def _opt_names(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """OPT's config.json with intermediate_size added (a new dict) from ``ffn_dim``
+    (OPTConfig's 3072 where absent), the name a bad value is reported under."""
+    key = "ffn_dim" if "ffn_dim" in d or "intermediate_size" not in d else "intermediate_size"
+    return {**d, "intermediate_size": _positive_int(d, key, where, 3072)}
+
+
+def _opt_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """OPT (OPTConfig's defaults where a field is absent): learned positions read at
+    position + 2 (``embed_positions`` has max_position_embeddings + 2 rows), LayerNorms
+    with bias (nn.LayerNorm's fixed epsilon 1e-5; none of their parameters with
+    ``layer_norm_elementwise_affine`` false), ``enable_bias`` on q/k/v/out_proj and on fc1 /
+    fc2, ``activation_function`` (relu) between those, ``do_layer_norm_before`` (false:
+    each norm after its residual add, OPT-350m), the final norm unless that is false or
+    ``_remove_final_layer_norm``, embeddings of ``word_embed_proj_dim`` (projected in and
+    out where it is not hidden_size), the head tied to them unless ``tie_word_embeddings``
+    is false."""
+    arch = "OPTForCausalLM"
+    head_dim = _whole_heads(d, where)
+    if d.get("num_key_value_heads") not in (None, d["num_attention_heads"]):
+        raise ConfigError(f"{where}: num_key_value_heads {d['num_key_value_heads']!r} is not "
+                          f"read for {arch} (its heads are all query, key and value heads)")
+    act = _plain_act(d, arch, where, "relu", "activation_function")
+    proj = d.get("word_embed_proj_dim")
+    proj = d["hidden_size"] if proj is None else _positive_int(
+        d, "word_embed_proj_dim", where, why=" or null (hidden_size)")
+    bias = _flag(d, "enable_bias", True, where)
+    before = _flag(d, "do_layer_norm_before", True, where)
+    return dict(rms_norm_eps=1e-5, hidden_act=act, attention_bias=bias, mlp_bias=bias,
+                learned_positions=True, position_offset=2, head_dim=head_dim,
+                do_layer_norm_before=before,
+                final_norm=before and not _flag(d, "_remove_final_layer_norm", False, where),
+                norm_elementwise_affine=_flag(d, "layer_norm_elementwise_affine", True, where),
+                word_embed_proj_dim=proj,
                 tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
 
 
@@ -1194,9 +1221,22 @@ class ModelConfig:
     # OLMo (1): q, k and v clamped to [-clip_qkv, clip_qkv] after their projections; OLMoE:
     # after its q/k norms (None: not clamped)
     clip_qkv: float | None = None
-    # GPT-2, GPT-BigCode: learned absolute position embeddings (wpe: max_position_embeddings
+    # GPT-2, GPT-BigCode, OPT: learned absolute position embeddings (wpe: max_position_embeddings
     # rows, so a hard limit on max_model_len) added to the token embeddings; no rotary
     learned_positions: bool = False
+    # OPT: position p reads the learned row p + position_offset (2: its embed_positions has
+    # max_position_embeddings + 2 rows)
+    position_offset: int = 0
+    # OPT: False (OPT-350m): post-LN, each LayerNorm after its residual add, x = norm(x + f(x))
+    do_layer_norm_before: bool = True
+    # a norm after the last layer (OPT: none with do_layer_norm_before false or
+    # _remove_final_layer_norm)
+    final_norm: bool = True
+    # OPT's layer_norm_elementwise_affine: False: its LayerNorms have no weight and no bias
+    norm_elementwise_affine: bool = True
+    # OPT: the token embeddings' (and the LM head's) width, projected in to hidden_size and
+    # out from it (project_in / project_out) where it differs (OPT-350m: 512 of 1024)
+    word_embed_proj_dim: int | None = None
     # GPT-2: q.k scaled by head_dim ** -0.5 unless scale_attn_weights is false (then 1), and
     # also by 1 / (layer + 1) with scale_attn_by_inverse_layer_idx (BigCode reads the first)
     scale_attn_weights: bool = True
@@ -1282,6 +1322,8 @@ class ModelConfig:
             d = _gpt2_names(d, arch, where)
         elif arch == "FalconForCausalLM":
             d = _falcon_names(d, where)
+        elif arch == "OPTForCausalLM":
+            d = _opt_names(d, where)
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
         if arch in LLAMA_FAMILY | LLAMA_VARIANTS:
             required.append("intermediate_size")
@@ -1413,8 +1455,9 @@ class ModelConfig:
         return self.sliding_window
 
     def uses_rope(self, layer: int) -> bool:
-        """Whether layer ``layer`` rotates q and k (all but Cohere2's full-attention layers)."""
-        return not (self.full_attention_nope and self.layer_types
+        """Whether layer ``layer`` rotates q and k (all but Cohere2's full-attention layers,
+        and none with learned positions)."""
+        return not self.learned_positions and not (self.full_attention_nope and self.layer_types
                     and self.layer_types[layer] == "full_attention")
 
     @property

@@ -20,7 +20,8 @@ Definitions (each figure can be checked by hand):
   d_c = 4 d_h = 512, d_h^R = d_h / 2 = 64, d_h = 128: (512 + 64) / 256 = 2.25.
 * Tokens in memory: ``memory // kv_bytes_per_token``, the KV cache alone; the same
   after subtracting the weights' size (``param_count * dtype bytes``), clamped at 0.
-* Parameters are counted from the config: embeddings (GPT-2's learned positions too), attention (MLA's low-rank
+* Parameters are counted from the config: embeddings (GPT-2's and OPT's learned positions,
+  OPT-350m's project_in / project_out too), attention (MLA's low-rank
   projections and norms included), MLP (MoE routed and shared experts, router,
   Qwen2-MoE's shared-expert gate), norms, and the LM head unless tied. Active per token:
   the same with ``num_experts_per_tok`` routed experts in each MoE layer (Mixtral-8x7B:
@@ -80,7 +81,7 @@ def parse_memory(s: str) -> int:
 # ------------------------------------------------------------------ parameters
 # families whose MLP is not gated (c_fc -> act -> c_proj, under their names) and whose
 # LayerNorms have a bias
-_PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "phi", "gptj", "falcon")
+_PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "phi", "gptj", "falcon", "opt")
 # norms a layer: input and post-attention; Gemma 2/3's pre- and post-feedforward ones too;
 # Cohere's (and Cohere2's), Phi's and GPT-J's one norm feeds attention and the MLP
 _NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "cohere2": 1, "phi": 1,
@@ -165,7 +166,7 @@ def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
     out: list[tuple[tuple[str, ...], int, int]] = []
     for layer in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
-        if cfg.learned_positions:  # GPT-2's names; c_attn holds q, k and v
+        if cfg.model_type in ("gpt2", "gpt_bigcode"):  # GPT-2's names; c_attn holds q, k and v
             a, m = f"transformer.h.{layer}.attn", f"transformer.h.{layer}.mlp"
             q_dim, kv_dim = heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
             out += [((f"{a}.c_attn",), q_dim + 2 * kv_dim, h), ((f"{a}.c_proj",), h, q_dim),
@@ -257,13 +258,19 @@ def int4_weight_shapes(cfg: ModelConfig, quantization: str | None = None) -> lis
 def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     """(total, active per token) parameters of the model, from its config alone."""
     h = cfg.hidden_size
-    embed = cfg.vocab_size * h
+    width = cfg.word_embed_proj_dim or h  # the token embeddings' (OPT-350m's 512 of 1024)
+    embed = cfg.vocab_size * width
     head = h * cfg.num_labels if cfg.is_classifier else (0 if cfg.tie_word_embeddings else embed)
     head += cfg.vocab_size if cfg.lm_head_bias else 0  # Phi's
-    # LayerNorms with a bias too (Starcoder2's, GPT-2's, ...); OLMo (1)'s hold neither weight nor bias
-    norm = 0 if cfg.model_type == "olmo" else 2 * h if cfg.model_type in _PLAIN_MLP else h
-    wpe = cfg.max_position_embeddings * h if cfg.learned_positions else 0
-    fixed = embed + wpe + norm + head  # + final norm, lm_head (a classifier's: its score head)
+    # LayerNorms with a bias too (Starcoder2's, GPT-2's, ...); OLMo (1)'s and OPT's without
+    # elementwise_affine hold neither weight nor bias
+    affine = cfg.model_type != "olmo" and cfg.norm_elementwise_affine
+    norm = 0 if not affine else 2 * h if cfg.model_type in _PLAIN_MLP else h
+    # GPT-2's wpe, OPT's embed_positions (2 rows more)
+    wpe = (cfg.max_position_embeddings + cfg.position_offset) * h if cfg.learned_positions else 0
+    proj = 2 * width * h if width != h else 0  # OPT's project_in / project_out
+    # + final norm (not OPT's post-LN one), lm_head (a classifier's: its score head)
+    fixed = embed + wpe + proj + (norm if cfg.final_norm else 0) + head
     total = active = fixed
     attn = _attention_params(cfg) + _norms_per_layer(cfg) * norm
     for layer in range(cfg.num_hidden_layers):
@@ -319,11 +326,15 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         # rotary over the first rotary_dim dims of a head (Phi-3's partial_rotary_factor) and
         # its scaling (longrope: the factor lists applied past original_max_position_embeddings)
         "rotary_dim": None if cfg.is_mla or cfg.learned_positions else cfg.rotary_dim,
-        # GPT-2's wpe rows: positions past max_position_embeddings have none
+        # GPT-2's wpe rows (OPT's embed_positions, 2 more): positions past
+        # max_position_embeddings have none
         "learned_positions": cfg.learned_positions,
+        "position_rows": (cfg.max_position_embeddings + cfg.position_offset
+                          if cfg.learned_positions else None),
         "rotary_interleaved": cfg.rope_interleaved,  # Cohere's pairs (x[2i], x[2i + 1])
         # layers without any positional embedding (Cohere2's full-attention ones: NoPE)
-        "nope_layers": sum(not cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)),
+        "nope_layers": 0 if cfg.learned_positions else sum(
+            not cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)),
         "rope_scaling": None if cfg.rope_scaling is None else {
             "type": cfg.rope_scaling.rope_type,
             "original_max_position_embeddings": cfg.rope_scaling.original_max_position_embeddings},
@@ -420,8 +431,9 @@ def format_report(info: dict[str, Any]) -> str:
         longrope = bool(rope and rope["type"] == "longrope")
         if info.get("learned_positions"):
             n = info["max_position_embeddings"]
-            rows.append(("positions", f"learned (wpe, {n:,} rows: max_model_len at most {n:,}), "
-                                      "no rotary"))
+            table = "wpe" if info["model_type"] in ("gpt2", "gpt_bigcode") else "embed_positions"
+            rows.append(("positions", f"learned ({table}, {info['position_rows']:,} rows: "
+                                      f"max_model_len at most {n:,}), no rotary"))
         elif (info.get("rotary_dim") != info["head_dim"] or longrope
               or info.get("rotary_interleaved")):
             text = (f"first {info['rotary_dim']} of {info['head_dim']} dims"

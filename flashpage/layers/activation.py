@@ -1,7 +1,11 @@
 """The gated MLP activations on a merged [.., 2*I] input: act(gate) * up; and the plain
-ones of non-gated MLPs (Starcoder2's, GPT-2's c_fc -> act -> c_proj), by HF's ``hidden_act`` name."""
+ones of non-gated MLPs (Starcoder2's, GPT-2's c_fc -> act -> c_proj, OPT's fc1 -> ReLU ->
+fc2), by HF's ``hidden_act`` name."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -22,22 +26,27 @@ class GeluTanhAndMul(ops.FusedOpsModule):
         return ops.gelu_tanh_and_mul(x, fused=self.fused)
 
 
-# HF hidden_act -> F.gelu's approximate= (transformers' ACT2FN: "gelu" is the exact erf
-# GELU, "gelu_pytorch_tanh" torch's tanh approximation; "gelu_new" (Phi) and "gelu_fast"
-# (GPT-NeoX-20B) the same tanh formula written out in torch ops, equal up to rounding)
-PLAIN_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none", "gelu_new": "tanh",
-                     "gelu_fast": "tanh"}
+_GELU_TANH = partial(F.gelu, approximate="tanh")
+# HF hidden_act -> the function (transformers' ACT2FN: "gelu" is the exact erf GELU,
+# "gelu_pytorch_tanh" torch's tanh approximation; "gelu_new" (Phi) and "gelu_fast"
+# (GPT-NeoX-20B) the same tanh formula written out in torch ops, equal up to rounding;
+# "relu" OPT's)
+PLAIN_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_pytorch_tanh": _GELU_TANH, "gelu": F.gelu, "gelu_new": _GELU_TANH,
+    "gelu_fast": _GELU_TANH, "relu": F.relu}
 
 
-class Gelu(nn.Module):
-    """GELU on its own (plain PyTorch: one elementwise kernel, nothing to fuse it with)."""
+class PlainActivation(nn.Module):
+    """A non-gated MLP's activation on its own (plain PyTorch: one elementwise kernel,
+    nothing to fuse it with)."""
 
     def __init__(self, hidden_act: str) -> None:
         super().__init__()
         if hidden_act not in PLAIN_ACTIVATIONS:
             raise ValueError(f"activation {hidden_act!r} is not one of "
                              f"{', '.join(PLAIN_ACTIVATIONS)}")
-        self.approximate = PLAIN_ACTIVATIONS[hidden_act]
+        self.hidden_act = hidden_act
+        self.fn = PLAIN_ACTIVATIONS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(x, approximate=self.approximate)
+        return self.fn(x)

@@ -1,13 +1,14 @@
 """The gated MLP of Llama-family layers, DeepSeek's dense layers and shared experts
 (SiLU) and Gemma's (GELU-tanh): down(act(gate(x)) * up(x)), with gate and up merged into
-one linear; and the plain one (``MLP``: Starcoder2's c_fc -> GELU -> c_proj, with biases)."""
+one linear; and the plain one (``MLP``: Starcoder2's c_fc -> GELU -> c_proj, with biases;
+OPT's fc1 -> ReLU -> fc2)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from flashpage.layers.activation import Gelu, GeluTanhAndMul, SiluAndMul
+from flashpage.layers.activation import GeluTanhAndMul, PlainActivation, SiluAndMul
 from flashpage.layers.linear import ColumnParallelLinear, PendingNorm, RowParallelLinear
 
 
@@ -45,15 +46,15 @@ class GatedMLP(nn.Module):
 
 class MLP(nn.Module):
     """The non-gated MLP (Starcoder2, HF's names): ``c_proj(act(c_fc(x)))``, c_fc [I, H] and
-    c_proj [H, I], each with a bias unless ``bias`` is False; ``act`` a GELU by HF's
-    hidden_act name (layers/activation.PLAIN_ACTIVATIONS)."""
+    c_proj [H, I], each with a bias unless ``bias`` is False; ``act`` a GELU (or OPT's ReLU)
+    by HF's hidden_act name (layers/activation.PLAIN_ACTIVATIONS)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str,
                  bias: bool = True) -> None:
         super().__init__()
         self.c_fc = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias)
         self.c_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
-        self.act = Gelu(act)
+        self.act = PlainActivation(act)
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))

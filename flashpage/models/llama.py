@@ -144,8 +144,9 @@ class LlamaForCausalLM(nn.Module):
             self.max_graph_tokens = SYNC_FREE_MAX_TOKENS
         self.model: DecoderStack = self._decoder(
             config, max_positions or config.max_position_embeddings)
-        self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size,
-                                            bias=config.lm_head_bias)
+        # as wide as the token embeddings (OPT-350m's word_embed_proj_dim, not hidden_size)
+        self.lm_head = ColumnParallelLinear(config.word_embed_proj_dim or config.hidden_size,
+                                            config.vocab_size, bias=config.lm_head_bias)
         self.lm_head.quantizable = False  # logits stay 16-bit under quantization="fp8"
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -285,7 +286,8 @@ class LlamaForCausalLM(nn.Module):
                                  f"!= {tuple(param.shape)}")
             param.data.copy_(tensor)
             loaded.add(name)
-        # under the checkpoint's names (GPT-J's transformer.h.N.attn.v_proj, not ours)
+        # under the checkpoint's names (GPT-J's transformer.h.N.attn.v_proj, OPT's
+        # model.decoder.layers.N.self_attn.v_proj; not ours)
         self.missing_pieces = sorted(self.hf_name(p) for ps in pending.values() for p in ps)
         return loaded
 

@@ -36,6 +36,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "PhiForCausalLM": ("flashpage.models.phi", "PhiForCausalLM"),
     "GPTJForCausalLM": ("flashpage.models.gptj", "GPTJForCausalLM"),
     "FalconForCausalLM": ("flashpage.models.falcon", "FalconForCausalLM"),
+    "OPTForCausalLM": ("flashpage.models.opt", "OPTForCausalLM"),
     "DeepseekV2ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "GemmaForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),

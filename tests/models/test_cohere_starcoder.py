@@ -310,9 +310,9 @@ def test_config_fields():
     ("cohere", dict(layer_norm_eps=-1e-5), "layer_norm_eps must be a positive number"),
     ("cohere", dict(use_qk_norm="yes"), "use_qk_norm must be true or false, got 'yes'"),
     ("cohere", dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported for CohereForCausalLM"),
-    ("starcoder2", dict(hidden_act="relu"),
-     r"hidden_act 'relu' is not supported for Starcoder2ForCausalLM \(supported: "
-     r"gelu_pytorch_tanh, gelu, gelu_new, gelu_fast\)"),
+    ("starcoder2", dict(hidden_act="relu6"),
+     r"hidden_act 'relu6' is not supported for Starcoder2ForCausalLM \(supported: "
+     r"gelu_pytorch_tanh, gelu, gelu_new, gelu_fast, relu\)"),
     ("starcoder2", dict(norm_epsilon=0), "norm_epsilon must be a positive number, got 0"),
     ("starcoder2", dict(use_bias=1), "use_bias must be true or false, got 1"),
     ("starcoder2", dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),

@@ -368,9 +368,9 @@ def test_config_fields():
     ("gpt2", dict(n_positions=-1), "n_positions must be a positive integer, got -1"),
     ("gpt2", dict(n_head=5), r"n_embd \(64\) is not a multiple of n_head \(5\)"),
     ("gpt2", dict(n_inner=0), r"n_inner must be a positive integer or null \(4 \* n_embd\)"),
-    ("gpt2", dict(activation_function="relu"),
-     r"activation_function 'relu' is not supported for GPT2LMHeadModel \(supported: "
-     r"gelu_pytorch_tanh, gelu, gelu_new, gelu_fast\)"),
+    ("gpt2", dict(activation_function="relu6"),
+     r"activation_function 'relu6' is not supported for GPT2LMHeadModel \(supported: "
+     r"gelu_pytorch_tanh, gelu, gelu_new, gelu_fast, relu\)"),
     ("gpt2", dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn true is not supported"),
     ("gpt2", dict(add_cross_attention=True), "add_cross_attention true is not supported"),
     ("gpt2", dict(scale_attn_weights="yes"), "scale_attn_weights must be true or false"),

@@ -342,7 +342,7 @@ def test_config_fields():
     (PYTHIA_70M, dict(rotary_emb_base=0), "rotary_emb_base .* must be a positive number"),
     (PYTHIA_70M, dict(use_parallel_residual="true"), "use_parallel_residual must be true or false"),
     (PYTHIA_70M, dict(attention_bias=1), "attention_bias must be true or false, got 1"),
-    (PYTHIA_70M, dict(hidden_act="relu"), r"hidden_act 'relu' is not supported for "
+    (PYTHIA_70M, dict(hidden_act="relu6"), r"hidden_act 'relu6' is not supported for "
                                           r"GPTNeoXForCausalLM \(supported: gelu_pytorch_tanh"),
     (PYTHIA_70M, dict(layer_norm_eps=0), "layer_norm_eps must be a positive number, got 0"),
     (PYTHIA_70M, dict(hidden_size=500), r"hidden_size \(500\) must be num_attention_heads \(8\)"),
