@@ -351,7 +351,7 @@ def test_config_fields():
     (FALCON_7B, dict(multi_query=False, num_kv_heads=1), "num_kv_heads 1 is not supported with "
                                                          "multi_query false"),
     (FALCON_7B, dict(multi_query="yes"), "multi_query must be true or false"),
-    (FALCON_7B, dict(activation="relu"), "activation 'relu' is not supported for Falcon"),
+    (FALCON_7B, dict(activation="relu6"), "activation 'relu6' is not supported for Falcon"),
     (FALCON_7B, dict(ffn_hidden_size=0), "ffn_hidden_size must be a positive integer"),
     (FALCON_7B, dict(hidden_size=4545), r"hidden_size \(4545\) must be num_attention_heads"),
     (FALCON_7B, dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
@@ -364,8 +364,8 @@ def test_config_fields():
     (GPTJ_6B, dict(rotary_dim=512), "rotary_dim must be an even integer"),
     (GPTJ_6B, dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
      "rope_scaling is not read for GPTJForCausalLM: its rotary has base 10000"),
-    (GPTJ_6B, dict(activation_function="relu"),
-     "activation_function 'relu' is not supported for GPTJForCausalLM"),
+    (GPTJ_6B, dict(activation_function="relu6"),
+     "activation_function 'relu6' is not supported for GPTJForCausalLM"),
     (GPTJ_6B, dict(layer_norm_epsilon=-1), "layer_norm_epsilon must be a positive number"),
     (GPTJ_6B, dict(n_embd=4001), r"n_embd \(4001\) is not a multiple of n_head \(16\)"),
 ])
