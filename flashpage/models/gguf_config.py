@@ -201,14 +201,18 @@ def _family_fields(arch: str, model_type: str, get: Callable[..., Any],
             out["num_local_experts"] = get("expert_count")
             return out
         out["num_experts"] = get("expert_count")
-        out["moe_intermediate_size"] = get("expert_feed_forward_length")
+        # the key, else the experts' rows (as llama.cpp sizes them from the tensors)
+        out["moe_intermediate_size"] = (get("expert_feed_forward_length", required=False)
+                                        or _rows(tensors, "blk.0.ffn_up_exps.weight", path))
         # llama.cpp renormalizes Qwen3-MoE's top-k weights, not Qwen2-MoE's
         norm = get("expert_weights_norm", required=False)
         out["norm_topk_prob"] = bool(model_type == "qwen3_moe" if norm is None else norm)
         if model_type == "qwen2_moe":
             out["qkv_bias"] = config["attention_bias"]
             if "blk.0.ffn_up_shexp.weight" in tensors:
-                out["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length")
+                out["shared_expert_intermediate_size"] = (
+                    get("expert_shared_feed_forward_length", required=False)
+                    or _rows(tensors, "blk.0.ffn_up_shexp.weight", path))
         return out
     if model_type in ("gemma", "gemma2", "gemma3_text"):
         out["hidden_act" if model_type == "gemma" else "hidden_activation"] = "gelu_pytorch_tanh"
@@ -258,6 +262,16 @@ def _family_fields(arch: str, model_type: str, get: Callable[..., Any],
                 "use_bias": config["attention_bias"], "hidden_act": "gelu_pytorch_tanh",
                 "sliding_window": get("attention.sliding_window", required=False) or None}
     return out
+
+
+def _rows(tensors: dict[str, GGUFTensor], name: str, path: str) -> int:
+    """Output rows of a (stacked) weight of the file (GGUF order: [in, out] or [in, out,
+    experts])."""
+    t = tensors.get(name)
+    if t is None or len(t.shape) < 2:
+        raise ConfigError(f"{path}: GGUF file lacks tensor {name} (or the metadata key "
+                          "giving its size)")
+    return int(t.shape[1])
 
 
 def _vector(tensors: dict[str, GGUFTensor], name: str, path: str) -> list[float]:

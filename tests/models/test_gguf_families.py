@@ -264,3 +264,21 @@ def test_unknown_tensor_names_its_architecture(tmp_path):
     with pytest.raises(ModelLoadError, match="unknown GGUF tensor 'blk.0.attn_sinks.weight' "
                                              r"\(architecture 'gemma'\)"):
         load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+
+
+def test_moe_sizes_from_the_tensors_without_their_keys(tmp_path):
+    """A Qwen2-MoE file without expert_(shared_)feed_forward_length: the experts' and the
+    shared expert's sizes are their tensors' rows."""
+    path = tmp_path / "q.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2moe")
+    for k, v in dict(block_count=1, embedding_length=64, feed_forward_length=128, vocab_size=32,
+                     attention__head_count=4, expert_count=4, expert_used_count=2).items():
+        w.add_uint32(f"qwen2moe.{k.replace('__', '.')}", v)
+    w.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((4, 24, 64), np.float32))
+    w.add_tensor("blk.0.ffn_up_shexp.weight", np.zeros((40, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    d = gguf_to_hf_config(path)
+    assert (d["moe_intermediate_size"], d["shared_expert_intermediate_size"]) == (24, 40)
