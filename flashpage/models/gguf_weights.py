@@ -113,7 +113,7 @@ def dequantize_gguf(data: np.ndarray, qtype: str) -> torch.Tensor | None:
     return (d * q + m).reshape(-1)
 
 
-def hf_name(gguf_name: str, arch: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     """The HF name of a GGUF tensor that maps one to one (None: stacked experts, config
     tensors, or a name we do not know)."""
     if gguf_name in _TOP_NAMES:
@@ -168,7 +168,7 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
                     yield (f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.weight",
                            stacked[e, i * rows:(i + 1) * rows])
             continue
-        name = hf_name(t.name, arch)
+        name = _hf_name(t.name, arch)
         if name is None:
             raise ModelLoadError(f"{path}: unknown GGUF tensor {t.name!r} (architecture {arch!r})")
         w = _tensor(t, path)
