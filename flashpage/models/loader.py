@@ -1,6 +1,6 @@
 """Find a model's files and load its weights: HF safetensors (single or sharded; fp8 ones
 through models/fp8_checkpoint.py, AWQ / GPTQ int4 ones through models/int4_checkpoint.py),
-GGUF, or random.
+GGUF (models/gguf_weights.py), or random.
 
 ``resolve_model`` decides what a ``model`` argument names; ``load_model`` builds the
 module on the target device and fills it.
@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -111,109 +110,6 @@ def iter_safetensors(folder: str, device: str = "cpu") -> Iterator[tuple[str, to
             raise ModelLoadError(f"{path} is corrupt or not a safetensors file: {e}") from e
 
 
-# ----------------------------------------------------------------------------- GGUF
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-
-
-def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation (interleaved rope pairs -> HF's halves)."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-# GGML block types dequantized in torch here (the default model's Q4_1 and Q8_0 tensors:
-# 0.93 s in gguf's numpy code, 0.47 s here): name -> bytes per block of 32 values.
-_TORCH_QUANTS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-
-
-def dequantize_gguf(data: np.ndarray, qtype: str) -> torch.Tensor | None:
-    """A GGUF tensor's raw data (as models/gguf_file gives it) as fp32, flat, for F32,
-    F16, Q4_0, Q4_1 and Q8_0 (blocks of 32 values, an fp16 scale d first; Q4_1 an fp16
-    minimum m after it; 4-bit quants low nibbles first): d * q (Q4_0: d * (q - 8); Q4_1:
-    d * q + m), the arithmetic of gguf.quants, so the result is equal to the bit. None for
-    any other type."""
-    # np.array copies out of the read-only memory map (torch wants writable arrays).
-    if qtype == "F32":
-        return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(-1)
-    if qtype == "F16":
-        return torch.from_numpy(np.array(data)).reshape(-1).float()
-    if qtype not in _TORCH_QUANTS:
-        return None
-    blocks = torch.from_numpy(np.array(data).reshape(-1)).view(-1, _TORCH_QUANTS[qtype])
-    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
-    if qtype == "Q8_0":
-        return (d * blocks[:, 2:].contiguous().view(torch.int8).float()).reshape(-1)
-    qs = blocks[:, 4:] if qtype == "Q4_1" else blocks[:, 2:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()
-    if qtype == "Q4_0":
-        return (d * (q - 8.0)).reshape(-1)
-    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
-    return (d * q + m).reshape(-1)
-
-
-def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    import gguf
-
-    from flashpage.models.gguf_config import open_gguf
-
-    # llama.cpp permutes q/k rows only for Llama-style models (llama, mistral); Qwen2 and
-    # Qwen3 are converted as they are (their rope is neox-style in llama.cpp too).
-    permuted = config.model_type in ("llama", "mistral")
-    try:
-        reader = open_gguf(path)
-    except Exception as e:
-        raise ModelLoadError(f"{path} is corrupt or not a GGUF file: {e}") from e
-    for t in reader.tensors:
-        if t.name in _GGUF_NAMES:
-            name = _GGUF_NAMES[t.name]
-        elif t.name.startswith("blk."):
-            _, layer, rest = t.name.split(".", 2)
-            if rest not in _GGUF_LAYER_NAMES:
-                raise ModelLoadError(f"{path}: unknown GGUF tensor {t.name!r}")
-            name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
-        elif t.name == "rope_freqs.weight":
-            # llama.cpp stores Llama 3.1's rope scaling as per-frequency factors.
-            name = "rope_freqs"
-        else:
-            raise ModelLoadError(f"{path}: unknown GGUF tensor {t.name!r}")
-        shape = tuple(int(x) for x in reversed(t.shape))
-        w = dequantize_gguf(t.data, t.tensor_type.name)
-        if w is None:  # another type: gguf's numpy dequantizer
-            try:
-                arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            except NotImplementedError as e:
-                raise ModelLoadError(f"{path}: tensor {t.name} has unsupported type "
-                                     f"{t.tensor_type.name}") from e
-            w = torch.from_numpy(np.array(arr, dtype=np.float32))
-        w = w.reshape(shape)
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute_rope(w, config.num_attention_heads)
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute_rope(w, config.num_key_value_heads)
-        yield name, w
-
-
 # ----------------------------------------------------------------------------- build + load
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None, seed: int = 0,
@@ -236,6 +132,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         assert source.path is not None
         weights: Iterable[tuple[str, torch.Tensor]]
         if source.kind == "gguf":
+            from flashpage.models.gguf_weights import iter_gguf
+
             weights = iter_gguf(source.path, source.config)
         elif (qc := source.config.quantization_config) is not None and qc.is_int4:
             from flashpage.models.int4_checkpoint import int4_checkpoint_weights

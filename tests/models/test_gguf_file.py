@@ -117,11 +117,11 @@ def test_bad_files_raise_value_error(tmp_path, damage):
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q4_0", "Q4_1", "Q8_0"])
 def test_torch_dequantization_equals_gguf_to_the_bit(qtype):
-    """models/loader.dequantize_gguf against gguf.quants.dequantize, on quantized random
+    """models/gguf_weights.dequantize_gguf against gguf.quants.dequantize, on quantized random
     data with a wide range (scales and minimums of both signs)."""
     import torch
 
-    from flashpage.models.loader import dequantize_gguf
+    from flashpage.models.gguf_weights import dequantize_gguf
 
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((6, 96)) * np.exp(rng.uniform(-6, 6, (6, 1)))).astype(np.float32)
@@ -134,6 +134,6 @@ def test_torch_dequantization_equals_gguf_to_the_bit(qtype):
 
 
 def test_torch_dequantization_leaves_other_types_to_gguf():
-    from flashpage.models.loader import dequantize_gguf
+    from flashpage.models.gguf_weights import dequantize_gguf
 
     assert dequantize_gguf(np.zeros((1, 144), dtype=np.uint8), "Q4_K") is None

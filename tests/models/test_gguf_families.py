@@ -1,0 +1,284 @@
+"""GGUF files of Gemma 1/2/3, Phi-3, StarCoder2, Mixtral (under "llama"), Qwen2-MoE and
+Qwen3-MoE, written from tiny random transformers checkpoints the way llama.cpp's
+convert_hf_to_gguf.py writes them (its metadata keys, gguf-py's own tensor-name map, and
+its changes to the values: Llama's permuted q/k, Gemma's norms stored as 1 + w, experts
+stacked per layer, Phi-3's rope factors as tensors), give transformers' greedy tokens on
+the originals; the metadata llama.cpp decides without (Gemma's attention scale and window
+pattern, Qwen-MoE's top-k normalization) is read as llama.cpp reads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flashpage import LLM, SamplingParams
+from flashpage.config import ConfigError, ModelConfig
+from flashpage.models.gguf_config import gguf_to_hf_config
+from tests.conftest import _save_tiny_routed, build_tiny_moe_checkpoint, hf_greedy, random_prompts
+
+gguf = pytest.importorskip("gguf")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+_GEMMA_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                   rms_norm_eps=1e-6, tie_word_embeddings=True)
+# name -> (GGUF architecture, transformers config class, its fields). Each is what the
+# converter can write and llama.cpp reads back: Gemma's query_pre_attn_scalar is head_dim
+# (llama.cpp scales by it below the 27B sizes), Gemma 3 has 6 layers (every 6th global),
+# StarCoder2 and Mixtral have no window (llama.cpp reads none for them), Qwen3-MoE has
+# every layer MoE (no dense mlp_only_layers in llama.cpp's qwen3moe).
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "gemma": ("gemma", "GemmaConfig", dict(_GEMMA_BASE, num_hidden_layers=2)),
+    "gemma2": ("gemma2", "Gemma2Config", dict(
+        _GEMMA_BASE, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=16,
+        attn_logit_softcapping=4.0, final_logit_softcapping=5.0)),
+    "gemma3": ("gemma3", "Gemma3TextConfig", dict(
+        _GEMMA_BASE, num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=16,
+        sliding_window_pattern=6, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # Phi-4-mini's shape: 3/4 of each head rotated, longrope over an original 32 positions
+    "phi3_longrope": ("phi3", "Phi3Config", dict(
+        num_hidden_layers=2, num_key_value_heads=2, partial_rotary_factor=0.75,
+        original_max_position_embeddings=32, rope_scaling=dict(
+            type="longrope", short_factor=[1.0, 1.2, 1.5, 2.1, 2.9, 4.0],
+            long_factor=[1.5, 2.8, 4.6, 7.5, 11.0, 16.0]))),
+    # Phi-3-mini's: a window shorter than the prompts, a tied head
+    "phi3_window_tied": ("phi3", "Phi3Config", dict(
+        num_hidden_layers=2, num_key_value_heads=4, sliding_window=16, tie_word_embeddings=True)),
+    "starcoder2": ("starcoder2", "Starcoder2Config", dict(
+        num_hidden_layers=2, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=True)),
+}
+MOE: dict[str, tuple[str, dict]] = {
+    "mixtral": ("llama", dict(sliding_window=None)),
+    "qwen2_moe": ("qwen2moe", {}),
+    "qwen3_moe": ("qwen3moe", dict(mlp_only_layers=[])),
+}
+
+
+def _build(path: Path, name: str) -> Path:
+    if name in MOE:
+        return build_tiny_moe_checkpoint(path, name, **MOE[name][1])
+    _, cls_name, fields = FAMILIES[name]
+    src = _save_tiny_routed(path, cls_name, fields, 0, False)
+    if cls_name.startswith("Gemma"):  # Gemma's (1 + w) norms: w near 0; small embeddings
+        from safetensors.torch import load_file, save_file  # (tests/models/test_gemma.py)
+
+        sd = load_file(str(src / "model.safetensors"))
+        g = torch.Generator().manual_seed(1)
+        for n, t in sd.items():
+            if "norm" in n:
+                sd[n] = torch.rand(t.shape, generator=g) - 0.5
+            elif "embed" in n:
+                sd[n] = torch.randn(t.shape, generator=g) * 0.02
+        save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    return src
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute: HF's rope halves -> interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -> None:
+    """Write HF checkpoint ``src`` as an f32 GGUF of ``arch`` as convert_hf_to_gguf.py does:
+    its set_gguf_parameters keys for the family, its modify_tensors changes, gguf-py's
+    tensor-name map (``fuse_gate_up_exps``: its --fuse-gate-up-exps)."""
+    from safetensors.torch import load_file
+
+    cfg = ModelConfig.from_hf(src)
+    n = cfg.num_hidden_layers
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    if arch == "starcoder2":
+        w.add_layer_norm_eps(cfg.rms_norm_eps)  # TextModel: norm_epsilon
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch.startswith("gemma") or cfg.model_type == "qwen3_moe":  # config.json's head_dim
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if arch not in ("gemma", "gemma2"):  # GemmaModel / Gemma2Model write no rope base
+        w.add_rope_freq_base(cfg.rope_theta)
+    if arch == "llama":  # LlamaModel
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_rope_dimension_count(cfg.head_dim)
+    if cfg.n_routed_experts:  # TextModel; Qwen2MoeModel
+        w.add_expert_count(cfg.n_routed_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3":
+        assert cfg.rope_scaling is not None and cfg.rope_local_theta is not None
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+        w.add_rope_freq_base_swa(cfg.rope_local_theta)
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "phi3":
+        rs = cfg.rope_scaling
+        rot = int(cfg.partial_rotary_factor * cfg.hidden_size) // cfg.num_attention_heads
+        w.add_rope_scaling_orig_ctx_len(rs.original_max_position_embeddings if rs else 4096)
+        w.add_rope_dimension_count(rot)
+        w.add_sliding_window(cfg.sliding_window or 0)
+        if rs is not None:  # Phi3MiniModel.generate_extra_tensors
+            scale = cfg.max_position_embeddings / rs.original_max_position_embeddings
+            w.add_rope_scaling_attn_factors(
+                np.sqrt(1 + np.log(scale) / np.log(rs.original_max_position_embeddings)))
+            w.add_tensor("rope_factors_long.weight", np.asarray(rs.long_factor, np.float32))
+            w.add_tensor("rope_factors_short.weight", np.asarray(rs.short_factor, np.float32))
+
+    names = gguf.get_tensor_name_map(next(a for a, s in gguf.MODEL_ARCH_NAMES.items() if s == arch), n)
+    sd = load_file(str(src / "model.safetensors"))
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for name, t in sd.items():
+        if name == "lm_head.weight" and arch in ("gemma", "gemma2"):
+            continue  # skipped: their head is the embeddings
+        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+            t = _permute(t, cfg.num_attention_heads)
+        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+            t = _permute(t, cfg.num_key_value_heads)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            t = t + 1
+        if ".experts." in name:  # stacked per layer: [experts, out, in]
+            parts = name.split(".")
+            proj = parts[-2]
+            experts.setdefault((int(parts[2]), proj), {})[int(parts[-3])] = t
+            continue
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), t.float().numpy())
+    stacked = {key: torch.stack([d[e] for e in sorted(d)]) for key, d in experts.items()}
+    for (bid, proj), t in stacked.items():
+        if arch == "llama":  # Mixtral: layers.{bid}.feed_forward.experts.w{1,2,3}
+            hf = f"layers.{bid}.feed_forward.experts.{proj}.weight"
+        else:
+            hf = f"model.layers.{bid}.mlp.experts.{proj}.weight"
+        gate = proj in ("w1", "gate_proj")
+        if fuse_gate_up_exps and (gate or proj in ("w3", "up_proj")):
+            if gate:
+                up = stacked[(bid, "w3" if arch == "llama" else "up_proj")]
+                w.add_tensor(f"blk.{bid}.ffn_gate_up_exps.weight", torch.cat([t, up], 1).numpy())
+            continue
+        w.add_tensor(names.get_name(hf, try_suffixes=(".weight",)), t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", [*FAMILIES, *MOE])
+def test_conversions_equal_transformers(tmp_path, name):
+    src = _build(tmp_path / "hf", name)
+    arch = MOE[name][0] if name in MOE else FAMILIES[name][0]
+    path = tmp_path / f"{name}.gguf"
+    convert(src, path, arch, fuse_gate_up_exps=name == "qwen3_moe")
+    # past the windows (8, 16) and Phi-3's original 32 positions (its long factors)
+    prompts = random_prompts(2, 34, 50, seed=3)
+    got = LLM(str(path), dtype="float32", device="cpu", block_size=8,
+              attention_backend="torch_native").generate(prompts, GREEDY, use_tqdm=False)
+    want = hf_greedy(src, prompts, GREEDY.max_tokens, attn_implementation="eager")
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert len({t for toks in want for t in toks}) > 4  # not one token repeated
+
+
+def _metadata_only(path: Path, arch: str, layers: int, **keys) -> dict:
+    """gguf_to_hf_config of a file with ``arch``'s common keys and ``keys`` (``{arch}.``
+    dropped from their names: attention__scale -> {arch}.attention.scale)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_embedding_length(2048)
+    w.add_feed_forward_length(4096)
+    w.add_head_count(16)
+    w.add_head_count_kv(8)
+    w.add_key_length(256)
+    w.add_vocab_size(256)
+    for k, v in keys.items():
+        key = f"{arch}.{k.replace('__', '.')}"
+        if isinstance(v, bool):
+            w.add_bool(key, v)
+        elif isinstance(v, int):
+            w.add_uint32(key, v)
+        else:
+            w.add_float32(key, v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return gguf_to_hf_config(path)
+
+
+def test_metadata_llama_cpp_decides(tmp_path):
+    """Gemma 2/3's attention scale: llama.cpp's hidden / heads for the 27B sizes (46, 62
+    layers), else head_dim, else the file's attention.scale; Gemma 3's windows every 6th
+    layer global, none without a window, its local rope base 10000 unless given; Qwen-MoE's
+    top-k normalization by architecture unless expert_weights_norm says."""
+    def cfg(arch: str, layers: int, **keys) -> dict:
+        return _metadata_only(tmp_path / f"{arch}{layers}{sorted(keys)}.gguf", arch, layers, **keys)
+
+    assert cfg("gemma2", 46)["query_pre_attn_scalar"] == 2048 // 16
+    assert cfg("gemma2", 26)["query_pre_attn_scalar"] == 256
+    assert cfg("gemma3", 62)["query_pre_attn_scalar"] == 2048 // 16
+    assert cfg("gemma3", 62, attention__scale=0.25)["query_pre_attn_scalar"] == 16.0
+    g2 = cfg("gemma2", 26)
+    assert (g2["attn_logit_softcapping"], g2["final_logit_softcapping"]) == (50.0, 30.0)
+    g3 = cfg("gemma3", 12, attention__sliding_window=512)
+    assert g3["layer_types"] == (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    assert g3["sliding_window"] == 512 and g3["rope_local_base_freq"] == 10000.0
+    assert ModelConfig.from_hf(g3).layer_types == tuple(g3["layer_types"])
+    g3 = cfg("gemma3", 12, rope__freq_base_swa=20000.0)
+    assert g3["sliding_window"] is None and set(g3["layer_types"]) == {"full_attention"}
+    assert g3["rope_local_base_freq"] == 20000.0
+    moe = dict(expert_count=8, expert_used_count=2, expert_feed_forward_length=64)
+    assert cfg("qwen2moe", 2, **moe)["norm_topk_prob"] is False
+    assert cfg("qwen3moe", 2, **moe)["norm_topk_prob"] is True
+    assert cfg("qwen3moe", 2, **moe, expert_weights_norm=False)["norm_topk_prob"] is False
+    assert ModelConfig.from_hf(cfg("llama", 2, **moe)).architecture == "MixtralForCausalLM"
+    assert ModelConfig.from_hf(cfg("llama", 2)).architecture == "LlamaForCausalLM"
+    with pytest.raises(ConfigError, match="GGUF architecture 'falcon' is not supported"):
+        cfg("falcon", 2)
+
+
+def test_unknown_tensor_names_its_architecture(tmp_path):
+    from flashpage.models.loader import ModelLoadError, load_model, resolve_model
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma")
+    for k, v in dict(block_count=1, embedding_length=64, feed_forward_length=128,
+                     attention__head_count=4, vocab_size=32).items():
+        w.add_uint32(f"gemma.{k.replace('__', '.')}", v)
+    w.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
+    w.add_tensor("blk.0.attn_sinks.weight", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="unknown GGUF tensor 'blk.0.attn_sinks.weight' "
+                                             r"\(architecture 'gemma'\)"):
+        load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+
+
+def test_moe_sizes_from_the_tensors_without_their_keys(tmp_path):
+    """A Qwen2-MoE file without expert_(shared_)feed_forward_length: the experts' and the
+    shared expert's sizes are their tensors' rows."""
+    path = tmp_path / "q.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2moe")
+    for k, v in dict(block_count=1, embedding_length=64, feed_forward_length=128, vocab_size=32,
+                     attention__head_count=4, expert_count=4, expert_used_count=2).items():
+        w.add_uint32(f"qwen2moe.{k.replace('__', '.')}", v)
+    w.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((4, 24, 64), np.float32))
+    w.add_tensor("blk.0.ffn_up_shexp.weight", np.zeros((40, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    d = gguf_to_hf_config(path)
+    assert (d["moe_intermediate_size"], d["shared_expert_intermediate_size"]) == (24, 40)
