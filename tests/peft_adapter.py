@@ -82,3 +82,41 @@ def merge_adapter(base: Path, adapter: Path, out: Path) -> Path:
                 weights[key] = w.to(weights[key].dtype)
         save_file(weights, str(out / f.name), metadata={"format": "pt"})
     return out
+
+
+def write_named_adapter(out: Path, modules: dict[str, tuple[int, int]], *, r: int = 4,
+                        alpha: float = 8, seed: int = 3, std: float = 0.2) -> Path:
+    """A random adapter on modules named as a checkpoint names them (full path ->
+    (in_features, out_features), in the order the random A and B are drawn), for the
+    families whose modules are not Llama's; target_modules their last components."""
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for path, (fin, fout) in modules.items():
+        tensors[f"base_model.model.{path}.lora_A.weight"] = torch.randn(r, fin, generator=g) * std
+        tensors[f"base_model.model.{path}.lora_B.weight"] = torch.randn(fout, r, generator=g) * std
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
+        "lora_dropout": 0.0, "target_modules": sorted({p.split(".")[-1] for p in modules}),
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "modules_to_save": None}))
+    return out
+
+
+def assert_adapter_gives_merged_tokens(base: Path, adapter: Path, tmp_path: Path,
+                                       n_prompts: int = 3) -> None:
+    """Our greedy tokens with the adapter (fp32, CPU) are transformers' on the checkpoint
+    with it merged, and not those of the base checkpoint (the adapter does something)."""
+    from flashpage import LoRARequest, SamplingParams
+    from tests.conftest import cpu_llm, hf_greedy, random_prompts
+
+    merged = merge_adapter(base, adapter, tmp_path / "merged")
+    prompts = random_prompts(n_prompts, 4, 30, seed=11)
+    rank = json.loads((adapter / "adapter_config.json").read_text())["r"]
+    llm = cpu_llm(base, enable_lora=True, max_loras=1, max_lora_rank=rank)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                        lora_request=LoRARequest("a", 1, str(adapter)), use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert llm.engine.kv_manager.stats().blocks_used == 0
+    assert got == hf_greedy(merged, prompts, 12)
+    assert got != hf_greedy(base, prompts, 12)

@@ -16,14 +16,13 @@ and bf16 follows fp32 about as far as transformers' bf16 does.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from flashpage import LLM, LoRARequest, SamplingParams
+from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.inspect import inspect_config, param_counts
 from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model, resolve_model
@@ -37,7 +36,7 @@ from tests.conftest import (
     hf_greedy,
     random_prompts,
 )
-from tests.peft_adapter import merge_adapter
+from tests.peft_adapter import assert_adapter_gives_merged_tokens, write_named_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -202,31 +201,10 @@ def test_lora_adapter_under_hf_names_gives_the_merged_checkpoints_tokens(tiny, t
     """A PEFT adapter naming the family's own modules (transformer.h.N.attn.q_proj,
     transformer.h.N.mlp.dense_h_to_4h ...) gives transformers' tokens of the checkpoint
     with it merged."""
-    base = tiny(name)
-    g = torch.Generator().manual_seed(3)
-    tensors = {}
-    for layer in range(2):
-        for module, (fin, fout) in LORA_MODULES[name].items():
-            key = f"base_model.model.transformer.h.{layer}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(4, fin, generator=g) * 0.2
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, 4, generator=g) * 0.2
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(adapter / "adapter_model.safetensors"))
-    (adapter / "adapter_config.json").write_text(json.dumps(dict(
-        peft_type="LORA", task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0,
-        target_modules=sorted({m.split(".")[-1] for m in LORA_MODULES[name]}), bias="none",
-        fan_in_fan_out=False, use_rslora=False, modules_to_save=None)))
-    merged = merge_adapter(base, adapter, tmp_path / "merged")
-    prompts = random_prompts(2, 4, 30, seed=11)
-    llm = cpu_llm(base, enable_lora=True, max_loras=1, max_lora_rank=4)
-    outs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("a", 1, str(adapter)),
-                        use_tqdm=False)
-    got = [o.outputs[0].token_ids for o in outs]
-    assert got == hf_greedy(merged, prompts, GREEDY.max_tokens)
-    assert got != hf_greedy(base, prompts, GREEDY.max_tokens)  # the adapter does something
+    adapter = write_named_adapter(tmp_path / "adapter", {
+        f"transformer.h.{layer}.{module}": shape for layer in range(2)
+        for module, shape in LORA_MODULES[name].items()})
+    assert_adapter_gives_merged_tokens(tiny(name), adapter, tmp_path, n_prompts=2)
 
 
 @pytest.mark.parametrize(("name", "dropped"), [

@@ -26,7 +26,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from flashpage import LLM, LoRARequest, SamplingParams
+from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.inspect import inspect_config, param_counts
 from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model, resolve_model
@@ -39,7 +39,7 @@ from tests.conftest import (
     hf_greedy,
     random_prompts,
 )
-from tests.peft_adapter import merge_adapter
+from tests.peft_adapter import assert_adapter_gives_merged_tokens, write_named_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 MAX_POS = 128
@@ -210,32 +210,12 @@ def test_hub_file_layout_loads(tiny, tmp_path):
 def test_lora_adapter_under_opt_names_gives_the_merged_checkpoints_tokens(tiny, tmp_path):
     """A PEFT adapter on q_proj, v_proj, out_proj, fc1 and fc2 (model.decoder.layers.N...)
     gives transformers' tokens of the checkpoint with it merged."""
-    base = tiny("opt")
     shapes = {"self_attn.q_proj": (64, 64), "self_attn.v_proj": (64, 64),
               "self_attn.out_proj": (64, 64), "fc1": (64, 128), "fc2": (128, 64)}
-    g = torch.Generator().manual_seed(3)
-    tensors = {}
-    for layer in range(2):
-        for module, (fin, fout) in shapes.items():
-            key = f"base_model.model.model.decoder.layers.{layer}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(4, fin, generator=g) * 0.2
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, 4, generator=g) * 0.2
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(adapter / "adapter_model.safetensors"))
-    (adapter / "adapter_config.json").write_text(json.dumps(dict(
-        peft_type="LORA", task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0,
-        target_modules=["q_proj", "v_proj", "out_proj", "fc1", "fc2"], bias="none",
-        fan_in_fan_out=False, use_rslora=False, modules_to_save=None)))
-    merged = merge_adapter(base, adapter, tmp_path / "merged")
-    prompts = random_prompts(3, 4, 30, seed=11)
-    llm = _llm(base, enable_lora=True, max_loras=1, max_lora_rank=4)
-    got = _tokens(llm.generate(prompts, GREEDY, lora_request=LoRARequest("a", 1, str(adapter)),
-                               use_tqdm=False))
-    assert got == hf_greedy(merged, prompts, GREEDY.max_tokens)
-    assert got != hf_greedy(base, prompts, GREEDY.max_tokens)  # the adapter does something
+    adapter = write_named_adapter(tmp_path / "adapter", {
+        f"model.decoder.layers.{layer}.{module}": shape for layer in range(2)
+        for module, shape in shapes.items()})
+    assert_adapter_gives_merged_tokens(tiny("opt"), adapter, tmp_path)
 
 
 @pytest.mark.parametrize(("name", "dropped"), [
