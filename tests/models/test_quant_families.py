@@ -65,8 +65,7 @@ FP8_BLOCK16 = dict(config={"quant_method": "fp8", "activation_scheme": "dynamic"
                    strategy="block", block=(16, 16), scale_name="weight_scale_inv")
 # family -> (int4 format, fp8 format) of test_int4_checkpoints / test_fp8_checkpoints.FORMATS:
 # each format on several families. awq_g32 leaves layer 1's v_proj 16-bit (its merged qkv
-# dequantized), ct_channel layer 1's down_proj, fp8_tensor_static layer 1's q_proj;
-# fp8_block's 32-row blocks split NeoX's 16-row heads (its query_key_value dequantized)
+# dequantized), ct_channel layer 1's down_proj, fp8_tensor_static layer 1's q_proj
 CASES = {
     "phi3": ("awq_g32", "fp8_block"), "granite": ("gptq_g32", "ct_channel"),
     "olmo": ("awq_g32", "fp8_tensor_static"), "olmo2": ("gptq_row_sym", "fp8_block"),
@@ -148,6 +147,21 @@ def _generate(path: Path, prompts: list[list[int]]) -> tuple[list[list[int]], ob
     return [o.outputs[0].token_ids for o in outs], model
 
 
+def _check_weights_and_inspect(model, path: Path, ref: Path) -> None:
+    """Every linear weight read back under the checkpoint's names is the twin's to the bit;
+    ``flashpage inspect`` counts the bytes the model holds (int4 / e4m3 linears and
+    their scales, from the config alone)."""
+    from flashpage.bench.common import weight_bytes
+    from flashpage.inspect import inspect_config
+
+    info = inspect_config(ModelConfig.from_hf(path), 1 << 30, "fp32")
+    assert info["weights_bytes"] == weight_bytes(model)
+    got = dict(model.hf_weights())
+    for name, w in load_file(str(ref / "model.safetensors")).items():
+        if is_linear(name, w):
+            assert torch.equal(got[name], w), name
+
+
 @pytest.mark.parametrize("kind", ["int4", "fp8"])
 @pytest.mark.parametrize("family", NAMES)
 def test_quantized_checkpoint_keeps_its_weights_and_gives_transformers_tokens(
@@ -174,15 +188,25 @@ def test_quantized_checkpoint_keeps_its_weights_and_gives_transformers_tokens(
     else:
         kept = quantized_linears(model)
     want = _expected_kept(model, stored)
-    if family == "neox" and fmt == "fp8_block":
-        want = [p for p in want if not p.endswith("qkv_proj")]
     assert sorted(kept) == want and len(want) >= 3 * model.config.num_hidden_layers
-    got = dict(model.hf_weights())
-    for name, w in load_file(str(ref / "model.safetensors")).items():
-        if is_linear(name, w):
-            assert torch.equal(got[name], w), name
+    _check_weights_and_inspect(model, path, ref)
     if run:
         assert tokens == hf_greedy(ref, prompts, 6, **HF_KWARGS.get(family, {}))
+
+
+def test_neox_block_scales_that_split_a_head_are_dequantized(quant_checkpoint):
+    """32-row blocks over NeoX's 16-row heads: query_key_value's rows, regrouped head by
+    head at load, cannot keep their tiles' scales, so it is dequantized (its weight the
+    file's values all the same); dense and the MLP keep e4m3 with their block scales."""
+    from flashpage.models.loader import load_model, resolve_model
+
+    path, ref, _ = quant_checkpoint("neox", "fp8_block")
+    model = load_model(resolve_model(str(path), None), torch.float32, torch.device("cpu"))
+    assert quantized_linears(model) == [f"model.layers.{i}.{m}" for i in range(2) for m in
+                                        ("self_attn.o_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert model.model.layers[0].mlp.c_fc.weight_block == (32, 48)
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    _check_weights_and_inspect(model, path, ref)
 
 
 def test_gpt2_checkpoints_still_refuse_quantization_config():
