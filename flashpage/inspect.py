@@ -195,15 +195,45 @@ def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
             # beside block_sparse_moe in the layer, gate and up in one checkpoint tensor
             m = f"model.layers.{layer}.shared_mlp"
             out += [((f"{m}.input_linear",), 2 * inter, h), ((f"{m}.output_linear",), h, inter)]
-        elif cfg.model_type in _PLAIN_MLP:  # under our names (these read no fp8 checkpoints)
+        elif cfg.model_type in _PLAIN_MLP:  # under our names (StarCoder2's; renamed below)
             out += [((f"{m}.c_fc",), inter, h), ((f"{m}.c_proj",), h, inter)]
         elif inter:
             out += [((f"{m}.gate_proj", f"{m}.up_proj"), 2 * inter, h), ((f"{m}.down_proj",), h, inter)]
-    return out
+    return _checkpoint_names(cfg, out)
+
+
+# families whose checkpoints hold q/k/v (and gate/up) as one tensor: Phi-3's qkv_proj /
+# gate_up_proj, GPT-NeoX's query_key_value (its rows head by head: _piece_rows)
+_MERGED_ON_DISK = {"Phi3ForCausalLM", "GPTNeoXForCausalLM"}
+_MERGED_NAMES = {"q_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+
+
+def _checkpoint_names(cfg: ModelConfig, out: list[tuple[tuple[str, ...], int, int]]
+                      ) -> list[tuple[tuple[str, ...], int, int]]:
+    """``fp8_linears``' modules under the checkpoint's own names: merged ones named once
+    where the file holds them merged, and a family's ``hf_names`` (GPT-NeoX, Phi) applied."""
+    names = None
+    if cfg.architecture in ("GPTNeoXForCausalLM", "PhiForCausalLM"):
+        from flashpage.models.registry import model_class  # torch: only for these two
+
+        names = getattr(model_class(cfg), "hf_names", None)
+    renamed = []
+    for pieces, n, k in out:
+        if cfg.architecture in _MERGED_ON_DISK and len(pieces) > 1:
+            parent, leaf = pieces[0].rsplit(".", 1)
+            pieces = (f"{parent}.{_MERGED_NAMES[leaf]}",)
+        if names is not None:
+            pieces = tuple(names.to_hf(p) for p in pieces)
+        renamed.append((pieces, n, k))
+    return renamed
 
 
 def _piece_rows(cfg: ModelConfig, pieces: tuple[str, ...], n: int) -> list[tuple[str, int]]:
-    """Each HF piece of a linear ``fp8_linears`` names, with its rows (q, k, v; gate, up)."""
+    """Each HF piece of a linear ``fp8_linears`` names, with its rows (q, k, v; gate, up).
+    GPT-NeoX's query_key_value: a piece per head's q, k or v (its rows are regrouped head by
+    head at load, so its block scales stack only where a head is whole blocks)."""
+    if cfg.architecture == "GPTNeoXForCausalLM" and pieces[0].endswith(".query_key_value"):
+        return [(pieces[0], cfg.head_dim)] * (n // cfg.head_dim)
     if len(pieces) == 3:
         kv = cfg.num_key_value_heads * cfg.head_dim
         return list(zip(pieces, (n - 2 * kv, kv, kv), strict=True))

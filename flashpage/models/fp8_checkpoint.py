@@ -102,7 +102,10 @@ def row_scales(name: str, shape: tuple[int, ...], scale: torch.Tensor,
 
 def linear_of(model: nn.Module, hf_module: str) -> tuple[str, _ParallelLinear] | None:
     """Our linear that holds the HF module's weight (itself, or the merged one its rows
-    go into), or None (an embedding, the experts, a router ...)."""
+    go into), or None (an embedding, the experts, a router ...). A family whose
+    checkpoints name its modules otherwise (``hf_names``: GPT-NeoX, Phi) has them mapped."""
+    if (names := getattr(model, "hf_names", None)) is not None:
+        hf_module = names.to_ours(hf_module)
     parent, _, leaf = hf_module.rpartition(".")
     for path in (hf_module, f"{parent}.{MERGED[leaf]}" if leaf in MERGED else None):
         if path is None:
@@ -190,6 +193,9 @@ def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig,
         elif qc.weight_strategy == "block":
             assert qc.block_size is not None
             why = qc.block_unsupported([(n[:-7], fp8[n].shape[0]) for n in names])
+            hook = getattr(model, "fp8_block_unsupported", None)  # GPT-NeoX's regrouped rows
+            if why is None and callable(hook):
+                why = hook(names[0][:-7], qc.block_size)
             if why is None:
                 m.hold_fp8(qc.block_size)
                 kept.update(names)

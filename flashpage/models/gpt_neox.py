@@ -61,7 +61,9 @@ NAMES = HFNames({
 })
 # older checkpoints (Pythia's) hold the causal mask buffers transformers ignores too
 _MASK_BUFFERS = re.compile(r"^gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias)$")
-_QKV = re.compile(r"\.attention\.query_key_value\.(weight|bias)$")
+# its rows, and the rows of a quantized checkpoint's scales / zero points for them
+# (models/fp8_checkpoint.py, int4_checkpoint.py: per row, per group, per N-block)
+_QKV = re.compile(r"\.attention\.query_key_value\.(weight|bias|weight_scale|w4_scales|w4_zeros)$")
 
 
 def _build(layer: nn.Module, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
@@ -115,13 +117,30 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
         for name, t in weights:
             if _MASK_BUFFERS.match(name):
                 continue
-            if _QKV.search(name):
-                if t.shape[0] != want:
+            if (m := _QKV.search(name)) is not None:
+                if m[1] == "weight_scale" and t.dim() == 2:  # block scales: rows of N-blocks
+                    qc = c.quantization_config
+                    assert qc is not None and qc.block_size is not None
+                    bn = qc.block_size[0]
+                    want_blocks = -(-want // bn)
+                    if t.shape[0] != want_blocks:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not "
+                                         f"have {want_blocks} blocks of {bn} rows")
+                elif t.shape[0] != want:
                     raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not have "
                                      f"3 x {c.num_attention_heads} heads x {c.head_dim} = "
                                      f"{want} rows")
                 t = regroup_qkv(t, c.num_attention_heads, c.head_dim, to_ours=True)
             yield name, t
+
+    def fp8_block_unsupported(self, linear: str, block: tuple[int, int]) -> str | None:
+        """query_key_value's rows are regrouped head by head at load: its block scales only
+        where each head's rows are whole blocks (models/fp8_checkpoint.py dequantizes it
+        otherwise)."""
+        if linear.endswith(".query_key_value") and self.config.head_dim % block[0]:
+            return (f"{linear}'s rows are regrouped head by head at load and head_dim "
+                    f"{self.config.head_dim} is not a multiple of the {block[0]}-row blocks")
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._regrouped(weights))

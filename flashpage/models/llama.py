@@ -155,6 +155,12 @@ class LlamaForCausalLM(nn.Module):
         """The body (a family on the Llama head and loading overrides it)."""
         return LlamaModel(config, max_positions)
 
+    def fp8_block_unsupported(self, linear: str, block: tuple[int, int]) -> str | None:
+        """Why the checkpoint's module ``linear`` (its name there) cannot keep a
+        block-scaled fp8 checkpoint's tiles beyond what ``CheckpointQuantization.
+        block_unsupported`` says (None: it can; GPT-NeoX's regrouped query_key_value)."""
+        return None
+
     def attention_layers(self) -> list[Attention]:
         return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.model.layers]
 

@@ -113,20 +113,23 @@ FORMATS: dict[str, dict] = {
 }
 
 
-def build_fp8_checkpoint(src: Path, dst: Path, ref: Path, fmt: str) -> dict[str, str]:
+def build_fp8_checkpoint(src: Path, dst: Path, ref: Path, fmt: str | dict,
+                         is_linear=None) -> dict[str, str]:
     """Write ``dst`` (the fp8 checkpoint of ``src`` in format ``fmt``) and ``ref`` (the same
     weights dequantized, fp32, no quantization_config). Returns {weight name: "fp8" or
-    "16-bit"}: how each linear weight was stored."""
-    spec = FORMATS[fmt]
-    qc = CheckpointQuantization.from_dict(spec["config"], fmt)
+    "16-bit"}: how each linear weight was stored. ``is_linear(name, tensor)``: which
+    tensors are the linears' weights (default: ``*_proj.weight`` and ``lm_head.weight``).
+    ``fmt``: a FORMATS name, or a spec of its own in FORMATS' shape."""
+    spec = FORMATS[fmt] if isinstance(fmt, str) else fmt
+    qc = CheckpointQuantization.from_dict(spec["config"], str(dst))
     tensors = load_file(str(src / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
     deq: dict[str, torch.Tensor] = {}
     stored: dict[str, str] = {}
     for name, w in tensors.items():
         module = name.removesuffix(".weight")
-        linear = name.endswith(".weight") and ("_proj" in module.rsplit(".", 1)[-1]
-                                               or module == "lm_head")
+        linear = (is_linear(name, w) if is_linear is not None else name.endswith(".weight")
+                  and ("_proj" in module.rsplit(".", 1)[-1] or module == "lm_head"))
         embed = name == "model.embed_tokens.weight" and spec.get("fp8_embeddings")
         if not (linear or embed) or qc.ignores(module) or (
                 "mlp.gate." in name):  # a router (DeepSeek): never quantized

@@ -54,16 +54,19 @@ FORMATS: dict[str, dict] = {
 }
 
 
-def build_int4_checkpoint(src: Path, dst: Path, ref: Path, fmt: str) -> dict[str, torch.Tensor]:
+def build_int4_checkpoint(src: Path, dst: Path, ref: Path, fmt: str,
+                          is_linear=None) -> dict[str, torch.Tensor]:
     """Write ``dst`` (``src`` quantized in format ``fmt``) and ``ref`` (the same weights
     dequantized, fp32, no quantization_config). Returns {module: q [N, K]} of every module
-    the file holds in int4."""
+    the file holds in int4. ``is_linear(name, tensor)``: which tensors are the linears'
+    weights (default: Llama's ``*_proj.weight``)."""
     spec = FORMATS[fmt]
     tensors = load_file(str(src / "model.safetensors"))
     out, deq, qs = {}, {}, {}
     for name, w in tensors.items():
         mod = name.removesuffix(".weight")
-        linear = name.endswith(".weight") and "_proj" in mod.rsplit(".", 1)[-1]
+        linear = (is_linear(name, w) if is_linear is not None
+                  else name.endswith(".weight") and "_proj" in mod.rsplit(".", 1)[-1])
         if not (linear or (mod == "lm_head" and spec.get("lm_head"))) or mod in spec.get("skip", ()):
             out[name] = deq[name] = w
             continue
@@ -183,10 +186,14 @@ def test_unsupported_int4_configs_are_named(qc, match):
         ModelConfig.from_hf({**BASE, "quantization_config": qc})
 
 
-def test_int4_is_read_for_the_llama_family_only():
+def test_int4_is_read_for_the_dense_families_only():
+    """The Llama family and the dense ones on its body (tests/models/test_quant_families.py
+    loads them); not DeepSeek's MLA / MoE."""
     ModelConfig.from_hf({**BASE, "architectures": ["Qwen2ForCausalLM"], "quantization_config": GPTQ})
-    with pytest.raises(ConfigError, match=r"gptq \(int4\) checkpoints are read for the Llama "
-                                          r"family .* not DeepseekV3ForCausalLM"):
+    ModelConfig.from_hf({**BASE, "architectures": ["Phi3ForCausalLM"], "quantization_config": GPTQ})
+    with pytest.raises(ConfigError, match=r"gptq \(int4\) checkpoints are read for the dense "
+                                          r"Llama, Gemma and Llama-variant families, not "
+                                          r"DeepseekV3ForCausalLM"):
         ModelConfig.from_hf({**BASE, "architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 32,
                              "quantization_config": GPTQ})
 

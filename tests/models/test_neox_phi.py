@@ -328,16 +328,17 @@ def test_config_fields():
     (PYTHIA_70M, dict(num_key_value_heads=2), "num_key_value_heads 2 is not read for GPTNeoX"),
     (PYTHIA_70M, dict(rope_scaling={"type": "dynamic", "factor": 2.0}),
      "rope_scaling type 'dynamic' is not supported"),
-    (PYTHIA_70M, dict(quantization_config={"quant_method": "fp8"}),
-     "quantization_config is not read for GPTNeoXForCausalLM"),
+    # fp8 / AWQ / GPTQ checkpoints are read (tests/models/test_quant_families.py); others not
+    (PYTHIA_70M, dict(quantization_config={"quant_method": "bitsandbytes"}),
+     "quantization_config.quant_method 'bitsandbytes' is not supported"),
     (PHI_2, dict(partial_rotary_factor=0), "partial_rotary_factor must be in"),
     (PHI_2, dict(qk_layernorm="no"), "qk_layernorm must be true or false, got 'no'"),
     (PHI_2, dict(hidden_act="gelu_10"), "hidden_act 'gelu_10' is not supported for PhiForCausalLM"),
     (PHI_2, dict(head_dim=64), r"hidden_size \(2560\) must be num_attention_heads \(32\) x head_dim 64"),
     (PHI_2, dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),
     (PHI_2, dict(intermediate_size=None), r"missing required field\(s\): intermediate_size"),
-    (PHI_2, dict(quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128}),
-     "quantization_config is not read for PhiForCausalLM"),
+    (PHI_2, dict(quantization_config={"quant_method": "awq", "bits": 8, "group_size": 128}),
+     r"quantization_config.bits 8 is not supported \(awq checkpoints are read at 4 bits\)"),
 ])
 def test_bad_config_is_a_clear_error(raw, edit, message):
     with pytest.raises(ConfigError, match=message):
