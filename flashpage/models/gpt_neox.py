@@ -130,7 +130,9 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
                     raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not have "
                                      f"3 x {c.num_attention_heads} heads x {c.head_dim} = "
                                      f"{want} rows")
-                t = regroup_qkv(t, c.num_attention_heads, c.head_dim, to_ours=True)
+                # rows a head: head_dim, or head_dim / bn of block scales (whole blocks a head)
+                rows = t.shape[0] // (3 * c.num_attention_heads)
+                t = regroup_qkv(t, c.num_attention_heads, rows, to_ours=True)
             yield name, t
 
     def fp8_block_unsupported(self, linear: str, block: tuple[int, int]) -> str | None:
