@@ -10,11 +10,13 @@
 #   BUDGET=420 bash benchmarks/gpu_s23.sh ab      the 8B int4 batch-1 decode: neither / the norm prologue
 #                                                 alone / PDL alone (run 179: both together -15%); then
 #                                                 the block-fp8 W8A8 GEMM's tiles at 256 / 2048 rows
-#   BUDGET=420 bash benchmarks/gpu_s23.sh families  session 22's: the fused LayerNorm kernel (tests, then
+#   BUDGET=600 bash benchmarks/gpu_s23.sh families  session 22's: the fused LayerNorm kernel (tests, then
 #                                                 GB/s beside torch and copy), Cohere2 / OLMo (1),
 #                                                 OLMoE / Granite MoE, GPT-2 / GPT-BigCode, GPT-NeoX /
-#                                                 Phi-1/1.5/2 (fp32 kernels + graphs = transformers'
-#                                                 tokens, bf16 teacher-forced, the slow greedy runs)
+#                                                 Phi-1/1.5/2, GPT-J / Falcon, OPT (fp32 kernels +
+#                                                 graphs = transformers' tokens, bf16 teacher-forced,
+#                                                 the slow greedy runs), then the fp8 / int4
+#                                                 checkpoints of the Llama-variant families
 # Results under $OUT.
 PART=${1:-verify}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -46,9 +48,11 @@ families)
     | tee "$OUT/gpu_lnorm_tests.txt" | tail -n 4
   timeout "$(left 90)" python3 benchmarks/fused_ops.py --only norm --out "$OUT" > "$OUT/fused_norm.txt" 2>&1
   tail -n 20 "$OUT/fused_norm.txt"
-  timeout "$(left 300)" $PT -m "gpu or slow" -rf tests/models/test_cohere2_olmo.py \
+  timeout "$(left 330)" $PT -m "gpu or slow" -rf tests/models/test_cohere2_olmo.py \
     tests/models/test_olmoe_granitemoe.py tests/models/test_gpt2_bigcode.py tests/models/test_neox_phi.py \
-    2>&1 | tee "$OUT/gpu_newfam_tests.txt" | tail -n 6
+    tests/models/test_gptj_falcon.py tests/models/test_opt.py 2>&1 | tee "$OUT/gpu_newfam_tests.txt" | tail -n 6
+  timeout "$(left 150)" $PT -m gpu -rf tests/models/test_quant_families.py 2>&1 \
+    | tee "$OUT/gpu_quantfam_tests.txt" | tail -n 4
   (cd "$OUT" && tar -czf families.tgz gpu_*_tests.txt fused_norm.txt && rm -f gpu_*_tests.txt fused_norm.txt)
   echo "part families done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
