@@ -48,7 +48,15 @@ from flashpage.layers.norm import LayerNorm
 from flashpage.models.common import DecoderStack, HFNames, PreNormDecoderLayer
 from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
 
-NAMES = HFNames({
+
+class _OPTNames(HFNames):
+    """The Hub's ``decoder.*`` names (facebook/opt-*'s files) read as ``model.decoder.*``."""
+
+    def to_ours(self, name: str) -> str:
+        return super().to_ours(f"model.{name}" if name.startswith("decoder.") else name)
+
+
+NAMES = _OPTNames({
     "model.decoder.final_layer_norm": "model.norm",
     "model.decoder.layers.{}.self_attn.out_proj": "model.layers.{}.self_attn.o_proj",
     "model.decoder.layers.{}.self_attn_layer_norm": "model.layers.{}.input_layernorm",
