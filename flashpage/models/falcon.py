@@ -17,7 +17,10 @@ under Falcon's names (models/common.HFNames), with:
 
   regrouped into our qkv_proj ([q | k | v], Llama's split) at load and back in
   ``hf_weights``; so the KV cache holds num_kv_heads heads (one for MQA) and none of the
-  kernels change;
+  kernels change. A quantized checkpoint's scales and zero points for it (fp8 / AWQ /
+  GPTQ: models/fp8_checkpoint.py, int4_checkpoint.py) are regrouped with its rows, its
+  block scales only where a head is whole blocks (``fp8_block_unsupported``; MQA's one
+  group is not regrouped at all);
 - rotary on whole heads (neox halves), ``bias`` on query_key_value, dense and the MLP;
 - the non-gated MLP ``dense_h_to_4h`` -> GELU (``activation``) -> ``dense_4h_to_h`` (our
   c_fc / c_proj), ``ln_f`` (our model.norm), the head tied to word_embeddings unless
