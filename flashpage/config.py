@@ -51,14 +51,11 @@ LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "O
                   "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
                   "GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
                   "OPTForCausalLM"}
-# ... of which these read no quantization_config yet (their fp8 / int4 checkpoints are a
-# ConfigError: Falcon's grouped query_key_value and OPT's projections untried with the readers)
-UNQUANTIZED_VARIANTS = {"GPTJForCausalLM", "FalconForCausalLM", "OPTForCausalLM"}
 # the families whose AWQ / GPTQ (int4) checkpoints are read (models/int4_checkpoint.py):
 # every linear one of our ColumnParallelLinear / RowParallelLinear, found by the file's
 # module names (mapped through a family's HFNames); fp8 checkpoints are read for these and
 # DeepSeek / the MoE families (their experts dequantized)
-INT4_CHECKPOINT_FAMILY = LLAMA_FAMILY | GEMMA_FAMILY | (LLAMA_VARIANTS - UNQUANTIZED_VARIANTS)
+INT4_CHECKPOINT_FAMILY = LLAMA_FAMILY | GEMMA_FAMILY | LLAMA_VARIANTS
 # models/gpt2.py: learned absolute positions (wpe) instead of rotary, GPT-2's config names
 # (n_embd, n_layer, n_head, n_positions, n_inner); GPT-BigCode (StarCoder 1, SantaCoder) with
 # multi-query attention (_gpt2_fields)
@@ -413,10 +410,6 @@ def _checkpoint_quantization(d: dict[str, Any], arch: str,
                               where: str) -> CheckpointQuantization | None:
     if d.get("quantization_config") is None:
         return None
-    if arch in UNQUANTIZED_VARIANTS:
-        raise ConfigError(f"{where}: quantization_config is not read for {arch} (fp8 / int4 "
-                          "checkpoints of it are not supported; load a 16-bit one, with "
-                          "quantization='fp8' or 'int4' to quantize it at load)")
     qc = CheckpointQuantization.from_dict(d["quantization_config"], where)
     if qc.is_int4 and arch not in INT4_CHECKPOINT_FAMILY:
         raise ConfigError(f"{where}: {qc.method} (int4) checkpoints are read for the dense Llama, "

@@ -203,18 +203,25 @@ def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
 
 
 # families whose checkpoints hold q/k/v (and gate/up) as one tensor: Phi-3's qkv_proj /
-# gate_up_proj, GPT-NeoX's query_key_value (its rows head by head: _piece_rows)
-_MERGED_ON_DISK = {"Phi3ForCausalLM", "GPTNeoXForCausalLM"}
+# gate_up_proj, GPT-NeoX's and Falcon's query_key_value (its rows regrouped: _piece_rows)
+_MERGED_ON_DISK = {"Phi3ForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM"}
 _MERGED_NAMES = {"q_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+# families whose checkpoints name our modules otherwise (their models' ``hf_names``)
+_RENAMED = {"GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
+            "OPTForCausalLM"}
 
 
 def _checkpoint_names(cfg: ModelConfig, out: list[tuple[tuple[str, ...], int, int]]
                       ) -> list[tuple[tuple[str, ...], int, int]]:
     """``fp8_linears``' modules under the checkpoint's own names: merged ones named once
-    where the file holds them merged, and a family's ``hf_names`` (GPT-NeoX, Phi) applied."""
+    where the file holds them merged, and a family's ``hf_names`` applied (_RENAMED)."""
     names = None
-    if cfg.architecture in ("GPTNeoXForCausalLM", "PhiForCausalLM"):
-        from flashpage.models.registry import model_class  # torch: only for these two
+    if cfg.architecture == "FalconForCausalLM":  # its names follow its layer form
+        from flashpage.models.falcon import falcon_names  # torch: only for these families
+
+        names = falcon_names(cfg)
+    elif cfg.architecture in _RENAMED:
+        from flashpage.models.registry import model_class
 
         names = getattr(model_class(cfg), "hf_names", None)
     renamed = []
@@ -230,9 +237,11 @@ def _checkpoint_names(cfg: ModelConfig, out: list[tuple[tuple[str, ...], int, in
 
 def _piece_rows(cfg: ModelConfig, pieces: tuple[str, ...], n: int) -> list[tuple[str, int]]:
     """Each HF piece of a linear ``fp8_linears`` names, with its rows (q, k, v; gate, up).
-    GPT-NeoX's query_key_value: a piece per head's q, k or v (its rows are regrouped head by
-    head at load, so its block scales stack only where a head is whole blocks)."""
-    if cfg.architecture == "GPTNeoXForCausalLM" and pieces[0].endswith(".query_key_value"):
+    GPT-NeoX's and Falcon's query_key_value: a piece per head's q, k or v (its rows are
+    regrouped head by head at load, so its block scales stack only where a head is whole
+    blocks), one piece where Falcon's one KV group is not regrouped."""
+    if pieces[0].endswith(".query_key_value") and not (
+            cfg.architecture == "FalconForCausalLM" and cfg.num_key_value_heads == 1):
         return [(pieces[0], cfg.head_dim)] * (n // cfg.head_dim)
     if len(pieces) == 3:
         kv = cfg.num_key_value_heads * cfg.head_dim

@@ -148,6 +148,47 @@ def regroup_qkv(t: torch.Tensor, kv_heads: int, head_dim: int, to_ours: bool) ->
     return torch.cat([p.reshape(-1, *rest) for p in parts]).contiguous()
 
 
+# a fused query_key_value's tensors whose rows regroup_qkv moves: its weight and bias, and a
+# quantized checkpoint's scales and zero points for them (models/fp8_checkpoint.py,
+# int4_checkpoint.py: a row each, or a row of N-blocks for block scales)
+FUSED_QKV_TENSORS = r"\.(weight|bias|weight_scale|w4_scales|w4_zeros)$"
+
+
+def regroup_fused_qkv(name: str, t: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                      block_rows: int | None, layout: str) -> torch.Tensor:
+    """One of a fused query_key_value's ``FUSED_QKV_TENSORS`` (GPT-NeoX's, Falcon's), its
+    rows checked ((heads + 2 kv_heads) x head_dim, or that many rows in N-blocks of
+    ``block_rows`` for a 2-D ``weight_scale``: block scales) and regrouped to ours
+    (``regroup_qkv``). Block scales regroup with head_dim / block_rows rows a head, so only
+    where a head is whole blocks (the family's ``fp8_block_unsupported`` dequantizes the
+    weight otherwise and no block scales come); one KV group is ours already, as stored.
+    ``layout`` says the rows in the error (``3 x 4 heads x 16``)."""
+    want = (heads + 2 * kv_heads) * head_dim
+    if name.endswith(".weight_scale") and t.dim() == 2:
+        if block_rows is None:
+            raise ValueError(f"{name}: 2-D scales {tuple(t.shape)} without a block size")
+        if t.shape[0] != -(-want // block_rows):
+            raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not have "
+                             f"{-(-want // block_rows)} blocks of {block_rows} rows")
+    elif t.shape[0] != want:
+        raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not have {layout} = "
+                         f"{want} rows")
+    if kv_heads == 1:
+        return t
+    return regroup_qkv(t, kv_heads, t.shape[0] // (heads + 2 * kv_heads), to_ours=True)
+
+
+def fused_qkv_block_unsupported(linear: str, kv_heads: int, head_dim: int,
+                                block: tuple[int, int]) -> str | None:
+    """A family's ``fp8_block_unsupported`` for its fused query_key_value (models/
+    fp8_checkpoint.py): its rows are regrouped head by head at load, so its block scales
+    are kept only where each head's rows are whole blocks (or one KV group: not regrouped)."""
+    if linear.endswith(".query_key_value") and kv_heads > 1 and head_dim % block[0]:
+        return (f"{linear}'s rows are regrouped head by head at load and head_dim "
+                f"{head_dim} is not a multiple of the {block[0]}-row blocks")
+    return None
+
+
 class DecoderStack(nn.Module):
     """Subclasses set ``embed_tokens``, ``layers`` (of PreNormDecoderLayer) and ``norm``."""
 

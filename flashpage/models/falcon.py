@@ -17,7 +17,10 @@ under Falcon's names (models/common.HFNames), with:
 
   regrouped into our qkv_proj ([q | k | v], Llama's split) at load and back in
   ``hf_weights``; so the KV cache holds num_kv_heads heads (one for MQA) and none of the
-  kernels change;
+  kernels change. A quantized checkpoint's scales and zero points for it (fp8 / AWQ /
+  GPTQ: models/fp8_checkpoint.py, int4_checkpoint.py) are regrouped with its rows, its
+  block scales only where a head is whole blocks (``fp8_block_unsupported``; MQA's one
+  group is not regrouped at all);
 - rotary on whole heads (neox halves), ``bias`` on query_key_value, dense and the MLP;
 - the non-gated MLP ``dense_h_to_4h`` -> GELU (``activation``) -> ``dense_4h_to_h`` (our
   c_fc / c_proj), ``ln_f`` (our model.norm), the head tied to word_embeddings unless
@@ -39,15 +42,18 @@ from flashpage.layers.linear import VocabEmbedding
 from flashpage.layers.mlp import MLP
 from flashpage.layers.norm import LayerNorm
 from flashpage.models.common import (
+    FUSED_QKV_TENSORS,
     DecoderStack,
     HFNames,
     ParallelDecoderLayer,
     PreNormDecoderLayer,
+    fused_qkv_block_unsupported,
+    regroup_fused_qkv,
     regroup_qkv,
 )
 from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
 
-_QKV = re.compile(r"\.self_attention\.query_key_value\.(weight|bias)$")
+_QKV = re.compile(r"\.self_attention\.query_key_value" + FUSED_QKV_TENSORS)
 
 
 def falcon_names(config: ModelConfig) -> HFNames:
@@ -119,16 +125,20 @@ class FalconForCausalLM(LlamaForCausalLM):
 
     def _regrouped(self, weights: Iterable[tuple[str, torch.Tensor]]
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-        c = self.config
+        c, qc = self.config, self.config.quantization_config
         heads, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        want = (heads + 2 * kv) * d
+        bn = qc.block_size[0] if qc is not None and qc.block_size is not None else None
         for name, t in weights:
             if _QKV.search(name):
-                if t.shape[0] != want:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not have "
-                                     f"({heads} query + 2 x {kv} KV heads) x {d} = {want} rows")
-                t = regroup_qkv(t, kv, d, to_ours=True)
+                t = regroup_fused_qkv(name, t, heads, kv, d, bn,
+                                      f"({heads} query + 2 x {kv} KV heads) x {d}")
             yield name, t
+
+    def fp8_block_unsupported(self, linear: str, block: tuple[int, int]) -> str | None:
+        """query_key_value's block scales only where a head is whole blocks (or one KV
+        group, MQA: not regrouped)."""
+        return fused_qkv_block_unsupported(linear, self.config.num_key_value_heads,
+                                           self.config.head_dim, block)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._regrouped(weights))

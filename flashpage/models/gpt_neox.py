@@ -40,10 +40,13 @@ from flashpage.layers.linear import VocabEmbedding
 from flashpage.layers.mlp import MLP
 from flashpage.layers.norm import LayerNorm
 from flashpage.models.common import (
+    FUSED_QKV_TENSORS,
     DecoderStack,
     HFNames,
     ParallelDecoderLayer,
     PreNormDecoderLayer,
+    fused_qkv_block_unsupported,
+    regroup_fused_qkv,
     regroup_qkv,
 )
 from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
@@ -61,9 +64,7 @@ NAMES = HFNames({
 })
 # older checkpoints (Pythia's) hold the causal mask buffers transformers ignores too
 _MASK_BUFFERS = re.compile(r"^gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias)$")
-# its rows, and the rows of a quantized checkpoint's scales / zero points for them
-# (models/fp8_checkpoint.py, int4_checkpoint.py: per row, per group, per N-block)
-_QKV = re.compile(r"\.attention\.query_key_value\.(weight|bias|weight_scale|w4_scales|w4_zeros)$")
+_QKV = re.compile(r"\.attention\.query_key_value" + FUSED_QKV_TENSORS)
 
 
 def _build(layer: nn.Module, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
@@ -112,37 +113,21 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
 
     def _regrouped(self, weights: Iterable[tuple[str, torch.Tensor]]
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-        c = self.config
-        want = 3 * c.num_attention_heads * c.head_dim
+        c, qc = self.config, self.config.quantization_config
+        bn = qc.block_size[0] if qc is not None and qc.block_size is not None else None
         for name, t in weights:
             if _MASK_BUFFERS.match(name):
                 continue
-            if (m := _QKV.search(name)) is not None:
-                if m[1] == "weight_scale" and t.dim() == 2:  # block scales: rows of N-blocks
-                    qc = c.quantization_config
-                    assert qc is not None and qc.block_size is not None
-                    bn = qc.block_size[0]
-                    want_blocks = -(-want // bn)
-                    if t.shape[0] != want_blocks:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not "
-                                         f"have {want_blocks} blocks of {bn} rows")
-                elif t.shape[0] != want:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} does not have "
-                                     f"3 x {c.num_attention_heads} heads x {c.head_dim} = "
-                                     f"{want} rows")
-                # rows a head: head_dim, or head_dim / bn of block scales (whole blocks a head)
-                rows = t.shape[0] // (3 * c.num_attention_heads)
-                t = regroup_qkv(t, c.num_attention_heads, rows, to_ours=True)
+            if _QKV.search(name):
+                h = c.num_attention_heads
+                t = regroup_fused_qkv(name, t, h, h, c.head_dim, bn,
+                                      f"3 x {h} heads x {c.head_dim}")
             yield name, t
 
     def fp8_block_unsupported(self, linear: str, block: tuple[int, int]) -> str | None:
-        """query_key_value's rows are regrouped head by head at load: its block scales only
-        where each head's rows are whole blocks (models/fp8_checkpoint.py dequantizes it
-        otherwise)."""
-        if linear.endswith(".query_key_value") and self.config.head_dim % block[0]:
-            return (f"{linear}'s rows are regrouped head by head at load and head_dim "
-                    f"{self.config.head_dim} is not a multiple of the {block[0]}-row blocks")
-        return None
+        """query_key_value's block scales only where a head is whole blocks."""
+        return fused_qkv_block_unsupported(linear, self.config.num_attention_heads,
+                                           self.config.head_dim, block)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._regrouped(weights))

@@ -22,7 +22,8 @@ loading (models/llama.py: q/k/v_proj stacked into ``qkv_proj``) under OPT's name
   (``layer_norm_elementwise_affine`` false); ``enable_bias`` on q/k/v/out_proj, fc1, fc2;
 - ``word_embed_proj_dim`` != hidden_size (350m: 512 of 1024): embeddings (and the head)
   of that width, ``project_in`` / ``project_out`` (no bias) around the layers. They run
-  once a token and stay 16-bit under quantization (as the head);
+  once a token and stay 16-bit under quantization (as the head; a pre-quantized file that
+  quantized them has them dequantized at load);
 - post-LN layers (``do_layer_norm_before`` false) carry no residual: each norm takes the
   add of its sublayer's output and input (``norm(f(x), x)``) and the layer returns
   (x, None); pre-LN layers are models/common.PreNormDecoderLayer.
@@ -48,7 +49,15 @@ from flashpage.layers.norm import LayerNorm
 from flashpage.models.common import DecoderStack, HFNames, PreNormDecoderLayer
 from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
 
-NAMES = HFNames({
+
+class _OPTNames(HFNames):
+    """The Hub's ``decoder.*`` names (facebook/opt-*'s files) read as ``model.decoder.*``."""
+
+    def to_ours(self, name: str) -> str:
+        return super().to_ours(f"model.{name}" if name.startswith("decoder.") else name)
+
+
+NAMES = _OPTNames({
     "model.decoder.final_layer_norm": "model.norm",
     "model.decoder.layers.{}.self_attn.out_proj": "model.layers.{}.self_attn.o_proj",
     "model.decoder.layers.{}.self_attn_layer_norm": "model.layers.{}.input_layernorm",

@@ -334,8 +334,6 @@ def test_config_fields():
     (FALCON_7B, dict(hidden_size=4545), r"hidden_size \(4545\) must be num_attention_heads"),
     (FALCON_7B, dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
      "rope_scaling type 'dynamic' is not supported"),
-    (FALCON_7B, dict(quantization_config={"quant_method": "fp8"}),
-     "quantization_config is not read for FalconForCausalLM"),
     (GPTJ_6B, dict(rotary_dim=None), r"rotary_dim must be an even integer from 2 to head_dim "
                                      r"\(256\) for GPTJForCausalLM, got None"),
     (GPTJ_6B, dict(rotary_dim=63), "rotary_dim must be an even integer"),

@@ -362,8 +362,6 @@ def test_config_fields():
     (dict(tie_word_embeddings="true"), "tie_word_embeddings must be true or false"),
     (dict(hidden_size=770), r"hidden_size \(770\) must be num_attention_heads \(12\) x head_dim"),
     (dict(num_key_value_heads=4), "num_key_value_heads 4 is not read for OPTForCausalLM"),
-    (dict(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128}),
-     "quantization_config is not read for OPTForCausalLM"),
 ])
 def test_bad_config_is_a_clear_error(edit, message):
     with pytest.raises(ConfigError, match=message):

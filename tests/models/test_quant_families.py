@@ -1,9 +1,10 @@
 """AWQ / GPTQ (int4) and fp8 checkpoints of the families beyond Llama / Qwen / Mistral:
 Phi-3 (its checkpoints' merged qkv_proj / gate_up_proj quantized as one linear each),
 Gemma 1/2/3, Granite, OLMo / OLMo2, Cohere / Cohere2, StarCoder2 (non-gated c_fc /
-c_proj), and GPT-NeoX / Phi-2, whose checkpoint names reach our linears through their
-``hf_names`` (NeoX's query_key_value rows, with their scales and zero points, regrouped
-head by head at load).
+c_proj), and GPT-NeoX / Phi-2, GPT-J, Falcon and OPT, whose checkpoint names reach our
+linears through their ``hf_names`` (NeoX's and Falcon's query_key_value rows, with their
+scales and zero points, regrouped head by head or per KV group at load; OPT-350m's
+project_in / project_out, quantized by the file, dequantized: they stay 16-bit).
 
 Each checkpoint is a tiny random model of the family quantized by the builders of
 test_int4_checkpoints.py / test_fp8_checkpoints.py (our group quantizer written in AWQ's
@@ -30,7 +31,9 @@ from tests.conftest import _checkpoints, _save_tiny_routed, hf_greedy, random_pr
 from tests.models.test_fp8_checkpoints import FORMATS as FP8_FORMATS
 from tests.models.test_fp8_checkpoints import build_fp8_checkpoint
 from tests.models.test_gemma import EAGER, build_tiny_gemma
+from tests.models.test_gptj_falcon import build_tiny as build_tiny_gptj_falcon
 from tests.models.test_int4_checkpoints import build_int4_checkpoint
+from tests.models.test_opt import build_tiny as build_tiny_opt
 
 GPU = torch.cuda.is_available()
 L2 = dict(num_hidden_layers=2)
@@ -55,7 +58,15 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "neox": ("GPTNeoXConfig", dict(L2, rotary_pct=0.25, layer_norm_eps=1e-4)),
     "phi": ("PhiConfig", dict(L2)),
     "gemma": ("gemma", {}), "gemma2": ("gemma2", {}), "gemma3": ("gemma3", {}),
+    # test_gptj_falcon's and test_opt's builders: GPT-J-6B's form; Falcon-40B's (2 KV groups
+    # of 2 query heads, biases) and Falcon-7B's (MQA: one group, not regrouped); OPT-350m's
+    # (post-LN, project_in / project_out around the layers)
+    "gptj": ("gptj", {}), "falcon_40b": ("falcon_40b", {}), "falcon_7b": ("falcon_7b", {}),
+    "opt_350m": ("opt_350m", {}),
 }
+# heads of 64 for the GPU tests, in each own builder's config names
+HEAD64 = {"gptj": dict(n_embd=128, n_head=2), "opt_350m": dict(hidden_size=128,
+                                                                num_attention_heads=2)}
 # transformers' eager attention for the softcaps
 HF_KWARGS = {"gemma2": EAGER, "gemma3": EAGER}
 
@@ -73,19 +84,23 @@ CASES = {
     "starcoder2": ("gptq_g32", "fp8_tensor_static"), "neox": ("awq_g32", "fp8_block16"),
     "phi": ("gptq_g32", "fp8_tensor_static"), "gemma": ("awq_g32", "ct_channel"),
     "gemma2": ("gptq_g32", "fp8_block"), "gemma3": ("gptq_row_sym", "fp8_tensor_static"),
+    "gptj": ("gptq_g32", "ct_channel"), "falcon_40b": ("awq_g32", "fp8_block16"),
+    "falcon_7b": ("gptq_row_sym", "fp8_block"), "opt_350m": ("gptq_g32", "fp8_tensor_static"),
 }
 NAMES = sorted(CASES)
 # fp8 checkpoints whose tokens are run too (the others: kept linears and weights only, as
-# the e4m3 linears' forward is the same in every family): the merged-on-disk, regrouped,
-# non-gated, fp8-embedding and softcapped cases
-FP8_TOKENS = {"phi3", "neox", "starcoder2", "gemma2", "gemma3", "cohere"}
+# the e4m3 linears' forward is the same in every family): the merged-on-disk, regrouped
+# (per head, per KV group, and MQA's one group under 32-row blocks that span heads),
+# non-gated, fp8-embedding, softcapped and projected (OPT-350m) cases
+FP8_TOKENS = {"phi3", "neox", "starcoder2", "gemma2", "gemma3", "cohere", "falcon_40b",
+              "falcon_7b", "opt_350m"}
 
 
 def is_linear(name: str, w: torch.Tensor) -> bool:
     """A linear's weight in any of these families' checkpoints: 2-D, not an embedding, a
-    norm (Cohere's per-head q/k norms are 2-D) or the LM head."""
+    norm (Cohere's per-head q/k norms are 2-D) or the LM head (GPT-J's embeddings: wte)."""
     return (name.endswith(".weight") and w.dim() == 2 and "norm" not in name
-            and not any(k in name for k in ("embed", "lm_head")))
+            and not any(k in name for k in ("embed", "wte", "lm_head")))
 
 
 def build_family(path: Path, name: str, seed: int = 0, head64: bool = False) -> Path:
@@ -94,6 +109,11 @@ def build_family(path: Path, name: str, seed: int = 0, head64: bool = False) -> 
     cls_name, extra = FAMILIES[name]
     if name.startswith("gemma"):
         return build_tiny_gemma(path, name, seed, **(dict(head_dim=64) if head64 else {}))
+    if name in ("gptj", "falcon_40b", "falcon_7b", "opt_350m"):
+        build = build_tiny_opt if name.startswith("opt") else build_tiny_gptj_falcon
+        return build(path, name, seed, **(HEAD64.get(name, dict(hidden_size=128,
+                                                                num_attention_heads=2))
+                                          if head64 else {}))
     if head64:
         extra = dict(extra, hidden_size=128, num_attention_heads=2, num_key_value_heads=2)
     return _save_tiny_routed(path, cls_name, extra, seed, False)
@@ -125,16 +145,20 @@ def quant_checkpoint(tmp_path_factory):
 def _expected_kept(model, stored: dict) -> list[str]:
     """Our linears all of whose checkpoint pieces the file quantized (the ones that keep
     int4 / e4m3): each piece's module under our names, merged q/k/v and gate/up included;
-    a block-scaled NeoX query_key_value whose heads split a block is not."""
+    a block-scaled NeoX query_key_value whose heads split a block is not, nor OPT's
+    project_in / project_out (16-bit whatever the file holds)."""
     from flashpage.models.fp8_checkpoint import linear_of
 
     pieces: dict[str, list[bool]] = {}
     for name, how in stored.items():
         mod = name.removesuffix(".weight")
-        if mod in ("lm_head", "embed_out") or "embed" in mod:
+        if mod in ("lm_head", "embed_out") or "embed" in mod or "wte" in mod:
             continue  # a quantized LM head or embedding is dequantized
         hit = linear_of(model, mod)
         assert hit is not None, mod
+        if hit[0] in ("model.project_in", "model.project_out"):
+            assert not hit[1].quantizable
+            continue
         pieces.setdefault(hit[0], []).append(how != "16-bit")
     return sorted(p for p, q in pieces.items() if all(q))
 
@@ -199,19 +223,44 @@ def test_quantized_checkpoint_keeps_its_weights_and_gives_transformers_tokens(
         assert tokens == hf_greedy(ref, prompts, 6, **HF_KWARGS.get(family, {}))
 
 
-def test_neox_block_scales_that_split_a_head_are_dequantized(quant_checkpoint):
-    """32-row blocks over NeoX's 16-row heads: query_key_value's rows, regrouped head by
-    head at load, cannot keep their tiles' scales, so it is dequantized (its weight the
-    file's values all the same); dense and the MLP keep e4m3 with their block scales."""
+@pytest.mark.parametrize("family", ["neox", "falcon_40b"])
+def test_block_scales_that_split_a_head_are_dequantized(quant_checkpoint, family):
+    """32-row blocks over 16-row heads: NeoX's query_key_value (regrouped head by head at
+    load) and Falcon-40B's (per KV group) cannot keep their tiles' scales, so it is
+    dequantized (its weight the file's values all the same); dense and the MLP keep e4m3
+    with their block scales."""
     from flashpage.models.loader import load_model, resolve_model
 
-    path, ref, _ = quant_checkpoint("neox", "fp8_block")
+    path, ref, _ = quant_checkpoint(family, "fp8_block")
     model = load_model(resolve_model(str(path), None), torch.float32, torch.device("cpu"))
     assert quantized_linears(model) == [f"model.layers.{i}.{m}" for i in range(2) for m in
                                         ("self_attn.o_proj", "mlp.c_fc", "mlp.c_proj")]
     assert model.model.layers[0].mlp.c_fc.weight_block == (32, 48)
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
     _check_weights_and_inspect(model, path, ref)
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_opt_hub_layout_keeps_its_quantized_linears(quant_checkpoint, tmp_path, kind):
+    """OPT files named as OPTModel names them (``decoder.*``, facebook/opt-*'s layout):
+    the same linears keep int4 / e4m3 as under ``model.decoder.*``, to the same weights."""
+    from flashpage.models.loader import load_model, resolve_model
+    from tests.conftest import edited_copy
+
+    path, _, _ = quant_checkpoint("opt_350m", CASES["opt_350m"][0 if kind == "int4" else 1])
+
+    def hub_names(t):
+        for n in list(t):
+            t[n.removeprefix("model.")] = t.pop(n)
+
+    hub = edited_copy(path, tmp_path / "hub", edit=hub_names)
+    assert not any(n.startswith("model.") for n in load_file(str(hub / "model.safetensors")))
+    held = int4_linears if kind == "int4" else quantized_linears
+    a, b = (load_model(resolve_model(str(p), None), torch.float32, torch.device("cpu"))
+            for p in (path, hub))
+    assert held(b) == held(a) and len(held(a)) == 8
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values(), strict=True))
 
 
 def test_gpt2_checkpoints_still_refuse_quantization_config():
