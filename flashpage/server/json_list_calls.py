@@ -6,13 +6,25 @@
   content; there is no closing marker, and nothing may follow the list.
 - ``jamba`` (AI21 Jamba): ``<tool_calls>[...]</tool_calls>`` after the content, nothing but
   whitespace after it.
+- ``phi4_mini_json`` (Phi-4-mini): ``functools[...]``, each call's arguments under
+  "arguments", else "parameters" (vLLM's reading); whitespace may come between the marker and
+  the list. vLLM's content is None; here the text before and after the list is the content.
+- ``hunyuan_a13b`` (Hunyuan-A13B): ``<tool_calls>[...]</tool_calls>``; the text before and after
+  the block is the content (vLLM also drops what follows a ``</think>``, which its reasoning
+  parser has taken out before).
+
+For these two the first marker decides: a list that does not follow it, is not all calls, or
+(hunyuan_a13b) is not closed makes the answer content; a second block is content.
 
 Either way a list that is not all calls makes the whole answer content."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from flashpage.server.partial_json import loads
-from flashpage.server.tool_stream import CallReader, JsonCalls
+from flashpage.server.tool_stream import CallReader, JsonCalls, TagReader
 from flashpage.server.tools import ToolCall, ToolParser, _call, _content, _prefix_at_end
 
 MARKERS = ("<|tool_call|>", "<tool_call>")  # 3.0's token, 3.1's text
@@ -117,3 +129,71 @@ class _JambaReader(CallReader):
                                   lists=True)
         base = self.body.base
         self.body.read(text, base + _prefix_at_end(text[base:], JambaParser.CLOSE))
+
+
+class MarkedListParser(ToolParser):
+    """OPEN, a JSON list of call objects (arguments under ARGS_KEY, else FALLBACK), then CLOSE
+    (if any); the text around that block the content."""
+
+    OPEN = CLOSE = ""
+    ARGS_KEY = FALLBACK = "arguments"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.OPEN not in text:
+            return text, []
+        reader = self.reader()
+        reader.feed(text)
+        if reader.dead or reader.state != "done" or not reader.calls:
+            return text, []
+        return _content(text[:reader.start], text[reader.pos:]), [c.final for c in reader.calls
+                                                                  if c.final is not None]
+
+    def hold(self, text: str) -> int:
+        return _prefix_at_end(text, self.OPEN)
+
+    def reader(self) -> _MarkedListReader:
+        return _MarkedListReader(self.OPEN, self.CLOSE, lambda v: _call(v, self.ARGS_KEY, self.FALLBACK),
+                                 self.ARGS_KEY)
+
+
+class Phi4MiniJsonParser(MarkedListParser):
+    name = "phi4_mini_json"
+    OPEN = "functools"
+    FALLBACK = "parameters"
+
+
+class HunyuanA13BParser(MarkedListParser):
+    name = "hunyuan_a13b"
+    OPEN, CLOSE = "<tool_calls>", "</tool_calls>"
+
+
+class _MarkedListReader(TagReader):
+    """outside -> (OPEN) list -> (the list of call objects) close -> (CLOSE) done; without
+    CLOSE, list -> done. ``start``: where OPEN is; ``pos`` at "done": where the block ends."""
+
+    def __init__(self, open_: str, close: str, call_of: Callable[[Any], ToolCall | None],
+                 args_key: str) -> None:
+        super().__init__()
+        self.open, self.close, self.call_of, self.args_key = open_, close, call_of, args_key
+        self.start = 0
+        self.body: JsonCalls | None = None
+
+    def _outside(self, text: str) -> bool:
+        i = text.find(self.open, self.pos)
+        if i < 0:
+            self.pos = max(self.pos, len(text) - len(self.open) + 1)
+            return False
+        self.start, self.pos, self.state = i, i + len(self.open), "list"
+        self.body = JsonCalls(self, self.pos, self.call_of, self.args_key, lists=True, objects=False)
+        return True
+
+    def _list(self, text: str) -> bool:
+        assert self.body is not None
+        self.pos += self.body.read(text, len(text), stop=True)
+        if not self.body.json.done:
+            return False
+        self.state = "close" if self.close else "done"
+        return True
+
+    def _close(self, text: str) -> bool:
+        return self._expect(text, self.close, "done")

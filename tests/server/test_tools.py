@@ -218,6 +218,10 @@ OTHER_FORMATS = [  # --tool-call-parser, an answer calling get_weather(city="Par
                  '{"zone": "UTC"}}<|action_end|>', "Let me see."),
     ("granite-20b-fc", 'Let me see.<function_call> {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
                        '\n<function_call> {"name": "get_time", "arguments": {"zone": "UTC"}}', "Let me see."),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+                       '{"name": "get_time", "parameters": {"zone": "UTC"}}]', ""),
+    ("hunyuan_a13b", 'Let me see.<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+                     '{"name": "get_time", "arguments": {"zone": "UTC"}}]</tool_calls>', "Let me see."),
 ]
 IDS = {"kimi_k2": r"functions\.get_(weather:0|time:1)"}  # the model's own ids (vLLM's kimi_k2)
 
