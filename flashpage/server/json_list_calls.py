@@ -13,7 +13,12 @@
   the block is the content (vLLM also drops what follows a ``</think>``, which its reasoning
   parser has taken out before).
 
-For these two the first marker decides: a list that does not follow it, is not all calls, or
+- ``xlam`` (Salesforce xLAM): a JSON list of ``{"name": ..., "arguments": {...}}``, the whole
+  answer, or the whole answer after the first ``</think>`` (the text up to it the content), or
+  in a code fence (```` ```json ```` or ```` ``` ````, the text around the fence the content);
+  the first of these places that holds a list is read (below).
+
+For phi4_mini_json and hunyuan_a13b the first marker decides: a list that does not follow it, is not all calls, or
 (hunyuan_a13b) is not closed makes the answer content; a second block is content.
 
 Either way a list that is not all calls makes the whole answer content."""
@@ -197,3 +202,87 @@ class _MarkedListReader(TagReader):
 
     def _close(self, text: str) -> bool:
         return self._expect(text, self.close, "done")
+
+
+THINK_END, FENCE = "</think>", "```"
+
+
+def _fence_opens_list(after: str) -> bool | None:
+    """Whether the text after a fence's backticks opens a list (optional ``json``, whitespace,
+    ``[``); None: it may yet."""
+    if after.startswith("json"):
+        after = after[4:]
+    elif "json".startswith(after):
+        return None
+    after = after.lstrip()
+    return after.startswith("[") if after else None
+
+
+def _xlam_places(text: str) -> list[tuple[int, int | None, bool]]:
+    """Where an xLAM list may be, in the order they start: (where its block starts, where its
+    ``[`` is, or None while that is undecided, whether it is fenced). A place decided is
+    decided for good: more text only adds places after it."""
+    places = []
+    lead = len(text) - len(text.lstrip())
+    if lead == len(text) or text[lead] == "[":
+        places.append((0, lead if lead < len(text) else None, False))
+    think = text.find(THINK_END)
+    if think >= 0:
+        at = think + len(THINK_END)
+        body = text[at:].lstrip()
+        if not body or body[0] == "[":
+            places.append((at, len(text) - len(body) if body else None, False))
+    i = text.find(FENCE)
+    while i >= 0:
+        opens = _fence_opens_list(text[i + len(FENCE):])
+        if opens is not False:
+            j = text.index("[", i) if opens else None
+            places.append((i, j, True))
+        i = text.find(FENCE, i + len(FENCE))
+    return sorted(places)
+
+
+class XlamParser(ToolParser):
+    name = "xlam"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        reader = self.reader()
+        reader.feed(text)
+        place, body = reader.place, reader.body
+        if reader.dead or place is None or body is None or not body.json.done or not reader.calls:
+            return text, []
+        tail = text[reader.end:].lstrip()
+        if place[2] and tail.startswith(FENCE):
+            tail = tail[len(FENCE):]
+        elif place[2] or tail:  # a fence not closed; text after a bare list
+            return text, []
+        return _content(text[:place[0]], tail), [c.final for c in reader.calls if c.final is not None]
+
+    def hold(self, text: str) -> int:
+        places = _xlam_places(text)
+        ends = [len(text) - k for m in (FENCE, THINK_END) for k in range(1, len(m)) if text.endswith(m[:k])]
+        return min([p[0] for p in places] + ends + [len(text)])
+
+    def reader(self) -> _XlamReader:
+        return _XlamReader()
+
+
+class _XlamReader(CallReader):
+    """The first place (``_xlam_places``) whose list opens, its list read as it comes;
+    ``end``: where the list ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.place: tuple[int, int | None, bool] | None = None
+        self.body: JsonCalls | None = None
+        self.end = 0
+
+    def feed(self, text: str) -> None:
+        if self.body is None:
+            places = _xlam_places(text)
+            if not places or places[0][1] is None:
+                return  # no list yet, or the first place's undecided
+            self.place = places[0]
+            self.end = places[0][1]
+            self.body = JsonCalls(self, self.end, lambda v: _call(v, "arguments"), lists=True, objects=False)
+        self.end += self.body.read(text, len(text), stop=True)

@@ -19,7 +19,8 @@ server's choice (``--tool-call-parser``, with ``--enable-auto-tool-choice`` for 
   ``qwen3_xml`` (qwen3_coder's tags, values read as vLLM's qwen3_xml reads them),
   ``granite`` and ``jamba`` (a JSON list, server/json_list_calls.py), ``internlm`` and
   ``granite-20b-fc`` (a marker before each JSON call object, server/marked_json_calls.py),
-  ``phi4_mini_json`` and ``hunyuan_a13b`` (a marker, then a JSON list: json_list_calls.py),
+  ``phi4_mini_json`` and ``hunyuan_a13b`` (a marker, then a JSON list) and ``xlam`` (a
+  JSON list alone, after ``</think>`` or in a code fence), in json_list_calls.py,
   each in its own module, imported when chosen.
 
 An answer whose call does not parse as JSON of that shape is content, not a call (the client
@@ -309,6 +310,7 @@ PARSERS: dict[str, str] = {
     "granite-20b-fc": "marked_json_calls:Granite20bFCParser",
     "phi4_mini_json": "json_list_calls:Phi4MiniJsonParser",
     "hunyuan_a13b": "json_list_calls:HunyuanA13BParser",
+    "xlam": "json_list_calls:XlamParser",
 }
 
 

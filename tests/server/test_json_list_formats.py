@@ -1,6 +1,7 @@
-"""``phi4_mini_json`` and ``hunyuan_a13b`` tool calls (server/json_list_calls.py): a marker, then
-a JSON list of call objects (Hunyuan's closed by ``</tool_calls>``); streamed as the JSON formats
-are, for every split of the answer."""
+"""``phi4_mini_json``, ``hunyuan_a13b`` and ``xlam`` tool calls (server/json_list_calls.py): a JSON
+list of call objects after a marker (Hunyuan's closed by ``</tool_calls>``), or (xLAM) the whole
+answer, after ``</think>`` or in a code fence; streamed as the JSON formats are, for every split
+of the answer."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tests.server.tool_checks import (
     sent_by_now,
 )
 
-PHI, HUNYUAN = get_parser("phi4_mini_json"), get_parser("hunyuan_a13b")
+PHI, HUNYUAN, XLAM = get_parser("phi4_mini_json"), get_parser("hunyuan_a13b"), get_parser("xlam")
 FT, OPEN, CLOSE = "functools", "<tool_calls>", "</tool_calls>"
 
 
@@ -46,7 +47,21 @@ def test_hunyuan_a13b_calls_and_content():
     assert _read(HUNYUAN, text) == ("Let me see.\n\nok", [("get_weather", {"city": "Paris"}), ("get_time", {})])
 
 
+def test_xlam_calls_and_content():
+    calls = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": "{}"}]'
+    want = [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert _read(XLAM, f" {calls}\n") == (None, want)
+    assert _read(XLAM, f"<think>Use [tools].</think>\n{calls}") == ("<think>Use [tools].</think>", want)
+    assert _read(XLAM, f"Sure:\n```json\n{calls}\n```\nDone.") == ("Sure:\n\nDone.", want)
+    # a fence that does not hold a list is passed over; the next one is read
+    assert _read(XLAM, f"Code:\n```python\nx = [1]\n```\nCalls:```{calls}```") == (
+        "Code:\n```python\nx = [1]\n```\nCalls:", want)
+
+
 @pytest.mark.parametrize("parser,text", [
+    (XLAM, "No calls [here]."), (XLAM, "[1, 2]"), (XLAM, "[]"), (XLAM, '[{"name": "f", "arguments": {}}] and more'),
+    (XLAM, '```json\n[{"name": "f", "arguments": {}}]'), (XLAM, '```json\n[{"name": "f", "arguments": {}}] x ```'),
+    (XLAM, '<think>a</think> b [{"name": "f", "arguments": {}}]'), (XLAM, '{"name": "f", "arguments": {}}'),
     (PHI, "No calls."), (PHI, "import functools\nfunctools.partial(f)"), (PHI, FT + "[]"), (PHI, FT + "[1]"),
     (PHI, FT + '{"name": "f", "arguments": {}}'), (PHI, FT + '[{"name": "f", "arguments": {}}'),
     (PHI, FT + '[{"name": "f", "arguments": 3}]'), (PHI, FT + '[{"name": "f", "name": "g", "arguments": {}}]'),
@@ -66,6 +81,11 @@ ANSWERS = [  # parser, the model's text, the content a stream sends (None: the t
      "ok ", 2),
     (HUNYUAN, "a <tool_call> and <tool_calls tag", None, 0),
     (HUNYUAN, OPEN + '[{"name": "f", "arguments": {"a": 1}}]', None, LATE),
+    (XLAM, ' [{"name": "a", "arguments": {"x": [1.50, null]}}, {"name": "b", "arguments": {"y": "\\u00e9"}}]\n', "", 2),
+    (XLAM, '<think>Maybe [x].</think> [{"name": "a", "arguments": {}}]', "<think>Maybe [x].</think>", 1),
+    (XLAM, 'Sure ```py\nx```, ```json [{"name": "a", "arguments": {"k": "v"}}]``` ok', "Sure ```py\nx```, ok", 1),
+    (XLAM, "Plain words, a `tick` and ```code```", None, 0),
+    (XLAM, '[{"name": "a", "arguments": {}}] then text', None, LATE),
 ]
 
 
@@ -80,24 +100,28 @@ def test_streamed_in_every_split(parser, text, content, want):
     (PHI, f'{FT}[{{"name": "f", "parameters": {{"a": 1', [("f", "")]),  # "arguments" may follow and win
     (HUNYUAN, f'{OPEN}[{{"name": "a", "arguments": {{"x": 1}}}}, {{"name": "b", "arguments": {{"y": "z',
      [("a", '{"x": 1}'), ("b", '{"y": "z')]),
+    (XLAM, '<think>ok</think>\n[{"name": "a", "arguments": {"x": "y', [("a", '{"x": "y')]),
+    (XLAM, 'See ```js', []),
+    (XLAM, 'See ```json\n[{"name": "a", "arguments": {"n": 12', [("a", '{"n": ')]),
 ])
 def test_arguments_go_out_as_they_are_written(parser, text, sent):
     assert sent_by_now(parser, text) == sent
 
 
-@settings(max_examples=60, deadline=None)
-@given(phi=st.booleans(), calls=JSON_CALLS, spacing=JSON_SPACINGS, prefix=st.text(alphabet="ab .\n", max_size=5),
+@settings(max_examples=80, deadline=None)
+@given(which=st.integers(0, 3), calls=JSON_CALLS, spacing=JSON_SPACINGS, prefix=st.text(alphabet="ab .\n", max_size=5),
        data=st.data())
-def test_any_calls_any_split(phi, calls, spacing, prefix, data):
+def test_any_calls_any_split(which, calls, spacing, prefix, data):
     body = json.dumps([{"name": n, "arguments": a} for n, a in calls], **spacing)
-    parser, text = (PHI, f"{prefix}{FT}{body}") if phi else (HUNYUAN, f"{prefix}{OPEN}{body}{CLOSE}")
+    parser, text = [(PHI, f"{prefix}{FT}{body}"), (HUNYUAN, f"{prefix}{OPEN}{body}{CLOSE}"),
+                    (XLAM, f"{prefix}```json\n{body}\n```"), (XLAM, f"<think>{prefix}</think>{body}")][which]
     assert _read(parser, text)[1] == [(n, json.loads(json.dumps(a))) for n, a in calls]
     cut_off_then_agrees(parser, text, data)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(answer=st.sampled_from([a for a in ANSWERS if a[3] != 0]), edits=st.lists(st.tuples(
-    st.integers(0, 10**4), st.integers(0, 2), st.sampled_from(list('{}[]",: \n1.') + [FT, OPEN, CLOSE])),
+    st.integers(0, 10**4), st.integers(0, 2), st.sampled_from(list('{}[]",: \n1.`') + [FT, OPEN, CLOSE, "</think>", "```"])),
     min_size=1, max_size=2), data=st.data())
 def test_edited_answers_any_split(answer, edits, data):
     agrees_when_cut(answer[0], edited(answer[1], edits), data)

@@ -222,6 +222,8 @@ OTHER_FORMATS = [  # --tool-call-parser, an answer calling get_weather(city="Par
                        '{"name": "get_time", "parameters": {"zone": "UTC"}}]', ""),
     ("hunyuan_a13b", 'Let me see.<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
                      '{"name": "get_time", "arguments": {"zone": "UTC"}}]</tool_calls>', "Let me see."),
+    ("xlam", 'Let me see.\n```json\n[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+             '{"name": "get_time", "arguments": {"zone": "UTC"}}]\n```', "Let me see.\n"),
 ]
 IDS = {"kimi_k2": r"functions\.get_(weather:0|time:1)"}  # the model's own ids (vLLM's kimi_k2)
 
