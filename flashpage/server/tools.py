@@ -21,6 +21,7 @@ server's choice (``--tool-call-parser``, with ``--enable-auto-tool-choice`` for 
   ``granite-20b-fc`` (a marker before each JSON call object, server/marked_json_calls.py),
   ``phi4_mini_json`` and ``hunyuan_a13b`` (a marker, then a JSON list) and ``xlam`` (a
   JSON list alone, after ``</think>`` or in a code fence), in json_list_calls.py,
+  ``seed_oss`` (qwen3_coder's tags inside Seed's, server/seed_oss_calls.py),
   each in its own module, imported when chosen.
 
 An answer whose call does not parse as JSON of that shape is content, not a call (the client
@@ -311,6 +312,7 @@ PARSERS: dict[str, str] = {
     "phi4_mini_json": "json_list_calls:Phi4MiniJsonParser",
     "hunyuan_a13b": "json_list_calls:HunyuanA13BParser",
     "xlam": "json_list_calls:XlamParser",
+    "seed_oss": "seed_oss_calls:SeedOssParser",
 }
 
 
