@@ -17,11 +17,12 @@ server's choice (``--tool-call-parser``, with ``--enable-auto-tool-choice`` for 
   ``kimi_k2`` (Kimi K2's, the call ids the model's, server/kimi_calls.py) and ``glm45``
   (GLM-4.5's key / value tags, values typed by the tool's schema, server/glm_calls.py),
   ``qwen3_xml`` (qwen3_coder's tags, values read as vLLM's qwen3_xml reads them),
-  ``granite`` and ``jamba`` (a JSON list, server/json_list_calls.py), ``internlm`` and
-  ``granite-20b-fc`` (a marker before each JSON call object, server/marked_json_calls.py),
-  ``phi4_mini_json`` and ``hunyuan_a13b`` (a marker, then a JSON list) and ``xlam`` (a
-  JSON list alone, after ``</think>`` or in a code fence), in json_list_calls.py,
-  ``seed_oss`` (qwen3_coder's tags inside Seed's, server/seed_oss_calls.py),
+  ``granite`` and ``jamba`` (a JSON list, server/json_list_calls.py), ``phi4_mini_json`` and
+  ``hunyuan_a13b`` (a marker, then a JSON list) and ``xlam`` (a JSON list alone, after
+  ``</think>`` or in a code fence), in json_list_calls.py too, ``internlm``,
+  ``granite-20b-fc`` and ``minimax`` (a marker before JSON call objects,
+  server/marked_json_calls.py), ``seed_oss`` (qwen3_coder's tags inside Seed's,
+  server/seed_oss_calls.py),
   each in its own module, imported when chosen.
 
 An answer whose call does not parse as JSON of that shape is content, not a call (the client
@@ -313,6 +314,7 @@ PARSERS: dict[str, str] = {
     "hunyuan_a13b": "json_list_calls:HunyuanA13BParser",
     "xlam": "json_list_calls:XlamParser",
     "seed_oss": "seed_oss_calls:SeedOssParser",
+    "minimax": "marked_json_calls:MinimaxParser",
 }
 
 

@@ -227,7 +227,8 @@ OTHER_FORMATS = [  # --tool-call-parser, an answer calling get_weather(city="Par
     ("seed_oss", "Let me see.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                  "<parameter=days>\n3\n</parameter>\n</function>\n</seed:tool_call><seed:tool_call>\n"
                  "<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</seed:tool_call>",
-     "Let me see.\n"),
+     "Let me see.\n"),    ("minimax", 'Let me see.<tool_calls>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+                '{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_calls>', "Let me see."),
 ]
 IDS = {"kimi_k2": r"functions\.get_(weather:0|time:1)"}  # the model's own ids (vLLM's kimi_k2)
 
