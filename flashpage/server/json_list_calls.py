@@ -6,9 +6,10 @@
   content; there is no closing marker, and nothing may follow the list.
 - ``jamba`` (AI21 Jamba): ``<tool_calls>[...]</tool_calls>`` after the content, nothing but
   whitespace after it.
-- ``phi4_mini_json`` (Phi-4-mini): ``functools[...]``, each call's arguments under
-  "arguments", else "parameters" (vLLM's reading); whitespace may come between the marker and
-  the list. vLLM's content is None; here the text before and after the list is the content.
+- ``phi4_mini_json`` (Phi-4-mini): ``functools[...]`` (the ``[`` right after the word, as vLLM
+  finds it: "import functools" is not a marker), each call's arguments under "arguments",
+  else "parameters" (vLLM's reading). vLLM's content is None; here the text before and after
+  the list is the content.
 - ``hunyuan_a13b`` (Hunyuan-A13B): ``<tool_calls>[...]</tool_calls>``; the text before and after
   the block is the content (vLLM also drops what follows a ``</think>``, which its reasoning
   parser has taken out before).
@@ -138,7 +139,8 @@ class _JambaReader(CallReader):
 
 class MarkedListParser(ToolParser):
     """OPEN, a JSON list of call objects (arguments under ARGS_KEY, else FALLBACK), then CLOSE
-    (if any); the text around that block the content."""
+    (if any); the text around that block the content. An OPEN ending in ``[`` holds the
+    list's first character."""
 
     OPEN = CLOSE = ""
     ARGS_KEY = FALLBACK = "arguments"
@@ -163,7 +165,7 @@ class MarkedListParser(ToolParser):
 
 class Phi4MiniJsonParser(MarkedListParser):
     name = "phi4_mini_json"
-    OPEN = "functools"
+    OPEN = "functools["
     FALLBACK = "parameters"
 
 
@@ -188,7 +190,7 @@ class _MarkedListReader(TagReader):
         if i < 0:
             self.pos = max(self.pos, len(text) - len(self.open) + 1)
             return False
-        self.start, self.pos, self.state = i, i + len(self.open), "list"
+        self.start, self.pos, self.state = i, i + len(self.open) - self.open.endswith("["), "list"
         self.body = JsonCalls(self, self.pos, self.call_of, self.args_key, lists=True, objects=False)
         return True
 

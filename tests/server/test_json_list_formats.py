@@ -24,7 +24,7 @@ from tests.server.tool_checks import (
 )
 
 PHI, HUNYUAN, XLAM = get_parser("phi4_mini_json"), get_parser("hunyuan_a13b"), get_parser("xlam")
-FT, OPEN, CLOSE = "functools", "<tool_calls>", "</tool_calls>"
+FT, OPEN, CLOSE = "functools", "<tool_calls>", "</tool_calls>"  # Phi's marker: functools[
 
 
 def _read(parser, text):
@@ -37,7 +37,7 @@ def test_phi4_mini_json_calls_and_content():
            '"parameters": {"zone": "UTC"}}]'
     assert _read(PHI, text) == (None, [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "UTC"})])
     # "arguments" wins where both are (vLLM's reading); text around the list is content
-    both = f'Sure. {FT} [{{"name": "f", "parameters": {{"b": 2}}, "arguments": {{"a": 1}}}}]\nDone.'
+    both = f'Sure. {FT}[{{"name": "f", "parameters": {{"b": 2}}, "arguments": {{"a": 1}}}}]\nDone.'
     assert _read(PHI, both) == ("Sure. \nDone.", [("f", {"a": 1})])
 
 
@@ -63,6 +63,7 @@ def test_xlam_calls_and_content():
     (XLAM, '```json\n[{"name": "f", "arguments": {}}]'), (XLAM, '```json\n[{"name": "f", "arguments": {}}] x ```'),
     (XLAM, '<think>a</think> b [{"name": "f", "arguments": {}}]'), (XLAM, '{"name": "f", "arguments": {}}'),
     (PHI, "No calls."), (PHI, "import functools\nfunctools.partial(f)"), (PHI, FT + "[]"), (PHI, FT + "[1]"),
+    (PHI, FT + ' [{"name": "f", "arguments": {}}]'),
     (PHI, FT + '{"name": "f", "arguments": {}}'), (PHI, FT + '[{"name": "f", "arguments": {}}'),
     (PHI, FT + '[{"name": "f", "arguments": 3}]'), (PHI, FT + '[{"name": "f", "name": "g", "arguments": {}}]'),
     (HUNYUAN, OPEN + '[{"name": "f", "arguments": {}}]'), (HUNYUAN, OPEN + '[{"name": "f", "arguments": {}}] x' + CLOSE),
@@ -76,6 +77,7 @@ ANSWERS = [  # parser, the model's text, the content a stream sends (None: the t
     (PHI, f'Sure. {FT}[{{"name": "get_weather", "arguments": {{"city": "Par\\u00eds", "x": [1.50, true]}}}}, '
           '{"name": "g", "parameters": {"a": null}}] Done.', "Sure. Done.", 2),
     (PHI, "import functools as ft", None, 0),
+    (PHI, 'from functools import cache\nfunctools[{"name": "a", "arguments": {"x": 1}}]', "from functools import cache\n", 1),
     (PHI, FT + '[{"name": "f", "arguments": {"a": 1}}, 3]', None, LATE),
     (HUNYUAN, f'ok {OPEN}\n[{{"name": "a", "arguments": {{"x": 1}}}}, {{"name": "b", "arguments": {{}}}}]\n{CLOSE}',
      "ok ", 2),
