@@ -294,7 +294,9 @@ def add_tool_arguments(p: argparse.ArgumentParser) -> None:
                         "Hermes; llama3_json: Llama 3.1+; mistral; pythonic, llama4_pythonic: Llama 3.2 / 4; "
                         "qwen3_coder, qwen3_xml: Qwen3-Coder; deepseek_v3: DeepSeek-V3 / R1; deepseek_v31: "
                         "DeepSeek-V3.1; kimi_k2: Kimi K2; glm45: GLM-4.5 / 4.6; granite: Granite 3.x; jamba: Jamba; "
-                        "internlm: InternLM2 / 2.5; granite-20b-fc: granite-20b-functioncalling)")
+                        "internlm: InternLM2 / 2.5; granite-20b-fc: granite-20b-functioncalling; phi4_mini_json: "
+                        "Phi-4-mini; xlam: Salesforce xLAM; hunyuan_a13b: Hunyuan-A13B; seed_oss: Seed-OSS; "
+                        "minimax: MiniMax-M1)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide when to call tools (tool_choice "auto"; needs '
                         "--tool-call-parser)")

@@ -1,4 +1,4 @@
-"""Tool calls written as a marker, then one JSON call object, any number of them:
+"""Tool calls written as a marker, then one JSON call object (minimax: several), any number of them:
 
 - ``internlm`` (InternLM2 / 2.5 chat, vLLM's name): ``<|action_start|><|plugin|>`` (special
   tokens, written together), then ``{"name": ..., "parameters": {...}}`` ("arguments" read
@@ -19,7 +19,20 @@
   There is no closing marker: a call ends where its JSON object does. vLLM drops text after
   an object (up to the next marker); here it is content, with the text before the first.
 
-Either way a call that does not read so (JSON that is not a call object, a marker not
+- ``minimax`` (MiniMax-M1): ``<tool_calls>``, then call objects ``{"name": ..., "arguments":
+  {...}}``, one a line (any whitespace between them here), then ``</tool_calls>``, which may
+  be missing at the very end; any number of blocks::
+
+      Let me check.<tool_calls>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      {"name": "get_time", "arguments": {}}
+      </tool_calls>
+
+  vLLM skips a line that is not a JSON object, drops the text after the first block and
+  reads no call inside ``<think>...</think>`` (its reasoning parser's part); here the text
+  after a block is content, and a block that is not all calls makes the answer content.
+
+Any way a call that does not read so (JSON that is not a call object, a marker not
 followed by one, an answer ending inside one) makes the whole answer content. Streamed as
 the JSON formats are (server/tool_stream.py): the header once the name is written, then the
 arguments' canonical JSON piece by piece. The non-streamed reading is this same reader run
@@ -72,13 +85,21 @@ class Granite20bFCParser(MarkedJsonParser):
     OPEN = "<function_call>"
 
 
+class MinimaxParser(MarkedJsonParser):
+    name = "minimax"
+    OPEN, CLOSE = "<tool_calls>", "</tool_calls>"
+
+    def reader(self) -> _MarkedReader:
+        return _MarkedReader(self.OPEN, self.CLOSE, self.ARGS_KEY, several=True)
+
+
 class _MarkedReader(TagReader):
     """outside -> (OPEN) args -> (the call object) close -> (CLOSE) outside; without CLOSE,
-    args -> outside."""
+    args -> outside; ``several``: close -> ({) args, more calls before CLOSE."""
 
-    def __init__(self, open_: str, close: str, args_key: str) -> None:
+    def __init__(self, open_: str, close: str, args_key: str, several: bool = False) -> None:
         super().__init__()
-        self.open, self.close, self.args_key = open_, close, args_key
+        self.open, self.close, self.args_key, self.several = open_, close, args_key, several
         self.pos = 0
         self.state = "outside"
         self.spans: list[tuple[int, int | None]] = []  # each call's text (no end: to the end)
@@ -107,6 +128,12 @@ class _MarkedReader(TagReader):
         return True
 
     def _close(self, text: str) -> bool:
+        if self.several:
+            while self.pos < len(text) and text[self.pos] in " \t\r\n":
+                self.pos += 1
+            if text.startswith("{", self.pos):
+                self.state = "args"
+                return True
         if not self._expect(text, self.close, "outside"):
             return False
         self._ended()

@@ -141,7 +141,7 @@ class Qwen3CoderParser(ToolParser):
     READER: type[_Qwen3CoderReader]  # set below the readers
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if OPEN not in text:
+        if self.READER.OPEN not in text:
             return text, []
         reader = self.reader()
         reader.feed(text)
@@ -155,7 +155,7 @@ class Qwen3CoderParser(ToolParser):
         return _content(*outside), calls
 
     def hold(self, text: str) -> int:
-        return _prefix_at_end(text, OPEN)
+        return _prefix_at_end(text, self.READER.OPEN)
 
     def reader(self) -> _Qwen3CoderReader:
         properties = {}
@@ -170,7 +170,10 @@ class Qwen3CoderParser(ToolParser):
 class _Qwen3CoderReader(TagReader):
     """outside -> (``<tool_call>``) open -> (``<function=``) function -> (NAME ``>``) params;
     params -> (``<parameter=``) parameter -> (NAME ``>``) value0 -> value -> (``</parameter>``)
-    params; params -> (``</function>``) close -> (``</tool_call>``) outside."""
+    params; params -> (``</function>``) close -> (``</tool_call>``) outside (OPEN and CLOSE:
+    a subclass's own tags around the function)."""
+
+    OPEN, CLOSE = OPEN, CLOSE
 
     def __init__(self, properties: dict[str, dict[str, Any]]) -> None:
         super().__init__()
@@ -210,12 +213,12 @@ class _Qwen3CoderReader(TagReader):
         return name
 
     def _outside(self, text: str) -> bool:
-        i = text.find(OPEN, self.pos)
+        i = text.find(self.OPEN, self.pos)
         if i < 0:
-            self.pos = max(self.pos, len(text) - len(OPEN) + 1)
+            self.pos = max(self.pos, len(text) - len(self.OPEN) + 1)
             return False
         self.spans.append((i, None))
-        self.pos, self.state = i + len(OPEN), "open"
+        self.pos, self.state = i + len(self.OPEN), "open"
         return True
 
     def _open(self, text: str) -> bool:
@@ -284,7 +287,7 @@ class _Qwen3CoderReader(TagReader):
         return True
 
     def _close(self, text: str) -> bool:
-        if not self._expect(text, CLOSE, "outside"):
+        if not self._expect(text, self.CLOSE, "outside"):
             return False
         self.spans[-1] = (self.spans[-1][0], self.pos)
         return True

@@ -17,8 +17,12 @@ server's choice (``--tool-call-parser``, with ``--enable-auto-tool-choice`` for 
   ``kimi_k2`` (Kimi K2's, the call ids the model's, server/kimi_calls.py) and ``glm45``
   (GLM-4.5's key / value tags, values typed by the tool's schema, server/glm_calls.py),
   ``qwen3_xml`` (qwen3_coder's tags, values read as vLLM's qwen3_xml reads them),
-  ``granite`` and ``jamba`` (a JSON list, server/json_list_calls.py), ``internlm`` and
-  ``granite-20b-fc`` (a marker before each JSON call object, server/marked_json_calls.py),
+  ``granite`` and ``jamba`` (a JSON list, server/json_list_calls.py), ``phi4_mini_json`` and
+  ``hunyuan_a13b`` (a marker, then a JSON list) and ``xlam`` (a JSON list alone, after
+  ``</think>`` or in a code fence), in json_list_calls.py too, ``internlm``,
+  ``granite-20b-fc`` and ``minimax`` (a marker before JSON call objects,
+  server/marked_json_calls.py), ``seed_oss`` (qwen3_coder's tags inside Seed's,
+  server/seed_oss_calls.py),
   each in its own module, imported when chosen.
 
 An answer whose call does not parse as JSON of that shape is content, not a call (the client
@@ -60,12 +64,12 @@ class ToolCall:
         return d
 
 
-def _call(obj: Any, args_key: str) -> ToolCall | None:
-    """{"name": str, args_key: object or JSON text} (read by ``loads``) -> a ToolCall;
-    anything else, or a call repeating its name or arguments, None."""
+def _call(obj: Any, args_key: str, fallback: str = "arguments") -> ToolCall | None:
+    """{"name": str, args_key (else fallback): object or JSON text} (read by ``loads``) -> a
+    ToolCall; anything else, or a call repeating its name or arguments, None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    key = args_key if args_key in obj else "arguments"
+    key = args_key if args_key in obj else fallback
     if isinstance(obj, Members) and (obj.count("name") > 1 or obj.count(key) > 1):
         return None
     args = obj.get(key, {})
@@ -306,6 +310,11 @@ PARSERS: dict[str, str] = {
     "jamba": "json_list_calls:JambaParser",
     "internlm": "marked_json_calls:InternLMParser",
     "granite-20b-fc": "marked_json_calls:Granite20bFCParser",
+    "phi4_mini_json": "json_list_calls:Phi4MiniJsonParser",
+    "hunyuan_a13b": "json_list_calls:HunyuanA13BParser",
+    "xlam": "json_list_calls:XlamParser",
+    "seed_oss": "seed_oss_calls:SeedOssParser",
+    "minimax": "marked_json_calls:MinimaxParser",
 }
 
 

@@ -1,5 +1,6 @@
-"""``internlm`` and ``granite-20b-fc`` tool calls (server/marked_json_calls.py): a marker before
-each JSON call object (InternLM's ``<|action_end|>`` after it); streamed as the JSON formats
+"""``internlm``, ``granite-20b-fc`` and ``minimax`` tool calls (server/marked_json_calls.py): a
+marker before each JSON call object (InternLM's ``<|action_end|>`` after it; MiniMax's
+``<tool_calls>`` before one a line, ``</tool_calls>`` after them); streamed as the JSON formats
 are, for every split of the answer."""
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from tests.server.tool_checks import (
     sent_by_now,
 )
 
-INTERN, GRANITE = get_parser("internlm"), get_parser("granite-20b-fc")
+INTERN, GRANITE, MINIMAX = get_parser("internlm"), get_parser("granite-20b-fc"), get_parser("minimax")
 START, END, FC = "<|action_start|><|plugin|>", "<|action_end|>", "<function_call>"
+OPEN, CLOSE = "<tool_calls>", "</tool_calls>"
 
 
 def _intern(name: str, args: str, key: str = "parameters", end: str = END) -> str:
@@ -32,6 +34,10 @@ def _intern(name: str, args: str, key: str = "parameters", end: str = END) -> st
 
 def _fc(name: str, args: str) -> str:
     return f'{FC} {{"name": "{name}", "arguments": {args}}}'
+
+
+def _mm(*calls: tuple[str, str], end: str = "\n" + CLOSE) -> str:
+    return OPEN + "".join(f'\n{{"name": "{n}", "arguments": {a}}}' for n, a in calls) + end
 
 
 def _read(parser, text):
@@ -63,7 +69,18 @@ def test_granite_20b_fc_calls_and_content():
                  _fc("f", "{}"))[1] == [("f", {})]
 
 
+def test_minimax_calls_and_content():
+    text = "Let me check." + _mm(("get_weather", '{"city": "Paris"}'), ("get_time", "{}")) + "\nDone."
+    assert _read(MINIMAX, text) == ("Let me check.\nDone.", [("get_weather", {"city": "Paris"}), ("get_time", {})])
+    # </tool_calls> may be missing at the very end; a second block is read too
+    assert _read(MINIMAX, _mm(("f", "{}"), end="\n")) == (None, [("f", {})])
+    assert _read(MINIMAX, _mm(("f", "{}")) + " and " + _mm(("g", '{"a": 1}')))[1] == [("f", {}), ("g", {"a": 1})]
+
+
 @pytest.mark.parametrize("parser,text", [
+    (MINIMAX, "No calls."), (MINIMAX, OPEN), (MINIMAX, OPEN + CLOSE), (MINIMAX, _mm(("f", "{broken"))),
+    (MINIMAX, _mm(("f", "{}"), end=" x " + CLOSE)), (MINIMAX, f'{OPEN}[{{"name": "f", "arguments": {{}}}}]{CLOSE}'),
+    (MINIMAX, _mm(("f", "3"))), (MINIMAX, _mm(("f", "{}"), end="\n{")),
     (INTERN, "No calls."), (INTERN, START), (INTERN, _intern("f", "{broken")), (INTERN, _intern("f", "[1]")),
     (INTERN, f"{START}[1]{END}"), (INTERN, f'{START}{{"parameters": {{}}}}{END}'),
     (INTERN, _intern("f", "{}", end=" and more" + END)), (INTERN, _intern("f", "{}", end="<|action_e")),
@@ -88,6 +105,10 @@ ANSWERS = [  # parser, the model's text, the content a stream sends (None: the t
     (GRANITE, _fc("f", '{"a": [1, {"b": null}]}') + " Done.", "Done.", 1),
     (GRANITE, "a <function_ call> and <function> tags", None, 0),
     (GRANITE, _fc("f", '{"a": 1}') + "\n" + _fc("g", '{"a": "b"'), None, LATE),
+    (MINIMAX, "Sure. " + _mm(("get_weather", '{"city":"Par\\u00eds","days":12}'), ("g", '{"x": [1.50, null]}')) + " ok",
+     "Sure. ok", 2),
+    (MINIMAX, "a <tool_call> and <tool_calls tag", None, 0),
+    (MINIMAX, _mm(("f", '{"a": 1}'), ("g", '{"a": "b"'), end=""), None, LATE),
 ]
 
 
@@ -106,16 +127,22 @@ def test_streamed_in_every_split(parser, text, content, want):
     (GRANITE, 'Hi <function_ca', []),
     (GRANITE, _fc("a", '{"x": 1}') + f'\n{FC} {{"name": "b", "arguments": {{"y": "z',
      [("a", '{"x": 1}'), ("b", '{"y": "z')]),
+    (MINIMAX, 'Hi <tool_cal', []),
+    (MINIMAX, _mm(("a", '{"x": 1}'), end="") + '\n{"name": "b", "arguments": {"y": "z', [("a", '{"x": 1}'), ("b", '{"y": "z')]),
 ])
 def test_arguments_go_out_as_they_are_written(parser, text, sent):
     assert sent_by_now(parser, text) == sent
 
 
 @settings(max_examples=150, deadline=None)
-@given(granite=st.booleans(), calls=JSON_CALLS, spacing=JSON_SPACINGS, prefix=st.text(alphabet="ab .\n", max_size=5),
+@given(which=st.integers(0, 2), calls=JSON_CALLS, spacing=JSON_SPACINGS, prefix=st.text(alphabet="ab .\n", max_size=5),
        data=st.data())
-def test_any_calls_any_split(granite, calls, spacing, prefix, data):
-    if granite:
+def test_any_calls_any_split(which, calls, spacing, prefix, data):
+    if which == 2:
+        parser = MINIMAX
+        text = prefix + OPEN + "".join("\n" + json.dumps({"name": n, "arguments": a}, **spacing) for n, a in calls)
+        text += "\n" + CLOSE
+    elif which == 1:
         parser = GRANITE
         text = prefix + "\n".join(f"{FC} " + json.dumps({"name": n, "arguments": a}, **spacing) for n, a in calls)
     else:
@@ -127,7 +154,7 @@ def test_any_calls_any_split(granite, calls, spacing, prefix, data):
 
 @settings(max_examples=200, deadline=None)
 @given(answer=st.sampled_from([a for a in ANSWERS if a[3] != 0]), edits=st.lists(st.tuples(
-    st.integers(0, 10**4), st.integers(0, 2), st.sampled_from(list('{}[]",: \n1.') + [START, END, FC])),
+    st.integers(0, 10**4), st.integers(0, 2), st.sampled_from(list('{}[]",: \n1.') + [START, END, FC, OPEN, CLOSE])),
     min_size=1, max_size=2), data=st.data())
 def test_edited_answers_any_split(answer, edits, data):
     agrees_when_cut(answer[0], edited(answer[1], edits), data)

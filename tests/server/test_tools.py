@@ -218,6 +218,17 @@ OTHER_FORMATS = [  # --tool-call-parser, an answer calling get_weather(city="Par
                  '{"zone": "UTC"}}<|action_end|>', "Let me see."),
     ("granite-20b-fc", 'Let me see.<function_call> {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
                        '\n<function_call> {"name": "get_time", "arguments": {"zone": "UTC"}}', "Let me see."),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+                       '{"name": "get_time", "parameters": {"zone": "UTC"}}]', ""),
+    ("hunyuan_a13b", 'Let me see.<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+                     '{"name": "get_time", "arguments": {"zone": "UTC"}}]</tool_calls>', "Let me see."),
+    ("xlam", 'Let me see.\n```json\n[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+             '{"name": "get_time", "arguments": {"zone": "UTC"}}]\n```', "Let me see.\n"),
+    ("seed_oss", "Let me see.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                 "<parameter=days>\n3\n</parameter>\n</function>\n</seed:tool_call><seed:tool_call>\n"
+                 "<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</seed:tool_call>",
+     "Let me see.\n"),    ("minimax", 'Let me see.<tool_calls>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+                '{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_calls>', "Let me see."),
 ]
 IDS = {"kimi_k2": r"functions\.get_(weather:0|time:1)"}  # the model's own ids (vLLM's kimi_k2)
 
@@ -225,7 +236,8 @@ IDS = {"kimi_k2": r"functions\.get_(weather:0|time:1)"}  # the model's own ids (
 @pytest.mark.parametrize("parser, text, content", OTHER_FORMATS)
 def test_other_formats_through_the_server(tool_model_dir, parser, text, content):
     """vLLM's other --tool-call-parser names: the same calls read back, streamed and not
-    (qwen3_coder's "3" an integer because the request's schema says days is one)."""
+    (qwen3_coder's, qwen3_xml's and seed_oss' "3" an integer because the request's schema says
+    days is one)."""
     with live_server(tool_model_dir, engine_kw={"max_model_len": 512}, tool_call_parser=parser,
                      enable_auto_tool_choice=True) as server:
         body = {"tools": TOOLS, "guided_choice": [text], "max_tokens": 300}
