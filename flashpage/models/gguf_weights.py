@@ -6,11 +6,16 @@ Names: llama.cpp's (gguf-py's tensor_mapping.py) back to HF's, per GGUF architec
 where they differ: ``ffn_norm`` is Gemma 2/3's pre_feedforward_layernorm (their
 post_attention_layernorm is ``post_attention_norm``), Phi-3's fused ``ffn_up`` is
 gate_up_proj (and ``attn_qkv`` qkv_proj), StarCoder2's ``ffn_up`` / ``ffn_down`` are
-c_fc / c_proj.
+c_fc / c_proj, Granite MoE's ``ffn_gate_inp`` its router and ``ffn_down_shexp`` its shared
+MLP's output_linear.
 
 Values, as the converter changed them:
 
-- llama / mistral (Mixtral too): q/k rows permuted into interleaved rope pairs; undone;
+- llama / mistral (Mixtral too), granite / granitemoe, olmo: q/k rows permuted into
+  interleaved rope pairs; undone (Command-R / Cohere2 rotate interleaved pairs in
+  transformers too, and OLMo2 / OLMoE halves in llama.cpp too: stored as they are);
+- granitemoe: the experts' ``input_linear`` split into ``ffn_{gate,up}_exps`` (stacked
+  experts below) and the shared MLP's into ``ffn_{gate,up}_shexp``; the latter joined again;
 - Gemma 1/2/3: every ``*norm.weight`` stored as 1 + w (transformers' GemmaRMSNorm scales by
   1 + w, llama.cpp's by the weight); the 1 is taken off again (models/gemma.py adds it);
 - MoE (Mixtral under ``llama``, ``qwen2moe``, ``qwen3moe``): each layer's experts stacked
@@ -68,11 +73,18 @@ _ARCH_LAYER_NAMES = {
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
     "starcoder2": {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+    "granitemoe": {"ffn_gate_inp": "block_sparse_moe.router.layer",
+                   "ffn_down_shexp": "shared_mlp.output_linear"},
 }
+# Granite MoE's shared MLP: the converter splits its input_linear (gate rows, then up);
+# joined again
+_GRANITE_SHARED = ("ffn_gate_shexp", "ffn_up_shexp")
 # stacked experts: blk.{i}.<key>.weight -> the projections it holds
 _EXPERTS = {"ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",),
             "ffn_down_exps": ("down_proj",), "ffn_gate_up_exps": ("gate_proj", "up_proj")}
-_PERMUTED = ("llama", "mistral")  # llama.cpp permutes q/k for these (LlamaModel.permute)
+# llama.cpp permutes q/k for these (LlamaModel.permute; GraniteModel is a LlamaModel,
+# OlmoModel permutes as it does)
+_PERMUTED = ("llama", "mistral", "granite", "granitemoe", "olmo")
 _GEMMA = ("gemma", "gemma2", "gemma3")  # norms stored as 1 + w
 _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -155,10 +167,17 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
     except Exception as err:
         raise ModelLoadError(f"{path} is corrupt or not a GGUF file: {err}") from err
     arch = str(reader.fields.get("general.architecture", ""))
+    shared: dict[tuple[str, str], torch.Tensor] = {}
     for t in reader.tensors:
         if t.name in _CONFIG_TENSORS:
             continue
         parts = t.name.split(".")
+        if arch == "granitemoe" and len(parts) == 4 and parts[2] in _GRANITE_SHARED:
+            shared[parts[1], parts[2]] = _tensor(t, path)
+            if all((parts[1], k) in shared for k in _GRANITE_SHARED):
+                yield (f"model.layers.{parts[1]}.shared_mlp.input_linear.weight",
+                       torch.cat([shared.pop((parts[1], k)) for k in _GRANITE_SHARED]))
+            continue
         if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERTS and parts[3] == "weight":
             stacked = _tensor(t, path)  # [experts, rows, cols]
             projs = _EXPERTS[parts[2]]
@@ -179,3 +198,7 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
         elif arch in _GEMMA and name.endswith("norm.weight"):
             w = w - 1.0
         yield name, w
+    if shared:
+        raise ModelLoadError(f"{path}: {', '.join(f'blk.{i}.{k}.weight' for i, k in shared)} "
+                             "without its other half of Granite MoE's shared MLP "
+                             f"({' + '.join(_GRANITE_SHARED)})")

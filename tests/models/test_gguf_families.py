@@ -1,7 +1,8 @@
-"""GGUF files of Gemma 1/2/3, Phi-3, StarCoder2, Mixtral (under "llama"), Qwen2-MoE and
-Qwen3-MoE, written from tiny random transformers checkpoints the way llama.cpp's
+"""GGUF files of Gemma 1/2/3, Phi-3, StarCoder2, Mixtral (under "llama"), Qwen2-MoE,
+Qwen3-MoE, Command-R, Cohere2, OLMo, OLMo2, OLMoE, Granite and GraniteMoeShared, written from tiny random transformers checkpoints the way llama.cpp's
 convert_hf_to_gguf.py writes them (its metadata keys, gguf-py's own tensor-name map, and
-its changes to the values: Llama's permuted q/k, Gemma's norms stored as 1 + w, experts
+its changes to the values: Llama's (Granite's, OLMo's) permuted q/k, Granite MoE's split
+input_linear, Gemma's norms stored as 1 + w, experts
 stacked per layer, Phi-3's rope factors as tensors), give transformers' greedy tokens on
 the originals; the metadata llama.cpp decides without (Gemma's attention scale and window
 pattern, Qwen-MoE's top-k normalization) is read as llama.cpp reads it."""
@@ -25,6 +26,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 _GEMMA_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                    rms_norm_eps=1e-6, tie_word_embeddings=True)
+_GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.09,
+                logits_scaling=8.0)
 # name -> (GGUF architecture, transformers config class, its fields). Each is what the
 # converter can write and llama.cpp reads back: Gemma's query_pre_attn_scalar is head_dim
 # (llama.cpp scales by it below the 27B sizes), Gemma 3 has 6 layers (every 6th global),
@@ -49,6 +52,29 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         num_hidden_layers=2, num_key_value_heads=4, sliding_window=16, tie_word_embeddings=True)),
     "starcoder2": ("starcoder2", "Starcoder2Config", dict(
         num_hidden_layers=2, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=True)),
+    # Command-R's shape (tied, logits x 1/4); Command-R+'s per-head q/k LayerNorms
+    "command_r": ("command-r", "CohereConfig", dict(
+        num_hidden_layers=2, num_key_value_heads=2, logit_scale=0.25, tie_word_embeddings=True)),
+    "command_r_qk_norm": ("command-r", "CohereConfig", dict(
+        num_hidden_layers=2, num_key_value_heads=2, use_qk_norm=True, logit_scale=0.8,
+        layer_norm_eps=1e-3, tie_word_embeddings=True)),
+    # Command R7B's layout: 3 sliding layers, then a global NoPE one (llama.cpp's fixed 4)
+    "cohere2": ("cohere2", "Cohere2Config", dict(
+        num_hidden_layers=4, num_key_value_heads=2, sliding_window=8, sliding_window_pattern=4,
+        logit_scale=0.5, tie_word_embeddings=True)),
+    "olmo": ("olmo", "OlmoConfig", dict(
+        num_hidden_layers=2, num_key_value_heads=2, clip_qkv=1.0, tie_word_embeddings=True)),
+    "olmo2": ("olmo2", "Olmo2Config", dict(num_hidden_layers=2, num_key_value_heads=2)),
+    # untied: a tied head at these multipliers repeats the last token
+    "granite": ("granite", "GraniteConfig", dict(_GRANITE, num_hidden_layers=2,
+                                                 num_key_value_heads=2)),
+    # OLMoE's eps is the converter's fixed 1e-5 (OlmoeConfig's default)
+    "olmoe": ("olmoe", "OlmoeConfig", dict(
+        num_hidden_layers=2, num_key_value_heads=2, intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, rms_norm_eps=1e-5)),
+    "granitemoeshared": ("granitemoe", "GraniteMoeSharedConfig", dict(
+        _GRANITE, num_hidden_layers=2, num_key_value_heads=2, intermediate_size=32,
+        num_local_experts=6, num_experts_per_tok=3, shared_intermediate_size=48)),
 }
 MOE: dict[str, tuple[str, dict]] = {
     "mixtral": ("llama", dict(sliding_window=None)),
@@ -76,6 +102,9 @@ def _build(path: Path, name: str) -> Path:
     return src
 
 
+_PERMUTED = ("llama", "granite", "granitemoe", "olmo")  # LlamaModel.permute's q/k
+
+
 def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """convert_hf_to_gguf.py's LlamaModel.permute: HF's rope halves -> interleaved pairs."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -96,8 +125,11 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    if arch == "starcoder2":
-        w.add_layer_norm_eps(cfg.rms_norm_eps)  # TextModel: norm_epsilon
+    if arch in ("starcoder2", "command-r", "cohere2"):
+        # TextModel: norm_epsilon / layer_norm_eps (ours holds either as rms_norm_eps)
+        w.add_layer_norm_eps(cfg.rms_norm_eps)
+    elif arch == "olmo":
+        w.add_layer_norm_eps(1e-5)  # OlmoModel's fixed eps (OLMo's norms have no weights)
     else:
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch.startswith("gemma") or cfg.model_type == "qwen3_moe":  # config.json's head_dim
@@ -105,13 +137,24 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
         w.add_value_length(cfg.head_dim)
     if arch not in ("gemma", "gemma2"):  # GemmaModel / Gemma2Model write no rope base
         w.add_rope_freq_base(cfg.rope_theta)
-    if arch == "llama":  # LlamaModel
+    if arch in _PERMUTED or arch == "cohere2":  # LlamaModel (GraniteModel is one); Cohere2Model
         w.add_vocab_size(cfg.vocab_size)
-        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_rope_dimension_count(cfg.head_dim)  # Cohere2: rotary_pct 1.0 of the head
+    if arch in ("command-r", "cohere2"):
+        w.add_logit_scale(cfg.logit_scale)
+    if arch == "cohere2":
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "olmo" and cfg.clip_qkv:
+        w.add_clamp_kqv(cfg.clip_qkv)
+    if arch.startswith("granite"):  # GraniteModel: each multiplier under llama.cpp's name
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     if cfg.n_routed_experts:  # TextModel; Qwen2MoeModel
         w.add_expert_count(cfg.n_routed_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-        if arch != "llama":
+        if arch.startswith("qwen"):
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if cfg.shared_expert_intermediate_size:
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
@@ -142,12 +185,19 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
     sd = load_file(str(src / "model.safetensors"))
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, t in sd.items():
-        if name == "lm_head.weight" and arch in ("gemma", "gemma2"):
+        if name == "lm_head.weight" and (arch in ("gemma", "gemma2") or cfg.tie_word_embeddings):
             continue  # skipped: their head is the embeddings
-        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+        if arch in _PERMUTED and name.endswith("self_attn.q_proj.weight"):
             t = _permute(t, cfg.num_attention_heads)
-        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+        elif arch in _PERMUTED and name.endswith("self_attn.k_proj.weight"):
             t = _permute(t, cfg.num_key_value_heads)
+        if name.endswith("input_linear.weight"):  # GraniteMoeModel: gate and up rows apart
+            gate, up = t.split(t.shape[-2] // 2, dim=-2)
+            kinds = ("exps", "exps") if "block_sparse_moe" in name else ("shexp", "shexp")
+            bid = name.split(".")[2]
+            for proj, part, kind in (("gate", gate, kinds[0]), ("up", up, kinds[1])):
+                w.add_tensor(f"blk.{bid}.ffn_{proj}_{kind}.weight", part.contiguous().numpy())
+            continue
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             t = t + 1
         if ".experts." in name:  # stacked per layer: [experts, out, in]
@@ -243,8 +293,24 @@ def test_metadata_llama_cpp_decides(tmp_path):
     assert cfg("qwen3moe", 2, **moe, expert_weights_norm=False)["norm_topk_prob"] is False
     assert ModelConfig.from_hf(cfg("llama", 2, **moe)).architecture == "MixtralForCausalLM"
     assert ModelConfig.from_hf(cfg("llama", 2)).architecture == "LlamaForCausalLM"
-    with pytest.raises(ConfigError, match="GGUF architecture 'falcon' is not supported"):
-        cfg("falcon", 2)
+    # Cohere2: llama.cpp's fixed pattern, every 4th layer global
+    c2 = cfg("cohere2", 8, attention__sliding_window=512, logit_scale=0.25)
+    assert c2["layer_types"] == (["sliding_attention"] * 3 + ["full_attention"]) * 2
+    assert (c2["sliding_window"], c2["logit_scale"]) == (512, 0.25)
+    # Granite: an absent attention scale is llama.cpp's 1 / sqrt(head_dim), the rest 1
+    gr = cfg("granite", 2)
+    assert gr["attention_multiplier"] == 128 ** -0.5
+    assert (gr["embedding_multiplier"], gr["residual_multiplier"], gr["logits_scaling"]) == (1, 1, 1)
+    gm = cfg("granitemoe", 2, **moe)
+    assert gm["architectures"] == ["GraniteMoeForCausalLM"] and gm["num_local_experts"] == 8
+    gm = cfg("granitemoe", 2, **moe, expert_shared_feed_forward_length=96)
+    assert gm["architectures"] == ["GraniteMoeSharedForCausalLM"]
+    assert gm["shared_intermediate_size"] == 96
+    assert cfg("olmoe", 2, **moe)["norm_topk_prob"] is False
+    with pytest.raises(ConfigError, match="OLMo 3's sliding layers"):
+        cfg("olmo2", 2, attention__sliding_window=4096)
+    with pytest.raises(ConfigError, match="GGUF architecture 'bloom' is not supported"):
+        cfg("bloom", 2)
 
 
 def test_unknown_tensor_names_its_architecture(tmp_path):
