@@ -9,7 +9,7 @@ Supported GGUF architectures, as llama.cpp's convert_hf_to_gguf.py writes them: 
 (Llama, Mistral; Mixtral when it has ``expert_count``), ``mistral``, ``qwen2``, ``qwen3``,
 ``qwen2moe``, ``qwen3moe``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``starcoder2``,
 ``command-r``, ``cohere2``, ``olmo``, ``olmo2``, ``olmoe``, ``granite``, ``granitemoe``
-(GraniteMoeShared when it has ``expert_shared_feed_forward_length``). Anything else is a
+(GraniteMoeShared when it has ``expert_shared_feed_forward_length``), ``phi2``, ``gptneox``. Anything else is a
 ``ConfigError`` naming it. What the converter leaves out of the
 metadata is read as llama.cpp reads it: Gemma 2/3's attention scale from the model size
 (query_pre_attn_scalar = hidden / heads for the 27B sizes, else head_dim), Gemma 3's
@@ -63,6 +63,8 @@ _GGUF_ARCHS = {
     "olmoe": ("OlmoeForCausalLM", "olmoe"),
     "granite": ("GraniteForCausalLM", "granite"),
     "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),
+    "phi2": ("PhiForCausalLM", "phi"),
+    "gptneox": ("GPTNeoXForCausalLM", "gpt_neox"),
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # "granitemoe" with a shared MLP (expert_shared_feed_forward_length) is GraniteMoeShared
@@ -167,7 +169,7 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"{path}: GGUF metadata gives no vocab size ({arch}.vocab_size "
                           "or tokenizer.ggml.tokens)")
 
-    bias = any(n.endswith("attn_q.bias") for n in tensors)
+    bias = any(n.endswith(("attn_q.bias", "attn_qkv.bias")) for n in tensors)
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -318,6 +320,16 @@ def _family_fields(arch: str, model_type: str, get: Callable[..., Any],
         if model_type == "granitemoeshared":
             out["shared_intermediate_size"] = get("expert_shared_feed_forward_length")
         return out
+    if model_type in ("phi", "gpt_neox"):
+        # LayerNorms with bias; rotary on the first rope.dimension_count dims of each head
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        rot = get("rope.dimension_count", required=False) or head_dim
+        out = {"layer_norm_eps": get("attention.layer_norm_epsilon", required=False) or 1e-5}
+        if model_type == "phi":  # llama.cpp's Phi-2: GELU-tanh, no q/k norms
+            return out | {"partial_rotary_factor": rot / head_dim, "hidden_act": "gelu_new"}
+        parallel = get("use_parallel_residual", required=False)
+        return out | {"rotary_pct": rot / head_dim, "hidden_act": "gelu",
+                      "use_parallel_residual": True if parallel is None else bool(parallel)}
     if model_type == "starcoder2":
         return {"norm_epsilon": get("attention.layer_norm_epsilon", required=False) or 1e-5,
                 "use_bias": config["attention_bias"], "hidden_act": "gelu_pytorch_tanh",

@@ -7,13 +7,16 @@ where they differ: ``ffn_norm`` is Gemma 2/3's pre_feedforward_layernorm (their
 post_attention_layernorm is ``post_attention_norm``), Phi-3's fused ``ffn_up`` is
 gate_up_proj (and ``attn_qkv`` qkv_proj), StarCoder2's ``ffn_up`` / ``ffn_down`` are
 c_fc / c_proj, Granite MoE's ``ffn_gate_inp`` its router and ``ffn_down_shexp`` its shared
-MLP's output_linear.
+MLP's output_linear; Phi-2's and GPT-NeoX's under their own names (_ARCH_TOP_NAMES).
 
 Values, as the converter changed them:
 
 - llama / mistral (Mixtral too), granite / granitemoe, olmo: q/k rows permuted into
   interleaved rope pairs; undone (Command-R / Cohere2 rotate interleaved pairs in
   transformers too, and OLMo2 / OLMoE halves in llama.cpp too: stored as they are);
+- gptneox: ``attn_qkv`` rows [q; k; v] (GPTNeoXModel's reorder); regrouped per head
+  again, as GPT-NeoX's query_key_value holds them (models/common.regroup_qkv);
+- phi2: an older file's fused ``attn_qkv`` split into q / k / v rows;
 - granitemoe: the experts' ``input_linear`` split into ``ffn_{gate,up}_exps`` (stacked
   experts below) and the shared MLP's into ``ffn_{gate,up}_shexp``; the latter joined again;
 - Gemma 1/2/3: every ``*norm.weight`` stored as 1 + w (transformers' GemmaRMSNorm scales by
@@ -36,6 +39,7 @@ import numpy as np
 import torch
 
 from flashpage.config import ModelConfig
+from flashpage.models.common import regroup_qkv
 from flashpage.models.gguf_file import GGUFTensor
 from flashpage.models.loader import ModelLoadError
 
@@ -76,6 +80,22 @@ _ARCH_LAYER_NAMES = {
     "granitemoe": {"ffn_gate_inp": "block_sparse_moe.router.layer",
                    "ffn_down_shexp": "shared_mlp.output_linear"},
 }
+# where an architecture's HF names differ wholly: (top-level names, the layers' prefix,
+# their names); GPT-NeoX's qkv rows are also regrouped (iter_gguf)
+_ARCH_TOP_NAMES = {
+    "phi2": {"output_norm.weight": "model.final_layernorm.weight",
+             "output_norm.bias": "model.final_layernorm.bias", "output.bias": "lm_head.bias"},
+    "gptneox": {"token_embd.weight": "gpt_neox.embed_in.weight",
+                "output_norm.weight": "gpt_neox.final_layer_norm.weight",
+                "output_norm.bias": "gpt_neox.final_layer_norm.bias",
+                "output.weight": "embed_out.weight"},
+}
+_LAYER_PREFIX = {"gptneox": "gpt_neox.layers"}
+_ARCH_LAYER_NAMES.update({
+    "phi2": {"attn_output": "self_attn.dense", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"},
+    "gptneox": {"attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
+                "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"},
+})
 # Granite MoE's shared MLP: the converter splits its input_linear (gate rows, then up);
 # joined again
 _GRANITE_SHARED = ("ffn_gate_shexp", "ffn_up_shexp")
@@ -128,8 +148,9 @@ def dequantize_gguf(data: np.ndarray, qtype: str) -> torch.Tensor | None:
 def _hf_name(gguf_name: str, arch: str) -> str | None:
     """The HF name of a GGUF tensor that maps one to one (None: stacked experts, config
     tensors, or a name we do not know)."""
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
+    top = _ARCH_TOP_NAMES.get(arch, {})
+    if gguf_name in top or gguf_name in _TOP_NAMES:
+        return top.get(gguf_name) or _TOP_NAMES[gguf_name]
     if gguf_name == "rope_freqs.weight":
         return "rope_freqs"  # llama.cpp stores Llama 3.1's rope scaling as frequency factors
     parts = gguf_name.split(".")
@@ -139,7 +160,7 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     key = _ARCH_LAYER_NAMES.get(arch, {}).get(key) or _LAYER_NAMES.get(key) or ""
     if not key or kind not in ("weight", "bias"):
         return None
-    return f"model.layers.{layer}.{key}.{kind}"
+    return f"{_LAYER_PREFIX.get(arch, 'model.layers')}.{layer}.{key}.{kind}"
 
 
 def _tensor(t: GGUFTensor, path: str) -> torch.Tensor:
@@ -191,6 +212,14 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
         if name is None:
             raise ModelLoadError(f"{path}: unknown GGUF tensor {t.name!r} (architecture {arch!r})")
         w = _tensor(t, path)
+        if arch == "phi2" and parts[2:3] == ["attn_qkv"]:  # older Phi-2 files: q, k, v rows
+            for proj, part in zip("qkv", w.chunk(3), strict=True):
+                yield name.replace("qkv_proj", f"{proj}_proj"), part
+            continue
+        if arch == "gptneox" and parts[2:3] == ["attn_qkv"]:
+            # GPTNeoXModel wrote [q; k; v]; HF holds [q0 k0 v0 | q1 k1 v1 | ...] per head
+            heads = config.num_attention_heads
+            w = regroup_qkv(w, heads, w.shape[0] // (3 * heads), to_ours=False)
         if arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute_rope(w, config.num_attention_heads)
         elif arch in _PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -1,8 +1,9 @@
 """GGUF files of Gemma 1/2/3, Phi-3, StarCoder2, Mixtral (under "llama"), Qwen2-MoE,
-Qwen3-MoE, Command-R, Cohere2, OLMo, OLMo2, OLMoE, Granite and GraniteMoeShared, written from tiny random transformers checkpoints the way llama.cpp's
+Qwen3-MoE, Command-R, Cohere2, OLMo, OLMo2, OLMoE, Granite, GraniteMoeShared, Phi-2 and
+GPT-NeoX, written from tiny random transformers checkpoints the way llama.cpp's
 convert_hf_to_gguf.py writes them (its metadata keys, gguf-py's own tensor-name map, and
 its changes to the values: Llama's (Granite's, OLMo's) permuted q/k, Granite MoE's split
-input_linear, Gemma's norms stored as 1 + w, experts
+input_linear, GPT-NeoX's qkv rows reordered, Gemma's norms stored as 1 + w, experts
 stacked per layer, Phi-3's rope factors as tensors), give transformers' greedy tokens on
 the originals; the metadata llama.cpp decides without (Gemma's attention scale and window
 pattern, Qwen-MoE's top-k normalization) is read as llama.cpp reads it."""
@@ -17,6 +18,7 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
+from flashpage.models.common import regroup_qkv
 from flashpage.models.gguf_config import gguf_to_hf_config
 from tests.conftest import _save_tiny_routed, build_tiny_moe_checkpoint, hf_greedy, random_prompts
 
@@ -75,6 +77,13 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "granitemoeshared": ("granitemoe", "GraniteMoeSharedConfig", dict(
         _GRANITE, num_hidden_layers=2, num_key_value_heads=2, intermediate_size=32,
         num_local_experts=6, num_experts_per_tok=3, shared_intermediate_size=48)),
+    # Phi-2's shape: half of each head rotated, biased head; the converter's 4 x hidden MLP
+    "phi2": ("phi2", "PhiConfig", dict(num_hidden_layers=2, intermediate_size=256)),
+    # Pythia's: a quarter of each head rotated, parallel residual (and GPT-NeoX-20B's not)
+    "gptneox": ("gptneox", "GPTNeoXConfig", dict(num_hidden_layers=2, intermediate_size=256)),
+    "gptneox_sequential": ("gptneox", "GPTNeoXConfig", dict(
+        num_hidden_layers=2, intermediate_size=256, use_parallel_residual=False,
+        rotary_pct=0.5, tie_word_embeddings=True)),
 }
 MOE: dict[str, tuple[str, dict]] = {
     "mixtral": ("llama", dict(sliding_window=None)),
@@ -125,7 +134,7 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    if arch in ("starcoder2", "command-r", "cohere2"):
+    if arch in ("starcoder2", "command-r", "cohere2", "phi2", "gptneox"):
         # TextModel: norm_epsilon / layer_norm_eps (ours holds either as rms_norm_eps)
         w.add_layer_norm_eps(cfg.rms_norm_eps)
     elif arch == "olmo":
@@ -135,7 +144,7 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
     if arch.startswith("gemma") or cfg.model_type == "qwen3_moe":  # config.json's head_dim
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    if arch not in ("gemma", "gemma2"):  # GemmaModel / Gemma2Model write no rope base
+    if arch not in ("gemma", "gemma2", "phi2", "gptneox"):  # these write no rope base
         w.add_rope_freq_base(cfg.rope_theta)
     if arch in _PERMUTED or arch == "cohere2":  # LlamaModel (GraniteModel is one); Cohere2Model
         w.add_vocab_size(cfg.vocab_size)
@@ -144,6 +153,10 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
         w.add_logit_scale(cfg.logit_scale)
     if arch == "cohere2":
         w.add_sliding_window(cfg.sliding_window)
+    if arch in ("phi2", "gptneox"):  # Phi2Model / GPTNeoXModel: the rotated dims of a head
+        w.add_rope_dimension_count(int(cfg.partial_rotary_factor * cfg.head_dim))
+    if arch == "gptneox":
+        w.add_parallel_residual(cfg.use_parallel_residual)
     if arch == "olmo" and cfg.clip_qkv:
         w.add_clamp_kqv(cfg.clip_qkv)
     if arch.startswith("granite"):  # GraniteModel: each multiplier under llama.cpp's name
@@ -191,6 +204,8 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
             t = _permute(t, cfg.num_attention_heads)
         elif arch in _PERMUTED and name.endswith("self_attn.k_proj.weight"):
             t = _permute(t, cfg.num_key_value_heads)
+        if arch == "gptneox" and "query_key_value" in name:  # GPTNeoXModel: [q; k; v]
+            t = regroup_qkv(t, cfg.num_attention_heads, cfg.head_dim, to_ours=True)
         if name.endswith("input_linear.weight"):  # GraniteMoeModel: gate and up rows apart
             gate, up = t.split(t.shape[-2] // 2, dim=-2)
             kinds = ("exps", "exps") if "block_sparse_moe" in name else ("shexp", "shexp")
