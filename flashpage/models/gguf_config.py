@@ -9,7 +9,7 @@ Supported GGUF architectures, as llama.cpp's convert_hf_to_gguf.py writes them: 
 (Llama, Mistral; Mixtral when it has ``expert_count``), ``mistral``, ``qwen2``, ``qwen3``,
 ``qwen2moe``, ``qwen3moe``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``starcoder2``,
 ``command-r``, ``cohere2``, ``olmo``, ``olmo2``, ``olmoe``, ``granite``, ``granitemoe``
-(GraniteMoeShared when it has ``expert_shared_feed_forward_length``), ``phi2``, ``gptneox``. Anything else is a
+(GraniteMoeShared when it has ``expert_shared_feed_forward_length``), ``phi2``, ``gptneox``, ``gpt2``, ``falcon``. Anything else is a
 ``ConfigError`` naming it. What the converter leaves out of the
 metadata is read as llama.cpp reads it: Gemma 2/3's attention scale from the model size
 (query_pre_attn_scalar = hidden / heads for the 27B sizes, else head_dim), Gemma 3's
@@ -65,6 +65,8 @@ _GGUF_ARCHS = {
     "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),
     "phi2": ("PhiForCausalLM", "phi"),
     "gptneox": ("GPTNeoXForCausalLM", "gpt_neox"),
+    "gpt2": ("GPT2LMHeadModel", "gpt2"),
+    "falcon": ("FalconForCausalLM", "falcon"),
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # "granitemoe" with a shared MLP (expert_shared_feed_forward_length) is GraniteMoeShared
@@ -330,6 +332,23 @@ def _family_fields(arch: str, model_type: str, get: Callable[..., Any],
         parallel = get("use_parallel_residual", required=False)
         return out | {"rotary_pct": rot / head_dim, "hidden_act": "gelu",
                       "use_parallel_residual": True if parallel is None else bool(parallel)}
+    if model_type == "gpt2":  # GPT2Config's names; llama.cpp's GELU-tanh (gelu_new)
+        return {"n_positions": config["max_position_embeddings"],
+                "n_inner": config["intermediate_size"], "activation_function": "gelu_new",
+                "layer_norm_epsilon": get("attention.layer_norm_epsilon", required=False) or 1e-5}
+    if model_type == "falcon":
+        # llama.cpp's Falcon layer is always parallel: one norm (7B: MQA; Falcon2-11B: GQA)
+        # or two (40B / 180B: attn_norm_2 = ln_mlp); more KV heads than one or two norms
+        # is the new decoder architecture
+        kv, two = config["num_key_value_heads"], "blk.0.attn_norm_2.weight" in tensors
+        new = two or kv > 1
+        out = {"layer_norm_epsilon": get("attention.layer_norm_epsilon", required=False) or 1e-5,
+               "bias": config["attention_bias"], "parallel_attn": True, "alibi": False,
+               "activation": "gelu", "new_decoder_architecture": new,
+               "ffn_hidden_size": config["intermediate_size"]}
+        if new:
+            return out | {"num_kv_heads": kv, "num_ln_in_parallel_attn": 2 if two else 1}
+        return out | {"multi_query": True}
     if model_type == "starcoder2":
         return {"norm_epsilon": get("attention.layer_norm_epsilon", required=False) or 1e-5,
                 "use_bias": config["attention_bias"], "hidden_act": "gelu_pytorch_tanh",

@@ -7,7 +7,7 @@ where they differ: ``ffn_norm`` is Gemma 2/3's pre_feedforward_layernorm (their
 post_attention_layernorm is ``post_attention_norm``), Phi-3's fused ``ffn_up`` is
 gate_up_proj (and ``attn_qkv`` qkv_proj), StarCoder2's ``ffn_up`` / ``ffn_down`` are
 c_fc / c_proj, Granite MoE's ``ffn_gate_inp`` its router and ``ffn_down_shexp`` its shared
-MLP's output_linear; Phi-2's and GPT-NeoX's under their own names (_ARCH_TOP_NAMES).
+MLP's output_linear; Phi-2's, GPT-NeoX's, GPT-2's and Falcon's under their own names (_ARCH_TOP_NAMES).
 
 Values, as the converter changed them:
 
@@ -16,6 +16,9 @@ Values, as the converter changed them:
   transformers too, and OLMo2 / OLMoE halves in llama.cpp too: stored as they are);
 - gptneox: ``attn_qkv`` rows [q; k; v] (GPTNeoXModel's reorder); regrouped per head
   again, as GPT-NeoX's query_key_value holds them (models/common.regroup_qkv);
+- falcon: ``attn_qkv`` rows [q; k; v] (FalconModel's "jploski" layout); regrouped per KV
+  group again, as Falcon's query_key_value holds them;
+- gpt2: the Conv1D weights (c_attn, c_proj, c_fc) transposed back to [in, out];
 - phi2: an older file's fused ``attn_qkv`` split into q / k / v rows;
 - granitemoe: the experts' ``input_linear`` split into ``ffn_{gate,up}_exps`` (stacked
   experts below) and the shared MLP's into ``ffn_{gate,up}_shexp``; the latter joined again;
@@ -89,13 +92,30 @@ _ARCH_TOP_NAMES = {
                 "output_norm.weight": "gpt_neox.final_layer_norm.weight",
                 "output_norm.bias": "gpt_neox.final_layer_norm.bias",
                 "output.weight": "embed_out.weight"},
+    "gpt2": {"token_embd.weight": "transformer.wte.weight",
+             "position_embd.weight": "transformer.wpe.weight",
+             "output_norm.weight": "transformer.ln_f.weight",
+             "output_norm.bias": "transformer.ln_f.bias"},
+    "falcon": {"token_embd.weight": "transformer.word_embeddings.weight",
+               "output_norm.weight": "transformer.ln_f.weight",
+               "output_norm.bias": "transformer.ln_f.bias"},
 }
-_LAYER_PREFIX = {"gptneox": "gpt_neox.layers"}
+_LAYER_PREFIX = {"gptneox": "gpt_neox.layers", "gpt2": "transformer.h", "falcon": "transformer.h"}
 _ARCH_LAYER_NAMES.update({
     "phi2": {"attn_output": "self_attn.dense", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"},
     "gptneox": {"attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
                 "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"},
+    "gpt2": {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+             "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+    # Falcon-40B's two norms: gguf-py maps ln_mlp to attn_norm and ln_attn to attn_norm_2
+    # (llama.cpp's attention reads attn_norm_2 where there is one); attn_norm is
+    # input_layernorm where it is alone (iter_gguf)
+    "falcon": {"attn_norm_2": "ln_attn", "attn_qkv": "self_attention.query_key_value",
+               "attn_output": "self_attention.dense", "ffn_up": "mlp.dense_h_to_4h",
+               "ffn_down": "mlp.dense_4h_to_h"},
 })
+# GPT-2's Conv1D weights ([in, out]), which GPT2Model transposed
+_GPT2_CONV1D = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 # Granite MoE's shared MLP: the converter splits its input_linear (gate rows, then up);
 # joined again
 _GRANITE_SHARED = ("ffn_gate_shexp", "ffn_up_shexp")
@@ -220,6 +240,13 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
             # GPTNeoXModel wrote [q; k; v]; HF holds [q0 k0 v0 | q1 k1 v1 | ...] per head
             heads = config.num_attention_heads
             w = regroup_qkv(w, heads, w.shape[0] // (3 * heads), to_ours=False)
+        elif arch == "falcon" and parts[2:3] == ["attn_qkv"]:
+            # FalconModel wrote [q; k; v]; HF holds each KV group's q heads, then its k, v
+            w = regroup_qkv(w, config.num_key_value_heads, config.head_dim, to_ours=False)
+        elif arch == "falcon" and parts[2:3] == ["attn_norm"] and config.parallel_norms == 2:
+            name = name.replace(".input_layernorm.", ".ln_mlp.")
+        elif arch == "gpt2" and parts[2:3] != [] and parts[2] in _GPT2_CONV1D and parts[3] == "weight":
+            w = w.t().contiguous()
         if arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute_rope(w, config.num_attention_heads)
         elif arch in _PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -1,9 +1,10 @@
 """GGUF files of Gemma 1/2/3, Phi-3, StarCoder2, Mixtral (under "llama"), Qwen2-MoE,
-Qwen3-MoE, Command-R, Cohere2, OLMo, OLMo2, OLMoE, Granite, GraniteMoeShared, Phi-2 and
-GPT-NeoX, written from tiny random transformers checkpoints the way llama.cpp's
+Qwen3-MoE, Command-R, Cohere2, OLMo, OLMo2, OLMoE, Granite, GraniteMoeShared, Phi-2,
+GPT-NeoX, GPT-2 and Falcon, written from tiny random transformers checkpoints the way llama.cpp's
 convert_hf_to_gguf.py writes them (its metadata keys, gguf-py's own tensor-name map, and
 its changes to the values: Llama's (Granite's, OLMo's) permuted q/k, Granite MoE's split
-input_linear, GPT-NeoX's qkv rows reordered, Gemma's norms stored as 1 + w, experts
+input_linear, GPT-NeoX's and Falcon's qkv rows reordered,
+GPT-2's Conv1D weights transposed, Gemma's norms stored as 1 + w, experts
 stacked per layer, Phi-3's rope factors as tensors), give transformers' greedy tokens on
 the originals; the metadata llama.cpp decides without (Gemma's attention scale and window
 pattern, Qwen-MoE's top-k normalization) is read as llama.cpp reads it."""
@@ -84,6 +85,11 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "gptneox_sequential": ("gptneox", "GPTNeoXConfig", dict(
         num_hidden_layers=2, intermediate_size=256, use_parallel_residual=False,
         rotary_pct=0.5, tie_word_embeddings=True)),
+    "gpt2": ("gpt2", "GPT2Config", dict(num_hidden_layers=2)),
+    # Falcon-7B's layer (MQA, one norm) and Falcon-40B's (GQA, ln_attn and ln_mlp)
+    "falcon_7b": ("falcon", "FalconConfig", dict(num_hidden_layers=2, multi_query=True)),
+    "falcon_40b": ("falcon", "FalconConfig", dict(
+        num_hidden_layers=2, new_decoder_architecture=True, num_kv_heads=2)),
 }
 MOE: dict[str, tuple[str, dict]] = {
     "mixtral": ("llama", dict(sliding_window=None)),
@@ -107,6 +113,16 @@ def _build(path: Path, name: str) -> Path:
                 sd[n] = torch.rand(t.shape, generator=g) - 0.5
             elif "embed" in n:
                 sd[n] = torch.randn(t.shape, generator=g) * 0.02
+        save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    if cls_name in ("GPT2Config", "FalconConfig"):  # LayerNorms named ln_*: 0.5-1.5 as
+        # test_gpt2_bigcode's (conftest's builder widens only "norm" names)
+        from safetensors.torch import load_file, save_file
+
+        sd = load_file(str(src / "model.safetensors"))
+        g = torch.Generator().manual_seed(1)
+        for n, t in sd.items():
+            if ".ln_" in n and n.endswith(".weight"):
+                sd[n] = torch.rand(t.shape, generator=g) + 0.5
         save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
     return src
 
@@ -134,7 +150,7 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    if arch in ("starcoder2", "command-r", "cohere2", "phi2", "gptneox"):
+    if arch in ("starcoder2", "command-r", "cohere2", "phi2", "gptneox", "gpt2", "falcon"):
         # TextModel: norm_epsilon / layer_norm_eps (ours holds either as rms_norm_eps)
         w.add_layer_norm_eps(cfg.rms_norm_eps)
     elif arch == "olmo":
@@ -144,7 +160,7 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
     if arch.startswith("gemma") or cfg.model_type == "qwen3_moe":  # config.json's head_dim
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    if arch not in ("gemma", "gemma2", "phi2", "gptneox"):  # these write no rope base
+    if arch not in ("gemma", "gemma2", "phi2", "gptneox", "gpt2", "falcon"):  # no rope base
         w.add_rope_freq_base(cfg.rope_theta)
     if arch in _PERMUTED or arch == "cohere2":  # LlamaModel (GraniteModel is one); Cohere2Model
         w.add_vocab_size(cfg.vocab_size)
@@ -206,6 +222,10 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
             t = _permute(t, cfg.num_key_value_heads)
         if arch == "gptneox" and "query_key_value" in name:  # GPTNeoXModel: [q; k; v]
             t = regroup_qkv(t, cfg.num_attention_heads, cfg.head_dim, to_ours=True)
+        if arch == "falcon" and "query_key_value" in name:  # FalconModel: [q; k; v]
+            t = regroup_qkv(t, cfg.num_key_value_heads, cfg.head_dim, to_ours=True)
+        if arch == "gpt2" and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+            t = t.t().contiguous()  # GPT2Model: Conv1D's [in, out] transposed
         if name.endswith("input_linear.weight"):  # GraniteMoeModel: gate and up rows apart
             gate, up = t.split(t.shape[-2] // 2, dim=-2)
             kinds = ("exps", "exps") if "block_sparse_moe" in name else ("shexp", "shexp")
@@ -324,6 +344,10 @@ def test_metadata_llama_cpp_decides(tmp_path):
     assert cfg("olmoe", 2, **moe)["norm_topk_prob"] is False
     with pytest.raises(ConfigError, match="OLMo 3's sliding layers"):
         cfg("olmo2", 2, attention__sliding_window=4096)
+    # Falcon: more than one KV head with one norm is Falcon2-11B's new decoder layer
+    f = cfg("falcon", 2)
+    assert (f["new_decoder_architecture"], f["num_kv_heads"], f["num_ln_in_parallel_attn"]) == (
+        True, 8, 1)
     with pytest.raises(ConfigError, match="GGUF architecture 'bloom' is not supported"):
         cfg("bloom", 2)
 
