@@ -387,3 +387,48 @@ def test_moe_sizes_from_the_tensors_without_their_keys(tmp_path):
     w.close()
     d = gguf_to_hf_config(path)
     assert (d["moe_intermediate_size"], d["shared_expert_intermediate_size"]) == (24, 40)
+
+
+def test_tokenizer_of_an_architecture_transformers_does_not_read(tmp_path, monkeypatch):
+    """transformers' AutoTokenizer refuses a GGUF of an architecture whose config it does not
+    read (command-r here); the tokenizer is still built from the file's vocabulary, equal
+    to the one AutoTokenizer builds from the same vocabulary under qwen2, chat template kept."""
+    from flashpage.engine.tokenizer import load_tokenizer
+    from flashpage.models.loader import resolve_model
+
+    monkeypatch.setenv("FLASHPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    tokens = ["a", "b", "c", "ab", "abc", "<s>", "</s>", "Ġ", "Ġab"]
+    toks = {}
+    for arch in ("qwen2", "command-r"):
+        path = tmp_path / f"{arch}.gguf"
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_block_count(1)
+        w.add_embedding_length(64)
+        w.add_feed_forward_length(128)
+        w.add_head_count(4)
+        w.add_logit_scale(0.25)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * 5 + [3, 3] + [1] * 2)
+        w.add_token_merges(["a b", "ab c", "Ġ ab"])
+        w.add_bos_token_id(5)
+        w.add_eos_token_id(6)
+        w.add_chat_template("{{ messages[0]['content'] }}</s>")
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        if arch == "command-r":
+            from transformers import AutoTokenizer
+
+            with pytest.raises(ValueError, match="command-r is not supported"):
+                AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+        toks[arch] = load_tokenizer(resolve_model(str(path)))
+    text = "abc ab cab"
+    ids = toks["command-r"](text).input_ids
+    assert ids == toks["qwen2"](text).input_ids and 4 in ids and 8 in ids
+    assert toks["command-r"].eos_token == "</s>"
+    chat = toks["command-r"].apply_chat_template([{"role": "user", "content": "ab"}],
+                                                 tokenize=False)
+    assert chat == "ab</s>"
