@@ -12,7 +12,7 @@ MLP's output_linear; Phi-2's, GPT-NeoX's, GPT-2's and Falcon's under their own n
 Values, as the converter changed them:
 
 - llama / mistral (Mixtral too), granite / granitemoe, olmo: q/k rows permuted into
-  interleaved rope pairs; undone (Command-R / Cohere2 rotate interleaved pairs in
+  interleaved rope pairs (their biases too, but OLMo's); undone (Command-R / Cohere2 rotate interleaved pairs in
   transformers too, and OLMo2 / OLMoE halves in llama.cpp too: stored as they are);
 - gptneox: ``attn_qkv`` rows [q; k; v] (GPTNeoXModel's reorder); regrouped per head
   again, as GPT-NeoX's query_key_value holds them (models/common.regroup_qkv);
@@ -125,6 +125,7 @@ _EXPERTS = {"ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",),
 # llama.cpp permutes q/k for these (LlamaModel.permute; GraniteModel is a LlamaModel,
 # OlmoModel permutes as it does)
 _PERMUTED = ("llama", "mistral", "granite", "granitemoe", "olmo")
+_BIAS_KEPT = ("olmo",)  # OlmoModel permutes the q/k weights only, LlamaModel their biases too
 _GEMMA = ("gemma", "gemma2", "gemma3")  # norms stored as 1 + w
 _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -247,7 +248,9 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
             name = name.replace(".input_layernorm.", ".ln_mlp.")
         elif arch == "gpt2" and parts[2:3] != [] and parts[2] in _GPT2_CONV1D and parts[3] == "weight":
             w = w.t().contiguous()
-        if arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in _BIAS_KEPT and name.endswith("_proj.bias"):
+            pass
+        elif arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute_rope(w, config.num_attention_heads)
         elif arch in _PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute_rope(w, config.num_key_value_heads)

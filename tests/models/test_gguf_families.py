@@ -29,7 +29,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 _GEMMA_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                    rms_norm_eps=1e-6, tie_word_embeddings=True)
-_GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.09,
+# Granite's multipliers; an attention scale large enough that q/k errors (a bias left
+# permuted) change the tokens
+_GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.5,
                 logits_scaling=8.0)
 # name -> (GGUF architecture, transformers config class, its fields). Each is what the
 # converter can write and llama.cpp reads back: Gemma's query_pre_attn_scalar is head_dim
@@ -65,12 +67,15 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "cohere2": ("cohere2", "Cohere2Config", dict(
         num_hidden_layers=4, num_key_value_heads=2, sliding_window=8, sliding_window_pattern=4,
         logit_scale=0.5, tie_word_embeddings=True)),
+    # biased q/k/v/o: OlmoModel permutes the q/k weights but not their biases
     "olmo": ("olmo", "OlmoConfig", dict(
-        num_hidden_layers=2, num_key_value_heads=2, clip_qkv=1.0, tie_word_embeddings=True)),
+        num_hidden_layers=2, num_key_value_heads=2, clip_qkv=1.0, tie_word_embeddings=True,
+        attention_bias=True)),
     "olmo2": ("olmo2", "Olmo2Config", dict(num_hidden_layers=2, num_key_value_heads=2)),
     # untied: a tied head at these multipliers repeats the last token
+    # biased q/k/v/o: LlamaModel permutes the q/k biases as the weights
     "granite": ("granite", "GraniteConfig", dict(_GRANITE, num_hidden_layers=2,
-                                                 num_key_value_heads=2)),
+                                                 num_key_value_heads=2, attention_bias=True)),
     # OLMoE's eps is the converter's fixed 1e-5 (OlmoeConfig's default)
     "olmoe": ("olmoe", "OlmoeConfig", dict(
         num_hidden_layers=2, num_key_value_heads=2, intermediate_size=32, num_experts=8,
@@ -162,7 +167,7 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
         w.add_value_length(cfg.head_dim)
     if arch not in ("gemma", "gemma2", "phi2", "gptneox", "gpt2", "falcon"):  # no rope base
         w.add_rope_freq_base(cfg.rope_theta)
-    if arch in _PERMUTED or arch == "cohere2":  # LlamaModel (GraniteModel is one); Cohere2Model
+    if arch in ("llama", "granite", "granitemoe", "cohere2"):  # LlamaModel (GraniteModel is one), Cohere2Model
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(cfg.head_dim)  # Cohere2: rotary_pct 1.0 of the head
     if arch in ("command-r", "cohere2"):
@@ -216,9 +221,11 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
     for name, t in sd.items():
         if name == "lm_head.weight" and (arch in ("gemma", "gemma2") or cfg.tie_word_embeddings):
             continue  # skipped: their head is the embeddings
-        if arch in _PERMUTED and name.endswith("self_attn.q_proj.weight"):
+        # LlamaModel permutes the q/k biases too, OlmoModel the weights only
+        kinds = ("weight",) if arch == "olmo" else ("weight", "bias")
+        if arch in _PERMUTED and name.endswith(tuple(f"q_proj.{k}" for k in kinds)):
             t = _permute(t, cfg.num_attention_heads)
-        elif arch in _PERMUTED and name.endswith("self_attn.k_proj.weight"):
+        elif arch in _PERMUTED and name.endswith(tuple(f"k_proj.{k}" for k in kinds)):
             t = _permute(t, cfg.num_key_value_heads)
         if arch == "gptneox" and "query_key_value" in name:  # GPTNeoXModel: [q; k; v]
             t = regroup_qkv(t, cfg.num_attention_heads, cfg.head_dim, to_ours=True)
