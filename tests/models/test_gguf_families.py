@@ -339,6 +339,8 @@ def test_metadata_llama_cpp_decides(tmp_path):
     c2 = cfg("cohere2", 8, attention__sliding_window=512, logit_scale=0.25)
     assert c2["layer_types"] == (["sliding_attention"] * 3 + ["full_attention"]) * 2
     assert (c2["sliding_window"], c2["logit_scale"]) == (512, 0.25)
+    with pytest.raises(ConfigError, match=r"cohere2.rope.dimension_count 64 \(a partial rotary\)"):
+        cfg("cohere2", 4, attention__sliding_window=8, logit_scale=0.25, rope__dimension_count=64)
     # Granite: an absent attention scale is llama.cpp's 1 / sqrt(head_dim), the rest 1
     gr = cfg("granite", 2)
     assert gr["attention_multiplier"] == 128 ** -0.5
