@@ -97,7 +97,18 @@ def _gguf_tokenizer(path: str) -> Any:
         except Exception:  # a damaged cache: convert again below
             pass
     folder, name = os.path.split(path)
-    tok = AutoTokenizer.from_pretrained(folder or ".", gguf_file=name)
+    try:
+        tok = AutoTokenizer.from_pretrained(folder or ".", gguf_file=name)
+    except ValueError as e:
+        if "is not supported yet" not in str(e):
+            raise
+        # AutoTokenizer reads the file's config to pick a class, and transformers reads the
+        # GGUF configs of a few architectures only (not command-r, olmo2, granite, gemma,
+        # ...); the vocabulary itself is built from tokenizer.ggml.model whatever the
+        # architecture, which the generic fast tokenizer does
+        from transformers import PreTrainedTokenizerFast
+
+        tok = PreTrainedTokenizerFast.from_pretrained(folder or ".", gguf_file=name)
     with contextlib.suppress(OSError):  # read-only home: convert each time
         tok.save_pretrained(cache)
     return tok

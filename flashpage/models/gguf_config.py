@@ -7,12 +7,16 @@ GGUF model goes through the same validation as a ``config.json`` one.
 
 Supported GGUF architectures, as llama.cpp's convert_hf_to_gguf.py writes them: ``llama``
 (Llama, Mistral; Mixtral when it has ``expert_count``), ``mistral``, ``qwen2``, ``qwen3``,
-``qwen2moe``, ``qwen3moe``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``starcoder2``.
-Anything else is a ``ConfigError`` naming it. What the converter leaves out of the
+``qwen2moe``, ``qwen3moe``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``starcoder2``,
+``command-r``, ``cohere2``, ``olmo``, ``olmo2``, ``olmoe``, ``granite``, ``granitemoe``
+(GraniteMoeShared when it has ``expert_shared_feed_forward_length``), ``phi2``, ``gptneox``, ``gpt2``, ``falcon``. Anything else is a
+``ConfigError`` naming it. What the converter leaves out of the
 metadata is read as llama.cpp reads it: Gemma 2/3's attention scale from the model size
 (query_pre_attn_scalar = hidden / heads for the 27B sizes, else head_dim), Gemma 3's
 window pattern (every 6th layer global), Qwen2-MoE's top-k weights unnormalized and
-Qwen3-MoE's normalized, GELU-tanh for Gemma and StarCoder2. The tensors' side (names,
+Qwen3-MoE's normalized (OLMoE's not), GELU-tanh for Gemma and StarCoder2, Cohere2's window
+pattern (every 4th layer global), Command-R+'s q/k norms from their tensors, Granite's
+absent attention scale as 1 / sqrt(head_dim) (its other multipliers as 1). The tensors' side (names,
 stacked experts, Gemma's norms stored as 1 + w, Llama's permuted q/k) is
 models/gguf_weights.py's.
 
@@ -52,13 +56,28 @@ _GGUF_ARCHS = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "starcoder2": ("Starcoder2ForCausalLM", "starcoder2"),
+    "command-r": ("CohereForCausalLM", "cohere"),
+    "cohere2": ("Cohere2ForCausalLM", "cohere2"),
+    "olmo": ("OlmoForCausalLM", "olmo"),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
+    "olmoe": ("OlmoeForCausalLM", "olmoe"),
+    "granite": ("GraniteForCausalLM", "granite"),
+    "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),
+    "phi2": ("PhiForCausalLM", "phi"),
+    "gptneox": ("GPTNeoXForCausalLM", "gpt_neox"),
+    "gpt2": ("GPT2LMHeadModel", "gpt2"),
+    "falcon": ("FalconForCausalLM", "falcon"),
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# "granitemoe" with a shared MLP (expert_shared_feed_forward_length) is GraniteMoeShared
+_GRANITE_MOE_SHARED = ("GraniteMoeSharedForCausalLM", "granitemoeshared")
 # llama.cpp's model sizes whose attention scale is hidden / heads rather than head_dim
 # (llama_model's hparams: Gemma 2 27B has 46 layers, Gemma 3 27B 62)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's Gemma 3: every 6th layer attends globally, the rest within the window
 _GEMMA3_PATTERN = 6
+# llama.cpp's Cohere2: every 4th layer global
+_COHERE2_PATTERN = 4
 
 
 def default_model_path() -> str:
@@ -141,6 +160,8 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     hf_arch, model_type = _GGUF_ARCHS[arch]
     if arch == "llama" and get("expert_count", required=False):
         hf_arch, model_type = _MIXTRAL
+    if arch == "granitemoe" and get("expert_shared_feed_forward_length", required=False):
+        hf_arch, model_type = _GRANITE_MOE_SHARED
     vocab_size = get("vocab_size", required=False)
     if vocab_size is None and tokens is not None:
         vocab_size = len(tokens)
@@ -150,7 +171,7 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"{path}: GGUF metadata gives no vocab size ({arch}.vocab_size "
                           "or tokenizer.ggml.tokens)")
 
-    bias = any(n.endswith("attn_q.bias") for n in tensors)
+    bias = any(n.endswith(("attn_q.bias", "attn_qkv.bias")) for n in tensors)
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -257,6 +278,77 @@ def _family_fields(arch: str, model_type: str, get: Callable[..., Any],
                 rope["attention_factor"] = attn
             out["rope_scaling"] = rope
         return out
+    if model_type in ("cohere", "cohere2"):
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        rot = get("rope.dimension_count", required=False)
+        if rot and rot != head_dim:  # Cohere2Model writes rotary_pct * head_dim
+            raise ConfigError(f"{path}: {arch}.rope.dimension_count {rot} (a partial rotary) is "
+                              f"not supported; transformers rotates the whole head ({head_dim})")
+        out = {"layer_norm_eps": get("attention.layer_norm_epsilon", required=False) or 1e-5,
+               "logit_scale": get("logit_scale")}
+        if model_type == "cohere":  # Command-R+'s per-head q/k LayerNorms
+            out["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
+            return out
+        # llama.cpp's Cohere2: every 4th layer global (and NoPE), the rest in the window
+        n = config["num_hidden_layers"]
+        out["sliding_window"] = get("attention.sliding_window")
+        out["layer_types"] = ["sliding_attention" if (i + 1) % _COHERE2_PATTERN
+                              else "full_attention" for i in range(n)]
+        return out
+    if model_type == "olmo":
+        clip = get("attention.clamp_kqv", required=False)
+        return {"clip_qkv": clip} if clip else {}
+    if model_type == "olmo2":
+        if get("attention.sliding_window", required=False):  # OLMo 3 writes one
+            raise ConfigError(f"{path}: olmo2 with {arch}.attention.sliding_window (OLMo 3's "
+                              "sliding layers) is not supported")
+        return {}
+    if model_type == "olmoe":
+        norm = get("expert_weights_norm", required=False)  # llama.cpp's OLMoE: unnormalized
+        return {"num_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
+                "norm_topk_prob": bool(norm)}
+    if model_type.startswith("granite"):
+        # the converter writes each multiplier only when set; llama.cpp reads an absent
+        # attention scale as 1 / sqrt(head_dim), the others as no scaling
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        out = {"attention_multiplier": get("attention.scale", required=False) or head_dim ** -0.5,
+               "embedding_multiplier": get("embedding_scale", required=False) or 1.0,
+               "residual_multiplier": get("residual_scale", required=False) or 1.0,
+               "logits_scaling": get("logit_scale", required=False) or 1.0}
+        if model_type == "granite":
+            return out
+        out["num_local_experts"] = get("expert_count")
+        out["num_experts_per_tok"] = get("expert_used_count")
+        if model_type == "granitemoeshared":
+            out["shared_intermediate_size"] = get("expert_shared_feed_forward_length")
+        return out
+    if model_type in ("phi", "gpt_neox"):
+        # LayerNorms with bias; rotary on the first rope.dimension_count dims of each head
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        rot = get("rope.dimension_count", required=False) or head_dim
+        out = {"layer_norm_eps": get("attention.layer_norm_epsilon", required=False) or 1e-5}
+        if model_type == "phi":  # llama.cpp's Phi-2: GELU-tanh, no q/k norms
+            return out | {"partial_rotary_factor": rot / head_dim, "hidden_act": "gelu_new"}
+        parallel = get("use_parallel_residual", required=False)
+        return out | {"rotary_pct": rot / head_dim, "hidden_act": "gelu",
+                      "use_parallel_residual": True if parallel is None else bool(parallel)}
+    if model_type == "gpt2":  # GPT2Config's names; llama.cpp's GELU-tanh (gelu_new)
+        return {"n_positions": config["max_position_embeddings"],
+                "n_inner": config["intermediate_size"], "activation_function": "gelu_new",
+                "layer_norm_epsilon": get("attention.layer_norm_epsilon", required=False) or 1e-5}
+    if model_type == "falcon":
+        # llama.cpp's Falcon layer is always parallel: one norm (7B: MQA; Falcon2-11B: GQA)
+        # or two (40B / 180B: attn_norm_2 = ln_mlp); more KV heads than one or two norms
+        # is the new decoder architecture
+        kv, two = config["num_key_value_heads"], "blk.0.attn_norm_2.weight" in tensors
+        new = two or kv > 1
+        out = {"layer_norm_epsilon": get("attention.layer_norm_epsilon", required=False) or 1e-5,
+               "bias": config["attention_bias"], "parallel_attn": True, "alibi": False,
+               "activation": "gelu", "new_decoder_architecture": new,
+               "ffn_hidden_size": config["intermediate_size"]}
+        if new:
+            return out | {"num_kv_heads": kv, "num_ln_in_parallel_attn": 2 if two else 1}
+        return out | {"multi_query": True}
     if model_type == "starcoder2":
         return {"norm_epsilon": get("attention.layer_norm_epsilon", required=False) or 1e-5,
                 "use_bias": config["attention_bias"], "hidden_act": "gelu_pytorch_tanh",

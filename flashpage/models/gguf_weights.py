@@ -6,11 +6,22 @@ Names: llama.cpp's (gguf-py's tensor_mapping.py) back to HF's, per GGUF architec
 where they differ: ``ffn_norm`` is Gemma 2/3's pre_feedforward_layernorm (their
 post_attention_layernorm is ``post_attention_norm``), Phi-3's fused ``ffn_up`` is
 gate_up_proj (and ``attn_qkv`` qkv_proj), StarCoder2's ``ffn_up`` / ``ffn_down`` are
-c_fc / c_proj.
+c_fc / c_proj, Granite MoE's ``ffn_gate_inp`` its router and ``ffn_down_shexp`` its shared
+MLP's output_linear; Phi-2's, GPT-NeoX's, GPT-2's and Falcon's under their own names (_ARCH_TOP_NAMES).
 
 Values, as the converter changed them:
 
-- llama / mistral (Mixtral too): q/k rows permuted into interleaved rope pairs; undone;
+- llama / mistral (Mixtral too), granite / granitemoe, olmo: q/k rows permuted into
+  interleaved rope pairs (their biases too, but OLMo's); undone (Command-R / Cohere2 rotate interleaved pairs in
+  transformers too, and OLMo2 / OLMoE halves in llama.cpp too: stored as they are);
+- gptneox: ``attn_qkv`` rows [q; k; v] (GPTNeoXModel's reorder); regrouped per head
+  again, as GPT-NeoX's query_key_value holds them (models/common.regroup_qkv);
+- falcon: ``attn_qkv`` rows [q; k; v] (FalconModel's "jploski" layout); regrouped per KV
+  group again, as Falcon's query_key_value holds them;
+- gpt2: the Conv1D weights (c_attn, c_proj, c_fc) transposed back to [in, out];
+- phi2: an older file's fused ``attn_qkv`` split into q / k / v rows;
+- granitemoe: the experts' ``input_linear`` split into ``ffn_{gate,up}_exps`` (stacked
+  experts below) and the shared MLP's into ``ffn_{gate,up}_shexp``; the latter joined again;
 - Gemma 1/2/3: every ``*norm.weight`` stored as 1 + w (transformers' GemmaRMSNorm scales by
   1 + w, llama.cpp's by the weight); the 1 is taken off again (models/gemma.py adds it);
 - MoE (Mixtral under ``llama``, ``qwen2moe``, ``qwen3moe``): each layer's experts stacked
@@ -31,6 +42,7 @@ import numpy as np
 import torch
 
 from flashpage.config import ModelConfig
+from flashpage.models.common import regroup_qkv
 from flashpage.models.gguf_file import GGUFTensor
 from flashpage.models.loader import ModelLoadError
 
@@ -68,11 +80,52 @@ _ARCH_LAYER_NAMES = {
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
     "starcoder2": {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+    "granitemoe": {"ffn_gate_inp": "block_sparse_moe.router.layer",
+                   "ffn_down_shexp": "shared_mlp.output_linear"},
 }
+# where an architecture's HF names differ wholly: (top-level names, the layers' prefix,
+# their names); GPT-NeoX's qkv rows are also regrouped (iter_gguf)
+_ARCH_TOP_NAMES = {
+    "phi2": {"output_norm.weight": "model.final_layernorm.weight",
+             "output_norm.bias": "model.final_layernorm.bias", "output.bias": "lm_head.bias"},
+    "gptneox": {"token_embd.weight": "gpt_neox.embed_in.weight",
+                "output_norm.weight": "gpt_neox.final_layer_norm.weight",
+                "output_norm.bias": "gpt_neox.final_layer_norm.bias",
+                "output.weight": "embed_out.weight"},
+    "gpt2": {"token_embd.weight": "transformer.wte.weight",
+             "position_embd.weight": "transformer.wpe.weight",
+             "output_norm.weight": "transformer.ln_f.weight",
+             "output_norm.bias": "transformer.ln_f.bias"},
+    "falcon": {"token_embd.weight": "transformer.word_embeddings.weight",
+               "output_norm.weight": "transformer.ln_f.weight",
+               "output_norm.bias": "transformer.ln_f.bias"},
+}
+_LAYER_PREFIX = {"gptneox": "gpt_neox.layers", "gpt2": "transformer.h", "falcon": "transformer.h"}
+_ARCH_LAYER_NAMES.update({
+    "phi2": {"attn_output": "self_attn.dense", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"},
+    "gptneox": {"attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
+                "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"},
+    "gpt2": {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+             "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+    # Falcon-40B's two norms: gguf-py maps ln_mlp to attn_norm and ln_attn to attn_norm_2
+    # (llama.cpp's attention reads attn_norm_2 where there is one); attn_norm is
+    # input_layernorm where it is alone (iter_gguf)
+    "falcon": {"attn_norm_2": "ln_attn", "attn_qkv": "self_attention.query_key_value",
+               "attn_output": "self_attention.dense", "ffn_up": "mlp.dense_h_to_4h",
+               "ffn_down": "mlp.dense_4h_to_h"},
+})
+# GPT-2's Conv1D weights ([in, out]), which GPT2Model transposed
+_GPT2_CONV1D = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
+# Granite MoE's shared MLP: the converter splits its input_linear (gate rows, then up);
+# joined again
+_GRANITE_SHARED = ("ffn_gate_shexp", "ffn_up_shexp")
 # stacked experts: blk.{i}.<key>.weight -> the projections it holds
 _EXPERTS = {"ffn_gate_exps": ("gate_proj",), "ffn_up_exps": ("up_proj",),
             "ffn_down_exps": ("down_proj",), "ffn_gate_up_exps": ("gate_proj", "up_proj")}
-_PERMUTED = ("llama", "mistral")  # llama.cpp permutes q/k for these (LlamaModel.permute)
+# llama.cpp permutes q/k for these (LlamaModel.permute; GraniteModel is a LlamaModel,
+# OlmoModel permutes as it does)
+_PERMUTED = ("llama", "mistral", "granite", "granitemoe", "olmo")
+_BIAS_KEPT = ("olmo",)  # OlmoModel permutes the q/k weights only, LlamaModel their biases too
 _GEMMA = ("gemma", "gemma2", "gemma3")  # norms stored as 1 + w
 _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -116,8 +169,9 @@ def dequantize_gguf(data: np.ndarray, qtype: str) -> torch.Tensor | None:
 def _hf_name(gguf_name: str, arch: str) -> str | None:
     """The HF name of a GGUF tensor that maps one to one (None: stacked experts, config
     tensors, or a name we do not know)."""
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
+    top = _ARCH_TOP_NAMES.get(arch, {})
+    if gguf_name in top or gguf_name in _TOP_NAMES:
+        return top.get(gguf_name) or _TOP_NAMES[gguf_name]
     if gguf_name == "rope_freqs.weight":
         return "rope_freqs"  # llama.cpp stores Llama 3.1's rope scaling as frequency factors
     parts = gguf_name.split(".")
@@ -127,7 +181,7 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     key = _ARCH_LAYER_NAMES.get(arch, {}).get(key) or _LAYER_NAMES.get(key) or ""
     if not key or kind not in ("weight", "bias"):
         return None
-    return f"model.layers.{layer}.{key}.{kind}"
+    return f"{_LAYER_PREFIX.get(arch, 'model.layers')}.{layer}.{key}.{kind}"
 
 
 def _tensor(t: GGUFTensor, path: str) -> torch.Tensor:
@@ -155,10 +209,17 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
     except Exception as err:
         raise ModelLoadError(f"{path} is corrupt or not a GGUF file: {err}") from err
     arch = str(reader.fields.get("general.architecture", ""))
+    shared: dict[tuple[str, str], torch.Tensor] = {}
     for t in reader.tensors:
         if t.name in _CONFIG_TENSORS:
             continue
         parts = t.name.split(".")
+        if arch == "granitemoe" and len(parts) == 4 and parts[2] in _GRANITE_SHARED:
+            shared[parts[1], parts[2]] = _tensor(t, path)
+            if all((parts[1], k) in shared for k in _GRANITE_SHARED):
+                yield (f"model.layers.{parts[1]}.shared_mlp.input_linear.weight",
+                       torch.cat([shared.pop((parts[1], k)) for k in _GRANITE_SHARED]))
+            continue
         if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERTS and parts[3] == "weight":
             stacked = _tensor(t, path)  # [experts, rows, cols]
             projs = _EXPERTS[parts[2]]
@@ -172,10 +233,31 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
         if name is None:
             raise ModelLoadError(f"{path}: unknown GGUF tensor {t.name!r} (architecture {arch!r})")
         w = _tensor(t, path)
-        if arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch == "phi2" and parts[2:3] == ["attn_qkv"]:  # older Phi-2 files: q, k, v rows
+            for proj, part in zip("qkv", w.chunk(3), strict=True):
+                yield name.replace("qkv_proj", f"{proj}_proj"), part
+            continue
+        if arch == "gptneox" and parts[2:3] == ["attn_qkv"]:
+            # GPTNeoXModel wrote [q; k; v]; HF holds [q0 k0 v0 | q1 k1 v1 | ...] per head
+            heads = config.num_attention_heads
+            w = regroup_qkv(w, heads, w.shape[0] // (3 * heads), to_ours=False)
+        elif arch == "falcon" and parts[2:3] == ["attn_qkv"]:
+            # FalconModel wrote [q; k; v]; HF holds each KV group's q heads, then its k, v
+            w = regroup_qkv(w, config.num_key_value_heads, config.head_dim, to_ours=False)
+        elif arch == "falcon" and parts[2:3] == ["attn_norm"] and config.parallel_norms == 2:
+            name = name.replace(".input_layernorm.", ".ln_mlp.")
+        elif arch == "gpt2" and parts[2:3] != [] and parts[2] in _GPT2_CONV1D and parts[3] == "weight":
+            w = w.t().contiguous()
+        if arch in _BIAS_KEPT and name.endswith("_proj.bias"):
+            pass
+        elif arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute_rope(w, config.num_attention_heads)
         elif arch in _PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute_rope(w, config.num_key_value_heads)
         elif arch in _GEMMA and name.endswith("norm.weight"):
             w = w - 1.0
         yield name, w
+    if shared:
+        raise ModelLoadError(f"{path}: {', '.join(f'blk.{i}.{k}.weight' for i, k in shared)} "
+                             "without its other half of Granite MoE's shared MLP "
+                             f"({' + '.join(_GRANITE_SHARED)})")

@@ -1,7 +1,10 @@
-"""GGUF files of Gemma 1/2/3, Phi-3, StarCoder2, Mixtral (under "llama"), Qwen2-MoE and
-Qwen3-MoE, written from tiny random transformers checkpoints the way llama.cpp's
+"""GGUF files of Gemma 1/2/3, Phi-3, StarCoder2, Mixtral (under "llama"), Qwen2-MoE,
+Qwen3-MoE, Command-R, Cohere2, OLMo, OLMo2, OLMoE, Granite, GraniteMoeShared, Phi-2,
+GPT-NeoX, GPT-2 and Falcon, written from tiny random transformers checkpoints the way llama.cpp's
 convert_hf_to_gguf.py writes them (its metadata keys, gguf-py's own tensor-name map, and
-its changes to the values: Llama's permuted q/k, Gemma's norms stored as 1 + w, experts
+its changes to the values: Llama's (Granite's, OLMo's) permuted q/k, Granite MoE's split
+input_linear, GPT-NeoX's and Falcon's qkv rows reordered,
+GPT-2's Conv1D weights transposed, Gemma's norms stored as 1 + w, experts
 stacked per layer, Phi-3's rope factors as tensors), give transformers' greedy tokens on
 the originals; the metadata llama.cpp decides without (Gemma's attention scale and window
 pattern, Qwen-MoE's top-k normalization) is read as llama.cpp reads it."""
@@ -16,6 +19,7 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
+from flashpage.models.common import regroup_qkv
 from flashpage.models.gguf_config import gguf_to_hf_config
 from tests.conftest import _save_tiny_routed, build_tiny_moe_checkpoint, hf_greedy, random_prompts
 
@@ -25,6 +29,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 _GEMMA_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                    rms_norm_eps=1e-6, tie_word_embeddings=True)
+# Granite's multipliers; an attention scale large enough that q/k errors (a bias left
+# permuted) change the tokens
+_GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.5,
+                logits_scaling=8.0)
 # name -> (GGUF architecture, transformers config class, its fields). Each is what the
 # converter can write and llama.cpp reads back: Gemma's query_pre_attn_scalar is head_dim
 # (llama.cpp scales by it below the 27B sizes), Gemma 3 has 6 layers (every 6th global),
@@ -49,6 +57,44 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         num_hidden_layers=2, num_key_value_heads=4, sliding_window=16, tie_word_embeddings=True)),
     "starcoder2": ("starcoder2", "Starcoder2Config", dict(
         num_hidden_layers=2, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=True)),
+    # Command-R's shape (tied, logits x 1/4); Command-R+'s per-head q/k LayerNorms
+    "command_r": ("command-r", "CohereConfig", dict(
+        num_hidden_layers=2, num_key_value_heads=2, logit_scale=0.25, tie_word_embeddings=True)),
+    "command_r_qk_norm": ("command-r", "CohereConfig", dict(
+        num_hidden_layers=2, num_key_value_heads=2, use_qk_norm=True, logit_scale=0.8,
+        layer_norm_eps=1e-3, tie_word_embeddings=True)),
+    # Command R7B's layout: 3 sliding layers, then a global NoPE one (llama.cpp's fixed 4)
+    "cohere2": ("cohere2", "Cohere2Config", dict(
+        num_hidden_layers=4, num_key_value_heads=2, sliding_window=8, sliding_window_pattern=4,
+        logit_scale=0.5, tie_word_embeddings=True)),
+    # biased q/k/v/o: OlmoModel permutes the q/k weights but not their biases
+    "olmo": ("olmo", "OlmoConfig", dict(
+        num_hidden_layers=2, num_key_value_heads=2, clip_qkv=1.0, tie_word_embeddings=True,
+        attention_bias=True)),
+    "olmo2": ("olmo2", "Olmo2Config", dict(num_hidden_layers=2, num_key_value_heads=2)),
+    # untied: a tied head at these multipliers repeats the last token
+    # biased q/k/v/o: LlamaModel permutes the q/k biases as the weights
+    "granite": ("granite", "GraniteConfig", dict(_GRANITE, num_hidden_layers=2,
+                                                 num_key_value_heads=2, attention_bias=True)),
+    # OLMoE's eps is the converter's fixed 1e-5 (OlmoeConfig's default)
+    "olmoe": ("olmoe", "OlmoeConfig", dict(
+        num_hidden_layers=2, num_key_value_heads=2, intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, rms_norm_eps=1e-5)),
+    "granitemoeshared": ("granitemoe", "GraniteMoeSharedConfig", dict(
+        _GRANITE, num_hidden_layers=2, num_key_value_heads=2, intermediate_size=32,
+        num_local_experts=6, num_experts_per_tok=3, shared_intermediate_size=48)),
+    # Phi-2's shape: half of each head rotated, biased head; the converter's 4 x hidden MLP
+    "phi2": ("phi2", "PhiConfig", dict(num_hidden_layers=2, intermediate_size=256)),
+    # Pythia's: a quarter of each head rotated, parallel residual (and GPT-NeoX-20B's not)
+    "gptneox": ("gptneox", "GPTNeoXConfig", dict(num_hidden_layers=2, intermediate_size=256)),
+    "gptneox_sequential": ("gptneox", "GPTNeoXConfig", dict(
+        num_hidden_layers=2, intermediate_size=256, use_parallel_residual=False,
+        rotary_pct=0.5, tie_word_embeddings=True)),
+    "gpt2": ("gpt2", "GPT2Config", dict(num_hidden_layers=2)),
+    # Falcon-7B's layer (MQA, one norm) and Falcon-40B's (GQA, ln_attn and ln_mlp)
+    "falcon_7b": ("falcon", "FalconConfig", dict(num_hidden_layers=2, multi_query=True)),
+    "falcon_40b": ("falcon", "FalconConfig", dict(
+        num_hidden_layers=2, new_decoder_architecture=True, num_kv_heads=2)),
 }
 MOE: dict[str, tuple[str, dict]] = {
     "mixtral": ("llama", dict(sliding_window=None)),
@@ -73,7 +119,20 @@ def _build(path: Path, name: str) -> Path:
             elif "embed" in n:
                 sd[n] = torch.randn(t.shape, generator=g) * 0.02
         save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    if cls_name in ("GPT2Config", "FalconConfig"):  # LayerNorms named ln_*: 0.5-1.5 as
+        # test_gpt2_bigcode's (conftest's builder widens only "norm" names)
+        from safetensors.torch import load_file, save_file
+
+        sd = load_file(str(src / "model.safetensors"))
+        g = torch.Generator().manual_seed(1)
+        for n, t in sd.items():
+            if ".ln_" in n and n.endswith(".weight"):
+                sd[n] = torch.rand(t.shape, generator=g) + 0.5
+        save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
     return src
+
+
+_PERMUTED = ("llama", "granite", "granitemoe", "olmo")  # LlamaModel.permute's q/k
 
 
 def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -96,22 +155,40 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    if arch == "starcoder2":
-        w.add_layer_norm_eps(cfg.rms_norm_eps)  # TextModel: norm_epsilon
+    if arch in ("starcoder2", "command-r", "cohere2", "phi2", "gptneox", "gpt2", "falcon"):
+        # TextModel: norm_epsilon / layer_norm_eps (ours holds either as rms_norm_eps)
+        w.add_layer_norm_eps(cfg.rms_norm_eps)
+    elif arch == "olmo":
+        w.add_layer_norm_eps(1e-5)  # OlmoModel's fixed eps (OLMo's norms have no weights)
     else:
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch.startswith("gemma") or cfg.model_type == "qwen3_moe":  # config.json's head_dim
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    if arch not in ("gemma", "gemma2"):  # GemmaModel / Gemma2Model write no rope base
+    if arch not in ("gemma", "gemma2", "phi2", "gptneox", "gpt2", "falcon"):  # no rope base
         w.add_rope_freq_base(cfg.rope_theta)
-    if arch == "llama":  # LlamaModel
+    if arch in ("llama", "granite", "granitemoe", "cohere2"):  # LlamaModel (GraniteModel is one), Cohere2Model
         w.add_vocab_size(cfg.vocab_size)
-        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_rope_dimension_count(cfg.head_dim)  # Cohere2: rotary_pct 1.0 of the head
+    if arch in ("command-r", "cohere2"):
+        w.add_logit_scale(cfg.logit_scale)
+    if arch == "cohere2":
+        w.add_sliding_window(cfg.sliding_window)
+    if arch in ("phi2", "gptneox"):  # Phi2Model / GPTNeoXModel: the rotated dims of a head
+        w.add_rope_dimension_count(int(cfg.partial_rotary_factor * cfg.head_dim))
+    if arch == "gptneox":
+        w.add_parallel_residual(cfg.use_parallel_residual)
+    if arch == "olmo" and cfg.clip_qkv:
+        w.add_clamp_kqv(cfg.clip_qkv)
+    if arch.startswith("granite"):  # GraniteModel: each multiplier under llama.cpp's name
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     if cfg.n_routed_experts:  # TextModel; Qwen2MoeModel
         w.add_expert_count(cfg.n_routed_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-        if arch != "llama":
+        if arch.startswith("qwen"):
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if cfg.shared_expert_intermediate_size:
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
@@ -142,12 +219,27 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
     sd = load_file(str(src / "model.safetensors"))
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, t in sd.items():
-        if name == "lm_head.weight" and arch in ("gemma", "gemma2"):
+        if name == "lm_head.weight" and (arch in ("gemma", "gemma2") or cfg.tie_word_embeddings):
             continue  # skipped: their head is the embeddings
-        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+        # LlamaModel permutes the q/k biases too, OlmoModel the weights only
+        kinds = ("weight",) if arch == "olmo" else ("weight", "bias")
+        if arch in _PERMUTED and name.endswith(tuple(f"q_proj.{k}" for k in kinds)):
             t = _permute(t, cfg.num_attention_heads)
-        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+        elif arch in _PERMUTED and name.endswith(tuple(f"k_proj.{k}" for k in kinds)):
             t = _permute(t, cfg.num_key_value_heads)
+        if arch == "gptneox" and "query_key_value" in name:  # GPTNeoXModel: [q; k; v]
+            t = regroup_qkv(t, cfg.num_attention_heads, cfg.head_dim, to_ours=True)
+        if arch == "falcon" and "query_key_value" in name:  # FalconModel: [q; k; v]
+            t = regroup_qkv(t, cfg.num_key_value_heads, cfg.head_dim, to_ours=True)
+        if arch == "gpt2" and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+            t = t.t().contiguous()  # GPT2Model: Conv1D's [in, out] transposed
+        if name.endswith("input_linear.weight"):  # GraniteMoeModel: gate and up rows apart
+            gate, up = t.split(t.shape[-2] // 2, dim=-2)
+            kinds = ("exps", "exps") if "block_sparse_moe" in name else ("shexp", "shexp")
+            bid = name.split(".")[2]
+            for proj, part, kind in (("gate", gate, kinds[0]), ("up", up, kinds[1])):
+                w.add_tensor(f"blk.{bid}.ffn_{proj}_{kind}.weight", part.contiguous().numpy())
+            continue
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             t = t + 1
         if ".experts." in name:  # stacked per layer: [experts, out, in]
@@ -243,8 +335,30 @@ def test_metadata_llama_cpp_decides(tmp_path):
     assert cfg("qwen3moe", 2, **moe, expert_weights_norm=False)["norm_topk_prob"] is False
     assert ModelConfig.from_hf(cfg("llama", 2, **moe)).architecture == "MixtralForCausalLM"
     assert ModelConfig.from_hf(cfg("llama", 2)).architecture == "LlamaForCausalLM"
-    with pytest.raises(ConfigError, match="GGUF architecture 'falcon' is not supported"):
-        cfg("falcon", 2)
+    # Cohere2: llama.cpp's fixed pattern, every 4th layer global
+    c2 = cfg("cohere2", 8, attention__sliding_window=512, logit_scale=0.25)
+    assert c2["layer_types"] == (["sliding_attention"] * 3 + ["full_attention"]) * 2
+    assert (c2["sliding_window"], c2["logit_scale"]) == (512, 0.25)
+    with pytest.raises(ConfigError, match=r"cohere2.rope.dimension_count 64 \(a partial rotary\)"):
+        cfg("cohere2", 4, attention__sliding_window=8, logit_scale=0.25, rope__dimension_count=64)
+    # Granite: an absent attention scale is llama.cpp's 1 / sqrt(head_dim), the rest 1
+    gr = cfg("granite", 2)
+    assert gr["attention_multiplier"] == 128 ** -0.5
+    assert (gr["embedding_multiplier"], gr["residual_multiplier"], gr["logits_scaling"]) == (1, 1, 1)
+    gm = cfg("granitemoe", 2, **moe)
+    assert gm["architectures"] == ["GraniteMoeForCausalLM"] and gm["num_local_experts"] == 8
+    gm = cfg("granitemoe", 2, **moe, expert_shared_feed_forward_length=96)
+    assert gm["architectures"] == ["GraniteMoeSharedForCausalLM"]
+    assert gm["shared_intermediate_size"] == 96
+    assert cfg("olmoe", 2, **moe)["norm_topk_prob"] is False
+    with pytest.raises(ConfigError, match="OLMo 3's sliding layers"):
+        cfg("olmo2", 2, attention__sliding_window=4096)
+    # Falcon: more than one KV head with one norm is Falcon2-11B's new decoder layer
+    f = cfg("falcon", 2)
+    assert (f["new_decoder_architecture"], f["num_kv_heads"], f["num_ln_in_parallel_attn"]) == (
+        True, 8, 1)
+    with pytest.raises(ConfigError, match="GGUF architecture 'bloom' is not supported"):
+        cfg("bloom", 2)
 
 
 def test_unknown_tensor_names_its_architecture(tmp_path):
@@ -282,3 +396,48 @@ def test_moe_sizes_from_the_tensors_without_their_keys(tmp_path):
     w.close()
     d = gguf_to_hf_config(path)
     assert (d["moe_intermediate_size"], d["shared_expert_intermediate_size"]) == (24, 40)
+
+
+def test_tokenizer_of_an_architecture_transformers_does_not_read(tmp_path, monkeypatch):
+    """transformers' AutoTokenizer refuses a GGUF of an architecture whose config it does not
+    read (command-r here); the tokenizer is still built from the file's vocabulary, equal
+    to the one AutoTokenizer builds from the same vocabulary under qwen2, chat template kept."""
+    from flashpage.engine.tokenizer import load_tokenizer
+    from flashpage.models.loader import resolve_model
+
+    monkeypatch.setenv("FLASHPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    tokens = ["a", "b", "c", "ab", "abc", "<s>", "</s>", "Ġ", "Ġab"]
+    toks = {}
+    for arch in ("qwen2", "command-r"):
+        path = tmp_path / f"{arch}.gguf"
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_block_count(1)
+        w.add_embedding_length(64)
+        w.add_feed_forward_length(128)
+        w.add_head_count(4)
+        w.add_logit_scale(0.25)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * 5 + [3, 3] + [1] * 2)
+        w.add_token_merges(["a b", "ab c", "Ġ ab"])
+        w.add_bos_token_id(5)
+        w.add_eos_token_id(6)
+        w.add_chat_template("{{ messages[0]['content'] }}</s>")
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        if arch == "command-r":
+            from transformers import AutoTokenizer
+
+            with pytest.raises(ValueError, match="command-r is not supported"):
+                AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+        toks[arch] = load_tokenizer(resolve_model(str(path)))
+    text = "abc ab cab"
+    ids = toks["command-r"](text).input_ids
+    assert ids == toks["qwen2"](text).input_ids and 4 in ids and 8 in ids
+    assert toks["command-r"].eos_token == "</s>"
+    chat = toks["command-r"].apply_chat_template([{"role": "user", "content": "ab"}],
+                                                 tokenize=False)
+    assert chat == "ab</s>"
