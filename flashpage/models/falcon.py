@@ -32,9 +32,7 @@ not one slice of ours). ALiBi (Falcon-RW) is refused in config.py."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
 
-import torch
 from torch import nn
 
 from flashpage.config import ModelConfig
@@ -47,11 +45,9 @@ from flashpage.models.common import (
     HFNames,
     ParallelDecoderLayer,
     PreNormDecoderLayer,
-    fused_qkv_block_unsupported,
-    regroup_fused_qkv,
-    regroup_qkv,
 )
-from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
+from flashpage.models.fused_qkv import FusedQKVForCausalLM
+from flashpage.models.llama import LlamaAttention
 
 _QKV = re.compile(r"\.self_attention\.query_key_value" + FUSED_QKV_TENSORS)
 
@@ -112,40 +108,12 @@ class FalconModel(DecoderStack):
         self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class FalconForCausalLM(LlamaForCausalLM):
+class FalconForCausalLM(FusedQKVForCausalLM):
+    qkv_tensor = _QKV
+
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         self.hf_names = falcon_names(config)
         super().__init__(config, max_positions)
 
     def _decoder(self, config: ModelConfig, max_positions: int) -> DecoderStack:
         return FalconModel(config, max_positions)
-
-    def _shards(self) -> dict[str, tuple[str, int, int]]:
-        return {}  # nothing to stack: query_key_value is our qkv_proj, once regrouped
-
-    def _regrouped(self, weights: Iterable[tuple[str, torch.Tensor]]
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-        c, qc = self.config, self.config.quantization_config
-        heads, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        bn = qc.block_size[0] if qc is not None and qc.block_size is not None else None
-        for name, t in weights:
-            if _QKV.search(name):
-                t = regroup_fused_qkv(name, t, heads, kv, d, bn,
-                                      f"({heads} query + 2 x {kv} KV heads) x {d}")
-            yield name, t
-
-    def fp8_block_unsupported(self, linear: str, block: tuple[int, int]) -> str | None:
-        """query_key_value's block scales only where a head is whole blocks (or one KV
-        group, MQA: not regrouped)."""
-        return fused_qkv_block_unsupported(linear, self.config.num_key_value_heads,
-                                           self.config.head_dim, block)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._regrouped(weights))
-
-    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The parameters under Falcon's names, query_key_value's rows per KV group again."""
-        c = self.config
-        for name, t in super().hf_weights():
-            yield name, (regroup_qkv(t, c.num_key_value_heads, c.head_dim, to_ours=False)
-                         if _QKV.search(name) else t)

@@ -30,9 +30,7 @@ not query_key_value (its rows are not one slice of ours: ``_shards`` names no pi
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
 
-import torch
 from torch import nn
 
 from flashpage.config import ModelConfig
@@ -45,11 +43,9 @@ from flashpage.models.common import (
     HFNames,
     ParallelDecoderLayer,
     PreNormDecoderLayer,
-    fused_qkv_block_unsupported,
-    regroup_fused_qkv,
-    regroup_qkv,
 )
-from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
+from flashpage.models.fused_qkv import FusedQKVForCausalLM
+from flashpage.models.llama import LlamaAttention
 
 NAMES = HFNames({
     "gpt_neox.embed_in": "model.embed_tokens",
@@ -102,40 +98,12 @@ class GPTNeoXModel(DecoderStack):
         self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class GPTNeoXForCausalLM(LlamaForCausalLM):
+class GPTNeoXForCausalLM(FusedQKVForCausalLM):
     hf_names = NAMES
+    qkv_tensor = _QKV
 
     def _decoder(self, config: ModelConfig, max_positions: int) -> DecoderStack:
         return GPTNeoXModel(config, max_positions)
 
-    def _shards(self) -> dict[str, tuple[str, int, int]]:
-        return {}  # nothing to stack: query_key_value is our qkv_proj, once regrouped
-
-    def _regrouped(self, weights: Iterable[tuple[str, torch.Tensor]]
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-        c, qc = self.config, self.config.quantization_config
-        bn = qc.block_size[0] if qc is not None and qc.block_size is not None else None
-        for name, t in weights:
-            if _MASK_BUFFERS.match(name):
-                continue
-            if _QKV.search(name):
-                h = c.num_attention_heads
-                t = regroup_fused_qkv(name, t, h, h, c.head_dim, bn,
-                                      f"3 x {h} heads x {c.head_dim}")
-            yield name, t
-
-    def fp8_block_unsupported(self, linear: str, block: tuple[int, int]) -> str | None:
-        """query_key_value's block scales only where a head is whole blocks."""
-        return fused_qkv_block_unsupported(linear, self.config.num_attention_heads,
-                                           self.config.head_dim, block)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._regrouped(weights))
-
-    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The parameters under GPT-NeoX's names, query_key_value's rows head by head again."""
-        c = self.config
-        for name, t in super().hf_weights():
-            yield name, (regroup_qkv(t, c.num_attention_heads, c.head_dim, to_ours=False)
-                         if _QKV.search(name) else t)
-
+    def _skipped(self, name: str) -> bool:
+        return _MASK_BUFFERS.match(name) is not None
