@@ -249,6 +249,18 @@ def cpu_greedy(path: Path, prompts: list[list[int]], params=None, **kw) -> list[
     return [o.outputs[0].token_ids for o in outs]
 
 
+def assert_dense_params_match_hf(path: Path) -> None:
+    """``flashpage inspect``'s parameter counts, from config.json alone, are transformers'
+    count of the loaded model (a dense one: every parameter active for every token)."""
+    import transformers
+
+    from flashpage.config import ModelConfig
+    from flashpage.inspect import param_counts
+
+    total, active = param_counts(ModelConfig.from_hf(path))
+    assert total == active == transformers.AutoModelForCausalLM.from_pretrained(path).num_parameters()
+
+
 @pytest.fixture(scope="session")
 def tiny_mla_checkpoint(tmp_path_factory):
     return _checkpoints(tmp_path_factory, build_tiny_mla_checkpoint)

@@ -29,6 +29,7 @@ from flashpage.layers.rotary import get_rope
 from flashpage.models.loader import iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
+    assert_dense_params_match_hf,
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
@@ -185,10 +186,7 @@ def test_weights_come_back_under_hf_names(tiny, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_inspect_counts_transformers_parameters(tiny, name):
-    path = tiny(name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path)
-    total, active = param_counts(ModelConfig.from_hf(path))
-    assert total == active == hf.num_parameters()
+    assert_dense_params_match_hf(tiny(name))
 
 
 @pytest.mark.parametrize(("cls_name", "kw"), [

@@ -24,7 +24,6 @@ import transformers
 
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
-from flashpage.inspect import param_counts
 from flashpage.layers import ops
 from flashpage.layers.linear import ColumnParallelLinear
 from flashpage.layers.norm import LayerNorm
@@ -32,6 +31,7 @@ from flashpage.layers.rotary import get_rope
 from flashpage.models.loader import iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
+    assert_dense_params_match_hf,
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
@@ -249,10 +249,7 @@ def test_weights_come_back_under_hf_names(tiny, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_inspect_counts_transformers_parameters(tiny, name):
-    path = tiny(name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path)
-    total, active = param_counts(ModelConfig.from_hf(path))
-    assert total == active == hf.num_parameters()
+    assert_dense_params_match_hf(tiny(name))
 
 
 def test_inspect_reports_interleaved_rotary(tiny, capsys):

@@ -30,6 +30,7 @@ from flashpage.inspect import inspect_config, param_counts
 from flashpage.models.loader import iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
+    assert_dense_params_match_hf,
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
@@ -297,10 +298,7 @@ def test_fp8_at_load_runs_the_dequantized_weights(tiny, tmp_path, name):
 # ----------------------------------------------------------------- inspect, config
 @pytest.mark.parametrize("name", NAMES)
 def test_inspect_counts_transformers_parameters(tiny, name):
-    path = tiny(name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path)
-    total, active = param_counts(ModelConfig.from_hf(path))
-    assert total == active == hf.num_parameters()
+    assert_dense_params_match_hf(tiny(name))
 
 
 def test_inspect_known_models():

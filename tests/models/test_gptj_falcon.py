@@ -28,6 +28,7 @@ from flashpage.inspect import inspect_config, param_counts
 from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
+    assert_dense_params_match_hf,
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
@@ -241,10 +242,7 @@ def test_bad_tensor_is_named_as_the_checkpoint_names_it(tiny, tmp_path, name, ed
 
 @pytest.mark.parametrize("name", NAMES)
 def test_inspect_counts_transformers_parameters(tiny, name):
-    path = tiny(name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path)
-    total, active = param_counts(ModelConfig.from_hf(path))
-    assert total == active == hf.num_parameters()
+    assert_dense_params_match_hf(tiny(name))
 
 
 # config.json as published (EleutherAI/gpt-j-6b, tiiuae/falcon-7b, tiiuae/falcon-40b)

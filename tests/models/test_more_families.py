@@ -25,12 +25,12 @@ import transformers
 
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
-from flashpage.inspect import param_counts
 from flashpage.layers.rotary import get_rope
 from flashpage.models.loader import iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
     _save_tiny_routed,
+    assert_dense_params_match_hf,
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
@@ -216,10 +216,7 @@ def test_weights_come_back_under_hf_names(tiny_variant, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_inspect_counts_transformers_parameters(tiny_variant, name):
-    path = tiny_variant(name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path)
-    total, active = param_counts(ModelConfig.from_hf(path))
-    assert total == active == hf.num_parameters()
+    assert_dense_params_match_hf(tiny_variant(name))
 
 
 def test_inspect_reports_partial_rotary_and_longrope(tiny_variant, capsys):

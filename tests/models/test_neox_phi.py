@@ -30,6 +30,7 @@ from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model
 from tests.conftest import (
     _checkpoints,
     _save_tiny_routed,
+    assert_dense_params_match_hf,
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
@@ -228,10 +229,7 @@ def test_bad_tensor_is_named_as_the_checkpoint_names_it(tiny, tmp_path, name, ed
 
 @pytest.mark.parametrize("name", NAMES)
 def test_inspect_counts_transformers_parameters(tiny, name):
-    path = tiny(name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path)
-    total, active = param_counts(ModelConfig.from_hf(path))
-    assert total == active == hf.num_parameters()
+    assert_dense_params_match_hf(tiny(name))
 
 
 # config.json as published (EleutherAI/pythia-70m: the old rotary keys; microsoft/phi-2)
