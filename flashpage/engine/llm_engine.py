@@ -148,14 +148,21 @@ class LLMEngine:
         if config.chat_template is not None:
             self._set_chat_template(config.chat_template)
         self.eos_token_ids = self._eos_ids()
+        # A window every attention layer shares (the draft's too): blocks behind it go back
+        # to the pool as requests advance (kv_cache_manager), so a request holds about
+        # window / block_size + 1 of them.
+        self.release_window, slack = self._release_window()
         self.num_blocks = config.num_gpu_blocks or self._num_blocks()
-        capacity = self.num_blocks * config.block_size
-        if config.max_model_len is None and capacity < self.max_model_len:
+        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size,
+                                         config.enable_prefix_caching,
+                                         sliding_window=self.release_window, window_slack=slack)
+        kv = self.kv_manager
+        if config.max_model_len is None and kv.max_blocks_held(
+                self.max_model_len, config.max_num_batched_tokens) > kv.num_usable_blocks:
+            capacity = kv.num_usable_blocks * config.block_size
             logger.info("max_model_len lowered from %d to %d: what the KV cache holds",
                         self.max_model_len, capacity)
             self.max_model_len = capacity
-        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size,
-                                         config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.kv_manager,
                                    watermark=config.kv_watermark,
@@ -405,6 +412,22 @@ class LLMEngine:
         ops.set_fused_ops(model, backend_cls.name == "triton")
         return source, model, backend_cls
 
+    def _release_window(self) -> tuple[int | None, int]:
+        """The sliding window behind which the KV cache gives blocks back, and the slack
+        kept behind a step's first query: (None, 0) unless every attention layer of the
+        model (and of its draft) attends within one same window."""
+        configs = [self.model_config]
+        if self.draft is not None:
+            configs.append(self.draft[0].config)
+        wins = {c.attention_window(i) for c in configs for i in range(c.num_hidden_layers)}
+        if len(wins) != 1 or None in wins or any(c.is_mla for c in configs):
+            return None, 0
+        # A draft model catches up on up to k + 1 positions before the target's step
+        # (accepted drafts and the bonus token; one more in flight under async scheduling).
+        slack = (self.spec_config.num_speculative_tokens + 2
+                 if self.draft is not None and self.spec_config is not None else 0)
+        return wins.pop(), slack
+
     def _num_blocks(self) -> int:
         mc, cfg = self.model_config, self.config
         kv_dtype = str(self.kv_dtype).replace("torch.", "")
@@ -418,8 +441,13 @@ class LLMEngine:
             budget = int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
         else:
             budget = cfg.cpu_kv_cache_bytes
-        # Never more blocks than max_num_seqs full-length requests could use.
-        cap = cfg.max_num_seqs * ((self.max_model_len + cfg.block_size - 1) // cfg.block_size) + 1
+        # Never more blocks than max_num_seqs full-length requests could use (behind a
+        # released window: its span and a step's tokens), and the null block.
+        per_req = -(-self.max_model_len // cfg.block_size)
+        if self.release_window is not None:
+            span = self.release_window + cfg.max_num_batched_tokens + 64
+            per_req = min(per_req, -(-span // cfg.block_size) + 1)
+        cap = cfg.max_num_seqs * per_req + 1 + (self.release_window is not None)
         n = min(budget // per_block, cap)
         if n < 1:
             raise ValueError(

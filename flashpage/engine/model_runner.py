@@ -142,12 +142,16 @@ class ModelRunner:
         return t.to(self.device)
 
     def _table_row(self, req: Request) -> np.ndarray:
-        """The request's block table as int32, cached; blocks are only ever appended."""
-        ids = self.kv_manager.get_block_ids(req.request_id)
-        row = self._rows.get(req.request_id)
-        if row is None or len(row) != len(ids) or (len(ids) and row[0] != ids[0]):
+        """The request's block table as int32, cached: blocks are only ever appended, or
+        their leading entries released (sliding window: pointed at the null block)."""
+        rid = req.request_id
+        ids = self.kv_manager.get_block_ids(rid)
+        released = self.kv_manager.num_released(rid)
+        row = self._rows.get(rid)
+        if (row is None or len(row) != len(ids) or (len(ids) and row[0] != ids[0])
+                or (released and row[released - 1] != ids[released - 1])):
             row = np.fromiter(ids, dtype=np.int32, count=len(ids))
-            self._rows[req.request_id] = row
+            self._rows[rid] = row
         return row
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:

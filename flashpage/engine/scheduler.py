@@ -170,11 +170,12 @@ class Scheduler:
         kv = self.kv_cache_manager
         # The last token at finish is sampled, never written: positions 0 .. total-2.
         most_written = max(n, self.max_total_tokens(request) - 1)
-        need = kv.blocks_needed(most_written)
-        if need > kv.num_blocks:
+        need = kv.max_blocks_held(most_written, self.max_num_batched_tokens)
+        if need > kv.num_usable_blocks:
             raise RequestRefused(
                 f"request {rid!r}: up to {most_written} tokens need {need} KV blocks of "
-                f"{kv.block_size} tokens, but the whole cache has only {kv.num_blocks} blocks"
+                f"{kv.block_size} tokens at once, but the whole cache has only "
+                f"{kv.num_usable_blocks} blocks"
             )
         request.status = RequestStatus.WAITING
         request.queue_order = (request.priority, request.arrival_time, self._num_added)
@@ -321,7 +322,7 @@ class Scheduler:
         if self.running and self.watermark_blocks:
             # Blocks this admission may take from the free queue: the fresh ones and (at
             # most) the cached hits, which may be sitting in it.
-            need = kv.blocks_needed(num_hit + num_new)
+            need = kv.blocks_held_after(num_hit, num_new)
             if kv.num_free_blocks - need < self.watermark_blocks:
                 return 0
         if kv.allocate_slots(req, num_new, hit_blocks) is None:
@@ -355,9 +356,10 @@ class Scheduler:
         # will count, with their blocks freed (those no one else holds) and its prefix hits
         # among the free blocks it takes.
         hits, num_hit = kv.get_computed_blocks(req)
-        total = kv.blocks_needed(num_hit + min(req.num_tokens - num_hit, budget))
+        total = kv.blocks_held_after(num_hit, min(req.num_tokens - num_hit, budget))
         freed = kv.blocks_freed_by([r.request_id for r in running[i:]])
         free_after = kv.num_free_blocks + len(freed)
+        hits = kv.taken_hits(hits)
         hits_taken_from_free = sum(1 for b in hits if b.ref_cnt == 0 or b.block_id in freed)
         if (total - len(hits) > free_after - hits_taken_from_free
                 or (i and free_after - total < self.watermark_blocks)):

@@ -7,7 +7,17 @@ physical block id; token ``p`` lives in slot ``table[p // B] * B + p % B``::
     table      [   7    ,     2     ,    9   ]       -> slot of p=B+3 is 2*B + 3
 
 Blocks are allocated only when a step schedules tokens that need them, and returned
-when the request finishes, is aborted or preempted. With prefix caching (default), a
+when the request finishes, is aborted or preempted. With a sliding window common to every
+layer (``sliding_window``: Mistral 7B v0.1, Phi-3-mini-4k, StarCoder2), a block whose
+tokens no query of this step or a later one can see (all its positions ``<= q0 - window``,
+``q0`` the step's first query) goes back to the pool at once and its table entry points
+at the reserved null block 0 (zeros, never written; the kernels skip or mask it), so a
+request holds about ``window / B + 1`` blocks however long it runs::
+
+    window 32, B 16, q0 = 70:  table [0, 0, 12, 5, 9]   positions 0..31 released
+                               (keys 39..70 are visible to query 70: blocks 2.. stay)
+
+With prefix caching (default), a
 block becomes findable by its chained hash as soon as it is allocated for tokens that
 fill it in this step: a request admitted later in the SAME step may hit it, which is
 safe because the engine writes every new token's K/V of a layer before attention reads.
@@ -79,15 +89,35 @@ class KVCacheManager:
     they will hold after the current step (set by ``allocate_slots``).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None, window_slack: int = 0):
         self.block_size = validate_block_size(block_size)
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        if sliding_window is not None and (not isinstance(sliding_window, int)
+                                           or isinstance(sliding_window, bool) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
+        if not isinstance(window_slack, int) or window_slack < 0:
+            raise ValueError(f"window_slack must be a non-negative integer, got {window_slack!r}")
+        if sliding_window is not None and num_blocks < 2:
+            raise ValueError("a sliding-window cache needs at least 2 blocks (block 0 is the null block)")
+        self.sliding_window = sliding_window
+        # Positions before q0 - window + 1 - window_slack are released: the slack keeps the
+        # keys a step may still read behind its first query (a draft model's catch-up).
+        self.window_slack = window_slack
         self.pool = BlockPool(num_blocks)
+        self.null_block: KVCacheBlock | None = None
+        if sliding_window is not None:  # released table entries point here; never allocated
+            self.null_block = self.pool.blocks[0]
+            self.pool.free_queue.remove(self.null_block)
+            self.null_block.ref_cnt = 1
+        self.num_reserved = 1 if sliding_window is not None else 0
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._num_stored: dict[str, int] = {}
         self._num_registered: dict[str, int] = {}  # leading full blocks already hashed
+        self._tail_cid: dict[str, int | None] = {}  # content id of the last registered block
+        self._num_released: dict[str, int] = {}  # leading entries given back (sliding window)
         self._pending_query: dict[str, tuple[int, int]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -98,9 +128,14 @@ class KVCacheManager:
         return self.pool.free_queue.num_free
 
     @property
+    def num_usable_blocks(self) -> int:
+        """The blocks requests can hold (all but the reserved null block)."""
+        return self.num_blocks - self.num_reserved
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks held by requests (cached free blocks count as free)."""
-        return 1.0 - self.pool.free_queue.num_free / self.num_blocks
+        return 1.0 - self.pool.free_queue.num_free / self.num_usable_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table. The list is live: read it, do not mutate it."""
@@ -112,8 +147,41 @@ class KVCacheManager:
     def num_stored_tokens(self, request_id: str) -> int:
         return self._num_stored.get(request_id, 0)
 
+    def num_released(self, request_id: str) -> int:
+        """Leading table entries given back to the pool (null block 0; sliding window)."""
+        return self._num_released.get(request_id, 0)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _releasable(self, first_query: int) -> int:
+        """How many leading blocks no query at ``first_query`` or later can see."""
+        assert self.sliding_window is not None
+        return max(0, first_query - self.sliding_window + 1 - self.window_slack) // self.block_size
+
+    def blocks_held_after(self, num_computed: int, num_new: int) -> int:
+        """Blocks a request holds once a step computing positions ``[num_computed,
+        num_computed + num_new)`` is allocated (its released ones not counted)."""
+        n = self.blocks_needed(num_computed + num_new)
+        if self.sliding_window is None:
+            return n
+        return n - min(self._releasable(num_computed), n)
+
+    def taken_hits(self, hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """The prefix hits an admission takes: behind a sliding window, not those no query
+        of its first step can see (their table entries are null)."""
+        if self.sliding_window is None or not hits:
+            return hits
+        return hits[min(self._releasable(len(hits) * self.block_size), len(hits)):]
+
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` positions holds at once, steps
+        computing at most ``max_step_tokens`` each (whole, without a sliding window)."""
+        n = self.blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return n
+        span = self.sliding_window - 1 + self.window_slack + max_step_tokens
+        return min(n, self.blocks_needed(span) + 1)
 
     # --------------------------------------------------------------- allocation
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -150,6 +218,9 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self._blocks.get(rid)
         B = self.block_size
+        if (blocks is not None and self.sliding_window is not None
+                and self._releasable(request.num_computed_tokens) > self._num_released[rid]):
+            self._release(rid, self._releasable(request.num_computed_tokens))
         if blocks is not None and not new_computed_blocks:
             # Fast path (most decode steps): the table already covers the new tokens.
             total = request.num_computed_tokens + num_new_tokens
@@ -165,11 +236,10 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_hit * B + num_new_tokens
         num_needed = -(-total // B) - (len(blocks) if blocks is not None else 0) - num_hit
         pool = self.pool
+        taken = self.taken_hits(new_computed_blocks) if new_computed_blocks else []
+        skip = num_hit - len(taken)
         # Free cached blocks we are about to touch cannot also serve as new blocks.
-        num_evictable_hits = (
-            sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-            if num_hit and new_computed_blocks is not None else 0
-        )
+        num_evictable_hits = sum(1 for b in taken if b.ref_cnt == 0)
         if num_needed > pool.free_queue.num_free - num_evictable_hits:
             return None
 
@@ -178,12 +248,20 @@ class KVCacheManager:
             self._block_ids[rid] = []
             self._num_stored[rid] = 0
             self._num_registered[rid] = 0
+            self._tail_cid[rid] = None
+            self._num_released[rid] = 0
         ids = self._block_ids[rid]
         if num_hit and new_computed_blocks is not None:
-            pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
-            ids.extend(b.block_id for b in new_computed_blocks)
+            if skip:
+                assert self.null_block is not None
+                blocks.extend([self.null_block] * skip)
+                ids.extend([self.null_block.block_id] * skip)
+                self._num_released[rid] = skip
+            pool.touch(taken)
+            blocks.extend(taken)
+            ids.extend(b.block_id for b in taken)
             self._num_registered[rid] = num_hit
+            self._tail_cid[rid] = new_computed_blocks[-1].content_id
         new_blocks = pool.get_new_blocks(num_needed) if num_needed > 0 else []
         if new_blocks:
             blocks.extend(new_blocks)
@@ -211,13 +289,29 @@ class KVCacheManager:
         root, root_cid = prefix_cache.cache_root(request.lora_int_id)
         hashes = prefix_cache.update_block_hashes(request.block_hashes, tokens, B, num_full, root)
         start = self._num_registered[rid]
-        parent_cid = blocks[start - 1].content_id if start else root_cid
+        parent_cid = self._tail_cid[rid] if start else root_cid
         register = self.pool.register
         for i in range(start, num_full):
             b = blocks[i]
             register(b, hashes[i], tuple(tokens[i * B:(i + 1) * B]), parent_cid)
             parent_cid = b.content_id
         self._num_registered[rid] = num_full
+        self._tail_cid[rid] = parent_cid
+
+    def _release(self, rid: str, upto: int) -> None:
+        """Give back the request's blocks ``[released, upto)`` (a sliding window passed
+        them); with prefix caching only registered ones (they stay findable, LRU)."""
+        if self.enable_prefix_caching:
+            upto = min(upto, self._num_registered[rid])
+        start = self._num_released[rid]
+        if upto <= start:
+            return
+        blocks, ids, null = self._blocks[rid], self._block_ids[rid], self.null_block
+        assert null is not None
+        self.pool.free_blocks(blocks[start:upto])
+        blocks[start:upto] = [null] * (upto - start)
+        ids[start:upto] = [null.block_id] * (upto - start)
+        self._num_released[rid] = upto
 
     def trim(self, request: Request, num_tokens: int | None = None) -> None:
         """The request's stored tokens back to its computed ones (a speculative step's
@@ -242,7 +336,9 @@ class KVCacheManager:
         del self._block_ids[rid]
         del self._num_stored[rid]
         del self._num_registered[rid]
-        self.pool.free_blocks(reversed(blocks))
+        del self._tail_cid[rid]
+        released = self._num_released.pop(rid)
+        self.pool.free_blocks(reversed(blocks[released:]))
 
     def blocks_freed_by(self, request_ids: list[str]) -> set[int]:
         """Ids of the blocks that freeing these requests would return to the free queue:
@@ -250,14 +346,14 @@ class KVCacheManager:
         held: dict[int, int] = {}
         refs: dict[int, int] = {}
         for rid in request_ids:
-            for b in self._blocks.get(rid, ()):
+            for b in self._blocks.get(rid, [])[self._num_released.get(rid, 0):]:
                 held[b.block_id] = held.get(b.block_id, 0) + 1
                 refs[b.block_id] = b.ref_cnt
         return {bid for bid, n in held.items() if refs[bid] == n}
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (only when no block is in use). Returns success."""
-        if self.pool.free_queue.num_free != self.num_blocks:
+        if self.pool.free_queue.num_free != self.num_usable_blocks:
             return False
         for b in self.pool.blocks:
             b.reset_content()
@@ -271,13 +367,14 @@ class KVCacheManager:
         Counts the tokens scheduled in the current step as stored. O(blocks in use) with
         prefix caching (shared blocks must be deduplicated), O(requests) without.
         """
-        if not self.enable_prefix_caching:
-            return sum(self._num_stored.values())
         B = self.block_size
+        if not self.enable_prefix_caching:
+            return sum(max(0, n - self._num_released[rid] * B) for rid, n in self._num_stored.items())
         fill: dict[int, int] = {}
         for rid, blocks in self._blocks.items():
             n = self._num_stored[rid]
-            for i, b in enumerate(blocks):
+            for i in range(self._num_released[rid], len(blocks)):
+                b = blocks[i]
                 f = min(B, n - i * B)
                 if f > fill.get(b.block_id, 0):
                     fill[b.block_id] = f
@@ -285,12 +382,12 @@ class KVCacheManager:
 
     def stats(self) -> KVCacheStats:
         free = self.pool.free_queue.num_free
-        used = self.num_blocks - free
+        used = self.num_usable_blocks - free
         stored = self.tokens_stored()
         slots = used * self.block_size
         cached_free = sum(1 for b in self.pool.cached.values() if b.ref_cnt == 0)
         return KVCacheStats(
-            num_blocks=self.num_blocks,
+            num_blocks=self.num_usable_blocks,
             block_size=self.block_size,
             blocks_used=used,
             blocks_free=free,
@@ -298,7 +395,7 @@ class KVCacheManager:
             tokens_stored=stored,
             slots_allocated=slots,
             utilization=stored / slots if slots else 1.0,
-            usage=used / self.num_blocks,
+            usage=used / self.num_usable_blocks,
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
             prefix_hit_rate=self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
