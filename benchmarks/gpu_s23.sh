@@ -55,5 +55,18 @@ families)
     | tee "$OUT/gpu_quantfam_tests.txt" | tail -n 4
   (cd "$OUT" && tar -czf families.tgz gpu_*_tests.txt fused_norm.txt && rm -f gpu_*_tests.txt fused_norm.txt)
   echo "part families done at ${SECONDS}s" ;;
+window)  # session 23's second call: the window release on the GPU, the LayerNorm kernel, the new
+  # families' fp32 graphs (gpu, not slow: run 180's verify part showed whole files do not fit)
+  timeout "$(left 90)" $PT -m gpu -rf tests/engine/test_sliding_window_release.py 2>&1 \
+    | tee "$OUT/gpu_window_tests.txt" | tail -n 4
+  timeout "$(left 100)" $PT -rf tests/kernels/test_layer_norm_kernel.py 2>&1 \
+    | tee "$OUT/gpu_lnorm_tests.txt" | tail -n 4
+  timeout "$(left 90)" python3 benchmarks/fused_ops.py --only norm --out "$OUT" > "$OUT/fused_norm.txt" 2>&1
+  tail -n 20 "$OUT/fused_norm.txt"
+  timeout "$(left 300)" $PT -m "gpu and not slow" -rf tests/models/test_cohere2_olmo.py \
+    tests/models/test_gpt2_bigcode.py tests/models/test_neox_phi.py tests/models/test_gptj_falcon.py \
+    tests/models/test_opt.py tests/models/test_olmoe_granitemoe.py 2>&1 | tee "$OUT/gpu_newfam_tests.txt" | tail -n 6
+  (cd "$OUT" && tar -czf window.tgz gpu_*_tests.txt fused_norm.txt && rm -f gpu_*_tests.txt fused_norm.txt)
+  echo "part window done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
