@@ -962,7 +962,8 @@ def _mpt_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
     """MPT (MptConfig's and MptAttentionConfig's defaults where a field is absent; ``d``:
     _mpt_names' dict): ALiBi with MPT's slopes (``attn_config.alibi_bias_max``), Wqkv
     ([q | k | v] rows) and out_proj, up_proj -> exact GELU -> down_proj, LayerNorms
-    (``layer_norm_epsilon``), none of them with a bias (``no_bias``); q, k and v clamped to
+    (``layer_norm_epsilon``), none of them with a bias unless ``no_bias`` is false (then
+    all of them, as MosaicML's code builds them); q, k and v clamped to
     [-clip_qkv, clip_qkv] (``attn_config.clip_qkv``); q.k scaled by
     ``attn_config.softmax_scale`` (null: head_dim ** -0.5); logits x ``logit_scale`` (a
     number or "inv_sqrt_d_model"; null: 1); the head tied unless ``tie_word_embeddings``.
@@ -970,8 +971,9 @@ def _mpt_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
     ConfigErrors name what transformers' MPT does not run as MosaicML's: a prefix LM
     (``prefix_lm``), attention within sequence ids (``attn_uses_sequence_id``), q/k
     LayerNorms (``qk_ln``: transformers drops them), multi-query or grouped attention
-    (``attn_type``), learned positions without ALiBi (``alibi`` false), biases
-    (``no_bias`` false: transformers builds none and would drop them)."""
+    (``attn_type``), learned positions without ALiBi (``alibi`` false). (transformers' MPT
+    builds no biases whatever ``no_bias`` says: a checkpoint with them is read here as
+    MosaicML's code reads it.)"""
     arch = "MptForCausalLM"
     raw = d.get("attn_config")
     attn: dict[str, Any] = {} if raw is None else raw
@@ -990,9 +992,6 @@ def _mpt_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
     if attn_type != "multihead_attention":
         raise ConfigError(f"{w}.attn_type {attn_type!r} is not supported for {arch} "
                           "(supported: 'multihead_attention', transformers' one)")
-    if not _flag(d, "no_bias", True, where):
-        raise ConfigError(f"{where}: no_bias false is not supported for {arch}: transformers' "
-                          "MPT builds no biases (its linears and LayerNorms have none)")
     _no_checkpoint_quantization(d, arch, where)
     scale = d.get("logit_scale")
     if scale == "inv_sqrt_d_model":
@@ -1001,7 +1000,8 @@ def _mpt_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
         scale = _positive_number(d, "logit_scale", where, 1.0)
     softmax_scale = attn.get("softmax_scale")
     return dict(rms_norm_eps=_positive_number(d, "layer_norm_epsilon", where, 1e-5),
-                hidden_act="gelu", attention_bias=False, mlp_bias=False,
+                hidden_act="gelu", attention_bias=not _flag(d, "no_bias", True, where),
+                mlp_bias=not _flag(d, "no_bias", True, where),
                 head_dim=_whole_heads(d, where), num_key_value_heads=d["num_attention_heads"],
                 alibi=True, alibi_bias_max=_positive_number(attn, "alibi_bias_max", w, 8.0),
                 clip_qkv=_positive(attn, "clip_qkv", None, w),

@@ -306,8 +306,9 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     # LayerNorms with a bias too (Starcoder2's, GPT-2's, ...); OLMo (1)'s and OPT's without
     # elementwise_affine hold neither weight nor bias
     affine = cfg.model_type != "olmo" and cfg.norm_elementwise_affine
-    # (MPT's LayerNorms: a weight alone)
-    norm = 0 if not affine else 2 * h if cfg.model_type in _PLAIN_MLP and cfg.model_type != "mpt" else h
+    # (MPT's LayerNorms: a weight alone unless no_bias is false)
+    biased = cfg.model_type in _PLAIN_MLP and (cfg.model_type != "mpt" or cfg.attention_bias)
+    norm = 0 if not affine else 2 * h if biased else h
     # GPT-2's wpe, OPT's embed_positions (2 rows more)
     wpe = (cfg.max_position_embeddings + cfg.position_offset) * h if cfg.learned_positions else 0
     proj = 2 * width * h if width != h else 0  # OPT's project_in / project_out

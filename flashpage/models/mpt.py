@@ -9,8 +9,10 @@ MPT's names, with:
 - ``attn.Wqkv`` holding q, k and v as [q | k | v] rows (our qkv_proj's order as it is),
   clamped to [-clip_qkv, clip_qkv] (``attn_config.clip_qkv``) after the projection, and
   ``attn.out_proj``; q.k scaled by ``attn_config.softmax_scale`` (else head_dim ** -0.5);
-- LayerNorms without bias (``norm_1`` before attention, ``norm_2`` before the MLP, ``norm_f``
-  at the end; ``layer_norm_epsilon``), no bias on any linear (``no_bias``);
+- LayerNorms (``norm_1`` before attention, ``norm_2`` before the MLP, ``norm_f`` at the end;
+  ``layer_norm_epsilon``), no bias on them or any linear unless ``no_bias`` is false
+  (``ModelConfig.attention_bias``: then every one has one, as in MosaicML's code;
+  transformers' MPT never builds them);
 - the MLP ``ffn.up_proj`` -> exact GELU -> ``ffn.down_proj`` (4 x d_model),
   the head tied to ``wte`` unless ``tie_word_embeddings`` is false, logits x ``logit_scale``.
 
@@ -47,7 +49,8 @@ MPT_NAMES = HFNames({
 
 
 def _norm(config: ModelConfig) -> LayerNorm:
-    return LayerNorm(config.hidden_size, config.rms_norm_eps, bias=False)
+    # no_bias covers the norms and the linears alike (attention_bias == mlp_bias here)
+    return LayerNorm(config.hidden_size, config.rms_norm_eps, bias=config.attention_bias)
 
 
 class MptAttention(LlamaAttention):
@@ -74,7 +77,8 @@ class MptBlock(PreNormDecoderLayer):
         self.input_layernorm = _norm(config)
         self.self_attn = MptAttention(config, layer_idx, max_positions, alibi)
         self.post_attention_layernorm = _norm(config)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=False)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                       bias=config.mlp_bias)
 
 
 class MptModel(DecoderStack):

@@ -28,7 +28,9 @@ from tests.conftest import (
     assert_dense_params_match_hf,
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
+    cpu_greedy,
     cpu_llm,
+    edited_copy,
     hf_greedy,
     random_prompts,
 )
@@ -149,6 +151,33 @@ def test_staggered_batch_on_our_kernels(tiny):
     assert_staggered_matches_hf(tiny("bloom"), attention_backend="triton")
 
 
+def test_mpt_biases_with_no_bias_false(tiny, tmp_path):
+    """``no_bias`` false: every linear and LayerNorm of MPT has a bias, as MosaicML's code
+    builds them (transformers' MPT builds none, so it is no reference here). Zero biases
+    give transformers' tokens of the bias-free checkpoint (each bias found its place);
+    random ones change them; inspect counts the file's parameters."""
+    src = tiny("mpt")
+    prompts = random_prompts(2, 10, 30, seed=4)
+    truth = hf_greedy(src, prompts, GREEDY.max_tokens)
+
+    def biases(fill):
+        def add(t):
+            for name in list(t):
+                if name.endswith(".weight") and not name.endswith(("wte.weight", "lm_head.weight")):
+                    t[name.removesuffix(".weight") + ".bias"] = fill(t[name].shape[0])
+        return add
+
+    zero = edited_copy(src, tmp_path / "zero", edit=biases(torch.zeros),
+                       config_edit=lambda c: c.update(no_bias=False))
+    assert cpu_greedy(zero, prompts, GREEDY) == truth
+    g = torch.Generator().manual_seed(0)
+    rand = edited_copy(src, tmp_path / "rand", edit=biases(lambda n: torch.randn(n, generator=g)),
+                       config_edit=lambda c: c.update(no_bias=False))
+    assert cpu_greedy(rand, prompts, GREEDY) != truth
+    n_file = sum(t.numel() for _, t in iter_safetensors(str(rand)))
+    assert param_counts(ModelConfig.from_hf(rand)) == (n_file, n_file)  # tied: no lm_head
+
+
 def test_flex_backend_declines(tiny):
     cfg = ModelConfig.from_hf(tiny("bloom"))
     with pytest.raises(BackendUnavailable, match="ALiBi"):
@@ -261,7 +290,6 @@ def _raw_mpt(**attn) -> dict:
      "attn_config.attn_type 'multiquery_attention' is not supported"),
     (_raw_mpt(clip_qkv=-1), "clip_qkv must be a positive number"),
     (_raw_mpt(alibi_bias_max=0), "alibi_bias_max must be a positive number"),
-    ({**MPT_7B, "no_bias": False}, "no_bias false is not supported for MptForCausalLM"),
     ({**MPT_7B, "attn_config": "torch"}, "attn_config must be an object or null"),
     ({**MPT_7B, "expansion_ratio": 2}, "expansion_ratio 2 is not supported for MptForCausalLM"),
     ({**MPT_7B, "logit_scale": "big"}, "logit_scale must be a positive number"),
