@@ -60,8 +60,13 @@ INT4_CHECKPOINT_FAMILY = LLAMA_FAMILY | GEMMA_FAMILY | LLAMA_VARIANTS
 # (n_embd, n_layer, n_head, n_positions, n_inner); GPT-BigCode (StarCoder 1, SantaCoder) with
 # multi-query attention (_gpt2_fields)
 GPT2_FAMILY = {"GPT2LMHeadModel", "GPTBigCodeForCausalLM"}
+# models/bloom.py, mpt.py: ALiBi position biases instead of rotary (layers/alibi.py), q, k
+# and v in one fused linear, LayerNorms, a GELU MLP, the head tied (_bloom_fields, _mpt_fields)
+ALIBI_FAMILY = {"BloomForCausalLM", "MptForCausalLM"}
+# architecture names of remote-code checkpoints that transformers' own class reads
+_ARCH_ALIASES = {"MPTForCausalLM": "MptForCausalLM"}  # MosaicML's MPT files
 SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
-                           | LLAMA_VARIANTS | GPT2_FAMILY)
+                           | LLAMA_VARIANTS | GPT2_FAMILY | ALIBI_FAMILY)
 
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -93,6 +98,8 @@ _MODEL_TYPE_TO_ARCH = {
     "gptj": "GPTJForCausalLM",
     "falcon": "FalconForCausalLM",
     "opt": "OPTForCausalLM",
+    "bloom": "BloomForCausalLM",
+    "mpt": "MptForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -836,12 +843,11 @@ def _falcon_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
       ``parallel_attn`` -> one input_layernorm feeding both, else sequential
       (input_layernorm, then post_attention_layernorm after attention's residual add).
 
-    ``alibi`` (Falcon-RW) is a ConfigError, as are the combinations transformers' own
-    layer cannot run (it would fail on a missing norm or a head-count reshape)."""
+    ``alibi`` (Falcon-RW): ALiBi position biases instead of rotary (layers/alibi.py). The
+    combinations transformers' own layer cannot run (it would fail on a missing norm or a
+    head-count reshape) are ConfigErrors."""
     arch = "FalconForCausalLM"
-    if _flag(d, "alibi", False, where):
-        raise ConfigError(f"{where}: alibi true (Falcon-RW's ALiBi position biases) is not "
-                          f"supported for {arch}: our attention kernels have no ALiBi")
+    alibi = _flag(d, "alibi", False, where)
     head_dim = _whole_heads(d, where)
     heads = d["num_attention_heads"]
     new = _flag(d, "new_decoder_architecture", False, where)
@@ -876,7 +882,132 @@ def _falcon_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
     return dict(rms_norm_eps=_positive_number(d, "layer_norm_epsilon", where, 1e-5),
                 hidden_act=act, attention_bias=bias, mlp_bias=bias, head_dim=head_dim,
                 num_key_value_heads=kv_heads, use_parallel_residual=new or parallel,
-                parallel_norms=norms,
+                parallel_norms=norms, alibi=alibi,
+                tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
+
+
+def _no_checkpoint_quantization(d: dict[str, Any], arch: str, where: str) -> None:
+    if d.get("quantization_config") is not None:
+        raise ConfigError(f"{where}: quantization_config (a pre-quantized checkpoint) is not read "
+                          f"for {arch}; load a 16/32-bit one (quantization='fp8' or 'int4' "
+                          "quantizes it at load)")
+
+
+def _bloom_names(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """Bloom's config.json with the common names added (a new dict), BloomConfig's defaults
+    where a field is absent: hidden_size (the old ``n_embed`` where the file has it, 64),
+    num_hidden_layers from ``n_layer`` (2), num_attention_heads from ``n_head`` (8),
+    vocab_size (250880), intermediate_size 4 x hidden_size (transformers' BloomMLP; the
+    files' ``n_inner`` is read by nothing)."""
+    out = dict(d)
+    out["model_type"] = d.get("model_type") or "bloom"
+    for theirs, ours, default in (("n_embed", "hidden_size", 64), ("n_layer", "num_hidden_layers", 2),
+                                  ("n_head", "num_attention_heads", 8)):
+        key = theirs if theirs in d or ours not in d else ours
+        out[ours] = _positive_int(d, key, where, default)
+    out["vocab_size"] = _positive_int(d, "vocab_size", where, 250880)
+    out["intermediate_size"] = 4 * out["hidden_size"]
+    return out
+
+
+def _bloom_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """Bloom (BloomConfig's defaults where a field is absent; ``d``: _bloom_names' dict):
+    ALiBi with Bloom's slopes, LayerNorms with bias (``layer_norm_epsilon``) on the
+    embeddings (word_embeddings_layernorm), before attention and the MLP and at the end,
+    biased query_key_value (its rows head by head, [q k v] each) and dense, the MLP
+    dense_h_to_4h -> GELU (tanh form) -> dense_4h_to_h with biases, the head tied unless
+    ``tie_word_embeddings`` is false. ``apply_residual_connection_post_layernorm`` (the
+    normed input as the residual) is a ConfigError; ``pretraining_tp`` / ``slow_but_exact``
+    only reorder transformers' sums and are not read."""
+    arch = "BloomForCausalLM"
+    if _flag(d, "apply_residual_connection_post_layernorm", False, where):
+        raise ConfigError(f"{where}: apply_residual_connection_post_layernorm true is not "
+                          f"supported for {arch} (its residual is the normed input; no "
+                          "published Bloom uses it)")
+    _no_checkpoint_quantization(d, arch, where)
+    head_dim = _whole_heads(d, where)
+    return dict(rms_norm_eps=_positive_number(d, "layer_norm_epsilon", where, 1e-5),
+                hidden_act="gelu_new", attention_bias=True, mlp_bias=True, head_dim=head_dim,
+                num_key_value_heads=d["num_attention_heads"], alibi=True,
+                tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
+
+
+# MptConfig's names (its attribute_map) -> ModelConfig's
+_MPT_NAMES = (("d_model", "hidden_size", 2048), ("n_heads", "num_attention_heads", 16),
+              ("n_layers", "num_hidden_layers", 24), ("max_seq_len", "max_position_embeddings", 2048))
+
+
+def _mpt_names(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """MPT's config.json with the common names added (a new dict), MptConfig's defaults
+    where a field is absent: hidden_size from ``d_model``, num_attention_heads from
+    ``n_heads``, num_hidden_layers from ``n_layers``, max_position_embeddings from
+    ``max_seq_len``, vocab_size (50368), intermediate_size 4 x d_model (transformers' MptMLP,
+    whatever ``expansion_ratio`` says: another ratio is a ConfigError)."""
+    out = dict(d)
+    out["model_type"] = d.get("model_type") or "mpt"
+    for theirs, ours, default in _MPT_NAMES:
+        key = theirs if theirs in d or ours not in d else ours
+        out[ours] = _positive_int(d, key, where, default)
+    out["vocab_size"] = _positive_int(d, "vocab_size", where, 50368)
+    ratio = d.get("expansion_ratio", 4)
+    if ratio != 4 or isinstance(ratio, bool):
+        raise ConfigError(f"{where}: expansion_ratio {ratio!r} is not supported for "
+                          "MptForCausalLM: transformers' MPT MLP is 4 x d_model wide")
+    out["intermediate_size"] = 4 * out["hidden_size"]
+    out.pop("head_dim", None)
+    return out
+
+
+def _mpt_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """MPT (MptConfig's and MptAttentionConfig's defaults where a field is absent; ``d``:
+    _mpt_names' dict): ALiBi with MPT's slopes (``attn_config.alibi_bias_max``), Wqkv
+    ([q | k | v] rows) and out_proj, up_proj -> exact GELU -> down_proj, LayerNorms
+    (``layer_norm_epsilon``), none of them with a bias unless ``no_bias`` is false (then
+    all of them, as MosaicML's code builds them); q, k and v clamped to
+    [-clip_qkv, clip_qkv] (``attn_config.clip_qkv``); q.k scaled by
+    ``attn_config.softmax_scale`` (null: head_dim ** -0.5); logits x ``logit_scale`` (a
+    number or "inv_sqrt_d_model"; null: 1); the head tied unless ``tie_word_embeddings``.
+
+    ConfigErrors name what transformers' MPT does not run as MosaicML's: a prefix LM
+    (``prefix_lm``), attention within sequence ids (``attn_uses_sequence_id``), q/k
+    LayerNorms (``qk_ln``: transformers drops them), multi-query or grouped attention
+    (``attn_type``), learned positions without ALiBi (``alibi`` false). (transformers' MPT
+    builds no biases whatever ``no_bias`` says: a checkpoint with them is read here as
+    MosaicML's code reads it.)"""
+    arch = "MptForCausalLM"
+    raw = d.get("attn_config")
+    attn: dict[str, Any] = {} if raw is None else raw
+    if not isinstance(attn, dict):
+        raise ConfigError(f"{where}: attn_config must be an object or null, got {raw!r}")
+    w = f"{where}: attn_config"
+    for key, why in (("prefix_lm", "a prefix LM attends bidirectionally within its prefix"),
+                     ("attn_uses_sequence_id", "attention is not limited to sequence ids here"),
+                     ("qk_ln", "transformers' MPT has no q/k LayerNorms (it would drop them)")):
+        if _flag(attn, key, False, w):
+            raise ConfigError(f"{w}.{key} true is not supported for {arch}: {why}")
+    if not _flag(attn, "alibi", True, w):
+        raise ConfigError(f"{w}.alibi false is not supported for {arch}: only ALiBi MPTs are "
+                          "read (transformers' MPT has no learned position embeddings)")
+    attn_type = attn.get("attn_type", "multihead_attention")
+    if attn_type != "multihead_attention":
+        raise ConfigError(f"{w}.attn_type {attn_type!r} is not supported for {arch} "
+                          "(supported: 'multihead_attention', transformers' one)")
+    _no_checkpoint_quantization(d, arch, where)
+    scale = d.get("logit_scale")
+    if scale == "inv_sqrt_d_model":
+        scale = d["hidden_size"] ** -0.5
+    elif scale is not None:
+        scale = _positive_number(d, "logit_scale", where, 1.0)
+    softmax_scale = attn.get("softmax_scale")
+    return dict(rms_norm_eps=_positive_number(d, "layer_norm_epsilon", where, 1e-5),
+                hidden_act="gelu", attention_bias=not _flag(d, "no_bias", True, where),
+                mlp_bias=not _flag(d, "no_bias", True, where),
+                head_dim=_whole_heads(d, where), num_key_value_heads=d["num_attention_heads"],
+                alibi=True, alibi_bias_max=_positive_number(attn, "alibi_bias_max", w, 8.0),
+                clip_qkv=_positive(attn, "clip_qkv", None, w),
+                attention_multiplier=None if softmax_scale is None else _positive_number(
+                    attn, "softmax_scale", w, 1.0),
+                logit_scale=1.0 if scale is None else float(scale),
                 tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
 
 
@@ -1244,6 +1375,10 @@ class ModelConfig:
     # Falcon: its parallel layer (new_decoder_architecture or parallel_attn), norms below
     use_parallel_residual: bool = False
     lm_head_bias: bool = False  # Phi-1/1.5/2, GPT-J: the LM head has a bias
+    # ALiBi (Bloom, MPT, Falcon-RW): per-head linear position biases in attention instead of
+    # rotary (layers/alibi.py); MPT's slopes follow alibi_bias_max (None: Bloom's sequence)
+    alibi: bool = False
+    alibi_bias_max: float | None = None
     # Falcon: the norms of a parallel layer (use_parallel_residual): 2 (ln_attn for attention,
     # ln_mlp for the MLP, both of x: Falcon-40B/180B, as GPT-NeoX's) or 1 whose output both
     # read (Falcon-7B, Falcon2-11B)
@@ -1311,6 +1446,7 @@ class ModelConfig:
     def _from_dict(d: dict[str, Any], where: str, folder: str | None = None) -> ModelConfig:
         archs = d.get("architectures") or []
         arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(d.get("model_type", ""), "")
+        arch = _ARCH_ALIASES.get(arch, arch)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"{where}: architecture {arch or d.get('model_type')!r} is not supported; "
@@ -1322,6 +1458,10 @@ class ModelConfig:
             d = _falcon_names(d, where)
         elif arch == "OPTForCausalLM":
             d = _opt_names(d, where)
+        elif arch == "BloomForCausalLM":
+            d = _bloom_names(d, where)
+        elif arch == "MptForCausalLM":
+            d = _mpt_names(d, where)
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
         if arch in LLAMA_FAMILY | LLAMA_VARIANTS:
             required.append("intermediate_size")
@@ -1374,7 +1514,9 @@ class ModelConfig:
         moe = _llama_moe_fields(d, arch, where) if arch in LLAMA_MOE_FAMILY else {}
         variant = (_variant_fields(d, arch, where, head_dim, rope_scaling)
                    if arch in LLAMA_VARIANTS else
-                   _gpt2_fields(d, arch, where) if arch in GPT2_FAMILY else {})
+                   _gpt2_fields(d, arch, where) if arch in GPT2_FAMILY else
+                   _bloom_fields(d, where) if arch == "BloomForCausalLM" else
+                   _mpt_fields(d, where) if arch == "MptForCausalLM" else {})
         # Qwen2-MoE names its q/k/v bias qkv_bias (on unless set false, as Qwen2's)
         bias = (d.get("qkv_bias", True) if model_type == "qwen2_moe"
                 else d.get("attention_bias", model_type == "qwen2"))
@@ -1454,9 +1596,10 @@ class ModelConfig:
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer ``layer`` rotates q and k (all but Cohere2's full-attention layers,
-        and none with learned positions)."""
-        return not self.learned_positions and not (self.full_attention_nope and self.layer_types
-                    and self.layer_types[layer] == "full_attention")
+        and none with learned positions or ALiBi)."""
+        return not self.learned_positions and not self.alibi and not (
+            self.full_attention_nope and self.layer_types
+            and self.layer_types[layer] == "full_attention")
 
     @property
     def attention_scale(self) -> float:

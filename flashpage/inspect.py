@@ -81,7 +81,8 @@ def parse_memory(s: str) -> int:
 # ------------------------------------------------------------------ parameters
 # families whose MLP is not gated (c_fc -> act -> c_proj, under their names) and whose
 # LayerNorms have a bias
-_PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "phi", "gptj", "falcon", "opt")
+_PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "phi", "gptj", "falcon", "opt",
+              "bloom", "mpt")
 # norms a layer: input and post-attention; Gemma 2/3's pre- and post-feedforward ones too;
 # Cohere's (and Cohere2's), Phi's and GPT-J's one norm feeds attention and the MLP
 _NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "cohere2": 1, "phi": 1,
@@ -204,11 +205,12 @@ def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
 
 # families whose checkpoints hold q/k/v (and gate/up) as one tensor: Phi-3's qkv_proj /
 # gate_up_proj, GPT-NeoX's and Falcon's query_key_value (its rows regrouped: _piece_rows)
-_MERGED_ON_DISK = {"Phi3ForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM"}
+_MERGED_ON_DISK = {"Phi3ForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM",
+                   "BloomForCausalLM", "MptForCausalLM"}
 _MERGED_NAMES = {"q_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
 # families whose checkpoints name our modules otherwise (their models' ``hf_names``)
 _RENAMED = {"GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
-            "OPTForCausalLM"}
+            "OPTForCausalLM", "BloomForCausalLM", "MptForCausalLM"}
 
 
 def _checkpoint_names(cfg: ModelConfig, out: list[tuple[tuple[str, ...], int, int]]
@@ -304,12 +306,16 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     # LayerNorms with a bias too (Starcoder2's, GPT-2's, ...); OLMo (1)'s and OPT's without
     # elementwise_affine hold neither weight nor bias
     affine = cfg.model_type != "olmo" and cfg.norm_elementwise_affine
-    norm = 0 if not affine else 2 * h if cfg.model_type in _PLAIN_MLP else h
+    # (MPT's LayerNorms: a weight alone unless no_bias is false)
+    biased = cfg.model_type in _PLAIN_MLP and (cfg.model_type != "mpt" or cfg.attention_bias)
+    norm = 0 if not affine else 2 * h if biased else h
     # GPT-2's wpe, OPT's embed_positions (2 rows more)
     wpe = (cfg.max_position_embeddings + cfg.position_offset) * h if cfg.learned_positions else 0
     proj = 2 * width * h if width != h else 0  # OPT's project_in / project_out
     # + final norm (not OPT's post-LN one), lm_head (a classifier's: its score head)
     fixed = embed + wpe + proj + (norm if cfg.final_norm else 0) + head
+    if cfg.model_type == "bloom":  # word_embeddings_layernorm
+        fixed += norm
     total = active = fixed
     attn = _attention_params(cfg) + _norms_per_layer(cfg) * norm
     for layer in range(cfg.num_hidden_layers):

@@ -295,10 +295,10 @@ def test_bad_input_is_a_clear_error(
 
 
 def test_unsupported_architecture_in_config(tmp_path: Path, capsys) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BloomForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["RwkvForCausalLM"]}))
     rc, _, err = _run([str(tmp_path)], capsys)
     assert rc == 2
-    assert "BloomForCausalLM" in err and "not supported" in err
+    assert "RwkvForCausalLM" in err and "not supported" in err
 
 
 def test_corrupt_config(tmp_path: Path, capsys) -> None:
@@ -376,7 +376,7 @@ def test_gguf_errors(tmp_path: Path) -> None:
     truncated.write_bytes(b"GGUF\x03\x00")
     with pytest.raises(ConfigError, match="cannot read GGUF metadata"):
         gguf_to_hf_config(truncated)
-    bloom = tmp_path / "g.gguf"  # llama.cpp writes it; we do not read it (ALiBi)
+    bloom = tmp_path / "g.gguf"  # llama.cpp writes it; we read Bloom's safetensors, not its GGUF
     _write_gguf(bloom, "bloom", tied=True)
     with pytest.raises(ConfigError, match="GGUF architecture 'bloom' is not supported"):
         gguf_to_hf_config(bloom)

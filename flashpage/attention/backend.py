@@ -92,6 +92,7 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
         write_kv: bool = True,
     ) -> torch.Tensor:
         """q [N, Hq, D], k/v [N, Hkv, D]: write k/v to the cache (unless the caller already
@@ -99,4 +100,8 @@ class AttentionBackend(ABC):
         calling layer's (a query at position p sees keys p - window < j <= p);
         ``softcap``: scores (after ``scale``) become softcap * tanh(scores / softcap)
         before the softmax (only backends whose unsupported_reasons accept
-        attn_logit_softcapping get one)."""
+        attn_logit_softcapping get one); ``alibi_slopes`` (fp32 [Hq] on the device, one
+        tensor for the model's life: CUDA graphs keep its address): query head h's score of
+        key position j from query position i gains alibi_slopes[h] * (j - i) after the
+        scale and softcap (ALiBi, kernels/alibi.py; only backends whose unsupported_reasons
+        accept ModelConfig.alibi get one)."""

@@ -73,6 +73,9 @@ class FlexBackend(AttentionBackend):
         if model_config.attn_logit_softcapping is not None:
             reasons.append("attention logit softcapping (attn_logit_softcapping) is not "
                            "supported by the flex backend")
+        if model_config.alibi:
+            reasons.append("ALiBi position biases (alibi: Bloom, MPT, Falcon-RW) are not "
+                           "supported by the flex backend (its masks carry no per-head biases)")
         return reasons
 
     def bind_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -184,9 +187,12 @@ class FlexBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
-                write_kv: bool = True) -> torch.Tensor:
+                alibi_slopes: torch.Tensor | None = None, write_kv: bool = True) -> torch.Tensor:
         if softcap is not None:
             raise ValueError("the flex backend has no attention softcap (unsupported_reasons "
+                             "declines such models)")
+        if alibi_slopes is not None:
+            raise ValueError("the flex backend has no ALiBi biases (unsupported_reasons "
                              "declines such models)")
         key_cache, value_cache = kv_cache
         md = metadata

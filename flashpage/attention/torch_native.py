@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata
+from flashpage.kernels.alibi import alibi_ref
 
 if TYPE_CHECKING:
     from flashpage.config import ModelConfig
@@ -70,13 +71,21 @@ def softcap_scores(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     scale: float, softcap: float | None) -> torch.Tensor:
+                     scale: float, softcap: float | None,
+                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """q [Hq, Lq, D], k/v [Hkv, Lk, D], mask [Lq, Lk] (True: attend) -> [Hq, Lq, D], in fp32
-    with the scores softcapped before the mask and softmax (SDPA has no softcap)."""
+    with the scores softcapped, then ALiBi-biased (query i at key position Lk - Lq + i),
+    before the mask and softmax (SDPA has no softcap)."""
     hkv, d = k.shape[0], k.shape[-1]
-    qg = q.reshape(hkv, -1, q.shape[1], d).float()  # [Hkv, G, Lq, D]: GQA without repeats
+    lq, lk = q.shape[1], k.shape[1]
+    qg = q.reshape(hkv, -1, lq, d).float()  # [Hkv, G, Lq, D]: GQA without repeats
     scores = torch.matmul(qg, k.float().transpose(1, 2)[:, None]) * scale  # [Hkv, G, Lq, Lk]
-    scores = softcap_scores(scores, softcap).masked_fill_(~mask, float("-inf"))
+    scores = softcap_scores(scores, softcap)
+    if alibi_slopes is not None:
+        qpos = torch.arange(lk - lq, lk, device=q.device)[:, None]
+        kpos = torch.arange(lk, device=q.device)[None, :]
+        scores = alibi_ref(scores.view(-1, lq, lk), alibi_slopes, qpos, kpos).view(scores.shape)
+    scores = scores.masked_fill_(~mask, float("-inf"))
     o = torch.matmul(scores.softmax(dim=-1), v.float()[:, None])  # [Hkv, G, Lq, D]
     return o.reshape(q.shape).to(q.dtype)
 
@@ -92,7 +101,7 @@ class TorchNativeBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
-                write_kv: bool = True) -> torch.Tensor:
+                alibi_slopes: torch.Tensor | None = None, write_kv: bool = True) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         n = metadata.num_actual_tokens
         if write_kv:
@@ -101,7 +110,7 @@ class TorchNativeBackend(AttentionBackend):
         nd = metadata.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, metadata, scale, sliding_window,
-                                    softcap)
+                                    softcap, alibi_slopes)
         start = metadata.num_decode_tokens
         for i in range(nd, metadata.num_seqs):
             q_len = metadata.query_lens_cpu[i]
@@ -110,10 +119,10 @@ class TorchNativeBackend(AttentionBackend):
             kk = gather_paged(key_cache, bt, k_len).to(q.dtype)  # (an fp8 cache: up-cast)
             vv = gather_paged(value_cache, bt, k_len).to(q.dtype)
             qi = q[start:start + q_len].transpose(0, 1)
-            if softcap is not None:
+            if softcap is not None or alibi_slopes is not None:
                 o = masked_attention(qi, kk.transpose(0, 1), vv.transpose(0, 1),
                                      causal_mask(q_len, k_len, sliding_window, q.device), scale,
-                                     softcap)
+                                     softcap, alibi_slopes)
             elif q_len == k_len and sliding_window is None:  # no cached prefix: plain causal
                 o = F.scaled_dot_product_attention(
                     qi, kk.transpose(0, 1), vv.transpose(0, 1), is_causal=True, scale=scale,
@@ -130,7 +139,8 @@ class TorchNativeBackend(AttentionBackend):
     @staticmethod
     def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float, window: int | None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None,
+                alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         nd = q.shape[0]
         lens = md.seq_lens[:nd].long()
         max_len = max(md.seq_lens_cpu[:nd])
@@ -151,6 +161,9 @@ class TorchNativeBackend(AttentionBackend):
         qg = q.view(nd, hkv, -1, d).float()  # [nd, Hkv, G, D]: GQA without repeating K/V
         scores = torch.matmul(qg, kk.float().permute(0, 2, 3, 1)) * scale  # [nd, Hkv, G, L]
         scores = softcap_scores(scores, softcap)
+        if alibi_slopes is not None:  # slope x (key position - the query's, lens - 1)
+            dist = (pos - (lens[:, None] - 1)).float()  # [nd, L]
+            scores += alibi_slopes.float().view(1, hkv, -1, 1) * dist[:, None, None, :]
         scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
         o = torch.matmul(probs, vv.float().transpose(1, 2))  # [nd, Hkv, G, D]

@@ -76,7 +76,7 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
-                write_kv: bool = True) -> torch.Tensor:
+                alibi_slopes: torch.Tensor | None = None, write_kv: bool = True) -> torch.Tensor:
         from flashpage.kernels.cache_write import write_kv_cache
         from flashpage.kernels.flash_prefill import PrefillPlan
         from flashpage.kernels.paged_decode import DecodePlan
@@ -92,20 +92,23 @@ class TritonBackend(AttentionBackend):
         # Each kernel planned once a step, by its first layer; later layers only launch
         # (kernels/plan.py): the step's tables, lengths and geometry are every layer's. A
         # layer with another window or softcap (Gemma 2/3's windowed and global layers) gets
-        # a plan of its own.
+        # a plan of its own; so does one with other ALiBi slopes (a plan holds its slopes
+        # tensor: keyed by its address, one for all layers of a model, layers/alibi.py).
+        opts = (sliding_window, scale, softcap,
+                None if alibi_slopes is None else alibi_slopes.data_ptr())
         if nd:
             qd, od = q[:nd], out[:nd]
-            planned(md.extra, ("decode", sliding_window, scale, softcap), lambda: DecodePlan(
+            planned(md.extra, ("decode", *opts), lambda: DecodePlan(
                 qd, key_cache, value_cache, md.block_tables[:nd], md.seq_lens[:nd], sm_scale=scale,
-                window_size=sliding_window, out=od, descriptors=self.descriptors, softcap=softcap),
-                qd, key_cache, value_cache, od)
+                window_size=sliding_window, out=od, descriptors=self.descriptors, softcap=softcap,
+                alibi_slopes=alibi_slopes), qd, key_cache, value_cache, od)
         if md.num_seqs > nd:
             qp, op = q[ndt:n], out[ndt:n]
-            planned(md.extra, ("prefill", sliding_window, scale, softcap), lambda: PrefillPlan(
+            planned(md.extra, ("prefill", *opts), lambda: PrefillPlan(
                 qp, key_cache, value_cache, md.block_tables[nd:], md.extra["prefill_qsl"],
                 md.seq_lens[nd:], md.extra["prefill_max_q"], md.extra["prefill_max_k"], causal=True,
                 sm_scale=scale, window_size=sliding_window, out=op, descriptors=self.descriptors,
-                softcap=softcap), qp, key_cache, value_cache, op)
+                softcap=softcap, alibi_slopes=alibi_slopes), qp, key_cache, value_cache, op)
         return out
 
     def write_mla_cache(self, latent: torch.Tensor, kv_cache: torch.Tensor,

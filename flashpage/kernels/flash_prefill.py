@@ -14,7 +14,11 @@ i sits at key position i + Lk - Lq and sees keys j with
 
 A query that sees no key (causal with Lq > Lk) gets a zero output and lse = -inf.
 With ``softcap`` c (Gemma 2), scores (after sm_scale) become c * tanh(scores / c) before
-the mask and softmax (kernels/softcap.py).
+the mask and softmax (kernels/softcap.py). With ``alibi_slopes`` (ALiBi: Bloom, MPT,
+Falcon-RW; fp32 [Hq]), query head h adds slopes[h] * (j - i) to the score of query
+position i and key position j (after sm_scale and any softcap): bias 0 on the diagonal,
+more negative with distance, so the largest score stays near the diagonal and the online
+softmax never meets a large positive bias.
 
 Q/K and V may have different head dims (MLA prefill: qk 192 = 128 nope + 64 rope, v 128),
 and neither needs to be a power of two: each is padded to a power-of-two tile width
@@ -34,7 +38,8 @@ a cache never takes the TMA path (its descriptors would load fp8 boxes; not buil
 
 On Hopper, FLASHPAGE_PREFILL_GLUON=1 sends `paged_prefill` calls that the Gluon FA3-style
 kernel covers (gluon_prefill_unsupported: 16-bit cache in q's dtype, head_dim 128, block
-size a power of two >= 16, no window, no softcap, no explicit config) to flash_prefill_gluon.
+size a power of two >= 16, no window, no softcap, no ALiBi, no explicit config) to
+flash_prefill_gluon.
 paged_prefill_gluon (default off until an H200 run shows it right and faster).
 
 Tiles left of `lo` (outside the window) and right of `hi` (in the future) are
@@ -54,6 +59,7 @@ import triton
 import triton.language as tl
 
 from flashpage import envs
+from flashpage.kernels.alibi import alibi_ref, check_alibi
 from flashpage.kernels.device import sm90_reasons
 from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.kv_dtype import check_kv_cache_dtype
@@ -125,12 +131,12 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start, seq_k,
-                kv_col, qpos, qk_scale, window, softcap, stride_kt, stride_vt,
+                kv_col, qpos, qk_scale, window, softcap, slope, stride_kt, stride_vt,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 HEAD_DIM: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 V_DIM: tl.constexpr, IEEE: tl.constexpr, WARP_SPEC: tl.constexpr,
-                SOFTCAP: tl.constexpr):
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     if KV_MODE >= 2:
         # paged: block-table entries are read one tile ahead and carried into the next
@@ -160,6 +166,8 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
             qk = qk * qk_scale
             if SOFTCAP:
                 qk = softcap_log2(qk, softcap)
+            if ALIBI:  # slope (base 2) x (key position - query position)
+                qk = qk + slope * (kpos[None, :] - qpos[:, None]).to(tl.float32)
             qk = tl.where(mask, qk, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
             # a row with no visible key so far keeps m = -inf; subtract 0 there, not -inf
@@ -173,8 +181,12 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
             acc = _dot(p.to(v.dtype), v, acc, IEEE)
             m_i = m_ij
         else:
-            if SOFTCAP:
-                qk = softcap_log2(qk * qk_scale, softcap)
+            if SOFTCAP or ALIBI:
+                qk = qk * qk_scale
+                if SOFTCAP:
+                    qk = softcap_log2(qk, softcap)
+                if ALIBI:
+                    qk = qk + slope * (kpos[None, :] - qpos[:, None]).to(tl.float32)
                 m_ij = tl.maximum(m_i, tl.max(qk, 1))
                 p = tl.math.exp2(qk - m_ij[:, None])
             else:
@@ -198,7 +210,7 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
 def _prefill_fwd(
     Q, K, V, Out, Lse, desc_q, desc_k, desc_v,
     cu_q, cu_k, seq_lens, block_tables,
-    qk_scale, window, softcap, group,
+    qk_scale, window, softcap, Slopes, group,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lse, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -207,6 +219,7 @@ def _prefill_fwd(
     PAGE_SIZE: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
     WARP_SPEC: tl.constexpr, M_FASTEST: tl.constexpr,
     SOFTCAP: tl.constexpr,  # scores -> cap * tanh(scores / cap); softcap = cap * log2(e)
+    ALIBI: tl.constexpr = False,  # scores + Slopes[h] * (j - i) (Slopes: fp32 [Hq])
 ):
     # heaviest query tile first: causal work grows with the tile index
     if M_FASTEST:  # the tiles of one head run side by side and share its K/V in L2
@@ -260,6 +273,9 @@ def _prefill_fwd(
     s2 = tl.maximum(s1, full_end)
 
     qpos = offs_m + shift
+    slope = 0.0
+    if ALIBI:  # this program's query head's slope, in base 2 as the scores
+        slope = tl.load(Slopes + h) * 1.4426950408889634
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
@@ -271,16 +287,16 @@ def _prefill_fwd(
     if HAS_WINDOW:
         acc, l_i, m_i = _attn_stage(
             acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, s1, k_start, seq_k, kv_col, qpos,
-            qk_scale, window, softcap, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
-            PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False, SOFTCAP)
+            qk_scale, window, softcap, slope, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
+            PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False, SOFTCAP, ALIBI)
     acc, l_i, m_i = _attn_stage(
         acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s1, s2, k_start, seq_k, kv_col, qpos,
-        qk_scale, window, softcap, stride_kt, stride_vt, False, CAUSAL, HAS_WINDOW, KV_MODE,
-        PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, WARP_SPEC, SOFTCAP)
+        qk_scale, window, softcap, slope, stride_kt, stride_vt, False, CAUSAL, HAS_WINDOW, KV_MODE,
+        PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, WARP_SPEC, SOFTCAP, ALIBI)
     acc, l_i, m_i = _attn_stage(
         acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s2, hi, k_start, seq_k, kv_col, qpos,
-        qk_scale, window, softcap, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
-        PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False, SOFTCAP)
+        qk_scale, window, softcap, slope, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
+        PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False, SOFTCAP, ALIBI)
 
     row_ok = offs_m < seq_q
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -451,7 +467,8 @@ def _desc(t: torch.Tensor, rows: int, heads: int, d: int, box_rows: int):
 
 
 def _form(q, k, v, paged, page_size, batch, max_seqlen_q, causal, sm_scale, window,
-          cfg: PrefillConfig | None, softcap: float | None = None):
+          cfg: PrefillConfig | None, softcap: float | None = None,
+          alibi_slopes: torch.Tensor | None = None):
     """The choices of a call (tile config, TMA or pointers, grid, constexprs) from its tensors'
     geometry -> (grid, constexprs, options, use_tma, cfg, scale)."""
     total_q, hq, d = q.shape
@@ -480,13 +497,13 @@ def _form(q, k, v, paged, page_size, batch, max_seqlen_q, causal, sm_scale, wind
                   HAS_WINDOW=window > 0, KV_MODE=mode, PAGE_SIZE=page_size if paged else 1,
                   RETURN_LSE=False, IEEE=q.dtype == torch.float32,
                   WARP_SPEC=cfg.warp_specialize, M_FASTEST=cfg.m_fastest,
-                  SOFTCAP=softcap is not None)
+                  SOFTCAP=softcap is not None, ALIBI=alibi_slopes is not None)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return grid, consts, options, use_tma, cfg, scale
 
 
 def _args(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, use_tma, cfg, scale, window,
-          softcap=None):
+          softcap=None, alibi_slopes=None):
     """_prefill_fwd's positional arguments for these tensors."""
     hkv, d = k.shape[-2], q.shape[-1]
     desc_q = desc_k = desc_v = None
@@ -503,20 +520,22 @@ def _args(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, use_tma, cfg, s
             cu_q, cu_k if cu_k is not None else cu_q,
             seq_lens if seq_lens is not None else cu_q,
             block_tables if paged else cu_q,
-            scale, window, (softcap or 1.0) * _LOG2E, q.shape[1] // hkv,
+            scale, window, (softcap or 1.0) * _LOG2E,
+            alibi_slopes if alibi_slopes is not None else cu_q,  # (read only under ALIBI)
+            q.shape[1] // hkv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), stride_lse, block_tables.stride(0) if paged else 0)
 
 
 def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, batch,
             max_seqlen_q, causal, sm_scale, window, cfg: PrefillConfig | None,
-            softcap: float | None = None):
+            softcap: float | None = None, alibi_slopes: torch.Tensor | None = None):
     grid, consts, options, use_tma, cfg, scale = _form(
         q, k, v, block_tables is not None, page_size, batch, max_seqlen_q, causal, sm_scale, window, cfg,
-        softcap)
+        softcap, alibi_slopes)
     consts["RETURN_LSE"] = lse is not None
     _prefill_fwd[grid](*_args(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, use_tma, cfg, scale,
-                              window, softcap), **consts, **options)
+                              window, softcap, alibi_slopes), **consts, **options)
 
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, window_size) -> tuple[int, int, int]:
@@ -572,7 +591,7 @@ _PREFILL_LAUNCH = FastLauncher(_prefill_fwd)
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                       causal=True, sm_scale=None, window_size=None, return_lse=False, out=None,
-                      softcap=None, _config: PrefillConfig | None = None):
+                      softcap=None, alibi_slopes=None, _config: PrefillConfig | None = None):
     """Attention over a ragged batch with contiguous keys/values.
 
     q [total_q, Hq, D]; k [total_k, Hkv, D], v [total_k, Hkv, Dv] (Dv may differ from D,
@@ -583,21 +602,24 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     log of the softmax denominator, -inf for a query that sees no key) if return_lse.
     The default sm_scale is D ** -0.5. softcap c: scores (after sm_scale) become
     c * tanh(scores / c) before the softmax (Gemma 2's attn_logit_softcapping).
+    alibi_slopes (fp32 [Hq]): query head h's score of key j from query i (bottom-right
+    positions, as the mask's) gains alibi_slopes[h] * (j - i) after sm_scale and softcap.
     """
     hq, batch, window = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, window_size)
     _check_softcap(softcap)
+    check_alibi(alibi_slopes, hq, q.device)
     out = _check_out(out, q, v.shape[-1])
     lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
     if q.shape[0] > 0 and batch > 0:
         _launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, None, 0, batch,
-                max_seqlen_q, causal, sm_scale, window, _config, softcap)
+                max_seqlen_q, causal, sm_scale, window, _config, softcap, alibi_slopes)
     return (out, lse) if return_lse else out
 
 
 def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                   max_seqlen_q, max_seqlen_k, *, causal=True, sm_scale=None,
                   window_size=None, return_lse=False, out=None, softcap=None,
-                  _config: PrefillConfig | None = None):
+                  alibi_slopes=None, _config: PrefillConfig | None = None):
     """Attention of new tokens over the paged KV cache (chunked prefill, prefix hits).
 
     q [total_q, Hq, D]; key_cache [num_blocks, block_size, Hkv, D], value_cache
@@ -606,11 +628,13 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
     [B, max_blocks]; seq_lens int32 [B] (context after this step: cached prefix + new
     tokens, whose K/V are already in the cache). Key p of sequence b lives in slot
     block_tables[b, p // bs] * bs + p % bs; query i of b sits at position
-    seq_lens[b] - q_len_b + i. softcap as `flash_attn_varlen`'s. Returns as `flash_attn_varlen`.
+    seq_lens[b] - q_len_b + i. softcap and alibi_slopes as `flash_attn_varlen`'s. Returns as
+    `flash_attn_varlen`.
     """
     launch = _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
                          max_seqlen_k, causal=causal, sm_scale=sm_scale, window_size=window_size,
-                         return_lse=return_lse, out=out, _config=_config, softcap=softcap)
+                         return_lse=return_lse, out=out, _config=_config, softcap=softcap,
+                         alibi_slopes=alibi_slopes)
     out = _check_out(out, q, value_cache.shape[-1])
     lse = launch(q, key_cache, value_cache, out)
     return (out, lse) if return_lse else out
@@ -619,7 +643,7 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
 def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
                 max_seqlen_k, *, causal, sm_scale, window_size, return_lse, out,
                 _config: PrefillConfig | None = None, descriptors: dict | None = None,
-                softcap: float | None = None) -> Launch:
+                softcap: float | None = None, alibi_slopes: torch.Tensor | None = None) -> Launch:
     """paged_prefill's checks and kernel choice once -> launch(q, key_cache, value_cache, out)
     -> lse or None, for tensors of this geometry over these tables, offsets and lengths."""
     if key_cache.dim() != 4:
@@ -645,11 +669,12 @@ def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                          f"fewer than max_seqlen_k={max_seqlen_k}")
     window = _check_window(window_size)
     _check_softcap(softcap)
+    check_alibi(alibi_slopes, hq, q.device)
     if out is not None:
         _check_out(out, q, dv)
     if (_config is None and envs.prefill_gluon() and q.shape[0] > 0 and batch > 0
             and not gluon_prefill_unsupported(q, key_cache, value_cache, window_size,
-                                              softcap=softcap)):
+                                              softcap=softcap, alibi_slopes=alibi_slopes)):
         from flashpage.kernels.flash_prefill_gluon import engine_options, plan_paged
 
         return plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
@@ -663,7 +688,8 @@ def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
             slots_k = key_cache.view(-1, hkv, d) if key_cache.is_contiguous() else key_cache.flatten(0, 1)
             slots_v = value_cache.view(-1, hkv, dv) if value_cache.is_contiguous() else value_cache.flatten(0, 1)
             _launch(q, slots_k, slots_v, out, lse, cu_seqlens_q, None, seq_lens, block_tables,
-                    page_size, batch, max_seqlen_q, causal, sm_scale, window, _config, softcap)
+                    page_size, batch, max_seqlen_q, causal, sm_scale, window, _config, softcap,
+                    alibi_slopes)
         return lse
 
     return launch
@@ -683,18 +709,19 @@ class PrefillPlan(LaunchPlan):
                  max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
                  sm_scale: float | None = None, window_size: int | None = None,
                  out: torch.Tensor | None = None, descriptors: dict | None = None,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, alibi_slopes: torch.Tensor | None = None) -> None:
         launch = _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                              max_seqlen_q, max_seqlen_k, causal=causal, sm_scale=sm_scale,
                              window_size=window_size, return_lse=False, out=out,
-                             descriptors=descriptors, softcap=softcap)
+                             descriptors=descriptors, softcap=softcap, alibi_slopes=alibi_slopes)
         super().__init__(launch, q, key_cache, value_cache, out)
 
 
 def gluon_prefill_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                               window_size: int | None = None,
                               capability: tuple[int, int] | None = None, *,
-                              softcap: float | None = None) -> list[str]:
+                              softcap: float | None = None,
+                              alibi_slopes: torch.Tensor | None = None) -> list[str]:
     """Why the Gluon paged prefill (flash_prefill_gluon.paged_prefill_gluon) cannot take this
     paged_prefill call; empty if it can (FLASHPAGE_PREFILL_GLUON=1 then sends it there).
     ``capability``: the device's compute capability (None: read from q's device; a CPU
@@ -725,6 +752,8 @@ def gluon_prefill_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_ca
         reasons.append("has no sliding window")
     if softcap is not None:
         reasons.append("has no logit softcap")
+    if alibi_slopes is not None:
+        reasons.append("has no ALiBi biases")
     return reasons
 
 
@@ -732,7 +761,7 @@ def gluon_prefill_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_ca
 # pure-torch references (fp32, materialize one sequence's scores at a time)
 
 
-def _attend_ref(q, k, v, causal, sm_scale, window, softcap=None):
+def _attend_ref(q, k, v, causal, sm_scale, window, softcap=None, alibi_slopes=None):
     """q [Lq, Hq, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv] -> out [Lq, Hq, Dv] fp32, lse [Hq, Lq] fp32."""
     lq, hq, d = q.shape
     lk, hkv = k.shape[0], k.shape[1]
@@ -743,6 +772,7 @@ def _attend_ref(q, k, v, causal, sm_scale, window, softcap=None):
     s = softcap_ref((qf @ kf.transpose(1, 2)) * scale, softcap)  # [Hq, Lq, Lk]
     qpos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
     kpos = torch.arange(lk, device=q.device)[None, :]
+    s = alibi_ref(s, alibi_slopes, qpos, kpos)
     visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
     if causal:
         visible &= kpos <= qpos
@@ -756,14 +786,14 @@ def _attend_ref(q, k, v, causal, sm_scale, window, softcap=None):
 
 def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                           causal=True, sm_scale=None, window_size=None, return_lse=False, out=None,
-                          softcap=None):
+                          softcap=None, alibi_slopes=None):
     """Reference for `flash_attn_varlen`, same signature, computed in fp32."""
     out = q.new_empty(*q.shape[:2], v.shape[-1]) if out is None else out
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
         o, l_ = _attend_ref(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
-                            causal, sm_scale, window_size, softcap)
+                            causal, sm_scale, window_size, softcap, alibi_slopes)
         out[cq[b]:cq[b + 1]] = o.to(out.dtype)
         lse[:, cq[b]:cq[b + 1]] = l_
     return (out, lse) if return_lse else out
@@ -771,7 +801,7 @@ def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 def paged_prefill_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                       max_seqlen_q, max_seqlen_k, *, causal=True, sm_scale=None,
-                      window_size=None, return_lse=False, out=None, softcap=None):
+                      window_size=None, return_lse=False, out=None, softcap=None, alibi_slopes=None):
     """Reference for `paged_prefill`: gathers each sequence's keys, then attends in fp32 (an
     fp8 cache's values read exactly)."""
     bs = key_cache.shape[1]
@@ -783,7 +813,8 @@ def paged_prefill_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq
         blk = block_tables[b].long()[pos // bs]
         k = key_cache[blk, pos % bs]
         v = value_cache[blk, pos % bs]
-        o, l_ = _attend_ref(q[cq[b]:cq[b + 1]], k, v, causal, sm_scale, window_size, softcap)
+        o, l_ = _attend_ref(q[cq[b]:cq[b + 1]], k, v, causal, sm_scale, window_size, softcap,
+                            alibi_slopes)
         out[cq[b]:cq[b + 1]] = o.to(out.dtype)
         lse[:, cq[b]:cq[b + 1]] = l_
     return (out, lse) if return_lse else out

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from flashpage import envs
+from flashpage.kernels.alibi import alibi_ref, check_alibi
 from flashpage.kernels.device import cuda_capability, sm90_reasons
 from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.kv_dtype import check_kv_cache_dtype, f16_dots, f16_query, is_fp8
@@ -238,17 +239,21 @@ def _piece_rows(x_ptr, stride_b, stride_t, stride_h, kvh, blkp, first, offs_j, o
 
 
 @triton.jit
-def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, sm_scale_log2, softcap, IEEE: tl.constexpr,
-                 SOFTCAP: tl.constexpr):
-    """One online-softmax step over a tile of keys (base-2 exponentials). K/V tiles of an
-    fp8 cache are widened to q's dtype first (a no-op for a cache in q's dtype); scores
-    are ``q . k * sm_scale_log2``, softcapped with SOFTCAP (``softcap``: cap * log2(e))."""
+def _attend_tile(q, k, v, offs_n, end, m_i, l_i, acc, sm_scale_log2, softcap, slopes, qpos,
+                 IEEE: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """One online-softmax step over a tile of keys at positions ``offs_n`` (those >= ``end``
+    masked; base-2 exponentials). K/V tiles of an fp8 cache are widened to q's dtype first
+    (a no-op for a cache in q's dtype); scores are ``q . k * sm_scale_log2``, softcapped with
+    SOFTCAP (``softcap``: cap * log2(e)), plus ``slopes`` [BLOCK_H] (base 2) x (key position
+    - ``qpos``) with ALIBI."""
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     qk = _dot(q, tl.trans(k), IEEE) * sm_scale_log2
     if SOFTCAP:
         qk = softcap_log2(qk, softcap)
-    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    if ALIBI:
+        qk = qk + slopes[:, None] * (offs_n - qpos).to(tl.float32)[None, :]
+    qk = tl.where((offs_n < end)[None, :], qk, float("-inf"))
     # Every tile holds at least one valid key, so m_new is finite.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -266,6 +271,7 @@ def _paged_decode_kernel(
     sm_scale_log2,  # sm_scale * log2(e): the softmax runs in base 2
     window,  # keys j >= seq_len - window (ignored unless HAS_WINDOW)
     softcap,  # attention logit softcap * log2(e) (ignored unless SOFTCAP)
+    alibi_ptr,  # fp32 [Hq] ALiBi slopes (read only under ALIBI)
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -291,6 +297,7 @@ def _paged_decode_kernel(
     F16_DOTS: tl.constexpr,  # an fp8 cache under a 16-bit q: pre-scaled fp16 q, fp16 dots
     WARP_SPLIT: tl.constexpr,  # pieces of 16 keys with their own softmax state (config.warp_split)
     SOFTCAP: tl.constexpr,  # scores -> cap * tanh(scores / cap) (Gemma 2; not with WARP_SPLIT)
+    ALIBI: tl.constexpr = False,  # scores + slope[h] * (j - (seq_len - 1)) (not with WARP_SPLIT)
 ):
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
@@ -319,6 +326,11 @@ def _paged_decode_kernel(
     q_ptrs = q_ptr + b64 * stride_qb + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     q, sm_scale_log2 = f16_query(q, sm_scale_log2, F16_DOTS)
+    slopes = tl.zeros([BLOCK_H], dtype=tl.float32)
+    qpos = 0
+    if ALIBI:  # the query sits at the context's last position
+        slopes = tl.load(alibi_ptr + head, mask=h_mask, other=0.0) * 1.4426950408889634
+        qpos = tl.load(seq_lens_ptr + b) - 1
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -335,8 +347,8 @@ def _paged_decode_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             blk_after = _block_ids(bt_row, offs_n + 2 * BLOCK_N, end, PAGE)
             k_next, v_next = _load_kv(*kv_args, blk_next, offs_n + BLOCK_N, end, offs_d, d_mask, PAGE)
-            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, softcap,
-                                          IEEE, SOFTCAP)
+            m_i, l_i, acc = _attend_tile(q, k, v, offs_n, end, m_i, l_i, acc, sm_scale_log2, softcap,
+                                          slopes, qpos, IEEE, SOFTCAP, ALIBI)
             k, v, blk_next = k_next, v_next, blk_after
     elif PREFETCH_V:
         # K through Triton's pipeline; V one tile ahead in registers, widened on arrival.
@@ -359,8 +371,8 @@ def _paged_decode_kernel(
             v_next = _load_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blk_x, offs_x, end, offs_d,
                                 d_mask, PAGE).to(q.dtype)
             blk = blk_x
-            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, softcap,
-                                          IEEE, SOFTCAP)
+            m_i, l_i, acc = _attend_tile(q, k, v, offs_n, end, m_i, l_i, acc, sm_scale_log2, softcap,
+                                          slopes, qpos, IEEE, SOFTCAP, ALIBI)
     elif WARP_SPLIT:
         # Tile = NP pieces of 16 keys (each inside one page); [NP, ...] state per piece.
         # Loads are masked by key (rows are contiguous along D, so the vector loads stay
@@ -410,8 +422,8 @@ def _paged_decode_kernel(
             blk_x = _block_ids(bt_row, offs_n + BLOCK_N, end, PAGE)
             k, v = _load_kv(*kv_args, blk, offs_n, end, offs_d, d_mask, PAGE)
             blk = blk_x
-            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < end, m_i, l_i, acc, sm_scale_log2, softcap,
-                                          IEEE, SOFTCAP)
+            m_i, l_i, acc = _attend_tile(q, k, v, offs_n, end, m_i, l_i, acc, sm_scale_log2, softcap,
+                                          slopes, qpos, IEEE, SOFTCAP, ALIBI)
 
     has_keys = l_i > 0.0  # false for an empty split (or an empty sequence)
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
@@ -552,7 +564,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(want, max_context // min_keys, max_splits))
 
 
-def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, softcap=None):
+def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, softcap=None,
+           alibi_slopes=None):
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {tuple(q.shape)}")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
@@ -582,17 +595,18 @@ def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, 
         raise ValueError(f"window_size must be >= 1 or None, got {window_size}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    check_alibi(alibi_slopes, num_q_heads, q.device)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
         raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with a contiguous last dimension")
 
 
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
             num_splits, config: DecodeConfig | None = None, pdl: bool | None = None,
-            softcap: float | None = None):
+            softcap: float | None = None, alibi_slopes: torch.Tensor | None = None):
     """paged_decode with an explicit tile config (the benchmark sweeps them)."""
     launch = _plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
                    window_size=window_size, out=out, num_splits=num_splits, config=config, pdl=pdl,
-                   softcap=softcap)
+                   softcap=softcap, alibi_slopes=alibi_slopes)
     out = torch.empty_like(q) if out is None else out
     if q.shape[0]:
         launch(q, key_cache, value_cache, out)
@@ -601,12 +615,14 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
 
 def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
           num_splits, config: DecodeConfig | None = None, pdl: bool | None = None,
-          descriptors: dict | None = None, softcap: float | None = None) -> Launch:
+          descriptors: dict | None = None, softcap: float | None = None,
+          alibi_slopes: torch.Tensor | None = None) -> Launch:
     """The checks and every choice of a call (kernel, config, splits, grid, scratch), made
     once -> launch(q, key_cache, value_cache, out) for tensors of this geometry (DecodePlan
     holds callers to it). The tables and lengths are the planned ones; ``descriptors``: a
     dict kept across plans for the Gluon kernel's cache descriptors (None: the plan's own)."""
-    _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, softcap)
+    _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, softcap, alibi_slopes)
+    alibi = alibi_slopes is not None
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
@@ -617,9 +633,9 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
     cfg = config or default_config(q.device, head_dim, batch * num_kv_heads,
                                    fp8=is_fp8(key_cache.dtype))
     hpb = cfg.heads_per_program
-    if hpb > 1 and (softcap is not None or num_kv_heads % hpb or head_dim & (head_dim - 1) or head_dim < 16
+    if hpb > 1 and (softcap is not None or alibi or num_kv_heads % hpb or head_dim & (head_dim - 1) or head_dim < 16
                     or key_cache.stride(2) != head_dim or value_cache.stride(2) != head_dim):
-        hpb = 1  # the row kernel's conditions (paged_decode_rows.py; no softcap) do not hold
+        hpb = 1  # the row kernel's conditions (paged_decode_rows.py; no softcap, no ALiBi) do not hold
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
         if window_size is not None:
@@ -629,14 +645,14 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if cfg.gluon and not gluon_unsupported(q, key_cache, value_cache, window_size, num_splits,
-                                           softcap=softcap):
+                                           softcap=softcap, alibi_slopes=alibi_slopes):
         from flashpage.kernels.paged_decode_gluon import engine_form, paged_decode_gluon
 
         form = engine_form(group, envs.decode_gluon_variant())
         return lambda q, kc, vc, out: paged_decode_gluon(q, kc, vc, block_tables, seq_lens,
                                                          sm_scale=sm_scale, out=out, **form)
     if cfg.gluon and not gluon_bf16_unsupported(q, key_cache, value_cache, window_size, num_splits,
-                                                softcap=softcap):
+                                                softcap=softcap, alibi_slopes=alibi_slopes):
         from flashpage.kernels import paged_decode_gluon_bf16 as g16
 
         form16 = g16.engine_form(batch * num_kv_heads, _num_sms(q.device))
@@ -670,7 +686,8 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
                 _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
 
         return launch_rows
-    warp_split = (cfg.warp_split and window_size is None and softcap is None and block_size >= 16
+    warp_split = (cfg.warp_split and window_size is None and softcap is None and not alibi
+                  and block_size >= 16
                   and not cfg.prefetch and not cfg.prefetch_v and cfg.block_n == 16 * cfg.num_warps
                   and block_d == head_dim)
     counters = _split_counters(q.device, batch * num_kv_heads) if split and cfg.fused_merge else None
@@ -687,7 +704,8 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
         IEEE=q.dtype == torch.float32, PREFETCH=cfg.prefetch,
         PREFETCH_V=cfg.prefetch_v and not cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
-        PDL=use_pdl, F16_DOTS=common["F16_DOTS"], WARP_SPLIT=warp_split, SOFTCAP=softcap is not None)
+        PDL=use_pdl, F16_DOTS=common["F16_DOTS"], WARP_SPLIT=warp_split, SOFTCAP=softcap is not None,
+        ALIBI=alibi)
     softcap2 = (softcap or 1.0) * _LOG2E
 
     merge = split and not fused_merge
@@ -696,7 +714,8 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
     def launch(q, kc, vc, out):
         args = (q, kc, vc, block_tables, seq_lens, out, mid_o if split else out,
                 mid_lse if split else out, counters if fused_merge else seq_lens, scale2, window,
-                softcap2, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+                softcap2, alibi_slopes if alibi else seq_lens, q.stride(0), q.stride(1),
+                kc.stride(0), kc.stride(1), kc.stride(2),
                 vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0),
                 out.stride(0), out.stride(1), num_splits)
         margs = (mid_o, mid_lse, out, num_q_heads, out.stride(0), out.stride(1), num_splits) if merge else ()
@@ -726,17 +745,19 @@ class DecodePlan(LaunchPlan):
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, *, sm_scale: float | None = None,
                  window_size: int | None = None, out: torch.Tensor | None = None,
                  num_splits: int | None = None, pdl: bool | None = None,
-                 descriptors: dict | None = None, softcap: float | None = None) -> None:
+                 descriptors: dict | None = None, softcap: float | None = None,
+                 alibi_slopes: torch.Tensor | None = None) -> None:
         launch = _plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
                        window_size=window_size, out=out, num_splits=num_splits, pdl=pdl,
-                       descriptors=descriptors, softcap=softcap)
+                       descriptors=descriptors, softcap=softcap, alibi_slopes=alibi_slopes)
         super().__init__(launch, q, key_cache, value_cache, out)
 
 
 def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       window_size: int | None, num_splits: int,
                       capability: tuple[int, int] | None = None, *,
-                      softcap: float | None = None) -> list[str]:
+                      softcap: float | None = None,
+                      alibi_slopes: torch.Tensor | None = None) -> list[str]:
     """Why the Gluon fp8 kernel (paged_decode_gluon.py) cannot take this call; empty if it can.
     ``capability``: the device's compute capability (None: read from q's device)."""
     reasons = sm90_reasons(q, capability)
@@ -755,6 +776,8 @@ def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         reasons.append("has no sliding window")
     if softcap is not None:
         reasons.append("has no logit softcap")
+    if alibi_slopes is not None:
+        reasons.append("has no ALiBi biases")
     if num_splits != 1:
         reasons.append(f"does not split the keys ({num_splits} splits asked)")
     return reasons
@@ -763,7 +786,8 @@ def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 def gluon_bf16_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            window_size: int | None, num_splits: int,
                            capability: tuple[int, int] | None = None, *,
-                           softcap: float | None = None) -> list[str]:
+                           softcap: float | None = None,
+                           alibi_slopes: torch.Tensor | None = None) -> list[str]:
     """Why the Gluon 16-bit kernel (paged_decode_gluon_bf16.py: persistent keys_m) cannot take
     this call; empty if it can. ``capability``: the device's compute capability (None: read
     from q's device; a CPU tensor or the interpreter has none)."""
@@ -789,6 +813,8 @@ def gluon_bf16_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         reasons.append("has no sliding window")
     if softcap is not None:
         reasons.append("has no logit softcap")
+    if alibi_slopes is not None:
+        reasons.append("has no ALiBi biases")
     if num_splits != 1:
         reasons.append(f"does not split the keys ({num_splits} splits asked)")
     return reasons
@@ -828,6 +854,7 @@ def paged_decode(
     num_splits: int | None = None,
     pdl: bool | None = None,
     softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
@@ -839,6 +866,9 @@ def paged_decode(
     window_size  W: only keys j > (seq_lens[b] - 1) - W are attended
     softcap      c: scores (after sm_scale) become c * tanh(scores / c) before the softmax
                  (Gemma 2's attn_logit_softcapping; the Gluon and row kernels step aside)
+    alibi_slopes fp32 [Hq]: head h's score of key j gains alibi_slopes[h] * (j - (seq_lens[b]
+                 - 1)) after sm_scale and softcap (ALiBi, kernels/alibi.py; the Gluon, row and
+                 warp-split kernels step aside)
     num_splits   key-range splits per sequence; None picks from the batch size and
                  the block table's width (no device sync)
     pdl          programmatic dependent launch of its kernels (kernels/pdl.py): True all,
@@ -847,7 +877,8 @@ def paged_decode(
     returns out  [B, Hq, D] in q's dtype (written into ``out`` when given)
     """
     return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
-                   window_size=window_size, out=out, num_splits=num_splits, pdl=pdl, softcap=softcap)
+                   window_size=window_size, out=out, num_splits=num_splits, pdl=pdl, softcap=softcap,
+                   alibi_slopes=alibi_slopes)
 
 
 def paged_decode_ref(
@@ -863,6 +894,7 @@ def paged_decode_ref(
     num_splits: int | None = None,
     pdl: bool | None = None,
     softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch paged_decode, in fp32 (an fp8 cache's values read exactly), one sequence at
     a time. num_splits and pdl are ignored."""
@@ -883,6 +915,7 @@ def paged_decode_ref(
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
         scores = softcap_ref(scores, softcap)
+        scores = alibi_ref(scores, alibi_slopes, seq_len - 1, torch.arange(lo, seq_len, device=q.device))
         res[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
     res = res.to(q.dtype)
     if out is not None:

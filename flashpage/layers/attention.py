@@ -10,6 +10,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from flashpage.attention.backend import AttentionBackend, AttentionMetadata
+    from flashpage.layers.alibi import AlibiSlopes
     from flashpage.layers.rotary import RotaryEmbedding
 
 
@@ -22,7 +23,7 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
                  layer_idx: int, sliding_window: int | None = None,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, alibi: AlibiSlopes | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
@@ -30,6 +31,11 @@ class Attention(nn.Module):
         # this layer's own window (Gemma 2/3 alternate windowed and global layers)
         self.sliding_window = sliding_window
         self.softcap = softcap  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+        # ALiBi (Bloom, MPT, Falcon-RW): scores + slopes[h] * (j - i); the model's one
+        # AlibiSlopes module, shared by all its attention layers (layers/alibi.py)
+        if alibi is not None and alibi.slopes.shape != (num_heads,):
+            raise ValueError(f"ALiBi slopes {tuple(alibi.slopes.shape)} for {num_heads} query heads")
+        self.alibi = alibi
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.backend: AttentionBackend | None = None
 
@@ -70,4 +76,5 @@ class Attention(nn.Module):
         assert self.backend is not None and self.kv_cache is not None
         return self.backend.forward(q, k, v, self.kv_cache, md, scale=self.scale,
                                     sliding_window=self.sliding_window, softcap=self.softcap,
+                                    alibi_slopes=None if self.alibi is None else self.alibi.slopes,
                                     write_kv=write_kv)

@@ -27,7 +27,11 @@ under Falcon's names (models/common.HFNames), with:
   ``tie_word_embeddings`` is false.
 
 LoRA targets: dense, dense_h_to_4h and dense_4h_to_h, not query_key_value (its rows are
-not one slice of ours). ALiBi (Falcon-RW) is refused in config.py."""
+not one slice of ours).
+
+Falcon-RW (``alibi``: the sequential 7B-style layer, every head its own k and v) adds ALiBi
+biases in attention instead of rotary: transformers' slopes rounded to bf16 and scaled by
+head_dim ** -0.5 with the scores (layers/alibi.py), one AlibiSlopes for all layers."""
 
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import re
 from torch import nn
 
 from flashpage.config import ModelConfig
+from flashpage.layers.alibi import AlibiSlopes
 from flashpage.layers.linear import VocabEmbedding
 from flashpage.layers.mlp import MLP
 from flashpage.layers.norm import LayerNorm
@@ -71,10 +76,11 @@ def falcon_names(config: ModelConfig) -> HFNames:
     return HFNames(table)
 
 
-def _build(layer: nn.Module, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
+def _build(layer: nn.Module, config: ModelConfig, layer_idx: int, max_positions: int,
+           alibi: AlibiSlopes | None) -> None:
     h, eps = config.hidden_size, config.rms_norm_eps
     layer.input_layernorm = LayerNorm(h, eps)
-    layer.self_attn = LlamaAttention(config, layer_idx, max_positions)
+    layer.self_attn = LlamaAttention(config, layer_idx, max_positions, alibi=alibi)
     layer.mlp = MLP(h, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
 
 
@@ -82,9 +88,10 @@ class FalconParallelLayer(ParallelDecoderLayer):
     """new_decoder_architecture or parallel_attn: (attn + mlp) + x, as transformers'
     (mlp + attn) + x; the MLP reads its own norm of x where there are two."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int,
+                 alibi: AlibiSlopes | None = None) -> None:
         super().__init__()
-        _build(self, config, layer_idx, max_positions)
+        _build(self, config, layer_idx, max_positions, alibi)
         self.post_attention_layernorm = (LayerNorm(config.hidden_size, config.rms_norm_eps)
                                          if config.parallel_norms == 2 else None)
 
@@ -92,9 +99,10 @@ class FalconParallelLayer(ParallelDecoderLayer):
 class FalconSequentialLayer(PreNormDecoderLayer):
     """parallel_attn false (7B form): x + attn(ln(x)), then + mlp(post_attention_layernorm)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int,
+                 alibi: AlibiSlopes | None = None) -> None:
         super().__init__()
-        _build(self, config, layer_idx, max_positions)
+        _build(self, config, layer_idx, max_positions, alibi)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -103,7 +111,8 @@ class FalconModel(DecoderStack):
         super().__init__()
         layer = FalconParallelLayer if config.use_parallel_residual else FalconSequentialLayer
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layer(config, i, max_positions)
+        alibi = AlibiSlopes.for_config(config)  # Falcon-RW's, shared by every layer
+        self.layers = nn.ModuleList(layer(config, i, max_positions, alibi)
                                     for i in range(config.num_hidden_layers))
         self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from flashpage.attention.backend import AttentionMetadata
 from flashpage.config import ModelConfig
+from flashpage.layers.alibi import AlibiSlopes
 from flashpage.layers.attention import Attention
 from flashpage.layers.linear import (
     ColumnParallelLinear,
@@ -64,8 +65,9 @@ class LlamaAttention(nn.Module):
     k_norm: nn.Module
 
     def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int,
-                 norm_cls: type[RMSNorm] = RMSNorm) -> None:
-        """``norm_cls``: the q/k norms' class (Qwen3's RMSNorm; Gemma 3's GemmaRMSNorm)."""
+                 norm_cls: type[RMSNorm] = RMSNorm, alibi: AlibiSlopes | None = None) -> None:
+        """``norm_cls``: the q/k norms' class (Qwen3's RMSNorm; Gemma 3's GemmaRMSNorm);
+        ``alibi``: the model's ALiBi slopes where ``config.alibi`` (no rotary then)."""
         super().__init__()
         h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
@@ -79,12 +81,16 @@ class LlamaAttention(nn.Module):
             self.q_norm = norm_cls(d, config.rms_norm_eps)
             self.k_norm = norm_cls(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        # None: no positional embedding in this layer (Cohere2's full-attention layers)
+        # None: no positional embedding in this layer (Cohere2's full-attention layers), or
+        # ALiBi's biases in attention instead (Falcon-RW, MPT)
         self.rotary_emb = (get_rope(config, max_positions, layer_idx)
                            if config.uses_rope(layer_idx) else None)
+        if config.alibi and alibi is None:
+            raise ValueError(f"{config.architecture} uses ALiBi: pass the model's AlibiSlopes")
         # head_dim ** -0.5 and one window for all layers but in Gemma (its attention is this)
         self.attn = Attention(h, d, kv, config.attention_scale, layer_idx,
-                              config.attention_window(layer_idx), config.attn_logit_softcapping)
+                              config.attention_window(layer_idx), config.attn_logit_softcapping,
+                              alibi=alibi)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor | PendingNorm,
                 md: AttentionMetadata) -> torch.Tensor:

@@ -37,6 +37,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GPTJForCausalLM": ("flashpage.models.gptj", "GPTJForCausalLM"),
     "FalconForCausalLM": ("flashpage.models.falcon", "FalconForCausalLM"),
     "OPTForCausalLM": ("flashpage.models.opt", "OPTForCausalLM"),
+    "BloomForCausalLM": ("flashpage.models.bloom", "BloomForCausalLM"),
+    "MptForCausalLM": ("flashpage.models.mpt", "MptForCausalLM"),
     "DeepseekV2ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "DeepseekV3ForCausalLM": ("flashpage.models.deepseek", "DeepseekForCausalLM"),
     "GemmaForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),

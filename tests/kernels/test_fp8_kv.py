@@ -309,16 +309,19 @@ def _decode_id(case):
     return f"{hq}x{hkv}-d{d}-bs{bs}-s{splits}-w{window}-{cfg and config_name(cfg)}"
 
 
-def run_decode_case(case, dtype, seed=0, softcap=None):
+def run_decode_case(case, dtype, seed=0, softcap=None, alibi_slopes=None):
     lens, hq, hkv, d, bs, splits, window, cfg = case
     g = gen(seed + sum(lens))
     kc16, vc16, kc8, vc8, tables, seq_lens = paged_pair(lens, hkv, d, bs, dtype, g)
     q = torch.randn(len(lens), hq, d, generator=g, device=DEVICE).to(dtype)
-    kw = dict(sm_scale=None, window_size=window, num_splits=splits, config=cfg, softcap=softcap)
+    kw = dict(sm_scale=None, window_size=window, num_splits=splits, config=cfg, softcap=softcap,
+              alibi_slopes=alibi_slopes)
     out8 = _launch(q, kc8, vc8, tables, seq_lens, out=torch.full_like(q, float("nan")), **kw)
     out16 = _launch(q, kc16, vc16, tables, seq_lens, out=None, **kw)
-    ref8 = paged_decode_ref(q, kc8, vc8, tables, seq_lens, window_size=window, softcap=softcap)
-    ref16 = paged_decode_ref(q, kc16, vc16, tables, seq_lens, window_size=window, softcap=softcap)
+    ref8 = paged_decode_ref(q, kc8, vc8, tables, seq_lens, window_size=window, softcap=softcap,
+                            alibi_slopes=alibi_slopes)
+    ref16 = paged_decode_ref(q, kc16, vc16, tables, seq_lens, window_size=window, softcap=softcap,
+                             alibi_slopes=alibi_slopes)
     assert out8.dtype == dtype
     check_fp8_attention(out8, ref8, out16, ref16, DECODE_TOL[dtype])
 
@@ -338,6 +341,17 @@ def test_paged_decode_fp8_softcap(dtype):
     run_decode_case(([70, 20], 8, 2, 64, 16, 2, 24, None), dtype, softcap=0.5)
 
 
+@cpu_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_fp8_alibi(dtype):
+    """ALiBi over an fp8 cache: the biases join the pre-scaled fp16 dots' base-2 scores
+    (F16_DOTS) in fp32, with splits."""
+    from flashpage.layers.alibi import bloom_slopes
+
+    run_decode_case(([70, 20], 8, 2, 64, 16, 2, None, None), dtype,
+                    alibi_slopes=bloom_slopes(8).to(DEVICE))
+
+
 # --------------------------------------------------------------------------- paged prefill
 
 
@@ -346,13 +360,13 @@ def _cu(lens) -> torch.Tensor:
 
 
 def run_prefill_case(q_lens, prefixes, hq, hkv, d, block_size, dtype, *, window=None, cfg=None,
-                     seed=0, softcap=None):
+                     seed=0, softcap=None, alibi_slopes=None):
     g = gen(seed + sum(q_lens))
     seq = [lq + p for lq, p in zip(q_lens, prefixes, strict=True)]
     kc16, vc16, kc8, vc8, tables, seq_lens = paged_pair(seq, hkv, d, block_size, dtype, g)
     q = torch.randn(sum(q_lens), hq, d, generator=g, device=DEVICE).to(dtype)
     cq, mq, mk = _cu(q_lens), max(q_lens), max(seq)
-    kw = dict(window_size=window, return_lse=True, softcap=softcap)
+    kw = dict(window_size=window, return_lse=True, softcap=softcap, alibi_slopes=alibi_slopes)
     out = torch.full_like(q, float("nan"))  # every row must be written
     out8, lse8 = paged_prefill(q, kc8, vc8, tables, cq, seq_lens, mq, mk, out=out, _config=cfg, **kw)
     out16, _ = paged_prefill(q, kc16, vc16, tables, cq, seq_lens, mq, mk, _config=cfg, **kw)
@@ -376,6 +390,14 @@ def test_paged_prefill_fp8(dtype, hq, hkv, block_size):
 def test_paged_prefill_fp8_window():
     run_prefill_case([30, 9], [45, 0], 4, 2, 64, 16, torch.float16, window=20)
     run_prefill_case([30, 9], [45, 0], 4, 2, 64, 16, torch.float16, window=20, softcap=0.5)
+
+
+@cpu_only
+def test_paged_prefill_fp8_alibi():
+    from flashpage.layers.alibi import bloom_slopes
+
+    run_prefill_case([30, 9], [45, 0], 4, 2, 64, 16, torch.float16,
+                     alibi_slopes=bloom_slopes(4).to(DEVICE))
 
 
 @cpu_only
@@ -445,7 +467,8 @@ def _compile_fp8_ptx() -> dict[str, str]:
            "seq_lens": "*i32", "block_tables": "*i32", "Lse": "*fp32"}
     decode = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64,
                   HAS_WINDOW=False, IEEE=False, HEADS_FASTEST=False, FUSED_MERGE=False,
-                  GROUP_PAD=4, MERGE_CHUNK=1, PDL=False, F16_DOTS=True, WARP_SPLIT=False, SOFTCAP=False)
+                  GROUP_PAD=4, MERGE_CHUNK=1, PDL=False, F16_DOTS=True, WARP_SPLIT=False, SOFTCAP=False,
+                  ALIBI=False)
     kernels = {
         "write_kv": (cw._write_kv_kernel, dict(PAGE=16, NUM_HEADS=8, HEAD_DIM=128, BLOCK_T=4,
                                                 BLOCK_E=1024), set(), 8, 3),
@@ -471,18 +494,20 @@ def _compile_fp8_ptx() -> dict[str, str]:
         "paged_prefill": (fp_mod._prefill_fwd, dict(
             HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, QK_DIM=128, HEAD_DIM_V=128, V_DIM=128,
             CAUSAL=True, HAS_WINDOW=False, KV_MODE=fp_mod._KV_PAGED, PAGE_SIZE=16,
-            RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True, SOFTCAP=False), set(), 8, 3),
+            RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True, SOFTCAP=False,
+            ALIBI=False), set(), 8, 3),
         "paged_prefill_softcap": (fp_mod._prefill_fwd, dict(
             HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, QK_DIM=128, HEAD_DIM_V=128, V_DIM=128,
             CAUSAL=True, HAS_WINDOW=True, KV_MODE=fp_mod._KV_PAGED, PAGE_SIZE=16,
-            RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True, SOFTCAP=True), set(), 8, 3),
+            RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True, SOFTCAP=True,
+            ALIBI=False), set(), 8, 3),
     }
     out = {}
     for name, (fn, consts, extra_fp8, warps, stages) in kernels.items():
         # the prefill's TMA descriptors: None, the pointer path
         consts = {**consts, **{a: None for a in ("desc_q", "desc_k", "desc_v") if a in fn.arg_names}}
         types = {**ptr, "Q": "*bf16", "Out": "*bf16", "sm_scale_log2": "fp32", "qk_scale": "fp32",
-                 "softcap": "fp32",
+                 "softcap": "fp32", "Slopes": "*fp32", "alibi_ptr": "*fp32",
                  **{a: "*fp8e4nv" for a in fp8 | extra_fp8}}
         k = compile_sm90(fn, consts, types, num_warps=warps, num_stages=stages)
         out[name] = k.asm["ptx"]

@@ -315,8 +315,7 @@ def test_config_fields():
 
 
 @pytest.mark.parametrize(("raw", "edit", "message"), [
-    (FALCON_7B, dict(alibi=True), r"alibi true \(Falcon-RW's ALiBi position biases\) is not "
-                                  "supported for FalconForCausalLM"),
+    (FALCON_7B, dict(alibi="yes"), "alibi must be true or false"),
     (FALCON_40B, dict(parallel_attn=False), "parallel_attn false is not supported with "
                                             "new_decoder_architecture true"),
     (FALCON_7B, dict(num_ln_in_parallel_attn=2), "num_ln_in_parallel_attn 2 needs "
