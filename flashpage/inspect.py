@@ -390,6 +390,12 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "kv_values_per_token_per_layer": kv_values,
         "kv_bytes_per_token_per_layer": kv_per_layer,
         "kv_bytes_per_token": kv_total,
+        # every layer windowed: the engine gives blocks behind the window back, so a request
+        # holds about a window's tokens (and one step's) whatever its length
+        "kv_bytes_per_request_max": (cfg.sliding_window * kv_total if cfg.sliding_window
+                                     and not cfg.is_mla and all(
+                                         cfg.attention_window(i) == cfg.sliding_window
+                                         for i in range(cfg.num_hidden_layers)) else None),
         "mha_kv_values_per_token_per_layer": mha_values,
         "mha_kv_bytes_per_token_per_layer": mha_values * nbytes,
         "mha_kv_bytes_per_token": mha_values * nbytes * layers,
@@ -506,8 +512,9 @@ def format_report(info: dict[str, Any]) -> str:
     if info["sliding_window"]:
         windowed, layers = info["sliding_window_layers"], info["num_hidden_layers"]
         where = "" if windowed == layers else f" on {windowed} of {layers} layers"
-        rows.append(("sliding window", f"{info['sliding_window']}{where} "
-                                       "(figures below cache every token)"))
+        note = ("(blocks behind it go back to the pool)" if info["kv_bytes_per_request_max"]
+                else "(figures below cache every token)")
+        rows.append(("sliding window", f"{info['sliding_window']}{where} {note}"))
     rows += [
         (f"KV per token per layer ({kdt})",
          f"{info['kv_values_per_token_per_layer']:,} values = "
@@ -518,6 +525,10 @@ def format_report(info: dict[str, Any]) -> str:
                                f"({info['mha_kv_bytes_per_token_per_layer']:,} B per layer)"),
         ("reduction vs MHA", f"{info['kv_reduction_vs_mha']:.2f}x"),
     ]
+    if info["kv_bytes_per_request_max"]:
+        cap = info["kv_bytes_per_request_max"]
+        rows.append(("KV a request holds", f"at most ~{info['sliding_window']:,} tokens' "
+                                           f"({_size(cap)}) + one step's, however long it runs"))
     if mla:
         rows.append(("equivalent GQA groups", f"{mla['equivalent_gqa_groups']:.2f} "
                                                "((kv_lora_rank + rope) / (2 * qk_nope_head_dim))"))

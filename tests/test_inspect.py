@@ -7,6 +7,7 @@ heads, dims), not derived from ``ModelConfig``; a new config in ../shared/config
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -119,6 +120,23 @@ def test_llama3_8b_in_words() -> None:
     assert info["kv_bytes_per_token"] == 131_072
     assert info["kv_reduction_vs_mha"] == 4.0
     assert info["tokens_in_memory"] == 655_360  # 80 GiB / 128 KiB
+
+
+@needs_configs
+def test_window_on_every_layer_bounds_what_a_request_holds() -> None:
+    """Mistral 7B v0.1 windows every layer (4096): a request holds 4096 tokens' KV at most
+    (the engine gives blocks behind the window back); a model without one is unbounded."""
+    info = inspect_config(_config("mistral-7b-v0.1"), 80 * GiB, "bf16")
+    assert info["kv_bytes_per_request_max"] == 4096 * 131_072
+    assert inspect_config(_config("llama-3-8b"), 80 * GiB)["kv_bytes_per_request_max"] is None
+    cfg = _config("mistral-7b-v0.1")
+    mixed = dataclasses.replace(cfg, layer_types=("full_attention",) + ("sliding_attention",)
+                                * (cfg.num_hidden_layers - 1))
+    assert inspect_config(mixed, 80 * GiB)["kv_bytes_per_request_max"] is None
+    out = subprocess.run([sys.executable, "-m", "flashpage", "inspect", str(CONFIGS / "mistral-7b-v0.1")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "4096 (blocks behind it go back to the pool)" in out
+    assert "at most ~4,096 tokens' (512.00 MiB)" in out
 
 
 @needs_configs
