@@ -35,8 +35,18 @@ def test_memory_efficiency_orders_the_policies(tmp_path):
     assert on.logical_per_slot > 1.5 > off.logical_per_slot and on.running_mean > off.running_mean
     out = tmp_path / "m.md"
     assert me.main(["--requests", "60", "--pool-slots", "4096", "--max-model-len", "1024",
-                    "--shared-prompt-len", "128", "--out", str(out)]) == 0
+                    "--shared-prompt-len", "128", "--window", "0", "--out", str(out)]) == 0
     assert "(c) paged, block 16" in out.read_text()
+
+
+def test_window_release_fits_more_long_requests():
+    from flashpage.bench import memory as me
+
+    (kept, released), wl = me.run_window(num_requests=40, pool_slots=32768, window=512)
+    assert released.running_mean > 2 * kept.running_mean
+    assert released.steps < kept.steps
+    assert "blocks behind the 512-token window released" in me.window_markdown(
+        [kept, released], wl, 512)
 
 
 def test_scheduler_overhead_runs(tmp_path):
