@@ -202,8 +202,40 @@ class KVCacheManager:
         prefix_cache.update_block_hashes(request.block_hashes, tokens, B, max_blocks, root)
         hits = prefix_cache.find_longest_cache_hit(self.pool, request.block_hashes, tokens, B,
                                                    max_blocks, root_cid)
+        if self.sliding_window is not None and len(hits) < max_blocks:
+            hits = self._window_hit(request, max_blocks, hits, root_cid)
         self._pending_query[request.request_id] = (len(tokens), len(hits) * B)
         return hits, len(hits) * B
+
+    def _window_hit(self, request: Request, max_blocks: int, prefix: list[KVCacheBlock],
+                    root_cid: int | None) -> list[KVCacheBlock]:
+        """Behind a sliding window a hit of k blocks needs only the blocks its first query
+        can see, ``[releasable(k*B), k)``, cached (released ones are evicted first: the
+        blocks before them need not be). The longest such k beyond ``prefix`` (the plain
+        longest-prefix hit) -> ``[null] * releasable + those blocks``; else ``prefix``.
+        Within the run each block's parent content id is checked against the block before
+        it (and its tokens against the request's); the run's first block, whose parent may
+        be gone, is vouched for by its chained hash alone (block 0's parent is the root's)."""
+        B, null = self.block_size, self.null_block
+        assert null is not None
+        tokens, hashes, cached = request.all_token_ids, request.block_hashes, self.pool.cached
+        run = [0] * max_blocks  # run[i]: consecutive matching blocks ending at block i
+        found: list[KVCacheBlock | None] = [None] * max_blocks
+        for i in range(max_blocks):
+            b = cached.get(hashes[i])
+            if b is None or b.token_ids != tuple(tokens[i * B:(i + 1) * B]):
+                continue
+            if i == 0 and b.parent_cid != root_cid:
+                continue
+            found[i] = b
+            prev = found[i - 1] if i else None
+            run[i] = run[i - 1] + 1 if prev is not None and b.parent_cid == prev.content_id else 1
+        for k in range(max_blocks, len(prefix), -1):
+            lo = min(self._releasable(k * B), k)
+            if run[k - 1] >= k - lo:
+                kept = [b for b in found[lo:k] if b is not None]
+                return [null] * lo + kept
+        return prefix
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None

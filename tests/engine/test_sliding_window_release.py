@@ -105,6 +105,60 @@ def test_released_blocks_stay_findable_and_hits_behind_the_window_are_not_taken(
     assert kv.stats().blocks_used == 0
 
 
+def test_hit_needs_only_the_blocks_the_window_shows():
+    """The head of a cached prompt evicted (released blocks go first): a later request with
+    that prompt still hits, from the right, the blocks its first query can see."""
+    kv = KVCacheManager(12, 4, sliding_window=8)  # 11 usable blocks
+    prompt = list(range(10, 50))  # 40 tokens, 10 full blocks
+    a = _req("a", prompt)
+    _step(kv, a, 40)
+    _step(kv, a, 1)  # q0 = 40: blocks 0..7 released (still cached)
+    assert kv.num_released("a") == 8
+    a_ids = kv.get_block_ids("a")[:]
+    kv.free(a)
+    filler = _req("f", list(range(100, 116)))
+    _step(kv, filler, 16)  # 4 blocks: the uncached one, then the 3 oldest cached (blocks 0..2)
+    assert kv.stats().num_evictions == 3
+    b = _req("b", prompt + [7, 7, 7])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 40 and len(hits) == 10  # left to right it would find none
+    assert [h.block_id for h in hits] == [0] * 8 + a_ids[8:10]
+    assert kv.allocate_slots(b, 3, hits) is not None
+    b.num_computed_tokens = 40
+    assert kv.get_block_ids("b")[:10] == [0] * 8 + a_ids[8:10]
+    assert kv.num_released("b") == 8
+    # registration chains on from the last hit: b's next full block is found again
+    b.num_computed_tokens = 43
+    b.append_output_token(5)
+    _step(kv, b, 1)
+    c = _req("c", prompt + [7, 7, 7, 5, 1])
+    assert kv.get_computed_blocks(c)[1] == 44
+    kv.free(b)
+    kv.free(filler)
+    assert kv.stats().blocks_used == 0
+
+
+def test_window_hit_refuses_a_broken_run():
+    """A run whose blocks do not chain (here: a cached block's parent replaced) is no hit."""
+    kv = KVCacheManager(12, 4, sliding_window=8)
+    prompt = list(range(10, 50))
+    a = _req("a", prompt)
+    _step(kv, a, 40)
+    _step(kv, a, 1)
+    kv.free(a)
+    b = _req("b", prompt + [7, 7, 7])
+    hits, _ = kv.get_computed_blocks(b)
+    hits[9].parent_cid = -12345  # as if block 9 had been registered after another block 8
+    for blk in kv.pool.blocks[1:]:  # force the right-to-left search: block 0's hash gone
+        if blk.block_hash is not None and blk.token_ids == tuple(prompt[:4]):
+            del kv.pool.cached[blk.block_hash]
+            blk.block_hash = None
+    b2 = _req("b2", prompt + [7, 7, 7])
+    hits2, n2 = kv.get_computed_blocks(b2)
+    # k = 10 needs blocks 8, 9 chained: broken; k = 9 needs blocks 7, 8: fine
+    assert n2 == 36 and [h.block_id for h in hits2[:7]] == [0] * 7
+
+
 def test_stats_count_only_the_held_tokens():
     kv = KVCacheManager(20, 4, enable_prefix_caching=False, sliding_window=4)
     r = _req("a", list(range(3, 23)))
@@ -178,6 +232,38 @@ def test_request_longer_than_the_pool_runs_behind_the_window(tiny_checkpoint):
     out = full.generate([prompt], PARAMS, use_tqdm=False)[0]
     assert out.error is not None and not out.outputs
     assert "need 20 KV blocks of 4 tokens at once" in out.error and "only 12 blocks" in out.error
+
+
+def test_second_turn_hits_behind_the_window_after_its_head_was_evicted(tiny_checkpoint,
+                                                                      monkeypatch):
+    """A conversation's first turn, other prompts that evict its head (released first),
+    then the next turn: it hits the cached tail the window shows, and its tokens are
+    transformers'."""
+    path = tiny_checkpoint("mistral_window")
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, num_gpu_blocks=24,
+              attention_backend="torch_native", max_num_batched_tokens=16, max_num_seqs=1)
+    kv = llm.engine.kv_manager
+    turn1 = random_prompts(1, 60, 60, seed=16)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out1 = llm.generate([turn1], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.generate(random_prompts(1, 40, 40, seed=17), params, use_tqdm=False)  # evicts the head
+    assert kv.stats().num_evictions > 0
+    window_hits = []
+    found = KVCacheManager._window_hit
+
+    def spy(self, request, max_blocks, prefix, root_cid):
+        got = found(self, request, max_blocks, prefix, root_cid)
+        window_hits.append((len(prefix), len(got)))
+        return got
+
+    monkeypatch.setattr(KVCacheManager, "_window_hit", spy)
+    turn2 = turn1 + out1 + random_prompts(1, 5, 5, seed=18)[0]
+    hits_before = kv.prefix_hits
+    got = llm.generate([turn2], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == hf_greedy(path, [turn2], params.max_tokens)[0]
+    assert any(n > p for p, n in window_hits), window_hits  # found from the right
+    assert kv.prefix_hits - hits_before >= 40
+    assert kv.stats().blocks_used == 0
 
 
 def test_staggered_batch_behind_the_window_matches_transformers(tiny_checkpoint):
