@@ -249,6 +249,41 @@ def cpu_greedy(path: Path, prompts: list[list[int]], params=None, **kw) -> list[
     return [o.outputs[0].token_ids for o in outs]
 
 
+def save_widened(config, path: Path, seed: int, is_norm) -> Path:
+    """transformers' model for ``config`` saved as fp32 safetensors under ``path``, its
+    weights widened so logits are far from ties: norm weights (``is_norm(name)``) in
+    [0.5, 1.5], everything else N(0, 0.2). The LayerNorm families' tiny checkpoints."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if is_norm(n) and n.endswith(".weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_and_round_trip(path: Path, head: str = "lm_head.weight"):
+    """Our model of the checkpoint at ``path`` (fp32, CPU), after asserting that every tensor
+    comes back from ``hf_weights`` under its HF name equal to the file's (a tied ``head``
+    left out). Returns (model, the file's tensors)."""
+    from flashpage.models.loader import iter_safetensors, load_model, resolve_model
+
+    model = load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+    ref = dict(iter_safetensors(str(path)))
+    mine = dict(model.hf_weights())
+    if model.config.tie_word_embeddings:
+        ref.pop(head, None)
+        mine.pop(head, None)
+    assert mine.keys() == ref.keys()
+    assert all(torch.equal(mine[n], ref[n]) for n in ref)
+    return model, ref
+
+
 def assert_dense_params_match_hf(path: Path) -> None:
     """``flashpage inspect``'s parameter counts, from config.json alone, are transformers'
     count of the loaded model (a dense one: every parameter active for every token)."""

@@ -32,7 +32,9 @@ from tests.conftest import (
     cpu_llm,
     edited_copy,
     hf_greedy,
+    load_and_round_trip,
     random_prompts,
+    save_widened,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -64,17 +66,7 @@ def build_tiny(path: Path, name: str, seed: int = 0, **overrides) -> Path:
     weights in [0.5, 1.5], everything else N(0, 0.2))."""
     cls_name, kwargs = TINY[name]
     config = getattr(transformers, cls_name)(**{**kwargs, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            is_norm = "norm" in n or ".ln_" in n
-            if is_norm and n.endswith(".weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_widened(config, path, seed, lambda n: ".ln_" in n or "norm" in n)
 
 
 @pytest.fixture(scope="module")
@@ -190,14 +182,7 @@ def test_flex_backend_declines(tiny):
 @pytest.mark.parametrize("name", NAMES)
 def test_weights_come_back_under_hf_names(tiny, name):
     path = tiny(name)
-    model = load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
-    ref = dict(iter_safetensors(str(path)))
-    mine = dict(model.hf_weights())
-    if model.config.tie_word_embeddings:
-        ref.pop("lm_head.weight", None)
-        mine.pop("lm_head.weight", None)
-    assert mine.keys() == ref.keys()
-    assert all(torch.equal(mine[n], ref[n]) for n in ref)
+    model, ref = load_and_round_trip(path)
 
 
 def test_bloom_query_key_value_rows_regrouped(tiny):

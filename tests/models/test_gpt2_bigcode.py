@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from flashpage import LLM, LoRARequest, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.inspect import inspect_config, param_counts
-from flashpage.models.loader import iter_safetensors, load_model, resolve_model
+from flashpage.models.loader import load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
     assert_dense_params_match_hf,
@@ -37,7 +37,9 @@ from tests.conftest import (
     cpu_llm,
     edited_copy,
     hf_greedy,
+    load_and_round_trip,
     random_prompts,
+    save_widened,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -71,17 +73,7 @@ def _hf_config(name: str, **overrides):
 
 def build_tiny(path: Path, name: str, seed: int = 0, **overrides) -> Path:
     """A tiny random checkpoint, weights widened as conftest's builders do (far from ties)."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_hf_config(name, **overrides),
-                                                          dtype=torch.float32)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".ln_" in n and n.endswith(".weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_widened(_hf_config(name, **overrides), path, seed, lambda n: ".ln_" in n)
 
 
 @pytest.fixture(scope="module")
@@ -181,13 +173,7 @@ def test_weights_come_back_under_hf_names(tiny, name):
     """Every tensor back under its HF name, in its HF layout (GPT-2's Conv1D [in, out],
     BigCode's per-head c_attn rows), equal to the file's."""
     path = tiny(name)
-    model = load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
-    ref = dict(iter_safetensors(str(path)))
-    mine = dict(model.hf_weights())
-    if model.config.tie_word_embeddings:
-        ref.pop("lm_head.weight", None)
-    assert mine.keys() == ref.keys()
-    assert all(torch.equal(mine[n], ref[n]) for n in ref)
+    model, ref = load_and_round_trip(path)
     c_attn = model.transformer.h[0].attn.c_attn.weight
     rows = 64 + 2 * 16 * (1 if name == "bigcode_mqa" else 4)
     assert c_attn.shape == (rows, 64)

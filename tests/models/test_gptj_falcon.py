@@ -25,7 +25,7 @@ import transformers
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.inspect import inspect_config, param_counts
-from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model, resolve_model
+from flashpage.models.loader import ModelLoadError, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
     assert_dense_params_match_hf,
@@ -35,7 +35,9 @@ from tests.conftest import (
     cpu_llm,
     edited_copy,
     hf_greedy,
+    load_and_round_trip,
     random_prompts,
+    save_widened,
 )
 from tests.peft_adapter import assert_adapter_gives_merged_tokens, write_named_adapter
 
@@ -75,17 +77,7 @@ def build_tiny(path: Path, name: str, seed: int = 0, **overrides) -> Path:
     weights in [0.5, 1.5], everything else N(0, 0.2))."""
     cls_name, kwargs = TINY[name]
     config = getattr(transformers, cls_name)(**{**kwargs, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            is_norm = ".ln_" in n or "norm" in n
-            if is_norm and n.endswith(".weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_widened(config, path, seed, lambda n: ".ln_" in n or "norm" in n)
 
 
 @pytest.fixture(scope="module")
@@ -159,14 +151,7 @@ LORA = {
 @pytest.mark.parametrize("name", NAMES)
 def test_weights_come_back_under_hf_names(tiny, name):
     path = tiny(name)
-    model = load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
-    ref = dict(iter_safetensors(str(path)))
-    mine = dict(model.hf_weights())
-    if model.config.tie_word_embeddings:
-        ref.pop("lm_head.weight", None)
-        mine.pop("lm_head.weight", None)
-    assert mine.keys() == ref.keys()
-    assert all(torch.equal(mine[n], ref[n]) for n in ref)
+    model, ref = load_and_round_trip(path)
     if name.startswith("gptj"):
         assert "lm_head.bias" in ref
     if name in LORA:

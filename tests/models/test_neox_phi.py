@@ -26,7 +26,7 @@ import transformers
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.inspect import param_counts
-from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model, resolve_model
+from flashpage.models.loader import ModelLoadError, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
     _save_tiny_routed,
@@ -37,6 +37,7 @@ from tests.conftest import (
     cpu_llm,
     edited_copy,
     hf_greedy,
+    load_and_round_trip,
     random_prompts,
 )
 from tests.peft_adapter import assert_adapter_gives_merged_tokens, write_named_adapter
@@ -147,15 +148,8 @@ LORA = {
 @pytest.mark.parametrize("name", NAMES)
 def test_weights_come_back_under_hf_names(tiny, name):
     path = tiny(name)
-    model = load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
-    ref = dict(iter_safetensors(str(path)))
-    mine = dict(model.hf_weights())
-    head = "embed_out.weight" if name.startswith("neox") else "lm_head.weight"
-    if model.config.tie_word_embeddings:
-        ref.pop(head, None)
-        mine.pop(head, None)
-    assert mine.keys() == ref.keys()
-    assert all(torch.equal(mine[n], ref[n]) for n in ref)
+    model, ref = load_and_round_trip(
+        path, "embed_out.weight" if name.startswith("neox") else "lm_head.weight")
     if name.startswith("phi"):
         assert "lm_head.bias" in ref
     if name in LORA:

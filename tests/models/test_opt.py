@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.inspect import inspect_config, param_counts
-from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model, resolve_model
+from flashpage.models.loader import ModelLoadError, load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
     assert_dense_params_match_hf,
@@ -38,7 +38,9 @@ from tests.conftest import (
     bf16_teacher_forced_hits,
     edited_copy,
     hf_greedy,
+    load_and_round_trip,
     random_prompts,
+    save_widened,
 )
 from tests.peft_adapter import assert_adapter_gives_merged_tokens, write_named_adapter
 
@@ -69,17 +71,7 @@ def _hf_config(name: str, **overrides) -> transformers.OPTConfig:
 
 def build_tiny(path: Path, name: str, seed: int = 0, **overrides) -> Path:
     """A tiny random checkpoint, weights widened as conftest's builders do (far from ties)."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_hf_config(name, **overrides),
-                                                          dtype=torch.float32)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "layer_norm" in n and n.endswith(".weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_widened(_hf_config(name, **overrides), path, seed, lambda n: "layer_norm" in n)
 
 
 @pytest.fixture(scope="module")
@@ -174,13 +166,7 @@ def test_weights_come_back_under_hf_names(tiny, name):
     """Every tensor back under its HF name (q/k/v_proj split out of our qkv_proj), equal
     to the file's; the LoRA targets under OPT's names."""
     path = tiny(name)
-    model = _load(path)
-    ref = dict(iter_safetensors(str(path)))
-    mine = dict(model.hf_weights())
-    if model.config.tie_word_embeddings:
-        ref.pop("lm_head.weight", None)
-    assert mine.keys() == ref.keys()
-    assert all(torch.equal(mine[n], ref[n]) for n in ref)
+    model, ref = load_and_round_trip(path)
     targets = model.lora_targets()
     assert targets["model.decoder.layers.1.self_attn.v_proj"] == (
         "model.layers.1.self_attn.qkv_proj", 128, 64)
