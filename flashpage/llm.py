@@ -84,6 +84,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (between ``generate`` calls; an encoder model has none
+        to forget). True when done."""
+        reset = getattr(self.engine, "reset_prefix_cache", None)
+        return reset() if reset is not None else True
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no SamplingParams (vLLM's): the model's
         generation_config.json defaults (flashpage/generation_config.py), else SamplingParams()."""

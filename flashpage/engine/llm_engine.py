@@ -675,6 +675,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``: benchmarks that must
+        not hit the last run's prompts). Only while no request holds a block: False (and
+        nothing forgotten) otherwise."""
+        if self._inflight is not None or self.has_unfinished_requests():
+            return False
+        return self.kv_manager.reset_prefix_cache()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
 

@@ -271,6 +271,18 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             return await unload_lora_adapter(state, await _parse(state, request,
                                                                  UnloadLoRAAdapterRequest))
 
+    @app.post("/reset_prefix_cache")  # vLLM's (there in its dev mode): forget cached prefixes
+    async def reset_prefix_cache(request: Request) -> Response:
+        _check_key(state, request)
+        # on the engine thread between two steps; an encoder model has no prefix cache
+        done = await async_engine.call(lambda engine: getattr(engine, "reset_prefix_cache",
+                                                              lambda: True)())
+        if not done:
+            return _error_response(state, APIError(
+                409, "the prefix cache cannot be reset while requests hold KV blocks; retry when "
+                "they have finished", "invalid_request_error"))
+        return JSONResponse({"reset": True})
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         _check_key(state, request)

@@ -63,3 +63,26 @@ def test_n_samples_share_the_prompt_blocks(tiny_checkpoint):
     assert kv.prefix_hits >= 3 * 40  # three samples reuse the 40 tokens of full blocks
     again = llm.generate([prompt], params, use_tqdm=False)[0]
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+
+
+def test_reset_prefix_cache_between_runs(tiny_checkpoint):
+    """LLM.reset_prefix_cache: the next run of the same prompt finds nothing cached (same
+    tokens); refused, forgetting nothing, while a request is unfinished."""
+    llm = LLM(str(tiny_checkpoint("llama2_mha")), dtype="float32", device="cpu", block_size=4)
+    kv = llm.engine.kv_manager
+    prompt = random_prompts(1, 41, 41, seed=6)[0]  # 10 full blocks + 1 token
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    hits = kv.prefix_hits
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert kv.prefix_hits - hits == 40
+    assert llm.reset_prefix_cache()
+    hits = kv.prefix_hits
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert kv.prefix_hits == hits
+    llm.engine.add_request("pending", prompt, GREEDY)
+    llm.engine.step()
+    assert not llm.reset_prefix_cache()
+    llm.engine.abort_request("pending")
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.reset_prefix_cache() and kv.stats().blocks_used == 0

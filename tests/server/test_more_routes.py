@@ -2,7 +2,9 @@
 engine) and /invocations (the body's shape picks chat, completions, embeddings, score or
 rerank, streaming too; the key needed; a 400 naming the shapes otherwise), /pooling (the
 embeddings route's vectors as floats or base64; a classifier's class probabilities), and
---enable-log-requests (one INFO line at arrival and one at finish, no prompt text)."""
+--enable-log-requests (one INFO line at arrival and one at finish, no prompt text),
+/reset_prefix_cache (the next identical prompt computed again; refused while requests
+hold blocks)."""
 
 from __future__ import annotations
 
@@ -177,3 +179,23 @@ def test_enable_log_requests_flag():
     assert build_parser().parse_args(["serve", "--enable-log-requests"]).enable_log_requests
     args = build_parser().parse_args(["serve", "--disable-log-requests"])
     assert args.disable_log_requests and not args.enable_log_requests
+
+
+def test_reset_prefix_cache(server):
+    engine = server.async_engine.engine
+    prompt = {"prompt": "the same long prompt, word after word, " * 4, "max_tokens": 2}
+    assert _post(server, "/v1/completions", prompt).status_code == 200
+    assert _post(server, "/v1/completions", prompt).status_code == 200
+    hits = engine.kv_manager.prefix_hits
+    assert hits > 0  # the second run found the first's blocks
+    r = httpx.post(server.url + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    assert _post(server, "/v1/completions", prompt).status_code == 200
+    assert engine.kv_manager.prefix_hits == hits  # nothing left to hit
+    # the engine refuses while requests hold blocks (tests/engine/test_generation_vs_hf.py)
+    engine.reset_prefix_cache = lambda: False
+    try:
+        r = httpx.post(server.url + "/reset_prefix_cache", timeout=30)
+    finally:
+        del engine.reset_prefix_cache
+    assert r.status_code == 409 and "hold KV blocks" in r.json()["error"]["message"]
