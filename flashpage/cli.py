@@ -25,6 +25,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="at most this many tokens of one prompt a step (vLLM's; 0: up to "
+                        "--max-num-batched-tokens), so long prompts advance side by side")
     g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
@@ -172,6 +175,7 @@ def build_llm(args: argparse.Namespace) -> Any:
                enable_lora=getattr(args, "enable_lora", False),
                max_loras=getattr(args, "max_loras", 1), max_lora_rank=getattr(args, "max_lora_rank", 16),
                scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+               long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", 0),
                generation_config=getattr(args, "generation_config", "auto"),
                override_generation_config=getattr(args, "override_generation_config", None),
                hf_overrides=getattr(args, "hf_overrides", None))

@@ -1692,6 +1692,10 @@ class EngineConfig:
     # 1% cut recomputation from preemption from 38% to 15% of the tokens in the memory
     # benchmark (benchmarks/results/memory.md) for 0.4% more steps.
     kv_watermark: float = 0.01
+    # vLLM's long_prefill_token_threshold: at most this many of a prompt's tokens a step
+    # (0: up to the whole budget), so several long prompts advance side by side and none
+    # takes the budget alone for many steps
+    long_prefill_token_threshold: int = 0
     attention_backend: str | None = None
     enforce_eager: bool = False
     # Schedule and prepare step N+1 while the device runs step N (its sampled tokens feed
@@ -1750,6 +1754,10 @@ class EngineConfig:
             SpeculativeConfig.parse(self.speculative_config)  # a bad one named now
         if self.pooling_type is not None and self.pooling_type not in ("last", "mean", "cls"):
             raise ValueError(f"pooling_type must be last, mean or cls, got {self.pooling_type!r}")
+        t = self.long_prefill_token_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), "
+                             f"got {t!r}")
         for name in ("max_loras", "max_lora_rank"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

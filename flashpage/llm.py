@@ -53,6 +53,7 @@ class LLM:
                  speculative_config: dict[str, Any] | str | None = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  scheduling_policy: str = "fcfs", generation_config: str = "auto",
+                 long_prefill_token_threshold: int = 0,
                  override_generation_config: dict[str, Any] | None = None,
                  hf_overrides: dict[str, Any] | None = None) -> None:
         cfg = EngineConfig(
@@ -65,6 +66,7 @@ class LLM:
             chat_template=chat_template, pooling_type=pooling_type, quantization=quantization,
             speculative_config=speculative_config, enable_lora=enable_lora, max_loras=max_loras,
             max_lora_rank=max_lora_rank, scheduling_policy=scheduling_policy,
+            long_prefill_token_threshold=long_prefill_token_threshold,
             generation_config=generation_config,
             override_generation_config=override_generation_config, hf_overrides=hf_overrides)
         if kv_cache_memory is not None:

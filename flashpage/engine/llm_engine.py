@@ -167,7 +167,8 @@ class LLMEngine:
                                    self.max_model_len, self.kv_manager,
                                    watermark=config.kv_watermark,
                                    max_loras=config.max_loras if config.enable_lora else 0,
-                                   policy=config.scheduling_policy)
+                                   policy=config.scheduling_policy,
+                                   long_prefill_token_threshold=config.long_prefill_token_threshold)
         backend = backend_cls(mc, self.device, self.dtype)
         self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
                                   config.block_size, self.device, self.dtype, self.kv_dtype)

@@ -4,7 +4,8 @@ Each step has a token budget (``max_num_batched_tokens``) and a cap on running r
 (``max_num_seqs``). There is no prefill or decode phase:
 
 1. Running requests, in admission order, each get ``min(remaining tokens, budget left)``
-   (usually 1; a request still in chunked prefill gets its next chunk). If one cannot
+   (usually 1; a request still in chunked prefill gets its next chunk; never more than
+   ``long_prefill_token_threshold``, vLLM's, when it is set). If one cannot
    get a block, the most recently admitted running request is preempted (blocks freed,
    ``num_computed_tokens = 0``, status PREEMPTED, put at the HEAD of the waiting queue;
    recomputed later from ``all_token_ids``, so its output never changes) until it can,
@@ -106,7 +107,8 @@ def _order(req: Request) -> tuple[int, float, int]:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  kv_cache_manager: KVCacheManager, watermark: float = 0.0,
-                 max_loras: int = 0, policy: str = "fcfs") -> None:
+                 max_loras: int = 0, policy: str = "fcfs",
+                 long_prefill_token_threshold: int = 0) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
         self.policy = check_scheduling_policy(policy)
@@ -115,6 +117,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # at most this many tokens of one request a step (0: the budget): long prompts share
+        if long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: off)")
+        self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
         self.kv_cache_manager = kv_cache_manager
         # Admission keeps this many blocks free for the running requests to grow into, so
         # a full pool does not turn the next steps' growth into preemptions (recompute).
@@ -247,7 +253,7 @@ class Scheduler:
                 i += 1  # finishes when its last token is read back: nothing left to run
                 continue
             num_new = min(len(req.all_token_ids) + len(req.spec_token_ids) - req.num_computed_tokens,
-                          budget)
+                          budget, self.chunk_cap)
             if num_new <= 0:  # defensive: a running request always has >= 1 token to do
                 i += 1
                 continue
@@ -318,7 +324,7 @@ class Scheduler:
         cannot be had. The caller moves it between the queues."""
         kv = self.kv_cache_manager
         hit_blocks, num_hit = kv.get_computed_blocks(req)
-        num_new = min(req.num_tokens - num_hit, budget)
+        num_new = min(req.num_tokens - num_hit, budget, self.chunk_cap)
         if self.running and self.watermark_blocks:
             # Blocks this admission may take from the free queue: the fresh ones and (at
             # most) the cached hits, which may be sitting in it.
@@ -356,7 +362,7 @@ class Scheduler:
         # will count, with their blocks freed (those no one else holds) and its prefix hits
         # among the free blocks it takes.
         hits, num_hit = kv.get_computed_blocks(req)
-        total = kv.blocks_held_after(num_hit, min(req.num_tokens - num_hit, budget))
+        total = kv.blocks_held_after(num_hit, min(req.num_tokens - num_hit, budget, self.chunk_cap))
         freed = kv.blocks_freed_by([r.request_id for r in running[i:]])
         free_after = kv.num_free_blocks + len(freed)
         hits = kv.taken_hits(hits)

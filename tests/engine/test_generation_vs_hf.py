@@ -86,3 +86,22 @@ def test_reset_prefix_cache_between_runs(tiny_checkpoint):
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert llm.reset_prefix_cache() and kv.stats().blocks_used == 0
+
+
+def test_long_prefill_token_threshold_keeps_transformers_tokens(tiny_checkpoint):
+    """Prompts fed 8 tokens a step each (vLLM's long_prefill_token_threshold, from the CLI
+    too) give the same tokens; a negative threshold is refused naming the field."""
+    from flashpage.cli import build_parser
+    from flashpage.config import EngineConfig
+
+    path = tiny_checkpoint("llama31_gqa")
+    prompts = random_prompts(3, 20, 40, seed=8)
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4,
+              long_prefill_token_threshold=8)
+    assert llm.engine.scheduler.chunk_cap == 8
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == hf_greedy(path, prompts, GREEDY.max_tokens)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer >= 0"):
+        EngineConfig(long_prefill_token_threshold=-3)
+    args = build_parser().parse_args(["generate", "hi", "--long-prefill-token-threshold", "64"])
+    assert args.long_prefill_token_threshold == 64

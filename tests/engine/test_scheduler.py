@@ -158,6 +158,30 @@ def test_a_running_chunked_prefill_can_take_the_whole_budget_in_order():
     assert sched_view(step(s, runner)[0]) == [("a", 1), ("b", 1)]
 
 
+def test_long_prefill_token_threshold_lets_long_prompts_advance_side_by_side():
+    """vLLM's long_prefill_token_threshold: no request gets more than that many tokens a
+    step, so a second long prompt starts at once instead of after the first; outputs are
+    unchanged."""
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(8, 32, 256, kv, long_prefill_token_threshold=12)
+    runner = FakeRunner(kv)
+    a, b = R("a", 30, max_tokens=2), R("b", 20, max_tokens=2)
+    s.add_request(a)
+    s.add_request(b)
+    views = [sched_view(step(s, runner)[0]) for _ in range(4)]
+    assert views == [[("a", 12), ("b", 12)], [("a", 12), ("b", 8)], [("a", 6), ("b", 1)],
+                     [("a", 1)]]
+    run_all(s, runner)
+    for r in (a, b):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling_params, 256)[0]
+    s0, _, _ = make(budget=32)  # without it: a takes the step's budget first
+    s0.add_request(R("a", 30, max_tokens=2))
+    s0.add_request(R("b", 20, max_tokens=2))
+    assert sched_view(s0.schedule()) == [("a", 30), ("b", 2)]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        Scheduler(8, 32, 256, kv, long_prefill_token_threshold=-1)
+
+
 def test_max_num_seqs_respected():
     s, kv, runner = make(max_num_seqs=2, budget=100)
     for rid in "abcde":
