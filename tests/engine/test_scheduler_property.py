@@ -19,7 +19,15 @@ from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.sampling_params import SamplingParams
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_scheduler import VOCAB, FakeRunner, expected_output  # noqa: E402
+from test_scheduler import (  # noqa: E402
+    VOCAB,
+    FakeRunner,
+    expected_output,
+    fingerprints,
+    next_token,
+)
+
+from flashpage.kv_cache.kv_cache_manager import slot_mapping_for  # noqa: E402
 
 EXAMPLES = int(os.environ.get("FLASHPAGE_PROPERTY_EXAMPLES", "1000"))
 
@@ -42,6 +50,44 @@ class AsyncFakeRunner(FakeRunner):
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         sampled = super().execute(out)
         self.last.update(sampled)
+        return sampled
+
+
+class WindowFakeRunner(AsyncFakeRunner):
+    """The fake model attending within a sliding window: a step reads back only the keys
+    its queries can see (positions after ``start - window``), through table entries that
+    must not be the null block; the others may have been given back."""
+
+    def __init__(self, kv: KVCacheManager, window: int, async_mode: bool) -> None:
+        super().__init__(kv)
+        self.window, self.async_mode = window, async_mode
+
+    def tokens_of(self, req: Request) -> list[int]:
+        return super().tokens_of(req) if self.async_mode else req.all_token_ids
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        kv, B, W = self.kv, self.kv.block_size, self.window
+        sampled = {}
+        fps_of = {}
+        for req, n in out.scheduled:  # every write of the step first
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            ids = kv.get_block_ids(req.request_id)
+            assert len(ids) * B >= end, "block table does not cover the scheduled tokens"
+            fps = fingerprints(self.tokens_of(req)[:end])
+            for p, slot in zip(range(start, end), slot_mapping_for(ids, start, end, B), strict=True):
+                assert slot // B != 0, "a token written into the null block"
+                self.cache[slot] = fps[p]
+            fps_of[req.request_id] = (req, start, end, fps)
+        for rid, (req, start, end, fps) in fps_of.items():
+            ids = kv.get_block_ids(rid)
+            lo = max(0, start - W + 1)  # the first key the step's first query sees
+            assert all(ids[p // B] != 0 for p in range(lo, end)), (rid, lo, end, ids)
+            ctx = [self.cache[s] for s in slot_mapping_for(ids, lo, end, B)]
+            assert ctx == fps[lo:end], f"{rid} read a wrong window through its block table"
+            if end == req.num_tokens:
+                sampled[rid] = next_token(fps[-1])
+        self.last.update(sampled)
+        self.num_steps += 1
         return sampled
 
 
@@ -89,9 +135,15 @@ def check_invariants(s: Scheduler, kv: KVCacheManager, scheduled_tokens: int) ->
     holders = [0] * kv.num_blocks
     for rid, ids in kv._block_ids.items():
         assert [b.block_id for b in kv.get_blocks(rid)] == ids
-        for i in ids:
+        released = kv.num_released(rid)
+        if kv.null_block is not None:  # block 0 is the null block only behind a window
+            assert ids[:released] == [0] * released and 0 not in ids[released:]
+        for i in ids[released:]:
             holders[i] += 1
     for b in kv.pool.blocks:
+        if b is kv.null_block:  # held for good, never queued, in any number of tables
+            assert b.ref_cnt == 1 and b.block_id not in in_queue and b.block_hash is None
+            continue
         # no block both free and in use; ref count == number of tables holding it
         assert (b.block_id in in_queue) == (b.ref_cnt == 0), b
         assert b.ref_cnt == holders[b.block_id], b
@@ -113,14 +165,19 @@ def check_invariants(s: Scheduler, kv: KVCacheManager, scheduled_tokens: int) ->
             assert keys == sorted(keys), queue
 
 
-def refused_expected(spec: Spec, B: int, num_blocks: int, max_model_len: int) -> bool:
+def refused_expected(spec: Spec, B: int, num_blocks: int, max_model_len: int,
+                     window: int | None = None, budget: int = 0) -> bool:
     n = len(spec.prompt)
     if n > max_model_len:
         return True
     # The request ends with at most this many tokens; the last one is never written.
     final = n + (spec.max_tokens if spec.max_tokens is not None else 10**9)
     final = min(final, max(max_model_len, n + 1))
-    return -(-(final - 1) // B) > num_blocks if final - 1 > n else -(-n // B) > num_blocks
+    need = -(-(final - 1) // B) if final - 1 > n else -(-n // B)
+    if window is not None:  # behind a window: the keys a step sees and its own tokens
+        need = min(need, -(-(window - 1 + budget) // B) + 1)
+        num_blocks -= 1  # the null block
+    return need > num_blocks
 
 
 @settings(max_examples=EXAMPLES, deadline=None,
@@ -135,16 +192,23 @@ def refused_expected(spec: Spec, B: int, num_blocks: int, max_model_len: int) ->
     specs=st.lists(request_spec(), min_size=1, max_size=10),
     async_mode=st.booleans(),
     policy=st.sampled_from(["fcfs", "priority"]),
+    window=st.one_of(st.none(), st.integers(1, 12)),
 )
 def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs, budget,
-                                          max_model_len, prefix, specs, async_mode, policy):
+                                          max_model_len, prefix, specs, async_mode, policy,
+                                          window):
     """With ``async_mode`` the loop is the engine's async one: advance() right after the
     step is "launched", the previous step's tokens resolve()d only then. The priority
-    policy preempts for arrivals too: the same invariants and outputs hold."""
-    num_blocks = max(1, -(-max_model_len // block_size) + extra_blocks)
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    policy preempts for arrivals too: the same invariants and outputs hold. With a
+    ``window`` the cache gives back blocks behind it (the null block in their entries) and
+    the fake model reads only what the window shows."""
+    num_blocks = max(1 + (window is not None), -(-max_model_len // block_size) + extra_blocks)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix, sliding_window=window)
     s = Scheduler(max_num_seqs, budget, max_model_len, kv, policy=policy)
-    runner = AsyncFakeRunner(kv) if async_mode else FakeRunner(kv)
+    if window is not None:
+        runner: FakeRunner = WindowFakeRunner(kv, window, async_mode)
+    else:
+        runner = AsyncFakeRunner(kv) if async_mode else FakeRunner(kv)
     inflight: tuple[list[Request], list[int]] | None = None
     reqs: dict[str, tuple[Request, Spec]] = {}
     aborted: set[str] = set()
@@ -159,7 +223,8 @@ def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs
                 max_tokens=spec.max_tokens, min_tokens=spec.min_tokens,
                 stop_token_ids=spec.stop_ids), eos_token_id=spec.eos,
                 priority=spec.priority if policy == "priority" else 0)
-            expect_refusal = refused_expected(spec, block_size, num_blocks, max_model_len)
+            expect_refusal = refused_expected(spec, block_size, num_blocks, max_model_len,
+                                              window, budget)
             try:
                 s.add_request(r)
             except RequestRefused:
@@ -198,8 +263,9 @@ def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs
     event(f"aborted: {len(aborted) > 0}")
     event(f"async: {async_mode}")
     event(f"policy: {policy}")
-    assert kv.num_free_blocks == num_blocks
-    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    event(f"window: {window is not None}")
+    assert kv.num_free_blocks == kv.num_usable_blocks == num_blocks - (window is not None)
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks if b is not kv.null_block)
     for rid, (r, spec) in reqs.items():
         assert r.is_finished()
         if rid in aborted:
