@@ -1,7 +1,7 @@
 """GGUF files of Gemma 1/2/3, Phi-3, StarCoder2, Mixtral (under "llama"), Qwen2-MoE,
 Qwen3-MoE, Command-R, Cohere2, OLMo, OLMo2, OLMoE, Granite, GraniteMoeShared, Phi-2,
-GPT-NeoX, GPT-2, Falcon, Bloom, MPT, StarCoder (GPT-BigCode) and GPT-J, written from tiny random transformers checkpoints the way llama.cpp's
-convert_hf_to_gguf.py writes them (its metadata keys, gguf-py's own tensor-name map, and
+GPT-NeoX, GPT-2, Falcon, Bloom, MPT, StarCoder (GPT-BigCode) and GPT-J, written from tiny
+random transformers checkpoints the way llama.cpp's convert_hf_to_gguf.py writes them (its metadata keys, gguf-py's own tensor-name map, and
 its changes to the values: Llama's (Granite's, OLMo's) permuted q/k, Granite MoE's split
 input_linear, GPT-NeoX's, Falcon's and Bloom's qkv rows reordered, Bloom's tied head copied,
 GPT-2's Conv1D weights transposed, Gemma's norms stored as 1 + w, experts
