@@ -159,10 +159,12 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -> None:
+def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False,
+            q8: bool = False) -> None:
     """Write HF checkpoint ``src`` as an f32 GGUF of ``arch`` as convert_hf_to_gguf.py does:
     its set_gguf_parameters keys for the family, its modify_tensors changes, gguf-py's
-    tensor-name map (``fuse_gate_up_exps``: its --fuse-gate-up-exps)."""
+    tensor-name map (``fuse_gate_up_exps``: its --fuse-gate-up-exps; ``q8``: its
+    --outtype q8_0, every matrix of whole 32-value rows blocks in Q8_0)."""
     from safetensors.torch import load_file
 
     cfg = ModelConfig.from_hf(src)
@@ -268,7 +270,7 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
             if "query_key_value" in name:
                 t = regroup_qkv(t, cfg.num_attention_heads, cfg.head_dim, to_ours=True)
             if name == "word_embeddings.weight" and "lm_head.weight" not in sd:
-                w.add_tensor("output.weight", t.float().numpy())
+                _add(w, "output.weight", t, q8)
         if arch == "falcon" and "query_key_value" in name:  # FalconModel: [q; k; v]
             t = regroup_qkv(t, cfg.num_key_value_heads, cfg.head_dim, to_ours=True)
         if arch == "gpt2" and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
@@ -287,7 +289,7 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
             proj = parts[-2]
             experts.setdefault((int(parts[2]), proj), {})[int(parts[-3])] = t
             continue
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), t.float().numpy())
+        _add(w, names.get_name(name, try_suffixes=(".weight", ".bias")), t, q8)
     stacked = {key: torch.stack([d[e] for e in sorted(d)]) for key, d in experts.items()}
     for (bid, proj), t in stacked.items():
         if arch == "llama":  # Mixtral: layers.{bid}.feed_forward.experts.w{1,2,3}
@@ -305,6 +307,21 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _q8able(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.shape[1] % 32 == 0
+
+
+def _add(w, name: str, t: torch.Tensor, q8: bool) -> None:
+    """Tensor ``t`` into GGUF writer ``w``: f32, or Q8_0 (``q8``) where its rows are whole
+    blocks."""
+    a = t.float().contiguous().numpy()
+    if q8 and _q8able(t):
+        q = gguf.GGMLQuantizationType.Q8_0
+        w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
+    else:
+        w.add_tensor(name, a)
 
 
 @pytest.mark.parametrize("name", [*FAMILIES, *MOE])
@@ -600,3 +617,31 @@ def test_gpt_families_metadata(tmp_path):
     assert (j.rotary_dim, j.rope_interleaved, j.lm_head_bias) == (8, True, True)
     with pytest.raises(ConfigError, match="gptj.rope.freq_base 20000.0 is not supported"):
         cfg("j2", "gptj", rope__freq_base=20000.0)
+
+
+@pytest.mark.parametrize("name", ["bloom", "starcoder"])
+def test_q8_0_conversions_equal_transformers(tmp_path, name):
+    """A Q8_0 file (--outtype q8_0: every matrix, embeddings and Bloom's copied head too) gives
+    transformers' tokens on the checkpoint with its matrices rounded to Q8_0 as well (each
+    row's blocks: the same whatever the converter's row reordering), Bloom's head still read
+    as tied (its quantized bytes are token_embd's)."""
+    from safetensors.torch import load_file, save_file
+
+    src = _build(tmp_path / "hf", name)
+    sd = load_file(str(src / "model.safetensors"))
+    q = gguf.GGMLQuantizationType.Q8_0
+    for n, t in sd.items():
+        if _q8able(t):
+            sd[n] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), q), q))
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    path = tmp_path / f"{name}.gguf"
+    convert(src, path, FAMILIES[name][0], q8=True)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["token_embd.weight"] == types["blk.1.attn_qkv.weight"] == "Q8_0"
+    assert gguf_to_hf_config(path)["tie_word_embeddings"] is True
+    prompts = random_prompts(2, 34, 50, seed=3)
+    got = LLM(str(path), dtype="float32", device="cpu", block_size=8,
+              attention_backend="torch_native").generate(prompts, GREEDY, use_tqdm=False)
+    want = hf_greedy(src, prompts, GREEDY.max_tokens, attn_implementation="eager")
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert len({t for toks in want for t in toks}) > 4
