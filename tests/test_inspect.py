@@ -394,10 +394,10 @@ def test_gguf_errors(tmp_path: Path) -> None:
     truncated.write_bytes(b"GGUF\x03\x00")
     with pytest.raises(ConfigError, match="cannot read GGUF metadata"):
         gguf_to_hf_config(truncated)
-    bloom = tmp_path / "g.gguf"  # llama.cpp writes it; we read Bloom's safetensors, not its GGUF
-    _write_gguf(bloom, "bloom", tied=True)
-    with pytest.raises(ConfigError, match="GGUF architecture 'bloom' is not supported"):
-        gguf_to_hf_config(bloom)
+    baichuan = tmp_path / "g.gguf"  # llama.cpp writes it; we read no Baichuan
+    _write_gguf(baichuan, "baichuan", tied=True)
+    with pytest.raises(ConfigError, match="GGUF architecture 'baichuan' is not supported"):
+        gguf_to_hf_config(baichuan)
     with pytest.raises(ConfigError, match="no GGUF file"):
         gguf_to_hf_config(tmp_path / "missing.gguf")
 

@@ -9,14 +9,18 @@ Supported GGUF architectures, as llama.cpp's convert_hf_to_gguf.py writes them: 
 (Llama, Mistral; Mixtral when it has ``expert_count``), ``mistral``, ``qwen2``, ``qwen3``,
 ``qwen2moe``, ``qwen3moe``, ``gemma``, ``gemma2``, ``gemma3``, ``phi3``, ``starcoder2``,
 ``command-r``, ``cohere2``, ``olmo``, ``olmo2``, ``olmoe``, ``granite``, ``granitemoe``
-(GraniteMoeShared when it has ``expert_shared_feed_forward_length``), ``phi2``, ``gptneox``, ``gpt2``, ``falcon``. Anything else is a
-``ConfigError`` naming it. What the converter leaves out of the
+(GraniteMoeShared when it has ``expert_shared_feed_forward_length``), ``phi2``, ``gptneox``,
+``gpt2``, ``falcon``, ``bloom``, ``mpt`` (ALiBi ones: ``attention.max_alibi_bias`` > 0),
+``starcoder`` (GPT-BigCode, multi-query), ``gptj``. Anything else is a ``ConfigError``
+naming it. What the converter leaves out of the
 metadata is read as llama.cpp reads it: Gemma 2/3's attention scale from the model size
 (query_pre_attn_scalar = hidden / heads for the 27B sizes, else head_dim), Gemma 3's
 window pattern (every 6th layer global), Qwen2-MoE's top-k weights unnormalized and
 Qwen3-MoE's normalized (OLMoE's not), GELU-tanh for Gemma and StarCoder2, Cohere2's window
 pattern (every 4th layer global), Command-R+'s q/k norms from their tensors, Granite's
-absent attention scale as 1 / sqrt(head_dim) (its other multipliers as 1). The tensors' side (names,
+absent attention scale as 1 / sqrt(head_dim) (its other multipliers as 1), Bloom's head tied
+when its output.weight is token_embd's bytes (the converter's copy), MPT's softmax and
+logit scales as none (not in the file). The tensors' side (names,
 stacked experts, Gemma's norms stored as 1 + w, Llama's permuted q/k) is
 models/gguf_weights.py's.
 
@@ -67,6 +71,10 @@ _GGUF_ARCHS = {
     "gptneox": ("GPTNeoXForCausalLM", "gpt_neox"),
     "gpt2": ("GPT2LMHeadModel", "gpt2"),
     "falcon": ("FalconForCausalLM", "falcon"),
+    "bloom": ("BloomForCausalLM", "bloom"),
+    "mpt": ("MptForCausalLM", "mpt"),
+    "starcoder": ("GPTBigCodeForCausalLM", "gpt_bigcode"),
+    "gptj": ("GPTJForCausalLM", "gptj"),
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # "granitemoe" with a shared MLP (expert_shared_feed_forward_length) is GraniteMoeShared
@@ -201,6 +209,8 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
             rope["original_max_position_embeddings"] = orig
         config["rope_scaling"] = rope
     config.update(_family_fields(arch, model_type, get, tensors, config, path))
+    if model_type == "gptj":  # GPTJConfig has no rope_theta (its base is 10000, checked)
+        del config["rope_theta"]
     for key in ("bos_token_id", "eos_token_id"):
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is not None:
@@ -349,11 +359,92 @@ def _family_fields(arch: str, model_type: str, get: Callable[..., Any],
         if new:
             return out | {"num_kv_heads": kv, "num_ln_in_parallel_attn": 2 if two else 1}
         return out | {"multi_query": True}
+    if model_type in ("bloom", "mpt", "gpt_bigcode", "gptj"):
+        return _gpt_fields(arch, model_type, get, tensors, config, path)
     if model_type == "starcoder2":
         return {"norm_epsilon": get("attention.layer_norm_epsilon", required=False) or 1e-5,
                 "use_bias": config["attention_bias"], "hidden_act": "gelu_pytorch_tanh",
                 "sliding_window": get("attention.sliding_window", required=False) or None}
     return out
+
+
+def _gpt_fields(arch: str, model_type: str, get: Callable[..., Any],
+                tensors: dict[str, GGUFTensor], config: dict[str, Any],
+                path: str) -> dict[str, Any]:
+    """Bloom's, MPT's, StarCoder's (GPT-BigCode's) and GPT-J's fields, from the keys their
+    converter classes write (BloomModel, MPTModel, StarCoderModel, GPTJModel), which
+    llama.cpp requires: ``attention.layer_norm_epsilon``, MPT's
+    ``attention.max_alibi_bias`` (its ALiBi's alibi_bias_max; 0: none) and optional
+    ``attention.clamp_kqv`` (clip_qkv). Each converter writes feed_forward_length as
+    4 x hidden, the MLP these models have (another width is a ConfigError naming the key).
+    Not in the files, so not read: MPT's softmax_scale and logit_scale (llama.cpp scales by
+    1 / sqrt(head_dim) and not the logits: so do we), Bloom's and StarCoder's
+    tie_word_embeddings beyond what the tensors say."""
+    eps = get("attention.layer_norm_epsilon")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv = config["num_key_value_heads"]
+    ffn = config["intermediate_size"]
+    if ffn != 4 * hidden:
+        raise ConfigError(f"{path}: {arch}.feed_forward_length {ffn} is not supported: "
+                          f"{config['architectures'][0]}'s MLP is 4 x embedding_length "
+                          f"({4 * hidden}) wide")
+    if model_type == "bloom":
+        # BloomModel writes output.weight, a copy of token_embd, when the checkpoint ties
+        # them: read as tied when the two hold the same bytes (one matrix in memory)
+        tied = "output.weight" not in tensors or _same_data(tensors, "token_embd.weight",
+                                                            "output.weight")
+        return {"layer_norm_epsilon": eps, "tie_word_embeddings": tied}
+    if model_type == "mpt":
+        if kv != heads:
+            raise ConfigError(f"{path}: {arch}.attention.head_count_kv {kv} (MPT's grouped or "
+                              f"multi-query attn_type) is not supported: only multi-head "
+                              f"attention ({heads} heads), transformers' MPT")
+        norms = [n for n in ("blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight") if n in tensors]
+        if norms:
+            raise ConfigError(f"{path}: tensor {norms[0]} (MPT's qk_ln) is not supported: "
+                              "transformers' MPT has no q/k LayerNorms")
+        alibi = get("attention.max_alibi_bias")
+        if not isinstance(alibi, (int, float)) or alibi <= 0:
+            raise ConfigError(f"{path}: {arch}.attention.max_alibi_bias {alibi!r} is not "
+                              "supported: 0 is an MPT without ALiBi (learned positions), and "
+                              "only ALiBi MPTs are read")
+        clip = get("attention.clamp_kqv", required=False)
+        return {"layer_norm_epsilon": eps, "no_bias": not config["attention_bias"],
+                "attn_config": {"alibi_bias_max": float(alibi), "clip_qkv": clip or None}}
+    if model_type == "gpt_bigcode":
+        # StarCoderModel writes head_count_kv 1 and c_attn as it is: multi_query's [q; k; v]
+        # rows (a multi-head c_attn's rows, head by head, are not llama.cpp's layout)
+        if kv != 1:
+            raise ConfigError(f"{path}: {arch}.attention.head_count_kv {kv} is not supported: "
+                              "StarCoder GGUF files are multi-query (1), as the converter "
+                              "writes them")
+        return {"n_positions": config["max_position_embeddings"], "n_inner": ffn,
+                "multi_query": True, "activation_function": "gelu_pytorch_tanh",
+                "layer_norm_epsilon": eps}
+    # gptj: GPTJModel writes rope.dimension_count only for a partial rotary
+    base = get("rope.freq_base", required=False)
+    if base not in (None, 10000.0):
+        raise ConfigError(f"{path}: {arch}.rope.freq_base {base} is not supported: GPT-J's "
+                          "rotary base is 10000")
+    if kv != heads:
+        raise ConfigError(f"{path}: {arch}.attention.head_count_kv {kv} is not supported: "
+                          f"GPT-J has {heads} KV heads")
+    return {"n_positions": config["max_position_embeddings"], "n_inner": ffn,
+            "rotary_dim": get("rope.dimension_count", required=False) or hidden // heads,
+            "activation_function": "gelu_new", "layer_norm_epsilon": eps}
+
+
+def _same_data(tensors: dict[str, GGUFTensor], a: str, b: str) -> bool:
+    """Whether tensors ``a`` and ``b`` of the file have the same type, shape and bytes."""
+    ta, tb = tensors.get(a), tensors.get(b)
+    if ta is None or tb is None or ta.tensor_type != tb.tensor_type:
+        return False
+    if list(ta.shape) != list(tb.shape):
+        return False
+    xa, xb = (np.asarray(t.data).reshape(-1).view(np.uint8) for t in (ta, tb))
+    step = 1 << 26  # 64 MiB at a time out of the memory map (Bloom's head: 0.5-1 GB in f16)
+    return xa.size == xb.size and all(np.array_equal(xa[i:i + step], xb[i:i + step])
+                                      for i in range(0, xa.size, step))
 
 
 def _rows(tensors: dict[str, GGUFTensor], name: str, path: str) -> int:

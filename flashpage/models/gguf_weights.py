@@ -7,7 +7,8 @@ where they differ: ``ffn_norm`` is Gemma 2/3's pre_feedforward_layernorm (their
 post_attention_layernorm is ``post_attention_norm``), Phi-3's fused ``ffn_up`` is
 gate_up_proj (and ``attn_qkv`` qkv_proj), StarCoder2's ``ffn_up`` / ``ffn_down`` are
 c_fc / c_proj, Granite MoE's ``ffn_gate_inp`` its router and ``ffn_down_shexp`` its shared
-MLP's output_linear; Phi-2's, GPT-NeoX's, GPT-2's and Falcon's under their own names (_ARCH_TOP_NAMES).
+MLP's output_linear; Phi-2's, GPT-NeoX's, GPT-2's, Falcon's, Bloom's, MPT's, StarCoder's and
+GPT-J's under their own names (_ARCH_TOP_NAMES).
 
 Values, as the converter changed them:
 
@@ -16,6 +17,11 @@ Values, as the converter changed them:
   transformers too, and OLMo2 / OLMoE halves in llama.cpp too: stored as they are);
 - gptneox: ``attn_qkv`` rows [q; k; v] (GPTNeoXModel's reorder); regrouped per head
   again, as GPT-NeoX's query_key_value holds them (models/common.regroup_qkv);
+- bloom: ``attn_qkv`` rows [q; k; v] (BloomModel's reorder, GPT-NeoX's); regrouped per head
+  again, as Bloom's query_key_value holds them; ``output.weight``, the converter's copy of
+  the tied embeddings, skipped when the config reads the head as tied;
+- mpt, starcoder, gptj: stored as they are (MPT's Wqkv is [q | k | v], StarCoder's
+  multi-query c_attn [q; k; v], both ours; GPT-J's q/k rows unpermuted);
 - falcon: ``attn_qkv`` rows [q; k; v] (FalconModel's "jploski" layout); regrouped per KV
   group again, as Falcon's query_key_value holds them;
 - gpt2: the Conv1D weights (c_attn, c_proj, c_fc) transposed back to [in, out];
@@ -100,7 +106,23 @@ _ARCH_TOP_NAMES = {
                "output_norm.weight": "transformer.ln_f.weight",
                "output_norm.bias": "transformer.ln_f.bias"},
 }
-_LAYER_PREFIX = {"gptneox": "gpt_neox.layers", "gpt2": "transformer.h", "falcon": "transformer.h"}
+_ARCH_TOP_NAMES.update({
+    "bloom": {"token_embd.weight": "transformer.word_embeddings.weight",
+              "token_embd_norm.weight": "transformer.word_embeddings_layernorm.weight",
+              "token_embd_norm.bias": "transformer.word_embeddings_layernorm.bias",
+              "output_norm.weight": "transformer.ln_f.weight",
+              "output_norm.bias": "transformer.ln_f.bias"},
+    "mpt": {"token_embd.weight": "transformer.wte.weight",
+            "output_norm.weight": "transformer.norm_f.weight",
+            "output_norm.bias": "transformer.norm_f.bias"},
+    "gptj": {"token_embd.weight": "transformer.wte.weight",
+             "output_norm.weight": "transformer.ln_f.weight",
+             "output_norm.bias": "transformer.ln_f.bias", "output.bias": "lm_head.bias"},
+})
+_ARCH_TOP_NAMES["starcoder"] = _ARCH_TOP_NAMES["gpt2"]
+_LAYER_PREFIX = {"gptneox": "gpt_neox.layers", "gpt2": "transformer.h", "falcon": "transformer.h",
+                 "bloom": "transformer.h", "mpt": "transformer.blocks", "starcoder": "transformer.h",
+                 "gptj": "transformer.h"}
 _ARCH_LAYER_NAMES.update({
     "phi2": {"attn_output": "self_attn.dense", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"},
     "gptneox": {"attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
@@ -113,7 +135,15 @@ _ARCH_LAYER_NAMES.update({
     "falcon": {"attn_norm_2": "ln_attn", "attn_qkv": "self_attention.query_key_value",
                "attn_output": "self_attention.dense", "ffn_up": "mlp.dense_h_to_4h",
                "ffn_down": "mlp.dense_4h_to_h"},
+    "bloom": {"attn_qkv": "self_attention.query_key_value", "attn_output": "self_attention.dense",
+              "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"},
+    "mpt": {"attn_norm": "norm_1", "attn_qkv": "attn.Wqkv", "attn_output": "attn.out_proj",
+            "ffn_norm": "norm_2", "ffn_up": "ffn.up_proj", "ffn_down": "ffn.down_proj"},
+    "gptj": {"attn_norm": "ln_1", "attn_q": "attn.q_proj", "attn_k": "attn.k_proj",
+             "attn_v": "attn.v_proj", "attn_output": "attn.out_proj", "ffn_up": "mlp.fc_in",
+             "ffn_down": "mlp.fc_out"},
 })
+_ARCH_LAYER_NAMES["starcoder"] = _ARCH_LAYER_NAMES["gpt2"]  # nn.Linear: not transposed
 # GPT-2's Conv1D weights ([in, out]), which GPT2Model transposed
 _GPT2_CONV1D = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 # Granite MoE's shared MLP: the converter splits its input_linear (gate rows, then up);
@@ -232,13 +262,16 @@ def iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
         name = _hf_name(t.name, arch)
         if name is None:
             raise ModelLoadError(f"{path}: unknown GGUF tensor {t.name!r} (architecture {arch!r})")
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # Bloom's copy of token_embd (gguf_config read it as tied)
         w = _tensor(t, path)
         if arch == "phi2" and parts[2:3] == ["attn_qkv"]:  # older Phi-2 files: q, k, v rows
             for proj, part in zip("qkv", w.chunk(3), strict=True):
                 yield name.replace("qkv_proj", f"{proj}_proj"), part
             continue
-        if arch == "gptneox" and parts[2:3] == ["attn_qkv"]:
-            # GPTNeoXModel wrote [q; k; v]; HF holds [q0 k0 v0 | q1 k1 v1 | ...] per head
+        if arch in ("gptneox", "bloom") and parts[2:3] == ["attn_qkv"]:
+            # GPTNeoXModel / BloomModel wrote [q; k; v]; HF holds [q0 k0 v0 | q1 k1 v1 | ...]
+            # per head
             heads = config.num_attention_heads
             w = regroup_qkv(w, heads, w.shape[0] // (3 * heads), to_ours=False)
         elif arch == "falcon" and parts[2:3] == ["attn_qkv"]:

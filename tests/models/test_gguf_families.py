@@ -1,9 +1,9 @@
 """GGUF files of Gemma 1/2/3, Phi-3, StarCoder2, Mixtral (under "llama"), Qwen2-MoE,
 Qwen3-MoE, Command-R, Cohere2, OLMo, OLMo2, OLMoE, Granite, GraniteMoeShared, Phi-2,
-GPT-NeoX, GPT-2 and Falcon, written from tiny random transformers checkpoints the way llama.cpp's
-convert_hf_to_gguf.py writes them (its metadata keys, gguf-py's own tensor-name map, and
+GPT-NeoX, GPT-2, Falcon, Bloom, MPT, StarCoder (GPT-BigCode) and GPT-J, written from tiny
+random transformers checkpoints the way llama.cpp's convert_hf_to_gguf.py writes them (its metadata keys, gguf-py's own tensor-name map, and
 its changes to the values: Llama's (Granite's, OLMo's) permuted q/k, Granite MoE's split
-input_linear, GPT-NeoX's and Falcon's qkv rows reordered,
+input_linear, GPT-NeoX's, Falcon's and Bloom's qkv rows reordered, Bloom's tied head copied,
 GPT-2's Conv1D weights transposed, Gemma's norms stored as 1 + w, experts
 stacked per layer, Phi-3's rope factors as tensors), give transformers' greedy tokens on
 the originals; the metadata llama.cpp decides without (Gemma's attention scale and window
@@ -11,6 +11,7 @@ pattern, Qwen-MoE's top-k normalization) is read as llama.cpp reads it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,23 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "falcon_7b": ("falcon", "FalconConfig", dict(num_hidden_layers=2, multi_query=True)),
     "falcon_40b": ("falcon", "FalconConfig", dict(
         num_hidden_layers=2, new_decoder_architecture=True, num_kv_heads=2)),
+    # Bloom tied (the converter's output.weight a copy of token_embd) and untied with 6
+    # heads (the slopes of 4, then every other of 8's)
+    "bloom": ("bloom", "BloomConfig", dict(num_hidden_layers=2, hidden_size=128,
+                                           tie_word_embeddings=True)),
+    "bloom_6h": ("bloom", "BloomConfig", dict(num_hidden_layers=2, hidden_size=96,
+                                              num_attention_heads=6)),
+    # MPT-7B's layer: tied; 6 heads (MPT's odd-then-even slopes of 8), q/k/v clamped
+    # (another alibi_bias_max: test_mpt_alibi_bias_max_and_clamp, transformers reads none)
+    "mpt": ("mpt", "MptConfig", dict(num_hidden_layers=2, tie_word_embeddings=True)),
+    "mpt_6h_clip": ("mpt", "MptConfig", dict(
+        num_hidden_layers=2, hidden_size=96, num_attention_heads=6,
+        attn_config=dict(clip_qkv=0.6))),
+    # StarCoder 1 / SantaCoder: multi-query, learned positions, tied
+    "starcoder": ("starcoder", "GPTBigCodeConfig", dict(
+        num_hidden_layers=2, multi_query=True, tie_word_embeddings=True)),
+    # GPT-J: a quarter of each head rotated (interleaved pairs), a biased head
+    "gptj": ("gptj", "GPTJConfig", dict(num_hidden_layers=2, rotary_dim=4)),
 }
 MOE: dict[str, tuple[str, dict]] = {
     "mixtral": ("llama", dict(sliding_window=None)),
@@ -119,7 +137,8 @@ def _build(path: Path, name: str) -> Path:
             elif "embed" in n:
                 sd[n] = torch.randn(t.shape, generator=g) * 0.02
         save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
-    if cls_name in ("GPT2Config", "FalconConfig"):  # LayerNorms named ln_*: 0.5-1.5 as
+    if cls_name in ("GPT2Config", "FalconConfig", "BloomConfig", "GPTBigCodeConfig", "GPTJConfig"):
+        # LayerNorms named ln_*: 0.5-1.5 as
         # test_gpt2_bigcode's (conftest's builder widens only "norm" names)
         from safetensors.torch import load_file, save_file
 
@@ -140,22 +159,38 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -> None:
+def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False,
+            q8: bool = False) -> None:
     """Write HF checkpoint ``src`` as an f32 GGUF of ``arch`` as convert_hf_to_gguf.py does:
     its set_gguf_parameters keys for the family, its modify_tensors changes, gguf-py's
-    tensor-name map (``fuse_gate_up_exps``: its --fuse-gate-up-exps)."""
+    tensor-name map (``fuse_gate_up_exps``: its --fuse-gate-up-exps; ``q8``: its
+    --outtype q8_0, every matrix of whole 32-value rows blocks in Q8_0)."""
     from safetensors.torch import load_file
 
     cfg = ModelConfig.from_hf(src)
+    hparams = json.loads((src / "config.json").read_text())
     n = cfg.num_hidden_layers
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(n)
-    w.add_context_length(cfg.max_position_embeddings)
+    # BloomModel: seq_length, else n_embed (sic)
+    w.add_context_length(hparams.get("seq_length", cfg.hidden_size) if arch == "bloom"
+                         else cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_feed_forward_length(cfg.intermediate_size)  # 4 x hidden for Bloom, MPT, StarCoder, GPT-J
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    if arch in ("starcoder2", "command-r", "cohere2", "phi2", "gptneox", "gpt2", "falcon"):
+    if arch not in ("mpt", "gptj"):  # MPTModel: only attn_config.kv_n_heads; GPTJModel: none
+        w.add_head_count_kv(cfg.num_key_value_heads)  # StarCoderModel: 1 (multi_query only)
+    if arch == "mpt":  # MPTModel: a fixed eps, the ALiBi bias, the clamp when set
+        w.add_layer_norm_eps(1e-5)
+        w.add_max_alibi_bias(hparams["attn_config"]["alibi_bias_max"])
+        if cfg.clip_qkv:
+            w.add_clamp_kqv(cfg.clip_qkv)
+    elif arch == "gptj":  # GPTJModel: the rotated dims when not the whole head
+        w.add_layer_norm_eps(cfg.rms_norm_eps)
+        if cfg.rotary_dim < cfg.head_dim:
+            w.add_rope_dimension_count(cfg.rotary_dim)
+    elif arch in ("starcoder2", "command-r", "cohere2", "phi2", "gptneox", "gpt2", "falcon",
+                  "bloom", "starcoder"):
         # TextModel: norm_epsilon / layer_norm_eps (ours holds either as rms_norm_eps)
         w.add_layer_norm_eps(cfg.rms_norm_eps)
     elif arch == "olmo":
@@ -165,7 +200,8 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
     if arch.startswith("gemma") or cfg.model_type == "qwen3_moe":  # config.json's head_dim
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    if arch not in ("gemma", "gemma2", "phi2", "gptneox", "gpt2", "falcon"):  # no rope base
+    if arch not in ("gemma", "gemma2", "phi2", "gptneox", "gpt2", "falcon", "bloom", "mpt",
+                    "starcoder", "gptj"):  # no rope base
         w.add_rope_freq_base(cfg.rope_theta)
     if arch in ("llama", "granite", "granitemoe", "cohere2"):  # LlamaModel (GraniteModel is one), Cohere2Model
         w.add_vocab_size(cfg.vocab_size)
@@ -229,6 +265,12 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
             t = _permute(t, cfg.num_key_value_heads)
         if arch == "gptneox" and "query_key_value" in name:  # GPTNeoXModel: [q; k; v]
             t = regroup_qkv(t, cfg.num_attention_heads, cfg.head_dim, to_ours=True)
+        if arch == "bloom":  # BloomModel: names without transformer., [q; k; v], and the
+            name = name.removeprefix("transformer.")  # tied embeddings written as output too
+            if "query_key_value" in name:
+                t = regroup_qkv(t, cfg.num_attention_heads, cfg.head_dim, to_ours=True)
+            if name == "word_embeddings.weight" and "lm_head.weight" not in sd:
+                _add(w, "output.weight", t, q8)
         if arch == "falcon" and "query_key_value" in name:  # FalconModel: [q; k; v]
             t = regroup_qkv(t, cfg.num_key_value_heads, cfg.head_dim, to_ours=True)
         if arch == "gpt2" and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
@@ -247,7 +289,7 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
             proj = parts[-2]
             experts.setdefault((int(parts[2]), proj), {})[int(parts[-3])] = t
             continue
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), t.float().numpy())
+        _add(w, names.get_name(name, try_suffixes=(".weight", ".bias")), t, q8)
     stacked = {key: torch.stack([d[e] for e in sorted(d)]) for key, d in experts.items()}
     for (bid, proj), t in stacked.items():
         if arch == "llama":  # Mixtral: layers.{bid}.feed_forward.experts.w{1,2,3}
@@ -265,6 +307,21 @@ def convert(src: Path, path: Path, arch: str, fuse_gate_up_exps: bool = False) -
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _q8able(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.shape[1] % 32 == 0
+
+
+def _add(w, name: str, t: torch.Tensor, q8: bool) -> None:
+    """Tensor ``t`` into GGUF writer ``w``: f32, or Q8_0 (``q8``) where its rows are whole
+    blocks."""
+    a = t.float().contiguous().numpy()
+    if q8 and _q8able(t):
+        q = gguf.GGMLQuantizationType.Q8_0
+        w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
+    else:
+        w.add_tensor(name, a)
 
 
 @pytest.mark.parametrize("name", [*FAMILIES, *MOE])
@@ -357,8 +414,8 @@ def test_metadata_llama_cpp_decides(tmp_path):
     f = cfg("falcon", 2)
     assert (f["new_decoder_architecture"], f["num_kv_heads"], f["num_ln_in_parallel_attn"]) == (
         True, 8, 1)
-    with pytest.raises(ConfigError, match="GGUF architecture 'bloom' is not supported"):
-        cfg("bloom", 2)
+    with pytest.raises(ConfigError, match="GGUF architecture 'baichuan' is not supported"):
+        cfg("baichuan", 2)
 
 
 def test_unknown_tensor_names_its_architecture(tmp_path):
@@ -441,3 +498,150 @@ def test_tokenizer_of_an_architecture_transformers_does_not_read(tmp_path, monke
     chat = toks["command-r"].apply_chat_template([{"role": "user", "content": "ab"}],
                                                  tokenize=False)
     assert chat == "ab</s>"
+
+
+def test_mpt_alibi_bias_max_and_clamp(tmp_path):
+    """MPT's attention.max_alibi_bias is its ALiBi's alibi_bias_max and clamp_kqv its
+    clip_qkv: a file from a checkpoint with alibi_bias_max 16 gives our tokens on that
+    checkpoint (read as MosaicML's code and llama.cpp read it), not transformers' (whose
+    MPT slopes are always alibi_bias_max 8's)."""
+    fields = dict(FAMILIES["mpt_6h_clip"][2], attn_config=dict(alibi_bias_max=16, clip_qkv=0.6))
+    src = _save_tiny_routed(tmp_path / "hf", "MptConfig", fields, 0, False)
+    path = tmp_path / "mpt.gguf"
+    convert(src, path, "mpt")
+    d = gguf_to_hf_config(path)
+    assert d["attn_config"] == {"alibi_bias_max": 16.0, "clip_qkv": pytest.approx(0.6)}
+    cfg = ModelConfig.from_hf(d)
+    assert (cfg.alibi_bias_max, cfg.clip_qkv, cfg.attention_bias) == (16.0, pytest.approx(0.6), False)
+    prompts = random_prompts(2, 34, 50, seed=3)
+
+    def ours(model: Path) -> list[list[int]]:
+        llm = LLM(str(model), dtype="float32", device="cpu", block_size=8,
+                  attention_backend="torch_native")
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+    got = ours(path)
+    assert got == ours(src)
+    assert got != hf_greedy(src, prompts, GREEDY.max_tokens, attn_implementation="eager")
+
+
+def _gpt_file(path: Path, arch: str, drop: tuple[str, ...] = (),
+              tensors: dict[str, np.ndarray] | None = None, **keys) -> dict:
+    """gguf_to_hf_config of a file with the keys ``arch``'s converter class writes (Bloom,
+    MPT, StarCoder, GPT-J: hidden 64, 4 heads, a 4 x 64 MLP), less ``drop``, with ``keys``
+    (``{arch}.`` dropped from their names, __ for .) and ``tensors`` added."""
+    base = dict(block_count=2, context_length=128, embedding_length=64, feed_forward_length=256,
+                attention__head_count=4, vocab_size=32, attention__layer_norm_epsilon=1e-5)
+    if arch in ("bloom", "starcoder"):
+        base["attention__head_count_kv"] = 4 if arch == "bloom" else 1
+    if arch == "mpt":
+        base["attention__max_alibi_bias"] = 8.0
+    base.update(keys)
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in base.items():
+        if k in drop:
+            continue
+        key = f"{arch}.{k.replace('__', '.')}"
+        if isinstance(v, float):
+            w.add_float32(key, v)
+        else:
+            w.add_uint32(key, v)
+    for name, t in (tensors or {}).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return gguf_to_hf_config(path)
+
+
+@pytest.mark.parametrize("arch", ["bloom", "mpt", "starcoder", "gptj"])
+def test_gpt_families_metadata_errors_name_the_key(tmp_path, arch):
+    """What llama.cpp requires of these files (the LayerNorm eps; MPT's max_alibi_bias) is a
+    ConfigError naming the key when absent; a MLP not 4 x hidden (what the converters write
+    and the models build) too."""
+    def cfg(name: str, **kw) -> dict:
+        return _gpt_file(tmp_path / f"{name}.gguf", arch, **kw)
+
+    assert ModelConfig.from_hf(cfg("ok")).num_hidden_layers == 2
+    with pytest.raises(ConfigError, match=f"lacks {arch}.attention.layer_norm_epsilon"):
+        cfg("eps", drop=("attention__layer_norm_epsilon",))
+    with pytest.raises(ConfigError, match=rf"{arch}.feed_forward_length 128 is not supported.*"
+                                          r"4 x embedding_length \(256\)"):
+        cfg("ffn", feed_forward_length=128)
+
+
+def test_gpt_families_metadata(tmp_path):
+    """Bloom: tied when output.weight is absent or token_embd's bytes (BloomModel's copy),
+    untied when it differs. MPT: max_alibi_bias absent or 0 (no ALiBi), grouped KV heads and
+    q/k norms (qk_ln) are ConfigErrors naming them; biases (no_bias false) when the file has
+    them. StarCoder: multi-query only. GPT-J: the rotated dims (the whole head without the
+    key), base 10000 only."""
+    def cfg(name: str, arch: str, **kw) -> dict:
+        return _gpt_file(tmp_path / f"{name}.gguf", arch, **kw)
+
+    emb = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
+    assert cfg("b0", "bloom")["tie_word_embeddings"] is True
+    bloom = cfg("b1", "bloom", tensors={"token_embd.weight": emb, "output.weight": emb.copy()})
+    assert bloom["tie_word_embeddings"] is True
+    assert ModelConfig.from_hf(bloom).tie_word_embeddings
+    bloom = cfg("b2", "bloom", tensors={"token_embd.weight": emb, "output.weight": emb + 1})
+    assert bloom["tie_word_embeddings"] is False
+    c = ModelConfig.from_hf(bloom)
+    assert (c.alibi, c.alibi_bias_max, c.intermediate_size, c.max_position_embeddings) == (
+        True, None, 256, 128)
+
+    mpt = ModelConfig.from_hf(cfg("m0", "mpt"))
+    assert (mpt.alibi_bias_max, mpt.clip_qkv, mpt.attention_bias) == (8.0, None, False)
+    mpt = ModelConfig.from_hf(cfg("m1", "mpt", attention__clamp_kqv=8.0, tensors={
+        "blk.0.attn_qkv.bias": np.zeros(192, np.float32)}))
+    assert (mpt.clip_qkv, mpt.attention_bias, mpt.mlp_bias) == (8.0, True, True)
+    with pytest.raises(ConfigError, match="lacks mpt.attention.max_alibi_bias"):
+        cfg("m2", "mpt", drop=("attention__max_alibi_bias",))
+    with pytest.raises(ConfigError, match=r"mpt.attention.max_alibi_bias 0.0 is not supported"):
+        cfg("m3", "mpt", attention__max_alibi_bias=0.0)
+    with pytest.raises(ConfigError, match="mpt.attention.head_count_kv 2"):
+        cfg("m4", "mpt", attention__head_count_kv=2)
+    with pytest.raises(ConfigError, match=r"tensor blk.0.attn_q_norm.weight \(MPT's qk_ln\)"):
+        cfg("m5", "mpt", tensors={"blk.0.attn_q_norm.weight": np.ones(64, np.float32)})
+
+    sc = ModelConfig.from_hf(cfg("s0", "starcoder"))
+    assert (sc.architecture, sc.num_key_value_heads, sc.hidden_act, sc.learned_positions) == (
+        "GPTBigCodeForCausalLM", 1, "gelu_pytorch_tanh", True)
+    assert sc.max_position_embeddings == 128
+    with pytest.raises(ConfigError, match="starcoder.attention.head_count_kv 4 is not supported"):
+        cfg("s1", "starcoder", attention__head_count_kv=4)
+
+    assert ModelConfig.from_hf(cfg("j0", "gptj")).rotary_dim == 16
+    j = ModelConfig.from_hf(cfg("j1", "gptj", rope__dimension_count=8, rope__freq_base=10000.0))
+    assert (j.rotary_dim, j.rope_interleaved, j.lm_head_bias) == (8, True, True)
+    with pytest.raises(ConfigError, match="gptj.rope.freq_base 20000.0 is not supported"):
+        cfg("j2", "gptj", rope__freq_base=20000.0)
+
+
+@pytest.mark.parametrize("name", ["bloom", "starcoder"])
+def test_q8_0_conversions_equal_transformers(tmp_path, name):
+    """A Q8_0 file (--outtype q8_0: every matrix, embeddings and Bloom's copied head too) gives
+    transformers' tokens on the checkpoint with its matrices rounded to Q8_0 as well (each
+    row's blocks: the same whatever the converter's row reordering), Bloom's head still read
+    as tied (its quantized bytes are token_embd's)."""
+    from safetensors.torch import load_file, save_file
+
+    src = _build(tmp_path / "hf", name)
+    sd = load_file(str(src / "model.safetensors"))
+    q = gguf.GGMLQuantizationType.Q8_0
+    for n, t in sd.items():
+        if _q8able(t):
+            sd[n] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), q), q))
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    path = tmp_path / f"{name}.gguf"
+    convert(src, path, FAMILIES[name][0], q8=True)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["token_embd.weight"] == types["blk.1.attn_qkv.weight"] == "Q8_0"
+    assert gguf_to_hf_config(path)["tie_word_embeddings"] is True
+    prompts = random_prompts(2, 34, 50, seed=3)
+    got = LLM(str(path), dtype="float32", device="cpu", block_size=8,
+              attention_backend="torch_native").generate(prompts, GREEDY, use_tqdm=False)
+    want = hf_greedy(src, prompts, GREEDY.max_tokens, attn_implementation="eager")
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert len({t for toks in want for t in toks}) > 4
