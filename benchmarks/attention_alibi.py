@@ -1,0 +1,103 @@
+"""What ALiBi costs in our kernels (GPU): paged decode and paged prefill at Bloom-7B1 /
+MPT-7B's attention shape (32 heads of 128, MHA, bf16, block 16), each timed without ALiBi
+(the default dispatch: on Hopper the Gluon kernels) and with Bloom's slopes (the Triton
+loops: the Gluon kernels step aside), and against torch_native's ALiBi attention
+(masked_attention: what such a model would run on without our kernels). Medians of
+triton.testing.do_bench.
+
+    python benchmarks/attention_alibi.py --out $OUT
+
+writes $OUT/attention_alibi.json and prints one JSON row per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+H, D, PAGE = 32, 128, 16
+
+
+def _paged(batch: int, ctx: int, g: torch.Generator):
+    blocks = -(-ctx // PAGE)
+    kc = torch.randn(batch * blocks, PAGE, H, D, generator=g, device="cuda").bfloat16()
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(batch * blocks, generator=g, device="cuda").int().view(batch, blocks)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return kc, vc, tables, lens
+
+
+def _slopes() -> torch.Tensor:
+    from flashpage.layers.alibi import bloom_slopes
+
+    return bloom_slopes(H).cuda()
+
+
+def decode_rows(batch: int, ctx: int) -> list[dict]:
+    from triton.testing import do_bench
+
+    from flashpage.kernels.paged_decode import paged_decode
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kc, vc, tables, lens = _paged(batch, ctx, g)
+    q = torch.randn(batch, H, D, generator=g, device="cuda").bfloat16()
+    rows = []
+    for name, kw in (("none", {}), ("alibi", dict(alibi_slopes=_slopes()))):
+        ms = do_bench(lambda kw=kw: paged_decode(q, kc, vc, tables, lens, sm_scale=D**-0.5, **kw))
+        rows.append(dict(op="decode", batch=batch, context=ctx, case=name, us=round(ms * 1e3, 1)))
+    return rows
+
+
+def prefill_rows(tokens: int) -> list[dict]:
+    from triton.testing import do_bench
+
+    from flashpage.attention.torch_native import causal_mask, gather_paged, masked_attention
+    from flashpage.kernels.flash_prefill import paged_prefill
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    kc, vc, tables, lens = _paged(1, tokens, g)
+    q = torch.randn(tokens, H, D, generator=g, device="cuda").bfloat16()
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    slopes = _slopes()
+    rows = []
+    for name, kw in (("none", {}), ("alibi", dict(alibi_slopes=slopes))):
+        ms = do_bench(lambda kw=kw: paged_prefill(q, kc, vc, tables, cu, lens, tokens, tokens,
+                                                  sm_scale=D**-0.5, **kw))
+        rows.append(dict(op="prefill", tokens=tokens, case=name, us=round(ms * 1e3, 1)))
+    if tokens <= 4096:  # torch_native's path materializes [H, L, L] fp32 scores
+        k, v = gather_paged(kc, tables[0], tokens), gather_paged(vc, tables[0], tokens)
+        mask = causal_mask(tokens, tokens, None, q.device)
+        ms = do_bench(lambda: masked_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               mask, D**-0.5, None, slopes))
+        rows.append(dict(op="prefill", tokens=tokens, case="torch_native alibi", us=round(ms * 1e3, 1)))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("attention_alibi.py needs a CUDA GPU")
+        sys.exit(1)
+    rows: list[dict] = []
+    for batch, ctx in ((1, 8192), (32, 2048), (128, 1024)):
+        rows += decode_rows(batch, ctx)
+    for tokens in (1024, 4096, 8192):
+        rows += prefill_rows(tokens)
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "attention_alibi.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
