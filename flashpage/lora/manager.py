@@ -48,6 +48,10 @@ class LoRAManager:
                              f"{max_lora_rank}")
         self.max_loras = max_loras
         self.max_rank = max_lora_rank
+        # lora_B rows in our linear's order (a fused q/k/v regrouped at load: NeoX, Falcon,
+        # Bloom, BigCode); the identity for most
+        self._b_to_ours: Callable[[str, torch.Tensor], torch.Tensor] = getattr(
+            model, "lora_b_to_ours", lambda module, b: b)
         self.state = LoRAState(max_tokens, device)
         spec: dict[str, tuple[str, int, int]] = targets_of()
         modules = dict(model.named_modules())
@@ -93,6 +97,7 @@ class LoRAManager:
             self.adapters.move_to_end(req.lora_int_id)
             return known
         adapter = load_adapter(req, self.targets, self.max_rank)
+        adapter.modules = {hf: (a, self._b_to_ours(hf, b)) for hf, (a, b) in adapter.modules.items()}
         # Not held by any request (it would be on the host): a slot may hold an older copy.
         slot = self.slot_index.pop(req.lora_int_id, None)
         if slot is not None:

@@ -49,6 +49,19 @@ class FusedQKVForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._regrouped(weights))
 
+    def lora_targets(self) -> dict[str, tuple[str, int, int]]:
+        """Llama's, and query_key_value: the whole qkv_proj (an adapter's lora_B rows
+        regrouped as the weight's, lora_b_to_ours)."""
+        out = super().lora_targets()
+        self._qkv_target(out)
+        return out
+
+    def lora_b_to_ours(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        if not self.qkv_tensor.search(module + ".weight"):
+            return b
+        c = self.config
+        return regroup_qkv(b, c.num_key_value_heads, c.head_dim, to_ours=True)
+
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The parameters under the checkpoint's names, query_key_value's rows per KV group
         again."""

@@ -188,20 +188,23 @@ class GPT2LMHeadModel(nn.Module):
 
     def lora_targets(self) -> dict[str, tuple[str, int, int]]:
         """The linears a LoRA adapter may adapt (flashpage/lora/), under their own names
-        (PEFT's fan_in_fan_out for GPT-2's Conv1D changes no adapter shape). Not BigCode's
-        per-head c_attn, whose rows are regrouped here: an adapter's lora_B would need the
-        same regrouping."""
+        (PEFT's fan_in_fan_out for GPT-2's Conv1D changes no adapter shape; BigCode's
+        per-head c_attn takes its lora_B rows regrouped as the weight's, lora_b_to_ours)."""
         c = self.config
         qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
         out: dict[str, tuple[str, int, int]] = {}
         for i in range(c.num_hidden_layers):
             for sub, rows in (("attn.c_attn", qkv), ("attn.c_proj", c.hidden_size),
                               ("mlp.c_fc", c.intermediate_size), ("mlp.c_proj", c.hidden_size)):
-                if sub == "attn.c_attn" and self.per_head_qkv:
-                    continue
                 path = f"transformer.h.{i}.{sub}"
                 out[path] = (path, 0, rows)
         return out
+
+    def lora_b_to_ours(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """lora_B of BigCode's per-head c_attn in our [all q, all k, all v] row order."""
+        if self.per_head_qkv and module.endswith("attn.c_attn"):
+            return self._regroup_qkv(b, to_hf=False)
+        return b
 
 
 class GPTBigCodeForCausalLM(GPT2LMHeadModel):

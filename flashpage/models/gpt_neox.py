@@ -24,8 +24,9 @@
 
 Our names are Llama's (``model.layers.N.self_attn.qkv_proj``); the checkpoint's
 (``gpt_neox.layers.N.attention.query_key_value``) come back from ``hf_weights``,
-``lora_targets`` and ``hf_name``. LoRA targets: dense, dense_h_to_4h and dense_4h_to_h,
-not query_key_value (its rows are not one slice of ours: ``_shards`` names no pieces)."""
+``lora_targets`` and ``hf_name``. LoRA targets: query_key_value (the whole qkv_proj, an
+adapter's lora_B rows regrouped as the weight's: fused_qkv.lora_b_to_ours), dense,
+dense_h_to_4h and dense_4h_to_h."""
 
 from __future__ import annotations
 

@@ -225,6 +225,21 @@ class LlamaForCausalLM(nn.Module):
             out[f"{p}.mlp.c_proj"] = (f"{p}.mlp.c_proj", 0, hidden)
         return {self.hf_name(hf): t for hf, t in out.items() if t[0] in modules}
 
+    def lora_b_to_ours(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """An adapter's lora_B [out, r] for HF module ``module`` with its rows in our
+        linear's order (the identity here; families that regroup a fused linear's rows at
+        load regroup lora_B the same way)."""
+        return b
+
+    def _qkv_target(self, out: dict[str, tuple[str, int, int]]) -> None:
+        """Add every layer's whole qkv_proj, under the checkpoint's name for it, to
+        ``lora_targets``' ``out`` (families whose fused q/k/v linear is one module on disk)."""
+        c = self.config
+        rows = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        for i in range(c.num_hidden_layers):
+            ours = f"model.layers.{i}.self_attn.qkv_proj"
+            out[self.hf_name(ours)] = (ours, 0, rows)
+
     def _split_name(self, name: str) -> tuple[str, int, int] | None:
         """model.layers.N.<HF piece> -> (merged parameter name, row offset, rows), or None."""
         parts = name.split(".")

@@ -100,6 +100,12 @@ class MptForCausalLM(LlamaForCausalLM):
     def _shards(self) -> dict[str, tuple[str, int, int]]:
         return {}  # nothing to stack: Wqkv is our qkv_proj as it is
 
+    def lora_targets(self) -> dict[str, tuple[str, int, int]]:
+        """Llama's, and Wqkv: our qkv_proj as it is (PEFT's default MPT target)."""
+        out = super().lora_targets()
+        self._qkv_target(out)
+        return out
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         scale = self.config.logit_scale

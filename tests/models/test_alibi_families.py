@@ -36,6 +36,7 @@ from tests.conftest import (
     random_prompts,
     save_widened,
 )
+from tests.peft_adapter import assert_adapter_gives_merged_tokens, write_named_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -309,3 +310,24 @@ def test_gpu_bf16_slopes_stay_fp32(tiny):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     truth = hf_greedy(path, prompts, 2)
     assert sum(g[0] == t[0] for g, t in zip(got, truth, strict=True)) >= 3
+
+
+LORA_MODULES = {  # PEFT's default targets for these families first: their fused q/k/v linear
+    "bloom": ("transformer.h", {"self_attention.query_key_value": (256, 768),
+                                "self_attention.dense": (256, 256),
+                                "mlp.dense_h_to_4h": (256, 1024), "mlp.dense_4h_to_h": (1024, 256)}),
+    "mpt": ("transformer.blocks", {"attn.Wqkv": (256, 768), "attn.out_proj": (256, 256),
+                                   "ffn.up_proj": (256, 1024), "ffn.down_proj": (1024, 256)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LORA_MODULES))
+def test_lora_adapter_on_the_fused_qkv_gives_the_merged_checkpoints_tokens(tiny, tmp_path, name):
+    """A PEFT adapter on Bloom's query_key_value (per-head [q k v] rows: lora_B regrouped
+    as the weight is) or MPT's Wqkv, and the other linears, under the family's names:
+    transformers' tokens of the checkpoint with it merged."""
+    prefix, modules = LORA_MODULES[name]
+    adapter = write_named_adapter(tmp_path / "adapter", {
+        f"{prefix}.{layer}.{module}": shape for layer in range(2) for module, shape in modules.items()},
+        std=0.05)
+    assert_adapter_gives_merged_tokens(tiny(name), adapter, tmp_path, n_prompts=2)

@@ -185,7 +185,7 @@ def test_weights_come_back_under_hf_names(tiny, name):
     targets = model.lora_targets()
     assert targets["transformer.h.1.mlp.c_fc"] == ("transformer.h.1.mlp.c_fc", 0,
                                                    96 if name.endswith(("scaled", "mha")) else 256)
-    assert ("transformer.h.0.attn.c_attn" in targets) == (name != "bigcode_mha")
+    assert targets["transformer.h.0.attn.c_attn"] == ("transformer.h.0.attn.c_attn", 0, rows)
 
 
 def test_hub_gpt2_file_layout_loads(tiny, tmp_path):
@@ -222,15 +222,17 @@ def test_conv1d_weight_in_the_wrong_layout_is_named(tiny, tmp_path):
         load_model(resolve_model(str(bad)), torch.float32, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("name", ["gpt2_scaled", "bigcode_mqa"])
+@pytest.mark.parametrize("name", ["gpt2_scaled", "bigcode_mqa", "bigcode_mha"])
 def test_lora_gives_the_merged_models_tokens(tiny, tmp_path, name):
     """A PEFT adapter on c_attn, attn.c_proj, c_fc and mlp.c_proj (GPT-2's Conv1D ones with
-    fan_in_fan_out, as PEFT writes them): ours with the adapter = transformers on the
-    merged checkpoint, W + scaling * B @ A (Conv1D's [in, out]: its transpose), computed
-    from the files alone."""
+    fan_in_fan_out, as PEFT writes them; BigCode MHA's per-head c_attn, its lora_B rows
+    regrouped as the weight's): ours with the adapter = transformers on the merged
+    checkpoint, W + scaling * B @ A (Conv1D's [in, out]: its transpose), computed from the
+    files alone."""
     path = tiny(name)
     conv1d = name.startswith("gpt2")
-    inter, qkv = (96, 192) if conv1d else (256, 96)  # MQA: q (64) + one k and v head (16)
+    # MQA: q (64) + one k and v head (16); MHA: 3 x 64
+    inter, qkv = (256, 96) if name == "bigcode_mqa" else (96, 192)
     shapes = {"attn.c_attn": (64, qkv), "attn.c_proj": (64, 64), "mlp.c_fc": (64, inter),
               "mlp.c_proj": (inter, 64)}
     r, alpha = 4, 8

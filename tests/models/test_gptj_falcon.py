@@ -157,7 +157,7 @@ def test_weights_come_back_under_hf_names(tiny, name):
     if name in LORA:
         targets = model.lora_targets()
         assert LORA[name].items() <= targets.items()
-        assert len(targets) == 2 * (6 if name == "gptj" else 3)  # no query_key_value
+        assert len(targets) == 2 * (6 if name == "gptj" else 4)  # query_key_value whole
 
 
 def test_gptj_mask_buffers_are_skipped(tiny, tmp_path):
@@ -177,8 +177,9 @@ def test_gptj_mask_buffers_are_skipped(tiny, tmp_path):
 LORA_MODULES = {
     "gptj": {"attn.q_proj": (64, 64), "attn.v_proj": (64, 64), "attn.out_proj": (64, 64),
              "mlp.fc_in": (64, 128), "mlp.fc_out": (128, 64)},
-    "falcon_40b": {"self_attention.dense": (64, 64), "mlp.dense_h_to_4h": (64, 128),
-                   "mlp.dense_4h_to_h": (128, 64)},
+    # query_key_value: 4 q heads and 2 KV groups' k and v, 16 wide
+    "falcon_40b": {"self_attention.query_key_value": (64, 128), "self_attention.dense": (64, 64),
+                   "mlp.dense_h_to_4h": (64, 128), "mlp.dense_4h_to_h": (128, 64)},
 }
 
 

@@ -155,7 +155,7 @@ def test_weights_come_back_under_hf_names(tiny, name):
     if name in LORA:
         targets = model.lora_targets()
         assert LORA[name].items() <= targets.items()
-        assert len(targets) == 2 * (3 if name == "neox" else 6)  # no query_key_value
+        assert len(targets) == 2 * (4 if name == "neox" else 6)  # query_key_value whole
 
 
 def test_checkpoint_mask_buffers_are_skipped(tiny, tmp_path):
@@ -174,8 +174,8 @@ def test_checkpoint_mask_buffers_are_skipped(tiny, tmp_path):
 
 # name -> the HF modules a LoRA adapter adapts (in both layers), in_features, out_features
 LORA_MODULES = {
-    "neox": {"attention.dense": (64, 64), "mlp.dense_h_to_4h": (64, 128),
-             "mlp.dense_4h_to_h": (128, 64)},
+    "neox": {"attention.query_key_value": (64, 192), "attention.dense": (64, 64),
+             "mlp.dense_h_to_4h": (64, 128), "mlp.dense_4h_to_h": (128, 64)},
     "phi_qk_gqa": {"self_attn.q_proj": (64, 64), "self_attn.v_proj": (64, 32),
                    "self_attn.dense": (64, 64), "mlp.fc1": (64, 128), "mlp.fc2": (128, 64)},
 }
@@ -184,7 +184,8 @@ LORA_MODULES = {
 @pytest.mark.parametrize("name", sorted(LORA_MODULES))
 def test_lora_adapter_under_hf_names_gives_the_merged_checkpoints_tokens(tiny, tmp_path, name):
     """A PEFT adapter naming the family's own modules (gpt_neox.layers.N.mlp.dense_h_to_4h,
-    model.layers.N.mlp.fc1 ...) gives transformers' tokens of the checkpoint with it merged."""
+    model.layers.N.mlp.fc1 ...; NeoX's fused query_key_value, its lora_B rows regrouped
+    as the weight's) gives transformers' tokens of the checkpoint with it merged."""
     prefix = "gpt_neox.layers" if name == "neox" else "model.layers"
     adapter = write_named_adapter(tmp_path / "adapter", {
         f"{prefix}.{layer}.{module}": shape for layer in range(2)
