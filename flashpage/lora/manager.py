@@ -41,8 +41,8 @@ class LoRAManager:
         targets_of = getattr(model, "lora_targets", None)
         if targets_of is None:
             raise ValueError(f"enable_lora: LoRA adapters are not supported for "
-                             f"{type(model).__name__} (only the Llama family: Llama, Mistral, "
-                             "Qwen2, Qwen3)")
+                             f"{type(model).__name__} (every dense family and Mixtral / Qwen "
+                             "MoE take them; DeepSeek's MLA layers do not)")
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and "
                              f"{max_lora_rank}")
