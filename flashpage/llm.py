@@ -103,7 +103,9 @@ class LLM:
                  *, use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}).
+        """Generate for every prompt (text, token ids, or vLLM's dicts {"prompt": text} /
+        {"prompt_token_ids": [...]}, each with an optional "cache_salt": prefix-cache blocks
+        shared only among prompts of the same salt).
 
         Outputs come back in prompt order. A prompt that cannot run (empty, too long,
         token ids outside the vocabulary, a LoRA adapter that cannot be loaded, ...) gets an
@@ -196,7 +198,7 @@ class LLM:
         loras = _per_prompt_loras(lora_request, len(plist)) or [None] * len(plist)
         ids: list[list[int]] = []
         for p in plist:
-            raw = p["prompt_token_ids"] if isinstance(p, dict) else p
+            raw = prompt_parts(p)[0]
             ids.append(self.engine.tokenize(raw) if isinstance(raw, str) else list(raw))
         engine = self.engine
         search = BeamSearch(ids, params, engine.eos_token_ids, engine.max_model_len)
@@ -228,7 +230,7 @@ class LLM:
         encode_pair = self.engine.encode_pair  # type: ignore[attr-defined]
 
         def text(p: Prompt) -> str | list[int]:
-            return cast(list[int], p["prompt_token_ids"]) if isinstance(p, dict) else p
+            return prompt_parts(p)[0]
 
         pairs: list[Prompt] = [encode_pair(text(left[0 if len(left) == 1 else j]), text(b))
                                for j, b in enumerate(right)]
@@ -317,10 +319,12 @@ class LLM:
         for i, (p, sp, lora, prio) in enumerate(zip(prompts, params, loras, priorities, strict=True)):
             rid = f"gen-{id(self)}-{engine._counter}-{i}"
             order.append(rid)
-            ids_or_text = p["prompt_token_ids"] if isinstance(p, dict) else p
             try:
-                engine.add_request(rid, ids_or_text, sp, lora_request=lora, priority=prio)
+                ids_or_text, salt = prompt_parts(p)
+                engine.add_request(rid, ids_or_text, sp, lora_request=lora, priority=prio,
+                                   cache_salt=salt)
             except ValueError as e:
+                ids_or_text = p if not isinstance(p, dict) else p.get("prompt_token_ids", [])
                 logger.warning("request %d refused: %s", i, e)
                 ids = [] if isinstance(ids_or_text, str) else list(cast(list[int], ids_or_text))
                 results[rid] = RequestOutput(rid, p if isinstance(p, str) else None, ids,
@@ -357,6 +361,19 @@ def _per_prompt_loras(lora_request: LoRARequest | Sequence[LoRARequest | None] |
     if len(loras) != n:
         raise ValueError(f"got {len(loras)} LoRA requests for {n} prompts")
     return loras
+
+
+def prompt_parts(p: Prompt) -> tuple[str | list[int], str | None]:
+    """A prompt's text or token ids, and its cache salt: vLLM's prompt dicts
+    ({"prompt": text} or {"prompt_token_ids": [...]}, each with an optional "cache_salt")."""
+    if not isinstance(p, dict):
+        return p, None
+    unknown = set(p) - {"prompt", "prompt_token_ids", "cache_salt"}
+    if unknown or ("prompt" in p) == ("prompt_token_ids" in p):
+        raise ValueError(f"a prompt dict takes one of 'prompt' (text) or 'prompt_token_ids', "
+                         f"and optionally 'cache_salt'; got keys {sorted(p)}")
+    return cast(str | list[int], p["prompt"] if "prompt" in p else p["prompt_token_ids"]), \
+        p.get("cache_salt")
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -165,8 +165,10 @@ class EncoderEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: PoolingParams | Any = None, arrival_time: float | None = None,
-                    lora_request: Any = None, priority: int = 0) -> str:
+                    lora_request: Any = None, priority: int = 0,
+                    cache_salt: str | None = None) -> str:
         """Queue a pooling request; raises ValueError (naming the problem) if it cannot run.
+        (``cache_salt`` is accepted as the decoder engine's: an encoder caches nothing.)
         ``params.task``: "embed" (embedding models) or "score" (a cross-encoder; the prompt
         is a pair joined by ``encode_pair``)."""
         self.check_priority(priority)

@@ -479,13 +479,18 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None, priority: int = 0) -> str:
+                    lora_request: LoRARequest | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> str:
         """Queue a request; raises ValueError (naming the problem) if it can never run.
         PoolingParams: an embedding request (flashpage/pooling.py): its prompt's pooled hidden
         states come back as ``RequestOutput.embedding``. ``lora_request``: the LoRA adapter
         it runs with (read and checked here the first time its id is seen). ``priority``:
-        with the priority scheduling policy, lower values are served first (as vLLM's)."""
+        with the priority scheduling policy, lower values are served first (as vLLM's).
+        ``cache_salt``: its prefix-cache blocks are shared only with requests of the same
+        salt (vLLM's; a non-empty string)."""
         self.check_priority(priority)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         pooling = params if isinstance(params, PoolingParams) else None
         self.check_task(pooling.task if pooling is not None else "generate")
         if pooling is not None:
@@ -527,7 +532,8 @@ class LLMEngine:
         for i in range(params.n):
             sample = params if params.n == 1 else child_params(params, i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, ids, sample, self.eos_token_ids, arrival, lora_request, priority)
+            req = Request(rid, ids, sample, self.eos_token_ids, arrival, lora_request, priority,
+                          cache_salt)
             req.bad_word_ids = bad_word_ids
             if guide is not None:
                 from flashpage.structured.guide import GuideState

@@ -90,8 +90,12 @@ class Request:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # vLLM's cache_salt: the prefix cache shares blocks only among requests with the same
+        # salt (kv_cache/prefix_cache.cache_root)
+        self.cache_salt = cache_salt
         # The priority scheduling policy serves lower values first, ties by arrival
         # (vLLM's); ``queue_order`` is its sort key, the scheduler's add counter last
         self.priority = priority

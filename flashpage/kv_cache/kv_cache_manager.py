@@ -116,7 +116,7 @@ class KVCacheManager:
         self._block_ids: dict[str, list[int]] = {}
         self._num_stored: dict[str, int] = {}
         self._num_registered: dict[str, int] = {}  # leading full blocks already hashed
-        self._tail_cid: dict[str, int | None] = {}  # content id of the last registered block
+        self._tail_cid: dict[str, prefix_cache.RootId] = {}  # content id of the last registered block
         self._num_released: dict[str, int] = {}  # leading entries given back (sliding window)
         self._pending_query: dict[str, tuple[int, int]] = {}
         self.prefix_queries = 0
@@ -198,7 +198,7 @@ class KVCacheManager:
         B = self.block_size
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // B
-        root, root_cid = prefix_cache.cache_root(request.lora_int_id)
+        root, root_cid = prefix_cache.cache_root(request.lora_int_id, request.cache_salt)
         prefix_cache.update_block_hashes(request.block_hashes, tokens, B, max_blocks, root)
         hits = prefix_cache.find_longest_cache_hit(self.pool, request.block_hashes, tokens, B,
                                                    max_blocks, root_cid)
@@ -208,7 +208,7 @@ class KVCacheManager:
         return hits, len(hits) * B
 
     def _window_hit(self, request: Request, max_blocks: int, prefix: list[KVCacheBlock],
-                    root_cid: int | None) -> list[KVCacheBlock]:
+                    root_cid: prefix_cache.RootId) -> list[KVCacheBlock]:
         """Behind a sliding window a hit of k blocks needs only the blocks its first query
         can see, ``[releasable(k*B), k)``, cached (released ones are evicted first: the
         blocks before them need not be). The longest such k beyond ``prefix`` (the plain
@@ -318,7 +318,7 @@ class KVCacheManager:
         num_full = min(num_full, (len(tokens) - request.num_unresolved) // B)
         if num_full <= self._num_registered[rid]:
             return
-        root, root_cid = prefix_cache.cache_root(request.lora_int_id)
+        root, root_cid = prefix_cache.cache_root(request.lora_int_id, request.cache_salt)
         hashes = prefix_cache.update_block_hashes(request.block_hashes, tokens, B, num_full, root)
         start = self._num_registered[rid]
         parent_cid = self._tail_cid[rid] if start else root_cid

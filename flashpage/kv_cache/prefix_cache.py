@@ -9,7 +9,10 @@ Block ``i`` of a request (token positions ``[i*B, (i+1)*B)``), once full, has th
 so equal prefixes give equal hashes and a block's hash depends on everything before it.
 A request with a LoRA adapter starts its chain from ``cache_root(lora_int_id)`` instead
 (its own ROOT, and its first block's parent content id ``-lora_int_id``): K/V computed
-under one adapter is never found by a request under another, or under none.
+under one adapter is never found by a request under another, or under none. A request
+with a ``cache_salt`` (vLLM's: tenants that must not learn from each other's cache
+timing) roots its chain in the salt too (its first block's parent id the pair
+``(lora_int_id, salt)``): nothing is shared across salts, or with unsalted requests.
 The hash only finds a candidate: a hit is taken only if the cached block's token ids
 equal the request's AND its parent content id equals the content id of the block matched
 just before (see ``KVCacheBlock.content_id``). By induction a hit block's whole prefix is
@@ -38,13 +41,22 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
 _default_hash = hash_block_tokens
 
 
-def cache_root(salt: int) -> tuple[bytes | None, int | None]:
-    """(the chain's root hash, the root's parent content id) for requests under ``salt``
-    (a LoRA adapter id; 0: the base model, whose root is ROOT_HASH and parent None).
-    Content ids are positive, so ``-salt`` never equals a real block's."""
-    if not salt:
-        return None, None
-    return hashlib.blake2b(ROOT_HASH + b"lora" + struct.pack("<q", salt)).digest()[:16], -salt
+# A chain's root parent id: None (the base model), -lora_int_id, or (lora_int_id, salt)
+RootId = int | tuple[int, str] | None
+
+
+def cache_root(lora_int_id: int, cache_salt: str | None = None) -> tuple[bytes | None, RootId]:
+    """(the chain's root hash, the root's parent content id) for requests under a LoRA
+    adapter id (0: the base model, whose root is ROOT_HASH and parent None) and a cache
+    salt. Content ids are positive, so ``-lora_int_id`` never equals a real block's, nor
+    does a (lora_int_id, salt) pair: roots compare exactly, never by hash alone."""
+    if cache_salt is None:
+        if not lora_int_id:
+            return None, None
+        return hashlib.blake2b(ROOT_HASH + b"lora" + struct.pack("<q", lora_int_id)).digest()[:16], \
+            -lora_int_id
+    return hashlib.blake2b(ROOT_HASH + b"lora" + struct.pack("<q", lora_int_id) + b"salt"
+                           + cache_salt.encode("utf-8")).digest()[:16], (lora_int_id, cache_salt)
 
 
 def _pack_le(token_ids: Sequence[int]) -> bytes:
@@ -82,11 +94,11 @@ def update_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], blo
 
 def find_longest_cache_hit(pool: BlockPool, block_hashes: Sequence[bytes],
                            token_ids: Sequence[int], block_size: int,
-                           max_blocks: int, root_cid: int | None = None) -> list[KVCacheBlock]:
+                           max_blocks: int, root_cid: RootId = None) -> list[KVCacheBlock]:
     """The cached blocks holding the longest prefix of ``token_ids`` (at most ``max_blocks``;
     ``root_cid``: the first block's parent content id, ``cache_root``'s)."""
     hits: list[KVCacheBlock] = []
-    parent_cid = root_cid
+    parent_cid: RootId = root_cid
     cached = pool.cached
     for i in range(max_blocks):
         b = cached.get(block_hashes[i])

@@ -178,7 +178,7 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams | PoolingParams, arrival_time: float | None = None,
                           lora_request: LoRARequest | None = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         """Queue a request (``lora_request``: the adapter it runs with; ``priority``: for the
         priority scheduling policy); raises ValueError (the engine's message) if it cannot run."""
         if not self.is_running:
@@ -190,7 +190,7 @@ class AsyncEngine:
         stream = RequestStream(self, request_id)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._submit(("add", request_id, prompt, params, arrival_time, lora_request, priority,
-                      stream, fut))
+                      cache_salt, stream, fut))
         try:
             await asyncio.wrap_future(fut)
         except ValueError:
@@ -319,12 +319,13 @@ class AsyncEngine:
 
     def _do_add(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
                 arrival_time: float | None, lora_request: LoRARequest | None, priority: int,
-                stream: RequestStream, fut: concurrent.futures.Future[None]) -> None:
+                cache_salt: str | None, stream: RequestStream,
+                fut: concurrent.futures.Future[None]) -> None:
         if not fut.set_running_or_notify_cancel():
             return  # the caller gave up before we got here
         try:
             self.engine.add_request(request_id, prompt, params, arrival_time, lora_request,
-                                    priority=priority)
+                                    priority=priority, cache_salt=cache_salt)
         except ValueError as e:
             fut.set_exception(e)
             return

@@ -87,7 +87,7 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     else:
         streams = await start(state, "chatcmpl", [ids], params, arrival,
                               "tools" if tools.structured is not None else structured_field(req),
-                              model=req.model, priority=req.priority)
+                              model=req.model, priority=req.priority, cache_salt=req.cache_salt)
 
         def finals_of() -> Awaitable[list[RequestOutput]]:
             return collect(streams)

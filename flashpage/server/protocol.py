@@ -117,6 +117,8 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: Bool | None = False
     skip_special_tokens: Bool | None = True
     priority: Priority = 0
+    # vLLM's: prefix-cache blocks shared only among requests of the same salt
+    cache_salt: Str | None = Field(default=None, min_length=1)
     # beam search (vLLM's): n beams, the n likeliest continuations (server/beam.py)
     use_beam_search: Bool | None = False
     length_penalty: Float | None = None

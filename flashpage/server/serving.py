@@ -167,7 +167,7 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
                                 priority=req.priority)
     else:
         streams = await start(state, "cmpl", prompts, params, arrival, structured_field(req),
-                              model=req.model, priority=req.priority)
+                              model=req.model, priority=req.priority, cache_salt=req.cache_salt)
 
         def finals_of() -> Awaitable[list[RequestOutput]]:
             return collect(streams)
@@ -336,9 +336,11 @@ def check_length(state: ServerState, n_prompt: int, max_tokens: int | None) -> i
 async def start(state: ServerState, prefix: str, prompts: list[list[int]],
                 params: SamplingParams | PoolingParams, arrival: float,
                 structured_param: str | None = None, prompt_param: str = "prompt", *,
-                model: str | None = None, priority: int = 0) -> list[RequestStream]:
+                model: str | None = None, priority: int = 0,
+                cache_salt: str | None = None) -> list[RequestStream]:
     """Add one engine request per prompt (under the LoRA adapter ``model`` names, if it
-    names one; with ``priority``, checked by ``check_priority``); if one is refused, abort
+    names one; with ``priority``, checked by ``check_priority``; with ``cache_salt``, its
+    prefix-cache blocks shared only within that salt); if one is refused, abort
     the others (400, naming ``prompt_param``, or ``structured_param`` when the engine could
     not compile the structured-outputs spec)."""
     streams: list[RequestStream] = []
@@ -349,7 +351,7 @@ async def start(state: ServerState, prefix: str, prompts: list[list[int]],
             await state.engine.compile_guide(params)
         for i, ids in enumerate(prompts):
             streams.append(await state.engine.add_request(f"{base}-{i}", ids, params, arrival, lora,
-                                                          priority))
+                                                          priority, cache_salt))
     except BaseException as e:
         for s in streams:
             s.abort()

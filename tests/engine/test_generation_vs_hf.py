@@ -105,3 +105,32 @@ def test_long_prefill_token_threshold_keeps_transformers_tokens(tiny_checkpoint)
         EngineConfig(long_prefill_token_threshold=-3)
     args = build_parser().parse_args(["generate", "hi", "--long-prefill-token-threshold", "64"])
     assert args.long_prefill_token_threshold == 64
+
+
+def test_cache_salt_keeps_prefixes_apart(tiny_checkpoint):
+    """vLLM's prompt dicts with a cache_salt: the same prompt hits the cache under the same
+    salt only; text prompts in a dict too; a bad dict or an empty salt fails that prompt
+    alone, naming what is wrong."""
+    llm = LLM(str(tiny_checkpoint("llama2_mha")), dtype="float32", device="cpu", block_size=4)
+    kv = llm.engine.kv_manager
+    prompt = random_prompts(1, 41, 41, seed=9)[0]  # 10 full blocks + 1 token
+
+    def run(p):
+        hits = kv.prefix_hits
+        out = llm.generate([p], GREEDY, use_tqdm=False)[0]
+        return out.outputs[0].token_ids, kv.prefix_hits - hits
+
+    first, hits = run({"prompt_token_ids": prompt, "cache_salt": "alice"})
+    assert hits == 0
+    assert run({"prompt_token_ids": prompt, "cache_salt": "bob"}) == (first, 0)
+    assert run(prompt) == (first, 0)  # unsalted: nothing of alice's or bob's
+    assert run({"prompt_token_ids": prompt, "cache_salt": "alice"}) == (first, 40)
+    assert run({"prompt_token_ids": prompt}) == (first, 40)  # the unsalted run's blocks
+    text = llm.generate([{"prompt": "hello there", "cache_salt": "alice"}], GREEDY, use_tqdm=False)[0]
+    assert "no tokenizer" in text.error  # read as text (this tiny model has no tokenizer)
+    bad = llm.generate([{"prompt_token_ids": prompt, "cache_salt": ""},
+                        {"prompt_token_ids": prompt, "salt": "x"}, prompt], GREEDY, use_tqdm=False)
+    assert "cache_salt must be a non-empty string" in bad[0].error
+    assert "a prompt dict takes one of 'prompt'" in bad[1].error
+    assert bad[2].error is None and bad[2].outputs[0].token_ids == first
+    assert kv.stats().blocks_used == 0

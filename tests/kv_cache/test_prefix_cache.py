@@ -121,6 +121,32 @@ def test_adapters_root_their_own_chains():
     assert update_block_hashes([], tokens, 4, 1, root) != update_block_hashes([], tokens, 4, 1)
 
 
+def test_cache_salts_share_nothing_across_salts(monkeypatch):
+    """vLLM's cache_salt: blocks are found only by requests of the same salt (and adapter);
+    an unsalted request finds no salted block. Under a forced hash collision the roots'
+    parent ids, (adapter id, salt) pairs compared exactly, still keep them apart."""
+    tokens = list(range(1, 10))  # 2 full blocks of 4 + 1
+
+    def salted(rid: str, salt: str | None, lora_id: int = 0) -> Request:
+        r = _lora_req(rid, tokens, lora_id)
+        r.cache_salt = salt
+        return r
+
+    assert prefix_cache.cache_root(0, "a")[1] == (0, "a") and prefix_cache.cache_root(0) == (None, None)
+    roots = {prefix_cache.cache_root(lid, salt)[0] for lid in (0, 1) for salt in (None, "a", "b")}
+    assert len(roots) == 6  # every (adapter, salt) its own chain
+    for collide in (False, True):
+        if collide:
+            monkeypatch.setattr(prefix_cache, "hash_block_tokens", lambda parent, toks: b"\0" * 16)
+        kv = KVCacheManager(16, 4)
+        kv.allocate_slots(salted("a", "tenant-1"), 9)
+        for rid, salt, lid in (("base", None, 0), ("other", "tenant-2", 0), ("lora", "tenant-1", 1)):
+            assert kv.get_computed_blocks(salted(rid, salt, lid)) == ([], 0), (rid, collide)
+        if not collide:  # (every block under one hash: each takes the last one's place)
+            blocks, n = kv.get_computed_blocks(salted("a2", "tenant-1"))
+            assert n == 8 and [b.block_id for b in blocks] == kv.get_block_ids("a")[:2]
+
+
 def test_adapter_roots_hold_under_a_forced_collision(monkeypatch):
     """Every block hashes the same: the root's parent content id (-adapter id) alone keeps
     an adapter's first block from another adapter's request."""

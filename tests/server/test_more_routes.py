@@ -199,3 +199,22 @@ def test_reset_prefix_cache(server):
     finally:
         del engine.reset_prefix_cache
     assert r.status_code == 409 and "hold KV blocks" in r.json()["error"]["message"]
+
+
+def test_cache_salt_on_completions_and_chat(server):
+    """vLLM's cache_salt field: a salted request hits only its own salt's blocks; an empty
+    salt is a 400 naming the field."""
+    engine = server.async_engine.engine
+    kv = engine.kv_manager
+    body = {"prompt": "a prompt long enough to fill several blocks of the cache " * 3,
+            "max_tokens": 2}
+    hits = kv.prefix_hits
+    assert _post(server, "/v1/completions", {**body, "cache_salt": "s1"}).status_code == 200
+    assert _post(server, "/v1/completions", {**body, "cache_salt": "s2"}).status_code == 200
+    assert kv.prefix_hits == hits  # another salt: nothing shared
+    assert _post(server, "/v1/completions", {**body, "cache_salt": "s1"}).status_code == 200
+    assert kv.prefix_hits > hits
+    r = _post(server, "/v1/chat/completions", {**CHAT, "cache_salt": "s3"})
+    assert r.status_code == 200
+    r = _post(server, "/v1/completions", {**body, "cache_salt": ""})
+    assert r.status_code == 400 and "cache_salt" in r.text
