@@ -5,6 +5,11 @@ Cache layout (one pair per layer)::
     key_cache, value_cache : [num_blocks, block_size, num_kv_heads, head_dim]
     token p of sequence b  -> key_cache[block_tables[b, p // block_size], p % block_size]
 
+head_dim need not be a power of two (Phi-2's 80, GPT-NeoX-20B's 96): every loop runs a
+BLOCK_D = next_power_of_2(head_dim) tile with the columns past head_dim masked on each load
+(zeros: they add nothing to the dots) and store, partials and merges included; the row
+kernel (paged_decode_rows.py) and the Gluon kernels (head_dim 128) step aside for it.
+
 The caches hold q's dtype or float8_e4m3fn (kv_dtype.py); on Hopper an fp8 cache at the
 engine's larger batches goes to the Gluon kernel of paged_decode_gluon.py
 (``DecodeConfig.gluon``; gluon_unsupported lists what it does not cover). Under a 16-bit q an fp8 cache's
