@@ -7,8 +7,10 @@ decode's loops (main loop with ragged contexts, key splits with the merge kernel
 in-kernel merge, sliding window, softcap, ALiBi, V prefetched, the hand-pipelined loop and
 the warp-split loop), the paged prefill after a cached prefix (chunked prefill) with window,
 softcap and ALiBi, and the contiguous varlen prefill. Unused cache slots hold NaN, so a
-read past a context or past the head dim shows. The Gluon kernels' *_unsupported say why
-they step aside; the triton backend's head-dim rule.
+read past a context shows; a padding column loaded unmasked reads the next head's values
+(or NaN past the last), which changes the dots (the warp-split loop without its column
+mask fails here). The Gluon kernels' *_unsupported say why they step aside; the triton
+backend's head-dim rule; the kernels at 80 and 96 compiled for sm_90 (no spills).
 GPU (marked gpu): bf16 at 80 and 96 with the GPU's default configs against the references.
 """
 
@@ -229,3 +231,78 @@ def test_gpu_bf16_prefill_head_dims(d, window):
            torch.bfloat16)
     flat = flash_attn_varlen(q, k, v, cq, ck, mq, mk, window_size=window)
     _close(flat, flash_attn_varlen_ref(q, k, v, cq, ck, mq, mk, window_size=window), torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- sm_90 compile (CPU)
+
+
+def _compile_padded_usage() -> dict[str, dict]:
+    """The kernels the engine runs at a padded head dim, compiled for sm_90 with the Hopper
+    tile settings that head_dim 128 uses (bf16 activations; the fp8 cache's warp-split loop):
+    "name@D" -> ptxas's registers and spilled bytes, D in 80, 96 and 128 (the unpadded
+    reference). The interpreter off, in a subprocess (sm90.run_compiled)."""
+    import triton
+    from sm90 import compile_sm90, ptxas_sm90a, ptxas_usage
+
+    from flashpage.kernels import flash_prefill as fp_mod
+    from flashpage.kernels import paged_decode as pd
+    from flashpage.kernels import rotary as rot
+
+    ptr = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "counter_ptr": "*i32",
+           "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "cu_q": "*i32", "cu_k": "*i32",
+           "seq_lens": "*i32", "block_tables": "*i32", "Lse": "*fp32", "Q": "*bf16",
+           "Out": "*bf16", "K": "*bf16", "V": "*bf16", "sm_scale_log2": "fp32",
+           "qk_scale": "fp32", "softcap": "fp32", "Slopes": "*fp32", "alibi_ptr": "*fp32",
+           "positions_ptr": "*i64", "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+    out = {}
+    for d in (80, 96, 128):
+        decode = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=d, BLOCK_D=128, PAGE=16, BLOCK_N=64,
+                      HAS_WINDOW=False, IEEE=False, HEADS_FASTEST=False, FUSED_MERGE=False,
+                      GROUP_PAD=4, MERGE_CHUNK=1, PDL=False, F16_DOTS=False, WARP_SPLIT=False,
+                      SOFTCAP=False, ALIBI=False, SPLIT=False, PREFETCH=False, PREFETCH_V=False)
+        kernels = {
+            "decode": (pd._paged_decode_kernel, decode, {}, 4, 3),
+            "decode_split_fused_merge": (pd._paged_decode_kernel, {
+                **decode, "SPLIT": True, "FUSED_MERGE": True, "MERGE_CHUNK": 16}, {}, 4, 3),
+            "decode_fp8_warp_split": (pd._paged_decode_kernel, {
+                **decode, "WARP_SPLIT": True, "F16_DOTS": True, "HEADS_FASTEST": True},
+                {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}, 4, 3),
+            "merge": (pd._merge_splits_kernel, dict(SPLITS_PAD=16, HEAD_DIM=d, BLOCK_D=128,
+                                                    PDL=False), {"out_ptr": "*bf16"}, 4, 3),
+            "prefill": (fp_mod._prefill_fwd, dict(
+                HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, QK_DIM=d, HEAD_DIM_V=128, V_DIM=d,
+                CAUSAL=True, HAS_WINDOW=False, KV_MODE=fp_mod._KV_PAGED, PAGE_SIZE=16,
+                RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True, SOFTCAP=False,
+                ALIBI=False, desc_q=None, desc_k=None, desc_v=None), {}, 8, 3),
+            "rotary_write": (rot._rotary_kernel, dict(
+                WRITE_CACHE=True, IS_NEOX=True, PAGE=16, HALF=16, HALF_PAD=16, HEAD_DIM=d,
+                BLOCK_D=128, REST_PAD=triton.next_power_of_2(d - 32), BLOCK_HQ=32, BLOCK_HK=8,
+                PDL=False), {}, 4, 3),
+        }
+        for name, (fn, consts, types, warps, stages) in kernels.items():
+            # as a GPU launch specializes them: 16-byte aligned tensors and strides (80 and 96
+            # are multiples of 16 elements); the arguments it does not specialize left out
+            free = set(getattr(fn, "do_not_specialize", ())) | {"stride_btb", "stride_bt"}
+            aligned = [a for a in fn.arg_names if a not in consts and a not in free and (
+                a.endswith("_ptr") or a.startswith("stride_") or a in ("Q", "K", "V", "Out"))]
+            k = compile_sm90(fn, consts, {**ptr, **types}, num_warps=warps, num_stages=stages,
+                             aligned=aligned)
+            out[f"{name}@{d}"] = ptxas_usage(ptxas_sm90a(k.asm["ptx"])[0])
+    return out
+
+
+@cpu_only
+def test_padded_head_dims_compile_for_sm90():
+    """Every kernel the engine runs at head_dim 80 and 96 compiles for sm_90 with the tile
+    settings of head_dim 128 and spills nothing (ptxas of triton 3.6, 2026-12-02: the
+    decode loop 106 registers against 128's 96, the paged prefill 236 against 237); the fp8
+    warp-split loop stays within 128's registers (168: 3 programs an SM, its tuning)."""
+    from sm90 import run_compiled
+
+    usage = run_compiled("test_head_dims", "_compile_padded_usage")
+    assert len(usage) == 18
+    for key, u in usage.items():
+        assert u["spill_bytes"] == 0, (key, u)
+    for d in (80, 96):
+        assert (usage[f"decode_fp8_warp_split@{d}"]["regs"]
+                <= usage["decode_fp8_warp_split@128"]["regs"]), usage
