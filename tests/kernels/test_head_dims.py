@@ -158,6 +158,22 @@ def test_prefill_head_dim_matches_reference(opts, dd):
         assert _rel(plain, ref) > 0.02
 
 
+@cpu_only
+@pytest.mark.parametrize("d", [40, 112, 160, 192])
+def test_other_head_dims(d):
+    """The rest of the rule's range, once each: 40 (a multiple of 8, not 16: a 64 tile),
+    112 (128), 160 and 192 (256 tiles, 32-key decode tiles): decode with splits in fp32,
+    paged prefill after cached prefixes in fp16."""
+    q, kc, vc, bt, sl = make_case([1, 40, 90], 4, 2, d, 16, torch.float32, seed=d)
+    out = torch.full_like(q, float("nan"))
+    _launch(q, kc, vc, bt, sl, sm_scale=None, window_size=None, out=out, num_splits=2)
+    check(out, paged_decode_ref(q, kc, vc, bt, sl), torch.float32)
+    qp, k, v, cq, ck, mq, mk = _ragged([20, 1, 33], [9, 30, 0], 4, 2, d, torch.float16, seed=d)
+    kcp, vcp, tables, seq_lens = _to_paged(k, v, ck, 16)
+    _close(paged_prefill(qp, kcp, vcp, tables, cq, seq_lens, mq, mk),
+           paged_prefill_ref(qp, kcp, vcp, tables, cq, seq_lens, mq, mk), torch.float16)
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
@@ -213,7 +229,7 @@ def test_gpu_bf16_decode_warp_split_fp8_head_dims(d):
     kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
     out = paged_decode(q, kc8, vc8, bt, sl)
     ref = paged_decode_ref(q, kc8, vc8, bt, sl)
-    assert not out.isnan().any() and _rel(out, ref) < 2e-2
+    assert not out.isnan().any() and _rel(out, ref) < 1.2e-2  # test_fp8_kv's bf16 DECODE_TOL
 
 
 @gpu_only
