@@ -122,11 +122,12 @@ def test_write_kv_cache_tiles(tile):
 # joint; strided rows out of a fused qkv (heads adjacent: the flat path) and a v whose
 # heads are not adjacent (the head/dim path); a token count that is not a multiple of
 # the tile.
+@pytest.mark.parametrize("d", [64, 80])  # and Phi-2's 80: rows of 160 / 80 padded to 256 / 128
 @pytest.mark.parametrize("cfg", KV_WRITE_VARIANTS + [KVWriteConfig(1, 1, True)], ids=kv_write_name)
-def test_write_kv_rows_variants(cfg):
+def test_write_kv_rows_variants(cfg, d):
     dtype = DTYPES[-1]
     g = gen(cfg.block_t + 7 * cfg.split_kv)
-    n, num_blocks, block_size, hkv, d = 29, 5, 16, 2, 64
+    n, num_blocks, block_size, hkv = 29, 5, 16, 2
     _, k, v = qkv_views(n, 4, hkv, d, dtype, g)
     v_heads_apart = randn(n, hkv, 2 * d, dtype=dtype, g=g)[..., :d]  # head stride 2 * d
     for vv in (v, v_heads_apart):
