@@ -55,7 +55,7 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
     "qwen3_qknorm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16)),
     "tied": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "mistral_window": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=24)),
-    # head_dim 64, the smallest the Triton kernels take: 4 query heads over 2 KV heads
+    # head_dim 64 (a Triton attention tile unpadded): 4 query heads over 2 KV heads
     "head64_gqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                        head_dim=64, hidden_size=128)),
     # head_dim 128, the Gluon prefill's (sm_90): 4 query heads over 2 KV heads

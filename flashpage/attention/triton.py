@@ -25,7 +25,19 @@ from flashpage.attention.backend import AttentionBackend, AttentionMetadata
 if TYPE_CHECKING:
     from flashpage.config import ModelConfig
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# Head dims the attention kernels take: multiples of 8 from 32 to 256. A dim that is no
+# power of two (Phi-2's 80, GPT-NeoX-20B's 96) is padded to the next one in registers, the
+# padding columns masked on every load and store (kernels/flash_prefill.py, paged_decode.py);
+# the Gluon kernels take 128 only and step aside for the others.
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 32, 256, 8
+
+
+def head_dim_reason(head_dim: int) -> str | None:
+    """Why the Triton attention kernels cannot take ``head_dim``; None if they can."""
+    if MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0:
+        return None
+    return (f"head_dim {head_dim} is not a multiple of {HEAD_DIM_MULTIPLE} from "
+            f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
 
 
 def _interpreting() -> bool:
@@ -47,8 +59,8 @@ class TritonBackend(AttentionBackend):
         if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
             reasons.append(f"needs a CUDA GPU (device is {device.type}; "
                            "TRITON_INTERPRET=1 runs it on the CPU, slowly)")
-        if not model_config.is_mla and model_config.head_dim not in SUPPORTED_HEAD_DIMS:
-            reasons.append(f"head_dim {model_config.head_dim} is not one of {SUPPORTED_HEAD_DIMS}")
+        if not model_config.is_mla and (why := head_dim_reason(model_config.head_dim)):
+            reasons.append(why)
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             reasons.append(f"dtype {dtype} is not supported")
         if kv_cache_dtype not in (None, dtype, torch.float8_e4m3fn):

@@ -5,6 +5,11 @@ Cache layout (one pair per layer)::
     key_cache, value_cache : [num_blocks, block_size, num_kv_heads, head_dim]
     token p of sequence b  -> key_cache[block_tables[b, p // block_size], p % block_size]
 
+head_dim need not be a power of two (Phi-2's 80, GPT-NeoX-20B's 96): every loop runs a
+BLOCK_D = next_power_of_2(head_dim) tile with the columns past head_dim masked on each load
+(zeros: they add nothing to the dots) and store, partials and merges included; the row
+kernel (paged_decode_rows.py) and the Gluon kernels (head_dim 128) step aside for it.
+
 The caches hold q's dtype or float8_e4m3fn (kv_dtype.py); on Hopper an fp8 cache at the
 engine's larger batches goes to the Gluon kernel of paged_decode_gluon.py
 (``DecodeConfig.gluon``; gluon_unsupported lists what it does not cover). Under a 16-bit q an fp8 cache's
@@ -230,12 +235,17 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _piece_rows(x_ptr, stride_b, stride_t, stride_h, kvh, blkp, first, offs_j, offs_d, key_ok,
-                PAGE: tl.constexpr):
+                PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Cache rows [NP, 16, BLOCK_D] of one KV head: piece p's 16 keys from ``first[p]`` on,
-    inside block ``blkp[p]`` (0 where ``key_ok`` is false)."""
+    inside block ``blkp[p]`` (0 where ``key_ok`` is false, and in the padding columns
+    HEAD_DIM..BLOCK_D of a head dim that is no power of two)."""
     rows = blkp * stride_b + (first % PAGE) * stride_t
-    return tl.load(x_ptr + kvh * stride_h + rows[:, None, None] + (offs_j * stride_t)[None, :, None]
-                   + offs_d[None, None, :], mask=key_ok[:, :, None], other=0.0)
+    ptrs = (x_ptr + kvh * stride_h + rows[:, None, None] + (offs_j * stride_t)[None, :, None]
+            + offs_d[None, None, :])
+    if HEAD_DIM < BLOCK_D:
+        return tl.load(ptrs, mask=key_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :], other=0.0)
+    else:  # whole rows: the mask by key only, so the vector loads stay whole
+        return tl.load(ptrs, mask=key_ok[:, :, None], other=0.0)
 
 
 @triton.jit
@@ -376,7 +386,8 @@ def _paged_decode_kernel(
     elif WARP_SPLIT:
         # Tile = NP pieces of 16 keys (each inside one page); [NP, ...] state per piece.
         # Loads are masked by key (rows are contiguous along D, so the vector loads stay
-        # whole): slots past the context read as 0, their scores as -inf.
+        # whole; a padded head dim also masks its columns past HEAD_DIM): slots past the
+        # context read as 0, their scores as -inf.
         NP: tl.constexpr = BLOCK_N // 16
         offs_j = tl.arange(0, 16)
         q3 = tl.broadcast_to(q[None, :, :], [NP, BLOCK_H, BLOCK_D])
@@ -391,9 +402,9 @@ def _paged_decode_kernel(
             first = n0 + tl.arange(0, NP) * 16  # each piece's first key
             key_ok = (first[:, None] + offs_j[None, :]) < end  # [NP, 16]
             k3 = _piece_rows(k_ptr, stride_kb, stride_kt, stride_kh, kvh, blkp, first, offs_j, offs_d,
-                             key_ok, PAGE).to(q.dtype)
+                             key_ok, PAGE, HEAD_DIM, BLOCK_D).to(q.dtype)
             v3 = _piece_rows(v_ptr, stride_vb, stride_vt, stride_vh, kvh, blkp, first, offs_j, offs_d,
-                             key_ok, PAGE).to(q.dtype)
+                             key_ok, PAGE, HEAD_DIM, BLOCK_D).to(q.dtype)
             blkp = blkp_x
             s3 = _dot(q3, tl.trans(k3, 0, 2, 1), IEEE)
             s3 = tl.where(key_ok[:, None, :], s3 * sm_scale_log2, float("-inf"))
@@ -688,8 +699,7 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
         return launch_rows
     warp_split = (cfg.warp_split and window_size is None and softcap is None and not alibi
                   and block_size >= 16
-                  and not cfg.prefetch and not cfg.prefetch_v and cfg.block_n == 16 * cfg.num_warps
-                  and block_d == head_dim)
+                  and not cfg.prefetch and not cfg.prefetch_v and cfg.block_n == 16 * cfg.num_warps)
     counters = _split_counters(q.device, batch * num_kv_heads) if split and cfg.fused_merge else None
     fused_merge = counters is not None
     group_pad = triton.next_power_of_2(group)

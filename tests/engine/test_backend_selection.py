@@ -61,7 +61,7 @@ def test_mla_and_head_dim_reports(gqa_config, tiny_checkpoint, tiny_mla_checkpoi
     assert report["triton"]["can_run"] and not report["triton"]["default"]
     small = ModelConfig.from_hf(tiny_checkpoint("qwen3_qknorm"))  # head_dim 16
     report = {e["name"]: e for e in backend_report(small, CPU, torch.float32)}
-    assert report["triton"]["reasons"] == ["head_dim 16 is not one of (64, 128, 256)"]
+    assert report["triton"]["reasons"] == ["head_dim 16 is not a multiple of 8 from 32 to 256"]
 
 
 def test_inspect_backends_flag(capsys, monkeypatch):

@@ -178,7 +178,7 @@ def assert_fp8_equal(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size,hkv,d", [(16, 2, 64), (32, 4, 128)])
+@pytest.mark.parametrize("block_size,hkv,d", [(16, 2, 64), (32, 4, 128), (16, 2, 80)])
 def test_write_kv_cache_fp8(dtype, block_size, hkv, d):
     g = gen(block_size + d)
     n, num_blocks = 29, 4
@@ -216,7 +216,8 @@ def test_write_kv_rows_fp8(cfg):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("is_neox,d,rot_dim,block_size", [(True, 64, 64, 16), (False, 128, 64, 32)])
+@pytest.mark.parametrize("is_neox,d,rot_dim,block_size", [(True, 64, 64, 16), (False, 128, 64, 32),
+                                                          (True, 80, 32, 16)])  # Phi-2's
 def test_rotary_and_cache_write_fp8(dtype, is_neox, d, rot_dim, block_size):
     """q and k rotated as with a 16-bit cache; the cache holds torch's e4m3 cast of the
     rotated k (as rounded to k's dtype) and of v, and nothing else changes."""
@@ -301,6 +302,9 @@ DECODE_CASES = [
     ([50, 20], 8, 4, 64, 16, 2, None, DecodeConfig(32, 4, 3, heads_per_program=2)),
     ([45, 3], 4, 2, 64, 16, 1, None, DecodeConfig(32, 4, 1, prefetch=True)),
     ([45, 70, 3], 8, 2, 64, 16, 2, None, DecodeConfig(32, 4, 3, prefetch_v=True)),
+    # head dims padded to a 128 tile (Phi-2's 80, NeoX-20B's 96): splits, the warp-split loop
+    ([33, 100, 5], 8, 2, 80, 16, 3, None, None),
+    ([1, 70, 130], 8, 2, 96, 16, 1, None, DecodeConfig(64, 4, 3, warp_split=True)),
 ]
 
 
@@ -384,6 +388,13 @@ def run_prefill_case(q_lens, prefixes, hq, hkv, d, block_size, dtype, *, window=
 def test_paged_prefill_fp8(dtype, hq, hkv, block_size):
     """Ragged new tokens over cached prefixes (none, shorter and longer than a block)."""
     run_prefill_case([1, 37, 16, 40], [0, 21, 40, 3], hq, hkv, 64, block_size, dtype)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_prefill_fp8_padded_head_dim(dtype):
+    """Phi-2's head_dim 80 (a 128-wide tile, columns past 80 masked) over an fp8 cache."""
+    run_prefill_case([1, 37, 16], [0, 21, 40], 4, 2, 80, 16, dtype)
 
 
 @cpu_only

@@ -79,7 +79,9 @@ def assert_untouched(cache, before, slot_mapping):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size,hkv,d", [(16, 2, 64), (256, 1, 128), (32, 4, 256)])
+# head dims 80 (Phi-2, Pythia-2.8B) and 96 (GPT-NeoX-20B): rows that are no power of two
+@pytest.mark.parametrize("block_size,hkv,d", [(16, 2, 64), (256, 1, 128), (32, 4, 256), (16, 2, 80),
+                                              (8, 3, 96)])
 def test_write_kv_cache(dtype, block_size, hkv, d):
     g = gen(block_size + d)
     n, num_blocks = 37, 5
@@ -120,11 +122,12 @@ def test_write_kv_cache_tiles(tile):
 # joint; strided rows out of a fused qkv (heads adjacent: the flat path) and a v whose
 # heads are not adjacent (the head/dim path); a token count that is not a multiple of
 # the tile.
+@pytest.mark.parametrize("d", [64, 80])  # and Phi-2's 80: rows of 160 / 80 padded to 256 / 128
 @pytest.mark.parametrize("cfg", KV_WRITE_VARIANTS + [KVWriteConfig(1, 1, True)], ids=kv_write_name)
-def test_write_kv_rows_variants(cfg):
+def test_write_kv_rows_variants(cfg, d):
     dtype = DTYPES[-1]
     g = gen(cfg.block_t + 7 * cfg.split_kv)
-    n, num_blocks, block_size, hkv, d = 29, 5, 16, 2, 64
+    n, num_blocks, block_size, hkv = 29, 5, 16, 2
     _, k, v = qkv_views(n, 4, hkv, d, dtype, g)
     v_heads_apart = randn(n, hkv, 2 * d, dtype=dtype, g=g)[..., :d]  # head stride 2 * d
     for vv in (v, v_heads_apart):
@@ -234,7 +237,7 @@ def test_interleaved_rotary_is_complex_multiplication():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("is_neox", [True, False])
-@pytest.mark.parametrize("d,rot_dim", [(64, 64), (128, 64), (96, 96)])
+@pytest.mark.parametrize("d,rot_dim", [(64, 64), (128, 64), (96, 96), (80, 32), (96, 24)])
 def test_apply_rotary(dtype, is_neox, d, rot_dim):
     g = gen(d + rot_dim)
     n, hq, hkv = 11, 8, 2
@@ -252,8 +255,11 @@ def test_apply_rotary(dtype, is_neox, d, rot_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+# Phi-2's 32 of 80 dims and NeoX-20B's 24 of 96 rotated (the rest written as they are), a
+# whole interleaved 80
 @pytest.mark.parametrize("is_neox,d,rot_dim,block_size", [(True, 64, 64, 16), (False, 128, 64, 32),
-                                                          (True, 128, 128, 256)])
+                                                          (True, 128, 128, 256), (True, 80, 32, 16),
+                                                          (True, 96, 24, 8), (False, 80, 80, 16)])
 def test_rotary_and_cache_write(dtype, is_neox, d, rot_dim, block_size):
     g = gen(7 + d)
     n, hq, hkv, num_blocks = 21, 4, 2, 3

@@ -375,7 +375,7 @@ def test_bad_config_is_a_clear_error(name, edit, message):
 
 # ----------------------------------------------------------------------------- GPU
 def _gpu_checkpoint(tmp_path: Path, name: str) -> Path:
-    """head_dim 64, the smallest the Triton attention kernels take; n_positions past the
+    """head_dim 64, a Triton attention tile unpadded; n_positions past the
     longest run (120-token prompts + 18 tokens)."""
     extra = dict(n_inner=192) if "n_inner" in TINY[name][1] else {}
     return build_tiny(tmp_path / name, name, n_embd=128, n_head=2, n_positions=256, **extra)

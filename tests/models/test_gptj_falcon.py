@@ -335,7 +335,7 @@ def test_bad_config_is_a_clear_error(raw, edit, message):
 
 # ----------------------------------------------------------------------------- kernels
 def _gpu_checkpoint(tmp_path: Path, name: str) -> Path:
-    """head_dim 64, the smallest the Triton attention kernels take; 4 query heads (GPT-J:
+    """head_dim 64, a Triton attention tile unpadded; 4 query heads (GPT-J:
     16 of 64 dims rotated)."""
     if name.startswith("gptj"):
         return build_tiny(tmp_path / name, name, n_embd=256,

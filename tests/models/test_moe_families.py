@@ -320,7 +320,7 @@ def test_config_fields_and_moe_layers():
 
 # ----------------------------------------------------------------------------- GPU
 def _gpu_checkpoint(tmp_path, name):
-    """head_dim 64, the smallest the Triton attention kernels take."""
+    """head_dim 64, a Triton attention tile unpadded."""
     return build_tiny_moe_checkpoint(tmp_path / name, name, hidden_size=128, num_attention_heads=4,
                                      num_key_value_heads=2, head_dim=64)
 

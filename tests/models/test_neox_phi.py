@@ -10,8 +10,10 @@ weights back under HF's names and the LoRA targets under them; a missing tensor 
 under the checkpoint's name; ``flashpage inspect``'s parameter counts (tiny checkpoints,
 and Pythia-70M / Phi-2 shapes against transformers on the meta device) and rotary row;
 config fields (old-style Pythia keys) and errors.
+Our Triton kernels at Phi-2's head_dim 80 and NeoX-20B's 96 (interpreter; padded heads).
 GPU (marked gpu): fp32 on the Triton kernels and CUDA graphs gives transformers' tokens,
-and bf16 follows fp32 about as far as transformers' bf16 does.
+and bf16 follows fp32 about as far as transformers' bf16 does; head dims 80 and 96 default
+to the triton backend.
 """
 
 from __future__ import annotations
@@ -340,8 +342,8 @@ def test_bad_config_is_a_clear_error(raw, edit, message):
 
 # ----------------------------------------------------------------------------- kernels
 def _gpu_checkpoint(tmp_path: Path, name: str) -> Path:
-    """head_dim 64, the smallest the Triton attention kernels take (phi_qk_gqa's 4 query
-    heads over its 2 KV heads)."""
+    """head_dim 64, a power of two the Triton attention kernels take unpadded (phi_qk_gqa's
+    4 query heads over its 2 KV heads)."""
     heads = 4 if name == "phi_qk_gqa" else 2
     return build_tiny(tmp_path / name, name, hidden_size=64 * heads, num_attention_heads=heads)
 
@@ -361,6 +363,43 @@ def test_greedy_on_our_kernels_matches_transformers(tmp_path, name):
     assert rotary.cos_sin_cache.shape[-1] == (16 if name == "neox" else 48)  # rotated dims
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == hf_greedy(path, prompts, params.max_tokens)
+
+
+# Phi-2's head_dim 80 (Pythia-2.8B's too) with 32 of its dims rotated, GPT-NeoX-20B's 96
+# with 24 (rotary_pct 0.25), and 80 under GQA with per-head q/k LayerNorms (60 rotated):
+# heads no power of two, padded in the kernels' registers
+PADDED_HEADS = {
+    "phi": dict(hidden_size=160, num_attention_heads=2, partial_rotary_factor=0.4),
+    "neox": dict(hidden_size=192, num_attention_heads=2, rotary_pct=0.25),
+    "phi_qk_gqa": dict(hidden_size=320, num_attention_heads=4),
+}
+PADDED_DIMS = {"phi": (80, 32), "neox": (96, 24), "phi_qk_gqa": (80, 60)}  # head_dim, rotated
+
+
+@pytest.mark.parametrize("name", sorted(PADDED_HEADS))
+def test_padded_head_dim_on_our_kernels_matches_transformers(tmp_path, name):
+    """The triton backend at head_dim 80 (Phi, MHA and GQA) and 96 (NeoX), in the
+    interpreter: our attention kernels (prompts in 16-token chunks, each after its cached
+    part, then decodes beside a prompt chunk), the fused partial rotary + cache write, give
+    transformers' greedy tokens."""
+    path = build_tiny(tmp_path / name, name, **PADDED_HEADS[name])
+    prompts = [random_prompts(1, 37, 37, seed=4)[0], random_prompts(1, 9, 9, seed=5)[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", device=DEV, block_size=8, attention_backend="triton",
+              max_num_batched_tokens=16)
+    attn = llm.engine.model.model.layers[0].self_attn
+    assert llm.engine.backend_name == "triton" and attn.rotary_emb.fused
+    assert (attn.attn.head_dim, attn.rotary_emb.cos_sin_cache.shape[-1]) == PADDED_DIMS[name]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == hf_greedy(path, prompts, params.max_tokens)
+
+
+@pytest.mark.slow
+def test_padded_head_dim_staggered_batch_on_our_kernels(tmp_path):
+    """Phi at head_dim 80 on the triton backend (interpreter): the staggered batch's chunked
+    prefill, preemption, prefix hits and mixed steps give transformers' tokens."""
+    path = build_tiny(tmp_path / "phi80", "phi", **PADDED_HEADS["phi"])
+    assert_staggered_matches_hf(path, attention_backend="triton")
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -392,14 +431,23 @@ def test_gpu_bf16_follows_fp32_as_far_as_transformers_bf16(tmp_path, name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_phi2_head_dim_80_runs_on_torch_native(tmp_path):
-    """Phi-2's head_dim 80 (and Pythia-2.8B's; NeoX-20B's 96) is no head_dim of our Triton
-    kernels: the default backend on CUDA is then torch_native, whose fp32 tokens (biased
-    LM head, 32 of 80 dims rotated) are transformers'."""
-    path = build_tiny(tmp_path / "phi80", "phi", hidden_size=160, num_attention_heads=2,
-                      partial_rotary_factor=0.4)
+@pytest.mark.parametrize("name", sorted(PADDED_HEADS))
+def test_gpu_padded_head_dims_default_to_triton(tmp_path, name):
+    """Phi-2's head_dim 80 (and Pythia-2.8B's) and NeoX-20B's 96 run on our Triton kernels
+    by default on CUDA (they fell back to torch_native before): fp32 tokens (biased LM head,
+    32 of 80 / 24 of 96 dims rotated), eagerly and in CUDA graphs, are transformers'; bf16
+    follows fp32 as far as transformers' bf16 does."""
+    path = build_tiny(tmp_path / name, name, **PADDED_HEADS[name])
     prompts = random_prompts(4, 1, 60, seed=2)
-    llm = LLM(str(path), dtype="float32", device="cuda")
-    assert llm.engine.backend_name == "torch_native"
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    default = LLM(str(path), dtype="float32", device="cuda")
+    assert default.engine.backend_name == "triton"
+    got = [o.outputs[0].token_ids for o in default.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == hf_greedy(path, prompts, GREEDY.max_tokens)
+    del default
+    llm = assert_gpu_graphs_match_hf(path, random_prompts(8, 1, 120, seed=28))
+    assert llm.engine.model.model.layers[0].self_attn.rotary_emb.fused
+    prompts = random_prompts(32, 1, 120, seed=11)
+    truth = hf_greedy(path, prompts, GREEDY.max_tokens)
+    ours16, hf16 = bf16_teacher_forced_hits(path, prompts, truth, attention_backend="triton")
+    total = sum(len(t) for t in truth)
+    assert ours16 >= hf16 - 0.03 * total and ours16 >= 0.85 * total, (ours16, hf16, total)

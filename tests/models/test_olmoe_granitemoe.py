@@ -442,7 +442,7 @@ def test_bad_config_stops_the_engine_before_loading(tiny, tmp_path):
 
 # ----------------------------------------------------------------------------- GPU
 def _gpu_checkpoint(tmp_path: Path, name: str) -> Path:
-    """head_dim 64, the smallest the Triton attention kernels take."""
+    """head_dim 64, a Triton attention tile unpadded."""
     return build_tiny(tmp_path / name, name, hidden_size=128, num_attention_heads=2,
                       num_key_value_heads=2)
 

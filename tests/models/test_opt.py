@@ -354,7 +354,7 @@ def test_bad_config_is_a_clear_error(edit, message):
 
 # ----------------------------------------------------------------------------- GPU
 def _gpu_checkpoint(tmp_path: Path, name: str) -> Path:
-    """head_dim 64, the smallest the Triton attention kernels take (opt_350m's embeddings
+    """head_dim 64, a Triton attention tile unpadded (opt_350m's embeddings
     64 wide, half the hidden size); max_position_embeddings past the longest run."""
     extra = dict(word_embed_proj_dim=64) if "word_embed_proj_dim" in TINY[name] else {}
     return build_tiny(tmp_path / name, name, hidden_size=128, num_attention_heads=2,
