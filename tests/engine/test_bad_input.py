@@ -108,8 +108,8 @@ def test_weights_missing_a_tensor(tmp_path, tiny_checkpoint):
 
 
 def test_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text('{"architectures": ["BloomForCausalLM"], "vocab_size": 10}')
-    with pytest.raises(ConfigError, match="BloomForCausalLM.*not supported"):
+    (tmp_path / "config.json").write_text('{"architectures": ["RwkvForCausalLM"], "vocab_size": 10}')
+    with pytest.raises(ConfigError, match="RwkvForCausalLM.*not supported"):
         LLM(str(tmp_path), device="cpu")
 
 

@@ -268,9 +268,8 @@ def test_second_turn_hits_behind_the_window_after_its_head_was_evicted(tiny_chec
 
 def test_staggered_batch_behind_the_window_matches_transformers(tiny_checkpoint):
     """Chunked prefill, preemption and prefix hits with blocks released behind the window
-    (40 blocks, the other models' pool, never run short behind it: 20 do)."""
-    assert_staggered_matches_hf(tiny_checkpoint("mistral_window"), attention_backend="torch_native",
-                                num_gpu_blocks=20)
+    (40 blocks, the other models' pool, never run short behind it: the helper gives 20)."""
+    assert_staggered_matches_hf(tiny_checkpoint("mistral_window"), attention_backend="torch_native")
 
 
 def test_mixed_windows_release_nothing(tiny_checkpoint, tmp_path):

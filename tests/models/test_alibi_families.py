@@ -138,12 +138,6 @@ def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny, name):
     assert_staggered_matches_hf(tiny(name), attention_backend="torch_native")
 
 
-@pytest.mark.slow
-def test_staggered_batch_on_our_kernels(tiny):
-    """The same on the triton backend (interpreted: slow)."""
-    assert_staggered_matches_hf(tiny("bloom"), attention_backend="triton")
-
-
 def test_mpt_biases_with_no_bias_false(tiny, tmp_path):
     """``no_bias`` false: every linear and LayerNorm of MPT has a bias, as MosaicML's code
     builds them (transformers' MPT builds none, so it is no reference here). Zero biases

@@ -394,14 +394,6 @@ def test_padded_head_dim_on_our_kernels_matches_transformers(tmp_path, name):
     assert got == hf_greedy(path, prompts, params.max_tokens)
 
 
-@pytest.mark.slow
-def test_padded_head_dim_staggered_batch_on_our_kernels(tmp_path):
-    """Phi at head_dim 80 on the triton backend (interpreter): the staggered batch's chunked
-    prefill, preemption, prefix hits and mixed steps give transformers' tokens."""
-    path = build_tiny(tmp_path / "phi80", "phi", **PADDED_HEADS["phi"])
-    assert_staggered_matches_hf(path, attention_backend="triton")
-
-
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
