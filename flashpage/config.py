@@ -50,7 +50,10 @@ GEMMA_FAMILY = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM",
                   "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
                   "GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
-                  "OPTForCausalLM"}
+                  "OPTForCausalLM"} | {
+    # SmolLM3 (NoPE layers), Arcee (a ReLU^2 MLP), Ministral (per-layer windows), OLMo 3
+    # (OLMo2 with per-layer windows): _families4_fields
+    "SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", "Olmo3ForCausalLM"}
 # the families whose AWQ / GPTQ (int4) checkpoints are read (models/int4_checkpoint.py):
 # every linear one of our ColumnParallelLinear / RowParallelLinear, found by the file's
 # module names (mapped through a family's HFNames); fp8 checkpoints are read for these and
@@ -100,6 +103,10 @@ _MODEL_TYPE_TO_ARCH = {
     "opt": "OPTForCausalLM",
     "bloom": "BloomForCausalLM",
     "mpt": "MptForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "arcee": "ArceeForCausalLM",
+    "ministral": "MinistralForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -555,6 +562,8 @@ def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
         return _falcon_fields(d, where)
     if arch == "OPTForCausalLM":
         return _opt_fields(d, where)
+    if arch in _FAMILIES4:
+        return _families4_fields(d, arch, where)
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
                           f"{arch} (supported: 'silu')")
@@ -620,8 +629,9 @@ def _cohere_fields(d: dict[str, Any], arch: str, where: str, head_dim: int) -> d
         # transformers' Cohere2 would neither window nor rotate any layer without one
         raise ConfigError(f"{where}: sliding_window must be a positive integer for {arch}, "
                           f"got {window!r}")
-    return out | dict(sliding_window=window, full_attention_nope=True,
-                      layer_types=_layer_types(d, where, d.get("sliding_window_pattern", 4)))
+    types = _layer_types(d, where, d.get("sliding_window_pattern", 4))
+    return out | dict(sliding_window=window, layer_types=types,
+                      nope_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"))
 
 
 def _starcoder2_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
@@ -1254,21 +1264,125 @@ def _gemma_fields(d: dict[str, Any], where: str, model_type: str) -> dict[str, A
         attn_logit_softcapping=_positive(d, "attn_logit_softcapping", caps[0], where),
         final_logit_softcapping=_positive(d, "final_logit_softcapping", caps[1], where))
     if model_type == "gemma3_text":
-        rp = d.get("rope_parameters") or {}
-        if "full_attention" in rp or "sliding_attention" in rp:
-            full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
-        else:
-            full = {"rope_theta": d.get("rope_theta", 1_000_000.0), **(d.get("rope_scaling") or {})}
-            local = {"rope_theta": d.get("rope_local_base_freq", 10_000.0)}
-        if local.get("rope_type", local.get("type", "default")) != "default":
-            raise ConfigError(f"{where}: the sliding layers' rope must be the default one "
-                              f"(Gemma 3's), got {local!r}")
-        scaling = {k: v for k, v in full.items() if k != "rope_theta"}
-        out.update(qk_norm=True, rope_theta=float(full.get("rope_theta", 1_000_000.0)),
-                   rope_local_theta=float(local.get("rope_theta", 10_000.0)),
-                   rope_scaling=scaling if scaling.get("rope_type", scaling.get("type", "default"))
-                   != "default" else None)
+        out.update(qk_norm=True, **_rope_by_layer_type(
+            d, where, "Gemma 3", 1_000_000.0, "rope_local_base_freq", 10_000.0))
     return out
+
+
+def _rope_by_layer_type(d: dict[str, Any], where: str, family: str, full_theta: float,
+                        local_key: str, local_theta: float) -> dict[str, Any]:
+    """rope_theta, rope_scaling (the full-attention layers') and rope_local_theta (the
+    sliding layers' base, their rope the default one) of a family whose two layer kinds
+    rotate by two ropes (Gemma 3, OLMo 3): transformers >= 5's rope_parameters keyed by
+    layer type, else the old rope_theta (``full_theta`` when absent) with rope_scaling for
+    the full layers and ``local_key`` (``local_theta`` when absent) for the sliding ones.
+    rope_scaling is returned as the dict HF writes (None: the default rope)."""
+    rp = d.get("rope_parameters") or {}
+    if "full_attention" in rp or "sliding_attention" in rp:
+        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+    else:
+        full = {"rope_theta": d.get("rope_theta", full_theta), **(d.get("rope_scaling") or {})}
+        local = {"rope_theta": d.get(local_key, local_theta)}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ConfigError(f"{where}: the sliding layers' rope must be the default one "
+                          f"({family}'s), got {local!r}")
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    return dict(rope_theta=float(full.get("rope_theta", full_theta)),
+                rope_local_theta=float(local.get("rope_theta", local_theta)),
+                rope_scaling=scaling if scaling.get(
+                    "rope_type", scaling.get("type", "default")) != "default" else None)
+
+
+_FAMILIES4 = {"SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", "Olmo3ForCausalLM"}
+
+
+def _rope_theta(d: dict[str, Any], where: str, default: float) -> float:
+    """config.json's rope_theta (transformers >= 5: rope_parameters'), else ``default``: the
+    family's config class's (SmolLM3's 2e6, OLMo 3's 5e5), not Llama's 1e4."""
+    v = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", default))
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"{where}: rope_theta must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _windows(types: tuple[str, ...], d: dict[str, Any], arch: str, where: str,
+             default: Any) -> int | None:
+    """The window of ``types``' sliding_attention layers: ``sliding_window`` (``default``
+    where absent), a positive integer wherever a layer is sliding; None where none is."""
+    if "sliding_attention" not in types:
+        return None
+    window = d.get("sliding_window", default)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ConfigError(f"{where}: sliding_window must be a positive integer for {arch} "
+                          f"(layer_types has sliding_attention layers), got {window!r}")
+    return window
+
+
+def _families4_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """SmolLM3, Arcee, Ministral and OLMo 3 (their config classes' defaults where a field is
+    absent), each the Llama (OLMo 3: OLMo2) body with one difference:
+
+    - SmolLM3: no positional embedding on the layers whose ``no_rope_layers`` entry is 0
+      (absent: every ``no_rope_layer_interval``-th (4) layer, 1-based), held as
+      nope_layers; with ``use_sliding_window``, windows on its NoPE layers (``layer_types``,
+      as SmolLM3Config derives them); rope_theta 2e6, the head tied.
+    - Arcee (AFM): a non-gated MLP, up_proj -> ``hidden_act`` (relu2: ReLU squared) ->
+      down_proj (``mlp_bias``); RMSNorm eps 1e-5.
+    - Ministral: Mistral with ``layer_types`` (absent: every layer sliding when there is a
+      ``sliding_window``, 4096 when absent); no bias on q/k/v/o whatever attention_bias says
+      (transformers' Ministral has none).
+    - OLMo 3: OLMo2 with ``layer_types`` (absent: every 4th layer full, the others within
+      ``sliding_window``, 4096), each kind its own rope (_rope_by_layer_type); eps 1e-5."""
+    if arch == "ArceeForCausalLM":
+        return dict(hidden_act=_plain_act(d, arch, where, "relu2"),
+                    mlp_bias=_flag(d, "mlp_bias", False, where),
+                    rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5))
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
+                          f"{arch} (supported: 'silu')")
+    n = d["num_hidden_layers"]
+    if arch == "MinistralForCausalLM":
+        types = d.get("layer_types")
+        if types is None:
+            kind = "full_attention" if d.get("sliding_window", 4096) is None else "sliding_attention"
+            types = [kind] * n
+        t = _layer_types({**d, "layer_types": types}, where, None)
+        return dict(layer_types=t, sliding_window=_windows(t, d, arch, where, 4096),
+                    attention_bias=False)
+    if arch == "Olmo3ForCausalLM":
+        t = _layer_types(d, where, 4)
+        rope = _rope_by_layer_type(d, where, "OLMo 3", 500_000.0, "rope_theta", 500_000.0)
+        return dict(layer_types=t, sliding_window=_windows(t, d, arch, where, 4096),
+                    rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5),
+                    rope_theta=rope["rope_theta"], rope_local_theta=rope["rope_local_theta"],
+                    rope_scaling=RopeScaling.from_dict(rope["rope_scaling"]))
+    # SmolLM3
+    if _flag(d, "mlp_bias", False, where):
+        raise ConfigError(f"{where}: mlp_bias true is not supported for {arch} (the "
+                          "gate/up/down projections have no bias here)")
+    roped = d.get("no_rope_layers")
+    if roped is None:
+        every = _positive_int(d, "no_rope_layer_interval", where, default=4)
+        roped = [int((i + 1) % every != 0) for i in range(n)]
+    if not isinstance(roped, list | tuple) or len(roped) < n or any(
+            not isinstance(v, int) or v not in (0, 1) for v in roped):
+        raise ConfigError(f"{where}: no_rope_layers must list 1 (rotary) or 0 (NoPE) for each "
+                          f"of the {n} layers, got {roped!r}")
+    windowed = _flag(d, "use_sliding_window", False, where)
+    types = d.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if windowed and d.get("sliding_window") is not None
+                 and not roped[i] else "full_attention" for i in range(n)]
+    t = _layer_types({**d, "layer_types": types}, where, None)
+    if "sliding_attention" in t and not windowed:
+        raise ConfigError(f"{where}: layer_types has sliding_attention layers but "
+                          f"use_sliding_window is false for {arch} (transformers' attention "
+                          "paths disagree on those layers: sdpa windows them, flash-attention "
+                          "does not)")
+    return dict(nope_layers=tuple(i for i in range(n) if not roped[i]), layer_types=t,
+                sliding_window=_windows(t, d, arch, where, None),
+                rope_theta=_rope_theta(d, where, 2_000_000.0),
+                tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
 
 
 @dataclass(frozen=True)
@@ -1341,9 +1455,9 @@ class ModelConfig:
     # layout, instead of halves (x[i], x[i + rot_dim / 2])
     logit_scale: float = 1.0
     rope_interleaved: bool = False
-    # Cohere2: the full-attention layers (layer_types) take no positional embedding at all
-    # (NoPE: q and k unrotated; uses_rope); the sliding ones rotate
-    full_attention_nope: bool = False
+    # the layers that take no positional embedding at all (NoPE: q and k unrotated;
+    # uses_rope): Cohere2's full-attention layers (layer_types), SmolLM3's no_rope_layers zeros
+    nope_layers: tuple[int, ...] = ()
     # Starcoder2: the MLP's c_fc / c_proj have a bias (use_bias, with attention_bias); GPT-2's,
     # GPT-NeoX's and Phi's MLPs (under their names) always
     mlp_bias: bool = False
@@ -1595,11 +1709,9 @@ class ModelConfig:
         return self.sliding_window
 
     def uses_rope(self, layer: int) -> bool:
-        """Whether layer ``layer`` rotates q and k (all but Cohere2's full-attention layers,
-        and none with learned positions or ALiBi)."""
-        return not self.learned_positions and not self.alibi and not (
-            self.full_attention_nope and self.layer_types
-            and self.layer_types[layer] == "full_attention")
+        """Whether layer ``layer`` rotates q and k (all but ``nope_layers``, and none with
+        learned positions or ALiBi)."""
+        return not self.learned_positions and not self.alibi and layer not in self.nope_layers
 
     @property
     def attention_scale(self) -> float:

@@ -82,7 +82,7 @@ def parse_memory(s: str) -> int:
 # families whose MLP is not gated (c_fc -> act -> c_proj, under their names) and whose
 # LayerNorms have a bias
 _PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "phi", "gptj", "falcon", "opt",
-              "bloom", "mpt")
+              "bloom", "mpt", "arcee")
 # norms a layer: input and post-attention; Gemma 2/3's pre- and post-feedforward ones too;
 # Cohere's (and Cohere2's), Phi's and GPT-J's one norm feeds attention and the MLP
 _NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "cohere2": 1, "phi": 1,
@@ -119,7 +119,7 @@ def _attention_params(cfg: ModelConfig) -> int:
     if cfg.qk_norm:  # Cohere's q/k LayerNorms have weights per head; Qwen3's one of head_dim
         # (Phi's LayerNorms a bias too)
         n += {"cohere": q_dim + kv_dim, "phi": 4 * d}.get(cfg.model_type, 2 * d)
-    if cfg.model_type in ("olmo2", "olmoe"):  # q_norm / k_norm over the whole projections
+    if cfg.model_type in ("olmo2", "olmo3", "olmoe"):  # q_norm / k_norm over the whole projections
         n += q_dim + kv_dim
     return n
 
@@ -210,7 +210,7 @@ _MERGED_ON_DISK = {"Phi3ForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM",
 _MERGED_NAMES = {"q_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
 # families whose checkpoints name our modules otherwise (their models' ``hf_names``)
 _RENAMED = {"GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
-            "OPTForCausalLM", "BloomForCausalLM", "MptForCausalLM"}
+            "OPTForCausalLM", "BloomForCausalLM", "MptForCausalLM", "ArceeForCausalLM"}
 
 
 def _checkpoint_names(cfg: ModelConfig, out: list[tuple[tuple[str, ...], int, int]]
@@ -377,7 +377,8 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "position_rows": (cfg.max_position_embeddings + cfg.position_offset
                           if cfg.learned_positions else None),
         "rotary_interleaved": cfg.rope_interleaved,  # Cohere's pairs (x[2i], x[2i + 1])
-        # layers without any positional embedding (Cohere2's full-attention ones: NoPE)
+        # layers without any positional embedding (NoPE: Cohere2's full-attention ones,
+        # SmolLM3's no_rope_layers)
         "nope_layers": 0 if cfg.learned_positions else sum(
             not cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)),
         "rope_scaling": None if cfg.rope_scaling is None else {
@@ -486,13 +487,13 @@ def format_report(info: dict[str, Any]) -> str:
             rows.append(("positions", f"learned ({table}, {info['position_rows']:,} rows: "
                                       f"max_model_len at most {n:,}), no rotary"))
         elif (info.get("rotary_dim") != info["head_dim"] or longrope
-              or info.get("rotary_interleaved")):
+              or info.get("rotary_interleaved") or info.get("nope_layers")):
             text = (f"first {info['rotary_dim']} of {info['head_dim']} dims"
                     if info.get("rotary_dim") != info["head_dim"] else "all dims")
             if info.get("rotary_interleaved"):
                 text += ", interleaved pairs (GPT-J's layout)"
             if info.get("nope_layers"):
-                text += (f"; none on the {info['nope_layers']} full-attention layers (NoPE)")
+                text += f"; none on {info['nope_layers']} of {layers} layers (NoPE)"
             if rope and longrope:
                 original = rope["original_max_position_embeddings"]
                 text += (f", longrope: long factors when max_model_len > {original}, "

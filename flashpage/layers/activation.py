@@ -30,10 +30,10 @@ _GELU_TANH = partial(F.gelu, approximate="tanh")
 # HF hidden_act -> the function (transformers' ACT2FN: "gelu" is the exact erf GELU,
 # "gelu_pytorch_tanh" torch's tanh approximation; "gelu_new" (Phi) and "gelu_fast"
 # (GPT-NeoX-20B) the same tanh formula written out in torch ops, equal up to rounding;
-# "relu" OPT's)
+# "relu" OPT's; "relu2" Arcee's ReLU squared, relu(x) ** 2 (transformers' ReLUSquaredActivation)
 PLAIN_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": _GELU_TANH, "gelu": F.gelu, "gelu_new": _GELU_TANH,
-    "gelu_fast": _GELU_TANH, "relu": F.relu}
+    "gelu_fast": _GELU_TANH, "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x))}
 
 
 class PlainActivation(nn.Module):

@@ -44,6 +44,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GemmaForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
+    # the Llama body with per-layer NoPE (SmolLM3) or windows (Ministral): config only
+    "SmolLM3ForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    "MinistralForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    "ArceeForCausalLM": ("flashpage.models.arcee", "ArceeForCausalLM"),
+    "Olmo3ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
 }
 
 
