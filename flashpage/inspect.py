@@ -80,7 +80,7 @@ def parse_memory(s: str) -> int:
 
 # ------------------------------------------------------------------ parameters
 # families whose MLP is not gated (c_fc -> act -> c_proj, under their names) and whose
-# LayerNorms have a bias
+# LayerNorms have a bias (but Arcee's: RMSNorms)
 _PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "phi", "gptj", "falcon", "opt",
               "bloom", "mpt", "arcee")
 # norms a layer: input and post-attention; Gemma 2/3's pre- and post-feedforward ones too;
@@ -307,7 +307,9 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     # elementwise_affine hold neither weight nor bias
     affine = cfg.model_type != "olmo" and cfg.norm_elementwise_affine
     # (MPT's LayerNorms: a weight alone unless no_bias is false)
-    biased = cfg.model_type in _PLAIN_MLP and (cfg.model_type != "mpt" or cfg.attention_bias)
+    # (Arcee's: RMSNorms, no bias)
+    biased = (cfg.model_type in _PLAIN_MLP and cfg.model_type != "arcee"
+              and (cfg.model_type != "mpt" or cfg.attention_bias))
     norm = 0 if not affine else 2 * h if biased else h
     # GPT-2's wpe, OPT's embed_positions (2 rows more)
     wpe = (cfg.max_position_embeddings + cfg.position_offset) * h if cfg.learned_positions else 0

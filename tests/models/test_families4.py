@@ -1,0 +1,426 @@
+"""SmolLM3 (Llama with NoPE layers: no_rope_layers / no_rope_layer_interval), Arcee / AFM
+(Llama with a non-gated ReLU^2 MLP), Ministral (Mistral with per-layer windows, layer_types)
+and OLMo 3 (OLMo2 with per-layer windows and a rope per layer kind): models/llama.py,
+arcee.py, olmo2.py; config._families4_fields.
+
+CPU, fp32: greedy tokens equal transformers' for each family on prompts past the windows;
+NoPE, the windows, ReLU^2 and OLMo 3's two rope bases each shown to change the tokens; prompt
+logprobs equal transformers' log-softmax; chunked prefill / preemption / prefix hits; SmolLM3
+on our Triton kernels (interpreter: the fused rotary + cache write on its rotary layers, the
+plain cache write on its NoPE ones); weights back under HF's names (Arcee's up_proj /
+down_proj); ``flashpage inspect``'s parameter counts (tiny and the released shapes) and rows;
+config fields, transformers' derived defaults and errors.
+GPU (marked gpu): fp32 on the Triton kernels and CUDA graphs gives transformers' tokens, and
+bf16 follows fp32 about as far as transformers' bf16 does.
+
+Every test needs transformers' config class for its family (SmolLM3Config ...: transformers
+>= 4.53 / 4.54 / 4.55 / 4.57): it is skipped where the installed transformers lacks it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from flashpage import LLM, SamplingParams
+from flashpage.config import ConfigError, ModelConfig
+from flashpage.inspect import param_counts
+from flashpage.layers.rotary import get_rope
+from tests.conftest import (
+    _checkpoints,
+    assert_dense_params_match_hf,
+    assert_gpu_graphs_match_hf,
+    assert_staggered_matches_hf,
+    bf16_teacher_forced_hits,
+    cpu_greedy,
+    cpu_llm,
+    hf_greedy,
+    load_and_round_trip,
+    random_prompts,
+    tiny_table_builder,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+WINDOW = 16  # the sliding layers' window: the prompts run past it
+SLIDE, FULL = "sliding_attention", "full_attention"
+TWO_ROPES = {SLIDE: {"rope_type": "default", "rope_theta": 10_000.0},
+             FULL: {"rope_type": "default", "rope_theta": 500_000.0}}
+
+# name -> (HF config class name, extra config kwargs); hidden 64, 4 heads
+TINY: dict[str, tuple[str, dict]] = {
+    # NoPE on every 2nd layer (1 and 3), GQA, an untied head
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, num_key_value_heads=2,
+                                      no_rope_layer_interval=2)),
+    # use_sliding_window: its NoPE layer (1) windowed, as SmolLM3Config derives it; biases
+    # (o_proj's too), a tied head
+    "smollm3_window": ("SmolLM3Config", dict(num_hidden_layers=2, no_rope_layers=[1, 0],
+                                             use_sliding_window=True, sliding_window=WINDOW,
+                                             attention_bias=True, tie_word_embeddings=True)),
+    # up_proj -> relu^2 -> down_proj; GQA
+    "arcee": ("ArceeConfig", dict(num_hidden_layers=2, num_key_value_heads=2)),
+    # mlp_bias and attention_bias, a tied head
+    "arcee_bias": ("ArceeConfig", dict(num_hidden_layers=2, mlp_bias=True, attention_bias=True,
+                                       tie_word_embeddings=True)),
+    # a sliding layer, then a full one; head_dim set (MinistralConfig has no default)
+    "ministral": ("MinistralConfig", dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
+                                          layer_types=[SLIDE, FULL], sliding_window=WINDOW)),
+    # a sliding layer (rope base 1e4), then a full one (5e5)
+    "olmo3": ("Olmo3Config", dict(num_hidden_layers=2, num_key_value_heads=2,
+                                  layer_types=[SLIDE, FULL], sliding_window=WINDOW,
+                                  rope_parameters=TWO_ROPES)),
+}
+NAMES = sorted(TINY)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _hf_class(name: str) -> str:
+    """The family's transformers config class name; skips the test where it is missing
+    (an older transformers, e.g. a GPU image's)."""
+    cls_name = TINY[name][0]
+    if not hasattr(transformers, cls_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
+    return cls_name
+
+
+_build = tiny_table_builder(TINY)
+
+
+def build_tiny(path: Path, name: str, seed: int = 0, **overrides) -> Path:
+    _hf_class(name)
+    return _build(path, name, seed, **overrides)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return _checkpoints(tmp_path_factory, build_tiny)
+
+
+def _prompts() -> list[list[int]]:
+    return random_prompts(3, WINDOW + 4, 40, seed=1)  # past the windows
+
+
+def _arch(name: str) -> str:
+    return _hf_class(name).replace("Config", "ForCausalLM")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_matches_transformers(tiny, name):
+    path = tiny(name)
+    assert cpu_greedy(path, _prompts()) == hf_greedy(path, _prompts(), GREEDY.max_tokens)
+
+
+def test_layers_rotate_and_window_as_configured(tiny):
+    """SmolLM3: no rotary on its NoPE layers (and a window on its one NoPE layer where
+    use_sliding_window says so); Ministral / OLMo 3: a window on the sliding layers; OLMo 3:
+    each kind its own rope base; Arcee: the ReLU^2 MLP under our c_fc / c_proj."""
+    def layers(name):
+        return cpu_llm(tiny(name)).engine.model.model.layers
+
+    smol = layers("smollm3")
+    assert [lay.self_attn.rotary_emb is not None for lay in smol] == [True, False, True, False]
+    assert [lay.self_attn.attn.sliding_window for lay in smol] == [None] * 4
+    assert smol[0].self_attn.rotary_emb.is_neox
+    win = layers("smollm3_window")
+    assert [lay.self_attn.attn.sliding_window for lay in win] == [None, WINDOW]
+    assert [lay.self_attn.rotary_emb is not None for lay in win] == [True, False]
+    for name in ("ministral", "olmo3"):
+        assert [lay.self_attn.attn.sliding_window for lay in layers(name)] == [WINDOW, None]
+    olmo = layers("olmo3")
+    for lay, base in zip(olmo, (10_000.0, 500_000.0), strict=True):
+        want = 1.0 / base ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+        torch.testing.assert_close(lay.self_attn.rotary_emb.inv_freq.double(), want)
+    mlp = layers("arcee")[0].mlp
+    assert mlp.act.hidden_act == "relu2" and mlp.c_fc.bias is None
+
+
+def test_nope_windows_relu2_and_rope_bases_each_change_the_tokens(tiny):
+    """Each difference matters on these prompts (and ours equal transformers',
+    test_greedy_matches_transformers): SmolLM3 with its NoPE layers rotated, Ministral and
+    OLMo 3 without their windows, Arcee with ReLU for ReLU^2, OLMo 3 with one rope base."""
+    prompts = _prompts()
+    path = tiny("smollm3")
+    ours = cpu_greedy(path, prompts)
+    assert ours != cpu_greedy(path, prompts, hf_overrides={"no_rope_layers": [1, 1, 1, 1]})
+    llm = cpu_llm(path)  # the same by hand: rotate the NoPE layers as the others
+    for lay in llm.engine.model.model.layers:
+        if lay.self_attn.rotary_emb is None:
+            lay.self_attn.rotary_emb = get_rope(llm.engine.model.config, 512, 0)
+    roped = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert roped != ours
+    for name in ("ministral", "olmo3"):
+        path = tiny(name)
+        assert cpu_greedy(path, prompts) != cpu_greedy(path, prompts,
+                                                       hf_overrides={"sliding_window": 512})
+    path = tiny("arcee")
+    assert cpu_greedy(path, prompts) != cpu_greedy(path, prompts, hf_overrides={"hidden_act": "relu"})
+    path = tiny("olmo3")
+    one_base = {SLIDE: TWO_ROPES[FULL], FULL: TWO_ROPES[FULL]}
+    assert cpu_greedy(path, prompts) != cpu_greedy(
+        path, prompts, hf_overrides={"rope_parameters": one_base})
+
+
+@pytest.mark.parametrize("name", ["smollm3_window", "arcee_bias", "olmo3"])
+def test_prompt_logprobs_match_transformers(tiny, name):
+    """The logits themselves, not only their argmax: each prompt token's logprob is
+    transformers' log-softmax."""
+    path = tiny(name)
+    prompt = random_prompts(1, 40, 40, seed=5)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = cpu_llm(path).generate([prompt], params, use_tqdm=False)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, :-1]
+    want = logits.log_softmax(-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["smollm3_window", "olmo3"])
+def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny, name):
+    """10 prompts (4 sharing a 32-token prefix) over several steps into a cache too small
+    for all: chunked prefill, preemption, prefix hits, mixed steps; transformers' tokens
+    (unrotated cached keys on the NoPE layers, windows over chunks)."""
+    assert_staggered_matches_hf(tiny(name), attention_backend="torch_native")
+
+
+def test_smollm3_on_our_kernels_matches_transformers(tmp_path):
+    """The triton backend (interpreter on the CPU): the fused rotary + cache-write kernel on
+    SmolLM3's rotary layer, the plain cache write on its NoPE one, and our attention; one
+    short prompt, head_dim 64 (the smallest the kernels take)."""
+    path = _gpu_checkpoint(tmp_path, "smollm3", num_hidden_layers=2)
+    prompts = random_prompts(1, 20, 20, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", device=DEV, block_size=16, attention_backend="triton")
+    layers = llm.engine.model.model.layers
+    assert layers[0].self_attn.rotary_emb.fused and layers[1].self_attn.rotary_emb is None
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == hf_greedy(path, prompts, params.max_tokens)
+
+
+# ----------------------------------------------------------------- layers
+def test_relu2_is_transformers_relu_squared():
+    from transformers.activations import ACT2FN
+
+    from flashpage.layers.activation import PlainActivation
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 3
+    assert torch.equal(PlainActivation("relu2")(x), ACT2FN["relu2"](x))
+    assert torch.equal(PlainActivation("relu2")(-x.abs()), torch.zeros_like(x))
+
+
+# ----------------------------------------------------------------- loading, inspect
+@pytest.mark.parametrize("name", NAMES)
+def test_weights_come_back_under_hf_names(tiny, name):
+    model, ref = load_and_round_trip(tiny(name))
+    if name.startswith("arcee"):  # the checkpoint's names, not our c_fc / c_proj
+        assert "model.layers.0.mlp.up_proj.weight" in ref
+        assert ("model.layers.0.mlp.up_proj.bias" in ref) == (name == "arcee_bias")
+        assert model.lora_targets()["model.layers.1.mlp.up_proj"] == (
+            "model.layers.1.mlp.c_fc", 0, 128)
+        assert "model.layers.0.mlp.gate_proj" not in model.lora_targets()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inspect_counts_transformers_parameters(tiny, name):
+    assert_dense_params_match_hf(tiny(name))
+
+
+# the released config.json shapes (rope scaling left out: the counts do not read it)
+FULL_SIZE = {
+    "smollm3": dict(vocab_size=128256, hidden_size=2048, intermediate_size=11008,
+                    num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+                    max_position_embeddings=65536, rope_theta=5_000_000.0,
+                    no_rope_layer_interval=4),  # SmolLM3-3B
+    "arcee": dict(vocab_size=128004, hidden_size=2560, intermediate_size=18432,
+                  num_hidden_layers=36, num_attention_heads=20, num_key_value_heads=4,
+                  head_dim=128, max_position_embeddings=65536),  # AFM-4.5B
+    "ministral": dict(vocab_size=131072, hidden_size=4096, intermediate_size=12288,
+                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, max_position_embeddings=32768, sliding_window=32768,
+                      rope_theta=100_000_000.0),  # Ministral-8B-Instruct-2410
+    "olmo3": dict(vocab_size=100278, hidden_size=4096, intermediate_size=11008,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                  max_position_embeddings=65536, sliding_window=4096,
+                  rope_theta=500_000.0),  # Olmo-3-7B
+}
+
+
+@pytest.mark.parametrize("name", sorted(FULL_SIZE))
+def test_inspect_counts_full_size_models(name):
+    """The released shapes, against transformers' model built on the meta device; the
+    report's NoPE and window rows."""
+    from flashpage.inspect import format_report, inspect_config
+
+    hf_cfg = getattr(transformers, _hf_class(name))(**FULL_SIZE[name])
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    cfg = ModelConfig.from_hf({**hf_cfg.to_dict(), "architectures": [_arch(name)]})
+    assert param_counts(cfg) == (hf.num_parameters(),) * 2
+    report = format_report(inspect_config(cfg, 80 * 2**30))
+    if name == "smollm3":
+        assert "all dims; none on 9 of 36 layers (NoPE)" in report
+    if name == "olmo3":
+        assert "4096 on 24 of 32 layers" in report
+    if name == "ministral":  # every layer sliding (MinistralConfig's default layer_types)
+        assert cfg.layer_types == (SLIDE,) * 36 and cfg.sliding_window == 32768
+
+
+def test_inspect_reports_nope_layers(tiny, capsys):
+    from flashpage.inspect import main
+
+    assert main([str(tiny("smollm3"))]) == 0
+    out = capsys.readouterr().out
+    assert "SmolLM3ForCausalLM (smollm3)" in out
+    assert "all dims; none on 2 of 4 layers (NoPE)" in out
+    assert main([str(tiny("arcee"))]) == 0
+    out = capsys.readouterr().out
+    assert "ArceeForCausalLM (arcee)" in out and "NoPE" not in out
+
+
+# ----------------------------------------------------------------- config
+def _raw(name: str, **edit) -> dict:
+    cls_name, extra = TINY[name]
+    d = getattr(transformers, _hf_class(name))(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        max_position_embeddings=512, **extra).to_dict()
+    d["architectures"] = [cls_name.replace("Config", "ForCausalLM")]
+    d.update(edit)
+    return d
+
+
+def _bare(name: str, *drop: str) -> dict:
+    """``_raw(name)`` without ``drop`` and without what transformers derives from it: what
+    an older or hand-written config.json holds."""
+    return {k: v for k, v in _raw(name).items() if k not in drop}
+
+
+@pytest.mark.parametrize(("layers", "interval"), [(8, 4), (5, 2), (3, 1), (4, None)])
+def test_smollm3_nope_layers_from_the_interval_as_transformers(layers, interval):
+    """Configs without no_rope_layers: transformers' rule from no_rope_layer_interval
+    (default 4), and each layer's window from use_sliding_window."""
+    kw = {} if interval is None else {"no_rope_layer_interval": interval}
+    for windowed in (False, True):
+        hf = transformers.SmolLM3Config(num_hidden_layers=layers, use_sliding_window=windowed,
+                                        sliding_window=32, **kw)
+        raw = {**_bare("smollm3", "no_rope_layers", "layer_types", "no_rope_layer_interval"),
+               "num_hidden_layers": layers, "use_sliding_window": windowed,
+               "sliding_window": 32, **kw}
+        c = ModelConfig.from_hf(raw)
+        assert [c.uses_rope(i) for i in range(layers)] == [bool(r) for r in hf.no_rope_layers]
+        assert list(c.layer_types) == hf.layer_types
+        assert [c.attention_window(i) for i in range(layers)] == [
+            32 if t == SLIDE else None for t in hf.layer_types]
+
+
+def test_config_fields():
+    c = ModelConfig.from_hf(_raw("smollm3"))
+    assert (c.architecture, c.nope_layers, c.sliding_window) == ("SmolLM3ForCausalLM", (1, 3), None)
+    assert [c.attention_window(i) for i in range(4)] == [None] * 4
+    # SmolLM3Config's defaults where config.json says nothing: rope base 2e6, a tied head
+    bare = _bare("smollm3", "architectures", "rope_parameters", "tie_word_embeddings")
+    c = ModelConfig.from_hf(bare)
+    assert (c.architecture, c.rope_theta, c.tie_word_embeddings) == (
+        "SmolLM3ForCausalLM", 2_000_000.0, True)
+    a = ModelConfig.from_hf(_bare("arcee_bias", "rms_norm_eps", "hidden_act"))
+    assert (a.hidden_act, a.mlp_bias, a.attention_bias, a.rms_norm_eps, a.nope_layers) == (
+        "relu2", True, True, 1e-5, ())
+    m = ModelConfig.from_hf(_raw("ministral", attention_bias=True))  # read as transformers: none
+    assert (m.layer_types, m.sliding_window, m.attention_bias) == ((SLIDE, FULL), WINDOW, False)
+    # MinistralConfig's defaults: every layer within a 4096 window; no window: all full
+    m = ModelConfig.from_hf(_bare("ministral", "layer_types", "sliding_window"))
+    assert (m.layer_types, m.sliding_window) == ((SLIDE, SLIDE), 4096)
+    m = ModelConfig.from_hf({**_bare("ministral", "layer_types"), "sliding_window": None})
+    assert (m.layer_types, m.sliding_window) == ((FULL, FULL), None)
+    o = ModelConfig.from_hf(_raw("olmo3"))
+    assert (o.layer_types, o.sliding_window, o.rope_theta, o.rope_local_theta, o.rms_norm_eps) == (
+        (SLIDE, FULL), WINDOW, 500_000.0, 10_000.0, 1e-5)
+    # Olmo3Config's defaults: every 4th layer full, a 4096 window, one base 5e5 for both
+    o = ModelConfig.from_hf({**_bare("olmo3", "layer_types", "sliding_window", "rope_parameters",
+                                     "rms_norm_eps"), "num_hidden_layers": 4})
+    assert (o.layer_types, o.sliding_window, o.rope_theta, o.rope_local_theta, o.rms_norm_eps) == (
+        (SLIDE, SLIDE, SLIDE, FULL), 4096, 500_000.0, 500_000.0, 1e-5)
+    # old-style configs: rope_theta for both kinds, rope_scaling for the full layers only
+    o = ModelConfig.from_hf({**_bare("olmo3", "rope_parameters"), "rope_theta": 1e6,
+                             "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert (o.rope_theta, o.rope_local_theta, o.rope_scaling.rope_type) == (1e6, 1e6, "linear")
+
+
+@pytest.mark.parametrize(("name", "edit", "message"), [
+    ("smollm3", dict(no_rope_layers=[1, 0]), "no_rope_layers must list 1 \\(rotary\\) or 0 "
+     "\\(NoPE\\) for each of the 4 layers, got \\[1, 0\\]"),
+    ("smollm3", dict(no_rope_layers=[1, 2, 1, 0]), "no_rope_layers must list"),
+    ("smollm3", dict(no_rope_layers=None, no_rope_layer_interval=0),
+     "no_rope_layer_interval must be a positive integer, got 0"),
+    ("smollm3", dict(layer_types=[FULL, SLIDE, FULL, FULL], sliding_window=8),
+     "layer_types has sliding_attention layers but use_sliding_window is false"),
+    ("smollm3_window", dict(sliding_window=None), "sliding_window must be a positive integer "
+     "for SmolLM3ForCausalLM \\(layer_types has sliding_attention layers\\), got None"),
+    ("smollm3", dict(mlp_bias=True), "mlp_bias true is not supported for SmolLM3ForCausalLM"),
+    ("smollm3", dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported for SmolLM3"),
+    ("smollm3", dict(tie_word_embeddings="yes"), "tie_word_embeddings must be true or false"),
+    ("arcee", dict(hidden_act="swish"), "hidden_act 'swish' is not supported for "
+     "ArceeForCausalLM \\(supported: .*relu2"),
+    ("arcee", dict(mlp_bias=1), "mlp_bias must be true or false, got 1"),
+    ("ministral", dict(layer_types=[SLIDE]), "layer_types must list one of sliding_attention, "
+     "full_attention for each of the 2 layers"),
+    ("ministral", dict(sliding_window=0), "sliding_window must be a positive integer for "
+     "MinistralForCausalLM"),
+    ("ministral", dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported for Ministral"),
+    ("olmo3", dict(layer_types=[SLIDE, "chunked_attention"]), "layer_types must list"),
+    ("olmo3", dict(rope_parameters={SLIDE: {"rope_type": "linear", "factor": 2.0}, FULL: {}}),
+     "the sliding layers' rope must be the default one \\(OLMo 3's\\)"),
+    ("olmo3", dict(rms_norm_eps=0), "rms_norm_eps must be a positive number, got 0"),
+    ("olmo3", dict(intermediate_size=None), r"missing required field\(s\): intermediate_size"),
+])
+def test_bad_config_is_a_clear_error(name, edit, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(_raw(name, **edit))
+
+
+def test_model_type_alone_names_the_architecture():
+    for name in ("smollm3", "arcee", "ministral", "olmo3"):
+        raw = _raw(name)
+        del raw["architectures"]
+        assert ModelConfig.from_hf(raw).architecture == _arch(name)
+
+
+# ----------------------------------------------------------------------------- GPU
+def _gpu_checkpoint(tmp_path: Path, name: str, **overrides) -> Path:
+    """head_dim 64, the smallest the Triton attention kernels take."""
+    kw = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2)
+    if name == "ministral":
+        kw["head_dim"] = 64
+    return build_tiny(tmp_path / name, name, **{**kw, **overrides})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_fp32_kernels_and_graphs_give_transformers_tokens(tmp_path, name):
+    """Our attention (windowed and full), fused rotary + cache-write and plain cache-write
+    (SmolLM3's NoPE layers) kernels, eager and in CUDA graphs, against transformers' fp32
+    tokens."""
+    path = _gpu_checkpoint(tmp_path, name)
+    llm = assert_gpu_graphs_match_hf(path, random_prompts(8, 1, 120, seed=28))
+    layers = llm.engine.model.model.layers
+    assert layers[0].self_attn.rotary_emb.fused
+    if name.startswith("smollm3"):
+        assert layers[1].self_attn.rotary_emb is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_bf16_follows_fp32_as_far_as_transformers_bf16(tmp_path, name):
+    """bf16 (triton, graphs) against transformers' fp32 tokens, teacher-forced: ours picks
+    fp32's token as often as transformers' own bf16 does (conftest's
+    bf16_teacher_forced_hits: greedy bf16 runs of a tiny random model part chaotically)."""
+    path = _gpu_checkpoint(tmp_path, name)
+    prompts = random_prompts(32, 1, 120, seed=11)
+    truth = hf_greedy(path, prompts, GREEDY.max_tokens)
+    ours16, hf16 = bf16_teacher_forced_hits(path, prompts, truth, attention_backend="triton")
+    total = sum(len(t) for t in truth)
+    assert ours16 >= hf16 - 0.03 * total and ours16 >= 0.85 * total, (ours16, hf16, total)
