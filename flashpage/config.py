@@ -53,7 +53,9 @@ LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "O
                   "OPTForCausalLM"} | {
     # SmolLM3 (NoPE layers), Arcee (a ReLU^2 MLP), Ministral (per-layer windows), OLMo 3
     # (OLMo2 with per-layer windows): _families4_fields
-    "SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", "Olmo3ForCausalLM"}
+    "SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", "Olmo3ForCausalLM",
+    # ERNIE 4.5 (interleaved rotary), Seed-OSS (o_proj's bias apart)
+    "Ernie4_5ForCausalLM", "SeedOssForCausalLM"}
 # the families whose AWQ / GPTQ (int4) checkpoints are read (models/int4_checkpoint.py):
 # every linear one of our ColumnParallelLinear / RowParallelLinear, found by the file's
 # module names (mapped through a family's HFNames); fp8 checkpoints are read for these and
@@ -107,6 +109,8 @@ _MODEL_TYPE_TO_ARCH = {
     "arcee": "ArceeForCausalLM",
     "ministral": "MinistralForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -1293,7 +1297,8 @@ def _rope_by_layer_type(d: dict[str, Any], where: str, family: str, full_theta: 
                     "rope_type", scaling.get("type", "default")) != "default" else None)
 
 
-_FAMILIES4 = {"SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", "Olmo3ForCausalLM"}
+_FAMILIES4 = {"SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", "Olmo3ForCausalLM",
+              "Ernie4_5ForCausalLM", "SeedOssForCausalLM"}
 
 
 def _rope_theta(d: dict[str, Any], where: str, default: float) -> float:
@@ -1332,7 +1337,13 @@ def _families4_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any
       ``sliding_window``, 4096 when absent); no bias on q/k/v/o whatever attention_bias says
       (transformers' Ministral has none).
     - OLMo 3: OLMo2 with ``layer_types`` (absent: every 4th layer full, the others within
-      ``sliding_window``, 4096), each kind its own rope (_rope_by_layer_type); eps 1e-5."""
+      ``sliding_window``, 4096), each kind its own rope (_rope_by_layer_type); eps 1e-5.
+    - ERNIE 4.5 (dense): rotary on interleaved pairs (x[2i], x[2i + 1]), Cohere's layout;
+      ``use_bias`` (on q/k/v/o and the MLP: a ConfigError, the gated MLP has no bias);
+      head_dim 128, rope_theta 5e5, eps 1e-5 and a tied head by default.
+    - Seed-OSS: q/k/v biased by ``attention_bias`` (default true), o_proj by
+      ``attention_out_bias`` (default false); head_dim 128 by default; ``mlp_bias`` a
+      ConfigError."""
     if arch == "ArceeForCausalLM":
         return dict(hidden_act=_plain_act(d, arch, where, "relu2"),
                     mlp_bias=_flag(d, "mlp_bias", False, where),
@@ -1341,6 +1352,24 @@ def _families4_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any
         raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
                           f"{arch} (supported: 'silu')")
     n = d["num_hidden_layers"]
+    if arch in ("Ernie4_5ForCausalLM", "SeedOssForCausalLM"):
+        ernie = arch == "Ernie4_5ForCausalLM"
+        key = "use_bias" if ernie else "mlp_bias"
+        if _flag(d, key, False, where):
+            raise ConfigError(f"{where}: {key} true is not supported for {arch} (the "
+                              "gate/up/down projections have no bias here)")
+        head_dim = d.get("head_dim", 128)
+        if head_dim is None:
+            head_dim = d["hidden_size"] // d["num_attention_heads"]
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+            raise ConfigError(f"{where}: head_dim must be a positive integer, got {head_dim!r}")
+        if ernie:
+            return dict(head_dim=head_dim, rope_interleaved=True, attention_bias=False,
+                        rope_theta=_rope_theta(d, where, 500_000.0),
+                        rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5),
+                        tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
+        return dict(head_dim=head_dim, attention_bias=_flag(d, "attention_bias", True, where),
+                    attention_out_bias=_flag(d, "attention_out_bias", False, where))
     if arch == "MinistralForCausalLM":
         types = d.get("layer_types")
         if types is None:
@@ -1404,6 +1433,9 @@ class ModelConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k and v
+    # o_proj's bias where a family sets it apart from q/k/v's (Seed-OSS's attention_out_bias);
+    # None: with attention_bias, but for Qwen2 / Qwen2-MoE (none): o_proj_bias
+    attention_out_bias: bool | None = None
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm on each head of q and k
     sliding_window: int | None = None
     # Gemma 2/3, Cohere2: each layer's LAYER_TYPES entry (attention_window); (): every layer
@@ -1707,6 +1739,14 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] == "full_attention":
             return None
         return self.sliding_window
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether o_proj has a bias: ``attention_out_bias`` where set, else with q/k/v's
+        (``attention_bias``; Llama, Granite, OLMo2), but never for Qwen2 / Qwen2-MoE."""
+        if self.attention_out_bias is not None:
+            return self.attention_out_bias
+        return self.attention_bias and self.model_type not in ("qwen2", "qwen2_moe")
 
     def uses_rope(self, layer: int) -> bool:
         """Whether layer ``layer`` rotates q and k (all but ``nope_layers``, and none with

@@ -114,8 +114,8 @@ def _attention_params(cfg: ModelConfig) -> int:
     n = h * q_dim + 2 * h * kv_dim + q_dim * h
     if cfg.attention_bias:
         n += q_dim + 2 * kv_dim
-        if cfg.model_type not in ("qwen2", "qwen2_moe"):  # Llama's also biases o_proj
-            n += h
+    if cfg.o_proj_bias:  # Llama's with q/k/v's, Seed-OSS's on its own
+        n += h
     if cfg.qk_norm:  # Cohere's q/k LayerNorms have weights per head; Qwen3's one of head_dim
         # (Phi's LayerNorms a bias too)
         n += {"cohere": q_dim + kv_dim, "phi": 4 * d}.get(cfg.model_type, 2 * d)

@@ -1,10 +1,12 @@
 """SmolLM3 (Llama with NoPE layers: no_rope_layers / no_rope_layer_interval), Arcee / AFM
-(Llama with a non-gated ReLU^2 MLP), Ministral (Mistral with per-layer windows, layer_types)
-and OLMo 3 (OLMo2 with per-layer windows and a rope per layer kind): models/llama.py,
-arcee.py, olmo2.py; config._families4_fields.
+(Llama with a non-gated ReLU^2 MLP), Ministral (Mistral with per-layer windows, layer_types),
+OLMo 3 (OLMo2 with per-layer windows and a rope per layer kind), ERNIE 4.5 (Llama with
+rotary on interleaved pairs) and Seed-OSS (Llama with o_proj's bias apart from q/k/v's):
+models/llama.py, arcee.py, olmo2.py; config._families4_fields.
 
 CPU, fp32: greedy tokens equal transformers' for each family on prompts past the windows;
-NoPE, the windows, ReLU^2 and OLMo 3's two rope bases each shown to change the tokens; prompt
+NoPE, the windows, ReLU^2, OLMo 3's two rope bases and ERNIE's interleaved pairs each shown
+to change the tokens; prompt
 logprobs equal transformers' log-softmax; chunked prefill / preemption / prefix hits; SmolLM3
 on our Triton kernels (interpreter: the fused rotary + cache write on its rotary layers, the
 plain cache write on its NoPE ones); weights back under HF's names (Arcee's up_proj /
@@ -13,12 +15,14 @@ config fields, transformers' derived defaults and errors.
 GPU (marked gpu): fp32 on the Triton kernels and CUDA graphs gives transformers' tokens, and
 bf16 follows fp32 about as far as transformers' bf16 does.
 
-Every test needs transformers' config class for its family (SmolLM3Config ...: transformers
->= 4.53 / 4.54 / 4.55 / 4.57): it is skipped where the installed transformers lacks it.
+Every test needs transformers' config class for its family (SmolLM3Config, ArceeConfig,
+MinistralConfig, Olmo3Config, Ernie4_5Config, SeedOssConfig: transformers 4.53-4.57): it is
+skipped where the installed transformers lacks it.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,6 +75,16 @@ TINY: dict[str, tuple[str, dict]] = {
     "olmo3": ("Olmo3Config", dict(num_hidden_layers=2, num_key_value_heads=2,
                                   layer_types=[SLIDE, FULL], sliding_window=WINDOW,
                                   rope_parameters=TWO_ROPES)),
+    # rotary on interleaved pairs; head_dim set (Ernie4_5Config's default is 128)
+    "ernie": ("Ernie4_5Config", dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=16)),
+    # a head_dim other than hidden / heads, a tied head
+    "ernie_tied": ("Ernie4_5Config", dict(num_hidden_layers=2, num_key_value_heads=4,
+                                          head_dim=32, tie_word_embeddings=True)),
+    # q/k/v biased (SeedOssConfig's default), o_proj not
+    "seed_oss": ("SeedOssConfig", dict(num_hidden_layers=2, num_key_value_heads=2, head_dim=16)),
+    # the other way round: o_proj alone biased
+    "seed_oss_out": ("SeedOssConfig", dict(num_hidden_layers=2, num_key_value_heads=4, head_dim=32,
+                                           attention_bias=False, attention_out_bias=True)),
 }
 NAMES = sorted(TINY)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -134,6 +148,10 @@ def test_layers_rotate_and_window_as_configured(tiny):
         torch.testing.assert_close(lay.self_attn.rotary_emb.inv_freq.double(), want)
     mlp = layers("arcee")[0].mlp
     assert mlp.act.hidden_act == "relu2" and mlp.c_fc.bias is None
+    assert not layers("ernie")[0].self_attn.rotary_emb.is_neox  # interleaved pairs
+    for name, qkv, o in (("seed_oss", True, False), ("seed_oss_out", False, True)):
+        attn = layers(name)[1].self_attn
+        assert (attn.qkv_proj.bias is not None, attn.o_proj.bias is not None) == (qkv, o)
 
 
 def test_nope_windows_relu2_and_rope_bases_each_change_the_tokens(tiny):
@@ -160,9 +178,17 @@ def test_nope_windows_relu2_and_rope_bases_each_change_the_tokens(tiny):
     one_base = {SLIDE: TWO_ROPES[FULL], FULL: TWO_ROPES[FULL]}
     assert cpu_greedy(path, prompts) != cpu_greedy(
         path, prompts, hf_overrides={"rope_parameters": one_base})
+    path = tiny("ernie")  # rotate halves (Llama's layout) instead of interleaved pairs
+    llm = cpu_llm(path)
+    halves = replace(llm.engine.model.config, rope_interleaved=False)
+    for lay in llm.engine.model.model.layers:
+        lay.self_attn.rotary_emb = get_rope(halves, 512, 0)
+    neox = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert neox != cpu_greedy(path, prompts)
 
 
-@pytest.mark.parametrize("name", ["smollm3_window", "arcee_bias", "olmo3"])
+@pytest.mark.parametrize("name", ["smollm3_window", "arcee_bias", "olmo3", "ernie_tied",
+                                  "seed_oss_out"])
 def test_prompt_logprobs_match_transformers(tiny, name):
     """The logits themselves, not only their argmax: each prompt token's logprob is
     transformers' log-softmax."""
@@ -245,6 +271,14 @@ FULL_SIZE = {
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                   max_position_embeddings=65536, sliding_window=4096,
                   rope_theta=500_000.0),  # Olmo-3-7B
+    "ernie": dict(vocab_size=103424, hidden_size=1024, intermediate_size=3072,
+                  num_hidden_layers=18, num_attention_heads=16, num_key_value_heads=2,
+                  head_dim=128, max_position_embeddings=131072,
+                  tie_word_embeddings=True),  # ERNIE-4.5-0.3B
+    "seed_oss": dict(vocab_size=155136, hidden_size=5120, intermediate_size=27648,
+                     num_hidden_layers=64, num_attention_heads=80, num_key_value_heads=8,
+                     head_dim=128, max_position_embeddings=524288,
+                     rope_theta=10_000_000.0),  # Seed-OSS-36B
 }
 
 
@@ -266,6 +300,8 @@ def test_inspect_counts_full_size_models(name):
         assert "4096 on 24 of 32 layers" in report
     if name == "ministral":  # every layer sliding (MinistralConfig's default layer_types)
         assert cfg.layer_types == (SLIDE,) * 36 and cfg.sliding_window == 32768
+    if name == "ernie":
+        assert "all dims, interleaved pairs (GPT-J's layout)" in report
 
 
 def test_inspect_reports_nope_layers(tiny, capsys):
@@ -346,6 +382,23 @@ def test_config_fields():
     o = ModelConfig.from_hf({**_bare("olmo3", "rope_parameters"), "rope_theta": 1e6,
                              "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
     assert (o.rope_theta, o.rope_local_theta, o.rope_scaling.rope_type) == (1e6, 1e6, "linear")
+    # Ernie4_5Config's defaults: head_dim 128, base 5e5, eps 1e-5, a tied head; interleaved
+    e = ModelConfig.from_hf(_bare("ernie", "head_dim", "rope_parameters", "rms_norm_eps",
+                                  "tie_word_embeddings", "use_bias"))
+    assert (e.head_dim, e.rope_theta, e.rms_norm_eps, e.tie_word_embeddings, e.rope_interleaved,
+            e.attention_bias, e.o_proj_bias) == (128, 500_000.0, 1e-5, True, True, False, False)
+    # SeedOssConfig's: q/k/v biased, o_proj not, head_dim 128
+    o = ModelConfig.from_hf(_bare("seed_oss", "head_dim", "attention_bias", "attention_out_bias"))
+    assert (o.head_dim, o.attention_bias, o.o_proj_bias, o.rope_interleaved) == (
+        128, True, False, False)
+    o = ModelConfig.from_hf(_raw("seed_oss_out"))
+    assert (o.head_dim, o.attention_bias, o.o_proj_bias) == (32, False, True)
+    # every other family: o_proj biased with q/k/v, but Qwen2's
+    raw = _raw("ministral", architectures=["LlamaForCausalLM"], model_type="llama",
+               attention_bias=True)
+    assert ModelConfig.from_hf(raw).o_proj_bias
+    raw.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    assert not ModelConfig.from_hf(raw).o_proj_bias
 
 
 @pytest.mark.parametrize(("name", "edit", "message"), [
@@ -374,6 +427,11 @@ def test_config_fields():
      "the sliding layers' rope must be the default one \\(OLMo 3's\\)"),
     ("olmo3", dict(rms_norm_eps=0), "rms_norm_eps must be a positive number, got 0"),
     ("olmo3", dict(intermediate_size=None), r"missing required field\(s\): intermediate_size"),
+    ("ernie", dict(use_bias=True), "use_bias true is not supported for Ernie4_5ForCausalLM"),
+    ("ernie", dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported for Ernie4_5"),
+    ("seed_oss", dict(mlp_bias=True), "mlp_bias true is not supported for SeedOssForCausalLM"),
+    ("seed_oss", dict(attention_out_bias="no"), "attention_out_bias must be true or false"),
+    ("seed_oss", dict(head_dim=0), "head_dim must be a positive integer, got 0"),
 ])
 def test_bad_config_is_a_clear_error(name, edit, message):
     with pytest.raises(ConfigError, match=message):
@@ -381,7 +439,7 @@ def test_bad_config_is_a_clear_error(name, edit, message):
 
 
 def test_model_type_alone_names_the_architecture():
-    for name in ("smollm3", "arcee", "ministral", "olmo3"):
+    for name in ("smollm3", "arcee", "ministral", "olmo3", "ernie", "seed_oss"):
         raw = _raw(name)
         del raw["architectures"]
         assert ModelConfig.from_hf(raw).architecture == _arch(name)
@@ -391,7 +449,7 @@ def test_model_type_alone_names_the_architecture():
 def _gpu_checkpoint(tmp_path: Path, name: str, **overrides) -> Path:
     """head_dim 64, the smallest the Triton attention kernels take."""
     kw = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2)
-    if name == "ministral":
+    if name.startswith(("ministral", "ernie", "seed_oss")):  # head_dim of their own
         kw["head_dim"] = 64
     return build_tiny(tmp_path / name, name, **{**kw, **overrides})
 
