@@ -54,8 +54,9 @@ LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "O
     # SmolLM3 (NoPE layers), Arcee (a ReLU^2 MLP), Ministral (per-layer windows), OLMo 3
     # (OLMo2 with per-layer windows): _families4_fields
     "SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", "Olmo3ForCausalLM",
-    # ERNIE 4.5 (interleaved rotary), Seed-OSS (o_proj's bias apart)
-    "Ernie4_5ForCausalLM", "SeedOssForCausalLM"}
+    # ERNIE 4.5 (interleaved rotary), Seed-OSS (o_proj's bias apart), EXAONE 4 (OLMo2's
+    # post-norms, per-head q/k norms, NoPE on its full-attention layers)
+    "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM"}
 # the families whose AWQ / GPTQ (int4) checkpoints are read (models/int4_checkpoint.py):
 # every linear one of our ColumnParallelLinear / RowParallelLinear, found by the file's
 # module names (mapped through a family's HFNames); fp8 checkpoints are read for these and
@@ -111,6 +112,7 @@ _MODEL_TYPE_TO_ARCH = {
     "olmo3": "Olmo3ForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -1298,7 +1300,7 @@ def _rope_by_layer_type(d: dict[str, Any], where: str, family: str, full_theta: 
 
 
 _FAMILIES4 = {"SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", "Olmo3ForCausalLM",
-              "Ernie4_5ForCausalLM", "SeedOssForCausalLM"}
+              "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM"}
 
 
 def _rope_theta(d: dict[str, Any], where: str, default: float) -> float:
@@ -1343,7 +1345,12 @@ def _families4_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any
       head_dim 128, rope_theta 5e5, eps 1e-5 and a tied head by default.
     - Seed-OSS: q/k/v biased by ``attention_bias`` (default true), o_proj by
       ``attention_out_bias`` (default false); head_dim 128 by default; ``mlp_bias`` a
-      ConfigError."""
+      ConfigError.
+    - EXAONE 4: OLMo2's layer (post-norms) with Qwen3's per-head q/k RMSNorms (qk_norm) and
+      no biases; with a ``sliding_window``, ``layer_types`` (absent: every
+      ``sliding_window_pattern``-th (4) layer full) whose full-attention layers take no
+      positional embedding (NoPE) and sliding ones rotate and window; without one, every
+      layer full and rotating; eps 1e-5."""
     if arch == "ArceeForCausalLM":
         return dict(hidden_act=_plain_act(d, arch, where, "relu2"),
                     mlp_bias=_flag(d, "mlp_bias", False, where),
@@ -1370,6 +1377,17 @@ def _families4_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any
                         tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
         return dict(head_dim=head_dim, attention_bias=_flag(d, "attention_bias", True, where),
                     attention_out_bias=_flag(d, "attention_out_bias", False, where))
+    if arch == "Exaone4ForCausalLM":
+        eps = _positive_number(d, "rms_norm_eps", where, 1e-5)
+        out = dict(qk_norm=True, attention_bias=False, rms_norm_eps=eps)
+        if d.get("sliding_window", 4096) is None:  # transformers: no window, rotary everywhere
+            t = _layer_types({**d, "layer_types": d.get("layer_types") or [
+                "full_attention"] * n}, where, None)
+            _windows(t, d, arch, where, 4096)  # a sliding layer without a window: an error
+            return out | dict(layer_types=t, sliding_window=None)
+        t = _layer_types(d, where, d.get("sliding_window_pattern", 4))
+        return out | dict(layer_types=t, sliding_window=_windows(t, d, arch, where, 4096),
+                          nope_layers=tuple(i for i, k in enumerate(t) if k == "full_attention"))
     if arch == "MinistralForCausalLM":
         types = d.get("layer_types")
         if types is None:

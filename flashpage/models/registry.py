@@ -52,6 +52,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "SeedOssForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
     "ArceeForCausalLM": ("flashpage.models.arcee", "ArceeForCausalLM"),
     "Olmo3ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
+    "Exaone4ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
 }
 
 

@@ -1,7 +1,8 @@
 """SmolLM3 (Llama with NoPE layers: no_rope_layers / no_rope_layer_interval), Arcee / AFM
 (Llama with a non-gated ReLU^2 MLP), Ministral (Mistral with per-layer windows, layer_types),
 OLMo 3 (OLMo2 with per-layer windows and a rope per layer kind), ERNIE 4.5 (Llama with
-rotary on interleaved pairs) and Seed-OSS (Llama with o_proj's bias apart from q/k/v's):
+rotary on interleaved pairs), Seed-OSS (Llama with o_proj's bias apart from q/k/v's) and
+EXAONE 4 (OLMo2's post-norms, per-head q/k norms, NoPE on its full-attention layers):
 models/llama.py, arcee.py, olmo2.py; config._families4_fields.
 
 CPU, fp32: greedy tokens equal transformers' for each family on prompts past the windows;
@@ -16,7 +17,8 @@ GPU (marked gpu): fp32 on the Triton kernels and CUDA graphs gives transformers'
 bf16 follows fp32 about as far as transformers' bf16 does.
 
 Every test needs transformers' config class for its family (SmolLM3Config, ArceeConfig,
-MinistralConfig, Olmo3Config, Ernie4_5Config, SeedOssConfig: transformers 4.53-4.57): it is
+MinistralConfig, Olmo3Config, Ernie4_5Config, SeedOssConfig, Exaone4Config: transformers
+4.53-4.57): it is
 skipped where the installed transformers lacks it.
 """
 
@@ -85,6 +87,13 @@ TINY: dict[str, tuple[str, dict]] = {
     # the other way round: o_proj alone biased
     "seed_oss_out": ("SeedOssConfig", dict(num_hidden_layers=2, num_key_value_heads=4, head_dim=32,
                                            attention_bias=False, attention_out_bias=True)),
+    # every 2nd layer full attention and NoPE (1, 3), the others windowed and rotating
+    "exaone4": ("Exaone4Config", dict(num_hidden_layers=4, num_key_value_heads=2,
+                                      sliding_window=WINDOW, sliding_window_pattern=2)),
+    # no window: every layer full and rotating (EXAONE-4.0-1.2B's layout), a tied head
+    "exaone4_global": ("Exaone4Config", dict(num_hidden_layers=2, num_key_value_heads=4,
+                                             sliding_window=None, layer_types=[FULL, FULL],
+                                             tie_word_embeddings=True)),
 }
 NAMES = sorted(TINY)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,6 +158,13 @@ def test_layers_rotate_and_window_as_configured(tiny):
     mlp = layers("arcee")[0].mlp
     assert mlp.act.hidden_act == "relu2" and mlp.c_fc.bias is None
     assert not layers("ernie")[0].self_attn.rotary_emb.is_neox  # interleaved pairs
+    exa = layers("exaone4")
+    assert [lay.self_attn.attn.sliding_window for lay in exa] == [WINDOW, None] * 2
+    assert [lay.self_attn.rotary_emb is not None for lay in exa] == [True, False] * 2
+    assert tuple(exa[0].self_attn.q_norm.weight.shape) == (16,)  # per head, not hidden-wide
+    glob = layers("exaone4_global")
+    assert [lay.self_attn.attn.sliding_window for lay in glob] == [None, None]
+    assert all(lay.self_attn.rotary_emb is not None for lay in glob)
     for name, qkv, o in (("seed_oss", True, False), ("seed_oss_out", False, True)):
         attn = layers(name)[1].self_attn
         assert (attn.qkv_proj.bias is not None, attn.o_proj.bias is not None) == (qkv, o)
@@ -160,15 +176,17 @@ def test_nope_windows_relu2_and_rope_bases_each_change_the_tokens(tiny):
     OLMo 3 without their windows, Arcee with ReLU for ReLU^2, OLMo 3 with one rope base."""
     prompts = _prompts()
     path = tiny("smollm3")
-    ours = cpu_greedy(path, prompts)
-    assert ours != cpu_greedy(path, prompts, hf_overrides={"no_rope_layers": [1, 1, 1, 1]})
-    llm = cpu_llm(path)  # the same by hand: rotate the NoPE layers as the others
-    for lay in llm.engine.model.model.layers:
-        if lay.self_attn.rotary_emb is None:
-            lay.self_attn.rotary_emb = get_rope(llm.engine.model.config, 512, 0)
-    roped = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    assert roped != ours
-    for name in ("ministral", "olmo3"):
+    assert cpu_greedy(path, prompts) != cpu_greedy(
+        path, prompts, hf_overrides={"no_rope_layers": [1, 1, 1, 1]})
+    for name in ("smollm3", "exaone4"):  # by hand: rotate the NoPE layers as the others
+        path = tiny(name)
+        llm = cpu_llm(path)
+        for lay in llm.engine.model.model.layers:
+            if lay.self_attn.rotary_emb is None:
+                lay.self_attn.rotary_emb = get_rope(llm.engine.model.config, 512, 0)
+        roped = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert roped != cpu_greedy(path, prompts)
+    for name in ("ministral", "olmo3", "exaone4"):
         path = tiny(name)
         assert cpu_greedy(path, prompts) != cpu_greedy(path, prompts,
                                                        hf_overrides={"sliding_window": 512})
@@ -188,7 +206,7 @@ def test_nope_windows_relu2_and_rope_bases_each_change_the_tokens(tiny):
 
 
 @pytest.mark.parametrize("name", ["smollm3_window", "arcee_bias", "olmo3", "ernie_tied",
-                                  "seed_oss_out"])
+                                  "seed_oss_out", "exaone4"])
 def test_prompt_logprobs_match_transformers(tiny, name):
     """The logits themselves, not only their argmax: each prompt token's logprob is
     transformers' log-softmax."""
@@ -204,7 +222,9 @@ def test_prompt_logprobs_match_transformers(tiny, name):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["smollm3_window", "olmo3"])
+@pytest.mark.parametrize("name", [  # EXAONE 4: NoPE, windows and post-norms at once
+    "exaone4", pytest.param("smollm3_window", marks=pytest.mark.slow),
+    pytest.param("olmo3", marks=pytest.mark.slow)])
 def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny, name):
     """10 prompts (4 sharing a 32-token prefix) over several steps into a cache too small
     for all: chunked prefill, preemption, prefix hits, mixed steps; transformers' tokens
@@ -279,6 +299,10 @@ FULL_SIZE = {
                      num_hidden_layers=64, num_attention_heads=80, num_key_value_heads=8,
                      head_dim=128, max_position_embeddings=524288,
                      rope_theta=10_000_000.0),  # Seed-OSS-36B
+    "exaone4": dict(vocab_size=102400, hidden_size=5120, intermediate_size=27392,
+                    num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                    head_dim=128, max_position_embeddings=131072, sliding_window=4096,
+                    sliding_window_pattern=4, rope_theta=1_000_000.0),  # EXAONE-4.0-32B
 }
 
 
@@ -302,6 +326,9 @@ def test_inspect_counts_full_size_models(name):
         assert cfg.layer_types == (SLIDE,) * 36 and cfg.sliding_window == 32768
     if name == "ernie":
         assert "all dims, interleaved pairs (GPT-J's layout)" in report
+    if name == "exaone4":
+        assert "all dims; none on 16 of 64 layers (NoPE)" in report
+        assert "4096 on 48 of 64 layers" in report
 
 
 def test_inspect_reports_nope_layers(tiny, capsys):
@@ -394,6 +421,14 @@ def test_config_fields():
     o = ModelConfig.from_hf(_raw("seed_oss_out"))
     assert (o.head_dim, o.attention_bias, o.o_proj_bias) == (32, False, True)
     # every other family: o_proj biased with q/k/v, but Qwen2's
+    # Exaone4Config's: every 4th layer full (NoPE), a 4096 window, eps 1e-5, no biases
+    x = ModelConfig.from_hf({**_bare("exaone4", "layer_types", "sliding_window",
+                                     "sliding_window_pattern", "rms_norm_eps"),
+                             "num_hidden_layers": 8, "attention_bias": True})
+    assert (x.layer_types, x.sliding_window, x.nope_layers, x.rms_norm_eps, x.qk_norm,
+            x.attention_bias) == ((SLIDE, SLIDE, SLIDE, FULL) * 2, 4096, (3, 7), 1e-5, True, False)
+    x = ModelConfig.from_hf(_raw("exaone4_global"))
+    assert (x.layer_types, x.sliding_window, x.nope_layers) == ((FULL, FULL), None, ())
     raw = _raw("ministral", architectures=["LlamaForCausalLM"], model_type="llama",
                attention_bias=True)
     assert ModelConfig.from_hf(raw).o_proj_bias
@@ -432,6 +467,11 @@ def test_config_fields():
     ("seed_oss", dict(mlp_bias=True), "mlp_bias true is not supported for SeedOssForCausalLM"),
     ("seed_oss", dict(attention_out_bias="no"), "attention_out_bias must be true or false"),
     ("seed_oss", dict(head_dim=0), "head_dim must be a positive integer, got 0"),
+    ("exaone4", dict(layer_types=None, sliding_window_pattern="LLLG"),
+     "sliding_window_pattern must be a positive integer, got 'LLLG'"),
+    ("exaone4_global", dict(layer_types=[SLIDE, FULL]), "sliding_window must be a positive "
+     "integer for Exaone4ForCausalLM \\(layer_types has sliding_attention layers\\), got None"),
+    ("exaone4", dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported for Exaone4"),
 ])
 def test_bad_config_is_a_clear_error(name, edit, message):
     with pytest.raises(ConfigError, match=message):
@@ -439,7 +479,7 @@ def test_bad_config_is_a_clear_error(name, edit, message):
 
 
 def test_model_type_alone_names_the_architecture():
-    for name in ("smollm3", "arcee", "ministral", "olmo3", "ernie", "seed_oss"):
+    for name in ("smollm3", "arcee", "ministral", "olmo3", "ernie", "seed_oss", "exaone4"):
         raw = _raw(name)
         del raw["architectures"]
         assert ModelConfig.from_hf(raw).architecture == _arch(name)
@@ -465,7 +505,7 @@ def test_gpu_fp32_kernels_and_graphs_give_transformers_tokens(tmp_path, name):
     llm = assert_gpu_graphs_match_hf(path, random_prompts(8, 1, 120, seed=28))
     layers = llm.engine.model.model.layers
     assert layers[0].self_attn.rotary_emb.fused
-    if name.startswith("smollm3"):
+    if name.startswith("smollm3") or name == "exaone4":
         assert layers[1].self_attn.rotary_emb is None
 
 
