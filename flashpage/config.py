@@ -56,7 +56,9 @@ LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "O
     "SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", "Olmo3ForCausalLM",
     # ERNIE 4.5 (interleaved rotary), Seed-OSS (o_proj's bias apart), EXAONE 4 (OLMo2's
     # post-norms, per-head q/k norms, NoPE on its full-attention layers)
-    "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM"}
+    "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM",
+    # HunYuan dense (per-head q/k norms after rotary, a stretched rope base)
+    "HunYuanDenseV1ForCausalLM"}
 # the families whose AWQ / GPTQ (int4) checkpoints are read (models/int4_checkpoint.py):
 # every linear one of our ColumnParallelLinear / RowParallelLinear, found by the file's
 # module names (mapped through a family's HFNames); fp8 checkpoints are read for these and
@@ -113,6 +115,7 @@ _MODEL_TYPE_TO_ARCH = {
     "ernie4_5": "Ernie4_5ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -1299,8 +1302,29 @@ def _rope_by_layer_type(d: dict[str, Any], where: str, family: str, full_theta: 
                     "rope_type", scaling.get("type", "default")) != "default" else None)
 
 
+def _hunyuan_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """HunYuan dense's rope (see _families4_fields) and eps; its rope dict is read before
+    RopeScaling (which has no "dynamic"), so from here rope_scaling is None."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = _rope_theta(d, where, 10_000.0)
+    out: dict[str, Any] = dict(rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5))
+    if kind == "dynamic":
+        alpha = rope.get("alpha")
+        if not alpha:
+            raise ConfigError(f"{where}: rope type 'dynamic' without an alpha (NTK scaling by "
+                              "sequence length) is not supported for HunYuanDenseV1ForCausalLM")
+        if not isinstance(alpha, int | float) or isinstance(alpha, bool) or alpha <= 0:
+            raise ConfigError(f"{where}: rope alpha must be a positive number, got {alpha!r}")
+        dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+        return out | dict(rope_theta=theta * float(alpha) ** (dim / (dim - 2)), rope_scaling=None)
+    return out | dict(rope_theta=theta, rope_scaling=RopeScaling.from_dict(
+        rope if kind != "default" else None))
+
+
 _FAMILIES4 = {"SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", "Olmo3ForCausalLM",
-              "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM"}
+              "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM",
+              "HunYuanDenseV1ForCausalLM"}
 
 
 def _rope_theta(d: dict[str, Any], where: str, default: float) -> float:
@@ -1350,7 +1374,11 @@ def _families4_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any
       no biases; with a ``sliding_window``, ``layer_types`` (absent: every
       ``sliding_window_pattern``-th (4) layer full) whose full-attention layers take no
       positional embedding (NoPE) and sliding ones rotate and window; without one, every
-      layer full and rotating; eps 1e-5."""
+      layer full and rotating; eps 1e-5.
+    - HunYuan dense: per-head q/k RMSNorms after rotary (models/hunyuan.py); its rope
+      "dynamic" with a fixed ``alpha`` is the default rope of base rope_theta x alpha **
+      (head_dim / (head_dim - 2)) (transformers' ntk_alpha); "dynamic" without alpha (NTK
+      by sequence length) is a ConfigError; eps 1e-5."""
     if arch == "ArceeForCausalLM":
         return dict(hidden_act=_plain_act(d, arch, where, "relu2"),
                     mlp_bias=_flag(d, "mlp_bias", False, where),
@@ -1377,6 +1405,8 @@ def _families4_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any
                         tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
         return dict(head_dim=head_dim, attention_bias=_flag(d, "attention_bias", True, where),
                     attention_out_bias=_flag(d, "attention_out_bias", False, where))
+    if arch == "HunYuanDenseV1ForCausalLM":
+        return _hunyuan_fields(d, where)
     if arch == "Exaone4ForCausalLM":
         eps = _positive_number(d, "rms_norm_eps", where, 1e-5)
         out = dict(qk_norm=True, attention_bias=False, rms_norm_eps=eps)
@@ -1704,7 +1734,8 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings") or 2048,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            rope_scaling=RopeScaling.from_dict(rope_scaling),
+            # (a family reader's own, HunYuan's "dynamic" alpha rope, replaces it: not parsed)
+            rope_scaling=None if "rope_scaling" in variant else RopeScaling.from_dict(rope_scaling),
             hidden_act=hidden_act,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMA_FAMILY)),
             attention_bias=bool(bias),

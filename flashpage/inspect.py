@@ -116,7 +116,9 @@ def _attention_params(cfg: ModelConfig) -> int:
         n += q_dim + 2 * kv_dim
     if cfg.o_proj_bias:  # Llama's with q/k/v's, Seed-OSS's on its own
         n += h
-    if cfg.qk_norm:  # Cohere's q/k LayerNorms have weights per head; Qwen3's one of head_dim
+    # Cohere's q/k LayerNorms have weights per head; Qwen3's (HunYuan's, after rotary) one
+    # of head_dim
+    if cfg.qk_norm or cfg.model_type == "hunyuan_v1_dense":
         # (Phi's LayerNorms a bias too)
         n += {"cohere": q_dim + kv_dim, "phi": 4 * d}.get(cfg.model_type, 2 * d)
     if cfg.model_type in ("olmo2", "olmo3", "olmoe"):  # q_norm / k_norm over the whole projections

@@ -53,6 +53,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "ArceeForCausalLM": ("flashpage.models.arcee", "ArceeForCausalLM"),
     "Olmo3ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
     "Exaone4ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
+    "HunYuanDenseV1ForCausalLM": ("flashpage.models.hunyuan", "HunYuanDenseV1ForCausalLM"),
 }
 
 

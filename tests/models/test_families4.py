@@ -1,25 +1,27 @@
 """SmolLM3 (Llama with NoPE layers: no_rope_layers / no_rope_layer_interval), Arcee / AFM
 (Llama with a non-gated ReLU^2 MLP), Ministral (Mistral with per-layer windows, layer_types),
 OLMo 3 (OLMo2 with per-layer windows and a rope per layer kind), ERNIE 4.5 (Llama with
-rotary on interleaved pairs), Seed-OSS (Llama with o_proj's bias apart from q/k/v's) and
-EXAONE 4 (OLMo2's post-norms, per-head q/k norms, NoPE on its full-attention layers):
-models/llama.py, arcee.py, olmo2.py; config._families4_fields.
+rotary on interleaved pairs), Seed-OSS (Llama with o_proj's bias apart from q/k/v's),
+EXAONE 4 (OLMo2's post-norms, per-head q/k norms, NoPE on its full-attention layers) and
+HunYuan dense (per-head q/k norms after rotary, an alpha-stretched rope base): models/llama.py,
+arcee.py, olmo2.py, hunyuan.py; config._families4_fields.
 
 CPU, fp32: greedy tokens equal transformers' for each family on prompts past the windows;
-NoPE, the windows, ReLU^2, OLMo 3's two rope bases and ERNIE's interleaved pairs each shown
-to change the tokens; prompt
-logprobs equal transformers' log-softmax; chunked prefill / preemption / prefix hits; SmolLM3
-on our Triton kernels (interpreter: the fused rotary + cache write on its rotary layers, the
-plain cache write on its NoPE ones); weights back under HF's names (Arcee's up_proj /
-down_proj); ``flashpage inspect``'s parameter counts (tiny and the released shapes) and rows;
-config fields, transformers' derived defaults and errors.
+NoPE, the windows, ReLU^2, OLMo 3's two rope bases, ERNIE's interleaved pairs and HunYuan's
+alpha each shown to change the tokens; prompt logprobs equal transformers' log-softmax;
+chunked prefill / preemption / prefix hits; SmolLM3 and HunYuan on our Triton kernels
+(interpreter: the fused rotary + cache write on SmolLM3's rotary layers, the plain cache
+write on its NoPE ones; our rotary kernel on its own before HunYuan's q/k norms); weights
+back under HF's names (Arcee's up_proj / down_proj); ``flashpage inspect``'s parameter
+counts (tiny and the released shapes) and rows; config fields, transformers' derived
+defaults and errors.
 GPU (marked gpu): fp32 on the Triton kernels and CUDA graphs gives transformers' tokens, and
 bf16 follows fp32 about as far as transformers' bf16 does.
 
 Every test needs transformers' config class for its family (SmolLM3Config, ArceeConfig,
-MinistralConfig, Olmo3Config, Ernie4_5Config, SeedOssConfig, Exaone4Config: transformers
-4.53-4.57): it is
-skipped where the installed transformers lacks it.
+MinistralConfig, Olmo3Config, Ernie4_5Config, SeedOssConfig, Exaone4Config,
+HunYuanDenseV1Config: transformers 4.53-4.57): it is skipped where the installed
+transformers lacks it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ WINDOW = 16  # the sliding layers' window: the prompts run past it
 SLIDE, FULL = "sliding_attention", "full_attention"
 TWO_ROPES = {SLIDE: {"rope_type": "default", "rope_theta": 10_000.0},
              FULL: {"rope_type": "default", "rope_theta": 500_000.0}}
+
+ALPHA = {"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10_000.0, "factor": 1.0}
 
 # name -> (HF config class name, extra config kwargs); hidden 64, 4 heads
 TINY: dict[str, tuple[str, dict]] = {
@@ -94,6 +98,13 @@ TINY: dict[str, tuple[str, dict]] = {
     "exaone4_global": ("Exaone4Config", dict(num_hidden_layers=2, num_key_value_heads=4,
                                              sliding_window=None, layer_types=[FULL, FULL],
                                              tie_word_embeddings=True)),
+    # q/k norms after rotary; head_dim set (transformers' model needs one)
+    "hunyuan": ("HunYuanDenseV1Config", dict(num_hidden_layers=2, num_key_value_heads=2,
+                                             head_dim=16)),
+    # Hunyuan-7B's "dynamic" rope with a fixed alpha, attention biases
+    "hunyuan_alpha": ("HunYuanDenseV1Config", dict(num_hidden_layers=2, num_key_value_heads=4,
+                                                   head_dim=32, attention_bias=True,
+                                                   rope_parameters=ALPHA)),
 }
 NAMES = sorted(TINY)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -162,6 +173,8 @@ def test_layers_rotate_and_window_as_configured(tiny):
     assert [lay.self_attn.attn.sliding_window for lay in exa] == [WINDOW, None] * 2
     assert [lay.self_attn.rotary_emb is not None for lay in exa] == [True, False] * 2
     assert tuple(exa[0].self_attn.q_norm.weight.shape) == (16,)  # per head, not hidden-wide
+    hun = layers("hunyuan")[0].self_attn  # norms of head_dim, after the rotary it runs itself
+    assert tuple(hun.query_layernorm.weight.shape) == (16,) and not hun.qk_norm
     glob = layers("exaone4_global")
     assert [lay.self_attn.attn.sliding_window for lay in glob] == [None, None]
     assert all(lay.self_attn.rotary_emb is not None for lay in glob)
@@ -196,6 +209,9 @@ def test_nope_windows_relu2_and_rope_bases_each_change_the_tokens(tiny):
     one_base = {SLIDE: TWO_ROPES[FULL], FULL: TWO_ROPES[FULL]}
     assert cpu_greedy(path, prompts) != cpu_greedy(
         path, prompts, hf_overrides={"rope_parameters": one_base})
+    path = tiny("hunyuan_alpha")  # alpha 1: the plain rope base
+    assert cpu_greedy(path, prompts) != cpu_greedy(
+        path, prompts, hf_overrides={"rope_parameters": {**ALPHA, "alpha": 1.0}})
     path = tiny("ernie")  # rotate halves (Llama's layout) instead of interleaved pairs
     llm = cpu_llm(path)
     halves = replace(llm.engine.model.config, rope_interleaved=False)
@@ -206,7 +222,7 @@ def test_nope_windows_relu2_and_rope_bases_each_change_the_tokens(tiny):
 
 
 @pytest.mark.parametrize("name", ["smollm3_window", "arcee_bias", "olmo3", "ernie_tied",
-                                  "seed_oss_out", "exaone4"])
+                                  "seed_oss_out", "exaone4", "hunyuan_alpha"])
 def test_prompt_logprobs_match_transformers(tiny, name):
     """The logits themselves, not only their argmax: each prompt token's logprob is
     transformers' log-softmax."""
@@ -232,16 +248,19 @@ def test_staggered_batch_with_chunking_preemption_and_prefix_hits(tiny, name):
     assert_staggered_matches_hf(tiny(name), attention_backend="torch_native")
 
 
-def test_smollm3_on_our_kernels_matches_transformers(tmp_path):
-    """The triton backend (interpreter on the CPU): the fused rotary + cache-write kernel on
-    SmolLM3's rotary layer, the plain cache write on its NoPE one, and our attention; one
-    short prompt, head_dim 64 (the smallest the kernels take)."""
-    path = _gpu_checkpoint(tmp_path, "smollm3", num_hidden_layers=2)
+@pytest.mark.parametrize("name", ["smollm3", "hunyuan"])
+def test_on_our_kernels_matches_transformers(tmp_path, name):
+    """The triton backend (interpreter on the CPU), one short prompt, head_dim 64 (the
+    smallest the kernels take). SmolLM3: the fused rotary + cache-write kernel on its rotary
+    layer, the plain cache write on its NoPE one. HunYuan: our rotary kernel on its own
+    (q/k normed after it), then the plain cache write."""
+    path = _gpu_checkpoint(tmp_path, name, num_hidden_layers=2)
     prompts = random_prompts(1, 20, 20, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm = LLM(str(path), dtype="float32", device=DEV, block_size=16, attention_backend="triton")
     layers = llm.engine.model.model.layers
-    assert layers[0].self_attn.rotary_emb.fused and layers[1].self_attn.rotary_emb is None
+    assert layers[0].self_attn.rotary_emb.fused
+    assert (layers[1].self_attn.rotary_emb is None) == (name == "smollm3")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == hf_greedy(path, prompts, params.max_tokens)
 
@@ -303,6 +322,10 @@ FULL_SIZE = {
                     num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
                     head_dim=128, max_position_embeddings=131072, sliding_window=4096,
                     sliding_window_pattern=4, rope_theta=1_000_000.0),  # EXAONE-4.0-32B
+    "hunyuan": dict(vocab_size=128167, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=128, max_position_embeddings=32768, tie_word_embeddings=True,
+                    rope_parameters={**ALPHA, "rope_theta": 10_000.0}),  # Hunyuan-7B
 }
 
 
@@ -429,6 +452,12 @@ def test_config_fields():
             x.attention_bias) == ((SLIDE, SLIDE, SLIDE, FULL) * 2, 4096, (3, 7), 1e-5, True, False)
     x = ModelConfig.from_hf(_raw("exaone4_global"))
     assert (x.layer_types, x.sliding_window, x.nope_layers) == ((FULL, FULL), None, ())
+    # HunYuan's alpha rope: a plain one of base theta * alpha ** (d / (d - 2)); absent: 1e4
+    h = ModelConfig.from_hf(_raw("hunyuan_alpha"))
+    assert h.rope_scaling is None and h.rms_norm_eps == 1e-5
+    assert h.rope_theta == pytest.approx(10_000.0 * 1000.0 ** (32 / 30))
+    h = ModelConfig.from_hf(_bare("hunyuan", "rope_parameters", "rms_norm_eps"))
+    assert (h.rope_theta, h.rope_scaling, h.rms_norm_eps) == (10_000.0, None, 1e-5)
     raw = _raw("ministral", architectures=["LlamaForCausalLM"], model_type="llama",
                attention_bias=True)
     assert ModelConfig.from_hf(raw).o_proj_bias
@@ -472,6 +501,11 @@ def test_config_fields():
     ("exaone4_global", dict(layer_types=[SLIDE, FULL]), "sliding_window must be a positive "
      "integer for Exaone4ForCausalLM \\(layer_types has sliding_attention layers\\), got None"),
     ("exaone4", dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported for Exaone4"),
+    ("hunyuan", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+     "rope type 'dynamic' without an alpha .* is not supported for HunYuanDenseV1ForCausalLM"),
+    ("hunyuan", dict(rope_parameters={**ALPHA, "alpha": "big"}),
+     "rope alpha must be a positive number, got 'big'"),
+    ("hunyuan", dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported for HunYuan"),
 ])
 def test_bad_config_is_a_clear_error(name, edit, message):
     with pytest.raises(ConfigError, match=message):
@@ -479,7 +513,8 @@ def test_bad_config_is_a_clear_error(name, edit, message):
 
 
 def test_model_type_alone_names_the_architecture():
-    for name in ("smollm3", "arcee", "ministral", "olmo3", "ernie", "seed_oss", "exaone4"):
+    for name in ("smollm3", "arcee", "ministral", "olmo3", "ernie", "seed_oss", "exaone4",
+                 "hunyuan"):
         raw = _raw(name)
         del raw["architectures"]
         assert ModelConfig.from_hf(raw).architecture == _arch(name)
@@ -489,7 +524,7 @@ def test_model_type_alone_names_the_architecture():
 def _gpu_checkpoint(tmp_path: Path, name: str, **overrides) -> Path:
     """head_dim 64, the smallest the Triton attention kernels take."""
     kw = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2)
-    if name.startswith(("ministral", "ernie", "seed_oss")):  # head_dim of their own
+    if name.startswith(("ministral", "ernie", "seed_oss", "hunyuan")):  # head_dim of their own
         kw["head_dim"] = 64
     return build_tiny(tmp_path / name, name, **{**kw, **overrides})
 
