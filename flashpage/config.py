@@ -57,8 +57,9 @@ LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "O
     # ERNIE 4.5 (interleaved rotary), Seed-OSS (o_proj's bias apart), EXAONE 4 (OLMo2's
     # post-norms, per-head q/k norms, NoPE on its full-attention layers)
     "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM",
-    # HunYuan dense (per-head q/k norms after rotary, a stretched rope base)
-    "HunYuanDenseV1ForCausalLM"}
+    # HunYuan dense (per-head q/k norms after rotary, a stretched rope base), Apertus
+    # (xIELU in a non-gated MLP, per-head q/k norms)
+    "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM"}
 # the families whose AWQ / GPTQ (int4) checkpoints are read (models/int4_checkpoint.py):
 # every linear one of our ColumnParallelLinear / RowParallelLinear, found by the file's
 # module names (mapped through a family's HFNames); fp8 checkpoints are read for these and
@@ -116,6 +117,7 @@ _MODEL_TYPE_TO_ARCH = {
     "seed_oss": "SeedOssForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
+    "apertus": "ApertusForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -1324,7 +1326,7 @@ def _hunyuan_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
 
 _FAMILIES4 = {"SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", "Olmo3ForCausalLM",
               "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM",
-              "HunYuanDenseV1ForCausalLM"}
+              "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM"}
 
 
 def _rope_theta(d: dict[str, Any], where: str, default: float) -> float:
@@ -1378,7 +1380,25 @@ def _families4_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any
     - HunYuan dense: per-head q/k RMSNorms after rotary (models/hunyuan.py); its rope
       "dynamic" with a fixed ``alpha`` is the default rope of base rope_theta x alpha **
       (head_dim / (head_dim - 2)) (transformers' ntk_alpha); "dynamic" without alpha (NTK
-      by sequence length) is a ConfigError; eps 1e-5."""
+      by sequence length) is a ConfigError; eps 1e-5.
+    - Apertus: Arcee's non-gated MLP with xIELU (``hidden_act`` xielu, or a plain one), no
+      MLP bias whatever mlp_bias says (transformers' has none), per-head q/k norms
+      (qk_norm) before rotary; without any rope field, ApertusConfig's llama3 rope (base
+      1.2e7, factor 8 over 8192); eps 1e-5."""
+    if arch == "ApertusForCausalLM":
+        from flashpage.layers.activation import PLAIN_ACTIVATIONS
+
+        act = d.get("hidden_act") or "xielu"
+        if act != "xielu" and act not in PLAIN_ACTIVATIONS:
+            raise ConfigError(f"{where}: hidden_act {act!r} is not supported for {arch} "
+                              f"(supported: xielu, {', '.join(PLAIN_ACTIVATIONS)})")
+        out: dict[str, Any] = dict(hidden_act=act, mlp_bias=False, qk_norm=True,
+                                   rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5))
+        if not any(k in d for k in ("rope_parameters", "rope_scaling", "rope_theta")):
+            out.update(rope_theta=12_000_000.0, rope_scaling=RopeScaling.from_dict(dict(
+                rope_type="llama3", factor=8.0, original_max_position_embeddings=8192,
+                low_freq_factor=1.0, high_freq_factor=4.0)))
+        return out
     if arch == "ArceeForCausalLM":
         return dict(hidden_act=_plain_act(d, arch, where, "relu2"),
                     mlp_bias=_flag(d, "mlp_bias", False, where),

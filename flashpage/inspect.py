@@ -82,7 +82,7 @@ def parse_memory(s: str) -> int:
 # families whose MLP is not gated (c_fc -> act -> c_proj, under their names) and whose
 # LayerNorms have a bias (but Arcee's: RMSNorms)
 _PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "phi", "gptj", "falcon", "opt",
-              "bloom", "mpt", "arcee")
+              "bloom", "mpt", "arcee", "apertus")
 # norms a layer: input and post-attention; Gemma 2/3's pre- and post-feedforward ones too;
 # Cohere's (and Cohere2's), Phi's and GPT-J's one norm feeds attention and the MLP
 _NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "cohere2": 1, "phi": 1,
@@ -144,6 +144,7 @@ def _mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
         inter = cfg.intermediate_size
         if cfg.model_type in _PLAIN_MLP:  # c_fc, c_proj (not gated)
             n = 2 * h * inter + (inter + h if cfg.mlp_bias else 0)
+            n += 2 if cfg.hidden_act == "xielu" else 0  # Apertus: xIELU's alpha_p, alpha_n
         else:
             n = 3 * h * inter
         return n, n
@@ -212,7 +213,8 @@ _MERGED_ON_DISK = {"Phi3ForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM",
 _MERGED_NAMES = {"q_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
 # families whose checkpoints name our modules otherwise (their models' ``hf_names``)
 _RENAMED = {"GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
-            "OPTForCausalLM", "BloomForCausalLM", "MptForCausalLM", "ArceeForCausalLM"}
+            "OPTForCausalLM", "BloomForCausalLM", "MptForCausalLM", "ArceeForCausalLM",
+            "ApertusForCausalLM"}
 
 
 def _checkpoint_names(cfg: ModelConfig, out: list[tuple[tuple[str, ...], int, int]]
@@ -309,8 +311,8 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     # elementwise_affine hold neither weight nor bias
     affine = cfg.model_type != "olmo" and cfg.norm_elementwise_affine
     # (MPT's LayerNorms: a weight alone unless no_bias is false)
-    # (Arcee's: RMSNorms, no bias)
-    biased = (cfg.model_type in _PLAIN_MLP and cfg.model_type != "arcee"
+    # (Arcee's and Apertus': RMSNorms, no bias)
+    biased = (cfg.model_type in _PLAIN_MLP and cfg.model_type not in ("arcee", "apertus")
               and (cfg.model_type != "mpt" or cfg.attention_bias))
     norm = 0 if not affine else 2 * h if biased else h
     # GPT-2's wpe, OPT's embed_positions (2 rows more)

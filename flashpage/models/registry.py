@@ -54,6 +54,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Olmo3ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
     "Exaone4ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("flashpage.models.hunyuan", "HunYuanDenseV1ForCausalLM"),
+    "ApertusForCausalLM": ("flashpage.models.apertus", "ApertusForCausalLM"),
 }
 
 

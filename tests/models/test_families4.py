@@ -3,8 +3,9 @@
 OLMo 3 (OLMo2 with per-layer windows and a rope per layer kind), ERNIE 4.5 (Llama with
 rotary on interleaved pairs), Seed-OSS (Llama with o_proj's bias apart from q/k/v's),
 EXAONE 4 (OLMo2's post-norms, per-head q/k norms, NoPE on its full-attention layers) and
-HunYuan dense (per-head q/k norms after rotary, an alpha-stretched rope base): models/llama.py,
-arcee.py, olmo2.py, hunyuan.py; config._families4_fields.
+HunYuan dense (per-head q/k norms after rotary, an alpha-stretched rope base) and Apertus
+(xIELU in a non-gated MLP, per-head q/k norms): models/llama.py, arcee.py, olmo2.py,
+hunyuan.py, apertus.py; config._families4_fields.
 
 CPU, fp32: greedy tokens equal transformers' for each family on prompts past the windows;
 NoPE, the windows, ReLU^2, OLMo 3's two rope bases, ERNIE's interleaved pairs and HunYuan's
@@ -20,7 +21,7 @@ bf16 follows fp32 about as far as transformers' bf16 does.
 
 Every test needs transformers' config class for its family (SmolLM3Config, ArceeConfig,
 MinistralConfig, Olmo3Config, Ernie4_5Config, SeedOssConfig, Exaone4Config,
-HunYuanDenseV1Config: transformers 4.53-4.57): it is skipped where the installed
+HunYuanDenseV1Config, ApertusConfig: transformers 4.53-4.57): it is skipped where the installed
 transformers lacks it.
 """
 
@@ -105,6 +106,17 @@ TINY: dict[str, tuple[str, dict]] = {
     "hunyuan_alpha": ("HunYuanDenseV1Config", dict(num_hidden_layers=2, num_key_value_heads=4,
                                                    head_dim=32, attention_bias=True,
                                                    rope_parameters=ALPHA)),
+    # xIELU, ApertusConfig's llama3 rope (its original length under the prompts' span)
+    "apertus": ("ApertusConfig", dict(num_hidden_layers=2, num_key_value_heads=2,
+                                      rope_parameters=dict(
+                                          rope_type="llama3", rope_theta=12_000_000.0, factor=8.0,
+                                          original_max_position_embeddings=32,
+                                          low_freq_factor=1.0, high_freq_factor=4.0))),
+    # a plain activation (relu2) instead, attention biases, a tied head, the default rope
+    "apertus_plain": ("ApertusConfig", dict(num_hidden_layers=2, num_key_value_heads=4,
+                                            hidden_act="relu2", attention_bias=True,
+                                            tie_word_embeddings=True, rope_parameters=dict(
+                                                rope_type="default", rope_theta=10_000.0))),
 }
 NAMES = sorted(TINY)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -175,6 +187,9 @@ def test_layers_rotate_and_window_as_configured(tiny):
     assert tuple(exa[0].self_attn.q_norm.weight.shape) == (16,)  # per head, not hidden-wide
     hun = layers("hunyuan")[0].self_attn  # norms of head_dim, after the rotary it runs itself
     assert tuple(hun.query_layernorm.weight.shape) == (16,) and not hun.qk_norm
+    ap = layers("apertus")[0]
+    assert type(ap.mlp.act).__name__ == "XIELU" and ap.self_attn.qk_norm
+    assert layers("apertus_plain")[0].mlp.act.hidden_act == "relu2"
     glob = layers("exaone4_global")
     assert [lay.self_attn.attn.sliding_window for lay in glob] == [None, None]
     assert all(lay.self_attn.rotary_emb is not None for lay in glob)
@@ -222,7 +237,7 @@ def test_nope_windows_relu2_and_rope_bases_each_change_the_tokens(tiny):
 
 
 @pytest.mark.parametrize("name", ["smollm3_window", "arcee_bias", "olmo3", "ernie_tied",
-                                  "seed_oss_out", "exaone4", "hunyuan_alpha"])
+                                  "seed_oss_out", "exaone4", "hunyuan_alpha", "apertus"])
 def test_prompt_logprobs_match_transformers(tiny, name):
     """The logits themselves, not only their argmax: each prompt token's logprob is
     transformers' log-softmax."""
@@ -276,10 +291,32 @@ def test_relu2_is_transformers_relu_squared():
     assert torch.equal(PlainActivation("relu2")(-x.abs()), torch.zeros_like(x))
 
 
+def test_xielu_is_transformers_xielu():
+    """Our xIELU against transformers' (its Python form), at its init and at other learned
+    scalars, over both branches and around eps."""
+    from transformers.activations import XIELUActivation
+
+    from flashpage.layers.activation import XIELU
+
+    x = torch.cat([torch.randn(256, generator=torch.Generator().manual_seed(1)) * 4,
+                   torch.tensor([0.0, -1e-7, -1e-6, 1e-7])])
+    ours, hf = XIELU(), XIELUActivation(dtype=torch.float32)
+    assert torch.equal(ours(x), hf(x))
+    with torch.no_grad():
+        for m in (ours, hf):
+            m.alpha_p.fill_(0.3)
+            m.alpha_n.fill_(-1.2)
+    torch.testing.assert_close(ours(x), hf(x), rtol=0, atol=0)
+    assert (ours(x) != XIELU()(x)).any()  # the learned scalars matter
+
+
 # ----------------------------------------------------------------- loading, inspect
 @pytest.mark.parametrize("name", NAMES)
 def test_weights_come_back_under_hf_names(tiny, name):
     model, ref = load_and_round_trip(tiny(name))
+    if name == "apertus":  # xIELU's scalars and constant buffers, under HF's names
+        assert {"model.layers.1.mlp.act_fn.alpha_p", "model.layers.1.mlp.act_fn.beta",
+                "model.layers.0.feedforward_layernorm.weight"} <= ref.keys()
     if name.startswith("arcee"):  # the checkpoint's names, not our c_fc / c_proj
         assert "model.layers.0.mlp.up_proj.weight" in ref
         assert ("model.layers.0.mlp.up_proj.bias" in ref) == (name == "arcee_bias")
@@ -326,6 +363,9 @@ FULL_SIZE = {
                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                     head_dim=128, max_position_embeddings=32768, tie_word_embeddings=True,
                     rope_parameters={**ALPHA, "rope_theta": 10_000.0}),  # Hunyuan-7B
+    "apertus": dict(vocab_size=131072, hidden_size=4096, intermediate_size=21504,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    max_position_embeddings=65536),  # Apertus-8B
 }
 
 
@@ -458,6 +498,13 @@ def test_config_fields():
     assert h.rope_theta == pytest.approx(10_000.0 * 1000.0 ** (32 / 30))
     h = ModelConfig.from_hf(_bare("hunyuan", "rope_parameters", "rms_norm_eps"))
     assert (h.rope_theta, h.rope_scaling, h.rms_norm_eps) == (10_000.0, None, 1e-5)
+    # ApertusConfig's: xIELU, its llama3 rope where config.json names none, no MLP bias
+    a = ModelConfig.from_hf(_bare("apertus", "rope_parameters", "hidden_act", "rms_norm_eps")
+                            | {"mlp_bias": True})
+    assert (a.hidden_act, a.mlp_bias, a.qk_norm, a.rms_norm_eps, a.rope_theta) == (
+        "xielu", False, True, 1e-5, 12_000_000.0)
+    assert (a.rope_scaling.rope_type, a.rope_scaling.factor,
+            a.rope_scaling.original_max_position_embeddings) == ("llama3", 8.0, 8192)
     raw = _raw("ministral", architectures=["LlamaForCausalLM"], model_type="llama",
                attention_bias=True)
     assert ModelConfig.from_hf(raw).o_proj_bias
@@ -506,6 +553,8 @@ def test_config_fields():
     ("hunyuan", dict(rope_parameters={**ALPHA, "alpha": "big"}),
      "rope alpha must be a positive number, got 'big'"),
     ("hunyuan", dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported for HunYuan"),
+    ("apertus", dict(hidden_act="swish"), "hidden_act 'swish' is not supported for "
+     "ApertusForCausalLM \\(supported: xielu, gelu_pytorch_tanh"),
 ])
 def test_bad_config_is_a_clear_error(name, edit, message):
     with pytest.raises(ConfigError, match=message):
@@ -514,7 +563,7 @@ def test_bad_config_is_a_clear_error(name, edit, message):
 
 def test_model_type_alone_names_the_architecture():
     for name in ("smollm3", "arcee", "ministral", "olmo3", "ernie", "seed_oss", "exaone4",
-                 "hunyuan"):
+                 "hunyuan", "apertus"):
         raw = _raw(name)
         del raw["architectures"]
         assert ModelConfig.from_hf(raw).architecture == _arch(name)
