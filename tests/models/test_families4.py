@@ -200,40 +200,37 @@ def test_layers_rotate_and_window_as_configured(tiny):
 
 def test_nope_windows_relu2_and_rope_bases_each_change_the_tokens(tiny):
     """Each difference matters on these prompts (and ours equal transformers',
-    test_greedy_matches_transformers): SmolLM3 with its NoPE layers rotated, Ministral and
-    OLMo 3 without their windows, Arcee with ReLU for ReLU^2, OLMo 3 with one rope base."""
-    prompts = _prompts()
-    path = tiny("smollm3")
-    assert cpu_greedy(path, prompts) != cpu_greedy(
-        path, prompts, hf_overrides={"no_rope_layers": [1, 1, 1, 1]})
+    test_greedy_matches_transformers): SmolLM3's and EXAONE 4's NoPE layers rotated,
+    Ministral, OLMo 3 and EXAONE 4 without their windows, Arcee with ReLU for ReLU^2, OLMo 3
+    with one rope base, HunYuan without its alpha, ERNIE rotating halves."""
+    prompts = _prompts()[:2]
+    base: dict[str, list[list[int]]] = {}
+
+    def differs(name: str, llm=None, **overrides) -> bool:
+        if name not in base:
+            base[name] = cpu_greedy(tiny(name), prompts)
+        if llm is None:
+            return cpu_greedy(tiny(name), prompts, hf_overrides=overrides) != base[name]
+        return [o.outputs[0].token_ids
+                for o in llm.generate(prompts, GREEDY, use_tqdm=False)] != base[name]
+
+    assert differs("smollm3", no_rope_layers=[1, 1, 1, 1])
     for name in ("smollm3", "exaone4"):  # by hand: rotate the NoPE layers as the others
-        path = tiny(name)
-        llm = cpu_llm(path)
+        llm = cpu_llm(tiny(name))
         for lay in llm.engine.model.model.layers:
             if lay.self_attn.rotary_emb is None:
                 lay.self_attn.rotary_emb = get_rope(llm.engine.model.config, 512, 0)
-        roped = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        assert roped != cpu_greedy(path, prompts)
+        assert differs(name, llm)
     for name in ("ministral", "olmo3", "exaone4"):
-        path = tiny(name)
-        assert cpu_greedy(path, prompts) != cpu_greedy(path, prompts,
-                                                       hf_overrides={"sliding_window": 512})
-    path = tiny("arcee")
-    assert cpu_greedy(path, prompts) != cpu_greedy(path, prompts, hf_overrides={"hidden_act": "relu"})
-    path = tiny("olmo3")
-    one_base = {SLIDE: TWO_ROPES[FULL], FULL: TWO_ROPES[FULL]}
-    assert cpu_greedy(path, prompts) != cpu_greedy(
-        path, prompts, hf_overrides={"rope_parameters": one_base})
-    path = tiny("hunyuan_alpha")  # alpha 1: the plain rope base
-    assert cpu_greedy(path, prompts) != cpu_greedy(
-        path, prompts, hf_overrides={"rope_parameters": {**ALPHA, "alpha": 1.0}})
-    path = tiny("ernie")  # rotate halves (Llama's layout) instead of interleaved pairs
-    llm = cpu_llm(path)
+        assert differs(name, sliding_window=512)
+    assert differs("arcee", hidden_act="relu")
+    assert differs("olmo3", rope_parameters={SLIDE: TWO_ROPES[FULL], FULL: TWO_ROPES[FULL]})
+    assert differs("hunyuan_alpha", rope_parameters={**ALPHA, "alpha": 1.0})
+    llm = cpu_llm(tiny("ernie"))  # rotate halves (Llama's layout) instead of interleaved pairs
     halves = replace(llm.engine.model.config, rope_interleaved=False)
     for lay in llm.engine.model.model.layers:
         lay.self_attn.rotary_emb = get_rope(halves, 512, 0)
-    neox = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    assert neox != cpu_greedy(path, prompts)
+    assert differs("ernie", llm)
 
 
 @pytest.mark.parametrize("name", ["smollm3_window", "arcee_bias", "olmo3", "ernie_tied",
