@@ -50,7 +50,16 @@ GEMMA_FAMILY = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM",
                   "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
                   "GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
-                  "OPTForCausalLM"}
+                  "OPTForCausalLM"} | {
+    # SmolLM3 (NoPE layers), Arcee (a ReLU^2 MLP), Ministral (per-layer windows), OLMo 3
+    # (OLMo2 with per-layer windows): _families4_fields
+    "SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", "Olmo3ForCausalLM",
+    # ERNIE 4.5 (interleaved rotary), Seed-OSS (o_proj's bias apart), EXAONE 4 (OLMo2's
+    # post-norms, per-head q/k norms, NoPE on its full-attention layers)
+    "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM",
+    # HunYuan dense (per-head q/k norms after rotary, a stretched rope base), Apertus
+    # (xIELU in a non-gated MLP, per-head q/k norms)
+    "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM"}
 # the families whose AWQ / GPTQ (int4) checkpoints are read (models/int4_checkpoint.py):
 # every linear one of our ColumnParallelLinear / RowParallelLinear, found by the file's
 # module names (mapped through a family's HFNames); fp8 checkpoints are read for these and
@@ -100,6 +109,15 @@ _MODEL_TYPE_TO_ARCH = {
     "opt": "OPTForCausalLM",
     "bloom": "BloomForCausalLM",
     "mpt": "MptForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "arcee": "ArceeForCausalLM",
+    "ministral": "MinistralForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
+    "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
+    "apertus": "ApertusForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -555,6 +573,8 @@ def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
         return _falcon_fields(d, where)
     if arch == "OPTForCausalLM":
         return _opt_fields(d, where)
+    if arch in _FAMILIES4:
+        return _families4_fields(d, arch, where)
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
                           f"{arch} (supported: 'silu')")
@@ -620,8 +640,9 @@ def _cohere_fields(d: dict[str, Any], arch: str, where: str, head_dim: int) -> d
         # transformers' Cohere2 would neither window nor rotate any layer without one
         raise ConfigError(f"{where}: sliding_window must be a positive integer for {arch}, "
                           f"got {window!r}")
-    return out | dict(sliding_window=window, full_attention_nope=True,
-                      layer_types=_layer_types(d, where, d.get("sliding_window_pattern", 4)))
+    types = _layer_types(d, where, d.get("sliding_window_pattern", 4))
+    return out | dict(sliding_window=window, layer_types=types,
+                      nope_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"))
 
 
 def _starcoder2_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
@@ -1254,21 +1275,211 @@ def _gemma_fields(d: dict[str, Any], where: str, model_type: str) -> dict[str, A
         attn_logit_softcapping=_positive(d, "attn_logit_softcapping", caps[0], where),
         final_logit_softcapping=_positive(d, "final_logit_softcapping", caps[1], where))
     if model_type == "gemma3_text":
-        rp = d.get("rope_parameters") or {}
-        if "full_attention" in rp or "sliding_attention" in rp:
-            full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
-        else:
-            full = {"rope_theta": d.get("rope_theta", 1_000_000.0), **(d.get("rope_scaling") or {})}
-            local = {"rope_theta": d.get("rope_local_base_freq", 10_000.0)}
-        if local.get("rope_type", local.get("type", "default")) != "default":
-            raise ConfigError(f"{where}: the sliding layers' rope must be the default one "
-                              f"(Gemma 3's), got {local!r}")
-        scaling = {k: v for k, v in full.items() if k != "rope_theta"}
-        out.update(qk_norm=True, rope_theta=float(full.get("rope_theta", 1_000_000.0)),
-                   rope_local_theta=float(local.get("rope_theta", 10_000.0)),
-                   rope_scaling=scaling if scaling.get("rope_type", scaling.get("type", "default"))
-                   != "default" else None)
+        out.update(qk_norm=True, **_rope_by_layer_type(
+            d, where, "Gemma 3", 1_000_000.0, "rope_local_base_freq", 10_000.0))
     return out
+
+
+def _rope_by_layer_type(d: dict[str, Any], where: str, family: str, full_theta: float,
+                        local_key: str, local_theta: float) -> dict[str, Any]:
+    """rope_theta, rope_scaling (the full-attention layers') and rope_local_theta (the
+    sliding layers' base, their rope the default one) of a family whose two layer kinds
+    rotate by two ropes (Gemma 3, OLMo 3): transformers >= 5's rope_parameters keyed by
+    layer type, else the old rope_theta (``full_theta`` when absent) with rope_scaling for
+    the full layers and ``local_key`` (``local_theta`` when absent) for the sliding ones.
+    rope_scaling is returned as the dict HF writes (None: the default rope)."""
+    rp = d.get("rope_parameters") or {}
+    if "full_attention" in rp or "sliding_attention" in rp:
+        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+    else:
+        full = {"rope_theta": d.get("rope_theta", full_theta), **(d.get("rope_scaling") or {})}
+        local = {"rope_theta": d.get(local_key, local_theta)}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ConfigError(f"{where}: the sliding layers' rope must be the default one "
+                          f"({family}'s), got {local!r}")
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    return dict(rope_theta=float(full.get("rope_theta", full_theta)),
+                rope_local_theta=float(local.get("rope_theta", local_theta)),
+                rope_scaling=scaling if scaling.get(
+                    "rope_type", scaling.get("type", "default")) != "default" else None)
+
+
+def _hunyuan_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """HunYuan dense's rope (see _families4_fields) and eps; its rope dict is read before
+    RopeScaling (which has no "dynamic"), so from here rope_scaling is None."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = _rope_theta(d, where, 10_000.0)
+    out: dict[str, Any] = dict(rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5))
+    if kind == "dynamic":
+        alpha = rope.get("alpha")
+        if not alpha:
+            raise ConfigError(f"{where}: rope type 'dynamic' without an alpha (NTK scaling by "
+                              "sequence length) is not supported for HunYuanDenseV1ForCausalLM")
+        if not isinstance(alpha, int | float) or isinstance(alpha, bool) or alpha <= 0:
+            raise ConfigError(f"{where}: rope alpha must be a positive number, got {alpha!r}")
+        dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+        return out | dict(rope_theta=theta * float(alpha) ** (dim / (dim - 2)), rope_scaling=None)
+    return out | dict(rope_theta=theta, rope_scaling=RopeScaling.from_dict(
+        rope if kind != "default" else None))
+
+
+_FAMILIES4 = {"SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", "Olmo3ForCausalLM",
+              "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM",
+              "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM"}
+
+
+def _rope_theta(d: dict[str, Any], where: str, default: float) -> float:
+    """config.json's rope_theta (transformers >= 5: rope_parameters'), else ``default``: the
+    family's config class's (SmolLM3's 2e6, OLMo 3's 5e5), not Llama's 1e4."""
+    v = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", default))
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"{where}: rope_theta must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _windows(types: tuple[str, ...], d: dict[str, Any], arch: str, where: str,
+             default: Any) -> int | None:
+    """The window of ``types``' sliding_attention layers: ``sliding_window`` (``default``
+    where absent), a positive integer wherever a layer is sliding; None where none is."""
+    if "sliding_attention" not in types:
+        return None
+    window = d.get("sliding_window", default)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ConfigError(f"{where}: sliding_window must be a positive integer for {arch} "
+                          f"(layer_types has sliding_attention layers), got {window!r}")
+    return window
+
+
+def _families4_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """SmolLM3, Arcee, Ministral and OLMo 3 (their config classes' defaults where a field is
+    absent), each the Llama (OLMo 3: OLMo2) body with one difference:
+
+    - SmolLM3: no positional embedding on the layers whose ``no_rope_layers`` entry is 0
+      (absent: every ``no_rope_layer_interval``-th (4) layer, 1-based), held as
+      nope_layers; with ``use_sliding_window``, windows on its NoPE layers (``layer_types``,
+      as SmolLM3Config derives them); rope_theta 2e6, the head tied.
+    - Arcee (AFM): a non-gated MLP, up_proj -> ``hidden_act`` (relu2: ReLU squared) ->
+      down_proj (``mlp_bias``); RMSNorm eps 1e-5.
+    - Ministral: Mistral with ``layer_types`` (absent: every layer sliding when there is a
+      ``sliding_window``, 4096 when absent); no bias on q/k/v/o whatever attention_bias says
+      (transformers' Ministral has none).
+    - OLMo 3: OLMo2 with ``layer_types`` (absent: every 4th layer full, the others within
+      ``sliding_window``, 4096), each kind its own rope (_rope_by_layer_type); eps 1e-5.
+    - ERNIE 4.5 (dense): rotary on interleaved pairs (x[2i], x[2i + 1]), Cohere's layout;
+      ``use_bias`` (on q/k/v/o and the MLP: a ConfigError, the gated MLP has no bias);
+      head_dim 128, rope_theta 5e5, eps 1e-5 and a tied head by default.
+    - Seed-OSS: q/k/v biased by ``attention_bias`` (default true), o_proj by
+      ``attention_out_bias`` (default false); head_dim 128 by default; ``mlp_bias`` a
+      ConfigError.
+    - EXAONE 4: OLMo2's layer (post-norms) with Qwen3's per-head q/k RMSNorms (qk_norm) and
+      no biases; with a ``sliding_window``, ``layer_types`` (absent: every
+      ``sliding_window_pattern``-th (4) layer full) whose full-attention layers take no
+      positional embedding (NoPE) and sliding ones rotate and window; without one, every
+      layer full and rotating; eps 1e-5.
+    - HunYuan dense: per-head q/k RMSNorms after rotary (models/hunyuan.py); its rope
+      "dynamic" with a fixed ``alpha`` is the default rope of base rope_theta x alpha **
+      (head_dim / (head_dim - 2)) (transformers' ntk_alpha); "dynamic" without alpha (NTK
+      by sequence length) is a ConfigError; eps 1e-5.
+    - Apertus: Arcee's non-gated MLP with xIELU (``hidden_act`` xielu, or a plain one), no
+      MLP bias whatever mlp_bias says (transformers' has none), per-head q/k norms
+      (qk_norm) before rotary; without any rope field, ApertusConfig's llama3 rope (base
+      1.2e7, factor 8 over 8192); eps 1e-5."""
+    if arch == "ApertusForCausalLM":
+        from flashpage.layers.activation import PLAIN_ACTIVATIONS
+
+        act = d.get("hidden_act") or "xielu"
+        if act != "xielu" and act not in PLAIN_ACTIVATIONS:
+            raise ConfigError(f"{where}: hidden_act {act!r} is not supported for {arch} "
+                              f"(supported: xielu, {', '.join(PLAIN_ACTIVATIONS)})")
+        out: dict[str, Any] = dict(hidden_act=act, mlp_bias=False, qk_norm=True,
+                                   rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5))
+        if not any(k in d for k in ("rope_parameters", "rope_scaling", "rope_theta")):
+            out.update(rope_theta=12_000_000.0, rope_scaling=RopeScaling.from_dict(dict(
+                rope_type="llama3", factor=8.0, original_max_position_embeddings=8192,
+                low_freq_factor=1.0, high_freq_factor=4.0)))
+        return out
+    if arch == "ArceeForCausalLM":
+        return dict(hidden_act=_plain_act(d, arch, where, "relu2"),
+                    mlp_bias=_flag(d, "mlp_bias", False, where),
+                    rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5))
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
+                          f"{arch} (supported: 'silu')")
+    n = d["num_hidden_layers"]
+    if arch in ("Ernie4_5ForCausalLM", "SeedOssForCausalLM"):
+        ernie = arch == "Ernie4_5ForCausalLM"
+        key = "use_bias" if ernie else "mlp_bias"
+        if _flag(d, key, False, where):
+            raise ConfigError(f"{where}: {key} true is not supported for {arch} (the "
+                              "gate/up/down projections have no bias here)")
+        head_dim = d.get("head_dim", 128)
+        if head_dim is None:
+            head_dim = d["hidden_size"] // d["num_attention_heads"]
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+            raise ConfigError(f"{where}: head_dim must be a positive integer, got {head_dim!r}")
+        if ernie:
+            return dict(head_dim=head_dim, rope_interleaved=True, attention_bias=False,
+                        rope_theta=_rope_theta(d, where, 500_000.0),
+                        rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5),
+                        tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
+        return dict(head_dim=head_dim, attention_bias=_flag(d, "attention_bias", True, where),
+                    attention_out_bias=_flag(d, "attention_out_bias", False, where))
+    if arch == "HunYuanDenseV1ForCausalLM":
+        return _hunyuan_fields(d, where)
+    if arch == "Exaone4ForCausalLM":
+        eps = _positive_number(d, "rms_norm_eps", where, 1e-5)
+        out = dict(qk_norm=True, attention_bias=False, rms_norm_eps=eps)
+        if d.get("sliding_window", 4096) is None:  # transformers: no window, rotary everywhere
+            t = _layer_types({**d, "layer_types": d.get("layer_types") or [
+                "full_attention"] * n}, where, None)
+            _windows(t, d, arch, where, 4096)  # a sliding layer without a window: an error
+            return out | dict(layer_types=t, sliding_window=None)
+        t = _layer_types(d, where, d.get("sliding_window_pattern", 4))
+        return out | dict(layer_types=t, sliding_window=_windows(t, d, arch, where, 4096),
+                          nope_layers=tuple(i for i, k in enumerate(t) if k == "full_attention"))
+    if arch == "MinistralForCausalLM":
+        types = d.get("layer_types")
+        if types is None:
+            kind = "full_attention" if d.get("sliding_window", 4096) is None else "sliding_attention"
+            types = [kind] * n
+        t = _layer_types({**d, "layer_types": types}, where, None)
+        return dict(layer_types=t, sliding_window=_windows(t, d, arch, where, 4096),
+                    attention_bias=False)
+    if arch == "Olmo3ForCausalLM":
+        t = _layer_types(d, where, 4)
+        rope = _rope_by_layer_type(d, where, "OLMo 3", 500_000.0, "rope_theta", 500_000.0)
+        return dict(layer_types=t, sliding_window=_windows(t, d, arch, where, 4096),
+                    rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5),
+                    rope_theta=rope["rope_theta"], rope_local_theta=rope["rope_local_theta"],
+                    rope_scaling=RopeScaling.from_dict(rope["rope_scaling"]))
+    # SmolLM3
+    if _flag(d, "mlp_bias", False, where):
+        raise ConfigError(f"{where}: mlp_bias true is not supported for {arch} (the "
+                          "gate/up/down projections have no bias here)")
+    roped = d.get("no_rope_layers")
+    if roped is None:
+        every = _positive_int(d, "no_rope_layer_interval", where, default=4)
+        roped = [int((i + 1) % every != 0) for i in range(n)]
+    if not isinstance(roped, list | tuple) or len(roped) < n or any(
+            not isinstance(v, int) or v not in (0, 1) for v in roped):
+        raise ConfigError(f"{where}: no_rope_layers must list 1 (rotary) or 0 (NoPE) for each "
+                          f"of the {n} layers, got {roped!r}")
+    windowed = _flag(d, "use_sliding_window", False, where)
+    types = d.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if windowed and d.get("sliding_window") is not None
+                 and not roped[i] else "full_attention" for i in range(n)]
+    t = _layer_types({**d, "layer_types": types}, where, None)
+    if "sliding_attention" in t and not windowed:
+        raise ConfigError(f"{where}: layer_types has sliding_attention layers but "
+                          f"use_sliding_window is false for {arch} (transformers' attention "
+                          "paths disagree on those layers: sdpa windows them, flash-attention "
+                          "does not)")
+    return dict(nope_layers=tuple(i for i in range(n) if not roped[i]), layer_types=t,
+                sliding_window=_windows(t, d, arch, where, None),
+                rope_theta=_rope_theta(d, where, 2_000_000.0),
+                tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
 
 
 @dataclass(frozen=True)
@@ -1290,6 +1501,9 @@ class ModelConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k and v
+    # o_proj's bias where a family sets it apart from q/k/v's (Seed-OSS's attention_out_bias);
+    # None: with attention_bias, but for Qwen2 / Qwen2-MoE (none): o_proj_bias
+    attention_out_bias: bool | None = None
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm on each head of q and k
     sliding_window: int | None = None
     # Gemma 2/3, Cohere2: each layer's LAYER_TYPES entry (attention_window); (): every layer
@@ -1341,9 +1555,9 @@ class ModelConfig:
     # layout, instead of halves (x[i], x[i + rot_dim / 2])
     logit_scale: float = 1.0
     rope_interleaved: bool = False
-    # Cohere2: the full-attention layers (layer_types) take no positional embedding at all
-    # (NoPE: q and k unrotated; uses_rope); the sliding ones rotate
-    full_attention_nope: bool = False
+    # the layers that take no positional embedding at all (NoPE: q and k unrotated;
+    # uses_rope): Cohere2's full-attention layers (layer_types), SmolLM3's no_rope_layers zeros
+    nope_layers: tuple[int, ...] = ()
     # Starcoder2: the MLP's c_fc / c_proj have a bias (use_bias, with attention_bias); GPT-2's,
     # GPT-NeoX's and Phi's MLPs (under their names) always
     mlp_bias: bool = False
@@ -1540,7 +1754,8 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings") or 2048,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            rope_scaling=RopeScaling.from_dict(rope_scaling),
+            # (a family reader's own, HunYuan's "dynamic" alpha rope, replaces it: not parsed)
+            rope_scaling=None if "rope_scaling" in variant else RopeScaling.from_dict(rope_scaling),
             hidden_act=hidden_act,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in GEMMA_FAMILY)),
             attention_bias=bool(bias),
@@ -1594,12 +1809,18 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether o_proj has a bias: ``attention_out_bias`` where set, else with q/k/v's
+        (``attention_bias``; Llama, Granite, OLMo2), but never for Qwen2 / Qwen2-MoE."""
+        if self.attention_out_bias is not None:
+            return self.attention_out_bias
+        return self.attention_bias and self.model_type not in ("qwen2", "qwen2_moe")
+
     def uses_rope(self, layer: int) -> bool:
-        """Whether layer ``layer`` rotates q and k (all but Cohere2's full-attention layers,
-        and none with learned positions or ALiBi)."""
-        return not self.learned_positions and not self.alibi and not (
-            self.full_attention_nope and self.layer_types
-            and self.layer_types[layer] == "full_attention")
+        """Whether layer ``layer`` rotates q and k (all but ``nope_layers``, and none with
+        learned positions or ALiBi)."""
+        return not self.learned_positions and not self.alibi and layer not in self.nope_layers
 
     @property
     def attention_scale(self) -> float:

@@ -80,9 +80,9 @@ def parse_memory(s: str) -> int:
 
 # ------------------------------------------------------------------ parameters
 # families whose MLP is not gated (c_fc -> act -> c_proj, under their names) and whose
-# LayerNorms have a bias
+# LayerNorms have a bias (but Arcee's: RMSNorms)
 _PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "phi", "gptj", "falcon", "opt",
-              "bloom", "mpt")
+              "bloom", "mpt", "arcee", "apertus")
 # norms a layer: input and post-attention; Gemma 2/3's pre- and post-feedforward ones too;
 # Cohere's (and Cohere2's), Phi's and GPT-J's one norm feeds attention and the MLP
 _NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "cohere2": 1, "phi": 1,
@@ -114,12 +114,14 @@ def _attention_params(cfg: ModelConfig) -> int:
     n = h * q_dim + 2 * h * kv_dim + q_dim * h
     if cfg.attention_bias:
         n += q_dim + 2 * kv_dim
-        if cfg.model_type not in ("qwen2", "qwen2_moe"):  # Llama's also biases o_proj
-            n += h
-    if cfg.qk_norm:  # Cohere's q/k LayerNorms have weights per head; Qwen3's one of head_dim
+    if cfg.o_proj_bias:  # Llama's with q/k/v's, Seed-OSS's on its own
+        n += h
+    # Cohere's q/k LayerNorms have weights per head; Qwen3's (HunYuan's, after rotary) one
+    # of head_dim
+    if cfg.qk_norm or cfg.model_type == "hunyuan_v1_dense":
         # (Phi's LayerNorms a bias too)
         n += {"cohere": q_dim + kv_dim, "phi": 4 * d}.get(cfg.model_type, 2 * d)
-    if cfg.model_type in ("olmo2", "olmoe"):  # q_norm / k_norm over the whole projections
+    if cfg.model_type in ("olmo2", "olmo3", "olmoe"):  # q_norm / k_norm over the whole projections
         n += q_dim + kv_dim
     return n
 
@@ -142,6 +144,7 @@ def _mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
         inter = cfg.intermediate_size
         if cfg.model_type in _PLAIN_MLP:  # c_fc, c_proj (not gated)
             n = 2 * h * inter + (inter + h if cfg.mlp_bias else 0)
+            n += 2 if cfg.hidden_act == "xielu" else 0  # Apertus: xIELU's alpha_p, alpha_n
         else:
             n = 3 * h * inter
         return n, n
@@ -210,7 +213,8 @@ _MERGED_ON_DISK = {"Phi3ForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM",
 _MERGED_NAMES = {"q_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
 # families whose checkpoints name our modules otherwise (their models' ``hf_names``)
 _RENAMED = {"GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
-            "OPTForCausalLM", "BloomForCausalLM", "MptForCausalLM"}
+            "OPTForCausalLM", "BloomForCausalLM", "MptForCausalLM", "ArceeForCausalLM",
+            "ApertusForCausalLM"}
 
 
 def _checkpoint_names(cfg: ModelConfig, out: list[tuple[tuple[str, ...], int, int]]
@@ -307,7 +311,9 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
     # elementwise_affine hold neither weight nor bias
     affine = cfg.model_type != "olmo" and cfg.norm_elementwise_affine
     # (MPT's LayerNorms: a weight alone unless no_bias is false)
-    biased = cfg.model_type in _PLAIN_MLP and (cfg.model_type != "mpt" or cfg.attention_bias)
+    # (Arcee's and Apertus': RMSNorms, no bias)
+    biased = (cfg.model_type in _PLAIN_MLP and cfg.model_type not in ("arcee", "apertus")
+              and (cfg.model_type != "mpt" or cfg.attention_bias))
     norm = 0 if not affine else 2 * h if biased else h
     # GPT-2's wpe, OPT's embed_positions (2 rows more)
     wpe = (cfg.max_position_embeddings + cfg.position_offset) * h if cfg.learned_positions else 0
@@ -377,7 +383,8 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "position_rows": (cfg.max_position_embeddings + cfg.position_offset
                           if cfg.learned_positions else None),
         "rotary_interleaved": cfg.rope_interleaved,  # Cohere's pairs (x[2i], x[2i + 1])
-        # layers without any positional embedding (Cohere2's full-attention ones: NoPE)
+        # layers without any positional embedding (NoPE: Cohere2's full-attention ones,
+        # SmolLM3's no_rope_layers)
         "nope_layers": 0 if cfg.learned_positions else sum(
             not cfg.uses_rope(i) for i in range(cfg.num_hidden_layers)),
         "rope_scaling": None if cfg.rope_scaling is None else {
@@ -486,13 +493,13 @@ def format_report(info: dict[str, Any]) -> str:
             rows.append(("positions", f"learned ({table}, {info['position_rows']:,} rows: "
                                       f"max_model_len at most {n:,}), no rotary"))
         elif (info.get("rotary_dim") != info["head_dim"] or longrope
-              or info.get("rotary_interleaved")):
+              or info.get("rotary_interleaved") or info.get("nope_layers")):
             text = (f"first {info['rotary_dim']} of {info['head_dim']} dims"
                     if info.get("rotary_dim") != info["head_dim"] else "all dims")
             if info.get("rotary_interleaved"):
                 text += ", interleaved pairs (GPT-J's layout)"
             if info.get("nope_layers"):
-                text += (f"; none on the {info['nope_layers']} full-attention layers (NoPE)")
+                text += f"; none on {info['nope_layers']} of {layers} layers (NoPE)"
             if rope and longrope:
                 original = rope["original_max_position_embeddings"]
                 text += (f", longrope: long factors when max_model_len > {original}, "

@@ -30,10 +30,10 @@ _GELU_TANH = partial(F.gelu, approximate="tanh")
 # HF hidden_act -> the function (transformers' ACT2FN: "gelu" is the exact erf GELU,
 # "gelu_pytorch_tanh" torch's tanh approximation; "gelu_new" (Phi) and "gelu_fast"
 # (GPT-NeoX-20B) the same tanh formula written out in torch ops, equal up to rounding;
-# "relu" OPT's)
+# "relu" OPT's; "relu2" Arcee's ReLU squared, relu(x) ** 2 (transformers' ReLUSquaredActivation)
 PLAIN_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": _GELU_TANH, "gelu": F.gelu, "gelu_new": _GELU_TANH,
-    "gelu_fast": _GELU_TANH, "relu": F.relu}
+    "gelu_fast": _GELU_TANH, "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x))}
 
 
 class PlainActivation(nn.Module):
@@ -50,3 +50,30 @@ class PlainActivation(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fn(x)
+
+
+class XIELU(nn.Module):
+    """xIELU (Apertus's MLP activation, arXiv 2411.13010; transformers' XIELUActivation,
+    its Python form): learned ``alpha_p`` / ``alpha_n`` (stored before their softplus, [1]
+    each) and constant ``beta`` / ``eps`` (buffers the checkpoint holds)::
+
+        x > 0:  softplus(alpha_p) x^2 + beta x
+        x <= 0: (expm1(min(x, eps)) - x) (beta + softplus(alpha_n)) + beta x
+    """
+
+    beta: torch.Tensor
+    eps: torch.Tensor
+
+    def __init__(self, alpha_p: float = 0.8, alpha_n: float = 0.8, beta: float = 0.5,
+                 eps: float = -1e-6) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.tensor([alpha_p]).expm1().log())
+        self.alpha_n = nn.Parameter(torch.tensor([alpha_n - beta]).expm1().log())
+        self.register_buffer("beta", torch.tensor(beta))
+        self.register_buffer("eps", torch.tensor(eps))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x)

@@ -74,9 +74,9 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = h * d, kv * d
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, (h + 2 * kv) * d,
                                              bias=config.attention_bias)
-        # HF biases o_proj with q/k/v (Llama, Granite, OLMo2), but for Qwen2's
-        self.o_proj = RowParallelLinear(h * d, config.hidden_size, bias=config.attention_bias
-                                        and config.model_type not in ("qwen2", "qwen2_moe"))
+        # HF biases o_proj with q/k/v (Llama, Granite, OLMo2), but for Qwen2's (and Seed-OSS's
+        # own attention_out_bias)
+        self.o_proj = RowParallelLinear(h * d, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = norm_cls(d, config.rms_norm_eps)
             self.k_norm = norm_cls(d, config.rms_norm_eps)

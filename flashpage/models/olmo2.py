@@ -5,6 +5,10 @@ MLP), and q_norm / k_norm are RMSNorms over the WHOLE q and k projections (hidde
 ``heads * head_dim``, not per head as Qwen3's), before rotary. OLMoE's attention is this one
 (models/olmoe.py), with its ``clip_qkv`` clamp after the norms.
 
+OLMo 3 is this model with windows on its ``layer_types`` sliding layers and a rope per layer
+kind (config only); EXAONE 4 this layer with Llama's attention and per-head q/k norms
+(``config.qk_norm``) and NoPE on its full-attention layers (``config.nope_layers``).
+
 The residual stream keeps DecoderStack's convention: a layer returns (x, residual)
 whose sum is the hidden state, and the final norm adds them; no norm here can take the
 add (each norms a block's output, not the sum), so the layer adds on its own and the
@@ -47,7 +51,9 @@ class Olmo2Attention(LlamaAttention):
 class Olmo2DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
         super().__init__()
-        self.self_attn = Olmo2Attention(config, layer_idx, max_positions)
+        # EXAONE 4 (config.qk_norm): Llama's attention with Qwen3's per-head q/k norms
+        self.self_attn = (LlamaAttention(config, layer_idx, max_positions) if config.qk_norm
+                          else Olmo2Attention(config, layer_idx, max_positions))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

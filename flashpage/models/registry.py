@@ -44,6 +44,17 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GemmaForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("flashpage.models.gemma", "GemmaForCausalLM"),
+    # the Llama body with per-layer NoPE (SmolLM3) or windows (Ministral): config only
+    "SmolLM3ForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    "MinistralForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    # interleaved rotary (ERNIE 4.5), o_proj's own bias (Seed-OSS): config only
+    "Ernie4_5ForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    "SeedOssForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
+    "ArceeForCausalLM": ("flashpage.models.arcee", "ArceeForCausalLM"),
+    "Olmo3ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
+    "Exaone4ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
+    "HunYuanDenseV1ForCausalLM": ("flashpage.models.hunyuan", "HunYuanDenseV1ForCausalLM"),
+    "ApertusForCausalLM": ("flashpage.models.apertus", "ApertusForCausalLM"),
 }
 
 

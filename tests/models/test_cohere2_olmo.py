@@ -205,7 +205,7 @@ def test_inspect_counts_full_size_models(cls_name, kw):
     report = format_report(inspect_config(cfg, 80 * 2**30))
     if arch == "Cohere2ForCausalLM":
         assert hf.num_parameters() == 8_028_033_024
-        assert "none on the 8 full-attention layers (NoPE)" in report
+        assert "none on 8 of 32 layers (NoPE)" in report
         assert "4096 on 24 of 32 layers" in report
 
 
@@ -215,8 +215,8 @@ def test_inspect_reports_windows_and_nope_layers(tiny, capsys):
     assert main([str(tiny("cohere2_pattern"))]) == 0
     out = capsys.readouterr().out
     assert "Cohere2ForCausalLM (cohere2)" in out
-    assert ("all dims, interleaved pairs (GPT-J's layout); none on the 1 full-attention "
-            "layers (NoPE)") in out
+    assert ("all dims, interleaved pairs (GPT-J's layout); none on 1 of 4 layers "
+            "(NoPE)") in out
     assert "8 on 3 of 4 layers" in out
     assert main([str(tiny("olmo"))]) == 0
     out = capsys.readouterr().out

@@ -303,7 +303,7 @@ def test_config_fields():
     ("cohere", dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported for CohereForCausalLM"),
     ("starcoder2", dict(hidden_act="relu6"),
      r"hidden_act 'relu6' is not supported for Starcoder2ForCausalLM \(supported: "
-     r"gelu_pytorch_tanh, gelu, gelu_new, gelu_fast, relu\)"),
+     r"gelu_pytorch_tanh, gelu, gelu_new, gelu_fast, relu, relu2\)"),
     ("starcoder2", dict(norm_epsilon=0), "norm_epsilon must be a positive number, got 0"),
     ("starcoder2", dict(use_bias=1), "use_bias must be true or false, got 1"),
     ("starcoder2", dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),

@@ -337,7 +337,7 @@ def test_config_fields():
      r"word_embed_proj_dim must be a positive integer or null \(hidden_size\), got -1"),
     (dict(activation_function="relu6"),
      r"activation_function 'relu6' is not supported for OPTForCausalLM \(supported: "
-     r"gelu_pytorch_tanh, gelu, gelu_new, gelu_fast, relu\)"),
+     r"gelu_pytorch_tanh, gelu, gelu_new, gelu_fast, relu, relu2\)"),
     (dict(do_layer_norm_before="false"), "do_layer_norm_before must be true or false"),
     (dict(_remove_final_layer_norm=1), "_remove_final_layer_norm must be true or false, got 1"),
     (dict(enable_bias="yes"), "enable_bias must be true or false, got 'yes'"),
