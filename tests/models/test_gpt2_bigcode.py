@@ -356,7 +356,7 @@ def test_config_fields():
     ("gpt2", dict(n_inner=0), r"n_inner must be a positive integer or null \(4 \* n_embd\)"),
     ("gpt2", dict(activation_function="relu6"),
      r"activation_function 'relu6' is not supported for GPT2LMHeadModel \(supported: "
-     r"gelu_pytorch_tanh, gelu, gelu_new, gelu_fast, relu\)"),
+     r"gelu_pytorch_tanh, gelu, gelu_new, gelu_fast, relu, relu2\)"),
     ("gpt2", dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn true is not supported"),
     ("gpt2", dict(add_cross_attention=True), "add_cross_attention true is not supported"),
     ("gpt2", dict(scale_attn_weights="yes"), "scale_attn_weights must be true or false"),
