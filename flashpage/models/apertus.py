@@ -16,15 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 from flashpage.config import ModelConfig
 from flashpage.layers.activation import XIELU
-from flashpage.layers.linear import ColumnParallelLinear, VocabEmbedding
 from flashpage.layers.mlp import MLP
-from flashpage.layers.norm import RMSNorm
-from flashpage.models.common import DecoderStack, HFNames, PreNormDecoderLayer
-from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
+from flashpage.models.arcee import ArceeDecoderLayer, ArceeModel
+from flashpage.models.common import DecoderStack, HFNames
+from flashpage.models.llama import LlamaForCausalLM
 
 NAMES = HFNames({
     "model.layers.{}.attention_layernorm": "model.layers.{}.input_layernorm",
@@ -36,33 +34,21 @@ NAMES = HFNames({
 _BUFFERS = (".mlp.act.beta", ".mlp.act.eps")
 
 
-class ApertusDecoderLayer(PreNormDecoderLayer):
-    self_attn: LlamaAttention
-    mlp: MLP
+class ApertusDecoderLayer(ArceeDecoderLayer):
+    """Arcee's layer with xIELU in its MLP (another plain ``hidden_act`` as Arcee's) and no
+    MLP biases."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, max_positions: int) -> None:
-        super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = LlamaAttention(config, layer_idx, max_positions)
-        self.post_attention_layernorm = RMSNorm(h, eps)
+    def _mlp(self, config: ModelConfig) -> MLP:
         xielu = config.hidden_act == "xielu"
-        self.mlp = MLP(h, config.intermediate_size, "relu" if xielu else config.hidden_act,
-                       bias=False)
+        mlp = MLP(config.hidden_size, config.intermediate_size,
+                  "relu" if xielu else config.hidden_act, bias=False)
         if xielu:
-            self.mlp.act = XIELU()  # type: ignore[assignment]
-
-    def norm_consumers(self) -> tuple[ColumnParallelLinear, ColumnParallelLinear] | None:
-        return self.self_attn.qkv_proj, self.mlp.c_fc
+            mlp.act = XIELU()  # type: ignore[assignment]
+        return mlp
 
 
-class ApertusModel(DecoderStack):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            ApertusDecoderLayer(config, i, max_positions) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+class ApertusModel(ArceeModel):
+    layer_cls = ApertusDecoderLayer
 
 
 class ApertusForCausalLM(LlamaForCausalLM):

@@ -25,6 +25,8 @@ NAMES = HFNames({
 
 
 class ArceeDecoderLayer(PreNormDecoderLayer):
+    """Llama's pre-norm layer with a non-gated MLP (``_mlp``: Apertus's takes xIELU)."""
+
     self_attn: LlamaAttention
     mlp: MLP
 
@@ -34,18 +36,24 @@ class ArceeDecoderLayer(PreNormDecoderLayer):
         self.input_layernorm = RMSNorm(h, eps)
         self.self_attn = LlamaAttention(config, layer_idx, max_positions)
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = MLP(h, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
+        self.mlp = self._mlp(config)
+
+    def _mlp(self, config: ModelConfig) -> MLP:
+        return MLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                   bias=config.mlp_bias)
 
     def norm_consumers(self) -> tuple[ColumnParallelLinear, ColumnParallelLinear] | None:
         return self.self_attn.qkv_proj, self.mlp.c_fc
 
 
 class ArceeModel(DecoderStack):
+    layer_cls: type[ArceeDecoderLayer] = ArceeDecoderLayer
+
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            ArceeDecoderLayer(config, i, max_positions) for i in range(config.num_hidden_layers))
+            self.layer_cls(config, i, max_positions) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
