@@ -22,18 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from gpu_timing import paged_cache  # noqa: E402
 
 PAGE = 16
 SHAPES = {"phi2_80": (32, 80), "neox20b_96": (64, 96), "ref_128": (32, 128)}
-
-
-def _paged(batch: int, ctx: int, h: int, d: int, g: torch.Generator):
-    blocks = -(-ctx // PAGE)
-    kc = torch.randn(batch * blocks, PAGE, h, d, generator=g, device="cuda").bfloat16()
-    vc = torch.randn_like(kc)
-    tables = torch.randperm(batch * blocks, generator=g, device="cuda").int().view(batch, blocks)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    return kc, vc, tables, lens
 
 
 def _dense(cache: torch.Tensor, tables: torch.Tensor, ctx: int) -> torch.Tensor:
@@ -49,7 +41,7 @@ def decode_rows(name: str, batch: int, ctx: int) -> list[dict]:
 
     h, d = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(0)
-    kc, vc, tables, lens = _paged(batch, ctx, h, d, g)
+    kc, vc, tables, lens = paged_cache(batch, ctx, h, d, g, PAGE)
     q = torch.randn(batch, h, d, generator=g, device="cuda").bfloat16()
     k, v = _dense(kc, tables, ctx), _dense(vc, tables, ctx)
     nbytes = 2 * batch * ctx * h * d * 2
@@ -74,7 +66,7 @@ def prefill_rows(name: str, tokens: int) -> list[dict]:
 
     h, d = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(1)
-    kc, vc, tables, lens = _paged(1, tokens, h, d, g)
+    kc, vc, tables, lens = paged_cache(1, tokens, h, d, g, PAGE)
     q = torch.randn(tokens, h, d, generator=g, device="cuda").bfloat16()
     cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
     k, v = _dense(kc, tables, tokens), _dense(vc, tables, tokens)

@@ -22,17 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from gpu_timing import paged_cache  # noqa: E402
 
 HQ, HKV, D, PAGE, CAP, WINDOW = 16, 8, 256, 16, 50.0, 4096
-
-
-def _paged(batch: int, ctx: int, g: torch.Generator):
-    blocks = -(-ctx // PAGE)
-    kc = torch.randn(batch * blocks, PAGE, HKV, D, generator=g, device="cuda").bfloat16()
-    vc = torch.randn_like(kc)
-    tables = torch.randperm(batch * blocks, generator=g, device="cuda").int().view(batch, blocks)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    return kc, vc, tables, lens
 
 
 def decode_rows(batch: int, ctx: int) -> list[dict]:
@@ -41,7 +33,7 @@ def decode_rows(batch: int, ctx: int) -> list[dict]:
     from flashpage.kernels.paged_decode import paged_decode
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    kc, vc, tables, lens = _paged(batch, ctx, g)
+    kc, vc, tables, lens = paged_cache(batch, ctx, HKV, D, g, PAGE)
     q = torch.randn(batch, HQ, D, generator=g, device="cuda").bfloat16()
     scale = 224**-0.5  # Gemma-2-9B's query_pre_attn_scalar
     rows = []
@@ -59,7 +51,7 @@ def prefill_rows(tokens: int) -> list[dict]:
     from flashpage.kernels.flash_prefill import paged_prefill
 
     g = torch.Generator(device="cuda").manual_seed(1)
-    kc, vc, tables, lens = _paged(1, tokens, g)
+    kc, vc, tables, lens = paged_cache(1, tokens, HKV, D, g, PAGE)
     q = torch.randn(tokens, HQ, D, generator=g, device="cuda").bfloat16()
     cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
     scale = 224**-0.5

@@ -1,5 +1,5 @@
-"""GPU timing shared by the kernel benchmarks (run as ``python3 benchmarks/<name>.py``,
-so this module is importable as ``gpu_timing``)."""
+"""GPU timing (and inputs) shared by the kernel benchmarks (run as ``python3
+benchmarks/<name>.py``, so this module is importable as ``gpu_timing``)."""
 
 from __future__ import annotations
 
@@ -94,3 +94,16 @@ def copy_bandwidth() -> float:
     del a, b
     torch.cuda.empty_cache()
     return 2 * n * 2 / statistics.median(times) / 1e9
+
+
+def paged_cache(batch: int, ctx: int, kv_heads: int, head_dim: int, g: torch.Generator,
+                page: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random bf16 paged K/V cache of ``batch`` sequences of ``ctx`` tokens on CUDA, the
+    blocks in random order: (key_cache, value_cache [blocks, page, kv_heads, head_dim],
+    block_tables [batch, blocks per sequence] int32, seq_lens [batch] int32)."""
+    blocks = -(-ctx // page)
+    kc = torch.randn(batch * blocks, page, kv_heads, head_dim, generator=g, device="cuda").bfloat16()
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(batch * blocks, generator=g, device="cuda").int().view(batch, blocks)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return kc, vc, tables, lens
