@@ -69,17 +69,26 @@ class Workload:
                 f"max {max(self.outputs)}), max_tokens mean {statistics.mean(self.max_tokens):.0f}")
 
 
-def sharegpt_like(n: int, max_model_len: int, seed: int = 0) -> Workload:
+def _lognormal(name: str, n: int, max_model_len: int, seed: int, prompt: tuple[float, float, int, int],
+               output: tuple[float, float], max_out: int) -> Workload:
+    """n requests, prompt ~ round(LogNormal(ln median, sigma)) clipped to [lo, hi] (and
+    below max_model_len), real output ~ round(LogNormal(ln median, sigma)), the client's
+    max_tokens = min(max_out, what max_model_len leaves)."""
     rng = random.Random(seed)
+    (p_med, p_sigma, lo, hi), (o_med, o_sigma) = prompt, output
     prompts, max_tokens, outputs = [], [], []
     for _ in range(n):
-        plen = min(max(4, round(rng.lognormvariate(math.log(128), 1.0))), 1536, max_model_len - 1)
-        mt = min(1024, max_model_len - plen)
-        out = min(max(1, round(rng.lognormvariate(math.log(192), 1.0))), mt)
+        plen = min(max(lo, round(rng.lognormvariate(math.log(p_med), p_sigma))), hi, max_model_len - 1)
+        mt = min(max_out, max_model_len - plen)
+        out = min(max(1, round(rng.lognormvariate(math.log(o_med), o_sigma))), mt)
         prompts.append([rng.randrange(1, 32000) for _ in range(plen)])
         max_tokens.append(mt)
         outputs.append(out)
-    return Workload("sharegpt-like", prompts, max_tokens, outputs)
+    return Workload(name, prompts, max_tokens, outputs)
+
+
+def sharegpt_like(n: int, max_model_len: int, seed: int = 0) -> Workload:
+    return _lognormal("sharegpt-like", n, max_model_len, seed, (128, 1.0, 4, 1536), (192, 1.0), 1024)
 
 
 def shared_system_prompt(n: int, system_len: int, seed: int = 1) -> Workload:
@@ -95,16 +104,8 @@ def shared_system_prompt(n: int, system_len: int, seed: int = 1) -> Workload:
 
 
 def long_context(n: int, max_model_len: int, seed: int = 2) -> Workload:
-    rng = random.Random(seed)
-    prompts, max_tokens, outputs = [], [], []
-    for _ in range(n):
-        plen = min(max(512, round(rng.lognormvariate(math.log(4096), 0.5))), 12288, max_model_len - 1)
-        mt = min(2048, max_model_len - plen)
-        out = min(max(1, round(rng.lognormvariate(math.log(512), 0.7))), mt)
-        prompts.append([rng.randrange(1, 32000) for _ in range(plen)])
-        max_tokens.append(mt)
-        outputs.append(out)
-    return Workload("long contexts", prompts, max_tokens, outputs)
+    return _lognormal("long contexts", n, max_model_len, seed, (4096, 0.5, 512, 12288), (512, 0.7),
+                      2048)
 
 
 class ReservingKVCacheManager(KVCacheManager):
