@@ -250,9 +250,10 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self._blocks.get(rid)
         B = self.block_size
-        if (blocks is not None and self.sliding_window is not None
-                and self._releasable(request.num_computed_tokens) > self._num_released[rid]):
-            self._release(rid, self._releasable(request.num_computed_tokens))
+        if blocks is not None and self.sliding_window is not None:
+            upto = self._releasable(request.num_computed_tokens)
+            if upto > self._num_released[rid]:
+                self._release(rid, upto)
         if blocks is not None and not new_computed_blocks:
             # Fast path (most decode steps): the table already covers the new tokens.
             total = request.num_computed_tokens + num_new_tokens
