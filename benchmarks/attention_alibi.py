@@ -1,6 +1,7 @@
 """What ALiBi costs in our kernels (GPU): paged decode and paged prefill at Bloom-7B1 /
 MPT-7B's attention shape (32 heads of 128, MHA, bf16, block 16), each timed without ALiBi
-(the default dispatch: on Hopper the Gluon kernels) and with Bloom's slopes (the Triton
+(the default dispatch: on Hopper the Gluon kernels; and the Triton loops alone, "none
+(triton)": ALiBi's own cost is "alibi" against it) and with Bloom's slopes (the Triton
 loops: the Gluon kernels step aside), and against torch_native's ALiBi attention
 (masked_attention: what such a model would run on without our kernels). Medians of
 triton.testing.do_bench.
@@ -24,6 +25,22 @@ import torch  # noqa: E402
 from gpu_timing import paged_cache  # noqa: E402
 
 H, D, PAGE = 32, 128, 16
+# each case: its name, the Gluon switch it runs under, whether it passes the slopes
+CASES = (("none", "1", False), ("none (triton)", "0", False), ("alibi", "1", True))
+
+
+def _timed(env: str, value: str, fn) -> float:
+    from triton.testing import do_bench
+
+    old = os.environ.get(env)
+    os.environ[env] = value
+    try:
+        return do_bench(fn)
+    finally:
+        if old is None:
+            del os.environ[env]
+        else:
+            os.environ[env] = old
 
 
 def _slopes() -> torch.Tensor:
@@ -33,7 +50,6 @@ def _slopes() -> torch.Tensor:
 
 
 def decode_rows(batch: int, ctx: int) -> list[dict]:
-    from triton.testing import do_bench
 
     from flashpage.kernels.paged_decode import paged_decode
 
@@ -41,8 +57,10 @@ def decode_rows(batch: int, ctx: int) -> list[dict]:
     kc, vc, tables, lens = paged_cache(batch, ctx, H, D, g, PAGE)
     q = torch.randn(batch, H, D, generator=g, device="cuda").bfloat16()
     rows = []
-    for name, kw in (("none", {}), ("alibi", dict(alibi_slopes=_slopes()))):
-        ms = do_bench(lambda kw=kw: paged_decode(q, kc, vc, tables, lens, sm_scale=D**-0.5, **kw))
+    for name, gluon, alibi in CASES:
+        kw = dict(alibi_slopes=_slopes()) if alibi else {}
+        ms = _timed("FLASHPAGE_DECODE_GLUON_BF16", gluon,
+                    lambda kw=kw: paged_decode(q, kc, vc, tables, lens, sm_scale=D**-0.5, **kw))
         rows.append(dict(op="decode", batch=batch, context=ctx, case=name, us=round(ms * 1e3, 1)))
     return rows
 
@@ -59,9 +77,10 @@ def prefill_rows(tokens: int) -> list[dict]:
     cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
     slopes = _slopes()
     rows = []
-    for name, kw in (("none", {}), ("alibi", dict(alibi_slopes=slopes))):
-        ms = do_bench(lambda kw=kw: paged_prefill(q, kc, vc, tables, cu, lens, tokens, tokens,
-                                                  sm_scale=D**-0.5, **kw))
+    for name, gluon, alibi in CASES:
+        kw = dict(alibi_slopes=slopes) if alibi else {}
+        ms = _timed("FLASHPAGE_PREFILL_GLUON", gluon, lambda kw=kw: paged_prefill(
+            q, kc, vc, tables, cu, lens, tokens, tokens, sm_scale=D**-0.5, **kw))
         rows.append(dict(op="prefill", tokens=tokens, case=name, us=round(ms * 1e3, 1)))
     if tokens <= 4096:  # torch_native's path materializes [H, L, L] fp32 scores
         k, v = gather_paged(kc, tables[0], tokens), gather_paged(vc, tables[0], tokens)

@@ -131,7 +131,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start, seq_k,
-                kv_col, qpos, qk_scale, window, softcap, slope, stride_kt, stride_vt,
+                kv_col, qpos, qk_scale, window, softcap, slope, qpos0, stride_kt, stride_vt,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 HEAD_DIM: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -166,8 +166,8 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
             qk = qk * qk_scale
             if SOFTCAP:
                 qk = softcap_log2(qk, softcap)
-            if ALIBI:  # slope (base 2) x (key position - query position)
-                qk = qk + slope * (kpos[None, :] - qpos[:, None]).to(tl.float32)
+            if ALIBI:  # slope (base 2) x (key position - the tile's first query position)
+                qk = qk + (slope * (kpos - qpos0).to(tl.float32))[None, :]
             qk = tl.where(mask, qk, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
             # a row with no visible key so far keeps m = -inf; subtract 0 there, not -inf
@@ -186,7 +186,7 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
                 if SOFTCAP:
                     qk = softcap_log2(qk, softcap)
                 if ALIBI:
-                    qk = qk + slope * (kpos[None, :] - qpos[:, None]).to(tl.float32)
+                    qk = qk + (slope * (kpos - qpos0).to(tl.float32))[None, :]
                 m_ij = tl.maximum(m_i, tl.max(qk, 1))
                 p = tl.math.exp2(qk - m_ij[:, None])
             else:
@@ -273,8 +273,12 @@ def _prefill_fwd(
     s2 = tl.maximum(s1, full_end)
 
     qpos = offs_m + shift
+    qpos0 = m0 + shift
     slope = 0.0
     if ALIBI:  # this program's query head's slope, in base 2 as the scores
+        # Row i's bias slope * (j - qpos_i) is slope * (j - qpos0) less slope * (qpos_i - qpos0),
+        # a constant of the row the softmax cancels: each tile adds a [BLOCK_N] vector (one
+        # add an element, no [BLOCK_M, BLOCK_N] position difference); the LSE gets it back.
         slope = tl.load(Slopes + h) * 1.4426950408889634
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -287,15 +291,15 @@ def _prefill_fwd(
     if HAS_WINDOW:
         acc, l_i, m_i = _attn_stage(
             acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, s1, k_start, seq_k, kv_col, qpos,
-            qk_scale, window, softcap, slope, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
+            qk_scale, window, softcap, slope, qpos0, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
             PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False, SOFTCAP, ALIBI)
     acc, l_i, m_i = _attn_stage(
         acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s1, s2, k_start, seq_k, kv_col, qpos,
-        qk_scale, window, softcap, slope, stride_kt, stride_vt, False, CAUSAL, HAS_WINDOW, KV_MODE,
+        qk_scale, window, softcap, slope, qpos0, stride_kt, stride_vt, False, CAUSAL, HAS_WINDOW, KV_MODE,
         PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, WARP_SPEC, SOFTCAP, ALIBI)
     acc, l_i, m_i = _attn_stage(
         acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s2, hi, k_start, seq_k, kv_col, qpos,
-        qk_scale, window, softcap, slope, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
+        qk_scale, window, softcap, slope, qpos0, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
         PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False, SOFTCAP, ALIBI)
 
     row_ok = offs_m < seq_q
@@ -308,7 +312,10 @@ def _prefill_fwd(
         o_mask = o_mask & (offs_dv < V_DIM)[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=o_mask)
     if RETURN_LSE:
-        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        lse2 = m_i + tl.math.log2(l_safe)
+        if ALIBI:  # the row's constant the tiles left out
+            lse2 = lse2 - slope * (qpos - qpos0).to(tl.float32)
+        lse = tl.where(l_i == 0.0, float("-inf"), lse2 * 0.6931471805599453)
         tl.store(Lse + h.to(tl.int64) * stride_lse + q_start + offs_m, lse, mask=row_ok)
 
 
