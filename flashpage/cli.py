@@ -31,6 +31,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="one block table for every layer of a model mixing sliding-window and "
+                        "full-attention layers (default: KV cache groups; windowed layers give "
+                        "back the blocks behind their window)")
     g.add_argument("--attention-backend", default=None,
                    help="torch_native, triton or flex (default: the fastest that runs here; "
                         "or FLASHPAGE_ATTENTION_BACKEND)")
@@ -176,6 +180,7 @@ def build_llm(args: argparse.Namespace) -> Any:
                max_loras=getattr(args, "max_loras", 1), max_lora_rank=getattr(args, "max_lora_rank", 16),
                scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
                long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", 0),
+               disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),
                generation_config=getattr(args, "generation_config", "auto"),
                override_generation_config=getattr(args, "override_generation_config", None),
                hf_overrides=getattr(args, "hf_overrides", None))

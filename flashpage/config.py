@@ -1917,6 +1917,10 @@ class EngineConfig:
     # (0: up to the whole budget), so several long prompts advance side by side and none
     # takes the budget alone for many steps
     long_prefill_token_threshold: int = 0
+    # vLLM's --disable-hybrid-kv-cache-manager: a model whose layers mix a sliding window
+    # with full attention keeps one block table for all of them (every layer holds every
+    # token) instead of KV cache groups that give the windowed layers' blocks back
+    disable_hybrid_kv_cache_manager: bool = False
     attention_backend: str | None = None
     enforce_eager: bool = False
     # Schedule and prepare step N+1 while the device runs step N (its sampled tokens feed

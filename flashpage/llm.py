@@ -54,6 +54,7 @@ class LLM:
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  scheduling_policy: str = "fcfs", generation_config: str = "auto",
                  long_prefill_token_threshold: int = 0,
+                 disable_hybrid_kv_cache_manager: bool = False,
                  override_generation_config: dict[str, Any] | None = None,
                  hf_overrides: dict[str, Any] | None = None) -> None:
         cfg = EngineConfig(
@@ -67,6 +68,7 @@ class LLM:
             speculative_config=speculative_config, enable_lora=enable_lora, max_loras=max_loras,
             max_lora_rank=max_lora_rank, scheduling_policy=scheduling_policy,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             generation_config=generation_config,
             override_generation_config=override_generation_config, hf_overrides=hf_overrides)
         if kv_cache_memory is not None:

@@ -50,6 +50,27 @@ class AttentionMetadata:
     # Piecewise CUDA graphs (engine/cuda_graph.PiecewiseGraphs): an attention layer calls
     # split(run, inputs, out_shape) -> out in place of its core, run(md, *inputs) -> out.
     split: Callable[..., torch.Tensor] | None = None
+    # KV cache groups (kv_cache/hybrid.py: layers mixing a window with full attention):
+    # group g's metadata, its own block tables and slot mapping (groups[0] is this one);
+    # an attention layer reads groups[its kv_group]. None: one table for every layer.
+    groups: list[AttentionMetadata] | None = None
+
+    def for_group(self, tables: torch.Tensor, slots: torch.Tensor) -> AttentionMetadata:
+        """This step's metadata over another group's block tables and slot mapping (the
+        backend's prepare to be run on it: its extra is empty)."""
+        return AttentionMetadata(
+            self.num_actual_tokens, self.num_seqs, self.query_start_loc, self.seq_lens, tables,
+            slots, self.max_query_len, self.max_seq_len, self.num_decodes, self.num_decode_tokens,
+            self.query_lens_cpu, self.seq_lens_cpu, split=self.split)
+
+
+def with_groups(md: AttentionMetadata, others: list[tuple[torch.Tensor, torch.Tensor]],
+                prepare: Callable[[AttentionMetadata], AttentionMetadata]) -> AttentionMetadata:
+    """``md`` (prepared) with ``groups``: itself, then one metadata per (block tables, slot
+    mapping) of the other KV cache groups, each prepared; ``md`` unchanged without others."""
+    if others:
+        md.groups = [md, *(prepare(md.for_group(t, s)) for t, s in others)]
+    return md
 
 
 class AttentionBackend(ABC):

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flashpage.attention.backend import AttentionMetadata
+from flashpage.attention.backend import AttentionMetadata, with_groups
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -56,23 +56,53 @@ def _capture(run: Callable[[], torch.Tensor], pool: Any) -> tuple[torch.cuda.CUD
 
 class _StaticInputs:
     """The per-token inputs every graph kind replays from: input ids, positions and slot
-    mapping of up to ``rows`` tokens (padding rows: slot -1, no cache write)."""
+    mapping of up to ``rows`` tokens (padding rows: slot -1, no cache write); with KV cache
+    groups (``groups`` > 1, kv_cache/hybrid.py) each other group's slot mapping and, where
+    the graph holds block tables (``table_rows`` x ``table_width``), its tables too."""
 
-    def __init__(self, rows: int, device: torch.device) -> None:
+    def __init__(self, rows: int, device: torch.device, groups: int = 1,
+                 table_rows: int = 0, table_width: int = 0) -> None:
         i64 = torch.int64
         self.input_ids = torch.zeros(rows, dtype=i64, device=device)
         self.positions = torch.zeros(rows, dtype=i64, device=device)
         self.slot_mapping = torch.full((rows,), -1, dtype=i64, device=device)
+        self.group_slots = [torch.full((rows,), -1, dtype=i64, device=device)
+                            for _ in range(groups - 1)]
+        self.group_tables = [torch.zeros(table_rows, table_width, dtype=torch.int32, device=device)
+                             for _ in range(groups - 1)]
 
     def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-              padded: int) -> None:
-        """The step's ``n`` tokens into rows 0 .. n - 1; rows n .. padded - 1 write no slot."""
+              padded: int, md: AttentionMetadata | None = None) -> None:
+        """The step's ``n`` tokens into rows 0 .. n - 1; rows n .. padded - 1 write no slot
+        (each group's: ``md.groups``' slot mappings)."""
         n = input_ids.shape[0]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping[:n], non_blocking=True)
-        if padded > n:
-            self.slot_mapping[n:padded].fill_(-1)
+        pairs = [(self.slot_mapping, slot_mapping)]
+        if md is not None and md.groups is not None:
+            pairs += [(s, g.slot_mapping) for s, g in zip(self.group_slots, md.groups[1:], strict=True)]
+        for static, step in pairs:
+            static[:n].copy_(step[:n], non_blocking=True)
+            if padded > n:
+                static[n:padded].fill_(-1)
+
+    def _load_group_tables(self, md: AttentionMetadata, seqs: int) -> None:
+        """Each other group's tables of the step's ``k`` requests into rows 0 .. k - 1, rows
+        k .. seqs - 1 zeroed."""
+        if md.groups is None:
+            return
+        k = md.num_seqs
+        for static, g in zip(self.group_tables, md.groups[1:], strict=True):
+            static[:k, : g.block_tables.shape[1]].copy_(g.block_tables, non_blocking=True)
+            if seqs > k:
+                static[k:seqs].zero_()
+
+    def _with_groups(self, md: AttentionMetadata, seqs: int, tokens: int,
+                     prepare: Callable[[AttentionMetadata], AttentionMetadata] = lambda m: m
+                     ) -> AttentionMetadata:
+        """``md`` over the static buffers with the other groups' static metadata."""
+        return with_groups(md, [(t[:seqs], s[:tokens]) for t, s in
+                                zip(self.group_tables, self.group_slots, strict=True)], prepare)
 
 
 class DecodeGraphs(_StaticInputs):
@@ -86,8 +116,8 @@ class DecodeGraphs(_StaticInputs):
     CPU tests) run the same padded static-buffer forward eagerly."""
 
     def __init__(self, model: nn.Module, max_bs: int, max_blocks: int, device: torch.device,
-                 logits: bool = True) -> None:
-        super().__init__(max_bs, device)
+                 logits: bool = True, groups: int = 1) -> None:
+        super().__init__(max_bs, device, groups, max_bs, max_blocks)
         self.model = model
         self.device = device
         self.max_bs = max_bs
@@ -103,13 +133,13 @@ class DecodeGraphs(_StaticInputs):
         self.pool: Any = None  # the shared graph memory pool handle (torch's _POOL_HANDLE)
 
     def metadata(self, bs: int, max_seq_len: int, seq_lens_cpu: list[int] | None = None) -> AttentionMetadata:
-        return AttentionMetadata(
+        return self._with_groups(AttentionMetadata(
             num_actual_tokens=bs, num_seqs=bs,
             query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs], slot_mapping=self.slot_mapping[:bs],
             max_query_len=1, max_seq_len=max_seq_len, num_decodes=bs, num_decode_tokens=bs,
             query_lens_cpu=[1] * bs if seq_lens_cpu is not None else [],
-            seq_lens_cpu=seq_lens_cpu if seq_lens_cpu is not None else [])
+            seq_lens_cpu=seq_lens_cpu if seq_lens_cpu is not None else []), bs, bs)
 
     def forward(self, bs: int, md: AttentionMetadata) -> torch.Tensor:
         """The padded step of bucket ``bs`` over the static buffers -> logits [bs, V] (hidden
@@ -149,7 +179,8 @@ class DecodeGraphs(_StaticInputs):
         n = md.num_seqs
         bs = self.bucket(n)
         assert bs is not None
-        self._load(input_ids, positions, md.slot_mapping, bs)
+        self._load(input_ids, positions, md.slot_mapping, bs, md)
+        self._load_group_tables(md, bs)
         self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
         width = md.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(md.block_tables, non_blocking=True)
@@ -203,7 +234,7 @@ class PrefillGraphs(_StaticInputs):
     def __init__(self, model: nn.Module, prepare: Callable[[AttentionMetadata], AttentionMetadata],
                  max_tokens: int, max_blocks: int, block_size: int, device: torch.device,
                  seq_slots: tuple[int, ...] = PREFILL_SEQS, rows_per_seq: int = 1, *,
-                 tokens_per_seq: int | None = None, logits: bool = True) -> None:
+                 tokens_per_seq: int | None = None, logits: bool = True, groups: int = 1) -> None:
         self.model = model
         self.prepare = prepare
         self.device = device
@@ -220,7 +251,7 @@ class PrefillGraphs(_StaticInputs):
         self.capacity = max_blocks * block_size
         tokens, seqs = max(self.token_buckets, default=0), max(self.seq_slots, default=0)
         i32, i64 = torch.int32, torch.int64
-        super().__init__(tokens, device)
+        super().__init__(tokens, device, groups, seqs, max_blocks)
         self.query_start_loc = torch.zeros(seqs + 1, dtype=i32, device=device)
         self.seq_lens = torch.ones(seqs, dtype=i32, device=device)
         self.block_tables = torch.zeros(seqs, max_blocks, dtype=i32, device=device)
@@ -247,12 +278,12 @@ class PrefillGraphs(_StaticInputs):
         slot (the step's own, run eagerly: the torch_native backend reads them per request)."""
         max_q = min(tokens, self.tokens_per_seq or tokens)
         qlens, ctx = lens if lens is not None else ([max_q] * seqs, [self.capacity] * seqs)
-        md = self.prepare(AttentionMetadata(
+        md = self._with_groups(self.prepare(AttentionMetadata(
             num_actual_tokens=tokens, num_seqs=seqs,
             query_start_loc=self.query_start_loc[: seqs + 1], seq_lens=self.seq_lens[:seqs],
             block_tables=self.block_tables[:seqs], slot_mapping=self.slot_mapping[:tokens],
             max_query_len=max_q, max_seq_len=self.capacity, num_decodes=0, num_decode_tokens=0,
-            query_lens_cpu=qlens, seq_lens_cpu=ctx))
+            query_lens_cpu=qlens, seq_lens_cpu=ctx)), seqs, tokens, self.prepare)
         hidden = self.model(self.input_ids[:tokens], self.positions[:tokens], md)
         hidden = hidden[self.logits_indices[:self.rows((seqs, tokens))]]
         return self.model.compute_logits(hidden) if self.with_logits else hidden  # type: ignore[operator]
@@ -283,7 +314,8 @@ class PrefillGraphs(_StaticInputs):
         key = self.key(k, n)
         assert key is not None
         seqs, tokens = key
-        self._load(input_ids, positions, md.slot_mapping, tokens)
+        self._load(input_ids, positions, md.slot_mapping, tokens, md)
+        self._load_group_tables(md, seqs)
         self.query_start_loc[: k + 1].copy_(md.query_start_loc, non_blocking=True)
         if seqs > k:
             self.query_start_loc[k + 1: seqs + 1].fill_(n)  # padding slots: no queries
@@ -330,11 +362,11 @@ class PiecewiseGraphs(_StaticInputs):
 
     ``capture=False``: the same padded steps, each core run eagerly (CPU tests)."""
 
-    def __init__(self, model: nn.Module, max_tokens: int, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, max_tokens: int, device: torch.device, groups: int = 1) -> None:
         self.model = model
         self.device = device
         self.token_buckets = prefill_buckets(max_tokens)
-        super().__init__(self.token_buckets[-1], device)
+        super().__init__(self.token_buckets[-1], device, groups)
         self.inputs: list[torch.Tensor] = []  # flat static buffers, one per input position
         self.out = torch.empty(0, device=device)  # flat static output
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
@@ -366,6 +398,9 @@ class PiecewiseGraphs(_StaticInputs):
             seq_lens=self.slot_mapping[:0], block_tables=self.slot_mapping[:0].view(0, 0),
             slot_mapping=self.slot_mapping[:tokens], max_query_len=0, max_seq_len=0,
             num_decodes=0, num_decode_tokens=0, split=split)
+        # the pieces write each group's K/V through its static slot mapping; attention
+        # (between them) reads the step's own metadata, its groups included
+        md = self._with_groups(md, 0, tokens)
         return self.model(self.input_ids[:tokens], self.positions[:tokens], md)
 
     @torch.inference_mode()
@@ -426,7 +461,7 @@ class PiecewiseGraphs(_StaticInputs):
         n = md.num_actual_tokens
         tokens = self.bucket(n)
         assert tokens is not None
-        self._load(input_ids, positions, md.slot_mapping, tokens)
+        self._load(input_ids, positions, md.slot_mapping, tokens, md)
         if tokens not in self.pieces:  # not captured: the padded step, each core eagerly
             return self._forward(tokens, lambda run, inputs, out_shape: run(md, *inputs))[:n]
         pieces, calls = self.pieces[tokens], self.calls[tokens]

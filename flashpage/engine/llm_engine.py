@@ -30,6 +30,7 @@ from flashpage.engine.sequence import Request, RequestStatus, prompt_text_and_id
 from flashpage.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig, unpack_checked
 from flashpage.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from flashpage.generation_config import load_generation_defaults
+from flashpage.kv_cache.hybrid import GroupLayout, HybridKVCacheManager, group_layers
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.layers import ops
 from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
@@ -152,10 +153,18 @@ class LLMEngine:
         # to the pool as requests advance (kv_cache_manager), so a request holds about
         # window / block_size + 1 of them.
         self.release_window, slack = self._release_window()
+        # Layers mixing one window with full attention (Gemma 2/3, Cohere2, GPT-OSS, ...):
+        # KV cache groups, each its own tables over one pool (kv_cache/hybrid.py)
+        self.kv_layout = self._kv_groups()
         self.num_blocks = config.num_gpu_blocks or self._num_blocks()
-        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size,
-                                         config.enable_prefix_caching,
-                                         sliding_window=self.release_window, window_slack=slack)
+        self.kv_manager: KVCacheManager | HybridKVCacheManager
+        if self.kv_layout is not None:
+            self.kv_manager = HybridKVCacheManager(self.num_blocks, config.block_size,
+                                                   config.enable_prefix_caching, self.kv_layout.windows)
+        else:
+            self.kv_manager = KVCacheManager(self.num_blocks, config.block_size,
+                                             config.enable_prefix_caching,
+                                             sliding_window=self.release_window, window_slack=slack)
         kv = self.kv_manager
         if config.max_model_len is None and kv.max_blocks_held(
                 self.max_model_len, config.max_num_batched_tokens) > kv.num_usable_blocks:
@@ -171,7 +180,8 @@ class LLMEngine:
                                    long_prefill_token_threshold=config.long_prefill_token_threshold)
         backend = backend_cls(mc, self.device, self.dtype)
         self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
-                                  config.block_size, self.device, self.dtype, self.kv_dtype)
+                                  config.block_size, self.device, self.dtype, self.kv_dtype,
+                                  layout=self.kv_layout)
         self.runner.lora = self.lora
         # Decode-batch GEMMs: ours where it beats cuBLAS (fp8: W8A8) on this GPU (timed now,
         # before the graphs capture whichever is chosen); only beside our fused kernels.
@@ -201,6 +211,7 @@ class LLMEngine:
         if self.draft is not None:  # engine/draft_model.py
             assert self.spec_config is not None
             source, model, draft_backend = self.draft
+            assert isinstance(self.kv_manager, KVCacheManager)  # no KV cache groups with a draft
             self.proposer = build_draft_proposer(
                 self.spec_config, source, mc, model, draft_backend(source.config, self.device, self.dtype),
                 self.kv_manager, self.num_blocks, config.block_size, self.device, self.kv_dtype,
@@ -429,10 +440,22 @@ class LLMEngine:
                  if self.draft is not None and self.spec_config is not None else 0)
         return wins.pop(), slack
 
+    def _kv_groups(self) -> GroupLayout | None:
+        """KV cache groups when the model's attention layers mix one sliding window with
+        full attention; None (one table for all layers) otherwise, with a draft model (its
+        cache shares the target's tables), or when disable_hybrid_kv_cache_manager says so."""
+        mc = self.model_config
+        if self.config.disable_hybrid_kv_cache_manager or self.draft is not None or mc.is_mla:
+            return None
+        return group_layers([mc.attention_window(i) for i in range(mc.num_hidden_layers)])
+
     def _num_blocks(self) -> int:
         mc, cfg = self.model_config, self.config
         kv_dtype = str(self.kv_dtype).replace("torch.", "")
         per_token = mc.kv_bytes_per_token(kv_dtype)
+        lay = self.kv_layout
+        if lay is not None:  # a block is one layer's slot in each of num_slots tensors
+            per_token = mc.kv_bytes_per_token(kv_dtype, per_layer=True) * lay.num_slots
         if self.draft is not None:  # its pool has a block for each of the target's
             per_token += self.draft[0].config.kv_bytes_per_token(kv_dtype)
         per_block = per_token * cfg.block_size
@@ -445,10 +468,15 @@ class LLMEngine:
         # Never more blocks than max_num_seqs full-length requests could use (behind a
         # released window: its span and a step's tokens), and the null block.
         per_req = -(-self.max_model_len // cfg.block_size)
-        if self.release_window is not None:
-            span = self.release_window + cfg.max_num_batched_tokens + 64
+        window = self.release_window
+        if window is not None:
+            span = window + cfg.max_num_batched_tokens + 64
             per_req = min(per_req, -(-span // cfg.block_size) + 1)
-        cap = cfg.max_num_seqs * per_req + 1 + (self.release_window is not None)
+        if lay is not None:  # the full groups' whole runs, the windowed groups' spans
+            span = -(-(max(w or 0 for w in lay.windows) + cfg.max_num_batched_tokens + 64)
+                     // cfg.block_size) + 1
+            per_req = sum(per_req if w is None else min(per_req, span) for w in lay.windows)
+        cap = cfg.max_num_seqs * per_req + 1 + (window is not None or lay is not None)
         n = min(budget // per_block, cap)
         if n < 1:
             raise ValueError(

@@ -14,13 +14,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from flashpage.attention.backend import AttentionBackend, AttentionMetadata
+from flashpage.attention.backend import AttentionBackend, AttentionMetadata, with_groups
 from flashpage.config import ModelConfig
 from flashpage.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs, PrefillGraphs
 from flashpage.engine.sampler import PendingSample, Sampler
 from flashpage.engine.scheduler import SchedulerOutput
 from flashpage.engine.sequence import PLACEHOLDER, Request
 from flashpage.engine.spec_decode import guide_states, verify_drafts
+from flashpage.kv_cache.hybrid import GroupLayout, HybridKVCacheManager
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.lora.manager import LoRAManager
 from flashpage.pooling import PooledBatch, PoolingState
@@ -58,12 +59,16 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, backend: AttentionBackend,
-                 kv_manager: KVCacheManager, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> None:
+                 kv_manager: KVCacheManager | HybridKVCacheManager, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                 layout: GroupLayout | None = None) -> None:
         self.model = model
         self.config = model_config
         self.backend = backend
         self.kv_manager = kv_manager
+        # KV cache groups (kv_cache/hybrid.py): each attention layer's group and slot
+        self.layout = layout
+        self.num_groups = layout.num_groups if layout is not None else 1
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
@@ -74,7 +79,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
-        self._rows: dict[str, np.ndarray] = {}
+        self._rows: dict[tuple[str, int], np.ndarray] = {}
         # The last launched step's sampled tokens (on the device) and each request's row
         # in them: a next step's input that is still a PLACEHOLDER is read from there.
         self._prev_tokens: torch.Tensor | None = None
@@ -86,7 +91,7 @@ class ModelRunner:
     def capture_decode_graphs(self, max_bs: int, max_model_len: int) -> None:
         """Capture decode-step CUDA graphs (needs a backend without host syncs)."""
         max_blocks = _table_width(-(-max_model_len // self.block_size))
-        self.graphs = DecodeGraphs(self.model, max_bs, max_blocks, self.device)
+        self.graphs = DecodeGraphs(self.model, max_bs, max_blocks, self.device, groups=self.num_groups)
         self.graphs.capture()
 
     def capture_prefill_graphs(self, max_tokens: int, max_model_len: int, *, capture: bool = True,
@@ -98,7 +103,7 @@ class ModelRunner:
         max_blocks = _table_width(-(-max_model_len // self.block_size))
         self.prefill_graphs = PrefillGraphs(self.model, self.backend.prepare, max_tokens,
                                             max_blocks, self.block_size, self.device,
-                                            rows_per_seq=rows_per_seq)
+                                            rows_per_seq=rows_per_seq, groups=self.num_groups)
         if capture:
             self.prefill_graphs.capture(self.graphs.pool if self.graphs is not None else None)
 
@@ -106,7 +111,7 @@ class ModelRunner:
         """Piecewise graphs (all but attention) for the other steps of up to ``max_tokens``
         (<= 1024) tokens, in the decode graphs' pool (cuda_graph.PiecewiseGraphs).
         ``capture=False``: the same padded steps, run eagerly (tests on the CPU)."""
-        self.piecewise = PiecewiseGraphs(self.model, max_tokens, self.device)
+        self.piecewise = PiecewiseGraphs(self.model, max_tokens, self.device, self.num_groups)
         if capture:
             pool = self.prefill_graphs.pool if self.prefill_graphs is not None else None
             if pool is None and self.graphs is not None:
@@ -118,6 +123,25 @@ class ModelRunner:
         self.backend.bind_kv_cache(num_blocks, self.block_size)
         layers = self.model.attention_layers()  # type: ignore[operator]
         caches: list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor] = []
+        if self.layout is not None:  # one pair per slot: a block id is memory in each slot
+            lay = self.layout
+            if len(layers) != len(lay.layer_group):
+                raise ValueError(f"KV cache groups for {len(lay.layer_group)} layers, the model "
+                                 f"has {len(layers)} attention layers")
+            pairs = []
+            for _ in range(lay.num_slots):
+                shape = (num_blocks, self.block_size, layers[0].num_kv_heads, layers[0].head_dim)
+                pairs.append((torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                              torch.zeros(shape, dtype=self.kv_dtype, device=self.device)))
+            for i, layer in enumerate(layers):
+                g = lay.layer_group[i]
+                if layer.sliding_window != lay.windows[g] or \
+                        (layer.num_kv_heads, layer.head_dim) != (layers[0].num_kv_heads, layers[0].head_dim):
+                    raise ValueError(f"attention layer {i} (window {layer.sliding_window}) does not "
+                                     f"fit KV cache group {g} (window {lay.windows[g]})")
+                layer.kv_cache, layer.kv_group = pairs[lay.layer_slot[i]], g
+                layer.backend = self.backend
+            return list(pairs)
         for layer in layers:
             if getattr(layer, "is_mla", False):  # MLA: one latent tensor per layer
                 latent = torch.zeros(layer.kv_cache_shape(num_blocks, self.block_size),
@@ -141,22 +165,27 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def _table_row(self, req: Request) -> np.ndarray:
-        """The request's block table as int32, cached: blocks are only ever appended, or
-        their leading entries released (sliding window: pointed at the null block)."""
+    def _table_row(self, req: Request, group: int = 0) -> np.ndarray:
+        """The request's block table (of a KV cache group) as int32, cached: blocks are only
+        ever appended, or their leading entries released (sliding window: pointed at the
+        null block)."""
         rid = req.request_id
-        ids = self.kv_manager.get_block_ids(rid)
-        released = self.kv_manager.num_released(rid)
-        row = self._rows.get(rid)
+        kv = self.kv_manager
+        if isinstance(kv, HybridKVCacheManager):
+            ids, released = kv.get_block_ids(rid, group), kv.num_released(rid, group)
+        else:
+            ids, released = kv.get_block_ids(rid), kv.num_released(rid)
+        row = self._rows.get((rid, group))
         if (row is None or len(row) != len(ids) or (len(ids) and row[0] != ids[0])
                 or (released and row[released - 1] != ids[released - 1])):
             row = np.fromiter(ids, dtype=np.int32, count=len(ids))
-            self._rows[rid] = row
+            self._rows[rid, group] = row
         return row
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         for rid in (*out.finished_request_ids, *out.preempted_request_ids):
-            self._rows.pop(rid, None)
+            for g in range(self.num_groups):
+                self._rows.pop((rid, g), None)
         # Decodes (one new token) first; the kernels dispatch on that split. Decodes longest
         # context first: the decode kernel's grid then starts the longest programs first
         # (longest-processing-time order), so a ragged batch does not end on a few long
@@ -168,7 +197,8 @@ class ModelRunner:
         bs = self.block_size
         # One int64 staging array -> one host-to-device copy per step:
         # [input_ids | positions | slot_mapping | qsl | seq_lens | logits_idx | block_tables
-        #  | pending decodes' rows | LoRA slot of each token]
+        #  | pending decodes' rows | LoRA slot of each token | each other KV cache group's
+        #  slot mapping and block tables]
         rows = [self._table_row(r) for r, _ in sched]
         width = _table_width(max((len(r) for r in rows), default=1))
         # Requests whose range reaches their last known token get a logits row there; those
@@ -181,13 +211,19 @@ class ModelRunner:
                    if n == 1 and r.all_token_ids[r.num_computed_tokens] == PLACEHOLDER]
         n_pend = len(pending)
         lora = self.lora
+        extra = self.num_groups - 1  # the other KV cache groups' slot mappings and tables
         sizes = [total, total, total, num_seqs + 1, num_seqs, n_logits, num_seqs * width,
-                 n_pend, n_pend, total if lora is not None else 0]
+                 n_pend, n_pend, total if lora is not None else 0,
+                 *[total, num_seqs * width] * extra]
         offs = np.cumsum([0, *sizes])
         buf = np.zeros(int(offs[-1]), dtype=np.int64)
         input_ids, positions, slot_mapping, qsl, seq_lens, logits_idx, tables, pend_dst, \
             pend_src, lora_slots = (buf[offs[i]:offs[i + 1]] for i in range(10))
         tables2d = tables.reshape(num_seqs, width)
+        # group g >= 1: (its rows, its slot mapping, its tables) in the staging buffer
+        others = [([self._table_row(r, g) for r, _ in sched], buf[offs[8 + 2 * g]:offs[9 + 2 * g]],
+                   buf[offs[9 + 2 * g]:offs[10 + 2 * g]].reshape(num_seqs, width))
+                  for g in range(1, extra + 1)]
         sample_reqs: list[Request] = []
         prompt_rows: list[tuple[Request, int, int, int]] = []
         pool_rows: list[tuple[Request, int, int, int]] = []
@@ -201,6 +237,11 @@ class ModelRunner:
             end = start + n
             row = rows[i]
             tables2d[i, : len(row)] = row
+            for g_rows, g_slots, g_tables in others:
+                g_row = g_rows[i]
+                g_tables[i, : len(g_row)] = g_row
+                pos = np.arange(start, end, dtype=np.int64)
+                g_slots[t:t + n] = g_row[pos // bs].astype(np.int64) * bs + pos % bs
             if n == 1:
                 input_ids[t] = req.all_token_ids[start]
                 positions[t] = start
@@ -266,7 +307,9 @@ class ModelRunner:
             query_lens_cpu=qlens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        md = self.backend.prepare(md)
+        md = with_groups(self.backend.prepare(md), [
+            (dev[offs[9 + 2 * g]:offs[10 + 2 * g]].view(num_seqs, width).to(torch.int32),
+             dev[offs[8 + 2 * g]:offs[9 + 2 * g]]) for g in range(1, extra + 1)], self.backend.prepare)
         return StepInputs(d_input_ids, d_positions, md, d_logits, sample_reqs, prompt_rows, pool_rows,
                           spec)
 

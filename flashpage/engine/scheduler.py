@@ -47,6 +47,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from flashpage.engine.sequence import Request, RequestRefused, RequestStatus
+from flashpage.kv_cache.hybrid import HybridKVCacheManager
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 
 
@@ -106,7 +107,7 @@ def _order(req: Request) -> tuple[int, float, int]:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 kv_cache_manager: KVCacheManager, watermark: float = 0.0,
+                 kv_cache_manager: KVCacheManager | HybridKVCacheManager, watermark: float = 0.0,
                  max_loras: int = 0, policy: str = "fcfs",
                  long_prefill_token_threshold: int = 0) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:

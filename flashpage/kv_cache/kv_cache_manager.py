@@ -90,7 +90,12 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None, window_slack: int = 0):
+                 sliding_window: int | None = None, window_slack: int = 0, *,
+                 pool: BlockPool | None = None, null_block: KVCacheBlock | None = None,
+                 group: int = 0):
+        """``pool`` / ``null_block`` / ``group``: one group of a HybridKVCacheManager (its
+        layers' tables over a pool every group shares, the null block reserved there; the
+        group's prefix-cache keys are its own: ``group`` > 0 appends a byte to each hash)."""
         self.block_size = validate_block_size(block_size)
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -105,13 +110,21 @@ class KVCacheManager:
         # Positions before q0 - window + 1 - window_slack are released: the slack keeps the
         # keys a step may still read behind its first query (a draft model's catch-up).
         self.window_slack = window_slack
-        self.pool = BlockPool(num_blocks)
-        self.null_block: KVCacheBlock | None = None
-        if sliding_window is not None:  # released table entries point here; never allocated
-            self.null_block = self.pool.blocks[0]
-            self.pool.free_queue.remove(self.null_block)
-            self.null_block.ref_cnt = 1
-        self.num_reserved = 1 if sliding_window is not None else 0
+        self.group = group
+        self._key_suffix = bytes([group]) if group else b""
+        if pool is not None:  # a group of a hybrid cache: the null block reserved by it
+            self.pool, self.null_block = pool, null_block
+            self.num_reserved = 1 if null_block is not None else 0
+        else:
+            self.pool = BlockPool(num_blocks)
+            self.null_block = None
+            if sliding_window is not None:  # released table entries point here; never allocated
+                self.null_block = self.pool.blocks[0]
+                self.pool.free_queue.remove(self.null_block)
+                self.null_block.ref_cnt = 1
+            self.num_reserved = 1 if sliding_window is not None else 0
+        if sliding_window is not None and self.null_block is None:
+            raise ValueError("a sliding-window group needs the pool's null block")
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._num_stored: dict[str, int] = {}
@@ -184,6 +197,18 @@ class KVCacheManager:
         return min(n, self.blocks_needed(span) + 1)
 
     # --------------------------------------------------------------- allocation
+    def _keys(self, hashes: list[bytes], n: int) -> list[bytes]:
+        """The prefix-cache keys of a request's first ``n`` block hashes in this group."""
+        if not self._key_suffix:
+            return hashes
+        return [h + self._key_suffix for h in hashes[:n]]
+
+    def cacheable(self, request: Request) -> bool:
+        """Whether the request may take prefix hits at all."""
+        return (self.enable_prefix_caching and request.request_id not in self._blocks
+                and request.sampling_params.prompt_logprobs is None  # every position's logits
+                and not (request.pooling is not None and request.pooling.needs_every_position))
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Cached blocks holding the longest prefix of ``request.all_token_ids``.
 
@@ -191,38 +216,46 @@ class KVCacheManager:
         produces logits. Returns ``(blocks, num_tokens_hit)``; nothing is taken yet (pass
         the blocks to ``allocate_slots``).
         """
-        if (not self.enable_prefix_caching or request.request_id in self._blocks
-                or request.sampling_params.prompt_logprobs is not None  # every position's logits
-                or (request.pooling is not None and request.pooling.needs_every_position)):
+        if not self.cacheable(request):
             return [], 0
         B = self.block_size
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // B
-        root, root_cid = prefix_cache.cache_root(request.lora_int_id, request.cache_salt)
-        prefix_cache.update_block_hashes(request.block_hashes, tokens, B, max_blocks, root)
-        hits = prefix_cache.find_longest_cache_hit(self.pool, request.block_hashes, tokens, B,
-                                                   max_blocks, root_cid)
+        hits, root_cid = self.prefix_hit(request, max_blocks)
         if self.sliding_window is not None and len(hits) < max_blocks:
-            hits = self._window_hit(request, max_blocks, hits, root_cid)
+            found, run = self.window_runs(request, max_blocks, root_cid)
+            hits = next((h for k in range(max_blocks, len(hits), -1)
+                         if (h := self.window_hit_at(k, found, run)) is not None), hits)
         self._pending_query[request.request_id] = (len(tokens), len(hits) * B)
         return hits, len(hits) * B
 
-    def _window_hit(self, request: Request, max_blocks: int, prefix: list[KVCacheBlock],
-                    root_cid: prefix_cache.RootId) -> list[KVCacheBlock]:
+    def prefix_hit(self, request: Request, max_blocks: int
+                   ) -> tuple[list[KVCacheBlock], prefix_cache.RootId]:
+        """The longest plain prefix hit of at most ``max_blocks`` blocks (the request's
+        block hashes extended as far), and its chain's root content id."""
+        tokens = request.all_token_ids
+        root, root_cid = prefix_cache.cache_root(request.lora_int_id, request.cache_salt)
+        prefix_cache.update_block_hashes(request.block_hashes, tokens, self.block_size, max_blocks, root)
+        keys = self._keys(request.block_hashes, max_blocks)
+        return prefix_cache.find_longest_cache_hit(self.pool, keys, tokens, self.block_size,
+                                                   max_blocks, root_cid), root_cid
+
+    def window_runs(self, request: Request, max_blocks: int, root_cid: prefix_cache.RootId
+                    ) -> tuple[list[KVCacheBlock | None], list[int]]:
         """Behind a sliding window a hit of k blocks needs only the blocks its first query
         can see, ``[releasable(k*B), k)``, cached (released ones are evicted first: the
-        blocks before them need not be). The longest such k beyond ``prefix`` (the plain
-        longest-prefix hit) -> ``[null] * releasable + those blocks``; else ``prefix``.
-        Within the run each block's parent content id is checked against the block before
-        it (and its tokens against the request's); the run's first block, whose parent may
-        be gone, is vouched for by its chained hash alone (block 0's parent is the root's)."""
-        B, null = self.block_size, self.null_block
-        assert null is not None
-        tokens, hashes, cached = request.all_token_ids, request.block_hashes, self.pool.cached
+        blocks before them need not be). -> (found, run): block i's cached block (its tokens
+        the request's) or None, and how many consecutive matching blocks end at block i.
+        Within a run each block's parent content id is checked against the block before
+        it; the run's first block, whose parent may be gone, is vouched for by its chained
+        hash alone (block 0's parent is the root's). ``prefix_hit`` first: the hashes."""
+        B = self.block_size
+        tokens, cached = request.all_token_ids, self.pool.cached
+        keys = self._keys(request.block_hashes, max_blocks)
         run = [0] * max_blocks  # run[i]: consecutive matching blocks ending at block i
         found: list[KVCacheBlock | None] = [None] * max_blocks
         for i in range(max_blocks):
-            b = cached.get(hashes[i])
+            b = cached.get(keys[i])
             if b is None or b.token_ids != tuple(tokens[i * B:(i + 1) * B]):
                 continue
             if i == 0 and b.parent_cid != root_cid:
@@ -230,12 +263,18 @@ class KVCacheManager:
             found[i] = b
             prev = found[i - 1] if i else None
             run[i] = run[i - 1] + 1 if prev is not None and b.parent_cid == prev.content_id else 1
-        for k in range(max_blocks, len(prefix), -1):
-            lo = min(self._releasable(k * B), k)
-            if run[k - 1] >= k - lo:
-                kept = [b for b in found[lo:k] if b is not None]
-                return [null] * lo + kept
-        return prefix
+        return found, run
+
+    def window_hit_at(self, k: int, found: list[KVCacheBlock | None], run: list[int]
+                      ) -> list[KVCacheBlock] | None:
+        """A window hit of exactly ``k`` blocks from ``window_runs``' arrays ->
+        ``[null] * releasable + the blocks the first query sees``; None if there is none."""
+        null = self.null_block
+        assert null is not None
+        lo = min(self._releasable(k * self.block_size), k)
+        if k == 0 or run[k - 1] < k - lo:
+            return None
+        return [null] * lo + [b for b in found[lo:k] if b is not None]
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None
@@ -251,9 +290,7 @@ class KVCacheManager:
         blocks = self._blocks.get(rid)
         B = self.block_size
         if blocks is not None and self.sliding_window is not None:
-            upto = self._releasable(request.num_computed_tokens)
-            if upto > self._num_released[rid]:
-                self._release(rid, upto)
+            self.release_behind_window(request)
         if blocks is not None and not new_computed_blocks:
             # Fast path (most decode steps): the table already covers the new tokens.
             total = request.num_computed_tokens + num_new_tokens
@@ -263,19 +300,39 @@ class KVCacheManager:
                 if self.enable_prefix_caching and total // B > self._num_registered[rid]:
                     self._register_full_blocks(request, blocks, total // B)
                 return []
+        num_needed, num_evictable_hits = self.blocks_to_take(request, num_new_tokens, new_computed_blocks)
+        # Free cached blocks we are about to touch cannot also serve as new blocks.
+        if num_needed > self.pool.free_queue.num_free - num_evictable_hits:
+            return None
+        self.take_hits(request, new_computed_blocks)
+        return self.grow(request, num_new_tokens, len(new_computed_blocks or ()))
+
+    def release_behind_window(self, request: Request) -> None:
+        """Give back the request's blocks its window has passed (sliding window only)."""
+        rid = request.request_id
+        if self.sliding_window is not None and rid in self._blocks:
+            upto = self._releasable(request.num_computed_tokens)
+            if upto > self._num_released[rid]:
+                self._release(rid, upto)
+
+    def blocks_to_take(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None) -> tuple[int, int]:
+        """(fresh blocks ``allocate_slots`` would take from the free queue, prefix hits it
+        would take that sit there now); changes nothing."""
+        blocks = self._blocks.get(request.request_id)
         num_hit = len(new_computed_blocks) if new_computed_blocks else 0
         if num_hit and (blocks is not None or request.num_computed_tokens):
-            raise ValueError(f"request {rid}: prefix-hit blocks are only taken at admission")
-        total = request.num_computed_tokens + num_hit * B + num_new_tokens
-        num_needed = -(-total // B) - (len(blocks) if blocks is not None else 0) - num_hit
-        pool = self.pool
+            raise ValueError(f"request {request.request_id}: prefix-hit blocks are only taken at admission")
+        total = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
+        num_needed = -(-total // self.block_size) - (len(blocks) if blocks is not None else 0) - num_hit
         taken = self.taken_hits(new_computed_blocks) if new_computed_blocks else []
-        skip = num_hit - len(taken)
-        # Free cached blocks we are about to touch cannot also serve as new blocks.
-        num_evictable_hits = sum(1 for b in taken if b.ref_cnt == 0)
-        if num_needed > pool.free_queue.num_free - num_evictable_hits:
-            return None
+        return max(num_needed, 0), sum(1 for b in taken if b.ref_cnt == 0)
 
+    def take_hits(self, request: Request, new_computed_blocks: list[KVCacheBlock] | None) -> None:
+        """Start the request's table (first admission) with its prefix hits, each taken
+        with a reference (``blocks_to_take`` checked that the pool can serve the rest)."""
+        rid = request.request_id
+        blocks = self._blocks.get(rid)
         if blocks is None:
             blocks = self._blocks[rid] = []
             self._block_ids[rid] = []
@@ -284,18 +341,28 @@ class KVCacheManager:
             self._tail_cid[rid] = None
             self._num_released[rid] = 0
         ids = self._block_ids[rid]
-        if num_hit and new_computed_blocks is not None:
+        if new_computed_blocks:
+            taken = self.taken_hits(new_computed_blocks)
+            skip = len(new_computed_blocks) - len(taken)
             if skip:
                 assert self.null_block is not None
                 blocks.extend([self.null_block] * skip)
                 ids.extend([self.null_block.block_id] * skip)
                 self._num_released[rid] = skip
-            pool.touch(taken)
+            self.pool.touch(taken)
             blocks.extend(taken)
             ids.extend(b.block_id for b in taken)
-            self._num_registered[rid] = num_hit
+            self._num_registered[rid] = len(new_computed_blocks)
             self._tail_cid[rid] = new_computed_blocks[-1].content_id
-        new_blocks = pool.get_new_blocks(num_needed) if num_needed > 0 else []
+
+    def grow(self, request: Request, num_new_tokens: int, num_hit: int) -> list[KVCacheBlock]:
+        """After ``take_hits``: fresh blocks to cover ``num_computed_tokens + num_hit * B +
+        num_new_tokens`` positions, and the full ones registered; returns the fresh ones."""
+        rid, B = request.request_id, self.block_size
+        blocks, ids = self._blocks[rid], self._block_ids[rid]
+        total = request.num_computed_tokens + num_hit * B + num_new_tokens
+        num_needed = -(-total // B) - len(blocks)
+        new_blocks = self.pool.get_new_blocks(num_needed) if num_needed > 0 else []
         if new_blocks:
             blocks.extend(new_blocks)
             ids.extend(b.block_id for b in new_blocks)
@@ -320,7 +387,8 @@ class KVCacheManager:
         if num_full <= self._num_registered[rid]:
             return
         root, root_cid = prefix_cache.cache_root(request.lora_int_id, request.cache_salt)
-        hashes = prefix_cache.update_block_hashes(request.block_hashes, tokens, B, num_full, root)
+        hashes = self._keys(prefix_cache.update_block_hashes(request.block_hashes, tokens, B,
+                                                             num_full, root), num_full)
         start = self._num_registered[rid]
         parent_cid = self._tail_cid[rid] if start else root_cid
         register = self.pool.register

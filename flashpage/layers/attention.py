@@ -38,6 +38,9 @@ class Attention(nn.Module):
         self.alibi = alibi
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.backend: AttentionBackend | None = None
+        # its KV cache group (kv_cache/hybrid.py; the model runner sets it): the step's
+        # metadata.groups[kv_group] holds its block tables and slot mapping
+        self.kv_group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: AttentionMetadata, *, positions: torch.Tensor | None = None,
@@ -46,6 +49,8 @@ class Attention(nn.Module):
         kernel when the rotary layer runs our kernels (then the backend writes nothing)."""
         if self.kv_cache is None or self.backend is None:
             raise RuntimeError("attention layer used before the model runner bound its KV cache")
+        if metadata.groups is not None:
+            metadata = metadata.groups[self.kv_group]
         n = q.shape[0]
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
@@ -74,6 +79,8 @@ class Attention(nn.Module):
               write_kv: bool) -> torch.Tensor:
         """The backend's attention (and cache write unless ``write_kv`` is False)."""
         assert self.backend is not None and self.kv_cache is not None
+        if md.groups is not None:  # a piecewise graph's replay hands over the step's first
+            md = md.groups[self.kv_group]
         return self.backend.forward(q, k, v, self.kv_cache, md, scale=self.scale,
                                     sliding_window=self.sliding_window, softcap=self.softcap,
                                     alibi_slopes=None if self.alibi is None else self.alibi.slopes,

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from flashpage.engine.scheduler import Scheduler, SchedulerOutput
 from flashpage.engine.sequence import PLACEHOLDER, Request, RequestRefused, RequestStatus
+from flashpage.kv_cache.hybrid import HybridKVCacheManager
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.sampling_params import SamplingParams
 
@@ -91,6 +92,49 @@ class WindowFakeRunner(AsyncFakeRunner):
         return sampled
 
 
+class HybridFakeRunner(AsyncFakeRunner):
+    """The fake model with a full-attention group and windowed groups over one pool
+    (kv_cache/hybrid.py): every group writes each token's fingerprint, tagged with the
+    group, into the one memory all groups' blocks index (a block two groups held at once
+    would be overwritten and read back wrong); the full group reads the whole context,
+    the windowed ones what their window shows, through non-null entries."""
+
+    def __init__(self, kv: HybridKVCacheManager, window: int, async_mode: bool) -> None:
+        self.kv_h, self.window, self.async_mode = kv, window, async_mode
+        super().__init__(kv.groups[0])
+        self.cache: list = [None] * (kv.num_blocks * kv.block_size)
+
+    def tokens_of(self, req: Request) -> list[int]:
+        return super().tokens_of(req) if self.async_mode else req.all_token_ids
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        kv, B, W = self.kv_h, self.kv_h.block_size, self.window
+        sampled = {}
+        fps_of = {}
+        for req, n in out.scheduled:  # every group's writes of the step first
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            fps = fingerprints(self.tokens_of(req)[:end])
+            for g in range(kv.num_groups):
+                ids = kv.get_block_ids(req.request_id, g)
+                assert len(ids) * B >= end, "block table does not cover the scheduled tokens"
+                for p, slot in zip(range(start, end), slot_mapping_for(ids, start, end, B), strict=True):
+                    assert slot // B != 0, "a token written into the null block"
+                    self.cache[slot] = (g, fps[p])
+            fps_of[req.request_id] = (req, start, end, fps)
+        for rid, (req, start, end, fps) in fps_of.items():
+            for g, win in enumerate(kv.windows):
+                ids = kv.get_block_ids(rid, g)
+                lo = 0 if win is None else max(0, start - W + 1)
+                assert all(ids[p // B] != 0 for p in range(lo, end)), (rid, g, lo, end, ids)
+                ctx = [self.cache[s] for s in slot_mapping_for(ids, lo, end, B)]
+                assert ctx == [(g, f) for f in fps[lo:end]], f"{rid} read a wrong context in group {g}"
+            if end == req.num_tokens:
+                sampled[rid] = next_token(fps[-1])
+        self.last.update(sampled)
+        self.num_steps += 1
+        return sampled
+
+
 @dataclass
 class Spec:
     arrival: int  # step at which it is added
@@ -126,20 +170,28 @@ def request_spec(draw) -> Spec:
     )
 
 
-def check_invariants(s: Scheduler, kv: KVCacheManager, scheduled_tokens: int) -> None:
+def check_invariants(s: Scheduler, kv: KVCacheManager | HybridKVCacheManager,
+                     scheduled_tokens: int) -> None:
     B = kv.block_size
     assert scheduled_tokens <= s.max_num_batched_tokens
     assert len(s.running) <= s.max_num_seqs
     in_queue = set(kv.pool.free_queue.block_ids())
     assert len(in_queue) == kv.num_free_blocks
     holders = [0] * kv.num_blocks
-    for rid, ids in kv._block_ids.items():
-        assert [b.block_id for b in kv.get_blocks(rid)] == ids
-        released = kv.num_released(rid)
-        if kv.null_block is not None:  # block 0 is the null block only behind a window
-            assert ids[:released] == [0] * released and 0 not in ids[released:]
-        for i in ids[released:]:
-            holders[i] += 1
+    groups = kv.groups if isinstance(kv, HybridKVCacheManager) else [kv]
+    for g in groups:
+        for rid, ids in g._block_ids.items():
+            assert [b.block_id for b in g.get_blocks(rid)] == ids
+            released = g.num_released(rid)
+            if g.sliding_window is None:
+                assert released == 0
+            if kv.null_block is not None:  # block 0 is the null block only behind a window
+                assert ids[:released] == [0] * released and 0 not in ids[released:]
+            for i in ids[released:]:
+                holders[i] += 1
+        # every group's table as long as the first's
+        assert {rid: len(ids) for rid, ids in g._block_ids.items()} == \
+            {rid: len(ids) for rid, ids in groups[0]._block_ids.items()}
     for b in kv.pool.blocks:
         if b is kv.null_block:  # held for good, never queued, in any number of tables
             assert b.ref_cnt == 1 and b.block_id not in in_queue and b.block_hash is None
@@ -150,7 +202,7 @@ def check_invariants(s: Scheduler, kv: KVCacheManager, scheduled_tokens: int) ->
     for h, b in kv.pool.cached.items():
         assert b.block_hash == h and b.token_ids is not None and len(b.token_ids) == B
         assert PLACEHOLDER not in b.token_ids  # a block is hashed only once its tokens are known
-    assert set(kv._block_ids) == {r.request_id for r in s.running}
+    assert set(groups[0]._block_ids) == {r.request_id for r in s.running}
     for r in s.running:
         assert r.status == RequestStatus.RUNNING
         assert len(kv.get_block_ids(r.request_id)) * B >= r.num_computed_tokens
@@ -166,17 +218,22 @@ def check_invariants(s: Scheduler, kv: KVCacheManager, scheduled_tokens: int) ->
 
 
 def refused_expected(spec: Spec, B: int, num_blocks: int, max_model_len: int,
-                     window: int | None = None, budget: int = 0) -> bool:
+                     window: int | None = None, budget: int = 0,
+                     windows: tuple[int | None, ...] | None = None) -> bool:
+    """``windows``: a hybrid cache's groups (then ``window`` is theirs)."""
     n = len(spec.prompt)
     if n > max_model_len:
         return True
     # The request ends with at most this many tokens; the last one is never written.
     final = n + (spec.max_tokens if spec.max_tokens is not None else 10**9)
     final = min(final, max(max_model_len, n + 1))
-    need = -(-(final - 1) // B) if final - 1 > n else -(-n // B)
+    full = -(-(final - 1) // B) if final - 1 > n else -(-n // B)
+    need = full
     if window is not None:  # behind a window: the keys a step sees and its own tokens
-        need = min(need, -(-(window - 1 + budget) // B) + 1)
+        need = min(full, -(-(window - 1 + budget) // B) + 1)
         num_blocks -= 1  # the null block
+    if windows is not None:
+        need = sum(full if w is None else need for w in windows)
     return need > num_blocks
 
 
@@ -193,20 +250,36 @@ def refused_expected(spec: Spec, B: int, num_blocks: int, max_model_len: int,
     async_mode=st.booleans(),
     policy=st.sampled_from(["fcfs", "priority"]),
     window=st.one_of(st.none(), st.integers(1, 12)),
+    hybrid=st.sampled_from([None, (None, 0), (None, 0, 0), (0, None)]),
 )
 def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs, budget,
                                           max_model_len, prefix, specs, async_mode, policy,
-                                          window):
+                                          window, hybrid):
     """With ``async_mode`` the loop is the engine's async one: advance() right after the
     step is "launched", the previous step's tokens resolve()d only then. The priority
     policy preempts for arrivals too: the same invariants and outputs hold. With a
     ``window`` the cache gives back blocks behind it (the null block in their entries) and
-    the fake model reads only what the window shows."""
+    the fake model reads only what the window shows; with ``hybrid`` too (a model mixing
+    windowed and full layers: groups of tables over one pool, kv_cache/hybrid.py), the
+    groups' windows (0: ``window``) and the cache about as large again per group."""
+    windows = None
+    if window is not None and hybrid is not None:
+        windows = tuple(w if w is None else window for w in hybrid)
     num_blocks = max(1 + (window is not None), -(-max_model_len // block_size) + extra_blocks)
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix, sliding_window=window)
+    if windows is not None:
+        num_blocks += (len(windows) - 1) * max(1, -(-(window + budget) // block_size))
+    kv: KVCacheManager | HybridKVCacheManager
+    if windows is not None:
+        kv = HybridKVCacheManager(num_blocks, block_size, prefix, windows)
+    else:
+        kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix, sliding_window=window)
     s = Scheduler(max_num_seqs, budget, max_model_len, kv, policy=policy)
-    if window is not None:
-        runner: FakeRunner = WindowFakeRunner(kv, window, async_mode)
+    if windows is not None:
+        assert isinstance(kv, HybridKVCacheManager) and window is not None
+        runner: FakeRunner = HybridFakeRunner(kv, window, async_mode)
+    elif window is not None:
+        assert isinstance(kv, KVCacheManager)
+        runner = WindowFakeRunner(kv, window, async_mode)
     else:
         runner = AsyncFakeRunner(kv) if async_mode else FakeRunner(kv)
     inflight: tuple[list[Request], list[int]] | None = None
@@ -224,7 +297,7 @@ def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs
                 stop_token_ids=spec.stop_ids), eos_token_id=spec.eos,
                 priority=spec.priority if policy == "priority" else 0)
             expect_refusal = refused_expected(spec, block_size, num_blocks, max_model_len,
-                                              window, budget)
+                                              window, budget, windows)
             try:
                 s.add_request(r)
             except RequestRefused:
@@ -263,7 +336,7 @@ def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs
     event(f"aborted: {len(aborted) > 0}")
     event(f"async: {async_mode}")
     event(f"policy: {policy}")
-    event(f"window: {window is not None}")
+    event(f"window: {window is not None}, hybrid: {windows is not None}")
     assert kv.num_free_blocks == kv.num_usable_blocks == num_blocks - (window is not None)
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks if b is not kv.null_block)
     for rid, (r, spec) in reqs.items():

@@ -248,15 +248,21 @@ def test_second_turn_hits_behind_the_window_after_its_head_was_evicted(tiny_chec
     out1 = llm.generate([turn1], params, use_tqdm=False)[0].outputs[0].token_ids
     llm.generate(random_prompts(1, 40, 40, seed=17), params, use_tqdm=False)  # evicts the head
     assert kv.stats().num_evictions > 0
-    window_hits = []
-    found = KVCacheManager._window_hit
+    window_hits = []  # (the plain prefix hit's blocks, the hit's)
+    plain, computed = KVCacheManager.prefix_hit, KVCacheManager.get_computed_blocks
 
-    def spy(self, request, max_blocks, prefix, root_cid):
-        got = found(self, request, max_blocks, prefix, root_cid)
-        window_hits.append((len(prefix), len(got)))
+    def spy_plain(self, request, max_blocks):
+        got = plain(self, request, max_blocks)
+        window_hits.append((len(got[0]), None))
         return got
 
-    monkeypatch.setattr(KVCacheManager, "_window_hit", spy)
+    def spy(self, request):
+        got = computed(self, request)
+        window_hits[-1] = (window_hits[-1][0], len(got[0]))
+        return got
+
+    monkeypatch.setattr(KVCacheManager, "prefix_hit", spy_plain)
+    monkeypatch.setattr(KVCacheManager, "get_computed_blocks", spy)
     turn2 = turn1 + out1 + random_prompts(1, 5, 5, seed=18)[0]
     hits_before = kv.prefix_hits
     got = llm.generate([turn2], params, use_tqdm=False)[0].outputs[0].token_ids
@@ -272,9 +278,10 @@ def test_staggered_batch_behind_the_window_matches_transformers(tiny_checkpoint)
     assert_staggered_matches_hf(tiny_checkpoint("mistral_window"), attention_backend="torch_native")
 
 
-def test_mixed_windows_release_nothing(tiny_checkpoint, tmp_path):
+def test_mixed_windows_release_nothing_in_one_table(tiny_checkpoint, tmp_path):
     """A model whose layers do not share one window (here: windowed and full layers) keeps
-    every block, as does a full-attention draft beside a windowed target."""
+    every block of its one table when KV cache groups are off (test_hybrid_kv_groups.py:
+    on), as does a full-attention draft beside a windowed target."""
     import transformers
 
     config = transformers.Gemma3TextConfig(
@@ -282,7 +289,8 @@ def test_mixed_windows_release_nothing(tiny_checkpoint, tmp_path):
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"])
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mixed")
-    llm = LLM(str(tmp_path / "mixed"), dtype="float32", device="cpu", block_size=4)
+    llm = LLM(str(tmp_path / "mixed"), dtype="float32", device="cpu", block_size=4,
+              disable_hybrid_kv_cache_manager=True)
     assert llm.engine.release_window is None and llm.engine.kv_manager.null_block is None
     target = tiny_checkpoint("mistral_window")
     spec = LLM(str(target), dtype="float32", device="cpu", block_size=4,
