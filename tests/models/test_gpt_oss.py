@@ -340,3 +340,17 @@ def test_gpu_graphs_fp32_and_bf16(tiny_gpt_oss):
     truth = hf_greedy(path, prompts, 12)
     ours, theirs = bf16_teacher_forced_hits(path, prompts, truth, attention_backend="triton")
     assert ours >= theirs - 2, (ours, theirs)
+
+
+def test_yarn_on_a_llama_matches_transformers(tmp_path):
+    """YaRN on ordinary rotary attention is not GPT-OSS's alone: a Llama whose config names
+    it (truncate left at transformers' default, true) gives transformers' tokens."""
+    from tests.conftest import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path, "llama31_gqa", rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=16), rope_theta=10_000.0)
+    cfg = ModelConfig.from_hf(path)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "yarn"
+    assert cfg.rope_scaling.truncate
+    prompts = random_prompts(2, 20, 40, seed=6)
+    assert cpu_greedy(path, prompts) == hf_greedy(path, prompts, GREEDY.max_tokens)
