@@ -1356,6 +1356,10 @@ def _gpt_oss_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: num_experts_per_tok ({top_k}) must be at most "
                           f"num_local_experts ({experts})")
     inter = _positive_int(d, "intermediate_size", where, default=2880)
+    kv_heads = _positive_int(d, "num_key_value_heads", where, default=8)
+    if d["num_attention_heads"] % kv_heads:
+        raise ConfigError(f"{where}: num_attention_heads ({d['num_attention_heads']}) is not a "
+                          f"multiple of num_key_value_heads ({kv_heads})")
     types = d.get("layer_types")
     if types is None:
         types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
@@ -1398,7 +1402,7 @@ def _gpt_oss_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
     limit = d.get("swiglu_limit", 7.0)
     return dict(
         n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
-        intermediate_size=inter, layer_types=t,
+        intermediate_size=inter, num_key_value_heads=kv_heads, layer_types=t,
         sliding_window=_windows(t, d, "GptOssForCausalLM", where, 128), head_dim=head_dim,
         attention_bias=_flag(d, "attention_bias", True, where), attention_sinks=True,
         rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5), rope_theta=theta,

@@ -276,7 +276,8 @@ def test_config_fields_and_defaults():
     # defaults where fields are absent
     bare = ModelConfig.from_hf({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
                                 "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4,
-                                "num_attention_heads": 4, "num_key_value_heads": 2})
+                                "num_attention_heads": 16})
+    assert bare.num_key_value_heads == 8  # GptOssConfig's, not num_attention_heads
     assert bare.head_dim == 64 and bare.sliding_window == 128 and bare.rms_norm_eps == 1e-5
     assert bare.layer_types == (SLIDE, FULL, SLIDE, FULL)
     assert (bare.n_routed_experts, bare.num_experts_per_tok) == (128, 4)
@@ -299,6 +300,7 @@ def test_config_fields_and_defaults():
      "original_max_position_embeddings"),
     (dict(rope_parameters=dict(YARN, truncate="no")), "truncate"),
     (dict(swiglu_limit=-1.0), "swiglu_limit"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
     (dict(rope_parameters=dict(YARN, rope_type="dynamic")), "rope_scaling type"),
 ])
 def test_config_errors(edit, match):
