@@ -340,8 +340,10 @@ def test_gpu_graphs_fp32_and_bf16(tiny_gpt_oss):
     prompts = random_prompts(4, 10, 60, seed=5)
     assert_gpu_graphs_match_hf(path, prompts)
     truth = hf_greedy(path, prompts, 12)
-    ours, theirs = bf16_teacher_forced_hits(path, prompts, truth, attention_backend="triton")
-    assert ours >= theirs - 2, (ours, theirs)
+    ours, theirs = bf16_teacher_forced_hits(path, prompts, truth, attention_backend="triton",
+                                            block_size=16)
+    total = sum(len(t) for t in truth)
+    assert ours >= theirs - 0.03 * total and ours >= 0.85 * total, (ours, theirs, total)
 
 
 def test_yarn_on_a_llama_matches_transformers(tmp_path):
