@@ -83,6 +83,16 @@ def ckpt(tiny_gpt_oss):
     return path
 
 
+# up to 52 positions: past the window of 16
+PROMPTS = random_prompts(3, 20, 40, seed=1)
+
+
+@pytest.fixture(scope="module")
+def expected(ckpt):
+    """transformers' greedy tokens for PROMPTS (computed once for the tests below)."""
+    return hf_greedy(ckpt, PROMPTS, GREEDY.max_tokens)
+
+
 def _path(model, path: str) -> None:
     from flashpage.models.gpt_oss import GptOssExperts
 
@@ -92,27 +102,21 @@ def _path(model, path: str) -> None:
 
 
 @pytest.mark.parametrize("path", ["sync_free", "grouped"])
-def test_greedy_matches_transformers(ckpt, path):
-    prompts = random_prompts(3, 5, 40, seed=1)  # up to 52 positions: past the window of 16
-    expected = hf_greedy(ckpt, prompts, GREEDY.max_tokens)
+def test_greedy_matches_transformers(ckpt, expected, path):
     llm = cpu_llm(ckpt)
     model = llm.engine.model
     assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [WINDOW, None, WINDOW]
     _path(model, path)
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.kv_manager.stats().blocks_used == 0
 
 
-def test_sinks_window_and_clamp_change_the_tokens(ckpt, tmp_path):
+def test_sinks_window_and_clamp_change_the_tokens(ckpt, expected, tmp_path):
     """Each feature matters on this checkpoint: without the sinks, with no window, or with
     the SwiGLU clamp lifted, our tokens part from the reference (so the test above could
     fail on each)."""
     from tests.conftest import edited_copy
-
-    prompts = random_prompts(3, 20, 40, seed=1)
-    expected = cpu_greedy(ckpt, prompts)
-    assert expected == hf_greedy(ckpt, prompts, GREEDY.max_tokens)
 
     def no_sinks(t):
         for n in t:
@@ -127,7 +131,7 @@ def test_sinks_window_and_clamp_change_the_tokens(ckpt, tmp_path):
             swiglu_limit=1e4)),
     }
     for name, path in variants.items():
-        assert cpu_greedy(path, prompts) != expected, name
+        assert cpu_greedy(path, PROMPTS) != expected, name
 
 
 @pytest.mark.slow
