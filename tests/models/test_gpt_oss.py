@@ -157,6 +157,41 @@ def test_weights_round_trip(ckpt):
     assert attn.attn.sinks is attn.sinks  # the backend reads the loaded parameter
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_moe_block_paths_match_transformers_module(tokens):
+    """Our router and experts against transformers' GptOssMLP (fp32, its weights loaded by
+    name): the gathered path (3 * tokens * k <= experts), every expert on every token, and
+    the grouped path give its output."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as HFMLP
+
+    from flashpage.models.gpt_oss import GptOssMLP
+
+    d = _hf_dict("gpt_oss", num_local_experts=16)
+    hf = HFMLP(transformers.GptOssConfig(**{k: v for k, v in d.items() if k != "architectures"}))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    ours = GptOssMLP(ModelConfig.from_hf(d))
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(tokens, 64, generator=g)
+    with torch.no_grad():
+        want = hf(x[None])[0][0]
+        calls = []
+        for name in ("_gathered", "_all_experts"):
+            fn = getattr(ours.experts, name)
+            setattr(ours.experts, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+        got = ours(x)
+        ours.experts.sync_free_max_tokens = -1
+        grouped = ours(x)
+    assert calls == ["_gathered" if 3 * tokens * 2 <= 16 else "_all_experts"]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grouped, want, atol=1e-5, rtol=1e-5)
+    # every path above ran the clamps: some gate/up values pass the limit of 1.5
+    h = x @ hf.experts.gate_up_proj[0] + hf.experts.gate_up_proj_bias[0]
+    assert (h.abs() > 1.5).any()
+
+
 # ----------------------------------------------------------------- YaRN
 @pytest.mark.parametrize("rope", [
     YARN,
