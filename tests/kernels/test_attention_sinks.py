@@ -142,6 +142,24 @@ def test_decode_splits_count_the_sink_once():
         torch.testing.assert_close(got, one, atol=1e-5, rtol=1e-5)
 
 
+@cpu_only
+def test_sinks_over_an_fp8_cache():
+    """An fp8 (e4m3) cache under an fp16 query (dots in fp16 with a pre-scaled q, F16_DOTS):
+    the sink, in its own base-2 scale, is untouched by the query's scaling; decode (split)
+    and prefill against the references, which read the e4m3 values exactly."""
+    q, kc, vc, bt, lens = make_case([70, 9, 33], 8, 2, 64, 16, torch.float16, seed=4, device=DEV)
+    kc8 = torch.nan_to_num(kc).to(torch.float8_e4m3fn)
+    vc8 = torch.nan_to_num(vc).to(torch.float8_e4m3fn)
+    sinks = _sinks(8, 4)
+    for splits in (1, 3):
+        out = _launch(q, kc8, vc8, bt, lens, sm_scale=None, window_size=None, out=None,
+                      num_splits=splits, sinks=sinks)
+        check(out, paged_decode_ref(q, kc8, vc8, bt, lens, sinks=sinks), torch.float16)
+    cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=DEV)
+    got = paged_prefill(q, kc8, vc8, bt, cu, lens, 1, 70, sinks=sinks)
+    _close(got, paged_prefill_ref(q, kc8, vc8, bt, cu, lens, 1, 70, sinks=sinks), torch.float16)
+
+
 def test_bad_sinks_are_refused():
     q, kc, vc, bt, lens = make_case([5], 4, 2, 64, 16, torch.float32, device=DEV)
     cu = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
