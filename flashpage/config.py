@@ -72,10 +72,14 @@ GPT2_FAMILY = {"GPT2LMHeadModel", "GPTBigCodeForCausalLM"}
 # models/bloom.py, mpt.py: ALiBi position biases instead of rotary (layers/alibi.py), q, k
 # and v in one fused linear, LayerNorms, a GELU MLP, the head tied (_bloom_fields, _mpt_fields)
 ALIBI_FAMILY = {"BloomForCausalLM", "MptForCausalLM"}
+# models/gpt_oss.py: GPT-OSS, attention sinks, alternating windowed / full layers, YaRN, and
+# mixture-of-experts MLPs with biases and a clamped SwiGLU; MXFP4 experts dequantized at
+# load (_gpt_oss_fields)
+GPT_OSS_FAMILY = {"GptOssForCausalLM"}
 # architecture names of remote-code checkpoints that transformers' own class reads
 _ARCH_ALIASES = {"MPTForCausalLM": "MptForCausalLM"}  # MosaicML's MPT files
 SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
-                           | LLAMA_VARIANTS | GPT2_FAMILY | ALIBI_FAMILY)
+                           | LLAMA_VARIANTS | GPT2_FAMILY | ALIBI_FAMILY | GPT_OSS_FAMILY)
 
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -118,6 +122,7 @@ _MODEL_TYPE_TO_ARCH = {
     "exaone4": "Exaone4ForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "apertus": "ApertusForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -203,11 +208,14 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
-    # yarn (DeepSeek)
+    # yarn (DeepSeek, GPT-OSS)
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # yarn: round the correction range out to whole dims (transformers' default; GPT-OSS's
+    # checkpoints say false)
+    truncate: bool = True
     # longrope (Phi-3): one factor per rotated pair for sequences within
     # original_max_position_embeddings (short) and beyond it (long), and the factor cos and
     # sin are multiplied by (_longrope resolves it as transformers does when it is absent)
@@ -433,8 +441,8 @@ class CheckpointQuantization:
 
 def _checkpoint_quantization(d: dict[str, Any], arch: str,
                               where: str) -> CheckpointQuantization | None:
-    if d.get("quantization_config") is None:
-        return None
+    if d.get("quantization_config") is None or arch in GPT_OSS_FAMILY:
+        return None  # GPT-OSS's (MXFP4 experts, or a ConfigError): _gpt_oss_fields
     qc = CheckpointQuantization.from_dict(d["quantization_config"], where)
     if qc.is_int4 and arch not in INT4_CHECKPOINT_FAMILY:
         raise ConfigError(f"{where}: {qc.method} (int4) checkpoints are read for the dense Llama, "
@@ -1329,6 +1337,82 @@ _FAMILIES4 = {"SmolLM3ForCausalLM", "ArceeForCausalLM", "MinistralForCausalLM", 
               "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM"}
 
 
+def _gpt_oss_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """GPT-OSS (GptOssConfig's defaults where a field is absent): ``num_local_experts``
+    experts of ``intermediate_size`` in every layer, top ``num_experts_per_tok`` of the
+    router's logits softmaxed over the k (no renormalization to choose: they sum to 1);
+    the experts' clamped SwiGLU (``swiglu_alpha`` 1.702, ``swiglu_limit`` 7.0); attention
+    sinks in every layer; ``layer_types`` (absent: sliding, full, sliding, ... from layer
+    0) with ``sliding_window`` (128) on the sliding ones; biases on q/k/v/o
+    (``attention_bias``, default true); head_dim 64; RMSNorm eps 1e-5; rope base 150000
+    with GptOssConfig's YaRN (factor 32 over 4096 positions, beta 32 / 1, ``truncate``
+    false) when the config has no rope fields. ``quantization_config``: none, or quant_method
+    mxfp4 (the experts' weights as MXFP4 blocks, dequantized at load); any other is a
+    ConfigError."""
+    n = d["num_hidden_layers"]
+    experts = _positive_int(d, "num_local_experts", where, default=d.get("num_experts", 128))
+    top_k = _positive_int(d, "num_experts_per_tok", where, default=4)
+    if top_k > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok ({top_k}) must be at most "
+                          f"num_local_experts ({experts})")
+    inter = _positive_int(d, "intermediate_size", where, default=2880)
+    kv_heads = _positive_int(d, "num_key_value_heads", where, default=8)
+    if d["num_attention_heads"] % kv_heads:
+        raise ConfigError(f"{where}: num_attention_heads ({d['num_attention_heads']}) is not a "
+                          f"multiple of num_key_value_heads ({kv_heads})")
+    types = d.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    t = _layer_types({**d, "layer_types": types}, where, None)
+    head_dim = d.get("head_dim", 64)
+    if head_dim is None:
+        head_dim = d["hidden_size"] // d["num_attention_heads"]
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+        raise ConfigError(f"{where}: head_dim must be a positive integer, got {head_dim!r}")
+    theta = _rope_theta(d, where, 150_000.0)
+    rope = d.get("rope_scaling")
+    if rope is None:
+        params = d.get("rope_parameters")
+        if params is None and "rope_theta" not in d:
+            params = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                          truncate=False, original_max_position_embeddings=4096)
+        rope = {k: v for k, v in (params or {}).items() if k != "rope_theta"}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: rope_scaling must be a JSON object, got {rope!r}")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = RopeScaling.from_dict(rope) if kind != "default" else None
+    if scaling is not None and scaling.rope_type == "yarn":
+        orig = rope.get("original_max_position_embeddings")
+        if not isinstance(orig, int) or isinstance(orig, bool) or orig <= 0:
+            raise ConfigError(f"{where}: yarn rope scaling needs original_max_position_embeddings "
+                              f"(a positive integer), got {orig!r}")
+        if not isinstance(rope.get("truncate", True), bool):
+            raise ConfigError(f"{where}: rope truncate must be true or false, got "
+                              f"{rope.get('truncate')!r}")
+        _positive_number(rope, "factor", where + " rope_scaling", 1.0)
+    mxfp4 = False
+    qc = d.get("quantization_config")
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        if method != "mxfp4":
+            raise ConfigError(f"{where}: quantization_config {qc!r} is not supported for "
+                              "GptOssForCausalLM (read: quant_method 'mxfp4', the released "
+                              "checkpoints' experts; or a 16-bit checkpoint)")
+        mxfp4 = True
+    limit = d.get("swiglu_limit", 7.0)
+    return dict(
+        n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
+        intermediate_size=inter, num_key_value_heads=kv_heads, layer_types=t,
+        sliding_window=_windows(t, d, "GptOssForCausalLM", where, 128), head_dim=head_dim,
+        attention_bias=_flag(d, "attention_bias", True, where), attention_sinks=True,
+        rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5), rope_theta=theta,
+        rope_scaling=scaling, swiglu_alpha=_positive_number(d, "swiglu_alpha", where, 1.702),
+        swiglu_limit=_positive_number(d, "swiglu_limit", where, 7.0) if limit is not None
+        else math.inf, mxfp4_experts=mxfp4,
+        max_position_embeddings=_positive_int(d, "max_position_embeddings", where, 131072),
+        tie_word_embeddings=_flag(d, "tie_word_embeddings", False, where))
+
+
 def _rope_theta(d: dict[str, Any], where: str, default: float) -> float:
     """config.json's rope_theta (transformers >= 5: rope_parameters'), else ``default``: the
     family's config class's (SmolLM3's 2e6, OLMo 3's 5e5), not Llama's 1e4."""
@@ -1597,6 +1681,15 @@ class ModelConfig:
     # ln_mlp for the MLP, both of x: Falcon-40B/180B, as GPT-NeoX's) or 1 whose output both
     # read (Falcon-7B, Falcon2-11B)
     parallel_norms: int = 2
+    # GPT-OSS: the checkpoint's experts are MXFP4 (quantization_config quant_method mxfp4:
+    # ..._blocks / ..._scales tensors), dequantized to the model dtype at load (models/mxfp4.py)
+    mxfp4_experts: bool = False
+    # GPT-OSS: a learned logit per query head in each softmax denominator (attention sinks,
+    # kernels/sinks.py); its experts' clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate)
+    # with gate <= limit and |up| <= limit (models/gpt_oss.py)
+    attention_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # fp8 / int4 checkpoints (HF quantization_config): how their weights are stored; None: 16/32-bit
     quantization_config: CheckpointQuantization | None = None
     # a sequence classifier (CLASSIFIER_ARCHITECTURES; 0 for any other model): its labels
@@ -1730,7 +1823,8 @@ class ModelConfig:
                    if arch in LLAMA_VARIANTS else
                    _gpt2_fields(d, arch, where) if arch in GPT2_FAMILY else
                    _bloom_fields(d, where) if arch == "BloomForCausalLM" else
-                   _mpt_fields(d, where) if arch == "MptForCausalLM" else {})
+                   _mpt_fields(d, where) if arch == "MptForCausalLM" else
+                   _gpt_oss_fields(d, where) if arch in GPT_OSS_FAMILY else {})
         # Qwen2-MoE names its q/k/v bias qkv_bias (on unless set false, as Qwen2's)
         bias = (d.get("qkv_bias", True) if model_type == "qwen2_moe"
                 else d.get("attention_bias", model_type == "qwen2"))

@@ -123,6 +123,8 @@ def _attention_params(cfg: ModelConfig) -> int:
         n += {"cohere": q_dim + kv_dim, "phi": 4 * d}.get(cfg.model_type, 2 * d)
     if cfg.model_type in ("olmo2", "olmo3", "olmoe"):  # q_norm / k_norm over the whole projections
         n += q_dim + kv_dim
+    if cfg.attention_sinks:  # GPT-OSS: one sink logit per query head
+        n += heads
     return n
 
 
@@ -153,6 +155,9 @@ def _mlp_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     router = cfg.n_routed_experts * h
     if cfg.topk_method == "noaux_tc":  # e_score_correction_bias
         router += cfg.n_routed_experts
+    if cfg.model_type == "gpt_oss":  # the router's bias; each expert's gate_up and down biases
+        router += cfg.n_routed_experts
+        expert += 2 * cfg.moe_intermediate_size + h
     shared = 3 * h * _shared_experts(cfg)[1]
     if cfg.model_type == "qwen2_moe":
         shared += h  # Qwen2-MoE's shared_expert_gate
@@ -412,6 +417,10 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "param_count": total_params,
         "active_param_count": active_params,
         "quantization": quantization,
+        # GPT-OSS: a sink logit per query head in every layer's softmax; MXFP4 experts in
+        # the checkpoint, dequantized to the model dtype at load (weights_bytes counts them so)
+        "attention_sinks": cfg.attention_sinks,
+        "mxfp4_experts": cfg.mxfp4_experts,
         # an fp8 checkpoint's own quantization_config (config.CheckpointQuantization)
         "quantization_config": None if qc is None else {
             "method": qc.method, "weight_strategy": qc.weight_strategy,
@@ -522,6 +531,9 @@ def format_report(info: dict[str, Any]) -> str:
         note = ("(blocks behind it go back to the pool)" if info["kv_bytes_per_request_max"]
                 else "(figures below cache every token)")
         rows.append(("sliding window", f"{info['sliding_window']}{where} {note}"))
+    if info.get("attention_sinks"):
+        rows.append(("attention sinks", "a learned logit per query head in every softmax "
+                                        "(no cached values)"))
     rows += [
         (f"KV per token per layer ({kdt})",
          f"{info['kv_values_per_token_per_layer']:,} values = "
@@ -539,6 +551,9 @@ def format_report(info: dict[str, Any]) -> str:
     if mla:
         rows.append(("equivalent GQA groups", f"{mla['equivalent_gqa_groups']:.2f} "
                                                "((kv_lora_rank + rope) / (2 * qk_nope_head_dim))"))
+    if info.get("mxfp4_experts"):
+        rows.append(("checkpoint weights", f"experts in MXFP4 (4-bit e2m1, a power-of-two scale "
+                                           f"per 32 values): dequantized to {dt} at load"))
     qc = info.get("quantization_config")
     if qc:
         desc = CheckpointQuantization(qc["method"], qc["weight_strategy"],

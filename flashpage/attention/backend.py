@@ -115,6 +115,7 @@ class AttentionBackend(ABC):
         softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
         write_kv: bool = True,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [N, Hq, D], k/v [N, Hkv, D]: write k/v to the cache (unless the caller already
         did, ``write_kv=False``), attend, return [N, Hq, D]. ``sliding_window``: the
@@ -125,4 +126,8 @@ class AttentionBackend(ABC):
         tensor for the model's life: CUDA graphs keep its address): query head h's score of
         key position j from query position i gains alibi_slopes[h] * (j - i) after the
         scale and softcap (ALiBi, kernels/alibi.py; only backends whose unsupported_reasons
-        accept ModelConfig.alibi get one)."""
+        accept ModelConfig.alibi get one); ``sinks`` (fp32 [Hq] on the device, the calling
+        layer's own, a parameter: CUDA graphs keep its address): query head h's softmax
+        denominator gains exp(sinks[h]), a logit with no value (GPT-OSS's attention sinks,
+        kernels/sinks.py; only backends whose unsupported_reasons accept
+        ModelConfig.attention_sinks get one)."""

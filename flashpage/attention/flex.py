@@ -76,6 +76,9 @@ class FlexBackend(AttentionBackend):
         if model_config.alibi:
             reasons.append("ALiBi position biases (alibi: Bloom, MPT, Falcon-RW) are not "
                            "supported by the flex backend (its masks carry no per-head biases)")
+        if model_config.attention_sinks:
+            reasons.append("attention sinks (GPT-OSS's per-head sink logits) are not supported "
+                           "by the flex backend (its softmax has no extra denominator term)")
         return reasons
 
     def bind_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -187,7 +190,10 @@ class FlexBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
-                alibi_slopes: torch.Tensor | None = None, write_kv: bool = True) -> torch.Tensor:
+                alibi_slopes: torch.Tensor | None = None, write_kv: bool = True,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is not None:  # unsupported_reasons refuses such models
+            raise ValueError("the flex backend has no attention sinks")
         if softcap is not None:
             raise ValueError("the flex backend has no attention softcap (unsupported_reasons "
                              "declines such models)")

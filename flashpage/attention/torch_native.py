@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata
 from flashpage.kernels.alibi import alibi_ref
+from flashpage.kernels.sinks import softmax_with_sinks
 
 if TYPE_CHECKING:
     from flashpage.config import ModelConfig
@@ -72,10 +73,12 @@ def softcap_scores(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      scale: float, softcap: float | None,
-                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                     alibi_slopes: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [Hq, Lq, D], k/v [Hkv, Lk, D], mask [Lq, Lk] (True: attend) -> [Hq, Lq, D], in fp32
     with the scores softcapped, then ALiBi-biased (query i at key position Lk - Lq + i),
-    before the mask and softmax (SDPA has no softcap)."""
+    before the mask and softmax (SDPA has no softcap), with head h's sink in its softmax
+    denominator (kernels/sinks.py; SDPA has no sinks either)."""
     hkv, d = k.shape[0], k.shape[-1]
     lq, lk = q.shape[1], k.shape[1]
     qg = q.reshape(hkv, -1, lq, d).float()  # [Hkv, G, Lq, D]: GQA without repeats
@@ -86,7 +89,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         kpos = torch.arange(lk, device=q.device)[None, :]
         scores = alibi_ref(scores.view(-1, lq, lk), alibi_slopes, qpos, kpos).view(scores.shape)
     scores = scores.masked_fill_(~mask, float("-inf"))
-    o = torch.matmul(scores.softmax(dim=-1), v.float()[:, None])  # [Hkv, G, Lq, D]
+    sink = None if sinks is None else sinks.view(hkv, -1, 1, 1)
+    o = torch.matmul(softmax_with_sinks(scores, sink), v.float()[:, None])  # [Hkv, G, Lq, D]
     return o.reshape(q.shape).to(q.dtype)
 
 
@@ -101,7 +105,8 @@ class TorchNativeBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
-                alibi_slopes: torch.Tensor | None = None, write_kv: bool = True) -> torch.Tensor:
+                alibi_slopes: torch.Tensor | None = None, write_kv: bool = True,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         n = metadata.num_actual_tokens
         if write_kv:
@@ -110,7 +115,7 @@ class TorchNativeBackend(AttentionBackend):
         nd = metadata.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, metadata, scale, sliding_window,
-                                    softcap, alibi_slopes)
+                                    softcap, alibi_slopes, sinks)
         start = metadata.num_decode_tokens
         for i in range(nd, metadata.num_seqs):
             q_len = metadata.query_lens_cpu[i]
@@ -119,10 +124,10 @@ class TorchNativeBackend(AttentionBackend):
             kk = gather_paged(key_cache, bt, k_len).to(q.dtype)  # (an fp8 cache: up-cast)
             vv = gather_paged(value_cache, bt, k_len).to(q.dtype)
             qi = q[start:start + q_len].transpose(0, 1)
-            if softcap is not None or alibi_slopes is not None:
+            if softcap is not None or alibi_slopes is not None or sinks is not None:
                 o = masked_attention(qi, kk.transpose(0, 1), vv.transpose(0, 1),
                                      causal_mask(q_len, k_len, sliding_window, q.device), scale,
-                                     softcap, alibi_slopes)
+                                     softcap, alibi_slopes, sinks)
             elif q_len == k_len and sliding_window is None:  # no cached prefix: plain causal
                 o = F.scaled_dot_product_attention(
                     qi, kk.transpose(0, 1), vv.transpose(0, 1), is_causal=True, scale=scale,
@@ -140,7 +145,8 @@ class TorchNativeBackend(AttentionBackend):
     def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float, window: int | None,
                 softcap: float | None = None,
-                alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                alibi_slopes: torch.Tensor | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         nd = q.shape[0]
         lens = md.seq_lens[:nd].long()
         max_len = max(md.seq_lens_cpu[:nd])
@@ -165,6 +171,6 @@ class TorchNativeBackend(AttentionBackend):
             dist = (pos - (lens[:, None] - 1)).float()  # [nd, L]
             scores += alibi_slopes.float().view(1, hkv, -1, 1) * dist[:, None, None, :]
         scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
+        probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(1, hkv, -1, 1))
         o = torch.matmul(probs, vv.float().transpose(1, 2))  # [nd, Hkv, G, D]
         return o.reshape(nd, -1, d).to(q.dtype)

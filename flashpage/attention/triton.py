@@ -88,7 +88,8 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
-                alibi_slopes: torch.Tensor | None = None, write_kv: bool = True) -> torch.Tensor:
+                alibi_slopes: torch.Tensor | None = None, write_kv: bool = True,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         from flashpage.kernels.cache_write import write_kv_cache
         from flashpage.kernels.flash_prefill import PrefillPlan
         from flashpage.kernels.paged_decode import DecodePlan
@@ -106,21 +107,24 @@ class TritonBackend(AttentionBackend):
         # layer with another window or softcap (Gemma 2/3's windowed and global layers) gets
         # a plan of its own; so does one with other ALiBi slopes (a plan holds its slopes
         # tensor: keyed by its address, one for all layers of a model, layers/alibi.py).
+        # Sinks are each layer's own: a plan takes them at launch (kernels/plan.py), so the
+        # key says only whether there are any.
         opts = (sliding_window, scale, softcap,
-                None if alibi_slopes is None else alibi_slopes.data_ptr())
+                None if alibi_slopes is None else alibi_slopes.data_ptr(), sinks is not None)
         if nd:
             qd, od = q[:nd], out[:nd]
             planned(md.extra, ("decode", *opts), lambda: DecodePlan(
                 qd, key_cache, value_cache, md.block_tables[:nd], md.seq_lens[:nd], sm_scale=scale,
                 window_size=sliding_window, out=od, descriptors=self.descriptors, softcap=softcap,
-                alibi_slopes=alibi_slopes), qd, key_cache, value_cache, od)
+                alibi_slopes=alibi_slopes, sinks=sinks), qd, key_cache, value_cache, od, sinks=sinks)
         if md.num_seqs > nd:
             qp, op = q[ndt:n], out[ndt:n]
             planned(md.extra, ("prefill", *opts), lambda: PrefillPlan(
                 qp, key_cache, value_cache, md.block_tables[nd:], md.extra["prefill_qsl"],
                 md.seq_lens[nd:], md.extra["prefill_max_q"], md.extra["prefill_max_k"], causal=True,
                 sm_scale=scale, window_size=sliding_window, out=op, descriptors=self.descriptors,
-                softcap=softcap, alibi_slopes=alibi_slopes), qp, key_cache, value_cache, op)
+                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks), qp, key_cache, value_cache,
+                op, sinks=sinks)
         return out
 
     def write_mla_cache(self, latent: torch.Tensor, kv_cache: torch.Tensor,

@@ -18,7 +18,9 @@ the mask and softmax (kernels/softcap.py). With ``alibi_slopes`` (ALiBi: Bloom, 
 Falcon-RW; fp32 [Hq]), query head h adds slopes[h] * (j - i) to the score of query
 position i and key position j (after sm_scale and any softcap): bias 0 on the diagonal,
 more negative with distance, so the largest score stays near the diagonal and the online
-softmax never meets a large positive bias.
+softmax never meets a large positive bias. With ``sinks`` (GPT-OSS; fp32 [Hq]), query head
+h's softmax denominator gains exp(sinks[h]), a logit with no value (kernels/sinks.py),
+folded into the online-softmax state once after the key loop.
 
 Q/K and V may have different head dims (MLA prefill: qk 192 = 128 nope + 64 rope, v 128),
 and neither needs to be a power of two: each is padded to a power-of-two tile width
@@ -64,6 +66,7 @@ from flashpage.kernels.device import sm90_reasons
 from flashpage.kernels.fast_launch import FastLauncher
 from flashpage.kernels.kv_dtype import check_kv_cache_dtype
 from flashpage.kernels.plan import Launch, LaunchPlan
+from flashpage.kernels.sinks import check_sinks, sinks_lse, softmax_with_sinks
 from flashpage.kernels.softcap import softcap_log2, softcap_ref
 
 try:  # host-side TMA descriptors (Hopper and newer)
@@ -210,7 +213,7 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
 def _prefill_fwd(
     Q, K, V, Out, Lse, desc_q, desc_k, desc_v,
     cu_q, cu_k, seq_lens, block_tables,
-    qk_scale, window, softcap, Slopes, group,
+    qk_scale, window, softcap, Slopes, Sinks, group,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lse, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -220,6 +223,7 @@ def _prefill_fwd(
     WARP_SPEC: tl.constexpr, M_FASTEST: tl.constexpr,
     SOFTCAP: tl.constexpr,  # scores -> cap * tanh(scores / cap); softcap = cap * log2(e)
     ALIBI: tl.constexpr = False,  # scores + Slopes[h] * (j - i) (Slopes: fp32 [Hq])
+    SINKS: tl.constexpr = False,  # Sinks[h] (fp32 [Hq]) joins the softmax denominator
 ):
     # heaviest query tile first: causal work grows with the tile index
     if M_FASTEST:  # the tiles of one head run side by side and share its K/V in L2
@@ -302,6 +306,14 @@ def _prefill_fwd(
         qk_scale, window, softcap, slope, qpos0, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
         PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False, SOFTCAP, ALIBI)
 
+    if SINKS:  # one more "key" of score Sinks[h] (base 2 as the scores) and value 0
+        sink = tl.load(Sinks + h) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_sub)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     row_ok = offs_m < seq_q
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -475,7 +487,7 @@ def _desc(t: torch.Tensor, rows: int, heads: int, d: int, box_rows: int):
 
 def _form(q, k, v, paged, page_size, batch, max_seqlen_q, causal, sm_scale, window,
           cfg: PrefillConfig | None, softcap: float | None = None,
-          alibi_slopes: torch.Tensor | None = None):
+          alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
     """The choices of a call (tile config, TMA or pointers, grid, constexprs) from its tensors'
     geometry -> (grid, constexprs, options, use_tma, cfg, scale)."""
     total_q, hq, d = q.shape
@@ -504,13 +516,14 @@ def _form(q, k, v, paged, page_size, batch, max_seqlen_q, causal, sm_scale, wind
                   HAS_WINDOW=window > 0, KV_MODE=mode, PAGE_SIZE=page_size if paged else 1,
                   RETURN_LSE=False, IEEE=q.dtype == torch.float32,
                   WARP_SPEC=cfg.warp_specialize, M_FASTEST=cfg.m_fastest,
-                  SOFTCAP=softcap is not None, ALIBI=alibi_slopes is not None)
+                  SOFTCAP=softcap is not None, ALIBI=alibi_slopes is not None,
+                  SINKS=sinks is not None)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return grid, consts, options, use_tma, cfg, scale
 
 
 def _args(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, use_tma, cfg, scale, window,
-          softcap=None, alibi_slopes=None):
+          softcap=None, alibi_slopes=None, sinks=None):
     """_prefill_fwd's positional arguments for these tensors."""
     hkv, d = k.shape[-2], q.shape[-1]
     desc_q = desc_k = desc_v = None
@@ -529,6 +542,7 @@ def _args(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, use_tma, cfg, s
             block_tables if paged else cu_q,
             scale, window, (softcap or 1.0) * _LOG2E,
             alibi_slopes if alibi_slopes is not None else cu_q,  # (read only under ALIBI)
+            sinks if sinks is not None else cu_q,  # (read only under SINKS)
             q.shape[1] // hkv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), stride_lse, block_tables.stride(0) if paged else 0)
@@ -536,13 +550,14 @@ def _args(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, use_tma, cfg, s
 
 def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, batch,
             max_seqlen_q, causal, sm_scale, window, cfg: PrefillConfig | None,
-            softcap: float | None = None, alibi_slopes: torch.Tensor | None = None):
+            softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+            sinks: torch.Tensor | None = None):
     grid, consts, options, use_tma, cfg, scale = _form(
         q, k, v, block_tables is not None, page_size, batch, max_seqlen_q, causal, sm_scale, window, cfg,
-        softcap, alibi_slopes)
+        softcap, alibi_slopes, sinks)
     consts["RETURN_LSE"] = lse is not None
     _prefill_fwd[grid](*_args(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, use_tma, cfg, scale,
-                              window, softcap, alibi_slopes), **consts, **options)
+                              window, softcap, alibi_slopes, sinks), **consts, **options)
 
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, window_size) -> tuple[int, int, int]:
@@ -598,7 +613,8 @@ _PREFILL_LAUNCH = FastLauncher(_prefill_fwd)
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                       causal=True, sm_scale=None, window_size=None, return_lse=False, out=None,
-                      softcap=None, alibi_slopes=None, _config: PrefillConfig | None = None):
+                      softcap=None, alibi_slopes=None, sinks=None,
+                      _config: PrefillConfig | None = None):
     """Attention over a ragged batch with contiguous keys/values.
 
     q [total_q, Hq, D]; k [total_k, Hkv, D], v [total_k, Hkv, Dv] (Dv may differ from D,
@@ -611,22 +627,25 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     c * tanh(scores / c) before the softmax (Gemma 2's attn_logit_softcapping).
     alibi_slopes (fp32 [Hq]): query head h's score of key j from query i (bottom-right
     positions, as the mask's) gains alibi_slopes[h] * (j - i) after sm_scale and softcap.
+    sinks (fp32 [Hq]): query head h's softmax denominator gains exp(sinks[h]), a logit with
+    no value (kernels/sinks.py); the lse then includes it.
     """
     hq, batch, window = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, window_size)
     _check_softcap(softcap)
     check_alibi(alibi_slopes, hq, q.device)
+    check_sinks(sinks, hq, q.device)
     out = _check_out(out, q, v.shape[-1])
     lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
     if q.shape[0] > 0 and batch > 0:
         _launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, None, 0, batch,
-                max_seqlen_q, causal, sm_scale, window, _config, softcap, alibi_slopes)
+                max_seqlen_q, causal, sm_scale, window, _config, softcap, alibi_slopes, sinks)
     return (out, lse) if return_lse else out
 
 
 def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                   max_seqlen_q, max_seqlen_k, *, causal=True, sm_scale=None,
                   window_size=None, return_lse=False, out=None, softcap=None,
-                  alibi_slopes=None, _config: PrefillConfig | None = None):
+                  alibi_slopes=None, sinks=None, _config: PrefillConfig | None = None):
     """Attention of new tokens over the paged KV cache (chunked prefill, prefix hits).
 
     q [total_q, Hq, D]; key_cache [num_blocks, block_size, Hkv, D], value_cache
@@ -635,13 +654,13 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
     [B, max_blocks]; seq_lens int32 [B] (context after this step: cached prefix + new
     tokens, whose K/V are already in the cache). Key p of sequence b lives in slot
     block_tables[b, p // bs] * bs + p % bs; query i of b sits at position
-    seq_lens[b] - q_len_b + i. softcap and alibi_slopes as `flash_attn_varlen`'s. Returns as
-    `flash_attn_varlen`.
+    seq_lens[b] - q_len_b + i. softcap, alibi_slopes and sinks as `flash_attn_varlen`'s.
+    Returns as `flash_attn_varlen`.
     """
     launch = _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
                          max_seqlen_k, causal=causal, sm_scale=sm_scale, window_size=window_size,
                          return_lse=return_lse, out=out, _config=_config, softcap=softcap,
-                         alibi_slopes=alibi_slopes)
+                         alibi_slopes=alibi_slopes, sinks=sinks)
     out = _check_out(out, q, value_cache.shape[-1])
     lse = launch(q, key_cache, value_cache, out)
     return (out, lse) if return_lse else out
@@ -650,9 +669,11 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
 def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
                 max_seqlen_k, *, causal, sm_scale, window_size, return_lse, out,
                 _config: PrefillConfig | None = None, descriptors: dict | None = None,
-                softcap: float | None = None, alibi_slopes: torch.Tensor | None = None) -> Launch:
+                softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                sinks: torch.Tensor | None = None) -> Launch:
     """paged_prefill's checks and kernel choice once -> launch(q, key_cache, value_cache, out)
-    -> lse or None, for tensors of this geometry over these tables, offsets and lengths."""
+    -> lse or None, for tensors of this geometry over these tables, offsets and lengths
+    (with ``sinks``, a layer's own as a fifth argument; default: these)."""
     if key_cache.dim() != 4:
         raise ValueError(f"key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
                          f"got {tuple(key_cache.shape)}")
@@ -677,11 +698,13 @@ def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
     window = _check_window(window_size)
     _check_softcap(softcap)
     check_alibi(alibi_slopes, hq, q.device)
+    check_sinks(sinks, hq, q.device)
     if out is not None:
         _check_out(out, q, dv)
     if (_config is None and envs.prefill_gluon() and q.shape[0] > 0 and batch > 0
             and not gluon_prefill_unsupported(q, key_cache, value_cache, window_size,
-                                              softcap=softcap, alibi_slopes=alibi_slopes)):
+                                              softcap=softcap, alibi_slopes=alibi_slopes,
+                                              sinks=sinks)):
         from flashpage.kernels.flash_prefill_gluon import engine_options, plan_paged
 
         return plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
@@ -689,14 +712,14 @@ def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                           return_lse=return_lse, out=out, descriptors=descriptors,
                           **engine_options(key_cache.shape[1], envs.prefill_producer()))
 
-    def launch(q, key_cache, value_cache, out):
+    def launch(q, key_cache, value_cache, out, layer_sinks=sinks):
         lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
         if q.shape[0] > 0 and batch > 0:
             slots_k = key_cache.view(-1, hkv, d) if key_cache.is_contiguous() else key_cache.flatten(0, 1)
             slots_v = value_cache.view(-1, hkv, dv) if value_cache.is_contiguous() else value_cache.flatten(0, 1)
             _launch(q, slots_k, slots_v, out, lse, cu_seqlens_q, None, seq_lens, block_tables,
                     page_size, batch, max_seqlen_q, causal, sm_scale, window, _config, softcap,
-                    alibi_slopes)
+                    alibi_slopes, layer_sinks)
         return lse
 
     return launch
@@ -716,11 +739,13 @@ class PrefillPlan(LaunchPlan):
                  max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
                  sm_scale: float | None = None, window_size: int | None = None,
                  out: torch.Tensor | None = None, descriptors: dict | None = None,
-                 softcap: float | None = None, alibi_slopes: torch.Tensor | None = None) -> None:
+                 softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
         launch = _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                              max_seqlen_q, max_seqlen_k, causal=causal, sm_scale=sm_scale,
                              window_size=window_size, return_lse=False, out=out,
-                             descriptors=descriptors, softcap=softcap, alibi_slopes=alibi_slopes)
+                             descriptors=descriptors, softcap=softcap, alibi_slopes=alibi_slopes,
+                             sinks=sinks)
         super().__init__(launch, q, key_cache, value_cache, out)
 
 
@@ -728,7 +753,8 @@ def gluon_prefill_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_ca
                               window_size: int | None = None,
                               capability: tuple[int, int] | None = None, *,
                               softcap: float | None = None,
-                              alibi_slopes: torch.Tensor | None = None) -> list[str]:
+                              alibi_slopes: torch.Tensor | None = None,
+                              sinks: torch.Tensor | None = None) -> list[str]:
     """Why the Gluon paged prefill (flash_prefill_gluon.paged_prefill_gluon) cannot take this
     paged_prefill call; empty if it can (FLASHPAGE_PREFILL_GLUON=1 then sends it there).
     ``capability``: the device's compute capability (None: read from q's device; a CPU
@@ -761,6 +787,8 @@ def gluon_prefill_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_ca
         reasons.append("has no logit softcap")
     if alibi_slopes is not None:
         reasons.append("has no ALiBi biases")
+    if sinks is not None:
+        reasons.append("has no attention sinks (the Triton kernel takes them)")
     return reasons
 
 
@@ -768,8 +796,9 @@ def gluon_prefill_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_ca
 # pure-torch references (fp32, materialize one sequence's scores at a time)
 
 
-def _attend_ref(q, k, v, causal, sm_scale, window, softcap=None, alibi_slopes=None):
-    """q [Lq, Hq, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv] -> out [Lq, Hq, Dv] fp32, lse [Hq, Lq] fp32."""
+def _attend_ref(q, k, v, causal, sm_scale, window, softcap=None, alibi_slopes=None, sinks=None):
+    """q [Lq, Hq, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv] -> out [Lq, Hq, Dv] fp32, lse [Hq, Lq] fp32
+    (with ``sinks``: the softmax and the lse count each head's sink, kernels/sinks.py)."""
     lq, hq, d = q.shape
     lk, hkv = k.shape[0], k.shape[1]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
@@ -786,6 +815,9 @@ def _attend_ref(q, k, v, causal, sm_scale, window, softcap=None, alibi_slopes=No
     if window:
         visible &= kpos > qpos - window
     s = s.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        return (softmax_with_sinks(s, sinks) @ vf).transpose(0, 1), sinks_lse(
+            torch.logsumexp(s, dim=-1), sinks)
     lse = torch.logsumexp(s, dim=-1)  # -inf where nothing is visible
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     return (p @ vf).transpose(0, 1), lse
@@ -793,14 +825,14 @@ def _attend_ref(q, k, v, causal, sm_scale, window, softcap=None, alibi_slopes=No
 
 def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                           causal=True, sm_scale=None, window_size=None, return_lse=False, out=None,
-                          softcap=None, alibi_slopes=None):
+                          softcap=None, alibi_slopes=None, sinks=None):
     """Reference for `flash_attn_varlen`, same signature, computed in fp32."""
     out = q.new_empty(*q.shape[:2], v.shape[-1]) if out is None else out
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
         o, l_ = _attend_ref(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
-                            causal, sm_scale, window_size, softcap, alibi_slopes)
+                            causal, sm_scale, window_size, softcap, alibi_slopes, sinks)
         out[cq[b]:cq[b + 1]] = o.to(out.dtype)
         lse[:, cq[b]:cq[b + 1]] = l_
     return (out, lse) if return_lse else out
@@ -808,7 +840,8 @@ def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 def paged_prefill_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                       max_seqlen_q, max_seqlen_k, *, causal=True, sm_scale=None,
-                      window_size=None, return_lse=False, out=None, softcap=None, alibi_slopes=None):
+                      window_size=None, return_lse=False, out=None, softcap=None, alibi_slopes=None,
+                      sinks=None):
     """Reference for `paged_prefill`: gathers each sequence's keys, then attends in fp32 (an
     fp8 cache's values read exactly)."""
     bs = key_cache.shape[1]
@@ -821,7 +854,7 @@ def paged_prefill_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq
         k = key_cache[blk, pos % bs]
         v = value_cache[blk, pos % bs]
         o, l_ = _attend_ref(q[cq[b]:cq[b + 1]], k, v, causal, sm_scale, window_size, softcap,
-                            alibi_slopes)
+                            alibi_slopes, sinks)
         out[cq[b]:cq[b + 1]] = o.to(out.dtype)
         lse[:, cq[b]:cq[b + 1]] = l_
     return (out, lse) if return_lse else out

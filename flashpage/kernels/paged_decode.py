@@ -58,6 +58,7 @@ from flashpage.kernels.kv_dtype import check_kv_cache_dtype, f16_dots, f16_query
 from flashpage.kernels.paged_decode_rows import _paged_decode_rows_kernel
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 from flashpage.kernels.plan import Launch, LaunchPlan
+from flashpage.kernels.sinks import check_sinks, softmax_with_sinks
 from flashpage.kernels.softcap import softcap_log2, softcap_ref
 from flashpage.kernels.splits import split_range
 
@@ -282,6 +283,7 @@ def _paged_decode_kernel(
     window,  # keys j >= seq_len - window (ignored unless HAS_WINDOW)
     softcap,  # attention logit softcap * log2(e) (ignored unless SOFTCAP)
     alibi_ptr,  # fp32 [Hq] ALiBi slopes (read only under ALIBI)
+    sinks_ptr,  # fp32 [Hq] attention sinks (read only under SINKS)
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -308,6 +310,7 @@ def _paged_decode_kernel(
     WARP_SPLIT: tl.constexpr,  # pieces of 16 keys with their own softmax state (config.warp_split)
     SOFTCAP: tl.constexpr,  # scores -> cap * tanh(scores / cap) (Gemma 2; not with WARP_SPLIT)
     ALIBI: tl.constexpr = False,  # scores + slope[h] * (j - (seq_len - 1)) (not with WARP_SPLIT)
+    SINKS: tl.constexpr = False,  # sink[h] joins the softmax denominator (split 0's only)
 ):
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
@@ -436,6 +439,18 @@ def _paged_decode_kernel(
             m_i, l_i, acc = _attend_tile(q, k, v, offs_n, end, m_i, l_i, acc, sm_scale_log2, softcap,
                                           slopes, qpos, IEEE, SOFTCAP, ALIBI)
 
+    if SINKS:
+        # One more "key" of score sink[h] and value 0, folded in once: by split 0 alone, so
+        # that the merge (which weighs each split by its lse) counts it once. Its lse then
+        # holds the sink even where the split saw no key.
+        sink = tl.load(sinks_ptr + head, mask=h_mask, other=float("-inf")) * 1.4426950408889634
+        sink = tl.where(split == 0, sink, float("-inf"))
+        m_new = tl.maximum(m_i, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.exp2(sink - m_safe)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     has_keys = l_i > 0.0  # false for an empty split (or an empty sequence)
     o = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     if not SPLIT:
@@ -576,7 +591,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 
 
 def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, softcap=None,
-           alibi_slopes=None):
+           alibi_slopes=None, sinks=None):
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {tuple(q.shape)}")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
@@ -607,17 +622,19 @@ def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, 
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     check_alibi(alibi_slopes, num_q_heads, q.device)
+    check_sinks(sinks, num_q_heads, q.device)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
         raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with a contiguous last dimension")
 
 
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
             num_splits, config: DecodeConfig | None = None, pdl: bool | None = None,
-            softcap: float | None = None, alibi_slopes: torch.Tensor | None = None):
+            softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+            sinks: torch.Tensor | None = None):
     """paged_decode with an explicit tile config (the benchmark sweeps them)."""
     launch = _plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
                    window_size=window_size, out=out, num_splits=num_splits, config=config, pdl=pdl,
-                   softcap=softcap, alibi_slopes=alibi_slopes)
+                   softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     out = torch.empty_like(q) if out is None else out
     if q.shape[0]:
         launch(q, key_cache, value_cache, out)
@@ -627,13 +644,17 @@ def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, wind
 def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
           num_splits, config: DecodeConfig | None = None, pdl: bool | None = None,
           descriptors: dict | None = None, softcap: float | None = None,
-          alibi_slopes: torch.Tensor | None = None) -> Launch:
+          alibi_slopes: torch.Tensor | None = None,
+          sinks: torch.Tensor | None = None) -> Launch:
     """The checks and every choice of a call (kernel, config, splits, grid, scratch), made
     once -> launch(q, key_cache, value_cache, out) for tensors of this geometry (DecodePlan
     holds callers to it). The tables and lengths are the planned ones; ``descriptors``: a
-    dict kept across plans for the Gluon kernel's cache descriptors (None: the plan's own)."""
-    _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, softcap, alibi_slopes)
+    dict kept across plans for the Gluon kernel's cache descriptors (None: the plan's own).
+    With ``sinks``, launch takes a layer's own as a fifth argument (default: these)."""
+    _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, softcap, alibi_slopes,
+           sinks)
     alibi = alibi_slopes is not None
+    has_sinks = sinks is not None
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
@@ -644,9 +665,9 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
     cfg = config or default_config(q.device, head_dim, batch * num_kv_heads,
                                    fp8=is_fp8(key_cache.dtype))
     hpb = cfg.heads_per_program
-    if hpb > 1 and (softcap is not None or alibi or num_kv_heads % hpb or head_dim & (head_dim - 1) or head_dim < 16
+    if hpb > 1 and (softcap is not None or alibi or has_sinks or num_kv_heads % hpb or head_dim & (head_dim - 1) or head_dim < 16
                     or key_cache.stride(2) != head_dim or value_cache.stride(2) != head_dim):
-        hpb = 1  # the row kernel's conditions (paged_decode_rows.py; no softcap, no ALiBi) do not hold
+        hpb = 1  # the row kernel's conditions (paged_decode_rows.py; no softcap, ALiBi or sinks) do not hold
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
         if window_size is not None:
@@ -656,14 +677,15 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if cfg.gluon and not gluon_unsupported(q, key_cache, value_cache, window_size, num_splits,
-                                           softcap=softcap, alibi_slopes=alibi_slopes):
+                                           softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks):
         from flashpage.kernels.paged_decode_gluon import engine_form, paged_decode_gluon
 
         form = engine_form(group, envs.decode_gluon_variant())
         return lambda q, kc, vc, out: paged_decode_gluon(q, kc, vc, block_tables, seq_lens,
                                                          sm_scale=sm_scale, out=out, **form)
     if cfg.gluon and not gluon_bf16_unsupported(q, key_cache, value_cache, window_size, num_splits,
-                                                softcap=softcap, alibi_slopes=alibi_slopes):
+                                                softcap=softcap, alibi_slopes=alibi_slopes,
+                                                sinks=sinks):
         from flashpage.kernels import paged_decode_gluon_bf16 as g16
 
         form16 = g16.engine_form(batch * num_kv_heads, _num_sms(q.device))
@@ -715,16 +737,17 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
         PREFETCH_V=cfg.prefetch_v and not cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
         PDL=use_pdl, F16_DOTS=common["F16_DOTS"], WARP_SPLIT=warp_split, SOFTCAP=softcap is not None,
-        ALIBI=alibi)
+        ALIBI=alibi, SINKS=has_sinks)
     softcap2 = (softcap or 1.0) * _LOG2E
 
     merge = split and not fused_merge
     bound: list = []  # the kernel (and merge) launches bound by the first layer (fast_launch.bind)
 
-    def launch(q, kc, vc, out):
+    def launch(q, kc, vc, out, layer_sinks=sinks):
         args = (q, kc, vc, block_tables, seq_lens, out, mid_o if split else out,
                 mid_lse if split else out, counters if fused_merge else seq_lens, scale2, window,
-                softcap2, alibi_slopes if alibi else seq_lens, q.stride(0), q.stride(1),
+                softcap2, alibi_slopes if alibi else seq_lens,
+                layer_sinks if has_sinks else seq_lens, q.stride(0), q.stride(1),
                 kc.stride(0), kc.stride(1), kc.stride(2),
                 vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0),
                 out.stride(0), out.stride(1), num_splits)
@@ -734,7 +757,9 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
             if merge:
                 bound[1](margs)
             return
-        bound.append(_DECODE_LAUNCH.bind(grid, args, consts, options, varying=(0, 1, 2, 5, 6, 7)))
+        # (the sinks, each layer's own, vary too)
+        bound.append(_DECODE_LAUNCH.bind(grid, args, consts, options,
+                                         varying=(0, 1, 2, 5, 6, 7) + ((13,) if has_sinks else ())))
         if merge:
             bound.append(_MERGE_LAUNCH.bind((batch * num_q_heads,), margs, *_merge_form(
                 num_splits, head_dim, block_d, use_pdl), varying=(2,)))
@@ -756,10 +781,12 @@ class DecodePlan(LaunchPlan):
                  window_size: int | None = None, out: torch.Tensor | None = None,
                  num_splits: int | None = None, pdl: bool | None = None,
                  descriptors: dict | None = None, softcap: float | None = None,
-                 alibi_slopes: torch.Tensor | None = None) -> None:
+                 alibi_slopes: torch.Tensor | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
         launch = _plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
                        window_size=window_size, out=out, num_splits=num_splits, pdl=pdl,
-                       descriptors=descriptors, softcap=softcap, alibi_slopes=alibi_slopes)
+                       descriptors=descriptors, softcap=softcap, alibi_slopes=alibi_slopes,
+                       sinks=sinks)
         super().__init__(launch, q, key_cache, value_cache, out)
 
 
@@ -767,7 +794,8 @@ def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       window_size: int | None, num_splits: int,
                       capability: tuple[int, int] | None = None, *,
                       softcap: float | None = None,
-                      alibi_slopes: torch.Tensor | None = None) -> list[str]:
+                      alibi_slopes: torch.Tensor | None = None,
+                      sinks: torch.Tensor | None = None) -> list[str]:
     """Why the Gluon fp8 kernel (paged_decode_gluon.py) cannot take this call; empty if it can.
     ``capability``: the device's compute capability (None: read from q's device)."""
     reasons = sm90_reasons(q, capability)
@@ -788,6 +816,8 @@ def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         reasons.append("has no logit softcap")
     if alibi_slopes is not None:
         reasons.append("has no ALiBi biases")
+    if sinks is not None:
+        reasons.append("has no attention sinks (the Triton kernel takes them)")
     if num_splits != 1:
         reasons.append(f"does not split the keys ({num_splits} splits asked)")
     return reasons
@@ -797,7 +827,8 @@ def gluon_bf16_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            window_size: int | None, num_splits: int,
                            capability: tuple[int, int] | None = None, *,
                            softcap: float | None = None,
-                           alibi_slopes: torch.Tensor | None = None) -> list[str]:
+                           alibi_slopes: torch.Tensor | None = None,
+                           sinks: torch.Tensor | None = None) -> list[str]:
     """Why the Gluon 16-bit kernel (paged_decode_gluon_bf16.py: persistent keys_m) cannot take
     this call; empty if it can. ``capability``: the device's compute capability (None: read
     from q's device; a CPU tensor or the interpreter has none)."""
@@ -825,6 +856,8 @@ def gluon_bf16_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         reasons.append("has no logit softcap")
     if alibi_slopes is not None:
         reasons.append("has no ALiBi biases")
+    if sinks is not None:
+        reasons.append("has no attention sinks (the Triton kernel takes them)")
     if num_splits != 1:
         reasons.append(f"does not split the keys ({num_splits} splits asked)")
     return reasons
@@ -865,6 +898,7 @@ def paged_decode(
     pdl: bool | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
@@ -879,6 +913,9 @@ def paged_decode(
     alibi_slopes fp32 [Hq]: head h's score of key j gains alibi_slopes[h] * (j - (seq_lens[b]
                  - 1)) after sm_scale and softcap (ALiBi, kernels/alibi.py; the Gluon, row and
                  warp-split kernels step aside)
+    sinks        fp32 [Hq]: head h's softmax denominator gains exp(sinks[h]), a logit with no
+                 value (GPT-OSS, kernels/sinks.py; counted once across splits; the Gluon and
+                 row kernels step aside)
     num_splits   key-range splits per sequence; None picks from the batch size and
                  the block table's width (no device sync)
     pdl          programmatic dependent launch of its kernels (kernels/pdl.py): True all,
@@ -888,7 +925,7 @@ def paged_decode(
     """
     return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
                    window_size=window_size, out=out, num_splits=num_splits, pdl=pdl, softcap=softcap,
-                   alibi_slopes=alibi_slopes)
+                   alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 def paged_decode_ref(
@@ -905,6 +942,7 @@ def paged_decode_ref(
     pdl: bool | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch paged_decode, in fp32 (an fp8 cache's values read exactly), one sequence at
     a time. num_splits and pdl are ignored."""
@@ -917,7 +955,7 @@ def paged_decode_ref(
         seq_len = int(seq_lens[b])
         lo = 0 if window_size is None else max(0, seq_len - window_size)
         if seq_len <= lo:
-            continue
+            continue  # no key: a zero output, with or without sinks
         blocks = block_tables[b, : triton.cdiv(seq_len, block_size)].long()
         k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[lo:seq_len].float()
         v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[lo:seq_len].float()
@@ -926,7 +964,7 @@ def paged_decode_ref(
         scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
         scores = softcap_ref(scores, softcap)
         scores = alibi_ref(scores, alibi_slopes, seq_len - 1, torch.arange(lo, seq_len, device=q.device))
-        res[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+        res[b] = torch.einsum("hl,lhd->hd", softmax_with_sinks(scores, sinks), v)
     res = res.to(q.dtype)
     if out is not None:
         out.copy_(res)

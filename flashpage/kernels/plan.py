@@ -15,8 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-# launch(q, key_cache, value_cache, out) -> anything (the prefill's lse, or None)
-Launch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], object]
+# launch(q, key_cache, value_cache, out) -> anything (the prefill's lse, or None); a plan
+# made with attention sinks launches as launch(q, key_cache, value_cache, out, sinks): each
+# layer has its own (kernels/sinks.py), so they are a launch's argument, not the plan's
+Launch = Callable[..., object]
 
 
 def geometry(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -45,25 +47,30 @@ class LaunchPlan:
         return geometry(q, key_cache, value_cache, out) == self.geometry
 
     def run(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The planned call on these tensors -> out [q rows, Hq, out_dim] in q's dtype."""
         if not self.fits(q, key_cache, value_cache, out):
             raise ValueError(f"{self.name}.run: q, the caches or out differ in shape, strides, "
                              "dtype or device from the planned call")
         if out is None:
             out = q.new_empty(*q.shape[:2], self.out_dim)
-        self.launch(q, key_cache, value_cache, out)
+        self.launch(q, key_cache, value_cache, out, sinks)
         return out
 
     def launch(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               out: torch.Tensor) -> None:
-        """``run`` without its check, for a caller that has just asked ``fits``."""
+               out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
+        """``run`` without its check, for a caller that has just asked ``fits``. ``sinks``:
+        this call's (a plan made with sinks needs them; one made without takes none)."""
         if q.shape[0]:
-            self._launch(q, key_cache, value_cache, out)
+            if sinks is None:
+                self._launch(q, key_cache, value_cache, out)
+            else:
+                self._launch(q, key_cache, value_cache, out, sinks)
 
 
 def planned(plans: dict, key: object, make: Callable[[], LaunchPlan], q: torch.Tensor,
-            key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor) -> None:
+            key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+            sinks: torch.Tensor | None = None) -> None:
     """Launch ``plans[key]`` on these tensors, planned first (``make()``) where it is missing
     or was planned for another geometry. Plans made during a CUDA-graph capture and outside
     one are kept apart: a plan's scratch (the decode's split buffers) must come from the
@@ -73,4 +80,4 @@ def planned(plans: dict, key: object, make: Callable[[], LaunchPlan], q: torch.T
     plan = plans.get(key)
     if plan is None or not plan.fits(q, key_cache, value_cache, out):
         plan = plans[key] = make()
-    plan.launch(q, key_cache, value_cache, out)
+    plan.launch(q, key_cache, value_cache, out, sinks)

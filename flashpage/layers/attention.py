@@ -23,7 +23,8 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
                  layer_idx: int, sliding_window: int | None = None,
-                 softcap: float | None = None, alibi: AlibiSlopes | None = None) -> None:
+                 softcap: float | None = None, alibi: AlibiSlopes | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
@@ -36,6 +37,12 @@ class Attention(nn.Module):
         if alibi is not None and alibi.slopes.shape != (num_heads,):
             raise ValueError(f"ALiBi slopes {tuple(alibi.slopes.shape)} for {num_heads} query heads")
         self.alibi = alibi
+        # attention sinks (GPT-OSS): head h's learned logit in its softmax denominator, the
+        # owning module's fp32 [num_heads] parameter (kernels/sinks.py); not a submodule
+        # here, so the checkpoint's name stays the owner's
+        if sinks is not None and sinks.shape != (num_heads,):
+            raise ValueError(f"sinks {tuple(sinks.shape)} for {num_heads} query heads")
+        self._sinks = [sinks] if sinks is not None else []
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.backend: AttentionBackend | None = None
         # its KV cache group (kv_cache/hybrid.py; the model runner sets it): the step's
@@ -84,4 +91,8 @@ class Attention(nn.Module):
         return self.backend.forward(q, k, v, self.kv_cache, md, scale=self.scale,
                                     sliding_window=self.sliding_window, softcap=self.softcap,
                                     alibi_slopes=None if self.alibi is None else self.alibi.slopes,
-                                    write_kv=write_kv)
+                                    write_kv=write_kv, sinks=self.sinks)
+
+    @property
+    def sinks(self) -> torch.Tensor | None:
+        return self._sinks[0] if self._sinks else None

@@ -25,11 +25,10 @@ multiplied by ``yarn_get_mscale(factor, mscale_all_dim) ** 2``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from flashpage.config import ModelConfig
+from flashpage.layers.rotary import default_inv_freq, yarn_get_mscale, yarn_inv_freq
 
 
 # ----------------------------------------------------------------- kv_b_proj, split
@@ -73,23 +72,15 @@ def mla_absorb_output(o_latent: torch.Tensor, kv_b_proj_weight: torch.Tensor, nu
 
 
 # ----------------------------------------------------------------- rope and scale
-def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
-
-
 def yarn_inv_freq_and_mscale(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """-> (inv_freq fp32 [qk_rope_head_dim // 2], mscale): multiply cos and sin by mscale.
 
     No scaling: the plain rope frequencies and 1.0. ``yarn``: DeepSeek's YaRN, as
-    transformers computes it (correction range truncated to whole dims).
+    transformers computes it (layers/rotary.yarn_inv_freq; the correction range truncated
+    to whole dims unless the config says ``truncate: false``).
     """
     dim = config.qk_rope_head_dim
-    base = config.rope_theta
-    # Same expression as transformers, so fp32 values match bit for bit.
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)
-    inv_freq = 1.0 / pos_freqs
+    inv_freq = default_inv_freq(config.rope_theta, dim)
     rs = config.rope_scaling
     if rs is None or rs.rope_type == "default":
         return inv_freq, 1.0
@@ -97,28 +88,7 @@ def yarn_inv_freq_and_mscale(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return inv_freq / rs.factor, 1.0
     if rs.rope_type != "yarn":
         raise ValueError(f"MLA supports rope types default, linear and yarn, not {rs.rope_type!r}")
-
-    factor = rs.factor
-    orig_max = rs.original_max_position_embeddings or config.max_position_embeddings
-    if rs.mscale and rs.mscale_all_dim:
-        mscale = yarn_get_mscale(factor, rs.mscale) / yarn_get_mscale(factor, rs.mscale_all_dim)
-    else:
-        mscale = yarn_get_mscale(factor)
-    beta_fast = rs.beta_fast or 32.0
-    beta_slow = rs.beta_slow or 1.0
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(orig_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = float(max(math.floor(correction_dim(beta_fast)), 0))
-    high = float(min(math.ceil(correction_dim(beta_slow)), dim - 1))
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation = 1 - ramp  # 1: keep the original frequency (high-frequency dims)
-    interpolated = 1.0 / (factor * pos_freqs)
-    inv_freq = interpolated * (1 - extrapolation) + inv_freq * extrapolation
-    return inv_freq, float(mscale)
+    return yarn_inv_freq(config.rope_theta, dim, rs, config.max_position_embeddings)
 
 
 def mla_softmax_scale(config: ModelConfig) -> float:

@@ -4,7 +4,8 @@
 the second (the layout the Triton rotary kernel reads); rot_dim < head_dim rotates the
 first rot_dim dims of each head only (Phi-3's partial_rotary_factor). longrope's choice of
 factors is made once from max_positions (``uses_long_factors``), and its attention factor
-is folded into the cache.
+is folded into the cache; so is YaRN's (``yarn_inv_freq``, shared with MLA's rope,
+layers/mla.py: GPT-OSS, DeepSeek).
 """
 
 from __future__ import annotations
@@ -31,6 +32,55 @@ def uses_long_factors(scaling: RopeScaling, max_positions: int) -> bool:
     the original length (max_model_len > original_max_position_embeddings)."""
     assert scaling.original_max_position_embeddings is not None
     return max_positions > scaling.original_max_position_embeddings
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a context stretched ``scale`` times (1 for none)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(base: float, dim: int, scaling: RopeScaling,
+                  original_max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """YaRN (``rope_type`` yarn) as transformers' _compute_yarn_parameters computes it ->
+    (inv_freq fp32 [dim // 2], the attention factor cos and sin are multiplied by).
+
+    Frequencies below the correction range [low, high] (found from beta_fast / beta_slow
+    rotations over original_max_position_embeddings; ``original_max_positions`` where the
+    scaling has none) are divided by ``factor``, those above it kept, a linear ramp between;
+    ``truncate`` (transformers' default true; GPT-OSS false) rounds the range out to whole
+    dims. The attention factor: ``attention_factor`` where given, else
+    yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim) where both are
+    set (DeepSeek), else yarn_get_mscale(factor)."""
+    factor = scaling.factor
+    orig_max = scaling.original_max_position_embeddings or original_max_positions
+    if orig_max is None:
+        raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+    if scaling.attention_factor is not None:
+        mscale = float(scaling.attention_factor)
+    elif scaling.mscale and scaling.mscale_all_dim:
+        mscale = yarn_get_mscale(factor, scaling.mscale) / yarn_get_mscale(factor, scaling.mscale_all_dim)
+    else:
+        mscale = yarn_get_mscale(factor)
+    beta_fast = scaling.beta_fast or 32.0
+    beta_slow = scaling.beta_slow or 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = float(max(low, 0)), float(min(high, dim - 1))
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    # Same expressions as transformers, so fp32 values match bit for bit.
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency (high-frequency dims)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(mscale)
 
 
 def scaled_inv_freq(base: float, dim: int, scaling: RopeScaling | None,
@@ -60,7 +110,8 @@ def scaled_inv_freq(base: float, dim: int, scaling: RopeScaling | None,
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope type {scaling.rope_type!r} has no inv_freq rule here (yarn is MLA's)")
+    raise ValueError(f"rope type {scaling.rope_type!r} has no inv_freq rule here (yarn: "
+                     "yarn_inv_freq, which also gives its attention factor)")
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, mscale: float = 1.0) -> torch.Tensor:
@@ -92,14 +143,20 @@ class RotaryEmbedding(KeepFp32, ops.FusedOpsModule):
     cos_sin_cache: torch.Tensor
 
     def __init__(self, head_dim: int, rot_dim: int, max_positions: int, base: float,
-                 scaling: RopeScaling | None = None, is_neox: bool = True) -> None:
+                 scaling: RopeScaling | None = None, is_neox: bool = True,
+                 original_max_positions: int | None = None) -> None:
+        """``original_max_positions``: YaRN's original context where the scaling names none
+        (the config's max_position_embeddings)."""
         super().__init__()
         self.head_dim = head_dim
         self.is_neox = is_neox
         self.max_positions = max_positions
-        self.inv_freq = scaled_inv_freq(base, rot_dim, scaling, max_positions)
-        # longrope's attention factor scales cos and sin (so q.k by its square)
-        self.mscale = (scaling.attention_factor or 1.0) if scaling is not None else 1.0
+        if scaling is not None and scaling.rope_type == "yarn":
+            self.inv_freq, self.mscale = yarn_inv_freq(base, rot_dim, scaling, original_max_positions)
+        else:
+            self.inv_freq = scaled_inv_freq(base, rot_dim, scaling, max_positions)
+            # longrope's attention factor scales cos and sin (so q.k by its square)
+            self.mscale = (scaling.attention_factor or 1.0) if scaling is not None else 1.0
         self.register_buffer("cos_sin_cache",
                              build_cos_sin_cache(self.inv_freq, max_positions, self.mscale),
                              persistent=False)
@@ -138,4 +195,5 @@ def get_rope(config: ModelConfig, max_positions: int, layer: int | None = None) 
         return RotaryEmbedding(config.head_dim, config.rotary_dim, max_positions,
                                config.rope_local_theta, None, is_neox=neox)
     return RotaryEmbedding(config.head_dim, config.rotary_dim, max_positions, config.rope_theta,
-                           config.rope_scaling, is_neox=neox)
+                           config.rope_scaling, is_neox=neox,
+                           original_max_positions=config.max_position_embeddings)

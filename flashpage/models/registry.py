@@ -55,6 +55,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Exaone4ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("flashpage.models.hunyuan", "HunYuanDenseV1ForCausalLM"),
     "ApertusForCausalLM": ("flashpage.models.apertus", "ApertusForCausalLM"),
+    "GptOssForCausalLM": ("flashpage.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

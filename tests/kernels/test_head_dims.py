@@ -273,14 +273,14 @@ def _compile_padded_usage() -> dict[str, dict]:
            "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "cu_q": "*i32", "cu_k": "*i32",
            "seq_lens": "*i32", "block_tables": "*i32", "Lse": "*fp32", "Q": "*bf16",
            "Out": "*bf16", "K": "*bf16", "V": "*bf16", "sm_scale_log2": "fp32",
-           "qk_scale": "fp32", "softcap": "fp32", "Slopes": "*fp32", "alibi_ptr": "*fp32",
+           "qk_scale": "fp32", "softcap": "fp32", "Slopes": "*fp32", "Sinks": "*fp32", "alibi_ptr": "*fp32", "sinks_ptr": "*fp32",
            "positions_ptr": "*i64", "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32"}
     out = {}
     for d in (80, 96, 128):
         decode = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=d, BLOCK_D=128, PAGE=16, BLOCK_N=64,
                       HAS_WINDOW=False, IEEE=False, HEADS_FASTEST=False, FUSED_MERGE=False,
                       GROUP_PAD=4, MERGE_CHUNK=1, PDL=False, F16_DOTS=False, WARP_SPLIT=False,
-                      SOFTCAP=False, ALIBI=False, SPLIT=False, PREFETCH=False, PREFETCH_V=False)
+                      SOFTCAP=False, ALIBI=False, SINKS=False, SPLIT=False, PREFETCH=False, PREFETCH_V=False)
         kernels = {
             "decode": (pd._paged_decode_kernel, decode, {}, 4, 3),
             "decode_split_fused_merge": (pd._paged_decode_kernel, {
@@ -294,7 +294,7 @@ def _compile_padded_usage() -> dict[str, dict]:
                 HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, QK_DIM=d, HEAD_DIM_V=128, V_DIM=d,
                 CAUSAL=True, HAS_WINDOW=False, KV_MODE=fp_mod._KV_PAGED, PAGE_SIZE=16,
                 RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True, SOFTCAP=False,
-                ALIBI=False, desc_q=None, desc_k=None, desc_v=None), {}, 8, 3),
+                ALIBI=False, SINKS=False, desc_q=None, desc_k=None, desc_v=None), {}, 8, 3),
             "rotary_write": (rot._rotary_kernel, dict(
                 WRITE_CACHE=True, IS_NEOX=True, PAGE=16, HALF=16, HALF_PAD=16, HEAD_DIM=d,
                 BLOCK_D=128, REST_PAD=triton.next_power_of_2(d - 32), BLOCK_HQ=32, BLOCK_HK=8,

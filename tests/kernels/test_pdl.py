@@ -179,7 +179,7 @@ def _compile_ptx() -> dict[str, str]:
     ptr = {"positions_ptr": "*i64", "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32",
            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "counter_ptr": "*i32",
            "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "logits_ptr": "*fp32", "bias_ptr": "*fp32",
-           "weights_ptr": "*fp32", "ids_ptr": "*i64", "scale": "fp32", "alibi_ptr": "*fp32"}
+           "weights_ptr": "*fp32", "ids_ptr": "*i64", "scale": "fp32", "alibi_ptr": "*fp32", "sinks_ptr": "*fp32"}
     kernels = {
         "rms_norm": (rn._rms_norm_kernel, dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, W_FP32=False),
                      8, 3),
@@ -193,7 +193,7 @@ def _compile_ptx() -> dict[str, str]:
             GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, SPLIT=True,
             HAS_WINDOW=False, IEEE=False, PREFETCH=False, HEADS_FASTEST=False, FUSED_MERGE=True,
             GROUP_PAD=4, MERGE_CHUNK=16, PREFETCH_V=False, F16_DOTS=False, WARP_SPLIT=False,
-            SOFTCAP=False, ALIBI=False), 4, 5),
+            SOFTCAP=False, ALIBI=False, SINKS=False), 4, 5),
         "paged_decode_rows": (rows._paged_decode_rows_kernel, dict(
             GROUP=4, HPB=2, ROWS_PAD=16, HEAD_DIM=128, WIDTH=256, PAGE=16, BLOCK_N=32,
             SPLIT=True, HAS_WINDOW=False, IEEE=False, F16_DOTS=False), 4, 3),

@@ -1,0 +1,399 @@
+"""GPT-OSS (GptOssForCausalLM; models/gpt_oss.py, config._gpt_oss_fields): attention sinks,
+alternating windowed and full layers, biases on q/k/v/o, YaRN rope, experts with biases and
+a clamped SwiGLU over interleaved gate/up columns, MXFP4 expert checkpoints (models/mxfp4.py).
+
+CPU, fp32: greedy tokens equal transformers' on both expert paths (sync-free and grouped)
+over prompts past the window; on our Triton kernels (interpreter: prefill and split decode
+with sinks); through chunked prefill, preemption and prefix hits; the sinks, the window and
+the activation's clamp each shown to change the tokens; YaRN's frequencies and attention
+factor equal transformers' rope init (truncate false and true); MXFP4: our dequantization
+equals transformers', and a checkpoint whose experts we quantize gives transformers' tokens
+on the dequantized weights; weights back under HF's names; ``flashpage inspect``'s counts;
+config fields, defaults and errors.
+GPU (marked gpu): bf16 on the Triton kernels and CUDA graphs follows fp32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from flashpage import SamplingParams
+from flashpage.config import ConfigError, ModelConfig
+from flashpage.layers.rotary import get_rope
+from flashpage.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from tests.conftest import (
+    _checkpoints,
+    assert_staggered_matches_hf,
+    cpu_greedy,
+    cpu_llm,
+    hf_greedy,
+    load_and_round_trip,
+    random_prompts,
+    tiny_table_builder,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+WINDOW = 16
+SLIDE, FULL = "sliding_attention", "full_attention"
+YARN = dict(rope_type="yarn", rope_theta=10_000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+            truncate=False, original_max_position_embeddings=32)
+_BASE = dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+             intermediate_size=32, sliding_window=WINDOW, rope_parameters=YARN,
+             swiglu_limit=1.5)
+TINY: dict[str, tuple[str, dict]] = {
+    # sliding, full, sliding (GptOssConfig's own alternation); head_dim 16, GQA 4 over 2;
+    # a low swiglu_limit so that the clamps bind on these random weights
+    "gpt_oss": ("GptOssConfig", dict(_BASE, num_hidden_layers=3, head_dim=16)),
+    # head_dim 32 (our Triton kernels' smallest), 2 layers: full then sliding
+    "gpt_oss_d32": ("GptOssConfig", dict(_BASE, num_hidden_layers=2, head_dim=32,
+                                         num_attention_heads=4, layer_types=[FULL, SLIDE])),
+}
+build = tiny_table_builder(TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory):
+    return _checkpoints(tmp_path_factory, build)
+
+
+def _widen_sinks(path: Path) -> None:
+    """transformers initialises the sinks at N(0, 0.2) here: make them matter (some heads'
+    sink well above their scores, so that most of the mass goes to it)."""
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(5)
+    for name in t:
+        if name.endswith("self_attn.sinks"):
+            t[name] = torch.randn(t[name].shape, generator=g) * 2 + 1
+    save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="session")
+def ckpt(tiny_gpt_oss):
+    path = tiny_gpt_oss("gpt_oss")
+    if not (path / ".sinks").exists():
+        _widen_sinks(path)
+        (path / ".sinks").write_text("")
+    return path
+
+
+# up to 52 positions: past the window of 16
+PROMPTS = random_prompts(3, 20, 40, seed=1)
+
+
+@pytest.fixture(scope="module")
+def expected(ckpt):
+    """transformers' greedy tokens for PROMPTS (computed once for the tests below)."""
+    return hf_greedy(ckpt, PROMPTS, GREEDY.max_tokens)
+
+
+def _path(model, path: str) -> None:
+    from flashpage.models.gpt_oss import GptOssExperts
+
+    for m in model.modules():
+        if isinstance(m, GptOssExperts):
+            m.sync_free_max_tokens = -1 if path == "grouped" else 10**9
+
+
+@pytest.mark.parametrize("path", ["sync_free", "grouped"])
+def test_greedy_matches_transformers(ckpt, expected, path):
+    llm = cpu_llm(ckpt)
+    model = llm.engine.model
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [WINDOW, None, WINDOW]
+    _path(model, path)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+def test_sinks_window_and_clamp_change_the_tokens(ckpt, expected, tmp_path):
+    """Each feature matters on this checkpoint: without the sinks, with no window, or with
+    the SwiGLU clamp lifted, our tokens part from the reference (so the test above could
+    fail on each)."""
+    from tests.conftest import edited_copy
+
+    def no_sinks(t):
+        for n in t:
+            if n.endswith("sinks"):
+                t[n] = torch.full_like(t[n], -1e4)
+
+    variants = {
+        "sinks": edited_copy(ckpt, tmp_path / "s", edit=no_sinks),
+        "window": edited_copy(ckpt, tmp_path / "w", config_edit=lambda c: c.update(
+            sliding_window=4096)),
+        "clamp": edited_copy(ckpt, tmp_path / "c", config_edit=lambda c: c.update(
+            swiglu_limit=1e4)),
+    }
+    for name, path in variants.items():
+        assert cpu_greedy(path, PROMPTS) != expected, name
+
+
+@pytest.mark.slow
+def test_staggered_batch_with_chunking_preemption_and_prefix_hits(ckpt):
+    assert_staggered_matches_hf(ckpt, attention_backend="torch_native")
+
+
+def test_triton_backend_in_the_interpreter(tiny_gpt_oss):
+    """Our prefill and decode kernels (interpreted) with sinks, a window on layer 1, and key
+    splits on the decodes (the CPU's small SM count splits them)."""
+    path = tiny_gpt_oss("gpt_oss_d32")
+    prompts = random_prompts(2, 18, 30, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    expected = hf_greedy(path, prompts, params.max_tokens)
+    assert cpu_greedy(path, prompts, params, attention_backend="triton") == expected
+
+
+def test_weights_round_trip(ckpt):
+    model, ref = load_and_round_trip(ckpt)
+    assert model.model.layers[0].self_attn.sinks.dtype == torch.float32
+    assert model.model.layers[0].mlp.router.weight.dtype == torch.float32
+    attn = model.model.layers[0].self_attn
+    assert attn.attn.sinks is attn.sinks  # the backend reads the loaded parameter
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_moe_block_paths_match_transformers_module(tokens):
+    """Our router and experts against transformers' GptOssMLP (fp32, its weights loaded by
+    name): the gathered path (3 * tokens * k <= experts), every expert on every token, and
+    the grouped path give its output."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as HFMLP
+
+    from flashpage.models.gpt_oss import GptOssMLP
+
+    d = _hf_dict("gpt_oss", num_local_experts=16)
+    hf = HFMLP(transformers.GptOssConfig(**{k: v for k, v in d.items() if k != "architectures"}))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    ours = GptOssMLP(ModelConfig.from_hf(d))
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(tokens, 64, generator=g)
+    with torch.no_grad():
+        want = hf(x[None])[0][0]
+        calls = []
+        for name in ("_gathered", "_all_experts"):
+            fn = getattr(ours.experts, name)
+            setattr(ours.experts, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+        got = ours(x)
+        ours.experts.sync_free_max_tokens = -1
+        grouped = ours(x)
+    assert calls == ["_gathered" if 3 * tokens * 2 <= 16 else "_all_experts"]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grouped, want, atol=1e-5, rtol=1e-5)
+    # every path above ran the clamps: some gate/up values pass the limit of 1.5
+    h = x @ hf.experts.gate_up_proj[0] + hf.experts.gate_up_proj_bias[0]
+    assert (h.abs() > 1.5).any()
+
+
+# ----------------------------------------------------------------- YaRN
+@pytest.mark.parametrize("rope", [
+    YARN,
+    dict(YARN, truncate=True),
+    dict(rope_type="yarn", rope_theta=150_000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+         truncate=False, original_max_position_embeddings=4096),  # the released models'
+    dict(YARN, attention_factor=0.8),
+])
+def test_yarn_matches_transformers(rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = transformers.GptOssConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=64, rope_parameters=dict(rope))
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    d = hf.to_dict() | {"architectures": ["GptOssForCausalLM"]}
+    cfg = ModelConfig.from_hf(d)
+    rotary = get_rope(cfg, 64)
+    torch.testing.assert_close(rotary.inv_freq, inv_freq, rtol=0, atol=0)
+    assert rotary.mscale == pytest.approx(factor, rel=1e-12)
+    # the cache holds cos and sin times the factor
+    t = torch.arange(64, dtype=torch.float)[:, None] * inv_freq
+    torch.testing.assert_close(rotary.cos_sin_cache, torch.cat([t.cos(), t.sin()], -1) * factor)
+
+
+def test_truncate_changes_the_frequencies():
+    base = ModelConfig.from_hf({**_hf_dict("gpt_oss"), "rope_parameters": YARN})
+    other = ModelConfig.from_hf({**_hf_dict("gpt_oss"), "rope_parameters": dict(YARN, truncate=True)})
+    assert not torch.equal(get_rope(base, 64).inv_freq, get_rope(other, 64).inv_freq)
+
+
+# ----------------------------------------------------------------- MXFP4
+def test_dequantize_matches_transformers():
+    """Our MXFP4 reading against transformers' (integrations/mxfp4.py) on random bytes: the
+    nibble order, the value table, the e8m0 scales and the [E, out, in] -> [E, in, out]
+    transpose of its experts."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from flashpage.models.mxfp4 import mxfp4_weights
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 24, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(118, 136, (3, 24, 4), dtype=torch.uint8, generator=g)
+    hf = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [3, 128, 24]
+    (name, ours), = list(mxfp4_weights([("x.gate_up_proj_blocks", blocks),
+                                        ("x.gate_up_proj_scales", scales)], torch.float32, True))
+    assert name == "x.gate_up_proj"
+    assert torch.equal(ours, hf)
+    # and the quantizer writes what the reader reads back: e2m1-representable values exactly
+    w = dequantize_mxfp4(blocks, scales)
+    assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(w)), w)
+
+
+def test_mxfp4_errors():
+    from flashpage.models.mxfp4 import mxfp4_weights
+
+    b = torch.zeros(2, 4, 1, 16, dtype=torch.uint8)
+    s = torch.zeros(2, 4, 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="quantization_config"):
+        list(mxfp4_weights([("a.down_proj_blocks", b)], torch.float32, False))
+    with pytest.raises(ValueError, match="other half"):
+        list(mxfp4_weights([("a.down_proj_blocks", b)], torch.float32, True))
+    with pytest.raises(ValueError, match="do not fit"):
+        dequantize_mxfp4(b, s[..., :0])
+
+
+def test_mxfp4_checkpoint_matches_transformers(ckpt, tmp_path):
+    """The tiny model's experts quantized to MXFP4 (our quantizer, transformers' layout and
+    names, quantization_config mxfp4): our tokens from it equal transformers' on the same
+    weights dequantized (a plain fp32 checkpoint)."""
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(ckpt / "model.safetensors"))
+    packed, plain = {}, {}
+    for name, w in t.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(w.transpose(1, 2))  # along the input dim
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+            plain[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
+            assert not torch.equal(plain[name], w)  # the quantization changed the weights
+        else:
+            packed[name] = plain[name] = w
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for folder, tensors, extra in (("mx", packed, {"quantization_config": {
+            "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}}),
+                                   ("deq", plain, {})):
+        (tmp_path / folder).mkdir()
+        save_file(tensors, str(tmp_path / folder / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_path / folder / "config.json").write_text(json.dumps({**cfg, **extra}))
+    assert ModelConfig.from_hf(tmp_path / "mx").mxfp4_experts
+    prompts = random_prompts(3, 10, 30, seed=4)
+    expected = hf_greedy(tmp_path / "deq", prompts, GREEDY.max_tokens)
+    assert cpu_greedy(tmp_path / "mx", prompts) == expected
+    assert expected != hf_greedy(ckpt, prompts, GREEDY.max_tokens)  # quantized: other tokens
+    # an MXFP4 tensor in a checkpoint whose config does not say so
+    (tmp_path / "deq" / "config.json").write_text(json.dumps(cfg))
+    save_file(packed, str(tmp_path / "deq" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="MXFP4"):
+        cpu_llm(tmp_path / "deq")
+
+
+# ----------------------------------------------------------------- config
+def _hf_dict(name: str, **kw) -> dict:
+    cls, extra = TINY[name]
+    base = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, max_position_embeddings=512)
+    d = getattr(transformers, cls)(**{**base, **extra, **kw}).to_dict()
+    d["architectures"] = ["GptOssForCausalLM"]
+    return d
+
+
+def test_config_fields_and_defaults():
+    cfg = ModelConfig.from_hf(_hf_dict("gpt_oss"))
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 32)
+    assert cfg.attention_sinks and cfg.attention_bias and cfg.o_proj_bias
+    assert cfg.layer_types == (SLIDE, FULL, SLIDE) and cfg.sliding_window == WINDOW
+    assert [cfg.attention_window(i) for i in range(3)] == [WINDOW, None, WINDOW]
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "yarn"
+    assert not cfg.rope_scaling.truncate and cfg.rope_theta == 10_000.0
+    assert (cfg.swiglu_alpha, cfg.swiglu_limit) == (1.702, 1.5)
+    assert not cfg.mxfp4_experts and cfg.quantization_config is None
+    # the released config.json's shape: rope_scaling beside rope_theta, and GptOssConfig's
+    # defaults where fields are absent
+    bare = ModelConfig.from_hf({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                                "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4,
+                                "num_attention_heads": 16})
+    assert bare.num_key_value_heads == 8  # GptOssConfig's, not num_attention_heads
+    assert bare.head_dim == 64 and bare.sliding_window == 128 and bare.rms_norm_eps == 1e-5
+    assert bare.layer_types == (SLIDE, FULL, SLIDE, FULL)
+    assert (bare.n_routed_experts, bare.num_experts_per_tok) == (128, 4)
+    assert bare.rope_theta == 150_000.0 and bare.rope_scaling is not None
+    assert (bare.rope_scaling.factor, bare.rope_scaling.original_max_position_embeddings) == (32.0, 4096)
+    assert not bare.rope_scaling.truncate and bare.swiglu_limit == 7.0
+    released = ModelConfig.from_hf({**_hf_dict("gpt_oss"), "rope_parameters": None,
+                                    "rope_theta": 150000, "rope_scaling": dict(
+                                        YARN, original_max_position_embeddings=4096)})
+    assert released.rope_theta == 150_000.0 and released.rope_scaling.original_max_position_embeddings == 4096
+
+
+@pytest.mark.parametrize("edit, match", [
+    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    (dict(num_local_experts=0), "num_local_experts"),
+    (dict(layer_types=["full_attention"]), "layer_types"),
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)),
+     "original_max_position_embeddings"),
+    (dict(rope_parameters=dict(YARN, truncate="no")), "truncate"),
+    (dict(swiglu_limit=-1.0), "swiglu_limit"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+    (dict(rope_parameters=dict(YARN, rope_type="dynamic")), "rope_scaling type"),
+])
+def test_config_errors(edit, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf({**_hf_dict("gpt_oss"), **edit})
+
+
+def test_inspect_counts_parameters_and_kv():
+    """``flashpage inspect``'s parameter count is transformers' (sinks, biases, router bias
+    counted), and its KV figures count every layer (the windowed half holds no less until
+    the cache keeps per-layer-group tables)."""
+    from flashpage.inspect import inspect_config, param_counts
+
+    d = _hf_dict("gpt_oss")
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**{
+        k: v for k, v in d.items() if k != "architectures"}))
+    cfg = ModelConfig.from_hf(d)
+    total, active = param_counts(cfg)
+    assert total == hf.num_parameters()
+    e = hf.model.layers[0].mlp.experts
+    per_expert = (e.gate_up_proj[0].numel() + e.gate_up_proj_bias[0].numel()
+                  + e.down_proj[0].numel() + e.down_proj_bias[0].numel())
+    assert total - active == 3 * (8 - 2) * per_expert
+    info = inspect_config(cfg, 1 << 30)
+    assert info["sliding_window_layers"] == 2 and info["kv_bytes_per_request_max"] is None
+    assert info["kv_values_per_token_per_layer"] == 2 * 2 * 16
+    assert info["attention_sinks"] is True
+
+
+# ----------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graphs_fp32_and_bf16(tiny_gpt_oss):
+    from tests.conftest import assert_gpu_graphs_match_hf, bf16_teacher_forced_hits
+
+    path = tiny_gpt_oss("gpt_oss_d32")
+    prompts = random_prompts(4, 10, 60, seed=5)
+    assert_gpu_graphs_match_hf(path, prompts)
+    truth = hf_greedy(path, prompts, 12)
+    ours, theirs = bf16_teacher_forced_hits(path, prompts, truth, attention_backend="triton",
+                                            block_size=16)
+    total = sum(len(t) for t in truth)
+    assert ours >= theirs - 0.03 * total and ours >= 0.85 * total, (ours, theirs, total)
+
+
+def test_yarn_on_a_llama_matches_transformers(tmp_path):
+    """YaRN on ordinary rotary attention is not GPT-OSS's alone: a Llama whose config names
+    it (truncate left at transformers' default, true) gives transformers' tokens."""
+    from tests.conftest import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path, "llama31_gqa", rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=16), rope_theta=10_000.0)
+    cfg = ModelConfig.from_hf(path)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "yarn"
+    assert cfg.rope_scaling.truncate
+    prompts = random_prompts(2, 20, 40, seed=6)
+    assert cpu_greedy(path, prompts) == hf_greedy(path, prompts, GREEDY.max_tokens)
