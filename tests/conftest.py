@@ -480,12 +480,13 @@ def assert_staggered_matches_hf(path: Path, hf_kwargs: dict | None = None, **eng
     windows = set(layer_windows)
     # behind a window every layer shares, blocks go back to the pool: half of it still
     # runs short (Mistral, Mixtral, StarCoder2, Phi-3's tiny windows); layers mixing a
-    # window with full ones (KV cache groups, kv_cache/hybrid.py): 20 blocks for the full
-    # groups' tables and 10 for each windowed group's
+    # window with full ones (KV cache groups, kv_cache/hybrid.py): 20 blocks for each full
+    # group's tables and for each windowed group's what its window and a step's 24 tokens
+    # span, and 2 more
     blocks = 20 if len(windows) == 1 and None not in windows else 40
     layout = group_layers(layer_windows)
     if layout is not None and not engine_kwargs.get("disable_hybrid_kv_cache_manager"):
-        blocks = sum(20 if w is None else 10 for w in layout.windows)
+        blocks = sum(20 if w is None else -(-(w + 24) // 4) + 2 for w in layout.windows)
     engine = LLMEngine(EngineConfig(**{
         "model": str(path), "dtype": "float32", "device": "cpu", "block_size": 4,
         "num_gpu_blocks": blocks, "max_num_batched_tokens": 24, "max_num_seqs": 6,
