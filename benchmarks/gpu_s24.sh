@@ -10,6 +10,9 @@
 #                                                  quantized-checkpoint families
 #   BUDGET=420 bash benchmarks/gpu_s24.sh bench    ALiBi's cost in our kernels, head dims 80 / 96 against
 #                                                  SDPA, then session 22's int4 / W8A8 A/Bs (gpu_s23.sh ab)
+#   BUDGET=560 bash benchmarks/gpu_s24.sh new      session 24's own work: KV cache groups (graphs), GPT-OSS
+#                                                  (sinks kernels, model bf16), the Phi-3 checkpoints, ALiBi's
+#                                                  tile bias and sinks against the Triton loops
 # Results under $OUT. Every step under `timeout "$(left N)"` (gpu_lib.sh).
 PART=${1:-verify}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -40,5 +43,15 @@ bench)
   tail -n 40 "$OUT/head_dims.txt"
   BUDGET=$((B - SECONDS)) bash "$(dirname "$0")/gpu_s23.sh" ab
   echo "part bench done at ${SECONDS}s" ;;
+new)  # what session 24 built: KV cache groups, GPT-OSS's sinks, the Phi-3 checkpoints, ALiBi's tile bias
+  gpu_tests new 300 -m gpu tests/engine/test_hybrid_kv_groups.py tests/kernels/test_attention_sinks.py \
+    tests/models/test_gpt_oss.py tests/engine/test_sliding_window_release.py tests/kernels/test_alibi_kernels.py
+  gpu_tests phi3 120 -m "gpu and not slow" tests/models/test_more_families.py -k phi3
+  timeout "$(left 80)" python3 benchmarks/attention_alibi.py --out "$OUT" > "$OUT/alibi.txt" 2>&1
+  tail -n 16 "$OUT/alibi.txt"
+  timeout "$(left 80)" python3 benchmarks/attention_sinks.py --out "$OUT" > "$OUT/sinks.txt" 2>&1
+  tail -n 16 "$OUT/sinks.txt"
+  (cd "$OUT" && tar -czf new.tgz gpu_*_tests.txt && rm -f gpu_*_tests.txt)
+  echo "part new done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
