@@ -62,6 +62,26 @@ for _i, _p in enumerate("kmgt", start=1):
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
+
+def _kv_groups(cfg: ModelConfig, kv_per_layer: int, memory_bytes: int) -> dict[str, int] | None:
+    """What the engine's KV cache groups hold for a model whose layers mix one window with
+    full attention (kv_cache/hybrid.group_layers); None where one table serves all layers."""
+    from flashpage.kv_cache.hybrid import group_layers
+
+    if cfg.is_mla:
+        return None
+    lay = group_layers([cfg.attention_window(i) for i in range(cfg.num_hidden_layers)])
+    if lay is None:
+        return None
+    full = sum(w is None for w in lay.windows)
+    window = max(w or 0 for w in lay.windows)
+    per_token = kv_per_layer * lay.num_slots * full
+    window_bytes = window * kv_per_layer * lay.num_slots * (lay.num_groups - full)
+    return {"slots": lay.num_slots, "full_groups": full, "windowed_groups": lay.num_groups - full,
+            "window": window, "kv_bytes_per_token_past_window": per_token,
+            "kv_bytes_window": window_bytes,
+            "tokens_in_memory": max(0, memory_bytes - window_bytes) // per_token}
+
 def parse_memory(s: str) -> int:
     """Bytes in a memory size: "80GiB", "80G" (both 80 * 2**30), "80GB" (80 * 10**9),
     "512MiB", "1.5TiB", "4096" (bytes). Units are case-insensitive."""
@@ -408,6 +428,8 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
                                      and not cfg.is_mla and all(
                                          cfg.attention_window(i) == cfg.sliding_window
                                          for i in range(cfg.num_hidden_layers)) else None),
+        # layers mixing one window with full attention: KV cache groups (kv_cache/hybrid.py)
+        "kv_groups": _kv_groups(cfg, kv_per_layer, memory_bytes),
         "mha_kv_values_per_token_per_layer": mha_values,
         "mha_kv_bytes_per_token_per_layer": mha_values * nbytes,
         "mha_kv_bytes_per_token": mha_values * nbytes * layers,
@@ -529,7 +551,8 @@ def format_report(info: dict[str, Any]) -> str:
         windowed, layers = info["sliding_window_layers"], info["num_hidden_layers"]
         where = "" if windowed == layers else f" on {windowed} of {layers} layers"
         note = ("(blocks behind it go back to the pool)" if info["kv_bytes_per_request_max"]
-                else "(figures below cache every token)")
+                else "(its layers' blocks behind it go back to the pool: KV cache groups)"
+                if info.get("kv_groups") else "(figures below cache every token)")
         rows.append(("sliding window", f"{info['sliding_window']}{where} {note}"))
     if info.get("attention_sinks"):
         rows.append(("attention sinks", "a learned logit per query head in every softmax "
@@ -548,6 +571,14 @@ def format_report(info: dict[str, Any]) -> str:
         cap = info["kv_bytes_per_request_max"]
         rows.append(("KV a request holds", f"at most ~{info['sliding_window']:,} tokens' "
                                            f"({_size(cap)}) + one step's, however long it runs"))
+    if info.get("kv_groups"):
+        kg = info["kv_groups"]
+        rows.append(("KV cache groups", f"{kg['full_groups']} full + {kg['windowed_groups']} windowed, "
+                                        f"{kg['slots']} layer{'s' if kg['slots'] > 1 else ''} a block"))
+        rows.append(("KV a long request holds", f"{kg['kv_bytes_per_token_past_window']:,} B a token "
+                                                f"(its full layers') + {_size(kg['kv_bytes_window'])} "
+                                                "for the windowed layers' window"))
+        rows.append(("one request's tokens in memory", f"{kg['tokens_in_memory']:,} (KV cache alone)"))
     if mla:
         rows.append(("equivalent GQA groups", f"{mla['equivalent_gqa_groups']:.2f} "
                                                "((kv_lora_rank + rope) / (2 * qk_nope_head_dim))"))

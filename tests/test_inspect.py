@@ -133,6 +133,14 @@ def test_window_on_every_layer_bounds_what_a_request_holds() -> None:
     mixed = dataclasses.replace(cfg, layer_types=("full_attention",) + ("sliding_attention",)
                                 * (cfg.num_hidden_layers - 1))
     assert inspect_config(mixed, 80 * GiB)["kv_bytes_per_request_max"] is None
+    # ... but the engine's KV cache groups: 1 full layer (1 group of 1 slot), 31 windowed
+    # (31 groups): past the window a token costs the full layer's 4 KiB
+    kg = inspect_config(mixed, 80 * GiB)["kv_groups"]
+    assert kg == {"slots": 1, "full_groups": 1, "windowed_groups": 31, "window": 4096,
+                  "kv_bytes_per_token_past_window": 4096,
+                  "kv_bytes_window": 4096 * 4096 * 31,
+                  "tokens_in_memory": (80 * GiB - 4096 * 4096 * 31) // 4096}
+    assert inspect_config(cfg, 80 * GiB)["kv_groups"] is None  # one window on every layer
     out = subprocess.run([sys.executable, "-m", "flashpage", "inspect", str(CONFIGS / "mistral-7b-v0.1")],
                          capture_output=True, text=True, check=True).stdout
     assert "4096 (blocks behind it go back to the pool)" in out
