@@ -31,6 +31,11 @@ A third: long contexts (prompts ~ LogNormal(ln 4096, 0.5) clipped to [512, 12288
 a 1024-token window (``--window``), paged (B=16, prefix caching on) keeping every token
 against giving blocks behind the window back (what the engine does for such a model).
 
+A fourth: the same long contexts for a model whose layers mix that window with full
+attention (``--mixed-ratio`` windowed layers to each full one: Gemma 3's 5), one table for
+all layers (every layer keeps every token) against the engine's KV cache groups
+(kv_cache/hybrid.py: the windowed groups give blocks back), in the same memory.
+
 Usage: flashpage bench memory [--requests 1000] [--out benchmarks/results/memory.md] [--plot F.png]
        [--plot benchmarks/results/memory.png]
 """
@@ -48,6 +53,7 @@ from dataclasses import dataclass
 
 from flashpage.engine.scheduler import Scheduler
 from flashpage.engine.sequence import Request
+from flashpage.kv_cache.hybrid import HybridKVCacheManager, group_layers
 from flashpage.kv_cache.kv_cache_manager import KVCacheBlock, KVCacheManager
 from flashpage.sampling_params import SamplingParams
 
@@ -147,7 +153,7 @@ class Result:
     seconds: float
 
 
-def simulate(policy: str, wl: Workload, kv: KVCacheManager, max_model_len: int,
+def simulate(policy: str, wl: Workload, kv: KVCacheManager | HybridKVCacheManager, max_model_len: int,
              budget: int = 4096, max_num_seqs: int = 4096, watermark: float = 0.0) -> Result:
     t0 = time.perf_counter()
     s = Scheduler(max_num_seqs, budget, max_model_len, kv, watermark=watermark)
@@ -206,6 +212,22 @@ def run_window(num_requests: int, pool_slots: int, window: int,
             f"paged, block 16, blocks behind the {w}-token window released"
         out.append(simulate(name, wl, kv, max_model_len))
     return out, wl
+
+
+def run_mixed(num_requests: int, pool_slots: int, window: int, ratio: int,
+              max_model_len: int = 16384) -> tuple[list[Result], Workload]:
+    """The long-context workload for a model of ``ratio`` windowed layers to each full one
+    (``pool_slots`` tokens of every layer's K/V): one table for all layers against the
+    KV cache groups, which hold blocks of one layer's slot (group_layers: g = 1 here)."""
+    wl = long_context(num_requests, max_model_len)
+    lay = group_layers([window] * ratio + [None])
+    assert lay is not None and lay.num_slots == 1
+    layers = ratio + 1
+    one = KVCacheManager(pool_slots // 16, 16, enable_prefix_caching=True)
+    groups = HybridKVCacheManager(pool_slots * layers // 16, 16, True, lay.windows)
+    return [simulate("paged, block 16, one table for all layers", wl, one, max_model_len),
+            simulate(f"paged, block 16, KV cache groups (1 full + {ratio} windowed)", wl, groups,
+                     max_model_len)], wl
 
 
 def run(num_requests: int, pool_slots: int, max_model_len: int, shared_len: int,
@@ -316,6 +338,23 @@ def window_markdown(res: list[Result], wl: Workload, window: int) -> str:
     return "\n".join(lines)
 
 
+def mixed_markdown(res: list[Result], window: int, ratio: int) -> str:
+    one, groups = res
+    lines = [
+        f"Mixed windows: the same long contexts; {ratio} layers of a {window}-token window to "
+        "each full-attention layer (Gemma 3's pattern), the same memory.",
+        "",
+        "| policy | requests at once (mean / max) | steps to drain | preemptions | recomputed tokens |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in res:
+        lines.append(f"| {r.policy} | {r.running_mean:.1f} / {r.running_max} | {r.steps} | "
+                     f"{r.preemptions} | {100 * r.recompute_frac:.1f}% |")
+    lines += ["", f"KV cache groups fit {groups.running_mean / one.running_mean:.1f}x the requests "
+                  f"at once and drain the queue in {100 * groups.steps / one.steps:.0f}% of the steps."]
+    return "\n".join(lines)
+
+
 def plot(results: list[Result], sharing: list[Result], path: str) -> None:
     import matplotlib
 
@@ -368,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the sliding window of the long-context run (0: skip that run)")
     ap.add_argument("--window-requests", type=int, default=200)
     ap.add_argument("--window-pool-slots", type=int, default=131072)
+    ap.add_argument("--mixed-ratio", type=int, default=5,
+                    help="windowed layers to each full one in the mixed-window run (0: skip it)")
     ap.add_argument("--out", help="also write the markdown here")
     ap.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -378,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         wres, wwl = run_window(args.window_requests, args.window_pool_slots, args.window)
         text += (f"\n\nKV pool {args.window_pool_slots} token slots, max_model_len 16384.\n\n"
                  + window_markdown(wres, wwl, args.window))
+        if args.mixed_ratio:
+            mres, _ = run_mixed(args.window_requests, args.window_pool_slots, args.window,
+                                args.mixed_ratio)
+            text += "\n\n" + mixed_markdown(mres, args.window, args.mixed_ratio)
     cmd = "flashpage bench memory " + " ".join(argv if argv is not None else sys.argv[1:])
     text = (f"# KV memory efficiency (CPU simulation, no GPU needed)\n\n`{cmd.strip()}` "
             f"({time.strftime('%Y-%m-%d')})\n\n" + text)
