@@ -72,10 +72,15 @@ GPT2_FAMILY = {"GPT2LMHeadModel", "GPTBigCodeForCausalLM"}
 # models/bloom.py, mpt.py: ALiBi position biases instead of rotary (layers/alibi.py), q, k
 # and v in one fused linear, LayerNorms, a GELU MLP, the head tied (_bloom_fields, _mpt_fields)
 ALIBI_FAMILY = {"BloomForCausalLM", "MptForCausalLM"}
+# models/glm.py: GLM-4-0414's predecessor GLM (the Llama layer) and GLM-4 (a norm after
+# attention and after the MLP too), both rotating interleaved pairs of the first half of each
+# head; GLM-4.5 / 4.6 (Glm4Moe): the Llama body with DeepSeek-V3's sigmoid-routed experts
+# after first_k_dense_replace dense layers, rotary on halves of half the head (_glm_fields)
+GLM_FAMILY = {"GlmForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM"}
 # architecture names of remote-code checkpoints that transformers' own class reads
 _ARCH_ALIASES = {"MPTForCausalLM": "MptForCausalLM"}  # MosaicML's MPT files
 SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
-                           | LLAMA_VARIANTS | GPT2_FAMILY | ALIBI_FAMILY)
+                           | LLAMA_VARIANTS | GPT2_FAMILY | ALIBI_FAMILY | GLM_FAMILY)
 
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -118,6 +123,9 @@ _MODEL_TYPE_TO_ARCH = {
     "exaone4": "Exaone4ForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "apertus": "ApertusForCausalLM",
+    "glm": "GlmForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -1482,6 +1490,80 @@ def _families4_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any
                 tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
 
 
+def _glm_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """GLM, GLM-4 and GLM-4.5 / 4.6 MoE (GlmConfig's, Glm4Config's, Glm4MoeConfig's defaults
+    where a field is absent); models/glm.py.
+
+    - All three: rotary on the first ``partial_rotary_factor`` (default 0.5) of each head,
+      o_proj without a bias, a gated SiLU MLP, max_position_embeddings 131072.
+    - GLM / GLM-4: rotary on interleaved pairs (x[2i], x[2i + 1]); q/k/v biased unless
+      ``attention_bias`` is false; head_dim 128, 2 KV heads, eps 1.5625e-7 and eos
+      151329 / 151336 / 151338 by default; the checkpoint's ``mlp.gate_up_proj`` merged.
+    - GLM-4.5 (Glm4Moe): rotary on halves (Llama's); q/k/v biased only with
+      ``attention_bias``; per-head q/k RMSNorms before rotary with ``use_qk_norm``; layers
+      from ``first_k_dense_replace`` (default 1) on hold ``n_routed_experts`` experts of
+      ``moe_intermediate_size`` routed as DeepSeek-V3's (sigmoid, ``e_score_correction_bias``,
+      ``n_group`` / ``topk_group``, ``norm_topk_prob`` default true, ``routed_scaling_factor``)
+      beside ``n_shared_experts`` (default 1) shared ones, the layers before them a dense MLP
+      of ``intermediate_size``; eps 1e-5 and 8 KV heads by default. Its multi-token-prediction
+      layers (``num_nextn_predict_layers``, after the last layer) are not read."""
+    moe = arch == "Glm4MoeForCausalLM"
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
+                          f"{arch} (supported: 'silu')")
+    heads, n = d["num_attention_heads"], d["num_hidden_layers"]
+    kv = _positive_int(d, "num_key_value_heads", where, default=8 if moe else 2)
+    if heads % kv:
+        raise ConfigError(f"{where}: num_attention_heads ({heads}) is not a multiple of "
+                          f"num_key_value_heads ({kv})")
+    head_dim = d.get("head_dim", None if moe else 128)
+    if head_dim is None:
+        head_dim = d["hidden_size"] // heads
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+        raise ConfigError(f"{where}: head_dim must be a positive integer, got {head_dim!r}")
+    out: dict[str, Any] = dict(
+        num_key_value_heads=kv, head_dim=head_dim, rope_interleaved=not moe,
+        partial_rotary_factor=_partial_rotary(d, where, head_dim, "partial_rotary_factor", 0.5),
+        attention_bias=_flag(d, "attention_bias", not moe, where), attention_out_bias=False,
+        rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5 if moe else 1.5625e-7),
+        max_position_embeddings=_positive_int(d, "max_position_embeddings", where, 131072))
+    if not moe:
+        if "eos_token_id" not in d:
+            out["eos_token_id"] = (151329, 151336, 151338)
+        return out
+    experts = _positive_int(d, "n_routed_experts", where, default=d.get("num_local_experts", 128))
+    top_k = _positive_int(d, "num_experts_per_tok", where, default=8)
+    groups = _positive_int(d, "n_group", where, default=1)
+    if experts % groups or experts // groups < 2:
+        raise ConfigError(f"{where}: n_group ({groups}) must split n_routed_experts ({experts}) "
+                          "into equal groups of at least 2 (a group is ranked by its best two)")
+    topk_group = _positive_int(d, "topk_group", where, default=1)
+    if topk_group > groups:
+        raise ConfigError(f"{where}: topk_group ({topk_group}) must be at most n_group ({groups})")
+    if top_k > topk_group * (experts // groups):
+        raise ConfigError(f"{where}: num_experts_per_tok ({top_k}) must be at most the "
+                          f"{topk_group * (experts // groups)} experts of the topk_group "
+                          f"({topk_group}) groups kept")
+    shared = d.get("n_shared_experts", 1)
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise ConfigError(f"{where}: n_shared_experts must be an integer >= 0, got {shared!r}")
+    dense = d.get("first_k_dense_replace", 1)
+    if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense <= n:
+        raise ConfigError(f"{where}: first_k_dense_replace must be an integer in [0, {n}] "
+                          f"(num_hidden_layers), got {dense!r}")
+    if dense:
+        _positive_int(d, "intermediate_size", where,
+                      why=f" (dense MLP in the first {dense} layer(s))")
+    return out | dict(
+        qk_norm=_flag(d, "use_qk_norm", False, where), n_routed_experts=experts,
+        num_experts_per_tok=top_k, moe_intermediate_size=_positive_int(
+            d, "moe_intermediate_size", where, default=1408),
+        n_shared_experts=shared, first_k_dense_replace=dense, mlp_only_layers=tuple(range(dense)),
+        decoder_sparse_step=1, topk_method="noaux_tc", scoring_func="sigmoid", n_group=groups,
+        topk_group=topk_group, norm_topk_prob=_flag(d, "norm_topk_prob", True, where),
+        routed_scaling_factor=_positive_number(d, "routed_scaling_factor", where, 1.0))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -1677,7 +1759,7 @@ class ModelConfig:
         elif arch == "MptForCausalLM":
             d = _mpt_names(d, where)
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
-        if arch in LLAMA_FAMILY | LLAMA_VARIANTS:
+        if arch in LLAMA_FAMILY | LLAMA_VARIANTS | {"GlmForCausalLM", "Glm4ForCausalLM"}:
             required.append("intermediate_size")
         missing = [k for k in required if d.get(k) is None]
         if missing:
@@ -1730,7 +1812,8 @@ class ModelConfig:
                    if arch in LLAMA_VARIANTS else
                    _gpt2_fields(d, arch, where) if arch in GPT2_FAMILY else
                    _bloom_fields(d, where) if arch == "BloomForCausalLM" else
-                   _mpt_fields(d, where) if arch == "MptForCausalLM" else {})
+                   _mpt_fields(d, where) if arch == "MptForCausalLM" else
+                   _glm_fields(d, arch, where) if arch in GLM_FAMILY else {})
         # Qwen2-MoE names its q/k/v bias qkv_bias (on unless set false, as Qwen2's)
         bias = (d.get("qkv_bias", True) if model_type == "qwen2_moe"
                 else d.get("attention_bias", model_type == "qwen2"))

@@ -55,6 +55,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Exaone4ForCausalLM": ("flashpage.models.olmo2", "Olmo2ForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("flashpage.models.hunyuan", "HunYuanDenseV1ForCausalLM"),
     "ApertusForCausalLM": ("flashpage.models.apertus", "ApertusForCausalLM"),
+    "GlmForCausalLM": ("flashpage.models.glm", "GlmForCausalLM"),
+    "Glm4ForCausalLM": ("flashpage.models.glm", "GlmForCausalLM"),
+    "Glm4MoeForCausalLM": ("flashpage.models.glm", "GlmForCausalLM"),
 }
 
 
