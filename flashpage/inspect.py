@@ -83,10 +83,11 @@ def parse_memory(s: str) -> int:
 # LayerNorms have a bias (but Arcee's: RMSNorms)
 _PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "phi", "gptj", "falcon", "opt",
               "bloom", "mpt", "arcee", "apertus")
-# norms a layer: input and post-attention; Gemma 2/3's pre- and post-feedforward ones too;
-# Cohere's (and Cohere2's), Phi's and GPT-J's one norm feeds attention and the MLP
-_NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "cohere2": 1, "phi": 1,
-                    "gptj": 1}
+# norms a layer: input and post-attention; Gemma 2/3's pre- and post-feedforward ones too
+# (GLM-4's post_self_attn / post_mlp ones); Cohere's (and Cohere2's), Phi's and GPT-J's one
+# norm feeds attention and the MLP
+_NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "glm4": 4, "cohere": 1, "cohere2": 1,
+                    "phi": 1, "gptj": 1}
 
 
 def _norms_per_layer(cfg: ModelConfig) -> int:
@@ -211,6 +212,8 @@ def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
 _MERGED_ON_DISK = {"Phi3ForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM",
                    "BloomForCausalLM", "MptForCausalLM"}
 _MERGED_NAMES = {"q_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+# ... and those that hold gate/up merged alone (GLM's and GLM-4's mlp.gate_up_proj)
+_GATE_UP_ON_DISK = {"GlmForCausalLM", "Glm4ForCausalLM"}
 # families whose checkpoints name our modules otherwise (their models' ``hf_names``)
 _RENAMED = {"GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
             "OPTForCausalLM", "BloomForCausalLM", "MptForCausalLM", "ArceeForCausalLM",
@@ -232,7 +235,8 @@ def _checkpoint_names(cfg: ModelConfig, out: list[tuple[tuple[str, ...], int, in
         names = getattr(model_class(cfg), "hf_names", None)
     renamed = []
     for pieces, n, k in out:
-        if cfg.architecture in _MERGED_ON_DISK and len(pieces) > 1:
+        if len(pieces) > 1 and (cfg.architecture in _MERGED_ON_DISK or (
+                cfg.architecture in _GATE_UP_ON_DISK and pieces[0].endswith(".gate_proj"))):
             parent, leaf = pieces[0].rsplit(".", 1)
             pieces = (f"{parent}.{_MERGED_NAMES[leaf]}",)
         if names is not None:
