@@ -77,10 +77,14 @@ ALIBI_FAMILY = {"BloomForCausalLM", "MptForCausalLM"}
 # head; GLM-4.5 / 4.6 (Glm4Moe): the Llama body with DeepSeek-V3's sigmoid-routed experts
 # after first_k_dense_replace dense layers, rotary on halves of half the head (_glm_fields)
 GLM_FAMILY = {"GlmForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM"}
+# models/llama4.py: Llama 4's text model (chunked attention on its rotary layers, NoPE ones
+# with temperature tuning, L2 q/k norms, sigmoid top-k MoE with a shared expert: _llama4_fields)
+LLAMA4_FAMILY = {"Llama4ForCausalLM"}
 # architecture names of remote-code checkpoints that transformers' own class reads
 _ARCH_ALIASES = {"MPTForCausalLM": "MptForCausalLM"}  # MosaicML's MPT files
 SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
-                           | LLAMA_VARIANTS | GPT2_FAMILY | ALIBI_FAMILY | GLM_FAMILY)
+                           | LLAMA_VARIANTS | GPT2_FAMILY | ALIBI_FAMILY | GLM_FAMILY
+                           | LLAMA4_FAMILY)
 
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -126,6 +130,7 @@ _MODEL_TYPE_TO_ARCH = {
     "glm": "GlmForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -1564,6 +1569,99 @@ def _glm_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
         routed_scaling_factor=_positive_number(d, "routed_scaling_factor", where, 1.0))
 
 
+def _llama4_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """Llama 4's text model (Llama4ForCausalLM, Llama4TextConfig's defaults where a field is
+    absent); models/llama4.py.
+
+    - layer i rotates q and k (interleaved pairs, all dims) where ``no_rope_layers[i]`` is 1
+      (absent: all but every ``no_rope_layer_interval``-th (4), 1-based), and those layers
+      attend in chunks (``layer_types`` "chunked_attention", absent: derived so): a query at
+      p sees keys j <= p with j // ``attention_chunk_size`` == p // it (null: no chunks);
+      the others take no positional embedding (NoPE) and attend to all;
+    - with ``use_qk_norm`` (default true) the rotary layers' q and k are L2-normed per head
+      after rotary (no weight, eps rms_norm_eps);
+    - with ``attn_temperature_tuning`` (default true) the NoPE layers' q at position p is
+      scaled by 1 + ``attn_scale`` x log(1 + floor((p + 1) / ``floor_scale``));
+    - layers in ``moe_layers`` (absent: every ``interleave_moe_layer_step``-th, 1-based) hold
+      ``num_local_experts`` experts of ``intermediate_size``, top-``num_experts_per_tok`` by
+      router logit, each expert's input scaled by the sigmoid of its logit, beside a shared
+      expert of ``intermediate_size``; the others a dense MLP of ``intermediate_size_mlp``;
+    - head_dim 128, 8 KV heads, rope base 5e5, eps 1e-5 by default; ``attention_bias`` on
+      q/k/v and o_proj alike."""
+    arch = "Llama4ForCausalLM"
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
+                          f"{arch} (supported: 'silu')")
+    n, heads = d["num_hidden_layers"], d["num_attention_heads"]
+    kv = d.get("num_key_value_heads", 8)
+    kv = heads if kv is None else kv
+    if not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0 or heads % kv:
+        raise ConfigError(f"{where}: num_key_value_heads must be a positive integer dividing "
+                          f"num_attention_heads ({heads}), got {kv!r}")
+    head_dim = d.get("head_dim", 128)
+    head_dim = d["hidden_size"] // heads if head_dim is None else head_dim
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+        raise ConfigError(f"{where}: head_dim must be a positive integer, got {head_dim!r}")
+    experts = _positive_int(d, "num_local_experts", where, default=16)
+    top_k = _positive_int(d, "num_experts_per_tok", where, default=1)
+    if top_k > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok ({top_k}) must be at most "
+                          f"num_local_experts ({experts})")
+    moe_layers = d.get("moe_layers")
+    if moe_layers is None:
+        step = _positive_int(d, "interleave_moe_layer_step", where, default=1)
+        moe_layers = list(range(step - 1, n, step))
+    elif not isinstance(moe_layers, list | tuple) or any(
+            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n for i in moe_layers):
+        raise ConfigError(f"{where}: moe_layers must list layer indices in [0, {n}), "
+                          f"got {moe_layers!r}")
+    roped = d.get("no_rope_layers")
+    if not roped:  # (transformers derives an empty list too)
+        every = _positive_int(d, "no_rope_layer_interval", where, default=4)
+        roped = [int((i + 1) % every != 0) for i in range(n)]
+    elif not isinstance(roped, list | tuple) or len(roped) != n or any(
+            not isinstance(v, int) or isinstance(v, bool) or v not in (0, 1) for v in roped):
+        raise ConfigError(f"{where}: no_rope_layers must list 1 (rotary) or 0 (NoPE) for each "
+                          f"of the {n} layers, got {roped!r}")
+    chunk = d.get("attention_chunk_size", 8192)
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0):
+        raise ConfigError(f"{where}: attention_chunk_size must be a positive integer or null, "
+                          f"got {chunk!r}")
+    types = d.get("layer_types")
+    if types is None:
+        types = ["chunked_attention" if r and chunk is not None else "full_attention"
+                 for r in roped]
+    kinds = ("chunked_attention", "full_attention")
+    if not isinstance(types, list | tuple) or len(types) != n or any(t not in kinds for t in types):
+        raise ConfigError(f"{where}: layer_types must list one of {', '.join(kinds)} for each "
+                          f"of the {n} layers, got {types!r}")
+    if chunk is None and "chunked_attention" in types:
+        raise ConfigError(f"{where}: layer_types has chunked_attention layers but "
+                          "attention_chunk_size is null")
+    dense = [i for i in range(n) if i not in moe_layers]
+    out: dict[str, Any] = dict(
+        num_key_value_heads=kv, head_dim=head_dim, rope_interleaved=True,
+        rope_theta=_rope_theta(d, where, 500_000.0),
+        rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5),
+        attention_bias=_flag(d, "attention_bias", False, where),
+        max_position_embeddings=_positive_int(d, "max_position_embeddings", where, 131072),
+        nope_layers=tuple(i for i in range(n) if not roped[i]), layer_types=tuple(types),
+        sliding_window=None,
+        attention_chunk_size=chunk, qk_l2_norm=_flag(d, "use_qk_norm", True, where),
+        n_routed_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=_positive_int(d, "intermediate_size", where, default=8192),
+        shared_expert_intermediate_size=_positive_int(d, "intermediate_size", where,
+                                                      default=8192),
+        mlp_only_layers=tuple(dense), decoder_sparse_step=1,
+        intermediate_size=_positive_int(
+            d, "intermediate_size_mlp", where, default=16384,
+            why=f" (dense MLP in layer(s) {', '.join(map(str, dense[:4]))})") if dense else 0)
+    if _flag(d, "attn_temperature_tuning", True, where):
+        out["nope_attn_temperature"] = (_positive_number(d, "floor_scale", where, 8192.0),
+                                        _positive_number(d, "attn_scale", where, 0.1))
+    return out
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -1697,6 +1795,13 @@ class ModelConfig:
     # cross-encoder's way) or as the one text text_1 + text_2 (False: the default of a
     # classifier made from an LM head, whose prompt template the user splits between them)
     use_pad_token: bool = True
+    # Llama 4: its "chunked_attention" layers (layer_types) see the keys of their query's
+    # chunk alone (attention_chunk); q and k L2-normed per head after rotary on the rotary
+    # layers (qk_l2_norm, no weight); on the NoPE layers q x 1 + attn_scale x
+    # log1p(floor((p + 1) / floor_scale)) (nope_attn_temperature: (floor_scale, attn_scale))
+    attention_chunk_size: int | None = None
+    qk_l2_norm: bool = False
+    nope_attn_temperature: tuple[float, float] | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ loading
@@ -1813,7 +1918,8 @@ class ModelConfig:
                    _gpt2_fields(d, arch, where) if arch in GPT2_FAMILY else
                    _bloom_fields(d, where) if arch == "BloomForCausalLM" else
                    _mpt_fields(d, where) if arch == "MptForCausalLM" else
-                   _glm_fields(d, arch, where) if arch in GLM_FAMILY else {})
+                   _glm_fields(d, arch, where) if arch in GLM_FAMILY else
+                   _llama4_fields(d, where) if arch == "Llama4ForCausalLM" else {})
         # Qwen2-MoE names its q/k/v bias qkv_bias (on unless set false, as Qwen2's)
         bias = (d.get("qkv_bias", True) if model_type == "qwen2_moe"
                 else d.get("attention_bias", model_type == "qwen2"))
@@ -1891,6 +1997,13 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] == "full_attention":
             return None
         return self.sliding_window
+
+    def attention_chunk(self, layer: int) -> int | None:
+        """The chunk of layer ``layer``'s chunked local attention (Llama 4): a query at p
+        sees keys j <= p with j // chunk == p // chunk; None: no chunks."""
+        if self.layer_types and self.layer_types[layer] == "chunked_attention":
+            return self.attention_chunk_size
+        return None
 
     @property
     def o_proj_bias(self) -> bool:

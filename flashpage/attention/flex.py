@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from flashpage.attention.backend import AttentionBackend, AttentionMetadata
+from flashpage.attention.backend import AttentionBackend, AttentionMetadata, chunked_layers_reason
 from flashpage.attention.torch_native import write_kv_cache_torch
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class FlexBackend(AttentionBackend):
         if model_config.alibi:
             reasons.append("ALiBi position biases (alibi: Bloom, MPT, Falcon-RW) are not "
                            "supported by the flex backend (its masks carry no per-head biases)")
-        return reasons
+        return reasons + chunked_layers_reason(model_config, cls.name)
 
     def bind_kv_cache(self, num_blocks: int, block_size: int) -> None:
         super().bind_kv_cache(num_blocks, block_size)
@@ -187,7 +187,11 @@ class FlexBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
-                alibi_slopes: torch.Tensor | None = None, write_kv: bool = True) -> torch.Tensor:
+                alibi_slopes: torch.Tensor | None = None, write_kv: bool = True,
+                chunk_size: int | None = None) -> torch.Tensor:
+        if chunk_size is not None:
+            raise ValueError(f"the {self.name} backend has no chunked local attention "
+                             "(unsupported_reasons declines such models)")
         if softcap is not None:
             raise ValueError("the flex backend has no attention softcap (unsupported_reasons "
                              "declines such models)")

@@ -23,7 +23,8 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
                  layer_idx: int, sliding_window: int | None = None,
-                 softcap: float | None = None, alibi: AlibiSlopes | None = None) -> None:
+                 softcap: float | None = None, alibi: AlibiSlopes | None = None,
+                 chunk_size: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
@@ -36,6 +37,9 @@ class Attention(nn.Module):
         if alibi is not None and alibi.slopes.shape != (num_heads,):
             raise ValueError(f"ALiBi slopes {tuple(alibi.slopes.shape)} for {num_heads} query heads")
         self.alibi = alibi
+        # chunked local attention (Llama 4): a query at p sees keys j <= p with
+        # j // chunk_size == p // chunk_size
+        self.chunk_size = chunk_size
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.backend: AttentionBackend | None = None
 
@@ -77,4 +81,6 @@ class Attention(nn.Module):
         return self.backend.forward(q, k, v, self.kv_cache, md, scale=self.scale,
                                     sliding_window=self.sliding_window, softcap=self.softcap,
                                     alibi_slopes=None if self.alibi is None else self.alibi.slopes,
-                                    write_kv=write_kv)
+                                    write_kv=write_kv,
+                                    **({} if self.chunk_size is None else
+                                       {"chunk_size": self.chunk_size}))

@@ -58,6 +58,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GlmForCausalLM": ("flashpage.models.glm", "GlmForCausalLM"),
     "Glm4ForCausalLM": ("flashpage.models.glm", "GlmForCausalLM"),
     "Glm4MoeForCausalLM": ("flashpage.models.glm", "GlmForCausalLM"),
+    "Llama4ForCausalLM": ("flashpage.models.llama4", "Llama4ForCausalLM"),
 }
 
 
