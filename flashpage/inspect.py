@@ -217,7 +217,7 @@ _GATE_UP_ON_DISK = {"GlmForCausalLM", "Glm4ForCausalLM"}
 # families whose checkpoints name our modules otherwise (their models' ``hf_names``)
 _RENAMED = {"GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
             "OPTForCausalLM", "BloomForCausalLM", "MptForCausalLM", "ArceeForCausalLM",
-            "ApertusForCausalLM"}
+            "ApertusForCausalLM", "Llama4ForCausalLM"}
 
 
 def _checkpoint_names(cfg: ModelConfig, out: list[tuple[tuple[str, ...], int, int]]
@@ -378,6 +378,10 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         # Gemma 2/3 and Cohere2 window some layers only (layer_types)
         "sliding_window_layers": sum(cfg.attention_window(i) is not None
                                      for i in range(cfg.num_hidden_layers)),
+        # Llama 4's chunked local attention: its chunk, on how many layers
+        "attention_chunk_size": cfg.attention_chunk_size,
+        "chunked_layers": sum(cfg.attention_chunk(i) is not None
+                              for i in range(cfg.num_hidden_layers)),
         # rotary over the first rotary_dim dims of a head (Phi-3's partial_rotary_factor) and
         # its scaling (longrope: the factor lists applied past original_max_position_embeddings)
         "rotary_dim": None if cfg.is_mla or cfg.learned_positions else cfg.rotary_dim,
@@ -526,6 +530,10 @@ def format_report(info: dict[str, Any]) -> str:
         note = ("(blocks behind it go back to the pool)" if info["kv_bytes_per_request_max"]
                 else "(figures below cache every token)")
         rows.append(("sliding window", f"{info['sliding_window']}{where} {note}"))
+    if info.get("chunked_layers"):
+        rows.append(("chunked attention", f"chunks of {info['attention_chunk_size']:,} on "
+                     f"{info['chunked_layers']} of {layers} layers (figures below cache every "
+                     "token: their blocks before the chunk are kept)"))
     rows += [
         (f"KV per token per layer ({kdt})",
          f"{info['kv_values_per_token_per_layer']:,} values = "
