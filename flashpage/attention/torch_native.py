@@ -2,7 +2,8 @@
 
 Decodes (query length 1) are gathered into one padded batch; longer queries (prompt
 chunks, prefix hits) are handled one request at a time with an explicit causal mask
-offset by the cached prefix.
+offset by the cached prefix. Masks take a sliding window and Llama 4's attention chunks
+(the one backend that runs those: the others refuse them).
 """
 
 from __future__ import annotations
