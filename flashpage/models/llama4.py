@@ -31,7 +31,7 @@ from flashpage.attention.backend import AttentionMetadata
 from flashpage.config import ModelConfig
 from flashpage.layers.linear import ColumnParallelLinear, PendingNorm, VocabEmbedding
 from flashpage.layers.mlp import GatedMLP
-from flashpage.layers.moe import FusedExperts
+from flashpage.layers.moe import SYNC_FREE_MAX_TOKENS, FusedExperts
 from flashpage.layers.norm import RMSNorm
 from flashpage.models.common import DecoderStack, HFNames, PreNormDecoderLayer
 from flashpage.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
@@ -129,6 +129,12 @@ class Llama4Model(DecoderStack):
 
 class Llama4ForCausalLM(LlamaForCausalLM):
     hf_names = HFNames({"model.layers.{}.feed_forward": "model.layers.{}.mlp"})
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__(config, max_positions)
+        # the experts see top_k rows a token (Llama4MoE): CUDA graphs hold as many tokens as
+        # keep those rows on the sync-free path
+        self.max_graph_tokens = SYNC_FREE_MAX_TOKENS // max(config.num_experts_per_tok, 1)
 
     def _decoder(self, config: ModelConfig, max_positions: int) -> DecoderStack:
         return Llama4Model(config, max_positions)

@@ -115,6 +115,8 @@ def test_layers_are_built_as_configured(tiny):
     assert [lay.self_attn.attn.chunk_size for lay in top2] == [None, None]
     assert all(isinstance(lay.mlp, Llama4MoE) and lay.mlp.top_k == 2 for lay in top2)
     assert top2[1].self_attn.temperature is None and top2[0].self_attn.l2_eps is None
+    # CUDA graphs: 256 tokens, 512 expert rows, all on the sync-free (capturable) path
+    assert cpu_llm(tiny("llama4_top2")).engine.model.max_graph_tokens == 256
 
 
 def test_each_difference_changes_the_tokens(tiny):
