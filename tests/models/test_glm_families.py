@@ -475,6 +475,9 @@ def test_config_fields():
     assert m.n_routed_experts == 8
 
 
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+
+
 @pytest.mark.parametrize(("name", "edit", "message"), [
     ("glm4", dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported for Glm4ForCausalLM"),
     ("glm", dict(attention_bias="yes"), "attention_bias must be true or false, got 'yes'"),
@@ -504,6 +507,8 @@ def test_config_fields():
     ("glm4_moe", dict(routed_scaling_factor="2"), "routed_scaling_factor must be a positive number"),
     ("glm4_moe", dict(use_qk_norm=1), "use_qk_norm must be true or false, got 1"),
     ("glm4_moe", dict(norm_topk_prob="no"), "norm_topk_prob must be true or false"),
+    ("glm4", dict(quantization_config=AWQ), "awq \\(int4\\) checkpoints are read for the dense "
+     "Llama, Gemma and Llama-variant families, not Glm4ForCausalLM"),
 ])
 def test_bad_config_is_a_clear_error(name, edit, message):
     with pytest.raises(ConfigError, match=message):

@@ -408,6 +408,9 @@ def test_config_fields():
     (dict(floor_scale=0), "floor_scale must be a positive number, got 0"),
     (dict(use_qk_norm="yes"), "use_qk_norm must be true or false, got 'yes'"),
     (dict(attn_temperature_tuning=1), "attn_temperature_tuning must be true or false, got 1"),
+    (dict(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 32}),
+     "gptq \\(int4\\) checkpoints are read for the dense Llama, Gemma and Llama-variant "
+     "families, not Llama4ForCausalLM"),
 ])
 def test_bad_config_is_a_clear_error(edit, message):
     with pytest.raises(ConfigError, match=message):
