@@ -76,10 +76,19 @@ ALIBI_FAMILY = {"BloomForCausalLM", "MptForCausalLM"}
 # mixture-of-experts MLPs with biases and a clamped SwiGLU; MXFP4 experts dequantized at
 # load (_gpt_oss_fields)
 GPT_OSS_FAMILY = {"GptOssForCausalLM"}
+# models/glm.py: GLM-4-0414's predecessor GLM (the Llama layer) and GLM-4 (a norm after
+# attention and after the MLP too), both rotating interleaved pairs of the first half of each
+# head; GLM-4.5 / 4.6 (Glm4Moe): the Llama body with DeepSeek-V3's sigmoid-routed experts
+# after first_k_dense_replace dense layers, rotary on halves of half the head (_glm_fields)
+GLM_FAMILY = {"GlmForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM"}
+# models/llama4.py: Llama 4's text model (chunked attention on its rotary layers, NoPE ones
+# with temperature tuning, L2 q/k norms, sigmoid top-k MoE with a shared expert: _llama4_fields)
+LLAMA4_FAMILY = {"Llama4ForCausalLM"}
 # architecture names of remote-code checkpoints that transformers' own class reads
 _ARCH_ALIASES = {"MPTForCausalLM": "MptForCausalLM"}  # MosaicML's MPT files
 SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
-                           | LLAMA_VARIANTS | GPT2_FAMILY | ALIBI_FAMILY | GPT_OSS_FAMILY)
+                           | LLAMA_VARIANTS | GPT2_FAMILY | ALIBI_FAMILY | GPT_OSS_FAMILY
+                           | GLM_FAMILY | LLAMA4_FAMILY)
 
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -123,6 +132,10 @@ _MODEL_TYPE_TO_ARCH = {
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "apertus": "ApertusForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "glm": "GlmForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -1566,6 +1579,173 @@ def _families4_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any
                 tie_word_embeddings=_flag(d, "tie_word_embeddings", True, where))
 
 
+def _glm_fields(d: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """GLM, GLM-4 and GLM-4.5 / 4.6 MoE (GlmConfig's, Glm4Config's, Glm4MoeConfig's defaults
+    where a field is absent); models/glm.py.
+
+    - All three: rotary on the first ``partial_rotary_factor`` (default 0.5) of each head,
+      o_proj without a bias, a gated SiLU MLP, max_position_embeddings 131072.
+    - GLM / GLM-4: rotary on interleaved pairs (x[2i], x[2i + 1]); q/k/v biased unless
+      ``attention_bias`` is false; head_dim 128, 2 KV heads, eps 1.5625e-7 and eos
+      151329 / 151336 / 151338 by default; the checkpoint's ``mlp.gate_up_proj`` merged.
+    - GLM-4.5 (Glm4Moe): rotary on halves (Llama's); q/k/v biased only with
+      ``attention_bias``; per-head q/k RMSNorms before rotary with ``use_qk_norm``; layers
+      from ``first_k_dense_replace`` (default 1) on hold ``n_routed_experts`` experts of
+      ``moe_intermediate_size`` routed as DeepSeek-V3's (sigmoid, ``e_score_correction_bias``,
+      ``n_group`` / ``topk_group``, ``norm_topk_prob`` default true, ``routed_scaling_factor``)
+      beside ``n_shared_experts`` (default 1) shared ones, the layers before them a dense MLP
+      of ``intermediate_size``; eps 1e-5 and 8 KV heads by default. Its multi-token-prediction
+      layers (``num_nextn_predict_layers``, after the last layer) are not read."""
+    moe = arch == "Glm4MoeForCausalLM"
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
+                          f"{arch} (supported: 'silu')")
+    heads, n = d["num_attention_heads"], d["num_hidden_layers"]
+    kv = _positive_int(d, "num_key_value_heads", where, default=8 if moe else 2)
+    if heads % kv:
+        raise ConfigError(f"{where}: num_attention_heads ({heads}) is not a multiple of "
+                          f"num_key_value_heads ({kv})")
+    head_dim = d.get("head_dim", None if moe else 128)
+    if head_dim is None:
+        head_dim = d["hidden_size"] // heads
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+        raise ConfigError(f"{where}: head_dim must be a positive integer, got {head_dim!r}")
+    out: dict[str, Any] = dict(
+        num_key_value_heads=kv, head_dim=head_dim, rope_interleaved=not moe,
+        partial_rotary_factor=_partial_rotary(d, where, head_dim, "partial_rotary_factor", 0.5),
+        attention_bias=_flag(d, "attention_bias", not moe, where), attention_out_bias=False,
+        rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5 if moe else 1.5625e-7),
+        max_position_embeddings=_positive_int(d, "max_position_embeddings", where, 131072))
+    if not moe:
+        if "eos_token_id" not in d:
+            out["eos_token_id"] = (151329, 151336, 151338)
+        return out
+    experts = _positive_int(d, "n_routed_experts", where, default=d.get("num_local_experts", 128))
+    top_k = _positive_int(d, "num_experts_per_tok", where, default=8)
+    groups = _positive_int(d, "n_group", where, default=1)
+    if experts % groups or experts // groups < 2:
+        raise ConfigError(f"{where}: n_group ({groups}) must split n_routed_experts ({experts}) "
+                          "into equal groups of at least 2 (a group is ranked by its best two)")
+    topk_group = _positive_int(d, "topk_group", where, default=1)
+    if topk_group > groups:
+        raise ConfigError(f"{where}: topk_group ({topk_group}) must be at most n_group ({groups})")
+    if top_k > topk_group * (experts // groups):
+        raise ConfigError(f"{where}: num_experts_per_tok ({top_k}) must be at most the "
+                          f"{topk_group * (experts // groups)} experts of the topk_group "
+                          f"({topk_group}) groups kept")
+    shared = d.get("n_shared_experts", 1)
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise ConfigError(f"{where}: n_shared_experts must be an integer >= 0, got {shared!r}")
+    dense = d.get("first_k_dense_replace", 1)
+    if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense <= n:
+        raise ConfigError(f"{where}: first_k_dense_replace must be an integer in [0, {n}] "
+                          f"(num_hidden_layers), got {dense!r}")
+    if dense:
+        _positive_int(d, "intermediate_size", where,
+                      why=f" (dense MLP in the first {dense} layer(s))")
+    return out | dict(
+        qk_norm=_flag(d, "use_qk_norm", False, where), n_routed_experts=experts,
+        num_experts_per_tok=top_k, moe_intermediate_size=_positive_int(
+            d, "moe_intermediate_size", where, default=1408),
+        n_shared_experts=shared, first_k_dense_replace=dense, mlp_only_layers=tuple(range(dense)),
+        decoder_sparse_step=1, topk_method="noaux_tc", scoring_func="sigmoid", n_group=groups,
+        topk_group=topk_group, norm_topk_prob=_flag(d, "norm_topk_prob", True, where),
+        routed_scaling_factor=_positive_number(d, "routed_scaling_factor", where, 1.0))
+
+
+def _llama4_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """Llama 4's text model (Llama4ForCausalLM, Llama4TextConfig's defaults where a field is
+    absent); models/llama4.py.
+
+    - layer i rotates q and k (interleaved pairs, all dims) where ``no_rope_layers[i]`` is 1
+      (absent: all but every ``no_rope_layer_interval``-th (4), 1-based), and those layers
+      attend in chunks (``layer_types`` "chunked_attention", absent: derived so): a query at
+      p sees keys j <= p with j // ``attention_chunk_size`` == p // it (null: no chunks);
+      the others take no positional embedding (NoPE) and attend to all;
+    - with ``use_qk_norm`` (default true) the rotary layers' q and k are L2-normed per head
+      after rotary (no weight, eps rms_norm_eps);
+    - with ``attn_temperature_tuning`` (default true) the NoPE layers' q at position p is
+      scaled by 1 + ``attn_scale`` x log(1 + floor((p + 1) / ``floor_scale``));
+    - layers in ``moe_layers`` (absent: every ``interleave_moe_layer_step``-th, 1-based) hold
+      ``num_local_experts`` experts of ``intermediate_size``, top-``num_experts_per_tok`` by
+      router logit, each expert's input scaled by the sigmoid of its logit, beside a shared
+      expert of ``intermediate_size``; the others a dense MLP of ``intermediate_size_mlp``;
+    - head_dim 128, 8 KV heads, rope base 5e5, eps 1e-5 by default; ``attention_bias`` on
+      q/k/v and o_proj alike."""
+    arch = "Llama4ForCausalLM"
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
+                          f"{arch} (supported: 'silu')")
+    n, heads = d["num_hidden_layers"], d["num_attention_heads"]
+    kv = d.get("num_key_value_heads", 8)
+    kv = heads if kv is None else kv
+    if not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0 or heads % kv:
+        raise ConfigError(f"{where}: num_key_value_heads must be a positive integer dividing "
+                          f"num_attention_heads ({heads}), got {kv!r}")
+    head_dim = d.get("head_dim", 128)
+    head_dim = d["hidden_size"] // heads if head_dim is None else head_dim
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+        raise ConfigError(f"{where}: head_dim must be a positive integer, got {head_dim!r}")
+    experts = _positive_int(d, "num_local_experts", where, default=16)
+    top_k = _positive_int(d, "num_experts_per_tok", where, default=1)
+    if top_k > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok ({top_k}) must be at most "
+                          f"num_local_experts ({experts})")
+    moe_layers = d.get("moe_layers")
+    if moe_layers is None:
+        step = _positive_int(d, "interleave_moe_layer_step", where, default=1)
+        moe_layers = list(range(step - 1, n, step))
+    elif not isinstance(moe_layers, list | tuple) or any(
+            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n for i in moe_layers):
+        raise ConfigError(f"{where}: moe_layers must list layer indices in [0, {n}), "
+                          f"got {moe_layers!r}")
+    roped = d.get("no_rope_layers")
+    if not roped:  # (transformers derives an empty list too)
+        every = _positive_int(d, "no_rope_layer_interval", where, default=4)
+        roped = [int((i + 1) % every != 0) for i in range(n)]
+    elif not isinstance(roped, list | tuple) or len(roped) != n or any(
+            not isinstance(v, int) or isinstance(v, bool) or v not in (0, 1) for v in roped):
+        raise ConfigError(f"{where}: no_rope_layers must list 1 (rotary) or 0 (NoPE) for each "
+                          f"of the {n} layers, got {roped!r}")
+    chunk = d.get("attention_chunk_size", 8192)
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0):
+        raise ConfigError(f"{where}: attention_chunk_size must be a positive integer or null, "
+                          f"got {chunk!r}")
+    types = d.get("layer_types")
+    if types is None:
+        types = ["chunked_attention" if r and chunk is not None else "full_attention"
+                 for r in roped]
+    kinds = ("chunked_attention", "full_attention")
+    if not isinstance(types, list | tuple) or len(types) != n or any(t not in kinds for t in types):
+        raise ConfigError(f"{where}: layer_types must list one of {', '.join(kinds)} for each "
+                          f"of the {n} layers, got {types!r}")
+    if chunk is None and "chunked_attention" in types:
+        raise ConfigError(f"{where}: layer_types has chunked_attention layers but "
+                          "attention_chunk_size is null")
+    dense = [i for i in range(n) if i not in moe_layers]
+    out: dict[str, Any] = dict(
+        num_key_value_heads=kv, head_dim=head_dim, rope_interleaved=True,
+        rope_theta=_rope_theta(d, where, 500_000.0),
+        rms_norm_eps=_positive_number(d, "rms_norm_eps", where, 1e-5),
+        attention_bias=_flag(d, "attention_bias", False, where),
+        max_position_embeddings=_positive_int(d, "max_position_embeddings", where, 131072),
+        nope_layers=tuple(i for i in range(n) if not roped[i]), layer_types=tuple(types),
+        sliding_window=None,
+        attention_chunk_size=chunk, qk_l2_norm=_flag(d, "use_qk_norm", True, where),
+        n_routed_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=_positive_int(d, "intermediate_size", where, default=8192),
+        shared_expert_intermediate_size=_positive_int(d, "intermediate_size", where,
+                                                      default=8192),
+        mlp_only_layers=tuple(dense), decoder_sparse_step=1,
+        intermediate_size=_positive_int(
+            d, "intermediate_size_mlp", where, default=16384,
+            why=f" (dense MLP in layer(s) {', '.join(map(str, dense[:4]))})") if dense else 0)
+    if _flag(d, "attn_temperature_tuning", True, where):
+        out["nope_attn_temperature"] = (_positive_number(d, "floor_scale", where, 8192.0),
+                                        _positive_number(d, "attn_scale", where, 0.1))
+    return out
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -1708,6 +1888,13 @@ class ModelConfig:
     # cross-encoder's way) or as the one text text_1 + text_2 (False: the default of a
     # classifier made from an LM head, whose prompt template the user splits between them)
     use_pad_token: bool = True
+    # Llama 4: its "chunked_attention" layers (layer_types) see the keys of their query's
+    # chunk alone (attention_chunk); q and k L2-normed per head after rotary on the rotary
+    # layers (qk_l2_norm, no weight); on the NoPE layers q x 1 + attn_scale x
+    # log1p(floor((p + 1) / floor_scale)) (nope_attn_temperature: (floor_scale, attn_scale))
+    attention_chunk_size: int | None = None
+    qk_l2_norm: bool = False
+    nope_attn_temperature: tuple[float, float] | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ loading
@@ -1770,7 +1957,7 @@ class ModelConfig:
         elif arch == "MptForCausalLM":
             d = _mpt_names(d, where)
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
-        if arch in LLAMA_FAMILY | LLAMA_VARIANTS:
+        if arch in LLAMA_FAMILY | LLAMA_VARIANTS | {"GlmForCausalLM", "Glm4ForCausalLM"}:
             required.append("intermediate_size")
         missing = [k for k in required if d.get(k) is None]
         if missing:
@@ -1824,7 +2011,9 @@ class ModelConfig:
                    _gpt2_fields(d, arch, where) if arch in GPT2_FAMILY else
                    _bloom_fields(d, where) if arch == "BloomForCausalLM" else
                    _mpt_fields(d, where) if arch == "MptForCausalLM" else
-                   _gpt_oss_fields(d, where) if arch in GPT_OSS_FAMILY else {})
+                   _gpt_oss_fields(d, where) if arch in GPT_OSS_FAMILY else
+                   _glm_fields(d, arch, where) if arch in GLM_FAMILY else
+                   _llama4_fields(d, where) if arch == "Llama4ForCausalLM" else {})
         # Qwen2-MoE names its q/k/v bias qkv_bias (on unless set false, as Qwen2's)
         bias = (d.get("qkv_bias", True) if model_type == "qwen2_moe"
                 else d.get("attention_bias", model_type == "qwen2"))
@@ -1902,6 +2091,13 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] == "full_attention":
             return None
         return self.sliding_window
+
+    def attention_chunk(self, layer: int) -> int | None:
+        """The chunk of layer ``layer``'s chunked local attention (Llama 4): a query at p
+        sees keys j <= p with j // chunk == p // chunk; None: no chunks."""
+        if self.layer_types and self.layer_types[layer] == "chunked_attention":
+            return self.attention_chunk_size
+        return None
 
     @property
     def o_proj_bias(self) -> bool:

@@ -103,10 +103,11 @@ def parse_memory(s: str) -> int:
 # LayerNorms have a bias (but Arcee's: RMSNorms)
 _PLAIN_MLP = ("starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "phi", "gptj", "falcon", "opt",
               "bloom", "mpt", "arcee", "apertus")
-# norms a layer: input and post-attention; Gemma 2/3's pre- and post-feedforward ones too;
-# Cohere's (and Cohere2's), Phi's and GPT-J's one norm feeds attention and the MLP
-_NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "cohere": 1, "cohere2": 1, "phi": 1,
-                    "gptj": 1}
+# norms a layer: input and post-attention; Gemma 2/3's pre- and post-feedforward ones too
+# (GLM-4's post_self_attn / post_mlp ones); Cohere's (and Cohere2's), Phi's and GPT-J's one
+# norm feeds attention and the MLP
+_NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "glm4": 4, "cohere": 1, "cohere2": 1,
+                    "phi": 1, "gptj": 1}
 
 
 def _norms_per_layer(cfg: ModelConfig) -> int:
@@ -236,10 +237,12 @@ def fp8_linears(cfg: ModelConfig) -> list[tuple[tuple[str, ...], int, int]]:
 _MERGED_ON_DISK = {"Phi3ForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM",
                    "BloomForCausalLM", "MptForCausalLM"}
 _MERGED_NAMES = {"q_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+# ... and those that hold gate/up merged alone (GLM's and GLM-4's mlp.gate_up_proj)
+_GATE_UP_ON_DISK = {"GlmForCausalLM", "Glm4ForCausalLM"}
 # families whose checkpoints name our modules otherwise (their models' ``hf_names``)
 _RENAMED = {"GPTNeoXForCausalLM", "PhiForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
             "OPTForCausalLM", "BloomForCausalLM", "MptForCausalLM", "ArceeForCausalLM",
-            "ApertusForCausalLM"}
+            "ApertusForCausalLM", "Llama4ForCausalLM"}
 
 
 def _checkpoint_names(cfg: ModelConfig, out: list[tuple[tuple[str, ...], int, int]]
@@ -257,7 +260,8 @@ def _checkpoint_names(cfg: ModelConfig, out: list[tuple[tuple[str, ...], int, in
         names = getattr(model_class(cfg), "hf_names", None)
     renamed = []
     for pieces, n, k in out:
-        if cfg.architecture in _MERGED_ON_DISK and len(pieces) > 1:
+        if len(pieces) > 1 and (cfg.architecture in _MERGED_ON_DISK or (
+                cfg.architecture in _GATE_UP_ON_DISK and pieces[0].endswith(".gate_proj"))):
             parent, leaf = pieces[0].rsplit(".", 1)
             pieces = (f"{parent}.{_MERGED_NAMES[leaf]}",)
         if names is not None:
@@ -399,6 +403,10 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         # Gemma 2/3 and Cohere2 window some layers only (layer_types)
         "sliding_window_layers": sum(cfg.attention_window(i) is not None
                                      for i in range(cfg.num_hidden_layers)),
+        # Llama 4's chunked local attention: its chunk, on how many layers
+        "attention_chunk_size": cfg.attention_chunk_size,
+        "chunked_layers": sum(cfg.attention_chunk(i) is not None
+                              for i in range(cfg.num_hidden_layers)),
         # rotary over the first rotary_dim dims of a head (Phi-3's partial_rotary_factor) and
         # its scaling (longrope: the factor lists applied past original_max_position_embeddings)
         "rotary_dim": None if cfg.is_mla or cfg.learned_positions else cfg.rotary_dim,
@@ -557,6 +565,10 @@ def format_report(info: dict[str, Any]) -> str:
     if info.get("attention_sinks"):
         rows.append(("attention sinks", "a learned logit per query head in every softmax "
                                         "(no cached values)"))
+    if info.get("chunked_layers"):
+        rows.append(("chunked attention", f"chunks of {info['attention_chunk_size']:,} on "
+                     f"{info['chunked_layers']} of {layers} layers (figures below cache every "
+                     "token: their blocks before the chunk are kept)"))
     rows += [
         (f"KV per token per layer ({kdt})",
          f"{info['kv_values_per_token_per_layer']:,} values = "

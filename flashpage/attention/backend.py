@@ -73,6 +73,16 @@ def with_groups(md: AttentionMetadata, others: list[tuple[torch.Tensor, torch.Te
     return md
 
 
+def chunked_layers_reason(model_config: ModelConfig, backend: str) -> list[str]:
+    """The reason a backend without chunked local attention gives for a model with
+    chunked_attention layers (Llama 4), or none."""
+    if model_config.attention_chunk_size is None or "chunked_attention" not in model_config.layer_types:
+        return []
+    return [f"chunked local attention (attention_chunk_size {model_config.attention_chunk_size}: "
+            f"Llama 4's chunked_attention layers) is not supported by the {backend} backend "
+            "(torch_native runs it)"]
+
+
 class AttentionBackend(ABC):
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool] = False
@@ -116,6 +126,7 @@ class AttentionBackend(ABC):
         alibi_slopes: torch.Tensor | None = None,
         write_kv: bool = True,
         sinks: torch.Tensor | None = None,
+        chunk_size: int | None = None,
     ) -> torch.Tensor:
         """q [N, Hq, D], k/v [N, Hkv, D]: write k/v to the cache (unless the caller already
         did, ``write_kv=False``), attend, return [N, Hq, D]. ``sliding_window``: the
@@ -130,4 +141,7 @@ class AttentionBackend(ABC):
         layer's own, a parameter: CUDA graphs keep its address): query head h's softmax
         denominator gains exp(sinks[h]), a logit with no value (GPT-OSS's attention sinks,
         kernels/sinks.py; only backends whose unsupported_reasons accept
-        ModelConfig.attention_sinks get one)."""
+        ModelConfig.attention_sinks get one); ``chunk_size``: chunked local attention (Llama 4's
+        chunked_attention layers): a query at p sees keys j <= p with j // chunk_size ==
+        p // chunk_size (only backends whose unsupported_reasons accept
+        ModelConfig.attention_chunk_size get one)."""

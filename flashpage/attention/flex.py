@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from flashpage.attention.backend import AttentionBackend, AttentionMetadata
+from flashpage.attention.backend import AttentionBackend, AttentionMetadata, chunked_layers_reason
 from flashpage.attention.torch_native import write_kv_cache_torch
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class FlexBackend(AttentionBackend):
         if model_config.attention_sinks:
             reasons.append("attention sinks (GPT-OSS's per-head sink logits) are not supported "
                            "by the flex backend (its softmax has no extra denominator term)")
-        return reasons
+        return reasons + chunked_layers_reason(model_config, cls.name)
 
     def bind_kv_cache(self, num_blocks: int, block_size: int) -> None:
         super().bind_kv_cache(num_blocks, block_size)
@@ -191,9 +191,12 @@ class FlexBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
                 alibi_slopes: torch.Tensor | None = None, write_kv: bool = True,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
         if sinks is not None:  # unsupported_reasons refuses such models
             raise ValueError("the flex backend has no attention sinks")
+        if chunk_size is not None:
+            raise ValueError(f"the {self.name} backend has no chunked local attention "
+                             "(unsupported_reasons declines such models)")
         if softcap is not None:
             raise ValueError("the flex backend has no attention softcap (unsupported_reasons "
                              "declines such models)")

@@ -2,7 +2,8 @@
 
 Decodes (query length 1) are gathered into one padded batch; longer queries (prompt
 chunks, prefix hits) are handled one request at a time with an explicit causal mask
-offset by the cached prefix.
+offset by the cached prefix. Masks take a sliding window and Llama 4's attention chunks
+(the one backend that runs those: the others refuse them).
 """
 
 from __future__ import annotations
@@ -54,13 +55,17 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
     return out.view(cache.dtype) if out.dtype != cache.dtype else out
 
 
-def causal_mask(q_len: int, k_len: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """True where query i (at position k_len - q_len + i) may see key j."""
+def causal_mask(q_len: int, k_len: int, window: int | None, device: torch.device,
+                chunk: int | None = None) -> torch.Tensor:
+    """True where query i (at position k_len - q_len + i) may see key j: j <= i, within
+    ``window`` (j > i - window), within i's ``chunk`` (j // chunk == i // chunk)."""
     qpos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
     kpos = torch.arange(k_len, device=device)[None, :]
     mask = kpos <= qpos
     if window is not None:
         mask &= kpos > qpos - window
+    if chunk is not None:
+        mask &= kpos >= qpos // chunk * chunk
     return mask
 
 
@@ -106,7 +111,7 @@ class TorchNativeBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
                 alibi_slopes: torch.Tensor | None = None, write_kv: bool = True,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         n = metadata.num_actual_tokens
         if write_kv:
@@ -115,7 +120,7 @@ class TorchNativeBackend(AttentionBackend):
         nd = metadata.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], key_cache, value_cache, metadata, scale, sliding_window,
-                                    softcap, alibi_slopes, sinks)
+                                    softcap, alibi_slopes, sinks, chunk_size)
         start = metadata.num_decode_tokens
         for i in range(nd, metadata.num_seqs):
             q_len = metadata.query_lens_cpu[i]
@@ -126,14 +131,14 @@ class TorchNativeBackend(AttentionBackend):
             qi = q[start:start + q_len].transpose(0, 1)
             if softcap is not None or alibi_slopes is not None or sinks is not None:
                 o = masked_attention(qi, kk.transpose(0, 1), vv.transpose(0, 1),
-                                     causal_mask(q_len, k_len, sliding_window, q.device), scale,
-                                     softcap, alibi_slopes, sinks)
-            elif q_len == k_len and sliding_window is None:  # no cached prefix: plain causal
+                                     causal_mask(q_len, k_len, sliding_window, q.device, chunk_size),
+                                     scale, softcap, alibi_slopes, sinks)
+            elif q_len == k_len and sliding_window is None and chunk_size is None:  # plain causal
                 o = F.scaled_dot_product_attention(
                     qi, kk.transpose(0, 1), vv.transpose(0, 1), is_causal=True, scale=scale,
                     enable_gqa=True)
             else:
-                mask = causal_mask(q_len, k_len, sliding_window, q.device)
+                mask = causal_mask(q_len, k_len, sliding_window, q.device, chunk_size)
                 o = F.scaled_dot_product_attention(
                     qi, kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask, scale=scale,
                     enable_gqa=True)
@@ -144,9 +149,8 @@ class TorchNativeBackend(AttentionBackend):
     @staticmethod
     def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float, window: int | None,
-                softcap: float | None = None,
-                alibi_slopes: torch.Tensor | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         nd = q.shape[0]
         lens = md.seq_lens[:nd].long()
         max_len = max(md.seq_lens_cpu[:nd])
@@ -160,6 +164,8 @@ class TorchNativeBackend(AttentionBackend):
         mask = pos < lens[:, None]
         if window is not None:
             mask &= pos > (lens[:, None] - 1 - window)
+        if chunk is not None:  # the query (at lens - 1) sees its own chunk's keys alone
+            mask &= pos >= (lens[:, None] - 1) // chunk * chunk
         # Plain matmuls: SDPA with a mask takes a slow path on the CPU for one query.
         hkv, d = kk.shape[2], kk.shape[3]
         # fp32 throughout, as SDPA and the kernels accumulate: a bf16 QK^T rounds the

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashpage import envs
-from flashpage.attention.backend import AttentionBackend, AttentionMetadata
+from flashpage.attention.backend import AttentionBackend, AttentionMetadata, chunked_layers_reason
 
 if TYPE_CHECKING:
     from flashpage.config import ModelConfig
@@ -65,7 +65,7 @@ class TritonBackend(AttentionBackend):
             reasons.append(f"dtype {dtype} is not supported")
         if kv_cache_dtype not in (None, dtype, torch.float8_e4m3fn):
             reasons.append(f"KV cache dtype {kv_cache_dtype} is not supported")
-        return reasons
+        return reasons + chunked_layers_reason(model_config, cls.name)
 
     def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__(model_config, device, dtype)
@@ -89,7 +89,10 @@ class TritonBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None,
                 alibi_slopes: torch.Tensor | None = None, write_kv: bool = True,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
+        if chunk_size is not None:
+            raise ValueError(f"the {self.name} backend has no chunked local attention "
+                             "(unsupported_reasons declines such models)")
         from flashpage.kernels.cache_write import write_kv_cache
         from flashpage.kernels.flash_prefill import PrefillPlan
         from flashpage.kernels.paged_decode import DecodePlan

@@ -24,7 +24,7 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
                  layer_idx: int, sliding_window: int | None = None,
                  softcap: float | None = None, alibi: AlibiSlopes | None = None,
-                 sinks: torch.Tensor | None = None) -> None:
+                 sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
@@ -43,6 +43,9 @@ class Attention(nn.Module):
         if sinks is not None and sinks.shape != (num_heads,):
             raise ValueError(f"sinks {tuple(sinks.shape)} for {num_heads} query heads")
         self._sinks = [sinks] if sinks is not None else []
+        # chunked local attention (Llama 4): a query at p sees keys j <= p with
+        # j // chunk_size == p // chunk_size
+        self.chunk_size = chunk_size
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.backend: AttentionBackend | None = None
         # its KV cache group (kv_cache/hybrid.py; the model runner sets it): the step's
@@ -91,7 +94,9 @@ class Attention(nn.Module):
         return self.backend.forward(q, k, v, self.kv_cache, md, scale=self.scale,
                                     sliding_window=self.sliding_window, softcap=self.softcap,
                                     alibi_slopes=None if self.alibi is None else self.alibi.slopes,
-                                    write_kv=write_kv, sinks=self.sinks)
+                                    write_kv=write_kv, sinks=self.sinks,
+                                    **({} if self.chunk_size is None else
+                                       {"chunk_size": self.chunk_size}))
 
     @property
     def sinks(self) -> torch.Tensor | None:

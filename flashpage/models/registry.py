@@ -56,6 +56,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "HunYuanDenseV1ForCausalLM": ("flashpage.models.hunyuan", "HunYuanDenseV1ForCausalLM"),
     "ApertusForCausalLM": ("flashpage.models.apertus", "ApertusForCausalLM"),
     "GptOssForCausalLM": ("flashpage.models.gpt_oss", "GptOssForCausalLM"),
+    "GlmForCausalLM": ("flashpage.models.glm", "GlmForCausalLM"),
+    "Glm4ForCausalLM": ("flashpage.models.glm", "GlmForCausalLM"),
+    "Glm4MoeForCausalLM": ("flashpage.models.glm", "GlmForCausalLM"),
+    "Llama4ForCausalLM": ("flashpage.models.llama4", "Llama4ForCausalLM"),
 }
 
 
