@@ -44,12 +44,13 @@ bench)
   BUDGET=$((B - SECONDS)) bash "$(dirname "$0")/gpu_s23.sh" ab
   echo "part bench done at ${SECONDS}s" ;;
 new)  # what session 24 built: KV cache groups, GPT-OSS's sinks, the Phi-3 checkpoints, ALiBi's tile bias
-  gpu_tests new 300 -m gpu tests/engine/test_hybrid_kv_groups.py tests/kernels/test_attention_sinks.py \
+  gpu_tests new 250 -m gpu tests/engine/test_hybrid_kv_groups.py tests/kernels/test_attention_sinks.py \
     tests/models/test_gpt_oss.py tests/engine/test_sliding_window_release.py tests/kernels/test_alibi_kernels.py
-  gpu_tests phi3 120 -m "gpu and not slow" tests/models/test_more_families.py -k phi3
-  timeout "$(left 80)" python3 benchmarks/attention_alibi.py --out "$OUT" > "$OUT/alibi.txt" 2>&1
+  gpu_tests glm 90 -m "gpu and not slow" tests/models/test_glm_families.py tests/models/test_llama4.py
+  gpu_tests phi3 100 -m "gpu and not slow" tests/models/test_more_families.py -k phi3
+  timeout "$(left 60)" python3 benchmarks/attention_alibi.py --out "$OUT" > "$OUT/alibi.txt" 2>&1
   tail -n 16 "$OUT/alibi.txt"
-  timeout "$(left 80)" python3 benchmarks/attention_sinks.py --out "$OUT" > "$OUT/sinks.txt" 2>&1
+  timeout "$(left 60)" python3 benchmarks/attention_sinks.py --out "$OUT" > "$OUT/sinks.txt" 2>&1
   tail -n 16 "$OUT/sinks.txt"
   (cd "$OUT" && tar -czf new.tgz gpu_*_tests.txt && rm -f gpu_*_tests.txt)
   echo "part new done at ${SECONDS}s" ;;
