@@ -70,11 +70,14 @@ def _kv_groups(cfg: ModelConfig, kv_per_layer: int, memory_bytes: int) -> dict[s
 
     if cfg.is_mla:
         return None
-    lay = group_layers([cfg.attention_window(i) for i in range(cfg.num_hidden_layers)])
+    n = cfg.num_hidden_layers
+    lay = group_layers([cfg.attention_window(i) for i in range(n)],
+                       [cfg.attention_chunk(i) for i in range(n)])
     if lay is None:
         return None
-    full = sum(w is None for w in lay.windows)
-    window = max(w or 0 for w in lay.windows)
+    full = sum(not lay.releases(g) for g in range(lay.num_groups))
+    # what a windowed (chunked) group holds at most: a window's (a chunk's) tokens
+    window = max((lay.windows[g] or lay.chunk(g) or 0) for g in range(lay.num_groups))
     per_token = kv_per_layer * lay.num_slots * full
     window_bytes = window * kv_per_layer * lay.num_slots * (lay.num_groups - full)
     return {"slots": lay.num_slots, "full_groups": full, "windowed_groups": lay.num_groups - full,
@@ -567,8 +570,10 @@ def format_report(info: dict[str, Any]) -> str:
                                         "(no cached values)"))
     if info.get("chunked_layers"):
         rows.append(("chunked attention", f"chunks of {info['attention_chunk_size']:,} on "
-                     f"{info['chunked_layers']} of {layers} layers (figures below cache every "
-                     "token: their blocks before the chunk are kept)"))
+                     f"{info['chunked_layers']} of {layers} layers"
+                     + (" (their blocks before a query's chunk go back to the pool: KV cache "
+                        "groups)" if info.get("kv_groups") else
+                        " (figures below cache every token)")))
     rows += [
         (f"KV per token per layer ({kdt})",
          f"{info['kv_values_per_token_per_layer']:,} values = "

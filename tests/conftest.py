@@ -484,9 +484,10 @@ def assert_staggered_matches_hf(path: Path, hf_kwargs: dict | None = None, **eng
     # group's tables and for each windowed group's what its window and a step's 24 tokens
     # span, and 2 more
     blocks = 20 if len(windows) == 1 and None not in windows else 40
-    layout = group_layers(layer_windows)
+    layout = group_layers(layer_windows, [mc.attention_chunk(i) for i in range(mc.num_hidden_layers)])
     if layout is not None and not engine_kwargs.get("disable_hybrid_kv_cache_manager"):
-        blocks = sum(20 if w is None else -(-(w + 24) // 4) + 2 for w in layout.windows)
+        blocks = sum(-(-((layout.windows[g] or layout.chunk(g) or 0) + 24) // 4) + 2
+                     if layout.releases(g) else 20 for g in range(layout.num_groups))
     engine = LLMEngine(EngineConfig(**{
         "model": str(path), "dtype": "float32", "device": "cpu", "block_size": 4,
         "num_gpu_blocks": blocks, "max_num_batched_tokens": 24, "max_num_seqs": 6,

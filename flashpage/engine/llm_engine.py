@@ -160,7 +160,8 @@ class LLMEngine:
         self.kv_manager: KVCacheManager | HybridKVCacheManager
         if self.kv_layout is not None:
             self.kv_manager = HybridKVCacheManager(self.num_blocks, config.block_size,
-                                                   config.enable_prefix_caching, self.kv_layout.windows)
+                                                   config.enable_prefix_caching, self.kv_layout.windows,
+                                                   self.kv_layout.chunks)
         else:
             self.kv_manager = KVCacheManager(self.num_blocks, config.block_size,
                                              config.enable_prefix_caching,
@@ -441,13 +442,14 @@ class LLMEngine:
         return wins.pop(), slack
 
     def _kv_groups(self) -> GroupLayout | None:
-        """KV cache groups when the model's attention layers mix one sliding window with
-        full attention; None (one table for all layers) otherwise, with a draft model (its
+        """KV cache groups when the model's attention layers mix one sliding window (or one
+        attention chunk size: Llama 4) with full attention; None (one table for all layers) otherwise, with a draft model (its
         cache shares the target's tables), or when disable_hybrid_kv_cache_manager says so."""
         mc = self.model_config
         if self.config.disable_hybrid_kv_cache_manager or self.draft is not None or mc.is_mla:
             return None
-        return group_layers([mc.attention_window(i) for i in range(mc.num_hidden_layers)])
+        return group_layers([mc.attention_window(i) for i in range(mc.num_hidden_layers)],
+                            [mc.attention_chunk(i) for i in range(mc.num_hidden_layers)])
 
     def _num_blocks(self) -> int:
         mc, cfg = self.model_config, self.config
@@ -473,9 +475,10 @@ class LLMEngine:
             span = window + cfg.max_num_batched_tokens + 64
             per_req = min(per_req, -(-span // cfg.block_size) + 1)
         if lay is not None:  # the full groups' whole runs, the windowed groups' spans
-            span = -(-(max(w or 0 for w in lay.windows) + cfg.max_num_batched_tokens + 64)
-                     // cfg.block_size) + 1
-            per_req = sum(per_req if w is None else min(per_req, span) for w in lay.windows)
+            reach = max((lay.windows[g] or lay.chunk(g) or 0) for g in range(lay.num_groups))
+            span = -(-(reach + cfg.max_num_batched_tokens + 64) // cfg.block_size) + 1
+            per_req = sum(min(per_req, span) if lay.releases(g) else per_req
+                          for g in range(lay.num_groups))
         cap = cfg.max_num_seqs * per_req + 1 + (window is not None or lay is not None)
         n = min(budget // per_block, cap)
         if n < 1:

@@ -135,10 +135,11 @@ class ModelRunner:
                               torch.zeros(shape, dtype=self.kv_dtype, device=self.device)))
             for i, layer in enumerate(layers):
                 g = lay.layer_group[i]
-                if layer.sliding_window != lay.windows[g] or \
+                span = (layer.sliding_window, getattr(layer, "chunk_size", None))
+                if span != (lay.windows[g], lay.chunk(g)) or \
                         (layer.num_kv_heads, layer.head_dim) != (layers[0].num_kv_heads, layers[0].head_dim):
-                    raise ValueError(f"attention layer {i} (window {layer.sliding_window}) does not "
-                                     f"fit KV cache group {g} (window {lay.windows[g]})")
+                    raise ValueError(f"attention layer {i} (window, chunk {span}) does not fit KV "
+                                     f"cache group {g} (window, chunk {lay.windows[g], lay.chunk(g)})")
                 layer.kv_cache, layer.kv_group = pairs[lay.layer_slot[i]], g
                 layer.backend = self.backend
             return list(pairs)

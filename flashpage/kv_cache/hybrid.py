@@ -40,24 +40,36 @@ if TYPE_CHECKING:
 class GroupLayout:
     """Which group and slot each attention layer's cache is in."""
 
-    windows: tuple[int | None, ...]  # each group's window (None: full attention)
+    windows: tuple[int | None, ...]  # each group's window (None: full attention, or chunks)
     layer_group: tuple[int, ...]  # attention layer i -> its group
     layer_slot: tuple[int, ...]  # attention layer i -> its slot (cache tensor)
     num_slots: int  # layers a block holds (g)
+    chunks: tuple[int | None, ...] = ()  # each group's attention chunk (Llama 4), if any
+
+    def chunk(self, group: int) -> int | None:
+        return self.chunks[group] if self.chunks else None
+
+    def releases(self, group: int) -> bool:
+        return self.windows[group] is not None or self.chunk(group) is not None
 
     @property
     def num_groups(self) -> int:
         return len(self.windows)
 
 
-def group_layers(layer_windows: list[int | None]) -> GroupLayout | None:
-    """The groups of a model's attention layers, given each one's window; None when the
-    layers do not mix one window with full attention (one table serves them all)."""
-    kinds = set(layer_windows)
-    if len(kinds) != 2 or None not in kinds:
+def group_layers(layer_windows: list[int | None],
+                 layer_chunks: list[int | None] | None = None) -> GroupLayout | None:
+    """The groups of a model's attention layers, given each one's window (and chunk: Llama
+    4's chunked layers, which release the blocks before a query's chunk as a window does
+    those behind it); None when the layers do not mix one window (or one chunk size) with
+    full attention (one table serves them all)."""
+    chunks = layer_chunks or [None] * len(layer_windows)
+    spans = list(zip(layer_windows, chunks, strict=True))
+    kinds = set(spans)
+    if len(kinds) != 2 or (None, None) not in kinds:
         return None
-    full = [i for i, w in enumerate(layer_windows) if w is None]
-    windowed = [i for i, w in enumerate(layer_windows) if w is not None]
+    full = [i for i, sp in enumerate(spans) if sp == (None, None)]
+    windowed = [i for i, sp in enumerate(spans) if sp != (None, None)]
     g = min(len(full), len(windowed))
     n_full = -(-len(full) // g)
     group = [0] * len(layer_windows)
@@ -66,9 +78,10 @@ def group_layers(layer_windows: list[int | None]) -> GroupLayout | None:
         group[i], slot[i] = j // g, j % g
     for j, i in enumerate(windowed):
         group[i], slot[i] = n_full + j // g, j % g
-    window = next(w for w in layer_windows if w is not None)
-    windows = (None,) * n_full + (window,) * -(-len(windowed) // g)
-    return GroupLayout(windows, tuple(group), tuple(slot), g)
+    window, chunk = spans[windowed[0]]
+    n_win = -(-len(windowed) // g)
+    return GroupLayout((None,) * n_full + (window,) * n_win, tuple(group), tuple(slot), g,
+                       (None,) * n_full + (chunk,) * n_win if chunk is not None else ())
 
 
 class HybridHits(list):
@@ -82,12 +95,15 @@ class HybridKVCacheManager:
     """``KVCacheManager``'s interface over several groups' tables and one pool."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 windows: tuple[int | None, ...]) -> None:
+                 windows: tuple[int | None, ...], chunks: tuple[int | None, ...] = ()) -> None:
         self.block_size = validate_block_size(block_size)
         if num_blocks < 2:
             raise ValueError("a hybrid cache needs at least 2 blocks (block 0 is the null block)")
-        if None not in windows or all(w is None for w in windows):
-            raise ValueError(f"a hybrid cache mixes full and windowed groups, got windows {windows}")
+        chunks = chunks or (None,) * len(windows)
+        spans = list(zip(windows, chunks, strict=True))
+        if (None, None) not in spans or all(sp == (None, None) for sp in spans):
+            raise ValueError(f"a hybrid cache mixes full and windowed (or chunked) groups, got "
+                             f"windows {windows}, chunks {chunks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = None  # no window every layer shares
@@ -97,9 +113,10 @@ class HybridKVCacheManager:
         self.null_block.ref_cnt = 1
         self.num_reserved = 1
         self.groups = [KVCacheManager(num_blocks, block_size, enable_prefix_caching, w,
-                                      pool=self.pool, null_block=self.null_block, group=i)
-                       for i, w in enumerate(windows)]
-        self.windows = windows
+                                      pool=self.pool, null_block=self.null_block, group=i,
+                                      attention_chunk=c)
+                       for i, (w, c) in enumerate(spans)]
+        self.windows, self.chunks = windows, chunks
         self._pending_query: dict[str, tuple[int, int]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -164,7 +181,7 @@ class HybridKVCacheManager:
         for i, g in enumerate(self.groups):
             prefix, root_cid = g.prefix_hit(request, max_blocks)
             prefixes.append(prefix)
-            if g.sliding_window is None:
+            if not g.releases:
                 k_max = min(k_max, len(prefix))
             elif len(prefix) < max_blocks:
                 runs[i] = g.window_runs(request, max_blocks, root_cid)

@@ -92,10 +92,12 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None, window_slack: int = 0, *,
                  pool: BlockPool | None = None, null_block: KVCacheBlock | None = None,
-                 group: int = 0):
+                 group: int = 0, attention_chunk: int | None = None):
         """``pool`` / ``null_block`` / ``group``: one group of a HybridKVCacheManager (its
         layers' tables over a pool every group shares, the null block reserved there; the
-        group's prefix-cache keys are its own: ``group`` > 0 appends a byte to each hash)."""
+        group's prefix-cache keys are its own: ``group`` > 0 appends a byte to each hash).
+        ``attention_chunk`` (instead of a window: Llama 4's chunked layers): a query at p
+        sees keys from p // chunk * chunk, so the blocks before its chunk go back."""
         self.block_size = validate_block_size(block_size)
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -104,7 +106,14 @@ class KVCacheManager:
             raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
         if not isinstance(window_slack, int) or window_slack < 0:
             raise ValueError(f"window_slack must be a non-negative integer, got {window_slack!r}")
-        if sliding_window is not None and num_blocks < 2:
+        if attention_chunk is not None and (sliding_window is not None or not isinstance(
+                attention_chunk, int) or isinstance(attention_chunk, bool) or attention_chunk < 1):
+            raise ValueError(f"attention_chunk must be a positive integer (and no sliding_window), "
+                             f"got {attention_chunk!r}")
+        self.attention_chunk = attention_chunk
+        # blocks behind what a step's first query sees go back (a window or a chunk)
+        self.releases = sliding_window is not None or attention_chunk is not None
+        if self.releases and num_blocks < 2:
             raise ValueError("a sliding-window cache needs at least 2 blocks (block 0 is the null block)")
         self.sliding_window = sliding_window
         # Positions before q0 - window + 1 - window_slack are released: the slack keeps the
@@ -118,13 +127,13 @@ class KVCacheManager:
         else:
             self.pool = BlockPool(num_blocks)
             self.null_block = None
-            if sliding_window is not None:  # released table entries point here; never allocated
+            if self.releases:  # released table entries point here; never allocated
                 self.null_block = self.pool.blocks[0]
                 self.pool.free_queue.remove(self.null_block)
                 self.null_block.ref_cnt = 1
-            self.num_reserved = 1 if sliding_window is not None else 0
-        if sliding_window is not None and self.null_block is None:
-            raise ValueError("a sliding-window group needs the pool's null block")
+            self.num_reserved = 1 if self.releases else 0
+        if self.releases and self.null_block is None:
+            raise ValueError("a sliding-window or chunked group needs the pool's null block")
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._num_stored: dict[str, int] = {}
@@ -169,6 +178,9 @@ class KVCacheManager:
 
     def _releasable(self, first_query: int) -> int:
         """How many leading blocks no query at ``first_query`` or later can see."""
+        if self.attention_chunk is not None:
+            first = first_query // self.attention_chunk * self.attention_chunk
+            return max(0, first - self.window_slack) // self.block_size
         assert self.sliding_window is not None
         return max(0, first_query - self.sliding_window + 1 - self.window_slack) // self.block_size
 
@@ -176,14 +188,14 @@ class KVCacheManager:
         """Blocks a request holds once a step computing positions ``[num_computed,
         num_computed + num_new)`` is allocated (its released ones not counted)."""
         n = self.blocks_needed(num_computed + num_new)
-        if self.sliding_window is None:
+        if not self.releases:
             return n
         return n - min(self._releasable(num_computed), n)
 
     def taken_hits(self, hits: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """The prefix hits an admission takes: behind a sliding window, not those no query
         of its first step can see (their table entries are null)."""
-        if self.sliding_window is None or not hits:
+        if not self.releases or not hits:
             return hits
         return hits[min(self._releasable(len(hits) * self.block_size), len(hits)):]
 
@@ -191,9 +203,10 @@ class KVCacheManager:
         """The most blocks a request of ``num_tokens`` positions holds at once, steps
         computing at most ``max_step_tokens`` each (whole, without a sliding window)."""
         n = self.blocks_needed(num_tokens)
-        if self.sliding_window is None:
+        if not self.releases:
             return n
-        span = self.sliding_window - 1 + self.window_slack + max_step_tokens
+        # a chunk's last query sees chunk - 1 keys behind it, as a window of that size
+        span = (self.sliding_window or self.attention_chunk or 0) - 1 + self.window_slack + max_step_tokens
         return min(n, self.blocks_needed(span) + 1)
 
     # --------------------------------------------------------------- allocation
@@ -222,7 +235,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // B
         hits, root_cid = self.prefix_hit(request, max_blocks)
-        if self.sliding_window is not None and len(hits) < max_blocks:
+        if self.releases and len(hits) < max_blocks:
             found, run = self.window_runs(request, max_blocks, root_cid)
             hits = next((h for k in range(max_blocks, len(hits), -1)
                          if (h := self.window_hit_at(k, found, run)) is not None), hits)
@@ -289,7 +302,7 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self._blocks.get(rid)
         B = self.block_size
-        if blocks is not None and self.sliding_window is not None:
+        if blocks is not None and self.releases:
             self.release_behind_window(request)
         if blocks is not None and not new_computed_blocks:
             # Fast path (most decode steps): the table already covers the new tokens.
@@ -310,7 +323,7 @@ class KVCacheManager:
     def release_behind_window(self, request: Request) -> None:
         """Give back the request's blocks its window has passed (sliding window only)."""
         rid = request.request_id
-        if self.sliding_window is not None and rid in self._blocks:
+        if self.releases and rid in self._blocks:
             upto = self._releasable(request.num_computed_tokens)
             if upto > self._num_released[rid]:
                 self._release(rid, upto)

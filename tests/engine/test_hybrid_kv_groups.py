@@ -85,6 +85,26 @@ def test_windowed_group_releases_while_the_full_group_keeps_every_block():
     assert kv.num_free_blocks == 39 and kv.stats().blocks_used == 0
 
 
+def test_chunked_group_releases_the_blocks_before_the_chunk():
+    """Llama 4's chunked layers: a query at p sees keys from p // C * C, so a step gives
+    back every block before its first query's chunk (C = 8, B = 4: two blocks a chunk)."""
+    lay = group_layers([None] * 4, [8, None, 8, None])
+    assert lay is not None and lay.windows == (None, None) and lay.chunks == (None, 8)
+    kv = HybridKVCacheManager(40, 4, False, lay.windows, lay.chunks)
+    r = _req("a", list(range(3, 13)))  # 10 tokens
+    _step(kv, r, 10)
+    for _ in range(20):
+        q0 = r.num_computed_tokens
+        _step(kv, r, 1)
+        assert kv.num_released("a", 0) == 0
+        assert kv.num_released("a", 1) == q0 // 8 * 8 // 4
+        ids = kv.get_block_ids("a", 1)
+        assert all(ids[p // 4] != 0 for p in range(q0 // 8 * 8, q0 + 1))
+    assert kv.groups[1].max_blocks_held(10**6, 1) == 3  # ceil((8 - 1 + 1) / 4) + 1
+    kv.free(r)
+    assert kv.num_free_blocks == 39
+
+
 def test_allocation_is_all_groups_or_none():
     kv = HybridKVCacheManager(8, 4, False, (None, 8))  # 7 usable
     a = _req("a", list(range(3, 15)))  # 12 tokens: 3 blocks a group
@@ -217,6 +237,45 @@ def test_request_beyond_the_single_table_pool_runs_in_groups(tmp_path):
 def test_staggered_batch_in_groups_matches_transformers(tmp_path):
     """Chunked prefill, preemption and prefix hits over the groups' tables."""
     assert_staggered_matches_hf(_mixed_checkpoint(tmp_path), attention_backend="torch_native")
+
+
+def test_llama4_chunked_layers_in_groups_give_transformers_tokens(tmp_path):
+    """Llama 4's chunked layers as a group that gives back the blocks before the chunk
+    (torch_native: the mask), its NoPE global layers as the full group."""
+    import transformers
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=32, intermediate_size_mlp=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, no_rope_layer_interval=2, interleave_moe_layer_step=2,
+        attention_chunk_size=8, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" not in n:
+                p.normal_(0, 0.2)
+    model.save_pretrained(tmp_path / "llama4")
+    path = tmp_path / "llama4"
+    prompts = random_prompts(2, 30, 45, seed=8)
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4,
+              attention_backend="torch_native", max_num_batched_tokens=16, max_num_seqs=1)
+    lay = llm.engine.kv_layout
+    assert lay is not None and lay.chunks == (None, 8)
+    kv = llm.engine.kv_manager
+    released = 0
+    schedule = llm.engine.scheduler.schedule
+
+    def recording():
+        nonlocal released
+        out = schedule()
+        released = max([released, *(kv.num_released(r.request_id, 1) for r, _ in out.scheduled)])
+        return out
+
+    llm.engine.scheduler.schedule = recording
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    assert got == hf_greedy(path, prompts, PARAMS.max_tokens)
+    assert released > 0 and kv.stats().blocks_used == 0
 
 
 def test_draft_model_keeps_one_table(tmp_path, tiny_checkpoint):

@@ -100,6 +100,7 @@ class HybridFakeRunner(AsyncFakeRunner):
     the windowed ones what their window shows, through non-null entries."""
 
     def __init__(self, kv: HybridKVCacheManager, window: int, async_mode: bool) -> None:
+        # a chunked group (kv.chunks) reads from its first query's chunk start instead
         self.kv_h, self.window, self.async_mode = kv, window, async_mode
         super().__init__(kv.groups[0])
         self.cache: list = [None] * (kv.num_blocks * kv.block_size)
@@ -124,7 +125,8 @@ class HybridFakeRunner(AsyncFakeRunner):
         for rid, (req, start, end, fps) in fps_of.items():
             for g, win in enumerate(kv.windows):
                 ids = kv.get_block_ids(rid, g)
-                lo = 0 if win is None else max(0, start - W + 1)
+                chunk = kv.chunks[g]
+                lo = start // chunk * chunk if chunk else 0 if win is None else max(0, start - W + 1)
                 assert all(ids[p // B] != 0 for p in range(lo, end)), (rid, g, lo, end, ids)
                 ctx = [self.cache[s] for s in slot_mapping_for(ids, lo, end, B)]
                 assert ctx == [(g, f) for f in fps[lo:end]], f"{rid} read a wrong context in group {g}"
@@ -183,7 +185,7 @@ def check_invariants(s: Scheduler, kv: KVCacheManager | HybridKVCacheManager,
         for rid, ids in g._block_ids.items():
             assert [b.block_id for b in g.get_blocks(rid)] == ids
             released = g.num_released(rid)
-            if g.sliding_window is None:
+            if not g.releases:
                 assert released == 0
             if kv.null_block is not None:  # block 0 is the null block only behind a window
                 assert ids[:released] == [0] * released and 0 not in ids[released:]
@@ -219,8 +221,8 @@ def check_invariants(s: Scheduler, kv: KVCacheManager | HybridKVCacheManager,
 
 def refused_expected(spec: Spec, B: int, num_blocks: int, max_model_len: int,
                      window: int | None = None, budget: int = 0,
-                     windows: tuple[int | None, ...] | None = None) -> bool:
-    """``windows``: a hybrid cache's groups (then ``window`` is theirs)."""
+                     windows: tuple[object, ...] | None = None) -> bool:
+    """``windows``: a hybrid cache's groups (None: full; else ``window``, a window or a chunk)."""
     n = len(spec.prompt)
     if n > max_model_len:
         return True
@@ -250,7 +252,7 @@ def refused_expected(spec: Spec, B: int, num_blocks: int, max_model_len: int,
     async_mode=st.booleans(),
     policy=st.sampled_from(["fcfs", "priority"]),
     window=st.one_of(st.none(), st.integers(1, 12)),
-    hybrid=st.sampled_from([None, (None, 0), (None, 0, 0), (0, None)]),
+    hybrid=st.sampled_from([None, (None, 0), (None, 0, 0), (0, None), (None, "chunk")]),
 )
 def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs, budget,
                                           max_model_len, prefix, specs, async_mode, policy,
@@ -262,15 +264,16 @@ def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs
     the fake model reads only what the window shows; with ``hybrid`` too (a model mixing
     windowed and full layers: groups of tables over one pool, kv_cache/hybrid.py), the
     groups' windows (0: ``window``) and the cache about as large again per group."""
-    windows = None
+    windows = chunks = None  # a hybrid cache's groups' windows and chunks ("chunk": window's size)
     if window is not None and hybrid is not None:
-        windows = tuple(w if w is None else window for w in hybrid)
+        windows = tuple(window if w == 0 else None for w in hybrid)
+        chunks = tuple(window if w == "chunk" else None for w in hybrid)
     num_blocks = max(1 + (window is not None), -(-max_model_len // block_size) + extra_blocks)
     if windows is not None:
         num_blocks += (len(windows) - 1) * max(1, -(-(window + budget) // block_size))
     kv: KVCacheManager | HybridKVCacheManager
     if windows is not None:
-        kv = HybridKVCacheManager(num_blocks, block_size, prefix, windows)
+        kv = HybridKVCacheManager(num_blocks, block_size, prefix, windows, chunks)
     else:
         kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix, sliding_window=window)
     s = Scheduler(max_num_seqs, budget, max_model_len, kv, policy=policy)
@@ -297,7 +300,7 @@ def test_scheduler_invariants_and_outputs(block_size, extra_blocks, max_num_seqs
                 stop_token_ids=spec.stop_ids), eos_token_id=spec.eos,
                 priority=spec.priority if policy == "priority" else 0)
             expect_refusal = refused_expected(spec, block_size, num_blocks, max_model_len,
-                                              window, budget, windows)
+                                              window, budget, hybrid if windows else None)
             try:
                 s.add_request(r)
             except RequestRefused:
