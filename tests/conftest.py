@@ -537,3 +537,29 @@ def record_prompt_graph_keys(monkeypatch) -> list[tuple[tuple[int, int] | None, 
 
     monkeypatch.setattr(PrefillGraphs, "run", spy)
     return keys
+
+
+def use_expert_path(model, path: str) -> None:
+    """Every MoE layer of ``model`` on one expert path ("sync_free", "grouped" or "fused")
+    whatever the token count (the fused router kernel with "fused")."""
+    from flashpage.layers.moe import FusedExperts, set_fused_moe
+
+    set_fused_moe(model, path == "fused")
+    for m in model.modules():
+        if isinstance(m, FusedExperts):
+            m.sync_free_max_tokens = -1 if path == "grouped" else 10**9
+
+
+def count_expert_path(monkeypatch, path: str) -> list[int]:
+    """The row counts FusedExperts.forward_<path> is called with, from now on."""
+    from flashpage.layers.moe import FusedExperts
+
+    calls: list[int] = []
+    original = getattr(FusedExperts, f"forward_{path}")
+
+    def spy(self, x, *a):
+        calls.append(x.shape[0])
+        return original(self, x, *a)
+
+    monkeypatch.setattr(FusedExperts, f"forward_{path}", spy)
+    return calls

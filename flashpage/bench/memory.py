@@ -320,39 +320,33 @@ def markdown(results: list[Result], sharing: list[Result], wl: Workload, shared:
     return "\n".join(lines)
 
 
-def window_markdown(res: list[Result], wl: Workload, window: int) -> str:
-    kept, released = res
-    lines = [
-        f"Sliding window: {wl.name}: {wl.describe()}; a {window}-token window on every layer "
-        "(the kind Mistral 7B v0.1 has: 4096 of 32k).",
-        "",
-        "| policy | requests at once (mean / max) | steps to drain | preemptions | recomputed tokens |",
-        "| --- | ---: | ---: | ---: | ---: |",
-    ]
+def _comparison(res: list[Result], head: str, verdict: str) -> str:
+    """A two-policy table (the baseline first) under ``head``, then ``verdict`` formatted
+    with the second's ``ratio`` of requests at once and ``share`` (%) of the steps."""
+    base, other = res
+    lines = [head, "",
+             "| policy | requests at once (mean / max) | steps to drain | preemptions | recomputed tokens |",
+             "| --- | ---: | ---: | ---: | ---: |"]
     for r in res:
         lines.append(f"| {r.policy} | {r.running_mean:.1f} / {r.running_max} | {r.steps} | "
                      f"{r.preemptions} | {100 * r.recompute_frac:.1f}% |")
-    lines += ["", f"Giving blocks behind the window back fits "
-                  f"{released.running_mean / kept.running_mean:.1f}x the requests at once and "
-                  f"drains the queue in {100 * released.steps / kept.steps:.0f}% of the steps."]
+    lines += ["", verdict.format(ratio=other.running_mean / base.running_mean,
+                                 share=100 * other.steps / base.steps)]
     return "\n".join(lines)
+
+
+def window_markdown(res: list[Result], wl: Workload, window: int) -> str:
+    return _comparison(res, f"Sliding window: {wl.name}: {wl.describe()}; a {window}-token window "
+                            "on every layer (the kind Mistral 7B v0.1 has: 4096 of 32k).",
+                       "Giving blocks behind the window back fits {ratio:.1f}x the requests at "
+                       "once and drains the queue in {share:.0f}% of the steps.")
 
 
 def mixed_markdown(res: list[Result], window: int, ratio: int) -> str:
-    one, groups = res
-    lines = [
-        f"Mixed windows: the same long contexts; {ratio} layers of a {window}-token window to "
-        "each full-attention layer (Gemma 3's pattern), the same memory.",
-        "",
-        "| policy | requests at once (mean / max) | steps to drain | preemptions | recomputed tokens |",
-        "| --- | ---: | ---: | ---: | ---: |",
-    ]
-    for r in res:
-        lines.append(f"| {r.policy} | {r.running_mean:.1f} / {r.running_max} | {r.steps} | "
-                     f"{r.preemptions} | {100 * r.recompute_frac:.1f}% |")
-    lines += ["", f"KV cache groups fit {groups.running_mean / one.running_mean:.1f}x the requests "
-                  f"at once and drain the queue in {100 * groups.steps / one.steps:.0f}% of the steps."]
-    return "\n".join(lines)
+    return _comparison(res, f"Mixed windows: the same long contexts; {ratio} layers of a {window}-token "
+                            "window to each full-attention layer (Gemma 3's pattern), the same memory.",
+                       "KV cache groups fit {ratio:.1f}x the requests at once and drain the "
+                       "queue in {share:.0f}% of the steps.")
 
 
 def plot(results: list[Result], sharing: list[Result], path: str) -> None:

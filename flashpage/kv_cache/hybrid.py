@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flashpage.kv_cache.block_pool import BlockPool, KVCacheBlock
-from flashpage.kv_cache.kv_cache_manager import KVCacheManager, KVCacheStats, validate_block_size
+from flashpage.kv_cache.kv_cache_manager import KVCacheManager, PoolAccounts, validate_block_size
 
 if TYPE_CHECKING:
     from flashpage.engine.sequence import Request
@@ -91,7 +91,7 @@ class HybridHits(list):
     groups: list[list[KVCacheBlock]]
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(PoolAccounts):
     """``KVCacheManager``'s interface over several groups' tables and one pool."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
@@ -125,18 +125,6 @@ class HybridKVCacheManager:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.free_queue.num_free
-
-    @property
-    def num_usable_blocks(self) -> int:
-        return self.num_blocks - self.num_reserved
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.pool.free_queue.num_free / self.num_usable_blocks
 
     def get_block_ids(self, request_id: str, group: int = 0) -> list[int]:
         return self.groups[group].get_block_ids(request_id)
@@ -246,30 +234,7 @@ class HybridKVCacheManager:
     def blocks_freed_by(self, request_ids: list[str]) -> set[int]:
         return set().union(*(g.blocks_freed_by(request_ids) for g in self.groups))
 
-    def reset_prefix_cache(self) -> bool:
-        if self.pool.free_queue.num_free != self.num_usable_blocks:
-            return False
-        for b in self.pool.blocks:
-            b.reset_content()
-        self.pool.cached.clear()
-        return True
-
     # -------------------------------------------------------------------- stats
     def tokens_stored(self) -> int:
         """Token states held, summed over the groups (a group's token is a block slot)."""
         return sum(g.tokens_stored() for g in self.groups)
-
-    def stats(self) -> KVCacheStats:
-        free = self.pool.free_queue.num_free
-        used = self.num_usable_blocks - free
-        stored = self.tokens_stored()
-        slots = used * self.block_size
-        return KVCacheStats(
-            num_blocks=self.num_usable_blocks, block_size=self.block_size, blocks_used=used,
-            blocks_free=free,
-            blocks_cached_free=sum(1 for b in self.pool.cached.values() if b.ref_cnt == 0),
-            tokens_stored=stored, slots_allocated=slots,
-            utilization=stored / slots if slots else 1.0, usage=used / self.num_usable_blocks,
-            prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
-            prefix_hit_rate=self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
-            num_evictions=self.pool.num_evictions)

@@ -82,7 +82,68 @@ class KVCacheStats:
     num_evictions: int
 
 
-class KVCacheManager:
+class PoolAccounts:
+    """What a cache reads off its pool alone (``KVCacheManager`` and the hybrid manager's
+    groups' shared one): free and usable blocks, usage, the prefix-cache reset, stats.
+    Needs ``pool``, ``num_blocks``, ``num_reserved``, ``block_size``, ``prefix_queries`` /
+    ``prefix_hits`` and ``tokens_stored()``."""
+
+    pool: BlockPool
+    num_blocks: int
+    num_reserved: int
+    block_size: int
+    prefix_queries: int
+    prefix_hits: int
+
+    def tokens_stored(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.free_queue.num_free
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """The blocks requests can hold (all but the reserved null block)."""
+        return self.num_blocks - self.num_reserved
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached free blocks count as free)."""
+        return 1.0 - self.pool.free_queue.num_free / self.num_usable_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (only when no block is in use). Returns success."""
+        if self.pool.free_queue.num_free != self.num_usable_blocks:
+            return False
+        for b in self.pool.blocks:
+            b.reset_content()
+        self.pool.cached.clear()
+        return True
+
+    def stats(self) -> KVCacheStats:
+        free = self.pool.free_queue.num_free
+        used = self.num_usable_blocks - free
+        stored = self.tokens_stored()
+        slots = used * self.block_size
+        return KVCacheStats(
+            num_blocks=self.num_usable_blocks,
+            block_size=self.block_size,
+            blocks_used=used,
+            blocks_free=free,
+            blocks_cached_free=sum(1 for b in self.pool.cached.values() if b.ref_cnt == 0),
+            tokens_stored=stored,
+            slots_allocated=slots,
+            utilization=stored / slots if slots else 1.0,
+            usage=used / self.num_usable_blocks,
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            prefix_hit_rate=self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
+            num_evictions=self.pool.num_evictions,
+        )
+
+
+class KVCacheManager(PoolAccounts):
     """Allocates blocks to requests; shares full blocks of equal prefixes.
 
     Per request the manager keeps its blocks (``get_block_ids``) and how many tokens
@@ -145,20 +206,6 @@ class KVCacheManager:
         self.prefix_hits = 0
 
     # ------------------------------------------------------------------ queries
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.free_queue.num_free
-
-    @property
-    def num_usable_blocks(self) -> int:
-        """The blocks requests can hold (all but the reserved null block)."""
-        return self.num_blocks - self.num_reserved
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks held by requests (cached free blocks count as free)."""
-        return 1.0 - self.pool.free_queue.num_free / self.num_usable_blocks
-
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table. The list is live: read it, do not mutate it."""
         return self._block_ids.get(request_id, [])
@@ -465,15 +512,6 @@ class KVCacheManager:
                 refs[b.block_id] = b.ref_cnt
         return {bid for bid, n in held.items() if refs[bid] == n}
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefixes (only when no block is in use). Returns success."""
-        if self.pool.free_queue.num_free != self.num_usable_blocks:
-            return False
-        for b in self.pool.blocks:
-            b.reset_content()
-        self.pool.cached.clear()
-        return True
-
     # -------------------------------------------------------------------- stats
     def tokens_stored(self) -> int:
         """Distinct token states in blocks held by requests (a shared block counts once).
@@ -493,25 +531,3 @@ class KVCacheManager:
                 if f > fill.get(b.block_id, 0):
                     fill[b.block_id] = f
         return sum(fill.values())
-
-    def stats(self) -> KVCacheStats:
-        free = self.pool.free_queue.num_free
-        used = self.num_usable_blocks - free
-        stored = self.tokens_stored()
-        slots = used * self.block_size
-        cached_free = sum(1 for b in self.pool.cached.values() if b.ref_cnt == 0)
-        return KVCacheStats(
-            num_blocks=self.num_usable_blocks,
-            block_size=self.block_size,
-            blocks_used=used,
-            blocks_free=free,
-            blocks_cached_free=cached_free,
-            tokens_stored=stored,
-            slots_allocated=slots,
-            utilization=stored / slots if slots else 1.0,
-            usage=used / self.num_usable_blocks,
-            prefix_queries=self.prefix_queries,
-            prefix_hits=self.prefix_hits,
-            prefix_hit_rate=self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
-            num_evictions=self.pool.num_evictions,
-        )

@@ -32,7 +32,7 @@ import transformers
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.inspect import format_report, inspect_config, param_counts
-from flashpage.layers.moe import DeepseekMoE, FusedExperts, set_fused_moe
+from flashpage.layers.moe import DeepseekMoE
 from flashpage.layers.rotary import get_rope
 from flashpage.models.loader import load_model, resolve_model
 from tests.conftest import (
@@ -41,6 +41,7 @@ from tests.conftest import (
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
+    count_expert_path,
     cpu_greedy,
     cpu_llm,
     edited_copy,
@@ -48,6 +49,7 @@ from tests.conftest import (
     load_and_round_trip,
     random_prompts,
     tiny_table_builder,
+    use_expert_path,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -201,14 +203,6 @@ def test_prompt_logprobs_match_transformers(tiny, name):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def _use_path(model: torch.nn.Module, path: str) -> None:
-    """Every MoE layer on one expert path whatever the token count."""
-    set_fused_moe(model, path == "fused")  # the fused router kernel with it
-    for m in model.modules():
-        if isinstance(m, FusedExperts):
-            m.sync_free_max_tokens = -1 if path == "grouped" else 10**9
-
-
 @pytest.mark.parametrize("path", ["sync_free", "grouped", "fused"])
 def test_moe_greedy_matches_transformers_on_every_expert_path(tiny, path, monkeypatch):
     """GLM-4.5's experts sync-free, grouped, or through kernels/fused_moe.py and
@@ -218,15 +212,8 @@ def test_moe_greedy_matches_transformers_on_every_expert_path(tiny, path, monkey
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(str(ckpt), dtype="float32", device=DEV if path == "fused" else "cpu",
               block_size=8, attention_backend="torch_native")
-    _use_path(llm.engine.model, path)
-    calls: list[int] = []
-    original = getattr(FusedExperts, f"forward_{path}")
-
-    def spy(self, x, *a):
-        calls.append(x.shape[0])
-        return original(self, x, *a)
-
-    monkeypatch.setattr(FusedExperts, f"forward_{path}", spy)
+    use_expert_path(llm.engine.model, path)
+    calls = count_expert_path(monkeypatch, path)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(ckpt, prompts, params.max_tokens)
     assert calls and min(calls) <= 2 and max(calls) > 5  # decode steps and prompts took it

@@ -22,16 +22,18 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
-from flashpage.layers.moe import FusedExperts, SparseMoeBlock, set_fused_moe
+from flashpage.layers.moe import SparseMoeBlock
 from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model, resolve_model
 from tests.conftest import (
     TINY_MOE_MODELS,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
     build_tiny_moe_checkpoint,
+    count_expert_path,
     edited_copy,
     hf_greedy,
     random_prompts,
+    use_expert_path,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -44,26 +46,6 @@ MOE_LAYERS = {"mixtral": [True, True], "qwen2_moe": [True, True],
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _use_path(model: torch.nn.Module, path: str) -> None:
-    """Every MoE layer on one expert path whatever the token count."""
-    set_fused_moe(model, path == "fused")  # the fused router kernel with it
-    for m in model.modules():
-        if isinstance(m, FusedExperts):
-            m.sync_free_max_tokens = -1 if path == "grouped" else 10**9
-
-
-def _count_path(monkeypatch, path: str) -> list[int]:
-    calls: list[int] = []
-    original = getattr(FusedExperts, f"forward_{path}")
-
-    def spy(self, x, *a):
-        calls.append(x.shape[0])
-        return original(self, x, *a)
-
-    monkeypatch.setattr(FusedExperts, f"forward_{path}", spy)
-    return calls
-
-
 @pytest.mark.parametrize("path", ["sync_free", "grouped"])
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_matches_transformers(tiny_moe_checkpoint, name, path, monkeypatch):
@@ -74,8 +56,8 @@ def test_greedy_matches_transformers(tiny_moe_checkpoint, name, path, monkeypatc
               attention_backend="torch_native")
     model = llm.engine.model
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers] == MOE_LAYERS[name]
-    _use_path(model, path)
-    calls = _count_path(monkeypatch, path)
+    use_expert_path(model, path)
+    calls = count_expert_path(monkeypatch, path)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert calls and min(calls) <= 3 and max(calls) > 5  # decode steps and prompts took this path
@@ -92,8 +74,8 @@ def test_greedy_matches_transformers_on_the_fused_kernel(tiny_moe_checkpoint, na
     expected = hf_greedy(ckpt, prompts, params.max_tokens)
     llm = LLM(str(ckpt), dtype="float32", device=DEV, block_size=8,
               attention_backend="torch_native")
-    _use_path(llm.engine.model, "fused")
-    calls = _count_path(monkeypatch, "fused")
+    use_expert_path(llm.engine.model, "fused")
+    calls = count_expert_path(monkeypatch, "fused")
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert calls and min(calls) <= 2 and max(calls) > 5
@@ -145,7 +127,7 @@ def test_moe_block_matches_hf(kind, kw, path):
     ours.load_state_dict(hf.state_dict(), strict=True)  # HF's fused experts, split shared expert
     assert (ours.shared_expert is not None) == (kind == "qwen2_moe")
     ours = ours.to(DEV)
-    _use_path(ours, path)
+    use_expert_path(ours, path)
     x = torch.randn(2, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = hf(x)
@@ -341,7 +323,7 @@ def test_gpu_fp32_graphs_and_fused_moe_give_transformers_tokens(tmp_path, name, 
     prompts.append(prompts[3] + [5, 6, 7])  # a prefix hit
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True)
               for i in range(len(prompts))]  # decode batches shrink through the graph sizes
-    fused = _count_path(monkeypatch, "fused")
+    fused = count_expert_path(monkeypatch, "fused")
     graphs, llm = _tokens(path, "triton", "float32", prompts, params, max_num_seqs=16)
     assert llm.engine.runner.graphs is not None, "decode graphs were not captured"
     assert fused, "the fused MoE kernel did not run"

@@ -26,7 +26,7 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.inspect import format_report, inspect_config, param_counts
-from flashpage.layers.moe import FusedExperts, SparseMoeBlock, set_fused_moe
+from flashpage.layers.moe import SparseMoeBlock
 from flashpage.models.granite import GraniteMoeBlock
 from flashpage.models.loader import ModelLoadError, iter_safetensors, load_model, resolve_model
 from tests.conftest import (
@@ -34,11 +34,13 @@ from tests.conftest import (
     assert_gpu_graphs_match_hf,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
+    count_expert_path,
     cpu_llm,
     edited_copy,
     hf_greedy,
     random_prompts,
     tiny_table_builder,
+    use_expert_path,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -76,26 +78,6 @@ def tiny(tmp_path_factory):
     return _checkpoints(tmp_path_factory, build_tiny)
 
 
-def _use_path(model: torch.nn.Module, path: str) -> None:
-    """Every MoE layer on one expert path whatever the token count."""
-    set_fused_moe(model, path == "fused")  # the fused router kernel with it
-    for m in model.modules():
-        if isinstance(m, FusedExperts):
-            m.sync_free_max_tokens = -1 if path == "grouped" else 10**9
-
-
-def _count_path(monkeypatch, path: str) -> list[int]:
-    calls: list[int] = []
-    original = getattr(FusedExperts, f"forward_{path}")
-
-    def spy(self, x, *a):
-        calls.append(x.shape[0])
-        return original(self, x, *a)
-
-    monkeypatch.setattr(FusedExperts, f"forward_{path}", spy)
-    return calls
-
-
 def _tokens(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -113,8 +95,8 @@ def test_greedy_matches_transformers(tiny, name, path, monkeypatch):
                for b in blocks)
     if name == "granitemoeshared":
         assert all(b.shared_mlp is not None for b in blocks)
-    _use_path(llm.engine.model, path)
-    calls = _count_path(monkeypatch, path)
+    use_expert_path(llm.engine.model, path)
+    calls = count_expert_path(monkeypatch, path)
     assert _tokens(llm, prompts) == expected
     assert calls and min(calls) <= 3 and max(calls) > 5  # decode steps and prompts took this path
     assert llm.engine.kv_manager.stats().blocks_used == 0
@@ -129,8 +111,8 @@ def test_greedy_matches_transformers_on_the_fused_kernel(tiny, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     expected = hf_greedy(ckpt, prompts, params.max_tokens)
     llm = cpu_llm(ckpt, device=DEV)
-    _use_path(llm.engine.model, "fused")
-    calls = _count_path(monkeypatch, "fused")
+    use_expert_path(llm.engine.model, "fused")
+    calls = count_expert_path(monkeypatch, "fused")
     assert _tokens(llm, prompts, params) == expected
     assert calls and min(calls) <= 2 and max(calls) > 5
 
@@ -206,7 +188,7 @@ def test_moe_block_matches_hf(kind, kw, path):
     """Granite's block times residual_multiplier (HF's layer applies it after the block)."""
     hf, cfg = _hf_block(kind, seed=3, **kw)
     ours = _ours(kind, cfg, hf).to(DEV)
-    _use_path(ours, path)
+    use_expert_path(ours, path)
     x = torch.randn(2, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = hf(x) * cfg.residual_multiplier
@@ -454,7 +436,7 @@ def test_gpu_fp32_graphs_and_fused_moe_give_transformers_tokens(tmp_path, name, 
     """fp32 on the triton backend: CUDA graphs = eager = transformers' tokens over shrinking
     decode batches (conftest's assert_gpu_graphs_match_hf), the fused MoE kernel running."""
     path = _gpu_checkpoint(tmp_path, name)
-    fused = _count_path(monkeypatch, "fused")
+    fused = count_expert_path(monkeypatch, "fused")
     prompts = random_prompts(10, 1, 120, seed=22)
     prompts.append(prompts[3] + [5, 6, 7])  # a prefix hit
     assert_gpu_graphs_match_hf(path, prompts)
