@@ -295,7 +295,9 @@ def test_decode_sinks_gpu(case):
     for splits in (None, 1, 7):
         _decode_case((seq_lens, hq, hkv, d, bs, splits, None, None), torch.bfloat16, seed=sum(case))
     _decode_case((seq_lens, hq, hkv, d, bs, None, 128, None), torch.bfloat16, seed=sum(case))
-    _decode_case(([300] * 40, hq, hkv, d, bs, None, None, None), torch.bfloat16, seed=1)
+    # seed 5: every case's sinks move the reference by > 5% over 300 keys (seed 1's by 1.2-3.6%
+    # for two of them, run 186: the check that the sinks matter failed, not the kernel's)
+    _decode_case(([300] * 40, hq, hkv, d, bs, None, None, None), torch.bfloat16, seed=5)
 
 
 @pytest.mark.gpu
