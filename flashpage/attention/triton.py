@@ -2,7 +2,9 @@
 
 Per layer: the KV-cache write kernel, then the paged decode kernel for the leading
 decode requests and the FlashAttention-style paged prefill kernel for the rest (prompt
-chunks and prefix hits), both reading K/V through the block tables.
+chunks and prefix hits), both reading K/V through the block tables. Llama 4's chunked
+layers hand both kernels their ``chunk_size`` (the chunk start: one more lower bound on a
+query's keys, as a sliding window's edge).
 
 MLA: the latent-cache write kernel; decodes run the MLA decode kernel over the latent
 cache (absorbed queries, MQA over 576-wide entries); prompt chunks and prefix hits run
