@@ -232,7 +232,7 @@ def _prefill_fwd(
     SOFTCAP: tl.constexpr,  # scores -> cap * tanh(scores / cap); softcap = cap * log2(e)
     ALIBI: tl.constexpr = False,  # scores + Slopes[h] * (j - i) (Slopes: fp32 [Hq])
     SINKS: tl.constexpr = False,  # Sinks[h] (fp32 [Hq]) joins the softmax denominator
-    CHUNKED: tl.constexpr = False,  # keys j >= (i // chunk) * chunk only (Llama 4; causal)
+    CHUNKED: tl.constexpr = False,  # keys j >= (p // chunk) * chunk only, p = qpos (Llama 4)
 ):
     # heaviest query tile first: causal work grows with the tile index
     if M_FASTEST:  # the tiles of one head run side by side and share its K/V in L2
