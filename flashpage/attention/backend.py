@@ -80,7 +80,7 @@ def chunked_layers_reason(model_config: ModelConfig, backend: str) -> list[str]:
         return []
     return [f"chunked local attention (attention_chunk_size {model_config.attention_chunk_size}: "
             f"Llama 4's chunked_attention layers) is not supported by the {backend} backend "
-            "(torch_native runs it)"]
+            "(torch_native and triton run it)"]
 
 
 class AttentionBackend(ABC):

@@ -2,7 +2,9 @@
 
 Per layer: the KV-cache write kernel, then the paged decode kernel for the leading
 decode requests and the FlashAttention-style paged prefill kernel for the rest (prompt
-chunks and prefix hits), both reading K/V through the block tables.
+chunks and prefix hits), both reading K/V through the block tables. Llama 4's chunked
+layers hand both kernels their ``chunk_size`` (the chunk start: one more lower bound on a
+query's keys, as a sliding window's edge).
 
 MLA: the latent-cache write kernel; decodes run the MLA decode kernel over the latent
 cache (absorbed queries, MQA over 576-wide entries); prompt chunks and prefix hits run
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashpage import envs
-from flashpage.attention.backend import AttentionBackend, AttentionMetadata, chunked_layers_reason
+from flashpage.attention.backend import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
     from flashpage.config import ModelConfig
@@ -65,7 +67,7 @@ class TritonBackend(AttentionBackend):
             reasons.append(f"dtype {dtype} is not supported")
         if kv_cache_dtype not in (None, dtype, torch.float8_e4m3fn):
             reasons.append(f"KV cache dtype {kv_cache_dtype} is not supported")
-        return reasons + chunked_layers_reason(model_config, cls.name)
+        return reasons
 
     def __init__(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__(model_config, device, dtype)
@@ -90,9 +92,6 @@ class TritonBackend(AttentionBackend):
                 sliding_window: int | None = None, softcap: float | None = None,
                 alibi_slopes: torch.Tensor | None = None, write_kv: bool = True,
                 sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
-        if chunk_size is not None:
-            raise ValueError(f"the {self.name} backend has no chunked local attention "
-                             "(unsupported_reasons declines such models)")
         from flashpage.kernels.cache_write import write_kv_cache
         from flashpage.kernels.flash_prefill import PrefillPlan
         from flashpage.kernels.paged_decode import DecodePlan
@@ -111,23 +110,26 @@ class TritonBackend(AttentionBackend):
         # a plan of its own; so does one with other ALiBi slopes (a plan holds its slopes
         # tensor: keyed by its address, one for all layers of a model, layers/alibi.py).
         # Sinks are each layer's own: a plan takes them at launch (kernels/plan.py), so the
-        # key says only whether there are any.
+        # key says only whether there are any. Llama 4's chunked layers and its full ones
+        # (chunk_size None) get a plan each.
         opts = (sliding_window, scale, softcap,
-                None if alibi_slopes is None else alibi_slopes.data_ptr(), sinks is not None)
+                None if alibi_slopes is None else alibi_slopes.data_ptr(), sinks is not None,
+                chunk_size)
         if nd:
             qd, od = q[:nd], out[:nd]
             planned(md.extra, ("decode", *opts), lambda: DecodePlan(
                 qd, key_cache, value_cache, md.block_tables[:nd], md.seq_lens[:nd], sm_scale=scale,
                 window_size=sliding_window, out=od, descriptors=self.descriptors, softcap=softcap,
-                alibi_slopes=alibi_slopes, sinks=sinks), qd, key_cache, value_cache, od, sinks=sinks)
+                alibi_slopes=alibi_slopes, sinks=sinks, chunk_size=chunk_size), qd, key_cache,
+                value_cache, od, sinks=sinks)
         if md.num_seqs > nd:
             qp, op = q[ndt:n], out[ndt:n]
             planned(md.extra, ("prefill", *opts), lambda: PrefillPlan(
                 qp, key_cache, value_cache, md.block_tables[nd:], md.extra["prefill_qsl"],
                 md.seq_lens[nd:], md.extra["prefill_max_q"], md.extra["prefill_max_k"], causal=True,
                 sm_scale=scale, window_size=sliding_window, out=op, descriptors=self.descriptors,
-                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks), qp, key_cache, value_cache,
-                op, sinks=sinks)
+                softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, chunk_size=chunk_size), qp,
+                key_cache, value_cache, op, sinks=sinks)
         return out
 
     def write_mla_cache(self, latent: torch.Tensor, kv_cache: torch.Tensor,

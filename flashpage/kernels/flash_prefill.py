@@ -11,6 +11,8 @@ i sits at key position i + Lk - Lq and sees keys j with
 
     j <= i + Lk - Lq                (causal)
     j >  i + Lk - Lq - window_size  (sliding window, optional)
+    j >= (p // C) * C, p = i + Lk - Lq  (chunk_size C: Llama 4's chunked local attention,
+                                    causal only: keys of the query's own chunk)
 
 A query that sees no key (causal with Lq > Lk) gets a zero output and lse = -inf.
 With ``softcap`` c (Gemma 2), scores (after sm_scale) become c * tanh(scores / c) before
@@ -31,8 +33,14 @@ Key tiles of one program fall into three loop stages so that only the few tiles
 that need a mask pay for it:
 
     keys:  [lo ........ s1)[s1 ............ s2)[s2 ...... hi)
-            window edge,     every key visible   causal diagonal,
-            masked           (no mask)           masked (+ ragged end)
+            window edge /    every key visible   causal diagonal,
+            chunk start,     (no mask)           masked (+ ragged end)
+            masked
+
+A row's lower bound (window edge, chunk start, or the larger of both) grows with the row:
+`lo` is the first row's, rounded down to a tile; the first stage runs to the last row's,
+rounded up, so the rows of a query tile that straddles a chunk boundary (rows in two
+chunks) see their own chunk starts through the mask.
 
 `paged_prefill` also reads a float8_e4m3fn cache (kv_dtype.py): each K/V tile is widened
 to q's dtype right after its load (exact), then the loop runs as with a 16-bit cache. Such
@@ -40,7 +48,7 @@ a cache never takes the TMA path (its descriptors would load fp8 boxes; not buil
 
 On Hopper, FLASHPAGE_PREFILL_GLUON=1 sends `paged_prefill` calls that the Gluon FA3-style
 kernel covers (gluon_prefill_unsupported: 16-bit cache in q's dtype, head_dim 128, block
-size a power of two >= 16, no window, no softcap, no ALiBi, no explicit config) to
+size a power of two >= 16, no window, no softcap, no ALiBi, no chunks, no explicit config) to
 flash_prefill_gluon.
 paged_prefill_gluon (default off until an H200 run shows it right and faster).
 
@@ -134,8 +142,8 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start, seq_k,
-                kv_col, qpos, qk_scale, window, softcap, slope, qpos0, stride_kt, stride_vt,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                kv_col, qpos, qk_scale, qlo, softcap, slope, qpos0, stride_kt, stride_vt,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_LO: tl.constexpr,
                 KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 HEAD_DIM: tl.constexpr, QK_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 V_DIM: tl.constexpr, IEEE: tl.constexpr, WARP_SPEC: tl.constexpr,
@@ -164,8 +172,8 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
             mask = (kpos < seq_k)[None, :]
             if CAUSAL:
                 mask = mask & (kpos[None, :] <= qpos[:, None])
-            if HAS_WINDOW:
-                mask = mask & (kpos[None, :] > qpos[:, None] - window)
+            if HAS_LO:  # the row's first visible key: window edge and / or chunk start
+                mask = mask & (kpos[None, :] >= qlo[:, None])
             qk = qk * qk_scale
             if SOFTCAP:
                 qk = softcap_log2(qk, softcap)
@@ -208,12 +216,12 @@ def _attn_stage(acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, hi, k_start,
 # Ints that vary with the batch must not trigger recompiles (Triton specializes ints == 1 and
 # % 16, pointers on 16-byte alignment): a mixed step passes seq_lens[nd:] and
 # block_tables[nd:], whose alignment follows the number of decodes nd
-@triton.jit(do_not_specialize=["window", "group", "stride_lse", "stride_bt", "cu_q", "cu_k",
+@triton.jit(do_not_specialize=["window", "chunk", "group", "stride_lse", "stride_bt", "cu_q", "cu_k",
                                "seq_lens", "block_tables"])
 def _prefill_fwd(
     Q, K, V, Out, Lse, desc_q, desc_k, desc_v,
     cu_q, cu_k, seq_lens, block_tables,
-    qk_scale, window, softcap, Slopes, Sinks, group,
+    qk_scale, window, chunk, softcap, Slopes, Sinks, group,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lse, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -224,6 +232,7 @@ def _prefill_fwd(
     SOFTCAP: tl.constexpr,  # scores -> cap * tanh(scores / cap); softcap = cap * log2(e)
     ALIBI: tl.constexpr = False,  # scores + Slopes[h] * (j - i) (Slopes: fp32 [Hq])
     SINKS: tl.constexpr = False,  # Sinks[h] (fp32 [Hq]) joins the softmax denominator
+    CHUNKED: tl.constexpr = False,  # keys j >= (p // chunk) * chunk only, p = qpos (Llama 4)
 ):
     # heaviest query tile first: causal work grows with the tile index
     if M_FASTEST:  # the tiles of one head run side by side and share its K/V in L2
@@ -267,16 +276,31 @@ def _prefill_fwd(
     else:
         hi = seq_k
         full_end = (hi // BLOCK_N) * BLOCK_N
-    if HAS_WINDOW:
-        lo = (tl.maximum(m0 + shift - window + 1, 0) // BLOCK_N) * BLOCK_N
-        win_full = tl.cdiv(tl.maximum(last_row + shift - window + 1, 0), BLOCK_N) * BLOCK_N
+    # Each row's first visible key (its lower bound: window edge, chunk start or both) grows
+    # with the row: the first row's, rounded down to a tile, starts the key range; from the
+    # last row's, rounded up, no row masks a key on the left. Rows of one query tile in two
+    # chunks put the tiles between the two chunk starts in the masked first stage.
+    qpos = offs_m + shift
+    qlo = qpos * 0  # each row's first visible key (read under HAS_WINDOW or CHUNKED)
+    if HAS_WINDOW or CHUNKED:
+        lo_first = 0
+        lo_last = 0
+        if HAS_WINDOW:
+            qlo = qpos - window + 1
+            lo_first = m0 + shift - window + 1
+            lo_last = last_row + shift - window + 1
+        if CHUNKED:  # (a row at a negative position sees no key: chunk 0 for it)
+            qlo = tl.maximum(qlo, (tl.maximum(qpos, 0) // chunk) * chunk)
+            lo_first = tl.maximum(lo_first, (tl.maximum(m0 + shift, 0) // chunk) * chunk)
+            lo_last = tl.maximum(lo_last, (tl.maximum(last_row + shift, 0) // chunk) * chunk)
+        lo = (tl.maximum(lo_first, 0) // BLOCK_N) * BLOCK_N
+        win_full = tl.cdiv(tl.maximum(lo_last, 0), BLOCK_N) * BLOCK_N
     else:
         lo = 0
         win_full = 0
     s1 = tl.maximum(lo, tl.minimum(win_full, full_end))
     s2 = tl.maximum(s1, full_end)
 
-    qpos = offs_m + shift
     qpos0 = m0 + shift
     slope = 0.0
     if ALIBI:  # this program's query head's slope, in base 2 as the scores
@@ -292,18 +316,18 @@ def _prefill_fwd(
     V = V + kvh.to(tl.int64) * stride_vh
     if not (KV_MODE == 1 or KV_MODE == 3):
         kv_col = 0  # pointer paths fold the head offset into K and V
-    if HAS_WINDOW:
+    if HAS_WINDOW or CHUNKED:
         acc, l_i, m_i = _attn_stage(
             acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, lo, s1, k_start, seq_k, kv_col, qpos,
-            qk_scale, window, softcap, slope, qpos0, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
+            qk_scale, qlo, softcap, slope, qpos0, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW or CHUNKED, KV_MODE,
             PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False, SOFTCAP, ALIBI)
     acc, l_i, m_i = _attn_stage(
         acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s1, s2, k_start, seq_k, kv_col, qpos,
-        qk_scale, window, softcap, slope, qpos0, stride_kt, stride_vt, False, CAUSAL, HAS_WINDOW, KV_MODE,
+        qk_scale, qlo, softcap, slope, qpos0, stride_kt, stride_vt, False, CAUSAL, HAS_WINDOW or CHUNKED, KV_MODE,
         PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, WARP_SPEC, SOFTCAP, ALIBI)
     acc, l_i, m_i = _attn_stage(
         acc, l_i, m_i, q, K, V, desc_k, desc_v, bt_row, s2, hi, k_start, seq_k, kv_col, qpos,
-        qk_scale, window, softcap, slope, qpos0, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW, KV_MODE,
+        qk_scale, qlo, softcap, slope, qpos0, stride_kt, stride_vt, True, CAUSAL, HAS_WINDOW or CHUNKED, KV_MODE,
         PAGE_SIZE, BLOCK_N, HEAD_DIM, QK_DIM, HEAD_DIM_V, V_DIM, IEEE, False, SOFTCAP, ALIBI)
 
     if SINKS:  # one more "key" of score Sinks[h] (base 2 as the scores) and value 0
@@ -467,6 +491,17 @@ def _check_softcap(softcap: float | None) -> None:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
 
 
+def _check_chunk(chunk_size: int | None, causal: bool) -> int:
+    """chunk_size (Llama 4's attention_chunk_size) -> the kernel's chunk, 0 for none."""
+    if chunk_size is None:
+        return 0
+    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
+    if not causal:
+        raise ValueError("chunk_size (chunked local attention) needs causal=True")
+    return int(chunk_size)
+
+
 def _check_window(window_size: int | None) -> int:
     if window_size is None:
         return 0
@@ -487,7 +522,8 @@ def _desc(t: torch.Tensor, rows: int, heads: int, d: int, box_rows: int):
 
 def _form(q, k, v, paged, page_size, batch, max_seqlen_q, causal, sm_scale, window,
           cfg: PrefillConfig | None, softcap: float | None = None,
-          alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
+          alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+          chunk: int = 0):
     """The choices of a call (tile config, TMA or pointers, grid, constexprs) from its tensors'
     geometry -> (grid, constexprs, options, use_tma, cfg, scale)."""
     total_q, hq, d = q.shape
@@ -517,13 +553,13 @@ def _form(q, k, v, paged, page_size, batch, max_seqlen_q, causal, sm_scale, wind
                   RETURN_LSE=False, IEEE=q.dtype == torch.float32,
                   WARP_SPEC=cfg.warp_specialize, M_FASTEST=cfg.m_fastest,
                   SOFTCAP=softcap is not None, ALIBI=alibi_slopes is not None,
-                  SINKS=sinks is not None)
+                  SINKS=sinks is not None, CHUNKED=chunk > 0)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return grid, consts, options, use_tma, cfg, scale
 
 
 def _args(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, use_tma, cfg, scale, window,
-          softcap=None, alibi_slopes=None, sinks=None):
+          softcap=None, alibi_slopes=None, sinks=None, chunk=0):
     """_prefill_fwd's positional arguments for these tensors."""
     hkv, d = k.shape[-2], q.shape[-1]
     desc_q = desc_k = desc_v = None
@@ -540,7 +576,7 @@ def _args(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, use_tma, cfg, s
             cu_q, cu_k if cu_k is not None else cu_q,
             seq_lens if seq_lens is not None else cu_q,
             block_tables if paged else cu_q,
-            scale, window, (softcap or 1.0) * _LOG2E,
+            scale, window, chunk or 1, (softcap or 1.0) * _LOG2E,  # (chunk read only under CHUNKED)
             alibi_slopes if alibi_slopes is not None else cu_q,  # (read only under ALIBI)
             sinks if sinks is not None else cu_q,  # (read only under SINKS)
             q.shape[1] // hkv,
@@ -551,13 +587,13 @@ def _args(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, use_tma, cfg, s
 def _launch(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, page_size, batch,
             max_seqlen_q, causal, sm_scale, window, cfg: PrefillConfig | None,
             softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
-            sinks: torch.Tensor | None = None):
+            sinks: torch.Tensor | None = None, chunk: int = 0):
     grid, consts, options, use_tma, cfg, scale = _form(
         q, k, v, block_tables is not None, page_size, batch, max_seqlen_q, causal, sm_scale, window, cfg,
-        softcap, alibi_slopes, sinks)
+        softcap, alibi_slopes, sinks, chunk)
     consts["RETURN_LSE"] = lse is not None
     _prefill_fwd[grid](*_args(q, k, v, out, lse, cu_q, cu_k, seq_lens, block_tables, use_tma, cfg, scale,
-                              window, softcap, alibi_slopes, sinks), **consts, **options)
+                              window, softcap, alibi_slopes, sinks, chunk), **consts, **options)
 
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, window_size) -> tuple[int, int, int]:
@@ -585,19 +621,20 @@ class VarlenPlan(LaunchPlan):
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                  causal: bool = True, sm_scale: float | None = None, window_size: int | None = None,
-                 out: torch.Tensor | None = None) -> None:
+                 out: torch.Tensor | None = None, chunk_size: int | None = None) -> None:
         _, batch, window = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, window_size)
+        chunk = _check_chunk(chunk_size, causal)
         if out is not None:
             _check_out(out, q, v.shape[-1])
         grid, consts, options, use_tma, cfg, scale = _form(
-            q, k, v, False, 0, batch, max_seqlen_q, causal, sm_scale, window, None)
+            q, k, v, False, 0, batch, max_seqlen_q, causal, sm_scale, window, None, chunk=chunk)
         bound: list = []
 
         def launch(q, k, v, out):
             if q.shape[0] == 0 or batch == 0:
                 return
             args = _args(q, k, v, out, None, cu_seqlens_q, cu_seqlens_k, None, None, use_tma, cfg,
-                         scale, window)
+                         scale, window, chunk=chunk)
             if bound:
                 bound[0](args)
             elif use_tma:
@@ -613,7 +650,7 @@ _PREFILL_LAUNCH = FastLauncher(_prefill_fwd)
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                       causal=True, sm_scale=None, window_size=None, return_lse=False, out=None,
-                      softcap=None, alibi_slopes=None, sinks=None,
+                      softcap=None, alibi_slopes=None, sinks=None, chunk_size=None,
                       _config: PrefillConfig | None = None):
     """Attention over a ragged batch with contiguous keys/values.
 
@@ -629,8 +666,11 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     positions, as the mask's) gains alibi_slopes[h] * (j - i) after sm_scale and softcap.
     sinks (fp32 [Hq]): query head h's softmax denominator gains exp(sinks[h]), a logit with
     no value (kernels/sinks.py); the lse then includes it.
+    chunk_size C (Llama 4's chunked local attention; causal only): query i (bottom-right
+    position p) sees only keys j with j // C == p // C, besides the causal and window masks.
     """
     hq, batch, window = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, window_size)
+    chunk = _check_chunk(chunk_size, causal)
     _check_softcap(softcap)
     check_alibi(alibi_slopes, hq, q.device)
     check_sinks(sinks, hq, q.device)
@@ -638,14 +678,14 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
     if q.shape[0] > 0 and batch > 0:
         _launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, None, None, 0, batch,
-                max_seqlen_q, causal, sm_scale, window, _config, softcap, alibi_slopes, sinks)
+                max_seqlen_q, causal, sm_scale, window, _config, softcap, alibi_slopes, sinks, chunk)
     return (out, lse) if return_lse else out
 
 
 def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                   max_seqlen_q, max_seqlen_k, *, causal=True, sm_scale=None,
                   window_size=None, return_lse=False, out=None, softcap=None,
-                  alibi_slopes=None, sinks=None, _config: PrefillConfig | None = None):
+                  alibi_slopes=None, sinks=None, chunk_size=None, _config: PrefillConfig | None = None):
     """Attention of new tokens over the paged KV cache (chunked prefill, prefix hits).
 
     q [total_q, Hq, D]; key_cache [num_blocks, block_size, Hkv, D], value_cache
@@ -654,13 +694,14 @@ def paged_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
     [B, max_blocks]; seq_lens int32 [B] (context after this step: cached prefix + new
     tokens, whose K/V are already in the cache). Key p of sequence b lives in slot
     block_tables[b, p // bs] * bs + p % bs; query i of b sits at position
-    seq_lens[b] - q_len_b + i. softcap, alibi_slopes and sinks as `flash_attn_varlen`'s.
+    seq_lens[b] - q_len_b + i. softcap, alibi_slopes, sinks and chunk_size as
+    `flash_attn_varlen`'s.
     Returns as `flash_attn_varlen`.
     """
     launch = _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
                          max_seqlen_k, causal=causal, sm_scale=sm_scale, window_size=window_size,
                          return_lse=return_lse, out=out, _config=_config, softcap=softcap,
-                         alibi_slopes=alibi_slopes, sinks=sinks)
+                         alibi_slopes=alibi_slopes, sinks=sinks, chunk_size=chunk_size)
     out = _check_out(out, q, value_cache.shape[-1])
     lse = launch(q, key_cache, value_cache, out)
     return (out, lse) if return_lse else out
@@ -670,7 +711,7 @@ def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                 max_seqlen_k, *, causal, sm_scale, window_size, return_lse, out,
                 _config: PrefillConfig | None = None, descriptors: dict | None = None,
                 softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
-                sinks: torch.Tensor | None = None) -> Launch:
+                sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> Launch:
     """paged_prefill's checks and kernel choice once -> launch(q, key_cache, value_cache, out)
     -> lse or None, for tensors of this geometry over these tables, offsets and lengths
     (with ``sinks``, a layer's own as a fifth argument; default: these)."""
@@ -696,6 +737,7 @@ def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
         raise ValueError(f"block_tables has {block_tables.shape[1]} blocks of {page_size} tokens, "
                          f"fewer than max_seqlen_k={max_seqlen_k}")
     window = _check_window(window_size)
+    chunk = _check_chunk(chunk_size, causal)
     _check_softcap(softcap)
     check_alibi(alibi_slopes, hq, q.device)
     check_sinks(sinks, hq, q.device)
@@ -704,7 +746,7 @@ def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
     if (_config is None and envs.prefill_gluon() and q.shape[0] > 0 and batch > 0
             and not gluon_prefill_unsupported(q, key_cache, value_cache, window_size,
                                               softcap=softcap, alibi_slopes=alibi_slopes,
-                                              sinks=sinks)):
+                                              sinks=sinks, chunk_size=chunk_size)):
         from flashpage.kernels.flash_prefill_gluon import engine_options, plan_paged
 
         return plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
@@ -719,7 +761,7 @@ def _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
             slots_v = value_cache.view(-1, hkv, dv) if value_cache.is_contiguous() else value_cache.flatten(0, 1)
             _launch(q, slots_k, slots_v, out, lse, cu_seqlens_q, None, seq_lens, block_tables,
                     page_size, batch, max_seqlen_q, causal, sm_scale, window, _config, softcap,
-                    alibi_slopes, layer_sinks)
+                    alibi_slopes, layer_sinks, chunk)
         return lse
 
     return launch
@@ -740,12 +782,12 @@ class PrefillPlan(LaunchPlan):
                  sm_scale: float | None = None, window_size: int | None = None,
                  out: torch.Tensor | None = None, descriptors: dict | None = None,
                  softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
-                 sinks: torch.Tensor | None = None) -> None:
+                 sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> None:
         launch = _plan_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                              max_seqlen_q, max_seqlen_k, causal=causal, sm_scale=sm_scale,
                              window_size=window_size, return_lse=False, out=out,
                              descriptors=descriptors, softcap=softcap, alibi_slopes=alibi_slopes,
-                             sinks=sinks)
+                             sinks=sinks, chunk_size=chunk_size)
         super().__init__(launch, q, key_cache, value_cache, out)
 
 
@@ -754,7 +796,8 @@ def gluon_prefill_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_ca
                               capability: tuple[int, int] | None = None, *,
                               softcap: float | None = None,
                               alibi_slopes: torch.Tensor | None = None,
-                              sinks: torch.Tensor | None = None) -> list[str]:
+                              sinks: torch.Tensor | None = None,
+                              chunk_size: int | None = None) -> list[str]:
     """Why the Gluon paged prefill (flash_prefill_gluon.paged_prefill_gluon) cannot take this
     paged_prefill call; empty if it can (FLASHPAGE_PREFILL_GLUON=1 then sends it there).
     ``capability``: the device's compute capability (None: read from q's device; a CPU
@@ -789,6 +832,8 @@ def gluon_prefill_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_ca
         reasons.append("has no ALiBi biases")
     if sinks is not None:
         reasons.append("has no attention sinks (the Triton kernel takes them)")
+    if chunk_size is not None:
+        reasons.append("has no chunked local attention (the Triton kernel takes it)")
     return reasons
 
 
@@ -796,9 +841,11 @@ def gluon_prefill_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_ca
 # pure-torch references (fp32, materialize one sequence's scores at a time)
 
 
-def _attend_ref(q, k, v, causal, sm_scale, window, softcap=None, alibi_slopes=None, sinks=None):
+def _attend_ref(q, k, v, causal, sm_scale, window, softcap=None, alibi_slopes=None, sinks=None,
+                chunk_size=None):
     """q [Lq, Hq, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv] -> out [Lq, Hq, Dv] fp32, lse [Hq, Lq] fp32
-    (with ``sinks``: the softmax and the lse count each head's sink, kernels/sinks.py)."""
+    (with ``sinks``: the softmax and the lse count each head's sink, kernels/sinks.py; with
+    ``chunk_size`` C: query position p sees keys j with j // C == p // C alone)."""
     lq, hq, d = q.shape
     lk, hkv = k.shape[0], k.shape[1]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
@@ -814,6 +861,8 @@ def _attend_ref(q, k, v, causal, sm_scale, window, softcap=None, alibi_slopes=No
         visible &= kpos <= qpos
     if window:
         visible &= kpos > qpos - window
+    if chunk_size:
+        visible &= kpos // chunk_size == qpos.clamp(min=0) // chunk_size
     s = s.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         return (softmax_with_sinks(s, sinks) @ vf).transpose(0, 1), sinks_lse(
@@ -825,14 +874,14 @@ def _attend_ref(q, k, v, causal, sm_scale, window, softcap=None, alibi_slopes=No
 
 def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                           causal=True, sm_scale=None, window_size=None, return_lse=False, out=None,
-                          softcap=None, alibi_slopes=None, sinks=None):
+                          softcap=None, alibi_slopes=None, sinks=None, chunk_size=None):
     """Reference for `flash_attn_varlen`, same signature, computed in fp32."""
     out = q.new_empty(*q.shape[:2], v.shape[-1]) if out is None else out
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
         o, l_ = _attend_ref(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
-                            causal, sm_scale, window_size, softcap, alibi_slopes, sinks)
+                            causal, sm_scale, window_size, softcap, alibi_slopes, sinks, chunk_size)
         out[cq[b]:cq[b + 1]] = o.to(out.dtype)
         lse[:, cq[b]:cq[b + 1]] = l_
     return (out, lse) if return_lse else out
@@ -841,7 +890,7 @@ def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 def paged_prefill_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                       max_seqlen_q, max_seqlen_k, *, causal=True, sm_scale=None,
                       window_size=None, return_lse=False, out=None, softcap=None, alibi_slopes=None,
-                      sinks=None):
+                      sinks=None, chunk_size=None):
     """Reference for `paged_prefill`: gathers each sequence's keys, then attends in fp32 (an
     fp8 cache's values read exactly)."""
     bs = key_cache.shape[1]
@@ -854,7 +903,7 @@ def paged_prefill_ref(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq
         k = key_cache[blk, pos % bs]
         v = value_cache[blk, pos % bs]
         o, l_ = _attend_ref(q[cq[b]:cq[b + 1]], k, v, causal, sm_scale, window_size, softcap,
-                            alibi_slopes, sinks)
+                            alibi_slopes, sinks, chunk_size)
         out[cq[b]:cq[b + 1]] = o.to(out.dtype)
         lse[:, cq[b]:cq[b + 1]] = l_
     return (out, lse) if return_lse else out

@@ -254,7 +254,7 @@ def _mla_decode_kernel(
     NC: tl.constexpr = QK_CHUNKS
     CH: tl.constexpr = BLOCK_R // QK_CHUNKS
 
-    start, end = split_range(seq_lens_ptr, b, 0, num_splits, split, False, BLOCK_N)
+    start, end = split_range(seq_lens_ptr, b, 0, 1, num_splits, split, False, False, BLOCK_N)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, CH)

@@ -93,7 +93,7 @@ class DecodeConfig:
     # tensors: Triton puts the warps on the leading dim; sm_90 SASS shows 2 barriers per
     # tile, the pipeline's, instead of 8-10), merged once at the end: no cross-warp
     # reduction or exchange of P per tile. Needs block_n == 16 * num_warps and a block
-    # size >= 16; no window, not with prefetch.
+    # size >= 16; no window, a chunk (Llama 4) a multiple of 16, not with prefetch.
     warp_split: bool = False
     # The Gluon kernel (paged_decode_gluon.py: TMA-fed pieces, LDS.128 operands; persistent
     # programs, each streaming its (sequence, KV head) items back to back, in engine_form's
@@ -275,12 +275,13 @@ def _attend_tile(q, k, v, offs_n, end, m_i, l_i, acc, sm_scale_log2, softcap, sl
 
 # Sizes that change from call to call are not specialised on (a split count of 16 or a
 # table width that happens to be a multiple of 16 would otherwise compile another copy).
-@triton.jit(do_not_specialize=["window", "stride_btb", "num_splits"])
+@triton.jit(do_not_specialize=["window", "chunk", "stride_btb", "num_splits"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     counter_ptr,  # int32 [>= B * Hkv], zero on entry (FUSED_MERGE only)
     sm_scale_log2,  # sm_scale * log2(e): the softmax runs in base 2
     window,  # keys j >= seq_len - window (ignored unless HAS_WINDOW)
+    chunk,  # keys j >= (seq_len - 1) // chunk * chunk (ignored unless CHUNKED)
     softcap,  # attention logit softcap * log2(e) (ignored unless SOFTCAP)
     alibi_ptr,  # fp32 [Hq] ALiBi slopes (read only under ALIBI)
     sinks_ptr,  # fp32 [Hq] attention sinks (read only under SINKS)
@@ -311,6 +312,7 @@ def _paged_decode_kernel(
     SOFTCAP: tl.constexpr,  # scores -> cap * tanh(scores / cap) (Gemma 2; not with WARP_SPLIT)
     ALIBI: tl.constexpr = False,  # scores + slope[h] * (j - (seq_len - 1)) (not with WARP_SPLIT)
     SINKS: tl.constexpr = False,  # sink[h] joins the softmax denominator (split 0's only)
+    CHUNKED: tl.constexpr = False,  # the query's own chunk of keys alone (Llama 4)
 ):
     if HEADS_FASTEST:
         kvh = tl.program_id(0)
@@ -324,7 +326,8 @@ def _paged_decode_kernel(
 
     # The sequence's length and its first tile's block ids are step inputs (written before
     # the step's first kernel): requested before the wait, which only q needs.
-    start, end = split_range(seq_lens_ptr, b, window, num_splits, split, HAS_WINDOW, BLOCK_N)
+    start, end = split_range(seq_lens_ptr, b, window, chunk, num_splits, split, HAS_WINDOW, CHUNKED,
+                             BLOCK_N)
     b64 = b.to(tl.int64)
     bt_row = block_tables_ptr + b64 * stride_btb
     blk0 = _block_ids(bt_row, start + tl.arange(0, BLOCK_N), end, PAGE)
@@ -591,7 +594,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 
 
 def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, softcap=None,
-           alibi_slopes=None, sinks=None):
+           alibi_slopes=None, sinks=None, chunk_size=None):
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {tuple(q.shape)}")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
@@ -621,6 +624,9 @@ def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, 
         raise ValueError(f"window_size must be >= 1 or None, got {window_size}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or int(chunk_size) != chunk_size
+                                   or int(chunk_size) < 1):
+        raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
     check_alibi(alibi_slopes, num_q_heads, q.device)
     check_sinks(sinks, num_q_heads, q.device)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
@@ -630,11 +636,11 @@ def _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, 
 def _launch(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window_size, out,
             num_splits, config: DecodeConfig | None = None, pdl: bool | None = None,
             softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
-            sinks: torch.Tensor | None = None):
+            sinks: torch.Tensor | None = None, chunk_size: int | None = None):
     """paged_decode with an explicit tile config (the benchmark sweeps them)."""
     launch = _plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
                    window_size=window_size, out=out, num_splits=num_splits, config=config, pdl=pdl,
-                   softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+                   softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, chunk_size=chunk_size)
     out = torch.empty_like(q) if out is None else out
     if q.shape[0]:
         launch(q, key_cache, value_cache, out)
@@ -645,15 +651,16 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
           num_splits, config: DecodeConfig | None = None, pdl: bool | None = None,
           descriptors: dict | None = None, softcap: float | None = None,
           alibi_slopes: torch.Tensor | None = None,
-          sinks: torch.Tensor | None = None) -> Launch:
+          sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> Launch:
     """The checks and every choice of a call (kernel, config, splits, grid, scratch), made
     once -> launch(q, key_cache, value_cache, out) for tensors of this geometry (DecodePlan
     holds callers to it). The tables and lengths are the planned ones; ``descriptors``: a
     dict kept across plans for the Gluon kernel's cache descriptors (None: the plan's own).
     With ``sinks``, launch takes a layer's own as a fifth argument (default: these)."""
     _check(q, key_cache, value_cache, block_tables, seq_lens, window_size, out, softcap, alibi_slopes,
-           sinks)
+           sinks, chunk_size)
     alibi = alibi_slopes is not None
+    chunk = int(chunk_size or 0)
     has_sinks = sinks is not None
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -665,19 +672,22 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
     cfg = config or default_config(q.device, head_dim, batch * num_kv_heads,
                                    fp8=is_fp8(key_cache.dtype))
     hpb = cfg.heads_per_program
-    if hpb > 1 and (softcap is not None or alibi or has_sinks or num_kv_heads % hpb or head_dim & (head_dim - 1) or head_dim < 16
+    if hpb > 1 and (softcap is not None or alibi or has_sinks or chunk or num_kv_heads % hpb or head_dim & (head_dim - 1) or head_dim < 16
                     or key_cache.stride(2) != head_dim or value_cache.stride(2) != head_dim):
-        hpb = 1  # the row kernel's conditions (paged_decode_rows.py; no softcap, ALiBi or sinks) do not hold
+        hpb = 1  # the row kernel's conditions (paged_decode_rows.py; no softcap, ALiBi, sinks or chunks) do not hold
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
         if window_size is not None:
             max_context = min(max_context, window_size)
+        if chunk:  # the query sees its own chunk's keys alone
+            max_context = min(max_context, chunk)
         num_splits = choose_num_splits(batch, num_kv_heads // hpb, max_context, _num_sms(q.device),
                                        programs_per_sm=cfg.programs_per_sm)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if cfg.gluon and not gluon_unsupported(q, key_cache, value_cache, window_size, num_splits,
-                                           softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks):
+                                           softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                           chunk_size=chunk_size):
         from flashpage.kernels.paged_decode_gluon import engine_form, paged_decode_gluon
 
         form = engine_form(group, envs.decode_gluon_variant())
@@ -685,7 +695,7 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
                                                          sm_scale=sm_scale, out=out, **form)
     if cfg.gluon and not gluon_bf16_unsupported(q, key_cache, value_cache, window_size, num_splits,
                                                 softcap=softcap, alibi_slopes=alibi_slopes,
-                                                sinks=sinks):
+                                                sinks=sinks, chunk_size=chunk_size):
         from flashpage.kernels import paged_decode_gluon_bf16 as g16
 
         form16 = g16.engine_form(batch * num_kv_heads, _num_sms(q.device))
@@ -719,8 +729,9 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
                 _merge(mid_o, mid_lse, out, num_splits, block_d, use_pdl)
 
         return launch_rows
+    # (a chunk start, the range's lower bound, must keep the 16-key pieces inside one page)
     warp_split = (cfg.warp_split and window_size is None and softcap is None and not alibi
-                  and block_size >= 16
+                  and chunk % 16 == 0 and block_size >= 16
                   and not cfg.prefetch and not cfg.prefetch_v and cfg.block_n == 16 * cfg.num_warps)
     counters = _split_counters(q.device, batch * num_kv_heads) if split and cfg.fused_merge else None
     fused_merge = counters is not None
@@ -737,7 +748,7 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
         PREFETCH_V=cfg.prefetch_v and not cfg.prefetch, HEADS_FASTEST=cfg.heads_fastest,
         FUSED_MERGE=fused_merge, GROUP_PAD=group_pad, MERGE_CHUNK=merge_chunk if fused_merge else 1,
         PDL=use_pdl, F16_DOTS=common["F16_DOTS"], WARP_SPLIT=warp_split, SOFTCAP=softcap is not None,
-        ALIBI=alibi, SINKS=has_sinks)
+        ALIBI=alibi, SINKS=has_sinks, CHUNKED=chunk > 0)
     softcap2 = (softcap or 1.0) * _LOG2E
 
     merge = split and not fused_merge
@@ -746,7 +757,7 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
     def launch(q, kc, vc, out, layer_sinks=sinks):
         args = (q, kc, vc, block_tables, seq_lens, out, mid_o if split else out,
                 mid_lse if split else out, counters if fused_merge else seq_lens, scale2, window,
-                softcap2, alibi_slopes if alibi else seq_lens,
+                chunk or 1, softcap2, alibi_slopes if alibi else seq_lens,
                 layer_sinks if has_sinks else seq_lens, q.stride(0), q.stride(1),
                 kc.stride(0), kc.stride(1), kc.stride(2),
                 vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0),
@@ -759,7 +770,7 @@ def _plan(q, key_cache, value_cache, block_tables, seq_lens, *, sm_scale, window
             return
         # (the sinks, each layer's own, vary too)
         bound.append(_DECODE_LAUNCH.bind(grid, args, consts, options,
-                                         varying=(0, 1, 2, 5, 6, 7) + ((13,) if has_sinks else ())))
+                                         varying=(0, 1, 2, 5, 6, 7) + ((14,) if has_sinks else ())))
         if merge:
             bound.append(_MERGE_LAUNCH.bind((batch * num_q_heads,), margs, *_merge_form(
                 num_splits, head_dim, block_d, use_pdl), varying=(2,)))
@@ -782,11 +793,11 @@ class DecodePlan(LaunchPlan):
                  num_splits: int | None = None, pdl: bool | None = None,
                  descriptors: dict | None = None, softcap: float | None = None,
                  alibi_slopes: torch.Tensor | None = None,
-                 sinks: torch.Tensor | None = None) -> None:
+                 sinks: torch.Tensor | None = None, chunk_size: int | None = None) -> None:
         launch = _plan(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
                        window_size=window_size, out=out, num_splits=num_splits, pdl=pdl,
                        descriptors=descriptors, softcap=softcap, alibi_slopes=alibi_slopes,
-                       sinks=sinks)
+                       sinks=sinks, chunk_size=chunk_size)
         super().__init__(launch, q, key_cache, value_cache, out)
 
 
@@ -795,7 +806,8 @@ def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       capability: tuple[int, int] | None = None, *,
                       softcap: float | None = None,
                       alibi_slopes: torch.Tensor | None = None,
-                      sinks: torch.Tensor | None = None) -> list[str]:
+                      sinks: torch.Tensor | None = None,
+                      chunk_size: int | None = None) -> list[str]:
     """Why the Gluon fp8 kernel (paged_decode_gluon.py) cannot take this call; empty if it can.
     ``capability``: the device's compute capability (None: read from q's device)."""
     reasons = sm90_reasons(q, capability)
@@ -818,6 +830,8 @@ def gluon_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         reasons.append("has no ALiBi biases")
     if sinks is not None:
         reasons.append("has no attention sinks (the Triton kernel takes them)")
+    if chunk_size is not None:
+        reasons.append("has no chunked local attention (the Triton kernel takes it)")
     if num_splits != 1:
         reasons.append(f"does not split the keys ({num_splits} splits asked)")
     return reasons
@@ -828,7 +842,8 @@ def gluon_bf16_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            capability: tuple[int, int] | None = None, *,
                            softcap: float | None = None,
                            alibi_slopes: torch.Tensor | None = None,
-                           sinks: torch.Tensor | None = None) -> list[str]:
+                           sinks: torch.Tensor | None = None,
+                           chunk_size: int | None = None) -> list[str]:
     """Why the Gluon 16-bit kernel (paged_decode_gluon_bf16.py: persistent keys_m) cannot take
     this call; empty if it can. ``capability``: the device's compute capability (None: read
     from q's device; a CPU tensor or the interpreter has none)."""
@@ -858,6 +873,8 @@ def gluon_bf16_unsupported(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         reasons.append("has no ALiBi biases")
     if sinks is not None:
         reasons.append("has no attention sinks (the Triton kernel takes them)")
+    if chunk_size is not None:
+        reasons.append("has no chunked local attention (the Triton kernel takes it)")
     if num_splits != 1:
         reasons.append(f"does not split the keys ({num_splits} splits asked)")
     return reasons
@@ -899,6 +916,7 @@ def paged_decode(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
@@ -916,6 +934,8 @@ def paged_decode(
     sinks        fp32 [Hq]: head h's softmax denominator gains exp(sinks[h]), a logit with no
                  value (GPT-OSS, kernels/sinks.py; counted once across splits; the Gluon and
                  row kernels step aside)
+    chunk_size   C: only keys j >= ((seq_lens[b] - 1) // C) * C, the query's own chunk (Llama
+                 4's chunked local attention; the Gluon and row kernels step aside)
     num_splits   key-range splits per sequence; None picks from the batch size and
                  the block table's width (no device sync)
     pdl          programmatic dependent launch of its kernels (kernels/pdl.py): True all,
@@ -925,7 +945,7 @@ def paged_decode(
     """
     return _launch(q, key_cache, value_cache, block_tables, seq_lens, sm_scale=sm_scale,
                    window_size=window_size, out=out, num_splits=num_splits, pdl=pdl, softcap=softcap,
-                   alibi_slopes=alibi_slopes, sinks=sinks)
+                   alibi_slopes=alibi_slopes, sinks=sinks, chunk_size=chunk_size)
 
 
 def paged_decode_ref(
@@ -943,6 +963,7 @@ def paged_decode_ref(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Pure-torch paged_decode, in fp32 (an fp8 cache's values read exactly), one sequence at
     a time. num_splits and pdl are ignored."""
@@ -954,6 +975,8 @@ def paged_decode_ref(
     for b in range(batch):
         seq_len = int(seq_lens[b])
         lo = 0 if window_size is None else max(0, seq_len - window_size)
+        if chunk_size is not None:  # the query's own chunk
+            lo = max(lo, (seq_len - 1) // chunk_size * chunk_size)
         if seq_len <= lo:
             continue  # no key: a zero output, with or without sinks
         blocks = block_tables[b, : triton.cdiv(seq_len, block_size)].long()

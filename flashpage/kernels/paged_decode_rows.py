@@ -58,7 +58,7 @@ def _paged_decode_rows_kernel(
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * HPB * GROUP
 
-    start, end = split_range(seq_lens_ptr, b, window, num_splits, split, HAS_WINDOW, BLOCK_N)
+    start, end = split_range(seq_lens_ptr, b, window, 1, num_splits, split, HAS_WINDOW, False, BLOCK_N)
 
     offs_r = tl.arange(0, ROWS_PAD)
     offs_c = tl.arange(0, WIDTH)

@@ -300,7 +300,7 @@ def _compile_sm90_candidates() -> dict:
                       HEAD_DIM_V=128, V_DIM=128, CAUSAL=True, HAS_WINDOW=False,
                       KV_MODE=fp._KV_PAGED if page else fp._KV_CONTIG_TMA,
                       PAGE_SIZE=page or 1, RETURN_LSE=False, IEEE=False, WARP_SPEC=False,
-                      M_FASTEST=True, SOFTCAP=False, ALIBI=False, SINKS=False)
+                      M_FASTEST=True, SOFTCAP=False, ALIBI=False, SINKS=False, CHUNKED=False)
         types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Lse": "*fp32",
                  "cu_q": "*i32", "cu_k": "*i32", "seq_lens": "*i32", "block_tables": "*i32",
                  "qk_scale": "fp32", "softcap": "fp32", "Slopes": "*fp32", "Sinks": "*fp32"}

@@ -479,7 +479,7 @@ def _compile_fp8_ptx() -> dict[str, str]:
     decode = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64,
                   HAS_WINDOW=False, IEEE=False, HEADS_FASTEST=False, FUSED_MERGE=False,
                   GROUP_PAD=4, MERGE_CHUNK=1, PDL=False, F16_DOTS=True, WARP_SPLIT=False, SOFTCAP=False,
-                  ALIBI=False, SINKS=False)
+                  ALIBI=False, SINKS=False, CHUNKED=False)
     kernels = {
         "write_kv": (cw._write_kv_kernel, dict(PAGE=16, NUM_HEADS=8, HEAD_DIM=128, BLOCK_T=4,
                                                 BLOCK_E=1024), set(), 8, 3),
@@ -506,12 +506,12 @@ def _compile_fp8_ptx() -> dict[str, str]:
             HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, QK_DIM=128, HEAD_DIM_V=128, V_DIM=128,
             CAUSAL=True, HAS_WINDOW=False, KV_MODE=fp_mod._KV_PAGED, PAGE_SIZE=16,
             RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True, SOFTCAP=False,
-            ALIBI=False, SINKS=False), set(), 8, 3),
+            ALIBI=False, SINKS=False, CHUNKED=False), set(), 8, 3),
         "paged_prefill_softcap": (fp_mod._prefill_fwd, dict(
             HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, QK_DIM=128, HEAD_DIM_V=128, V_DIM=128,
             CAUSAL=True, HAS_WINDOW=True, KV_MODE=fp_mod._KV_PAGED, PAGE_SIZE=16,
             RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True, SOFTCAP=True,
-            ALIBI=False, SINKS=False), set(), 8, 3),
+            ALIBI=False, SINKS=False, CHUNKED=False), set(), 8, 3),
     }
     out = {}
     for name, (fn, consts, extra_fp8, warps, stages) in kernels.items():

@@ -280,7 +280,7 @@ def _compile_padded_usage() -> dict[str, dict]:
         decode = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=d, BLOCK_D=128, PAGE=16, BLOCK_N=64,
                       HAS_WINDOW=False, IEEE=False, HEADS_FASTEST=False, FUSED_MERGE=False,
                       GROUP_PAD=4, MERGE_CHUNK=1, PDL=False, F16_DOTS=False, WARP_SPLIT=False,
-                      SOFTCAP=False, ALIBI=False, SINKS=False, SPLIT=False, PREFETCH=False, PREFETCH_V=False)
+                      SOFTCAP=False, ALIBI=False, SINKS=False, CHUNKED=False, SPLIT=False, PREFETCH=False, PREFETCH_V=False)
         kernels = {
             "decode": (pd._paged_decode_kernel, decode, {}, 4, 3),
             "decode_split_fused_merge": (pd._paged_decode_kernel, {
@@ -294,7 +294,7 @@ def _compile_padded_usage() -> dict[str, dict]:
                 HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, QK_DIM=d, HEAD_DIM_V=128, V_DIM=d,
                 CAUSAL=True, HAS_WINDOW=False, KV_MODE=fp_mod._KV_PAGED, PAGE_SIZE=16,
                 RETURN_LSE=False, IEEE=False, WARP_SPEC=False, M_FASTEST=True, SOFTCAP=False,
-                ALIBI=False, SINKS=False, desc_q=None, desc_k=None, desc_v=None), {}, 8, 3),
+                ALIBI=False, SINKS=False, CHUNKED=False, desc_q=None, desc_k=None, desc_v=None), {}, 8, 3),
             "rotary_write": (rot._rotary_kernel, dict(
                 WRITE_CACHE=True, IS_NEOX=True, PAGE=16, HALF=16, HALF_PAD=16, HEAD_DIM=d,
                 BLOCK_D=128, REST_PAD=triton.next_power_of_2(d - 32), BLOCK_HQ=32, BLOCK_HK=8,

@@ -193,7 +193,7 @@ def _compile_ptx() -> dict[str, str]:
             GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, SPLIT=True,
             HAS_WINDOW=False, IEEE=False, PREFETCH=False, HEADS_FASTEST=False, FUSED_MERGE=True,
             GROUP_PAD=4, MERGE_CHUNK=16, PREFETCH_V=False, F16_DOTS=False, WARP_SPLIT=False,
-            SOFTCAP=False, ALIBI=False, SINKS=False), 4, 5),
+            SOFTCAP=False, ALIBI=False, SINKS=False, CHUNKED=False), 4, 5),
         "paged_decode_rows": (rows._paged_decode_rows_kernel, dict(
             GROUP=4, HPB=2, ROWS_PAD=16, HEAD_DIM=128, WIDTH=256, PAGE=16, BLOCK_N=32,
             SPLIT=True, HAS_WINDOW=False, IEEE=False, F16_DOTS=False), 4, 3),

@@ -8,12 +8,12 @@ temperature tuning, the L2 norms and the NoPE layers each shown to change the to
 prompt logprobs equal transformers'; chunked prefill / preemption / prefix hits (chunks
 across cached prefixes and decode steps); every expert path (sync-free, grouped, the fused
 MoE kernel in the Triton interpreter) and the MoE block against transformers' own; a model
-without chunks on our Triton kernels (interpreter); the triton and flex backends refuse
-chunked layers with a reason; weights back under HF's names (the experts' transposed fused
+with and without chunks on our Triton kernels (interpreter: chunked prefill, decodes
+across chunk starts); the flex backend refuses chunked layers with a reason; weights back under HF's names (the experts' transposed fused
 tensors); ``flashpage inspect``'s counts (tiny and Scout's / Maverick's shapes) and rows;
 config fields, transformers' derived defaults and errors.
-GPU (marked gpu): fp32 gives transformers' tokens (torch_native with chunks; triton and CUDA
-graphs without), bf16 follows fp32 about as far as transformers' bf16 does.
+GPU (marked gpu): fp32 gives transformers' tokens (torch_native and triton with chunks, CUDA
+graphs), bf16 follows fp32 about as far as transformers' bf16 does.
 
 Every test needs transformers' Llama4TextConfig: it is skipped where it is missing.
 """
@@ -231,16 +231,16 @@ def test_moe_block_matches_hf(top_k):
 
 
 # ----------------------------------------------------------------- backends
-def test_triton_and_flex_refuse_chunked_layers(tiny):
+def test_flex_refuses_chunked_layers_triton_takes_them(tiny):
     cfg = ModelConfig.from_hf(tiny("llama4"))
-    for name in ("triton", "flex"):
-        reasons = backend_reasons(name, cfg, torch.device("cuda"), torch.bfloat16)
-        assert any("chunked local attention (attention_chunk_size 8: Llama 4's "
-                   "chunked_attention layers) is not supported" in r for r in reasons), reasons
-    assert not backend_reasons("torch_native", cfg, torch.device("cpu"), torch.float32)
+    reasons = backend_reasons("flex", cfg, torch.device("cuda"), torch.bfloat16)
+    assert any("chunked local attention (attention_chunk_size 8: Llama 4's "
+               "chunked_attention layers) is not supported by the flex backend" in r
+               for r in reasons), reasons
     with pytest.raises(BackendUnavailable, match="chunked local attention"):
-        LLM(str(tiny("llama4")), dtype="float32", device="cpu", attention_backend="triton")
-    cfg = ModelConfig.from_hf(tiny("llama4_top2"))  # no chunks: nothing to refuse
+        LLM(str(tiny("llama4")), dtype="float32", device="cpu", attention_backend="flex")
+    assert not backend_reasons("torch_native", cfg, torch.device("cpu"), torch.float32)
+    # our Triton kernels take the chunks (kernels/flash_prefill.py, paged_decode.py)
     assert not any("chunk" in r for r in backend_reasons("triton", cfg, torch.device("cuda"),
                                                          torch.bfloat16))
 
@@ -261,6 +261,26 @@ def test_on_our_kernels_matches_transformers(tmp_path):
     assert llm.engine.model.model.layers[0].self_attn.rotary_emb.fused
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == hf_greedy(path, prompts, params.max_tokens)
+
+
+def test_chunked_on_our_kernels_matches_transformers(tmp_path):
+    """Chunks of 8 on the triton backend (interpreter on the CPU, fp32, blocks of 16): our
+    paged prefill over prompt chunks of 16 tokens after cached prefixes (chunk starts inside
+    the kernel's query and key tiles) and our paged decode across chunk starts (a query
+    alone in its new chunk) give torch_native's tokens and transformers'."""
+    path = _gpu_checkpoint(tmp_path, "llama4")
+    prompts = random_prompts(2, 21, 30, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    want = hf_greedy(path, prompts, params.max_tokens)
+    whole = _gpu_checkpoint(tmp_path / "whole", "llama4", attention_chunk_size=512)
+    assert hf_greedy(whole, prompts, params.max_tokens) != want  # the chunks matter here
+    kw = dict(dtype="float32", device=DEV, block_size=16, max_num_batched_tokens=16)
+    for backend in ("triton", "torch_native"):
+        llm = LLM(str(path), attention_backend=backend, **kw)
+        assert [lay.self_attn.attn.chunk_size for lay in llm.engine.model.model.layers] == [
+            CHUNK, None, CHUNK, None]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want, backend
 
 
 # ----------------------------------------------------------------- loading, inspect
@@ -431,6 +451,15 @@ def test_gpu_fp32_chunked_on_torch_native_gives_transformers_tokens(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fp32_chunked_on_our_kernels_and_graphs_give_transformers_tokens(tmp_path):
+    """The chunked model on the triton backend: prefill and decode kernels with chunks of 8,
+    CUDA graphs and eagerly."""
+    path = _gpu_checkpoint(tmp_path, "llama4")
+    assert_gpu_graphs_match_hf(path, random_prompts(8, 1, 120, seed=28))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_fp32_kernels_and_graphs_without_chunks_give_transformers_tokens(tmp_path):
     path = _gpu_checkpoint(tmp_path, "llama4_top2", use_qk_norm=True)
     assert_gpu_graphs_match_hf(path, random_prompts(8, 1, 120, seed=28))
@@ -441,12 +470,11 @@ def test_gpu_fp32_kernels_and_graphs_without_chunks_give_transformers_tokens(tmp
 @pytest.mark.parametrize("name", NAMES)
 def test_gpu_bf16_follows_fp32_as_far_as_transformers_bf16(tmp_path, name):
     """bf16 against transformers' fp32 tokens, teacher-forced (conftest's
-    bf16_teacher_forced_hits): torch_native for the chunked model, triton otherwise."""
+    bf16_teacher_forced_hits) on the triton backend, the chunked model's too."""
     path = _gpu_checkpoint(tmp_path, name)
     prompts = random_prompts(32, 1, 120, seed=11)
     truth = hf_greedy(path, prompts, GREEDY.max_tokens)
-    backend = "torch_native" if name == "llama4" else "triton"
-    ours16, hf16 = bf16_teacher_forced_hits(path, prompts, truth, attention_backend=backend,
+    ours16, hf16 = bf16_teacher_forced_hits(path, prompts, truth, attention_backend="triton",
                                             block_size=16)
     total = sum(len(t) for t in truth)
     assert ours16 >= hf16 - 0.03 * total, (ours16, hf16, total)
