@@ -8,6 +8,7 @@ backend (interpreted) with Gemma 2's softcap and Gemma 3's windows in our kernel
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -206,8 +207,11 @@ def test_inspect_counts_the_checkpoints_parameters(gemma_checkpoint, name):
     stored = sum(t.numel() for _, t in iter_safetensors(str(path)))
     assert param_counts(cfg) == (stored, stored)
     if name != "gemma":
-        assert "sliding window                 8 on 2 of 3 layers" in format_report(
-            inspect_config(cfg, 1 << 30))
+        report = format_report(inspect_config(cfg, 1 << 30))
+        assert re.search(r"sliding window +8 on 2 of 3 layers \(its layers' blocks behind it go "
+                         r"back to the pool: KV cache groups\)", report), report
+        # 1 full layer, 2 windowed: one slot a block, 1 full + 2 windowed groups
+        assert re.search(r"KV cache groups +1 full \+ 2 windowed, 1 layer a block", report), report
 
 
 def test_config_fields():
