@@ -13,16 +13,13 @@ writes $OUT/attention_softcap.json and prints one JSON row per case.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from gpu_timing import paged_cache  # noqa: E402
+from gpu_timing import paged_cache, run_attention_cases  # noqa: E402
 
 HQ, HKV, D, PAGE, CAP, WINDOW = 16, 8, 256, 16, 50.0, 4096
 
@@ -71,23 +68,7 @@ def prefill_rows(tokens: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=".")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("attention_softcap.py needs a CUDA GPU")
-        sys.exit(1)
-    rows: list[dict] = []
-    for batch, ctx in ((1, 8192), (32, 2048), (128, 1024)):
-        rows += decode_rows(batch, ctx)
-    for tokens in (1024, 4096, 8192):
-        rows += prefill_rows(tokens)
-    for r in rows:
-        print(json.dumps(r), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "attention_softcap.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
-
+    run_attention_cases("attention_softcap", __doc__, decode_rows, prefill_rows)
 
 if __name__ == "__main__":
     main()

@@ -107,3 +107,31 @@ def paged_cache(batch: int, ctx: int, kv_heads: int, head_dim: int, g: torch.Gen
     tables = torch.randperm(batch * blocks, generator=g, device="cuda").int().view(batch, blocks)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     return kc, vc, tables, lens
+
+
+def run_attention_cases(name: str, doc: str | None, decode_rows: Callable[[int, int], list[dict]],
+                        prefill_rows: Callable[[int], list[dict]]) -> None:
+    """The main of the attention-variant benchmarks (attention_alibi / _sinks / _softcap.py):
+    ``--out``; decode at 1 x 8192, 32 x 2048, 128 x 1024 and prefill of 1024 / 4096 / 8192
+    tokens, one JSON row per case printed and all in $OUT/<name>.json."""
+    import argparse
+    import json
+    import os
+    import sys
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print(f"{name}.py needs a CUDA GPU")
+        sys.exit(1)
+    rows: list[dict] = []
+    for batch, ctx in ((1, 8192), (32, 2048), (128, 1024)):
+        rows += decode_rows(batch, ctx)
+    for tokens in (1024, 4096, 8192):
+        rows += prefill_rows(tokens)
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
