@@ -4,7 +4,8 @@ MPT-7B's attention shape (32 heads of 128, MHA, bf16, block 16), each timed with
 (triton)": ALiBi's own cost is "alibi" against it) and with Bloom's slopes (the Triton
 loops: the Gluon kernels step aside), and against torch_native's ALiBi attention
 (masked_attention: what such a model would run on without our kernels). Medians of
-triton.testing.do_bench.
+CUDA-graph replays (gpu_timing.graph_ms: no host time per call; torch_native's by
+triton.testing.do_bench).
 
     python benchmarks/attention_alibi.py --out $OUT
 
@@ -20,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from gpu_timing import paged_cache, run_attention_cases  # noqa: E402
+from gpu_timing import graph_ms, paged_cache, run_attention_cases  # noqa: E402
 
 H, D, PAGE = 32, 128, 16
 # each case: its name, the Gluon switch it runs under, whether it passes the slopes
@@ -28,12 +29,10 @@ CASES = (("none", "1", False), ("none (triton)", "0", False), ("alibi", "1", Tru
 
 
 def _timed(env: str, value: str, fn) -> float:
-    from triton.testing import do_bench
-
     old = os.environ.get(env)
     os.environ[env] = value
     try:
-        return do_bench(fn)
+        return graph_ms(fn)
     finally:
         if old is None:
             del os.environ[env]

@@ -3,7 +3,8 @@ Pythia-2.8B's 32 heads of 80 and GPT-NeoX-20B's 64 heads of 96 (MHA, bf16, block
 kernels pad the head to 128 in registers), beside PyTorch's SDPA on contiguous K/V (what
 cuDNN / flash give a dense cache) and torch_native's way over the same paged cache (gather
 the blocks, then SDPA). Decode reports GB/s of K+V read; prefill the time. Medians of
-triton.testing.do_bench.
+CUDA-graph replays (gpu_timing.graph_ms: no host time per call; do_bench's medians up to
+run 185 included it).
 
     python benchmarks/attention_head_dims.py --out $OUT
 
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from gpu_timing import paged_cache  # noqa: E402
+from gpu_timing import graph_ms, paged_cache  # noqa: E402
 
 PAGE = 16
 SHAPES = {"phi2_80": (32, 80), "neox20b_96": (64, 96), "ref_128": (32, 128)}
@@ -35,8 +36,6 @@ def _dense(cache: torch.Tensor, tables: torch.Tensor, ctx: int) -> torch.Tensor:
 
 
 def decode_rows(name: str, batch: int, ctx: int) -> list[dict]:
-    from triton.testing import do_bench
-
     from flashpage.kernels.paged_decode import paged_decode
 
     h, d = SHAPES[name]
@@ -53,15 +52,13 @@ def decode_rows(name: str, batch: int, ctx: int) -> list[dict]:
     }
     rows = []
     for case, fn in cases.items():
-        ms = do_bench(fn)
+        ms = graph_ms(fn)
         rows.append(dict(op="decode", shape=name, batch=batch, context=ctx, case=case,
                          us=round(ms * 1e3, 1), kv_gbps=round(nbytes / ms / 1e6)))
     return rows
 
 
 def prefill_rows(name: str, tokens: int) -> list[dict]:
-    from triton.testing import do_bench
-
     from flashpage.kernels.flash_prefill import paged_prefill
 
     h, d = SHAPES[name]
@@ -78,7 +75,7 @@ def prefill_rows(name: str, tokens: int) -> list[dict]:
     }
     rows = []
     for case, fn in cases.items():
-        ms = do_bench(fn)
+        ms = graph_ms(fn)
         flops = 2 * 2 * h * d * tokens * tokens / 2  # causal: half the QK^T and PV products
         rows.append(dict(op="prefill", shape=name, tokens=tokens, case=case,
                          us=round(ms * 1e3, 1), tflops=round(flops / ms / 1e9, 1)))

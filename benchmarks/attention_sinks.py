@@ -3,11 +3,12 @@ GPT-OSS's attention shape (64 query heads of 64 over 8 KV heads, bf16, block 16)
 timed without sinks (the default dispatch: on Hopper the Gluon kernels where they apply)
 and with them (the Triton loops: the Gluon kernels step aside), full and within GPT-OSS's
 window of 128, and against torch_native's sink attention (masked_attention: what such a
-model would run on without our kernels). Medians of triton.testing.do_bench.
+model would run on without our kernels). Medians of CUDA-graph replays
+(gpu_timing.graph_ms: no host time per call; torch_native's by triton.testing.do_bench).
 
     python benchmarks/attention_sinks.py --out $OUT
 
-writes $OUT/attention_sinks.json and prints one JSON row per case. Not yet run.
+writes $OUT/attention_sinks.json and prints one JSON row per case.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from gpu_timing import paged_cache, run_attention_cases  # noqa: E402
+from gpu_timing import graph_ms, paged_cache, run_attention_cases  # noqa: E402
 
 HQ, HKV, D, PAGE, WINDOW = 64, 8, 64, 16, 128
 
@@ -28,7 +29,6 @@ def _sinks() -> torch.Tensor:
 
 
 def decode_rows(batch: int, ctx: int) -> list[dict]:
-    from triton.testing import do_bench
 
     from flashpage.kernels.paged_decode import paged_decode
 
@@ -38,7 +38,7 @@ def decode_rows(batch: int, ctx: int) -> list[dict]:
     rows = []
     for window in (None, WINDOW):
         for name, kw in (("none", {}), ("sinks", dict(sinks=_sinks()))):
-            ms = do_bench(lambda kw=kw, w=window: paged_decode(q, kc, vc, tables, lens,
+            ms = graph_ms(lambda kw=kw, w=window: paged_decode(q, kc, vc, tables, lens,
                                                                sm_scale=D**-0.5, window_size=w, **kw))
             rows.append(dict(op="decode", batch=batch, context=ctx, window=window, case=name,
                              us=round(ms * 1e3, 1)))
@@ -59,7 +59,7 @@ def prefill_rows(tokens: int) -> list[dict]:
     rows = []
     for window in (None, WINDOW):
         for name, kw in (("none", {}), ("sinks", dict(sinks=sinks))):
-            ms = do_bench(lambda kw=kw, w=window: paged_prefill(
+            ms = graph_ms(lambda kw=kw, w=window: paged_prefill(
                 q, kc, vc, tables, cu, lens, tokens, tokens, sm_scale=D**-0.5, window_size=w, **kw))
             rows.append(dict(op="prefill", tokens=tokens, window=window, case=name,
                              us=round(ms * 1e3, 1)))

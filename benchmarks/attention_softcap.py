@@ -3,7 +3,8 @@ prefill at Gemma-2-9B's attention shape (16 query heads over 8 KV heads of 256, 
 block 16), each timed without a softcap, with a softcap of 50 (its attn_logit_softcapping)
 and with both a softcap and Gemma 2's 4096-token window, and against torch_native's
 softcapped attention (masked_attention: what Gemma 2 ran on before). Medians of
-triton.testing.do_bench. The softcap takes the Triton loops (the Gluon kernels step aside),
+CUDA-graph replays (gpu_timing.graph_ms: no host time per call; torch_native's by
+triton.testing.do_bench). The softcap takes the Triton loops (the Gluon kernels step aside),
 so "softcap / none" also holds what the Gluon path gives the plain call.
 
     python benchmarks/attention_softcap.py --out $OUT
@@ -19,13 +20,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from gpu_timing import paged_cache, run_attention_cases  # noqa: E402
+from gpu_timing import graph_ms, paged_cache, run_attention_cases  # noqa: E402
 
 HQ, HKV, D, PAGE, CAP, WINDOW = 16, 8, 256, 16, 50.0, 4096
 
 
 def decode_rows(batch: int, ctx: int) -> list[dict]:
-    from triton.testing import do_bench
 
     from flashpage.kernels.paged_decode import paged_decode
 
@@ -36,7 +36,7 @@ def decode_rows(batch: int, ctx: int) -> list[dict]:
     rows = []
     for name, kw in (("none", {}), ("softcap", dict(softcap=CAP)),
                      ("softcap+window", dict(softcap=CAP, window_size=WINDOW))):
-        ms = do_bench(lambda kw=kw: paged_decode(q, kc, vc, tables, lens, sm_scale=scale, **kw))
+        ms = graph_ms(lambda kw=kw: paged_decode(q, kc, vc, tables, lens, sm_scale=scale, **kw))
         rows.append(dict(op="decode", batch=batch, context=ctx, case=name, us=round(ms * 1e3, 1)))
     return rows
 
@@ -55,7 +55,7 @@ def prefill_rows(tokens: int) -> list[dict]:
     rows = []
     for name, kw in (("none", {}), ("softcap", dict(softcap=CAP)),
                      ("softcap+window", dict(softcap=CAP, window_size=WINDOW))):
-        ms = do_bench(lambda kw=kw: paged_prefill(q, kc, vc, tables, cu, lens, tokens, tokens,
+        ms = graph_ms(lambda kw=kw: paged_prefill(q, kc, vc, tables, cu, lens, tokens, tokens,
                                                   sm_scale=scale, **kw))
         rows.append(dict(op="prefill", tokens=tokens, case=name, us=round(ms * 1e3, 1)))
     if tokens <= 4096:  # torch_native's path materializes [Hq, L, L] fp32 scores

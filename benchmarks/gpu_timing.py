@@ -50,6 +50,14 @@ def time_graph(fn: Callable[[], object], calls: int = 1, reps: int = 20) -> floa
     return statistics.median(times)
 
 
+def graph_ms(fn: Callable[[], object], calls: int = 10) -> float:
+    """Median milliseconds of one ``fn()`` call from CUDA-graph replays (time_graph): the
+    kernels' own time, without the host's per-call work (argument checks, planning), which
+    under do_bench outweighs a small kernel (run 186's windowed decodes timed 56-206 us
+    for 1-4 MB of keys)."""
+    return time_graph(fn, calls) * 1e3
+
+
 def graph_kernel_times(fn: Callable[[], object], reps: int = 5) -> dict[str, float]:
     """Seconds of GPU time per kernel name in one replay of a CUDA graph of ``fn()``, under
     torch.profiler (CUPTI records each kernel a graph launches): where a call's time goes
