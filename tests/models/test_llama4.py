@@ -20,6 +20,7 @@ Every test needs transformers' Llama4TextConfig: it is skipped where it is missi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -246,9 +247,17 @@ def test_flex_refuses_chunked_layers_triton_takes_them(tiny):
 
 
 def _gpu_checkpoint(tmp_path: Path, name: str, **overrides) -> Path:
-    """head_dim 64, the smallest the Triton attention kernels take."""
+    """head_dim 64, the smallest the Triton attention kernels take. Without a chunk size the
+    GPU image's transformers (5.17) still writes chunked_attention layer_types (and then
+    cannot generate: its sliding cache layer gets no window, and it derives them again where
+    the file has none): written as full_attention, what 5.24 derives."""
     kw = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64)
-    return build_tiny(tmp_path / name, name, **{**kw, **overrides})
+    path = build_tiny(tmp_path / name, name, **{**kw, **overrides})
+    cfg = json.loads((path / "config.json").read_text())
+    if cfg.get("attention_chunk_size") is None and "chunked_attention" in cfg.get("layer_types", ()):
+        cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+        (path / "config.json").write_text(json.dumps(cfg))
+    return path
 
 
 def test_on_our_kernels_matches_transformers(tmp_path):
