@@ -18,14 +18,12 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported by the kernel modules
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from test_flash_prefill import _close, _ragged, _to_paged  # noqa: E402  (tests/kernels)
-from test_paged_decode import check, make_case  # noqa: E402
+from test_paged_decode import make_case  # noqa: E402
+from variant_checks import check_decode_variant, check_prefill_variant, rel  # noqa: E402
 
 from flashpage.kernels.flash_prefill import (  # noqa: E402
-    flash_attn_varlen,
     flash_attn_varlen_ref,
     paged_prefill,
-    paged_prefill_ref,
 )
 from flashpage.kernels.paged_decode import DecodeConfig, _launch, paged_decode_ref  # noqa: E402
 from flashpage.layers.alibi import bloom_slopes, mpt_slopes  # noqa: E402
@@ -39,9 +37,6 @@ cpu_only = pytest.mark.skipif(GPU, reason="the interpreter cases run on the CPU"
 def _slopes(hq: int) -> torch.Tensor:
     return bloom_slopes(hq).to(DEV)
 
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 # ----------------------------------------------------------------------------- slopes
@@ -95,7 +90,7 @@ def test_references_match_bloom_form():
     scores = scores.masked_fill(torch.arange(lk)[None, :] > qpos, float("-inf"))
     bloom = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
     torch.testing.assert_close(ours, bloom, atol=1e-5, rtol=1e-5)
-    assert _rel(flash_attn_varlen_ref(q, k, v, cq, ck, lq, lk), ours) > 0.05
+    assert rel(flash_attn_varlen_ref(q, k, v, cq, ck, lq, lk), ours) > 0.05
     # the decode reference: the last query row of the same sequence
     one = paged_decode_ref(q[-1:], k[None], v[None], torch.zeros(1, 1, dtype=torch.int32),
                            torch.tensor([lk], dtype=torch.int32), alibi_slopes=slopes)
@@ -123,15 +118,8 @@ DECODE_CASES = [
 
 def _decode_case(case, dtype, seed=0):
     seq_lens, hq, hkv, d, bs, splits, window, config = case
-    q, kc, vc, bt, lens = make_case(seq_lens, hq, hkv, d, bs, dtype, seed=seed, device=DEV)
-    slopes = _slopes(hq)
-    out = torch.full_like(q, float("nan"))  # every element must be written
-    _launch(q, kc, vc, bt, lens, sm_scale=None, out=out, num_splits=splits, window_size=window,
-            config=config, alibi_slopes=slopes)
-    ref = paged_decode_ref(q, kc, vc, bt, lens, window_size=window, alibi_slopes=slopes)
-    check(out, ref, dtype)
-    # the biases change the result: the check above could fail
-    assert _rel(paged_decode_ref(q, kc, vc, bt, lens, window_size=window), ref) > 0.05
+    check_decode_variant(seq_lens, hq, hkv, d, bs, dtype, splits=splits, config=config, window=window,
+                         seed=seed, alibi_slopes=_slopes(hq))
 
 
 @cpu_only
@@ -170,22 +158,8 @@ def test_bad_slopes_are_refused():
 
 
 def _check_prefill(q_lens, prefixes, hq, hkv, d, dtype, block_size, window=None):
-    """paged_prefill and flash_attn_varlen with ALiBi against the reference: queries after
-    cached prefixes (chunked prefill, prefix hits) sit at positions prefix + i."""
-    q, k, v, cq, ck, mq, mk = _ragged(q_lens, prefixes, hq, hkv, d, dtype, seed=1)
-    slopes = _slopes(hq)
-    kc, vc, tables, seq_lens = _to_paged(k, v, ck, block_size)
-    kw = dict(window_size=window, return_lse=True, alibi_slopes=slopes)
-    out, lse = paged_prefill(q, kc, vc, tables, cq, seq_lens, mq, mk, **kw)
-    ref, ref_lse = paged_prefill_ref(q, kc, vc, tables, cq, seq_lens, mq, mk, **kw)
-    _close(out, ref, dtype)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-4 if dtype == torch.float32 else 2e-3, rtol=1e-4)
-    flat, flat_lse = flash_attn_varlen(q, k, v, cq, ck, mq, mk, **kw)
-    _close(flat, ref, dtype)
-    torch.testing.assert_close(flat_lse, ref_lse, atol=1e-4 if dtype == torch.float32 else 2e-3,
-                               rtol=1e-4)
-    plain = paged_prefill_ref(q, kc, vc, tables, cq, seq_lens, mq, mk, window_size=window)[0]
-    assert _rel(plain, ref) > 0.05  # the biases change the result
+    check_prefill_variant(q_lens, prefixes, hq, hkv, d, dtype, block_size, seed=1, window=window,
+                          alibi_slopes=_slopes(hq))
 
 
 @cpu_only
@@ -264,7 +238,7 @@ def test_backends_agree_with_reference(dtype):
         out = backend.forward(q, k_new, v_new, kv, backend.prepare(md), scale=scale,
                               alibi_slopes=slopes)
         tol = 1e-5 if dtype == torch.float32 else 2e-3
-        assert _rel(out, ref) < tol, cls.name
+        assert rel(out, ref) < tol, cls.name
 
 
 def test_flex_refuses_alibi():

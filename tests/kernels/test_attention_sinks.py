@@ -19,11 +19,11 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported by the kernel modules
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from test_flash_prefill import _close, _ragged, _to_paged  # noqa: E402  (tests/kernels)
+from test_flash_prefill import _close  # noqa: E402  (tests/kernels)
 from test_paged_decode import check, make_case  # noqa: E402
+from variant_checks import check_decode_variant, check_prefill_variant, rel  # noqa: E402
 
 from flashpage.kernels.flash_prefill import (  # noqa: E402
-    flash_attn_varlen,
     flash_attn_varlen_ref,
     gluon_prefill_unsupported,
     paged_prefill,
@@ -48,9 +48,6 @@ def _sinks(hq: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(hq, generator=g) * 2 + 1).to(DEV)
 
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 # ----------------------------------------------------------------------------- reference
@@ -79,7 +76,7 @@ def test_reference_is_transformers_eager_form():
     probs = combined.softmax(-1)[..., :-1]
     hf = torch.einsum("hqk,khd->qhd", probs, vv)
     torch.testing.assert_close(ours, hf, atol=1e-5, rtol=1e-5)
-    assert _rel(flash_attn_varlen_ref(q, k, v, cq, ck, lq, lk, window_size=8), ours) > 0.05
+    assert rel(flash_attn_varlen_ref(q, k, v, cq, ck, lq, lk, window_size=8), ours) > 0.05
     one = paged_decode_ref(q[-1:], k[None], v[None], torch.zeros(1, 1, dtype=torch.int32),
                            torch.tensor([lk], dtype=torch.int32), sinks=sinks, window_size=8)
     torch.testing.assert_close(one[0], hf[-1], atol=1e-5, rtol=1e-5)
@@ -110,15 +107,8 @@ DECODE_CASES = [
 
 def _decode_case(case, dtype, seed=0):
     seq_lens, hq, hkv, d, bs, splits, window, config = case
-    q, kc, vc, bt, lens = make_case(seq_lens, hq, hkv, d, bs, dtype, seed=seed, device=DEV)
-    sinks = _sinks(hq, seed)
-    out = torch.full_like(q, float("nan"))  # every element must be written
-    _launch(q, kc, vc, bt, lens, sm_scale=None, out=out, num_splits=splits, window_size=window,
-            config=config, sinks=sinks)
-    ref = paged_decode_ref(q, kc, vc, bt, lens, window_size=window, sinks=sinks)
-    check(out, ref, dtype)
-    # the sinks change the result: the check above could fail
-    assert _rel(paged_decode_ref(q, kc, vc, bt, lens, window_size=window), ref) > 0.05
+    check_decode_variant(seq_lens, hq, hkv, d, bs, dtype, splits=splits, config=config, window=window,
+                         seed=seed, sinks=_sinks(hq, seed))
 
 
 @cpu_only
@@ -189,22 +179,9 @@ def test_gluon_kernels_step_aside():
 
 
 def _check_prefill(q_lens, prefixes, hq, hkv, d, dtype, block_size, window=None):
-    """paged_prefill and flash_attn_varlen with sinks against the reference (output and lse,
-    which counts the sink): queries after cached prefixes sit at positions prefix + i."""
-    q, k, v, cq, ck, mq, mk = _ragged(q_lens, prefixes, hq, hkv, d, dtype, seed=1)
-    sinks = _sinks(hq, 1)
-    kc, vc, tables, seq_lens = _to_paged(k, v, ck, block_size)
-    kw = dict(window_size=window, return_lse=True, sinks=sinks)
-    out, lse = paged_prefill(q, kc, vc, tables, cq, seq_lens, mq, mk, **kw)
-    ref, ref_lse = paged_prefill_ref(q, kc, vc, tables, cq, seq_lens, mq, mk, **kw)
-    _close(out, ref, dtype)
-    tol = 1e-4 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=1e-4)
-    flat, flat_lse = flash_attn_varlen(q, k, v, cq, ck, mq, mk, **kw)
-    _close(flat, ref, dtype)
-    torch.testing.assert_close(flat_lse, ref_lse, atol=tol, rtol=1e-4)
-    plain = paged_prefill_ref(q, kc, vc, tables, cq, seq_lens, mq, mk, window_size=window)
-    assert _rel(plain, ref) > 0.05  # the sinks change the result
+    """The lse counts the sink (variant_checks.check_prefill_variant compares it)."""
+    check_prefill_variant(q_lens, prefixes, hq, hkv, d, dtype, block_size, seed=1, window=window,
+                          sinks=_sinks(hq, 1))
 
 
 @cpu_only
@@ -257,7 +234,7 @@ def test_backends_agree_with_reference(dtype, window):
         out = backend.forward(q, k_new, v_new, kv, md_, scale=scale, sliding_window=window,
                               sinks=sinks)
         tol = 1e-5 if dtype == torch.float32 else 2e-3
-        assert _rel(out, ref) < tol, cls.name
+        assert rel(out, ref) < tol, cls.name
         # a second layer of the step, with other sinks, on the same plans (triton: the plans
         # take each layer's sinks at launch)
         other = -sinks
@@ -268,8 +245,8 @@ def test_backends_agree_with_reference(dtype, window):
             torch.tensor([0, k.shape[0]], dtype=torch.int32), ql, k.shape[0], sm_scale=scale,
             window_size=window, sinks=other) for s, ql, k, v in zip(
                 torch.tensor([0, *q_lens]).cumsum(0).tolist(), q_lens, ks, vs, strict=False)])
-        assert _rel(out2, ref2) < tol, cls.name
-        assert _rel(out2, out) > 0.01
+        assert rel(out2, ref2) < tol, cls.name
+        assert rel(out2, out) > 0.01
 
 
 def test_flex_refuses_sinks():

@@ -25,13 +25,13 @@ if not torch.cuda.is_available():  # before triton is imported by the kernel mod
 from test_alibi_kernels import _backend_case  # noqa: E402  (tests/kernels)
 from test_flash_prefill import _close, _ragged, _to_paged  # noqa: E402
 from test_paged_decode import check, make_case  # noqa: E402
+from variant_checks import check_decode_variant, check_prefill_variant, rel  # noqa: E402
 
 from flashpage.kernels.flash_prefill import (  # noqa: E402
     PrefillPlan,
     _attend_ref,
     flash_attn_varlen,
     gluon_prefill_unsupported,
-    paged_prefill,
     paged_prefill_ref,
 )
 from flashpage.kernels.paged_decode import (  # noqa: E402
@@ -48,9 +48,6 @@ DEV = "cuda" if GPU else "cpu"
 gpu_only = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 cpu_only = pytest.mark.skipif(GPU, reason="the interpreter cases run on the CPU")
 
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 # ----------------------------------------------------------------------------- references
@@ -70,7 +67,7 @@ def test_prefill_reference_is_the_rule():
         s = torch.einsum("hd,jhd->hj", q[i], kk[seen]) / math.sqrt(d)
         torch.testing.assert_close(out[i], torch.einsum("hj,jhd->hd", s.softmax(-1), vv[seen]))
         torch.testing.assert_close(lse[:, i], s.logsumexp(-1))
-    assert _rel(_attend_ref(q, k, v, True, None, None)[0], out) > 0.05  # the chunks matter
+    assert rel(_attend_ref(q, k, v, True, None, None)[0], out) > 0.05  # the chunks matter
 
 
 def test_decode_reference_is_the_rule():
@@ -90,22 +87,8 @@ def test_decode_reference_is_the_rule():
 
 
 def _check_prefill(q_lens, prefixes, hq, hkv, d, dtype, block_size, chunk, window=None, cfg=None):
-    """paged_prefill and flash_attn_varlen with chunks against the reference (out and lse),
-    queries after cached prefixes; the chunks must change the result."""
-    q, k, v, cq, ck, mq, mk = _ragged(q_lens, prefixes, hq, hkv, d, dtype, seed=2)
-    kc, vc, tables, seq_lens = _to_paged(k, v, ck, block_size)
-    kw = dict(window_size=window, return_lse=True, chunk_size=chunk)
-    tol = 1e-4 if dtype == torch.float32 else 2e-3
-    out = q.new_full(q.shape, float("nan"))  # every row must be written
-    out, lse = paged_prefill(q, kc, vc, tables, cq, seq_lens, mq, mk, out=out, _config=cfg, **kw)
-    ref, ref_lse = paged_prefill_ref(q, kc, vc, tables, cq, seq_lens, mq, mk, **kw)
-    _close(out, ref, dtype)
-    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=1e-4)
-    flat, flat_lse = flash_attn_varlen(q, k, v, cq, ck, mq, mk, _config=cfg, **kw)
-    _close(flat, ref, dtype)
-    torch.testing.assert_close(flat_lse, ref_lse, atol=tol, rtol=1e-4)
-    whole = paged_prefill_ref(q, kc, vc, tables, cq, seq_lens, mq, mk, window_size=window)
-    assert _rel(whole, ref) > 0.05  # the chunks change the result: the checks could fail
+    check_prefill_variant(q_lens, prefixes, hq, hkv, d, dtype, block_size, seed=2, window=window,
+                          cfg=cfg, chunk_size=chunk)
 
 
 @cpu_only
@@ -183,13 +166,8 @@ DECODE_CASES = [
 
 def _decode_case(case, dtype, seed=0, window=None):
     seq_lens, hq, hkv, d, bs, splits, chunk, config = case
-    q, kc, vc, bt, lens = make_case(seq_lens, hq, hkv, d, bs, dtype, seed=seed, device=DEV)
-    out = torch.full_like(q, float("nan"))  # every element must be written
-    _launch(q, kc, vc, bt, lens, sm_scale=None, out=out, num_splits=splits, window_size=window,
-            config=config, chunk_size=chunk)
-    ref = paged_decode_ref(q, kc, vc, bt, lens, window_size=window, chunk_size=chunk)
-    check(out, ref, dtype)
-    assert _rel(paged_decode_ref(q, kc, vc, bt, lens, window_size=window), ref) > 0.05
+    check_decode_variant(seq_lens, hq, hkv, d, bs, dtype, splits=splits, config=config, window=window,
+                         seed=seed, chunk_size=chunk)
 
 
 @cpu_only
@@ -253,9 +231,9 @@ def test_triton_backend_matches_torch_native(dtype):
         outs[cls.name] = backend.forward(q, k_new, v_new, kv, prepared, scale=0.125, chunk_size=8)
         # the same metadata (its plans) for an unchunked layer next: a plan of its own
         whole = backend.forward(q, k_new, v_new, kv, prepared, scale=0.125)
-        assert _rel(whole, outs[cls.name]) > 0.05
+        assert rel(whole, outs[cls.name]) > 0.05
     tol = 1e-5 if dtype == torch.float32 else 2e-3
-    assert _rel(outs["triton"], outs["torch_native"]) < tol
+    assert rel(outs["triton"], outs["torch_native"]) < tol
 
 
 # ----------------------------------------------------------------------------- sm_90 compile (CPU)
