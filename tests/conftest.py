@@ -85,6 +85,27 @@ def edited_copy(src: Path, dst: Path, edit=None, config_edit=None) -> Path:
     return dst
 
 
+def assert_edit_refused(src: Path, tmp_path: Path, edit, message: str,
+                        error: type[Exception] = ValueError) -> None:
+    """A copy of the checkpoint ``src`` with its tensors passed through ``edit``
+    (edited_copy) fails to load (fp32, CPU) with ``error`` matching ``message``."""
+    from flashpage.models.loader import load_model, resolve_model
+
+    path = edited_copy(src, tmp_path / "edited", edit=edit)
+    with pytest.raises(error, match=message):
+        load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+
+
+def assert_missing_tensor_named(src: Path, tmp_path: Path, dropped: str) -> None:
+    """Without the tensor ``dropped``, loading names it (and only it) as the checkpoint
+    names it."""
+    from flashpage.models.loader import ModelLoadError
+
+    assert_edit_refused(src, tmp_path, lambda t: t.pop(dropped),
+                        rf"1 weight\(s\) missing from the checkpoint: {dropped.replace('.', '[.]')}$",
+                        ModelLoadError)
+
+
 def build_tiny_checkpoint(path: Path, name: str, seed: int = 0, **overrides) -> Path:
     """Save a tiny random HF checkpoint (fp32 safetensors + config.json) under ``path``;
     ``overrides``: config fields over the named model's (e.g. a larger vocab_size)."""

@@ -28,12 +28,14 @@ import transformers
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.inspect import param_counts
-from flashpage.models.loader import ModelLoadError, load_model, resolve_model
+from flashpage.models.loader import load_model, resolve_model
 from tests.conftest import (
     _checkpoints,
     _save_tiny_routed,
     assert_dense_params_match_hf,
+    assert_edit_refused,
     assert_gpu_graphs_match_hf,
+    assert_missing_tensor_named,
     assert_staggered_matches_hf,
     bf16_teacher_forced_hits,
     cpu_llm,
@@ -202,10 +204,7 @@ def test_lora_adapter_under_hf_names_gives_the_merged_checkpoints_tokens(tiny, t
     ("phi", "model.layers.0.self_attn.dense.weight"),
 ])
 def test_missing_tensor_is_named_as_the_checkpoint_names_it(tiny, tmp_path, name, dropped):
-    path = edited_copy(tiny(name), tmp_path / "edited", edit=lambda t: t.pop(dropped))
-    with pytest.raises(ModelLoadError, match=rf"1 weight\(s\) missing from the checkpoint: "
-                                             rf"{dropped.replace('.', '[.]')}$"):
-        load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+    assert_missing_tensor_named(tiny(name), tmp_path, dropped)
 
 
 @pytest.mark.parametrize(("name", "edit", "message"), [
@@ -219,9 +218,7 @@ def test_missing_tensor_is_named_as_the_checkpoint_names_it(tiny, tmp_path, name
      r"model.final_layernorm.bias: checkpoint shape \(3,\) != \(64,\)"),
 ])
 def test_bad_tensor_is_named_as_the_checkpoint_names_it(tiny, tmp_path, name, edit, message):
-    path = edited_copy(tiny(name), tmp_path / "edited", edit=edit)
-    with pytest.raises(ValueError, match=message):
-        load_model(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+    assert_edit_refused(tiny(name), tmp_path, edit, message)
 
 
 @pytest.mark.parametrize("name", NAMES)
