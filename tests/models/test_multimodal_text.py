@@ -344,3 +344,21 @@ def test_llm_chat_refuses_an_image_part(tiny):
                                          r"only text parts are supported"):
         llm.chat(conv)
     assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+def test_hf_overrides_reach_the_text_config(tiny):
+    """vLLM's hf_overrides go over config.json's top level: a text_config dict merges into
+    the text model's fields."""
+    cfg = ModelConfig.from_hf(tiny("gemma3"), hf_overrides={"text_config": {"sliding_window": 5}})
+    assert [cfg.attention_window(i) for i in range(3)] == [5, None, 5]
+    assert cfg.multimodal_architecture == "Gemma3ForConditionalGeneration"
+
+
+def test_mistral3_over_a_ministral_text_config():
+    raw = _edited("mistral-small-3.1-24b-instruct", text={
+        "model_type": "ministral", "num_hidden_layers": 2, "sliding_window": 4096,
+        "layer_types": ["sliding_attention", "full_attention"]})
+    cfg = ModelConfig.from_hf(raw)
+    assert (cfg.architecture, cfg.multimodal_architecture) == (
+        "MinistralForCausalLM", "Mistral3ForConditionalGeneration")
+    assert [cfg.attention_window(i) for i in range(2)] == [4096, None]
