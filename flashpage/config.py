@@ -84,6 +84,23 @@ GLM_FAMILY = {"GlmForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM"}
 # models/llama4.py: Llama 4's text model (chunked attention on its rotary layers, NoPE ones
 # with temperature tuning, L2 q/k norms, sigmoid top-k MoE with a shared expert: _llama4_fields)
 LLAMA4_FAMILY = {"Llama4ForCausalLM"}
+# multimodal checkpoints ("*ForConditionalGeneration") whose language model is one of the
+# families above: we serve the text model alone (text_config, its tensors under the
+# wrapper's prefix; the vision tower's skipped at load: models/multimodal.py). Wrapper ->
+# (the text_config model_types we run in it, the default one, the vision / projector
+# modules' names). _text_config_of reads the config; ModelConfig.multimodal_architecture
+# keeps the wrapper's name, ``architecture`` is the text model's.
+MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, ...]]] = {
+    # Gemma 3 4B / 12B / 27B: a SigLIP tower, projector mm_input_projection / mm_soft_emb_norm
+    "Gemma3ForConditionalGeneration": (("gemma3_text",), "gemma3_text",
+                                       ("vision_tower", "multi_modal_projector")),
+    # Llama 4 Scout / Maverick
+    "Llama4ForConditionalGeneration": (("llama4_text",), "llama4_text",
+                                       ("vision_model", "multi_modal_projector")),
+    # Mistral Small 3.1 / 3.2 (a Pixtral tower over a Mistral text model)
+    "Mistral3ForConditionalGeneration": (("mistral", "ministral"), "mistral",
+                                         ("vision_tower", "multi_modal_projector")),
+}
 # architecture names of remote-code checkpoints that transformers' own class reads
 _ARCH_ALIASES = {"MPTForCausalLM": "MptForCausalLM"}  # MosaicML's MPT files
 SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
@@ -136,6 +153,10 @@ _MODEL_TYPE_TO_ARCH = {
     "glm4": "Glm4ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
+    # multimodal wrappers (their text model alone: MULTIMODAL_TEXT_ARCHITECTURES)
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "llama4": "Llama4ForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -1746,6 +1767,59 @@ def _llama4_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+# The text configs' class defaults (Gemma3TextConfig, Llama4TextConfig, MistralConfig,
+# MinistralConfig) for the fields our reader needs and the family readers do not default
+# themselves: transformers fills a text_config's absent fields from them, and published
+# configs rely on it (gemma-3-4b-it's text_config names 6 fields: no vocab_size, heads, ...)
+_TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216,
+                        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                        head_dim=256, max_position_embeddings=131_072, rms_norm_eps=1e-6),
+    "llama4_text": dict(vocab_size=202_048, hidden_size=5120, num_hidden_layers=48,
+                        num_attention_heads=40),
+    "mistral": dict(vocab_size=32_000, hidden_size=4096, intermediate_size=14_336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    max_position_embeddings=131_072, rms_norm_eps=1e-6, sliding_window=4096),
+    "ministral": dict(vocab_size=32_000, hidden_size=4096, intermediate_size=14_336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=131_072, rms_norm_eps=1e-6, sliding_window=4096),
+}
+# Fields of the whole model that config.json may hold at its top level beside text_config,
+# read from there first (then text_config's): tie_word_embeddings (transformers 5 ties the
+# head by the top-level flag alone; 4.x read text_config's, which a top-level one agrees with
+# in the published files), the dtype (from_pretrained's dtype="auto" reads the top level),
+# and the generation ids (Gemma 3's top-level eos_token_id [1, 106] adds <end_of_turn>).
+_TOP_LEVEL_FIELDS = ("tie_word_embeddings", "torch_dtype", "dtype", "bos_token_id", "eos_token_id")
+
+
+def _text_config_of(d: dict[str, Any], arch: str, where: str) -> tuple[dict[str, Any], str]:
+    """The text model's config of a multimodal checkpoint (MULTIMODAL_TEXT_ARCHITECTURES):
+    ``text_config`` with its class's defaults under it and the whole model's fields
+    (_TOP_LEVEL_FIELDS) over it, its ``architectures`` the text family's; and the ``where``
+    its errors name. The vision config is not read. A quantized checkpoint
+    (quantization_config) is a ConfigError: its module names carry the wrapper's prefixes,
+    which models/fp8_checkpoint.py and int4_checkpoint.py do not map."""
+    model_types, default_type, _ = MULTIMODAL_TEXT_ARCHITECTURES[arch]
+    tc = d.get("text_config")
+    if not isinstance(tc, dict):
+        raise ConfigError(f"{where}: {arch} needs a text_config object (its language model's "
+                          f"config), got {tc!r}")
+    text_type = tc.get("model_type") or default_type
+    if text_type not in model_types:
+        raise ConfigError(f"{where}: text_config.model_type {text_type!r} is not supported in "
+                          f"{arch} (supported: {', '.join(model_types)})")
+    if d.get("quantization_config") is not None or tc.get("quantization_config") is not None:
+        raise ConfigError(f"{where}: quantized {arch} checkpoints (quantization_config) are not "
+                          "read yet; the 16-bit checkpoint is, and --quantization fp8 / int4 "
+                          "quantizes its text model at load")
+    text = {**_TEXT_CONFIG_DEFAULTS[text_type], **tc, "model_type": text_type,
+            "architectures": [_MODEL_TYPE_TO_ARCH[text_type]]}
+    for key in _TOP_LEVEL_FIELDS:
+        if d.get(key) is not None:
+            text[key] = d[key]
+    return text, f"{where}: text_config"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -1895,6 +1969,11 @@ class ModelConfig:
     attention_chunk_size: int | None = None
     qk_l2_norm: bool = False
     nope_attn_temperature: tuple[float, float] | None = None
+    # a multimodal checkpoint served as its text model alone (MULTIMODAL_TEXT_ARCHITECTURES):
+    # the wrapper's architecture ("Gemma3ForConditionalGeneration"; "" for any other model);
+    # ``architecture``, ``model_type`` and every field above are the text model's, ``raw`` its
+    # text_config (with the top-level fields _text_config_of reads)
+    multimodal_architecture: str = ""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ loading
@@ -1941,10 +2020,15 @@ class ModelConfig:
         archs = d.get("architectures") or []
         arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(d.get("model_type", ""), "")
         arch = _ARCH_ALIASES.get(arch, arch)
+        if arch in MULTIMODAL_TEXT_ARCHITECTURES:
+            text, text_where = _text_config_of(d, arch, where)
+            return replace(ModelConfig._from_dict(text, text_where, folder),
+                           multimodal_architecture=arch)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"{where}: architecture {arch or d.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; their text model "
+                f"alone: {', '.join(sorted(MULTIMODAL_TEXT_ARCHITECTURES))}"
             )
         if arch in GPT2_FAMILY or arch == "GPTJForCausalLM":
             d = _gpt2_names(d, arch, where)

@@ -393,6 +393,9 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
     info: dict[str, Any] = {
         "architecture": cfg.architecture,
         "model_type": cfg.model_type,
+        # a multimodal checkpoint's wrapper (config.MULTIMODAL_TEXT_ARCHITECTURES): every
+        # figure here is its text model's, which is all that runs (no image input)
+        "multimodal_architecture": cfg.multimodal_architecture or None,
         "attention_kind": cfg.attention_kind,
         "num_hidden_layers": layers,
         "num_attention_heads": cfg.num_attention_heads,
@@ -504,8 +507,12 @@ def format_report(info: dict[str, Any]) -> str:
     rows: list[tuple[str, str]] = []
     if info.get("source"):
         rows.append(("model", str(info["source"])))
+    rows.append(("architecture", f"{info['architecture']} ({info['model_type']})"))
+    if info.get("multimodal_architecture"):
+        rows.append(("multimodal", f"{info['multimodal_architecture']}: its text model only "
+                                   "(image inputs are not supported; the vision tower is not "
+                                   "loaded nor counted here)"))
     rows += [
-        ("architecture", f"{info['architecture']} ({info['model_type']})"),
         ("attention", info["attention_kind"]),
         ("layers", str(layers)),
         ("query heads", str(heads)),

@@ -30,6 +30,20 @@ logger = logging.getLogger("flashpage")
 Prompt = str | list[int] | dict[str, Any]
 
 
+def _check_text_only(conversation: list[dict[str, Any]]) -> None:
+    """A ValueError for a message's non-text content part (image_url, input_audio, ...): the
+    models run are text models (a multimodal checkpoint's text model alone,
+    models/multimodal.py), and a chat template would render an image part as its
+    placeholder tokens with no image behind them."""
+    for i, msg in enumerate(conversation):
+        content = msg.get("content") if isinstance(msg, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"message {i}: content part {j} has type {kind!r}: only text "
+                                 "parts are supported (no image, audio or file input)")
+
+
 class LLM:
     """An engine plus a loop. ``model=None`` is the default model (SmolLM2-135M-Instruct).
 
@@ -288,6 +302,7 @@ class LLM:
 
     def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
                         tools: list[dict[str, Any]] | None = None, **template_kw: Any) -> list[int]:
+        _check_text_only(conversation)
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")

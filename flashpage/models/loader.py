@@ -145,6 +145,10 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
             weights = fp8_checkpoint_weights(model, source.config, source.path)
         else:
             weights = iter_safetensors(source.path, "cpu")
+        if source.config.multimodal_architecture:  # its text model's tensors alone
+            from flashpage.models.multimodal import text_model_weights
+
+            weights = text_model_weights(weights, source.config, source.path)
         if source.config.is_classifier:
             from flashpage.models.seq_cls_from_lm import score_from_lm_head
 

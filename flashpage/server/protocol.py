@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
@@ -165,6 +166,21 @@ class ChatMessage(_Body):
     name: Str | None = None
     tool_calls: list[ToolCallBody] | None = None  # an assistant's calls
     tool_call_id: Str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        """A content part that is not text (image_url, input_audio, file, ...) refused by its
+        own type: the models served are text models (a multimodal checkpoint's text model
+        alone, models/multimodal.py), so no such part could be read."""
+        content = data.get("content") if isinstance(data, dict) else None
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise PydanticCustomError(
+                    "content_part", "content.{i} has type '{kind}': only text parts are supported "
+                    "(this server takes no image, audio or file input)", {"i": i, "kind": kind})
+        return data
 
     def text(self) -> str:
         if self.content is None:

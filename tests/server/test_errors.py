@@ -100,8 +100,18 @@ def test_invalid_parameters(server, field, value, needle):
 @pytest.mark.parametrize("body, needle", [
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"content": "no role"}]}, "role"),
+    # a non-text part by its type (the models served are text models: a multimodal
+    # checkpoint's text model alone)
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
-     "messages"),
+     "messages.0: content.0 has type 'image_url': only text parts are supported (this server "
+     "takes no image, audio or file input)"),
+    ({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     "messages.1: content.1 has type 'image_url'"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]},
+     "content.0 has type 'input_audio'"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
      "max_completion_tokens"),
