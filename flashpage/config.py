@@ -1761,7 +1761,15 @@ def _llama4_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
         intermediate_size=_positive_int(
             d, "intermediate_size_mlp", where, default=16384,
             why=f" (dense MLP in layer(s) {', '.join(map(str, dense[:4]))})") if dense else 0)
-    if _flag(d, "attn_temperature_tuning", True, where):
+    tuning = d.get("attn_temperature_tuning", True)
+    # Llama-4-Scout / Maverick's published config.json say 4 (an integer read for its truth,
+    # as vLLM and transformers before 5 read it); transformers 5 types it a bool
+    if tuning is None:
+        tuning = True
+    if not isinstance(tuning, int) or (not isinstance(tuning, bool) and tuning < 0):
+        raise ConfigError(f"{where}: attn_temperature_tuning must be true, false or a "
+                          f"non-negative integer, got {tuning!r}")
+    if tuning:
         out["nope_attn_temperature"] = (_positive_number(d, "floor_scale", where, 8192.0),
                                         _positive_number(d, "attn_scale", where, 0.1))
     return out

@@ -407,6 +407,9 @@ def test_config_fields():
         (FULL, FULL), None, None, False, True, True, "llama3")
     assert ModelConfig.from_hf({k: v for k, v in _raw("llama4").items()
                                 if k != "architectures"}).architecture == "Llama4ForCausalLM"
+    # the published Scout / Maverick files say 4: an integer read for its truth
+    assert ModelConfig.from_hf(_raw("llama4", attn_temperature_tuning=4)).nope_attn_temperature == (4.0, 0.5)
+    assert ModelConfig.from_hf(_raw("llama4", attn_temperature_tuning=0)).nope_attn_temperature is None
 
 
 @pytest.mark.parametrize(("edit", "message"), [
@@ -436,7 +439,10 @@ def test_config_fields():
     (dict(intermediate_size=None), "intermediate_size must be a positive integer, got None"),
     (dict(floor_scale=0), "floor_scale must be a positive number, got 0"),
     (dict(use_qk_norm="yes"), "use_qk_norm must be true or false, got 'yes'"),
-    (dict(attn_temperature_tuning=1), "attn_temperature_tuning must be true or false, got 1"),
+    (dict(attn_temperature_tuning="yes"), "attn_temperature_tuning must be true, false or a "
+     "non-negative integer, got 'yes'"),
+    (dict(attn_temperature_tuning=-1), "attn_temperature_tuning must be true, false or a "
+     "non-negative integer, got -1"),
     (dict(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 32}),
      "gptq \\(int4\\) checkpoints are read for the dense Llama, Gemma and Llama-variant "
      "families, not Llama4ForCausalLM"),

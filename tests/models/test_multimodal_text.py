@@ -255,6 +255,8 @@ def test_inspect_full_size_text_models_against_transformers(name):
     cls, billions, kv = FULL_SIZE[name]
     raw = json.loads((CONFIGS / name / "config.json").read_text())
     text = {k: v for k, v in raw["text_config"].items() if k != "model_type"}
+    if "attn_temperature_tuning" in text:  # Scout's file says 4; transformers 5 wants a bool
+        text["attn_temperature_tuning"] = bool(text["attn_temperature_tuning"])
     if "tie_word_embeddings" in raw:
         text["tie_word_embeddings"] = raw["tie_word_embeddings"]
     hf_cfg = getattr(transformers, cls)(**text)
