@@ -25,16 +25,19 @@ import transformers
 from flashpage import SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.layers.rotary import get_rope
+from flashpage.models.gpt_oss import GptOssExperts
 from flashpage.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from tests.conftest import (
     _checkpoints,
     assert_staggered_matches_hf,
+    count_expert_path,
     cpu_greedy,
     cpu_llm,
     hf_greedy,
     load_and_round_trip,
     random_prompts,
     tiny_table_builder,
+    use_expert_path,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -96,22 +99,19 @@ def expected(ckpt):
     return hf_greedy(ckpt, PROMPTS, GREEDY.max_tokens)
 
 
-def _path(model, path: str) -> None:
-    from flashpage.models.gpt_oss import GptOssExperts
-
-    for m in model.modules():
-        if isinstance(m, GptOssExperts):
-            m.sync_free_max_tokens = -1 if path == "grouped" else 10**9
-
-
-@pytest.mark.parametrize("path", ["sync_free", "grouped"])
-def test_greedy_matches_transformers(ckpt, expected, path):
+@pytest.mark.parametrize("path", ["sync_free", "grouped", "fused"])
+def test_greedy_matches_transformers(ckpt, expected, path, monkeypatch):
+    """Each expert path for every token count: the torch ones, and the fused MoE kernel
+    (biases, clamped SwiGLU at 1.5: the clamps bind) in the Triton interpreter."""
     llm = cpu_llm(ckpt)
     model = llm.engine.model
     assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [WINDOW, None, WINDOW]
-    _path(model, path)
+    assert not any(m.fused_kernel for m in model.modules() if isinstance(m, GptOssExperts))
+    use_expert_path(model, path)
+    calls = count_expert_path(monkeypatch, path)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+    assert calls and min(calls) <= 3 and max(calls) >= 20  # decode steps and prompts
     assert llm.engine.kv_manager.stats().blocks_used == 0
 
 
@@ -167,7 +167,7 @@ def test_moe_block_paths_match_transformers_module(tokens):
     the grouped path give its output."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as HFMLP
 
-    from flashpage.models.gpt_oss import GptOssMLP
+    from flashpage.models.gpt_oss import GptOssMLP, experts_from_hf
 
     d = _hf_dict("gpt_oss", num_local_experts=16)
     hf = HFMLP(transformers.GptOssConfig(**{k: v for k, v in d.items() if k != "architectures"}))
@@ -176,7 +176,7 @@ def test_moe_block_paths_match_transformers_module(tokens):
         for p in hf.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     ours = GptOssMLP(ModelConfig.from_hf(d))
-    ours.load_state_dict(hf.state_dict())
+    ours.load_state_dict({n: experts_from_hf(n, t) for n, t in hf.state_dict().items()})
     x = torch.randn(tokens, 64, generator=g)
     with torch.no_grad():
         want = hf(x[None])[0][0]
