@@ -13,7 +13,8 @@ Three launches and one torch sum::
 
     gate_up:  g = x[tok(r)] @ Wgu[e, :I].T (+ bgu[e, :I]),  u = x[tok(r)] @ Wgu[e, I:].T (+ bgu[e, I:])
               act[r, :] = silu(g) * u,  or GPT-OSS's clamped SwiGLU (ClampedSwiGLU)
-    down:     ys[pair(r)] = round(w[pair(r)] * (round(act[r] @ Wd[e].T) (+ bd[e])))  fp32 product
+    down:     y = round(act[r] @ Wd[e].T) (then round(y + bd[e]))
+              ys[pair(r)] = round(w[pair(r)] * y)                           fp32 product
     out       = ys.view(T, K, H).sum(1)
 
 A pair is ``t * K + k`` (slot k of token t). Every (block, N-tile) program reads one

@@ -3,7 +3,8 @@
 DeepSeek-V2/V3's (``DeepseekMoE``), Mixtral's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's
 (``SparseMoeBlock``, in the Llama body of models/llama.py and OLMoE's of models/olmoe.py),
 and Granite MoE's (``models/granite.GraniteMoeBlock``): all route with ``MoEGate`` and run
-their routed experts as ``FusedExperts``.
+their routed experts as ``FusedExperts``. GPT-OSS's experts (``models/gpt_oss.GptOssExperts``,
+behind its own router) are a FusedExperts with per-expert biases and the clamped SwiGLU.
 
 Parameter names are those of transformers 5.x, so its state_dicts load by name::
 
@@ -57,7 +58,8 @@ captured for a batch size always replays the same path):
   ``FLASHPAGE_FUSED_MOE=0``: on the H200 it reads 1.7-4x less than sync-free at 1-16
   tokens and took DeepSeek-V2-Lite from 2,305 to 2,713 output tok/s.
 
-All three weight each expert output in fp32, round it to the model dtype, then sum per token.
+All three weight each expert output in fp32, round it to the model dtype, then sum per token;
+all three take the optional biases and activation (``FusedExperts(bias=, activation=)``).
 """
 
 from __future__ import annotations
