@@ -1,23 +1,34 @@
-"""MoE experts benchmark (GPU): the fused Triton kernel beside the torch sync-free path
-(every expert on every token; what CUDA-graph decode steps run today) and the grouped
-path (one matmul per used expert, one host sync), with the copy bandwidth, in one run.
+"""MoE experts benchmark (GPU): the fused Triton kernel beside the torch paths it
+replaces up to SYNC_FREE_MAX_TOKENS tokens (sync-free: as it picks, and each of its two
+ways on its own, gathered and every expert on every token) and the grouped path (one
+matmul per used expert, one host sync), with the copy bandwidth, in one run.
 
-DeepSeek-V2-Lite experts (benchmarks/configs/deepseek-v2-lite: E=64, top-6, hidden 2048,
-moe_intermediate 1408, bf16: 1.1 GB of expert weights per layer), T tokens in
-{1, 4, 16, 64, 256}, uniform random top-6 routing (seeded). LAYERS copies of the weights
-are cycled so no call finds the previous call's weights in the 60 MB L2, as in a model.
+Two expert shapes (``--model``), T tokens each, uniform random top-k routing (seeded):
+
+- deepseek-v2-lite (benchmarks/configs/deepseek-v2-lite: E=64, top-6, hidden 2048,
+  moe_intermediate 1408, bf16: 1.1 GB of expert weights per layer), T in {1, 4, 16, 64, 256};
+- gpt-oss-20b (benchmarks/configs/gpt-oss-20b: E=32, top-4, hidden 2880, intermediate
+  2880, bf16 (its MXFP4 checkpoint is dequantized at load): 1.6 GB per layer; per-expert
+  biases and the clamped SwiGLU, models/gpt_oss.GptOssExperts), T in {1, 8, 32, 64, 128}.
+
+LAYERS copies of the weights are cycled so no call finds the previous call's weights in
+the 60 MB L2, as in a model.
 
 GB/s = bytes of the weights the tokens need (the distinct routed experts' gate_up + down)
-/ time: the same numerator for all three paths, so the column compares them directly;
-`all experts` gives what the sync-free path actually reads. Times: CUDA events around
-ITERS calls after a warm-up, eager (outside a graph); ours and sync-free also inside a
-CUDA graph (launch overhead gone, as in decode steps; grouped cannot be captured). The
-copy ceiling: a 1 GiB device-to-device copy timed the same way, bytes read + written.
+/ time: the same numerator for every path, so the column compares them directly;
+`all experts` gives what the every-expert path actually reads. Times: CUDA events around
+ITERS calls after a warm-up, eager (outside a graph); all but grouped also inside a CUDA
+graph (launch overhead gone, as in decode steps; grouped cannot be captured). The
+gathered path copies each (token, slot) pair's expert weights: it is left out where that
+copy would pass GATHER_MAX_BYTES (the sync-free path takes it only for 3 * T * k <= E).
+The copy ceiling: a 1 GiB device-to-device copy timed the same way, bytes read + written.
 
-    python benchmarks/fused_moe.py --out $OUT          # ~30-60 s on an H200
-    python benchmarks/fused_moe.py --sweep --out $OUT  # also tile configs of ours
+    python benchmarks/fused_moe.py --out $OUT                     # ~30-60 s on an H200
+    python benchmarks/fused_moe.py --sweep --out $OUT             # also tile configs of ours
+    python benchmarks/fused_moe.py --model gpt-oss-20b --out $OUT
 
-writes $OUT/fused_moe.json and $OUT/fused_moe.md. Without a GPU it runs tiny shapes in
+writes $OUT/fused_moe.json and $OUT/fused_moe.md (deepseek-v2-lite), or
+$OUT/fused_moe_<model>.json / .md for another model. Without a GPU it runs tiny shapes in
 the Triton interpreter (a smoke test of the script; its figures mean nothing).
 """
 
@@ -42,9 +53,11 @@ if not GPU:
 from flashpage.config import ModelConfig  # noqa: E402
 from flashpage.kernels.fused_moe import FusedMoEConfig, default_config, fused_moe  # noqa: E402
 from flashpage.layers.moe import FusedExperts  # noqa: E402
+from flashpage.models.gpt_oss import GptOssExperts  # noqa: E402
 
-CONFIG = Path(__file__).parent / "configs" / "deepseek-v2-lite"
-TOKENS = [1, 4, 16, 64, 256] if GPU else [1, 4]
+CONFIGS = Path(__file__).parent / "configs"
+MODELS = {"deepseek-v2-lite": [1, 4, 16, 64, 256], "gpt-oss-20b": [1, 8, 32, 64, 128]}
+GATHER_MAX_BYTES = 4 << 30
 LAYERS = 4 if GPU else 1
 ITERS = 40 if GPU else 2
 DEV = "cuda" if GPU else "cpu"
@@ -55,20 +68,24 @@ SWEEP = [FusedMoEConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_sta
 
 
 def make_layers(cfg: ModelConfig, hidden: int, inter: int) -> list[FusedExperts]:
-    """LAYERS FusedExperts with random bf16 weights on the device (built on meta, so no
-    fp32 copy is ever allocated)."""
+    """LAYERS FusedExperts (GptOssExperts for GPT-OSS: with biases) with random bf16
+    weights on the device (built on meta, so no fp32 copy is ever allocated)."""
     layers = []
     g = torch.Generator(device=DEV).manual_seed(0)
+
+    def param(*shape: int, scale: float) -> torch.nn.Parameter:
+        return torch.nn.Parameter(torch.randn(*shape, device=DEV, dtype=DT, generator=g) * scale,
+                                  requires_grad=False)
+
     for _ in range(LAYERS):
         with torch.device("meta"):
-            ex = FusedExperts(cfg)
+            ex = GptOssExperts(cfg) if cfg.architecture == "GptOssForCausalLM" else FusedExperts(cfg)
         e = ex.num_experts
-        ex.gate_up_proj = torch.nn.Parameter(
-            torch.randn(e, 2 * inter, hidden, device=DEV, dtype=DT, generator=g) / hidden ** 0.5,
-            requires_grad=False)
-        ex.down_proj = torch.nn.Parameter(
-            torch.randn(e, hidden, inter, device=DEV, dtype=DT, generator=g) / inter ** 0.5,
-            requires_grad=False)
+        ex.gate_up_proj = param(e, 2 * inter, hidden, scale=hidden ** -0.5)
+        ex.down_proj = param(e, hidden, inter, scale=inter ** -0.5)
+        if ex.gate_up_proj_bias is not None:
+            ex.gate_up_proj_bias = param(e, 2 * inter, scale=0.1)
+            ex.down_proj_bias = param(e, hidden, scale=0.1)
         layers.append(ex)
     return layers
 
@@ -146,16 +163,31 @@ def bench_tokens(layers: list[FusedExperts], t: int, k: int, sweep: bool) -> lis
     base = dict(tokens=t, distinct_experts=ids.unique().numel(), needed_mb=round(needed / 1e6, 1),
                 all_experts_mb=round(e * expert_bytes / 1e6),
                 max_diff_vs_sync_free=float((ours.float() - ref.float()).abs().max()))
+
+    def weighted(ys: torch.Tensor) -> torch.Tensor:  # as forward_sync_free finishes
+        return (ys * w[..., None]).to(x.dtype).sum(1)
+
+    picks = "gathered" if 3 * t * k <= e else "all experts"
     paths: dict[str, Callable[[int], object]] = {
         f"fused (default {default_config(t * k, e).name})": lambda i: layers[i].forward_fused(x, w, ids),
-        "torch sync-free": lambda i: layers[i].forward_sync_free(x, w, ids),
+        f"torch sync-free ({picks})": lambda i: layers[i].forward_sync_free(x, w, ids),
+        "torch all experts": lambda i: weighted(layers[i]._all_experts(x, ids)),
+        "torch gathered": lambda i: weighted(layers[i]._gathered(x, ids)),
         "torch grouped": lambda i: layers[i].forward_grouped(x, w, ids),
     }
+    rows = []
+    gather_bytes = t * k * expert_bytes
+    if gather_bytes > GATHER_MAX_BYTES:
+        del paths["torch gathered"]
+        rows.append(dict(base, path="torch gathered",
+                         error=f"skipped: it would copy {gather_bytes / 1e9:.1f} GB of weights"))
+        print(json.dumps(rows[-1]), flush=True)
     if sweep:
         for cfg in SWEEP:
             paths[f"fused {cfg.name}"] = lambda i, cfg=cfg: fused_moe(
-                x, layers[i].gate_up_proj, layers[i].down_proj, ids, w, cfg)
-    rows = []
+                x, layers[i].gate_up_proj, layers[i].down_proj, ids, w, cfg,
+                gate_up_bias=layers[i].gate_up_proj_bias, down_bias=layers[i].down_proj_bias,
+                activation=layers[i].activation)
     for name, fn in paths.items():
         row = dict(base, path=name)
         try:
@@ -176,9 +208,9 @@ def _ratio(gbs: float | None, copy_gbs: float) -> str:
     return f"{gbs / copy_gbs:.0%}" if gbs and copy_gbs else "-"
 
 
-def to_markdown(copy_gbs: float, rows: list[dict]) -> str:
+def to_markdown(model: str, copy_gbs: float, rows: list[dict]) -> str:
     dev = torch.cuda.get_device_name() if GPU else "CPU (Triton interpreter: smoke test only)"
-    lines = [f"# MoE experts, DeepSeek-V2-Lite shapes, {dev}", "",
+    lines = [f"# MoE experts, {model} shapes, {dev}", "",
              f"torch {torch.__version__}; copy bandwidth (1 GiB, read + written): "
              f"{copy_gbs:,.0f} GB/s. GB/s = needed weight bytes (distinct routed experts) / time.",
              "", "| T | distinct experts | needed MB | path | eager µs | eager GB/s | graph µs "
@@ -196,20 +228,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--sweep", action="store_true", help="also time tile configs of ours")
+    ap.add_argument("--model", choices=sorted(MODELS), default="deepseek-v2-lite",
+                    help="whose expert shapes (and token counts) to time")
     args = ap.parse_args()
-    cfg = ModelConfig.from_hf(CONFIG)
+    cfg = ModelConfig.from_hf(CONFIGS / args.model)
     hidden, inter = (cfg.hidden_size, cfg.moe_intermediate_size) if GPU else (64, 32)
+    tokens = MODELS[args.model] if GPU else [1, 4]
     t0 = time.perf_counter()
     layers = make_layers(cfg, hidden, inter)
     copy_gbs = copy_bandwidth()
     print(json.dumps(dict(copy_gbs=copy_gbs)), flush=True)
     rows = []
-    for t in TOKENS:
+    for t in tokens:
         rows += bench_tokens(layers, t, cfg.num_experts_per_tok, args.sweep)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fused_moe.json").write_text(json.dumps(dict(copy_gbs=copy_gbs, rows=rows), indent=1))
-    (out / "fused_moe.md").write_text(to_markdown(copy_gbs, rows))
+    stem = "fused_moe" if args.model == "deepseek-v2-lite" else f"fused_moe_{args.model}"
+    (out / f"{stem}.json").write_text(json.dumps(dict(model=args.model, copy_gbs=copy_gbs,
+                                                      rows=rows), indent=1))
+    (out / f"{stem}.md").write_text(to_markdown(args.model, copy_gbs, rows))
     print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 

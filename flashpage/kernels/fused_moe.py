@@ -11,22 +11,39 @@ Three launches and one torch sum::
     | e0 e0 e0 · | e3 e3 · · | e5 e5 e5 e5 | … | · · · · |     · = padding (pair id P)
     block_expert:   0           3           5    …   -1 (nothing: the program exits)
 
-    gate_up:  act[r, :]  = silu(x[tok(r)] @ Wgu[e, :I].T) * (x[tok(r)] @ Wgu[e, I:].T)
-    down:     ys[pair(r)] = round(w[pair(r)] * round(act[r] @ Wd[e].T))      fp32 product
+    gate_up:  g = x[tok(r)] @ Wgu[e, :I].T (+ bgu[e, :I]),  u = x[tok(r)] @ Wgu[e, I:].T (+ bgu[e, I:])
+              act[r, :] = silu(g) * u,  or GPT-OSS's clamped SwiGLU (ClampedSwiGLU)
+    down:     y = round(act[r] @ Wd[e].T) (then round(y + bd[e]))
+              ys[pair(r)] = round(w[pair(r)] * y)                           fp32 product
     out       = ys.view(T, K, H).sum(1)
 
 A pair is ``t * K + k`` (slot k of token t). Every (block, N-tile) program reads one
 tile of its own expert's weights: an expert no token chose owns no block, so its weights
 are never read; blocks past the last used one exit before loading anything.
 
-Rounding is that of ``flashpage.layers.moe.FusedExperts`` (and transformers): each
-projection's output is rounded to the model dtype, silu in fp32 rounded to the dtype
-then times ``up`` rounded again, each expert output times its fp32 weight rounded to the
-dtype, and the K slots summed by torch (``.sum(1)``, as the sync-free path does).
+Biases are optional (both or neither: GPT-OSS has both): ``gate_up_bias`` [E, 2I] (gate
+half first, as the weight's rows) is added to each projection before the activation,
+``down_bias`` [E, H] to the down projection before the routing weight.
+
+Rounding contract (that of ``flashpage.layers.moe.FusedExperts``'s torch paths, which is
+transformers'): every step below is rounded to the model dtype, as a torch op on tensors
+of that dtype would round it (computed in fp32, rounded once):
+
+- each projection's output (fp32 accumulation, rounded), then its bias added (rounded);
+- silu: silu(gate) in fp32 rounded, times ``up`` rounded;
+- clamped SwiGLU (transformers' ``GptOssExperts._apply_gate``, step by step): gate
+  clamped above at ``limit``, up both ways (rounded: exact for a representable limit),
+  ``gate * alpha`` (alpha in fp32), its sigmoid, ``gate * sigmoid`` (glu), ``up + 1``,
+  and ``(up + 1) * glu``, each rounded;
+- each expert output times its fp32 routing weight, rounded, and the K slots summed by
+  torch (``.sum(1)``, as the sync-free path does).
+
+The same math spelled out in torch, one expert at a time: :func:`fused_moe_ref`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +65,20 @@ class FusedMoEConfig:
     def name(self) -> str:
         return (f"m{self.block_m} n{self.block_n} k{self.block_k} "
                 f"w{self.num_warps} s{self.num_stages}")
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's activation: (up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g) with
+    g = gate.clamp(max=limit) (``limit`` may be inf: no clamp)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if not (self.limit > 0 and math.isfinite(self.alpha)):
+            raise ValueError(f"ClampedSwiGLU needs limit > 0 (inf: no clamp) and a finite "
+                             f"alpha; got limit={self.limit}, alpha={self.alpha}")
 
 
 def default_config(num_pairs: int, num_experts: int) -> FusedMoEConfig:
@@ -164,11 +195,13 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 # ------------------------------------------------------------------------- grouped GEMMs
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k,
-                    hidden, inter, stride_xt, stride_we, stride_wn, stride_ar,
+def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs,
+                    top_k, hidden, inter, stride_xt, stride_we, stride_wn, stride_be, stride_ar,
+                    alpha, limit,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IEEE: tl.constexpr):
-    """act[r, n-tile] = silu(gate) * up for the BLOCK_M rows of one block."""
+                    IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr):
+    """act[r, n-tile] = activation(gate (+ bias), up (+ bias)) for the BLOCK_M rows of one
+    block: silu(gate) * up, or with CLAMPED_SWIGLU GPT-OSS's (ClampedSwiGLU)."""
     pid_n = tl.program_id(0)
     blk = tl.program_id(1)
     expert = tl.load(block_expert_ptr + blk)
@@ -201,17 +234,30 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pai
     dt = act_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)  # each projection output in the model dtype
     u = acc_u.to(dt).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+    if HAS_BIAS:
+        b_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + offs_n
+        g = (g + tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+        u = (u + tl.load(b_ptrs + inter, mask=mask_n, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+    if CLAMPED_SWIGLU:
+        g = tl.minimum(g, limit).to(dt).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -limit), limit).to(dt).to(tl.float32)
+        ga = (g * alpha).to(dt).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-ga))).to(dt).to(tl.float32)
+        glu = (g * sig).to(dt).to(tl.float32)
+        act = (u + 1.0).to(dt).to(tl.float32) * glu
+    else:
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
     out_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_ar + offs_n[None, :]
     tl.store(out_ptrs, act.to(dt), mask=valid[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, topk_w_ptr, ys_ptr, sorted_ptr, block_expert_ptr, num_pairs,
-                 hidden, inter, stride_ar, stride_we, stride_wn, stride_yp,
+def _down_kernel(act_ptr, w_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr, block_expert_ptr,
+                 num_pairs, hidden, inter, stride_ar, stride_we, stride_wn, stride_be, stride_yp,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 IEEE: tl.constexpr):
-    """ys[pair, n-tile] = round(topk_weight[pair] * round(act[r] @ down[e].T))."""
+                 IEEE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """ys[pair, n-tile] = round(topk_weight[pair] * round(round(act[r] @ down[e].T) + bias))
+    (no bias: the inner rounding alone)."""
     pid_n = tl.program_id(0)
     blk = tl.program_id(1)
     expert = tl.load(block_expert_ptr + blk)
@@ -236,13 +282,18 @@ def _down_kernel(act_ptr, w_ptr, topk_w_ptr, ys_ptr, sorted_ptr, block_expert_pt
         w_ptrs += BLOCK_K
     dt = ys_ptr.dtype.element_ty
     scale = tl.load(topk_w_ptr + pair, mask=valid, other=0.0)
-    y = acc.to(dt).to(tl.float32) * scale[:, None]
+    y = acc.to(dt).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=mask_n, other=0.0)
+        y = (y + bias.to(tl.float32)[None, :]).to(dt).to(tl.float32)
+    y = y * scale[:, None]
     out_ptrs = ys_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_yp + offs_n[None, :]
     tl.store(out_ptrs, y.to(dt), mask=valid[:, None] & mask_n[None, :])
 
 
 def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
-           topk_weights: torch.Tensor) -> None:
+           topk_weights: torch.Tensor, gate_up_bias: torch.Tensor | None,
+           down_bias: torch.Tensor | None) -> None:
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
         raise ValueError(f"x must be [T, H], gate_up [E, 2I, H], down [E, H, I]; got "
                          f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
@@ -257,17 +308,31 @@ def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids:
         raise ValueError(f"topk_weights must be fp32, got {topk_weights.dtype}")
     if not (x.dtype == gate_up.dtype == down.dtype):
         raise ValueError(f"x, gate_up, down must share a dtype: {x.dtype}, {gate_up.dtype}, {down.dtype}")
+    if (gate_up_bias is None) != (down_bias is None):
+        raise ValueError("gate_up_bias and down_bias: give both or neither")
+    if gate_up_bias is not None and down_bias is not None:
+        if gate_up_bias.shape != (e, two_i) or down_bias.shape != (e, h):
+            raise ValueError(f"gate_up_bias must be [E, 2I] = {(e, two_i)} and down_bias [E, H] = "
+                             f"{(e, h)}; got {tuple(gate_up_bias.shape)}, {tuple(down_bias.shape)}")
+        if not (gate_up_bias.dtype == down_bias.dtype == x.dtype):
+            raise ValueError(f"the biases must have x's dtype ({x.dtype}); got "
+                             f"{gate_up_bias.dtype}, {down_bias.dtype}")
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-              config: FusedMoEConfig | None = None) -> torch.Tensor:
+              config: FusedMoEConfig | None = None, *,
+              gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+              activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """x [T, H], gate_up [E, 2I, H] (gate rows first), down [E, H, I], topk_ids int [T, K]
     (0..E-1), topk_weights fp32 [T, K] -> [T, H] = sum_k w[t, k] * expert_{ids[t, k]}(x[t]).
 
-    No host sync, every shape a function of the input shapes: capturable in a CUDA graph.
+    ``gate_up_bias`` [E, 2I] and ``down_bias`` [E, H] (both or neither, x's dtype) are added
+    to the projections; ``activation`` None is silu(gate) * up, a ClampedSwiGLU GPT-OSS's.
+    Rounding: the module docstring's contract. No host sync, every shape a function of the
+    input shapes: capturable in a CUDA graph.
     """
-    _check(x, gate_up, down, topk_ids, topk_weights)
+    _check(x, gate_up, down, topk_ids, topk_weights, gate_up_bias, down_bias)
     t, k = topk_ids.shape
     e, two_i, h = gate_up.shape
     inter = two_i // 2
@@ -278,39 +343,60 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     down = down if down.stride(-1) == 1 else down.contiguous()
+    has_bias = gate_up_bias is not None and down_bias is not None
+    if gate_up_bias is None or down_bias is None:
+        gate_up_bias, down_bias = gate_up, down  # never read (HAS_BIAS off)
+    else:
+        gate_up_bias = gate_up_bias if gate_up_bias.stride(-1) == 1 else gate_up_bias.contiguous()
+        down_bias = down_bias if down_bias.stride(-1) == 1 else down_bias.contiguous()
+    act_fn = activation or ClampedSwiGLU()  # its numbers unused when activation is None
     sorted_pairs, block_expert = moe_align(topk_ids, e, cfg.block_m)
     nb = block_expert.shape[0]
     act = torch.empty(nb * cfg.block_m, inter, dtype=x.dtype, device=x.device)
     ys = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32  # fp32 stays fp32 (tl.dot would use tf32)
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  HAS_BIAS=has_bias, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gate_up_kernel[(triton.cdiv(inter, cfg.block_n), nb)](
-        x, gate_up, act, sorted_pairs, block_expert, num_pairs, k, h, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), **launch)
+        x, gate_up, gate_up_bias, act, sorted_pairs, block_expert, num_pairs, k, h, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_bias.stride(0), act.stride(0),
+        float(act_fn.alpha), float(act_fn.limit), CLAMPED_SWIGLU=activation is not None, **launch)
     _down_kernel[(triton.cdiv(h, cfg.block_n), nb)](
-        act, down, topk_weights.reshape(-1).contiguous(), ys, sorted_pairs, block_expert,
-        num_pairs, h, inter, act.stride(0), down.stride(0), down.stride(1), ys.stride(0),
-        **launch)
+        act, down, down_bias, topk_weights.reshape(-1).contiguous(), ys, sorted_pairs,
+        block_expert, num_pairs, h, inter, act.stride(0), down.stride(0), down.stride(1),
+        down_bias.stride(0), ys.stride(0), **launch)
     return ys.view(t, k, h).sum(1)
 
 
 def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  config: FusedMoEConfig | None = None) -> torch.Tensor:
-    """Pure-torch fused_moe, one expert at a time, with the same rounding (config unused)."""
-    _check(x, gate_up, down, topk_ids, topk_weights)
+                  config: FusedMoEConfig | None = None, *,
+                  gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                  activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """Pure-torch fused_moe, one expert at a time, with the same rounding (config unused):
+    each op below is a torch op on x's dtype, so it rounds as the contract says."""
+    _check(x, gate_up, down, topk_ids, topk_weights, gate_up_bias, down_bias)
     t, k = topk_ids.shape
     inter = gate_up.shape[1] // 2
     ys = torch.zeros(t, k, x.shape[1], dtype=x.dtype, device=x.device)
     for e in topk_ids.unique().tolist():
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
         h = x[tok] @ gate_up[e].T
-        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[e]
+        gate, up = h[:, :inter], h[:, inter:]
+        if activation is None:
+            act = torch.nn.functional.silu(gate) * up
+        else:  # transformers' GptOssExperts._apply_gate, op for op
+            gate = gate.clamp(max=activation.limit)
+            up = up.clamp(min=-activation.limit, max=activation.limit)
+            act = (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
         y = act @ down[e].T
+        if down_bias is not None:
+            y = y + down_bias[e]
         ys[tok, slot] = (y * topk_weights[tok, slot, None]).to(x.dtype)
     return ys.sum(1)
 
 
-__all__ = ["FusedMoEConfig", "default_config", "fused_moe", "fused_moe_ref", "moe_align",
+__all__ = ["ClampedSwiGLU", "FusedMoEConfig", "default_config", "fused_moe", "fused_moe_ref", "moe_align",
            "moe_align_ref", "num_blocks"]

@@ -3,7 +3,8 @@
 DeepSeek-V2/V3's (``DeepseekMoE``), Mixtral's, Qwen2-MoE's, Qwen3-MoE's and OLMoE's
 (``SparseMoeBlock``, in the Llama body of models/llama.py and OLMoE's of models/olmoe.py),
 and Granite MoE's (``models/granite.GraniteMoeBlock``): all route with ``MoEGate`` and run
-their routed experts as ``FusedExperts``.
+their routed experts as ``FusedExperts``. GPT-OSS's experts (``models/gpt_oss.GptOssExperts``,
+behind its own router) are a FusedExperts with per-expert biases and the clamped SwiGLU.
 
 Parameter names are those of transformers 5.x, so its state_dicts load by name::
 
@@ -57,7 +58,8 @@ captured for a batch size always replays the same path):
   ``FLASHPAGE_FUSED_MOE=0``: on the H200 it reads 1.7-4x less than sync-free at 1-16
   tokens and took DeepSeek-V2-Lite from 2,305 to 2,713 output tok/s.
 
-All three weight each expert output in fp32, round it to the model dtype, then sum per token.
+All three weight each expert output in fp32, round it to the model dtype, then sum per token;
+all three take the optional biases and activation (``FusedExperts(bias=, activation=)``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from torch import nn
 
 from flashpage import envs
 from flashpage.config import DEEPSEEK_FAMILY, ModelConfig
+from flashpage.kernels.fused_moe import ClampedSwiGLU
 from flashpage.layers.fp32 import KeepFp32
 from flashpage.layers.mlp import GatedMLP
 
@@ -160,24 +163,48 @@ class MoEGate(KeepFp32, nn.Module):
 SYNC_FREE_MAX_TOKENS = 512
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, act: ClampedSwiGLU) -> torch.Tensor:
+    """GPT-OSS's activation as transformers computes it (GptOssExperts._apply_gate, op for
+    op, so each step rounds in the model dtype as the fused kernel's contract says):
+    (up.clamp(-limit, limit) + 1) * g * sigmoid(g * alpha), g = gate.clamp(max=limit)."""
+    gate = gate.clamp(max=act.limit)
+    up = up.clamp(min=-act.limit, max=act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+
+
 class FusedExperts(nn.Module):
     """All routed experts' weights as 3-D tensors; forward runs them sync-free (torch or the
-    fused kernel) or grouped."""
+    fused kernel) or grouped.
+
+    ``bias``: per-expert biases ``gate_up_proj_bias`` [E, 2I] (gate half first) and
+    ``down_proj_bias`` [E, hidden], added to each projection (GPT-OSS's). ``activation``:
+    None for silu(gate) * up, a ClampedSwiGLU for GPT-OSS's. Every path, and the fused
+    kernel, takes both."""
 
     # Up to sync_free_max_tokens: the Triton grouped kernel instead of forward_sync_free.
     # Per instance through set_fused_moe (needs Triton on CUDA, or its CPU interpreter).
     fused_kernel: bool = False
+    gate_up_proj_bias: nn.Parameter | None
+    down_proj_bias: nn.Parameter | None
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, bias: bool = False,
+                 activation: ClampedSwiGLU | None = None) -> None:
         super().__init__()
         assert config.n_routed_experts
         self.num_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
         self.intermediate = config.moe_intermediate_size
         self.sync_free_max_tokens = SYNC_FREE_MAX_TOKENS
+        self.activation = activation
         h = config.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate, h))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, h, self.intermediate))
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(self.num_experts, 2 * self.intermediate))
+            self.down_proj_bias = nn.Parameter(torch.zeros(self.num_experts, h))
+        else:
+            self.register_parameter("gate_up_proj_bias", None)
+            self.register_parameter("down_proj_bias", None)
 
     def read_fraction(self, tokens: int) -> float:
         """The share of these weights a step of ``tokens`` tokens reads at most (each token
@@ -212,7 +239,16 @@ class FusedExperts(nn.Module):
         routed experts' weights. Static shapes, no host sync (CUDA-graph safe)."""
         from flashpage.kernels.fused_moe import fused_moe
 
-        return fused_moe(x, self.gate_up_proj, self.down_proj, ids, weights)
+        return fused_moe(x, self.gate_up_proj, self.down_proj, ids, weights,
+                         gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
+                         activation=self.activation)
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., 2I] (gate, then up) -> [..., I]."""
+        gate, up = h.chunk(2, dim=-1)
+        if self.activation is None:
+            return F.silu(gate) * up
+        return clamped_swiglu(gate, up, self.activation)
 
     def _gathered(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each (token, slot) pair with its own expert's weights: -> [N, K, hidden]."""
@@ -220,8 +256,11 @@ class FusedExperts(nn.Module):
         flat = ids.reshape(-1)
         xs = x[:, None, :].expand(n, k, x.shape[1]).reshape(n * k, 1, x.shape[1])
         h = torch.bmm(xs, self.gate_up_proj.index_select(0, flat).transpose(1, 2))  # [P, 1, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, self.down_proj.index_select(0, flat).transpose(1, 2))
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias.index_select(0, flat)[:, None]
+        y = torch.bmm(self._act(h), self.down_proj.index_select(0, flat).transpose(1, 2))
+        if self.down_proj_bias is not None:
+            y = y + self.down_proj_bias.index_select(0, flat)[:, None]
         return y.view(n, k, x.shape[1])
 
     def _all_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -230,11 +269,14 @@ class FusedExperts(nn.Module):
         e, two_i, hidden = self.gate_up_proj.shape
         # One GEMM against all experts' gate/up rows at once: [N, E * 2I].
         h = F.linear(x, self.gate_up_proj.view(e * two_i, hidden)).view(n, e, two_i)
-        gate, up = h.chunk(2, dim=-1)
-        act = (F.silu(gate) * up).transpose(0, 1)  # [E, N, I] (a strided view, no copy)
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias
+        act = self._act(h).transpose(0, 1)  # [E, N, I] (a strided view, no copy)
         y = torch.bmm(act, self.down_proj.transpose(1, 2))  # [E, N, hidden]
+        if self.down_proj_bias is not None:
+            y = y + self.down_proj_bias[:, None]
         rows = ids * n + torch.arange(n, device=x.device)[:, None]  # row of (expert, token)
-        return y.view(-1, x.shape[1]).index_select(0, rows.reshape(-1)).view(n, k, x.shape[1])
+        return y.reshape(-1, x.shape[1]).index_select(0, rows.reshape(-1)).view(n, k, x.shape[1])
 
     def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor,
                         ids: torch.Tensor) -> torch.Tensor:
@@ -251,8 +293,13 @@ class FusedExperts(nn.Module):
             if c == 0:
                 continue
             seg = xs[start:start + c]
-            gate, up = F.linear(seg, self.gate_up_proj[e]).chunk(2, dim=-1)
-            ys[start:start + c] = F.linear(F.silu(gate) * up, self.down_proj[e])
+            h = F.linear(seg, self.gate_up_proj[e])
+            if self.gate_up_proj_bias is not None:
+                h = h + self.gate_up_proj_bias[e]
+            y = F.linear(self._act(h), self.down_proj[e])
+            if self.down_proj_bias is not None:
+                y = y + self.down_proj_bias[e]
+            ys[start:start + c] = y
             start += c
         # Weight in fp32, then back to the model dtype before the sum (as transformers).
         ys = (ys * weights.reshape(-1)[order, None]).to(x.dtype)
@@ -385,4 +432,5 @@ class SparseMoeBlock(nn.Module):
 
 
 __all__ = ["EXPERT_NAME", "SYNC_FREE_MAX_TOKENS", "DeepseekMLP", "DeepseekMoE", "FusedExperts",
-           "MoEGate", "SparseMoeBlock", "load_expert_weight", "routing_method", "set_fused_moe"]
+           "MoEGate", "SparseMoeBlock", "clamped_swiglu", "load_expert_weight", "routing_method",
+           "set_fused_moe"]

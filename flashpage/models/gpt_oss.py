@@ -6,19 +6,26 @@
   biases on q/k/v/o, YaRN rope (layers/rotary.yarn_inv_freq);
 - a mixture of experts in every layer (``mlp.router``, ``mlp.experts``): the router is a
   Linear with bias over the experts; the top-k of its logits, softmaxed over the k, weigh
-  the chosen experts, each ``(up + 1) * glu`` of an interleaved gate/up projection with
-  biases (``gate_up_proj`` [E, hidden, 2I]: even columns gate, odd up) where gate is clamped
-  above and up both ways at ``swiglu_limit`` and glu = gate * sigmoid(alpha * gate), then
-  ``down_proj`` [E, I, hidden] plus its bias;
+  the chosen experts, each ``(up + 1) * glu`` of a gate/up projection with biases, where
+  gate is clamped above and up both ways at ``swiglu_limit`` and glu = gate *
+  sigmoid(alpha * gate), then a down projection plus its bias;
 - RMSNorms whose weights stay fp32 (transformers keeps them so: the product is rounded once).
 
 Parameter names are transformers' (q/k/v merged into ``qkv_proj`` as Llama's); released
 checkpoints store the experts as MXFP4 blocks, dequantized at load (models/mxfp4.py).
 
-The experts run here, not through layers/moe.FusedExperts or the fused MoE kernel
-(kernels/fused_moe.py): those have neither biases nor this activation, and keep gate and
-up in two halves rather than interleaved. The paths are FusedExperts' (sync-free up to
-SYNC_FREE_MAX_TOKENS tokens, for CUDA graphs; grouped by expert past it).
+The experts are a layers/moe.FusedExperts with biases and the clamped SwiGLU, so they take
+its paths: the fused MoE kernel (kernels/fused_moe.py) up to SYNC_FREE_MAX_TOKENS tokens
+when the engine turns it on (set_fused_moe), else the torch sync-free path; grouped by
+expert past it. Their tensors are held in FusedExperts' layout, converted once at load
+(:func:`experts_from_hf`; ``hf_weights`` converts back)::
+
+    transformers (x @ W)                              ours (F.linear, x @ W.T)
+    gate_up_proj       [E, hidden, 2I] interleaved    [E, 2I, hidden]  gate rows, then up
+                       columns: gate, up, gate, ...
+    gate_up_proj_bias  [E, 2I] interleaved            [E, 2I]          gate half, then up
+    down_proj          [E, I, hidden]                 [E, hidden, I]
+    down_proj_bias     [E, hidden]                    the same
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from torch import nn
 
 from flashpage.attention.backend import AttentionMetadata
 from flashpage.config import ModelConfig
+from flashpage.kernels.fused_moe import ClampedSwiGLU
 from flashpage.layers.attention import Attention
 from flashpage.layers.fp32 import KeepFp32
 from flashpage.layers.linear import (
@@ -40,7 +48,7 @@ from flashpage.layers.linear import (
     RowParallelLinear,
     VocabEmbedding,
 )
-from flashpage.layers.moe import SYNC_FREE_MAX_TOKENS
+from flashpage.layers.moe import FusedExperts
 from flashpage.layers.norm import RMSNorm
 from flashpage.layers.rotary import get_rope
 from flashpage.models.common import DecoderStack, PreNormDecoderLayer
@@ -95,89 +103,53 @@ class GptOssRouter(KeepFp32, nn.Module):
         return top.softmax(dim=-1), ids
 
 
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """[..., 2I] with gate in the even columns and up in the odd ones -> [..., I]:
-    (up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g), g = gate.clamp(max=limit)."""
-    gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+def _expert_tensor(name: str) -> str | None:
+    """'gate_up_proj', 'gate_up_proj_bias' or 'down_proj' for ``...experts.<that>``."""
+    parts = name.rsplit(".", 2)
+    if len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in (
+            "gate_up_proj", "gate_up_proj_bias", "down_proj"):
+        return parts[-1]
+    return None
 
 
-class GptOssExperts(nn.Module):
-    """All experts' weights in transformers' layout (x @ W)::
+def experts_from_hf(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A checkpoint tensor (HF name) in our layout: the experts' as the module docstring's
+    table says (gate and up de-interleaved, the weights transposed); others as they are."""
+    kind = _expert_tensor(name)
+    if kind is None:
+        return t
+    dims = 2 if kind == "gate_up_proj_bias" else 3
+    if t.dim() != dims or (kind != "down_proj" and t.shape[-1] % 2):
+        raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(t.shape)} is not GPT-OSS's "
+                         f"({dims} dims{'' if kind == 'down_proj' else ', the last one even'})")
+    if kind == "gate_up_proj":  # [E, H, 2I], columns (gate, up) pairs -> [E, 2I, H]
+        e, h, two_i = t.shape
+        return t.unflatten(-1, (two_i // 2, 2)).permute(0, 3, 2, 1).reshape(e, two_i, h)
+    if kind == "gate_up_proj_bias":
+        return t.unflatten(-1, (t.shape[-1] // 2, 2)).transpose(-1, -2).reshape(t.shape)
+    return t.transpose(1, 2)
 
-        gate_up_proj       [E, hidden, 2I]   columns interleaved: gate, up, gate, up, ...
-        gate_up_proj_bias  [E, 2I]
-        down_proj          [E, I, hidden]
-        down_proj_bias     [E, hidden]
-    """
+
+def experts_to_hf(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`experts_from_hf` (our tensor, its HF name)."""
+    kind = _expert_tensor(name)
+    if kind == "gate_up_proj":
+        e, two_i, h = t.shape
+        return t.unflatten(1, (2, two_i // 2)).permute(0, 3, 2, 1).reshape(e, h, two_i)
+    if kind == "gate_up_proj_bias":
+        return t.unflatten(-1, (2, t.shape[-1] // 2)).transpose(-1, -2).reshape(t.shape)
+    if kind == "down_proj":
+        return t.transpose(1, 2)
+    return t
+
+
+class GptOssExperts(FusedExperts):
+    """FusedExperts with per-expert biases on both projections and GPT-OSS's clamped SwiGLU
+    (swiglu_alpha, swiglu_limit); tensors in FusedExperts' layout (the module docstring)."""
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        assert config.n_routed_experts
-        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        self.num_experts = e
-        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
-        self.sync_free_max_tokens = SYNC_FREE_MAX_TOKENS
-        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))
-        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
-        self.down_proj = nn.Parameter(torch.empty(e, i, h))
-        self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden], weights fp32 [N, k], ids int64 [N, k] -> sum_k weights * expert_k(x)."""
-        if x.shape[0] <= self.sync_free_max_tokens:
-            n, k = ids.shape
-            ys = self._gathered(x, ids) if 3 * n * k <= self.num_experts else self._all_experts(x, ids)
-            return (ys * weights[..., None]).to(x.dtype).sum(1)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"MoE over {x.shape[0]} tokens syncs with the host and cannot be captured in a "
-                f"CUDA graph; capture at most {self.sync_free_max_tokens} tokens")
-        return self.forward_grouped(x, weights, ids)
-
-    def _gathered(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Each (token, slot) pair with its own expert's weights: -> [N, k, hidden]."""
-        n, k = ids.shape
-        flat = ids.reshape(-1)
-        xs = x[:, None, :].expand(n, k, x.shape[1]).reshape(n * k, 1, x.shape[1])
-        h = torch.bmm(xs, self.gate_up_proj.index_select(0, flat))
-        h = h + self.gate_up_proj_bias.index_select(0, flat)[:, None]
-        y = torch.bmm(clamped_swiglu(h, self.alpha, self.limit), self.down_proj.index_select(0, flat))
-        y = y + self.down_proj_bias.index_select(0, flat)[:, None]
-        return y.view(n, k, x.shape[1])
-
-    def _all_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, then each token's k picked: -> [N, k, hidden]."""
-        n, k = ids.shape
-        h = torch.matmul(x, self.gate_up_proj) + self.gate_up_proj_bias[:, None]  # [E, N, 2I]
-        y = torch.bmm(clamped_swiglu(h, self.alpha, self.limit), self.down_proj)
-        y = y + self.down_proj_bias[:, None]  # [E, N, hidden]
-        rows = ids * n + torch.arange(n, device=x.device)[:, None]  # row of (expert, token)
-        return y.reshape(-1, x.shape[1]).index_select(0, rows.reshape(-1)).view(n, k, x.shape[1])
-
-    def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor,
-                        ids: torch.Tensor) -> torch.Tensor:
-        """Same contract as :meth:`forward`; one matmul pair per used expert, one host sync."""
-        n, k = ids.shape
-        flat_ids = ids.reshape(-1)
-        order = flat_ids.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        token = order // k
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one sync
-        xs = x.index_select(0, token)
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            seg = xs[start:start + c]
-            h = seg @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
-            ys[start:start + c] = (clamped_swiglu(h, self.alpha, self.limit) @ self.down_proj[e]
-                                   + self.down_proj_bias[e])
-            start += c
-        ys = (ys * weights.reshape(-1)[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token, ys)
+        super().__init__(config, bias=True,
+                         activation=ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit))
 
 
 class GptOssMLP(nn.Module):
@@ -216,7 +188,8 @@ class GptOssModel(DecoderStack):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     """Llama's head, q/k/v merging, loading and ``hf_weights`` over GPT-OSS's body; MXFP4
-    expert tensors are dequantized on their way in (models/mxfp4.py)."""
+    expert tensors are dequantized on their way in (models/mxfp4.py), and the experts'
+    converted to our layout (experts_from_hf; hf_weights: experts_to_hf)."""
 
     def _decoder(self, config: ModelConfig, max_positions: int) -> DecoderStack:
         return GptOssModel(config, max_positions)
@@ -227,5 +200,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         dtype = cast(GptOssDecoderLayer, self.model.layers[0]).mlp.experts.gate_up_proj.dtype
         # fp16 models dequantize through fp32 (an e8m0 scale may leave fp16's range)
-        return super().load_weights(mxfp4_weights(
-            weights, torch.float32 if dtype == torch.float16 else dtype, self.config.mxfp4_experts))
+        hf = mxfp4_weights(weights, torch.float32 if dtype == torch.float16 else dtype,
+                           self.config.mxfp4_experts)
+        return super().load_weights((name, experts_from_hf(name, t)) for name, t in hf)
+
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, t in super().hf_weights():
+            yield name, experts_to_hf(name, t)

@@ -12,7 +12,8 @@ An e2m1 nibble is a sign bit over 3 magnitude bits: 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 GPT-OSS's experts hold ``gate_up_proj`` [E, hidden, 2I] and ``down_proj`` [E, I, hidden]
 (transformers' layout, x @ W) but store them transposed, quantized along the input dim:
 ``gate_up_proj_blocks`` [E, 2I, hidden / 32, 16], ``down_proj_blocks`` [E, hidden, I / 32,
-16]; ``mxfp4_weights`` gives them back in the model's layout, under the names without the
+16]; ``mxfp4_weights`` gives them back in transformers' layout (views of the dequantized
+tensors; models/gpt_oss.py then takes them to its own), under the names without the
 suffix. ``quantize_mxfp4`` writes the format (round to the nearest e2m1 value after a
 power-of-two scale that keeps each block's largest magnitude within 6): the tests' way of
 making such a checkpoint from a tiny model.
@@ -77,7 +78,7 @@ def mxfp4_weights(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtyp
                   enabled: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint's (name, tensor) pairs with each ``X_blocks`` / ``X_scales`` pair of an
     MXFP4 one replaced by ``X`` dequantized to ``dtype`` and transposed to [E, in, out]
-    (GPT-OSS's x @ W layout); other tensors pass as they are. ``enabled``: the config says
+    (GPT-OSS's x @ W layout, as a view: no copy); other tensors pass as they are. ``enabled``: the config says
     MXFP4 (quantization_config); a block tensor otherwise, or a half pair, is a ValueError."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in weights:
@@ -94,7 +95,8 @@ def mxfp4_weights(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtyp
         if len(pair) == 2:
             del pending[base]
             w = dequantize_mxfp4(pair["_blocks"], pair["_scales"], dtype)
-            yield base, w.transpose(-1, -2).contiguous() if w.dim() == 3 else w
+            # a view: GPT-OSS's loader turns it back to [E, out, in] (models/gpt_oss.py)
+            yield base, w.transpose(-1, -2) if w.dim() == 3 else w
     if pending:
         halves = ", ".join(f"{b}{next(iter(p))}" for b, p in sorted(pending.items()))
         raise ValueError(f"MXFP4 tensors without their other half (blocks / scales): {halves}")

@@ -1,6 +1,7 @@
 """fused_moe (grouped MoE experts, routed weights only) against its PyTorch reference:
 the on-device alignment element for element, the experts fp32/fp16 on the CPU under the
-interpreter, bf16 and CUDA-graph capture on the GPU; no host sync (meta tensors)."""
+interpreter (silu, and GPT-OSS's biases with its clamped SwiGLU), bf16 and CUDA-graph
+capture on the GPU; no host sync (meta tensors)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from flashpage.kernels import fused_moe as fm
 from flashpage.kernels.fused_moe import (
+    ClampedSwiGLU,
     FusedMoEConfig,
     fused_moe,
     fused_moe_ref,
@@ -95,6 +97,96 @@ def test_fused_moe_cpu(t, k, e, h, inter, crowd, dtype):
         assert (got == want).float().mean() >= 0.99
 
 
+def biases(e: int, h: int, inter: int, dtype: torch.dtype, seed: int):
+    """gate_up_bias [E, 2I], down_bias [E, H]: nonzero, O(1) like the projections."""
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.randn(e, 2 * inter, generator=g) * 0.5).to(DEV, dtype),
+            (torch.randn(e, h, generator=g) * 0.5).to(DEV, dtype))
+
+
+# GPT-OSS's activation at a limit the O(1) projections pass (so both clamps bind)
+SWIGLU = ClampedSwiGLU(alpha=1.702, limit=0.6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("t", "k", "e", "h", "inter", "crowd"), CASES)
+def test_fused_moe_biases_and_clamped_swiglu_cpu(t, k, e, h, inter, crowd, dtype):
+    """GPT-OSS's experts: biases on both projections and the clamped SwiGLU, against the
+    reference (transformers' ops, op for op), over the same ragged routings (an expert
+    spanning several blocks, experts nobody chose, ragged tiles)."""
+    if GPU:
+        pytest.skip("the CPU variant (interpreter)")
+    gate_up, down = weights(e, h, inter, dtype, seed=t)
+    gu_bias, d_bias = biases(e, h, inter, dtype, seed=t + 7)
+    ids, w = routing(t, k, e, seed=t + 1, crowd=crowd)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(2)).to(dtype)
+    cfg = FusedMoEConfig(block_m=16, block_n=32, block_k=32)
+    kw = dict(gate_up_bias=gu_bias, down_bias=d_bias, activation=SWIGLU)
+    got = fused_moe(x, gate_up, down, ids, w, cfg, **kw)
+    want = fused_moe_ref(x, gate_up, down, ids, w, **kw)
+    assert got.shape == (t, h) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    if dtype == torch.float16:
+        assert (got == want).float().mean() >= 0.99  # each rounding step the reference's
+    # The test could fail: the biases, the clamp and the activation each move the output.
+    h_ = x.float() @ gate_up[ids[0, 0]].float().T + gu_bias[ids[0, 0]].float()
+    assert (h_[:, :inter] > SWIGLU.limit).any() and (h_[:, inter:].abs() > SWIGLU.limit).any()
+    for other in (dict(kw, gate_up_bias=None, down_bias=None),
+                  dict(kw, activation=ClampedSwiGLU(alpha=1.702, limit=float("inf"))),
+                  dict(kw, activation=None)):
+        assert not torch.allclose(fused_moe_ref(x, gate_up, down, ids, w, **other), want,
+                                  rtol=tol, atol=tol)
+
+
+def test_unclamped_swiglu_and_silu_with_biases():
+    """limit inf (no clamp: a config's swiglu_limit null) and silu with biases, each
+    against the reference; an expert nobody chose keeps even a huge bias out."""
+    if GPU:
+        pytest.skip("the CPU variant (interpreter)")
+    t, k, e, h, inter = 9, 2, 8, 48, 40
+    gate_up, down = weights(e, h, inter, torch.float32, seed=11)
+    gu_bias, d_bias = biases(e, h, inter, torch.float32, seed=12)
+    ids, w = routing(t, k, e, seed=13)
+    unused = sorted(set(range(e)) - set(ids.unique().tolist()))
+    assert unused
+    gu_bias[unused] = 1e6
+    d_bias[unused] = 1e6
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(14))
+    cfg = FusedMoEConfig(block_m=16, block_n=16, block_k=16)
+    for act in (ClampedSwiGLU(alpha=1.0, limit=float("inf")), None):
+        kw = dict(gate_up_bias=gu_bias, down_bias=d_bias, activation=act)
+        got = fused_moe(x, gate_up, down, ids, w, cfg, **kw)
+        torch.testing.assert_close(got, fused_moe_ref(x, gate_up, down, ids, w, **kw),
+                                   rtol=1e-5, atol=1e-5)
+        assert got.abs().max() < 1e3
+
+
+def test_clamped_swiglu_reference_is_transformers():
+    """The reference's activation is transformers' GptOssExperts._apply_gate (on its
+    interleaved columns; ours in halves), in fp32 and bf16 alike (bit for bit)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    cfg = transformers.GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=2,
+                                    swiglu_limit=0.6)
+    hf = GptOssExperts(cfg)
+    inter = 8
+    for dtype in (torch.float32, torch.bfloat16):
+        # H = 2I, gate_up the identity (h = x: gate x[:, :I], up x[:, I:]) and down [I | 0]
+        # rows: the output's first I columns are the activation itself
+        x = (torch.randn(5, 2 * inter, generator=torch.Generator().manual_seed(0)) * 2).to(dtype)
+        eye = torch.eye(2 * inter, dtype=dtype)[None]
+        down = torch.cat([torch.eye(inter), torch.zeros(inter, inter)]).to(dtype)[None]
+        ids, w = torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1)
+        got = fused_moe_ref(x, eye, down, ids, w, activation=ClampedSwiGLU(cfg.swiglu_alpha, 0.6))
+        interleaved = torch.stack([x[:, :inter], x[:, inter:]], -1).flatten(-2)
+        want = hf._apply_gate(interleaved)
+        assert (x.abs() > 0.6).any()
+        assert torch.equal(got[:, :inter], want), dtype
+        assert torch.equal(got[:, inter:], torch.zeros_like(got[:, inter:]))
+
+
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_block_sizes_agree(block_m):
     t, k, e, h, inter = 45, 4, 8, 32, 16  # ~22 pairs per expert: 1, 1 and 2+ blocks each
@@ -119,6 +211,16 @@ def test_empty_batch_and_bad_shapes():
         fused_moe(torch.zeros(3, 12, device=DEV), gate_up, down, ids, torch.zeros(3, 2, device=DEV))
     with pytest.raises(ValueError, match="T = 3"):
         fused_moe(x, gate_up, down, ids[:2], torch.zeros(2, 2, device=DEV))
+    w = torch.zeros(3, 2, device=DEV)
+    gu_bias, d_bias = biases(4, 16, 8, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="both or neither"):
+        fused_moe(x, gate_up, down, ids, w, gate_up_bias=gu_bias)
+    with pytest.raises(ValueError, match=r"gate_up_bias must be \[E, 2I\]"):
+        fused_moe(x, gate_up, down, ids, w, gate_up_bias=gu_bias[:, :8], down_bias=d_bias)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_moe(x, gate_up, down, ids, w, gate_up_bias=gu_bias.half(), down_bias=d_bias.half())
+    with pytest.raises(ValueError, match="limit > 0"):
+        ClampedSwiGLU(alpha=1.0, limit=0.0)
 
 
 # ----------------------------------------------------------------- no host sync
@@ -154,6 +256,13 @@ def test_no_host_sync_on_meta_tensors(monkeypatch):
     assert grids == [(1,), (inter // 64, nb), (h // 64, nb)]
     pairs, block_expert = moe_align_ref(ids, e, 16)
     assert pairs.shape == (nb * 16,) and block_expert.shape == (nb,)
+    # GPT-OSS's variant (biases, clamped SwiGLU): the same launches
+    grids.clear()
+    out = fused_moe(x, gate_up, down, ids, w, FusedMoEConfig(block_m=16, block_n=64),
+                    gate_up_bias=torch.empty(e, 2 * inter, device=meta, dtype=torch.bfloat16),
+                    down_bias=torch.empty(e, h, device=meta, dtype=torch.bfloat16),
+                    activation=ClampedSwiGLU())
+    assert out.shape == (t, h) and grids == [(1,), (inter // 64, nb), (h // 64, nb)]
     # The check bites: the reference experts read the used ids back to the host.
     with pytest.raises((NotImplementedError, RuntimeError)):
         fused_moe_ref(x, gate_up, down, ids, w)
@@ -173,6 +282,29 @@ def test_fused_moe_gpu_bf16(t, crowd):
     want = fused_moe_ref(x, gate_up, down, ids, w)
     # bf16: outputs O(1), each projection rounded to bf16 (8 bits) along the way.
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("t", "crowd"), [(1, 0), (8, 0), (64, 40), (128, 0)])
+def test_fused_moe_gpu_bf16_gpt_oss(t, crowd):
+    """gpt-oss-20b's expert shapes (E=32, top-4, hidden 2880, I 2880: neither a multiple of
+    the 64/128 tiles), biases and the clamped SwiGLU at its limit 7.0, default configs."""
+    k, e, h, inter = 4, 32, 2880, 2880
+    gate_up, down = weights(e, h, inter, torch.bfloat16, seed=t)
+    gate_up, down = gate_up * 4, down * 4  # projections of a few units: the clamp at 7 binds
+    gu_bias, d_bias = biases(e, h, inter, torch.bfloat16, seed=t + 1)
+    ids, w = routing(t, k, e, seed=t + 2, crowd=crowd)
+    x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    kw = dict(gate_up_bias=gu_bias, down_bias=d_bias, activation=ClampedSwiGLU(1.702, 7.0))
+    got = fused_moe(x, gate_up, down, ids, w, **kw)
+    want = fused_moe_ref(x, gate_up, down, ids, w, **kw)
+    h0 = x.float() @ gate_up[ids[0, 0]].float().T
+    assert (h0.abs() > 7.0).any()  # the clamps bind somewhere
+    # outputs of tens (act up to (7 + 1) * 7): bf16's 8 bits, relative to the largest
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * max(1.0, scale))
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
 
 
 @pytest.mark.gpu

@@ -2,8 +2,9 @@
 alternating windowed and full layers, biases on q/k/v/o, YaRN rope, experts with biases and
 a clamped SwiGLU over interleaved gate/up columns, MXFP4 expert checkpoints (models/mxfp4.py).
 
-CPU, fp32: greedy tokens equal transformers' on both expert paths (sync-free and grouped)
-over prompts past the window; on our Triton kernels (interpreter: prefill and split decode
+CPU, fp32: greedy tokens equal transformers' on every expert path (sync-free, grouped,
+and the fused MoE kernel in the interpreter) over prompts past the window; the experts'
+layout conversion (interleaved on disk, de-interleaved at load) and back; on our Triton kernels (interpreter: prefill and split decode
 with sinks); through chunked prefill, preemption and prefix hits; the sinks, the window and
 the activation's clamp each shown to change the tokens; YaRN's frequencies and attention
 factor equal transformers' rope init (truncate false and true); MXFP4: our dequantization
@@ -25,16 +26,19 @@ import transformers
 from flashpage import SamplingParams
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.layers.rotary import get_rope
+from flashpage.models.gpt_oss import GptOssExperts
 from flashpage.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from tests.conftest import (
     _checkpoints,
     assert_staggered_matches_hf,
+    count_expert_path,
     cpu_greedy,
     cpu_llm,
     hf_greedy,
     load_and_round_trip,
     random_prompts,
     tiny_table_builder,
+    use_expert_path,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -96,22 +100,19 @@ def expected(ckpt):
     return hf_greedy(ckpt, PROMPTS, GREEDY.max_tokens)
 
 
-def _path(model, path: str) -> None:
-    from flashpage.models.gpt_oss import GptOssExperts
-
-    for m in model.modules():
-        if isinstance(m, GptOssExperts):
-            m.sync_free_max_tokens = -1 if path == "grouped" else 10**9
-
-
-@pytest.mark.parametrize("path", ["sync_free", "grouped"])
-def test_greedy_matches_transformers(ckpt, expected, path):
+@pytest.mark.parametrize("path", ["sync_free", "grouped", "fused"])
+def test_greedy_matches_transformers(ckpt, expected, path, monkeypatch):
+    """Each expert path for every token count: the torch ones, and the fused MoE kernel
+    (biases, clamped SwiGLU at 1.5: the clamps bind) in the Triton interpreter."""
     llm = cpu_llm(ckpt)
     model = llm.engine.model
     assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [WINDOW, None, WINDOW]
-    _path(model, path)
+    assert not any(m.fused_kernel for m in model.modules() if isinstance(m, GptOssExperts))
+    use_expert_path(model, path)
+    calls = count_expert_path(monkeypatch, path)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+    assert calls and min(calls) <= 3 and max(calls) >= 20  # decode steps and prompts
     assert llm.engine.kv_manager.stats().blocks_used == 0
 
 
@@ -160,14 +161,40 @@ def test_weights_round_trip(ckpt):
     assert attn.attn.sinks is attn.sinks  # the backend reads the loaded parameter
 
 
+def test_expert_layout_conversion():
+    """transformers' interleaved [E, H, 2I] gate/up (even columns gate) -> our [E, 2I, H]
+    gate rows then up rows (the bias likewise), down transposed; and back exactly."""
+    from flashpage.models.gpt_oss import experts_from_hf, experts_to_hf
+
+    e, h, inter = 2, 3, 4
+    w = torch.arange(e * h * 2 * inter, dtype=torch.float32).view(e, h, 2 * inter)
+    ours = experts_from_hf("model.layers.0.mlp.experts.gate_up_proj", w)
+    assert ours.shape == (e, 2 * inter, h)
+    assert torch.equal(ours[:, :inter], w[..., 0::2].transpose(1, 2))
+    assert torch.equal(ours[:, inter:], w[..., 1::2].transpose(1, 2))
+    b = torch.arange(e * 2 * inter, dtype=torch.float32).view(e, 2 * inter)
+    ob = experts_from_hf("experts.gate_up_proj_bias", b)
+    assert torch.equal(ob, torch.cat([b[:, 0::2], b[:, 1::2]], 1))
+    d = torch.randn(e, inter, h)
+    assert torch.equal(experts_from_hf("x.experts.down_proj", d), d.transpose(1, 2))
+    for name, t in (("a.experts.gate_up_proj", w), ("a.experts.gate_up_proj_bias", b),
+                    ("a.experts.down_proj", d), ("a.experts.down_proj_bias", b)):
+        assert torch.equal(experts_to_hf(name, experts_from_hf(name, t)), t), name
+    with pytest.raises(ValueError, match="experts.gate_up_proj"):
+        experts_from_hf("m.experts.gate_up_proj", torch.zeros(2, 3, 5))
+    with pytest.raises(ValueError, match="experts.down_proj"):
+        experts_from_hf("m.experts.down_proj", torch.zeros(2, 3))
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_moe_block_paths_match_transformers_module(tokens):
     """Our router and experts against transformers' GptOssMLP (fp32, its weights loaded by
-    name): the gathered path (3 * tokens * k <= experts), every expert on every token, and
-    the grouped path give its output."""
+    name through experts_from_hf): the gathered path (3 * tokens * k <= experts), every
+    expert on every token, the fused MoE kernel (interpreted) and the grouped path give its
+    output."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as HFMLP
 
-    from flashpage.models.gpt_oss import GptOssMLP
+    from flashpage.models.gpt_oss import GptOssMLP, experts_from_hf
 
     d = _hf_dict("gpt_oss", num_local_experts=16)
     hf = HFMLP(transformers.GptOssConfig(**{k: v for k, v in d.items() if k != "architectures"}))
@@ -176,7 +203,7 @@ def test_moe_block_paths_match_transformers_module(tokens):
         for p in hf.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     ours = GptOssMLP(ModelConfig.from_hf(d))
-    ours.load_state_dict(hf.state_dict())
+    ours.load_state_dict({n: experts_from_hf(n, t) for n, t in hf.state_dict().items()})
     x = torch.randn(tokens, 64, generator=g)
     with torch.no_grad():
         want = hf(x[None])[0][0]
@@ -185,10 +212,13 @@ def test_moe_block_paths_match_transformers_module(tokens):
             fn = getattr(ours.experts, name)
             setattr(ours.experts, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
         got = ours(x)
+        ours.experts.fused_kernel = True  # the fused MoE kernel, interpreted
+        fused = ours(x)
         ours.experts.sync_free_max_tokens = -1
         grouped = ours(x)
     assert calls == ["_gathered" if 3 * tokens * 2 <= 16 else "_all_experts"]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grouped, want, atol=1e-5, rtol=1e-5)
     # every path above ran the clamps: some gate/up values pass the limit of 1.5
     h = x @ hf.experts.gate_up_proj[0] + hf.experts.gate_up_proj_bias[0]
