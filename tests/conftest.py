@@ -377,11 +377,12 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int,
     return outs
 
 
-def assert_gpu_graphs_match_hf(path: Path, prompts: list[list[int]], **llm_kwargs):
+def assert_gpu_graphs_match_hf(path: Path, prompts: list[list[int]], reference=None, **llm_kwargs):
     """On CUDA in fp32 (triton backend, block 16): greedy runs of 4 + 2i tokens for prompt i
     (decode batches shrink through the graph sizes) equal with CUDA graphs and eagerly, and
-    equal transformers' fp32 tokens (a prefix of its longest run). Returns the graphed LLM
-    for a caller's own checks. ``llm_kwargs`` go to both LLMs."""
+    equal transformers' fp32 tokens (a prefix of its longest run; ``reference(path, prompts,
+    max_tokens)`` gives them instead where the GPU image's transformers cannot run the model).
+    Returns the graphed LLM for a caller's own checks. ``llm_kwargs`` go to both LLMs."""
     from flashpage import LLM, SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True)
@@ -396,7 +397,7 @@ def assert_gpu_graphs_match_hf(path: Path, prompts: list[list[int]], **llm_kwarg
     assert llm.engine.runner.graphs is not None, "decode graphs were not captured"
     eager, _ = run(enforce_eager=True)
     assert graphs == eager
-    longest = hf_greedy(path, prompts, params[-1].max_tokens)  # greedy: shorter runs are prefixes
+    longest = (reference or hf_greedy)(path, prompts, params[-1].max_tokens)  # greedy: shorter runs are prefixes
     assert graphs == [t[:sp.max_tokens] for t, sp in zip(longest, params, strict=True)]
     return llm
 
