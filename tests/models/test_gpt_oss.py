@@ -382,8 +382,9 @@ def test_config_errors(edit, match):
 
 def test_inspect_counts_parameters_and_kv():
     """``flashpage inspect``'s parameter count is transformers' (sinks, biases, router bias
-    counted), and its KV figures count every layer (the windowed half holds no less until
-    the cache keeps per-layer-group tables)."""
+    counted); its KV figures: a request's KV has no bound (the full layer keeps every
+    token), past the window only the full layer's bytes grow (KV cache groups: the windowed
+    layers' blocks behind the window go back, kv_cache/hybrid.py)."""
     from flashpage.inspect import inspect_config, param_counts
 
     d = _hf_dict("gpt_oss")
@@ -400,6 +401,9 @@ def test_inspect_counts_parameters_and_kv():
     assert info["sliding_window_layers"] == 2 and info["kv_bytes_per_request_max"] is None
     assert info["kv_values_per_token_per_layer"] == 2 * 2 * 16
     assert info["attention_sinks"] is True
+    groups = info["kv_groups"]  # 1 full + 2 windowed layers, one layer a group
+    assert (groups["full_groups"], groups["windowed_groups"], groups["window"]) == (1, 2, WINDOW)
+    assert groups["kv_bytes_per_token_past_window"] == info["kv_bytes_per_token_per_layer"]
 
 
 # ----------------------------------------------------------------- GPU
