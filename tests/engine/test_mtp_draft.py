@@ -1,0 +1,225 @@
+"""Speculative decoding with GLM-4.5's multi-token-prediction layer (engine/mtp.py,
+models/mtp.py), on tiny Glm4Moe checkpoints with an MTP layer added to their safetensors
+(transformers does not create one: synthesized under the checkpoint's names).
+
+CPU, fp32, torch_native: greedy tokens with MTP drafts equal plain decoding's and
+transformers' (batched, chunked prefill, prefix hits, preemption, async scheduling asked
+for); an MTP layer built to predict the target exactly has every draft accepted (and one
+with the embedding / hidden halves swapped, or fed the wrong token, does not); random
+MTP weights count proposals and acceptances consistently; sampled requests are seeded;
+bad configs are ConfigErrors; both pools' blocks all come back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from flashpage import LLM, SamplingParams
+from flashpage.config import ConfigError
+from flashpage.engine.mtp import MTPProposer
+from tests.conftest import edited_copy, hf_greedy, random_prompts, tiny_table_builder
+
+if not hasattr(transformers, "Glm4MoeConfig"):
+    pytest.skip(f"transformers {transformers.__version__} has no Glm4MoeConfig", allow_module_level=True)
+
+K = 3
+H = 64
+# GLM-4.5 shaped: a dense first layer, 8 experts in 2 groups, top-2, a shared expert, q/k
+# norms, q/k/v biased (test_glm_families' glm4_moe)
+TINY = {"glm4_moe": ("Glm4MoeConfig", dict(
+    num_hidden_layers=2, num_key_value_heads=2, head_dim=16, n_routed_experts=8,
+    num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
+    routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True, first_k_dense_replace=1))}
+_build = tiny_table_builder(TINY)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def add_mtp(t: dict[str, torch.Tensor], seed: int = 5, copies: bool = False) -> None:
+    """An MTP layer at model.layers.2 (num_hidden_layers 2): layer 1's decoder weights (a MoE
+    layer) with noise, random eh_proj, norms near 1; ``copies``: the embedding and head
+    copied under it too, as some checkpoints hold them."""
+    g = torch.Generator().manual_seed(seed)
+    for k in [k for k in t if k.startswith("model.layers.1.")]:
+        v = t[k]
+        noise = 0.0 if "norm" in k or "bias" in k else 0.02 * torch.randn(v.shape, generator=g)
+        t[k.replace("model.layers.1.", "model.layers.2.")] = (v + noise).contiguous()
+    t["model.layers.2.eh_proj.weight"] = 0.1 * torch.randn(H, 2 * H, generator=g)
+    for n in ("enorm", "hnorm", "shared_head.norm"):
+        t[f"model.layers.2.{n}.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+    if copies:
+        t["model.layers.2.embed_tokens.weight"] = t["model.embed_tokens.weight"].clone()
+        t["model.layers.2.shared_head.head.weight"] = t["lm_head.weight"].clone()
+
+
+def exact_mtp(t: dict[str, torch.Tensor], swap: bool = False) -> None:
+    """A target whose layers add nothing (o_proj, the MLPs' down projections, experts and
+    shared experts zero): its next token is f(token) = argmax lm_head(norm(embed(token))).
+    Its MTP layer reads the embedding half only (eh_proj = [I | 0]; ``swap``: the hidden
+    half, [0 | I]), its block adds nothing and shared_head.norm is the final norm: it
+    predicts f(token t + 1) = token t + 2 exactly, so every greedy draft is right."""
+    for k in list(t):
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            t[k] = torch.zeros_like(t[k])
+    for k in [k for k in t if k.startswith("model.layers.1.")]:
+        t[k.replace("model.layers.1.", "model.layers.2.")] = t[k].clone()
+    eye, zero = torch.eye(H), torch.zeros(H, H)
+    t["model.layers.2.eh_proj.weight"] = torch.cat([zero, eye] if swap else [eye, zero], dim=1)
+    t["model.layers.2.enorm.weight"] = torch.ones(H)
+    t["model.layers.2.hnorm.weight"] = torch.ones(H)
+    t["model.layers.2.shared_head.norm.weight"] = t["model.norm.weight"].clone()
+
+
+def _with_mtp(path: Path, dst: Path, edit) -> Path:
+    return edited_copy(path, dst, edit, lambda c: c.update(num_nextn_predict_layers=1))
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    base = _build(tmp_path_factory.mktemp("glm4_moe"), "glm4_moe", 0)
+    root = tmp_path_factory.mktemp("mtp")
+    return {
+        "base": base,
+        "random": _with_mtp(base, root / "random", add_mtp),
+        "copies": _with_mtp(base, root / "copies", lambda t: add_mtp(t, copies=True)),
+        "exact": _with_mtp(base, root / "exact", exact_mtp),
+        "swapped": _with_mtp(base, root / "swapped", lambda t: exact_mtp(t, swap=True)),
+    }
+
+
+def _llm(path: Path, mtp: bool = True, spec: dict | None = None, **kw) -> LLM:
+    kw = {"dtype": "float32", "device": "cpu", "block_size": 8,
+          "attention_backend": "torch_native", **kw}
+    cfg = {"method": "mtp", "num_speculative_tokens": K, **(spec or {})} if mtp else None
+    return LLM(str(path), speculative_config=cfg, **kw)
+
+
+def _ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _prompts() -> list[list[int]]:
+    """5 prompts, two sharing a 20-token prefix (a prefix-cache hit in both pools)."""
+    shared = random_prompts(1, 20, 20, seed=9)[0]
+    return random_prompts(3, 5, 40, seed=2) + [shared + p for p in random_prompts(2, 3, 9, seed=4)]
+
+
+def _no_leak(llm: LLM) -> None:
+    """Every block back (the MTP layer's pool has the target's block ids: one count)."""
+    assert isinstance(llm.engine.proposer, MTPProposer)
+    assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+def test_greedy_tokens_equal_plain_decoding_and_transformers(ckpts):
+    """Random MTP weights (drafts mostly wrong): batch 5, chunked prefill (16-token budget),
+    a prefix hit; the tokens are plain decoding's and transformers'."""
+    prompts = _prompts()
+    want = _ids(_llm(ckpts["base"], mtp=False), prompts)
+    assert want == hf_greedy(ckpts["base"], prompts, GREEDY.max_tokens)
+    llm = _llm(ckpts["random"], max_num_batched_tokens=16, spec={"backoff": False})
+    assert _ids(llm, prompts) == want
+    st = llm.engine.stats()["spec_decode"]
+    assert st["num_draft_tokens"] >= len(prompts) * (GREEDY.max_tokens // (K + 1))
+    assert llm.engine.kv_manager.prefix_hits > 0
+    _no_leak(llm)
+
+
+def test_an_exact_mtp_layer_has_every_draft_accepted(ckpts):
+    """The MTP layer built to predict the target's token after next exactly: every draft
+    accepted, 1 + K tokens a checking step; the same weights with the embedding and hidden
+    halves of eh_proj swapped predict the NEXT token instead and are mostly rejected."""
+    prompts = _prompts()
+    want = _ids(_llm(ckpts["exact"], mtp=False), prompts)
+    llm = _llm(ckpts["exact"], max_num_batched_tokens=24)
+    assert _ids(llm, prompts) == want
+    st = llm.engine.stats()["spec_decode"]
+    assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0, st
+    assert st["mean_accepted_length"] > K  # 1 + K but where max_tokens leaves less room
+    _no_leak(llm)
+    bad = _llm(ckpts["swapped"], spec={"backoff": False})
+    assert _ids(bad, prompts) == want
+    st = bad.engine.stats()["spec_decode"]
+    assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] < 0.5, st
+
+
+def test_random_mtp_weights_count_drafts_consistently(ckpts):
+    """Counters: each checking step proposes at most K drafts, accepts at most those, and
+    the outputs' lengths are the steps' tokens."""
+    prompts = random_prompts(4, 6, 20, seed=7)
+    llm = _llm(ckpts["random"], spec={"backoff": False})
+    outs = _ids(llm, prompts)
+    st = llm.engine.stats()["spec_decode"]
+    assert all(len(o) == GREEDY.max_tokens for o in outs)
+    assert st["num_drafts"] > 0 and st["num_drafts"] * K >= st["num_draft_tokens"] >= st["num_drafts"]
+    assert 0 <= st["num_accepted_tokens"] <= st["num_draft_tokens"]
+    assert st["acceptance_rate"] < 1.0
+    assert st["mean_accepted_length"] == pytest.approx(1 + st["num_accepted_tokens"] / st["num_drafts"])
+    _no_leak(llm)
+
+
+def test_the_checkpoints_embedding_and_head_copies(ckpts):
+    """embed_tokens / shared_head.head under the MTP layer equal to the target's: shared,
+    the same tokens and drafts as without them."""
+    prompts = random_prompts(3, 5, 20, seed=3)
+    a = _llm(ckpts["random"], spec={"backoff": False})
+    b = _llm(ckpts["copies"], spec={"backoff": False})
+    assert _ids(a, prompts) == _ids(b, prompts)
+    assert a.engine.stats()["spec_decode"] == b.engine.stats()["spec_decode"]
+    assert b.engine.mtp is not None and b.engine.mtp.embed_tokens is None and b.engine.mtp.head is None
+
+
+def test_preemption_and_async_scheduling_keep_the_tokens(ckpts):
+    """A cache too small for every request (preemptions: both pools' blocks freed, the
+    MTP layer's entries recomputed), then async scheduling asked for (MTP reads every step
+    back first)."""
+    prompts = random_prompts(6, 10, 30, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = _ids(_llm(ckpts["exact"], mtp=False), prompts, params)
+    llm = _llm(ckpts["exact"], block_size=4, num_gpu_blocks=40, max_num_batched_tokens=32)
+    assert _ids(llm, prompts, params) == want
+    assert llm.engine.scheduler.num_preemptions > 0, "the small cache was meant to preempt"
+    assert llm.engine.stats()["spec_decode"]["acceptance_rate"] == 1.0
+    _no_leak(llm)
+    llm = _llm(ckpts["random"], async_scheduling=True)
+    want = _ids(_llm(ckpts["random"], mtp=False), prompts, params)
+    assert _ids(llm, prompts, params) == want
+    _no_leak(llm)
+
+
+def test_sampled_requests_are_seeded(ckpts):
+    """Sampled requests draw drafts from the MTP layer's q: a seed gives the same tokens
+    twice; the exact layer's drafts at temperature > 0 are still mostly accepted."""
+    prompts = random_prompts(3, 5, 20, seed=11)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=7, ignore_eos=True)
+    a = _ids(_llm(ckpts["exact"]), prompts, params)
+    llm = _llm(ckpts["exact"])
+    assert _ids(llm, prompts, params) == a
+    assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
+    _no_leak(llm)
+
+
+def test_config_errors(ckpts, tmp_path):
+    """No MTP layer, its weights missing, a family without one, a model given: each a
+    clear error naming it."""
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers"):
+        _llm(ckpts["base"])
+    gone = edited_copy(ckpts["random"], tmp_path / "gone",
+                       lambda t: [t.pop(k) for k in list(t) if k.startswith("model.layers.2.")])
+    with pytest.raises(ConfigError, match="no tensors of the MTP layer"):
+        _llm(gone)
+    part = edited_copy(ckpts["random"], tmp_path / "part",
+                       lambda t: [t.pop(k) for k in ("model.layers.2.hnorm.weight",
+                                                     "model.layers.2.self_attn.k_proj.weight")])
+    with pytest.raises(ConfigError, match=r"2 weight\(s\).*hnorm.weight.*k_proj") as e:
+        _llm(part)
+    assert "model.layers.2.self_attn.k_proj.weight" in str(e.value)
+    with pytest.raises(ValueError, match="the MTP layer is the target checkpoint's own"):
+        _llm(ckpts["random"], spec={"model": str(ckpts["random"])})
+
+
+def test_a_family_without_mtp_layers_is_refused(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="has no multi-token-prediction layers"):
+        _llm(tiny_checkpoint("llama31_gqa"))
