@@ -223,3 +223,77 @@ def test_config_errors(ckpts, tmp_path):
 def test_a_family_without_mtp_layers_is_refused(tiny_checkpoint):
     with pytest.raises(ConfigError, match="has no multi-token-prediction layers"):
         _llm(tiny_checkpoint("llama31_gqa"))
+
+
+class _Reference:
+    """The MTP layer computed apart from our code: transformers' Glm4Moe (the target's final
+    hidden states: ``last_hidden_state``, after the final norm; the layer's decoder block:
+    transformers' own Glm4MoeDecoderLayer loaded from the checkpoint's model.layers.2.*
+    through a 3-layer copy of it) and the layout of models/mtp.py written out in torch.
+    ``drafts(tokens, k)``: the k greedy drafts after ``tokens`` (draft 1 from the entry at
+    len - 2, each further one fed the last draft and the block's last output row)."""
+
+    def __init__(self, path: Path, tmp: Path) -> None:
+        from safetensors.torch import load_file
+
+        model_cls = transformers.AutoModelForCausalLM
+        self.hf = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+        t = load_file(str(path / "model.safetensors"))
+        self.w = {k.removeprefix("model.layers.2."): v for k, v in t.items()
+                  if k.startswith("model.layers.2.")}
+        own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
+        three = edited_copy(path, tmp / "three", lambda d: [d.pop(k) for k in list(d)
+                                                           if k.startswith(tuple(f"model.layers.2.{o}" for o in own))],
+                            lambda c: c.update(num_hidden_layers=3, num_nextn_predict_layers=0))
+        hf3 = model_cls.from_pretrained(three, dtype=torch.float32, attn_implementation="eager")
+        self.block, self.rotary = hf3.model.layers[2], hf3.model.rotary_emb
+        self.eps = self.hf.config.rms_norm_eps
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        ids = torch.tensor(tokens)
+        h = self.hf.model(ids[None]).last_hidden_state[0][:-1]  # h_0 .. h_{T-2}
+        e = self.hf.model.embed_tokens(ids[1:])  # tokens 1 .. T-1
+        e[0] = 0  # position 0's embedding (vLLM's)
+        out = []
+        for _ in range(k):
+            x = torch.cat([self._norm(e, self.w["enorm.weight"]), self._norm(h, self.w["hnorm.weight"])], -1)
+            x = x @ self.w["eh_proj.weight"].T
+            n = x.shape[0]
+            pos = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            y = self.block(x[None], attention_mask=mask, position_ids=pos,
+                           position_embeddings=self.rotary(x[None], pos))[0]
+            logits = self.hf.lm_head(self._norm(y[-1], self.w["shared_head.norm.weight"]))
+            d = int(logits.argmax())
+            out.append(d)
+            e = torch.cat([e, self.hf.model.embed_tokens(torch.tensor([d]))])
+            h = torch.cat([h, y[-1:]])
+        return out
+
+
+def test_drafts_equal_an_independent_reference(ckpts, tmp_path, monkeypatch):
+    """Every greedy draft the engine proposes (random MTP weights; batch 4, chunked prefill,
+    k = 3) equals the reference's for the request's tokens then: the target's hidden states
+    (after the final norm), the embedding-then-hidden order, the position-0 embedding, the
+    K/V cache of the layer's entries, each further draft fed its own hidden state."""
+    seen: list[tuple[list[int], list[int]]] = []
+    real = MTPProposer.fill
+
+    def spy(self, out):
+        real(self, out)
+        seen.extend((list(r.all_token_ids), list(r.spec_token_ids)) for r, _ in out.scheduled
+                    if r.spec_token_ids)
+
+    monkeypatch.setattr(MTPProposer, "fill", spy)
+    prompts = random_prompts(4, 4, 30, seed=13)
+    llm = _llm(ckpts["random"], max_num_batched_tokens=20, spec={"backoff": False},
+               enable_prefix_caching=False)
+    _ids(llm, prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    ref = _Reference(ckpts["random"], tmp_path)
+    assert len(seen) >= 8
+    for tokens, drafts in seen:
+        assert drafts == ref.drafts(tokens, len(drafts)), (len(tokens), drafts)
