@@ -297,3 +297,20 @@ def test_drafts_equal_an_independent_reference(ckpts, tmp_path, monkeypatch):
     assert len(seen) >= 8
     for tokens, drafts in seen:
         assert drafts == ref.drafts(tokens, len(drafts)), (len(tokens), drafts)
+
+
+def test_the_cli_and_json_text_take_method_mtp(ckpts):
+    """``--speculative-config '{"method": "mtp", ...}'`` on the command line (serve and
+    generate share it) builds the MTP proposer with its k."""
+    from flashpage.cli import build_llm, build_parser
+
+    args = build_parser().parse_args([
+        "serve", "--model", str(ckpts["exact"]), "--dtype", "float32", "--device", "cpu",
+        "--attention-backend", "torch_native",
+        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
+    llm = build_llm(args)
+    proposer = llm.engine.proposer
+    assert isinstance(proposer, MTPProposer) and proposer.config.num_speculative_tokens == 2
+    _ids(llm, random_prompts(2, 5, 9, seed=1))
+    st = llm.engine.stats()["spec_decode"]
+    assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0
