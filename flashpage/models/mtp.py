@@ -1,5 +1,5 @@
-"""A checkpoint's multi-token-prediction (MTP) layer as a speculative draft (GLM-4.5's
-``num_nextn_predict_layers``; DeepSeek-V3's design, its paper's section 2.2).
+"""A checkpoint's multi-token-prediction (MTP) layer as a speculative draft (GLM-4.5's and
+DeepSeek-V3's ``num_nextn_predict_layers``; DeepSeek-V3's design, its paper's section 2.2).
 
 The layer sits after the model's last layer in the checkpoint (``model.layers.{N}.*``, N =
 ``num_hidden_layers``) and predicts the token after next. For position t, given the target's
@@ -14,7 +14,8 @@ vLLM's and SGLang's MTP drafters are handed), the embedding at position 0 is zer
 feeds it), and a further draft feeds y (before ``shared_head.norm``) as the next h with its
 own proposed token. The embedding and the lm_head are the target's, unless the checkpoint
 carries copies under the layer (``embed_tokens``, ``shared_head.head``) that differ from them.
-Of several MTP layers only the first is used (the released GLM-4.5 / 4.6 have one).
+Of several MTP layers only the first is used (the released GLM-4.5 / 4.6 and DeepSeek-V3
+have one). DeepSeek-V3's layer attends with MLA over a latent cache of its own.
 
 engine/mtp.py runs it; this module builds and loads it.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -32,15 +33,15 @@ from flashpage.attention.backend import AttentionMetadata
 from flashpage.config import ConfigError, ModelConfig
 from flashpage.layers.attention import Attention
 from flashpage.layers.linear import ColumnParallelLinear, VocabEmbedding
+from flashpage.layers.mla_attention import MLAAttention, MLARotaryEmbedding
 from flashpage.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
     from flashpage.models.loader import ModelSource
 
-# the families whose MTP layers we load (their layer class: models/glm.py's _LAYERS)
-MTP_ARCHITECTURES = ("Glm4MoeForCausalLM",)
-# DeepSeek-V3 / R1 hold the same layer, over MLA attention: not served as a draft yet
-_MLA_MTP = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK2ForCausalLM")
+# the families whose MTP layers we load: GLM-4.5 / 4.6 (a layer of models/glm.py's) and
+# DeepSeek-V3 / R1 (models/deepseek.py's MLA layer; V2 has none)
+MTP_ARCHITECTURES = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
 
 
@@ -56,10 +57,6 @@ def check_mtp_target(config: ModelConfig) -> None:
     """A ConfigError unless ``config``'s family has MTP layers we serve and the checkpoint
     says it holds one (speculative_config method "mtp")."""
     arch = config.architecture
-    if arch in _MLA_MTP:
-        raise ConfigError(f"speculative_config method 'mtp': {arch}'s MTP layer uses MLA "
-                          "attention, which drafts do not support yet (supported: "
-                          f"{', '.join(MTP_ARCHITECTURES)})")
     if arch not in MTP_ARCHITECTURES:
         raise ConfigError(f"speculative_config method 'mtp': {arch} has no multi-token-"
                           f"prediction layers (supported: {', '.join(MTP_ARCHITECTURES)})")
@@ -78,8 +75,6 @@ class MTPLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, target: nn.Module, max_positions: int) -> None:
         super().__init__()
-        from flashpage.models.glm import _LAYERS
-
         h, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
         self.index = config.num_hidden_layers  # its layer number in the checkpoint
@@ -87,15 +82,25 @@ class MTPLayer(nn.Module):
         self.hnorm = RMSNorm(h, eps)
         self.eh_proj = ColumnParallelLinear(2 * h, h, bias=False)
         self.shared_head_norm = RMSNorm(h, eps)
-        # the model's own layer at the MTP layer's index (GLM-4.5: a MoE layer)
-        self.block = _LAYERS[config.architecture](config, self.index, max_positions)
+        # the model's own layer at the MTP layer's index (a MoE layer in both families)
+        self.block: nn.Module
+        if config.is_mla:  # DeepSeek-V3: its rotary module is the target's (no parameters)
+            from flashpage.models.deepseek import DeepseekDecoderLayer
+
+            self.block = DeepseekDecoderLayer(config, self.index, cast(
+                MLARotaryEmbedding, target.get_submodule("model.rotary_emb")))
+        else:
+            from flashpage.models.glm import _LAYERS
+
+            self.block = _LAYERS[config.architecture](config, self.index, max_positions)
         self._target = [target]  # not a submodule: its weights are not this module's
         self.embed_tokens: nn.Module | None = None  # the checkpoint's own copies, if they differ
         self.head: nn.Module | None = None
         self.prev_hidden: torch.Tensor | None = None
 
-    def attention_layers(self) -> list[Attention]:
-        return [cast(Attention, self.block.self_attn.attn)]
+    def attention_layers(self) -> list[Attention | MLAAttention]:
+        attn = self.block.self_attn  # MLA's is the attention layer itself
+        return [cast(Attention | MLAAttention, getattr(attn, "attn", attn))]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -136,6 +141,7 @@ def load_mtp(source: ModelSource, target: nn.Module, dtype: torch.dtype, device:
              max_positions: int, seed: int = 0) -> MTPLayer:
     """The first MTP layer of ``source`` (random for a random source), in ``dtype`` on
     ``device``, over ``target`` (the loaded model); a ConfigError names what is missing."""
+    from flashpage.models.deepseek import DeepseekForCausalLM
     from flashpage.models.glm import GlmForCausalLM
     from flashpage.models.loader import init_random_
 
@@ -195,7 +201,8 @@ def load_mtp(source: ModelSource, target: nn.Module, dtype: torch.dtype, device:
             setattr(mtp, attr, m)
         # the decoder layer through the family's own loading (merged q/k/v and gate/up, the
         # experts, the routers' correction biases), on a stand-in holding just this layer
-        loader = GlmForCausalLM.__new__(GlmForCausalLM)
+        family: type[nn.Module] = DeepseekForCausalLM if config.is_mla else GlmForCausalLM
+        loader: Any = family.__new__(family)
         nn.Module.__init__(loader)
         loader.config = replace(config, num_hidden_layers=mtp.index + 1)
         stack = nn.Module()
@@ -205,8 +212,9 @@ def load_mtp(source: ModelSource, target: nn.Module, dtype: torch.dtype, device:
             loaded = loader.load_weights(iter(block))
         except ValueError as e:
             raise ConfigError(f"speculative_config method 'mtp': {e}") from None
-        expected = {prefix + n for n in mtp.block.state_dict()}
-        gone = sorted({loader.hf_name(n) for n in expected - loaded if not loader._pieces(n)}
+        expected = {prefix + n for n in mtp.block.state_dict() if "rotary_emb." not in n}
+        pieces: Any = getattr(loader, "_pieces", lambda name: [])
+        gone = sorted({n for n in expected - loaded if not pieces(n)}
                       | set(getattr(loader, "missing_pieces", [])))
         missing += gone
     if missing:

@@ -1,6 +1,7 @@
-"""Speculative decoding with GLM-4.5's multi-token-prediction layer (engine/mtp.py,
-models/mtp.py), on tiny Glm4Moe checkpoints with an MTP layer added to their safetensors
-(transformers does not create one: synthesized under the checkpoint's names).
+"""Speculative decoding with GLM-4.5's and DeepSeek-V3's multi-token-prediction layer
+(engine/mtp.py, models/mtp.py), on tiny Glm4Moe and DeepseekV3 checkpoints with an MTP layer
+added to their safetensors (transformers does not create one: synthesized under the
+checkpoint's names). Every test runs on both families (DeepSeek-V3's layer attends with MLA).
 
 CPU, fp32, torch_native: greedy tokens with MTP drafts equal plain decoding's and
 transformers' (batched, chunked prefill, prefix hits, preemption, async scheduling asked
@@ -21,10 +22,13 @@ import transformers
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError
 from flashpage.engine.mtp import MTPProposer
-from tests.conftest import edited_copy, hf_greedy, random_prompts, tiny_table_builder
-
-if not hasattr(transformers, "Glm4MoeConfig"):
-    pytest.skip(f"transformers {transformers.__version__} has no Glm4MoeConfig", allow_module_level=True)
+from tests.conftest import (
+    build_tiny_mla_checkpoint,
+    edited_copy,
+    hf_greedy,
+    random_prompts,
+    tiny_table_builder,
+)
 
 K = 3
 H = 64
@@ -38,21 +42,27 @@ _build = tiny_table_builder(TINY)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
+def _layers(t: dict[str, torch.Tensor]) -> int:
+    return 1 + max(int(k.split(".")[2]) for k in t if k.startswith("model.layers."))
+
+
 def add_mtp(t: dict[str, torch.Tensor], seed: int = 5, copies: bool = False) -> None:
-    """An MTP layer at model.layers.2 (num_hidden_layers 2): layer 1's decoder weights (a MoE
-    layer) with noise, random eh_proj, norms near 1; ``copies``: the embedding and head
-    copied under it too, as some checkpoints hold them."""
+    """An MTP layer at model.layers.N (N = num_hidden_layers): layer N - 1's decoder weights
+    (a MoE layer) with noise, random eh_proj, norms near 1; ``copies``: the embedding and
+    head copied under it too, as DeepSeek-V3's checkpoints hold them."""
     g = torch.Generator().manual_seed(seed)
-    for k in [k for k in t if k.startswith("model.layers.1.")]:
+    n = _layers(t)
+    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    for k in [k for k in t if k.startswith(last)]:
         v = t[k]
         noise = 0.0 if "norm" in k or "bias" in k else 0.02 * torch.randn(v.shape, generator=g)
-        t[k.replace("model.layers.1.", "model.layers.2.")] = (v + noise).contiguous()
-    t["model.layers.2.eh_proj.weight"] = 0.1 * torch.randn(H, 2 * H, generator=g)
-    for n in ("enorm", "hnorm", "shared_head.norm"):
-        t[f"model.layers.2.{n}.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+        t[k.replace(last, mtp)] = (v + noise).contiguous()
+    t[mtp + "eh_proj.weight"] = 0.1 * torch.randn(H, 2 * H, generator=g)
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        t[f"{mtp}{name}.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
     if copies:
-        t["model.layers.2.embed_tokens.weight"] = t["model.embed_tokens.weight"].clone()
-        t["model.layers.2.shared_head.head.weight"] = t["lm_head.weight"].clone()
+        t[mtp + "embed_tokens.weight"] = t["model.embed_tokens.weight"].clone()
+        t[mtp + "shared_head.head.weight"] = t["lm_head.weight"].clone()
 
 
 def exact_mtp(t: dict[str, torch.Tensor], swap: bool = False) -> None:
@@ -64,24 +74,38 @@ def exact_mtp(t: dict[str, torch.Tensor], swap: bool = False) -> None:
     for k in list(t):
         if k.endswith(("o_proj.weight", "down_proj.weight")):
             t[k] = torch.zeros_like(t[k])
-    for k in [k for k in t if k.startswith("model.layers.1.")]:
-        t[k.replace("model.layers.1.", "model.layers.2.")] = t[k].clone()
+    n = _layers(t)
+    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    for k in [k for k in t if k.startswith(last)]:
+        t[k.replace(last, mtp)] = t[k].clone()
     eye, zero = torch.eye(H), torch.zeros(H, H)
-    t["model.layers.2.eh_proj.weight"] = torch.cat([zero, eye] if swap else [eye, zero], dim=1)
-    t["model.layers.2.enorm.weight"] = torch.ones(H)
-    t["model.layers.2.hnorm.weight"] = torch.ones(H)
-    t["model.layers.2.shared_head.norm.weight"] = t["model.norm.weight"].clone()
+    t[mtp + "eh_proj.weight"] = torch.cat([zero, eye] if swap else [eye, zero], dim=1)
+    t[mtp + "enorm.weight"] = torch.ones(H)
+    t[mtp + "hnorm.weight"] = torch.ones(H)
+    t[mtp + "shared_head.norm.weight"] = t["model.norm.weight"].clone()
 
 
 def _with_mtp(path: Path, dst: Path, edit) -> Path:
     return edited_copy(path, dst, edit, lambda c: c.update(num_nextn_predict_layers=1))
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    base = _build(tmp_path_factory.mktemp("glm4_moe"), "glm4_moe", 0)
+# family -> (its transformers config class, the MTP layer's index, an attention tensor of it)
+FAMILIES = {"glm4_moe": ("Glm4MoeConfig", 2, "self_attn.k_proj.weight"),
+            "deepseek_v3": ("DeepseekV3Config", 3, "self_attn.kv_a_proj_with_mqa.weight")}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def ckpts(request, tmp_path_factory):
+    family = request.param
+    cls_name, index, attn = FAMILIES[family]
+    if not hasattr(transformers, cls_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
+    path = tmp_path_factory.mktemp(family)
+    base = (_build(path, family, 0) if family == "glm4_moe"
+            else build_tiny_mla_checkpoint(path, family))
     root = tmp_path_factory.mktemp("mtp")
     return {
+        "family": family, "index": index, "attn": attn,
         "base": base,
         "random": _with_mtp(base, root / "random", add_mtp),
         "copies": _with_mtp(base, root / "copies", lambda t: add_mtp(t, copies=True)),
@@ -206,16 +230,16 @@ def test_config_errors(ckpts, tmp_path):
     clear error naming it."""
     with pytest.raises(ConfigError, match="num_nextn_predict_layers"):
         _llm(ckpts["base"])
+    mtp, attn = f"model.layers.{ckpts['index']}.", ckpts["attn"]
     gone = edited_copy(ckpts["random"], tmp_path / "gone",
-                       lambda t: [t.pop(k) for k in list(t) if k.startswith("model.layers.2.")])
+                       lambda t: [t.pop(k) for k in list(t) if k.startswith(mtp)])
     with pytest.raises(ConfigError, match="no tensors of the MTP layer"):
         _llm(gone)
     part = edited_copy(ckpts["random"], tmp_path / "part",
-                       lambda t: [t.pop(k) for k in ("model.layers.2.hnorm.weight",
-                                                     "model.layers.2.self_attn.k_proj.weight")])
-    with pytest.raises(ConfigError, match=r"2 weight\(s\).*hnorm.weight.*k_proj") as e:
+                       lambda t: [t.pop(k) for k in (mtp + "hnorm.weight", mtp + attn)])
+    with pytest.raises(ConfigError, match=r"2 weight\(s\) of the MTP layer missing") as e:
         _llm(part)
-    assert "model.layers.2.self_attn.k_proj.weight" in str(e.value)
+    assert mtp + "hnorm.weight" in str(e.value) and mtp + attn in str(e.value)
     with pytest.raises(ValueError, match="the MTP layer is the target checkpoint's own"):
         _llm(ckpts["random"], spec={"model": str(ckpts["random"])})
 
@@ -226,27 +250,26 @@ def test_a_family_without_mtp_layers_is_refused(tiny_checkpoint):
 
 
 class _Reference:
-    """The MTP layer computed apart from our code: transformers' Glm4Moe (the target's final
+    """The MTP layer computed apart from our code: transformers' model (the target's final
     hidden states: ``last_hidden_state``, after the final norm; the layer's decoder block:
-    transformers' own Glm4MoeDecoderLayer loaded from the checkpoint's model.layers.2.*
-    through a 3-layer copy of it) and the layout of models/mtp.py written out in torch.
+    transformers' own decoder layer loaded from the checkpoint's MTP layer through a copy of
+    it with one layer more) and the layout of models/mtp.py written out in torch.
     ``drafts(tokens, k)``: the k greedy drafts after ``tokens`` (draft 1 from the entry at
     len - 2, each further one fed the last draft and the block's last output row)."""
 
-    def __init__(self, path: Path, tmp: Path) -> None:
+    def __init__(self, path: Path, tmp: Path, index: int) -> None:
         from safetensors.torch import load_file
 
         model_cls = transformers.AutoModelForCausalLM
         self.hf = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
         t = load_file(str(path / "model.safetensors"))
-        self.w = {k.removeprefix("model.layers.2."): v for k, v in t.items()
-                  if k.startswith("model.layers.2.")}
-        own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
-        three = edited_copy(path, tmp / "three", lambda d: [d.pop(k) for k in list(d)
-                                                           if k.startswith(tuple(f"model.layers.2.{o}" for o in own))],
-                            lambda c: c.update(num_hidden_layers=3, num_nextn_predict_layers=0))
-        hf3 = model_cls.from_pretrained(three, dtype=torch.float32, attn_implementation="eager")
-        self.block, self.rotary = hf3.model.layers[2], hf3.model.rotary_emb
+        mtp = f"model.layers.{index}."
+        self.w = {k.removeprefix(mtp): v for k, v in t.items() if k.startswith(mtp)}
+        own = tuple(mtp + o for o in ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens."))
+        more = edited_copy(path, tmp / "more", lambda d: [d.pop(k) for k in list(d) if k.startswith(own)],
+                           lambda c: c.update(num_hidden_layers=index + 1, num_nextn_predict_layers=0))
+        hf_more = model_cls.from_pretrained(more, dtype=torch.float32, attn_implementation="eager")
+        self.block, self.rotary = hf_more.model.layers[index], hf_more.model.rotary_emb
         self.eps = self.hf.config.rms_norm_eps
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -293,7 +316,7 @@ def test_drafts_equal_an_independent_reference(ckpts, tmp_path, monkeypatch):
     llm = _llm(ckpts["random"], max_num_batched_tokens=20, spec={"backoff": False},
                enable_prefix_caching=False)
     _ids(llm, prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
-    ref = _Reference(ckpts["random"], tmp_path)
+    ref = _Reference(ckpts["random"], tmp_path, ckpts["index"])
     assert len(seen) >= 8
     for tokens, drafts in seen:
         assert drafts == ref.drafts(tokens, len(drafts)), (len(tokens), drafts)
@@ -314,3 +337,41 @@ def test_the_cli_and_json_text_take_method_mtp(ckpts):
     _ids(llm, random_prompts(2, 5, 9, seed=1))
     st = llm.engine.stats()["spec_decode"]
     assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_the_targets_graphs_hand_over_their_hidden_states(ckpts, tmp_path, monkeypatch):
+    """fp32 on the GPU, triton backend, the target's decode / prompt-step / piecewise graphs
+    captured (the MTP layer eager): plain decoding's tokens, the exact layer's drafts all
+    accepted, and the random layer's every draft equal to the reference's (the hidden
+    states the graphs wrote into DecoderStack.hidden_out are the target's)."""
+    kw = dict(device="cuda", attention_backend="triton", block_size=16, max_num_batched_tokens=64)
+    prompts = random_prompts(5, 5, 40, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = _ids(_llm(ckpts["exact"], mtp=False, **kw), prompts, params)
+    llm = _llm(ckpts["exact"], **kw)
+    assert llm.engine.runner.graphs is not None
+    assert _ids(llm, prompts, params) == want
+    st = llm.engine.stats()["spec_decode"]
+    assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0, st
+    _no_leak(llm)
+    seen: list[tuple[list[int], list[int]]] = []
+    real = MTPProposer.fill
+
+    def spy(self, out):
+        real(self, out)
+        seen.extend((list(r.all_token_ids), list(r.spec_token_ids)) for r, _ in out.scheduled
+                    if r.spec_token_ids)
+
+    want = _ids(_llm(ckpts["random"], mtp=False, **kw), prompts, params)
+    llm = _llm(ckpts["random"], enable_prefix_caching=False, spec={"backoff": False}, **kw)
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.piecewise is not None
+    monkeypatch.setattr(MTPProposer, "fill", spy)
+    assert _ids(llm, prompts, params) == want
+    ref = _Reference(ckpts["random"], tmp_path, ckpts["index"])
+    assert len(seen) >= 20
+    for tokens, drafts in seen:
+        assert drafts == ref.drafts(tokens, len(drafts)), (len(tokens), drafts)
+    _no_leak(llm)
