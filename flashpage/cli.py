@@ -85,7 +85,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_max": 4}\' (drafts looked up in the request\'s own tokens), '
                         '\'{"model": "DRAFT_PATH", "num_speculative_tokens": 4}\' (a smaller draft '
                         'model with the same vocabulary), or \'{"method": "mtp", "num_speculative_tokens": 1}\' '
-                        '(the checkpoint\'s own multi-token-prediction layer: GLM-4.5)')
+                        '(the checkpoint\'s own multi-token-prediction layer: GLM-4.5, DeepSeek-V3)')
 
 
 def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
 """Speculative decoding with the checkpoint's multi-token-prediction layer (vLLM's
-``{"method": "mtp", "num_speculative_tokens": k}``; GLM-4.5's MTP layer: models/mtp.py).
+``{"method": "mtp", "num_speculative_tokens": k}``; GLM-4.5's or DeepSeek-V3's MTP layer: models/mtp.py).
 
 The MTP layer's entry at position t reads the target's final hidden state h_t and the token
 t + 1 and predicts token t + 2. It keeps a paged K/V cache of its one attention layer beside
