@@ -375,3 +375,31 @@ def test_on_the_gpu_the_targets_graphs_hand_over_their_hidden_states(ckpts, tmp_
     for tokens, drafts in seen:
         assert drafts == ref.drafts(tokens, len(drafts)), (len(tokens), drafts)
     _no_leak(llm)
+
+
+def test_a_request_without_its_last_hidden_state_drafts_nothing_then(ckpts, monkeypatch):
+    """Every third step the first request's rows are dropped from the target's layout (as if
+    it had missed the last step): its placeholders are cut to none that step (the scheduler's
+    tokens and slots for them given back), the layer catches up later, the tokens stay."""
+    prompts = random_prompts(3, 6, 20, seed=21)
+    want = _ids(_llm(ckpts["exact"], mtp=False), prompts)
+    real, calls = MTPProposer.fill, [0]
+
+    def drop(self, out):
+        calls[0] += 1
+        if calls[0] % 3 == 0 and self.target.last_layout:
+            first = self.target.last_layout[0][0]
+            self.target.last_layout = [row for row in self.target.last_layout if row[0] is not first]
+        real(self, out)
+        for req, n in out.scheduled:  # a decode runs its last token and the drafts kept
+            if req.num_computed_tokens == req.num_tokens - 1:
+                assert n == 1 + len(req.spec_token_ids)
+
+    monkeypatch.setattr(MTPProposer, "fill", drop)
+    llm = _llm(ckpts["exact"])
+    assert _ids(llm, prompts) == want
+    proposer = llm.engine.proposer
+    assert isinstance(proposer, MTPProposer) and proposer._skipped > 0
+    st = llm.engine.stats()["spec_decode"]
+    assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0, st
+    _no_leak(llm)
