@@ -3,16 +3,20 @@
 added to their safetensors (transformers does not create one: synthesized under the
 checkpoint's names). Every test runs on both families (DeepSeek-V3's layer attends with MLA).
 
-CPU, fp32, torch_native: greedy tokens with MTP drafts equal plain decoding's and
-transformers' (batched, chunked prefill, prefix hits, preemption, async scheduling asked
-for); an MTP layer built to predict the target exactly has every draft accepted (and one
-with the embedding / hidden halves swapped, or fed the wrong token, does not); random
-MTP weights count proposals and acceptances consistently; sampled requests are seeded;
-bad configs are ConfigErrors; both pools' blocks all come back.
+CPU, fp32, torch_native (and the triton backend interpreted): greedy tokens with MTP drafts
+equal plain decoding's and transformers' (batched, chunked prefill, prefix hits, preemption,
+async scheduling asked for) and every draft an independent reference's (transformers'
+hidden states and decoder layer); an MTP layer built to predict the target exactly has every
+draft accepted (the same with eh_proj's embedding / hidden halves swapped does not); random
+MTP weights count proposals and acceptances consistently; sampled requests are seeded; a
+request missing from the last step drafts nothing that step; bad configs are ConfigErrors;
+the CLI takes the method; both pools' blocks all come back. GPU (marked gpu): the target's
+CUDA graphs hand the layer their hidden states.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -33,9 +37,9 @@ from tests.conftest import (
 K = 3
 H = 64
 # GLM-4.5 shaped: a dense first layer, 8 experts in 2 groups, top-2, a shared expert, q/k
-# norms, q/k/v biased (test_glm_families' glm4_moe)
+# norms, q/k/v biased (test_glm_families' glm4_moe, head_dim 32: the triton backend's)
 TINY = {"glm4_moe": ("Glm4MoeConfig", dict(
-    num_hidden_layers=2, num_key_value_heads=2, head_dim=16, n_routed_experts=8,
+    num_hidden_layers=2, num_key_value_heads=2, head_dim=32, n_routed_experts=8,
     num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
     routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True, first_k_dense_replace=1))}
 _build = tiny_table_builder(TINY)
@@ -400,6 +404,24 @@ def test_a_request_without_its_last_hidden_state_drafts_nothing_then(ckpts, monk
     assert _ids(llm, prompts) == want
     proposer = llm.engine.proposer
     assert isinstance(proposer, MTPProposer) and proposer._skipped > 0
+    st = llm.engine.stats()["spec_decode"]
+    assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0, st
+    _no_leak(llm)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_on_the_triton_backend(ckpts):
+    """The triton backend's kernels (interpreted) and our fused ops for the target and the
+    MTP layer's pool: the exact layer has every draft accepted, the tokens are
+    torch_native's plain ones."""
+    prompts = [random_prompts(1, 4, 4, seed=8)[0], random_prompts(1, 9, 9, seed=9)[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    want = _ids(_llm(ckpts["exact"], mtp=False, block_size=16), prompts, params)
+    llm = _llm(ckpts["exact"], attention_backend="triton", block_size=16,
+               spec={"num_speculative_tokens": 2})
+    assert llm.engine.backend_name == "triton"
+    assert _ids(llm, prompts, params) == want
     st = llm.engine.stats()["spec_decode"]
     assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0, st
     _no_leak(llm)
