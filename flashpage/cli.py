@@ -83,8 +83,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}\' (drafts looked up in the request\'s own tokens), '
-                        'or \'{"model": "DRAFT_PATH", "num_speculative_tokens": 4}\' (a smaller draft '
-                        'model with the same vocabulary)')
+                        '\'{"model": "DRAFT_PATH", "num_speculative_tokens": 4}\' (a smaller draft '
+                        'model with the same vocabulary), or \'{"method": "mtp", "num_speculative_tokens": 1}\' '
+                        '(the checkpoint\'s own multi-token-prediction layer: GLM-4.5, DeepSeek-V3)')
 
 
 def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:

@@ -181,9 +181,13 @@ class DraftRunner:
         self.catchup_forwards = 0  # catch-ups that went through the catch-up graphs
         backend.bind_kv_cache(num_blocks, block_size)
         for layer in model.attention_layers():  # type: ignore[operator]
-            shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-            layer.kv_cache = (torch.zeros(shape, dtype=kv_dtype, device=device),
-                              torch.zeros(shape, dtype=kv_dtype, device=device))
+            if getattr(layer, "is_mla", False):  # an MTP layer's MLA (engine/mtp.py): a latent
+                layer.kv_cache = torch.zeros(layer.kv_cache_shape(num_blocks, block_size),
+                                             dtype=kv_dtype, device=device)
+            else:
+                shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+                layer.kv_cache = (torch.zeros(shape, dtype=kv_dtype, device=device),
+                                  torch.zeros(shape, dtype=kv_dtype, device=device))
             layer.backend = backend
 
     def capture_graphs(self, max_bs: int, max_model_len: int, pool: Any = None, *,

@@ -21,8 +21,10 @@ from flashpage import envs
 from flashpage.attention.backend import AttentionBackend
 from flashpage.attention.registry import select_backend
 from flashpage.config import EngineConfig, ModelConfig, dtype_bytes, resolve_kv_cache_dtype
+from flashpage.engine.cuda_graph import PREFILL_MAX_TOKENS
 from flashpage.engine.draft_model import DraftRunner, build_draft_proposer, check_draft_config
 from flashpage.engine.model_runner import ModelRunner
+from flashpage.engine.mtp import build_mtp_proposer, mtp_kv_bytes_per_token
 from flashpage.engine.output import ChildRequest, ParentRequest, child_params
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
 from flashpage.engine.scheduler import Scheduler, check_priority
@@ -136,8 +138,16 @@ class LLMEngine:
         self.draft: tuple[ModelSource, torch.nn.Module, type[AttentionBackend]] | None = None
         if self.spec_config is not None and self.spec_config.method == "draft_model":
             self.draft = self._load_draft(self.spec_config)
+        # the checkpoint's multi-token-prediction layer as the draft (engine/mtp.py)
+        self.mtp: torch.nn.Module | None = None
+        self.mtp_hidden: torch.Tensor | None = None
+        if self.spec_config is not None and self.spec_config.method == "mtp":
+            self.mtp, self.mtp_hidden = self._load_mtp(backend_cls.name == "triton")
         set_fused_moe(self.model, backend_cls.name == "triton" and self.device.type == "cuda"
                       and envs.fused_moe())
+        if self.mtp is not None:
+            set_fused_moe(self.mtp, backend_cls.name == "triton" and self.device.type == "cuda"
+                          and envs.fused_moe())
         # LoRA slots (flashpage/lora/): on the device before the KV cache takes what is left
         self.lora: LoRAManager | None = None
         if config.enable_lora:
@@ -220,6 +230,13 @@ class LLMEngine:
             if (self.device.type == "cuda" and not config.enforce_eager and draft_backend.supports_cuda_graphs
                     and getattr(model, "supports_cuda_graphs", True)):
                 self._capture_draft_graphs(self.proposer.runner)
+        elif self.mtp is not None:  # engine/mtp.py
+            assert self.spec_config is not None and self.mtp_hidden is not None
+            assert isinstance(self.kv_manager, KVCacheManager)  # no KV cache groups with a draft
+            self.proposer = build_mtp_proposer(
+                self.spec_config, self.mtp, mc, self.runner, self.mtp_hidden,
+                backend_cls(mc, self.device, self.dtype), self.kv_manager, self.num_blocks,
+                config.block_size, self.device, self.kv_dtype, self.max_model_len)
         elif self.spec_config is not None:
             self.proposer = NgramProposer(self.spec_config, self.max_model_len)
         self._inflight: _Inflight | None = None  # the launched step not yet read back
@@ -425,6 +442,25 @@ class LLMEngine:
         ops.set_fused_ops(model, backend_cls.name == "triton")
         return source, model, backend_cls
 
+    def _load_mtp(self, fused: bool) -> tuple[torch.nn.Module, torch.Tensor]:
+        """The checkpoint's MTP layer (models/mtp.py) over the loaded target, and the buffer
+        the target's forwards keep their final hidden states in (set before any CUDA graph
+        is captured, so the graphs write it); a ConfigError names what is missing."""
+        from flashpage.models.mtp import keep_final_hidden, load_mtp
+
+        cfg = self.config
+        mtp = load_mtp(self.source, self.model, self.dtype, self.device, self.max_model_len,
+                       seed=cfg.seed)
+        ops.set_fused_ops(mtp, fused)
+        k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 1
+        # the most tokens one forward runs: a step's budget, or a padded graph's
+        rows = max(cfg.max_num_batched_tokens, PREFILL_MAX_TOKENS,
+                   min(cfg.max_num_seqs, 512) * (1 + k))
+        hidden = keep_final_hidden(self.model, rows, self.dtype, self.device)
+        logger.info("speculative decoding with the checkpoint's MTP layer (model.layers.%d)",
+                    self.model_config.num_hidden_layers)
+        return mtp, hidden
+
     def _release_window(self) -> tuple[int | None, int]:
         """The sliding window behind which the KV cache gives blocks back, and the slack
         kept behind a step's first query: (None, 0) unless every attention layer of the
@@ -438,7 +474,8 @@ class LLMEngine:
         # A draft model catches up on up to k + 1 positions before the target's step
         # (accepted drafts and the bonus token; one more in flight under async scheduling).
         slack = (self.spec_config.num_speculative_tokens + 2
-                 if self.draft is not None and self.spec_config is not None else 0)
+                 if (self.draft is not None or self.mtp is not None)
+                 and self.spec_config is not None else 0)
         return wins.pop(), slack
 
     def _kv_groups(self) -> GroupLayout | None:
@@ -446,7 +483,8 @@ class LLMEngine:
         attention chunk size: Llama 4) with full attention; None (one table for all layers) otherwise, with a draft model (its
         cache shares the target's tables), or when disable_hybrid_kv_cache_manager says so."""
         mc = self.model_config
-        if self.config.disable_hybrid_kv_cache_manager or self.draft is not None or mc.is_mla:
+        if (self.config.disable_hybrid_kv_cache_manager or self.draft is not None
+                or self.mtp is not None or mc.is_mla):
             return None
         return group_layers([mc.attention_window(i) for i in range(mc.num_hidden_layers)],
                             [mc.attention_chunk(i) for i in range(mc.num_hidden_layers)])
@@ -460,6 +498,8 @@ class LLMEngine:
             per_token = mc.kv_bytes_per_token(kv_dtype, per_layer=True) * lay.num_slots
         if self.draft is not None:  # its pool has a block for each of the target's
             per_token += self.draft[0].config.kv_bytes_per_token(kv_dtype)
+        if self.mtp is not None:  # the MTP layer's pool likewise: one layer
+            per_token += mtp_kv_bytes_per_token(mc, kv_dtype)
         per_block = per_token * cfg.block_size
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)

@@ -87,6 +87,11 @@ class ModelRunner:
         # LoRA (flashpage/lora/): each step writes its tokens' adapter slots into
         # lora.state.token_slots, which every LoRA linear (and graph) reads
         self.lora: LoRAManager | None = None
+        # An MTP draft (engine/mtp.py) reads the last step's final hidden states (the
+        # model's DecoderStack.hidden_out, in the step's token order): with keep_layout, each
+        # step's (request, first token row, first position, tokens), in that order.
+        self.keep_layout = False
+        self.last_layout: list[tuple[Request, int, int, int]] = []
 
     def capture_decode_graphs(self, max_bs: int, max_model_len: int) -> None:
         """Capture decode-step CUDA graphs (needs a backend without host syncs)."""
@@ -229,6 +234,7 @@ class ModelRunner:
         prompt_rows: list[tuple[Request, int, int, int]] = []
         pool_rows: list[tuple[Request, int, int, int]] = []
         spec: list[tuple[Request, list[int]]] = []
+        layout: list[tuple[Request, int, int, int]] = []
         num_decodes = 0
         t = 0
         k = 0
@@ -274,12 +280,15 @@ class ModelRunner:
                 prompt_rows.append((req, t, start, min(end, req.num_prompt_tokens - 1) - start))
             if req.pooling is not None and start < req.num_prompt_tokens:
                 pool_rows.append((req, t, start, min(end, req.num_prompt_tokens) - start))
+            if self.keep_layout:
+                layout.append((req, t, start, n))
             t += n
             qsl[i + 1] = t
             if end >= req.num_tokens:
                 logits_idx[k] = t - 1
                 k += 1
                 sample_reqs.append(req)
+        self.last_layout = layout
         for j, i in enumerate(pending):  # decodes come first: token index == row
             pend_dst[j] = i
             pend_src[j] = self._prev_rows[sched[i][0].request_id]
@@ -367,6 +376,7 @@ class ModelRunner:
 
     def _execute(self, out: SchedulerOutput) -> tuple[list[Request], PendingSample | None]:
         if not out.scheduled:
+            self.last_layout = []
             return [], None
         inp = self.prepare(out)
         md = inp.metadata

@@ -1,5 +1,6 @@
 """Speculative decoding by n-gram lookup (vLLM's ``{"method": "ngram"}``, "prompt lookup"),
-or by a small draft model (``{"model": PATH}``, method "draft_model": engine/draft_model.py).
+by a small draft model (``{"model": PATH}``, method "draft_model": engine/draft_model.py), or
+by the checkpoint's own multi-token-prediction layer (``{"method": "mtp"}``: engine/mtp.py).
 
 Each step, a request in its decode phase looks for the last ``n`` tokens it holds
 (``prompt_lookup_max`` down to ``prompt_lookup_min``) earlier in its own prompt and output;
@@ -46,14 +47,15 @@ if TYPE_CHECKING:
 SEED_MIX = 1_000_003
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "backoff")
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 _INT_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's ``speculative_config``: n-gram drafts, or a draft model's (``model``: a
-    smaller model with the target's vocabulary; method "draft_model", inferred from it)."""
+    """vLLM's ``speculative_config``: n-gram drafts, a draft model's (``model``: a smaller
+    model with the target's vocabulary; method "draft_model", inferred from it), or the
+    target's multi-token-prediction layer's (method "mtp": GLM-4.5's)."""
 
     method: str = "ngram"
     model: str | None = None
@@ -67,11 +69,14 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is not supported; "
-                             "use 'ngram' (prompt lookup) or 'draft_model' (with a model)")
+                             "use 'ngram' (prompt lookup), 'draft_model' (with a model) or 'mtp' (the "
+                             "checkpoint's multi-token-prediction layer)")
         if self.method == "draft_model":
             check_draft_model(self.model)
         elif self.model is not None:
-            raise ValueError(f"speculative_config model is for method 'draft_model', not {self.method!r}")
+            why = " (the MTP layer is the target checkpoint's own)" if self.method == "mtp" else ""
+            raise ValueError(f"speculative_config model is for method 'draft_model', not "
+                             f"{self.method!r}{why}")
         if not isinstance(self.backoff, bool):
             raise ValueError(f"speculative_config backoff must be true or false, got {self.backoff!r}")
         for name in _INT_KEYS:

@@ -190,11 +190,16 @@ def fused_qkv_block_unsupported(linear: str, kv_heads: int, head_dim: int,
 
 
 class DecoderStack(nn.Module):
-    """Subclasses set ``embed_tokens``, ``layers`` (of PreNormDecoderLayer) and ``norm``."""
+    """Subclasses set ``embed_tokens``, ``layers`` (of PreNormDecoderLayer) and ``norm``.
+
+    ``hidden_out``: a buffer each forward copies its final hidden states into (rows 0 .. n-1;
+    None: not kept). A speculative MTP draft reads the target's there (models/mtp.py); a
+    static buffer, so the CUDA graphs captured after it is set write it at each replay."""
 
     embed_tokens: VocabEmbedding
     layers: nn.ModuleList
     norm: nn.Module
+    hidden_out: torch.Tensor | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -206,4 +211,6 @@ class DecoderStack(nn.Module):
         for layer in self.layers:
             x, residual = layer(positions, x, residual, md)
         x, _ = self.norm(x, residual)
+        if self.hidden_out is not None:
+            self.hidden_out[:x.shape[0]].copy_(x)
         return x

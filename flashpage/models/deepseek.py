@@ -111,7 +111,7 @@ class DeepseekForCausalLM(nn.Module):
                 continue
             layer = _LAYER.match(name)
             if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
-                continue  # V3's multi-token-prediction layer: not used for generation
+                continue  # V3's multi-token-prediction layer: models/mtp.py loads it (a draft)
             m = EXPERT_NAME.match(name)
             if m and name not in targets:
                 load_expert_weight(targets, m, tensor, expert_pieces, loaded)

@@ -19,7 +19,9 @@ head and no bias on o_proj (config._glm_fields). Beyond that:
   DeepSeek-V3's MoE (layers/moe.DeepseekMoE: sigmoid routing with
   ``e_score_correction_bias``, group-limited top-k, shared experts), the layers before a
   dense MLP. Its multi-token-prediction layers (``num_nextn_predict_layers`` of them, after
-  ``num_hidden_layers`` in the checkpoint) are skipped at load, as DeepSeek-V3's.
+  ``num_hidden_layers`` in the checkpoint) are skipped when the model loads; with
+  speculative_config method "mtp" the first is loaded apart as the draft (models/mtp.py,
+  engine/mtp.py).
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ class GlmForCausalLM(LlamaForCausalLM):
             for name, tensor in weights:
                 layer = _LAYER.match(name)
                 if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
-                    continue  # a multi-token-prediction layer: not used for generation
+                    continue  # a multi-token-prediction layer: models/mtp.py loads it (a draft)
                 if name in biases:
                     if biases[name].shape != tensor.shape:
                         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
