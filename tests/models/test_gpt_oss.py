@@ -290,12 +290,14 @@ def test_mxfp4_errors():
         dequantize_mxfp4(b, s[..., :0])
 
 
-def test_mxfp4_checkpoint_matches_transformers(ckpt, tmp_path):
+@pytest.fixture(scope="module")
+def mxfp4_ckpt(ckpt, tmp_path_factory):
     """The tiny model's experts quantized to MXFP4 (our quantizer, transformers' layout and
-    names, quantization_config mxfp4): our tokens from it equal transformers' on the same
-    weights dequantized (a plain fp32 checkpoint)."""
+    names, quantization_config mxfp4) -> (its folder, the folder of the same weights
+    dequantized (a plain fp32 checkpoint), the prompts, transformers' tokens on those)."""
     from safetensors.torch import load_file, save_file
 
+    tmp_path = tmp_path_factory.mktemp("mxfp4")
     t = load_file(str(ckpt / "model.safetensors"))
     packed, plain = {}, {}
     for name, w in t.items():
@@ -313,16 +315,111 @@ def test_mxfp4_checkpoint_matches_transformers(ckpt, tmp_path):
         (tmp_path / folder).mkdir()
         save_file(tensors, str(tmp_path / folder / "model.safetensors"), metadata={"format": "pt"})
         (tmp_path / folder / "config.json").write_text(json.dumps({**cfg, **extra}))
-    assert ModelConfig.from_hf(tmp_path / "mx").mxfp4_experts
     prompts = random_prompts(3, 10, 30, seed=4)
     expected = hf_greedy(tmp_path / "deq", prompts, GREEDY.max_tokens)
-    assert cpu_greedy(tmp_path / "mx", prompts) == expected
     assert expected != hf_greedy(ckpt, prompts, GREEDY.max_tokens)  # quantized: other tokens
+    return tmp_path / "mx", tmp_path / "deq", prompts, expected
+
+
+def test_mxfp4_checkpoint_matches_transformers(mxfp4_ckpt, tmp_path, monkeypatch):
+    """Dequantized at load (the CPU's default; FLASHPAGE_MXFP4=dequant anywhere): our
+    tokens from the MXFP4 checkpoint equal transformers' on the same weights dequantized."""
+    from safetensors.torch import load_file, save_file
+
+    mx, deq, prompts, expected = mxfp4_ckpt
+    assert ModelConfig.from_hf(mx).mxfp4_experts
+    monkeypatch.setenv("FLASHPAGE_MXFP4", "dequant")
+    llm = cpu_llm(mx)
+    experts = llm.engine.model.model.layers[0].mlp.experts
+    assert not experts.mxfp4 and experts.gate_up_proj.dtype == torch.float32
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    monkeypatch.delenv("FLASHPAGE_MXFP4")
+    assert not cpu_llm(mx).engine.model.model.layers[0].mlp.experts.mxfp4  # auto, on the CPU
     # an MXFP4 tensor in a checkpoint whose config does not say so
-    (tmp_path / "deq" / "config.json").write_text(json.dumps(cfg))
-    save_file(packed, str(tmp_path / "deq" / "model.safetensors"), metadata={"format": "pt"})
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((deq / "config.json").read_text())
+    save_file(load_file(str(mx / "model.safetensors")), str(bad / "model.safetensors"),
+              metadata={"format": "pt"})
     with pytest.raises(ValueError, match="MXFP4"):
-        cpu_llm(tmp_path / "deq")
+        cpu_llm(bad)
+
+
+def _mxfp4_expert_bytes(model) -> tuple[int, int]:
+    """(bytes of the experts' MXFP4 buffers, bytes of any 16-bit expert weights)."""
+    held = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+               if n.endswith(("proj_blocks", "proj_scales")))
+    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if n.endswith(("experts.gate_up_proj", "experts.down_proj")))
+    return held, dense
+
+
+@pytest.mark.parametrize("path", ["fused", "sync_free", "grouped"])
+def test_mxfp4_kept_matches_transformers(mxfp4_ckpt, path, monkeypatch):
+    """FLASHPAGE_MXFP4=kernel: the experts stay MXFP4 (uint8 blocks and scales, 4.25 bits a
+    weight, no 16-bit copy) and give transformers' tokens on every expert path: the fused
+    MXFP4 kernel in the interpreter, and the torch paths dequantizing per call."""
+    mx, _, prompts, expected = mxfp4_ckpt
+    monkeypatch.setenv("FLASHPAGE_MXFP4", "kernel")
+    llm = cpu_llm(mx)
+    model = llm.engine.model
+    layers = model.model.layers
+    ex = layers[0].mlp.experts
+    assert ex.mxfp4 and ex.gate_up_proj is None and ex.down_proj is None
+    assert ex.gate_up_proj_blocks.dtype == ex.down_proj_scales.dtype == torch.uint8
+    e, inter, hidden = 8, 32, 64
+    held, dense = _mxfp4_expert_bytes(model)
+    assert dense == 0
+    # per layer: E * (2I * H + H * I) weights, half a byte each plus a byte per 32
+    assert held == len(layers) * e * (2 * inter * hidden + hidden * inter) * 17 // 32
+    use_expert_path(model, path)
+    calls = count_expert_path(monkeypatch, path)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert calls and min(calls) <= 3 and max(calls) >= 10
+
+
+def test_mxfp4_kept_weights_back_under_hf_names(mxfp4_ckpt, monkeypatch):
+    """hf_weights of a model holding MXFP4 experts: every tensor under its HF name, the
+    experts dequantized in transformers' layout, equal to the dequantized checkpoint's."""
+    from flashpage.models.loader import iter_safetensors, load_model, resolve_model
+
+    mx, deq, _, _ = mxfp4_ckpt
+    model = load_model(resolve_model(str(mx)), torch.float32, torch.device("cpu"),
+                       mxfp4_kernel=True)
+    assert model.model.layers[0].mlp.experts.mxfp4
+    ref = dict(iter_safetensors(str(deq)))
+    mine = dict(model.hf_weights())
+    assert mine.keys() == ref.keys()
+    for n in ref:
+        assert torch.equal(mine[n], ref[n]), n
+
+
+def test_mxfp4_kept_load_errors(mxfp4_ckpt, tmp_path, monkeypatch):
+    """A 16-bit expert weight, or MXFP4 blocks of the wrong shape, in a checkpoint whose
+    experts are held in MXFP4: a ValueError naming the tensor; FLASHPAGE_MXFP4 checked."""
+    from safetensors.torch import load_file, save_file
+
+    mx, deq, _, _ = mxfp4_ckpt
+    monkeypatch.setenv("FLASHPAGE_MXFP4", "kernel")
+    cfg = (mx / "config.json").read_text()
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    for folder, edit, match in (
+            ("dense", lambda t: t.update({name: load_file(str(deq / "model.safetensors"))[name]}),
+             "16-bit expert weight"),
+            ("shape", lambda t: t.update({name + "_blocks": t[name + "_blocks"][:, :-2].contiguous()}),
+             "does not fit")):
+        t = load_file(str(mx / "model.safetensors"))
+        edit(t)
+        (tmp_path / folder).mkdir()
+        save_file(t, str(tmp_path / folder / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_path / folder / "config.json").write_text(cfg)
+        with pytest.raises(ValueError, match=match):
+            cpu_llm(tmp_path / folder)
+    monkeypatch.setenv("FLASHPAGE_MXFP4", "fp4")
+    with pytest.raises(ValueError, match="FLASHPAGE_MXFP4"):
+        cpu_llm(mx)
 
 
 # ----------------------------------------------------------------- config
