@@ -223,15 +223,15 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 # ------------------------------------------------------------------------- grouped GEMMs
 @triton.jit
-def _mxfp4_tile(b_ptrs, s_ptrs, bmask, wmask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+def _mxfp4_tile(b_ptrs, s_ptrs, bmask, smask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                 dt: tl.constexpr):
     """A [BLOCK_K, BLOCK_N] weight tile in ``dt`` from MXFP4: ``b_ptrs`` [BLOCK_K / 2,
-    BLOCK_N] bytes (K contiguous; the low nibble the even row), ``s_ptrs`` [BLOCK_K,
-    BLOCK_N] the e8m0 scale of each row's 32-row group. Each value is built exactly in fp32
-    from its bits (e2m1 -> fp32: sign, exponent e + 126, the mantissa bit; 0.5 and 0 the
-    subnormal codes), times the scale 2 ** (s - 127) (bits s << 23; s = 0: 2 ** -127, the
-    fp32 subnormal 1 << 22; s = 255: inf), then rounded once to ``dt``: what
-    models/mxfp4.dequantize_mxfp4 computes."""
+    BLOCK_N] bytes (K contiguous; the low nibble the even row), ``s_ptrs`` [BLOCK_K / 32,
+    BLOCK_N] the e8m0 scales of the tile's 32-row groups (broadcast over their rows). Each
+    value is built exactly in fp32 from its bits (e2m1 -> fp32: the sign, exponent e + 126,
+    the mantissa bit; 0.5 and 0 the subnormal codes), times the scale 2 ** (s - 127) (bits
+    s << 23; s = 0: 2 ** -127, the fp32 subnormal 1 << 22; s = 255: inf), then rounded once
+    to ``dt``: what models/mxfp4.dequantize_mxfp4 computes."""
     byte = tl.load(b_ptrs, mask=bmask, other=0)
     nib = tl.reshape(tl.permute(tl.join(byte & 0xF, byte >> 4), (0, 2, 1)),
                      (BLOCK_K, BLOCK_N)).to(tl.uint32)
@@ -239,8 +239,10 @@ def _mxfp4_tile(b_ptrs, s_ptrs, bmask, wmask, BLOCK_K: tl.constexpr, BLOCK_N: tl
     e = mag >> 1
     m = mag & 1
     bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((nib & 8) << 28)
-    sc = tl.load(s_ptrs, mask=wmask, other=0).to(tl.uint32)
+    sc = tl.load(s_ptrs, mask=smask, other=0).to(tl.uint32)
     scale = tl.where(sc == 0, 1 << 22, sc << 23).to(tl.float32, bitcast=True)
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 32, BLOCK_N)),
+                       (BLOCK_K, BLOCK_N))
     return (bits.to(tl.float32, bitcast=True) * scale).to(dt)
 
 
@@ -269,11 +271,12 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, sorted_ptr, block_ex
     offs_k = tl.arange(0, BLOCK_K)
     dt = act_ptr.dtype.element_ty
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    if MXFP4:  # [BK / 2, BN] bytes, [BK, BN] scale addresses (each repeated over 32 rows)
+    if MXFP4:  # [BK / 2, BN] bytes, [BK / 32, BN] scales
         offs_kb = tl.arange(0, BLOCK_K // 2)
+        offs_ks = tl.arange(0, BLOCK_K // 32)
         gate_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_kb[:, None]
         gs_ptrs = (s_ptr + expert.to(tl.int64) * stride_se
-                   + offs_n[None, :].to(tl.int64) * stride_sn + (offs_k // 32)[:, None])
+                   + offs_n[None, :].to(tl.int64) * stride_sn + offs_ks[:, None])
         us_ptrs = gs_ptrs + inter * stride_sn
     else:
         gate_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
@@ -287,8 +290,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, sorted_ptr, block_ex
         wmask = mask_k[:, None] & mask_n[None, :]
         if MXFP4:
             bmask = (offs_kb < (hidden - k0) // 2)[:, None] & mask_n[None, :]
-            wg = _mxfp4_tile(gate_ptrs, gs_ptrs, bmask, wmask, BLOCK_K, BLOCK_N, dt)
-            wu = _mxfp4_tile(up_ptrs, us_ptrs, bmask, wmask, BLOCK_K, BLOCK_N, dt)
+            smask = (offs_ks < (hidden - k0) // 32)[:, None] & mask_n[None, :]
+            wg = _mxfp4_tile(gate_ptrs, gs_ptrs, bmask, smask, BLOCK_K, BLOCK_N, dt)
+            wu = _mxfp4_tile(up_ptrs, us_ptrs, bmask, smask, BLOCK_K, BLOCK_N, dt)
             gate_ptrs += BLOCK_K // 2
             up_ptrs += BLOCK_K // 2
             gs_ptrs += BLOCK_K // 32
@@ -343,10 +347,11 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr
     dt = ys_ptr.dtype.element_ty
     if MXFP4:
         offs_kb = tl.arange(0, BLOCK_K // 2)
+        offs_ks = tl.arange(0, BLOCK_K // 32)
         w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
                   + offs_n[None, :].to(tl.int64) * stride_wn + offs_kb[:, None])  # [BK / 2, BN]
         s_ptrs = (s_ptr + expert.to(tl.int64) * stride_se
-                  + offs_n[None, :].to(tl.int64) * stride_sn + (offs_k // 32)[:, None])
+                  + offs_n[None, :].to(tl.int64) * stride_sn + offs_ks[:, None])  # [BK / 32, BN]
     else:
         w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
                   + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None])  # [BK, BN]
@@ -358,7 +363,8 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr
         wmask = mask_k[:, None] & mask_n[None, :]
         if MXFP4:
             bmask = (offs_kb < (inter - k0) // 2)[:, None] & mask_n[None, :]
-            w = _mxfp4_tile(w_ptrs, s_ptrs, bmask, wmask, BLOCK_K, BLOCK_N, dt)
+            smask = (offs_ks < (inter - k0) // 32)[:, None] & mask_n[None, :]
+            w = _mxfp4_tile(w_ptrs, s_ptrs, bmask, smask, BLOCK_K, BLOCK_N, dt)
             w_ptrs += BLOCK_K // 2
             s_ptrs += BLOCK_K // 32
         else:

@@ -42,13 +42,14 @@ def _decode_kernel(b_ptr, s_ptr, out_ptr, n_rows, k_bytes, k_groups,
     """out [N, K] = the kernel's own MXFP4 tile decode (fm._mxfp4_tile), tile by tile."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 32)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < n_rows
     b_ptrs = b_ptr + offs_n[None, :] * k_bytes + offs_kb[:, None]
-    s_ptrs = s_ptr + offs_n[None, :] * k_groups + (offs_k // 32)[:, None]
+    s_ptrs = s_ptr + offs_n[None, :] * k_groups + offs_ks[:, None]
     for k0 in range(0, 2 * k_bytes, BLOCK_K):
         w = fm._mxfp4_tile(b_ptrs, s_ptrs, mask_n[None, :] & (offs_kb[:, None] >= 0),
-                           mask_n[None, :] & (offs_k[:, None] >= 0), BLOCK_K, BLOCK_N,
+                           mask_n[None, :] & (offs_ks[:, None] >= 0), BLOCK_K, BLOCK_N,
                            out_ptr.dtype.element_ty)
         tl.store(out_ptr + offs_n[None, :] * (2 * k_bytes) + k0 + offs_k[:, None], w,
                  mask=mask_n[None, :])
@@ -161,7 +162,7 @@ def test_mxfp4_kernel_is_the_16_bit_kernel_on_dequantized_weights(t, k, e, h, in
 def test_silu_without_biases_and_quantized_weights():
     """Mixtral-style experts (silu, no biases) whose weights went through quantize_mxfp4:
     the MXFP4 kernel equals the 16-bit kernel on dequantize_mxfp4's weights, at the default
-    config."""
+    config (K tiles of 128: 4 scale groups) and at K tiles of one group."""
     t, k, e, h, inter = 9, 2, 8, 64, 64
     g = torch.Generator().manual_seed(3)
     gate_up = torch.randn(e, 2 * inter, h, generator=g) / h ** 0.5
@@ -174,6 +175,9 @@ def test_silu_without_biases_and_quantized_weights():
     deq = (dequantize_kernel_mxfp4(gu_b, gu_s, torch.float32),
            dequantize_kernel_mxfp4(d_b, d_s, torch.float32))
     assert torch.equal(got, fused_moe(x, *deq, ids, w))
+    one_group = FusedMoEConfig(block_m=16, block_n=16, block_k=32)  # a scale a K tile
+    assert torch.equal(fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, one_group),
+                       fused_moe(x, *deq, ids, w, one_group))
     # and near the unquantized experts' (4-bit weights: ~10-20% off, relative)
     exact = fm.fused_moe_ref(x, gate_up, down, ids, w)
     err = ((got - exact).norm() / exact.norm()).item()
