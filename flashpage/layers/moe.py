@@ -56,7 +56,10 @@ captured for a batch size always replays the same path):
   them, so only the routed experts' weights are read; no host sync either. The engine
   turns it on (:func:`set_fused_moe`) with the triton backend on CUDA unless
   ``FLASHPAGE_FUSED_MOE=0``: on the H200 it reads 1.7-4x less than sync-free at 1-16
-  tokens and took DeepSeek-V2-Lite from 2,305 to 2,713 output tok/s.
+  tokens and took DeepSeek-V2-Lite from 2,305 to 2,713 output tok/s. Experts held in
+  MXFP4 (``FusedExperts(mxfp4=True)``: GPT-OSS's checkpoints where this kernel runs them)
+  take its MXFP4 variant (``fused_moe_mxfp4``: 4.25 bits a weight read); the torch paths
+  dequantize them per call.
 
 All three weight each expert output in fp32, round it to the model dtype, then sum per token;
 all three take the optional biases and activation (``FusedExperts(bias=, activation=)``).

@@ -9,14 +9,18 @@ with sinks); through chunked prefill, preemption and prefix hits; the sinks, the
 the activation's clamp each shown to change the tokens; YaRN's frequencies and attention
 factor equal transformers' rope init (truncate false and true); MXFP4: our dequantization
 equals transformers', and a checkpoint whose experts we quantize gives transformers' tokens
-on the dequantized weights; weights back under HF's names; ``flashpage inspect``'s counts;
-config fields, defaults and errors.
-GPU (marked gpu): bf16 on the Triton kernels and CUDA graphs follows fp32.
+on the dequantized weights, dequantized at load and kept in MXFP4 (FLASHPAGE_MXFP4=kernel:
+uint8 buffers, the MXFP4 fused kernel in the interpreter, the torch paths dequantizing per
+call); weights back under HF's names; ``flashpage inspect``'s counts and weight bytes
+(MXFP4 experts as held); config fields, defaults and errors.
+GPU (marked gpu): bf16 on the Triton kernels and CUDA graphs follows fp32; MXFP4 experts
+kept on CUDA give transformers' fp32 tokens, and in bf16 the dequantized path's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -290,15 +294,13 @@ def test_mxfp4_errors():
         dequantize_mxfp4(b, s[..., :0])
 
 
-@pytest.fixture(scope="module")
-def mxfp4_ckpt(ckpt, tmp_path_factory):
-    """The tiny model's experts quantized to MXFP4 (our quantizer, transformers' layout and
-    names, quantization_config mxfp4) -> (its folder, the folder of the same weights
-    dequantized (a plain fp32 checkpoint), the prompts, transformers' tokens on those)."""
+def _mxfp4_copies(src: Path, dst: Path) -> tuple[Path, Path]:
+    """The checkpoint at ``src`` with its experts quantized to MXFP4 (our quantizer,
+    transformers' layout and names, quantization_config mxfp4) -> (that folder, a folder of
+    the same weights dequantized: a plain checkpoint transformers reads), under ``dst``."""
     from safetensors.torch import load_file, save_file
 
-    tmp_path = tmp_path_factory.mktemp("mxfp4")
-    t = load_file(str(ckpt / "model.safetensors"))
+    t = load_file(str(src / "model.safetensors"))
     packed, plain = {}, {}
     for name, w in t.items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -308,17 +310,25 @@ def mxfp4_ckpt(ckpt, tmp_path_factory):
             assert not torch.equal(plain[name], w)  # the quantization changed the weights
         else:
             packed[name] = plain[name] = w
-    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg = json.loads((src / "config.json").read_text())
     for folder, tensors, extra in (("mx", packed, {"quantization_config": {
             "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}}),
                                    ("deq", plain, {})):
-        (tmp_path / folder).mkdir()
-        save_file(tensors, str(tmp_path / folder / "model.safetensors"), metadata={"format": "pt"})
-        (tmp_path / folder / "config.json").write_text(json.dumps({**cfg, **extra}))
+        (dst / folder).mkdir()
+        save_file(tensors, str(dst / folder / "model.safetensors"), metadata={"format": "pt"})
+        (dst / folder / "config.json").write_text(json.dumps({**cfg, **extra}))
+    return dst / "mx", dst / "deq"
+
+
+@pytest.fixture(scope="module")
+def mxfp4_ckpt(ckpt, tmp_path_factory):
+    """The tiny model's MXFP4 copies (_mxfp4_copies) -> (MXFP4 folder, dequantized folder,
+    the prompts, transformers' tokens on the dequantized weights)."""
+    mx, deq = _mxfp4_copies(ckpt, tmp_path_factory.mktemp("mxfp4"))
     prompts = random_prompts(3, 10, 30, seed=4)
-    expected = hf_greedy(tmp_path / "deq", prompts, GREEDY.max_tokens)
+    expected = hf_greedy(deq, prompts, GREEDY.max_tokens)
     assert expected != hf_greedy(ckpt, prompts, GREEDY.max_tokens)  # quantized: other tokens
-    return tmp_path / "mx", tmp_path / "deq", prompts, expected
+    return mx, deq, prompts, expected
 
 
 def test_mxfp4_checkpoint_matches_transformers(mxfp4_ckpt, tmp_path, monkeypatch):
@@ -503,6 +513,31 @@ def test_inspect_counts_parameters_and_kv():
     assert groups["kv_bytes_per_token_past_window"] == info["kv_bytes_per_token_per_layer"]
 
 
+def test_inspect_weights_bytes_with_mxfp4_experts(monkeypatch):
+    """gpt-oss-20b's config with its checkpoint's quantization_config: ``flashpage inspect``
+    counts the experts as held, 4.25 bits a weight (~12.8 GiB of weights in all, against
+    ~39 GiB with FLASHPAGE_MXFP4=dequant), and says which."""
+    from flashpage.inspect import format_report, inspect_config, param_counts
+
+    d = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "gpt-oss-20b"
+                    / "config.json").read_text())
+    cfg = ModelConfig.from_hf({**d, "quantization_config": {"quant_method": "mxfp4"}})
+    total, _ = param_counts(cfg)
+    experts = 24 * 32 * 3 * 2880 * 2880  # layers * E * (2I * H + H * I)
+    info = inspect_config(cfg, 80 << 30, "bfloat16")
+    assert info["mxfp4_kept"] and info["mxfp4_expert_bytes"] == experts * 17 // 32
+    assert info["mxfp4_expert_bytes_dequantized"] == experts * 2
+    assert info["weights_bytes"] == (total - experts) * 2 + experts * 17 // 32
+    assert 12.5 < info["weights_bytes"] / 2**30 < 13.5
+    assert "MXFP4 experts" in format_report(info) and "kept so" in format_report(info)
+    monkeypatch.setenv("FLASHPAGE_MXFP4", "dequant")
+    info = inspect_config(cfg, 80 << 30, "bfloat16")
+    assert not info["mxfp4_kept"] and info["weights_bytes"] == total * 2
+    assert "dequantized to" in format_report(info)
+    plain = inspect_config(ModelConfig.from_hf(d), 80 << 30, "bfloat16")
+    assert plain["weights_bytes"] == total * 2 and plain["mxfp4_expert_bytes"] == 0
+
+
 # ----------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -517,6 +552,36 @@ def test_gpu_graphs_fp32_and_bf16(tiny_gpt_oss):
                                             block_size=16)
     total = sum(len(t) for t in truth)
     assert ours >= theirs - 0.03 * total and ours >= 0.85 * total, (ours, theirs, total)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_mxfp4_experts_kept(tiny_gpt_oss, tmp_path, monkeypatch):
+    """An MXFP4 checkpoint on CUDA with the triton backend: its experts stay MXFP4 (the
+    default) and run the MXFP4 fused kernel; fp32 with CUDA graphs and eagerly gives
+    transformers' tokens on the dequantized weights; bf16 gives the tokens of the same
+    model with FLASHPAGE_MXFP4=dequant (the kernel's rounding is the dequantized path's)."""
+    from flashpage import LLM
+    from tests.conftest import assert_gpu_graphs_match_hf
+
+    mx, deq = _mxfp4_copies(tiny_gpt_oss("gpt_oss_d32"), tmp_path)
+    prompts = random_prompts(4, 10, 60, seed=5)
+    llm = assert_gpu_graphs_match_hf(mx, prompts,
+                                     reference=lambda _p, pr, n: hf_greedy(deq, pr, n))
+    experts = llm.engine.model.model.layers[0].mlp.experts
+    assert experts.mxfp4 and experts.fused_kernel
+    assert experts.gate_up_proj_blocks.dtype == torch.uint8 and experts.gate_up_proj is None
+
+    def bf16_tokens():
+        out = LLM(str(mx), dtype="bfloat16", device="cuda", attention_backend="triton",
+                  block_size=16)
+        assert out.engine.model.model.layers[0].mlp.experts.mxfp4 == (
+            os.environ.get("FLASHPAGE_MXFP4") != "dequant")
+        return [o.outputs[0].token_ids for o in out.generate(prompts, GREEDY, use_tqdm=False)]
+
+    kept = bf16_tokens()
+    monkeypatch.setenv("FLASHPAGE_MXFP4", "dequant")
+    assert kept == bf16_tokens()
 
 
 def test_yarn_on_a_llama_matches_transformers(tmp_path):
