@@ -127,9 +127,8 @@ class LLMEngine:
         fused_moe = (backend_cls.name == "triton" and self.device.type == "cuda"
                      and envs.fused_moe())
         # an MXFP4 checkpoint's experts stay MXFP4 where the fused MoE kernel reads them
-        mxfp4_mode = envs.mxfp4()
         mxfp4_kernel = mc.mxfp4_experts and (
-            mxfp4_mode == "kernel" or (mxfp4_mode == "auto" and fused_moe))
+            envs.mxfp4() == "kernel" or (envs.mxfp4() == "auto" and fused_moe))
         if mc.mxfp4_experts:
             logger.info("MXFP4 experts: %s", "kept in MXFP4 for the fused MoE kernel"
                         if mxfp4_kernel else f"dequantized to {self.dtype} at load")

@@ -406,6 +406,27 @@ def test_mxfp4_kept_weights_back_under_hf_names(mxfp4_ckpt, monkeypatch):
         assert torch.equal(mine[n], ref[n]), n
 
 
+def test_mxfp4_kept_random_weights(ckpt, tmp_path):
+    """Random weights (benchmarks: a config with quantization_config mxfp4, e.g. through
+    hf_overrides) held in MXFP4: random e2m1 bytes at scale 2 ** -7 (weights of RMS ~0.02,
+    as the 16-bit random init), and a forward of them runs."""
+    from flashpage.models.loader import load_model, resolve_model
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    model = load_model(resolve_model(None, str(tmp_path / "config.json")), torch.float32,
+                       torch.device("cpu"), mxfp4_kernel=True)
+    ex = model.model.layers[0].mlp.experts
+    assert ex.mxfp4 and (ex.down_proj_scales == 127 - 7).all()
+    assert ex.gate_up_proj_blocks.unique().numel() > 200  # random bytes, not zeros
+    w = ex._weight("gate_up_proj", torch.float32)
+    assert 0.015 < w.pow(2).mean().sqrt().item() < 0.03
+    x = torch.randn(5, 64)
+    weights, ids = model.model.layers[0].mlp.router(x)
+    assert torch.isfinite(ex(x, weights, ids)).all()
+
+
 def test_mxfp4_kept_load_errors(mxfp4_ckpt, tmp_path, monkeypatch):
     """A 16-bit expert weight, or MXFP4 blocks of the wrong shape, in a checkpoint whose
     experts are held in MXFP4: a ValueError naming the tensor; FLASHPAGE_MXFP4 checked."""
