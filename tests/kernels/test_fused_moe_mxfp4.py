@@ -74,6 +74,13 @@ def assert_decode_exact(dtype: torch.dtype) -> None:
         blocks, scales, out, blocks.shape[0], 128, 8, BLOCK_K=128, BLOCK_N=16)
     want = dequantize_mxfp4(blocks.view(-1, 8, 16), scales, dtype)
     assert want.isinf().any() and (want != 0).any()  # scale 255, 254: overflow
+    if GPU:
+        # fp32 subnormal products (scale 0, and 0.5 at scale 1: below 2 ** -126) may be
+        # flushed to zero by the GPU's fp32 multiply: either exact or zero there
+        tiny = dequantize_mxfp4(blocks.view(-1, 8, 16), scales, torch.float32).abs() < 2.0 ** -126
+        flushed = tiny & (out == 0)
+        assert not (~tiny & (out == 0) & (want != 0)).any()
+        out = torch.where(flushed, want, out)
     torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(dequantize_kernel_mxfp4(blocks, scales, dtype), want, rtol=0,
                                atol=0, equal_nan=True)
@@ -243,6 +250,7 @@ def test_mxfp4_no_host_sync_on_meta_tensors(monkeypatch):
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_decode_every_byte_at_every_scale_gpu(dtype):
+    """Compiled for the GPU: exact but where an fp32 subnormal product may be flushed."""
     assert_decode_exact(dtype)
 
 
