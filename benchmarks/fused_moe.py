@@ -8,15 +8,22 @@ Two expert shapes (``--model``), T tokens each, uniform random top-k routing (se
 - deepseek-v2-lite (benchmarks/configs/deepseek-v2-lite: E=64, top-6, hidden 2048,
   moe_intermediate 1408, bf16: 1.1 GB of expert weights per layer), T in {1, 4, 16, 64, 256};
 - gpt-oss-20b (benchmarks/configs/gpt-oss-20b: E=32, top-4, hidden 2880, intermediate
-  2880, bf16 (its MXFP4 checkpoint is dequantized at load): 1.6 GB per layer; per-expert
-  biases and the clamped SwiGLU, models/gpt_oss.GptOssExperts), T in {1, 8, 32, 64, 128}.
+  2880, bf16: 1.6 GB per layer; per-expert biases and the clamped SwiGLU,
+  models/gpt_oss.GptOssExperts), T in {1, 8, 32, 64, 128}; beside the bf16 paths the same
+  experts held as its checkpoint holds them, MXFP4 (0.42 GB per layer, random bytes, scales
+  around 2 ** -7): the fused kernel reading them (``fused mxfp4``), and the grouped path
+  that dequantizes one expert at a time (``torch grouped, mxfp4 dequantized``: what a
+  prompt past 512 tokens runs).
 
 LAYERS copies of the weights are cycled so no call finds the previous call's weights in
 the 60 MB L2, as in a model.
 
-GB/s = bytes of the weights the tokens need (the distinct routed experts' gate_up + down)
-/ time: the same numerator for every path, so the column compares them directly;
-`all experts` gives what the every-expert path actually reads. Times: CUDA events around
+GB/s = bytes of the weights the tokens need (the distinct routed experts' gate_up + down,
+in the format the path reads: bf16, or MXFP4's 4.25 bits a weight for the mxfp4 rows,
+``needed MB``) / time: the same numerator for every bf16 path, so the column compares them
+directly; `all experts` gives what the every-expert path actually reads. An mxfp4 row's
+time against the bf16 fused row's is the speed-up; its GB/s how near the copy ceiling its
+smaller reads get. Times: CUDA events around
 ITERS calls after a warm-up, eager (outside a graph); all but grouped also inside a CUDA
 graph (launch overhead gone, as in decode steps; grouped cannot be captured). The
 gathered path copies each (token, slot) pair's expert weights: it is left out where that
@@ -50,8 +57,15 @@ if not GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     import tests.conftest  # noqa: F401  (its numpy fix for the interpreter)
 
+import dataclasses  # noqa: E402
+
 from flashpage.config import ModelConfig  # noqa: E402
-from flashpage.kernels.fused_moe import FusedMoEConfig, default_config, fused_moe  # noqa: E402
+from flashpage.kernels.fused_moe import (  # noqa: E402
+    FusedMoEConfig,
+    default_config,
+    fused_moe,
+    fused_moe_mxfp4,
+)
 from flashpage.layers.moe import FusedExperts  # noqa: E402
 from flashpage.models.gpt_oss import GptOssExperts  # noqa: E402
 
@@ -67,9 +81,11 @@ SWEEP = [FusedMoEConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_sta
                                                  (64, 64, 4, 4), (128, 64, 8, 3))]
 
 
-def make_layers(cfg: ModelConfig, hidden: int, inter: int) -> list[FusedExperts]:
+def make_layers(cfg: ModelConfig, hidden: int, inter: int, mxfp4: bool = False) -> list[FusedExperts]:
     """LAYERS FusedExperts (GptOssExperts for GPT-OSS: with biases) with random bf16
-    weights on the device (built on meta, so no fp32 copy is ever allocated)."""
+    weights on the device (built on meta, so no fp32 copy is ever allocated); ``mxfp4``:
+    GptOssExperts holding MXFP4 (random e2m1 bytes, e8m0 scales 2 ** -7 +- 2: weights of
+    ~0.02, the 16-bit ones' scale)."""
     layers = []
     g = torch.Generator(device=DEV).manual_seed(0)
 
@@ -78,6 +94,20 @@ def make_layers(cfg: ModelConfig, hidden: int, inter: int) -> list[FusedExperts]
                                   requires_grad=False)
 
     for _ in range(LAYERS):
+        if mxfp4:
+            with torch.device(DEV):
+                ex = GptOssExperts(dataclasses.replace(cfg, mxfp4_kernel=True))
+            ex.to(DT)
+            for name, buf in ex.named_buffers():
+                if name.endswith("_blocks"):
+                    buf.random_(0, 256, generator=g)
+                elif name.endswith("_scales"):
+                    buf.random_(118, 123, generator=g)
+            assert ex.gate_up_proj_bias is not None and ex.down_proj_bias is not None
+            ex.gate_up_proj_bias.data.normal_(0, 0.1, generator=g)
+            ex.down_proj_bias.data.normal_(0, 0.1, generator=g)
+            layers.append(ex)
+            continue
         with torch.device("meta"):
             ex = GptOssExperts(cfg) if cfg.architecture == "GptOssForCausalLM" else FusedExperts(cfg)
         e = ex.num_experts
@@ -151,16 +181,19 @@ def routing(t: int, k: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     return ids.to(DEV), (torch.rand(t, k, generator=g) * 0.5).to(DEV)
 
 
-def bench_tokens(layers: list[FusedExperts], t: int, k: int, sweep: bool) -> list[dict]:
+def bench_tokens(layers: list[FusedExperts], t: int, k: int, sweep: bool,
+                 mx_layers: list[FusedExperts] | None = None) -> list[dict]:
     ex0 = layers[0]
     e, two_i, hidden = ex0.gate_up_proj.shape
     expert_bytes = 3 * (two_i // 2) * hidden * ex0.gate_up_proj.element_size()
+    mx_expert_bytes = 3 * (two_i // 2) * hidden * 17 // 32  # half a byte + a byte per 32
     ids, w = routing(t, k, e, seed=t)
     x = torch.randn(t, hidden, device=DEV, dtype=DT)
-    needed = ids.unique().numel() * expert_bytes
+    distinct = ids.unique().numel()
+    needed = distinct * expert_bytes
     with torch.no_grad():
         ours, ref = layers[0].forward_fused(x, w, ids), layers[0].forward_sync_free(x, w, ids)
-    base = dict(tokens=t, distinct_experts=ids.unique().numel(), needed_mb=round(needed / 1e6, 1),
+    base = dict(tokens=t, distinct_experts=distinct, needed_mb=round(needed / 1e6, 1),
                 all_experts_mb=round(e * expert_bytes / 1e6),
                 max_diff_vs_sync_free=float((ours.float() - ref.float()).abs().max()))
 
@@ -175,6 +208,28 @@ def bench_tokens(layers: list[FusedExperts], t: int, k: int, sweep: bool) -> lis
         "torch gathered": lambda i: weighted(layers[i]._gathered(x, ids)),
         "torch grouped": lambda i: layers[i].forward_grouped(x, w, ids),
     }
+    mx_paths: dict[str, Callable[[int], object]] = {}
+    if mx_layers is not None:
+        mx = mx_layers
+        mx_paths = {
+            f"fused mxfp4 (default {default_config(t * k, e).name})":
+                lambda i: mx[i].forward_fused(x, w, ids),
+            "torch grouped, mxfp4 dequantized": lambda i: mx[i].forward_grouped(x, w, ids),
+        }
+        if sweep:
+            for cfg in SWEEP:
+                mx_paths[f"fused mxfp4 {cfg.name}"] = lambda i, cfg=cfg: fused_moe_mxfp4(
+                    x, mx[i].gate_up_proj_blocks, mx[i].gate_up_proj_scales,
+                    mx[i].down_proj_blocks, mx[i].down_proj_scales, ids, w, cfg,
+                    gate_up_bias=mx[i].gate_up_proj_bias, down_bias=mx[i].down_proj_bias,
+                    activation=mx[i].activation)
+        with torch.no_grad():  # against the same MXFP4 weights dequantized (sync-free)
+            mx_diff = float((mx[0].forward_fused(x, w, ids).float()
+                             - mx[0].forward_sync_free(x, w, ids).float()).abs().max())
+        mx_needed = distinct * mx_expert_bytes
+        mx_base = dict(base, needed_mb=round(mx_needed / 1e6, 1),
+                       all_experts_mb=round(e * mx_expert_bytes / 1e6),
+                       max_diff_vs_sync_free=mx_diff)
     rows = []
     gather_bytes = t * k * expert_bytes
     if gather_bytes > GATHER_MAX_BYTES:
@@ -188,15 +243,19 @@ def bench_tokens(layers: list[FusedExperts], t: int, k: int, sweep: bool) -> lis
                 x, layers[i].gate_up_proj, layers[i].down_proj, ids, w, cfg,
                 gate_up_bias=layers[i].gate_up_proj_bias, down_bias=layers[i].down_proj_bias,
                 activation=layers[i].activation)
-    for name, fn in paths.items():
-        row = dict(base, path=name)
+    runs = [(name, fn, base, needed) for name, fn in paths.items()]
+    if mx_paths:
+        runs += [(name, fn, mx_base, mx_needed) for name, fn in mx_paths.items()]
+    for name, fn, row_base, row_needed in runs:
+        row = dict(row_base, path=name)
         try:
             with torch.no_grad():
                 sec = time_calls(fn)
-                row.update(eager_us=round(sec * 1e6, 1), eager_gbs=round(needed / sec / 1e9))
+                row.update(eager_us=round(sec * 1e6, 1), eager_gbs=round(row_needed / sec / 1e9))
                 if GPU and "grouped" not in name:
                     sec = time_graph(fn)
-                    row.update(graph_us=round(sec * 1e6, 1), graph_gbs=round(needed / sec / 1e9))
+                    row.update(graph_us=round(sec * 1e6, 1),
+                               graph_gbs=round(row_needed / sec / 1e9))
         except Exception as ex:  # keep going: one failure must not hide the rest
             row["error"] = f"{type(ex).__name__}: {str(ex)[:120]}"
         rows.append(row)
@@ -212,7 +271,8 @@ def to_markdown(model: str, copy_gbs: float, rows: list[dict]) -> str:
     dev = torch.cuda.get_device_name() if GPU else "CPU (Triton interpreter: smoke test only)"
     lines = [f"# MoE experts, {model} shapes, {dev}", "",
              f"torch {torch.__version__}; copy bandwidth (1 GiB, read + written): "
-             f"{copy_gbs:,.0f} GB/s. GB/s = needed weight bytes (distinct routed experts) / time.",
+             f"{copy_gbs:,.0f} GB/s. GB/s = needed weight bytes (distinct routed experts, in the "
+             "format the path reads: bf16, or 4.25 bits a weight for mxfp4) / time.",
              "", "| T | distinct experts | needed MB | path | eager µs | eager GB/s | graph µs "
              "| graph GB/s | graph / copy | max diff vs sync-free |", "| --- " * 10 + "|"]
     for r in rows:
@@ -236,11 +296,15 @@ def main() -> None:
     tokens = MODELS[args.model] if GPU else [1, 4]
     t0 = time.perf_counter()
     layers = make_layers(cfg, hidden, inter)
+    # GPT-OSS's checkpoint experts are MXFP4: also as the engine holds them (FLASHPAGE_MXFP4)
+    mx_layers = (make_layers(dataclasses.replace(cfg, hidden_size=hidden, moe_intermediate_size=inter),
+                             hidden, inter, mxfp4=True)
+                 if cfg.architecture == "GptOssForCausalLM" else None)
     copy_gbs = copy_bandwidth()
     print(json.dumps(dict(copy_gbs=copy_gbs)), flush=True)
     rows = []
     for t in tokens:
-        rows += bench_tokens(layers, t, cfg.num_experts_per_tok, args.sweep)
+        rows += bench_tokens(layers, t, cfg.num_experts_per_tok, args.sweep, mx_layers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "fused_moe" if args.model == "deepseek-v2-lite" else f"fused_moe_{args.model}"

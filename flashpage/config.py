@@ -1381,8 +1381,8 @@ def _gpt_oss_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
     (``attention_bias``, default true); head_dim 64; RMSNorm eps 1e-5; rope base 150000
     with GptOssConfig's YaRN (factor 32 over 4096 positions, beta 32 / 1, ``truncate``
     false) when the config has no rope fields. ``quantization_config``: none, or quant_method
-    mxfp4 (the experts' weights as MXFP4 blocks, dequantized at load); any other is a
-    ConfigError."""
+    mxfp4 (the experts' weights as MXFP4 blocks: kept so for the fused MoE kernel, or
+    dequantized at load; models/gpt_oss.py); any other is a ConfigError."""
     n = d["num_hidden_layers"]
     experts = _positive_int(d, "num_local_experts", where, default=d.get("num_experts", 128))
     top_k = _positive_int(d, "num_experts_per_tok", where, default=4)
@@ -1944,8 +1944,13 @@ class ModelConfig:
     # read (Falcon-7B, Falcon2-11B)
     parallel_norms: int = 2
     # GPT-OSS: the checkpoint's experts are MXFP4 (quantization_config quant_method mxfp4:
-    # ..._blocks / ..._scales tensors), dequantized to the model dtype at load (models/mxfp4.py)
+    # ..._blocks / ..._scales tensors), read by models/mxfp4.py: kept in MXFP4 for the fused
+    # MoE kernel where it runs, else dequantized to the model dtype at load
     mxfp4_experts: bool = False
+    # not from config.json: set by the loader (models/loader.load_model's mxfp4_kernel, the
+    # engine's choice: envs.mxfp4) when the experts are held in MXFP4 (layers/moe.FusedExperts
+    # mxfp4) rather than dequantized
+    mxfp4_kernel: bool = False
     # GPT-OSS: a learned logit per query head in each softmax denominator (attention sinks,
     # kernels/sinks.py); its experts' clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate)
     # with gate <= limit and |up| <= limit (models/gpt_oss.py)

@@ -191,6 +191,23 @@ def fused_moe() -> bool:
     return os.environ.get("FLASHPAGE_FUSED_MOE", "1") != "0"
 
 
+def mxfp4() -> str:
+    """FLASHPAGE_MXFP4: how the engine holds an MXFP4 checkpoint's experts (GPT-OSS's
+    released ones; models/gpt_oss.py). ``auto`` (the default): kept in MXFP4 (4.25 bits a
+    weight: gpt-oss-20b's experts ~9.5 GiB instead of ~36 in bf16, gpt-oss-120b's ~57 GiB
+    instead of ~214) where the fused MoE kernel runs them (CUDA, the triton backend,
+    FLASHPAGE_FUSED_MOE not 0), dequantized to the model dtype at load elsewhere.
+    ``dequant``: always dequantized at load (the behaviour before the MXFP4 kernel). ``kernel``:
+    always kept, on any device (the CPU runs the fused kernel through Triton's interpreter
+    when asked, and its torch paths dequantize per call: tests). Kept experts run the fused
+    kernel up to 512 tokens a step and dequantize one expert at a time past it (layers/moe.py
+    FusedExperts). Read when the engine loads the model."""
+    value = os.environ.get("FLASHPAGE_MXFP4", "auto").strip().lower() or "auto"
+    if value not in ("auto", "dequant", "kernel"):
+        raise ValueError(f"FLASHPAGE_MXFP4 must be auto, dequant or kernel, got {value!r}")
+    return value
+
+
 def pdl() -> str:
     """FLASHPAGE_PDL: programmatic dependent launch of our decode-path Triton kernels
     (Hopper and newer; kernels/pdl.py), so a kernel's launch overlaps the tail of the one

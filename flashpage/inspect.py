@@ -19,7 +19,8 @@ Definitions (each figure can be checked by hand):
   with the paper's per-head dim ``d_h = qk_nope_head_dim``. DeepSeek-V2 and V3:
   d_c = 4 d_h = 512, d_h^R = d_h / 2 = 64, d_h = 128: (512 + 64) / 256 = 2.25.
 * Tokens in memory: ``memory // kv_bytes_per_token``, the KV cache alone; the same
-  after subtracting the weights' size (``param_count * dtype bytes``), clamped at 0.
+  after subtracting the weights' size (``param_count * dtype bytes``; fp8 / int4 weights
+  and GPT-OSS's MXFP4 experts at what the engine holds), clamped at 0.
 * Parameters are counted from the config: embeddings (GPT-2's and OPT's learned positions,
   OPT-350m's project_in / project_out too), attention (MLA's low-rank
   projections and norms included), MLP (MoE routed and shared experts, router,
@@ -39,6 +40,7 @@ import re
 import sys
 from typing import Any
 
+from flashpage import envs
 from flashpage.config import (
     ONLINE_INT4_METHODS,
     CheckpointQuantization,
@@ -389,6 +391,14 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
     int4 = int4_weight_shapes(cfg, quantization)
     for n, k, g in int4:  # half a byte a value, an fp16 scale and a uint8 zero a group
         weights_bytes += n * k // 2 - n * k * wbytes + 3 * n * (k // g)
+    # MXFP4 experts (GPT-OSS's checkpoints): held so by default (the engine on CUDA with the
+    # triton backend: FLASHPAGE_MXFP4, models/gpt_oss.py), 4.25 bits a weight
+    mx_values = (3 * cfg.n_routed_experts * (cfg.moe_intermediate_size or 0) * cfg.hidden_size
+                 * sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+                 if cfg.mxfp4_experts and cfg.n_routed_experts else 0)
+    mx_kept = bool(mx_values) and envs.mxfp4() != "dequant"
+    if mx_kept:
+        weights_bytes += mx_values * 17 // 32 - mx_values * wbytes
     qc = cfg.quantization_config
     info: dict[str, Any] = {
         "architecture": cfg.architecture,
@@ -454,9 +464,13 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "active_param_count": active_params,
         "quantization": quantization,
         # GPT-OSS: a sink logit per query head in every layer's softmax; MXFP4 experts in
-        # the checkpoint, dequantized to the model dtype at load (weights_bytes counts them so)
+        # the checkpoint, kept so for the fused MoE kernel (mxfp4_kept: weights_bytes counts
+        # them at 4.25 bits a weight) unless FLASHPAGE_MXFP4=dequant (then in ``dtype``)
         "attention_sinks": cfg.attention_sinks,
         "mxfp4_experts": cfg.mxfp4_experts,
+        "mxfp4_kept": mx_kept,
+        "mxfp4_expert_bytes": mx_values * 17 // 32,
+        "mxfp4_expert_bytes_dequantized": mx_values * wbytes,
         # an fp8 checkpoint's own quantization_config (config.CheckpointQuantization)
         "quantization_config": None if qc is None else {
             "method": qc.method, "weight_strategy": qc.weight_strategy,
@@ -607,8 +621,13 @@ def format_report(info: dict[str, Any]) -> str:
         rows.append(("equivalent GQA groups", f"{mla['equivalent_gqa_groups']:.2f} "
                                                "((kv_lora_rank + rope) / (2 * qk_nope_head_dim))"))
     if info.get("mxfp4_experts"):
-        rows.append(("checkpoint weights", f"experts in MXFP4 (4-bit e2m1, a power-of-two scale "
-                                           f"per 32 values): dequantized to {dt} at load"))
+        mx, deq = _size(info["mxfp4_expert_bytes"]), _size(info["mxfp4_expert_bytes_dequantized"])
+        held = (f"kept so where the fused MoE kernel runs them (CUDA, the triton backend): {mx} "
+                f"(dequantized to {dt} elsewhere or with FLASHPAGE_MXFP4=dequant: {deq})"
+                if info.get("mxfp4_kept") else
+                f"dequantized to {dt} at load (FLASHPAGE_MXFP4=dequant): {deq}, not {mx}")
+        rows.append(("checkpoint weights", "experts in MXFP4 (4-bit e2m1, a power-of-two scale "
+                                           f"per 32 values): {held}"))
     qc = info.get("quantization_config")
     if qc:
         desc = CheckpointQuantization(qc["method"], qc["weight_strategy"],
@@ -628,7 +647,8 @@ def format_report(info: dict[str, Any]) -> str:
          + (f" ({info['active_param_count'] / 1e9:.3f} B active per token)"
             if info["active_param_count"] != info["param_count"] else "")),
         (f"weights ({dt}{', fp8 linears' if info.get('fp8_linears') else ''}"
-         f"{', int4 linears' if info.get('int4_linears') else ''})",
+         f"{', int4 linears' if info.get('int4_linears') else ''}"
+         f"{', MXFP4 experts' if info.get('mxfp4_kept') else ''})",
          _size(info["weights_bytes"])),
         (f"tokens in {mem} - weights", f"{info['tokens_in_memory_after_weights']:,}"),
     ]

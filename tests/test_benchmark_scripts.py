@@ -23,3 +23,23 @@ def test_script_imports_and_parses_arguments(script):
     assert "Traceback" not in out, out[-2000:]
     # Either its help, or (GPU-only scripts) a one-line refusal that says why.
     assert r.returncode == 0 or "needs a CUDA GPU" in out, out[-2000:]
+
+
+def test_fused_moe_gpt_oss_runs_in_the_interpreter(tmp_path):
+    """benchmarks/fused_moe.py --model gpt-oss-20b on the CPU (tiny shapes, the Triton
+    interpreter): every path, the MXFP4 ones included, runs and agrees with sync-free."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fused_moe.py"), "--model",
+                        "gpt-oss-20b", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    rows = json.loads((tmp_path / "fused_moe_gpt-oss-20b.json").read_text())["rows"]
+    paths = {row["path"].split(" (")[0] for row in rows}
+    assert {"fused", "fused mxfp4", "torch grouped, mxfp4 dequantized", "torch grouped"} <= paths
+    assert not [row for row in rows if "error" in row]
+    assert all(row["max_diff_vs_sync_free"] < 1e-4 for row in rows)
+    mx = [row for row in rows if "mxfp4" in row["path"]]
+    assert mx and all(row["eager_us"] > 0 for row in mx)
+    assert "fused mxfp4" in (tmp_path / "fused_moe_gpt-oss-20b.md").read_text()

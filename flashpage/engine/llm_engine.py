@@ -126,9 +126,18 @@ class LLMEngine:
             from flashpage.models.seq_cls_from_lm import classifier_token_ids
 
             token_ids = classifier_token_ids(self.tokenizer, mc.classifier_from_token)
+        fused_moe = (backend_cls.name == "triton" and self.device.type == "cuda"
+                     and envs.fused_moe())
+        # an MXFP4 checkpoint's experts stay MXFP4 where the fused MoE kernel reads them
+        mxfp4_kernel = mc.mxfp4_experts and (
+            envs.mxfp4() == "kernel" or (envs.mxfp4() == "auto" and fused_moe))
+        if mc.mxfp4_experts:
+            logger.info("MXFP4 experts: %s", "kept in MXFP4 for the fused MoE kernel"
+                        if mxfp4_kernel else f"dequantized to {self.dtype} at load")
         self.model = load_model(self.source, self.dtype, self.device,
                                 max_positions=self.max_model_len, seed=config.seed,
-                                quantization=config.quantization, classifier_token_ids=token_ids)
+                                quantization=config.quantization, classifier_token_ids=token_ids,
+                                mxfp4_kernel=mxfp4_kernel)
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
@@ -143,11 +152,9 @@ class LLMEngine:
         self.mtp_hidden: torch.Tensor | None = None
         if self.spec_config is not None and self.spec_config.method == "mtp":
             self.mtp, self.mtp_hidden = self._load_mtp(backend_cls.name == "triton")
-        set_fused_moe(self.model, backend_cls.name == "triton" and self.device.type == "cuda"
-                      and envs.fused_moe())
+        set_fused_moe(self.model, fused_moe)
         if self.mtp is not None:
-            set_fused_moe(self.mtp, backend_cls.name == "triton" and self.device.type == "cuda"
-                          and envs.fused_moe())
+            set_fused_moe(self.mtp, fused_moe)
         # LoRA slots (flashpage/lora/): on the device before the KV cache takes what is left
         self.lora: LoRAManager | None = None
         if config.enable_lora:

@@ -39,6 +39,34 @@ of that dtype would round it (computed in fp32, rounded once):
   torch (``.sum(1)``, as the sync-free path does).
 
 The same math spelled out in torch, one expert at a time: :func:`fused_moe_ref`.
+
+MXFP4 weights (:func:`fused_moe_mxfp4`; GPT-OSS's released experts, models/mxfp4.py): the
+same kernels with the constexpr MXFP4 on (the 16-bit launches compile as before), reading
+``gate_up`` as uint8 [E, 2I, H / 2] (two e2m1 values a byte along K, the low nibble first:
+the checkpoint's [E, 2I, H / 32, 16] blocks flattened) plus uint8 e8m0 scales [E, 2I,
+H / 32], ``down`` as [E, H, I / 2] plus [E, H, I / 32]: 4.25 bits a weight, 3.76x fewer
+bytes than bf16. Each K tile is loaded as bytes, split into nibbles, built exactly in fp32
+(value times 2 ** (scale - 127)), rounded once to the activation dtype, and fed to the same
+tl.dot as the 16-bit path. So the result equals, bit for bit, :func:`fused_moe` on the
+weights dequantized to the activation dtype (models/mxfp4.dequantize_mxfp4 rounds the same
+fp32 product once) wherever the two kernels' tl.dot orders agree (always in the
+interpreter; on the GPU the same MMA instructions over the same tiles). The dequantized
+weights themselves are exact where the scale is in the dtype's range:
+
+- bf16 (fp32's exponent range, 8 bits of mantissa; e2m1 needs 2): exact for scales 0-253
+  (scale 0 is 2 ** -127, an fp32 subnormal, and 0.5 / 1.5 times it bf16 subnormals), and at
+  254 for magnitudes up to 1.5; 2 * 2 ** 127 and above overflow to inf, as dequantizing does.
+  255 (NaN in the OCP spec) reads as inf (zeros as NaN), as dequantizing does. A GPU that
+  flushed fp32 subnormals would zero the weights of scales 0 (and 1 times 0.5): below
+  3e-38, against GPT-OSS's scales of ~2 ** -7 (real scales lie well inside 117-137);
+- fp16 (5 exponent bits): exact for scales 104-140 (0.5 * 2 ** -23 is its smallest
+  subnormal, 6 * 2 ** 13 = 49152 < 65504); outside, the fp32 value rounds once to fp16
+  (subnormals, zero, or inf past 65504) exactly as dequantize_mxfp4(..., fp16) rounds it,
+  and as the dequantize-at-load path (fp32, then copied into the fp16 parameter) does, so
+  fp16 models run the MXFP4 kernel too; their results match the dequantized path's;
+- fp32 (the interpreter's tests): exact for every scale.
+
+``block_k`` must be a multiple of 32 (a scale's group) and H, I multiples of 32.
 """
 
 from __future__ import annotations
@@ -195,13 +223,40 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 # ------------------------------------------------------------------------- grouped GEMMs
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pairs,
-                    top_k, hidden, inter, stride_xt, stride_we, stride_wn, stride_be, stride_ar,
-                    alpha, limit,
+def _mxfp4_tile(b_ptrs, s_ptrs, bmask, smask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                dt: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] weight tile in ``dt`` from MXFP4: ``b_ptrs`` [BLOCK_K / 2,
+    BLOCK_N] bytes (K contiguous; the low nibble the even row), ``s_ptrs`` [BLOCK_K / 32,
+    BLOCK_N] the e8m0 scales of the tile's 32-row groups (broadcast over their rows). Each
+    value is built exactly in fp32 from its bits (e2m1 -> fp32: the sign, exponent e + 126,
+    the mantissa bit; 0.5 and 0 the subnormal codes), times the scale 2 ** (s - 127) (bits
+    s << 23; s = 0: 2 ** -127, the fp32 subnormal 1 << 22; s = 255: inf), then rounded once
+    to ``dt``: what models/mxfp4.dequantize_mxfp4 computes."""
+    byte = tl.load(b_ptrs, mask=bmask, other=0)
+    nib = tl.reshape(tl.permute(tl.join(byte & 0xF, byte >> 4), (0, 2, 1)),
+                     (BLOCK_K, BLOCK_N)).to(tl.uint32)
+    mag = nib & 7
+    e = mag >> 1
+    m = mag & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((nib & 8) << 28)
+    sc = tl.load(s_ptrs, mask=smask, other=0).to(tl.uint32)
+    scale = tl.where(sc == 0, 1 << 22, sc << 23).to(tl.float32, bitcast=True)
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 32, BLOCK_N)),
+                       (BLOCK_K, BLOCK_N))
+    return (bits.to(tl.float32, bitcast=True) * scale).to(dt)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, sorted_ptr, block_expert_ptr,
+                    num_pairs, top_k, hidden, inter, stride_xt, stride_we, stride_wn, stride_se,
+                    stride_sn, stride_be, stride_ar, alpha, limit,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr):
+                    IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
+                    MXFP4: tl.constexpr):
     """act[r, n-tile] = activation(gate (+ bias), up (+ bias)) for the BLOCK_M rows of one
-    block: silu(gate) * up, or with CLAMPED_SWIGLU GPT-OSS's (ClampedSwiGLU)."""
+    block: silu(gate) * up, or with CLAMPED_SWIGLU GPT-OSS's (ClampedSwiGLU). MXFP4: w_ptr
+    holds e2m1 nibble pairs [E, 2I, H / 2] and s_ptr e8m0 scales [E, 2I, H / 32]
+    (_mxfp4_tile); otherwise w_ptr the 16-bit weights [E, 2I, H] (s_ptr unread)."""
     pid_n = tl.program_id(0)
     blk = tl.program_id(1)
     expert = tl.load(block_expert_ptr + blk)
@@ -214,8 +269,17 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, act_ptr, sorted_ptr, block_expert_pt
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
+    dt = act_ptr.dtype.element_ty
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    gate_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
+    if MXFP4:  # [BK / 2, BN] bytes, [BK / 32, BN] scales
+        offs_kb = tl.arange(0, BLOCK_K // 2)
+        offs_ks = tl.arange(0, BLOCK_K // 32)
+        gate_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_kb[:, None]
+        gs_ptrs = (s_ptr + expert.to(tl.int64) * stride_se
+                   + offs_n[None, :].to(tl.int64) * stride_sn + offs_ks[:, None])
+        us_ptrs = gs_ptrs + inter * stride_sn
+    else:
+        gate_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
     up_ptrs = gate_ptrs + inter * stride_wn
     x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BM, BK]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -224,14 +288,23 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, act_ptr, sorted_ptr, block_expert_pt
         mask_k = offs_k < hidden - k0
         a = tl.load(x_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
         wmask = mask_k[:, None] & mask_n[None, :]
-        wg = tl.load(gate_ptrs, mask=wmask, other=0.0)
-        wu = tl.load(up_ptrs, mask=wmask, other=0.0)
+        if MXFP4:
+            bmask = (offs_kb < (hidden - k0) // 2)[:, None] & mask_n[None, :]
+            smask = (offs_ks < (hidden - k0) // 32)[:, None] & mask_n[None, :]
+            wg = _mxfp4_tile(gate_ptrs, gs_ptrs, bmask, smask, BLOCK_K, BLOCK_N, dt)
+            wu = _mxfp4_tile(up_ptrs, us_ptrs, bmask, smask, BLOCK_K, BLOCK_N, dt)
+            gate_ptrs += BLOCK_K // 2
+            up_ptrs += BLOCK_K // 2
+            gs_ptrs += BLOCK_K // 32
+            us_ptrs += BLOCK_K // 32
+        else:
+            wg = tl.load(gate_ptrs, mask=wmask, other=0.0)
+            wu = tl.load(up_ptrs, mask=wmask, other=0.0)
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
         acc_g = _dot(a, wg, acc_g, IEEE)
         acc_u = _dot(a, wu, acc_u, IEEE)
         x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-    dt = act_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)  # each projection output in the model dtype
     u = acc_u.to(dt).to(tl.float32)
     if HAS_BIAS:
@@ -252,12 +325,14 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, act_ptr, sorted_ptr, block_expert_pt
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr, block_expert_ptr,
-                 num_pairs, hidden, inter, stride_ar, stride_we, stride_wn, stride_be, stride_yp,
+def _down_kernel(act_ptr, w_ptr, s_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr,
+                 block_expert_ptr, num_pairs, hidden, inter, stride_ar, stride_we, stride_wn,
+                 stride_se, stride_sn, stride_be, stride_yp,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 IEEE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr):
     """ys[pair, n-tile] = round(topk_weight[pair] * round(round(act[r] @ down[e].T) + bias))
-    (no bias: the inner rounding alone)."""
+    (no bias: the inner rounding alone). MXFP4: w_ptr [E, H, I / 2] nibble pairs, s_ptr
+    [E, H, I / 32] scales, as _gate_up_kernel's."""
     pid_n = tl.program_id(0)
     blk = tl.program_id(1)
     expert = tl.load(block_expert_ptr + blk)
@@ -269,18 +344,34 @@ def _down_kernel(act_ptr, w_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr, block
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
-              + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None])  # [BK, BN]
+    dt = ys_ptr.dtype.element_ty
+    if MXFP4:
+        offs_kb = tl.arange(0, BLOCK_K // 2)
+        offs_ks = tl.arange(0, BLOCK_K // 32)
+        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
+                  + offs_n[None, :].to(tl.int64) * stride_wn + offs_kb[:, None])  # [BK / 2, BN]
+        s_ptrs = (s_ptr + expert.to(tl.int64) * stride_se
+                  + offs_n[None, :].to(tl.int64) * stride_sn + offs_ks[:, None])  # [BK / 32, BN]
+    else:
+        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
+                  + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None])  # [BK, BN]
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_ar + offs_k[None, :]  # [BM, BK]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         mask_k = offs_k < inter - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        wmask = mask_k[:, None] & mask_n[None, :]
+        if MXFP4:
+            bmask = (offs_kb < (inter - k0) // 2)[:, None] & mask_n[None, :]
+            smask = (offs_ks < (inter - k0) // 32)[:, None] & mask_n[None, :]
+            w = _mxfp4_tile(w_ptrs, s_ptrs, bmask, smask, BLOCK_K, BLOCK_N, dt)
+            w_ptrs += BLOCK_K // 2
+            s_ptrs += BLOCK_K // 32
+        else:
+            w = tl.load(w_ptrs, mask=wmask, other=0.0)
+            w_ptrs += BLOCK_K
         acc = _dot(a, w, acc, IEEE)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    dt = ys_ptr.dtype.element_ty
     scale = tl.load(topk_w_ptr + pair, mask=valid, other=0.0)
     y = acc.to(dt).to(tl.float32)
     if HAS_BIAS:
@@ -289,6 +380,26 @@ def _down_kernel(act_ptr, w_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr, block
     y = y * scale[:, None]
     out_ptrs = ys_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_yp + offs_n[None, :]
     tl.store(out_ptrs, y.to(dt), mask=valid[:, None] & mask_n[None, :])
+
+
+def _check_routing(x: torch.Tensor, e: int, two_i: int, h: int, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                   down_bias: torch.Tensor | None) -> None:
+    """What both weight formats share: x [T, H], the routing, the biases."""
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must be [T, K] with T = {x.shape[0]}; got "
+                         f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be fp32, got {topk_weights.dtype}")
+    if (gate_up_bias is None) != (down_bias is None):
+        raise ValueError("gate_up_bias and down_bias: give both or neither")
+    if gate_up_bias is not None and down_bias is not None:
+        if gate_up_bias.shape != (e, two_i) or down_bias.shape != (e, h):
+            raise ValueError(f"gate_up_bias must be [E, 2I] = {(e, two_i)} and down_bias [E, H] = "
+                             f"{(e, h)}; got {tuple(gate_up_bias.shape)}, {tuple(down_bias.shape)}")
+        if not (gate_up_bias.dtype == down_bias.dtype == x.dtype):
+            raise ValueError(f"the biases must have x's dtype ({x.dtype}); got "
+                             f"{gate_up_bias.dtype}, {down_bias.dtype}")
 
 
 def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
@@ -301,22 +412,85 @@ def _check(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids:
     if two_i % 2 or x.shape[1] != h or down.shape != (e, h, two_i // 2):
         raise ValueError(f"shapes disagree: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, "
                          f"down {tuple(down.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids and topk_weights must be [T, K] with T = {x.shape[0]}; got "
-                         f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
-    if topk_weights.dtype != torch.float32:
-        raise ValueError(f"topk_weights must be fp32, got {topk_weights.dtype}")
     if not (x.dtype == gate_up.dtype == down.dtype):
         raise ValueError(f"x, gate_up, down must share a dtype: {x.dtype}, {gate_up.dtype}, {down.dtype}")
-    if (gate_up_bias is None) != (down_bias is None):
-        raise ValueError("gate_up_bias and down_bias: give both or neither")
-    if gate_up_bias is not None and down_bias is not None:
-        if gate_up_bias.shape != (e, two_i) or down_bias.shape != (e, h):
-            raise ValueError(f"gate_up_bias must be [E, 2I] = {(e, two_i)} and down_bias [E, H] = "
-                             f"{(e, h)}; got {tuple(gate_up_bias.shape)}, {tuple(down_bias.shape)}")
-        if not (gate_up_bias.dtype == down_bias.dtype == x.dtype):
-            raise ValueError(f"the biases must have x's dtype ({x.dtype}); got "
-                             f"{gate_up_bias.dtype}, {down_bias.dtype}")
+    _check_routing(x, e, two_i, h, topk_ids, topk_weights, gate_up_bias, down_bias)
+
+
+def _check_mxfp4(x: torch.Tensor, gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor,
+                 down_blocks: torch.Tensor, down_scales: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                 down_bias: torch.Tensor | None) -> tuple[int, int, int]:
+    """-> (E, 2I, H) of MXFP4 weights in the kernel's layout (fused_moe_mxfp4)."""
+    tensors = (gate_up_blocks, gate_up_scales, down_blocks, down_scales)
+    if x.dim() != 2 or any(t.dim() != 3 for t in tensors):
+        raise ValueError(f"x must be [T, H], the MXFP4 blocks and scales 3-D; got x "
+                         f"{tuple(x.shape)}, " + ", ".join(str(tuple(t.shape)) for t in tensors))
+    if any(t.dtype != torch.uint8 for t in tensors):
+        raise ValueError("MXFP4 blocks and scales must be uint8; got "
+                         + ", ".join(str(t.dtype) for t in tensors))
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be fp32, fp16 or bf16 for MXFP4 weights, got {x.dtype}")
+    e, two_i, half_h = gate_up_blocks.shape
+    h, inter = 2 * half_h, two_i // 2
+    want = {"gate_up_blocks": (e, two_i, h // 2), "gate_up_scales": (e, two_i, h // 32),
+            "down_blocks": (e, h, inter // 2), "down_scales": (e, h, inter // 32)}
+    if (two_i % 2 or h % 32 or inter % 32 or x.shape[1] != h
+            or [tuple(t.shape) for t in tensors] != list(want.values())):
+        raise ValueError(f"MXFP4 shapes disagree with x {tuple(x.shape)} (H = {x.shape[1]}, H and "
+                         f"I multiples of 32): want {want}, got "
+                         + ", ".join(str(tuple(t.shape)) for t in tensors))
+    _check_routing(x, e, two_i, h, topk_ids, topk_weights, gate_up_bias, down_bias)
+    return e, two_i, h
+
+
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch.Tensor,
+            down: torch.Tensor, down_scales: torch.Tensor, e: int, two_i: int, h: int,
+            topk_ids: torch.Tensor, topk_weights: torch.Tensor, config: FusedMoEConfig | None,
+            gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+            activation: ClampedSwiGLU | None, mxfp4: bool) -> torch.Tensor:
+    """The alignment and the two grouped GEMMs, for checked arguments (scales: the weights
+    themselves, never read, when not ``mxfp4``)."""
+    t, k = topk_ids.shape
+    inter = two_i // 2
+    num_pairs = t * k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    cfg = config or default_config(num_pairs, e)
+    if mxfp4 and cfg.block_k % 32:
+        raise ValueError(f"MXFP4 weights need block_k a multiple of 32 (a scale's group), got "
+                         f"{cfg.block_k}")
+    x, gate_up, down = _contig(x), _contig(gate_up), _contig(down)
+    gate_up_scales, down_scales = _contig(gate_up_scales), _contig(down_scales)
+    has_bias = gate_up_bias is not None and down_bias is not None
+    if gate_up_bias is None or down_bias is None:
+        gate_up_bias, down_bias = x, x  # never read (HAS_BIAS off)
+    else:
+        gate_up_bias, down_bias = _contig(gate_up_bias), _contig(down_bias)
+    act_fn = activation or ClampedSwiGLU()  # its numbers unused when activation is None
+    sorted_pairs, block_expert = moe_align(topk_ids, e, cfg.block_m)
+    nb = block_expert.shape[0]
+    act = torch.empty(nb * cfg.block_m, inter, dtype=x.dtype, device=x.device)
+    ys = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
+    ieee = x.dtype == torch.float32  # fp32 stays fp32 (tl.dot would use tf32)
+    launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
+                  HAS_BIAS=has_bias, MXFP4=mxfp4, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+    _gate_up_kernel[(triton.cdiv(inter, cfg.block_n), nb)](
+        x, gate_up, gate_up_scales, gate_up_bias, act, sorted_pairs, block_expert, num_pairs, k,
+        h, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scales.stride(0),
+        gate_up_scales.stride(1), gate_up_bias.stride(0), act.stride(0),
+        float(act_fn.alpha), float(act_fn.limit), CLAMPED_SWIGLU=activation is not None, **launch)
+    _down_kernel[(triton.cdiv(h, cfg.block_n), nb)](
+        act, down, down_scales, down_bias, topk_weights.reshape(-1).contiguous(), ys,
+        sorted_pairs, block_expert, num_pairs, h, inter, act.stride(0), down.stride(0),
+        down.stride(1), down_scales.stride(0), down_scales.stride(1), down_bias.stride(0),
+        ys.stride(0), **launch)
+    return ys.view(t, k, h).sum(1)
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -333,39 +507,54 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     input shapes: capturable in a CUDA graph.
     """
     _check(x, gate_up, down, topk_ids, topk_weights, gate_up_bias, down_bias)
-    t, k = topk_ids.shape
     e, two_i, h = gate_up.shape
-    inter = two_i // 2
-    num_pairs = t * k
-    if num_pairs == 0:
-        return torch.zeros_like(x)
-    cfg = config or default_config(num_pairs, e)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
-    down = down if down.stride(-1) == 1 else down.contiguous()
-    has_bias = gate_up_bias is not None and down_bias is not None
-    if gate_up_bias is None or down_bias is None:
-        gate_up_bias, down_bias = gate_up, down  # never read (HAS_BIAS off)
-    else:
-        gate_up_bias = gate_up_bias if gate_up_bias.stride(-1) == 1 else gate_up_bias.contiguous()
-        down_bias = down_bias if down_bias.stride(-1) == 1 else down_bias.contiguous()
-    act_fn = activation or ClampedSwiGLU()  # its numbers unused when activation is None
-    sorted_pairs, block_expert = moe_align(topk_ids, e, cfg.block_m)
-    nb = block_expert.shape[0]
-    act = torch.empty(nb * cfg.block_m, inter, dtype=x.dtype, device=x.device)
-    ys = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
-    ieee = x.dtype == torch.float32  # fp32 stays fp32 (tl.dot would use tf32)
-    launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
-                  HAS_BIAS=has_bias, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _gate_up_kernel[(triton.cdiv(inter, cfg.block_n), nb)](
-        x, gate_up, gate_up_bias, act, sorted_pairs, block_expert, num_pairs, k, h, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_bias.stride(0), act.stride(0),
-        float(act_fn.alpha), float(act_fn.limit), CLAMPED_SWIGLU=activation is not None, **launch)
-    _down_kernel[(triton.cdiv(h, cfg.block_n), nb)](
-        act, down, down_bias, topk_weights.reshape(-1).contiguous(), ys, sorted_pairs,
-        block_expert, num_pairs, h, inter, act.stride(0), down.stride(0), down.stride(1),
-        down_bias.stride(0), ys.stride(0), **launch)
-    return ys.view(t, k, h).sum(1)
+    return _launch(x, gate_up, gate_up, down, down, e, two_i, h, topk_ids, topk_weights, config,
+                   gate_up_bias, down_bias, activation, mxfp4=False)
+
+
+def fused_moe_mxfp4(x: torch.Tensor, gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor,
+                    down_blocks: torch.Tensor, down_scales: torch.Tensor,
+                    topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    config: FusedMoEConfig | None = None, *,
+                    gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None,
+                    activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """:func:`fused_moe` over MXFP4 weights (the module docstring's "MXFP4 weights"):
+    ``gate_up_blocks`` uint8 [E, 2I, H / 2] and ``gate_up_scales`` uint8 [E, 2I, H / 32],
+    ``down_blocks`` [E, H, I / 2] and ``down_scales`` [E, H, I / 32] (H and I multiples of
+    32); x fp32, fp16 or bf16. The same result, bit for bit where the module docstring says,
+    as :func:`fused_moe` on the weights dequantized to x's dtype."""
+    e, two_i, h = _check_mxfp4(x, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
+                               topk_ids, topk_weights, gate_up_bias, down_bias)
+    return _launch(x, gate_up_blocks, gate_up_scales, down_blocks, down_scales, e, two_i, h,
+                   topk_ids, topk_weights, config, gate_up_bias, down_bias, activation, mxfp4=True)
+
+
+def dequantize_kernel_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """Kernel-layout MXFP4 (blocks [..., N, K / 2], scales [..., N, K / 32]) -> [..., N, K]
+    in ``dtype`` (models/mxfp4.dequantize_mxfp4 over the checkpoint's [..., K / 32, 16])."""
+    from flashpage.models.mxfp4 import dequantize_mxfp4
+
+    return dequantize_mxfp4(blocks.unflatten(-1, (scales.shape[-1], 16)), scales, dtype).view(
+        *blocks.shape[:-1], 2 * blocks.shape[-1])
+
+
+def fused_moe_mxfp4_ref(x: torch.Tensor, gate_up_blocks: torch.Tensor,
+                        gate_up_scales: torch.Tensor, down_blocks: torch.Tensor,
+                        down_scales: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, config: FusedMoEConfig | None = None, *,
+                        gate_up_bias: torch.Tensor | None = None,
+                        down_bias: torch.Tensor | None = None,
+                        activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """Pure-torch fused_moe_mxfp4: the weights dequantized to x's dtype
+    (models/mxfp4.dequantize_mxfp4), then :func:`fused_moe_ref`."""
+    _check_mxfp4(x, gate_up_blocks, gate_up_scales, down_blocks, down_scales, topk_ids,
+                 topk_weights, gate_up_bias, down_bias)
+    return fused_moe_ref(x, dequantize_kernel_mxfp4(gate_up_blocks, gate_up_scales, x.dtype),
+                         dequantize_kernel_mxfp4(down_blocks, down_scales, x.dtype), topk_ids,
+                         topk_weights, config, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                         activation=activation)
 
 
 def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -398,5 +587,6 @@ def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     return ys.sum(1)
 
 
-__all__ = ["ClampedSwiGLU", "FusedMoEConfig", "default_config", "fused_moe", "fused_moe_ref", "moe_align",
+__all__ = ["ClampedSwiGLU", "FusedMoEConfig", "default_config", "dequantize_kernel_mxfp4",
+           "fused_moe", "fused_moe_mxfp4", "fused_moe_mxfp4_ref", "fused_moe_ref", "moe_align",
            "moe_align_ref", "num_blocks"]

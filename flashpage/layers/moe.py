@@ -56,7 +56,10 @@ captured for a batch size always replays the same path):
   them, so only the routed experts' weights are read; no host sync either. The engine
   turns it on (:func:`set_fused_moe`) with the triton backend on CUDA unless
   ``FLASHPAGE_FUSED_MOE=0``: on the H200 it reads 1.7-4x less than sync-free at 1-16
-  tokens and took DeepSeek-V2-Lite from 2,305 to 2,713 output tok/s.
+  tokens and took DeepSeek-V2-Lite from 2,305 to 2,713 output tok/s. Experts held in
+  MXFP4 (``FusedExperts(mxfp4=True)``: GPT-OSS's checkpoints where this kernel runs them)
+  take its MXFP4 variant (``fused_moe_mxfp4``: 4.25 bits a weight read); the torch paths
+  dequantize them per call.
 
 All three weight each expert output in fp32, round it to the model dtype, then sum per token;
 all three take the optional biases and activation (``FusedExperts(bias=, activation=)``).
@@ -75,6 +78,8 @@ from flashpage.config import DEEPSEEK_FAMILY, ModelConfig
 from flashpage.kernels.fused_moe import ClampedSwiGLU
 from flashpage.layers.fp32 import KeepFp32
 from flashpage.layers.mlp import GatedMLP
+from flashpage.models.mxfp4 import BLOCK as MXFP4_BLOCK
+from flashpage.models.mxfp4 import FP4_VALUES, dequantize_mxfp4
 
 
 def routing_method(config: ModelConfig) -> str:
@@ -179,16 +184,35 @@ class FusedExperts(nn.Module):
     ``bias``: per-expert biases ``gate_up_proj_bias`` [E, 2I] (gate half first) and
     ``down_proj_bias`` [E, hidden], added to each projection (GPT-OSS's). ``activation``:
     None for silu(gate) * up, a ClampedSwiGLU for GPT-OSS's. Every path, and the fused
-    kernel, takes both."""
+    kernel, takes both.
+
+    ``mxfp4``: the weights held as MXFP4 (GPT-OSS's released experts, models/mxfp4.py) in
+    the fused kernel's layout instead of the 16-bit ``gate_up_proj`` / ``down_proj`` (then
+    None): uint8 buffers ``gate_up_proj_blocks`` [E, 2I, H / 2] (two e2m1 values a byte,
+    the low nibble first along H), ``gate_up_proj_scales`` [E, 2I, H / 32] (e8m0),
+    ``down_proj_blocks`` [E, H, I / 2], ``down_proj_scales`` [E, H, I / 32]: 4.25 bits a
+    weight. The fused kernel reads them as they are (kernels/fused_moe.fused_moe_mxfp4);
+    the torch paths dequantize what they need to the activation dtype at each call
+    (gathered: the pairs' experts; every expert on every token: the whole layer, one
+    transient 16-bit copy of it; grouped: one expert at a time), the same weights the
+    dequantize-at-load path holds, at the cost of that extra write and read per call."""
 
     # Up to sync_free_max_tokens: the Triton grouped kernel instead of forward_sync_free.
     # Per instance through set_fused_moe (needs Triton on CUDA, or its CPU interpreter).
     fused_kernel: bool = False
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
+    # mxfp4 only (otherwise absent)
+    gate_up_proj_blocks: torch.Tensor
+    gate_up_proj_scales: torch.Tensor
+    down_proj_blocks: torch.Tensor
+    down_proj_scales: torch.Tensor
+    fp4_lut: torch.Tensor
     gate_up_proj_bias: nn.Parameter | None
     down_proj_bias: nn.Parameter | None
 
     def __init__(self, config: ModelConfig, bias: bool = False,
-                 activation: ClampedSwiGLU | None = None) -> None:
+                 activation: ClampedSwiGLU | None = None, mxfp4: bool = False) -> None:
         super().__init__()
         assert config.n_routed_experts
         self.num_experts = config.n_routed_experts
@@ -196,9 +220,27 @@ class FusedExperts(nn.Module):
         self.intermediate = config.moe_intermediate_size
         self.sync_free_max_tokens = SYNC_FREE_MAX_TOKENS
         self.activation = activation
-        h = config.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate, h))
-        self.down_proj = nn.Parameter(torch.empty(self.num_experts, h, self.intermediate))
+        self.mxfp4 = mxfp4
+        h, e, two_i = config.hidden_size, self.num_experts, 2 * self.intermediate
+        if mxfp4:
+            if h % MXFP4_BLOCK or self.intermediate % MXFP4_BLOCK:
+                raise ValueError(f"MXFP4 experts need hidden_size ({h}) and the experts' "
+                                 f"intermediate size ({self.intermediate}) to be multiples of "
+                                 f"{MXFP4_BLOCK}")
+            u8 = torch.uint8
+            self.register_parameter("gate_up_proj", None)
+            self.register_parameter("down_proj", None)
+            self.register_buffer("gate_up_proj_blocks", torch.zeros(e, two_i, h // 2, dtype=u8))
+            self.register_buffer("gate_up_proj_scales",
+                                 torch.zeros(e, two_i, h // MXFP4_BLOCK, dtype=u8))
+            self.register_buffer("down_proj_blocks",
+                                 torch.zeros(e, h, self.intermediate // 2, dtype=u8))
+            self.register_buffer("down_proj_scales",
+                                 torch.zeros(e, h, self.intermediate // MXFP4_BLOCK, dtype=u8))
+            self.register_buffer("fp4_lut", torch.tensor(FP4_VALUES), persistent=False)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(e, two_i, h))
+            self.down_proj = nn.Parameter(torch.empty(e, h, self.intermediate))
         if bias:
             self.gate_up_proj_bias = nn.Parameter(torch.zeros(self.num_experts, 2 * self.intermediate))
             self.down_proj_bias = nn.Parameter(torch.zeros(self.num_experts, h))
@@ -237,11 +279,33 @@ class FusedExperts(nn.Module):
                       ids: torch.Tensor) -> torch.Tensor:
         """Same contract as :meth:`forward`; the Triton grouped kernel, reading only the
         routed experts' weights. Static shapes, no host sync (CUDA-graph safe)."""
-        from flashpage.kernels.fused_moe import fused_moe
+        from flashpage.kernels.fused_moe import fused_moe, fused_moe_mxfp4
 
+        if self.mxfp4:
+            return fused_moe_mxfp4(x, self.gate_up_proj_blocks, self.gate_up_proj_scales,
+                                   self.down_proj_blocks, self.down_proj_scales, ids, weights,
+                                   gate_up_bias=self.gate_up_proj_bias,
+                                   down_bias=self.down_proj_bias, activation=self.activation)
         return fused_moe(x, self.gate_up_proj, self.down_proj, ids, weights,
                          gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
                          activation=self.activation)
+
+    def _weight(self, proj: str, dtype: torch.dtype,
+                experts: torch.Tensor | int | None = None) -> torch.Tensor:
+        """``proj`` ("gate_up_proj" or "down_proj") in 16 bits, all experts or ``experts``
+        (an index tensor: index_select; an int: that expert's): the parameter, or for MXFP4
+        the blocks dequantized now to ``dtype``."""
+        names = (f"{proj}_blocks", f"{proj}_scales") if self.mxfp4 else (proj,)
+        ts = [getattr(self, n) for n in names]
+        if isinstance(experts, int):
+            ts = [t[experts] for t in ts]
+        elif experts is not None:
+            ts = [t.index_select(0, experts) for t in ts]
+        if not self.mxfp4:
+            return ts[0]
+        blocks, scales = ts
+        return dequantize_mxfp4(blocks.unflatten(-1, (scales.shape[-1], MXFP4_BLOCK // 2)),
+                                scales, dtype, lut=self.fp4_lut)
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
         """[..., 2I] (gate, then up) -> [..., I]."""
@@ -255,10 +319,11 @@ class FusedExperts(nn.Module):
         n, k = ids.shape
         flat = ids.reshape(-1)
         xs = x[:, None, :].expand(n, k, x.shape[1]).reshape(n * k, 1, x.shape[1])
-        h = torch.bmm(xs, self.gate_up_proj.index_select(0, flat).transpose(1, 2))  # [P, 1, 2I]
+        gate_up = self._weight("gate_up_proj", x.dtype, flat)
+        h = torch.bmm(xs, gate_up.transpose(1, 2))  # [P, 1, 2I]
         if self.gate_up_proj_bias is not None:
             h = h + self.gate_up_proj_bias.index_select(0, flat)[:, None]
-        y = torch.bmm(self._act(h), self.down_proj.index_select(0, flat).transpose(1, 2))
+        y = torch.bmm(self._act(h), self._weight("down_proj", x.dtype, flat).transpose(1, 2))
         if self.down_proj_bias is not None:
             y = y + self.down_proj_bias.index_select(0, flat)[:, None]
         return y.view(n, k, x.shape[1])
@@ -266,13 +331,14 @@ class FusedExperts(nn.Module):
     def _all_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, then each token's top-k picked: -> [N, K, hidden]."""
         n, k = ids.shape
-        e, two_i, hidden = self.gate_up_proj.shape
+        gate_up = self._weight("gate_up_proj", x.dtype)
+        e, two_i, hidden = gate_up.shape
         # One GEMM against all experts' gate/up rows at once: [N, E * 2I].
-        h = F.linear(x, self.gate_up_proj.view(e * two_i, hidden)).view(n, e, two_i)
+        h = F.linear(x, gate_up.view(e * two_i, hidden)).view(n, e, two_i)
         if self.gate_up_proj_bias is not None:
             h = h + self.gate_up_proj_bias
         act = self._act(h).transpose(0, 1)  # [E, N, I] (a strided view, no copy)
-        y = torch.bmm(act, self.down_proj.transpose(1, 2))  # [E, N, hidden]
+        y = torch.bmm(act, self._weight("down_proj", x.dtype).transpose(1, 2))  # [E, N, hidden]
         if self.down_proj_bias is not None:
             y = y + self.down_proj_bias[:, None]
         rows = ids * n + torch.arange(n, device=x.device)[:, None]  # row of (expert, token)
@@ -293,10 +359,10 @@ class FusedExperts(nn.Module):
             if c == 0:
                 continue
             seg = xs[start:start + c]
-            h = F.linear(seg, self.gate_up_proj[e])
+            h = F.linear(seg, self._weight("gate_up_proj", x.dtype, e))
             if self.gate_up_proj_bias is not None:
                 h = h + self.gate_up_proj_bias[e]
-            y = F.linear(self._act(h), self.down_proj[e])
+            y = F.linear(self._act(h), self._weight("down_proj", x.dtype, e))
             if self.down_proj_bias is not None:
                 y = y + self.down_proj_bias[e]
             ys[start:start + c] = y

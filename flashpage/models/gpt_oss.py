@@ -12,7 +12,11 @@
 - RMSNorms whose weights stay fp32 (transformers keeps them so: the product is rounded once).
 
 Parameter names are transformers' (q/k/v merged into ``qkv_proj`` as Llama's); released
-checkpoints store the experts as MXFP4 blocks, dequantized at load (models/mxfp4.py).
+checkpoints store the experts as MXFP4 blocks (models/mxfp4.py). Where the fused MoE
+kernel runs them (the engine on CUDA with the triton backend and FLASHPAGE_FUSED_MOE on;
+envs.mxfp4) they stay MXFP4 (config.mxfp4_kernel: FusedExperts(mxfp4=True), 4.25 bits a
+weight: gpt-oss-20b's experts 9.5 GiB instead of 36 in bf16), their rows re-laid out at
+load (:func:`mxfp4_expert_from_hf`); elsewhere they are dequantized to the model dtype.
 
 The experts are a layers/moe.FusedExperts with biases and the clamped SwiGLU, so they take
 its paths: the fused MoE kernel (kernels/fused_moe.py) up to SYNC_FREE_MAX_TOKENS tokens
@@ -26,6 +30,12 @@ expert past it. Their tensors are held in FusedExperts' layout, converted once a
     gate_up_proj_bias  [E, 2I] interleaved            [E, 2I]          gate half, then up
     down_proj          [E, I, hidden]                 [E, hidden, I]
     down_proj_bias     [E, hidden]                    the same
+    MXFP4 (kept):
+    gate_up_proj_blocks [E, 2I, hidden / 32, 16]      [E, 2I, hidden / 2]  gate rows, then up
+                        rows interleaved: gate, up    (the rows de-interleaved; a row's
+    gate_up_proj_scales [E, 2I, hidden / 32]          bytes as they are)  [E, 2I, hidden / 32]
+    down_proj_blocks    [E, hidden, I / 32, 16]       [E, hidden, I / 2]
+    down_proj_scales    [E, hidden, I / 32]           the same
 """
 
 from __future__ import annotations
@@ -130,6 +140,24 @@ def experts_from_hf(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
+def mxfp4_expert_from_hf(name: str, t: torch.Tensor, want: tuple[int, ...]) -> torch.Tensor:
+    """A checkpoint's ``...experts.{gate_up,down}_proj_{blocks,scales}`` in the layout the
+    fused kernel reads (the module docstring's table): ``want`` its shape there."""
+    kind = name.rsplit(".", 1)[-1]
+    if kind.endswith("_blocks"):
+        if t.dim() != 4 or t.shape[-1] != 16:
+            raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(t.shape)} is not MXFP4 "
+                             "blocks [E, out, in / 32, 16]")
+        t = t.flatten(-2)
+    if t.dtype != torch.uint8 or tuple(t.shape) != want:
+        raise ValueError(f"checkpoint tensor {name!r}: {t.dtype} {tuple(t.shape)} does not fit "
+                         f"the model's MXFP4 experts (uint8 {want} in our layout)")
+    if kind.startswith("gate_up_proj"):  # rows (gate, up) pairs -> gate rows, then up rows
+        e, two_i, k = t.shape
+        t = t.view(e, two_i // 2, 2, k).transpose(1, 2).reshape(e, two_i, k)
+    return t
+
+
 def experts_to_hf(name: str, t: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`experts_from_hf` (our tensor, its HF name)."""
     kind = _expert_tensor(name)
@@ -149,7 +177,8 @@ class GptOssExperts(FusedExperts):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, bias=True,
-                         activation=ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit))
+                         activation=ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit),
+                         mxfp4=config.mxfp4_kernel)
 
 
 class GptOssMLP(nn.Module):
@@ -188,8 +217,9 @@ class GptOssModel(DecoderStack):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     """Llama's head, q/k/v merging, loading and ``hf_weights`` over GPT-OSS's body; MXFP4
-    expert tensors are dequantized on their way in (models/mxfp4.py), and the experts'
-    converted to our layout (experts_from_hf; hf_weights: experts_to_hf)."""
+    expert tensors are kept (config.mxfp4_kernel: re-laid out, mxfp4_expert_from_hf) or
+    dequantized on their way in (models/mxfp4.py), and the 16-bit experts' converted to
+    our layout (experts_from_hf; hf_weights: experts_to_hf)."""
 
     def _decoder(self, config: ModelConfig, max_positions: int) -> DecoderStack:
         return GptOssModel(config, max_positions)
@@ -197,13 +227,58 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def attention_layers(self) -> list[Attention]:
         return [cast(GptOssDecoderLayer, layer).self_attn.attn for layer in self.model.layers]
 
+    def _experts(self) -> list[GptOssExperts]:
+        return [cast(GptOssDecoderLayer, layer).mlp.experts for layer in self.model.layers]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        dtype = cast(GptOssDecoderLayer, self.model.layers[0]).mlp.experts.gate_up_proj.dtype
+        experts = self._experts()[0]
+        bias = experts.down_proj_bias
+        assert bias is not None  # GPT-OSS's experts have biases
+        if experts.mxfp4:
+            kept: set[str] = set()
+            weights = self._keep_mxfp4(weights, kept)
+            return super().load_weights(weights) | kept
         # fp16 models dequantize through fp32 (an e8m0 scale may leave fp16's range)
+        dtype = bias.dtype
         hf = mxfp4_weights(weights, torch.float32 if dtype == torch.float16 else dtype,
                            self.config.mxfp4_experts)
         return super().load_weights((name, experts_from_hf(name, t)) for name, t in hf)
 
+    def _keep_mxfp4(self, weights: Iterable[tuple[str, torch.Tensor]],
+                    kept: set[str]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's MXFP4 expert tensors copied into the experts' buffers (their
+        names added to ``kept``); the other tensors passed on, in our layout."""
+        buffers = {n: b for n, b in self.named_buffers() if n.endswith(_MXFP4_BUFFERS)}
+        for name, t in weights:
+            if name.endswith(("_blocks", "_scales")):
+                if name not in buffers:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                     f"{type(self).__name__} (its MXFP4 experts hold "
+                                     "experts.{gate_up,down}_proj_{blocks,scales})")
+                buf = buffers[name]
+                buf.copy_(mxfp4_expert_from_hf(name, t, tuple(buf.shape)))
+                kept.add(name)
+            elif _expert_tensor(name) in ("gate_up_proj", "down_proj"):
+                raise ValueError(f"checkpoint tensor {name!r} is a 16-bit expert weight, but "
+                                 "config.json's quantization_config says mxfp4 and the experts "
+                                 "are held in MXFP4 (FLASHPAGE_MXFP4=dequant cannot help: the "
+                                 "checkpoint and its config disagree)")
+            else:
+                yield name, experts_from_hf(name, t)
+
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Under HF's names, the 16-bit experts in transformers' layout; MXFP4-held experts
+        dequantized to the model dtype (what transformers' dequantized copy holds), a layer
+        at a time."""
         for name, t in super().hf_weights():
             yield name, experts_to_hf(name, t)
+        for i, experts in enumerate(self._experts()):
+            if experts.mxfp4:
+                bias = experts.down_proj_bias
+                assert bias is not None
+                for proj in ("gate_up_proj", "down_proj"):
+                    name = f"model.layers.{i}.mlp.experts.{proj}"
+                    yield name, experts_to_hf(name, experts._weight(proj, bias.dtype))
+
+
+_MXFP4_BUFFERS = ("proj_blocks", "proj_scales")

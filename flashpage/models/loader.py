@@ -8,6 +8,7 @@ module on the target device and fills it.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -114,17 +115,23 @@ def iter_safetensors(folder: str, device: str = "cpu") -> Iterator[tuple[str, to
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None, seed: int = 0,
                quantization: str | None = None,
-               classifier_token_ids: list[int] | None = None) -> nn.Module:
+               classifier_token_ids: list[int] | None = None,
+               mxfp4_kernel: bool = False) -> nn.Module:
     """The model of ``source`` in ``dtype`` on ``device``, its weights loaded (or random),
     then quantized per ``quantization`` (None or "fp8": layers/quant.quantize_model). An fp8
     checkpoint (config.json's quantization_config) keeps its e4m3 weights where our fp8
     linears can run them, with no flag (models/fp8_checkpoint.py); an AWQ / GPTQ one its
     4-bit weights (models/int4_checkpoint.py). A sequence classifier from a causal LM's
     checkpoint gets ``score`` from its LM head's rows at ``classifier_token_ids``
-    (models/seq_cls_from_lm.py; the ids of config.classifier_from_token)."""
+    (models/seq_cls_from_lm.py; the ids of config.classifier_from_token). ``mxfp4_kernel``:
+    an MXFP4 checkpoint's experts (GPT-OSS's) stay MXFP4 for the fused MoE kernel
+    (config.mxfp4_kernel; the engine's choice, envs.mxfp4) instead of being dequantized."""
     cls = model_class(source.config)
+    config = source.config
+    if mxfp4_kernel and config.mxfp4_experts:
+        config = dataclasses.replace(config, mxfp4_kernel=True)
     with torch.device(device):
-        model = cls(source.config, max_positions)  # type: ignore[call-arg]
+        model = cls(config, max_positions)  # type: ignore[call-arg]
     model.to(dtype)  # modules with KeepFp32 (rotary caches, MoE router) stay fp32
     if source.kind == "random":
         init_random_(model, seed)
@@ -188,3 +195,9 @@ def init_random_(model: nn.Module, seed: int = 0) -> None:
         else:
             g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
             p.normal_(0.0, 0.02, generator=g)
+    for name, b in model.named_buffers():  # MXFP4 experts (layers/moe.FusedExperts mxfp4)
+        if b.dtype == torch.uint8 and name.endswith("proj_blocks"):
+            g = gens.setdefault(b.device, torch.Generator(device=b.device).manual_seed(seed))
+            b.random_(0, 256, generator=g)  # e2m1 values of RMS ~2.9 ...
+        elif b.dtype == torch.uint8 and name.endswith("proj_scales"):
+            b.fill_(127 - 7)  # ... times 2 ** -7: ~0.02, as the 16-bit weights

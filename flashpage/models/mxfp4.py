@@ -33,16 +33,21 @@ _SUFFIXES = ("_blocks", "_scales")
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     dtype: torch.dtype = torch.float32,
+                     lut: torch.Tensor | None = None) -> torch.Tensor:
     """blocks uint8 [*prefix, G, 16], scales uint8 [*prefix, G] -> [*prefix, G * 32] in
     ``dtype``, one leading slice at a time (the fp32 intermediate of a whole released
-    expert tensor would be gigabytes)."""
+    expert tensor would be gigabytes). Each value is the e2m1 value times 2 ** (scale -
+    127) in fp32 (exact: an fp32 subnormal at scale 0, inf at 255 for a nonzero value),
+    rounded once to ``dtype``. ``lut``: FP4_VALUES already on blocks' device (a module's
+    buffer: no host-to-device copy, so a CUDA graph may capture the call)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.dim() < 2 or blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do "
                          f"not fit: blocks [..., G, {BLOCK // 2}] with scales [..., G] expected")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    lut = (torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device) if lut is None
+           else lut.to(torch.float32))
     out = torch.empty(*scales.shape[:-1], scales.shape[-1] * BLOCK, dtype=dtype, device=blocks.device)
     flat_b = blocks.reshape(-1, *blocks.shape[-2:]) if blocks.dim() > 2 else blocks[None]
     flat_s = scales.reshape(-1, scales.shape[-1]) if scales.dim() > 1 else scales[None]

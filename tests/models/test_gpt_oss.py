@@ -9,14 +9,18 @@ with sinks); through chunked prefill, preemption and prefix hits; the sinks, the
 the activation's clamp each shown to change the tokens; YaRN's frequencies and attention
 factor equal transformers' rope init (truncate false and true); MXFP4: our dequantization
 equals transformers', and a checkpoint whose experts we quantize gives transformers' tokens
-on the dequantized weights; weights back under HF's names; ``flashpage inspect``'s counts;
-config fields, defaults and errors.
-GPU (marked gpu): bf16 on the Triton kernels and CUDA graphs follows fp32.
+on the dequantized weights, dequantized at load and kept in MXFP4 (FLASHPAGE_MXFP4=kernel:
+uint8 buffers, the MXFP4 fused kernel in the interpreter, the torch paths dequantizing per
+call); weights back under HF's names; ``flashpage inspect``'s counts and weight bytes
+(MXFP4 experts as held); config fields, defaults and errors.
+GPU (marked gpu): bf16 on the Triton kernels and CUDA graphs follows fp32; MXFP4 experts
+kept on CUDA give transformers' fp32 tokens, and in bf16 the dequantized path's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -290,13 +294,13 @@ def test_mxfp4_errors():
         dequantize_mxfp4(b, s[..., :0])
 
 
-def test_mxfp4_checkpoint_matches_transformers(ckpt, tmp_path):
-    """The tiny model's experts quantized to MXFP4 (our quantizer, transformers' layout and
-    names, quantization_config mxfp4): our tokens from it equal transformers' on the same
-    weights dequantized (a plain fp32 checkpoint)."""
+def _mxfp4_copies(src: Path, dst: Path) -> tuple[Path, Path]:
+    """The checkpoint at ``src`` with its experts quantized to MXFP4 (our quantizer,
+    transformers' layout and names, quantization_config mxfp4) -> (that folder, a folder of
+    the same weights dequantized: a plain checkpoint transformers reads), under ``dst``."""
     from safetensors.torch import load_file, save_file
 
-    t = load_file(str(ckpt / "model.safetensors"))
+    t = load_file(str(src / "model.safetensors"))
     packed, plain = {}, {}
     for name, w in t.items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -306,23 +310,147 @@ def test_mxfp4_checkpoint_matches_transformers(ckpt, tmp_path):
             assert not torch.equal(plain[name], w)  # the quantization changed the weights
         else:
             packed[name] = plain[name] = w
-    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg = json.loads((src / "config.json").read_text())
     for folder, tensors, extra in (("mx", packed, {"quantization_config": {
             "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}}),
                                    ("deq", plain, {})):
-        (tmp_path / folder).mkdir()
-        save_file(tensors, str(tmp_path / folder / "model.safetensors"), metadata={"format": "pt"})
-        (tmp_path / folder / "config.json").write_text(json.dumps({**cfg, **extra}))
-    assert ModelConfig.from_hf(tmp_path / "mx").mxfp4_experts
+        (dst / folder).mkdir()
+        save_file(tensors, str(dst / folder / "model.safetensors"), metadata={"format": "pt"})
+        (dst / folder / "config.json").write_text(json.dumps({**cfg, **extra}))
+    return dst / "mx", dst / "deq"
+
+
+@pytest.fixture(scope="module")
+def mxfp4_ckpt(ckpt, tmp_path_factory):
+    """The tiny model's MXFP4 copies (_mxfp4_copies) -> (MXFP4 folder, dequantized folder,
+    the prompts, transformers' tokens on the dequantized weights)."""
+    mx, deq = _mxfp4_copies(ckpt, tmp_path_factory.mktemp("mxfp4"))
     prompts = random_prompts(3, 10, 30, seed=4)
-    expected = hf_greedy(tmp_path / "deq", prompts, GREEDY.max_tokens)
-    assert cpu_greedy(tmp_path / "mx", prompts) == expected
+    expected = hf_greedy(deq, prompts, GREEDY.max_tokens)
     assert expected != hf_greedy(ckpt, prompts, GREEDY.max_tokens)  # quantized: other tokens
+    return mx, deq, prompts, expected
+
+
+def test_mxfp4_checkpoint_matches_transformers(mxfp4_ckpt, tmp_path, monkeypatch):
+    """Dequantized at load (the CPU's default; FLASHPAGE_MXFP4=dequant anywhere): our
+    tokens from the MXFP4 checkpoint equal transformers' on the same weights dequantized."""
+    from safetensors.torch import load_file, save_file
+
+    mx, deq, prompts, expected = mxfp4_ckpt
+    assert ModelConfig.from_hf(mx).mxfp4_experts
+    monkeypatch.setenv("FLASHPAGE_MXFP4", "dequant")
+    llm = cpu_llm(mx)
+    experts = llm.engine.model.model.layers[0].mlp.experts
+    assert not experts.mxfp4 and experts.gate_up_proj.dtype == torch.float32
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    monkeypatch.delenv("FLASHPAGE_MXFP4")
+    assert not cpu_llm(mx).engine.model.model.layers[0].mlp.experts.mxfp4  # auto, on the CPU
     # an MXFP4 tensor in a checkpoint whose config does not say so
-    (tmp_path / "deq" / "config.json").write_text(json.dumps(cfg))
-    save_file(packed, str(tmp_path / "deq" / "model.safetensors"), metadata={"format": "pt"})
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((deq / "config.json").read_text())
+    save_file(load_file(str(mx / "model.safetensors")), str(bad / "model.safetensors"),
+              metadata={"format": "pt"})
     with pytest.raises(ValueError, match="MXFP4"):
-        cpu_llm(tmp_path / "deq")
+        cpu_llm(bad)
+
+
+def _mxfp4_expert_bytes(model) -> tuple[int, int]:
+    """(bytes of the experts' MXFP4 buffers, bytes of any 16-bit expert weights)."""
+    held = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+               if n.endswith(("proj_blocks", "proj_scales")))
+    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if n.endswith(("experts.gate_up_proj", "experts.down_proj")))
+    return held, dense
+
+
+@pytest.mark.parametrize("path", ["fused", "sync_free", "grouped"])
+def test_mxfp4_kept_matches_transformers(mxfp4_ckpt, path, monkeypatch):
+    """FLASHPAGE_MXFP4=kernel: the experts stay MXFP4 (uint8 blocks and scales, 4.25 bits a
+    weight, no 16-bit copy) and give transformers' tokens on every expert path: the fused
+    MXFP4 kernel in the interpreter, and the torch paths dequantizing per call."""
+    mx, _, prompts, expected = mxfp4_ckpt
+    monkeypatch.setenv("FLASHPAGE_MXFP4", "kernel")
+    llm = cpu_llm(mx)
+    model = llm.engine.model
+    layers = model.model.layers
+    ex = layers[0].mlp.experts
+    assert ex.mxfp4 and ex.gate_up_proj is None and ex.down_proj is None
+    assert ex.gate_up_proj_blocks.dtype == ex.down_proj_scales.dtype == torch.uint8
+    e, inter, hidden = 8, 32, 64
+    held, dense = _mxfp4_expert_bytes(model)
+    assert dense == 0
+    # per layer: E * (2I * H + H * I) weights, half a byte each plus a byte per 32
+    assert held == len(layers) * e * (2 * inter * hidden + hidden * inter) * 17 // 32
+    use_expert_path(model, path)
+    calls = count_expert_path(monkeypatch, path)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert calls and min(calls) <= 3 and max(calls) >= 10
+
+
+def test_mxfp4_kept_weights_back_under_hf_names(mxfp4_ckpt, monkeypatch):
+    """hf_weights of a model holding MXFP4 experts: every tensor under its HF name, the
+    experts dequantized in transformers' layout, equal to the dequantized checkpoint's."""
+    from flashpage.models.loader import iter_safetensors, load_model, resolve_model
+
+    mx, deq, _, _ = mxfp4_ckpt
+    model = load_model(resolve_model(str(mx)), torch.float32, torch.device("cpu"),
+                       mxfp4_kernel=True)
+    assert model.model.layers[0].mlp.experts.mxfp4
+    ref = dict(iter_safetensors(str(deq)))
+    mine = dict(model.hf_weights())
+    assert mine.keys() == ref.keys()
+    for n in ref:
+        assert torch.equal(mine[n], ref[n]), n
+
+
+def test_mxfp4_kept_random_weights(ckpt, tmp_path):
+    """Random weights (benchmarks: a config with quantization_config mxfp4, e.g. through
+    hf_overrides) held in MXFP4: random e2m1 bytes at scale 2 ** -7 (weights of RMS ~0.02,
+    as the 16-bit random init), and a forward of them runs."""
+    from flashpage.models.loader import load_model, resolve_model
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    model = load_model(resolve_model(None, str(tmp_path / "config.json")), torch.float32,
+                       torch.device("cpu"), mxfp4_kernel=True)
+    ex = model.model.layers[0].mlp.experts
+    assert ex.mxfp4 and (ex.down_proj_scales == 127 - 7).all()
+    assert ex.gate_up_proj_blocks.unique().numel() > 200  # random bytes, not zeros
+    w = ex._weight("gate_up_proj", torch.float32)
+    assert 0.015 < w.pow(2).mean().sqrt().item() < 0.03
+    x = torch.randn(5, 64)
+    weights, ids = model.model.layers[0].mlp.router(x)
+    assert torch.isfinite(ex(x, weights, ids)).all()
+
+
+def test_mxfp4_kept_load_errors(mxfp4_ckpt, tmp_path, monkeypatch):
+    """A 16-bit expert weight, or MXFP4 blocks of the wrong shape, in a checkpoint whose
+    experts are held in MXFP4: a ValueError naming the tensor; FLASHPAGE_MXFP4 checked."""
+    from safetensors.torch import load_file, save_file
+
+    mx, deq, _, _ = mxfp4_ckpt
+    monkeypatch.setenv("FLASHPAGE_MXFP4", "kernel")
+    cfg = (mx / "config.json").read_text()
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    for folder, edit, match in (
+            ("dense", lambda t: t.update({name: load_file(str(deq / "model.safetensors"))[name]}),
+             "16-bit expert weight"),
+            ("shape", lambda t: t.update({name + "_blocks": t[name + "_blocks"][:, :-2].contiguous()}),
+             "does not fit")):
+        t = load_file(str(mx / "model.safetensors"))
+        edit(t)
+        (tmp_path / folder).mkdir()
+        save_file(t, str(tmp_path / folder / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_path / folder / "config.json").write_text(cfg)
+        with pytest.raises(ValueError, match=match):
+            cpu_llm(tmp_path / folder)
+    monkeypatch.setenv("FLASHPAGE_MXFP4", "fp4")
+    with pytest.raises(ValueError, match="FLASHPAGE_MXFP4"):
+        cpu_llm(mx)
 
 
 # ----------------------------------------------------------------- config
@@ -406,6 +534,31 @@ def test_inspect_counts_parameters_and_kv():
     assert groups["kv_bytes_per_token_past_window"] == info["kv_bytes_per_token_per_layer"]
 
 
+def test_inspect_weights_bytes_with_mxfp4_experts(monkeypatch):
+    """gpt-oss-20b's config with its checkpoint's quantization_config: ``flashpage inspect``
+    counts the experts as held, 4.25 bits a weight (~12.8 GiB of weights in all, against
+    ~39 GiB with FLASHPAGE_MXFP4=dequant), and says which."""
+    from flashpage.inspect import format_report, inspect_config, param_counts
+
+    d = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "gpt-oss-20b"
+                    / "config.json").read_text())
+    cfg = ModelConfig.from_hf({**d, "quantization_config": {"quant_method": "mxfp4"}})
+    total, _ = param_counts(cfg)
+    experts = 24 * 32 * 3 * 2880 * 2880  # layers * E * (2I * H + H * I)
+    info = inspect_config(cfg, 80 << 30, "bfloat16")
+    assert info["mxfp4_kept"] and info["mxfp4_expert_bytes"] == experts * 17 // 32
+    assert info["mxfp4_expert_bytes_dequantized"] == experts * 2
+    assert info["weights_bytes"] == (total - experts) * 2 + experts * 17 // 32
+    assert 12.5 < info["weights_bytes"] / 2**30 < 13.5
+    assert "MXFP4 experts" in format_report(info) and "kept so" in format_report(info)
+    monkeypatch.setenv("FLASHPAGE_MXFP4", "dequant")
+    info = inspect_config(cfg, 80 << 30, "bfloat16")
+    assert not info["mxfp4_kept"] and info["weights_bytes"] == total * 2
+    assert "dequantized to" in format_report(info)
+    plain = inspect_config(ModelConfig.from_hf(d), 80 << 30, "bfloat16")
+    assert plain["weights_bytes"] == total * 2 and plain["mxfp4_expert_bytes"] == 0
+
+
 # ----------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -420,6 +573,36 @@ def test_gpu_graphs_fp32_and_bf16(tiny_gpt_oss):
                                             block_size=16)
     total = sum(len(t) for t in truth)
     assert ours >= theirs - 0.03 * total and ours >= 0.85 * total, (ours, theirs, total)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_mxfp4_experts_kept(tiny_gpt_oss, tmp_path, monkeypatch):
+    """An MXFP4 checkpoint on CUDA with the triton backend: its experts stay MXFP4 (the
+    default) and run the MXFP4 fused kernel; fp32 with CUDA graphs and eagerly gives
+    transformers' tokens on the dequantized weights; bf16 gives the tokens of the same
+    model with FLASHPAGE_MXFP4=dequant (the kernel's rounding is the dequantized path's)."""
+    from flashpage import LLM
+    from tests.conftest import assert_gpu_graphs_match_hf
+
+    mx, deq = _mxfp4_copies(tiny_gpt_oss("gpt_oss_d32"), tmp_path)
+    prompts = random_prompts(4, 10, 60, seed=5)
+    llm = assert_gpu_graphs_match_hf(mx, prompts,
+                                     reference=lambda _p, pr, n: hf_greedy(deq, pr, n))
+    experts = llm.engine.model.model.layers[0].mlp.experts
+    assert experts.mxfp4 and experts.fused_kernel
+    assert experts.gate_up_proj_blocks.dtype == torch.uint8 and experts.gate_up_proj is None
+
+    def bf16_tokens():
+        out = LLM(str(mx), dtype="bfloat16", device="cuda", attention_backend="triton",
+                  block_size=16)
+        assert out.engine.model.model.layers[0].mlp.experts.mxfp4 == (
+            os.environ.get("FLASHPAGE_MXFP4") != "dequant")
+        return [o.outputs[0].token_ids for o in out.generate(prompts, GREEDY, use_tqdm=False)]
+
+    kept = bf16_tokens()
+    monkeypatch.setenv("FLASHPAGE_MXFP4", "dequant")
+    assert kept == bf16_tokens()
 
 
 def test_yarn_on_a_llama_matches_transformers(tmp_path):
