@@ -434,6 +434,18 @@ class DraftModelProposer(NgramProposer):
     def fit_guide(self, req: Request, drafts: list[int]) -> list[int]:
         return drafts  # drawn in fill() under the pattern's masks, cut there where it ends
 
+    def _place_drafts(self, out, runner, active, counts, keep, drafts) -> None:
+        """Each drafting request's drafts (a column of ``drafts``) into its scheduled
+        placeholders; where a guided request's pattern ended early (``keep`` < its count),
+        the step's unused drafts are cut and their KV slots given back."""
+        for req, c, k, got in zip(active, counts, keep, drafts.T.tolist(), strict=True):
+            req.spec_token_ids[:] = got[:c]  # the placeholders, in place
+            if k < c:  # a guided request's pattern ended: fewer tokens than scheduled
+                n = out.cut_drafts(req, k)
+                runner.kv_manager.trim(req, req.num_computed_tokens + n)
+                if not k and self.backoff is not None:
+                    self.backoff.record(req.request_id, False)
+
     def propose(self, running: list[Request]) -> None:
         for req in running:
             req.spec_probs = None
@@ -479,13 +491,7 @@ class DraftModelProposer(NgramProposer):
                                          [rows[i].table for i in drafting])
             for j, m in enumerate(steps.rows):
                 picker.pick(runner.step(steps, j, drafts[j, :m]), j + 1, drafts[j + 1, :m])
-        for req, c, keep, got in zip(active, counts, picker.keep, drafts.T.tolist(), strict=True):
-            req.spec_token_ids[:] = got[:c]  # the placeholders, in place
-            if keep < c:  # a guided request's pattern ended: fewer tokens than scheduled
-                n = out.cut_drafts(req, keep)
-                runner.kv_manager.trim(req, req.num_computed_tokens + n)
-                if not keep and self.backoff is not None:
-                    self.backoff.record(req.request_id, False)
+        self._place_drafts(out, runner, active, counts, picker.keep, drafts)
 
 
 def build_draft_proposer(config: SpeculativeConfig, source: ModelSource, target: ModelConfig,

@@ -162,13 +162,7 @@ class MTPProposer(DraftModelProposer):
                     picker.pick(runner.step(steps, j, drafts[j, :m]), j + 1, drafts[j + 1, :m])
         finally:
             runner.model.prev_hidden = None
-        for req, c, keep, got in zip(active, counts, picker.keep, drafts.T.tolist(), strict=True):
-            req.spec_token_ids[:] = got[:c]  # the placeholders, in place
-            if keep < c:  # a guided request's pattern ended: fewer tokens than scheduled
-                n = out.cut_drafts(req, keep)
-                runner.kv_manager.trim(req, req.num_computed_tokens + n)
-                if not keep and self.backoff is not None:
-                    self.backoff.record(req.request_id, False)
+        self._place_drafts(out, runner, active, counts, picker.keep, drafts)
 
 
 def build_mtp_proposer(config: SpeculativeConfig, layer: nn.Module, target_config: ModelConfig,
