@@ -33,6 +33,9 @@ The copy ceiling: a 1 GiB device-to-device copy timed the same way, bytes read +
     python benchmarks/fused_moe.py --out $OUT                     # ~30-60 s on an H200
     python benchmarks/fused_moe.py --sweep --out $OUT             # also tile configs of ours
     python benchmarks/fused_moe.py --model gpt-oss-20b --out $OUT
+    python benchmarks/fused_moe.py --model gpt-oss-20b --mxfp4-sweep --out $OUT
+                                              # each MXFP4 form (kernels/fused_moe.MXFP4_FORMS)
+                                              # at MXFP4_TILES
 
 writes $OUT/fused_moe.json and $OUT/fused_moe.md (deepseek-v2-lite), or
 $OUT/fused_moe_<model>.json / .md for another model. Without a GPU it runs tiny shapes in
@@ -61,6 +64,7 @@ import dataclasses  # noqa: E402
 
 from flashpage.config import ModelConfig  # noqa: E402
 from flashpage.kernels.fused_moe import (  # noqa: E402
+    MXFP4_FORMS,
     FusedMoEConfig,
     default_config,
     fused_moe,
@@ -79,6 +83,16 @@ DT = torch.bfloat16 if GPU else torch.float32  # the interpreter computes bf16 w
 SWEEP = [FusedMoEConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
          for bm in (16, 32) for bn, bk, w, s in ((32, 128, 4, 3), (64, 128, 4, 3),
                                                  (64, 64, 4, 4), (128, 64, 8, 3))]
+# --mxfp4-sweep: each MXFP4 form at these (block_n, block_k, warps, stages), the default
+# config's block_m (the first entry: the default's tiles)
+MXFP4_TILES = [(64, 128, 4, 3), (32, 128, 4, 3), (64, 256, 4, 3), (32, 256, 4, 4),
+               (128, 128, 8, 3), (64, 256, 8, 3), (128, 256, 8, 2)]
+
+
+def mxfp4_sweep(t: int, k: int, e: int) -> list[FusedMoEConfig]:
+    bm = default_config(t * k, e).block_m
+    return [FusedMoEConfig(bm, bn, bk, w, s, mxfp4_form=form) for form in MXFP4_FORMS
+            for bn, bk, w, s in MXFP4_TILES if GPU or form != "scaled"]  # scaled: bf16 only
 
 
 def make_layers(cfg: ModelConfig, hidden: int, inter: int, mxfp4: bool = False) -> list[FusedExperts]:
@@ -182,7 +196,8 @@ def routing(t: int, k: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def bench_tokens(layers: list[FusedExperts], t: int, k: int, sweep: bool,
-                 mx_layers: list[FusedExperts] | None = None) -> list[dict]:
+                 mx_layers: list[FusedExperts] | None = None, mx_sweep: bool = False
+                 ) -> list[dict]:
     ex0 = layers[0]
     e, two_i, hidden = ex0.gate_up_proj.shape
     expert_bytes = 3 * (two_i // 2) * hidden * ex0.gate_up_proj.element_size()
@@ -212,13 +227,15 @@ def bench_tokens(layers: list[FusedExperts], t: int, k: int, sweep: bool,
     if mx_layers is not None:
         mx = mx_layers
         mx_paths = {
-            f"fused mxfp4 (default {default_config(t * k, e).name})":
+            f"fused mxfp4 (default {default_config(t * k, e).mxfp4_form} "
+            f"{default_config(t * k, e).name})":
                 lambda i: mx[i].forward_fused(x, w, ids),
             "torch grouped, mxfp4 dequantized": lambda i: mx[i].forward_grouped(x, w, ids),
         }
-        if sweep:
-            for cfg in SWEEP:
-                mx_paths[f"fused mxfp4 {cfg.name}"] = lambda i, cfg=cfg: fused_moe_mxfp4(
+        configs = (SWEEP if sweep else []) + (mxfp4_sweep(t, k, e) if mx_sweep else [])
+        if configs:
+            for cfg in configs:
+                mx_paths[f"fused mxfp4 {cfg.mxfp4_form} {cfg.name}"] = lambda i, cfg=cfg: fused_moe_mxfp4(
                     x, mx[i].gate_up_proj_blocks, mx[i].gate_up_proj_scales,
                     mx[i].down_proj_blocks, mx[i].down_proj_scales, ids, w, cfg,
                     gate_up_bias=mx[i].gate_up_proj_bias, down_bias=mx[i].down_proj_bias,
@@ -288,6 +305,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--sweep", action="store_true", help="also time tile configs of ours")
+    ap.add_argument("--mxfp4-sweep", action="store_true",
+                    help="also time each MXFP4 form (tile, split, scaled) at MXFP4_TILES")
     ap.add_argument("--model", choices=sorted(MODELS), default="deepseek-v2-lite",
                     help="whose expert shapes (and token counts) to time")
     args = ap.parse_args()
@@ -304,7 +323,8 @@ def main() -> None:
     print(json.dumps(dict(copy_gbs=copy_gbs)), flush=True)
     rows = []
     for t in tokens:
-        rows += bench_tokens(layers, t, cfg.num_experts_per_tok, args.sweep, mx_layers)
+        rows += bench_tokens(layers, t, cfg.num_experts_per_tok, args.sweep, mx_layers,
+                             args.mxfp4_sweep)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "fused_moe" if args.model == "deepseek-v2-lite" else f"fused_moe_{args.model}"

@@ -80,6 +80,13 @@ import triton.language as tl
 
 from flashpage.kernels.flash_prefill import _dot  # tl.dot, in IEEE fp32 when asked
 
+# An MXFP4 K tile into tl.dot (kernel constexpr MXFP4 = 1 + the index; 0: 16-bit weights):
+# "tile": bytes -> nibbles interleaved back into K order (join / permute / reshape), decoded,
+#         one dot; "split": the low nibbles (even K) and the high ones (odd K) decoded apart,
+#         each dotted with x's even / odd columns (no interleave); "scaled": tl.dot_scaled
+#         (bf16 x only: the compiler's own e2m1 upcast, Hopper emulating it in bf16).
+MXFP4_FORMS = ("tile", "split", "scaled")
+
 
 @dataclass(frozen=True)
 class FusedMoEConfig:
@@ -88,6 +95,13 @@ class FusedMoEConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    # MXFP4 weights only (MXFP4_FORMS): how a K tile's nibbles reach the tensor cores
+    mxfp4_form: str = "split"
+
+    def __post_init__(self) -> None:
+        if self.mxfp4_form not in MXFP4_FORMS:
+            raise ValueError(f"mxfp4_form must be one of {', '.join(MXFP4_FORMS)}; got "
+                             f"{self.mxfp4_form!r}")
 
     @property
     def name(self) -> str:
@@ -223,27 +237,88 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 # ------------------------------------------------------------------------- grouped GEMMs
 @triton.jit
+def _e2m1(nib, scale, dt: tl.constexpr):
+    """e2m1 codes ``nib`` (uint32 0-15) times fp32 ``scale`` (same shape), rounded once to
+    ``dt``. Each value is built exactly in fp32 from its bits: magnitude codes 2-7 are
+    1, 1.5, ..., 6 (exponent e + 126, the mantissa bit under it: bits (mag << 22) +
+    (126 << 23)), 1 is 0.5 and 0 zero (the subnormal codes), the sign bit 3 moved to 31."""
+    mag = nib & 7
+    bits = tl.where(mag < 2, mag * (126 << 23), (mag << 22) + (126 << 23)) | ((nib & 8) << 28)
+    return (bits.to(tl.float32, bitcast=True) * scale).to(dt)
+
+
+@triton.jit
+def _e8m0(sc):
+    """e8m0 scale bytes -> fp32 2 ** (s - 127) from its bits (s << 23; s = 0: 2 ** -127, the
+    fp32 subnormal 1 << 22; s = 255: inf)."""
+    sc = sc.to(tl.uint32)
+    return tl.where(sc == 0, 1 << 22, sc << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mxfp4_tile(b_ptrs, s_ptrs, bmask, smask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                 dt: tl.constexpr):
-    """A [BLOCK_K, BLOCK_N] weight tile in ``dt`` from MXFP4: ``b_ptrs`` [BLOCK_K / 2,
-    BLOCK_N] bytes (K contiguous; the low nibble the even row), ``s_ptrs`` [BLOCK_K / 32,
-    BLOCK_N] the e8m0 scales of the tile's 32-row groups (broadcast over their rows). Each
-    value is built exactly in fp32 from its bits (e2m1 -> fp32: the sign, exponent e + 126,
-    the mantissa bit; 0.5 and 0 the subnormal codes), times the scale 2 ** (s - 127) (bits
-    s << 23; s = 0: 2 ** -127, the fp32 subnormal 1 << 22; s = 255: inf), then rounded once
-    to ``dt``: what models/mxfp4.dequantize_mxfp4 computes."""
+    """A [BLOCK_K, BLOCK_N] weight tile in ``dt`` from MXFP4 (form "tile"): ``b_ptrs``
+    [BLOCK_K / 2, BLOCK_N] bytes (K contiguous; the low nibble the even row), ``s_ptrs``
+    [BLOCK_K / 32, BLOCK_N] the e8m0 scales of the tile's 32-row groups (broadcast over
+    their rows); each value _e2m1's: what models/mxfp4.dequantize_mxfp4 computes."""
     byte = tl.load(b_ptrs, mask=bmask, other=0)
     nib = tl.reshape(tl.permute(tl.join(byte & 0xF, byte >> 4), (0, 2, 1)),
                      (BLOCK_K, BLOCK_N)).to(tl.uint32)
-    mag = nib & 7
-    e = mag >> 1
-    m = mag & 1
-    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((nib & 8) << 28)
-    sc = tl.load(s_ptrs, mask=smask, other=0).to(tl.uint32)
-    scale = tl.where(sc == 0, 1 << 22, sc << 23).to(tl.float32, bitcast=True)
+    scale = _e8m0(tl.load(s_ptrs, mask=smask, other=0))
     scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 32, BLOCK_N)),
                        (BLOCK_K, BLOCK_N))
-    return (bits.to(tl.float32, bitcast=True) * scale).to(dt)
+    return _e2m1(nib, scale, dt)
+
+
+@triton.jit
+def _mxfp4_halves(b_ptrs, s_ptrs, bmask, smask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                  dt: tl.constexpr):
+    """The same K tile as _mxfp4_tile's, as its even rows and its odd rows apart (form
+    "split": each [BLOCK_K / 2, BLOCK_N], row j of either in scale group j // 16), with no
+    interleave of the nibbles back into K order."""
+    byte = tl.load(b_ptrs, mask=bmask, other=0).to(tl.uint32)
+    scale = _e8m0(tl.load(s_ptrs, mask=smask, other=0))
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)),
+                       (BLOCK_K // 2, BLOCK_N))
+    return _e2m1(byte & 0xF, scale, dt), _e2m1(byte >> 4, scale, dt)
+
+
+@triton.jit
+def _mxfp4_dot(acc, a_row, avalid, w_col, s_col, s_row, mask_n, k0, kmax,
+               BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+               MXFP4: tl.constexpr):
+    """acc [BM, BN] += a[:, k0:k0 + BK] @ W[k0:k0 + BK, :] for MXFP4 W: ``a_row`` [BM, 1]
+    pointers to the rows of a (``avalid`` [BM] the real ones), ``w_col`` [1, BN] to the N
+    columns' bytes (K / 2 of them, contiguous), ``s_col`` [1, BN] and ``s_row`` [BN, 1] to
+    their scales (K / 32), ``kmax`` K. MXFP4 = 1 + the MXFP4_FORMS index."""
+    dt = a_row.dtype.element_ty
+    offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # bytes
+    offs_ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # scale groups
+    kb_ok = offs_kb < kmax // 2
+    ks_ok = offs_ks < kmax // 32
+    bmask = kb_ok[:, None] & mask_n[None, :]
+    if MXFP4 == 2:  # split: even columns of a against the low nibbles, odd the high
+        amask = avalid[:, None] & kb_ok[None, :]
+        a_lo = tl.load(a_row + 2 * offs_kb[None, :], mask=amask, other=0.0)
+        a_hi = tl.load(a_row + 2 * offs_kb[None, :] + 1, mask=amask, other=0.0)
+        w_lo, w_hi = _mxfp4_halves(w_col + offs_kb[:, None], s_col + offs_ks[:, None], bmask,
+                                   ks_ok[:, None] & mask_n[None, :], BLOCK_K, BLOCK_N, dt)
+        acc = _dot(a_lo, w_lo, acc, IEEE)
+        acc = _dot(a_hi, w_hi, acc, IEEE)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_row + offs_k[None, :], mask=avalid[:, None] & (offs_k < kmax)[None, :],
+                    other=0.0)
+        if MXFP4 == 3:  # scaled: [BK / 2, BN] bytes, [BN, BK / 32] scales
+            byte = tl.load(w_col + offs_kb[:, None], mask=bmask, other=0)
+            sc = tl.load(s_row + offs_ks[None, :], mask=mask_n[:, None] & ks_ok[None, :], other=0)
+            acc = tl.dot_scaled(a, None, "bf16", byte, sc, "e2m1", acc, fast_math=True)
+        else:  # tile
+            w = _mxfp4_tile(w_col + offs_kb[:, None], s_col + offs_ks[:, None], bmask,
+                            ks_ok[:, None] & mask_n[None, :], BLOCK_K, BLOCK_N, dt)
+            acc = _dot(a, w, acc, IEEE)
+    return acc
 
 
 @triton.jit
@@ -256,7 +331,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, sorted_ptr, block_ex
     """act[r, n-tile] = activation(gate (+ bias), up (+ bias)) for the BLOCK_M rows of one
     block: silu(gate) * up, or with CLAMPED_SWIGLU GPT-OSS's (ClampedSwiGLU). MXFP4: w_ptr
     holds e2m1 nibble pairs [E, 2I, H / 2] and s_ptr e8m0 scales [E, 2I, H / 32]
-    (_mxfp4_tile); otherwise w_ptr the 16-bit weights [E, 2I, H] (s_ptr unread)."""
+    (_mxfp4_dot, MXFP4 = 1 + the MXFP4_FORMS index); otherwise w_ptr the 16-bit weights [E, 2I, H] (s_ptr unread)."""
     pid_n = tl.program_id(0)
     blk = tl.program_id(1)
     expert = tl.load(block_expert_ptr + blk)
@@ -271,40 +346,35 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, sorted_ptr, block_ex
     offs_k = tl.arange(0, BLOCK_K)
     dt = act_ptr.dtype.element_ty
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    if MXFP4:  # [BK / 2, BN] bytes, [BK / 32, BN] scales
-        offs_kb = tl.arange(0, BLOCK_K // 2)
-        offs_ks = tl.arange(0, BLOCK_K // 32)
-        gate_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_kb[:, None]
-        gs_ptrs = (s_ptr + expert.to(tl.int64) * stride_se
-                   + offs_n[None, :].to(tl.int64) * stride_sn + offs_ks[:, None])
-        us_ptrs = gs_ptrs + inter * stride_sn
-    else:
-        gate_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
-    up_ptrs = gate_ptrs + inter * stride_wn
-    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BM, BK]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        mask_k = offs_k < hidden - k0
-        a = tl.load(x_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        wmask = mask_k[:, None] & mask_n[None, :]
-        if MXFP4:
-            bmask = (offs_kb < (hidden - k0) // 2)[:, None] & mask_n[None, :]
-            smask = (offs_ks < (hidden - k0) // 32)[:, None] & mask_n[None, :]
-            wg = _mxfp4_tile(gate_ptrs, gs_ptrs, bmask, smask, BLOCK_K, BLOCK_N, dt)
-            wu = _mxfp4_tile(up_ptrs, us_ptrs, bmask, smask, BLOCK_K, BLOCK_N, dt)
-            gate_ptrs += BLOCK_K // 2
-            up_ptrs += BLOCK_K // 2
-            gs_ptrs += BLOCK_K // 32
-            us_ptrs += BLOCK_K // 32
-        else:
+    if MXFP4:
+        w_col = w_base + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN]: gate rows
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        s_col = s_base + offs_n[None, :].to(tl.int64) * stride_sn
+        s_row = s_base + offs_n[:, None].to(tl.int64) * stride_sn
+        a_row = x_ptr + token[:, None] * stride_xt
+        for k0 in range(0, hidden, BLOCK_K):
+            acc_g = _mxfp4_dot(acc_g, a_row, valid, w_col, s_col, s_row, mask_n, k0, hidden,
+                               BLOCK_K, BLOCK_N, IEEE, MXFP4)
+            acc_u = _mxfp4_dot(acc_u, a_row, valid, w_col + inter * stride_wn,
+                               s_col + inter * stride_sn, s_row + inter * stride_sn, mask_n, k0,
+                               hidden, BLOCK_K, BLOCK_N, IEEE, MXFP4)
+    else:
+        gate_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
+        up_ptrs = gate_ptrs + inter * stride_wn
+        x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BM, BK]
+        for k0 in range(0, hidden, BLOCK_K):
+            mask_k = offs_k < hidden - k0
+            a = tl.load(x_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+            wmask = mask_k[:, None] & mask_n[None, :]
             wg = tl.load(gate_ptrs, mask=wmask, other=0.0)
             wu = tl.load(up_ptrs, mask=wmask, other=0.0)
             gate_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
-        acc_g = _dot(a, wg, acc_g, IEEE)
-        acc_u = _dot(a, wu, acc_u, IEEE)
-        x_ptrs += BLOCK_K
+            acc_g = _dot(a, wg, acc_g, IEEE)
+            acc_u = _dot(a, wu, acc_u, IEEE)
+            x_ptrs += BLOCK_K
     g = acc_g.to(dt).to(tl.float32)  # each projection output in the model dtype
     u = acc_u.to(dt).to(tl.float32)
     if HAS_BIAS:
@@ -345,33 +415,27 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr
     mask_n = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     dt = ys_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if MXFP4:
-        offs_kb = tl.arange(0, BLOCK_K // 2)
-        offs_ks = tl.arange(0, BLOCK_K // 32)
-        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
-                  + offs_n[None, :].to(tl.int64) * stride_wn + offs_kb[:, None])  # [BK / 2, BN]
-        s_ptrs = (s_ptr + expert.to(tl.int64) * stride_se
-                  + offs_n[None, :].to(tl.int64) * stride_sn + offs_ks[:, None])  # [BK / 32, BN]
+        w_col = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        a_row = act_ptr + rows[:, None].to(tl.int64) * stride_ar
+        for k0 in range(0, inter, BLOCK_K):
+            acc = _mxfp4_dot(acc, a_row, valid, w_col,
+                             s_base + offs_n[None, :].to(tl.int64) * stride_sn,
+                             s_base + offs_n[:, None].to(tl.int64) * stride_sn, mask_n, k0, inter,
+                             BLOCK_K, BLOCK_N, IEEE, MXFP4)
     else:
         w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
                   + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None])  # [BK, BN]
-    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_ar + offs_k[None, :]  # [BM, BK]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        mask_k = offs_k < inter - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        wmask = mask_k[:, None] & mask_n[None, :]
-        if MXFP4:
-            bmask = (offs_kb < (inter - k0) // 2)[:, None] & mask_n[None, :]
-            smask = (offs_ks < (inter - k0) // 32)[:, None] & mask_n[None, :]
-            w = _mxfp4_tile(w_ptrs, s_ptrs, bmask, smask, BLOCK_K, BLOCK_N, dt)
-            w_ptrs += BLOCK_K // 2
-            s_ptrs += BLOCK_K // 32
-        else:
-            w = tl.load(w_ptrs, mask=wmask, other=0.0)
+        a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_ar + offs_k[None, :]  # [BM, BK]
+        for k0 in range(0, inter, BLOCK_K):
+            mask_k = offs_k < inter - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc = _dot(a, w, acc, IEEE)
             w_ptrs += BLOCK_K
-        acc = _dot(a, w, acc, IEEE)
-        a_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
     scale = tl.load(topk_w_ptr + pair, mask=valid, other=0.0)
     y = acc.to(dt).to(tl.float32)
     if HAS_BIAS:
@@ -464,6 +528,9 @@ def _launch(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch.Tensor
     if mxfp4 and cfg.block_k % 32:
         raise ValueError(f"MXFP4 weights need block_k a multiple of 32 (a scale's group), got "
                          f"{cfg.block_k}")
+    if mxfp4 and cfg.mxfp4_form == "scaled" and x.dtype != torch.bfloat16:
+        raise ValueError(f"mxfp4_form 'scaled' (tl.dot_scaled) takes bf16 activations, got "
+                         f"{x.dtype}: use 'split' or 'tile'")
     x, gate_up, down = _contig(x), _contig(gate_up), _contig(down)
     gate_up_scales, down_scales = _contig(gate_up_scales), _contig(down_scales)
     has_bias = gate_up_bias is not None and down_bias is not None
@@ -478,7 +545,8 @@ def _launch(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch.Tensor
     ys = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32  # fp32 stays fp32 (tl.dot would use tf32)
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
-                  HAS_BIAS=has_bias, MXFP4=mxfp4, num_warps=cfg.num_warps,
+                  HAS_BIAS=has_bias, MXFP4=1 + MXFP4_FORMS.index(cfg.mxfp4_form) if mxfp4 else 0,
+                  num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
     _gate_up_kernel[(triton.cdiv(inter, cfg.block_n), nb)](
         x, gate_up, gate_up_scales, gate_up_bias, act, sorted_pairs, block_expert, num_pairs, k,
@@ -587,6 +655,6 @@ def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     return ys.sum(1)
 
 
-__all__ = ["ClampedSwiGLU", "FusedMoEConfig", "default_config", "dequantize_kernel_mxfp4",
+__all__ = ["MXFP4_FORMS", "ClampedSwiGLU", "FusedMoEConfig", "default_config", "dequantize_kernel_mxfp4",
            "fused_moe", "fused_moe_mxfp4", "fused_moe_mxfp4_ref", "fused_moe_ref", "moe_align",
            "moe_align_ref", "num_blocks"]

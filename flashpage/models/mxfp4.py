@@ -56,7 +56,10 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
     for r0 in range(0, flat_b.shape[0], rows):
         b = flat_b[r0:r0 + rows].long()
         vals = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).flatten(-2)  # [r, G, 32]
-        scale = torch.exp2(flat_s[r0:r0 + rows].float() - 127.0)[..., None]
+        # 2 ** (s - 127) built from its bits (s = 0: the subnormal 1 << 22; 255: inf), not
+        # exp2: CUDA's exp2 is a few ulps off among fp32 subnormals (run 190)
+        s = flat_s[r0:r0 + rows].int()
+        scale = torch.where(s == 0, 1 << 22, s << 23).view(torch.float32)[..., None]
         flat_o[r0:r0 + rows] = (vals * scale).flatten(-2).to(dtype)
     return out
 

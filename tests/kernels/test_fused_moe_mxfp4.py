@@ -14,10 +14,13 @@ GPU (marked gpu): the decode in bf16, gpt-oss-20b's expert shape against dequant
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
 import triton.language as tl
+from test_fused_moe import _ShapeOnlyKernel  # tests/kernels
 
 from flashpage.kernels import fused_moe as fm
 from flashpage.kernels.fused_moe import (
@@ -38,8 +41,9 @@ cpu_only = pytest.mark.skipif(GPU, reason="the CPU variant (interpreter)")
 
 @triton.jit
 def _decode_kernel(b_ptr, s_ptr, out_ptr, n_rows, k_bytes, k_groups,
-                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out [N, K] = the kernel's own MXFP4 tile decode (fm._mxfp4_tile), tile by tile."""
+                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, HALVES: tl.constexpr):
+    """out [N, K] = the kernel's own MXFP4 tile decode, tile by tile: fm._mxfp4_tile's
+    (form "tile"), or with HALVES fm._mxfp4_halves' even and odd rows (form "split")."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kb = tl.arange(0, BLOCK_K // 2)
     offs_ks = tl.arange(0, BLOCK_K // 32)
@@ -47,12 +51,18 @@ def _decode_kernel(b_ptr, s_ptr, out_ptr, n_rows, k_bytes, k_groups,
     mask_n = offs_n < n_rows
     b_ptrs = b_ptr + offs_n[None, :] * k_bytes + offs_kb[:, None]
     s_ptrs = s_ptr + offs_n[None, :] * k_groups + offs_ks[:, None]
+    bmask = mask_n[None, :] & (offs_kb[:, None] >= 0)
+    smask = mask_n[None, :] & (offs_ks[:, None] >= 0)
+    dt = out_ptr.dtype.element_ty
     for k0 in range(0, 2 * k_bytes, BLOCK_K):
-        w = fm._mxfp4_tile(b_ptrs, s_ptrs, mask_n[None, :] & (offs_kb[:, None] >= 0),
-                           mask_n[None, :] & (offs_ks[:, None] >= 0), BLOCK_K, BLOCK_N,
-                           out_ptr.dtype.element_ty)
-        tl.store(out_ptr + offs_n[None, :] * (2 * k_bytes) + k0 + offs_k[:, None], w,
-                 mask=mask_n[None, :])
+        row = out_ptr + offs_n[None, :] * (2 * k_bytes) + k0
+        if HALVES:
+            lo, hi = fm._mxfp4_halves(b_ptrs, s_ptrs, bmask, smask, BLOCK_K, BLOCK_N, dt)
+            tl.store(row + 2 * offs_kb[:, None], lo, mask=mask_n[None, :])
+            tl.store(row + 2 * offs_kb[:, None] + 1, hi, mask=mask_n[None, :])
+        else:
+            w = fm._mxfp4_tile(b_ptrs, s_ptrs, bmask, smask, BLOCK_K, BLOCK_N, dt)
+            tl.store(row + offs_k[:, None], w, mask=mask_n[None, :])
         b_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // 32
 
@@ -66,12 +76,12 @@ def every_byte_at_every_scale() -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, scales
 
 
-def assert_decode_exact(dtype: torch.dtype) -> None:
+def assert_decode_exact(dtype: torch.dtype, halves: bool) -> None:
     blocks, scales = every_byte_at_every_scale()
     blocks, scales = blocks.to(DEV), scales.to(DEV)
-    out = torch.empty(blocks.shape[0], 256, dtype=dtype, device=DEV)
+    out = torch.full((blocks.shape[0], 256), 7.0, dtype=dtype, device=DEV)  # 7: no e2m1 value
     _decode_kernel[(triton.cdiv(blocks.shape[0], 16),)](
-        blocks, scales, out, blocks.shape[0], 128, 8, BLOCK_K=128, BLOCK_N=16)
+        blocks, scales, out, blocks.shape[0], 128, 8, BLOCK_K=128, BLOCK_N=16, HALVES=halves)
     want = dequantize_mxfp4(blocks.view(-1, 8, 16), scales, dtype)
     assert want.isinf().any() and (want != 0).any()  # scale 255, 254: overflow
     if GPU:
@@ -87,11 +97,13 @@ def assert_decode_exact(dtype: torch.dtype) -> None:
 
 
 @cpu_only
+@pytest.mark.parametrize("halves", [False, True], ids=["tile", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_every_byte_at_every_scale(dtype):
-    """The kernel's tile decode, value for value, is dequantize_mxfp4's: scale 0 (fp32's
-    subnormal 2 ** -127), 1-254, 255 (inf); fp16 rounding its subnormals, overflowing to inf."""
-    assert_decode_exact(dtype)
+def test_decode_every_byte_at_every_scale(dtype, halves):
+    """The kernel's tile decode (both forms), value for value, is dequantize_mxfp4's: scale 0
+    (fp32's subnormal 2 ** -127), 1-254, 255 (inf); fp16 rounding its subnormals,
+    overflowing to inf."""
+    assert_decode_exact(dtype, halves)
 
 
 def routing(t: int, k: int, e: int, seed: int, crowd: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,14 +136,17 @@ SWIGLU = ClampedSwiGLU(alpha=1.702, limit=0.6)  # the projections pass it: both 
 
 
 @cpu_only
+@pytest.mark.parametrize("form", ["tile", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("t", "k", "e", "h", "inter", "crowd"), CASES)
-def test_mxfp4_kernel_is_the_16_bit_kernel_on_dequantized_weights(t, k, e, h, inter, crowd, dtype):
+def test_mxfp4_kernel_is_the_16_bit_kernel_on_dequantized_weights(t, k, e, h, inter, crowd, dtype,
+                                                                  form):
     """Scales 127 +- 10 (gate_up; down 117-127 so fp16's range holds the outputs), x scaled
     to keep the projections O(1); the unused experts' scales 255 (inf weights) and a few
     extreme scales (1: 2 ** -126; 140: fp16's largest without overflow) in used ones. The MXFP4 kernel's outputs
-    equal, bit for bit, the 16-bit kernel's on the weights dequantized to x's dtype, and
-    the reference's (dequantize, then fused_moe_ref) within accumulation order."""
+    equal the 16-bit kernel's on the weights dequantized to x's dtype, bit for bit in the
+    "tile" form (the same tl.dot calls; "split" sums K in another order: two dots a tile),
+    and the reference's (dequantize, then fused_moe_ref) within accumulation order."""
     gu_b, gu_s, d_b, d_s = mxfp4_experts(e, h, inter, seed=t, gate_up_scales=(117, 137),
                                          down_scales=(117, 127))
     ids, w = routing(t, k, e, seed=t + 1, crowd=crowd)
@@ -144,18 +159,22 @@ def test_mxfp4_kernel_is_the_16_bit_kernel_on_dequantized_weights(t, k, e, h, in
     x = (torch.randn(t, h, generator=g) * 2.0 ** -10).to(DEV, dtype)
     gu_bias = (torch.randn(e, 2 * inter, generator=g) * 0.5).to(DEV, dtype)
     d_bias = (torch.randn(e, h, generator=g) * 0.5).to(DEV, dtype)
-    cfg = FusedMoEConfig(block_m=16, block_n=32, block_k=64)  # several N and K tiles
+    cfg = FusedMoEConfig(block_m=16, block_n=32, block_k=64, mxfp4_form=form)  # N, K tiles
     kw = dict(gate_up_bias=gu_bias, down_bias=d_bias, activation=SWIGLU)
     got = fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, cfg, **kw)
     gate_up = dequantize_kernel_mxfp4(gu_b, gu_s, dtype)
     down = dequantize_kernel_mxfp4(d_b, d_s, dtype)
     assert not unused or gate_up[unused].isinf().any()  # unused: every case but the second
     assert got.shape == (t, h) and got.dtype == dtype and torch.isfinite(got).all()
-    assert torch.equal(got, fused_moe(x, gate_up, down, ids, w, cfg, **kw))
+    same_steps = fused_moe(x, gate_up, down, ids, w, cfg, **kw)
+    if form == "tile":  # the same tl.dot calls on the same tiles
+        assert torch.equal(got, same_steps)
     want = fused_moe_mxfp4_ref(x, gu_b, gu_s, d_b, d_s, ids, w, **kw)
     scale = want.float().abs().max().item()
     tol = 1e-5 if dtype == torch.float32 else 4e-3
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * max(1.0, scale))
+    torch.testing.assert_close(got.float(), same_steps.float(), rtol=tol,
+                               atol=tol * max(1.0, scale))
     # the test could fail: the clamps bind, the biases and the scales move the output
     h0 = x.float() @ gate_up[ids[0, 0]].float().T + gu_bias[ids[0, 0]].float()
     assert (h0[:, :inter] > SWIGLU.limit).any() and (h0[:, inter:].abs() > SWIGLU.limit).any()
@@ -178,13 +197,17 @@ def test_silu_without_biases_and_quantized_weights():
     gu_b, d_b = gu_b.flatten(-2), d_b.flatten(-2)  # [E, N, K / 32, 16] -> the kernel's [E, N, K / 2]
     ids, w = routing(t, k, e, seed=4)
     x = torch.randn(t, h, generator=g)
-    got = fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w)
     deq = (dequantize_kernel_mxfp4(gu_b, gu_s, torch.float32),
            dequantize_kernel_mxfp4(d_b, d_s, torch.float32))
-    assert torch.equal(got, fused_moe(x, *deq, ids, w))
-    one_group = FusedMoEConfig(block_m=16, block_n=16, block_k=32)  # a scale a K tile
-    assert torch.equal(fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, one_group),
-                       fused_moe(x, *deq, ids, w, one_group))
+    for form in fm.MXFP4_FORMS[:2]:
+        # the default config's tiles and K tiles of one scale group
+        for cfg in (fm.default_config(t * k, e), FusedMoEConfig(16, 16, 32)):
+            cfg = dataclasses.replace(cfg, mxfp4_form=form)
+            got = fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, cfg)
+            same_steps = fused_moe(x, *deq, ids, w, cfg)
+            if form == "tile":
+                assert torch.equal(got, same_steps)
+            torch.testing.assert_close(got, same_steps, rtol=1e-5, atol=1e-5)
     # and near the unquantized experts' (4-bit weights: ~10-20% off, relative)
     exact = fm.fused_moe_ref(x, gate_up, down, ids, w)
     err = ((got - exact).norm() / exact.norm()).item()
@@ -211,17 +234,12 @@ def test_mxfp4_errors():
         fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids[:2], w[:2])
     with pytest.raises(ValueError, match="block_k a multiple of 32"):
         fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, FusedMoEConfig(block_k=16))
+    with pytest.raises(ValueError, match="'scaled'.*bf16 activations, got torch.float32"):
+        fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, FusedMoEConfig(mxfp4_form="scaled"))
+    with pytest.raises(ValueError, match="mxfp4_form must be one of tile, split, scaled"):
+        FusedMoEConfig(mxfp4_form="lut")
     out = fused_moe_mxfp4(x[:0], gu_b, gu_s, d_b, d_s, ids[:0], w[:0])
     assert out.shape == (0, h)
-
-
-class _ShapeOnlyKernel:
-    def __init__(self, grids: list) -> None:
-        self.grids = grids
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return lambda *args, **kwargs: None
 
 
 def test_mxfp4_no_host_sync_on_meta_tensors(monkeypatch):
@@ -248,20 +266,22 @@ def test_mxfp4_no_host_sync_on_meta_tensors(monkeypatch):
 # ----------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("halves", [False, True], ids=["tile", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_decode_every_byte_at_every_scale_gpu(dtype):
+def test_decode_every_byte_at_every_scale_gpu(dtype, halves):
     """Compiled for the GPU: exact but where an fp32 subnormal product may be flushed."""
-    assert_decode_exact(dtype)
+    assert_decode_exact(dtype, halves)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("form", fm.MXFP4_FORMS)
 @pytest.mark.parametrize(("t", "crowd"), [(1, 0), (8, 0), (64, 40), (128, 0)])
-def test_mxfp4_gpu_bf16_gpt_oss_20b(t, crowd):
+def test_mxfp4_gpu_bf16_gpt_oss_20b(t, crowd, form):
     """gpt-oss-20b's expert shape (E 32, top-4, hidden 2880, I 2880), its clamped SwiGLU at
-    7.0 and biases, scales around its weights' (2 ** -7 +- 2 ** 4), default configs: the
-    MXFP4 kernel against dequantize + the bf16 kernel (the same tl.dot on the same bf16
-    tiles: equal but for the MMA's internal order, if the compiler orders them apart)."""
+    7.0 and biases, scales around its weights' (2 ** -7 +- 2 ** 4), default configs in each
+    form: the MXFP4 kernel against dequantize + the bf16 kernel on the same tiles (bf16
+    outputs: equal but where the forms' fp32 sums, in other orders, round apart)."""
     k, e, h, inter = 4, 32, 2880, 2880
     gu_b, gu_s, d_b, d_s = mxfp4_experts(e, h, inter, seed=t, gate_up_scales=(116, 124),
                                          down_scales=(116, 124))
@@ -270,11 +290,14 @@ def test_mxfp4_gpu_bf16_gpt_oss_20b(t, crowd):
     d_bias = (torch.randn(e, h, generator=g) * 0.5).to(DEV, torch.bfloat16)
     ids, w = routing(t, k, e, seed=t + 2, crowd=crowd)
     x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
-    kw = dict(gate_up_bias=gu_bias, down_bias=d_bias, activation=ClampedSwiGLU(1.702, 7.0))
-    got = fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, **kw)
+    swiglu = ClampedSwiGLU(1.702, 7.0)
+    cfg = dataclasses.replace(fm.default_config(t * k, e), mxfp4_form=form)
+    got = fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, cfg, gate_up_bias=gu_bias,
+                          down_bias=d_bias, activation=swiglu)
     gate_up = dequantize_kernel_mxfp4(gu_b, gu_s, torch.bfloat16)
     down = dequantize_kernel_mxfp4(d_b, d_s, torch.bfloat16)
-    want = fused_moe(x, gate_up, down, ids, w, **kw)
+    want = fused_moe(x, gate_up, down, ids, w, cfg, gate_up_bias=gu_bias, down_bias=d_bias,
+                     activation=swiglu)
     h0 = x.float() @ gate_up[ids[0, 0]].float().T
     assert (h0.abs() > 7.0).any()  # the clamps bind somewhere
     assert torch.isfinite(got).all()

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Session 26's device plan:
+#   BUDGET=440 bash benchmarks/gpu_s26.sh mxfp4   the MXFP4 fused kernel's forms (tile, split,
+#                                                 scaled: kernels/fused_moe.MXFP4_FORMS): their
+#                                                 GPU tests, then each form at MXFP4_TILES on
+#                                                 gpt-oss-20b's expert shape beside the bf16
+#                                                 kernel (benchmarks/fused_moe.py --mxfp4-sweep);
+#                                                 GPT-OSS's model GPU tests (kept MXFP4 experts in
+#                                                 the default form); Llama 4's GPU tests
+# Results under $OUT. Every step under `timeout "$(left N)"` (gpu_lib.sh).
+PART=${1:-mxfp4}
+source "$(dirname "$0")/gpu_lib.sh"
+case "$PART" in
+mxfp4)
+  timeout "$(left 120)" $PT -rf -m gpu tests/kernels/test_fused_moe_mxfp4.py \
+    2>&1 | tee "$OUT/gpu_mxfp4_kernel_tests.txt" | tail -n 8
+  timeout "$(left 200)" python3 benchmarks/fused_moe.py --model gpt-oss-20b --mxfp4-sweep --out "$OUT" \
+    > "$OUT/fused_moe_sweep.txt" 2>&1
+  tail -n 3 "$OUT/fused_moe_sweep.txt"; grep -E "mxfp4|fused \(" "$OUT/fused_moe_gpt-oss-20b.md" | cut -c1-150
+  timeout "$(left 90)" $PT -rf -m gpu tests/models/test_gpt_oss.py 2>&1 | tee "$OUT/gpu_gpt_oss_tests.txt" | tail -n 6
+  timeout "$(left 90)" $PT -rf -m gpu tests/models/test_llama4.py 2>&1 | tee "$OUT/gpu_llama4_tests.txt" | tail -n 6
+  echo "part mxfp4 done at ${SECONDS}s" ;;
+*) echo "unknown part $PART"; exit 2 ;;
+esac
