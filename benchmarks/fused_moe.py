@@ -9,7 +9,7 @@ Two expert shapes (``--model``), T tokens each, uniform random top-k routing (se
   moe_intermediate 1408, bf16: 1.1 GB of expert weights per layer), T in {1, 4, 16, 64, 256};
 - gpt-oss-20b (benchmarks/configs/gpt-oss-20b: E=32, top-4, hidden 2880, intermediate
   2880, bf16: 1.6 GB per layer; per-expert biases and the clamped SwiGLU,
-  models/gpt_oss.GptOssExperts), T in {1, 8, 32, 64, 128}; beside the bf16 paths the same
+  models/gpt_oss.GptOssExperts), T in {1, 8, 32, 64, 128, 512}; beside the bf16 paths the same
   experts held as its checkpoint holds them, MXFP4 (0.42 GB per layer, random bytes, scales
   around 2 ** -7): the fused kernel reading them (``fused mxfp4``), and the grouped path
   that dequantizes one expert at a time (``torch grouped, mxfp4 dequantized``: what a
@@ -34,8 +34,7 @@ The copy ceiling: a 1 GiB device-to-device copy timed the same way, bytes read +
     python benchmarks/fused_moe.py --sweep --out $OUT             # also tile configs of ours
     python benchmarks/fused_moe.py --model gpt-oss-20b --out $OUT
     python benchmarks/fused_moe.py --model gpt-oss-20b --mxfp4-sweep --out $OUT
-                                              # each MXFP4 form (kernels/fused_moe.MXFP4_FORMS)
-                                              # at MXFP4_TILES
+                                              # MXFP4 forms and tiles (MXFP4_TILES)
 
 writes $OUT/fused_moe.json and $OUT/fused_moe.md (deepseek-v2-lite), or
 $OUT/fused_moe_<model>.json / .md for another model. Without a GPU it runs tiny shapes in
@@ -64,7 +63,6 @@ import dataclasses  # noqa: E402
 
 from flashpage.config import ModelConfig  # noqa: E402
 from flashpage.kernels.fused_moe import (  # noqa: E402
-    MXFP4_FORMS,
     FusedMoEConfig,
     default_config,
     fused_moe,
@@ -74,7 +72,7 @@ from flashpage.layers.moe import FusedExperts  # noqa: E402
 from flashpage.models.gpt_oss import GptOssExperts  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "configs"
-MODELS = {"deepseek-v2-lite": [1, 4, 16, 64, 256], "gpt-oss-20b": [1, 8, 32, 64, 128]}
+MODELS = {"deepseek-v2-lite": [1, 4, 16, 64, 256], "gpt-oss-20b": [1, 8, 32, 64, 128, 512]}
 GATHER_MAX_BYTES = 4 << 30
 LAYERS = 4 if GPU else 1
 ITERS = 40 if GPU else 2
@@ -83,16 +81,18 @@ DT = torch.bfloat16 if GPU else torch.float32  # the interpreter computes bf16 w
 SWEEP = [FusedMoEConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
          for bm in (16, 32) for bn, bk, w, s in ((32, 128, 4, 3), (64, 128, 4, 3),
                                                  (64, 64, 4, 4), (128, 64, 8, 3))]
-# --mxfp4-sweep: each MXFP4 form at these (block_n, block_k, warps, stages), the default
-# config's block_m (the first entry: the default's tiles)
-MXFP4_TILES = [(64, 128, 4, 3), (32, 128, 4, 3), (64, 256, 4, 3), (32, 256, 4, 4),
-               (128, 128, 8, 3), (64, 256, 8, 3), (128, 256, 8, 2)]
+# --mxfp4-sweep: (form, block_n, block_k, warps, stages) at the default config's block_m and
+# at twice it (up to 64: fewer blocks an expert, so fewer upcasts of its weights)
+MXFP4_TILES = [("tile", 32, 128, 4, 3), ("scaled", 64, 128, 4, 3), ("scaled", 64, 64, 4, 4),
+               ("scaled", 128, 64, 4, 3), ("scaled", 64, 128, 4, 4), ("scaled", 32, 64, 4, 4),
+               ("scaled", 64, 128, 8, 3)]
 
 
 def mxfp4_sweep(t: int, k: int, e: int) -> list[FusedMoEConfig]:
     bm = default_config(t * k, e).block_m
-    return [FusedMoEConfig(bm, bn, bk, w, s, mxfp4_form=form) for form in MXFP4_FORMS
-            for bn, bk, w, s in MXFP4_TILES if GPU or form != "scaled"]  # scaled: bf16 only
+    return [FusedMoEConfig(m, bn, bk, w, s, mxfp4_form=form)
+            for m in sorted({bm, min(64, 2 * bm)}) for form, bn, bk, w, s in MXFP4_TILES
+            if GPU or form != "scaled"]  # scaled: bf16 only
 
 
 def make_layers(cfg: ModelConfig, hidden: int, inter: int, mxfp4: bool = False) -> list[FusedExperts]:
@@ -227,8 +227,8 @@ def bench_tokens(layers: list[FusedExperts], t: int, k: int, sweep: bool,
     if mx_layers is not None:
         mx = mx_layers
         mx_paths = {
-            f"fused mxfp4 (default {default_config(t * k, e).mxfp4_form} "
-            f"{default_config(t * k, e).name})":
+            f"fused mxfp4 (default {default_config(t * k, e, DT).mxfp4_form} "
+            f"{default_config(t * k, e, DT).name})":
                 lambda i: mx[i].forward_fused(x, w, ids),
             "torch grouped, mxfp4 dequantized": lambda i: mx[i].forward_grouped(x, w, ids),
         }

@@ -7,6 +7,12 @@
 #                                                 kernel (benchmarks/fused_moe.py --mxfp4-sweep);
 #                                                 GPT-OSS's model GPU tests (kept MXFP4 experts in
 #                                                 the default form); Llama 4's GPU tests
+#   BUDGET=560 bash benchmarks/gpu_s26.sh b       the MXFP4 kernel and GPT-OSS GPU tests (the
+#                                                 "scaled" form the bf16 default), its tiles
+#                                                 swept (block_m doubled too; T up to 512), then
+#                                                 gpt-oss-20b end to end with bf16 and with MXFP4
+#                                                 experts, gpt-oss-120b on one H200 (MXFP4 kept:
+#                                                 FLASHPAGE_MXFP4=auto, the default now)
 # Results under $OUT. Every step under `timeout "$(left N)"` (gpu_lib.sh).
 PART=${1:-mxfp4}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -20,5 +26,13 @@ mxfp4)
   timeout "$(left 90)" $PT -rf -m gpu tests/models/test_gpt_oss.py 2>&1 | tee "$OUT/gpu_gpt_oss_tests.txt" | tail -n 6
   timeout "$(left 90)" $PT -rf -m gpu tests/models/test_llama4.py 2>&1 | tee "$OUT/gpu_llama4_tests.txt" | tail -n 6
   echo "part mxfp4 done at ${SECONDS}s" ;;
+b)
+  timeout "$(left 110)" $PT -rf -m gpu tests/kernels/test_fused_moe_mxfp4.py tests/models/test_gpt_oss.py \
+    2>&1 | tee "$OUT/gpu_mxfp4_tests.txt" | tail -n 6
+  timeout "$(left 130)" python3 benchmarks/fused_moe.py --model gpt-oss-20b --mxfp4-sweep --out "$OUT" \
+    > "$OUT/fused_moe_sweep.txt" 2>&1
+  tail -n 2 "$OUT/fused_moe_sweep.txt"; grep -E "fused mxfp4 \(|fused \(" "$OUT/fused_moe_gpt-oss-20b.md" | cut -c1-140
+  BUDGET=$((B - SECONDS)) bash "$(dirname "$0")/gpu_mxfp4.sh" e2e
+  echo "part b done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac

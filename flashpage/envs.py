@@ -193,17 +193,17 @@ def fused_moe() -> bool:
 
 def mxfp4() -> str:
     """FLASHPAGE_MXFP4: how the engine holds an MXFP4 checkpoint's experts (GPT-OSS's
-    released ones; models/gpt_oss.py). ``dequant`` (the default): dequantized to the model
-    dtype at load. ``auto``: kept in MXFP4 (4.25 bits a weight: gpt-oss-20b's experts
-    ~9.5 GiB instead of ~36 in bf16, gpt-oss-120b's ~57 GiB instead of ~214, which only then
-    fits one H200) where the fused MoE kernel runs them (CUDA, the triton backend,
-    FLASHPAGE_FUSED_MOE not 0), dequantized elsewhere. Not the default: the MXFP4 kernel is
-    untuned, 2.2-2.7x the bf16 fused kernel's time at gpt-oss-20b's shape (run 190). ``kernel``:
+    released ones; models/gpt_oss.py). ``auto`` (the default): kept in MXFP4 (4.25 bits a
+    weight: gpt-oss-20b's experts ~9.5 GiB instead of ~36 in bf16, gpt-oss-120b's ~57 GiB
+    instead of ~214, which only then fits one H200) where the fused MoE kernel runs them
+    (CUDA, the triton backend, FLASHPAGE_FUSED_MOE not 0), dequantized elsewhere; in bf16
+    the kernel (its "scaled" form) is level with the bf16 fused kernel at gpt-oss-20b's
+    shape (run 191). ``dequant``: dequantized to the model dtype at load. ``kernel``:
     always kept, on any device (the CPU runs the fused kernel through Triton's interpreter
     when asked, and its torch paths dequantize per call: tests). Kept experts run the fused
     kernel up to 512 tokens a step and dequantize one expert at a time past it (layers/moe.py
     FusedExperts). Read when the engine loads the model."""
-    value = os.environ.get("FLASHPAGE_MXFP4", "dequant").strip().lower() or "dequant"
+    value = os.environ.get("FLASHPAGE_MXFP4", "auto").strip().lower() or "auto"
     if value not in ("auto", "dequant", "kernel"):
         raise ValueError(f"FLASHPAGE_MXFP4 must be auto, dequant or kernel, got {value!r}")
     return value

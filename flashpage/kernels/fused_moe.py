@@ -45,13 +45,24 @@ same kernels with the constexpr MXFP4 on (the 16-bit launches compile as before)
 ``gate_up`` as uint8 [E, 2I, H / 2] (two e2m1 values a byte along K, the low nibble first:
 the checkpoint's [E, 2I, H / 32, 16] blocks flattened) plus uint8 e8m0 scales [E, 2I,
 H / 32], ``down`` as [E, H, I / 2] plus [E, H, I / 32]: 4.25 bits a weight, 3.76x fewer
-bytes than bf16. Each K tile is loaded as bytes, split into nibbles, built exactly in fp32
-(value times 2 ** (scale - 127)), rounded once to the activation dtype, and fed to the same
-tl.dot as the 16-bit path. So the result equals, bit for bit, :func:`fused_moe` on the
-weights dequantized to the activation dtype (models/mxfp4.dequantize_mxfp4 rounds the same
-fp32 product once) wherever the two kernels' tl.dot orders agree (always in the
-interpreter; on the GPU the same MMA instructions over the same tiles). The dequantized
-weights themselves are exact where the scale is in the dtype's range:
+bytes than bf16. Two forms bring a K tile to the tensor cores (MXFP4_FORMS; default_config
+picks "scaled" for bf16, "tile" otherwise):
+
+- "tile" (any dtype): the tile is loaded as bytes, split into nibbles, built exactly in fp32
+  (value times 2 ** (scale - 127)), rounded once to the activation dtype, and fed to the
+  same tl.dot as the 16-bit path. So the result equals, bit for bit, :func:`fused_moe` on
+  the weights dequantized to the activation dtype (models/mxfp4.dequantize_mxfp4 rounds the
+  same fp32 product once) wherever the two kernels' tl.dot orders agree (always in the
+  interpreter; on the GPU the same MMA instructions over the same tiles).
+- "scaled" (bf16): tl.dot_scaled(x, None, "bf16", bytes, scales, "e2m1", fast_math=True):
+  Hopper has no MX MMA, so the compiler upcasts the nibbles to bf16 (byte permutes) and
+  multiplies by the scale in bf16 (exact while the product is a normal bf16: every scale
+  of a real checkpoint), then runs bf16 MMAs (wgmma); fast_math: no NaN for scale 255.
+  Its sums need not take the 16-bit kernel's order (another MMA), so it equals the
+  dequantized path within fp32 accumulation order, not bit for bit; 1.5-2.6x faster than
+  "tile" at gpt-oss-20b's shape on the H200 (run 191), level with the bf16 kernel.
+
+The dequantized weights themselves are exact where the scale is in the dtype's range:
 
 - bf16 (fp32's exponent range, 8 bits of mantissa; e2m1 needs 2): exact for scales 0-253
   (scale 0 is 2 ** -127, an fp32 subnormal, and 0.5 / 1.5 times it bf16 subnormals), and at
@@ -71,6 +82,7 @@ weights themselves are exact where the scale is in the dtype's range:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -80,12 +92,13 @@ import triton.language as tl
 
 from flashpage.kernels.flash_prefill import _dot  # tl.dot, in IEEE fp32 when asked
 
-# An MXFP4 K tile into tl.dot (kernel constexpr MXFP4 = 1 + the index; 0: 16-bit weights):
-# "tile": bytes -> nibbles interleaved back into K order (join / permute / reshape), decoded,
-#         one dot; "split": the low nibbles (even K) and the high ones (odd K) decoded apart,
-#         each dotted with x's even / odd columns (no interleave); "scaled": tl.dot_scaled
-#         (bf16 x only: the compiler's own e2m1 upcast, Hopper emulating it in bf16).
-MXFP4_FORMS = ("tile", "split", "scaled")
+# An MXFP4 K tile into the tensor cores (kernel constexpr MXFP4 = 1 + the index; 0: 16-bit
+# weights): "tile": our decode (_mxfp4_tile: nibbles interleaved back into K order, each
+# value built in fp32, rounded to x's dtype) and tl.dot, any dtype; "scaled": tl.dot_scaled,
+# bf16 x only (the compiler's e2m1 upcast, by byte permutes, and the scale applied in bf16;
+# Hopper has no MX MMA), 1.5-2.6x faster than "tile" on the H200 (run 191). A third form
+# dotting the even and odd K rows apart (no interleave) was slower than both (run 191).
+MXFP4_FORMS = ("tile", "scaled")
 
 
 @dataclass(frozen=True)
@@ -96,7 +109,7 @@ class FusedMoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     # MXFP4 weights only (MXFP4_FORMS): how a K tile's nibbles reach the tensor cores
-    mxfp4_form: str = "split"
+    mxfp4_form: str = "tile"
 
     def __post_init__(self) -> None:
         if self.mxfp4_form not in MXFP4_FORMS:
@@ -123,11 +136,19 @@ class ClampedSwiGLU:
                              f"alpha; got limit={self.limit}, alpha={self.alpha}")
 
 
-def default_config(num_pairs: int, num_experts: int) -> FusedMoEConfig:
+def default_config(num_pairs: int, num_experts: int,
+                   mxfp4: torch.dtype | None = None) -> FusedMoEConfig:
     """By shape only: rows per block near the mean pairs per expert (each block reads its
-    expert's weights once, so fewer, fuller blocks mean less weight traffic)."""
+    expert's weights once, so fewer, fuller blocks mean less weight traffic). ``mxfp4``:
+    MXFP4 weights under activations of that dtype: "scaled" for bf16, else "tile" at 32
+    columns a tile (its fastest of the tiles run 191 timed at gpt-oss-20b's shape)."""
     mean = triton.cdiv(max(num_pairs, 1), num_experts)
-    return FusedMoEConfig(block_m=min(64, max(16, triton.next_power_of_2(mean))))
+    cfg = FusedMoEConfig(block_m=min(64, max(16, triton.next_power_of_2(mean))))
+    if mxfp4 == torch.bfloat16:
+        return dataclasses.replace(cfg, mxfp4_form="scaled")
+    if mxfp4 is not None:
+        return dataclasses.replace(cfg, block_n=32)
+    return cfg
 
 
 def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -272,19 +293,6 @@ def _mxfp4_tile(b_ptrs, s_ptrs, bmask, smask, BLOCK_K: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _mxfp4_halves(b_ptrs, s_ptrs, bmask, smask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  dt: tl.constexpr):
-    """The same K tile as _mxfp4_tile's, as its even rows and its odd rows apart (form
-    "split": each [BLOCK_K / 2, BLOCK_N], row j of either in scale group j // 16), with no
-    interleave of the nibbles back into K order."""
-    byte = tl.load(b_ptrs, mask=bmask, other=0).to(tl.uint32)
-    scale = _e8m0(tl.load(s_ptrs, mask=smask, other=0))
-    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)),
-                       (BLOCK_K // 2, BLOCK_N))
-    return _e2m1(byte & 0xF, scale, dt), _e2m1(byte >> 4, scale, dt)
-
-
-@triton.jit
 def _mxfp4_dot(acc, a_row, avalid, w_col, s_col, s_row, mask_n, k0, kmax,
                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                MXFP4: tl.constexpr):
@@ -298,26 +306,17 @@ def _mxfp4_dot(acc, a_row, avalid, w_col, s_col, s_row, mask_n, k0, kmax,
     kb_ok = offs_kb < kmax // 2
     ks_ok = offs_ks < kmax // 32
     bmask = kb_ok[:, None] & mask_n[None, :]
-    if MXFP4 == 2:  # split: even columns of a against the low nibbles, odd the high
-        amask = avalid[:, None] & kb_ok[None, :]
-        a_lo = tl.load(a_row + 2 * offs_kb[None, :], mask=amask, other=0.0)
-        a_hi = tl.load(a_row + 2 * offs_kb[None, :] + 1, mask=amask, other=0.0)
-        w_lo, w_hi = _mxfp4_halves(w_col + offs_kb[:, None], s_col + offs_ks[:, None], bmask,
-                                   ks_ok[:, None] & mask_n[None, :], BLOCK_K, BLOCK_N, dt)
-        acc = _dot(a_lo, w_lo, acc, IEEE)
-        acc = _dot(a_hi, w_hi, acc, IEEE)
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_row + offs_k[None, :], mask=avalid[:, None] & (offs_k < kmax)[None, :],
-                    other=0.0)
-        if MXFP4 == 3:  # scaled: [BK / 2, BN] bytes, [BN, BK / 32] scales
-            byte = tl.load(w_col + offs_kb[:, None], mask=bmask, other=0)
-            sc = tl.load(s_row + offs_ks[None, :], mask=mask_n[:, None] & ks_ok[None, :], other=0)
-            acc = tl.dot_scaled(a, None, "bf16", byte, sc, "e2m1", acc, fast_math=True)
-        else:  # tile
-            w = _mxfp4_tile(w_col + offs_kb[:, None], s_col + offs_ks[:, None], bmask,
-                            ks_ok[:, None] & mask_n[None, :], BLOCK_K, BLOCK_N, dt)
-            acc = _dot(a, w, acc, IEEE)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_row + offs_k[None, :], mask=avalid[:, None] & (offs_k < kmax)[None, :],
+                other=0.0)
+    if MXFP4 == 2:  # scaled: [BK / 2, BN] bytes, [BN, BK / 32] scales
+        byte = tl.load(w_col + offs_kb[:, None], mask=bmask, other=0)
+        sc = tl.load(s_row + offs_ks[None, :], mask=mask_n[:, None] & ks_ok[None, :], other=0)
+        acc = tl.dot_scaled(a, None, "bf16", byte, sc, "e2m1", acc, fast_math=True)
+    else:  # tile
+        w = _mxfp4_tile(w_col + offs_kb[:, None], s_col + offs_ks[:, None], bmask,
+                        ks_ok[:, None] & mask_n[None, :], BLOCK_K, BLOCK_N, dt)
+        acc = _dot(a, w, acc, IEEE)
     return acc
 
 
@@ -524,13 +523,13 @@ def _launch(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch.Tensor
     num_pairs = t * k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    cfg = config or default_config(num_pairs, e)
+    cfg = config or default_config(num_pairs, e, x.dtype if mxfp4 else None)
     if mxfp4 and cfg.block_k % 32:
         raise ValueError(f"MXFP4 weights need block_k a multiple of 32 (a scale's group), got "
                          f"{cfg.block_k}")
     if mxfp4 and cfg.mxfp4_form == "scaled" and x.dtype != torch.bfloat16:
         raise ValueError(f"mxfp4_form 'scaled' (tl.dot_scaled) takes bf16 activations, got "
-                         f"{x.dtype}: use 'split' or 'tile'")
+                         f"{x.dtype}: use 'tile'")
     x, gate_up, down = _contig(x), _contig(gate_up), _contig(down)
     gate_up_scales, down_scales = _contig(gate_up_scales), _contig(down_scales)
     has_bias = gate_up_bias is not None and down_bias is not None

@@ -41,9 +41,8 @@ cpu_only = pytest.mark.skipif(GPU, reason="the CPU variant (interpreter)")
 
 @triton.jit
 def _decode_kernel(b_ptr, s_ptr, out_ptr, n_rows, k_bytes, k_groups,
-                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, HALVES: tl.constexpr):
-    """out [N, K] = the kernel's own MXFP4 tile decode, tile by tile: fm._mxfp4_tile's
-    (form "tile"), or with HALVES fm._mxfp4_halves' even and odd rows (form "split")."""
+                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out [N, K] = the kernel's own MXFP4 tile decode (fm._mxfp4_tile), tile by tile."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kb = tl.arange(0, BLOCK_K // 2)
     offs_ks = tl.arange(0, BLOCK_K // 32)
@@ -51,18 +50,12 @@ def _decode_kernel(b_ptr, s_ptr, out_ptr, n_rows, k_bytes, k_groups,
     mask_n = offs_n < n_rows
     b_ptrs = b_ptr + offs_n[None, :] * k_bytes + offs_kb[:, None]
     s_ptrs = s_ptr + offs_n[None, :] * k_groups + offs_ks[:, None]
-    bmask = mask_n[None, :] & (offs_kb[:, None] >= 0)
-    smask = mask_n[None, :] & (offs_ks[:, None] >= 0)
-    dt = out_ptr.dtype.element_ty
     for k0 in range(0, 2 * k_bytes, BLOCK_K):
-        row = out_ptr + offs_n[None, :] * (2 * k_bytes) + k0
-        if HALVES:
-            lo, hi = fm._mxfp4_halves(b_ptrs, s_ptrs, bmask, smask, BLOCK_K, BLOCK_N, dt)
-            tl.store(row + 2 * offs_kb[:, None], lo, mask=mask_n[None, :])
-            tl.store(row + 2 * offs_kb[:, None] + 1, hi, mask=mask_n[None, :])
-        else:
-            w = fm._mxfp4_tile(b_ptrs, s_ptrs, bmask, smask, BLOCK_K, BLOCK_N, dt)
-            tl.store(row + offs_k[:, None], w, mask=mask_n[None, :])
+        w = fm._mxfp4_tile(b_ptrs, s_ptrs, mask_n[None, :] & (offs_kb[:, None] >= 0),
+                           mask_n[None, :] & (offs_ks[:, None] >= 0), BLOCK_K, BLOCK_N,
+                           out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs_n[None, :] * (2 * k_bytes) + k0 + offs_k[:, None], w,
+                 mask=mask_n[None, :])
         b_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // 32
 
@@ -76,12 +69,12 @@ def every_byte_at_every_scale() -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, scales
 
 
-def assert_decode_exact(dtype: torch.dtype, halves: bool) -> None:
+def assert_decode_exact(dtype: torch.dtype) -> None:
     blocks, scales = every_byte_at_every_scale()
     blocks, scales = blocks.to(DEV), scales.to(DEV)
     out = torch.full((blocks.shape[0], 256), 7.0, dtype=dtype, device=DEV)  # 7: no e2m1 value
     _decode_kernel[(triton.cdiv(blocks.shape[0], 16),)](
-        blocks, scales, out, blocks.shape[0], 128, 8, BLOCK_K=128, BLOCK_N=16, HALVES=halves)
+        blocks, scales, out, blocks.shape[0], 128, 8, BLOCK_K=128, BLOCK_N=16)
     want = dequantize_mxfp4(blocks.view(-1, 8, 16), scales, dtype)
     assert want.isinf().any() and (want != 0).any()  # scale 255, 254: overflow
     if GPU:
@@ -97,13 +90,11 @@ def assert_decode_exact(dtype: torch.dtype, halves: bool) -> None:
 
 
 @cpu_only
-@pytest.mark.parametrize("halves", [False, True], ids=["tile", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_every_byte_at_every_scale(dtype, halves):
-    """The kernel's tile decode (both forms), value for value, is dequantize_mxfp4's: scale 0
-    (fp32's subnormal 2 ** -127), 1-254, 255 (inf); fp16 rounding its subnormals,
-    overflowing to inf."""
-    assert_decode_exact(dtype, halves)
+def test_decode_every_byte_at_every_scale(dtype):
+    """The kernel's tile decode, value for value, is dequantize_mxfp4's: scale 0 (fp32's
+    subnormal 2 ** -127), 1-254, 255 (inf); fp16 rounding its subnormals, overflowing to inf."""
+    assert_decode_exact(dtype)
 
 
 def routing(t: int, k: int, e: int, seed: int, crowd: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,17 +127,15 @@ SWIGLU = ClampedSwiGLU(alpha=1.702, limit=0.6)  # the projections pass it: both 
 
 
 @cpu_only
-@pytest.mark.parametrize("form", ["tile", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("t", "k", "e", "h", "inter", "crowd"), CASES)
-def test_mxfp4_kernel_is_the_16_bit_kernel_on_dequantized_weights(t, k, e, h, inter, crowd, dtype,
-                                                                  form):
+def test_mxfp4_kernel_is_the_16_bit_kernel_on_dequantized_weights(t, k, e, h, inter, crowd, dtype):
     """Scales 127 +- 10 (gate_up; down 117-127 so fp16's range holds the outputs), x scaled
     to keep the projections O(1); the unused experts' scales 255 (inf weights) and a few
     extreme scales (1: 2 ** -126; 140: fp16's largest without overflow) in used ones. The MXFP4 kernel's outputs
-    equal the 16-bit kernel's on the weights dequantized to x's dtype, bit for bit in the
-    "tile" form (the same tl.dot calls; "split" sums K in another order: two dots a tile),
-    and the reference's (dequantize, then fused_moe_ref) within accumulation order."""
+    equal, bit for bit, the 16-bit kernel's on the weights dequantized to x's dtype (the
+    "tile" form: the same tl.dot calls), and the reference's (dequantize, then
+    fused_moe_ref) within accumulation order."""
     gu_b, gu_s, d_b, d_s = mxfp4_experts(e, h, inter, seed=t, gate_up_scales=(117, 137),
                                          down_scales=(117, 127))
     ids, w = routing(t, k, e, seed=t + 1, crowd=crowd)
@@ -159,22 +148,18 @@ def test_mxfp4_kernel_is_the_16_bit_kernel_on_dequantized_weights(t, k, e, h, in
     x = (torch.randn(t, h, generator=g) * 2.0 ** -10).to(DEV, dtype)
     gu_bias = (torch.randn(e, 2 * inter, generator=g) * 0.5).to(DEV, dtype)
     d_bias = (torch.randn(e, h, generator=g) * 0.5).to(DEV, dtype)
-    cfg = FusedMoEConfig(block_m=16, block_n=32, block_k=64, mxfp4_form=form)  # N, K tiles
+    cfg = FusedMoEConfig(block_m=16, block_n=32, block_k=64)  # several N and K tiles
     kw = dict(gate_up_bias=gu_bias, down_bias=d_bias, activation=SWIGLU)
     got = fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, cfg, **kw)
     gate_up = dequantize_kernel_mxfp4(gu_b, gu_s, dtype)
     down = dequantize_kernel_mxfp4(d_b, d_s, dtype)
     assert not unused or gate_up[unused].isinf().any()  # unused: every case but the second
     assert got.shape == (t, h) and got.dtype == dtype and torch.isfinite(got).all()
-    same_steps = fused_moe(x, gate_up, down, ids, w, cfg, **kw)
-    if form == "tile":  # the same tl.dot calls on the same tiles
-        assert torch.equal(got, same_steps)
+    assert torch.equal(got, fused_moe(x, gate_up, down, ids, w, cfg, **kw))
     want = fused_moe_mxfp4_ref(x, gu_b, gu_s, d_b, d_s, ids, w, **kw)
     scale = want.float().abs().max().item()
     tol = 1e-5 if dtype == torch.float32 else 4e-3
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * max(1.0, scale))
-    torch.testing.assert_close(got.float(), same_steps.float(), rtol=tol,
-                               atol=tol * max(1.0, scale))
     # the test could fail: the clamps bind, the biases and the scales move the output
     h0 = x.float() @ gate_up[ids[0, 0]].float().T + gu_bias[ids[0, 0]].float()
     assert (h0[:, :inter] > SWIGLU.limit).any() and (h0[:, inter:].abs() > SWIGLU.limit).any()
@@ -197,17 +182,15 @@ def test_silu_without_biases_and_quantized_weights():
     gu_b, d_b = gu_b.flatten(-2), d_b.flatten(-2)  # [E, N, K / 32, 16] -> the kernel's [E, N, K / 2]
     ids, w = routing(t, k, e, seed=4)
     x = torch.randn(t, h, generator=g)
+    got = fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w)
     deq = (dequantize_kernel_mxfp4(gu_b, gu_s, torch.float32),
            dequantize_kernel_mxfp4(d_b, d_s, torch.float32))
-    for form in fm.MXFP4_FORMS[:2]:
-        # the default config's tiles and K tiles of one scale group
-        for cfg in (fm.default_config(t * k, e), FusedMoEConfig(16, 16, 32)):
-            cfg = dataclasses.replace(cfg, mxfp4_form=form)
-            got = fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, cfg)
-            same_steps = fused_moe(x, *deq, ids, w, cfg)
-            if form == "tile":
-                assert torch.equal(got, same_steps)
-            torch.testing.assert_close(got, same_steps, rtol=1e-5, atol=1e-5)
+    default = fm.default_config(t * k, e, torch.float32)  # "tile", 32 columns a tile
+    assert default.mxfp4_form == "tile" and default.block_n == 32
+    assert torch.equal(got, fused_moe(x, *deq, ids, w, default))
+    one_group = FusedMoEConfig(block_m=16, block_n=16, block_k=32)  # a scale a K tile
+    assert torch.equal(fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, one_group),
+                       fused_moe(x, *deq, ids, w, one_group))
     # and near the unquantized experts' (4-bit weights: ~10-20% off, relative)
     exact = fm.fused_moe_ref(x, gate_up, down, ids, w)
     err = ((got - exact).norm() / exact.norm()).item()
@@ -236,7 +219,8 @@ def test_mxfp4_errors():
         fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, FusedMoEConfig(block_k=16))
     with pytest.raises(ValueError, match="'scaled'.*bf16 activations, got torch.float32"):
         fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, FusedMoEConfig(mxfp4_form="scaled"))
-    with pytest.raises(ValueError, match="mxfp4_form must be one of tile, split, scaled"):
+    assert fm.default_config(4, e, torch.bfloat16).mxfp4_form == "scaled"
+    with pytest.raises(ValueError, match="mxfp4_form must be one of tile, scaled"):
         FusedMoEConfig(mxfp4_form="lut")
     out = fused_moe_mxfp4(x[:0], gu_b, gu_s, d_b, d_s, ids[:0], w[:0])
     assert out.shape == (0, h)
@@ -266,11 +250,10 @@ def test_mxfp4_no_host_sync_on_meta_tensors(monkeypatch):
 # ----------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("halves", [False, True], ids=["tile", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_decode_every_byte_at_every_scale_gpu(dtype, halves):
+def test_decode_every_byte_at_every_scale_gpu(dtype):
     """Compiled for the GPU: exact but where an fp32 subnormal product may be flushed."""
-    assert_decode_exact(dtype, halves)
+    assert_decode_exact(dtype)
 
 
 @pytest.mark.gpu

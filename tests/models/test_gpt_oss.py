@@ -537,10 +537,10 @@ def test_inspect_counts_parameters_and_kv():
 def test_inspect_weights_bytes_with_mxfp4_experts(monkeypatch):
     """gpt-oss-20b's config with its checkpoint's quantization_config: ``flashpage inspect``
     counts the experts as held, 4.25 bits a weight (~12.8 GiB of weights in all, against
-    ~39 GiB with FLASHPAGE_MXFP4=dequant, the default), and says which."""
+    ~39 GiB with FLASHPAGE_MXFP4=dequant), and says which; auto is the default."""
     from flashpage.inspect import format_report, inspect_config, param_counts
 
-    monkeypatch.setenv("FLASHPAGE_MXFP4", "auto")
+    monkeypatch.delenv("FLASHPAGE_MXFP4", raising=False)
 
     d = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "gpt-oss-20b"
                     / "config.json").read_text())
