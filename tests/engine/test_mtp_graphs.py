@@ -7,7 +7,8 @@ The CPU runs the graphs' padded static-buffer forwards eagerly (``capture=False`
 tiny GLM-4.5 and DeepSeek-V3 checkpoints of tests/engine/test_mtp_draft.py: padding rows
 past the batch, the shrinking batches of requests with fewer drafts, the previous hidden
 states through the static buffers, must leave every draft the eager layer's and every token
-plain decoding's. The GPU tests (marked gpu) capture and replay them."""
+plain decoding's; the capture itself runs on stand-in graphs (the triton backend interpreted).
+The GPU tests (marked gpu) capture and replay them."""
 
 from __future__ import annotations
 
@@ -212,6 +213,73 @@ def test_graphed_mtp_drafts_on_the_triton_backend(ckpts):
     st = llm.engine.stats()["spec_decode"]
     assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0, st
     _no_leak(llm)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_mtp_graph_capture_on_fake_graphs(ckpts, monkeypatch):
+    """The capture's bookkeeping, which only a GPU runs for real, on stand-in graphs (the
+    triton backend, interpreted: a capture has no host lengths): every bucket captured in the
+    pool handed over (the target's), the layer reading its static buffer of previous hidden
+    states while captured (and not after), each graph's output the hidden states [bucket,
+    hidden]; GLM-4.5's catch-up graphs likewise; a step then replays its graphs, the
+    previous hidden states copied into the static buffer first."""
+    import contextlib
+
+    captured: list[tuple] = []
+    runner_box: list[MTPRunner] = []
+
+    class FakeGraph:
+        def replay(self):
+            captured.append(("replay", self))
+
+        def pool(self):
+            raise AssertionError("the pool was handed over: not a new one")
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        layer = runner_box[0].model
+        captured.append(("capture", pool, layer.prev_hidden.data_ptr()))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    llm = _llm(ckpts["exact"], attention_backend="triton", block_size=16, spec={"num_speculative_tokens": 2})
+    runner = llm.engine.proposer.runner
+    assert isinstance(runner, MTPRunner)
+    runner_box.append(runner)
+    hidden = llm.engine.model_config.hidden_size
+    assert runner.capture_graphs(4, llm.engine.max_model_len, "target-pool") == "target-pool"
+    g, buf = runner.graphs, runner.static_prev["decode"]
+    assert captured == [("capture", "target-pool", buf.data_ptr())] * 3 and g.pool == "target-pool"
+    assert buf.shape == (4, hidden) and runner.model.prev_hidden is None
+    assert {b: tuple(t.shape) for b, t in g.logits.items()} == {b: (b, hidden) for b in (1, 2, 4)}
+    mine = set(g.graphs.values())
+    captured.clear()
+    if runner.model.supports_prefill_graphs:
+        assert runner.capture_catchup_graphs(4, llm.engine.max_model_len, 3, "target-pool") == "target-pool"
+        up, ubuf = runner.catchup, runner.static_prev["catchup"]
+        assert captured == [("capture", "target-pool", ubuf.data_ptr())] * 3 and ubuf.shape == (12, hidden)
+        assert {k: tuple(t.shape) for k, t in up.logits.items()} == {(s, 3 * s): (s, hidden) for s in (1, 2, 4)}
+        mine |= set(up.graphs.values())
+        captured.clear()
+    else:
+        assert ckpts["family"] == "deepseek_v3"
+    copied: list[bool] = []
+    real_copy = torch.Tensor.copy_
+
+    def copy_(t, src, *a, **kw):  # the previous hidden states into a static buffer
+        if any(t.data_ptr() == b.data_ptr() for b in runner.static_prev.values()):
+            copied.append(True)
+        return real_copy(t, src, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    # replays of fake graphs compute nothing: the tokens are not checked, only the dispatch
+    llm.generate(random_prompts(2, 4, 9, seed=1), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    assert captured and all(e[0] == "replay" and e[1] in mine for e in captured)
+    assert runner.graph_forwards + runner.catchup_forwards == len(captured) == len(copied)
 
 
 def _gpu(path, **kw):
