@@ -230,25 +230,42 @@ class DraftRunner:
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
             else t.to(self.device)
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-             rows: torch.Tensor | None) -> torch.Tensor:
-        """The forward (replayed where a graph fits: the decode graphs for one token a row,
-        the catch-up graphs for up to 1 + k) -> the logits of hidden rows ``rows`` (None:
-        all) [rows, vocab], in the model's dtype (none wanted: no logits)."""
+    def _graph_kind(self, md: AttentionMetadata, rows: torch.Tensor | None) -> str | None:
+        """Which graphs a forward of ``md`` replays: "decode" (one token a row, a bucket
+        holds the batch), "catchup" (up to 1 + k tokens a request, logits rows asked for,
+        a graph holds it) or None (eager)."""
         graphs, catchup = self.graphs, self.catchup
         if graphs is not None and md.num_decodes == md.num_seqs and graphs.bucket(md.num_seqs) is not None:
-            hidden = graphs.run(input_ids, positions, md, md.num_seqs)
-            self.graph_forwards += 1
-        elif (rows is not None and catchup is not None and catchup.tokens_per_seq is not None
+            return "decode"
+        if (rows is not None and catchup is not None and catchup.tokens_per_seq is not None
                 and md.max_query_len <= catchup.tokens_per_seq
                 and catchup.key(md.num_seqs, md.num_actual_tokens) is not None):
-            hidden = catchup.run(input_ids, positions, md, rows)  # rows ``rows`` already
+            return "catchup"
+        return None
+
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                rows: torch.Tensor | None) -> torch.Tensor:
+        """The forward's hidden states at rows ``rows`` (None: all), replayed where a graph
+        fits (``_graph_kind``)."""
+        kind = self._graph_kind(md, rows)
+        if kind == "decode":
+            assert self.graphs is not None
+            hidden = self.graphs.run(input_ids, positions, md, md.num_seqs)
+            self.graph_forwards += 1
+        elif kind == "catchup":
+            assert self.catchup is not None and rows is not None
             self.catchup_forwards += 1
-            rows = None
+            return self.catchup.run(input_ids, positions, md, rows)  # rows ``rows`` already
         else:
             hidden = self.model(input_ids, positions, self.backend.prepare(md))
-        if rows is not None:
-            hidden = hidden[rows]
+        return hidden if rows is None else hidden[rows]
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+             rows: torch.Tensor | None) -> torch.Tensor:
+        """The forward (``_hidden``: replayed where a graph fits, the decode graphs for one
+        token a row, the catch-up graphs for up to 1 + k) -> the logits of hidden rows
+        ``rows`` (None: all) [rows, vocab], in the model's dtype (none wanted: no logits)."""
+        hidden = self._hidden(input_ids, positions, md, rows)
         if not hidden.shape[0]:  # only catching up
             return hidden
         logits = self.model.compute_logits(hidden)  # type: ignore[operator]

@@ -244,6 +244,9 @@ class LLMEngine:
                 self.spec_config, self.mtp, mc, self.runner, self.mtp_hidden,
                 backend_cls(mc, self.device, self.dtype), self.kv_manager, self.num_blocks,
                 config.block_size, self.device, self.kv_dtype, self.max_model_len)
+            if (self.device.type == "cuda" and not config.enforce_eager and backend_cls.supports_cuda_graphs
+                    and getattr(self.mtp, "supports_cuda_graphs", True)):
+                self._capture_draft_graphs(self.proposer.runner, "MTP layer")
         elif self.spec_config is not None:
             self.proposer = NgramProposer(self.spec_config, self.max_model_len)
         self._inflight: _Inflight | None = None  # the launched step not yet read back
@@ -306,12 +309,12 @@ class LLMEngine:
             logger.info("captured %s CUDA graphs in %.1fs (%.0f MiB reserved)", name,
                         time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - m0) / 2**20)
 
-    def _capture_draft_graphs(self, runner: DraftRunner | None) -> None:
-        """Decode graphs for the draft model's single-token forwards (engine/draft_model.py),
-        at the target's batch buckets and in its graphs' pool; then, where the draft's
-        prompt path is sync-free, graphs of its catch-ups of up to 1 + k tokens a request.
-        A failed capture leaves the draft eager (the catch-up graphs' alone its catch-ups),
-        with a warning."""
+    def _capture_draft_graphs(self, runner: DraftRunner | None, name: str = "draft model") -> None:
+        """Decode graphs for the draft's single-token forwards (a draft model's,
+        engine/draft_model.py, or the MTP layer's, engine/mtp.py: ``name``), at the target's
+        batch buckets and in its graphs' pool; then, where the draft's prompt path is
+        sync-free, graphs of its catch-ups of up to 1 + k tokens a request. A failed capture
+        leaves the draft eager (the catch-up graphs' alone its catch-ups), with a warning."""
         assert runner is not None
         pool = self.runner.graphs.pool if self.runner.graphs is not None else None
         max_bs = min(self.config.max_num_seqs, 512)
@@ -322,10 +325,10 @@ class LLMEngine:
             torch.cuda.synchronize(self.device)
         except Exception as e:
             runner.graphs = None
-            logger.warning("draft model CUDA graphs off (the draft runs eagerly): capture failed: %s", e)
+            logger.warning("%s CUDA graphs off (the draft runs eagerly): capture failed: %s", name, e)
             return
-        logger.info("captured draft model decode CUDA graphs in %.1fs (%.0f MiB reserved)",
-                    time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - m0) / 2**20)
+        logger.info("captured %s decode CUDA graphs in %.1fs (%.0f MiB reserved)",
+                    name, time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - m0) / 2**20)
         if not (runner.backend.supports_prefill_graphs and getattr(runner.model, "supports_prefill_graphs", True)):
             return
         k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 1
@@ -336,11 +339,11 @@ class LLMEngine:
             torch.cuda.synchronize(self.device)
         except Exception as e:
             runner.catchup = None
-            logger.warning("draft model catch-up CUDA graphs off (its catch-ups of several tokens "
-                           "a request run eagerly): capture failed: %s", e)
+            logger.warning("%s catch-up CUDA graphs off (its catch-ups of several tokens "
+                           "a request run eagerly): capture failed: %s", name, e)
             return
-        logger.info("captured draft model catch-up CUDA graphs in %.1fs (%.0f MiB reserved)",
-                    time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - m0) / 2**20)
+        logger.info("captured %s catch-up CUDA graphs in %.1fs (%.0f MiB reserved)",
+                    name, time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - m0) / 2**20)
 
     def warm_up(self) -> None:
         """Run a few throwaway requests so the kernels of every step kind compile now, not

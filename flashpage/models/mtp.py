@@ -34,6 +34,7 @@ from flashpage.config import ConfigError, ModelConfig
 from flashpage.layers.attention import Attention
 from flashpage.layers.linear import ColumnParallelLinear, VocabEmbedding
 from flashpage.layers.mla_attention import MLAAttention, MLARotaryEmbedding
+from flashpage.layers.moe import SYNC_FREE_MAX_TOKENS
 from flashpage.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
@@ -70,8 +71,17 @@ def check_mtp_target(config: ModelConfig) -> None:
 
 class MTPLayer(nn.Module):
     """One MTP layer over a target (its embedding and head shared unless the checkpoint has
-    its own). ``forward`` reads the previous hidden states from ``prev_hidden`` (one row per
-    input token, set by the caller: engine/mtp.py) and returns y, before ``shared_head.norm``."""
+    its own). ``forward`` reads the previous hidden states from ``prev_hidden`` (set by the
+    caller, engine/mtp.py: row i for input token i; rows past the forward's tokens are not
+    read, so a CUDA graph's static buffer of its bucket's rows serves) and returns y, before
+    ``shared_head.norm``."""
+
+    # Decode-shaped forwards are capturable, as the target's: the block's MoE runs sync-free
+    # up to SYNC_FREE_MAX_TOKENS and MLA decode has static shapes (engine/mtp.MTPRunner's
+    # graphs). Prompt-shaped ones (its catch-up graphs) too, but not with MLA (its prompt
+    # path expands each request's latents to a host length: models/deepseek.py).
+    supports_cuda_graphs = True
+    max_graph_tokens = SYNC_FREE_MAX_TOKENS
 
     def __init__(self, config: ModelConfig, target: nn.Module, max_positions: int) -> None:
         super().__init__()
@@ -98,6 +108,10 @@ class MTPLayer(nn.Module):
         self.head: nn.Module | None = None
         self.prev_hidden: torch.Tensor | None = None
 
+    @property
+    def supports_prefill_graphs(self) -> bool:
+        return not self.config.is_mla
+
     def attention_layers(self) -> list[Attention | MLAAttention]:
         attn = self.block.self_attn  # MLA's is the attention layer itself
         return [cast(Attention | MLAAttention, getattr(attn, "attn", attn))]
@@ -109,8 +123,9 @@ class MTPLayer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
-        prev = self.prev_hidden
-        assert prev is not None and prev.shape[0] == input_ids.shape[0], "prev_hidden: one row a token"
+        prev, n = self.prev_hidden, input_ids.shape[0]
+        assert prev is not None and prev.shape[0] >= n, "prev_hidden: a row for each token"
+        prev = prev[:n]
         e = self._embed(input_ids)
         e = e.masked_fill((positions == 0)[:, None], 0)
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(prev)], dim=-1))

@@ -4,10 +4,10 @@ added to their safetensors (transformers does not create one: synthesized under 
 checkpoint's names). Every test runs on both families (DeepSeek-V3's layer attends with MLA).
 
 CPU, fp32, torch_native (and the triton backend interpreted): greedy tokens with MTP drafts
-equal plain decoding's and transformers' (batched, chunked prefill, prefix hits, preemption,
-async scheduling asked for) and every draft an independent reference's (transformers'
-hidden states and decoder layer); an MTP layer built to predict the target exactly has every
-draft accepted (the same with eh_proj's embedding / hidden halves swapped does not); random
+equal plain decoding's and transformers' (batched, chunked prefill, prefix hits, preemption)
+and every draft an independent reference's (transformers' hidden states and decoder layer;
+under async scheduling too, the back-off on); an MTP layer built to predict the target
+exactly has every draft accepted (the same with eh_proj's embedding / hidden halves swapped does not); random
 MTP weights count proposals and acceptances consistently; sampled requests are seeded; a
 request missing from the last step drafts nothing that step; bad configs are ConfigErrors;
 the CLI takes the method; both pools' blocks all come back. GPU (marked gpu): the target's
@@ -135,6 +135,21 @@ def _prompts() -> list[list[int]]:
     return random_prompts(3, 5, 40, seed=2) + [shared + p for p in random_prompts(2, 3, 9, seed=4)]
 
 
+def spy_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """From now on, each step's drafting requests' tokens and drafts (MTPProposer.fill
+    spied), in the order drafted."""
+    seen: list[tuple[list[int], list[int]]] = []
+    real = MTPProposer.fill
+
+    def spy(self, out):
+        real(self, out)
+        seen.extend((list(r.all_token_ids), list(r.spec_token_ids)) for r, _ in out.scheduled
+                    if r.spec_token_ids)
+
+    monkeypatch.setattr(MTPProposer, "fill", spy)
+    return seen
+
+
 def _no_leak(llm: LLM) -> None:
     """Every block back (the MTP layer's pool has the target's block ids: one count)."""
     assert isinstance(llm.engine.proposer, MTPProposer)
@@ -199,10 +214,9 @@ def test_the_checkpoints_embedding_and_head_copies(ckpts):
     assert b.engine.mtp is not None and b.engine.mtp.embed_tokens is None and b.engine.mtp.head is None
 
 
-def test_preemption_and_async_scheduling_keep_the_tokens(ckpts):
+def test_preemption_keeps_the_tokens(ckpts):
     """A cache too small for every request (preemptions: both pools' blocks freed, the
-    MTP layer's entries recomputed), then async scheduling asked for (MTP reads every step
-    back first)."""
+    MTP layer's entries recomputed)."""
     prompts = random_prompts(6, 10, 30, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = _ids(_llm(ckpts["exact"], mtp=False), prompts, params)
@@ -211,9 +225,58 @@ def test_preemption_and_async_scheduling_keep_the_tokens(ckpts):
     assert llm.engine.scheduler.num_preemptions > 0, "the small cache was meant to preempt"
     assert llm.engine.stats()["spec_decode"]["acceptance_rate"] == 1.0
     _no_leak(llm)
-    llm = _llm(ckpts["random"], async_scheduling=True)
+
+
+def spy_async(monkeypatch) -> tuple[list[bool], list[int]]:
+    """From now on, for each step: whether a running request had a token still being
+    sampled when it was scheduled (async scheduling), and how many requests' hidden states
+    the MTP layer held for a later step after its fill."""
+    from flashpage.engine.scheduler import Scheduler
+
+    unresolved: list[bool] = []
+    held: list[int] = []
+    schedule, fill = Scheduler.schedule, MTPProposer.fill
+
+    def spy_schedule(self):
+        unresolved.append(any(r.num_unresolved for r in self.running))
+        return schedule(self)
+
+    def spy_fill(self, out):
+        fill(self, out)
+        held.append(len(self._held))
+
+    monkeypatch.setattr(Scheduler, "schedule", spy_schedule)
+    monkeypatch.setattr(MTPProposer, "fill", spy_fill)
+    return unresolved, held
+
+
+@pytest.mark.parametrize("tight", [False, True])
+def test_async_scheduling_while_nobody_drafts(ckpts, tmp_path, monkeypatch, tight):
+    """Async scheduling with the back-off on (random MTP weights: drafts mostly wrong, the
+    requests back off): while nobody drafts (prompts, backed-off requests) a step is
+    scheduled before the last is read back, and a position whose next token was still being
+    sampled has its hidden state held for a later step. The tokens are the synchronous
+    run's and plain decoding's, and every draft still equals the independent reference's
+    (the layer's entries all computed, the held ones late); ``tight``: a cache too small
+    for every request (preemptions drop what was held) and chunked prefill."""
+    prompts = random_prompts(6, 10, 30, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kw = dict(block_size=4, num_gpu_blocks=40, max_num_batched_tokens=32) if tight else {}
     want = _ids(_llm(ckpts["random"], mtp=False), prompts, params)
+    sync = _llm(ckpts["random"], async_scheduling=False, enable_prefix_caching=False, **kw)
+    assert _ids(sync, prompts, params) == want
+    llm = _llm(ckpts["random"], async_scheduling=True, enable_prefix_caching=False, **kw)
+    seen = spy_drafts(monkeypatch)
+    unresolved, held = spy_async(monkeypatch)
     assert _ids(llm, prompts, params) == want
+    assert any(unresolved), "backed-off requests were meant to schedule asynchronously"
+    assert any(held), "a position's next token was meant to be in flight at a fill"
+    if tight:
+        assert llm.engine.scheduler.num_preemptions > 0, "the small cache was meant to preempt"
+    assert llm.engine.stats()["spec_decode"]["num_drafts"] > 0 and len(seen) >= 5
+    ref = _Reference(ckpts["random"], tmp_path, ckpts["index"])
+    for tokens, drafts in seen:
+        assert drafts == ref.drafts(tokens, len(drafts)), (len(tokens), drafts)
     _no_leak(llm)
 
 
@@ -307,15 +370,7 @@ def test_drafts_equal_an_independent_reference(ckpts, tmp_path, monkeypatch):
     k = 3) equals the reference's for the request's tokens then: the target's hidden states
     (after the final norm), the embedding-then-hidden order, the position-0 embedding, the
     K/V cache of the layer's entries, each further draft fed its own hidden state."""
-    seen: list[tuple[list[int], list[int]]] = []
-    real = MTPProposer.fill
-
-    def spy(self, out):
-        real(self, out)
-        seen.extend((list(r.all_token_ids), list(r.spec_token_ids)) for r, _ in out.scheduled
-                    if r.spec_token_ids)
-
-    monkeypatch.setattr(MTPProposer, "fill", spy)
+    seen = spy_drafts(monkeypatch)
     prompts = random_prompts(4, 4, 30, seed=13)
     llm = _llm(ckpts["random"], max_num_batched_tokens=20, spec={"backoff": False},
                enable_prefix_caching=False)
@@ -347,7 +402,7 @@ def test_the_cli_and_json_text_take_method_mtp(ckpts):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_the_targets_graphs_hand_over_their_hidden_states(ckpts, tmp_path, monkeypatch):
     """fp32 on the GPU, triton backend, the target's decode / prompt-step / piecewise graphs
-    captured (the MTP layer eager): plain decoding's tokens, the exact layer's drafts all
+    captured (and the MTP layer's own: tests/engine/test_mtp_graphs.py): plain decoding's tokens, the exact layer's drafts all
     accepted, and the random layer's every draft equal to the reference's (the hidden
     states the graphs wrote into DecoderStack.hidden_out are the target's)."""
     kw = dict(device="cuda", attention_backend="triton", block_size=16, max_num_batched_tokens=64)
@@ -360,19 +415,11 @@ def test_on_the_gpu_the_targets_graphs_hand_over_their_hidden_states(ckpts, tmp_
     st = llm.engine.stats()["spec_decode"]
     assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0, st
     _no_leak(llm)
-    seen: list[tuple[list[int], list[int]]] = []
-    real = MTPProposer.fill
-
-    def spy(self, out):
-        real(self, out)
-        seen.extend((list(r.all_token_ids), list(r.spec_token_ids)) for r, _ in out.scheduled
-                    if r.spec_token_ids)
-
     want = _ids(_llm(ckpts["random"], mtp=False, **kw), prompts, params)
     llm = _llm(ckpts["random"], enable_prefix_caching=False, spec={"backoff": False}, **kw)
     runner = llm.engine.runner
     assert runner.graphs is not None and runner.piecewise is not None
-    monkeypatch.setattr(MTPProposer, "fill", spy)
+    seen = spy_drafts(monkeypatch)
     assert _ids(llm, prompts, params) == want
     ref = _Reference(ckpts["random"], tmp_path, ckpts["index"])
     assert len(seen) >= 20
