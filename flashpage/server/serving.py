@@ -72,17 +72,28 @@ class ServerState:
                  auto_tool_choice: bool = False,
                  lora_modules: dict[str, LoRARequest] | None = None,
                  reasoning_parser: str | None = None) -> None:
+        channels = None  # the reasoning parser the tool-call format reads after, if any
         if tool_parser is not None:
-            get_parser(tool_parser)  # an unknown name fails at start-up
+            channels = get_parser(tool_parser).channels  # an unknown name fails at start-up
         self.reasoning = None
         self.structured_in_reasoning = False  # structured outputs cover the thinking too
+        if reasoning_parser is None and channels is not None:
+            logger.info("--tool-call-parser %s reads %s's channels: reasoning parsed as %s",
+                        tool_parser, channels, channels)
+            reasoning_parser = channels  # (vLLM's harmony answers always split the analysis)
         if reasoning_parser is not None:
             from flashpage.server.reasoning import get_reasoning_parser
 
             self.reasoning = get_reasoning_parser(reasoning_parser)  # (an unknown one: now)
+            if channels is not None and reasoning_parser != channels:
+                raise ValueError(f"--tool-call-parser {tool_parser} reads {channels}'s output: "
+                                 f"not with --reasoning-parser {reasoning_parser}")
+        self.engine = engine
+        # token ids that end a turn for the reasoning format beyond the model's eos (GPT-OSS:
+        # <|return|> and <|call|>, in case its generation_config does not list them)
+        self.stop_token_ids = _stop_ids(engine.tokenizer, self.reasoning)
         self.tool_parser = tool_parser
         self.auto_tool_choice = auto_tool_choice
-        self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key.encode() if api_key else None
         self.max_n = max_n
@@ -114,6 +125,16 @@ class ServerState:
     def response_model(self, model: str | None) -> str:
         """The "model" of an answer: the adapter asked for, else the served model."""
         return model if model is not None and model in self.lora_modules else self.model_name
+
+
+def _stop_ids(tokenizer: Any, fmt: Any) -> list[int]:
+    """The harmony format's turn-ending tokens, where the tokenizer has them."""
+    if fmt is None or not fmt.harmony or tokenizer is None:
+        return []
+    from flashpage.server.harmony import STOP_TOKENS
+
+    vocab = tokenizer.get_vocab()
+    return [vocab[t] for t in STOP_TOKENS if t in vocab]
 
 
 # ---------------------------------------------------------------------------- /v1/completions
