@@ -166,6 +166,9 @@ class ChatMessage(_Body):
     name: Str | None = None
     tool_calls: list[ToolCallBody] | None = None  # an assistant's calls
     tool_call_id: Str | None = None  # a tool message: the call it answers
+    # an assistant's earlier thinking, as answers give it back (vLLM's two names)
+    reasoning: Str | None = None
+    reasoning_content: Str | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -28,7 +28,9 @@ TEMPLATE = (
     "{%- if tools %}<|start|>developer<|message|>tools:{% for t in tools %} {{ t.function.name }}"
     "{% endfor %}<|end|>{% endif -%}"
     "{%- for m in messages -%}"
-    "{%- if m.role == 'assistant' and m.tool_calls -%}{%- for c in m.tool_calls -%}"
+    "{%- if m.role == 'assistant' and m.tool_calls -%}"
+    "{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif -%}"
+    "{%- for c in m.tool_calls -%}"
     "{%- set ns.last = c.function.name -%}"
     "<|start|>assistant to=functions.{{ c.function.name }}<|channel|>commentary json<|message|>"
     "{{ c.function.arguments | tojson }}<|call|>{%- endfor -%}"
@@ -146,7 +148,7 @@ def test_the_template_sees_tools_calls_results_and_effort(harmony_server, harmon
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(harmony_model_dir)
-    msgs = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+    msgs = [*MESSAGES, {"role": "assistant", "content": None, "reasoning_content": "Need the weather.", "tool_calls": [
         {"id": "call_1", "type": "function",
          "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
@@ -159,6 +161,7 @@ def test_the_template_sees_tools_calls_results_and_effort(harmony_server, harmon
     assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
             '{"city": "Paris", "days": 3}<|call|>') in text
     assert "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny<|end|>" in text
+    assert "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant to=" in text
     assert text.endswith("<|start|>assistant")
     # the chat endpoint gives the template the same
     chat = post(harmony_server, "/v1/chat/completions", {**body, "max_tokens": 1})
@@ -171,6 +174,13 @@ def test_the_template_sees_tools_calls_results_and_effort(harmony_server, harmon
         "reasoning_effort": "low"}}), 400, "differ", param="reasoning_effort")
     assert_error(post(harmony_server, "/v1/chat/completions", {**body, "reasoning_effort": "max"}), 400,
                  param="reasoning_effort")
+    # the Responses API's reasoning.effort is the same
+    one = [{"role": "user", "content": "hi"}]
+    want = post(harmony_server, "/tokenize", {"messages": one, "reasoning_effort": "low"}).json()["count"]
+    assert want != post(harmony_server, "/tokenize", {"messages": one}).json()["count"]
+    resp = post(harmony_server, "/v1/responses", {"input": "hi", "reasoning": {"effort": "low"}, "max_output_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["input_tokens"] == want and resp.json()["reasoning"]["effort"] == "low"
 
 
 def test_structured_outputs_need_the_whole_answer(harmony_model_dir):
