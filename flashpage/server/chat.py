@@ -70,7 +70,8 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     tok = state.tokenizer
     # a reasoning model's thinking apart from its answer (server/reasoning.py)
     # (include_reasoning false: still split, the reasoning then left out)
-    prompt_tail = (await tok.decode(ids[-8:]) if fmt is not None and tok.has_tokenizer else "")
+    prompt_tail = (await tok.decode(ids[state.tail_start(ids):])
+                   if fmt is not None and tok.has_tokenizer else "")
     if (fmt is not None and params.structured_outputs is not None
             and not state.structured_in_reasoning):  # the shape after the thinking
         try:

@@ -103,9 +103,10 @@ _HEADER_ENDS = (MESSAGE, *_BODY_ENDS)
 
 class HarmonySplitter:
     """One choice's harmony text -> reasoning and content (``ReasoningSplitter``'s interface:
-    ``feed``, ``finish``, ``split``). ``prompt_tail``: the end of the prompt as text; a
-    prompt that opened a message's body itself (``...<|channel|>final<|message|>``, a
-    continued final message) makes the output start in that body."""
+    ``feed``, ``finish``, ``split``). ``prompt_tail``: the end of the prompt as text, from
+    its last ``<|start|>`` on (server/chat.py); a prompt that left a message's body open
+    (``...<|channel|>final<|message|>The answer is``, continue_final_message) makes the
+    output start in that body."""
 
     def __init__(self, prompt_tail: str = "") -> None:
         self.buf = ""
@@ -114,11 +115,11 @@ class HarmonySplitter:
         self.header = ""  # the header's text so far
         self.started = False  # it came after <|start|> (else its role is the prompt's)
         self.route = "content"  # the body's: "reasoning", "content" or "pass" (whole, for tools)
-        tail = prompt_tail.rstrip(" \t\r\n")
-        if tail.endswith(MESSAGE):
-            opened = tail[:-len(MESSAGE)]
+        at = prompt_tail.rfind(MESSAGE)
+        if at >= 0 and first_of(prompt_tail, _BODY_ENDS, at)[0] < 0:  # the prompt's last body is open
+            opened = prompt_tail[:at]
             self.started = START in opened
-            self.header = opened[opened.rfind(START) + len(START):]
+            self.header = opened.rsplit(START, 1)[-1]
             self._open()
 
     def feed(self, piece: str) -> tuple[str, str]:

@@ -92,6 +92,8 @@ class ServerState:
         # token ids that end a turn for the reasoning format beyond the model's eos (GPT-OSS:
         # <|return|> and <|call|>, in case its generation_config does not list them)
         self.stop_token_ids = _stop_ids(engine.tokenizer, self.reasoning)
+        # harmony: where the prompt's last message starts (<|start|>'s id), for its tail
+        self._tail_mark = _harmony_id(engine.tokenizer, self.reasoning, "<|start|>")
         self.tool_parser = tool_parser
         self.auto_tool_choice = auto_tool_choice
         self.model_name = served_model_name
@@ -119,6 +121,14 @@ class ServerState:
             self._responses = ResponseStore()
         return self._responses
 
+    def tail_start(self, ids: list[int]) -> int:
+        """Where the prompt's tail a reasoning parser reads begins: its last 8 tokens, or for
+        harmony from its last <|start|> (a continued message's header may be further back)."""
+        at = max(len(ids) - 8, 0)
+        if self._tail_mark is not None and self._tail_mark in ids[:at]:
+            at = len(ids) - 1 - ids[::-1].index(self._tail_mark)
+        return at
+
     def served_names(self) -> list[str]:
         return [self.model_name, *self.lora_modules]
 
@@ -127,14 +137,20 @@ class ServerState:
         return model if model is not None and model in self.lora_modules else self.model_name
 
 
+def _harmony_id(tokenizer: Any, fmt: Any, token: str) -> int | None:
+    """The id of a harmony marker, where the format is harmony and the tokenizer has it."""
+    if fmt is None or not fmt.harmony or tokenizer is None:
+        return None
+    value = tokenizer.get_vocab().get(token)
+    return value if isinstance(value, int) else None
+
+
 def _stop_ids(tokenizer: Any, fmt: Any) -> list[int]:
     """The harmony format's turn-ending tokens, where the tokenizer has them."""
-    if fmt is None or not fmt.harmony or tokenizer is None:
-        return []
     from flashpage.server.harmony import STOP_TOKENS
 
-    vocab = tokenizer.get_vocab()
-    return [vocab[t] for t in STOP_TOKENS if t in vocab]
+    ids = (_harmony_id(tokenizer, fmt, t) for t in STOP_TOKENS)
+    return sorted(i for i in ids if i is not None)
 
 
 # ---------------------------------------------------------------------------- /v1/completions

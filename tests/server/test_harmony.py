@@ -87,12 +87,20 @@ def test_channels_split(text, reasoning, content):
         assert (r_all, c_all) == (reasoning or "", content), pieces
 
 
-def test_a_prompt_that_opened_the_body():
-    """continue_final_message: the prompt ends inside a final (or analysis) message."""
-    tail = "<|end|><|start|>assistant<|channel|>final<|message|>"
-    assert HarmonySplitter(tail).split("more text<|return|>") == (None, "more text")
-    assert HarmonySplitter("<|start|>assistant<|channel|>analysis<|message|>").split(
-        "hmm<|end|>" + final("yes")) == ("hmm", "yes")
+@pytest.mark.parametrize("tail,text,want", [
+    ("<|end|><|start|>assistant<|channel|>final<|message|>", "more text<|return|>", (None, "more text")),
+    ("<|start|>assistant<|channel|>analysis<|message|>", "hmm<|end|>" + final("yes"), ("hmm", "yes")),
+    # continue_final_message: the prompt ends inside a message's body, its header further back
+    ("<|start|>assistant<|channel|>analysis<|message|>I think", " so.<|end|>" + final("yes"), (" so.", "yes")),
+    ("<|channel|>final<|message|>The answer is", " 42.<|return|>", (None, " 42.")),
+    # (a call the prompt began: its rest passed on as written, no call for the parser to read)
+    ("<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{\"a\":", " 1}<|call|>",
+     (None, " 1}<|call|>")),
+    # a body the prompt closed: the output is a new message
+    ("<|start|>user<|message|>hi<|end|><|start|>assistant", "<|channel|>final<|message|>ok", (None, "ok")),
+])
+def test_a_prompt_that_opened_the_body(tail, text, want):
+    assert HarmonySplitter(tail).split(text) == want
 
 
 def test_streamed_pieces_add_up_on_random_texts():

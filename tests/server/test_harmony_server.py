@@ -197,3 +197,19 @@ def test_structured_outputs_need_the_whole_answer(harmony_model_dir):
     with pytest.raises(ValueError, match="reads openai_gptoss's output"), \
             live_server(harmony_model_dir, tool_call_parser="openai", reasoning_parser="qwen3"):
         pass
+
+
+def test_a_continued_final_message(harmony_server):
+    """continue_final_message: the prompt ends inside the final channel's body (its header
+    more than a few tokens back), so the output is content from its first token, streamed as
+    it comes (not held back as a header would be)."""
+    msgs = [*MESSAGES, {"role": "assistant", "content": "The forecast for Paris over the next three days is"}]
+    body = {"messages": msgs, "continue_final_message": True, "add_generation_prompt": False,
+            "guided_choice": [" sunny and warm.<|return|>"], "max_tokens": 60}
+    msg = post(harmony_server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert (msg["reasoning"], msg["content"]) == (None, " sunny and warm.")
+    chunks = _stream(harmony_server, body)
+    early = [c["choices"][0]["delta"].get("content") for c in chunks
+             if c["choices"] and c["choices"][0]["finish_reason"] is None]
+    assert len([piece for piece in early if piece]) >= 3, early
+    assert _streamed(chunks)[0] == " sunny and warm."
