@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from flashpage.server.harmony import HarmonySplitter, parse_header
 from flashpage.server.reasoning import get_reasoning_parser, make_splitter
 from flashpage.server.tools import get_parser
-from tests.server.test_tool_parsers import _splits
+from tests.server.test_tool_parsers import _merged, _splits
 from tests.server.tool_checks import (
     JSON_CALLS,
     JSON_SPACINGS,
@@ -236,3 +236,45 @@ def test_raw_output_through_both(text, reasoning, content, calls):
         split_content = "".join(s2.feed(p)[1] for p in pieces[:-1]) + s2.finish(pieces[-1])[1]
         assert agrees(P, split_content, [split_content], calls_whole or None) == len(calls)
         assert sent == (content if calls else split_content), pieces
+
+
+BODY = st.lists(st.sampled_from(list("ab {}\":,<|>\n") + ["<|", "|>", "<|e", "<|ca", "<|st", "nd|>"]),
+                max_size=6).map("".join)
+MESSAGES = st.one_of(
+    BODY.map(analysis), BODY.map(lambda t: analysis(t, first=False)), BODY.map(final),
+    BODY.map(lambda t: f"<|start|>assistant<|channel|>commentary<|message|>{t}<|end|>"),
+    st.tuples(st.sampled_from(["get_weather", "f"]), st.dictionaries(st.sampled_from(["a", "b<|"]), st.integers(0, 9),
+                                                                   max_size=2),
+              st.booleans(), st.sampled_from(["<|call|>", "<|end|>", ""])).map(
+        lambda c: call(c[0], json.dumps(c[1]), before=c[2], end=c[3])),
+    BODY.map(lambda t: f"<|start|>assistant<|channel|>analysis to=python code<|message|>{t}<|call|>"),
+    BODY,  # stray text
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(messages=st.lists(MESSAGES, min_size=1, max_size=4), data=st.data())
+def test_any_harmony_any_split_through_both(messages, data):
+    """Random harmony answers (bodies holding pieces of markers), maybe cut off anywhere,
+    through the splitter and the tool stream as the server runs them, cut into deltas at
+    random and one character a delta: the reasoning and calls are the non-streamed ones; the
+    content too where there are calls (but for whitespace), else all the splitter's content."""
+    text = "".join(messages)
+    if text.startswith("<|start|>assistant"):
+        text = text[len("<|start|>assistant"):]  # the prompt wrote it
+    if data.draw(st.booleans()):
+        text = text[:data.draw(st.integers(0, len(text)))]
+    reasoning, split_content = HarmonySplitter().split(text)
+    content, calls = P.extract(split_content)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=3)))
+    bounds = [0, *cuts, len(text)]
+    for pieces in ([text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)], list(text) + [""]):
+        r, sent, entries, got = through_both(pieces)
+        assert r == (reasoning or "")
+        assert [(c.name, c.arguments) for c in got] == [(c.name, c.arguments) for c in calls], pieces
+        if calls:  # (the content after the first call is stripped, as for every format: server/tools.py)
+            assert "".join(sent.split()) == "".join((content or "").split()), pieces
+        else:
+            assert sent == split_content, pieces
+        if calls:  # the argument pieces add up to the arguments
+            assert [(c["name"], c["arguments"]) for c in _merged(entries)] == [(c.name, c.arguments) for c in got]
