@@ -156,7 +156,8 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     tool calls with their arguments as objects (templates write them with ``tojson``), a
     tool message's ``tool_call_id`` and ``name``; an assistant's reasoning (or
     reasoning_content) as ``reasoning_content`` (Qwen3's and GLM's templates read it) and
-    ``thinking`` (GPT-OSS's, which writes a tool-calling turn's analysis back)."""
+    ``thinking`` (GPT-OSS's, which writes a tool-calling turn's analysis back from it), as
+    transformers 5 names it for templates itself."""
     out = []
     for m in messages:
         d: dict[str, Any] = {"role": m.role, "content": m.text()}

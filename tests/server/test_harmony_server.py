@@ -29,7 +29,9 @@ TEMPLATE = (
     "{% endfor %}<|end|>{% endif -%}"
     "{%- for m in messages -%}"
     "{%- if m.role == 'assistant' and m.tool_calls -%}"
-    "{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif -%}"
+    "{%- if m.content and m.thinking %}{{ raise_exception('content and thinking both') }}{% endif -%}"
+    "{%- if m.thinking or m.content %}<|start|>assistant<|channel|>analysis<|message|>"
+    "{{ m.thinking or m.content }}<|end|>{% endif -%}"
     "{%- for c in m.tool_calls -%}"
     "{%- set ns.last = c.function.name -%}"
     "<|start|>assistant to=functions.{{ c.function.name }}<|channel|>commentary json<|message|>"
@@ -174,6 +176,15 @@ def test_the_template_sees_tools_calls_results_and_effort(harmony_server, harmon
         "reasoning_effort": "low"}}), 400, "differ", param="reasoning_effort")
     assert_error(post(harmony_server, "/v1/chat/completions", {**body, "reasoning_effort": "max"}), 400,
                  param="reasoning_effort")
+    # a tool-calling turn sent back with a preamble and its reasoning: a template that, as
+    # GPT-OSS's, refuses content and thinking both answers a 400 saying so; content alone is
+    # its analysis
+    both = [*MESSAGES, {**msgs[1], "content": "Checking."}, msgs[2]]
+    assert_error(post(harmony_server, "/tokenize", {"messages": both, "tools": TOOLS}), 400,
+                 "content and thinking both", param="messages")
+    del both[1]["reasoning_content"]
+    r = post(harmony_server, "/tokenize", {"messages": both, "tools": TOOLS})
+    assert "<|channel|>analysis<|message|>Checking.<|end|>" in tok.decode(r.json()["tokens"])
     # the Responses API's reasoning.effort is the same
     one = [{"role": "user", "content": "hi"}]
     want = post(harmony_server, "/tokenize", {"messages": one, "reasoning_effort": "low"}).json()["count"]
