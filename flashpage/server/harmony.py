@@ -30,8 +30,9 @@ splits it into the chat message's reasoning and content:
   or for a recipient that is not a function, the client sees it as content;
 - any other message (``final``, a ``commentary`` preamble, a channel harmony does not
   define): its body is content;
-- text before a header that never closes (a model not writing harmony): content as written;
-  a header cut off by the end of the answer (it holds ``<|channel|>``): nothing.
+- text where a header should be that never becomes one (a model not writing harmony, text
+  after an end token): content as written; a header cut off by the end of the answer (it
+  follows ``<|start|>`` or holds ``<|channel|>``): nothing.
 
 A marker cut across deltas is held back until it is known, so the streamed pieces always add
 up to the non-streamed split (the same machine fed the whole text at once).
@@ -149,8 +150,9 @@ class HarmonySplitter:
         self.state = "body"
 
     def _drop_header(self, content: list[str]) -> None:
-        """A header that got no body: plain text (no <|channel|> in it) is content."""
-        if CHANNEL not in self.header:
+        """A header that got no body: plain text (neither after <|start|> nor holding
+        <|channel|>) is content."""
+        if not self.started and CHANNEL not in self.header:
             content.append(self.header)
         self.header, self.started = "", False
 

@@ -63,6 +63,8 @@ SPLITS = [
     # cut off: in the analysis, in a header, in the final answer
     ("<|channel|>analysis<|message|>Thinking ab", "Thinking ab", ""),
     (analysis("a") + "<|start|>assistant<|channel|>fin", "a", ""),
+    (analysis("a") + "<|start|>assistant", "a", ""),
+    (analysis("a") + "<|start|>assistant to=functions.get_weather", "a", ""),
     (analysis("a") + "<|start|>assistant<|channel|>final<|message|>Hel", "a", "Hel"),
     # two analysis messages; the final one with no end token (a stop token the text left out)
     (analysis("a") + analysis("b", first=False) + "<|start|>assistant<|channel|>final<|message|>c", "ab", "c"),
