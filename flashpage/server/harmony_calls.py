@@ -100,9 +100,12 @@ class _HarmonyReader(TagReader):
         return True
 
     def _header(self, text: str) -> bool:
-        i = text.find(MESSAGE, self.pos)
+        i, mark = first_of(text, (MESSAGE, *_NEXT), self.pos)
         if i < 0:
             return False
+        if mark != MESSAGE:  # a header with no body: not a call, read on from its end
+            self.pos, self.state = i + (0 if mark == START else len(mark)), "outside"
+            return True
         header = parse_header(text[self.pos:i])
         self.pos = i + len(MESSAGE)
         name = function_of(header.recipient)

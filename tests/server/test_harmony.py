@@ -155,6 +155,9 @@ def test_calls_and_content():
     assert calls_of(py + passed("f", "{}")) == (py, [("f", {})])
     # a body with no end token (the stop token left out of the text), whitespace around it
     assert calls_of(passed("f", ' {"a": [1, 2]}\n', end="")) == (None, [("f", {"a": [1, 2]})])
+    # a header that got no body is not a call; the one after it is
+    assert calls_of("<|start|>assistant to=functions.g<|end|>" + passed("f", "{}")) == (
+        "<|start|>assistant to=functions.g<|end|>", [("f", {})])
 
 
 @pytest.mark.parametrize("text", [
@@ -166,6 +169,7 @@ def test_calls_and_content():
     passed("f", "not json") + passed("g", "{}"),  # one broken call: the answer is content
     "<|start|>assistant<|channel|>commentary to=functions. json<|message|>{}<|call|>",  # no name
     "<|start|>assistant<|channel|>analysis to=python code<|message|>print(1)<|call|>",
+    "<|start|>assistant to=functions.f<|end|>{}<|call|>",  # a header with no body
 ])
 def test_not_calls(text):
     assert P.extract(text) == (text, [])
