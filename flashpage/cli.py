@@ -306,7 +306,8 @@ def add_tool_arguments(p: argparse.ArgumentParser) -> None:
                         "DeepSeek-V3.1; kimi_k2: Kimi K2; glm45: GLM-4.5 / 4.6; granite: Granite 3.x; jamba: Jamba; "
                         "internlm: InternLM2 / 2.5; granite-20b-fc: granite-20b-functioncalling; phi4_mini_json: "
                         "Phi-4-mini; xlam: Salesforce xLAM; hunyuan_a13b: Hunyuan-A13B; seed_oss: Seed-OSS; "
-                        "minimax: MiniMax-M1)")
+                        "minimax: MiniMax-M1; openai: GPT-OSS's harmony calls, with openai_gptoss's "
+                        "channels in front)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide when to call tools (tool_choice "auto"; needs '
                         "--tool-call-parser)")
@@ -315,8 +316,9 @@ def add_tool_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="answer a reasoning model's <think> ... </think> apart, as a chat "
                         "message's reasoning (vLLM's names: deepseek_r1: DeepSeek-R1, QwQ; "
-                        "qwen3; deepseek_v3: DeepSeek-V3.1; glm45); structured outputs then "
-                        "start after the thinking")
+                        "qwen3; deepseek_v3: DeepSeek-V3.1; glm45; openai_gptoss: GPT-OSS's harmony "
+                        "analysis channel); structured outputs then start after the thinking "
+                        "(<think> formats; with openai_gptoss they need --structured-outputs-in-reasoning)")
     p.add_argument("--structured-outputs-in-reasoning", action="store_true",
                    help="with --reasoning-parser: structured outputs cover the thinking too "
                         "(vLLM's enable_in_reasoning)")

@@ -16,7 +16,7 @@ from flashpage.engine.sampler import Logprobs
 from flashpage.outputs import RequestOutput
 from flashpage.server.async_engine import RequestStream
 from flashpage.server.protocol import ChatCompletionRequest, bad_request
-from flashpage.server.reasoning import ReasoningSplitter, structured_reasoning
+from flashpage.server.reasoning import Splitter, make_splitter, structured_reasoning
 from flashpage.server.render import ChoiceState, chat_logprobs, prompt_logprobs
 from flashpage.server.serving import (
     ServerState,
@@ -61,16 +61,24 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     want_lp = bool(req.logprobs)
     params = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if want_lp else None,
                              tools.structured)
-    if tools.parser is not None and tools.parser.keeps_special_tokens:
-        params.skip_special_tokens = False  # the calls' markers are special tokens
+    fmt = state.reasoning
+    if (tools.parser is not None and tools.parser.keeps_special_tokens
+            or fmt is not None and fmt.keeps_special_tokens):
+        params.skip_special_tokens = False  # the calls' (or channels') markers are special tokens
+    if state.stop_token_ids:  # the format's turn ends (GPT-OSS: <|return|>, <|call|>)
+        params.stop_token_ids = sorted({*(params.stop_token_ids or []), *state.stop_token_ids})
     tok = state.tokenizer
     # a reasoning model's thinking apart from its answer (server/reasoning.py)
     # (include_reasoning false: still split, the reasoning then left out)
-    fmt = state.reasoning
-    prompt_tail = (await tok.decode(ids[-8:]) if fmt is not None and tok.has_tokenizer else "")
+    prompt_tail = (await tok.decode(ids[state.tail_start(ids):])
+                   if fmt is not None and tok.has_tokenizer else "")
     if (fmt is not None and params.structured_outputs is not None
             and not state.structured_in_reasoning):  # the shape after the thinking
-        params.structured_outputs.reasoning = structured_reasoning(fmt, prompt_tail)
+        try:
+            params.structured_outputs.reasoning = structured_reasoning(fmt, prompt_tail)
+        except ValueError as e:
+            field = "tool_choice" if tools.structured is not None else structured_field(req)
+            raise bad_request(str(e), field or "structured_outputs") from None
     if req.use_beam_search:  # the n best beams (server/beam.py), shaped as generated choices
         from flashpage.server.beam import beam_outputs, beam_params
 
@@ -93,12 +101,12 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
             return collect(streams)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
 
-    def splitter() -> ReasoningSplitter | None:
-        return ReasoningSplitter(fmt, prompt_tail) if fmt is not None else None
+    def splitter() -> Splitter | None:
+        return make_splitter(fmt, prompt_tail) if fmt is not None else None
 
     if req.stream:
         calls_in: dict[int, ToolStream] = {}  # choice -> its text through the tool parser
-        thinking: dict[int, ReasoningSplitter | None] = {}  # choice -> its reasoning splitter
+        thinking: dict[int, Splitter | None] = {}  # choice -> its reasoning splitter
 
         def choice(idx: int, st: ChoiceState, delta: str, lps: list[Logprobs],
                    finish: str | None, out: RequestOutput) -> dict[str, Any]:

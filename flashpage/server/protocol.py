@@ -166,6 +166,9 @@ class ChatMessage(_Body):
     name: Str | None = None
     tool_calls: list[ToolCallBody] | None = None  # an assistant's calls
     tool_call_id: Str | None = None  # a tool message: the call it answers
+    # an assistant's earlier thinking, as answers give it back (vLLM's two names)
+    reasoning: Str | None = None
+    reasoning_content: Str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -228,6 +231,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: Bool = False
     # vLLM's: with a reasoning parser, leave the reasoning out of the answer
     include_reasoning: Bool = True
+    # OpenAI's: how hard a reasoning model thinks, given to the chat template as
+    # ``reasoning_effort`` (GPT-OSS's template writes it in the system message)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     logprobs: Bool | None = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
 
@@ -285,6 +291,7 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 class DetokenizeRequest(_Body):

@@ -13,8 +13,11 @@ Every format here writes ``<think> ... </think>`` and differs in where the think
   else all content. (vLLM's qwen3 parser calls an unclosed ``<think>`` content when not
   streaming and reasoning when streaming; here both are reasoning, so a streamed answer always adds up
   to the non-streamed one.)
+- ``openai_gptoss`` (GPT-OSS): no ``<think>`` at all; its harmony format's ``analysis``
+  channel is the reasoning, the rest the content (server/harmony.py's HarmonySplitter, which
+  passes messages addressed to tools on whole, for the ``openai`` tool-call parser).
 
-``ReasoningSplitter`` follows the text as it comes (``feed`` pieces, then ``finish``): each
+``ReasoningSplitter`` (``make_splitter`` picks the format's) follows the text as it comes (``feed`` pieces, then ``finish``): each
 piece becomes (reasoning, content) deltas, a tag split across pieces held back until it is
 known; the non-streamed split is the same machine fed the whole text at once.
 """
@@ -22,6 +25,7 @@ known; the non-streamed split is the same machine fed the whole text at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 START, END = "<think>", "</think>"
 
@@ -30,6 +34,13 @@ START, END = "<think>", "</think>"
 class ReasoningFormat:
     name: str
     implicit_start: bool  # thinking from the first token, opening tag or not
+    # GPT-OSS's harmony channels instead of <think> tags (server/harmony.py); their markers
+    # are special tokens the text must keep
+    harmony: bool = False
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return self.harmony
 
 
 REASONING_PARSERS = {
@@ -37,7 +48,29 @@ REASONING_PARSERS = {
     "qwen3": ReasoningFormat("qwen3", False),
     "deepseek_v3": ReasoningFormat("deepseek_v3", False),
     "glm45": ReasoningFormat("glm45", False),
+    "openai_gptoss": ReasoningFormat("openai_gptoss", False, harmony=True),
 }
+
+
+class Splitter(Protocol):
+    """A choice's text -> (reasoning, content), streamed (``feed``, ``finish``) or whole."""
+
+    saw_reasoning: bool
+
+    def feed(self, piece: str) -> tuple[str, str]: ...
+
+    def finish(self, piece: str = "") -> tuple[str, str]: ...
+
+    def split(self, text: str) -> tuple[str | None, str]: ...
+
+
+def make_splitter(fmt: ReasoningFormat, prompt_tail: str = "") -> Splitter:
+    """The splitter of ``fmt`` for one choice, after a prompt ending in ``prompt_tail``."""
+    if fmt.harmony:
+        from flashpage.server.harmony import HarmonySplitter
+
+        return HarmonySplitter(prompt_tail)
+    return ReasoningSplitter(fmt, prompt_tail)
 
 
 def get_reasoning_parser(name: str) -> ReasoningFormat:
@@ -56,7 +89,11 @@ def opens_thinking(fmt: ReasoningFormat, prompt_tail: str) -> bool:
 
 def structured_reasoning(fmt: ReasoningFormat, prompt_tail: str) -> str:
     """StructuredOutputsParams.reasoning for this format and prompt: the pattern starts
-    after the thinking (structured/reasoning_prefix.py)."""
+    after the thinking (structured/reasoning_prefix.py; <think> formats only)."""
+    if fmt.harmony:
+        raise ValueError(f"structured outputs after {fmt.name}'s analysis channel are not "
+                         "supported (start the server with --structured-outputs-in-reasoning "
+                         "for a pattern over the whole harmony output)")
     return "first" if opens_thinking(fmt, prompt_tail) else "optional"
 
 

@@ -51,6 +51,13 @@ class ResponsesText(_Body):
     format: dict[str, Any] | None = None
 
 
+class ResponsesReasoning(_Body):
+    """OpenAI's ``reasoning``: its effort goes to the chat template as reasoning_effort."""
+
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: Str | None = None
+
+
 class ResponsesRequest(_Body):
     """POST /v1/responses (the fields this server reads; others are ignored)."""
 
@@ -70,6 +77,7 @@ class ResponsesRequest(_Body):
     metadata: dict[str, Any] | None = None
     user: Str | None = None
     priority: Priority = 0
+    reasoning: ResponsesReasoning | None = None
     # vLLM's extras
     top_k: Int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: Float | None = Field(default=None, ge=0.0, le=1.0)
@@ -178,6 +186,8 @@ def _chat_body(req: ResponsesRequest, stream: bool, history: list[dict[str, Any]
             body[name] = getattr(req, name)
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        body["reasoning_effort"] = req.reasoning.effort
     if stream:
         body["stream_options"] = {"include_usage": True}
     if req.tools:
@@ -226,7 +236,8 @@ def _envelope(rid: str, req: ResponsesRequest, model: str, status: str,
             "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "model": model, "output": output, "parallel_tool_calls": req.parallel_tool_calls,
-            "previous_response_id": req.previous_response_id, "reasoning": None,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,
             "store": req.store is not False,
             "temperature": req.temperature, "text": {"format": {"type": "text"}}
             if req.text is None or req.text.format is None else {"format": req.text.format},

@@ -72,17 +72,30 @@ class ServerState:
                  auto_tool_choice: bool = False,
                  lora_modules: dict[str, LoRARequest] | None = None,
                  reasoning_parser: str | None = None) -> None:
+        channels = None  # the reasoning parser the tool-call format reads after, if any
         if tool_parser is not None:
-            get_parser(tool_parser)  # an unknown name fails at start-up
+            channels = get_parser(tool_parser).channels  # an unknown name fails at start-up
         self.reasoning = None
         self.structured_in_reasoning = False  # structured outputs cover the thinking too
+        if reasoning_parser is None and channels is not None:
+            logger.info("--tool-call-parser %s reads %s's channels: reasoning parsed as %s",
+                        tool_parser, channels, channels)
+            reasoning_parser = channels  # (vLLM's harmony answers always split the analysis)
         if reasoning_parser is not None:
             from flashpage.server.reasoning import get_reasoning_parser
 
             self.reasoning = get_reasoning_parser(reasoning_parser)  # (an unknown one: now)
+            if channels is not None and reasoning_parser != channels:
+                raise ValueError(f"--tool-call-parser {tool_parser} reads {channels}'s output: "
+                                 f"not with --reasoning-parser {reasoning_parser}")
+        self.engine = engine
+        # token ids that end a turn for the reasoning format beyond the model's eos (GPT-OSS:
+        # <|return|> and <|call|>, in case its generation_config does not list them)
+        self.stop_token_ids = _stop_ids(engine.tokenizer, self.reasoning)
+        # harmony: where the prompt's last message starts (<|start|>'s id), for its tail
+        self._tail_mark = _harmony_id(engine.tokenizer, self.reasoning, "<|start|>")
         self.tool_parser = tool_parser
         self.auto_tool_choice = auto_tool_choice
-        self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key.encode() if api_key else None
         self.max_n = max_n
@@ -108,12 +121,36 @@ class ServerState:
             self._responses = ResponseStore()
         return self._responses
 
+    def tail_start(self, ids: list[int]) -> int:
+        """Where the prompt's tail a reasoning parser reads begins: its last 8 tokens, or for
+        harmony from its last <|start|> (a continued message's header may be further back)."""
+        at = max(len(ids) - 8, 0)
+        if self._tail_mark is not None and self._tail_mark in ids[:at]:
+            at = len(ids) - 1 - ids[::-1].index(self._tail_mark)
+        return at
+
     def served_names(self) -> list[str]:
         return [self.model_name, *self.lora_modules]
 
     def response_model(self, model: str | None) -> str:
         """The "model" of an answer: the adapter asked for, else the served model."""
         return model if model is not None and model in self.lora_modules else self.model_name
+
+
+def _harmony_id(tokenizer: Any, fmt: Any, token: str) -> int | None:
+    """The id of a harmony marker, where the format is harmony and the tokenizer has it."""
+    if fmt is None or not fmt.harmony or tokenizer is None:
+        return None
+    value = tokenizer.get_vocab().get(token)
+    return value if isinstance(value, int) else None
+
+
+def _stop_ids(tokenizer: Any, fmt: Any) -> list[int]:
+    """The harmony format's turn-ending tokens, where the tokenizer has them."""
+    from flashpage.server.harmony import STOP_TOKENS
+
+    ids = (_harmony_id(tokenizer, fmt, t) for t in STOP_TOKENS)
+    return sorted(i for i in ids if i is not None)
 
 
 # ---------------------------------------------------------------------------- /v1/completions

@@ -100,13 +100,19 @@ _RESERVED = {"conversation", "tools", "documents", "chat_template", "tokenize", 
 
 def template_kwargs(req: Any) -> dict[str, Any]:
     """What the chat template is given beyond the messages and tools (a chat or /tokenize
-    request's chat_template_kwargs, add_generation_prompt, continue_final_message); 400s
-    naming the field."""
+    request's chat_template_kwargs, add_generation_prompt, continue_final_message,
+    reasoning_effort); 400s naming the field."""
     extra = dict(req.chat_template_kwargs or {})
     bad = sorted(set(extra) & _RESERVED)
     if bad:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)} (use the request's "
                           "own fields)", "chat_template_kwargs")
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:  # as vLLM gives it to the template
+        if extra.get("reasoning_effort", effort) != effort:
+            raise bad_request(f"reasoning_effort {effort!r} and chat_template_kwargs' "
+                              f"{extra['reasoning_effort']!r} differ", "reasoning_effort")
+        extra["reasoning_effort"] = effort
     if req.continue_final_message:
         if req.add_generation_prompt:
             raise bad_request("continue_final_message needs add_generation_prompt: false",

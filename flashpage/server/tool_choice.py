@@ -154,10 +154,16 @@ def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Chat messages as chat templates take them: text parts joined; an assistant's earlier
     tool calls with their arguments as objects (templates write them with ``tojson``), a
-    tool message's ``tool_call_id`` and ``name``."""
+    tool message's ``tool_call_id`` and ``name``; an assistant's reasoning (or
+    reasoning_content) as ``reasoning_content`` (Qwen3's and GLM's templates read it) and
+    ``thinking`` (GPT-OSS's, which writes a tool-calling turn's analysis back from it), as
+    transformers 5 names it for templates itself."""
     out = []
     for m in messages:
         d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        thinking = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if thinking is not None and m.role == "assistant":
+            d["reasoning_content"] = d["thinking"] = thinking
         if m.name is not None:
             d["name"] = m.name
         if m.tool_call_id is not None:

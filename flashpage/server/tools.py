@@ -22,7 +22,8 @@ server's choice (``--tool-call-parser``, with ``--enable-auto-tool-choice`` for 
   ``</think>`` or in a code fence), in json_list_calls.py too, ``internlm``,
   ``granite-20b-fc`` and ``minimax`` (a marker before JSON call objects,
   server/marked_json_calls.py), ``seed_oss`` (qwen3_coder's tags inside Seed's,
-  server/seed_oss_calls.py),
+  server/seed_oss_calls.py), ``openai`` (GPT-OSS's harmony messages addressed to functions,
+  server/harmony_calls.py, reading what the ``openai_gptoss`` reasoning parser passes on),
   each in its own module, imported when chosen.
 
 An answer whose call does not parse as JSON of that shape is content, not a call (the client
@@ -105,6 +106,9 @@ class ToolParser:
     # the format's markers are special tokens the answer's text must keep (the request's
     # skip_special_tokens is then off, as vLLM's parser for the format turns it off)
     keeps_special_tokens = False
+    # the reasoning parser whose output this format reads (openai: openai_gptoss's, the
+    # harmony channels; the server puts it in front when none was chosen)
+    channels: str | None = None
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = tools or []
@@ -315,6 +319,7 @@ PARSERS: dict[str, str] = {
     "xlam": "json_list_calls:XlamParser",
     "seed_oss": "seed_oss_calls:SeedOssParser",
     "minimax": "marked_json_calls:MinimaxParser",
+    "openai": "harmony_calls:OpenAIParser",  # GPT-OSS's harmony messages to functions
 }
 
 
