@@ -12,7 +12,8 @@
 #                                                 swept (block_m doubled too; T up to 512), then
 #                                                 gpt-oss-20b end to end with bf16 and with MXFP4
 #                                                 experts, gpt-oss-120b on one H200 (MXFP4 kept:
-#                                                 FLASHPAGE_MXFP4=auto, the default now)
+#                                                 FLASHPAGE_MXFP4=auto, the default now); the
+#                                                 MTP layer's graphs' GPU tests before the e2e
 # Results under $OUT. Every step under `timeout "$(left N)"` (gpu_lib.sh).
 PART=${1:-mxfp4}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -32,6 +33,8 @@ b)
   timeout "$(left 130)" python3 benchmarks/fused_moe.py --model gpt-oss-20b --mxfp4-sweep --out "$OUT" \
     > "$OUT/fused_moe_sweep.txt" 2>&1
   tail -n 2 "$OUT/fused_moe_sweep.txt"; grep -E "fused mxfp4 \(|fused \(" "$OUT/fused_moe_gpt-oss-20b.md" | cut -c1-140
+  timeout "$(left 110)" $PT -rf -m gpu tests/engine/test_mtp_graphs.py tests/engine/test_mtp_draft.py \
+    2>&1 | tee "$OUT/gpu_mtp_tests.txt" | tail -n 6
   BUDGET=$((B - SECONDS)) bash "$(dirname "$0")/gpu_mxfp4.sh" e2e
   echo "part b done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
