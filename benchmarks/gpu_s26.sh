@@ -14,6 +14,11 @@
 #                                                 experts, gpt-oss-120b on one H200 (MXFP4 kept:
 #                                                 FLASHPAGE_MXFP4=auto, the default now); the
 #                                                 MTP layer's graphs' GPU tests before the e2e
+#   BUDGET=430 bash benchmarks/gpu_s26.sh c       GPT-OSS's GPU tests; gpt-oss-20b end to end with
+#                                                 bf16 and MXFP4 experts, gpt-oss-120b (its MXFP4
+#                                                 experts on the fused kernel at every step size
+#                                                 now); JSON under $OUT, logs in /tmp (the device
+#                                                 returns ~8 files)
 # Results under $OUT. Every step under `timeout "$(left N)"` (gpu_lib.sh).
 PART=${1:-mxfp4}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -37,5 +42,23 @@ b)
     2>&1 | tee "$OUT/gpu_mtp_tests.txt" | tail -n 6
   BUDGET=$((B - SECONDS)) bash "$(dirname "$0")/gpu_mxfp4.sh" e2e
   echo "part b done at ${SECONDS}s" ;;
+c)
+  timeout "$(left 100)" $PT -rf -m gpu tests/models/test_gpt_oss.py 2>&1 | tee "$OUT/gpu_gpt_oss_tests.txt" | tail -n 4
+  MXFP4='{"quantization_config": {"quant_method": "mxfp4"}}'
+  for run in "20b 0 64" "20b 1 64" "120b 1 32"; do
+    set -- $run
+    extra=(); [ "$2" = 1 ] && extra=(--hf-overrides "$MXFP4")
+    timeout "$(left 150)" python3 -m flashpage bench throughput --config gpt-oss-$1 \
+      --gpu-memory-utilization 0.88 --num-requests $3 --no-hf ${extra[@]+"${extra[@]}"} \
+      --json-out "$OUT/throughput_gptoss$1_mxfp4$2.json" > "/tmp/throughput_gptoss$1_mxfp4$2.txt" 2>&1
+    grep -E "MXFP4 experts|loaded" "/tmp/throughput_gptoss$1_mxfp4$2.txt" | cut -c1-160
+    python3 - "$OUT/throughput_gptoss$1_mxfp4$2.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["flashpage"]
+print({k: r[k] for k in ("seconds", "output_tok_per_s", "total_tok_per_s", "kv_blocks")},
+      {k: (v["steps"], v["ms_per_step"]) for k, v in r["steps"].items()})
+PY
+  done
+  echo "part c done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac

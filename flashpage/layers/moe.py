@@ -197,7 +197,8 @@ class FusedExperts(nn.Module):
     transient 16-bit copy of it; grouped: one expert at a time), the same weights the
     dequantize-at-load path holds, at the cost of that extra write and read per call."""
 
-    # Up to sync_free_max_tokens: the Triton grouped kernel instead of forward_sync_free.
+    # Up to sync_free_max_tokens (MXFP4: always): the Triton grouped kernel instead of
+    # forward_sync_free.
     # Per instance through set_fused_moe (needs Triton on CUDA, or its CPU interpreter).
     fused_kernel: bool = False
     gate_up_proj: nn.Parameter
@@ -254,7 +255,12 @@ class FusedExperts(nn.Module):
         return min(1.0, tokens * self.top_k / self.num_experts)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden], weights fp32 [N, K], ids int64 [N, K] -> sum_k weights * expert_k(x)."""
+        """x [N, hidden], weights fp32 [N, K], ids int64 [N, K] -> sum_k weights * expert_k(x).
+        Kept MXFP4 experts take the fused kernel at every token count where it runs: the
+        grouped path would dequantize each used expert at every call (gpt-oss-120b's prompt
+        steps took 7.5-8.9 s so, run 192)."""
+        if self.fused_kernel and self.mxfp4:
+            return self.forward_fused(x, weights, ids)
         if x.shape[0] <= self.sync_free_max_tokens:
             if self.fused_kernel:
                 return self.forward_fused(x, weights, ids)

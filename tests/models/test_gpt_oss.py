@@ -29,6 +29,7 @@ import transformers
 
 from flashpage import SamplingParams
 from flashpage.config import ConfigError, ModelConfig
+from flashpage.layers.moe import FusedExperts
 from flashpage.layers.rotary import get_rope
 from flashpage.models.gpt_oss import GptOssExperts
 from flashpage.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -388,6 +389,25 @@ def test_mxfp4_kept_matches_transformers(mxfp4_ckpt, path, monkeypatch):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert calls and min(calls) <= 3 and max(calls) >= 10
+
+
+def test_mxfp4_kept_prompts_past_the_sync_free_size_run_the_fused_kernel(mxfp4_ckpt,
+                                                                          monkeypatch):
+    """Kept MXFP4 experts with the fused kernel on: a step of more tokens than the sync-free
+    size runs the fused kernel too, not the grouped path (which dequantizes every used
+    expert at each call), and gives transformers' tokens."""
+    mx, _, prompts, expected = mxfp4_ckpt
+    monkeypatch.setenv("FLASHPAGE_MXFP4", "kernel")
+    llm = cpu_llm(mx)
+    use_expert_path(llm.engine.model, "fused")
+    for m in llm.engine.model.modules():
+        if isinstance(m, FusedExperts):
+            m.sync_free_max_tokens = 3  # every prompt step is past it
+    fused = count_expert_path(monkeypatch, "fused")
+    grouped = count_expert_path(monkeypatch, "grouped")
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert not grouped and max(fused) > 3
 
 
 def test_mxfp4_kept_weights_back_under_hf_names(mxfp4_ckpt, monkeypatch):
