@@ -3,6 +3,7 @@ transformers on the same prompts, and report consistent figures."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -81,6 +82,13 @@ def test_weight_bytes_counts_the_routed_experts_a_step_reads():
     assert weight_bytes(model, tokens=1) == experts * 2 // 8 + dense
     assert weight_bytes(model, tokens=3) == experts * 6 // 8 + dense
     assert weight_bytes(model, tokens=64) == experts + dense  # every expert at most once
+    # MXFP4 experts (buffers: e2m1 blocks and e8m0 scales, 4.25 bits a weight) count too
+    mx = torch.nn.Module()
+    mx.experts = FusedExperts(dataclasses.replace(cfg, hidden_size=32, moe_intermediate_size=32),
+                              mxfp4=True)
+    held = 8 * 3 * 32 * 32 * 17 // 32  # E * (2I * H + H * I) weights
+    assert not list(mx.experts.parameters()) and weight_bytes(mx) == held
+    assert weight_bytes(mx, tokens=1) == held * 2 // 8
 
 
 def test_jit_recorder_counts_new_specializations_and_restores_the_hook():

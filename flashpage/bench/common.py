@@ -192,12 +192,14 @@ def weight_bytes(model: torch.nn.Module, tokens: int | None = None) -> int:
         for m in model.modules():
             fraction = getattr(m, "read_fraction", None)
             if callable(fraction):
-                for p in m.parameters():
+                for p in [*m.parameters(), *m.buffers()]:
                     share[p.data_ptr()] = float(fraction(tokens))
     seen: set[int] = set()
     total = 0.0
-    scales = [b for name, b in model.named_buffers()  # fp8 scales; int4 scales and zeros
-              if name.endswith(("weight_scale", "w4_scales", "w4_zeros"))]
+    # fp8 scales; int4 scales and zeros; MXFP4 experts' e2m1 blocks and e8m0 scales
+    scales = [b for name, b in model.named_buffers()
+              if name.endswith(("weight_scale", "w4_scales", "w4_zeros", "_proj_blocks",
+                                "_proj_scales"))]
     tensors: list[torch.Tensor] = [*model.parameters(), *scales]
     for t in tensors:
         if t.data_ptr() not in seen:
