@@ -379,11 +379,16 @@ class LLMEngine:
         # of their own, which CUDA loads on first use (from disk on a fresh machine). Without
         # it the first process on an H200 spent ~1 s more in its timed prompt steps (runs
         # 82-83: 236 against 181 ms a step at 8192 tokens).
+        # Then one of full - 3 tokens (the other residue mod 16): sizes past the chunk
+        # choose kernels of their own (an MoE of 128 experts takes 64-row blocks only past
+        # 512 tokens), which run 193 saw compile inside a timed prompt step of gpt-oss-120b.
         full = min(self.config.max_num_batched_tokens, self.max_model_len - 3)
         if full > chunk and self.kv_manager.num_free_blocks * self.config.block_size >= 2 * full:
-            self.add_request("__warmup_5", [(7 * i + 3) % vocab for i in range(full)], params)
-            while self.has_unfinished_requests():
-                self.step()
+            for i, n in enumerate(dict.fromkeys((full, max(chunk + 1, full - 3)))):
+                self.add_request(f"__warmup_{5 + i}",  # no prefix of the other
+                                 [(7 * j + 3 + i) % vocab for j in range(n)], params)
+                while self.has_unfinished_requests():
+                    self.step()
         # the sampling kernel's fp32 variant (after penalties or a top-k/top-p filter)
         self.runner.sampler.warm_up(self.device)
         self.kv_manager.reset_prefix_cache()
