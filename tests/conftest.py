@@ -561,6 +561,35 @@ def record_prompt_graph_keys(monkeypatch) -> list[tuple[tuple[int, int] | None, 
     return keys
 
 
+def fake_cuda_graphs(monkeypatch, on_capture=lambda: ()) -> list[tuple]:
+    """torch.cuda.CUDAGraph, torch.cuda.graph and torch.cuda.synchronize as stand-ins for a
+    capture's bookkeeping on the CPU: the list returned records ("capture", pool,
+    *on_capture()) at each capture and ("replay", graph) at each replay; a graph's own
+    pool() is never to be asked for (the pool is handed over)."""
+    import contextlib
+
+    import torch
+
+    events: list[tuple] = []
+
+    class FakeGraph:
+        def replay(self):
+            events.append(("replay", self))
+
+        def pool(self):
+            raise AssertionError("the pool was handed over: not a new one")
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        events.append(("capture", pool, *on_capture()))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return events
+
+
 def use_expert_path(model, path: str) -> None:
     """Every MoE layer of ``model`` on one expert path ("sync_free", "grouped" or "fused")
     whatever the token count (the fused router kernel with "fused")."""

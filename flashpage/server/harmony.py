@@ -42,6 +42,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flashpage.server.reasoning import SplitterBase
+
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 ENDS = (END, CALL, RETURN)  # what ends a message's body
@@ -102,7 +104,7 @@ _BODY_ENDS = (*ENDS, START)  # a body also ends where a new message starts witho
 _HEADER_ENDS = (MESSAGE, *_BODY_ENDS)
 
 
-class HarmonySplitter:
+class HarmonySplitter(SplitterBase):
     """One choice's harmony text -> reasoning and content (``ReasoningSplitter``'s interface:
     ``feed``, ``finish``, ``split``). ``prompt_tail``: the end of the prompt as text, from
     its last ``<|start|>`` on (server/chat.py); a prompt that left a message's body open
@@ -122,21 +124,6 @@ class HarmonySplitter:
             self.started = START in opened
             self.header = opened.rsplit(START, 1)[-1]
             self._open()
-
-    def feed(self, piece: str) -> tuple[str, str]:
-        """The (reasoning, content) text this piece adds."""
-        self.buf += piece
-        return self._run(final=False)
-
-    def finish(self, piece: str = "") -> tuple[str, str]:
-        """The last piece: everything held back goes out."""
-        self.buf += piece
-        return self._run(final=True)
-
-    def split(self, text: str) -> tuple[str | None, str]:
-        """A whole answer -> (reasoning or None, content)."""
-        r, c = self.finish(text)
-        return (r if self.saw_reasoning else None), c
 
     def _open(self) -> None:
         """The header read: where the body goes."""

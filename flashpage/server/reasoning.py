@@ -105,16 +105,15 @@ def _held(buf: str, tag: str) -> int:
     return 0
 
 
-class ReasoningSplitter:
-    """One choice's text -> reasoning and content. ``prompt_tail``: the end of the prompt as
-    text (a template that opens the thinking itself ends with ``<think>``)."""
+class SplitterBase:
+    """What every reasoning splitter shares: text arrives in pieces (``feed``, then
+    ``finish``) into ``buf``; a subclass's ``_run`` takes out what it can place."""
 
-    def __init__(self, fmt: ReasoningFormat, prompt_tail: str = "") -> None:
-        # "open": expecting an optional <think> then thinking; "maybe": thinking only if
-        # the output opens with <think>; "think"; "content"
-        self.state = "open" if opens_thinking(fmt, prompt_tail) else "maybe"
-        self.buf = ""
-        self.saw_reasoning = False
+    buf: str
+    saw_reasoning: bool
+
+    def _run(self, final: bool) -> tuple[str, str]:
+        raise NotImplementedError
 
     def feed(self, piece: str) -> tuple[str, str]:
         """The (reasoning, content) text this piece adds."""
@@ -130,6 +129,18 @@ class ReasoningSplitter:
         """A whole answer -> (reasoning or None, content)."""
         r, c = self.finish(text)
         return (r if self.saw_reasoning else None), c
+
+
+class ReasoningSplitter(SplitterBase):
+    """One choice's text -> reasoning and content. ``prompt_tail``: the end of the prompt as
+    text (a template that opens the thinking itself ends with ``<think>``)."""
+
+    def __init__(self, fmt: ReasoningFormat, prompt_tail: str = "") -> None:
+        # "open": expecting an optional <think> then thinking; "maybe": thinking only if
+        # the output opens with <think>; "think"; "content"
+        self.state = "open" if opens_thinking(fmt, prompt_tail) else "maybe"
+        self.buf = ""
+        self.saw_reasoning = False
 
     def _run(self, final: bool) -> tuple[str, str]:
         reasoning: list[str] = []

@@ -22,7 +22,7 @@ import torch
 from flashpage import SamplingParams
 from flashpage.engine.cuda_graph import DecodeGraphs, PrefillGraphs
 from flashpage.engine.draft_model import decode_steps
-from tests.conftest import build_tiny_checkpoint, random_prompts
+from tests.conftest import build_tiny_checkpoint, fake_cuda_graphs, random_prompts
 from tests.engine.test_draft_model import K, _ids, _llm, noisy_copy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -350,25 +350,7 @@ def test_draft_graph_capture_on_fake_graphs(tiny_checkpoint, monkeypatch):
     triton backend, interpreted: a capture has no host lengths): every bucket captured in the
     pool handed over (the target's), each graph's output the hidden states [bucket, hidden],
     the catch-up graphs' likewise; a step then replays its bucket's graph."""
-    import contextlib
-
-    captured = []
-
-    class FakeGraph:
-        def replay(self):
-            captured.append(("replay", self))
-
-        def pool(self):
-            raise AssertionError("the pool was handed over: not a new one")
-
-    @contextlib.contextmanager
-    def graph(g, pool=None):
-        captured.append(("capture", pool))
-        yield
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    captured = fake_cuda_graphs(monkeypatch)
     path = tiny_checkpoint("head64_gqa")
     llm = _llm(path, path, attention_backend="triton", block_size=16, spec={"num_speculative_tokens": 2})
     runner = llm.engine.proposer.runner

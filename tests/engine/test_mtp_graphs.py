@@ -20,7 +20,7 @@ import torch
 
 from flashpage import SamplingParams
 from flashpage.engine.mtp import MTPRunner
-from tests.conftest import random_prompts
+from tests.conftest import fake_cuda_graphs, random_prompts
 from tests.engine.test_mtp_draft import K, _ids, _llm, _no_leak, ckpts, spy_async, spy_drafts
 
 __all__ = ["ckpts"]  # the checkpoints fixture, shared
@@ -224,27 +224,9 @@ def test_mtp_graph_capture_on_fake_graphs(ckpts, monkeypatch):
     states while captured (and not after), each graph's output the hidden states [bucket,
     hidden]; GLM-4.5's catch-up graphs likewise; a step then replays its graphs, the
     previous hidden states copied into the static buffer first."""
-    import contextlib
-
-    captured: list[tuple] = []
     runner_box: list[MTPRunner] = []
-
-    class FakeGraph:
-        def replay(self):
-            captured.append(("replay", self))
-
-        def pool(self):
-            raise AssertionError("the pool was handed over: not a new one")
-
-    @contextlib.contextmanager
-    def graph(g, pool=None):
-        layer = runner_box[0].model
-        captured.append(("capture", pool, layer.prev_hidden.data_ptr()))
-        yield
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    captured = fake_cuda_graphs(monkeypatch,
+                                lambda: (runner_box[0].model.prev_hidden.data_ptr(),))
     llm = _llm(ckpts["exact"], attention_backend="triton", block_size=16, spec={"num_speculative_tokens": 2})
     runner = llm.engine.proposer.runner
     assert isinstance(runner, MTPRunner)
