@@ -110,7 +110,7 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
 class BlockFp8Config:
     block_m: int
     block_n: int
-    split_k: int = 1  # w8a16 only; 0: chosen from the SM count at the call
+    split_k: int = 1  # 0: chosen from the SM count at the call (w8a16_split_k / w8a8_split_k)
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8  # w8a8: programs walk GROUP_M row tiles per column tile (L2 reuse)
@@ -126,8 +126,45 @@ class BlockFp8Config:
 # 128 columns, K tiles of 128), and the int4 GEMV's decode tile.
 W8A16_SKINNY = BlockFp8Config(16, 64, split_k=0, num_warps=4, num_stages=4)  # 1-16 rows
 W8A16_GEMM = BlockFp8Config(64, 128, num_warps=4, num_stages=3)
-W8A8_SMALL = BlockFp8Config(64, 128, num_warps=4, num_stages=3, group_m=8)  # up to 128 rows
-W8A8_LARGE = BlockFp8Config(128, 128, num_warps=8, num_stages=3, group_m=8)
+
+# W8A8 tiles that compile to e4m3 wgmma with cp.async stages and no spills for sm_90
+# (tests/kernels/test_fp8_block_gemm.py checks each): what `benchmarks/fp8_block_gemm.py
+# --sweep` times at 64 / 256 / 2048 rows to choose w8a8_config's defaults from. Split 0:
+# K split at few rows until the programs cover the SMs (w8a8_split_k). A 128-row tile
+# needs 8 warps (two warpgroups, each 64 rows): with 4, the wgmma result and the
+# accumulator (2 x 128 fp32 a thread) exceed the registers; so does 128 x 256 on 8
+# (1.8 KB spilled a thread).
+W8A8_CANDIDATES = tuple(BlockFp8Config(*c) for c in (
+    (64, 128, 0, 4, 3, 8), (64, 128, 0, 4, 4, 8), (64, 128, 0, 4, 5, 8),
+    (64, 64, 0, 4, 4, 8), (64, 256, 0, 8, 3, 8), (64, 128, 1, 4, 4, 8),
+    (128, 128, 0, 8, 3, 8), (128, 128, 0, 8, 4, 8), (128, 64, 0, 8, 4, 8),
+    (128, 128, 0, 8, 3, 16),
+))
+W8A8_SMALL = BlockFp8Config(64, 128, split_k=0, num_warps=4, num_stages=4, group_m=8)
+W8A8_LARGE = BlockFp8Config(128, 128, split_k=0, num_warps=8, num_stages=3, group_m=8)
+
+
+def w8a8_config(m: int, n: int, k: int) -> BlockFp8Config:
+    """The W8A8 tile for an [m, k] x [n, k]^T product. Provisional (awaits the GPU sweep,
+    ``benchmarks/fp8_block_gemm.py --sweep``): 64-row tiles (one warpgroup) up to 256 rows,
+    where 128-row ones leave most SMs idle (256 x 4096 outputs: 64 tiles of 128 x 128),
+    128 x 128 on two warpgroups above (each weight tile read by half as many programs)."""
+    del n, k  # the sweep decides whether they matter
+    return W8A8_SMALL if m <= 256 else W8A8_LARGE
+
+
+def w8a8_split_k(tiles: int, k_tiles: int, device: torch.device) -> int:
+    """K's split for ``tiles`` output tiles of ``k_tiles`` K tiles each: doubled while the
+    programs cover under 90% of the SMs and every split keeps 4 K tiles at least (the
+    cp.async ring's depth plus one); 1 off the GPU."""
+    if device.type != "cuda":
+        return 1
+    from flashpage.kernels.device import num_sms
+
+    split, sms = 1, num_sms(device)
+    while tiles * split < 0.9 * sms and k_tiles // (2 * split) >= 4:
+        split *= 2
+    return split
 
 
 def parse_config(name: str) -> BlockFp8Config:
@@ -142,13 +179,20 @@ def parse_config(name: str) -> BlockFp8Config:
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count
 def _w8a8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
-                       stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
+                       stride_am, stride_asm, stride_wn, stride_wsn, stride_om, stride_os,
                        BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] tile of the output; programs in GROUP_M-row bands so that
-    neighbours share the weight tiles they read (the Triton tutorial's ordering)."""
+                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+    """Program (pid, pid_k): one [BLOCK_M, BLOCK_N] tile of the output over split pid_k's
+    share of the K tiles (all of them with SPLIT_K = 1; otherwise its fp32 partial sums go
+    to out[pid_k]); tiles in GROUP_M-row bands so that neighbours share the weight tiles
+    they read (the Triton tutorial's ordering).
+
+    Where BLOCK_N divides BN the tile's columns share one weight block row, so each K
+    tile's two scales fold into one factor per row (a_s * w_s, BLOCK_M products) and the
+    partial sum takes one FFMA per element; otherwise a scale per column, two."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     band = GROUP_M * tiles_n
@@ -166,25 +210,40 @@ def _w8a8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
     a_rows = a_ptr + rm[:, None] * stride_am
     w_rows = w_ptr + rn[:, None] * stride_wn
     as_rows = as_ptr + rm * stride_asm
-    ws_rows = ws_ptr + (rn // BN) * stride_wsn
+    ONE_WS: tl.constexpr = BN % BLOCK_N == 0
+    if ONE_WS:
+        ws_row = ws_ptr + ((pid_n * BLOCK_N) // BN).to(tl.int64) * stride_wsn
+    else:
+        ws_rows = ws_ptr + (rn // BN) * stride_wsn
+    tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(tiles, SPLIT_K)
+    start = pid_k * per_split
+    end = tl.minimum(start + per_split, tiles)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
+    for t in range(start, end):
+        kk = t * BLOCK_K + offs_k
         if EVEN_K:
             a = tl.load(a_rows + kk[None, :])
             w = tl.load(w_rows + kk[None, :])
         else:
             a = tl.load(a_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
             w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
-        g = k0 // BK
+        g = (t * BLOCK_K) // BK
         a_s = tl.load(as_rows + g)
-        w_s = tl.load(ws_rows + g)
-        acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty),
-             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+        part = tl.dot(a, tl.trans(w))
+        if ONE_WS:
+            acc += part * (a_s * tl.load(ws_row + g))[:, None]
+        else:
+            acc += part * a_s[:, None] * tl.load(ws_rows + g)[None, :]
+    out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m[:, None].to(tl.int64) * stride_om \
+        + offs_n[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out, acc, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -291,14 +350,24 @@ def w8a8_block_matmul(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale
     y = torch.empty(m, n, device=xq.device, dtype=out_dtype)
     if m == 0:
         return y
-    cfg = config or (W8A8_SMALL if m <= 128 else W8A8_LARGE)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _w8a8_block_kernel[grid](
-        xq, xs, q, scale, bias if bias is not None else y, y, m, n, k,
-        xq.stride(0), xs.stride(0), q.stride(0), scale.stride(0), y.stride(0),
+    cfg = config or w8a8_config(m, n, k)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    k_tiles = triton.cdiv(k, bk_tile)
+    split = cfg.split_k or w8a8_split_k(tiles, k_tiles, xq.device)
+    split = max(1, min(split, k_tiles))
+    out = y if split == 1 else torch.empty(split, m, n, device=xq.device, dtype=torch.float32)
+    _w8a8_block_kernel[(tiles, split)](
+        xq, xs, q, scale, bias if bias is not None else y, out, m, n, k,
+        xq.stride(0), xs.stride(0), q.stride(0), scale.stride(0), n, m * n,
         BN=block[0], BK=block[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk_tile,
-        GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, EVEN_K=k % bk_tile == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_M=cfg.group_m, SPLIT_K=split, HAS_BIAS=bias is not None,
+        EVEN_K=k % bk_tile == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        from flashpage.kernels.int4_gemv import _split_sum_kernel
+
+        _split_sum_kernel[(triton.cdiv(m * n, 1024),)](
+            out, bias if bias is not None else out, y, m * n, n, SPLIT_K=split,
+            HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
     return y
 
 
