@@ -46,6 +46,7 @@ import triton.language as tl
 
 from flashpage.kernels.fp8_block_ref import FP8_MAX, MIN_SCALE, check_block_scales, tile_k
 from flashpage.kernels.fp8_quant import check_activations
+from flashpage.kernels.tma_maps import cached_tma_maps
 
 
 # ----------------------------------------------------------------------------- checks
@@ -114,11 +115,12 @@ class BlockFp8Config:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8  # w8a8: programs walk GROUP_M row tiles per column tile (L2 reuse)
+    tma: bool = False  # w8a8: operand tiles through TMA descriptors (where strides allow)
 
     @property
     def name(self) -> str:
         return (f"m{self.block_m}n{self.block_n}s{self.split_k}w{self.num_warps}"
-                f"st{self.num_stages}g{self.group_m}")
+                f"st{self.num_stages}g{self.group_m}" + ("t" if self.tma else ""))
 
 
 # Not tuned on a GPU yet (benchmarks/fp8_block_gemm.py --configs times others): the tiles
@@ -127,10 +129,12 @@ class BlockFp8Config:
 W8A16_SKINNY = BlockFp8Config(16, 64, split_k=0, num_warps=4, num_stages=4)  # 1-16 rows
 W8A16_GEMM = BlockFp8Config(64, 128, num_warps=4, num_stages=3)
 
-# W8A8 tiles that compile to e4m3 wgmma with cp.async stages and no spills for sm_90
-# (tests/kernels/test_fp8_block_gemm.py checks each): what `benchmarks/fp8_block_gemm.py
-# --sweep` times at 64 / 256 / 2048 rows to choose w8a8_config's defaults from. Split 0:
-# K split at few rows until the programs cover the SMs (w8a8_split_k). A 128-row tile
+# W8A8 tiles that compile to e4m3 wgmma fed by a ring of num_stages shared-memory tiles
+# (cp.async, or TMA for the ``t`` ones: 168-212 registers a thread against 254) and no
+# spills for sm_90 (tests/kernels/test_fp8_block_gemm.py checks each): what
+# `benchmarks/fp8_block_gemm.py --sweep` times at 64 / 256 / 2048 rows to choose
+# w8a8_config's defaults from. Split 0: K split at few rows until the programs cover the
+# SMs (w8a8_split_k). A 128-row tile
 # needs 8 warps (two warpgroups, each 64 rows): with 4, the wgmma result and the
 # accumulator (2 x 128 fp32 a thread) exceed the registers; so does 128 x 256 on 8
 # (1.8 KB spilled a thread).
@@ -139,6 +143,9 @@ W8A8_CANDIDATES = tuple(BlockFp8Config(*c) for c in (
     (64, 64, 0, 4, 4, 8), (64, 256, 0, 8, 3, 8), (64, 128, 1, 4, 4, 8),
     (128, 128, 0, 8, 3, 8), (128, 128, 0, 8, 4, 8), (128, 64, 0, 8, 4, 8),
     (128, 128, 0, 8, 3, 16),
+)) + tuple(BlockFp8Config(*c, tma=True) for c in (
+    (64, 128, 0, 4, 4, 8), (64, 128, 0, 4, 5, 8), (64, 64, 0, 4, 4, 8),
+    (128, 128, 0, 8, 3, 8), (128, 128, 0, 8, 4, 8),
 ))
 W8A8_SMALL = BlockFp8Config(64, 128, split_k=0, num_warps=4, num_stages=4, group_m=8)
 W8A8_LARGE = BlockFp8Config(128, 128, split_k=0, num_warps=8, num_stages=3, group_m=8)
@@ -168,25 +175,28 @@ def w8a8_split_k(tiles: int, k_tiles: int, device: torch.device) -> int:
 
 
 def parse_config(name: str) -> BlockFp8Config:
-    """A ``BlockFp8Config.name`` (m64n128s1w4st3g8) back to its config."""
+    """A ``BlockFp8Config.name`` (m64n128s1w4st3g8, a trailing t: TMA) back to its config."""
     import re
 
-    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)w(\d+)st(\d+)g(\d+)", name.strip())
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)w(\d+)st(\d+)g(\d+)(t?)", name.strip())
     if m is None:
         raise ValueError(f"{name!r} is not a config name such as m64n128s1w4st3g8")
-    return BlockFp8Config(*map(int, m.groups()))
+    return BlockFp8Config(*map(int, m.groups()[:6]), tma=m[7] == "t")
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count
-def _w8a8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
+def _w8a8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, a_desc, w_desc, M, N, K,
                        stride_am, stride_asm, stride_wn, stride_wsn, stride_om, stride_os,
                        BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                       TMA: tl.constexpr):
     """Program (pid, pid_k): one [BLOCK_M, BLOCK_N] tile of the output over split pid_k's
     share of the K tiles (all of them with SPLIT_K = 1; otherwise its fp32 partial sums go
     to out[pid_k]); tiles in GROUP_M-row bands so that neighbours share the weight tiles
-    they read (the Triton tutorial's ordering).
+    they read (the Triton tutorial's ordering). TMA: the operand tiles come through the
+    tensor descriptors a_desc / w_desc (boxes [BLOCK_M | BLOCK_N, BLOCK_K], zero past the
+    edges), else through pointers (a_desc / w_desc None).
 
     Where BLOCK_N divides BN the tile's columns share one weight block row, so each K
     tile's two scales fold into one factor per row (a_s * w_s, BLOCK_M products) and the
@@ -222,7 +232,10 @@ def _w8a8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(start, end):
         kk = t * BLOCK_K + offs_k
-        if EVEN_K:
+        if TMA:
+            a = a_desc.load([pid_m * BLOCK_M, t * BLOCK_K])
+            w = w_desc.load([pid_n * BLOCK_N, t * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_rows + kk[None, :])
             w = tl.load(w_rows + kk[None, :])
         else:
@@ -328,6 +341,12 @@ def w8a16_block_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return y
 
 
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """Whether TMA can read these row-major 1-byte tensors: 16-byte aligned bases and
+    rows (K a multiple of 16)."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in ts)
+
+
 def w8a8_block_matmul(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                       block: tuple[int, int], bias: torch.Tensor | None = None,
                       out_dtype: torch.dtype = torch.bfloat16,
@@ -356,12 +375,21 @@ def w8a8_block_matmul(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale
     split = cfg.split_k or w8a8_split_k(tiles, k_tiles, xq.device)
     split = max(1, min(split, k_tiles))
     out = y if split == 1 else torch.empty(split, m, n, device=xq.device, dtype=torch.float32)
-    _w8a8_block_kernel[(tiles, split)](
-        xq, xs, q, scale, bias if bias is not None else y, out, m, n, k,
-        xq.stride(0), xs.stride(0), q.stride(0), scale.stride(0), n, m * n,
-        BN=block[0], BK=block[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk_tile,
-        GROUP_M=cfg.group_m, SPLIT_K=split, HAS_BIAS=bias is not None,
-        EVEN_K=k % bk_tile == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    a_desc = w_desc = None
+    if cfg.tma and _tma_ok(xq, q):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [cfg.block_m, bk_tile])
+        w_desc = TensorDescriptor(q, [n, k], [q.stride(0), 1], [cfg.block_n, bk_tile])
+    # the two CUtensorMaps encoded once per (address, shape), not at every launch
+    with cached_tma_maps(enabled=a_desc is not None and xq.is_cuda):
+        _w8a8_block_kernel[(tiles, split)](
+            xq, xs, q, scale, bias if bias is not None else y, out, a_desc, w_desc, m, n, k,
+            xq.stride(0), xs.stride(0), q.stride(0), scale.stride(0), n, m * n,
+            BN=block[0], BK=block[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=bk_tile, GROUP_M=cfg.group_m, SPLIT_K=split, HAS_BIAS=bias is not None,
+            EVEN_K=k % bk_tile == 0, TMA=a_desc is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     if split > 1:
         from flashpage.kernels.int4_gemv import _split_sum_kernel
 

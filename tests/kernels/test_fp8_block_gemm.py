@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashpage.kernels import fp8_block_gemm
 from flashpage.kernels.fp8_block_gemm import (
     W8A8_CANDIDATES,
     BlockFp8Config,
@@ -192,7 +193,8 @@ CANDIDATE_CASES = [  # m, n, k, block
 @pytest.mark.parametrize("m,n,k,block", CANDIDATE_CASES)
 @pytest.mark.parametrize("cfg", W8A8_CANDIDATES, ids=lambda c: c.name)
 def test_w8a8_candidate_tiles_cpu(cfg, m, n, k, block, split):
-    """Every tile the GPU sweep times (benchmarks/fp8_block_gemm.py --sweep) gives the
+    """Every tile the GPU sweep times (benchmarks/fp8_block_gemm.py --sweep), through
+    pointers or TMA descriptors (K 300: pointers, its rows not 16-byte multiples), gives the
     fp32 emulation's product, unsplit (fp32 out) and with K split in 3 (the partial sums
     added after, with the bias; fp16 out): one scale per row and tile where its columns
     share a weight block row, a scale per column where they do not."""
@@ -208,6 +210,8 @@ def test_w8a8_candidate_tiles_cpu(cfg, m, n, k, block, split):
     assert got.dtype == out_dtype and got.shape == (m, n)
     tol = 1e-5 if out_dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), ref.float(), atol=tol * ref.abs().max().item(), rtol=tol)
+    # TMA tiles read through descriptors where rows are 16-byte multiples (K 256, 512)
+    assert fp8_block_gemm._tma_ok(xq, q) == (k % 16 == 0)
 
 
 def test_w8a8_default_tiles_and_split(monkeypatch):
@@ -397,7 +401,7 @@ def _compile_block_kernels() -> dict[str, str]:
     out = {}
     k = compile_sm90(m._w8a8_block_kernel, dict(
         BN=128, BK=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, SPLIT_K=1,
-        HAS_BIAS=True, EVEN_K=True), {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+        HAS_BIAS=True, EVEN_K=True, TMA=False, a_desc=None, w_desc=None), {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                        "ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"},
         num_warps=8, num_stages=3, aligned=("a_ptr", "w_ptr", "stride_am", "stride_wn"))
     out["w8a8"] = k.asm["ptx"]
@@ -441,27 +445,35 @@ def _compile_w8a8_tiles() -> dict[str, dict]:
     out = {}
     for cfg in m.W8A8_CANDIDATES + (dataclasses.replace(m.W8A8_SMALL, split_k=4),):
         split = cfg.split_k or 1
+        descs = {} if cfg.tma else dict(a_desc=None, w_desc=None)  # None: the pointer path
         k = compile_sm90(m._w8a8_block_kernel, dict(
             BN=128, BK=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128,
-            GROUP_M=cfg.group_m, SPLIT_K=split, HAS_BIAS=False, EVEN_K=True),
+            GROUP_M=cfg.group_m, SPLIT_K=split, HAS_BIAS=False, EVEN_K=True, TMA=cfg.tma,
+            **descs),
             {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
-             "b_ptr": "*bf16", "out_ptr": "*bf16" if split == 1 else "*fp32"},
+             "b_ptr": "*bf16", "out_ptr": "*bf16" if split == 1 else "*fp32",
+             "a_desc": f"tensordesc<fp8e4nv[{cfg.block_m}, 128]>",
+             "w_desc": f"tensordesc<fp8e4nv[{cfg.block_n}, 128]>"},
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             aligned=("a_ptr", "w_ptr", "stride_am", "stride_wn", "stride_om"))
         log, sass = ptxas_sm90a(k.asm["ptx"])
         ins, labels = sass_instructions(sass)
         bodies = [[t.split(" ")[0] for t in ins[lo:hi + 1]] for lo, hi in sass_loops(ins, labels)]
-        body = [b for b in bodies if any(o.startswith("QGMMA") for o in b)]
-        out[cfg.name] = {**ptxas_usage(log), "shared": k.metadata.shared, "loops": len(body),
-                         "main": dict(collections.Counter(body[0])) if body else {}}
+        # the main loop: the shortest backward branch around MMAs (a TMA kernel's mbarrier
+        # retry stubs, placed after the exit, branch back over the epilogue too)
+        body = min((b for b in bodies if any(o.startswith("QGMMA") for o in b)), key=len,
+                   default=[])
+        out[cfg.name] = {**ptxas_usage(log), "shared": k.metadata.shared,
+                         "main": dict(collections.Counter(body))}
     return out
 
 
 def test_w8a8_tiles_compile_to_pipelined_wgmma_for_sm90():
-    """On the CPU, every candidate tile (the defaults among them) and the split form: one
+    """On the CPU, every candidate tile (the defaults among them) and the split form: a
     main loop of Hopper e4m3 warpgroup MMAs (QGMMA ... E4M3.E4M3, 4 a 128-deep K tile per
-    warpgroup) fed by cp.async (LDGSTS) into a ring of num_stages tiles of shared memory,
-    no plain load of the operands in it, no spills; and the two block scales folded into
+    warpgroup) fed by cp.async (LDGSTS: the whole tile in 16-byte copies) or TMA (two
+    UTMALDG, one box an operand) into a ring of num_stages tiles of shared memory, no
+    plain load of the operands in it, no spills; and the two block scales folded into
     one factor per row where a tile's columns share a weight block row: one FFMA per
     accumulator element per K tile, no FMUL over it (two, FMUL + FFMA, where they do not)."""
     from sm90 import run_compiled
@@ -473,13 +485,17 @@ def test_w8a8_tiles_compile_to_pipelined_wgmma_for_sm90():
     for name, r in got.items():
         cfg = parse_config(name)
         main = r["main"]
-        assert r["spill_bytes"] == 0 and r["loops"] == 1, (name, r)
+        assert r["spill_bytes"] == 0 and main, (name, r)
         mmas = {o: n for o, n in main.items() if o.startswith("QGMMA")}
         assert mmas and all(o.endswith(".F32.E4M3.E4M3") for o in mmas), (name, main)
         assert sum(mmas.values()) == 128 // 32, (name, main)  # each warpgroup's K steps
         copies = sum(n for o, n in main.items() if o.startswith("LDGSTS"))
+        tma = sum(n for o, n in main.items() if o.startswith("UTMALDG"))
         stage = (cfg.block_m + cfg.block_n) * 128  # e4m3 bytes of one K tile of A and W
-        assert copies * 16 * 32 * cfg.num_warps == stage, (name, main)  # 16-byte copies
+        if cfg.tma:
+            assert tma == 2 and copies == 0, (name, main)
+        else:  # 16-byte copies
+            assert tma == 0 and copies * 16 * 32 * cfg.num_warps == stage, (name, main)
         assert r["shared"] >= cfg.num_stages * stage, (name, r["shared"])
         assert main.get("LDG.E", 0) + main.get("LDG.E.CONSTANT", 0) <= 4, (name, main)  # scales
         per_thread = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
