@@ -17,7 +17,12 @@ takes both scales on its fp32 partial sum:
 
 A K tile is BLOCK_K columns, the largest power of two dividing BK up to 128 (128 for 128 x
 128 blocks; 16 at least, ``tl.dot``'s smallest: ``tile_k``), so a tile never straddles two
-groups. Needs e4m3 tensor cores (sm_89+).
+groups. Where an output tile's BLOCK_N columns lie in one weight block row (BN = 128,
+BLOCK_N <= 128) ws is one number a tile and the two scales fold into one factor a row:
+``acc += dot * (xs[m, g] * ws)[:, None]``, one FFMA per accumulator element a K tile. At
+few rows K is split between programs until they cover the SMs (fp32 partial sums added
+by one kernel after). The operand tiles come through pointers (cp.async) or, for configs
+with ``tma``, host TMA descriptors. Needs e4m3 tensor cores (sm_89+).
 
 ``w8a16_block_matmul`` (weight-only, the decode sizes): x stays 16-bit; each weight tile
 is widened to x's dtype in registers (exact: every e4m3 value is an fp16 and a bf16
