@@ -364,6 +364,23 @@ def test_w8a8_block_gpu_matches_its_emulation(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [64, 300])
+@pytest.mark.parametrize("cfg", W8A8_CANDIDATES, ids=lambda c: c.name)
+def test_w8a8_candidate_tiles_gpu(cfg, m):
+    """Every tile --sweep times, on the e4m3 tensor cores (cp.async or TMA; at 64 rows K
+    split, at 300 a partial row tile): the emulation's product to bf16 rounding."""
+    from flashpage.kernels.device import cuda_capability
+
+    if cuda_capability(torch.device("cuda")) < (8, 9):
+        pytest.skip("e4m3 tensor cores need sm_89+")
+    _, q, s, b, g = _weights(1536, 1024, (128, 128), m, bias=True, dtype=torch.bfloat16)
+    x = torch.randn(m, 1024, device="cuda", generator=g).bfloat16()
+    got = w8a8_block_linear(x, q, s, (128, 128), b, config=cfg)
+    assert _rel(got, w8a8_block_linear_ref(x, q, s, (128, 128), b)) < 2 ** -8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_fp8_block_linear_paths_on_the_gpu():
     """layers/quant.fp8_block_linear: weight-only up to BLOCK_W8A16_ROWS rows, W8A8 above
     (sm_89+), weight-only for fp32 activations; each the kernel it names, to the bit, and
