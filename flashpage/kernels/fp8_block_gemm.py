@@ -148,8 +148,8 @@ W8A8_CANDIDATES = tuple(BlockFp8Config(*c) for c in (
     (64, 64, 0, 4, 4, 8), (64, 256, 0, 8, 3, 8), (64, 128, 1, 4, 4, 8),
     (128, 128, 0, 8, 3, 8), (128, 128, 0, 8, 4, 8), (128, 64, 0, 8, 4, 8),
     (128, 128, 0, 8, 3, 16),
-)) + tuple(BlockFp8Config(*c, tma=True) for c in (
-    (64, 128, 0, 4, 4, 8), (64, 128, 0, 4, 5, 8), (64, 64, 0, 4, 4, 8),
+)) + tuple(BlockFp8Config(*c, tma=True) for c in (  # 64 x 128 in 3 stages: 3 CTAs an SM
+    (64, 128, 0, 4, 3, 8), (64, 128, 0, 4, 4, 8), (64, 128, 0, 4, 5, 8), (64, 64, 0, 4, 4, 8),
     (128, 128, 0, 8, 3, 8), (128, 128, 0, 8, 4, 8),
 ))
 W8A8_SMALL = BlockFp8Config(64, 128, split_k=0, num_warps=4, num_stages=4, group_m=8)
