@@ -186,7 +186,8 @@ def parse_config(name: str) -> BlockFp8Config:
     m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)w(\d+)st(\d+)g(\d+)(t?)", name.strip())
     if m is None:
         raise ValueError(f"{name!r} is not a config name such as m64n128s1w4st3g8")
-    return BlockFp8Config(*map(int, m.groups()[:6]), tma=m[7] == "t")
+    bm, bn, split, warps, stages, group = map(int, m.groups()[:6])
+    return BlockFp8Config(bm, bn, split, warps, stages, group, tma=m[7] == "t")
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count

@@ -215,13 +215,18 @@ def test_w8a8_candidate_tiles_cpu(cfg, m, n, k, block, split):
 
 
 def test_w8a8_default_tiles_and_split(monkeypatch):
-    """The default tile is one of the swept candidates at every row count; K is split only
+    """The default tile is one of the swept candidates at every row count, each candidate
+    named uniquely (TMA ones with a trailing t); K is split only
     on the GPU, doubling while the programs cover under 90% of the SMs and every split
     keeps 4 K tiles."""
     from flashpage.kernels import device
 
     for m in (1, 17, 64, 128, 256, 257, 2048, 8192):
         assert w8a8_config(m, 4096, 4096) in W8A8_CANDIDATES
+    # each candidate's name (the sweep's JSON, --configs) is its own and parses back to it
+    assert len({c.name for c in W8A8_CANDIDATES}) == len(W8A8_CANDIDATES)
+    assert all(parse_config(c.name) == c for c in W8A8_CANDIDATES)
+    assert parse_config("m64n128s0w4st3g8t").tma and not parse_config("m64n128s0w4st3g8").tma
     assert w8a8_split_k(8, 64, torch.device("cpu")) == 1
     monkeypatch.setattr(device, "num_sms", lambda dev: 132)
     cuda = torch.device("cuda")
