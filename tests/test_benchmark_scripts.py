@@ -43,3 +43,32 @@ def test_fused_moe_gpt_oss_runs_in_the_interpreter(tmp_path):
     mx = [row for row in rows if "mxfp4" in row["path"]]
     assert mx and all(row["eager_us"] > 0 for row in mx)
     assert "fused mxfp4" in (tmp_path / "fused_moe_gpt-oss-20b.md").read_text()
+
+
+def test_fp8_block_sweep_runs_in_the_interpreter(tmp_path):
+    """benchmarks/fp8_block_gemm.py --sweep on the CPU (tiny shapes, the Triton interpreter):
+    every W8A8 candidate tile and the default are timed at each shape and row count beside
+    the baselines, each tile's product within fp32 rounding of the emulation, and the JSON
+    names the fastest tile of each."""
+    import json
+
+    from flashpage.kernels.fp8_block_gemm import W8A8_CANDIDATES
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "sweep.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_block_gemm.py"), "--sweep",
+                        "--shapes", "o_proj,down", "--rows", "8,70", "--json-out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    res = json.loads(out.read_text())
+    assert res["sweep"] and res["seconds"] > 0
+    names = {c.name for c in W8A8_CANDIDATES}
+    for shape in ("o_proj", "down"):
+        for m in (8, 70):
+            rows = [row for row in res["rows"] if row["shape"] == shape and row["rows"] == m]
+            assert {row["config"] for row in rows} - {None} == names
+            assert {"quant", "bf16"} <= {row["kernel"] for row in rows}
+            assert all(row["rel_err"] < 1e-5 and row["us"] > 0 for row in rows if row["config"])
+            best = res["best"][shape][str(m)]
+            assert best["config"] in names
+            assert best["us"] == min(row["us"] for row in rows if row["config"])

@@ -17,7 +17,12 @@ takes both scales on its fp32 partial sum:
 
 A K tile is BLOCK_K columns, the largest power of two dividing BK up to 128 (128 for 128 x
 128 blocks; 16 at least, ``tl.dot``'s smallest: ``tile_k``), so a tile never straddles two
-groups. Needs e4m3 tensor cores (sm_89+).
+groups. Where an output tile's BLOCK_N columns lie in one weight block row (BN = 128,
+BLOCK_N <= 128) ws is one number a tile and the two scales fold into one factor a row:
+``acc += dot * (xs[m, g] * ws)[:, None]``, one FFMA per accumulator element a K tile. At
+few rows K is split between programs until they cover the SMs (fp32 partial sums added
+by one kernel after). The operand tiles come through pointers (cp.async) or, for configs
+with ``tma``, host TMA descriptors. Needs e4m3 tensor cores (sm_89+).
 
 ``w8a16_block_matmul`` (weight-only, the decode sizes): x stays 16-bit; each weight tile
 is widened to x's dtype in registers (exact: every e4m3 value is an fp16 and a bf16
@@ -46,6 +51,7 @@ import triton.language as tl
 
 from flashpage.kernels.fp8_block_ref import FP8_MAX, MIN_SCALE, check_block_scales, tile_k
 from flashpage.kernels.fp8_quant import check_activations
+from flashpage.kernels.tma_maps import cached_tma_maps
 
 
 # ----------------------------------------------------------------------------- checks
@@ -110,15 +116,16 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
 class BlockFp8Config:
     block_m: int
     block_n: int
-    split_k: int = 1  # w8a16 only; 0: chosen from the SM count at the call
+    split_k: int = 1  # 0: chosen from the SM count at the call (w8a16_split_k / w8a8_split_k)
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8  # w8a8: programs walk GROUP_M row tiles per column tile (L2 reuse)
+    tma: bool = False  # w8a8: operand tiles through TMA descriptors (where strides allow)
 
     @property
     def name(self) -> str:
         return (f"m{self.block_m}n{self.block_n}s{self.split_k}w{self.num_warps}"
-                f"st{self.num_stages}g{self.group_m}")
+                f"st{self.num_stages}g{self.group_m}" + ("t" if self.tma else ""))
 
 
 # Not tuned on a GPU yet (benchmarks/fp8_block_gemm.py --configs times others): the tiles
@@ -126,29 +133,82 @@ class BlockFp8Config:
 # 128 columns, K tiles of 128), and the int4 GEMV's decode tile.
 W8A16_SKINNY = BlockFp8Config(16, 64, split_k=0, num_warps=4, num_stages=4)  # 1-16 rows
 W8A16_GEMM = BlockFp8Config(64, 128, num_warps=4, num_stages=3)
-W8A8_SMALL = BlockFp8Config(64, 128, num_warps=4, num_stages=3, group_m=8)  # up to 128 rows
-W8A8_LARGE = BlockFp8Config(128, 128, num_warps=8, num_stages=3, group_m=8)
+
+# W8A8 tiles that compile to e4m3 wgmma fed by a ring of num_stages shared-memory tiles
+# (cp.async, or TMA for the ``t`` ones: 168-212 registers a thread against 254) and no
+# spills for sm_90 (tests/kernels/test_fp8_block_gemm.py checks each): what
+# `benchmarks/fp8_block_gemm.py --sweep` times at 64 / 256 / 2048 rows to choose
+# w8a8_config's defaults from. Split 0: K split at few rows until the programs cover the
+# SMs (w8a8_split_k). A 128-row tile
+# needs 8 warps (two warpgroups, each 64 rows): with 4, the wgmma result and the
+# accumulator (2 x 128 fp32 a thread) exceed the registers; so does 128 x 256 on 8
+# (1.8 KB spilled a thread).
+W8A8_CANDIDATES = tuple(BlockFp8Config(*c) for c in (
+    (64, 128, 0, 4, 3, 8), (64, 128, 0, 4, 4, 8), (64, 128, 0, 4, 5, 8),
+    (64, 64, 0, 4, 4, 8), (64, 256, 0, 8, 3, 8), (64, 128, 1, 4, 4, 8),
+    (128, 128, 0, 8, 3, 8), (128, 128, 0, 8, 4, 8), (128, 64, 0, 8, 4, 8),
+    (128, 128, 0, 8, 3, 16),
+)) + tuple(BlockFp8Config(*c, tma=True) for c in (  # 64 x 128 in 3 stages: 3 CTAs an SM
+    (64, 128, 0, 4, 3, 8), (64, 128, 0, 4, 4, 8), (64, 128, 0, 4, 5, 8), (64, 64, 0, 4, 4, 8),
+    (128, 128, 0, 8, 3, 8), (128, 128, 0, 8, 4, 8),
+))
+W8A8_SMALL = BlockFp8Config(64, 128, split_k=0, num_warps=4, num_stages=4, group_m=8)
+W8A8_LARGE = BlockFp8Config(128, 128, split_k=0, num_warps=8, num_stages=3, group_m=8)
+
+
+def w8a8_config(m: int, n: int, k: int) -> BlockFp8Config:
+    """The W8A8 tile for an [m, k] x [n, k]^T product. Provisional (awaits the GPU sweep,
+    ``benchmarks/fp8_block_gemm.py --sweep``): 64-row tiles (one warpgroup) up to 256 rows,
+    where 128-row ones leave most SMs idle (256 x 4096 outputs: 64 tiles of 128 x 128),
+    128 x 128 on two warpgroups above (each weight tile read by half as many programs)."""
+    del n, k  # the sweep decides whether they matter
+    return W8A8_SMALL if m <= 256 else W8A8_LARGE
+
+
+def w8a8_split_k(tiles: int, k_tiles: int, device: torch.device) -> int:
+    """K's split for ``tiles`` output tiles of ``k_tiles`` K tiles each: doubled while the
+    programs cover under 90% of the SMs and every split keeps 4 K tiles at least (the
+    cp.async ring's depth plus one); 1 off the GPU."""
+    if device.type != "cuda":
+        return 1
+    from flashpage.kernels.device import num_sms
+
+    split, sms = 1, num_sms(device)
+    while tiles * split < 0.9 * sms and k_tiles // (2 * split) >= 4:
+        split *= 2
+    return split
 
 
 def parse_config(name: str) -> BlockFp8Config:
-    """A ``BlockFp8Config.name`` (m64n128s1w4st3g8) back to its config."""
+    """A ``BlockFp8Config.name`` (m64n128s1w4st3g8, a trailing t: TMA) back to its config."""
     import re
 
-    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)w(\d+)st(\d+)g(\d+)", name.strip())
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)w(\d+)st(\d+)g(\d+)(t?)", name.strip())
     if m is None:
         raise ValueError(f"{name!r} is not a config name such as m64n128s1w4st3g8")
-    return BlockFp8Config(*map(int, m.groups()))
+    bm, bn, split, warps, stages, group = map(int, m.groups()[:6])
+    return BlockFp8Config(bm, bn, split, warps, stages, group, tma=m[7] == "t")
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count
-def _w8a8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
-                       stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
+def _w8a8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, a_desc, w_desc, M, N, K,
+                       stride_am, stride_asm, stride_wn, stride_wsn, stride_om, stride_os,
                        BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] tile of the output; programs in GROUP_M-row bands so that
-    neighbours share the weight tiles they read (the Triton tutorial's ordering)."""
+                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                       TMA: tl.constexpr):
+    """Program (pid, pid_k): one [BLOCK_M, BLOCK_N] tile of the output over split pid_k's
+    share of the K tiles (all of them with SPLIT_K = 1; otherwise its fp32 partial sums go
+    to out[pid_k]); tiles in GROUP_M-row bands so that neighbours share the weight tiles
+    they read (the Triton tutorial's ordering). TMA: the operand tiles come through the
+    tensor descriptors a_desc / w_desc (boxes [BLOCK_M | BLOCK_N, BLOCK_K], zero past the
+    edges), else through pointers (a_desc / w_desc None).
+
+    Where BLOCK_N divides BN the tile's columns share one weight block row, so each K
+    tile's two scales fold into one factor per row (a_s * w_s, BLOCK_M products) and the
+    partial sum takes one FFMA per element; otherwise a scale per column, two."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     band = GROUP_M * tiles_n
@@ -166,25 +226,43 @@ def _w8a8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
     a_rows = a_ptr + rm[:, None] * stride_am
     w_rows = w_ptr + rn[:, None] * stride_wn
     as_rows = as_ptr + rm * stride_asm
-    ws_rows = ws_ptr + (rn // BN) * stride_wsn
+    ONE_WS: tl.constexpr = BN % BLOCK_N == 0
+    if ONE_WS:
+        ws_row = ws_ptr + ((pid_n * BLOCK_N) // BN).to(tl.int64) * stride_wsn
+    else:
+        ws_rows = ws_ptr + (rn // BN) * stride_wsn
+    tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(tiles, SPLIT_K)
+    start = pid_k * per_split
+    end = tl.minimum(start + per_split, tiles)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        if EVEN_K:
+    for t in range(start, end):
+        kk = t * BLOCK_K + offs_k
+        if TMA:
+            a = a_desc.load([pid_m * BLOCK_M, t * BLOCK_K])
+            w = w_desc.load([pid_n * BLOCK_N, t * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_rows + kk[None, :])
             w = tl.load(w_rows + kk[None, :])
         else:
             a = tl.load(a_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
             w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
-        g = k0 // BK
+        g = (t * BLOCK_K) // BK
         a_s = tl.load(as_rows + g)
-        w_s = tl.load(ws_rows + g)
-        acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty),
-             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+        part = tl.dot(a, tl.trans(w))
+        if ONE_WS:
+            acc += part * (a_s * tl.load(ws_row + g))[:, None]
+        else:
+            acc += part * a_s[:, None] * tl.load(ws_rows + g)[None, :]
+    out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m[:, None].to(tl.int64) * stride_om \
+        + offs_n[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out, acc, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -269,6 +347,12 @@ def w8a16_block_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return y
 
 
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """Whether TMA can read these row-major 1-byte tensors: 16-byte aligned bases and
+    rows (K a multiple of 16)."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in ts)
+
+
 def w8a8_block_matmul(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                       block: tuple[int, int], bias: torch.Tensor | None = None,
                       out_dtype: torch.dtype = torch.bfloat16,
@@ -291,14 +375,33 @@ def w8a8_block_matmul(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, scale
     y = torch.empty(m, n, device=xq.device, dtype=out_dtype)
     if m == 0:
         return y
-    cfg = config or (W8A8_SMALL if m <= 128 else W8A8_LARGE)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _w8a8_block_kernel[grid](
-        xq, xs, q, scale, bias if bias is not None else y, y, m, n, k,
-        xq.stride(0), xs.stride(0), q.stride(0), scale.stride(0), y.stride(0),
-        BN=block[0], BK=block[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk_tile,
-        GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, EVEN_K=k % bk_tile == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    cfg = config or w8a8_config(m, n, k)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    k_tiles = triton.cdiv(k, bk_tile)
+    split = cfg.split_k or w8a8_split_k(tiles, k_tiles, xq.device)
+    split = max(1, min(split, k_tiles))
+    out = y if split == 1 else torch.empty(split, m, n, device=xq.device, dtype=torch.float32)
+    a_desc = w_desc = None
+    if cfg.tma and _tma_ok(xq, q):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [cfg.block_m, bk_tile])
+        w_desc = TensorDescriptor(q, [n, k], [q.stride(0), 1], [cfg.block_n, bk_tile])
+    # the two CUtensorMaps encoded once per (address, shape), not at every launch
+    with cached_tma_maps(enabled=a_desc is not None and xq.is_cuda):
+        _w8a8_block_kernel[(tiles, split)](
+            xq, xs, q, scale, bias if bias is not None else y, out, a_desc, w_desc, m, n, k,
+            xq.stride(0), xs.stride(0), q.stride(0), scale.stride(0), n, m * n,
+            BN=block[0], BK=block[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=bk_tile, GROUP_M=cfg.group_m, SPLIT_K=split, HAS_BIAS=bias is not None,
+            EVEN_K=k % bk_tile == 0, TMA=a_desc is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+    if split > 1:
+        from flashpage.kernels.int4_gemv import _split_sum_kernel
+
+        _split_sum_kernel[(triton.cdiv(m * n, 1024),)](
+            out, bias if bias is not None else out, y, m * n, n, SPLIT_K=split,
+            HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
     return y
 
 

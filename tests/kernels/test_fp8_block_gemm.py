@@ -10,12 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashpage.kernels import fp8_block_gemm
 from flashpage.kernels.fp8_block_gemm import (
+    W8A8_CANDIDATES,
     BlockFp8Config,
     parse_config,
     quantize_per_token_group,
     w8a8_block_linear,
     w8a8_block_matmul,
+    w8a8_config,
+    w8a8_split_k,
     w8a16_block_matmul,
 )
 from flashpage.kernels.fp8_block_ref import (
@@ -177,6 +181,63 @@ def test_w8a8_block_cpu(m, n, k, block, bias, out_dtype):
     assert 2 ** -10 < err < 2 ** -4, err
 
 
+CANDIDATE_CASES = [  # m, n, k, block
+    (70, 200, 300, (128, 128)),  # partial row, column and K tiles; one weight scale a tile
+    (130, 260, 256, (64, 128)),  # 64-row blocks: a 128-column tile takes a scale a column
+    (40, 300, 512, (256, 128)),  # 256-row blocks: tiles share a block row, split K uneven
+]
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("m,n,k,block", CANDIDATE_CASES)
+@pytest.mark.parametrize("cfg", W8A8_CANDIDATES, ids=lambda c: c.name)
+def test_w8a8_candidate_tiles_cpu(cfg, m, n, k, block, split):
+    """Every tile the GPU sweep times (benchmarks/fp8_block_gemm.py --sweep), through
+    pointers or TMA descriptors (K 300: pointers, its rows not 16-byte multiples), gives the
+    fp32 emulation's product, unsplit (fp32 out) and with K split in 3 (the partial sums
+    added after, with the bias; fp16 out): one scale per row and tile where its columns
+    share a weight block row, a scale per column where they do not."""
+    import dataclasses
+
+    w, q, s, b, g = _weights(n, k, block, m + n + k, bias=True)
+    x = torch.randn(m, k, device=DEV, generator=g)
+    xq, xs = quantize_per_token_group(x, block[1])
+    out_dtype = torch.float32 if split == 1 else torch.float16
+    got = w8a8_block_matmul(xq, xs, q, s, block, b, out_dtype=out_dtype,
+                            config=dataclasses.replace(cfg, split_k=split))
+    ref = w8a8_block_linear_ref(x, q, s, block, b, out_dtype=out_dtype)
+    assert got.dtype == out_dtype and got.shape == (m, n)
+    tol = 1e-5 if out_dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol * ref.abs().max().item(), rtol=tol)
+    # TMA tiles read through descriptors where rows are 16-byte multiples (K 256, 512)
+    assert fp8_block_gemm._tma_ok(xq, q) == (k % 16 == 0)
+
+
+def test_w8a8_default_tiles_and_split(monkeypatch):
+    """The default tile is one of the swept candidates at every row count, each candidate
+    named uniquely (TMA ones with a trailing t); K is split only
+    on the GPU, doubling while the programs cover under 90% of the SMs and every split
+    keeps 4 K tiles."""
+    from flashpage.kernels import device
+
+    for m in (1, 17, 64, 128, 256, 257, 2048, 8192):
+        assert w8a8_config(m, 4096, 4096) in W8A8_CANDIDATES
+    # each candidate's name (the sweep's JSON, --configs) is its own and parses back to it
+    assert len({c.name for c in W8A8_CANDIDATES}) == len(W8A8_CANDIDATES)
+    assert all(parse_config(c.name) == c for c in W8A8_CANDIDATES)
+    assert parse_config("m64n128s0w4st3g8t").tma and not parse_config("m64n128s0w4st3g8").tma
+    assert w8a8_split_k(8, 64, torch.device("cpu")) == 1
+    monkeypatch.setattr(device, "num_sms", lambda dev: 132)
+    cuda = torch.device("cuda")
+    assert w8a8_split_k(32, 32, cuda) == 4      # 64 x 4096 outputs in 64 x 128 tiles, K 4096
+    assert w8a8_split_k(32, 112, cuda) == 4     # K 14336
+    assert w8a8_split_k(112, 32, cuda) == 2     # 64 x 14336
+    assert w8a8_split_k(128, 32, cuda) == 1     # 128 programs: 97% of the SMs
+    assert w8a8_split_k(4, 8, cuda) == 2        # 8 K tiles: two splits of 4, no more
+    assert w8a8_split_k(4, 7, cuda) == 1
+
+
 ROW_CASES = [  # n, k, block, config (None: default_row_config), silu_mul
     (96, 256, (128, 128), None, False),                 # whole row, sub-tiles of 128
     (200, 300, (128, 128), None, True),                 # partial N and K blocks, SiLU·mul
@@ -308,6 +369,23 @@ def test_w8a8_block_gpu_matches_its_emulation(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [64, 300])
+@pytest.mark.parametrize("cfg", W8A8_CANDIDATES, ids=lambda c: c.name)
+def test_w8a8_candidate_tiles_gpu(cfg, m):
+    """Every tile --sweep times, on the e4m3 tensor cores (cp.async or TMA; at 64 rows K
+    split, at 300 a partial row tile): the emulation's product to bf16 rounding."""
+    from flashpage.kernels.device import cuda_capability
+
+    if cuda_capability(torch.device("cuda")) < (8, 9):
+        pytest.skip("e4m3 tensor cores need sm_89+")
+    _, q, s, b, g = _weights(1536, 1024, (128, 128), m, bias=True, dtype=torch.bfloat16)
+    x = torch.randn(m, 1024, device="cuda", generator=g).bfloat16()
+    got = w8a8_block_linear(x, q, s, (128, 128), b, config=cfg)
+    assert _rel(got, w8a8_block_linear_ref(x, q, s, (128, 128), b)) < 2 ** -8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_fp8_block_linear_paths_on_the_gpu():
     """layers/quant.fp8_block_linear: weight-only up to BLOCK_W8A16_ROWS rows, W8A8 above
     (sm_89+), weight-only for fp32 activations; each the kernel it names, to the bit, and
@@ -344,8 +422,8 @@ def _compile_block_kernels() -> dict[str, str]:
 
     out = {}
     k = compile_sm90(m._w8a8_block_kernel, dict(
-        BN=128, BK=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, HAS_BIAS=True,
-        EVEN_K=True), {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+        BN=128, BK=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, SPLIT_K=1,
+        HAS_BIAS=True, EVEN_K=True, TMA=False, a_desc=None, w_desc=None), {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                        "ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16"},
         num_warps=8, num_stages=3, aligned=("a_ptr", "w_ptr", "stride_am", "stride_wn"))
     out["w8a8"] = k.asm["ptx"]
@@ -373,6 +451,80 @@ def test_block_kernels_compile_for_sm90():
     assert "wgmma" in ptx["w8a8"] and "e4m3.e4m3" in ptx["w8a8"]
     assert "e4m3x2" in ptx["w8a16"] and ("mma" in ptx["w8a16"])
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx["quant"]
+
+
+def _compile_w8a8_tiles() -> dict[str, dict]:
+    """Each W8A8 candidate tile (unsplit, bf16 out) and the small default split in 4 (fp32
+    out) built for sm_90a, as a GPU launch specializes them: cfg name -> registers, spills,
+    shared memory and the opcode counts of the main loop (the one holding the MMAs)."""
+    import collections
+    import dataclasses
+
+    from sm90 import compile_sm90, ptxas_sm90a, ptxas_usage, sass_instructions, sass_loops
+
+    from flashpage.kernels import fp8_block_gemm as m
+
+    out = {}
+    for cfg in m.W8A8_CANDIDATES + (dataclasses.replace(m.W8A8_SMALL, split_k=4),):
+        split = cfg.split_k or 1
+        descs = {} if cfg.tma else dict(a_desc=None, w_desc=None)  # None: the pointer path
+        k = compile_sm90(m._w8a8_block_kernel, dict(
+            BN=128, BK=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128,
+            GROUP_M=cfg.group_m, SPLIT_K=split, HAS_BIAS=False, EVEN_K=True, TMA=cfg.tma,
+            **descs),
+            {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+             "b_ptr": "*bf16", "out_ptr": "*bf16" if split == 1 else "*fp32",
+             "a_desc": f"tensordesc<fp8e4nv[{cfg.block_m}, 128]>",
+             "w_desc": f"tensordesc<fp8e4nv[{cfg.block_n}, 128]>"},
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            aligned=("a_ptr", "w_ptr", "stride_am", "stride_wn", "stride_om"))
+        log, sass = ptxas_sm90a(k.asm["ptx"])
+        ins, labels = sass_instructions(sass)
+        bodies = [[t.split(" ")[0] for t in ins[lo:hi + 1]] for lo, hi in sass_loops(ins, labels)]
+        # the main loop: the shortest backward branch around MMAs (a TMA kernel's mbarrier
+        # retry stubs, placed after the exit, branch back over the epilogue too)
+        body = min((b for b in bodies if any(o.startswith("QGMMA") for o in b)), key=len,
+                   default=[])
+        out[cfg.name] = {**ptxas_usage(log), "shared": k.metadata.shared,
+                         "main": dict(collections.Counter(body))}
+    return out
+
+
+def test_w8a8_tiles_compile_to_pipelined_wgmma_for_sm90():
+    """On the CPU, every candidate tile (the defaults among them) and the split form: a
+    main loop of Hopper e4m3 warpgroup MMAs (QGMMA ... E4M3.E4M3, 4 a 128-deep K tile per
+    warpgroup) fed by cp.async (LDGSTS: the whole tile in 16-byte copies) or TMA (two
+    UTMALDG, one box an operand) into a ring of num_stages tiles of shared memory, no
+    plain load of the operands in it, no spills; and the two block scales folded into
+    one factor per row where a tile's columns share a weight block row: one FFMA per
+    accumulator element per K tile, no FMUL over it (two, FMUL + FFMA, where they do not)."""
+    from sm90 import run_compiled
+
+    from flashpage.kernels.fp8_block_gemm import W8A8_LARGE, W8A8_SMALL
+
+    got = run_compiled("test_fp8_block_gemm", "_compile_w8a8_tiles")
+    assert {W8A8_SMALL.name, W8A8_LARGE.name} <= set(got)
+    for name, r in got.items():
+        cfg = parse_config(name)
+        main = r["main"]
+        assert r["spill_bytes"] == 0 and main, (name, r)
+        mmas = {o: n for o, n in main.items() if o.startswith("QGMMA")}
+        assert mmas and all(o.endswith(".F32.E4M3.E4M3") for o in mmas), (name, main)
+        assert sum(mmas.values()) == 128 // 32, (name, main)  # each warpgroup's K steps
+        copies = sum(n for o, n in main.items() if o.startswith("LDGSTS"))
+        tma = sum(n for o, n in main.items() if o.startswith("UTMALDG"))
+        stage = (cfg.block_m + cfg.block_n) * 128  # e4m3 bytes of one K tile of A and W
+        if cfg.tma:
+            assert tma == 2 and copies == 0, (name, main)
+        else:  # 16-byte copies
+            assert tma == 0 and copies * 16 * 32 * cfg.num_warps == stage, (name, main)
+        assert r["shared"] >= cfg.num_stages * stage, (name, r["shared"])
+        assert main.get("LDG.E", 0) + main.get("LDG.E.CONSTANT", 0) <= 4, (name, main)  # scales
+        per_thread = cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
+        if cfg.block_n <= 128:  # 128 x 128 blocks: one weight scale a tile
+            assert main["FFMA"] == per_thread and main.get("FMUL", 0) <= 4, (name, main)
+        else:
+            assert main["FFMA"] == per_thread and main["FMUL"] == per_thread, (name, main)
 
 
 # ----------------------------------------------------------------------------- in the engine
