@@ -19,6 +19,10 @@
 #                                                 experts on the fused kernel at every step size
 #                                                 now); JSON under $OUT, logs in /tmp (the device
 #                                                 returns ~8 files)
+#   BUDGET=280 bash benchmarks/gpu_s26.sh d       the fp8 W8A8 block GEMM's candidate tiles timed
+#                                                 (benchmarks/fp8_block_gemm.py --sweep), EAGLE's
+#                                                 GPU tests, the kept-MXFP4 GPT-OSS GPU test, the
+#                                                 W8A8 candidates' GPU test
 # Results under $OUT. Every step under `timeout "$(left N)"` (gpu_lib.sh).
 PART=${1:-mxfp4}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -60,5 +64,15 @@ print({k: r[k] for k in ("seconds", "output_tok_per_s", "total_tok_per_s", "kv_b
 PY
   done
   echo "part c done at ${SECONDS}s" ;;
+d)
+  timeout "$(left 100)" python3 benchmarks/fp8_block_gemm.py --sweep --json-out "$OUT/fp8_block_sweep.json" \
+    > /tmp/fp8_block_sweep.txt 2>&1
+  grep " best " /tmp/fp8_block_sweep.txt; tail -n 2 /tmp/fp8_block_sweep.txt
+  timeout "$(left 70)" $PT -rf -m gpu tests/engine/test_eagle.py 2>&1 | tee "$OUT/gpu_eagle_tests.txt" | tail -n 4
+  timeout "$(left 70)" $PT -rf -m gpu tests/models/test_gpt_oss.py -k mxfp4_experts_kept 2>&1 \
+    | tee "$OUT/gpu_gpt_oss_kept_test.txt" | tail -n 4
+  timeout "$(left 60)" $PT -rf -m gpu tests/kernels/test_fp8_block_gemm.py -k "w8a8 or fp8_block_linear_paths" \
+    2>&1 | tee "$OUT/gpu_fp8_block_tests.txt" | tail -n 4
+  echo "part d done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
