@@ -27,8 +27,9 @@ a checkpoint may name its own in ``eagle_config.eagle_aux_hidden_state_layer_ids
     logits = lm_head(norm(y))                       its own lm_head over draft_vocab_size ids;
                                                     draft id i is target id i + d2t[i]
 
-The draft's logits are scattered into the target's vocabulary (-inf elsewhere), so the
-picking and verifying code sees target ids. ``t2d`` (a boolean mask over the target's ids)
+The draft's logits are scattered into the target's vocabulary (-1e4 elsewhere: never drawn
+nor picked while a draft-vocabulary token is allowed), so the picking and verifying code
+sees target ids. ``t2d`` (a boolean mask over the target's ids)
 is read only to check its shape. The embedding is the target's unless the checkpoint holds
 a different ``embed_tokens.weight``.
 
@@ -63,6 +64,7 @@ EAGLE_METHODS = ("eagle", "eagle3")
 # DecoderStack hands over
 EAGLE_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _OWN = ("fc.", "norm.", "lm_head.", "embed_tokens.", "d2t", "t2d")
+_OUTSIDE = -1e4  # EAGLE-3: the logit of a target id outside the draft vocabulary
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -227,7 +229,10 @@ class EagleLayer(HiddenStateDraft):
         d2t = self.draft_to_target
         if d2t is None:
             return logits
-        full = logits.new_full((logits.shape[0], self.spec.config.vocab_size), float("-inf"))
+        # outside the draft vocabulary: a logit no real one comes near (exp underflows to 0)
+        # but finite, so a row whose every draft-vocabulary token a structured-outputs
+        # pattern masks still has a distribution (over what the pattern allows)
+        full = logits.new_full((logits.shape[0], self.spec.config.vocab_size), _OUTSIDE)
         return full.index_copy_(1, d2t, logits)
 
 

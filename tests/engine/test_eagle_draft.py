@@ -394,9 +394,10 @@ def test_preemption_and_async_scheduling_keep_the_tokens(ckpts, method):
     _no_leak(llm)
 
 
-def test_sampled_requests_are_seeded(ckpts):
-    """Sampled requests draw drafts from the head's q (EAGLE-3: -inf outside its vocabulary):
-    a seed gives the same tokens twice; the exact head's drafts are still accepted often."""
+def test_sampled_requests_are_seeded(ckpts, monkeypatch):
+    """Sampled requests draw drafts from the head's q: a seed gives the same tokens twice;
+    the exact head's drafts are still accepted often; the random EAGLE-3 head's sampled
+    drafts are all from its reduced vocabulary (no probability outside it)."""
     prompts = random_prompts(3, 5, 20, seed=11)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=7, ignore_eos=True)
     a = _ids(_llm(ckpts["flat"], ckpts["eagle3_exact"], "eagle3"), prompts, params)
@@ -404,6 +405,13 @@ def test_sampled_requests_are_seeded(ckpts):
     assert _ids(llm, prompts, params) == a
     st = llm.engine.stats()["spec_decode"]
     assert st["num_draft_tokens"] > 0 and st["num_accepted_tokens"] > 0
+    _no_leak(llm)
+    seen = spy_drafts(monkeypatch)
+    params = SamplingParams(temperature=1.5, max_tokens=16, seed=3, ignore_eos=True)
+    llm = _llm(ckpts["base"], ckpts["eagle3"], "eagle3", spec={"backoff": False})
+    _ids(llm, prompts, params)
+    allowed = set(_vocab_map(DRAFT_VOCAB, 4).tolist())
+    assert len(seen) >= 5 and all(set(d) <= allowed for _, d in seen)
     _no_leak(llm)
 
 
