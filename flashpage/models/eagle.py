@@ -324,6 +324,21 @@ def load_eagle(spec: EagleSpec, target: nn.Module, dtype: torch.dtype, device: t
             layer.embed_tokens.to(dtype).weight.copy_(copy)
         if layer.eagle3:
             _load_vocab(layer, own, spec, where, dtype, device, missing)
+        elif "lm_head.weight" in own:  # an EAGLE-1 head's own copy: used where it differs
+            head = cast(torch.Tensor, target.get_parameter("lm_head.weight"))
+            copy = own["lm_head.weight"]
+            if tuple(copy.shape) != tuple(head.shape):
+                raise ConfigError(f"{where}: lm_head.weight: checkpoint shape {tuple(copy.shape)} != "
+                                  f"the target's {tuple(head.shape)}")
+            if not torch.equal(copy.to(head), head):
+                with torch.device(device):
+                    layer.lm_head = ColumnParallelLinear(head.shape[1], head.shape[0], bias=False)
+                cast(torch.Tensor, layer.lm_head.to(dtype).weight).copy_(copy)
+        unused = sorted(set(own) - {"fc.weight", "norm.weight", "embed_tokens.weight", "lm_head.weight",
+                                    "d2t", "t2d"} - ({"fc.bias"} if layer.fc.bias is not None else set()))
+        if unused:
+            raise ConfigError(f"{where}: checkpoint tensor(s) {', '.join(unused)} have no place in the "
+                              f"EAGLE head (config.json's bias: {spec.fc_bias})")
         # the decoder layer through the Llama family's loading (merged q/k/v and gate/up), on
         # a stand-in holding just this layer
         loader: Any = LlamaForCausalLM.__new__(LlamaForCausalLM)

@@ -449,11 +449,38 @@ def test_config_errors(ckpts, tmp_path, tiny_moe_checkpoint):
         _llm(ckpts["base"], ckpts["eagle3"], "eagle")
     with pytest.raises(ConfigError, match="an EAGLE-1 checkpoint"):
         _llm(ckpts["base"], ckpts["eagle"], "eagle3")
+    nobias = edited_copy(ckpts["eagle"], tmp_path / "nobias", None, lambda c: c.update(bias=False))
+    with pytest.raises(ConfigError, match="fc.bias have no place in the EAGLE head"):
+        _llm(ckpts["base"], nobias)
     shallow = build_tiny_checkpoint(tmp_path / "shallow", "llama31_gqa", num_hidden_layers=2)
     with pytest.raises(ConfigError, match="EAGLE-3 reads three target layers"):
         _llm(shallow, ckpts["eagle3"], "eagle3")
     with pytest.raises(ConfigError, match="dense Llama-family targets"):
         _llm(tiny_moe_checkpoint("mixtral"), ckpts["eagle"])
+
+
+def test_the_other_published_names_load_the_same_head(ckpts, tmp_path):
+    """EAGLE-3 tensors under ``model.layers.0.*`` (a leading ``model.``, ``layers.0.`` for
+    ``midlayer.``) and EAGLE-1's with an lm_head copy equal to the target's: the same tokens
+    and drafts as the published layout."""
+    prompts = random_prompts(3, 5, 20, seed=3)
+
+    def renamed(t):
+        for k in list(t):
+            t["model." + k.replace("midlayer.", "layers.0.")] = t.pop(k)
+
+    other = edited_copy(ckpts["eagle3"], tmp_path / "e3", renamed)
+    a = _llm(ckpts["base"], ckpts["eagle3"], "eagle3", spec={"backoff": False})
+    b = _llm(ckpts["base"], other, "eagle3", spec={"backoff": False})
+    assert _ids(a, prompts) == _ids(b, prompts)
+    assert a.engine.stats()["spec_decode"] == b.engine.stats()["spec_decode"]
+    head = _target_weights(ckpts["base"])["lm_head.weight"]
+    copy = edited_copy(ckpts["eagle"], tmp_path / "e1", lambda t: t.update({"lm_head.weight": head}))
+    c = _llm(ckpts["base"], ckpts["eagle"], spec={"backoff": False})
+    d = _llm(ckpts["base"], copy, spec={"backoff": False})
+    assert _ids(c, prompts) == _ids(d, prompts)
+    assert c.engine.stats()["spec_decode"] == d.engine.stats()["spec_decode"]
+    assert d.engine.mtp is not None and d.engine.mtp.lm_head is None
 
 
 def test_the_cli_takes_method_eagle3(ckpts):
