@@ -483,6 +483,39 @@ def test_the_other_published_names_load_the_same_head(ckpts, tmp_path):
     assert d.engine.mtp is not None and d.engine.mtp.lm_head is None
 
 
+@pytest.mark.parametrize("which", ["random", "exact"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_graph_forwards_draft_as_the_eager_head(ckpts, monkeypatch, method, which):
+    """The head's decode and catch-up graphs (MTPRunner's, set up uncaptured: the CPU runs
+    their padded static-buffer forwards eagerly; EAGLE-3's fc applied before the copy into
+    the static buffer): batch 5 padded to 8, max_tokens ending mid-step; every draft the
+    eager head's (random heads draft from the hidden states fed through the buffers), every
+    token plain decoding's; the exact heads' accepted drafts make catch-ups of 1 + k
+    positions a request, which take the catch-up graphs."""
+    target, head = (ckpts["base"], ckpts[method]) if which == "random" else \
+        (ckpts["flat"], ckpts[f"{method}_exact"])
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 7, 14, 3, 18)]
+    want = _ids(_llm(target), prompts, params)
+    seen = spy_drafts(monkeypatch)
+    eager = _llm(target, head, method, spec={"backoff": False})
+    assert _ids(eager, prompts, params) == want
+    eager_seen = list(seen)
+    seen.clear()
+    llm = _llm(target, head, method, spec={"backoff": False})
+    runner = llm.engine.proposer.runner
+    runner.capture_graphs(8, llm.engine.max_model_len, capture=False)
+    runner.capture_catchup_graphs(8, llm.engine.max_model_len, 1 + K, capture=False)
+    assert _ids(llm, prompts, params) == want
+    assert seen == eager_seen and len(seen) >= 10
+    st = llm.engine.stats()["spec_decode"]
+    assert st == eager.engine.stats()["spec_decode"]
+    assert runner.graph_forwards > 0
+    if which == "exact":
+        assert st["acceptance_rate"] == 1.0 and runner.catchup_forwards > 0, st
+    _no_leak(llm)
+
+
 def test_the_cli_takes_method_eagle3(ckpts):
     """``--speculative-config '{"method": "eagle3", "model": ...}'`` builds the proposer."""
     from flashpage.cli import build_llm, build_parser
