@@ -461,8 +461,8 @@ def test_config_errors(ckpts, tmp_path, tiny_moe_checkpoint):
 
 def test_the_other_published_names_load_the_same_head(ckpts, tmp_path):
     """EAGLE-3 tensors under ``model.layers.0.*`` (a leading ``model.``, ``layers.0.`` for
-    ``midlayer.``) and EAGLE-1's with an lm_head copy equal to the target's: the same tokens
-    and drafts as the published layout."""
+    ``midlayer.``) or in a pytorch_model.bin, and EAGLE-1's with an lm_head copy equal to
+    the target's: the same tokens and drafts as the published layout."""
     prompts = random_prompts(3, 5, 20, seed=3)
 
     def renamed(t):
@@ -470,10 +470,17 @@ def test_the_other_published_names_load_the_same_head(ckpts, tmp_path):
             t["model." + k.replace("midlayer.", "layers.0.")] = t.pop(k)
 
     other = edited_copy(ckpts["eagle3"], tmp_path / "e3", renamed)
+    # the released EAGLE-3 heads are pytorch_model.bin files
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    (binary / "config.json").write_text((ckpts["eagle3"] / "config.json").read_text())
+    torch.save(_target_weights(ckpts["eagle3"]), binary / "pytorch_model.bin")
     a = _llm(ckpts["base"], ckpts["eagle3"], "eagle3", spec={"backoff": False})
-    b = _llm(ckpts["base"], other, "eagle3", spec={"backoff": False})
-    assert _ids(a, prompts) == _ids(b, prompts)
-    assert a.engine.stats()["spec_decode"] == b.engine.stats()["spec_decode"]
+    want = _ids(a, prompts)
+    for folder in (other, binary):
+        b = _llm(ckpts["base"], folder, "eagle3", spec={"backoff": False})
+        assert _ids(b, prompts) == want
+        assert a.engine.stats()["spec_decode"] == b.engine.stats()["spec_decode"]
     head = _target_weights(ckpts["base"])["lm_head.weight"]
     copy = edited_copy(ckpts["eagle"], tmp_path / "e1", lambda t: t.update({"lm_head.weight": head}))
     c = _llm(ckpts["base"], ckpts["eagle"], spec={"backoff": False})
