@@ -84,8 +84,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}\' (drafts looked up in the request\'s own tokens), '
                         '\'{"model": "DRAFT_PATH", "num_speculative_tokens": 4}\' (a smaller draft '
-                        'model with the same vocabulary), or \'{"method": "mtp", "num_speculative_tokens": 1}\' '
-                        '(the checkpoint\'s own multi-token-prediction layer: GLM-4.5, DeepSeek-V3)')
+                        'model with the same vocabulary), \'{"method": "mtp", "num_speculative_tokens": 1}\' '
+                        '(the checkpoint\'s own multi-token-prediction layer: GLM-4.5, DeepSeek-V3), or '
+                        '\'{"method": "eagle3", "model": "EAGLE_HEAD_PATH", "num_speculative_tokens": 3}\' '
+                        '(an EAGLE-1 ("eagle") or EAGLE-3 head over a Llama-family target)')
 
 
 def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:

@@ -2329,8 +2329,10 @@ class EngineConfig:
     # speculative decoding, as vLLM's speculative_config: {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}, or a draft
     # model's, {"model": PATH, "num_speculative_tokens": k}, or the checkpoint's own MTP
-    # layer's, {"method": "mtp", "num_speculative_tokens": k} (a dict or its JSON text;
-    # engine/spec_decode.py, engine/draft_model.py, engine/mtp.py); None: off
+    # layer's, {"method": "mtp", "num_speculative_tokens": k}, or an EAGLE head's,
+    # {"method": "eagle" | "eagle3", "model": PATH, "num_speculative_tokens": k} (a dict or
+    # its JSON text; engine/spec_decode.py, engine/draft_model.py, engine/mtp.py,
+    # engine/eagle.py); None: off
     speculative_config: dict[str, Any] | str | None = None
     # LoRA adapters (vLLM's enable_lora / max_loras / max_lora_rank; flashpage/lora/): requests
     # may name a PEFT adapter; a step runs at most max_loras distinct ones (its slots), each of

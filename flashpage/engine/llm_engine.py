@@ -19,8 +19,14 @@ import torch
 
 from flashpage import envs
 from flashpage.attention.backend import AttentionBackend
-from flashpage.attention.registry import select_backend
-from flashpage.config import EngineConfig, ModelConfig, dtype_bytes, resolve_kv_cache_dtype
+from flashpage.attention.registry import backend_reasons, select_backend
+from flashpage.config import (
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    dtype_bytes,
+    resolve_kv_cache_dtype,
+)
 from flashpage.engine.cuda_graph import PREFILL_MAX_TOKENS
 from flashpage.engine.draft_model import DraftRunner, build_draft_proposer, check_draft_config
 from flashpage.engine.model_runner import ModelRunner
@@ -46,6 +52,7 @@ from flashpage.sampling_params import SamplingParams, StructuredOutputsError
 
 if TYPE_CHECKING:
     from flashpage.lora.manager import LoRAManager
+    from flashpage.models.mtp import HiddenStateDraft
     from flashpage.structured.compiler import GuideCompiler
     from flashpage.structured.guide import CompiledGuide
 
@@ -147,11 +154,15 @@ class LLMEngine:
         self.draft: tuple[ModelSource, torch.nn.Module, type[AttentionBackend]] | None = None
         if self.spec_config is not None and self.spec_config.method == "draft_model":
             self.draft = self._load_draft(self.spec_config)
-        # the checkpoint's multi-token-prediction layer as the draft (engine/mtp.py)
-        self.mtp: torch.nn.Module | None = None
+        # the checkpoint's multi-token-prediction layer as the draft (engine/mtp.py), or an
+        # EAGLE head run the same way (engine/eagle.py): a draft layer fed the target's
+        # hidden states, kept in mtp_hidden
+        self.mtp: HiddenStateDraft | None = None
         self.mtp_hidden: torch.Tensor | None = None
         if self.spec_config is not None and self.spec_config.method == "mtp":
             self.mtp, self.mtp_hidden = self._load_mtp(backend_cls.name == "triton")
+        elif self.spec_config is not None and self.spec_config.method in ("eagle", "eagle3"):
+            self.mtp, self.mtp_hidden = self._load_eagle(backend_cls.name == "triton")
         set_fused_moe(self.model, fused_moe)
         if self.mtp is not None:
             set_fused_moe(self.mtp, fused_moe)
@@ -237,16 +248,18 @@ class LLMEngine:
             if (self.device.type == "cuda" and not config.enforce_eager and draft_backend.supports_cuda_graphs
                     and getattr(model, "supports_cuda_graphs", True)):
                 self._capture_draft_graphs(self.proposer.runner)
-        elif self.mtp is not None:  # engine/mtp.py
+        elif self.mtp is not None:  # engine/mtp.py (an EAGLE head: engine/eagle.py)
             assert self.spec_config is not None and self.mtp_hidden is not None
             assert isinstance(self.kv_manager, KVCacheManager)  # no KV cache groups with a draft
+            layer_cfg = self.mtp.config  # the layer's own shape (an MTP layer's: the target's)
             self.proposer = build_mtp_proposer(
                 self.spec_config, self.mtp, mc, self.runner, self.mtp_hidden,
-                backend_cls(mc, self.device, self.dtype), self.kv_manager, self.num_blocks,
+                backend_cls(layer_cfg, self.device, self.dtype), self.kv_manager, self.num_blocks,
                 config.block_size, self.device, self.kv_dtype, self.max_model_len)
             if (self.device.type == "cuda" and not config.enforce_eager and backend_cls.supports_cuda_graphs
                     and getattr(self.mtp, "supports_cuda_graphs", True)):
-                self._capture_draft_graphs(self.proposer.runner, "MTP layer")
+                self._capture_draft_graphs(self.proposer.runner, "MTP layer" if self.spec_config.method
+                                           == "mtp" else "EAGLE head")
         elif self.spec_config is not None:
             self.proposer = NgramProposer(self.spec_config, self.max_model_len)
         self._inflight: _Inflight | None = None  # the launched step not yet read back
@@ -457,7 +470,7 @@ class LLMEngine:
         ops.set_fused_ops(model, backend_cls.name == "triton")
         return source, model, backend_cls
 
-    def _load_mtp(self, fused: bool) -> tuple[torch.nn.Module, torch.Tensor]:
+    def _load_mtp(self, fused: bool) -> tuple[HiddenStateDraft, torch.Tensor]:
         """The checkpoint's MTP layer (models/mtp.py) over the loaded target, and the buffer
         the target's forwards keep their final hidden states in (set before any CUDA graph
         is captured, so the graphs write it); a ConfigError names what is missing."""
@@ -475,6 +488,29 @@ class LLMEngine:
         logger.info("speculative decoding with the checkpoint's MTP layer (model.layers.%d)",
                     self.model_config.num_hidden_layers)
         return mtp, hidden
+
+    def _load_eagle(self, fused: bool) -> tuple[HiddenStateDraft, torch.Tensor]:
+        """The EAGLE head of the speculative config (models/eagle.py) over the loaded target,
+        and the buffer the target's forwards keep the states it reads in (its final hidden
+        states, or EAGLE-3's three layers'); a ConfigError names what does not fit."""
+        from flashpage.engine.eagle import load_eagle_head
+
+        cfg, spec = self.config, self.spec_config
+        assert spec is not None
+        rows = max(cfg.max_num_batched_tokens, PREFILL_MAX_TOKENS,
+                   min(cfg.max_num_seqs, 512) * (1 + spec.num_speculative_tokens))
+        head, states = load_eagle_head(spec, self.model_config, self.model, self.dtype, self.device,
+                                       self.max_model_len, rows)
+        # the head's pool and attention are of its own shape: the target's backend must run it
+        why_not = backend_reasons(self.backend_name, head.config, self.device, self.dtype,
+                                  self.kv_dtype)
+        if why_not:
+            raise ConfigError(f"speculative_config method {spec.method!r}: attention backend "
+                              f"{self.backend_name!r} cannot run the EAGLE head: {'; '.join(why_not)}")
+        ops.set_fused_ops(head, fused)
+        logger.info("speculative decoding with the %s head %s", "EAGLE-3" if spec.method == "eagle3"
+                    else "EAGLE", spec.model)
+        return head, states
 
     def _release_window(self) -> tuple[int | None, int]:
         """The sliding window behind which the KV cache gives blocks back, and the slack
@@ -513,8 +549,8 @@ class LLMEngine:
             per_token = mc.kv_bytes_per_token(kv_dtype, per_layer=True) * lay.num_slots
         if self.draft is not None:  # its pool has a block for each of the target's
             per_token += self.draft[0].config.kv_bytes_per_token(kv_dtype)
-        if self.mtp is not None:  # the MTP layer's pool likewise: one layer
-            per_token += mtp_kv_bytes_per_token(mc, kv_dtype)
+        if self.mtp is not None:  # the MTP layer's (EAGLE head's) pool likewise: one layer
+            per_token += mtp_kv_bytes_per_token(self.mtp.config, kv_dtype)
         per_block = per_token * cfg.block_size
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from flashpage.engine.model_runner import ModelRunner
     from flashpage.engine.scheduler import SchedulerOutput
     from flashpage.engine.sequence import Request
-    from flashpage.models.mtp import MTPLayer
+    from flashpage.models.mtp import HiddenStateDraft
 
 
 class MTPRunner(DraftRunner):
@@ -80,9 +80,9 @@ class MTPRunner(DraftRunner):
     that replays a graph first copies them into that graph kind's static buffer, which the
     layer read while it was captured."""
 
-    model: MTPLayer
+    model: HiddenStateDraft
 
-    def __init__(self, model: MTPLayer, model_config: ModelConfig, backend: AttentionBackend,
+    def __init__(self, model: HiddenStateDraft, model_config: ModelConfig, backend: AttentionBackend,
                  kv_manager: KVCacheManager, num_blocks: int, block_size: int,
                  device: torch.device, kv_dtype: torch.dtype, vocab_size: int) -> None:
         super().__init__(model, model_config, backend, kv_manager, num_blocks, block_size,
@@ -94,8 +94,8 @@ class MTPRunner(DraftRunner):
     def _reading(self, kind: str, rows: int) -> Iterator[None]:
         """The layer reads a new static buffer of ``rows`` rows for graph ``kind`` while
         its graphs are built (and captured)."""
-        buf = torch.zeros(rows, self.config.hidden_size, dtype=self.model.eh_proj.weight.dtype,
-                          device=self.device)
+        dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+        buf = torch.zeros(rows, self.config.hidden_size, dtype=dtype, device=self.device)
         self.static_prev[kind] = buf
         prev, self.model.prev_hidden = self.model.prev_hidden, buf
         try:
@@ -229,7 +229,9 @@ class MTPProposer(DraftModelProposer):
         want = [where[r.request_id] for r in active]
         counts = [len(r.spec_token_ids) for r in active]
         picker = _DraftPicker(active, counts, runner.vocab_size, runner.device)
-        runner.model.prev_hidden = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
+        # (an EAGLE-3 head projects the target's three states to one here: models/eagle.py)
+        runner.model.prev_hidden = runner.model.from_target(
+            torch.cat(hidden) if len(hidden) > 1 else hidden[0])
         try:
             logits = runner.forward(rows, want)
             if not active:  # only catching up
@@ -252,12 +254,13 @@ def build_mtp_proposer(config: SpeculativeConfig, layer: nn.Module, target_confi
                        target: ModelRunner, hidden_states: torch.Tensor, backend: AttentionBackend,
                        kv_manager: KVCacheManager, num_blocks: int, block_size: int,
                        device: torch.device, kv_dtype: torch.dtype, max_model_len: int) -> MTPProposer:
-    """The proposer over a loaded MTP ``layer`` (models/mtp.load_mtp), its pool allocated;
+    """The proposer over a loaded MTP ``layer`` (models/mtp.load_mtp) or EAGLE head
+    (models/eagle.load_eagle: engine/eagle.py), its pool (of the layer's shape) allocated;
     the target's runner set to keep each step's layout."""
-    from flashpage.models.mtp import MTPLayer
+    from flashpage.models.mtp import HiddenStateDraft
 
-    assert isinstance(layer, MTPLayer)
-    runner = MTPRunner(layer, target_config, backend, kv_manager, num_blocks, block_size,
+    assert isinstance(layer, HiddenStateDraft)
+    runner = MTPRunner(layer, layer.config, backend, kv_manager, num_blocks, block_size,
                        device, kv_dtype, target_config.vocab_size)
     target.keep_layout = True
     return MTPProposer(config, max_model_len, runner=runner, target=target,
@@ -265,7 +268,8 @@ def build_mtp_proposer(config: SpeculativeConfig, layer: nn.Module, target_confi
 
 
 def mtp_kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
-    """The MTP layer's K/V bytes a token (one layer of the target's shape)."""
+    """The MTP layer's K/V bytes a token (one layer of ``config``'s shape: the target's, an
+    EAGLE head's own)."""
     return config.kv_bytes_per_token(kv_dtype, per_layer=True)
 
 

@@ -1,6 +1,7 @@
 """Speculative decoding by n-gram lookup (vLLM's ``{"method": "ngram"}``, "prompt lookup"),
-by a small draft model (``{"model": PATH}``, method "draft_model": engine/draft_model.py), or
-by the checkpoint's own multi-token-prediction layer (``{"method": "mtp"}``: engine/mtp.py).
+by a small draft model (``{"model": PATH}``, method "draft_model": engine/draft_model.py),
+by the checkpoint's own multi-token-prediction layer (``{"method": "mtp"}``: engine/mtp.py),
+or by an EAGLE head (``{"method": "eagle" | "eagle3", "model": PATH}``: engine/eagle.py).
 
 Each step, a request in its decode phase looks for the last ``n`` tokens it holds
 (``prompt_lookup_max`` down to ``prompt_lookup_min``) earlier in its own prompt and output;
@@ -31,6 +32,7 @@ step's tokens); a request whose drafting keeps failing backs off for a while
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 SEED_MIX = 1_000_003
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "backoff")
-METHODS = ("ngram", "draft_model", "mtp")
+METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
 _INT_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
@@ -55,7 +57,8 @@ _INT_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 class SpeculativeConfig:
     """vLLM's ``speculative_config``: n-gram drafts, a draft model's (``model``: a smaller
     model with the target's vocabulary; method "draft_model", inferred from it), or the
-    target's multi-token-prediction layer's (method "mtp": GLM-4.5's)."""
+    target's multi-token-prediction layer's (method "mtp": GLM-4.5's), or an EAGLE head's
+    (method "eagle" / "eagle3", ``model``: the head's folder)."""
 
     method: str = "ngram"
     model: str | None = None
@@ -69,13 +72,19 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is not supported; "
-                             "use 'ngram' (prompt lookup), 'draft_model' (with a model) or 'mtp' (the "
-                             "checkpoint's multi-token-prediction layer)")
+                             "use 'ngram' (prompt lookup), 'draft_model' (with a model), 'mtp' (the "
+                             "checkpoint's multi-token-prediction layer) or 'eagle' / 'eagle3' (with "
+                             "the EAGLE head's folder as model)")
         if self.method == "draft_model":
             check_draft_model(self.model)
+        elif self.method in ("eagle", "eagle3"):
+            if not isinstance(self.model, str) or not os.path.isfile(os.path.join(self.model, "config.json")):
+                raise ValueError(f"speculative_config method {self.method!r} needs model: the EAGLE "
+                                 f"head's folder (config.json and weights), got {self.model!r}")
         elif self.model is not None:
             why = " (the MTP layer is the target checkpoint's own)" if self.method == "mtp" else ""
-            raise ValueError(f"speculative_config model is for method 'draft_model', not "
+            raise ValueError(f"speculative_config model is for method 'draft_model' (or 'eagle' / "
+                             f"'eagle3'), not "
                              f"{self.method!r}{why}")
         if not isinstance(self.backoff, bool):
             raise ValueError(f"speculative_config backoff must be true or false, got {self.backoff!r}")

@@ -193,13 +193,20 @@ class DecoderStack(nn.Module):
     """Subclasses set ``embed_tokens``, ``layers`` (of PreNormDecoderLayer) and ``norm``.
 
     ``hidden_out``: a buffer each forward copies its final hidden states into (rows 0 .. n-1;
-    None: not kept). A speculative MTP draft reads the target's there (models/mtp.py); a
-    static buffer, so the CUDA graphs captured after it is set write it at each replay."""
+    None: not kept). A speculative MTP draft or EAGLE-1 head reads the target's there
+    (models/mtp.py, models/eagle.py); a static buffer, so the CUDA graphs captured after it
+    is set write it at each replay.
+
+    ``aux_out``: likewise for an EAGLE-3 head, the residual stream entering each layer of
+    ``aux_layers`` (x + residual, pre-norm), side by side: [rows, len(aux_layers) * H].
+    Only a stack with it set takes the loop that copies them."""
 
     embed_tokens: VocabEmbedding
     layers: nn.ModuleList
     norm: nn.Module
     hidden_out: torch.Tensor | None = None
+    aux_out: torch.Tensor | None = None
+    aux_layers: tuple[int, ...] = ()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -208,9 +215,26 @@ class DecoderStack(nn.Module):
                 md: AttentionMetadata) -> torch.Tensor:
         x = self.embed(input_ids)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, md)
+        if self.aux_out is None:
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, md)
+        else:
+            x, residual = self._layers_keeping_aux(positions, x, md)
         x, _ = self.norm(x, residual)
         if self.hidden_out is not None:
             self.hidden_out[:x.shape[0]].copy_(x)
         return x
+
+    def _layers_keeping_aux(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers, copying the stream entering each of ``aux_layers`` into ``aux_out``."""
+        out, n = self.aux_out, x.shape[0]
+        assert out is not None
+        h = x.shape[-1]
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            for j, a in enumerate(self.aux_layers):
+                if a == i:
+                    out[:n, j * h:(j + 1) * h].copy_(x if residual is None else x + residual)
+            x, residual = layer(positions, x, residual, md)
+        return x, residual

@@ -69,22 +69,51 @@ def check_mtp_target(config: ModelConfig) -> None:
                           "checkpoint (quantization_config) is not supported yet")
 
 
-class MTPLayer(nn.Module):
+class HiddenStateDraft(nn.Module):
+    """A draft layer fed the target's hidden states (engine/mtp.MTPRunner runs it): an MTP
+    layer here, an EAGLE head (models/eagle.py). ``forward`` reads the previous hidden
+    states from ``prev_hidden`` (set by the caller, engine/mtp.py: row i for input token i,
+    [n, H]; rows past the forward's tokens are not read, so a CUDA graph's static buffer of
+    its bucket's rows serves); ``from_target`` turns the target's kept states into them."""
+
+    supports_cuda_graphs = True
+    max_graph_tokens: int | None = None
+    config: ModelConfig  # the layer's own shape (its K/V pool's)
+
+    def __init__(self, target: nn.Module) -> None:
+        super().__init__()
+        self._target = [target]  # not a submodule: its weights are not this module's
+        self.embed_tokens: nn.Module | None = None  # the checkpoint's own copy, if it differs
+        self.prev_hidden: torch.Tensor | None = None
+
+    def attention_layers(self) -> list[Attention | MLAAttention]:
+        raise NotImplementedError
+
+    def from_target(self, states: torch.Tensor) -> torch.Tensor:
+        """The target's kept hidden states [n, *] -> the layer's ``prev_hidden`` [n, H]."""
+        return states
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            return cast(torch.Tensor, self.embed_tokens(input_ids))
+        return cast(torch.Tensor, self._target[0].get_submodule("model.embed_tokens")(input_ids))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MTPLayer(HiddenStateDraft):
     """One MTP layer over a target (its embedding and head shared unless the checkpoint has
-    its own). ``forward`` reads the previous hidden states from ``prev_hidden`` (set by the
-    caller, engine/mtp.py: row i for input token i; rows past the forward's tokens are not
-    read, so a CUDA graph's static buffer of its bucket's rows serves) and returns y, before
-    ``shared_head.norm``."""
+    its own). ``forward`` returns y, before ``shared_head.norm``."""
 
     # Decode-shaped forwards are capturable, as the target's: the block's MoE runs sync-free
     # up to SYNC_FREE_MAX_TOKENS and MLA decode has static shapes (engine/mtp.MTPRunner's
     # graphs). Prompt-shaped ones (its catch-up graphs) too, but not with MLA (its prompt
     # path expands each request's latents to a host length: models/deepseek.py).
-    supports_cuda_graphs = True
     max_graph_tokens = SYNC_FREE_MAX_TOKENS
 
     def __init__(self, config: ModelConfig, target: nn.Module, max_positions: int) -> None:
-        super().__init__()
+        super().__init__(target)
         h, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
         self.index = config.num_hidden_layers  # its layer number in the checkpoint
@@ -103,10 +132,7 @@ class MTPLayer(nn.Module):
             from flashpage.models.glm import _LAYERS
 
             self.block = _LAYERS[config.architecture](config, self.index, max_positions)
-        self._target = [target]  # not a submodule: its weights are not this module's
-        self.embed_tokens: nn.Module | None = None  # the checkpoint's own copies, if they differ
-        self.head: nn.Module | None = None
-        self.prev_hidden: torch.Tensor | None = None
+        self.head: nn.Module | None = None  # the checkpoint's own copy, if it differs
 
     @property
     def supports_prefill_graphs(self) -> bool:
@@ -115,11 +141,6 @@ class MTPLayer(nn.Module):
     def attention_layers(self) -> list[Attention | MLAAttention]:
         attn = self.block.self_attn  # MLA's is the attention layer itself
         return [cast(Attention | MLAAttention, getattr(attn, "attn", attn))]
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_tokens is not None:
-            return cast(torch.Tensor, self.embed_tokens(input_ids))
-        return cast(torch.Tensor, self._target[0].get_submodule("model.embed_tokens")(input_ids))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
@@ -240,13 +261,13 @@ def load_mtp(source: ModelSource, target: nn.Module, dtype: torch.dtype, device:
 
 
 def keep_final_hidden(model: nn.Module, rows: int, dtype: torch.dtype,
-                      device: torch.device) -> torch.Tensor:
+                      device: torch.device, method: str = "mtp") -> torch.Tensor:
     """Have ``model``'s decoder stack copy each forward's final hidden states into one
     buffer of ``rows`` rows (models/common.DecoderStack.hidden_out: a static buffer, so CUDA
     graphs captured after this write it at each replay); returns the buffer."""
     stack = getattr(model, "model", None)
     if stack is None or not hasattr(stack, "hidden_out"):
-        raise ConfigError(f"speculative_config method 'mtp': {type(model).__name__} does not hand "
+        raise ConfigError(f"speculative_config method {method!r}: {type(model).__name__} does not hand "
                           "back its final hidden states")
     config = cast(ModelConfig, model.config)
     buf = torch.zeros(rows, config.hidden_size, dtype=dtype, device=device)
@@ -254,5 +275,5 @@ def keep_final_hidden(model: nn.Module, rows: int, dtype: torch.dtype,
     return buf
 
 
-__all__ = ["MTP_ARCHITECTURES", "MTPLayer", "check_mtp_target", "keep_final_hidden", "load_mtp",
+__all__ = ["MTP_ARCHITECTURES", "HiddenStateDraft", "MTPLayer", "check_mtp_target", "keep_final_hidden", "load_mtp",
            "num_mtp_layers"]

@@ -64,7 +64,9 @@ def test_ngram_lookup_equals_a_brute_force_search():
 
 
 @pytest.mark.parametrize("bad, words", [
-    ({"method": "eagle"}, "use 'ngram' (prompt lookup), 'draft_model' (with a model) or 'mtp'"),
+    ({"method": "medusa"}, "use 'ngram' (prompt lookup), 'draft_model' (with a model), 'mtp'"),
+    ({"method": "eagle"}, "method 'eagle' needs model: the EAGLE head's folder"),
+    ({"method": "eagle3", "model": "/nonexistent"}, "method 'eagle3' needs model"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
     ({"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_min (3)"),
     ({"method": "ngram", "lookahead": 2}, "unknown keys ['lookahead']"),
