@@ -68,7 +68,7 @@ d)
   timeout "$(left 100)" python3 benchmarks/fp8_block_gemm.py --sweep --json-out "$OUT/fp8_block_sweep.json" \
     > /tmp/fp8_block_sweep.txt 2>&1
   grep " best " /tmp/fp8_block_sweep.txt; tail -n 2 /tmp/fp8_block_sweep.txt
-  timeout "$(left 70)" $PT -rf -m gpu tests/engine/test_eagle.py 2>&1 | tee "$OUT/gpu_eagle_tests.txt" | tail -n 4
+  timeout "$(left 70)" $PT -rf -m gpu tests/engine/test_eagle_draft.py 2>&1 | tee "$OUT/gpu_eagle_tests.txt" | tail -n 4
   timeout "$(left 70)" $PT -rf -m gpu tests/models/test_gpt_oss.py -k mxfp4_experts_kept 2>&1 \
     | tee "$OUT/gpu_gpt_oss_kept_test.txt" | tail -n 4
   timeout "$(left 60)" $PT -rf -m gpu tests/kernels/test_fp8_block_gemm.py -k "w8a8 or fp8_block_linear_paths" \
