@@ -74,11 +74,11 @@ def _layer(prefix: str, g: torch.Generator, heads: int = 4, kv_heads: int = 2, w
     return t
 
 
-def eagle1_random(seed: int = 3) -> dict[str, torch.Tensor]:
+def eagle1_random(seed: int = 3, heads: int = 4, kv_heads: int = 2) -> dict[str, torch.Tensor]:
     """The original EAGLE-1 layout: fc (with a bias), layers.0.* without input_layernorm,
     no norm (the target's lm_head reads the layer's output as it is)."""
     g = torch.Generator().manual_seed(seed)
-    t = _layer("layers.0.", g, input_norm=False)
+    t = _layer("layers.0.", g, heads=heads, kv_heads=kv_heads, input_norm=False)
     t["fc.weight"] = 0.15 * torch.randn(H, 2 * H, generator=g)
     t["fc.bias"] = 0.1 * torch.randn(H, generator=g)
     return t
@@ -90,9 +90,9 @@ def _vocab_map(n: int, seed: int) -> torch.Tensor:
     return torch.randperm(V, generator=g)[:n].sort().values
 
 
-def eagle3_random(seed: int = 4) -> dict[str, torch.Tensor]:
+def eagle3_random(seed: int = 4, heads: int = 4, kv_heads: int = 2) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    t = _layer("midlayer.", g, width=2 * H)
+    t = _layer("midlayer.", g, heads=heads, kv_heads=kv_heads, width=2 * H)
     t["midlayer.hidden_norm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
     t["fc.weight"] = 0.1 * torch.randn(H, 3 * H, generator=g)
     t["norm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
@@ -111,12 +111,13 @@ def _target_weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-def eagle1_exact(target: dict[str, torch.Tensor], swap: bool = False) -> dict[str, torch.Tensor]:
+def eagle1_exact(target: dict[str, torch.Tensor], swap: bool = False, heads: int = 4,
+                 kv_heads: int = 2) -> dict[str, torch.Tensor]:
     """For a target whose layers add nothing (its next token f(token)): fc = [I | 0] reads
     the embedding alone, the layer adds nothing, norm is the target's final norm: the head
     predicts f(token p + 1) = token p + 2 exactly. ``swap``: fc = [0 | I] reads the target's
     hidden state instead and predicts token p + 1 (mostly wrong)."""
-    t = eagle1_random(5)
+    t = eagle1_random(5, heads, kv_heads)
     t["layers.0.self_attn.o_proj.weight"].zero_()
     t["layers.0.mlp.down_proj.weight"].zero_()
     eye, zero = torch.eye(H), torch.zeros(H, H)
@@ -170,6 +171,26 @@ def ckpts(tmp_path_factory):
         "eagle3": _save(root / "e3", eagle3_random(), _config("eagle3")),
         "eagle_exact": _save(root / "e1x", eagle1_exact(tw), _config("eagle")),
         "eagle_swapped": _save(root / "e1s", eagle1_exact(tw, swap=True), _config("eagle")),
+        "eagle3_exact": _save(root / "e3x", eagle3_exact(tw),
+                              _config("eagle3", heads=1, kv_heads=1, draft_vocab_size=V)),
+    }
+
+
+@pytest.fixture(scope="module")
+def gpu_ckpts(tmp_path_factory):
+    """ckpts' checkpoints with heads of 32 (target and EAGLE-1 heads: 2 query heads, 1 KV
+    head) and 64 (the EAGLE-3 ones' 1): our Triton kernels on CUDA take head_dim 32 up."""
+    root = tmp_path_factory.mktemp("eagle_gpu")
+    base = build_tiny_checkpoint(root / "base", "llama31_gqa", num_hidden_layers=LAYERS,
+                                 num_attention_heads=2, num_key_value_heads=1)
+    flat = edited_copy(base, root / "flat", _adds_nothing)
+    tw = _target_weights(flat)
+    narrow = dict(heads=2, kv_heads=1)
+    return {
+        "base": base, "flat": flat,
+        "eagle": _save(root / "e1", eagle1_random(**narrow), _config("eagle", **narrow)),
+        "eagle3": _save(root / "e3", eagle3_random(**narrow), _config("eagle3", **narrow)),
+        "eagle_exact": _save(root / "e1x", eagle1_exact(tw, **narrow), _config("eagle", **narrow)),
         "eagle3_exact": _save(root / "e3x", eagle3_exact(tw),
                               _config("eagle3", heads=1, kv_heads=1, draft_vocab_size=V)),
     }
@@ -563,14 +584,36 @@ def test_on_the_triton_backend(tmp_path):
     _no_leak(llm)
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_the_gpu_tests_heads_on_the_cpu(gpu_ckpts, monkeypatch, method):
+    """The GPU test's checkpoints (heads of 32 / 64) on the CPU: the exact head's drafts all
+    accepted, the random head's equal to the reference's, plain decoding's tokens."""
+    ckpts = gpu_ckpts
+    prompts = random_prompts(3, 5, 30, seed=6)
+    want = _ids(_llm(ckpts["flat"]), prompts)
+    llm = _llm(ckpts["flat"], ckpts[f"{method}_exact"], method)
+    assert _ids(llm, prompts) == want
+    st = llm.engine.stats()["spec_decode"]
+    assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0, st
+    want = _ids(_llm(ckpts["base"]), prompts)
+    llm = _llm(ckpts["base"], ckpts[method], method, spec={"backoff": False})
+    seen = spy_drafts(monkeypatch)
+    assert _ids(llm, prompts) == want
+    ref = _Reference(ckpts["base"], ckpts[method], method)
+    assert len(seen) >= 5
+    for tokens, drafts in seen:
+        assert drafts == ref.drafts(tokens, len(drafts)), (len(tokens), drafts)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_on_the_gpu_with_cuda_graphs(ckpts, monkeypatch, method):
+def test_on_the_gpu_with_cuda_graphs(gpu_ckpts, monkeypatch, method):
     """fp32 on the GPU, triton backend, the target's graphs captured (decode, prompt-step,
     piecewise: they write the states the head reads) and the head's own: plain decoding's
     tokens, the exact head's drafts all accepted, the random head's every draft equal to
     the reference's, and the head's graphs replayed."""
+    ckpts = gpu_ckpts
     kw = dict(device="cuda", attention_backend="triton", block_size=16, max_num_batched_tokens=64)
     prompts = random_prompts(5, 5, 40, seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
