@@ -152,17 +152,20 @@ W8A8_CANDIDATES = tuple(BlockFp8Config(*c) for c in (
     (64, 128, 0, 4, 3, 8), (64, 128, 0, 4, 4, 8), (64, 128, 0, 4, 5, 8), (64, 64, 0, 4, 4, 8),
     (128, 128, 0, 8, 3, 8), (128, 128, 0, 8, 4, 8),
 ))
-W8A8_SMALL = BlockFp8Config(64, 128, split_k=0, num_warps=4, num_stages=4, group_m=8)
-W8A8_LARGE = BlockFp8Config(128, 128, split_k=0, num_warps=8, num_stages=3, group_m=8)
+# The defaults, from run 194's sweep on the H200 (BENCHMARKS.md): TMA-fed 64 x 128 won or
+# came within 4% at every size of o_proj / gate_up (K 4096) and at 64 rows of down (K 14336);
+# 128 x 128 on two warpgroups won down's 256 and 2048 rows (40 vs 45, 262 vs 300 us).
+W8A8_SMALL = BlockFp8Config(64, 128, split_k=0, num_warps=4, num_stages=4, group_m=8, tma=True)
+W8A8_LARGE = BlockFp8Config(128, 128, split_k=0, num_warps=8, num_stages=4, group_m=8, tma=True)
 
 
 def w8a8_config(m: int, n: int, k: int) -> BlockFp8Config:
-    """The W8A8 tile for an [m, k] x [n, k]^T product. Provisional (awaits the GPU sweep,
-    ``benchmarks/fp8_block_gemm.py --sweep``): 64-row tiles (one warpgroup) up to 256 rows,
-    where 128-row ones leave most SMs idle (256 x 4096 outputs: 64 tiles of 128 x 128),
-    128 x 128 on two warpgroups above (each weight tile read by half as many programs)."""
-    del n, k  # the sweep decides whether they matter
-    return W8A8_SMALL if m <= 256 else W8A8_LARGE
+    """The W8A8 tile for an [m, k] x [n, k]^T product, as run 194's sweep found them
+    (``benchmarks/fp8_block_gemm.py --sweep``): 64 x 128 through TMA, but 128 x 128 on two
+    warpgroups past 128 rows of a long K (8192 up: a down projection), where each program's
+    long K loop amortizes the larger tile."""
+    del n  # not a factor at the swept shapes
+    return W8A8_LARGE if m > 128 and k >= 8192 else W8A8_SMALL
 
 
 def w8a8_split_k(tiles: int, k_tiles: int, device: torch.device) -> int:

@@ -223,6 +223,11 @@ def test_w8a8_default_tiles_and_split(monkeypatch):
 
     for m in (1, 17, 64, 128, 256, 257, 2048, 8192):
         assert w8a8_config(m, 4096, 4096) in W8A8_CANDIDATES
+        assert w8a8_config(m, 4096, 14336) in W8A8_CANDIDATES
+    # run 194's picks: TMA 64 x 128, but 128 x 128 past 128 rows of a long K
+    assert w8a8_config(2048, 14336, 4096).name == "m64n128s0w4st4g8t"
+    assert w8a8_config(64, 4096, 14336).name == "m64n128s0w4st4g8t"
+    assert w8a8_config(256, 4096, 14336).name == "m128n128s0w8st4g8t"
     # each candidate's name (the sweep's JSON, --configs) is its own and parses back to it
     assert len({c.name for c in W8A8_CANDIDATES}) == len(W8A8_CANDIDATES)
     assert all(parse_config(c.name) == c for c in W8A8_CANDIDATES)
