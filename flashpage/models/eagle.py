@@ -206,9 +206,7 @@ class EagleLayer(HiddenStateDraft):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
-        prev, n = self.prev_hidden, input_ids.shape[0]
-        assert prev is not None and prev.shape[0] >= n, "prev_hidden: a row for each token"
-        prev = prev[:n]
+        prev = self._prev_rows(input_ids.shape[0])
         e = self._embed(input_ids)
         b = self.block
         if self.eagle3:

@@ -93,6 +93,12 @@ class HiddenStateDraft(nn.Module):
         """The target's kept hidden states [n, *] -> the layer's ``prev_hidden`` [n, H]."""
         return states
 
+    def _prev_rows(self, n: int) -> torch.Tensor:
+        """The first ``n`` rows of ``prev_hidden``: a forward's n tokens' previous states."""
+        prev = self.prev_hidden
+        assert prev is not None and prev.shape[0] >= n, "prev_hidden: a row for each token"
+        return prev[:n]
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             return cast(torch.Tensor, self.embed_tokens(input_ids))
@@ -144,9 +150,7 @@ class MTPLayer(HiddenStateDraft):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
-        prev, n = self.prev_hidden, input_ids.shape[0]
-        assert prev is not None and prev.shape[0] >= n, "prev_hidden: a row for each token"
-        prev = prev[:n]
+        prev = self._prev_rows(input_ids.shape[0])
         e = self._embed(input_ids)
         e = e.masked_fill((positions == 0)[:, None], 0)
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(prev)], dim=-1))

@@ -26,6 +26,7 @@ from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError
 from flashpage.engine.mtp import MTPProposer
 from tests.conftest import build_tiny_checkpoint, edited_copy, random_prompts
+from tests.engine.test_mtp_draft import _no_leak, spy_drafts
 
 K = 3
 H, V, LAYERS = 64, 256, 8
@@ -208,25 +209,6 @@ def _llm(target: Path, head: Path | None = None, method: str = "eagle", spec: di
 
 def _ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def spy_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
-    """From now on, each step's drafting requests' tokens and drafts, in the order drafted."""
-    seen: list[tuple[list[int], list[int]]] = []
-    real = MTPProposer.fill
-
-    def spy(self, out):
-        real(self, out)
-        seen.extend((list(r.all_token_ids), list(r.spec_token_ids)) for r, _ in out.scheduled
-                    if r.spec_token_ids)
-
-    monkeypatch.setattr(MTPProposer, "fill", spy)
-    return seen
-
-
-def _no_leak(llm: LLM) -> None:
-    assert isinstance(llm.engine.proposer, MTPProposer)
-    assert llm.engine.kv_manager.stats().blocks_used == 0
 
 
 class _Reference:
