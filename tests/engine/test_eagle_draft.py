@@ -26,7 +26,7 @@ from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError
 from flashpage.engine.mtp import MTPProposer
 from tests.conftest import build_tiny_checkpoint, edited_copy, random_prompts
-from tests.engine.test_mtp_draft import _no_leak, spy_drafts
+from tests.engine.test_mtp_draft import _no_leak, assert_cli_drafts_exactly, spy_drafts
 
 K = 3
 H, V, LAYERS = 64, 256, 8
@@ -528,19 +528,9 @@ def test_graph_forwards_draft_as_the_eager_head(ckpts, monkeypatch, method, whic
 
 def test_the_cli_takes_method_eagle3(ckpts):
     """``--speculative-config '{"method": "eagle3", "model": ...}'`` builds the proposer."""
-    from flashpage.cli import build_llm, build_parser
-
     spec = json.dumps({"method": "eagle3", "model": str(ckpts["eagle3_exact"]),
                        "num_speculative_tokens": 2})
-    args = build_parser().parse_args([
-        "serve", "--model", str(ckpts["flat"]), "--dtype", "float32", "--device", "cpu",
-        "--attention-backend", "torch_native", "--speculative-config", spec])
-    llm = build_llm(args)
-    proposer = llm.engine.proposer
-    assert isinstance(proposer, MTPProposer) and proposer.config.num_speculative_tokens == 2
-    _ids(llm, random_prompts(2, 5, 9, seed=1))
-    st = llm.engine.stats()["spec_decode"]
-    assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0
+    assert_cli_drafts_exactly(ckpts["flat"], spec)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",

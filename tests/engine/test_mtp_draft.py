@@ -384,12 +384,17 @@ def test_drafts_equal_an_independent_reference(ckpts, tmp_path, monkeypatch):
 def test_the_cli_and_json_text_take_method_mtp(ckpts):
     """``--speculative-config '{"method": "mtp", ...}'`` on the command line (serve and
     generate share it) builds the MTP proposer with its k."""
+    assert_cli_drafts_exactly(ckpts["exact"], '{"method": "mtp", "num_speculative_tokens": 2}')
+
+
+def assert_cli_drafts_exactly(model, spec: str) -> None:
+    """``serve --speculative-config spec`` (k 2) on ``model`` builds an MTPProposer (MTP's
+    or an EAGLE head's) of that k whose drafts a short greedy run accepts every one of."""
     from flashpage.cli import build_llm, build_parser
 
     args = build_parser().parse_args([
-        "serve", "--model", str(ckpts["exact"]), "--dtype", "float32", "--device", "cpu",
-        "--attention-backend", "torch_native",
-        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
+        "serve", "--model", str(model), "--dtype", "float32", "--device", "cpu",
+        "--attention-backend", "torch_native", "--speculative-config", spec])
     llm = build_llm(args)
     proposer = llm.engine.proposer
     assert isinstance(proposer, MTPProposer) and proposer.config.num_speculative_tokens == 2
