@@ -1,5 +1,6 @@
 """Speculative decoding with an EAGLE head (vLLM's ``{"method": "eagle", "model": PATH}`` and
-``{"method": "eagle3", "model": PATH}``, Llama-family targets; the head: models/eagle.py).
+``{"method": "eagle3", "model": PATH}``, Llama-body targets, dense or MoE, 16-bit or
+quantized; the head: models/eagle.py).
 
 An EAGLE head is run exactly as an MTP layer is (engine/mtp.py): the entry at position p
 reads the target's hidden state(s) at p and the token p + 1 and predicts token p + 2; it

@@ -1,4 +1,4 @@
-"""EAGLE draft heads for Llama-family targets (vLLM's ``{"method": "eagle", "model": PATH}``
+"""EAGLE draft heads for Llama-body targets (dense or MoE, 16-bit or quantized) (vLLM's ``{"method": "eagle", "model": PATH}``
 and ``{"method": "eagle3", "model": PATH}``): a separate small checkpoint holding one Llama
 decoder layer that reads the target's hidden states and the next token's embedding.
 
@@ -58,11 +58,14 @@ from flashpage.layers.linear import ColumnParallelLinear, VocabEmbedding
 from flashpage.layers.mla_attention import MLAAttention
 from flashpage.layers.norm import RMSNorm
 from flashpage.models.mtp import HiddenStateDraft
+from flashpage.models.registry import served_by
 
 EAGLE_METHODS = ("eagle", "eagle3")
-# dense targets of the Llama body (models/llama.LlamaModel), whose residual stream
-# DecoderStack hands over
-EAGLE_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# targets of the Llama body (models/llama.LlamaModel, dense or MoE: Mixtral, Qwen2-MoE,
+# Qwen3-MoE, ...), whose residual stream DecoderStack hands over; the head reads hidden states
+# only, so a target's quantized linears (fp8, AWQ / GPTQ int4; its embedding and LM head stay
+# 16-bit) change nothing for it
+EAGLE_TARGETS = served_by("flashpage.models.llama", "LlamaForCausalLM")
 _OWN = ("fc.", "norm.", "lm_head.", "embed_tokens.", "d2t", "t2d")
 _OUTSIDE = -1e4  # EAGLE-3: the logit of a target id outside the draft vocabulary
 
@@ -92,14 +95,10 @@ def _where(method: str) -> str:
 
 
 def check_eagle_target(method: str, target: ModelConfig) -> None:
-    """A ConfigError unless ``target`` is a dense Llama-body model EAGLE drafts for."""
-    if target.architecture not in EAGLE_TARGETS or target.is_mla or target.n_routed_experts \
-            or target.num_experts_per_tok:
+    """A ConfigError unless ``target`` is a Llama-body model EAGLE drafts for."""
+    if target.architecture not in EAGLE_TARGETS or target.is_mla:
         raise ConfigError(f"{_where(method)}: the target is {target.architecture}; EAGLE drafts are "
-                          f"served for dense Llama-family targets ({', '.join(EAGLE_TARGETS)})")
-    if target.quantization_config is not None:
-        raise ConfigError(f"{_where(method)}: a quantized target (quantization_config) is not "
-                          "supported yet")
+                          f"served for Llama-body targets ({', '.join(EAGLE_TARGETS)})")
 
 
 def read_eagle_spec(method: str, path: str, target: ModelConfig) -> EagleSpec:

@@ -63,6 +63,11 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 
+def served_by(module: str, name: str) -> tuple[str, ...]:
+    """The architectures whose model class is ``module``.``name``, sorted."""
+    return tuple(sorted(arch for arch, home in _MODELS.items() if home == (module, name)))
+
+
 def model_class(config: ModelConfig) -> type[nn.Module]:
     if config.architecture not in _MODELS:
         raise ConfigError(f"no model implementation for architecture {config.architecture!r}")
