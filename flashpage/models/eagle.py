@@ -1,6 +1,7 @@
 """EAGLE draft heads for Llama-body targets, dense or MoE, 16-bit or quantized (vLLM's
-``{"method": "eagle", "model": PATH}`` and ``{"method": "eagle3", "model": PATH}``): a separate small checkpoint holding one Llama
-decoder layer that reads the target's hidden states and the next token's embedding.
+``{"method": "eagle", "model": PATH}`` and ``{"method": "eagle3", "model": PATH}``): a
+separate small checkpoint holding one Llama decoder layer that reads the target's hidden
+states and the next token's embedding.
 
 EAGLE-1 (Li et al. 2024; e.g. yuhuili/EAGLE-LLaMA3-Instruct-8B). For position p, given the
 target's hidden state h_p and the token p + 1::
