@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from flashpage import SamplingParams
 from tests.conftest import build_tiny_moe_checkpoint, edited_copy, random_prompts
@@ -39,22 +40,28 @@ from tests.models.test_fp8_checkpoints import build_fp8_checkpoint
 assert AUX[-1] < LAYERS
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
+def _moe_ckpts(root: Path, heads: int = 4, kv_heads: int = 2, head_dim: int = 16) -> dict[str, Path]:
     """A Qwen3-MoE target of 8 layers (H 64, vocab 256: the heads' shapes), its flat twin
     (attention and every expert's output zeroed: next token f(token)) and heads for both."""
-    root = tmp_path_factory.mktemp("eagle_moe")
-    base = build_tiny_moe_checkpoint(root / "base", "qwen3_moe", num_hidden_layers=LAYERS)
+    base = build_tiny_moe_checkpoint(root / "base", "qwen3_moe", num_hidden_layers=LAYERS,
+                                     num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                     head_dim=head_dim)
     flat = edited_copy(base, root / "flat", _adds_nothing)
     tw = _target_weights(flat)
+    narrow = dict(heads=heads, kv_heads=kv_heads)
     return {
         "base": base, "flat": flat,
-        "eagle": _save(root / "e1", eagle1_random(), _config("eagle")),
-        "eagle3": _save(root / "e3", eagle3_random(), _config("eagle3")),
-        "eagle_exact": _save(root / "e1x", eagle1_exact(tw), _config("eagle")),
+        "eagle": _save(root / "e1", eagle1_random(**narrow), _config("eagle", **narrow)),
+        "eagle3": _save(root / "e3", eagle3_random(**narrow), _config("eagle3", **narrow)),
+        "eagle_exact": _save(root / "e1x", eagle1_exact(tw, **narrow), _config("eagle", **narrow)),
         "eagle3_exact": _save(root / "e3x", eagle3_exact(tw),
                               _config("eagle3", heads=1, kv_heads=1, draft_vocab_size=256)),
     }
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return _moe_ckpts(tmp_path_factory.mktemp("eagle_moe"))
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
@@ -128,3 +135,33 @@ def test_mla_targets_are_still_refused(tiny_mla_checkpoint, tmp_path):
     head = _save(Path(tmp_path) / "e1", eagle1_random(), _config("eagle"))
     with pytest.raises(ConfigError, match="Llama-body targets"):
         _llm(tiny_mla_checkpoint("deepseek_v3"), head)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_moe_target_on_the_gpu_with_cuda_graphs(tmp_path, monkeypatch, method):
+    """fp32 on the GPU, triton backend (the fused MoE kernel), heads of 32 (2 query heads,
+    1 KV head) and the graphs captured: the exact head's drafts all accepted, the random
+    head's every draft equal to the reference's, plain decoding's tokens."""
+    ckpts = _moe_ckpts(tmp_path, heads=2, kv_heads=1, head_dim=32)
+    kw = dict(device="cuda", attention_backend="triton", block_size=16, max_num_batched_tokens=64)
+    prompts = random_prompts(5, 5, 40, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = _ids(_llm(ckpts["flat"], **kw), prompts, params)
+    llm = _llm(ckpts["flat"], ckpts[f"{method}_exact"], method, **kw)
+    assert llm.engine.runner.graphs is not None
+    assert _ids(llm, prompts, params) == want
+    st = llm.engine.stats()["spec_decode"]
+    assert st["num_draft_tokens"] > 0 and st["acceptance_rate"] == 1.0, st
+    _no_leak(llm)
+    want = _ids(_llm(ckpts["base"], **kw), prompts, params)
+    llm = _llm(ckpts["base"], ckpts[method], method, enable_prefix_caching=False,
+               spec={"backoff": False}, **kw)
+    seen = spy_drafts(monkeypatch)
+    assert _ids(llm, prompts, params) == want
+    ref = _Reference(ckpts["base"], ckpts[method], method)
+    assert len(seen) >= 20
+    for tokens, drafts in seen:
+        assert drafts == ref.drafts(tokens, len(drafts)), (len(tokens), drafts)
+    _no_leak(llm)
