@@ -6,6 +6,7 @@ experts), and quantized targets (an fp8 block-scaled checkpoint, `quantization="
 greedy draft equals the independent reference's (test_eagle_draft._Reference, the states
 from transformers) and the tokens are plain decoding's; heads built to predict a flat
 target exactly have every draft accepted over the MoE and the quantized targets alike.
+GPU (marked gpu): the MoE target with heads of 32, the fused MoE kernel and CUDA graphs.
 """
 
 from __future__ import annotations
