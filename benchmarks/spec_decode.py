@@ -31,6 +31,15 @@ lookup is for: copying from the context). Modes per batch size:
 - draft L=N k=K eager (with --draft-eager too): the same draft with its graphs (both kinds)
   set aside
 
+- eagle k=K / eagle-wrong k=K (with --eagle, counting weights, the largest K only): an
+  EAGLE-1 head of the target's width (one decoder layer with the target's attention and
+  MLP shapes, fc over concat(embedding, state)) built to be right (fc = [I | 0] reads the
+  embedding of the token fed, the layer adds nothing, the target's final norm and LM head:
+  it predicts the counting target's next token exactly) or always wrong (fc = [0 | I]:
+  the token after the target's state, i.e. the one already fed); the head costs what a
+  published EAGLE-1 head of this shape costs (e.g. EAGLE-LLaMA3-Instruct-8B), so these
+  bound what a real head gets beside "right" / "wrong" (free drafts)
+
 Speculating modes schedule as the engine does (async on CUDA while nobody drafts).
 
 Prints output tokens/s, the mean inter-token gap (ms), steps, and the drafts' acceptance
@@ -40,6 +49,7 @@ fp ties that verification's different kernels may break the other way).
     python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 2 4 --json-out $OUT/spec.json
     python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 4 --draft-layers 1 0
     python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 4 --draft-layers 1 --draft-eager
+    python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 32 --ks 3 --eagle
 """
 
 from __future__ import annotations
@@ -47,7 +57,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -115,6 +127,57 @@ def draft_runner(llm: LLM, layers: int) -> DraftRunner:
     return runner
 
 
+def write_eagle_head(folder: str, target_config: str, dtype: torch.dtype) -> str:
+    """An EAGLE-1 head checkpoint of ``target_config``'s shapes under ``folder`` (published
+    names: fc with a bias, layers.0.* without input_layernorm, norm): the layer adds nothing
+    (o_proj, down_proj zero), fc = [I | 0]; norm.weight ones, to be set to the target's
+    final norm once it is loaded (``exact_eagle``)."""
+    from safetensors.torch import save_file
+
+    with open(os.path.join(target_config, "config.json") if os.path.isdir(target_config)
+              else target_config) as f:
+        c = json.load(f)
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    kv, inter = c.get("num_key_value_heads", heads), c["intermediate_size"]
+    d = c.get("head_dim") or h // heads
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape: int) -> torch.Tensor:
+        return (0.02 * torch.randn(*shape, generator=g)).to(dtype)
+
+    t = {"fc.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], 1).to(dtype),
+         "fc.bias": torch.zeros(h, dtype=dtype), "norm.weight": torch.ones(h, dtype=dtype),
+         "layers.0.self_attn.q_proj.weight": r(heads * d, h),
+         "layers.0.self_attn.k_proj.weight": r(kv * d, h),
+         "layers.0.self_attn.v_proj.weight": r(kv * d, h),
+         "layers.0.self_attn.o_proj.weight": torch.zeros(h, heads * d, dtype=dtype),
+         "layers.0.post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+         "layers.0.mlp.gate_proj.weight": r(inter, h), "layers.0.mlp.up_proj.weight": r(inter, h),
+         "layers.0.mlp.down_proj.weight": torch.zeros(h, inter, dtype=dtype)}
+    save_file(t, os.path.join(folder, "model.safetensors"))
+    keep = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+            "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings")
+    head_cfg = {k: c[k] for k in keep if k in c}
+    head_cfg.update(architectures=["LlamaForCausalLM"], num_hidden_layers=1, bias=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(head_cfg, f)
+    return folder
+
+
+def exact_eagle(llm: LLM, right: bool) -> None:
+    """The EAGLE head's fc reading the embedding (right: counting's next token) or the
+    target's state (wrong: the token already fed), and its norm the target's final norm."""
+    prop = llm.engine.proposer
+    assert prop is not None and getattr(prop, "runner", None) is not None
+    layer = prop.runner.model  # type: ignore[attr-defined]
+    h = layer.fc.weight.shape[0]
+    w = layer.fc.weight
+    with torch.no_grad():
+        w.zero_()
+        w[:, slice(0, h) if right else slice(h, 2 * h)] = torch.eye(h, dtype=w.dtype, device=w.device)
+        layer.norm.weight.copy_(llm.engine.model.model.norm.weight)  # type: ignore[union-attr]
+
+
 def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams, iters: int) -> dict[str, Any]:
     eng = llm.engine
     times, gaps, steps, outs = [], [], [], []
@@ -167,17 +230,27 @@ def main() -> None:
     ap.add_argument("--num-gpu-blocks", type=int, default=None,
                     help="KV blocks (default: from memory; 4096 with --draft-layers, as each "
                          "draft's pool has as many blocks as the target's)")
+    ap.add_argument("--eagle", action="store_true",
+                    help="also time an EAGLE-1 head of the target's shapes, right and always wrong "
+                         "(counting weights; at the largest --ks only)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     kmax = max(args.ks)
-    blocks = args.num_gpu_blocks or (4096 if args.draft_layers else None)
+    blocks = args.num_gpu_blocks or (4096 if args.draft_layers or args.eagle else None)
+    spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": kmax}
+    if args.eagle:
+        if not args.counting or args.config is None:
+            ap.error("--eagle needs --config and the counting weights")
+        head_dtype = {"float32": torch.float32, "float16": torch.float16}.get(args.dtype, torch.bfloat16)
+        spec = {"method": "eagle", "num_speculative_tokens": kmax, "backoff": False,
+                "model": write_eagle_head(tempfile.mkdtemp(), resolve_config(args.config) or "", head_dtype)}
     llm = LLM(args.model, random_weights_config=resolve_config(args.config), dtype=args.dtype,
               device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
-              num_gpu_blocks=blocks,
-              speculative_config={"method": "ngram", "num_speculative_tokens": kmax})
+              num_gpu_blocks=blocks, speculative_config=spec)
     eng = llm.engine
     ngram = eng.proposer
     assert ngram is not None
+    eagle = ngram if args.eagle else None
     vocab = eng.model_config.vocab_size
     if args.counting:
         make_counting(eng.model)
@@ -218,6 +291,9 @@ def main() -> None:
                 sp.answers = {str(i): a for i, a in enumerate(want)}
                 sp.shift, sp.vocab = shift, vocab
                 modes.append((f"{name} k={k}", sp, (None, None)))
+            if eagle is not None and k == kmax:
+                for name in ("eagle", "eagle-wrong"):
+                    modes.append((f"{name} k={k}", eagle, (None, None)))
             for n in args.draft_layers:
                 if n not in runners:
                     runners[n] = draft_runner(llm, n)
@@ -232,7 +308,12 @@ def main() -> None:
         for name, prop, graphs in modes:
             eng.proposer = prop
             prop.stats = SpecStats()
-            if isinstance(prop, DraftModelProposer):
+            if prop is eagle:
+                exact_eagle(llm, right=name.startswith("eagle k="))
+                assert isinstance(prop, DraftModelProposer) and prop.runner is not None
+                prop.runner.graph_forwards = prop.runner.catchup_forwards = 0
+                eng.kv_manager.reset_prefix_cache()  # blocks cached by other modes: none in its pool
+            elif isinstance(prop, DraftModelProposer):
                 assert prop.runner is not None
                 prop.runner.graphs, prop.runner.catchup = graphs
                 prop.runner.graph_forwards = prop.runner.catchup_forwards = 0
