@@ -1828,6 +1828,24 @@ def _text_config_of(d: dict[str, Any], arch: str, where: str) -> tuple[dict[str,
     return text, f"{where}: text_config"
 
 
+def read_config_json(source: str | os.PathLike) -> tuple[str, dict[str, Any]]:
+    """A ``config.json`` (the file or its folder) -> (its path, its object); a ConfigError
+    names a missing file, bad JSON or a value other than an object."""
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"no config.json at {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return path, d
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -1999,19 +2017,7 @@ class ModelConfig:
             d = dict(source)
             where = "config"
         else:
-            path = os.fspath(source)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            where = path
-            if not os.path.isfile(path):
-                raise ConfigError(f"no config.json at {path}")
-            try:
-                with open(path, encoding="utf-8") as f:
-                    d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path} is not valid JSON: {e}") from e
-        if not isinstance(d, dict):
-            raise ConfigError(f"{where}: expected a JSON object")
+            where, d = read_config_json(source)
         if hf_overrides is not None:
             d = apply_hf_overrides(d, hf_overrides)
             where = f"{where} with hf_overrides"

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from flashpage.attention.backend import AttentionMetadata
-from flashpage.config import ConfigError, ModelConfig
+from flashpage.config import ConfigError, ModelConfig, read_config_json
 from flashpage.layers.attention import Attention
 from flashpage.layers.linear import ColumnParallelLinear, VocabEmbedding
 from flashpage.layers.mla_attention import MLAAttention
@@ -106,20 +106,12 @@ def read_eagle_spec(method: str, path: str, target: ModelConfig) -> EagleSpec:
     """The EAGLE checkpoint at ``path`` (a folder with config.json) for ``target``; a
     ConfigError names what does not fit (a hidden size other than the target's, more than
     one layer, aux layers outside the target)."""
-    import json
-
     where = _where(method)
     check_eagle_target(method, target)
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise ConfigError(f"{where}: no config.json in the draft folder {path!r}")
     try:
-        with open(cfg_path, encoding="utf-8") as f:
-            d = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: {cfg_path} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where}: {cfg_path}: expected a JSON object")
+        cfg_path, d = read_config_json(os.path.join(path, "config.json"))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: the draft folder {path!r}: {e}") from None
     if d.get("hidden_size") != target.hidden_size:
         raise ConfigError(f"{where}: the draft's hidden_size {d.get('hidden_size')!r} differs from "
                           f"the target's {target.hidden_size}")
