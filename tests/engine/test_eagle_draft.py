@@ -26,7 +26,12 @@ import transformers
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError
 from flashpage.engine.mtp import MTPProposer
-from tests.conftest import build_tiny_checkpoint, edited_copy, random_prompts
+from tests.conftest import (
+    build_tiny_checkpoint,
+    build_tiny_moe_checkpoint,
+    edited_copy,
+    random_prompts,
+)
 from tests.engine.test_mtp_draft import _no_leak, assert_cli_drafts_exactly, spy_drafts
 
 K = 3
@@ -161,21 +166,43 @@ def _adds_nothing(t: dict[str, torch.Tensor]) -> None:
             t[k] = torch.zeros_like(t[k])
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle")
-    base = build_tiny_checkpoint(root / "base", "llama31_gqa", num_hidden_layers=LAYERS)
+def _heads_over(base: Path, root: Path, heads: int = 4, kv_heads: int = 2) -> dict[str, Path]:
+    """The target ``base``, its flat twin (attention and MLP / every expert's output zeroed:
+    next token f(token)) and heads for both under ``root``: random EAGLE-1 / EAGLE-3 ones of
+    ``heads`` query heads over ``kv_heads``, exact ones (EAGLE-3's of one head of 64)."""
     flat = edited_copy(base, root / "flat", _adds_nothing)
     tw = _target_weights(flat)
+    narrow = dict(heads=heads, kv_heads=kv_heads)
     return {
         "base": base, "flat": flat,
-        "eagle": _save(root / "e1", eagle1_random(), _config("eagle")),
-        "eagle3": _save(root / "e3", eagle3_random(), _config("eagle3")),
-        "eagle_exact": _save(root / "e1x", eagle1_exact(tw), _config("eagle")),
-        "eagle_swapped": _save(root / "e1s", eagle1_exact(tw, swap=True), _config("eagle")),
+        "eagle": _save(root / "e1", eagle1_random(**narrow), _config("eagle", **narrow)),
+        "eagle3": _save(root / "e3", eagle3_random(**narrow), _config("eagle3", **narrow)),
+        "eagle_exact": _save(root / "e1x", eagle1_exact(tw, **narrow), _config("eagle", **narrow)),
+        "eagle_swapped": _save(root / "e1s", eagle1_exact(tw, swap=True, **narrow),
+                               _config("eagle", **narrow)),
         "eagle3_exact": _save(root / "e3x", eagle3_exact(tw),
                               _config("eagle3", heads=1, kv_heads=1, draft_vocab_size=V)),
     }
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    return _heads_over(build_tiny_checkpoint(root / "base", "llama31_gqa", num_hidden_layers=LAYERS),
+                       root)
+
+
+def _moe_ckpts(root: Path, heads: int = 4, kv_heads: int = 2, head_dim: int = 16) -> dict[str, Path]:
+    """_heads_over a Qwen3-MoE target of 8 layers (H 64, vocab V: the heads' shapes)."""
+    base = build_tiny_moe_checkpoint(root / "base", "qwen3_moe", num_hidden_layers=LAYERS,
+                                     num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                     head_dim=head_dim)
+    return _heads_over(base, root, heads, kv_heads)
+
+
+@pytest.fixture(scope="module")
+def moe_ckpts(tmp_path_factory):
+    return _moe_ckpts(tmp_path_factory.mktemp("eagle_moe"))
 
 
 @pytest.fixture(scope="module")
@@ -185,17 +212,7 @@ def gpu_ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle_gpu")
     base = build_tiny_checkpoint(root / "base", "llama31_gqa", num_hidden_layers=LAYERS,
                                  num_attention_heads=2, num_key_value_heads=1)
-    flat = edited_copy(base, root / "flat", _adds_nothing)
-    tw = _target_weights(flat)
-    narrow = dict(heads=2, kv_heads=1)
-    return {
-        "base": base, "flat": flat,
-        "eagle": _save(root / "e1", eagle1_random(**narrow), _config("eagle", **narrow)),
-        "eagle3": _save(root / "e3", eagle3_random(**narrow), _config("eagle3", **narrow)),
-        "eagle_exact": _save(root / "e1x", eagle1_exact(tw, **narrow), _config("eagle", **narrow)),
-        "eagle3_exact": _save(root / "e3x", eagle3_exact(tw),
-                              _config("eagle3", heads=1, kv_heads=1, draft_vocab_size=V)),
-    }
+    return _heads_over(base, root, heads=2, kv_heads=1)
 
 
 def _llm(target: Path, head: Path | None = None, method: str = "eagle", spec: dict | None = None,
@@ -306,11 +323,24 @@ class _Reference:
         return out
 
 
+def assert_drafts_are_the_references(seen: list, ckpts: dict[str, Path], method: str,
+                                     at_least: int) -> None:
+    """Every (tokens, drafts) ``spy_drafts`` saw (at least ``at_least``) equals the
+    reference's drafts for the random ``method`` head over ckpts["base"]."""
+    ref = _Reference(ckpts["base"], ckpts[method], method)
+    assert len(seen) >= at_least
+    for tokens, drafts in seen:
+        assert drafts == ref.drafts(tokens, len(drafts)), (len(tokens), drafts)
+
+
+@pytest.mark.parametrize("target", ["dense", "moe"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_drafts_equal_an_independent_reference(ckpts, monkeypatch, method):
+def test_drafts_equal_an_independent_reference(request, monkeypatch, method, target):
     """Every greedy draft the engine proposes (random heads; batch 4, chunked prefill, k = 3)
     equals the reference's for the request's tokens then, and the tokens are plain
-    decoding's."""
+    decoding's; over the dense target and the Qwen3-MoE one (the routed layers' states
+    from transformers)."""
+    ckpts = request.getfixturevalue("ckpts" if target == "dense" else "moe_ckpts")
     prompts = random_prompts(4, 4, 30, seed=13)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     want = _ids(_llm(ckpts["base"]), prompts, params)
@@ -318,10 +348,7 @@ def test_drafts_equal_an_independent_reference(ckpts, monkeypatch, method):
     llm = _llm(ckpts["base"], ckpts[method], method, max_num_batched_tokens=20,
                spec={"backoff": False}, enable_prefix_caching=False)
     assert _ids(llm, prompts, params) == want
-    ref = _Reference(ckpts["base"], ckpts[method], method)
-    assert len(seen) >= 8
-    for tokens, drafts in seen:
-        assert drafts == ref.drafts(tokens, len(drafts)), (len(tokens), drafts)
+    assert_drafts_are_the_references(seen, ckpts, method, 8)
     if method == "eagle3":  # every draft from the reduced vocabulary, as target ids
         allowed = set(_vocab_map(DRAFT_VOCAB, 4).tolist())
         assert all(set(d) <= allowed for _, d in seen)
@@ -351,10 +378,13 @@ def test_greedy_tokens_equal_plain_decoding(ckpts, method):
     _no_leak(llm)
 
 
+@pytest.mark.parametrize("target", ["dense", "moe"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_an_exact_head_has_every_draft_accepted(ckpts, method):
-    """A head built to predict the flat target exactly: every draft accepted, more than K
-    tokens a checking step on average; the tokens are plain decoding's."""
+def test_an_exact_head_has_every_draft_accepted(request, method, target):
+    """A head built to predict the flat target (dense, or MoE: every expert's output
+    zeroed) exactly: every draft accepted, more than K tokens a checking step on average;
+    the tokens are plain decoding's."""
+    ckpts = request.getfixturevalue("ckpts" if target == "dense" else "moe_ckpts")
     prompts = _prompts()
     want = _ids(_llm(ckpts["flat"]), prompts)
     llm = _llm(ckpts["flat"], ckpts[f"{method}_exact"], method, max_num_batched_tokens=24)
@@ -570,10 +600,7 @@ def test_the_gpu_tests_heads_on_the_cpu(gpu_ckpts, monkeypatch, method):
     llm = _llm(ckpts["base"], ckpts[method], method, spec={"backoff": False})
     seen = spy_drafts(monkeypatch)
     assert _ids(llm, prompts) == want
-    ref = _Reference(ckpts["base"], ckpts[method], method)
-    assert len(seen) >= 5
-    for tokens, drafts in seen:
-        assert drafts == ref.drafts(tokens, len(drafts)), (len(tokens), drafts)
+    assert_drafts_are_the_references(seen, ckpts, method, 5)
 
 
 @pytest.mark.gpu
@@ -584,7 +611,11 @@ def test_on_the_gpu_with_cuda_graphs(gpu_ckpts, monkeypatch, method):
     piecewise: they write the states the head reads) and the head's own: plain decoding's
     tokens, the exact head's drafts all accepted, the random head's every draft equal to
     the reference's, and the head's graphs replayed."""
-    ckpts = gpu_ckpts
+    check_on_the_gpu(gpu_ckpts, monkeypatch, method)
+
+
+def check_on_the_gpu(ckpts: dict[str, Path], monkeypatch, method: str) -> None:
+    """test_on_the_gpu_with_cuda_graphs over ``ckpts`` (checkpoints as gpu_ckpts')."""
     kw = dict(device="cuda", attention_backend="triton", block_size=16, max_num_batched_tokens=64)
     prompts = random_prompts(5, 5, 40, seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -605,8 +636,5 @@ def test_on_the_gpu_with_cuda_graphs(gpu_ckpts, monkeypatch, method):
     proposer = llm.engine.proposer
     assert isinstance(proposer, MTPProposer) and proposer.runner is not None
     assert proposer.runner.graph_forwards > 0
-    ref = _Reference(ckpts["base"], ckpts[method], method)
-    assert len(seen) >= 20
-    for tokens, drafts in seen:
-        assert drafts == ref.drafts(tokens, len(drafts)), (len(tokens), drafts)
+    assert_drafts_are_the_references(seen, ckpts, method, 20)
     _no_leak(llm)
