@@ -10,8 +10,9 @@ of the weight to be far past the L2 (50 MB). For every shape and row count (defa
     ours            w4a16_matmul, its default tile for the rows (split K at 1-16 rows)
     ours:<cfg>      each --configs tile (names as Int4Config.name prints them)
     layer           int4_linear: what the engine runs (kernels/int4_gemv.py up to
-                    layers/int4.GEMV_ROWS rows, dequantize kernel + cuBLAS above; the
-                    decode sizes' comparison is benchmarks/int4_gemv.py)
+                    layers/int4.GEMV_ROWS rows, the swapped GEMM w4a16_gemm up to
+                    GEMM_MAX_ROWS, dequantize kernel + cuBLAS above; the decode sizes'
+                    comparison is benchmarks/int4_gemv.py)
     deq+cublas      our dequantizing kernel, then F.linear
     torch deq+mm    the pure-torch reference: unpack, dequantize, F.linear
     bf16            F.linear over a bf16 weight of the same shape (the 16-bit baseline)
@@ -151,9 +152,10 @@ def sweep(args) -> int:
         ws, bf16, q4_bytes = weight_copies(n, k, g, dt)
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=dt)
-            tiles = {"default": gemm_config(m, n, k), **{c.name: c for c in cands}}
-            if args.no_default:
-                tiles.pop("default")
+            default = gemm_config(m, n, k)
+            tiles = {c.name: c for c in cands}
+            if default.name not in tiles:  # else its time is its name's
+                tiles["default"] = default
             variants = _sweep_variants(x, ws, bf16, tiles, dt)
             times = {}
             check = _judge(x, ws[0])
@@ -177,7 +179,9 @@ def sweep(args) -> int:
             line = {"shape": name, "rows": m, "best": best,
                     "best_config": tiles[best[5:]].name if best else None,
                     **{f"{lb}_us": times[lb] * 1e6 for lb in ("deq+cublas", "bf16") if lb in times},
-                    "default_us": times.get("gemm:default", float("nan")) * 1e6,
+                    "default_config": default.name,
+                    "default_us": times.get("gemm:default", times.get(f"gemm:{default.name}",
+                                                                        float("nan"))) * 1e6,
                     "best_us": gemms[best] * 1e6 if best else float("nan")}
             results["best"].append(line)
             print(f"{name:8s} m={m:<5d} best {line['best_config']} {line['best_us']:8.1f} us | "
@@ -210,8 +214,6 @@ def main() -> int:
     ap.add_argument("--gemm-configs", default="",
                     help="--sweep: these tiles (Int4GemmConfig names) in place of GEMM_CANDIDATES")
     ap.add_argument("--reps", type=int, default=10, help="graph replays a timing")
-    ap.add_argument("--no-default", action="store_true",
-                    help="--sweep: leave out gemm_config's tile (when it is one of the list)")
     args = ap.parse_args()
     extra = [parse_config(c) for c in filter(None, args.configs.split(","))]
     if not torch.cuda.is_available():

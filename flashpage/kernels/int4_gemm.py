@@ -35,6 +35,29 @@ at decode batches: each split writes fp32 partial sums, added once after. Decode
 weight to x's dtype with the reference's bits (for large prompt steps, where a 16-bit
 GEMM wins). Their references: ``unpack_int4``, ``dequantize_int4_ref``,
 ``int4_linear_ref``.
+
+``w4a16_gemm`` (``_w4a16_swap_kernel``) is the path past the GEMV's 64 rows (prompt steps,
+big decode batches): operands swapped, y^T [N, M] = w [N, K] . x^T [K, M], so the weight
+tile is the MMA's A operand (64 features a warpgroup) and the rows of x its N side (16 to
+256 a tile: the tile's dequantizing is paid once for all of them). Two forms
+(``Int4GemmConfig.per_weight``):
+
+    per weight   each nibble becomes the fp32 2048 + q or 128 + q (one lop3), one FMA
+                 (O + q) * s - (O + z) * s gives (q - z) * s exactly (16-bit scales), packed
+                 to x's dtype two at a time: the bits of ``dequantize_int4_ref``, so the
+                 MMAs accumulate into one fp32 accumulator (Triton keeps them in flight
+                 across K tiles) and a K tile may span groups
+    on the sums  q - z in x's dtype (exact; inline PTX, two an instruction) and the group's
+                 scale on each tile's [BLOCK_N, BLOCK_M] sums (as the GEMV does): fewer
+                 instructions a weight, but one FFMA per output element a tile, and each
+                 tile's MMAs waited on before the scale
+
+Built for sm_90 by Triton 3.6 (tests/kernels/test_int4_swap_gemm.py reads the SASS): the
+MMAs are wgmma (HGMMA 64xBLOCK_Mx16) with A from registers, but the unpacked tile reaches
+wgmma's register layout through shared memory (a store and an ldmatrix a 16-wide K slice:
+the reshape of a word's 8 nibbles gives a layout Triton converts that way); x^T is read by
+wgmma from shared memory, the words and x through Triton's cp.async pipeliner. The K loop
+is ~6.4-7.4 SASS instructions a weight a thread (the tl.dot kernel above: ~18).
 """
 
 from __future__ import annotations
@@ -327,11 +350,14 @@ def _dequant_words(packed, s, z, DT: tl.constexpr, ASM: tl.constexpr):
                    tl.join(tl.join(w1, w5), tl.join(w3, w7)))
 
 
-@triton.jit(do_not_specialize=["M"])  # one compile serves every row count
+# one compile serves every row count and every split of K (a sweep compiles each tile twice:
+# whole K, split K)
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stride_qw,
-                       stride_xm, stride_om, stride_os, G: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                       stride_xm, stride_om, stride_os, SPLIT_K, G: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, PARTIAL: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                        PER_WEIGHT: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
                        OFFSET: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Operands swapped: program (pid, pid_k) computes y^T [BLOCK_N features, BLOCK_M rows]
@@ -391,12 +417,12 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, str
     out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om \
         + offs_n[:, None]
-    if SPLIT_K == 1:
+    if PARTIAL:  # fp32 partial sums of split pid_k, added (and the bias) after
+        tl.store(out, acc, mask=out_mask)
+    else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(out, acc, mask=out_mask)
 
 
 @triton.jit
@@ -689,8 +715,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     _w4a16_swap_kernel[(tiles, split)](
         x, qweight, scales, zeros, bias if bias is not None else y, out, m, n, k,
-        qweight.stride(0), x.stride(0), n, m * n, G=g, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, SPLIT_K=split,
+        qweight.stride(0), x.stride(0), n, m * n, split, G=g, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, PARTIAL=split > 1,
         HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PER_WEIGHT=cfg.per_weight, ASM=asm,
         PTX=_unpack_ptx(x.dtype) if asm and not cfg.per_weight else "",

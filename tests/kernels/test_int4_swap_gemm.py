@@ -123,11 +123,11 @@ def _compile_swap_gemm() -> dict[str, dict]:
             asm_ptx = not cfg.per_weight
             k = compile_sm90(m._w4a16_swap_kernel, dict(
                 G=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                GROUP_M=cfg.group_m, SPLIT_K=1, HAS_BIAS=False, PRECISION="tf32",
+                GROUP_M=cfg.group_m, PARTIAL=False, HAS_BIAS=False, PRECISION="tf32",
                 PER_WEIGHT=cfg.per_weight, ASM=True,
                 PTX=m._unpack_ptx(torch.bfloat16) if asm_ptx else "",
                 OFFSET=128.0 if asm_ptx else 0.0, NUM_STAGES=cfg.num_stages),
-                {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8"},
+                {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "SPLIT_K": "i32"},
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned)
             log, sass = ptxas_sm90a(k.asm["ptx"])
             ins, labels = sass_instructions(sass)
