@@ -56,8 +56,10 @@ Built for sm_90 by Triton 3.6 (tests/kernels/test_int4_swap_gemm.py reads the SA
 MMAs are wgmma (HGMMA 64xBLOCK_Mx16) with A from registers, but the unpacked tile reaches
 wgmma's register layout through shared memory (a store and an ldmatrix a 16-wide K slice:
 the reshape of a word's 8 nibbles gives a layout Triton converts that way); x^T is read by
-wgmma from shared memory, the words and x through Triton's cp.async pipeliner. The K loop
-is ~6.4-7.4 SASS instructions a weight a thread (the tl.dot kernel above: ~18).
+wgmma from shared memory, the words through Triton's cp.async pipeliner, x's tiles too or
+by TMA (``Int4GemmConfig.tma``: one box a tile, ~30-50 fewer registers). The K loop is
+~6.4-7.9 SASS instructions a weight a thread, whatever the tile's rows (the tl.dot kernel
+above: ~18 for 64 rows).
 """
 
 from __future__ import annotations
@@ -353,13 +355,13 @@ def _dequant_words(packed, s, z, DT: tl.constexpr, ASM: tl.constexpr):
 # one compile serves every row count and every split of K (a sweep compiles each tile twice:
 # whole K, split K)
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
-def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stride_qw,
-                       stride_xm, stride_om, stride_os, SPLIT_K, G: tl.constexpr,
+def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, x_desc, M, N, K,
+                       stride_qw, stride_xm, stride_om, stride_os, SPLIT_K, G: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, PARTIAL: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                        PER_WEIGHT: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-                       OFFSET: tl.constexpr, NUM_STAGES: tl.constexpr):
+                       OFFSET: tl.constexpr, NUM_STAGES: tl.constexpr, TMA: tl.constexpr):
     """Operands swapped: program (pid, pid_k) computes y^T [BLOCK_N features, BLOCK_M rows]
     over its share of the K tiles as (weight tile [BLOCK_N, BLOCK_K]) . x^T [BLOCK_K,
     BLOCK_M]: the weight tile is the MMA's A operand (64 features a warpgroup), the rows of
@@ -401,7 +403,10 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, str
     sn, zn = _groups(s_rows, z_rows, start, end, G, BLOCK_K)
     for t in tl.range(start, end, num_stages=NUM_STAGES):
         packed = tl.load(qw_rows + (t * (BLOCK_K // 8) + offs_w)[None, :])
-        xt = tl.load(x_cols + (t * BLOCK_K + offs_k)[:, None])  # [BLOCK_K, BLOCK_M]
+        if TMA:  # x's tile [BLOCK_M, BLOCK_K] by one TMA box (zeros past M), transposed
+            xt = tl.trans(x_desc.load([pid_m * BLOCK_M, t * BLOCK_K]))
+        else:
+            xt = tl.load(x_cols + (t * BLOCK_K + offs_k)[:, None])  # [BLOCK_K, BLOCK_M]
         s, z = sn, zn
         sn, zn = _groups(s_rows, z_rows, t + 1, end, G, BLOCK_K)
         if PER_WEIGHT:
@@ -601,43 +606,48 @@ class Int4GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     per_weight: bool = True
+    tma: bool = False  # x's tiles by TMA (one box a tile), else cp.async copies
 
     @property
     def name(self) -> str:
         return (f"{'w' if self.per_weight else 'p'}m{self.block_m}n{self.block_n}"
                 f"k{self.block_k}s{self.split_k}w{self.num_warps}st{self.num_stages}"
-                f"g{self.group_m}")
+                f"g{self.group_m}{'t' if self.tma else ''}")
 
 
 def parse_gemm_config(name: str) -> Int4GemmConfig:
     """The config an ``Int4GemmConfig.name`` names, e.g. ``wm128n64k128s0w4st3g8``: w / p
     (dequantized per weight / scale on the sums), block_m, block_n, block_k, split_k,
-    num_warps, num_stages, group_m."""
+    num_warps, num_stages, group_m, and a trailing t for x's tiles by TMA."""
     import re
 
-    match = re.fullmatch(r"([wp])m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)g(\d+)", name.strip())
+    match = re.fullmatch(r"([wp])m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)g(\d+)(t?)", name.strip())
     if match is None:
         raise ValueError(f"{name!r} is not a config name such as wm128n64k128s0w4st3g8")
-    kind, *nums = match.groups()
+    kind, *nums, tma = match.groups()
     bm, bn, bk, split, warps, stages, group = map(int, nums)
-    return Int4GemmConfig(bm, bn, bk, split, warps, stages, group, per_weight=kind == "w")
+    return Int4GemmConfig(bm, bn, bk, split, warps, stages, group, per_weight=kind == "w",
+                          tma=tma == "t")
 
 
 # The tiles benchmarks/int4_gemm.py --sweep times (a first list from the sm_90 SASS, not yet
 # timed on a GPU): 64 / 128 features (one or two warpgroups), 64-256 rows, K tiles of 64 /
-# 128, 3-4 stages, both forms of the scale (none spills for sm_90; the scale-on-the-sums
-# form at 256 x 128 x 64 on 8 warps did: 960 bytes)
+# 128, 3-4 stages, both forms of the scale, x by cp.async or TMA (none spills for sm_90;
+# the scale-on-the-sums form at 256 x 128 x 64 on 8 warps did: 960 bytes; TMA leaves the
+# per-weight form ~30-50 fewer registers)
 GEMM_CANDIDATES = (
     Int4GemmConfig(64, 64, 128, 0, 4, 4),
     Int4GemmConfig(128, 64, 128, 0, 4, 3),
     Int4GemmConfig(128, 64, 128, 0, 4, 4),
-    Int4GemmConfig(128, 64, 128, 0, 4, 3, per_weight=False),
     Int4GemmConfig(128, 64, 64, 0, 4, 4),
     Int4GemmConfig(128, 128, 64, 0, 8, 3),
-    Int4GemmConfig(128, 128, 128, 0, 8, 3),
     Int4GemmConfig(256, 64, 64, 0, 4, 3),
     Int4GemmConfig(256, 128, 64, 0, 8, 3),
     Int4GemmConfig(64, 64, 128, 0, 4, 4, per_weight=False),
+    Int4GemmConfig(128, 64, 128, 0, 4, 3, per_weight=False),
+    Int4GemmConfig(128, 64, 128, 0, 4, 3, tma=True),
+    Int4GemmConfig(256, 64, 64, 0, 4, 3, tma=True),
+    Int4GemmConfig(256, 128, 64, 0, 8, 4, tma=True),
 )
 
 
@@ -713,15 +723,26 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if m == 0:
         return y
     out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    _w4a16_swap_kernel[(tiles, split)](
-        x, qweight, scales, zeros, bias if bias is not None else y, out, m, n, k,
-        qweight.stride(0), x.stride(0), n, m * n, split, G=g, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, PARTIAL=split > 1,
-        HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PER_WEIGHT=cfg.per_weight, ASM=asm,
-        PTX=_unpack_ptx(x.dtype) if asm and not cfg.per_weight else "",
-        OFFSET=_UNPACK_TYPES[x.dtype][1] if asm and not cfg.per_weight else 0.0,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    x_desc = None
+    if cfg.tma and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [cfg.block_m, bk])
+    from flashpage.kernels.tma_maps import cached_tma_maps
+
+    # the CUtensorMap encoded once per (address, shape), not at every launch
+    with cached_tma_maps(enabled=x_desc is not None and x.is_cuda):
+        _w4a16_swap_kernel[(tiles, split)](
+            x, qweight, scales, zeros, bias if bias is not None else y, out, x_desc, m, n, k,
+            qweight.stride(0), x.stride(0), n, m * n, split, G=g, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, PARTIAL=split > 1,
+            HAS_BIAS=bias is not None,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            PER_WEIGHT=cfg.per_weight, ASM=asm,
+            PTX=_unpack_ptx(x.dtype) if asm and not cfg.per_weight else "",
+            OFFSET=_UNPACK_TYPES[x.dtype][1] if asm and not cfg.per_weight else 0.0,
+            NUM_STAGES=cfg.num_stages, TMA=x_desc is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         from flashpage.kernels.int4_gemv import _split_sum_kernel
 
@@ -729,3 +750,4 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             out, bias if bias is not None else out, y, m * n, n, SPLIT_K=split,
             HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
     return y
+
