@@ -160,15 +160,20 @@ def sweep(args) -> int:
             times = {}
             check = _judge(x, ws[0])
             for label, fn in variants.items():
-                if label.startswith("gemm:"):
-                    bad = check(w4a16_gemm(x, *ws[0], config=tiles[label[5:]]))
-                    if bad:
-                        print(f"{name} m={m} {label}: WRONG, {bad}")
-                        results["rows"].append({"shape": name, "rows": m, "kernel": label,
-                                                "error": bad})
-                        continue
-                calls = len(bf16) if label == "bf16" else len(ws)
-                t = time_graph(fn, reps=args.reps) / calls
+                try:  # a tile that fails to build (e.g. shared memory) is noted, not fatal
+                    bad = None
+                    if label.startswith("gemm:"):
+                        bad = check(w4a16_gemm(x, *ws[0], config=tiles[label[5:]]))
+                    if not bad:
+                        calls = len(bf16) if label == "bf16" else len(ws)
+                        t = time_graph(fn, reps=args.reps) / calls
+                except Exception as e:  # noqa: BLE001
+                    bad = f"{type(e).__name__}: {str(e)[:200]}"
+                if bad:
+                    print(f"{name} m={m} {label}: FAILED, {bad}", flush=True)
+                    results["rows"].append({"shape": name, "rows": m, "kernel": label,
+                                            "error": bad})
+                    continue
                 times[label] = t
                 nbytes = 2 * n * k if label == "bf16" else q4_bytes
                 results["rows"].append({"shape": name, "n": n, "k": k, "rows": m, "kernel": label,
@@ -191,10 +196,10 @@ def sweep(args) -> int:
         ws.clear()
         bf16.clear()
         torch.cuda.empty_cache()
-    if args.json_out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-        with open(args.json_out, "w") as f:
-            json.dump(results, f, indent=1)
+        if args.json_out:  # after each shape: a run cut short keeps what it timed
+            os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+            with open(args.json_out, "w") as f:
+                json.dump(results, f, indent=1)
     return 0
 
 
