@@ -652,16 +652,21 @@ GEMM_CANDIDATES = (
 
 
 def gemm_config(m: int, n: int, k: int) -> Int4GemmConfig:
-    """The tile for m rows of a [n, k] weight: a first guess from the sm_90 SASS (~6.7
-    instructions a weight per warpgroup, once per tile whatever its rows: so as many rows
-    a tile as registers allow), until benchmarks/int4_gemm.py --sweep has run on a GPU.
-    Up to 64 rows one 64-row tile; up to 256, 128 rows by 64 features (a 4096-feature
-    layer: 64-128 programs, split K filling the rest); past that 128 x 128 on 8 warps."""
+    """The tile for m rows of a [n, k] weight: a first guess from the sm_90 SASS until
+    benchmarks/int4_gemm.py --sweep has run on a GPU. The K loop costs ~6.4-7.9 SASS
+    instructions a weight a thread whatever the tile's rows, so the more rows a tile the
+    less the dequantizing weighs against the MMAs (per SM, 128 x 128 x 64 on 8 warps: ~460
+    cycles of issue against 512 of MMA; 256 x 128 x 64: ~470 against 1,024), as long as
+    the tiles still fill the SMs (K split where they do not, at the cost of fp32 partial
+    sums). Up to 64 rows one 64-row tile; up to 256, 128 rows by 64 features (qkv at 256
+    rows: 192 programs); up to 1,024, 128 x 128 on 8 warps; past that 256 x 128."""
     if m <= 64:
         return Int4GemmConfig(64, 64, 128, 0, 4, 4)
     if m <= 256:
         return Int4GemmConfig(128, 64, 128, 0, 4, 3)
-    return Int4GemmConfig(128, 128, 64, 0, 8, 3)
+    if m <= 1024:
+        return Int4GemmConfig(128, 128, 64, 0, 8, 3)
+    return Int4GemmConfig(256, 128, 64, 0, 8, 3)
 
 
 def gemm_block_k(k: int, g: int, cfg: Int4GemmConfig) -> int:

@@ -122,7 +122,7 @@ def _compile_swap_gemm() -> dict[str, dict]:
     aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K", "stride_qw",
                "stride_xm", "stride_om")
     out = {}
-    for rows in (128, 1024):
+    for rows in (128, 1024, 2048):
         for cfg in {m.gemm_config(rows, 4096, 4096), m.Int4GemmConfig(128, 64, 128, per_weight=False),
                     m.Int4GemmConfig(256, 64, 64, tma=True)}:
             asm_ptx = not cfg.per_weight
