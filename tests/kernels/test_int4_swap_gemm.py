@@ -9,6 +9,8 @@ named errors, and the kernel built for sm_90 on the CPU runs warpgroup MMAs with
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from test_int4_gemm import _as_close_as_the_reference, _weight
@@ -172,12 +174,18 @@ def test_swap_gemm_compiles_to_warpgroup_mmas_for_sm90():
             assert v["F2FP"] * 2 * v["threads"] >= v["weights"], (name, v)  # packed pairs
 
 
+@functools.lru_cache(maxsize=4)
+def _weight_8b(n: int, k: int):
+    """An 8B shape's int4 weight (groups of 128), built once for its three row counts."""
+    return _weight(n, k, 128, 11)[:3]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 @pytest.mark.parametrize("m", [65, 300, 2048])
 def test_w4a16_gemm_bf16_8b_shapes_on_the_gpu(n, k, m):
-    qw, scales, zeros, _ = _weight(n, k, 128, 11)
+    qw, scales, zeros = _weight_8b(n, k)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     ref = int4_linear_ref(x, qw, scales, zeros)
     got = w4a16_gemm(x, qw, scales, zeros)
