@@ -59,7 +59,8 @@ the reshape of a word's 8 nibbles gives a layout Triton converts that way); x^T 
 wgmma from shared memory, the words through Triton's cp.async pipeliner, x's tiles too or
 by TMA (``Int4GemmConfig.tma``: one box a tile, ~30-50 fewer registers). The K loop is
 ~6.4-7.9 SASS instructions a weight a thread, whatever the tile's rows (the tl.dot kernel
-above: ~18 for 64 rows).
+above: ~18 for 64 rows). Unswapped (x the A operand, this unpacked tile transposed as B)
+the same loop does not build in Triton 3.6 (OptimizeDotOperands: "Illegal shared layout").
 """
 
 from __future__ import annotations
