@@ -10,8 +10,9 @@ of the weight to be far past the L2 (50 MB). For every shape and row count (defa
     ours            w4a16_matmul, its default tile for the rows (split K at 1-16 rows)
     ours:<cfg>      each --configs tile (names as Int4Config.name prints them)
     layer           int4_linear: what the engine runs (kernels/int4_gemv.py up to
-                    layers/int4.GEMV_ROWS rows, dequantize kernel + cuBLAS above; the
-                    decode sizes' comparison is benchmarks/int4_gemv.py)
+                    layers/int4.GEMV_ROWS rows, the swapped GEMM w4a16_gemm up to
+                    GEMM_MAX_ROWS, dequantize kernel + cuBLAS above; the decode sizes'
+                    comparison is benchmarks/int4_gemv.py)
     deq+cublas      our dequantizing kernel, then F.linear
     torch deq+mm    the pure-torch reference: unpack, dequantize, F.linear
     bf16            F.linear over a bf16 weight of the same shape (the 16-bit baseline)
@@ -22,6 +23,15 @@ the TFLOP/s of the product. First, ours is checked against the reference at 1 an
 
     python benchmarks/int4_gemm.py --json-out $OUT/int4_gemm.json
     python benchmarks/int4_gemm.py --shapes down --rows 1,4,16 --configs m16n32k256s0w4st4
+
+--sweep: the swapped GEMM (``w4a16_gemm``, the path past the GEMV's 64 rows) at rows 64,
+128, 256, 512, 1024, 2048 (or --rows): its default tile and every GEMM_CANDIDATES tile (or
+--gemm-configs), beside "deq+cublas" and "bf16", each timed as the full mode times (a CUDA
+graph cycling through weight copies past L2, time_graph; --reps replays); prints each (shape, rows)'s best tile and its time against bf16 and writes all
+of it (--json-out). Checks each tile against the reference first (bf16 on the GPU, judged
+as tests/kernels judge it). ~60-100 s on an H200:
+
+    python benchmarks/int4_gemm.py --sweep --json-out $OUT/int4_gemm_sweep.json
 """
 
 from __future__ import annotations
@@ -86,20 +96,138 @@ def _variants(x: torch.Tensor, ws: list, bf16: list, extra: list, dt: torch.dtyp
     return out
 
 
+def _judge(x, w):
+    """A check of outputs for x through the int4 weight w: None if within 1.5x the bf16
+    reference's own error from the fp32 linear (tests/kernels/test_int4_gemm.py's rule),
+    else what is wrong."""
+    from flashpage.kernels.int4_gemm import dequantize_int4_ref, int4_linear_ref
+
+    want = x.float() @ dequantize_int4_ref(*w, torch.float32).t()
+    theirs = (int4_linear_ref(x, *w).float() - want).abs().max().item()
+
+    def check(got) -> str | None:
+        ours = (got.float() - want).abs().max().item()
+        return None if ours <= 1.5 * theirs + 1e-3 else \
+            f"max error {ours:.3g} (reference {theirs:.3g})"
+
+    return check
+
+
+def _sweep_variants(x: torch.Tensor, ws: list, bf16: list, tiles: dict,
+                    dt: torch.dtype) -> dict:
+    """--sweep's label -> a call of every weight copy (the timed unit)."""
+    from flashpage.kernels.int4_gemm import dequantize_int4, w4a16_gemm
+
+    out = {f"gemm:{label}": (lambda c=c: [w4a16_gemm(x, *w, config=c) for w in ws])
+           for label, c in tiles.items()}
+    out["deq+cublas"] = lambda: [F.linear(x, dequantize_int4(*w, dt)) for w in ws]
+    out["bf16"] = lambda: [F.linear(x, w) for w in bf16]
+    return out
+
+
+def sweep(args) -> int:
+    """--sweep: the swapped GEMM's tiles against dequantize + cuBLAS and bf16 (see the
+    module's docstring)."""
+    from gpu_timing import time_graph
+
+    from flashpage.kernels.int4_gemm import (
+        GEMM_CANDIDATES,
+        gemm_config,
+        gemm_supports,
+        parse_gemm_config,
+        w4a16_gemm,
+    )
+
+    cands = ([parse_gemm_config(c) for c in filter(None, args.gemm_configs.split(","))]
+             if args.gemm_configs else list(GEMM_CANDIDATES))
+    torch.manual_seed(0)
+    dt, g = torch.bfloat16, args.group
+    results: dict = {"device": torch.cuda.get_device_name(), "group_size": g, "mode": "sweep",
+                     "rows": [], "best": []}
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        if not gemm_supports(k, g):
+            print(f"{name}: K={k}, G={g} not taken by w4a16_gemm")
+            continue
+        ws, bf16, q4_bytes = weight_copies(n, k, g, dt)
+        for m in map(int, args.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+            default = gemm_config(m, n, k)
+            tiles = {c.name: c for c in cands}
+            if default.name not in tiles:  # else its time is its name's
+                tiles["default"] = default
+            variants = _sweep_variants(x, ws, bf16, tiles, dt)
+            times = {}
+            check = _judge(x, ws[0])
+            for label, fn in variants.items():
+                try:  # a tile that fails to build (e.g. shared memory) is noted, not fatal
+                    bad = None
+                    if label.startswith("gemm:"):
+                        bad = check(w4a16_gemm(x, *ws[0], config=tiles[label[5:]]))
+                    if not bad:
+                        calls = len(bf16) if label == "bf16" else len(ws)
+                        t = time_graph(fn, reps=args.reps) / calls
+                except Exception as e:  # noqa: BLE001
+                    bad = f"{type(e).__name__}: {str(e)[:200]}"
+                if bad:
+                    print(f"{name} m={m} {label}: FAILED, {bad}", flush=True)
+                    results["rows"].append({"shape": name, "rows": m, "kernel": label,
+                                            "error": bad})
+                    continue
+                times[label] = t
+                nbytes = 2 * n * k if label == "bf16" else q4_bytes
+                results["rows"].append({"shape": name, "n": n, "k": k, "rows": m, "kernel": label,
+                                        "us": t * 1e6, "weight_gbps": nbytes / t / 1e9,
+                                        "tflops": 2 * m * n * k / t / 1e12})
+            gemms = {lb: t for lb, t in times.items() if lb.startswith("gemm:")}
+            best = min(gemms, key=gemms.get) if gemms else None
+            line = {"shape": name, "rows": m, "best": best,
+                    "best_config": tiles[best[5:]].name if best else None,
+                    **{f"{lb}_us": times[lb] * 1e6 for lb in ("deq+cublas", "bf16") if lb in times},
+                    "default_config": default.name,
+                    "default_us": times.get("gemm:default", times.get(f"gemm:{default.name}",
+                                                                        float("nan"))) * 1e6,
+                    "best_us": gemms[best] * 1e6 if best else float("nan")}
+            results["best"].append(line)
+            print(f"{name:8s} m={m:<5d} best {line['best_config']} {line['best_us']:8.1f} us | "
+                  f"default {line['default_us']:8.1f} | deq+cublas {line.get('deq+cublas_us', 0):8.1f}"
+                  f" | bf16 {line.get('bf16_us', 0):8.1f} | best/bf16 "
+                  f"{line['best_us'] / line.get('bf16_us', float('nan')):.2f}x", flush=True)
+        ws.clear()
+        bf16.clear()
+        torch.cuda.empty_cache()
+        if args.json_out:  # after each shape: a run cut short keeps what it timed
+            os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+            with open(args.json_out, "w") as f:
+                json.dump(results, f, indent=1)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--rows", default="1,2,4,8,16,64,256,1024")
+    ap.add_argument("--rows", default=None,
+                    help="row counts (default 1,2,4,8,16,64,256,1024; --sweep: "
+                         "64,128,256,512,1024,2048)")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--configs", default="m16n32k256s0w4st4,m16n128k128s0w4st4",
                     help="extra tiles of ours (comma-separated Int4Config names)")
     ap.add_argument("--no-torch-ref", action="store_true", help="skip torch's dequant+matmul")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the swapped GEMM's candidate tiles (see above)")
+    ap.add_argument("--gemm-configs", default="",
+                    help="--sweep: these tiles (Int4GemmConfig names) in place of GEMM_CANDIDATES")
+    ap.add_argument("--reps", type=int, default=10, help="graph replays a timing")
     args = ap.parse_args()
     extra = [parse_config(c) for c in filter(None, args.configs.split(","))]
     if not torch.cuda.is_available():
         print("int4_gemm.py needs a CUDA GPU")
         return 1
+    if args.sweep:
+        args.rows = args.rows or "64,128,256,512,1024,2048"
+        return sweep(args)
+    args.rows = args.rows or "1,2,4,8,16,64,256,1024"
     from gpu_timing import time_graph
 
     from flashpage.kernels.int4_gemm import int4_linear_ref, w4a16_matmul
@@ -122,7 +250,7 @@ def main() -> int:
                 variants.pop("torch deq+mm")
             for label, fn in variants.items():
                 calls = len(bf16) if label == "bf16" else copies
-                t = time_graph(fn, reps=10) / calls
+                t = time_graph(fn, reps=args.reps) / calls
                 nbytes = 2 * n * k if label == "bf16" else q4_bytes
                 row = {"shape": name, "n": n, "k": k, "rows": m, "kernel": label,
                        "us": t * 1e6, "weight_gbps": nbytes / t / 1e9,

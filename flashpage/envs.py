@@ -265,7 +265,8 @@ def int4_fused_norm() -> bool:
 def int4_kernel() -> str:
     """FLASHPAGE_INT4_KERNEL: how CUDA runs int4 (AWQ / GPTQ) linears (layers/int4.py).
     Unset or ``gemv``: kernels/int4_gemv.py's row-wise GEMV up to layers/int4.GEMV_ROWS
-    (16) rows, the weight dequantized by a kernel and multiplied by cuBLAS above. ``gemm``
+    (64) rows, kernels/int4_gemm.py's swapped GEMM (w4a16_gemm) up to GEMM_MAX_ROWS, the
+    weight dequantized by a kernel and multiplied by cuBLAS above. ``gemm``
     (or 1, as before the GEMV): kernels/int4_gemm.py's tl.dot kernel up to GEMM_ROWS (128)
     rows (on an H200, run 165, it read 0.25-0.5 TB/s: slower than dequantizing).
     ``dequant`` (or 0): dequantize + cuBLAS at every row count."""

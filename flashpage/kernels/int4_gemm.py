@@ -35,6 +35,32 @@ at decode batches: each split writes fp32 partial sums, added once after. Decode
 weight to x's dtype with the reference's bits (for large prompt steps, where a 16-bit
 GEMM wins). Their references: ``unpack_int4``, ``dequantize_int4_ref``,
 ``int4_linear_ref``.
+
+``w4a16_gemm`` (``_w4a16_swap_kernel``) is the path past the GEMV's 64 rows (prompt steps,
+big decode batches): operands swapped, y^T [N, M] = w [N, K] . x^T [K, M], so the weight
+tile is the MMA's A operand (64 features a warpgroup) and the rows of x its N side (16 to
+256 a tile: the tile's dequantizing is paid once for all of them). Two forms
+(``Int4GemmConfig.per_weight``):
+
+    per weight   each nibble becomes the fp32 2048 + q or 128 + q (one lop3), one FMA
+                 (O + q) * s - (O + z) * s gives (q - z) * s exactly (16-bit scales), packed
+                 to x's dtype two at a time: the bits of ``dequantize_int4_ref``, so the
+                 MMAs accumulate into one fp32 accumulator (Triton keeps them in flight
+                 across K tiles) and a K tile may span groups
+    on the sums  q - z in x's dtype (exact; inline PTX, two an instruction) and the group's
+                 scale on each tile's [BLOCK_N, BLOCK_M] sums (as the GEMV does): fewer
+                 instructions a weight, but one FFMA per output element a tile, and each
+                 tile's MMAs waited on before the scale
+
+Built for sm_90 by Triton 3.6 (tests/kernels/test_int4_swap_gemm.py reads the SASS): the
+MMAs are wgmma (HGMMA 64xBLOCK_Mx16) with A from registers, but the unpacked tile reaches
+wgmma's register layout through shared memory (a store and an ldmatrix a 16-wide K slice:
+the reshape of a word's 8 nibbles gives a layout Triton converts that way); x^T is read by
+wgmma from shared memory, the words through Triton's cp.async pipeliner, x's tiles too or
+by TMA (``Int4GemmConfig.tma``: one box a tile, ~30-50 fewer registers). The K loop is
+~6.4-7.9 SASS instructions a weight a thread, whatever the tile's rows (the tl.dot kernel
+above: ~18 for 64 rows). Unswapped (x the A operand, this unpacked tile transposed as B)
+the same loop does not build in Triton 3.6 (OptimizeDotOperands: "Illegal shared layout").
 """
 
 from __future__ import annotations
@@ -113,6 +139,131 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, KW, NG,
 
 
 @triton.jit
+def _unpack_words(packed, z):
+    """Packed words [BN, W] and their zero points ([BN, W] or [BN, 1]) -> q - z in fp32
+    [BN, W, 2, 2, 2] (integers: the scale goes on sums of them), nibble j of a word at
+    [..., j >> 2, (j >> 1) & 1, j & 1] (so a reshape to [BN, 8W] is the K order). tl.join stacks in a thread's registers: a word's
+    8 weights stay in the thread that loaded it (a 3D [BN, W, 8] shift puts them in 8
+    lanes). Each nibble is ORed into the mantissa of 2^23 (0x4B000000): the fp32 2^23 + q
+    with no int-to-float conversion; 2^23 is taken off with the zero point, exactly."""
+    pk = packed.to(tl.uint32, bitcast=True)
+    n0 = ((pk & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n1 = (((pk >> 4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n2 = (((pk >> 8) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n3 = (((pk >> 12) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n4 = (((pk >> 16) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n5 = (((pk >> 20) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n6 = (((pk >> 24) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    n7 = ((pk >> 28) | 0x4B000000).to(tl.float32, bitcast=True)
+    q = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+                tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+    zf = z.to(tl.float32) + 8388608.0
+    return q - zf[:, :, None, None, None]
+
+
+
+# PTX of one packed word and its -(OFFSET + zero) as a 16-bit float -> its 8 values q - z
+# in that 16-bit type, two per instruction: each pair of nibbles (j, j + 4) masked into the
+# mantissas of OFFSET (bf16 0x4300 = 128, fp16 0x6400 = 1024: the float OFFSET + q, exact)
+# by one lop3, then OFFSET + z taken off both by one fma (x * 1 - (OFFSET + z), exact).
+_UNPACK_PTX = """{
+.reg .b32 w, t, p, nz, one, mask, magic;
+mov.b32 w, $8;
+mov.b32 nz, {$9, $9};
+mov.b32 one, ONE;
+mov.b32 mask, 0x000F000F;
+mov.b32 magic, MAGIC;
+lop3.b32 p, w, mask, magic, 0xEA;
+fma.rn.TY p, p, one, nz;
+mov.b32 {$0, $4}, p;
+shr.u32 t, w, 4;
+lop3.b32 p, t, mask, magic, 0xEA;
+fma.rn.TY p, p, one, nz;
+mov.b32 {$1, $5}, p;
+shr.u32 t, w, 8;
+lop3.b32 p, t, mask, magic, 0xEA;
+fma.rn.TY p, p, one, nz;
+mov.b32 {$2, $6}, p;
+shr.u32 t, w, 12;
+lop3.b32 p, t, mask, magic, 0xEA;
+fma.rn.TY p, p, one, nz;
+mov.b32 {$3, $7}, p;
+}"""
+# x's dtype -> (its 16-bit pattern of OFFSET, OFFSET, the pair (1.0, 1.0), the PTX type)
+_UNPACK_TYPES = {torch.bfloat16: ("0x43004300", 128.0, "0x3F803F80", "bf16x2"),
+                 torch.float16: ("0x64006400", 1024.0, "0x3C003C00", "f16x2")}
+
+
+def _unpack_ptx(dtype: torch.dtype) -> str:
+    magic, _, one, ty = _UNPACK_TYPES[dtype]
+    return _UNPACK_PTX.replace("MAGIC", magic).replace("ONE", one).replace("TY", ty)
+
+
+@triton.jit
+def _unpack_words_asm(packed, z, DT: tl.constexpr, PTX: tl.constexpr, OFFSET: tl.constexpr):
+    """``_unpack_words`` in x's 16-bit type by inline PTX (the GPU only): [BN, W, 2, 2, 2]."""
+    nz = (-(z.to(tl.float32) + OFFSET)).to(DT)
+    nz = tl.broadcast_to(nz, packed.shape)
+    outs = tl.inline_asm_elementwise(
+        PTX.value, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [packed, nz],
+        dtype=(DT.value,) * 8, is_pure=True, pack=1)
+    n0, n1, n2, n3, n4, n5, n6, n7 = outs
+    return tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+                   tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+
+
+# PTX of one packed word -> its 8 nibbles as fp32 (``_row_chain``), two magics: a nibble at
+# bits 12-15 ORed into 2048.0's mantissa (0x45000000, where bit 12 is worth 1) is 2048 + q,
+# at bits 16-19 into 128.0's (0x43000000) 128 + q. Four shifts bring every nibble to one
+# of the two places (w: 3 and 4; w << 8: 1 and 2; w >> 8: 5 and 6; w << 12: 0; w >> 12: 7),
+# one lop3 each (a & mask | magic, both in registers): 12 instructions for 8 weights.
+# Outputs in the order $0-$3 = nibbles 3, 1, 5, 0 (2048 + q), $4-$7 = 4, 2, 6, 7 (128 + q).
+_NIBBLES_PTX = tl.constexpr("""{
+.reg .b32 t, ma, mb, ca, cb;
+mov.b32 ma, 0x0000F000;
+mov.b32 mb, 0x000F0000;
+mov.b32 ca, 0x45000000;
+mov.b32 cb, 0x43000000;
+lop3.b32 $0, $8, ma, ca, 0xEA;
+lop3.b32 $4, $8, mb, cb, 0xEA;
+shl.b32 t, $8, 8;
+lop3.b32 $1, t, ma, ca, 0xEA;
+lop3.b32 $5, t, mb, cb, 0xEA;
+shr.u32 t, $8, 8;
+lop3.b32 $2, t, ma, ca, 0xEA;
+lop3.b32 $6, t, mb, cb, 0xEA;
+shl.b32 t, $8, 12;
+lop3.b32 $3, t, ma, ca, 0xEA;
+shr.u32 t, $8, 12;
+lop3.b32 $7, t, mb, cb, 0xEA;
+}""")
+
+
+@triton.jit
+def _nibbles_2048_128(packed, ASM: tl.constexpr):
+    """Packed words [BN, W] -> 8 fp32 tensors [BN, W]: nibbles 3, 1, 5, 0 as 2048 + q,
+    then 4, 2, 6, 7 as 128 + q (``_NIBBLES_PTX``; the interpreter runs the same bit
+    arithmetic in Triton ops, which ptxas leaves two lop3s a weight)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _NIBBLES_PTX.value, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
+            dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        w = packed.to(tl.uint32, bitcast=True)
+        lo = w << 8
+        hi = w >> 8
+        a3 = ((w & 0xF000) | 0x45000000).to(tl.float32, bitcast=True)
+        a1 = ((lo & 0xF000) | 0x45000000).to(tl.float32, bitcast=True)
+        a5 = ((hi & 0xF000) | 0x45000000).to(tl.float32, bitcast=True)
+        a0 = (((w << 12) & 0xF000) | 0x45000000).to(tl.float32, bitcast=True)
+        b4 = ((w & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+        b2 = ((lo & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+        b6 = ((hi & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+        b7 = (((w >> 12) & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+        return a3, a1, a5, a0, b4, b2, b6, b7
+
+
+@triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stride_xm,
                   stride_om, stride_os, G: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -174,6 +325,127 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stride_x
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.store(out, acc, mask=out_mask)
+
+
+@triton.jit
+def _dequant_words(packed, s, z, DT: tl.constexpr, ASM: tl.constexpr):
+    """Packed words [BN, W] with their scales and zero points ([BN, W] or [BN, 1]) -> the
+    weights (q - z) * s in DT, [BN, W, 2, 2, 2] (nibble j of a word at [..., j >> 2,
+    (j >> 1) & 1, j & 1]: a reshape to [BN, 8W] is the K order), the bits of
+    ``dequantize_int4_ref`` for 16-bit scales: each nibble is 2048 + q or 128 + q in fp32
+    (``_nibbles_2048_128``, one lop3), and one FMA (O + q) * s - (O + z) * s gives
+    (q - z) * s exactly (O + q has 12 bits, a 16-bit scale 11: the products and the result
+    fit fp32's 24), rounded once to DT."""
+    sf = s.to(tl.float32)
+    zf = z.to(tl.float32)
+    c_hi = -(zf + 2048.0) * sf
+    c_lo = -(zf + 128.0) * sf
+    a3, a1, a5, a0, b4, b2, b6, b7 = _nibbles_2048_128(packed, ASM)
+    w0 = tl.fma(a0, sf, c_hi).to(DT)
+    w1 = tl.fma(a1, sf, c_hi).to(DT)
+    w3 = tl.fma(a3, sf, c_hi).to(DT)
+    w5 = tl.fma(a5, sf, c_hi).to(DT)
+    w2 = tl.fma(b2, sf, c_lo).to(DT)
+    w4 = tl.fma(b4, sf, c_lo).to(DT)
+    w6 = tl.fma(b6, sf, c_lo).to(DT)
+    w7 = tl.fma(b7, sf, c_lo).to(DT)
+    return tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)),
+                   tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+
+
+# one compile serves every row count and every split of K (a sweep compiles each tile twice:
+# whole K, split K)
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, x_desc, M, N, K,
+                       stride_qw, stride_xm, stride_om, stride_os, SPLIT_K, G: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, PARTIAL: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                       PER_WEIGHT: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
+                       OFFSET: tl.constexpr, NUM_STAGES: tl.constexpr, TMA: tl.constexpr):
+    """Operands swapped: program (pid, pid_k) computes y^T [BLOCK_N features, BLOCK_M rows]
+    over its share of the K tiles as (weight tile [BLOCK_N, BLOCK_K]) . x^T [BLOCK_K,
+    BLOCK_M]: the weight tile is the MMA's A operand (64 features a warpgroup), the rows of
+    x its N side (16..256). PER_WEIGHT: the tile dequantized, (q - z) * s rounded to x's
+    dtype (``_dequant_words``), the MMAs accumulating into acc (the tile may span groups);
+    else q - z (exact in 16 bits) and the group's scale, one per feature (BLOCK_K divides
+    G), on each tile's sums. Tiles in GROUP_M-wide bands of row tiles, the row tile the
+    fastest index, so neighbouring programs read the same weight tile (from L2). Rows and
+    features past the ends read row 0 / feature 0 (never stored): no masks on the loads."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    band = GROUP_M * tiles_n
+    first_m = (pid // band) * GROUP_M
+    rows_in_band = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % band) % rows_in_band
+    pid_n = (pid % band) // rows_in_band
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (offs_n % N).to(tl.int64)
+    rm = (offs_m % M).to(tl.int64)
+    NG = K // G
+    qw_rows = qw_ptr + rn[:, None] * stride_qw
+    s_rows = s_ptr + rn[:, None] * NG
+    z_rows = z_ptr + rn[:, None] * NG
+    x_cols = x_ptr + rm[None, :] * stride_xm
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    offs_k = tl.arange(0, BLOCK_K)
+    tiles = K // BLOCK_K
+    per_split = tl.cdiv(tiles, SPLIT_K)
+    start = pid_k * per_split
+    end = tl.minimum(start + per_split, tiles)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # the scales and zero points (1-2 bytes a feature, too narrow for cp.async) one tile
+    # ahead by hand; the words and x's tiles through Triton's pipeliner (cp.async copies
+    # NUM_STAGES - 1 tiles ahead)
+    sn, zn = _groups(s_rows, z_rows, start, end, G, BLOCK_K)
+    for t in tl.range(start, end, num_stages=NUM_STAGES):
+        packed = tl.load(qw_rows + (t * (BLOCK_K // 8) + offs_w)[None, :])
+        if TMA:  # x's tile [BLOCK_M, BLOCK_K] by one TMA box (zeros past M), transposed
+            xt = tl.trans(x_desc.load([pid_m * BLOCK_M, t * BLOCK_K]))
+        else:
+            xt = tl.load(x_cols + (t * BLOCK_K + offs_k)[:, None])  # [BLOCK_K, BLOCK_M]
+        s, z = sn, zn
+        sn, zn = _groups(s_rows, z_rows, t + 1, end, G, BLOCK_K)
+        if PER_WEIGHT:
+            w = tl.reshape(_dequant_words(packed, s, z, DT, ASM), (BLOCK_N, BLOCK_K))
+            acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        else:
+            if ASM:  # q - z in x's dtype, two an instruction
+                w5 = _unpack_words_asm(packed, z, DT, PTX, OFFSET)
+            else:  # q - z in fp32
+                w5 = _unpack_words(packed, z)
+            w = tl.reshape(w5, (BLOCK_N, BLOCK_K)).to(DT)
+            acc += tl.dot(w, xt, input_precision=PRECISION) * s.to(tl.float32)
+    out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m[None, :].to(tl.int64) * stride_om \
+        + offs_n[:, None]
+    if PARTIAL:  # fp32 partial sums of split pid_k, added (and the bias) after
+        tl.store(out, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _groups(s_rows, z_rows, t, end, G: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K tile t's scales and zero points: [BN, 1] where the tile lies in one group
+    (BLOCK_K <= G), else one per word [BN, BLOCK_K / 8] (a word lies in one group); zero
+    past ``end`` (the look-ahead after the last tile)."""
+    live = t < end
+    k0 = t * BLOCK_K
+    if BLOCK_K <= G:
+        s = tl.load(s_rows + k0 // G, mask=live, other=0.0)
+        z = tl.load(z_rows + k0 // G, mask=live, other=0)
+    else:
+        groups = (k0 + tl.arange(0, BLOCK_K // 8) * 8) // G
+        s = tl.load(s_rows + groups[None, :], mask=live, other=0.0)
+        z = tl.load(z_rows + groups[None, :], mask=live, other=0)
+    return s, z
 
 
 @triton.jit
@@ -318,3 +590,170 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     _dequant_kernel[(triton.cdiv(n, block_n), k // bk)](
         qweight, scales, zeros, out, n, k, G=g, TG=min(g, bk), BLOCK_N=block_n, BLOCK_K=bk)
     return out
+
+
+# ----------------------------------------------------------------------------- the swapped GEMM
+@dataclass(frozen=True)
+class Int4GemmConfig:
+    """A tile of ``w4a16_gemm`` (``_w4a16_swap_kernel``): block_m rows of x (the MMA's N
+    side, 16..256) by block_n features (64 a warpgroup) by block_k of K; ``per_weight``:
+    the weight tile dequantized before the MMA (else q - z and the scale on each tile's
+    sums); group_m: row tiles a band (neighbours share the weight tile)."""
+    block_m: int = 128
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 0  # 0: chosen from the GPU's SM count at the call (1 off the GPU)
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+    per_weight: bool = True
+    tma: bool = False  # x's tiles by TMA (one box a tile), else cp.async copies
+
+    @property
+    def name(self) -> str:
+        return (f"{'w' if self.per_weight else 'p'}m{self.block_m}n{self.block_n}"
+                f"k{self.block_k}s{self.split_k}w{self.num_warps}st{self.num_stages}"
+                f"g{self.group_m}{'t' if self.tma else ''}")
+
+
+def parse_gemm_config(name: str) -> Int4GemmConfig:
+    """The config an ``Int4GemmConfig.name`` names, e.g. ``wm128n64k128s0w4st3g8``: w / p
+    (dequantized per weight / scale on the sums), block_m, block_n, block_k, split_k,
+    num_warps, num_stages, group_m, and a trailing t for x's tiles by TMA."""
+    import re
+
+    match = re.fullmatch(r"([wp])m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)g(\d+)(t?)", name.strip())
+    if match is None:
+        raise ValueError(f"{name!r} is not a config name such as wm128n64k128s0w4st3g8")
+    kind, *nums, tma = match.groups()
+    bm, bn, bk, split, warps, stages, group = map(int, nums)
+    return Int4GemmConfig(bm, bn, bk, split, warps, stages, group, per_weight=kind == "w",
+                          tma=tma == "t")
+
+
+# The tiles benchmarks/int4_gemm.py --sweep times (a first list from the sm_90 SASS, not yet
+# timed on a GPU): 64 / 128 features (one or two warpgroups), 64-256 rows, K tiles of 64 /
+# 128, 3-4 stages, both forms of the scale, x by cp.async or TMA (none spills for sm_90;
+# the scale-on-the-sums form at 256 x 128 x 64 on 8 warps did: 960 bytes; TMA leaves the
+# per-weight form ~30-50 fewer registers)
+GEMM_CANDIDATES = (
+    Int4GemmConfig(64, 64, 128, 0, 4, 4),
+    Int4GemmConfig(128, 64, 128, 0, 4, 3),
+    Int4GemmConfig(128, 64, 128, 0, 4, 4),
+    Int4GemmConfig(128, 64, 64, 0, 4, 4),
+    Int4GemmConfig(128, 128, 64, 0, 8, 3),
+    Int4GemmConfig(256, 64, 64, 0, 4, 3),
+    Int4GemmConfig(256, 128, 64, 0, 8, 3),
+    Int4GemmConfig(64, 64, 128, 0, 4, 4, per_weight=False),
+    Int4GemmConfig(128, 64, 128, 0, 4, 3, per_weight=False),
+    Int4GemmConfig(128, 64, 128, 0, 4, 3, tma=True),
+    Int4GemmConfig(256, 64, 64, 0, 4, 3, tma=True),
+    Int4GemmConfig(256, 128, 64, 0, 8, 4, tma=True),
+)
+
+
+def gemm_config(m: int, n: int, k: int) -> Int4GemmConfig:
+    """The tile for m rows of a [n, k] weight: a first guess from the sm_90 SASS until
+    benchmarks/int4_gemm.py --sweep has run on a GPU. The K loop costs ~6.4-7.9 SASS
+    instructions a weight a thread whatever the tile's rows, so the more rows a tile the
+    less the dequantizing weighs against the MMAs (per SM, 128 x 128 x 64 on 8 warps: ~460
+    cycles of issue against 512 of MMA; 256 x 128 x 64: ~470 against 1,024), as long as
+    the tiles still fill the SMs (K split where they do not, at the cost of fp32 partial
+    sums). Up to 64 rows one 64-row tile; up to 256, 128 rows by 64 features (qkv at 256
+    rows: 192 programs); up to 1,024, 128 x 128 on 8 warps; past that 256 x 128."""
+    if m <= 64:
+        return Int4GemmConfig(64, 64, 128, 0, 4, 4)
+    if m <= 256:
+        return Int4GemmConfig(128, 64, 128, 0, 4, 3)
+    if m <= 1024:
+        return Int4GemmConfig(128, 128, 64, 0, 8, 3)
+    return Int4GemmConfig(256, 128, 64, 0, 8, 3)
+
+
+def gemm_block_k(k: int, g: int, cfg: Int4GemmConfig) -> int:
+    """The K tile ``w4a16_gemm`` runs: a power of two <= cfg.block_k dividing K and G or a
+    multiple of G (``per_weight``; dividing G otherwise: the scale goes on the tile's sums)."""
+    return _block_k(k, g, cfg.block_k, within_group=not cfg.per_weight)
+
+
+def gemm_supports(k: int, g: int) -> bool:
+    """Whether ``w4a16_gemm``'s default tiles take a K-wide weight in groups of G: K tiles
+    of 16 at least (the 16-bit MMA's K)."""
+    return k % PACK == 0 and g % PACK == 0 and k % g == 0 \
+        and gemm_block_k(k, g, Int4GemmConfig()) >= 16
+
+
+def _gemm_split_k(tiles: int, k_tiles: int, device: torch.device) -> int:
+    """K's split: doubled while the tiles do not cover the SMs and each split keeps 4 K
+    tiles at least (1 off the GPU)."""
+    if device.type != "cuda":
+        return 1
+    from flashpage.kernels.device import num_sms
+
+    split = 1
+    while tiles * split < num_sms(device) and split * 2 <= k_tiles // 4:
+        split *= 2
+    return split
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: torch.Tensor, bias: torch.Tensor | None = None,
+               config: Int4GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] (fp16 / bf16 / fp32) @ the int4 weight -> [M, N] in x's dtype (+ bias [N]),
+    by ``_w4a16_swap_kernel`` (the weight tile the MMA's A operand, x^T its B): built for
+    prompt steps and decode batches past the GEMV's 64 rows; any M. fp32 accumulation."""
+    g = check_int4(qweight, scales, zeros)
+    n, k = qweight.shape[0], qweight.shape[1] * PACK
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} does not fit a [{n}, {k}] weight")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{n}] in x's dtype {x.dtype}, got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    m = x.shape[0]
+    cfg = config or gemm_config(m, n, k)
+    bk = gemm_block_k(k, g, cfg)
+    if bk < 16:
+        raise ValueError(f"w4a16_gemm needs K tiles of 16 at least (K={k}, G={g}, {cfg.name}); "
+                         "see gemm_supports")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    from flashpage.kernels.device import interpreting
+
+    asm = x.dtype in _UNPACK_TYPES and not interpreting()
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split = cfg.split_k or _gemm_split_k(tiles, k // bk, x.device)
+    split = max(1, min(split, k // bk))
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return y
+    out = y if split == 1 else torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    x_desc = None
+    if cfg.tma and x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [cfg.block_m, bk])
+    from flashpage.kernels.tma_maps import cached_tma_maps
+
+    # the CUtensorMap encoded once per (address, shape), not at every launch
+    with cached_tma_maps(enabled=x_desc is not None and x.is_cuda):
+        _w4a16_swap_kernel[(tiles, split)](
+            x, qweight, scales, zeros, bias if bias is not None else y, out, x_desc, m, n, k,
+            qweight.stride(0), x.stride(0), n, m * n, split, G=g, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, PARTIAL=split > 1,
+            HAS_BIAS=bias is not None,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            PER_WEIGHT=cfg.per_weight, ASM=asm,
+            PTX=_unpack_ptx(x.dtype) if asm and not cfg.per_weight else "",
+            OFFSET=_UNPACK_TYPES[x.dtype][1] if asm and not cfg.per_weight else 0.0,
+            NUM_STAGES=cfg.num_stages, TMA=x_desc is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        from flashpage.kernels.int4_gemv import _split_sum_kernel
+
+        _split_sum_kernel[(triton.cdiv(m * n, 1024),)](
+            out, bias if bias is not None else out, y, m * n, n, SPLIT_K=split,
+            HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
+    return y
+

@@ -94,7 +94,17 @@ import triton.language as tl
 
 from flashpage.kernels.device import interpreting
 from flashpage.kernels.gemv import _silu_mul
-from flashpage.kernels.int4_gemm import PACK, _block_k, check_int4, int4_linear_ref
+from flashpage.kernels.int4_gemm import (
+    _UNPACK_TYPES,
+    PACK,
+    _block_k,
+    _nibbles_2048_128,
+    _unpack_ptx,
+    _unpack_words,
+    _unpack_words_asm,
+    check_int4,
+    int4_linear_ref,
+)
 from flashpage.kernels.pdl import pdl_launch_kwargs, pdl_prologue, resolve_pdl
 
 # Rows of x one call takes: up to 16 either form (the dot path pads x to tl.dot's 16-wide
@@ -223,80 +233,6 @@ def _load_groups(s_rows, z_rows, n_mask, t, end, G: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
-def _unpack_words(packed, z):
-    """Packed words [BN, W] and their zero points ([BN, W] or [BN, 1]) -> q - z in fp32
-    [BN, W, 2, 2, 2] (integers: the scale goes on sums of them), nibble j of a word at
-    [..., j >> 2, (j >> 1) & 1, j & 1] (so a reshape to [BN, 8W] is the K order). tl.join stacks in a thread's registers: a word's
-    8 weights stay in the thread that loaded it (a 3D [BN, W, 8] shift puts them in 8
-    lanes). Each nibble is ORed into the mantissa of 2^23 (0x4B000000): the fp32 2^23 + q
-    with no int-to-float conversion; 2^23 is taken off with the zero point, exactly."""
-    pk = packed.to(tl.uint32, bitcast=True)
-    n0 = ((pk & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-    n1 = (((pk >> 4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-    n2 = (((pk >> 8) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-    n3 = (((pk >> 12) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-    n4 = (((pk >> 16) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-    n5 = (((pk >> 20) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-    n6 = (((pk >> 24) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-    n7 = ((pk >> 28) | 0x4B000000).to(tl.float32, bitcast=True)
-    q = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
-                tl.join(tl.join(n1, n5), tl.join(n3, n7)))
-    zf = z.to(tl.float32) + 8388608.0
-    return q - zf[:, :, None, None, None]
-
-
-# PTX of one packed word -> its 8 nibbles as fp32 (``_row_chain``), two magics: a nibble at
-# bits 12-15 ORed into 2048.0's mantissa (0x45000000, where bit 12 is worth 1) is 2048 + q,
-# at bits 16-19 into 128.0's (0x43000000) 128 + q. Four shifts bring every nibble to one
-# of the two places (w: 3 and 4; w << 8: 1 and 2; w >> 8: 5 and 6; w << 12: 0; w >> 12: 7),
-# one lop3 each (a & mask | magic, both in registers): 12 instructions for 8 weights.
-# Outputs in the order $0-$3 = nibbles 3, 1, 5, 0 (2048 + q), $4-$7 = 4, 2, 6, 7 (128 + q).
-_NIBBLES_PTX = tl.constexpr("""{
-.reg .b32 t, ma, mb, ca, cb;
-mov.b32 ma, 0x0000F000;
-mov.b32 mb, 0x000F0000;
-mov.b32 ca, 0x45000000;
-mov.b32 cb, 0x43000000;
-lop3.b32 $0, $8, ma, ca, 0xEA;
-lop3.b32 $4, $8, mb, cb, 0xEA;
-shl.b32 t, $8, 8;
-lop3.b32 $1, t, ma, ca, 0xEA;
-lop3.b32 $5, t, mb, cb, 0xEA;
-shr.u32 t, $8, 8;
-lop3.b32 $2, t, ma, ca, 0xEA;
-lop3.b32 $6, t, mb, cb, 0xEA;
-shl.b32 t, $8, 12;
-lop3.b32 $3, t, ma, ca, 0xEA;
-shr.u32 t, $8, 12;
-lop3.b32 $7, t, mb, cb, 0xEA;
-}""")
-
-
-@triton.jit
-def _nibbles_2048_128(packed, ASM: tl.constexpr):
-    """Packed words [BN, W] -> 8 fp32 tensors [BN, W]: nibbles 3, 1, 5, 0 as 2048 + q,
-    then 4, 2, 6, 7 as 128 + q (``_NIBBLES_PTX``; the interpreter runs the same bit
-    arithmetic in Triton ops, which ptxas leaves two lop3s a weight)."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            _NIBBLES_PTX.value, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
-            dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-    else:
-        w = packed.to(tl.uint32, bitcast=True)
-        lo = w << 8
-        hi = w >> 8
-        a3 = ((w & 0xF000) | 0x45000000).to(tl.float32, bitcast=True)
-        a1 = ((lo & 0xF000) | 0x45000000).to(tl.float32, bitcast=True)
-        a5 = ((hi & 0xF000) | 0x45000000).to(tl.float32, bitcast=True)
-        a0 = (((w << 12) & 0xF000) | 0x45000000).to(tl.float32, bitcast=True)
-        b4 = ((w & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
-        b2 = ((lo & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
-        b6 = ((hi & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
-        b7 = (((w >> 12) & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
-        return a3, a1, a5, a0, b4, b2, b6, b7
-
-
-@triton.jit
 def _row_chain(packed, z, sf, xr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     """A row's sums of the words [BN, W] against its x tile ``xr`` [BLOCK_K] (fp32), one
     FFMA a weight: each word's 8 products (2048 + q) * x or (128 + q) * x
@@ -328,56 +264,6 @@ def _row_chain(packed, z, sf, xr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     acc = tl.fma(-(zf + 2048.0), (x3 + x1) + (x5 + x0), acc)
     acc = tl.fma(-(zf + 128.0), (x4 + x2) + (x6 + x7), acc)
     return acc * sf
-
-
-# PTX of one packed word and its -(OFFSET + zero) as a 16-bit float -> its 8 values q - z
-# in that 16-bit type, two per instruction: each pair of nibbles (j, j + 4) masked into the
-# mantissas of OFFSET (bf16 0x4300 = 128, fp16 0x6400 = 1024: the float OFFSET + q, exact)
-# by one lop3, then OFFSET + z taken off both by one fma (x * 1 - (OFFSET + z), exact).
-_UNPACK_PTX = """{
-.reg .b32 w, t, p, nz, one, mask, magic;
-mov.b32 w, $8;
-mov.b32 nz, {$9, $9};
-mov.b32 one, ONE;
-mov.b32 mask, 0x000F000F;
-mov.b32 magic, MAGIC;
-lop3.b32 p, w, mask, magic, 0xEA;
-fma.rn.TY p, p, one, nz;
-mov.b32 {$0, $4}, p;
-shr.u32 t, w, 4;
-lop3.b32 p, t, mask, magic, 0xEA;
-fma.rn.TY p, p, one, nz;
-mov.b32 {$1, $5}, p;
-shr.u32 t, w, 8;
-lop3.b32 p, t, mask, magic, 0xEA;
-fma.rn.TY p, p, one, nz;
-mov.b32 {$2, $6}, p;
-shr.u32 t, w, 12;
-lop3.b32 p, t, mask, magic, 0xEA;
-fma.rn.TY p, p, one, nz;
-mov.b32 {$3, $7}, p;
-}"""
-# x's dtype -> (its 16-bit pattern of OFFSET, OFFSET, the pair (1.0, 1.0), the PTX type)
-_UNPACK_TYPES = {torch.bfloat16: ("0x43004300", 128.0, "0x3F803F80", "bf16x2"),
-                 torch.float16: ("0x64006400", 1024.0, "0x3C003C00", "f16x2")}
-
-
-def _unpack_ptx(dtype: torch.dtype) -> str:
-    magic, _, one, ty = _UNPACK_TYPES[dtype]
-    return _UNPACK_PTX.replace("MAGIC", magic).replace("ONE", one).replace("TY", ty)
-
-
-@triton.jit
-def _unpack_words_asm(packed, z, DT: tl.constexpr, PTX: tl.constexpr, OFFSET: tl.constexpr):
-    """``_unpack_words`` in x's 16-bit type by inline PTX (the GPU only): [BN, W, 2, 2, 2]."""
-    nz = (-(z.to(tl.float32) + OFFSET)).to(DT)
-    nz = tl.broadcast_to(nz, packed.shape)
-    outs = tl.inline_asm_elementwise(
-        PTX.value, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [packed, nz],
-        dtype=(DT.value,) * 8, is_pure=True, pack=1)
-    n0, n1, n2, n3, n4, n5, n6, n7 = outs
-    return tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
-                   tl.join(tl.join(n1, n5), tl.join(n3, n7)))
 
 
 @triton.jit

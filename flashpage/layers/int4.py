@@ -15,12 +15,19 @@ How a call of M rows runs (``int4_linear``; ``cuda_path`` picks on CUDA):
                                  register prefetch). H200, run 175: 0.73-0.88x the bf16
                                  GEMM's time at 1-16 rows, 0.83-0.95x at 32, 1.04-1.12x at
                                  64 (dequantize + cuBLAS: 1.6-2.7x)
-    CUDA, M <= GEMM_ROWS (128),  kernels/int4_gemm.w4a16_matmul: the tl.dot kernel (K tiles
-    FLASHPAGE_INT4_KERNEL=gemm   of 16 at least, else as below). Opt-in: on the H200 (run
-    (or 1)                       165) slower than the path below at 1-64 rows
+    CUDA, M <= GEMM_MAX_ROWS     kernels/int4_gemm.w4a16_gemm: the swapped GEMM (the weight
+    (2048)                       tile wgmma's A operand, dequantized in registers to x's
+                                 dtype, (q - z) * s rounded once as the reference rounds
+                                 it; x^T the B operand from shared memory; 16-256 rows a
+                                 tile). Not yet timed on a GPU: the bound is a guess from
+                                 the SASS until benchmarks/int4_gemm.py --sweep has run
+    CUDA, M <= GEMM_ROWS (128),  kernels/int4_gemm.w4a16_matmul: the older tl.dot kernel (K
+    FLASHPAGE_INT4_KERNEL=gemm   tiles of 16 at least, else as below). Opt-in: on the H200
+    (or 1)                       (run 165) slower than dequantize + cuBLAS at 1-64 rows
     CUDA otherwise, or           the weight dequantized to x's dtype by one kernel, then
     FLASHPAGE_INT4_KERNEL=       cuBLAS: 4-bit memory, but each call writes and reads the
-    dequant (or 0)               16-bit weight (0.3-0.6x the bf16 GEMM's speed at 1-64 rows)
+    dequant (or 0)               16-bit weight (0.3-0.6x the bf16 GEMM's speed at 1-64 rows,
+                                 1.3-1.8x its time at 256-1,024, run 165)
     elsewhere (CPU)              the weight dequantized in torch, then F.linear (correct,
                                  rebuilt every call)
 
@@ -37,6 +44,9 @@ The choice reads only shapes and one environment variable (no tensor values, no 
 query): cheap per linear per step, and the same at every replay of a captured CUDA graph.
 GEMV_ROWS is the most rows the GEMV takes (run 175: still 2x dequantize + cuBLAS's speed at
 64; not timed past it); benchmarks/int4_gemv.py times it against the other paths.
+GEMM_MAX_ROWS is the most the swapped GEMM takes: past ~2k rows dequantizing costs a few
+percent of cuBLAS's GEMM, which a Triton kernel is unlikely to beat (to be set from
+benchmarks/int4_gemm.py --sweep, which times both at 64-2048 rows).
 """
 
 from __future__ import annotations
@@ -47,8 +57,11 @@ from torch import nn
 
 from flashpage import envs
 
-# Rows up to which CUDA runs the int4 GEMV by default (dequantize + cuBLAS above)
+# Rows up to which CUDA runs the int4 GEMV by default (the swapped GEMM above)
 GEMV_ROWS = 64
+# Rows up to which CUDA runs the swapped W4A16 GEMM by default (dequantize + cuBLAS above);
+# a first guess, not yet timed on a GPU (benchmarks/int4_gemm.py --sweep)
+GEMM_MAX_ROWS = 2048
 # Rows at which an int4 down projection runs SiLU·mul inside the GEMV
 FUSED_SILU_ROWS = 1
 # Rows up to which FLASHPAGE_INT4_KERNEL=gemm runs the tl.dot W4A16 kernel (not tuned)
@@ -56,8 +69,9 @@ GEMM_ROWS = 128
 
 
 def cuda_path(m: int, k: int, g: int) -> str:
-    """The CUDA path of an M-row call of a K-wide weight in groups of G: "gemv", "gemm"
-    (the tl.dot kernel) or "dequant" (dequantize + cuBLAS); see the module's docstring."""
+    """The CUDA path of an M-row call of a K-wide weight in groups of G: "gemv", "swap" (the
+    swapped GEMM, w4a16_gemm), "gemm" (the older tl.dot kernel) or "dequant" (dequantize +
+    cuBLAS); see the module's docstring."""
     from flashpage.kernels import int4_gemm, int4_gemv
 
     choice = envs.int4_kernel()
@@ -65,7 +79,9 @@ def cuda_path(m: int, k: int, g: int) -> str:
         return "dequant"
     if choice == "gemm":
         return "gemm" if m <= GEMM_ROWS and int4_gemm.kernel_supports(k, g) else "dequant"
-    return "gemv" if m <= GEMV_ROWS and int4_gemv.supports(m, k, g) else "dequant"
+    if m <= GEMV_ROWS and int4_gemv.supports(m, k, g):
+        return "gemv"
+    return "swap" if m <= GEMM_MAX_ROWS and int4_gemm.gemm_supports(k, g) else "dequant"
 
 
 def fuses_silu_mul(shape: tuple[int, ...], dtype: torch.dtype, cuda: bool, k: int,
@@ -102,12 +118,14 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.is_cuda and x2.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        from flashpage.kernels.int4_gemm import dequantize_int4, w4a16_matmul
+        from flashpage.kernels.int4_gemm import dequantize_int4, w4a16_gemm, w4a16_matmul
         from flashpage.kernels.int4_gemv import int4_gemv
 
         path = cuda_path(x2.shape[0], k, k // scales.shape[1])
         if path == "gemv":
             y = int4_gemv(x2, qweight, scales, zeros, bias)
+        elif path == "swap":
+            y = w4a16_gemm(x2, qweight, scales, zeros, bias)
         elif path == "gemm":
             y = w4a16_matmul(x2, qweight, scales, zeros, bias)
         else:

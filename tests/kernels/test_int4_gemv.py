@@ -218,14 +218,19 @@ def test_launcher_names_bad_input():
 
 
 def test_layer_dispatch_runs_the_gemv_on_cuda_decode_rows(monkeypatch):
-    """layers/int4.int4_linear's choice, read without a GPU: the GEMV at 1-16 rows by
-    default, the old tl.dot kernel with FLASHPAGE_INT4_KERNEL=gemm (or 1), dequantize +
-    cuBLAS with =dequant and above GEMV_ROWS."""
-    from flashpage.layers.int4 import GEMV_ROWS, cuda_path
+    """layers/int4.int4_linear's choice, read without a GPU: the GEMV at 1-64 rows by
+    default, the swapped GEMM above up to GEMM_MAX_ROWS (where its K tiles of 16 fit),
+    dequantize + cuBLAS past it; the old tl.dot kernel with FLASHPAGE_INT4_KERNEL=gemm (or
+    1), dequantize + cuBLAS at every size with =dequant."""
+    from flashpage.layers.int4 import GEMM_MAX_ROWS, GEMV_ROWS, cuda_path
 
     monkeypatch.delenv("FLASHPAGE_INT4_KERNEL", raising=False)
     assert cuda_path(1, 4096, 128) == cuda_path(GEMV_ROWS, 4096, 128) == "gemv"
-    assert cuda_path(GEMV_ROWS + 1, 4096, 128) == "dequant"
+    assert cuda_path(GEMV_ROWS + 1, 4096, 128) == cuda_path(GEMM_MAX_ROWS, 4096, 4096) == "swap"
+    assert cuda_path(GEMM_MAX_ROWS + 1, 4096, 128) == "dequant"
+    assert cuda_path(GEMV_ROWS + 1, 72, 8) == "dequant"  # K = 8 x 9: no K tile of 16
+    monkeypatch.setenv("FLASHPAGE_INT4_KERNEL", "dequant")
+    assert cuda_path(256, 4096, 128) == "dequant"
     for value, want in (("gemm", "gemm"), ("1", "gemm"), ("dequant", "dequant"),
                         ("0", "dequant"), ("gemv", "gemv")):
         monkeypatch.setenv("FLASHPAGE_INT4_KERNEL", value)
@@ -385,7 +390,7 @@ def test_nibbles_ptx_gives_2048_and_128_plus_q():
     fp32 2048 + q and 4, 2, 6, 7 as 128 + q, exactly."""
     import re
 
-    from flashpage.kernels.int4_gemv import _NIBBLES_PTX
+    from flashpage.kernels.int4_gemm import _NIBBLES_PTX
 
     ptx = _NIBBLES_PTX.value
     regs = dict(re.findall(r"mov\.b32 (\w+), (0x[0-9A-F]+);", ptx))

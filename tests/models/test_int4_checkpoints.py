@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flashpage.config import CheckpointQuantization, ConfigError, ModelConfig
-from flashpage.kernels.int4_gemm import unpack_int4, w4a16_matmul
+from flashpage.kernels.int4_gemm import unpack_int4, w4a16_gemm, w4a16_matmul
 from flashpage.kernels.int4_gemv import int4_gemv
 from flashpage.layers.int4 import GEMV_ROWS, int4_linears
 from flashpage.models.int4_formats import awq_tensors, gptq_tensors, quantize_int4
@@ -298,15 +298,16 @@ def test_engine_tokens_through_our_kernel_under_the_interpreter(int4_checkpoint,
     def kernel(x, qweight, scales, zeros, bias=None):
         calls.append(x.shape[0])
         x2 = x.reshape(-1, x.shape[-1])
-        # the engine's CUDA choice: the GEMV at decode rows, a matmul kernel above
-        run = int4_gemv if x2.shape[0] <= GEMV_ROWS else w4a16_matmul
+        # the engine's CUDA kernels: the GEMV at decode rows, the swapped GEMM (past
+        # GEMV_ROWS on CUDA) at the prompt steps, which here are shorter
+        run = int4_gemv if x2.shape[0] <= min(2, GEMV_ROWS) else w4a16_gemm
         return run(x2, qweight, scales, zeros, bias).view(*x.shape[:-1], -1)
 
     monkeypatch.setattr(linear_mod, "int4_linear", kernel)
     path, ref, _ = int4_checkpoint("qwen2_bias", "gptq_g32")
     prompts = random_prompts(2, 3, 12, seed=4)
     tokens, _ = _generate(path, prompts, max_tokens=6)
-    assert calls and max(calls) > 1
+    assert calls and max(calls) > 2 and min(calls) <= 2  # both kernels ran
     assert tokens == hf_greedy(ref, prompts, 6)
 
 
