@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +99,7 @@ from flashpage.kernels.flash_prefill import _dot  # tl.dot, in IEEE fp32 when as
 # bf16 x only (the compiler's e2m1 upcast, by byte permutes, and the scale applied in bf16;
 # Hopper has no MX MMA), 1.5-2.6x faster than "tile" on the H200 (run 191). A third form
 # dotting the even and odd K rows apart (no interleave) was slower than both (run 191).
-MXFP4_FORMS = ("tile", "scaled")
+MXFP4_FORMS = ("tile", "scaled", "swap", "swap_scaled")
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,10 @@ def default_config(num_pairs: int, num_experts: int,
     if mxfp4 is not None:
         return dataclasses.replace(cfg, block_n=32)
     return cfg
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -279,6 +284,113 @@ def _e8m0(sc):
     return tl.where(sc == 0, 1 << 22, sc << 23).to(tl.float32, bitcast=True)
 
 
+# e2m1 -> 16-bit float by bit placement, in the GPU's packed 32-bit registers (form "swap"):
+# a byte's nibble s|e1 e0 m becomes sign at bit 15 and e1 e0 m at the bits where the dtype's
+# exponent ends and its mantissa starts (bf16: 8-6, fp16: 11-9). Read as a float that is the
+# e2m1 value times 2 ** -126 (bf16) / 2 ** -14 (fp16), the code 0.5 (0b001) a subnormal as
+# e2m1's own, so one packed multiply by 2 ** 126 / 2 ** 14 (a power of two, no overflow:
+# exact) gives the value. pack=4: $4 holds 4 bytes, $0 $1 the low nibbles' values (of bytes
+# 0-1, 2-3; the first in the low half), $2 $3 the high nibbles'. bf16 places both fields
+# with one multiply of the masked nibble (v * 0x1040 = v << 12 | v << 6, disjoint for v <
+# 16: the sign lands at 15, the magnitude at 8-6; the high nibble's v << 8 | v << 2 the
+# same), fp16 with two shifts (its fields overlap so).
+_E2M1_BF16_PTX = tl.constexpr("""{
+.reg .b32 a, b, t, m;
+mov.b32 m, 0x7E807E80;
+prmt.b32 a, $4, 0, 0x4140;
+prmt.b32 b, $4, 0, 0x4342;
+and.b32 t, a, 0x000F000F; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $0, t, m;
+and.b32 t, b, 0x000F000F; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $1, t, m;
+and.b32 t, a, 0x00F000F0; mul.lo.u32 t, t, 0x104; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $2, t, m;
+and.b32 t, b, 0x00F000F0; mul.lo.u32 t, t, 0x104; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $3, t, m;
+}""")
+_E2M1_F16_PTX = tl.constexpr("""{
+.reg .b32 a, b, t, u, m;
+mov.b32 m, 0x74007400;
+prmt.b32 a, $4, 0, 0x4140;
+prmt.b32 b, $4, 0, 0x4342;
+shl.b32 t, a, 9; shl.b32 u, a, 12; and.b32 t, t, 0x0E000E00; and.b32 u, u, 0x80008000;
+or.b32 t, t, u; mul.rn.f16x2 $0, t, m;
+shl.b32 t, b, 9; shl.b32 u, b, 12; and.b32 t, t, 0x0E000E00; and.b32 u, u, 0x80008000;
+or.b32 t, t, u; mul.rn.f16x2 $1, t, m;
+shl.b32 t, a, 5; shl.b32 u, a, 8; and.b32 t, t, 0x0E000E00; and.b32 u, u, 0x80008000;
+or.b32 t, t, u; mul.rn.f16x2 $2, t, m;
+shl.b32 t, b, 5; shl.b32 u, b, 8; and.b32 t, t, 0x0E000E00; and.b32 u, u, 0x80008000;
+or.b32 t, t, u; mul.rn.f16x2 $3, t, m;
+}""")
+
+
+@triton.jit
+def _e2m1_bytes(byte, dt: tl.constexpr, ASM: tl.constexpr):
+    """uint8 bytes (any shape) -> (the low nibbles' e2m1 values, the high nibbles'), each
+    the bytes' shape in ``dt``, exact. ASM (bf16 / fp16 on the GPU): _E2M1_PTX, two bits
+    ops and a multiply per two values; otherwise the same bits in Triton ops per value
+    (fp32: _e2m1's, no subnormal product)."""
+    if ASM:
+        if dt == tl.bfloat16:
+            lo, hi = tl.inline_asm_elementwise(_E2M1_BF16_PTX.value, "=r,=r,=r,=r,r", [byte],
+                                               dtype=(dt.value, dt.value), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_E2M1_F16_PTX.value, "=r,=r,=r,=r,r", [byte],
+                                               dtype=(dt.value, dt.value), is_pure=True, pack=4)
+    elif dt == tl.float32:
+        b = byte.to(tl.uint32)
+        one = tl.full(b.shape, 1.0, tl.float32)
+        lo = _e2m1(b & 0xF, one, dt)
+        hi = _e2m1(b >> 4, one, dt)
+    else:
+        b = byte.to(tl.uint32)
+        if dt == tl.bfloat16:
+            lo = ((b & 0xF) * 0x1040) & 0x81C0
+            hi = ((b & 0xF0) * 0x104) & 0x81C0
+            mul = tl.full(b.shape, 0x7E80, tl.uint16).to(dt, bitcast=True)
+        else:
+            lo = ((b & 7) << 9) | ((b & 8) << 12)
+            hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+            mul = tl.full(b.shape, 0x7400, tl.uint16).to(dt, bitcast=True)
+        lo = lo.to(tl.uint16).to(dt, bitcast=True) * mul
+        hi = hi.to(tl.uint16).to(dt, bitcast=True) * mul
+    return lo, hi
+
+
+@triton.jit
+def _mxfp4_swap_dot(acc, a_col, avalid, w_row, s_row, mask_n, k0, kmax,
+                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                    MXFP4: tl.constexpr, ASM: tl.constexpr):
+    """acc [BN, BM] (the output transposed: the weight tile is the MMA's first operand, the
+    few rows of a its N) += W[:, k0:k0 + BK] @ a[:, k0:k0 + BK].T. ``a_col`` [1, BM]
+    pointers to the rows of a (``avalid`` [BM] the real ones), ``w_row`` [BN, 1] to the N
+    rows' bytes, ``s_row`` [BN] to their scales, ``kmax`` K. MXFP4 3 ("swap"): one 32-K
+    scale group a dot, its weights decoded without their scale (_e2m1_bytes), its fp32
+    partial sums [BN, BM] times the rows' 2 ** (s - 127); 4 ("swap_scaled", bf16):
+    tl.dot_scaled with the weights as its first operand."""
+    dt = a_col.dtype.element_ty
+    if MXFP4 == 4:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_col + offs_k[:, None], mask=avalid[None, :] & (offs_k < kmax)[:, None],
+                    other=0.0)  # [BK, BM]
+        offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(w_row + offs_kb[None, :],
+                       mask=mask_n[:, None] & (offs_kb < kmax // 2)[None, :], other=0)
+        offs_ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        sc = tl.load(s_row[:, None] + offs_ks[None, :],
+                     mask=mask_n[:, None] & (offs_ks < kmax // 32)[None, :], other=0)
+        acc = tl.dot_scaled(byte, sc, "e2m1", a, None, "bf16", acc, fast_math=True)
+    else:
+        for g in tl.static_range(BLOCK_K // 32):
+            kg = k0 + g * 32
+            ok = kg < kmax  # K is a multiple of 32: a group is all in or all out
+            offs_k = kg + tl.arange(0, 32)
+            a = tl.load(a_col + offs_k[:, None], mask=avalid[None, :] & ok, other=0.0)  # [32, BM]
+            byte = tl.load(w_row + (kg // 2 + tl.arange(0, 16))[None, :],
+                           mask=mask_n[:, None] & ok, other=0)  # [BN, 16]
+            lo, hi = _e2m1_bytes(byte, dt, ASM)
+            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 32))  # byte j's nibbles at K 2j, 2j + 1
+            sc = _e8m0(tl.load(s_row + kg // 32, mask=mask_n & ok, other=0))
+            acc += _dot(w, a, tl.zeros_like(acc), IEEE) * sc[:, None]
+    return acc
+
+
 @triton.jit
 def _mxfp4_tile(b_ptrs, s_ptrs, bmask, smask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                 dt: tl.constexpr):
@@ -329,11 +441,12 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, sorted_ptr, block_ex
                     stride_sn, stride_be, stride_ar, alpha, limit,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
-                    MXFP4: tl.constexpr):
+                    MXFP4: tl.constexpr, ASM: tl.constexpr):
     """act[r, n-tile] = activation(gate (+ bias), up (+ bias)) for the BLOCK_M rows of one
     block: silu(gate) * up, or with CLAMPED_SWIGLU GPT-OSS's (ClampedSwiGLU). MXFP4: w_ptr
     holds e2m1 nibble pairs [E, 2I, H / 2] and s_ptr e8m0 scales [E, 2I, H / 32]
-    (_mxfp4_dot, MXFP4 = 1 + the MXFP4_FORMS index); otherwise w_ptr the 16-bit weights [E, 2I, H] (s_ptr unread)."""
+    (MXFP4 = 1 + the MXFP4_FORMS index: _mxfp4_dot, or _mxfp4_swap_dot for "swap", ASM its
+    inline PTX); otherwise w_ptr the 16-bit weights [E, 2I, H] (s_ptr unread)."""
     pid_n = tl.program_id(0)
     blk = tl.program_id(1)
     expert = tl.load(block_expert_ptr + blk)
@@ -350,7 +463,21 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, sorted_ptr, block_ex
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if MXFP4:
+    if MXFP4 >= 3:  # swap, swap_scaled: the accumulators transposed, [BN, BM]
+        w_row = w_base + offs_n[:, None].to(tl.int64) * stride_wn  # [BN, 1]: gate rows
+        s_row = s_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn
+        a_col = x_ptr + token[None, :] * stride_xt
+        acc_gt = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_ut = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            acc_gt = _mxfp4_swap_dot(acc_gt, a_col, valid, w_row, s_row, mask_n, k0, hidden,
+                                     BLOCK_K, BLOCK_N, IEEE, MXFP4, ASM)
+            acc_ut = _mxfp4_swap_dot(acc_ut, a_col, valid, w_row + inter * stride_wn,
+                                     s_row + inter * stride_sn, mask_n, k0, hidden, BLOCK_K,
+                                     BLOCK_N, IEEE, MXFP4, ASM)
+        acc_g = tl.trans(acc_gt)
+        acc_u = tl.trans(acc_ut)
+    elif MXFP4:
         w_col = w_base + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN]: gate rows
         s_base = s_ptr + expert.to(tl.int64) * stride_se
         s_col = s_base + offs_n[None, :].to(tl.int64) * stride_sn
@@ -401,7 +528,8 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr
                  block_expert_ptr, num_pairs, hidden, inter, stride_ar, stride_we, stride_wn,
                  stride_se, stride_sn, stride_be, stride_yp,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr):
+                 IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
+                 ASM: tl.constexpr):
     """ys[pair, n-tile] = round(topk_weight[pair] * round(round(act[r] @ down[e].T) + bias))
     (no bias: the inner rounding alone). MXFP4: w_ptr [E, H, I / 2] nibble pairs, s_ptr
     [E, H, I / 32] scales, as _gate_up_kernel's."""
@@ -418,7 +546,16 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr
     offs_k = tl.arange(0, BLOCK_K)
     dt = ys_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if MXFP4:
+    if MXFP4 >= 3:  # swap, swap_scaled: the accumulator transposed, [BN, BM]
+        w_row = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        s_row = s_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn
+        a_col = act_ptr + rows[None, :].to(tl.int64) * stride_ar
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            acc_t = _mxfp4_swap_dot(acc_t, a_col, valid, w_row, s_row, mask_n, k0, inter,
+                                    BLOCK_K, BLOCK_N, IEEE, MXFP4, ASM)
+        acc = tl.trans(acc_t)
+    elif MXFP4:
         w_col = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
         s_base = s_ptr + expert.to(tl.int64) * stride_se
         a_row = act_ptr + rows[:, None].to(tl.int64) * stride_ar
@@ -530,9 +667,9 @@ def _launch(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch.Tensor
     if mxfp4 and cfg.block_k % 32:
         raise ValueError(f"MXFP4 weights need block_k a multiple of 32 (a scale's group), got "
                          f"{cfg.block_k}")
-    if mxfp4 and cfg.mxfp4_form == "scaled" and x.dtype != torch.bfloat16:
-        raise ValueError(f"mxfp4_form 'scaled' (tl.dot_scaled) takes bf16 activations, got "
-                         f"{x.dtype}: use 'tile'")
+    if mxfp4 and cfg.mxfp4_form.endswith("scaled") and x.dtype != torch.bfloat16:
+        raise ValueError(f"mxfp4_form {cfg.mxfp4_form!r} (tl.dot_scaled) takes bf16 activations, "
+                         f"got {x.dtype}: use 'tile' or 'swap'")
     x, gate_up, down = _contig(x), _contig(gate_up), _contig(down)
     gate_up_scales, down_scales = _contig(gate_up_scales), _contig(down_scales)
     has_bias = gate_up_bias is not None and down_bias is not None
@@ -548,6 +685,7 @@ def _launch(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch.Tensor
     ieee = x.dtype == torch.float32  # fp32 stays fp32 (tl.dot would use tf32)
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
                   HAS_BIAS=has_bias, MXFP4=1 + MXFP4_FORMS.index(cfg.mxfp4_form) if mxfp4 else 0,
+                  ASM=mxfp4 and x.dtype != torch.float32 and x.is_cuda and not _interpreting(),
                   num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
     _gate_up_kernel[(triton.cdiv(inter, cfg.block_n), nb)](
