@@ -85,12 +85,13 @@ SWEEP = [FusedMoEConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_sta
 # --mxfp4-sweep: (form, block_n, block_k, warps, stages) at the default config's block_m and
 # at twice it (up to 64: fewer blocks an expert, so fewer upcasts of its weights). "scaled":
 # its default and the one tile level with it in run 192 (n128 k64, n32 k64, k128 s4 and 8
-# warps lost there at every size); "swap" (the weight tile as the MMA's first operand, our
-# decode, the scale on each 32-K group's sums) at 64 / 128 rows of weights and K steps of
-# one, two, four groups; "swap_scaled" (tl.dot_scaled, the same orientation).
+# warps lost there at every size); "swap" (the weight tile as wgmma's first operand, decoded
+# in its register fragment; K tiles of 128 only) at 64 / 128 rows of weights, unpipelined
+# (its layout as compiled on the CPU) and 3 stages; "swap_scaled" (tl.dot_scaled, the same
+# orientation).
 MXFP4_TILES = [("tile", 32, 128, 4, 3), ("scaled", 64, 128, 4, 3), ("scaled", 64, 64, 4, 4),
-               ("swap", 64, 32, 4, 3), ("swap", 128, 32, 4, 3), ("swap", 64, 64, 4, 3),
-               ("swap", 64, 128, 4, 3), ("swap_scaled", 64, 128, 4, 3),
+               ("swap", 64, 128, 4, 1), ("swap", 64, 128, 4, 3), ("swap", 128, 128, 4, 1),
+               ("swap", 128, 128, 8, 1), ("swap_scaled", 64, 128, 4, 3),
                ("swap_scaled", 128, 64, 4, 3)]
 
 

@@ -45,7 +45,7 @@ same kernels with the constexpr MXFP4 on (the 16-bit launches compile as before)
 ``gate_up`` as uint8 [E, 2I, H / 2] (two e2m1 values a byte along K, the low nibble first:
 the checkpoint's [E, 2I, H / 32, 16] blocks flattened) plus uint8 e8m0 scales [E, 2I,
 H / 32], ``down`` as [E, H, I / 2] plus [E, H, I / 32]: 4.25 bits a weight, 3.76x fewer
-bytes than bf16. Two forms bring a K tile to the tensor cores (MXFP4_FORMS; default_config
+bytes than bf16. Four forms bring a K tile to the tensor cores (MXFP4_FORMS; default_config
 picks "scaled" for bf16, "tile" otherwise):
 
 - "tile" (any dtype): the tile is loaded as bytes, split into nibbles, built exactly in fp32
@@ -61,6 +61,21 @@ picks "scaled" for bf16, "tile" otherwise):
   Its sums need not take the 16-bit kernel's order (another MMA), so it equals the
   dequantized path within fp32 accumulation order, not bit for bit; 1.5-2.6x faster than
   "tile" at gpt-oss-20b's shape on the H200 (run 191), level with the bf16 kernel.
+- "swap" (any dtype; decode sizes: a few rows per expert): the weight tile is wgmma's first
+  operand (out^T = W . x^T, the block's rows the MMA's N), loaded as 32-bit words, one scale
+  group (16 bytes) of a row a thread, and decoded in place into the A fragment: rows and K
+  are ordered (_swap_rows, _swap_x) so each thread's word is its own share of the fragment,
+  and no value passes through shared memory. bf16 on the GPU: inline PTX, 5 instructions a
+  pair of weights (mask, multiply to place sign and magnitude, mask, two packed multiplies:
+  by 2 ** 126, then by the scale), each exact, so the weights equal dequantize_mxfp4's bf16
+  ones; fp16 / fp32 / the interpreter: _e2m1's fp32 product rounded once, the same values.
+  K tiles of 128, block_n a multiple of 64; sums in another order than the 16-bit kernel's
+  (within accumulation order of it). Its K loop compiled for sm_90a: 3.6-4.2 SASS
+  instructions a weight and thread unpipelined (gate_up 478 for 2 x 64 x 128 weights) against
+  "scaled"'s 6.4-7.3 and "tile"'s 14.6-15.7 (tests/kernels/test_fused_moe_mxfp4_swap.py);
+  not yet timed on a GPU.
+- "swap_scaled" (bf16): tl.dot_scaled in the swapped orientation (the compiler's upcast
+  into the A fragment): 6.0-6.7 instructions a weight.
 
 The dequantized weights themselves are exact where the scale is in the dtype's range:
 
@@ -97,8 +112,11 @@ from flashpage.kernels.flash_prefill import _dot  # tl.dot, in IEEE fp32 when as
 # weights): "tile": our decode (_mxfp4_tile: nibbles interleaved back into K order, each
 # value built in fp32, rounded to x's dtype) and tl.dot, any dtype; "scaled": tl.dot_scaled,
 # bf16 x only (the compiler's e2m1 upcast, by byte permutes, and the scale applied in bf16;
-# Hopper has no MX MMA), 1.5-2.6x faster than "tile" on the H200 (run 191). A third form
-# dotting the even and odd K rows apart (no interleave) was slower than both (run 191).
+# Hopper has no MX MMA), 1.5-2.6x faster than "tile" on the H200 (run 191). A form dotting
+# the even and odd K rows apart (no interleave) was slower than both (run 191). "swap": the
+# weights as wgmma's first operand, decoded from 32-bit words in its register fragment
+# (_swap_w), any dtype; "swap_scaled": tl.dot_scaled in that orientation, bf16 (the module
+# docstring).
 MXFP4_FORMS = ("tile", "scaled", "swap", "swap_scaled")
 
 
