@@ -34,7 +34,8 @@ The copy ceiling: a 1 GiB device-to-device copy timed the same way, bytes read +
     python benchmarks/fused_moe.py --sweep --out $OUT             # also tile configs of ours
     python benchmarks/fused_moe.py --model gpt-oss-20b --out $OUT
     python benchmarks/fused_moe.py --model gpt-oss-20b --mxfp4-sweep --out $OUT
-                                              # MXFP4 forms and tiles (MXFP4_TILES)
+                              # MXFP4 forms and tiles (MXFP4_TILES: 18 configs a size; run 192's
+                              # 14 took 94 s)
 
 writes $OUT/fused_moe.json and $OUT/fused_moe.md (deepseek-v2-lite), or
 $OUT/fused_moe_<model>.json / .md for another model. Without a GPU it runs tiny shapes in
@@ -82,17 +83,23 @@ SWEEP = [FusedMoEConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_sta
          for bm in (16, 32) for bn, bk, w, s in ((32, 128, 4, 3), (64, 128, 4, 3),
                                                  (64, 64, 4, 4), (128, 64, 8, 3))]
 # --mxfp4-sweep: (form, block_n, block_k, warps, stages) at the default config's block_m and
-# at twice it (up to 64: fewer blocks an expert, so fewer upcasts of its weights)
+# at twice it (up to 64: fewer blocks an expert, so fewer upcasts of its weights). "scaled":
+# its default and the one tile level with it in run 192 (n128 k64, n32 k64, k128 s4 and 8
+# warps lost there at every size); "swap" (the weight tile as wgmma's first operand, decoded
+# in its register fragment; K tiles of 128 only) at 64 / 128 rows of weights, unpipelined
+# (its layout as compiled on the CPU) and 3 stages; "swap_scaled" (tl.dot_scaled, the same
+# orientation).
 MXFP4_TILES = [("tile", 32, 128, 4, 3), ("scaled", 64, 128, 4, 3), ("scaled", 64, 64, 4, 4),
-               ("scaled", 128, 64, 4, 3), ("scaled", 64, 128, 4, 4), ("scaled", 32, 64, 4, 4),
-               ("scaled", 64, 128, 8, 3)]
+               ("swap", 64, 128, 4, 1), ("swap", 64, 128, 4, 3), ("swap", 128, 128, 4, 1),
+               ("swap", 128, 128, 8, 1), ("swap_scaled", 64, 128, 4, 3),
+               ("swap_scaled", 128, 64, 4, 3)]
 
 
 def mxfp4_sweep(t: int, k: int, e: int) -> list[FusedMoEConfig]:
     bm = default_config(t * k, e).block_m
     return [FusedMoEConfig(m, bn, bk, w, s, mxfp4_form=form)
             for m in sorted({bm, min(64, 2 * bm)}) for form, bn, bk, w, s in MXFP4_TILES
-            if GPU or form != "scaled"]  # scaled: bf16 only
+            if GPU or not form.endswith("scaled")]  # tl.dot_scaled: bf16 only
 
 
 def make_layers(cfg: ModelConfig, hidden: int, inter: int, mxfp4: bool = False) -> list[FusedExperts]:
@@ -306,7 +313,8 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--sweep", action="store_true", help="also time tile configs of ours")
     ap.add_argument("--mxfp4-sweep", action="store_true",
-                    help="also time each MXFP4 form (tile, split, scaled) at MXFP4_TILES")
+                    help="also time each MXFP4 form (tile, scaled, swap, swap_scaled) at "
+                         "MXFP4_TILES (~2 min on an H200)")
     ap.add_argument("--model", choices=sorted(MODELS), default="deepseek-v2-lite",
                     help="whose expert shapes (and token counts) to time")
     args = ap.parse_args()

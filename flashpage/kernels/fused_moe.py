@@ -45,7 +45,7 @@ same kernels with the constexpr MXFP4 on (the 16-bit launches compile as before)
 ``gate_up`` as uint8 [E, 2I, H / 2] (two e2m1 values a byte along K, the low nibble first:
 the checkpoint's [E, 2I, H / 32, 16] blocks flattened) plus uint8 e8m0 scales [E, 2I,
 H / 32], ``down`` as [E, H, I / 2] plus [E, H, I / 32]: 4.25 bits a weight, 3.76x fewer
-bytes than bf16. Two forms bring a K tile to the tensor cores (MXFP4_FORMS; default_config
+bytes than bf16. Four forms bring a K tile to the tensor cores (MXFP4_FORMS; default_config
 picks "scaled" for bf16, "tile" otherwise):
 
 - "tile" (any dtype): the tile is loaded as bytes, split into nibbles, built exactly in fp32
@@ -61,6 +61,21 @@ picks "scaled" for bf16, "tile" otherwise):
   Its sums need not take the 16-bit kernel's order (another MMA), so it equals the
   dequantized path within fp32 accumulation order, not bit for bit; 1.5-2.6x faster than
   "tile" at gpt-oss-20b's shape on the H200 (run 191), level with the bf16 kernel.
+- "swap" (any dtype; decode sizes: a few rows per expert): the weight tile is wgmma's first
+  operand (out^T = W . x^T, the block's rows the MMA's N), loaded as 32-bit words, one scale
+  group (16 bytes) of a row a thread, and decoded in place into the A fragment: rows and K
+  are ordered (_swap_rows, _swap_x) so each thread's word is its own share of the fragment,
+  and no value passes through shared memory. bf16 on the GPU: inline PTX, 5 instructions a
+  pair of weights (mask, multiply to place sign and magnitude, mask, two packed multiplies:
+  by 2 ** 126, then by the scale), each exact, so the weights equal dequantize_mxfp4's bf16
+  ones; fp16 / fp32 / the interpreter: _e2m1's fp32 product rounded once, the same values.
+  K tiles of 128, block_n a multiple of 64; sums in another order than the 16-bit kernel's
+  (within accumulation order of it). Its K loop compiled for sm_90a: 3.6-4.2 SASS
+  instructions a weight and thread unpipelined (gate_up 478 for 2 x 64 x 128 weights) against
+  "scaled"'s 6.4-7.3 and "tile"'s 14.6-15.7 (tests/kernels/test_fused_moe_mxfp4_swap.py);
+  not yet timed on a GPU.
+- "swap_scaled" (bf16): tl.dot_scaled in the swapped orientation (the compiler's upcast
+  into the A fragment): 6.0-6.7 instructions a weight.
 
 The dequantized weights themselves are exact where the scale is in the dtype's range:
 
@@ -84,6 +99,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -96,9 +112,12 @@ from flashpage.kernels.flash_prefill import _dot  # tl.dot, in IEEE fp32 when as
 # weights): "tile": our decode (_mxfp4_tile: nibbles interleaved back into K order, each
 # value built in fp32, rounded to x's dtype) and tl.dot, any dtype; "scaled": tl.dot_scaled,
 # bf16 x only (the compiler's e2m1 upcast, by byte permutes, and the scale applied in bf16;
-# Hopper has no MX MMA), 1.5-2.6x faster than "tile" on the H200 (run 191). A third form
-# dotting the even and odd K rows apart (no interleave) was slower than both (run 191).
-MXFP4_FORMS = ("tile", "scaled")
+# Hopper has no MX MMA), 1.5-2.6x faster than "tile" on the H200 (run 191). A form dotting
+# the even and odd K rows apart (no interleave) was slower than both (run 191). "swap": the
+# weights as wgmma's first operand, decoded from 32-bit words in its register fragment
+# (_swap_w), any dtype; "swap_scaled": tl.dot_scaled in that orientation, bf16 (the module
+# docstring).
+MXFP4_FORMS = ("tile", "scaled", "swap", "swap_scaled")
 
 
 @dataclass(frozen=True)
@@ -152,6 +171,10 @@ def default_config(num_pairs: int, num_experts: int,
     if mxfp4 is not None:
         return dataclasses.replace(cfg, block_n=32)
     return cfg
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -279,6 +302,118 @@ def _e8m0(sc):
     return tl.where(sc == 0, 1 << 22, sc << 23).to(tl.float32, bitcast=True)
 
 
+# Form "swap"'s decode of a 32-bit word (8 e2m1 nibbles, nibble m at bits 4m) to bf16 in
+# packed registers: nibbles m and m + 4 sit 16 bits apart, so one mask keeps both of a pair,
+# one multiply (v * 0x1040 = v << 12 | v << 6, disjoint for v < 16; the high nibble of a
+# byte v * 0x104) puts each sign at bit 15 and its e1 e0 m at bits 8-6, where bf16's
+# exponent ends and its mantissa starts: read as bf16 that is the e2m1 value times 2 ** -126
+# (the code 0.5 a subnormal, as e2m1's own), so a packed multiply by 2 ** 126 gives the
+# value and one by the scale (bf16 2 ** (s - 127), $9) the weight, each exact (powers of
+# two; past bf16's range inf, as dequantizing gives). Out: $0..$7 = nibbles 0 4, 1 5, 2 6,
+# 3 7, each pair the halves of one register (ptxas keeps them there: no repacking).
+_E2M1_WORD_BF16_PTX = tl.constexpr("""{
+.reg .b32 w8, t, m, sc;
+mov.b32 m, 0x7E807E80;
+mov.b32 sc, {$9, $9};
+shr.b32 w8, $8, 8;
+and.b32 t, $8, 0x000F000F; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 t, t, m; mul.rn.bf16x2 t, t, sc; mov.b32 {$0, $1}, t;
+and.b32 t, $8, 0x00F000F0; mul.lo.u32 t, t, 0x104; and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 t, t, m; mul.rn.bf16x2 t, t, sc; mov.b32 {$2, $3}, t;
+and.b32 t, w8, 0x000F000F; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 t, t, m; mul.rn.bf16x2 t, t, sc; mov.b32 {$4, $5}, t;
+and.b32 t, w8, 0x00F000F0; mul.lo.u32 t, t, 0x104; and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 t, t, m; mul.rn.bf16x2 t, t, sc; mov.b32 {$6, $7}, t;
+}""")
+
+
+@triton.jit
+def _e2m1_word(word, scale, dt: tl.constexpr, ASM: tl.constexpr):
+    """int32 words (8 e2m1 nibbles, nibble m at bits 4m) and their fp32 scales (same shape)
+    -> 8 tensors in ``dt``: the weights of nibbles 0, 4, 1, 5, 2, 6, 3, 7. ASM (bf16 on the
+    GPU): _E2M1_WORD_BF16_PTX, 5 instructions a pair; otherwise _e2m1's (the scale's bf16
+    value: the same bits)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _E2M1_WORD_BF16_PTX.value, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [word, scale.to(dt)],
+            dtype=(dt.value,) * 8, is_pure=True, pack=1)
+    else:
+        w = word.to(tl.uint32, bitcast=True)
+        return (_e2m1(w & 0xF, scale, dt), _e2m1((w >> 16) & 0xF, scale, dt),
+                _e2m1((w >> 4) & 0xF, scale, dt), _e2m1((w >> 20) & 0xF, scale, dt),
+                _e2m1((w >> 8) & 0xF, scale, dt), _e2m1((w >> 24) & 0xF, scale, dt),
+                _e2m1((w >> 12) & 0xF, scale, dt), _e2m1((w >> 28) & 0xF, scale, dt))
+
+
+@triton.jit
+def _swap_rows(pid_n, BLOCK_N: tl.constexpr):
+    """Form "swap": the weight rows (channels) in the order its tile is loaded: load row
+    i = 32j + 8w + l (w, l < 8; a blocked layout of 4 warps, 8 x 4 lanes, 4 words a thread)
+    reads channel 64(j // 2) + 16w + 8(j % 2) + l, the row that thread holds in wgmma's A
+    fragment (warp w rows 16w + l and + 8 of each 64)."""
+    i = tl.arange(0, BLOCK_N)
+    return pid_n * BLOCK_N + 64 * (i // 64) + 16 * ((i // 8) % 4) + 8 * ((i // 32) % 2) + i % 8
+
+
+@triton.jit
+def _swap_x(a_col, avalid, k0, kmax):
+    """a[:, k0:k0 + 128].T [128, BM] with K in the order _swap_w's weights take: natural K
+    32q + 8u + 4h + r (group q, word u, nibble r + 4h) at k' = 32u + 8r + 2q + h."""
+    kk = k0 + tl.arange(0, 128)
+    a = tl.load(a_col + kk[:, None], mask=avalid[None, :] & (kk < kmax)[:, None], other=0.0)
+    bm: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(a, (4, 4, 2, 4, bm)), (1, 3, 0, 2, 4)), (128, bm))
+
+
+@triton.jit
+def _swap_w(w_rowp, s_rowp, mask_r, k0, kmax, BLOCK_N: tl.constexpr, dt: tl.constexpr,
+            ASM: tl.constexpr):
+    """Form "swap": the weights W[:, k0:k0 + 128] [BN, 128] (the MMA's first operand), rows
+    in channel order, K in _swap_x's order. ``w_rowp`` [BN, 1] the rows' byte pointers in
+    load order (_swap_rows), ``s_rowp`` [BN, 1] their scales', ``mask_r`` [BN, 1] the real
+    rows. Each thread loads 16 bytes a row (four words: one scale group) and decodes them
+    in place: the 8 values of a word are its quad's share of wgmma's A fragment, so with the
+    rows and K ordered so no value moves between threads (the word load's layout is the
+    fragment's up to register order: measured on sm_90, tests/kernels/
+    test_fused_moe_mxfp4_swap.py), no shared-memory round trip."""
+    offs_w = tl.arange(0, 16)  # words of the tile's 64 bytes a row
+    word = tl.load(w_rowp.to(tl.pointer_type(tl.int32), bitcast=True) + k0 // 8 + offs_w[None, :],
+                   mask=mask_r & (k0 // 8 + offs_w < kmax // 8)[None, :], other=0)  # [BN, 16]
+    offs_g = k0 // 32 + tl.arange(0, 4)
+    sc = tl.load(s_rowp + offs_g[None, :], mask=mask_r & (offs_g < kmax // 32)[None, :], other=0)
+    sc = _e8m0(tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, 4, 4)), (BLOCK_N, 16)))
+    o0, o1, o2, o3, o4, o5, o6, o7 = _e2m1_word(word, sc, dt, ASM)
+    # o_{2r + h} [BN, 16 = (q, u)]: natural K 32q + 8u + r + 4h -> k' = 32u + 8r + 2q + h
+    j0 = tl.join(tl.reshape(o0, (BLOCK_N, 4, 4)), tl.reshape(o1, (BLOCK_N, 4, 4)))
+    j1 = tl.join(tl.reshape(o2, (BLOCK_N, 4, 4)), tl.reshape(o3, (BLOCK_N, 4, 4)))
+    j2 = tl.join(tl.reshape(o4, (BLOCK_N, 4, 4)), tl.reshape(o5, (BLOCK_N, 4, 4)))
+    j3 = tl.join(tl.reshape(o6, (BLOCK_N, 4, 4)), tl.reshape(o7, (BLOCK_N, 4, 4)))
+    jj = tl.join(tl.join(j0, j1), tl.join(j2, j3))  # [BN, q, u, h, r % 2, r // 2]
+    w = tl.reshape(tl.permute(jj, (0, 2, 5, 4, 1, 3)), (BLOCK_N, 128))
+    # rows back to channel order: load row 32j + 8w + l is channel 64(j // 2) + 16w + 8(j % 2) + l
+    return tl.reshape(tl.permute(tl.reshape(w, (BLOCK_N // 64, 2, 4, 8, 128)), (0, 2, 1, 3, 4)),
+                      (BLOCK_N, 128))
+
+
+@triton.jit
+def _mxfp4_swap_scaled_dot(acc, a_col, avalid, w_row, s_row, mask_n, k0, kmax,
+                           BLOCK_K: tl.constexpr):
+    """Form "swap_scaled" (bf16): acc [BN, BM] (the output transposed) += W[:, k0:k0 + BK]
+    @ a[:, k0:k0 + BK].T by tl.dot_scaled with the weights its first operand. ``a_col``
+    [1, BM] pointers to the rows of a (``avalid`` [BM] the real ones), ``w_row`` [BN, 1] to
+    the N rows' bytes, ``s_row`` [BN] to their scales, ``kmax`` K."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_col + offs_k[:, None], mask=avalid[None, :] & (offs_k < kmax)[:, None],
+                other=0.0)  # [BK, BM]
+    offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    byte = tl.load(w_row + offs_kb[None, :],
+                   mask=mask_n[:, None] & (offs_kb < kmax // 2)[None, :], other=0)
+    offs_ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    sc = tl.load(s_row[:, None] + offs_ks[None, :],
+                 mask=mask_n[:, None] & (offs_ks < kmax // 32)[None, :], other=0)
+    return tl.dot_scaled(byte, sc, "e2m1", a, None, "bf16", acc, fast_math=True)
+
+
 @triton.jit
 def _mxfp4_tile(b_ptrs, s_ptrs, bmask, smask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                 dt: tl.constexpr):
@@ -329,11 +464,13 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, sorted_ptr, block_ex
                     stride_sn, stride_be, stride_ar, alpha, limit,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
-                    MXFP4: tl.constexpr):
+                    MXFP4: tl.constexpr, ASM: tl.constexpr):
     """act[r, n-tile] = activation(gate (+ bias), up (+ bias)) for the BLOCK_M rows of one
     block: silu(gate) * up, or with CLAMPED_SWIGLU GPT-OSS's (ClampedSwiGLU). MXFP4: w_ptr
     holds e2m1 nibble pairs [E, 2I, H / 2] and s_ptr e8m0 scales [E, 2I, H / 32]
-    (_mxfp4_dot, MXFP4 = 1 + the MXFP4_FORMS index); otherwise w_ptr the 16-bit weights [E, 2I, H] (s_ptr unread)."""
+    (MXFP4 = 1 + the MXFP4_FORMS index: _mxfp4_dot; "swap": _swap_w, ASM its inline PTX;
+    "swap_scaled": _mxfp4_swap_scaled_dot); otherwise w_ptr the 16-bit weights [E, 2I, H]
+    (s_ptr unread)."""
     pid_n = tl.program_id(0)
     blk = tl.program_id(1)
     expert = tl.load(block_expert_ptr + blk)
@@ -350,7 +487,37 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, sorted_ptr, block_ex
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if MXFP4:
+    if MXFP4 == 3:  # swap: the accumulators transposed, [BN, BM]; K steps of 128
+        arow = _swap_rows(pid_n, BLOCK_N)
+        w_rowp = w_base + arow[:, None].to(tl.int64) * stride_wn  # gate rows, load order
+        s_rowp = s_ptr + expert.to(tl.int64) * stride_se + arow[:, None].to(tl.int64) * stride_sn
+        mask_r = (arow < inter)[:, None]
+        a_col = x_ptr + token[None, :] * stride_xt
+        acc_gt = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_ut = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, hidden, 128):
+            a = _swap_x(a_col, valid, k0, hidden)
+            acc_gt = _dot(_swap_w(w_rowp, s_rowp, mask_r, k0, hidden, BLOCK_N, dt, ASM), a,
+                          acc_gt, IEEE)
+            acc_ut = _dot(_swap_w(w_rowp + inter * stride_wn, s_rowp + inter * stride_sn, mask_r,
+                                  k0, hidden, BLOCK_N, dt, ASM), a, acc_ut, IEEE)
+        acc_g = tl.trans(acc_gt)
+        acc_u = tl.trans(acc_ut)
+    elif MXFP4 == 4:  # swap_scaled: the accumulators transposed
+        w_row = w_base + offs_n[:, None].to(tl.int64) * stride_wn
+        s_row = s_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn
+        a_col = x_ptr + token[None, :] * stride_xt
+        acc_gt = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_ut = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            acc_gt = _mxfp4_swap_scaled_dot(acc_gt, a_col, valid, w_row, s_row, mask_n, k0,
+                                            hidden, BLOCK_K)
+            acc_ut = _mxfp4_swap_scaled_dot(acc_ut, a_col, valid, w_row + inter * stride_wn,
+                                            s_row + inter * stride_sn, mask_n, k0, hidden,
+                                            BLOCK_K)
+        acc_g = tl.trans(acc_gt)
+        acc_u = tl.trans(acc_ut)
+    elif MXFP4:
         w_col = w_base + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN]: gate rows
         s_base = s_ptr + expert.to(tl.int64) * stride_se
         s_col = s_base + offs_n[None, :].to(tl.int64) * stride_sn
@@ -401,7 +568,8 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr
                  block_expert_ptr, num_pairs, hidden, inter, stride_ar, stride_we, stride_wn,
                  stride_se, stride_sn, stride_be, stride_yp,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr):
+                 IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
+                 ASM: tl.constexpr):
     """ys[pair, n-tile] = round(topk_weight[pair] * round(round(act[r] @ down[e].T) + bias))
     (no bias: the inner rounding alone). MXFP4: w_ptr [E, H, I / 2] nibble pairs, s_ptr
     [E, H, I / 32] scales, as _gate_up_kernel's."""
@@ -418,7 +586,27 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr
     offs_k = tl.arange(0, BLOCK_K)
     dt = ys_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if MXFP4:
+    if MXFP4 == 3:  # swap: the accumulator transposed, [BN, BM]; K steps of 128
+        arow = _swap_rows(pid_n, BLOCK_N)
+        w_rowp = w_ptr + expert.to(tl.int64) * stride_we + arow[:, None].to(tl.int64) * stride_wn
+        s_rowp = s_ptr + expert.to(tl.int64) * stride_se + arow[:, None].to(tl.int64) * stride_sn
+        mask_r = (arow < hidden)[:, None]
+        a_col = act_ptr + rows[None, :].to(tl.int64) * stride_ar
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, inter, 128):
+            acc_t = _dot(_swap_w(w_rowp, s_rowp, mask_r, k0, inter, BLOCK_N, dt, ASM),
+                         _swap_x(a_col, valid, k0, inter), acc_t, IEEE)
+        acc = tl.trans(acc_t)
+    elif MXFP4 == 4:  # swap_scaled: the accumulator transposed
+        w_row = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        s_row = s_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn
+        a_col = act_ptr + rows[None, :].to(tl.int64) * stride_ar
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            acc_t = _mxfp4_swap_scaled_dot(acc_t, a_col, valid, w_row, s_row, mask_n, k0, inter,
+                                           BLOCK_K)
+        acc = tl.trans(acc_t)
+    elif MXFP4:
         w_col = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
         s_base = s_ptr + expert.to(tl.int64) * stride_se
         a_row = act_ptr + rows[:, None].to(tl.int64) * stride_ar
@@ -514,6 +702,12 @@ def _contig(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (uint8 blocks) readable as 32-bit words: 4-byte aligned, every stride too."""
+    aligned = t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1])
+    return t if aligned else t.contiguous().clone()
+
+
 def _launch(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch.Tensor,
             down: torch.Tensor, down_scales: torch.Tensor, e: int, two_i: int, h: int,
             topk_ids: torch.Tensor, topk_weights: torch.Tensor, config: FusedMoEConfig | None,
@@ -530,10 +724,16 @@ def _launch(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch.Tensor
     if mxfp4 and cfg.block_k % 32:
         raise ValueError(f"MXFP4 weights need block_k a multiple of 32 (a scale's group), got "
                          f"{cfg.block_k}")
-    if mxfp4 and cfg.mxfp4_form == "scaled" and x.dtype != torch.bfloat16:
-        raise ValueError(f"mxfp4_form 'scaled' (tl.dot_scaled) takes bf16 activations, got "
-                         f"{x.dtype}: use 'tile'")
+    if mxfp4 and cfg.mxfp4_form.endswith("scaled") and x.dtype != torch.bfloat16:
+        raise ValueError(f"mxfp4_form {cfg.mxfp4_form!r} (tl.dot_scaled) takes bf16 activations, "
+                         f"got {x.dtype}: use 'tile' or 'swap'")
+    if mxfp4 and cfg.mxfp4_form == "swap" and (cfg.block_k != 128 or cfg.block_n % 64):
+        raise ValueError(f"mxfp4_form 'swap' takes K tiles of 128 (a thread's 16 bytes of a row) "
+                         f"and block_n a multiple of 64 (wgmma's rows); got block_k "
+                         f"{cfg.block_k}, block_n {cfg.block_n}")
     x, gate_up, down = _contig(x), _contig(gate_up), _contig(down)
+    if mxfp4 and cfg.mxfp4_form == "swap":  # its bytes are read as 32-bit words
+        gate_up, down = _words(gate_up), _words(down)
     gate_up_scales, down_scales = _contig(gate_up_scales), _contig(down_scales)
     has_bias = gate_up_bias is not None and down_bias is not None
     if gate_up_bias is None or down_bias is None:
@@ -548,6 +748,7 @@ def _launch(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch.Tensor
     ieee = x.dtype == torch.float32  # fp32 stays fp32 (tl.dot would use tf32)
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
                   HAS_BIAS=has_bias, MXFP4=1 + MXFP4_FORMS.index(cfg.mxfp4_form) if mxfp4 else 0,
+                  ASM=mxfp4 and x.dtype == torch.bfloat16 and x.is_cuda and not _interpreting(),
                   num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
     _gate_up_kernel[(triton.cdiv(inter, cfg.block_n), nb)](
