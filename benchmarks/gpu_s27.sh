@@ -5,6 +5,11 @@
 #                                             kept-MXFP4 GPT-OSS model test (graphs, against
 #                                             transformers on the dequantized weights), the MTP
 #                                             layer's GPU tests
+#   BUDGET=570 bash benchmarks/gpu_s27.sh b   the int4 swapped W4A16 GEMM (kernels/int4_gemm.w4a16_gemm)
+#                                             swept at 64-2048 rows on the 8B shapes beside
+#                                             dequant + cuBLAS and bf16, its GPU tests; the MXFP4
+#                                             "swap" forms' GPU tests (the inline-PTX decode's
+#                                             first run) and the MXFP4 tile sweep with them
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -16,5 +21,17 @@ a)
   timeout "$(left 100)" $PT -rf -m gpu tests/engine/test_mtp_graphs.py tests/engine/test_mtp_draft.py 2>&1 \
     | tee "$OUT/gpu_mtp_tests.txt" | tail -n 4
   echo "part a done at ${SECONDS}s" ;;
+b)
+  timeout "$(left 150)" python3 benchmarks/int4_gemm.py --sweep --shapes qkv,o_proj --json-out "$OUT/int4_sweep_a.json" \
+    > /tmp/int4_sweep_a.txt 2>&1; tail -n 14 /tmp/int4_sweep_a.txt
+  timeout "$(left 150)" python3 benchmarks/int4_gemm.py --sweep --shapes gate_up,down --json-out "$OUT/int4_sweep_b.json" \
+    > /tmp/int4_sweep_b.txt 2>&1; tail -n 14 /tmp/int4_sweep_b.txt
+  cat /tmp/int4_sweep_a.txt /tmp/int4_sweep_b.txt > "$OUT/int4_sweep.txt"
+  timeout "$(left 100)" $PT -rf -m gpu -x tests/kernels/test_int4_swap_gemm.py 2>&1 | tee "$OUT/gpu_int4_swap_tests.txt" | tail -n 4
+  timeout "$(left 90)" $PT -rf -m gpu tests/kernels/test_fused_moe_mxfp4_swap.py tests/kernels/test_fused_moe_mxfp4.py 2>&1 \
+    | tee "$OUT/gpu_mxfp4_swap_tests.txt" | tail -n 6
+  timeout "$(left 150)" python3 benchmarks/fused_moe.py --model gpt-oss-20b --mxfp4-sweep --out /tmp/moe \
+    > "$OUT/fused_moe_sweep.txt" 2>&1; tail -n 3 "$OUT/fused_moe_sweep.txt"; cp /tmp/moe/*.md /tmp/moe/*.json "$OUT/" 2>/dev/null
+  echo "part b done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
