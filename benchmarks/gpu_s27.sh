@@ -22,16 +22,18 @@ a)
     | tee "$OUT/gpu_mtp_tests.txt" | tail -n 4
   echo "part a done at ${SECONDS}s" ;;
 b)
-  timeout "$(left 150)" python3 benchmarks/int4_gemm.py --sweep --shapes qkv,o_proj --json-out "$OUT/int4_sweep_a.json" \
+  timeout "$(left 150)" python3 benchmarks/int4_gemm.py --sweep --shapes qkv,o_proj --json-out /tmp/int4_sweep_a.json \
     > /tmp/int4_sweep_a.txt 2>&1; tail -n 14 /tmp/int4_sweep_a.txt
-  timeout "$(left 150)" python3 benchmarks/int4_gemm.py --sweep --shapes gate_up,down --json-out "$OUT/int4_sweep_b.json" \
+  timeout "$(left 150)" python3 benchmarks/int4_gemm.py --sweep --shapes gate_up,down --json-out /tmp/int4_sweep_b.json \
     > /tmp/int4_sweep_b.txt 2>&1; tail -n 14 /tmp/int4_sweep_b.txt
   cat /tmp/int4_sweep_a.txt /tmp/int4_sweep_b.txt > "$OUT/int4_sweep.txt"
+  python3 -c "import json,sys; json.dump([json.load(open(f)) for f in sys.argv[1:]], open('$OUT/int4_sweep.json','w'))" \
+    /tmp/int4_sweep_a.json /tmp/int4_sweep_b.json
   timeout "$(left 100)" $PT -rf -m gpu -x tests/kernels/test_int4_swap_gemm.py 2>&1 | tee "$OUT/gpu_int4_swap_tests.txt" | tail -n 4
   timeout "$(left 90)" $PT -rf -m gpu tests/kernels/test_fused_moe_mxfp4_swap.py tests/kernels/test_fused_moe_mxfp4.py 2>&1 \
     | tee "$OUT/gpu_mxfp4_swap_tests.txt" | tail -n 6
   timeout "$(left 150)" python3 benchmarks/fused_moe.py --model gpt-oss-20b --mxfp4-sweep --out /tmp/moe \
-    > "$OUT/fused_moe_sweep.txt" 2>&1; tail -n 3 "$OUT/fused_moe_sweep.txt"; cp /tmp/moe/*.md /tmp/moe/*.json "$OUT/" 2>/dev/null
+    > "$OUT/fused_moe_sweep.txt" 2>&1; tail -n 3 "$OUT/fused_moe_sweep.txt"; cp /tmp/moe/*.json "$OUT/" 2>/dev/null
   echo "part b done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
