@@ -159,12 +159,19 @@ def default_config(num_pairs: int, num_experts: int,
                    mxfp4: torch.dtype | None = None) -> FusedMoEConfig:
     """By shape only: rows per block near the mean pairs per expert (each block reads its
     expert's weights once, so fewer, fuller blocks mean less weight traffic). ``mxfp4``:
-    MXFP4 weights under activations of that dtype: "scaled" for bf16 with rows per block
-    near twice the mean (each block upcasts its expert's weights anew: at 128 tokens of
-    gpt-oss-20b 32 rows took 379 us against 16 rows' 454, run 192), else "tile" at 32
-    columns a tile (its fastest of the tiles run 191 timed at gpt-oss-20b's shape)."""
+    MXFP4 weights under activations of that dtype: for bf16 "swap" (its inline-PTX decode)
+    while the mean is at most 16 pairs an expert, 16 rows a block and 3 stages up to 8, 32
+    rows and 1 stage up to 16 (run 196 at gpt-oss-20b's shape: 1.24-1.30x "scaled"'s speed
+    at 8-128 tokens, 1.48-1.53x the bf16 kernel's at 8-64), past that "scaled" with rows
+    per block near twice the mean (each block upcasts its expert's weights anew: at 128
+    tokens 32 rows took 379 us against 16 rows' 454, run 192; level with swap's best at
+    512 tokens, run 196); other dtypes "tile" at 32 columns a tile (its fastest of the
+    tiles run 191 timed at gpt-oss-20b's shape)."""
     mean = triton.cdiv(max(num_pairs, 1), num_experts)
     cfg = FusedMoEConfig(block_m=min(64, max(16, triton.next_power_of_2(mean))))
+    if mxfp4 == torch.bfloat16 and mean <= 16:
+        return FusedMoEConfig(block_m=16 if mean <= 8 else 32, block_n=64, block_k=128,
+                              num_stages=3 if mean <= 8 else 1, mxfp4_form="swap")
     if mxfp4 == torch.bfloat16:
         return dataclasses.replace(cfg, mxfp4_form="scaled",
                                    block_m=min(64, max(16, triton.next_power_of_2(2 * mean))))

@@ -631,11 +631,13 @@ def parse_gemm_config(name: str) -> Int4GemmConfig:
                           tma=tma == "t")
 
 
-# The tiles benchmarks/int4_gemm.py --sweep times (a first list from the sm_90 SASS, not yet
-# timed on a GPU): 64 / 128 features (one or two warpgroups), 64-256 rows, K tiles of 64 /
-# 128, 3-4 stages, both forms of the scale, x by cp.async or TMA (none spills for sm_90;
-# the scale-on-the-sums form at 256 x 128 x 64 on 8 warps did: 960 bytes; TMA leaves the
-# per-weight form ~30-50 fewer registers)
+# The tiles benchmarks/int4_gemm.py --sweep times (a first list from the sm_90 SASS): 64 /
+# 128 features (one or two warpgroups), 64-256 rows, K tiles of 64 / 128, 3-4 stages, both
+# forms of the scale, x by cp.async or TMA (none spills for sm_90; the scale-on-the-sums
+# form at 256 x 128 x 64 on 8 warps did: 960 bytes; TMA leaves the per-weight form ~30-50
+# fewer registers). Run 196 (H200): 64 features on 4 warps won at every shape and size;
+# 256 x 128 x 64 on 8 warps with TMA and 4 stages computed garbage on the GPU (its GPU test
+# failed: ~1e20 off) and is no longer a candidate.
 GEMM_CANDIDATES = (
     Int4GemmConfig(64, 64, 128, 0, 4, 4),
     Int4GemmConfig(128, 64, 128, 0, 4, 3),
@@ -648,26 +650,23 @@ GEMM_CANDIDATES = (
     Int4GemmConfig(128, 64, 128, 0, 4, 3, per_weight=False),
     Int4GemmConfig(128, 64, 128, 0, 4, 3, tma=True),
     Int4GemmConfig(256, 64, 64, 0, 4, 3, tma=True),
-    Int4GemmConfig(256, 128, 64, 0, 8, 4, tma=True),
 )
 
 
 def gemm_config(m: int, n: int, k: int) -> Int4GemmConfig:
-    """The tile for m rows of a [n, k] weight: a first guess from the sm_90 SASS until
-    benchmarks/int4_gemm.py --sweep has run on a GPU. The K loop costs ~6.4-7.9 SASS
-    instructions a weight a thread whatever the tile's rows, so the more rows a tile the
-    less the dequantizing weighs against the MMAs (per SM, 128 x 128 x 64 on 8 warps: ~460
-    cycles of issue against 512 of MMA; 256 x 128 x 64: ~470 against 1,024), as long as
-    the tiles still fill the SMs (K split where they do not, at the cost of fp32 partial
-    sums). Up to 64 rows one 64-row tile; up to 256, 128 rows by 64 features (qkv at 256
-    rows: 192 programs); up to 1,024, 128 x 128 on 8 warps; past that 256 x 128."""
+    """The tile for m rows of a [n, k] weight, from run 196's sweep (H200, the 8B's four
+    shapes at 64-2048 rows, benchmarks/int4_gemm.py --sweep): up to 64 rows 64 x 64 x 128
+    with the scale on the sums (best at 64 rows on 3 of 4 shapes); up to 128, 128 x 64 x
+    128, 3 stages, x by TMA (best on 3, the 4th within 1%); past that 256 x 64 x 64, 3
+    stages, TMA (best at 256-2048 on every shape bar two within 2%). The K loop costs
+    ~6.4-7.9 SASS instructions a weight a thread whatever the rows, so more rows a tile
+    weigh the dequantizing less against the MMAs, while 64 features a tile keep the
+    programs many enough to fill the SMs."""
     if m <= 64:
-        return Int4GemmConfig(64, 64, 128, 0, 4, 4)
-    if m <= 256:
-        return Int4GemmConfig(128, 64, 128, 0, 4, 3)
-    if m <= 1024:
-        return Int4GemmConfig(128, 128, 64, 0, 8, 3)
-    return Int4GemmConfig(256, 128, 64, 0, 8, 3)
+        return Int4GemmConfig(64, 64, 128, 0, 4, 4, per_weight=False)
+    if m <= 128:
+        return Int4GemmConfig(128, 64, 128, 0, 4, 3, tma=True)
+    return Int4GemmConfig(256, 64, 64, 0, 4, 3, tma=True)
 
 
 def gemm_block_k(k: int, g: int, cfg: Int4GemmConfig) -> int:

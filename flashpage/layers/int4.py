@@ -16,11 +16,12 @@ How a call of M rows runs (``int4_linear``; ``cuda_path`` picks on CUDA):
                                  GEMM's time at 1-16 rows, 0.83-0.95x at 32, 1.04-1.12x at
                                  64 (dequantize + cuBLAS: 1.6-2.7x)
     CUDA, M <= GEMM_MAX_ROWS     kernels/int4_gemm.w4a16_gemm: the swapped GEMM (the weight
-    (2048)                       tile wgmma's A operand, dequantized in registers to x's
+    (256)                        tile wgmma's A operand, dequantized in registers to x's
                                  dtype, (q - z) * s rounded once as the reference rounds
                                  it; x^T the B operand from shared memory; 16-256 rows a
-                                 tile). Not yet timed on a GPU: the bound is a guess from
-                                 the SASS until benchmarks/int4_gemm.py --sweep has run
+                                 tile). H200, run 196: 1.06-1.8x the bf16 GEMM's time at
+                                 64-256 rows, where dequantize + cuBLAS takes 1.5-2.6x on
+                                 gate_up / down and ties it on qkv / o_proj at 256
     CUDA, M <= GEMM_ROWS (128),  kernels/int4_gemm.w4a16_matmul: the older tl.dot kernel (K
     FLASHPAGE_INT4_KERNEL=gemm   tiles of 16 at least, else as below). Opt-in: on the H200
     (or 1)                       (run 165) slower than dequantize + cuBLAS at 1-64 rows
@@ -44,9 +45,9 @@ The choice reads only shapes and one environment variable (no tensor values, no 
 query): cheap per linear per step, and the same at every replay of a captured CUDA graph.
 GEMV_ROWS is the most rows the GEMV takes (run 175: still 2x dequantize + cuBLAS's speed at
 64; not timed past it); benchmarks/int4_gemv.py times it against the other paths.
-GEMM_MAX_ROWS is the most the swapped GEMM takes: past ~2k rows dequantizing costs a few
-percent of cuBLAS's GEMM, which a Triton kernel is unlikely to beat (to be set from
-benchmarks/int4_gemm.py --sweep, which times both at 64-2048 rows).
+GEMM_MAX_ROWS is the most the swapped GEMM takes: run 196's sweep (benchmarks/int4_gemm.py
+--sweep, both at 64-2048 rows) had it ahead of dequantize + cuBLAS on all four 8B shapes up
+to 256 rows and behind from 512 on qkv / o_proj / gate_up (level on down).
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ from flashpage import envs
 
 # Rows up to which CUDA runs the int4 GEMV by default (the swapped GEMM above)
 GEMV_ROWS = 64
-# Rows up to which CUDA runs the swapped W4A16 GEMM by default (dequantize + cuBLAS above);
-# a first guess, not yet timed on a GPU (benchmarks/int4_gemm.py --sweep)
-GEMM_MAX_ROWS = 2048
+# Rows up to which CUDA runs the swapped W4A16 GEMM by default (dequantize + cuBLAS above;
+# run 196's sweep)
+GEMM_MAX_ROWS = 256
 # Rows at which an int4 down projection runs SiLU·mul inside the GEMV
 FUSED_SILU_ROWS = 1
 # Rows up to which FLASHPAGE_INT4_KERNEL=gemm runs the tl.dot W4A16 kernel (not tuned)

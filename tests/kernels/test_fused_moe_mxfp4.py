@@ -219,10 +219,11 @@ def test_mxfp4_errors():
         fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, FusedMoEConfig(block_k=16))
     with pytest.raises(ValueError, match="'scaled'.*bf16 activations, got torch.float32"):
         fused_moe_mxfp4(x, gu_b, gu_s, d_b, d_s, ids, w, FusedMoEConfig(mxfp4_form="scaled"))
-    assert fm.default_config(4, e, torch.bfloat16).mxfp4_form == "scaled"
-    # gpt-oss-20b (32 experts, top-4): 16 rows a block to 64 tokens, then twice the mean
-    assert [fm.default_config(4 * t, 32, torch.bfloat16).block_m for t in (1, 64, 128, 512)] == [
-        16, 16, 32, 64]
+    # gpt-oss-20b (32 experts, top-4), bf16 (run 196): "swap" to 16 pairs an expert (16 rows
+    # a block, 3 stages to 64 tokens; 32 rows, 1 stage at 128), then "scaled" at twice the mean
+    cfgs = [fm.default_config(4 * t, 32, torch.bfloat16) for t in (1, 64, 128, 512)]
+    assert [(c.mxfp4_form, c.block_m, c.num_stages) for c in cfgs] == [
+        ("swap", 16, 3), ("swap", 16, 3), ("swap", 32, 1), ("scaled", 64, 3)]
     assert fm.default_config(4 * 128, 32).block_m == 16  # bf16 weights: the mean
     with pytest.raises(ValueError, match="mxfp4_form must be one of tile, scaled"):
         FusedMoEConfig(mxfp4_form="lut")
