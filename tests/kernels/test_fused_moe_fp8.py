@@ -1,0 +1,245 @@
+"""fused_moe_fp8 (kernels/fused_moe_fp8.py: the fused MoE kernels over block-scaled fp8
+experts, W8A8 and weight-only) against its pure-torch reference (the block-fp8 linears'
+references, kernels/fp8_block_ref.py, one expert at a time) and against the 16-bit kernel's
+reference on the dequantized weights.
+
+CPU (interpreter, torch's fp8 casts: test_fp8_kv's fixture), fp32 and fp16: ragged token
+counts, top-k 1-8 of 4-16 experts, an expert over several blocks, experts nobody chose
+(their weights NaN: never read), weight tiles whose magnitudes differ by 1000x (a misplaced
+block scale would show), both ways of quantizing the activation (in gate_up's epilogue or
+by a launch after it); errors; no host sync (meta tensors). GPU (marked gpu): bf16 at
+Qwen3-30B-A3B's expert shape, both modes, and a CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fused_moe import _ShapeOnlyKernel, routing  # tests/kernels
+
+from flashpage.kernels import fused_moe as fm
+from flashpage.kernels import fused_moe_fp8 as fm8
+from flashpage.kernels.fp8_block_ref import quantize_fp8_block
+from flashpage.kernels.fused_moe import fused_moe_ref, num_blocks
+from flashpage.kernels.fused_moe_fp8 import (
+    FusedMoEFp8Config,
+    default_config,
+    dequantize_experts_fp8,
+    fused_moe_fp8,
+    fused_moe_fp8_ref,
+)
+from tests.kernels.test_fp8_kv import (  # noqa: F401  (autouse: torch's fp8 casts in the interpreter)
+    exact_fp8_casts_in_the_interpreter,
+)
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+cpu_only = pytest.mark.skipif(GPU, reason="the CPU variant (interpreter)")
+B = 128
+
+
+def fp8_experts(e: int, n: int, k: int, seed: int, unused: list[int] = ()):
+    """Random [E, N, K] experts quantized in 128 x 128 blocks whose magnitudes differ by up
+    to 1000x, -> (e4m3 [E, N, K], fp32 [E, N / 128, K / 128]); ``unused`` experts' values
+    NaN (a kernel reading them poisons its output)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(e, n, k, generator=g) / k ** 0.5
+    mag = torch.logspace(-1.5, 1.5, 7)[torch.randint(0, 7, (e, n // B, k // B), generator=g)]
+    w *= mag.repeat_interleave(B, 1).repeat_interleave(B, 2)
+    qs = [quantize_fp8_block(wi, (B, B)) for wi in w]
+    q, s = torch.stack([a for a, _ in qs]), torch.stack([b for _, b in qs])
+    for u in unused:
+        q[u] = float("nan")
+    return q.to(DEV), s.to(DEV)
+
+
+def _case(t, k, e, h, inter, seed, crowd=0, unused_free=True):
+    ids, w = routing(t, k, e, seed, crowd)
+    unused = [i for i in range(e) if i not in set(ids.flatten().tolist())] if unused_free else []
+    gu, gus = fp8_experts(e, 2 * inter, h, seed + 1, unused)
+    d, ds = fp8_experts(e, h, inter, seed + 2, unused)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 3)).to(DEV)
+    return x, gu, gus, d, ds, ids, w
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+CONFIGS = {
+    "w8a16": FusedMoEFp8Config(w8a8=False),
+    "w8a8": FusedMoEFp8Config(w8a8=True),  # the activation quantized in gate_up's epilogue
+    "w8a8_unfused": FusedMoEFp8Config(w8a8=True, gate_up_block_n=64, block_n=128),
+    "w8a8_m32": FusedMoEFp8Config(w8a8=True, block_m=32, block_n=32),
+}
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mode", list(CONFIGS))
+@pytest.mark.parametrize(("t", "k", "e", "h", "inter", "crowd"), [
+    (1, 1, 4, 128, 128, 0), (3, 2, 8, 256, 128, 0), (5, 8, 16, 128, 256, 0),
+    (21, 4, 16, 256, 128, 21), (9, 3, 4, 384, 256, 9)])
+def test_fused_moe_fp8_matches_its_reference(dtype, mode, t, k, e, h, inter, crowd):
+    """Every mode and shape against fused_moe_fp8_ref: to fp32's accumulation order in fp32;
+    in fp16 within a few of its ulps (a projection sum a ulp apart may move the activation's
+    e4m3 code by one: W8A8). Experts nobody chose hold NaN: none leaks."""
+    cfg = CONFIGS[mode]
+    x, gu, gus, d, ds, ids, w = _case(t, k, e, h, inter, seed=t * 31 + k, crowd=crowd)
+    x = x.to(dtype)
+    got = fused_moe_fp8(x, gu, gus, d, ds, ids, w, cfg)
+    want = fused_moe_fp8_ref(x, gu, gus, d, ds, ids, w, w8a8=cfg.w8a8)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.isfinite(got).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:
+        assert _rel(got, want) < 3e-3
+
+
+@cpu_only
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_fused_moe_fp8_is_the_dequantized_experts(w8a8):
+    """The kernel's experts are the checkpoint's: against the 16-bit reference on the
+    weights dequantized (fp32), weight-only agrees to fp32's order and W8A8 within e4m3's
+    rounding of the activations (~2-3%, not a misplaced scale's 1000x)."""
+    x, gu, gus, d, ds, ids, w = _case(12, 4, 8, 256, 256, seed=3, unused_free=False)
+    got = fused_moe_fp8(x, gu, gus, d, ds, ids, w, FusedMoEFp8Config(w8a8=w8a8))
+    want = fused_moe_ref(x, dequantize_experts_fp8(gu, gus, torch.float32),
+                         dequantize_experts_fp8(d, ds, torch.float32), ids, w)
+    if w8a8:
+        assert 1e-3 < _rel(got, want) < 0.06
+    else:
+        assert _rel(got, want) < 1e-5
+
+
+def test_dequantize_experts_is_the_block_reference():
+    """dequantize_experts_fp8, all experts at once, equals fp8_block_ref's per expert."""
+    from flashpage.kernels.fp8_block_ref import dequantize_fp8_block
+
+    q, s = fp8_experts(3, 256, 384, seed=1)
+    got = dequantize_experts_fp8(q, s, torch.bfloat16)
+    for e in range(3):
+        assert torch.equal(got[e], dequantize_fp8_block(q[e], s[e], (B, B), torch.bfloat16))
+    with pytest.raises(ValueError, match="need scales"):
+        dequantize_experts_fp8(q, s[:, :1], torch.bfloat16)
+
+
+def test_default_config_by_size():
+    """Weight-only while an expert's block averages 16 rows or fewer (decode), W8A8 past it
+    where e4m3 dots run and x is 16-bit; rows per block near the mean."""
+    x16 = torch.empty(1, 128, dtype=torch.float16)
+    assert not default_config(8, 128, x16).w8a8  # one token of Qwen3-30B-A3B
+    assert not default_config(8 * 256, 128, x16).w8a8
+    big = default_config(8 * 512, 128, x16)
+    assert big.w8a8 and big.block_m == 32
+    assert not default_config(8 * 512, 128, x16.float()).w8a8
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(gate_up_dtype=torch.float16), "float8_e4m3fn"),
+    (dict(h=192), "whole 128-blocks"),
+    (dict(scale_shape=(4, 1, 1)), "gate_up_scale must be fp32"),
+    (dict(x_dtype=torch.int32), "fp32, fp16 or bf16"),
+    (dict(weights_dtype=torch.float16), "topk_weights must be fp32"),
+])
+def test_bad_arguments_are_named(kw, match):
+    e, inter = 4, 128
+    h = kw.get("h", 128)
+    gu = torch.zeros(e, 2 * inter, h, dtype=kw.get("gate_up_dtype", torch.float8_e4m3fn))
+    gus = torch.ones(kw.get("scale_shape", (e, 2, max(1, h // B))))
+    d = torch.zeros(e, h, inter, dtype=torch.float8_e4m3fn)
+    ds = torch.ones(e, max(1, h // B), 1)
+    x = torch.zeros(2, h, dtype=kw.get("x_dtype", torch.float32))
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    w = torch.ones(2, 1, dtype=kw.get("weights_dtype", torch.float32))
+    with pytest.raises(ValueError, match=match):
+        fused_moe_fp8(x, gu, gus, d, ds, ids, w)
+    with pytest.raises(ValueError, match="block_n must divide 128"):
+        FusedMoEFp8Config(block_n=96)
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8", "w8a8_unfused"])
+def test_no_host_sync_on_meta_tensors(monkeypatch, mode):
+    """Meta tensors hold no data: the launcher (quantization buffers, alignment, grids,
+    the final sum) runs on them with the kernels as shape-only stand-ins."""
+    grids: list = []
+    monkeypatch.setattr(fm, "_align_kernel", _ShapeOnlyKernel(grids))
+    for name in ("_fp8_gate_up_kernel", "_fp8_down_kernel"):
+        monkeypatch.setattr(fm8, name, _ShapeOnlyKernel(grids))
+    from flashpage.kernels import fp8_block_gemm
+
+    monkeypatch.setattr(fp8_block_gemm, "_quant_groups_kernel", _ShapeOnlyKernel(grids))
+    meta = torch.device("meta")
+    t, k, e, h, inter = 7, 8, 128, 2048, 768
+    x = torch.empty(t, h, device=meta, dtype=torch.bfloat16)
+    gu = torch.empty(e, 2 * inter, h, device=meta, dtype=torch.float8_e4m3fn)
+    gus = torch.empty(e, 2 * inter // B, h // B, device=meta)
+    d = torch.empty(e, h, inter, device=meta, dtype=torch.float8_e4m3fn)
+    ds = torch.empty(e, h // B, inter // B, device=meta)
+    ids = torch.empty(t, k, device=meta, dtype=torch.long)
+    w = torch.empty(t, k, device=meta)
+    cfg = CONFIGS[mode]
+    out = fused_moe_fp8(x, gu, gus, d, ds, ids, w, cfg)
+    assert out.shape == (t, h) and out.device == meta
+    nb = num_blocks(t * k, e, cfg.block_m)
+    gu_n = cfg.gate_up_block_n if cfg.w8a8 else cfg.block_n
+    launches = [(inter // gu_n, nb), (h // cfg.block_n, nb)]
+    assert [g for g in grids if len(g) == 2 and g[1] == nb] == launches
+    assert len([g for g in grids if g not in launches and g != (1,)]) == {
+        "w8a16": 0, "w8a8": 1, "w8a8_unfused": 2}[mode]  # the quantizer's launches
+
+
+# ----------------------------------------------------------------------------- GPU
+def _qwen3_30b_case(t, seed):
+    """Qwen3-30B-A3B's experts: hidden 2048, moe_intermediate 768, 128 experts, top-8."""
+    return _case(t, 8, 128, 2048, 768, seed=seed, unused_free=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", list(CONFIGS))
+@pytest.mark.parametrize("t", [1, 8, 77, 300])
+def test_fused_moe_fp8_bf16_on_the_gpu(mode, t):
+    """bf16 at Qwen3-30B-A3B's shape: each mode against its reference (bf16 roundings:
+    within 1% in norm) and within W8A8's rounding (6%) of the dequantized bf16 experts."""
+    x, gu, gus, d, ds, ids, w = _qwen3_30b_case(t, seed=t)
+    x = x.bfloat16()
+    cfg = CONFIGS[mode]
+    got = fused_moe_fp8(x, gu, gus, d, ds, ids, w, cfg)
+    want = fused_moe_fp8_ref(x, gu, gus, d, ds, ids, w, w8a8=cfg.w8a8)
+    assert torch.isfinite(got).all()
+    assert _rel(got, want) < 1e-2
+    deq = fused_moe_ref(x, dequantize_experts_fp8(gu, gus, torch.bfloat16),
+                        dequantize_experts_fp8(d, ds, torch.bfloat16), ids, w)
+    assert _rel(got, deq) < 0.06
+    # the default config's choice runs too
+    assert _rel(fused_moe_fp8(x, gu, gus, d, ds, ids, w), deq) < 0.06
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_fused_moe_fp8_captures_in_a_cuda_graph(mode):
+    """Captured once, replayed with other routing and inputs in the same buffers: the
+    replay follows them."""
+    t = 16
+    x, gu, gus, d, ds, ids, w = _qwen3_30b_case(t, seed=5)
+    x = x.bfloat16()
+    cfg = CONFIGS[mode]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_moe_fp8(x, gu, gus, d, ds, ids, w, cfg)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_fp8(x, gu, gus, d, ds, ids, w, cfg)
+    new_ids, new_w = routing(t, 8, 128, seed=7, crowd=t)
+    ids.copy_(new_ids)
+    w.copy_(new_w)
+    x.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = fused_moe_fp8_ref(x, gu, gus, d, ds, ids, w, w8a8=cfg.w8a8)
+    assert _rel(out, want) < 1e-2
