@@ -141,10 +141,15 @@ class LLMEngine:
         if mc.mxfp4_experts:
             logger.info("MXFP4 experts: %s", "kept in MXFP4 for the fused MoE kernel"
                         if mxfp4_kernel else f"dequantized to {self.dtype} at load")
+        # a block-fp8 checkpoint's routed experts stay e4m3 where the fused fp8 MoE kernel
+        # reads them (models/fp8_checkpoint.py decides per layer: whole 128-blocks)
+        fp8_moe_kernel = envs.fp8_moe() == "kernel" or (
+            envs.fp8_moe() == "auto" and fused_moe
+            and torch.cuda.get_device_capability(self.device) >= (8, 9))  # e4m3 dots
         self.model = load_model(self.source, self.dtype, self.device,
                                 max_positions=self.max_model_len, seed=config.seed,
                                 quantization=config.quantization, classifier_token_ids=token_ids,
-                                mxfp4_kernel=mxfp4_kernel)
+                                mxfp4_kernel=mxfp4_kernel, fp8_moe_kernel=fp8_moe_kernel)
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)

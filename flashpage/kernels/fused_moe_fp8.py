@@ -51,15 +51,17 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.fp8_block_ref import (
+from flashpage.kernels.fp8_block_ref import (  # noqa: F401  (dequantize_experts_fp8: re-exported)
+    EXPERT_BLOCK,
     FP8_MAX,
     MIN_SCALE,
+    dequantize_experts_fp8,
     w8a8_block_linear_ref,
     w8a16_block_linear_ref,
 )
 from flashpage.kernels.fused_moe import moe_align
 
-FP8_BLOCK = 128  # the weight blocks' side, and the activations' quantization group
+FP8_BLOCK = EXPERT_BLOCK  # the weight blocks' side, and the activations' quantization group
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -314,21 +316,6 @@ def fused_moe_fp8_ref(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: tor
         y = linear(act, down[e], down_scale[e], block)
         ys[tok, slot] = (y * topk_weights[tok, slot, None]).to(x.dtype)
     return ys.sum(1)
-
-
-def dequantize_experts_fp8(q: torch.Tensor, scale: torch.Tensor,
-                           dtype: torch.dtype) -> torch.Tensor:
-    """Block-fp8 experts q e4m3 [E, N, K] with scale fp32 [E, N / 128, K / 128] -> [E, N, K]
-    in ``dtype``: each value times its block's scale in fp32, rounded once (what
-    kernels/fp8_block_ref.dequantize_fp8_block gives expert by expert, and what the
-    dequantize-at-load path holds)."""
-    e, n, k = q.shape
-    b = FP8_BLOCK
-    if n % b or k % b or tuple(scale.shape) != (e, n // b, k // b):
-        raise ValueError(f"experts {tuple(q.shape)} need scales [E, N / {b}, K / {b}] = "
-                         f"{[e, n // b, k // b]}, got {tuple(scale.shape)}")
-    w = q.float().view(e, n // b, b, k // b, b) * scale.float()[:, :, None, :, None]
-    return w.view(e, n, k).to(dtype)
 
 
 __all__ = ["FP8_BLOCK", "FusedMoEFp8Config", "default_config", "dequantize_experts_fp8",
