@@ -102,13 +102,13 @@ def test_fused_moe_fp8_matches_its_reference(dtype, mode, t, k, e, h, inter, cro
 def test_fused_moe_fp8_is_the_dequantized_experts(w8a8):
     """The kernel's experts are the checkpoint's: against the 16-bit reference on the
     weights dequantized (fp32), weight-only agrees to fp32's order and W8A8 within e4m3's
-    rounding of the activations (~2-3%, not a misplaced scale's 1000x)."""
+    rounding of the activations (~5% here, not a misplaced scale's 1000x)."""
     x, gu, gus, d, ds, ids, w = _case(12, 4, 8, 256, 256, seed=3, unused_free=False)
     got = fused_moe_fp8(x, gu, gus, d, ds, ids, w, FusedMoEFp8Config(w8a8=w8a8))
     want = fused_moe_ref(x, dequantize_experts_fp8(gu, gus, torch.float32),
                          dequantize_experts_fp8(d, ds, torch.float32), ids, w)
     if w8a8:
-        assert 1e-3 < _rel(got, want) < 0.06
+        assert 1e-3 < _rel(got, want) < 0.08
     else:
         assert _rel(got, want) < 1e-5
 
@@ -202,7 +202,8 @@ def _qwen3_30b_case(t, seed):
 @pytest.mark.parametrize("t", [1, 8, 77, 300])
 def test_fused_moe_fp8_bf16_on_the_gpu(mode, t):
     """bf16 at Qwen3-30B-A3B's shape: each mode against its reference (bf16 roundings:
-    within 1% in norm) and within W8A8's rounding (6%) of the dequantized bf16 experts."""
+    within 1% in norm) and within W8A8's rounding (8%: e4m3's 3 mantissa bits on x and on
+    the activation; 5% at the CPU test's shape) of the dequantized bf16 experts."""
     x, gu, gus, d, ds, ids, w = _qwen3_30b_case(t, seed=t)
     x = x.bfloat16()
     cfg = CONFIGS[mode]
@@ -212,9 +213,9 @@ def test_fused_moe_fp8_bf16_on_the_gpu(mode, t):
     assert _rel(got, want) < 1e-2
     deq = fused_moe_ref(x, dequantize_experts_fp8(gu, gus, torch.bfloat16),
                         dequantize_experts_fp8(d, ds, torch.bfloat16), ids, w)
-    assert _rel(got, deq) < 0.06
+    assert _rel(got, deq) < (0.08 if cfg.w8a8 else 1e-2)
     # the default config's choice runs too
-    assert _rel(fused_moe_fp8(x, gu, gus, d, ds, ids, w), deq) < 0.06
+    assert _rel(fused_moe_fp8(x, gu, gus, d, ds, ids, w), deq) < 0.08
 
 
 @pytest.mark.gpu
