@@ -77,9 +77,11 @@ def test_kept_experts_are_the_files_to_the_bit(fp8_moe, name, monkeypatch):
     """FLASHPAGE_FP8_MOE=kernel: every MoE layer's experts hold e4m3 [E, 2I, H] / [E, H, I]
     and fp32 tile scales, each expert's rows the file's gate / up / down values and
     weight_scale_inv tiles exactly; no 16/32-bit copy of them beside (the model's state
-    is one byte per expert value plus the scales)."""
+    is one byte per expert value plus the scales); dequantized_parameters gives them back
+    dequantized, the twin's to the bit."""
     from safetensors.torch import load_file
 
+    from flashpage.layers.quant import dequantized_parameters
     from flashpage.models.loader import load_model, resolve_model
 
     fp8, _ = fp8_moe(name)
@@ -106,6 +108,12 @@ def test_kept_experts_are_the_files_to_the_bit(fp8_moe, name, monkeypatch):
             assert torch.equal(m.down_proj_scale[e], file[p + "down_proj.weight_scale_inv"])
         own = {n: t for n, t in m.state_dict().items()}
         assert sorted(own) == ["down_proj", "down_proj_scale", "gate_up_proj", "gate_up_proj_scale"]
+    # back in 32 bits (layers/quant.dequantized_parameters: hf_weights, benchmarks'
+    # transformers baselines): the twin's parameters
+    twin = load_model(resolve_model(str(fp8_moe(name)[1])), torch.float32, torch.device("cpu"))
+    mine, ref = dict(dequantized_parameters(model)), dict(dequantized_parameters(twin))
+    assert mine.keys() == ref.keys()
+    assert all(torch.equal(mine[n], ref[n]) for n in ref)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
