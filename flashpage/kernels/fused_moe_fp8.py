@@ -36,11 +36,17 @@ weight rounded, the K slots summed by torch; W8A8 quantizes x and that rounded a
 torch, one expert at a time over the block-fp8 references: :func:`fused_moe_fp8_ref`
 (equal to the kernel within fp32 accumulation order: each K tile's scaled partial sum).
 
-``default_config`` chooses weight-only while an expert's block is a single block_m of 16
-rows or fewer on average (pairs <= 16 E: the decode sizes, where the kernel streams weights
-and W8A8's gate_up tile of one 128-column group would halve the programs covering the SMs)
-and W8A8 past it, on GPUs with e4m3 tensor cores; fp32 activations weight-only. Not tuned on
-a GPU yet: benchmarks/fused_moe.py --fp8 times both beside the bf16 kernel.
+``default_config`` chooses by what the kernels compile to for sm_90 (tests/kernels/
+test_fused_moe_fp8.py reads the SASS; no GPU has timed them yet: benchmarks/fused_moe.py
+--fp8 times every mode beside the bf16 kernel). e4m3 warpgroup MMAs (QGMMA) need 64 rows a
+block; under that Triton widens both e4m3 operands to fp16 for mma.sync, so W8A8 buys
+nothing but its quantizer launches. So: weight-only up to a mean of 32 pairs an expert
+(rows per block near the mean, 16 or 32: decode, where the kernels stream weights), W8A8
+past it (64 rows, QGMMA) where e4m3 tensor cores exist and x is 16-bit. W8A8's gate_up tile
+is 64 wide, the activation quantized by a launch after it: the 128-wide tile that
+quantizes in its epilogue holds two 64 x 128 fp32 accumulators and spills (1.3 KB a
+thread on 8 warps, 6.8 KB on 4); it stays a config (``gate_up_block_n=128``) for the
+benchmark to weigh. Each default compiles with no spills.
 """
 
 from __future__ import annotations
@@ -62,6 +68,9 @@ from flashpage.kernels.fp8_block_ref import (  # noqa: F401  (dequantize_experts
 from flashpage.kernels.fused_moe import moe_align
 
 FP8_BLOCK = EXPERT_BLOCK  # the weight blocks' side, and the activations' quantization group
+# the activation quantizer's constants (fp8_block_ref's), as the kernels may read globals
+_Q_MAX = tl.constexpr(FP8_MAX)
+_Q_MIN_SCALE = tl.constexpr(MIN_SCALE)
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -70,8 +79,9 @@ class FusedMoEFp8Config:
     block_m: int = 16  # rows (token, slot pairs) per block; tl.dot needs >= 16
     block_n: int = 64  # down's N tile, and gate_up's for weight-only (divides 128)
     # W8A8 only: gate_up's N tile; 128 (one activation group) quantizes the activation in
-    # its epilogue, 64 or less leaves that to one quantize_per_token_group launch
-    gate_up_block_n: int = 128
+    # its epilogue (spills on sm_90: the module docstring), 64 or less leaves that to one
+    # quantize_per_token_group launch
+    gate_up_block_n: int = 64
     w8a8: bool = True
     num_warps: int = 4
     num_stages: int = 3
@@ -101,12 +111,13 @@ def e4m3_tensor_cores(device: torch.device) -> bool:
 
 def default_config(num_pairs: int, num_experts: int, x: torch.Tensor) -> FusedMoEFp8Config:
     """By shape (the module docstring): rows per block near the mean pairs per expert
-    (kernels/fused_moe.default_config's rule), weight-only up to a mean of 16, W8A8 past it
-    where e4m3 tensor cores exist and x is 16-bit."""
+    (kernels/fused_moe.default_config's rule); W8A8 at 64 rows where e4m3 dots run and x is
+    16-bit, else weight-only (N tiles of 32 past 16 rows: 64 spill at 32 rows)."""
     mean = triton.cdiv(max(num_pairs, 1), num_experts)
     block_m = min(64, max(16, triton.next_power_of_2(mean)))
-    w8a8 = mean > 16 and x.dtype != torch.float32 and e4m3_tensor_cores(x.device)
-    return FusedMoEFp8Config(block_m=block_m, w8a8=w8a8)
+    if block_m == 64 and x.dtype != torch.float32 and e4m3_tensor_cores(x.device):
+        return FusedMoEFp8Config(block_m=64, block_n=64, gate_up_block_n=64, w8a8=True)
+    return FusedMoEFp8Config(block_m=block_m, block_n=64 if block_m == 16 else 32, w8a8=False)
 
 
 # ------------------------------------------------------------------------- kernels
@@ -159,8 +170,8 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, acts_ptr, sorted_
     act = ((gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32) * up).to(DT).to(tl.float32)
     out = act_ptr + rows[:, None].to(tl.int64) * stride_ar + offs_n[None, :]
     if QUANT_ACT:  # this tile is one 128-column group of each row
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(act), axis=1), FP8_MAX), MIN_SCALE)
-        q = tl.clamp(tl.math.div_rn(act, scale[:, None]), -FP8_MAX, FP8_MAX)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(act), axis=1), _Q_MAX), _Q_MIN_SCALE)
+        q = tl.clamp(tl.math.div_rn(act, scale[:, None]), -_Q_MAX, _Q_MAX)
         tl.store(out, q.to(act_ptr.dtype.element_ty), mask=valid[:, None])
         tl.store(acts_ptr + rows.to(tl.int64) * stride_asr + pid_n, scale, mask=valid)
     else:

@@ -68,8 +68,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 CONFIGS = {
     "w8a16": FusedMoEFp8Config(w8a8=False),
-    "w8a8": FusedMoEFp8Config(w8a8=True),  # the activation quantized in gate_up's epilogue
-    "w8a8_unfused": FusedMoEFp8Config(w8a8=True, gate_up_block_n=64, block_n=128),
+    "w8a8": FusedMoEFp8Config(w8a8=True),  # the activation quantized by a launch after gate_up
+    # ... in gate_up's epilogue (its 128-wide tile one activation group)
+    "w8a8_fused": FusedMoEFp8Config(w8a8=True, gate_up_block_n=128, block_n=128),
     "w8a8_m32": FusedMoEFp8Config(w8a8=True, block_m=32, block_n=32),
 }
 
@@ -126,14 +127,16 @@ def test_dequantize_experts_is_the_block_reference():
 
 
 def test_default_config_by_size():
-    """Weight-only while an expert's block averages 16 rows or fewer (decode), W8A8 past it
-    where e4m3 dots run and x is 16-bit; rows per block near the mean."""
+    """Weight-only up to a mean of 32 pairs an expert (decode), rows per block near the mean;
+    W8A8 at 64 rows (e4m3 warpgroup MMAs) where e4m3 dots run and x is 16-bit."""
     x16 = torch.empty(1, 128, dtype=torch.float16)
-    assert not default_config(8, 128, x16).w8a8  # one token of Qwen3-30B-A3B
-    assert not default_config(8 * 256, 128, x16).w8a8
-    big = default_config(8 * 512, 128, x16)
-    assert big.w8a8 and big.block_m == 32
-    assert not default_config(8 * 512, 128, x16.float()).w8a8
+    one = default_config(8, 128, x16)  # one token of Qwen3-30B-A3B
+    assert not one.w8a8 and one.block_m == 16 and one.block_n == 64
+    mid = default_config(8 * 512, 128, x16)  # 32 pairs an expert
+    assert not mid.w8a8 and mid.block_m == 32 and mid.block_n == 32
+    big = default_config(8 * 513, 128, x16)
+    assert big.w8a8 and big.block_m == 64 and big.gate_up_block_n == 64
+    assert not default_config(8 * 513, 128, x16.float()).w8a8
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -159,7 +162,7 @@ def test_bad_arguments_are_named(kw, match):
         FusedMoEFp8Config(block_n=96)
 
 
-@pytest.mark.parametrize("mode", ["w8a16", "w8a8", "w8a8_unfused"])
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8", "w8a8_fused"])
 def test_no_host_sync_on_meta_tensors(monkeypatch, mode):
     """Meta tensors hold no data: the launcher (quantization buffers, alignment, grids,
     the final sum) runs on them with the kernels as shape-only stand-ins."""
@@ -187,7 +190,7 @@ def test_no_host_sync_on_meta_tensors(monkeypatch, mode):
     launches = [(inter // gu_n, nb), (h // cfg.block_n, nb)]
     assert [g for g in grids if len(g) == 2 and g[1] == nb] == launches
     assert len([g for g in grids if g not in launches and g != (1,)]) == {
-        "w8a16": 0, "w8a8": 1, "w8a8_unfused": 2}[mode]  # the quantizer's launches
+        "w8a16": 0, "w8a8": 2, "w8a8_fused": 1}[mode]  # the quantizer's launches
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -244,3 +247,66 @@ def test_fused_moe_fp8_captures_in_a_cuda_graph(mode):
     torch.cuda.synchronize()
     want = fused_moe_fp8_ref(x, gu, gus, d, ds, ids, w, w8a8=cfg.w8a8)
     assert _rel(out, want) < 1e-2
+
+
+# ----------------------------------------------------------------------------- sm_90 build
+def _compile_fp8_moe_kernels() -> dict[str, dict]:
+    """The default config's two kernels at 16, 32 and 64 rows a block (one token of
+    Qwen3-30B-A3B, 512 tokens, 1024) and W8A8's epilogue-quantizing gate_up, built for
+    sm_90a with bf16 activations (no GPU needed): name -> registers, spills, MMA opcodes."""
+    import collections
+
+    import triton.language as tl
+    from sm90 import compile_sm90, ptxas_sm90a, ptxas_usage, sass_instructions
+
+    ptr = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+           "act_ptr": "*bf16", "acts_ptr": "*fp32", "sorted_ptr": "*i32",
+           "block_expert_ptr": "*i32", "a_ptr": "*bf16", "as_ptr": "*fp32",
+           "topk_w_ptr": "*fp32", "ys_ptr": "*bf16"}
+    x = torch.empty(1, 2048, dtype=torch.bfloat16)
+    cfgs = {f"default {p // 128} an expert": default_config(p, 128, x)
+            for p in (8, 8 * 512, 8 * 1024)}
+    cfgs["w8a8 gate_up 128"] = FusedMoEFp8Config(block_m=64, gate_up_block_n=128, w8a8=True)
+    out = {}
+    for tag, cfg in cfgs.items():
+        fp8_in = "*fp8e4nv" if cfg.w8a8 else "*bf16"
+        fused = cfg.w8a8 and cfg.gate_up_block_n == 128
+        common = dict(DT=tl.bfloat16, BLOCK_M=cfg.block_m, W8A8=cfg.w8a8, PRECISION="tf32")
+        launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        kernels = {"gate_up": compile_sm90(
+            fm8._fp8_gate_up_kernel,
+            dict(common, BLOCK_N=cfg.gate_up_block_n if cfg.w8a8 else cfg.block_n,
+                 QUANT_ACT=fused),
+            {**ptr, "x_ptr": fp8_in, "act_ptr": "*fp8e4nv" if fused else "*bf16"},
+            aligned=("x_ptr", "w_ptr", "stride_xt", "stride_wn"), **launch)}
+        if not fused:
+            kernels["down"] = compile_sm90(
+                fm8._fp8_down_kernel, dict(common, BLOCK_N=cfg.block_n), {**ptr, "a_ptr": fp8_in},
+                aligned=("a_ptr", "w_ptr", "stride_ar", "stride_wn"), **launch)
+        for name, k in kernels.items():
+            log, sass = ptxas_sm90a(k.asm["ptx"])
+            ins, _ = sass_instructions(sass)
+            ops = collections.Counter(t.split(" ")[0] for t in ins)
+            out[f"{tag} ({cfg.name}) {name}"] = {
+                **ptxas_usage(log), "mma": {o: n for o, n in ops.items() if "MMA" in o}}
+    return out
+
+
+def test_fp8_moe_kernels_compile_for_sm90():
+    """On the CPU, what default_config's choices rest on: its kernels at 16 and 32 rows a
+    block are weight-only, bf16 MMAs (HMMA), at 64 W8A8 on Hopper's e4m3 warpgroup MMAs
+    (QGMMA ... E4M3.E4M3), none spilling; the gate_up tile that quantizes the activation in
+    its epilogue (128 wide) does spill, which is why it is not the default."""
+    from sm90 import run_compiled
+
+    got = run_compiled("test_fused_moe_fp8", "_compile_fp8_moe_kernels")
+    assert len(got) == 7
+    for name, r in got.items():
+        if name.startswith("w8a8 gate_up 128"):
+            assert r["spill_bytes"] > 0 and any("E4M3" in o for o in r["mma"]), (name, r)
+            continue
+        assert r["spill_bytes"] == 0 and r["mma"], (name, r)
+        if "w8a8" in name:
+            assert all(o.startswith("QGMMA") and o.endswith("E4M3.E4M3") for o in r["mma"]), (name, r)
+        else:
+            assert all(o.startswith("HMMA") and o.endswith("BF16") for o in r["mma"]), (name, r)
