@@ -152,6 +152,26 @@ def test_experts_not_whole_blocks_are_dequantized(fp8_moe, monkeypatch, caplog):
     assert tokens == ref_tokens and logprobs == ref_logprobs
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_inspect_counts_the_experts_as_held(fp8_moe, name, monkeypatch):
+    """flashpage inspect, from config.json alone: the weights' bytes the engine holds with
+    the experts kept (a byte a value plus the tiles' scales) and with FLASHPAGE_FP8_MOE=dequant
+    (in the model dtype), each equal to the loaded model's."""
+    from flashpage.bench.common import weight_bytes
+    from flashpage.config import ModelConfig
+    from flashpage.inspect import inspect_config
+    from flashpage.models.loader import load_model, resolve_model
+
+    fp8, _ = fp8_moe(name)
+    for env, keep in (("kernel", True), ("dequant", False)):
+        monkeypatch.setenv("FLASHPAGE_FP8_MOE", env)
+        model = load_model(resolve_model(str(fp8)), torch.float32, torch.device("cpu"),
+                           fp8_moe_kernel=keep)
+        info = inspect_config(ModelConfig.from_hf(fp8), 1 << 30, "fp32")
+        assert info["fp8_experts_kept"] is keep and info["fp8_expert_bytes"] > 0
+        assert info["weights_bytes"] == weight_bytes(model)
+
+
 def test_fp8_moe_env_is_checked(monkeypatch):
     from flashpage import envs
 
