@@ -13,13 +13,15 @@ Qwen3-30B-A3B's expert shape, both modes, and a CUDA graph capture.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from test_fused_moe import _ShapeOnlyKernel, routing  # tests/kernels
 
 from flashpage.kernels import fused_moe as fm
 from flashpage.kernels import fused_moe_fp8 as fm8
-from flashpage.kernels.fp8_block_ref import quantize_fp8_block
+from flashpage.kernels.fp8_block_ref import FP8_MAX, MIN_SCALE, quantize_fp8_block
 from flashpage.kernels.fused_moe import fused_moe_ref, num_blocks
 from flashpage.kernels.fused_moe_fp8 import (
     FusedMoEFp8Config,
@@ -39,18 +41,21 @@ B = 128
 
 
 def fp8_experts(e: int, n: int, k: int, seed: int, unused: list[int] = ()):
-    """Random [E, N, K] experts quantized in 128 x 128 blocks whose magnitudes differ by up
-    to 1000x, -> (e4m3 [E, N, K], fp32 [E, N / 128, K / 128]); ``unused`` experts' values
-    NaN (a kernel reading them poisons its output)."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(e, n, k, generator=g) / k ** 0.5
-    mag = torch.logspace(-1.5, 1.5, 7)[torch.randint(0, 7, (e, n // B, k // B), generator=g)]
-    w *= mag.repeat_interleave(B, 1).repeat_interleave(B, 2)
-    qs = [quantize_fp8_block(wi, (B, B)) for wi in w]
-    q, s = torch.stack([a for a, _ in qs]), torch.stack([b for _, b in qs])
+    """Random [E, N, K] experts (made on DEV) quantized in 128 x 128 blocks whose magnitudes
+    differ by up to 1000x, -> (e4m3 [E, N, K], fp32 [E, N / 128, K / 128]): each expert as
+    fp8_block_ref.quantize_fp8_block makes it (all at once; the test below checks they
+    agree); ``unused`` experts' values NaN (a kernel reading them poisons its output)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w = torch.randn(e, n, k, generator=g, device=DEV) / k ** 0.5
+    mag = torch.logspace(-1.5, 1.5, 7, device=DEV)[
+        torch.randint(0, 7, (e, n // B, k // B), generator=g, device=DEV)]
+    tiles = w.view(e, n // B, B, k // B, B) * mag[:, :, None, :, None]
+    s = (tiles.abs().amax(dim=(2, 4)) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (tiles / s[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = q.view(e, n, k)
     for u in unused:
         q[u] = float("nan")
-    return q.to(DEV), s.to(DEV)
+    return q, s
 
 
 def _case(t, k, e, h, inter, seed, crowd=0, unused_free=True):
@@ -115,13 +120,16 @@ def test_fused_moe_fp8_is_the_dequantized_experts(w8a8):
 
 
 def test_dequantize_experts_is_the_block_reference():
-    """dequantize_experts_fp8, all experts at once, equals fp8_block_ref's per expert."""
+    """dequantize_experts_fp8, all experts at once, equals fp8_block_ref's per expert; the
+    tests' experts are quantize_fp8_block's of their dequantized values (a fixed point)."""
     from flashpage.kernels.fp8_block_ref import dequantize_fp8_block
 
     q, s = fp8_experts(3, 256, 384, seed=1)
     got = dequantize_experts_fp8(q, s, torch.bfloat16)
     for e in range(3):
         assert torch.equal(got[e], dequantize_fp8_block(q[e], s[e], (B, B), torch.bfloat16))
+        q2, s2 = quantize_fp8_block(dequantize_fp8_block(q[e], s[e], (B, B)), (B, B))
+        assert torch.equal(q2.view(torch.uint8), q[e].view(torch.uint8))
     with pytest.raises(ValueError, match="need scales"):
         dequantize_experts_fp8(q, s[:, :1], torch.bfloat16)
 
@@ -194,9 +202,17 @@ def test_no_host_sync_on_meta_tensors(monkeypatch, mode):
 
 
 # ----------------------------------------------------------------------------- GPU
+@functools.cache
+def _qwen3_30b_experts():
+    """Qwen3-30B-A3B's experts (hidden 2048, moe_intermediate 768, 128 of them), made once."""
+    return (*fp8_experts(128, 2 * 768, 2048, seed=11), *fp8_experts(128, 2048, 768, seed=12))
+
+
 def _qwen3_30b_case(t, seed):
-    """Qwen3-30B-A3B's experts: hidden 2048, moe_intermediate 768, 128 experts, top-8."""
-    return _case(t, 8, 128, 2048, 768, seed=seed, unused_free=False)
+    """Its experts, top-8 routing and inputs of t tokens."""
+    ids, w = routing(t, 8, 128, seed)
+    x = torch.randn(t, 2048, generator=torch.Generator().manual_seed(seed + 3)).to(DEV)
+    return (x, *_qwen3_30b_experts(), ids, w)
 
 
 @pytest.mark.gpu
