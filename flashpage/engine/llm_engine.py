@@ -558,6 +558,9 @@ class LLMEngine:
             per_token += mtp_kv_bytes_per_token(self.mtp.config, kv_dtype)
         per_block = per_token * cfg.block_size
         if self.device.type == "cuda":
+            # weights replaced at load (fp8 / int4 linears' and MoE experts' 16-bit tensors,
+            # hold_fp8 / hold_int4) sit freed in the allocator's cache: not used, count them free
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = self._activation_bytes()
             budget = int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
