@@ -20,14 +20,14 @@ two. Two ways to the tensor cores (``FusedMoEFp8Config.w8a8``):
       acc[r, n] += dot(xq[tok(r), tile g], q[e, n, tile g]) * (xs[tok(r), g] * ws[e, n // 128, g])
 
   (an N tile never straddles a weight block: block_n divides 128). The activation between
-  the two GEMMs is quantized the same way: with gate_up's N tile one group (128 columns)
-  in the gate_up kernel's epilogue (each row's amax over its tile, no extra launch),
-  otherwise by quantize_per_token_group on the 16-bit activation. Needs e4m3 tensor cores
-  (sm_89+) or the interpreter.
+  the two GEMMs is quantized the same way, by quantize_per_token_group on the 16-bit
+  activation, or, where gate_up's N tile is one group (128 columns), in the gate_up
+  kernel's epilogue (each row's amax over its tile: no launch, but it spills, below).
+  Needs e4m3 tensor cores (sm_89+) or the interpreter.
 - weight-only (W8A16): x stays in its dtype; each weight tile is widened to it in registers
   (exact: e4m3 values are fp16 and bf16 values) and its block scale multiplies the
   tile's fp32 partial sum: ``acc += dot(x[tile g], q[tile g]) * ws[e, n // 128, g]``. Any
-  GPU and fp32 activations (its dots in IEEE fp32).
+  GPU Triton converts e4m3 on, and fp32 activations (its dots in IEEE fp32).
 
 Rounding: as kernels/fused_moe.py's contract, each projection's fp32 sum is rounded to x's
 dtype, silu(gate) rounded, times up rounded, the expert output times its fp32 routing
