@@ -29,8 +29,9 @@ DeepSeek's and Qwen's names) in 128 x 128 blocks, every one of them e4m3 in the 
 hidden and expert intermediate sizes whole blocks: layers/moe.FusedExperts.hold_fp8 (e4m3
 [E, 2I, H] and [E, H, I], each expert's tile scales stacked), run by
 kernels/fused_moe_fp8.py. Everything else that the file holds in e4m3 (embeddings, the LM
-head, MLA's kv_b_proj, the other MoE experts) is dequantized to the model's dtype. Linears the file holds in 16 bits (the
-config's ignore list) stay so, with ``quantization="fp8"`` too.
+head, MLA's kv_b_proj, the other MoE experts) is dequantized to the model's dtype. Linears
+the file holds in 16 bits (the config's ignore list) stay so, with ``quantization="fp8"``
+too.
 
 Not read: ``input_scale`` (static activation scales): activations are quantized per token
 at run time (W8A8 on the GPU), each token's scale from its own amax, which never clips
