@@ -3,7 +3,7 @@ layers/moe.FusedExperts.hold_fp8, kernels/fused_moe_fp8.py), on tiny random Qwen
 DeepSeek-V3 checkpoints quantized here in 128 x 128 blocks (DeepSeek-V3's and
 Qwen3-30B-A3B-FP8's form; hidden and expert intermediate sizes 128).
 
-CPU: FLASHPAGE_FP8_MOE=kernel keeps them (auto keeps them only where the fused kernel runs:
+Qwen2-MoE's too. CPU: FLASHPAGE_FP8_MOE=kernel keeps them (auto keeps them only where the fused kernel runs:
 CUDA), their values and tile scales the file's to the bit, nothing 16/32-bit of theirs
 beside; the torch paths dequantize per call to the very weights of the dequantized twin,
 so the engine's greedy tokens and log-probabilities equal the twin's and the dequant
@@ -31,7 +31,8 @@ WIDE = dict(hidden_size=128, moe_intermediate_size=128)
 @pytest.fixture(scope="module")
 def fp8_moe(tmp_path_factory):
     """name -> (fp8 folder, dequantized twin), built once: qwen3_moe (top-3 of 8, layer 0
-    dense), deepseek_v3 (shared expert, a dense first layer), qwen3_moe_narrow (experts of
+    dense), deepseek_v3 (shared expert, a dense first layer), qwen2_moe (a gated shared
+    expert of 48: not whole blocks, dequantized), qwen3_moe_narrow (experts of
     intermediate 64: not whole blocks), qwen3_moe_gpu (head_dim 32 for our CUDA kernels)."""
     cache: dict[str, tuple] = {}
 
@@ -44,6 +45,8 @@ def fp8_moe(tmp_path_factory):
             elif name == "qwen3_moe_narrow":
                 src = build_tiny_moe_checkpoint(root / "src", "qwen3_moe", hidden_size=128,
                                                 moe_intermediate_size=64)
+            elif name == "qwen2_moe":
+                src = build_tiny_moe_checkpoint(root / "src", "qwen2_moe", **WIDE)
             elif name == "qwen3_moe_gpu":
                 src = build_tiny_moe_checkpoint(root / "src", "qwen3_moe", head_dim=32, **WIDE)
             else:
@@ -72,7 +75,7 @@ def _generate(path, prompts, **kw):
             [[lp.top[0][1] for lp in o.outputs[0].logprobs] for o in outs], kept)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "qwen2_moe"])
 def test_kept_experts_are_the_files_to_the_bit(fp8_moe, name, monkeypatch):
     """FLASHPAGE_FP8_MOE=kernel: every MoE layer's experts hold e4m3 [E, 2I, H] / [E, H, I]
     and fp32 tile scales, each expert's rows the file's gate / up / down values and
@@ -116,7 +119,7 @@ def test_kept_experts_are_the_files_to_the_bit(fp8_moe, name, monkeypatch):
     assert all(torch.equal(mine[n], ref[n]) for n in ref)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "qwen2_moe"])
 def test_engine_over_kept_experts_equals_the_dequantized_checkpoint(fp8_moe, name, monkeypatch):
     """fp32 on the CPU: experts kept in e4m3 (FLASHPAGE_FP8_MOE=kernel; the torch paths
     dequantize per call: scale * value in fp32, the twin's weights) give the same greedy
