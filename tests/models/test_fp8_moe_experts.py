@@ -1,9 +1,9 @@
 """Block-fp8 routed experts kept in e4m3 (models/fp8_checkpoint.hold_fp8_experts,
-layers/moe.FusedExperts.hold_fp8, kernels/fused_moe_fp8.py), on tiny random Qwen3-MoE and
-DeepSeek-V3 checkpoints quantized here in 128 x 128 blocks (DeepSeek-V3's and
+layers/moe.FusedExperts.hold_fp8, kernels/fused_moe_fp8.py), on tiny random Qwen3-MoE,
+DeepSeek-V3 and Qwen2-MoE checkpoints quantized here in 128 x 128 blocks (DeepSeek-V3's and
 Qwen3-30B-A3B-FP8's form; hidden and expert intermediate sizes 128).
 
-Qwen2-MoE's too. CPU: FLASHPAGE_FP8_MOE=kernel keeps them (auto keeps them only where the fused kernel runs:
+CPU: FLASHPAGE_FP8_MOE=kernel keeps them (auto keeps them only where the fused kernel runs:
 CUDA), their values and tile scales the file's to the bit, nothing 16/32-bit of theirs
 beside; the torch paths dequantize per call to the very weights of the dequantized twin,
 so the engine's greedy tokens and log-probabilities equal the twin's and the dequant
