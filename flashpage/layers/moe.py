@@ -354,7 +354,9 @@ class FusedExperts(nn.Module):
         ``dtype``."""
         names = ((f"{proj}_blocks", f"{proj}_scales") if self.mxfp4
                  else (proj, f"{proj}_scale") if self.fp8 else (proj,))
-        ts = [getattr(self, n) for n in names]
+        # e4m3 indexed as its bytes (index_select over float8 is not in every torch build)
+        ts = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+              for t in (getattr(self, n) for n in names)]
         if isinstance(experts, int):
             ts = [t[experts] for t in ts]
         elif experts is not None:
@@ -362,7 +364,7 @@ class FusedExperts(nn.Module):
         if self.fp8:
             from flashpage.kernels.fp8_block_ref import dequantize_experts_fp8
 
-            q, s = ts
+            q, s = ts[0].view(torch.float8_e4m3fn), ts[1]
             if isinstance(experts, int):
                 return dequantize_experts_fp8(q[None], s[None], dtype)[0]
             return dequantize_experts_fp8(q, s, dtype)

@@ -141,6 +141,34 @@ def test_engine_over_kept_experts_equals_the_dequantized_checkpoint(fp8_moe, nam
     assert logprobs == deq_logprobs == ref_logprobs
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_every_expert_path_over_kept_experts(fp8_moe, name):
+    """Each FusedExperts path over kept e4m3 experts (fp32, CPU) against the dequantized
+    twin's: gathered, every expert on every token and grouped (dequantized per call) equal
+    to the bit; the fused kernel (Triton's interpreter: weight-only at these sizes) within
+    fp32's accumulation order."""
+    from flashpage.models.loader import load_model, resolve_model
+
+    fp8, ref = fp8_moe(name)
+    kept = _experts(load_model(resolve_model(str(fp8)), torch.float32, torch.device("cpu"),
+                               fp8_moe_kernel=True))
+    twin = _experts(load_model(resolve_model(str(ref)), torch.float32, torch.device("cpu")))
+    g = torch.Generator().manual_seed(0)
+    for (_, m), (_, r) in zip(kept, twin, strict=True):
+        assert m.fp8 and not r.fp8
+        for n in (1, 5):
+            x = torch.randn(n, m.gate_up_proj.shape[2], generator=g)
+            ids = torch.stack([torch.randperm(m.num_experts, generator=g)[:m.top_k]
+                               for _ in range(n)])
+            w = torch.rand(n, m.top_k, generator=g)
+            for path in ("_gathered", "_all_experts"):
+                assert torch.equal(getattr(m, path)(x, ids), getattr(r, path)(x, ids)), path
+            assert torch.equal(m.forward_grouped(x, w, ids), r.forward_grouped(x, w, ids))
+            want = r.forward_sync_free(x, w, ids)
+            got = m.forward_fused(x, w, ids)
+            assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
 def test_experts_not_whole_blocks_are_dequantized(fp8_moe, monkeypatch, caplog):
     """Experts of intermediate 64 (half a 128-block): dequantized with a warning naming the
     reason, even with FLASHPAGE_FP8_MOE=kernel; the tokens still equal the twin's."""
