@@ -36,6 +36,18 @@ The copy ceiling: a 1 GiB device-to-device copy timed the same way, bytes read +
     python benchmarks/fused_moe.py --model gpt-oss-20b --mxfp4-sweep --out $OUT
                               # MXFP4 forms and tiles (MXFP4_TILES: 18 configs a size; run 192's
                               # 14 took 94 s)
+    python benchmarks/fused_moe.py --fp8 --out $OUT                # ~60-120 s on an H200
+
+``--fp8``: block-scaled fp8 experts (kernels/fused_moe_fp8.py) at Qwen3-30B-A3B's expert
+shape (FP8_SHAPE: hidden 2048, moe_intermediate 768, 128 experts, top-8; the shape of
+Qwen3-30B-A3B-FP8's experts, 128 x 128 blocks), T in {1, 8, 32, 128, 512}: the bf16 fused
+kernel, then the fp8 one on the same weights quantized per block (its default config, and
+each of its modes at the default's rows a block: weight-only, W8A8 with a quantizer launch
+between the GEMMs, W8A8 quantizing the activation in gate_up's epilogue; and W8A8 at 64
+rows, where its dots are e4m3 warpgroup MMAs); GB/s over the bytes each reads
+(bf16: 2 a weight, fp8: 1 plus the tiles' scales), and each output's relative difference
+from the bf16 kernel's (W8A8 rounds the activations: ~5%). Writes $OUT/fused_moe_fp8.json
+and .md.
 
 writes $OUT/fused_moe.json and $OUT/fused_moe.md (deepseek-v2-lite), or
 $OUT/fused_moe_<model>.json / .md for another model. Without a GPU it runs tiny shapes in
@@ -69,6 +81,8 @@ from flashpage.kernels.fused_moe import (  # noqa: E402
     fused_moe,
     fused_moe_mxfp4,
 )
+from flashpage.kernels.fused_moe_fp8 import FusedMoEFp8Config, fused_moe_fp8  # noqa: E402
+from flashpage.kernels.fused_moe_fp8 import default_config as fp8_default_config  # noqa: E402
 from flashpage.layers.moe import FusedExperts  # noqa: E402
 from flashpage.models.gpt_oss import GptOssExperts  # noqa: E402
 
@@ -308,6 +322,117 @@ def to_markdown(model: str, copy_gbs: float, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --fp8: Qwen3-30B-A3B's experts (E, top-k, hidden, moe_intermediate) and token counts; on
+# the CPU (interpreter) a tiny stand-in
+FP8_SHAPE = (128, 8, 2048, 768) if GPU else (8, 2, 128, 128)
+FP8_TOKENS = [1, 8, 32, 128, 512] if GPU else [3]
+# each mode at the default config's rows a block, and W8A8 at 64 (its e4m3 warpgroup MMAs)
+FP8_MODES: dict[str, Callable[[FusedMoEFp8Config], FusedMoEFp8Config]] = {
+    "w8a16": lambda d: FusedMoEFp8Config(block_m=d.block_m, block_n=32 if d.block_m > 16 else 64,
+                                         w8a8=False),
+    "w8a8": lambda d: FusedMoEFp8Config(block_m=d.block_m, w8a8=True),
+    "w8a8, activation quantized in gate_up": lambda d: FusedMoEFp8Config(
+        block_m=d.block_m, gate_up_block_n=128, block_n=128, w8a8=True),
+    "w8a8 at 64 rows": lambda d: FusedMoEFp8Config(block_m=64, w8a8=True),
+}
+
+
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (e4m3 [E, N, K], fp32 [E, N / 128, K / 128]): each 128 x 128 tile by its
+    amax / 448, as the checkpoints are made (kernels/fp8_block_ref.quantize_fp8_block)."""
+    e, n, k = w.shape
+    tiles = w.float().view(e, n // 128, 128, k // 128, 128)
+    scale = (tiles.abs().amax(dim=(2, 4)) / 448.0).clamp(min=1e-12)
+    q = (tiles / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.view(e, n, k), scale
+
+
+def fp8_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, fp8: list) -> list[dict]:
+    """--fp8's rows at T = t: the bf16 fused kernel, the fp8 one's default and its modes."""
+    expert_values = 3 * inter * hidden
+    rows: list[dict] = []
+    ids, w = routing(t, k, e, seed=t)
+    x = torch.randn(t, hidden, device=DEV, dtype=DT)
+    distinct = ids.unique().numel()
+    needed = {"bf16": distinct * expert_values * 2,
+              "fp8": distinct * (expert_values + 4 * expert_values // 128 ** 2)}
+    with torch.no_grad():
+        want = fused_moe(x, *bf16[0], ids, w).float()
+    default = fp8_default_config(t * k, e, x)
+    paths: dict[str, tuple[str, Callable[[int], object]]] = {
+        f"bf16 fused ({default_config(t * k, e).name})":
+            ("bf16", lambda i: fused_moe(x, *bf16[i], ids, w)),
+        f"fp8 fused (default {default.name})":
+            ("fp8", lambda i: fused_moe_fp8(x, *fp8[i], ids, w)),
+    }
+    for mode, make in FP8_MODES.items():
+        cfg = make(default)
+        paths[f"fp8 {mode} ({cfg.name})"] = (
+            "fp8", lambda i, cfg=cfg: fused_moe_fp8(x, *fp8[i], ids, w, cfg))
+    for name, (fmt, fn) in paths.items():
+        row: dict = dict(tokens=t, distinct_experts=distinct,
+                         needed_mb=round(needed[fmt] / 1e6, 1), path=name)
+        try:
+            with torch.no_grad():
+                got = fn(0)
+                assert isinstance(got, torch.Tensor)
+                row["rel_diff_vs_bf16"] = float((got.float() - want).norm() / want.norm())
+                sec = time_calls(fn)
+                row.update(eager_us=round(sec * 1e6, 1), eager_gbs=round(needed[fmt] / sec / 1e9))
+                if GPU:
+                    sec = time_graph(fn)
+                    row.update(graph_us=round(sec * 1e6, 1),
+                               graph_gbs=round(needed[fmt] / sec / 1e9))
+        except Exception as ex:  # keep going: one failure must not hide the rest
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:120]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def fp8_main(out: Path) -> None:
+    e, k, hidden, inter = FP8_SHAPE
+    t0 = time.perf_counter()
+    g = torch.Generator(device=DEV).manual_seed(0)
+    bf16, fp8 = [], []
+    for _ in range(LAYERS):
+        gu = torch.randn(e, 2 * inter, hidden, device=DEV, generator=g) * hidden ** -0.5
+        dn = torch.randn(e, hidden, inter, device=DEV, generator=g) * inter ** -0.5
+        qgu, sgu = quantize_experts(gu)
+        qdn, sdn = quantize_experts(dn)
+        del gu, dn
+        fp8.append((qgu, sgu, qdn, sdn))
+        # the bf16 kernel's weights: the fp8 ones dequantized (the same experts)
+        bf16.append(tuple((q.float().view(e, q.shape[1] // 128, 128, q.shape[2] // 128, 128)
+                           * s[:, :, None, :, None]).view(q.shape).to(DT)
+                          for q, s in ((qgu, sgu), (qdn, sdn))))
+    copy_gbs = copy_bandwidth()
+    print(json.dumps(dict(copy_gbs=copy_gbs)), flush=True)
+    rows: list[dict] = []
+    for t in FP8_TOKENS:
+        rows += fp8_tokens(t, k, e, hidden, inter, bf16, fp8)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = dict(experts=e, top_k=k, hidden=hidden, moe_intermediate=inter)
+    (out / "fused_moe_fp8.json").write_text(json.dumps(dict(shape=shape, copy_gbs=copy_gbs,
+                                                            rows=rows), indent=1))
+    dev = torch.cuda.get_device_name() if GPU else "CPU (Triton interpreter: smoke test only)"
+    lines = [f"# MoE experts in block fp8, {shape}, {dev}", "",
+             f"torch {torch.__version__}; copy bandwidth (1 GiB, read + written): "
+             f"{copy_gbs:,.0f} GB/s. GB/s = needed weight bytes (distinct routed experts: bf16 "
+             "2 bytes a weight, fp8 1 plus the tiles' fp32 scales) / time.", "",
+             "| T | distinct experts | needed MB | path | eager µs | eager GB/s | graph µs "
+             "| graph GB/s | graph / copy | rel. diff vs bf16 |", "| --- " * 10 + "|"]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['distinct_experts']} | {r['needed_mb']} | {r['path']} "
+                     f"| {r.get('eager_us', '-')} | {r.get('eager_gbs', '-')} | "
+                     f"{r.get('graph_us', '-')} | {r.get('graph_gbs', '-')} | "
+                     f"{_ratio(r.get('graph_gbs'), copy_gbs)} | "
+                     f"{r.get('rel_diff_vs_bf16', float('nan')):.3g} |"
+                     + (f" {r['error']}" if "error" in r else ""))
+    (out / "fused_moe_fp8.md").write_text("\n".join(lines) + "\n")
+    print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".")
@@ -317,7 +442,13 @@ def main() -> None:
                          "MXFP4_TILES (~2 min on an H200)")
     ap.add_argument("--model", choices=sorted(MODELS), default="deepseek-v2-lite",
                     help="whose expert shapes (and token counts) to time")
+    ap.add_argument("--fp8", action="store_true",
+                    help="block-fp8 experts (kernels/fused_moe_fp8.py) beside the bf16 fused "
+                         "kernel at Qwen3-30B-A3B's expert shape (--model unused)")
     args = ap.parse_args()
+    if args.fp8:
+        fp8_main(Path(args.out))
+        return
     cfg = ModelConfig.from_hf(CONFIGS / args.model)
     hidden, inter = (cfg.hidden_size, cfg.moe_intermediate_size) if GPU else (64, 32)
     tokens = MODELS[args.model] if GPU else [1, 4]

@@ -209,6 +209,25 @@ def mxfp4() -> str:
     return value
 
 
+def fp8_moe() -> str:
+    """FLASHPAGE_FP8_MOE: how the engine holds a block-scaled fp8 checkpoint's routed experts
+    (quant_method fp8 with weight_block_size [128, 128]: DeepSeek-V3, Qwen3-30B-A3B-FP8,
+    Qwen3-235B-A22B-FP8; models/fp8_checkpoint.py). ``auto`` (the default): kept in e4m3 with
+    their fp32 block scales (one byte a weight, half of bf16) where the fused fp8 MoE kernel
+    runs them (kernels/fused_moe_fp8.py: CUDA with e4m3 support, sm_89+, the triton backend,
+    FLASHPAGE_FUSED_MOE not 0), dequantized to the model dtype elsewhere. ``dequant``:
+    always dequantized at load (the path before the kernel). ``kernel``: always kept, on any
+    device (the CPU's torch paths then dequantize the experts they need at each call, the
+    very weights ``dequant`` holds: tests). Experts whose hidden or intermediate size is not
+    a whole number of 128-blocks, or whose checkpoint names the loader does not know as
+    routed experts (Mixtral's w1 / w2 / w3), are dequantized whatever this says. Read when
+    the engine loads the model."""
+    value = os.environ.get("FLASHPAGE_FP8_MOE", "auto").strip().lower() or "auto"
+    if value not in ("auto", "dequant", "kernel"):
+        raise ValueError(f"FLASHPAGE_FP8_MOE must be auto, dequant or kernel, got {value!r}")
+    return value
+
+
 def pdl() -> str:
     """FLASHPAGE_PDL: programmatic dependent launch of our decode-path Triton kernels
     (Hopper and newer; kernels/pdl.py), so a kernel's launch overlaps the tail of the one

@@ -315,6 +315,26 @@ def fp8_weight_shapes(cfg: ModelConfig, quantization: str | None = "fp8"
     return out
 
 
+# Families whose checkpoints name routed experts ``...experts.{e}.{gate,up,down}_proj.weight``
+# (layers/moe.EXPERT_NAME): a block-fp8 checkpoint's are kept in e4m3 there
+FP8_EXPERT_FAMILIES = ("deepseek_v2", "deepseek_v3", "qwen2_moe", "qwen3_moe")
+
+
+def fp8_expert_values(cfg: ModelConfig) -> int:
+    """Values of the routed experts a block-fp8 checkpoint keeps in e4m3 where the fused fp8
+    MoE kernel runs them (models/fp8_checkpoint.hold_fp8_experts): 128 x 128 blocks, hidden
+    and expert intermediate sizes whole blocks, a family whose expert names the loader reads,
+    the experts not in the ignore list; 0 otherwise (dequantized at load)."""
+    qc, inter = cfg.quantization_config, cfg.moe_intermediate_size or 0
+    if (qc is None or qc.is_int4 or qc.weight_strategy != "block" or qc.block_size != (128, 128)
+            or not cfg.n_routed_experts or cfg.model_type not in FP8_EXPERT_FAMILIES
+            or cfg.hidden_size % 128 or inter % 128):
+        return 0
+    layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)
+              and not qc.ignores(f"model.layers.{i}.mlp.experts.0.gate_proj")]
+    return 3 * cfg.n_routed_experts * inter * cfg.hidden_size * len(layers)
+
+
 def int4_weight_shapes(cfg: ModelConfig, quantization: str | None = None) -> list[tuple[int, int, int]]:
     """[N, K, G] of every linear the engine holds in int4 for an AWQ / GPTQ checkpoint:
     those ``fp8_linears`` names with no piece in its ignore list (models/int4_checkpoint.py);
@@ -399,6 +419,13 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
     mx_kept = bool(mx_values) and envs.mxfp4() != "dequant"
     if mx_kept:
         weights_bytes += mx_values * 17 // 32 - mx_values * wbytes
+    # block-fp8 experts: kept in e4m3 by default as well (FLASHPAGE_FP8_MOE, where the fused
+    # fp8 MoE kernel runs), a byte a value and an fp32 scale per 128 x 128 block
+    f8_values = fp8_expert_values(cfg)
+    f8_bytes = f8_values + 4 * (f8_values // 128 ** 2)
+    f8_kept = bool(f8_values) and envs.fp8_moe() != "dequant"
+    if f8_kept:
+        weights_bytes += f8_bytes - f8_values * wbytes
     qc = cfg.quantization_config
     info: dict[str, Any] = {
         "architecture": cfg.architecture,
@@ -471,6 +498,11 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "mxfp4_kept": mx_kept,
         "mxfp4_expert_bytes": mx_values * 17 // 32,
         "mxfp4_expert_bytes_dequantized": mx_values * wbytes,
+        # a block-fp8 checkpoint's routed experts kept in e4m3 (fp8_expert_values; the
+        # engine's default where the fused fp8 MoE kernel runs, FLASHPAGE_FP8_MOE)
+        "fp8_experts_kept": f8_kept,
+        "fp8_expert_bytes": f8_bytes,
+        "fp8_expert_bytes_dequantized": f8_values * wbytes,
         # an fp8 checkpoint's own quantization_config (config.CheckpointQuantization)
         "quantization_config": None if qc is None else {
             "method": qc.method, "weight_strategy": qc.weight_strategy,
@@ -640,6 +672,13 @@ def format_report(info: dict[str, Any]) -> str:
                 if info.get("fp8_block_linears") else f"dequantized to {dt} at load"
                 + (", then quantized per row" if info.get("quantization") else ""))
         rows.append(("checkpoint weights", f"{desc}: {kept}"))
+        if info.get("fp8_expert_bytes"):
+            f8, deq = _size(info["fp8_expert_bytes"]), _size(info["fp8_expert_bytes_dequantized"])
+            rows.append(("routed experts", (
+                f"kept in e4m3 with their block scales where the fused fp8 MoE kernel runs "
+                f"them (CUDA sm_89+, the triton backend): {f8} (dequantized to {dt} elsewhere "
+                f"or with FLASHPAGE_FP8_MOE=dequant: {deq})") if info.get("fp8_experts_kept")
+                else f"dequantized to {dt} at load (FLASHPAGE_FP8_MOE=dequant): {deq}, not {f8}"))
     mem = _size(info["memory_bytes"])
     rows += [
         (f"tokens in {mem}", f"{info['tokens_in_memory']:,} (KV cache alone)"),
@@ -648,7 +687,8 @@ def format_report(info: dict[str, Any]) -> str:
             if info["active_param_count"] != info["param_count"] else "")),
         (f"weights ({dt}{', fp8 linears' if info.get('fp8_linears') else ''}"
          f"{', int4 linears' if info.get('int4_linears') else ''}"
-         f"{', MXFP4 experts' if info.get('mxfp4_kept') else ''})",
+         f"{', MXFP4 experts' if info.get('mxfp4_kept') else ''}"
+         f"{', fp8 experts' if info.get('fp8_experts_kept') else ''})",
          _size(info["weights_bytes"])),
         (f"tokens in {mem} - weights", f"{info['tokens_in_memory_after_weights']:,}"),
     ]

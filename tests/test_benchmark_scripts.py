@@ -45,6 +45,29 @@ def test_fused_moe_gpt_oss_runs_in_the_interpreter(tmp_path):
     assert "fused mxfp4" in (tmp_path / "fused_moe_gpt-oss-20b.md").read_text()
 
 
+def test_fused_moe_fp8_runs_in_the_interpreter(tmp_path):
+    """benchmarks/fused_moe.py --fp8 on the CPU (a tiny stand-in for Qwen3-30B-A3B's
+    experts, the Triton interpreter): the bf16 kernel, the fp8 kernel's default and each of
+    its modes run; weight-only equals the bf16 kernel on the dequantized weights to fp32's
+    order, W8A8 within e4m3's rounding (coarser here: the interpreter's own fp8 casts)."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fused_moe.py"), "--fp8",
+                        "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    rows = json.loads((tmp_path / "fused_moe_fp8.json").read_text())["rows"]
+    assert not [row for row in rows if "error" in row]
+    names = [row["path"] for row in rows]
+    assert len(names) == 6 and names[0].startswith("bf16 fused")
+    assert all(row["eager_us"] > 0 for row in rows)
+    for row in rows[1:]:
+        assert row["needed_mb"] < rows[0]["needed_mb"]  # a byte a weight against two
+        assert row["rel_diff_vs_bf16"] < (0.3 if "w8a8 gu" in row["path"] else 1e-5), row
+    assert "fp8 w8a16" in (tmp_path / "fused_moe_fp8.md").read_text()
+
+
 def test_fp8_block_sweep_runs_in_the_interpreter(tmp_path):
     """benchmarks/fp8_block_gemm.py --sweep on the CPU (tiny shapes, the Triton interpreter):
     every W8A8 candidate tile and the default are timed at each shape and row count beside

@@ -141,10 +141,15 @@ class LLMEngine:
         if mc.mxfp4_experts:
             logger.info("MXFP4 experts: %s", "kept in MXFP4 for the fused MoE kernel"
                         if mxfp4_kernel else f"dequantized to {self.dtype} at load")
+        # a block-fp8 checkpoint's routed experts stay e4m3 where the fused fp8 MoE kernel
+        # reads them (models/fp8_checkpoint.py decides per layer: whole 128-blocks)
+        fp8_moe_kernel = envs.fp8_moe() == "kernel" or (
+            envs.fp8_moe() == "auto" and fused_moe
+            and torch.cuda.get_device_capability(self.device) >= (8, 9))  # e4m3 dots
         self.model = load_model(self.source, self.dtype, self.device,
                                 max_positions=self.max_model_len, seed=config.seed,
                                 quantization=config.quantization, classifier_token_ids=token_ids,
-                                mxfp4_kernel=mxfp4_kernel)
+                                mxfp4_kernel=mxfp4_kernel, fp8_moe_kernel=fp8_moe_kernel)
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
@@ -553,6 +558,9 @@ class LLMEngine:
             per_token += mtp_kv_bytes_per_token(self.mtp.config, kv_dtype)
         per_block = per_token * cfg.block_size
         if self.device.type == "cuda":
+            # weights replaced at load (fp8 / int4 linears' and MoE experts' 16-bit tensors,
+            # hold_fp8 / hold_int4) sit freed in the allocator's cache: not used, count them free
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = self._activation_bytes()
             budget = int(total * cfg.gpu_memory_utilization) - (total - free) - reserve

@@ -6,7 +6,8 @@ fp8 checkpoint loader use them as well as the tests.
 the checkpoints are made); ``quantize_per_token_group_ref`` the
 activation quantizer's bits; ``w8a8_block_linear_ref`` the W8A8 product emulated in fp32
 (the same e4m3 operands and scales, one fp32 sum per K group times both its scales);
-``w8a16_block_linear_ref`` the weight-only one.
+``w8a16_block_linear_ref`` the weight-only one; ``dequantize_experts_fp8`` all of a
+layer's block-fp8 routed experts at once (kernels/fused_moe_fp8.py's layout).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
 MAX_TILE_K = 128
+# block-fp8 routed experts (kernels/fused_moe_fp8.py): 128 x 128 blocks only
+EXPERT_BLOCK = 128
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -112,3 +115,16 @@ def check_block_scales(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, i
                          f"{bn}x{bk} blocks, got {scale.dtype} {tuple(scale.shape)}")
 
 
+def dequantize_experts_fp8(q: torch.Tensor, scale: torch.Tensor,
+                           dtype: torch.dtype) -> torch.Tensor:
+    """Block-fp8 experts q e4m3 [E, N, K] with scale fp32 [E, N / 128, K / 128] -> [E, N, K]
+    in ``dtype``: each value times its block's scale in fp32, rounded once (what
+    ``dequantize_fp8_block`` gives expert by expert, and what the dequantize-at-load path
+    holds): the torch paths of kept fp8 experts (layers/moe.FusedExperts.hold_fp8)."""
+    e, n, k = q.shape
+    b = EXPERT_BLOCK
+    if n % b or k % b or tuple(scale.shape) != (e, n // b, k // b):
+        raise ValueError(f"experts {tuple(q.shape)} need scales [E, N / {b}, K / {b}] = "
+                         f"{[e, n // b, k // b]}, got {tuple(scale.shape)}")
+    w = q.float().view(e, n // b, b, k // b, b) * scale.float()[:, :, None, :, None]
+    return w.view(e, n, k).to(dtype)

@@ -59,7 +59,9 @@ captured for a batch size always replays the same path):
   tokens and took DeepSeek-V2-Lite from 2,305 to 2,713 output tok/s. Experts held in
   MXFP4 (``FusedExperts(mxfp4=True)``: GPT-OSS's checkpoints where this kernel runs them)
   take its MXFP4 variant (``fused_moe_mxfp4``: 4.25 bits a weight read); the torch paths
-  dequantize them per call.
+  dequantize them per call. So do experts held in block-scaled fp8 (``hold_fp8``: the
+  routed experts of DeepSeek-V3's and Qwen3-*-FP8's checkpoints, models/fp8_checkpoint.py),
+  which take ``kernels/fused_moe_fp8.py`` (one byte a weight read).
 
 All three weight each expert output in fp32, round it to the model dtype, then sum per token;
 all three take the optional biases and activation (``FusedExperts(bias=, activation=)``).
@@ -195,7 +197,14 @@ class FusedExperts(nn.Module):
     the torch paths dequantize what they need to the activation dtype at each call
     (gathered: the pairs' experts; every expert on every token: the whole layer, one
     transient 16-bit copy of it; grouped: one expert at a time), the same weights the
-    dequantize-at-load path holds, at the cost of that extra write and read per call."""
+    dequantize-at-load path holds, at the cost of that extra write and read per call.
+
+    ``hold_fp8`` (a block-fp8 checkpoint's experts, models/fp8_checkpoint.py):
+    ``gate_up_proj`` / ``down_proj`` become float8_e4m3fn with fp32 block scales
+    ``gate_up_proj_scale`` [E, 2I / 128, H / 128] and ``down_proj_scale`` [E, H / 128,
+    I / 128] (W = scale of its 128 x 128 block * value, the checkpoint's ``weight_scale_inv``
+    tiles stacked), read as they are by kernels/fused_moe_fp8.fused_moe_fp8 and dequantized
+    per call by the torch paths, as MXFP4's."""
 
     # Up to sync_free_max_tokens (MXFP4: always): the Triton grouped kernel instead of
     # forward_sync_free.
@@ -209,6 +218,9 @@ class FusedExperts(nn.Module):
     down_proj_blocks: torch.Tensor
     down_proj_scales: torch.Tensor
     fp4_lut: torch.Tensor
+    # fp8 only (hold_fp8; otherwise absent)
+    gate_up_proj_scale: nn.Parameter
+    down_proj_scale: nn.Parameter
     gate_up_proj_bias: nn.Parameter | None
     down_proj_bias: nn.Parameter | None
 
@@ -222,6 +234,7 @@ class FusedExperts(nn.Module):
         self.sync_free_max_tokens = SYNC_FREE_MAX_TOKENS
         self.activation = activation
         self.mxfp4 = mxfp4
+        self.fp8 = False  # hold_fp8
         h, e, two_i = config.hidden_size, self.num_experts, 2 * self.intermediate
         if mxfp4:
             if h % MXFP4_BLOCK or self.intermediate % MXFP4_BLOCK:
@@ -249,6 +262,38 @@ class FusedExperts(nn.Module):
             self.register_parameter("gate_up_proj_bias", None)
             self.register_parameter("down_proj_bias", None)
 
+    def fp8_unsupported(self) -> str | None:
+        """Why these experts cannot hold block-fp8 weights (hold_fp8), or None."""
+        from flashpage.kernels.fp8_block_ref import EXPERT_BLOCK
+
+        if self.mxfp4 or self.gate_up_proj_bias is not None or self.activation is not None:
+            return "MXFP4, biases or GPT-OSS's activation"
+        h = self.gate_up_proj.shape[2]
+        if h % EXPERT_BLOCK or self.intermediate % EXPERT_BLOCK:
+            return (f"hidden size {h} or expert intermediate size {self.intermediate} not a "
+                    f"multiple of {EXPERT_BLOCK}")
+        return None
+
+    def hold_fp8(self) -> None:
+        """Hold a block-fp8 checkpoint's experts (the class docstring): e4m3 weights and
+        fp32 block scales, empty, filled by loading (load_expert_weight)."""
+        from flashpage.kernels.fp8_block_ref import EXPERT_BLOCK as B
+
+        if (why := self.fp8_unsupported()) is not None:
+            raise ValueError(f"these experts cannot hold block-fp8 weights: {why}")
+        dev = self.gate_up_proj.device
+        e, two_i, h = self.gate_up_proj.shape
+        inter = self.intermediate
+
+        def empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, dtype=dtype, device=dev), requires_grad=False)
+
+        self.gate_up_proj = empty(e, two_i, h, dtype=torch.float8_e4m3fn)
+        self.down_proj = empty(e, h, inter, dtype=torch.float8_e4m3fn)
+        self.gate_up_proj_scale = empty(e, two_i // B, h // B, dtype=torch.float32)
+        self.down_proj_scale = empty(e, h // B, inter // B, dtype=torch.float32)
+        self.fp8 = True
+
     def read_fraction(self, tokens: int) -> float:
         """The share of these weights a step of ``tokens`` tokens reads at most (each token
         reads top_k experts)."""
@@ -258,8 +303,8 @@ class FusedExperts(nn.Module):
         """x [N, hidden], weights fp32 [N, K], ids int64 [N, K] -> sum_k weights * expert_k(x).
         Kept MXFP4 experts take the fused kernel at every token count where it runs: the
         grouped path would dequantize each used expert at every call (gpt-oss-120b's prompt
-        steps took 7.5-8.9 s so, run 192)."""
-        if self.fused_kernel and self.mxfp4:
+        steps took 7.5-8.9 s so, run 192). So do kept fp8 experts."""
+        if self.fused_kernel and (self.mxfp4 or self.fp8):
             return self.forward_fused(x, weights, ids)
         if x.shape[0] <= self.sync_free_max_tokens:
             if self.fused_kernel:
@@ -287,6 +332,11 @@ class FusedExperts(nn.Module):
         routed experts' weights. Static shapes, no host sync (CUDA-graph safe)."""
         from flashpage.kernels.fused_moe import fused_moe, fused_moe_mxfp4
 
+        if self.fp8:
+            from flashpage.kernels.fused_moe_fp8 import fused_moe_fp8
+
+            return fused_moe_fp8(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
+                                 self.down_proj_scale, ids, weights)
         if self.mxfp4:
             return fused_moe_mxfp4(x, self.gate_up_proj_blocks, self.gate_up_proj_scales,
                                    self.down_proj_blocks, self.down_proj_scales, ids, weights,
@@ -300,13 +350,24 @@ class FusedExperts(nn.Module):
                 experts: torch.Tensor | int | None = None) -> torch.Tensor:
         """``proj`` ("gate_up_proj" or "down_proj") in 16 bits, all experts or ``experts``
         (an index tensor: index_select; an int: that expert's): the parameter, or for MXFP4
-        the blocks dequantized now to ``dtype``."""
-        names = (f"{proj}_blocks", f"{proj}_scales") if self.mxfp4 else (proj,)
-        ts = [getattr(self, n) for n in names]
+        the blocks, for fp8 the e4m3 values times their block scales, dequantized now to
+        ``dtype``."""
+        names = ((f"{proj}_blocks", f"{proj}_scales") if self.mxfp4
+                 else (proj, f"{proj}_scale") if self.fp8 else (proj,))
+        # e4m3 indexed as its bytes (index_select over float8 is not in every torch build)
+        ts = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+              for t in (getattr(self, n) for n in names)]
         if isinstance(experts, int):
             ts = [t[experts] for t in ts]
         elif experts is not None:
             ts = [t.index_select(0, experts) for t in ts]
+        if self.fp8:
+            from flashpage.kernels.fp8_block_ref import dequantize_experts_fp8
+
+            q, s = ts[0].view(torch.float8_e4m3fn), ts[1]
+            if isinstance(experts, int):
+                return dequantize_experts_fp8(q[None], s[None], dtype)[0]
+            return dequantize_experts_fp8(q, s, dtype)
         if not self.mxfp4:
             return ts[0]
         blocks, scales = ts
@@ -393,7 +454,10 @@ class FusedExperts(nn.Module):
 
 
 # Checkpoints hold one tensor per routed expert; we keep them fused, [E, ...] per layer.
-EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+# (``weight_scale``: a block-fp8 expert's scales, as models/fp8_checkpoint.py yields them
+# for experts that hold fp8)
+EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\."
+                         r"(?P<kind>weight|weight_scale)$")
 
 
 def load_expert_weight(targets: dict[str, torch.Tensor], m: re.Match[str], tensor: torch.Tensor,
@@ -401,9 +465,12 @@ def load_expert_weight(targets: dict[str, torch.Tensor], m: re.Match[str], tenso
     """A checkpoint's ``...experts.{e}.{gate,up,down}_proj.weight`` (``m``: EXPERT_NAME's
     match) -> rows [:I] / [I:] of ``gate_up_proj[e]``, or ``down_proj[e]``, of the
     FusedExperts in ``targets`` (name -> parameter); the fused name joins ``loaded`` once
-    every expert's pieces have arrived (``pieces``: what arrived so far)."""
+    every expert's pieces have arrived (``pieces``: what arrived so far). A block-fp8
+    expert's ``weight_scale`` goes the same way into ``gate_up_proj_scale`` (rows of
+    128-blocks: [:I / 128] / [I / 128:]) or ``down_proj_scale``."""
     prefix, e, proj = m["prefix"], int(m["e"]), m["proj"]
-    fused = f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}"
+    suffix = "_scale" if m["kind"] == "weight_scale" else ""
+    fused = f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}{suffix}"
     if fused not in targets:
         raise ValueError(f"checkpoint tensor {m.string!r} has no place in the model "
                          "(this layer has no routed experts)")
@@ -417,6 +484,9 @@ def load_expert_weight(targets: dict[str, torch.Tensor], m: re.Match[str], tenso
         dst = dst[:inter] if proj == "gate" else dst[inter:]
     if dst.shape != tensor.shape:
         raise ValueError(f"{m.string}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+    if (dst.dtype == torch.float8_e4m3fn) != (tensor.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"{m.string}: a {tensor.dtype} tensor for {fused} ({dst.dtype}): fp8 "
+                         "experts take the checkpoint's e4m3 values and scales as stored")
     dst.copy_(tensor)
     got = pieces.setdefault(fused, set())
     got.add((e, proj))

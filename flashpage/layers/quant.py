@@ -278,8 +278,12 @@ def quantized_linears(model: nn.Module) -> list[str]:
 
 def dequantized_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``named_parameters`` with every fp8 or int4 weight dequantized to the model's 16/32-bit
-    dtype (what a transformers copy of the model is given: benchmarks' baselines)."""
+    dtype (what a transformers copy of the model is given: benchmarks' baselines); block-fp8
+    MoE experts (FusedExperts.hold_fp8) too, their scale parameters left out."""
     buffers = dict(model.named_buffers())
+    experts = {f"{name}.{proj}": getattr(m, f"{proj}_scale")
+               for name, m in model.named_modules() if getattr(m, "fp8", False) is True
+               for proj in ("gate_up_proj", "down_proj")}
     scales = {name.removesuffix("_scale"): b for name, b in buffers.items()
               if name.endswith("weight_scale")}
     blocks = {f"{name}.weight": m.weight_block for name, m in model.named_modules()
@@ -289,7 +293,12 @@ def dequantized_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor
     for name, p in model.named_parameters():
         scale = scales.get(name)
         int4 = buffers.get(name.removesuffix("weight") + "w4_scales")
-        if int4 is not None:
+        if name.removesuffix("_scale") in experts:
+            if name in experts:
+                from flashpage.kernels.fp8_block_ref import dequantize_experts_fp8
+
+                yield name, dequantize_experts_fp8(p.data, experts[name], dtype)
+        elif int4 is not None:
             from flashpage.kernels.int4_gemm import dequantize_int4_ref
 
             zeros = buffers[name.removesuffix("weight") + "w4_zeros"]

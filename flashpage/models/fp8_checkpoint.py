@@ -22,10 +22,16 @@ to the model's dtype instead, with a log line (quantization="fp8" then re-quanti
 per row, as any 16-bit weight).
 
 Kept in e4m3: a ``ColumnParallelLinear`` / ``RowParallelLinear`` left ``quantizable``
-whose pieces are all e4m3 with a per-tensor, per-channel or (as above) block scale.
-Everything else that the file holds in e4m3 (embeddings, the LM head, MLA's kv_b_proj,
-MoE experts) is dequantized to the model's dtype. Linears the file holds in 16 bits (the
-config's ignore list) stay so, with ``quantization="fp8"`` too.
+whose pieces are all e4m3 with a per-tensor, per-channel or (as above) block scale; and,
+when the loader asks (``keep_experts``: the engine where the fused fp8 MoE kernel runs,
+envs.fp8_moe), a layer's routed experts (``...experts.{e}.{gate,up,down}_proj.weight``,
+DeepSeek's and Qwen's names) in 128 x 128 blocks, every one of them e4m3 in the file, with
+hidden and expert intermediate sizes whole blocks: layers/moe.FusedExperts.hold_fp8 (e4m3
+[E, 2I, H] and [E, H, I], each expert's tile scales stacked), run by
+kernels/fused_moe_fp8.py. Everything else that the file holds in e4m3 (embeddings, the LM
+head, MLA's kv_b_proj, the other MoE experts) is dequantized to the model's dtype. Linears
+the file holds in 16 bits (the config's ignore list) stay so, with ``quantization="fp8"``
+too.
 
 Not read: ``input_scale`` (static activation scales): activations are quantized per token
 at run time (W8A8 on the GPU), each token's scale from its own amax, which never clips
@@ -130,14 +136,54 @@ def linears_of(model: nn.Module, keys: dict[str, str]
     return out
 
 
-def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig,
-                           folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+def hold_fp8_experts(model: nn.Module, fp8: dict[str, _Fp8Tensor],
+                     qc: CheckpointQuantization) -> set[str]:
+    """Turn the routed experts that can keep the file's block-fp8 weights to hold them
+    (FusedExperts.hold_fp8); returns their weights' names (each loads as stored, with its
+    tile scales)."""
+    from flashpage.kernels.fp8_block_ref import EXPERT_BLOCK
+    from flashpage.layers.moe import EXPERT_NAME, FusedExperts
+
+    if qc.weight_strategy != "block" or qc.block_size != (EXPERT_BLOCK, EXPERT_BLOCK):
+        return set()
+    groups: dict[str, list[str]] = {}
+    for name in fp8:
+        if (m := EXPERT_NAME.match(name)) is not None and m["kind"] == "weight":
+            groups.setdefault(m["prefix"], []).append(name)
+    held: set[str] = set()
+    left: list[str] = []
+    for prefix, names in groups.items():
+        try:
+            experts = model.get_submodule(prefix)
+        except AttributeError:
+            continue  # not ours to load (DeepSeek-V3's MTP layer: models/mtp.py)
+        if not isinstance(experts, FusedExperts):
+            continue
+        why = experts.fp8_unsupported()
+        if why is None and len(names) != 3 * experts.num_experts:
+            why = "some of its experts' weights are not e4m3 in the file"
+        if why is not None:
+            left.append(f"{prefix} ({why})")
+            continue
+        experts.hold_fp8()
+        held.update(names)
+    if left:
+        logger.warning("fp8 checkpoint: %d MoE layers' routed experts dequantized to 16 bits "
+                       "instead of kept in e4m3: %s%s", len(left), left[0],
+                       f" and {len(left) - 1} more" if len(left) > 1 else "")
+    return held
+
+
+def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig, folder: str,
+                           keep_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Prepare ``model`` for the fp8 checkpoint in ``folder`` and return its weights as
     ``load_weights`` takes them: the linears that keep e4m3 are turned to hold it now (an
     e4m3 ``weight`` and an fp32 ``weight_scale`` [N], or [N/bn, K/bk] for block scales, to
     fill), and each of their weights comes as (``X.weight`` e4m3, ``X.weight_scale`` fp32
     [rows] or the file's tiles); every other e4m3 weight
     comes dequantized (fp32), every other tensor as stored, the unused scales not at all.
+    ``keep_experts``: block-fp8 routed experts that can are kept too (hold_fp8_experts), each
+    expert's weight coming as stored with its ``X.weight_scale`` tiles.
     Shapes, scales and dtypes are checked from the files' headers before anything loads."""
     from safetensors import safe_open
 
@@ -201,6 +247,8 @@ def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig,
                 kept.update(names)
             else:
                 unstacked.append(f"{path} ({why})")
+    if keep_experts:
+        kept.update(hold_fp8_experts(model, fp8, qc))
     if unstacked:
         logger.warning("fp8 checkpoint: %d linears dequantized to 16 bits instead of kept in e4m3 "
                        "with their block scales: %s%s", len(unstacked), unstacked[0],

@@ -116,7 +116,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None, seed: int = 0,
                quantization: str | None = None,
                classifier_token_ids: list[int] | None = None,
-               mxfp4_kernel: bool = False) -> nn.Module:
+               mxfp4_kernel: bool = False, fp8_moe_kernel: bool = False) -> nn.Module:
     """The model of ``source`` in ``dtype`` on ``device``, its weights loaded (or random),
     then quantized per ``quantization`` (None or "fp8": layers/quant.quantize_model). An fp8
     checkpoint (config.json's quantization_config) keeps its e4m3 weights where our fp8
@@ -125,7 +125,10 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     checkpoint gets ``score`` from its LM head's rows at ``classifier_token_ids``
     (models/seq_cls_from_lm.py; the ids of config.classifier_from_token). ``mxfp4_kernel``:
     an MXFP4 checkpoint's experts (GPT-OSS's) stay MXFP4 for the fused MoE kernel
-    (config.mxfp4_kernel; the engine's choice, envs.mxfp4) instead of being dequantized."""
+    (config.mxfp4_kernel; the engine's choice, envs.mxfp4) instead of being dequantized.
+    ``fp8_moe_kernel``: a block-fp8 checkpoint's routed experts stay e4m3 with their block
+    scales where their shapes allow (models/fp8_checkpoint.py; the engine's choice,
+    envs.fp8_moe) instead of being dequantized."""
     cls = model_class(source.config)
     config = source.config
     if mxfp4_kernel and config.mxfp4_experts:
@@ -149,7 +152,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         elif qc is not None:
             from flashpage.models.fp8_checkpoint import fp8_checkpoint_weights
 
-            weights = fp8_checkpoint_weights(model, source.config, source.path)
+            weights = fp8_checkpoint_weights(model, source.config, source.path,
+                                             keep_experts=fp8_moe_kernel)
         else:
             weights = iter_safetensors(source.path, "cpu")
         if source.config.multimodal_architecture:  # its text model's tensors alone
