@@ -10,6 +10,15 @@
 #                                             dequant + cuBLAS and bf16, its GPU tests; the MXFP4
 #                                             "swap" forms' GPU tests (the inline-PTX decode's
 #                                             first run) and the MXFP4 tile sweep with them
+#   BUDGET=590 bash benchmarks/gpu_s27.sh c   block-fp8 MoE experts kept in e4m3: the kernel's and the
+#                                             model's GPU tests, --fp8 timed at Qwen3-30B-A3B's expert
+#                                             shape; GPT-OSS's GPU tests on the "swap" default; EAGLE
+#                                             over a Qwen3-MoE target on the GPU; the int4 swapped
+#                                             GEMM's GPU tests on run 196's defaults
+#   BUDGET=300 bash benchmarks/gpu_s27.sh d   an EAGLE-1 head of the 8B's shapes, right and always
+#                                             wrong, beside free scripted drafts (spec_decode.py
+#                                             --eagle); the fp8 checkpoints' GPU tests (the KV
+#                                             budget now measured after empty_cache)
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -35,5 +44,19 @@ b)
   timeout "$(left 150)" python3 benchmarks/fused_moe.py --model gpt-oss-20b --mxfp4-sweep --out /tmp/moe \
     > "$OUT/fused_moe_sweep.txt" 2>&1; tail -n 3 "$OUT/fused_moe_sweep.txt"; cp /tmp/moe/*.json "$OUT/" 2>/dev/null
   echo "part b done at ${SECONDS}s" ;;
+c)
+  timeout "$(left 120)" $PT -rf -m gpu tests/kernels/test_fused_moe_fp8.py 2>&1 | tee "$OUT/gpu_fp8_moe_kernel_tests.txt" | tail -n 4
+  timeout "$(left 100)" $PT -rf -m gpu tests/models/test_fp8_moe_experts.py 2>&1 | tee "$OUT/gpu_fp8_moe_model_tests.txt" | tail -n 4
+  timeout "$(left 120)" python3 benchmarks/fused_moe.py --fp8 --out /tmp/moe > /tmp/fp8_moe_bench.txt 2>&1
+  tail -n 2 /tmp/fp8_moe_bench.txt; cp /tmp/moe/fused_moe_fp8.json "$OUT/"; cat /tmp/moe/fused_moe_fp8.md 2>/dev/null | head -40
+  timeout "$(left 110)" $PT -rf -m gpu tests/models/test_gpt_oss.py 2>&1 | tee "$OUT/gpu_gpt_oss_tests.txt" | tail -n 4
+  timeout "$(left 70)" $PT -rf -m gpu tests/engine/test_eagle_targets.py 2>&1 | tee "$OUT/gpu_eagle_moe_tests.txt" | tail -n 4
+  timeout "$(left 40)" $PT -rf -m gpu tests/kernels/test_int4_swap_gemm.py 2>&1 | tee "$OUT/gpu_int4_swap_tests.txt" | tail -n 4
+  echo "part c done at ${SECONDS}s" ;;
+d)
+  timeout "$(left 200)" python3 benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 32 --ks 3 --eagle \
+    --iters 2 --json-out "$OUT/spec_eagle.json" > /tmp/spec_eagle.txt 2>&1; grep -E "^batch|Error" /tmp/spec_eagle.txt | tee "$OUT/spec_eagle.txt"
+  timeout "$(left 90)" $PT -rf -m gpu tests/models/test_fp8_checkpoints.py 2>&1 | tee "$OUT/gpu_fp8_ckpt_tests.txt" | tail -n 4
+  echo "part d done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
