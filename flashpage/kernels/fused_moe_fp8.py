@@ -110,13 +110,18 @@ def e4m3_tensor_cores(device: torch.device) -> bool:
 
 
 def default_config(num_pairs: int, num_experts: int, x: torch.Tensor) -> FusedMoEFp8Config:
-    """By shape (the module docstring): rows per block near the mean pairs per expert
-    (kernels/fused_moe.default_config's rule); W8A8 at 64 rows where e4m3 dots run and x is
-    16-bit, else weight-only (N tiles of 32 past 16 rows: 64 spill at 32 rows)."""
+    """By shape: where e4m3 dots run and x is 16-bit, W8A8 (the activation quantized by one
+    launch between the GEMMs), 16 rows a block up to a mean of 8 pairs an expert, 64 past
+    it: run 197 (H200, Qwen3-30B-A3B's experts, benchmarks/fused_moe.py --fp8) had W8A8 the
+    fastest or within 2% of it at 1-512 tokens, 1.6x the bf16 kernel's speed at 32-128
+    tokens, 1.36x at 512 (64 rows), where weight-only at 32 rows took 2.1x bf16's time.
+    Else weight-only, rows per block near the mean pairs per expert (N tiles of 32 past 16
+    rows: 64 spill at 32 rows)."""
     mean = triton.cdiv(max(num_pairs, 1), num_experts)
     block_m = min(64, max(16, triton.next_power_of_2(mean)))
-    if block_m == 64 and x.dtype != torch.float32 and e4m3_tensor_cores(x.device):
-        return FusedMoEFp8Config(block_m=64, block_n=64, gate_up_block_n=64, w8a8=True)
+    if x.dtype != torch.float32 and e4m3_tensor_cores(x.device):
+        return FusedMoEFp8Config(block_m=16 if mean <= 8 else 64, block_n=64, gate_up_block_n=64,
+                                 w8a8=True)
     return FusedMoEFp8Config(block_m=block_m, block_n=64 if block_m == 16 else 32, w8a8=False)
 
 

@@ -135,16 +135,17 @@ def test_dequantize_experts_is_the_block_reference():
 
 
 def test_default_config_by_size():
-    """Weight-only up to a mean of 32 pairs an expert (decode), rows per block near the mean;
-    W8A8 at 64 rows (e4m3 warpgroup MMAs) where e4m3 dots run and x is 16-bit."""
+    """W8A8 where e4m3 dots run and x is 16-bit (run 197): 16 rows a block up to a mean of
+    8 pairs an expert, 64 past it; fp32 x: weight-only, rows per block near the mean."""
     x16 = torch.empty(1, 128, dtype=torch.float16)
     one = default_config(8, 128, x16)  # one token of Qwen3-30B-A3B
-    assert not one.w8a8 and one.block_m == 16 and one.block_n == 64
+    assert one.w8a8 and one.block_m == 16 and one.gate_up_block_n == 64
+    assert default_config(8 * 128, 128, x16).block_m == 16  # 8 pairs an expert
     mid = default_config(8 * 512, 128, x16)  # 32 pairs an expert
-    assert not mid.w8a8 and mid.block_m == 32 and mid.block_n == 32
-    big = default_config(8 * 513, 128, x16)
-    assert big.w8a8 and big.block_m == 64 and big.gate_up_block_n == 64
-    assert not default_config(8 * 513, 128, x16.float()).w8a8
+    assert mid.w8a8 and mid.block_m == 64 and mid.gate_up_block_n == 64
+    f32 = default_config(8 * 512, 128, x16.float())
+    assert not f32.w8a8 and f32.block_m == 32 and f32.block_n == 32
+    assert not default_config(8, 128, x16.float()).w8a8
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -309,10 +310,11 @@ def _compile_fp8_moe_kernels() -> dict[str, dict]:
 
 
 def test_fp8_moe_kernels_compile_for_sm90():
-    """On the CPU, what default_config's choices rest on: its kernels at 16 and 32 rows a
-    block are weight-only, bf16 MMAs (HMMA), at 64 W8A8 on Hopper's e4m3 warpgroup MMAs
-    (QGMMA ... E4M3.E4M3), none spilling; the gate_up tile that quantizes the activation in
-    its epilogue (128 wide) does spill, which is why it is not the default."""
+    """On the CPU, the kernels default_config and its sweep pick build for sm_90: W8A8 at 64
+    rows a block on Hopper's e4m3 warpgroup MMAs (QGMMA ... E4M3.E4M3), at 16 rows on fp16
+    HMMAs (Triton 3.6 widens the e4m3 operands there, exactly), weight-only on bf16 HMMAs;
+    none spilling; the gate_up tile that quantizes the activation in its epilogue (128
+    wide) does spill, which is why it is not the default."""
     from sm90 import run_compiled
 
     got = run_compiled("test_fused_moe_fp8", "_compile_fp8_moe_kernels")
@@ -322,7 +324,9 @@ def test_fp8_moe_kernels_compile_for_sm90():
             assert r["spill_bytes"] > 0 and any("E4M3" in o for o in r["mma"]), (name, r)
             continue
         assert r["spill_bytes"] == 0 and r["mma"], (name, r)
-        if "w8a8" in name:
+        if "w8a8" in name and " m64 " in name:
             assert all(o.startswith("QGMMA") and o.endswith("E4M3.E4M3") for o in r["mma"]), (name, r)
+        elif "w8a8" in name:
+            assert set(r["mma"]) == {"HMMA.16816.F32"}, (name, r)
         else:
             assert all(o.startswith("HMMA") and o.endswith("BF16") for o in r["mma"]), (name, r)
