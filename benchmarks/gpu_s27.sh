@@ -19,6 +19,11 @@
 #                                             wrong, beside free scripted drafts (spec_decode.py
 #                                             --eagle); the fp8 checkpoints' GPU tests (the KV
 #                                             budget now measured after empty_cache)
+#   BUDGET=540 bash benchmarks/gpu_s27.sh e   end to end on this session's defaults: gpt-oss-20b with
+#                                             MXFP4 experts kept ("swap" at decode; run 193: 3,355
+#                                             tok/s), the 8B's decode at batch 128 in bf16 and int4
+#                                             (the swapped GEMM at 128 rows); the int4 MoE experts'
+#                                             GPU tests and --int4 timing
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -58,5 +63,25 @@ d)
     --iters 2 --json-out "$OUT/spec_eagle.json" > /tmp/spec_eagle.txt 2>&1; grep -E "^batch|Error" /tmp/spec_eagle.txt | tee "$OUT/spec_eagle.txt"
   timeout "$(left 90)" $PT -rf -m gpu tests/models/test_fp8_checkpoints.py 2>&1 | tee "$OUT/gpu_fp8_ckpt_tests.txt" | tail -n 4
   echo "part d done at ${SECONDS}s" ;;
+e)
+  MXFP4='{"quantization_config": {"quant_method": "mxfp4"}}'
+  timeout "$(left 150)" python3 -m flashpage bench throughput --config gpt-oss-20b --gpu-memory-utilization 0.88 \
+    --num-requests 64 --no-hf --hf-overrides "$MXFP4" --json-out "$OUT/throughput_gptoss20b_mxfp4.json" \
+    > /tmp/throughput_gptoss20b.txt 2>&1
+  python3 - "$OUT/throughput_gptoss20b_mxfp4.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["flashpage"]
+print({k: r[k] for k in ("seconds", "output_tok_per_s", "total_tok_per_s", "kv_blocks")},
+      {k: (v["steps"], v["ms_per_step"]) for k, v in r["steps"].items()})
+PY
+  for q in bf16 int4; do
+    extra=(); [ "$q" = int4 ] && extra=(--quantization int4)
+    timeout "$(left 110)" $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 128 \
+      --batch-size 128 --no-hf --json-out /tmp/latency_bs128_$q.json ${extra[@]+"${extra[@]}"} > /tmp/latency_bs128_$q.txt 2>&1
+    summary /tmp/latency_bs128_$q.json
+  done
+  python3 -c "import json,sys; json.dump({f: json.load(open(f)) for f in sys.argv[1:]}, open('$OUT/latency_bs128.json','w'))" \
+    /tmp/latency_bs128_bf16.json /tmp/latency_bs128_int4.json
+  echo "part e done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
