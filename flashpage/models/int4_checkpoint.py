@@ -11,11 +11,17 @@ GPTQ's ``X.g_idx``) in its format's packing (models/int4_formats.py); our linear
                                          X.w4_zeros   uint8 [N, K/G]
 
 so a merged linear (qkv_proj, gate_up_proj) takes each piece's rows as for 16-bit
-weights. Kept in int4: a ``ColumnParallelLinear`` / ``RowParallelLinear`` left
+weights, and so does a MoE layer's routed experts (Mixtral / Qwen2-MoE / Qwen3-MoE:
+``experts.{e}.{gate,up,down}_proj``, Mixtral's ``w1 / w3 / w2``), fused per layer by
+layers/moe.load_expert_weight into ``gate_up_proj`` [E, 2I, ...] / ``down_proj`` [E, H, ...]. Kept in int4: a ``ColumnParallelLinear`` / ``RowParallelLinear`` left
 ``quantizable`` all of whose pieces the file holds in int4. A quantized tensor with no
 such home (an LM head GPTQModel quantized with ``lm_head: true``, or a merged linear with
 a piece the file left 16-bit) is dequantized to the model's dtype; 16-bit tensors
-(embeddings, the LM head, norms, ``modules_to_not_convert``) load as stored.
+(embeddings, the LM head, norms, MoE routers, ``modules_to_not_convert``) load as stored.
+Routed experts are dequantized to the model's dtype too, unless the loader asks to keep
+them (``keep_experts``: the engine where the fused int4 MoE kernel runs, envs.int4_moe):
+then a layer all of whose experts the file holds in int4 with one group size keeps them
+packed (layers/moe.FusedExperts.hold_int4), run by kernels/fused_moe_int4.py.
 
 Every quantized module's shapes (and GPTQ's g_idx: it must be k // G, act-order is not
 read) are checked before the model takes anything; a broken file is a ModelLoadError
@@ -25,7 +31,9 @@ naming the tensor.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +46,8 @@ from flashpage.models.loader import ModelLoadError, safetensors_files
 
 logger = logging.getLogger("flashpage")
 
+# a routed expert's module (Mixtral's w1 / w2 / w3 too): fused into layers/moe.FusedExperts
+_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
 _PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
 _DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
@@ -124,11 +134,14 @@ def _stream(header: dict[str, tuple[str, str, tuple[int, ...]]], qc: CheckpointQ
             model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
+    handles: dict[str, Any] = {}  # one open file each: an MoE model has ~10^4 modules
+
     def read(name: str) -> torch.Tensor:
         path = header[name][0]
         try:
-            with safe_open(path, framework="pt") as f:
-                return f.get_tensor(name)
+            if path not in handles:
+                handles[path] = safe_open(path, framework="pt")
+            return handles[path].get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{path} is corrupt or not a safetensors file: {e}") from e
 
@@ -156,7 +169,8 @@ def _stream(header: dict[str, tuple[str, str, tuple[int, ...]]], qc: CheckpointQ
                 yield mod + ".weight", dequantize_int4_ref(qweight, scales, zeros)
             continue
         t = read(name)
-        if name.endswith(".bias") and mod in modules and not t.any() \
-                and (hit := linear_of(model, mod)) is not None and hit[1].bias is None:
+        if name.endswith(".bias") and mod in modules and not t.any() and (
+                _EXPERT.search(mod) is not None
+                or ((hit := linear_of(model, mod)) is not None and hit[1].bias is None)):
             continue  # GPTQ writers store zero biases for linears that have none
         yield name, t
