@@ -68,13 +68,54 @@ def _expected(qc: CheckpointQuantization, qweight: tuple[int, ...],
     return k, n, g, shapes
 
 
-def int4_checkpoint_weights(model: nn.Module, config: ModelConfig,
-                            folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+def hold_int4_experts(model: nn.Module, modules: list[str], header: dict[str, tuple[str, str,
+                      tuple[int, ...]]], qc: CheckpointQuantization) -> set[str]:
+    """Turn the routed experts that can keep the file's int4 weights to hold them
+    (FusedExperts.hold_int4): every expert's gate / up / down module int4 in the file, one
+    scale dtype, groups the fused kernel takes. Returns the file's modules kept; the other
+    layers' experts are dequantized at load, with a warning naming why."""
+    from flashpage.layers.moe import EXPERT_NAME, FusedExperts
+    from flashpage.models.llama import _moe_name
+
+    layers: dict[str, list[str]] = {}
+    for mod in modules:
+        if (m := EXPERT_NAME.match(_moe_name(mod + ".weight"))) is not None:
+            layers.setdefault(m["prefix"], []).append(mod)
+    kept: set[str] = set()
+    skipped: dict[str, str] = {}
+    for prefix, mods in layers.items():
+        try:
+            experts = model.get_submodule(prefix)
+        except AttributeError:
+            continue  # no such layer: load_weights names the tensor
+        if not isinstance(experts, FusedExperts):
+            continue
+        why = experts.int4_unsupported(qc.group_size)
+        dtypes = {header[mod + ".scales"][1] for mod in mods}
+        if why is None and len(mods) != 3 * experts.num_experts:
+            why = "some of its experts' weights are not int4 in the file"
+        if why is None and len(dtypes) != 1:
+            why = f"its experts' scales are of several dtypes ({sorted(dtypes)})"
+        if why is not None:
+            skipped[prefix] = why
+            continue
+        experts.hold_int4(qc.group_size, _DTYPES[dtypes.pop()])
+        kept.update(mods)
+    if skipped:
+        logger.warning("int4 checkpoint: %d MoE layers' routed experts dequantized to 16 bits "
+                       "at load (%s: %s)", len(skipped), *next(iter(skipped.items())))
+    return kept
+
+
+def int4_checkpoint_weights(model: nn.Module, config: ModelConfig, folder: str,
+                            keep_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Prepare ``model`` for the AWQ / GPTQ checkpoint in ``folder`` and return its weights
     as ``load_weights`` takes them: the linears that keep int4 are turned to hold it now
     (``hold_int4``) and each of their pieces comes as (``X.weight`` int32 [N, K/8],
     ``X.w4_scales``, ``X.w4_zeros``); a quantized module with no int4 home comes as
-    ``X.weight`` dequantized (fp32); every other tensor as stored."""
+    ``X.weight`` dequantized (fp32); every other tensor as stored. ``keep_experts``: routed
+    experts that can are kept too (hold_int4_experts), each expert's pieces coming as a
+    linear's do."""
     from safetensors import SafetensorError, safe_open
 
     qc = config.quantization_config
@@ -121,8 +162,10 @@ def int4_checkpoint_weights(model: nn.Module, config: ModelConfig,
         elif m.quantizable:
             m.hold_int4(groups[mods[0]], _DTYPES[header[mods[0] + ".scales"][1]])
             kept.update(mods)
+    if keep_experts:
+        kept.update(hold_int4_experts(model, modules, header, qc))
     dequantized = sorted(set(modules) - kept)
-    logger.info("%s checkpoint, %s: %d linears kept in int4, %d dequantized%s", qc.method,
+    logger.info("%s checkpoint, %s: %d modules kept in int4, %d dequantized%s", qc.method,
                 qc.describe(), len(kept), len(dequantized),
                 f" ({', '.join(dequantized[:3])}{' ...' if len(dequantized) > 3 else ''})"
                 if dequantized else "")

@@ -8,7 +8,11 @@ Each checkpoint is a tiny random model whose linears, experts included, our own 
 quantizer rounds to 4 bits (tests/models/test_int4_checkpoints.build_int4_checkpoint);
 its twin holds the same weights dequantized (fp32, no quantization_config). Checked on
 the CPU (fp32): the loaded experts equal the twin's to the bit, the engine's greedy
-tokens equal transformers' over the twin, a broken expert is a clear error."""
+tokens equal transformers' over the twin, a broken expert is a clear error. Kept packed
+(FLASHPAGE_INT4_MOE=kernel, load_model(int4_moe_kernel=True)): the experts' words,
+scales and zeros the file's to the bit, the torch paths (dequantizing per call) the
+twin's to the bit, the fused int4 kernel (the interpreter) within fp32's order, the
+engine's tokens the dequant path's; GPU (marked gpu): bf16 with graphs."""
 
 from __future__ import annotations
 
@@ -25,12 +29,16 @@ from flashpage.models.loader import ModelLoadError
 from tests.conftest import build_tiny_moe_checkpoint, edited_copy, hf_greedy, random_prompts
 from tests.models.test_int4_checkpoints import build_int4_checkpoint
 
+GPU = torch.cuda.is_available()
+
 # the quantizers' linears: every *_proj (experts' too) and Mixtral's experts' w1 / w2 / w3;
 # not the router (mlp.gate, block_sparse_moe.gate) nor Qwen2-MoE's shared_expert_gate
 _LINEAR = re.compile(r"(_proj|\.w[123])\.weight$")
 # name -> (tiny MoE model, its overrides): Qwen2-MoE's shared expert 64 wide (whole groups)
+# (qwen3_moe_gpu: heads of 32 for our CUDA kernels)
 MODELS = {"qwen3_moe": ("qwen3_moe", {}), "mixtral": ("mixtral", {}),
-          "qwen2_moe": ("qwen2_moe", dict(shared_expert_intermediate_size=64))}
+          "qwen2_moe": ("qwen2_moe", dict(shared_expert_intermediate_size=64)),
+          "qwen3_moe_gpu": ("qwen3_moe", dict(head_dim=32))}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +71,7 @@ def _experts(model) -> list[tuple[str, FusedExperts]]:
 
 @pytest.mark.parametrize("model,fmt", [("qwen3_moe", "awq_g32"), ("mixtral", "gptq_g32"),
                                        ("qwen2_moe", "gptq_g32")])
-def test_loaded_experts_are_the_dequantized_twins(int4_moe, model, fmt):
+def test_loaded_experts_are_the_dequantized_twins(int4_moe, model, fmt, monkeypatch):
     """The file quantized every expert (and the router not): the experts load dequantized
     to the model's dtype, every parameter the twin's to the bit (dequantized_parameters:
     the int4 linears too); attention and the dense / shared-expert MLPs keep int4 where
@@ -102,9 +110,11 @@ def test_loaded_experts_are_the_dequantized_twins(int4_moe, model, fmt):
     from flashpage.config import ModelConfig
     from flashpage.inspect import inspect_config
 
+    monkeypatch.setenv("FLASHPAGE_INT4_MOE", "dequant")
     info = inspect_config(ModelConfig.from_hf(path), 1 << 30, "fp32")
     assert info["weights_bytes"] == weight_bytes(m)
     assert info["int4_linears"] == len(kept)
+    assert not info["int4_experts_kept"] and info["int4_expert_bytes"] > 0
 
 
 def _generate(path, prompts):
@@ -156,3 +166,184 @@ def test_broken_int4_experts_are_clear_errors(int4_moe, tmp_path):
 
     with pytest.raises(ValueError, match=rf"{gate}\.bias"):
         _load(edited_copy(path, tmp_path / "bias", bias))
+
+
+# ----------------------------------------------------------------------------- kept int4
+@pytest.mark.parametrize("model,fmt", [("qwen3_moe", "gptq_g32"), ("mixtral", "awq_g32"),
+                                       ("qwen2_moe", "gptq_g32")])
+def test_kept_experts_are_the_files_to_the_bit(int4_moe, model, fmt, monkeypatch):
+    """int4_moe_kernel: every MoE layer's experts hold int32 words [E, 2I, H/8] / [E, H, I/8]
+    whose nibbles are the quantizer's (gate rows, then up), fp16 scales and uint8 zeros per
+    group of 32, nothing 16/32-bit of theirs beside; dequantized_parameters gives back the
+    twin's weights to the bit; inspect's weight bytes (kernel: kept) are the model's."""
+    from flashpage.bench.common import weight_bytes
+    from flashpage.config import ModelConfig
+    from flashpage.inspect import inspect_config
+    from flashpage.kernels.int4_gemm import unpack_int4
+    from flashpage.layers.quant import dequantized_parameters
+
+    path, ref, qs = int4_moe(model, fmt)
+    m = _load(path, int4_moe_kernel=True)
+    layers = _experts(m)
+    assert layers and all(x.int4 for _, x in layers)
+    names = ("w1", "w3", "w2") if model == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    for prefix, x in layers:
+        e, inter = x.num_experts, x.intermediate
+        h = x.down_proj.shape[1]
+        assert x.gate_up_proj.dtype == x.down_proj.dtype == torch.int32
+        assert x.gate_up_proj.shape == (e, 2 * inter, h // 8)
+        assert x.down_proj_w4_scales.shape == (e, h, inter // 32)
+        assert x.gate_up_proj_w4_zeros.dtype == torch.uint8
+        assert x.gate_up_proj_w4_scales.dtype == torch.float16
+        hf = prefix.replace(".mlp.", ".block_sparse_moe.") if model == "mixtral" else prefix
+        for i in range(e):
+            gate, up, down = (qs[f"{hf}.{i}.{n}"] for n in names)
+            assert torch.equal(unpack_int4(x.gate_up_proj[i]), torch.cat([gate, up]))
+            assert torch.equal(unpack_int4(x.down_proj[i]), down)
+        assert sorted(x.state_dict()) == sorted(
+            f"{p}{s}" for p in ("gate_up_proj", "down_proj") for s in ("", "_w4_scales", "_w4_zeros"))
+    twin = _load(ref)
+    mine, want = dict(dequantized_parameters(m)), dict(dequantized_parameters(twin))
+    assert mine.keys() == want.keys()
+    for n in want:
+        assert torch.equal(mine[n], want[n]), n
+    monkeypatch.setenv("FLASHPAGE_INT4_MOE", "kernel")
+    info = inspect_config(ModelConfig.from_hf(path), 1 << 30, "fp32")
+    assert info["int4_experts_kept"] and info["weights_bytes"] == weight_bytes(m)
+
+
+def test_every_expert_path_over_kept_experts(int4_moe):
+    """Each FusedExperts path over kept int4 experts (fp32, CPU) against the dequantized
+    twin's: gathered, every expert on every token and grouped (dequantized per call) equal
+    to the bit; the fused int4 kernel (Triton's interpreter) within fp32's order."""
+    path, ref, _ = int4_moe("qwen3_moe", "awq_g32")
+    kept = _experts(_load(path, int4_moe_kernel=True))
+    twin = _experts(_load(ref))
+    g = torch.Generator().manual_seed(0)
+    for (_, m), (_, r) in zip(kept, twin, strict=True):
+        assert m.int4 and not r.int4
+        for n in (1, 5):
+            x = torch.randn(n, r.gate_up_proj.shape[2], generator=g)
+            ids = torch.stack([torch.randperm(m.num_experts, generator=g)[:m.top_k]
+                               for _ in range(n)])
+            w = torch.rand(n, m.top_k, generator=g)
+            for p in ("_gathered", "_all_experts"):
+                assert torch.equal(getattr(m, p)(x, ids), getattr(r, p)(x, ids)), p
+            assert torch.equal(m.forward_grouped(x, w, ids), r.forward_grouped(x, w, ids))
+            want = r.forward_sync_free(x, w, ids)
+            got = m.forward_fused(x, w, ids)
+            assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def _generate_kept(path, prompts):
+    from flashpage import LLM, SamplingParams
+
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                logprobs=1), use_tqdm=False)
+    kept = [(n, m.fused_kernel) for n, m in _experts(llm.engine.model) if m.int4]
+    del llm
+    gc.collect()
+    return ([o.outputs[0].token_ids for o in outs],
+            [[lp.top[0][1] for lp in o.outputs[0].logprobs] for o in outs], kept)
+
+
+@pytest.mark.parametrize("model,fmt", [("qwen3_moe", "gptq_g32"), ("mixtral", "awq_g32")])
+def test_engine_over_kept_experts_equals_the_dequant_path(int4_moe, model, fmt, monkeypatch):
+    """fp32 on the CPU: FLASHPAGE_INT4_MOE=kernel keeps the experts (the torch paths
+    dequantize per call: the dequant path's weights) and gives its greedy tokens and
+    log-probabilities to the bit; auto on the CPU keeps none (no fused kernel here); the
+    engine with the fused int4 kernel turned on (the interpreter standing in for CUDA)
+    gives the same tokens."""
+    import flashpage.engine.llm_engine as engine_mod
+
+    path, _, _ = int4_moe(model, fmt)
+    prompts = random_prompts(3, 3, 24, seed=11)
+    monkeypatch.setenv("FLASHPAGE_INT4_MOE", "kernel")
+    tokens, logprobs, kept = _generate_kept(path, prompts)
+    assert kept and not any(f for _, f in kept)
+    monkeypatch.setenv("FLASHPAGE_INT4_MOE", "dequant")
+    deq_tokens, deq_logprobs, deq_kept = _generate_kept(path, prompts)
+    monkeypatch.setenv("FLASHPAGE_INT4_MOE", "auto")
+    _, _, auto_kept = _generate_kept(path, prompts[:1])
+    assert deq_kept == auto_kept == []
+    assert tokens == deq_tokens and logprobs == deq_logprobs
+
+    def experts_fused(model, enabled):  # the engine's switch, the experts' half, always on
+        for m in model.modules():
+            if isinstance(m, FusedExperts):
+                m.fused_kernel = True
+
+    monkeypatch.setattr(engine_mod, "set_fused_moe", experts_fused)
+    monkeypatch.setenv("FLASHPAGE_INT4_MOE", "kernel")
+    fused_tokens, _, fused_kept = _generate_kept(path, prompts)
+    assert fused_kept and all(f for _, f in fused_kept)
+    assert fused_tokens == deq_tokens
+
+
+def test_int4_moe_env_is_checked(monkeypatch):
+    from flashpage import envs
+
+    monkeypatch.setenv("FLASHPAGE_INT4_MOE", "keep")
+    with pytest.raises(ValueError, match="FLASHPAGE_INT4_MOE must be auto, dequant or kernel"):
+        envs.int4_moe()
+    monkeypatch.setenv("FLASHPAGE_INT4_MOE", " Kernel ")
+    assert envs.int4_moe() == "kernel"
+
+
+def test_experts_the_kernel_cannot_take_are_dequantized(int4_moe, tmp_path, caplog):
+    """A layer one of whose experts the file left 16-bit is dequantized with a warning
+    naming why, even with int4_moe_kernel; its weights still equal the twin's."""
+    path, ref, _ = int4_moe("qwen3_moe", "awq_g32")
+    mod = "model.layers.1.mlp.experts.2.up_proj"
+    twin = load_file(str(ref / "model.safetensors"))
+
+    def unquantize(t):
+        for part in (".qweight", ".qzeros", ".scales"):
+            del t[mod + part]
+        t[mod + ".weight"] = twin[mod + ".weight"]
+
+    edited = edited_copy(path, tmp_path / "mixed", unquantize)
+    with caplog.at_level("WARNING", logger="flashpage"):
+        m = _load(edited, int4_moe_kernel=True)
+    assert [x.int4 for _, x in _experts(m)] == [False]
+    assert "not int4 in the file" in caplog.text
+    (_, x), = _experts(m)
+    assert torch.equal(x.gate_up_proj[2, 32:], twin[mod + ".weight"])
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_kept_int4_experts_bf16_on_the_gpu_with_graphs(int4_moe, monkeypatch):
+    """bf16 on CUDA, engine defaults (auto: the experts kept int4 and run by the fused int4
+    kernel, decode graphs captured): each greedy token of the bf16 engine over the
+    dequantized twin, fed back, is the kept engine's top token where bf16 is sure (margin
+    > 3) and most of the time elsewhere; the experts take about a quarter of the twin's
+    bytes (plus their groups' scales and zeros)."""
+    from flashpage import LLM, SamplingParams
+
+    monkeypatch.delenv("FLASHPAGE_INT4_MOE", raising=False)
+    path, ref, _ = int4_moe("qwen3_moe_gpu", "gptq_g32")
+    prompts = random_prompts(12, 3, 300, seed=2)
+    base = LLM(str(ref), dtype="bfloat16", num_gpu_blocks=1024)
+    outs = base.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                 logprobs=2), use_tqdm=False)
+    margins = torch.tensor([lp.top[0][1] - lp.top[1][1] for o in outs
+                            for lp in o.outputs[0].logprobs])
+    full = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)]
+    base_bytes = sum(m.gate_up_proj.nbytes + m.down_proj.nbytes
+                     for _, m in _experts(base.engine.model))
+    del base
+    gc.collect()
+    torch.cuda.empty_cache()
+    kept = LLM(str(path), dtype="bfloat16", num_gpu_blocks=1024)
+    layers = _experts(kept.engine.model)
+    assert kept.engine.runner.graphs is not None
+    assert layers and all(m.int4 and m.fused_kernel for _, m in layers)
+    assert sum(m.gate_up_proj.nbytes + m.down_proj.nbytes for _, m in layers) * 4 == base_bytes
+    forced = kept.generate(full, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    ranks = torch.tensor([e.rank for p, o in zip(prompts, forced, strict=True)
+                          for e in o.prompt_logprobs[len(p):]])
+    assert torch.all(ranks[margins > 3.0] == 1)
+    assert (ranks == 1).float().mean() > 0.45
