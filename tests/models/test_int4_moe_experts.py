@@ -141,6 +141,27 @@ def test_engine_tokens_equal_transformers_on_the_dequantized_twin(int4_moe, mode
     assert tokens == hf_greedy(ref, prompts, 10)
 
 
+@pytest.mark.parametrize(("qc", "match"), [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
+     r"desc_act True is not supported \(act-order groups \(g_idx\) are not read\)"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     r"version 'gemv' is not supported"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, r"bits 8 is not supported"),
+])
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+def test_unread_int4_forms_of_moe_checkpoints_are_config_errors(arch, qc, match):
+    """What the reader does not read (act-order, other packings, 8 bits) is a ConfigError
+    naming the field on the MoE families as on the dense ones."""
+    from flashpage.config import ConfigError, ModelConfig
+
+    raw = {"architectures": [arch], "vocab_size": 256, "hidden_size": 64,
+           "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_local_experts": 4, "num_experts": 4,
+           "num_experts_per_tok": 2, "quantization_config": qc}
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf(raw)
+
+
 def test_broken_int4_experts_are_clear_errors(int4_moe, tmp_path):
     """An act-order expert (g_idx not k // G), an expert's scales of the wrong shape, and
     a nonzero bias on an expert (ours have none) are errors naming the tensor."""
