@@ -53,7 +53,7 @@ and .md.
 ``--int4``: int4 experts kept packed (kernels/fused_moe_int4.py: an AWQ / GPTQ checkpoint's,
 Qwen3-30B-A3B-AWQ / -GPTQ-Int4's shape, groups of 128 along K) at the same shape and T:
 the bf16 fused kernel on the dequantized weights, then the int4 kernel's default config
-and a few tiles (rows a block 16 / 32 / 64, N tiles 32 / 64 / 128); GB/s over the bytes
+and K tiles of 128 at 16 / 32 / 64 rows a block (INT4_TILES); GB/s over the bytes
 each reads (bf16: 2 a weight, int4: half a byte plus an fp16 scale and a uint8 zero per
 128), each output's relative difference from the bf16 kernel's (bf16 rounding: < 1%).
 Writes $OUT/fused_moe_int4.json and .md.
@@ -448,7 +448,9 @@ def fp8_main(out: Path) -> None:
 # --int4: the same shape (FP8_SHAPE) and tokens, groups of 128 (the checkpoints'; on the CPU
 # stand-in too)
 INT4_GROUP = 128
-INT4_TILES = [(16, 64), (32, 32), (64, 64), (64, 128)]  # (block_m, block_n) beside the default
+# (block_m, block_n, block_k, warps) beside the default: K tiles of 128 (8 warps: they do
+# not spill on sm_90) at each row count
+INT4_TILES = [(16, 64, 128, 8), (32, 64, 128, 8), (64, 64, 128, 8)]
 
 
 def quantize_int4_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -480,8 +482,8 @@ def int4_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, int
         f"int4 fused (default {default.name})":
             ("int4", lambda i: fused_moe_int4(x, *int4[i], ids, w)),
     }
-    for bm, bn in INT4_TILES:
-        cfg = FusedMoEInt4Config(block_m=bm, block_n=bn)
+    for bm, bn, bk, warps in INT4_TILES:
+        cfg = FusedMoEInt4Config(block_m=bm, block_n=bn, block_k=bk, num_warps=warps)
         if cfg != default:
             paths[f"int4 {cfg.name}"] = (
                 "int4", lambda i, cfg=cfg: fused_moe_int4(x, *int4[i], ids, w, cfg))

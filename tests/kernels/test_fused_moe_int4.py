@@ -194,3 +194,55 @@ def test_fused_moe_int4_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert _rel(out, fused_moe_int4_ref(x, *gu, *dn, ids, w)) < 1e-2
+
+
+# ----------------------------------------------------------------------------- sm_90 build
+def _compile_int4_moe_kernels() -> dict[str, dict]:
+    """The default config's two kernels at 16, 32 and 64 rows a block (one token of
+    Qwen3-30B-A3B, 512 tokens, 1024), groups of 128, and benchmarks/fused_moe.py --int4's
+    tiles (K tiles of 128, 8 warps), built for sm_90a with bf16 activations (no GPU needed): name -> registers,
+    spills, MMA opcodes."""
+    import collections
+
+    import triton.language as tl
+    from sm90 import compile_sm90, ptxas_sm90a, ptxas_usage, sass_instructions
+
+    ptr = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8",
+           "act_ptr": "*bf16", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+           "a_ptr": "*bf16", "topk_w_ptr": "*fp32", "ys_ptr": "*bf16"}
+    cfgs = {f"default {p // 128} an expert": fm4.default_config(p, 128)
+            for p in (8, 8 * 512, 8 * 1024)}
+    for bm in (16, 32, 64):
+        cfgs[f"k128 at {bm} rows"] = FusedMoEInt4Config(block_m=bm, block_k=128, num_warps=8)
+    out = {}
+    for tag, cfg in cfgs.items():
+        common = dict(G=128, DT=tl.bfloat16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      BLOCK_K=tile_k(128, cfg.block_k), PRECISION="tf32")
+        launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        kernels = {
+            "gate_up": compile_sm90(fm4._int4_gate_up_kernel, common, ptr,
+                                    aligned=("x_ptr", "w_ptr", "stride_xt", "stride_wn"),
+                                    **launch),
+            "down": compile_sm90(fm4._int4_down_kernel, common, ptr,
+                                 aligned=("a_ptr", "w_ptr", "stride_ar", "stride_wn"), **launch),
+        }
+        for name, k in kernels.items():
+            log, sass = ptxas_sm90a(k.asm["ptx"])
+            ins, _ = sass_instructions(sass)
+            ops = collections.Counter(t.split(" ")[0] for t in ins)
+            out[f"{tag} ({cfg.name}) {name}"] = {
+                **ptxas_usage(log), "mma": {o: n for o, n in ops.items() if "MMA" in o}}
+    return out
+
+
+def test_int4_moe_kernels_compile_for_sm90():
+    """On the CPU, the kernels default_config picks (and the benchmark's tiles) build for
+    sm_90 with bf16 activations: the unpacked nibbles on bf16 tensor-core MMAs, none
+    spilling."""
+    from sm90 import run_compiled
+
+    got = run_compiled("test_fused_moe_int4", "_compile_int4_moe_kernels")
+    assert len(got) == 12
+    for name, r in got.items():
+        assert r["mma"] and all("MMA" in o and "BF16" in o for o in r["mma"]), (name, r)
+        assert r["spill_bytes"] == 0, (name, r)
