@@ -13,7 +13,8 @@ GPTQ's ``X.g_idx``) in its format's packing (models/int4_formats.py); our linear
 so a merged linear (qkv_proj, gate_up_proj) takes each piece's rows as for 16-bit
 weights, and so does a MoE layer's routed experts (Mixtral / Qwen2-MoE / Qwen3-MoE:
 ``experts.{e}.{gate,up,down}_proj``, Mixtral's ``w1 / w3 / w2``), fused per layer by
-layers/moe.load_expert_weight into ``gate_up_proj`` [E, 2I, ...] / ``down_proj`` [E, H, ...]. Kept in int4: a ``ColumnParallelLinear`` / ``RowParallelLinear`` left
+layers/moe.load_expert_weight into ``gate_up_proj`` [E, 2I, ...] / ``down_proj``
+[E, H, ...]. Kept in int4: a ``ColumnParallelLinear`` / ``RowParallelLinear`` left
 ``quantizable`` all of whose pieces the file holds in int4. A quantized tensor with no
 such home (an LM head GPTQModel quantized with ``lm_head: true``, or a merged linear with
 a piece the file left 16-bit) is dequantized to the model's dtype; 16-bit tensors
