@@ -40,17 +40,12 @@ def int4_experts(e: int, n: int, k: int, group: int | None, seed: int, sym: bool
     fp16 scales [E, N, K/G], uint8 zeros [E, N, K/G]) on DEV; ``unused`` experts' scales
     NaN (a kernel reading them poisons its output)."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(e, n, k, generator=g) / k ** 0.5
-    qs, ss, zs = [], [], []
-    for i in range(e):
-        q, s, z = quantize_int4(w[i], group, sym)
-        qs.append(pack_int4(q))
-        ss.append(s)
-        zs.append(z)
-    q, s, z = torch.stack(qs), torch.stack(ss), torch.stack(zs)
+    w = (torch.randn(e, n, k, generator=g) / k ** 0.5).to(DEV)
+    q, s, z = quantize_int4(w.reshape(e * n, k), group, sym)  # row by row: each expert's
+    q, s, z = pack_int4(q).view(e, n, k // 8), s.view(e, n, -1), z.view(e, n, -1)
     for u in unused:
         s[u] = float("nan")
-    return q.to(DEV), s.to(DEV), z.to(DEV)
+    return q, s, z
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
