@@ -37,6 +37,7 @@ The copy ceiling: a 1 GiB device-to-device copy timed the same way, bytes read +
                               # MXFP4 forms and tiles (MXFP4_TILES: 18 configs a size; run 192's
                               # 14 took 94 s)
     python benchmarks/fused_moe.py --fp8 --out $OUT                # ~60-120 s on an H200
+    python benchmarks/fused_moe.py --int4 --out $OUT               # ~40-90 s on an H200 (untimed)
 
 ``--fp8``: block-scaled fp8 experts (kernels/fused_moe_fp8.py) at Qwen3-30B-A3B's expert
 shape (FP8_SHAPE: hidden 2048, moe_intermediate 768, 128 experts, top-8; the shape of
@@ -49,8 +50,16 @@ rows, where its dots are e4m3 warpgroup MMAs); GB/s over the bytes each reads
 from the bf16 kernel's (W8A8 rounds the activations: ~5%). Writes $OUT/fused_moe_fp8.json
 and .md.
 
-writes $OUT/fused_moe.json and $OUT/fused_moe.md (deepseek-v2-lite), or
-$OUT/fused_moe_<model>.json / .md for another model. Without a GPU it runs tiny shapes in
+``--int4``: int4 experts kept packed (kernels/fused_moe_int4.py: an AWQ / GPTQ checkpoint's,
+Qwen3-30B-A3B-AWQ / -GPTQ-Int4's shape, groups of 128 along K) at the same shape and T:
+the bf16 fused kernel on the dequantized weights, then the int4 kernel's default config
+and K tiles of 128 at 16 / 32 / 64 rows a block (INT4_TILES); GB/s over the bytes
+each reads (bf16: 2 a weight, int4: half a byte plus an fp16 scale and a uint8 zero per
+128), each output's relative difference from the bf16 kernel's (bf16 rounding: < 1%).
+Writes $OUT/fused_moe_int4.json and .md.
+
+Without --fp8 / --int4 it writes $OUT/fused_moe.json and $OUT/fused_moe.md (deepseek-v2-lite),
+or $OUT/fused_moe_<model>.json / .md for another model. Without a GPU it runs tiny shapes in
 the Triton interpreter (a smoke test of the script; its figures mean nothing).
 """
 
@@ -83,6 +92,9 @@ from flashpage.kernels.fused_moe import (  # noqa: E402
 )
 from flashpage.kernels.fused_moe_fp8 import FusedMoEFp8Config, fused_moe_fp8  # noqa: E402
 from flashpage.kernels.fused_moe_fp8 import default_config as fp8_default_config  # noqa: E402
+from flashpage.kernels.fused_moe_int4 import FusedMoEInt4Config, fused_moe_int4  # noqa: E402
+from flashpage.kernels.fused_moe_int4 import default_config as int4_default_config  # noqa: E402
+from flashpage.kernels.int4_gemm import dequantize_int4_ref, pack_int4  # noqa: E402
 from flashpage.layers.moe import FusedExperts  # noqa: E402
 from flashpage.models.gpt_oss import GptOssExperts  # noqa: E402
 
@@ -433,6 +445,113 @@ def fp8_main(out: Path) -> None:
     print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
+# --int4: the same shape (FP8_SHAPE) and tokens, groups of 128 (the checkpoints'; on the CPU
+# stand-in too)
+INT4_GROUP = 128
+# (block_m, block_n, block_k, warps) beside the default: K tiles of 128 (8 warps: they do
+# not spill on sm_90) at each row count
+INT4_TILES = [(16, 64, 128, 8), (32, 64, 128, 8), (64, 64, 128, 8)]
+
+
+def quantize_int4_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (int32 [E, N, K/8], fp16 scales, uint8 zeros [E, N, K/128]): our
+    asymmetric group quantizer (models/int4_formats.quantize_int4, AWQ's min-max form) over
+    every expert's rows at once."""
+    from flashpage.models.int4_formats import quantize_int4
+
+    e, n, k = w.shape
+    q, s, z = quantize_int4(w.reshape(e * n, k), INT4_GROUP)
+    return (pack_int4(q).view(e, n, k // 8), s.view(e, n, -1), z.view(e, n, -1))
+
+
+def int4_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, int4: list) -> list[dict]:
+    """--int4's rows at T = t: the bf16 fused kernel, the int4 one's default and its tiles."""
+    expert_values = 3 * inter * hidden
+    rows: list[dict] = []
+    ids, w = routing(t, k, e, seed=t)
+    x = torch.randn(t, hidden, device=DEV, dtype=DT)
+    distinct = ids.unique().numel()
+    needed = {"bf16": distinct * expert_values * 2,
+              "int4": distinct * (expert_values // 2 + 3 * expert_values // INT4_GROUP)}
+    with torch.no_grad():
+        want = fused_moe(x, *bf16[0], ids, w).float()
+    default = int4_default_config(t * k, e)
+    paths: dict[str, tuple[str, Callable[[int], object]]] = {
+        f"bf16 fused ({default_config(t * k, e).name})":
+            ("bf16", lambda i: fused_moe(x, *bf16[i], ids, w)),
+        f"int4 fused (default {default.name})":
+            ("int4", lambda i: fused_moe_int4(x, *int4[i], ids, w)),
+    }
+    for bm, bn, bk, warps in INT4_TILES:
+        cfg = FusedMoEInt4Config(block_m=bm, block_n=bn, block_k=bk, num_warps=warps)
+        if cfg != default:
+            paths[f"int4 {cfg.name}"] = (
+                "int4", lambda i, cfg=cfg: fused_moe_int4(x, *int4[i], ids, w, cfg))
+    for name, (fmt, fn) in paths.items():
+        row: dict = dict(tokens=t, distinct_experts=distinct,
+                         needed_mb=round(needed[fmt] / 1e6, 1), path=name)
+        try:
+            with torch.no_grad():
+                got = fn(0)
+                assert isinstance(got, torch.Tensor)
+                row["rel_diff_vs_bf16"] = float((got.float() - want).norm() / want.norm())
+                sec = time_calls(fn)
+                row.update(eager_us=round(sec * 1e6, 1), eager_gbs=round(needed[fmt] / sec / 1e9))
+                if GPU:
+                    sec = time_graph(fn)
+                    row.update(graph_us=round(sec * 1e6, 1),
+                               graph_gbs=round(needed[fmt] / sec / 1e9))
+        except Exception as ex:  # keep going: one failure must not hide the rest
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:120]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def int4_main(out: Path) -> None:
+    e, k, hidden, inter = FP8_SHAPE
+    t0 = time.perf_counter()
+    g = torch.Generator(device=DEV).manual_seed(0)
+    bf16, int4 = [], []
+    for _ in range(LAYERS):
+        experts = []
+        for n, kk in ((2 * inter, hidden), (hidden, inter)):
+            wt = torch.randn(e, n, kk, device=DEV, generator=g) * kk ** -0.5
+            experts.append(quantize_int4_experts(wt))
+            del wt
+        int4.append((*experts[0], *experts[1]))
+        # the bf16 kernel's weights: the int4 ones dequantized (the same experts)
+        bf16.append(tuple(dequantize_int4_ref(q.view(-1, q.shape[2]), s.view(-1, s.shape[2]),
+                                              z.view(-1, z.shape[2]), DT).view(e, q.shape[1], -1)
+                          for q, s, z in experts))
+    copy_gbs = copy_bandwidth()
+    print(json.dumps(dict(copy_gbs=copy_gbs)), flush=True)
+    rows: list[dict] = []
+    for t in FP8_TOKENS:
+        rows += int4_tokens(t, k, e, hidden, inter, bf16, int4)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = dict(experts=e, top_k=k, hidden=hidden, moe_intermediate=inter, group=INT4_GROUP)
+    (out / "fused_moe_int4.json").write_text(json.dumps(dict(shape=shape, copy_gbs=copy_gbs,
+                                                             rows=rows), indent=1))
+    dev = torch.cuda.get_device_name() if GPU else "CPU (Triton interpreter: smoke test only)"
+    lines = [f"# MoE experts in int4 (W4A16), {shape}, {dev}", "",
+             f"torch {torch.__version__}; copy bandwidth (1 GiB, read + written): "
+             f"{copy_gbs:,.0f} GB/s. GB/s = needed weight bytes (distinct routed experts: bf16 "
+             "2 bytes a weight, int4 half a byte plus an fp16 scale and a uint8 zero per "
+             f"{INT4_GROUP}) / time.", "",
+             "| T | distinct experts | needed MB | path | eager µs | eager GB/s | graph µs "
+             "| graph GB/s | graph / copy | rel. diff vs bf16 |", "| --- " * 10 + "|"]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['distinct_experts']} | {r['needed_mb']} | {r['path']} "
+                     f"| {r.get('eager_us', '-')} | {r.get('eager_gbs', '-')} | "
+                     f"{r.get('graph_us', '-')} | {r.get('graph_gbs', '-')} | "
+                     f"{_ratio(r.get('graph_gbs'), copy_gbs)} | "
+                     f"{r.get('rel_diff_vs_bf16', float('nan')):.3g} |"
+                     + (f" {r['error']}" if "error" in r else ""))
+    (out / "fused_moe_int4.md").write_text("\n".join(lines) + "\n")
+    print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".")
@@ -445,7 +564,14 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true",
                     help="block-fp8 experts (kernels/fused_moe_fp8.py) beside the bf16 fused "
                          "kernel at Qwen3-30B-A3B's expert shape (--model unused)")
+    ap.add_argument("--int4", action="store_true",
+                    help="int4 experts kept packed (kernels/fused_moe_int4.py, groups of 128) "
+                         "beside the bf16 fused kernel at Qwen3-30B-A3B's expert shape "
+                         "(--model unused)")
     args = ap.parse_args()
+    if args.int4:
+        int4_main(Path(args.out))
+        return
     if args.fp8:
         fp8_main(Path(args.out))
         return

@@ -62,9 +62,12 @@ LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "O
     "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM"}
 # the families whose AWQ / GPTQ (int4) checkpoints are read (models/int4_checkpoint.py):
 # every linear one of our ColumnParallelLinear / RowParallelLinear, found by the file's
-# module names (mapped through a family's HFNames); fp8 checkpoints are read for these and
-# DeepSeek / the MoE families (their experts dequantized)
-INT4_CHECKPOINT_FAMILY = LLAMA_FAMILY | GEMMA_FAMILY | LLAMA_VARIANTS
+# module names (mapped through a family's HFNames), and on the Llama-body MoE families
+# below the routed experts' per-expert modules (``experts.{e}.{gate,up,down}_proj``,
+# Mixtral's ``w1 / w3 / w2``) into layers/moe.FusedExperts; fp8 checkpoints are read for
+# these and DeepSeek / the other MoE families
+INT4_MOE_FAMILY = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
+INT4_CHECKPOINT_FAMILY = LLAMA_FAMILY | GEMMA_FAMILY | LLAMA_VARIANTS | INT4_MOE_FAMILY
 # models/gpt2.py: learned absolute positions (wpe) instead of rotary, GPT-2's config names
 # (n_embd, n_layer, n_head, n_positions, n_inner); GPT-BigCode (StarCoder 1, SantaCoder) with
 # multi-query attention (_gpt2_fields)
@@ -480,8 +483,9 @@ def _checkpoint_quantization(d: dict[str, Any], arch: str,
     qc = CheckpointQuantization.from_dict(d["quantization_config"], where)
     if qc.is_int4 and arch not in INT4_CHECKPOINT_FAMILY:
         raise ConfigError(f"{where}: {qc.method} (int4) checkpoints are read for the dense Llama, "
-                          f"Gemma and Llama-variant families, not {arch} (MoE experts, MLA and "
-                          "GPT-2's Conv1D weights have no int4 reader)")
+                          "Gemma and Llama-variant families and Mixtral / Qwen2-MoE / Qwen3-MoE, "
+                          f"not {arch} (DeepSeek's MLA and experts, OLMoE's and Granite MoE's "
+                          "experts and GPT-2's Conv1D weights have no int4 reader)")
     return qc
 
 

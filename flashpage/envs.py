@@ -228,6 +228,23 @@ def fp8_moe() -> str:
     return value
 
 
+def int4_moe() -> str:
+    """FLASHPAGE_INT4_MOE: how the engine holds an AWQ / GPTQ (int4) checkpoint's routed
+    experts (Mixtral, Qwen2-MoE, Qwen3-MoE: models/int4_checkpoint.py). ``auto`` (the
+    default): kept packed (half a byte a weight plus a scale and a zero point a group) where
+    the fused int4 MoE kernel runs them (kernels/fused_moe_int4.py: CUDA, the triton
+    backend, FLASHPAGE_FUSED_MOE not 0), dequantized to the model dtype elsewhere.
+    ``dequant``: always dequantized at load. ``kernel``: always kept, on any device (the
+    CPU's torch paths then dequantize the experts they need at each call, the very weights
+    ``dequant`` holds: tests). A layer whose experts the file does not hold all in int4, or
+    whose groups are not multiples of 16 dividing the sizes, is dequantized whatever this
+    says. Read when the engine loads the model."""
+    value = os.environ.get("FLASHPAGE_INT4_MOE", "auto").strip().lower() or "auto"
+    if value not in ("auto", "dequant", "kernel"):
+        raise ValueError(f"FLASHPAGE_INT4_MOE must be auto, dequant or kernel, got {value!r}")
+    return value
+
+
 def pdl() -> str:
     """FLASHPAGE_PDL: programmatic dependent launch of our decode-path Triton kernels
     (Hopper and newer; kernels/pdl.py), so a kernel's launch overlaps the tail of the one

@@ -335,6 +335,32 @@ def fp8_expert_values(cfg: ModelConfig) -> int:
     return 3 * cfg.n_routed_experts * inter * cfg.hidden_size * len(layers)
 
 
+def int4_expert_bytes(cfg: ModelConfig) -> tuple[int, int]:
+    """(values, bytes held) of the routed experts an AWQ / GPTQ checkpoint keeps packed where
+    the fused int4 MoE kernel runs them (models/int4_checkpoint.hold_int4_experts): Mixtral /
+    Qwen2-MoE / Qwen3-MoE, groups the kernel takes, the experts not in the ignore list; half
+    a byte a value plus an fp16 scale and a uint8 zero a group. (0, 0) otherwise
+    (dequantized at load)."""
+    from flashpage.config import INT4_MOE_FAMILY
+    from flashpage.kernels.fused_moe_int4 import kernel_supports
+
+    qc, inter, h = cfg.quantization_config, cfg.moe_intermediate_size or 0, cfg.hidden_size
+    if (qc is None or not qc.is_int4 or not cfg.n_routed_experts
+            or cfg.architecture not in INT4_MOE_FAMILY or not inter):
+        return 0, 0
+    g1, g2 = qc.group_size or h, qc.group_size or inter
+    if kernel_supports(h, inter, g1, g2) is not None:
+        return 0, 0
+    first = ("block_sparse_moe.experts.0.w1" if cfg.architecture == "MixtralForCausalLM"
+             else "mlp.experts.0.gate_proj")
+    layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)
+                 and not qc.ignores(f"model.layers.{i}.{first}"))
+    e = cfg.n_routed_experts
+    values = 3 * e * inter * h * layers
+    groups = e * (2 * inter * (h // g1) + h * (inter // g2)) * layers
+    return values, values // 2 + 3 * groups
+
+
 def int4_weight_shapes(cfg: ModelConfig, quantization: str | None = None) -> list[tuple[int, int, int]]:
     """[N, K, G] of every linear the engine holds in int4 for an AWQ / GPTQ checkpoint:
     those ``fp8_linears`` names with no piece in its ignore list (models/int4_checkpoint.py);
@@ -426,6 +452,12 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
     f8_kept = bool(f8_values) and envs.fp8_moe() != "dequant"
     if f8_kept:
         weights_bytes += f8_bytes - f8_values * wbytes
+    # int4 experts (an AWQ / GPTQ checkpoint's): kept packed by default (FLASHPAGE_INT4_MOE,
+    # where the fused int4 MoE kernel runs)
+    i4_values, i4_bytes = int4_expert_bytes(cfg)
+    i4_kept = bool(i4_values) and envs.int4_moe() != "dequant"
+    if i4_kept:
+        weights_bytes += i4_bytes - i4_values * wbytes
     qc = cfg.quantization_config
     info: dict[str, Any] = {
         "architecture": cfg.architecture,
@@ -503,6 +535,11 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "fp8_experts_kept": f8_kept,
         "fp8_expert_bytes": f8_bytes,
         "fp8_expert_bytes_dequantized": f8_values * wbytes,
+        # an AWQ / GPTQ checkpoint's routed experts kept packed (int4_expert_bytes; the
+        # engine's default where the fused int4 MoE kernel runs, FLASHPAGE_INT4_MOE)
+        "int4_experts_kept": i4_kept,
+        "int4_expert_bytes": i4_bytes,
+        "int4_expert_bytes_dequantized": i4_values * wbytes,
         # an fp8 checkpoint's own quantization_config (config.CheckpointQuantization)
         "quantization_config": None if qc is None else {
             "method": qc.method, "weight_strategy": qc.weight_strategy,
@@ -679,6 +716,14 @@ def format_report(info: dict[str, Any]) -> str:
                 f"them (CUDA sm_89+, the triton backend): {f8} (dequantized to {dt} elsewhere "
                 f"or with FLASHPAGE_FP8_MOE=dequant: {deq})") if info.get("fp8_experts_kept")
                 else f"dequantized to {dt} at load (FLASHPAGE_FP8_MOE=dequant): {deq}, not {f8}"))
+        if info.get("int4_expert_bytes"):
+            i4, deq = _size(info["int4_expert_bytes"]), _size(info["int4_expert_bytes_dequantized"])
+            rows.append(("routed experts", (
+                f"kept in int4 with their group scales and zeros where the fused int4 MoE "
+                f"kernel runs them (CUDA, the triton backend): {i4} (dequantized to {dt} "
+                f"elsewhere or with FLASHPAGE_INT4_MOE=dequant: {deq})")
+                if info.get("int4_experts_kept")
+                else f"dequantized to {dt} at load (FLASHPAGE_INT4_MOE=dequant): {deq}, not {i4}"))
     mem = _size(info["memory_bytes"])
     rows += [
         (f"tokens in {mem}", f"{info['tokens_in_memory']:,} (KV cache alone)"),
@@ -688,7 +733,8 @@ def format_report(info: dict[str, Any]) -> str:
         (f"weights ({dt}{', fp8 linears' if info.get('fp8_linears') else ''}"
          f"{', int4 linears' if info.get('int4_linears') else ''}"
          f"{', MXFP4 experts' if info.get('mxfp4_kept') else ''}"
-         f"{', fp8 experts' if info.get('fp8_experts_kept') else ''})",
+         f"{', fp8 experts' if info.get('fp8_experts_kept') else ''}"
+         f"{', int4 experts' if info.get('int4_experts_kept') else ''})",
          _size(info["weights_bytes"])),
         (f"tokens in {mem} - weights", f"{info['tokens_in_memory_after_weights']:,}"),
     ]

@@ -95,3 +95,27 @@ def test_fp8_block_sweep_runs_in_the_interpreter(tmp_path):
             best = res["best"][shape][str(m)]
             assert best["config"] in names
             assert best["us"] == min(row["us"] for row in rows if row["config"])
+
+
+def test_fused_moe_int4_runs_in_the_interpreter(tmp_path):
+    """benchmarks/fused_moe.py --int4 on the CPU (a tiny stand-in for Qwen3-30B-A3B's
+    experts, groups of 128, the Triton interpreter): the bf16 kernel, the int4 kernel's
+    default and its tiles run, each equal to the bf16 kernel on the dequantized weights to
+    fp32's order, each reading fewer bytes."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fused_moe.py"), "--int4",
+                        "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    rows = json.loads((tmp_path / "fused_moe_int4.json").read_text())["rows"]
+    assert not [row for row in rows if "error" in row]
+    names = [row["path"] for row in rows]
+    assert len(names) >= 4 and names[0].startswith("bf16 fused")
+    assert names[1].startswith("int4 fused (default")
+    assert all(row["eager_us"] > 0 for row in rows)
+    for row in rows[1:]:
+        assert row["needed_mb"] < rows[0]["needed_mb"] / 3  # half a byte a weight against two
+        assert row["rel_diff_vs_bf16"] < 1e-5, row
+    assert "MoE experts in int4" in (tmp_path / "fused_moe_int4.md").read_text()

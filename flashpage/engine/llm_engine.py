@@ -146,10 +146,14 @@ class LLMEngine:
         fp8_moe_kernel = envs.fp8_moe() == "kernel" or (
             envs.fp8_moe() == "auto" and fused_moe
             and torch.cuda.get_device_capability(self.device) >= (8, 9))  # e4m3 dots
+        # an AWQ / GPTQ checkpoint's routed experts stay packed where the fused int4 MoE
+        # kernel reads them (models/int4_checkpoint.py decides per layer)
+        int4_moe_kernel = envs.int4_moe() == "kernel" or (envs.int4_moe() == "auto" and fused_moe)
         self.model = load_model(self.source, self.dtype, self.device,
                                 max_positions=self.max_model_len, seed=config.seed,
                                 quantization=config.quantization, classifier_token_ids=token_ids,
-                                mxfp4_kernel=mxfp4_kernel, fp8_moe_kernel=fp8_moe_kernel)
+                                mxfp4_kernel=mxfp4_kernel, fp8_moe_kernel=fp8_moe_kernel,
+                                int4_moe_kernel=int4_moe_kernel)
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)

@@ -61,7 +61,9 @@ captured for a batch size always replays the same path):
   take its MXFP4 variant (``fused_moe_mxfp4``: 4.25 bits a weight read); the torch paths
   dequantize them per call. So do experts held in block-scaled fp8 (``hold_fp8``: the
   routed experts of DeepSeek-V3's and Qwen3-*-FP8's checkpoints, models/fp8_checkpoint.py),
-  which take ``kernels/fused_moe_fp8.py`` (one byte a weight read).
+  which take ``kernels/fused_moe_fp8.py`` (one byte a weight read), and experts held in
+  int4 (``hold_int4``: an AWQ / GPTQ checkpoint's, models/int4_checkpoint.py), which take
+  ``kernels/fused_moe_int4.py`` (half a byte a weight read).
 
 All three weight each expert output in fp32, round it to the model dtype, then sum per token;
 all three take the optional biases and activation (``FusedExperts(bias=, activation=)``).
@@ -204,7 +206,15 @@ class FusedExperts(nn.Module):
     ``gate_up_proj_scale`` [E, 2I / 128, H / 128] and ``down_proj_scale`` [E, H / 128,
     I / 128] (W = scale of its 128 x 128 block * value, the checkpoint's ``weight_scale_inv``
     tiles stacked), read as they are by kernels/fused_moe_fp8.fused_moe_fp8 and dequantized
-    per call by the torch paths, as MXFP4's."""
+    per call by the torch paths, as MXFP4's.
+
+    ``hold_int4`` (an AWQ / GPTQ checkpoint's experts, models/int4_checkpoint.py): the
+    packed layout of kernels/int4_gemm.py an expert a leading index, ``gate_up_proj`` int32
+    [E, 2I, H / 8] and ``down_proj`` int32 [E, H, I / 8], with buffers
+    ``gate_up_proj_w4_scales`` / ``gate_up_proj_w4_zeros`` (uint8) [E, 2I, H / G] and
+    ``down_proj_w4_scales`` / ``down_proj_w4_zeros`` [E, H, I / G] (G the file's group
+    size, or the row); read as they are by kernels/fused_moe_int4.fused_moe_int4 and
+    dequantized per call by the torch paths."""
 
     # Up to sync_free_max_tokens (MXFP4: always): the Triton grouped kernel instead of
     # forward_sync_free.
@@ -223,6 +233,11 @@ class FusedExperts(nn.Module):
     down_proj_scale: nn.Parameter
     gate_up_proj_bias: nn.Parameter | None
     down_proj_bias: nn.Parameter | None
+    # int4 only (hold_int4; otherwise absent)
+    gate_up_proj_w4_scales: torch.Tensor
+    gate_up_proj_w4_zeros: torch.Tensor
+    down_proj_w4_scales: torch.Tensor
+    down_proj_w4_zeros: torch.Tensor
 
     def __init__(self, config: ModelConfig, bias: bool = False,
                  activation: ClampedSwiGLU | None = None, mxfp4: bool = False) -> None:
@@ -235,6 +250,7 @@ class FusedExperts(nn.Module):
         self.activation = activation
         self.mxfp4 = mxfp4
         self.fp8 = False  # hold_fp8
+        self.int4 = False  # hold_int4
         h, e, two_i = config.hidden_size, self.num_experts, 2 * self.intermediate
         if mxfp4:
             if h % MXFP4_BLOCK or self.intermediate % MXFP4_BLOCK:
@@ -294,6 +310,41 @@ class FusedExperts(nn.Module):
         self.down_proj_scale = empty(e, h // B, inter // B, dtype=torch.float32)
         self.fp8 = True
 
+    def int4_unsupported(self, group: int | None) -> str | None:
+        """Why these experts cannot hold int4 weights in groups of ``group`` (None: a row)
+        for the fused int4 kernel (hold_int4), or None."""
+        from flashpage.kernels.fused_moe_int4 import kernel_supports
+
+        if self.mxfp4 or self.fp8 or self.gate_up_proj_bias is not None \
+                or self.activation is not None:
+            return "MXFP4, fp8, biases or GPT-OSS's activation"
+        h, inter = self.gate_up_proj.shape[2], self.intermediate
+        return kernel_supports(h, inter, group or h, group or inter)
+
+    def hold_int4(self, group: int | None, scale_dtype: torch.dtype) -> None:
+        """Hold an int4 checkpoint's experts (the class docstring): packed words, per-group
+        scales (``scale_dtype``, the file's) and zero points, empty, filled by loading
+        (load_expert_weight)."""
+        if (why := self.int4_unsupported(group)) is not None:
+            raise ValueError(f"these experts cannot hold int4 weights: {why}")
+        dev = self.gate_up_proj.device
+        e, two_i, h = self.gate_up_proj.shape
+        inter = self.intermediate
+        g1, g2 = group or h, group or inter
+
+        def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=dev)
+
+        self.gate_up_proj = nn.Parameter(empty(e, two_i, h // 8, dtype=torch.int32),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(empty(e, h, inter // 8, dtype=torch.int32),
+                                      requires_grad=False)
+        self.register_buffer("gate_up_proj_w4_scales", empty(e, two_i, h // g1, dtype=scale_dtype))
+        self.register_buffer("gate_up_proj_w4_zeros", empty(e, two_i, h // g1, dtype=torch.uint8))
+        self.register_buffer("down_proj_w4_scales", empty(e, h, inter // g2, dtype=scale_dtype))
+        self.register_buffer("down_proj_w4_zeros", empty(e, h, inter // g2, dtype=torch.uint8))
+        self.int4 = True
+
     def read_fraction(self, tokens: int) -> float:
         """The share of these weights a step of ``tokens`` tokens reads at most (each token
         reads top_k experts)."""
@@ -303,8 +354,8 @@ class FusedExperts(nn.Module):
         """x [N, hidden], weights fp32 [N, K], ids int64 [N, K] -> sum_k weights * expert_k(x).
         Kept MXFP4 experts take the fused kernel at every token count where it runs: the
         grouped path would dequantize each used expert at every call (gpt-oss-120b's prompt
-        steps took 7.5-8.9 s so, run 192). So do kept fp8 experts."""
-        if self.fused_kernel and (self.mxfp4 or self.fp8):
+        steps took 7.5-8.9 s so, run 192). So do kept fp8 and int4 experts."""
+        if self.fused_kernel and (self.mxfp4 or self.fp8 or self.int4):
             return self.forward_fused(x, weights, ids)
         if x.shape[0] <= self.sync_free_max_tokens:
             if self.fused_kernel:
@@ -332,6 +383,12 @@ class FusedExperts(nn.Module):
         routed experts' weights. Static shapes, no host sync (CUDA-graph safe)."""
         from flashpage.kernels.fused_moe import fused_moe, fused_moe_mxfp4
 
+        if self.int4:
+            from flashpage.kernels.fused_moe_int4 import fused_moe_int4
+
+            return fused_moe_int4(x, self.gate_up_proj, self.gate_up_proj_w4_scales,
+                                  self.gate_up_proj_w4_zeros, self.down_proj,
+                                  self.down_proj_w4_scales, self.down_proj_w4_zeros, ids, weights)
         if self.fp8:
             from flashpage.kernels.fused_moe_fp8 import fused_moe_fp8
 
@@ -350,10 +407,11 @@ class FusedExperts(nn.Module):
                 experts: torch.Tensor | int | None = None) -> torch.Tensor:
         """``proj`` ("gate_up_proj" or "down_proj") in 16 bits, all experts or ``experts``
         (an index tensor: index_select; an int: that expert's): the parameter, or for MXFP4
-        the blocks, for fp8 the e4m3 values times their block scales, dequantized now to
-        ``dtype``."""
+        the blocks, for fp8 the e4m3 values times their block scales, for int4 the packed
+        words with their scales and zeros, dequantized now to ``dtype``."""
         names = ((f"{proj}_blocks", f"{proj}_scales") if self.mxfp4
-                 else (proj, f"{proj}_scale") if self.fp8 else (proj,))
+                 else (proj, f"{proj}_scale") if self.fp8
+                 else (proj, f"{proj}_w4_scales", f"{proj}_w4_zeros") if self.int4 else (proj,))
         # e4m3 indexed as its bytes (index_select over float8 is not in every torch build)
         ts = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
               for t in (getattr(self, n) for n in names)]
@@ -361,6 +419,12 @@ class FusedExperts(nn.Module):
             ts = [t[experts] for t in ts]
         elif experts is not None:
             ts = [t.index_select(0, experts) for t in ts]
+        if self.int4:
+            from flashpage.kernels.fused_moe_int4 import dequantize_experts_int4
+
+            if isinstance(experts, int):
+                return dequantize_experts_int4(ts[0][None], ts[1][None], ts[2][None], dtype)[0]
+            return dequantize_experts_int4(ts[0], ts[1], ts[2], dtype)
         if self.fp8:
             from flashpage.kernels.fp8_block_ref import dequantize_experts_fp8
 
@@ -455,9 +519,14 @@ class FusedExperts(nn.Module):
 
 # Checkpoints hold one tensor per routed expert; we keep them fused, [E, ...] per layer.
 # (``weight_scale``: a block-fp8 expert's scales, as models/fp8_checkpoint.py yields them
-# for experts that hold fp8)
+# for experts that hold fp8; ``w4_scales`` / ``w4_zeros``: an int4 expert's, as
+# models/int4_checkpoint.py yields them for experts that hold int4)
 EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\."
-                         r"(?P<kind>weight|weight_scale)$")
+                         r"(?P<kind>weight|weight_scale|w4_scales|w4_zeros)$")
+_KIND_SUFFIX = {"weight": "", "weight_scale": "_scale", "w4_scales": "_w4_scales",
+                "w4_zeros": "_w4_zeros"}
+# the dtypes of held (not 16/32-bit) expert values: a tensor of one goes only into another
+_PACKED = (torch.float8_e4m3fn, torch.int32)
 
 
 def load_expert_weight(targets: dict[str, torch.Tensor], m: re.Match[str], tensor: torch.Tensor,
@@ -467,9 +536,10 @@ def load_expert_weight(targets: dict[str, torch.Tensor], m: re.Match[str], tenso
     FusedExperts in ``targets`` (name -> parameter); the fused name joins ``loaded`` once
     every expert's pieces have arrived (``pieces``: what arrived so far). A block-fp8
     expert's ``weight_scale`` goes the same way into ``gate_up_proj_scale`` (rows of
-    128-blocks: [:I / 128] / [I / 128:]) or ``down_proj_scale``."""
+    128-blocks: [:I / 128] / [I / 128:]) or ``down_proj_scale``; an int4 expert's packed
+    words, ``w4_scales`` and ``w4_zeros`` the same way by rows (output features)."""
     prefix, e, proj = m["prefix"], int(m["e"]), m["proj"]
-    suffix = "_scale" if m["kind"] == "weight_scale" else ""
+    suffix = _KIND_SUFFIX[m["kind"]]
     fused = f"{prefix}.{'down_proj' if proj == 'down' else 'gate_up_proj'}{suffix}"
     if fused not in targets:
         raise ValueError(f"checkpoint tensor {m.string!r} has no place in the model "
@@ -484,9 +554,9 @@ def load_expert_weight(targets: dict[str, torch.Tensor], m: re.Match[str], tenso
         dst = dst[:inter] if proj == "gate" else dst[inter:]
     if dst.shape != tensor.shape:
         raise ValueError(f"{m.string}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
-    if (dst.dtype == torch.float8_e4m3fn) != (tensor.dtype == torch.float8_e4m3fn):
+    if (dst.dtype in _PACKED or tensor.dtype in _PACKED) and dst.dtype != tensor.dtype:
         raise ValueError(f"{m.string}: a {tensor.dtype} tensor for {fused} ({dst.dtype}): fp8 "
-                         "experts take the checkpoint's e4m3 values and scales as stored")
+                         "and int4 experts take the checkpoint's values and scales as stored")
     dst.copy_(tensor)
     got = pieces.setdefault(fused, set())
     got.add((e, proj))

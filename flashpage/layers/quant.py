@@ -279,8 +279,12 @@ def quantized_linears(model: nn.Module) -> list[str]:
 def dequantized_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``named_parameters`` with every fp8 or int4 weight dequantized to the model's 16/32-bit
     dtype (what a transformers copy of the model is given: benchmarks' baselines); block-fp8
-    MoE experts (FusedExperts.hold_fp8) too, their scale parameters left out."""
+    MoE experts (FusedExperts.hold_fp8) too, their scale parameters left out, and int4 ones
+    (FusedExperts.hold_int4)."""
     buffers = dict(model.named_buffers())
+    experts4 = {f"{name}.{proj}": (getattr(m, f"{proj}_w4_scales"), getattr(m, f"{proj}_w4_zeros"))
+                for name, m in model.named_modules() if getattr(m, "int4", False) is True
+                for proj in ("gate_up_proj", "down_proj")}
     experts = {f"{name}.{proj}": getattr(m, f"{proj}_scale")
                for name, m in model.named_modules() if getattr(m, "fp8", False) is True
                for proj in ("gate_up_proj", "down_proj")}
@@ -293,7 +297,11 @@ def dequantized_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor
     for name, p in model.named_parameters():
         scale = scales.get(name)
         int4 = buffers.get(name.removesuffix("weight") + "w4_scales")
-        if name.removesuffix("_scale") in experts:
+        if name in experts4:
+            from flashpage.kernels.fused_moe_int4 import dequantize_experts_int4
+
+            yield name, dequantize_experts_int4(p.data, *experts4[name], dtype)
+        elif name.removesuffix("_scale") in experts:
             if name in experts:
                 from flashpage.kernels.fp8_block_ref import dequantize_experts_fp8
 

@@ -11,11 +11,18 @@ GPTQ's ``X.g_idx``) in its format's packing (models/int4_formats.py); our linear
                                          X.w4_zeros   uint8 [N, K/G]
 
 so a merged linear (qkv_proj, gate_up_proj) takes each piece's rows as for 16-bit
-weights. Kept in int4: a ``ColumnParallelLinear`` / ``RowParallelLinear`` left
+weights, and so does a MoE layer's routed experts (Mixtral / Qwen2-MoE / Qwen3-MoE:
+``experts.{e}.{gate,up,down}_proj``, Mixtral's ``w1 / w3 / w2``), fused per layer by
+layers/moe.load_expert_weight into ``gate_up_proj`` [E, 2I, ...] / ``down_proj``
+[E, H, ...]. Kept in int4: a ``ColumnParallelLinear`` / ``RowParallelLinear`` left
 ``quantizable`` all of whose pieces the file holds in int4. A quantized tensor with no
 such home (an LM head GPTQModel quantized with ``lm_head: true``, or a merged linear with
 a piece the file left 16-bit) is dequantized to the model's dtype; 16-bit tensors
-(embeddings, the LM head, norms, ``modules_to_not_convert``) load as stored.
+(embeddings, the LM head, norms, MoE routers, ``modules_to_not_convert``) load as stored.
+Routed experts are dequantized to the model's dtype too, unless the loader asks to keep
+them (``keep_experts``: the engine where the fused int4 MoE kernel runs, envs.int4_moe):
+then a layer all of whose experts the file holds in int4 with one group size keeps them
+packed (layers/moe.FusedExperts.hold_int4), run by kernels/fused_moe_int4.py.
 
 Every quantized module's shapes (and GPTQ's g_idx: it must be k // G, act-order is not
 read) are checked before the model takes anything; a broken file is a ModelLoadError
@@ -25,7 +32,9 @@ naming the tensor.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +47,8 @@ from flashpage.models.loader import ModelLoadError, safetensors_files
 
 logger = logging.getLogger("flashpage")
 
+# a routed expert's module (Mixtral's w1 / w2 / w3 too): fused into layers/moe.FusedExperts
+_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
 _PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
 _DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
@@ -58,13 +69,54 @@ def _expected(qc: CheckpointQuantization, qweight: tuple[int, ...],
     return k, n, g, shapes
 
 
-def int4_checkpoint_weights(model: nn.Module, config: ModelConfig,
-                            folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+def hold_int4_experts(model: nn.Module, modules: list[str], header: dict[str, tuple[str, str,
+                      tuple[int, ...]]], qc: CheckpointQuantization) -> set[str]:
+    """Turn the routed experts that can keep the file's int4 weights to hold them
+    (FusedExperts.hold_int4): every expert's gate / up / down module int4 in the file, one
+    scale dtype, groups the fused kernel takes. Returns the file's modules kept; the other
+    layers' experts are dequantized at load, with a warning naming why."""
+    from flashpage.layers.moe import EXPERT_NAME, FusedExperts
+    from flashpage.models.llama import _moe_name
+
+    layers: dict[str, list[str]] = {}
+    for mod in modules:
+        if (m := EXPERT_NAME.match(_moe_name(mod + ".weight"))) is not None:
+            layers.setdefault(m["prefix"], []).append(mod)
+    kept: set[str] = set()
+    skipped: dict[str, str] = {}
+    for prefix, mods in layers.items():
+        try:
+            experts = model.get_submodule(prefix)
+        except AttributeError:
+            continue  # no such layer: load_weights names the tensor
+        if not isinstance(experts, FusedExperts):
+            continue
+        why = experts.int4_unsupported(qc.group_size)
+        dtypes = {header[mod + ".scales"][1] for mod in mods}
+        if why is None and len(mods) != 3 * experts.num_experts:
+            why = "some of its experts' weights are not int4 in the file"
+        if why is None and len(dtypes) != 1:
+            why = f"its experts' scales are of several dtypes ({sorted(dtypes)})"
+        if why is not None:
+            skipped[prefix] = why
+            continue
+        experts.hold_int4(qc.group_size, _DTYPES[dtypes.pop()])
+        kept.update(mods)
+    if skipped:
+        logger.warning("int4 checkpoint: %d MoE layers' routed experts dequantized to 16 bits "
+                       "at load (%s: %s)", len(skipped), *next(iter(skipped.items())))
+    return kept
+
+
+def int4_checkpoint_weights(model: nn.Module, config: ModelConfig, folder: str,
+                            keep_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Prepare ``model`` for the AWQ / GPTQ checkpoint in ``folder`` and return its weights
     as ``load_weights`` takes them: the linears that keep int4 are turned to hold it now
     (``hold_int4``) and each of their pieces comes as (``X.weight`` int32 [N, K/8],
     ``X.w4_scales``, ``X.w4_zeros``); a quantized module with no int4 home comes as
-    ``X.weight`` dequantized (fp32); every other tensor as stored."""
+    ``X.weight`` dequantized (fp32); every other tensor as stored. ``keep_experts``: routed
+    experts that can are kept too (hold_int4_experts), each expert's pieces coming as a
+    linear's do."""
     from safetensors import SafetensorError, safe_open
 
     qc = config.quantization_config
@@ -111,8 +163,10 @@ def int4_checkpoint_weights(model: nn.Module, config: ModelConfig,
         elif m.quantizable:
             m.hold_int4(groups[mods[0]], _DTYPES[header[mods[0] + ".scales"][1]])
             kept.update(mods)
+    if keep_experts:
+        kept.update(hold_int4_experts(model, modules, header, qc))
     dequantized = sorted(set(modules) - kept)
-    logger.info("%s checkpoint, %s: %d linears kept in int4, %d dequantized%s", qc.method,
+    logger.info("%s checkpoint, %s: %d modules kept in int4, %d dequantized%s", qc.method,
                 qc.describe(), len(kept), len(dequantized),
                 f" ({', '.join(dequantized[:3])}{' ...' if len(dequantized) > 3 else ''})"
                 if dequantized else "")
@@ -124,11 +178,14 @@ def _stream(header: dict[str, tuple[str, str, tuple[int, ...]]], qc: CheckpointQ
             model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
+    handles: dict[str, Any] = {}  # one open file each: an MoE model has ~10^4 modules
+
     def read(name: str) -> torch.Tensor:
         path = header[name][0]
         try:
-            with safe_open(path, framework="pt") as f:
-                return f.get_tensor(name)
+            if path not in handles:
+                handles[path] = safe_open(path, framework="pt")
+            return handles[path].get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{path} is corrupt or not a safetensors file: {e}") from e
 
@@ -156,7 +213,8 @@ def _stream(header: dict[str, tuple[str, str, tuple[int, ...]]], qc: CheckpointQ
                 yield mod + ".weight", dequantize_int4_ref(qweight, scales, zeros)
             continue
         t = read(name)
-        if name.endswith(".bias") and mod in modules and not t.any() \
-                and (hit := linear_of(model, mod)) is not None and hit[1].bias is None:
+        if name.endswith(".bias") and mod in modules and not t.any() and (
+                _EXPERT.search(mod) is not None
+                or ((hit := linear_of(model, mod)) is not None and hit[1].bias is None)):
             continue  # GPTQ writers store zero biases for linears that have none
         yield name, t

@@ -261,9 +261,11 @@ class LlamaForCausalLM(nn.Module):
         that never arrives is reported under its HF name by the loader."""
         params: dict[str, torch.Tensor] = dict(self.named_parameters())
         # the per-row scales of linears that hold an fp8 checkpoint's weights (hold_fp8), the
-        # per-group scales and zeros of those that hold an int4 one's (hold_int4)
+        # per-group scales and zeros of those that hold an int4 one's (hold_int4; routed
+        # experts': FusedExperts.hold_int4)
         params.update((n, b) for n, b in self.named_buffers()
-                      if n.endswith((".weight_scale", ".w4_scales", ".w4_zeros")))
+                      if n.endswith((".weight_scale", ".w4_scales", ".w4_zeros", "_w4_scales",
+                                     "_w4_zeros")))
         loaded: set[str] = set()
         # merged param -> HF pieces still missing
         pending = {n: set(self._pieces(n)) for n in params if n.split(".")[1:2] == ["layers"]

@@ -116,7 +116,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None, seed: int = 0,
                quantization: str | None = None,
                classifier_token_ids: list[int] | None = None,
-               mxfp4_kernel: bool = False, fp8_moe_kernel: bool = False) -> nn.Module:
+               mxfp4_kernel: bool = False, fp8_moe_kernel: bool = False,
+               int4_moe_kernel: bool = False) -> nn.Module:
     """The model of ``source`` in ``dtype`` on ``device``, its weights loaded (or random),
     then quantized per ``quantization`` (None or "fp8": layers/quant.quantize_model). An fp8
     checkpoint (config.json's quantization_config) keeps its e4m3 weights where our fp8
@@ -128,7 +129,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     (config.mxfp4_kernel; the engine's choice, envs.mxfp4) instead of being dequantized.
     ``fp8_moe_kernel``: a block-fp8 checkpoint's routed experts stay e4m3 with their block
     scales where their shapes allow (models/fp8_checkpoint.py; the engine's choice,
-    envs.fp8_moe) instead of being dequantized."""
+    envs.fp8_moe) instead of being dequantized. ``int4_moe_kernel``: an AWQ / GPTQ
+    checkpoint's routed experts stay packed int4 where their groups allow
+    (models/int4_checkpoint.py; the engine's choice, envs.int4_moe)."""
     cls = model_class(source.config)
     config = source.config
     if mxfp4_kernel and config.mxfp4_experts:
@@ -148,7 +151,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         elif (qc := source.config.quantization_config) is not None and qc.is_int4:
             from flashpage.models.int4_checkpoint import int4_checkpoint_weights
 
-            weights = int4_checkpoint_weights(model, source.config, source.path)
+            weights = int4_checkpoint_weights(model, source.config, source.path,
+                                              keep_experts=int4_moe_kernel)
         elif qc is not None:
             from flashpage.models.fp8_checkpoint import fp8_checkpoint_weights
 

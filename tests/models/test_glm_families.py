@@ -495,7 +495,8 @@ AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "
     ("glm4_moe", dict(use_qk_norm=1), "use_qk_norm must be true or false, got 1"),
     ("glm4_moe", dict(norm_topk_prob="no"), "norm_topk_prob must be true or false"),
     ("glm4", dict(quantization_config=AWQ), "awq \\(int4\\) checkpoints are read for the dense "
-     "Llama, Gemma and Llama-variant families, not Glm4ForCausalLM"),
+     "Llama, Gemma and Llama-variant families and Mixtral / Qwen2-MoE / Qwen3-MoE, not "
+     "Glm4ForCausalLM"),
 ])
 def test_bad_config_is_a_clear_error(name, edit, message):
     with pytest.raises(ConfigError, match=message):

@@ -186,14 +186,19 @@ def test_unsupported_int4_configs_are_named(qc, match):
         ModelConfig.from_hf({**BASE, "quantization_config": qc})
 
 
-def test_int4_is_read_for_the_dense_families_only():
+def test_int4_is_read_for_the_dense_families_and_the_llama_moe_ones():
     """The Llama family and the dense ones on its body (tests/models/test_quant_families.py
-    loads them); not DeepSeek's MLA / MoE."""
+    loads them), and Mixtral / Qwen2-MoE / Qwen3-MoE (tests/models/test_int4_moe_experts.py);
+    not DeepSeek's MLA / MoE."""
     ModelConfig.from_hf({**BASE, "architectures": ["Qwen2ForCausalLM"], "quantization_config": GPTQ})
     ModelConfig.from_hf({**BASE, "architectures": ["Phi3ForCausalLM"], "quantization_config": GPTQ})
+    moe = ModelConfig.from_hf({**BASE, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8,
+                               "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                               "quantization_config": GPTQ})
+    assert moe.n_routed_experts == 8 and moe.quantization_config.is_int4
     with pytest.raises(ConfigError, match=r"gptq \(int4\) checkpoints are read for the dense "
-                                          r"Llama, Gemma and Llama-variant families, not "
-                                          r"DeepseekV3ForCausalLM"):
+                                          r"Llama, Gemma and Llama-variant families and Mixtral / "
+                                          r"Qwen2-MoE / Qwen3-MoE, not DeepseekV3ForCausalLM"):
         ModelConfig.from_hf({**BASE, "architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 32,
                              "quantization_config": GPTQ})
 

@@ -445,7 +445,7 @@ def test_config_fields():
      "non-negative integer, got -1"),
     (dict(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 32}),
      "gptq \\(int4\\) checkpoints are read for the dense Llama, Gemma and Llama-variant "
-     "families, not Llama4ForCausalLM"),
+     "families and Mixtral / Qwen2-MoE / Qwen3-MoE, not Llama4ForCausalLM"),
 ])
 def test_bad_config_is_a_clear_error(edit, message):
     with pytest.raises(ConfigError, match=message):

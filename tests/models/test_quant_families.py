@@ -265,19 +265,22 @@ def test_opt_hub_layout_keeps_its_quantized_linears(quant_checkpoint, tmp_path, 
 
 def test_gpt2_checkpoints_still_refuse_quantization_config():
     """GPT-2 / BigCode keep the ConfigError: their Conv1D (GPT-2: [in, out]) and per-head
-    c_attn weights have no reader; MoE families' and DeepSeek's int4 checkpoints too."""
+    c_attn weights have no reader; OLMoE's, Granite MoE's and DeepSeek's int4 checkpoints too
+    (Mixtral's and Qwen-MoE's are read: tests/models/test_int4_moe_experts.py)."""
     base = {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4}
     gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
     with pytest.raises(ConfigError, match=r"quantization_config \(a pre-quantized checkpoint\) "
                                           r"is not read for GPT2LMHeadModel"):
         ModelConfig.from_hf({**base, "architectures": ["GPT2LMHeadModel"],
                              "quantization_config": gptq})
+    moe = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_local_experts": 4,
+           "num_experts": 4, "num_experts_per_tok": 2, "quantization_config": gptq}
     with pytest.raises(ConfigError, match=r"gptq \(int4\) checkpoints are read for .* not "
-                                          r"MixtralForCausalLM"):
-        ModelConfig.from_hf({"architectures": ["MixtralForCausalLM"], "vocab_size": 256,
-                             "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                             "num_attention_heads": 4, "num_local_experts": 4,
-                             "num_experts_per_tok": 2, "quantization_config": gptq})
+                                          r"OlmoeForCausalLM"):
+        ModelConfig.from_hf({**moe, "architectures": ["OlmoeForCausalLM"]})
+    assert ModelConfig.from_hf({**moe, "architectures": ["MixtralForCausalLM"]}
+                               ).quantization_config.is_int4
 
 
 # ----------------------------------------------------------------------------- GPU
