@@ -19,6 +19,10 @@
 #                                             wrong, beside free scripted drafts (spec_decode.py
 #                                             --eagle); the fp8 checkpoints' GPU tests (the KV
 #                                             budget now measured after empty_cache)
+  timeout "$(left 80)" $PT -rf -m gpu tests/kernels/test_fused_moe_int4.py 2>&1 | tee "$OUT/gpu_int4_moe_kernel_tests.txt" | tail -n 4
+  timeout "$(left 110)" $PT -rf -m gpu tests/models/test_int4_moe_experts.py 2>&1 | tee "$OUT/gpu_int4_moe_model_tests.txt" | tail -n 4
+  timeout "$(left 90)" python3 benchmarks/fused_moe.py --int4 --out /tmp/moe > /tmp/int4_moe_bench.txt 2>&1
+  tail -n 2 /tmp/int4_moe_bench.txt; cp /tmp/moe/fused_moe_int4.json "$OUT/"; grep "^| " /tmp/moe/fused_moe_int4.md | cut -c1-170
 #   BUDGET=540 bash benchmarks/gpu_s27.sh e   end to end on this session's defaults: gpt-oss-20b with
 #                                             MXFP4 experts kept ("swap" at decode; run 193: 3,355
 #                                             tok/s), the 8B's decode at batch 128 in bf16 and int4
@@ -82,10 +86,6 @@ PY
   done
   python3 -c "import json,sys; json.dump({f: json.load(open(f)) for f in sys.argv[1:]}, open('$OUT/latency_bs128.json','w'))" \
     /tmp/latency_bs128_bf16.json /tmp/latency_bs128_int4.json
-  timeout "$(left 80)" $PT -rf -m gpu tests/kernels/test_fused_moe_int4.py 2>&1 | tee "$OUT/gpu_int4_moe_kernel_tests.txt" | tail -n 4
-  timeout "$(left 110)" $PT -rf -m gpu tests/models/test_int4_moe_experts.py 2>&1 | tee "$OUT/gpu_int4_moe_model_tests.txt" | tail -n 4
-  timeout "$(left 100)" python3 benchmarks/fused_moe.py --int4 --out /tmp/moe > /tmp/int4_moe_bench.txt 2>&1
-  tail -n 2 /tmp/int4_moe_bench.txt; cp /tmp/moe/fused_moe_int4.json "$OUT/"; grep "^| " /tmp/moe/fused_moe_int4.md | cut -c1-170
   echo "part e done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
