@@ -19,10 +19,6 @@
 #                                             wrong, beside free scripted drafts (spec_decode.py
 #                                             --eagle); the fp8 checkpoints' GPU tests (the KV
 #                                             budget now measured after empty_cache)
-  timeout "$(left 80)" $PT -rf -m gpu tests/kernels/test_fused_moe_int4.py 2>&1 | tee "$OUT/gpu_int4_moe_kernel_tests.txt" | tail -n 4
-  timeout "$(left 110)" $PT -rf -m gpu tests/models/test_int4_moe_experts.py 2>&1 | tee "$OUT/gpu_int4_moe_model_tests.txt" | tail -n 4
-  timeout "$(left 90)" python3 benchmarks/fused_moe.py --int4 --out /tmp/moe > /tmp/int4_moe_bench.txt 2>&1
-  tail -n 2 /tmp/int4_moe_bench.txt; cp /tmp/moe/fused_moe_int4.json "$OUT/"; grep "^| " /tmp/moe/fused_moe_int4.md | cut -c1-170
 #   BUDGET=540 bash benchmarks/gpu_s27.sh e   end to end on this session's defaults: gpt-oss-20b with
 #                                             MXFP4 experts kept ("swap" at decode; run 193: 3,355
 #                                             tok/s), the 8B's decode at batch 128 in bf16 and int4
@@ -68,6 +64,10 @@ d)
   timeout "$(left 90)" $PT -rf -m gpu tests/models/test_fp8_checkpoints.py 2>&1 | tee "$OUT/gpu_fp8_ckpt_tests.txt" | tail -n 4
   echo "part d done at ${SECONDS}s" ;;
 e)
+  timeout "$(left 80)" $PT -rf -m gpu tests/kernels/test_fused_moe_int4.py 2>&1 | tee "$OUT/gpu_int4_moe_kernel_tests.txt" | tail -n 4
+  timeout "$(left 110)" $PT -rf -m gpu tests/models/test_int4_moe_experts.py 2>&1 | tee "$OUT/gpu_int4_moe_model_tests.txt" | tail -n 4
+  timeout "$(left 90)" python3 benchmarks/fused_moe.py --int4 --out /tmp/moe > /tmp/int4_moe_bench.txt 2>&1
+  tail -n 2 /tmp/int4_moe_bench.txt; cp /tmp/moe/fused_moe_int4.json "$OUT/"; grep "^| " /tmp/moe/fused_moe_int4.md | cut -c1-170
   MXFP4='{"quantization_config": {"quant_method": "mxfp4"}}'
   timeout "$(left 150)" python3 -m flashpage bench throughput --config gpt-oss-20b --gpu-memory-utilization 0.88 \
     --num-requests 64 --no-hf --hf-overrides "$MXFP4" --json-out "$OUT/throughput_gptoss20b_mxfp4.json" \
