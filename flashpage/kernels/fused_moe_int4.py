@@ -68,16 +68,16 @@ class FusedMoEInt4Config:
 
 
 def default_config(num_pairs: int, num_experts: int) -> FusedMoEInt4Config:
-    """Rows per block near the mean pairs an expert (16 to 64), 64 features a program, K
-    tiles of 64: built for sm_90 with bf16 x (tests/kernels/test_fused_moe_int4.py reads
-    ptxas' log), the tiles that do not spill: gate_up holds two fp32 accumulators and two
-    unpacked weight tiles, so at 16 rows 4 warps fit (184 registers; K tiles of 128 spill
-    96 bytes), at 32 and 64 rows 8 warps (168 / 255; 4 warps spill 80-1,168 bytes). Not
-    yet timed on a GPU (benchmarks/fused_moe.py --int4)."""
+    """16 rows a block on 4 warps up to a mean of 16 pairs an expert, 64 rows on 8 warps past
+    it (run 199, H200, Qwen3-30B-A3B's experts, benchmarks/fused_moe.py --int4: at 512
+    tokens 64 rows took 876 us where 32 rows took 2,124); 64 features a program, K tiles
+    of 64: the tiles that do not spill when built for sm_90 with bf16 x
+    (tests/kernels/test_fused_moe_int4.py reads ptxas' log: at 16 rows 4 warps fit, 184
+    registers; at 64 rows 8 warps, 255)."""
     mean = triton.cdiv(max(num_pairs, 1), num_experts)
-    block_m = min(64, max(16, triton.next_power_of_2(mean)))
-    return FusedMoEInt4Config(block_m=block_m, block_n=64, block_k=64,
-                              num_warps=4 if block_m == 16 else 8)
+    if mean <= 16:
+        return FusedMoEInt4Config(block_m=16, block_n=64, block_k=64, num_warps=4)
+    return FusedMoEInt4Config(block_m=64, block_n=64, block_k=64, num_warps=8)
 
 
 def tile_k(g: int, want: int) -> int:

@@ -241,3 +241,10 @@ def test_int4_moe_kernels_compile_for_sm90():
     for name, r in got.items():
         assert r["mma"] and all("MMA" in o and "BF16" in o for o in r["mma"]), (name, r)
         assert r["spill_bytes"] == 0, (name, r)
+
+
+def test_default_config_by_mean_pairs():
+    """Run 199's rule: 16 rows on 4 warps up to 16 pairs an expert, 64 rows on 8 past it."""
+    small, edge, big = (fm4.default_config(p, 128) for p in (8, 16 * 128, 16 * 128 + 1))
+    assert (small.block_m, small.num_warps) == (16, 4) == (edge.block_m, edge.num_warps)
+    assert (big.block_m, big.num_warps, big.block_k) == (64, 8, 64)
