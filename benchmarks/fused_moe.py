@@ -359,28 +359,12 @@ def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(e, n, k), scale
 
 
-def fp8_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, fp8: list) -> list[dict]:
-    """--fp8's rows at T = t: the bf16 fused kernel, the fp8 one's default and its modes."""
-    expert_values = 3 * inter * hidden
+def _time_paths(paths: dict[str, tuple[str, Callable[[int], object]]], t: int, distinct: int,
+                needed: dict[str, int], want: torch.Tensor) -> list[dict]:
+    """Each path (name -> (its bytes' key in ``needed``, a call of layer i)) checked against
+    ``want`` (the bf16 kernel's output: the relative difference) and timed eagerly and, on
+    the GPU, under a CUDA graph; a row each, printed as it comes."""
     rows: list[dict] = []
-    ids, w = routing(t, k, e, seed=t)
-    x = torch.randn(t, hidden, device=DEV, dtype=DT)
-    distinct = ids.unique().numel()
-    needed = {"bf16": distinct * expert_values * 2,
-              "fp8": distinct * (expert_values + 4 * expert_values // 128 ** 2)}
-    with torch.no_grad():
-        want = fused_moe(x, *bf16[0], ids, w).float()
-    default = fp8_default_config(t * k, e, x)
-    paths: dict[str, tuple[str, Callable[[int], object]]] = {
-        f"bf16 fused ({default_config(t * k, e).name})":
-            ("bf16", lambda i: fused_moe(x, *bf16[i], ids, w)),
-        f"fp8 fused (default {default.name})":
-            ("fp8", lambda i: fused_moe_fp8(x, *fp8[i], ids, w)),
-    }
-    for mode, make in FP8_MODES.items():
-        cfg = make(default)
-        paths[f"fp8 {mode} ({cfg.name})"] = (
-            "fp8", lambda i, cfg=cfg: fused_moe_fp8(x, *fp8[i], ids, w, cfg))
     for name, (fmt, fn) in paths.items():
         row: dict = dict(tokens=t, distinct_experts=distinct,
                          needed_mb=round(needed[fmt] / 1e6, 1), path=name)
@@ -400,6 +384,30 @@ def fp8_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, fp8:
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def fp8_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, fp8: list) -> list[dict]:
+    """--fp8's rows at T = t: the bf16 fused kernel, the fp8 one's default and its modes."""
+    expert_values = 3 * inter * hidden
+    ids, w = routing(t, k, e, seed=t)
+    x = torch.randn(t, hidden, device=DEV, dtype=DT)
+    distinct = ids.unique().numel()
+    needed = {"bf16": distinct * expert_values * 2,
+              "fp8": distinct * (expert_values + 4 * expert_values // 128 ** 2)}
+    with torch.no_grad():
+        want = fused_moe(x, *bf16[0], ids, w).float()
+    default = fp8_default_config(t * k, e, x)
+    paths: dict[str, tuple[str, Callable[[int], object]]] = {
+        f"bf16 fused ({default_config(t * k, e).name})":
+            ("bf16", lambda i: fused_moe(x, *bf16[i], ids, w)),
+        f"fp8 fused (default {default.name})":
+            ("fp8", lambda i: fused_moe_fp8(x, *fp8[i], ids, w)),
+    }
+    for mode, make in FP8_MODES.items():
+        cfg = make(default)
+        paths[f"fp8 {mode} ({cfg.name})"] = (
+            "fp8", lambda i, cfg=cfg: fused_moe_fp8(x, *fp8[i], ids, w, cfg))
+    return _time_paths(paths, t, distinct, needed, want)
 
 
 def fp8_main(out: Path) -> None:
@@ -467,7 +475,6 @@ def quantize_int4_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 def int4_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, int4: list) -> list[dict]:
     """--int4's rows at T = t: the bf16 fused kernel, the int4 one's default and its tiles."""
     expert_values = 3 * inter * hidden
-    rows: list[dict] = []
     ids, w = routing(t, k, e, seed=t)
     x = torch.randn(t, hidden, device=DEV, dtype=DT)
     distinct = ids.unique().numel()
@@ -487,25 +494,7 @@ def int4_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, int
         if cfg != default:
             paths[f"int4 {cfg.name}"] = (
                 "int4", lambda i, cfg=cfg: fused_moe_int4(x, *int4[i], ids, w, cfg))
-    for name, (fmt, fn) in paths.items():
-        row: dict = dict(tokens=t, distinct_experts=distinct,
-                         needed_mb=round(needed[fmt] / 1e6, 1), path=name)
-        try:
-            with torch.no_grad():
-                got = fn(0)
-                assert isinstance(got, torch.Tensor)
-                row["rel_diff_vs_bf16"] = float((got.float() - want).norm() / want.norm())
-                sec = time_calls(fn)
-                row.update(eager_us=round(sec * 1e6, 1), eager_gbs=round(needed[fmt] / sec / 1e9))
-                if GPU:
-                    sec = time_graph(fn)
-                    row.update(graph_us=round(sec * 1e6, 1),
-                               graph_gbs=round(needed[fmt] / sec / 1e9))
-        except Exception as ex:  # keep going: one failure must not hide the rest
-            row["error"] = f"{type(ex).__name__}: {str(ex)[:120]}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return rows
+    return _time_paths(paths, t, distinct, needed, want)
 
 
 def int4_main(out: Path) -> None:
