@@ -214,18 +214,14 @@ def test_fp8_moe_env_is_checked(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- GPU
-@pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_kept_fp8_experts_bf16_on_the_gpu_with_graphs(fp8_moe, monkeypatch):
-    """bf16 on CUDA, engine defaults (auto: the experts kept e4m3 and run by the fused fp8
-    kernel, decode graphs captured): each greedy token of the bf16 engine over the
-    dequantized twin, fed back, is the kept engine's top token where bf16 is sure (margin
-    > 3) and most of the time elsewhere; the experts take half the bytes of the twin's
-    (FLASHPAGE_FP8_MOE=dequant holds them in bf16)."""
+def assert_kept_experts_follow_the_twin(kept_path, ref, flag: str, ratio: int) -> None:
+    """bf16 on CUDA, engine defaults: each greedy token of the bf16 engine over the
+    dequantized twin ``ref``, fed back, is the engine over ``kept_path``'s top token where
+    bf16 is sure (margin > 3) and most of the time elsewhere; every MoE layer holds its
+    experts quantized (``flag``: "fp8" / "int4") for the fused kernel, in 1 / ``ratio`` of
+    the twin's bytes; decode graphs captured."""
     from flashpage import LLM, SamplingParams
 
-    monkeypatch.delenv("FLASHPAGE_FP8_MOE", raising=False)
-    fp8, ref = fp8_moe("qwen3_moe_gpu")
     prompts = random_prompts(12, 3, 300, seed=2)
     base = LLM(str(ref), dtype="bfloat16", num_gpu_blocks=1024)
     outs = base.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
@@ -237,13 +233,27 @@ def test_kept_fp8_experts_bf16_on_the_gpu_with_graphs(fp8_moe, monkeypatch):
     del base
     gc.collect()
     torch.cuda.empty_cache()
-    kept = LLM(str(fp8), dtype="bfloat16", num_gpu_blocks=1024)
+    kept = LLM(str(kept_path), dtype="bfloat16", num_gpu_blocks=1024)
     layers = _experts(kept.engine.model)
     assert kept.engine.runner.graphs is not None
-    assert layers and all(m.fp8 and m.fused_kernel for _, m in layers)
-    assert sum(m.gate_up_proj.nbytes + m.down_proj.nbytes for _, m in layers) * 2 == base_bytes
+    assert layers and all(getattr(m, flag) and m.fused_kernel for _, m in layers)
+    assert sum(m.gate_up_proj.nbytes + m.down_proj.nbytes for _, m in layers) * ratio == base_bytes
     forced = kept.generate(full, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     ranks = torch.tensor([e.rank for p, o in zip(prompts, forced, strict=True)
                           for e in o.prompt_logprobs[len(p):]])
     assert torch.all(ranks[margins > 3.0] == 1)
     assert (ranks == 1).float().mean() > 0.45
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_kept_fp8_experts_bf16_on_the_gpu_with_graphs(fp8_moe, monkeypatch):
+    """bf16 on CUDA, engine defaults (auto: the experts kept e4m3 and run by the fused fp8
+    kernel, decode graphs captured): each greedy token of the bf16 engine over the
+    dequantized twin, fed back, is the kept engine's top token where bf16 is sure (margin
+    > 3) and most of the time elsewhere; the experts take half the bytes of the twin's
+    (FLASHPAGE_FP8_MOE=dequant holds them in bf16)."""
+
+    monkeypatch.delenv("FLASHPAGE_FP8_MOE", raising=False)
+    fp8, ref = fp8_moe("qwen3_moe_gpu")
+    assert_kept_experts_follow_the_twin(fp8, ref, "fp8", 2)

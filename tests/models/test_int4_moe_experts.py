@@ -27,6 +27,7 @@ from flashpage.layers.int4 import int4_linears
 from flashpage.layers.moe import FusedExperts
 from flashpage.models.loader import ModelLoadError
 from tests.conftest import build_tiny_moe_checkpoint, edited_copy, hf_greedy, random_prompts
+from tests.models.test_fp8_moe_experts import _experts, assert_kept_experts_follow_the_twin
 from tests.models.test_int4_checkpoints import build_int4_checkpoint
 
 GPU = torch.cuda.is_available()
@@ -63,10 +64,6 @@ def _load(path, **kw):
     from flashpage.models.loader import load_model, resolve_model
 
     return load_model(resolve_model(str(path), None), torch.float32, torch.device("cpu"), **kw)
-
-
-def _experts(model) -> list[tuple[str, FusedExperts]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, FusedExperts)]
 
 
 @pytest.mark.parametrize("model,fmt", [("qwen3_moe", "awq_g32"), ("mixtral", "gptq_g32"),
@@ -342,29 +339,7 @@ def test_kept_int4_experts_bf16_on_the_gpu_with_graphs(int4_moe, monkeypatch):
     dequantized twin, fed back, is the kept engine's top token where bf16 is sure (margin
     > 3) and most of the time elsewhere; the experts take about a quarter of the twin's
     bytes (plus their groups' scales and zeros)."""
-    from flashpage import LLM, SamplingParams
 
     monkeypatch.delenv("FLASHPAGE_INT4_MOE", raising=False)
     path, ref, _ = int4_moe("qwen3_moe_gpu", "gptq_g32")
-    prompts = random_prompts(12, 3, 300, seed=2)
-    base = LLM(str(ref), dtype="bfloat16", num_gpu_blocks=1024)
-    outs = base.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                 logprobs=2), use_tqdm=False)
-    margins = torch.tensor([lp.top[0][1] - lp.top[1][1] for o in outs
-                            for lp in o.outputs[0].logprobs])
-    full = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)]
-    base_bytes = sum(m.gate_up_proj.nbytes + m.down_proj.nbytes
-                     for _, m in _experts(base.engine.model))
-    del base
-    gc.collect()
-    torch.cuda.empty_cache()
-    kept = LLM(str(path), dtype="bfloat16", num_gpu_blocks=1024)
-    layers = _experts(kept.engine.model)
-    assert kept.engine.runner.graphs is not None
-    assert layers and all(m.int4 and m.fused_kernel for _, m in layers)
-    assert sum(m.gate_up_proj.nbytes + m.down_proj.nbytes for _, m in layers) * 4 == base_bytes
-    forced = kept.generate(full, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    ranks = torch.tensor([e.rank for p, o in zip(prompts, forced, strict=True)
-                          for e in o.prompt_logprobs[len(p):]])
-    assert torch.all(ranks[margins > 3.0] == 1)
-    assert (ranks == 1).float().mean() > 0.45
+    assert_kept_experts_follow_the_twin(path, ref, "int4", 4)
