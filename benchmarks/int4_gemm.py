@@ -29,7 +29,9 @@ the TFLOP/s of the product. First, ours is checked against the reference at 1 an
 --gemm-configs), beside "deq+cublas" and "bf16", each timed as the full mode times (a CUDA
 graph cycling through weight copies past L2, time_graph; --reps replays); prints each (shape, rows)'s best tile and its time against bf16 and writes all
 of it (--json-out). Checks each tile against the reference first (bf16 on the GPU, judged
-as tests/kernels judge it). ~60-100 s on an H200:
+as tests/kernels judge it). ~60-100 s on an H200. Tile names starting with f are the
+fragment tiles (kernels/int4_fragment.py: decoded in wgmma's A fragment), fw / fp per weight
+/ on the sums as w / p; --dtype fp16 times fp16 activations ("bf16" is then fp16 cuBLAS):
 
     python benchmarks/int4_gemm.py --sweep --json-out $OUT/int4_gemm_sweep.json
 """
@@ -141,8 +143,9 @@ def sweep(args) -> int:
     cands = ([parse_gemm_config(c) for c in filter(None, args.gemm_configs.split(","))]
              if args.gemm_configs else list(GEMM_CANDIDATES))
     torch.manual_seed(0)
-    dt, g = torch.bfloat16, args.group
+    dt, g = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype], args.group
     results: dict = {"device": torch.cuda.get_device_name(), "group_size": g, "mode": "sweep",
+                     "dtype": args.dtype,
                      "rows": [], "best": []}
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
@@ -152,7 +155,7 @@ def sweep(args) -> int:
         ws, bf16, q4_bytes = weight_copies(n, k, g, dt)
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=dt)
-            default = gemm_config(m, n, k)
+            default = gemm_config(m, n, k, g)
             tiles = {c.name: c for c in cands}
             if default.name not in tiles:  # else its time is its name's
                 tiles["default"] = default
@@ -219,6 +222,9 @@ def main() -> int:
     ap.add_argument("--gemm-configs", default="",
                     help="--sweep: these tiles (Int4GemmConfig names) in place of GEMM_CANDIDATES")
     ap.add_argument("--reps", type=int, default=10, help="graph replays a timing")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
+                    help="--sweep: the activations' dtype (fp16: the fragment tiles' packed "
+                         "16-bit decode under the fp16 scales)")
     args = ap.parse_args()
     extra = [parse_config(c) for c in filter(None, args.configs.split(","))]
     if not torch.cuda.is_available():
