@@ -31,7 +31,8 @@ graph cycling through weight copies past L2, time_graph; --reps replays); prints
 of it (--json-out). Checks each tile against the reference first (bf16 on the GPU, judged
 as tests/kernels judge it). ~60-100 s on an H200. Tile names starting with f are the
 fragment tiles (kernels/int4_fragment.py: decoded in wgmma's A fragment), fw / fp per weight
-/ on the sums as w / p; --dtype fp16 times fp16 activations ("bf16" is then fp16 cuBLAS):
+/ on the sums as w / p; "x copy" is fragment_x's time (inside theirs); --dtype fp16 times
+fp16 activations ("bf16" is then fp16 cuBLAS):
 
     python benchmarks/int4_gemm.py --sweep --json-out $OUT/int4_gemm_sweep.json
 """
@@ -118,10 +119,14 @@ def _judge(x, w):
 def _sweep_variants(x: torch.Tensor, ws: list, bf16: list, tiles: dict,
                     dt: torch.dtype) -> dict:
     """--sweep's label -> a call of every weight copy (the timed unit)."""
+    from flashpage.kernels.int4_fragment import fragment_x
     from flashpage.kernels.int4_gemm import dequantize_int4, w4a16_gemm
 
     out = {f"gemm:{label}": (lambda c=c: [w4a16_gemm(x, *w, config=c) for w in ws])
            for label, c in tiles.items()}
+    if any(c.fragment for c in tiles.values()) and x.shape[1] % 128 == 0:
+        # the copy of x the fragment tiles make a call (inside their times): its share
+        out["fragment_x"] = lambda: [fragment_x(x) for _ in ws]
     out["deq+cublas"] = lambda: [F.linear(x, dequantize_int4(*w, dt)) for w in ws]
     out["bf16"] = lambda: [F.linear(x, w) for w in bf16]
     return out
@@ -186,7 +191,8 @@ def sweep(args) -> int:
             best = min(gemms, key=gemms.get) if gemms else None
             line = {"shape": name, "rows": m, "best": best,
                     "best_config": tiles[best[5:]].name if best else None,
-                    **{f"{lb}_us": times[lb] * 1e6 for lb in ("deq+cublas", "bf16") if lb in times},
+                    **{f"{lb}_us": times[lb] * 1e6 for lb in ("deq+cublas", "bf16", "fragment_x")
+                       if lb in times},
                     "default_config": default.name,
                     "default_us": times.get("gemm:default", times.get(f"gemm:{default.name}",
                                                                         float("nan"))) * 1e6,
@@ -194,7 +200,8 @@ def sweep(args) -> int:
             results["best"].append(line)
             print(f"{name:8s} m={m:<5d} best {line['best_config']} {line['best_us']:8.1f} us | "
                   f"default {line['default_us']:8.1f} | deq+cublas {line.get('deq+cublas_us', 0):8.1f}"
-                  f" | bf16 {line.get('bf16_us', 0):8.1f} | best/bf16 "
+                  f" | bf16 {line.get('bf16_us', 0):8.1f} | x copy {line.get('fragment_x_us', 0):5.1f}"
+                  f" | best/bf16 "
                   f"{line['best_us'] / line.get('bf16_us', float('nan')):.2f}x", flush=True)
         ws.clear()
         bf16.clear()
