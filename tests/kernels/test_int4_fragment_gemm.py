@@ -277,12 +277,14 @@ def test_fragment_tiles_on_the_gpu(n, k, m, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fragment_per_weight_bits_on_the_gpu(dtype):
-    """One-hot rows: the per-weight fragment tile (fp16: the packed PTX; bf16: fp32 FMAs)
-    gives dequantize_int4_ref's weights to the bit on the GPU, groups of 32 and 128."""
+@pytest.mark.parametrize("scale_dtype", [torch.float16, "x"])
+def test_fragment_per_weight_bits_on_the_gpu(dtype, scale_dtype):
+    """One-hot rows: the per-weight fragment tile (scales of x's type: the packed 16-bit
+    PTX; bf16 x under fp16 scales: fp32 FMAs) gives dequantize_int4_ref's weights to the bit
+    on the GPU, groups of 32 and 128."""
     for g in (32, 128):
         n, k = 192, 512
-        qw, scales, zeros, _ = _weight(n, k, g, g)
+        qw, scales, zeros, _ = _weight(n, k, g, g, dtype if scale_dtype == "x" else scale_dtype)
         x = torch.eye(k, dtype=dtype, device=DEV)[:256]
         for bm in (128, 256):
             got = w4a16_gemm(x, qw, scales, zeros, config=_frag(bm, split_k=1, tma=True))
