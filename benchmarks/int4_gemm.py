@@ -29,7 +29,10 @@ the TFLOP/s of the product. First, ours is checked against the reference at 1 an
 --gemm-configs), beside "deq+cublas" and "bf16", each timed as the full mode times (a CUDA
 graph cycling through weight copies past L2, time_graph; --reps replays); prints each (shape, rows)'s best tile and its time against bf16 and writes all
 of it (--json-out). Checks each tile against the reference first (bf16 on the GPU, judged
-as tests/kernels judge it). ~60-100 s on an H200:
+as tests/kernels judge it). ~60-100 s on an H200. Tile names starting with f are the
+fragment tiles (kernels/int4_fragment.py: decoded in wgmma's A fragment), fw / fp per weight
+/ on the sums as w / p; "x copy" is fragment_x's time (inside theirs); --dtype fp16 times
+fp16 activations ("bf16" is then fp16 cuBLAS):
 
     python benchmarks/int4_gemm.py --sweep --json-out $OUT/int4_gemm_sweep.json
 """
@@ -116,10 +119,14 @@ def _judge(x, w):
 def _sweep_variants(x: torch.Tensor, ws: list, bf16: list, tiles: dict,
                     dt: torch.dtype) -> dict:
     """--sweep's label -> a call of every weight copy (the timed unit)."""
+    from flashpage.kernels.int4_fragment import fragment_x
     from flashpage.kernels.int4_gemm import dequantize_int4, w4a16_gemm
 
     out = {f"gemm:{label}": (lambda c=c: [w4a16_gemm(x, *w, config=c) for w in ws])
            for label, c in tiles.items()}
+    if any(c.fragment for c in tiles.values()) and x.shape[1] % 128 == 0:
+        # the copy of x the fragment tiles make a call (inside their times): its share
+        out["fragment_x"] = lambda: [fragment_x(x) for _ in ws]
     out["deq+cublas"] = lambda: [F.linear(x, dequantize_int4(*w, dt)) for w in ws]
     out["bf16"] = lambda: [F.linear(x, w) for w in bf16]
     return out
@@ -141,8 +148,9 @@ def sweep(args) -> int:
     cands = ([parse_gemm_config(c) for c in filter(None, args.gemm_configs.split(","))]
              if args.gemm_configs else list(GEMM_CANDIDATES))
     torch.manual_seed(0)
-    dt, g = torch.bfloat16, args.group
+    dt, g = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype], args.group
     results: dict = {"device": torch.cuda.get_device_name(), "group_size": g, "mode": "sweep",
+                     "dtype": args.dtype,
                      "rows": [], "best": []}
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
@@ -152,7 +160,7 @@ def sweep(args) -> int:
         ws, bf16, q4_bytes = weight_copies(n, k, g, dt)
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=dt)
-            default = gemm_config(m, n, k)
+            default = gemm_config(m, n, k, g)
             tiles = {c.name: c for c in cands}
             if default.name not in tiles:  # else its time is its name's
                 tiles["default"] = default
@@ -183,7 +191,8 @@ def sweep(args) -> int:
             best = min(gemms, key=gemms.get) if gemms else None
             line = {"shape": name, "rows": m, "best": best,
                     "best_config": tiles[best[5:]].name if best else None,
-                    **{f"{lb}_us": times[lb] * 1e6 for lb in ("deq+cublas", "bf16") if lb in times},
+                    **{f"{lb}_us": times[lb] * 1e6 for lb in ("deq+cublas", "bf16", "fragment_x")
+                       if lb in times},
                     "default_config": default.name,
                     "default_us": times.get("gemm:default", times.get(f"gemm:{default.name}",
                                                                         float("nan"))) * 1e6,
@@ -191,7 +200,8 @@ def sweep(args) -> int:
             results["best"].append(line)
             print(f"{name:8s} m={m:<5d} best {line['best_config']} {line['best_us']:8.1f} us | "
                   f"default {line['default_us']:8.1f} | deq+cublas {line.get('deq+cublas_us', 0):8.1f}"
-                  f" | bf16 {line.get('bf16_us', 0):8.1f} | best/bf16 "
+                  f" | bf16 {line.get('bf16_us', 0):8.1f} | x copy {line.get('fragment_x_us', 0):5.1f}"
+                  f" | best/bf16 "
                   f"{line['best_us'] / line.get('bf16_us', float('nan')):.2f}x", flush=True)
         ws.clear()
         bf16.clear()
@@ -219,6 +229,9 @@ def main() -> int:
     ap.add_argument("--gemm-configs", default="",
                     help="--sweep: these tiles (Int4GemmConfig names) in place of GEMM_CANDIDATES")
     ap.add_argument("--reps", type=int, default=10, help="graph replays a timing")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
+                    help="--sweep: the activations' dtype (fp16: the fragment tiles' packed "
+                         "16-bit decode under the fp16 scales)")
     args = ap.parse_args()
     extra = [parse_config(c) for c in filter(None, args.configs.split(","))]
     if not torch.cuda.is_available():

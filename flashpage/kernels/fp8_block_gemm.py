@@ -51,6 +51,7 @@ import triton.language as tl
 
 from flashpage.kernels.fp8_block_ref import FP8_MAX, MIN_SCALE, check_block_scales, tile_k
 from flashpage.kernels.fp8_quant import check_activations
+from flashpage.kernels.tiles import grouped_tile
 from flashpage.kernels.tma_maps import cached_tma_maps
 
 
@@ -212,13 +213,7 @@ def _w8a8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, a_desc, w_d
     partial sum takes one FFMA per element; otherwise a scale per column, two."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    band = GROUP_M * tiles_n
-    first_m = (pid // band) * GROUP_M
-    rows_in_band = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % band) % rows_in_band
-    pid_n = (pid % band) // rows_in_band
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

@@ -64,7 +64,7 @@ picks "scaled" for bf16, "tile" otherwise):
 - "swap" (any dtype; decode sizes: a few rows per expert): the weight tile is wgmma's first
   operand (out^T = W . x^T, the block's rows the MMA's N), loaded as 32-bit words, one scale
   group (16 bytes) of a row a thread, and decoded in place into the A fragment: rows and K
-  are ordered (_swap_rows, _swap_x) so each thread's word is its own share of the fragment,
+  are ordered (wgmma_a_rows, _swap_x) so each thread's word is its own share of the fragment,
   and no value passes through shared memory. bf16 on the GPU: inline PTX, 5 instructions a
   pair of weights (mask, multiply to place sign and magnitude, mask, two packed multiplies:
   by 2 ** 126, then by the scale), each exact, so the weights equal dequantize_mxfp4's bf16
@@ -107,6 +107,7 @@ import triton
 import triton.language as tl
 
 from flashpage.kernels.flash_prefill import _dot  # tl.dot, in IEEE fp32 when asked
+from flashpage.kernels.tiles import wgmma_a_rows
 
 # An MXFP4 K tile into the tensor cores (kernel constexpr MXFP4 = 1 + the index; 0: 16-bit
 # weights): "tile": our decode (_mxfp4_tile: nibbles interleaved back into K order, each
@@ -353,16 +354,6 @@ def _e2m1_word(word, scale, dt: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _swap_rows(pid_n, BLOCK_N: tl.constexpr):
-    """Form "swap": the weight rows (channels) in the order its tile is loaded: load row
-    i = 32j + 8w + l (w, l < 8; a blocked layout of 4 warps, 8 x 4 lanes, 4 words a thread)
-    reads channel 64(j // 2) + 16w + 8(j % 2) + l, the row that thread holds in wgmma's A
-    fragment (warp w rows 16w + l and + 8 of each 64)."""
-    i = tl.arange(0, BLOCK_N)
-    return pid_n * BLOCK_N + 64 * (i // 64) + 16 * ((i // 8) % 4) + 8 * ((i // 32) % 2) + i % 8
-
-
-@triton.jit
 def _swap_x(a_col, avalid, k0, kmax):
     """a[:, k0:k0 + 128].T [128, BM] with K in the order _swap_w's weights take: natural K
     32q + 8u + 4h + r (group q, word u, nibble r + 4h) at k' = 32u + 8r + 2q + h."""
@@ -377,7 +368,7 @@ def _swap_w(w_rowp, s_rowp, mask_r, k0, kmax, BLOCK_N: tl.constexpr, dt: tl.cons
             ASM: tl.constexpr):
     """Form "swap": the weights W[:, k0:k0 + 128] [BN, 128] (the MMA's first operand), rows
     in channel order, K in _swap_x's order. ``w_rowp`` [BN, 1] the rows' byte pointers in
-    load order (_swap_rows), ``s_rowp`` [BN, 1] their scales', ``mask_r`` [BN, 1] the real
+    load order (tiles.wgmma_a_rows), ``s_rowp`` [BN, 1] their scales', ``mask_r`` [BN, 1] the real
     rows. Each thread loads 16 bytes a row (four words: one scale group) and decodes them
     in place: the 8 values of a word are its quad's share of wgmma's A fragment, so with the
     rows and K ordered so no value moves between threads (the word load's layout is the
@@ -495,7 +486,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, sorted_ptr, block_ex
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if MXFP4 == 3:  # swap: the accumulators transposed, [BN, BM]; K steps of 128
-        arow = _swap_rows(pid_n, BLOCK_N)
+        arow = wgmma_a_rows(pid_n, BLOCK_N)
         w_rowp = w_base + arow[:, None].to(tl.int64) * stride_wn  # gate rows, load order
         s_rowp = s_ptr + expert.to(tl.int64) * stride_se + arow[:, None].to(tl.int64) * stride_sn
         mask_r = (arow < inter)[:, None]
@@ -594,7 +585,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr
     dt = ys_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if MXFP4 == 3:  # swap: the accumulator transposed, [BN, BM]; K steps of 128
-        arow = _swap_rows(pid_n, BLOCK_N)
+        arow = wgmma_a_rows(pid_n, BLOCK_N)
         w_rowp = w_ptr + expert.to(tl.int64) * stride_we + arow[:, None].to(tl.int64) * stride_wn
         s_rowp = s_ptr + expert.to(tl.int64) * stride_se + arow[:, None].to(tl.int64) * stride_sn
         mask_r = (arow < hidden)[:, None]

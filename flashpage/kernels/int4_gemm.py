@@ -61,6 +61,17 @@ by TMA (``Int4GemmConfig.tma``: one box a tile, ~30-50 fewer registers). The K l
 ~6.4-7.9 SASS instructions a weight a thread, whatever the tile's rows (the tl.dot kernel
 above: ~18 for 64 rows). Unswapped (x the A operand, this unpacked tile transposed as B)
 the same loop does not build in Triton 3.6 (OptimizeDotOperands: "Illegal shared layout").
+
+The fragment tiles (``Int4GemmConfig.fragment``, kernels/int4_fragment.py; the default
+where the weight allows them, K tiles of 128, 64 features on 4 warps) keep the decoded tile
+out of shared memory: each thread loads the words of the rows it holds in wgmma's A
+fragment (``tiles.wgmma_a_rows``) and decodes them in place, a pair of nibbles (j, j + 4)
+into one register of the fragment, and x's K is put once a call in the order that makes
+that the right product (``fragment_x``). Per weight: fp16 x under fp16 scales by packed
+16-bit PTX (lop3, fma, mul: 3 instructions a pair, the reference's bits), otherwise the fp32
+FMA above; on the sums: q - z (lop3 + fma a pair). Built for sm_90a: no STS or ldmatrix in
+the K loop, nothing spilled, 238-370 SASS instructions a 128-wide K tile against the older
+tiles' 291-496 (tests/kernels/test_int4_fragment_gemm.py).
 """
 
 from __future__ import annotations
@@ -70,6 +81,16 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from flashpage.kernels.int4_fragment import (
+    FRAG_K,
+    dequant16_8,
+    dequant16_ptx,
+    fragment_tile,
+    fragment_x,
+    qz8,
+)
+from flashpage.kernels.tiles import grouped_tile, wgmma_a_rows
 
 PACK = 8  # nibbles per int32 word
 
@@ -328,10 +349,9 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, stride_x
 
 
 @triton.jit
-def _dequant_words(packed, s, z, DT: tl.constexpr, ASM: tl.constexpr):
-    """Packed words [BN, W] with their scales and zero points ([BN, W] or [BN, 1]) -> the
-    weights (q - z) * s in DT, [BN, W, 2, 2, 2] (nibble j of a word at [..., j >> 2,
-    (j >> 1) & 1, j & 1]: a reshape to [BN, 8W] is the K order), the bits of
+def _dequant8(packed, s, z, DT: tl.constexpr, ASM: tl.constexpr):
+    """Packed words [BN, W] with their scales and zero points ([BN, W] or [BN, 1]) -> 8
+    tensors [BN, W] in DT, nibbles 0..7's weights (q - z) * s, the bits of
     ``dequantize_int4_ref`` for 16-bit scales: each nibble is 2048 + q or 128 + q in fp32
     (``_nibbles_2048_128``, one lop3), and one FMA (O + q) * s - (O + z) * s gives
     (q - z) * s exactly (O + q has 12 bits, a 16-bit scale 11: the products and the result
@@ -349,6 +369,14 @@ def _dequant_words(packed, s, z, DT: tl.constexpr, ASM: tl.constexpr):
     w4 = tl.fma(b4, sf, c_lo).to(DT)
     w6 = tl.fma(b6, sf, c_lo).to(DT)
     w7 = tl.fma(b7, sf, c_lo).to(DT)
+    return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _dequant_words(packed, s, z, DT: tl.constexpr, ASM: tl.constexpr):
+    """``_dequant8``'s weights as one tensor [BN, W, 2, 2, 2] (nibble j of a word at
+    [..., j >> 2, (j >> 1) & 1, j & 1]: a reshape to [BN, 8W] is the K order)."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = _dequant8(packed, s, z, DT, ASM)
     return tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)),
                    tl.join(tl.join(w1, w5), tl.join(w3, w7)))
 
@@ -362,7 +390,8 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, x_desc, M, N
                        GROUP_M: tl.constexpr, PARTIAL: tl.constexpr,
                        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                        PER_WEIGHT: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-                       OFFSET: tl.constexpr, NUM_STAGES: tl.constexpr, TMA: tl.constexpr):
+                       OFFSET: tl.constexpr, NUM_STAGES: tl.constexpr, TMA: tl.constexpr,
+                       FRAG: tl.constexpr, PW16: tl.constexpr):
     """Operands swapped: program (pid, pid_k) computes y^T [BLOCK_N features, BLOCK_M rows]
     over its share of the K tiles as (weight tile [BLOCK_N, BLOCK_K]) . x^T [BLOCK_K,
     BLOCK_M]: the weight tile is the MMA's A operand (64 features a warpgroup), the rows of
@@ -371,24 +400,31 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, x_desc, M, N
     else q - z (exact in 16 bits) and the group's scale, one per feature (BLOCK_K divides
     G), on each tile's sums. Tiles in GROUP_M-wide bands of row tiles, the row tile the
     fastest index, so neighbouring programs read the same weight tile (from L2). Rows and
-    features past the ends read row 0 / feature 0 (never stored): no masks on the loads."""
+    features past the ends read row 0 / feature 0 (never stored): no masks on the loads.
+
+    FRAG (kernels/int4_fragment.py): BLOCK_K 128, 4 warps, x's K in the fragment order
+    (x_ptr / x_desc are ``fragment_x``'s copy); the words loaded in ``wgmma_a_rows``'s row
+    order and decoded in place into wgmma's A fragment (``fragment_tile``): PER_WEIGHT by
+    ``dequant16_8`` (PW16: the scales are x's type; PTX its ``dequant16_ptx``) or
+    ``_dequant8``, else q - z by ``qz8`` and the scale on the sums (PTX ``_unpack_ptx``)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    band = GROUP_M * tiles_n
-    first_m = (pid // band) * GROUP_M
-    rows_in_band = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % band) % rows_in_band
-    pid_n = (pid % band) // rows_in_band
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = (offs_n % N).to(tl.int64)
     rm = (offs_m % M).to(tl.int64)
     NG = K // G
-    qw_rows = qw_ptr + rn[:, None] * stride_qw
-    s_rows = s_ptr + rn[:, None] * NG
-    z_rows = z_ptr + rn[:, None] * NG
+    if FRAG:  # the words, and what decodes them, in the fragment's row order
+        rl = (wgmma_a_rows(pid_n, BLOCK_N) % N).to(tl.int64)
+    else:
+        rl = rn
+    qw_rows = qw_ptr + rl[:, None] * stride_qw
+    if FRAG and not PER_WEIGHT:  # the scale goes on the sums: feature order
+        s_rows = s_ptr + rn[:, None] * NG
+    else:
+        s_rows = s_ptr + rl[:, None] * NG
+    z_rows = z_ptr + rl[:, None] * NG
     x_cols = x_ptr + rm[None, :] * stride_xm
     offs_w = tl.arange(0, BLOCK_K // 8)
     offs_k = tl.arange(0, BLOCK_K)
@@ -410,7 +446,19 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, x_desc, M, N
             xt = tl.load(x_cols + (t * BLOCK_K + offs_k)[:, None])  # [BLOCK_K, BLOCK_M]
         s, z = sn, zn
         sn, zn = _groups(s_rows, z_rows, t + 1, end, G, BLOCK_K)
-        if PER_WEIGHT:
+        if FRAG:
+            if PER_WEIGHT:
+                if PW16:  # (q - z) * s in packed 16-bit PTX, 3 instructions a pair
+                    n0, n1, n2, n3, n4, n5, n6, n7 = dequant16_8(packed, s, z, DT, PTX, OFFSET)
+                else:  # fp32 FMAs, rounded once
+                    n0, n1, n2, n3, n4, n5, n6, n7 = _dequant8(packed, s, z, DT, ASM)
+                w = fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N)
+                acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+            else:  # q - z, the scale on the sums
+                n0, n1, n2, n3, n4, n5, n6, n7 = qz8(packed, z, DT, ASM, PTX, OFFSET)
+                w = fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N)
+                acc += tl.dot(w, xt, input_precision=PRECISION) * s.to(tl.float32)
+        elif PER_WEIGHT:
             w = tl.reshape(_dequant_words(packed, s, z, DT, ASM), (BLOCK_N, BLOCK_K))
             acc = tl.dot(w, xt, acc, input_precision=PRECISION)
         else:
@@ -598,7 +646,9 @@ class Int4GemmConfig:
     """A tile of ``w4a16_gemm`` (``_w4a16_swap_kernel``): block_m rows of x (the MMA's N
     side, 16..256) by block_n features (64 a warpgroup) by block_k of K; ``per_weight``:
     the weight tile dequantized before the MMA (else q - z and the scale on each tile's
-    sums); group_m: row tiles a band (neighbours share the weight tile)."""
+    sums); group_m: row tiles a band (neighbours share the weight tile); ``fragment``: the
+    weight tile decoded straight into wgmma's A fragment (kernels/int4_fragment.py; block_k
+    128, block_n a multiple of 64, 4 warps, x's K reordered once a call)."""
     block_m: int = 128
     block_n: int = 64
     block_k: int = 128
@@ -608,27 +658,30 @@ class Int4GemmConfig:
     group_m: int = 8
     per_weight: bool = True
     tma: bool = False  # x's tiles by TMA (one box a tile), else cp.async copies
+    fragment: bool = False  # decoded in wgmma's A fragment (no shared round trip)
 
     @property
     def name(self) -> str:
-        return (f"{'w' if self.per_weight else 'p'}m{self.block_m}n{self.block_n}"
+        return (f"{'f' if self.fragment else ''}{'w' if self.per_weight else 'p'}"
+                f"m{self.block_m}n{self.block_n}"
                 f"k{self.block_k}s{self.split_k}w{self.num_warps}st{self.num_stages}"
                 f"g{self.group_m}{'t' if self.tma else ''}")
 
 
 def parse_gemm_config(name: str) -> Int4GemmConfig:
-    """The config an ``Int4GemmConfig.name`` names, e.g. ``wm128n64k128s0w4st3g8``: w / p
-    (dequantized per weight / scale on the sums), block_m, block_n, block_k, split_k,
+    """The config an ``Int4GemmConfig.name`` names, e.g. ``wm128n64k128s0w4st3g8``: a
+    leading f for the fragment tiles, w / p (dequantized per weight / scale on the sums), block_m, block_n, block_k, split_k,
     num_warps, num_stages, group_m, and a trailing t for x's tiles by TMA."""
     import re
 
-    match = re.fullmatch(r"([wp])m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)g(\d+)(t?)", name.strip())
+    match = re.fullmatch(r"(f?)([wp])m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)g(\d+)(t?)",
+                         name.strip())
     if match is None:
         raise ValueError(f"{name!r} is not a config name such as wm128n64k128s0w4st3g8")
-    kind, *nums, tma = match.groups()
+    frag, kind, *nums, tma = match.groups()
     bm, bn, bk, split, warps, stages, group = map(int, nums)
     return Int4GemmConfig(bm, bn, bk, split, warps, stages, group, per_weight=kind == "w",
-                          tma=tma == "t")
+                          tma=tma == "t", fragment=frag == "f")
 
 
 # The tiles benchmarks/int4_gemm.py --sweep times (a first list from the sm_90 SASS): 64 /
@@ -650,29 +703,65 @@ GEMM_CANDIDATES = (
     Int4GemmConfig(128, 64, 128, 0, 4, 3, per_weight=False),
     Int4GemmConfig(128, 64, 128, 0, 4, 3, tma=True),
     Int4GemmConfig(256, 64, 64, 0, 4, 3, tma=True),
+    # the fragment tiles (kernels/int4_fragment.py), compiled for sm_90a: no shared round trip
+    # of the decoded tile, nothing spilled (the scale-on-the-sums form at 256 rows spilled
+    # 1,160 bytes, block_n 128 on 4 warps went through shared memory: not candidates)
+    Int4GemmConfig(64, 64, 128, 0, 4, 4, per_weight=False, fragment=True),
+    Int4GemmConfig(128, 64, 128, 0, 4, 3, per_weight=False, tma=True, fragment=True),
+    Int4GemmConfig(128, 64, 128, 0, 4, 3, tma=True, fragment=True),
+    Int4GemmConfig(128, 64, 128, 0, 4, 4, tma=True, fragment=True),
+    Int4GemmConfig(256, 64, 128, 0, 4, 3, tma=True, fragment=True),  # 205 KB of shared memory
+    Int4GemmConfig(256, 64, 128, 0, 4, 2, tma=True, fragment=True),
 )
 
 
-def gemm_config(m: int, n: int, k: int) -> Int4GemmConfig:
-    """The tile for m rows of a [n, k] weight, from run 196's sweep (H200, the 8B's four
-    shapes at 64-2048 rows, benchmarks/int4_gemm.py --sweep): up to 64 rows 64 x 64 x 128
-    with the scale on the sums (best at 64 rows on 3 of 4 shapes); up to 128, 128 x 64 x
-    128, 3 stages, x by TMA (best on 3, the 4th within 1%); past that 256 x 64 x 64, 3
-    stages, TMA (best at 256-2048 on every shape bar two within 2%). The K loop costs
-    ~6.4-7.9 SASS instructions a weight a thread whatever the rows, so more rows a tile
-    weigh the dequantizing less against the MMAs, while 64 features a tile keep the
-    programs many enough to fill the SMs."""
+def gemm_config(m: int, n: int, k: int, g: int = 128) -> Int4GemmConfig:
+    """The tile for m rows of a [n, k] weight in groups of g. Run 196's sweep (H200, the 8B's
+    four shapes at 64-2048 rows, benchmarks/int4_gemm.py --sweep) chose among the tiles
+    that dequantize through shared memory: up to 64 rows 64 x 64 x 128 with the scale on the
+    sums; up to 128, 128 x 64 x 128 per weight, 3 stages, x by TMA; past that 256 x 64 x 64,
+    3 stages, TMA. The fragment tiles (kernels/int4_fragment.py) of the same forms and rows
+    take fewer SASS instructions a K tile on sm_90a (tests/kernels/
+    test_int4_fragment_gemm.py: bf16 64 rows 238 against 291 a 128-wide K tile, 128 rows
+    per weight ~370 against 419-427, 256 rows 366 against 2 x 248; fp16 with fp16 scales
+    ~286), keep the decoded weights out of shared memory and spill nothing, so they are the
+    default where the weight allows them (K a multiple of 128; per weight: groups dividing
+    128 or a multiple of it; on the sums: a multiple). Not yet timed on a GPU: their x
+    costs one reordering copy a call (fragment_x)."""
     if m <= 64:
-        return Int4GemmConfig(64, 64, 128, 0, 4, 4, per_weight=False)
-    if m <= 128:
-        return Int4GemmConfig(128, 64, 128, 0, 4, 3, tma=True)
-    return Int4GemmConfig(256, 64, 64, 0, 4, 3, tma=True)
+        old = Int4GemmConfig(64, 64, 128, 0, 4, 4, per_weight=False)
+    elif m <= 128:
+        old = Int4GemmConfig(128, 64, 128, 0, 4, 3, tma=True)
+    else:
+        old = Int4GemmConfig(256, 64, 64, 0, 4, 3, tma=True)
+    frag = Int4GemmConfig(old.block_m, 64, 128, 0, 4, old.num_stages, per_weight=old.per_weight,
+                          tma=old.tma, fragment=True)
+    return old if fragment_reasons(k, g, frag) else frag
 
 
 def gemm_block_k(k: int, g: int, cfg: Int4GemmConfig) -> int:
     """The K tile ``w4a16_gemm`` runs: a power of two <= cfg.block_k dividing K and G or a
     multiple of G (``per_weight``; dividing G otherwise: the scale goes on the tile's sums)."""
     return _block_k(k, g, cfg.block_k, within_group=not cfg.per_weight)
+
+
+def fragment_reasons(k: int, g: int, cfg: Int4GemmConfig) -> list[str]:
+    """Why the fragment tiles (``cfg.fragment``) cannot run a K-wide weight in groups of G
+    with ``cfg`` ([] if they can)."""
+    why = []
+    if cfg.block_k != FRAG_K:
+        why.append(f"block_k {cfg.block_k} is not {FRAG_K} (a row's 16 words)")
+    if cfg.block_n != 64:  # 128 on 4 warps: the tile went through shared memory and spilled
+        why.append(f"block_n {cfg.block_n} is not 64 (one warpgroup's rows)")
+    if cfg.num_warps != 4:
+        why.append(f"num_warps {cfg.num_warps} is not 4 (the row order is one warpgroup's)")
+    if k % FRAG_K:
+        why.append(f"K={k} is not a multiple of {FRAG_K}")
+    if cfg.per_weight and g > FRAG_K and g % FRAG_K:
+        why.append(f"group size {g} neither divides {FRAG_K} nor is a multiple of it")
+    if not cfg.per_weight and g % FRAG_K:
+        why.append(f"group size {g} is not a multiple of {FRAG_K} (the scale on the sums)")
+    return why
 
 
 def gemm_supports(k: int, g: int) -> bool:
@@ -711,8 +800,14 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"bias must be [{n}] in x's dtype {x.dtype}, got {bias.dtype} "
                          f"{tuple(bias.shape)}")
     m = x.shape[0]
-    cfg = config or gemm_config(m, n, k)
-    bk = gemm_block_k(k, g, cfg)
+    cfg = config or gemm_config(m, n, k, g)
+    if cfg.fragment:
+        if why := fragment_reasons(k, g, cfg):
+            raise ValueError(f"{cfg.name}: the fragment tiles cannot run this weight: "
+                             + "; ".join(why))
+        bk = FRAG_K
+    else:
+        bk = gemm_block_k(k, g, cfg)
     if bk < 16:
         raise ValueError(f"w4a16_gemm needs K tiles of 16 at least (K={k}, G={g}, {cfg.name}); "
                          "see gemm_supports")
@@ -721,6 +816,14 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     from flashpage.kernels.device import interpreting
 
     asm = x.dtype in _UNPACK_TYPES and not interpreting()
+    # the packed 16-bit per-weight decode: the reference's bits where the scales are x's type
+    pw16 = cfg.fragment and cfg.per_weight and asm and scales.dtype == x.dtype
+    if cfg.fragment:
+        x = fragment_x(x)  # K in the fragment's order, one copy
+        ptx = dequant16_ptx(x.dtype) if pw16 else \
+            (_unpack_ptx(x.dtype) if asm and not cfg.per_weight else "")
+    else:
+        ptx = _unpack_ptx(x.dtype) if asm and not cfg.per_weight else ""
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = cfg.split_k or _gemm_split_k(tiles, k // bk, x.device)
     split = max(1, min(split, k // bk))
@@ -743,10 +846,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, PARTIAL=split > 1,
             HAS_BIAS=bias is not None,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            PER_WEIGHT=cfg.per_weight, ASM=asm,
-            PTX=_unpack_ptx(x.dtype) if asm and not cfg.per_weight else "",
-            OFFSET=_UNPACK_TYPES[x.dtype][1] if asm and not cfg.per_weight else 0.0,
-            NUM_STAGES=cfg.num_stages, TMA=x_desc is not None,
+            PER_WEIGHT=cfg.per_weight, ASM=asm, PTX=ptx,
+            OFFSET=_UNPACK_TYPES[x.dtype][1] if ptx else 0.0,
+            NUM_STAGES=cfg.num_stages, TMA=x_desc is not None, FRAG=cfg.fragment, PW16=pw16,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         from flashpage.kernels.int4_gemv import _split_sum_kernel

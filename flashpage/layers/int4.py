@@ -21,7 +21,11 @@ How a call of M rows runs (``int4_linear``; ``cuda_path`` picks on CUDA):
                                  it; x^T the B operand from shared memory; 16-256 rows a
                                  tile). H200, run 196: 1.06-1.8x the bf16 GEMM's time at
                                  64-256 rows, where dequantize + cuBLAS takes 1.5-2.6x on
-                                 gate_up / down and ties it on qkv / o_proj at 256
+                                 gate_up / down and ties it on qkv / o_proj at 256. Its
+                                 default tiles are now the fragment tiles (decoded in
+                                 wgmma's A fragment, no shared round trip, x's K
+                                 reordered by one copy: kernels/int4_fragment.py), not
+                                 yet timed
     CUDA, M <= GEMM_ROWS (128),  kernels/int4_gemm.w4a16_matmul: the older tl.dot kernel (K
     FLASHPAGE_INT4_KERNEL=gemm   tiles of 16 at least, else as below). Opt-in: on the H200
     (or 1)                       (run 165) slower than dequantize + cuBLAS at 1-64 rows

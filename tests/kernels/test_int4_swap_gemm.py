@@ -38,7 +38,7 @@ CASES = [
     (20, 72, 96, 96, False, Int4GemmConfig(16, 32, 64, split_k=2)),   # G = K, 3 tiles, split
     (20, 72, 96, 96, True, Int4GemmConfig(16, 32, 64, split_k=3, per_weight=False)),
     (100, 40, 128, 64, True, Int4GemmConfig(32, 16, 32, group_m=2)),  # 4 x 3 tiles, bands of 2
-    (65, 64, 128, 64, False, None),                                   # the default for 65 rows
+    (65, 64, 128, 64, False, None),            # the default for 65 rows (a fragment tile)
     (70, 96, 256, 128, True, Int4GemmConfig(64, 64, 64, 1, tma=True)),  # x by TMA, rows past M
     (100, 40, 128, 32, False, Int4GemmConfig(32, 16, 64, 2, group_m=3, tma=True)),
 ]
@@ -112,7 +112,8 @@ def test_w4a16_gemm_names_bad_calls():
 
 
 def _compile_swap_gemm() -> dict[str, dict]:
-    """(In a subprocess with the interpreter off.) The default tiles compiled for sm_90 as
+    """(In a subprocess with the interpreter off.) The older tiles (run 196's defaults; the
+    fragment tiles: test_int4_fragment_gemm.py) compiled for sm_90 as
     an H200 launch of the 8B shapes builds them (bf16 x, fp16 scales, groups of 128, K a
     multiple of 16): name -> the K loop's SASS counts, registers, spills."""
     import collections
@@ -124,36 +125,39 @@ def _compile_swap_gemm() -> dict[str, dict]:
     aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K", "stride_qw",
                "stride_xm", "stride_om")
     out = {}
-    for rows in (128, 1024, 2048):
-        for cfg in {m.gemm_config(rows, 4096, 4096), m.Int4GemmConfig(128, 64, 128, per_weight=False),
-                    m.Int4GemmConfig(256, 64, 64, tma=True)}:
-            asm_ptx = not cfg.per_weight
-            k = compile_sm90(m._w4a16_swap_kernel, dict(
-                G=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                GROUP_M=cfg.group_m, PARTIAL=False, HAS_BIAS=False, PRECISION="tf32",
-                PER_WEIGHT=cfg.per_weight, ASM=True,
-                PTX=m._unpack_ptx(torch.bfloat16) if asm_ptx else "",
-                OFFSET=128.0 if asm_ptx else 0.0, NUM_STAGES=cfg.num_stages, TMA=cfg.tma,
-                **({} if cfg.tma else {"x_desc": None})),
-                {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "SPLIT_K": "i32",
-                 "x_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>"},
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned)
-            log, sass = ptxas_sm90a(k.asm["ptx"])
-            ins, labels = sass_instructions(sass)
-            # the K loop: the shortest backward branch around the MMAs
-            lo, hi = min((p for p in sass_loops(ins, labels)
-                          if any(t.startswith("HGMMA") for t in ins[p[0]:p[1] + 1])),
-                         key=lambda p: p[1] - p[0])
-            mix = collections.Counter(t.split(" ")[0].split(".")[0] for t in ins[lo:hi + 1])
-            out[cfg.name] = {"loop": hi - lo + 1, "tma": "cp.async.bulk.tensor" in k.asm["ptx"], "weights": cfg.block_n * cfg.block_k,
-                             "threads": 32 * cfg.num_warps, "mma_sync": "mma.sync" in k.asm["ptx"],
-                             **{op: mix.get(op, 0) for op in ("HGMMA", "HMMA", "I2F", "F2FP")},
-                             **ptxas_usage(log)}
+    # the older tiles (the fragment ones: test_int4_fragment_gemm.py)
+    for cfg in {m.Int4GemmConfig(128, 64, 128, 0, 4, 3, tma=True),
+                m.Int4GemmConfig(64, 64, 128, 0, 4, 4, per_weight=False),
+                m.Int4GemmConfig(128, 64, 128, per_weight=False),
+                m.Int4GemmConfig(256, 64, 64, tma=True)}:
+        asm_ptx = not cfg.per_weight
+        k = compile_sm90(m._w4a16_swap_kernel, dict(
+            G=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m, PARTIAL=False, HAS_BIAS=False, PRECISION="tf32",
+            PER_WEIGHT=cfg.per_weight, ASM=True,
+            PTX=m._unpack_ptx(torch.bfloat16) if asm_ptx else "",
+            OFFSET=128.0 if asm_ptx else 0.0, NUM_STAGES=cfg.num_stages, TMA=cfg.tma,
+            FRAG=False, PW16=False,
+            **({} if cfg.tma else {"x_desc": None})),
+            {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "SPLIT_K": "i32",
+             "x_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>"},
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned)
+        log, sass = ptxas_sm90a(k.asm["ptx"])
+        ins, labels = sass_instructions(sass)
+        # the K loop: the shortest backward branch around the MMAs
+        lo, hi = min((p for p in sass_loops(ins, labels)
+                      if any(t.startswith("HGMMA") for t in ins[p[0]:p[1] + 1])),
+                     key=lambda p: p[1] - p[0])
+        mix = collections.Counter(t.split(" ")[0].split(".")[0] for t in ins[lo:hi + 1])
+        out[cfg.name] = {"loop": hi - lo + 1, "tma": "cp.async.bulk.tensor" in k.asm["ptx"], "weights": cfg.block_n * cfg.block_k,
+                         "threads": 32 * cfg.num_warps, "mma_sync": "mma.sync" in k.asm["ptx"],
+                         **{op: mix.get(op, 0) for op in ("HGMMA", "HMMA", "I2F", "F2FP")},
+                         **ptxas_usage(log)}
     return out
 
 
 def test_swap_gemm_compiles_to_warpgroup_mmas_for_sm90():
-    """On the CPU: the K loop of each default tile (the scale-on-the-sums form, a TMA-fed
+    """On the CPU: the K loop of each older tile (the scale-on-the-sums form, a TMA-fed
     tile: its x tiles by cp.async.bulk.tensor) runs
     Hopper's warpgroup MMAs (HGMMA, not mma.sync), converts no nibble by I2F, spills
     nothing, and costs at most 8 SASS instructions a weight a thread whatever the tile's
