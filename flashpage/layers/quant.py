@@ -9,9 +9,15 @@ keeps its weight as float8_e4m3fn with one fp32 scale per output row:
     W[n, k] ~ scale[n] * Wq[n, k]              (relative error <= 2^-4 for normal values)
 
 Left in 16 bits: embeddings, the LM head (tied or not: logits are the most sensitive
-product and one row of it is read per token anyway), norms, the MoE router and routed
-experts (``layers/moe.py``, their own fused kernel) and MLA's ``kv_b_proj`` (its weight is
-absorbed into queries and outputs, read as a matrix rather than called as a linear).
+product and one row of it is read per token anyway), norms, the MoE router and MLA's
+``kv_b_proj`` (its weight is absorbed into queries and outputs, read as a matrix rather
+than called as a linear).
+
+Routed MoE experts (``layers/moe.FusedExperts``) are quantized where their fused kernel
+keeps them (``quantize_model(experts=)``): "fp8" to 128 x 128 block e4m3 with fp32 block
+scales (kernels/fused_moe_fp8.py), the int4 methods to int4 groups (kernels/
+fused_moe_int4.py), the layouts a block-fp8 / AWQ / GPTQ checkpoint's experts load into;
+elsewhere they stay 16-bit.
 
 How a quantized linear of M rows runs (``_ParallelLinear.forward``):
 

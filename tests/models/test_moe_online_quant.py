@@ -394,3 +394,27 @@ def test_quantized_experts_bf16_on_the_gpu_with_graphs(moe, method, ratio, monke
     moved = (kept_lp - base_lp).abs().mean().item()
     moved_bf16_experts = (bf16_experts_lp - base_lp).abs().mean().item()
     assert moved <= 1.25 * moved_bf16_experts + 0.05, (moved, moved_bf16_experts)
+
+
+@pytest.mark.parametrize("method", ["fp8", "int4"])
+def test_inspect_counts_the_quantized_experts(moe, method, monkeypatch):
+    """flashpage inspect --quantization, from config.json alone: the weights' bytes of the
+    model the engine holds with the experts quantized (the switch at auto: as on CUDA, or
+    kernel) and left 16-bit (dequant), each equal to the loaded model's; the report says
+    which."""
+    from flashpage.bench.common import weight_bytes
+    from flashpage.config import ModelConfig
+    from flashpage.inspect import format_report, inspect_config
+
+    path = moe("qwen3_moe")
+    cfg = ModelConfig.from_hf(path)
+    flag = "fp8_moe_kernel" if method == "fp8" else "int4_moe_kernel"
+    for env, keep in (("auto", True), ("kernel", True), ("dequant", False)):
+        monkeypatch.setenv(ENV[method], env)
+        model = _load(path, quantization=method, **{flag: keep})
+        assert all(getattr(m, method) is keep for _, m in _experts(model))
+        info = inspect_config(cfg, 1 << 30, "fp32", quantization=method)
+        assert info["quantized_experts_kept"] is keep and info["quantized_expert_bytes"] > 0
+        assert info["weights_bytes"] == weight_bytes(model), env
+        report = format_report(info)
+        assert ("quantized to " in report) is keep and (f"{method} experts)" in report) is keep
