@@ -154,6 +154,24 @@ def test_int4_experts_are_our_group_quantizers(moe, name):
         assert m.expert_bytes() == w_bytes // 8 + 3 * groups
 
 
+@pytest.mark.parametrize("group,want", [("64", 64), ("-1", None)])
+def test_rtn_experts_take_the_methods_group_size(moe, monkeypatch, group, want):
+    """vLLM's "rtn" (RTN_NUM_BITS=4) quantizes the experts in RTN_GROUP_SIZE groups along
+    each projection's K (-1: one group a row), as it does the linears."""
+    monkeypatch.setenv("RTN_NUM_BITS", "4")
+    monkeypatch.setenv("RTN_GROUP_SIZE", group)
+    model = _load(moe("qwen3_moe"))
+    w = model.model.layers[1].mlp.experts.down_proj.detach().clone()
+    quantize_model(model, "rtn", experts=True)
+    m = model.model.layers[1].mlp.experts
+    assert m.int4
+    for proj in ("gate_up_proj", "down_proj"):
+        k = getattr(m, proj).shape[2] * 8
+        assert getattr(m, f"{proj}_w4_scales").shape[2] == k // (want or k)
+    q, s, z = quantize_int4(w[3], want)
+    assert torch.equal(m.down_proj[3], pack_int4(q)) and torch.equal(m.down_proj_w4_scales[3], s)
+
+
 @pytest.mark.parametrize("method", ["fp8", "int4"])
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2"])
 def test_quantized_layers_stay_close_to_the_16bit_ones(moe, name, method):
