@@ -767,10 +767,10 @@ def format_report(info: dict[str, Any]) -> str:
     if info.get("quantized_expert_bytes"):
         q, deq = _size(info["quantized_expert_bytes"]), _size(info["quantized_expert_bytes_16bit"])
         method = info["quantization"]
-        kind, env = (("e4m3 with 128 x 128 block scales", "FLASHPAGE_FP8_MOE") if method == "fp8"
-                     else ("int4 groups", "FLASHPAGE_INT4_MOE"))
+        kind, env, where = (("e4m3 with 128 x 128 block scales", "FLASHPAGE_FP8_MOE", "CUDA sm_89+")
+                            if method == "fp8" else ("int4 groups", "FLASHPAGE_INT4_MOE", "CUDA"))
         rows.append(("routed experts", (
-            f"quantized to {kind} at load where the fused MoE kernel runs them (CUDA, the "
+            f"quantized to {kind} at load where the fused MoE kernel runs them ({where}, the "
             f"triton backend): {q} (left {dt} elsewhere or with {env}=dequant: {deq})")
             if info.get("quantized_experts_kept") else f"left {dt} ({env}=dequant): {deq}, not {q}"))
     mem = _size(info["memory_bytes"])
