@@ -361,6 +361,34 @@ def int4_expert_bytes(cfg: ModelConfig) -> tuple[int, int]:
     return values, values // 2 + 3 * groups
 
 
+def online_expert_bytes(cfg: ModelConfig, quantization: str | None) -> tuple[int, int]:
+    """(values, bytes held) of the routed experts ``quantization`` ("fp8", "int4" / "rtn")
+    quantizes at load where their fused kernel keeps them (layers/quant.quantize_model,
+    FusedExperts.quantize_fp8 / quantize_int4): a 16-bit checkpoint's (no
+    quantization_config), not MXFP4 nor GPT-OSS's (biases, clamped SwiGLU); "fp8" with
+    hidden and expert intermediate sizes whole 128-blocks (a byte a value, an fp32 scale a
+    block), int4 in the groups the linears take (int4_group_for) where the kernel takes
+    them (half a byte a value, an fp16 scale and a uint8 zero a group). (0, 0) otherwise."""
+    from flashpage.kernels.fused_moe_int4 import kernel_supports
+
+    h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size or 0, cfg.n_routed_experts or 0
+    if (quantization is None or cfg.quantization_config is not None or not e or not inter
+            or cfg.mxfp4_experts or cfg.model_type == "gpt_oss"):
+        return 0, 0
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    values = 3 * e * inter * h * layers
+    if quantization == "fp8":
+        if h % 128 or inter % 128:
+            return 0, 0
+        return values, values + 4 * (values // 128 ** 2)
+    group = online_int4_group_size(quantization)
+    g1, g2 = int4_group_for(h, group) or h, int4_group_for(inter, group) or inter
+    if kernel_supports(h, inter, g1, g2) is not None:
+        return 0, 0
+    groups = e * (2 * inter * (h // g1) + h * (inter // g2)) * layers
+    return values, values // 2 + 3 * groups
+
+
 def int4_weight_shapes(cfg: ModelConfig, quantization: str | None = None) -> list[tuple[int, int, int]]:
     """[N, K, G] of every linear the engine holds in int4 for an AWQ / GPTQ checkpoint:
     those ``fp8_linears`` names with no piece in its ignore list (models/int4_checkpoint.py);
@@ -458,6 +486,13 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
     i4_kept = bool(i4_values) and envs.int4_moe() != "dequant"
     if i4_kept:
         weights_bytes += i4_bytes - i4_values * wbytes
+    # a 16-bit checkpoint's experts under quantization "fp8" / "int4" / "rtn": quantized at
+    # load where the fused kernel keeps them (FLASHPAGE_FP8_MOE / FLASHPAGE_INT4_MOE), too
+    q_values, q_bytes = online_expert_bytes(cfg, quantization)
+    q_kept = bool(q_values) and (envs.fp8_moe() if quantization == "fp8"
+                                 else envs.int4_moe()) != "dequant"
+    if q_kept:
+        weights_bytes += q_bytes - q_values * wbytes
     qc = cfg.quantization_config
     info: dict[str, Any] = {
         "architecture": cfg.architecture,
@@ -540,6 +575,11 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "int4_experts_kept": i4_kept,
         "int4_expert_bytes": i4_bytes,
         "int4_expert_bytes_dequantized": i4_values * wbytes,
+        # a 16-bit checkpoint's routed experts quantized at load by ``quantization``
+        # (online_expert_bytes; where the fused fp8 / int4 MoE kernel runs them)
+        "quantized_experts_kept": q_kept,
+        "quantized_expert_bytes": q_bytes,
+        "quantized_expert_bytes_16bit": q_values * wbytes,
         # an fp8 checkpoint's own quantization_config (config.CheckpointQuantization)
         "quantization_config": None if qc is None else {
             "method": qc.method, "weight_strategy": qc.weight_strategy,
@@ -724,6 +764,15 @@ def format_report(info: dict[str, Any]) -> str:
                 f"elsewhere or with FLASHPAGE_INT4_MOE=dequant: {deq})")
                 if info.get("int4_experts_kept")
                 else f"dequantized to {dt} at load (FLASHPAGE_INT4_MOE=dequant): {deq}, not {i4}"))
+    if info.get("quantized_expert_bytes"):
+        q, deq = _size(info["quantized_expert_bytes"]), _size(info["quantized_expert_bytes_16bit"])
+        method = info["quantization"]
+        kind, env, where = (("e4m3 with 128 x 128 block scales", "FLASHPAGE_FP8_MOE", "CUDA sm_89+")
+                            if method == "fp8" else ("int4 groups", "FLASHPAGE_INT4_MOE", "CUDA"))
+        rows.append(("routed experts", (
+            f"quantized to {kind} at load where the fused MoE kernel runs them ({where}, the "
+            f"triton backend): {q} (left {dt} elsewhere or with {env}=dequant: {deq})")
+            if info.get("quantized_experts_kept") else f"left {dt} ({env}=dequant): {deq}, not {q}"))
     mem = _size(info["memory_bytes"])
     rows += [
         (f"tokens in {mem}", f"{info['tokens_in_memory']:,} (KV cache alone)"),
@@ -734,7 +783,8 @@ def format_report(info: dict[str, Any]) -> str:
          f"{', int4 linears' if info.get('int4_linears') else ''}"
          f"{', MXFP4 experts' if info.get('mxfp4_kept') else ''}"
          f"{', fp8 experts' if info.get('fp8_experts_kept') else ''}"
-         f"{', int4 experts' if info.get('int4_experts_kept') else ''})",
+         f"{', int4 experts' if info.get('int4_experts_kept') else ''}"
+         f"{', ' + str(info['quantization']) + ' experts' if info.get('quantized_experts_kept') else ''})",
          _size(info["weights_bytes"])),
         (f"tokens in {mem} - weights", f"{info['tokens_in_memory_after_weights']:,}"),
     ]

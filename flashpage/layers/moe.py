@@ -310,16 +310,19 @@ class FusedExperts(nn.Module):
         self.down_proj_scale = empty(e, h // B, inter // B, dtype=torch.float32)
         self.fp8 = True
 
-    def int4_unsupported(self, group: int | None) -> str | None:
+    def int4_unsupported(self, group: int | None, down_group: int | None | bool = True,
+                         ) -> str | None:
         """Why these experts cannot hold int4 weights in groups of ``group`` (None: a row)
-        for the fused int4 kernel (hold_int4), or None."""
+        for the fused int4 kernel (hold_int4), or None; ``down_group``: down_proj's groups
+        where they differ from gate_up_proj's (quantize_int4; True: the same)."""
         from flashpage.kernels.fused_moe_int4 import kernel_supports
 
-        if self.mxfp4 or self.fp8 or self.gate_up_proj_bias is not None \
+        if self.mxfp4 or self.fp8 or self.int4 or self.gate_up_proj_bias is not None \
                 or self.activation is not None:
-            return "MXFP4, fp8, biases or GPT-OSS's activation"
+            return "MXFP4, fp8, int4 already, biases or GPT-OSS's activation"
         h, inter = self.gate_up_proj.shape[2], self.intermediate
-        return kernel_supports(h, inter, group or h, group or inter)
+        g2 = group if down_group is True else down_group
+        return kernel_supports(h, inter, group or h, g2 or inter)
 
     def hold_int4(self, group: int | None, scale_dtype: torch.dtype) -> None:
         """Hold an int4 checkpoint's experts (the class docstring): packed words, per-group
@@ -344,6 +347,73 @@ class FusedExperts(nn.Module):
         self.register_buffer("down_proj_w4_scales", empty(e, h, inter // g2, dtype=scale_dtype))
         self.register_buffer("down_proj_w4_zeros", empty(e, h, inter // g2, dtype=torch.uint8))
         self.int4 = True
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Quantize the loaded 16/32-bit experts to what hold_fp8 holds (quantization="fp8"):
+        each expert's 128 x 128 blocks by their own amax / 448 (kernels/fp8_block_ref.
+        quantize_fp8_block, DeepSeek-V3's checkpoints' recipe), one projection and one
+        expert at a time, each 16-bit projection dropped once its e4m3 copy is made (the
+        peak: one projection's e4m3 beside the layer's 16-bit weights and one expert's
+        fp32 temporaries)."""
+        from flashpage.kernels.fp8_block_ref import EXPERT_BLOCK as B
+        from flashpage.kernels.fp8_block_ref import quantize_fp8_block
+
+        if (why := self.fp8_unsupported()) is not None or self.fp8 or self.int4:
+            raise ValueError(f"these experts cannot be quantized to block fp8: "
+                             f"{why or 'they are quantized already'}")
+        for proj in ("gate_up_proj", "down_proj"):
+            w = getattr(self, proj).data
+            e, n, k = w.shape
+            q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=w.device)
+            scale = torch.empty(e, n // B, k // B, dtype=torch.float32, device=w.device)
+            for i in range(e):
+                q[i], scale[i] = quantize_fp8_block(w[i], (B, B))
+            del w
+            setattr(self, proj, nn.Parameter(q, requires_grad=False))
+            setattr(self, f"{proj}_scale", nn.Parameter(scale, requires_grad=False))
+        self.fp8 = True
+
+    @torch.no_grad()
+    def quantize_int4(self, group: int | None, down_group: int | None) -> None:
+        """Quantize the loaded 16/32-bit experts to what hold_int4 holds (quantization="int4"
+        / "rtn"): each expert's rows in int4 groups along K, ``group`` for gate_up_proj (K =
+        hidden) and ``down_group`` for down_proj (K = intermediate; None: one a row), round
+        to nearest, asymmetric, fp16 scales (models/int4_formats.quantize_int4, as the dense
+        linears' quantize_int4), packed (kernels/int4_gemm.pack_int4); one projection and
+        one expert at a time, each 16-bit projection dropped once packed."""
+        from flashpage.kernels.int4_gemm import pack_int4
+        from flashpage.models.int4_formats import quantize_int4
+
+        if (why := self.int4_unsupported(group, down_group)) is not None:
+            raise ValueError(f"these experts cannot be quantized to int4: {why}")
+        for proj, g in (("gate_up_proj", group), ("down_proj", down_group)):
+            w = getattr(self, proj).data
+            e, n, k = w.shape
+            gk = g or k
+            words = torch.empty(e, n, k // 8, dtype=torch.int32, device=w.device)
+            scales = torch.empty(e, n, k // gk, dtype=torch.float16, device=w.device)
+            zeros = torch.empty(e, n, k // gk, dtype=torch.uint8, device=w.device)
+            for i in range(e):
+                q, scales[i], zeros[i] = quantize_int4(w[i], g)
+                words[i] = pack_int4(q)
+            del w
+            setattr(self, proj, nn.Parameter(words, requires_grad=False))
+            self.register_buffer(f"{proj}_w4_scales", scales)
+            self.register_buffer(f"{proj}_w4_zeros", zeros)
+        self.int4 = True
+
+    def expert_bytes(self) -> int:
+        """Bytes the routed experts' weights take as held (values, and scales / zeros where
+        quantized; not the biases): quantize_model's report."""
+        names = ["gate_up_proj", "down_proj"]
+        if self.mxfp4:
+            names = [f"{p}_{s}" for p in names for s in ("blocks", "scales")]
+        elif self.fp8:
+            names += ["gate_up_proj_scale", "down_proj_scale"]
+        elif self.int4:
+            names += [f"{p}_w4_{s}" for p in names for s in ("scales", "zeros")]
+        return sum(getattr(self, n).nbytes for n in names)
 
     def read_fraction(self, tokens: int) -> float:
         """The share of these weights a step of ``tokens`` tokens reads at most (each token

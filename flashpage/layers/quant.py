@@ -9,9 +9,15 @@ keeps its weight as float8_e4m3fn with one fp32 scale per output row:
     W[n, k] ~ scale[n] * Wq[n, k]              (relative error <= 2^-4 for normal values)
 
 Left in 16 bits: embeddings, the LM head (tied or not: logits are the most sensitive
-product and one row of it is read per token anyway), norms, the MoE router and routed
-experts (``layers/moe.py``, their own fused kernel) and MLA's ``kv_b_proj`` (its weight is
-absorbed into queries and outputs, read as a matrix rather than called as a linear).
+product and one row of it is read per token anyway), norms, the MoE router and MLA's
+``kv_b_proj`` (its weight is absorbed into queries and outputs, read as a matrix rather
+than called as a linear).
+
+Routed MoE experts (``layers/moe.FusedExperts``) are quantized where their fused kernel
+keeps them (``quantize_model(experts=)``): "fp8" to 128 x 128 block e4m3 with fp32 block
+scales (kernels/fused_moe_fp8.py), the int4 methods to int4 groups (kernels/
+fused_moe_int4.py), the layouts a block-fp8 / AWQ / GPTQ checkpoint's experts load into;
+elsewhere they stay 16-bit.
 
 How a quantized linear of M rows runs (``_ParallelLinear.forward``):
 
@@ -215,24 +221,81 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------- the model
+def experts_kept_by_default(model: nn.Module, method: str) -> bool:
+    """Whether ``quantize_model`` quantizes routed experts when its caller does not say:
+    FLASHPAGE_FP8_MOE (``method`` "fp8") or FLASHPAGE_INT4_MOE (the int4 methods) "kernel",
+    or "auto" with the model on CUDA where the fused kernel may run (FLASHPAGE_FUSED_MOE
+    not 0; fp8: e4m3 dots, sm_89+). The engine passes its own choice instead (it also knows
+    the attention backend)."""
+    from flashpage import envs
+
+    mode = envs.fp8_moe() if method == "fp8" else envs.int4_moe()
+    if mode != "auto":
+        return mode == "kernel"
+    dev = next((p.device for p in model.parameters() if p.is_cuda), None)
+    if dev is None or not envs.fused_moe():
+        return False
+    if method == "fp8":
+        from flashpage.kernels.device import cuda_capability
+
+        return cuda_capability(dev) >= (8, 9)
+    return True
+
+
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str | None) -> int:
+def quantize_model(model: nn.Module, method: str | None, experts: bool | None = None) -> int:
     """Quantize every quantizable linear of ``model`` in place (``method`` "fp8", "int4" /
-    "rtn"; None: nothing); returns how many it quantized (those quantized before are left).
-    Tied weights (an LM head sharing the embedding) and linears marked ``quantizable =
-    False`` stay as they are. On CUDA the freed 16-bit weights go back to the device, so
-    the KV cache sized next sees the memory."""
+    "rtn"; None: nothing), and with ``experts`` its routed experts (layers/moe.FusedExperts)
+    where their fused kernel takes them: "fp8" to 128 x 128 block e4m3 with fp32 block
+    scales (FusedExperts.quantize_fp8: hidden and expert intermediate sizes whole blocks),
+    the int4 methods to int4 groups (FusedExperts.quantize_int4, the groups the linears
+    take: ``int4_group_for``); the layout an fp8 / int4 checkpoint's experts load into
+    (hold_fp8 / hold_int4), run by kernels/fused_moe_fp8.py / fused_moe_int4.py. Experts
+    that cannot (GPT-OSS's biases and activation, sizes not whole blocks, groups the kernel
+    does not take) stay 16-bit, with a warning naming why; ``experts`` False (the engine:
+    FLASHPAGE_FP8_MOE / FLASHPAGE_INT4_MOE dequant, or auto where the fused kernel does
+    not run) leaves them all 16-bit; None: ``experts_kept_by_default``.
+    Returns how many it quantized (linears, plus one a layer's experts; those quantized
+    before are left). Tied weights (an LM head sharing the embedding) and linears marked
+    ``quantizable = False`` stay as they are. Layer by layer, each 16-bit weight dropped
+    once quantized; on CUDA the freed memory goes back to the device, so the KV cache
+    sized next sees it."""
     from flashpage.config import ONLINE_INT4_METHODS, int4_group_for, online_int4_group_size
     from flashpage.layers.linear import VocabEmbedding, _ParallelLinear
+    from flashpage.layers.moe import FusedExperts
 
     check_quantization(method)
     if method is None:
         return 0
     int4_group = online_int4_group_size(method) if method in ONLINE_INT4_METHODS else None
+    if experts is None:
+        experts = experts_kept_by_default(model, method)
     embedded = {p.data_ptr() for m in model.modules()
                 if isinstance(m, nn.Embedding | VocabEmbedding) for p in m.parameters()}
     count, candidates, before, after = 0, 0, 0, 0
-    for m in model.modules():
+    moe_layers, moe_left, moe_before, moe_after = 0, [], 0, 0
+    for name, m in model.named_modules():
+        if isinstance(m, FusedExperts):
+            candidates += 1
+            if m.mxfp4 or m.fp8 or m.int4:  # a checkpoint's, kept as loaded: left
+                continue
+            h, inter = m.gate_up_proj.shape[2], m.intermediate
+            groups = (int4_group_for(h, int4_group), int4_group_for(inter, int4_group))
+            why = (m.fp8_unsupported() if method == "fp8" else m.int4_unsupported(*groups))
+            if not experts or why is not None:
+                moe_left.append(f"{name} ({why})" if why is not None else name)
+                continue
+            size = m.expert_bytes()
+            if method == "fp8":
+                m.quantize_fp8()
+            else:
+                m.quantize_int4(*groups)
+            moe_before, moe_after = moe_before + size, moe_after + m.expert_bytes()
+            moe_layers += 1
+            if m.gate_up_proj.is_cuda:  # this layer's 16-bit experts back before the next's
+                torch.cuda.empty_cache()
+            count += 1
+            continue
         if not isinstance(m, _ParallelLinear) or not m.quantizable:
             continue
         if m.weight.data_ptr() in embedded:
@@ -254,10 +317,21 @@ def quantize_model(model: nn.Module, method: str | None) -> int:
         count += 1
     if candidates == 0:
         raise ValueError(f"quantization={method!r}: this model has no linear layer to quantize")
+    if moe_left:
+        env = "FLASHPAGE_FP8_MOE" if method == "fp8" else "FLASHPAGE_INT4_MOE"
+        reason = (f"the fused {method if method == 'fp8' else 'int4'} MoE kernel does not run "
+                  f"them here ({env}: auto keeps them on CUDA with the triton backend, "
+                  "kernel everywhere)" if not experts else "their fused kernel cannot run them")
+        log = logger.warning if experts else logger.info
+        log("%s weights: %d MoE layers' routed experts left 16-bit, %s: %s%s", method,
+            len(moe_left), reason, moe_left[0],
+            f" and {len(moe_left) - 1} more" if len(moe_left) > 1 else "")
     if count == 0:
         return 0
-    logger.info("%s weights: %d linears, %.1f MiB -> %.1f MiB", method, count, before / 2**20,
-                after / 2**20)
+    experts_note = (f", {moe_layers} MoE layers' routed experts {moe_before / 2**20:.1f} MiB "
+                    f"-> {moe_after / 2**20:.1f} MiB" if moe_layers else "")
+    logger.info("%s weights: %d linears, %.1f MiB -> %.1f MiB%s", method, count - moe_layers,
+                before / 2**20, after / 2**20, experts_note)
     dev = next((p.device for p in model.parameters() if p.is_cuda), None)
     if dev is not None:
         torch.cuda.empty_cache()  # the 16-bit weights' memory back for the KV cache

@@ -119,7 +119,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                mxfp4_kernel: bool = False, fp8_moe_kernel: bool = False,
                int4_moe_kernel: bool = False) -> nn.Module:
     """The model of ``source`` in ``dtype`` on ``device``, its weights loaded (or random),
-    then quantized per ``quantization`` (None or "fp8": layers/quant.quantize_model). An fp8
+    then quantized per ``quantization`` (None, "fp8", "int4" / "rtn": layers/quant.
+    quantize_model; routed experts too where ``fp8_moe_kernel`` / ``int4_moe_kernel`` says
+    their fused kernel runs). An fp8
     checkpoint (config.json's quantization_config) keeps its e4m3 weights where our fp8
     linears can run them, with no flag (models/fp8_checkpoint.py); an AWQ / GPTQ one its
     4-bit weights (models/int4_checkpoint.py). A sequence classifier from a causal LM's
@@ -129,9 +131,10 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     (config.mxfp4_kernel; the engine's choice, envs.mxfp4) instead of being dequantized.
     ``fp8_moe_kernel``: a block-fp8 checkpoint's routed experts stay e4m3 with their block
     scales where their shapes allow (models/fp8_checkpoint.py; the engine's choice,
-    envs.fp8_moe) instead of being dequantized. ``int4_moe_kernel``: an AWQ / GPTQ
-    checkpoint's routed experts stay packed int4 where their groups allow
-    (models/int4_checkpoint.py; the engine's choice, envs.int4_moe)."""
+    envs.fp8_moe) instead of being dequantized, and quantization="fp8" quantizes 16-bit
+    ones so. ``int4_moe_kernel``: an AWQ / GPTQ checkpoint's routed experts stay packed
+    int4 where their groups allow (models/int4_checkpoint.py; the engine's choice,
+    envs.int4_moe), and the online int4 methods quantize 16-bit ones so."""
     cls = model_class(source.config)
     config = source.config
     if mxfp4_kernel and config.mxfp4_experts:
@@ -188,7 +191,10 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                         "with hf_overrides' classifier_from_token (e.g. [\"no\", \"yes\"])")
             raise ModelLoadError(f"{source.path}: {len(missing)} weight(s) missing from the "
                                  f"checkpoint: {shown}{hint}")
-    quantize_model(model, quantization)
+    # routed experts too where their fused kernel keeps them (the same choice as a
+    # quantized checkpoint's: fp8_moe_kernel / int4_moe_kernel)
+    quantize_model(model, quantization, experts=fp8_moe_kernel if quantization == "fp8"
+                   else int4_moe_kernel)
     return model.eval()
 
 
