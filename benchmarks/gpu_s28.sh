@@ -9,6 +9,11 @@
 #                                             the shared grouped_tile / wgmma_a_rows touched: GPU tests;
 #                                             --sweep at 64-256 rows in bf16 and fp16 beside the
 #                                             current tiles, dequant + cuBLAS and bf16
+#   BUDGET=480 bash benchmarks/gpu_s28.sh c   online --quantization fp8 / int4 of routed MoE experts
+#                                             (layers/quant.quantize_model): its GPU tests with the fp8 /
+#                                             int4 MoE model tests (part a's); DeepSeek-V2-Lite end to
+#                                             end (random weights) in bf16, fp8 (experts e4m3) and fp8
+#                                             linears only (FLASHPAGE_FP8_MOE=dequant: before)
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -30,5 +35,24 @@ b)
   done
   cat /tmp/int4_fragment_sweep_*.txt > "$OUT/int4_fragment_sweep.txt"
   echo "part b done at ${SECONDS}s" ;;
+c)
+  timeout "$(left 150)" $PT -rf -m gpu tests/models/test_moe_online_quant.py tests/models/test_fp8_moe_experts.py \
+    tests/models/test_int4_moe_experts.py 2>&1 | tee "$OUT/gpu_moe_quant_tests.txt" | tail -n 6
+  for q in bf16 fp8 fp8lin; do
+    extra=(); [ "$q" != bf16 ] && extra=(--quantization fp8)
+    FLASHPAGE_FP8_MOE=$([ "$q" = fp8lin ] && echo dequant || echo auto) timeout "$(left 120)" python3 -m flashpage \
+      bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.75 --num-requests 64 --no-hf \
+      --json-out /tmp/tp_v2lite_$q.json ${extra[@]+"${extra[@]}"} > /tmp/tp_v2lite_$q.txt 2>&1
+    grep -i "experts\|quantiz" /tmp/tp_v2lite_$q.txt | head -n 3
+    python3 - /tmp/tp_v2lite_$q.json $q <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["flashpage"]
+print(sys.argv[2], {k: r[k] for k in ("seconds", "output_tok_per_s", "kv_blocks")},
+      {k: (v["steps"], v["ms_per_step"]) for k, v in r["steps"].items()})
+PY
+  done
+  python3 -c "import json,sys; json.dump({f: json.load(open(f)) for f in sys.argv[1:]}, open('$OUT/throughput_v2lite_moequant.json','w'))" \
+    /tmp/tp_v2lite_*.json
+  echo "part c done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
