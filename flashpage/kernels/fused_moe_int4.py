@@ -28,8 +28,40 @@ bits), far inside 16-bit rounding. :func:`fused_moe_int4_ref` is the same math i
 one expert at a time over kernels/int4_gemm.dequantize_int4_ref's weights (the weights the
 dequantize-at-load path holds): kernels/fused_moe.fused_moe_ref over them.
 
-Not measured on a GPU yet: benchmarks/fused_moe.py --int4 times it beside the bf16
-kernel at Qwen3-30B-A3B's expert shape.
+Two forms (``FusedMoEInt4Config.form``, INT4_FORMS):
+
+- "dot" (any dtype, any group a multiple of 16): the tl.dot above, x the MMA's first
+  operand, the unpacked nibbles the second. Bound by the unpack: built for sm_90a its K
+  loop is 8.6-10.5 SASS instructions a weight and thread (shift, mask, convert each
+  nibble, the tile through shared memory to mma.sync); on the H200 (run 199, Qwen3-30B-
+  A3B's experts) 1.65-2.2x the bf16 fused kernel's time, 6-11% of copy bandwidth.
+- "swap" (16-bit or fp32 x, groups a multiple of 128; the default for bf16 / fp16 up to a
+  mean of 16 pairs an expert): MXFP4's "swap" layout (kernels/fused_moe.py) with int4's
+  decode. The weight tile is wgmma's first operand, the block's rows its N::
+
+      out^T [BN, BM] = sum over K tiles of s[:, g] * ((q - z)[:, tile] . x[rows, tile]^T)
+
+  K tiles of 128, each inside one group g: a thread loads 4 words (16 bytes) of a row, the
+  rows in fused_moe._swap_rows' order and x's K in _swap_x's, so the 8 values of each word
+  are already its share of wgmma's A fragment (fused_moe._swap_tile: register moves only;
+  our packing, nibble j of a word = K 8c + j, is e2m1's). The decode, kernels/int4_gemm's
+  _UNPACK_PTX: per pair of nibbles (j, j + 4), 16 bits apart, one lop3 ORs both into the
+  mantissas of OFFSET (bf16 128.0 = 0x4300, fp16 1024.0 = 0x6400: the 16-bit OFFSET + q,
+  exact) and one packed fma (x * 1 - (OFFSET + z)) leaves q - z, exact in either 16-bit
+  type (|q - z| <= 16), in x's dtype (bf16 x decodes to bf16: no fp16 detour). The group's
+  scale (fp32, one per feature) multiplies each tile's fp32 sums; the weights (q - z) * s
+  are never rounded, so the result is the dequantized weights' linear within fp32
+  accumulation order and the reference's 16-bit rounding of each weight (the reference
+  rounds (q - z) * s to x's dtype; here it is exact). fp32 x and the interpreter: the
+  same q - z by shifts and masks (Triton ops). Built for sm_90a (bf16 or fp16, 64
+  features, 16 rows, tests/kernels/test_fused_moe_int4_swap.py) its K loop is 2.5-3.4
+  SASS instructions a weight and thread: per thread and tile of 64 x 128 weights, 32 lop3
+  + 32 packed adds + 24 shifts of decode, 8 HGMMA 64x16x16 with A from registers, and,
+  unpipelined, no shared-memory read at all (pipelined, the words arrive by cp.async and
+  one LDS.128 per 4 words); 128 features a tile convert the fragment through shared
+  memory (Triton's layout for two warpgroup row blocks) and are not used. Each tile's
+  wgmma is waited on before its scale (the accumulators are the fp32 sums, not the MMA's).
+  Not yet timed on a GPU: benchmarks/fused_moe.py --int4 times each form's tiles.
 """
 
 from __future__ import annotations
