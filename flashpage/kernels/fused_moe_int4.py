@@ -36,8 +36,8 @@ Two forms (``FusedMoEInt4Config.form``, INT4_FORMS):
   nibble, the tile through shared memory to mma.sync); on the H200 (run 199, Qwen3-30B-
   A3B's experts) 1.65-2.2x the bf16 fused kernel's time, 6-11% of copy bandwidth.
 - "swap" (16-bit or fp32 x, groups a multiple of 128; the default for bf16 / fp16 up to a
-  mean of 16 pairs an expert): MXFP4's "swap" layout (kernels/fused_moe.py) with int4's
-  decode. The weight tile is wgmma's first operand, the block's rows its N::
+  mean of 16 pairs an expert; its kernels in kernels/fused_moe_int4_swap.py): MXFP4's
+  "swap" layout (kernels/fused_moe.py) with int4's decode. The weight tile is wgmma's first operand, the block's rows its N::
 
       out^T [BN, BM] = sum over K tiles of s[:, g] * ((q - z)[:, tile] . x[rows, tile]^T)
 
@@ -72,13 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.fused_moe import (
-    _swap_rows,
-    _swap_tile,
-    _swap_x,
-    fused_moe_ref,
-    moe_align,
-)
+from flashpage.kernels import fused_moe_int4_swap as swap_kernels
+from flashpage.kernels.fused_moe import fused_moe_ref, moe_align
 from flashpage.kernels.int4_gemm import _UNPACK_TYPES, PACK, _unpack_ptx, dequantize_int4_ref
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -128,18 +123,18 @@ def swap_supports(dtype: torch.dtype, g_gate_up: int, g_down: int) -> bool:
 
 def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype | None = None,
                    groups: tuple[int, int] | None = None) -> FusedMoEInt4Config:
-    """Up to a mean of 16 pairs an expert: form "swap" (16 rows a block, 64 features, 4
-    warps, 3 stages) where ``dtype`` is 16-bit and ``groups`` (gate_up's, down's) are
-    multiples of 128 (a checkpoint's usual 128), 16 rows and 3 stages up to a mean of 8,
-    32 rows and 1 stage past it (the tiles MXFP4's "swap" measured best, run 196; its K
-    loop built for sm_90a is 2.5-3.4 SASS instructions a weight and thread against
-    "dot"'s 8.6-10.5, tests/kernels/test_fused_moe_int4_swap.py; not yet timed on a GPU),
-    else "dot" at 16 rows on 4 warps; past that mean "dot"
-    with 64 rows on 8 warps (run 199, H200, Qwen3-30B-A3B's experts,
-    benchmarks/fused_moe.py --int4: at 512 tokens 64 rows took 876 us where 32 rows took
-    2,124). "dot" at 64 features a program and K tiles of 64: the tiles that do not spill
-    when built for sm_90 with bf16 x (tests/kernels/test_fused_moe_int4.py reads ptxas'
-    log: at 16 rows 4 warps fit, 184 registers; at 64 rows 8 warps, 255)."""
+    """Up to a mean of 16 pairs an expert, where ``dtype`` is bf16 / fp16 and ``groups``
+    (gate_up's, down's) are multiples of 128 (a checkpoint's usual 128): form "swap", 64
+    features on 4 warps, 16 rows and 3 stages up to a mean of 8, 32 rows and 1 stage past
+    it (the tiles MXFP4's "swap" measured best on the H200, run 196; not yet timed for
+    int4). Its K loop built for sm_90a is 2.5-3.4 SASS instructions a weight and thread
+    against "dot"'s 8.6-10.5 (tests/kernels/test_fused_moe_int4_swap.py). Otherwise up to
+    that mean "dot" at 16 rows on 4 warps, and past it "dot" at 64 rows on 8 warps (run
+    199, H200, Qwen3-30B-A3B's experts, benchmarks/fused_moe.py --int4: at 512 tokens 64
+    rows took 876 us where 32 rows took 2,124). "dot" at 64 features a program and K tiles
+    of 64: the tiles that do not spill when built for sm_90 with bf16 x
+    (tests/kernels/test_fused_moe_int4.py reads ptxas' log: at 16 rows 4 warps fit, 184
+    registers; at 64 rows 8 warps, 255)."""
     mean = triton.cdiv(max(num_pairs, 1), num_experts)
     if mean <= 16:
         if dtype in (torch.bfloat16, torch.float16) and groups is not None \
@@ -270,138 +265,6 @@ def _int4_down_kernel(a_ptr, w_ptr, s_ptr, z_ptr, topk_w_ptr, ys_ptr, sorted_ptr
     tl.store(out, y.to(DT), mask=valid[:, None] & n_mask[None, :])
 
 
-# ------------------------------------------------------------------------- form "swap"
-@triton.jit
-def _int4_word(word, z, DT: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-               OFFSET: tl.constexpr):
-    """int32 words (8 nibbles, nibble j at bits 4j) and their zero points (uint8, same
-    shape) -> 8 tensors q - z in DT (exact: |q - z| <= 16), nibbles 0, 4, 1, 5, 2, 6, 3, 7
-    (fused_moe._swap_tile's order). ASM (bf16 / fp16 on the GPU): kernels/int4_gemm's
-    _UNPACK_PTX, two per lop3 + fma pair (each pair (j, j + 4) ORed into the mantissas of
-    OFFSET in one 32-bit register, then OFFSET + z taken off both); otherwise shifts and
-    masks, q - z in fp32, then DT."""
-    if ASM:
-        nz = (-(z.to(tl.float32) + OFFSET)).to(DT)  # exact: OFFSET + 0..16
-        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-            PTX.value, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [word, nz], dtype=(DT.value,) * 8,
-            is_pure=True, pack=1)
-        return n0, n4, n1, n5, n2, n6, n3, n7
-    else:
-        w = word.to(tl.uint32, bitcast=True)
-        zf = z.to(tl.float32)
-        return (((w & 0xF).to(tl.float32) - zf).to(DT),
-                (((w >> 16) & 0xF).to(tl.float32) - zf).to(DT),
-                (((w >> 4) & 0xF).to(tl.float32) - zf).to(DT),
-                (((w >> 20) & 0xF).to(tl.float32) - zf).to(DT),
-                (((w >> 8) & 0xF).to(tl.float32) - zf).to(DT),
-                (((w >> 24) & 0xF).to(tl.float32) - zf).to(DT),
-                (((w >> 12) & 0xF).to(tl.float32) - zf).to(DT),
-                ((w >> 28).to(tl.float32) - zf).to(DT))
-
-
-@triton.jit
-def _swap_w4(w_rowp, z_rowp, mask_r, k0, g, BLOCK_N: tl.constexpr, DT: tl.constexpr,
-             ASM: tl.constexpr, PTX: tl.constexpr, OFFSET: tl.constexpr):
-    """q - z of W[:, k0:k0 + 128] in DT, [BN, 128] (wgmma's first operand: rows in channel
-    order, K in fused_moe._swap_x's), the tile inside group g. ``w_rowp`` [BN, 1] the rows'
-    word pointers in load order (fused_moe._swap_rows), ``z_rowp`` [BN, 1] their zero
-    points', ``mask_r`` [BN, 1] the real rows. A thread loads 4 words (16 bytes) of a row
-    and decodes them in place: as MXFP4's "swap" (fused_moe._swap_w), the word load's
-    layout is wgmma's A fragment's, so no value passes through shared memory."""
-    offs_w = k0 // 8 + tl.arange(0, 16)
-    word = tl.load(w_rowp + offs_w[None, :], mask=mask_r, other=0)  # [BN, 16]
-    z = tl.broadcast_to(tl.load(z_rowp + g, mask=mask_r, other=0), (BLOCK_N, 16))
-    o0, o1, o2, o3, o4, o5, o6, o7 = _int4_word(word, z, DT, ASM, PTX, OFFSET)
-    return _swap_tile(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_N)
-
-
-@triton.jit
-def _int4_swap_gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr,
-                              block_expert_ptr, num_pairs, top_k, hidden, inter, stride_xt,
-                              stride_we, stride_wn, stride_se, stride_sn, stride_ar,
-                              G: tl.constexpr, DT: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                              ASM: tl.constexpr, PTX: tl.constexpr, OFFSET: tl.constexpr):
-    """_int4_gate_up_kernel's act by form "swap": per K tile of 128 (in one group) the
-    transposed sums [BN, BM] = (q - z) . x^T (_swap_w4, _swap_x), times the group's scale
-    (one per feature) into fp32 accumulators."""
-    pid_n = tl.program_id(0)
-    blk = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + blk)
-    if expert < 0:
-        return
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    token = tl.where(valid, pair // top_k, 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # channel order (the sums' rows)
-    n_mask = offs_n < inter
-    arow = _swap_rows(pid_n, BLOCK_N)  # load order (the words' rows)
-    mask_r = (arow < inter)[:, None]
-    e64 = expert.to(tl.int64)
-    up_w = inter.to(tl.int64) * stride_wn
-    up_s = inter.to(tl.int64) * stride_sn
-    w_rowp = w_ptr + e64 * stride_we + arow[:, None].to(tl.int64) * stride_wn
-    z_rowp = z_ptr + e64 * stride_se + arow[:, None].to(tl.int64) * stride_sn
-    s_row = s_ptr + e64 * stride_se + offs_n.to(tl.int64) * stride_sn
-    a_col = x_ptr + token[None, :] * stride_xt
-    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, hidden, 128):
-        g = k0 // G
-        a = _swap_x(a_col, valid, k0, hidden)
-        s_g = tl.load(s_row + g, mask=n_mask, other=0.0).to(tl.float32)
-        s_u = tl.load(s_row + up_s + g, mask=n_mask, other=0.0).to(tl.float32)
-        w_g = _swap_w4(w_rowp, z_rowp, mask_r, k0, g, BLOCK_N, DT, ASM, PTX, OFFSET)
-        acc_g += tl.dot(w_g, a, input_precision=PRECISION) * s_g[:, None]
-        w_u = _swap_w4(w_rowp + up_w, z_rowp + up_s, mask_r, k0, g, BLOCK_N, DT, ASM, PTX,
-                       OFFSET)
-        acc_u += tl.dot(w_u, a, input_precision=PRECISION) * s_u[:, None]
-    gate = tl.trans(acc_g).to(DT).to(tl.float32)  # each projection output in the model dtype
-    up = tl.trans(acc_u).to(DT).to(tl.float32)
-    act = ((gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32) * up).to(DT)
-    out = act_ptr + rows[:, None].to(tl.int64) * stride_ar + offs_n[None, :]
-    tl.store(out, act, mask=valid[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _int4_swap_down_kernel(a_ptr, w_ptr, s_ptr, z_ptr, topk_w_ptr, ys_ptr, sorted_ptr,
-                           block_expert_ptr, num_pairs, hidden, inter, stride_ar, stride_we,
-                           stride_wn, stride_se, stride_sn, stride_yp, G: tl.constexpr,
-                           DT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           PRECISION: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-                           OFFSET: tl.constexpr):
-    """_int4_down_kernel's ys by form "swap" (as _int4_swap_gate_up_kernel's sums)."""
-    pid_n = tl.program_id(0)
-    blk = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + blk)
-    if expert < 0:
-        return
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < hidden
-    arow = _swap_rows(pid_n, BLOCK_N)
-    mask_r = (arow < hidden)[:, None]
-    e64 = expert.to(tl.int64)
-    w_rowp = w_ptr + e64 * stride_we + arow[:, None].to(tl.int64) * stride_wn
-    z_rowp = z_ptr + e64 * stride_se + arow[:, None].to(tl.int64) * stride_sn
-    s_row = s_ptr + e64 * stride_se + offs_n.to(tl.int64) * stride_sn
-    a_col = a_ptr + rows[None, :].to(tl.int64) * stride_ar
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, inter, 128):
-        g = k0 // G
-        s = tl.load(s_row + g, mask=n_mask, other=0.0).to(tl.float32)
-        w = _swap_w4(w_rowp, z_rowp, mask_r, k0, g, BLOCK_N, DT, ASM, PTX, OFFSET)
-        acc += tl.dot(w, _swap_x(a_col, valid, k0, inter), input_precision=PRECISION) \
-            * s[:, None]
-    weight = tl.load(topk_w_ptr + pair, mask=valid, other=0.0)
-    y = tl.trans(acc).to(DT).to(tl.float32) * weight[:, None]
-    out = ys_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_yp + offs_n[None, :]
-    tl.store(out, y.to(DT), mask=valid[:, None] & n_mask[None, :])
-
-
 # ------------------------------------------------------------------------- launcher
 def _check(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch.Tensor,
            gate_up_zeros: torch.Tensor, down: torch.Tensor, down_scales: torch.Tensor,
@@ -482,12 +345,12 @@ def fused_moe_int4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch
         asm = x.dtype in _UNPACK_TYPES and x.is_cuda and not interpreting()
         launch.update(ASM=asm, PTX=_unpack_ptx(x.dtype) if asm else "",
                       OFFSET=_UNPACK_TYPES[x.dtype][1] if asm else 0.0)
-        _int4_swap_gate_up_kernel[(triton.cdiv(inter, cfg.block_n), nb)](
+        swap_kernels._int4_swap_gate_up_kernel[(triton.cdiv(inter, cfg.block_n), nb)](
             x, gate_up, gate_up_scales, gate_up_zeros, act, sorted_pairs, block_expert,
             num_pairs, k, h, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
             gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0), G=g1, **launch)
         ys = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
-        _int4_swap_down_kernel[(triton.cdiv(h, cfg.block_n), nb)](
+        swap_kernels._int4_swap_down_kernel[(triton.cdiv(h, cfg.block_n), nb)](
             act, down, down_scales, down_zeros, topk_weights.reshape(-1).contiguous(), ys,
             sorted_pairs, block_expert, num_pairs, h, inter, act.stride(0), down.stride(0),
             down.stride(1), down_scales.stride(0), down_scales.stride(1), ys.stride(0), G=g2,

@@ -29,6 +29,7 @@ from test_fused_moe_int4 import _rel, int4_experts  # tests/kernels
 
 from flashpage.kernels import fused_moe as fm
 from flashpage.kernels import fused_moe_int4 as fm4
+from flashpage.kernels import fused_moe_int4_swap as fm4s
 from flashpage.kernels.fused_moe import num_blocks
 from flashpage.kernels.fused_moe_int4 import (
     FusedMoEInt4Config,
@@ -129,12 +130,12 @@ def test_unpack_ptx_gives_q_minus_z_in_word_order(dtype):
 @triton.jit
 def _word_kernel(w_ptr, z_ptr, out_ptr, n, DT: tl.constexpr, BLOCK: tl.constexpr,
                  ASM: tl.constexpr, PTX: tl.constexpr, OFFSET: tl.constexpr):
-    """out [n, 8] = fm4._int4_word of words [n] with zero points [n]."""
+    """out [n, 8] = fm4s._int4_word of words [n] with zero points [n]."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     word = tl.load(w_ptr + offs, mask=mask, other=0)
     z = tl.load(z_ptr + offs, mask=mask, other=0)
-    o0, o1, o2, o3, o4, o5, o6, o7 = fm4._int4_word(word, z, DT, ASM, PTX, OFFSET)
+    o0, o1, o2, o3, o4, o5, o6, o7 = fm4s._int4_word(word, z, DT, ASM, PTX, OFFSET)
     out = out_ptr + offs * 8
     tl.store(out, o0, mask=mask)
     tl.store(out + 1, o1, mask=mask)
@@ -250,7 +251,7 @@ def test_swap_no_host_sync_on_meta_tensors(monkeypatch):
     grids: list = []
     monkeypatch.setattr(fm, "_align_kernel", _ShapeOnlyKernel(grids))
     for name in ("_int4_swap_gate_up_kernel", "_int4_swap_down_kernel"):
-        monkeypatch.setattr(fm4, name, _ShapeOnlyKernel(grids))
+        monkeypatch.setattr(fm4s, name, _ShapeOnlyKernel(grids))
     meta = torch.device("meta")
     t, k, e, h, inter, g = 7, 8, 128, 2048, 768, 128
     x = torch.empty(t, h, device=meta, dtype=torch.bfloat16)
@@ -297,7 +298,7 @@ def _compile_int4_swap_kernels() -> list[dict]:
                       BLOCK_N=bn, PRECISION="tf32")
         if form == "swap":
             consts.update(ASM=True, PTX=_unpack_ptx(torch_dt), OFFSET=_UNPACK_TYPES[torch_dt][1])
-            fn = fm4._int4_swap_gate_up_kernel if kern == "gate_up" else fm4._int4_swap_down_kernel
+            fn = fm4s._int4_swap_gate_up_kernel if kern == "gate_up" else fm4s._int4_swap_down_kernel
         else:
             consts["BLOCK_K"] = bk
             fn = fm4._int4_gate_up_kernel if kern == "gate_up" else fm4._int4_down_kernel

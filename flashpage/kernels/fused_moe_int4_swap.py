@@ -1,0 +1,149 @@
+"""Form "swap" of kernels/fused_moe_int4.py (its module docstring; the launcher, config and
+reference live there): the int4 experts' K tiles decoded into wgmma's A fragment.
+
+    out^T [BN, BM] = sum over K tiles of s[:, g] * ((q - z)[:, tile] . x[rows, tile]^T)
+
+MXFP4's "swap" layout (kernels/fused_moe.py: _swap_rows, _swap_x, _swap_tile) carries over
+unchanged, since our int4 packing (nibble j of word c = K 8c + j) is e2m1's; only the decode
+and the scale differ: q - z exact in x's dtype (kernels/int4_gemm's _UNPACK_PTX on the GPU,
+two a lop3 + packed fma), and the group's scale on each K tile's fp32 sums (a K tile of 128
+lies in one group).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashpage.kernels.fused_moe import _swap_rows, _swap_tile, _swap_x
+
+
+@triton.jit
+def _int4_word(word, z, DT: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
+               OFFSET: tl.constexpr):
+    """int32 words (8 nibbles, nibble j at bits 4j) and their zero points (uint8, same
+    shape) -> 8 tensors q - z in DT (exact: |q - z| <= 16), nibbles 0, 4, 1, 5, 2, 6, 3, 7
+    (fused_moe._swap_tile's order). ASM (bf16 / fp16 on the GPU): kernels/int4_gemm's
+    _UNPACK_PTX, two per lop3 + fma pair (each pair (j, j + 4) ORed into the mantissas of
+    OFFSET in one 32-bit register, then OFFSET + z taken off both); otherwise shifts and
+    masks, q - z in fp32, then DT."""
+    if ASM:
+        nz = (-(z.to(tl.float32) + OFFSET)).to(DT)  # exact: OFFSET + 0..16
+        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+            PTX.value, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [word, nz], dtype=(DT.value,) * 8,
+            is_pure=True, pack=1)
+        return n0, n4, n1, n5, n2, n6, n3, n7
+    else:
+        w = word.to(tl.uint32, bitcast=True)
+        zf = z.to(tl.float32)
+        return (((w & 0xF).to(tl.float32) - zf).to(DT),
+                (((w >> 16) & 0xF).to(tl.float32) - zf).to(DT),
+                (((w >> 4) & 0xF).to(tl.float32) - zf).to(DT),
+                (((w >> 20) & 0xF).to(tl.float32) - zf).to(DT),
+                (((w >> 8) & 0xF).to(tl.float32) - zf).to(DT),
+                (((w >> 24) & 0xF).to(tl.float32) - zf).to(DT),
+                (((w >> 12) & 0xF).to(tl.float32) - zf).to(DT),
+                ((w >> 28).to(tl.float32) - zf).to(DT))
+
+
+@triton.jit
+def _swap_w4(w_rowp, z_rowp, mask_r, k0, g, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+             ASM: tl.constexpr, PTX: tl.constexpr, OFFSET: tl.constexpr):
+    """q - z of W[:, k0:k0 + 128] in DT, [BN, 128] (wgmma's first operand: rows in channel
+    order, K in fused_moe._swap_x's), the tile inside group g. ``w_rowp`` [BN, 1] the rows'
+    word pointers in load order (fused_moe._swap_rows), ``z_rowp`` [BN, 1] their zero
+    points', ``mask_r`` [BN, 1] the real rows. A thread loads 4 words (16 bytes) of a row
+    and decodes them in place: as MXFP4's "swap" (fused_moe._swap_w), the word load's
+    layout is wgmma's A fragment's, so no value passes through shared memory."""
+    offs_w = k0 // 8 + tl.arange(0, 16)
+    word = tl.load(w_rowp + offs_w[None, :], mask=mask_r, other=0)  # [BN, 16]
+    z = tl.broadcast_to(tl.load(z_rowp + g, mask=mask_r, other=0), (BLOCK_N, 16))
+    o0, o1, o2, o3, o4, o5, o6, o7 = _int4_word(word, z, DT, ASM, PTX, OFFSET)
+    return _swap_tile(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_N)
+
+
+@triton.jit
+def _int4_swap_gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr,
+                              block_expert_ptr, num_pairs, top_k, hidden, inter, stride_xt,
+                              stride_we, stride_wn, stride_se, stride_sn, stride_ar,
+                              G: tl.constexpr, DT: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                              ASM: tl.constexpr, PTX: tl.constexpr, OFFSET: tl.constexpr):
+    """_int4_gate_up_kernel's act by form "swap": per K tile of 128 (in one group) the
+    transposed sums [BN, BM] = (q - z) . x^T (_swap_w4, _swap_x), times the group's scale
+    (one per feature) into fp32 accumulators."""
+    pid_n = tl.program_id(0)
+    blk = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + blk)
+    if expert < 0:
+        return
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    token = tl.where(valid, pair // top_k, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # channel order (the sums' rows)
+    n_mask = offs_n < inter
+    arow = _swap_rows(pid_n, BLOCK_N)  # load order (the words' rows)
+    mask_r = (arow < inter)[:, None]
+    e64 = expert.to(tl.int64)
+    up_w = inter.to(tl.int64) * stride_wn
+    up_s = inter.to(tl.int64) * stride_sn
+    w_rowp = w_ptr + e64 * stride_we + arow[:, None].to(tl.int64) * stride_wn
+    z_rowp = z_ptr + e64 * stride_se + arow[:, None].to(tl.int64) * stride_sn
+    s_row = s_ptr + e64 * stride_se + offs_n.to(tl.int64) * stride_sn
+    a_col = x_ptr + token[None, :] * stride_xt
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, hidden, 128):
+        g = k0 // G
+        a = _swap_x(a_col, valid, k0, hidden)
+        s_g = tl.load(s_row + g, mask=n_mask, other=0.0).to(tl.float32)
+        s_u = tl.load(s_row + up_s + g, mask=n_mask, other=0.0).to(tl.float32)
+        w_g = _swap_w4(w_rowp, z_rowp, mask_r, k0, g, BLOCK_N, DT, ASM, PTX, OFFSET)
+        acc_g += tl.dot(w_g, a, input_precision=PRECISION) * s_g[:, None]
+        w_u = _swap_w4(w_rowp + up_w, z_rowp + up_s, mask_r, k0, g, BLOCK_N, DT, ASM, PTX,
+                       OFFSET)
+        acc_u += tl.dot(w_u, a, input_precision=PRECISION) * s_u[:, None]
+    gate = tl.trans(acc_g).to(DT).to(tl.float32)  # each projection output in the model dtype
+    up = tl.trans(acc_u).to(DT).to(tl.float32)
+    act = ((gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32) * up).to(DT)
+    out = act_ptr + rows[:, None].to(tl.int64) * stride_ar + offs_n[None, :]
+    tl.store(out, act, mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _int4_swap_down_kernel(a_ptr, w_ptr, s_ptr, z_ptr, topk_w_ptr, ys_ptr, sorted_ptr,
+                           block_expert_ptr, num_pairs, hidden, inter, stride_ar, stride_we,
+                           stride_wn, stride_se, stride_sn, stride_yp, G: tl.constexpr,
+                           DT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           PRECISION: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
+                           OFFSET: tl.constexpr):
+    """_int4_down_kernel's ys by form "swap" (as _int4_swap_gate_up_kernel's sums)."""
+    pid_n = tl.program_id(0)
+    blk = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + blk)
+    if expert < 0:
+        return
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    arow = _swap_rows(pid_n, BLOCK_N)
+    mask_r = (arow < hidden)[:, None]
+    e64 = expert.to(tl.int64)
+    w_rowp = w_ptr + e64 * stride_we + arow[:, None].to(tl.int64) * stride_wn
+    z_rowp = z_ptr + e64 * stride_se + arow[:, None].to(tl.int64) * stride_sn
+    s_row = s_ptr + e64 * stride_se + offs_n.to(tl.int64) * stride_sn
+    a_col = a_ptr + rows[None, :].to(tl.int64) * stride_ar
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, inter, 128):
+        g = k0 // G
+        s = tl.load(s_row + g, mask=n_mask, other=0.0).to(tl.float32)
+        w = _swap_w4(w_rowp, z_rowp, mask_r, k0, g, BLOCK_N, DT, ASM, PTX, OFFSET)
+        acc += tl.dot(w, _swap_x(a_col, valid, k0, inter), input_precision=PRECISION) \
+            * s[:, None]
+    weight = tl.load(topk_w_ptr + pair, mask=valid, other=0.0)
+    y = tl.trans(acc).to(DT).to(tl.float32) * weight[:, None]
+    out = ys_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_yp + offs_n[None, :]
+    tl.store(out, y.to(DT), mask=valid[:, None] & n_mask[None, :])
