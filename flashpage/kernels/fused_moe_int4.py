@@ -54,13 +54,16 @@ Two forms (``FusedMoEInt4Config.form``, INT4_FORMS):
   accumulation order and the reference's 16-bit rounding of each weight (the reference
   rounds (q - z) * s to x's dtype; here it is exact). fp32 x and the interpreter: the
   same q - z by shifts and masks (Triton ops). Built for sm_90a (bf16 or fp16, 64
-  features, 16 rows, tests/kernels/test_fused_moe_int4_swap.py) its K loop is 2.5-3.4
+  features, 16 rows, tests/kernels/test_fused_moe_int4_swap.py) its K loop is 2.3-2.9
   SASS instructions a weight and thread: per thread and tile of 64 x 128 weights, 32 lop3
   + 32 packed adds + 24 shifts of decode, 8 HGMMA 64x16x16 with A from registers, and,
   unpipelined, no shared-memory read at all (pipelined, the words arrive by cp.async and
   one LDS.128 per 4 words); 128 features a tile convert the fragment through shared
-  memory (Triton's layout for two warpgroup row blocks) and are not used. Each tile's
-  wgmma is waited on before its scale (the accumulators are the fp32 sums, not the MMA's).
+  memory (Triton's layout for two warpgroup row blocks) and are not used. The gate_up
+  kernel stores act with each 128 features in _swap_x's K order (every row, padding rows
+  too), so the down kernel loads its K tiles as they lie, unmasked; rows past N read
+  wrapped real rows (never stored): no masks in the loop. Each tile's wgmma is waited on
+  before its scale (the accumulators are the fp32 sums, not the MMA's).
   Not yet timed on a GPU: benchmarks/fused_moe.py --int4 times each form's tiles.
 """
 
@@ -127,7 +130,7 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype | None =
     (gate_up's, down's) are multiples of 128 (a checkpoint's usual 128): form "swap", 64
     features on 4 warps, 16 rows and 3 stages up to a mean of 8, 32 rows and 1 stage past
     it (the tiles MXFP4's "swap" measured best on the H200, run 196; not yet timed for
-    int4). Its K loop built for sm_90a is 2.5-3.4 SASS instructions a weight and thread
+    int4). Its K loop built for sm_90a is 2.3-2.9 SASS instructions a weight and thread
     against "dot"'s 8.6-10.5 (tests/kernels/test_fused_moe_int4_swap.py). Otherwise up to
     that mean "dot" at 16 rows on 4 warps, and past it "dot" at 64 rows on 8 warps (run
     199, H200, Qwen3-30B-A3B's experts, benchmarks/fused_moe.py --int4: at 512 tokens 64

@@ -19,6 +19,15 @@ from flashpage.kernels.fused_moe import _swap_rows, _swap_tile, _swap_x
 
 
 @triton.jit
+def _swap_k(k):
+    """fused_moe._swap_x's K order: where natural K (within each 128) 32q + 8u + 4h + r
+    goes, 32u + 8r + 2q + h. The gate_up kernel stores act in it, so the down kernel reads
+    its K tiles as they lie (no permute of them in its loop)."""
+    kn = k % 128
+    return k - kn + 32 * ((kn // 8) % 4) + 8 * (kn % 4) + 2 * (kn // 32) + (kn // 4) % 2
+
+
+@triton.jit
 def _int4_word(word, z, DT: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
                OFFSET: tl.constexpr):
     """int32 words (8 nibbles, nibble j at bits 4j) and their zero points (uint8, same
@@ -47,17 +56,17 @@ def _int4_word(word, z, DT: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
 
 
 @triton.jit
-def _swap_w4(w_rowp, z_rowp, mask_r, k0, g, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+def _swap_w4(w_rowp, z_rowp, k0, g, BLOCK_N: tl.constexpr, DT: tl.constexpr,
              ASM: tl.constexpr, PTX: tl.constexpr, OFFSET: tl.constexpr):
     """q - z of W[:, k0:k0 + 128] in DT, [BN, 128] (wgmma's first operand: rows in channel
     order, K in fused_moe._swap_x's), the tile inside group g. ``w_rowp`` [BN, 1] the rows'
-    word pointers in load order (fused_moe._swap_rows), ``z_rowp`` [BN, 1] their zero
-    points', ``mask_r`` [BN, 1] the real rows. A thread loads 4 words (16 bytes) of a row
+    word pointers in load order (fused_moe._swap_rows; rows past the end wrapped to real
+    ones: no masks), ``z_rowp`` [BN, 1] their zero points'. A thread loads 4 words (16 bytes) of a row
     and decodes them in place: as MXFP4's "swap" (fused_moe._swap_w), the word load's
     layout is wgmma's A fragment's, so no value passes through shared memory."""
     offs_w = k0 // 8 + tl.arange(0, 16)
-    word = tl.load(w_rowp + offs_w[None, :], mask=mask_r, other=0)  # [BN, 16]
-    z = tl.broadcast_to(tl.load(z_rowp + g, mask=mask_r, other=0), (BLOCK_N, 16))
+    word = tl.load(w_rowp + offs_w[None, :])  # [BN, 16]
+    z = tl.broadcast_to(tl.load(z_rowp + g), (BLOCK_N, 16))
     o0, o1, o2, o3, o4, o5, o6, o7 = _int4_word(word, z, DT, ASM, PTX, OFFSET)
     return _swap_tile(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_N)
 
@@ -83,32 +92,33 @@ def _int4_swap_gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr,
     token = tl.where(valid, pair // top_k, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # channel order (the sums' rows)
     n_mask = offs_n < inter
-    arow = _swap_rows(pid_n, BLOCK_N)  # load order (the words' rows)
-    mask_r = (arow < inter)[:, None]
+    # rows past the end read real ones (their sums are never stored): no masks in the loop
+    arow = _swap_rows(pid_n, BLOCK_N) % inter  # load order (the words' rows)
     e64 = expert.to(tl.int64)
     up_w = inter.to(tl.int64) * stride_wn
     up_s = inter.to(tl.int64) * stride_sn
     w_rowp = w_ptr + e64 * stride_we + arow[:, None].to(tl.int64) * stride_wn
     z_rowp = z_ptr + e64 * stride_se + arow[:, None].to(tl.int64) * stride_sn
-    s_row = s_ptr + e64 * stride_se + offs_n.to(tl.int64) * stride_sn
+    s_row = s_ptr + e64 * stride_se + (offs_n % inter).to(tl.int64) * stride_sn
     a_col = x_ptr + token[None, :] * stride_xt
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, hidden, 128):
         g = k0 // G
         a = _swap_x(a_col, valid, k0, hidden)
-        s_g = tl.load(s_row + g, mask=n_mask, other=0.0).to(tl.float32)
-        s_u = tl.load(s_row + up_s + g, mask=n_mask, other=0.0).to(tl.float32)
-        w_g = _swap_w4(w_rowp, z_rowp, mask_r, k0, g, BLOCK_N, DT, ASM, PTX, OFFSET)
+        s_g = tl.load(s_row + g).to(tl.float32)
+        s_u = tl.load(s_row + up_s + g).to(tl.float32)
+        w_g = _swap_w4(w_rowp, z_rowp, k0, g, BLOCK_N, DT, ASM, PTX, OFFSET)
         acc_g += tl.dot(w_g, a, input_precision=PRECISION) * s_g[:, None]
-        w_u = _swap_w4(w_rowp + up_w, z_rowp + up_s, mask_r, k0, g, BLOCK_N, DT, ASM, PTX,
-                       OFFSET)
+        w_u = _swap_w4(w_rowp + up_w, z_rowp + up_s, k0, g, BLOCK_N, DT, ASM, PTX, OFFSET)
         acc_u += tl.dot(w_u, a, input_precision=PRECISION) * s_u[:, None]
     gate = tl.trans(acc_g).to(DT).to(tl.float32)  # each projection output in the model dtype
     up = tl.trans(acc_u).to(DT).to(tl.float32)
     act = ((gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32) * up).to(DT)
-    out = act_ptr + rows[:, None].to(tl.int64) * stride_ar + offs_n[None, :]
-    tl.store(out, act, mask=valid[:, None] & n_mask[None, :])
+    # each row's features in _swap_k's order (the down kernel's K)
+    out = act_ptr + rows[:, None].to(tl.int64) * stride_ar + _swap_k(offs_n)[None, :]
+    # padding rows too (token 0's act): the down kernel reads its tiles unmasked
+    tl.store(out, act, mask=n_mask[None, :])
 
 
 @triton.jit
@@ -129,20 +139,20 @@ def _int4_swap_down_kernel(a_ptr, w_ptr, s_ptr, z_ptr, topk_w_ptr, ys_ptr, sorte
     valid = pair < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
-    arow = _swap_rows(pid_n, BLOCK_N)
-    mask_r = (arow < hidden)[:, None]
+    arow = _swap_rows(pid_n, BLOCK_N) % hidden  # rows past the end wrapped (never stored)
     e64 = expert.to(tl.int64)
     w_rowp = w_ptr + e64 * stride_we + arow[:, None].to(tl.int64) * stride_wn
     z_rowp = z_ptr + e64 * stride_se + arow[:, None].to(tl.int64) * stride_sn
-    s_row = s_ptr + e64 * stride_se + offs_n.to(tl.int64) * stride_sn
-    a_col = a_ptr + rows[None, :].to(tl.int64) * stride_ar
+    s_row = s_ptr + e64 * stride_se + (offs_n % hidden).to(tl.int64) * stride_sn
+    a_col = a_ptr + rows[None, :].to(tl.int64) * stride_ar  # act's K in _swap_k's order
+    offs_k = tl.arange(0, 128)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, inter, 128):
         g = k0 // G
-        s = tl.load(s_row + g, mask=n_mask, other=0.0).to(tl.float32)
-        w = _swap_w4(w_rowp, z_rowp, mask_r, k0, g, BLOCK_N, DT, ASM, PTX, OFFSET)
-        acc += tl.dot(w, _swap_x(a_col, valid, k0, inter), input_precision=PRECISION) \
-            * s[:, None]
+        s = tl.load(s_row + g).to(tl.float32)
+        w = _swap_w4(w_rowp, z_rowp, k0, g, BLOCK_N, DT, ASM, PTX, OFFSET)
+        a = tl.load(a_col + (k0 + offs_k)[:, None])  # padding rows too (gate_up wrote them)
+        acc += tl.dot(w, a, input_precision=PRECISION) * s[:, None]
     weight = tl.load(topk_w_ptr + pair, mask=valid, other=0.0)
     y = tl.trans(acc).to(DT).to(tl.float32) * weight[:, None]
     out = ys_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_yp + offs_n[None, :]
