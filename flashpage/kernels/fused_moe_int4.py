@@ -44,11 +44,13 @@ Two forms (``FusedMoEInt4Config.form``, INT4_FORMS):
   K tiles of 128, each inside one group g: a thread loads 4 words (16 bytes) of a row, the
   rows in fused_moe._swap_rows' order and x's K in _swap_x's, so the 8 values of each word
   are already its share of wgmma's A fragment (fused_moe._swap_tile: register moves only;
-  our packing, nibble j of a word = K 8c + j, is e2m1's). The decode, kernels/int4_gemm's
-  _UNPACK_PTX: per pair of nibbles (j, j + 4), 16 bits apart, one lop3 ORs both into the
-  mantissas of OFFSET (bf16 128.0 = 0x4300, fp16 1024.0 = 0x6400: the 16-bit OFFSET + q,
-  exact) and one packed fma (x * 1 - (OFFSET + z)) leaves q - z, exact in either 16-bit
-  type (|q - z| <= 16), in x's dtype (bf16 x decodes to bf16: no fp16 detour). The group's
+  our packing, nibble j of a word = K 8c + j, is e2m1's). The decode (inline PTX,
+  fused_moe_int4_swap.word_ptx): per pair of nibbles (j, j + 4), 16 bits apart, one lop3
+  ORs both into the mantissas of a 16-bit magic (bf16 128.0 = 0x4300: 128 + q, a nibble
+  at bits 0-3 of each half, so three shifts a word, kernels/int4_gemm's _UNPACK_PTX; fp16
+  1024.0 = 0x6400 for bits 0-3 and 64.0 = 0x5400 for bits 4-7, one shift a word) and one
+  packed fma (x * 1 - (magic + z)) leaves q - z, exact in either 16-bit type
+  (|q - z| <= 16), in x's dtype (bf16 x decodes to bf16: no fp16 detour). The group's
   scale (fp32, one per feature) multiplies each tile's fp32 sums; the weights (q - z) * s
   are never rounded, so the result is the dequantized weights' linear within fp32
   accumulation order and the reference's 16-bit rounding of each weight (the reference
@@ -56,7 +58,8 @@ Two forms (``FusedMoEInt4Config.form``, INT4_FORMS):
   same q - z by shifts and masks (Triton ops). Built for sm_90a (bf16 or fp16, 64
   features, 16 rows, tests/kernels/test_fused_moe_int4_swap.py) its K loop is 2.3-2.9
   SASS instructions a weight and thread: per thread and tile of 64 x 128 weights, 32 lop3
-  + 32 packed adds + 24 shifts of decode, 8 HGMMA 64x16x16 with A from registers, and,
+  + 32 packed adds + 24 shifts (fp16: 8) of decode, 8 HGMMA 64x16x16 with A from
+  registers, and,
   unpipelined, no shared-memory read at all (pipelined, the words arrive by cp.async and
   one LDS.128 per 4 words); 128 features a tile convert the fragment through shared
   memory (Triton's layout for two warpgroup row blocks) and are not used. The gate_up
@@ -77,7 +80,7 @@ import triton.language as tl
 
 from flashpage.kernels import fused_moe_int4_swap as swap_kernels
 from flashpage.kernels.fused_moe import fused_moe_ref, moe_align
-from flashpage.kernels.int4_gemm import _UNPACK_TYPES, PACK, _unpack_ptx, dequantize_int4_ref
+from flashpage.kernels.int4_gemm import PACK, dequantize_int4_ref
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -345,9 +348,9 @@ def fused_moe_int4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch
     if swap:
         from flashpage.kernels.device import interpreting
 
-        asm = x.dtype in _UNPACK_TYPES and x.is_cuda and not interpreting()
-        launch.update(ASM=asm, PTX=_unpack_ptx(x.dtype) if asm else "",
-                      OFFSET=_UNPACK_TYPES[x.dtype][1] if asm else 0.0)
+        asm = x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda and not interpreting()
+        ptx, offset = swap_kernels.word_ptx(x.dtype) if asm else ("", 0.0)
+        launch.update(ASM=asm, PTX=ptx, OFFSET=offset)
         swap_kernels._int4_swap_gate_up_kernel[(triton.cdiv(inter, cfg.block_n), nb)](
             x, gate_up, gate_up_scales, gate_up_zeros, act, sorted_pairs, block_expert,
             num_pairs, k, h, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),

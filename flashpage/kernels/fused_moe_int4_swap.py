@@ -5,17 +5,19 @@ reference live there): the int4 experts' K tiles decoded into wgmma's A fragment
 
 MXFP4's "swap" layout (kernels/fused_moe.py: _swap_rows, _swap_x, _swap_tile) carries over
 unchanged, since our int4 packing (nibble j of word c = K 8c + j) is e2m1's; only the decode
-and the scale differ: q - z exact in x's dtype (kernels/int4_gemm's _UNPACK_PTX on the GPU,
-two a lop3 + packed fma), and the group's scale on each K tile's fp32 sums (a K tile of 128
-lies in one group).
+and the scale differ: q - z exact in x's dtype (inline PTX on the GPU, two a lop3 + packed
+fma: ``word_ptx``), and the group's scale on each K tile's fp32 sums (a K tile of 128 lies
+in one group).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from flashpage.kernels.fused_moe import _swap_rows, _swap_tile, _swap_x
+from flashpage.kernels.int4_gemm import _UNPACK_TYPES, _unpack_ptx
 
 
 @triton.jit
@@ -27,20 +29,68 @@ def _swap_k(k):
     return k - kn + 32 * ((kn // 8) % 4) + 8 * (kn % 4) + 2 * (kn // 32) + (kn // 4) % 2
 
 
+# fp16's decode of a word with one shift where kernels/int4_gemm's _UNPACK_PTX (bf16's, and
+# the PTX ``word_ptx`` gives for bf16) takes three: bf16's 7 mantissa bits hold a nibble at
+# bits 0-3 of each half only, fp16's 10 hold one at bits 0-3 (ORed into 1024.0 = 0x6400,
+# whose last bit is worth 1: 1024 + q) or at bits 4-7 (into 64.0 = 0x5400, whose last bit
+# is worth 1/16: 64 + q). So the word and the word >> 8 give the four pairs of nibbles
+# (j, j + 4), 16 bits apart, each by one lop3 (a & mask | magic) and one packed fma
+# (x * 1 + $9 = -(1024 + z), or + $10 = -(64 + z)), all exact. Out: $i = nibble i's q - z.
+F16_WORD_PTX = """{
+.reg .b32 w8, p, nzl, nzh, one, ml, mh, cl, ch;
+mov.b32 nzl, {$9, $9};
+mov.b32 nzh, {$10, $10};
+mov.b32 one, 0x3C003C00;
+mov.b32 ml, 0x000F000F;
+mov.b32 mh, 0x00F000F0;
+mov.b32 cl, 0x64006400;
+mov.b32 ch, 0x54005400;
+lop3.b32 p, $8, ml, cl, 0xEA;
+fma.rn.f16x2 p, p, one, nzl;
+mov.b32 {$0, $4}, p;
+lop3.b32 p, $8, mh, ch, 0xEA;
+fma.rn.f16x2 p, p, one, nzh;
+mov.b32 {$1, $5}, p;
+shr.u32 w8, $8, 8;
+lop3.b32 p, w8, ml, cl, 0xEA;
+fma.rn.f16x2 p, p, one, nzl;
+mov.b32 {$2, $6}, p;
+lop3.b32 p, w8, mh, ch, 0xEA;
+fma.rn.f16x2 p, p, one, nzh;
+mov.b32 {$3, $7}, p;
+}"""
+
+
+def word_ptx(dtype: torch.dtype) -> tuple[str, float]:
+    """(the inline PTX, its OFFSET) _int4_word runs for x of ``dtype`` (bf16 / fp16)."""
+    if dtype == torch.float16:
+        return F16_WORD_PTX, 1024.0
+    if dtype == torch.bfloat16:
+        return _unpack_ptx(dtype), _UNPACK_TYPES[dtype][1]
+    raise ValueError(f"no inline-PTX int4 decode for {dtype} (bf16 / fp16 only)")
+
+
 @triton.jit
 def _int4_word(word, z, DT: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
                OFFSET: tl.constexpr):
     """int32 words (8 nibbles, nibble j at bits 4j) and their zero points (uint8, same
     shape) -> 8 tensors q - z in DT (exact: |q - z| <= 16), nibbles 0, 4, 1, 5, 2, 6, 3, 7
-    (fused_moe._swap_tile's order). ASM (bf16 / fp16 on the GPU): kernels/int4_gemm's
-    _UNPACK_PTX, two per lop3 + fma pair (each pair (j, j + 4) ORed into the mantissas of
-    OFFSET in one 32-bit register, then OFFSET + z taken off both); otherwise shifts and
-    masks, q - z in fp32, then DT."""
+    (fused_moe._swap_tile's order). ASM (bf16 / fp16 on the GPU; PTX and OFFSET
+    ``word_ptx``'s): one lop3 + one packed fma a pair of nibbles (j, j + 4), ORed into the
+    mantissas of a 16-bit magic in one 32-bit register, the magic + z taken off both (bf16
+    kernels/int4_gemm's _UNPACK_PTX, three shifts a word; fp16 F16_WORD_PTX, one);
+    otherwise shifts and masks, q - z in fp32, then DT."""
     if ASM:
-        nz = (-(z.to(tl.float32) + OFFSET)).to(DT)  # exact: OFFSET + 0..16
-        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-            PTX.value, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [word, nz], dtype=(DT.value,) * 8,
-            is_pure=True, pack=1)
+        zf = z.to(tl.float32)
+        if DT.value.is_fp16():
+            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+                PTX.value, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+                [word, (-(zf + 1024.0)).to(DT), (-(zf + 64.0)).to(DT)],  # exact
+                dtype=(DT.value,) * 8, is_pure=True, pack=1)
+        else:
+            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+                PTX.value, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [word, (-(zf + OFFSET)).to(DT)],
+                dtype=(DT.value,) * 8, is_pure=True, pack=1)
         return n0, n4, n1, n5, n2, n6, n3, n7
     else:
         w = word.to(tl.uint32, bitcast=True)

@@ -67,10 +67,11 @@ def words_and_zeros() -> tuple[torch.Tensor, torch.Tensor]:
     return every_nibble_words().repeat(17), torch.arange(17).repeat_interleave(256).to(torch.uint8)
 
 
-def replay_ptx(ptx: str, words: torch.Tensor, nz: torch.Tensor, dtype: torch.dtype) -> list:
+def replay_ptx(ptx: str, words: torch.Tensor, h_in: dict[int, torch.Tensor],
+               dtype: torch.dtype) -> list:
     """The unpack PTX run in torch, line by line from its text (int64 for the 32-bit ops,
-    16-bit arithmetic rounded to ``dtype``): its 8 outputs $0..$7 for words [n] and the
-    16-bit operand $9 [n]."""
+    16-bit arithmetic rounded to ``dtype``): its 8 outputs $0..$7 for words [n] ($8) and
+    the 16-bit operands ``h_in`` (operand number -> [n])."""
     regs: dict[str, torch.Tensor | int] = {}
     outs: dict[int, torch.Tensor] = {}
     w = words.to(torch.int64) & 0xFFFFFFFF
@@ -91,8 +92,10 @@ def replay_ptx(ptx: str, words: torch.Tensor, nz: torch.Tensor, dtype: torch.dty
     for line in (ln.strip().rstrip(";") for ln in ptx.splitlines()):
         op, _, args = line.partition(" ")
         a = [x.strip() for x in args.split(",")] if args else []
-        if op == "mov.b32" and a[1] == "{$9":  # mov.b32 nz, {$9, $9}
-            regs[a[0]] = pack(nz.float(), nz.float())
+        if op == "mov.b32" and a[1].startswith("{$"):  # mov.b32 nz, {$9, $9}
+            v = h_in[int(a[1][2:])]
+            assert a[2] == a[1][1:] + "}"
+            regs[a[0]] = pack(v.float(), v.float())
         elif op == "mov.b32" and a[0].startswith("{"):  # mov.b32 {$i, $j}, p
             lo, hi = halves(regs[a[2]])
             outs[int(a[0][2:])], outs[int(a[1][1:-1])] = lo, hi
@@ -114,17 +117,25 @@ def replay_ptx(ptx: str, words: torch.Tensor, nz: torch.Tensor, dtype: torch.dty
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_unpack_ptx_gives_q_minus_z_in_word_order(dtype):
-    """The PTX _int4_word runs on the GPU, replayed in torch from its own text for every
-    nibble at every position with every zero point 0-16 (the nz operand _int4_word passes:
-    -(OFFSET + z) in the 16-bit type, exact): output $i is nibble i's q - z, exactly, so
+    """The PTX _int4_word runs on the GPU (fm4s.word_ptx: int4_gemm's for bf16, three
+    shifts a word; F16_WORD_PTX for fp16, one), replayed in torch from its own text for
+    every nibble at every position with every zero point 0-16 (the 16-bit operands
+    _int4_word passes: -(magic + z), exact): output $i is nibble i's q - z, exactly, so
     _int4_word's (n0, n4, n1, n5, ...) is WORD_ORDER."""
     words, z = words_and_zeros()
-    offset = _UNPACK_TYPES[dtype][1]
-    nz = (-(z.float() + offset)).to(dtype)
-    assert torch.equal(nz.float(), -(z.float() + offset))  # exact
-    outs = replay_ptx(_unpack_ptx(dtype), words, nz, dtype)
+    ptx, offset = fm4s.word_ptx(dtype)
+    magics = {9: offset} if dtype == torch.bfloat16 else {9: 1024.0, 10: 64.0}
+    assert offset == _UNPACK_TYPES[dtype][1] and (dtype == torch.float16) == (ptx != _unpack_ptx(dtype))
+    h_in = {i: (-(z.float() + m)).to(dtype) for i, m in magics.items()}
+    for i, m in magics.items():
+        assert torch.equal(h_in[i].float(), -(z.float() + m))  # exact
+    outs = replay_ptx(ptx, words, h_in, dtype)
     for i in range(8):
         assert torch.equal(outs[i], nibble(words, i).float() - z.float()), (dtype, i)
+    shifts = len(re.findall(r"^shr\.u32", ptx, re.M))
+    assert shifts == (3 if dtype == torch.bfloat16 else 1)
+    with pytest.raises(ValueError, match="no inline-PTX int4 decode for torch.float32"):
+        fm4s.word_ptx(torch.float32)
 
 
 @triton.jit
@@ -153,9 +164,10 @@ def assert_word_decode(dtype: torch.dtype, asm: bool) -> None:
     n = words.numel()
     out = torch.full((n, 8), 99.0, dtype=dtype, device=DEV)  # 99: no q - z
     dt = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+    ptx, offset = fm4s.word_ptx(dtype) if asm else ("", 0.0)
     _word_kernel[(triton.cdiv(n, 1024),)](
-        words.to(DEV), z.to(DEV), out, n, DT=dt[dtype], BLOCK=1024, ASM=asm,
-        PTX=_unpack_ptx(dtype) if asm else "", OFFSET=_UNPACK_TYPES[dtype][1] if asm else 0.0)
+        words.to(DEV), z.to(DEV), out, n, DT=dt[dtype], BLOCK=1024, ASM=asm, PTX=ptx,
+        OFFSET=offset)
     want = torch.stack([nibble(words, m) for m in WORD_ORDER], 1).float() - z.float()[:, None]
     assert torch.equal(out.cpu().float(), want), (dtype, asm)
 
@@ -297,7 +309,8 @@ def _compile_int4_swap_kernels() -> list[dict]:
         consts = dict(G=128, DT=tl.bfloat16 if dt == "bf16" else tl.float16, BLOCK_M=bm,
                       BLOCK_N=bn, PRECISION="tf32")
         if form == "swap":
-            consts.update(ASM=True, PTX=_unpack_ptx(torch_dt), OFFSET=_UNPACK_TYPES[torch_dt][1])
+            ptx, offset = fm4s.word_ptx(torch_dt)
+            consts.update(ASM=True, PTX=ptx, OFFSET=offset)
             fn = fm4s._int4_swap_gate_up_kernel if kern == "gate_up" else fm4s._int4_swap_down_kernel
         else:
             consts["BLOCK_K"] = bk
@@ -318,7 +331,8 @@ def _compile_int4_swap_kernels() -> list[dict]:
             hgmma=sum(n for o, n in ops.items() if o.startswith("HGMMA")),
             hgmma_reg_a=sum(bool(re.match(r"HGMMA\S* R\d+, R\d+, gdesc", t)) for t in loop),
             hmma=sum(n for o, n in ops.items() if o.startswith("HMMA")),
-            unpack_lop3=sum(t.startswith("LOP3.LUT") and ", 0xf000f, " in t for t in loop),
+            unpack_lop3=sum(t.startswith("LOP3.LUT") and bool(re.search(r", 0xf000f0?, ", t))
+                            for t in loop),
             hadd2=sum(n for o, n in ops.items() if o.startswith("HADD2") and "F32" not in o),
             lds=sum(n for o, n in ops.items() if o.startswith(("LDS", "LDSM"))),
             **ptxas_usage(log)))
@@ -329,7 +343,8 @@ def test_swap_kernels_compile_for_sm90():
     """On the CPU: "swap" builds for an H200 in bf16 and fp16 (the inline PTX assembles):
     its MMAs are wgmma with the weights from registers; the decode is what the PTX says,
     one lop3 (into OFFSET's mantissas) and one packed add (- OFFSET - z) a pair of weights
-    a thread (a thread's share of a 64 x 128 tile: 32 pairs); unpipelined no
+    a thread (a thread's share of a 64 x 128 tile: 32 pairs), fp16's loop shorter than
+    bf16's (one shift a word, not three); unpipelined no
     shared-memory read at all in the loop (the word load's layout is wgmma's A fragment's:
     the decoded values never move between threads); nothing spills; and its K loop's SASS
     per weight and thread is under 0.4x "dot"'s at the same rows (the figures: -s prints
@@ -352,6 +367,10 @@ def test_swap_kernels_compile_for_sm90():
         if r["stages"] == 1:
             assert r["lds"] == 0, r
         assert r["per_weight"] < 0.4 * dot[r["kernel"]], (r, dot)
+    swap = {(r["kernel"], r["block_m"], r["stages"], r["dtype"]): r["loop"] for r in got
+            if r["form"] == "swap"}
+    for kern in ("gate_up", "down"):  # fp16's decode: 2 fewer shifts a word
+        assert swap[kern, 16, 3, "fp16"] < swap[kern, 16, 3, "bf16"], swap
 
 
 # ----------------------------------------------------------------- GPU
