@@ -16,8 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.fused_moe import _swap_rows, _swap_tile, _swap_x
+from flashpage.kernels.fused_moe import _swap_rows, _swap_tile
 from flashpage.kernels.int4_gemm import _UNPACK_TYPES, _unpack_ptx
+
+
+@triton.jit
+def _x_tile(a_col, k0):
+    """fused_moe._swap_x unmasked: x[rows, k0:k0 + 128].T [128, BM] in its K order (_swap_k),
+    ``a_col`` [1, BM] the rows' pointers (padding rows token 0's: real memory; K a multiple
+    of 128)."""
+    a = tl.load(a_col + (k0 + tl.arange(0, 128))[:, None])
+    bm: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(a, (4, 4, 2, 4, bm)), (1, 3, 0, 2, 4)), (128, bm))
 
 
 @triton.jit
@@ -129,7 +139,7 @@ def _int4_swap_gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr,
                               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                               ASM: tl.constexpr, PTX: tl.constexpr, OFFSET: tl.constexpr):
     """_int4_gate_up_kernel's act by form "swap": per K tile of 128 (in one group) the
-    transposed sums [BN, BM] = (q - z) . x^T (_swap_w4, _swap_x), times the group's scale
+    transposed sums [BN, BM] = (q - z) . x^T (_swap_w4, _x_tile), times the group's scale
     (one per feature) into fp32 accumulators."""
     pid_n = tl.program_id(0)
     blk = tl.program_id(1)
@@ -155,7 +165,7 @@ def _int4_swap_gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr,
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, hidden, 128):
         g = k0 // G
-        a = _swap_x(a_col, valid, k0, hidden)
+        a = _x_tile(a_col, k0)
         s_g = tl.load(s_row + g).to(tl.float32)
         s_u = tl.load(s_row + up_s + g).to(tl.float32)
         w_g = _swap_w4(w_rowp, z_rowp, k0, g, BLOCK_N, DT, ASM, PTX, OFFSET)
