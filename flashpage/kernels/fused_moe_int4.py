@@ -37,7 +37,8 @@ Two forms (``FusedMoEInt4Config.form``, INT4_FORMS):
   A3B's experts) 1.65-2.2x the bf16 fused kernel's time, 6-11% of copy bandwidth.
 - "swap" (16-bit or fp32 x, groups a multiple of 128; the default for bf16 / fp16 up to a
   mean of 16 pairs an expert; its kernels in kernels/fused_moe_int4_swap.py): MXFP4's
-  "swap" layout (kernels/fused_moe.py) with int4's decode. The weight tile is wgmma's first operand, the block's rows its N::
+  "swap" layout (kernels/fused_moe.py) with int4's decode. The weight tile is wgmma's
+  first operand, the block's rows its N::
 
       out^T [BN, BM] = sum over K tiles of s[:, g] * ((q - z)[:, tile] . x[rows, tile]^T)
 

@@ -121,9 +121,9 @@ def _swap_w4(w_rowp, z_rowp, k0, g, BLOCK_N: tl.constexpr, DT: tl.constexpr,
     """q - z of W[:, k0:k0 + 128] in DT, [BN, 128] (wgmma's first operand: rows in channel
     order, K in fused_moe._swap_x's), the tile inside group g. ``w_rowp`` [BN, 1] the rows'
     word pointers in load order (fused_moe._swap_rows; rows past the end wrapped to real
-    ones: no masks), ``z_rowp`` [BN, 1] their zero points'. A thread loads 4 words (16 bytes) of a row
-    and decodes them in place: as MXFP4's "swap" (fused_moe._swap_w), the word load's
-    layout is wgmma's A fragment's, so no value passes through shared memory."""
+    ones: no masks), ``z_rowp`` [BN, 1] their zero points'. A thread loads 4 words (16
+    bytes) of a row and decodes them in place: as MXFP4's "swap" (fused_moe._swap_w), the
+    word load's layout is wgmma's A fragment's, so no value passes through shared memory."""
     offs_w = k0 // 8 + tl.arange(0, 16)
     word = tl.load(w_rowp + offs_w[None, :])  # [BN, 16]
     z = tl.broadcast_to(tl.load(z_rowp + g), (BLOCK_N, 16))

@@ -125,7 +125,8 @@ def test_unpack_ptx_gives_q_minus_z_in_word_order(dtype):
     words, z = words_and_zeros()
     ptx, offset = fm4s.word_ptx(dtype)
     magics = {9: offset} if dtype == torch.bfloat16 else {9: 1024.0, 10: 64.0}
-    assert offset == _UNPACK_TYPES[dtype][1] and (dtype == torch.float16) == (ptx != _unpack_ptx(dtype))
+    assert offset == _UNPACK_TYPES[dtype][1]
+    assert (dtype == torch.float16) == (ptx != _unpack_ptx(dtype))
     h_in = {i: (-(z.float() + m)).to(dtype) for i, m in magics.items()}
     for i, m in magics.items():
         assert torch.equal(h_in[i].float(), -(z.float() + m))  # exact
@@ -311,7 +312,8 @@ def _compile_int4_swap_kernels() -> list[dict]:
         if form == "swap":
             ptx, offset = fm4s.word_ptx(torch_dt)
             consts.update(ASM=True, PTX=ptx, OFFSET=offset)
-            fn = fm4s._int4_swap_gate_up_kernel if kern == "gate_up" else fm4s._int4_swap_down_kernel
+            fn = (fm4s._int4_swap_gate_up_kernel if kern == "gate_up"
+                  else fm4s._int4_swap_down_kernel)
         else:
             consts["BLOCK_K"] = bk
             fn = fm4._int4_gate_up_kernel if kern == "gate_up" else fm4._int4_down_kernel
@@ -394,9 +396,8 @@ def _qwen3_30b(t: int, seed: int, crowd: int):
     return x, gu, dn, ids, w
 
 
-GPU_TILES = [FusedMoEInt4Config(16, 64, 128, 4, 3, "swap"), FusedMoEInt4Config(16, 64, 128, 4, 1, "swap"),
-             FusedMoEInt4Config(32, 64, 128, 4, 1, "swap"), FusedMoEInt4Config(32, 64, 128, 4, 3, "swap"),
-             FusedMoEInt4Config(16, 128, 128, 4, 3, "swap")]
+GPU_TILES = [FusedMoEInt4Config(bm, bn, 128, 4, st, "swap")
+             for bm, bn, st in ((16, 64, 3), (16, 64, 1), (32, 64, 1), (32, 64, 3), (16, 128, 3))]
 
 
 @pytest.mark.gpu
