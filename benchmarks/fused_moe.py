@@ -37,7 +37,7 @@ The copy ceiling: a 1 GiB device-to-device copy timed the same way, bytes read +
                               # MXFP4 forms and tiles (MXFP4_TILES: 18 configs a size; run 192's
                               # 14 took 94 s)
     python benchmarks/fused_moe.py --fp8 --out $OUT                # ~60-120 s on an H200
-    python benchmarks/fused_moe.py --int4 --out $OUT               # ~40-90 s on an H200 (untimed)
+    python benchmarks/fused_moe.py --int4 --out $OUT               # ~1-3 min on an H200 (untimed)
 
 ``--fp8``: block-scaled fp8 experts (kernels/fused_moe_fp8.py) at Qwen3-30B-A3B's expert
 shape (FP8_SHAPE: hidden 2048, moe_intermediate 768, 128 experts, top-8; the shape of
@@ -53,7 +53,9 @@ and .md.
 ``--int4``: int4 experts kept packed (kernels/fused_moe_int4.py: an AWQ / GPTQ checkpoint's,
 Qwen3-30B-A3B-AWQ / -GPTQ-Int4's shape, groups of 128 along K) at the same shape and T:
 the bf16 fused kernel on the dequantized weights, then the int4 kernel's default config
-and K tiles of 128 at 16 / 32 / 64 rows a block (INT4_TILES); GB/s over the bytes
+and INT4_TILES: its "dot" form with K tiles of 128 at 16 / 32 / 64 rows a block and its
+former decode default, its "swap" form (paths named "int4 swap ...") at 16 / 32 / 64 rows
+and 1 / 3 stages; GB/s over the bytes
 each reads (bf16: 2 a weight, int4: half a byte plus an fp16 scale and a uint8 zero per
 128), each output's relative difference from the bf16 kernel's (bf16 rounding: < 1%).
 Writes $OUT/fused_moe_int4.json and .md.
@@ -456,9 +458,19 @@ def fp8_main(out: Path) -> None:
 # --int4: the same shape (FP8_SHAPE) and tokens, groups of 128 (the checkpoints'; on the CPU
 # stand-in too)
 INT4_GROUP = 128
-# (block_m, block_n, block_k, warps) beside the default: K tiles of 128 (8 warps: they do
-# not spill on sm_90) at each row count
-INT4_TILES = [(16, 64, 128, 8), (32, 64, 128, 8), (64, 64, 128, 8)]
+# The tiles timed beside the default (each named by FusedMoEInt4Config.name; "swap ..." the
+# swap form's): "dot" with K tiles of 128 (8 warps: they do not spill on sm_90) at each row
+# count and its decode default before "swap" (K tiles of 64, 4 warps); "swap" at 16 / 32 /
+# 64 rows, 1 and 3 stages (none spills on sm_90: tests/kernels/test_fused_moe_int4_swap.py)
+INT4_TILES = [
+    FusedMoEInt4Config(16, 64, 128, 8), FusedMoEInt4Config(32, 64, 128, 8),
+    FusedMoEInt4Config(64, 64, 128, 8), FusedMoEInt4Config(16, 64, 64, 4),
+    FusedMoEInt4Config(16, 64, 128, 4, 3, form="swap"),
+    FusedMoEInt4Config(16, 64, 128, 4, 1, form="swap"),
+    FusedMoEInt4Config(32, 64, 128, 4, 1, form="swap"),
+    FusedMoEInt4Config(32, 64, 128, 4, 3, form="swap"),
+    FusedMoEInt4Config(64, 64, 128, 4, 1, form="swap"),
+]
 
 
 def quantize_int4_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -482,15 +494,14 @@ def int4_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, int
               "int4": distinct * (expert_values // 2 + 3 * expert_values // INT4_GROUP)}
     with torch.no_grad():
         want = fused_moe(x, *bf16[0], ids, w).float()
-    default = int4_default_config(t * k, e)
+    default = int4_default_config(t * k, e, DT, (INT4_GROUP, INT4_GROUP))
     paths: dict[str, tuple[str, Callable[[int], object]]] = {
         f"bf16 fused ({default_config(t * k, e).name})":
             ("bf16", lambda i: fused_moe(x, *bf16[i], ids, w)),
         f"int4 fused (default {default.name})":
             ("int4", lambda i: fused_moe_int4(x, *int4[i], ids, w)),
     }
-    for bm, bn, bk, warps in INT4_TILES:
-        cfg = FusedMoEInt4Config(block_m=bm, block_n=bn, block_k=bk, num_warps=warps)
+    for cfg in INT4_TILES:
         if cfg != default:
             paths[f"int4 {cfg.name}"] = (
                 "int4", lambda i, cfg=cfg: fused_moe_int4(x, *int4[i], ids, w, cfg))

@@ -381,6 +381,15 @@ def _swap_w(w_rowp, s_rowp, mask_r, k0, kmax, BLOCK_N: tl.constexpr, dt: tl.cons
     sc = tl.load(s_rowp + offs_g[None, :], mask=mask_r & (offs_g < kmax // 32)[None, :], other=0)
     sc = _e8m0(tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, 4, 4)), (BLOCK_N, 16)))
     o0, o1, o2, o3, o4, o5, o6, o7 = _e2m1_word(word, sc, dt, ASM)
+    return _swap_tile(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_N)
+
+
+@triton.jit
+def _swap_tile(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_N: tl.constexpr):
+    """The "swap" forms' A operand [BN, 128] (rows in channel order, K in _swap_x's) from
+    a tile's decoded words: o_{2r + h} [BN, 16] the values of nibble r + 4h (natural K
+    8u + r + 4h of word u) of each row's 16 words, rows in load order (tiles.wgmma_a_rows). Only
+    register moves: each thread's values are already its share of wgmma's A fragment."""
     # o_{2r + h} [BN, 16 = (q, u)]: natural K 32q + 8u + r + 4h -> k' = 32u + 8r + 2q + h
     j0 = tl.join(tl.reshape(o0, (BLOCK_N, 4, 4)), tl.reshape(o1, (BLOCK_N, 4, 4)))
     j1 = tl.join(tl.reshape(o2, (BLOCK_N, 4, 4)), tl.reshape(o3, (BLOCK_N, 4, 4)))

@@ -28,8 +28,47 @@ bits), far inside 16-bit rounding. :func:`fused_moe_int4_ref` is the same math i
 one expert at a time over kernels/int4_gemm.dequantize_int4_ref's weights (the weights the
 dequantize-at-load path holds): kernels/fused_moe.fused_moe_ref over them.
 
-Not measured on a GPU yet: benchmarks/fused_moe.py --int4 times it beside the bf16
-kernel at Qwen3-30B-A3B's expert shape.
+Two forms (``FusedMoEInt4Config.form``, INT4_FORMS):
+
+- "dot" (any dtype, any group a multiple of 16): the tl.dot above, x the MMA's first
+  operand, the unpacked nibbles the second. Bound by the unpack: built for sm_90a its K
+  loop is 8.6-10.5 SASS instructions a weight and thread (shift, mask, convert each
+  nibble, the tile through shared memory to mma.sync); on the H200 (run 199, Qwen3-30B-
+  A3B's experts) 1.65-2.2x the bf16 fused kernel's time, 6-11% of copy bandwidth.
+- "swap" (16-bit or fp32 x, groups a multiple of 128; the default for bf16 / fp16 up to a
+  mean of 16 pairs an expert; its kernels in kernels/fused_moe_int4_swap.py): MXFP4's
+  "swap" layout (kernels/fused_moe.py) with int4's decode. The weight tile is wgmma's
+  first operand, the block's rows its N::
+
+      out^T [BN, BM] = sum over K tiles of s[:, g] * ((q - z)[:, tile] . x[rows, tile]^T)
+
+  K tiles of 128, each inside one group g: a thread loads 4 words (16 bytes) of a row, the
+  rows in tiles.wgmma_a_rows' order and x's K in _swap_x's, so the 8 values of each word
+  are already its share of wgmma's A fragment (fused_moe._swap_tile: register moves only;
+  our packing, nibble j of a word = K 8c + j, is e2m1's). The decode (inline PTX,
+  fused_moe_int4_swap.word_ptx): per pair of nibbles (j, j + 4), 16 bits apart, one lop3
+  ORs both into the mantissas of a 16-bit magic (bf16 128.0 = 0x4300: 128 + q, a nibble
+  at bits 0-3 of each half, so three shifts a word, kernels/int4_gemm's _UNPACK_PTX; fp16
+  1024.0 = 0x6400 for bits 0-3 and 64.0 = 0x5400 for bits 4-7, one shift a word) and one
+  packed fma (x * 1 - (magic + z)) leaves q - z, exact in either 16-bit type
+  (|q - z| <= 16), in x's dtype (bf16 x decodes to bf16: no fp16 detour). The group's
+  scale (fp32, one per feature) multiplies each tile's fp32 sums; the weights (q - z) * s
+  are never rounded, so the result is the dequantized weights' linear within fp32
+  accumulation order and the reference's 16-bit rounding of each weight (the reference
+  rounds (q - z) * s to x's dtype; here it is exact). fp32 x and the interpreter: the
+  same q - z by shifts and masks (Triton ops). Built for sm_90a (bf16 or fp16, 64
+  features, 16 rows, tests/kernels/test_fused_moe_int4_swap.py) its K loop is 2.3-2.9
+  SASS instructions a weight and thread: per thread and tile of 64 x 128 weights, 32 lop3
+  + 32 packed adds + 24 shifts (fp16: 8) of decode, 8 HGMMA 64x16x16 with A from
+  registers, and,
+  unpipelined, no shared-memory read at all (pipelined, the words arrive by cp.async and
+  one LDS.128 per 4 words); 128 features a tile convert the fragment through shared
+  memory (Triton's layout for two warpgroup row blocks) and are not used. The gate_up
+  kernel stores act with each 128 features in _swap_x's K order (every row, padding rows
+  too), so the down kernel loads its K tiles as they lie, unmasked; rows past N read
+  wrapped real rows (never stored): no masks in the loop. Each tile's wgmma is waited on
+  before its scale (the accumulators are the fp32 sums, not the MMA's).
+  Not yet timed on a GPU: benchmarks/fused_moe.py --int4 times each form's tiles.
 """
 
 from __future__ import annotations
@@ -40,42 +79,76 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels import fused_moe_int4_swap as swap_kernels
 from flashpage.kernels.fused_moe import fused_moe_ref, moe_align
 from flashpage.kernels.int4_gemm import PACK, dequantize_int4_ref
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
+# How a K tile reaches the tensor cores: "dot" (x . unpacked nibbles^T, any group of 16+)
+# or "swap" (the decoded weight tile wgmma's first operand, groups a multiple of 128): the
+# module docstring.
+INT4_FORMS = ("dot", "swap")
+SWAP_K = 128  # form "swap"'s K tile: 16 words a row, 4 a thread (a quad's A fragment)
+
+
 @dataclass(frozen=True)
 class FusedMoEInt4Config:
     block_m: int = 16  # rows (token, slot pairs) per block; tl.dot needs >= 16
-    block_n: int = 64  # output features a program
+    block_n: int = 64  # output features a program ("swap": a multiple of 64, wgmma's M)
     block_k: int = 128  # K a tile, at most: the launcher takes the largest power of two
-    #                     dividing the group (>= 16)
+    #                     dividing the group (>= 16); "swap": 128 exactly
     num_warps: int = 4
     num_stages: int = 3
+    form: str = "dot"
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.form not in INT4_FORMS:
+            raise ValueError(f"form must be one of {', '.join(INT4_FORMS)}; got {self.form!r}")
+        if self.form == "swap" and (self.block_k != SWAP_K or self.block_n % 64):
+            raise ValueError(f"form 'swap' takes K tiles of {SWAP_K} (16 words a row) and "
+                             f"block_n a multiple of 64 (wgmma's rows); got block_k "
+                             f"{self.block_k}, block_n {self.block_n}")
 
     @property
     def name(self) -> str:
-        return (f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.num_warps} "
-                f"s{self.num_stages}")
+        return (f"{'swap ' if self.form == 'swap' else ''}m{self.block_m} n{self.block_n} "
+                f"k{self.block_k} w{self.num_warps} s{self.num_stages}")
 
 
-def default_config(num_pairs: int, num_experts: int) -> FusedMoEInt4Config:
-    """16 rows a block on 4 warps up to a mean of 16 pairs an expert, 64 rows on 8 warps past
-    it (run 199, H200, Qwen3-30B-A3B's experts, benchmarks/fused_moe.py --int4: at 512
-    tokens 64 rows took 876 us where 32 rows took 2,124); 64 features a program, K tiles
+def swap_supports(dtype: torch.dtype, g_gate_up: int, g_down: int) -> bool:
+    """Whether form "swap" takes x of ``dtype`` over groups of these sizes: its K tile of
+    128 inside one group (groups a multiple of 128; hidden and intermediate are multiples
+    of their groups)."""
+    return dtype in _TL_DTYPES and g_gate_up % SWAP_K == 0 and g_down % SWAP_K == 0
+
+
+def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype | None = None,
+                   groups: tuple[int, int] | None = None) -> FusedMoEInt4Config:
+    """Up to a mean of 16 pairs an expert, where ``dtype`` is bf16 / fp16 and ``groups``
+    (gate_up's, down's) are multiples of 128 (a checkpoint's usual 128): form "swap", 64
+    features on 4 warps, 16 rows and 3 stages up to a mean of 8, 32 rows and 1 stage past
+    it (the tiles MXFP4's "swap" measured best on the H200, run 196; not yet timed for
+    int4). Its K loop built for sm_90a is 2.3-2.9 SASS instructions a weight and thread
+    against "dot"'s 8.6-10.5 (tests/kernels/test_fused_moe_int4_swap.py). Otherwise up to
+    that mean "dot" at 16 rows on 4 warps, and past it "dot" at 64 rows on 8 warps (run
+    199, H200, Qwen3-30B-A3B's experts, benchmarks/fused_moe.py --int4: at 512 tokens 64
+    rows took 876 us where 32 rows took 2,124). "dot" at 64 features a program and K tiles
     of 64: the tiles that do not spill when built for sm_90 with bf16 x
     (tests/kernels/test_fused_moe_int4.py reads ptxas' log: at 16 rows 4 warps fit, 184
     registers; at 64 rows 8 warps, 255)."""
     mean = triton.cdiv(max(num_pairs, 1), num_experts)
     if mean <= 16:
+        if dtype in (torch.bfloat16, torch.float16) and groups is not None \
+                and swap_supports(dtype, *groups):
+            return FusedMoEInt4Config(block_m=16 if mean <= 8 else 32, block_n=64,
+                                      block_k=SWAP_K, num_warps=4,
+                                      num_stages=3 if mean <= 8 else 1, form="swap")
         return FusedMoEInt4Config(block_m=16, block_n=64, block_k=64, num_warps=4)
     return FusedMoEInt4Config(block_m=64, block_n=64, block_k=64, num_warps=8)
 
@@ -259,7 +332,11 @@ def fused_moe_int4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch
     num_pairs = t * k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    cfg = config or default_config(num_pairs, e)
+    cfg = config or default_config(num_pairs, e, x.dtype, (g1, g2))
+    swap = cfg.form == "swap"
+    if swap and not swap_supports(x.dtype, g1, g2):
+        raise ValueError(f"form 'swap' takes groups that are multiples of {SWAP_K} (its K tile "
+                         f"in one group); got {g1} (gate_up) and {g2} (down)")
     x, gate_up, down = _contig(x), _contig(gate_up), _contig(down)
     gate_up_scales, gate_up_zeros = _contig(gate_up_scales), _contig(gate_up_zeros)
     down_scales, down_zeros = _contig(down_scales), _contig(down_zeros)
@@ -269,6 +346,23 @@ def fused_moe_int4(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: torch
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     act = torch.empty(nb * cfg.block_m, inter, device=x.device, dtype=x.dtype)
+    if swap:
+        from flashpage.kernels.device import interpreting
+
+        asm = x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda and not interpreting()
+        ptx, offset = swap_kernels.word_ptx(x.dtype) if asm else ("", 0.0)
+        launch.update(ASM=asm, PTX=ptx, OFFSET=offset)
+        swap_kernels._int4_swap_gate_up_kernel[(triton.cdiv(inter, cfg.block_n), nb)](
+            x, gate_up, gate_up_scales, gate_up_zeros, act, sorted_pairs, block_expert,
+            num_pairs, k, h, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+            gate_up_scales.stride(0), gate_up_scales.stride(1), act.stride(0), G=g1, **launch)
+        ys = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
+        swap_kernels._int4_swap_down_kernel[(triton.cdiv(h, cfg.block_n), nb)](
+            act, down, down_scales, down_zeros, topk_weights.reshape(-1).contiguous(), ys,
+            sorted_pairs, block_expert, num_pairs, h, inter, act.stride(0), down.stride(0),
+            down.stride(1), down_scales.stride(0), down_scales.stride(1), ys.stride(0), G=g2,
+            **launch)
+        return ys.view(t, k, h).sum(1)
     _int4_gate_up_kernel[(triton.cdiv(inter, cfg.block_n), nb)](
         x, gate_up, gate_up_scales, gate_up_zeros, act, sorted_pairs, block_expert, num_pairs,
         k, h, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1),
@@ -307,5 +401,5 @@ def fused_moe_int4_ref(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scales: t
                          topk_ids, topk_weights)
 
 
-__all__ = ["FusedMoEInt4Config", "default_config", "dequantize_experts_int4", "fused_moe_int4",
-           "fused_moe_int4_ref", "kernel_supports", "tile_k"]
+__all__ = ["INT4_FORMS", "FusedMoEInt4Config", "default_config", "dequantize_experts_int4",
+           "fused_moe_int4", "fused_moe_int4_ref", "kernel_supports", "swap_supports", "tile_k"]

@@ -193,7 +193,7 @@ def test_fused_moe_int4_captures_in_a_cuda_graph():
 
 # ----------------------------------------------------------------------------- sm_90 build
 def _compile_int4_moe_kernels() -> dict[str, dict]:
-    """The default config's two kernels at 16, 32 and 64 rows a block (one token of
+    """The "dot" form's default tiles (default_config without a dtype) at 16, 32 and 64 rows a block (one token of
     Qwen3-30B-A3B, 512 tokens, 1024), groups of 128, and benchmarks/fused_moe.py --int4's
     tiles (K tiles of 128, 8 warps), built for sm_90a with bf16 activations (no GPU needed): name -> registers,
     spills, MMA opcodes."""
@@ -244,7 +244,9 @@ def test_int4_moe_kernels_compile_for_sm90():
 
 
 def test_default_config_by_mean_pairs():
-    """Run 199's rule: 16 rows on 4 warps up to 16 pairs an expert, 64 rows on 8 past it."""
+    """Run 199's rule for the "dot" form (no dtype given; tests/kernels/
+    test_fused_moe_int4_swap.py: when "swap" is taken): 16 rows on 4 warps up to 16 pairs
+    an expert, 64 rows on 8 past it."""
     small, edge, big = (fm4.default_config(p, 128) for p in (8, 16 * 128, 16 * 128 + 1))
     assert (small.block_m, small.num_warps) == (16, 4) == (edge.block_m, edge.num_warps)
     assert (big.block_m, big.num_warps, big.block_k) == (64, 8, 64)
