@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Session 28's device plan:
-#   BUDGET=330 bash benchmarks/gpu_s28.sh a   the fp8 / int4 MoE model GPU tests after session 27's
-#                                             shared assert_kept_experts_follow_the_twin (not re-run
-#                                             since); the int4 MoE kernel timed on its default
-#                                             (64-row k64 past 16 pairs an expert: 512 tokens untimed)
+#   BUDGET=330 bash benchmarks/gpu_s28.sh a   the int4 MoE "swap" form (kernels/fused_moe_int4_swap.py:
+#                                             wgmma A from registers, PTX nibble decode; the default
+#                                             to 16 pairs an expert, untimed): its GPU tests and the
+#                                             old form's, then --int4 timed (swap and dot tiles, bf16)
 #   BUDGET=560 bash benchmarks/gpu_s28.sh b   the int4 "fragment" W4A16 tiles (kernels/int4_fragment.py:
 #                                             decoded weights in wgmma's A registers) and the kernels
 #                                             the shared grouped_tile / wgmma_a_rows touched: GPU tests;
@@ -19,9 +19,9 @@ PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
 case "$PART" in
 a)
-  timeout "$(left 110)" $PT -rf -m gpu tests/models/test_fp8_moe_experts.py tests/models/test_int4_moe_experts.py 2>&1 \
-    | tee "$OUT/gpu_moe_model_tests.txt" | tail -n 4
-  timeout "$(left 150)" python3 benchmarks/fused_moe.py --int4 --out /tmp/moe > /tmp/int4_moe_bench.txt 2>&1
+  timeout "$(left 150)" $PT -rf -m gpu tests/kernels/test_fused_moe_int4_swap.py tests/kernels/test_fused_moe_int4.py 2>&1 \
+    | tee "$OUT/gpu_int4_moe_swap_tests.txt" | tail -n 6
+  timeout "$(left 170)" python3 benchmarks/fused_moe.py --int4 --out /tmp/moe > /tmp/int4_moe_bench.txt 2>&1
   tail -n 2 /tmp/int4_moe_bench.txt; cp /tmp/moe/fused_moe_int4.json "$OUT/"; grep "^| " /tmp/moe/fused_moe_int4.md | cut -c1-170
   echo "part a done at ${SECONDS}s" ;;
 b)
