@@ -36,17 +36,33 @@ weight rounded, the K slots summed by torch; W8A8 quantizes x and that rounded a
 torch, one expert at a time over the block-fp8 references: :func:`fused_moe_fp8_ref`
 (equal to the kernel within fp32 accumulation order: each K tile's scaled partial sum).
 
+The swapped W8A8 form (``FusedMoEFp8Config.swap``, decode sizes): e4m3 warpgroup MMAs
+(QGMMA) need 64 rows an M tile, and at 16 token rows Triton 3.6 widens both e4m3 operands
+to fp16 for mma.sync (HMMA), so W8A8 there buys nothing but its quantizer launches. The
+swapped tile computes the output transposed, the weights' output features the MMA's M and
+the rows its N, both operands K-major as e4m3 wgmma needs them (the weight rows as stored,
+the token rows read K-contiguous)::
+
+    acc_t[n, r] += dot(q[e, n, tile g], xq[tok(r), tile g]^T) * (xs[tok(r), g] * ws[e, n // 128, g])
+                   [BLOCK_N features, 128] @ [128, BLOCK_M rows]
+
+then transposed back for the same epilogue: the same sums as the unswapped tile, in another
+fp32 order. block_n (and gate_up_block_n) 64 or 128: the wgmma's M, 64 a warpgroup.
+
 ``default_config`` chooses by what the kernels compile to for sm_90 (tests/kernels/
-test_fused_moe_fp8.py reads the SASS; no GPU has timed them yet: benchmarks/fused_moe.py
---fp8 times every mode beside the bf16 kernel). e4m3 warpgroup MMAs (QGMMA) need 64 rows a
-block; under that Triton widens both e4m3 operands to fp16 for mma.sync, so W8A8 buys
-nothing but its quantizer launches. So: weight-only up to a mean of 32 pairs an expert
-(rows per block near the mean, 16 or 32: decode, where the kernels stream weights), W8A8
-past it (64 rows, QGMMA) where e4m3 tensor cores exist and x is 16-bit. W8A8's gate_up tile
-is 64 wide, the activation quantized by a launch after it: the 128-wide tile that
-quantizes in its epilogue holds two 64 x 128 fp32 accumulators and spills (1.3 KB a
-thread on 8 warps, 6.8 KB on 4); it stays a config (``gate_up_block_n=128``) for the
-benchmark to weigh. Each default compiles with no spills.
+test_fused_moe_fp8.py reads the SASS, each tile compiled with the stride hints a launch
+specializes; benchmarks/fused_moe.py --fp8 times every mode beside the bf16 kernel):
+where e4m3 dots run and x is 16-bit, the swapped form up to a mean of 16 pairs an expert,
+16 rows a block up to 8 and 32 past it (QGMMA.64x16x32 / 64x32x32 E4M3.E4M3, no e4m3
+widened, no HMMA; at 8 rows Triton falls back to widened HMMAs, at 64 the swapped gate_up
+spills); past that the unswapped tile at 64 rows (QGMMA.64x64x32). Run 197 (H200) timed the
+unswapped W8A8 tile at 16 rows, the decode default before the swapped form: 1.27x the bf16
+kernel's speed at 8 tokens, 1.6x at 32-128; the swapped form is not yet timed. Weight-only
+(rows per block near the mean) for fp32 x or where e4m3 dots do not run. W8A8's gate_up
+tile is 64 wide, the activation quantized by a launch after it: the 128-wide tile that
+quantizes in its epilogue holds two 64 x 128 fp32 accumulators and spills (368 B a thread
+at 64 rows, 4 warps); it stays a config (``gate_up_block_n=128``) for the benchmark to
+weigh. Each default compiles with no spills.
 """
 
 from __future__ import annotations
@@ -122,12 +138,14 @@ def e4m3_tensor_cores(device: torch.device) -> bool:
 
 def default_config(num_pairs: int, num_experts: int, x: torch.Tensor) -> FusedMoEFp8Config:
     """By shape: where e4m3 dots run and x is 16-bit, W8A8 (the activation quantized by one
-    launch between the GEMMs), 16 rows a block up to a mean of 8 pairs an expert, 64 past
-    it: run 197 (H200, Qwen3-30B-A3B's experts, benchmarks/fused_moe.py --fp8) had W8A8 the
-    fastest or within 2% of it at 1-512 tokens, 1.6x the bf16 kernel's speed at 32-128
-    tokens, 1.36x at 512 (64 rows), where weight-only at 32 rows took 2.1x bf16's time.
-    Else weight-only, rows per block near the mean pairs per expert (N tiles of 32 past 16
-    rows: 64 spill at 32 rows)."""
+    launch between the GEMMs): up to a mean of 16 pairs an expert the swapped form, 16 rows
+    a block up to 8 and 32 past it (e4m3 warpgroup MMAs where the unswapped 16-row tile
+    widens to fp16 HMMAs: chosen by its sm_90 SASS, not yet timed), past it the unswapped
+    tile at 64 rows: run 197 (H200, Qwen3-30B-A3B's experts, benchmarks/fused_moe.py --fp8)
+    had W8A8 the fastest or within 2% of it at 1-512 tokens, 1.6x the bf16 kernel's speed
+    at 32-128 tokens (unswapped, 16 rows), 1.36x at 512 (64 rows), where weight-only at 32
+    rows took 2.1x bf16's time. Else weight-only, rows per block near the mean pairs per
+    expert (N tiles of 32 past 16 rows: 64 spill at 32 rows)."""
     mean = triton.cdiv(max(num_pairs, 1), num_experts)
     block_m = min(64, max(16, triton.next_power_of_2(mean)))
     if x.dtype != torch.float32 and e4m3_tensor_cores(x.device):

@@ -322,7 +322,8 @@ def _compile_fp8_moe_kernels() -> dict[str, dict]:
     """The default config's kernels at a mean of 1, 16 and 32 pairs an expert (one token of
     Qwen3-30B-A3B: the swapped form at 16 rows a block; 256 tokens: swapped at 32; 512:
     unswapped at 64), the unswapped W8A8 tile at 16 rows (the decode default before the
-    swapped form) and W8A8's epilogue-quantizing gate_up, built for sm_90a with bf16
+    swapped form) and the epilogue-quantizing gate_up (128 wide: unswapped at 64 rows,
+    swapped at 16), built for sm_90a with bf16
     activations (no GPU needed): name -> registers, spills, MMA opcodes and e4m3 widenings
     (F2FP ... E4M3.UNPACK: e4m3 to fp16 in registers). Pointers and the strides a launch
     specializes (multiples of 16) marked so: without stride_we the weight loads go a byte a
@@ -341,6 +342,7 @@ def _compile_fp8_moe_kernels() -> dict[str, dict]:
             for p in (8, 8 * 256, 8 * 512)}
     cfgs["w8a8 unswapped 16 rows"] = FusedMoEFp8Config(block_m=16, w8a8=True)
     cfgs["w8a8 gate_up 128"] = FusedMoEFp8Config(block_m=64, gate_up_block_n=128, w8a8=True)
+    cfgs["swap gate_up 128"] = FusedMoEFp8Config(block_m=16, gate_up_block_n=128, swap=True)
     out = {}
     for tag, cfg in cfgs.items():
         fp8_in = "*fp8e4nv" if cfg.w8a8 else "*bf16"
@@ -373,14 +375,15 @@ def test_fp8_moe_kernels_compile_for_sm90():
     swapped form (decode: 16 and 32 rows a block) on Hopper's e4m3 warpgroup MMAs (QGMMA
     64 x rows x 32 ... E4M3.E4M3: the weights' 64 features its M), no e4m3 widened, no
     HMMA; the unswapped W8A8 tile at 64 rows on QGMMAs too, at 16 rows on fp16 HMMAs (Triton
-    3.6 widens both e4m3 operands there: why decode swaps); none spilling; the gate_up tile
-    that quantizes the activation in its epilogue (128 wide) does spill, which is why it
-    is not the default."""
+    3.6 widens both e4m3 operands there: why decode swaps); none spilling; the unswapped
+    gate_up tile that quantizes the activation in its epilogue (128 wide) does spill, which
+    is why it is not the default; swapped at 16 rows it does not (a config the benchmark
+    weighs: one launch fewer, half the gate_up programs)."""
     from sm90 import run_compiled
 
     got = run_compiled("test_fused_moe_fp8", "_compile_fp8_moe_kernels")
-    assert len(got) == 9
-    assert sum(" swap " in n for n in got) == 4  # default_config swaps at 1 and 16 an expert
+    assert len(got) == 10
+    assert sum(" swap " in n for n in got) == 5  # default_config swaps at 1 and 16 an expert
     for name, r in got.items():
         if name.startswith("w8a8 gate_up 128"):
             assert r["spill_bytes"] > 0 and any("E4M3" in o for o in r["mma"]), (name, r)
