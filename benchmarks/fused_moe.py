@@ -36,16 +36,19 @@ The copy ceiling: a 1 GiB device-to-device copy timed the same way, bytes read +
     python benchmarks/fused_moe.py --model gpt-oss-20b --mxfp4-sweep --out $OUT
                               # MXFP4 forms and tiles (MXFP4_TILES: 18 configs a size; run 192's
                               # 14 took 94 s)
-    python benchmarks/fused_moe.py --fp8 --out $OUT                # ~60-120 s on an H200
+    python benchmarks/fused_moe.py --fp8 --out $OUT                # ~80-160 s on an H200
     python benchmarks/fused_moe.py --int4 --out $OUT               # ~1-3 min on an H200 (untimed)
 
 ``--fp8``: block-scaled fp8 experts (kernels/fused_moe_fp8.py) at Qwen3-30B-A3B's expert
 shape (FP8_SHAPE: hidden 2048, moe_intermediate 768, 128 experts, top-8; the shape of
 Qwen3-30B-A3B-FP8's experts, 128 x 128 blocks), T in {1, 8, 32, 128, 512}: the bf16 fused
 kernel, then the fp8 one on the same weights quantized per block (its default config, and
-each of its modes at the default's rows a block: weight-only, W8A8 with a quantizer launch
-between the GEMMs, W8A8 quantizing the activation in gate_up's epilogue; and W8A8 at 64
-rows, where its dots are e4m3 warpgroup MMAs); GB/s over the bytes each reads
+each of its modes at the default's rows a block: weight-only, W8A8 unswapped with a
+quantizer launch between the GEMMs, W8A8 unswapped quantizing the activation in gate_up's
+epilogue; W8A8 unswapped at 64 rows, where its dots are e4m3 warpgroup MMAs; and the
+swapped W8A8 form, the decode default, at 16 and 32 rows (e4m3 warpgroup MMAs with the
+weights' features their M) and at 16 quantizing the activation in gate_up; each row's
+name is its config's, "swap" in it where swapped); GB/s over the bytes each reads
 (bf16: 2 a weight, fp8: 1 plus the tiles' scales), and each output's relative difference
 from the bf16 kernel's (W8A8 rounds the activations: ~5%). Writes $OUT/fused_moe_fp8.json
 and .md.
@@ -340,14 +343,21 @@ def to_markdown(model: str, copy_gbs: float, rows: list[dict]) -> str:
 # the CPU (interpreter) a tiny stand-in
 FP8_SHAPE = (128, 8, 2048, 768) if GPU else (8, 2, 128, 128)
 FP8_TOKENS = [1, 8, 32, 128, 512] if GPU else [3]
-# each mode at the default config's rows a block, and W8A8 at 64 (its e4m3 warpgroup MMAs)
+# each mode at the default config's rows a block, W8A8 at 64 (its e4m3 warpgroup MMAs), and
+# the swapped W8A8 form (e4m3 wgmmas at 16 and 32 rows; 64 spills) at 16 and 32 rows
 FP8_MODES: dict[str, Callable[[FusedMoEFp8Config], FusedMoEFp8Config]] = {
     "w8a16": lambda d: FusedMoEFp8Config(block_m=d.block_m, block_n=32 if d.block_m > 16 else 64,
                                          w8a8=False),
-    "w8a8": lambda d: FusedMoEFp8Config(block_m=d.block_m, w8a8=True),
-    "w8a8, activation quantized in gate_up": lambda d: FusedMoEFp8Config(
+    "w8a8 unswapped": lambda d: FusedMoEFp8Config(block_m=d.block_m, w8a8=True),
+    "w8a8 unswapped, activation quantized in gate_up": lambda d: FusedMoEFp8Config(
         block_m=d.block_m, gate_up_block_n=128, block_n=128, w8a8=True),
-    "w8a8 at 64 rows": lambda d: FusedMoEFp8Config(block_m=64, w8a8=True),
+    "w8a8 unswapped at 64 rows": lambda d: FusedMoEFp8Config(block_m=64, w8a8=True),
+    "w8a8 swapped at 16 rows": lambda d: FusedMoEFp8Config(block_m=16, w8a8=True, swap=True),
+    "w8a8 swapped at 32 rows": lambda d: FusedMoEFp8Config(block_m=32, w8a8=True, swap=True),
+    # swapped, gate_up 128 wide quantizing the activation in its epilogue (no spill at 16
+    # rows: one launch fewer, half the gate_up programs)
+    "w8a8 swapped at 16 rows, activation quantized in gate_up": lambda d: FusedMoEFp8Config(
+        block_m=16, gate_up_block_n=128, w8a8=True, swap=True),
 }
 
 

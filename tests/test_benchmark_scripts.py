@@ -48,7 +48,7 @@ def test_fused_moe_gpt_oss_runs_in_the_interpreter(tmp_path):
 def test_fused_moe_fp8_runs_in_the_interpreter(tmp_path):
     """benchmarks/fused_moe.py --fp8 on the CPU (a tiny stand-in for Qwen3-30B-A3B's
     experts, the Triton interpreter): the bf16 kernel, the fp8 kernel's default and each of
-    its modes run; weight-only equals the bf16 kernel on the dequantized weights to fp32's
+    its modes (the swapped W8A8 form among them) run; weight-only equals the bf16 kernel on the dequantized weights to fp32's
     order, W8A8 within e4m3's rounding (coarser here: the interpreter's own fp8 casts)."""
     import json
 
@@ -60,7 +60,8 @@ def test_fused_moe_fp8_runs_in_the_interpreter(tmp_path):
     rows = json.loads((tmp_path / "fused_moe_fp8.json").read_text())["rows"]
     assert not [row for row in rows if "error" in row]
     names = [row["path"] for row in rows]
-    assert len(names) == 6 and names[0].startswith("bf16 fused")
+    assert len(names) == 9 and names[0].startswith("bf16 fused")
+    assert sum(" swap m" in n for n in names) == 3  # the swapped form's three modes
     assert all(row["eager_us"] > 0 for row in rows)
     for row in rows[1:]:
         assert row["needed_mb"] < rows[0]["needed_mb"]  # a byte a weight against two

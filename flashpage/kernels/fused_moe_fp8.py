@@ -36,17 +36,33 @@ weight rounded, the K slots summed by torch; W8A8 quantizes x and that rounded a
 torch, one expert at a time over the block-fp8 references: :func:`fused_moe_fp8_ref`
 (equal to the kernel within fp32 accumulation order: each K tile's scaled partial sum).
 
+The swapped W8A8 form (``FusedMoEFp8Config.swap``, decode sizes): e4m3 warpgroup MMAs
+(QGMMA) need 64 rows an M tile, and at 16 token rows Triton 3.6 widens both e4m3 operands
+to fp16 for mma.sync (HMMA), so W8A8 there buys nothing but its quantizer launches. The
+swapped tile computes the output transposed, the weights' output features the MMA's M and
+the rows its N, both operands K-major as e4m3 wgmma needs them (the weight rows as stored,
+the token rows read K-contiguous)::
+
+    acc_t[n, r] += dot(q[e, n, tile g], xq[tok(r), tile g]^T) * (xs[tok(r), g] * ws[e, n // 128, g])
+                   [BLOCK_N features, 128] @ [128, BLOCK_M rows]
+
+then transposed back for the same epilogue: the same sums as the unswapped tile, in another
+fp32 order. block_n (and gate_up_block_n) 64 or 128: the wgmma's M, 64 a warpgroup.
+
 ``default_config`` chooses by what the kernels compile to for sm_90 (tests/kernels/
-test_fused_moe_fp8.py reads the SASS; no GPU has timed them yet: benchmarks/fused_moe.py
---fp8 times every mode beside the bf16 kernel). e4m3 warpgroup MMAs (QGMMA) need 64 rows a
-block; under that Triton widens both e4m3 operands to fp16 for mma.sync, so W8A8 buys
-nothing but its quantizer launches. So: weight-only up to a mean of 32 pairs an expert
-(rows per block near the mean, 16 or 32: decode, where the kernels stream weights), W8A8
-past it (64 rows, QGMMA) where e4m3 tensor cores exist and x is 16-bit. W8A8's gate_up tile
-is 64 wide, the activation quantized by a launch after it: the 128-wide tile that
-quantizes in its epilogue holds two 64 x 128 fp32 accumulators and spills (1.3 KB a
-thread on 8 warps, 6.8 KB on 4); it stays a config (``gate_up_block_n=128``) for the
-benchmark to weigh. Each default compiles with no spills.
+test_fused_moe_fp8.py reads the SASS, each tile compiled with the stride hints a launch
+specializes; benchmarks/fused_moe.py --fp8 times every mode beside the bf16 kernel):
+where e4m3 dots run and x is 16-bit, the swapped form up to a mean of 16 pairs an expert,
+16 rows a block up to 8 and 32 past it (QGMMA.64x16x32 / 64x32x32 E4M3.E4M3, no e4m3
+widened, no HMMA; at 8 rows Triton falls back to widened HMMAs, at 64 the swapped gate_up
+spills); past that the unswapped tile at 64 rows (QGMMA.64x64x32). Run 197 (H200) timed the
+unswapped W8A8 tile at 16 rows, the decode default before the swapped form: 1.27x the bf16
+kernel's speed at 8 tokens, 1.6x at 32-128; the swapped form is not yet timed. Weight-only
+(rows per block near the mean) for fp32 x or where e4m3 dots do not run. W8A8's gate_up
+tile is 64 wide, the activation quantized by a launch after it: the 128-wide tile that
+quantizes in its epilogue holds two 64 x 128 fp32 accumulators and spills (368 B a thread
+at 64 rows, 4 warps); it stays a config (``gate_up_block_n=128``) for the benchmark to
+weigh. Each default compiles with no spills.
 """
 
 from __future__ import annotations
@@ -85,6 +101,11 @@ class FusedMoEFp8Config:
     w8a8: bool = True
     num_warps: int = 4
     num_stages: int = 3
+    # W8A8 only: the swapped form (decode sizes): out^T = W tile [N tile, 128] @ x tile^T
+    # [128, block_m], the weights' output features the e4m3 wgmma's M (64 a warpgroup),
+    # the rows its N, so Hopper's e4m3 warpgroup MMA runs at 16 and 32 rows a block (at 8
+    # Triton 3.6 falls back to fp16 HMMAs: block_m stays >= 16)
+    swap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "gate_up_block_n"):
@@ -94,10 +115,16 @@ class FusedMoEFp8Config:
                                  f"block) and be 16 at least, got {v}")
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
             raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
+        if self.swap and not self.w8a8:
+            raise ValueError("swap is a W8A8 form (e4m3 activations): set w8a8=True")
+        if self.swap and (self.block_n % 64 or self.gate_up_block_n % 64):
+            raise ValueError(f"swap: block_n and gate_up_block_n are the wgmma's M (64 rows a "
+                             f"warpgroup): 64 or 128; got {self.block_n}, {self.gate_up_block_n}")
 
     @property
     def name(self) -> str:
         mode = f"w8a8 gu{self.gate_up_block_n}" if self.w8a8 else "w8a16"
+        mode = f"{mode} swap" if self.swap else mode
         return (f"{mode} m{self.block_m} n{self.block_n} w{self.num_warps} "
                 f"s{self.num_stages}")
 
@@ -111,17 +138,21 @@ def e4m3_tensor_cores(device: torch.device) -> bool:
 
 def default_config(num_pairs: int, num_experts: int, x: torch.Tensor) -> FusedMoEFp8Config:
     """By shape: where e4m3 dots run and x is 16-bit, W8A8 (the activation quantized by one
-    launch between the GEMMs), 16 rows a block up to a mean of 8 pairs an expert, 64 past
-    it: run 197 (H200, Qwen3-30B-A3B's experts, benchmarks/fused_moe.py --fp8) had W8A8 the
-    fastest or within 2% of it at 1-512 tokens, 1.6x the bf16 kernel's speed at 32-128
-    tokens, 1.36x at 512 (64 rows), where weight-only at 32 rows took 2.1x bf16's time.
-    Else weight-only, rows per block near the mean pairs per expert (N tiles of 32 past 16
-    rows: 64 spill at 32 rows)."""
+    launch between the GEMMs): up to a mean of 16 pairs an expert the swapped form, 16 rows
+    a block up to 8 and 32 past it (e4m3 warpgroup MMAs where the unswapped 16-row tile
+    widens to fp16 HMMAs: chosen by its sm_90 SASS, not yet timed), past it the unswapped
+    tile at 64 rows: run 197 (H200, Qwen3-30B-A3B's experts, benchmarks/fused_moe.py --fp8)
+    had W8A8 the fastest or within 2% of it at 1-512 tokens, 1.6x the bf16 kernel's speed
+    at 32-128 tokens (unswapped, 16 rows), 1.36x at 512 (64 rows), where weight-only at 32
+    rows took 2.1x bf16's time. Else weight-only, rows per block near the mean pairs per
+    expert (N tiles of 32 past 16 rows: 64 spill at 32 rows)."""
     mean = triton.cdiv(max(num_pairs, 1), num_experts)
     block_m = min(64, max(16, triton.next_power_of_2(mean)))
     if x.dtype != torch.float32 and e4m3_tensor_cores(x.device):
-        return FusedMoEFp8Config(block_m=16 if mean <= 8 else 64, block_n=64, gate_up_block_n=64,
-                                 w8a8=True)
+        if mean <= 16:
+            return FusedMoEFp8Config(block_m=16 if mean <= 8 else 32, block_n=64,
+                                     gate_up_block_n=64, w8a8=True, swap=True)
+        return FusedMoEFp8Config(block_m=64, block_n=64, gate_up_block_n=64, w8a8=True)
     return FusedMoEFp8Config(block_m=block_m, block_n=64 if block_m == 16 else 32, w8a8=False)
 
 
@@ -132,7 +163,7 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, acts_ptr, sorted_
                         stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_ar,
                         stride_asr, DT: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, W8A8: tl.constexpr, QUANT_ACT: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, SWAP: tl.constexpr):
     """act[r, n tile] = silu(gate) * up for the BLOCK_M rows of one block. W8A8: x_ptr the
     e4m3 tokens [T, H] and xs_ptr their group scales [T, H / 128]; QUANT_ACT (BLOCK_N = 128)
     the activation stored quantized, e4m3 into act_ptr and its row scales into acts_ptr
@@ -155,21 +186,33 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, acts_ptr, sorted_
     ws_base = ws_ptr + e64 * stride_wse
     g_ws = ws_base + ((pid_n * BLOCK_N) // BLOCK_K) * stride_wsn
     u_ws = ws_base + ((inter + pid_n * BLOCK_N) // BLOCK_K) * stride_wsn
-    x_rows = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
     xs_rows = xs_ptr + token * stride_xst
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(0, hidden // BLOCK_K):
-        a = tl.load(x_rows + g * BLOCK_K, mask=valid[:, None], other=0.0)
-        wg = tl.load(gate_rows + g * BLOCK_K)
-        wu = tl.load(up_rows + g * BLOCK_K)
-        if W8A8:
+    if SWAP:  # W8A8, transposed: features x tokens, [BLOCK_N, BLOCK_M]
+        x_cols = x_ptr + token[None, :] * stride_xt + offs_k[:, None]  # [BK, BM], K-major
+        acc_gt = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_ut = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for g in range(0, hidden // BLOCK_K):
+            a_t = tl.load(x_cols + g * BLOCK_K, mask=valid[None, :], other=0.0)
             a_s = tl.load(xs_rows + g, mask=valid, other=0.0)
-            acc_g += tl.dot(a, tl.trans(wg)) * (a_s * tl.load(g_ws + g))[:, None]
-            acc_u += tl.dot(a, tl.trans(wu)) * (a_s * tl.load(u_ws + g))[:, None]
-        else:
-            acc_g += tl.dot(a, tl.trans(wg.to(DT)), input_precision=PRECISION) * tl.load(g_ws + g)
-            acc_u += tl.dot(a, tl.trans(wu.to(DT)), input_precision=PRECISION) * tl.load(u_ws + g)
+            acc_gt += tl.dot(tl.load(gate_rows + g * BLOCK_K), a_t) * (a_s * tl.load(g_ws + g))[None, :]
+            acc_ut += tl.dot(tl.load(up_rows + g * BLOCK_K), a_t) * (a_s * tl.load(u_ws + g))[None, :]
+        acc_g = tl.trans(acc_gt)
+        acc_u = tl.trans(acc_ut)
+    else:
+        x_rows = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for g in range(0, hidden // BLOCK_K):
+            a = tl.load(x_rows + g * BLOCK_K, mask=valid[:, None], other=0.0)
+            wg = tl.load(gate_rows + g * BLOCK_K)
+            wu = tl.load(up_rows + g * BLOCK_K)
+            if W8A8:
+                a_s = tl.load(xs_rows + g, mask=valid, other=0.0)
+                acc_g += tl.dot(a, tl.trans(wg)) * (a_s * tl.load(g_ws + g))[:, None]
+                acc_u += tl.dot(a, tl.trans(wu)) * (a_s * tl.load(u_ws + g))[:, None]
+            else:
+                acc_g += tl.dot(a, tl.trans(wg.to(DT)), input_precision=PRECISION) * tl.load(g_ws + g)
+                acc_u += tl.dot(a, tl.trans(wu.to(DT)), input_precision=PRECISION) * tl.load(u_ws + g)
     gate = acc_g.to(DT).to(tl.float32)  # each projection output in the model dtype
     up = acc_u.to(DT).to(tl.float32)
     act = ((gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32) * up).to(DT).to(tl.float32)
@@ -188,7 +231,7 @@ def _fp8_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, topk_w_ptr, ys_ptr, sorted_pt
                      block_expert_ptr, num_pairs, inter, stride_ar, stride_asr, stride_we,
                      stride_wn, stride_wse, stride_wsn, stride_yp, DT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W8A8: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, SWAP: tl.constexpr):
     """ys[pair, n tile] = round(topk_weight[pair] * round(act[r] @ down[e].T)). W8A8:
     a_ptr the e4m3 activation [R, I] and as_ptr its group scales [R, I / 128]."""
     BLOCK_K: tl.constexpr = 128
@@ -205,17 +248,26 @@ def _fp8_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, topk_w_ptr, ys_ptr, sorted_pt
     e64 = expert.to(tl.int64)
     w_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     ws_row = ws_ptr + e64 * stride_wse + ((pid_n * BLOCK_N) // BLOCK_K) * stride_wsn
-    a_rows = a_ptr + rows[:, None].to(tl.int64) * stride_ar + offs_k[None, :]
     as_rows = as_ptr + rows.to(tl.int64) * stride_asr
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(0, inter // BLOCK_K):
-        a = tl.load(a_rows + g * BLOCK_K, mask=valid[:, None], other=0.0)
-        w = tl.load(w_rows + g * BLOCK_K)
-        if W8A8:
+    if SWAP:  # W8A8, transposed: features x rows, [BLOCK_N, BLOCK_M]
+        a_cols = a_ptr + rows[None, :].to(tl.int64) * stride_ar + offs_k[:, None]  # [BK, BM]
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for g in range(0, inter // BLOCK_K):
+            a_t = tl.load(a_cols + g * BLOCK_K, mask=valid[None, :], other=0.0)
             a_s = tl.load(as_rows + g, mask=valid, other=0.0)
-            acc += tl.dot(a, tl.trans(w)) * (a_s * tl.load(ws_row + g))[:, None]
-        else:
-            acc += tl.dot(a, tl.trans(w.to(DT)), input_precision=PRECISION) * tl.load(ws_row + g)
+            acc_t += tl.dot(tl.load(w_rows + g * BLOCK_K), a_t) * (a_s * tl.load(ws_row + g))[None, :]
+        acc = tl.trans(acc_t)
+    else:
+        a_rows = a_ptr + rows[:, None].to(tl.int64) * stride_ar + offs_k[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for g in range(0, inter // BLOCK_K):
+            a = tl.load(a_rows + g * BLOCK_K, mask=valid[:, None], other=0.0)
+            w = tl.load(w_rows + g * BLOCK_K)
+            if W8A8:
+                a_s = tl.load(as_rows + g, mask=valid, other=0.0)
+                acc += tl.dot(a, tl.trans(w)) * (a_s * tl.load(ws_row + g))[:, None]
+            else:
+                acc += tl.dot(a, tl.trans(w.to(DT)), input_precision=PRECISION) * tl.load(ws_row + g)
     weight = tl.load(topk_w_ptr + pair, mask=valid, other=0.0)
     y = acc.to(DT).to(tl.float32) * weight[:, None]
     out = ys_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_yp + offs_n[None, :]
@@ -283,7 +335,7 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
     rows = nb * cfg.block_m
     dt = _TL_DTYPES[x.dtype]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    launch = dict(DT=dt, BLOCK_M=cfg.block_m, W8A8=cfg.w8a8, PRECISION=precision,
+    launch = dict(DT=dt, BLOCK_M=cfg.block_m, W8A8=cfg.w8a8, PRECISION=precision, SWAP=cfg.swap,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.w8a8:
         a_in, a_scales = quantize_per_token_group(x, FP8_BLOCK)

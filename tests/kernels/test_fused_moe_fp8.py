@@ -7,8 +7,11 @@ CPU (interpreter, torch's fp8 casts: test_fp8_kv's fixture), fp32 and fp16: ragg
 counts, top-k 1-8 of 4-16 experts, an expert over several blocks, experts nobody chose
 (their weights NaN: never read), weight tiles whose magnitudes differ by 1000x (a misplaced
 block scale would show), both ways of quantizing the activation (in gate_up's epilogue or
-by a launch after it); errors; no host sync (meta tensors). GPU (marked gpu): bf16 at
-Qwen3-30B-A3B's expert shape, both modes, and a CUDA graph capture.
+by a launch after it), the swapped W8A8 form (decode: features the e4m3 wgmma's M) against
+the reference and the unswapped kernel; errors; no host sync (meta tensors). sm_90 builds
+(no GPU): MMA opcodes, e4m3 widenings and spills of the default tiles. GPU (marked gpu):
+bf16 at Qwen3-30B-A3B's expert shape, every mode, the swapped form at 1-64 tokens, and a
+CUDA graph capture.
 """
 
 from __future__ import annotations
@@ -77,6 +80,10 @@ CONFIGS = {
     # ... in gate_up's epilogue (its 128-wide tile one activation group)
     "w8a8_fused": FusedMoEFp8Config(w8a8=True, gate_up_block_n=128, block_n=128),
     "w8a8_m32": FusedMoEFp8Config(w8a8=True, block_m=32, block_n=32),
+    # the swapped form (decode sizes): features the wgmma's M, rows its N
+    "swap": FusedMoEFp8Config(w8a8=True, swap=True),
+    "swap_m32": FusedMoEFp8Config(w8a8=True, swap=True, block_m=32),
+    "swap_fused": FusedMoEFp8Config(w8a8=True, swap=True, gate_up_block_n=128, block_n=128),
 }
 
 
@@ -119,6 +126,19 @@ def test_fused_moe_fp8_is_the_dequantized_experts(w8a8):
         assert _rel(got, want) < 1e-5
 
 
+@cpu_only
+@pytest.mark.parametrize(("t", "k", "e", "crowd"), [(1, 1, 4, 0), (6, 8, 16, 0), (40, 2, 8, 40)])
+def test_swap_is_the_unswapped_w8a8_kernel(t, k, e, crowd):
+    """fp32 x: the swapped form and the unswapped W8A8 tile at the same rows a block dot the
+    same e4m3 operands and scale each K tile's fp32 partial sum the same way, so they agree
+    to fp32's accumulation order (routings: one pair; top-8 of 16 experts, some unused; one
+    expert holding 40 pairs over three 16-row blocks)."""
+    x, gu, gus, d, ds, ids, w = _case(t, k, e, 256, 256, seed=7 + t, crowd=crowd)
+    got = fused_moe_fp8(x, gu, gus, d, ds, ids, w, FusedMoEFp8Config(swap=True))
+    want = fused_moe_fp8(x, gu, gus, d, ds, ids, w, FusedMoEFp8Config())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_dequantize_experts_is_the_block_reference():
     """dequantize_experts_fp8, all experts at once, equals fp8_block_ref's per expert; the
     tests' experts are quantize_fp8_block's of their dequantized values (a fixed point)."""
@@ -135,14 +155,18 @@ def test_dequantize_experts_is_the_block_reference():
 
 
 def test_default_config_by_size():
-    """W8A8 where e4m3 dots run and x is 16-bit (run 197): 16 rows a block up to a mean of
-    8 pairs an expert, 64 past it; fp32 x: weight-only, rows per block near the mean."""
+    """W8A8 where e4m3 dots run and x is 16-bit: the swapped form up to a mean of 16 pairs
+    an expert (16 rows a block up to 8, 32 past it: e4m3 wgmmas, where the unswapped 16-row
+    tile widens to fp16 HMMAs), the unswapped tile at 64 rows past it (run 197); fp32 x:
+    weight-only, rows per block near the mean."""
     x16 = torch.empty(1, 128, dtype=torch.float16)
     one = default_config(8, 128, x16)  # one token of Qwen3-30B-A3B
-    assert one.w8a8 and one.block_m == 16 and one.gate_up_block_n == 64
+    assert one.w8a8 and one.swap and one.block_m == 16 and one.gate_up_block_n == 64
     assert default_config(8 * 128, 128, x16).block_m == 16  # 8 pairs an expert
+    sixteen = default_config(8 * 256, 128, x16)  # 16 pairs an expert
+    assert sixteen.swap and sixteen.block_m == 32 and sixteen.block_n == 64
     mid = default_config(8 * 512, 128, x16)  # 32 pairs an expert
-    assert mid.w8a8 and mid.block_m == 64 and mid.gate_up_block_n == 64
+    assert mid.w8a8 and not mid.swap and mid.block_m == 64 and mid.gate_up_block_n == 64
     f32 = default_config(8 * 512, 128, x16.float())
     assert not f32.w8a8 and f32.block_m == 32 and f32.block_n == 32
     assert not default_config(8, 128, x16.float()).w8a8
@@ -171,7 +195,18 @@ def test_bad_arguments_are_named(kw, match):
         FusedMoEFp8Config(block_n=96)
 
 
-@pytest.mark.parametrize("mode", ["w8a16", "w8a8", "w8a8_fused"])
+@pytest.mark.parametrize("kw,match", [
+    (dict(w8a8=False), "swap is a W8A8 form"),
+    (dict(block_n=32), "wgmma's M"),
+    (dict(gate_up_block_n=32), "wgmma's M"),
+    (dict(block_m=8), "power of two >= 16"),
+])
+def test_bad_swap_configs_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        FusedMoEFp8Config(swap=True, **kw)
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8", "w8a8_fused", "swap", "swap_fused"])
 def test_no_host_sync_on_meta_tensors(monkeypatch, mode):
     """Meta tensors hold no data: the launcher (quantization buffers, alignment, grids,
     the final sum) runs on them with the kernels as shape-only stand-ins."""
@@ -199,7 +234,7 @@ def test_no_host_sync_on_meta_tensors(monkeypatch, mode):
     launches = [(inter // gu_n, nb), (h // cfg.block_n, nb)]
     assert [g for g in grids if len(g) == 2 and g[1] == nb] == launches
     assert len([g for g in grids if g not in launches and g != (1,)]) == {
-        "w8a16": 0, "w8a8": 2, "w8a8_fused": 1}[mode]  # the quantizer's launches
+        "w8a16": 0, "w8a8": 2, "w8a8_fused": 1, "swap": 2, "swap_fused": 1}[mode]  # quantizer
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -240,7 +275,26 @@ def test_fused_moe_fp8_bf16_on_the_gpu(mode, t):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("t", [1, 8, 32, 64])
+def test_fused_moe_fp8_swap_on_the_gpu(block_m, t):
+    """The swapped form (e4m3 wgmmas) at decode sizes, bf16 at Qwen3-30B-A3B's shape: against
+    the W8A8 reference (bf16 roundings: within 1% in norm) and against the unswapped W8A8
+    kernel at the same rows a block (the same quantized operands, the same per-K-tile scaled
+    fp32 sums: apart only by fp32 order and the bf16 roundings it moves, 0.5%)."""
+    x, gu, gus, d, ds, ids, w = _qwen3_30b_case(t, seed=100 + t)
+    x = x.bfloat16()
+    got = fused_moe_fp8(x, gu, gus, d, ds, ids, w, FusedMoEFp8Config(swap=True, block_m=block_m))
+    want = fused_moe_fp8_ref(x, gu, gus, d, ds, ids, w, w8a8=True)
+    assert torch.isfinite(got).all()
+    assert _rel(got, want) < 1e-2
+    plain = fused_moe_fp8(x, gu, gus, d, ds, ids, w, FusedMoEFp8Config(block_m=block_m))
+    assert _rel(got, plain) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8", "swap"])
 def test_fused_moe_fp8_captures_in_a_cuda_graph(mode):
     """Captured once, replayed with other routing and inputs in the same buffers: the
     replay follows them."""
@@ -268,9 +322,15 @@ def test_fused_moe_fp8_captures_in_a_cuda_graph(mode):
 
 # ----------------------------------------------------------------------------- sm_90 build
 def _compile_fp8_moe_kernels() -> dict[str, dict]:
-    """The default config's two kernels at 16, 32 and 64 rows a block (one token of
-    Qwen3-30B-A3B, 512 tokens, 1024) and W8A8's epilogue-quantizing gate_up, built for
-    sm_90a with bf16 activations (no GPU needed): name -> registers, spills, MMA opcodes."""
+    """The default config's kernels at a mean of 1, 16 and 32 pairs an expert (one token of
+    Qwen3-30B-A3B: the swapped form at 16 rows a block; 256 tokens: swapped at 32; 512:
+    unswapped at 64), the unswapped W8A8 tile at 16 rows (the decode default before the
+    swapped form) and the epilogue-quantizing gate_up (128 wide: unswapped at 64 rows,
+    swapped at 16), built for sm_90a with bf16
+    activations (no GPU needed): name -> registers, spills, MMA opcodes and e4m3 widenings
+    (F2FP ... E4M3.UNPACK: e4m3 to fp16 in registers). Pointers and the strides a launch
+    specializes (multiples of 16) marked so: without stride_we the weight loads go a byte a
+    thread."""
     import collections
 
     import triton.language as tl
@@ -281,52 +341,62 @@ def _compile_fp8_moe_kernels() -> dict[str, dict]:
            "block_expert_ptr": "*i32", "a_ptr": "*bf16", "as_ptr": "*fp32",
            "topk_w_ptr": "*fp32", "ys_ptr": "*bf16"}
     x = torch.empty(1, 2048, dtype=torch.bfloat16)
-    cfgs = {f"default {p // 128} an expert": default_config(p, 128, x)
-            for p in (8, 8 * 512, 8 * 1024)}
+    cfgs = {f"default {-(-p // 128)} an expert": default_config(p, 128, x)
+            for p in (8, 8 * 256, 8 * 512)}
+    cfgs["w8a8 unswapped 16 rows"] = FusedMoEFp8Config(block_m=16, w8a8=True)
     cfgs["w8a8 gate_up 128"] = FusedMoEFp8Config(block_m=64, gate_up_block_n=128, w8a8=True)
+    cfgs["swap gate_up 128"] = FusedMoEFp8Config(block_m=16, gate_up_block_n=128, swap=True)
     out = {}
     for tag, cfg in cfgs.items():
         fp8_in = "*fp8e4nv" if cfg.w8a8 else "*bf16"
         fused = cfg.w8a8 and cfg.gate_up_block_n == 128
-        common = dict(DT=tl.bfloat16, BLOCK_M=cfg.block_m, W8A8=cfg.w8a8, PRECISION="tf32")
+        common = dict(DT=tl.bfloat16, BLOCK_M=cfg.block_m, W8A8=cfg.w8a8, PRECISION="tf32",
+                      SWAP=cfg.swap)
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         kernels = {"gate_up": compile_sm90(
             fm8._fp8_gate_up_kernel,
             dict(common, BLOCK_N=cfg.gate_up_block_n if cfg.w8a8 else cfg.block_n,
                  QUANT_ACT=fused),
             {**ptr, "x_ptr": fp8_in, "act_ptr": "*fp8e4nv" if fused else "*bf16"},
-            aligned=("x_ptr", "w_ptr", "stride_xt", "stride_wn"), **launch)}
+            aligned=("x_ptr", "w_ptr", "stride_xt", "stride_we", "stride_wn"), **launch)}
         if not fused:
             kernels["down"] = compile_sm90(
                 fm8._fp8_down_kernel, dict(common, BLOCK_N=cfg.block_n), {**ptr, "a_ptr": fp8_in},
-                aligned=("a_ptr", "w_ptr", "stride_ar", "stride_wn"), **launch)
+                aligned=("a_ptr", "w_ptr", "stride_ar", "stride_we", "stride_wn"), **launch)
         for name, k in kernels.items():
             log, sass = ptxas_sm90a(k.asm["ptx"])
             ins, _ = sass_instructions(sass)
             ops = collections.Counter(t.split(" ")[0] for t in ins)
             out[f"{tag} ({cfg.name}) {name}"] = {
-                **ptxas_usage(log), "mma": {o: n for o, n in ops.items() if "MMA" in o}}
+                **ptxas_usage(log), "mma": {o: n for o, n in ops.items() if "MMA" in o},
+                "widen": sum(n for o, n in ops.items() if "E4M3.UNPACK" in o)}
     return out
 
 
 def test_fp8_moe_kernels_compile_for_sm90():
-    """On the CPU, the kernels default_config and its sweep pick build for sm_90: W8A8 at 64
-    rows a block on Hopper's e4m3 warpgroup MMAs (QGMMA ... E4M3.E4M3), at 16 rows on fp16
-    HMMAs (Triton 3.6 widens the e4m3 operands there, exactly), weight-only on bf16 HMMAs;
-    none spilling; the gate_up tile that quantizes the activation in its epilogue (128
-    wide) does spill, which is why it is not the default."""
+    """On the CPU, the kernels default_config and its sweep pick build for sm_90. The
+    swapped form (decode: 16 and 32 rows a block) on Hopper's e4m3 warpgroup MMAs (QGMMA
+    64 x rows x 32 ... E4M3.E4M3: the weights' 64 features its M), no e4m3 widened, no
+    HMMA; the unswapped W8A8 tile at 64 rows on QGMMAs too, at 16 rows on fp16 HMMAs (Triton
+    3.6 widens both e4m3 operands there: why decode swaps); none spilling; the unswapped
+    gate_up tile that quantizes the activation in its epilogue (128 wide) does spill, which
+    is why it is not the default; swapped at 16 rows it does not (a config the benchmark
+    weighs: one launch fewer, half the gate_up programs)."""
     from sm90 import run_compiled
 
     got = run_compiled("test_fused_moe_fp8", "_compile_fp8_moe_kernels")
-    assert len(got) == 7
+    assert len(got) == 10
+    assert sum(" swap " in n for n in got) == 5  # default_config swaps at 1 and 16 an expert
     for name, r in got.items():
         if name.startswith("w8a8 gate_up 128"):
             assert r["spill_bytes"] > 0 and any("E4M3" in o for o in r["mma"]), (name, r)
             continue
         assert r["spill_bytes"] == 0 and r["mma"], (name, r)
-        if "w8a8" in name and " m64 " in name:
+        if " swap " in name:
+            rows = 16 if " m16 " in name else 32
+            assert set(r["mma"]) == {f"QGMMA.64x{rows}x32.F32.E4M3.E4M3"}, (name, r)
+            assert r["widen"] == 0, (name, r)
+        elif " m64 " in name:
             assert all(o.startswith("QGMMA") and o.endswith("E4M3.E4M3") for o in r["mma"]), (name, r)
-        elif "w8a8" in name:
-            assert set(r["mma"]) == {"HMMA.16816.F32"}, (name, r)
-        else:
-            assert all(o.startswith("HMMA") and o.endswith("BF16") for o in r["mma"]), (name, r)
+        else:  # the unswapped W8A8 tile at 16 rows
+            assert set(r["mma"]) == {"HMMA.16816.F32"} and r["widen"] > 0, (name, r)
