@@ -7,13 +7,17 @@
 #   BUDGET=560 bash benchmarks/gpu_s28.sh b   the int4 "fragment" W4A16 tiles (kernels/int4_fragment.py:
 #                                             decoded weights in wgmma's A registers) and the kernels
 #                                             the shared grouped_tile / wgmma_a_rows touched: GPU tests;
-#                                             --sweep at 64-256 rows in bf16 and fp16 beside the
+#                                             --sweep at 64-256 rows in bf16 (DTYPES="bf16 fp16": both) beside the
 #                                             current tiles, dequant + cuBLAS and bf16
 #   BUDGET=480 bash benchmarks/gpu_s28.sh c   online --quantization fp8 / int4 of routed MoE experts
 #                                             (layers/quant.quantize_model): its GPU tests with the fp8 /
 #                                             int4 MoE model tests (part a's); DeepSeek-V2-Lite end to
-#                                             end (random weights) in bf16, fp8 (experts e4m3) and fp8
-#                                             linears only (FLASHPAGE_FP8_MOE=dequant: before)
+#                                             end (random weights) in bf16 and fp8 (experts e4m3); with
+#                                             QUANTS="bf16 fp8 fp8lin" also fp8 linears only
+#                                             (FLASHPAGE_FP8_MOE=dequant: before)
+#   BUDGET=230 bash benchmarks/gpu_s28.sh d   the swapped block-fp8 MoE form (native e4m3 wgmma, the
+#                                             default to 16 pairs an expert, untimed): the fp8 MoE
+#                                             kernel's GPU tests, then --fp8 timed
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -28,7 +32,7 @@ b)
   timeout "$(left 200)" $PT -rf -m gpu tests/kernels/test_int4_fragment_gemm.py tests/kernels/test_int4_swap_gemm.py \
     tests/kernels/test_int4_gemm.py tests/kernels/test_fp8_block_gemm.py tests/kernels/test_fused_moe_mxfp4_swap.py \
     tests/models/test_int4_checkpoints.py 2>&1 | tee "$OUT/gpu_int4_fragment_tests.txt" | tail -n 6
-  for dt in bf16 fp16; do
+  for dt in ${DTYPES:-bf16}; do
     timeout "$(left 150)" python3 benchmarks/int4_gemm.py --sweep --rows 64,100,128,256 --dtype $dt \
       --json-out "$OUT/int4_fragment_sweep_$dt.json" > /tmp/int4_fragment_sweep_$dt.txt 2>&1
     tail -n 40 /tmp/int4_fragment_sweep_$dt.txt | cut -c1-200
@@ -38,7 +42,7 @@ b)
 c)
   timeout "$(left 150)" $PT -rf -m gpu tests/models/test_moe_online_quant.py tests/models/test_fp8_moe_experts.py \
     tests/models/test_int4_moe_experts.py 2>&1 | tee "$OUT/gpu_moe_quant_tests.txt" | tail -n 6
-  for q in bf16 fp8 fp8lin; do
+  for q in ${QUANTS:-bf16 fp8}; do
     extra=(); [ "$q" != bf16 ] && extra=(--quantization fp8)
     FLASHPAGE_FP8_MOE=$([ "$q" = fp8lin ] && echo dequant || echo auto) timeout "$(left 120)" python3 -m flashpage \
       bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.75 --num-requests 64 --no-hf \
@@ -54,5 +58,10 @@ PY
   python3 -c "import json,sys; json.dump({f: json.load(open(f)) for f in sys.argv[1:]}, open('$OUT/throughput_v2lite_moequant.json','w'))" \
     /tmp/tp_v2lite_*.json
   echo "part c done at ${SECONDS}s" ;;
+d)
+  timeout "$(left 110)" $PT -rf -m gpu tests/kernels/test_fused_moe_fp8.py 2>&1 | tee "$OUT/gpu_fp8_moe_swap_tests.txt" | tail -n 6
+  timeout "$(left 160)" python3 benchmarks/fused_moe.py --fp8 --out /tmp/moe > /tmp/fp8_moe_bench.txt 2>&1
+  tail -n 2 /tmp/fp8_moe_bench.txt; cp /tmp/moe/fused_moe_fp8.json "$OUT/"; grep "^| " /tmp/moe/fused_moe_fp8.md | cut -c1-170
+  echo "part d done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
