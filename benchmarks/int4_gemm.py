@@ -160,7 +160,7 @@ def sweep(args) -> int:
         ws, bf16, q4_bytes = weight_copies(n, k, g, dt)
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=dt)
-            default = gemm_config(m, n, k, g)
+            default = gemm_config(m, n, k, g, dt)
             tiles = {c.name: c for c in cands}
             if default.name not in tiles:  # else its time is its name's
                 tiles["default"] = default

@@ -130,25 +130,23 @@ def swap_supports(dtype: torch.dtype, g_gate_up: int, g_down: int) -> bool:
 
 def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype | None = None,
                    groups: tuple[int, int] | None = None) -> FusedMoEInt4Config:
-    """Up to a mean of 16 pairs an expert, where ``dtype`` is bf16 / fp16 and ``groups``
-    (gate_up's, down's) are multiples of 128 (a checkpoint's usual 128): form "swap", 64
-    features on 4 warps, 16 rows and 3 stages up to a mean of 8, 32 rows and 1 stage past
-    it (the tiles MXFP4's "swap" measured best on the H200, run 196; not yet timed for
-    int4). Its K loop built for sm_90a is 2.3-2.9 SASS instructions a weight and thread
-    against "dot"'s 8.6-10.5 (tests/kernels/test_fused_moe_int4_swap.py). Otherwise up to
-    that mean "dot" at 16 rows on 4 warps, and past it "dot" at 64 rows on 8 warps (run
-    199, H200, Qwen3-30B-A3B's experts, benchmarks/fused_moe.py --int4: at 512 tokens 64
-    rows took 876 us where 32 rows took 2,124). "dot" at 64 features a program and K tiles
-    of 64: the tiles that do not spill when built for sm_90 with bf16 x
-    (tests/kernels/test_fused_moe_int4.py reads ptxas' log: at 16 rows 4 warps fit, 184
-    registers; at 64 rows 8 warps, 255)."""
+    """Where ``dtype`` is bf16 / fp16 and ``groups`` (gate_up's, down's) are multiples of 128
+    (a checkpoint's usual 128): form "swap", 64 features on 4 warps and 3 stages, 16 rows up
+    to a mean of 16 pairs an expert, 32 past it. Run 200 (H200, Qwen3-30B-A3B's experts in
+    bf16, benchmarks/fused_moe.py --int4): at 1-128 tokens (means 1-8) 16 rows and 3 stages
+    were the fastest tile, 0.70-0.89x the bf16 fused kernel's time (29.5 / 86.6 / 155 / 198
+    us against 33.2 / 123 / 271 / 341) and 0.24-0.40x "dot"'s; at 512 tokens (a mean of 32)
+    32 rows took 487 us, 16 rows 494, the bf16 kernel 531 and "dot" at 64 rows 1,066.
+    Larger means (prompt steps past 512 tokens) are untimed. Otherwise (groups under 128,
+    fp32) "dot": 16 rows on 4 warps up to a mean of 16, 64 rows on 8 warps past it (run
+    199), 64 features a program and K tiles of 64: the tiles that do not spill when built
+    for sm_90 (tests/kernels/test_fused_moe_int4.py reads ptxas' log)."""
     mean = triton.cdiv(max(num_pairs, 1), num_experts)
+    if dtype in (torch.bfloat16, torch.float16) and groups is not None \
+            and swap_supports(dtype, *groups):
+        return FusedMoEInt4Config(block_m=16 if mean <= 16 else 32, block_n=64,
+                                  block_k=SWAP_K, num_warps=4, num_stages=3, form="swap")
     if mean <= 16:
-        if dtype in (torch.bfloat16, torch.float16) and groups is not None \
-                and swap_supports(dtype, *groups):
-            return FusedMoEInt4Config(block_m=16 if mean <= 8 else 32, block_n=64,
-                                      block_k=SWAP_K, num_warps=4,
-                                      num_stages=3 if mean <= 8 else 1, form="swap")
         return FusedMoEInt4Config(block_m=16, block_n=64, block_k=64, num_warps=4)
     return FusedMoEInt4Config(block_m=64, block_n=64, block_k=64, num_warps=8)
 

@@ -715,27 +715,30 @@ GEMM_CANDIDATES = (
 )
 
 
-def gemm_config(m: int, n: int, k: int, g: int = 128) -> Int4GemmConfig:
-    """The tile for m rows of a [n, k] weight in groups of g. Run 196's sweep (H200, the 8B's
-    four shapes at 64-2048 rows, benchmarks/int4_gemm.py --sweep) chose among the tiles
-    that dequantize through shared memory: up to 64 rows 64 x 64 x 128 with the scale on the
-    sums; up to 128, 128 x 64 x 128 per weight, 3 stages, x by TMA; past that 256 x 64 x 64,
-    3 stages, TMA. The fragment tiles (kernels/int4_fragment.py) of the same forms and rows
-    take fewer SASS instructions a K tile on sm_90a (tests/kernels/
-    test_int4_fragment_gemm.py: bf16 64 rows 238 against 291 a 128-wide K tile, 128 rows
-    per weight ~370 against 419-427, 256 rows 366 against 2 x 248; fp16 with fp16 scales
-    ~286), keep the decoded weights out of shared memory and spill nothing, so they are the
-    default where the weight allows them (K a multiple of 128; per weight: groups dividing
-    128 or a multiple of it; on the sums: a multiple). Not yet timed on a GPU: their x
-    costs one reordering copy a call (fragment_x)."""
+def gemm_config(m: int, n: int, k: int, g: int = 128,
+                dtype: torch.dtype | None = None) -> Int4GemmConfig:
+    """The tile for m rows of a [n, k] weight in groups of g under activations of ``dtype``.
+    Run 196's sweep (H200, the 8B's four shapes at 64-2048 rows, benchmarks/int4_gemm.py
+    --sweep) chose among the tiles that dequantize through shared memory: up to 64 rows 64 x
+    64 x 128 with the scale on the sums; up to 128, 128 x 64 x 128 per weight, 3 stages, x by
+    TMA; past that 256 x 64 x 64, 3 stages, TMA. Run 201 (the same sweep at 64-256 rows, bf16)
+    timed the fragment tiles (kernels/int4_fragment.py: the decoded weights in wgmma's A
+    registers): the scale-on-the-sums ones won at 64 rows on every shape (64 x 64: 0.70-0.99x
+    the older tile's time), at 128 (128 x 64: 0.73-0.97x) and at 256 on the four shapes
+    together (0.92x; 1.04x on down), lost 5% at 100 rows; so for bf16 x, groups a multiple of
+    128 and K of 128, they are the default at 64-256 rows. Not for fp16 x: the fragment
+    tiles gave wrong sums under fp16 on the GPU in run 201 (under investigation), nor for
+    groups under 128 (per-weight scales: their packed-PTX form was off by a bf16 unit)."""
     if m <= 64:
         old = Int4GemmConfig(64, 64, 128, 0, 4, 4, per_weight=False)
     elif m <= 128:
         old = Int4GemmConfig(128, 64, 128, 0, 4, 3, tma=True)
     else:
         old = Int4GemmConfig(256, 64, 64, 0, 4, 3, tma=True)
-    frag = Int4GemmConfig(old.block_m, 64, 128, 0, 4, old.num_stages, per_weight=old.per_weight,
-                          tma=old.tma, fragment=True)
+    if dtype != torch.bfloat16:
+        return old
+    frag = Int4GemmConfig(64 if m <= 64 else 128, 64, 128, 0, 4, 4 if m <= 64 else 3,
+                          per_weight=False, tma=m > 64, fragment=True)
     return old if fragment_reasons(k, g, frag) else frag
 
 
@@ -800,7 +803,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"bias must be [{n}] in x's dtype {x.dtype}, got {bias.dtype} "
                          f"{tuple(bias.shape)}")
     m = x.shape[0]
-    cfg = config or gemm_config(m, n, k, g)
+    cfg = config or gemm_config(m, n, k, g, x.dtype)
     if cfg.fragment:
         if why := fragment_reasons(k, g, cfg):
             raise ValueError(f"{cfg.name}: the fragment tiles cannot run this weight: "

@@ -225,19 +225,19 @@ def test_swap_matches_the_reference(dtype, t, k, e, h, inter, g1, g2, crowd, sym
     assert _rel(moved, fused_moe_int4_ref(x, *gu, dn[0], dn_s, dn[2], ids, w)) < 5e-3
 
 
-def test_default_config_takes_swap_at_decode_sizes():
-    """16-bit x and groups that are multiples of 128, at most 16 pairs an expert: "swap"
-    (16 rows and 3 stages up to 8, 32 rows and 1 stage past it); fp32, groups of 64 or a
-    larger mean: "dot" as before."""
+def test_default_config_takes_swap_where_it_runs():
+    """16-bit x and groups that are multiples of 128: "swap" at every size (3 stages; 16 rows
+    up to a mean of 16 pairs an expert, 32 past it: run 200); fp32, groups of 64 or no
+    groups given: "dot" as before (16 rows to a mean of 16, 64 rows on 8 warps past it)."""
     bf, fp16 = torch.bfloat16, torch.float16
-    for pairs, bm, st in ((8, 16, 3), (8 * 128, 16, 3), (9 * 128, 32, 1), (16 * 128, 32, 1)):
+    for pairs, bm in ((8, 16), (8 * 128, 16), (16 * 128, 16), (16 * 128 + 1, 32), (4096 * 8, 32)):
         for dt, groups in ((bf, (128, 128)), (fp16, (256, 2048))):
             cfg = default_config(pairs, 128, dt, groups)
-            assert (cfg.form, cfg.block_m, cfg.num_stages, cfg.block_k) == ("swap", bm, st, 128)
+            assert (cfg.form, cfg.block_m, cfg.num_stages, cfg.block_k) == ("swap", bm, 3, 128)
     for dt, groups, pairs in ((torch.float32, (128, 128), 8), (bf, (64, 128), 8),
                               (bf, (128, 32), 8), (bf, None, 8), (None, (128, 128), 8)):
         assert default_config(pairs, 128, dt, groups) == FusedMoEInt4Config(block_k=64)
-    big = default_config(16 * 128 + 1, 128, bf, (128, 128))
+    big = default_config(16 * 128 + 1, 128, bf, (64, 128))
     assert (big.form, big.block_m, big.num_warps) == ("dot", 64, 8)
     assert SWAP.name == "swap m16 n64 k128 w4 s3"
 
@@ -289,7 +289,8 @@ def test_swap_no_host_sync_on_meta_tensors(monkeypatch):
 # and fp16
 SASS_CASES = [(kern, *c) for kern in ("gate_up", "down") for c in (
     ("swap", 16, 64, 128, 4, 3, "bf16"), ("swap", 16, 64, 128, 4, 1, "bf16"),
-    ("swap", 32, 64, 128, 4, 1, "bf16"), ("swap", 16, 64, 128, 4, 3, "fp16"),
+    ("swap", 32, 64, 128, 4, 1, "bf16"), ("swap", 32, 64, 128, 4, 3, "bf16"),
+    ("swap", 16, 64, 128, 4, 3, "fp16"),
     ("dot", 16, 64, 64, 4, 3, "bf16"), ("dot", 16, 64, 128, 8, 3, "bf16"))]
 
 
