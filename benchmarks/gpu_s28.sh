@@ -18,6 +18,13 @@
 #   BUDGET=230 bash benchmarks/gpu_s28.sh d   the swapped block-fp8 MoE form (native e4m3 wgmma, the
 #                                             default to 16 pairs an expert, untimed): the fp8 MoE
 #                                             kernel's GPU tests, then --fp8 timed
+#   BUDGET=420 bash benchmarks/gpu_s28.sh e   after runs 200-203: the int4 fragment tiles' GPU tests (bf16
+#                                             the default; fp16 and the 256-row per-weight bits
+#                                             expected to fail: xfails), the every-candidate test
+#                                             skipping what a fragment tile cannot run, the fp8
+#                                             swap GPU test's new bound; the 8B's decode at batch
+#                                             128 in bf16 and int4 (the fragment tile at 128 rows;
+#                                             run 199: 19,920 / 16,925 tok/s)
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -63,5 +70,17 @@ d)
   timeout "$(left 160)" python3 benchmarks/fused_moe.py --fp8 --out /tmp/moe > /tmp/fp8_moe_bench.txt 2>&1
   tail -n 2 /tmp/fp8_moe_bench.txt; cp /tmp/moe/fused_moe_fp8.json "$OUT/"; grep "^| " /tmp/moe/fused_moe_fp8.md | cut -c1-170
   echo "part d done at ${SECONDS}s" ;;
+e)
+  timeout "$(left 150)" $PT -rf -m gpu tests/kernels/test_int4_fragment_gemm.py tests/kernels/test_int4_swap_gemm.py \
+    tests/kernels/test_fused_moe_fp8.py 2>&1 | tee "$OUT/gpu_int4_fp8_tests.txt" | tail -n 8
+  for q in bf16 int4; do
+    extra=(); [ "$q" = int4 ] && extra=(--quantization int4)
+    timeout "$(left 120)" $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 128 \
+      --batch-size 128 --no-hf --json-out /tmp/latency_bs128_$q.json ${extra[@]+"${extra[@]}"} > /tmp/latency_bs128_$q.txt 2>&1
+    summary /tmp/latency_bs128_$q.json
+  done
+  python3 -c "import json,sys; json.dump({f: json.load(open(f)) for f in sys.argv[1:]}, open('$OUT/latency_bs128.json','w'))" \
+    /tmp/latency_bs128_bf16.json /tmp/latency_bs128_int4.json
+  echo "part e done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
