@@ -155,16 +155,16 @@ def test_dequantize_experts_is_the_block_reference():
 
 
 def test_default_config_by_size():
-    """W8A8 where e4m3 dots run and x is 16-bit: the swapped form up to a mean of 16 pairs
-    an expert (16 rows a block up to 8, 32 past it: e4m3 wgmmas, where the unswapped 16-row
-    tile widens to fp16 HMMAs), the unswapped tile at 64 rows past it (run 197); fp32 x:
-    weight-only, rows per block near the mean."""
+    """W8A8 where e4m3 dots run and x is 16-bit, unswapped (the swapped form's outputs are
+    0.45-0.62% from the reference the unswapped kernel equals: run 204): 16 rows a block up
+    to a mean of 8 pairs an expert, 64 past it (run 197); fp32 x: weight-only, rows per
+    block near the mean."""
     x16 = torch.empty(1, 128, dtype=torch.float16)
     one = default_config(8, 128, x16)  # one token of Qwen3-30B-A3B
-    assert one.w8a8 and one.swap and one.block_m == 16 and one.gate_up_block_n == 64
+    assert one.w8a8 and not one.swap and one.block_m == 16 and one.gate_up_block_n == 64
     assert default_config(8 * 128, 128, x16).block_m == 16  # 8 pairs an expert
     sixteen = default_config(8 * 256, 128, x16)  # 16 pairs an expert
-    assert sixteen.swap and sixteen.block_m == 32 and sixteen.block_n == 64
+    assert not sixteen.swap and sixteen.block_m == 64 and sixteen.block_n == 64
     mid = default_config(8 * 512, 128, x16)  # 32 pairs an expert
     assert mid.w8a8 and not mid.swap and mid.block_m == 64 and mid.gate_up_block_n == 64
     f32 = default_config(8 * 512, 128, x16.float())
@@ -279,19 +279,15 @@ def test_fused_moe_fp8_bf16_on_the_gpu(mode, t):
 @pytest.mark.parametrize("t", [1, 8, 32, 64])
 def test_fused_moe_fp8_swap_on_the_gpu(block_m, t):
     """The swapped form (e4m3 wgmmas) at decode sizes, bf16 at Qwen3-30B-A3B's shape: against
-    the W8A8 reference (bf16 roundings: within 1% in norm) and no further from it than the
-    unswapped W8A8 kernel at the same rows a block (within 1.5x its distance). Not against
-    the unswapped output directly: the fp32 order moves a bf16 rounding of the activation
-    between the projections, which its e4m3 quantization can take a step of 1/8 further
-    (run 202: 0.62% apart at one token, each within 1% of the reference)."""
+    the W8A8 reference, within 1% in norm. (The unswapped kernel equals that reference to
+    the bit; the swapped one sat 0.45-0.62% from it in runs 202 and 204, more than fp32
+    order explains: why it is not the default.)"""
     x, gu, gus, d, ds, ids, w = _qwen3_30b_case(t, seed=100 + t)
     x = x.bfloat16()
     got = fused_moe_fp8(x, gu, gus, d, ds, ids, w, FusedMoEFp8Config(swap=True, block_m=block_m))
     want = fused_moe_fp8_ref(x, gu, gus, d, ds, ids, w, w8a8=True)
     assert torch.isfinite(got).all()
     assert _rel(got, want) < 1e-2
-    plain = fused_moe_fp8(x, gu, gus, d, ds, ids, w, FusedMoEFp8Config(block_m=block_m))
-    assert _rel(got, want) <= 1.5 * _rel(plain, want) + 1e-3
 
 
 @pytest.mark.gpu
@@ -325,10 +321,9 @@ def test_fused_moe_fp8_captures_in_a_cuda_graph(mode):
 # ----------------------------------------------------------------------------- sm_90 build
 def _compile_fp8_moe_kernels() -> dict[str, dict]:
     """The default config's kernels at a mean of 1, 16 and 32 pairs an expert (one token of
-    Qwen3-30B-A3B: the swapped form at 16 rows a block; 256 tokens: swapped at 32; 512:
-    unswapped at 64), the unswapped W8A8 tile at 16 rows (the decode default before the
-    swapped form) and the epilogue-quantizing gate_up (128 wide: unswapped at 64 rows,
-    swapped at 16), built for sm_90a with bf16
+    Qwen3-30B-A3B: unswapped at 16 rows a block; 256 and 512 tokens: at 64), the swapped
+    form at 16 and 32 rows and the epilogue-quantizing gate_up (128 wide: unswapped at 64
+    rows, swapped at 16), built for sm_90a with bf16
     activations (no GPU needed): name -> registers, spills, MMA opcodes and e4m3 widenings
     (F2FP ... E4M3.UNPACK: e4m3 to fp16 in registers). Pointers and the strides a launch
     specializes (multiples of 16) marked so: without stride_we the weight loads go a byte a
@@ -345,7 +340,8 @@ def _compile_fp8_moe_kernels() -> dict[str, dict]:
     x = torch.empty(1, 2048, dtype=torch.bfloat16)
     cfgs = {f"default {-(-p // 128)} an expert": default_config(p, 128, x)
             for p in (8, 8 * 256, 8 * 512)}
-    cfgs["w8a8 unswapped 16 rows"] = FusedMoEFp8Config(block_m=16, w8a8=True)
+    cfgs["swap 16 rows"] = FusedMoEFp8Config(block_m=16, w8a8=True, swap=True)
+    cfgs["swap 32 rows"] = FusedMoEFp8Config(block_m=32, w8a8=True, swap=True)
     cfgs["w8a8 gate_up 128"] = FusedMoEFp8Config(block_m=64, gate_up_block_n=128, w8a8=True)
     cfgs["swap gate_up 128"] = FusedMoEFp8Config(block_m=16, gate_up_block_n=128, swap=True)
     out = {}
@@ -387,8 +383,8 @@ def test_fp8_moe_kernels_compile_for_sm90():
     from sm90 import run_compiled
 
     got = run_compiled("test_fused_moe_fp8", "_compile_fp8_moe_kernels")
-    assert len(got) == 10
-    assert sum(" swap " in n for n in got) == 5  # default_config swaps at 1 and 16 an expert
+    assert len(got) == 12
+    assert sum(" swap " in n for n in got) == 5  # 16 and 32 rows (2 kernels each), gate_up 128
     for name, r in got.items():
         if name.startswith("w8a8 gate_up 128"):
             assert r["spill_bytes"] > 0 and any("E4M3" in o for o in r["mma"]), (name, r)
