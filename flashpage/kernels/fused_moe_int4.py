@@ -134,8 +134,8 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype | None =
     (a checkpoint's usual 128): form "swap", 64 features on 4 warps and 3 stages, 16 rows up
     to a mean of 16 pairs an expert, 32 past it. Run 200 (H200, Qwen3-30B-A3B's experts in
     bf16, benchmarks/fused_moe.py --int4): at 1-128 tokens (means 1-8) 16 rows and 3 stages
-    were the fastest tile, 0.70-0.89x the bf16 fused kernel's time (29.5 / 86.6 / 155 / 198
-    us against 33.2 / 123 / 271 / 341) and 0.24-0.40x "dot"'s; at 512 tokens (a mean of 32)
+    were the fastest tile, 0.57-0.89x the bf16 fused kernel's time (29.5 / 86.6 / 155 / 198
+    us against 33.2 / 123 / 271 / 341) and 0.26-0.40x "dot"'s; at 512 tokens (a mean of 32)
     32 rows took 487 us, 16 rows 494, the bf16 kernel 531 and "dot" at 64 rows 1,066.
     Larger means (prompt steps past 512 tokens) are untimed. Otherwise (groups under 128,
     fp32) "dot": 16 rows on 4 warps up to a mean of 16, 64 rows on 8 warps past it (run
