@@ -723,7 +723,7 @@ def gemm_config(m: int, n: int, k: int, g: int = 128,
     64 x 128 with the scale on the sums; up to 128, 128 x 64 x 128 per weight, 3 stages, x by
     TMA; past that 256 x 64 x 64, 3 stages, TMA. Run 201 (the same sweep at 64-256 rows, bf16)
     timed the fragment tiles (kernels/int4_fragment.py: the decoded weights in wgmma's A
-    registers): the scale-on-the-sums ones won at 64 rows on every shape (64 x 64: 0.70-0.99x
+    registers): the scale-on-the-sums ones won at 64 rows on every shape (64 x 64: 0.71-0.99x
     the older tile's time), at 128 (128 x 64: 0.73-0.97x) and at 256 on the four shapes
     together (0.92x; 1.04x on down), lost 5% at 100 rows; so for bf16 x, groups a multiple of
     128 and K of 128, they are the default at 64-256 rows. Not for fp16 x: the fragment
