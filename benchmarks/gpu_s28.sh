@@ -25,6 +25,10 @@
 #                                             swap GPU test's new bound; the 8B's decode at batch
 #                                             128 in bf16 and int4 (the fragment tile at 128 rows;
 #                                             run 199: 19,920 / 16,925 tok/s)
+#   BUDGET=290 bash benchmarks/gpu_s28.sh f   which int4 GEMM decode path is wrong under fp16 x
+#                                             (benchmarks/int4_check.py --tiles); DeepSeek-V2-Lite end
+#                                             to end with int4 experts (the MoE "swap" form) and fp8
+#                                             linears only (QUANTS of part c)
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -47,10 +51,10 @@ b)
   cat /tmp/int4_fragment_sweep_*.txt > "$OUT/int4_fragment_sweep.txt"
   echo "part b done at ${SECONDS}s" ;;
 c)
-  timeout "$(left 150)" $PT -rf -m gpu tests/models/test_moe_online_quant.py tests/models/test_fp8_moe_experts.py \
+  [ -z "${SKIP_TESTS:-}" ] && timeout "$(left 150)" $PT -rf -m gpu tests/models/test_moe_online_quant.py tests/models/test_fp8_moe_experts.py \
     tests/models/test_int4_moe_experts.py 2>&1 | tee "$OUT/gpu_moe_quant_tests.txt" | tail -n 6
   for q in ${QUANTS:-bf16 fp8}; do
-    extra=(); [ "$q" != bf16 ] && extra=(--quantization fp8)
+    extra=(); [ "$q" != bf16 ] && extra=(--quantization fp8); [ "$q" = int4 ] && extra=(--quantization int4)
     FLASHPAGE_FP8_MOE=$([ "$q" = fp8lin ] && echo dequant || echo auto) timeout "$(left 120)" python3 -m flashpage \
       bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.75 --num-requests 64 --no-hf \
       --json-out /tmp/tp_v2lite_$q.json ${extra[@]+"${extra[@]}"} > /tmp/tp_v2lite_$q.txt 2>&1
@@ -82,5 +86,9 @@ e)
   python3 -c "import json,sys; json.dump({f: json.load(open(f)) for f in sys.argv[1:]}, open('$OUT/latency_bs128.json','w'))" \
     /tmp/latency_bs128_bf16.json /tmp/latency_bs128_int4.json
   echo "part e done at ${SECONDS}s" ;;
+f)
+  timeout "$(left 90)" python3 benchmarks/int4_check.py --tiles 2>&1 | tee "$OUT/int4_check_tiles.txt" | cut -c1-200
+  SKIP_TESTS=1 QUANTS="int4 fp8lin" BUDGET=$((B - SECONDS)) bash "$0" c
+  echo "part f done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
