@@ -116,13 +116,19 @@ def test_errors_name_what_is_wrong():
         fused_moe_int4(x, *gu, *dn, ids, w.half())
 
 
-def test_no_host_sync_on_meta_tensors(monkeypatch):
+@pytest.mark.parametrize("form", ["dot", "swap"])
+def test_no_host_sync_on_meta_tensors(monkeypatch, form):
     """The launcher on meta tensors (no data: a host read raises), the kernels shape-only
-    stand-ins: every shape and grid comes from the input shapes."""
+    stand-ins, both forms ("swap" the default at 7 tokens of 128 experts, groups of 128):
+    every shape and grid comes from the input shapes."""
+    from flashpage.kernels import fused_moe_int4_swap as fm4s
+
     grids: list = []
     monkeypatch.setattr(fm, "_align_kernel", _ShapeOnlyKernel(grids))
-    for name in ("_int4_gate_up_kernel", "_int4_down_kernel"):
-        monkeypatch.setattr(fm4, name, _ShapeOnlyKernel(grids))
+    module, names = ((fm4, ("_int4_gate_up_kernel", "_int4_down_kernel")) if form == "dot" else
+                     (fm4s, ("_int4_swap_gate_up_kernel", "_int4_swap_down_kernel")))
+    for name in names:
+        monkeypatch.setattr(module, name, _ShapeOnlyKernel(grids))
     meta = torch.device("meta")
     t, k, e, h, inter, g = 7, 8, 128, 2048, 768, 128
     x = torch.empty(t, h, device=meta, dtype=torch.bfloat16)
@@ -134,7 +140,11 @@ def test_no_host_sync_on_meta_tensors(monkeypatch):
           torch.empty(e, h, inter // g, device=meta, dtype=torch.uint8))
     ids = torch.empty(t, k, device=meta, dtype=torch.long)
     w = torch.empty(t, k, device=meta)
-    out = fused_moe_int4(x, *gu, *dn, ids, w, FusedMoEInt4Config(block_m=16, block_n=64))
+    if form == "dot":
+        out = fused_moe_int4(x, *gu, *dn, ids, w, FusedMoEInt4Config(block_m=16, block_n=64))
+    else:
+        assert fm4.default_config(t * k, e, x.dtype, (g, g)).form == "swap"
+        out = fused_moe_int4(x, *gu, *dn, ids, w)
     assert out.shape == (t, h) and out.device == meta
     nb = num_blocks(t * k, e, 16)
     assert grids == [(1,), (inter // 64, nb), (h // 64, nb)]

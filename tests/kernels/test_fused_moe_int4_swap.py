@@ -8,8 +8,8 @@ _int4_word's output order; the interpreter's word decode (fp32 / fp16) for the s
 kernels against the reference (the 16-bit kernel's over the dequantized experts) and the
 "dot" form in fp32 / fp16 (ragged routing, an expert over several blocks, groups of 128,
 256 and a whole row, 64-256 features a tile with features past the end, 16 / 32 rows a
-block, symmetric zeros, unread experts' NaN scales); default_config's choice; errors; no
-host sync (meta tensors); the kernels built for sm_90a: wgmma with the weights from
+block, symmetric zeros, unread experts' NaN scales); default_config's choice; errors (the
+meta-tensor no-host-sync check: test_fused_moe_int4.py, both forms); the kernels built for sm_90a: wgmma with the weights from
 registers, the decode's lop3 / packed adds as counted, no shared-memory round trip of the
 weights unpipelined, no spills, and the K loop's SASS per weight under 0.4x "dot"'s.
 GPU (marked gpu): the inline PTX decode of every nibble with every zero, bf16 and fp16 at
@@ -24,13 +24,12 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from test_fused_moe import _ShapeOnlyKernel, routing  # tests/kernels
+from test_fused_moe import routing  # tests/kernels
 from test_fused_moe_int4 import _rel, int4_experts  # tests/kernels
+from test_fused_moe_mxfp4_swap import store8  # tests/kernels
 
-from flashpage.kernels import fused_moe as fm
 from flashpage.kernels import fused_moe_int4 as fm4
 from flashpage.kernels import fused_moe_int4_swap as fm4s
-from flashpage.kernels.fused_moe import num_blocks
 from flashpage.kernels.fused_moe_int4 import (
     FusedMoEInt4Config,
     default_config,
@@ -148,15 +147,7 @@ def _word_kernel(w_ptr, z_ptr, out_ptr, n, DT: tl.constexpr, BLOCK: tl.constexpr
     word = tl.load(w_ptr + offs, mask=mask, other=0)
     z = tl.load(z_ptr + offs, mask=mask, other=0)
     o0, o1, o2, o3, o4, o5, o6, o7 = fm4s._int4_word(word, z, DT, ASM, PTX, OFFSET)
-    out = out_ptr + offs * 8
-    tl.store(out, o0, mask=mask)
-    tl.store(out + 1, o1, mask=mask)
-    tl.store(out + 2, o2, mask=mask)
-    tl.store(out + 3, o3, mask=mask)
-    tl.store(out + 4, o4, mask=mask)
-    tl.store(out + 5, o5, mask=mask)
-    tl.store(out + 6, o6, mask=mask)
-    tl.store(out + 7, o7, mask=mask)
+    store8(out_ptr + offs * 8, mask, o0, o1, o2, o3, o4, o5, o6, o7)
 
 
 def assert_word_decode(dtype: torch.dtype, asm: bool) -> None:
@@ -255,32 +246,6 @@ def test_swap_errors():
     x = torch.randn(3, 128, device=DEV)
     with pytest.raises(ValueError, match=r"multiples of 128.*got 64 \(gate_up\) and 128 \(down\)"):
         fused_moe_int4(x, *gu, *dn, ids, w, SWAP)
-
-
-def test_swap_no_host_sync_on_meta_tensors(monkeypatch):
-    """The launcher on meta tensors with form "swap" (the default at 7 tokens of 128
-    experts), the kernels shape-only stand-ins: every shape and grid from the input
-    shapes."""
-    grids: list = []
-    monkeypatch.setattr(fm, "_align_kernel", _ShapeOnlyKernel(grids))
-    for name in ("_int4_swap_gate_up_kernel", "_int4_swap_down_kernel"):
-        monkeypatch.setattr(fm4s, name, _ShapeOnlyKernel(grids))
-    meta = torch.device("meta")
-    t, k, e, h, inter, g = 7, 8, 128, 2048, 768, 128
-    x = torch.empty(t, h, device=meta, dtype=torch.bfloat16)
-    gu = (torch.empty(e, 2 * inter, h // 8, device=meta, dtype=torch.int32),
-          torch.empty(e, 2 * inter, h // g, device=meta, dtype=torch.float16),
-          torch.empty(e, 2 * inter, h // g, device=meta, dtype=torch.uint8))
-    dn = (torch.empty(e, h, inter // 8, device=meta, dtype=torch.int32),
-          torch.empty(e, h, inter // g, device=meta, dtype=torch.float16),
-          torch.empty(e, h, inter // g, device=meta, dtype=torch.uint8))
-    ids = torch.empty(t, k, device=meta, dtype=torch.long)
-    w = torch.empty(t, k, device=meta)
-    assert default_config(t * k, e, x.dtype, (g, g)).form == "swap"
-    out = fused_moe_int4(x, *gu, *dn, ids, w)
-    assert out.shape == (t, h) and out.device == meta
-    nb = num_blocks(t * k, e, 16)
-    assert grids == [(1,), (inter // 64, nb), (h // 64, nb)]
 
 
 # ----------------------------------------------------------------- sm_90a SASS (no GPU)

@@ -112,7 +112,12 @@ def _word_kernel(w_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr, ASM: tl.constexp
     word = tl.load(w_ptr + offs, mask=mask, other=0)
     sc = fm._e8m0(tl.load(s_ptr + offs, mask=mask, other=0))
     o0, o1, o2, o3, o4, o5, o6, o7 = fm._e2m1_word(word, sc, out_ptr.dtype.element_ty, ASM)
-    out = out_ptr + offs * 8
+    store8(out_ptr + offs * 8, mask, o0, o1, o2, o3, o4, o5, o6, o7)
+
+
+@triton.jit
+def store8(out, mask, o0, o1, o2, o3, o4, o5, o6, o7):
+    """A word's 8 decoded values at out[0:8] (each of [BLOCK] words' rows of 8)."""
     tl.store(out, o0, mask=mask)
     tl.store(out + 1, o1, mask=mask)
     tl.store(out + 2, o2, mask=mask)

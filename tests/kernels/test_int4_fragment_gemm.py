@@ -195,7 +195,8 @@ def _loop(name: str, dt: str) -> dict:
     import collections
     import re
 
-    from sm90 import compile_sm90, ptxas_sm90a, ptxas_usage, sass_instructions, sass_loops
+    from sm90 import ptxas_usage
+    from test_int4_swap_gemm import compile_swap_kernel
 
     from flashpage.kernels import int4_gemm as m
 
@@ -203,24 +204,7 @@ def _loop(name: str, dt: str) -> dict:
     cfg = m.parse_gemm_config(name)
     pw16 = cfg.fragment and cfg.per_weight and dtype == torch.float16  # fp16 scales
     ptx = dequant16_ptx(dtype) if pw16 else (m._unpack_ptx(dtype) if not cfg.per_weight else "")
-    aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K", "stride_qw",
-               "stride_xm", "stride_om")
-    k = compile_sm90(m._w4a16_swap_kernel, dict(
-        G=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, PARTIAL=False, HAS_BIAS=False, PRECISION="tf32",
-        PER_WEIGHT=cfg.per_weight, ASM=True, PTX=ptx, OFFSET=DEQUANT16_TYPES[dtype][1] if ptx else 0.0,
-        NUM_STAGES=cfg.num_stages, TMA=cfg.tma, FRAG=cfg.fragment, PW16=pw16,
-        **({} if cfg.tma else {"x_desc": None})),
-        {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "b_ptr": f"*{dt}", "qw_ptr": "*i32",
-         "s_ptr": "*fp16", "z_ptr": "*u8", "SPLIT_K": "i32",
-         "x_desc": f"tensordesc<{dt}[{cfg.block_m}, {cfg.block_k}]>"},
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned)
-    log, sass = ptxas_sm90a(k.asm["ptx"])
-    ins, labels = sass_instructions(sass)
-    lo, hi = min((p for p in sass_loops(ins, labels)
-                  if any(t.startswith("HGMMA") for t in ins[p[0]:p[1] + 1])),
-                 key=lambda p: p[1] - p[0])
-    loop = ins[lo:hi + 1]
+    k, log, loop = compile_swap_kernel(cfg, dt, ptx, DEQUANT16_TYPES[dtype][1] if ptx else 0.0, pw16)
     mix = collections.Counter(t.split(" ")[0].split(".")[0] for t in loop)
     return dict(loop=len(loop), per_128k=len(loop) * 128 // cfg.block_k, shared=k.metadata.shared,
                 hgmma_reg_a=sum(bool(re.match(r"HGMMA\S* R\d+, R\d+, gdesc", t)) for t in loop),

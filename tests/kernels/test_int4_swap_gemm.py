@@ -119,12 +119,10 @@ def _compile_swap_gemm() -> dict[str, dict]:
     multiple of 16): name -> the K loop's SASS counts, registers, spills."""
     import collections
 
-    from sm90 import compile_sm90, ptxas_sm90a, ptxas_usage, sass_instructions, sass_loops
+    from sm90 import ptxas_usage
 
     from flashpage.kernels import int4_gemm as m
 
-    aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K", "stride_qw",
-               "stride_xm", "stride_om")
     out = {}
     # the older tiles (the fragment ones: test_int4_fragment_gemm.py)
     for cfg in {m.Int4GemmConfig(128, 64, 128, 0, 4, 3, tma=True),
@@ -132,29 +130,43 @@ def _compile_swap_gemm() -> dict[str, dict]:
                 m.Int4GemmConfig(128, 64, 128, per_weight=False),
                 m.Int4GemmConfig(256, 64, 64, tma=True)}:
         asm_ptx = not cfg.per_weight
-        k = compile_sm90(m._w4a16_swap_kernel, dict(
-            G=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m, PARTIAL=False, HAS_BIAS=False, PRECISION="tf32",
-            PER_WEIGHT=cfg.per_weight, ASM=True,
-            PTX=m._unpack_ptx(torch.bfloat16) if asm_ptx else "",
-            OFFSET=128.0 if asm_ptx else 0.0, NUM_STAGES=cfg.num_stages, TMA=cfg.tma,
-            FRAG=False, PW16=False,
-            **({} if cfg.tma else {"x_desc": None})),
-            {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "SPLIT_K": "i32",
-             "x_desc": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>"},
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned)
-        log, sass = ptxas_sm90a(k.asm["ptx"])
-        ins, labels = sass_instructions(sass)
-        # the K loop: the shortest backward branch around the MMAs
-        lo, hi = min((p for p in sass_loops(ins, labels)
-                      if any(t.startswith("HGMMA") for t in ins[p[0]:p[1] + 1])),
-                     key=lambda p: p[1] - p[0])
-        mix = collections.Counter(t.split(" ")[0].split(".")[0] for t in ins[lo:hi + 1])
-        out[cfg.name] = {"loop": hi - lo + 1, "tma": "cp.async.bulk.tensor" in k.asm["ptx"], "weights": cfg.block_n * cfg.block_k,
+        k, log, loop = compile_swap_kernel(
+            cfg, "bf16", m._unpack_ptx(torch.bfloat16) if asm_ptx else "", 128.0 if asm_ptx else 0.0)
+        mix = collections.Counter(t.split(" ")[0].split(".")[0] for t in loop)
+        out[cfg.name] = {"loop": len(loop), "tma": "cp.async.bulk.tensor" in k.asm["ptx"], "weights": cfg.block_n * cfg.block_k,
                          "threads": 32 * cfg.num_warps, "mma_sync": "mma.sync" in k.asm["ptx"],
                          **{op: mix.get(op, 0) for op in ("HGMMA", "HMMA", "I2F", "F2FP")},
                          **ptxas_usage(log)}
     return out
+
+
+def compile_swap_kernel(cfg, dt: str, ptx: str, offset: float, pw16: bool = False):
+    """``_w4a16_swap_kernel`` with ``cfg`` compiled for sm_90a as an H200 launch of the 8B
+    shapes builds it (x in ``dt``, fp16 scales, groups of 128, aligned pointers and strides;
+    no GPU): (the compiled kernel, ptxas' log, its K loop's SASS: the shortest backward
+    branch around the warpgroup MMAs)."""
+    from sm90 import compile_sm90, ptxas_sm90a, sass_instructions, sass_loops
+
+    from flashpage.kernels import int4_gemm as m
+
+    aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K", "stride_qw",
+               "stride_xm", "stride_om")
+    k = compile_sm90(m._w4a16_swap_kernel, dict(
+        G=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, PARTIAL=False, HAS_BIAS=False, PRECISION="tf32",
+        PER_WEIGHT=cfg.per_weight, ASM=True, PTX=ptx, OFFSET=offset,
+        NUM_STAGES=cfg.num_stages, TMA=cfg.tma, FRAG=cfg.fragment, PW16=pw16,
+        **({} if cfg.tma else {"x_desc": None})),
+        {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "b_ptr": f"*{dt}", "qw_ptr": "*i32",
+         "s_ptr": "*fp16", "z_ptr": "*u8", "SPLIT_K": "i32",
+         "x_desc": f"tensordesc<{dt}[{cfg.block_m}, {cfg.block_k}]>"},
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned)
+    log, sass = ptxas_sm90a(k.asm["ptx"])
+    ins, labels = sass_instructions(sass)
+    lo, hi = min((p for p in sass_loops(ins, labels)
+                  if any(t.startswith("HGMMA") for t in ins[p[0]:p[1] + 1])),
+                 key=lambda p: p[1] - p[0])
+    return k, log, ins[lo:hi + 1]
 
 
 def test_swap_gemm_compiles_to_warpgroup_mmas_for_sm90():
