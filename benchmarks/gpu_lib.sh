@@ -65,3 +65,14 @@ throughput() {
     --json-out "$OUT/throughput_$name.json" "$@" > "$OUT/throughput_$name.txt" 2>&1
   summary "$OUT/throughput_$name.json"
 }
+
+# one line per `bench throughput` JSON: a tag, its totals and its step kinds' counts / ms
+tp_summary() {
+  python3 - "$@" <<'PY'
+import json, sys
+path, tag = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "")
+r = json.load(open(path))["flashpage"]
+print(tag, {k: r[k] for k in ("seconds", "output_tok_per_s", "total_tok_per_s", "kv_blocks") if k in r},
+      {k: (v["steps"], v["ms_per_step"]) for k, v in r["steps"].items()})
+PY
+}

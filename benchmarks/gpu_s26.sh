@@ -56,12 +56,7 @@ c)
       --gpu-memory-utilization 0.88 --num-requests $3 --no-hf ${extra[@]+"${extra[@]}"} \
       --json-out "$OUT/throughput_gptoss$1_mxfp4$2.json" > "/tmp/throughput_gptoss$1_mxfp4$2.txt" 2>&1
     grep -E "MXFP4 experts|loaded" "/tmp/throughput_gptoss$1_mxfp4$2.txt" | cut -c1-160
-    python3 - "$OUT/throughput_gptoss$1_mxfp4$2.json" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))["flashpage"]
-print({k: r[k] for k in ("seconds", "output_tok_per_s", "total_tok_per_s", "kv_blocks")},
-      {k: (v["steps"], v["ms_per_step"]) for k, v in r["steps"].items()})
-PY
+    tp_summary "$OUT/throughput_gptoss$1_mxfp4$2.json"
   done
   echo "part c done at ${SECONDS}s" ;;
 d)

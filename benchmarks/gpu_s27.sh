@@ -72,12 +72,7 @@ e)
   timeout "$(left 150)" python3 -m flashpage bench throughput --config gpt-oss-20b --gpu-memory-utilization 0.88 \
     --num-requests 64 --no-hf --hf-overrides "$MXFP4" --json-out "$OUT/throughput_gptoss20b_mxfp4.json" \
     > /tmp/throughput_gptoss20b.txt 2>&1
-  python3 - "$OUT/throughput_gptoss20b_mxfp4.json" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))["flashpage"]
-print({k: r[k] for k in ("seconds", "output_tok_per_s", "total_tok_per_s", "kv_blocks")},
-      {k: (v["steps"], v["ms_per_step"]) for k, v in r["steps"].items()})
-PY
+  tp_summary "$OUT/throughput_gptoss20b_mxfp4.json"
   for q in bf16 int4; do
     extra=(); [ "$q" = int4 ] && extra=(--quantization int4)
     timeout "$(left 110)" $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 128 \

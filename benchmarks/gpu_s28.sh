@@ -59,12 +59,7 @@ c)
       bench throughput --config deepseek-v2-lite --gpu-memory-utilization 0.75 --num-requests 64 --no-hf \
       --json-out /tmp/tp_v2lite_$q.json ${extra[@]+"${extra[@]}"} > /tmp/tp_v2lite_$q.txt 2>&1
     grep -i "experts\|quantiz" /tmp/tp_v2lite_$q.txt | head -n 3
-    python3 - /tmp/tp_v2lite_$q.json $q <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))["flashpage"]
-print(sys.argv[2], {k: r[k] for k in ("seconds", "output_tok_per_s", "kv_blocks")},
-      {k: (v["steps"], v["ms_per_step"]) for k, v in r["steps"].items()})
-PY
+    tp_summary /tmp/tp_v2lite_$q.json $q
   done
   python3 -c "import json,sys; json.dump({f: json.load(open(f)) for f in sys.argv[1:]}, open('$OUT/throughput_v2lite_moequant.json','w'))" \
     /tmp/tp_v2lite_*.json
