@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from test_fused_moe import routing  # tests/kernels
 from test_fused_moe_int4 import _rel, int4_experts  # tests/kernels
-from test_fused_moe_mxfp4_swap import store8  # tests/kernels
+from test_fused_moe_mxfp4_swap import every_nibble_words, nibble, store8  # tests/kernels
 
 from flashpage.kernels import fused_moe_int4 as fm4
 from flashpage.kernels import fused_moe_int4_swap as fm4s
@@ -46,19 +46,6 @@ gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 # _int4_word's outputs: the nibbles (positions in a word) 0, 4, 1, 5, 2, 6, 3, 7
 WORD_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
 SWAP = FusedMoEInt4Config(block_m=16, block_n=64, block_k=128, form="swap")
-
-
-def every_nibble_words() -> torch.Tensor:
-    """int32 words [256]: every nibble position holds every value 0-15 (16 x 16 patterns)."""
-    i = torch.arange(256, dtype=torch.int64)
-    w = torch.zeros(256, dtype=torch.int64)
-    for m in range(8):
-        w |= ((i + 5 * m) % 16 if m % 2 else (i // 16 + 3 * m) % 16) << (4 * m)
-    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
-
-
-def nibble(words: torch.Tensor, m: int) -> torch.Tensor:
-    return (words.to(torch.int64) & 0xFFFFFFFF) >> (4 * m) & 0xF
 
 
 def words_and_zeros() -> tuple[torch.Tensor, torch.Tensor]:
