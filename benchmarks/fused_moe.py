@@ -398,16 +398,49 @@ def _time_paths(paths: dict[str, tuple[str, Callable[[int], object]]], t: int, d
     return rows
 
 
-def fp8_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, fp8: list) -> list[dict]:
-    """--fp8's rows at T = t: the bf16 fused kernel, the fp8 one's default and its modes."""
+def _quant_case(t: int, k: int, e: int, hidden: int, inter: int, bf16: list,
+                kind: str, bytes_a_weight: Callable[[int], int]):
+    """--fp8 / --int4's inputs at T = t: routing, x, the distinct experts, the weight bytes
+    each path needs (bf16: 2 a weight; ``kind``: ``bytes_a_weight`` of an expert's weight
+    count) and the bf16 kernel's output (what each path's rel. diff is against)."""
     expert_values = 3 * inter * hidden
     ids, w = routing(t, k, e, seed=t)
     x = torch.randn(t, hidden, device=DEV, dtype=DT)
     distinct = ids.unique().numel()
-    needed = {"bf16": distinct * expert_values * 2,
-              "fp8": distinct * (expert_values + 4 * expert_values // 128 ** 2)}
+    needed = {"bf16": distinct * expert_values * 2, kind: distinct * bytes_a_weight(expert_values)}
     with torch.no_grad():
         want = fused_moe(x, *bf16[0], ids, w).float()
+    return ids, w, x, distinct, needed, want
+
+
+def _write_quant_results(out: Path, name: str, title: str, bytes_note: str, shape: dict,
+                         copy_gbs: float, rows: list[dict], t0: float) -> None:
+    """$OUT/{name}.json and .md of --fp8 / --int4's rows."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(dict(shape=shape, copy_gbs=copy_gbs, rows=rows),
+                                                 indent=1))
+    dev = torch.cuda.get_device_name() if GPU else "CPU (Triton interpreter: smoke test only)"
+    lines = [f"# {title}, {shape}, {dev}", "",
+             f"torch {torch.__version__}; copy bandwidth (1 GiB, read + written): "
+             f"{copy_gbs:,.0f} GB/s. GB/s = needed weight bytes (distinct routed experts: bf16 "
+             f"2 bytes a weight, {bytes_note}) / time.", "",
+             "| T | distinct experts | needed MB | path | eager µs | eager GB/s | graph µs "
+             "| graph GB/s | graph / copy | rel. diff vs bf16 |", "| --- " * 10 + "|"]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['distinct_experts']} | {r['needed_mb']} | {r['path']} "
+                     f"| {r.get('eager_us', '-')} | {r.get('eager_gbs', '-')} | "
+                     f"{r.get('graph_us', '-')} | {r.get('graph_gbs', '-')} | "
+                     f"{_ratio(r.get('graph_gbs'), copy_gbs)} | "
+                     f"{r.get('rel_diff_vs_bf16', float('nan')):.3g} |"
+                     + (f" {r['error']}" if "error" in r else ""))
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def fp8_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, fp8: list) -> list[dict]:
+    """--fp8's rows at T = t: the bf16 fused kernel, the fp8 one's default and its modes."""
+    ids, w, x, distinct, needed, want = _quant_case(
+        t, k, e, hidden, inter, bf16, "fp8", lambda v: v + 4 * v // 128 ** 2)
     default = fp8_default_config(t * k, e, x)
     paths: dict[str, tuple[str, Callable[[int], object]]] = {
         f"bf16 fused ({default_config(t * k, e).name})":
@@ -443,26 +476,10 @@ def fp8_main(out: Path) -> None:
     rows: list[dict] = []
     for t in FP8_TOKENS:
         rows += fp8_tokens(t, k, e, hidden, inter, bf16, fp8)
-    out.mkdir(parents=True, exist_ok=True)
-    shape = dict(experts=e, top_k=k, hidden=hidden, moe_intermediate=inter)
-    (out / "fused_moe_fp8.json").write_text(json.dumps(dict(shape=shape, copy_gbs=copy_gbs,
-                                                            rows=rows), indent=1))
-    dev = torch.cuda.get_device_name() if GPU else "CPU (Triton interpreter: smoke test only)"
-    lines = [f"# MoE experts in block fp8, {shape}, {dev}", "",
-             f"torch {torch.__version__}; copy bandwidth (1 GiB, read + written): "
-             f"{copy_gbs:,.0f} GB/s. GB/s = needed weight bytes (distinct routed experts: bf16 "
-             "2 bytes a weight, fp8 1 plus the tiles' fp32 scales) / time.", "",
-             "| T | distinct experts | needed MB | path | eager µs | eager GB/s | graph µs "
-             "| graph GB/s | graph / copy | rel. diff vs bf16 |", "| --- " * 10 + "|"]
-    for r in rows:
-        lines.append(f"| {r['tokens']} | {r['distinct_experts']} | {r['needed_mb']} | {r['path']} "
-                     f"| {r.get('eager_us', '-')} | {r.get('eager_gbs', '-')} | "
-                     f"{r.get('graph_us', '-')} | {r.get('graph_gbs', '-')} | "
-                     f"{_ratio(r.get('graph_gbs'), copy_gbs)} | "
-                     f"{r.get('rel_diff_vs_bf16', float('nan')):.3g} |"
-                     + (f" {r['error']}" if "error" in r else ""))
-    (out / "fused_moe_fp8.md").write_text("\n".join(lines) + "\n")
-    print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
+    _write_quant_results(out, "fused_moe_fp8", "MoE experts in block fp8",
+                         "fp8 1 plus the tiles' fp32 scales",
+                         dict(experts=e, top_k=k, hidden=hidden, moe_intermediate=inter),
+                         copy_gbs, rows, t0)
 
 
 # --int4: the same shape (FP8_SHAPE) and tokens, groups of 128 (the checkpoints'; on the CPU
@@ -496,14 +513,8 @@ def quantize_int4_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 def int4_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, int4: list) -> list[dict]:
     """--int4's rows at T = t: the bf16 fused kernel, the int4 one's default and its tiles."""
-    expert_values = 3 * inter * hidden
-    ids, w = routing(t, k, e, seed=t)
-    x = torch.randn(t, hidden, device=DEV, dtype=DT)
-    distinct = ids.unique().numel()
-    needed = {"bf16": distinct * expert_values * 2,
-              "int4": distinct * (expert_values // 2 + 3 * expert_values // INT4_GROUP)}
-    with torch.no_grad():
-        want = fused_moe(x, *bf16[0], ids, w).float()
+    ids, w, x, distinct, needed, want = _quant_case(
+        t, k, e, hidden, inter, bf16, "int4", lambda v: v // 2 + 3 * v // INT4_GROUP)
     default = int4_default_config(t * k, e, DT, (INT4_GROUP, INT4_GROUP))
     paths: dict[str, tuple[str, Callable[[int], object]]] = {
         f"bf16 fused ({default_config(t * k, e).name})":
@@ -539,27 +550,11 @@ def int4_main(out: Path) -> None:
     rows: list[dict] = []
     for t in FP8_TOKENS:
         rows += int4_tokens(t, k, e, hidden, inter, bf16, int4)
-    out.mkdir(parents=True, exist_ok=True)
-    shape = dict(experts=e, top_k=k, hidden=hidden, moe_intermediate=inter, group=INT4_GROUP)
-    (out / "fused_moe_int4.json").write_text(json.dumps(dict(shape=shape, copy_gbs=copy_gbs,
-                                                             rows=rows), indent=1))
-    dev = torch.cuda.get_device_name() if GPU else "CPU (Triton interpreter: smoke test only)"
-    lines = [f"# MoE experts in int4 (W4A16), {shape}, {dev}", "",
-             f"torch {torch.__version__}; copy bandwidth (1 GiB, read + written): "
-             f"{copy_gbs:,.0f} GB/s. GB/s = needed weight bytes (distinct routed experts: bf16 "
-             "2 bytes a weight, int4 half a byte plus an fp16 scale and a uint8 zero per "
-             f"{INT4_GROUP}) / time.", "",
-             "| T | distinct experts | needed MB | path | eager µs | eager GB/s | graph µs "
-             "| graph GB/s | graph / copy | rel. diff vs bf16 |", "| --- " * 10 + "|"]
-    for r in rows:
-        lines.append(f"| {r['tokens']} | {r['distinct_experts']} | {r['needed_mb']} | {r['path']} "
-                     f"| {r.get('eager_us', '-')} | {r.get('eager_gbs', '-')} | "
-                     f"{r.get('graph_us', '-')} | {r.get('graph_gbs', '-')} | "
-                     f"{_ratio(r.get('graph_gbs'), copy_gbs)} | "
-                     f"{r.get('rel_diff_vs_bf16', float('nan')):.3g} |"
-                     + (f" {r['error']}" if "error" in r else ""))
-    (out / "fused_moe_int4.md").write_text("\n".join(lines) + "\n")
-    print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
+    _write_quant_results(out, "fused_moe_int4", "MoE experts in int4 (W4A16)",
+                         "int4 half a byte plus an fp16 scale and a uint8 zero per "
+                         f"{INT4_GROUP}",
+                         dict(experts=e, top_k=k, hidden=hidden, moe_intermediate=inter,
+                              group=INT4_GROUP), copy_gbs, rows, t0)
 
 
 def main() -> None:
