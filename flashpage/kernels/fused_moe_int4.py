@@ -48,7 +48,7 @@ Two forms (``FusedMoEInt4Config.form``, INT4_FORMS):
   our packing, nibble j of a word = K 8c + j, is e2m1's). The decode (inline PTX,
   fused_moe_int4_swap.word_ptx): per pair of nibbles (j, j + 4), 16 bits apart, one lop3
   ORs both into the mantissas of a 16-bit magic (bf16 128.0 = 0x4300: 128 + q, a nibble
-  at bits 0-3 of each half, so three shifts a word, kernels/int4_gemm's _UNPACK_PTX; fp16
+  at bits 0-3 of each half, so three shifts a word, kernels/int4_gemm's _unpack_ptx; fp16
   1024.0 = 0x6400 for bits 0-3 and 64.0 = 0x5400 for bits 4-7, one shift a word) and one
   packed fma (x * 1 - (magic + z)) leaves q - z, exact in either 16-bit type
   (|q - z| <= 16), in x's dtype (bf16 x decodes to bf16: no fp16 detour). The group's

@@ -40,7 +40,7 @@ def _swap_k(k):
     return k - kn + 32 * ((kn // 8) % 4) + 8 * (kn % 4) + 2 * (kn // 32) + (kn // 4) % 2
 
 
-# fp16's decode of a word with one shift where kernels/int4_gemm's _UNPACK_PTX (bf16's, and
+# fp16's decode of a word with one shift where kernels/int4_gemm's _unpack_ptx (bf16's, and
 # the PTX ``word_ptx`` gives for bf16) takes three: bf16's 7 mantissa bits hold a nibble at
 # bits 0-3 of each half only, fp16's 10 hold one at bits 0-3 (ORed into 1024.0 = 0x6400,
 # whose last bit is worth 1: 1024 + q) or at bits 4-7 (into 64.0 = 0x5400, whose last bit
@@ -89,7 +89,7 @@ def _int4_word(word, z, DT: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
     (fused_moe._swap_tile's order). ASM (bf16 / fp16 on the GPU; PTX and OFFSET
     ``word_ptx``'s): one lop3 + one packed fma a pair of nibbles (j, j + 4), ORed into the
     mantissas of a 16-bit magic in one 32-bit register, the magic + z taken off both (bf16
-    kernels/int4_gemm's _UNPACK_PTX, three shifts a word; fp16 F16_WORD_PTX, one);
+    kernels/int4_gemm's _unpack_ptx, three shifts a word; fp16 F16_WORD_PTX, one);
     otherwise shifts and masks, q - z in fp32, then DT."""
     if ASM:
         zf = z.to(tl.float32)

@@ -38,48 +38,39 @@ import triton.language as tl
 
 FRAG_K = 128  # the K tile of the fragment tiles (a row's 16 words)
 
-# PTX of one packed word, -(OFFSET + zero) and the scale (both x's 16-bit type) -> its 8
-# weights (q - z) * s: each pair of nibbles (j, j + 4) masked into the mantissas of OFFSET
-# (one lop3: OFFSET + q, exact), OFFSET + z taken off (fma by 1: q - z, exact), times the
-# scale (one rounding of the exact product). Outputs $0-$3 nibbles 0-3, $4-$7 nibbles 4-7
-# ({$j, $j+4} one register: the fragment's pair).
-_DEQUANT16_PTX = """{
-.reg .b32 w, t, p, nz, sc, one, mask, magic;
-mov.b32 w, $8;
-mov.b32 nz, {$9, $9};
-mov.b32 sc, {$10, $10};
-mov.b32 one, ONE;
-mov.b32 mask, 0x000F000F;
-mov.b32 magic, MAGIC;
-lop3.b32 p, w, mask, magic, 0xEA;
-fma.rn.TY p, p, one, nz;
-mul.rn.TY p, p, sc;
-mov.b32 {$0, $4}, p;
-shr.u32 t, w, 4;
-lop3.b32 p, t, mask, magic, 0xEA;
-fma.rn.TY p, p, one, nz;
-mul.rn.TY p, p, sc;
-mov.b32 {$1, $5}, p;
-shr.u32 t, w, 8;
-lop3.b32 p, t, mask, magic, 0xEA;
-fma.rn.TY p, p, one, nz;
-mul.rn.TY p, p, sc;
-mov.b32 {$2, $6}, p;
-shr.u32 t, w, 12;
-lop3.b32 p, t, mask, magic, 0xEA;
-fma.rn.TY p, p, one, nz;
-mul.rn.TY p, p, sc;
-mov.b32 {$3, $7}, p;
-}"""
+# PTX of one packed word and -(OFFSET + zero) (and, ``scaled``, the scale; each in x's 16-bit
+# type) -> its 8 weights q - z (or (q - z) * s): each pair of nibbles (j, j + 4) masked into
+# the mantissas of OFFSET (one lop3: OFFSET + q, exact), OFFSET + z taken off (fma by 1: q - z,
+# exact), ``scaled``: times the scale (one rounding of the exact product). Outputs $0-$3
+# nibbles 0-3, $4-$7 nibbles 4-7 ({$j, $j+4} one register: the fragment's pair). The unscaled
+# text is kernels/int4_gemm's _unpack_ptx (its GEMV and GEMM, the int4 MoE "swap" for bf16).
+def packed_nibbles_ptx(dtype: torch.dtype, scaled: bool) -> str:
+    """The PTX above for activations (and scales) of ``dtype`` (bf16 / fp16)."""
+    magic, _, one, ty = DEQUANT16_TYPES[dtype]
+    lines = ["{", f".reg .b32 w, t, p, nz, {'sc, ' if scaled else ''}one, mask, magic;",
+             "mov.b32 w, $8;", "mov.b32 nz, {$9, $9};"]
+    if scaled:
+        lines.append("mov.b32 sc, {$10, $10};")
+    lines += [f"mov.b32 one, {one};", "mov.b32 mask, 0x000F000F;", f"mov.b32 magic, {magic};"]
+    for j in range(4):
+        if j:
+            lines.append(f"shr.u32 t, w, {4 * j};")
+        lines += [f"lop3.b32 p, {'t' if j else 'w'}, mask, magic, 0xEA;",
+                  f"fma.rn.{ty} p, p, one, nz;"]
+        if scaled:
+            lines.append(f"mul.rn.{ty} p, p, sc;")
+        lines.append(f"mov.b32 {{${j}, ${j + 4}}}, p;")
+    return "\n".join(lines + ["}"])
+
+
 # x's dtype -> (its 16-bit pattern of OFFSET twice, OFFSET, the pair (1.0, 1.0), the PTX type)
 DEQUANT16_TYPES = {torch.bfloat16: ("0x43004300", 128.0, "0x3F803F80", "bf16x2"),
                    torch.float16: ("0x64006400", 1024.0, "0x3C003C00", "f16x2")}
 
 
 def dequant16_ptx(dtype: torch.dtype) -> str:
-    """``_DEQUANT16_PTX`` for activations (and scales) of ``dtype`` (bf16 / fp16)."""
-    magic, _, one, ty = DEQUANT16_TYPES[dtype]
-    return _DEQUANT16_PTX.replace("MAGIC", magic).replace("ONE", one).replace("TY", ty)
+    """``packed_nibbles_ptx`` with the scale: (q - z) * s, 3 instructions a pair."""
+    return packed_nibbles_ptx(dtype, scaled=True)
 
 
 def fragment_k_order(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -129,7 +120,7 @@ def qz8(packed, z, DT: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
 @triton.jit
 def dequant16_8(packed, s, z, DT: tl.constexpr, PTX: tl.constexpr, OFFSET: tl.constexpr):
     """Packed words [BN, W], their scales (in DT) and zero points ([BN, 1] or [BN, W]) -> 8
-    tensors [BN, W] in DT, nibbles 0..7's (q - z) * s by ``_DEQUANT16_PTX`` (the GPU only)."""
+    tensors [BN, W] in DT, nibbles 0..7's (q - z) * s by ``dequant16_ptx`` (the GPU only)."""
     nz = tl.broadcast_to((-(z.to(tl.float32) + OFFSET)).to(DT), packed.shape)
     sc = tl.broadcast_to(s.to(DT), packed.shape)
     return tl.inline_asm_elementwise(

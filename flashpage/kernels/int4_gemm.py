@@ -83,11 +83,13 @@ import triton
 import triton.language as tl
 
 from flashpage.kernels.int4_fragment import (
+    DEQUANT16_TYPES,
     FRAG_K,
     dequant16_8,
     dequant16_ptx,
     fragment_tile,
     fragment_x,
+    packed_nibbles_ptx,
     qz8,
 )
 from flashpage.kernels.tiles import grouped_tile, wgmma_a_rows
@@ -182,42 +184,19 @@ def _unpack_words(packed, z):
     return q - zf[:, :, None, None, None]
 
 
-
 # PTX of one packed word and its -(OFFSET + zero) as a 16-bit float -> its 8 values q - z
 # in that 16-bit type, two per instruction: each pair of nibbles (j, j + 4) masked into the
 # mantissas of OFFSET (bf16 0x4300 = 128, fp16 0x6400 = 1024: the float OFFSET + q, exact)
 # by one lop3, then OFFSET + z taken off both by one fma (x * 1 - (OFFSET + z), exact).
-_UNPACK_PTX = """{
-.reg .b32 w, t, p, nz, one, mask, magic;
-mov.b32 w, $8;
-mov.b32 nz, {$9, $9};
-mov.b32 one, ONE;
-mov.b32 mask, 0x000F000F;
-mov.b32 magic, MAGIC;
-lop3.b32 p, w, mask, magic, 0xEA;
-fma.rn.TY p, p, one, nz;
-mov.b32 {$0, $4}, p;
-shr.u32 t, w, 4;
-lop3.b32 p, t, mask, magic, 0xEA;
-fma.rn.TY p, p, one, nz;
-mov.b32 {$1, $5}, p;
-shr.u32 t, w, 8;
-lop3.b32 p, t, mask, magic, 0xEA;
-fma.rn.TY p, p, one, nz;
-mov.b32 {$2, $6}, p;
-shr.u32 t, w, 12;
-lop3.b32 p, t, mask, magic, 0xEA;
-fma.rn.TY p, p, one, nz;
-mov.b32 {$3, $7}, p;
-}"""
-# x's dtype -> (its 16-bit pattern of OFFSET, OFFSET, the pair (1.0, 1.0), the PTX type)
-_UNPACK_TYPES = {torch.bfloat16: ("0x43004300", 128.0, "0x3F803F80", "bf16x2"),
-                 torch.float16: ("0x64006400", 1024.0, "0x3C003C00", "f16x2")}
+# _UNPACK_TYPES: x's dtype -> (its 16-bit pattern of OFFSET, OFFSET, the pair (1.0, 1.0), the
+# PTX type)
+_UNPACK_TYPES = DEQUANT16_TYPES
 
 
 def _unpack_ptx(dtype: torch.dtype) -> str:
-    magic, _, one, ty = _UNPACK_TYPES[dtype]
-    return _UNPACK_PTX.replace("MAGIC", magic).replace("ONE", one).replace("TY", ty)
+    """One packed word -> its 8 nibbles' q - z in x's 16-bit type, a lop3 + packed fma a pair
+    (int4_fragment.packed_nibbles_ptx without the scale)."""
+    return packed_nibbles_ptx(dtype, scaled=False)
 
 
 @triton.jit
