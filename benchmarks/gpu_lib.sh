@@ -76,3 +76,17 @@ print(tag, {k: r[k] for k in ("seconds", "output_tok_per_s", "total_tok_per_s", 
       {k: (v["steps"], v["ms_per_step"]) for k, v in r["steps"].items()})
 PY
 }
+
+# The 8B's decode at batch 128 in bf16 and int4 (random weights), each step given up to $1
+# seconds: a summary line each, both JSONs in $OUT/latency_bs128.json
+latency_bs128_bf16_int4() {
+  local q extra
+  for q in bf16 int4; do
+    extra=(); [ "$q" = int4 ] && extra=(--quantization int4)
+    timeout "$(left "$1")" $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 128 \
+      --batch-size 128 --no-hf --json-out /tmp/latency_bs128_$q.json ${extra[@]+"${extra[@]}"} > /tmp/latency_bs128_$q.txt 2>&1
+    summary /tmp/latency_bs128_$q.json
+  done
+  python3 -c "import json,sys; json.dump({f: json.load(open(f)) for f in sys.argv[1:]}, open('$OUT/latency_bs128.json','w'))" \
+    /tmp/latency_bs128_bf16.json /tmp/latency_bs128_int4.json
+}

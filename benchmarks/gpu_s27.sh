@@ -73,14 +73,7 @@ e)
     --num-requests 64 --no-hf --hf-overrides "$MXFP4" --json-out "$OUT/throughput_gptoss20b_mxfp4.json" \
     > /tmp/throughput_gptoss20b.txt 2>&1
   tp_summary "$OUT/throughput_gptoss20b_mxfp4.json"
-  for q in bf16 int4; do
-    extra=(); [ "$q" = int4 ] && extra=(--quantization int4)
-    timeout "$(left 110)" $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 128 \
-      --batch-size 128 --no-hf --json-out /tmp/latency_bs128_$q.json ${extra[@]+"${extra[@]}"} > /tmp/latency_bs128_$q.txt 2>&1
-    summary /tmp/latency_bs128_$q.json
-  done
-  python3 -c "import json,sys; json.dump({f: json.load(open(f)) for f in sys.argv[1:]}, open('$OUT/latency_bs128.json','w'))" \
-    /tmp/latency_bs128_bf16.json /tmp/latency_bs128_int4.json
+  latency_bs128_bf16_int4 110
   echo "part e done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac

@@ -72,14 +72,7 @@ d)
 e)
   timeout "$(left 150)" $PT -rf -m gpu tests/kernels/test_int4_fragment_gemm.py tests/kernels/test_int4_swap_gemm.py \
     tests/kernels/test_fused_moe_fp8.py 2>&1 | tee "$OUT/gpu_int4_fp8_tests.txt" | tail -n 8
-  for q in bf16 int4; do
-    extra=(); [ "$q" = int4 ] && extra=(--quantization int4)
-    timeout "$(left 120)" $FP bench latency --config llama-3-8b --gpu-memory-utilization 0.6 --max-num-seqs 128 \
-      --batch-size 128 --no-hf --json-out /tmp/latency_bs128_$q.json ${extra[@]+"${extra[@]}"} > /tmp/latency_bs128_$q.txt 2>&1
-    summary /tmp/latency_bs128_$q.json
-  done
-  python3 -c "import json,sys; json.dump({f: json.load(open(f)) for f in sys.argv[1:]}, open('$OUT/latency_bs128.json','w'))" \
-    /tmp/latency_bs128_bf16.json /tmp/latency_bs128_int4.json
+  latency_bs128_bf16_int4 120
   echo "part e done at ${SECONDS}s" ;;
 f)
   timeout "$(left 90)" python3 benchmarks/int4_check.py --tiles 2>&1 | tee "$OUT/int4_check_tiles.txt" | cut -c1-200
