@@ -322,21 +322,30 @@ def _ratio(gbs: float | None, copy_gbs: float) -> str:
     return f"{gbs / copy_gbs:.0%}" if gbs and copy_gbs else "-"
 
 
-def to_markdown(model: str, copy_gbs: float, rows: list[dict]) -> str:
+def _table(title: str, bytes_note: str, copy_gbs: float, rows: list[dict], diff_head: str,
+           diff_key: str) -> str:
+    """The markdown of a run's rows: a path a row, its eager / graph times and GB/s (needed
+    weight bytes, ``bytes_note`` says how counted, / time) and its ``diff_key`` column."""
     dev = torch.cuda.get_device_name() if GPU else "CPU (Triton interpreter: smoke test only)"
-    lines = [f"# MoE experts, {model} shapes, {dev}", "",
+    lines = [f"# {title}, {dev}", "",
              f"torch {torch.__version__}; copy bandwidth (1 GiB, read + written): "
-             f"{copy_gbs:,.0f} GB/s. GB/s = needed weight bytes (distinct routed experts, in the "
-             "format the path reads: bf16, or 4.25 bits a weight for mxfp4) / time.",
+             f"{copy_gbs:,.0f} GB/s. GB/s = needed weight bytes ({bytes_note}) / time.",
              "", "| T | distinct experts | needed MB | path | eager µs | eager GB/s | graph µs "
-             "| graph GB/s | graph / copy | max diff vs sync-free |", "| --- " * 10 + "|"]
+             f"| graph GB/s | graph / copy | {diff_head} |", "| --- " * 10 + "|"]
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['distinct_experts']} | {r['needed_mb']} | {r['path']} "
                      f"| {r.get('eager_us', '-')} | {r.get('eager_gbs', '-')} | "
                      f"{r.get('graph_us', '-')} | {r.get('graph_gbs', '-')} | "
                      f"{_ratio(r.get('graph_gbs'), copy_gbs)} | "
-                     f"{r['max_diff_vs_sync_free']:.3g} |" + (f" {r['error']}" if "error" in r else ""))
+                     f"{r.get(diff_key, float('nan')):.3g} |"
+                     + (f" {r['error']}" if "error" in r else ""))
     return "\n".join(lines) + "\n"
+
+
+def to_markdown(model: str, copy_gbs: float, rows: list[dict]) -> str:
+    return _table(f"MoE experts, {model} shapes", "distinct routed experts, in the format the "
+                  "path reads: bf16, or 4.25 bits a weight for mxfp4", copy_gbs, rows,
+                  "max diff vs sync-free", "max_diff_vs_sync_free")
 
 
 # --fp8: Qwen3-30B-A3B's experts (E, top-k, hidden, moe_intermediate) and token counts; on
@@ -419,21 +428,9 @@ def _write_quant_results(out: Path, name: str, title: str, bytes_note: str, shap
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(dict(shape=shape, copy_gbs=copy_gbs, rows=rows),
                                                  indent=1))
-    dev = torch.cuda.get_device_name() if GPU else "CPU (Triton interpreter: smoke test only)"
-    lines = [f"# {title}, {shape}, {dev}", "",
-             f"torch {torch.__version__}; copy bandwidth (1 GiB, read + written): "
-             f"{copy_gbs:,.0f} GB/s. GB/s = needed weight bytes (distinct routed experts: bf16 "
-             f"2 bytes a weight, {bytes_note}) / time.", "",
-             "| T | distinct experts | needed MB | path | eager µs | eager GB/s | graph µs "
-             "| graph GB/s | graph / copy | rel. diff vs bf16 |", "| --- " * 10 + "|"]
-    for r in rows:
-        lines.append(f"| {r['tokens']} | {r['distinct_experts']} | {r['needed_mb']} | {r['path']} "
-                     f"| {r.get('eager_us', '-')} | {r.get('eager_gbs', '-')} | "
-                     f"{r.get('graph_us', '-')} | {r.get('graph_gbs', '-')} | "
-                     f"{_ratio(r.get('graph_gbs'), copy_gbs)} | "
-                     f"{r.get('rel_diff_vs_bf16', float('nan')):.3g} |"
-                     + (f" {r['error']}" if "error" in r else ""))
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text(_table(
+        f"{title}, {shape}", f"distinct routed experts: bf16 2 bytes a weight, {bytes_note}",
+        copy_gbs, rows, "rel. diff vs bf16", "rel_diff_vs_bf16"))
     print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
