@@ -43,7 +43,7 @@ from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.layers import ops
 from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
 from flashpage.layers.moe import set_fused_moe
-from flashpage.layers.quant import quantized_linears
+from flashpage.layers.quant import moe_kernel_keeps, quantized_linears
 from flashpage.lora.request import LoRARequest
 from flashpage.models.loader import ModelLoadError, ModelSource, load_model, resolve_model
 from flashpage.outputs import RequestMetrics, RequestOutput
@@ -143,12 +143,11 @@ class LLMEngine:
                         if mxfp4_kernel else f"dequantized to {self.dtype} at load")
         # a block-fp8 checkpoint's routed experts stay e4m3 where the fused fp8 MoE kernel
         # reads them (models/fp8_checkpoint.py decides per layer: whole 128-blocks)
-        fp8_moe_kernel = envs.fp8_moe() == "kernel" or (
-            envs.fp8_moe() == "auto" and fused_moe
-            and torch.cuda.get_device_capability(self.device) >= (8, 9))  # e4m3 dots
+        fp8_moe_kernel = moe_kernel_keeps("fp8", self.device, fused_moe)
         # an AWQ / GPTQ checkpoint's routed experts stay packed where the fused int4 MoE
-        # kernel reads them (models/int4_checkpoint.py decides per layer)
-        int4_moe_kernel = envs.int4_moe() == "kernel" or (envs.int4_moe() == "auto" and fused_moe)
+        # kernel reads them (models/int4_checkpoint.py decides per layer); the same two
+        # choices decide whether online quantization quantizes a 16-bit model's experts
+        int4_moe_kernel = moe_kernel_keeps("int4", self.device, fused_moe)
         self.model = load_model(self.source, self.dtype, self.device,
                                 max_positions=self.max_model_len, seed=config.seed,
                                 quantization=config.quantization, classifier_token_ids=token_ids,

@@ -221,25 +221,36 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------- the model
-def experts_kept_by_default(model: nn.Module, method: str) -> bool:
-    """Whether ``quantize_model`` quantizes routed experts when its caller does not say:
-    FLASHPAGE_FP8_MOE (``method`` "fp8") or FLASHPAGE_INT4_MOE (the int4 methods) "kernel",
-    or "auto" with the model on CUDA where the fused kernel may run (FLASHPAGE_FUSED_MOE
-    not 0; fp8: e4m3 dots, sm_89+). The engine passes its own choice instead (it also knows
-    the attention backend)."""
+def moe_kernel_keeps(kind: str, device: torch.device | None, fused_moe: bool) -> bool:
+    """Whether routed experts in ``kind`` ("fp8" or "int4") are kept for their fused kernel
+    (a checkpoint's as loaded, a 16-bit model's quantized): FLASHPAGE_FP8_MOE /
+    FLASHPAGE_INT4_MOE "kernel", or "auto" where the fused MoE kernel runs (``fused_moe``:
+    CUDA, the triton backend, FLASHPAGE_FUSED_MOE not 0) and, for fp8, e4m3 dots do
+    (sm_89+)."""
     from flashpage import envs
 
-    mode = envs.fp8_moe() if method == "fp8" else envs.int4_moe()
+    mode = envs.fp8_moe() if kind == "fp8" else envs.int4_moe()
     if mode != "auto":
         return mode == "kernel"
-    dev = next((p.device for p in model.parameters() if p.is_cuda), None)
-    if dev is None or not envs.fused_moe():
+    if not fused_moe or device is None or device.type != "cuda":
         return False
-    if method == "fp8":
+    if kind == "fp8":
         from flashpage.kernels.device import cuda_capability
 
-        return cuda_capability(dev) >= (8, 9)
+        return cuda_capability(device) >= (8, 9)
     return True
+
+
+def experts_kept_by_default(model: nn.Module, method: str) -> bool:
+    """Whether ``quantize_model`` quantizes routed experts when its caller does not say:
+    ``moe_kernel_keeps`` with the model's CUDA device and the fused MoE kernel taken to run
+    there (FLASHPAGE_FUSED_MOE not 0). The engine passes its own choice instead (it also
+    knows the attention backend)."""
+    from flashpage import envs
+
+    dev = next((p.device for p in model.parameters() if p.is_cuda), None)
+    return moe_kernel_keeps("fp8" if method == "fp8" else "int4", dev,
+                            dev is not None and envs.fused_moe())
 
 
 @torch.no_grad()
