@@ -452,7 +452,7 @@ def fp8_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, fp8:
     return _time_paths(paths, t, distinct, needed, want)
 
 
-def fp8_main(out: Path) -> None:
+def fp8_main(out: Path, tokens: list[int]) -> None:
     e, k, hidden, inter = FP8_SHAPE
     t0 = time.perf_counter()
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -471,7 +471,7 @@ def fp8_main(out: Path) -> None:
     copy_gbs = copy_bandwidth()
     print(json.dumps(dict(copy_gbs=copy_gbs)), flush=True)
     rows: list[dict] = []
-    for t in FP8_TOKENS:
+    for t in tokens:
         rows += fp8_tokens(t, k, e, hidden, inter, bf16, fp8)
     _write_quant_results(out, "fused_moe_fp8", "MoE experts in block fp8",
                          "fp8 1 plus the tiles' fp32 scales",
@@ -526,7 +526,7 @@ def int4_tokens(t: int, k: int, e: int, hidden: int, inter: int, bf16: list, int
     return _time_paths(paths, t, distinct, needed, want)
 
 
-def int4_main(out: Path) -> None:
+def int4_main(out: Path, tokens: list[int]) -> None:
     e, k, hidden, inter = FP8_SHAPE
     t0 = time.perf_counter()
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -545,7 +545,7 @@ def int4_main(out: Path) -> None:
     copy_gbs = copy_bandwidth()
     print(json.dumps(dict(copy_gbs=copy_gbs)), flush=True)
     rows: list[dict] = []
-    for t in FP8_TOKENS:
+    for t in tokens:
         rows += int4_tokens(t, k, e, hidden, inter, bf16, int4)
     _write_quant_results(out, "fused_moe_int4", "MoE experts in int4 (W4A16)",
                          "int4 half a byte plus an fp16 scale and a uint8 zero per "
@@ -570,12 +570,16 @@ def main() -> None:
                     help="int4 experts kept packed (kernels/fused_moe_int4.py, groups of 128) "
                          "beside the bf16 fused kernel at Qwen3-30B-A3B's expert shape "
                          "(--model unused)")
+    ap.add_argument("--tokens", default=None,
+                    help="--fp8 / --int4's token counts, comma-separated (default "
+                         f"{','.join(map(str, FP8_TOKENS))}; e.g. 2048,8192 for prompt-size batches)")
     args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else FP8_TOKENS
     if args.int4:
-        int4_main(Path(args.out))
+        int4_main(Path(args.out), tokens)
         return
     if args.fp8:
-        fp8_main(Path(args.out))
+        fp8_main(Path(args.out), tokens)
         return
     cfg = ModelConfig.from_hf(CONFIGS / args.model)
     hidden, inter = (cfg.hidden_size, cfg.moe_intermediate_size) if GPU else (64, 32)

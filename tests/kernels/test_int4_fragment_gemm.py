@@ -258,17 +258,19 @@ def test_fragment_tiles_compile_for_sm90():
 ])
 @pytest.mark.parametrize("m", [64, 100, 128, 256])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
-def test_fragment_tiles_on_the_gpu(n, k, m, dtype):
-    """bf16's default (fragment) tile and every fragment candidate at the 8B's qkv and down
-    shapes (groups of 128, fp16 scales), bf16 and fp16 activations, with bias."""
+@pytest.mark.parametrize("tile", ["default", *(c.name for c in GEMM_CANDIDATES if c.fragment)])
+def test_fragment_tiles_on_the_gpu(tile, n, k, m, dtype):
+    """gemm_config's tile for ``dtype`` and each fragment candidate on its own (so that a
+    failure names its tile) at the 8B's qkv and down shapes (groups of 128, fp16 scales), bf16
+    and fp16 activations, with bias."""
     qw, scales, zeros, _ = _weight(n, k, 128, 7)
     x = torch.randn(m, k, device=DEV, dtype=dtype)
     b = torch.randn(n, device=DEV, dtype=dtype)
     ref = int4_linear_ref(x, qw, scales, zeros, b)
     assert gemm_config(m, n, k, 128, dtype).fragment == (dtype == torch.bfloat16)
-    for cfg in (gemm_config(m, n, k, 128, torch.bfloat16), *(c for c in GEMM_CANDIDATES if c.fragment)):
-        got = w4a16_gemm(x, qw, scales, zeros, b, cfg)
-        _as_close_as_the_reference(got, ref, x, qw, scales, zeros, b)
+    cfg = gemm_config(m, n, k, 128, dtype) if tile == "default" else parse_gemm_config(tile)
+    got = w4a16_gemm(x, qw, scales, zeros, b, cfg)
+    _as_close_as_the_reference(got, ref, x, qw, scales, zeros, b)
 
 
 @pytest.mark.gpu
