@@ -3,7 +3,8 @@
 #   BUDGET=330 bash benchmarks/gpu_s29.sh a   which int4 fragment tile is wrong under fp16 x: the GPU test
 #                                             now one case a tile (--runxfail: the real result of each);
 #                                             the int4 and fp8 MoE kernels at prompt-size token counts
-#                                             (1024-8192; run 200 stopped at 512)
+#                                             (1024-8192; run 200 stopped at 512); int4_check.py
+#                                             --bits: where the 256-row per-weight tile misses
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -12,6 +13,7 @@ a)
   timeout "$(left 150)" $PT -rfEX --runxfail -m gpu tests/kernels/test_int4_fragment_gemm.py 2>&1 \
     | tee "$OUT/gpu_int4_fragment_tiles.txt" | grep -v "^FAILED\|^PASSED\|^XPASS" | tail -n 4
   grep "^FAILED" "$OUT/gpu_int4_fragment_tiles.txt" | cut -c1-160 | head -n 40
+  timeout "$(left 60)" python3 benchmarks/int4_check.py --bits 2>&1 | tee "$OUT/int4_check_bits.txt" | cut -c1-220
   for mode in int4 fp8; do
     timeout "$(left 120)" python3 benchmarks/fused_moe.py --$mode --tokens 1024,2048,4096,8192 --out /tmp/moe_$mode \
       > /tmp/${mode}_moe_prompt.txt 2>&1

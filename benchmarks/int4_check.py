@@ -9,6 +9,10 @@ checks failed in run 164 (tests/kernels/test_int4_gemm.py's weights: row 0's sca
         x-typed scales) at 64 and 128 rows of a 4096 x 4096 weight in groups of 128, its
         max error against fp32 beside the 16-bit reference's, bf16 and fp16, and the
         decoded weight of a one-hot x against the reference's
+    python3 benchmarks/int4_check.py --bits    (CUDA) the fragment per-weight tile at 128 and
+        256 rows (x-typed scales: the packed 16-bit PTX) on one-hot rows, as
+        test_fragment_per_weight_bits_on_the_gpu: how many weights differ from the
+        reference's, and the first few (feature, k, q, z, scale, ours, reference)
 """
 
 from __future__ import annotations
@@ -65,12 +69,42 @@ def tiles() -> None:
                           flush=True)
 
 
+def bits() -> None:
+    """--bits: where the per-weight fragment tile's decoded weights miss the reference's."""
+    n, k = 192, 512
+    for dt in (torch.bfloat16, torch.float16):
+        for g in (32, 128):
+            qw, scales, zeros, q = _weight(n, k, g, g, dt)
+            x = torch.eye(k, dtype=dt, device="cuda")[:256]
+            want = dequantize_int4_ref(qw, scales, zeros, dt)[:, :256].t()
+            for bm in (128, 256):
+                for tma in (True, False):
+                    cfg = Int4GemmConfig(bm, 64, 128, 1, 4, 3 if bm == 256 else 4, fragment=True, tma=tma)
+                    try:
+                        got = w4a16_gemm(x, qw, scales, zeros, config=cfg)
+                    except Exception as e:  # noqa: BLE001 (a diagnostic: report and go on)
+                        print(f"{str(dt)[6:]} g={g} {cfg.name}: error {e}", flush=True)
+                        continue
+                    bad = (got != want).nonzero().tolist()
+                    print(f"{str(dt)[6:]} g={g} {cfg.name}: {len(bad)} of {want.numel()} weights differ; "
+                          f"rows (k) with a miss {sorted({r for r, _ in bad})[:12]}, features "
+                          f"{sorted({c for _, c in bad})[:12]}", flush=True)
+                    for kk, f in bad[:6]:
+                        print(f"   feature {f} k {kk}: q {int(q[f, kk])} z {int(zeros[f, kk // g])} "
+                              f"scale {float(scales[f, kk // g])!r} ours {float(got[kk, f])!r} "
+                              f"ref {float(want[kk, f])!r}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiles", action="store_true", help="each decode path under bf16 / fp16 x")
+    ap.add_argument("--bits", action="store_true", help="where the per-weight fragment tile misses")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("int4_check.py needs a CUDA GPU")
+    if args.bits:
+        bits()
+        return
     if args.tiles:
         tiles()
         return
