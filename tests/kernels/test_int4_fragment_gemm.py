@@ -2,15 +2,17 @@
 .fragment``: the int4 weight tile decoded straight into wgmma's A fragment, x's K reordered
 to match) against ``int4_linear_ref``.
 
-CPU: the K order and x's copy (and x read in that order by the tile itself, x_copy=False); the packed 16-bit PTX's arithmetic (which the interpreter
-cannot run) replayed in torch from its constants equals ``dequantize_int4_ref``'s bits for
+CPU: the K order and x's copy (and x read in that order by the tile itself, x_copy=False:
+the same cases, a strided x read in place); the packed 16-bit PTX's arithmetic (which the
+interpreter cannot run) replayed in torch from its constants equals ``dequantize_int4_ref``'s bits for
 every nibble and zero point, bf16 and fp16; both decodes (per weight, on the sums) under
 the interpreter in fp32 / fp16 (groups of 32 / 64 / 128 / 256 / K, ragged M and N, split K,
 bias, x by TMA); the per-weight tile's weights are the reference's to the bit; named errors;
 the tiles built for sm_90a (no GPU): wgmma with the weights from registers, no store to
 shared memory and no ldmatrix in the K loop (the dequantized tile's round trip of the older
 tiles), nothing spilled, fewer SASS instructions a K tile than the older tile of the same
-rows and form. GPU (marked gpu): bf16 and fp16 at 64, 100, 128, 256 rows, the 8B shapes.
+rows and form; the tiles reading x in order: x's tile the only shared store (16 bytes a
+store), nothing spilled. GPU (marked gpu): bf16 and fp16 at 64, 100, 128, 256 rows, the 8B shapes.
 """
 
 from __future__ import annotations
