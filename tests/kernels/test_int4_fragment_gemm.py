@@ -380,3 +380,26 @@ def test_fragment_per_weight_bits_on_the_gpu(dtype, scale_dtype, bm):
         got = w4a16_gemm(x, qw, scales, zeros, config=_frag(bm, split_k=1, tma=True))
         want = dequantize_int4_ref(qw, scales, zeros, dtype)[:, :256].t()
         assert torch.equal(got, want), (g, bm, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [64, 100, 128, 256])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("tile", [c.name for c in GEMM_CANDIDATES if not c.x_copy])
+def test_fragment_x_read_is_its_copy_twin_on_the_gpu(tile, n, k, m, dtype):
+    """A tile reading x in the fragment's K order itself gives its copy twin's output to the
+    bit (the same values in the same K order reach the same MMAs; with bias, split K as the
+    launcher picks), and leaves x as it was."""
+    from dataclasses import replace
+
+    qw, scales, zeros, _ = _weight(n, k, 128, 9)
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    x0 = x.clone()
+    b = torch.randn(n, device=DEV, dtype=dtype)
+    cfg = parse_gemm_config(tile)
+    got = w4a16_gemm(x, qw, scales, zeros, b, cfg)
+    want = w4a16_gemm(x, qw, scales, zeros, b, replace(cfg, x_copy=True))
+    assert torch.equal(got, want), (tile, m, dtype)
+    assert torch.equal(x, x0)
