@@ -4,7 +4,9 @@
 #                                             now one case a tile (--runxfail: the real result of each);
 #                                             the int4 and fp8 MoE kernels at prompt-size token counts
 #                                             (1024-8192; run 200 stopped at 512); int4_check.py
-#                                             --bits: where the 256-row per-weight tile misses
+#                                             --bits: where the 256-row per-weight tile misses; the
+#                                             fragment tiles reading x themselves (x_copy=False) beside
+#                                             the copy
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -13,9 +15,12 @@ a)
   timeout "$(left 150)" $PT -rfEX --runxfail -m gpu tests/kernels/test_int4_fragment_gemm.py 2>&1 \
     | tee "$OUT/gpu_int4_fragment_tiles.txt" | grep -v "^FAILED\|^PASSED\|^XPASS" | tail -n 4
   grep "^FAILED" "$OUT/gpu_int4_fragment_tiles.txt" | cut -c1-160 | head -n 40
-  timeout "$(left 60)" python3 benchmarks/int4_check.py --bits 2>&1 | tee "$OUT/int4_check_bits.txt" | cut -c1-220
+  timeout "$(left 45)" python3 benchmarks/int4_check.py --bits 2>&1 | tee "$OUT/int4_check_bits.txt" | cut -c1-220
+  timeout "$(left 120)" python3 benchmarks/int4_gemm.py --sweep --rows 64,100,128,256 --gemm-configs \
+    fpm64n64k128s0w4st4g8r,fpm128n64k128s0w4st3g8r,fpm128n64k128s0w4st3g8t --json-out "$OUT/int4_xread.json" \
+    > /tmp/int4_xread.txt 2>&1; grep -i "x read\|copy" /tmp/int4_xread.txt | cut -c1-200 | tail -n 24
   for mode in int4 fp8; do
-    timeout "$(left 120)" python3 benchmarks/fused_moe.py --$mode --tokens 1024,2048,4096,8192 --out /tmp/moe_$mode \
+    timeout "$(left 100)" python3 benchmarks/fused_moe.py --$mode --tokens 1024,2048,4096,8192 --out /tmp/moe_$mode \
       > /tmp/${mode}_moe_prompt.txt 2>&1
     tail -n 1 /tmp/${mode}_moe_prompt.txt; cp /tmp/moe_$mode/fused_moe_$mode.json "$OUT/fused_moe_${mode}_prompt.json"
     grep "^| " /tmp/moe_$mode/fused_moe_$mode.md | cut -c1-170
