@@ -107,7 +107,7 @@ import triton
 import triton.language as tl
 
 from flashpage.kernels.flash_prefill import _dot  # tl.dot, in IEEE fp32 when asked
-from flashpage.kernels.tiles import wgmma_a_rows
+from flashpage.kernels.tiles import moe_block, wgmma_a_rows
 
 # An MXFP4 K tile into the tensor cores (kernel constexpr MXFP4 = 1 + the index; 0: 16-bit
 # weights): "tile": our decode (_mxfp4_tile: nibbles interleaved back into K order, each
@@ -478,15 +478,10 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, act_ptr, sorted_ptr, block_ex
     (MXFP4 = 1 + the MXFP4_FORMS index: _mxfp4_dot; "swap": _swap_w, ASM its inline PTX;
     "swap_scaled": _mxfp4_swap_scaled_dot); otherwise w_ptr the 16-bit weights [E, 2I, H]
     (s_ptr unread)."""
-    pid_n = tl.program_id(0)
-    blk = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + blk)
-    if expert < 0:
+    expert = tl.load(block_expert_ptr + tl.program_id(1))
+    if expert < 0:  # a padding block (moe_align)
         return
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    token = tl.where(valid, pair // top_k, 0).to(tl.int64)
+    pid_n, rows, pair, valid, token = moe_block(sorted_ptr, num_pairs, top_k, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -580,6 +575,8 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, bias_ptr, topk_w_ptr, ys_ptr, sorted_ptr
     """ys[pair, n-tile] = round(topk_weight[pair] * round(round(act[r] @ down[e].T) + bias))
     (no bias: the inner rounding alone). MXFP4: w_ptr [E, H, I / 2] nibble pairs, s_ptr
     [E, H, I / 32] scales, as _gate_up_kernel's."""
+    # tiles.moe_block's prologue written out: inlined, its debug scope changes how ptxas
+    # schedules this kernel's "swap_scaled" loop (moe_block's docstring)
     pid_n = tl.program_id(0)
     blk = tl.program_id(1)
     expert = tl.load(block_expert_ptr + blk)

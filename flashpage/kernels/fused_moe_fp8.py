@@ -82,6 +82,7 @@ from flashpage.kernels.fp8_block_ref import (  # noqa: F401  (dequantize_experts
     w8a16_block_linear_ref,
 )
 from flashpage.kernels.fused_moe import moe_align
+from flashpage.kernels.tiles import moe_block
 
 FP8_BLOCK = EXPERT_BLOCK  # the weight blocks' side, and the activations' quantization group
 # the activation quantizer's constants (fp8_block_ref's), as the kernels may read globals
@@ -169,15 +170,10 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, acts_ptr, sorted_
     the activation stored quantized, e4m3 into act_ptr and its row scales into acts_ptr
     [R, I / 128] at group pid_n, else in DT. Weight-only: x_ptr in DT (xs_ptr unread)."""
     BLOCK_K: tl.constexpr = 128
-    pid_n = tl.program_id(0)
-    blk = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + blk)
-    if expert < 0:
+    expert = tl.load(block_expert_ptr + tl.program_id(1))
+    if expert < 0:  # a padding block (moe_align)
         return
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    token = tl.where(valid, pair // top_k, 0).to(tl.int64)
+    pid_n, rows, pair, valid, token = moe_block(sorted_ptr, num_pairs, top_k, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     e64 = expert.to(tl.int64)
@@ -235,14 +231,10 @@ def _fp8_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, topk_w_ptr, ys_ptr, sorted_pt
     """ys[pair, n tile] = round(topk_weight[pair] * round(act[r] @ down[e].T)). W8A8:
     a_ptr the e4m3 activation [R, I] and as_ptr its group scales [R, I / 128]."""
     BLOCK_K: tl.constexpr = 128
-    pid_n = tl.program_id(0)
-    blk = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + blk)
-    if expert < 0:
+    expert = tl.load(block_expert_ptr + tl.program_id(1))
+    if expert < 0:  # a padding block (moe_align)
         return
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
+    pid_n, rows, pair, valid, _ = moe_block(sorted_ptr, num_pairs, 1, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     e64 = expert.to(tl.int64)

@@ -82,6 +82,7 @@ import triton.language as tl
 from flashpage.kernels import fused_moe_int4_swap as swap_kernels
 from flashpage.kernels.fused_moe import fused_moe_ref, moe_align
 from flashpage.kernels.int4_gemm import PACK, dequantize_int4_ref
+from flashpage.kernels.tiles import moe_block
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -194,15 +195,10 @@ def _int4_gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr, block_
                          PRECISION: tl.constexpr):
     """act[r, n tile] = silu(gate) * up for the BLOCK_M rows of one block (scales and
     zeros share their strides: both [E, 2I, H / G])."""
-    pid_n = tl.program_id(0)
-    blk = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + blk)
-    if expert < 0:
+    expert = tl.load(block_expert_ptr + tl.program_id(1))
+    if expert < 0:  # a padding block (moe_align)
         return
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    token = tl.where(valid, pair // top_k, 0).to(tl.int64)
+    pid_n, rows, pair, valid, token = moe_block(sorted_ptr, num_pairs, top_k, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -240,14 +236,10 @@ def _int4_down_kernel(a_ptr, w_ptr, s_ptr, z_ptr, topk_w_ptr, ys_ptr, sorted_ptr
                       DT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """ys[pair, n tile] = round(topk_weight[pair] * round(act[r] @ down[e].T))."""
-    pid_n = tl.program_id(0)
-    blk = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + blk)
-    if expert < 0:
+    expert = tl.load(block_expert_ptr + tl.program_id(1))
+    if expert < 0:  # a padding block (moe_align)
         return
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
+    pid_n, rows, pair, valid, _ = moe_block(sorted_ptr, num_pairs, 1, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from flashpage.kernels.fused_moe import _swap_tile
 from flashpage.kernels.int4_gemm import _UNPACK_TYPES, _unpack_ptx
-from flashpage.kernels.tiles import wgmma_a_rows
+from flashpage.kernels.tiles import moe_block, wgmma_a_rows
 
 
 @triton.jit
@@ -142,15 +142,10 @@ def _int4_swap_gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, act_ptr, sorted_ptr,
     """_int4_gate_up_kernel's act by form "swap": per K tile of 128 (in one group) the
     transposed sums [BN, BM] = (q - z) . x^T (_swap_w4, _x_tile), times the group's scale
     (one per feature) into fp32 accumulators."""
-    pid_n = tl.program_id(0)
-    blk = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + blk)
-    if expert < 0:
+    expert = tl.load(block_expert_ptr + tl.program_id(1))
+    if expert < 0:  # a padding block (moe_align)
         return
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    token = tl.where(valid, pair // top_k, 0).to(tl.int64)
+    pid_n, rows, pair, valid, token = moe_block(sorted_ptr, num_pairs, top_k, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # channel order (the sums' rows)
     n_mask = offs_n < inter
     # rows past the end read real ones (their sums are never stored): no masks in the loop
@@ -190,14 +185,10 @@ def _int4_swap_down_kernel(a_ptr, w_ptr, s_ptr, z_ptr, topk_w_ptr, ys_ptr, sorte
                            PRECISION: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
                            OFFSET: tl.constexpr):
     """_int4_down_kernel's ys by form "swap" (as _int4_swap_gate_up_kernel's sums)."""
-    pid_n = tl.program_id(0)
-    blk = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + blk)
-    if expert < 0:
+    expert = tl.load(block_expert_ptr + tl.program_id(1))
+    if expert < 0:  # a padding block (moe_align)
         return
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
+    pid_n, rows, pair, valid, _ = moe_block(sorted_ptr, num_pairs, 1, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     arow = wgmma_a_rows(pid_n, BLOCK_N) % hidden  # rows past the end wrapped (never stored)
