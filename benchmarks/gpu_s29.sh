@@ -7,6 +7,8 @@
 #                                             --bits: where the 256-row per-weight tile misses; the
 #                                             fragment tiles reading x themselves (x_copy=False) beside
 #                                             the copy
+#   BUDGET=210 bash benchmarks/gpu_s29.sh b   the fused MoE kernels' GPU tests after kernels/tiles.moe_block
+#                                             took their shared prologue (SASS identical on sm_90a)
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -19,12 +21,17 @@ a)
   timeout "$(left 120)" python3 benchmarks/int4_gemm.py --sweep --rows 64,100,128,256 --gemm-configs \
     fpm64n64k128s0w4st4g8r,fpm128n64k128s0w4st3g8r,fpm128n64k128s0w4st3g8t --json-out "$OUT/int4_xread.json" \
     > /tmp/int4_xread.txt 2>&1; grep -i "x read\|copy" /tmp/int4_xread.txt | cut -c1-200 | tail -n 24
-  for mode in int4 fp8; do
+  for mode in ${MODES:-int4}; do
     timeout "$(left 100)" python3 benchmarks/fused_moe.py --$mode --tokens 1024,2048,4096,8192 --out /tmp/moe_$mode \
       > /tmp/${mode}_moe_prompt.txt 2>&1
     tail -n 1 /tmp/${mode}_moe_prompt.txt; cp /tmp/moe_$mode/fused_moe_$mode.json "$OUT/fused_moe_${mode}_prompt.json"
     grep "^| " /tmp/moe_$mode/fused_moe_$mode.md | cut -c1-170
   done
   echo "part a done at ${SECONDS}s" ;;
+b)
+  timeout "$(left 200)" $PT -rfE -m gpu tests/kernels/test_fused_moe.py tests/kernels/test_fused_moe_fp8.py \
+    tests/kernels/test_fused_moe_int4.py tests/kernels/test_fused_moe_int4_swap.py tests/kernels/test_fused_moe_mxfp4.py \
+    tests/kernels/test_fused_moe_mxfp4_swap.py 2>&1 | tee "$OUT/gpu_moe_block_tests.txt" | tail -n 8
+  echo "part b done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
