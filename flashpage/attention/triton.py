@@ -165,16 +165,19 @@ class TritonBackend(AttentionBackend):
         return plan.run(kv_cache, kv_b_proj_weight, q_nope, q_pe)
 
     def forward_mla_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            md: AttentionMetadata, *, scale: float) -> torch.Tensor:
+                            md: AttentionMetadata, *, scale: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
         """The non-decode requests: q [Nq, H, nope + rope] their new tokens; k [Nk, H,
         nope + rope], v [Nk, H, v_dim] their whole expanded contexts (lengths
-        ``seq_lens[num_decodes:]``) -> [Nq, H, v_dim], bottom-right causal. Planned once a
-        step by the first layer (kernels/plan.py); later layers only launch."""
+        ``seq_lens[num_decodes:]``) -> [Nq, H, v_dim] (into ``out`` where given: contiguous),
+        bottom-right causal. Planned once a step by the first layer (kernels/plan.py); later
+        layers only launch."""
         from flashpage.kernels.flash_prefill import VarlenPlan
         from flashpage.kernels.plan import planned
 
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = q.new_empty(*q.shape[:2], v.shape[-1])
+        if out is None:
+            out = q.new_empty(*q.shape[:2], v.shape[-1])
         cu_q, cu_k = md.extra["prefill_qsl"], md.extra["prefill_cu_k"]
         max_q, max_k = md.extra["prefill_max_q"], md.extra["prefill_max_k"]
         planned(md.extra, ("mla_prefill", scale), lambda: VarlenPlan(

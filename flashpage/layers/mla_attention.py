@@ -148,15 +148,17 @@ def mla_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetad
 
 
 def mla_prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
-                      *, scale: float) -> torch.Tensor:
+                      *, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Expanded path for the non-decode requests (``num_decodes ..`` of the step).
 
     q [Nq, H, nope + rope]: their new tokens back to back; k [Nk, H, nope + rope],
     v [Nk, H, v_dim]: their whole contexts back to back (lengths ``seq_lens``) ->
-    [Nq, H, v_dim]. Query i of a request sits at position seq_len - q_len + i and sees
-    keys 0 .. that position (bottom-right causal, as ``flash_attn_varlen``).
+    [Nq, H, v_dim] (into ``out`` where given: a contiguous tensor of that shape). Query i of
+    a request sits at position seq_len - q_len + i and sees keys 0 .. that position
+    (bottom-right causal, as ``flash_attn_varlen``).
     """
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     qs = ks = 0
     for i in range(md.num_decodes, md.num_seqs):
         q_len, k_len = md.query_lens_cpu[i], md.seq_lens_cpu[i]
@@ -269,21 +271,23 @@ class MLAAttention(nn.Module):
             decode = getattr(self.backend, "forward_mla_decode", None) or mla_decode_torch
             o_lat = decode(q_abs, self.kv_cache, md, kv_lora_rank=r, scale=self.scale)
             out[:nd] = mla_absorb_output(o_lat, w, h, nope, vd)
-        if n_act > nd:
-            out[nd:n_act] = self._expanded(q_nope[nd:n_act], q_pe[nd:n_act], md)
+        if n_act > nd:  # written in place: rows nd .. n_act of out are one contiguous block
+            self._expanded(q_nope[nd:n_act], q_pe[nd:n_act], md, out[nd:n_act])
         return out
 
-    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """The non-decode requests' queries [Nq, H, nope] / [Nq, H, rope] -> [Nq, H, v_dim]:
-        their contexts' latents expanded (the backend's ``expand_mla_prefill``: two copy
-        kernels around kv_b_proj's matmul) and attended causally."""
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """The non-decode requests' queries [Nq, H, nope] / [Nq, H, rope] -> [Nq, H, v_dim]
+        (into ``out`` where given): their contexts' latents expanded (the backend's
+        ``expand_mla_prefill``: two copy kernels around kv_b_proj's matmul) and attended
+        causally."""
         assert self.kv_cache is not None
         expand = getattr(self.backend, "expand_mla_prefill", None) or mla_expand_prefill_torch
         q, k, v = expand(q_nope, q_pe, self.kv_cache, self.kv_b_proj.weight, md,
                          num_heads=self.num_heads, qk_nope_head_dim=self.qk_nope_head_dim,
                          v_head_dim=self.v_head_dim)
         prefill = getattr(self.backend, "forward_mla_prefill", None) or mla_prefill_torch
-        return prefill(q, k, v, md, scale=self.scale)
+        return prefill(q, k, v, md, scale=self.scale, out=out)
 
 
 __all__ = [
