@@ -97,6 +97,10 @@ def test_plan_binds_its_launches_once(monkeypatch):
         got = plan.run(lc, lw, lqn, lqp)
         want = mla_expand_ref(lc, tables, seq_lens, lw, lqn, lqp, **dims)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # the constexprs in signature order after every positional argument: else FastLauncher
+    # keeps no compiled kernel and every GPU launch goes through the JIT (fast_launch.py)
+    assert mx._GATHER_LAUNCH.params[9:] == list(plan._gather_consts)
+    assert mx._EXPAND_LAUNCH.params[18:] == list(plan._expand_consts)
     assert binds == ["_GATHER_LAUNCH", "_EXPAND_LAUNCH"]
     assert launches == ["_GATHER_LAUNCH", "_EXPAND_LAUNCH"] * 2
     assert not plan.fits(cache[:2], w, q_nope, q_pe)
