@@ -244,10 +244,8 @@ def mla_expand_ref(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens:
                    num_heads: int, qk_nope_head_dim: int, v_head_dim: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-PyTorch reference (the layer's torch path): gather each request's entries
-    (index_select through its block table), concatenate, widen to q's dtype, expand with
-    layers/mla.mla_expand_kv, concatenate q. Same contract as :func:`mla_expand`."""
-    from flashpage.layers.mla import mla_expand_kv
-
+    (index_select through its block table), concatenate, widen to q's dtype, expand as
+    layers/mla.mla_expand_kv does, concatenate q. Same contract as :func:`mla_expand`."""
     page = kv_cache.shape[1]
     src = kv_cache.view(torch.uint8) if is_fp8(kv_cache.dtype) else kv_cache
     parts = []
@@ -256,9 +254,11 @@ def mla_expand_ref(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens:
         parts.append(rows.view(kv_cache.dtype).to(q_nope.dtype))
     ctx = parts[0] if len(parts) == 1 else torch.cat(parts)
     rank = kv_cache.shape[-1] - q_pe.shape[-1]
-    k, v = mla_expand_kv(ctx[:, :rank], ctx[:, rank:], kv_b_proj_weight, num_heads,
-                         qk_nope_head_dim, v_head_dim)
-    return torch.cat([q_nope, q_pe], dim=-1), k, v
+    n, rope = ctx.shape[0], q_pe.shape[-1]
+    kv = (ctx[:, :rank] @ kv_b_proj_weight.t()).view(n, num_heads, qk_nope_head_dim + v_head_dim)
+    k_nope, v = kv.split([qk_nope_head_dim, v_head_dim], dim=-1)
+    k = torch.cat([k_nope, ctx[:, None, rank:].expand(n, num_heads, rope)], dim=-1)
+    return torch.cat([q_nope, q_pe], dim=-1), k, v.contiguous()
 
 
 __all__ = ["MLAExpandPlan", "mla_expand", "mla_expand_ref"]
