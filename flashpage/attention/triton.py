@@ -8,8 +8,8 @@ query's keys, as a sliding window's edge).
 
 MLA: the latent-cache write kernel; decodes run the MLA decode kernel over the latent
 cache (absorbed queries, MQA over 576-wide entries); prompt chunks and prefix hits run
-the prefill kernel over the latents the layer expanded into per-head K (qk dim
-nope + rope, 192) and V (128). The decode part (write + decode kernel) has static shapes
+the prefill kernel over the latents expanded into per-head K (qk dim nope + rope, 192)
+and V (128) by kernels/mla_expand.py (a gather kernel, kv_b_proj's matmul, a copy kernel). The decode part (write + decode kernel) has static shapes
 and no host sync, so DeepSeek decode steps are captured in CUDA graphs.
 """
 
@@ -86,6 +86,7 @@ class TritonBackend(AttentionBackend):
                 cu_k = torch.zeros(md.num_seqs - nd + 1, dtype=torch.int32, device=self.device)
                 torch.cumsum(md.seq_lens[nd:], 0, out=cu_k[1:])
                 md.extra["prefill_cu_k"] = cu_k
+                md.extra["prefill_total_k"] = sum(md.seq_lens_cpu[nd:])
         return md
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, *, scale: float,
@@ -139,17 +140,44 @@ class TritonBackend(AttentionBackend):
 
         write_mla_cache(latent, kv_cache, slot_mapping)
 
+    def expand_mla_prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                           kv_b_proj_weight: torch.Tensor, md: AttentionMetadata, *, num_heads: int,
+                           qk_nope_head_dim: int, v_head_dim: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The non-decode requests' q, K and V (layers/mla_attention.mla_expand_prefill_torch's
+        contract and values): the gather and copy kernels of kernels/mla_expand.py around
+        kv_b_proj's matmul, planned once a step by the first layer; later layers only launch."""
+        from flashpage.kernels.mla_expand import MLAExpandPlan
+
+        if kv_b_proj_weight.dtype != q_nope.dtype:  # not a 16-bit matrix: the torch path
+            from flashpage.layers.mla_attention import mla_expand_prefill_torch
+
+            return mla_expand_prefill_torch(q_nope, q_pe, kv_cache, kv_b_proj_weight, md,
+                                            num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim,
+                                            v_head_dim=v_head_dim)
+        plan = md.extra.get("mla_expand")
+        if plan is None or not plan.fits(kv_cache, kv_b_proj_weight, q_nope, q_pe):
+            nd = md.num_decodes
+            plan = md.extra["mla_expand"] = MLAExpandPlan(
+                kv_cache, md.block_tables[nd:], md.seq_lens[nd:], md.extra["prefill_cu_k"],
+                md.extra["prefill_total_k"], md.extra["prefill_max_k"], kv_b_proj_weight, q_nope,
+                q_pe, num_heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim)
+        return plan.run(kv_cache, kv_b_proj_weight, q_nope, q_pe)
+
     def forward_mla_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            md: AttentionMetadata, *, scale: float) -> torch.Tensor:
+                            md: AttentionMetadata, *, scale: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
         """The non-decode requests: q [Nq, H, nope + rope] their new tokens; k [Nk, H,
         nope + rope], v [Nk, H, v_dim] their whole expanded contexts (lengths
-        ``seq_lens[num_decodes:]``) -> [Nq, H, v_dim], bottom-right causal. Planned once a
-        step by the first layer (kernels/plan.py); later layers only launch."""
+        ``seq_lens[num_decodes:]``) -> [Nq, H, v_dim] (into ``out`` where given: contiguous),
+        bottom-right causal. Planned once a step by the first layer (kernels/plan.py); later
+        layers only launch."""
         from flashpage.kernels.flash_prefill import VarlenPlan
         from flashpage.kernels.plan import planned
 
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = q.new_empty(*q.shape[:2], v.shape[-1])
+        if out is None:
+            out = q.new_empty(*q.shape[:2], v.shape[-1])
         cu_q, cu_k = md.extra["prefill_qsl"], md.extra["prefill_cu_k"]
         max_q, max_k = md.extra["prefill_max_q"], md.extra["prefill_max_k"]
         planned(md.extra, ("mla_prefill", scale), lambda: VarlenPlan(

@@ -18,7 +18,8 @@ split as the metadata orders them (decodes first):
   (:func:`mla_decode_torch`, or the backend's ``forward_mla_decode``);
 - the rest (prompt chunks, prefix hits), *expanded*: the latents of each request's
   whole context are expanded into per-head K [.., nope + rope] and V [.., v_dim] and
-  attended causally (:func:`mla_prefill_torch`, or the backend's ``forward_mla_prefill``).
+  attended causally (:func:`mla_expand_prefill_torch` and :func:`mla_prefill_torch`, or the
+  backend's ``expand_mla_prefill`` and ``forward_mla_prefill``).
 
 Parameter names are transformers', so ``self_attn.*`` loads by name.
 """
@@ -98,6 +99,24 @@ def gather_prefill_contexts(kv_cache: torch.Tensor, md: AttentionMetadata,
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def mla_expand_prefill_torch(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                             kv_b_proj_weight: torch.Tensor, md: AttentionMetadata, *, num_heads: int,
+                             qk_nope_head_dim: int, v_head_dim: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The expanded path's inputs for the non-decode requests (``num_decodes ..``).
+
+    q_nope [Nq, H, nope], q_pe [Nq, H, rope]: their new tokens; kv_cache as the layer's ->
+    (q [Nq, H, nope + rope], k [Nk, H, nope + rope], v [Nk, H, v_dim]) over their whole
+    contexts back to back (:func:`gather_prefill_contexts`, layers/mla.mla_expand_kv). Same
+    contract as the triton backend's ``expand_mla_prefill`` (kernels/mla_expand.py), which
+    gives these values bit for bit in two copy kernels around the same matmul."""
+    ctx = gather_prefill_contexts(kv_cache, md, q_nope.dtype)
+    r = kv_cache.shape[-1] - q_pe.shape[-1]
+    k, v = mla_expand_kv(ctx[:, :r], ctx[:, r:], kv_b_proj_weight, num_heads, qk_nope_head_dim,
+                         v_head_dim)
+    return torch.cat([q_nope, q_pe], dim=-1), k, v
+
+
 def mla_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, *,
                      kv_lora_rank: int, scale: float) -> torch.Tensor:
     """Absorbed path for the leading ``q.shape[0]`` (decode) requests of the step.
@@ -129,15 +148,17 @@ def mla_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetad
 
 
 def mla_prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
-                      *, scale: float) -> torch.Tensor:
+                      *, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Expanded path for the non-decode requests (``num_decodes ..`` of the step).
 
     q [Nq, H, nope + rope]: their new tokens back to back; k [Nk, H, nope + rope],
     v [Nk, H, v_dim]: their whole contexts back to back (lengths ``seq_lens``) ->
-    [Nq, H, v_dim]. Query i of a request sits at position seq_len - q_len + i and sees
-    keys 0 .. that position (bottom-right causal, as ``flash_attn_varlen``).
+    [Nq, H, v_dim] (into ``out`` where given: a contiguous tensor of that shape). Query i of
+    a request sits at position seq_len - q_len + i and sees keys 0 .. that position
+    (bottom-right causal, as ``flash_attn_varlen``).
     """
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     qs = ks = 0
     for i in range(md.num_decodes, md.num_seqs):
         q_len, k_len = md.query_lens_cpu[i], md.seq_lens_cpu[i]
@@ -161,9 +182,9 @@ class MLAAttention(nn.Module):
 
     The model runner sees ``is_mla`` and binds ``kv_cache`` (one tensor of
     :meth:`kv_cache_shape`) and ``backend``. A backend with ``write_mla_cache`` /
-    ``forward_mla_decode`` / ``forward_mla_prefill`` (signatures of
-    :func:`write_mla_cache_torch` / :func:`mla_decode_torch` / :func:`mla_prefill_torch`)
-    runs that part; otherwise the torch functions here do.
+    ``forward_mla_decode`` / ``expand_mla_prefill`` / ``forward_mla_prefill`` (signatures of
+    :func:`write_mla_cache_torch` / :func:`mla_decode_torch` / :func:`mla_expand_prefill_torch`
+    / :func:`mla_prefill_torch`) runs that part; otherwise the torch functions here do.
 
     CUDA graphs (decode-only steps): with a backend that has ``write_mla_cache`` and
     ``forward_mla_decode`` free of host syncs, the decode path has static shapes and no
@@ -242,19 +263,31 @@ class MLAAttention(nn.Module):
         n_act, nd = md.num_actual_tokens, md.num_decode_tokens
         h, nope, vd, r = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
         w = self.kv_b_proj.weight
+        if not nd and n == n_act > 0:  # a prompt-only step: the prefill's output is the whole
+            return self._expanded(q_nope, q_pe, md)
         out = q_nope.new_zeros(n, h, vd) if n > n_act else q_nope.new_empty(n, h, vd)
         if nd:
             q_abs = mla_absorb_query(q_nope[:nd], q_pe[:nd], w, h, nope, vd)
             decode = getattr(self.backend, "forward_mla_decode", None) or mla_decode_torch
             o_lat = decode(q_abs, self.kv_cache, md, kv_lora_rank=r, scale=self.scale)
             out[:nd] = mla_absorb_output(o_lat, w, h, nope, vd)
-        if n_act > nd:
-            ctx = gather_prefill_contexts(self.kv_cache, md, q_nope.dtype)
-            k, v = mla_expand_kv(ctx[:, :r], ctx[:, r:], w, h, nope, vd)
-            q = torch.cat([q_nope[nd:n_act], q_pe[nd:n_act]], dim=-1)
-            prefill = getattr(self.backend, "forward_mla_prefill", None) or mla_prefill_torch
-            out[nd:n_act] = prefill(q, k, v, md, scale=self.scale)
+        if n_act > nd:  # written in place: rows nd .. n_act of out are one contiguous block
+            self._expanded(q_nope[nd:n_act], q_pe[nd:n_act], md, out[nd:n_act])
         return out
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """The non-decode requests' queries [Nq, H, nope] / [Nq, H, rope] -> [Nq, H, v_dim]
+        (into ``out`` where given): their contexts' latents expanded (the backend's
+        ``expand_mla_prefill``: two copy kernels around kv_b_proj's matmul) and attended
+        causally."""
+        assert self.kv_cache is not None
+        expand = getattr(self.backend, "expand_mla_prefill", None) or mla_expand_prefill_torch
+        q, k, v = expand(q_nope, q_pe, self.kv_cache, self.kv_b_proj.weight, md,
+                         num_heads=self.num_heads, qk_nope_head_dim=self.qk_nope_head_dim,
+                         v_head_dim=self.v_head_dim)
+        prefill = getattr(self.backend, "forward_mla_prefill", None) or mla_prefill_torch
+        return prefill(q, k, v, md, scale=self.scale, out=out)
 
 
 __all__ = [
@@ -262,6 +295,7 @@ __all__ = [
     "MLARotaryEmbedding",
     "gather_prefill_contexts",
     "mla_decode_torch",
+    "mla_expand_prefill_torch",
     "mla_prefill_torch",
     "write_mla_cache_torch",
 ]
