@@ -7,11 +7,11 @@ CPU (interpreter, torch's fp8 casts: test_fp8_kv's fixture), fp32 and fp16: ragg
 counts, top-k 1-8 of 4-16 experts, an expert over several blocks, experts nobody chose
 (their weights NaN: never read), weight tiles whose magnitudes differ by 1000x (a misplaced
 block scale would show), both ways of quantizing the activation (in gate_up's epilogue or
-by a launch after it), the swapped W8A8 form (decode: features the e4m3 wgmma's M) against
-the reference and the unswapped kernel; errors; no host sync (meta tensors). sm_90 builds
-(no GPU): MMA opcodes, e4m3 widenings and spills of the default tiles. GPU (marked gpu):
-bf16 at Qwen3-30B-A3B's expert shape, every mode, the swapped form at 1-64 tokens, and a
-CUDA graph capture.
+by a launch after it), the swapped W8A8 form (decode: features the wgmma's M; fp16 or e4m3
+dots) against the reference and the unswapped kernel; errors; no host sync (meta tensors).
+sm_90 builds (no GPU): MMA opcodes, e4m3 widenings and spills of the default tiles. GPU
+(marked gpu): bf16 at Qwen3-30B-A3B's expert shape, every mode, the swapped form at 1-64
+tokens (to the bit the unswapped kernel's), and a CUDA graph capture.
 """
 
 from __future__ import annotations
