@@ -46,9 +46,10 @@ kernel, then the fp8 one on the same weights quantized per block (its default co
 each of its modes at the default's rows a block: weight-only, W8A8 unswapped with a
 quantizer launch between the GEMMs, W8A8 unswapped quantizing the activation in gate_up's
 epilogue; W8A8 unswapped at 64 rows, where its dots are e4m3 warpgroup MMAs; and the
-swapped W8A8 form, the decode default, at 16 and 32 rows (e4m3 warpgroup MMAs with the
-weights' features their M) and at 16 quantizing the activation in gate_up; each row's
-name is its config's, "swap" in it where swapped); GB/s over the bytes each reads
+swapped W8A8 form at 16 and 32 rows, the weights' features the warpgroup MMA's M, on fp16
+wgmmas (e4m3 widened: the unswapped tile's sums) and on e4m3 ones ("swap e4m3": Hopper's
+e4m3 accumulator, ~0.5% off), and on e4m3 ones at 16 quantizing the activation in gate_up;
+each row's name is its config's, "swap" in it where swapped); GB/s over the bytes each reads
 (bf16: 2 a weight, fp8: 1 plus the tiles' scales), and each output's relative difference
 from the bf16 kernel's (W8A8 rounds the activations: ~5%). Writes $OUT/fused_moe_fp8.json
 and .md.
@@ -353,7 +354,7 @@ def to_markdown(model: str, copy_gbs: float, rows: list[dict]) -> str:
 FP8_SHAPE = (128, 8, 2048, 768) if GPU else (8, 2, 128, 128)
 FP8_TOKENS = [1, 8, 32, 128, 512] if GPU else [3]
 # each mode at the default config's rows a block, W8A8 at 64 (its e4m3 warpgroup MMAs), and
-# the swapped W8A8 form (e4m3 wgmmas at 16 and 32 rows; 64 spills) at 16 and 32 rows
+# the swapped W8A8 form (fp16 or e4m3 wgmmas at 16 and 32 rows; 64 spills) at 16 and 32 rows
 FP8_MODES: dict[str, Callable[[FusedMoEFp8Config], FusedMoEFp8Config]] = {
     "w8a16": lambda d: FusedMoEFp8Config(block_m=d.block_m, block_n=32 if d.block_m > 16 else 64,
                                          w8a8=False),
@@ -363,10 +364,15 @@ FP8_MODES: dict[str, Callable[[FusedMoEFp8Config], FusedMoEFp8Config]] = {
     "w8a8 unswapped at 64 rows": lambda d: FusedMoEFp8Config(block_m=64, w8a8=True),
     "w8a8 swapped at 16 rows": lambda d: FusedMoEFp8Config(block_m=16, w8a8=True, swap=True),
     "w8a8 swapped at 32 rows": lambda d: FusedMoEFp8Config(block_m=32, w8a8=True, swap=True),
-    # swapped, gate_up 128 wide quantizing the activation in its epilogue (no spill at 16
-    # rows: one launch fewer, half the gate_up programs)
-    "w8a8 swapped at 16 rows, activation quantized in gate_up": lambda d: FusedMoEFp8Config(
-        block_m=16, gate_up_block_n=128, w8a8=True, swap=True),
+    "w8a8 swapped e4m3 at 16 rows": lambda d: FusedMoEFp8Config(block_m=16, swap=True,
+                                                                swap_mma="e4m3"),
+    "w8a8 swapped e4m3 at 32 rows": lambda d: FusedMoEFp8Config(block_m=32, swap=True,
+                                                                swap_mma="e4m3"),
+    # swapped on e4m3 wgmmas, gate_up 128 wide quantizing the activation in its epilogue
+    # (no spill at 16 rows: one launch fewer, half the gate_up programs; on fp16 wgmmas it
+    # spills, 160 B a thread)
+    "w8a8 swapped e4m3 at 16 rows, activation quantized in gate_up": lambda d: FusedMoEFp8Config(
+        block_m=16, gate_up_block_n=128, w8a8=True, swap=True, swap_mma="e4m3"),
 }
 
 

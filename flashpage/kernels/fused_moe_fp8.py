@@ -36,33 +36,46 @@ weight rounded, the K slots summed by torch; W8A8 quantizes x and that rounded a
 torch, one expert at a time over the block-fp8 references: :func:`fused_moe_fp8_ref`
 (equal to the kernel within fp32 accumulation order: each K tile's scaled partial sum).
 
-The swapped W8A8 form (``FusedMoEFp8Config.swap``, decode sizes): e4m3 warpgroup MMAs
-(QGMMA) need 64 rows an M tile, and at 16 token rows Triton 3.6 widens both e4m3 operands
-to fp16 for mma.sync (HMMA), so W8A8 there buys nothing but its quantizer launches. The
-swapped tile computes the output transposed, the weights' output features the MMA's M and
-the rows its N, both operands K-major as e4m3 wgmma needs them (the weight rows as stored,
+The swapped W8A8 form (``FusedMoEFp8Config.swap``, decode sizes): warpgroup MMAs need 64
+rows an M tile, and at 16 token rows Triton 3.6 widens both e4m3 operands to fp16 for
+mma.sync (HMMA). The swapped tile computes the output transposed, the weights' output
+features the MMA's M and the rows its N, both operands K-major (the weight rows as stored,
 the token rows read K-contiguous)::
 
     acc_t[n, r] += dot(q[e, n, tile g], xq[tok(r), tile g]^T) * (xs[tok(r), g] * ws[e, n // 128, g])
                    [BLOCK_N features, 128] @ [128, BLOCK_M rows]
 
-then transposed back for the same epilogue: the same sums as the unswapped tile, in another
-fp32 order. block_n (and gate_up_block_n) 64 or 128: the wgmma's M, 64 a warpgroup.
+then transposed back for the same epilogue. block_n (and gate_up_block_n) 64 or 128: the
+wgmma's M, 64 a warpgroup. What the wgmma dots (``swap_mma``): "f16" (the default) widens
+both e4m3 tiles to fp16 in registers (exact) for fp16 wgmmas (HGMMA.64 x rows x 16, fp32
+accumulate): the 16-bit products exact and summed as the unswapped tile's HMMAs sum them,
+16 K a step in the same order, so the same fp32 sums. "e4m3" dots them as they are (QGMMA.64
+x rows x 32, nothing widened), but Hopper's e4m3 MMA keeps 13 fraction bits in its fp32
+accumulator, cut toward zero (the DeepSeek-V3 report's "~14 bits"; Triton does not promote
+on sm_90 unless max_num_imprecise_acc asks), at each of a K tile's four 32-wide steps: each
+tile sum off by up to ~2^-13 of its products' magnitudes, which moves a projection's bf16
+rounding now and then, and with it the activation's e4m3 code or its group's scale: the
+output 0.45-0.62% (in norm) from the reference on the H200 (runs 202, 204), as a torch
+replay of the cut reproduces (tests/kernels/test_fused_moe_fp8_swap.py). The unswapped tile
+at 64 rows runs QGMMAs too and is held to the same 1% only.
 
 ``default_config`` chooses by what the kernels compile to for sm_90 (tests/kernels/
 test_fused_moe_fp8.py reads the SASS, each tile compiled with the stride hints a launch
 specializes; benchmarks/fused_moe.py --fp8 times every mode beside the bf16 kernel):
-where e4m3 dots run and x is 16-bit, the swapped form up to a mean of 16 pairs an expert,
-16 rows a block up to 8 and 32 past it (QGMMA.64x16x32 / 64x32x32 E4M3.E4M3, no e4m3
-widened, no HMMA; at 8 rows Triton falls back to widened HMMAs, at 64 the swapped gate_up
-spills); past that the unswapped tile at 64 rows (QGMMA.64x64x32). Run 197 (H200) timed the
-unswapped W8A8 tile at 16 rows, the decode default before the swapped form: 1.27x the bf16
-kernel's speed at 8 tokens, 1.6x at 32-128; the swapped form is not yet timed. Weight-only
+where e4m3 dots run and x is 16-bit, W8A8 unswapped: 16 rows a block up to a mean of 8
+pairs an expert (fp16 HMMAs, both e4m3 operands widened), 64 past it (QGMMA.64x64x32).
+Run 197 (H200) timed the unswapped W8A8 tile at 16 rows: 1.27x the bf16 kernel's speed at
+8 tokens, 1.6x at 32-128. The swapped form at 16 and 32 rows (HGMMA.64x16x16 / 64x32x16
+with "f16", QGMMA.64x16x32 / 64x32x32 E4M3.E4M3 with "e4m3"; no HMMA, no spill; at 8 rows
+Triton falls back to widened HMMAs, at 64 the swapped gate_up spills) is a config: on
+e4m3 wgmmas 1-6% faster than the unswapped tile at 1-128 tokens (run 202), on fp16 ones
+not yet timed. Weight-only
 (rows per block near the mean) for fp32 x or where e4m3 dots do not run. W8A8's gate_up
 tile is 64 wide, the activation quantized by a launch after it: the 128-wide tile that
 quantizes in its epilogue holds two 64 x 128 fp32 accumulators and spills (368 B a thread
 at 64 rows, 4 warps); it stays a config (``gate_up_block_n=128``) for the benchmark to
-weigh. Each default compiles with no spills.
+weigh (swapped at 16 rows it spills on fp16 wgmmas, 160 B a thread, the widened 128 x 128
+weight tiles in registers, and not on e4m3 ones). Each default compiles with no spills.
 """
 
 from __future__ import annotations
@@ -103,10 +116,15 @@ class FusedMoEFp8Config:
     num_warps: int = 4
     num_stages: int = 3
     # W8A8 only: the swapped form (decode sizes): out^T = W tile [N tile, 128] @ x tile^T
-    # [128, block_m], the weights' output features the e4m3 wgmma's M (64 a warpgroup),
-    # the rows its N, so Hopper's e4m3 warpgroup MMA runs at 16 and 32 rows a block (at 8
-    # Triton 3.6 falls back to fp16 HMMAs: block_m stays >= 16)
+    # [128, block_m], the weights' output features the wgmma's M (64 a warpgroup), the rows
+    # its N, so Hopper's warpgroup MMAs run at 16 and 32 rows a block (at 8 Triton 3.6
+    # falls back to fp16 HMMAs: block_m stays >= 16)
     swap: bool = False
+    # swap only: what the wgmma dots. "f16": the e4m3 operands widened to fp16 in registers
+    # (exact) for fp16 wgmma (HGMMA), fp32 sums as the unswapped tile's HMMAs make them;
+    # "e4m3": e4m3 wgmma (QGMMA), whose accumulator keeps 13 fraction bits, cut toward zero
+    # (the module docstring): its outputs ~0.5% (in norm) from the reference
+    swap_mma: str = "f16"
 
     def __post_init__(self) -> None:
         for name in ("block_n", "gate_up_block_n"):
@@ -118,6 +136,8 @@ class FusedMoEFp8Config:
             raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
         if self.swap and not self.w8a8:
             raise ValueError("swap is a W8A8 form (e4m3 activations): set w8a8=True")
+        if self.swap_mma not in ("f16", "e4m3"):
+            raise ValueError(f"swap_mma must be 'f16' or 'e4m3', got {self.swap_mma!r}")
         if self.swap and (self.block_n % 64 or self.gate_up_block_n % 64):
             raise ValueError(f"swap: block_n and gate_up_block_n are the wgmma's M (64 rows a "
                              f"warpgroup): 64 or 128; got {self.block_n}, {self.gate_up_block_n}")
@@ -125,7 +145,7 @@ class FusedMoEFp8Config:
     @property
     def name(self) -> str:
         mode = f"w8a8 gu{self.gate_up_block_n}" if self.w8a8 else "w8a16"
-        mode = f"{mode} swap" if self.swap else mode
+        mode = f"{mode} swap" + (" e4m3" if self.swap_mma == "e4m3" else "") if self.swap else mode
         return (f"{mode} m{self.block_m} n{self.block_n} w{self.num_warps} "
                 f"s{self.num_stages}")
 
@@ -143,11 +163,11 @@ def default_config(num_pairs: int, num_experts: int, x: torch.Tensor) -> FusedMo
     64 past it. Run 197 (H200, Qwen3-30B-A3B's experts, benchmarks/fused_moe.py --fp8) had
     W8A8 the fastest or within 2% of it at 1-512 tokens, 1.6x the bf16 kernel's speed at
     32-128 tokens (16 rows), 1.36x at 512 (64 rows), where weight-only at 32 rows took 2.1x
-    bf16's time. The swapped form (``swap``: e4m3 warpgroup MMAs where the unswapped 16-row
-    tile widens to fp16 HMMAs) was 1-6% faster at 1-128 tokens in run 202 but its outputs
-    sit 0.45-0.62% (in norm) from the reference the unswapped kernel equals exactly (run
-    204), a gap fp32 summation order does not explain: not the default until it is
-    understood. Else weight-only, rows per block near the mean pairs per expert (N tiles
+    bf16's time. The swapped form (``swap``) is a config: on e4m3 wgmmas
+    (``swap_mma="e4m3"``) 1-6% faster at 1-128 tokens in run 202 but 0.45-0.62% (in norm)
+    from the reference the unswapped kernel equals exactly (run 204: Hopper's e4m3
+    accumulator keeps 13 fraction bits, the module docstring); on fp16 wgmmas (the default
+    "f16") the unswapped tile's sums, not yet timed. Else weight-only, rows per block near the mean pairs per expert (N tiles
     of 32 past 16 rows: 64 spill at 32 rows)."""
     mean = triton.cdiv(max(num_pairs, 1), num_experts)
     block_m = min(64, max(16, triton.next_power_of_2(mean)))
@@ -164,7 +184,7 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, acts_ptr, sorted_
                         stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_ar,
                         stride_asr, DT: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, W8A8: tl.constexpr, QUANT_ACT: tl.constexpr,
-                        PRECISION: tl.constexpr, SWAP: tl.constexpr):
+                        PRECISION: tl.constexpr, SWAP: tl.constexpr, SWAP_F16: tl.constexpr):
     """act[r, n tile] = silu(gate) * up for the BLOCK_M rows of one block. W8A8: x_ptr the
     e4m3 tokens [T, H] and xs_ptr their group scales [T, H / 128]; QUANT_ACT (BLOCK_N = 128)
     the activation stored quantized, e4m3 into act_ptr and its row scales into acts_ptr
@@ -190,8 +210,14 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, acts_ptr, sorted_
         for g in range(0, hidden // BLOCK_K):
             a_t = tl.load(x_cols + g * BLOCK_K, mask=valid[None, :], other=0.0)
             a_s = tl.load(xs_rows + g, mask=valid, other=0.0)
-            acc_gt += tl.dot(tl.load(gate_rows + g * BLOCK_K), a_t) * (a_s * tl.load(g_ws + g))[None, :]
-            acc_ut += tl.dot(tl.load(up_rows + g * BLOCK_K), a_t) * (a_s * tl.load(u_ws + g))[None, :]
+            wg = tl.load(gate_rows + g * BLOCK_K)
+            wu = tl.load(up_rows + g * BLOCK_K)
+            if SWAP_F16:  # e4m3 is exact in fp16: fp16 wgmma, fp32 sums
+                a_t = a_t.to(tl.float16)
+                wg = wg.to(tl.float16)
+                wu = wu.to(tl.float16)
+            acc_gt += tl.dot(wg, a_t) * (a_s * tl.load(g_ws + g))[None, :]
+            acc_ut += tl.dot(wu, a_t) * (a_s * tl.load(u_ws + g))[None, :]
         acc_g = tl.trans(acc_gt)
         acc_u = tl.trans(acc_ut)
     else:
@@ -227,7 +253,7 @@ def _fp8_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, topk_w_ptr, ys_ptr, sorted_pt
                      block_expert_ptr, num_pairs, inter, stride_ar, stride_asr, stride_we,
                      stride_wn, stride_wse, stride_wsn, stride_yp, DT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W8A8: tl.constexpr,
-                     PRECISION: tl.constexpr, SWAP: tl.constexpr):
+                     PRECISION: tl.constexpr, SWAP: tl.constexpr, SWAP_F16: tl.constexpr):
     """ys[pair, n tile] = round(topk_weight[pair] * round(act[r] @ down[e].T)). W8A8:
     a_ptr the e4m3 activation [R, I] and as_ptr its group scales [R, I / 128]."""
     BLOCK_K: tl.constexpr = 128
@@ -247,7 +273,11 @@ def _fp8_down_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, topk_w_ptr, ys_ptr, sorted_pt
         for g in range(0, inter // BLOCK_K):
             a_t = tl.load(a_cols + g * BLOCK_K, mask=valid[None, :], other=0.0)
             a_s = tl.load(as_rows + g, mask=valid, other=0.0)
-            acc_t += tl.dot(tl.load(w_rows + g * BLOCK_K), a_t) * (a_s * tl.load(ws_row + g))[None, :]
+            w = tl.load(w_rows + g * BLOCK_K)
+            if SWAP_F16:
+                a_t = a_t.to(tl.float16)
+                w = w.to(tl.float16)
+            acc_t += tl.dot(w, a_t) * (a_s * tl.load(ws_row + g))[None, :]
         acc = tl.trans(acc_t)
     else:
         a_rows = a_ptr + rows[:, None].to(tl.int64) * stride_ar + offs_k[None, :]
@@ -328,7 +358,8 @@ def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.T
     dt = _TL_DTYPES[x.dtype]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     launch = dict(DT=dt, BLOCK_M=cfg.block_m, W8A8=cfg.w8a8, PRECISION=precision, SWAP=cfg.swap,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  SWAP_F16=cfg.swap and cfg.swap_mma == "f16", num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     if cfg.w8a8:
         a_in, a_scales = quantize_per_token_group(x, FP8_BLOCK)
         gu_n = cfg.gate_up_block_n
