@@ -8,7 +8,9 @@
 #                                             fragment tiles reading x themselves (x_copy=False) beside
 #                                             the copy
 #   BUDGET=210 bash benchmarks/gpu_s29.sh b   the fused MoE kernels' GPU tests after kernels/tiles.moe_block
-#                                             took their shared prologue (SASS identical on sm_90a)
+#                                             took their shared prologue (SASS identical on sm_90a);
+#                                             the fp8 swapped form on fp16 wgmma (swap_mma="f16": the
+#                                             unswapped sums?) tested and timed beside e4m3
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -31,7 +33,10 @@ a)
 b)
   timeout "$(left 200)" $PT -rfE -m gpu tests/kernels/test_fused_moe.py tests/kernels/test_fused_moe_fp8.py \
     tests/kernels/test_fused_moe_int4.py tests/kernels/test_fused_moe_int4_swap.py tests/kernels/test_fused_moe_mxfp4.py \
-    tests/kernels/test_fused_moe_mxfp4_swap.py 2>&1 | tee "$OUT/gpu_moe_block_tests.txt" | tail -n 8
+    tests/kernels/test_fused_moe_mxfp4_swap.py tests/kernels/test_fused_moe_fp8_swap.py 2>&1 \
+    | tee "$OUT/gpu_moe_block_tests.txt" | tail -n 8
+  timeout "$(left 100)" python3 benchmarks/fused_moe.py --fp8 --out /tmp/moe_fp8 > /tmp/fp8_moe.txt 2>&1
+  tail -n 1 /tmp/fp8_moe.txt; cp /tmp/moe_fp8/fused_moe_fp8.json "$OUT/"; grep "^| " /tmp/moe_fp8/fused_moe_fp8.md | cut -c1-170
   echo "part b done at ${SECONDS}s" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
