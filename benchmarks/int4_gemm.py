@@ -32,14 +32,9 @@ of it (--json-out). Checks each tile against the reference first (bf16 on the GP
 as tests/kernels judge it). ~60-100 s on an H200. Tile names starting with f are the
 fragment tiles (kernels/int4_fragment.py: decoded in wgmma's A fragment), fw / fp per weight
 / on the sums as w / p; "x copy" is fragment_x's time (inside theirs); --dtype fp16 times
-fp16 activations ("bf16" is then fp16 cuBLAS). A fragment tile name ending in r reads x in
-the fragment's K order itself (``x_copy=False``: no fragment_x copy); each is timed beside
-its copy twin (the same name without the r, added if --gemm-configs lacks it) and the line
-"x read / copy" prints their ratio (json: "x_read_vs_copy"):
+fp16 activations ("bf16" is then fp16 cuBLAS):
 
     python benchmarks/int4_gemm.py --sweep --json-out $OUT/int4_gemm_sweep.json
-    python benchmarks/int4_gemm.py --sweep --rows 64,100,128,256 \
-        --gemm-configs fpm64n64k128s0w4st4g8r,fpm128n64k128s0w4st3g8r,fpm128n64k128s0w4st3g8t
 """
 
 from __future__ import annotations
@@ -49,7 +44,6 @@ import json
 import os
 import re
 import sys
-from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -168,9 +162,6 @@ def sweep(args) -> int:
             x = torch.randn(m, k, device="cuda", dtype=dt)
             default = gemm_config(m, n, k, g, dt)
             tiles = {c.name: c for c in cands}
-            for c in cands:  # an x-reading tile's copy twin, for the ratio
-                if not c.x_copy:
-                    tiles.setdefault(replace(c, x_copy=True).name, replace(c, x_copy=True))
             if default.name not in tiles:  # else its time is its name's
                 tiles["default"] = default
             variants = _sweep_variants(x, ws, bf16, tiles, dt)
@@ -206,19 +197,12 @@ def sweep(args) -> int:
                     "default_us": times.get("gemm:default", times.get(f"gemm:{default.name}",
                                                                         float("nan"))) * 1e6,
                     "best_us": gemms[best] * 1e6 if best else float("nan")}
-            line["x_read_vs_copy"] = {
-                c.name: gemms[f"gemm:{c.name}"] / gemms[f"gemm:{replace(c, x_copy=True).name}"]
-                for c in tiles.values() if not c.x_copy and f"gemm:{c.name}" in gemms
-                and f"gemm:{replace(c, x_copy=True).name}" in gemms}
             results["best"].append(line)
             print(f"{name:8s} m={m:<5d} best {line['best_config']} {line['best_us']:8.1f} us | "
                   f"default {line['default_us']:8.1f} | deq+cublas {line.get('deq+cublas_us', 0):8.1f}"
                   f" | bf16 {line.get('bf16_us', 0):8.1f} | x copy {line.get('fragment_x_us', 0):5.1f}"
                   f" | best/bf16 "
                   f"{line['best_us'] / line.get('bf16_us', float('nan')):.2f}x", flush=True)
-            if line["x_read_vs_copy"]:
-                print(f"{name:8s} m={m:<5d} x read / copy: " + ", ".join(
-                    f"{nm} {r:.2f}x" for nm, r in line["x_read_vs_copy"].items()), flush=True)
         ws.clear()
         bf16.clear()
         torch.cuda.empty_cache()

@@ -12,24 +12,8 @@ in one register, which is one register of the fragment. The tile's K order is th
 weight's: thread c of a quad holds words 4c..4c+3 of a row (natural K 32c + 8u + 4h + r for
 word u, nibble r + 4h), the fragment's K position of that value is k' = 32u + 8r + 2c + h.
 The sum over K does not care in which order its terms come, so x's K is put in the same
-order, one of two ways (``Int4GemmConfig.x_copy``):
-
-    a copy      once a call (``fragment_x``: [M, K] read and written, K a multiple of 128),
-                its tiles reaching wgmma from shared memory as before (cp.async or TMA)
-    the tile    (``Int4GemmConfig.x_copy`` False) loads x's natural tile itself and permutes
-                it in registers (``fragment_x_tile``; pointer loads only: no TMA box
-                permutes K): four 16-byte loads a (row, word u), one per quad thread c's 32
-                columns, joined so that one thread holds all four c, whose 32 values are 4
-                runs of 8 in the fragment's order (k' = 32u + 8r + 2c + h: for fixed u and r,
-                c and h are the run), stored into wgmma's B layout by 16-byte stores. Built
-                for sm_90a (Triton 3.6), the pipeliner stages the loads by cp.async and reads
-                them back (LDS.128), and the 16-bit values are re-paired (PRMT: k' pairs are
-                natural columns 4 apart): 64 rows 268 SASS instructions a K tile against the
-                copy path's 238, 128 rows 362 against 286
-
-A TMA box cannot do it: the permutation moves single elements (neighbours k', k' + 1 are
-natural columns 4 apart: nibbles j and j + 4 of a word share a register), while a box's
-innermost run is 16 bytes of contiguous columns, and so is a wgmma core matrix's row.
+order once per call (``fragment_x``: a copy of x, [M, K], K a multiple of 128) and its tiles
+reach wgmma from shared memory as before (cp.async or TMA).
 
 Two decodes (the kernel's PER_WEIGHT):
 
@@ -159,23 +143,3 @@ def fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N: tl.constexpr):
     # rows back to feature order: load row 32j + 8w + l is feature 64(j // 2) + 16w + 8(j % 2) + l
     return tl.reshape(tl.permute(tl.reshape(w, (BLOCK_N // 64, 2, 4, 8, 128)), (0, 2, 1, 3, 4)),
                       (BLOCK_N, 128))
-
-
-@triton.jit
-def fragment_x_tile(x_rows, k0, BLOCK_M: tl.constexpr):
-    """x's columns k0..k0 + 127 of the rows ``x_rows`` points at ([1, 1, BLOCK_M] row starts,
-    natural K order, k0 a multiple of 128) -> [128, BLOCK_M] (wgmma's B tile x^T), K in the
-    fragment order k' = 32u + 8r + 2c + h: ``fragment_x``'s copy of that tile, read from x
-    itself. Four loads [4, 8, BLOCK_M] (quad thread c's columns 32c + 8u + 4h + r: 16
-    contiguous bytes a (u, row)) joined, so that each thread holds one (u, row)'s 32 values
-    (every c), then permuted and reshaped without moving a value between threads (the join's
-    c is c % 2, c // 2); the 16-bit values are re-paired into registers (PRMT) as the store
-    to wgmma's shared layout packs them."""
-    offs = k0 + tl.arange(0, 4)[:, None, None] * 8 + tl.arange(0, 8)[None, :, None]
-    x0 = tl.load(x_rows + offs)
-    x1 = tl.load(x_rows + (offs + 32))
-    x2 = tl.load(x_rows + (offs + 64))
-    x3 = tl.load(x_rows + (offs + 96))
-    j = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # [u, 4h + r, BM, c % 2, c // 2]
-    j = tl.reshape(j, (4, 2, 4, BLOCK_M, 2, 2))  # [u, h, r, BM, c % 2, c // 2]
-    return tl.reshape(tl.permute(j, (0, 2, 5, 4, 1, 3)), (128, BLOCK_M))  # [u, r, c, h, BM]

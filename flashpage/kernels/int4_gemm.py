@@ -66,11 +66,8 @@ The fragment tiles (``Int4GemmConfig.fragment``, kernels/int4_fragment.py; the d
 where the weight allows them, K tiles of 128, 64 features on 4 warps) keep the decoded tile
 out of shared memory: each thread loads the words of the rows it holds in wgmma's A
 fragment (``tiles.wgmma_a_rows``) and decodes them in place, a pair of nibbles (j, j + 4)
-into one register of the fragment, and x's K is put in the order that makes that the right
-product: once a call by a copy (``fragment_x``, the default), or (``Int4GemmConfig.x_copy``
-False, pointer-loaded tiles only) by each tile from x itself (``fragment_x_tile``: a
-register permutation, then x's store into wgmma's B layout; 30-76 more SASS instructions a
-K tile, no copy kernel: which is faster is the GPU's to say). Per weight: fp16 x under fp16 scales by packed
+into one register of the fragment, and x's K is put once a call in the order that makes
+that the right product (``fragment_x``). Per weight: fp16 x under fp16 scales by packed
 16-bit PTX (lop3, fma, mul: 3 instructions a pair, the reference's bits), otherwise the fp32
 FMA above; on the sums: q - z (lop3 + fma a pair). Built for sm_90a: no STS or ldmatrix in
 the K loop, nothing spilled, 238-370 SASS instructions a 128-wide K tile against the older
@@ -92,7 +89,6 @@ from flashpage.kernels.int4_fragment import (
     dequant16_ptx,
     fragment_tile,
     fragment_x,
-    fragment_x_tile,
     packed_nibbles_ptx,
     qz8,
 )
@@ -374,7 +370,7 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, x_desc, M, N
                        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                        PER_WEIGHT: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
                        OFFSET: tl.constexpr, NUM_STAGES: tl.constexpr, TMA: tl.constexpr,
-                       FRAG: tl.constexpr, PW16: tl.constexpr, XFRAG: tl.constexpr):
+                       FRAG: tl.constexpr, PW16: tl.constexpr):
     """Operands swapped: program (pid, pid_k) computes y^T [BLOCK_N features, BLOCK_M rows]
     over its share of the K tiles as (weight tile [BLOCK_N, BLOCK_K]) . x^T [BLOCK_K,
     BLOCK_M]: the weight tile is the MMA's A operand (64 features a warpgroup), the rows of
@@ -386,8 +382,7 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, x_desc, M, N
     features past the ends read row 0 / feature 0 (never stored): no masks on the loads.
 
     FRAG (kernels/int4_fragment.py): BLOCK_K 128, 4 warps, x's K in the fragment order
-    (x_ptr / x_desc are ``fragment_x``'s copy; XFRAG: x_ptr is x, each tile put in that order
-    by ``fragment_x_tile``); the words loaded in ``wgmma_a_rows``'s row
+    (x_ptr / x_desc are ``fragment_x``'s copy); the words loaded in ``wgmma_a_rows``'s row
     order and decoded in place into wgmma's A fragment (``fragment_tile``): PER_WEIGHT by
     ``dequant16_8`` (PW16: the scales are x's type; PTX its ``dequant16_ptx``) or
     ``_dequant8``, else q - z by ``qz8`` and the scale on the sums (PTX ``_unpack_ptx``)."""
@@ -410,7 +405,6 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, x_desc, M, N
         s_rows = s_ptr + rl[:, None] * NG
     z_rows = z_ptr + rl[:, None] * NG
     x_cols = x_ptr + rm[None, :] * stride_xm
-    x_rows = x_ptr + rm[None, None, :] * stride_xm
     offs_w = tl.arange(0, BLOCK_K // 8)
     offs_k = tl.arange(0, BLOCK_K)
     tiles = K // BLOCK_K
@@ -427,8 +421,6 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, x_desc, M, N
         packed = tl.load(qw_rows + (t * (BLOCK_K // 8) + offs_w)[None, :])
         if TMA:  # x's tile [BLOCK_M, BLOCK_K] by one TMA box (zeros past M), transposed
             xt = tl.trans(x_desc.load([pid_m * BLOCK_M, t * BLOCK_K]))
-        elif XFRAG:  # x's natural tile put in the fragment's K order in registers
-            xt = fragment_x_tile(x_rows, t * BLOCK_K, BLOCK_M)
         else:
             xt = tl.load(x_cols + (t * BLOCK_K + offs_k)[:, None])  # [BLOCK_K, BLOCK_M]
         s, z = sn, zn
@@ -635,8 +627,7 @@ class Int4GemmConfig:
     the weight tile dequantized before the MMA (else q - z and the scale on each tile's
     sums); group_m: row tiles a band (neighbours share the weight tile); ``fragment``: the
     weight tile decoded straight into wgmma's A fragment (kernels/int4_fragment.py; block_k
-    128, block_n 64, 4 warps); its x in the fragment's K order by a copy once a call
-    (``x_copy``) or (x_copy False: pointer loads only, not tma) by each tile from x itself."""
+    128, block_n a multiple of 64, 4 warps, x's K reordered once a call)."""
     block_m: int = 128
     block_n: int = 64
     block_k: int = 128
@@ -647,39 +638,29 @@ class Int4GemmConfig:
     per_weight: bool = True
     tma: bool = False  # x's tiles by TMA (one box a tile), else cp.async copies
     fragment: bool = False  # decoded in wgmma's A fragment (no shared round trip)
-    x_copy: bool = True  # fragment: x's K reordered by a copy a call (False: by the tile)
-
-    def __post_init__(self):
-        if not self.x_copy and not self.fragment:
-            raise ValueError("x_copy=False is a fragment tile's (x's K in the fragment order); "
-                             "this config is not fragment=True")
-        if not self.x_copy and self.tma:
-            raise ValueError("x_copy=False needs tma=False: a TMA box cannot put x's K in the "
-                             "fragment order (it moves single columns), pointer loads can")
 
     @property
     def name(self) -> str:
         return (f"{'f' if self.fragment else ''}{'w' if self.per_weight else 'p'}"
                 f"m{self.block_m}n{self.block_n}"
                 f"k{self.block_k}s{self.split_k}w{self.num_warps}st{self.num_stages}"
-                f"g{self.group_m}{'t' if self.tma else ''}{'' if self.x_copy else 'r'}")
+                f"g{self.group_m}{'t' if self.tma else ''}")
 
 
 def parse_gemm_config(name: str) -> Int4GemmConfig:
     """The config an ``Int4GemmConfig.name`` names, e.g. ``wm128n64k128s0w4st3g8``: a
     leading f for the fragment tiles, w / p (dequantized per weight / scale on the sums), block_m, block_n, block_k, split_k,
-    num_warps, num_stages, group_m, a trailing t for x's tiles by TMA, and (fragment tiles)
-    a trailing r for x read in the fragment's K order by the tile (``x_copy=False``)."""
+    num_warps, num_stages, group_m, and a trailing t for x's tiles by TMA."""
     import re
 
-    match = re.fullmatch(r"(f?)([wp])m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)g(\d+)(t?)(r?)",
+    match = re.fullmatch(r"(f?)([wp])m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)g(\d+)(t?)",
                          name.strip())
     if match is None:
         raise ValueError(f"{name!r} is not a config name such as wm128n64k128s0w4st3g8")
-    frag, kind, *nums, tma, read = match.groups()
+    frag, kind, *nums, tma = match.groups()
     bm, bn, bk, split, warps, stages, group = map(int, nums)
     return Int4GemmConfig(bm, bn, bk, split, warps, stages, group, per_weight=kind == "w",
-                          tma=tma == "t", fragment=frag == "f", x_copy=read != "r")
+                          tma=tma == "t", fragment=frag == "f")
 
 
 # The tiles benchmarks/int4_gemm.py --sweep times (a first list from the sm_90 SASS): 64 /
@@ -710,13 +691,6 @@ GEMM_CANDIDATES = (
     Int4GemmConfig(128, 64, 128, 0, 4, 4, tma=True, fragment=True),
     Int4GemmConfig(256, 64, 128, 0, 4, 3, tma=True, fragment=True),  # 205 KB of shared memory
     Int4GemmConfig(256, 64, 128, 0, 4, 2, tma=True, fragment=True),
-    # x read in the fragment's K order by the tile, no copy of x (x_copy=False; pointer
-    # loads, tma=False; not a default until timed): for sm_90a 268 / 362 SASS instructions a
-    # K tile against their copy twins' 238 / 286 (x staged by cp.async, read back by 8 / 16
-    # LDS.128, re-paired by 32 / 66 PRMT, stored by 8 / 16 STS.128 into wgmma's B layout),
-    # nothing spilled; 128 rows per weight spilled 40 bytes, 256 rows 1,240
-    Int4GemmConfig(64, 64, 128, 0, 4, 4, per_weight=False, fragment=True, x_copy=False),
-    Int4GemmConfig(128, 64, 128, 0, 4, 3, per_weight=False, fragment=True, x_copy=False),
 )
 
 
@@ -827,8 +801,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     # the packed 16-bit per-weight decode: the reference's bits where the scales are x's type
     pw16 = cfg.fragment and cfg.per_weight and asm and scales.dtype == x.dtype
     if cfg.fragment:
-        if cfg.x_copy:
-            x = fragment_x(x)  # K in the fragment's order, one copy
+        x = fragment_x(x)  # K in the fragment's order, one copy
         ptx = dequant16_ptx(x.dtype) if pw16 else \
             (_unpack_ptx(x.dtype) if asm and not cfg.per_weight else "")
     else:
@@ -858,7 +831,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             PER_WEIGHT=cfg.per_weight, ASM=asm, PTX=ptx,
             OFFSET=_UNPACK_TYPES[x.dtype][1] if ptx else 0.0,
             NUM_STAGES=cfg.num_stages, TMA=x_desc is not None, FRAG=cfg.fragment, PW16=pw16,
-            XFRAG=cfg.fragment and not cfg.x_copy, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         from flashpage.kernels.int4_gemv import _split_sum_kernel
 

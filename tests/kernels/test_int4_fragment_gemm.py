@@ -2,17 +2,15 @@
 .fragment``: the int4 weight tile decoded straight into wgmma's A fragment, x's K reordered
 to match) against ``int4_linear_ref``.
 
-CPU: the K order and x's copy (and x read in that order by the tile itself, x_copy=False:
-the same cases, a strided x read in place); the packed 16-bit PTX's arithmetic (which the
-interpreter cannot run) replayed in torch from its constants equals ``dequantize_int4_ref``'s bits for
+CPU: the K order and x's copy; the packed 16-bit PTX's arithmetic (which the interpreter
+cannot run) replayed in torch from its constants equals ``dequantize_int4_ref``'s bits for
 every nibble and zero point, bf16 and fp16; both decodes (per weight, on the sums) under
 the interpreter in fp32 / fp16 (groups of 32 / 64 / 128 / 256 / K, ragged M and N, split K,
 bias, x by TMA); the per-weight tile's weights are the reference's to the bit; named errors;
 the tiles built for sm_90a (no GPU): wgmma with the weights from registers, no store to
 shared memory and no ldmatrix in the K loop (the dequantized tile's round trip of the older
 tiles), nothing spilled, fewer SASS instructions a K tile than the older tile of the same
-rows and form; the tiles reading x in order: x's tile the only shared store (16 bytes a
-store), nothing spilled. GPU (marked gpu): bf16 and fp16 at 64, 100, 128, 256 rows, the 8B shapes.
+rows and form. GPU (marked gpu): bf16 and fp16 at 64, 100, 128, 256 rows, the 8B shapes.
 """
 
 from __future__ import annotations
@@ -112,14 +110,6 @@ CASES = [
     (70, 96, 256, 128, True, _frag(64, tma=True)),             # x by TMA, rows past M
     (70, 64, 512, 128, False, _frag(64, per_weight=False, tma=True, split_k=1)),
     (65, 64, 128, 128, False, None),                           # the default for 65 rows
-    # x read in the fragment's K order by the tile (x_copy=False): no copy of x
-    (70, 96, 256, 128, True, _frag(64, per_weight=False, x_copy=False)),
-    (70, 96, 256, 128, False, _frag(64, x_copy=False)),
-    (33, 80, 256, 32, True, _frag(32, x_copy=False)),           # groups under the K tile
-    (33, 64, 384, 64, False, _frag(16, split_k=2, x_copy=False)),
-    (20, 72, 384, 384, True, _frag(32, per_weight=False, split_k=3, x_copy=False)),
-    (100, 130, 256, 256, True, _frag(32, per_weight=False, group_m=2, x_copy=False)),
-    (130, 64, 512, 128, False, _frag(128, per_weight=False, split_k=2, x_copy=False)),
 ]
 
 
@@ -135,7 +125,6 @@ def test_fragment_tiles_match_reference(m, n, k, g, bias, cfg, dtype):
     if cfg is None:  # bf16's default tile (on the GPU: for bf16 x)
         cfg = gemm_config(m, n, k, g, torch.bfloat16)
         assert cfg.fragment and not gemm_config(m, n, k, g, torch.float16).fragment
-        assert cfg.x_copy, cfg.name  # x_copy=False: a candidate for the GPU to time
     got = w4a16_gemm(x, qw, scales, zeros, b, cfg)
     ref = int4_linear_ref(x, qw, scales, zeros, b)
     assert got.shape == (m, n) and got.dtype == dtype
@@ -145,39 +134,15 @@ def test_fragment_tiles_match_reference(m, n, k, g, bias, cfg, dtype):
         _as_close_as_the_reference(got, ref, x, qw, scales, zeros, b)
 
 
-def test_fragment_x_read_by_the_tile_from_a_strided_view(monkeypatch):
-    """x_copy=False: the tile reads x itself (no ``fragment_x`` call), so a view whose rows
-    lie apart (x a column slice of a wider tensor) is read in place, and equals the copy
-    path's result."""
-    from flashpage.kernels import int4_gemm
-
-    n, k, g = 96, 256, 128
-    qw, scales, zeros, _ = _weight(n, k, g, 5)
-    gen = torch.Generator(device="cpu").manual_seed(5)
-    wide = torch.randn(70, k + 64, generator=gen).to(DEV)
-    x = wide[:, 32:32 + k]
-    assert x.stride(0) == k + 64
-    copied = w4a16_gemm(x, qw, scales, zeros, config=_frag(64, per_weight=False))
-
-    def no_copy(_):
-        raise AssertionError("x_copy=False called fragment_x")
-
-    monkeypatch.setattr(int4_gemm, "fragment_x", no_copy)
-    got = w4a16_gemm(x, qw, scales, zeros, config=_frag(64, per_weight=False, x_copy=False))
-    torch.testing.assert_close(got, int4_linear_ref(x, qw, scales, zeros), atol=1e-4, rtol=1e-4)
-    assert torch.equal(got, copied)  # the same tiles, the same K order: the same sums
-
-
-@pytest.mark.parametrize("x_copy", [True, False])
 @pytest.mark.parametrize("g", [32, 128])
-def test_fragment_per_weight_tile_is_the_reference_weights(g, x_copy):
+def test_fragment_per_weight_tile_is_the_reference_weights(g):
     """With x one-hot rows (each output one weight, no sum to round) the per-weight fragment
     tile's y^T is dequantize_int4_ref's fp16 weight to the bit: the K reorder and the rows'
     load order put every weight back where it belongs."""
     n, k = 128, 256
     qw, scales, zeros, _ = _weight(n, k, g, g + 1)
     x = torch.eye(k, dtype=torch.float16)[:100].to(DEV)  # 100 rows: 2 row tiles of 64
-    got = w4a16_gemm(x, qw, scales, zeros, config=_frag(64, split_k=1, x_copy=x_copy))
+    got = w4a16_gemm(x, qw, scales, zeros, config=_frag(64, split_k=1))
     want = dequantize_int4_ref(qw, scales, zeros, torch.float16)[:, :100].t()
     assert torch.equal(got, want)
 
@@ -186,22 +151,11 @@ def test_fragment_config_names_choice_and_errors():
     for cfg in GEMM_CANDIDATES:
         assert parse_gemm_config(cfg.name) == cfg
     assert parse_gemm_config("fpm64n64k128s0w4st4g8").fragment
-    assert parse_gemm_config("fpm64n64k128s0w4st4g8").x_copy
-    read = parse_gemm_config("fpm64n64k128s0w4st4g8r")
-    assert read.fragment and not read.x_copy and not read.tma and read.name.endswith("g8r")
-    with pytest.raises(ValueError, match="x_copy=False needs tma=False"):
-        parse_gemm_config("fpm128n64k128s0w4st3g8tr")
-    with pytest.raises(ValueError, match="not fragment=True"):
-        Int4GemmConfig(64, 64, 128, x_copy=False)
-    assert any(not c.x_copy for c in GEMM_CANDIDATES)
     assert not parse_gemm_config("pm64n64k128s0w4st4g8").fragment
     assert any(c.fragment for c in GEMM_CANDIDATES) and any(not c.fragment for c in GEMM_CANDIDATES)
     for m in (64, 65, 128, 129, 256):
         cfg = gemm_config(m, 4096, 4096, 128, torch.bfloat16)
         assert cfg.fragment and not cfg.per_weight and not fragment_reasons(4096, 128, cfg), m
-        # x copied (x_copy=False, the tile reading x in order, costs 30-76 more SASS
-        # instructions a K tile: a GPU timing decides)
-        assert cfg.x_copy and cfg.tma == (m > 64), m
         # fp16 x (wrong sums on the GPU in run 201) and no dtype: the older tiles
         assert not gemm_config(m, 4096, 4096, 128, torch.float16).fragment
         assert not gemm_config(m, 4096, 4096, 128).fragment
@@ -255,8 +209,7 @@ def _loop(name: str, dt: str) -> dict:
     return dict(loop=len(loop), per_128k=len(loop) * 128 // cfg.block_k, shared=k.metadata.shared,
                 hgmma_reg_a=sum(bool(re.match(r"HGMMA\S* R\d+, R\d+, gdesc", t)) for t in loop),
                 **{op: mix.get(op, 0) for op in ("HGMMA", "STS", "LDSM", "LDS", "HMUL2", "FFMA",
-                                                 "F2FP", "PRMT", "LDGSTS")},
-                STS128=sum(t.startswith("STS.128 ") for t in loop),
+                                                 "F2FP")},
                 packed_mul=f"mul.rn.{DEQUANT16_TYPES[dtype][3]}" in k.asm["ptx"],
                 **ptxas_usage(log))
 
@@ -289,47 +242,6 @@ def test_fragment_tiles_compile_for_sm90():
         assert new["per_128k"] < old["per_128k"], (key, new, old)
         if r["name"].startswith("fw") and r["dt"] == "fp16":
             assert new["packed_mul"] and new["HMUL2"] > 0 and new["FFMA"] == 0, (key, new)
-
-
-# (x-reading tile, x's dtype, its copy twin: the same tile over fragment_x's copy)
-XREAD_CASES = [
-    ("fpm64n64k128s0w4st4g8r", "bf16", "fpm64n64k128s0w4st4g8"),
-    ("fpm128n64k128s0w4st3g8r", "bf16", "fpm128n64k128s0w4st3g8"),
-]
-
-
-def _compile_xread_tiles() -> list[dict]:
-    """(In a subprocess with the interpreter off.) XREAD_CASES' tiles and their twins."""
-    return [dict(name=new, dt=dt, twin=twin, new_stats=_loop(new, dt), twin_stats=_loop(twin, dt))
-            for new, dt, twin in XREAD_CASES]
-
-
-def test_fragment_x_read_tiles_compile_for_sm90():
-    """On the CPU: a tile reading x in the fragment's K order itself (x_copy=False) still
-    takes the weights into wgmma from registers (no ldmatrix), and its only stores to shared
-    memory in the K loop are x's tile into wgmma's B layout, 16 bytes a store (BLOCK_M x 128
-    16-bit values over 128 threads: BLOCK_M / 8 STS.128), the 16-bit values re-paired by
-    PRMT (BLOCK_M / 2 more than the copy twin's at least); nothing spilled; the 64-row tile
-    still under the older 64-row tile's SASS count. -s prints the counts."""
-    from sm90 import run_compiled
-
-    got = run_compiled("test_int4_fragment_gemm", "_compile_xread_tiles")
-    assert len(got) == len(XREAD_CASES)
-    for r in got:
-        new, twin = r["new_stats"], r["twin_stats"]
-        bm = parse_gemm_config(r["name"]).block_m
-        print(r["name"], r["dt"], new, "| copy twin", r["twin"], twin)
-        assert new["HGMMA"] > 0 and new["hgmma_reg_a"] == new["HGMMA"], (r["name"], new)
-        assert new["LDSM"] == 0 and twin["STS"] == 0, (r["name"], new, twin)
-        assert new["STS"] == new["STS128"] == bm // 8, (r["name"], new)
-        assert new["PRMT"] - twin["PRMT"] >= bm // 2, (r["name"], new, twin)
-        assert new["spill_bytes"] == 0 and new["shared"] <= 227 * 1024, (r["name"], new)
-        if bm == 64:
-            assert new["per_128k"] < _OLDER_64_LOOP, (r["name"], new)
-
-
-# the older 64-row tile's K loop (pm64n64k128s0w4st4g8, test_fragment_tiles_compile_for_sm90)
-_OLDER_64_LOOP = 291
 
 
 # ----------------------------------------------------------------- GPU
@@ -380,26 +292,3 @@ def test_fragment_per_weight_bits_on_the_gpu(dtype, scale_dtype, bm):
         got = w4a16_gemm(x, qw, scales, zeros, config=_frag(bm, split_k=1, tma=True))
         want = dequantize_int4_ref(qw, scales, zeros, dtype)[:, :256].t()
         assert torch.equal(got, want), (g, bm, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [64, 100, 128, 256])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
-@pytest.mark.parametrize("tile", [c.name for c in GEMM_CANDIDATES if not c.x_copy])
-def test_fragment_x_read_is_its_copy_twin_on_the_gpu(tile, n, k, m, dtype):
-    """A tile reading x in the fragment's K order itself gives its copy twin's output to the
-    bit (the same values in the same K order reach the same MMAs; with bias, split K as the
-    launcher picks), and leaves x as it was."""
-    from dataclasses import replace
-
-    qw, scales, zeros, _ = _weight(n, k, 128, 9)
-    x = torch.randn(m, k, device=DEV, dtype=dtype)
-    x0 = x.clone()
-    b = torch.randn(n, device=DEV, dtype=dtype)
-    cfg = parse_gemm_config(tile)
-    got = w4a16_gemm(x, qw, scales, zeros, b, cfg)
-    want = w4a16_gemm(x, qw, scales, zeros, b, replace(cfg, x_copy=True))
-    assert torch.equal(got, want), (tile, m, dtype)
-    assert torch.equal(x, x0)

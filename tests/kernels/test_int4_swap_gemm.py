@@ -156,7 +156,6 @@ def compile_swap_kernel(cfg, dt: str, ptx: str, offset: float, pw16: bool = Fals
         GROUP_M=cfg.group_m, PARTIAL=False, HAS_BIAS=False, PRECISION="tf32",
         PER_WEIGHT=cfg.per_weight, ASM=True, PTX=ptx, OFFSET=offset,
         NUM_STAGES=cfg.num_stages, TMA=cfg.tma, FRAG=cfg.fragment, PW16=pw16,
-        XFRAG=cfg.fragment and not cfg.x_copy,
         **({} if cfg.tma else {"x_desc": None})),
         {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "b_ptr": f"*{dt}", "qw_ptr": "*i32",
          "s_ptr": "*fp16", "z_ptr": "*u8", "SPLIT_K": "i32",
