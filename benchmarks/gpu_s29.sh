@@ -4,9 +4,9 @@
 #                                             now one case a tile (--runxfail: the real result of each);
 #                                             the int4 and fp8 MoE kernels at prompt-size token counts
 #                                             (1024-8192; run 200 stopped at 512); int4_check.py
-#                                             --bits: where the 256-row per-weight tile misses; the
-#                                             fragment tiles reading x themselves (x_copy=False) beside
-#                                             the copy
+#                                             --bits: where the 256-row per-weight tile misses (run 206 at
+#                                             commit a163754 also swept the fragment tiles reading x
+#                                             themselves, x_copy=False, since reverted: 2.3-5.3x slower)
 #   BUDGET=210 bash benchmarks/gpu_s29.sh b   the fused MoE kernels' GPU tests after kernels/tiles.moe_block
 #                                             took their shared prologue (SASS identical on sm_90a);
 #                                             the fp8 swapped form on fp16 wgmma (swap_mma="f16": the
@@ -20,9 +20,6 @@ a)
     | tee "$OUT/gpu_int4_fragment_tiles.txt" | grep -v "^FAILED\|^PASSED\|^XPASS" | tail -n 4
   grep "^FAILED" "$OUT/gpu_int4_fragment_tiles.txt" | cut -c1-160 | head -n 40
   timeout "$(left 45)" python3 benchmarks/int4_check.py --bits 2>&1 | tee "$OUT/int4_check_bits.txt" | cut -c1-220
-  timeout "$(left 120)" python3 benchmarks/int4_gemm.py --sweep --rows 64,100,128,256 --gemm-configs \
-    fpm64n64k128s0w4st4g8r,fpm128n64k128s0w4st3g8r,fpm128n64k128s0w4st3g8t --json-out "$OUT/int4_xread.json" \
-    > /tmp/int4_xread.txt 2>&1; grep -i "x read\|copy" /tmp/int4_xread.txt | cut -c1-200 | tail -n 24
   for mode in ${MODES:-int4}; do
     timeout "$(left 100)" python3 benchmarks/fused_moe.py --$mode --tokens 1024,2048,4096,8192 --out /tmp/moe_$mode \
       > /tmp/${mode}_moe_prompt.txt 2>&1

@@ -49,14 +49,17 @@ then transposed back for the same epilogue. block_n (and gate_up_block_n) 64 or 
 wgmma's M, 64 a warpgroup. What the wgmma dots (``swap_mma``): "f16" (the default) widens
 both e4m3 tiles to fp16 in registers (exact) for fp16 wgmmas (HGMMA.64 x rows x 16, fp32
 accumulate): the 16-bit products exact and summed as the unswapped tile's HMMAs sum them,
-16 K a step in the same order, so the same fp32 sums. "e4m3" dots them as they are (QGMMA.64
+16 K a step in the same order, so the same fp32 sums (run 208, H200: to the bit at 1 and 8
+tokens, not at 32 and 64; and 7-40% slower than the unswapped tile at 1-128 tokens, run
+207). "e4m3" dots them as they are (QGMMA.64
 x rows x 32, nothing widened), but Hopper's e4m3 MMA keeps 13 fraction bits in its fp32
 accumulator, cut toward zero (the DeepSeek-V3 report's "~14 bits"; Triton does not promote
 on sm_90 unless max_num_imprecise_acc asks), at each of a K tile's four 32-wide steps: each
 tile sum off by up to ~2^-13 of its products' magnitudes, which moves a projection's bf16
 rounding now and then, and with it the activation's e4m3 code or its group's scale: the
 output 0.45-0.62% (in norm) from the reference on the H200 (runs 202, 204), as a torch
-replay of the cut reproduces (tests/kernels/test_fused_moe_fp8_swap.py). The unswapped tile
+replay of the cut reproduces (tests/kernels/test_fused_moe_fp8_swap.py; run 208's one-wgmma
+probe found the 13 bits on the H200). The unswapped tile
 at 64 rows runs QGMMAs too and is held to the same 1% only.
 
 ``default_config`` chooses by what the kernels compile to for sm_90 (tests/kernels/
@@ -167,7 +170,9 @@ def default_config(num_pairs: int, num_experts: int, x: torch.Tensor) -> FusedMo
     (``swap_mma="e4m3"``) 1-6% faster at 1-128 tokens in run 202 but 0.45-0.62% (in norm)
     from the reference the unswapped kernel equals exactly (run 204: Hopper's e4m3
     accumulator keeps 13 fraction bits, the module docstring); on fp16 wgmmas (the default
-    "f16") the unswapped tile's sums, not yet timed. Else weight-only, rows per block near the mean pairs per expert (N tiles
+    "f16") the unswapped tile's sums at 1-8 tokens but slower than it (run 207: 36.3 / 97.2 /
+    188.4 / 244.5 us at 1 / 8 / 32 / 128 tokens against 31.5 / 91.2 / 166.7 / 220.2; e4m3
+    30.0 / 85.6 / 165.3 / 217.7). Else weight-only, rows per block near the mean pairs per expert (N tiles
     of 32 past 16 rows: 64 spill at 32 rows)."""
     mean = triton.cdiv(max(num_pairs, 1), num_experts)
     block_m = min(64, max(16, triton.next_power_of_2(mean)))

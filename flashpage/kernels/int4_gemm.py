@@ -704,17 +704,19 @@ def gemm_config(m: int, n: int, k: int, g: int = 128,
     timed the fragment tiles (kernels/int4_fragment.py: the decoded weights in wgmma's A
     registers): the scale-on-the-sums ones won at 64 rows on every shape (64 x 64: 0.71-0.99x
     the older tile's time), at 128 (128 x 64: 0.73-0.97x) and at 256 on the four shapes
-    together (0.92x; 1.04x on down), lost 5% at 100 rows; so for bf16 x, groups a multiple of
-    128 and K of 128, they are the default at 64-256 rows. Not for fp16 x: the fragment
-    tiles gave wrong sums under fp16 on the GPU in run 201 (under investigation), nor for
-    groups under 128 (per-weight scales: their packed-PTX form was off by a bf16 unit)."""
+    together (0.92x; 1.04x on down), lost 5% at 100 rows; so for 16-bit x, groups a multiple
+    of 128 and K of 128, they are the default at 64-256 rows. fp16 x too since run 206
+    showed these two tiles right there (the 8B's shapes, bias, 64-256 rows; run 201's fp16
+    failures were per-weight fragment tiles, see test_fragment_tiles_on_the_gpu) and their
+    sm_90a K loops are the bf16 ones' instruction for instruction (238 / 281 SASS a K tile;
+    untimed in fp16). Not for groups under 128 (per-weight scales)."""
     if m <= 64:
         old = Int4GemmConfig(64, 64, 128, 0, 4, 4, per_weight=False)
     elif m <= 128:
         old = Int4GemmConfig(128, 64, 128, 0, 4, 3, tma=True)
     else:
         old = Int4GemmConfig(256, 64, 64, 0, 4, 3, tma=True)
-    if dtype != torch.bfloat16:
+    if dtype not in (torch.bfloat16, torch.float16):
         return old
     frag = Int4GemmConfig(64 if m <= 64 else 128, 64, 128, 0, 4, 4 if m <= 64 else 3,
                           per_weight=False, tma=m > 64, fragment=True)
