@@ -90,3 +90,20 @@ latency_bs128_bf16_int4() {
   python3 -c "import json,sys; json.dump({f: json.load(open(f)) for f in sys.argv[1:]}, open('$OUT/latency_bs128.json','w'))" \
     /tmp/latency_bs128_bf16.json /tmp/latency_bs128_int4.json
 }
+
+# DeepSeek-V2-Lite's prompt (128 tokens) and mixed (16 decodes + a 16-token prompt) steps as
+# run 160 timed them (profile_ttft.py: the request's ms beside its kernels'), then
+# ttft_graphs.py's prompt / decode / mixed steps; used by gpu_s19.sh and gpu_mla_host.sh
+v2lite_step_profiles() {
+  local mode extra
+  for mode in prompt mixed; do
+    mkdir -p "$OUT/$mode"
+    extra=$([ $mode = mixed ] && echo "--decodes 16 --input-len 16" || echo "--input-len 128")
+    timeout "$(left 90)" python3 benchmarks/profile_ttft.py --config deepseek-v2-lite --iters 10 \
+      $extra --out "$OUT/$mode" > "$OUT/profile_v2lite_$mode.log" 2>&1
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], r['request_ms_median'], 'ms for', r['gpu_kernel_ms'], 'ms of kernels')" \
+      "$OUT/$mode/profile_ttft.json" $mode
+  done
+  timeout "$(left 150)" python3 benchmarks/ttft_graphs.py --config deepseek-v2-lite --input-lens 16 128 \
+    --batches 1 4 --decodes 16 64 --mixed-lens 16 128 --out "$OUT" 2>&1 | tail -n 14
+}

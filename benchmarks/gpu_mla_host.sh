@@ -20,16 +20,7 @@ a)
   echo "part a done at ${SECONDS}s" ;;
 b)
   timeout "$(left 90)" python3 benchmarks/mla_expand.py --out "$OUT" 2>&1 | tee "$OUT/mla_expand.txt"
-  for mode in prompt mixed; do
-    mkdir -p "$OUT/$mode"
-    extra=$([ $mode = mixed ] && echo "--decodes 16 --input-len 16" || echo "--input-len 128")
-    timeout "$(left 90)" python3 benchmarks/profile_ttft.py --config deepseek-v2-lite --iters 10 \
-      $extra --out "$OUT/$mode" > "$OUT/profile_v2lite_$mode.log" 2>&1
-    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], r['request_ms_median'], 'ms for', r['gpu_kernel_ms'], 'ms of kernels')" \
-      "$OUT/$mode/profile_ttft.json" $mode
-  done
-  timeout "$(left 150)" python3 benchmarks/ttft_graphs.py --config deepseek-v2-lite --input-lens 16 128 \
-    --batches 1 4 --decodes 16 64 --mixed-lens 16 128 --out "$OUT" 2>&1 | tail -n 14
+  v2lite_step_profiles
   echo "part b done at ${SECONDS}s" ;;
 *) echo "unknown part $PART (a-b)"; exit 2 ;;
 esac

@@ -28,16 +28,7 @@ a)
     tests/kernels/test_flash_prefill.py -k "plan_serves or many_calls or varlen_gpu or mla_decode_gpu" 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -n 3
   timeout "$(left 150)" $PT -m gpu tests/engine/test_mla_triton.py tests/engine/test_mla_gluon_switch.py \
     tests/models/test_deepseek.py -rf 2>&1 | tee "$OUT/gpu_engine_tests.txt" | tail -n 3
-  for mode in prompt mixed; do
-    mkdir -p "$OUT/$mode"
-    extra=$([ $mode = mixed ] && echo "--decodes 16 --input-len 16" || echo "--input-len 128")
-    timeout "$(left 90)" python3 benchmarks/profile_ttft.py --config deepseek-v2-lite --iters 10 \
-      $extra --out "$OUT/$mode" > "$OUT/profile_v2lite_$mode.log" 2>&1
-    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], r['request_ms_median'], 'ms for', r['gpu_kernel_ms'], 'ms of kernels')" \
-      "$OUT/$mode/profile_ttft.json" $mode
-  done
-  timeout "$(left 150)" python3 benchmarks/ttft_graphs.py --config deepseek-v2-lite --input-lens 16 128 \
-    --batches 1 4 --decodes 16 64 --mixed-lens 16 128 --out "$OUT" 2>&1 | tail -n 14
+  v2lite_step_profiles
   echo "part a done at ${SECONDS}s" ;;
 b)
   timeout "$(left 200)" $PT -m gpu tests/kernels/test_lora_kernels.py tests/engine/test_lora.py \

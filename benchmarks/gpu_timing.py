@@ -38,6 +38,22 @@ def time_replay(graph: torch.cuda.CUDAGraph) -> float:
     return a.elapsed_time(b) / 1e3
 
 
+def event_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median microseconds of single eager ``fn()`` calls, each between two CUDA events
+    after one warm call: the GPU's time of a call with its launches' host gaps in it."""
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
 def time_graph(fn: Callable[[], object], calls: int = 1, reps: int = 20) -> float:
     """Median seconds of one ``fn()`` call: a CUDA graph of ``calls`` calls (capture_graph),
     replayed ``reps`` times after three warm replays, each replay between two events."""

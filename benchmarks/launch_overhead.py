@@ -25,14 +25,15 @@ import io
 import json
 import os
 import pstats
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from gpu_timing import event_us  # noqa: E402
 
 from flashpage.kernels.flash_prefill import default_config, paged_prefill  # noqa: E402
 
@@ -86,20 +87,6 @@ def host_us(fn, n: int) -> float:
     return best * 1e6
 
 
-def gpu_us(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -114,7 +101,7 @@ def main() -> None:
             rows.setdefault(name, {})["host_us" if fast == "1" else "host_us_jit"] = round(host_us(fn, args.calls), 1)
     for shape in ((1, 2048), (8, 1024)):  # a prompt chunk's attention, for scale
         for name, fn in paths(*shape).items():
-            rows[name][f"gpu_us_{shape[0]}x{shape[1]}"] = round(gpu_us(fn), 1)
+            rows[name][f"gpu_us_{shape[0]}x{shape[1]}"] = round(event_us(fn), 1)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     print(json.dumps(res, indent=1))
     Path(args.out).mkdir(parents=True, exist_ok=True)

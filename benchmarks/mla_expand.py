@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from gpu_timing import event_us  # noqa: E402
 
 from flashpage.kernels.mla_expand import MLAExpandPlan, mla_expand_ref  # noqa: E402
 
@@ -66,16 +67,7 @@ def timed(fn, iters: int) -> tuple[float, float]:
     for _ in range(iters):
         fn()
     host = (time.perf_counter() - t0) / iters * 1e6
-    torch.cuda.synchronize()
-    gpu = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        gpu.append(a.elapsed_time(b) * 1e3)
-    return host, statistics.median(gpu)
+    return host, event_us(fn, iters)
 
 
 def main() -> None:
