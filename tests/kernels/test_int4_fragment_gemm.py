@@ -195,7 +195,7 @@ def _loop(name: str, dt: str) -> dict:
     import collections
     import re
 
-    from sm90 import ptxas_usage
+    from sm90 import ptxas_usage, wgmma_a_clobbers
     from test_int4_swap_gemm import compile_swap_kernel
 
     from flashpage.kernels import int4_gemm as m
@@ -211,6 +211,7 @@ def _loop(name: str, dt: str) -> dict:
                 **{op: mix.get(op, 0) for op in ("HGMMA", "STS", "LDSM", "LDS", "HMUL2", "FFMA",
                                                  "F2FP")},
                 packed_mul=f"mul.rn.{DEQUANT16_TYPES[dtype][3]}" in k.asm["ptx"],
+                a_clobbers=len(wgmma_a_clobbers(loop)),
                 **ptxas_usage(log))
 
 
@@ -239,6 +240,7 @@ def test_fragment_tiles_compile_for_sm90():
         assert new["STS"] == 0 and new["LDSM"] == 0, (key, new)
         assert old["STS"] > 0 and old["LDSM"] > 0, (key, old)  # what the fragment removes
         assert new["spill_bytes"] == 0 and new["shared"] <= 227 * 1024, (key, new)
+        assert new["a_clobbers"] == 0, (key, new)  # no A register rewritten in flight
         assert new["per_128k"] < old["per_128k"], (key, new, old)
         if r["name"].startswith("fw") and r["dt"] == "fp16":
             assert new["packed_mul"] and new["HMUL2"] > 0 and new["FFMA"] == 0, (key, new)
@@ -247,7 +249,10 @@ def test_fragment_tiles_compile_for_sm90():
 # ----------------------------------------------------------------- GPU
 # Run 206 (H200, each tile on its own): under fp16 x with fp16 scales the per-weight TMA tiles
 # of 3 stages miss (their packed 16-bit PTX; 2 and 4 stages are right); everything else is
-# right, the sums tiles gemm_config picks included.
+# right, the sums tiles gemm_config picks included. The cause (sm_90a SASS): the last of a
+# tile's wgmmas left in flight into the next K tile while the next tile's decode rewrites its A
+# registers; int4_fragment.wgmma_drain after each tile's MMAs should turn these xfails (and
+# the bits test's) into passes: drop the marks once a GPU run shows it.
 _PW16_ST3 = ("fwm128n64k128s0w4st3g8t", "fwm256n64k128s0w4st3g8t")
 _TILES = ["default", *(c.name for c in GEMM_CANDIDATES if c.fragment)]
 
