@@ -128,6 +128,25 @@ def dequant16_8(packed, s, z, DT: tl.constexpr, PTX: tl.constexpr, OFFSET: tl.co
         dtype=(DT.value,) * 8, is_pure=True, pack=1)
 
 
+# Triton 3.6 pipelines the per-weight fragment tile's 8 wgmmas (A from registers) across K
+# tiles: the loop's last wait leaves 7 in flight ("wgmma.wait_group 7"), so the next tile's
+# decode runs while the last slice's wgmma may not yet have read its A registers, and ptxas
+# gives those registers to the next tile's values (sm_90a SASS of fwm256n64k128s1w4st3g8t:
+# the loop's first instructions write the last HGMMA's A registers R180/R181 with -(OFFSET +
+# z) of the next tile and OFFSET). Run 206 saw it (H200): the weights of that register pair
+# came out -(OFFSET + the next group's zero point). One "wgmma.wait_group 0" after a tile's
+# MMAs keeps the registers until they are read.
+WGMMA_DRAIN_PTX = tl.constexpr("wgmma.wait_group.sync.aligned 0;\nmov.b32 $0, $1;")
+
+
+@triton.jit
+def wgmma_drain(v):
+    """``v`` (an int32 scalar) unchanged, after every wgmma this warpgroup issued has
+    completed (the GPU only): the fragment tile's A registers may be reused after it."""
+    return tl.inline_asm_elementwise(WGMMA_DRAIN_PTX.value, "=r,r", [v], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
 @triton.jit
 def fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N: tl.constexpr):
     """Nibbles 0..7's values [BN, 16] (rows in ``wgmma_a_rows``'s load order, word 4c + u of

@@ -91,6 +91,7 @@ from flashpage.kernels.int4_fragment import (
     fragment_x,
     packed_nibbles_ptx,
     qz8,
+    wgmma_drain,
 )
 from flashpage.kernels.tiles import grouped_tile, wgmma_a_rows
 
@@ -433,6 +434,8 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, x_desc, M, N
                     n0, n1, n2, n3, n4, n5, n6, n7 = _dequant8(packed, s, z, DT, ASM)
                 w = fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N)
                 acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+                if ASM:  # the MMAs done before the next tile's decode reuses w's registers
+                    wgmma_drain(t)
             else:  # q - z, the scale on the sums
                 n0, n1, n2, n3, n4, n5, n6, n7 = qz8(packed, z, DT, ASM, PTX, OFFSET)
                 w = fragment_tile(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N)

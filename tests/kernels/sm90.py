@@ -135,3 +135,39 @@ def registers_used(ins: list[str], budget: list[int | None]) -> dict[str, int]:
         for r in re.findall(r"\bR(\d+)\b", t):
             top[b] = max(top[b], int(r) + 1)
     return {str(b): n for b, n in top.items() if b}
+
+
+# SASS instructions that write no general register (their first operand is read, or none)
+_NO_REG_DEST = ("HGMMA", "ST", "BRA", "WARPGROUP", "BAR", "DEPBAR", "LDGDEPBAR", "SYNCS", "UTMA",
+                "LDGSTS", "RED", "ATOM", "NOP", "EXIT", "WARPSYNC", "FENCE", "ISETP", "FSETP",
+                "HSETP", "PLOP3", "R2UR", "U")
+
+
+def _written_registers(t: str) -> set[int]:
+    """The general registers a SASS instruction writes (its destination: 1, 2 for a 64-bit
+    and 4 for a 128-bit result); none for a store, branch, barrier or uniform op."""
+    op = t.split(" ")[0]
+    m = re.match(r"\S+\s+R(\d+)\b", t)
+    if op.startswith(_NO_REG_DEST) or not m:
+        return set()
+    n = 4 if ".128" in op else 2 if (".64" in op or op.startswith("IMAD.WIDE")) else 1
+    return set(range(int(m[1]), int(m[1]) + n))
+
+
+def wgmma_a_clobbers(loop: list[str]) -> list[str]:
+    """The instructions of a K loop's SASS (its body, run twice: one trip into the next)
+    that write a register holding the A fragment of a warpgroup MMA still in flight (issued,
+    not yet retired by a ``WARPGROUP.DEPBAR.LE gsb0, n``): the MMA may read its registers
+    after, so it would multiply what they were overwritten with."""
+    flight: list[tuple[int, set[int]]] = []
+    hits = []
+    for trip in range(2):
+        for i, t in enumerate(loop):
+            if m := re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", t):
+                del flight[:max(0, len(flight) - int(m[1], 16))]
+                continue
+            written = _written_registers(t)
+            hits += [f"{t} (HGMMA #{j}'s A)" for j, regs in flight if trip and written & regs]
+            if a := re.match(r"HGMMA\S*\s+R\d+,\s+R(\d+),", t):
+                flight.append((i, set(range(int(a[1]), int(a[1]) + 4))))
+    return hits

@@ -178,7 +178,8 @@ def test_fragment_config_names_choice_and_errors():
 
 
 # ----------------------------------------------------------------- sm_90a SASS (no GPU)
-# (config name, x's dtype, the older tile it replaces: same rows, form and stages)
+# (config name, x's dtype ("bf16s": bf16 x under bf16 scales, the packed PTX), the older tile
+# it replaces: same rows, form and stages)
 SASS_CASES = [
     ("fpm64n64k128s0w4st4g8", "bf16", "pm64n64k128s0w4st4g8"),
     ("fpm128n64k128s0w4st3g8t", "bf16", "pm128n64k128s0w4st3g8t"),
@@ -186,31 +187,36 @@ SASS_CASES = [
     ("fwm128n64k128s0w4st3g8t", "fp16", "wm128n64k128s0w4st3g8t"),
     ("fwm256n64k128s0w4st3g8t", "bf16", "wm256n64k64s0w4st3g8t"),
     ("fwm256n64k128s0w4st3g8t", "fp16", "wm256n64k64s0w4st3g8t"),
+    ("fwm256n64k128s0w4st3g8t", "bf16s", "wm256n64k64s0w4st3g8t"),
 ]
 
 
 def _loop(name: str, dt: str) -> dict:
     """One tile compiled for sm_90a as an H200 launch of the 8B shapes builds it (fp16
-    scales, groups of 128, aligned pointers and strides): its K loop's SASS counts."""
+    scales, bf16 for "bf16s"; groups of 128, aligned pointers and strides): its K loop's
+    SASS counts."""
     import collections
     import re
 
-    from sm90 import ptxas_usage
+    from sm90 import ptxas_usage, wgmma_a_clobbers
     from test_int4_swap_gemm import compile_swap_kernel
 
     from flashpage.kernels import int4_gemm as m
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16s": torch.bfloat16}[dt]
+    scale_dt = "bf16" if dt == "bf16s" else "fp16"
     cfg = m.parse_gemm_config(name)
-    pw16 = cfg.fragment and cfg.per_weight and dtype == torch.float16  # fp16 scales
+    pw16 = cfg.fragment and cfg.per_weight and (dtype == torch.float16 or dt == "bf16s")
     ptx = dequant16_ptx(dtype) if pw16 else (m._unpack_ptx(dtype) if not cfg.per_weight else "")
-    k, log, loop = compile_swap_kernel(cfg, dt, ptx, DEQUANT16_TYPES[dtype][1] if ptx else 0.0, pw16)
+    k, log, loop = compile_swap_kernel(cfg, dt[:4], ptx, DEQUANT16_TYPES[dtype][1] if ptx else 0.0,
+                                       pw16, scale_dt)
     mix = collections.Counter(t.split(" ")[0].split(".")[0] for t in loop)
     return dict(loop=len(loop), per_128k=len(loop) * 128 // cfg.block_k, shared=k.metadata.shared,
                 hgmma_reg_a=sum(bool(re.match(r"HGMMA\S* R\d+, R\d+, gdesc", t)) for t in loop),
                 **{op: mix.get(op, 0) for op in ("HGMMA", "STS", "LDSM", "LDS", "HMUL2", "FFMA",
                                                  "F2FP")},
                 packed_mul=f"mul.rn.{DEQUANT16_TYPES[dtype][3]}" in k.asm["ptx"],
+                a_clobbers=len(wgmma_a_clobbers(loop)),
                 **ptxas_usage(log))
 
 
@@ -225,8 +231,10 @@ def test_fragment_tiles_compile_for_sm90():
     stores nothing to shared memory and reads it by no ldmatrix (the older tile of the same
     rows: 8 STS + 8 LDSM a 128-wide K tile, the decoded tile's round trip; the LDS left are
     the packed words' and the scales'), spills nothing, fits the H200's 227 KB of shared
-    memory, and takes fewer SASS instructions a 128-wide K tile than the older tile; fp16
-    per weight runs the packed multiply (HMUL2, no FFMA). -s prints the counts."""
+    memory, and takes fewer SASS instructions a 128-wide K tile than the older tile; per
+    weight under x-typed scales it runs the packed multiply (HMUL2, no FFMA); and no
+    instruction writes the A registers of a wgmma still in flight (run 206's wrong weights,
+    sm90.wgmma_a_clobbers). -s prints the counts."""
     from sm90 import run_compiled
 
     got = run_compiled("test_int4_fragment_gemm", "_compile_fragment_tiles")
@@ -239,15 +247,19 @@ def test_fragment_tiles_compile_for_sm90():
         assert new["STS"] == 0 and new["LDSM"] == 0, (key, new)
         assert old["STS"] > 0 and old["LDSM"] > 0, (key, old)  # what the fragment removes
         assert new["spill_bytes"] == 0 and new["shared"] <= 227 * 1024, (key, new)
+        assert new["a_clobbers"] == 0, (key, new)  # no A register rewritten in flight
         assert new["per_128k"] < old["per_128k"], (key, new, old)
-        if r["name"].startswith("fw") and r["dt"] == "fp16":
+        if r["name"].startswith("fw") and r["dt"] in ("fp16", "bf16s"):
             assert new["packed_mul"] and new["HMUL2"] > 0 and new["FFMA"] == 0, (key, new)
 
 
 # ----------------------------------------------------------------- GPU
 # Run 206 (H200, each tile on its own): under fp16 x with fp16 scales the per-weight TMA tiles
 # of 3 stages miss (their packed 16-bit PTX; 2 and 4 stages are right); everything else is
-# right, the sums tiles gemm_config picks included.
+# right, the sums tiles gemm_config picks included. The cause (sm_90a SASS): the last of a
+# tile's wgmmas left in flight into the next K tile while the next tile's decode rewrites its A
+# registers; int4_fragment.wgmma_drain after each tile's MMAs should turn these xfails (and
+# the bits test's) into passes: drop the marks once a GPU run shows it.
 _PW16_ST3 = ("fwm128n64k128s0w4st3g8t", "fwm256n64k128s0w4st3g8t")
 _TILES = ["default", *(c.name for c in GEMM_CANDIDATES if c.fragment)]
 

@@ -140,9 +140,10 @@ def _compile_swap_gemm() -> dict[str, dict]:
     return out
 
 
-def compile_swap_kernel(cfg, dt: str, ptx: str, offset: float, pw16: bool = False):
+def compile_swap_kernel(cfg, dt: str, ptx: str, offset: float, pw16: bool = False,
+                        scale_dt: str = "fp16"):
     """``_w4a16_swap_kernel`` with ``cfg`` compiled for sm_90a as an H200 launch of the 8B
-    shapes builds it (x in ``dt``, fp16 scales, groups of 128, aligned pointers and strides;
+    shapes builds it (x in ``dt``, scales in ``scale_dt``, groups of 128, aligned pointers and strides;
     no GPU): (the compiled kernel, ptxas' log, its K loop's SASS: the shortest backward
     branch around the warpgroup MMAs)."""
     from sm90 import compile_sm90, ptxas_sm90a, sass_instructions, sass_loops
@@ -158,7 +159,7 @@ def compile_swap_kernel(cfg, dt: str, ptx: str, offset: float, pw16: bool = Fals
         NUM_STAGES=cfg.num_stages, TMA=cfg.tma, FRAG=cfg.fragment, PW16=pw16,
         **({} if cfg.tma else {"x_desc": None})),
         {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "b_ptr": f"*{dt}", "qw_ptr": "*i32",
-         "s_ptr": "*fp16", "z_ptr": "*u8", "SPLIT_K": "i32",
+         "s_ptr": f"*{scale_dt}", "z_ptr": "*u8", "SPLIT_K": "i32",
          "x_desc": f"tensordesc<{dt}[{cfg.block_m}, {cfg.block_k}]>"},
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, aligned=aligned)
     log, sass = ptxas_sm90a(k.asm["ptx"])
