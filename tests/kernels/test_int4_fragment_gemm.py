@@ -255,12 +255,9 @@ def test_fragment_tiles_compile_for_sm90():
 
 # ----------------------------------------------------------------- GPU
 # Run 206 (H200, each tile on its own): under fp16 x with fp16 scales the per-weight TMA tiles
-# of 3 stages miss (their packed 16-bit PTX; 2 and 4 stages are right); everything else is
-# right, the sums tiles gemm_config picks included. The cause (sm_90a SASS): the last of a
-# tile's wgmmas left in flight into the next K tile while the next tile's decode rewrites its A
-# registers; int4_fragment.wgmma_drain after each tile's MMAs should turn these xfails (and
-# the bits test's) into passes: drop the marks once a GPU run shows it.
-_PW16_ST3 = ("fwm128n64k128s0w4st3g8t", "fwm256n64k128s0w4st3g8t")
+# of 3 stages missed (their packed 16-bit PTX). The cause (sm_90a SASS): the last of a tile's
+# wgmmas left in flight into the next K tile while the next tile's decode rewrote its A
+# registers; with int4_fragment.wgmma_drain after each tile's MMAs every case passes (run 210).
 _TILES = ["default", *(c.name for c in GEMM_CANDIDATES if c.fragment)]
 
 
@@ -268,12 +265,8 @@ _TILES = ["default", *(c.name for c in GEMM_CANDIDATES if c.fragment)]
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
 @pytest.mark.parametrize("m", [64, 100, 128, 256])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
-@pytest.mark.parametrize("tile,dtype", [
-    pytest.param(t, dt, marks=pytest.mark.xfail(
-        strict=True, reason="run 206 (H200): the per-weight TMA tile of 3 stages under fp16 x "
-        "and scales (packed PTX) gives some weights -(OFFSET + a zero point); not a default"))
-    if t in _PW16_ST3 and dt == torch.float16 else (t, dt)
-    for t in _TILES for dt in (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tile", _TILES)
 def test_fragment_tiles_on_the_gpu(tile, n, k, m, dtype):
     """gemm_config's tile for ``dtype`` and each fragment candidate on its own (so that a
     failure names its tile) at the 8B's qkv and down shapes (groups of 128, fp16 scales), bf16
@@ -290,18 +283,14 @@ def test_fragment_tiles_on_the_gpu(tile, n, k, m, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
-@pytest.mark.parametrize("dtype,scale_dtype,bm", [
-    pytest.param(dt, sd, bm, marks=pytest.mark.xfail(
-        strict=True, reason="runs 201 / 206 (H200): the 256-row per-weight tile (3 stages, x by "
-        "TMA) where its scales are x's type (packed PTX): with groups of 128, quad lane 0's "
-        "pair of nibbles 2 / 6 in word 3 (k % 32 in 26, 30) comes out -(OFFSET + a zero point); "
-        "the same tile by pointer loads and the 128-row one of 4 stages are right; not a default"))
-    if bm == 256 and (sd == "x" or dt == torch.float16) else (dt, sd, bm)
-    for dt in (torch.bfloat16, torch.float16) for sd in (torch.float16, "x") for bm in (128, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, "x"])
+@pytest.mark.parametrize("bm", [128, 256])
 def test_fragment_per_weight_bits_on_the_gpu(dtype, scale_dtype, bm):
     """One-hot rows: the per-weight fragment tile (scales of x's type: the packed 16-bit
     PTX; bf16 x under fp16 scales: fp32 FMAs) gives dequantize_int4_ref's weights to the bit
-    on the GPU, groups of 32 and 128."""
+    on the GPU, groups of 32 and 128 (256 rows: wrong at k % 32 in 26, 30 before
+    wgmma_drain, runs 201 / 206; right after, run 210)."""
     for g in (32, 128):
         n, k = 192, 512
         qw, scales, zeros, _ = _weight(n, k, g, g, dtype if scale_dtype == "x" else scale_dtype)
