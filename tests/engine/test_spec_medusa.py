@@ -17,6 +17,7 @@ graphs hand the heads their states.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -447,3 +448,31 @@ def test_on_the_gpu_with_cuda_graphs(gpu_ckpts, monkeypatch):
         got = reference_drafts(gpu_ckpts["base"], gpu_ckpts["medusa"], tokens, K)
         assert drafts == got, tokens
     _no_leak(llm)
+
+
+def test_the_benchmarks_medusa_modes(tmp_path):
+    """benchmarks/spec_decode.py --medusa on a tiny counting target (CPU): the right heads'
+    drafts all accepted, in fewer steps than plain decoding; the wrong ones' none; both
+    plain decoding's tokens."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=H,
+               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
+               rms_norm_eps=1e-6, tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "spec.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "spec_decode.py"), "--config",
+                    str(tmp_path / "config.json"), "--device", "cpu", "--dtype", "float32",
+                    "--batch-sizes", "2", "--ks", "3", "--input-len", "32", "--output-len", "24",
+                    "--iters", "1", "--medusa", "--json-out", str(out)],
+                   check=True, cwd=root, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(root)})
+    runs = {r["mode"]: r for r in json.loads(out.read_text())["runs"]}
+    right, wrong, plain = runs["medusa k=3"], runs["medusa-wrong k=3"], runs["plain"]
+    assert right["same_tokens"] == wrong["same_tokens"] == 2
+    assert right["spec"]["num_draft_tokens"] > 0 and right["spec"]["acceptance_rate"] == 1.0
+    assert right["steps"] < plain["steps"] / 2
+    assert wrong["spec"]["num_draft_tokens"] > 0 and wrong["spec"]["num_accepted_tokens"] == 0
