@@ -235,6 +235,11 @@ class SpecBackoff:
     def forget(self, rid: str) -> None:
         self._state.pop(rid, None)
 
+    def keep_only(self, live: set[str]) -> None:
+        """Forget every request but those of ``live`` (the running ones)."""
+        for rid in [r for r in self._state if r not in live]:
+            del self._state[rid]
+
 
 @dataclass
 class NgramProposer:
@@ -288,8 +293,8 @@ class NgramProposer:
                 bo.record(req.request_id, False)
         for rid in [r for r in self._arrays if r not in live]:
             del self._arrays[rid]
-            if bo is not None:
-                bo.forget(rid)
+        if bo is not None:  # (a proposer drafting through draft_all keeps no _arrays)
+            bo.keep_only(live)
 
     def learn(self, checked: dict[str, Checked]) -> None:
         """A checking step read back: each request's drafting was productive if it had a

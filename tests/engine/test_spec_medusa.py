@@ -301,6 +301,12 @@ def test_preemption_and_async_scheduling_keep_the_tokens(ckpts):
     assert _ids(llm, prompts, params) == want
     assert llm.engine.stats()["spec_decode"]["num_drafts"] > 0
     _no_leak(llm)
+    # the finished requests' back-off state is forgotten at the next step (Medusa keeps no
+    # n-gram arrays, whose clean-up forgot it before)
+    proposer = llm.engine.proposer
+    assert proposer is not None and proposer.backoff is not None and proposer.backoff._state
+    llm.engine.step()
+    assert not proposer.backoff._state
 
 
 def test_sampled_requests_are_seeded(ckpts):
