@@ -482,3 +482,34 @@ def test_the_benchmarks_medusa_modes(tmp_path):
     assert right["spec"]["num_draft_tokens"] > 0 and right["spec"]["acceptance_rate"] == 1.0
     assert right["steps"] < plain["steps"] / 2
     assert wrong["spec"]["num_draft_tokens"] > 0 and wrong["spec"]["num_accepted_tokens"] == 0
+
+
+def test_structured_outputs_with_medusa_drafts(byte_model_dir, tmp_path, monkeypatch):
+    """A JSON-schema request's Medusa drafts are cut where its pattern would refuse one (no
+    draft it forbids is run): greedy tokens are plain guided decoding's; sampled outputs
+    still match the schema."""
+    from flashpage import StructuredOutputsParams
+    from tests.byte_tokenizer import VOCAB_SIZE
+
+    heads = _save(tmp_path / "byte_heads", medusa_random(VOCAB_SIZE, seed=8), VOCAB_SIZE)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    guided = StructuredOutputsParams(json=schema)
+    prompts = ["the quick brown fox", '{"name": "Ada", "age": 36}']
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=guided)
+    want = _llm(byte_model_dir, max_model_len=256).generate(prompts, params, use_tqdm=False)
+    seen = spy_drafts(monkeypatch)
+    llm = _llm(byte_model_dir, heads, spec={"backoff": False}, max_model_len=256)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    for g in got:
+        out = json.loads(g.outputs[0].text)
+        assert set(out) == {"name", "age"} and isinstance(out["age"], int)
+    st = llm.engine.stats()["spec_decode"]
+    assert len(seen) > 0, "the heads drafted for the guided requests"
+    assert st["num_draft_tokens"] < sum(len(d) for _, d in seen), "the pattern cut some drafts"
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured_outputs=guided)
+    for o in llm.generate(prompts * 2, sampled, use_tqdm=False):
+        assert set(json.loads(o.outputs[0].text)) == {"name", "age"}
+    _no_leak(llm)
