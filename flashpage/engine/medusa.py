@@ -73,10 +73,9 @@ class MedusaProposer(NgramProposer):
         if not rows:
             return out
         self.head_calls += 1
-        k = max(todo[i][1] for i in found)
         with torch.inference_mode():
-            x = states[torch.tensor(rows, dtype=torch.long, device=states.device)]
-            picked = heads(x)[:k].argmax(dim=-1).T.tolist()  # [rows, k]
+            x = states[torch.tensor(rows, dtype=torch.long, device=states.device)]  # [m, H]
+            picked = heads(x).argmax(dim=-1).T.tolist()  # [m, k]: one host sync a step
         for i, ds in zip(found, picked, strict=True):
             out[i] = ds[:todo[i][1]]
         return out

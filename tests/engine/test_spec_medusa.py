@@ -513,3 +513,28 @@ def test_structured_outputs_with_medusa_drafts(byte_model_dir, tmp_path, monkeyp
     for o in llm.generate(prompts * 2, sampled, use_tqdm=False):
         assert set(json.loads(o.outputs[0].text)) == {"name", "age"}
     _no_leak(llm)
+
+
+def test_draft_all_reads_the_row_of_position_t_minus_2(ckpts):
+    """draft_all over a made-up last step: a request whose tokens sat at rows 3 .. 6
+    (positions 5 .. 8) with 9 tokens now drafts from row 3 + (7 - 5) = 5, its room
+    honoured; one absent from the step, and one whose T - 2 is not among its positions
+    there, draft nothing (counted as skipped)."""
+    from types import SimpleNamespace
+
+    from flashpage.engine.spec_decode import SpeculativeConfig
+    from flashpage.models.loader import resolve_model
+    from flashpage.models.medusa import load_medusa, read_medusa_spec
+
+    target_cfg = resolve_model(str(ckpts["base"])).config
+    spec = read_medusa_spec(str(ckpts["medusa"]), target_cfg, K)
+    heads = load_medusa(spec, K, torch.float32, torch.device("cpu"))
+    states = torch.randn(10, H)
+    a, b, c = (SimpleNamespace(request_id=r, num_tokens=n) for r, n in (("a", 9), ("b", 4), ("c", 20)))
+    runner = SimpleNamespace(last_layout=[(a, 3, 5, 4), (c, 7, 0, 3)])
+    prop = MedusaProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=K), 512,
+                          heads=heads, target=runner, hidden_states=states)  # type: ignore[arg-type]
+    got = prop.draft_all([(a, 2), (b, K), (c, K)])  # type: ignore[list-item]
+    want = heads(states[5:6])[:, 0].argmax(-1).tolist()
+    assert got == [want[:2], [], []] and len(want) == K
+    assert prop.skipped == 2 and prop.head_calls == 1
