@@ -9,9 +9,10 @@ torch); random heads give plain decoding's greedy tokens (batch, chunked prefill
 hit, preemption, async scheduling) and seeded sampled tokens that do not depend on the batch;
 "oracle" heads built to predict a flat target (vocabulary = hidden size, so a linear head
 can map each hidden state to any token) have every draft accepted, more than one token a
-step; heads that always propose token 0 have next to none accepted, the same tokens; bad
-configs are clear errors; the CLI takes the method. GPU (marked gpu): the target's CUDA
-graphs hand the heads their states.
+step; heads that always propose token 0 have next to none accepted, the same tokens;
+structured-outputs requests' drafts are cut by their pattern; bad configs are clear errors;
+the CLI and benchmarks/spec_decode.py --medusa take the method. GPU (marked gpu): the
+target's CUDA graphs hand the heads their states.
 """
 
 from __future__ import annotations
