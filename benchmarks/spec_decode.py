@@ -39,6 +39,11 @@ lookup is for: copying from the context). Modes per batch size:
   the token after the target's state, i.e. the one already fed); the head costs what a
   published EAGLE-1 head of this shape costs (e.g. EAGLE-LLaMA3-Instruct-8B), so these
   bound what a real head gets beside "right" / "wrong" (free drafts)
+- medusa k=K / medusa-wrong k=K (with --medusa, counting weights, the largest K only): K
+  Medusa heads of the target's shapes (one residual block each, W = 0, b = 0, and an lm_head
+  of the target's vocabulary) whose lm_heads are the target's LM head rolled so that head h
+  predicts token p + 2 + h exactly (right) or p + 1 + h (always wrong); a head costs what a
+  published Medusa head of this shape costs, so these bound what real heads get
 
 Speculating modes schedule as the engine does (async on CUDA while nobody drafts).
 
@@ -50,6 +55,7 @@ fp ties that verification's different kernels may break the other way).
     python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 4 --draft-layers 1 0
     python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 --ks 4 --draft-layers 1 --draft-eager
     python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 32 --ks 3 --eagle
+    python benchmarks/spec_decode.py --config llama-3-8b --batch-sizes 1 8 32 --ks 3 --medusa
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ import torch
 from flashpage.bench.common import resolve_config
 from flashpage.engine.cuda_graph import DecodeGraphs, PrefillGraphs
 from flashpage.engine.draft_model import DraftModelProposer, DraftRunner, check_draft_config
+from flashpage.engine.medusa import MedusaProposer
 from flashpage.engine.sequence import Request
 from flashpage.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig
 from flashpage.layers.ops import set_fused_ops
@@ -178,6 +185,39 @@ def exact_eagle(llm: LLM, right: bool) -> None:
         layer.norm.weight.copy_(llm.engine.model.model.norm.weight)  # type: ignore[union-attr]
 
 
+def write_medusa_heads(folder: str, target_config: str, k: int, dtype: torch.dtype) -> str:
+    """A Medusa checkpoint of ``k`` heads of ``target_config``'s shapes under ``folder`` (one
+    residual block each), all zeros: ``exact_medusa`` sets its lm_heads once the target is
+    loaded."""
+    from safetensors.torch import save_file
+
+    with open(os.path.join(target_config, "config.json") if os.path.isdir(target_config)
+              else target_config) as f:
+        c = json.load(f)
+    h, v = c["hidden_size"], c["vocab_size"]
+    t: dict[str, torch.Tensor] = {}
+    for i in range(k):
+        t[f"blocks.{i}.layers.0.weight"] = torch.zeros(h, h, dtype=dtype)
+        t[f"blocks.{i}.layers.0.bias"] = torch.zeros(h, dtype=dtype)
+        t[f"lm_heads.{i}.weight"] = torch.zeros(v, h, dtype=dtype)
+    save_file(t, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"model_type": "medusa", "hidden_size": h, "vocab_size": v, "num_heads": k,
+                   "num_hidden_layers": 1}, f)
+    return folder
+
+
+def exact_medusa(llm: LLM, right: bool) -> None:
+    """Head h's lm_head the counting target's LM head rolled by h + 1 (right: it predicts
+    token p + 2 + h) or by h (wrong: p + 1 + h); the blocks add nothing (zeros)."""
+    prop = llm.engine.proposer
+    assert isinstance(prop, MedusaProposer) and prop.heads is not None
+    head = llm.engine.model.lm_head.weight  # type: ignore[union-attr]
+    with torch.no_grad():
+        for h, lm in enumerate(prop.heads.lm_heads):
+            lm.weight.copy_(torch.roll(head, h + 1 if right else h, dims=0))  # type: ignore[operator]
+
+
 def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams, iters: int) -> dict[str, Any]:
     eng = llm.engine
     times, gaps, steps, outs = [], [], [], []
@@ -233,10 +273,15 @@ def main() -> None:
     ap.add_argument("--eagle", action="store_true",
                     help="also time an EAGLE-1 head of the target's shapes, right and always wrong "
                          "(counting weights; at the largest --ks only)")
+    ap.add_argument("--medusa", action="store_true",
+                    help="also time Medusa heads of the target's shapes, right and always wrong "
+                         "(counting weights; at the largest --ks only)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     kmax = max(args.ks)
     blocks = args.num_gpu_blocks or (4096 if args.draft_layers or args.eagle else None)
+    if args.eagle and args.medusa:
+        ap.error("--eagle and --medusa: one at a time (the engine keeps one speculative config)")
     spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": kmax}
     if args.eagle:
         if not args.counting or args.config is None:
@@ -244,6 +289,13 @@ def main() -> None:
         head_dtype = {"float32": torch.float32, "float16": torch.float16}.get(args.dtype, torch.bfloat16)
         spec = {"method": "eagle", "num_speculative_tokens": kmax, "backoff": False,
                 "model": write_eagle_head(tempfile.mkdtemp(), resolve_config(args.config) or "", head_dtype)}
+    if args.medusa:
+        if not args.counting or args.config is None:
+            ap.error("--medusa needs --config and the counting weights")
+        head_dtype = {"float32": torch.float32, "float16": torch.float16}.get(args.dtype, torch.bfloat16)
+        spec = {"method": "medusa", "num_speculative_tokens": kmax, "backoff": False,
+                "model": write_medusa_heads(tempfile.mkdtemp(), resolve_config(args.config) or "", kmax,
+                                            head_dtype)}
     llm = LLM(args.model, random_weights_config=resolve_config(args.config), dtype=args.dtype,
               device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
               num_gpu_blocks=blocks, speculative_config=spec)
@@ -251,6 +303,7 @@ def main() -> None:
     ngram = eng.proposer
     assert ngram is not None
     eagle = ngram if args.eagle else None
+    medusa = ngram if args.medusa else None
     vocab = eng.model_config.vocab_size
     if args.counting:
         make_counting(eng.model)
@@ -294,6 +347,9 @@ def main() -> None:
             if eagle is not None and k == kmax:
                 for name in ("eagle", "eagle-wrong"):
                     modes.append((f"{name} k={k}", eagle, (None, None)))
+            if medusa is not None and k == kmax:
+                for name in ("medusa", "medusa-wrong"):
+                    modes.append((f"{name} k={k}", medusa, (None, None)))
             for n in args.draft_layers:
                 if n not in runners:
                     runners[n] = draft_runner(llm, n)
@@ -308,7 +364,9 @@ def main() -> None:
         for name, prop, graphs in modes:
             eng.proposer = prop
             prop.stats = SpecStats()
-            if prop is eagle:
+            if prop is medusa:
+                exact_medusa(llm, right=name.startswith("medusa k="))
+            elif prop is eagle:
                 exact_eagle(llm, right=name.startswith("eagle k="))
                 assert isinstance(prop, DraftModelProposer) and prop.runner is not None
                 prop.runner.graph_forwards = prop.runner.catchup_forwards = 0

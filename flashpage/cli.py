@@ -85,9 +85,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_max": 4}\' (drafts looked up in the request\'s own tokens), '
                         '\'{"model": "DRAFT_PATH", "num_speculative_tokens": 4}\' (a smaller draft '
                         'model with the same vocabulary), \'{"method": "mtp", "num_speculative_tokens": 1}\' '
-                        '(the checkpoint\'s own multi-token-prediction layer: GLM-4.5, DeepSeek-V3), or '
+                        '(the checkpoint\'s own multi-token-prediction layer: GLM-4.5, DeepSeek-V3), '
                         '\'{"method": "eagle3", "model": "EAGLE_HEAD_PATH", "num_speculative_tokens": 3}\' '
-                        '(an EAGLE-1 ("eagle") or EAGLE-3 head over a Llama-family target)')
+                        '(an EAGLE-1 ("eagle") or EAGLE-3 head over a Llama-family target), or '
+                        '\'{"method": "medusa", "model": "MEDUSA_PATH", "num_speculative_tokens": 3}\' '
+                        '(Medusa heads: a chain of one draft a head)')
 
 
 def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:

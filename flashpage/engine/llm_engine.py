@@ -29,6 +29,7 @@ from flashpage.config import (
 )
 from flashpage.engine.cuda_graph import PREFILL_MAX_TOKENS
 from flashpage.engine.draft_model import DraftRunner, build_draft_proposer, check_draft_config
+from flashpage.engine.medusa import build_medusa_proposer, load_medusa_heads
 from flashpage.engine.model_runner import ModelRunner
 from flashpage.engine.mtp import build_mtp_proposer, mtp_kv_bytes_per_token
 from flashpage.engine.output import ChildRequest, ParentRequest, child_params
@@ -52,6 +53,7 @@ from flashpage.sampling_params import SamplingParams, StructuredOutputsError
 
 if TYPE_CHECKING:
     from flashpage.lora.manager import LoRAManager
+    from flashpage.models.medusa import MedusaHeads
     from flashpage.models.mtp import HiddenStateDraft
     from flashpage.structured.compiler import GuideCompiler
     from flashpage.structured.guide import CompiledGuide
@@ -171,6 +173,11 @@ class LLMEngine:
             self.mtp, self.mtp_hidden = self._load_mtp(backend_cls.name == "triton")
         elif self.spec_config is not None and self.spec_config.method in ("eagle", "eagle3"):
             self.mtp, self.mtp_hidden = self._load_eagle(backend_cls.name == "triton")
+        # Medusa heads (engine/medusa.py): read the target's final hidden states too (kept
+        # in mtp_hidden), but run no forward of a draft layer and keep no K/V pool
+        self.medusa: MedusaHeads | None = None
+        if self.spec_config is not None and self.spec_config.method == "medusa":
+            self.medusa, self.mtp_hidden = self._load_medusa()
         set_fused_moe(self.model, fused_moe)
         if self.mtp is not None:
             set_fused_moe(self.mtp, fused_moe)
@@ -268,6 +275,10 @@ class LLMEngine:
                     and getattr(self.mtp, "supports_cuda_graphs", True)):
                 self._capture_draft_graphs(self.proposer.runner, "MTP layer" if self.spec_config.method
                                            == "mtp" else "EAGLE head")
+        elif self.medusa is not None:  # engine/medusa.py: the heads run eagerly, no graphs of their own
+            assert self.spec_config is not None and self.mtp_hidden is not None
+            self.proposer = build_medusa_proposer(self.spec_config, self.medusa, self.runner,
+                                                  self.mtp_hidden, self.max_model_len)
         elif self.spec_config is not None:
             self.proposer = NgramProposer(self.spec_config, self.max_model_len)
         self._inflight: _Inflight | None = None  # the launched step not yet read back
@@ -519,6 +530,20 @@ class LLMEngine:
         logger.info("speculative decoding with the %s head %s", "EAGLE-3" if spec.method == "eagle3"
                     else "EAGLE", spec.model)
         return head, states
+
+    def _load_medusa(self) -> tuple[MedusaHeads, torch.Tensor]:
+        """The Medusa heads of the speculative config (models/medusa.py), and the buffer the
+        target's forwards keep their final hidden states in; a ConfigError names what does
+        not fit."""
+        cfg, spec = self.config, self.spec_config
+        assert spec is not None
+        rows = max(cfg.max_num_batched_tokens, PREFILL_MAX_TOKENS,
+                   min(cfg.max_num_seqs, 512) * (1 + spec.num_speculative_tokens))
+        heads, states = load_medusa_heads(spec, self.model_config, self.model, self.dtype,
+                                          self.device, rows)
+        logger.info("speculative decoding with %d Medusa heads of %d (%s)",
+                    spec.num_speculative_tokens, heads.spec.num_heads, spec.model)
+        return heads, states
 
     def _release_window(self) -> tuple[int | None, int]:
         """The sliding window behind which the KV cache gives blocks back, and the slack

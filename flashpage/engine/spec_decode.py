@@ -1,7 +1,8 @@
 """Speculative decoding by n-gram lookup (vLLM's ``{"method": "ngram"}``, "prompt lookup"),
 by a small draft model (``{"model": PATH}``, method "draft_model": engine/draft_model.py),
 by the checkpoint's own multi-token-prediction layer (``{"method": "mtp"}``: engine/mtp.py),
-or by an EAGLE head (``{"method": "eagle" | "eagle3", "model": PATH}``: engine/eagle.py).
+by an EAGLE head (``{"method": "eagle" | "eagle3", "model": PATH}``: engine/eagle.py),
+or by Medusa heads (``{"method": "medusa", "model": PATH}``: engine/medusa.py).
 
 Each step, a request in its decode phase looks for the last ``n`` tokens it holds
 (``prompt_lookup_max`` down to ``prompt_lookup_min``) earlier in its own prompt and output;
@@ -49,7 +50,8 @@ if TYPE_CHECKING:
 SEED_MIX = 1_000_003
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "backoff")
-METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
+METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3", "medusa")
+_HEAD_FOLDERS = {"eagle": "EAGLE head's", "eagle3": "EAGLE head's", "medusa": "Medusa heads'"}
 _INT_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
@@ -58,7 +60,8 @@ class SpeculativeConfig:
     """vLLM's ``speculative_config``: n-gram drafts, a draft model's (``model``: a smaller
     model with the target's vocabulary; method "draft_model", inferred from it), or the
     target's multi-token-prediction layer's (method "mtp": GLM-4.5's), or an EAGLE head's
-    (method "eagle" / "eagle3", ``model``: the head's folder)."""
+    (method "eagle" / "eagle3", ``model``: the head's folder), or Medusa heads' (method
+    "medusa", ``model``: the heads' folder)."""
 
     method: str = "ngram"
     model: str | None = None
@@ -73,18 +76,20 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is not supported; "
                              "use 'ngram' (prompt lookup), 'draft_model' (with a model), 'mtp' (the "
-                             "checkpoint's multi-token-prediction layer) or 'eagle' / 'eagle3' (with "
-                             "the EAGLE head's folder as model)")
+                             "checkpoint's multi-token-prediction layer), 'eagle' / 'eagle3' (with "
+                             "the EAGLE head's folder as model) or 'medusa' (with the Medusa heads' "
+                             "folder as model)")
         if self.method == "draft_model":
             check_draft_model(self.model)
-        elif self.method in ("eagle", "eagle3"):
+        elif self.method in _HEAD_FOLDERS:
             if not isinstance(self.model, str) or not os.path.isfile(os.path.join(self.model, "config.json")):
-                raise ValueError(f"speculative_config method {self.method!r} needs model: the EAGLE "
-                                 f"head's folder (config.json and weights), got {self.model!r}")
+                raise ValueError(f"speculative_config method {self.method!r} needs model: the "
+                                 f"{_HEAD_FOLDERS[self.method]} folder (config.json and weights), got "
+                                 f"{self.model!r}")
         elif self.model is not None:
             why = " (the MTP layer is the target checkpoint's own)" if self.method == "mtp" else ""
             raise ValueError(f"speculative_config model is for method 'draft_model' (or 'eagle' / "
-                             f"'eagle3'), not "
+                             f"'eagle3' / 'medusa'), not "
                              f"{self.method!r}{why}")
         if not isinstance(self.backoff, bool):
             raise ValueError(f"speculative_config backoff must be true or false, got {self.backoff!r}")
@@ -230,6 +235,11 @@ class SpecBackoff:
     def forget(self, rid: str) -> None:
         self._state.pop(rid, None)
 
+    def keep_only(self, live: set[str]) -> None:
+        """Forget every request but those of ``live`` (the running ones)."""
+        for rid in [r for r in self._state if r not in live]:
+            del self._state[rid]
+
 
 @dataclass
 class NgramProposer:
@@ -260,6 +270,7 @@ class NgramProposer:
         match, or no room left)."""
         cfg, bo = self.config, self.backoff
         live = set()
+        todo: list[tuple[Request, int]] = []
         for req in running:
             live.add(req.request_id)
             req.spec_token_ids = []
@@ -272,9 +283,9 @@ class NgramProposer:
             room = min(cfg.num_speculative_tokens, self.max_model_len - n - 1,
                        (req.max_tokens if req.max_tokens is not None else 1 << 62)
                        - req.num_output_tokens - 1)
-            if room < 1:
-                continue
-            drafts = self.draft(req, room)
+            if room >= 1:
+                todo.append((req, room))
+        for (req, _), drafts in zip(todo, self.draft_all(todo), strict=True):
             if req.guide is not None and drafts:  # only drafts its pattern allows
                 drafts = self.fit_guide(req, drafts)
             req.spec_token_ids = drafts
@@ -282,8 +293,8 @@ class NgramProposer:
                 bo.record(req.request_id, False)
         for rid in [r for r in self._arrays if r not in live]:
             del self._arrays[rid]
-            if bo is not None:
-                bo.forget(rid)
+        if bo is not None:  # (a proposer drafting through draft_all keeps no _arrays)
+            bo.keep_only(live)
 
     def learn(self, checked: dict[str, Checked]) -> None:
         """A checking step read back: each request's drafting was productive if it had a
@@ -300,6 +311,11 @@ class NgramProposer:
     def fill(self, out: SchedulerOutput) -> None:
         """After scheduling, before the step runs: nothing for n-gram drafts, which are
         known when proposed (a draft model's are computed here: engine/draft_model.py)."""
+
+    def draft_all(self, todo: list[tuple[Request, int]]) -> list[list[int]]:
+        """The drafts of each (request, room) of ``todo``: ``draft`` of each (Medusa heads
+        draft them all at once: engine/medusa.py)."""
+        return [self.draft(req, room) for req, room in todo]
 
     def draft(self, req: Request, k: int) -> list[int]:
         """Up to ``k`` tokens guessed to follow ``req``'s tokens."""

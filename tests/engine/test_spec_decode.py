@@ -64,7 +64,8 @@ def test_ngram_lookup_equals_a_brute_force_search():
 
 
 @pytest.mark.parametrize("bad, words", [
-    ({"method": "medusa"}, "use 'ngram' (prompt lookup), 'draft_model' (with a model), 'mtp'"),
+    ({"method": "mlp_speculator"}, "use 'ngram' (prompt lookup), 'draft_model' (with a model), 'mtp'"),
+    ({"method": "medusa"}, "method 'medusa' needs model: the Medusa heads' folder"),
     ({"method": "eagle"}, "method 'eagle' needs model: the EAGLE head's folder"),
     ({"method": "eagle3", "model": "/nonexistent"}, "method 'eagle3' needs model"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
