@@ -226,8 +226,9 @@ class EagleLayer(HiddenStateDraft):
         return full.index_copy_(1, d2t, logits)
 
 
-def _tensors(path: str, where: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The draft checkpoint's tensors: its safetensors, else its pytorch_model.bin."""
+def checkpoint_tensors(path: str, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A head checkpoint's tensors (an EAGLE head's, Medusa heads': models/medusa.py): its
+    safetensors, else its pytorch_model.bin; a ConfigError prefixed ``where`` if neither."""
     from safetensors import safe_open
 
     from flashpage.models.loader import ModelLoadError, safetensors_files
@@ -262,7 +263,7 @@ def load_eagle(spec: EagleSpec, target: nn.Module, dtype: torch.dtype, device: t
         raise ConfigError(f"{where}: the target ({type(target).__name__}) is not of the Llama body")
     own: dict[str, torch.Tensor] = {}
     block: list[tuple[str, torch.Tensor]] = []
-    for name, t in _tensors(spec.path, where):
+    for name, t in checkpoint_tensors(spec.path, where):
         ours = _our_name(name)
         if ours.startswith("layers.0."):
             block.append(("model." + ours, t))

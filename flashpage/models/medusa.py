@@ -116,33 +116,14 @@ class MedusaHeads(nn.Module):
         return torch.stack(out)
 
 
-def _tensors(path: str) -> dict[str, torch.Tensor]:
-    """The Medusa checkpoint's tensors: its safetensors, else its pytorch_model.bin (a
-    leading ``model.`` dropped)."""
-    from safetensors.torch import load_file
-
-    from flashpage.models.loader import ModelLoadError, safetensors_files
-
-    try:
-        files = safetensors_files(path)
-    except ModelLoadError:
-        binary = os.path.join(path, "pytorch_model.bin")
-        if not os.path.isfile(binary):
-            raise ConfigError(f"{WHERE}: no *.safetensors nor pytorch_model.bin in {path!r}") from None
-        raw = torch.load(binary, map_location="cpu", weights_only=True)
-    else:
-        raw = {}
-        for file in files:
-            raw.update(load_file(file))
-    return {name.removeprefix("model."): t for name, t in raw.items()}
-
-
 def load_medusa(spec: MedusaSpec, k: int, dtype: torch.dtype, device: torch.device) -> MedusaHeads:
     """The first ``k`` heads of ``spec`` in ``dtype`` on ``device``; a ConfigError names a
     missing or misshapen tensor (the heads past ``k`` are not read)."""
     with torch.device("meta"):
         heads = MedusaHeads(spec, k)
-    tensors = _tensors(spec.path)
+    from flashpage.models.eagle import checkpoint_tensors
+
+    tensors = {name.removeprefix("model."): t for name, t in checkpoint_tensors(spec.path, WHERE)}
     params = dict(heads.named_parameters())
     missing = sorted(n for n in params if n not in tensors)
     if missing:
