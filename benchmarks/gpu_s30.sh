@@ -8,6 +8,10 @@
 #   BUDGET=420 bash benchmarks/gpu_s30.sh b   DeepSeek-V2-Lite's prompt and mixed steps after MLA's
 #                                             expansion kernels (run 160: 15.0 ms, run 165 mixed 13.4)
 #   BUDGET=300 bash benchmarks/gpu_s30.sh c   the GPU tests of sleep mode and the host KV tier
+#   BUDGET=240 bash benchmarks/gpu_s30.sh d   V2-Lite's mixed step (16 decodes + a 16-token prompt,
+#                                             profile_ttft.py) in this tree and in older ones unpacked
+#                                             from .ab/*.tar (git archive COMMIT), one after another:
+#                                             run 213 timed it at 23.0 ms where run 165 had 13.4
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -29,5 +33,16 @@ c)
   timeout "$(left 280)" $PT -rfE -m gpu tests/engine/test_sleep_mode.py tests/engine/test_kv_offload.py 2>&1 \
     | tee "$OUT/gpu_sleep_offload_tests.txt" | tail -n 12
   echo "part c done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-c)"; exit 2 ;;
+d)
+  for tree in .ab/*.tar .; do
+    dir=$PWD; name=now
+    if [ "$tree" != . ]; then name=$(basename "$tree" .tar); dir=/tmp/ab_$name; mkdir -p "$dir"; tar -xf "$tree" -C "$dir"; fi
+    (cd "$dir" && PYTHONPATH=$dir timeout "$(left 80)" python3 benchmarks/profile_ttft.py --config deepseek-v2-lite \
+      --iters 20 --decodes 16 --input-len 16 --out "/tmp/ab_out_$name" > "/tmp/ab_$name.log" 2>&1)
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], r['request_ms_median'], 'ms for', r['gpu_kernel_ms'], 'ms of kernels', r['kernel_launches'], 'launches', r['request_ms_all'])" \
+      "/tmp/ab_out_$name/profile_ttft.json" "$name" || tail -n 5 "/tmp/ab_$name.log"
+    cp "/tmp/ab_out_$name/profile_ttft.txt" "$OUT/profile_mixed_$name.txt" 2>/dev/null
+  done
+  echo "part d done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-d)"; exit 2 ;;
 esac
