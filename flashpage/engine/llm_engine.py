@@ -233,6 +233,7 @@ class LLMEngine:
         if config.kv_offloading_size:
             self._check_offloading()
             self.offload = KVOffloader(self.runner.kv_caches, config.kv_offloading_size, self.device)
+            assert isinstance(self.kv_manager, KVCacheManager)  # _check_offloading: no groups
             self.kv_manager.attach_host(self.offload.host)
             logger.info("KV offloading: %d host blocks of %d bytes (%.2f GiB%s)",
                         self.offload.num_blocks, self.offload.block_bytes,
