@@ -11,7 +11,7 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from flashpage.cli import build_parser
-from flashpage.config import ConfigError, EngineConfig
+from flashpage.config import ConfigError, EngineConfig, ModelConfig
 from flashpage.engine.kv_offload import host_block_bytes
 from flashpage.engine.llm_engine import LLMEngine
 from tests.conftest import hf_greedy, random_prompts, run_staggered, staggered_prompts
@@ -27,10 +27,14 @@ def _engine(path, host_blocks: int = 0, **kw) -> LLMEngine:
     cfg = dict(model=str(path), dtype="float32", device="cpu", block_size=8, num_gpu_blocks=24,
                max_num_batched_tokens=64, max_num_seqs=4, attention_backend="torch_native")
     cfg.update(kw)
+    per_block = ModelConfig.from_hf(path).kv_bytes_per_token(
+        "fp8" if cfg.get("kv_cache_dtype") == "fp8" else "float32") * cfg["block_size"]
     if host_blocks:  # the GiB that hold exactly host_blocks blocks of this model
-        probe = LLMEngine(EngineConfig(**{**cfg, "num_gpu_blocks": 2}))
-        cfg["kv_offloading_size"] = host_blocks * host_block_bytes(probe.runner.kv_caches) / (1 << 30)
-    return LLMEngine(EngineConfig(**cfg))
+        cfg["kv_offloading_size"] = host_blocks * per_block / (1 << 30)
+    engine = LLMEngine(EngineConfig(**cfg))
+    if engine.offload is not None:  # a host row: one block of every layer, as the profiler counts
+        assert engine.offload.block_bytes == host_block_bytes(engine.runner.kv_caches) == per_block
+    return engine
 
 
 def _waves(engine: LLMEngine, waves=(WAVE1, FILLER, WAVE2), params=GREEDY) -> list[dict]:
