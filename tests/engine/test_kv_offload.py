@@ -76,13 +76,16 @@ def _assert_no_leaks(engine: LLMEngine) -> None:
         assert host.num_free_blocks + host.num_cached_blocks == host.num_blocks
 
 
-def test_second_wave_is_served_from_the_host_tier(tiny_checkpoint):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_second_wave_is_served_from_the_host_tier(tiny_checkpoint, async_scheduling):
+    """Synchronous steps, and asynchronous ones (a step read back after the next is
+    scheduled and its copies queued)."""
     path = tiny_checkpoint("llama31_gqa")
-    off = _engine(path, host_blocks=64)
+    off = _engine(path, host_blocks=64, async_scheduling=async_scheduling)
     assert off.offload is not None and off.offload.num_blocks == 64
     assert not off.offload.memory.is_pinned()  # plain CPU memory without CUDA
     got = _waves(off)
-    plain = _waves(_engine(path))
+    plain = _waves(_engine(path, async_scheduling=async_scheduling))
     # without the host tier the filler evicted the prefix: the second wave recomputes it
     assert plain[2]["cached"][0] == 0
     # with it: the first request of the wave loads all 8 shared blocks from the host, the

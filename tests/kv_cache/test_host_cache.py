@@ -232,3 +232,58 @@ def test_attach_host_needs_prefix_caching_and_one_full_table():
         KVCacheManager(4, 4, sliding_window=8).attach_host(HostBlockCache(2))
     with pytest.raises(ValueError, match="num_blocks must be a positive integer"):
         HostBlockCache(0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("collide", [False, True])
+def test_random_steps_every_hit_block_holds_the_requests_prefix(monkeypatch, seed, collide):
+    """A simulated engine: the step's admissions, then the copies the host tier hands out
+    (stores, then loads) applied to stand-in GPU and host memories, then the forward, which
+    writes each computed block's content (the whole prefix it ends) and checks that every
+    block the request took as a hit (GPU or host) holds exactly its prefix; then random
+    finishes. ``collide``: a weak hash (4 buckets a depth), so collisions are everywhere."""
+    import random
+
+    if collide:
+        monkeypatch.setattr(prefix_cache, "hash_block_tokens", lambda parent, toks: hashlib.blake2b(
+            (parent or b"r") + bytes([sum(toks) % 4]), digest_size=16).digest())
+    rng = random.Random(seed)
+    B = 2
+    kv, host = tiered(12, 8, block_size=B)
+    gpu: dict[int, tuple[int, ...]] = {}
+    mem: dict[int, tuple[int, ...]] = {}
+    stems = [[rng.randrange(3) for _ in range(8)] for _ in range(3)]
+    live: list[Request] = []
+    n = 0
+    for _ in range(150):
+        admitted = []
+        for _ in range(rng.randrange(1, 3)):
+            stem = rng.choice(stems)
+            r = req(f"r{n}", stem[:rng.randrange(0, 9)] + [rng.randrange(3) for _ in range(rng.randrange(1, 4))])
+            n += 1
+            hits, hit = kv.get_computed_blocks(r)
+            if kv.allocate_slots(r, r.num_tokens - hit, hits) is None:
+                break
+            r.num_computed_tokens = hit
+            admitted.append(r)
+        stores, loads = host.take_ops()
+        for g, h in stores:
+            mem[h] = gpu[g]
+        for h, g in loads:
+            gpu[g] = mem[h]
+        for r in admitted:  # the forward
+            ids, toks = kv.get_block_ids(r.request_id), r.all_token_ids
+            for i in range(r.num_computed_tokens // B):
+                assert gpu[ids[i]] == tuple(toks[:(i + 1) * B]), (r.request_id, i)
+            for i in range(r.num_computed_tokens // B, len(ids)):
+                gpu[ids[i]] = tuple(toks[:min((i + 1) * B, len(toks))])
+            live.append(r)
+        rng.shuffle(live)
+        for _ in range(rng.randrange(0, len(live) + 1)):
+            kv.free(live.pop())
+    for r in live:
+        kv.free(r)
+    host.take_ops()
+    assert kv.num_free_blocks == 12 and not host.has_pending
+    assert host.num_free_blocks + host.num_cached_blocks == 8
+    assert host.num_stores > 0 and host.num_loads > 0 and kv.host_hits > 0
