@@ -223,6 +223,20 @@ def test_kv_cache_groups_are_refused_and_one_table_is_not(tmp_path):
     assert eng.offload is not None
 
 
+def test_a_draft_kv_cache_is_refused_and_ngram_drafts_work(tiny_checkpoint):
+    path = tiny_checkpoint("llama31_gqa")
+    with pytest.raises(ConfigError, match=r"speculative decoding with method 'draft_model' keeps a "
+                                          r"draft KV cache beside the target's"):
+        _engine(path, kv_offloading_size=0.01,
+                speculative_config={"model": str(path), "num_speculative_tokens": 2})
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    off = _engine(path, host_blocks=64, speculative_config=ngram)
+    got = _waves(off)
+    assert got[2]["host"][0] == 64
+    assert [w["tokens"] for w in got] == [w["tokens"] for w in _waves(_engine(path))]
+    _assert_no_leaks(off)
+
+
 # ---------------------------------------------------------------- the flags
 def test_flags_reach_the_engine(tiny_checkpoint, monkeypatch):
     import flashpage.cli as cli
