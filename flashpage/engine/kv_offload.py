@@ -14,15 +14,24 @@ their bytes) is viewed as ``uint8 [num_blocks, bytes]``. ``flush`` runs once a s
 right after ``schedule()`` and before the forward, on the compute stream:
 
 * stores: per tensor one ``index_select`` of the evicted blocks into a device staging
-  tensor ``[n, block_bytes]``, then one device-to-host copy per run of consecutive host
-  ids (non_blocking into pinned memory);
+  tensor ``[n, block_bytes]`` (on the compute stream: before the forward reuses the
+  blocks), then one device-to-host copy per run of consecutive host ids, non_blocking
+  into pinned memory on a side stream (CUDA), so it overlaps the forward;
 * loads: one host-to-device copy per run into a staging tensor, then per tensor one
-  ``index_copy_`` into the destination blocks.
+  ``index_copy_`` into the destination blocks, on the compute stream (before the forward
+  reads them).
 
-Stores are queued before loads (a load may read a block stored this very step) and both
-before the forward (a store's GPU block may be reused by it; a loaded block is read by
-it). The host tensor is touched only by these stream-ordered copies, never by the CPU,
-so no synchronization is needed; on the CPU every copy is synchronous anyway.
+Ordering on CUDA, with the host tensor touched by nothing but these copies (never by the
+CPU, so no synchronization is needed):
+
+* a store's side-stream copies wait for the compute stream (its gather, and every load
+  queued before, which may read a host block the store now overwrites);
+* loads wait for the side stream (a load may read a block stored this very step, or in a
+  step whose copy is still running);
+* a staging tensor read on the side stream is kept from reuse until that copy ends
+  (``record_stream``).
+
+On the CPU every copy is synchronous and in program order.
 """
 
 from __future__ import annotations
@@ -86,6 +95,8 @@ class KVOffloader:
         self.memory = torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8,
                                   pin_memory=self.pin)
         self.stage_blocks = max(1, STAGE_BYTES // self.block_bytes)
+        # the stores' device-to-host copies (CUDA): beside the forward, not before it
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property
     def num_blocks(self) -> int:
@@ -103,6 +114,8 @@ class KVOffloader:
         stores, loads = self.host.take_ops()
         for c in range(0, len(stores), self.stage_blocks):
             self._store(sorted(stores[c:c + self.stage_blocks], key=lambda s: s[1]))
+        if loads and self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         for c in range(0, len(loads), self.stage_blocks):
             self._load(sorted(loads[c:c + self.stage_blocks]))
         return len(stores), len(loads)
@@ -111,8 +124,16 @@ class KVOffloader:
         """GPU blocks -> host blocks, ``pairs`` of (GPU id, host id) sorted by host id."""
         src = self._index([g for g, _ in pairs])
         stage = torch.cat([v.index_select(0, src) for v in self.views], dim=1)
-        for i, h, n in _runs([h for _, h in pairs]):
-            self.memory[h:h + n].copy_(stage[i:i + n], non_blocking=self.pin)
+        runs = _runs([h for _, h in pairs])
+        if self.copy_stream is None:
+            for i, h, n in runs:
+                self.memory[h:h + n].copy_(stage[i:i + n])
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            for i, h, n in runs:
+                self.memory[h:h + n].copy_(stage[i:i + n], non_blocking=True)
+        stage.record_stream(self.copy_stream)
 
     def _load(self, pairs: list[tuple[int, int]]) -> None:
         """Host blocks -> GPU blocks, ``pairs`` of (host id, GPU id) sorted by host id."""

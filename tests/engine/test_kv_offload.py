@@ -275,13 +275,14 @@ def test_prometheus_metrics_count_host_hits(tiny_checkpoint):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_second_wave_from_pinned_host_memory_on_the_gpu(tiny_checkpoint):
-    """On CUDA, graphs and async scheduling on: the host tier is pinned, its copies are
-    non_blocking on the compute stream, and the tokens equal the engine without one and
-    transformers'."""
+    """On CUDA, graphs and async scheduling on: the host tier is pinned, the stores'
+    copies run on a side stream, the loads' on the compute stream after them, and the
+    tokens equal the engine without one and transformers'."""
     path = tiny_checkpoint("head64_gqa")
     kw = dict(device="cuda", attention_backend="triton", block_size=16, num_gpu_blocks=12)
     off = _engine(path, host_blocks=64, **kw)
     assert off.offload.memory.is_pinned() and off.async_scheduling
+    assert off.offload.copy_stream is not None  # the stores' copies beside the forward
     got = _waves(off)
     plain = _waves(_engine(path, **kw))
     assert got[2]["host"][0] == 64 and got[2]["computed"] < plain[2]["computed"]
