@@ -20,7 +20,7 @@ which it runs right after ``schedule()`` and before the forward, stores first::
     forward:     writes GPU 7 (reused), reads GPU 9
 
 so a store reads its GPU block before the forward reuses it, and a load lands before
-attention reads it (both on the compute stream). A host block that a load reads is
+attention reads it (engine/kv_offload.py says which stream runs what). A host block that a load reads is
 pinned until its load is handed out, so no store of the same step overwrites it.
 
 Safety is the GPU cache's (prefix_cache.py): a host block keeps the content id of the GPU
