@@ -31,6 +31,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    g.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+                   help="GiB of host (CPU) memory for a second tier of the prefix cache: blocks "
+                        "the GPU pool evicts are kept there and loaded back on a prefix hit "
+                        "instead of recomputed (vLLM's; default 0: off)")
+    g.add_argument("--kv-offloading-backend", default="native", choices=["native"],
+                   help="the host tier's backend (vLLM's flag; native only)")
     g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="one block table for every layer of a model mixing sliding-window and "
                         "full-attention layers (default: KV cache groups; windowed layers give "
@@ -172,6 +178,8 @@ def build_llm(args: argparse.Namespace) -> Any:
                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                enable_prefix_caching=not args.no_prefix_caching,
+               kv_offloading_size=getattr(args, "kv_offloading_size", 0.0),
+               kv_offloading_backend=getattr(args, "kv_offloading_backend", "native"),
                attention_backend=args.attention_backend, num_gpu_blocks=args.num_gpu_blocks,
                gpu_memory_utilization=args.gpu_memory_utilization,
                enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,

@@ -2306,6 +2306,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # vLLM's --kv-offloading-size: GiB of host (CPU) memory for a second tier of the prefix
+    # cache (engine/kv_offload.py): blocks the GPU pool evicts are copied there and loaded
+    # back on a later prefix hit instead of recomputed; 0: off. Backend: "native" only.
+    kv_offloading_size: float = 0.0
+    kv_offloading_backend: str = "native"
     # Fraction of KV blocks that admission leaves free for running requests to grow into:
     # 1% cut recomputation from preemption from 38% to 15% of the tokens in the memory
     # benchmark (benchmarks/results/memory.md) for 0.4% more steps.
@@ -2387,6 +2392,17 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        size = self.kv_offloading_size
+        if (not isinstance(size, (int, float)) or isinstance(size, bool) or not size >= 0
+                or size == float("inf")):
+            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0 (0: off), got {size!r}")
+        if self.kv_offloading_backend != "native":
+            raise ValueError(f"kv_offloading_backend must be 'native' (the only one here; vLLM's "
+                             f"lmcache is not), got {self.kv_offloading_backend!r}")
+        if size and not self.enable_prefix_caching:
+            raise ConfigError("kv_offloading_size (--kv-offloading-size) is a second tier of the "
+                              "prefix cache, which is off (enable_prefix_caching=False, "
+                              "--no-prefix-caching): turn one on or the other off")
         bs = self.block_size
         if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 256, got {bs!r}")

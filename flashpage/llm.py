@@ -58,6 +58,7 @@ class LLM:
                  dtype: str = "auto", device: str = "auto", block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 kv_offloading_size: float = 0.0, kv_offloading_backend: str = "native",
                  attention_backend: str | None = None, num_gpu_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
                  enforce_eager: bool = False, async_scheduling: bool | None = None,
@@ -76,6 +77,7 @@ class LLM:
             num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+            kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
             attention_backend=attention_backend, enforce_eager=enforce_eager,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, seed=seed,
             chat_template=chat_template, pooling_type=pooling_type, quantization=quantization,
@@ -91,6 +93,9 @@ class LLM:
             if hf_overrides is not None:
                 raise ValueError("hf_overrides apply to decoder models; this is an encoder model "
                                  "(flashpage/encoder/), whose config.json is read as it is")
+            if kv_offloading_size:
+                raise ValueError("kv_offloading_size applies to decoder models; this is an encoder "
+                                 "model (flashpage/encoder/), which keeps no KV cache")
             from flashpage.encoder.engine import EncoderEngine
 
             # duck-typed: the subset of LLMEngine that LLM and the server's AsyncEngine call

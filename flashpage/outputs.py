@@ -35,6 +35,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0  # of num_cached_tokens, loaded from the host tier
 
     @property
     def ttft(self) -> float | None:

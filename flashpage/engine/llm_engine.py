@@ -29,6 +29,7 @@ from flashpage.config import (
 )
 from flashpage.engine.cuda_graph import PREFILL_MAX_TOKENS
 from flashpage.engine.draft_model import DraftRunner, build_draft_proposer, check_draft_config
+from flashpage.engine.kv_offload import KVOffloader
 from flashpage.engine.medusa import build_medusa_proposer, load_medusa_heads
 from flashpage.engine.model_runner import ModelRunner
 from flashpage.engine.mtp import build_mtp_proposer, mtp_kv_bytes_per_token
@@ -227,6 +228,17 @@ class LLMEngine:
                                   config.block_size, self.device, self.dtype, self.kv_dtype,
                                   layout=self.kv_layout)
         self.runner.lora = self.lora
+        # KV cache offloading (engine/kv_offload.py): a host tier behind the prefix cache
+        self.offload: KVOffloader | None = None
+        if config.kv_offloading_size:
+            self._check_offloading()
+            self.offload = KVOffloader(self.runner.kv_caches, config.kv_offloading_size, self.device)
+            assert isinstance(self.kv_manager, KVCacheManager)  # _check_offloading: no groups
+            self.kv_manager.attach_host(self.offload.host)
+            logger.info("KV offloading: %d host blocks of %d bytes (%.2f GiB%s)",
+                        self.offload.num_blocks, self.offload.block_bytes,
+                        self.offload.num_blocks * self.offload.block_bytes / (1 << 30),
+                        ", pinned" if self.offload.pin else "")
         # Decode-batch GEMMs: ours where it beats cuBLAS (fp8: W8A8) on this GPU (timed now,
         # before the graphs capture whichever is chosen); only beside our fused kernels.
         # (fp8: quantization="fp8", or an fp8 checkpoint's e4m3 weights kept as they are)
@@ -427,7 +439,9 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.stats = SpecStats()
         kv = self.kv_manager
-        kv.prefix_queries = kv.prefix_hits = kv.pool.num_evictions = 0
+        kv.prefix_queries = kv.prefix_hits = kv.pool.num_evictions = kv.host_hits = 0
+        if kv.host is not None:
+            kv.host.num_stores = kv.host.num_loads = kv.host.num_evictions = kv.host.num_dropped = 0
         self.scheduler.num_preemptions = self.scheduler.num_steps = 0
 
     # ------------------------------------------------------------------ setup helpers
@@ -544,6 +558,27 @@ class LLMEngine:
         logger.info("speculative decoding with %d Medusa heads of %d (%s)",
                     spec.num_speculative_tokens, heads.spec.num_heads, spec.model)
         return heads, states
+
+    def _check_offloading(self) -> None:
+        """A ConfigError naming what KV offloading does not cover here: it needs prefix
+        caching and one block table whose every layer holds every token (no sliding-window
+        release, no KV cache groups), and no draft KV pool beside the target's."""
+        cfg, mc = self.config, self.model_config
+        why = None
+        if not cfg.enable_prefix_caching:
+            why = "it is a second tier of the prefix cache, which is off (--no-prefix-caching)"
+        elif self.kv_layout is not None:
+            why = (f"this model ({mc.architecture}) mixes sliding-window and full-attention "
+                   "layers (KV cache groups); --disable-hybrid-kv-cache-manager keeps one table")
+        elif self.release_window is not None:
+            why = (f"this model ({mc.architecture}) attends within a sliding window of "
+                   f"{self.release_window} tokens, whose blocks are given back as requests advance")
+        elif self.draft is not None or self.mtp is not None:
+            assert self.spec_config is not None
+            why = (f"speculative decoding with method {self.spec_config.method!r} keeps a draft "
+                   "KV cache beside the target's (ngram and medusa keep none)")
+        if why is not None:
+            raise ConfigError(f"kv_offloading_size (--kv-offloading-size) is not supported here: {why}")
 
     def _release_window(self) -> tuple[int | None, int]:
         """The sliding window behind which the KV cache gives blocks back, and the slack
@@ -872,6 +907,8 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        if self.offload is not None:  # host-tier copies: before the forward reuses or reads blocks
+            self.offload.flush()
         if self.proposer is not None:  # a draft model's drafts, now that they have slots
             self.proposer.fill(out)
         if self.lora is not None and out.scheduled:  # the step's adapters into slots
@@ -885,6 +922,7 @@ class LLMEngine:
                 if m.first_scheduled_time is None:
                     m.first_scheduled_time = now
                     m.num_cached_tokens = max(req.num_cached_tokens, 0)
+                    m.num_host_cached_tokens = req.num_host_cached_tokens
         sampled_reqs, pending = self.runner.execute(out)
         self.scheduler.advance(out, sampled_reqs)
         previous, self._inflight = self._inflight, (

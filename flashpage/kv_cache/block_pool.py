@@ -19,7 +19,7 @@ Free queue order (head is reused first)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class KVCacheBlock:
@@ -132,6 +132,9 @@ class BlockPool:
         self.cached: dict[bytes, KVCacheBlock] = {}
         self._next_content_id = 0
         self.num_evictions = 0
+        # Called with each findable block get_new_blocks evicts, before it is cleared (the
+        # host tier's HostBlockCache.offer: kv_cache/host_cache.py); None: nobody asks.
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -149,6 +152,7 @@ class BlockPool:
         q = self.free_queue
         head = q._head
         cached = self.cached
+        on_evict = self.on_evict
         for _ in range(n):  # q.popleft(), inlined: this loop is hot in long prefills
             b = head.next_free
             assert b is not None and b.next_free is not None
@@ -158,6 +162,8 @@ class BlockPool:
             b.prev_free = b.next_free = None
             if b.content_id is not None:
                 if b.block_hash is not None:
+                    if on_evict is not None:
+                        on_evict(b)
                     del cached[b.block_hash]
                     self.num_evictions += 1
                     b.block_hash = None
@@ -208,5 +214,22 @@ class BlockPool:
         if other is not None:
             other.block_hash = None  # it stays a valid block for its holders, just unfindable
         block.content_id = self.new_content_id()
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def register_loaded(self, block: KVCacheBlock, block_hash: bytes, token_ids: tuple[int, ...],
+                        parent_cid: int | tuple[int, str] | None, content_id: int) -> None:
+        """As ``register``, for a block filled from the host tier: it keeps the content id
+        its content had when it was stored (kv_cache/host_cache.py), so chains registered
+        before the eviction still go on from it. If the map holds a block of that content
+        already, ``block`` becomes its unregistered duplicate."""
+        block.token_ids = token_ids
+        block.parent_cid = parent_cid
+        block.content_id = content_id
+        other = self.cached.get(block_hash)
+        if other is not None and other.content_id == content_id:
+            return
+        if other is not None:
+            other.block_hash = None
         block.block_hash = block_hash
         self.cached[block_hash] = block

@@ -33,6 +33,7 @@ from flashpage.kv_cache.block_pool import BlockPool, KVCacheBlock
 
 if TYPE_CHECKING:
     from flashpage.engine.sequence import Request
+    from flashpage.kv_cache.host_cache import HostBlock, HostBlockCache
 
 
 def validate_block_size(block_size: object) -> int:
@@ -77,9 +78,16 @@ class KVCacheStats:
     utilization: float  # tokens_stored / slots_allocated (1.0 when nothing is allocated)
     usage: float  # blocks_used / num_blocks
     prefix_queries: int  # prompt tokens looked up (admissions that succeeded)
-    prefix_hits: int  # of which found in the cache
+    prefix_hits: int  # of which found in the cache (on the GPU or the host tier)
     prefix_hit_rate: float
     num_evictions: int
+    # the host tier (kv_cache/host_cache.py; all 0 without one)
+    host_hits: int = 0  # of prefix_hits, tokens loaded back from the host
+    host_blocks: int = 0  # host blocks in all
+    host_blocks_cached: int = 0  # of which holding a prefix block
+    host_stores: int = 0  # blocks copied to the host since start
+    host_loads: int = 0  # blocks copied back
+    host_evictions: int = 0  # host blocks dropped (LRU) to make room
 
 
 class PoolAccounts:
@@ -94,6 +102,8 @@ class PoolAccounts:
     block_size: int
     prefix_queries: int
     prefix_hits: int
+    host: HostBlockCache | None = None
+    host_hits = 0
 
     def tokens_stored(self) -> int:
         raise NotImplementedError
@@ -116,6 +126,8 @@ class PoolAccounts:
         """Forget all cached prefixes (only when no block is in use). Returns success."""
         if self.pool.free_queue.num_free != self.num_usable_blocks:
             return False
+        if self.host is not None and not self.host.reset():
+            return False
         for b in self.pool.blocks:
             b.reset_content()
         self.pool.cached.clear()
@@ -126,6 +138,7 @@ class PoolAccounts:
         used = self.num_usable_blocks - free
         stored = self.tokens_stored()
         slots = used * self.block_size
+        host = self.host
         return KVCacheStats(
             num_blocks=self.num_usable_blocks,
             block_size=self.block_size,
@@ -140,6 +153,12 @@ class PoolAccounts:
             prefix_hits=self.prefix_hits,
             prefix_hit_rate=self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
             num_evictions=self.pool.num_evictions,
+            host_hits=self.host_hits,
+            host_blocks=host.num_blocks if host is not None else 0,
+            host_blocks_cached=host.num_cached_blocks if host is not None else 0,
+            host_stores=host.num_stores if host is not None else 0,
+            host_loads=host.num_loads if host is not None else 0,
+            host_evictions=host.num_evictions if host is not None else 0,
         )
 
 
@@ -202,8 +221,17 @@ class KVCacheManager(PoolAccounts):
         self._tail_cid: dict[str, prefix_cache.RootId] = {}  # content id of the last registered block
         self._num_released: dict[str, int] = {}  # leading entries given back (sliding window)
         self._pending_query: dict[str, tuple[int, int]] = {}
+        self._pending_host: dict[str, list[HostBlock]] = {}  # host hits found, not yet taken
         self.prefix_queries = 0
         self.prefix_hits = 0
+
+    def attach_host(self, host: HostBlockCache) -> None:
+        """A host tier behind this cache (kv_cache/host_cache.py): blocks the pool evicts
+        are offered to it, and prefix lookups go on there where the GPU misses."""
+        if self.releases or self.group or not self.enable_prefix_caching:
+            raise ValueError("a host tier needs prefix caching and one full-attention table")
+        self.host = host
+        self.pool.on_evict = host.offer
 
     # ------------------------------------------------------------------ queries
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -276,6 +304,7 @@ class KVCacheManager(PoolAccounts):
         produces logits. Returns ``(blocks, num_tokens_hit)``; nothing is taken yet (pass
         the blocks to ``allocate_slots``).
         """
+        self._pending_host.pop(request.request_id, None)
         if not self.cacheable(request):
             return [], 0
         B = self.block_size
@@ -286,8 +315,17 @@ class KVCacheManager(PoolAccounts):
             found, run = self.window_runs(request, max_blocks, root_cid)
             hits = next((h for k in range(max_blocks, len(hits), -1)
                          if (h := self.window_hit_at(k, found, run)) is not None), hits)
-        self._pending_query[request.request_id] = (len(tokens), len(hits) * B)
-        return hits, len(hits) * B
+        num_hit = len(hits)
+        if self.host is not None and num_hit < max_blocks:
+            # the blocks after the GPU hit, from the host tier: loaded into fresh blocks
+            # when allocate_slots takes the hits, and counted as computed as GPU hits are
+            more = self.host.match(self._keys(request.block_hashes, max_blocks), tokens, B, num_hit,
+                                   max_blocks, hits[-1].content_id if hits else root_cid)
+            if more:
+                self._pending_host[request.request_id] = more
+                num_hit += len(more)
+        self._pending_query[request.request_id] = (len(tokens), num_hit * B)
+        return hits, num_hit * B
 
     def prefix_hit(self, request: Request, max_blocks: int
                    ) -> tuple[list[KVCacheBlock], prefix_cache.RootId]:
@@ -364,8 +402,9 @@ class KVCacheManager(PoolAccounts):
         # Free cached blocks we are about to touch cannot also serve as new blocks.
         if num_needed > self.pool.free_queue.num_free - num_evictable_hits:
             return None
+        num_host = len(self._pending_host.get(rid, ())) if blocks is None else 0
         self.take_hits(request, new_computed_blocks)
-        return self.grow(request, num_new_tokens, len(new_computed_blocks or ()))
+        return self.grow(request, num_new_tokens, len(new_computed_blocks or ()) + num_host)
 
     def release_behind_window(self, request: Request) -> None:
         """Give back the request's blocks its window has passed (sliding window only)."""
@@ -383,7 +422,9 @@ class KVCacheManager(PoolAccounts):
         num_hit = len(new_computed_blocks) if new_computed_blocks else 0
         if num_hit and (blocks is not None or request.num_computed_tokens):
             raise ValueError(f"request {request.request_id}: prefix-hit blocks are only taken at admission")
-        total = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
+        # host-tier hits (admission only) take fresh blocks, counted in num_needed
+        num_host = len(self._pending_host.get(request.request_id, ())) if blocks is None else 0
+        total = request.num_computed_tokens + (num_hit + num_host) * self.block_size + num_new_tokens
         num_needed = -(-total // self.block_size) - (len(blocks) if blocks is not None else 0) - num_hit
         taken = self.taken_hits(new_computed_blocks) if new_computed_blocks else []
         return max(num_needed, 0), sum(1 for b in taken if b.ref_cnt == 0)
@@ -414,6 +455,32 @@ class KVCacheManager(PoolAccounts):
             ids.extend(b.block_id for b in taken)
             self._num_registered[rid] = len(new_computed_blocks)
             self._tail_cid[rid] = new_computed_blocks[-1].content_id
+        host_hits = self._pending_host.pop(rid, None)
+        if host_hits and self.host is not None:
+            self._take_host_hits(request, host_hits)
+
+    def _take_host_hits(self, request: Request, hits: list[HostBlock]) -> None:
+        """After the GPU hits: a fresh block for each host hit, registered with the host
+        block's content (findable at once: its load runs before any forward reads it),
+        and the load queued (kv_cache/host_cache.py)."""
+        host, rid = self.host, request.request_id
+        assert host is not None
+        if not all(host.is_current(e) for e in hits):
+            raise RuntimeError(f"request {rid}: host-tier hits changed between lookup and allocation")
+        host.pin(hits)  # before the fresh blocks: their evictions store to the host
+        fresh = self.pool.get_new_blocks(len(hits))
+        for e, b in zip(hits, fresh, strict=True):
+            assert e.block_hash is not None and e.token_ids is not None and e.content_id is not None
+            self.pool.register_loaded(b, e.block_hash, e.token_ids, e.parent_cid, e.content_id)
+            host.load(e, b.block_id)
+        self._blocks[rid].extend(fresh)
+        self._block_ids[rid].extend(b.block_id for b in fresh)
+        self._num_registered[rid] = len(self._blocks[rid])
+        self._tail_cid[rid] = hits[-1].content_id
+        n = len(hits) * self.block_size
+        self.host_hits += n
+        if request.num_cached_tokens < 0:  # first admission: its output's figure
+            request.num_host_cached_tokens = n
 
     def grow(self, request: Request, num_new_tokens: int, num_hit: int) -> list[KVCacheBlock]:
         """After ``take_hits``: fresh blocks to cover ``num_computed_tokens + num_hit * B +
@@ -492,6 +559,7 @@ class KVCacheManager(PoolAccounts):
         rid = request.request_id
         blocks = self._blocks.pop(rid, None)
         self._pending_query.pop(rid, None)
+        self._pending_host.pop(rid, None)
         if blocks is None:
             return
         del self._block_ids[rid]

@@ -2,7 +2,7 @@
 
 Two kinds of figures:
 - engine state (requests running/waiting, KV cache usage and blocks in use, prefix-cache
-  hit rate, preemptions), read at scrape time from a ``LLMEngine.stats()`` snapshot the
+  hit rate and the host tier's share with KV offloading, preemptions), read at scrape time from a ``LLMEngine.stats()`` snapshot the
   engine thread takes between two steps (``set_engine_stats``);
 - per-request events (prompt and generated tokens, time to first token, inter-token
   latency, end-to-end latency, finishes by reason), recorded on the engine thread as
@@ -67,6 +67,18 @@ class _EngineStateCollector(Collector):
             ("prefix_cache_queries", "Prefix-cache block lookups.", kv.prefix_queries),
             ("prefix_cache_hits", "Prefix-cache block lookups that hit.", kv.prefix_hits),
         ]
+        if kv.host_blocks:  # KV offloading (engine/kv_offload.py): the host tier's share
+            counters += [
+                ("prefix_cache_host_hits", "Of prefix_cache_hits, tokens loaded back from the "
+                 "host (CPU) tier instead of recomputed.", kv.host_hits),
+                ("kv_offload_stored_blocks", "KV blocks copied to the host tier.", kv.host_stores),
+                ("kv_offload_loaded_blocks", "KV blocks copied back from the host tier.", kv.host_loads),
+            ]
+            yield GaugeMetricFamily(P + "kv_offload_blocks_cached",
+                                    "Host-tier blocks holding a prefix block.",
+                                    value=float(kv.host_blocks_cached))
+            yield GaugeMetricFamily(P + "kv_offload_blocks_total", "Host-tier blocks in all.",
+                                    value=float(kv.host_blocks))
         spec = s.get("spec_decode")
         if spec is not None:  # vLLM's spec_decode_* counters
             counters += [
