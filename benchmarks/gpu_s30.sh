@@ -7,7 +7,8 @@
 #                                             swapped MoE on fp16 wgmma: how far from the unswapped sums
 #   BUDGET=420 bash benchmarks/gpu_s30.sh b   DeepSeek-V2-Lite's prompt and mixed steps after MLA's
 #                                             expansion kernels (run 160: 15.0 ms, run 165 mixed 13.4)
-#   BUDGET=300 bash benchmarks/gpu_s30.sh c   the GPU tests of sleep mode and the host KV tier
+#   BUDGET=360 bash benchmarks/gpu_s30.sh c   the GPU tests of this session's features (CTESTS: the files),
+#                                             then the host KV tier's TTFT (benchmarks/kv_offload.py)
 #   BUDGET=240 bash benchmarks/gpu_s30.sh d   V2-Lite's mixed step (16 decodes + a 16-token prompt,
 #                                             profile_ttft.py) in this tree and in older ones unpacked
 #                                             from .ab/*.tar (git archive COMMIT), one after another:
@@ -30,8 +31,10 @@ b)
   v2lite_step_profiles
   echo "part b done at ${SECONDS}s" ;;
 c)
-  timeout "$(left 280)" $PT -rfE -m gpu tests/engine/test_sleep_mode.py tests/engine/test_kv_offload.py 2>&1 \
-    | tee "$OUT/gpu_sleep_offload_tests.txt" | tail -n 12
+  timeout "$(left 200)" $PT -rfE -m gpu ${CTESTS:-tests/engine/test_kv_offload.py} 2>&1 \
+    | tee "$OUT/gpu_session30_tests.txt" | tail -n 12
+  timeout "$(left 150)" python3 benchmarks/kv_offload.py --config llama-3-8b --input-lens 1024 4096 16384 \
+    --json-out "$OUT/kv_offload.json" 2>&1 | grep -v "^INFO" | tail -n 6
   echo "part c done at ${SECONDS}s" ;;
 d)
   for tree in .ab/*.tar .; do

@@ -1,0 +1,96 @@
+"""What the host KV tier (--kv-offloading-size) buys: a prompt's time to first token when
+its prefix comes back from host memory, against computing it (a prompt never seen) and
+against a hit on the GPU prefix cache, in one engine (random --config weights).
+
+For each input length and iteration: a new random prompt P runs once (cold: every token
+computed), filler prompts then take the whole GPU pool so that P's cached blocks are
+evicted (and, offloading on, stored to the host tier), P runs again (host: its full blocks
+loaded back), and once more (gpu: its blocks now cached on the GPU). Each run is
+``generate([P], max_tokens=1)`` timed to its end, so what is measured is the TTFT of a
+request that arrives alone. The cached-token counts each run reports are printed beside it
+(host: every full block of P should come from the host, none from the GPU).
+
+    python benchmarks/kv_offload.py --config llama-3-8b --input-lens 1024 4096 16384 --json-out $OUT/kv_offload.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from flashpage.bench.common import resolve_config
+from flashpage.llm import LLM
+from flashpage.sampling_params import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="llama-3-8b")
+    ap.add_argument("--input-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--host-gib", type=float, default=8.0, help="--kv-offloading-size")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+
+    longest = max(args.input_lens)
+    pool_blocks = 2 * (longest // args.block_size) + 64  # P and one filler fit, two fillers do not
+    llm = LLM(random_weights_config=resolve_config(args.config), num_gpu_blocks=pool_blocks,
+              block_size=args.block_size, max_model_len=longest + 16,
+              kv_offloading_size=args.host_gib)
+    vocab = llm.engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    def run(p: list[int]) -> tuple[float, int, int]:
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)[0]
+        dt = time.perf_counter() - t0
+        m = out.metrics
+        return dt * 1e3, (m.num_cached_tokens if m else -1), (m.num_host_cached_tokens if m else -1)
+
+    def evict() -> None:  # fillers worth the whole pool: every block P left cached is reused
+        n = min(longest, 8192)
+        for _ in range(-(-pool_blocks * args.block_size // n) + 1):
+            run(prompt(n))
+
+    run(prompt(64))  # compile and warm up outside the timings
+    rows = []
+    for length in args.input_lens:
+        per: dict[str, list[float]] = {"cold": [], "host": [], "gpu": []}
+        cached: dict[str, tuple[int, int]] = {}
+        for _ in range(args.iters + 1):  # the first round warms this length's shapes
+            p = prompt(length)
+            first = run(p)
+            evict()
+            host = run(p)
+            gpu = run(p)
+            for name, r in (("cold", first), ("host", host), ("gpu", gpu)):
+                per[name].append(r[0])
+                cached[name] = (r[1], r[2])
+        row = {"input_len": length}
+        for name, ms in per.items():
+            row[f"{name}_ms"] = round(statistics.median(ms[1:]), 2)
+            row[f"{name}_ms_all"] = [round(x, 2) for x in ms[1:]]
+            row[f"{name}_cached_tokens"], row[f"{name}_host_cached_tokens"] = cached[name]
+        rows.append(row)
+        print(f"{length:6d} tokens: cold {row['cold_ms']:8.2f} ms | from the host {row['host_ms']:8.2f} ms "
+              f"(cached {row['host_cached_tokens']}, host {row['host_host_cached_tokens']}) | "
+              f"GPU hit {row['gpu_ms']:8.2f} ms (cached {row['gpu_cached_tokens']}) | "
+              f"host / cold {row['host_ms'] / row['cold_ms']:.2f}", flush=True)
+    res = {"config": args.config, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "host_gib": args.host_gib, "gpu_blocks": pool_blocks, "block_size": args.block_size, "rows": rows}
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
