@@ -1037,7 +1037,7 @@ class LLMEngine:
         try:
             with torch.no_grad():
                 loaded: set[str] = self.model.load_weights(  # type: ignore[operator]
-                    adapt_weights(self.source, checked(), self._classifier_token_ids))
+                    adapt_weights(self.source, checked(), self._classifier_token_ids, "load_weights"))
         finally:
             self._weights_changed()
         return loaded

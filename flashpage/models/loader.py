@@ -179,18 +179,21 @@ def checkpoint_weights(source: ModelSource, model: nn.Module, *, fp8_moe_kernel:
 
 
 def adapt_weights(source: ModelSource, weights: Iterable[tuple[str, torch.Tensor]],
-                  classifier_token_ids: list[int] | None = None) -> Iterable[tuple[str, torch.Tensor]]:
+                  classifier_token_ids: list[int] | None = None,
+                  where: str | None = None) -> Iterable[tuple[str, torch.Tensor]]:
     """A checkpoint's tensors as the model's family reads them: a multimodal checkpoint's
     text model alone, a classifier's ``score`` from an LM head (LLMEngine.load_weights
-    passes a caller's tensors through this too)."""
+    passes a caller's tensors through this too). ``where`` names them in errors (default:
+    the checkpoint's path)."""
+    where = where or source.path or "the weights"
     if source.config.multimodal_architecture:  # its text model's tensors alone
         from flashpage.models.multimodal import text_model_weights
 
-        weights = text_model_weights(weights, source.config, source.path)
+        weights = text_model_weights(weights, source.config, where)
     if source.config.is_classifier:
         from flashpage.models.seq_cls_from_lm import score_from_lm_head
 
-        weights = score_from_lm_head(weights, source.config, classifier_token_ids, source.path)
+        weights = score_from_lm_head(weights, source.config, classifier_token_ids, where)
     return weights
 
 
