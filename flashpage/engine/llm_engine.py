@@ -1003,7 +1003,7 @@ class LLMEngine:
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's ``wake_up``: allocate again what ``tags`` name ("weights", "kv_cache";
         None: both), in the same tensor objects; the weights come back from the host (level
-        1) or wait for load_weights / reload_weights (level 2), the KV cache zeroed. Once both
+        1) or are zeros until load_weights / reload_weights (level 2), the KV cache zeroed. Once both
         are awake, CUDA graphs dropped by ``sleep`` are captured again (the storages'
         addresses changed). Waking what is awake does nothing."""
         state = self._sleep_mode("wake_up")

@@ -19,8 +19,8 @@ both groups released; the KV cache's contents are discarded (the engine resets t
 cache). ``sleep(level=2)``: the parameters are discarded too; only the buffers (rotary
 tables, quantization scales, ...) are kept on the host, so that ``load_weights`` /
 ``reload_weights`` need only the checkpoint's tensors. Waking a group re-allocates it:
-weights from their host copy (level 1) or uninitialized until loaded (level 2; buffers
-from theirs), the KV cache zeroed (the null block of a sliding window is read as zeros).
+weights from their host copy (level 1) or zeroed until loaded (level 2; buffers from
+theirs), the KV cache zeroed (the null block of a sliding window is read as zeros).
 """
 
 from __future__ import annotations
@@ -105,14 +105,14 @@ class _Group:
             s.resize_(0)
         self.asleep = True
 
-    def restore(self, zero: bool) -> None:
-        """Allocate every storage again: its host copy back, else zeros (``zero``) or left
-        uninitialized."""
+    def restore(self) -> None:
+        """Allocate every storage again: its host copy back, else zeros (a discarded
+        weight reads as 0, never as stale memory, until it is loaded)."""
         for s, n, host in zip(self.storages, self.sizes, self.host, strict=True):
             s.resize_(n)
             if host is not None:
                 _bytes_of(s).copy_(host, non_blocking=host.is_pinned())
-            elif zero and n:
+            elif n:
                 _bytes_of(s).zero_()
         if self.storages and self.storages[0].device.type == "cuda":
             torch.cuda.synchronize()
@@ -176,7 +176,7 @@ class SleepState:
         for tag in tags:
             g = self.group(tag)
             if g.asleep:
-                g.restore(zero=tag == "kv_cache")
+                g.restore()
         if not self.is_sleeping:
             self.level = 0
 

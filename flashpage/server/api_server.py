@@ -5,7 +5,8 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming as
 server-sent events), GET /v1/models, GET /health, GET /metrics, GET /version, POST /tokenize
 and POST /detokenize, POST /pooling, SageMaker's GET|POST /ping and POST /invocations (vLLM's);
-with FLASHPAGE_SERVER_DEV_MODE=1, POST /sleep, POST /wake_up and GET /is_sleeping (sleep mode).
+with FLASHPAGE_SERVER_DEV_MODE=1, POST /sleep, POST /wake_up, GET /is_sleeping and POST
+/reload_weights (sleep mode).
 See docs/server.md.
 """
 
@@ -302,8 +303,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
 def _add_sleep_routes(app: FastAPI, state: ServerState, async_engine: AsyncEngine) -> None:
     """POST /sleep?level=N, POST /wake_up[?tags=weights&tags=kv_cache], GET /is_sleeping, as
-    vLLM's: each runs on the engine thread between two steps. 400: sleep mode off, a bad
-    level or tag; 409: sleep with requests in flight. A request while asleep gets a 503
+    vLLM's, and POST /reload_weights (ours: the checkpoint read from disk again, after a
+    level-2 sleep): each runs on the engine thread between two steps. 400: sleep mode off,
+    a bad level or tag, the weights asleep; 409: requests in flight. A request while asleep gets a 503
     naming the wake_up it waits for (server/serving.py)."""
     from flashpage.engine.sleep import EngineBusyError
 
@@ -330,6 +332,11 @@ def _add_sleep_routes(app: FastAPI, state: ServerState, async_engine: AsyncEngin
         _check_key(state, request)
         tags = request.query_params.getlist("tags") or None
         return await run(lambda engine: _sleep_engine(engine).wake_up(tags))
+
+    @app.post("/reload_weights")  # ours: after /sleep?level=2, the checkpoint read again
+    async def reload_weights(request: Request) -> Response:
+        _check_key(state, request)
+        return await run(lambda engine: _sleep_engine(engine).reload_weights())
 
     @app.get("/is_sleeping")
     async def is_sleeping(request: Request) -> Response:
