@@ -91,16 +91,21 @@ class _Group:
         return sum(self.sizes)
 
     def release(self, keep: list[bool], pin: bool) -> None:
-        """Copy the storages marked in ``keep`` to the host, then free every storage."""
-        self.host = []
-        for s, k in zip(self.storages, keep, strict=True):
+        """Copy the storages marked in ``keep`` to the host (one buffer, pinned with
+        ``pin``: one allocation, and copies the device runs back to back), then free every
+        storage."""
+        total = sum(n for n, k in zip(self.sizes, keep, strict=True) if k)
+        buf = torch.empty(total, dtype=torch.uint8, pin_memory=pin) if total else None
+        self.host, off = [], 0
+        for s, n, k in zip(self.storages, self.sizes, keep, strict=True):
             host = None
-            if k and s.nbytes():
-                host = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=pin)
-                host.copy_(_bytes_of(s))
+            if k and n and buf is not None:
+                host = buf[off:off + n]
+                host.copy_(_bytes_of(s), non_blocking=pin)
+                off += n
             self.host.append(host)
         if pin:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # the copies (and any step still reading) done
         for s in self.storages:
             s.resize_(0)
         self.asleep = True
@@ -163,7 +168,8 @@ class SleepState:
             keep = [True] * len(self._is_param) if level == 1 else [not p for p in self._is_param]
             self.weights.release(keep, self.pin)
         elif level == 2:
-            self.weights.host = [None if p else h
+            # the buffers' bytes copied out of the one host buffer, so that it is freed
+            self.weights.host = [None if p or h is None else h.clone()
                                  for p, h in zip(self._is_param, self.weights.host, strict=True)]
         self.weights_discarded |= level == 2
         if not self.kv_cache.asleep:

@@ -291,3 +291,27 @@ def test_sleep_releases_gpu_memory(tiny_checkpoint):
     llm.wake_up(tags=["kv_cache"])
     assert _ids(llm, prompts) == want
     assert engine.kv_manager.num_free_blocks == engine.num_blocks
+
+
+def test_level2_over_level1_drops_the_host_copy(checkpoints):
+    """sleep(1) then sleep(2): the parameters' host copy goes (the buffers' stays), and the
+    engine wants a load before generating, as after a plain level-2 sleep."""
+    llm = LLM(str(checkpoints[0]), enable_sleep_mode=True, **KW)
+    want = _ids(llm)
+    llm.sleep(1)
+    host = llm.engine.sleep_state.weights.host
+    big = max(h.untyped_storage().nbytes() for h in host if h is not None)
+    assert big == _weight_bytes_awake(llm)  # one host buffer for the whole group
+    llm.sleep(2)
+    kept = [h for h in llm.engine.sleep_state.weights.host if h is not None]
+    buffer_bytes = sum(b.numel() * b.element_size() for b in llm.engine.model.buffers())
+    assert sum(h.untyped_storage().nbytes() for h in kept) == buffer_bytes
+    llm.wake_up()
+    with pytest.raises(EngineSleepingError, match="discarded"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.reload_weights()
+    assert _ids(llm) == want
+
+
+def _weight_bytes_awake(llm: LLM) -> int:
+    return sum(llm.engine.sleep_state.weights.sizes)
