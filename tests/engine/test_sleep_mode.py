@@ -315,3 +315,28 @@ def test_level2_over_level1_drops_the_host_copy(checkpoints):
 
 def _weight_bytes_awake(llm: LLM) -> int:
     return sum(llm.engine.sleep_state.weights.sizes)
+
+
+@pytest.mark.parametrize("how", ["reload", "load"])
+def test_mla_moe_level2(tiny_mla_checkpoint, how):
+    """DeepSeek-V3's shape: one MLA latent tensor a layer, routed experts fused per layer
+    (each expert's HF gate/up/down merged by the loader), a correction-bias buffer: after
+    sleep(2) the weights come back from disk, or from the checkpoint's tensors given to
+    load_weights, with the same greedy tokens."""
+    path = tiny_mla_checkpoint("deepseek_v3")
+    llm = LLM(str(path), enable_sleep_mode=True, **KW)
+    assert all(not isinstance(c, tuple) for c in llm.engine.runner.kv_caches)  # latents
+    want = _ids(llm)
+    llm.sleep(2)
+    assert all(t.untyped_storage().nbytes() == 0 for t in _kv_tensors(llm))
+    assert _param_bytes(llm) == 0
+    llm.wake_up(tags=["weights"])
+    if how == "reload":
+        llm.reload_weights()
+    else:
+        tensors = list(iter_safetensors(str(path)))
+        assert any(".experts.3." in n for n, _ in tensors)
+        llm.load_weights(tensors)
+    llm.wake_up(tags=["kv_cache"])
+    assert _ids(llm) == want
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
