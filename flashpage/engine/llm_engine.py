@@ -300,13 +300,13 @@ class LLMEngine:
         self._inflight: _Inflight | None = None  # the launched step not yet read back
         self._sync_ids: set[str] = set()  # requests whose sampling needs every token known
         self._guides: GuideCompiler | None = None  # structured outputs, built on first use
+        # sleep mode (engine/sleep.py): the storages of the weights and of the KV cache
+        self.sleep_state = SleepState(self.model, self.runner.kv_caches, self.device) \
+            if config.enable_sleep_mode else None
         if self.device.type == "cuda":
             t1 = time.perf_counter()
             self.warm_up()
             logger.info("warmed up (kernels compiled) in %.1fs", time.perf_counter() - t1)
-        # sleep mode (engine/sleep.py): the storages of the weights and of the KV cache
-        self.sleep_state = SleepState(self.model, self.runner.kv_caches, self.device) \
-            if config.enable_sleep_mode else None
         logger.info("loaded %s (%s, %s) on %s in %.1fs; KV cache: %d blocks of %d tokens (%s)",
                     mc.architecture, mc.attention_kind, str(self.dtype).replace("torch.", ""),
                     self.device, time.perf_counter() - t0, self.num_blocks, config.block_size,
