@@ -340,3 +340,26 @@ def test_mla_moe_level2(tiny_mla_checkpoint, how):
     llm.wake_up(tags=["kv_cache"])
     assert _ids(llm) == want
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_gguf_reload(checkpoints, tmp_path, name):
+    """A GGUF checkpoint's weights come back from the file (q/k un-permuted by its reader):
+    Llama, and Gemma 2 (KV cache groups: two tensors of slots shared by windowed and full
+    layers)."""
+    pytest.importorskip("gguf")
+    from tests.models.test_gguf_families import _build, convert
+
+    src = checkpoints[0] if name == "llama" else _build(tmp_path / "hf", name)
+    path = tmp_path / f"{name}.gguf"
+    convert(src, path, name)
+    llm = LLM(str(path), enable_sleep_mode=True, attention_backend="torch_native", **KW)
+    if name == "gemma2":
+        assert llm.engine.kv_layout is not None  # KV cache groups
+    prompts = random_prompts(3, 20, 40, seed=9)
+    want = _ids(llm, prompts)
+    llm.sleep(2)
+    llm.wake_up()
+    llm.reload_weights()
+    assert _ids(llm, prompts) == want
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_usable_blocks
