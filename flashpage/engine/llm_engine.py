@@ -993,7 +993,9 @@ class LLMEngine:
             raise ValueError(f"sleep(level=2) discards the weights, and this engine cannot load "
                              f"them again: {why}; use sleep(level=1)")
         self._check_idle("sleep")
-        self.kv_manager.reset_prefix_cache()
+        if not self.kv_manager.reset_prefix_cache():  # cached K/V would read as zeros after
+            raise RuntimeError("sleep: KV blocks are held with no request in flight (a leak); "
+                               "not sleeping")
         self._drop_graphs()
         state.sleep(level)
         logger.info("asleep (level %d): %.1f MiB of weights%s and %.1f MiB of KV cache released",
