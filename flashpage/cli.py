@@ -45,6 +45,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch_native, triton or flex (default: the fastest that runs here; "
                         "or FLASHPAGE_ATTENTION_BACKEND)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--enable-sleep-mode", action="store_true",
+                   help="vLLM's sleep mode: LLM.sleep / wake_up (the server's POST /sleep and "
+                        "/wake_up with FLASHPAGE_SERVER_DEV_MODE=1) release and retake the GPU "
+                        "memory of the weights and the KV cache")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while the GPU runs step N (default: on with CUDA)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
@@ -183,6 +187,7 @@ def build_llm(args: argparse.Namespace) -> Any:
                attention_backend=args.attention_backend, num_gpu_blocks=args.num_gpu_blocks,
                gpu_memory_utilization=args.gpu_memory_utilization,
                enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+               enable_sleep_mode=getattr(args, "enable_sleep_mode", False),
                kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                quantization=getattr(args, "quantization", None),
                chat_template=getattr(args, "chat_template", None),

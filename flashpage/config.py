@@ -2325,6 +2325,10 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = False
     attention_backend: str | None = None
     enforce_eager: bool = False
+    # vLLM's enable_sleep_mode: LLM.sleep(level) gives the weights' (level 1: kept on the host)
+    # and the KV cache's device memory back, LLM.wake_up(tags) takes it again
+    # (engine/sleep.py)
+    enable_sleep_mode: bool = False
     # Schedule and prepare step N+1 while the device runs step N (its sampled tokens feed
     # step N+1 on the device); None: on for CUDA, off on the CPU, where nothing overlaps.
     async_scheduling: bool | None = None

@@ -275,6 +275,15 @@ def lora_kernels() -> bool | None:
     return {"1": True, "0": False}.get(mode)
 
 
+def server_dev_mode() -> bool:
+    """FLASHPAGE_SERVER_DEV_MODE=1 (or vLLM's VLLM_SERVER_DEV_MODE): the server takes vLLM's
+    development endpoints, POST /sleep, POST /wake_up and GET /is_sleeping (sleep mode, for
+    RLHF trainers); without it those paths do not exist, as in vLLM."""
+    value = (os.environ.get("FLASHPAGE_SERVER_DEV_MODE") or os.environ.get("VLLM_SERVER_DEV_MODE")
+             or "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 def allow_runtime_lora_updating() -> bool:
     """FLASHPAGE_ALLOW_RUNTIME_LORA_UPDATING=1 (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING):
     the server takes POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs

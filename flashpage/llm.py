@@ -62,6 +62,7 @@ class LLM:
                  attention_backend: str | None = None, num_gpu_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
                  enforce_eager: bool = False, async_scheduling: bool | None = None,
+                 enable_sleep_mode: bool = False,
                  kv_cache_dtype: str = "auto", chat_template: str | None = None,
                  seed: int = 0, random_weights_config: str | None = None,
                  pooling_type: str | None = None, quantization: str | None = None,
@@ -79,6 +80,7 @@ class LLM:
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
             attention_backend=attention_backend, enforce_eager=enforce_eager,
+            enable_sleep_mode=enable_sleep_mode,
             async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype, seed=seed,
             chat_template=chat_template, pooling_type=pooling_type, quantization=quantization,
             speculative_config=speculative_config, enable_lora=enable_lora, max_loras=max_loras,
@@ -112,6 +114,43 @@ class LLM:
         to forget). True when done."""
         reset = getattr(self.engine, "reset_prefix_cache", None)
         return reset() if reset is not None else True
+
+    # ---------------------------------------------------------------- sleep mode (vLLM's)
+    def sleep(self, level: int = 1) -> None:
+        """Give the GPU memory of the weights and the KV cache back (needs
+        ``enable_sleep_mode=True``; no request running). ``level=1``: the weights are kept
+        in host memory (pinned), the KV cache's contents discarded; ``level=2``: the weights
+        are discarded too (``reload_weights()`` or ``load_weights(...)`` after waking).
+        See flashpage/engine/sleep.py."""
+        self._sleep_engine("sleep").sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Allocate again what ``tags`` name: "weights", "kv_cache", or both (None). Waking
+        the weights alone leaves room to update them (``load_weights``) before the KV cache
+        takes its memory; generating needs both."""
+        self._sleep_engine("wake_up").wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True while the weights or the KV cache are released by ``sleep``."""
+        check = getattr(self.engine, "is_sleeping", None)
+        return bool(check()) if check is not None else False
+
+    def load_weights(self, weights: Any) -> set[str]:
+        """Copy an iterable of (checkpoint name, tensor) into the weights in place (an RLHF
+        trainer's update): HF names, merged into our stacked qkv_proj / gate_up_proj by the
+        model's loader; a name with no place or a wrong shape is a ValueError naming it. The
+        prefix cache is reset. Returns the parameter names this call completed."""
+        return self._sleep_engine("load_weights").load_weights(weights)
+
+    def reload_weights(self) -> None:
+        """Read the checkpoint from disk into the weights again (after ``sleep(level=2)``
+        and ``wake_up``, or to undo ``load_weights``). The prefix cache is reset."""
+        self._sleep_engine("reload_weights").reload_weights()
+
+    def _sleep_engine(self, what: str) -> LLMEngine:
+        if not hasattr(self.engine, "sleep_state"):
+            raise ValueError(f"{what}: not supported for encoder models (flashpage/encoder/)")
+        return self.engine
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no SamplingParams (vLLM's): the model's
@@ -334,6 +373,9 @@ class LLM:
              use_tqdm: bool, loras: Sequence[LoRARequest | None] | None = None,
              priorities: Sequence[int] | None = None) -> list[RequestOutput]:
         engine = self.engine
+        check_awake = getattr(engine, "check_awake", None)  # (an encoder engine never sleeps)
+        if check_awake is not None:
+            check_awake()  # asleep: one error for the call, naming the wake_up that fixes it
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         loras = loras if loras is not None else [None] * len(prompts)

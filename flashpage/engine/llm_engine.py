@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,7 @@ from flashpage.engine.output import ChildRequest, ParentRequest, child_params
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
 from flashpage.engine.scheduler import Scheduler, check_priority
 from flashpage.engine.sequence import Request, RequestStatus, prompt_text_and_ids
+from flashpage.engine.sleep import EngineBusyError, EngineSleepingError, SleepState, check_tags
 from flashpage.engine.spec_decode import NgramProposer, SpecStats, SpeculativeConfig, unpack_checked
 from flashpage.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from flashpage.generation_config import load_generation_defaults
@@ -47,7 +48,16 @@ from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
 from flashpage.layers.moe import set_fused_moe
 from flashpage.layers.quant import moe_kernel_keeps, quantized_linears
 from flashpage.lora.request import LoRARequest
-from flashpage.models.loader import ModelLoadError, ModelSource, load_model, resolve_model
+from flashpage.models.loader import (
+    ModelLoadError,
+    ModelSource,
+    adapt_weights,
+    check_loaded,
+    checkpoint_weights,
+    init_random_,
+    load_model,
+    resolve_model,
+)
 from flashpage.outputs import RequestMetrics, RequestOutput
 from flashpage.pooling import PoolingParams, PoolingState, pooling_type_of
 from flashpage.sampling_params import SamplingParams, StructuredOutputsError
@@ -136,6 +146,7 @@ class LLMEngine:
             from flashpage.models.seq_cls_from_lm import classifier_token_ids
 
             token_ids = classifier_token_ids(self.tokenizer, mc.classifier_from_token)
+        self._classifier_token_ids = token_ids  # reload_weights builds score from them again
         fused_moe = (backend_cls.name == "triton" and self.device.type == "cuda"
                      and envs.fused_moe())
         # an MXFP4 checkpoint's experts stay MXFP4 where the fused MoE kernel reads them
@@ -159,6 +170,9 @@ class LLMEngine:
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
+        if config.enable_sleep_mode and self.spec_config is not None:
+            raise ValueError("enable_sleep_mode with speculative_config is not supported yet (a "
+                             "draft's weights and KV pool are not released): drop one of them")
         if self.spec_config is not None and mc.is_classifier:
             raise ValueError(f"speculative_config: this model ({mc.architecture}) is a sequence "
                              "classifier; it does not generate, so it has nothing to speculate")
@@ -252,6 +266,8 @@ class LLMEngine:
             logger.info("decode GEMMs timed against cuBLAS in %.1fs", time.perf_counter() - t1)
         # One-row linears may take our GEMV (FLASHPAGE_GEMV, read when graphs are captured).
         set_row_gemv(self.model, self.device.type == "cuda" and backend_cls.name == "triton")
+        self._prompt_graph_backend = backend_cls.supports_prefill_graphs
+        self._recapture_graphs = False  # sleep mode dropped the graphs; wake_up captures again
         if (self.device.type == "cuda" and backend_cls.supports_cuda_graphs
                 and getattr(self.model, "supports_cuda_graphs", True) and not config.enforce_eager):
             self._capture_graphs(backend_cls.supports_prefill_graphs)
@@ -296,6 +312,9 @@ class LLMEngine:
         self._inflight: _Inflight | None = None  # the launched step not yet read back
         self._sync_ids: set[str] = set()  # requests whose sampling needs every token known
         self._guides: GuideCompiler | None = None  # structured outputs, built on first use
+        # sleep mode (engine/sleep.py): the storages of the weights and of the KV cache
+        self.sleep_state = SleepState(self.model, self.runner.kv_caches, self.device) \
+            if config.enable_sleep_mode else None
         if self.device.type == "cuda":
             t1 = time.perf_counter()
             self.warm_up()
@@ -681,6 +700,7 @@ class LLMEngine:
         with the priority scheduling policy, lower values are served first (as vLLM's).
         ``cache_salt``: its prefix-cache blocks are shared only with requests of the same
         salt (vLLM's; a non-empty string)."""
+        self.check_awake()
         self.check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
@@ -985,6 +1005,155 @@ class LLMEngine:
                 self._children.pop(c.request.request_id, None)
                 self._sync_ids.discard(c.request.request_id)
         return out
+
+    # ------------------------------------------------------------------ sleep mode
+    def check_awake(self) -> None:
+        """An EngineSleepingError (a ValueError) while the weights or the KV cache sleep, or
+        the weights were discarded and not loaded since; it names the call that fixes it."""
+        if self.sleep_state is not None:
+            self.sleep_state.check_awake()
+
+    def is_sleeping(self) -> bool:
+        """vLLM's ``is_sleeping``: the weights or the KV cache (or both) are released."""
+        return self.sleep_state is not None and self.sleep_state.is_sleeping
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's ``sleep``: give the device memory of the weights and the KV cache back
+        (engine/sleep.py). Level 1 keeps the weights in host memory; level 2 discards them
+        (load_weights or reload_weights after waking). The KV cache's contents are
+        discarded either way: the prefix cache is reset. Only while no request runs
+        (EngineBusyError otherwise)."""
+        state = self._sleep_mode("sleep")
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (weights kept on the host) or 2 (weights "
+                             f"discarded), got {level!r}")
+        if level == 2 and (why := self._weights_update_unsupported()) is not None:
+            raise ValueError(f"sleep(level=2) discards the weights, and this engine cannot load "
+                             f"them again: {why}; use sleep(level=1)")
+        self._check_idle("sleep")
+        if not self.kv_manager.reset_prefix_cache():  # cached K/V would read as zeros after
+            raise RuntimeError("sleep: KV blocks are held with no request in flight (a leak); "
+                               "not sleeping")
+        self._drop_graphs()
+        state.sleep(level)
+        logger.info("asleep (level %d): %.1f MiB of weights%s and %.1f MiB of KV cache released",
+                    level, state.weights.nbytes / 2**20, " (kept on the host)" if level == 1 else "",
+                    state.kv_cache.nbytes / 2**20)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's ``wake_up``: allocate again what ``tags`` name ("weights", "kv_cache";
+        None: both), in the same tensor objects; the weights come back from the host (level
+        1) or are zeros until load_weights / reload_weights (level 2), the KV cache zeroed. Once both
+        are awake, CUDA graphs dropped by ``sleep`` are captured again (the storages'
+        addresses changed). Waking what is awake does nothing."""
+        state = self._sleep_mode("wake_up")
+        state.wake_up(check_tags(tags))
+        if not state.is_sleeping and self._recapture_graphs:
+            self._recapture_graphs = False
+            self._capture_graphs(self._prompt_graph_backend)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy (checkpoint name, tensor) pairs into the model in place (an RLHF trainer's
+        update; vLLM's ``model.load_weights``): names as the model's checkpoint has them
+        (HF's q_proj, k_proj, v_proj go into our qkv_proj, gate_proj and up_proj into
+        gate_up_proj; the family's own loader maps them), any subset, in any number of calls.
+        A name with no place or a shape that does not fit is a ValueError naming it (the
+        pairs before it are already copied). The prefix cache is reset: its K/V came from
+        the old weights. Returns the parameter names completed by this call."""
+        why = self._weights_update_unsupported()
+        if why is not None:
+            raise ValueError(f"load_weights: {why}")
+        self._check_weights_awake("load_weights")
+        self._check_idle("load_weights")
+
+        def checked() -> Iterable[tuple[str, torch.Tensor]]:
+            for i, item in enumerate(weights):
+                if (not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
+                        or not isinstance(item[1], torch.Tensor)):
+                    raise ValueError(f"load_weights: item {i} is not a (name, tensor) pair: "
+                                     f"{type(item).__name__}")
+                yield item
+
+        try:
+            with torch.no_grad():
+                loaded: set[str] = self.model.load_weights(  # type: ignore[operator]
+                    adapt_weights(self.source, checked(), self._classifier_token_ids, "load_weights"))
+        finally:
+            self._weights_changed()
+        return loaded
+
+    def reload_weights(self) -> None:
+        """Read the model's checkpoint from disk into the weights again, in place (after
+        sleep(level=2), or to undo load_weights); random weights are drawn again from the
+        seed. The prefix cache is reset."""
+        why = self._weights_update_unsupported()
+        if why is not None:
+            raise ValueError(f"reload_weights: {why}")
+        self._check_weights_awake("reload_weights")
+        self._check_idle("reload_weights")
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                if self.source.kind == "random":
+                    init_random_(self.model, self.config.seed)
+                else:
+                    weights = adapt_weights(self.source, checkpoint_weights(self.source, self.model),
+                                            self._classifier_token_ids)
+                    check_loaded(self.source, self.model,
+                                 self.model.load_weights(weights))  # type: ignore[operator]
+        finally:
+            self._weights_changed()
+        logger.info("weights reloaded from %s in %.1fs", self.source.path or "the seed",
+                    time.perf_counter() - t0)
+
+    def _sleep_mode(self, what: str) -> SleepState:
+        if self.sleep_state is None:
+            raise ValueError(f"{what}: sleep mode is off; start the engine with "
+                             "enable_sleep_mode=True (flashpage serve --enable-sleep-mode)")
+        return self.sleep_state
+
+    def _check_idle(self, what: str) -> None:
+        """EngineBusyError while requests are in flight; a launched step whose requests all
+        finished (async scheduling) is read back and dropped first."""
+        if self.has_unfinished_requests():
+            raise EngineBusyError(f"{what}: {len(self._parents)} request(s) still in flight; "
+                                  "wait for them to finish (or abort them) first")
+        if self._inflight is not None:
+            self._read_back(self._inflight, final_only=True)
+            self._inflight = None
+
+    def _check_weights_awake(self, what: str) -> None:
+        if self.sleep_state is not None and self.sleep_state.weights.asleep:
+            raise EngineSleepingError(f"{what}: the weights are asleep; call "
+                                      "wake_up(tags=['weights']) first")
+
+    def _weights_update_unsupported(self) -> str | None:
+        """Why the weights cannot be written from checkpoint tensors here, or None."""
+        mc = self.model_config
+        if self.config.quantization is not None:
+            return (f"the weights were quantized at load (quantization={self.config.quantization!r}) "
+                    "and checkpoint tensors would be copied into them unquantized")
+        if mc.quantization_config is not None:
+            return "the model's checkpoint is quantized (fp8 / AWQ / GPTQ): its held weights are not 16-bit"
+        if mc.mxfp4_experts:
+            return "the model's experts are MXFP4 (their reader is not run on update yet)"
+        return None
+
+    def _weights_changed(self) -> None:
+        """After any write of the weights: the cached prefixes' K/V came from the old ones."""
+        self.kv_manager.reset_prefix_cache()
+        if self.sleep_state is not None:
+            self.sleep_state.weights_discarded = False
+
+    def _drop_graphs(self) -> None:
+        """Drop the captured CUDA graphs (their memory pool goes with them): they hold the
+        addresses of storages sleep is about to release. wake_up captures them again."""
+        runner = self.runner
+        if self.device.type != "cuda" or (runner.graphs is None and runner.prefill_graphs is None
+                                          and runner.piecewise is None):
+            return
+        runner.graphs = runner.prefill_graphs = runner.piecewise = None
+        self._recapture_graphs = True
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

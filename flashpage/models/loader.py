@@ -145,57 +145,79 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     if source.kind == "random":
         init_random_(model, seed)
     else:
-        assert source.path is not None
-        weights: Iterable[tuple[str, torch.Tensor]]
-        if source.kind == "gguf":
-            from flashpage.models.gguf_weights import iter_gguf
-
-            weights = iter_gguf(source.path, source.config)
-        elif (qc := source.config.quantization_config) is not None and qc.is_int4:
-            from flashpage.models.int4_checkpoint import int4_checkpoint_weights
-
-            weights = int4_checkpoint_weights(model, source.config, source.path,
-                                              keep_experts=int4_moe_kernel)
-        elif qc is not None:
-            from flashpage.models.fp8_checkpoint import fp8_checkpoint_weights
-
-            weights = fp8_checkpoint_weights(model, source.config, source.path,
-                                             keep_experts=fp8_moe_kernel)
-        else:
-            weights = iter_safetensors(source.path, "cpu")
-        if source.config.multimodal_architecture:  # its text model's tensors alone
-            from flashpage.models.multimodal import text_model_weights
-
-            weights = text_model_weights(weights, source.config, source.path)
-        if source.config.is_classifier:
-            from flashpage.models.seq_cls_from_lm import score_from_lm_head
-
-            weights = score_from_lm_head(weights, source.config, classifier_token_ids, source.path)
-        loaded = model.load_weights(weights)  # type: ignore[operator]
-        # Parameters and persistent buffers (e.g. DeepSeek-V3's e_score_correction_bias).
-        expected = set(model.state_dict().keys())
-        if source.config.tie_word_embeddings:
-            expected.discard("lm_head.weight")
-        missing = sorted(expected - loaded)
-        if missing:
-            # Merged parameters (qkv_proj, gate_up_proj): name the checkpoint's own tensors.
-            pieces: Callable[[str], list[str]] = getattr(model, "_pieces", lambda name: [])
-            # under the checkpoint's names where the family's differ from ours (GPT-NeoX, Phi)
-            hf_name: Callable[[str], str] = getattr(model, "hf_name", lambda name: name)
-            missing = sorted({hf_name(m) for m in missing if not pieces(m)}
-                             | set(getattr(model, "missing_pieces", [])))
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            hint = ""
-            if "score.weight" in missing and not source.config.classifier_from_token:
-                hint = ("; a causal LM served as a classifier gets score.weight from its LM head "
-                        "with hf_overrides' classifier_from_token (e.g. [\"no\", \"yes\"])")
-            raise ModelLoadError(f"{source.path}: {len(missing)} weight(s) missing from the "
-                                 f"checkpoint: {shown}{hint}")
+        weights = checkpoint_weights(source, model, fp8_moe_kernel=fp8_moe_kernel,
+                                     int4_moe_kernel=int4_moe_kernel)
+        weights = adapt_weights(source, weights, classifier_token_ids)
+        check_loaded(source, model, model.load_weights(weights))  # type: ignore[operator]
     # routed experts too where their fused kernel keeps them (the same choice as a
     # quantized checkpoint's: fp8_moe_kernel / int4_moe_kernel)
     quantize_model(model, quantization, experts=fp8_moe_kernel if quantization == "fp8"
                    else int4_moe_kernel)
     return model.eval()
+
+
+def checkpoint_weights(source: ModelSource, model: nn.Module, *, fp8_moe_kernel: bool = False,
+                       int4_moe_kernel: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+    """The (checkpoint name, tensor) pairs of ``source``'s files as ``model.load_weights``
+    takes them: GGUF dequantized, an fp8 / int4 checkpoint's through its reader (which may
+    set ``model``'s linears to hold them), else the safetensors as stored."""
+    assert source.path is not None
+    if source.kind == "gguf":
+        from flashpage.models.gguf_weights import iter_gguf
+
+        return iter_gguf(source.path, source.config)
+    if (qc := source.config.quantization_config) is not None and qc.is_int4:
+        from flashpage.models.int4_checkpoint import int4_checkpoint_weights
+
+        return int4_checkpoint_weights(model, source.config, source.path,
+                                       keep_experts=int4_moe_kernel)
+    if qc is not None:
+        from flashpage.models.fp8_checkpoint import fp8_checkpoint_weights
+
+        return fp8_checkpoint_weights(model, source.config, source.path, keep_experts=fp8_moe_kernel)
+    return iter_safetensors(source.path, "cpu")
+
+
+def adapt_weights(source: ModelSource, weights: Iterable[tuple[str, torch.Tensor]],
+                  classifier_token_ids: list[int] | None = None,
+                  where: str | None = None) -> Iterable[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors as the model's family reads them: a multimodal checkpoint's
+    text model alone, a classifier's ``score`` from an LM head (LLMEngine.load_weights
+    passes a caller's tensors through this too). ``where`` names them in errors (default:
+    the checkpoint's path)."""
+    where = where or source.path or "the weights"
+    if source.config.multimodal_architecture:  # its text model's tensors alone
+        from flashpage.models.multimodal import text_model_weights
+
+        weights = text_model_weights(weights, source.config, where)
+    if source.config.is_classifier:
+        from flashpage.models.seq_cls_from_lm import score_from_lm_head
+
+        weights = score_from_lm_head(weights, source.config, classifier_token_ids, where)
+    return weights
+
+
+def check_loaded(source: ModelSource, model: nn.Module, loaded: set[str]) -> None:
+    """A ModelLoadError naming the checkpoint's tensors that ``loaded`` (what
+    ``model.load_weights`` returned) lacks: every parameter and persistent buffer is due."""
+    expected = set(model.state_dict().keys())
+    if source.config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - loaded)
+    if missing:
+        # Merged parameters (qkv_proj, gate_up_proj): name the checkpoint's own tensors.
+        pieces: Callable[[str], list[str]] = getattr(model, "_pieces", lambda name: [])
+        # under the checkpoint's names where the family's differ from ours (GPT-NeoX, Phi)
+        hf_name: Callable[[str], str] = getattr(model, "hf_name", lambda name: name)
+        missing = sorted({hf_name(m) for m in missing if not pieces(m)}
+                         | set(getattr(model, "missing_pieces", [])))
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        hint = ""
+        if "score.weight" in missing and not source.config.classifier_from_token:
+            hint = ("; a causal LM served as a classifier gets score.weight from its LM head "
+                    "with hf_overrides' classifier_from_token (e.g. [\"no\", \"yes\"])")
+        raise ModelLoadError(f"{source.path}: {len(missing)} weight(s) missing from the "
+                             f"checkpoint: {shown}{hint}")
 
 
 @torch.no_grad()

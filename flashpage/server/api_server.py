@@ -4,7 +4,9 @@
 ``run_server(args)`` (``flashpage serve``) builds the engine and runs uvicorn.
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming as
 server-sent events), GET /v1/models, GET /health, GET /metrics, GET /version, POST /tokenize
-and POST /detokenize, POST /pooling, SageMaker's GET|POST /ping and POST /invocations (vLLM's).
+and POST /detokenize, POST /pooling, SageMaker's GET|POST /ping and POST /invocations (vLLM's);
+with FLASHPAGE_SERVER_DEV_MODE=1, POST /sleep, POST /wake_up, GET /is_sleeping and POST
+/reload_weights (sleep mode).
 See docs/server.md.
 """
 
@@ -271,6 +273,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             return await unload_lora_adapter(state, await _parse(state, request,
                                                                  UnloadLoRAAdapterRequest))
 
+    if envs.server_dev_mode():  # vLLM's sleep-mode routes (its VLLM_SERVER_DEV_MODE)
+        _add_sleep_routes(app, state, async_engine)
+
     @app.post("/reset_prefix_cache")  # vLLM's (there in its dev mode): forget cached prefixes
     async def reset_prefix_cache(request: Request) -> Response:
         _check_key(state, request)
@@ -294,6 +299,57 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         return await serving.detokenize(state, await _parse(state, request, DetokenizeRequest))
 
     return app
+
+
+def _add_sleep_routes(app: FastAPI, state: ServerState, async_engine: AsyncEngine) -> None:
+    """POST /sleep?level=N, POST /wake_up[?tags=weights&tags=kv_cache], GET /is_sleeping, as
+    vLLM's, and POST /reload_weights (ours: the checkpoint read from disk again, after a
+    level-2 sleep): each runs on the engine thread between two steps. 400: sleep mode off,
+    a bad level or tag, the weights asleep; 409: requests in flight. A request while asleep gets a 503
+    naming the wake_up it waits for (server/serving.py)."""
+    from flashpage.engine.sleep import EngineBusyError
+
+    async def run(fn: Any) -> Response:
+        try:
+            await async_engine.call(fn)
+        except EngineBusyError as e:
+            return _error_response(state, APIError(409, str(e), "invalid_request_error"))
+        except ValueError as e:
+            return _error_response(state, bad_request(str(e)))
+        return Response(status_code=200)
+
+    @app.post("/sleep")
+    async def sleep(request: Request) -> Response:
+        _check_key(state, request)
+        raw = request.query_params.get("level", "1")
+        if not raw.isdigit():
+            raise bad_request(f"level must be 1 or 2, got {raw!r}", "level")
+        level = int(raw)
+        return await run(lambda engine: _sleep_engine(engine).sleep(level))
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request) -> Response:
+        _check_key(state, request)
+        tags = request.query_params.getlist("tags") or None
+        return await run(lambda engine: _sleep_engine(engine).wake_up(tags))
+
+    @app.post("/reload_weights")  # ours: after /sleep?level=2, the checkpoint read again
+    async def reload_weights(request: Request) -> Response:
+        _check_key(state, request)
+        return await run(lambda engine: _sleep_engine(engine).reload_weights())
+
+    @app.get("/is_sleeping")
+    async def is_sleeping(request: Request) -> Response:
+        _check_key(state, request)
+        asleep = await async_engine.call(lambda engine: bool(getattr(engine, "is_sleeping",
+                                                                     lambda: False)()))
+        return JSONResponse({"is_sleeping": asleep})
+
+
+def _sleep_engine(engine: Any) -> Any:
+    if not hasattr(engine, "sleep_state"):
+        raise ValueError("sleep mode is not supported for encoder models")
+    return engine
 
 
 # ---------------------------------------------------------------------------- plumbing

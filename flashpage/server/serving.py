@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flashpage.engine.sampler import Logprobs
+from flashpage.engine.sleep import EngineSleepingError
 from flashpage.generation_config import GenerationDefaults
 from flashpage.lora.request import LoRARequest
 from flashpage.outputs import RequestOutput
@@ -392,7 +393,7 @@ async def start(state: ServerState, prefix: str, prompts: list[list[int]],
     except BaseException as e:
         for s in streams:
             s.abort()
-        if isinstance(e, EngineDeadError):
+        if isinstance(e, (EngineDeadError, EngineSleepingError)):  # asleep: says how to wake it
             raise APIError(503, str(e), "server_error") from None
         if isinstance(e, StructuredOutputsError):
             raise bad_request(str(e), structured_param or "structured_outputs") from None

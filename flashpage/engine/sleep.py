@@ -1,0 +1,200 @@
+"""Sleep mode (vLLM's ``enable_sleep_mode``): give the device memory of the weights and the
+KV cache back while the engine idles (an RLHF trainer's turn), and take it again.
+
+Every tensor keeps its Python object: what is released is its *storage*
+(``untyped_storage().resize_(0)``, as FSDP frees parameters), and waking resizes the same
+storage back and fills it. So the model's parameters, the attention layers' ``kv_cache``
+pairs and the runner's ``kv_caches`` list stay the objects everyone holds; only the
+addresses change (the allocator hands out new memory). The CUDA graphs, which bake those
+addresses in, are therefore dropped at ``sleep`` and captured again once both the weights
+and the KV cache are awake (LLMEngine.wake_up).
+
+Two groups, vLLM's tags::
+
+    "weights"   every storage under the model's parameters and buffers
+    "kv_cache"  every storage under the runner's K/V (or MLA latent) cache tensors
+
+``sleep(level=1)``: the weights' bytes copied to host memory (pinned on CUDA) first, then
+both groups released; the KV cache's contents are discarded (the engine resets the prefix
+cache). ``sleep(level=2)``: the parameters are discarded too; only the buffers (rotary
+tables, quantization scales, ...) are kept on the host, so that ``load_weights`` /
+``reload_weights`` need only the checkpoint's tensors. Waking a group re-allocates it:
+weights from their host copy (level 1) or zeroed until loaded (level 2; buffers from
+theirs), the KV cache zeroed (the null block of a sliding window is read as zeros).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+TAGS = ("weights", "kv_cache")
+
+
+class EngineBusyError(RuntimeError):
+    """sleep / load_weights / reload_weights while requests are in flight."""
+
+
+class EngineSleepingError(ValueError):
+    """A request or a forward while part of the engine is asleep: the message says which
+    part and the ``wake_up`` call that brings it back. (A ValueError, so the server answers
+    the request with it rather than counting it as a failure of the engine.)"""
+
+
+def check_tags(tags: Iterable[str] | None) -> tuple[str, ...]:
+    """vLLM's ``tags``: None (every group) or some of "weights", "kv_cache"; a ValueError
+    naming an unknown one."""
+    if tags is None:
+        return TAGS
+    if isinstance(tags, str):
+        tags = [tags]
+    out = tuple(dict.fromkeys(tags))
+    bad = [t for t in out if t not in TAGS]
+    if bad:
+        raise ValueError(f"unknown wake_up tag(s) {bad}: use {list(TAGS)} (or none for both)")
+    return out
+
+
+def _unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+    """The distinct storages under ``tensors`` (a tied weight, or views of one tensor, once)."""
+    seen: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        key = s.data_ptr() if s.nbytes() else id(s)
+        if key not in seen:
+            if not s.resizable():
+                raise RuntimeError(f"a tensor of shape {tuple(t.shape)} lives in memory torch did "
+                                   "not allocate (not resizable): sleep mode cannot release it")
+            seen[key] = s
+    return list(seen.values())
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all of ``storage``'s bytes."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (storage.nbytes(),), (1,))
+
+
+@dataclass
+class _Group:
+    """Storages released together: each with its size, and its host copy (None: discarded)."""
+
+    storages: list[torch.UntypedStorage]
+    sizes: list[int]
+    host: list[torch.Tensor | None] = field(default_factory=list)
+    asleep: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+    def release(self, keep: list[bool], pin: bool) -> None:
+        """Copy the storages marked in ``keep`` to the host (one buffer, pinned with
+        ``pin``: one allocation, and copies the device runs back to back), then free every
+        storage."""
+        total = sum(n for n, k in zip(self.sizes, keep, strict=True) if k)
+        buf = torch.empty(total, dtype=torch.uint8, pin_memory=pin) if total else None
+        self.host, off = [], 0
+        for s, n, k in zip(self.storages, self.sizes, keep, strict=True):
+            host = None
+            if k and n and buf is not None:
+                host = buf[off:off + n]
+                host.copy_(_bytes_of(s), non_blocking=pin)
+                off += n
+            self.host.append(host)
+        if pin:
+            torch.cuda.synchronize()  # the copies (and any step still reading) done
+        for s in self.storages:
+            s.resize_(0)
+        self.asleep = True
+
+    def restore(self) -> None:
+        """Allocate every storage again: its host copy back, else zeros (a discarded
+        weight reads as 0, never as stale memory, until it is loaded)."""
+        for s, n, host in zip(self.storages, self.sizes, self.host, strict=True):
+            s.resize_(n)
+            if host is not None:
+                _bytes_of(s).copy_(host, non_blocking=host.is_pinned())
+            elif n:
+                _bytes_of(s).zero_()
+        if self.storages and self.storages[0].device.type == "cuda":
+            torch.cuda.synchronize()
+        self.host = []
+        self.asleep = False
+
+
+class SleepState:
+    """The engine's two groups of device memory and which of them sleep (``LLMEngine``
+    owns one when ``enable_sleep_mode``; the policy, what may run when, is the engine's)."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: Iterable[torch.Tensor | tuple[torch.Tensor, ...]],
+                 device: torch.device) -> None:
+        self.device = device
+        self.pin = device.type == "cuda"
+        params = [p for _, p in model.named_parameters()]
+        buffers = [b for _, b in model.named_buffers() if b is not None]
+        self.weights = _Group(_unique_storages([*params, *buffers]), [])
+        # a storage is a parameter's (level 2 discards it) unless only buffers use it
+        param_ptrs = {s.data_ptr() for s in _unique_storages(params) if s.nbytes()}
+        self._is_param = [s.data_ptr() in param_ptrs for s in self.weights.storages]
+        self.weights.sizes = [s.nbytes() for s in self.weights.storages]
+        flat: list[torch.Tensor] = []
+        for c in kv_caches:
+            flat.extend(c if isinstance(c, tuple) else (c,))
+        self.kv_cache = _Group(_unique_storages(flat), [])
+        self.kv_cache.sizes = [s.nbytes() for s in self.kv_cache.storages]
+        self.level = 0  # the level of the last sleep (0: never slept / fully awake)
+        # after a level-2 sleep the parameters hold nothing until a load: set by wake_up,
+        # cleared by load_weights / reload_weights
+        self.weights_discarded = False
+
+    @property
+    def is_sleeping(self) -> bool:
+        """vLLM's ``is_sleeping``: any group asleep."""
+        return self.weights.asleep or self.kv_cache.asleep
+
+    def asleep(self) -> list[str]:
+        return [t for t in TAGS if self.group(t).asleep]
+
+    def group(self, tag: str) -> _Group:
+        return self.weights if tag == "weights" else self.kv_cache
+
+    def sleep(self, level: int) -> None:
+        """Release both groups (one already asleep stays so; level 2 over a level-1 sleep
+        drops the parameters' host copies)."""
+        if not self.weights.asleep:
+            keep = [True] * len(self._is_param) if level == 1 else [not p for p in self._is_param]
+            self.weights.release(keep, self.pin)
+        elif level == 2:
+            # the buffers' bytes copied out of the one host buffer, so that it is freed
+            self.weights.host = [None if p or h is None else h.clone()
+                                 for p, h in zip(self._is_param, self.weights.host, strict=True)]
+        self.weights_discarded |= level == 2
+        if not self.kv_cache.asleep:
+            self.kv_cache.release([False] * len(self.kv_cache.storages), self.pin)
+        self.level = max(self.level, level)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the driver: another process may take it
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        for tag in tags:
+            g = self.group(tag)
+            if g.asleep:
+                g.restore()
+        if not self.is_sleeping:
+            self.level = 0
+
+    def check_awake(self) -> None:
+        """An EngineSleepingError naming what sleeps and the call that wakes it."""
+        asleep = self.asleep()
+        if asleep:
+            call = "wake_up()" if len(asleep) == 2 else f"wake_up(tags={asleep})"
+            raise EngineSleepingError(
+                f"the engine is asleep ({' and '.join(asleep)} released by sleep(level="
+                f"{self.level})): call {call} before generating")
+        if self.weights_discarded:
+            raise EngineSleepingError(
+                "the weights were discarded by sleep(level=2): call load_weights(...) or "
+                "reload_weights() before generating")
