@@ -363,3 +363,35 @@ def test_gguf_reload(checkpoints, tmp_path, name):
     llm.reload_weights()
     assert _ids(llm, prompts) == want
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_usable_blocks
+
+
+def test_sleep_with_kv_offloading(checkpoints):
+    """Sleep mode beside the host KV tier (engine/kv_offload.py): the tier's copies go
+    through views of the same cache storages sleep releases and retakes, so after
+    sleep(1) + wake_up() a prompt's blocks still travel to the host and back, and the
+    tokens are the same; after load_weights nothing cached under the old weights (GPU or
+    host) is reused."""
+    kw = dict(KW, num_gpu_blocks=10, kv_offloading_size=0.001)
+    llm = LLM(str(checkpoints[0]), enable_sleep_mode=True, **kw)
+    long_prompt = PROMPTS[-1:]
+    fillers = random_prompts(2, 40, 40, seed=11)
+
+    def from_host() -> tuple[list[int], int]:
+        llm.generate(long_prompt, GREEDY, use_tqdm=False)
+        llm.generate(fillers, GREEDY, use_tqdm=False)  # the pool's blocks reused: stored to the host
+        out = llm.generate(long_prompt, GREEDY, use_tqdm=False)[0]
+        return list(out.outputs[0].token_ids), out.metrics.num_host_cached_tokens
+
+    want, host = from_host()
+    assert host == 16
+    llm.sleep(level=1)
+    llm.wake_up()
+    got, host = from_host()
+    assert (got, host) == (want, 16)
+    free = llm.engine.kv_manager.pool.free_queue.num_free
+    llm.load_weights(iter_safetensors(str(checkpoints[1])))
+    out = llm.generate(long_prompt, GREEDY, use_tqdm=False)[0]
+    assert out.metrics.num_cached_tokens == 0
+    other = LLM(str(checkpoints[1]), **KW)
+    assert list(out.outputs[0].token_ids) == _ids(other, long_prompt)[0]
+    assert llm.engine.kv_manager.pool.free_queue.num_free == free
