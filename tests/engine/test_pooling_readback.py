@@ -69,11 +69,15 @@ def test_embeddings_read_back_per_step(tiny_checkpoint, monkeypatch):
         assert np.array_equal(o.embedding, s.embedding)
         pp = params[int(rid[1:])]
         assert o.embedding.shape == (pp.dimensions or hidden,)
-    # the same as one request at a time (the one-request reference, PoolingState.embedding)
+    # the same as one request at a time (the one-request reference, PoolingState.embedding),
+    # up to fp32 rounding: a batch of other rows changes the matmuls' M, and with it the
+    # kernel and summation order the CPU BLAS picks (on an AMX / AVX-512 Xeon an
+    # embedding moved by 3.7e-6 absolute, 1.4e-4 relative, against 1e-6 / 1e-5
+    # elsewhere); async == sync above stays exact (the same batches)
     for i, p in enumerate(prompts):
         ref = llm.embed([p], params[i], use_tqdm=False)[0].outputs.data
         torch.testing.assert_close(torch.from_numpy(runs[True][f"e{i}"].embedding),
-                                   torch.from_numpy(ref), atol=1e-6, rtol=1e-5)
+                                   torch.from_numpy(ref), atol=2e-5, rtol=1e-4)
 
 
 def test_classify_read_back_per_step(tmp_path, monkeypatch):
