@@ -271,11 +271,12 @@ def test_sleep_releases_gpu_memory(tiny_checkpoint):
     assert torch.cuda.mem_get_info()[0] < free_asleep  # empty_cache had given it to the driver
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.graphs  # captured again over the new addresses
+    del graphs  # a reference kept here would keep the graphs' memory pool past sleep(2)
     replays = []
     real = torch.cuda.CUDAGraph.replay
 
     def counting(g):
-        replays.append(g)
+        replays.append(id(g))  # not g: the graph object holds its pool
         return real(g)
 
     torch.cuda.CUDAGraph.replay = counting  # type: ignore[method-assign]
