@@ -8,7 +8,8 @@ evicted (and, offloading on, stored to the host tier), P runs again (host: its f
 loaded back), and once more (gpu: its blocks now cached on the GPU). Each run is
 ``generate([P], max_tokens=1)`` timed to its end, so what is measured is the TTFT of a
 request that arrives alone. The cached-token counts each run reports are printed beside it
-(host: every full block of P should come from the host, none from the GPU).
+(host: every full block of P should come from the host, none from the GPU). The baseline
+in the same run: one pinned 1 GiB host-to-device copy's GB/s.
 
     python benchmarks/kv_offload.py --config llama-3-8b --input-lens 1024 4096 16384 --json-out $OUT/kv_offload.json
 """
@@ -25,6 +26,21 @@ import torch
 from flashpage.bench.common import resolve_config
 from flashpage.llm import LLM
 from flashpage.sampling_params import SamplingParams
+
+
+def host_to_device_gbps(nbytes: int = 1 << 30, iters: int = 5) -> float:
+    """The baseline the loads are held to: one pinned host buffer copied to the device,
+    median GB/s of ``iters`` copies."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    rates = []
+    for _ in range(iters + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates[1:])
 
 
 def main() -> None:
@@ -85,7 +101,10 @@ def main() -> None:
               f"(cached {row['host_cached_tokens']}, host {row['host_host_cached_tokens']}) | "
               f"GPU hit {row['gpu_ms']:8.2f} ms (cached {row['gpu_cached_tokens']}) | "
               f"host / cold {row['host_ms'] / row['cold_ms']:.2f}", flush=True)
-    res = {"config": args.config, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    h2d = host_to_device_gbps() if torch.cuda.is_available() else None
+    if h2d is not None:
+        print(f"baseline: one pinned 1 GiB host-to-device copy {h2d:.1f} GB/s", flush=True)
+    res = {"h2d_pinned_gbps": h2d, "config": args.config, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "host_gib": args.host_gib, "gpu_blocks": pool_blocks, "block_size": args.block_size, "rows": rows}
     if args.json_out:
         with open(args.json_out, "w") as f:
