@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import httpx
 import pytest
@@ -65,6 +66,12 @@ def test_completions_from_prompt_embeds_equal_generate(embeds_server, offline):
     # both fields: the embeds prompts first, then the prompts (vLLM's order)
     assert _texts(post(embeds_server, {**base, "prompt_embeds": [b64(e2)], "prompt": [[1, 50, 51]]})) \
         == want_text[1:]
+    with httpx.stream("POST", embeds_server.url + "/v1/completions", timeout=60,
+                      json={**base, "prompt_embeds": b64(e1), "stream": True}) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want_text[0]
     embeds_server.wait_idle()
 
 
