@@ -836,19 +836,17 @@ class LLMEngine:
 
     def _check_embeds_request(self, prompt: torch.Tensor, params: SamplingParams,
                               pooling: PoolingParams | None) -> torch.Tensor:
-        """A prompt given as input embeddings, checked (engine/prompt_embeds.py) and
-        truncated as truncate_prompt_tokens says; a ValueError names what it cannot do."""
+        """A prompt given as input embeddings, truncated as truncate_prompt_tokens says and
+        checked (engine/prompt_embeds.py); a ValueError names what it cannot do."""
         embeds = check_prompt_embeds(prompt, self.embeds_width, self.max_model_len, self.dtype,
-                                     enabled=self.config.enable_prompt_embeds)
+                                     enabled=self.config.enable_prompt_embeds,
+                                     keep_last=params.truncate_prompt_tokens)
         if pooling is not None:
             raise ValueError(f"prompt_embeds with a {pooling.task} request: only generation "
                              "takes a prompt given as embeddings")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs with prompt_embeds: an embeds prompt has no "
                              "prompt token ids to score")
-        t = params.truncate_prompt_tokens
-        if t is not None and embeds.shape[0] > t:
-            embeds = embeds[-t:].contiguous()
         return embeds
 
     def _validate_ids(self, ids: list[int]) -> None:

@@ -31,9 +31,10 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def check_prompt_embeds(embeds: object, width: int, max_model_len: int, dtype: torch.dtype,
-                        *, enabled: bool) -> torch.Tensor:
-    """The request's embeddings as a contiguous CPU tensor in ``dtype``; a ValueError naming
-    what is wrong (not enabled, not a 2-D float tensor, empty, the wrong width, too long)."""
+                        *, enabled: bool, keep_last: int | None = None) -> torch.Tensor:
+    """The request's embeddings as a contiguous CPU tensor in ``dtype`` (only the last
+    ``keep_last`` rows: truncate_prompt_tokens); a ValueError naming what is wrong (not
+    enabled, not a 2-D float tensor, empty, the wrong width, too long, not finite)."""
     if not enabled:
         raise ValueError("prompt_embeds given, but the engine was started without "
                          "enable_prompt_embeds (LLM(..., enable_prompt_embeds=True), "
@@ -52,6 +53,8 @@ def check_prompt_embeds(embeds: object, width: int, max_model_len: int, dtype: t
     if embeds.shape[1] != width:
         raise ValueError(f"prompt_embeds has hidden size {embeds.shape[1]}, but the model's "
                          f"input embeddings have hidden size {width}")
+    if keep_last is not None and embeds.shape[0] > keep_last:
+        embeds = embeds[-keep_last:]
     if embeds.shape[0] >= max_model_len:
         raise ValueError(f"prompt_embeds has {embeds.shape[0]} tokens but max_model_len is "
                          f"{max_model_len}: no room for any output token")

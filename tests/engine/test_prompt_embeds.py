@@ -170,6 +170,25 @@ def test_n_samples_and_truncation(llama):
                              use_tqdm=False))
 
 
+def test_truncation_comes_before_the_length_check(llama):
+    path, hf = llama
+    ids = random_prompts(1, 80, 80, seed=14)[0]
+    llm = _llm(path, max_model_len=64)
+    cut = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=20)
+    outs = llm.generate([ids, {"prompt_embeds": embed_ids(hf, ids)}], cut, use_tqdm=False)
+    assert _tokens(outs)[0] == _tokens(outs)[1]
+
+
+def test_digest_names_dtype_shape_and_bytes():
+    from flashpage.engine.prompt_embeds import digest
+
+    a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    same = {digest(a), digest(a.clone())}
+    others = {digest(a.reshape(4, 3)), digest(a.to(torch.bfloat16)), digest(a.to(torch.float16)),
+              digest(a + 1e-6)}
+    assert len(same) == 1 and len(others | same) == 5
+
+
 def test_repetition_penalty_reads_the_outputs_only(llama):
     """An embeds prompt has no ids to penalize: as transformers' generate(inputs_embeds=...),
     whose penalty sees the generated tokens alone."""
@@ -267,3 +286,23 @@ def test_embeds_prompts_on_cuda_with_graphs(tiny_checkpoint):
     only = [{"prompt_embeds": embed_ids(hf, p)} for p in prompts]
     assert _tokens(llm.generate(only, GREEDY, use_tqdm=False)) == plain
     assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+def test_sliding_window_release_and_hits(tiny_checkpoint):
+    """Behind a released window (Mistral's 24): an identical embeds prompt hits (the window
+    search from the right), tokens equal to the token prompt's and transformers'."""
+    path = tiny_checkpoint("mistral_window")
+    hf = hf_model(path)
+    ids = random_prompts(1, 57, 57, seed=15)[0]
+    e = embed_ids(hf, ids)
+    llm = _llm(path)
+    kv = llm.engine.kv_manager
+    assert llm.engine.release_window == 24
+    plain = _tokens(llm.generate([ids], GREEDY, use_tqdm=False))
+    hits = kv.prefix_hits
+    assert _tokens(llm.generate([{"prompt_embeds": e}], GREEDY, use_tqdm=False)) == plain
+    assert kv.prefix_hits == hits
+    assert _tokens(llm.generate([{"prompt_embeds": e.clone()}], GREEDY, use_tqdm=False)) == plain
+    assert kv.prefix_hits > hits
+    assert plain == hf_greedy_embeds(hf, [e])
+    assert kv.stats().blocks_used == 0

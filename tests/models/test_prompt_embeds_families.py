@@ -76,3 +76,27 @@ def test_family_takes_transformers_inputs_embeds(tmp_path, name):
     got = [o.outputs[0].token_ids for o in outs]
     assert got[2:] == expected
     assert got[2:4] == got[:2]  # the model's own embeddings of the ids: the token prompt's tokens
+
+
+def test_gemma3_groups_share_identical_embeds_prompts(tmp_path):
+    """KV cache groups (Gemma 3's windowed and full layers, kv_cache/hybrid.py): the second
+    identical embeds prompt hits in every group, tokens unchanged; a token prompt of the
+    same ids does not."""
+    import transformers
+
+    path = _build("gemma3", tmp_path / "gemma3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = random_prompts(1, 45, 45, seed=23)[0]
+    with torch.no_grad():
+        e = hf.get_input_embeddings()(torch.tensor(ids)).detach().clone()
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=8, attention_backend="torch_native",
+              enable_prompt_embeds=True)
+    assert llm.engine.kv_layout is not None
+    kv = llm.engine.kv_manager
+    first = llm.generate([{"prompt_embeds": e}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    hits = kv.prefix_hits
+    assert llm.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert kv.prefix_hits == hits
+    assert llm.generate([{"prompt_embeds": e.clone()}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert kv.prefix_hits > hits
+    assert kv.stats().blocks_used == 0
