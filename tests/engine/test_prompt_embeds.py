@@ -306,3 +306,43 @@ def test_sliding_window_release_and_hits(tiny_checkpoint):
     assert kv.prefix_hits > hits
     assert plain == hf_greedy_embeds(hf, [e])
     assert kv.stats().blocks_used == 0
+
+
+def test_graph_paths_pass_embeds_steps_by(llama, monkeypatch):
+    """With the decode, prompt-only and piecewise graphs' padded steps in place (run eagerly
+    on the CPU, capture=False), a step holding embeds rows takes none of them (their
+    static inputs are ids) and the other steps still do; tokens equal the token prompts'."""
+    from flashpage.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs, PrefillGraphs
+
+    path, hf = llama
+    prompts = random_prompts(4, 6, 30, seed=16)
+    kw = dict(max_num_batched_tokens=32, block_size=16)
+    plain = _tokens(_llm(path, **kw).generate(prompts, GREEDY, use_tqdm=False))
+    llm = _llm(path, **kw)
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner.model, 4, 16, runner.device, groups=runner.num_groups)
+    runner.capture_prefill_graphs(32, llm.engine.max_model_len, capture=False)
+    runner.capture_piecewise_graphs(32, capture=False)
+    used: list[tuple[str, bool]] = []  # (graph kind, whether the step had embeds rows)
+    prepare = runner.prepare
+
+    def spy_prepare(out):
+        inp = prepare(out)
+        used.append(("step", inp.inputs_embeds is not None))
+        return inp
+
+    monkeypatch.setattr(runner, "prepare", spy_prepare)
+    for cls, kind in ((DecodeGraphs, "decode"), (PrefillGraphs, "prefill"), (PiecewiseGraphs, "piecewise")):
+        run = cls.run
+
+        def spy(self, *a, _run=run, _kind=kind, **k):
+            used.append((_kind, used[-1][1]))
+            return _run(self, *a, **k)
+
+        monkeypatch.setattr(cls, "run", spy)
+    mixed = [{"prompt_embeds": embed_ids(hf, p)} if i % 2 else p for i, p in enumerate(prompts)]
+    assert _tokens(llm.generate(mixed, GREEDY, use_tqdm=False)) == plain
+    graphed = [(k, e) for k, e in used if k != "step"]
+    assert graphed and not any(e for _, e in graphed)  # no graph ran a step with embeds rows
+    assert {k for k, _ in graphed} >= {"decode"}
+    assert any(e for k, e in used if k == "step")
