@@ -94,6 +94,9 @@ class LLM:
             if hf_overrides is not None:
                 raise ValueError("hf_overrides apply to decoder models; this is an encoder model "
                                  "(flashpage/encoder/), whose config.json is read as it is")
+            if enable_prompt_embeds:
+                raise ValueError("enable_prompt_embeds applies to decoder models; this is an "
+                                 "encoder model (flashpage/encoder/), which takes token ids")
             from flashpage.encoder.engine import EncoderEngine
 
             # duck-typed: the subset of LLMEngine that LLM and the server's AsyncEngine call

@@ -346,3 +346,13 @@ def test_graph_paths_pass_embeds_steps_by(llama, monkeypatch):
     assert graphed and not any(e for _, e in graphed)  # no graph ran a step with embeds rows
     assert {k for k, _ in graphed} >= {"decode"}
     assert any(e for k, e in used if k == "step")
+
+
+def test_encoder_model_refuses_the_flag(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["BertModel"], "model_type": "bert", "vocab_size": 32, "hidden_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}))
+    with pytest.raises(ValueError, match="enable_prompt_embeds applies to decoder models"):
+        LLM(str(tmp_path), device="cpu", enable_prompt_embeds=True)
