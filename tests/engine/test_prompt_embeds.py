@@ -356,3 +356,22 @@ def test_encoder_model_refuses_the_flag(tmp_path):
         "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}))
     with pytest.raises(ValueError, match="enable_prompt_embeds applies to decoder models"):
         LLM(str(tmp_path), device="cpu", enable_prompt_embeds=True)
+
+
+def test_lora_adapter_with_embeds_prompts(llama, tmp_path):
+    """Under a LoRA adapter (its own prefix-cache root too): an embeds prompt's tokens are
+    the token prompt's under the same adapter, and the merged checkpoint's."""
+    from flashpage.lora.request import LoRARequest
+    from tests.peft_adapter import merge_adapter, write_adapter
+
+    path, hf = llama
+    adapter = write_adapter(tmp_path / "adapter", path, seed=2)
+    merged = merge_adapter(path, adapter, tmp_path / "merged")
+    prompts = random_prompts(3, 8, 30, seed=17)
+    want = _tokens(_llm(merged).generate(prompts, GREEDY, use_tqdm=False))
+    llm = _llm(path, enable_lora=True)
+    lora = LoRARequest("a", 1, str(adapter))
+    embeds = [{"prompt_embeds": embed_ids(hf, p)} for p in prompts]
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)) == want
+    assert _tokens(llm.generate(embeds, GREEDY, use_tqdm=False, lora_request=lora)) == want
+    assert _tokens(llm.generate(embeds, GREEDY, use_tqdm=False)) != want  # the adapter mattered
