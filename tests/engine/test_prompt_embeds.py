@@ -258,15 +258,20 @@ def test_a_model_without_inputs_embeds_is_refused_at_build(llama, monkeypatch):
         _llm(llama[0])
 
 
-def test_cli_flag_reaches_the_engine():
+def test_cli_flag_reaches_the_engine(llama):
     import argparse
 
-    from flashpage.cli import add_engine_arguments
+    from flashpage.cli import add_engine_arguments, build_llm
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
-    assert p.parse_args(["--enable-prompt-embeds"]).enable_prompt_embeds is True
     assert p.parse_args([]).enable_prompt_embeds is False
+    args = p.parse_args(["--model", str(llama[0]), "--device", "cpu", "--dtype", "float32",
+                         "--enable-prompt-embeds"])
+    llm = build_llm(args)  # what generate, chat, serve and bench build
+    assert llm.engine.config.enable_prompt_embeds is True
+    out = llm.generate([{"prompt_embeds": embed_ids(llama[1], [1, 2, 3])}], GREEDY, use_tqdm=False)
+    assert out[0].error is None and len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
 
 
 @pytest.mark.gpu
