@@ -49,6 +49,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM's sleep mode: LLM.sleep / wake_up (the server's POST /sleep and "
                         "/wake_up with FLASHPAGE_SERVER_DEV_MODE=1) release and retake the GPU "
                         "memory of the weights and the KV cache")
+    g.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept prompts given as input embeddings (vLLM's: {\"prompt_embeds\": "
+                        "tensor} in LLM.generate, the completions API's prompt_embeds field)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while the GPU runs step N (default: on with CUDA)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
@@ -201,7 +204,8 @@ def build_llm(args: argparse.Namespace) -> Any:
                disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),
                generation_config=getattr(args, "generation_config", "auto"),
                override_generation_config=getattr(args, "override_generation_config", None),
-               hf_overrides=getattr(args, "hf_overrides", None))
+               hf_overrides=getattr(args, "hf_overrides", None),
+               enable_prompt_embeds=getattr(args, "enable_prompt_embeds", False))
 
 
 def add_lora_module_arguments(p: argparse.ArgumentParser) -> None:

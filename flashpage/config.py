@@ -2371,6 +2371,10 @@ class EngineConfig:
     # (config.apply_hf_overrides), e.g. {"architectures": ["Qwen3ForSequenceClassification"],
     # "classifier_from_token": ["no", "yes"]} to serve a causal LM as a reranker
     hf_overrides: dict[str, Any] | None = None
+    # vLLM's enable_prompt_embeds: a prompt may be given as its input embeddings
+    # ({"prompt_embeds": tensor [tokens, hidden]}, the server's prompt_embeds field) instead
+    # of token ids (engine/prompt_embeds.py)
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
         from flashpage.engine.scheduler import check_scheduling_policy
@@ -2386,6 +2390,9 @@ class EngineConfig:
             from flashpage.engine.spec_decode import SpeculativeConfig
 
             SpeculativeConfig.parse(self.speculative_config)  # a bad one named now
+            if self.enable_prompt_embeds:
+                raise ConfigError("enable_prompt_embeds does not work with speculative_config: "
+                                  "drafters read the prompt's token ids, which an embeds prompt has none of")
         if self.pooling_type is not None and self.pooling_type not in ("last", "mean", "cls"):
             raise ValueError(f"pooling_type must be last, mean or cls, got {self.pooling_type!r}")
         t = self.long_prefill_token_threshold

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
+import torch
 
 from flashpage.beam_search import BeamSearch, BeamSearchOutput, run_beam_search
 from flashpage.config import EngineConfig
@@ -72,7 +73,8 @@ class LLM:
                  long_prefill_token_threshold: int = 0,
                  disable_hybrid_kv_cache_manager: bool = False,
                  override_generation_config: dict[str, Any] | None = None,
-                 hf_overrides: dict[str, Any] | None = None) -> None:
+                 hf_overrides: dict[str, Any] | None = None,
+                 enable_prompt_embeds: bool = False) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
             num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
@@ -88,7 +90,8 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             generation_config=generation_config,
-            override_generation_config=override_generation_config, hf_overrides=hf_overrides)
+            override_generation_config=override_generation_config, hf_overrides=hf_overrides,
+            enable_prompt_embeds=enable_prompt_embeds)
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory
         if is_encoder_model(random_weights_config or model):
@@ -98,6 +101,9 @@ class LLM:
             if kv_offloading_size:
                 raise ValueError("kv_offloading_size applies to decoder models; this is an encoder "
                                  "model (flashpage/encoder/), which keeps no KV cache")
+            if enable_prompt_embeds:
+                raise ValueError("enable_prompt_embeds applies to decoder models; this is an "
+                                 "encoder model (flashpage/encoder/), which takes token ids")
             from flashpage.encoder.engine import EncoderEngine
 
             # duck-typed: the subset of LLMEngine that LLM and the server's AsyncEngine call
@@ -164,8 +170,9 @@ class LLM:
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or vLLM's dicts {"prompt": text} /
-        {"prompt_token_ids": [...]}, each with an optional "cache_salt": prefix-cache blocks
-        shared only among prompts of the same salt).
+        {"prompt_token_ids": [...]} / {"prompt_embeds": tensor [tokens, hidden]} (needs
+        ``enable_prompt_embeds``; engine/prompt_embeds.py), each with an optional
+        "cache_salt": prefix-cache blocks shared only among prompts of the same salt).
 
         Outputs come back in prompt order. A prompt that cannot run (empty, too long,
         token ids outside the vocabulary, a LoRA adapter that cannot be loaded, ...) gets an
@@ -259,6 +266,8 @@ class LLM:
         ids: list[list[int]] = []
         for p in plist:
             raw = prompt_parts(p)[0]
+            if isinstance(raw, torch.Tensor):
+                raise ValueError("beam_search takes text or token-id prompts, not prompt_embeds")
             ids.append(self.engine.tokenize(raw) if isinstance(raw, str) else list(raw))
         engine = self.engine
         search = BeamSearch(ids, params, engine.eos_token_ids, engine.max_model_len)
@@ -290,7 +299,10 @@ class LLM:
         encode_pair = self.engine.encode_pair  # type: ignore[attr-defined]
 
         def text(p: Prompt) -> str | list[int]:
-            return prompt_parts(p)[0]
+            raw = prompt_parts(p)[0]
+            if isinstance(raw, torch.Tensor):
+                raise ValueError("score takes text or token-id prompts, not prompt_embeds")
+            return raw
 
         pairs: list[Prompt] = [encode_pair(text(left[0 if len(left) == 1 else j]), text(b))
                                for j, b in enumerate(right)]
@@ -427,17 +439,24 @@ def _per_prompt_loras(lora_request: LoRARequest | Sequence[LoRARequest | None] |
     return loras
 
 
-def prompt_parts(p: Prompt) -> tuple[str | list[int], str | None]:
-    """A prompt's text or token ids, and its cache salt: vLLM's prompt dicts
-    ({"prompt": text} or {"prompt_token_ids": [...]}, each with an optional "cache_salt")."""
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
+
+
+def prompt_parts(p: Prompt) -> tuple[str | list[int] | torch.Tensor, str | None]:
+    """A prompt's text, token ids or input embeddings, and its cache salt: vLLM's prompt
+    dicts ({"prompt": text}, {"prompt_token_ids": [...]} or {"prompt_embeds": tensor},
+    each with an optional "cache_salt")."""
     if not isinstance(p, dict):
         return p, None
-    unknown = set(p) - {"prompt", "prompt_token_ids", "cache_salt"}
-    if unknown or ("prompt" in p) == ("prompt_token_ids" in p):
-        raise ValueError(f"a prompt dict takes one of 'prompt' (text) or 'prompt_token_ids', "
-                         f"and optionally 'cache_salt'; got keys {sorted(p)}")
-    return cast(str | list[int], p["prompt"] if "prompt" in p else p["prompt_token_ids"]), \
-        p.get("cache_salt")
+    unknown = set(p) - {*_PROMPT_KEYS, "cache_salt"}
+    given = [k for k in _PROMPT_KEYS if k in p]
+    if unknown or len(given) != 1:
+        raise ValueError(f"a prompt dict takes one of 'prompt' (text), 'prompt_token_ids' or "
+                         f"'prompt_embeds', and optionally 'cache_salt'; got keys {sorted(p)}")
+    if given[0] == "prompt_embeds" and not isinstance(p["prompt_embeds"], torch.Tensor):
+        raise ValueError(f"prompt_embeds must be a torch.Tensor [num_tokens, hidden_size], "
+                         f"got {type(p['prompt_embeds']).__name__}")
+    return cast(str | list[int] | torch.Tensor, p[given[0]]), p.get("cache_salt")
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -34,6 +34,7 @@ from flashpage.engine.medusa import build_medusa_proposer, load_medusa_heads
 from flashpage.engine.model_runner import ModelRunner
 from flashpage.engine.mtp import build_mtp_proposer, mtp_kv_bytes_per_token
 from flashpage.engine.output import ChildRequest, ParentRequest, child_params
+from flashpage.engine.prompt_embeds import EMBEDS_PLACEHOLDER_ID, check_prompt_embeds, digest
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
 from flashpage.engine.scheduler import Scheduler, check_priority
 from flashpage.engine.sequence import Request, RequestStatus, prompt_text_and_ids
@@ -167,6 +168,9 @@ class LLMEngine:
                                 quantization=config.quantization, classifier_token_ids=token_ids,
                                 mxfp4_kernel=mxfp4_kernel, fp8_moe_kernel=fp8_moe_kernel,
                                 int4_moe_kernel=int4_moe_kernel)
+        if config.enable_prompt_embeds and not getattr(self.model, "supports_prompt_embeds", False):
+            raise ConfigError(f"enable_prompt_embeds: {mc.architecture}'s forward does not take "
+                              "input embeddings (engine/prompt_embeds.py lists the families that do)")
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
@@ -688,7 +692,7 @@ class LLMEngine:
             raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
-    def add_request(self, request_id: str | None, prompt: str | list[int],
+    def add_request(self, request_id: str | None, prompt: str | list[int] | torch.Tensor,
                     params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None, priority: int = 0,
@@ -699,7 +703,8 @@ class LLMEngine:
         it runs with (read and checked here the first time its id is seen). ``priority``:
         with the priority scheduling policy, lower values are served first (as vLLM's).
         ``cache_salt``: its prefix-cache blocks are shared only with requests of the same
-        salt (vLLM's; a non-empty string)."""
+        salt (vLLM's; a non-empty string). A tensor prompt: its input embeddings
+        [tokens, hidden] (engine/prompt_embeds.py; needs enable_prompt_embeds)."""
         self.check_awake()
         self.check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -718,11 +723,17 @@ class LLMEngine:
             self._counter += 1
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = prompt_text_and_ids(prompt, self.tokenize)
-        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
-            ids = ids[-params.truncate_prompt_tokens:]  # the text no longer matches: not kept
-            text = None
-        self._validate_ids(ids)
+        embeds: torch.Tensor | None = None
+        if isinstance(prompt, torch.Tensor):  # engine/prompt_embeds.py
+            embeds = self._check_embeds_request(prompt, params, pooling)
+            text, ids = None, [EMBEDS_PLACEHOLDER_ID] * embeds.shape[0]
+        else:
+            text, ids = prompt_text_and_ids(prompt, self.tokenize)
+            if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+                ids = ids[-params.truncate_prompt_tokens:]  # the text no longer matches: not kept
+                text = None
+            self._validate_ids(ids)
+        embeds_digest = digest(embeds) if embeds is not None else None
         vocab = self.model_config.vocab_size
         for name, ids_ in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             for t in ids_:
@@ -741,12 +752,14 @@ class LLMEngine:
         if lora_request is not None:
             self.add_lora(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        parent = ParentRequest(request_id, text, ids, params, [], RequestMetrics(arrival), pooling)
+        # an embeds prompt's ids are placeholders: its output says none (as vLLM's, empty)
+        shown_ids = ids if embeds is None else []
+        parent = ParentRequest(request_id, text, shown_ids, params, [], RequestMetrics(arrival), pooling)
         for i in range(params.n):
             sample = params if params.n == 1 else child_params(params, i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, sample, self.eos_token_ids, arrival, lora_request, priority,
-                          cache_salt)
+                          cache_salt, embeds, embeds_digest)
             req.bad_word_ids = bad_word_ids
             if guide is not None:
                 from flashpage.structured.guide import GuideState
@@ -760,7 +773,7 @@ class LLMEngine:
             except ValueError:
                 self.scheduler.abort_requests([c.request.request_id for c in parent.children])
                 raise
-            detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            detok = (IncrementalDetokenizer(self.tokenizer, shown_ids, params.skip_special_tokens)
                      if self.tokenizer is not None and params.detokenize else None)
             child = ChildRequest(req, request_id, i, detok)
             parent.children.append(child)
@@ -870,6 +883,26 @@ class LLMEngine:
             self._guides = GuideCompiler(self.tokenizer, self.model_config.vocab_size,
                                          self.eos_token_ids)
         return self._guides.compile(spec)
+
+    @property
+    def embeds_width(self) -> int:
+        """The width of a prompt_embeds row: what the model's token embedding gives."""
+        return self.model_config.word_embed_proj_dim or self.model_config.hidden_size
+
+    def _check_embeds_request(self, prompt: torch.Tensor, params: SamplingParams,
+                              pooling: PoolingParams | None) -> torch.Tensor:
+        """A prompt given as input embeddings, truncated as truncate_prompt_tokens says and
+        checked (engine/prompt_embeds.py); a ValueError names what it cannot do."""
+        embeds = check_prompt_embeds(prompt, self.embeds_width, self.max_model_len, self.dtype,
+                                     enabled=self.config.enable_prompt_embeds,
+                                     keep_last=params.truncate_prompt_tokens)
+        if pooling is not None:
+            raise ValueError(f"prompt_embeds with a {pooling.task} request: only generation "
+                             "takes a prompt given as embeddings")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs with prompt_embeds: an embeds prompt has no "
+                             "prompt token ids to score")
+        return embeds
 
     def _validate_ids(self, ids: list[int]) -> None:
         if not ids:

@@ -24,6 +24,7 @@ from flashpage.engine.spec_decode import guide_states, verify_drafts
 from flashpage.kv_cache.hybrid import GroupLayout, HybridKVCacheManager
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
 from flashpage.lora.manager import LoRAManager
+from flashpage.models.common import InputEmbeds
 from flashpage.pooling import PooledBatch, PoolingState
 
 TABLE_WIDTH_MULTIPLE = 16
@@ -55,6 +56,8 @@ class StepInputs:
     # speculative decoding: (request, its drafts) in the order of their logits rows, which
     # follow the sampled requests' rows in logits_indices (engine/spec_decode.py)
     spec: list[tuple[Request, list[int]]] = field(default_factory=list)
+    # prompts given as embeddings (engine/prompt_embeds.py): their rows of this step
+    inputs_embeds: InputEmbeds | None = None
 
 
 class ModelRunner:
@@ -235,6 +238,7 @@ class ModelRunner:
         pool_rows: list[tuple[Request, int, int, int]] = []
         spec: list[tuple[Request, list[int]]] = []
         layout: list[tuple[Request, int, int, int]] = []
+        embeds: list[tuple[int, torch.Tensor]] = []  # (first row, rows) of embeds prompts
         num_decodes = 0
         t = 0
         k = 0
@@ -278,6 +282,9 @@ class ModelRunner:
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 # rows at positions start .. predict prompt tokens start + 1 ..
                 prompt_rows.append((req, t, start, min(end, req.num_prompt_tokens - 1) - start))
+            if req.prompt_embeds is not None and start < req.num_prompt_tokens:
+                # its input_ids there are placeholders; the model reads these rows instead
+                embeds.append((t, req.prompt_embeds[start:min(end, req.num_prompt_tokens)]))
             if req.pooling is not None and start < req.num_prompt_tokens:
                 pool_rows.append((req, t, start, min(end, req.num_prompt_tokens) - start))
             if self.keep_layout:
@@ -321,7 +328,19 @@ class ModelRunner:
             (dev[offs[9 + 2 * g]:offs[10 + 2 * g]].view(num_seqs, width).to(torch.int32),
              dev[offs[8 + 2 * g]:offs[9 + 2 * g]]) for g in range(1, extra + 1)], self.backend.prepare)
         return StepInputs(d_input_ids, d_positions, md, d_logits, sample_reqs, prompt_rows, pool_rows,
-                          spec)
+                          spec, self._inputs_embeds(embeds))
+
+    def _inputs_embeds(self, parts: list[tuple[int, torch.Tensor]]) -> InputEmbeds | None:
+        """The step's rows given as embeddings: (first row, [m, width] host rows) each ->
+        their rows and values on the device (one copy each, pinned on CUDA)."""
+        if not parts:
+            return None
+        rows = torch.cat([torch.arange(t, t + len(v), dtype=torch.int64) for t, v in parts])
+        values = torch.cat([v for _, v in parts]) if len(parts) > 1 else parts[0][1]
+        if self.pin:
+            return InputEmbeds(rows.pin_memory().to(self.device, non_blocking=True),
+                               values.pin_memory().to(self.device, non_blocking=True))
+        return InputEmbeds(rows.to(self.device), values.to(self.device))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list[tuple[Request, int, int, int]]) -> None:
         """Each prompt_rows row's logprobs of the prompt token after it (raw log_softmax, its
@@ -384,22 +403,28 @@ class ModelRunner:
         # that hand back only the sampled rows' logits; steps that check drafts (more rows
         # than requests) the decode graphs, and the prompt-step ones unless they have the rows.
         reads_hidden = bool(inp.prompt_rows or inp.pool_rows)
-        if (self.graphs is not None and md.num_decodes == md.num_seqs and not reads_hidden and not inp.spec
+        # rows given as embeddings run eagerly: the graphs' static inputs are token ids only
+        eager = inp.inputs_embeds is not None
+        if (self.graphs is not None and not eager and md.num_decodes == md.num_seqs and not reads_hidden
+                and not inp.spec
                 and self.graphs.bucket(md.num_seqs) is not None):
             # One token per request, each sampled: token index == row of the captured
             # logits == logits index, so the rows are used in place (no gather of
             # [batch, vocab] per step; the next replay rewrites them after sampling).
             assert len(inp.sample_requests) == md.num_seqs
             logits = self.graphs.run(inp.input_ids, inp.positions, md, md.num_seqs)
-        elif (self.prefill_graphs is not None and md.num_decodes == 0 and not reads_hidden
+        elif (self.prefill_graphs is not None and not eager and md.num_decodes == 0 and not reads_hidden
                 and (key := self.prefill_graphs.key(md.num_seqs, md.num_actual_tokens)) is not None
                 and len(inp.logits_indices) <= self.prefill_graphs.rows(key)):
             # A short prompt-only step: its host time is its launches (cuda_graph.py).
             logits = self.prefill_graphs.run(inp.input_ids, inp.positions, md, inp.logits_indices)
         else:
-            if self.piecewise is not None and self.piecewise.bucket(md.num_actual_tokens) is not None:
+            if (self.piecewise is not None and not eager
+                    and self.piecewise.bucket(md.num_actual_tokens) is not None):
                 # Mixed and many-prompt steps: all but the attention replayed (cuda_graph.py).
                 hidden = self.piecewise.run(inp.input_ids, inp.positions, md)
+            elif eager:
+                hidden = self.model(inp.input_ids, inp.positions, md, inp.inputs_embeds)
             else:
                 hidden = self.model(inp.input_ids, inp.positions, md)
             if inp.prompt_rows:

@@ -301,7 +301,10 @@ class Sampler:
         ids = torch.full((len(reqs), width), vocab, dtype=torch.long)
         knobs = torch.empty((len(reqs), 4), dtype=torch.float32)
         for j, r in enumerate(reqs):
-            ids[j, : len(r.all_token_ids)] = torch.tensor(r.all_token_ids)
+            # an embeds prompt's ids are placeholders (engine/prompt_embeds.py): its
+            # repetition penalty sees only its outputs
+            skip = r.num_prompt_tokens if r.prompt_embeds is not None else 0
+            ids[j, skip: len(r.all_token_ids)] = torch.tensor(r.all_token_ids[skip:], dtype=torch.long)
             p = r.sampling_params
             knobs[j] = torch.tensor([p.repetition_penalty, p.presence_penalty,
                                      p.frequency_penalty, r.num_prompt_tokens])

@@ -91,8 +91,15 @@ class Request:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        embeds_digest: bytes | None = None,
     ) -> None:
         self.request_id = request_id
+        # a prompt given as input embeddings (engine/prompt_embeds.py): [prompt tokens, width]
+        # on the host, its prompt_token_ids placeholders; embeds_digest roots its prefix-cache
+        # chain (kv_cache/prefix_cache.cache_root)
+        self.prompt_embeds = prompt_embeds
+        self.embeds_digest = embeds_digest
         # vLLM's cache_salt: the prefix cache shares blocks only among requests with the same
         # salt (kv_cache/prefix_cache.cache_root)
         self.cache_salt = cache_salt

@@ -42,7 +42,7 @@ class KVCacheBlock:
         self.block_hash: bytes | None = None
         self.token_ids: tuple[int, ...] | None = None
         self.content_id: int | None = None
-        self.parent_cid: int | tuple[int, str] | None = None  # prefix_cache.RootId
+        self.parent_cid: int | tuple[int, str] | tuple[int, str | None, bytes] | None = None  # RootId
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -195,7 +195,7 @@ class BlockPool:
                     q.appendleft(b)  # nothing reusable: reused first
 
     def register(self, block: KVCacheBlock, block_hash: bytes, token_ids: tuple[int, ...],
-                 parent_cid: int | tuple[int, str] | None) -> None:
+                 parent_cid: int | tuple[int, str] | tuple[int, str | None, bytes] | None) -> None:
         """Record that ``block`` (full, held by a request) holds ``token_ids`` after the
         prefix identified by ``parent_cid``, and make it findable under ``block_hash``.
 

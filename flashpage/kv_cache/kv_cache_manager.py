@@ -332,7 +332,8 @@ class KVCacheManager(PoolAccounts):
         """The longest plain prefix hit of at most ``max_blocks`` blocks (the request's
         block hashes extended as far), and its chain's root content id."""
         tokens = request.all_token_ids
-        root, root_cid = prefix_cache.cache_root(request.lora_int_id, request.cache_salt)
+        root, root_cid = prefix_cache.cache_root(request.lora_int_id, request.cache_salt,
+                                                    request.embeds_digest)
         prefix_cache.update_block_hashes(request.block_hashes, tokens, self.block_size, max_blocks, root)
         keys = self._keys(request.block_hashes, max_blocks)
         return prefix_cache.find_longest_cache_hit(self.pool, keys, tokens, self.block_size,
@@ -513,7 +514,8 @@ class KVCacheManager(PoolAccounts):
         num_full = min(num_full, (len(tokens) - request.num_unresolved) // B)
         if num_full <= self._num_registered[rid]:
             return
-        root, root_cid = prefix_cache.cache_root(request.lora_int_id, request.cache_salt)
+        root, root_cid = prefix_cache.cache_root(request.lora_int_id, request.cache_salt,
+                                                    request.embeds_digest)
         hashes = self._keys(prefix_cache.update_block_hashes(request.block_hashes, tokens, B,
                                                              num_full, root), num_full)
         start = self._num_registered[rid]

@@ -41,15 +41,25 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
 _default_hash = hash_block_tokens
 
 
-# A chain's root parent id: None (the base model), -lora_int_id, or (lora_int_id, salt)
-RootId = int | tuple[int, str] | None
+# A chain's root parent id: None (the base model), -lora_int_id, (lora_int_id, salt), or
+# for a prompt given as embeddings (lora_int_id, salt or None, the embeddings' digest)
+RootId = int | tuple[int, str] | tuple[int, str | None, bytes] | None
 
 
-def cache_root(lora_int_id: int, cache_salt: str | None = None) -> tuple[bytes | None, RootId]:
+def cache_root(lora_int_id: int, cache_salt: str | None = None,
+               embeds_digest: bytes | None = None) -> tuple[bytes | None, RootId]:
     """(the chain's root hash, the root's parent content id) for requests under a LoRA
     adapter id (0: the base model, whose root is ROOT_HASH and parent None) and a cache
     salt. Content ids are positive, so ``-lora_int_id`` never equals a real block's, nor
-    does a (lora_int_id, salt) pair: roots compare exactly, never by hash alone."""
+    does a (lora_int_id, salt) pair: roots compare exactly, never by hash alone.
+    ``embeds_digest``: a prompt given as input embeddings (engine/prompt_embeds.py), whose
+    placeholder token ids say nothing; its chain is rooted in the embeddings' digest, a
+    3-tuple no token prompt's root equals."""
+    if embeds_digest is not None:
+        salt = b"" if cache_salt is None else b"salt" + cache_salt.encode("utf-8")
+        return hashlib.blake2b(ROOT_HASH + b"lora" + struct.pack("<q", lora_int_id) + salt
+                               + b"embeds" + embeds_digest).digest()[:16], \
+            (lora_int_id, cache_salt, embeds_digest)
     if cache_salt is None:
         if not lora_int_id:
             return None, None

@@ -61,6 +61,12 @@ class BloomModel(DecoderStack):
         assert isinstance(x, torch.Tensor)
         return x
 
+    def from_inputs_embeds(self, values: torch.Tensor) -> torch.Tensor:
+        """transformers norms inputs_embeds (word_embeddings_layernorm), as looked-up rows."""
+        x = self.embed_layernorm(values)
+        assert isinstance(x, torch.Tensor)
+        return x
+
 
 class BloomForCausalLM(FusedQKVForCausalLM):
     qkv_tensor = _QKV

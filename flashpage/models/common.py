@@ -5,6 +5,7 @@ embed -> layers -> final norm stack, and the map between a checkpoint's names an
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -189,6 +190,23 @@ def fused_qkv_block_unsupported(linear: str, kv_heads: int, head_dim: int,
     return None
 
 
+@dataclass
+class InputEmbeds:
+    """A step's rows given as input embeddings (prompts given as embeddings,
+    engine/prompt_embeds.py): ``rows`` int64 [m] on the device, rows of the flat batch;
+    ``values`` [m, width] in the model's dtype, each what transformers' model takes as
+    ``inputs_embeds`` (the output of its ``get_input_embeddings()``). The batch's other rows
+    are looked up in the token embedding as always."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+
+    def splice(self, x: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [tokens, width] (the looked-up rows) with ``rows`` replaced by ``values``
+        (default: ours)."""
+        return x.index_copy(0, self.rows, (self.values if values is None else values).to(x.dtype))
+
+
 class DecoderStack(nn.Module):
     """Subclasses set ``embed_tokens``, ``layers`` (of PreNormDecoderLayer) and ``norm``.
 
@@ -211,9 +229,18 @@ class DecoderStack(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def from_inputs_embeds(self, values: torch.Tensor) -> torch.Tensor:
+        """What the family does to transformers' ``inputs_embeds`` before the first layer
+        (the same as to its looked-up rows, after the lookup): nothing here. Gemma's
+        sqrt(hidden) scale lives in transformers' embedding module (5.x), so inputs_embeds
+        are not scaled there, nor here; Granite multiplies them, BLOOM norms them."""
+        return values
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
+                md: AttentionMetadata, inputs_embeds: InputEmbeds | None = None) -> torch.Tensor:
         x = self.embed(input_ids)
+        if inputs_embeds is not None:
+            x = inputs_embeds.splice(x, self.from_inputs_embeds(inputs_embeds.values))
         residual = None
         if self.aux_out is None:
             for layer in self.layers:

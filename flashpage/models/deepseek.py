@@ -27,7 +27,7 @@ from flashpage.layers.moe import (
     load_expert_weight,
 )
 from flashpage.layers.norm import RMSNorm
-from flashpage.models.common import DecoderStack, PreNormDecoderLayer
+from flashpage.models.common import DecoderStack, InputEmbeds, PreNormDecoderLayer
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # The dense MLPs' and shared experts' gate_proj / up_proj: rows of their gate_up_proj (and
@@ -89,9 +89,13 @@ class DeepseekForCausalLM(nn.Module):
     def attention_layers(self) -> list[MLAAttention]:
         return [cast(DeepseekDecoderLayer, layer).self_attn for layer in self.model.layers]
 
+    supports_prompt_embeds = True  # forward takes inputs_embeds
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, md)
+                md: AttentionMetadata, inputs_embeds: InputEmbeds | None = None) -> torch.Tensor:
+        if inputs_embeds is None:
+            return self.model(input_ids, positions, md)
+        return self.model(input_ids, positions, md, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

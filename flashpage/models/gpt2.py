@@ -49,6 +49,7 @@ from flashpage.layers.linear import ColumnParallelLinear, RowParallelLinear, Voc
 from flashpage.layers.mlp import MLP
 from flashpage.layers.norm import LayerNorm
 from flashpage.layers.quant import dequantized_parameters
+from flashpage.models.common import InputEmbeds
 
 # the Conv1D weights of a GPT-2 block, stored [in, out]
 _CONV1D = re.compile(r"^transformer\.h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
@@ -108,8 +109,11 @@ class GPT2Model(nn.Module):
         self.ln_f = LayerNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)
+                md: AttentionMetadata, inputs_embeds: InputEmbeds | None = None) -> torch.Tensor:
+        x = self.wte(input_ids)
+        if inputs_embeds is not None:  # transformers adds wpe to inputs_embeds too
+            x = inputs_embeds.splice(x)
+        x = x + self.wpe(positions)
         residual = None
         for block in self.h:
             x, residual = block(x, residual, md)
@@ -134,9 +138,13 @@ class GPT2LMHeadModel(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [cast(GPT2Block, block).attn.attn for block in self.transformer.h]
 
+    supports_prompt_embeds = True  # forward takes inputs_embeds
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
-        return self.transformer(input_ids, positions, md)
+                md: AttentionMetadata, inputs_embeds: InputEmbeds | None = None) -> torch.Tensor:
+        if inputs_embeds is None:
+            return self.transformer(input_ids, positions, md)
+        return self.transformer(input_ids, positions, md, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

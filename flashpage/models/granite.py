@@ -112,9 +112,14 @@ class GraniteModel(DecoderStack):
         super().__init__()
         self.embed_tokens = GraniteEmbedding(config.vocab_size, config.hidden_size,
                                              config.embedding_multiplier)
+        self.embedding_multiplier = config.embedding_multiplier
         self.layers = nn.ModuleList(
             GraniteDecoderLayer(config, i, max_positions) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def from_inputs_embeds(self, values: torch.Tensor) -> torch.Tensor:
+        """transformers multiplies inputs_embeds by embedding_multiplier, as looked-up rows."""
+        return values * self.embedding_multiplier
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

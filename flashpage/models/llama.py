@@ -43,7 +43,7 @@ from flashpage.layers.moe import (
 from flashpage.layers.norm import RMSNorm
 from flashpage.layers.quant import dequantized_parameters
 from flashpage.layers.rotary import get_rope
-from flashpage.models.common import DecoderStack, HFNames, PreNormDecoderLayer
+from flashpage.models.common import DecoderStack, HFNames, InputEmbeds, PreNormDecoderLayer
 
 _MIXTRAL = re.compile(r"^(?P<layer>model\.layers\.\d+)\.block_sparse_moe\.(?P<rest>.+)$")
 _MIXTRAL_EXPERT = re.compile(r"^experts\.(\d+)\.(w[123])\.")
@@ -142,6 +142,7 @@ class LlamaForCausalLM(nn.Module):
     # A family whose checkpoints name our modules otherwise (GPT-NeoX, Phi): their names
     # are mapped to ours at load and back in hf_weights, lora_targets and hf_name
     hf_names: HFNames | None = None
+    supports_prompt_embeds = True  # forward takes inputs_embeds
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -171,8 +172,11 @@ class LlamaForCausalLM(nn.Module):
         return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, md)
+                md: AttentionMetadata, inputs_embeds: InputEmbeds | None = None) -> torch.Tensor:
+        """``inputs_embeds``: rows given as embeddings (a prompt's, engine/prompt_embeds.py)."""
+        if inputs_embeds is None:
+            return self.model(input_ids, positions, md)
+        return self.model(input_ids, positions, md, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -46,7 +46,7 @@ from flashpage.config import ConfigError, ModelConfig
 from flashpage.layers.linear import ColumnParallelLinear, VocabEmbedding
 from flashpage.layers.mlp import MLP
 from flashpage.layers.norm import LayerNorm
-from flashpage.models.common import DecoderStack, HFNames, PreNormDecoderLayer
+from flashpage.models.common import DecoderStack, HFNames, InputEmbeds, PreNormDecoderLayer
 from flashpage.models.llama import LlamaAttention, LlamaForCausalLM
 
 
@@ -141,8 +141,10 @@ class OPTDecoder(DecoderStack):
                                   elementwise_affine=config.norm_elementwise_affine)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
+                md: AttentionMetadata, inputs_embeds: InputEmbeds | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if inputs_embeds is not None:  # [.., word_embed_proj_dim], before project_in (as HF)
+            x = inputs_embeds.splice(x)
         if self.project_in is not None:
             x = self.project_in(x)
         x = x + self.embed_positions(positions + self.position_offset)

@@ -135,11 +135,20 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. ``prompt``: text, texts, token ids, or lists of token ids."""
+    """POST /v1/completions. ``prompt``: text, texts, token ids, or lists of token ids;
+    ``prompt_embeds`` (vLLM's): base64 of torch.save'd tensors, one or a list
+    (server/prompt_embeds.py), run before the prompts when both are given."""
 
-    prompt: Str | list[Str] | TokenIds | list[TokenIds]
+    prompt: Str | list[Str] | TokenIds | list[TokenIds] | None = None
+    prompt_embeds: Str | list[Str] | None = None
     logprobs: Int | None = Field(default=None, ge=0, le=20)
     echo: Bool | None = False
+
+    @model_validator(mode="after")
+    def _some_prompt(self) -> CompletionRequest:
+        if self.prompt is None and self.prompt_embeds is None:
+            raise ValueError("one of prompt and prompt_embeds is required")
+        return self
 
 
 class TextPart(_Body):

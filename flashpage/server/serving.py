@@ -170,12 +170,22 @@ def prompt_items(state: ServerState, raw: Any, field: str) -> list[Any]:
 async def completions(state: ServerState, request: Request, req: CompletionRequest,
                       arrival: float) -> Response:
     check_priority(state, req.priority)
-    items = prompt_items(state, req.prompt, "prompt")
+    embeds: list[Any] = []  # vLLM's prompt_embeds, before the prompts (server/prompt_embeds.py)
+    if req.prompt_embeds is not None:
+        from flashpage.server.prompt_embeds import check_embeds_request, decode_prompt_embeds
+
+        check_embeds_request(req.echo, req.use_beam_search)
+        embeds = decode_prompt_embeds(req.prompt_embeds, state.max_prompts)
+    items = prompt_items(state, req.prompt, "prompt") if req.prompt is not None else []
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     params = sampling_params(state, req, max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
         params.prompt_logprobs = max(req.logprobs, params.prompt_logprobs or 0)
-    prompts: list[list[int]] = []
+    prompts: list[Any] = []  # token ids, or a tensor of embeddings
+    for e in embeds:
+        if e.dim() == 2 and e.shape[0]:  # (a wrong or empty shape: the engine's message)
+            check_length(state, e.shape[0], max_tokens)
+        prompts.append(e)
     for i, item in enumerate(items):
         if isinstance(item, str):
             if not item:
@@ -205,6 +215,7 @@ async def completions(state: ServerState, request: Request, req: CompletionReque
                                 priority=req.priority)
     else:
         streams = await start(state, "cmpl", prompts, params, arrival, structured_field(req),
+                              "prompt_embeds" if embeds and not items else "prompt",
                               model=req.model, priority=req.priority, cache_salt=req.cache_salt)
 
         def finals_of() -> Awaitable[list[RequestOutput]]:
