@@ -289,3 +289,24 @@ def test_second_wave_from_pinned_host_memory_on_the_gpu(tiny_checkpoint):
     assert [w["tokens"] for w in got] == [w["tokens"] for w in plain]
     assert got[2]["tokens"] == hf_greedy(path, WAVE2, GREEDY.max_tokens)
     _assert_no_leaks(off)
+
+
+def test_embeds_prompts_through_the_host_tier(tiny_checkpoint):
+    """Prompt embeddings (engine/prompt_embeds.py) beside the host tier: their chains are
+    rooted in the tensor's digest, and the host tier checks a first block's parent against
+    that root, so the same embeddings come back from the host with the same tokens, while
+    the token prompt of the very ids those rows embed (a different root) and other
+    embeddings get nothing from it."""
+    path = tiny_checkpoint("llama31_gqa")
+    engine = _engine(path, host_blocks=32, enable_prompt_embeds=True)
+    table = engine.model.model.embed_tokens.weight.detach()
+    shared = table[torch.tensor(SHARED)].clone()
+    other = shared.clone()
+    other[0] += 0.5
+    first = _waves(engine, waves=([shared], FILLER, [shared], [SHARED], [other]))
+    plain = _waves(_engine(path, enable_prompt_embeds=True), waves=([SHARED], [other]))
+    assert first[2]["host"] == [56] and first[2]["cached"] == [56]  # 7 of 8 blocks: one row computed
+    assert first[2]["tokens"] == first[0]["tokens"] == first[3]["tokens"] == plain[0]["tokens"]
+    assert first[3]["cached"] == [0] and first[4]["cached"] == [0]
+    assert first[4]["tokens"] == plain[1]["tokens"]
+    _assert_no_leaks(engine)
