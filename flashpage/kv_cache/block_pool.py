@@ -20,6 +20,10 @@ Free queue order (head is reused first)::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flashpage.kv_cache.prefix_cache import RootId
 
 
 class KVCacheBlock:
@@ -218,7 +222,7 @@ class BlockPool:
         self.cached[block_hash] = block
 
     def register_loaded(self, block: KVCacheBlock, block_hash: bytes, token_ids: tuple[int, ...],
-                        parent_cid: int | tuple[int, str] | None, content_id: int) -> None:
+                        parent_cid: RootId, content_id: int) -> None:
         """As ``register``, for a block filled from the host tier: it keeps the content id
         its content had when it was stored (kv_cache/host_cache.py), so chains registered
         before the eviction still go on from it. If the map holds a block of that content
