@@ -46,7 +46,7 @@ class KVCacheBlock:
         self.block_hash: bytes | None = None
         self.token_ids: tuple[int, ...] | None = None
         self.content_id: int | None = None
-        self.parent_cid: int | tuple[int, str] | tuple[int, str | None, bytes] | None = None  # RootId
+        self.parent_cid: RootId = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
