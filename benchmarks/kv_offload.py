@@ -65,18 +65,23 @@ def main() -> None:
     def prompt(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
-    def run(p: list[int]) -> tuple[float, int, int]:
+    moved: dict[str, tuple[int, int]] = {}  # per mode: blocks stored to / loaded from the host
+
+    def run(p: list[int]) -> tuple[float, int, int, int, int]:
+        kv0 = llm.engine.kv_manager.stats()
         t0 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)[0]
         dt = time.perf_counter() - t0
-        m = out.metrics
-        return dt * 1e3, (m.num_cached_tokens if m else -1), (m.num_host_cached_tokens if m else -1)
+        m, kv = out.metrics, llm.engine.kv_manager.stats()
+        return (dt * 1e3, (m.num_cached_tokens if m else -1), (m.num_host_cached_tokens if m else -1),
+                kv.host_stores - kv0.host_stores, kv.host_loads - kv0.host_loads)
 
     def evict() -> None:  # fillers worth the whole pool: every block P left cached is reused
         n = min(longest, 8192)
         for _ in range(-(-pool_blocks * args.block_size // n) + 1):
             run(prompt(n))
 
+    block_bytes = llm.engine.offload.block_bytes if llm.engine.offload is not None else 0
     run(prompt(64))  # compile and warm up outside the timings
     rows = []
     for length in args.input_lens:
@@ -91,16 +96,24 @@ def main() -> None:
             for name, r in (("cold", first), ("host", host), ("gpu", gpu)):
                 per[name].append(r[0])
                 cached[name] = (r[1], r[2])
+                moved[name] = (r[3], r[4])
         row = {"input_len": length}
         for name, ms in per.items():
             row[f"{name}_ms"] = round(statistics.median(ms[1:]), 2)
             row[f"{name}_ms_all"] = [round(x, 2) for x in ms[1:]]
             row[f"{name}_cached_tokens"], row[f"{name}_host_cached_tokens"] = cached[name]
+            row[f"{name}_blocks_stored"], row[f"{name}_blocks_loaded"] = moved[name]
+        # the bytes the host run moved (its loads, and the stores of the blocks they evicted,
+        # which the loads wait for) over what it took beyond the GPU hit
+        moved_bytes = (row["host_blocks_stored"] + row["host_blocks_loaded"]) * block_bytes
+        row["host_copy_gbps"] = round(moved_bytes / max(row["host_ms"] - row["gpu_ms"], 1e-3) / 1e6, 1)
         rows.append(row)
         print(f"{length:6d} tokens: cold {row['cold_ms']:8.2f} ms | from the host {row['host_ms']:8.2f} ms "
               f"(cached {row['host_cached_tokens']}, host {row['host_host_cached_tokens']}) | "
               f"GPU hit {row['gpu_ms']:8.2f} ms (cached {row['gpu_cached_tokens']}) | "
-              f"host / cold {row['host_ms'] / row['cold_ms']:.2f}", flush=True)
+              f"host / cold {row['host_ms'] / row['cold_ms']:.2f}; the host run stored "
+              f"{row['host_blocks_stored']} and loaded {row['host_blocks_loaded']} blocks: "
+              f"{row['host_copy_gbps']} GB/s beyond the GPU hit", flush=True)
     h2d = host_to_device_gbps() if torch.cuda.is_available() else None
     if h2d is not None:
         print(f"baseline: one pinned 1 GiB host-to-device copy {h2d:.1f} GB/s", flush=True)
