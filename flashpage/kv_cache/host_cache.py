@@ -37,6 +37,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from flashpage.kv_cache.prefix_cache import chain_hits
+
 if TYPE_CHECKING:
     from flashpage.kv_cache.block_pool import KVCacheBlock
     from flashpage.kv_cache.prefix_cache import RootId
@@ -137,17 +139,7 @@ class HostBlockCache:
         """The host blocks holding the request's blocks ``start, start + 1, ...`` (at most
         up to ``max_blocks``), the first one's parent content id ``parent_cid`` (that of
         the request's block ``start - 1`` as matched on the GPU, or its chain's root)."""
-        hits: list[HostBlock] = []
-        cached, B = self.cached, block_size
-        for i in range(start, max_blocks):
-            e = cached.get(keys[i])
-            if e is None or e.parent_cid != parent_cid:
-                break
-            if e.token_ids != tuple(token_ids[i * B:(i + 1) * B]):
-                break
-            hits.append(e)
-            parent_cid = e.content_id
-        return hits
+        return chain_hits(self.cached, keys, token_ids, block_size, start, max_blocks, parent_cid)
 
     def is_current(self, e: HostBlock) -> bool:
         """Whether ``e`` still holds what ``match`` found it holding."""

@@ -25,7 +25,8 @@ import hashlib
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol, TypeVar
 
 from flashpage.kv_cache.block_pool import BlockPool, KVCacheBlock
 
@@ -44,6 +45,17 @@ _default_hash = hash_block_tokens
 # A chain's root parent id: None (the base model), -lora_int_id, (lora_int_id, salt), or
 # for a prompt given as embeddings (lora_int_id, salt or None, the embeddings' digest)
 RootId = int | tuple[int, str] | tuple[int, str | None, bytes] | None
+
+
+class _Chained(Protocol):
+    """A cached block as a chain sees it (KVCacheBlock, host_cache.HostBlock)."""
+
+    token_ids: tuple[int, ...] | None
+    content_id: int | None
+    parent_cid: RootId
+
+
+_Link = TypeVar("_Link", bound=_Chained)
 
 
 def cache_root(lora_int_id: int, cache_salt: str | None = None,
@@ -107,10 +119,17 @@ def find_longest_cache_hit(pool: BlockPool, block_hashes: Sequence[bytes],
                            max_blocks: int, root_cid: RootId = None) -> list[KVCacheBlock]:
     """The cached blocks holding the longest prefix of ``token_ids`` (at most ``max_blocks``;
     ``root_cid``: the first block's parent content id, ``cache_root``'s)."""
-    hits: list[KVCacheBlock] = []
-    parent_cid: RootId = root_cid
-    cached = pool.cached
-    for i in range(max_blocks):
+    return chain_hits(pool.cached, block_hashes, token_ids, block_size, 0, max_blocks, root_cid)
+
+
+def chain_hits(cached: Mapping[bytes, _Link], block_hashes: Sequence[bytes], token_ids: Sequence[int],
+               block_size: int, start: int, stop: int, parent_cid: RootId) -> list[_Link]:
+    """Walk a hash -> block map from block ``start`` (its parent's content id
+    ``parent_cid``) while each next block is there, hangs off the one before (its
+    ``parent_cid``) and holds the request's very tokens: the GPU pool's cache and the host
+    tier's (kv_cache/host_cache.py) alike."""
+    hits: list[_Link] = []
+    for i in range(start, stop):
         b = cached.get(block_hashes[i])
         if b is None or b.parent_cid != parent_cid:
             break
