@@ -320,3 +320,11 @@ def int4_kernel() -> str:
         raise ValueError(f"FLASHPAGE_INT4_KERNEL must be gemv, gemm or dequant (or 1 / 0), "
                          f"got {value!r}")
     return _INT4_KERNELS[value]
+
+
+def kv_offload_async_loads() -> bool:
+    """FLASHPAGE_KV_OFFLOAD_ASYNC_LOADS: KV offloading's loads from the host on a stream of
+    their own, only the requests reading them waiting (the default on CUDA); "0" runs them
+    on the compute stream before the step's forward, which then waits for them (the form
+    before session 31, for A/Bs). Read when the engine starts."""
+    return os.environ.get("FLASHPAGE_KV_OFFLOAD_ASYNC_LOADS", "1").strip() != "0"

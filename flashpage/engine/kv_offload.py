@@ -11,27 +11,35 @@ cache tensor of every layer, back to back::
 
 Each cache tensor ``[num_blocks, block_size, ...]`` (any dtype: fp8 caches travel as
 their bytes) is viewed as ``uint8 [num_blocks, bytes]``. ``flush`` runs once a step,
-right after ``schedule()`` and before the forward, on the compute stream:
+right after ``schedule()`` and before the forward:
 
 * stores: per tensor one ``index_select`` of the evicted blocks into a device staging
   tensor ``[n, block_bytes]`` (on the compute stream: before the forward reuses the
   blocks), then one device-to-host copy per run of consecutive host ids, non_blocking
   into pinned memory on a side stream (CUDA), so it overlaps the forward;
 * loads: one host-to-device copy per run into a staging tensor, then per tensor one
-  ``index_copy_`` into the destination blocks, on the compute stream (before the forward
-  reads them).
+  ``index_copy_`` into the destination blocks. Asynchronous (the default on CUDA): on a
+  load stream of their own, the step's loads one ``LoadBatch`` whose event the scheduler
+  polls; only the requests reading those blocks wait (kv_cache/host_cache.py), the forward
+  of this step and the next ones run beside the copies. ``FLASHPAGE_KV_OFFLOAD_ASYNC_LOADS
+  =0``: on the compute stream before the forward, which then waits for them.
 
 Ordering on CUDA, with the host tensor touched by nothing but these copies (never by the
 CPU, so no synchronization is needed):
 
-* a store's side-stream copies wait for the compute stream (its gather, and every load
-  queued before, which may read a host block the store now overwrites);
-* a load waits only for the stores of the host blocks it reads (each batch of stores
-  records an event, kept with its host blocks until it has passed): a block stored this
-  very step, or in a step whose copy is still running. Other loads run beside the stores, host to device
-  while they go device to host (PCIe carries both at once): a host hit evicts a GPU block
-  whose content is stored first, so waiting for every store serialized the two (run 217:
-  48-49 GB/s for both together, a pinned copy alone 54.9);
+* the compute stream first waits for the loads whose readers were freed while they ran
+  (``HostBlockCache.orphaned``): their blocks may be stored or written again this step;
+* a store's side-stream copies wait for the compute stream (its gather), and for the loads
+  still reading a host block it overwrites (each load batch records an event, kept with
+  its host blocks until it has passed);
+* a load waits for the compute stream (the store gathers reading the blocks it fills, and
+  the forwards that wrote them before they were freed) and only for the stores of the host
+  blocks it reads (each batch of stores records an event, kept with its host blocks until
+  it has passed): a block stored this very step, or in a step whose copy is still running.
+  Other loads run beside the stores, host to device while they go device to host (PCIe
+  carries both at once): a host hit evicts a GPU block whose content is stored first, so
+  waiting for every store serialized the two (run 217: 48-49 GB/s for both together, a
+  pinned copy alone 54.9);
 * a staging tensor read on the side stream is kept from reuse until that copy ends
   (``record_stream``).
 
@@ -44,8 +52,9 @@ from collections.abc import Sequence
 
 import torch
 
+from flashpage import envs
 from flashpage.config import ConfigError
-from flashpage.kv_cache.host_cache import HostBlockCache
+from flashpage.kv_cache.host_cache import HostBlockCache, LoadBatch
 
 KV_OFFLOADING_BACKENDS = ("native",)
 STAGE_BYTES = 256 << 20  # the most device staging memory one batch of copies takes
@@ -95,14 +104,20 @@ class KVOffloader:
                               f"({self.block_bytes / (1 << 30):.6f} GiB)")
         self.device = device
         self.pin = device.type == "cuda"
-        self.host = HostBlockCache(num_blocks)
+        cuda = device.type == "cuda"
+        # asynchronous loads on the CPU too: there the copies are done at flush, and the
+        # requests reading them compute from the next step on, as on CUDA once they pass
+        self.host = HostBlockCache(num_blocks, async_loads=envs.kv_offload_async_loads())
         self.memory = torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8,
                                   pin_memory=self.pin)
         self.stage_blocks = max(1, STAGE_BYTES // self.block_bytes)
         # the stores' device-to-host copies (CUDA): beside the forward, not before it
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # the stores' copies not known to have passed: (event after them, their host blocks)
+        self.copy_stream = torch.cuda.Stream(device) if cuda else None
+        # asynchronous loads' host-to-device copies: beside the forwards, only readers wait
+        self.load_stream = torch.cuda.Stream(device) if cuda and self.host.async_loads else None
+        # copies not known to have passed: (event after them, the host blocks they touch)
         self._stored: list[tuple[torch.cuda.Event, set[int]]] = []
+        self._loaded: list[tuple[torch.cuda.Event, set[int]]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -117,20 +132,60 @@ class KVOffloader:
     @torch.no_grad()
     def flush(self) -> tuple[int, int]:
         """Queue the step's copies (stores, then loads). Returns (blocks stored, loaded)."""
-        stores, loads = self.host.take_ops()
-        if self._stored:  # forget the stores that have passed
-            self._stored = [(e, ids) for e, ids in self._stored if not e.query()]
+        host = self.host
+        stores, loads = host.take_ops()
+        batch = host.last_batch
+        orphans = host.take_orphaned()
+        if self.copy_stream is None:  # CPU: synchronous copies in program order
+            for c in range(0, len(stores), self.stage_blocks):
+                self._store(sorted(stores[c:c + self.stage_blocks], key=lambda s: s[1]))
+            for c in range(0, len(loads), self.stage_blocks):
+                self._load(sorted(loads[c:c + self.stage_blocks]))
+            if batch is not None:
+                batch.finished = True
+            return len(stores), len(loads)
+        compute = torch.cuda.current_stream(self.device)
+        for b in orphans:  # freed under their loads: written again (or stored) from now on
+            if isinstance(b.event, torch.cuda.Event):
+                compute.wait_event(b.event)
+        self._stored = [(e, ids) for e, ids in self._stored if not e.query()]
+        self._loaded = [(e, ids) for e, ids in self._loaded if not e.query()]
         for c in range(0, len(stores), self.stage_blocks):
             self._store(sorted(stores[c:c + self.stage_blocks], key=lambda s: s[1]))
-        if loads and self._stored:
-            read = {h for h, _ in loads}
-            compute = torch.cuda.current_stream(self.device)
-            for e, ids in self._stored:
-                if not ids.isdisjoint(read):
-                    compute.wait_event(e)
-        for c in range(0, len(loads), self.stage_blocks):
-            self._load(sorted(loads[c:c + self.stage_blocks]))
+        if loads:
+            self._queue_loads(loads, compute, batch)
         return len(stores), len(loads)
+
+    def _queue_loads(self, loads: list[tuple[int, int]], compute: torch.cuda.Stream,
+                     batch: LoadBatch | None) -> None:
+        """The loads on the load stream (asynchronous; ``batch`` gets their event) or on
+        the compute stream (before the step's forward)."""
+        stream = self.load_stream or compute
+        if stream is not compute:
+            stream.wait_stream(compute)  # store gathers of these blocks, their last forwards
+        read = {h for h, _ in loads}
+        for e, ids in self._stored:  # only the stores of the host blocks they read
+            if not ids.isdisjoint(read):
+                stream.wait_event(e)
+        with torch.cuda.stream(stream):
+            for c in range(0, len(loads), self.stage_blocks):
+                self._load(sorted(loads[c:c + self.stage_blocks]))
+            done = torch.cuda.Event()
+            done.record()
+        self._loaded.append((done, read))
+        if batch is not None:
+            if stream is compute:
+                batch.finished = True  # before anything the step runs
+            else:
+                batch.event = done
+
+    def wait_for_a_load(self) -> None:
+        """Block until the oldest load batch in flight has passed (a step with nothing to
+        run while requests wait for the host: no spinning)."""
+        b = self.host.oldest_in_flight()
+        if b is not None and isinstance(b.event, torch.cuda.Event):
+            b.event.synchronize()
+        self.host.settle()
 
     def _store(self, pairs: list[tuple[int, int]]) -> None:
         """GPU blocks -> host blocks, ``pairs`` of (GPU id, host id) sorted by host id."""
@@ -141,17 +196,22 @@ class KVOffloader:
             for i, h, n in runs:
                 self.memory[h:h + n].copy_(stage[i:i + n])
             return
+        written = {h for _, h in pairs}
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        for e, ids in self._loaded:  # loads still reading a host block it overwrites
+            if not ids.isdisjoint(written):
+                self.copy_stream.wait_event(e)
         with torch.cuda.stream(self.copy_stream):
             for i, h, n in runs:
                 self.memory[h:h + n].copy_(stage[i:i + n], non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         stage.record_stream(self.copy_stream)
-        self._stored.append((done, {h for _, h in pairs}))
+        self._stored.append((done, written))
 
     def _load(self, pairs: list[tuple[int, int]]) -> None:
-        """Host blocks -> GPU blocks, ``pairs`` of (host id, GPU id) sorted by host id."""
+        """Host blocks -> GPU blocks, ``pairs`` of (host id, GPU id) sorted by host id, on
+        the current stream."""
         stage = torch.empty((len(pairs), self.block_bytes), dtype=torch.uint8, device=self.device)
         for i, h, n in _runs([h for h, _ in pairs]):
             stage[i:i + n].copy_(self.memory[h:h + n], non_blocking=self.pin)

@@ -962,6 +962,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if self.offload is not None:  # host-tier copies: before the forward reuses or reads blocks
             self.offload.flush()
+            if not out.scheduled and self.kv_manager.has_loads_in_flight and self._inflight is None:
+                self.offload.wait_for_a_load()  # everyone waits for the host: no spinning
         if self.proposer is not None:  # a draft model's drafts, now that they have slots
             self.proposer.fill(out)
         if self.lora is not None and out.scheduled:  # the step's adapters into slots

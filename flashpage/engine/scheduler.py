@@ -236,12 +236,13 @@ class Scheduler:
         running = self.running
         outranking = self._by_priority  # waiting requests may still go ahead of running ones
 
+        loads = kv.has_loads_in_flight  # some running request waits for its KV from the host
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             if outranking and self.waiting and self.waiting[0].priority < req.priority:
                 n = self._admit_ahead(i, budget, scheduled, preempted, new_ids)
-                if n:
+                if n is not None and n >= 0:
                     budget -= n
                     i += 1  # the admitted request now sits before req
                     continue
@@ -250,6 +251,9 @@ class Scheduler:
                     if i == len(running):  # (defensive: it gives up before preempting req)
                         break
                     req = running[i]
+            if loads and kv.is_loading(req):
+                i += 1  # its prefix is still coming from the host: the others go on
+                continue
             if req.length_capped(self.max_model_len):
                 i += 1  # finishes when its last token is read back: nothing left to run
                 continue
@@ -284,8 +288,8 @@ class Scheduler:
                 if self._no_adapter_slot(req, loras):
                     w += 1  # every adapter slot is held by running requests: it waits
                     continue
-                num_new = self._admit(req, budget)
-                if not num_new:
+                admitted = self._admit(req, budget)
+                if admitted is None:
                     break
                 if w:
                     del waiting[w]
@@ -297,9 +301,10 @@ class Scheduler:
                     bisect.insort(running, req, key=_order)
                 else:
                     running.append(req)
-                scheduled.append((req, num_new))
                 new_ids.append(req.request_id)
-                budget -= num_new
+                if admitted:  # 0: admitted, its prefix loading from the host (a later step)
+                    scheduled.append((req, admitted))
+                    budget -= admitted
 
         finished, self._finished_ids = self._finished_ids, []
         self.num_steps += 1
@@ -319,10 +324,12 @@ class Scheduler:
         lid = req.lora_int_id
         return bool(self.max_loras and lid and lid not in loras and len(loras) >= self.max_loras)
 
-    def _admit(self, req: Request, budget: int) -> int:
+    def _admit(self, req: Request, budget: int) -> int | None:
         """Take a waiting request's blocks (after its prefix hits) for its first chunk and
-        mark it running; returns the chunk's tokens, or 0 (nothing changed) when the blocks
-        cannot be had. The caller moves it between the queues."""
+        mark it running; returns the chunk's tokens, or None (nothing changed) when the
+        blocks cannot be had. 0: admitted with its prefix hits only, which are still loading
+        from the host (asynchronous loads, kv_cache/host_cache.py): it computes in a later
+        step, once they have landed. The caller moves it between the queues."""
         kv = self.kv_cache_manager
         hit_blocks, num_hit = kv.get_computed_blocks(req)
         num_new = min(req.num_tokens - num_hit, budget, self.chunk_cap)
@@ -331,9 +338,13 @@ class Scheduler:
             # most) the cached hits, which may be sitting in it.
             need = kv.blocks_held_after(num_hit, num_new)
             if kv.num_free_blocks - need < self.watermark_blocks:
-                return 0
+                return None
+        if kv.must_wait_for_loads(req, hit_blocks):
+            # no blocks for its first chunk yet: they would be registered (findable) before
+            # anything is computed in them
+            num_new = 0
         if kv.allocate_slots(req, num_new, hit_blocks) is None:
-            return 0
+            return None
         req.num_computed_tokens = num_hit
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit
@@ -346,9 +357,9 @@ class Scheduler:
         request that may go (as in admission: it stops at one with a token in flight and
         passes over one without an adapter slot) if its priority is strictly higher than
         ``running[i]``'s, preempting ``running[i:]`` (all of lower priority, none scheduled
-        yet) from the last while it lacks a seat or blocks. Returns its tokens; 0 when no
-        waiting request outranks ``running[i]``; None when one does but cannot get in (then
-        nobody is preempted)."""
+        yet) from the last while it lacks a seat or blocks. Returns its tokens; None when
+        one does but cannot get in (then nobody is preempted). Admitted with 0 tokens: its prefix is loading from the host;
+        -1 when no waiting request outranks ``running[i]``."""
         running, waiting, kv = self.running, self.waiting, self.kv_cache_manager
         loras = self._running_loras()
         w = 0
@@ -358,7 +369,7 @@ class Scheduler:
             return None
         req = waiting[w]
         if req.priority >= running[i].priority:
-            return 0
+            return -1
         # Would it fit with every request it outranks gone? As _admit and allocate_slots
         # will count, with their blocks freed (those no one else holds) and its prefix hits
         # among the free blocks it takes.
@@ -372,8 +383,8 @@ class Scheduler:
                 or (i and free_after - total < self.watermark_blocks)):
             return None
         while True:
-            num_new = self._admit(req, budget) if len(running) < self.max_num_seqs else 0
-            if num_new:
+            num_new = self._admit(req, budget) if len(running) < self.max_num_seqs else None
+            if num_new is not None:
                 break
             if len(running) == i:
                 return None
@@ -382,7 +393,8 @@ class Scheduler:
             preempted.append(victim.request_id)
         del waiting[w]
         bisect.insort(running, req, hi=i, key=_order)  # after those already scheduled
-        scheduled.append((req, num_new))
+        if num_new:
+            scheduled.append((req, num_new))
         new_ids.append(req.request_id)
         return num_new
 

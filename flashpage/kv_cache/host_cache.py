@@ -19,9 +19,19 @@ which it runs right after ``schedule()`` and before the forward, stores first::
     flush:       GPU 7 -> host 3 ...                     then host 3 -> GPU 9
     forward:     writes GPU 7 (reused), reads GPU 9
 
-so a store reads its GPU block before the forward reuses it, and a load lands before
-attention reads it (engine/kv_offload.py says which stream runs what). A host block that a load reads is
-pinned until its load is handed out, so no store of the same step overwrites it.
+so a store reads its GPU block before the forward reuses it (engine/kv_offload.py says
+which stream runs what). A host block that a load reads is pinned until its load is
+handed out, so no store of the same step overwrites it.
+
+Loads are asynchronous by default (vLLM's native connector's way): a step's loads form one
+``LoadBatch``, copied on a stream of their own beside the forwards, and only the requests
+that read its blocks wait for it -- the one admitted with the host hits, and any that takes
+a GPU prefix hit on a block still being loaded (``block_batch``). The scheduler skips them
+(``KVCacheManager.is_loading``) until the batch's event has passed; everyone else keeps
+decoding. A request freed while its loads are in flight (abort, preemption) hands its
+batches to ``orphaned``: the engine makes the compute stream wait for them before any
+forward could write the blocks again. With ``async_loads`` off the loads run on the compute
+stream before the step's forward and the request computes in the same step.
 
 Safety is the GPU cache's (prefix_cache.py): a host block keeps the content id of the GPU
 block it came from (equal content ids => equal K/V) and its parent's; a hit needs the
@@ -62,11 +72,31 @@ class HostBlock:
         return f"HostBlock({self.host_id}, hash={h}, pins={self.pins})"
 
 
+class LoadBatch:
+    """One step's loads: the GPU blocks they fill and, once queued, the event after them
+    (anything with ``query()``; None until the engine has queued the copies)."""
+
+    __slots__ = ("gpu_ids", "event", "finished")
+
+    def __init__(self) -> None:
+        self.gpu_ids: list[int] = []
+        self.event: object | None = None
+        self.finished = False  # known to have passed (synchronous copies: at once)
+
+    def done(self) -> bool:
+        if not self.finished and self.event is not None and self.event.query():  # type: ignore[attr-defined]
+            self.finished = True
+        return self.finished
+
+    def __repr__(self) -> str:
+        return f"LoadBatch({len(self.gpu_ids)} blocks, finished={self.finished})"
+
+
 class HostBlockCache:
     """``num_blocks`` host blocks, the map ``hash -> host block`` in LRU order (first:
     evicted first) and the step's pending copies."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, async_loads: bool = True) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         self.num_blocks = num_blocks
@@ -76,6 +106,13 @@ class HostBlockCache:
         self.pending_stores: list[tuple[int, int]] = []  # (GPU block id, host id), in order
         self.pending_loads: list[tuple[int, int]] = []  # (host id, GPU block id), in order
         self._pinned: list[HostBlock] = []
+        # asynchronous loads: requests reading a batch's blocks wait until it has passed
+        self.async_loads = async_loads
+        self._batch: LoadBatch | None = None  # this step's loads, until take_ops
+        self.last_batch: LoadBatch | None = None  # the loads take_ops handed out last
+        self.block_batch: dict[int, LoadBatch] = {}  # GPU block id -> its load, not yet passed
+        self._in_flight: list[LoadBatch] = []
+        self.orphaned: list[LoadBatch] = []  # batches whose readers were freed before they passed
         self.num_stores = 0  # blocks copied to the host
         self.num_loads = 0  # blocks copied back
         self.num_evictions = 0  # host blocks dropped to make room
@@ -152,14 +189,51 @@ class HostBlockCache:
             e.pins += 1
             self._pinned.append(e)
 
-    def load(self, e: HostBlock, gpu_block_id: int) -> None:
-        """Queue the copy of pinned host block ``e`` into GPU block ``gpu_block_id``."""
+    def load(self, e: HostBlock, gpu_block_id: int) -> LoadBatch:
+        """Queue the copy of pinned host block ``e`` into GPU block ``gpu_block_id``;
+        returns the step's batch it joins."""
         if not e.pins:
             raise RuntimeError(f"host block {e.host_id} loaded without being pinned")
         assert e.block_hash is not None
         self.cached.move_to_end(e.block_hash)
         self.pending_loads.append((e.host_id, gpu_block_id))
         self.num_loads += 1
+        if self._batch is None:
+            self._batch = LoadBatch()
+            self._in_flight.append(self._batch)
+        self._batch.gpu_ids.append(gpu_block_id)
+        self.block_batch[gpu_block_id] = self._batch
+        return self._batch
+
+    def loading(self, gpu_block_ids: Sequence[int]) -> list[LoadBatch]:
+        """The batches still filling any of these GPU blocks (none once they passed)."""
+        if not self._in_flight:
+            return []
+        self.settle()
+        found = {id(b): b for g in gpu_block_ids if (b := self.block_batch.get(g)) is not None}
+        return list(found.values())
+
+    def settle(self) -> None:
+        """Forget the batches that have passed."""
+        if self._in_flight and any(b.done() for b in self._in_flight):
+            keep = []
+            for b in self._in_flight:
+                if b.finished:
+                    for g in b.gpu_ids:
+                        if self.block_batch.get(g) is b:
+                            del self.block_batch[g]
+                else:
+                    keep.append(b)
+            self._in_flight = keep
+
+    @property
+    def num_loads_in_flight(self) -> int:
+        """Batches queued and not known to have passed."""
+        return len(self._in_flight)
+
+    def oldest_in_flight(self) -> LoadBatch | None:
+        self.settle()
+        return self._in_flight[0] if self._in_flight else None
 
     def unpin(self, hits: Sequence[HostBlock]) -> None:
         """Undo ``pin`` for blocks whose loads were not queued after all."""
@@ -169,14 +243,23 @@ class HostBlockCache:
 
     # ------------------------------------------------------------------ the engine
     def take_ops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The step's (stores, loads), cleared here; run the stores first. The loads'
-        host blocks are unpinned: any later store to them is queued after the loads."""
+        """The step's (stores, loads), cleared here; run the stores first, then set the
+        loads' batch's (``last_batch``) ``event``, or its ``finished``. The loads' host
+        blocks are unpinned: any later store to them must wait for the loads
+        (engine/kv_offload.py)."""
         stores, loads = self.pending_stores, self.pending_loads
         self.pending_stores, self.pending_loads = [], []
+        self.last_batch, self._batch = self._batch, None
         for e in self._pinned:
             e.pins -= 1
         self._pinned.clear()
         return stores, loads
+
+    def take_orphaned(self) -> list[LoadBatch]:
+        """Batches still in flight whose reader was freed: the compute stream must wait for
+        them before a forward writes their blocks again."""
+        out, self.orphaned = [b for b in self.orphaned if not b.done()], []
+        return out
 
     @property
     def has_pending(self) -> bool:

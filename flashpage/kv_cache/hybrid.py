@@ -231,6 +231,17 @@ class HybridKVCacheManager(PoolAccounts):
         for g in reversed(self.groups):
             g.free(request)
 
+    # no host tier behind KV cache groups (LLMEngine._check_offloading): nothing loads
+    def must_wait_for_loads(self, request: Request, hit_blocks: list[KVCacheBlock]) -> bool:
+        return False
+
+    @property
+    def has_loads_in_flight(self) -> bool:
+        return False
+
+    def is_loading(self, request: Request) -> bool:
+        return False
+
     def blocks_freed_by(self, request_ids: list[str]) -> set[int]:
         return set().union(*(g.blocks_freed_by(request_ids) for g in self.groups))
 

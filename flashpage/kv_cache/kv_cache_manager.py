@@ -33,7 +33,7 @@ from flashpage.kv_cache.block_pool import BlockPool, KVCacheBlock
 
 if TYPE_CHECKING:
     from flashpage.engine.sequence import Request
-    from flashpage.kv_cache.host_cache import HostBlock, HostBlockCache
+    from flashpage.kv_cache.host_cache import HostBlock, HostBlockCache, LoadBatch
 
 
 def validate_block_size(block_size: object) -> int:
@@ -222,6 +222,8 @@ class KVCacheManager(PoolAccounts):
         self._num_released: dict[str, int] = {}  # leading entries given back (sliding window)
         self._pending_query: dict[str, tuple[int, int]] = {}
         self._pending_host: dict[str, list[HostBlock]] = {}  # host hits found, not yet taken
+        # requests whose blocks are still being loaded from the host (asynchronous loads)
+        self._load_waits: dict[str, set[LoadBatch]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -296,6 +298,33 @@ class KVCacheManager(PoolAccounts):
         return (self.enable_prefix_caching and request.request_id not in self._blocks
                 and request.sampling_params.prompt_logprobs is None  # every position's logits
                 and not (request.pooling is not None and request.pooling.needs_every_position))
+
+    # ------------------------------------------------------------ host-tier loads
+    def must_wait_for_loads(self, request: Request, hit_blocks: list[KVCacheBlock]) -> bool:
+        """Whether the request, about to be admitted with these prefix hits (and the host
+        hits ``get_computed_blocks`` found), must wait for loads from the host before it
+        computes anything: asynchronous loads, and host hits or GPU hits still loading."""
+        host = self.host
+        if host is None or not host.async_loads:
+            return False
+        if self._pending_host.get(request.request_id):
+            return True
+        return bool(hit_blocks) and bool(host.loading([b.block_id for b in hit_blocks]))
+
+    @property
+    def has_loads_in_flight(self) -> bool:
+        """Some request waits for a load from the host (``is_loading``)."""
+        return bool(self._load_waits)
+
+    def is_loading(self, request: Request) -> bool:
+        """Whether the request still waits for a load of its blocks from the host."""
+        waits = self._load_waits.get(request.request_id)
+        if waits is None:
+            return False
+        if all(b.done() for b in waits):
+            del self._load_waits[request.request_id]
+            return False
+        return True
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Cached blocks holding the longest prefix of ``request.all_token_ids``.
@@ -456,14 +485,20 @@ class KVCacheManager(PoolAccounts):
             ids.extend(b.block_id for b in taken)
             self._num_registered[rid] = len(new_computed_blocks)
             self._tail_cid[rid] = new_computed_blocks[-1].content_id
+        host = self.host
+        if host is not None and host.async_loads and new_computed_blocks:
+            # GPU hits on blocks another request's load is still filling: wait for it too
+            loading = host.loading([b.block_id for b in new_computed_blocks])
+            if loading:
+                self._load_waits.setdefault(rid, set()).update(loading)
         host_hits = self._pending_host.pop(rid, None)
-        if host_hits and self.host is not None:
+        if host_hits and host is not None:
             self._take_host_hits(request, host_hits)
 
     def _take_host_hits(self, request: Request, hits: list[HostBlock]) -> None:
         """After the GPU hits: a fresh block for each host hit, registered with the host
-        block's content (findable at once: its load runs before any forward reads it),
-        and the load queued (kv_cache/host_cache.py)."""
+        block's content (findable at once: whoever takes it waits for its load, or the load
+        runs before the step's forward), and the load queued (kv_cache/host_cache.py)."""
         host, rid = self.host, request.request_id
         assert host is not None
         if not all(host.is_current(e) for e in hits):
@@ -473,7 +508,9 @@ class KVCacheManager(PoolAccounts):
         for e, b in zip(hits, fresh, strict=True):
             assert e.block_hash is not None and e.token_ids is not None and e.content_id is not None
             self.pool.register_loaded(b, e.block_hash, e.token_ids, e.parent_cid, e.content_id)
-            host.load(e, b.block_id)
+            batch = host.load(e, b.block_id)
+        if host.async_loads:  # the request computes once the batch has passed (is_loading)
+            self._load_waits.setdefault(rid, set()).add(batch)
         self._blocks[rid].extend(fresh)
         self._block_ids[rid].extend(b.block_id for b in fresh)
         self._num_registered[rid] = len(self._blocks[rid])
@@ -562,6 +599,9 @@ class KVCacheManager(PoolAccounts):
         blocks = self._blocks.pop(rid, None)
         self._pending_query.pop(rid, None)
         self._pending_host.pop(rid, None)
+        waits = self._load_waits.pop(rid, None)
+        if waits and self.host is not None:  # blocks freed under a load still in flight
+            self.host.orphaned.extend(b for b in waits if not b.done())
         if blocks is None:
             return
         del self._block_ids[rid]

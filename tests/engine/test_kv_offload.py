@@ -101,20 +101,27 @@ def test_second_wave_is_served_from_the_host_tier(tiny_checkpoint, async_schedul
     _assert_no_leaks(off)
 
 
-def test_a_full_host_pool_evicts_its_least_recent_blocks(tiny_checkpoint):
+@pytest.mark.parametrize("async_loads", [True, False])
+def test_a_full_host_pool_evicts_its_least_recent_blocks(tiny_checkpoint, monkeypatch, async_loads):
     """A host tier of 4 blocks: the shared prefix's blocks go out of the GPU pool tail
     first (its block 0 last), and the filler's blocks stored after them push all but the
     most recent, block 0, out of the host. The second wave loads that one block, computes
-    the rest, and its tokens are unchanged."""
+    the rest, and its tokens are unchanged. Loads before the step's forward: the second
+    request of the wave, admitted in the same step, hits the 7 blocks the first computes
+    there too; asynchronous loads: the first computes nothing in its admission step, so
+    the second hits only the block still loading, waits for it too and computes its own."""
+    monkeypatch.setenv("FLASHPAGE_KV_OFFLOAD_ASYNC_LOADS", "1" if async_loads else "0")
     path = tiny_checkpoint("llama31_gqa")
     off = _engine(path, host_blocks=4)
+    assert off.offload.host.async_loads is async_loads
     got = _waves(off, (WAVE1, FILLER))
     host = off.offload.host
     assert host.num_evictions > 0 and host.num_cached_blocks == 4
     held = [e.token_ids for e in host.cached.values()]
     assert tuple(SHARED[:8]) in held and tuple(SHARED[8:16]) not in held
     got += _waves(off, (WAVE2,))
-    assert got[2]["host"] == [8, 0] and got[2]["cached"] == [8, 64]  # (the 2nd: all on the GPU)
+    # (the 2nd: all on the GPU)
+    assert got[2]["host"] == [8, 0] and got[2]["cached"] == ([8, 8] if async_loads else [8, 64])
     assert [w["tokens"] for w in got] == [w["tokens"] for w in _waves(_engine(path))]
     _assert_no_leaks(off)
 
@@ -274,15 +281,19 @@ def test_prometheus_metrics_count_host_hits(tiny_checkpoint):
 # ---------------------------------------------------------------- the GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_second_wave_from_pinned_host_memory_on_the_gpu(tiny_checkpoint):
+@pytest.mark.parametrize("async_loads", [True, False])
+def test_second_wave_from_pinned_host_memory_on_the_gpu(tiny_checkpoint, monkeypatch, async_loads):
     """On CUDA, graphs and async scheduling on: the host tier is pinned, the stores'
-    copies run on a side stream, the loads' on the compute stream after them, and the
-    tokens equal the engine without one and transformers'."""
+    copies run on a side stream, the loads' on a load stream (only the requests reading
+    them wait; or on the compute stream before the forward), and the tokens equal the
+    engine without one and transformers'."""
+    monkeypatch.setenv("FLASHPAGE_KV_OFFLOAD_ASYNC_LOADS", "1" if async_loads else "0")
     path = tiny_checkpoint("head64_gqa")
     kw = dict(device="cuda", attention_backend="triton", block_size=16, num_gpu_blocks=12)
     off = _engine(path, host_blocks=64, **kw)
     assert off.offload.memory.is_pinned() and off.async_scheduling
     assert off.offload.copy_stream is not None  # the stores' copies beside the forward
+    assert (off.offload.load_stream is not None) is async_loads
     got = _waves(off)
     plain = _waves(_engine(path, **kw))
     assert got[2]["host"][0] == 64 and got[2]["computed"] < plain[2]["computed"]
