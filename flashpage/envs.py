@@ -328,3 +328,12 @@ def kv_offload_async_loads() -> bool:
     on the compute stream before the step's forward, which then waits for them (the form
     before session 31, for A/Bs). Read when the engine starts."""
     return os.environ.get("FLASHPAGE_KV_OFFLOAD_ASYNC_LOADS", "1").strip() != "0"
+
+
+def sleep_fixed_addresses() -> bool:
+    """FLASHPAGE_SLEEP_FIXED_ADDRESSES: sleep mode on CUDA allocates the weights and the KV
+    cache in memory whose pages it gives back while keeping the addresses (engine/cumem.py),
+    so the CUDA graphs live through a sleep (the default); "0" frees the storages instead and
+    captures the graphs again on wake_up (the form before session 31). Read when the engine
+    starts."""
+    return os.environ.get("FLASHPAGE_SLEEP_FIXED_ADDRESSES", "1").strip() != "0"

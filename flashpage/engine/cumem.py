@@ -152,8 +152,8 @@ class CuMemPool:
         # the callbacks must outlive the allocator that calls them: kept on self
         self._alloc_cb = _ALLOC_FN(self._alloc)
         self._free_cb = _FREE_FN(self._free)
-        alloc_ptr = ctypes.cast(self._alloc_cb, ctypes.c_void_p).value
-        free_ptr = ctypes.cast(self._free_cb, ctypes.c_void_p).value
+        alloc_ptr = ctypes.cast(self._alloc_cb, ctypes.c_void_p).value or 0
+        free_ptr = ctypes.cast(self._free_cb, ctypes.c_void_p).value or 0
         self._allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
         self.pool = torch.cuda.MemPool(self._allocator)
 
@@ -225,3 +225,16 @@ class CuMemPool:
         for a in self.tagged(tag):
             if a.handle is None:
                 _map(a)
+
+
+class _Interface:
+    """An object torch.as_tensor reads as device memory (``__cuda_array_interface__``)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def device_bytes(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` of device memory at ``ptr`` (not owned)."""
+    return torch.as_tensor(_Interface(ptr, nbytes), device=device)

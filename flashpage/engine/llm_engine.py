@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,9 @@ from flashpage.config import (
     dtype_bytes,
     resolve_kv_cache_dtype,
 )
+from flashpage.engine import cumem
 from flashpage.engine.cuda_graph import PREFILL_MAX_TOKENS
+from flashpage.engine.cumem import CuMemPool
 from flashpage.engine.draft_model import DraftRunner, build_draft_proposer, check_draft_config
 from flashpage.engine.kv_offload import KVOffloader
 from flashpage.engine.medusa import build_medusa_proposer, load_medusa_heads
@@ -163,11 +166,21 @@ class LLMEngine:
         # kernel reads them (models/int4_checkpoint.py decides per layer); the same two
         # choices decide whether online quantization quantizes a 16-bit model's experts
         int4_moe_kernel = moe_kernel_keeps("int4", self.device, fused_moe)
-        self.model = load_model(self.source, self.dtype, self.device,
-                                max_positions=self.max_model_len, seed=config.seed,
-                                quantization=config.quantization, classifier_token_ids=token_ids,
-                                mxfp4_kernel=mxfp4_kernel, fp8_moe_kernel=fp8_moe_kernel,
-                                int4_moe_kernel=int4_moe_kernel)
+        # sleep mode's fixed-address memory (engine/cumem.py): the weights and the KV cache
+        # made in it, so that sleep keeps the CUDA graphs
+        self._cumem: CuMemPool | None = None
+        if config.enable_sleep_mode and self.device.type == "cuda" and envs.sleep_fixed_addresses():
+            if cumem.available():
+                self._cumem = CuMemPool(self.device)
+            else:
+                logger.info("sleep mode: no pluggable CUDA allocator in this torch; the CUDA "
+                            "graphs are captured again on each wake_up")
+        with self._cumem.use("weights") if self._cumem is not None else nullcontext():
+            self.model = load_model(self.source, self.dtype, self.device,
+                                    max_positions=self.max_model_len, seed=config.seed,
+                                    quantization=config.quantization, classifier_token_ids=token_ids,
+                                    mxfp4_kernel=mxfp4_kernel, fp8_moe_kernel=fp8_moe_kernel,
+                                    int4_moe_kernel=int4_moe_kernel)
         if config.enable_prompt_embeds and not getattr(self.model, "supports_prompt_embeds", False):
             raise ConfigError(f"enable_prompt_embeds: {mc.architecture}'s forward does not take "
                               "input embeddings (engine/prompt_embeds.py lists the families that do)")
@@ -242,9 +255,11 @@ class LLMEngine:
                                    policy=config.scheduling_policy,
                                    long_prefill_token_threshold=config.long_prefill_token_threshold)
         backend = backend_cls(mc, self.device, self.dtype)
+        pool = self._cumem
         self.runner = ModelRunner(self.model, mc, backend, self.kv_manager, self.num_blocks,
                                   config.block_size, self.device, self.dtype, self.kv_dtype,
-                                  layout=self.kv_layout)
+                                  layout=self.kv_layout,
+                                  kv_memory=(lambda: pool.use("kv_cache")) if pool is not None else None)
         self.runner.lora = self.lora
         # KV cache offloading (engine/kv_offload.py): a host tier behind the prefix cache
         self.offload: KVOffloader | None = None
@@ -317,7 +332,7 @@ class LLMEngine:
         self._sync_ids: set[str] = set()  # requests whose sampling needs every token known
         self._guides: GuideCompiler | None = None  # structured outputs, built on first use
         # sleep mode (engine/sleep.py): the storages of the weights and of the KV cache
-        self.sleep_state = SleepState(self.model, self.runner.kv_caches, self.device) \
+        self.sleep_state = SleepState(self.model, self.runner.kv_caches, self.device, self._cumem) \
             if config.enable_sleep_mode else None
         if self.device.type == "cuda":
             t1 = time.perf_counter()
@@ -1069,17 +1084,20 @@ class LLMEngine:
         if not self.kv_manager.reset_prefix_cache():  # cached K/V would read as zeros after
             raise RuntimeError("sleep: KV blocks are held with no request in flight (a leak); "
                                "not sleeping")
-        self._drop_graphs()
+        if not state.keeps_graphs:
+            self._drop_graphs()
         state.sleep(level)
-        logger.info("asleep (level %d): %.1f MiB of weights%s and %.1f MiB of KV cache released",
-                    level, state.weights.nbytes / 2**20, " (kept on the host)" if level == 1 else "",
-                    state.kv_cache.nbytes / 2**20)
+        logger.info("asleep (level %d): %.1f MiB of weights%s and %.1f MiB of KV cache released%s",
+                    level, state.nbytes("weights") / 2**20, " (kept on the host)" if level == 1 else "",
+                    state.nbytes("kv_cache") / 2**20,
+                    "; the CUDA graphs kept" if state.keeps_graphs and self.runner.graphs is not None else "")
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's ``wake_up``: allocate again what ``tags`` name ("weights", "kv_cache";
         None: both), in the same tensor objects; the weights come back from the host (level
-        1) or are zeros until load_weights / reload_weights (level 2), the KV cache zeroed. Once both
-        are awake, CUDA graphs dropped by ``sleep`` are captured again (the storages'
+        1) or are zeros until load_weights / reload_weights (level 2), the KV cache zeroed. In
+        fixed-address memory (CUDA, engine/cumem.py) the CUDA graphs were kept; otherwise,
+        once both are awake, those dropped by ``sleep`` are captured again (the storages'
         addresses changed). Waking what is awake does nothing."""
         state = self._sleep_mode("wake_up")
         state.wake_up(check_tags(tags))
@@ -1158,7 +1176,7 @@ class LLMEngine:
             self._inflight = None
 
     def _check_weights_awake(self, what: str) -> None:
-        if self.sleep_state is not None and self.sleep_state.weights.asleep:
+        if self.sleep_state is not None and self.sleep_state.group("weights").asleep:
             raise EngineSleepingError(f"{what}: the weights are asleep; call "
                                       "wake_up(tags=['weights']) first")
 

@@ -8,6 +8,8 @@ scheduled token of requests that reach the end of their known tokens this step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,7 +66,8 @@ class ModelRunner:
     def __init__(self, model: nn.Module, model_config: ModelConfig, backend: AttentionBackend,
                  kv_manager: KVCacheManager | HybridKVCacheManager, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
-                 layout: GroupLayout | None = None) -> None:
+                 layout: GroupLayout | None = None,
+                 kv_memory: Callable[[], AbstractContextManager] | None = None) -> None:
         self.model = model
         self.config = model_config
         self.backend = backend
@@ -77,7 +80,10 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype  # the paged K/V (or MLA latent) cache's
         self.sampler = Sampler(model_config.vocab_size)
-        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        backend.bind_kv_cache(num_blocks, block_size)
+        # the K/V tensors in sleep mode's fixed-address memory (engine/cumem.py) when given
+        with (kv_memory or nullcontext)():
+            self.kv_caches = self._allocate_kv_cache(num_blocks)
         self.pin = device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
@@ -128,7 +134,6 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ cache
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor]:
-        self.backend.bind_kv_cache(num_blocks, self.block_size)
         layers = self.model.attention_layers()  # type: ignore[operator]
         caches: list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor] = []
         if self.layout is not None:  # one pair per slot: a block id is memory in each slot

@@ -9,6 +9,15 @@ addresses change (the allocator hands out new memory). The CUDA graphs, which ba
 addresses in, are therefore dropped at ``sleep`` and captured again once both the weights
 and the KV cache are awake (LLMEngine.wake_up).
 
+With a ``CuMemPool`` (engine/cumem.py; on CUDA by default, ``FLASHPAGE_SLEEP_FIXED_ADDRESSES
+=0`` turns it off) the weights and the KV cache were allocated at start-up in memory whose
+pages can be given back while the addresses stay: sleep unmaps the pages, wake_up maps
+fresh ones at the same addresses, and the CUDA graphs are kept, not captured again
+(vLLM's CuMemAllocator). There a group is the pool's allocations under its tag
+(``_FixedGroup``), saved and restored as byte ranges: level 1 keeps every byte of the
+weights' allocations (parameters, buffers, any other tensor made while loading), level 2
+every byte but the parameters'.
+
 Two groups, vLLM's tags::
 
     "weights"   every storage under the model's parameters and buffers
@@ -27,8 +36,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from flashpage.engine.cumem import CuMemPool
 
 TAGS = ("weights", "kv_cache")
 
@@ -125,14 +138,96 @@ class _Group:
         self.asleep = False
 
 
+def _ranges_minus(start: int, end: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[start, end)`` without the (sorted, possibly overlapping) ``holes``."""
+    out, at = [], start
+    for a, b in holes:
+        a, b = max(a, start), min(b, end)
+        if a >= b:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < end:
+        out.append((at, end))
+    return out
+
+
+class _FixedGroup:
+    """A tag's allocations in a CuMemPool: their pages unmapped on release and mapped again
+    (same addresses) on restore; the byte ranges asked for copied to the host and back,
+    the rest zeroed."""
+
+    def __init__(self, pool: CuMemPool, tag: str) -> None:
+        self.pool, self.tag = pool, tag
+        self.host: list[torch.Tensor | None] = []
+        self._saved: list[tuple[int, int]] = []  # (address, bytes) of each host piece
+        self.asleep = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes(self.tag)
+
+    def owns(self, storage: torch.UntypedStorage) -> bool:
+        p = storage.data_ptr()
+        return any(a.ptr <= p < a.ptr + a.size for a in self.pool.tagged(self.tag))
+
+    def _view(self, ptr: int, n: int) -> torch.Tensor:
+        from flashpage.engine.cumem import device_bytes
+
+        return device_bytes(ptr, n, self.pool.device)
+
+    def release(self, holes: list[tuple[int, int]] | None, pin: bool, keep: bool) -> None:
+        """Copy the allocations' bytes (``keep``; without the ``holes``' ranges) to one
+        host buffer, then unmap every allocation."""
+        pieces: list[tuple[int, int]] = []
+        if keep:
+            for a in sorted(self.pool.tagged(self.tag), key=lambda a: a.ptr):
+                pieces += [(x, y - x) for x, y in _ranges_minus(a.ptr, a.ptr + a.size, holes or [])]
+        total = sum(n for _, n in pieces)
+        buf = torch.empty(total, dtype=torch.uint8, pin_memory=pin) if total else None
+        self.host, self._saved, off = [], pieces, 0
+        for ptr, n in pieces:
+            assert buf is not None
+            h = buf[off:off + n]
+            h.copy_(self._view(ptr, n), non_blocking=pin)
+            self.host.append(h)
+            off += n
+        self.pool.unmap(self.tag)  # synchronizes: the copies done first
+        self.asleep = True
+
+    def drop_host(self, holes: list[tuple[int, int]]) -> None:
+        """Forget the saved bytes inside ``holes`` (level 2 over level 1)."""
+        host: list[torch.Tensor | None] = []
+        saved: list[tuple[int, int]] = []
+        for h, (ptr, n) in zip(self.host, self._saved, strict=True):
+            for x, y in _ranges_minus(ptr, ptr + n, holes):
+                assert h is not None
+                host.append(h[x - ptr:y - ptr].clone())
+                saved.append((x, y - x))
+        self.host, self._saved = host, saved
+
+    def restore(self) -> None:
+        self.pool.remap(self.tag)
+        for a in self.pool.tagged(self.tag):
+            self._view(a.ptr, a.size).zero_()
+        for h, (ptr, n) in zip(self.host, self._saved, strict=True):
+            assert h is not None
+            self._view(ptr, n).copy_(h, non_blocking=h.is_pinned())
+        torch.cuda.synchronize(self.pool.device)
+        self.host, self._saved = [], []
+        self.asleep = False
+
+
 class SleepState:
     """The engine's two groups of device memory and which of them sleep (``LLMEngine``
     owns one when ``enable_sleep_mode``; the policy, what may run when, is the engine's)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: Iterable[torch.Tensor | tuple[torch.Tensor, ...]],
-                 device: torch.device) -> None:
+                 device: torch.device, pool: CuMemPool | None = None) -> None:
         self.device = device
         self.pin = device.type == "cuda"
+        self.pool = pool
         params = [p for _, p in model.named_parameters()]
         buffers = [b for _, b in model.named_buffers() if b is not None]
         self.weights = _Group(_unique_storages([*params, *buffers]), [])
@@ -145,25 +240,50 @@ class SleepState:
             flat.extend(c if isinstance(c, tuple) else (c,))
         self.kv_cache = _Group(_unique_storages(flat), [])
         self.kv_cache.sizes = [s.nbytes() for s in self.kv_cache.storages]
+        # fixed addresses (engine/cumem.py): the pool's allocations, the graphs kept
+        self.fixed: dict[str, _FixedGroup] | None = None
+        self._param_ranges: list[tuple[int, int]] = []
+        if pool is not None:
+            self.fixed = {t: _FixedGroup(pool, t) for t in TAGS}
+            outside = [s for s in self.weights.storages if s.nbytes() and not self.fixed["weights"].owns(s)]
+            outside += [s for s in self.kv_cache.storages if s.nbytes() and not self.fixed["kv_cache"].owns(s)]
+            if outside:
+                raise RuntimeError(f"{len(outside)} weight / KV storage(s) ({sum(s.nbytes() for s in outside)} "
+                                   "bytes) were not allocated in the sleep pool")
+            self._param_ranges = sorted((s.data_ptr(), s.data_ptr() + s.nbytes())
+                                        for s in _unique_storages(params) if s.nbytes())
         self.level = 0  # the level of the last sleep (0: never slept / fully awake)
         # after a level-2 sleep the parameters hold nothing until a load: set by wake_up,
         # cleared by load_weights / reload_weights
         self.weights_discarded = False
 
     @property
+    def keeps_graphs(self) -> bool:
+        """Whether the addresses survive a sleep (the CUDA graphs are kept)."""
+        return self.fixed is not None
+
+    @property
     def is_sleeping(self) -> bool:
         """vLLM's ``is_sleeping``: any group asleep."""
-        return self.weights.asleep or self.kv_cache.asleep
+        return self.group("weights").asleep or self.group("kv_cache").asleep
 
     def asleep(self) -> list[str]:
         return [t for t in TAGS if self.group(t).asleep]
 
-    def group(self, tag: str) -> _Group:
+    def group(self, tag: str) -> _Group | _FixedGroup:
+        if self.fixed is not None:
+            return self.fixed[tag]
         return self.weights if tag == "weights" else self.kv_cache
+
+    def nbytes(self, tag: str) -> int:
+        return self.group(tag).nbytes
 
     def sleep(self, level: int) -> None:
         """Release both groups (one already asleep stays so; level 2 over a level-1 sleep
         drops the parameters' host copies)."""
+        if self.fixed is not None:
+            self._sleep_fixed(level, self.fixed)
+            return
         if not self.weights.asleep:
             keep = [True] * len(self._is_param) if level == 1 else [not p for p in self._is_param]
             self.weights.release(keep, self.pin)
@@ -184,6 +304,19 @@ class SleepState:
             if clear is not None:
                 clear()
             torch.cuda.empty_cache()  # back to the driver: another process may take it
+
+    def _sleep_fixed(self, level: int, fixed: dict[str, _FixedGroup]) -> None:
+        w, kv = fixed["weights"], fixed["kv_cache"]
+        if not w.asleep:
+            w.release(self._param_ranges if level == 2 else None, self.pin, keep=True)
+        elif level == 2:
+            w.drop_host(self._param_ranges)
+        self.weights_discarded |= level == 2
+        if not kv.asleep:
+            kv.release(None, self.pin, keep=False)
+        self.level = max(self.level, level)
+        # cuBLAS's workspaces stay: the kept graphs were captured with them
+        torch.cuda.empty_cache()
 
     def wake_up(self, tags: tuple[str, ...]) -> None:
         for tag in tags:
