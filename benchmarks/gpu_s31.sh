@@ -10,7 +10,8 @@ PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
 case "$PART" in
 a)
-  timeout "$(left 150)" $PT -rfE -m gpu tests/engine/test_cumem.py tests/engine/test_sleep_mode.py tests/engine/test_kv_offload.py 2>&1 | tail -n 12
+  timeout "$(left 60)" $PT -rfE -m gpu tests/engine/test_cumem.py 2>&1 | tail -n 15
+  timeout "$(left 150)" $PT -rfE -m gpu tests/engine/test_sleep_mode.py tests/engine/test_kv_offload.py 2>&1 | tail -n 15
   timeout "$(left 240)" python3 benchmarks/kv_offload.py --config llama-3-8b --input-lens 1024 4096 16384 \
     --neighbours 32 --iters 2 --json-out "$OUT/kv_offload_async.json" 2>&1 | grep -v "^INFO" | tail -n 8
   FLASHPAGE_KV_OFFLOAD_ASYNC_LOADS=0 timeout "$(left 300)" python3 benchmarks/kv_offload.py --config llama-3-8b \
