@@ -5,6 +5,8 @@
 #                                             neighbours' steps while a 4k / 16k prefix loads, async
 #                                             (default) and FLASHPAGE_KV_OFFLOAD_ASYNC_LOADS=0 in turn
 #   BUDGET=300 bash benchmarks/gpu_s31.sh b   the GPU tests of the helpers' features (CTESTS: the files)
+#   BUDGET=240 bash benchmarks/gpu_s31.sh c   sleep / wake_up of the 8B shape with fixed addresses (graphs
+#                                             kept) and with FLASHPAGE_SLEEP_FIXED_ADDRESSES=0 (recaptured)
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -20,5 +22,11 @@ a)
 b)
   timeout "$(left 600)" $PT -rfE -m gpu ${CTESTS:?CTESTS: the test files} 2>&1 | tee "$OUT/gpu_session31_tests.txt" | tail -n 14
   echo "part b done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-b)"; exit 2 ;;
+c)
+  timeout "$(left 130)" python3 benchmarks/sleep_wake.py --config llama-3-8b --json-out "$OUT/sleep_fixed.json" 2>&1 \
+    | grep -v "^INFO" | tail -n 5
+  FLASHPAGE_SLEEP_FIXED_ADDRESSES=0 timeout "$(left 130)" python3 benchmarks/sleep_wake.py --config llama-3-8b \
+    --json-out "$OUT/sleep_recapture.json" 2>&1 | grep -v "^INFO" | tail -n 5
+  echo "part c done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-c)"; exit 2 ;;
 esac
