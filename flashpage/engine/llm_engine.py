@@ -218,9 +218,12 @@ class LLMEngine:
         if config.enable_lora:
             from flashpage.lora.manager import LoRAManager
 
-            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
-                                    max(config.max_num_batched_tokens, config.max_num_seqs),
-                                    self.device, self.dtype)
+            # in sleep mode's fixed-address memory they sleep with the weights (level 2 too:
+            # they are no parameter of the model, so their bytes are kept)
+            with self._cumem.use("weights") if self._cumem is not None else nullcontext():
+                self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                        max(config.max_num_batched_tokens, config.max_num_seqs),
+                                        self.device, self.dtype)
         if config.chat_template is not None:
             self._set_chat_template(config.chat_template)
         self.eos_token_ids = self._eos_ids()
