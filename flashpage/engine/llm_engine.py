@@ -264,17 +264,11 @@ class LLMEngine:
                                   layout=self.kv_layout,
                                   kv_memory=(lambda: pool.use("kv_cache")) if pool is not None else None)
         self.runner.lora = self.lora
-        # KV cache offloading (engine/kv_offload.py): a host tier behind the prefix cache
+        # KV cache offloading (engine/kv_offload.py): a host tier behind the prefix cache,
+        # attached once the draft's pool (if any) exists: a host block holds both
         self.offload: KVOffloader | None = None
         if config.kv_offloading_size:
             self._check_offloading()
-            self.offload = KVOffloader(self.runner.kv_caches, config.kv_offloading_size, self.device)
-            assert isinstance(self.kv_manager, KVCacheManager)  # _check_offloading: no groups
-            self.kv_manager.attach_host(self.offload.host)
-            logger.info("KV offloading: %d host blocks of %d bytes (%.2f GiB%s)",
-                        self.offload.num_blocks, self.offload.block_bytes,
-                        self.offload.num_blocks * self.offload.block_bytes / (1 << 30),
-                        ", pinned" if self.offload.pin else "")
         # Decode-batch GEMMs: ours where it beats cuBLAS (fp8: W8A8) on this GPU (timed now,
         # before the graphs capture whichever is chosen); only beside our fused kernels.
         # (fp8: quantization="fp8", or an fp8 checkpoint's e4m3 weights kept as they are)
@@ -331,6 +325,8 @@ class LLMEngine:
                                                   self.mtp_hidden, self.max_model_len)
         elif self.spec_config is not None:
             self.proposer = NgramProposer(self.spec_config, self.max_model_len)
+        if config.kv_offloading_size:
+            self._attach_offloading(config.kv_offloading_size)
         self._inflight: _Inflight | None = None  # the launched step not yet read back
         self._sync_ids: set[str] = set()  # requests whose sampling needs every token known
         self._guides: GuideCompiler | None = None  # structured outputs, built on first use
@@ -600,10 +596,25 @@ class LLMEngine:
                     spec.num_speculative_tokens, heads.spec.num_heads, spec.model)
         return heads, states
 
+    def _attach_offloading(self, size_gib: float) -> None:
+        """The host tier over every cache tensor a block id indexes: the target's, and a
+        draft model's / MTP layer's / EAGLE head's pool beside it (the same block ids)."""
+        caches: list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor] = list(self.runner.kv_caches)
+        draft = getattr(self.proposer, "runner", None)
+        if isinstance(draft, DraftRunner):
+            caches += [layer.kv_cache for layer in draft.model.attention_layers()]  # type: ignore[operator]
+        self.offload = KVOffloader(caches, size_gib, self.device)
+        assert isinstance(self.kv_manager, KVCacheManager)  # _check_offloading: no groups
+        self.kv_manager.attach_host(self.offload.host)
+        logger.info("KV offloading: %d host blocks of %d bytes (%.2f GiB%s)",
+                    self.offload.num_blocks, self.offload.block_bytes,
+                    self.offload.num_blocks * self.offload.block_bytes / (1 << 30),
+                    ", pinned" if self.offload.pin else "")
+
     def _check_offloading(self) -> None:
         """A ConfigError naming what KV offloading does not cover here: it needs prefix
         caching and one block table whose every layer holds every token (no sliding-window
-        release, no KV cache groups), and no draft KV pool beside the target's."""
+        release, no KV cache groups)."""
         cfg, mc = self.config, self.model_config
         why = None
         if not cfg.enable_prefix_caching:
@@ -614,10 +625,6 @@ class LLMEngine:
         elif self.release_window is not None:
             why = (f"this model ({mc.architecture}) attends within a sliding window of "
                    f"{self.release_window} tokens, whose blocks are given back as requests advance")
-        elif self.draft is not None or self.mtp is not None:
-            assert self.spec_config is not None
-            why = (f"speculative decoding with method {self.spec_config.method!r} keeps a draft "
-                   "KV cache beside the target's (ngram and medusa keep none)")
         if why is not None:
             raise ConfigError(f"kv_offloading_size (--kv-offloading-size) is not supported here: {why}")
 

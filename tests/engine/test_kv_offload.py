@@ -32,7 +32,8 @@ def _engine(path, host_blocks: int = 0, **kw) -> LLMEngine:
     if host_blocks:  # the GiB that hold exactly host_blocks blocks of this model
         cfg["kv_offloading_size"] = host_blocks * per_block / (1 << 30)
     engine = LLMEngine(EngineConfig(**cfg))
-    if engine.offload is not None:  # a host row: one block of every layer, as the profiler counts
+    if engine.offload is not None and "speculative_config" not in kw:
+        # a host row: one block of every layer, as the profiler counts
         assert engine.offload.block_bytes == host_block_bytes(engine.runner.kv_caches) == per_block
     return engine
 
@@ -230,17 +231,43 @@ def test_kv_cache_groups_are_refused_and_one_table_is_not(tmp_path):
     assert eng.offload is not None
 
 
-def test_a_draft_kv_cache_is_refused_and_ngram_drafts_work(tiny_checkpoint):
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_speculative_decoding_over_the_host_tier(tiny_checkpoint, method):
+    """A draft model's K/V pool uses the target's block ids: a host block carries both, so
+    the second wave's prefix comes back into both pools. The draft here is the target
+    itself, whose greedy drafts are all right exactly when its K/V is (a prefix loaded
+    into the target's pool only would leave the draft reading stale blocks); n-gram drafts
+    keep no pool."""
     path = tiny_checkpoint("llama31_gqa")
-    with pytest.raises(ConfigError, match=r"speculative decoding with method 'draft_model' keeps a "
-                                          r"draft KV cache beside the target's"):
-        _engine(path, kv_offloading_size=0.01,
-                speculative_config={"model": str(path), "num_speculative_tokens": 2})
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-    off = _engine(path, host_blocks=64, speculative_config=ngram)
+    spec = ({"model": str(path), "num_speculative_tokens": 2} if method == "draft_model" else
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    off = _engine(path, host_blocks=64, speculative_config=spec)
+    per_block = ModelConfig.from_hf(path).kv_bytes_per_token("float32") * 8
+    assert off.offload.block_bytes == per_block * (2 if method == "draft_model" else 1)
     got = _waves(off)
     assert got[2]["host"][0] == 64
     assert [w["tokens"] for w in got] == [w["tokens"] for w in _waves(_engine(path))]
+    if method == "draft_model":
+        st = off.stats()["spec_decode"]
+        assert st["num_draft_tokens"] > 0 and st["num_accepted_tokens"] == st["num_draft_tokens"], st
+    _assert_no_leaks(off)
+
+
+def test_an_eagle_heads_pool_travels_with_the_targets(tmp_path):
+    """An EAGLE head keeps a one-layer pool over the target's block ids: the host rows hold
+    it too, and the tokens (greedy: the target's) equal the engine's without a host tier."""
+    from tests.engine.test_eagle_draft import _heads_over
+    from tests.conftest import build_tiny_checkpoint
+
+    ck = _heads_over(build_tiny_checkpoint(tmp_path / "base", "llama31_gqa"), tmp_path)
+    spec = {"method": "eagle", "model": str(ck["eagle"]), "num_speculative_tokens": 2}
+    off = _engine(ck["base"], host_blocks=64, speculative_config=spec)
+    target = host_block_bytes(off.runner.kv_caches)
+    assert off.offload.block_bytes > target  # and the head's layer
+    got = _waves(off)
+    assert got[2]["host"][0] == 64
+    assert [w["tokens"] for w in got] == [w["tokens"] for w in _waves(_engine(ck["base"]))]
+    assert off.stats()["spec_decode"]["num_draft_tokens"] > 0
     _assert_no_leaks(off)
 
 
