@@ -256,8 +256,8 @@ def test_speculative_decoding_over_the_host_tier(tiny_checkpoint, method):
 def test_an_eagle_heads_pool_travels_with_the_targets(tmp_path):
     """An EAGLE head keeps a one-layer pool over the target's block ids: the host rows hold
     it too, and the tokens (greedy: the target's) equal the engine's without a host tier."""
-    from tests.engine.test_eagle_draft import _heads_over
     from tests.conftest import build_tiny_checkpoint
+    from tests.engine.test_eagle_draft import _heads_over
 
     ck = _heads_over(build_tiny_checkpoint(tmp_path / "base", "llama31_gqa"), tmp_path)
     spec = {"method": "eagle", "model": str(ck["eagle"]), "num_speculative_tokens": 2}
