@@ -131,54 +131,41 @@ def available() -> bool:
             and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool"))
 
 
-class CuMemPool:
-    """Allocations at fixed addresses for tensors made inside ``use(tag)``; ``unmap`` /
-    ``remap`` give a tag's pages back and take them again."""
+_KEEP: list[object] = []  # callbacks torch's allocator may still call: never collected
 
-    def __init__(self, device: torch.device) -> None:
-        if not available():
-            raise RuntimeError("fixed-address sleep memory needs CUDA and torch's pluggable "
-                               "allocator (torch._C._cuda_customAllocator, torch.cuda.MemPool)")
-        self.device = device
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
+
+class _Segments:
+    """What the callbacks share: the live allocations and the tag being allocated. Kept
+    apart from CuMemPool so that a callback running while the pool is torn down (torch
+    frees its segments late) still finds it."""
+
+    def __init__(self, granularity: int) -> None:
+        self.granularity = granularity
         self.allocations: dict[int, _Allocation] = {}
-        self._tag = "weights"
-        self._lock = threading.Lock()
-        _ensure_context(self.index)
-        gran = ctypes.c_size_t()
-        _cu("cuMemGetAllocationGranularity", ctypes.byref(gran), ctypes.byref(_prop(self.index)),
-            ctypes.c_int(0))
-        self.granularity = gran.value
-        # the callbacks must outlive the allocator that calls them: kept on self
-        self._alloc_cb = _ALLOC_FN(self._alloc)
-        self._free_cb = _FREE_FN(self._free)
-        alloc_ptr = ctypes.cast(self._alloc_cb, ctypes.c_void_p).value or 0
-        free_ptr = ctypes.cast(self._free_cb, ctypes.c_void_p).value or 0
-        self._allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
-        self.pool = torch.cuda.MemPool(self._allocator)
+        self.tag = "weights"
+        self.lock = threading.Lock()
 
-    # the allocator's callbacks (torch calls them for a new segment of the pool / its release)
-    def _alloc(self, size: int, device: int, stream: int) -> int:
+    def alloc(self, size: int, device: int, stream: int) -> int:
         try:
             _ensure_context(device)
             size = -(-size // self.granularity) * self.granularity
             ptr = ctypes.c_ulonglong()
             _cu("cuMemAddressReserve", ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0),
                 ctypes.c_ulonglong(0), ctypes.c_ulonglong(0))
-            a = _Allocation(ptr.value, size, device, self._tag, None)
+            a = _Allocation(ptr.value, size, device, self.tag, None)
             try:
                 _map(a)
             except CuMemError:
                 _cu("cuMemAddressFree", ptr, ctypes.c_size_t(size))
                 raise
-            with self._lock:
+            with self.lock:
                 self.allocations[a.ptr] = a
             return a.ptr
         except Exception:  # a callback must not raise into C: torch sees NULL (out of memory)
             return 0
 
-    def _free(self, ptr: int, size: int, device: int, stream: int) -> None:
-        with self._lock:
+    def free(self, ptr: int, size: int, device: int, stream: int) -> None:
+        with self.lock:
             a = self.allocations.pop(ptr or 0, None)
         if a is None:
             return
@@ -188,18 +175,48 @@ class CuMemPool:
         except CuMemError:
             pass  # nothing a free can report to
 
+
+class CuMemPool:
+    """Allocations at fixed addresses for tensors made inside ``use(tag)``; ``unmap`` /
+    ``remap`` give a tag's pages back and take them again."""
+
+    def __init__(self, device: torch.device) -> None:
+        if not available():
+            raise RuntimeError("fixed-address sleep memory needs CUDA and torch's pluggable "
+                               "allocator (torch._C._cuda_customAllocator, torch.cuda.MemPool)")
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", self.index)
+        _ensure_context(self.index)
+        gran = ctypes.c_size_t()
+        _cu("cuMemGetAllocationGranularity", ctypes.byref(gran), ctypes.byref(_prop(self.index)),
+            ctypes.c_int(0))
+        self.granularity = gran.value
+        self._segments = seg = _Segments(gran.value)
+        alloc_cb, free_cb = _ALLOC_FN(seg.alloc), _FREE_FN(seg.free)
+        _KEEP.append((seg, alloc_cb, free_cb))
+        alloc_ptr = ctypes.cast(alloc_cb, ctypes.c_void_p).value or 0
+        free_ptr = ctypes.cast(free_cb, ctypes.c_void_p).value or 0
+        self._allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
+        self.pool = torch.cuda.MemPool(self._allocator)
+
+    @property
+    def allocations(self) -> dict[int, _Allocation]:
+        return self._segments.allocations
+
     @contextmanager
     def use(self, tag: str):
         """Tensors made inside live in this pool's memory under ``tag``."""
-        prev, self._tag = self._tag, tag
+        seg = self._segments
+        prev, seg.tag = seg.tag, tag
         try:
             with torch.cuda.use_mem_pool(self.pool, device=self.device):
                 yield
         finally:
-            self._tag = prev
+            seg.tag = prev
 
     def tagged(self, tag: str) -> list[_Allocation]:
-        return [a for a in self.allocations.values() if a.tag == tag]
+        with self._segments.lock:
+            return [a for a in self.allocations.values() if a.tag == tag]
 
     def nbytes(self, tag: str) -> int:
         return sum(a.size for a in self.tagged(tag))
