@@ -49,6 +49,9 @@ def main() -> None:
         return torch.cuda.mem_get_info()[0] if cuda else 0
 
     def gen() -> tuple[float, list[list[int]]]:
+        # no prefix hits: a prompt step of the whole prompt each time, as after a sleep
+        # (which resets the cache); a hit's shorter step may round otherwise
+        assert eng.reset_prefix_cache()
         sync()
         t0 = time.perf_counter()
         out = llm.generate(prompts, params, use_tqdm=False)

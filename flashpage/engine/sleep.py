@@ -248,8 +248,13 @@ class SleepState:
             outside = [s for s in self.weights.storages if s.nbytes() and not self.fixed["weights"].owns(s)]
             outside += [s for s in self.kv_cache.storages if s.nbytes() and not self.fixed["kv_cache"].owns(s)]
             if outside:
+                ptrs = {s.data_ptr() for s in outside}
+                named = [f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+                         for n, t in [*model.named_parameters(remove_duplicate=False),
+                                      *model.named_buffers(remove_duplicate=False)]
+                         if t is not None and t.untyped_storage().data_ptr() in ptrs]
                 raise RuntimeError(f"{len(outside)} weight / KV storage(s) ({sum(s.nbytes() for s in outside)} "
-                                   "bytes) were not allocated in the sleep pool")
+                                   f"bytes) were not allocated in the sleep pool: {named[:8]}")
             self._param_ranges = sorted((s.data_ptr(), s.data_ptr() + s.nbytes())
                                         for s in _unique_storages(params) if s.nbytes())
         self.level = 0  # the level of the last sleep (0: never slept / fully awake)
