@@ -177,6 +177,10 @@ class LLMEngine:
             from flashpage.models.llava import load_image_encoder
 
             self.mm_encoder = load_image_encoder(self.source, self.dtype, self.device, config.seed)
+            if not getattr(self.model, "supports_prompt_embeds", False):
+                raise ConfigError(f"{mc.multimodal_architecture}: its text model "
+                                  f"({mc.architecture}) takes no input embeddings, which its "
+                                  "images' rows are (engine/multimodal.py)")
         if config.enable_prompt_embeds and not getattr(self.model, "supports_prompt_embeds", False):
             raise ConfigError(f"enable_prompt_embeds: {mc.architecture}'s forward does not take "
                               "input embeddings (engine/prompt_embeds.py lists the families that do)")
