@@ -38,8 +38,10 @@ def image_token_of(folder: Path) -> int:
     return int(AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids("<image>"))
 
 
-def build_tiny_llava(path: Path, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
-    """Save a tiny LLaVA checkpoint under ``path``; ``overrides``: LlavaConfig fields
+def build_tiny_llava(path: Path, seed: int = 0, tokenizer: bool = True, text: dict | None = None,
+                     **overrides) -> Path:
+    """Save a tiny LLaVA checkpoint under ``path``; ``text``: text_config fields over ours
+    (head_dim 64 for the GPU's kernels); ``overrides``: LlavaConfig fields
     (vision_feature_layer, vision_feature_select_strategy, ...)."""
     import transformers
 
@@ -54,7 +56,7 @@ def build_tiny_llava(path: Path, seed: int = 0, tokenizer: bool = True, **overri
         tok.chat_template = LLAVA_CHAT_TEMPLATE
         tok.save_pretrained(path)
         image_token = int(tok.convert_tokens_to_ids("<image>"))
-    config = transformers.LlavaConfig(text_config=dict(_TEXT), vision_config=dict(_VISION),
+    config = transformers.LlavaConfig(text_config={**_TEXT, **(text or {})}, vision_config=dict(_VISION),
                                       image_token_index=image_token, **overrides)
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(config).float()
