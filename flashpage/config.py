@@ -2252,8 +2252,9 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"{where}: architecture {arch or d.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; their text model "
-                f"alone: {', '.join(sorted(MULTIMODAL_TEXT_ARCHITECTURES))}"
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; with image input: "
+                f"{', '.join(sorted(IMAGE_ARCHITECTURES))}; their text model alone: "
+                f"{', '.join(sorted(set(MULTIMODAL_TEXT_ARCHITECTURES) - IMAGE_ARCHITECTURES))}"
             )
         if arch in GPT2_FAMILY or arch == "GPTJForCausalLM":
             d = _gpt2_names(d, arch, where)

@@ -61,7 +61,8 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     encoder = getattr(state.engine.engine, "mm_encoder", None)
     grows = len(images["image"]) * (encoder.tokens_per_image - 1) \
         if images is not None and encoder is not None else 0
-    max_tokens = check_length(state, len(ids) + grows, max_tokens)
+    n_prompt = len(ids) + grows  # what the engine runs (and usage counts, as vLLM's)
+    max_tokens = check_length(state, n_prompt, max_tokens)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     want_lp = bool(req.logprobs)
@@ -145,7 +146,7 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
             return {"index": idx, "delta": d, "logprobs": chat_logprobs(tok, lps, want_lp),
                     "finish_reason": finish}
 
-        return stream_response(state, streams, params.n, rid, "chat.completion.chunk", len(ids),
+        return stream_response(state, streams, params.n, rid, "chat.completion.chunk", n_prompt,
                                bool(req.stream_options and req.stream_options.include_usage),
                                choice, model=req.model)
 
@@ -169,7 +170,7 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
         completion_tokens = sum(len(o.token_ids) for o in out.outputs)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                              "model": state.response_model(req.model), "choices": choices,
-                             "usage": usage(len(ids), completion_tokens)})
+                             "usage": usage(n_prompt, completion_tokens)})
 
     return await unless_disconnected(request, answer())
 

@@ -328,7 +328,8 @@ class DetokenizeRequest(_Body):
 _SHAPES = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "a string or a list of strings",
-    "content": 'a string or a list of {"type": "text", "text": ...} parts',
+    "content": 'a string or a list of {"type": "text", "text": ...} and {"type": "image_url", '
+               '"image_url": {"url": "data:image/...;base64,..."}} parts',
 }
 
 
