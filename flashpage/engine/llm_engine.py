@@ -187,6 +187,9 @@ class LLMEngine:
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
+        if config.enable_sleep_mode and mc.vision is not None:
+            raise ValueError("enable_sleep_mode with an image model (LLaVA) is not supported yet "
+                             "(its vision tower's memory is not released)")
         if config.enable_sleep_mode and self.spec_config is not None:
             raise ValueError("enable_sleep_mode with speculative_config is not supported yet (a "
                              "draft's weights and KV pool are not released): drop one of them")
@@ -1224,6 +1227,9 @@ class LLMEngine:
             return "the model's checkpoint is quantized (fp8 / AWQ / GPTQ): its held weights are not 16-bit"
         if mc.mxfp4_experts:
             return "the model's experts are MXFP4 (their reader is not run on update yet)"
+        if mc.vision is not None:
+            return ("the model's vision tower and projector (models/llava.py) are not written "
+                    "by weight updates yet")
         return None
 
     def _weights_changed(self) -> None:

@@ -272,3 +272,35 @@ def test_llava_on_the_gpu_with_graphs(tmp_path):
     assert graphed == [hf_llava_greedy(hf, _expanded(ids, tok), _pixels(vc, ims) if ims else None, MAX_NEW)
                        for ids, ims in cases]
     assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+def test_what_is_not_supported_yet_is_refused(llava):
+    """Weight updates (the tower is not written by them) and sleep mode (its memory is not
+    released) say so rather than half-work."""
+    path, _, _ = llava
+    llm = _llm(path)
+    with pytest.raises(ValueError, match="reload_weights: the model's vision tower"):
+        llm.engine.reload_weights()
+    with pytest.raises(ValueError, match="enable_sleep_mode with an image model"):
+        _llm(path, enable_sleep_mode=True)
+
+
+def test_random_weights_run_the_tower(llava):
+    """A random-weights engine of a LLaVA config.json (benchmarks): its tower is built and
+    initialized too, and an image request runs."""
+    path, _, tok = llava
+    llm = _llm(None, random_weights_config=str(path / "config.json"), tokenizer=str(path))
+    ids, ims = _case(tok, 70, 1)
+    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": ims}}], GREEDY,
+                       use_tqdm=False)[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == MAX_NEW
+    assert all(torch.isfinite(p).all() for p in llm.engine.mm_encoder.parameters())
+
+
+def test_inspect_says_images_run(llava):
+    from flashpage.config import ModelConfig
+    from flashpage.inspect import format_report, inspect_config
+
+    info = inspect_config(ModelConfig.from_hf(llava[0]), 1 << 30)
+    assert info["image_input"] is True
+    assert "LlavaForConditionalGeneration: its text model and image input" in format_report(info)
