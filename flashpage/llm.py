@@ -13,6 +13,7 @@ from flashpage.beam_search import BeamSearch, BeamSearchOutput, run_beam_search
 from flashpage.config import EngineConfig
 from flashpage.encoder.config import is_encoder_model
 from flashpage.engine.llm_engine import LLMEngine
+from flashpage.engine.multimodal import as_text_parts, template_reads_parts
 from flashpage.lora.request import LoRARequest
 from flashpage.outputs import RequestOutput
 from flashpage.pooling import (
@@ -367,6 +368,8 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
+        if getattr(self.engine, "mm_encoder", None) is not None and template_reads_parts(tok.chat_template):
+            conversation = as_text_parts(conversation)  # an image model's template reads parts
         ids = tok.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
                                       tokenize=True, return_dict=False, **template_kw)
         return list(ids)

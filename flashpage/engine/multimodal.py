@@ -31,6 +31,7 @@ exact comparison unchanged).
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -95,3 +96,22 @@ def step_rows(inputs: list[MultiModalInput], start: int, end: int
         a, b = max(start, mi.offset), min(end, mi.offset + mi.length)
         out.append((a - start, mi.rows[a - mi.offset:b - mi.offset]))
     return out
+
+
+# a chat template that walks a message's content parts (llava-hf's: selectattr over them)
+_LOOPS_PARTS = re.compile(r"""(for\s+\w+\s+in\s+message(\[\s*['"]content['"]\s*\]|\.content)"""
+                          r"""|message(\[\s*['"]content['"]\s*\]|\.content)\s*\|)""")
+
+
+def template_reads_parts(template: object) -> bool:
+    """Whether a chat template loops over a message's content parts (vLLM's "openai"
+    content format) rather than printing it as a string: such a template must be given
+    ``[{"type": "text", "text": ...}]`` (a string would be walked character by character,
+    its text lost) and shows an image part's placeholder itself."""
+    return isinstance(template, str) and _LOOPS_PARTS.search(template) is not None
+
+
+def as_text_parts(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each message whose content is a string, with it as one text part."""
+    return [{**m, "content": [{"type": "text", "text": m["content"]}]}
+            if isinstance(m.get("content"), str) else m for m in conversation]

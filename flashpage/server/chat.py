@@ -180,13 +180,17 @@ async def _images(state: ServerState, req: ChatCompletionRequest,
     """The request's images as the engine's multi_modal_data (their placeholders put into
     ``conv`` in place), or None without any; a 400 for a model that takes no images, a URL
     that is not a data URL, or bytes that are no image (server/images.py)."""
+    from flashpage.engine.multimodal import as_text_parts, template_reads_parts
     from flashpage.server.images import image_urls, read_images, with_placeholders
 
     urls = image_urls(req.messages)
-    if not urls:
-        return None
     engine = state.engine.engine
     encoder = getattr(engine, "mm_encoder", None)
+    if not urls:
+        tok = engine.tokenizer
+        if encoder is not None and tok is not None and template_reads_parts(tok.chat_template):
+            conv[:] = as_text_parts(conv)  # an image model's template reads parts (llava-hf's)
+        return None
     if encoder is None:
         mc = getattr(engine, "model_config", None)
         name = getattr(mc, "multimodal_architecture", "") or getattr(mc, "architecture", "this model")

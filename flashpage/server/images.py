@@ -20,13 +20,11 @@ import io
 import re
 from typing import Any
 
+from flashpage.engine.multimodal import as_text_parts, template_reads_parts
 from flashpage.server.protocol import APIError, ChatMessage, ImagePart, TextPart, bad_request
 
 FIELD = "messages"
 _DATA_URL = re.compile(r"^data:(image/[A-Za-z0-9.+-]+)?(;[^,]*)?;base64,(.*)$", re.DOTALL)
-# a template that walks a message's content parts (llava-hf's: selectattr over the parts)
-_LOOPS_PARTS = re.compile(r"""(for\s+\w+\s+in\s+message(\[\s*['"]content['"]\s*\]|\.content)"""
-                          r"""|message(\[\s*['"]content['"]\s*\]|\.content)\s*\|)""")
 
 
 def image_urls(messages: list[ChatMessage]) -> list[str]:
@@ -83,13 +81,11 @@ def with_placeholders(conv: list[dict[str, Any]], messages: list[ChatMessage],
                       template: str | None, placeholder: str) -> list[dict[str, Any]]:
     """``conv`` (server/tool_choice.conversation's) with each message's image parts put back
     where the chat template reads them (module docstring)."""
-    as_parts = bool(template) and _LOOPS_PARTS.search(template or "") is not None
+    as_parts = template_reads_parts(template)
     out = []
     for d, m in zip(conv, messages, strict=True):
         if not isinstance(m.content, list) or not any(isinstance(p, ImagePart) for p in m.content):
-            if as_parts and isinstance(d.get("content"), str):
-                d = {**d, "content": [{"type": "text", "text": d["content"]}]}
-            out.append(d)
+            out.append(as_text_parts([d])[0] if as_parts else d)
             continue
         if as_parts:
             parts: list[dict[str, Any]] = [{"type": "text", "text": p.text} if isinstance(p, TextPart)

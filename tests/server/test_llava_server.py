@@ -140,3 +140,16 @@ def test_count_mismatch_and_beam_search_are_400(llava_server):
     r = chat(llava_server, _msg("hi", img), use_beam_search=True, n=2)
     assert r.status_code == 400 and "use_beam_search with images" in r.json()["error"]["message"], r.text
     assert llava_server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
+
+
+def test_text_only_chat_on_a_parts_template(llava_server, offline):
+    """llava-hf's template walks content parts: a text-only message (string content) is
+    given to it as one text part, so its text is not lost (server and LLM.chat)."""
+    r = chat(llava_server, [{"role": "user", "content": "one two three"}])
+    assert r.status_code == 200, r.text
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    ids = offline.get_tokenizer().encode("USER: one two three ASSISTANT:", add_special_tokens=False)
+    want = offline.generate([ids], params, use_tqdm=False)[0].outputs[0].text
+    assert r.json()["choices"][0]["message"]["content"] == want
+    assert offline.chat([{"role": "user", "content": "one two three"}], params,
+                        use_tqdm=False)[0].outputs[0].text == want
