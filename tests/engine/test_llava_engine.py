@@ -247,10 +247,11 @@ def test_an_image_for_a_text_model_is_refused(tiny_checkpoint):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_llava_on_the_gpu_with_graphs(tmp_path):
+def test_llava_on_the_gpu_with_graphs(tmp_path, monkeypatch):
     """fp32 on CUDA (triton backend, every graph kind captured): image steps run eagerly
     beside graphed decodes and text-only steps; tokens equal transformers' on the CPU and
-    an eager engine's."""
+    an eager engine's. (cuDNN's TF32 off: the patch convolution in full fp32, as the CPU's.)"""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     path = build_tiny_llava(tmp_path / "llava64", text=dict(num_attention_heads=4, num_key_value_heads=2,
                                                             head_dim=64, hidden_size=128))
     hf = hf_llava(path)
