@@ -98,9 +98,11 @@ def step_rows(inputs: list[MultiModalInput], start: int, end: int
     return out
 
 
-# a chat template that walks a message's content parts (llava-hf's: selectattr over them)
-_LOOPS_PARTS = re.compile(r"""(for\s+\w+\s+in\s+message(\[\s*['"]content['"]\s*\]|\.content)"""
-                          r"""|message(\[\s*['"]content['"]\s*\]|\.content)\s*\|)""")
+# a chat template that walks a message's content parts: a loop over (any variable's)
+# ['content'] / .content, or a selectattr over it (llava-hf's); a filter such as
+# ``content | trim`` prints a string and does not count
+_CONTENT = r"""\w+(\[\s*['"]content['"]\s*\]|\.content)"""
+_LOOPS_PARTS = re.compile(rf"for\s+\w+\s+in\s+{_CONTENT}|{_CONTENT}\s*\|\s*selectattr")
 
 
 def template_reads_parts(template: object) -> bool:
