@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from flashpage.engine.multimodal import MultiModalInput
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image, preprocess
 from flashpage.models.clip_vision import CLIPVisionTower, activation
+
+if TYPE_CHECKING:
+    from flashpage.models.loader import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +188,7 @@ class LlavaImageEncoder(nn.Module):
         return loaded
 
 
-def load_image_encoder(source, dtype: torch.dtype, device: torch.device,  # type: ignore[no-untyped-def]
+def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
                        seed: int = 0) -> LlavaImageEncoder:
     """``source``'s (loader.ModelSource) image encoder in ``dtype`` on ``device``: its
     checkpoint's tensors, or random ones (a random_config source)."""
