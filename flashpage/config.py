@@ -103,7 +103,14 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # Mistral Small 3.1 / 3.2 (a Pixtral tower over a Mistral text model)
     "Mistral3ForConditionalGeneration": (("mistral", "ministral"), "mistral",
                                          ("vision_tower", "multi_modal_projector")),
+    # LLaVA-1.5 style (a CLIP ViT tower, a 2-layer projector, a Llama / Mistral / Vicuna text
+    # model): its images too (ModelConfig.vision, models/llava.py), the first family that
+    # takes image input
+    "LlavaForConditionalGeneration": (("llama", "mistral"), "llama",
+                                      ("vision_tower", "multi_modal_projector")),
 }
+# the wrappers whose images we run (ModelConfig.vision): the others serve their text alone
+IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
 # architecture names of remote-code checkpoints that transformers' own class reads
 _ARCH_ALIASES = {"MPTForCausalLM": "MptForCausalLM"}  # MosaicML's MPT files
 SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
@@ -160,6 +167,7 @@ _MODEL_TYPE_TO_ARCH = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "llama4": "Llama4ForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -1784,6 +1792,10 @@ def _llama4_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
 # themselves: transformers fills a text_config's absent fields from them, and published
 # configs rely on it (gemma-3-4b-it's text_config names 6 fields: no vocab_size, heads, ...)
 _TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    # LlamaConfig's (LLaVA-1.5's text_config names only what differs: vocab_size, ...)
+    "llama": dict(vocab_size=32_000, hidden_size=4096, intermediate_size=11_008,
+                  num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
+                  rms_norm_eps=1e-6),
     "gemma3_text": dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216,
                         num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
                         head_dim=256, max_position_embeddings=131_072, rms_norm_eps=1e-6),
@@ -1830,6 +1842,191 @@ def _text_config_of(d: dict[str, Any], arch: str, where: str) -> tuple[dict[str,
         if d.get(key) is not None:
             text[key] = d[key]
     return text, f"{where}: text_config"
+
+
+# CLIPVisionConfig's defaults under a LLaVA vision_config (LlavaConfig's own: CLIP ViT-L/14-336)
+_CLIP_VISION_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+    num_channels=3, image_size=336, patch_size=14, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+_OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_VISION_ACTS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "relu")
+_PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's codes -> torch interpolate's modes
+
+
+@dataclass(frozen=True)
+class ImageProcessing:
+    """How an image becomes pixel values (CLIPImageProcessor's steps, and LLaVA's optional
+    pad-to-square first: models/clip_image.py): from the checkpoint's
+    preprocessor_config.json, else CLIP's defaults at the tower's image size."""
+
+    shortest_edge: int | None  # resize so the shorter side is this (None: to resize_hw)
+    resize_hw: tuple[int, int] | None  # or to exactly (height, width); neither: no resize
+    crop_hw: tuple[int, int] | None  # center crop (None: none)
+    rescale_factor: float | None  # x * factor (None: none)
+    mean: tuple[float, ...] | None  # (x - mean) / std per channel (None: no normalize)
+    std: tuple[float, ...] | None
+    resample: str = "bicubic"  # torch interpolate's mode, antialiased as PIL's
+    pad_to_square: bool = False  # LlavaImageProcessor's do_pad (background: mean x 255)
+    convert_rgb: bool = True
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A LLaVA checkpoint's image side (LlavaConfig beside its text_config): the CLIP ViT
+    tower (models/clip_vision.py), the projector, the image token and preprocessing.
+    ``feature_layers``: indexes into the tower's hidden states (0: the embeddings after
+    pre_layrnorm, i: layer i's output; vision_feature_layer made non-negative), their rows
+    concatenated along the width; ``select_strategy`` "default" drops the CLS row, "full"
+    keeps it."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_channels: int
+    image_size: int
+    patch_size: int
+    hidden_act: str
+    layer_norm_eps: float
+    feature_layers: tuple[int, ...]
+    select_strategy: str
+    projector_act: str
+    projector_bias: bool
+    image_token_id: int
+    processing: ImageProcessing
+
+    @property
+    def tokens_per_image(self) -> int:
+        """The rows one image gives, each at one ``<image>`` position: (image / patch)^2,
+        and the CLS row too under "full"."""
+        return (self.image_size // self.patch_size) ** 2 + (self.select_strategy == "full")
+
+    @property
+    def layers_run(self) -> int:
+        """The tower's layers that must run: up to the deepest feature layer (the others,
+        and post_layernorm, are never read)."""
+        return max(self.feature_layers)
+
+
+def _hw(v: Any, key: str, where: str) -> tuple[int, int]:
+    """A preprocessor_config.json size ({"height", "width"} or one int) as (h, w)."""
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v, v
+    if isinstance(v, dict) and all(isinstance(v.get(k), int) and v[k] > 0 for k in ("height", "width")):
+        return v["height"], v["width"]
+    raise ConfigError(f"{where}: {key} must be {{\"height\": h, \"width\": w}} or an int, got {v!r}")
+
+
+def _image_processing(folder: str | None, image_size: int, where: str) -> ImageProcessing:
+    """The folder's preprocessor_config.json (CLIPImageProcessor / LlavaImageProcessor
+    fields; transformers' defaults for those it leaves out), or CLIP's defaults at
+    ``image_size`` without one."""
+    path = os.path.join(folder, "preprocessor_config.json") if folder else None
+    if path is None or not os.path.isfile(path):
+        return ImageProcessing(image_size, None, (image_size, image_size), 1 / 255,
+                               _OPENAI_CLIP_MEAN, _OPENAI_CLIP_STD)
+    try:
+        with open(path, encoding="utf-8") as f:
+            pc = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(pc, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    kind = pc.get("image_processor_type", "CLIPImageProcessor")
+    if kind not in ("CLIPImageProcessor", "CLIPImageProcessorFast", "LlavaImageProcessor",
+                    "LlavaImageProcessorFast"):
+        raise ConfigError(f"{path}: image_processor_type {kind!r} is not read (CLIPImageProcessor "
+                          "and LlavaImageProcessor are)")
+    shortest: int | None = None
+    resize_hw: tuple[int, int] | None = None
+    if pc.get("do_resize", True):
+        size = pc.get("size", {"shortest_edge": 224})
+        if isinstance(size, dict) and "shortest_edge" in size:
+            shortest = size["shortest_edge"]
+            if not isinstance(shortest, int) or shortest <= 0:
+                raise ConfigError(f"{path}: size.shortest_edge must be a positive int, got {shortest!r}")
+        elif isinstance(size, int) and not isinstance(size, bool):
+            shortest = size  # an int is a shortest edge to CLIP (default_to_square False)
+        else:
+            resize_hw = _hw(size, "size", path)
+    crop = _hw(pc.get("crop_size", 224), "crop_size", path) if pc.get("do_center_crop", True) else None
+    resample = pc.get("resample", 3)
+    if resample not in _PIL_RESAMPLE:
+        raise ConfigError(f"{path}: resample {resample!r} is not supported (2: bilinear, 3: bicubic)")
+    mean = tuple(pc.get("image_mean", _OPENAI_CLIP_MEAN)) if pc.get("do_normalize", True) else None
+    std = tuple(pc.get("image_std", _OPENAI_CLIP_STD)) if pc.get("do_normalize", True) else None
+    for name, vals in (("image_mean", mean), ("image_std", std)):
+        if vals is not None and (len(vals) != 3 or not all(isinstance(x, (int, float)) for x in vals)):
+            raise ConfigError(f"{path}: {name} must be 3 numbers, got {list(vals)!r}")
+    if std is not None and any(x == 0 for x in std):
+        raise ConfigError(f"{path}: image_std has a zero")
+    out_hw = crop or resize_hw
+    if out_hw is None or out_hw != (image_size, image_size):
+        raise ConfigError(f"{path}: its images come out {out_hw or 'of any size'} (crop_size / "
+                          f"size) but the vision tower takes {image_size} x {image_size}")
+    return ImageProcessing(
+        shortest, resize_hw, crop,
+        float(pc.get("rescale_factor", 1 / 255)) if pc.get("do_rescale", True) else None,
+        mean, std, _PIL_RESAMPLE[resample], bool(pc.get("do_pad", False)),
+        bool(pc.get("do_convert_rgb", True)))
+
+
+def _vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None) -> VisionConfig:
+    """A LLaVA checkpoint's VisionConfig: vision_config (CLIP's fields, LlavaConfig's
+    defaults under them), the top-level image fields, preprocessor_config.json (folder)."""
+    vc = d.get("vision_config") or {}
+    if not isinstance(vc, dict):
+        raise ConfigError(f"{where}: vision_config must be an object, got {vc!r}")
+    vtype = vc.get("model_type", "clip_vision_model")
+    if vtype != "clip_vision_model":
+        raise ConfigError(f"{where}: vision_config.model_type {vtype!r} is not supported in {arch} "
+                          "(a CLIP ViT tower, clip_vision_model, is)")
+    v = {**_CLIP_VISION_DEFAULTS, **{k: vc[k] for k in _CLIP_VISION_DEFAULTS if vc.get(k) is not None}}
+    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_channels", "image_size", "patch_size"):
+        if not isinstance(v[k], int) or isinstance(v[k], bool) or v[k] <= 0:
+            raise ConfigError(f"{where}: vision_config.{k} must be a positive int, got {v[k]!r}")
+    if v["hidden_size"] % v["num_attention_heads"]:
+        raise ConfigError(f"{where}: vision_config.hidden_size {v['hidden_size']} is not a multiple "
+                          f"of num_attention_heads {v['num_attention_heads']}")
+    if v["image_size"] % v["patch_size"]:
+        raise ConfigError(f"{where}: vision_config.image_size {v['image_size']} is not a multiple "
+                          f"of patch_size {v['patch_size']}")
+    if v["num_channels"] != 3:
+        raise ConfigError(f"{where}: vision_config.num_channels {v['num_channels']}: only RGB (3) "
+                          "images are read")
+    if v["hidden_act"] not in _VISION_ACTS:
+        raise ConfigError(f"{where}: vision_config.hidden_act {v['hidden_act']!r} is not supported "
+                          f"({', '.join(_VISION_ACTS)})")
+    layers = v["num_hidden_layers"]
+    raw_layer = d.get("vision_feature_layer", -2)
+    given = raw_layer if isinstance(raw_layer, list) else [raw_layer]
+    feature: list[int] = []
+    for lay in given:
+        if not isinstance(lay, int) or isinstance(lay, bool) or not -(layers + 1) <= lay <= layers:
+            raise ConfigError(f"{where}: vision_feature_layer {raw_layer!r}: each must be an int in "
+                              f"[{-(layers + 1)}, {layers}] (the tower's {layers + 1} hidden states)")
+        feature.append(lay if lay >= 0 else layers + 1 + lay)
+    if not feature:
+        raise ConfigError(f"{where}: vision_feature_layer is an empty list")
+    strategy = d.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ConfigError(f"{where}: vision_feature_select_strategy {strategy!r} is not "
+                          "\"default\" or \"full\"")
+    act = d.get("projector_hidden_act", "gelu")
+    if act not in _VISION_ACTS:
+        raise ConfigError(f"{where}: projector_hidden_act {act!r} is not supported "
+                          f"({', '.join(_VISION_ACTS)})")
+    token = d.get("image_token_index", d.get("image_token_id", 32000))
+    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+        raise ConfigError(f"{where}: image_token_index must be a token id, got {token!r}")
+    return VisionConfig(
+        v["hidden_size"], v["intermediate_size"], layers, v["num_attention_heads"],
+        v["num_channels"], v["image_size"], v["patch_size"], v["hidden_act"],
+        float(v["layer_norm_eps"]), tuple(feature), strategy, act,
+        bool(d.get("multimodal_projector_bias", True)), token,
+        _image_processing(folder, v["image_size"], where))
 
 
 def read_config_json(source: str | os.PathLike) -> tuple[str, dict[str, Any]]:
@@ -2009,6 +2206,9 @@ class ModelConfig:
     # ``architecture``, ``model_type`` and every field above are the text model's, ``raw`` its
     # text_config (with the top-level fields _text_config_of reads)
     multimodal_architecture: str = ""
+    # a multimodal checkpoint whose images we run (IMAGE_ARCHITECTURES): its vision tower,
+    # projector, image token and preprocessing (VisionConfig); None for any other model
+    vision: VisionConfig | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ loading
@@ -2045,13 +2245,16 @@ class ModelConfig:
         arch = _ARCH_ALIASES.get(arch, arch)
         if arch in MULTIMODAL_TEXT_ARCHITECTURES:
             text, text_where = _text_config_of(d, arch, where)
+            vision = _vision_config_of(d, arch, where, folder) if arch in IMAGE_ARCHITECTURES \
+                else None
             return replace(ModelConfig._from_dict(text, text_where, folder),
-                           multimodal_architecture=arch)
+                           multimodal_architecture=arch, vision=vision)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"{where}: architecture {arch or d.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; their text model "
-                f"alone: {', '.join(sorted(MULTIMODAL_TEXT_ARCHITECTURES))}"
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}; with image input: "
+                f"{', '.join(sorted(IMAGE_ARCHITECTURES))}; their text model alone: "
+                f"{', '.join(sorted(set(MULTIMODAL_TEXT_ARCHITECTURES) - IMAGE_ARCHITECTURES))}"
             )
         if arch in GPT2_FAMILY or arch == "GPTJForCausalLM":
             d = _gpt2_names(d, arch, where)

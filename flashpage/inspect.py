@@ -500,6 +500,8 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         # a multimodal checkpoint's wrapper (config.MULTIMODAL_TEXT_ARCHITECTURES): every
         # figure here is its text model's, which is all that runs (no image input)
         "multimodal_architecture": cfg.multimodal_architecture or None,
+        # LLaVA: its images run too (models/llava.py), their tower not in these figures
+        "image_input": cfg.vision is not None,
         "attention_kind": cfg.attention_kind,
         "num_hidden_layers": layers,
         "num_attention_heads": cfg.num_attention_heads,
@@ -631,7 +633,11 @@ def format_report(info: dict[str, Any]) -> str:
     if info.get("source"):
         rows.append(("model", str(info["source"])))
     rows.append(("architecture", f"{info['architecture']} ({info['model_type']})"))
-    if info.get("multimodal_architecture"):
+    if info.get("multimodal_architecture") and info.get("image_input"):
+        rows.append(("multimodal", f"{info['multimodal_architecture']}: its text model and "
+                                   "image input (the vision tower and projector are loaded "
+                                   "but not counted here)"))
+    elif info.get("multimodal_architecture"):
         rows.append(("multimodal", f"{info['multimodal_architecture']}: its text model only "
                                    "(image inputs are not supported; the vision tower is not "
                                    "loaded nor counted here)"))

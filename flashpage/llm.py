@@ -13,6 +13,7 @@ from flashpage.beam_search import BeamSearch, BeamSearchOutput, run_beam_search
 from flashpage.config import EngineConfig
 from flashpage.encoder.config import is_encoder_model
 from flashpage.engine.llm_engine import LLMEngine
+from flashpage.engine.multimodal import as_text_parts, template_reads_parts
 from flashpage.lora.request import LoRARequest
 from flashpage.outputs import RequestOutput
 from flashpage.pooling import (
@@ -172,7 +173,9 @@ class LLM:
         """Generate for every prompt (text, token ids, or vLLM's dicts {"prompt": text} /
         {"prompt_token_ids": [...]} / {"prompt_embeds": tensor [tokens, hidden]} (needs
         ``enable_prompt_embeds``; engine/prompt_embeds.py), each with an optional
-        "cache_salt": prefix-cache blocks shared only among prompts of the same salt).
+        "cache_salt": prefix-cache blocks shared only among prompts of the same salt, and
+        for a model that takes images (LLaVA) "multi_modal_data": {"image": a PIL image,
+        pixel values [3, S, S] or a list of them}, one per <image> in the prompt).
 
         Outputs come back in prompt order. A prompt that cannot run (empty, too long,
         token ids outside the vocabulary, a LoRA adapter that cannot be loaded, ...) gets an
@@ -268,6 +271,9 @@ class LLM:
             raw = prompt_parts(p)[0]
             if isinstance(raw, torch.Tensor):
                 raise ValueError("beam_search takes text or token-id prompts, not prompt_embeds")
+            if isinstance(p, dict) and p.get("multi_modal_data") is not None:
+                raise ValueError("beam_search takes text or token-id prompts, not images "
+                                 "(multi_modal_data)")
             ids.append(self.engine.tokenize(raw) if isinstance(raw, str) else list(raw))
         engine = self.engine
         search = BeamSearch(ids, params, engine.eos_token_ids, engine.max_model_len)
@@ -362,6 +368,8 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
+        if getattr(self.engine, "mm_encoder", None) is not None and template_reads_parts(tok.chat_template):
+            conversation = as_text_parts(conversation)  # an image model's template reads parts
         ids = tok.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
                                       tokenize=True, return_dict=False, **template_kw)
         return list(ids)
@@ -397,8 +405,10 @@ class LLM:
             order.append(rid)
             try:
                 ids_or_text, salt = prompt_parts(p)
+                mm = {"multi_modal_data": p["multi_modal_data"]} \
+                    if isinstance(p, dict) and p.get("multi_modal_data") is not None else {}
                 engine.add_request(rid, ids_or_text, sp, lora_request=lora, priority=prio,
-                                   cache_salt=salt)
+                                   cache_salt=salt, **mm)
             except ValueError as e:
                 ids_or_text = p if not isinstance(p, dict) else p.get("prompt_token_ids", [])
                 logger.warning("request %d refused: %s", i, e)
@@ -440,6 +450,8 @@ def _per_prompt_loras(lora_request: LoRARequest | Sequence[LoRARequest | None] |
 
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
+# a prompt dict's keys beside its one prompt key
+_PROMPT_EXTRAS = {"cache_salt", "multi_modal_data"}
 
 
 def prompt_parts(p: Prompt) -> tuple[str | list[int] | torch.Tensor, str | None]:
@@ -448,11 +460,12 @@ def prompt_parts(p: Prompt) -> tuple[str | list[int] | torch.Tensor, str | None]
     each with an optional "cache_salt")."""
     if not isinstance(p, dict):
         return p, None
-    unknown = set(p) - {*_PROMPT_KEYS, "cache_salt"}
+    unknown = set(p) - {*_PROMPT_KEYS, *_PROMPT_EXTRAS}
     given = [k for k in _PROMPT_KEYS if k in p]
     if unknown or len(given) != 1:
         raise ValueError(f"a prompt dict takes one of 'prompt' (text), 'prompt_token_ids' or "
-                         f"'prompt_embeds', and optionally 'cache_salt'; got keys {sorted(p)}")
+                         f"'prompt_embeds', and optionally 'cache_salt' and 'multi_modal_data'; "
+                         f"got keys {sorted(p)}")
     if given[0] == "prompt_embeds" and not isinstance(p["prompt_embeds"], torch.Tensor):
         raise ValueError(f"prompt_embeds must be a torch.Tensor [num_tokens, hidden_size], "
                          f"got {type(p['prompt_embeds']).__name__}")

@@ -36,6 +36,7 @@ from flashpage.engine.kv_offload import KVOffloader
 from flashpage.engine.medusa import build_medusa_proposer, load_medusa_heads
 from flashpage.engine.model_runner import ModelRunner
 from flashpage.engine.mtp import build_mtp_proposer, mtp_kv_bytes_per_token
+from flashpage.engine.multimodal import MultiModalInput, chain_digest
 from flashpage.engine.output import ChildRequest, ParentRequest, child_params
 from flashpage.engine.prompt_embeds import EMBEDS_PLACEHOLDER_ID, check_prompt_embeds, digest
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
@@ -68,6 +69,7 @@ from flashpage.sampling_params import SamplingParams, StructuredOutputsError
 
 if TYPE_CHECKING:
     from flashpage.lora.manager import LoRAManager
+    from flashpage.models.llava import LlavaImageEncoder
     from flashpage.models.medusa import MedusaHeads
     from flashpage.models.mtp import HiddenStateDraft
     from flashpage.structured.compiler import GuideCompiler
@@ -181,12 +183,26 @@ class LLMEngine:
                                     quantization=config.quantization, classifier_token_ids=token_ids,
                                     mxfp4_kernel=mxfp4_kernel, fp8_moe_kernel=fp8_moe_kernel,
                                     int4_moe_kernel=int4_moe_kernel)
+        # a model's multimodal encoder (engine/multimodal.py): LLaVA's vision tower and
+        # projector (models/llava.py), before the KV cache takes what memory is left
+        self.mm_encoder: LlavaImageEncoder | None = None
+        if mc.vision is not None:
+            from flashpage.models.llava import load_image_encoder
+
+            self.mm_encoder = load_image_encoder(self.source, self.dtype, self.device, config.seed)
+            if not getattr(self.model, "supports_prompt_embeds", False):
+                raise ConfigError(f"{mc.multimodal_architecture}: its text model "
+                                  f"({mc.architecture}) takes no input embeddings, which its "
+                                  "images' rows are (engine/multimodal.py)")
         if config.enable_prompt_embeds and not getattr(self.model, "supports_prompt_embeds", False):
             raise ConfigError(f"enable_prompt_embeds: {mc.architecture}'s forward does not take "
                               "input embeddings (engine/prompt_embeds.py lists the families that do)")
         # Our fused kernels (norms, SiLU·mul, rotary + cache write) go with our attention.
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
+        if config.enable_sleep_mode and mc.vision is not None:
+            raise ValueError("enable_sleep_mode with an image model (LLaVA) is not supported yet "
+                             "(its vision tower's memory is not released)")
         if config.enable_sleep_mode and self.spec_config is not None:
             raise ValueError("enable_sleep_mode with speculative_config is not supported yet (a "
                              "draft's weights and KV pool are not released): drop one of them")
@@ -264,6 +280,7 @@ class LLMEngine:
                                   layout=self.kv_layout,
                                   kv_memory=(lambda: pool.use("kv_cache")) if pool is not None else None)
         self.runner.lora = self.lora
+        self.runner.mm_encoder = self.mm_encoder
         # KV cache offloading (engine/kv_offload.py): a host tier behind the prefix cache,
         # attached once the draft's pool (if any) exists: a host block holds both
         self.offload: KVOffloader | None = None
@@ -721,7 +738,7 @@ class LLMEngine:
                     params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, multi_modal_data: Any = None) -> str:
         """Queue a request; raises ValueError (naming the problem) if it can never run.
         PoolingParams: an embedding request (flashpage/pooling.py): its prompt's pooled hidden
         states come back as ``RequestOutput.embedding``. ``lora_request``: the LoRA adapter
@@ -729,7 +746,9 @@ class LLMEngine:
         with the priority scheduling policy, lower values are served first (as vLLM's).
         ``cache_salt``: its prefix-cache blocks are shared only with requests of the same
         salt (vLLM's; a non-empty string). A tensor prompt: its input embeddings
-        [tokens, hidden] (engine/prompt_embeds.py; needs enable_prompt_embeds)."""
+        [tokens, hidden] (engine/prompt_embeds.py; needs enable_prompt_embeds).
+        ``multi_modal_data``: vLLM's {"image": image or [images]} for a model that takes
+        images (LLaVA: engine/multimodal.py), one per ``<image>`` in the prompt."""
         self.check_awake()
         self.check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -749,16 +768,22 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         embeds: torch.Tensor | None = None
+        mm_inputs: list[MultiModalInput] | None = None
         if isinstance(prompt, torch.Tensor):  # engine/prompt_embeds.py
+            if multi_modal_data is not None:
+                raise ValueError("multi_modal_data with prompt_embeds: give the prompt as text or "
+                                 "token ids with its <image> placeholders")
             embeds = self._check_embeds_request(prompt, params, pooling)
             text, ids = None, [EMBEDS_PLACEHOLDER_ID] * embeds.shape[0]
         else:
             text, ids = prompt_text_and_ids(prompt, self.tokenize)
+            ids, mm_inputs = self._multimodal_inputs(ids, multi_modal_data, params, pooling)
             if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
                 ids = ids[-params.truncate_prompt_tokens:]  # the text no longer matches: not kept
                 text = None
             self._validate_ids(ids)
-        embeds_digest = digest(embeds) if embeds is not None else None
+        embeds_digest = digest(embeds) if embeds is not None else \
+            (chain_digest(mm_inputs) if mm_inputs else None)
         vocab = self.model_config.vocab_size
         for name, ids_ in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             for t in ids_:
@@ -784,7 +809,7 @@ class LLMEngine:
             sample = params if params.n == 1 else child_params(params, i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, sample, self.eos_token_ids, arrival, lora_request, priority,
-                          cache_salt, embeds, embeds_digest)
+                          cache_salt, embeds, embeds_digest, mm_inputs)
             req.bad_word_ids = bad_word_ids
             if guide is not None:
                 from flashpage.structured.guide import GuideState
@@ -928,6 +953,38 @@ class LLMEngine:
             raise ValueError("prompt_logprobs with prompt_embeds: an embeds prompt has no "
                              "prompt token ids to score")
         return embeds
+
+    def _multimodal_inputs(self, ids: list[int], data: Any, params: SamplingParams,
+                           pooling: PoolingParams | None
+                           ) -> tuple[list[int], list[MultiModalInput] | None]:
+        """A prompt's ids with its images' placeholders expanded, and its multimodal inputs
+        (engine/multimodal.py); a ValueError names what cannot be done: images for a model
+        that takes none, an <image> without an image, counts that differ, ..."""
+        enc, mc = self.mm_encoder, self.model_config
+        if data is None:
+            if enc is not None and enc.config.image_token_id in ids:
+                raise ValueError(f"the prompt has image tokens (<image>, id "
+                                 f"{enc.config.image_token_id}) but no image was given "
+                                 "(multi_modal_data={\"image\": ...})")
+            return ids, None
+        if enc is None:
+            what = (f"{mc.multimodal_architecture} is served as its text model alone "
+                    "(models/multimodal.py)" if mc.multimodal_architecture
+                    else f"{mc.architecture} is a text-only model")
+            raise ValueError(f"multi_modal_data given, but this model takes no image input: {what}")
+        if pooling is not None:
+            raise ValueError(f"multi_modal_data with a {pooling.task} request: only generation "
+                             "takes images")
+        if self.spec_config is not None:
+            raise ValueError("multi_modal_data with speculative decoding: its draft would see "
+                             "the image placeholders without the image; serve without "
+                             "speculative_config for image requests")
+        ids, inputs = enc.prepare(ids, data)
+        trunc = params.truncate_prompt_tokens
+        if trunc is not None and len(ids) > trunc:
+            raise ValueError(f"truncate_prompt_tokens={trunc} would cut this image prompt of "
+                             f"{len(ids)} tokens (its images' placeholders included)")
+        return ids, inputs
 
     def _validate_ids(self, ids: list[int]) -> None:
         if not ids:
@@ -1200,6 +1257,9 @@ class LLMEngine:
             return "the model's checkpoint is quantized (fp8 / AWQ / GPTQ): its held weights are not 16-bit"
         if mc.mxfp4_experts:
             return "the model's experts are MXFP4 (their reader is not run on update yet)"
+        if mc.vision is not None:
+            return ("the model's vision tower and projector (models/llava.py) are not written "
+                    "by weight updates yet")
         return None
 
     def _weights_changed(self) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata, with_groups
 from flashpage.config import ModelConfig
 from flashpage.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs, PrefillGraphs
+from flashpage.engine.multimodal import MultiModalEncoder, encode_pending, overlapping, step_rows
 from flashpage.engine.sampler import PendingSample, Sampler
 from flashpage.engine.scheduler import SchedulerOutput
 from flashpage.engine.sequence import PLACEHOLDER, Request
@@ -101,6 +102,8 @@ class ModelRunner:
         # step's (request, first token row, first position, tokens), in that order.
         self.keep_layout = False
         self.last_layout: list[tuple[Request, int, int, int]] = []
+        # the encoder of a model's multimodal rows (engine/multimodal.py; LLaVA's images)
+        self.mm_encoder: MultiModalEncoder | None = None
 
     def capture_decode_graphs(self, max_bs: int, max_model_len: int) -> None:
         """Capture decode-step CUDA graphs (needs a backend without host syncs)."""
@@ -244,6 +247,11 @@ class ModelRunner:
         spec: list[tuple[Request, list[int]]] = []
         layout: list[tuple[Request, int, int, int]] = []
         embeds: list[tuple[int, torch.Tensor]] = []  # (first row, rows) of embeds prompts
+        if self.mm_encoder is not None:  # this step's inputs not encoded yet, in one batch
+            todo = [mi for r, n in sched if r.mm_inputs
+                    for mi in overlapping(r.mm_inputs, r.num_computed_tokens, r.num_computed_tokens + n)
+                    if mi.rows is None]
+            encode_pending(self.mm_encoder, list(dict.fromkeys(todo)))  # n > 1: shared inputs
         num_decodes = 0
         t = 0
         k = 0
@@ -290,6 +298,8 @@ class ModelRunner:
             if req.prompt_embeds is not None and start < req.num_prompt_tokens:
                 # its input_ids there are placeholders; the model reads these rows instead
                 embeds.append((t, req.prompt_embeds[start:min(end, req.num_prompt_tokens)]))
+            if req.mm_inputs and start < req.num_prompt_tokens:  # engine/multimodal.py
+                embeds += [(t + i, rows) for i, rows in step_rows(req.mm_inputs, start, end)]
             if req.pooling is not None and start < req.num_prompt_tokens:
                 pool_rows.append((req, t, start, min(end, req.num_prompt_tokens) - start))
             if self.keep_layout:
@@ -341,11 +351,13 @@ class ModelRunner:
         if not parts:
             return None
         rows = torch.cat([torch.arange(t, t + len(v), dtype=torch.int64) for t, v in parts])
-        values = torch.cat([v for _, v in parts]) if len(parts) > 1 else parts[0][1]
+        # host rows (prompt embeds) pinned for their copy; device rows (multimodal) as they are
+        vals = [v.pin_memory() if self.pin and v.device.type == "cpu" else v for _, v in parts]
+        values = torch.cat([v.to(self.device, non_blocking=True) for v in vals]) \
+            if len(vals) > 1 else vals[0].to(self.device, non_blocking=True)
         if self.pin:
-            return InputEmbeds(rows.pin_memory().to(self.device, non_blocking=True),
-                               values.pin_memory().to(self.device, non_blocking=True))
-        return InputEmbeds(rows.to(self.device), values.to(self.device))
+            return InputEmbeds(rows.pin_memory().to(self.device, non_blocking=True), values)
+        return InputEmbeds(rows.to(self.device), values)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list[tuple[Request, int, int, int]]) -> None:
         """Each prompt_rows row's logprobs of the prompt token after it (raw log_softmax, its

@@ -19,6 +19,7 @@ from flashpage.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from flashpage.engine.multimodal import MultiModalInput
     from flashpage.lora.request import LoRARequest
     from flashpage.pooling import PoolingState
     from flashpage.structured.guide import GuideState
@@ -93,8 +94,13 @@ class Request:
         cache_salt: str | None = None,
         prompt_embeds: torch.Tensor | None = None,
         embeds_digest: bytes | None = None,
+        mm_inputs: list[MultiModalInput] | None = None,
     ) -> None:
         self.request_id = request_id
+        # multimodal rows (engine/multimodal.py): an image's positions, their rows encoded
+        # at the first step that schedules one and kept; embeds_digest is then their
+        # chain_digest (the prefix cache shares blocks only among the same inputs)
+        self.mm_inputs = mm_inputs
         # a prompt given as input embeddings (engine/prompt_embeds.py): [prompt tokens, width]
         # on the host, its prompt_token_ids placeholders; embeds_digest roots its prefix-cache
         # chain (kv_cache/prefix_cache.cache_root)

@@ -91,16 +91,20 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def iter_safetensors(folder: str, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a 16/32-bit checkpoint as stored; an fp8 one is a ModelLoadError
-    (its values mean nothing without the scales that models/fp8_checkpoint.py applies,
-    which a config.json without quantization_config does not ask for)."""
+def iter_safetensors(folder: str, device: str = "cpu", keep: Callable[[str], bool] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a 16/32-bit checkpoint as stored (only those whose names ``keep``
+    takes, the others never read); an fp8 one is a ModelLoadError (its values mean nothing
+    without the scales that models/fp8_checkpoint.py applies, which a config.json without
+    quantization_config does not ask for)."""
     from safetensors import SafetensorError, safe_open
 
     for path in safetensors_files(folder):
         try:
             with safe_open(path, framework="pt", device=device) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    if keep is not None and not keep(name):
+                        continue
                     t = f.get_tensor(name)
                     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                         raise ModelLoadError(

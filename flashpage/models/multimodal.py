@@ -1,6 +1,7 @@
 """The text model of a multimodal checkpoint (config.MULTIMODAL_TEXT_ARCHITECTURES:
 Gemma3ForConditionalGeneration, Llama4ForConditionalGeneration,
-Mistral3ForConditionalGeneration), served alone: images are not supported.
+Mistral3ForConditionalGeneration served alone, images not supported; and
+LlavaForConditionalGeneration, whose images models/llava.py runs beside it).
 
 The config is the text model's (config._text_config_of); its weights sit under the wrapper's
 prefixes, which ``text_model_weights`` takes off on the way to the text family's own
@@ -11,7 +12,7 @@ prefixes, which ``text_model_weights`` takes off on the way to the text family's
 - the head: ``language_model.lm_head.`` or ``lm_head.`` -> ``lm_head.`` (absent when tied);
 - the vision tower and projector (``vision_tower`` / ``vision_model``,
   ``multi_modal_projector``, with or without ``model.`` before them): skipped, counted in
-  one INFO line;
+  one INFO line (LLaVA's: read by its image encoder, models/llava.py, in a pass of its own);
 - anything else: a ModelLoadError naming the tensor (a file of another layout, or a
   module we would silently drop).
 """
@@ -38,6 +39,9 @@ _TEXT_PREFIXES = (
 
 def text_only_note(config: ModelConfig) -> str:
     """The one sentence saying what of a multimodal checkpoint runs (log, inspect)."""
+    if config.vision is not None:
+        return (f"{config.multimodal_architecture}: its text model ({config.architecture}) "
+                "and its images (vision tower and projector: models/llava.py)")
     return (f"{config.multimodal_architecture}: its text model ({config.architecture}) only; "
             "image inputs are not supported")
 

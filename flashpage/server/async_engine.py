@@ -178,9 +178,11 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams | PoolingParams, arrival_time: float | None = None,
                           lora_request: LoRARequest | None = None,
-                          priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+                          priority: int = 0, cache_salt: str | None = None,
+                          multi_modal_data: Any = None) -> RequestStream:
         """Queue a request (``lora_request``: the adapter it runs with; ``priority``: for the
-        priority scheduling policy); raises ValueError (the engine's message) if it cannot run."""
+        priority scheduling policy; ``multi_modal_data``: its images, engine/multimodal.py);
+        raises ValueError (the engine's message) if it cannot run."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         if self.log_requests:
@@ -190,7 +192,7 @@ class AsyncEngine:
         stream = RequestStream(self, request_id)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._submit(("add", request_id, prompt, params, arrival_time, lora_request, priority,
-                      cache_salt, stream, fut))
+                      cache_salt, multi_modal_data, stream, fut))
         try:
             await asyncio.wrap_future(fut)
         except ValueError:
@@ -319,13 +321,14 @@ class AsyncEngine:
 
     def _do_add(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
                 arrival_time: float | None, lora_request: LoRARequest | None, priority: int,
-                cache_salt: str | None, stream: RequestStream,
+                cache_salt: str | None, multi_modal_data: Any, stream: RequestStream,
                 fut: concurrent.futures.Future[None]) -> None:
         if not fut.set_running_or_notify_cancel():
             return  # the caller gave up before we got here
         try:
+            mm = {"multi_modal_data": multi_modal_data} if multi_modal_data is not None else {}
             self.engine.add_request(request_id, prompt, params, arrival_time, lora_request,
-                                    priority=priority, cache_salt=cache_salt)
+                                    priority=priority, cache_salt=cache_salt, **mm)
         except ValueError as e:
             fut.set_exception(e)
             return

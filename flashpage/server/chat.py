@@ -49,13 +49,20 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     tools = tool_request(req, state.tool_parser, state.auto_tool_choice)
-    ids = await state.tokenizer.apply_chat_template(conversation(req.messages), tools.template_tools,
+    conv = conversation(req.messages)
+    images = await _images(state, req, conv)  # image parts: server/images.py
+    ids = await state.tokenizer.apply_chat_template(conv, tools.template_tools,
                                                     **template_kwargs(req))
     if req.truncate_prompt_tokens is not None:
         ids = ids[-req.truncate_prompt_tokens:]  # the conversation's oldest tokens go first
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
-    max_tokens = check_length(state, len(ids), max_tokens)
+    # each image's placeholder becomes its rows (models/llava.py expand_image_tokens)
+    encoder = getattr(state.engine.engine, "mm_encoder", None)
+    grows = len(images["image"]) * (encoder.tokens_per_image - 1) \
+        if images is not None and encoder is not None else 0
+    n_prompt = len(ids) + grows  # what the engine runs (and usage counts, as vLLM's)
+    max_tokens = check_length(state, n_prompt, max_tokens)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     want_lp = bool(req.logprobs)
@@ -82,6 +89,8 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     if req.use_beam_search:  # the n best beams (server/beam.py), shaped as generated choices
         from flashpage.server.beam import beam_outputs, beam_params
 
+        if images is not None:
+            raise bad_request("use_beam_search with images is not supported", "use_beam_search")
         if tools.structured is not None:
             raise bad_request("a forced tool choice is not supported with use_beam_search",
                               "tool_choice")
@@ -95,7 +104,8 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     else:
         streams = await start(state, "chatcmpl", [ids], params, arrival,
                               "tools" if tools.structured is not None else structured_field(req),
-                              model=req.model, priority=req.priority, cache_salt=req.cache_salt)
+                              model=req.model, priority=req.priority, cache_salt=req.cache_salt,
+                              multi_modal_data=images)
 
         def finals_of() -> Awaitable[list[RequestOutput]]:
             return collect(streams)
@@ -136,7 +146,7 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
             return {"index": idx, "delta": d, "logprobs": chat_logprobs(tok, lps, want_lp),
                     "finish_reason": finish}
 
-        return stream_response(state, streams, params.n, rid, "chat.completion.chunk", len(ids),
+        return stream_response(state, streams, params.n, rid, "chat.completion.chunk", n_prompt,
                                bool(req.stream_options and req.stream_options.include_usage),
                                choice, model=req.model)
 
@@ -160,6 +170,36 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
         completion_tokens = sum(len(o.token_ids) for o in out.outputs)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                              "model": state.response_model(req.model), "choices": choices,
-                             "usage": usage(len(ids), completion_tokens)})
+                             "usage": usage(n_prompt, completion_tokens)})
 
     return await unless_disconnected(request, answer())
+
+
+async def _images(state: ServerState, req: ChatCompletionRequest,
+                  conv: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The request's images as the engine's multi_modal_data (their placeholders put into
+    ``conv`` in place), or None without any; a 400 for a model that takes no images, a URL
+    that is not a data URL, or bytes that are no image (server/images.py)."""
+    from flashpage.engine.multimodal import as_text_parts, template_reads_parts
+    from flashpage.server.images import image_urls, read_images, with_placeholders
+
+    urls = image_urls(req.messages)
+    engine = state.engine.engine
+    encoder = getattr(engine, "mm_encoder", None)
+    if not urls:
+        tok = engine.tokenizer
+        if encoder is not None and tok is not None and template_reads_parts(tok.chat_template):
+            conv[:] = as_text_parts(conv)  # an image model's template reads parts (llava-hf's)
+        return None
+    if encoder is None:
+        mc = getattr(engine, "model_config", None)
+        name = getattr(mc, "multimodal_architecture", "") or getattr(mc, "architecture", "this model")
+        raise bad_request(f"image_url content parts given, but this model ({name}) takes no "
+                          "image input (models/llava.py lists the families that do)", "messages")
+    pixels = await read_images(encoder, urls)
+    tok = engine.tokenizer
+    placeholder = tok.decode([encoder.config.image_token_id]) if tok is not None else "<image>"
+    template = getattr(tok, "chat_template", None)
+    conv[:] = with_placeholders(conv, req.messages, template if isinstance(template, str) else None,
+                                placeholder)
+    return {"image": pixels}

@@ -156,6 +156,18 @@ class TextPart(_Body):
     text: Str
 
 
+class ImageURL(_Body):
+    url: Str
+    detail: Str | None = None  # OpenAI's; LLaVA-1.5 sees one fixed size whatever it says
+
+
+class ImagePart(_Body):
+    """An image (server/images.py: data URLs only), for a model that takes images."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Body):
     name: Str
     arguments: Str  # a JSON object, as text (OpenAI's)
@@ -171,7 +183,7 @@ class ToolCallBody(_Body):
 
 class ChatMessage(_Body):
     role: Str
-    content: Str | list[TextPart] | None = None
+    content: Str | list[TextPart | ImagePart] | None = None
     name: Str | None = None
     tool_calls: list[ToolCallBody] | None = None  # an assistant's calls
     tool_call_id: Str | None = None  # a tool message: the call it answers
@@ -182,24 +194,26 @@ class ChatMessage(_Body):
     @model_validator(mode="before")
     @classmethod
     def _text_parts_only(cls, data: Any) -> Any:
-        """A content part that is not text (image_url, input_audio, file, ...) refused by its
-        own type: the models served are text models (a multimodal checkpoint's text model
-        alone, models/multimodal.py), so no such part could be read."""
+        """A content part other than text and image_url (input_audio, file, ...) refused by
+        its own type: no model served reads one. (image_url parts: server/images.py; a
+        model that takes no images refuses them there.)"""
         content = data.get("content") if isinstance(data, dict) else None
         for i, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
+            if isinstance(kind, str) and kind not in ("text", "image_url"):
                 raise PydanticCustomError(
-                    "content_part", "content.{i} has type '{kind}': only text parts are supported "
-                    "(this server takes no image, audio or file input)", {"i": i, "kind": kind})
+                    "content_part", "content.{i} has type '{kind}': only text and image_url parts "
+                    "are supported (this server takes no audio or file input)",
+                    {"i": i, "kind": kind})
         return data
 
     def text(self) -> str:
+        """The message's text parts, joined (its images: server/images.py)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
 
 class FunctionDef(_Body):
@@ -314,7 +328,8 @@ class DetokenizeRequest(_Body):
 _SHAPES = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "a string or a list of strings",
-    "content": 'a string or a list of {"type": "text", "text": ...} parts',
+    "content": 'a string or a list of {"type": "text", "text": ...} and {"type": "image_url", '
+               '"image_url": {"url": "data:image/...;base64,..."}} parts',
 }
 
 

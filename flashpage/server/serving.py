@@ -386,7 +386,8 @@ async def start(state: ServerState, prefix: str, prompts: list[list[int]],
                 params: SamplingParams | PoolingParams, arrival: float,
                 structured_param: str | None = None, prompt_param: str = "prompt", *,
                 model: str | None = None, priority: int = 0,
-                cache_salt: str | None = None) -> list[RequestStream]:
+                cache_salt: str | None = None,
+                multi_modal_data: Any = None) -> list[RequestStream]:
     """Add one engine request per prompt (under the LoRA adapter ``model`` names, if it
     names one; with ``priority``, checked by ``check_priority``; with ``cache_salt``, its
     prefix-cache blocks shared only within that salt); if one is refused, abort
@@ -400,7 +401,7 @@ async def start(state: ServerState, prefix: str, prompts: list[list[int]],
             await state.engine.compile_guide(params)
         for i, ids in enumerate(prompts):
             streams.append(await state.engine.add_request(f"{base}-{i}", ids, params, arrival, lora,
-                                                          priority, cache_salt))
+                                                          priority, cache_salt, multi_modal_data))
     except BaseException as e:
         for s in streams:
             s.abort()

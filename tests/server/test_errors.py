@@ -100,18 +100,17 @@ def test_invalid_parameters(server, field, value, needle):
 @pytest.mark.parametrize("body, needle", [
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"content": "no role"}]}, "role"),
-    # a non-text part by its type (the models served are text models: a multimodal
-    # checkpoint's text model alone)
+    # an image part for a text model (images: tests/server/test_llava_server.py), one of
+    # the wrong shape, a part of another type by its type
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
-     "messages.0: content.0 has type 'image_url': only text parts are supported (this server "
-     "takes no image, audio or file input)"),
+     "messages.0.content must be a string or a list of {\"type\": \"text\""),
     ({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
-     "messages.1: content.1 has type 'image_url'"),
+     "image_url content parts given, but this model (LlamaForCausalLM) takes no image input"),
     ({"messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]},
-     "content.0 has type 'input_audio'"),
+     "content.0 has type 'input_audio': only text and image_url parts are supported"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
      "max_completion_tokens"),

@@ -1,0 +1,248 @@
+"""LLaVA-1.5 style checkpoints (LlavaForConditionalGeneration): the image side.
+
+The text model (Llama / Mistral / Vicuna) is served as any multimodal checkpoint's
+(models/multimodal.py: its tensors renamed, its family's module). Beside it the engine
+keeps a ``LlavaImageEncoder``: the CLIP tower (models/clip_vision.py) and the projector
+
+    pixel values [n, 3, S, S] -> tower hidden states at vision_feature_layer (each
+    [n, 1 + P, Hv], CLS row dropped under "default", concatenated along the width)
+    -> linear_1 -> GELU -> linear_2 -> [n, tokens_per_image, H]   (H: the text model's)
+
+whose rows replace the text model's embeddings at an image's ``<image>`` positions (the
+engine's multimodal rows: engine/multimodal.py). ``expand_image_tokens`` does to a
+prompt's ids what transformers' LlavaProcessor does to its text: each ``<image>`` token
+(config image_token_index) becomes tokens_per_image of them.
+
+Weights: the tower's under ``vision_tower.vision_model.`` (transformers 4's layout, the
+published llava-hf files), ``vision_tower.`` (what transformers 5 saves) or either under
+``model.``; the projector's under ``multi_modal_projector.`` (or ``model.``'s). The tower's
+layers past the deepest feature layer and its post_layernorm are skipped (never read).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from flashpage.config import VisionConfig
+from flashpage.engine.multimodal import MultiModalInput
+from flashpage.engine.prompt_embeds import digest
+from flashpage.models.clip_image import is_pil_image, preprocess
+from flashpage.models.clip_vision import CLIPVisionTower, activation
+
+if TYPE_CHECKING:
+    from flashpage.models.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+# checkpoint prefix -> ours, tried in order
+_PREFIXES = (
+    ("model.vision_tower.vision_model.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+)
+IMAGE_PREFIXES = tuple(p for p, _ in _PREFIXES)
+_LAYER = re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.")
+
+
+class LlavaMultiModalProjector(nn.Module):
+    def __init__(self, vc: VisionConfig, text_hidden: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(vc.hidden_size * len(vc.feature_layers), text_hidden,
+                                  bias=vc.projector_bias)
+        self.act = activation(vc.projector_act)
+        self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=vc.projector_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaImageEncoder(nn.Module):
+    """Pixel values -> the rows of an image's ``<image>`` positions (module docstring)."""
+
+    def __init__(self, vc: VisionConfig, text_hidden: int) -> None:
+        super().__init__()
+        self.config = vc
+        self.vision_tower = CLIPVisionTower(vc)
+        self.multi_modal_projector = LlavaMultiModalProjector(vc, text_hidden)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.config.tokens_per_image
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[n, 3, S, S] -> [n, tokens_per_image, text hidden]"""
+        vc = self.config
+        feats = self.vision_tower(pixel_values, vc.feature_layers)
+        if vc.select_strategy == "default":
+            feats = [f[:, 1:] for f in feats]
+        x = feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)
+        return self.multi_modal_projector(x)
+
+    def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
+        """The engine's multimodal hook at admission (engine/multimodal.py): a request's
+        ``multi_modal_data`` ({"image": a PIL image, pixel values [3, S, S], or a list of
+        them}) checked and preprocessed (models/clip_image.py), and its prompt's ids with
+        each ``<image>`` expanded (expand_image_tokens); a ValueError names what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError(f"multi_modal_data must be a dict such as {{\"image\": image}}, "
+                             f"got {type(data).__name__}")
+        unknown = sorted(set(data) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data {unknown}: this model takes \"image\" only")
+        if "image" not in data:
+            raise ValueError("multi_modal_data has no \"image\"")
+        given = data["image"]
+        if isinstance(given, torch.Tensor) and given.dim() == 4:
+            images: list[Any] = list(given.unbind(0))
+        elif isinstance(given, (list, tuple)):
+            images = list(given)
+        else:
+            images = [given]
+        if not images:
+            raise ValueError("multi_modal_data[\"image\"] is an empty list")
+        pixels = [self.pixel_values(img, i) for i, img in enumerate(images)]
+        vc = self.config
+        ids, starts = expand_image_tokens(ids, vc.image_token_id, len(pixels), vc.tokens_per_image)
+        return ids, [MultiModalInput(s, vc.tokens_per_image, digest(px), px)
+                     for s, px in zip(starts, pixels, strict=True)]
+
+    def pixel_values(self, image: Any, i: int = 0) -> torch.Tensor:
+        """One image as float32 pixel values [3, S, S] on the host: a PIL image
+        preprocessed, or pixel values given (checked: shape, dtype, finite)."""
+        vc = self.config
+        s = vc.image_size
+        if is_pil_image(image):
+            try:
+                return preprocess(image, vc.processing)
+            except (OSError, ValueError) as e:  # a truncated or unreadable file: PIL's words
+                raise ValueError(f"image {i} could not be read: {e}") from e
+        if isinstance(image, torch.Tensor):
+            if not image.is_floating_point():
+                raise ValueError(f"image {i}: a tensor image must be float pixel values "
+                                 f"[3, {s}, {s}] (preprocessed), got dtype "
+                                 f"{str(image.dtype).replace('torch.', '')}; pass a PIL image "
+                                 "to have it preprocessed")
+            if tuple(image.shape) != (3, s, s):
+                raise ValueError(f"image {i}: pixel values must have shape [3, {s}, {s}] (this "
+                                 f"model's vision tower), got {list(image.shape)}")
+            px = image.detach().to("cpu", torch.float32).contiguous()
+            if not bool(torch.isfinite(px).all()):
+                raise ValueError(f"image {i}: pixel values hold inf or NaN")
+            return px
+        raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image or float "
+                         f"pixel values [3, {s}, {s}]")
+
+    @torch.inference_mode()
+    def encode(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The engine's multimodal hook (engine/multimodal.py): each image's pixel values
+        [3, S, S] (host) -> its rows [tokens_per_image, H] on the device, in one batch."""
+        p = self.vision_tower.embeddings.patch_embedding.weight
+        pixels = torch.stack(data).to(p.device, p.dtype, non_blocking=True)
+        return list(self(pixels).unbind(0))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
+        """Load the image tensors of a LLaVA checkpoint (any other name is ignored: the
+        text model's loader reads those); returns the parameter names loaded."""
+        from flashpage.models.loader import ModelLoadError
+
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        skipped = 0
+        for name, t in weights:
+            ours = next((o + name[len(p):] for p, o in _PREFIXES if name.startswith(p)), None)
+            if ours is None:
+                continue
+            m = _LAYER.match(ours)
+            if (m and int(m.group(1)) >= self.config.layers_run) \
+                    or ours.startswith("vision_tower.post_layernorm.") \
+                    or ours == "vision_tower.embeddings.position_ids":
+                skipped += 1  # never read (module docstring)
+                continue
+            p = params.get(ours)
+            if p is None:
+                raise ModelLoadError(f"{where}: checkpoint tensor {name!r} is not a parameter "
+                                     "of LLaVA's vision tower or projector")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ModelLoadError(f"{where}: checkpoint tensor {name!r} has shape "
+                                     f"{tuple(t.shape)}, the config says {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(t)
+            loaded.add(ours)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ModelLoadError(f"{where}: {len(missing)} vision tower / projector weight(s) "
+                                 f"missing from the checkpoint: {shown}")
+        if skipped:
+            logger.info("LLaVA vision tower: %d tensor(s) past feature layer(s) %s skipped "
+                        "(never read)", skipped, list(self.config.feature_layers))
+        return loaded
+
+
+def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
+                       seed: int = 0) -> LlavaImageEncoder:
+    """``source``'s (loader.ModelSource) image encoder in ``dtype`` on ``device``: its
+    checkpoint's tensors, or random ones (a random_config source)."""
+    from flashpage.models.loader import init_random_, iter_safetensors
+
+    vc = source.config.vision
+    assert vc is not None
+    with torch.device(device):
+        enc = LlavaImageEncoder(vc, source.config.hidden_size)
+    enc.to(dtype)
+    if source.kind == "random":
+        init_random_(enc, seed)
+        with torch.no_grad():  # LayerNorm biases: 0 (init_random_ fills norm weights with 1)
+            for n, p in enc.named_parameters():
+                if "norm" in n and n.endswith(".bias"):
+                    p.zero_()
+    else:
+        assert source.path is not None
+        enc.load_weights(iter_safetensors(source.path, "cpu", keep=lambda n: n.startswith(IMAGE_PREFIXES)),
+                         source.path)
+    return enc.eval()
+
+
+def expand_image_tokens(ids: list[int], image_token: int, num_images: int,
+                        tokens_per_image: int) -> tuple[list[int], list[int]]:
+    """A prompt's ids with each ``<image>`` token made ``tokens_per_image`` of them (as
+    LlavaProcessor), and each image's first position in the result. Ids already expanded
+    (every run of image tokens exactly tokens_per_image long) are kept as they are. A
+    ValueError names a count that does not match ``num_images``."""
+    runs: list[tuple[int, int]] = []  # (start, length) of each run of image tokens
+    i = 0
+    while i < len(ids):
+        if ids[i] == image_token:
+            j = i
+            while j < len(ids) and ids[j] == image_token:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    total = sum(n for _, n in runs)
+    if tokens_per_image > 1 and runs and all(n == tokens_per_image for _, n in runs) \
+            and len(runs) == num_images:
+        return list(ids), [s for s, _ in runs]  # expanded already
+    if total != num_images:
+        raise ValueError(
+            f"the prompt has {total} image token(s) (<image>, id {image_token}) but "
+            f"{num_images} image(s) were given: put one <image> in the prompt per image")
+    out: list[int] = []
+    starts: list[int] = []
+    for t in ids:
+        if t == image_token:
+            starts.append(len(out))
+            out.extend([image_token] * tokens_per_image)
+        else:
+            out.append(t)
+    return out, starts

@@ -1,0 +1,155 @@
+"""Chat completions with image_url parts (server/images.py) on a tiny LLaVA: a data URL's
+image gives LLM.generate's tokens for the same prompt and image, whether the chat template
+loops over content parts (llava-hf's) or reads a string (the placeholder then goes in as
+text); http URLs, broken data URLs and undecodable bytes are a 400 naming why, leaving no
+request or KV block behind and costing a concurrent request nothing."""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+import threading
+
+import httpx
+import pytest
+
+from flashpage import LLM, SamplingParams
+from tests.llava_checkpoint import build_tiny_llava, smooth_image
+from tests.server.conftest import CHAT_TEMPLATE, engine_kwargs, live_server
+
+MAX_TOKENS = 6
+
+
+def data_url(img, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return build_tiny_llava(tmp_path_factory.mktemp("llava_server"))
+
+
+@pytest.fixture(scope="module")
+def llava_server(llava_dir):
+    with live_server(llava_dir) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def offline(llava_dir):
+    return LLM(str(llava_dir), **engine_kwargs())
+
+
+def chat(server, messages, **kw) -> httpx.Response:
+    body = {"model": server.model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def _msg(text: str, *images) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def _offline_text(offline: LLM, prompt: str, images) -> str:
+    """LLM.generate's text for ``prompt`` as the chat template renders it (tokenized without
+    the tokenizer's BOS, as apply_chat_template tokenizes) and ``images``."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    ids = offline.get_tokenizer().encode(prompt, add_special_tokens=False)
+    out = offline.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": list(images)}},
+                           params, use_tqdm=False)[0]
+    assert out.error is None, out.error
+    return out.outputs[0].text
+
+
+def test_data_url_image_equals_generate(llava_server, offline):
+    """llava-hf's template ("USER: <image>\\n<text> ASSISTANT:"): the same tokens as
+    LLM.generate on that prompt with the same image; two images; JPEG too."""
+    a, b = smooth_image(40, 30, seed=1), smooth_image(33, 52, seed=2)
+    r = chat(llava_server, _msg("the quick brown fox", a))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want = _offline_text(offline, "USER: <image>\nthe quick brown fox ASSISTANT:", [a])
+    assert body["choices"][0]["message"]["content"] == want
+    tok = offline.get_tokenizer()
+    prompt_ids = tok.encode("USER: <image>\nthe quick brown fox ASSISTANT:", add_special_tokens=False)
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids) + 15  # the image's 16 rows
+    r = chat(llava_server, _msg("hello world", a, b))
+    assert r.status_code == 200, r.text
+    want = _offline_text(offline, "USER: <image>\n<image>\nhello world ASSISTANT:", [a, b])
+    assert r.json()["choices"][0]["message"]["content"] == want
+    # a JPEG decodes to other pixels than the PNG: compare with that decoding
+    from PIL import Image
+
+    jpeg = data_url(a, "JPEG")
+    decoded = Image.open(io.BytesIO(base64.b64decode(jpeg.split(",", 1)[1])))
+    r = chat(llava_server, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": jpeg}},
+                                                        {"type": "text", "text": "hello"}]}])
+    assert r.status_code == 200, r.text
+    want = _offline_text(offline, "USER: <image>\nhello ASSISTANT:", [decoded])
+    assert r.json()["choices"][0]["message"]["content"] == want
+    assert llava_server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
+
+
+def test_string_template_gets_the_placeholder_text(llava_dir, tmp_path):
+    """A template that reads content as a string: the placeholder text before the text."""
+    path = tmp_path / "string_template"
+    shutil.copytree(llava_dir, path)
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    img = smooth_image(36, 36, seed=5)
+    with live_server(path) as server:
+        r = chat(server, _msg("one two three", img))
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]["message"]["content"]
+    llm = LLM(str(path), **engine_kwargs())
+    assert got == _offline_text(llm, "<s>user: <image>\none two three </s><s>assistant:", [img])
+
+
+@pytest.mark.parametrize("url, needles", [
+    ("https://example.com/cat.png", ["only data URLs", "fetches nothing from the network"]),
+    ("http://127.0.0.1/cat.png", ["only data URLs"]),
+    ("file:///etc/passwd", ["base64 data URL"]),
+    ("data:image/png;base64,@@@not base64@@@", ["not valid base64"]),
+    ("data:image/png;base64," + base64.b64encode(b"not an image at all").decode(), ["could not be decoded"]),
+])
+def test_bad_image_urls_are_400_and_cost_nobody_anything(llava_server, url, needles):
+    img = smooth_image(30, 30, seed=3)
+    results: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: results.setdefault("good", chat(llava_server, _msg("hello", img),
+                                                                        max_tokens=24)))
+    t.start()
+    r = chat(llava_server, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                         {"type": "text", "text": "hi"}]}])
+    t.join(60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages"
+    for n in needles:
+        assert n in err["message"], err["message"]
+    assert results["good"].status_code == 200, results["good"].text
+    assert llava_server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
+
+
+def test_count_mismatch_and_beam_search_are_400(llava_server):
+    img = smooth_image(30, 30, seed=3)
+    # the placeholder typed into the text as well: two image tokens for one image
+    r = chat(llava_server, _msg("<image> what is this", img))
+    assert r.status_code == 400 and "2 image token(s)" in r.json()["error"]["message"], r.text
+    r = chat(llava_server, _msg("hi", img), use_beam_search=True, n=2)
+    assert r.status_code == 400 and "use_beam_search with images" in r.json()["error"]["message"], r.text
+    assert llava_server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
+
+
+def test_text_only_chat_on_a_parts_template(llava_server, offline):
+    """llava-hf's template walks content parts: a text-only message (string content) is
+    given to it as one text part, so its text is not lost (server and LLM.chat)."""
+    r = chat(llava_server, [{"role": "user", "content": "one two three"}])
+    assert r.status_code == 200, r.text
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    ids = offline.get_tokenizer().encode("USER: one two three ASSISTANT:", add_special_tokens=False)
+    want = offline.generate([ids], params, use_tqdm=False)[0].outputs[0].text
+    assert r.json()["choices"][0]["message"]["content"] == want
+    assert offline.chat([{"role": "user", "content": "one two three"}], params,
+                        use_tqdm=False)[0].outputs[0].text == want
