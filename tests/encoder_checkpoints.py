@@ -1,6 +1,9 @@
-"""Tiny random BERT / XLM-RoBERTa checkpoints (embedding models and one-label
-cross-encoders) with tokenizers made offline: a WordPiece vocabulary (BertTokenizer) and
-a word-level tokenizer.json with RoBERTa's specials (<s> 0, <pad> 1, </s> 2, <unk> 3)."""
+"""Tiny random BERT / XLM-RoBERTa / ModernBERT checkpoints (embedding models, one-label
+cross-encoders, classifiers) with tokenizers made offline: a WordPiece vocabulary
+(BertTokenizer; ModernBERT's too, without token types: its [CLS] a [SEP] b [SEP] is
+BERT's) and a word-level tokenizer.json with RoBERTa's specials (<s> 0, <pad> 1, </s> 2,
+<unk> 3). ModernBERT's are three layers (global, local, global) with a window of
+MODERNBERT_WINDOW tokens, so a prompt of a dozen tokens is longer than its window."""
 
 from __future__ import annotations
 
@@ -17,6 +20,13 @@ BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 ROBERTA_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 MAX_POSITIONS = 64
+MODERNBERT_WINDOW = 8  # local_attention: a local layer's query sees keys within 4 positions
+_MODERNBERT = {"local_attention": MODERNBERT_WINDOW, "global_attn_every_n_layers": 2,
+               "global_rope_theta": 1000.0, "local_rope_theta": 100.0}
+# ModernBERT with every bias (norm_bias, attention_bias, mlp_bias, classifier_bias) and a
+# tanh GELU head
+_MODERNBERT_BIASED = {**_MODERNBERT, "norm_bias": True, "attention_bias": True, "mlp_bias": True,
+                      "classifier_bias": True, "classifier_activation": "gelu_pytorch_tanh"}
 
 # name -> (transformers class, family, extra config)
 ENCODERS: dict[str, tuple[str, str, dict]] = {
@@ -26,14 +36,21 @@ ENCODERS: dict[str, tuple[str, str, dict]] = {
     "bert_two_labels": ("BertForSequenceClassification", "bert", {"num_labels": 2}),
     "xlmr": ("XLMRobertaModel", "roberta", {}),
     "xlmr_reranker": ("XLMRobertaForSequenceClassification", "roberta", {"num_labels": 1}),
+    "modernbert": ("ModernBertModel", "modernbert", _MODERNBERT),
+    "modernbert_biased": ("ModernBertModel", "modernbert", _MODERNBERT_BIASED),
+    "modernbert_reranker": ("ModernBertForSequenceClassification", "modernbert",
+                            {**_MODERNBERT_BIASED, "num_labels": 1}),
+    "modernbert_mean_classifier": ("ModernBertForSequenceClassification", "modernbert",
+                                   {**_MODERNBERT, "num_labels": 3, "classifier_pooling": "mean"}),
 }
 
 
-def _bert_tokenizer(folder: Path) -> int:
+def _bert_tokenizer(folder: Path, types: bool = True) -> int:
     from transformers import BertTokenizer
 
     vocab = BERT_SPECIALS + list(LETTERS) + ["##" + c for c in LETTERS] + WORDS
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(folder)
+    names = {} if types else {"model_input_names": ["input_ids", "attention_mask"]}
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, **names).save_pretrained(folder)
     return len(vocab)
 
 
@@ -55,12 +72,20 @@ def build_encoder_checkpoint(folder: Path, name: str, seed: int = 0, **overrides
     import transformers
 
     cls_name, family, extra = ENCODERS[name]
-    n_vocab = _bert_tokenizer(folder) if family == "bert" else _roberta_tokenizer(folder)
+    n_vocab = (_roberta_tokenizer(folder) if family == "roberta"
+               else _bert_tokenizer(folder, types=family == "bert"))
     base = dict(vocab_size=n_vocab + 3, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                intermediate_size=128, layer_norm_eps=1e-12)
+                intermediate_size=128)
+    if family != "modernbert":
+        base["layer_norm_eps"] = 1e-12
     if family == "bert":
         config = transformers.BertConfig(**base, max_position_embeddings=MAX_POSITIONS,
                                          type_vocab_size=2, pad_token_id=0, **extra, **overrides)
+    elif family == "modernbert":  # [PAD] 0, [CLS] 2, [SEP] 3 as the WordPiece vocabulary has them
+        config = transformers.ModernBertConfig(**{**base, "num_hidden_layers": 3}, norm_eps=1e-5,
+                                               max_position_embeddings=MAX_POSITIONS, pad_token_id=0,
+                                               cls_token_id=2, sep_token_id=3, bos_token_id=2,
+                                               eos_token_id=3, **extra, **overrides)
     else:  # XLM-R: positions start after pad (1), so 2 more than the longest prompt
         config = transformers.XLMRobertaConfig(**base, max_position_embeddings=MAX_POSITIONS + 2,
                                                type_vocab_size=1, pad_token_id=1, bos_token_id=0,
@@ -70,7 +95,7 @@ def build_encoder_checkpoint(folder: Path, name: str, seed: int = 0, **overrides
     # Random init is tiny (std 0.02): widen it so the outputs differ between prompts.
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if "LayerNorm.weight" in n:
+            if "LayerNorm.weight" in n or n.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0, 0.2)

@@ -294,7 +294,7 @@ class EncoderEngine:
         """[B, T, hidden] -> [B, D] fp32 on the device: embeddings pooled, cut and normalized
         (each row's first ``dimensions`` count), or the head's probabilities."""
         if batch[0].params.task != "embed":  # one head: the batch is all scores or classes
-            logits = self.model.classify(hidden[:, 0]).float()
+            logits = self.model.classify(hidden, valid).float()
             return activate(logits, self.model_config.score_activation)
         pooled = pool(hidden, valid, self.pooling_type)
         return cut_and_normalize(pooled, [r.params.dimensions for r in batch],

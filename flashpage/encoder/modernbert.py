@@ -1,0 +1,206 @@
+"""ModernBERT (answerdotai/ModernBERT-*, Alibaba's gte-modernbert, nomic's modernbert-embed)
+in plain PyTorch, HF parameter names kept (a ``ModernBertForSequenceClassification``
+checkpoint's ``model.`` prefix is dropped on load).
+
+Against BERT: no position table but rotary embeddings (one base for the global layers,
+another for the local ones), no token types, pre-norm layers (layer 0 has no attn_norm: the
+embeddings' norm stands for it) and a final_norm, a GeGLU MLP (``Wi`` gives input and gate
+halves, ``act(input) * gate``), LayerNorms without bias (``norm_bias``), and every
+``global_attn_every_n_layers``-th layer global while the others see only the keys within
+``local_attention // 2`` positions (HF: ``|q - k| <= local_attention // 2``)::
+
+    x = norm(tok_embeddings(ids))
+    per layer:  x += Wo(attn(attn_norm(x)))          rotary on q, k; global or local mask
+                x += Wo(act(Wi_in(mlp_norm(x))) * Wi_gate(mlp_norm(x)))
+    hidden = final_norm(x)
+
+Unpadded: a padded batch [B, T] (right-padded, ``valid`` [B, T] marking each prompt's own
+tokens, None when all B have length T) is flattened to its N real tokens once, and every
+per-token op (embeddings, norms, Wqkv, rotary, Wo, the MLP) runs on [N, hidden]; only
+attention scatters q, k, v into [B, heads, T, d] for SDPA (a [B, 1, 1, T] key mask, or
+[B, 1, T, T] band and keys for a local layer) and gathers its N rows back. Padding costs
+attention nothing but its masked columns, and padded rows never reach a linear layer.
+The last hidden states go back to [B, T, hidden] (zeros past each prompt) for pooling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashpage.encoder.config import EncoderConfig
+from flashpage.encoder.model import Encoder, act
+
+
+def _norm(cfg: EncoderConfig) -> nn.LayerNorm:
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=cfg.norm_bias)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [N] -> cos, sin [N, head_dim] fp32, halves repeated (rotate-half layout)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, d] rotated by cos / sin [N, d] (computed in fp32, returned in x's dtype)."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos[:, None] + rot * sin[:, None]).to(x.dtype)
+
+
+class Ragged:
+    """Where a padded batch's real tokens are, and the masks its attention needs (built once
+    a forward, shared by every layer).
+
+    idx    [N] int64  flat indices (b * T + t) of the real tokens, or None when there is
+                      no padding (the flat view is then the batch itself)
+    masks  per kind ("global", "local"): a bool mask SDPA broadcasts over heads, or None
+    """
+
+    def __init__(self, b: int, t: int, valid: torch.Tensor | None, window: int,
+                 device: torch.device) -> None:
+        self.b, self.t = b, t
+        self.idx = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)
+        keys = None if valid is None else valid[:, None, None, :]  # [B, 1, 1, T]
+        self.masks: dict[str, torch.Tensor | None] = {"global": keys, "local": keys}
+        half = window // 2
+        if window and t - 1 > half:  # some pair is further apart than the window
+            pos = torch.arange(t, device=device)
+            band = ((pos[:, None] - pos[None, :]).abs() <= half)[None, None]  # [1, 1, T, T]
+            self.masks["local"] = band if keys is None else band & keys
+
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [N, ...], the real tokens in batch order."""
+        x = x.reshape(self.b * self.t, *x.shape[2:])
+        return x if self.idx is None else x.index_select(0, self.idx)
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, T, ...], zeros where there is no token."""
+        if self.idx is not None:
+            out = x.new_zeros(self.b * self.t, *x.shape[1:])
+            x = out.index_copy(0, self.idx, x)
+        return x.view(self.b, self.t, *x.shape[1:])
+
+
+class Embeddings(nn.Module):
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.norm = _norm(cfg)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.tok_embeddings(ids))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.heads = cfg.num_attention_heads
+        self.Wqkv = nn.Linear(h, 3 * h, bias=cfg.attention_bias)
+        self.Wo = nn.Linear(h, h, bias=cfg.attention_bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ragged: Ragged,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """x [N, hidden] -> [N, hidden]."""
+        n, h = x.shape
+        qkv = self.Wqkv(x).view(n, 3, self.heads, h // self.heads)
+        q, k = apply_rotary(qkv[:, 0], *rope), apply_rotary(qkv[:, 1], *rope)
+        qkv = torch.stack((q, k, qkv[:, 2]), dim=1)
+        # [B, T, 3, heads, d] -> 3 x [B, heads, T, d]
+        q, k, v = ragged.padded(qkv).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.Wo(ragged.flat(out.transpose(1, 2)).reshape(n, h))
+
+
+class MLP(nn.Module):
+    """GeGLU: Wi's first half activated, times its second half (HF's ``chunk(2)``)."""
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.Wi = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.Wo = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = cfg.hidden_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inp, gate = self.Wi(x).chunk(2, dim=-1)
+        return self.Wo(act(self.act, inp) * gate)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: EncoderConfig, index: int) -> None:
+        super().__init__()
+        # layer 0 reads the embeddings' norm directly (HF: attn_norm = Identity, no weights)
+        self.attn_norm = _norm(cfg) if index else None
+        self.attn = Attention(cfg)
+        self.mlp_norm = _norm(cfg)
+        self.mlp = MLP(cfg)
+        self.local = cfg.local_layers[index]
+
+    def forward(self, x: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                ragged: Ragged) -> torch.Tensor:
+        kind = "local" if self.local else "global"
+        y = x if self.attn_norm is None else self.attn_norm(x)
+        x = x + self.attn(y, ropes[kind], ragged, ragged.masks[kind])
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Head(nn.Module):
+    """ModernBertPredictionHead: norm(act(dense(pooled)))."""
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.classifier_bias)
+        self.norm = _norm(cfg)
+        self.act = cfg.classifier_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(act(self.act, self.dense(x)))
+
+
+class ModernBertEncoder(Encoder):
+    """ModernBertModel, and for ModernBertForSequenceClassification its head and classifier."""
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = Embeddings(cfg)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.final_norm = _norm(cfg)
+        self.head: Head | None = None
+        self.classifier: nn.Linear | None = None
+        if cfg.head == "classify":
+            self.head = Head(cfg)
+            self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                positions: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """[B, T] ids, (types: none here), positions, valid -> hidden [B, T, hidden]."""
+        cfg = self.cfg
+        b, t = input_ids.shape
+        ragged = Ragged(b, t, valid, cfg.local_window, input_ids.device)
+        pos = ragged.flat(positions)
+        ropes = {"global": rotary_cos_sin(pos, cfg.head_dim, cfg.rope_theta),
+                 "local": rotary_cos_sin(pos, cfg.head_dim, cfg.local_rope_theta)}
+        x = self.embeddings(ragged.flat(input_ids))
+        for layer in self.layers:
+            x = layer(x, ropes, ragged)
+        return ragged.padded(self.final_norm(x))
+
+    def classify(self, hidden: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """classifier_pooling ("cls": the first token; "mean": each prompt's own rows), then
+        head and classifier: hidden [B, T, hidden] -> logits [B, labels]."""
+        if self.head is None or self.classifier is None:
+            raise RuntimeError("this model has no classification head")
+        if self.cfg.classifier_pooling == "cls":
+            pooled = hidden[:, 0]
+        elif valid is None:
+            pooled = hidden.mean(1)
+        else:
+            pooled = (hidden * valid[..., None]).sum(1) / valid.sum(1, keepdim=True).to(hidden.dtype)
+        return self.classifier(self.head(pooled))
