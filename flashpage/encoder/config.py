@@ -1,4 +1,4 @@
-"""EncoderConfig.from_hf: an encoder's config.json (BERT, XLM-RoBERTa, ModernBERT) read once,
+"""EncoderConfig.from_hf: an encoder's config.json (BERT, XLM-RoBERTa, ModernBERT, NomicBERT) read once,
 checked with errors a user can act on (the encoder's counterpart of config.ModelConfig.from_hf).
 Each family's fields are read by its own function; a field we do not run is a ConfigError
 naming it, never a model that silently computes something else."""
@@ -13,7 +13,8 @@ from typing import Any
 from flashpage.config import ConfigError, classifier_activation
 
 # architecture -> (family, head): "bert" positions start at 0; "roberta" at padding_idx + 1;
-# "modernbert": rotary positions, pre-norm, alternating global and sliding-window layers
+# "modernbert": rotary positions, pre-norm, alternating global and sliding-window layers;
+# "nomic_bert": rotary positions, post-norm, fused Wqkv, a gated MLP (nomic-embed-text-v1 / v1.5)
 ENCODER_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "BertModel": ("bert", "embed"),
     "BertForSequenceClassification": ("bert", "classify"),
@@ -23,17 +24,18 @@ ENCODER_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "RobertaForSequenceClassification": ("roberta", "classify"),
     "ModernBertModel": ("modernbert", "embed"),
     "ModernBertForSequenceClassification": ("modernbert", "classify"),
+    "NomicBertModel": ("nomic_bert", "embed"),
 }
 # model_type -> the base architecture a config without ``architectures`` names
 _MODEL_TYPES = {"bert": "BertModel", "xlm-roberta": "XLMRobertaModel", "roberta": "XLMRobertaModel",
-                "modernbert": "ModernBertModel"}
+                "modernbert": "ModernBertModel", "nomic_bert": "NomicBertModel"}
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 
 
 @dataclass(frozen=True)
 class EncoderConfig:
     architecture: str
-    family: str  # "bert" | "roberta" | "modernbert"
+    family: str  # "bert" | "roberta" | "modernbert" | "nomic_bert"
     head: str  # "embed" (the hidden states are pooled) | "classify" (a cross-encoder's head)
     vocab_size: int
     hidden_size: int
@@ -52,10 +54,14 @@ class EncoderConfig:
     # and sentence-transformers' default), "identity" where the checkpoint's
     # sentence-transformers config says Identity or problem_type says regression
     score_activation: str = "sigmoid"
-    # --- the rotary families (ModernBERT); BERT's defaults below
+    # --- the rotary families (ModernBERT, NomicBERT); BERT's defaults below
     norm_bias: bool = True  # LayerNorms with a bias (ModernBERT's norm_bias: none)
-    attention_bias: bool = True  # Wqkv / Wo biases
-    mlp_bias: bool = True  # Wi / Wo biases
+    attention_bias: bool = True  # Wqkv / Wo biases (NomicBERT's qkv_proj_bias)
+    mlp_bias: bool = True  # Wi / Wo biases (NomicBERT's mlp_fc1_bias: fc11 / fc12 / fc1)
+    mlp_out_bias: bool = True  # NomicBERT's mlp_fc2_bias (fc2)
+    gated_mlp: bool = False  # NomicBERT: fc2(fc11(x) * act(fc12(x))); else fc2(act(fc1(x)))
+    rotary_dim: int = 0  # channels of each head rotated (NomicBERT's rotary_emb_fraction)
+    rotary_interleaved: bool = False  # pairs (2i, 2i + 1) rather than (i, i + rotary_dim / 2)
     rope_theta: float = 0.0  # 0: learned absolute positions; else the global layers' rotary base
     local_rope_theta: float = 0.0  # the sliding-window layers' rotary base
     local_window: int = 0  # local_attention: a local layer's query sees keys within local_window // 2
@@ -120,7 +126,8 @@ class EncoderConfig:
             raise ConfigError(f"not an encoder config we run (architectures {raw.get('architectures')}, "
                               f"model_type {raw.get('model_type')!r}); encoders: {sorted(ENCODER_ARCHITECTURES)}")
         family, head = ENCODER_ARCHITECTURES[arch]
-        fields = _modernbert_fields(raw) if family == "modernbert" else _bert_fields(raw, family)
+        fields = (_modernbert_fields(raw) if family == "modernbert" else _nomic_fields(raw)
+                  if family == "nomic_bert" else _bert_fields(raw, family))
         if raw.get("is_decoder") or raw.get("add_cross_attention"):
             raise ConfigError("config.json: is_decoder / add_cross_attention: only encoders run here")
         labels = raw.get("id2label")
@@ -252,6 +259,76 @@ def _modernbert_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 local_layers=tuple(t == "sliding_attention" for t in types),
                 classifier_pooling=pooling, classifier_act=_act(raw, "classifier_activation", "gelu"),
                 classifier_bias=bool(raw.get("classifier_bias", False)))
+
+
+# NomicBERT's activation_function -> (gated MLP, the activation): GLU's sigmoid, SwiGLU's
+# SiLU, GeGLU's and the plain MLP's exact GELU (its modeling code passes F.gelu for every
+# gelu name, so gelu_new is exact there too)
+_NOMIC_ACTS = {"swiglu": (True, "silu"), "geglu": (True, "gelu"), "glu": (True, "sigmoid"),
+               "gelu": (False, "gelu"), "gelu_new": (False, "gelu"), "gelu_fast": (False, "gelu"),
+               "gelu_pytorch_tanh": (False, "gelu")}
+# fields of nomic's config (a GPT2Config) whose only value we run, with that value
+_NOMIC_FIXED = {"prenorm": False, "parallel_block": False, "use_rms_norm": False, "causal": False,
+                "rotary_emb_scale_base": None, "rotary_head_dim": False}
+
+
+def _nomic_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """NomicBERT (nomic-embed-text-v1 / v1.5, nomic-bert-2048; trust_remote_code upstream,
+    GPT-2 field names): rotary embeddings over ``rotary_emb_fraction`` of each head
+    (``rotary_emb_base``, ``rotary_emb_interleaved``), post-norm layers with a fused
+    ``Wqkv``, a SwiGLU (or GeGLU / GLU / plain GELU) MLP, optional biases
+    (``qkv_proj_bias``, ``mlp_fc1_bias``, ``mlp_fc2_bias``), token types. Prompts are
+    capped at ``max_trained_positions`` (2048) as vLLM caps them, so its dynamic-NTK
+    ``rotary_scaling_factor``, which applies only past that length, never does."""
+    for key, want in _NOMIC_FIXED.items():
+        if raw.get(key) is not None and raw[key] != want:
+            raise ConfigError(f"config.json: {key} {raw[key]!r} is not supported (only {want!r})")
+    hidden, heads = _heads(raw, "n_embd", "n_head")
+    if raw.get("num_heads_kv") not in (None, heads):
+        raise ConfigError(f"config.json: num_heads_kv {raw['num_heads_kv']!r} is not supported "
+                          f"(only n_head's {heads}: no grouped-query attention)")
+    act_name = raw.get("activation_function", "gelu_new")
+    if act_name not in _NOMIC_ACTS:
+        raise ConfigError(f"config.json: activation_function {act_name!r} is not supported "
+                          f"(one of {sorted(_NOMIC_ACTS)})")
+    gated, act_fn = _NOMIC_ACTS[act_name]
+    inner = raw.get("n_inner")
+    if inner is None:
+        inner = int(8 * hidden / 3) if gated else 4 * hidden
+    elif not isinstance(inner, int) or isinstance(inner, bool) or inner < 1:
+        raise ConfigError(f"config.json: n_inner must be a positive integer, got {inner!r}")
+    if gated:  # nomic's gated MLP rounds its width up to a multiple of 256
+        inner = -(-inner // 256) * 256
+    head_dim = hidden // heads
+    fraction = raw.get("rotary_emb_fraction", 0.0)
+    rotary = head_dim * fraction if isinstance(fraction, int | float) and not isinstance(fraction, bool) else 0
+    if not 0 < rotary <= head_dim or rotary != int(rotary) or int(rotary) % 2:
+        raise ConfigError(f"config.json: rotary_emb_fraction {fraction!r} is not supported: it must "
+                          f"rotate an even number of a head's {head_dim} channels, at least 2 "
+                          "(0, learned absolute positions, is not run)")
+    base = raw.get("rotary_emb_base", 10_000)
+    if not isinstance(base, int | float) or isinstance(base, bool) or base <= 0:
+        raise ConfigError(f"config.json: rotary_emb_base must be a positive number, got {base!r}")
+    vocab = _need(raw, "vocab_size")
+    multiple = raw.get("pad_vocab_size_multiple", 1) or 1
+    if not isinstance(multiple, int) or multiple < 1:
+        raise ConfigError(f"config.json: pad_vocab_size_multiple must be a positive integer, got {multiple!r}")
+    vocab = -(-vocab // multiple) * multiple  # as NomicBertModel pads it
+    trained = _need({"max_trained_positions": 2048, **raw}, "max_trained_positions")
+    positions = _need({"n_positions": 1024, **raw}, "n_positions")
+    types = raw.get("type_vocab_size", 2)
+    if not isinstance(types, int) or isinstance(types, bool) or types < 0:
+        raise ConfigError(f"config.json: type_vocab_size must be a non-negative integer, got {types!r}")
+    return dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=_need(raw, "n_layer"),
+                num_attention_heads=heads, intermediate_size=inner,
+                max_position_embeddings=min(positions, trained),
+                type_vocab_size=types, layer_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+                hidden_act=act_fn, pad_token_id=_pad(raw, 0),
+                attention_bias=bool(raw.get("qkv_proj_bias", True)),
+                mlp_bias=bool(raw.get("mlp_fc1_bias", True)),
+                mlp_out_bias=bool(raw.get("mlp_fc2_bias", True)), gated_mlp=gated,
+                rope_theta=float(base), rotary_dim=int(rotary),
+                rotary_interleaved=bool(raw.get("rotary_emb_interleaved", False)))
 
 
 def _labels(id2label: Any, n: int) -> tuple[str, ...]:

@@ -49,7 +49,11 @@ def act(name: str, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")
     if name == "relu":
         return F.relu(x)
-    return F.silu(x)
+    if name == "sigmoid":  # NomicBERT's GLU
+        return torch.sigmoid(x)
+    if name == "silu":
+        return F.silu(x)
+    raise ValueError(f"unknown activation {name!r}")  # config.py lets only known ones through
 
 
 class Embeddings(nn.Module):
@@ -195,7 +199,8 @@ class EncoderModel(Encoder):
 
 # ----------------------------------------------------------------------------- loading
 # a family's base-model prefix in its *For* checkpoints (dropped on load)
-_PREFIXES = {"bert": ("bert.", "roberta."), "roberta": ("bert.", "roberta."), "modernbert": ("model.",)}
+_PREFIXES = {"bert": ("bert.", "roberta."), "roberta": ("bert.", "roberta."), "modernbert": ("model.",),
+             "nomic_bert": ("bert.",)}
 
 
 def encoder_class(cfg: EncoderConfig) -> type[Encoder]:
@@ -205,6 +210,10 @@ def encoder_class(cfg: EncoderConfig) -> type[Encoder]:
         from flashpage.encoder.modernbert import ModernBertEncoder
 
         return ModernBertEncoder
+    if cfg.family == "nomic_bert":
+        from flashpage.encoder.nomic_bert import NomicBertEncoder
+
+        return NomicBertEncoder
     return EncoderModel
 
 

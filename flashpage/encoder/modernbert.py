@@ -14,7 +14,7 @@ halves, ``act(input) * gate``), LayerNorms without bias (``norm_bias``), and eve
                 x += Wo(act(Wi_in(mlp_norm(x))) * Wi_gate(mlp_norm(x)))
     hidden = final_norm(x)
 
-Unpadded: a padded batch [B, T] (right-padded, ``valid`` [B, T] marking each prompt's own
+Unpadded (layers.Ragged): a padded batch [B, T] (right-padded, ``valid`` [B, T] marking each prompt's own
 tokens, None when all B have length T) is flattened to its N real tokens once, and every
 per-token op (embeddings, norms, Wqkv, rotary, Wo, the MLP) runs on [N, hidden]; only
 attention scatters q, k, v into [B, heads, T, d] for SDPA (a [B, 1, 1, T] key mask, or
@@ -30,61 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpage.encoder.config import EncoderConfig
+from flashpage.encoder.layers import Ragged, apply_rotary, rotary_cos_sin
 from flashpage.encoder.model import Encoder, act
 
 
 def _norm(cfg: EncoderConfig) -> nn.LayerNorm:
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=cfg.norm_bias)
-
-
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [N] -> cos, sin [N, head_dim] fp32, halves repeated (rotate-half layout)."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    freqs = positions.float()[:, None] * inv[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, d] rotated by cos / sin [N, d] (computed in fp32, returned in x's dtype)."""
-    xf = x.float()
-    half = x.shape[-1] // 2
-    rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos[:, None] + rot * sin[:, None]).to(x.dtype)
-
-
-class Ragged:
-    """Where a padded batch's real tokens are, and the masks its attention needs (built once
-    a forward, shared by every layer).
-
-    idx    [N] int64  flat indices (b * T + t) of the real tokens, or None when there is
-                      no padding (the flat view is then the batch itself)
-    masks  per kind ("global", "local"): a bool mask SDPA broadcasts over heads, or None
-    """
-
-    def __init__(self, b: int, t: int, valid: torch.Tensor | None, window: int,
-                 device: torch.device) -> None:
-        self.b, self.t = b, t
-        self.idx = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)
-        keys = None if valid is None else valid[:, None, None, :]  # [B, 1, 1, T]
-        self.masks: dict[str, torch.Tensor | None] = {"global": keys, "local": keys}
-        half = window // 2
-        if window and t - 1 > half:  # some pair is further apart than the window
-            pos = torch.arange(t, device=device)
-            band = ((pos[:, None] - pos[None, :]).abs() <= half)[None, None]  # [1, 1, T, T]
-            self.masks["local"] = band if keys is None else band & keys
-
-    def flat(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, ...] -> [N, ...], the real tokens in batch order."""
-        x = x.reshape(self.b * self.t, *x.shape[2:])
-        return x if self.idx is None else x.index_select(0, self.idx)
-
-    def padded(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, ...] -> [B, T, ...], zeros where there is no token."""
-        if self.idx is not None:
-            out = x.new_zeros(self.b * self.t, *x.shape[1:])
-            x = out.index_copy(0, self.idx, x)
-        return x.view(self.b, self.t, *x.shape[1:])
 
 
 class Embeddings(nn.Module):
@@ -110,7 +61,7 @@ class Attention(nn.Module):
         """x [N, hidden] -> [N, hidden]."""
         n, h = x.shape
         qkv = self.Wqkv(x).view(n, 3, self.heads, h // self.heads)
-        q, k = apply_rotary(qkv[:, 0], *rope), apply_rotary(qkv[:, 1], *rope)
+        q, k = apply_rotary(qkv[:, 0], *rope, False), apply_rotary(qkv[:, 1], *rope, False)
         qkv = torch.stack((q, k, qkv[:, 2]), dim=1)
         # [B, T, 3, heads, d] -> 3 x [B, heads, T, d]
         q, k, v = ragged.padded(qkv).permute(2, 0, 3, 1, 4).unbind(0)
@@ -185,8 +136,8 @@ class ModernBertEncoder(Encoder):
         b, t = input_ids.shape
         ragged = Ragged(b, t, valid, cfg.local_window, input_ids.device)
         pos = ragged.flat(positions)
-        ropes = {"global": rotary_cos_sin(pos, cfg.head_dim, cfg.rope_theta),
-                 "local": rotary_cos_sin(pos, cfg.head_dim, cfg.local_rope_theta)}
+        ropes = {"global": rotary_cos_sin(pos, cfg.head_dim, cfg.rope_theta, False),
+                 "local": rotary_cos_sin(pos, cfg.head_dim, cfg.local_rope_theta, False)}
         x = self.embeddings(ragged.flat(input_ids))
         for layer in self.layers:
             x = layer(x, ropes, ragged)
