@@ -186,3 +186,20 @@ def test_params_and_config_errors(encoder_checkpoint, capsys):
                           ({"n_head": 5}, "n_head"), ({"n_embd": None}, "n_embd")]:
         with pytest.raises(ConfigError, match=field):
             EncoderConfig.from_hf({**raw, **change})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bits_on_the_gpu(encoder_checkpoint, dtype):
+    """CUDA in 16 bits (SDPA with a key mask for a ragged batch, none for one prompt): close
+    to the float64 reference, every variant."""
+    for name in sorted(NOMIC):
+        path = encoder_checkpoint(name)
+        llm = _llm(path, dtype=dtype, device="cuda")
+        tok = llm.get_tokenizer()
+        outs = llm.embed(TEXTS, use_tqdm=False) + llm.embed(TEXTS[2:3], use_tqdm=False)
+        for text, o in zip(TEXTS + TEXTS[2:3], outs, strict=True):
+            want = reference(path, tok(text)["input_ids"]).mean(0).float()
+            cos = torch.nn.functional.cosine_similarity(torch.tensor(o.outputs.embedding), want, dim=0)
+            assert cos > 0.995, (name, dtype, float(cos))

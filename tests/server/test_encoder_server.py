@@ -1,7 +1,7 @@
 """The server on encoder models (flashpage/encoder/): /v1/embeddings on a BERT embedding
 model (floats, and base64 of their very float32 bytes) and /score, /rerank on a
 cross-encoder equal the offline LLM's (ModernBERT's too: an embedding model and a
-cross-encoder); generation, embedding
+cross-encoder; and NomicBERT's embeddings); generation, embedding
 a cross-encoder and over-long items are 400s naming the field, and cost nobody else."""
 
 from __future__ import annotations
@@ -143,3 +143,20 @@ def test_modernbert_embeddings_and_rerank(tmp_path_factory):
         assert [x["relevance_score"] for x in results] == pytest.approx(sorted(scores, reverse=True), abs=1e-5)
         r = _post(srv, "/v1/embeddings", {"input": docs})
         assert r.status_code == 400 and "it scores pairs" in r.json()["error"]["message"]
+
+
+def test_nomic_bert_embeddings(tmp_path_factory):
+    """NomicBERT's /v1/embeddings equal the offline LLM's, `dimensions` (Matryoshka, as
+    nomic-embed-text-v1.5 is used) included."""
+    path = build_encoder_checkpoint(tmp_path_factory.mktemp("srv_nomic"), "nomic")
+    llm = _offline(path)
+    want = [o.outputs.embedding for o in llm.embed(DOCS, use_tqdm=False)]
+    with live_server(path, engine_kw=ENGINE) as srv:
+        r = _post(srv, "/v1/embeddings", {"input": DOCS})
+        assert r.status_code == 200, r.text
+        for d, w in zip(r.json()["data"], want, strict=True):
+            assert d["embedding"] == pytest.approx(w, abs=1e-5)
+        r = _post(srv, "/v1/embeddings", {"input": DOCS[:2], "dimensions": 16})
+        assert r.status_code == 200, r.text
+        short = np.asarray(want[0][:16])
+        assert r.json()["data"][0]["embedding"] == pytest.approx((short / np.linalg.norm(short)).tolist(), abs=1e-5)
