@@ -84,6 +84,14 @@ class EncoderConfig:
         """The longest prompt the position table covers (XLM-R: 514 - 2 = 512)."""
         return self.max_position_embeddings - self.position_offset
 
+    @property
+    def position_limit(self) -> str:
+        """What bounds a prompt's length, for errors: the field(s) of config.json."""
+        if self.family == "nomic_bert":
+            return f"n_positions and max_trained_positions: {self.max_position_embeddings}"
+        offset = ", less the RoBERTa offset" if self.position_offset else ""
+        return f"max_position_embeddings {self.max_position_embeddings}{offset}"
+
     def num_params(self) -> int:
         """Parameters of the model as the engine loads it (the head too, for a cross-encoder):
         its modules built on the meta device, which allocates nothing."""

@@ -155,7 +155,7 @@ def test_unpadded_and_capped_at_trained_positions(encoder_checkpoint, monkeypatc
     eng.model.encoder.layers[1].attn.Wqkv.register_forward_hook(
         lambda m, args, out: rows.append(args[0].shape[0]))
     outs = llm.embed(TEXTS + [[2] + [5] * MAX_POSITIONS + [3]], use_tqdm=False)
-    assert "at most 64" in outs[-1].error
+    assert "at most 64" in outs[-1].error and "max_trained_positions: 64" in outs[-1].error
     assert eng.num_forwards == 1 and rows == [sum(len(o.prompt_token_ids) for o in outs[:-1])]
     with pytest.raises(ValueError, match="no classification head"):
         llm.classify(TEXTS[:1], use_tqdm=False)
