@@ -209,7 +209,9 @@ def _modernbert_fields(raw: dict[str, Any]) -> dict[str, Any]:
     positions of two bases, every ``global_attn_every_n_layers``-th layer global and the
     others a sliding window of ``local_attention`` tokens (transformers 5 writes the same as
     ``layer_types`` and ``rope_parameters``; either form is read), pre-norm layers with a
-    GeGLU MLP, LayerNorms with or without bias (``norm_bias``), no token types."""
+    GeGLU MLP, LayerNorms with or without bias (``norm_bias``), no token types. Fields its
+    modeling code does not read (``position_embedding_type``, ``type_vocab_size``,
+    ``reference_compile`` ...) are ignored as transformers ignores them."""
     hidden, heads = _heads(raw, "hidden_size", "num_attention_heads")
     if (hidden // heads) % 2:
         raise ConfigError(f"config.json: head size {hidden // heads} (hidden_size / "
@@ -251,9 +253,6 @@ def _modernbert_fields(raw: dict[str, Any]) -> dict[str, Any]:
     pooling = raw.get("classifier_pooling", "cls")
     if pooling not in ("cls", "mean"):
         raise ConfigError(f"config.json: classifier_pooling {pooling!r} is not supported (cls or mean)")
-    if raw.get("type_vocab_size"):
-        raise ConfigError(f"config.json: type_vocab_size {raw['type_vocab_size']!r}: ModernBERT "
-                          "has no token type embeddings")
     return dict(vocab_size=_need(raw, "vocab_size"), hidden_size=hidden, num_hidden_layers=layers,
                 num_attention_heads=heads, intermediate_size=_need(raw, "intermediate_size"),
                 max_position_embeddings=_need(raw, "max_position_embeddings"), type_vocab_size=0,

@@ -163,11 +163,14 @@ def test_params_and_config_errors(encoder_checkpoint, capsys):
                           ({"layer_types": ["full_attention"]}, "layer_types"),
                           ({"layer_types": None, "global_attn_every_n_layers": 0}, "global_attn_every_n_layers"),
                           ({"local_attention": 0}, "local_attention"),
-                          ({"type_vocab_size": 2}, "type_vocab_size"),
                           ({"num_attention_heads": 64}, "must be even"),
                           ({"global_rope_theta": -1.0, "rope_parameters": None}, "global_rope_theta")]:
         with pytest.raises(ConfigError, match=field):
             EncoderConfig.from_hf({k: v for k, v in {**raw, **change}.items() if v is not None})
+    # fields transformers' ModernBERT does not read are ignored, as it ignores them (the Hub's
+    # configs carry position_embedding_type "absolute")
+    assert EncoderConfig.from_hf({**raw, "position_embedding_type": "absolute", "type_vocab_size": 2,
+                                  "reference_compile": True}) == EncoderConfig.from_hf(raw)
     # the base architecture from model_type alone
     bare = {k: v for k, v in raw.items() if k != "architectures"}
     assert EncoderConfig.from_hf(bare).architecture == "ModernBertModel"
