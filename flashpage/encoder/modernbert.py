@@ -17,8 +17,9 @@ halves, ``act(input) * gate``), LayerNorms without bias (``norm_bias``), and eve
 Unpadded (layers.Ragged): a padded batch [B, T] (right-padded, ``valid`` [B, T] marking each prompt's own
 tokens, None when all B have length T) is flattened to its N real tokens once, and every
 per-token op (embeddings, norms, Wqkv, rotary, Wo, the MLP) runs on [N, hidden]; only
-attention scatters q, k, v into [B, heads, T, d] for SDPA (a [B, 1, 1, T] key mask, or
-[B, 1, T, T] band and keys for a local layer) and gathers its N rows back. Padding costs
+attention scatters q, k, v into [B, heads, T, d] for SDPA (a [B, 1, 1, T] key mask; a local
+layer's [B, 1, T, T] band and keys, or for a long batch its queries in blocks against the
+keys each block's window reaches) and gathers its N rows back. Padding costs
 attention nothing but its masked columns, and padded rows never reach a linear layer.
 The last hidden states go back to [B, T, hidden] (zeros past each prompt) for pooling.
 """
@@ -26,7 +27,6 @@ The last hidden states go back to [B, T, hidden] (zeros past each prompt) for po
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashpage.encoder.config import EncoderConfig
@@ -57,16 +57,12 @@ class Attention(nn.Module):
         self.Wo = nn.Linear(h, h, bias=cfg.attention_bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ragged: Ragged,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                local: bool) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
         n, h = x.shape
         qkv = self.Wqkv(x).view(n, 3, self.heads, h // self.heads)
         q, k = apply_rotary(qkv[:, 0], *rope, False), apply_rotary(qkv[:, 1], *rope, False)
-        qkv = torch.stack((q, k, qkv[:, 2]), dim=1)
-        # [B, T, 3, heads, d] -> 3 x [B, heads, T, d]
-        q, k, v = ragged.padded(qkv).permute(2, 0, 3, 1, 4).unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.Wo(ragged.flat(out.transpose(1, 2)).reshape(n, h))
+        return self.Wo(ragged.attention(torch.stack((q, k, qkv[:, 2]), dim=1), local))
 
 
 class MLP(nn.Module):
@@ -97,7 +93,7 @@ class Layer(nn.Module):
                 ragged: Ragged) -> torch.Tensor:
         kind = "local" if self.local else "global"
         y = x if self.attn_norm is None else self.attn_norm(x)
-        x = x + self.attn(y, ropes[kind], ragged, ragged.masks[kind])
+        x = x + self.attn(y, ropes[kind], ragged, self.local)
         return x + self.mlp(self.mlp_norm(x))
 
 

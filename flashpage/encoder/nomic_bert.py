@@ -22,7 +22,6 @@ per-token work on the real tokens only, attention on the padded view.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashpage.encoder.config import EncoderConfig
@@ -57,9 +56,7 @@ class Attention(nn.Module):
         qkv = self.Wqkv(x).view(n, 3, self.heads, h // self.heads)  # "(three h d)"
         q = apply_rotary(qkv[:, 0], *rope, self.interleaved)
         k = apply_rotary(qkv[:, 1], *rope, self.interleaved)
-        q, k, v = ragged.padded(torch.stack((q, k, qkv[:, 2]), dim=1)).permute(2, 0, 3, 1, 4).unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ragged.masks["global"])
-        return self.out_proj(ragged.flat(out.transpose(1, 2)).reshape(n, h))
+        return self.out_proj(ragged.attention(torch.stack((q, k, qkv[:, 2]), dim=1)))
 
 
 class GatedMLP(nn.Module):

@@ -114,6 +114,39 @@ def test_unpadded_per_token_work(encoder_checkpoint, monkeypatch):
     assert all(o.error is None for o in outs)
 
 
+def test_long_local_layers_in_blocks(encoder_checkpoint, monkeypatch):
+    """Past 2 x (block + window) tokens a local layer runs its queries in blocks against the
+    keys their window reaches (layers.Ragged): still transformers' embeddings and scores."""
+    from flashpage.encoder import layers
+
+    monkeypatch.setattr(layers, "LOCAL_BLOCK_MIN", 2)  # blocks of 8 (the window): from 32 tokens
+    words = " ".join(TEXTS).split()
+    long_texts = [" ".join(words[:40]), " ".join(words[5:38]), " ".join(words[3:50])]
+    calls: list[int] = []
+    real = layers.Ragged._blocked
+
+    def spy(self, q, k, v):
+        calls.append(q.shape[2])
+        return real(self, q, k, v)
+
+    monkeypatch.setattr(layers.Ragged, "_blocked", spy)
+    path = encoder_checkpoint("modernbert_biased")
+    llm = _llm(path, max_num_batched_tokens=256)
+    want = _hf_mean(path, llm.get_tokenizer(), long_texts + TEXTS[:2])
+    outs = llm.embed(long_texts + TEXTS[:2], use_tqdm=False)
+    assert calls and max(calls) >= 32
+    for o, w in zip(outs, want, strict=True):
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding),
+                                   torch.nn.functional.normalize(w, dim=0), atol=1e-5, rtol=1e-5)
+    path = encoder_checkpoint("modernbert_reranker")
+    llm = _llm(path, max_num_batched_tokens=256)
+    tok, model = llm.get_tokenizer(), hf_model(path)
+    with torch.no_grad():
+        scores = [torch.sigmoid(model(**tok(QUERY, t, return_tensors="pt")).logits[0, 0]).item()
+                  for t in long_texts]
+    assert [o.outputs.score for o in llm.score(QUERY, long_texts, use_tqdm=False)] == pytest.approx(scores, abs=1e-5)
+
+
 def test_cross_encoder_scores_equal_sigmoid_of_transformers(encoder_checkpoint):
     path = encoder_checkpoint("modernbert_reranker")
     llm = _llm(path)
@@ -179,16 +212,24 @@ def test_params_and_config_errors(encoder_checkpoint, capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_16_bits_on_the_gpu(encoder_checkpoint, dtype):
-    """CUDA in 16 bits (SDPA with the key mask, or the band and keys of a local layer):
-    close to transformers' fp32 on the CPU, ragged batches and one prompt alone alike."""
+def test_16_bits_on_the_gpu(encoder_checkpoint, dtype, monkeypatch):
+    """CUDA in 16 bits (SDPA with the key mask, the band and keys of a local layer, or its
+    blocks for the long prompts): close to transformers' fp32 on the CPU, ragged batches and
+    one prompt alone alike."""
+    from flashpage.encoder import layers
+
+    words = " ".join(TEXTS).split()
+    long_texts = [" ".join(words[:40]), " ".join(words[3:50])]
     path = encoder_checkpoint("modernbert_biased")
     llm = _llm(path, dtype=dtype, device="cuda")
-    want = _hf_mean(path, llm.get_tokenizer(), TEXTS)
+    want = _hf_mean(path, llm.get_tokenizer(), TEXTS + long_texts)
     outs = llm.embed(TEXTS, use_tqdm=False) + llm.embed(TEXTS[2:3], use_tqdm=False)
-    for o, w in zip(outs, want + want[2:3], strict=True):
+    monkeypatch.setattr(layers, "LOCAL_BLOCK_MIN", 2)  # blocks of 8 from 32 tokens
+    outs += llm.embed(long_texts, use_tqdm=False)
+    for o, w in zip(outs, want[: len(TEXTS)] + want[2:3] + want[len(TEXTS):], strict=True):
         cos = torch.nn.functional.cosine_similarity(torch.tensor(o.outputs.embedding), w, dim=0)
         assert cos > 0.995, (dtype, float(cos))
+    monkeypatch.undo()
     path = encoder_checkpoint("modernbert_reranker")
     llm = _llm(path, dtype=dtype, device="cuda")
     tok, model = llm.get_tokenizer(), hf_model(path)
