@@ -14,14 +14,14 @@ halves, ``act(input) * gate``), LayerNorms without bias (``norm_bias``), and eve
                 x += Wo(act(Wi_in(mlp_norm(x))) * Wi_gate(mlp_norm(x)))
     hidden = final_norm(x)
 
-Unpadded (layers.Ragged): a padded batch [B, T] (right-padded, ``valid`` [B, T] marking each prompt's own
-tokens, None when all B have length T) is flattened to its N real tokens once, and every
-per-token op (embeddings, norms, Wqkv, rotary, Wo, the MLP) runs on [N, hidden]; only
-attention scatters q, k, v into [B, heads, T, d] for SDPA (a [B, 1, 1, T] key mask; a local
-layer's [B, 1, T, T] band and keys, or for a long batch its queries in blocks against the
-keys each block's window reaches) and gathers its N rows back. Padding costs
-attention nothing but its masked columns, and padded rows never reach a linear layer.
-The last hidden states go back to [B, T, hidden] (zeros past each prompt) for pooling.
+Unpadded (layers.Ragged): a padded batch [B, T] (right-padded; ``valid`` [B, T] marks each
+prompt's own tokens, None when all B have length T) is flattened to its N real tokens once,
+and every per-token op (embeddings, norms, Wqkv, rotary, Wo, the MLP) runs on [N, hidden];
+only attention scatters q, k, v into [B, heads, T, d] for SDPA (a [B, 1, 1, T] key mask; a
+local layer's [B, 1, T, T] band and keys, or for a long batch its queries in blocks against
+the keys each block's window reaches) and gathers its N rows back. Padding costs attention
+nothing but its masked columns, and padded rows never reach a linear layer. The last hidden
+states go back to [B, T, hidden] (zeros past each prompt) for pooling.
 """
 
 from __future__ import annotations
