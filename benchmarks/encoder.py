@@ -1,7 +1,9 @@
 """Encoder models (flashpage/encoder/) against transformers: throughput and agreement.
 
 Random weights of a real shape (bge-base-en / e5-base: BertModel 12 x 768; bge-reranker-base:
-XLMRobertaForSequenceClassification 12 x 768, vocab 250k; all-MiniLM-L6: BertModel 6 x 384),
+XLMRobertaForSequenceClassification 12 x 768, vocab 250k; all-MiniLM-L6: BertModel 6 x 384;
+gte-modernbert-base / modernbert-embed-base: ModernBertModel 22 x 768, a global layer every
+third, the others a 128-token window),
 the same weights loaded into transformers' model (SDPA attention). Per prompt length: N
 random prompts through our EncoderEngine (batched by --max-num-batched-tokens, padded to each
 batch's longest) and through transformers in batches of the same size, both in --dtype;
@@ -10,6 +12,7 @@ smallest cosine; reranker: the largest score difference)::
 
     python benchmarks/encoder.py --shape bge-base --lengths 32 128 512 --json-out $OUT/encoder_bge.json
     python benchmarks/encoder.py --shape bge-reranker-base --lengths 64 256 512
+    python benchmarks/encoder.py --shape modernbert-base --lengths 128 512 2048
 
 ``--host-only``: both models' forwards replaced by a cached output of the batch's shape, so
 what is timed is what each side does around them (ours: add_request, batching, pooling,
@@ -46,12 +49,19 @@ SHAPES: dict[str, dict[str, Any]] = {
                               max_position_embeddings=514, type_vocab_size=1, pad_token_id=1,
                               bos_token_id=0, eos_token_id=2, num_labels=1,
                               id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}),
+    "modernbert-base": dict(architectures=["ModernBertModel"], model_type="modernbert", vocab_size=50368,
+                            hidden_size=768, num_hidden_layers=22, num_attention_heads=12,
+                            intermediate_size=1152, max_position_embeddings=8192, local_attention=128,
+                            global_attn_every_n_layers=3, global_rope_theta=160000.0,
+                            local_rope_theta=10000.0, norm_eps=1e-5, pad_token_id=50283,
+                            bos_token_id=50281, eos_token_id=50282, cls_token_id=50281,
+                            sep_token_id=50282),
 }
 
 
 def _prompts(n: int, length: int, cfg: dict[str, Any], seed: int) -> list[list[int]]:
-    """[CLS] random ids [SEP] (BERT's 101 / 102; XLM-R's <s> 0 / </s> 2)."""
-    cls_id, sep_id = (0, 2) if cfg["model_type"] == "xlm-roberta" else (101, 102)
+    """[CLS] random ids [SEP] (BERT's 101 / 102; XLM-R's <s> 0 / </s> 2; ModernBERT's own)."""
+    cls_id, sep_id = {"xlm-roberta": (0, 2), "modernbert": (50281, 50282)}.get(cfg["model_type"], (101, 102))
     g = torch.Generator().manual_seed(seed)
     return [[cls_id] + torch.randint(1000, cfg["vocab_size"], (length - 2,), generator=g).tolist() + [sep_id]
             for _ in range(n)]
@@ -103,7 +113,8 @@ def _stub_forwards(ours: Any, hf: Any, hidden_size: int) -> None:
             cache[key] = torch.randn(*key, hidden_size, device=ids.device)
         return cache[key]
 
-    ours.forward = lambda ids, *a, **k: hidden(ids).to(ours.embeddings.word_embeddings.weight.dtype)
+    dtype = next(ours.parameters()).dtype
+    ours.forward = lambda ids, *a, **k: hidden(ids).to(dtype)
 
     def hf_forward(input_ids: torch.Tensor, **k: Any) -> SimpleNamespace:
         h = hidden(input_ids).to(hf.dtype)

@@ -1,4 +1,5 @@
-"""Encoder-only models: BERT / XLM-RoBERTa embedding models and cross-encoder rerankers.
+"""Encoder-only models: BERT / XLM-RoBERTa / ModernBERT / NomicBERT embedding models,
+cross-encoder rerankers and classifiers (model.py, modernbert.py, nomic_bert.py).
 
 Kept apart from the decoder engine (no KV cache, no scheduler, no Triton kernels): an
 encoder reads each prompt whole, in one bidirectional forward, and keeps nothing after it.

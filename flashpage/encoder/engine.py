@@ -1,4 +1,5 @@
-"""EncoderEngine: BERT-style embedding models and cross-encoders, apart from the KV cache.
+"""EncoderEngine: encoder-only embedding models and cross-encoders (BERT, XLM-RoBERTa,
+ModernBERT, NomicBERT), apart from the KV cache.
 
 An encoder reads a whole prompt in one forward and keeps nothing: no KV cache, no decode,
 no chunks. So its engine is a queue and a batcher, not the decoder's scheduler:
@@ -10,7 +11,8 @@ no chunks. So its engine is a queue and a batcher, not the decoder's scheduler:
                   forward, and finish every request of it:
                   embed -> each prompt's rows pooled on the device (batch.pool: mean, cls,
                            last), cut and normalized there, the whole batch copied back once
-                  score -> the classification head on the first token, then sigmoid
+                  score -> the classification head (on the first token; ModernBERT's
+                           on its classifier_pooling), then sigmoid
                   With async scheduling (CUDA's default) a step launches its batch and
                   returns the PREVIOUS one's outputs: the host reads one batch back and
                   builds the next while the device runs, so the device never waits on it.
@@ -204,10 +206,8 @@ class EncoderEngine:
             arr = np.asarray(ids, dtype=np.int64)
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but this encoder takes at most "
-                             f"{self.max_model_len} (max_position_embeddings "
-                             f"{self.model_config.max_position_embeddings}"
-                             f"{', less the RoBERTa offset' if self.model_config.position_offset else ''}"
-                             "); shorten it or set truncate_prompt_tokens")
+                             f"{self.max_model_len} ({self.model_config.position_limit}); "
+                             "shorten it or set truncate_prompt_tokens")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         prio = priority if self.config.scheduling_policy == "priority" else 0
         self._adds += 1
@@ -294,7 +294,7 @@ class EncoderEngine:
         """[B, T, hidden] -> [B, D] fp32 on the device: embeddings pooled, cut and normalized
         (each row's first ``dimensions`` count), or the head's probabilities."""
         if batch[0].params.task != "embed":  # one head: the batch is all scores or classes
-            logits = self.model.classify(hidden[:, 0]).float()
+            logits = self.model.classify(hidden, valid).float()
             return activate(logits, self.model_config.score_activation)
         pooled = pool(hidden, valid, self.pooling_type)
         return cut_and_normalize(pooled, [r.params.dimensions for r in batch],

@@ -1,4 +1,4 @@
-"""BERT / XLM-RoBERTa encoders in plain PyTorch, HF parameter names kept (so a checkpoint's
+"""BERT / XLM-RoBERTa encoders in plain PyTorch (other families: encoder_class), HF parameter names kept (so a checkpoint's
 state dict loads after dropping its ``bert.`` / ``roberta.`` prefix).
 
 One forward takes a padded batch::
@@ -28,14 +28,32 @@ from flashpage.encoder.config import EncoderConfig
 logger = logging.getLogger("flashpage")
 
 
-def _act(name: str, x: torch.Tensor) -> torch.Tensor:
+class Encoder(nn.Module):
+    """What the engine calls on every family's model (this file's BERT / RoBERTa,
+    modernbert.py's ModernBERT)."""
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                positions: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """[B, T] ids, types, positions, valid (None: no padding) -> hidden [B, T, hidden]."""
+        raise NotImplementedError
+
+    def classify(self, hidden: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """A classifier's head on the last hidden states [B, T, hidden] -> logits [B, labels]."""
+        raise NotImplementedError
+
+
+def act(name: str, x: torch.Tensor) -> torch.Tensor:
     if name == "gelu":
         return F.gelu(x)
     if name in ("gelu_new", "gelu_pytorch_tanh"):
         return F.gelu(x, approximate="tanh")
     if name == "relu":
         return F.relu(x)
-    return F.silu(x)
+    if name == "sigmoid":  # NomicBERT's GLU
+        return torch.sigmoid(x)
+    if name == "silu":
+        return F.silu(x)
+    raise ValueError(f"unknown activation {name!r}")  # config.py lets only known ones through
 
 
 class Embeddings(nn.Module):
@@ -101,7 +119,7 @@ class Intermediate(nn.Module):
         self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _act(self.act, self.dense(x))
+        return act(self.act, self.dense(x))
 
 
 class Layer(nn.Module):
@@ -139,7 +157,7 @@ class RobertaClassificationHead(nn.Module):
         self.out_proj = nn.Linear(cfg.hidden_size, cfg.num_labels)
 
 
-class EncoderModel(nn.Module):
+class EncoderModel(Encoder):
     """Embeddings, post-LN layers and, for a cross-encoder, its classification head."""
 
     def __init__(self, cfg: EncoderConfig) -> None:
@@ -166,10 +184,12 @@ class EncoderModel(nn.Module):
             x = layer(x, mask)
         return x
 
-    def classify(self, first: torch.Tensor) -> torch.Tensor:
-        """The head on each prompt's first token ([CLS] / <s>): [B, hidden] -> logits [B, labels]."""
+    def classify(self, hidden: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """The head on each prompt's first token ([CLS] / <s>): hidden [B, T, hidden] (and
+        the valid mask, unused here) -> logits [B, labels]."""
         if self.classifier is None:
             raise RuntimeError("this model has no classification head")
+        first = hidden[:, 0]
         if self.pooler is not None:  # BERT
             return self.classifier(torch.tanh(self.pooler.dense(first)))
         head = self.classifier
@@ -178,12 +198,28 @@ class EncoderModel(nn.Module):
 
 
 # ----------------------------------------------------------------------------- loading
-_PREFIXES = ("bert.", "roberta.")
+# a family's base-model prefix in its *For* checkpoints (dropped on load)
+_PREFIXES = {"bert": ("bert.", "roberta."), "roberta": ("bert.", "roberta."), "modernbert": ("model.",),
+             "nomic_bert": ("bert.",)}
 
 
-def checkpoint_state(folder: str) -> dict[str, torch.Tensor]:
+def encoder_class(cfg: EncoderConfig) -> type[Encoder]:
+    """The module a family runs as: ``cls(cfg)`` offers forward(ids, types, positions, valid)
+    -> hidden [B, T, hidden] and classify(hidden, valid) -> logits [B, labels]."""
+    if cfg.family == "modernbert":
+        from flashpage.encoder.modernbert import ModernBertEncoder
+
+        return ModernBertEncoder
+    if cfg.family == "nomic_bert":
+        from flashpage.encoder.nomic_bert import NomicBertEncoder
+
+        return NomicBertEncoder
+    return EncoderModel
+
+
+def checkpoint_state(folder: str, prefixes: tuple[str, ...] = _PREFIXES["bert"]) -> dict[str, torch.Tensor]:
     """The folder's weights (safetensors files, else pytorch_model.bin) under our names:
-    the base model's prefix dropped, old ``LayerNorm.gamma/beta`` renamed."""
+    the base model's prefix (one of ``prefixes``) dropped, old ``LayerNorm.gamma/beta`` renamed."""
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     state: dict[str, torch.Tensor] = {}
     if files:
@@ -198,7 +234,7 @@ def checkpoint_state(folder: str) -> dict[str, torch.Tensor]:
         raise ConfigError(f"{folder} holds no *.safetensors nor pytorch_model.bin")
     out: dict[str, torch.Tensor] = {}
     for k, v in state.items():
-        for p in _PREFIXES:
+        for p in prefixes:
             if k.startswith(p):
                 k = k[len(p):]
                 break
@@ -208,22 +244,23 @@ def checkpoint_state(folder: str) -> dict[str, torch.Tensor]:
 
 
 def load_encoder(cfg: EncoderConfig, folder: str | None, dtype: torch.dtype,
-                 device: torch.device, seed: int = 0) -> EncoderModel:
+                 device: torch.device, seed: int = 0) -> Encoder:
     """The model with the folder's weights (``folder`` None: random, for benchmarks), in
     ``dtype`` on ``device``. Missing or misshapen weights: a ConfigError naming them; weights
     we do not use (masked-LM heads, position_ids buffers, an unused pooler) are skipped."""
     torch.manual_seed(seed)
-    model = EncoderModel(cfg)
+    model = encoder_class(cfg)(cfg)
     if folder is None:
         with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "LayerNorm" in n:
-                    p.fill_(1.0 if n.endswith("weight") else 0.0)
-                else:
-                    p.normal_(0, 0.02)
+            for m in model.modules():
+                for n, p in m.named_parameters(recurse=False):
+                    if isinstance(m, nn.LayerNorm):
+                        p.fill_(1.0 if n == "weight" else 0.0)
+                    else:
+                        p.normal_(0, 0.02)
     else:
         ours = model.state_dict()
-        state = checkpoint_state(folder)
+        state = checkpoint_state(folder, _PREFIXES[cfg.family])
         missing = [k for k in ours if k not in state]
         if missing:
             raise ConfigError(f"{folder}: the checkpoint lacks {len(missing)} weights "

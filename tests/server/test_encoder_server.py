@@ -1,6 +1,7 @@
 """The server on encoder models (flashpage/encoder/): /v1/embeddings on a BERT embedding
 model (floats, and base64 of their very float32 bytes) and /score, /rerank on a
-cross-encoder equal the offline LLM's; generation, embedding
+cross-encoder equal the offline LLM's (ModernBERT's too: an embedding model and a
+cross-encoder; and NomicBERT's embeddings); generation, embedding
 a cross-encoder and over-long items are 400s naming the field, and cost nobody else."""
 
 from __future__ import annotations
@@ -118,3 +119,44 @@ def test_cross_encoder_score_and_rerank(reranker_dir):
         assert len(cut) == 20 and cut[0] == 0 and cut[-1] == 2
         assert llm.engine.get_num_unfinished_requests() == 0
         assert srv.wait_idle()["flashpage:num_requests_waiting"] == 0
+
+
+def test_modernbert_embeddings_and_rerank(tmp_path_factory):
+    """ModernBERT through the server as BERT: /v1/embeddings (prompts longer than its local
+    window among them) and /rerank on its cross-encoder equal the offline LLM's."""
+    docs = DOCS + ["one two three four five six seven eight nine ten the lazy dog"]
+    emb_dir = build_encoder_checkpoint(tmp_path_factory.mktemp("srv_modernbert"), "modernbert")
+    want = [o.outputs.embedding for o in _offline(emb_dir).embed(docs, use_tqdm=False)]
+    with live_server(emb_dir, engine_kw=ENGINE) as srv:
+        r = _post(srv, "/v1/embeddings", {"input": docs})
+        assert r.status_code == 200, r.text
+        for d, w in zip(r.json()["data"], want, strict=True):
+            assert d["embedding"] == pytest.approx(w, abs=1e-5)
+    rerank_dir = build_encoder_checkpoint(tmp_path_factory.mktemp("srv_modernbert_reranker"),
+                                          "modernbert_reranker")
+    scores = [o.outputs.score for o in _offline(rerank_dir).score(QUERY, docs, use_tqdm=False)]
+    with live_server(rerank_dir, engine_kw=ENGINE) as srv:
+        r = _post(srv, "/rerank", {"query": QUERY, "documents": docs})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == sorted(range(len(docs)), key=lambda j: -scores[j])
+        assert [x["relevance_score"] for x in results] == pytest.approx(sorted(scores, reverse=True), abs=1e-5)
+        r = _post(srv, "/v1/embeddings", {"input": docs})
+        assert r.status_code == 400 and "it scores pairs" in r.json()["error"]["message"]
+
+
+def test_nomic_bert_embeddings(tmp_path_factory):
+    """NomicBERT's /v1/embeddings equal the offline LLM's, `dimensions` (Matryoshka, as
+    nomic-embed-text-v1.5 is used) included."""
+    path = build_encoder_checkpoint(tmp_path_factory.mktemp("srv_nomic"), "nomic")
+    llm = _offline(path)
+    want = [o.outputs.embedding for o in llm.embed(DOCS, use_tqdm=False)]
+    with live_server(path, engine_kw=ENGINE) as srv:
+        r = _post(srv, "/v1/embeddings", {"input": DOCS})
+        assert r.status_code == 200, r.text
+        for d, w in zip(r.json()["data"], want, strict=True):
+            assert d["embedding"] == pytest.approx(w, abs=1e-5)
+        r = _post(srv, "/v1/embeddings", {"input": DOCS[:2], "dimensions": 16})
+        assert r.status_code == 200, r.text
+        short = np.asarray(want[0][:16])
+        assert r.json()["data"][0]["embedding"] == pytest.approx((short / np.linalg.norm(short)).tolist(), abs=1e-5)
