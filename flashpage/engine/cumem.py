@@ -4,7 +4,7 @@ CUDA's virtual memory management splits an allocation in two: an address range
 (``cuMemAddressReserve``) and the physical pages mapped into it (``cuMemCreate`` +
 ``cuMemMap``). ``CuMemPool`` hands torch's caching allocator such allocations through a
 pluggable allocator (``torch._C._cuda_customAllocator`` over two ctypes callbacks, in a
-``torch.cuda.MemPool`` entered with ``use_mem_pool``): every tensor made inside
+``torch.cuda.MemPool`` per tag entered with ``use_mem_pool``): every tensor made inside
 ``CuMemPool.use(tag)`` lives in them. ``unmap(tag)`` gives the pages of that tag's
 allocations back to the driver (another process may take them) and keeps the address
 ranges reserved; ``remap(tag)`` maps fresh pages at the same addresses. So every tensor,
@@ -197,7 +197,10 @@ class CuMemPool:
         alloc_ptr = ctypes.cast(alloc_cb, ctypes.c_void_p).value or 0
         free_ptr = ctypes.cast(free_cb, ctypes.c_void_p).value or 0
         self._allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
-        self.pool = torch.cuda.MemPool(self._allocator)
+        # a MemPool per tag: torch's allocator reuses a pool's free blocks before asking for a
+        # new segment, so with one pool the K/V tensors landed in blocks the weights' load had
+        # freed, under the weights' tag (run 221)
+        self.pools: dict[str, torch.cuda.MemPool] = {}
 
     @property
     def allocations(self) -> dict[int, _Allocation]:
@@ -207,9 +210,12 @@ class CuMemPool:
     def use(self, tag: str):
         """Tensors made inside live in this pool's memory under ``tag``."""
         seg = self._segments
+        pool = self.pools.get(tag)
+        if pool is None:
+            pool = self.pools[tag] = torch.cuda.MemPool(self._allocator)
         prev, seg.tag = seg.tag, tag
         try:
-            with torch.cuda.use_mem_pool(self.pool, device=self.device):
+            with torch.cuda.use_mem_pool(pool, device=self.device):
                 yield
         finally:
             seg.tag = prev
