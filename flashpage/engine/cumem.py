@@ -217,6 +217,10 @@ class CuMemPool:
         try:
             with torch.cuda.use_mem_pool(pool, device=self.device):
                 yield
+                # the pool's free segments back (a load's temporaries: the 8B's fp32 copies
+                # had doubled its weights' pool to 30.9 GiB, run 224): empty_cache under a
+                # pool releases that pool's cached blocks through our free
+                torch.cuda.empty_cache()
         finally:
             seg.tag = prev
 

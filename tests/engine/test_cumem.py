@@ -21,10 +21,13 @@ def test_unmapped_pages_go_back_and_a_graph_replays_after_remap():
         kv = torch.zeros(64 << 20, dtype=torch.uint8, device=dev)
     assert pool.nbytes("weights") >= w.numel() * 4 and pool.nbytes("kv_cache") >= kv.numel()
     assert all(a.tag in ("weights", "kv_cache") for a in pool.allocations.values())
-    with pool.use("weights"):  # a temporary of the load, freed: its block stays in the pool
+    held = pool.nbytes("weights")
+    with pool.use("weights"):  # a temporary of the load, freed: its segment goes back on exit
         tmp = torch.empty(32 << 20, dtype=torch.uint8, device=dev)
+        assert pool.nbytes("weights") >= held + (32 << 20)
         del tmp
-    with pool.use("kv_cache"):  # never placed in the weights' free block (run 221)
+    assert pool.nbytes("weights") == held
+    with pool.use("kv_cache"):  # never in a weights' segment (run 221: one pool for both)
         kv2 = torch.empty(32 << 20, dtype=torch.uint8, device=dev)
     assert [a.tag for a in pool.allocations.values()
             if a.ptr <= kv2.data_ptr() < a.ptr + a.size] == ["kv_cache"]
