@@ -84,6 +84,7 @@ class _Allocation:
     device: int
     tag: str
     handle: int | None  # the physical pages mapped now (None: unmapped)
+    trimmed: bool = False  # unmapped while it holds no tensor (CuMemPool.trim)
 
 
 def _prop(device: int) -> _AllocProp:
@@ -215,18 +216,44 @@ class CuMemPool:
             pool = self.pools[tag] = torch.cuda.MemPool(self._allocator)
         prev, seg.tag = seg.tag, tag
         try:
+            self._untrim(tag)  # torch may hand out a free segment: pages under it again
             with torch.cuda.use_mem_pool(pool, device=self.device):
                 yield
-                # the pool's free segments back (a load's temporaries: the 8B's fp32 copies
-                # had doubled its weights' pool to 30.9 GiB, run 224): empty_cache under a
-                # pool releases that pool's cached blocks through our free
-                torch.cuda.empty_cache()
         finally:
             seg.tag = prev
+            self.trim(tag)
 
-    def tagged(self, tag: str) -> list[_Allocation]:
+    def trim(self, tag: str) -> int:
+        """Unmap the pages of ``tag``'s segments that hold no live tensor (a load's
+        temporaries: the 8B's fp32 copies left its weights' pool at 30.9 GiB for 15 GiB of
+        weights, run 224, and torch 2.11 has no call that empties one pool's cache). torch
+        keeps them as free blocks of the pool; ``use(tag)`` maps them again before anything
+        can be allocated there. Returns the bytes given back."""
+        try:
+            segments = torch.cuda.memory_snapshot()
+        except RuntimeError:
+            return 0
+        free = {sg["address"] for sg in segments
+                if sg.get("allocated_size", 1) == 0 and sg.get("device") == self.index}
+        _ensure_context(self.index)
+        n = 0
+        for a in self.tagged(tag):
+            if a.ptr in free and a.handle is not None:
+                _unmap(a)
+                a.trimmed = True
+                n += a.size
+        return n
+
+    def _untrim(self, tag: str) -> None:
+        for a in self.tagged(tag, trimmed=True):
+            if a.trimmed:
+                _map(a)
+                a.trimmed = False
+
+    def tagged(self, tag: str, trimmed: bool = False) -> list[_Allocation]:
+        """``tag``'s allocations (those trimmed, holding no tensor, only with ``trimmed``)."""
         with self._segments.lock:
-            return [a for a in self.allocations.values() if a.tag == tag]
+            return [a for a in self.allocations.values() if a.tag == tag and (trimmed or not a.trimmed)]
 
     def nbytes(self, tag: str) -> int:
         return sum(a.size for a in self.tagged(tag))
