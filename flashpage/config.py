@@ -1926,13 +1926,7 @@ def _image_processing(folder: str | None, image_size: int, where: str) -> ImageP
     if path is None or not os.path.isfile(path):
         return ImageProcessing(image_size, None, (image_size, image_size), 1 / 255,
                                _OPENAI_CLIP_MEAN, _OPENAI_CLIP_STD)
-    try:
-        with open(path, encoding="utf-8") as f:
-            pc = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(pc, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
+    pc = _json_object(path)
     kind = pc.get("image_processor_type", "CLIPImageProcessor")
     if kind not in ("CLIPImageProcessor", "CLIPImageProcessorFast", "LlavaImageProcessor",
                     "LlavaImageProcessorFast"):
@@ -2037,6 +2031,11 @@ def read_config_json(source: str | os.PathLike) -> tuple[str, dict[str, Any]]:
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"no config.json at {path}")
+    return path, _json_object(path)
+
+
+def _json_object(path: str) -> dict[str, Any]:
+    """The JSON object in file ``path``; a ConfigError for bad JSON or another value."""
     try:
         with open(path, encoding="utf-8") as f:
             d = json.load(f)
@@ -2044,7 +2043,7 @@ def read_config_json(source: str | os.PathLike) -> tuple[str, dict[str, Any]]:
         raise ConfigError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(d, dict):
         raise ConfigError(f"{path}: expected a JSON object")
-    return path, d
+    return d
 
 
 @dataclass(frozen=True)
