@@ -353,14 +353,36 @@ class LLM:
         (assistant) message is continued rather than a new turn opened (with
         add_generation_prompt False); ``chat_template_kwargs``: more for the template (e.g.
         ``{"enable_thinking": False}``), as vLLM's. ``priority``: one per conversation, as
-        in ``generate``."""
+        in ``generate``. A model that takes images (LLaVA) reads image parts as vLLM's chat
+        does: ``image_url`` (a base64 data URL) and ``image_pil`` (a PIL image)."""
         self._check_task("generate")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         extra = dict(chat_template_kwargs or {}, continue_final_message=continue_final_message)
-        prompts: list[Prompt] = [self.chat_prompt_ids(c, add_generation_prompt, tools, **extra)  # type: ignore[arg-type]
+        prompts: list[Prompt] = [self._chat_prompt(c, add_generation_prompt, tools, extra)  # type: ignore[arg-type]
                                  for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                              priority=priority)
+
+    def _chat_prompt(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None, extra: dict[str, Any]) -> Prompt:
+        """One conversation's prompt: its ids, and with image parts (a model that takes
+        images) its images as multi_modal_data, each part the template's placeholder."""
+        encoder = getattr(self.engine, "mm_encoder", None)
+        if encoder is None:
+            return self.chat_prompt_ids(conversation, add_generation_prompt, tools, **extra)
+        from flashpage.engine.multimodal import chat_images, place_images
+
+        conv, parts, images = chat_images(conversation)
+        if not images:
+            return self.chat_prompt_ids(conv, add_generation_prompt, tools, **extra)
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        template = tok.chat_template if isinstance(tok.chat_template, str) else None
+        conv = place_images(conv, parts, template, tok.decode([encoder.config.image_token_id]))
+        ids = tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                                      tokenize=True, return_dict=False, **extra)
+        return {"prompt_token_ids": list(ids), "multi_modal_data": {"image": images}}
 
     def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
                         tools: list[dict[str, Any]] | None = None, **template_kw: Any) -> list[int]:

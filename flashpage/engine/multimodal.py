@@ -30,7 +30,10 @@ exact comparison unchanged).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import io
 import re
 import struct
 from dataclasses import dataclass
@@ -117,3 +120,99 @@ def as_text_parts(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each message whose content is a string, with it as one text part."""
     return [{**m, "content": [{"type": "text", "text": m["content"]}]}
             if isinstance(m.get("content"), str) else m for m in conversation]
+
+
+# --------------------------------------------------------------- chat image parts
+_DATA_URL = re.compile(r"^data:(image/[A-Za-z0-9.+-]+)?(;[^,]*)?;base64,(.*)$", re.DOTALL)
+
+
+def decode_data_url(url: str, i: int) -> Any:
+    """A base64 data URL's image, decoded (a PIL image); a ValueError naming what is wrong
+    (an http(s) URL: nothing is fetched from the network)."""
+    if re.match(r"^https?://", url, re.IGNORECASE):
+        raise ValueError(f"image {i}: only data URLs (data:image/png;base64,...) are read: this "
+                         "server fetches nothing from the network, so an http(s) URL cannot "
+                         "be used; send the image's bytes as a base64 data URL")
+    m = _DATA_URL.match(url)
+    if m is None:
+        raise ValueError(f"image {i}: its url must be a base64 data URL "
+                         f"(data:image/png;base64,...), got {url[:40]!r}")
+    try:
+        raw = base64.b64decode(m.group(3), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"image {i}: its data URL is not valid base64: {e}") from None
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ValueError("image input needs Pillow (pip install pillow)") from None
+    try:
+        img = Image.open(io.BytesIO(raw))
+        img.load()
+    except Exception as e:  # Pillow's own words: UnidentifiedImageError, truncated files, bombs
+        raise ValueError(f"image {i} could not be decoded: {e}") from None
+    return img
+
+
+# a message's content parts as the template sees them: ("text", its text) or ("image", None)
+Parts = list[tuple[str, str | None]]
+
+
+def place_images(conv: list[dict[str, Any]], parts: list[Parts | None], template: str | None,
+                 placeholder: str) -> list[dict[str, Any]]:
+    """``conv`` with each message's image parts (``parts[i]``: message i's parts in order,
+    None for a message of plain text) put where the chat template reads them: a part
+    ``{"type": "image"}`` where the template loops over content parts (llava-hf's
+    templates), else the placeholder text (``<image>``) on its own line before the message's
+    text (vLLM's "string" content format)."""
+    as_parts = template_reads_parts(template)
+    out = []
+    for d, ps in zip(conv, parts, strict=True):
+        if ps is None or not any(kind == "image" for kind, _ in ps):
+            out.append(as_text_parts([d])[0] if as_parts else d)
+        elif as_parts:
+            out.append({**d, "content": [{"type": "text", "text": text} if kind == "text"
+                                         else {"type": "image"} for kind, text in ps]})
+        else:
+            n = sum(kind == "image" for kind, _ in ps)
+            text = d["content"] if isinstance(d.get("content"), str) else \
+                "".join(t or "" for kind, t in ps if kind == "text")
+            out.append({**d, "content": "\n".join([placeholder] * n + [text])})
+    return out
+
+
+def chat_images(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Parts | None], list[Any]]:
+    """An LLM.chat conversation whose messages may hold image parts -- OpenAI's
+    ``{"type": "image_url", "image_url": {"url": "data:..."}}`` (or the url as a string),
+    vLLM's ``{"type": "image_pil", "image_pil": PIL.Image}`` -- -> (the conversation with
+    each content list's text joined, each message's parts, the images in order); a
+    ValueError names a part of another type."""
+    conv: list[dict[str, Any]] = []
+    parts: list[Parts | None] = []
+    images: list[Any] = []
+    for i, msg in enumerate(conversation):
+        content = msg.get("content")
+        if not isinstance(content, list):
+            conv.append(msg)
+            parts.append(None)
+            continue
+        ps: Parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                ps.append(("text", str(part.get("text", ""))))
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ValueError(f"message {i}: content part {j}: image_url needs a url string")
+                images.append(decode_data_url(url, len(images)))
+                ps.append(("image", None))
+            elif kind == "image_pil":
+                images.append(part.get("image_pil"))
+                ps.append(("image", None))
+            else:
+                raise ValueError(f"message {i}: content part {j} has type {kind!r}: text, "
+                                 "image_url (a data URL) and image_pil parts are read")
+        conv.append({**msg, "content": "".join(t or "" for k, t in ps if k == "text")})
+        parts.append(ps)
+    return conv, parts, images

@@ -14,17 +14,12 @@ content format).
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import io
-import re
 from typing import Any
 
-from flashpage.engine.multimodal import as_text_parts, template_reads_parts
+from flashpage.engine import multimodal
 from flashpage.server.protocol import APIError, ChatMessage, ImagePart, TextPart, bad_request
 
 FIELD = "messages"
-_DATA_URL = re.compile(r"^data:(image/[A-Za-z0-9.+-]+)?(;[^,]*)?;base64,(.*)$", re.DOTALL)
 
 
 def image_urls(messages: list[ChatMessage]) -> list[str]:
@@ -34,29 +29,12 @@ def image_urls(messages: list[ChatMessage]) -> list[str]:
 
 
 def decode_data_url(url: str, i: int) -> Any:
-    """A data URL's image as a decoded PIL image; an APIError (400) naming what is wrong."""
-    if re.match(r"^https?://", url, re.IGNORECASE):
-        raise bad_request(f"image {i}: only data URLs (data:image/png;base64,...) are read: this "
-                          "server fetches nothing from the network, so an http(s) URL cannot "
-                          "be used; send the image's bytes as a base64 data URL", FIELD)
-    m = _DATA_URL.match(url)
-    if m is None:
-        raise bad_request(f"image {i}: its url must be a base64 data URL "
-                          f"(data:image/png;base64,...), got {url[:40]!r}", FIELD)
+    """A data URL's image as a decoded PIL image; an APIError (400) naming what is wrong
+    (engine/multimodal.py's decoding, which LLM.chat shares)."""
     try:
-        raw = base64.b64decode(m.group(3), validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise bad_request(f"image {i}: its data URL is not valid base64: {e}", FIELD) from None
-    try:
-        from PIL import Image
-    except ImportError:
-        raise bad_request("image input needs Pillow on the server (pip install pillow)", FIELD) from None
-    try:
-        img = Image.open(io.BytesIO(raw))
-        img.load()
-    except Exception as e:  # Pillow's own words: UnidentifiedImageError, truncated files, bombs
-        raise bad_request(f"image {i} could not be decoded: {e}", FIELD) from None
-    return img
+        return multimodal.decode_data_url(url, i)
+    except ValueError as e:
+        raise bad_request(str(e), FIELD) from None
 
 
 def pixel_values(encoder: Any, urls: list[str]) -> list[Any]:
@@ -80,21 +58,11 @@ async def read_images(encoder: Any, urls: list[str]) -> list[Any]:
 def with_placeholders(conv: list[dict[str, Any]], messages: list[ChatMessage],
                       template: str | None, placeholder: str) -> list[dict[str, Any]]:
     """``conv`` (server/tool_choice.conversation's) with each message's image parts put back
-    where the chat template reads them (module docstring)."""
-    as_parts = template_reads_parts(template)
-    out = []
-    for d, m in zip(conv, messages, strict=True):
-        if not isinstance(m.content, list) or not any(isinstance(p, ImagePart) for p in m.content):
-            out.append(as_text_parts([d])[0] if as_parts else d)
-            continue
-        if as_parts:
-            parts: list[dict[str, Any]] = [{"type": "text", "text": p.text} if isinstance(p, TextPart)
-                                           else {"type": "image"} for p in m.content]
-            out.append({**d, "content": parts})
-        else:
-            n = sum(isinstance(p, ImagePart) for p in m.content)
-            out.append({**d, "content": "\n".join([placeholder] * n + [d["content"]])})
-    return out
+    where the chat template reads them (engine/multimodal.place_images)."""
+    parts: list[multimodal.Parts | None] = [
+        [("text", p.text) if isinstance(p, TextPart) else ("image", None) for p in m.content]
+        if isinstance(m.content, list) else None for m in messages]
+    return multimodal.place_images(conv, parts, template, placeholder)
 
 
 __all__ = ["APIError", "decode_data_url", "image_urls", "read_images", "with_placeholders"]

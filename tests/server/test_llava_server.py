@@ -153,3 +153,28 @@ def test_text_only_chat_on_a_parts_template(llava_server, offline):
     assert r.json()["choices"][0]["message"]["content"] == want
     assert offline.chat([{"role": "user", "content": "one two three"}], params,
                         use_tqdm=False)[0].outputs[0].text == want
+
+
+def test_llm_chat_takes_image_parts_as_the_server_does(llava_server, offline):
+    """LLM.chat with image parts (a data URL, vLLM's image_pil): the server's tokens for the
+    same messages; a batch mixing them with a text-only conversation; bad parts named."""
+    a, b = smooth_image(40, 30, seed=1), smooth_image(33, 52, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    msgs = _msg("the quick brown fox", a, b)
+    served = chat(llava_server, msgs)
+    assert served.status_code == 200, served.text
+    pil = [{"role": "user", "content": [{"type": "image_pil", "image_pil": a},
+                                        {"type": "image_pil", "image_pil": b},
+                                        {"type": "text", "text": "the quick brown fox"}]}]
+    text_only = [{"role": "user", "content": "hello there"}]
+    outs = offline.chat([msgs, pil, text_only], params, use_tqdm=False)
+    want = served.json()["choices"][0]["message"]["content"]
+    assert [o.outputs[0].text for o in outs[:2]] == [want, want]
+    plain = chat(llava_server, text_only)
+    assert outs[2].outputs[0].text == plain.json()["choices"][0]["message"]["content"]
+    with pytest.raises(ValueError, match="fetches nothing from the network"):
+        offline.chat([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}], params)
+    with pytest.raises(ValueError, match="content part 0 has type 'input_audio'"):
+        offline.chat([{"role": "user", "content": [{"type": "input_audio"}]}], params)
+    assert offline.engine.kv_manager.num_free_blocks == offline.engine.kv_manager.num_usable_blocks
