@@ -227,7 +227,6 @@ class SleepState:
                  device: torch.device, pool: CuMemPool | None = None) -> None:
         self.device = device
         self.pin = device.type == "cuda"
-        self.pool = pool
         params = [p for _, p in model.named_parameters()]
         buffers = [b for _, b in model.named_buffers() if b is not None]
         self.weights = _Group(_unique_storages([*params, *buffers]), [])

@@ -226,11 +226,6 @@ class HostBlockCache:
                     keep.append(b)
             self._in_flight = keep
 
-    @property
-    def num_loads_in_flight(self) -> int:
-        """Batches queued and not known to have passed."""
-        return len(self._in_flight)
-
     def oldest_in_flight(self) -> LoadBatch | None:
         self.settle()
         return self._in_flight[0] if self._in_flight else None
@@ -247,6 +242,7 @@ class HostBlockCache:
         loads' batch's (``last_batch``) ``event``, or its ``finished``. The loads' host
         blocks are unpinned: any later store to them must wait for the loads
         (engine/kv_offload.py)."""
+        self.settle()  # once a step: batches that passed leave block_batch and the list
         stores, loads = self.pending_stores, self.pending_loads
         self.pending_stores, self.pending_loads = [], []
         self.last_batch, self._batch = self._batch, None

@@ -123,6 +123,7 @@ def assert_no_leaks(kv: KVCacheManager, host: HostBlockCache) -> None:
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not host.has_pending and all(e.pins == 0 for e in host.blocks)
     assert not kv.has_loads_in_flight
+    assert not host.block_batch and host.oldest_in_flight() is None  # passed batches forgotten
 
 
 def evict_prefix(s: Scheduler, runner: HostRunner, n: int = 6) -> None:
