@@ -18,14 +18,13 @@ step's slice of them as InputEmbeds, spliced over the token embeddings as a prom
 embeddings is (engine/prompt_embeds.py). Chunked prefill takes any slice of an input's rows;
 a preempted request keeps them and recomputes from position 0 without encoding again.
 
-Prefix caching: a request's chain is rooted in ``chain_digest`` of its inputs (each
-input's offset, length and data digest), as a prompt given as embeddings is rooted in its
-embeddings' digest (kv_cache/prefix_cache.cache_root): blocks are shared only between
-requests with the same inputs at the same positions, so no block holding one image's K/V
-reaches a request with another. The choice costs the text before the first image: it is
-shared only with requests of the same images, never with text-only ones (vLLM, which puts
-each input's hash into the blocks it overlaps, shares it; kept simple here, the chain's
-exact comparison unchanged).
+Prefix caching: ``chain_digest`` of a request's inputs (each input's offset, length and
+data digest) is spliced into its block-hash chain at the block holding the first input's
+first position (kv_cache/prefix_cache.py, ``chain``): the blocks before it are plain text
+blocks, shared with text-only requests and with requests of other images (a system prompt,
+a conversation's earlier text turns), as vLLM does; from that block on, blocks are shared
+only between requests with the same inputs at the same positions, so no block holding one
+image's K/V (or text after it) reaches a request with another.
 """
 
 from __future__ import annotations

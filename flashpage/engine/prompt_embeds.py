@@ -11,9 +11,9 @@ the positions it schedules (``gather``): chunked prefill takes rows ``[start, en
 preempted request recomputes from row 0 again. Rows past the prompt (generated tokens)
 are ordinary tokens, looked up in the model's embedding table.
 
-Prefix caching: the request's block-hash chain is rooted in a digest of the embeddings
-(``digest``: blake2b-256 of dtype, shape and bytes; ``prefix_cache.cache_root``), and the
-root's parent content id carries the digest too, compared exactly. So two identical embeds
+Prefix caching: a digest of the embeddings (``digest``: blake2b-256 of dtype, shape and
+bytes) is spliced into the request's block-hash chain at block 0 (``prefix_cache.chain``),
+and the first block's parent content id carries the digest too, compared exactly. So two identical embeds
 prompts share their blocks (the second hits), while an embeds prompt never shares a block
 with a token prompt (even one whose ids embed to the same rows) nor with another embeds
 prompt that differs anywhere, even in its later rows (the chain's root is the whole

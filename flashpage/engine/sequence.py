@@ -99,13 +99,17 @@ class Request:
         self.request_id = request_id
         # multimodal rows (engine/multimodal.py): an image's positions, their rows encoded
         # at the first step that schedules one and kept; embeds_digest is then their
-        # chain_digest (the prefix cache shares blocks only among the same inputs)
+        # chain_digest (the prefix cache shares the blocks from the first input's on only
+        # among the same inputs)
         self.mm_inputs = mm_inputs
         # a prompt given as input embeddings (engine/prompt_embeds.py): [prompt tokens, width]
         # on the host, its prompt_token_ids placeholders; embeds_digest roots its prefix-cache
-        # chain (kv_cache/prefix_cache.cache_root)
+        # chain (kv_cache/prefix_cache.chain)
         self.prompt_embeds = prompt_embeds
         self.embeds_digest = embeds_digest
+        # where the rows embeds_digest names begin: the prefix cache splices the digest into
+        # the chain at that block (kv_cache/prefix_cache.py), the text before shared as text
+        self.embeds_start = min(mi.offset for mi in mm_inputs) if mm_inputs else 0
         # vLLM's cache_salt: the prefix cache shares blocks only among requests with the same
         # salt (kv_cache/prefix_cache.cache_root)
         self.cache_salt = cache_salt

@@ -199,7 +199,7 @@ class BlockPool:
                     q.appendleft(b)  # nothing reusable: reused first
 
     def register(self, block: KVCacheBlock, block_hash: bytes, token_ids: tuple[int, ...],
-                 parent_cid: int | tuple[int, str] | tuple[int, str | None, bytes] | None) -> None:
+                 parent_cid: RootId) -> None:
         """Record that ``block`` (full, held by a request) holds ``token_ids`` after the
         prefix identified by ``parent_cid``, and make it findable under ``block_hash``.
 

@@ -51,7 +51,7 @@ from flashpage.kv_cache.prefix_cache import chain_hits
 
 if TYPE_CHECKING:
     from flashpage.kv_cache.block_pool import KVCacheBlock
-    from flashpage.kv_cache.prefix_cache import RootId
+    from flashpage.kv_cache.prefix_cache import RootId, Splice
 
 
 class HostBlock:
@@ -172,11 +172,12 @@ class HostBlockCache:
 
     # ------------------------------------------------------------------ loads
     def match(self, keys: Sequence[bytes], token_ids: Sequence[int], block_size: int,
-              start: int, max_blocks: int, parent_cid: RootId) -> list[HostBlock]:
+              start: int, max_blocks: int, parent_cid: RootId, splice: Splice = None) -> list[HostBlock]:
         """The host blocks holding the request's blocks ``start, start + 1, ...`` (at most
         up to ``max_blocks``), the first one's parent content id ``parent_cid`` (that of
-        the request's block ``start - 1`` as matched on the GPU, or its chain's root)."""
-        return chain_hits(self.cached, keys, token_ids, block_size, start, max_blocks, parent_cid)
+        the request's block ``start - 1`` as matched on the GPU, or its chain's root;
+        ``splice``: the chain's, prefix_cache.chain)."""
+        return chain_hits(self.cached, keys, token_ids, block_size, start, max_blocks, parent_cid, splice)
 
     def is_current(self, e: HostBlock) -> bool:
         """Whether ``e`` still holds what ``match`` found it holding."""

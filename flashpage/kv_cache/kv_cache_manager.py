@@ -349,7 +349,8 @@ class KVCacheManager(PoolAccounts):
             # the blocks after the GPU hit, from the host tier: loaded into fresh blocks
             # when allocate_slots takes the hits, and counted as computed as GPU hits are
             more = self.host.match(self._keys(request.block_hashes, max_blocks), tokens, B, num_hit,
-                                   max_blocks, hits[-1].content_id if hits else root_cid)
+                                   max_blocks, hits[-1].content_id if hits else root_cid,
+                                   self._chain(request)[2])
             if more:
                 self._pending_host[request.request_id] = more
                 num_hit += len(more)
@@ -361,12 +362,17 @@ class KVCacheManager(PoolAccounts):
         """The longest plain prefix hit of at most ``max_blocks`` blocks (the request's
         block hashes extended as far), and its chain's root content id."""
         tokens = request.all_token_ids
-        root, root_cid = prefix_cache.cache_root(request.lora_int_id, request.cache_salt,
-                                                    request.embeds_digest)
-        prefix_cache.update_block_hashes(request.block_hashes, tokens, self.block_size, max_blocks, root)
+        root, root_cid, splice = self._chain(request)
+        prefix_cache.update_block_hashes(request.block_hashes, tokens, self.block_size, max_blocks, root,
+                                         splice)
         keys = self._keys(request.block_hashes, max_blocks)
         return prefix_cache.find_longest_cache_hit(self.pool, keys, tokens, self.block_size,
-                                                   max_blocks, root_cid), root_cid
+                                                   max_blocks, root_cid, splice), root_cid
+
+    def _chain(self, request: Request) -> tuple[bytes | None, prefix_cache.RootId, prefix_cache.Splice]:
+        """The request's prefix-cache chain: root hash, root content id, splice."""
+        return prefix_cache.chain(request.lora_int_id, request.cache_salt, request.embeds_digest,
+                                  request.embeds_start, self.block_size)
 
     def window_runs(self, request: Request, max_blocks: int, root_cid: prefix_cache.RootId
                     ) -> tuple[list[KVCacheBlock | None], list[int]]:
@@ -380,17 +386,20 @@ class KVCacheManager(PoolAccounts):
         B = self.block_size
         tokens, cached = request.all_token_ids, self.pool.cached
         keys = self._keys(request.block_hashes, max_blocks)
+        splice = self._chain(request)[2]
+        expected = prefix_cache.expected_parent
         run = [0] * max_blocks  # run[i]: consecutive matching blocks ending at block i
         found: list[KVCacheBlock | None] = [None] * max_blocks
         for i in range(max_blocks):
             b = cached.get(keys[i])
             if b is None or b.token_ids != tuple(tokens[i * B:(i + 1) * B]):
                 continue
-            if i == 0 and b.parent_cid != root_cid:
+            if i == 0 and b.parent_cid != expected(0, root_cid, splice):
                 continue
             found[i] = b
             prev = found[i - 1] if i else None
-            run[i] = run[i - 1] + 1 if prev is not None and b.parent_cid == prev.content_id else 1
+            run[i] = run[i - 1] + 1 if prev is not None and \
+                b.parent_cid == expected(i, prev.content_id, splice) else 1
         return found, run
 
     def window_hit_at(self, k: int, found: list[KVCacheBlock | None], run: list[int]
@@ -551,16 +560,16 @@ class KVCacheManager(PoolAccounts):
         num_full = min(num_full, (len(tokens) - request.num_unresolved) // B)
         if num_full <= self._num_registered[rid]:
             return
-        root, root_cid = prefix_cache.cache_root(request.lora_int_id, request.cache_salt,
-                                                    request.embeds_digest)
+        root, root_cid, splice = self._chain(request)
         hashes = self._keys(prefix_cache.update_block_hashes(request.block_hashes, tokens, B,
-                                                             num_full, root), num_full)
+                                                             num_full, root, splice), num_full)
         start = self._num_registered[rid]
         parent_cid = self._tail_cid[rid] if start else root_cid
         register = self.pool.register
+        expected = prefix_cache.expected_parent
         for i in range(start, num_full):
             b = blocks[i]
-            register(b, hashes[i], tuple(tokens[i * B:(i + 1) * B]), parent_cid)
+            register(b, hashes[i], tuple(tokens[i * B:(i + 1) * B]), expected(i, parent_cid, splice))
             parent_cid = b.content_id
         self._num_registered[rid] = num_full
         self._tail_cid[rid] = parent_cid

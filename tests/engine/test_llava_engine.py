@@ -1,7 +1,8 @@
 """Image input through the engine (engine/multimodal.py, models/llava.py): greedy tokens
 equal transformers' LlavaForConditionalGeneration.generate with the same pixel values (one
 image, two, a batch mixing text-only and image requests, chunked prefill cutting an image's
-rows, preemption), the prefix cache shares an image's blocks only with the same image, and
+rows, preemption), the prefix cache shares an image's blocks only with the same image (the
+text before it with any request), and
 bad requests are refused by name without costing anyone else anything. fp32, CPU; one
 CUDA test with graphs (skipped without a GPU)."""
 
@@ -145,8 +146,8 @@ def test_preemption_keeps_the_rows(llava, monkeypatch):
 def test_prefix_cache_shares_blocks_only_with_the_same_image(llava, monkeypatch):
     """A second request with the same image (another PIL object of the same pixels) hits
     the blocks of the first (and its tower does not run: all of its rows' blocks came from
-    the cache); one with another image hits nothing, not even its text prefix; a text-only
-    request does not take an image request's blocks; tokens are transformers' throughout."""
+    the cache); one with another image hits only the text blocks before the image, as a
+    text-only request with that text does; tokens are transformers' throughout."""
     path, hf, tok = llava
     llm = _llm(path)
     kv = llm.engine.kv_manager
@@ -169,11 +170,30 @@ def test_prefix_cache_shares_blocks_only_with_the_same_image(llava, monkeypatch)
     assert encoded == [1]  # the image's positions all hit: never encoded the second time
     hits = kv.prefix_hits
     assert run(other) == _want(hf, tok, ids, [other], llm)
-    assert kv.prefix_hits == hits
+    assert kv.prefix_hits - hits == 8  # block 0: the 8 tokens before the image
     hits = kv.prefix_hits
-    text_only = ids[:8]  # the text before the image, as a text-only prompt
-    llm.generate([text_only], GREEDY, use_tqdm=False)
-    assert kv.prefix_hits == hits
+    text_only = ids[:8] + [5, 6, 7, 8, 9]  # the text before the image, then other text
+    assert _tokens(llm.generate([text_only], GREEDY, use_tqdm=False)) == \
+        [hf_llava_greedy(hf, text_only, None, MAX_NEW)]
+    assert kv.prefix_hits - hits == 8
+    assert kv.stats().blocks_used == 0
+
+
+def test_text_blocks_before_an_image_come_from_text_requests(llava):
+    """The other way round: a text-only request's blocks serve an image request with the
+    same text before its image, up to the block the image starts in (that block, half
+    text, is the image request's own)."""
+    path, hf, tok = llava
+    llm = _llm(path)
+    kv = llm.engine.kv_manager
+    ids, (img,) = _case(tok, 31, 1, before=11, after=8)  # the image at 12: in block 1
+    text = ids[:12] + [tok % 200 + 7] * 12  # 24 tokens: blocks 0-2 full, block 1 holds ids[8:12]
+    assert _tokens(llm.generate([text], GREEDY, use_tqdm=False)) == [hf_llava_greedy(hf, text, None, MAX_NEW)]
+    hits = kv.prefix_hits
+    got = _tokens(llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": img}}], GREEDY,
+                               use_tqdm=False))
+    assert got == [_want(hf, tok, ids, [img], llm)]
+    assert kv.prefix_hits - hits == 8  # block 0 only
     assert kv.stats().blocks_used == 0
 
 

@@ -148,12 +148,14 @@ def test_prefix_cache_shares_only_identical_embeddings(llama):
 
 
 def test_prefix_roots_differ_with_salt_and_lora_id():
-    from flashpage.kv_cache.prefix_cache import cache_root
+    from flashpage.kv_cache.prefix_cache import chain, splice_cid, splice_hash
 
     d1, d2 = b"a" * 32, b"b" * 32
-    roots = {cache_root(0), cache_root(0, None, d1), cache_root(0, None, d2), cache_root(0, "s", d1),
-             cache_root(3, None, d1), cache_root(0, "s")}
-    assert len({r[0] for r in roots}) == 6 and len({r[1] for r in roots}) == 6
+    chains = [chain(0, None, None, 0, 16), chain(0, None, d1, 0, 16), chain(0, None, d2, 0, 16),
+              chain(0, "s", d1, 0, 16), chain(3, None, d1, 0, 16), chain(0, "s", None, 0, 16)]
+    # block 0's parent hash and parent content id, spliced where the chain says
+    firsts = {(splice_hash(r, s[1]), splice_cid(c, s[1])) if s else (r, c) for r, c, s in chains}
+    assert len({f[0] for f in firsts}) == 6 and len({f[1] for f in firsts}) == 6
 
 
 def test_n_samples_and_truncation(llama):

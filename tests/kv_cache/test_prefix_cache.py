@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
+
 from flashpage.engine.sequence import Request
 from flashpage.kv_cache import prefix_cache
 from flashpage.kv_cache.kv_cache_manager import KVCacheManager
@@ -157,3 +159,40 @@ def test_adapter_roots_hold_under_a_forced_collision(monkeypatch):
     assert kv.get_computed_blocks(_lora_req("c", [1, 2, 3, 4, 0], 0)) == ([], 0)
     blocks, n = kv.get_computed_blocks(_lora_req("d", [1, 2, 3, 4, 0], 1))
     assert [b.block_id for b in blocks] == [0] and n == 4
+
+
+def _spliced(rid: str, tokens: list[int], digest: bytes | None, start: int) -> Request:
+    r = Request(rid, tokens, SamplingParams(max_tokens=4))
+    r.embeds_digest, r.embeds_start = digest, start
+    return r
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_rows_the_ids_do_not_say_splice_the_chain_where_they_begin(monkeypatch, collide):
+    """Rows named by a digest from position 6 (block 1 of 4-token blocks): block 0 is plain
+    text, shared with a text-only request and with rows of another digest; blocks 1 on only
+    with the same digest at the same place. Under a forced hash collision the spliced
+    parent id, compared exactly, still keeps them apart."""
+    if collide:
+        monkeypatch.setattr(prefix_cache, "hash_block_tokens", lambda parent, toks: b"\0" * 16)
+    tokens = list(range(1, 14))  # 3 full blocks of 4 + 1
+    kv = KVCacheManager(32, 4)
+    kv.allocate_slots(_spliced("a", tokens, b"x" * 32, 6), 13)
+    a = kv.get_block_ids("a")
+    want = {("same", b"x" * 32, 6): a[:3], ("text", None, 0): a[:1], ("other", b"y" * 32, 6): a[:1],
+            ("moved", b"x" * 32, 2): [], ("later", b"x" * 32, 9): a[:1]}
+    for (rid, d, start), ids in want.items():
+        blocks, n = kv.get_computed_blocks(_spliced(rid, tokens, d, start))
+        got = [b.block_id for b in blocks]
+        # (collisions: every block under one hash, the last registered in each one's place;
+        # a hit may be lost, never a wrong block taken)
+        assert (got == ids[:len(got)] if collide else got == ids) and n == 4 * len(got), rid
+    if collide:
+        return
+    # a text request's blocks serve the spliced one before its splice, never after
+    kv2 = KVCacheManager(32, 4)
+    kv2.allocate_slots(_spliced("t", tokens, None, 0), 13)
+    blocks, n = kv2.get_computed_blocks(_spliced("s", tokens, b"x" * 32, 9))
+    assert [b.block_id for b in blocks] == kv2.get_block_ids("t")[:2] and n == 8
+    assert prefix_cache.update_block_hashes([], tokens, 4, 3, None, (1, b"x" * 32))[:1] == \
+        prefix_cache.update_block_hashes([], tokens, 4, 1)
