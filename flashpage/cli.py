@@ -460,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output-file", required=True,
                    help="the results, a line per request in input order: a path, an http(s) "
                         "URL (PUT there at the end), or - for stdout")
+    p.add_argument("--output-tmp-dir", default=None,
+                   help="where the output is kept before it is PUT to an http(s) -o (vLLM's; "
+                        "default: the system's temporary folder)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name request bodies may give (default: as serve names it; "
                         "the --model argument itself is taken too)")

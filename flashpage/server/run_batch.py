@@ -38,6 +38,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -216,14 +217,14 @@ async def answer(state: ServerState, routes: dict[str, tuple[type[BaseModel], Ha
 
 
 async def run_lines(state: ServerState, lines: list[BatchLine], write: Callable[[str], Any],
-                    aliases: frozenset[str] = frozenset(), progress: bool = True) -> int:
+                    aliases: frozenset[str] = frozenset(), progress: bool = True) -> Counter[int]:
     """Run every line at once and ``write`` each output line (JSON, newline-terminated) in
-    input order as soon as those before it are written; the number of failed lines."""
+    input order as soon as those before it are written; the failed lines, by status."""
     from tqdm import tqdm
 
     routes = _routes()
     tasks = [asyncio.ensure_future(answer(state, routes, line, aliases)) for line in lines]
-    failed = 0
+    failed: Counter[int] = Counter()
     with tqdm(total=len(tasks), desc="Running batch", unit="req", file=sys.stderr,
               disable=not progress) as bar:
         for t in tasks:
@@ -231,7 +232,8 @@ async def run_lines(state: ServerState, lines: list[BatchLine], write: Callable[
         try:
             for t in tasks:
                 out = await t
-                failed += out["error"] is not None
+                if out["error"] is not None:
+                    failed[out["response"]["status_code"]] += 1
                 write(json.dumps(out, ensure_ascii=False) + "\n")
         finally:
             for t in tasks:  # (a write failed: the rest is abandoned, its requests aborted)
@@ -274,9 +276,10 @@ def check_output(dest: str) -> None:
 
 
 @contextmanager
-def open_output(dest: str) -> Iterator[IO[str]]:
+def open_output(dest: str, tmp_dir: str | None = None) -> Iterator[IO[str]]:
     """A text file the output lines go to: ``dest`` itself, stdout for ``-``, or for an
-    http(s) URL a temporary file PUT there when the run ends (kept, named, if that fails)."""
+    http(s) URL a temporary file (in ``tmp_dir``, else the system's) PUT there when the run
+    ends (kept, named, if that fails)."""
     if dest == "-":
         yield sys.stdout
         sys.stdout.flush()
@@ -285,9 +288,13 @@ def open_output(dest: str) -> Iterator[IO[str]]:
         with open(dest, "w", encoding="utf-8") as f:
             yield f
         return
-    fd, tmp = tempfile.mkstemp(prefix="flashpage-batch-", suffix=".jsonl")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        yield f
+    fd, tmp = tempfile.mkstemp(prefix="flashpage-batch-", suffix=".jsonl", dir=tmp_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            yield f
+    except BaseException:  # the run failed: nothing to upload
+        os.unlink(tmp)
+        raise
     try:
         with open(tmp, "rb") as data:
             req = urllib.request.Request(dest, data=data, method="PUT", headers={
@@ -319,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
     # vLLM serves a model under its --model string: a file written for it runs here too
     aliases = frozenset([args.model] if args.model and not args.served_model_name else []) - {name}
     llm = build_llm(args)
-    with open_output(args.output_file) as out:
+    with open_output(args.output_file, getattr(args, "output_tmp_dir", None)) as out:
         failed = asyncio.run(run_batch(
             llm.engine, lines, out.write, name, aliases=aliases,
             log_requests=bool(getattr(args, "enable_log_requests", False)),
@@ -328,17 +335,19 @@ def run(args: argparse.Namespace) -> int:
             lora_modules=loras, reasoning_parser=getattr(args, "reasoning_parser", None),
             structured_outputs_in_reasoning=bool(getattr(args, "structured_outputs_in_reasoning",
                                                          False))))
-    print(f"run-batch: {len(lines)} requests, {failed} failed; results in {args.output_file}",
-          file=sys.stderr)
+    statuses = ", ".join(f"{n} x {status}" for status, n in sorted(failed.items()))
+    print(f"run-batch: {len(lines)} requests, {failed.total()} failed{f' ({statuses})' if failed else ''}; "
+          f"results in {args.output_file}", file=sys.stderr)
     return 0
 
 
 async def run_batch(engine: Any, lines: list[BatchLine], write: Callable[[str], Any],
                     served_model_name: str, *, aliases: frozenset[str] = frozenset(),
-                    progress: bool = True, log_requests: bool = False, **state_kw: Any) -> int:
+                    progress: bool = True, log_requests: bool = False,
+                    **state_kw: Any) -> Counter[int]:
     """``lines`` (parse_lines') run on an LLMEngine through an AsyncEngine started for them
     and stopped after, the handlers' state made as the server makes it (``state_kw``:
-    build_state's tool / reasoning / LoRA arguments); the number of failed lines."""
+    build_state's tool / reasoning / LoRA arguments); the failed lines, by status."""
     async_engine = AsyncEngine(engine)
     state = build_state(async_engine, served_model_name, **state_kw)
     async_engine.log_requests = log_requests
