@@ -194,7 +194,7 @@ async def answer(state: ServerState, routes: dict[str, tuple[type[BaseModel], Ha
         return _output(line.custom_id, line.error.status, line.error.body(), True)
     assert line.body is not None  # parse_lines gives a body to every line without an error
     body = line.body
-    if body.get("model") in aliases:
+    if isinstance(body.get("model"), str) and body["model"] in aliases:  # (a list: its 400 below)
         body = {**body, "model": state.model_name}
     model, handler = routes[line.url]
     try:

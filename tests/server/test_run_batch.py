@@ -121,12 +121,14 @@ def test_each_fault_is_its_own_line_and_the_rest_run(server, batch_llm):
         "   ",  # blank: skipped
         line("alias", "/v1/chat/completions", {**chat, "model": "/models/tiny"}),
         line("z", "/v1/completions", {"prompt": "one two", "max_tokens": 3, "temperature": 0}),
+        line("model_list", "/v1/chat/completions", {**chat, "model": ["tiny"]}),
     ]
     outs = run_lines(batch_llm, lines, aliases=frozenset({"/models/tiny"}))
     assert [o["custom_id"] for o in outs] == ["a", None, None, None, "a", "get", "url", "body",
-                                              "stream", "model", "invalid", "long", "alias", "z"]
+                                              "stream", "model", "invalid", "long", "alias", "z",
+                                              "model_list"]
     by_status = [o["response"]["status_code"] for o in outs]
-    assert by_status == [200, 400, 400, 400, 400, 405, 404, 400, 400, 404, 400, 400, 200, 200]
+    assert by_status == [200, 400, 400, 400, 400, 405, 404, 400, 400, 404, 400, 400, 200, 200, 400]
     for o in outs:
         if o["response"]["status_code"] != 200:  # the error body in both places
             assert o["error"] == o["response"]["body"] and set(o["error"]) == {"error"}
@@ -142,6 +144,7 @@ def test_each_fault_is_its_own_line_and_the_rest_run(server, batch_llm):
     assert err[7]["param"] == "body"
     assert err[8]["param"] == "stream" and "not streamed" in err[8]["message"]
     assert err[9]["code"] == "model_not_found"
+    assert err[14]["param"] == "model"
     assert outs[12]["response"]["body"]["model"] == "tiny"  # the alias answered as the served name
     # the server's own answers to the same bodies: status and error body alike
     for i, body, url in ((9, {**chat, "model": "other"}, "/v1/chat/completions"),
@@ -256,3 +259,19 @@ def test_cli_model_that_cannot_load(tmp_path, capsys):
                  str(tmp_path / "no_model"), *CLI_ENGINE]) == 2
     assert "no_model" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_handler_bug_is_that_lines_500(batch_llm, monkeypatch):
+    import flashpage.server.score as score
+
+    async def broken(*args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(score, "rerank", broken)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    outs = run_lines(batch_llm, [line("r", "/v1/rerank", {"query": "q", "documents": ["d"]}),
+                                 line("c", "/v1/chat/completions", chat)])
+    assert [o["response"]["status_code"] for o in outs] == [500, 200]
+    assert outs[0]["error"]["error"] == {"message": "internal server error", "type": "server_error",
+                                         "param": None, "code": None}
+    assert batch_llm.engine.stats()["kv_cache"].blocks_used == 0
