@@ -1,4 +1,4 @@
-"""``flashpage generate | chat | inspect | serve | bench``."""
+"""``flashpage generate | chat | inspect | serve | run-batch | bench``."""
 
 from __future__ import annotations
 
@@ -379,6 +379,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    try:
+        from flashpage.server.run_batch import run
+    except ImportError as e:
+        raise RuntimeError("flashpage run-batch runs the server's request handlers, which need "
+                           f"the serve extra: pip install 'flashpage[serve]' ({e})") from None
+    return run(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -441,6 +450,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_lora_module_arguments(p)
     add_engine_arguments(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("run-batch", help="run a file of OpenAI Batch API requests offline "
+                       "(vLLM's run-batch)")
+    p.add_argument("-i", "--input-file", required=True,
+                   help="JSON Lines, a request a line ({\"custom_id\", \"method\": \"POST\", "
+                        "\"url\": \"/v1/chat/completions\", \"body\"}): a path, an http(s) URL, "
+                        "or - for stdin")
+    p.add_argument("-o", "--output-file", required=True,
+                   help="the results, a line per request in input order: a path, an http(s) "
+                        "URL (PUT there at the end), or - for stdout")
+    p.add_argument("--output-tmp-dir", default=None,
+                   help="where the output is kept before it is PUT to an http(s) -o (vLLM's; "
+                        "default: the system's temporary folder)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name request bodies may give (default: as serve names it; "
+                        "the --model argument itself is taken too)")
+    add_tool_arguments(p)
+    add_lora_module_arguments(p)
+    add_engine_arguments(p)
+    p.set_defaults(func=cmd_run_batch)
 
     p = sub.add_parser("bench", help="benchmarks: memory, throughput, latency, serve")
     p.add_argument("what", choices=["memory", "throughput", "latency", "serve"])

@@ -55,6 +55,29 @@ logger = logging.getLogger("flashpage.server")
 M = TypeVar("M", bound=BaseModel)
 
 
+def build_state(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+                *, max_n: int = 16, max_body_bytes: int = 4 << 20, max_prompts: int = 64,
+                tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                lora_modules: list[LoRARequest] | None = None,
+                reasoning_parser: str | None = None,
+                structured_outputs_in_reasoning: bool = False) -> ServerState:
+    """What the handlers share (build_app's arguments of the same names), the LoRA adapters
+    added to the engine: the app's and ``flashpage run-batch``'s (server/run_batch.py)."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    loras = {lr.lora_name: lr for lr in lora_modules or []}
+    if len(loras) != len(lora_modules or []) or served_model_name in loras:
+        raise ValueError("--lora-modules: each adapter needs a name of its own, not the served "
+                         f"model's ({served_model_name!r})")
+    for lr in loras.values():
+        async_engine.engine.add_lora(lr)  # before the engine thread starts
+    state = ServerState(async_engine, served_model_name, api_key, max_n, max_body_bytes,
+                        max_prompts, tool_call_parser, enable_auto_tool_choice, loras,
+                        reasoning_parser)
+    state.structured_in_reasoning = structured_outputs_in_reasoning
+    return state
+
+
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None, *,
               max_n: int = 16, max_body_bytes: int = 4 << 20, max_prompts: int = 64,
               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
@@ -76,18 +99,12 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     allow_credentials; None: no CORS headers). log_requests: vLLM's --enable-log-requests,
     an INFO line per request at arrival and at finish (server/request_log.py).
     """
-    if enable_auto_tool_choice and tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    loras = {lr.lora_name: lr for lr in lora_modules or []}
-    if len(loras) != len(lora_modules or []) or served_model_name in loras:
-        raise ValueError("--lora-modules: each adapter needs a name of its own, not the served "
-                         f"model's ({served_model_name!r})")
-    for lr in loras.values():
-        async_engine.engine.add_lora(lr)  # before the engine thread starts
-    state = ServerState(async_engine, served_model_name, api_key, max_n, max_body_bytes,
-                        max_prompts, tool_call_parser, enable_auto_tool_choice, loras,
-                        reasoning_parser)
-    state.structured_in_reasoning = structured_outputs_in_reasoning
+    state = build_state(async_engine, served_model_name, api_key, max_n=max_n,
+                        max_body_bytes=max_body_bytes, max_prompts=max_prompts,
+                        tool_call_parser=tool_call_parser,
+                        enable_auto_tool_choice=enable_auto_tool_choice,
+                        lora_modules=lora_modules, reasoning_parser=reasoning_parser,
+                        structured_outputs_in_reasoning=structured_outputs_in_reasoning)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -254,7 +271,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
                 model.model_validate(data)
             except (ValidationError, RecursionError):
                 continue
-            return await handler(state, request, _validate(state, data, model), arrival)
+            return await handler(state, request, validate_body(state, data, model), arrival)
         names = ", ".join(m.__name__ for m, _ in _invocation_routes(state))
         raise bad_request("the body matches no request this server takes at /invocations; "
                           f"expected one of: {names}")
@@ -401,7 +418,9 @@ async def _read_json(state: ServerState, request: Request) -> dict[str, Any]:
     return data
 
 
-def _validate(state: ServerState, data: dict[str, Any], model: type[M]) -> M:
+def validate_body(state: ServerState, data: dict[str, Any], model: type[M]) -> M:
+    """A JSON body as ``model``'s request: a 400 naming the field that is wrong, a 404 for a
+    "model" this server does not serve."""
     try:
         req = model.model_validate(data)
     except ValidationError as e:
@@ -417,7 +436,7 @@ def _validate(state: ServerState, data: dict[str, Any], model: type[M]) -> M:
 
 
 async def _parse(state: ServerState, request: Request, model: type[M]) -> M:
-    return _validate(state, await _read_json(state, request), model)
+    return validate_body(state, await _read_json(state, request), model)
 
 
 def _invocation_routes(state: ServerState) -> list[tuple[type[BaseModel], Any]]:
