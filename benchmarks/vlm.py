@@ -1,0 +1,175 @@
+"""Image requests end to end (LLaVA-1.5-7B shape, random weights): output tokens/s of a batch
+of requests that each carry one image, against transformers' LlavaForConditionalGeneration
+generate on the same workload in the same run; and the image tower alone (CLIP ViT-L/14-336
+and the projector: images/s of our encoder against transformers' get_image_features).
+
+Every request: BOS, a system text shared by all (--system tokens), its image (576 rows),
+then its own question (--question tokens); --output-len tokens out, EOS ignored. Each image
+is different (random pixel values), so what the prefix cache can share is the system text
+before the image (the prefix hits printed: (requests - 1) x the system text's full blocks
+when it is shared). transformers runs the same requests in batches of --hf-batch-size
+(left-padded), its weights random too (speed does not depend on them).
+
+    python benchmarks/vlm.py --json-out $OUT/vlm.json
+    python benchmarks/vlm.py --requests 64 --hf-requests 32 --config /path/to/llava/config.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from flashpage.bench.common import device_name, resolve_config
+from flashpage.llm import LLM
+from flashpage.sampling_params import SamplingParams
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def workload(n: int, system: int, question: int, vocab: int, image_token: int, size: int, seed: int = 0):
+    """(prompt ids with one image placeholder each, one [3, size, size] image each)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def text(k: int) -> list[int]:
+        return [t if t != image_token else 3 for t in torch.randint(3, vocab, (k,), generator=g).tolist()]
+
+    shared = text(system)
+    prompts = [[1, *shared, image_token, *text(question)] for _ in range(n)]
+    images = [torch.randn(3, size, size, generator=g) for _ in range(n)]
+    return prompts, images
+
+
+def time_tower(llm: LLM, hf, images: list[torch.Tensor], batch: int, iters: int) -> dict:
+    """Images/s through our encoder (tower + projector) and transformers' get_image_features,
+    batches of ``batch`` images, median of ``iters``."""
+    enc = llm.engine.mm_encoder
+    assert enc is not None
+    data = [im.to(llm.engine.device, llm.engine.dtype) for im in images[:batch]]
+    pixels = torch.stack(data)
+
+    def ours() -> None:
+        enc.encode(data)
+
+    def theirs() -> None:
+        hf.model.get_image_features(pixel_values=pixels, vision_feature_layer=hf.config.vision_feature_layer,
+                                    vision_feature_select_strategy=hf.config.vision_feature_select_strategy)
+
+    out = {}
+    with torch.inference_mode():
+        for name, fn in (("ours", ours), ("transformers", theirs)):
+            fn()
+            _sync()
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn()
+                _sync()
+                times.append(time.perf_counter() - t0)
+            out[name] = batch / statistics.median(times)
+    return out
+
+
+@torch.inference_mode()
+def hf_throughput(hf, prompts, images, image_token: int, rows: int, batch: int, out_len: int) -> dict:
+    device = next(hf.parameters()).device
+    dtype = next(hf.parameters()).dtype
+    total, done = 0.0, 0
+    for s in range(0, len(prompts), batch):
+        ps = [[t for tok in p for t in ([tok] * rows if tok == image_token else [tok])] for p in prompts[s:s + batch]]
+        width = max(len(p) for p in ps)
+        ids = torch.zeros(len(ps), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(ps):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        pixels = torch.stack(images[s:s + batch]).to(device, dtype)
+        _sync()
+        t0 = time.perf_counter()
+        hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), pixel_values=pixels,
+                    max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+        _sync()
+        total += time.perf_counter() - t0
+        done += len(ps) * out_len
+    return {"requests": len(prompts), "output_tokens": done, "seconds": total, "output_tok_per_s": done / total}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="llava-1.5-7b")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--system", type=int, default=96, help="shared text tokens before the image")
+    ap.add_argument("--question", type=int, default=32, help="each request's own text after the image")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--hf-requests", type=int, default=64, help="0: no transformers run")
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--tower-batch", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+
+    llm = LLM(random_weights_config=resolve_config(args.config), dtype=args.dtype)
+    eng = llm.engine
+    vc = eng.mm_encoder.config  # type: ignore[union-attr]
+    image_token, size, rows = vc.image_token_id, vc.image_size, vc.tokens_per_image
+    prompts, images = workload(args.requests, args.system, args.question, eng.model_config.vocab_size,
+                               image_token, size)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+
+    def reqs(ps, ims):
+        return [{"prompt_token_ids": p, "multi_modal_data": {"image": im}} for p, im in zip(ps, ims, strict=True)]
+
+    w_prompts, w_images = workload(8, args.system, args.question, eng.model_config.vocab_size, image_token,
+                                   size, seed=1)
+    llm.generate(reqs(w_prompts, w_images), params, use_tqdm=False)  # compile, warm up
+    kv = eng.kv_manager
+    hits0 = kv.prefix_hits
+    _sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(reqs(prompts, images), params, use_tqdm=False)
+    _sync()
+    dt = time.perf_counter() - t0
+    assert all(o.error is None for o in outs), [o.error for o in outs if o.error][:3]
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ours = {"requests": args.requests, "output_tokens": out_tokens, "seconds": dt,
+            "output_tok_per_s": out_tokens / dt, "requests_per_s": args.requests / dt,
+            "prefix_hit_tokens": kv.prefix_hits - hits0,
+            "prompt_tokens_each": len(prompts[0]) - 1 + rows}
+    print(f"flashpage: {args.requests} image requests, {out_tokens} output tokens in {dt:.2f} s: "
+          f"{ours['output_tok_per_s']:.0f} output tok/s, {ours['requests_per_s']:.2f} req/s; "
+          f"prefix hits {ours['prefix_hit_tokens']} tokens", flush=True)
+    result = {"device": device_name(eng.device), "config": args.config, "args": vars(args), "flashpage": ours}
+
+    if args.hf_requests:
+        import transformers
+
+        cfg = transformers.LlavaConfig.from_pretrained(resolve_config(args.config))
+        with torch.device(eng.device):
+            hf = transformers.LlavaForConditionalGeneration._from_config(cfg, dtype=eng.dtype,
+                                                                         attn_implementation="sdpa")
+        hf.eval()
+        hf.generation_config.eos_token_id = None
+        tower = time_tower(llm, hf, images, args.tower_batch, 5)
+        print(f"tower + projector, batches of {args.tower_batch}: ours {tower['ours']:.0f} images/s, "
+              f"transformers {tower['transformers']:.0f} ({tower['ours'] / tower['transformers']:.2f}x)", flush=True)
+        n = args.hf_requests
+        hf_throughput(hf, prompts[:2], images[:2], image_token, rows, 2, 4)  # warm up
+        base = hf_throughput(hf, prompts[:n], images[:n], image_token, rows, args.hf_batch_size, args.output_len)
+        print(f"transformers: {n} requests in batches of {args.hf_batch_size}: "
+              f"{base['output_tok_per_s']:.0f} output tok/s; flashpage {ours['output_tok_per_s'] / base['output_tok_per_s']:.1f}x",
+              flush=True)
+        result.update(tower=tower, transformers=base,
+                      speedup=ours["output_tok_per_s"] / base["output_tok_per_s"])
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
