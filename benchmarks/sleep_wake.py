@@ -39,7 +39,7 @@ def main() -> None:
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
     eng = llm.engine
     prompts = [{"prompt_token_ids": list(range(100 + i, 228 + i))} for i in range(8)]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False, logprobs=2)
 
     def sync() -> None:
         if cuda:
@@ -48,7 +48,7 @@ def main() -> None:
     def free() -> int:
         return torch.cuda.mem_get_info()[0] if cuda else 0
 
-    def gen() -> tuple[float, list[list[int]]]:
+    def gen() -> tuple[float, list[list[int]], list]:
         # no prefix hits: a prompt step of the whole prompt each time, as after a sleep
         # (which resets the cache); a hit's shorter step may round otherwise
         assert eng.reset_prefix_cache()
@@ -56,10 +56,24 @@ def main() -> None:
         t0 = time.perf_counter()
         out = llm.generate(prompts, params, use_tqdm=False)
         sync()
-        return (time.perf_counter() - t0) * 1e3, [list(o.outputs[0].token_ids) for o in out]
+        return ((time.perf_counter() - t0) * 1e3, [list(o.outputs[0].token_ids) for o in out],
+                [o.outputs[0].logprobs or [] for o in out])
+
+    def divergence(got: list[list[int]], lps: list) -> dict:
+        """Where tokens first differ from before the sleep: how many prompts, the largest
+        chosen-logprob change before that point, and the top-2 margin (before the sleep) at
+        each first difference: a near tie flipped by rounding, or a real change."""
+        moved, margins = 0.0, []
+        for w, g, lw, lg in zip(want, got, want_lps, lps, strict=True):
+            k = next((i for i, (a, b) in enumerate(zip(w, g, strict=True)) if a != b), len(w))
+            moved = max([moved] + [abs(a.logprob - b.logprob) for a, b in zip(lw[:k], lg[:k], strict=True)])
+            if k < len(w) and len(lw[k].top) >= 2:
+                margins.append(round(lw[k].top[0][1] - lw[k].top[1][1], 4))
+        return {"prompts_differing": len(margins), "max_logprob_change_before": round(moved, 5),
+                "top2_margin_at_first_difference": margins}
 
     gen()
-    base_ms, want = gen()
+    base_ms, want, want_lps = gen()
     rows = []
     for _ in range(args.cycles):
         f0 = free()
@@ -74,10 +88,10 @@ def main() -> None:
         llm.wake_up(tags=["kv_cache"])
         sync()
         wake_ms = (time.perf_counter() - t0) * 1e3
-        ms, got = gen()
+        ms, got, lps = gen()
         rows.append({"sleep_ms": round(sleep_ms, 1), "wake_ms": round(wake_ms, 1),
                      "freed_gib": round((f1 - f0) / 2**30, 2), "first_generate_ms": round(ms, 1),
-                     "same_tokens": got == want})
+                     "same_tokens": got == want, **({} if got == want else divergence(got, lps))})
         print(rows[-1], flush=True)
     state = eng.sleep_state
     res = {"config": args.config, "level": args.level,

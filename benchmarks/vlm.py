@@ -111,10 +111,13 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--tower-batch", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.6,
+                    help="ours; the rest is room for transformers' model in the same process")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
-    llm = LLM(random_weights_config=resolve_config(args.config), dtype=args.dtype)
+    llm = LLM(random_weights_config=resolve_config(args.config), dtype=args.dtype,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     eng = llm.engine
     vc = eng.mm_encoder.config  # type: ignore[union-attr]
     image_token, size, rows = vc.image_token_id, vc.image_size, vc.tokens_per_image

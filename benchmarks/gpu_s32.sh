@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 32's device plan:
+#   BUDGET=420 bash benchmarks/gpu_s32.sh a   image requests: the LLaVA GPU test (the text before an image
+#                                             now shared), benchmarks/vlm.py on the LLaVA-1.5-7B shape
+#                                             against transformers, then the recapturing sleep form's
+#                                             token changes measured (logprob margins where they differ)
+#   BUDGET=420 bash benchmarks/gpu_s32.sh b   the GPU tests of the helpers' features (CTESTS: the files)
+# Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
+PART=${1:-a}
+source "$(dirname "$0")/gpu_lib.sh"
+case "$PART" in
+a)
+  timeout "$(left 90)" $PT -rfE -m gpu tests/engine/test_llava_engine.py 2>&1 | tail -n 6
+  timeout "$(left 300)" python3 benchmarks/vlm.py --json-out "$OUT/vlm.json" 2>&1 | grep -v "^INFO" | tail -n 6
+  FLASHPAGE_SLEEP_FIXED_ADDRESSES=0 timeout "$(left 150)" python3 benchmarks/sleep_wake.py --config llama-3-8b \
+    --cycles 2 --json-out "$OUT/sleep_recapture.json" 2>&1 | grep -v "^INFO" | tail -n 4
+  echo "part a done at ${SECONDS}s" ;;
+b)
+  timeout "$(left 600)" $PT -rfE -m gpu ${CTESTS:?CTESTS: the test files} 2>&1 | tee "$OUT/gpu_session32_tests.txt" | tail -n 14
+  echo "part b done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-b)"; exit 2 ;;
+esac
