@@ -83,9 +83,14 @@ def clear() -> None:
 def descriptor(memo: dict, kind: str, t: Any, make: Callable[[Any], Any]) -> Any:
     """``make(t)`` (a host TensorDescriptor over tensor ``t``), remembered in ``memo`` under
     ``kind`` and t's address, shape, strides and dtype: a KV cache's descriptors made once for
-    as long as the caller keeps ``memo`` (each holds its tensor, so the address stays its)."""
-    key = (kind, t.data_ptr(), t.shape, t.stride(), t.dtype)
-    d = memo.get(key)
-    if d is None:
-        d = memo[key] = make(t)
-    return d
+    as long as the caller keeps ``memo``. A remembered one serves only while the tensor it was
+    made over still lies at that address: a descriptor's base is a view of its tensor, so when
+    sleep mode (without fixed addresses) moves a cache's storage the descriptor follows it,
+    and another cache given the old address must not get it (it read layer 3's K/V in layer
+    5's attention after a wake_up)."""
+    ptr = t.data_ptr()
+    key = (kind, ptr, t.shape, t.stride(), t.dtype)
+    hit = memo.get(key)
+    if hit is None or hit[1].data_ptr() != ptr:
+        hit = memo[key] = (make(t), t)
+    return hit[0]
