@@ -4,7 +4,8 @@
 #                                             now shared), benchmarks/vlm.py on the LLaVA-1.5-7B shape
 #                                             against transformers, then the recapturing sleep form's
 #                                             token changes measured (logprob margins where they differ)
-#   BUDGET=420 bash benchmarks/gpu_s32.sh b   the GPU tests of the helpers' features (CTESTS: the files)
+#   BUDGET=420 bash benchmarks/gpu_s32.sh b   the recapturing sleep form again after the TMA descriptor fix,
+#                                             then the GPU tests of the helpers' features (CTESTS: the files)
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -16,6 +17,8 @@ a)
     --cycles 2 --json-out "$OUT/sleep_recapture.json" 2>&1 | grep -v "^INFO" | tail -n 4
   echo "part a done at ${SECONDS}s" ;;
 b)
+  FLASHPAGE_SLEEP_FIXED_ADDRESSES=0 timeout "$(left 150)" python3 benchmarks/sleep_wake.py --config llama-3-8b \
+    --cycles 2 --json-out "$OUT/sleep_recapture_fixed.json" 2>&1 | grep -v "^INFO" | tail -n 3
   timeout "$(left 600)" $PT -rfE -m gpu ${CTESTS:?CTESTS: the test files} 2>&1 | tee "$OUT/gpu_session32_tests.txt" | tail -n 14
   echo "part b done at ${SECONDS}s" ;;
 *) echo "unknown part $PART (a-b)"; exit 2 ;;
