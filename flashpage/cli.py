@@ -52,6 +52,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prompt-embeds", action="store_true",
                    help="accept prompts given as input embeddings (vLLM's: {\"prompt_embeds\": "
                         "tensor} in LLM.generate, the completions API's prompt_embeds field)")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="FOLDER",
+                   help="file:// image URLs may name files under this folder (default: none)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="http(s) image URLs may name only these hosts (default: any)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while the GPU runs step N (default: on with CUDA)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
@@ -205,7 +209,9 @@ def build_llm(args: argparse.Namespace) -> Any:
                generation_config=getattr(args, "generation_config", "auto"),
                override_generation_config=getattr(args, "override_generation_config", None),
                hf_overrides=getattr(args, "hf_overrides", None),
-               enable_prompt_embeds=getattr(args, "enable_prompt_embeds", False))
+               enable_prompt_embeds=getattr(args, "enable_prompt_embeds", False),
+               allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
+               allowed_media_domains=getattr(args, "allowed_media_domains", None))
 
 
 def add_lora_module_arguments(p: argparse.ArgumentParser) -> None:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from flashpage.engine.media import MediaPolicy
+
 # Architectures we can run, by family. DeepSeek is parsed for ``inspect`` and MLA.
 # decoder sequence classifiers: the body of the family, a ``score`` head over the last
 # token's hidden state instead of the LM head (models/llama.py LlamaForSequenceClassification)
@@ -2577,9 +2579,26 @@ class EngineConfig:
     # ({"prompt_embeds": tensor [tokens, hidden]}, the server's prompt_embeds field) instead
     # of token ids (engine/prompt_embeds.py)
     enable_prompt_embeds: bool = False
+    # vLLM's: the folder file:// image URLs may name (None: none), the hosts http(s) image
+    # URLs may name (None: any) (engine/media.py)
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+
+    @property
+    def media_policy(self) -> MediaPolicy:
+        """What image URLs may be read (engine/media.py); a ConfigError naming a bad field."""
+        from flashpage.engine.media import MediaPolicy
+
+        try:
+            return MediaPolicy(self.allowed_local_media_path,
+                               None if self.allowed_media_domains is None else tuple(self.allowed_media_domains))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def __post_init__(self) -> None:
         from flashpage.engine.scheduler import check_scheduling_policy
+
+        _ = self.media_policy  # a bad folder or domain list named now
 
         check_scheduling_policy(self.scheduling_policy)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -337,3 +337,17 @@ def sleep_fixed_addresses() -> bool:
     captures the graphs again on wake_up (the form before session 31). Read when the engine
     starts."""
     return os.environ.get("FLASHPAGE_SLEEP_FIXED_ADDRESSES", "1").strip() != "0"
+
+
+def media_fetch_timeout() -> float:
+    """FLASHPAGE_MEDIA_FETCH_TIMEOUT: seconds an image URL's fetch may take (default 5, vLLM's
+    VLLM_IMAGE_FETCH_TIMEOUT; engine/media.py)."""
+    value = os.environ.get("FLASHPAGE_MEDIA_FETCH_TIMEOUT", "").strip()
+    return float(value) if value else 5.0
+
+
+def media_max_bytes() -> int:
+    """FLASHPAGE_MEDIA_MAX_BYTES: the most encoded bytes an image URL may hold (default 32 MiB;
+    engine/media.py)."""
+    value = os.environ.get("FLASHPAGE_MEDIA_MAX_BYTES", "").strip()
+    return int(value) if value else 32 << 20

@@ -75,7 +75,8 @@ class LLM:
                  disable_hybrid_kv_cache_manager: bool = False,
                  override_generation_config: dict[str, Any] | None = None,
                  hf_overrides: dict[str, Any] | None = None,
-                 enable_prompt_embeds: bool = False) -> None:
+                 enable_prompt_embeds: bool = False, allowed_local_media_path: str | None = None,
+                 allowed_media_domains: list[str] | None = None) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
             num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
@@ -92,7 +93,8 @@ class LLM:
             disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             generation_config=generation_config,
             override_generation_config=override_generation_config, hf_overrides=hf_overrides,
-            enable_prompt_embeds=enable_prompt_embeds)
+            enable_prompt_embeds=enable_prompt_embeds, allowed_local_media_path=allowed_local_media_path,
+            allowed_media_domains=allowed_media_domains)
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory
         if is_encoder_model(random_weights_config or model):
@@ -372,7 +374,7 @@ class LLM:
             return self.chat_prompt_ids(conversation, add_generation_prompt, tools, **extra)
         from flashpage.engine.multimodal import chat_images, place_images
 
-        conv, parts, images = chat_images(conversation)
+        conv, parts, images = chat_images(conversation, self.engine.config.media_policy)
         if not images:
             return self.chat_prompt_ids(conv, add_generation_prompt, tools, **extra)
         tok = self.engine.tokenizer

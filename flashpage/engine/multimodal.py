@@ -29,16 +29,15 @@ image's K/V (or text after it) reaches a request with another.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import io
 import re
 import struct
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from flashpage.engine.media import MediaPolicy, load_image
 
 
 @dataclass(eq=False)
@@ -122,34 +121,13 @@ def as_text_parts(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------- chat image parts
-_DATA_URL = re.compile(r"^data:(image/[A-Za-z0-9.+-]+)?(;[^,]*)?;base64,(.*)$", re.DOTALL)
 
 
-def decode_data_url(url: str, i: int) -> Any:
-    """A base64 data URL's image, decoded (a PIL image); a ValueError naming what is wrong
-    (an http(s) URL: nothing is fetched from the network)."""
-    if re.match(r"^https?://", url, re.IGNORECASE):
-        raise ValueError(f"image {i}: only data URLs (data:image/png;base64,...) are read: this "
-                         "server fetches nothing from the network, so an http(s) URL cannot "
-                         "be used; send the image's bytes as a base64 data URL")
-    m = _DATA_URL.match(url)
-    if m is None:
-        raise ValueError(f"image {i}: its url must be a base64 data URL "
-                         f"(data:image/png;base64,...), got {url[:40]!r}")
-    try:
-        raw = base64.b64decode(m.group(3), validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise ValueError(f"image {i}: its data URL is not valid base64: {e}") from None
-    try:
-        from PIL import Image
-    except ImportError:
-        raise ValueError("image input needs Pillow (pip install pillow)") from None
-    try:
-        img = Image.open(io.BytesIO(raw))
-        img.load()
-    except Exception as e:  # Pillow's own words: UnidentifiedImageError, truncated files, bombs
-        raise ValueError(f"image {i} could not be decoded: {e}") from None
-    return img
+def decode_data_url(url: str, i: int, policy: MediaPolicy | None = None) -> Any:
+    """Image ``i``'s url (a base64 data URL, an http(s) URL or, under the policy's
+    allowed_local_media_path, a file:// URL: engine/media.py) decoded (a PIL image); a
+    ValueError naming what is wrong."""
+    return load_image(url, i, policy)
 
 
 # a message's content parts as the template sees them: ("text", its text) or ("image", None)
@@ -179,9 +157,11 @@ def place_images(conv: list[dict[str, Any]], parts: list[Parts | None], template
     return out
 
 
-def chat_images(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Parts | None], list[Any]]:
+def chat_images(conversation: list[dict[str, Any]], policy: MediaPolicy | None = None
+                ) -> tuple[list[dict[str, Any]], list[Parts | None], list[Any]]:
     """An LLM.chat conversation whose messages may hold image parts -- OpenAI's
-    ``{"type": "image_url", "image_url": {"url": "data:..."}}`` (or the url as a string),
+    ``{"type": "image_url", "image_url": {"url": ...}}`` (or the url as a string; read as
+    engine/media.py says under ``policy``),
     vLLM's ``{"type": "image_pil", "image_pil": PIL.Image}`` -- -> (the conversation with
     each content list's text joined, each message's parts, the images in order); a
     ValueError names a part of another type."""
@@ -204,14 +184,14 @@ def chat_images(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str):
                     raise ValueError(f"message {i}: content part {j}: image_url needs a url string")
-                images.append(decode_data_url(url, len(images)))
+                images.append(decode_data_url(url, len(images), policy))
                 ps.append(("image", None))
             elif kind == "image_pil":
                 images.append(part.get("image_pil"))
                 ps.append(("image", None))
             else:
                 raise ValueError(f"message {i}: content part {j} has type {kind!r}: text, "
-                                 "image_url (a data URL) and image_pil parts are read")
+                                 "image_url and image_pil parts are read")
         conv.append({**msg, "content": "".join(t or "" for k, t in ps if k == "text")})
         parts.append(ps)
     return conv, parts, images

@@ -179,7 +179,7 @@ async def _images(state: ServerState, req: ChatCompletionRequest,
                   conv: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The request's images as the engine's multi_modal_data (their placeholders put into
     ``conv`` in place), or None without any; a 400 for a model that takes no images, a URL
-    that is not a data URL, or bytes that are no image (server/images.py)."""
+    that cannot be read (engine/media.py), or bytes that are no image (server/images.py)."""
     from flashpage.engine.multimodal import as_text_parts, template_reads_parts
     from flashpage.server.images import image_urls, read_images, with_placeholders
 
@@ -196,7 +196,7 @@ async def _images(state: ServerState, req: ChatCompletionRequest,
         name = getattr(mc, "multimodal_architecture", "") or getattr(mc, "architecture", "this model")
         raise bad_request(f"image_url content parts given, but this model ({name}) takes no "
                           "image input (models/llava.py lists the families that do)", "messages")
-    pixels = await read_images(encoder, urls)
+    pixels = await read_images(encoder, urls, engine.config.media_policy)
     tok = engine.tokenizer
     placeholder = tok.decode([encoder.config.image_token_id]) if tok is not None else "<image>"
     template = getattr(tok, "chat_template", None)

@@ -1,14 +1,15 @@
-"""Chat messages' image parts (OpenAI's ``{"type": "image_url", "image_url": {"url":
-"data:image/png;base64,..."}}``) for a model that takes images (LLaVA: models/llava.py).
+"""Chat messages' image parts (OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``)
+for a model that takes images (LLaVA: models/llava.py).
 
-Only data URLs are read: the server fetches nothing from the network (an http(s) URL is a
-400 saying so). Each image is decoded (Pillow) and preprocessed to pixel values off the
-event loop and off the engine thread (a worker thread), then handed to the engine as
-``multi_modal_data``. In the conversation the chat template sees, each image part becomes
-the template's image placeholder: a part ``{"type": "image"}`` where the template loops
-over a message's content parts (llava-hf's templates), else the placeholder text (the
-image token's, ``<image>``) on its own line before the message's text (vLLM's "string"
-content format).
+The url is a base64 data URL, an http(s) URL (fetched, from the hosts
+``--allowed-media-domains`` names if given) or a ``file://`` URL under
+``--allowed-local-media-path`` (engine/media.py; anything else a 400 naming it). Each image
+is fetched, decoded (Pillow) and preprocessed to pixel values off the event loop and off
+the engine thread (a worker thread), then handed to the engine as ``multi_modal_data``. In
+the conversation the chat template sees, each image part becomes the template's image
+placeholder: a part ``{"type": "image"}`` where the template loops over a message's content
+parts (llava-hf's templates), else the placeholder text (the image token's, ``<image>``) on
+its own line before the message's text (vLLM's "string" content format).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 from typing import Any
 
 from flashpage.engine import multimodal
+from flashpage.engine.media import MediaPolicy
 from flashpage.server.protocol import APIError, ChatMessage, ImagePart, TextPart, bad_request
 
 FIELD = "messages"
@@ -28,20 +30,20 @@ def image_urls(messages: list[ChatMessage]) -> list[str]:
             for p in m.content if isinstance(p, ImagePart)]
 
 
-def decode_data_url(url: str, i: int) -> Any:
-    """A data URL's image as a decoded PIL image; an APIError (400) naming what is wrong
-    (engine/multimodal.py's decoding, which LLM.chat shares)."""
+def decode_data_url(url: str, i: int, policy: MediaPolicy | None = None) -> Any:
+    """Image ``i``'s url read and decoded (a PIL image); an APIError (400) naming what is
+    wrong (engine/media.py's reading, which LLM.chat shares)."""
     try:
-        return multimodal.decode_data_url(url, i)
+        return multimodal.decode_data_url(url, i, policy)
     except ValueError as e:
         raise bad_request(str(e), FIELD) from None
 
 
-def pixel_values(encoder: Any, urls: list[str]) -> list[Any]:
-    """Each url's image decoded and preprocessed (``encoder.pixel_values``)."""
+def pixel_values(encoder: Any, urls: list[str], policy: MediaPolicy | None = None) -> list[Any]:
+    """Each url's image read, decoded and preprocessed (``encoder.pixel_values``)."""
     out = []
     for i, url in enumerate(urls):
-        img = decode_data_url(url, i)
+        img = decode_data_url(url, i, policy)
         try:
             out.append(encoder.pixel_values(img, i))
         except ValueError as e:
@@ -49,10 +51,10 @@ def pixel_values(encoder: Any, urls: list[str]) -> list[Any]:
     return out
 
 
-async def read_images(encoder: Any, urls: list[str]) -> list[Any]:
-    """``pixel_values`` on a worker thread (decoding and resizing take milliseconds to
-    seconds: not on the event loop, nor between the engine's steps)."""
-    return await asyncio.get_running_loop().run_in_executor(None, pixel_values, encoder, urls)
+async def read_images(encoder: Any, urls: list[str], policy: MediaPolicy | None = None) -> list[Any]:
+    """``pixel_values`` on a worker thread (fetching, decoding and resizing take milliseconds
+    to seconds: not on the event loop, nor between the engine's steps)."""
+    return await asyncio.get_running_loop().run_in_executor(None, pixel_values, encoder, urls, policy)
 
 
 def with_placeholders(conv: list[dict[str, Any]], messages: list[ChatMessage],

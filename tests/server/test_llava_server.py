@@ -1,7 +1,8 @@
 """Chat completions with image_url parts (server/images.py) on a tiny LLaVA: a data URL's
 image gives LLM.generate's tokens for the same prompt and image, whether the chat template
 loops over content parts (llava-hf's) or reads a string (the placeholder then goes in as
-text); http URLs, broken data URLs and undecodable bytes are a 400 naming why, leaving no
+text), as an http URL's or a file:// URL's under --allowed-local-media-path; URLs that
+cannot be read, broken data URLs and undecodable bytes are a 400 naming why, leaving no
 request or KV block behind and costing a concurrent request nothing."""
 
 from __future__ import annotations
@@ -33,8 +34,23 @@ def llava_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llava_server(llava_dir):
-    with live_server(llava_dir) as s:
+def media_dir(tmp_path_factory):
+    """A folder file:// URLs may name (the server's --allowed-local-media-path), served over
+    http on 127.0.0.1 too: (folder, its http URL)."""
+    import functools
+    import http.server
+
+    folder = tmp_path_factory.mktemp("media")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    yield folder, f"http://127.0.0.1:{web.server_address[1]}"
+    web.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llava_server(llava_dir, media_dir):
+    with live_server(llava_dir, engine_kw={"allowed_local_media_path": str(media_dir[0])}) as s:
         yield s
 
 
@@ -108,9 +124,9 @@ def test_string_template_gets_the_placeholder_text(llava_dir, tmp_path):
 
 
 @pytest.mark.parametrize("url, needles", [
-    ("https://example.com/cat.png", ["only data URLs", "fetches nothing from the network"]),
-    ("http://127.0.0.1/cat.png", ["only data URLs"]),
-    ("file:///etc/passwd", ["base64 data URL"]),
+    ("http://127.0.0.1:1/cat.png", ["image 0: fetching", "failed"]),
+    ("file:///etc/passwd", ["is not under allowed_local_media_path"]),
+    ("ftp://example.com/cat.png", ["an http(s) URL or a file:// URL"]),
     ("data:image/png;base64,@@@not base64@@@", ["not valid base64"]),
     ("data:image/png;base64," + base64.b64encode(b"not an image at all").decode(), ["could not be decoded"]),
 ])
@@ -172,9 +188,27 @@ def test_llm_chat_takes_image_parts_as_the_server_does(llava_server, offline):
     assert [o.outputs[0].text for o in outs[:2]] == [want, want]
     plain = chat(llava_server, text_only)
     assert outs[2].outputs[0].text == plain.json()["choices"][0]["message"]["content"]
-    with pytest.raises(ValueError, match="fetches nothing from the network"):
+    with pytest.raises(ValueError, match="file:// URLs are read only under allowed_local_media_path"):
         offline.chat([{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}], params)
+            {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}], params)
     with pytest.raises(ValueError, match="content part 0 has type 'input_audio'"):
         offline.chat([{"role": "user", "content": [{"type": "input_audio"}]}], params)
     assert offline.engine.kv_manager.num_free_blocks == offline.engine.kv_manager.num_usable_blocks
+
+
+def test_http_and_file_urls_give_the_data_urls_tokens(llava_server, media_dir):
+    """The same image as a data URL, an http URL and a file:// URL under the server's
+    --allowed-local-media-path: the same answer."""
+    folder, web = media_dir
+    img = smooth_image(34, 41, seed=8)
+    img.save(folder / "cat.png")
+    answers = []
+    for url in (data_url(img), f"{web}/cat.png", f"file://{folder}/cat.png"):
+        r = chat(llava_server, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                             {"type": "text", "text": "what is it"}]}])
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["choices"][0]["message"]["content"])
+    assert answers[0] == answers[1] == answers[2]
+    r = chat(llava_server, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{web}/none.png"}}]}])
+    assert r.status_code == 400 and "HTTP 404" in r.json()["error"]["message"], r.text
+    assert llava_server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
