@@ -164,7 +164,7 @@ class LlavaNextImageEncoder(LlavaImageEncoder):
         """One image tiled and preprocessed (anyres_pixels) on the host; one given so
         already (the server's, read off its event loop) is kept."""
         if isinstance(image, AnyResImage):
-            return image
+            return self._checked(image, i)
         if is_pil_image(image):
             try:
                 return anyres_pixels(image, self.config)
@@ -175,6 +175,27 @@ class LlavaNextImageEncoder(LlavaImageEncoder):
                              "tiles and row count follow the image's own size, which a "
                              f"tensor of shape {list(image.shape)} does not say")
         raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image")
+
+    def _checked(self, item: AnyResImage, i: int) -> AnyResImage:
+        """An AnyResImage given (the server's, or a caller's): its tiles and rows as this
+        model's preprocessing makes them for its size, float and finite (else a ValueError:
+        a wrong count would fail the engine's step, not the request)."""
+        vc = self.config
+        size = tuple(item.size)
+        if len(size) != 2 or not all(isinstance(x, int) and x > 0 for x in size):
+            raise ValueError(f"image {i}: AnyResImage.size must be (height, width), got {item.size!r}")
+        bh, bw = select_best_resolution((size[0], size[1]), vc.grid_pinpoints)
+        s = vc.image_size
+        want = (1 + bh // s * (bw // s), 3, s, s)
+        px = item.pixels
+        if not isinstance(px, torch.Tensor) or tuple(px.shape) != want or not px.is_floating_point():
+            shape = list(px.shape) if isinstance(px, torch.Tensor) else type(px).__name__
+            raise ValueError(f"image {i}: an image of {size[0]} x {size[1]} has float tiles "
+                             f"{list(want)} in this model, got {shape}")
+        px = px.detach().to("cpu", torch.float32).contiguous()
+        if not bool(torch.isfinite(px).all()):
+            raise ValueError(f"image {i}: pixel values hold inf or NaN")
+        return AnyResImage(px, (size[0], size[1]), num_image_rows(vc, (size[0], size[1])))
 
     def pack(self, feats: torch.Tensor, size: Resolution) -> torch.Tensor:
         """One image's tiles' rows [1 + gh * gw, side^2, H] -> its rows (module docstring)."""

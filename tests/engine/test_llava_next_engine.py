@@ -134,6 +134,8 @@ def test_bad_requests_are_refused_by_name_and_leak_nothing(next_ckpt):
         ({"prompt_token_ids": ids, "multi_modal_data": {"video": img}}, ["'video'", "\"image\" only"]),
         ({"prompt_token_ids": ids}, ["no image was given"]),
         ({"prompt_token_ids": ids + [5] * 10, "multi_modal_data": {"image": big}}, ["max_model_len is 96"]),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"image": AnyResImage(torch.zeros(3, 3, 16, 16), (20, 33), 52)}},
+         ["an image of 20 x 33 has float tiles [5, 3, 16, 16]", "got [3, 3, 16, 16]"]),
     ]
     batch = [{"prompt_token_ids": good[0], "multi_modal_data": {"image": good[1]}}, *(b for b, _ in bad)]
     outs = llm.generate(batch, GREEDY, use_tqdm=False)

@@ -169,6 +169,10 @@ def test_config_fields(tiny):
     assert mc.architecture == "LlamaForCausalLM"
     assert vc.grid_pinpoints == tuple(tuple(p) for p in PINPOINTS) and vc.tokens_per_image == 16
     assert not vc.processing.pad_to_square  # LlavaNextImageProcessor's do_pad pads a batch's tiles
+    from flashpage.inspect import format_report, inspect_config
+
+    assert "LlavaNextForConditionalGeneration: its text model and image input" in \
+        format_report(inspect_config(mc, 1 << 30))
     # llava-v1.6-mistral-7b-hf's config.json (no preprocessor beside it: CLIP's defaults)
     d = {"architectures": ["LlavaNextForConditionalGeneration"], "image_token_index": 32000,
          "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
