@@ -1973,7 +1973,7 @@ def _image_processing(folder: str | None, image_size: int, where: str,
         return ImageProcessing(image_size, None, (image_size, image_size), 1 / 255,
                                _OPENAI_CLIP_MEAN, _OPENAI_CLIP_STD)
     pc = _json_object(path)
-    kind = pc.get("image_processor_type", "CLIPImageProcessor")
+    kind = str(pc.get("image_processor_type", "CLIPImageProcessor"))
     if kind.removesuffix("Pil").removesuffix("Fast") not in _IMAGE_PROCESSORS:
         raise ConfigError(f"{path}: image_processor_type {kind!r} is not read "
                           f"({', '.join(_IMAGE_PROCESSORS)} are)")
@@ -2011,7 +2011,7 @@ def _image_processing(folder: str | None, image_size: int, where: str,
     return ImageProcessing(
         shortest, resize_hw, crop,
         float(pc.get("rescale_factor", 1 / 255)) if pc.get("do_rescale", True) else None,
-        mean, std, _PIL_RESAMPLE[resample], bool(pc.get("do_pad", False)) and not pinpoints,
+        mean, std, _PIL_RESAMPLE[resample], bool(pc.get("do_pad", False)) and not pinpoints and not kind.startswith("LlavaNext"),
         bool(pc.get("do_convert_rgb", True)))
 
 
