@@ -3,7 +3,9 @@
     python examples/llava_image.py path/to/llava-1.5-7b-hf photo.jpg
 
 One <image> in the prompt per image (a list of images for several); the prompt format is
-the checkpoint's ("USER: <image>\\n... ASSISTANT:" for llava-1.5).
+the checkpoint's ("USER: <image>\\n... ASSISTANT:" for llava-1.5). A LLaVA-NeXT checkpoint
+(llava-v1.6) runs the same way with its own format ("[INST] <image>\\n... [/INST]" for
+llava-v1.6-mistral-7b-hf); the chat API below applies the checkpoint's template for you.
 """
 
 import base64

@@ -110,9 +110,23 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # takes image input
     "LlavaForConditionalGeneration": (("llama", "mistral"), "llama",
                                       ("vision_tower", "multi_modal_projector")),
+    # LLaVA-NeXT (llava-v1.6): LLaVA's tower and projector over any-res tiles, an
+    # image_newline row after each row of the grid (models/llava_next.py)
+    "LlavaNextForConditionalGeneration": (("llama", "mistral"), "llama",
+                                          ("vision_tower", "multi_modal_projector", "image_newline")),
 }
 # the wrappers whose images we run (ModelConfig.vision): the others serve their text alone
-IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
+IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"})
+# LLaVA's relatives we do not run, each with why (a ConfigError says it rather than "not supported")
+_UNSUPPORTED_IMAGE_ARCHITECTURES = {
+    "LlavaOnevisionForConditionalGeneration":
+        "LLaVA-OneVision (a SigLIP tower, anyres_max tiling with pooled features, video) is not "
+        "supported yet; LLaVA-1.5 (LlavaForConditionalGeneration) and LLaVA-NeXT "
+        "(LlavaNextForConditionalGeneration) checkpoints are",
+    "LlavaNextVideoForConditionalGeneration":
+        "LLaVA-NeXT-Video (video input, pooled frame features) is not supported yet; image-only "
+        "LLaVA-NeXT (LlavaNextForConditionalGeneration) checkpoints are",
+}
 # architecture names of remote-code checkpoints that transformers' own class reads
 _ARCH_ALIASES = {"MPTForCausalLM": "MptForCausalLM"}  # MosaicML's MPT files
 SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
@@ -170,6 +184,9 @@ _MODEL_TYPE_TO_ARCH = {
     "llama4": "Llama4ForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+    "llava_next_video": "LlavaNextVideoForConditionalGeneration",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -1853,6 +1870,8 @@ _CLIP_VISION_DEFAULTS: dict[str, Any] = dict(
 _OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _VISION_ACTS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "relu")
+# LlavaNextConfig's default image_grid_pinpoints (llava-v1.6's, for a 336 tower)
+_LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 _PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's codes -> torch interpolate's modes
 
 
@@ -1880,7 +1899,8 @@ class VisionConfig:
     ``feature_layers``: indexes into the tower's hidden states (0: the embeddings after
     pre_layrnorm, i: layer i's output; vision_feature_layer made non-negative), their rows
     concatenated along the width; ``select_strategy`` "default" drops the CLS row, "full"
-    keeps it."""
+    keeps it. LLaVA-NeXT's (LlavaNextConfig) too: ``grid_pinpoints`` then says how an
+    image is tiled (models/llava_next.py)."""
 
     hidden_size: int
     intermediate_size: int
@@ -1897,11 +1917,14 @@ class VisionConfig:
     projector_bias: bool
     image_token_id: int
     processing: ImageProcessing
+    # LLaVA-NeXT's image_grid_pinpoints: the (height, width) an image's tiles may cover, each
+    # a multiple of image_size (models/llava_next.py); () for LLaVA-1.5's one tile
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
 
     @property
     def tokens_per_image(self) -> int:
-        """The rows one image gives, each at one ``<image>`` position: (image / patch)^2,
-        and the CLS row too under "full"."""
+        """The rows one tile gives (LLaVA-1.5: one image's, each at one ``<image>``
+        position): (image / patch)^2, and the CLS row too under "full"."""
         return (self.image_size // self.patch_size) ** 2 + (self.select_strategy == "full")
 
     @property
@@ -1920,20 +1943,46 @@ def _hw(v: Any, key: str, where: str) -> tuple[int, int]:
     raise ConfigError(f"{where}: {key} must be {{\"height\": h, \"width\": w}} or an int, got {v!r}")
 
 
-def _image_processing(folder: str | None, image_size: int, where: str) -> ImageProcessing:
-    """The folder's preprocessor_config.json (CLIPImageProcessor / LlavaImageProcessor
-    fields; transformers' defaults for those it leaves out), or CLIP's defaults at
-    ``image_size`` without one."""
+_IMAGE_PROCESSORS = ("CLIPImageProcessor", "LlavaImageProcessor", "LlavaNextImageProcessor")
+
+
+def _pinpoints(v: Any, key: str, where: str, image_size: int) -> tuple[tuple[int, int], ...]:
+    """LLaVA-NeXT's image_grid_pinpoints: [[height, width], ...], each a multiple of the
+    tower's image size (a tile's)."""
+    ok = isinstance(v, list) and v and all(
+        isinstance(p, (list, tuple)) and len(p) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in p) for p in v)
+    if not ok:
+        raise ConfigError(f"{where}: {key} must be a non-empty list of [height, width] pairs of "
+                          f"positive ints, got {v!r}")
+    out = tuple((int(h), int(w)) for h, w in v)
+    bad = [list(p) for p in out if p[0] % image_size or p[1] % image_size]
+    if bad:
+        raise ConfigError(f"{where}: {key} {bad} are not multiples of the vision tower's image "
+                          f"size {image_size} (each resolution is cut into tiles of that size)")
+    return out
+
+
+def _image_processing(folder: str | None, image_size: int, where: str,
+                      pinpoints: tuple[tuple[int, int], ...] = ()) -> ImageProcessing:
+    """The folder's preprocessor_config.json (CLIPImageProcessor / LlavaImageProcessor /
+    LlavaNextImageProcessor fields; transformers' defaults for those it leaves out), or
+    CLIP's defaults at ``image_size`` without one. With ``pinpoints`` (LLaVA-NeXT) the
+    steps are each tile's, and do_pad (LlavaNextImageProcessor's padding of a batch's
+    tile counts) does not pad an image to a square."""
     path = os.path.join(folder, "preprocessor_config.json") if folder else None
     if path is None or not os.path.isfile(path):
         return ImageProcessing(image_size, None, (image_size, image_size), 1 / 255,
                                _OPENAI_CLIP_MEAN, _OPENAI_CLIP_STD)
     pc = _json_object(path)
-    kind = pc.get("image_processor_type", "CLIPImageProcessor")
-    if kind not in ("CLIPImageProcessor", "CLIPImageProcessorFast", "LlavaImageProcessor",
-                    "LlavaImageProcessorFast"):
-        raise ConfigError(f"{path}: image_processor_type {kind!r} is not read (CLIPImageProcessor "
-                          "and LlavaImageProcessor are)")
+    kind = str(pc.get("image_processor_type", "CLIPImageProcessor"))
+    if kind.removesuffix("Pil").removesuffix("Fast") not in _IMAGE_PROCESSORS:
+        raise ConfigError(f"{path}: image_processor_type {kind!r} is not read "
+                          f"({', '.join(_IMAGE_PROCESSORS)} are)")
+    if pinpoints and pc.get("image_grid_pinpoints") is not None \
+            and _pinpoints(pc["image_grid_pinpoints"], "image_grid_pinpoints", path, image_size) != pinpoints:
+        raise ConfigError(f"{path}: image_grid_pinpoints {pc['image_grid_pinpoints']!r} differ from "
+                          f"config.json's {[list(p) for p in pinpoints]!r} (the tiles the model packs)")
     shortest: int | None = None
     resize_hw: tuple[int, int] | None = None
     if pc.get("do_resize", True):
@@ -1964,7 +2013,7 @@ def _image_processing(folder: str | None, image_size: int, where: str) -> ImageP
     return ImageProcessing(
         shortest, resize_hw, crop,
         float(pc.get("rescale_factor", 1 / 255)) if pc.get("do_rescale", True) else None,
-        mean, std, _PIL_RESAMPLE[resample], bool(pc.get("do_pad", False)),
+        mean, std, _PIL_RESAMPLE[resample], bool(pc.get("do_pad", False)) and not pinpoints and not kind.startswith("LlavaNext"),
         bool(pc.get("do_convert_rgb", True)))
 
 
@@ -2017,12 +2066,21 @@ def _vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | No
     token = d.get("image_token_index", d.get("image_token_id", 32000))
     if not isinstance(token, int) or isinstance(token, bool) or token < 0:
         raise ConfigError(f"{where}: image_token_index must be a token id, got {token!r}")
+    pinpoints: tuple[tuple[int, int], ...] = ()
+    if arch == "LlavaNextForConditionalGeneration":
+        if strategy != "default":
+            raise ConfigError(f"{where}: vision_feature_select_strategy {strategy!r} in {arch}: "
+                              "its tiles' rows are arranged into a grid of (image / patch)^2 "
+                              "per tile, which CLIP's CLS row does not fit (transformers' "
+                              "LlavaNextModel fails on it too); \"default\" is read")
+        pinpoints = _pinpoints(d.get("image_grid_pinpoints", _LLAVA_NEXT_PINPOINTS),
+                               "image_grid_pinpoints", where, v["image_size"])
     return VisionConfig(
         v["hidden_size"], v["intermediate_size"], layers, v["num_attention_heads"],
         v["num_channels"], v["image_size"], v["patch_size"], v["hidden_act"],
         float(v["layer_norm_eps"]), tuple(feature), strategy, act,
         bool(d.get("multimodal_projector_bias", True)), token,
-        _image_processing(folder, v["image_size"], where))
+        _image_processing(folder, v["image_size"], where, pinpoints), pinpoints)
 
 
 def read_config_json(source: str | os.PathLike) -> tuple[str, dict[str, Any]]:
@@ -2244,6 +2302,8 @@ class ModelConfig:
         archs = d.get("architectures") or []
         arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(d.get("model_type", ""), "")
         arch = _ARCH_ALIASES.get(arch, arch)
+        if arch in _UNSUPPORTED_IMAGE_ARCHITECTURES:
+            raise ConfigError(f"{where}: {arch}: {_UNSUPPORTED_IMAGE_ARCHITECTURES[arch]}")
         if arch in MULTIMODAL_TEXT_ARCHITECTURES:
             text, text_where = _text_config_of(d, arch, where)
             vision = _vision_config_of(d, arch, where, folder) if arch in IMAGE_ARCHITECTURES \

@@ -43,21 +43,21 @@ from flashpage.engine.media import MediaPolicy, load_image
 @dataclass(eq=False)
 class MultiModalInput:
     """One input's rows in a request's prompt: positions ``[offset, offset + length)``.
-    ``data``: what the encoder takes (an image's pixel values [3, S, S] on the host), None
-    once encoded; ``rows``: the encoder's output [length, hidden] on the device, kept for
+    ``data``: what the encoder takes (LLaVA: an image's pixel values [3, S, S] on the host;
+    LLaVA-NeXT: its tiles' and its size, models/llava_next.AnyResImage), None once encoded; ``rows``: the encoder's output [length, hidden] on the device, kept for
     the request's life (preemption recomputes from it); ``digest``: the data's identity."""
 
     offset: int
     length: int
     digest: bytes
-    data: torch.Tensor | None
+    data: Any
     rows: torch.Tensor | None = None
 
 
 class MultiModalEncoder(Protocol):
     def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]: ...
 
-    def encode(self, data: list[torch.Tensor]) -> list[torch.Tensor]: ...
+    def encode(self, data: list[Any]) -> list[torch.Tensor]: ...
 
 
 def chain_digest(inputs: list[MultiModalInput]) -> bytes:

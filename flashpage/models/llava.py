@@ -48,6 +48,8 @@ _PREFIXES = (
     ("vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("multi_modal_projector.", "multi_modal_projector."),
+    ("model.image_newline", "image_newline"),  # LLaVA-NeXT's (models/llava_next.py)
+    ("image_newline", "image_newline"),
 )
 IMAGE_PREFIXES = tuple(p for p, _ in _PREFIXES)
 _LAYER = re.compile(r"vision_tower\.encoder\.layers\.(\d+)\.")
@@ -92,28 +94,15 @@ class LlavaImageEncoder(nn.Module):
         ``multi_modal_data`` ({"image": a PIL image, pixel values [3, S, S], or a list of
         them}) checked and preprocessed (models/clip_image.py), and its prompt's ids with
         each ``<image>`` expanded (expand_image_tokens); a ValueError names what is wrong."""
-        if not isinstance(data, dict):
-            raise ValueError(f"multi_modal_data must be a dict such as {{\"image\": image}}, "
-                             f"got {type(data).__name__}")
-        unknown = sorted(set(data) - {"image"})
-        if unknown:
-            raise ValueError(f"multi_modal_data {unknown}: this model takes \"image\" only")
-        if "image" not in data:
-            raise ValueError("multi_modal_data has no \"image\"")
-        given = data["image"]
-        if isinstance(given, torch.Tensor) and given.dim() == 4:
-            images: list[Any] = list(given.unbind(0))
-        elif isinstance(given, (list, tuple)):
-            images = list(given)
-        else:
-            images = [given]
-        if not images:
-            raise ValueError("multi_modal_data[\"image\"] is an empty list")
-        pixels = [self.pixel_values(img, i) for i, img in enumerate(images)]
+        pixels = [self.pixel_values(img, i) for i, img in enumerate(images_of(data))]
         vc = self.config
         ids, starts = expand_image_tokens(ids, vc.image_token_id, len(pixels), vc.tokens_per_image)
         return ids, [MultiModalInput(s, vc.tokens_per_image, digest(px), px)
                      for s, px in zip(starts, pixels, strict=True)]
+
+    def num_rows(self, pixels: Any) -> int:
+        """The rows (``<image>`` positions) of one image's ``pixel_values``."""
+        return self.config.tokens_per_image
 
     def pixel_values(self, image: Any, i: int = 0) -> torch.Tensor:
         """One image as float32 pixel values [3, S, S] on the host: a PIL image
@@ -188,16 +177,45 @@ class LlavaImageEncoder(nn.Module):
         return loaded
 
 
+def images_of(data: Any) -> list[Any]:
+    """A request's ``multi_modal_data`` ({"image": an image or a list of them; a 4-d tensor
+    is a batch of pixel values}) -> its images in order; a ValueError names what is wrong."""
+    if not isinstance(data, dict):
+        raise ValueError(f"multi_modal_data must be a dict such as {{\"image\": image}}, "
+                         f"got {type(data).__name__}")
+    unknown = sorted(set(data) - {"image"})
+    if unknown:
+        raise ValueError(f"multi_modal_data {unknown}: this model takes \"image\" only")
+    if "image" not in data:
+        raise ValueError("multi_modal_data has no \"image\"")
+    given = data["image"]
+    if isinstance(given, torch.Tensor) and given.dim() == 4:
+        images: list[Any] = list(given.unbind(0))
+    elif isinstance(given, (list, tuple)):
+        images = list(given)
+    else:
+        images = [given]
+    if not images:
+        raise ValueError("multi_modal_data[\"image\"] is an empty list")
+    return images
+
+
 def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
                        seed: int = 0) -> LlavaImageEncoder:
     """``source``'s (loader.ModelSource) image encoder in ``dtype`` on ``device``: its
-    checkpoint's tensors, or random ones (a random_config source)."""
+    checkpoint's tensors, or random ones (a random_config source). LLaVA-NeXT's (any-res
+    tiles: config grid_pinpoints) is models/llava_next.py's."""
     from flashpage.models.loader import init_random_, iter_safetensors
 
     vc = source.config.vision
     assert vc is not None
+    cls = LlavaImageEncoder
+    if vc.grid_pinpoints:
+        from flashpage.models.llava_next import LlavaNextImageEncoder
+
+        cls = LlavaNextImageEncoder
     with torch.device(device):
-        enc = LlavaImageEncoder(vc, source.config.hidden_size)
+        enc = cls(vc, source.config.hidden_size)
     enc.to(dtype)
     if source.kind == "random":
         init_random_(enc, seed)
@@ -213,11 +231,14 @@ def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.de
 
 
 def expand_image_tokens(ids: list[int], image_token: int, num_images: int,
-                        tokens_per_image: int) -> tuple[list[int], list[int]]:
+                        tokens_per_image: int | list[int]) -> tuple[list[int], list[int]]:
     """A prompt's ids with each ``<image>`` token made ``tokens_per_image`` of them (as
-    LlavaProcessor), and each image's first position in the result. Ids already expanded
-    (every run of image tokens exactly tokens_per_image long) are kept as they are. A
-    ValueError names a count that does not match ``num_images``."""
+    LlavaProcessor; a list: image i's own count, LLaVA-NeXT's), and each image's first
+    position in the result. Ids already expanded (the runs of image tokens exactly the
+    images' counts) are kept as they are. A ValueError names a count that does not match
+    ``num_images``."""
+    counts = tokens_per_image if isinstance(tokens_per_image, list) else [tokens_per_image] * num_images
+    assert len(counts) == num_images
     runs: list[tuple[int, int]] = []  # (start, length) of each run of image tokens
     i = 0
     while i < len(ids):
@@ -230,8 +251,8 @@ def expand_image_tokens(ids: list[int], image_token: int, num_images: int,
         else:
             i += 1
     total = sum(n for _, n in runs)
-    if tokens_per_image > 1 and runs and all(n == tokens_per_image for _, n in runs) \
-            and len(runs) == num_images:
+    if len(runs) == num_images and any(c > 1 for c in counts) \
+            and all(n == c for (_, n), c in zip(runs, counts, strict=True)):
         return list(ids), [s for s, _ in runs]  # expanded already
     if total != num_images:
         raise ValueError(
@@ -242,7 +263,7 @@ def expand_image_tokens(ids: list[int], image_token: int, num_images: int,
     for t in ids:
         if t == image_token:
             starts.append(len(out))
-            out.extend([image_token] * tokens_per_image)
+            out.extend([image_token] * counts[len(starts) - 1])
         else:
             out.append(t)
     return out, starts

@@ -1,7 +1,8 @@
 """The text model of a multimodal checkpoint (config.MULTIMODAL_TEXT_ARCHITECTURES:
 Gemma3ForConditionalGeneration, Llama4ForConditionalGeneration,
 Mistral3ForConditionalGeneration served alone, images not supported; and
-LlavaForConditionalGeneration, whose images models/llava.py runs beside it).
+LlavaForConditionalGeneration / LlavaNextForConditionalGeneration, whose images
+models/llava.py / llava_next.py run beside it).
 
 The config is the text model's (config._text_config_of); its weights sit under the wrapper's
 prefixes, which ``text_model_weights`` takes off on the way to the text family's own
@@ -11,7 +12,8 @@ prefixes, which ``text_model_weights`` takes off on the way to the text family's
   still writes), ``model.language_model.`` (transformers 5's module names) -> ``model.``;
 - the head: ``language_model.lm_head.`` or ``lm_head.`` -> ``lm_head.`` (absent when tied);
 - the vision tower and projector (``vision_tower`` / ``vision_model``,
-  ``multi_modal_projector``, with or without ``model.`` before them): skipped, counted in
+  ``multi_modal_projector``, LLaVA-NeXT's ``image_newline``, with or without ``model.``
+  before them): skipped, counted in
   one INFO line (LLaVA's: read by its image encoder, models/llava.py, in a pass of its own);
 - anything else: a ModelLoadError naming the tensor (a file of another layout, or a
   module we would silently drop).
@@ -63,7 +65,7 @@ def text_model_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Mode
     skip = vision_prefixes(config)
     skipped = 0
     for name, t in weights:
-        if name.startswith(skip):
+        if name.startswith(skip) or f"{name}." in skip:  # LLaVA-NeXT's image_newline: a tensor
             skipped += 1
             continue
         for prefix, ours in _TEXT_PREFIXES:

@@ -59,7 +59,7 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
         else req.max_tokens
     # each image's placeholder becomes its rows (models/llava.py expand_image_tokens)
     encoder = getattr(state.engine.engine, "mm_encoder", None)
-    grows = len(images["image"]) * (encoder.tokens_per_image - 1) \
+    grows = sum(encoder.num_rows(px) - 1 for px in images["image"]) \
         if images is not None and encoder is not None else 0
     n_prompt = len(ids) + grows  # what the engine runs (and usage counts, as vLLM's)
     max_tokens = check_length(state, n_prompt, max_tokens)

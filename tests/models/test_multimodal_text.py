@@ -326,7 +326,8 @@ def test_config_errors_name_the_field(raw, match):
 
 
 def test_unsupported_wrapper_lists_the_text_only_ones():
-    with pytest.raises(ConfigError, match=r"with image input: LlavaForConditionalGeneration; "
+    with pytest.raises(ConfigError, match=r"with image input: LlavaForConditionalGeneration, "
+                                          r"LlavaNextForConditionalGeneration; "
                                           r"their text model alone: "
                                           r"Gemma3ForConditionalGeneration, "
                                           r"Llama4ForConditionalGeneration, "
