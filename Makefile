@@ -25,4 +25,4 @@ lint:
 # The tests in one process per core (pytest-xdist), a file's tests kept together (module
 # fixtures build checkpoints once): on CI's 2 cores 9.3 min against 15.8 serially (session 20).
 test: install-test lint
-	$(PY) -m pytest -q --durations=10 -n auto --dist loadfile
+	$(PY) -m pytest -q --durations=25 -n auto --dist loadfile

@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--hf-requests", type=int, default=64, help="0: no transformers run")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--tower-batch", type=int, default=32)
+    ap.add_argument("--text-twin", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the workload with the images' rows as text tokens")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                     help="ours; the rest is room for transformers' model in the same process")
@@ -148,6 +150,22 @@ def main() -> None:
           f"{ours['output_tok_per_s']:.0f} output tok/s, {ours['requests_per_s']:.2f} req/s; "
           f"prefix hits {ours['prefix_hit_tokens']} tokens", flush=True)
     result = {"device": device_name(eng.device), "config": args.config, "args": vars(args), "flashpage": ours}
+    if args.text_twin:
+        # the same workload with each image's rows as text tokens (same lengths, same
+        # sharing): what the images cost beyond their positions (the tower, eager steps)
+        g = torch.Generator().manual_seed(2)
+        twins = [[t for tok in p for t in (torch.randint(3, image_token, (rows,), generator=g).tolist()
+                                           if tok == image_token else [tok])] for p in prompts]
+        llm.generate([{"prompt_token_ids": [1] + [7] * len(twins[0])}], params, use_tqdm=False)  # warm
+        _sync()
+        t0 = time.perf_counter()
+        touts = llm.generate([{"prompt_token_ids": p} for p in twins], params, use_tqdm=False)
+        _sync()
+        tdt = time.perf_counter() - t0
+        tt = sum(len(o.outputs[0].token_ids) for o in touts)
+        result["text_twin"] = {"seconds": tdt, "output_tok_per_s": tt / tdt}
+        print(f"the text twin (each image's {rows} rows as text tokens): {tt / tdt:.0f} output tok/s in "
+              f"{tdt:.2f} s; the images cost {dt / tdt - 1:+.1%} of its time", flush=True)
 
     if args.hf_requests:
         import transformers
