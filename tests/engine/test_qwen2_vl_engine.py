@@ -145,6 +145,23 @@ def test_prefix_cache_hit_on_a_repeated_image_prompt(qwen, monkeypatch):
     assert kv.stats().blocks_used == 0
 
 
+def test_kv_offloading_brings_an_image_prompts_blocks_back(qwen):
+    """An image prompt's blocks evicted to the host tier by other prompts come back for the
+    same prompt and image (host hits; 3-D positions' K/V as computed), the same tokens."""
+    path, hf = qwen("qwen2_vl")
+    llm = _llm(path, num_gpu_blocks=12, kv_offloading_size=0.001)
+    enc = llm.engine.mm_encoder
+    vs, pad, ve = enc.placeholder_ids
+    img = smooth_image(84, 112, seed=3)
+    req = {"prompt_token_ids": [1, 5, 6, vs, pad, ve, *range(10, 40)], "multi_modal_data": {"image": img}}
+    first = llm.generate([req], GREEDY, use_tqdm=False)[0]
+    llm.generate([[1, *range(50 + i, 90 + i)] for i in range(6)], GREEDY, use_tqdm=False)
+    again = llm.generate([req], GREEDY, use_tqdm=False)[0]
+    stats = llm.engine.kv_manager.stats()
+    assert stats.host_hits >= 40 and stats.blocks_used == 0
+    assert _tokens([again]) == _tokens([first]) == [_want(hf, llm, first, [img])]
+
+
 def test_triton_backend_fused_rotary_in_the_interpreter(tmp_path, monkeypatch):
     """The triton backend (its rotary fused with the K/V write, 3-D positions as a per-token
     cos / sin table) on the CPU's interpreter: Qwen2.5-VL, head_dim 32, an image request
