@@ -114,9 +114,20 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # image_newline row after each row of the grid (models/llava_next.py)
     "LlavaNextForConditionalGeneration": (("llama", "mistral"), "llama",
                                           ("vision_tower", "multi_modal_projector", "image_newline")),
+    # Qwen2-VL / Qwen2.5-VL (a ViT with 2-D rotary and a patch merger, models/qwen2_vl.py,
+    # over a Qwen2 text model with M-RoPE: ModelConfig.mrope_section): their images too.
+    # Published configs are flat (the text model's fields at the top level), transformers
+    # 5's nest them under text_config: _qwen_vl_text_config reads both
+    "Qwen2VLForConditionalGeneration": (("qwen2_vl_text", "qwen2_vl", "qwen2"), "qwen2_vl_text",
+                                        ("visual",)),
+    "Qwen2_5_VLForConditionalGeneration": (("qwen2_5_vl_text", "qwen2_5_vl", "qwen2"), "qwen2_5_vl_text",
+                                           ("visual",)),
 }
+QWEN_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration",
+                                   "Qwen2_5_VLForConditionalGeneration"})
 # the wrappers whose images we run (ModelConfig.vision): the others serve their text alone
-IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"})
+IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"}) \
+    | QWEN_VL_ARCHITECTURES
 # LLaVA's relatives we do not run, each with why (a ConfigError says it rather than "not supported")
 _UNSUPPORTED_IMAGE_ARCHITECTURES = {
     "LlavaOnevisionForConditionalGeneration":
@@ -187,6 +198,8 @@ _MODEL_TYPE_TO_ARCH = {
     "llava_next": "LlavaNextForConditionalGeneration",
     "llava_onevision": "LlavaOnevisionForConditionalGeneration",
     "llava_next_video": "LlavaNextVideoForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -2083,6 +2096,224 @@ def _vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | No
         _image_processing(folder, v["image_size"], where, pinpoints), pinpoints)
 
 
+# Qwen2VLTextConfig's / Qwen2_5_VLTextConfig's defaults (the published configs name them all)
+_QWEN_VL_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=152_064, hidden_size=8192, intermediate_size=29_568, num_hidden_layers=80,
+    num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=32_768,
+    rms_norm_eps=1e-5, rope_theta=1_000_000.0, bos_token_id=151_643, eos_token_id=151_645)
+# the vision config's fields that are no text model's (a flat config holds both)
+_QWEN_VL_NOT_TEXT = ("vision_config", "text_config", "architectures", "model_type",
+                     "image_token_id", "video_token_id", "vision_start_token_id",
+                     "vision_end_token_id", "vision_token_id", "rope_scaling", "rope_parameters")
+
+
+def _positive_ints(v: Any, key: str, where: str) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)) or not v or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v):
+        raise ConfigError(f"{where}: {key} must be a list of positive ints, got {v!r}")
+    return tuple(v)
+
+
+def _qwen_vl_text_config(d: dict[str, Any], arch: str, where: str
+                         ) -> tuple[dict[str, Any], str, tuple[int, ...]]:
+    """A Qwen2-VL / Qwen2.5-VL checkpoint's text model as a Qwen2 config (text_config, or
+    the top level of a flat published config), its ``where``, and its M-RoPE sections
+    (rope_scaling {"type": "mrope", "mrope_section": [...]} or transformers 5's
+    rope_parameters; Qwen2VLTextConfig's [16, 24, 24] when absent)."""
+    model_types, default_type, _ = MULTIMODAL_TEXT_ARCHITECTURES[arch]
+    nested = d.get("text_config")
+    if nested is not None and not isinstance(nested, dict):
+        raise ConfigError(f"{where}: text_config must be an object, got {nested!r}")
+    tc = nested if nested is not None else {k: v for k, v in d.items() if k != "text_config"}
+    text_where = f"{where}: text_config" if nested is not None else where
+    text_type = (nested or {}).get("model_type") or default_type
+    if text_type not in model_types:
+        raise ConfigError(f"{where}: text_config.model_type {text_type!r} is not supported in "
+                          f"{arch} (supported: {', '.join(model_types)})")
+    if d.get("quantization_config") is not None or tc.get("quantization_config") is not None:
+        raise ConfigError(f"{where}: quantized {arch} checkpoints (quantization_config) are not "
+                          "read yet; the 16-bit checkpoint is, and --quantization fp8 / int4 "
+                          "quantizes its text model at load")
+    rope = tc.get("rope_scaling") or tc.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{text_where}: rope_scaling must be an object, got {rope!r}")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "mrope"):
+        raise ConfigError(f"{text_where}: rope type {kind!r} is not supported with M-RoPE in {arch} "
+                          "(mrope / default are)")
+    section = _positive_ints(rope.get("mrope_section", [16, 24, 24]), "mrope_section", text_where)
+    theta = tc.get("rope_theta", rope.get("rope_theta", _QWEN_VL_TEXT_DEFAULTS["rope_theta"]))
+    text = {**_QWEN_VL_TEXT_DEFAULTS,
+            **{k: v for k, v in tc.items() if k not in _QWEN_VL_NOT_TEXT},
+            "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "rope_theta": theta}
+    for key in _TOP_LEVEL_FIELDS:
+        if d.get(key) is not None:
+            text[key] = d[key]
+    return text, text_where, section
+
+
+@dataclass(frozen=True)
+class QwenImageProcessing:
+    """Qwen2VLImageProcessor's steps (models/qwen2_vl_image.py): smart_resize to multiples
+    of patch_size x merge_size with min_pixels <= h x w <= max_pixels, rescale, normalize,
+    patches [grid_h x grid_w, 3 x temporal_patch_size x patch x patch]."""
+
+    min_pixels: int
+    max_pixels: int
+    rescale_factor: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+    resample: str = "bicubic"
+    convert_rgb: bool = True
+
+
+@dataclass(frozen=True)
+class QwenVisionConfig:
+    """A Qwen2-VL / Qwen2.5-VL checkpoint's image side (models/qwen2_vl.py). ``variant``:
+    "qwen2_vl" (LayerNorm blocks, fc1 / fc2 MLP of ``hidden_act``, full attention) or
+    "qwen2_5_vl" (RMSNorm blocks, gated MLP, window attention but in
+    ``fullatt_block_indexes``). ``hidden_size``: the tower's width; ``out_hidden_size``:
+    the merger's output (the text model's hidden size)."""
+
+    variant: str
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    hidden_act: str
+    out_hidden_size: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    window_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    rope_theta: float
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    processing: QwenImageProcessing
+
+    @property
+    def patch_dim(self) -> int:
+        """One patch's values: 3 x temporal_patch_size x patch_size^2 (1176 for 14 / 2)."""
+        return 3 * self.temporal_patch_size * self.patch_size ** 2
+
+
+_QWEN_VISION_ACTS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "silu")
+
+
+def _qwen_image_processing(folder: str | None, vc: dict[str, Any], where: str) -> QwenImageProcessing:
+    """The folder's preprocessor_config.json (Qwen2VLImageProcessor's fields: min_pixels /
+    max_pixels or size {shortest_edge, longest_edge}; transformers' defaults for those it
+    leaves out), checked against the tower's patch sizes."""
+    path = os.path.join(folder, "preprocessor_config.json") if folder else None
+    pc = _json_object(path) if path is not None and os.path.isfile(path) else {}
+    where = path or where
+    kind = pc.get("image_processor_type", "Qwen2VLImageProcessor")
+    if kind not in ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil",
+                    "Qwen2_5_VLImageProcessor"):
+        raise ConfigError(f"{where}: image_processor_type {kind!r} is not read (Qwen2VLImageProcessor is)")
+    raw_size = pc.get("size")
+    size: dict[str, Any] = raw_size if isinstance(raw_size, dict) else {}
+    lo: Any = pc.get("min_pixels", size.get("shortest_edge", 56 * 56))
+    hi: Any = pc.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280))
+    for key, v in (("min_pixels", lo), ("max_pixels", hi)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{where}: {key} must be a positive int, got {v!r}")
+    if lo > hi:
+        raise ConfigError(f"{where}: min_pixels {lo} is above max_pixels {hi}")
+    for key, ours in (("patch_size", vc["patch_size"]), ("temporal_patch_size", vc["temporal_patch_size"]),
+                      ("merge_size", vc["spatial_merge_size"])):
+        if key in pc and pc[key] != ours:
+            raise ConfigError(f"{where}: {key} {pc[key]!r} differs from the vision tower's {ours}")
+    if not pc.get("do_resize", True):
+        raise ConfigError(f"{where}: do_resize false is not read (images must become multiples "
+                          "of patch_size x merge_size)")
+    resample = pc.get("resample", 3)
+    if resample not in _PIL_RESAMPLE:
+        raise ConfigError(f"{where}: resample {resample!r} is not supported (2: bilinear, 3: bicubic)")
+    norm = pc.get("do_normalize", True)
+    mean = tuple(pc.get("image_mean", _OPENAI_CLIP_MEAN)) if norm else None
+    std = tuple(pc.get("image_std", _OPENAI_CLIP_STD)) if norm else None
+    for name, vals in (("image_mean", mean), ("image_std", std)):
+        if vals is not None and (len(vals) != 3 or not all(isinstance(x, (int, float)) for x in vals)):
+            raise ConfigError(f"{where}: {name} must be 3 numbers, got {list(vals)!r}")
+    if std is not None and any(x == 0 for x in std):
+        raise ConfigError(f"{where}: image_std has a zero")
+    return QwenImageProcessing(
+        lo, hi, float(pc.get("rescale_factor", 1 / 255)) if pc.get("do_rescale", True) else None,
+        mean, std, _PIL_RESAMPLE[resample], bool(pc.get("do_convert_rgb", True)))
+
+
+def _qwen_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None,
+                           text_hidden: int) -> QwenVisionConfig:
+    """A Qwen2-VL / Qwen2.5-VL checkpoint's QwenVisionConfig: vision_config (transformers'
+    names and the published files' older ones: embed_dim, in_chans), the top-level token
+    ids, preprocessor_config.json (folder)."""
+    vc = d.get("vision_config") or {}
+    if not isinstance(vc, dict):
+        raise ConfigError(f"{where}: vision_config must be an object, got {vc!r}")
+    w = f"{where}: vision_config"
+    v25 = arch == "Qwen2_5_VLForConditionalGeneration"
+    if v25:
+        width = vc.get("hidden_size", 3584)
+        inter = vc.get("intermediate_size", 3420)
+        out = vc.get("out_hidden_size", 3584)
+        act = vc.get("hidden_act", "silu")
+    else:  # Qwen2VLVisionConfig: embed_dim is the tower's width, hidden_size the merger's output
+        width = vc.get("embed_dim", 1280)
+        ratio = vc.get("mlp_ratio", 4)
+        if not isinstance(ratio, (int, float)) or ratio <= 0:
+            raise ConfigError(f"{w}.mlp_ratio must be a positive number, got {ratio!r}")
+        inter = int(width * ratio) if isinstance(width, int) else width
+        out = vc.get("hidden_size", 3584)
+        act = vc.get("hidden_act", "quick_gelu")
+    v = dict(depth=vc.get("depth", 32), hidden_size=width, num_heads=vc.get("num_heads", 16),
+             intermediate_size=inter, out_hidden_size=out, patch_size=vc.get("patch_size", 14),
+             temporal_patch_size=vc.get("temporal_patch_size", 2),
+             spatial_merge_size=vc.get("spatial_merge_size", 2),
+             window_size=vc.get("window_size", 112) if v25 else 0)
+    for k, x in v.items():
+        if not isinstance(x, int) or isinstance(x, bool) or x < (0 if k == "window_size" else 1):
+            raise ConfigError(f"{w}.{k} must be a positive int, got {x!r}")
+    if v["hidden_size"] % v["num_heads"] or (v["hidden_size"] // v["num_heads"]) % 4:
+        raise ConfigError(f"{w}: the heads' width {v['hidden_size']} / {v['num_heads']} must be a "
+                          "multiple of 4 (2-D rotary on halves of h and w)")
+    channels = vc.get("in_channels", vc.get("in_chans", 3))
+    if channels != 3:
+        raise ConfigError(f"{w}.in_channels {channels!r}: only RGB (3) images are read")
+    if act not in _QWEN_VISION_ACTS:
+        raise ConfigError(f"{w}.hidden_act {act!r} is not supported ({', '.join(_QWEN_VISION_ACTS)})")
+    if out != text_hidden:
+        raise ConfigError(f"{w}: the merger's output ({'out_hidden_size' if v25 else 'hidden_size'} "
+                          f"{out}) differs from the text model's hidden_size {text_hidden}")
+    full: tuple[int, ...] = ()
+    if v25:
+        raw_full = vc.get("fullatt_block_indexes", [7, 15, 23, 31])
+        if not isinstance(raw_full, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < v["depth"] for i in raw_full):
+            raise ConfigError(f"{w}.fullatt_block_indexes must be block indexes in [0, "
+                              f"{v['depth']}), got {raw_full!r}")
+        full = tuple(raw_full)
+    if v25 and v["window_size"] % (v["patch_size"] * v["spatial_merge_size"]):
+        raise ConfigError(f"{w}.window_size {v['window_size']} is not a multiple of patch_size x "
+                          f"spatial_merge_size ({v['patch_size'] * v['spatial_merge_size']})")
+    rope = vc.get("rope_parameters") or {}
+    theta = float(rope.get("rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+    tokens = {}
+    for key, default in (("image_token_id", 151_655), ("video_token_id", 151_656),
+                         ("vision_start_token_id", 151_652), ("vision_end_token_id", 151_653)):
+        t = d.get(key, default)
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ConfigError(f"{where}: {key} must be a token id, got {t!r}")
+        tokens[key] = t
+    return QwenVisionConfig("qwen2_5_vl" if v25 else "qwen2_vl", v["depth"], width, v["num_heads"],
+                            inter, act, out, v["patch_size"], v["temporal_patch_size"],
+                            v["spatial_merge_size"], v["window_size"], full, theta,
+                            processing=_qwen_image_processing(folder, v, where), **tokens)
+
+
 def read_config_json(source: str | os.PathLike) -> tuple[str, dict[str, Any]]:
     """A ``config.json`` (the file or its folder) -> (its path, its object); a ConfigError
     names a missing file, bad JSON or a value other than an object."""
@@ -2267,7 +2498,11 @@ class ModelConfig:
     multimodal_architecture: str = ""
     # a multimodal checkpoint whose images we run (IMAGE_ARCHITECTURES): its vision tower,
     # projector, image token and preprocessing (VisionConfig); None for any other model
-    vision: VisionConfig | None = None
+    # (Qwen2-VL / Qwen2.5-VL: QwenVisionConfig, models/qwen2_vl.py)
+    vision: VisionConfig | QwenVisionConfig | None = None
+    # M-RoPE (Qwen2-VL): the rotated pairs' split among the (t, h, w) position components
+    # (layers/rotary.MRotaryEmbedding, engine/mrope.py); (): 1-D rope
+    mrope_section: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ loading
@@ -2304,6 +2539,14 @@ class ModelConfig:
         arch = _ARCH_ALIASES.get(arch, arch)
         if arch in _UNSUPPORTED_IMAGE_ARCHITECTURES:
             raise ConfigError(f"{where}: {arch}: {_UNSUPPORTED_IMAGE_ARCHITECTURES[arch]}")
+        if arch in QWEN_VL_ARCHITECTURES:
+            text, text_where, section = _qwen_vl_text_config(d, arch, where)
+            cfg = ModelConfig._from_dict(text, text_where, folder)
+            if 2 * sum(section) != cfg.rotary_dim:
+                raise ConfigError(f"{text_where}: mrope_section {list(section)} sums to "
+                                  f"{sum(section)}, not half the rotary width ({cfg.rotary_dim} / 2)")
+            return replace(cfg, multimodal_architecture=arch, mrope_section=section,
+                           vision=_qwen_vision_config_of(d, arch, where, folder, cfg.hidden_size))
         if arch in MULTIMODAL_TEXT_ARCHITECTURES:
             text, text_where = _text_config_of(d, arch, where)
             vision = _vision_config_of(d, arch, where, folder) if arch in IMAGE_ARCHITECTURES \

@@ -372,7 +372,7 @@ class LLM:
         encoder = getattr(self.engine, "mm_encoder", None)
         if encoder is None:
             return self.chat_prompt_ids(conversation, add_generation_prompt, tools, **extra)
-        from flashpage.engine.multimodal import chat_images, place_images
+        from flashpage.engine.multimodal import chat_images, place_images, placeholder_ids
 
         conv, parts, images = chat_images(conversation, self.engine.config.media_policy)
         if not images:
@@ -381,7 +381,7 @@ class LLM:
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
         template = tok.chat_template if isinstance(tok.chat_template, str) else None
-        conv = place_images(conv, parts, template, tok.decode([encoder.config.image_token_id]))
+        conv = place_images(conv, parts, template, tok.decode(placeholder_ids(encoder)))
         ids = tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
                                       tokenize=True, return_dict=False, **extra)
         return {"prompt_token_ids": list(ids), "multi_modal_data": {"image": images}}

@@ -25,6 +25,7 @@ from flashpage.config import (
     ConfigError,
     EngineConfig,
     ModelConfig,
+    QwenVisionConfig,
     dtype_bytes,
     resolve_kv_cache_dtype,
 )
@@ -36,7 +37,7 @@ from flashpage.engine.kv_offload import KVOffloader
 from flashpage.engine.medusa import build_medusa_proposer, load_medusa_heads
 from flashpage.engine.model_runner import ModelRunner
 from flashpage.engine.mtp import build_mtp_proposer, mtp_kv_bytes_per_token
-from flashpage.engine.multimodal import MultiModalInput, chain_digest
+from flashpage.engine.multimodal import MultiModalInput, chain_digest, enc_token_name
 from flashpage.engine.output import ChildRequest, ParentRequest, child_params
 from flashpage.engine.prompt_embeds import EMBEDS_PLACEHOLDER_ID, check_prompt_embeds, digest
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
     from flashpage.models.llava import LlavaImageEncoder
     from flashpage.models.medusa import MedusaHeads
     from flashpage.models.mtp import HiddenStateDraft
+    from flashpage.models.qwen2_vl import QwenImageEncoder
     from flashpage.structured.compiler import GuideCompiler
     from flashpage.structured.guide import CompiledGuide
 
@@ -185,15 +187,19 @@ class LLMEngine:
                                     int4_moe_kernel=int4_moe_kernel)
         # a model's multimodal encoder (engine/multimodal.py): LLaVA's vision tower and
         # projector (models/llava.py), before the KV cache takes what memory is left
-        self.mm_encoder: LlavaImageEncoder | None = None
-        if mc.vision is not None:
+        self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | None = None
+        if isinstance(mc.vision, QwenVisionConfig):  # Qwen2-VL / Qwen2.5-VL: models/qwen2_vl.py
+            from flashpage.models.qwen2_vl import load_image_encoder as load_qwen_encoder
+
+            self.mm_encoder = load_qwen_encoder(self.source, self.dtype, self.device, config.seed)
+        elif mc.vision is not None:
             from flashpage.models.llava import load_image_encoder
 
             self.mm_encoder = load_image_encoder(self.source, self.dtype, self.device, config.seed)
-            if not getattr(self.model, "supports_prompt_embeds", False):
-                raise ConfigError(f"{mc.multimodal_architecture}: its text model "
-                                  f"({mc.architecture}) takes no input embeddings, which its "
-                                  "images' rows are (engine/multimodal.py)")
+        if mc.vision is not None and not getattr(self.model, "supports_prompt_embeds", False):
+            raise ConfigError(f"{mc.multimodal_architecture}: its text model "
+                              f"({mc.architecture}) takes no input embeddings, which its "
+                              "images' rows are (engine/multimodal.py)")
         if config.enable_prompt_embeds and not getattr(self.model, "supports_prompt_embeds", False):
             raise ConfigError(f"enable_prompt_embeds: {mc.architecture}'s forward does not take "
                               "input embeddings (engine/prompt_embeds.py lists the families that do)")
@@ -201,7 +207,7 @@ class LLMEngine:
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         if config.enable_sleep_mode and mc.vision is not None:
-            raise ValueError("enable_sleep_mode with an image model (LLaVA) is not supported yet "
+            raise ValueError("enable_sleep_mode with an image model (LLaVA, Qwen2-VL) is not supported yet "
                              "(its vision tower's memory is not released)")
         if config.enable_sleep_mode and self.spec_config is not None:
             raise ValueError("enable_sleep_mode with speculative_config is not supported yet (a "
@@ -805,12 +811,19 @@ class LLMEngine:
         # an embeds prompt's ids are placeholders: its output says none (as vLLM's, empty)
         shown_ids = ids if embeds is None else []
         parent = ParentRequest(request_id, text, shown_ids, params, [], RequestMetrics(arrival), pooling)
+        mrope = None  # M-RoPE's 3-D prompt positions (engine/mrope.py), shared by the samples
+        if mm_inputs and self.model_config.mrope_section:
+            from flashpage.engine.mrope import prompt_positions
+
+            mrope = prompt_positions(len(ids), mm_inputs)
         for i in range(params.n):
             sample = params if params.n == 1 else child_params(params, i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, ids, sample, self.eos_token_ids, arrival, lora_request, priority,
                           cache_salt, embeds, embeds_digest, mm_inputs)
             req.bad_word_ids = bad_word_ids
+            if mrope is not None:
+                req.mrope_positions, req.mrope_delta = mrope
             if guide is not None:
                 from flashpage.structured.guide import GuideState
 
@@ -963,9 +976,13 @@ class LLMEngine:
         enc, mc = self.mm_encoder, self.model_config
         if data is None:
             if enc is not None and enc.config.image_token_id in ids:
-                raise ValueError(f"the prompt has image tokens (<image>, id "
+                raise ValueError(f"the prompt has image tokens ({enc_token_name(enc)}, id "
                                  f"{enc.config.image_token_id}) but no image was given "
                                  "(multi_modal_data={\"image\": ...})")
+            video = getattr(enc.config, "video_token_id", None) if enc is not None else None
+            if video is not None and video in ids:
+                raise ValueError(f"the prompt has a video token (<|video_pad|>, id {video}): video "
+                                 "input is not supported yet")
             return ids, None
         if enc is None:
             what = (f"{mc.multimodal_architecture} is served as its text model alone "
@@ -1258,8 +1275,8 @@ class LLMEngine:
         if mc.mxfp4_experts:
             return "the model's experts are MXFP4 (their reader is not run on update yet)"
         if mc.vision is not None:
-            return ("the model's vision tower and projector (models/llava.py) are not written "
-                    "by weight updates yet")
+            return ("the model's vision tower (models/llava.py, models/qwen2_vl.py) is not "
+                    "written by weight updates yet")
         return None
 
     def _weights_changed(self) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata, with_groups
 from flashpage.config import ModelConfig
 from flashpage.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs, PrefillGraphs
+from flashpage.engine.mrope import step_positions
 from flashpage.engine.multimodal import MultiModalEncoder, encode_pending, overlapping, step_rows
 from flashpage.engine.sampler import PendingSample, Sampler
 from flashpage.engine.scheduler import SchedulerOutput
@@ -247,6 +248,7 @@ class ModelRunner:
         spec: list[tuple[Request, list[int]]] = []
         layout: list[tuple[Request, int, int, int]] = []
         embeds: list[tuple[int, torch.Tensor]] = []  # (first row, rows) of embeds prompts
+        three: list[tuple[int, np.ndarray]] = []  # (first row, [3, n]) of M-RoPE 3-D positions
         if self.mm_encoder is not None:  # this step's inputs not encoded yet, in one batch
             todo = [mi for r, n in sched if r.mm_inputs
                     for mi in overlapping(r.mm_inputs, r.num_computed_tokens, r.num_computed_tokens + n)
@@ -268,7 +270,13 @@ class ModelRunner:
                 g_slots[t:t + n] = g_row[pos // bs].astype(np.int64) * bs + pos % bs
             if n == 1:
                 input_ids[t] = req.all_token_ids[start]
-                positions[t] = start
+                if req.mrope_positions is None:
+                    positions[t] = start
+                else:  # M-RoPE (engine/mrope.py): shifted (a decode), or an image's row
+                    one, pos3 = step_positions(req.mrope_positions, req.mrope_delta, start, end)
+                    positions[t] = one[0]
+                    if pos3 is not None:
+                        three.append((t, pos3))
                 slot_mapping[t] = int(row[start // bs]) * bs + start % bs
                 if num_decodes == i:
                     num_decodes += 1
@@ -287,7 +295,13 @@ class ModelRunner:
                 else:
                     input_ids[t:t + n] = req.all_token_ids[start:end]
                 pos = np.arange(start, end, dtype=np.int64)
-                positions[t:t + n] = pos
+                if req.mrope_positions is None:
+                    positions[t:t + n] = pos
+                else:  # M-RoPE (engine/mrope.py): shifted, or 3-D over an image's rows
+                    positions[t:t + n], pos3 = step_positions(req.mrope_positions, req.mrope_delta,
+                                                              start, end)
+                    if pos3 is not None:
+                        three.append((t, pos3))
                 slot_mapping[t:t + n] = row[pos // bs].astype(np.int64) * bs + pos % bs
             seq_lens[i] = end
             if lora is not None:
@@ -324,6 +338,11 @@ class ModelRunner:
         if n_pend:
             assert self._prev_tokens is not None
             d_input_ids[d_dst] = self._prev_tokens[d_src]
+        if three:  # the step's positions as [3, total] (text rows: three equal components)
+            pos3d = np.repeat(positions[None, :], 3, axis=0)
+            for t0, p3 in three:
+                pos3d[:, t0:t0 + p3.shape[1]] = p3
+            d_positions = self._to_device(pos3d)
         qlens = np.diff(qsl)
         md = AttentionMetadata(
             num_actual_tokens=total,
@@ -421,7 +440,8 @@ class ModelRunner:
         # than requests) the decode graphs, and the prompt-step ones unless they have the rows.
         reads_hidden = bool(inp.prompt_rows or inp.pool_rows)
         # rows given as embeddings run eagerly: the graphs' static inputs are token ids only
-        eager = inp.inputs_embeds is not None
+        # (and 1-D positions: a step with M-RoPE's 3-D ones, an image's rows, is eager too)
+        eager = inp.inputs_embeds is not None or inp.positions.dim() == 2
         if (self.graphs is not None and not eager and md.num_decodes == md.num_seqs and not reads_hidden
                 and not inp.spec
                 and self.graphs.bucket(md.num_seqs) is not None):

@@ -44,20 +44,37 @@ from flashpage.engine.media import MediaPolicy, load_image
 class MultiModalInput:
     """One input's rows in a request's prompt: positions ``[offset, offset + length)``.
     ``data``: what the encoder takes (LLaVA: an image's pixel values [3, S, S] on the host;
-    LLaVA-NeXT: its tiles' and its size, models/llava_next.AnyResImage), None once encoded; ``rows``: the encoder's output [length, hidden] on the device, kept for
-    the request's life (preemption recomputes from it); ``digest``: the data's identity."""
+    LLaVA-NeXT: its tiles' and its size, models/llava_next.AnyResImage; Qwen2-VL: its patches
+    and grid), None once encoded; ``rows``: the encoder's output [length, hidden] on the
+    device, kept for the request's life (preemption recomputes from it); ``digest``: the
+    data's identity; ``grid``: for a model with M-RoPE (Qwen2-VL), the rows' (t, h, w)
+    grid, row-major, whose 3-D positions they take (engine/mrope.py)."""
 
     offset: int
     length: int
     digest: bytes
     data: Any
     rows: torch.Tensor | None = None
+    grid: tuple[int, int, int] | None = None
 
 
 class MultiModalEncoder(Protocol):
     def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]: ...
 
     def encode(self, data: list[Any]) -> list[torch.Tensor]: ...
+
+
+def placeholder_ids(encoder: Any) -> list[int]:
+    """The ids a chat turn's image part becomes in a chat template that prints text (vLLM's
+    "string" content format): the encoder's ``placeholder_ids`` (Qwen2-VL's
+    <|vision_start|><|image_pad|><|vision_end|>), else its image token alone (``<image>``)."""
+    ids = getattr(encoder, "placeholder_ids", None)
+    return list(ids) if ids is not None else [encoder.config.image_token_id]
+
+
+def enc_token_name(encoder: Any) -> str:
+    """The image token's name in errors."""
+    return "<|image_pad|>" if getattr(encoder, "placeholder_ids", None) is not None else "<image>"
 
 
 def chain_digest(inputs: list[MultiModalInput]) -> bytes:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from flashpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from flashpage.engine.multimodal import MultiModalInput
@@ -102,6 +103,11 @@ class Request:
         # chain_digest (the prefix cache shares the blocks from the first input's on only
         # among the same inputs)
         self.mm_inputs = mm_inputs
+        # M-RoPE (Qwen2-VL, engine/mrope.py): the prompt's 3-D positions [3, prompt length]
+        # int64 and the shift of every position past it (<= 0); None / 0 for a request
+        # without images (its positions are its token indexes)
+        self.mrope_positions: np.ndarray | None = None
+        self.mrope_delta = 0
         # a prompt given as input embeddings (engine/prompt_embeds.py): [prompt tokens, width]
         # on the host, its prompt_token_ids placeholders; embeds_digest roots its prefix-cache
         # chain (kv_cache/prefix_cache.chain)

@@ -74,7 +74,9 @@ class Attention(nn.Module):
                 # q and k stay strided views of the fused projection: the kernels take
                 # strides, and a copy of each would cost two more kernels per layer.
                 key_cache, value_cache = self.kv_cache
-                rotary_and_cache_write(positions, q, k, v, rotary.cos_sin_cache, key_cache,
+                # (M-RoPE's 3-D positions: per-token rows, layers/rotary.MRotaryEmbedding)
+                pos, table = rotary.table(positions)
+                rotary_and_cache_write(pos, q, k, v, table, key_cache,
                                        value_cache, metadata.slot_mapping[:n], rotary.is_neox)
                 write_kv = False
             else:

@@ -171,16 +171,55 @@ class RotaryEmbedding(KeepFp32, ops.FusedOpsModule):
                                     self.mscale)
         self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
 
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [N], the cos / sin table they index): the kernels' inputs. Here the
+        positions and the whole cache; M-RoPE's 3-D positions make a table of their own."""
+        return positions, self.cos_sin_cache
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [N, Hq, D], k [N, Hkv, D] -> rotated (q, k)."""
+        positions, cache = self.table(positions)
         if self.fused:
             from flashpage.kernels.rotary import apply_rotary
 
             q, k = q.contiguous(), k.contiguous()
-            return apply_rotary(positions, q, k, self.cos_sin_cache, self.is_neox)
-        return (apply_rotary_torch(positions, q, self.cos_sin_cache, self.is_neox),
-                apply_rotary_torch(positions, k, self.cos_sin_cache, self.is_neox))
+            return apply_rotary(positions, q, k, cache, self.is_neox)
+        return (apply_rotary_torch(positions, q, cache, self.is_neox),
+                apply_rotary_torch(positions, k, cache, self.is_neox))
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL, engine/mrope.py): rotated pair i turns by the angle of one of the
+    position's three components (t, h, w): the first ``section[0]`` pairs by t, the next
+    ``section[1]`` by h, the rest by w. Positions [N] (every text token, a decode step) are
+    the 1-D rope, the parent's fast path; positions [3, N] (a step holding an image's rows)
+    take per-token cos / sin rows gathered from the same cache, column by column
+    (``cos_sin_rows``), which the fused kernel reads as a table of N rows at positions
+    0 .. N - 1 (``table``)."""
+
+    def __init__(self, head_dim: int, rot_dim: int, max_positions: int, base: float,
+                 section: tuple[int, ...], scaling: RopeScaling | None = None) -> None:
+        super().__init__(head_dim, rot_dim, max_positions, base, scaling, is_neox=True)
+        if len(section) != 3 or 2 * sum(section) != rot_dim:
+            raise ValueError(f"mrope_section {list(section)} must be 3 counts summing to "
+                             f"{rot_dim // 2} (the rotated pairs)")
+        comp = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+        self.component: torch.Tensor
+        self.register_buffer("component", torch.cat([comp, comp]), persistent=False)
+
+    def cos_sin_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [3, N] -> fp32 [N, rot_dim]: column j of token n from the cache's row at
+        component ``component[j]`` of its position."""
+        rows = self.cos_sin_cache[positions]  # [3, N, rot_dim]
+        idx = self.component.to(rows.device)[None, None, :].expand(1, rows.shape[1], -1)
+        return rows.gather(0, idx)[0]
+
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return positions, self.cos_sin_cache
+        n = positions.shape[1]
+        return torch.arange(n, device=positions.device), self.cos_sin_rows(positions).contiguous()
 
 
 def get_rope(config: ModelConfig, max_positions: int, layer: int | None = None) -> RotaryEmbedding:
@@ -190,6 +229,9 @@ def get_rope(config: ModelConfig, max_positions: int, layer: int | None = None) 
     on neighbouring pairs: Gemma 3's sliding layers use their own base (rope_local_theta)
     without scaling, every other layer rope_theta and rope_scaling."""
     neox = not config.rope_interleaved
+    if config.mrope_section:
+        return MRotaryEmbedding(config.head_dim, config.rotary_dim, max_positions, config.rope_theta,
+                                config.mrope_section, config.rope_scaling)
     if (layer is not None and config.rope_local_theta is not None
             and config.layer_types[layer] == "sliding_attention"):
         return RotaryEmbedding(config.head_dim, config.rotary_dim, max_positions,

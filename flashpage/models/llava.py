@@ -80,6 +80,10 @@ class LlavaImageEncoder(nn.Module):
     def tokens_per_image(self) -> int:
         return self.config.tokens_per_image
 
+    def num_rows(self, image: Any) -> int:
+        """The rows (and so the prompt positions) of an image: the same for every one."""
+        return self.config.tokens_per_image
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[n, 3, S, S] -> [n, tokens_per_image, text hidden]"""
         vc = self.config
@@ -208,7 +212,7 @@ def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.de
     from flashpage.models.loader import init_random_, iter_safetensors
 
     vc = source.config.vision
-    assert vc is not None
+    assert isinstance(vc, VisionConfig)
     cls = LlavaImageEncoder
     if vc.grid_pinpoints:
         from flashpage.models.llava_next import LlavaNextImageEncoder

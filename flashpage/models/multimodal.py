@@ -1,8 +1,9 @@
 """The text model of a multimodal checkpoint (config.MULTIMODAL_TEXT_ARCHITECTURES:
 Gemma3ForConditionalGeneration, Llama4ForConditionalGeneration,
 Mistral3ForConditionalGeneration served alone, images not supported; and
-LlavaForConditionalGeneration / LlavaNextForConditionalGeneration, whose images
-models/llava.py / llava_next.py run beside it).
+LlavaForConditionalGeneration / LlavaNextForConditionalGeneration,
+Qwen2VLForConditionalGeneration and Qwen2_5_VLForConditionalGeneration, whose images
+models/llava.py / llava_next.py and models/qwen2_vl.py run beside them).
 
 The config is the text model's (config._text_config_of); its weights sit under the wrapper's
 prefixes, which ``text_model_weights`` takes off on the way to the text family's own
@@ -10,6 +11,7 @@ prefixes, which ``text_model_weights`` takes off on the way to the text family's
 
 - the language model: ``language_model.model.`` (transformers 4 and what transformers 5
   still writes), ``model.language_model.`` (transformers 5's module names) -> ``model.``;
+  Qwen2-VL's published files: ``model.`` as it is;
 - the head: ``language_model.lm_head.`` or ``lm_head.`` -> ``lm_head.`` (absent when tied);
 - the vision tower and projector (``vision_tower`` / ``vision_model``,
   ``multi_modal_projector``, LLaVA-NeXT's ``image_newline``, with or without ``model.``
@@ -38,12 +40,18 @@ _TEXT_PREFIXES = (
     ("lm_head.", "lm_head."),
 )
 
+# the published Qwen2-VL / Qwen2.5-VL files keep the language model at the top level
+# (``model.layers.``, ``model.embed_tokens.``; the tower under ``visual.``)
+_BARE_PREFIXES = {arch: (("model.", "model."),) for arch in
+                  ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")}
+
 
 def text_only_note(config: ModelConfig) -> str:
     """The one sentence saying what of a multimodal checkpoint runs (log, inspect)."""
     if config.vision is not None:
+        where = "models/qwen2_vl.py" if config.mrope_section else "models/llava.py"
         return (f"{config.multimodal_architecture}: its text model ({config.architecture}) "
-                "and its images (vision tower and projector: models/llava.py)")
+                f"and its images (vision tower and projector: {where})")
     return (f"{config.multimodal_architecture}: its text model ({config.architecture}) only; "
             "image inputs are not supported")
 
@@ -64,18 +72,19 @@ def text_model_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Mode
 
     skip = vision_prefixes(config)
     skipped = 0
+    prefixes = _TEXT_PREFIXES + _BARE_PREFIXES.get(config.multimodal_architecture, ())
     for name, t in weights:
         if name.startswith(skip) or f"{name}." in skip:  # LLaVA-NeXT's image_newline: a tensor
             skipped += 1
             continue
-        for prefix, ours in _TEXT_PREFIXES:
+        for prefix, ours in prefixes:
             if name.startswith(prefix):
                 yield ours + name[len(prefix):], t
                 break
         else:
             raise ModelLoadError(
                 f"{where}: checkpoint tensor {name!r} is neither the language model's "
-                f"({', '.join(p for p, _ in _TEXT_PREFIXES)}) nor a vision module's "
+                f"({', '.join(p for p, _ in prefixes)}) nor a vision module's "
                 f"({', '.join(skip)}) in this {config.multimodal_architecture} checkpoint")
     logger.info("%s; skipped %d vision tower / projector tensor(s) of the checkpoint",
                 text_only_note(config), skipped)

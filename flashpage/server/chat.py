@@ -57,7 +57,8 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
         ids = ids[-req.truncate_prompt_tokens:]  # the conversation's oldest tokens go first
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
-    # each image's placeholder becomes its rows (models/llava.py expand_image_tokens)
+    # each image's placeholder token becomes its rows (models/llava.py expand_image_tokens,
+    # models/qwen2_vl.py expand_image_pads: as many as its size gives)
     encoder = getattr(state.engine.engine, "mm_encoder", None)
     grows = sum(encoder.num_rows(px) - 1 for px in images["image"]) \
         if images is not None and encoder is not None else 0
@@ -180,7 +181,7 @@ async def _images(state: ServerState, req: ChatCompletionRequest,
     """The request's images as the engine's multi_modal_data (their placeholders put into
     ``conv`` in place), or None without any; a 400 for a model that takes no images, a URL
     that cannot be read (engine/media.py), or bytes that are no image (server/images.py)."""
-    from flashpage.engine.multimodal import as_text_parts, template_reads_parts
+    from flashpage.engine.multimodal import as_text_parts, placeholder_ids, template_reads_parts
     from flashpage.server.images import image_urls, read_images, with_placeholders
 
     urls = image_urls(req.messages)
@@ -198,7 +199,7 @@ async def _images(state: ServerState, req: ChatCompletionRequest,
                           "image input (models/llava.py lists the families that do)", "messages")
     pixels = await read_images(encoder, urls, engine.config.media_policy)
     tok = engine.tokenizer
-    placeholder = tok.decode([encoder.config.image_token_id]) if tok is not None else "<image>"
+    placeholder = tok.decode(placeholder_ids(encoder)) if tok is not None else "<image>"
     template = getattr(tok, "chat_template", None)
     conv[:] = with_placeholders(conv, req.messages, template if isinstance(template, str) else None,
                                 placeholder)

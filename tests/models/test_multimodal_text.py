@@ -328,12 +328,14 @@ def test_config_errors_name_the_field(raw, match):
 def test_unsupported_wrapper_lists_the_text_only_ones():
     with pytest.raises(ConfigError, match=r"with image input: LlavaForConditionalGeneration, "
                                           r"LlavaNextForConditionalGeneration; "
+                                          r"Qwen2VLForConditionalGeneration, "
+                                          r"Qwen2_5_VLForConditionalGeneration; "
                                           r"their text model alone: "
                                           r"Gemma3ForConditionalGeneration, "
                                           r"Llama4ForConditionalGeneration, "
                                           r"Mistral3ForConditionalGeneration$"):
-        ModelConfig.from_hf({"architectures": ["Qwen2VLForConditionalGeneration"],
-                             "text_config": {"model_type": "qwen2"}})
+        ModelConfig.from_hf({"architectures": ["PaliGemmaForConditionalGeneration"],
+                             "text_config": {"model_type": "gemma"}})
 
 
 def test_llm_chat_refuses_an_image_part(tiny):

@@ -1,0 +1,480 @@
+"""Qwen2-VL and Qwen2.5-VL (Qwen2VLForConditionalGeneration,
+Qwen2_5_VLForConditionalGeneration): the image side.
+
+The text model is Qwen2 (models/llama.py, served as any multimodal checkpoint's text model:
+models/multimodal.py) with M-RoPE (layers/rotary.MRotaryEmbedding, engine/mrope.py): an
+image's rows take 3-D (t, h, w) positions. Beside it the engine keeps a ``QwenImageEncoder``:
+
+    patches [L, 3 x T x 14 x 14] (models/qwen2_vl_image.py; L: all the batch's images')
+    -> patch_embed (the Conv3d as one linear) -> blocks -> merger -> rows [L / 4, H]
+
+- each block: x + attn(norm1(x)); x + mlp(norm2(x)). Qwen2-VL: LayerNorm, fc1 -> act ->
+  fc2 (quick_gelu); Qwen2.5-VL: RMSNorm, down(act(gate) * up) with biases (silu);
+- attention: bidirectional within one image (never across the batch's images), q and k
+  rotated by the 2-D rotary of each patch's (row, column): the first half of the rotated
+  pairs by the row, the second by the column; Qwen2.5-VL attends within windows of
+  window_size pixels (window_size / 28 merged units square) but in
+  ``fullatt_block_indexes``: its tokens are put in window order first (whole merge blocks
+  moved, each window's contiguous) and the merger's rows put back after;
+- the merger: each merge block's 4 patches (consecutive rows) normed, concatenated ->
+  Linear -> GELU -> Linear to the text model's width. Rows in (row, column) order of the
+  image's merged grid, which its 3-D positions follow.
+
+Attention runs torch's scaled_dot_product_attention once per distinct segment length (the
+images of one size, the windows of one size): exact (no masks, no padding), a few calls per
+block.
+
+Weights: ``visual.`` (the published files) or ``model.visual.`` (transformers 5), HF's
+names (``visual.blocks.{i}.attn.qkv.weight``, ``visual.merger.mlp.0.weight`` ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashpage.config import QwenVisionConfig
+from flashpage.engine.multimodal import MultiModalInput
+from flashpage.engine.prompt_embeds import digest
+from flashpage.models.clip_image import is_pil_image
+from flashpage.models.qwen2_vl_image import preprocess
+
+if TYPE_CHECKING:
+    from flashpage.models.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+_PREFIXES = (("model.visual.", "visual."), ("visual.", "visual."))
+IMAGE_PREFIXES = tuple(p for p, _ in _PREFIXES)
+
+
+@dataclass(eq=False)
+class QwenImage:
+    """One preprocessed image: its patches fp32 [t x h x w, patch_dim] on the host and its
+    patch grid (t, h, w) (models/qwen2_vl_image.py)."""
+
+    patches: torch.Tensor
+    grid: tuple[int, int, int]
+
+
+def _act(name: str) -> nn.Module:
+    if name == "quick_gelu":
+        from flashpage.models.clip_vision import QuickGELU
+
+        return QuickGELU()
+    if name == "silu":
+        return nn.SiLU()
+    return nn.GELU(approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
+
+
+class VisionRMSNorm(nn.Module):
+    """Qwen2.5-VL's RMSNorm (fp32 math, the weight applied in the input's dtype)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _norm(vc: QwenVisionConfig, dim: int) -> nn.Module:
+    return VisionRMSNorm(dim) if vc.variant == "qwen2_5_vl" else nn.LayerNorm(dim, eps=1e-6)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      segments: list[tuple[int, int]]) -> torch.Tensor:
+    """q, k, v [L, H, D] -> [L, H, D]: full attention within each segment (start, length)
+    (the segments cover [0, L)), one SDPA call per distinct length."""
+    out = torch.empty_like(q)
+    by_len: dict[int, list[int]] = defaultdict(list)
+    for s, n in segments:
+        by_len[n].append(s)
+    for n, starts in by_len.items():
+        if len(starts) == 1:
+            s = starts[0]
+            o = F.scaled_dot_product_attention(q[s:s + n].transpose(0, 1), k[s:s + n].transpose(0, 1),
+                                               v[s:s + n].transpose(0, 1))
+            out[s:s + n] = o.transpose(0, 1)
+            continue
+        idx = (torch.tensor(starts, device=q.device)[:, None]
+               + torch.arange(n, device=q.device)[None, :]).reshape(-1)
+        m = len(starts)
+        qs, ks, vs = (x[idx].view(m, n, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs)  # [m, H, n, D]
+        out[idx] = o.transpose(1, 2).reshape(m * n, *q.shape[1:])
+    return out
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, vc: QwenVisionConfig) -> None:
+        super().__init__()
+        self.num_heads = vc.num_heads
+        self.qkv = nn.Linear(vc.hidden_size, 3 * vc.hidden_size)
+        self.proj = nn.Linear(vc.hidden_size, vc.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: list[tuple[int, int]]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
+        c, s = cos[:, None], sin[:, None]  # fp32 [L, 1, D]
+        q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)
+        k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
+        return self.proj(segment_attention(q, k, v, segments).reshape(n, -1))
+
+
+class VisionMLP(nn.Module):
+    """Qwen2-VL's: fc1 -> act -> fc2."""
+
+    def __init__(self, vc: QwenVisionConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(vc.hidden_size, vc.intermediate_size)
+        self.act = _act(vc.hidden_act)
+        self.fc2 = nn.Linear(vc.intermediate_size, vc.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionGatedMLP(nn.Module):
+    """Qwen2.5-VL's: down(act(gate(x)) * up(x)), each with a bias."""
+
+    def __init__(self, vc: QwenVisionConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(vc.hidden_size, vc.intermediate_size)
+        self.up_proj = nn.Linear(vc.hidden_size, vc.intermediate_size)
+        self.down_proj = nn.Linear(vc.intermediate_size, vc.hidden_size)
+        self.act = _act(vc.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, vc: QwenVisionConfig) -> None:
+        super().__init__()
+        self.norm1 = _norm(vc, vc.hidden_size)
+        self.norm2 = _norm(vc, vc.hidden_size)
+        self.attn = VisionAttention(vc)
+        self.mlp: nn.Module = VisionGatedMLP(vc) if vc.variant == "qwen2_5_vl" else VisionMLP(vc)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: list[tuple[int, int]]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, vc: QwenVisionConfig) -> None:
+        super().__init__()
+        k = (vc.temporal_patch_size, vc.patch_size, vc.patch_size)
+        # the checkpoint's Conv3d (its weight's name and shape); run as one linear: the
+        # kernel covers each patch exactly (stride = kernel)
+        self.proj = nn.Conv3d(3, vc.hidden_size, kernel_size=k, stride=k, bias=False)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight
+        return F.linear(patches.to(w.dtype), w.view(w.shape[0], -1))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, vc: QwenVisionConfig) -> None:
+        super().__init__()
+        self.width = vc.hidden_size * vc.spatial_merge_size ** 2
+        self.ln_q = _norm(vc, vc.hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(),
+                                 nn.Linear(self.width, vc.out_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.width))
+
+
+def rotary_positions(grid: tuple[int, int, int], merge: int) -> torch.Tensor:
+    """Each patch's (row, column) in the patches' merge-block order: int64 [t x h x w, 2]."""
+    t, h, w = grid
+    hp = torch.arange(h)[:, None].expand(h, w)
+    wp = torch.arange(w)[None, :].expand(h, w)
+
+    def blocks(p: torch.Tensor) -> torch.Tensor:
+        return p.reshape(h // merge, merge, w // merge, merge).transpose(1, 2).reshape(-1)
+
+    return torch.stack([blocks(hp), blocks(wp)], dim=-1).repeat(t, 1)
+
+
+def window_order(grid: tuple[int, int, int], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL's windows over one image's merged grid (t, h / merge, w / merge) of
+    ``window`` merged units square, tiled from the top left (the last row / column of
+    windows cut short): (its merge blocks' indexes in window order, row-major within a
+    window and over windows, frame by frame; each window's merge-block count)."""
+    t, h, w = grid[0], grid[1] // merge, grid[2] // merge
+    index = torch.arange(t * h * w).view(t, h, w)
+    order: list[torch.Tensor] = []
+    sizes: list[int] = []
+    for f in range(t):
+        for r in range(0, h, window):
+            for c in range(0, w, window):
+                blk = index[f, r:r + window, c:c + window].reshape(-1)
+                order.append(blk)
+                sizes.append(blk.numel())
+    return torch.cat(order), sizes
+
+
+class VisionTower(nn.Module):
+    """transformers' Qwen2VisionTransformerPretrainedModel /
+    Qwen2_5_VisionTransformerPretrainedModel (names kept)."""
+
+    def __init__(self, vc: QwenVisionConfig) -> None:
+        super().__init__()
+        self.config = vc
+        self.patch_embed = PatchEmbed(vc)
+        self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
+        self.merger = PatchMerger(vc)
+        half = vc.hidden_size // vc.num_heads // 2
+        # fp32 always (not a buffer: a cast of the module to bf16 would round it)
+        self.inv_freq = 1.0 / (vc.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32,
+                                                              device="cpu") / half))
+
+    def _cos_sin(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 [L, head_dim] each: row angles on the first quarter of the pairs' columns,
+        column angles on the second, both halves alike (rotate_half's layout)."""
+        m = self.config.spatial_merge_size
+        dev = self.patch_embed.proj.weight.device
+        pos = torch.cat([rotary_positions(g, m) for g in grids]).to(dev)
+        freqs = pos[..., None].float() * self.inv_freq.to(dev)  # [L, 2, head / 4]
+        f = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+        emb = torch.cat([f, f], dim=-1)
+        return emb.cos(), emb.sin()
+
+    def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """patches [L, patch_dim] of the images ``grids`` in turn -> rows [L / merge^2, out]."""
+        vc = self.config
+        unit = vc.spatial_merge_size ** 2
+        x = self.patch_embed(patches)
+        cos, sin = self._cos_sin(grids)
+        sizes = [t * h * w for t, h, w in grids]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        images = list(zip(starts, sizes, strict=True))
+        windowed = vc.variant == "qwen2_5_vl" and len(vc.fullatt_block_indexes) < vc.depth
+        back: torch.Tensor | None = None
+        windows: list[tuple[int, int]] = images
+        if windowed:
+            per_window = vc.window_size // vc.spatial_merge_size // vc.patch_size
+            order, windows = [], []
+            at = 0
+            for (s, _), g in zip(images, grids, strict=True):
+                idx, counts = window_order(g, vc.spatial_merge_size, per_window)
+                order.append(idx + s // unit)
+                for c in counts:
+                    windows.append((at, c * unit))
+                    at += c * unit
+            blocks = torch.cat(order).to(x.device)
+
+            def permute(y: torch.Tensor) -> torch.Tensor:
+                return y.view(-1, unit, y.shape[-1])[blocks].reshape(y.shape)
+
+            x, cos, sin = permute(x), permute(cos), permute(sin)
+            back = torch.argsort(blocks)
+        for i, blk in enumerate(self.blocks):
+            full = not windowed or i in vc.fullatt_block_indexes
+            x = blk(x, cos, sin, images if full else windows)
+        rows = self.merger(x)
+        return rows[back] if back is not None else rows
+
+
+class QwenImageEncoder(nn.Module):
+    """Images -> the rows of their ``<|image_pad|>`` positions (module docstring)."""
+
+    def __init__(self, vc: QwenVisionConfig) -> None:
+        super().__init__()
+        self.config = vc
+        self.visual = VisionTower(vc)
+
+    @property
+    def placeholder_ids(self) -> list[int]:
+        """What a chat turn's image part becomes in a template that prints text:
+        <|vision_start|><|image_pad|><|vision_end|> (the template's own part otherwise)."""
+        vc = self.config
+        return [vc.vision_start_token_id, vc.image_token_id, vc.vision_end_token_id]
+
+    def num_rows(self, image: QwenImage) -> int:
+        """The rows (and so the prompt positions) of a preprocessed image."""
+        t, h, w = image.grid
+        return t * h * w // self.config.spatial_merge_size ** 2
+
+    def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
+        """The engine's multimodal hook at admission (engine/multimodal.py): a request's
+        ``multi_modal_data`` ({"image": a PIL image, a uint8 [3, H, W] tensor, or a list of
+        them}) checked and preprocessed, and its prompt's ids with each <|image_pad|> made
+        its image's rows' count; a ValueError names what is wrong (video input among it)."""
+        vc = self.config
+        if not isinstance(data, dict):
+            raise ValueError(f"multi_modal_data must be a dict such as {{\"image\": image}}, "
+                             f"got {type(data).__name__}")
+        if "video" in data:
+            raise ValueError("multi_modal_data[\"video\"]: video input is not supported yet "
+                             "(images are)")
+        unknown = sorted(set(data) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data {unknown}: this model takes \"image\" only")
+        if "image" not in data:
+            raise ValueError("multi_modal_data has no \"image\"")
+        if vc.video_token_id in ids:
+            raise ValueError(f"the prompt has a video token (<|video_pad|>, id {vc.video_token_id}): "
+                             "video input is not supported yet")
+        given = data["image"]
+        images = list(given) if isinstance(given, (list, tuple)) else [given]
+        if not images:
+            raise ValueError("multi_modal_data[\"image\"] is an empty list")
+        pix = [self.pixel_values(img, i) for i, img in enumerate(images)]
+        counts = [self.num_rows(p) for p in pix]
+        ids, starts = expand_image_pads(ids, vc.image_token_id, counts)
+        m = vc.spatial_merge_size
+        return ids, [MultiModalInput(s, n, _digest(p), p, grid=(p.grid[0], p.grid[1] // m, p.grid[2] // m))
+                     for s, n, p in zip(starts, counts, pix, strict=True)]
+
+    def pixel_values(self, image: Any, i: int = 0) -> QwenImage:
+        """One image preprocessed on the host (models/qwen2_vl_image.py): a PIL image, a
+        uint8 [3, H, W] tensor, or a QwenImage already made (checked)."""
+        vc = self.config
+        if isinstance(image, QwenImage):
+            t, h, w = image.grid
+            m = vc.spatial_merge_size
+            p = image.patches
+            if (t != 1 or h % m or w % m or not isinstance(p, torch.Tensor)
+                    or tuple(p.shape) != (t * h * w, vc.patch_dim) or not p.is_floating_point()):
+                raise ValueError(f"image {i}: a QwenImage must hold float patches [h x w, "
+                                 f"{vc.patch_dim}] of one frame, h and w multiples of {m}")
+            return image
+        if is_pil_image(image) or (isinstance(image, torch.Tensor) and image.dtype == torch.uint8
+                                   and image.dim() == 3 and image.shape[0] == 3):
+            try:
+                patches, grid = preprocess(image, vc.processing, vc.patch_size,
+                                           vc.spatial_merge_size, vc.temporal_patch_size)
+            except (OSError, ValueError) as e:  # a truncated file, an aspect ratio over 200
+                raise ValueError(f"image {i} could not be read: {e}") from e
+            return QwenImage(patches, grid)
+        if isinstance(image, torch.Tensor):
+            raise ValueError(f"image {i}: a tensor image must be uint8 RGB [3, H, W] (it is "
+                             f"preprocessed here), got {str(image.dtype).replace('torch.', '')} "
+                             f"{list(image.shape)}")
+        raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image or a "
+                         "uint8 [3, H, W] tensor")
+
+    @torch.inference_mode()
+    def encode(self, data: list[QwenImage]) -> list[torch.Tensor]:
+        """The engine's multimodal hook: the images' rows [num_rows, H] on the device, one
+        tower pass for all of them (attention kept within each image)."""
+        w = self.visual.patch_embed.proj.weight
+        patches = torch.cat([d.patches for d in data]).to(w.device, w.dtype, non_blocking=True)
+        rows = self.visual(patches, [d.grid for d in data])
+        return list(rows.split([self.num_rows(d) for d in data]))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
+        """Load a checkpoint's ``visual.`` tensors (others are the text model's); returns
+        the parameter names loaded."""
+        from flashpage.models.loader import ModelLoadError
+
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, t in weights:
+            ours = next((o + name[len(p):] for p, o in _PREFIXES if name.startswith(p)), None)
+            if ours is None:
+                continue
+            p = params.get(ours)
+            if p is None:
+                raise ModelLoadError(f"{where}: checkpoint tensor {name!r} is not a parameter of "
+                                     f"the {self.config.variant} vision tower")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ModelLoadError(f"{where}: checkpoint tensor {name!r} has shape "
+                                     f"{tuple(t.shape)}, the config says {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(t)
+            loaded.add(ours)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ModelLoadError(f"{where}: {len(missing)} vision tower weight(s) missing from "
+                                 f"the checkpoint: {shown}")
+        return loaded
+
+
+def _digest(image: QwenImage) -> bytes:
+    """The patches' digest and the grid (two images of one patch count and the same bytes,
+    a flat color, differ by grid: their rows and positions differ)."""
+    return hashlib.blake2b(digest(image.patches) + repr(image.grid).encode(), digest_size=32).digest()
+
+
+def expand_image_pads(ids: list[int], token: int, counts: list[int]) -> tuple[list[int], list[int]]:
+    """A prompt's ids with image i's <|image_pad|> made ``counts[i]`` of them (as
+    Qwen2VLProcessor), and each image's first position. Ids already expanded (one run of
+    exactly counts[i] per image) are kept. A ValueError names a count that does not match."""
+    runs: list[tuple[int, int]] = []
+    i = 0
+    while i < len(ids):
+        if ids[i] == token:
+            j = i
+            while j < len(ids) and ids[j] == token:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    if runs and len(runs) == len(counts) and any(c > 1 for c in counts) \
+            and all(n == c for (_, n), c in zip(runs, counts, strict=True)):
+        return list(ids), [s for s, _ in runs]
+    total = sum(n for _, n in runs)
+    if total != len(counts):
+        raise ValueError(f"the prompt has {total} image token(s) (<|image_pad|>, id {token}) but "
+                         f"{len(counts)} image(s) were given: put one "
+                         "<|vision_start|><|image_pad|><|vision_end|> in the prompt per image")
+    out: list[int] = []
+    starts: list[int] = []
+    k = 0
+    for t in ids:
+        if t == token:
+            starts.append(len(out))
+            out.extend([token] * counts[k])
+            k += 1
+        else:
+            out.append(t)
+    return out, starts
+
+
+def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
+                       seed: int = 0) -> QwenImageEncoder:
+    """``source``'s image encoder in ``dtype`` on ``device``: its checkpoint's tensors, or
+    random ones (a random_config source)."""
+    from flashpage.models.loader import init_random_, iter_safetensors
+
+    vc = source.config.vision
+    assert isinstance(vc, QwenVisionConfig)
+    with torch.device(device):
+        enc = QwenImageEncoder(vc)
+    enc.to(dtype)
+    if source.kind == "random":
+        init_random_(enc, seed)
+        with torch.no_grad():
+            for n, p in enc.named_parameters():
+                if "norm" in n and n.endswith(".bias"):
+                    p.zero_()
+    else:
+        assert source.path is not None
+        enc.load_weights(iter_safetensors(source.path, "cpu", keep=lambda n: n.startswith(IMAGE_PREFIXES)),
+                         source.path)
+    return enc.eval()

@@ -1,0 +1,81 @@
+"""An image as Qwen2-VL's vision tower reads it, in torch (Qwen2VLImageProcessor's steps):
+
+    RGB uint8 [3, H, W] -> smart_resize to (h, w), multiples of patch x merge (28), with
+    min_pixels <= h x w <= max_pixels and the aspect ratio kept as near as they allow
+    -> x * rescale_factor -> (x - mean) / std -> patches
+
+    patches [grid_h x grid_w, 3 x temporal_patch_size x patch x patch] fp32, grid (1, gh, gw)
+
+A patch's values are laid out (channel, temporal, row, column), the Conv3d patch embedding's
+weight layout, the image repeated over the temporal patch (an image is a one-frame video);
+the patches are ordered by merge block: (gh / merge, gw / merge, merge, merge), so that each
+run of merge^2 patches is one row of the patch merger (models/qwen2_vl.py).
+
+The resize is torch's antialiased ``interpolate`` on uint8, as models/clip_image.py's (the
+kernel transformers' torchvision processor runs): equal to transformers' PIL processor
+(Qwen2VLImageProcessorPil) where no resampling happens, within a level of 1/255 otherwise
+(tests/models/test_qwen2_vl.py measures both).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from flashpage.config import QwenImageProcessing
+from flashpage.models.clip_image import pil_to_uint8
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+                 ) -> tuple[int, int]:
+    """Qwen2-VL's smart_resize: (h, w) multiples of ``factor`` with min_pixels <= h x w <=
+    max_pixels, the aspect ratio kept as near as they allow; a ValueError for an aspect
+    ratio over 200."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"image of {height} x {width}: its aspect ratio must be under 200, got "
+                         f"{max(height, width) / min(height, width):.1f}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def patchify(x: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
+    """fp32 [3, H, W] (multiples of patch x merge) -> [gh x gw, 3 x temporal x patch^2]
+    in merge-block order (module docstring)."""
+    c, h, w = x.shape
+    gh, gw = h // patch, w // patch
+    p = x.reshape(c, gh // merge, merge, patch, gw // merge, merge, patch)
+    p = p.permute(1, 4, 2, 5, 0, 3, 6)  # (gh/m, gw/m, m, m, c, patch, patch)
+    p = p.unsqueeze(5).expand(*p.shape[:5], temporal, patch, patch)
+    return p.reshape(gh * gw, c * temporal * patch * patch).contiguous()
+
+
+def preprocess(image: Any, proc: QwenImageProcessing, patch: int, merge: int, temporal: int
+               ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """A PIL image (or a uint8 [3, H, W] tensor) -> (patches fp32 [gh x gw, patch_dim],
+    its grid (1, gh, gw))."""
+    x = image if isinstance(image, torch.Tensor) else pil_to_uint8(image, proc.convert_rgb)
+    h, w = x.shape[1:]
+    rh, rw = smart_resize(h, w, patch * merge, proc.min_pixels, proc.max_pixels)
+    if (rh, rw) != (h, w):
+        x = F.interpolate(x[None], size=(rh, rw), mode=proc.resample, antialias=True,
+                          align_corners=False)[0]
+    out = x.to(torch.float32)
+    if proc.rescale_factor is not None:
+        out = out * proc.rescale_factor
+    if proc.mean is not None and proc.std is not None:
+        mean = torch.tensor(proc.mean, dtype=torch.float32)[:, None, None]
+        std = torch.tensor(proc.std, dtype=torch.float32)[:, None, None]
+        out = (out - mean) / std
+    return patchify(out, patch, merge, temporal), (1, rh // patch, rw // patch)
