@@ -104,10 +104,6 @@ class LlavaImageEncoder(nn.Module):
         return ids, [MultiModalInput(s, vc.tokens_per_image, digest(px), px)
                      for s, px in zip(starts, pixels, strict=True)]
 
-    def num_rows(self, pixels: Any) -> int:
-        """The rows (``<image>`` positions) of one image's ``pixel_values``."""
-        return self.config.tokens_per_image
-
     def pixel_values(self, image: Any, i: int = 0) -> torch.Tensor:
         """One image as float32 pixel values [3, S, S] on the host: a PIL image
         preprocessed, or pixel values given (checked: shape, dtype, finite)."""

@@ -327,7 +327,7 @@ def test_config_errors_name_the_field(raw, match):
 
 def test_unsupported_wrapper_lists_the_text_only_ones():
     with pytest.raises(ConfigError, match=r"with image input: LlavaForConditionalGeneration, "
-                                          r"LlavaNextForConditionalGeneration; "
+                                          r"LlavaNextForConditionalGeneration, "
                                           r"Qwen2VLForConditionalGeneration, "
                                           r"Qwen2_5_VLForConditionalGeneration; "
                                           r"their text model alone: "
