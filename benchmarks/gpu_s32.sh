@@ -4,8 +4,9 @@
 #                                             now shared), benchmarks/vlm.py on the LLaVA-1.5-7B shape
 #                                             against transformers, then the recapturing sleep form's
 #                                             token changes measured (logprob margins where they differ)
-#   BUDGET=420 bash benchmarks/gpu_s32.sh b   the recapturing sleep form again after the TMA descriptor fix,
-#                                             then the GPU tests of the helpers' features (CTESTS: the files)
+#   BUDGET=600 bash benchmarks/gpu_s32.sh b   the recapturing sleep form again after the TMA descriptor fix,
+#                                             the GPU tests of the helpers' features (CTESTS: the files), then
+#                                             vlm.py's text twin on LLaVA-1.5-7B and Qwen2.5-VL-7B (ours)
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -19,7 +20,11 @@ a)
 b)
   FLASHPAGE_SLEEP_FIXED_ADDRESSES=0 timeout "$(left 150)" python3 benchmarks/sleep_wake.py --config llama-3-8b \
     --cycles 2 --json-out "$OUT/sleep_recapture_fixed.json" 2>&1 | grep -v "^INFO" | tail -n 3
-  timeout "$(left 600)" $PT -rfE -m gpu ${CTESTS:?CTESTS: the test files} 2>&1 | tee "$OUT/gpu_session32_tests.txt" | tail -n 14
+  timeout "$(left 300)" $PT -rfE -m gpu ${CTESTS:?CTESTS: the test files} 2>&1 | tee "$OUT/gpu_session32_tests.txt" | tail -n 14
+  timeout "$(left 150)" python3 benchmarks/vlm.py --hf-requests 0 --json-out "$OUT/vlm_twin.json" 2>&1 \
+    | grep -v "^INFO" | tail -n 3
+  timeout "$(left 200)" python3 benchmarks/vlm.py --config qwen2.5-vl-7b --json-out "$OUT/vlm_qwen.json" 2>&1 \
+    | grep -v "^INFO" | tail -n 4
   echo "part b done at ${SECONDS}s" ;;
 *) echo "unknown part $PART (a-b)"; exit 2 ;;
 esac

@@ -12,6 +12,11 @@ when it is shared). transformers runs the same requests in batches of --hf-batch
 
     python benchmarks/vlm.py --json-out $OUT/vlm.json
     python benchmarks/vlm.py --requests 64 --hf-requests 32 --config /path/to/llava/config.json
+    python benchmarks/vlm.py --config qwen2.5-vl-7b --json-out $OUT/vlm_qwen.json   (ours only)
+
+Qwen2-VL / Qwen2.5-VL configs: each request's placeholder is <|vision_start|><|image_pad|>
+<|vision_end|>, its image uint8 pixels the engine preprocesses (448 x 448: 256 rows); the
+transformers side is not run for them (the text twin still is).
 """
 
 from __future__ import annotations
@@ -33,16 +38,19 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def workload(n: int, system: int, question: int, vocab: int, image_token: int, size: int, seed: int = 0):
-    """(prompt ids with one image placeholder each, one [3, size, size] image each)."""
+def workload(n: int, system: int, question: int, vocab: int, placeholder: list[int], size: int,
+             seed: int = 0, uint8: bool = False):
+    """(prompt ids with one image placeholder each, one [3, size, size] image each: float
+    pixel values (LLaVA) or uint8 pixels (Qwen2-VL: preprocessed by the engine))."""
     g = torch.Generator().manual_seed(seed)
 
     def text(k: int) -> list[int]:
-        return [t if t != image_token else 3 for t in torch.randint(3, vocab, (k,), generator=g).tolist()]
+        return [t if t not in placeholder else 3 for t in torch.randint(3, vocab, (k,), generator=g).tolist()]
 
     shared = text(system)
-    prompts = [[1, *shared, image_token, *text(question)] for _ in range(n)]
-    images = [torch.randn(3, size, size, generator=g) for _ in range(n)]
+    prompts = [[1, *shared, *placeholder, *text(question)] for _ in range(n)]
+    images = [torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=g) if uint8
+              else torch.randn(3, size, size, generator=g) for _ in range(n)]
     return prompts, images
 
 
@@ -113,6 +121,8 @@ def main() -> None:
     ap.add_argument("--text-twin", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the workload with the images' rows as text tokens")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--image-size", type=int, default=None,
+                    help="square images of this side (default: LLaVA's tower size; 448 for Qwen2-VL)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                     help="ours; the rest is room for transformers' model in the same process")
     ap.add_argument("--json-out")
@@ -121,17 +131,25 @@ def main() -> None:
     llm = LLM(random_weights_config=resolve_config(args.config), dtype=args.dtype,
               gpu_memory_utilization=args.gpu_memory_utilization)
     eng = llm.engine
-    vc = eng.mm_encoder.config  # type: ignore[union-attr]
-    image_token, size, rows = vc.image_token_id, vc.image_size, vc.tokens_per_image
-    prompts, images = workload(args.requests, args.system, args.question, eng.model_config.vocab_size,
-                               image_token, size)
+    enc = eng.mm_encoder
+    assert enc is not None, f"{args.config} takes no images"
+    vc = enc.config
+    qwen = hasattr(enc, "placeholder_ids")  # Qwen2-VL: <|vision_start|><|image_pad|><|vision_end|>
+    image_token = vc.image_token_id
+    placeholder = list(enc.placeholder_ids) if qwen else [image_token]
+    size = args.image_size or getattr(vc, "image_size", 448)
+    vocab = eng.model_config.vocab_size
+    prompts, images = workload(args.requests, args.system, args.question, vocab, placeholder, size, uint8=qwen)
+    rows = enc.num_rows(enc.pixel_values(images[0]))
+    if qwen and args.hf_requests:
+        print("transformers' side (end to end and the tower) is run for LLaVA only", flush=True)
+        args.hf_requests = 0
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
 
     def reqs(ps, ims):
         return [{"prompt_token_ids": p, "multi_modal_data": {"image": im}} for p, im in zip(ps, ims, strict=True)]
 
-    w_prompts, w_images = workload(8, args.system, args.question, eng.model_config.vocab_size, image_token,
-                                   size, seed=1)
+    w_prompts, w_images = workload(8, args.system, args.question, vocab, placeholder, size, seed=1, uint8=qwen)
     llm.generate(reqs(w_prompts, w_images), params, use_tqdm=False)  # compile, warm up
     kv = eng.kv_manager
     hits0 = kv.prefix_hits
@@ -145,7 +163,7 @@ def main() -> None:
     ours = {"requests": args.requests, "output_tokens": out_tokens, "seconds": dt,
             "output_tok_per_s": out_tokens / dt, "requests_per_s": args.requests / dt,
             "prefix_hit_tokens": kv.prefix_hits - hits0,
-            "prompt_tokens_each": len(prompts[0]) - 1 + rows}
+            "prompt_tokens_each": len(prompts[0]) - 1 + rows, "rows_per_image": rows}
     print(f"flashpage: {args.requests} image requests, {out_tokens} output tokens in {dt:.2f} s: "
           f"{ours['output_tok_per_s']:.0f} output tok/s, {ours['requests_per_s']:.2f} req/s; "
           f"prefix hits {ours['prefix_hit_tokens']} tokens", flush=True)
