@@ -464,7 +464,16 @@ class LLMEngine:
             temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
         if self.model_config.is_classifier:  # prompts only: a classifier never decodes
             params = PoolingParams(task="classify")
-        prompt = [i % vocab for i in range(1, chunk + 1)]
+        # never an image model's placeholder ids (a prompt holding one needs its image)
+        enc = self.mm_encoder
+        avoid = set() if enc is None else {enc.config.image_token_id, getattr(enc.config, "video_token_id", None),
+                                           *getattr(enc, "placeholder_ids", ())}
+
+        def plain(ids: list[int]) -> list[int]:
+            return [next(u % vocab for u in range(t, t + len(avoid) + 1) if u % vocab not in avoid)
+                    if t in avoid else t for t in ids]
+
+        prompt = plain([i % vocab for i in range(1, chunk + 1)])
         a = max(1, chunk // 4)
         self.add_request("__warmup_0", prompt[:a], params)
         self.add_request("__warmup_1", prompt[:a][::-1], params)
@@ -490,7 +499,7 @@ class LLMEngine:
         if full > chunk and self.kv_manager.num_free_blocks * self.config.block_size >= 2 * full:
             for i, n in enumerate(dict.fromkeys((full, max(chunk + 1, full - 3)))):
                 self.add_request(f"__warmup_{5 + i}",  # no prefix of the other
-                                 [(7 * j + 3 + i) % vocab for j in range(n)], params)
+                                 plain([(7 * j + 3 + i) % vocab for j in range(n)]), params)
                 while self.has_unfinished_requests():
                     self.step()
         # the sampling kernel's fp32 variant (after penalties or a top-k/top-p filter)

@@ -325,3 +325,14 @@ def test_inspect_says_images_run(llava):
     info = inspect_config(ModelConfig.from_hf(llava[0]), 1 << 30)
     assert info["image_input"] is True
     assert "LlavaForConditionalGeneration: its text model and image input" in format_report(info)
+
+
+def test_warm_up_prompts_hold_no_image_token(llava):
+    """The engine's warm-up (run at start-up on CUDA) steps through prompts of every id up to
+    its chunk: an image model's must skip the image token (a prompt holding one needs an
+    image: run 228's GPU tests failed at start-up on a tiny vocabulary)."""
+    path, _, tok = llava
+    llm = _llm(path, max_num_batched_tokens=512)
+    assert llm.engine.model_config.vocab_size <= 512 and tok < llm.engine.model_config.vocab_size
+    llm.engine.warm_up()
+    assert llm.engine.kv_manager.stats().blocks_used == 0 and not llm.engine.has_unfinished_requests()
