@@ -45,7 +45,7 @@ from flashpage.config import QwenVisionConfig
 from flashpage.engine.multimodal import MultiModalInput
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image
-from flashpage.models.qwen2_vl_image import preprocess
+from flashpage.models.qwen2_vl_image import normalize, resize
 
 if TYPE_CHECKING:
     from flashpage.models.loader import ModelSource
@@ -58,11 +58,14 @@ IMAGE_PREFIXES = tuple(p for p, _ in _PREFIXES)
 
 @dataclass(eq=False)
 class QwenImage:
-    """One preprocessed image: its patches fp32 [t x h x w, patch_dim] on the host and its
-    patch grid (t, h, w) (models/qwen2_vl_image.py)."""
+    """One preprocessed image: its patch grid (t, h, w) and either its patches fp32
+    [t x h x w, patch_dim] (``pixel_values``'s) or, as the engine keeps a request's, its
+    pixels uint8 [3, h x patch, w x patch] at the size smart_resize chose, normalized and cut
+    into patches on the device by ``encode`` (models/qwen2_vl_image.py)."""
 
-    patches: torch.Tensor
+    patches: torch.Tensor | None
     grid: tuple[int, int, int]
+    pixels: torch.Tensor | None = None
 
 
 def _act(name: str) -> nn.Module:
@@ -341,17 +344,28 @@ class QwenImageEncoder(nn.Module):
         images = list(given) if isinstance(given, (list, tuple)) else [given]
         if not images:
             raise ValueError("multi_modal_data[\"image\"] is an empty list")
-        pix = [self.pixel_values(img, i) for i, img in enumerate(images)]
+        pix = [self.admit_image(img, i) for i, img in enumerate(images)]
         counts = [self.num_rows(p) for p in pix]
         ids, starts = expand_image_pads(ids, vc.image_token_id, counts)
         m = vc.spatial_merge_size
         return ids, [MultiModalInput(s, n, _digest(p), p, grid=(p.grid[0], p.grid[1] // m, p.grid[2] // m))
                      for s, n, p in zip(starts, counts, pix, strict=True)]
 
-    def pixel_values(self, image: Any, i: int = 0) -> QwenImage:
+    def pixel_values(self, image: Any, i: int = 0, resized_only: bool = False) -> QwenImage:
         """One image preprocessed on the host (models/qwen2_vl_image.py): a PIL image, a
-        uint8 [3, H, W] tensor, or a QwenImage already made (checked)."""
+        uint8 [3, H, W] tensor, or a QwenImage already made (checked). ``resized_only``
+        (what ``prepare`` keeps): its uint8 pixels at the resized size, the rest of the
+        preprocessing left to ``encode`` on the device."""
         vc = self.config
+        if isinstance(image, QwenImage) and image.patches is None:  # resized pixels (admit_image's)
+            t, h, w = image.grid
+            m, ps = vc.spatial_merge_size, vc.patch_size
+            x = image.pixels
+            if (t != 1 or h % m or w % m or not isinstance(x, torch.Tensor) or x.dtype != torch.uint8
+                    or tuple(x.shape) != (3, h * ps, w * ps)):
+                raise ValueError(f"image {i}: a QwenImage without patches must hold uint8 pixels "
+                                 f"[3, h x {ps}, w x {ps}] of its grid, h and w multiples of {m}")
+            return image if resized_only else QwenImage(self._patches(x), image.grid)
         if isinstance(image, QwenImage):
             t, h, w = image.grid
             m = vc.spatial_merge_size
@@ -360,15 +374,16 @@ class QwenImageEncoder(nn.Module):
                     or tuple(p.shape) != (t * h * w, vc.patch_dim) or not p.is_floating_point()):
                 raise ValueError(f"image {i}: a QwenImage must hold float patches [h x w, "
                                  f"{vc.patch_dim}] of one frame, h and w multiples of {m}")
-            return image
+            return QwenImage(p, image.grid)
         if is_pil_image(image) or (isinstance(image, torch.Tensor) and image.dtype == torch.uint8
                                    and image.dim() == 3 and image.shape[0] == 3):
             try:
-                patches, grid = preprocess(image, vc.processing, vc.patch_size,
-                                           vc.spatial_merge_size, vc.temporal_patch_size)
+                pixels, grid = resize(image, vc.processing, vc.patch_size, vc.spatial_merge_size)
             except (OSError, ValueError) as e:  # a truncated file, an aspect ratio over 200
                 raise ValueError(f"image {i} could not be read: {e}") from e
-            return QwenImage(patches, grid)
+            if resized_only:
+                return QwenImage(None, grid, pixels.contiguous())
+            return QwenImage(self._patches(pixels), grid)
         if isinstance(image, torch.Tensor):
             raise ValueError(f"image {i}: a tensor image must be uint8 RGB [3, H, W] (it is "
                              f"preprocessed here), got {str(image.dtype).replace('torch.', '')} "
@@ -376,14 +391,26 @@ class QwenImageEncoder(nn.Module):
         raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image or a "
                          "uint8 [3, H, W] tensor")
 
+    def admit_image(self, image: Any, i: int = 0) -> QwenImage:
+        """What a request keeps of an image (the server prepares it on a worker thread):
+        its resized uint8 pixels, the rest done on the device (``pixel_values``)."""
+        return self.pixel_values(image, i, resized_only=True)
+
     @torch.inference_mode()
     def encode(self, data: list[QwenImage]) -> list[torch.Tensor]:
         """The engine's multimodal hook: the images' rows [num_rows, H] on the device, one
         tower pass for all of them (attention kept within each image)."""
         w = self.visual.patch_embed.proj.weight
-        patches = torch.cat([d.patches for d in data]).to(w.device, w.dtype, non_blocking=True)
+        patches = torch.cat([d.patches.to(w.device, non_blocking=True) if d.patches is not None
+                             else self._patches(d.pixels.to(w.device, non_blocking=True))  # type: ignore[union-attr]
+                             for d in data]).to(w.dtype)
         rows = self.visual(patches, [d.grid for d in data])
         return list(rows.split([self.num_rows(d) for d in data]))
+
+    def _patches(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Resized uint8 pixels -> fp32 patches, on their device (models/qwen2_vl_image.py)."""
+        vc = self.config
+        return normalize(pixels, vc.processing, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
         """Load a checkpoint's ``visual.`` tensors (others are the text model's); returns
@@ -415,9 +442,13 @@ class QwenImageEncoder(nn.Module):
 
 
 def _digest(image: QwenImage) -> bytes:
-    """The patches' digest and the grid (two images of one patch count and the same bytes,
-    a flat color, differ by grid: their rows and positions differ)."""
-    return hashlib.blake2b(digest(image.patches) + repr(image.grid).encode(), digest_size=32).digest()
+    """The resized pixels' digest (or, for patches given, the patches') and the grid (two
+    images of one patch count and the same bytes, a flat color, differ by grid: their rows
+    and positions differ)."""
+    data = image.pixels if image.pixels is not None else image.patches
+    assert data is not None
+    kind = b"pixels" if image.pixels is not None else b"patches"
+    return hashlib.blake2b(kind + digest(data) + repr(image.grid).encode(), digest_size=32).digest()
 
 
 def expand_image_pads(ids: list[int], token: int, counts: list[int]) -> tuple[list[int], list[int]]:

@@ -40,12 +40,14 @@ def decode_data_url(url: str, i: int, policy: MediaPolicy | None = None) -> Any:
 
 
 def pixel_values(encoder: Any, urls: list[str], policy: MediaPolicy | None = None) -> list[Any]:
-    """Each url's image read, decoded and preprocessed (``encoder.pixel_values``)."""
+    """Each url's image read, decoded and preprocessed (``encoder.admit_image``: what a
+    request keeps of it, where the encoder has one, else ``pixel_values``)."""
     out = []
+    prepare = getattr(encoder, "admit_image", None) or encoder.pixel_values
     for i, url in enumerate(urls):
         img = decode_data_url(url, i, policy)
         try:
-            out.append(encoder.pixel_values(img, i))
+            out.append(prepare(img, i))
         except ValueError as e:
             raise bad_request(str(e), FIELD) from None
     return out

@@ -94,6 +94,13 @@ def test_image_rows_equal_transformers(tiny, variant):
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(enc.encode(images[1:2])[0], ref[1], rtol=1e-4, atol=1e-5)
+    # what a request keeps (admit_image: resized uint8 pixels, normalized and cut into
+    # patches in encode) gives the very rows of the host's patches, at an eighth of the bytes
+    kept = [enc.admit_image(smooth_image(h, w, seed=i)) for i, (h, w) in enumerate(SIZES)]
+    assert all(k.patches is None and k.pixels.dtype == torch.uint8 and k.grid == im.grid
+               for k, im in zip(kept, images, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(enc.encode(kept), ours, strict=True))
+    assert all(torch.equal(enc.pixel_values(k).patches, im.patches) for k, im in zip(kept, images, strict=True))
     if variant == "qwen2_5_vl":  # the windows the test exercises: 2 x 2 merged units, cut short
         vc = enc.config
         assert vc.fullatt_block_indexes == (1,) and vc.depth == 3
