@@ -7,6 +7,8 @@
 #   BUDGET=600 bash benchmarks/gpu_s32.sh b   the recapturing sleep form again after the TMA descriptor fix,
 #                                             the GPU tests of the helpers' features (CTESTS: the files), then
 #                                             vlm.py's text twin on LLaVA-1.5-7B and Qwen2.5-VL-7B (ours)
+#   BUDGET=480 bash benchmarks/gpu_s32.sh c   Qwen2.5-VL-7B's images after the device-side preprocessing (the
+#                                             tower's share timed), the VLM GPU tests (CTESTS), LLaVA's share
 # Results under $OUT (summaries only: the device returns ~8 files); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -26,5 +28,12 @@ b)
   timeout "$(left 200)" python3 benchmarks/vlm.py --config qwen2.5-vl-7b --json-out "$OUT/vlm_qwen.json" 2>&1 \
     | grep -v "^INFO" | tail -n 4
   echo "part b done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-b)"; exit 2 ;;
+c)
+  timeout "$(left 200)" python3 benchmarks/vlm.py --config qwen2.5-vl-7b --json-out "$OUT/vlm_qwen_c.json" 2>&1 \
+    | grep -v "^INFO" | tail -n 3
+  timeout "$(left 300)" $PT -rfE -m gpu ${CTESTS:?CTESTS: the test files} 2>&1 | tee "$OUT/gpu_session32_tests_c.txt" | tail -n 14
+  timeout "$(left 150)" python3 benchmarks/vlm.py --hf-requests 0 --json-out "$OUT/vlm_llava_c.json" 2>&1 \
+    | grep -v "^INFO" | tail -n 3
+  echo "part c done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-c)"; exit 2 ;;
 esac
