@@ -277,13 +277,16 @@ def test_bad_requests_are_refused_by_name_and_leak_nothing(qwen):
 def test_qwen2_vl_on_the_gpu_with_graphs_bf16(tmp_path):
     """bf16 on CUDA (triton backend, CUDA graphs captured): image prefill steps run eagerly
     with 3-D positions, decodes replay graphs with shifted positions (index + delta < index);
-    tokens equal an eager engine's, and transformers' in bf16 on the GPU for most tokens (bf16
-    rounding may flip a near tie late in a sequence: the first 4 of each must agree)."""
+    tokens equal an eager engine's. Against transformers in fp32 on the GPU, teacher-forced
+    on our tokens: each of our tokens is fp32's top one or within bf16's rounding of it (a
+    near tie: run 229 saw a tiny random model's first token flip against transformers' own
+    bf16), and most are its top one; a wrong position, rotary or image row moves logits by
+    far more."""
     for variant in ("qwen2_vl", "qwen2_5_vl"):
         path = build_tiny_qwen2_vl(tmp_path / variant, variant, text=dict(
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=256,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}))
-        hf = hf_qwen(path, variant).to("cuda", torch.bfloat16)
+        hf = hf_qwen(path, variant).to("cuda")
 
         def run(path=path, **kw):
             llm = LLM(str(path), dtype="bfloat16", device="cuda", attention_backend="triton",
@@ -297,16 +300,20 @@ def test_qwen2_vl_on_the_gpu_with_graphs_bf16(tmp_path):
         graphed = _tokens(outs)
         assert graphed == _tokens(run(enforce_eager=True)[2])
         enc = llm.engine.mm_encoder
+        gaps: list[float] = []
         for o, (_, ims), got in zip(outs, cases, graphed, strict=True):
-            x = torch.tensor([o.prompt_token_ids], device="cuda")
+            n = len(o.prompt_token_ids)
+            x = torch.tensor([o.prompt_token_ids + got[:-1]], device="cuda")
             kw = {}
             if ims:
                 px = [enc.pixel_values(im) for im in ims]
-                kw = dict(pixel_values=torch.cat([p.patches for p in px]).to("cuda", torch.bfloat16),
+                kw = dict(pixel_values=torch.cat([p.patches for p in px]).to("cuda"),
                           image_grid_thw=torch.tensor([list(p.grid) for p in px], device="cuda"),
                           mm_token_type_ids=(x == enc.config.image_token_id).int())
             with torch.no_grad():
-                ref = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW,
-                                  min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, **kw)
-            assert got[:4] == ref[0, x.shape[1]:].tolist()[:4], variant
+                logits = hf(input_ids=x, attention_mask=torch.ones_like(x), **kw).logits[0, n - 1:].float()
+            ours = logits.gather(1, torch.tensor(got, device="cuda")[:, None])[:, 0]
+            gaps += (logits.max(1).values - ours).tolist()
+        top = sum(g == 0.0 for g in gaps) / len(gaps)
+        assert max(gaps) < 0.15 and top >= 0.75, (variant, max(gaps), top, [round(g, 3) for g in gaps])
         assert llm.engine.kv_manager.stats().blocks_used == 0
