@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--unfused", action="store_true", help="the gated MLPs as the checkpoint has them")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
@@ -64,12 +65,18 @@ def main() -> None:
         enc = QwenImageEncoder(vc).to(dtype).eval()  # type: ignore[arg-type]
     for p in enc.parameters():
         p.normal_(0, 0.02)
+    if not args.unfused:
+        enc.fuse()  # as load_image_encoder leaves it
     g = torch.Generator().manual_seed(0)
     images = [torch.randint(0, 256, (3, args.size, args.size), dtype=torch.uint8, generator=g)
               for _ in range(args.images)]
     kept = [enc.admit_image(im) for im in images]
     patches = sum(k.grid[0] * k.grid[1] * k.grid[2] for k in kept)
+    vcfg_ = enc.config  # the tower's parameters as the checkpoint holds them (padding not counted)
     params = sum(p.numel() for n, p in enc.named_parameters() if not n.startswith("visual.merger"))
+    if not args.unfused:
+        params -= sum(-vcfg_.intermediate_size % 64 * vcfg_.hidden_size * 3 for _ in range(vcfg_.depth)) \
+            if vcfg_.variant == "qwen2_5_vl" else 0
     flop = 2 * params * patches
 
     def ours() -> None:

@@ -125,6 +125,18 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
+@dataclass
+class Rope:
+    """The tower's 2-D rotary for one call's patches (in the blocks' token order): fp32 cos
+    and sin [L, head_dim] (rotate_half's layout); on CUDA also the rotary kernel's per-token
+    table [L, head_dim] (cos then sin of the head_dim / 2 angles) and its row index 0..L-1."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    table: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+
+
 class VisionAttention(nn.Module):
     def __init__(self, vc: QwenVisionConfig) -> None:
         super().__init__()
@@ -132,13 +144,17 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(vc.hidden_size, 3 * vc.hidden_size)
         self.proj = nn.Linear(vc.hidden_size, vc.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segments: list[tuple[int, int]]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, segments: list[tuple[int, int]]) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
-        c, s = cos[:, None], sin[:, None]  # fp32 [L, 1, D]
-        q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)
-        k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
+        if rope.table is not None and rope.index is not None:  # CUDA: our rotary kernel, in place,
+            from flashpage.kernels.rotary import apply_rotary  # fp32 math (kernels/rotary.py)
+
+            apply_rotary(rope.index, q, k, rope.table)
+        else:
+            c, s = rope.cos[:, None], rope.sin[:, None]  # fp32 [L, 1, D]
+            q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)
+            k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
         return self.proj(segment_attention(q, k, v, segments).reshape(n, -1))
 
 
@@ -165,8 +181,34 @@ class VisionGatedMLP(nn.Module):
         self.down_proj = nn.Linear(vc.intermediate_size, vc.hidden_size)
         self.act = _act(vc.hidden_act)
 
+        # set by fuse(): gate and up as one GEMM of a width padded to a multiple of 64
+        self.gate_up_proj: nn.Linear | None = None
+
+    @torch.no_grad()
+    def fuse(self, multiple: int = 64) -> None:
+        """After loading: gate_proj and up_proj as one linear, each half padded with zero rows
+        to a multiple of ``multiple`` (down_proj with zero columns). Qwen2.5-VL's 3,420 is no
+        multiple of 8: cuBLAS ran its sm80 kernels on those rows' GEMMs (run 230: 44% of the
+        tower's time); the padded rows give silu(0) * 0 = 0, and zero columns add nothing."""
+        i = self.gate_proj.out_features
+        pad = -i % multiple
+        w = torch.cat([F.pad(self.gate_proj.weight, (0, 0, 0, pad)), F.pad(self.up_proj.weight, (0, 0, 0, pad))])
+        b = torch.cat([F.pad(self.gate_proj.bias, (0, pad)), F.pad(self.up_proj.bias, (0, pad))])
+        gate_up = nn.Linear(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype)
+        gate_up.weight.copy_(w)
+        gate_up.bias.copy_(b)
+        self.gate_up_proj = gate_up
+        down = nn.Linear(i + pad, self.down_proj.out_features, device=w.device, dtype=w.dtype)
+        down.weight.copy_(F.pad(self.down_proj.weight, (0, pad)))
+        down.bias.copy_(self.down_proj.bias)
+        self.down_proj = down
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class VisionBlock(nn.Module):
@@ -177,9 +219,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(vc)
         self.mlp: nn.Module = VisionGatedMLP(vc) if vc.variant == "qwen2_5_vl" else VisionMLP(vc)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segments: list[tuple[int, int]]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
+    def forward(self, x: torch.Tensor, rope: Rope, segments: list[tuple[int, int]]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -248,6 +289,9 @@ class VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(vc)
         self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
         self.merger = PatchMerger(vc)
+        # our rotary kernel for the 2-D rotary: None = on CUDA (tests force it under the
+        # interpreter)
+        self.rotary_kernel: bool | None = None
         half = vc.hidden_size // vc.num_heads // 2
         # fp32 always (not a buffer: a cast of the module to bf16 would round it)
         self.inv_freq = 1.0 / (vc.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32,
@@ -293,9 +337,14 @@ class VisionTower(nn.Module):
 
             x, cos, sin = permute(x), permute(cos), permute(sin)
             back = torch.argsort(blocks)
+        rope = Rope(cos, sin)
+        if self.rotary_kernel if self.rotary_kernel is not None else x.is_cuda:
+            half = cos.shape[1] // 2
+            rope.table = torch.cat([cos[:, :half], sin[:, :half]], dim=1).contiguous()
+            rope.index = torch.arange(x.shape[0], device=x.device)
         for i, blk in enumerate(self.blocks):
             full = not windowed or i in vc.fullatt_block_indexes
-            x = blk(x, cos, sin, images if full else windows)
+            x = blk(x, rope, images if full else windows)
         rows = self.merger(x)
         return rows[back] if back is not None else rows
 
@@ -390,6 +439,13 @@ class QwenImageEncoder(nn.Module):
                              f"{list(image.shape)}")
         raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image or a "
                          "uint8 [3, H, W] tensor")
+
+    def fuse(self) -> None:
+        """After loading (load_weights reads the checkpoint's own names): the gated MLPs'
+        GEMMs fused and aligned (VisionGatedMLP.fuse)."""
+        for blk in self.visual.blocks:
+            if isinstance(blk.mlp, VisionGatedMLP):
+                blk.mlp.fuse()
 
     def admit_image(self, image: Any, i: int = 0) -> QwenImage:
         """What a request keeps of an image (the server prepares it on a worker thread):
@@ -508,4 +564,5 @@ def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.de
         assert source.path is not None
         enc.load_weights(iter_safetensors(source.path, "cpu", keep=lambda n: n.startswith(IMAGE_PREFIXES)),
                          source.path)
+    enc.fuse()
     return enc.eval()

@@ -101,6 +101,11 @@ def test_image_rows_equal_transformers(tiny, variant):
                for k, im in zip(kept, images, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(enc.encode(kept), ours, strict=True))
     assert all(torch.equal(enc.pixel_values(k).patches, im.patches) for k, im in zip(kept, images, strict=True))
+    # the rotary kernel the tower takes on CUDA (kernels/rotary.py over a per-token table),
+    # here under the interpreter: the same rows
+    enc.visual.rotary_kernel = True
+    for a, b in zip(enc.encode(kept), ours, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     if variant == "qwen2_5_vl":  # the windows the test exercises: 2 x 2 merged units, cut short
         vc = enc.config
         assert vc.fullatt_block_indexes == (1,) and vc.depth == 3
