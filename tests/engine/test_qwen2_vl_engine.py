@@ -277,16 +277,17 @@ def test_bad_requests_are_refused_by_name_and_leak_nothing(qwen):
 def test_qwen2_vl_on_the_gpu_with_graphs_bf16(tmp_path):
     """bf16 on CUDA (triton backend, CUDA graphs captured): image prefill steps run eagerly
     with 3-D positions, decodes replay graphs with shifted positions (index + delta < index);
-    tokens equal an eager engine's. Against transformers in fp32 on the GPU, teacher-forced
-    on our tokens: each of our tokens is fp32's top one or within bf16's rounding of it (a
-    near tie: run 229 saw a tiny random model's first token flip against transformers' own
-    bf16), and most are its top one; a wrong position, rotary or image row moves logits by
-    far more."""
+    tokens equal an eager engine's. Against transformers on the GPU, teacher-forced on our
+    tokens: our token is fp32's top one about as often as transformers' own bf16 top token is
+    (within 3 points, and at least 85%, as the LLaVA-NeXT test asks): a tiny random model's near ties flip under bf16
+    rounding either way (run 229 saw a first token flip against transformers' bf16), while a
+    wrong position, rotary or image row would cost far more agreement."""
     for variant in ("qwen2_vl", "qwen2_5_vl"):
         path = build_tiny_qwen2_vl(tmp_path / variant, variant, text=dict(
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=256,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}))
         hf = hf_qwen(path, variant).to("cuda")
+        hf16 = hf_qwen(path, variant).to("cuda", torch.bfloat16)
 
         def run(path=path, **kw):
             llm = LLM(str(path), dtype="bfloat16", device="cuda", attention_backend="triton",
@@ -300,6 +301,8 @@ def test_qwen2_vl_on_the_gpu_with_graphs_bf16(tmp_path):
         graphed = _tokens(outs)
         assert graphed == _tokens(run(enforce_eager=True)[2])
         enc = llm.engine.mm_encoder
+        ours_top: list[bool] = []
+        bf16_top: list[bool] = []
         gaps: list[float] = []
         for o, (_, ims), got in zip(outs, cases, graphed, strict=True):
             n = len(o.prompt_token_ids)
@@ -312,8 +315,13 @@ def test_qwen2_vl_on_the_gpu_with_graphs_bf16(tmp_path):
                           mm_token_type_ids=(x == enc.config.image_token_id).int())
             with torch.no_grad():
                 logits = hf(input_ids=x, attention_mask=torch.ones_like(x), **kw).logits[0, n - 1:].float()
-            ours = logits.gather(1, torch.tensor(got, device="cuda")[:, None])[:, 0]
-            gaps += (logits.max(1).values - ours).tolist()
-        top = sum(g == 0.0 for g in gaps) / len(gaps)
-        assert max(gaps) < 0.15 and top >= 0.75, (variant, max(gaps), top, [round(g, 3) for g in gaps])
+                kw16 = {k: v.to(torch.bfloat16) if k == "pixel_values" else v for k, v in kw.items()}
+                top16 = hf16(input_ids=x, attention_mask=torch.ones_like(x), **kw16).logits[0, n - 1:].argmax(-1)
+            top32 = logits.argmax(-1)
+            ours_top += (top32 == torch.tensor(got, device="cuda")).tolist()
+            bf16_top += (top32 == top16).tolist()
+            chosen = logits.gather(1, torch.tensor(got, device="cuda")[:, None])[:, 0]
+            gaps += (logits.max(1).values - chosen).tolist()
+        a, b = sum(ours_top) / len(ours_top), sum(bf16_top) / len(bf16_top)
+        assert a >= b - 0.03 and a >= 0.85, (variant, a, b, [round(g, 3) for g in gaps])
         assert llm.engine.kv_manager.stats().blocks_used == 0
