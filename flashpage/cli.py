@@ -56,6 +56,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="file:// image URLs may name files under this folder (default: none)")
     g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                    help="http(s) image URLs may name only these hosts (default: any)")
+    g.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None, metavar="JSON",
+                   help="the most images one prompt may hold, vLLM's form: '{\"image\": 2}' (or "
+                        "image=2); {\"image\": 0} serves an image model's text alone")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while the GPU runs step N (default: on with CUDA)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
@@ -211,7 +214,27 @@ def build_llm(args: argparse.Namespace) -> Any:
                hf_overrides=getattr(args, "hf_overrides", None),
                enable_prompt_embeds=getattr(args, "enable_prompt_embeds", False),
                allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
-               allowed_media_domains=getattr(args, "allowed_media_domains", None))
+               allowed_media_domains=getattr(args, "allowed_media_domains", None),
+               limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None))
+
+
+def _mm_limits(text: str) -> dict[str, int]:
+    """--limit-mm-per-prompt: a JSON object ({"image": 2}) or vLLM's older image=2[,video=0]."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = {}
+        for part in text.split(","):
+            key, sep, n = part.partition("=")
+            if not sep or not n.strip().isdigit():
+                raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: {text!r} is neither JSON "
+                                                 "nor modality=count pairs") from None
+            value[key.strip()] = int(n)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt must be a JSON object, got {text!r}")
+    return value
 
 
 def add_lora_module_arguments(p: argparse.ArgumentParser) -> None:

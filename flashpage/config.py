@@ -2886,6 +2886,10 @@ class EngineConfig:
     # URLs may name (None: any) (engine/media.py)
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
+    # vLLM's limit_mm_per_prompt: the most items of a modality one prompt may hold
+    # ({"image": 2}; None: no limit); {"image": 0} serves an image model's text alone (its
+    # tower never loaded)
+    limit_mm_per_prompt: dict[str, int] | None = None
 
     @property
     def media_policy(self) -> MediaPolicy:
@@ -2902,6 +2906,12 @@ class EngineConfig:
         from flashpage.engine.scheduler import check_scheduling_policy
 
         _ = self.media_policy  # a bad folder or domain list named now
+        from flashpage.engine.multimodal import check_limits
+
+        try:
+            check_limits(self.limit_mm_per_prompt)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
         check_scheduling_policy(self.scheduling_policy)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -37,7 +37,13 @@ from flashpage.engine.kv_offload import KVOffloader
 from flashpage.engine.medusa import build_medusa_proposer, load_medusa_heads
 from flashpage.engine.model_runner import ModelRunner
 from flashpage.engine.mtp import build_mtp_proposer, mtp_kv_bytes_per_token
-from flashpage.engine.multimodal import MultiModalInput, chain_digest, enc_token_name
+from flashpage.engine.multimodal import (
+    MultiModalInput,
+    chain_digest,
+    check_limits,
+    count_items,
+    enc_token_name,
+)
 from flashpage.engine.output import ChildRequest, ParentRequest, child_params
 from flashpage.engine.prompt_embeds import EMBEDS_PLACEHOLDER_ID, check_prompt_embeds, digest
 from flashpage.engine.sampler import PendingSample, needs_known_tokens
@@ -188,7 +194,11 @@ class LLMEngine:
         # a model's multimodal encoder (engine/multimodal.py): LLaVA's vision tower and
         # projector (models/llava.py), before the KV cache takes what memory is left
         self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | None = None
-        if isinstance(mc.vision, QwenVisionConfig):  # Qwen2-VL / Qwen2.5-VL: models/qwen2_vl.py
+        self.mm_limits = check_limits(config.limit_mm_per_prompt)
+        if mc.vision is not None and self.mm_limits.get("image") == 0:
+            logger.info("limit_mm_per_prompt allows no image: %s is served as its text model alone "
+                        "(its vision tower not loaded)", mc.multimodal_architecture)
+        elif isinstance(mc.vision, QwenVisionConfig):  # Qwen2-VL / Qwen2.5-VL: models/qwen2_vl.py
             from flashpage.models.qwen2_vl import load_image_encoder as load_qwen_encoder
 
             self.mm_encoder = load_qwen_encoder(self.source, self.dtype, self.device, config.seed)
@@ -196,7 +206,7 @@ class LLMEngine:
             from flashpage.models.llava import load_image_encoder
 
             self.mm_encoder = load_image_encoder(self.source, self.dtype, self.device, config.seed)
-        if mc.vision is not None and not getattr(self.model, "supports_prompt_embeds", False):
+        if self.mm_encoder is not None and not getattr(self.model, "supports_prompt_embeds", False):
             raise ConfigError(f"{mc.multimodal_architecture}: its text model "
                               f"({mc.architecture}) takes no input embeddings, which its "
                               "images' rows are (engine/multimodal.py)")
@@ -993,6 +1003,11 @@ class LLMEngine:
                 raise ValueError(f"the prompt has a video token (<|video_pad|>, id {video}): video "
                                  "input is not supported yet")
             return ids, None
+        for modality, limit in self.mm_limits.items():
+            n = count_items(data, modality)
+            if n > limit:
+                raise ValueError(f"{n} {modality} item(s) in one prompt, but limit_mm_per_prompt allows "
+                                 f"{limit} ({{{modality!r}: {limit}}})")
         if enc is None:
             what = (f"{mc.multimodal_architecture} is served as its text model alone "
                     "(models/multimodal.py)" if mc.multimodal_architecture

@@ -77,6 +77,35 @@ def enc_token_name(encoder: Any) -> str:
     return "<|image_pad|>" if getattr(encoder, "placeholder_ids", None) is not None else "<image>"
 
 
+MODALITIES = ("image", "video")  # what limit_mm_per_prompt may name (video: 0 only is useful yet)
+
+
+def check_limits(limits: Any) -> dict[str, int]:
+    """vLLM's ``limit_mm_per_prompt`` ({"image": 2}; None: no limit) checked: a ValueError
+    naming a bad key or count."""
+    if limits is None:
+        return {}
+    if not isinstance(limits, dict):
+        raise ValueError(f"limit_mm_per_prompt must be a dict such as {{\"image\": 2}}, got {limits!r}")
+    for k, v in limits.items():
+        if k not in MODALITIES:
+            raise ValueError(f"limit_mm_per_prompt: unknown modality {k!r} (use {', '.join(MODALITIES)})")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"limit_mm_per_prompt[{k!r}] must be a non-negative int, got {v!r}")
+    return dict(limits)
+
+
+def count_items(data: Any, modality: str) -> int:
+    """How many items of ``modality`` a request's multi_modal_data holds (a list, or one
+    item; a 4-d tensor is a batch of images)."""
+    if not isinstance(data, dict) or modality not in data:
+        return 0
+    given = data[modality]
+    if isinstance(given, torch.Tensor):
+        return given.shape[0] if given.dim() == 4 else 1
+    return len(given) if isinstance(given, (list, tuple)) else 1
+
+
 def chain_digest(inputs: list[MultiModalInput]) -> bytes:
     """32 bytes naming a request's inputs where they sit: the root of its prefix-cache
     chain (module docstring)."""

@@ -336,3 +336,36 @@ def test_warm_up_prompts_hold_no_image_token(llava):
     assert llm.engine.model_config.vocab_size <= 512 and tok < llm.engine.model_config.vocab_size
     llm.engine.warm_up()
     assert llm.engine.kv_manager.stats().blocks_used == 0 and not llm.engine.has_unfinished_requests()
+
+
+def test_limit_mm_per_prompt(llava):
+    """vLLM's limit_mm_per_prompt: a prompt with more images than allowed is refused by
+    name (nothing leaked, the others run); {"image": 0} serves the text model alone, its
+    tower never loaded; a bad limit is a ConfigError at start-up; the CLI's two forms."""
+    from flashpage.cli import _mm_limits
+    from flashpage.config import ConfigError
+
+    path, hf, tok = llava
+    llm = _llm(path, limit_mm_per_prompt={"image": 1})
+    one_ids, one_img = _case(tok, 1, 1)
+    two_ids, two_img = _case(tok, 2, 2)
+    outs = llm.generate([{"prompt_token_ids": two_ids, "multi_modal_data": {"image": two_img}},
+                         {"prompt_token_ids": one_ids, "multi_modal_data": {"image": one_img}}],
+                        GREEDY, use_tqdm=False)
+    assert outs[0].error is not None and "2 image item(s) in one prompt" in outs[0].error
+    assert "limit_mm_per_prompt allows 1" in outs[0].error
+    assert _tokens(outs[1:]) == [_want(hf, tok, one_ids, one_img, llm)]
+    assert llm.engine.kv_manager.stats().blocks_used == 0
+    text = _llm(path, limit_mm_per_prompt={"image": 0})
+    assert text.engine.mm_encoder is None
+    ids = random_prompts(1, 12, 12, seed=5)[0]
+    assert _tokens(text.generate([ids], GREEDY, use_tqdm=False)) == [hf_llava_greedy(hf, ids, None, MAX_NEW)]
+    got = text.generate([{"prompt_token_ids": one_ids, "multi_modal_data": {"image": one_img}}], GREEDY,
+                        use_tqdm=False)[0]
+    assert got.error is not None and "limit_mm_per_prompt allows 0" in got.error
+    for bad, needle in (({"audio": 1}, "unknown modality 'audio'"), ({"image": -1}, "non-negative int"),
+                        ([1], "must be a dict")):
+        with pytest.raises(ConfigError, match=needle):
+            _llm(path, limit_mm_per_prompt=bad)
+    assert _mm_limits('{"image": 2}') == {"image": 2} == _mm_limits("image=2")
+    assert _mm_limits("image=3,video=0") == {"image": 3, "video": 0}
