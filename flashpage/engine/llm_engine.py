@@ -297,6 +297,7 @@ class LLMEngine:
                                   kv_memory=(lambda: pool.use("kv_cache")) if pool is not None else None)
         self.runner.lora = self.lora
         self.runner.mm_encoder = self.mm_encoder
+        self.runner.mm_encode_rows = self.config.max_num_batched_tokens
         # KV cache offloading (engine/kv_offload.py): a host tier behind the prefix cache,
         # attached once the draft's pool (if any) exists: a host block holds both
         self.offload: KVOffloader | None = None
@@ -715,7 +716,8 @@ class LLMEngine:
             # hold_fp8 / hold_int4) sit freed in the allocator's cache: not used, count them free
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            reserve = self._activation_bytes()
+            # the text model's step or the encoder's batch, whichever is larger: they run in turn
+            reserve = max(self._activation_bytes(), self._encoder_bytes())
             budget = int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
         else:
             budget = cfg.cpu_kv_cache_bytes
@@ -738,6 +740,15 @@ class LLMEngine:
                 f"no memory left for the KV cache (needs {per_block} bytes per block); "
                 "raise gpu_memory_utilization or lower max_num_batched_tokens")
         return int(n)
+
+    def _encoder_bytes(self) -> int:
+        """What an encoder batch (at most max_num_batched_tokens rows, or one input longer
+        than that: the runner's batches, engine/multimodal.encode_pending) adds while it
+        runs, by the encoder's own estimate, and the usual slack."""
+        fn = getattr(self.mm_encoder, "activation_bytes", None)
+        if fn is None:
+            return 0
+        return int(fn(self.config.max_num_batched_tokens)) + (512 << 20)
 
     def _activation_bytes(self) -> int:
         mc, cfg = self.model_config, self.config

@@ -105,6 +105,8 @@ class ModelRunner:
         self.last_layout: list[tuple[Request, int, int, int]] = []
         # the encoder of a model's multimodal rows (engine/multimodal.py; LLaVA's images)
         self.mm_encoder: MultiModalEncoder | None = None
+        # the most rows one encoder call takes (a step's images in batches of this many)
+        self.mm_encode_rows: int | None = None
 
     def capture_decode_graphs(self, max_bs: int, max_model_len: int) -> None:
         """Capture decode-step CUDA graphs (needs a backend without host syncs)."""
@@ -253,7 +255,8 @@ class ModelRunner:
             todo = [mi for r, n in sched if r.mm_inputs
                     for mi in overlapping(r.mm_inputs, r.num_computed_tokens, r.num_computed_tokens + n)
                     if mi.rows is None]
-            encode_pending(self.mm_encoder, list(dict.fromkeys(todo)))  # n > 1: shared inputs
+            encode_pending(self.mm_encoder, list(dict.fromkeys(todo)),  # n > 1: shared inputs
+                           self.mm_encode_rows)
         num_decodes = 0
         t = 0
         k = 0

@@ -63,6 +63,9 @@ class MultiModalEncoder(Protocol):
 
     def encode(self, data: list[Any]) -> list[torch.Tensor]: ...
 
+    # optional: activation_bytes(rows) -> the most bytes an encode call of inputs totalling
+    # ``rows`` rows adds while it runs (LLMEngine reserves it beside the KV cache)
+
 
 def placeholder_ids(encoder: Any) -> list[int]:
     """The ids a chat turn's image part becomes in a chat template that prints text (vLLM's
@@ -115,17 +118,27 @@ def chain_digest(inputs: list[MultiModalInput]) -> bytes:
     return h.digest()
 
 
-def encode_pending(encoder: MultiModalEncoder, inputs: list[MultiModalInput]) -> None:
-    """Encode ``inputs`` (not yet encoded) in one batch; each keeps its rows, drops its data."""
-    if not inputs:
-        return
-    rows = encoder.encode([mi.data for mi in inputs if mi.data is not None])
-    if len(rows) != len(inputs):
-        raise RuntimeError(f"the encoder gave {len(rows)} outputs for {len(inputs)} inputs")
-    for mi, r in zip(inputs, rows, strict=True):
-        if r.shape[0] != mi.length:
-            raise RuntimeError(f"the encoder gave {r.shape[0]} rows for an input of {mi.length} positions")
-        mi.rows, mi.data = r, None
+def encode_pending(encoder: MultiModalEncoder, inputs: list[MultiModalInput], max_rows: int | None = None) -> None:
+    """Encode ``inputs`` (not yet encoded) in batches of at most ``max_rows`` rows (None: one
+    batch; an input longer than that alone), so that the encoder's activations stay within
+    what the engine reserved for them (LLMEngine._encoder_bytes); each input keeps its rows
+    and drops its data."""
+    batches: list[list[MultiModalInput]] = []
+    rows_in = 0
+    for mi in inputs:
+        if not batches or (max_rows is not None and rows_in + mi.length > max_rows):
+            batches.append([])
+            rows_in = 0
+        batches[-1].append(mi)
+        rows_in += mi.length
+    for batch in batches:
+        rows = encoder.encode([mi.data for mi in batch if mi.data is not None])
+        if len(rows) != len(batch):
+            raise RuntimeError(f"the encoder gave {len(rows)} outputs for {len(batch)} inputs")
+        for mi, r in zip(batch, rows, strict=True):
+            if r.shape[0] != mi.length:
+                raise RuntimeError(f"the encoder gave {r.shape[0]} rows for an input of {mi.length} positions")
+            mi.rows, mi.data = r, None
 
 
 def overlapping(inputs: list[MultiModalInput], start: int, end: int) -> list[MultiModalInput]:

@@ -84,6 +84,22 @@ class LlavaImageEncoder(nn.Module):
         """The rows (and so the prompt positions) of an image: the same for every one."""
         return self.config.tokens_per_image
 
+    # the tower's tokens a row of output costs at most (LLaVA: 577 for 576; LLaVA-NeXT's
+    # tiles give fewer rows than their tokens once unpadded)
+    TOKENS_PER_ROW = 1.01
+
+    def activation_bytes(self, rows: int) -> int:
+        """The most an encode call of ``rows`` rows (or one image, if more) adds while it runs:
+        per tower token its stream, the attention's and the MLP's intermediates (a generous
+        sum: they are freed in turn), and each image's fp32 pixels."""
+        vc = self.config
+        rows = max(rows, self.config.tokens_per_image)
+        tokens = int(rows * self.TOKENS_PER_ROW) + 1
+        b = self.multi_modal_projector.linear_1.weight.element_size()
+        per = (8 * vc.hidden_size + 4 * vc.intermediate_size) * b
+        pixels = 3 * vc.image_size ** 2 * 4 * (-(-tokens // (vc.image_size // vc.patch_size) ** 2))
+        return tokens * per + pixels
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[n, 3, S, S] -> [n, tokens_per_image, text hidden]"""
         vc = self.config

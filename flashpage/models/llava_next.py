@@ -142,6 +142,10 @@ class LlavaNextImageEncoder(LlavaImageEncoder):
     """Images -> the rows of their ``<image>`` positions, each its own count (module
     docstring); LLaVA's tower and projector, and image_newline."""
 
+    # tiles' tokens over rows: the base tile's 576 rows and the grid's, unpadded (at most the
+    # tiles' own), plus a newline a grid row; 2 bounds it with room
+    TOKENS_PER_ROW = 2.0
+
     def __init__(self, vc: VisionConfig, text_hidden: int) -> None:
         super().__init__(vc, text_hidden)
         self.image_newline = nn.Parameter(torch.empty(text_hidden))

@@ -447,6 +447,20 @@ class QwenImageEncoder(nn.Module):
             if isinstance(blk.mlp, VisionGatedMLP):
                 blk.mlp.fuse()
 
+    def activation_bytes(self, rows: int) -> int:
+        """The most an encode call of ``rows`` rows (or one image at max_pixels, if more)
+        adds while it runs: per patch its stream, the fp32 norm, the attention's and the
+        MLP's intermediates (a generous sum: they are freed in turn), the rotary tables and
+        the patches in fp32."""
+        vc = self.config
+        unit = vc.patch_size * vc.spatial_merge_size
+        rows = max(rows, vc.processing.max_pixels // unit ** 2)
+        patches = rows * vc.spatial_merge_size ** 2
+        b = self.visual.patch_embed.proj.weight.element_size()
+        h, i = vc.hidden_size, vc.intermediate_size + (-vc.intermediate_size % 64)
+        per = (8 * h + 4 * i) * b + 2 * h * 4 + 3 * (h // vc.num_heads) * 4 + 2 * vc.patch_dim * 4
+        return patches * per
+
     def admit_image(self, image: Any, i: int = 0) -> QwenImage:
         """What a request keeps of an image (the server prepares it on a worker thread):
         its resized uint8 pixels, the rest done on the device (``pixel_values``)."""

@@ -68,6 +68,16 @@ def test_encode_pending_checks_the_encoders_rows():
     assert enc.calls == [2]
     with pytest.raises(RuntimeError, match="4 rows for an input of 3 positions"):
         encode_pending(Enc(4), [MultiModalInput(0, 3, b"x", torch.zeros(1))])
+    # batches of at most max_rows rows (what the engine reserved memory for); one input
+    # longer than that alone
+    enc = Enc(3)
+    five = [MultiModalInput(4 * i, 3, bytes([i]), torch.zeros(1)) for i in range(5)]
+    encode_pending(enc, five, max_rows=7)
+    assert enc.calls == [2, 2, 1] and all(mi.rows is not None for mi in five)
+    enc = Enc(3)
+    encode_pending(enc, [MultiModalInput(0, 3, b"a", torch.zeros(1)), MultiModalInput(3, 3, b"b", torch.zeros(1))],
+                   max_rows=2)
+    assert enc.calls == [1, 1]
 
 
 def test_template_reads_parts():

@@ -101,6 +101,11 @@ def test_image_rows_equal_transformers(tiny, variant):
                for k, im in zip(kept, images, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(enc.encode(kept), ours, strict=True))
     assert all(torch.equal(enc.pixel_values(k).patches, im.patches) for k, im in zip(kept, images, strict=True))
+    # the engine's reserve for an encode call (LLMEngine._encoder_bytes): at least each
+    # patch's stream and MLP rows, growing with the rows, never under one image at max_pixels
+    vc = enc.config
+    big = 8192 * 4 * (3 * vc.hidden_size + vc.intermediate_size) * 4  # fp32 here
+    assert enc.activation_bytes(8192) >= big and enc.activation_bytes(1) == enc.activation_bytes(0) > 0
     # the rotary kernel the tower takes on CUDA (kernels/rotary.py over a per-token table),
     # here under the interpreter: the same rows
     enc.visual.rotary_kernel = True
