@@ -59,6 +59,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None, metavar="JSON",
                    help="the most images one prompt may hold, vLLM's form: '{\"image\": 2}' (or "
                         "image=2); {\"image\": 0} serves an image model's text alone")
+    g.add_argument("--mm-processor-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help="the image processor's settings, vLLM's: '{\"max_pixels\": 1003520}' "
+                        "(Qwen2-VL's min_pixels / max_pixels)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while the GPU runs step N (default: on with CUDA)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
@@ -215,7 +218,8 @@ def build_llm(args: argparse.Namespace) -> Any:
                enable_prompt_embeds=getattr(args, "enable_prompt_embeds", False),
                allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
                allowed_media_domains=getattr(args, "allowed_media_domains", None),
-               limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None))
+               limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),
+               mm_processor_kwargs=getattr(args, "mm_processor_kwargs", None))
 
 
 def _mm_limits(text: str) -> dict[str, int]:

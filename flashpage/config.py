@@ -2890,6 +2890,10 @@ class EngineConfig:
     # ({"image": 2}; None: no limit); {"image": 0} serves an image model's text alone (its
     # tower never loaded)
     limit_mm_per_prompt: dict[str, int] | None = None
+    # vLLM's mm_processor_kwargs: the image processor's settings over its
+    # preprocessor_config.json's (Qwen2-VL: {"min_pixels": ..., "max_pixels": ...});
+    # with_mm_processor_kwargs reads them
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
     def media_policy(self) -> MediaPolicy:
@@ -2961,3 +2965,31 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+
+def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> ModelConfig:
+    """``mc`` with vLLM's ``mm_processor_kwargs`` over its image processor's settings:
+    Qwen2-VL's ``min_pixels`` / ``max_pixels`` (ints, min <= max); a ConfigError names a key
+    the model's processor does not read, or a model that takes no images."""
+    if not kwargs:
+        return mc
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"mm_processor_kwargs must be a dict, got {kwargs!r}")
+    arch = mc.multimodal_architecture or mc.architecture
+    if mc.vision is None:
+        raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)} given, but {arch} takes no images here")
+    if not isinstance(mc.vision, QwenVisionConfig):
+        raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)}: {arch}'s image processor reads none "
+                          "(Qwen2-VL's reads min_pixels / max_pixels)")
+    unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels"})
+    if unknown:
+        raise ConfigError(f"mm_processor_kwargs {unknown}: {arch}'s image processor reads min_pixels "
+                          "and max_pixels")
+    proc = mc.vision.processing
+    lo, hi = kwargs.get("min_pixels", proc.min_pixels), kwargs.get("max_pixels", proc.max_pixels)
+    for key, v in (("min_pixels", lo), ("max_pixels", hi)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"mm_processor_kwargs {key} must be a positive int, got {v!r}")
+    if lo > hi:
+        raise ConfigError(f"mm_processor_kwargs: min_pixels {lo} is above max_pixels {hi}")
+    return replace(mc, vision=replace(mc.vision, processing=replace(proc, min_pixels=lo, max_pixels=hi)))

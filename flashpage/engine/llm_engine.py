@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +28,7 @@ from flashpage.config import (
     QwenVisionConfig,
     dtype_bytes,
     resolve_kv_cache_dtype,
+    with_mm_processor_kwargs,
 )
 from flashpage.engine import cumem
 from flashpage.engine.cuda_graph import PREFILL_MAX_TOKENS
@@ -131,6 +132,9 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.source: ModelSource = resolve_model(config.model, random_config, config.hf_overrides)
+        if config.mm_processor_kwargs:  # vLLM's: the image processor's settings overridden
+            self.source = replace(self.source, config=with_mm_processor_kwargs(
+                self.source.config, config.mm_processor_kwargs))
         # a classifier reads its last token, as HF's *ForSequenceClassification (its folder's
         # sentence-transformers Pooling, if it had one, is not what its head was trained on)
         default_pooling = "last" if self.source.config.is_classifier else pooling_type_of(

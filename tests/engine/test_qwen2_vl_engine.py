@@ -325,3 +325,25 @@ def test_qwen2_vl_on_the_gpu_with_graphs_bf16(tmp_path):
         a, b = sum(ours_top) / len(ours_top), sum(bf16_top) / len(bf16_top)
         assert a >= b - 0.03 and a >= 0.85, (variant, a, b, [round(g, 3) for g in gaps])
         assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+def test_mm_processor_kwargs_set_the_pixel_bounds(qwen):
+    """vLLM's mm_processor_kwargs: max_pixels lowered, an image takes fewer rows (its
+    resize the processor's with that bound) and the tokens are transformers' on those
+    patches; keys the processor does not read, or bad bounds, are ConfigErrors."""
+    from flashpage.cli import _json_object
+    from flashpage.config import ConfigError
+
+    path, hf = qwen("qwen2_vl")
+    small = _llm(path, mm_processor_kwargs={"max_pixels": 56 * 56})
+    enc = small.engine.mm_encoder
+    ids, (img,) = _case(enc, 0, 1)  # 84 x 112: 12 rows at the tiny processor's own bounds
+    out = small.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": img}}], GREEDY,
+                         use_tqdm=False)[0]
+    assert sum(t == enc.config.image_token_id for t in out.prompt_token_ids) == 2  # 28 x 56 after resize
+    assert _tokens([out])[0] == _want(hf, small, out, [img])
+    for bad, needle in (({"do_resize": False}, "reads min_pixels and max_pixels"),
+                        ({"max_pixels": 0}, "positive int"), ({"min_pixels": 10**7}, "above max_pixels")):
+        with pytest.raises(ConfigError, match=needle):
+            _llm(path, mm_processor_kwargs=bad)
+    assert _json_object('{"max_pixels": 3136}') == {"max_pixels": 3136}
