@@ -11,8 +11,9 @@ LlavaImageEncoder) with two hooks, the whole of what the engine asks of a family
   ``[length, hidden]``.
 
 The request keeps its inputs (``Request.mm_inputs``). The model runner encodes an input the
-first time a step schedules one of its positions (all of a step's pending inputs in one
-batch; an input whose positions all came from the prefix cache is never encoded), keeps its
+first time a step schedules one of its positions (a step's pending inputs in batches of at
+most max_num_batched_tokens rows, ``encode_pending``: the memory the engine reserved for an
+encoder call; an input whose positions all came from the prefix cache is never encoded), keeps its
 rows on the request (on the device; the pixel data is dropped), and gives the model each
 step's slice of them as InputEmbeds, spliced over the token embeddings as a prompt given as
 embeddings is (engine/prompt_embeds.py). Chunked prefill takes any slice of an input's rows;
