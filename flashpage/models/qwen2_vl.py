@@ -204,10 +204,15 @@ class VisionGatedMLP(nn.Module):
         self.down_proj = down
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        y = self.gate_up_proj(x)
+        if fused and isinstance(self.act, nn.SiLU):
+            from flashpage.kernels.silu_mul import silu_and_mul
+
+            return self.down_proj(silu_and_mul(y))
+        gate, up = y.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -220,8 +225,18 @@ class VisionBlock(nn.Module):
         self.mlp: nn.Module = VisionGatedMLP(vc) if vc.variant == "qwen2_5_vl" else VisionMLP(vc)
 
     def forward(self, x: torch.Tensor, rope: Rope, segments: list[tuple[int, int]]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, segments)
-        return x + self.mlp(self.norm2(x))
+        if rope.table is None or not isinstance(self.norm1, VisionRMSNorm):
+            x = x + self.attn(self.norm1(x), rope, segments)
+            return x + self.mlp(self.norm2(x))
+        # our kernels (kernels/rms_norm.py: the residual add fused into the second norm; the
+        # MLP's SiLU-mul, kernels/silu_mul.py), one rounding where transformers rounds twice
+        from flashpage.kernels.rms_norm import rms_norm
+
+        n1, n2 = self.norm1, self.norm2
+        assert isinstance(n2, VisionRMSNorm)
+        a = self.attn(rms_norm(x, n1.weight, n1.eps), rope, segments)
+        h, x = rms_norm(a, n2.weight, n2.eps, residual=x)  # type: ignore[misc]
+        return x + self.mlp(h, fused=True)
 
 
 class PatchEmbed(nn.Module):
@@ -289,9 +304,9 @@ class VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(vc)
         self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
         self.merger = PatchMerger(vc)
-        # our rotary kernel for the 2-D rotary: None = on CUDA (tests force it under the
-        # interpreter)
-        self.rotary_kernel: bool | None = None
+        # our kernels (the 2-D rotary; Qwen2.5-VL's RMSNorm with the residual add and
+        # SiLU-mul): None = on CUDA (tests force them under the interpreter)
+        self.kernels: bool | None = None
         half = vc.hidden_size // vc.num_heads // 2
         # fp32 always (not a buffer: a cast of the module to bf16 would round it)
         self.inv_freq = 1.0 / (vc.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32,
@@ -338,7 +353,7 @@ class VisionTower(nn.Module):
             x, cos, sin = permute(x), permute(cos), permute(sin)
             back = torch.argsort(blocks)
         rope = Rope(cos, sin)
-        if self.rotary_kernel if self.rotary_kernel is not None else x.is_cuda:
+        if self.kernels if self.kernels is not None else x.is_cuda:
             half = cos.shape[1] // 2
             rope.table = torch.cat([cos[:, :half], sin[:, :half]], dim=1).contiguous()
             rope.index = torch.arange(x.shape[0], device=x.device)

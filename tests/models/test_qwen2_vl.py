@@ -106,9 +106,9 @@ def test_image_rows_equal_transformers(tiny, variant):
     vc = enc.config
     big = 8192 * 4 * (3 * vc.hidden_size + vc.intermediate_size) * 4  # fp32 here
     assert enc.activation_bytes(8192) >= big and enc.activation_bytes(1) == enc.activation_bytes(0) > 0
-    # the rotary kernel the tower takes on CUDA (kernels/rotary.py over a per-token table),
-    # here under the interpreter: the same rows
-    enc.visual.rotary_kernel = True
+    # the kernels the tower takes on CUDA (the rotary over a per-token table; Qwen2.5-VL's
+    # RMSNorm with the residual and SiLU-mul), here under the interpreter: the same rows
+    enc.visual.kernels = True
     for a, b in zip(enc.encode(kept), ours, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     if variant == "qwen2_5_vl":  # the windows the test exercises: 2 x 2 merged units, cut short
