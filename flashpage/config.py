@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from flashpage.models.pixtral_config import PixtralVisionConfig
+
 # Architectures we can run, by family. DeepSeek is parsed for ``inspect`` and MLA.
 # decoder sequence classifiers: the body of the family, a ``score`` head over the last
 # token's hidden state instead of the LM head (models/llama.py LlamaForSequenceClassification)
@@ -100,7 +102,7 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # Llama 4 Scout / Maverick
     "Llama4ForConditionalGeneration": (("llama4_text",), "llama4_text",
                                        ("vision_model", "multi_modal_projector")),
-    # Mistral Small 3.1 / 3.2 (a Pixtral tower over a Mistral text model)
+    # Mistral Small 3.1 / 3.2 (a Pixtral tower over a Mistral text model): its images too
     "Mistral3ForConditionalGeneration": (("mistral", "ministral"), "mistral",
                                          ("vision_tower", "multi_modal_projector")),
     # LLaVA-1.5 style (a CLIP ViT tower, a 2-layer projector, a Llama / Mistral / Vicuna text
@@ -109,8 +111,10 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     "LlavaForConditionalGeneration": (("llama", "mistral"), "llama",
                                       ("vision_tower", "multi_modal_projector")),
 }
-# the wrappers whose images we run (ModelConfig.vision): the others serve their text alone
-IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
+# the wrappers whose images we run (ModelConfig.vision): the others serve their text alone.
+# Mistral3 (and LLaVA whose vision_config is "pixtral"): a Pixtral tower, read by
+# models/pixtral_config.py, run by models/pixtral.py
+IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "Mistral3ForConditionalGeneration"})
 # architecture names of remote-code checkpoints that transformers' own class reads
 _ARCH_ALIASES = {"MPTForCausalLM": "MptForCausalLM"}  # MosaicML's MPT files
 SUPPORTED_ARCHITECTURES = (LLAMA_FAMILY | DEEPSEEK_FAMILY | LLAMA_MOE_FAMILY | GEMMA_FAMILY
@@ -2023,6 +2027,20 @@ def _vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | No
         _image_processing(folder, v["image_size"], where))
 
 
+def _image_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None
+                     ) -> VisionConfig | PixtralVisionConfig:
+    """The image side of an IMAGE_ARCHITECTURES checkpoint: a Pixtral tower's
+    (models/pixtral_config.py: Mistral3, LLaVA with vision_config.model_type "pixtral"),
+    else LLaVA's CLIP tower's (_vision_config_of)."""
+    vc = d.get("vision_config")
+    if arch == "Mistral3ForConditionalGeneration" or \
+            (isinstance(vc, dict) and vc.get("model_type") == "pixtral"):
+        from flashpage.models.pixtral_config import pixtral_vision_config_of
+
+        return pixtral_vision_config_of(d, arch, where, folder)
+    return _vision_config_of(d, arch, where, folder)
+
+
 def read_config_json(source: str | os.PathLike) -> tuple[str, dict[str, Any]]:
     """A ``config.json`` (the file or its folder) -> (its path, its object); a ConfigError
     names a missing file, bad JSON or a value other than an object."""
@@ -2207,7 +2225,7 @@ class ModelConfig:
     multimodal_architecture: str = ""
     # a multimodal checkpoint whose images we run (IMAGE_ARCHITECTURES): its vision tower,
     # projector, image token and preprocessing (VisionConfig); None for any other model
-    vision: VisionConfig | None = None
+    vision: VisionConfig | PixtralVisionConfig | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ loading
@@ -2244,7 +2262,7 @@ class ModelConfig:
         arch = _ARCH_ALIASES.get(arch, arch)
         if arch in MULTIMODAL_TEXT_ARCHITECTURES:
             text, text_where = _text_config_of(d, arch, where)
-            vision = _vision_config_of(d, arch, where, folder) if arch in IMAGE_ARCHITECTURES \
+            vision = _image_config_of(d, arch, where, folder) if arch in IMAGE_ARCHITECTURES \
                 else None
             return replace(ModelConfig._from_dict(text, text_where, folder),
                            multimodal_architecture=arch, vision=vision)

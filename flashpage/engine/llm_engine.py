@@ -25,6 +25,7 @@ from flashpage.config import (
     ConfigError,
     EngineConfig,
     ModelConfig,
+    VisionConfig,
     dtype_bytes,
     resolve_kv_cache_dtype,
 )
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
     from flashpage.models.llava import LlavaImageEncoder
     from flashpage.models.medusa import MedusaHeads
     from flashpage.models.mtp import HiddenStateDraft
+    from flashpage.models.pixtral import PixtralImageEncoder
     from flashpage.structured.compiler import GuideCompiler
     from flashpage.structured.guide import CompiledGuide
 
@@ -183,17 +185,23 @@ class LLMEngine:
                                     quantization=config.quantization, classifier_token_ids=token_ids,
                                     mxfp4_kernel=mxfp4_kernel, fp8_moe_kernel=fp8_moe_kernel,
                                     int4_moe_kernel=int4_moe_kernel)
-        # a model's multimodal encoder (engine/multimodal.py): LLaVA's vision tower and
-        # projector (models/llava.py), before the KV cache takes what memory is left
-        self.mm_encoder: LlavaImageEncoder | None = None
-        if mc.vision is not None:
+        # a model's multimodal encoder (engine/multimodal.py): LLaVA's CLIP tower and
+        # projector (models/llava.py) or a Pixtral tower's (models/pixtral.py), before the KV
+        # cache takes what memory is left
+        self.mm_encoder: LlavaImageEncoder | PixtralImageEncoder | None = None
+        if isinstance(mc.vision, VisionConfig):
             from flashpage.models.llava import load_image_encoder
 
             self.mm_encoder = load_image_encoder(self.source, self.dtype, self.device, config.seed)
-            if not getattr(self.model, "supports_prompt_embeds", False):
-                raise ConfigError(f"{mc.multimodal_architecture}: its text model "
-                                  f"({mc.architecture}) takes no input embeddings, which its "
-                                  "images' rows are (engine/multimodal.py)")
+        elif mc.vision is not None:  # a Pixtral tower (Mistral3, LLaVA-Pixtral): models/pixtral.py
+            from flashpage.models.pixtral import load_image_encoder as load_pixtral_encoder
+
+            self.mm_encoder = load_pixtral_encoder(self.source, self.dtype, self.device, self.model,
+                                                   config.seed)
+        if mc.vision is not None and not getattr(self.model, "supports_prompt_embeds", False):
+            raise ConfigError(f"{mc.multimodal_architecture}: its text model "
+                              f"({mc.architecture}) takes no input embeddings, which its "
+                              "images' rows are (engine/multimodal.py)")
         if config.enable_prompt_embeds and not getattr(self.model, "supports_prompt_embeds", False):
             raise ConfigError(f"enable_prompt_embeds: {mc.architecture}'s forward does not take "
                               "input embeddings (engine/prompt_embeds.py lists the families that do)")
@@ -1258,7 +1266,7 @@ class LLMEngine:
         if mc.mxfp4_experts:
             return "the model's experts are MXFP4 (their reader is not run on update yet)"
         if mc.vision is not None:
-            return ("the model's vision tower and projector (models/llava.py) are not written "
+            return ("the model's vision tower and projector (models/llava.py, pixtral.py) are not written "
                     "by weight updates yet")
         return None
 

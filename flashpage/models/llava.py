@@ -195,7 +195,7 @@ def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.de
     from flashpage.models.loader import init_random_, iter_safetensors
 
     vc = source.config.vision
-    assert vc is not None
+    assert isinstance(vc, VisionConfig)
     with torch.device(device):
         enc = LlavaImageEncoder(vc, source.config.hidden_size)
     enc.to(dtype)

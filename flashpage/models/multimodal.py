@@ -1,7 +1,7 @@
 """The text model of a multimodal checkpoint (config.MULTIMODAL_TEXT_ARCHITECTURES:
-Gemma3ForConditionalGeneration, Llama4ForConditionalGeneration,
-Mistral3ForConditionalGeneration served alone, images not supported; and
-LlavaForConditionalGeneration, whose images models/llava.py runs beside it).
+Gemma3ForConditionalGeneration, Llama4ForConditionalGeneration served alone, images not
+supported; LlavaForConditionalGeneration, whose images models/llava.py runs beside it, and
+Mistral3ForConditionalGeneration, whose images models/pixtral.py runs).
 
 The config is the text model's (config._text_config_of); its weights sit under the wrapper's
 prefixes, which ``text_model_weights`` takes off on the way to the text family's own
@@ -40,8 +40,9 @@ _TEXT_PREFIXES = (
 def text_only_note(config: ModelConfig) -> str:
     """The one sentence saying what of a multimodal checkpoint runs (log, inspect)."""
     if config.vision is not None:
+        where = "models/llava.py" if type(config.vision).__name__ == "VisionConfig" else "models/pixtral.py"
         return (f"{config.multimodal_architecture}: its text model ({config.architecture}) "
-                "and its images (vision tower and projector: models/llava.py)")
+                f"and its images (vision tower and projector: {where})")
     return (f"{config.multimodal_architecture}: its text model ({config.architecture}) only; "
             "image inputs are not supported")
 
