@@ -50,10 +50,9 @@ def build_tiny_pixtral(path: Path, llava: bool = False, seed: int = 0, text: dic
     img = int(tok.convert_tokens_to_ids("[IMG]"))
     tc = {**_TEXT, **(text or {})}
     if llava:
-        config = transformers.LlavaConfig(text_config=tc, vision_config=dict(_VISION),
-                                          image_token_index=img, vision_feature_layer=-1,
-                                          vision_feature_select_strategy="full",
-                                          tie_word_embeddings=False, **overrides)
+        config = transformers.LlavaConfig(text_config=tc, vision_config=dict(_VISION), **{
+            "image_token_index": img, "vision_feature_layer": -1, "tie_word_embeddings": False,
+            "vision_feature_select_strategy": "full", **overrides})
         model = transformers.LlavaForConditionalGeneration(config)
     else:
         config = transformers.Mistral3Config(text_config=tc, vision_config=dict(_VISION),
@@ -75,15 +74,31 @@ def build_tiny_pixtral(path: Path, llava: bool = False, seed: int = 0, text: dic
     return path
 
 
-def processor(path: Path):
-    """transformers' PixtralProcessor for the checkpoint (patch and merge as its config's)."""
+def image_processor(path: Path):
+    """transformers' PixtralImageProcessorPil of the checkpoint."""
+    import transformers
+
+    return transformers.PixtralImageProcessorPil.from_pretrained(path)
+
+
+def hf_expand(path: Path, text: str, image_sizes: list[tuple[int, int]]) -> list[int]:
+    """``text``'s ids with each [IMG] replaced as PixtralProcessor.replace_image_token
+    replaces it for images of these preprocessed sizes (its rule written out: the processor
+    module wants torchvision, not installed here), then tokenized by the checkpoint's
+    tokenizer."""
     import transformers
 
     cfg = transformers.AutoConfig.from_pretrained(path)
-    return transformers.PixtralProcessor(
-        transformers.PixtralImageProcessorPil.from_pretrained(path),
-        transformers.AutoTokenizer.from_pretrained(path), patch_size=PATCH,
-        spatial_merge_size=getattr(cfg, "spatial_merge_size", 1))
+    patch = PATCH * getattr(cfg, "spatial_merge_size", 1)
+    parts = text.split("[IMG]")
+    assert len(parts) == len(image_sizes) + 1
+    out = parts[0]
+    for (height, width), part in zip(image_sizes, parts[1:], strict=True):
+        rows = [["[IMG]"] * (width // patch) + ["[IMG_BREAK]"]] * (height // patch)
+        flat = [t for row in rows for t in row]
+        flat[-1] = "[IMG_END]"
+        out += "".join(flat) + part
+    return transformers.AutoTokenizer.from_pretrained(path)(out)["input_ids"]
 
 
 def hf_model(path: Path):
