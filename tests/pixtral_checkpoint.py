@@ -118,7 +118,7 @@ def batch_pixels(pixels: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
     hm, wm = max(p.shape[1] for p in pixels), max(p.shape[2] for p in pixels)
     out = torch.zeros(len(pixels), 3, hm, wm)
     for i, p in enumerate(pixels):
-        out[i, :, :p.shape[1], :p.shape[2]] = p
+        out[i, :, :p.shape[1], :p.shape[2]] = p.cpu()
     return out, torch.tensor([list(p.shape[1:]) for p in pixels])
 
 
@@ -128,9 +128,11 @@ def hf_greedy(model, ids: list[int], pixels: list[torch.Tensor] | None, max_new_
     kw = {}
     if pixels:
         pv, sizes = batch_pixels(pixels)
-        kw = {"pixel_values": pv.to(model.dtype), "image_sizes": sizes}
+        kw = {"pixel_values": pv.to(model.device, model.dtype), "image_sizes": sizes.to(model.device)}
+    dev = model.device
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = model.generate(input_ids=torch.tensor([ids], device=dev),
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=dev),
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=0, **kw)
     return out[0, len(ids):].tolist()
