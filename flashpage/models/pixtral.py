@@ -41,7 +41,7 @@ from flashpage.engine.multimodal import MultiModalInput
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image
 from flashpage.models.pixtral_config import PixtralVisionConfig
-from flashpage.models.pixtral_image import preprocess
+from flashpage.models.pixtral_image import preprocess, resized_size
 
 if TYPE_CHECKING:
     from flashpage.models.loader import ModelSource
@@ -239,6 +239,20 @@ class PixtralImageEncoder(nn.Module):
         """An image's prompt rows and columns (of [IMG]): its size / (patch x merge)."""
         P = self.config.prompt_patch
         return pixels.shape[1] // P, pixels.shape[2] // P
+
+    def image_rows(self, image: Any) -> int:
+        """The positions an image's span takes in the prompt (h * (w + 1)), without running
+        anything heavy: the server's length check before admission. 1 for an image that
+        prepare would refuse (its error comes from there)."""
+        P = self.config.prompt_patch
+        try:
+            if is_pil_image(image):
+                h, w = resized_size(image.size[1], image.size[0], self.config.processing, P)
+            else:
+                h, w = image.shape[1], image.shape[2]
+        except (ValueError, AttributeError, IndexError):
+            return 1
+        return h // P * (w // P + 1) or 1
 
     def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
         """The engine's multimodal hook at admission (engine/multimodal.py): a request's

@@ -57,10 +57,12 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
         ids = ids[-req.truncate_prompt_tokens:]  # the conversation's oldest tokens go first
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
-    # each image's placeholder becomes its rows (models/llava.py expand_image_tokens)
+    # each image's placeholder becomes its rows (models/llava.py expand_image_tokens; a
+    # Pixtral tower's count by the image's size: models/pixtral.py image_rows)
     encoder = getattr(state.engine.engine, "mm_encoder", None)
-    grows = len(images["image"]) * (encoder.tokens_per_image - 1) \
-        if images is not None and encoder is not None else 0
+    rows = getattr(encoder, "image_rows", None)
+    grows = sum((rows(im) if rows is not None else encoder.tokens_per_image) - 1
+                for im in images["image"]) if images is not None and encoder is not None else 0
     n_prompt = len(ids) + grows  # what the engine runs (and usage counts, as vLLM's)
     max_tokens = check_length(state, n_prompt, max_tokens)
     if req.top_logprobs is not None and not req.logprobs:

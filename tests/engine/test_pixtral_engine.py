@@ -80,6 +80,9 @@ def test_one_and_two_images_equal_transformers(mistral3, tmp_path, llava):
     vc = llm.engine.mm_encoder.config
     two = outs[1].prompt_token_ids
     assert two.count(vc.end_token_id) == 2 and two.count(vc.break_token_id) > 0
+    # the server's length check counts each image's span without preprocessing it
+    enc = llm.engine.mm_encoder
+    assert len(two) - len(cases[1][0]) + 2 == sum(enc.image_rows(im) for im in cases[1][1])
 
 
 def test_mixed_batch_with_chunked_prefill(mistral3, monkeypatch):
