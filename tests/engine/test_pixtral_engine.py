@@ -184,6 +184,22 @@ def test_llm_chat_takes_image_parts(mistral3):
     assert _tokens([out]) == _tokens([ref]) and out.prompt_token_ids == ref.prompt_token_ids
 
 
+def test_random_weights_run_the_tower(mistral3):
+    """A random-weights engine of a Mistral3 config.json (benchmarks): the tower is built and
+    initialized, an image request runs, its break / end rows are the random text model's."""
+    path, _ = mistral3
+    llm = _llm(None, random_weights_config=str(path / "config.json"), tokenizer=str(path))
+    enc = llm.engine.mm_encoder
+    ids, ims = _case(enc.config.image_token_id, 70, 1)
+    out = llm.generate([_prompt(ids, ims)], GREEDY, use_tqdm=False)[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == MAX_NEW
+    assert all(torch.isfinite(p).all() for p in enc.parameters())
+    table = llm.engine.model.model.embed_tokens.weight
+    (rows,) = enc.encode([enc.pixel_values(ims[0])])
+    assert torch.equal(rows[-1], table[enc.config.end_token_id])
+    assert not any(p is table for p in enc.parameters())  # the text model's, not the encoder's
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_pixtral_on_the_gpu_with_graphs(tmp_path):
