@@ -172,21 +172,23 @@ class PixtralVisionTower(nn.Module):
         """Each image's pixel values [3, H, W] -> the hidden states at feature_layers (each
         [N, Hv], N: all images' patches), the images' patch grids (h, w)."""
         p = self.config.patch_size
-        w = self.patch_conv.weight
+        wt = self.patch_conv.weight
         grids, patches = [], []
-        for x in pixels:
-            h_, w_ = x.shape[1] // p, x.shape[2] // p
-            grids.append((h_, w_))
-            patches.append(x[:, :h_ * p, :w_ * p].reshape(3, h_, p, w_, p)
-                           .permute(1, 3, 0, 2, 4).reshape(h_ * w_, 3 * p * p))
-        x = self.ln_pre(F.linear(torch.cat(patches).to(w.dtype), w.flatten(1)))
+        for px in pixels:
+            h, w = px.shape[1] // p, px.shape[2] // p
+            grids.append((h, w))
+            patches.append(px[:, :h * p, :w * p].reshape(3, h, p, w, p)
+                           .permute(1, 3, 0, 2, 4).reshape(h * w, 3 * p * p))
+        x = self.ln_pre(F.linear(torch.cat(patches).to(wt.dtype), wt.flatten(1)))
         cos, sin = self.rotary(grids, x.dtype)
         lengths = [h * w for h, w in grids]
-        states = [x]
-        for layer in self.transformer.layers:
+        wanted = self.config.feature_layers
+        states = {0: x} if 0 in wanted else {}  # only the feature layers' are kept
+        for i, layer in enumerate(self.transformer.layers, start=1):
             x = layer(x, cos, sin, lengths)
-            states.append(x)
-        return [states[i] for i in self.config.feature_layers], grids
+            if i in wanted:
+                states[i] = x
+        return [states[i] for i in wanted], grids
 
 
 class PatchMerger(nn.Module):
