@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from flashpage.engine.media import MediaPolicy
+    from flashpage.models.pixtral_config import PixtralVisionConfig
 
 # Architectures we can run, by family. DeepSeek is parsed for ``inspect`` and MLA.
 # decoder sequence classifiers: the body of the family, a ``score`` head over the last
@@ -102,7 +103,7 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # Llama 4 Scout / Maverick
     "Llama4ForConditionalGeneration": (("llama4_text",), "llama4_text",
                                        ("vision_model", "multi_modal_projector")),
-    # Mistral Small 3.1 / 3.2 (a Pixtral tower over a Mistral text model)
+    # Mistral Small 3.1 / 3.2 (a Pixtral tower over a Mistral text model): its images too
     "Mistral3ForConditionalGeneration": (("mistral", "ministral"), "mistral",
                                          ("vision_tower", "multi_modal_projector")),
     # LLaVA-1.5 style (a CLIP ViT tower, a 2-layer projector, a Llama / Mistral / Vicuna text
@@ -125,9 +126,11 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
 }
 QWEN_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration",
                                    "Qwen2_5_VLForConditionalGeneration"})
-# the wrappers whose images we run (ModelConfig.vision): the others serve their text alone
-IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"}) \
-    | QWEN_VL_ARCHITECTURES
+# the wrappers whose images we run (ModelConfig.vision): the others serve their text alone.
+# Mistral3 (and LLaVA whose vision_config is "pixtral"): a Pixtral tower, read by
+# models/pixtral_config.py, run by models/pixtral.py
+IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                                 "Mistral3ForConditionalGeneration"}) | QWEN_VL_ARCHITECTURES
 # LLaVA's relatives we do not run, each with why (a ConfigError says it rather than "not supported")
 _UNSUPPORTED_IMAGE_ARCHITECTURES = {
     "LlavaOnevisionForConditionalGeneration":
@@ -2314,6 +2317,20 @@ def _qwen_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str
                             processing=_qwen_image_processing(folder, v, where), **tokens)
 
 
+def _image_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None
+                     ) -> VisionConfig | PixtralVisionConfig:
+    """The image side of an IMAGE_ARCHITECTURES checkpoint: a Pixtral tower's
+    (models/pixtral_config.py: Mistral3, LLaVA with vision_config.model_type "pixtral"),
+    else LLaVA's CLIP tower's (_vision_config_of)."""
+    vc = d.get("vision_config")
+    if arch == "Mistral3ForConditionalGeneration" or \
+            (isinstance(vc, dict) and vc.get("model_type") == "pixtral"):
+        from flashpage.models.pixtral_config import pixtral_vision_config_of
+
+        return pixtral_vision_config_of(d, arch, where, folder)
+    return _vision_config_of(d, arch, where, folder)
+
+
 def read_config_json(source: str | os.PathLike) -> tuple[str, dict[str, Any]]:
     """A ``config.json`` (the file or its folder) -> (its path, its object); a ConfigError
     names a missing file, bad JSON or a value other than an object."""
@@ -2499,7 +2516,8 @@ class ModelConfig:
     # a multimodal checkpoint whose images we run (IMAGE_ARCHITECTURES): its vision tower,
     # projector, image token and preprocessing (VisionConfig); None for any other model
     # (Qwen2-VL / Qwen2.5-VL: QwenVisionConfig, models/qwen2_vl.py)
-    vision: VisionConfig | QwenVisionConfig | None = None
+    # (Pixtral towers: models/pixtral_config.PixtralVisionConfig)
+    vision: VisionConfig | QwenVisionConfig | PixtralVisionConfig | None = None
     # M-RoPE (Qwen2-VL): the rotated pairs' split among the (t, h, w) position components
     # (layers/rotary.MRotaryEmbedding, engine/mrope.py); (): 1-D rope
     mrope_section: tuple[int, ...] = ()
@@ -2549,7 +2567,7 @@ class ModelConfig:
                            vision=_qwen_vision_config_of(d, arch, where, folder, cfg.hidden_size))
         if arch in MULTIMODAL_TEXT_ARCHITECTURES:
             text, text_where = _text_config_of(d, arch, where)
-            vision = _vision_config_of(d, arch, where, folder) if arch in IMAGE_ARCHITECTURES \
+            vision = _image_config_of(d, arch, where, folder) if arch in IMAGE_ARCHITECTURES \
                 else None
             return replace(ModelConfig._from_dict(text, text_where, folder),
                            multimodal_architecture=arch, vision=vision)

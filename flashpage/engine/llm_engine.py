@@ -26,6 +26,7 @@ from flashpage.config import (
     EngineConfig,
     ModelConfig,
     QwenVisionConfig,
+    VisionConfig,
     dtype_bytes,
     resolve_kv_cache_dtype,
     with_mm_processor_kwargs,
@@ -80,6 +81,7 @@ if TYPE_CHECKING:
     from flashpage.models.llava import LlavaImageEncoder
     from flashpage.models.medusa import MedusaHeads
     from flashpage.models.mtp import HiddenStateDraft
+    from flashpage.models.pixtral import PixtralImageEncoder
     from flashpage.models.qwen2_vl import QwenImageEncoder
     from flashpage.structured.compiler import GuideCompiler
     from flashpage.structured.guide import CompiledGuide
@@ -195,9 +197,10 @@ class LLMEngine:
                                     quantization=config.quantization, classifier_token_ids=token_ids,
                                     mxfp4_kernel=mxfp4_kernel, fp8_moe_kernel=fp8_moe_kernel,
                                     int4_moe_kernel=int4_moe_kernel)
-        # a model's multimodal encoder (engine/multimodal.py): LLaVA's vision tower and
-        # projector (models/llava.py), before the KV cache takes what memory is left
-        self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | None = None
+        # a model's multimodal encoder (engine/multimodal.py): LLaVA's CLIP tower and
+        # projector (models/llava.py), Qwen2-VL's (models/qwen2_vl.py) or a Pixtral tower's
+        # (models/pixtral.py), before the KV cache takes what memory is left
+        self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
         if mc.vision is not None and self.mm_limits.get("image") == 0:
             logger.info("limit_mm_per_prompt allows no image: %s is served as its text model alone "
@@ -206,10 +209,15 @@ class LLMEngine:
             from flashpage.models.qwen2_vl import load_image_encoder as load_qwen_encoder
 
             self.mm_encoder = load_qwen_encoder(self.source, self.dtype, self.device, config.seed)
-        elif mc.vision is not None:
+        elif isinstance(mc.vision, VisionConfig):
             from flashpage.models.llava import load_image_encoder
 
             self.mm_encoder = load_image_encoder(self.source, self.dtype, self.device, config.seed)
+        elif mc.vision is not None:  # a Pixtral tower (Mistral3, LLaVA-Pixtral): models/pixtral.py
+            from flashpage.models.pixtral import load_image_encoder as load_pixtral_encoder
+
+            self.mm_encoder = load_pixtral_encoder(self.source, self.dtype, self.device, self.model,
+                                                   config.seed)
         if self.mm_encoder is not None and not getattr(self.model, "supports_prompt_embeds", False):
             raise ConfigError(f"{mc.multimodal_architecture}: its text model "
                               f"({mc.architecture}) takes no input embeddings, which its "
@@ -1314,7 +1322,7 @@ class LLMEngine:
         if mc.mxfp4_experts:
             return "the model's experts are MXFP4 (their reader is not run on update yet)"
         if mc.vision is not None:
-            return ("the model's vision tower (models/llava.py, models/qwen2_vl.py) is not "
+            return ("the model's vision tower (models/llava.py, qwen2_vl.py, pixtral.py) is not "
                     "written by weight updates yet")
         return None
 

@@ -57,11 +57,13 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
         ids = ids[-req.truncate_prompt_tokens:]  # the conversation's oldest tokens go first
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
-    # each image's placeholder token becomes its rows (models/llava.py expand_image_tokens,
-    # models/qwen2_vl.py expand_image_pads: as many as its size gives)
+    # each image's placeholder becomes its rows (models/llava.py expand_image_tokens,
+    # models/qwen2_vl.py expand_image_pads; a Pixtral tower's count by the image's size:
+    # models/pixtral.py image_rows)
     encoder = getattr(state.engine.engine, "mm_encoder", None)
-    grows = sum(encoder.num_rows(px) - 1 for px in images["image"]) \
-        if images is not None and encoder is not None else 0
+    rows = (getattr(encoder, "image_rows", None) or encoder.num_rows) if encoder is not None else None
+    grows = sum(rows(im) - 1 for im in images["image"]) \
+        if images is not None and rows is not None else 0
     n_prompt = len(ids) + grows  # what the engine runs (and usage counts, as vLLM's)
     max_tokens = check_length(state, n_prompt, max_tokens)
     if req.top_logprobs is not None and not req.logprobs:

@@ -1,6 +1,7 @@
 """The text model of multimodal checkpoints (models/multimodal.py, config._text_config_of):
-Gemma3ForConditionalGeneration, Llama4ForConditionalGeneration and
-Mistral3ForConditionalGeneration served text-only.
+Gemma3ForConditionalGeneration and Llama4ForConditionalGeneration served text-only, and
+Mistral3ForConditionalGeneration's text model on text-only prompts (its images:
+tests/engine/test_pixtral_engine.py).
 
 CPU, fp32: tiny random checkpoints saved by transformers' own ConditionalGeneration classes
 (tiny vision towers too); our greedy tokens equal the ConditionalGeneration model's own
@@ -108,7 +109,8 @@ def tiny(tmp_path_factory):
 
 
 def _prompts() -> list[list[int]]:
-    return random_prompts(3, 3 * WINDOW, 36, seed=2)
+    # never Mistral3's [IMG] (10): a prompt with it and no image is refused
+    return [[11 if t == 10 else t for t in p] for p in random_prompts(3, 3 * WINDOW, 36, seed=2)]
 
 
 def hf_conditional_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int
@@ -188,9 +190,10 @@ def test_vision_tensors_are_skipped_and_counted(tiny, name, caplog):
     with caplog.at_level(logging.INFO, logger="flashpage.models.multimodal"):
         model = load_model(source, torch.float32, torch.device("cpu"))
     lines = [r.getMessage() for r in caplog.records if r.name == "flashpage.models.multimodal"]
-    assert lines == [f"{TINY[name][1]}: its text model ({source.config.architecture}) only; "
-                     f"image inputs are not supported; skipped {len(vision)} vision tower / "
-                     "projector tensor(s) of the checkpoint"]
+    what = ("and its images (vision tower and projector: models/pixtral.py)" if name == "mistral3"
+            else "only; image inputs are not supported")
+    assert lines == [f"{TINY[name][1]}: its text model ({source.config.architecture}) {what}; "
+                     f"skipped {len(vision)} vision tower / projector tensor(s) of the checkpoint"]
     assert not any("vision" in n or "projector" in n for n, _ in model.named_parameters())
 
 
@@ -221,8 +224,9 @@ def test_inspect_counts_the_text_models_parameters(tiny, name):
     assert total == stored
     assert (total == active) == (name != "llama4")
     report = format_report(inspect_config(cfg, 1 << 30))
-    assert re.search(rf"multimodal +{TINY[name][1]}: its text model only \(image inputs are not "
-                     r"supported", report), report
+    what = r"and image input \(the vision tower" if name == "mistral3" else \
+        r"only \(image inputs are not supported"
+    assert re.search(rf"multimodal +{TINY[name][1]}: its text model {what}", report), report
 
 
 def test_inspect_cli_on_a_config_json(capsys):
@@ -328,12 +332,12 @@ def test_config_errors_name_the_field(raw, match):
 def test_unsupported_wrapper_lists_the_text_only_ones():
     with pytest.raises(ConfigError, match=r"with image input: LlavaForConditionalGeneration, "
                                           r"LlavaNextForConditionalGeneration, "
+                                          r"Mistral3ForConditionalGeneration, "
                                           r"Qwen2VLForConditionalGeneration, "
                                           r"Qwen2_5_VLForConditionalGeneration; "
                                           r"their text model alone: "
                                           r"Gemma3ForConditionalGeneration, "
-                                          r"Llama4ForConditionalGeneration, "
-                                          r"Mistral3ForConditionalGeneration$"):
+                                          r"Llama4ForConditionalGeneration$"):
         ModelConfig.from_hf({"architectures": ["PaliGemmaForConditionalGeneration"],
                              "text_config": {"model_type": "gemma"}})
 
