@@ -242,6 +242,20 @@ class PixtralImageEncoder(nn.Module):
         P = self.config.prompt_patch
         return pixels.shape[1] // P, pixels.shape[2] // P
 
+    def activation_bytes(self, rows: int) -> int:
+        """The most an encode call of ``rows`` rows (or one image at longest_edge, if more)
+        adds while it runs: per patch (merge x merge a row) its stream, the attention's and the
+        MLP's intermediates and its fp32 pixels (a generous sum: they are freed in turn)."""
+        vc = self.config
+        longest = vc.processing.longest_hw
+        if longest is not None:
+            rows = max(rows, (longest[0] // vc.prompt_patch) * (longest[1] // vc.prompt_patch + 1))
+        patches = rows * vc.merge ** 2
+        b = self.multi_modal_projector.linear_1.weight.element_size()
+        h, i = vc.hidden_size, vc.intermediate_size
+        per = (8 * h + 4 * i) * b + 2 * h * 4 + 3 * vc.patch_size ** 2 * 4
+        return patches * per
+
     def image_rows(self, image: Any) -> int:
         """The positions an image's span takes in the prompt (h * (w + 1)), without running
         anything heavy: the server's length check before admission. 1 for an image that

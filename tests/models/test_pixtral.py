@@ -185,3 +185,15 @@ def test_weights_under_transformers_5_names_and_missing_ones(ckpts, tmp_path):
         else:
             with pytest.raises(ModelLoadError, match="1 vision tower / projector weight.*ln_pre"):
                 _encoder(path, hf)
+
+
+def test_activation_bytes_bound_a_batch(ckpts):
+    """The engine's reserve for an encode call (LLMEngine._encoder_bytes): at least each
+    patch's stream and MLP rows, growing with the rows, never under one image at longest_edge."""
+    from flashpage.models.pixtral import PixtralImageEncoder
+
+    vc = ModelConfig.from_hf(ckpts["mistral3"]).vision
+    enc = PixtralImageEncoder(vc, 64)
+    assert enc.activation_bytes(4096) >= 4096 * vc.merge ** 2 * (vc.hidden_size + vc.intermediate_size) * 4
+    assert enc.activation_bytes(1) == enc.activation_bytes(0) > 0
+    assert enc.activation_bytes(10**5) > enc.activation_bytes(1)
