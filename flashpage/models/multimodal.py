@@ -24,7 +24,7 @@ prefixes, which ``text_model_weights`` takes off on the way to the text family's
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -89,3 +89,40 @@ def text_model_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Mode
                 f"({', '.join(skip)}) in this {config.multimodal_architecture} checkpoint")
     logger.info("%s; skipped %d vision tower / projector tensor(s) of the checkpoint",
                 text_only_note(config), skipped)
+
+
+def load_image_weights(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where: str,
+                       prefixes: Sequence[tuple[str, str]], what: str, kind: str,
+                       skip: Callable[[str], bool] | None = None) -> tuple[set[str], int]:
+    """An image encoder's tensors of a checkpoint (models/llava.py, qwen2_vl.py, pixtral.py):
+    each name under one of ``prefixes`` (checkpoint prefix, ours) copied into ``module``'s
+    parameter of our name, unless ``skip(our name)`` (tensors the encoder never reads);
+    other names are the text model's, ignored. A ModelLoadError names a tensor that is no
+    parameter of ``what``, a shape that differs, and the ``kind`` weights the checkpoint
+    lacks. -> (the parameter names loaded, how many were skipped)."""
+    from flashpage.models.loader import ModelLoadError
+
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    skipped = 0
+    for name, t in weights:
+        ours = next((o + name[len(p):] for p, o in prefixes if name.startswith(p)), None)
+        if ours is None:
+            continue
+        if skip is not None and skip(ours):
+            skipped += 1
+            continue
+        p = params.get(ours)
+        if p is None:
+            raise ModelLoadError(f"{where}: checkpoint tensor {name!r} is not a parameter of {what}")
+        if tuple(t.shape) != tuple(p.shape):
+            raise ModelLoadError(f"{where}: checkpoint tensor {name!r} has shape "
+                                 f"{tuple(t.shape)}, the config says {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(t)
+        loaded.add(ours)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelLoadError(f"{where}: {len(missing)} {kind} weight(s) missing from the checkpoint: {shown}")
+    return loaded, skipped

@@ -346,34 +346,15 @@ class PixtralImageEncoder(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
         """Load the image tensors of a checkpoint (any other name is ignored: the text
         model's loader reads those); returns the parameter names loaded."""
-        from flashpage.models.loader import ModelLoadError
+        from flashpage.models.multimodal import load_image_weights
 
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        skipped = 0
-        for name, t in weights:
-            ours = next((o + name[len(p):] for p, o in _PREFIXES if name.startswith(p)), None)
-            if ours is None:
-                continue
+        def unread(ours: str) -> bool:  # never read (module docstring)
             m = _LAYER.match(ours)
-            if m and int(m.group(1)) >= self.config.layers_run:
-                skipped += 1  # never read (module docstring)
-                continue
-            p = params.get(ours)
-            if p is None:
-                raise ModelLoadError(f"{where}: checkpoint tensor {name!r} is not a parameter "
-                                     "of the Pixtral vision tower or its projector")
-            if tuple(t.shape) != tuple(p.shape):
-                raise ModelLoadError(f"{where}: checkpoint tensor {name!r} has shape "
-                                     f"{tuple(t.shape)}, the config says {tuple(p.shape)}")
-            with torch.no_grad():
-                p.copy_(t)
-            loaded.add(ours)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ModelLoadError(f"{where}: {len(missing)} vision tower / projector weight(s) "
-                                 f"missing from the checkpoint: {shown}")
+            return bool(m and int(m.group(1)) >= self.config.layers_run)
+
+        loaded, skipped = load_image_weights(self, weights, where, _PREFIXES,
+                                             "the Pixtral vision tower or its projector",
+                                             "vision tower / projector", unread)
         if skipped:
             logger.info("Pixtral vision tower: %d tensor(s) past feature layer(s) %s skipped "
                         "(never read)", skipped, list(self.config.feature_layers))

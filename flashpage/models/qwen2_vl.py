@@ -500,30 +500,10 @@ class QwenImageEncoder(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
         """Load a checkpoint's ``visual.`` tensors (others are the text model's); returns
         the parameter names loaded."""
-        from flashpage.models.loader import ModelLoadError
+        from flashpage.models.multimodal import load_image_weights
 
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, t in weights:
-            ours = next((o + name[len(p):] for p, o in _PREFIXES if name.startswith(p)), None)
-            if ours is None:
-                continue
-            p = params.get(ours)
-            if p is None:
-                raise ModelLoadError(f"{where}: checkpoint tensor {name!r} is not a parameter of "
-                                     f"the {self.config.variant} vision tower")
-            if tuple(t.shape) != tuple(p.shape):
-                raise ModelLoadError(f"{where}: checkpoint tensor {name!r} has shape "
-                                     f"{tuple(t.shape)}, the config says {tuple(p.shape)}")
-            with torch.no_grad():
-                p.copy_(t)
-            loaded.add(ours)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ModelLoadError(f"{where}: {len(missing)} vision tower weight(s) missing from "
-                                 f"the checkpoint: {shown}")
-        return loaded
+        return load_image_weights(self, weights, where, _PREFIXES, f"the {self.config.variant} vision tower",
+                                  "vision tower")[0]
 
 
 def _digest(image: QwenImage) -> bytes:
