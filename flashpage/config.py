@@ -1979,6 +1979,27 @@ def _pinpoints(v: Any, key: str, where: str, image_size: int) -> tuple[tuple[int
     return out
 
 
+def pixel_steps(pc: dict[str, Any], where: str
+                ) -> tuple[float | None, tuple[float, ...] | None, tuple[float, ...] | None, str, bool]:
+    """An image processor config's per-pixel steps, as CLIPImageProcessor,
+    Qwen2VLImageProcessor and PixtralImageProcessor read them -> (rescale_factor or None,
+    mean, std (None without do_normalize; CLIP's defaults), the resample mode, convert to
+    RGB); a ConfigError names a bad field."""
+    resample = pc.get("resample", 3)
+    if resample not in _PIL_RESAMPLE:
+        raise ConfigError(f"{where}: resample {resample!r} is not supported (2: bilinear, 3: bicubic)")
+    norm = pc.get("do_normalize", True)
+    mean = tuple(pc.get("image_mean", _OPENAI_CLIP_MEAN)) if norm else None
+    std = tuple(pc.get("image_std", _OPENAI_CLIP_STD)) if norm else None
+    for name, vals in (("image_mean", mean), ("image_std", std)):
+        if vals is not None and (len(vals) != 3 or not all(isinstance(x, (int, float)) for x in vals)):
+            raise ConfigError(f"{where}: {name} must be 3 numbers, got {list(vals)!r}")
+    if std is not None and any(x == 0 for x in std):
+        raise ConfigError(f"{where}: image_std has a zero")
+    rescale = float(pc.get("rescale_factor", 1 / 255)) if pc.get("do_rescale", True) else None
+    return rescale, mean, std, _PIL_RESAMPLE[resample], bool(pc.get("do_convert_rgb", True))
+
+
 def _image_processing(folder: str | None, image_size: int, where: str,
                       pinpoints: tuple[tuple[int, int], ...] = ()) -> ImageProcessing:
     """The folder's preprocessor_config.json (CLIPImageProcessor / LlavaImageProcessor /
@@ -2012,25 +2033,14 @@ def _image_processing(folder: str | None, image_size: int, where: str,
         else:
             resize_hw = _hw(size, "size", path)
     crop = _hw(pc.get("crop_size", 224), "crop_size", path) if pc.get("do_center_crop", True) else None
-    resample = pc.get("resample", 3)
-    if resample not in _PIL_RESAMPLE:
-        raise ConfigError(f"{path}: resample {resample!r} is not supported (2: bilinear, 3: bicubic)")
-    mean = tuple(pc.get("image_mean", _OPENAI_CLIP_MEAN)) if pc.get("do_normalize", True) else None
-    std = tuple(pc.get("image_std", _OPENAI_CLIP_STD)) if pc.get("do_normalize", True) else None
-    for name, vals in (("image_mean", mean), ("image_std", std)):
-        if vals is not None and (len(vals) != 3 or not all(isinstance(x, (int, float)) for x in vals)):
-            raise ConfigError(f"{path}: {name} must be 3 numbers, got {list(vals)!r}")
-    if std is not None and any(x == 0 for x in std):
-        raise ConfigError(f"{path}: image_std has a zero")
+    rescale, mean, std, resample, rgb = pixel_steps(pc, path)
     out_hw = crop or resize_hw
     if out_hw is None or out_hw != (image_size, image_size):
         raise ConfigError(f"{path}: its images come out {out_hw or 'of any size'} (crop_size / "
                           f"size) but the vision tower takes {image_size} x {image_size}")
     return ImageProcessing(
-        shortest, resize_hw, crop,
-        float(pc.get("rescale_factor", 1 / 255)) if pc.get("do_rescale", True) else None,
-        mean, std, _PIL_RESAMPLE[resample], bool(pc.get("do_pad", False)) and not pinpoints and not kind.startswith("LlavaNext"),
-        bool(pc.get("do_convert_rgb", True)))
+        shortest, resize_hw, crop, rescale, mean, std, resample,
+        bool(pc.get("do_pad", False)) and not pinpoints and not kind.startswith("LlavaNext"), rgb)
 
 
 def _vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None) -> VisionConfig:
@@ -2233,20 +2243,7 @@ def _qwen_image_processing(folder: str | None, vc: dict[str, Any], where: str) -
     if not pc.get("do_resize", True):
         raise ConfigError(f"{where}: do_resize false is not read (images must become multiples "
                           "of patch_size x merge_size)")
-    resample = pc.get("resample", 3)
-    if resample not in _PIL_RESAMPLE:
-        raise ConfigError(f"{where}: resample {resample!r} is not supported (2: bilinear, 3: bicubic)")
-    norm = pc.get("do_normalize", True)
-    mean = tuple(pc.get("image_mean", _OPENAI_CLIP_MEAN)) if norm else None
-    std = tuple(pc.get("image_std", _OPENAI_CLIP_STD)) if norm else None
-    for name, vals in (("image_mean", mean), ("image_std", std)):
-        if vals is not None and (len(vals) != 3 or not all(isinstance(x, (int, float)) for x in vals)):
-            raise ConfigError(f"{where}: {name} must be 3 numbers, got {list(vals)!r}")
-    if std is not None and any(x == 0 for x in std):
-        raise ConfigError(f"{where}: image_std has a zero")
-    return QwenImageProcessing(
-        lo, hi, float(pc.get("rescale_factor", 1 / 255)) if pc.get("do_rescale", True) else None,
-        mean, std, _PIL_RESAMPLE[resample], bool(pc.get("do_convert_rgb", True)))
+    return QwenImageProcessing(lo, hi, *pixel_steps(pc, where))
 
 
 def _qwen_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None,

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from flashpage.config import ConfigError
+from flashpage.config import ConfigError, pixel_steps
 
 _PIXTRAL_DEFAULTS: dict[str, Any] = dict(
     hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
@@ -29,7 +29,6 @@ _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # PixtralImageProcessor's defa
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # activations of the tower's MLP and the projector (transformers' ACT2FN names)
 PIXTRAL_ACTS = ("gelu", "silu", "gelu_pytorch_tanh", "quick_gelu", "relu")
-_RESAMPLE = {2: "bilinear", 3: "bicubic"}
 # Mistral's tekken ids of [IMG_BREAK] / [IMG_END] (beside [IMG] = 10), for a folder whose
 # tokenizer files do not name them
 _TEKKEN_IMG, _TEKKEN_BREAK, _TEKKEN_END = 10, 12, 13
@@ -149,20 +148,7 @@ def _processing(folder: str | None, image_size: int, where: str) -> PixtralProce
         else:
             raise ConfigError(f"{path}: size must be {{\"longest_edge\": n}} or "
                               f"{{\"height\": h, \"width\": w}}, got {size!r}")
-    resample = pc.get("resample", 3)
-    if resample not in _RESAMPLE:
-        raise ConfigError(f"{path}: resample {resample!r} is not supported (2: bilinear, 3: bicubic)")
-    normalize = pc.get("do_normalize", True)
-    mean = tuple(pc.get("image_mean", _CLIP_MEAN)) if normalize else None
-    std = tuple(pc.get("image_std", _CLIP_STD)) if normalize else None
-    for name, vals in (("image_mean", mean), ("image_std", std)):
-        if vals is not None and (len(vals) != 3 or not all(isinstance(x, (int, float)) for x in vals)):
-            raise ConfigError(f"{path}: {name} must be 3 numbers, got {list(vals)!r}")
-    if std is not None and any(x == 0 for x in std):
-        raise ConfigError(f"{path}: image_std has a zero")
-    return PixtralProcessing(
-        longest, float(pc.get("rescale_factor", 1 / 255)) if pc.get("do_rescale", True) else None,
-        mean, std, _RESAMPLE[resample], bool(pc.get("do_convert_rgb", True)))
+    return PixtralProcessing(longest, *pixel_steps(pc, path))
 
 
 def _positive_int(v: Any, key: str, where: str) -> int:
