@@ -110,6 +110,23 @@ def count_items(data: Any, modality: str) -> int:
     return len(given) if isinstance(given, (list, tuple)) else 1
 
 
+def token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of ``token`` in ``ids``: where a prompt's placeholders
+    (expanded or not) sit (models/llava.py, qwen2_vl.py)."""
+    runs: list[tuple[int, int]] = []
+    i = 0
+    while i < len(ids):
+        if ids[i] == token:
+            j = i
+            while j < len(ids) and ids[j] == token:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
 def chain_digest(inputs: list[MultiModalInput]) -> bytes:
     """32 bytes naming a request's inputs where they sit: the root of its prefix-cache
     chain (module docstring)."""

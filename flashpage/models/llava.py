@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from flashpage.config import VisionConfig
-from flashpage.engine.multimodal import MultiModalInput
+from flashpage.engine.multimodal import MultiModalInput, token_runs
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image, preprocess
 from flashpage.models.clip_vision import CLIPVisionTower, activation
@@ -234,17 +234,7 @@ def expand_image_tokens(ids: list[int], image_token: int, num_images: int,
     ``num_images``."""
     counts = tokens_per_image if isinstance(tokens_per_image, list) else [tokens_per_image] * num_images
     assert len(counts) == num_images
-    runs: list[tuple[int, int]] = []  # (start, length) of each run of image tokens
-    i = 0
-    while i < len(ids):
-        if ids[i] == image_token:
-            j = i
-            while j < len(ids) and ids[j] == image_token:
-                j += 1
-            runs.append((i, j - i))
-            i = j
-        else:
-            i += 1
+    runs = token_runs(ids, image_token)  # (start, length) of each run of image tokens
     total = sum(n for _, n in runs)
     if len(runs) == num_images and any(c > 1 for c in counts) \
             and all(n == c for (_, n), c in zip(runs, counts, strict=True)):

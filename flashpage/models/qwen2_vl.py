@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpage.config import QwenVisionConfig
-from flashpage.engine.multimodal import MultiModalInput
+from flashpage.engine.multimodal import MultiModalInput, token_runs
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image
 from flashpage.models.qwen2_vl_image import normalize, resize
@@ -520,17 +520,7 @@ def expand_image_pads(ids: list[int], token: int, counts: list[int]) -> tuple[li
     """A prompt's ids with image i's <|image_pad|> made ``counts[i]`` of them (as
     Qwen2VLProcessor), and each image's first position. Ids already expanded (one run of
     exactly counts[i] per image) are kept. A ValueError names a count that does not match."""
-    runs: list[tuple[int, int]] = []
-    i = 0
-    while i < len(ids):
-        if ids[i] == token:
-            j = i
-            while j < len(ids) and ids[j] == token:
-                j += 1
-            runs.append((i, j - i))
-            i = j
-        else:
-            i += 1
+    runs = token_runs(ids, token)
     if runs and len(runs) == len(counts) and any(c > 1 for c in counts) \
             and all(n == c for (_, n), c in zip(runs, counts, strict=True)):
         return list(ids), [s for s, _ in runs]
