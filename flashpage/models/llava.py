@@ -172,9 +172,10 @@ class LlavaImageEncoder(nn.Module):
         return loaded
 
 
-def images_of(data: Any) -> list[Any]:
-    """A request's ``multi_modal_data`` ({"image": an image or a list of them; a 4-d tensor
-    is a batch of pixel values}) -> its images in order; a ValueError names what is wrong."""
+def images_of(data: Any, batches: bool = True) -> list[Any]:
+    """A request's ``multi_modal_data`` ({"image": an image or a list of them; with
+    ``batches``, a 4-d tensor is a batch of pixel values}) -> its images in order; a
+    ValueError names what is wrong."""
     if not isinstance(data, dict):
         raise ValueError(f"multi_modal_data must be a dict such as {{\"image\": image}}, "
                          f"got {type(data).__name__}")
@@ -184,7 +185,7 @@ def images_of(data: Any) -> list[Any]:
     if "image" not in data:
         raise ValueError("multi_modal_data has no \"image\"")
     given = data["image"]
-    if isinstance(given, torch.Tensor) and given.dim() == 4:
+    if batches and isinstance(given, torch.Tensor) and given.dim() == 4:
         images: list[Any] = list(given.unbind(0))
     elif isinstance(given, (list, tuple)):
         images = list(given)

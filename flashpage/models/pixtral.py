@@ -40,6 +40,7 @@ from torch import nn
 from flashpage.engine.multimodal import MultiModalInput
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image
+from flashpage.models.llava import images_of
 from flashpage.models.pixtral_config import PixtralVisionConfig
 from flashpage.models.pixtral_image import preprocess, resized_size
 
@@ -275,18 +276,7 @@ class PixtralImageEncoder(nn.Module):
         ``multi_modal_data`` ({"image": a PIL image, pixel values [3, H, W], or a list of
         them}) checked and preprocessed, and its prompt's ids with each [IMG] expanded
         (expand_image_tokens); a ValueError names what is wrong."""
-        if not isinstance(data, dict):
-            raise ValueError(f"multi_modal_data must be a dict such as {{\"image\": image}}, "
-                             f"got {type(data).__name__}")
-        unknown = sorted(set(data) - {"image"})
-        if unknown:
-            raise ValueError(f"multi_modal_data {unknown}: this model takes \"image\" only")
-        if "image" not in data:
-            raise ValueError("multi_modal_data has no \"image\"")
-        given = data["image"]
-        images = list(given) if isinstance(given, (list, tuple)) else [given]
-        if not images:
-            raise ValueError("multi_modal_data[\"image\"] is an empty list")
+        images = images_of(data, batches=False)  # a tensor here is one image's pixel values
         pixels = [self.pixel_values(img, i) for i, img in enumerate(images)]
         grids = [self.grid(px) for px in pixels]
         ids, starts = expand_image_tokens(ids, self.config, grids)

@@ -213,7 +213,7 @@ def test_pixtral_on_the_gpu_with_graphs(tmp_path):
     hf = hf_model(path).to("cuda")
     hf16 = hf_model(path).to("cuda", torch.bfloat16)
     tok = hf.config.image_token_index
-    cases = [_case(tok, 60 + i, i % 3) for i in range(16)]  # 128 tokens: agreement rates worth comparing
+    cases = [_case(tok, 60 + i, i % 3) for i in range(32)]  # 256 tokens: agreement rates worth comparing
     prompts = [_prompt(*c) for c in cases]
 
     def run(**kw):
@@ -242,5 +242,7 @@ def test_pixtral_on_the_gpu_with_graphs(tmp_path):
         ours_top += (top32 == torch.tensor(got, device="cuda")).tolist()
         bf16_top += (top32 == top16).tolist()
     a, b = sum(ours_top) / len(ours_top), sum(bf16_top) / len(bf16_top)
+    print(f"pixtral agreement with fp32's top token over {len(ours_top)}: ours {a:.3f}, "
+          f"transformers bf16 {b:.3f}")
     assert a >= b - 0.03 and a >= 0.85, (a, b)
     assert llm.engine.kv_manager.stats().blocks_used == 0
