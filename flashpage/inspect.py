@@ -54,6 +54,7 @@ from flashpage.config import (
 
 DEFAULT_MEMORY = "80GiB"
 DEFAULT_DTYPE = "bf16"
+DEFAULT_IMAGE_SIZE = (1024, 768)  # an example image for an image model's figures (a 4:3 photo)
 
 # Binary for K/M/G/T, KiB/MiB/GiB/TiB and the bare letters (K, M, G, T: what
 # accelerator specs mean, "141G" of HBM is 141 GiB); decimal for KB/MB/GB/TB.
@@ -440,13 +441,53 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------- report
+def vision_figures(cfg: ModelConfig, image_size: tuple[int, int], wbytes: int,
+                   kv_bytes_per_token: int) -> dict[str, Any] | None:
+    """An image model's tower and projector (models/multimodal.image_encoder_shell, built on
+    the meta device): its parameters and bytes (in ``wbytes``, at least 16-bit: the engine
+    quantizes the text model's linears only), and the prompt rows of one blank image of
+    ``image_size`` (width, height) as the engine's preprocessing makes them, with their KV
+    bytes. None for a model that takes no images."""
+    import torch
+
+    from flashpage.models.multimodal import image_encoder_shell
+
+    with torch.device("meta"):
+        enc: Any = image_encoder_shell(cfg)
+    if enc is None:
+        return None
+    params = sum(p.numel() for p in enc.parameters())
+    try:
+        from PIL import Image
+    except ImportError:  # the image figures need the engine's preprocessing, which reads PIL images
+        rows = None
+    else:
+        rows = enc.num_rows(enc.pixel_values(Image.new("RGB", image_size)))
+    return {"params": params, "bytes": params * max(wbytes, 2), "image_size": list(image_size),
+            "image_tokens": rows, "kv_bytes_per_image": None if rows is None else rows * kv_bytes_per_token}
+
+
+def parse_image_size(s: str) -> tuple[int, int]:
+    """"1024x768" -> (1024, 768): width x height in pixels, each positive."""
+    parts = s.lower().replace("*", "x").split("x")
+    try:
+        w, h = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"image size {s!r}: give WIDTHxHEIGHT in pixels, e.g. 1024x768") from None
+    if w <= 0 or h <= 0:
+        raise ValueError(f"image size {s!r}: width and height must be positive")
+    return w, h
+
+
 def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTYPE,
-                   kv_cache_dtype: str = "auto", quantization: str | None = None) -> dict[str, Any]:
+                   kv_cache_dtype: str = "auto", quantization: str | None = None,
+                   image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE) -> dict[str, Any]:
     """Every figure ``flashpage inspect`` reports, as a JSON-serializable dict. The weights
     take ``dtype`` (``quantization`` "fp8", or an fp8 checkpoint's quantization_config:
     those the engine holds in e4m3 1 byte each, plus an fp32 scale per output row:
     ``fp8_weight_shapes``); the KV cache ``kv_cache_dtype`` ("auto": ``dtype``, "fp8":
-    1 byte)."""
+    1 byte). An image model's tower (``vision_figures``, one image of ``image_size``) is
+    counted apart and in the tokens left after the weights, as the engine loads it."""
     check_quantization(quantization)
     wbytes = dtype_bytes(dtype)
     kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
@@ -494,14 +535,18 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
     if q_kept:
         weights_bytes += q_bytes - q_values * wbytes
     qc = cfg.quantization_config
+    vision = vision_figures(cfg, image_size, wbytes, kv_total)
+    vision_bytes = 0 if vision is None else vision["bytes"]
     info: dict[str, Any] = {
         "architecture": cfg.architecture,
         "model_type": cfg.model_type,
         # a multimodal checkpoint's wrapper (config.MULTIMODAL_TEXT_ARCHITECTURES): every
         # figure here is its text model's, which is all that runs (no image input)
         "multimodal_architecture": cfg.multimodal_architecture or None,
-        # LLaVA: its images run too (models/llava.py), their tower not in these figures
+        # LLaVA / Qwen2-VL / Pixtral: its images run too; their tower and one image's rows
+        # (vision_figures), the tower's bytes not in weights_bytes
         "image_input": cfg.vision is not None,
+        "vision": vision,
         "attention_kind": cfg.attention_kind,
         "num_hidden_layers": layers,
         "num_attention_heads": cfg.num_attention_heads,
@@ -593,7 +638,8 @@ def inspect_config(cfg: ModelConfig, memory_bytes: int, dtype: str = DEFAULT_DTY
         "fp8_block_linears": sum(block for *_, block in shapes),
         "int4_linears": len(int4),
         "weights_bytes": weights_bytes,
-        "tokens_in_memory_after_weights": max(0, memory_bytes - weights_bytes) // kv_total,
+        # an image model's tower included (the engine loads it beside the text model)
+        "tokens_in_memory_after_weights": max(0, memory_bytes - weights_bytes - vision_bytes) // kv_total,
         # MoE: routed experts, how many a token takes, in how many layers; None: dense
         "moe": None if not cfg.n_routed_experts else {
             "experts": cfg.n_routed_experts, "experts_per_token": cfg.num_experts_per_tok,
@@ -635,8 +681,7 @@ def format_report(info: dict[str, Any]) -> str:
     rows.append(("architecture", f"{info['architecture']} ({info['model_type']})"))
     if info.get("multimodal_architecture") and info.get("image_input"):
         rows.append(("multimodal", f"{info['multimodal_architecture']}: its text model and "
-                                   "image input (the vision tower and projector are loaded "
-                                   "but not counted here)"))
+                                   "image input (the vision tower and projector: below)"))
     elif info.get("multimodal_architecture"):
         rows.append(("multimodal", f"{info['multimodal_architecture']}: its text model only "
                                    "(image inputs are not supported; the vision tower is not "
@@ -792,8 +837,18 @@ def format_report(info: dict[str, Any]) -> str:
          f"{', int4 experts' if info.get('int4_experts_kept') else ''}"
          f"{', ' + str(info['quantization']) + ' experts' if info.get('quantized_experts_kept') else ''})",
          _size(info["weights_bytes"])),
-        (f"tokens in {mem} - weights", f"{info['tokens_in_memory_after_weights']:,}"),
     ]
+    vis = info.get("vision")
+    if vis:
+        w, h = vis["image_size"]
+        rows += [
+            ("vision tower + projector", f"{vis['params'] / 1e9:.3f} B parameters, "
+                                         f"{_size(vis['bytes'])} (16-bit)"),
+            (f"one {w}x{h} image", "(install Pillow to count its tokens)" if vis["image_tokens"] is None
+             else f"{vis['image_tokens']:,} prompt tokens, {_size(vis['kv_bytes_per_image'])} of KV cache"),
+        ]
+    rows.append((f"tokens in {mem} - weights" + (" - tower" if vis else ""),
+                 f"{info['tokens_in_memory_after_weights']:,}"))
     width = max(len(k) for k, _ in rows)
     text = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
     if "backends" in info:
@@ -849,6 +904,10 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the weights as the engine's --quantization keeps them (fp8: "
                              "attention and MLP linears 1 byte per weight; int4 / rtn: half a "
                              "byte, plus a scale and zero point per group)")
+    parser.add_argument("--image-size", default="x".join(map(str, DEFAULT_IMAGE_SIZE)),
+                        help="an image model's example image, WIDTHxHEIGHT pixels: how many "
+                             "prompt tokens (and KV bytes) the engine's preprocessing makes of it "
+                             "(default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--backends", action="store_true",
                         help="also say which attention backends can run this model on this "
@@ -870,8 +929,10 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         memory = parse_memory(args.memory)
         cfg, source = load_model_config(positional or option)
+        image_size = parse_image_size(getattr(args, "image_size", None) or "x".join(
+            map(str, DEFAULT_IMAGE_SIZE)))
         info = inspect_config(cfg, memory, args.dtype, getattr(args, "kv_cache_dtype", "auto"),
-                              getattr(args, "quantization", None))
+                              getattr(args, "quantization", None), image_size)
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         print(f"flashpage inspect: error: {e}", file=sys.stderr)
         return 2

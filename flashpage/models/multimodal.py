@@ -126,3 +126,30 @@ def load_image_weights(module: torch.nn.Module, weights: Iterable[tuple[str, tor
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelLoadError(f"{where}: {len(missing)} {kind} weight(s) missing from the checkpoint: {shown}")
     return loaded, skipped
+
+
+def image_encoder_shell(config: ModelConfig) -> torch.nn.Module | None:
+    """``config``'s image encoder (tower and projector) built under the current device
+    (``torch.device("meta")`` for its shapes alone: ``flashpage inspect``), without weights;
+    None for a model that takes no images. Its ``pixel_values`` / ``num_rows`` preprocess
+    on the host and count an image's prompt rows."""
+    from flashpage.config import QwenVisionConfig, VisionConfig
+
+    vc = config.vision
+    if vc is None:
+        return None
+    if isinstance(vc, QwenVisionConfig):
+        from flashpage.models.qwen2_vl import QwenImageEncoder
+
+        return QwenImageEncoder(vc)
+    if isinstance(vc, VisionConfig):
+        from flashpage.models.llava import LlavaImageEncoder
+        from flashpage.models.llava_next import LlavaNextImageEncoder
+
+        return (LlavaNextImageEncoder if vc.grid_pinpoints else LlavaImageEncoder)(vc, config.hidden_size)
+    from flashpage.models.pixtral import PixtralImageEncoder
+    from flashpage.models.pixtral_config import PixtralVisionConfig
+
+    if isinstance(vc, PixtralVisionConfig):
+        return PixtralImageEncoder(vc, config.hidden_size)
+    return None

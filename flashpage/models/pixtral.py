@@ -243,6 +243,12 @@ class PixtralImageEncoder(nn.Module):
         P = self.config.prompt_patch
         return pixels.shape[1] // P, pixels.shape[2] // P
 
+    def num_rows(self, pixels: torch.Tensor) -> int:
+        """The rows (and so the prompt positions) of an image: its [IMG] rows, each ended
+        by an [IMG_BREAK] (the last by [IMG_END])."""
+        h, w = self.grid(pixels)
+        return h * (w + 1)
+
     def activation_bytes(self, rows: int) -> int:
         """The most an encode call of ``rows`` rows (or one image at longest_edge, if more)
         adds while it runs: per patch (merge x merge a row) its stream, the attention's and the
@@ -280,8 +286,8 @@ class PixtralImageEncoder(nn.Module):
         pixels = [self.pixel_values(img, i) for i, img in enumerate(images)]
         grids = [self.grid(px) for px in pixels]
         ids, starts = expand_image_tokens(ids, self.config, grids)
-        return ids, [MultiModalInput(s, h * (w + 1), digest(px), px)
-                     for s, px, (h, w) in zip(starts, pixels, grids, strict=True)]
+        return ids, [MultiModalInput(s, self.num_rows(px), digest(px), px)
+                     for s, px in zip(starts, pixels, strict=True)]
 
     def pixel_values(self, image: Any, i: int = 0) -> torch.Tensor:
         """One image as float32 pixel values [3, H, W] on the host: a PIL image

@@ -1,0 +1,94 @@
+"""``flashpage inspect`` on image models (inspect.vision_figures): the tower and projector's
+parameters are those the engine loads, one image's prompt tokens those the engine's
+preprocessing makes of it (tiny LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL and Mistral3
+checkpoints, several sizes), and the tokens left after the weights take the tower's bytes
+too; the published configs' figures where they are known (LLaVA-1.5: 576 rows of 24 x 24
+patches); a bad --image-size is a clear error."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from flashpage import LLM
+from flashpage.config import ModelConfig
+from flashpage.inspect import inspect_config, main, parse_image_size
+from tests.llava_checkpoint import build_tiny_llava
+from tests.llava_next_checkpoint import build_tiny_llava_next
+from tests.pixtral_checkpoint import build_tiny_pixtral
+from tests.qwen2_vl_checkpoint import build_tiny_qwen2_vl
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILDERS = {
+    "llava": build_tiny_llava,
+    "llava_next": build_tiny_llava_next,
+    "qwen2_vl": build_tiny_qwen2_vl,
+    "qwen2_5_vl": lambda p: build_tiny_qwen2_vl(p, variant="qwen2_5_vl"),
+    "mistral3": build_tiny_pixtral,
+}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def tiny(request, tmp_path_factory):
+    path = BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
+    llm = LLM(str(path), dtype="float32", device="cpu", attention_backend="torch_native", block_size=8)
+    return request.param, path, llm
+
+
+@pytest.mark.parametrize("size", [(64, 48), (30, 90), (17, 17)])
+def test_image_tokens_are_the_engines(tiny, size):
+    _, path, llm = tiny
+    info = inspect_config(ModelConfig.from_hf(str(path)), 1 << 30, "fp32", image_size=size)
+    enc = llm.engine.mm_encoder
+    token = getattr(enc, "placeholder_ids", None)
+    ids = [1, 5, *(token or [enc.config.image_token_id]), 6]
+    _, inputs = enc.prepare(ids, {"image": Image.new("RGB", size, (90, 120, 200))})
+    assert len(inputs) == 1
+    assert info["vision"]["image_tokens"] == inputs[0].length > 0
+    assert info["vision"]["image_size"] == list(size)
+    assert info["vision"]["kv_bytes_per_image"] == inputs[0].length * info["kv_bytes_per_token"]
+
+
+def test_tower_parameters_and_bytes(tiny):
+    name, path, llm = tiny
+    cfg = ModelConfig.from_hf(str(path))
+    info = inspect_config(cfg, 1 << 30, "bf16")
+    if name.startswith("qwen"):  # ours fuses (and pads) gate / up once loaded: count transformers'
+        from tests.qwen2_vl_checkpoint import hf_qwen
+
+        want = sum(p.numel() for p in hf_qwen(path, name).model.visual.parameters())
+    else:
+        want = sum(p.numel() for p in llm.engine.mm_encoder.parameters())
+    assert info["vision"]["params"] == want
+    assert info["vision"]["bytes"] == 2 * want
+    # the tower's bytes come off the memory left to the KV cache
+    without = (info["memory_bytes"] - info["weights_bytes"]) // info["kv_bytes_per_token"]
+    assert info["tokens_in_memory_after_weights"] == (
+        info["memory_bytes"] - info["weights_bytes"] - 2 * want) // info["kv_bytes_per_token"] < without
+
+
+def test_published_llava_and_text_models():
+    cfg = ModelConfig.from_hf(str(ROOT / "benchmarks" / "configs" / "llava-1.5-7b"))
+    info = inspect_config(cfg, 80 << 30)
+    assert info["vision"]["image_tokens"] == 576  # (336 / 14)^2, whatever the image's size
+    assert 0.30e9 < info["vision"]["params"] < 0.33e9  # CLIP ViT-L/14 (its last layer unread) + MLP
+    qwen = inspect_config(ModelConfig.from_hf(str(ROOT / "benchmarks" / "configs" / "qwen2.5-vl-7b")),
+                          80 << 30, image_size=(1024, 768))
+    assert qwen["vision"]["image_tokens"] == (1036 // 28) * (756 // 28)  # smart_resize to 28s
+    text = inspect_config(ModelConfig.from_hf(str(ROOT.parent / "shared" / "configs" / "llama-3-8b")), 80 << 30)
+    assert text["vision"] is None
+
+
+def test_cli_image_size(capsys):
+    cfg = str(ROOT / "benchmarks" / "configs" / "qwen2.5-vl-7b")
+    assert main([cfg, "--image-size", "448x448", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["vision"]["image_tokens"] == 256
+    assert main([cfg, "--image-size", "448x448"]) == 0
+    assert "one 448x448 image" in capsys.readouterr().out
+    assert main([cfg, "--image-size", "448"]) == 2
+    assert "WIDTHxHEIGHT" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="positive"):
+        parse_image_size("0x10")
