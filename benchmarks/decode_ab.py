@@ -46,8 +46,13 @@ def parse_setting(text: str) -> tuple[str, dict[str, str]]:
 def main() -> int:
     import torch
 
-    from flashpage.bench.common import bench_parser, build_bench_llm, make_workload, result_header
-    from flashpage.bench.throughput import _sync
+    from flashpage.bench.common import (
+        bench_parser,
+        build_bench_llm,
+        make_workload,
+        result_header,
+        sync,
+    )
     from flashpage.sampling_params import SamplingParams
 
     p = bench_parser("decode_ab.py", __doc__)
@@ -80,10 +85,10 @@ def main() -> int:
             llm.generate(wl.prompts, SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False),
                          use_tqdm=False)
             for _ in range(args.iters):
-                _sync(engine.device)
+                sync(engine.device)
                 t0 = time.perf_counter()
                 outs = llm.generate(wl.prompts, params, use_tqdm=False)
-                _sync(engine.device)
+                sync(engine.device)
                 total = time.perf_counter() - t0
                 ttft = outs[0].metrics.ttft if outs[0].metrics and outs[0].metrics.ttft else 0.0
                 results[name].append(args.batch_size * (args.output_len - 1) / max(total - ttft, 1e-9))

@@ -11,29 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
-from flashpage.bench.common import resolve_config
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _timed(fn, iters: int) -> float:
-    fn()
-    _sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from flashpage.bench.common import median_seconds, resolve_config, sync
 
 
 @torch.inference_mode()
@@ -82,7 +63,7 @@ def main() -> None:
     def ours() -> None:
         enc.encode(kept)
 
-    t = _timed(ours, args.iters)
+    t = median_seconds(ours, args.iters)
     res = {"config": args.config, "images": args.images, "size": args.size, "patches": patches,
            "ours_s": t, "ours_images_per_s": args.images / t, "ours_tflops": flop / t / 1e12}
     print(f"ours: {args.images} images of {args.size}^2 ({patches} patches) in {t * 1e3:.1f} ms: "
@@ -104,7 +85,7 @@ def main() -> None:
         def theirs() -> None:
             hf(px, grid_thw=thw)
 
-        th = _timed(theirs, args.iters)
+        th = median_seconds(theirs, args.iters)
         res.update(hf_s=th, hf_images_per_s=args.images / th, hf_tflops=flop / th / 1e12, speedup=th / t)
         print(f"transformers: {th * 1e3:.1f} ms: {args.images / th:.0f} images/s, {flop / th / 1e12:.0f} TFLOP/s; "
               f"ours {th / t:.2f}x", flush=True)
@@ -113,7 +94,7 @@ def main() -> None:
 
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             ours()
-            _sync()
+            sync()
         table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=18,
                                           max_name_column_width=70)
         print(table, flush=True)

@@ -23,19 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
-from flashpage.bench.common import device_name, resolve_config
+from flashpage.bench.common import device_name, median_seconds, resolve_config, sync
 from flashpage.llm import LLM
 from flashpage.sampling_params import SamplingParams
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def workload(n: int, system: int, question: int, vocab: int, placeholder: list[int], size: int,
@@ -69,18 +63,8 @@ def time_tower(llm: LLM, hf, images: list[torch.Tensor], batch: int, iters: int)
         hf.model.get_image_features(pixel_values=pixels, vision_feature_layer=hf.config.vision_feature_layer,
                                     vision_feature_select_strategy=hf.config.vision_feature_select_strategy)
 
-    out = {}
     with torch.inference_mode():
-        for name, fn in (("ours", ours), ("transformers", theirs)):
-            fn()
-            _sync()
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                fn()
-                _sync()
-                times.append(time.perf_counter() - t0)
-            out[name] = batch / statistics.median(times)
+        out = {name: batch / median_seconds(fn, iters) for name, fn in (("ours", ours), ("transformers", theirs))}
     return out
 
 
@@ -98,11 +82,11 @@ def hf_throughput(hf, prompts, images, image_token: int, rows: int, batch: int, 
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         pixels = torch.stack(images[s:s + batch]).to(device, dtype)
-        _sync()
+        sync()
         t0 = time.perf_counter()
         hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), pixel_values=pixels,
                     max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0)
-        _sync()
+        sync()
         total += time.perf_counter() - t0
         done += len(ps) * out_len
     return {"requests": len(prompts), "output_tokens": done, "seconds": total, "output_tok_per_s": done / total}
@@ -158,18 +142,18 @@ def main() -> None:
     real_encode = enc.encode
 
     def timed_encode(data):
-        _sync()
+        sync()
         t = time.perf_counter()
         out = real_encode(data)
-        _sync()
+        sync()
         enc_times.append(time.perf_counter() - t)
         return out
 
     enc.encode = timed_encode  # type: ignore[method-assign]
-    _sync()
+    sync()
     t0 = time.perf_counter()
     outs = llm.generate(reqs(prompts, images), params, use_tqdm=False)
-    _sync()
+    sync()
     dt = time.perf_counter() - t0
     assert all(o.error is None for o in outs), [o.error for o in outs if o.error][:3]
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -191,10 +175,10 @@ def main() -> None:
         twins = [[t for tok in p for t in (torch.randint(3, image_token, (rows,), generator=g).tolist()
                                            if tok == image_token else [tok])] for p in prompts]
         llm.generate([{"prompt_token_ids": [1] + [7] * len(twins[0])}], params, use_tqdm=False)  # warm
-        _sync()
+        sync()
         t0 = time.perf_counter()
         touts = llm.generate([{"prompt_token_ids": p} for p in twins], params, use_tqdm=False)
-        _sync()
+        sync()
         tdt = time.perf_counter() - t0
         tt = sum(len(o.outputs[0].token_ids) for o in touts)
         result["text_twin"] = {"seconds": tdt, "output_tok_per_s": tt / tdt}

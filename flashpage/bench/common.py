@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,20 +159,39 @@ def hf_generate_throughput(model: Any, wl: Workload, batch_size: int, pad_id: in
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(outs),
                        min_new_tokens=max(outs), do_sample=False, pad_token_id=pad_id)
-        _sync(device)
+        sync(device)
         total_time += time.perf_counter() - t0
         done += sum(outs)
     return {"requests": len(wl.prompts), "output_tokens": done, "seconds": total_time,
             "output_tok_per_s": done / total_time}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+def sync(device: torch.device | None = None) -> None:
+    """Wait for ``device``'s work (None: the current CUDA device, if any) before reading a
+    clock."""
+    if device is None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    elif device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], iters: int, device: torch.device | None = None) -> float:
+    """The median wall time of ``iters`` calls of ``fn`` after one warm-up call, each timed
+    to its device work's end (``sync``)."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def device_name(device: torch.device) -> str:

@@ -16,10 +16,11 @@ from flashpage.bench.common import (
     hf_model,
     make_workload,
     result_header,
+    sync,
     weight_bytes,
     write_json,
 )
-from flashpage.bench.throughput import _sync, measure_ceilings
+from flashpage.bench.throughput import measure_ceilings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
                  use_tqdm=False)
     runs, ttfts = [], []
     for _ in range(args.iters):
-        _sync(engine.device)
+        sync(engine.device)
         t0 = time.perf_counter()
         outs = llm.generate(wl.prompts, params, use_tqdm=False)
-        _sync(engine.device)
+        sync(engine.device)
         runs.append(time.perf_counter() - t0)
         m = outs[0].metrics
         if m is not None and m.ttft is not None:
@@ -72,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
             model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
             hf_runs = []
             for _ in range(args.iters):
-                _sync(engine.device)
+                sync(engine.device)
                 t0 = time.perf_counter()
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.output_len,
                                min_new_tokens=args.output_len, do_sample=False, pad_token_id=0)
-                _sync(engine.device)
+                sync(engine.device)
                 hf_runs.append(time.perf_counter() - t0)
         hf_t = statistics.median(hf_runs)
         result["transformers"] = {"seconds": hf_t,

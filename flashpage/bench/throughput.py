@@ -19,6 +19,7 @@ from flashpage.bench.common import (
     hf_model,
     make_workload,
     result_header,
+    sync,
     weight_bytes,
     write_json,
 )
@@ -86,14 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     # Warm-up: compile kernels, capture graphs, touch the allocator.
     llm.generate(wl.prompts[:4], [SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)] * 4,
                  use_tqdm=False)
-    _sync(engine.device)
+    sync(engine.device)
     timeline = _record_steps(engine)
     spans = _record_gpu_spans(engine)
     jit = _JitRecorder()
     t0 = time.perf_counter()
     with jit:
         outs = llm.generate(wl.prompts, params, use_tqdm=True)
-        _sync(engine.device)
+        sync(engine.device)
     dt = time.perf_counter() - t0
     timeline.append((time.perf_counter(), 0, 0))
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -235,11 +236,6 @@ def _step_summary(timeline: list[tuple[float, int, int]], gpu_ms: list[float] | 
     if "with_prompt_tokens" in gpu:  # each prompt step apart: a one-off stall shows as one outlier
         summary["with_prompt_tokens"]["gpu_ms"] = [round(x, 1) for x in gpu["with_prompt_tokens"]]
     return summary
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":
