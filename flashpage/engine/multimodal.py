@@ -49,7 +49,7 @@ class MultiModalInput:
     and grid), None once encoded; ``rows``: the encoder's output [length, hidden] on the
     device, kept for the request's life (preemption recomputes from it); ``digest``: the
     data's identity; ``grid``: for a model with M-RoPE (Qwen2-VL), the rows' (t, h, w)
-    grid, row-major, whose 3-D positions they take (engine/mrope.py)."""
+    grid, row-major, whose 3-D positions they take (engine/mrope.py; a video's t > 1)."""
 
     offset: int
     length: int
@@ -57,6 +57,7 @@ class MultiModalInput:
     data: Any
     rows: torch.Tensor | None = None
     grid: tuple[int, int, int] | None = None
+    time_step: float | None = None  # a Qwen2.5-VL video's temporal position step (engine/mrope.py)
 
 
 class MultiModalEncoder(Protocol):
@@ -81,7 +82,7 @@ def enc_token_name(encoder: Any) -> str:
     return "<|image_pad|>" if getattr(encoder, "placeholder_ids", None) is not None else "<image>"
 
 
-MODALITIES = ("image", "video")  # what limit_mm_per_prompt may name (video: 0 only is useful yet)
+MODALITIES = ("image", "video")  # what limit_mm_per_prompt may name (video: Qwen2-VL's)
 
 
 def check_limits(limits: Any) -> dict[str, int]:
@@ -101,13 +102,39 @@ def check_limits(limits: Any) -> dict[str, int]:
 
 def count_items(data: Any, modality: str) -> int:
     """How many items of ``modality`` a request's multi_modal_data holds (a list, or one
-    item; a 4-d tensor is a batch of images)."""
+    item; a 4-d tensor is a batch of images, one video: ``video_items``)."""
     if not isinstance(data, dict) or modality not in data:
         return 0
     given = data[modality]
+    if modality == "video":
+        return len(video_items(given))
     if isinstance(given, torch.Tensor):
         return given.shape[0] if given.dim() == 4 else 1
     return len(given) if isinstance(given, (list, tuple)) else 1
+
+
+def _is_video_metadata_pair(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], dict)
+
+
+def _is_frame_stack(x: Any) -> bool:
+    """One video given whole: an array / tensor of frames (T, H, W, 3), or a (frames,
+    metadata) pair."""
+    return _is_video_metadata_pair(x) or (hasattr(x, "ndim") and hasattr(x, "shape") and x.ndim == 4)
+
+
+def video_items(given: Any) -> list[Any]:
+    """vLLM's forms of multi_modal_data["video"] as a list of videos: one video (an array /
+    tensor of frames (T, H, W, 3), a (frames, metadata) pair, or a list of frames: PIL images
+    or (H, W, 3) arrays), or a list of videos (each an array, a pair or a list of frames).
+    What each video holds is checked where it is read (models/qwen2_vl_video.py)."""
+    if _is_frame_stack(given):
+        return [given]
+    if isinstance(given, (list, tuple)):
+        if given and all(_is_frame_stack(v) or isinstance(v, (list, tuple)) for v in given):
+            return list(given)
+        return [given]
+    return [given]
 
 
 def token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
