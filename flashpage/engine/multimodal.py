@@ -234,44 +234,68 @@ def decode_data_url(url: str, i: int, policy: MediaPolicy | None = None) -> Any:
     return load_image(url, i, policy)
 
 
-# a message's content parts as the template sees them: ("text", its text) or ("image", None)
+# a message's content parts as the template sees them: ("text", its text), ("image", None) or
+# ("video", None)
 Parts = list[tuple[str, str | None]]
 
 
 def place_images(conv: list[dict[str, Any]], parts: list[Parts | None], template: str | None,
-                 placeholder: str) -> list[dict[str, Any]]:
-    """``conv`` with each message's image parts (``parts[i]``: message i's parts in order,
-    None for a message of plain text) put where the chat template reads them: a part
-    ``{"type": "image"}`` where the template loops over content parts (llava-hf's
-    templates), else the placeholder text (``<image>``) on its own line before the message's
-    text (vLLM's "string" content format)."""
+                 placeholder: str, video_placeholder: str | None = None) -> list[dict[str, Any]]:
+    """``conv`` with each message's image (and video) parts (``parts[i]``: message i's parts
+    in order, None for a message of plain text) put where the chat template reads them: a
+    part ``{"type": "image"}`` / ``{"type": "video"}`` where the template loops over content
+    parts (llava-hf's and Qwen's templates), else the placeholder texts (``<image>``;
+    ``video_placeholder`` for a video) on their own lines before the message's text, in the
+    parts' order (vLLM's "string" content format)."""
     as_parts = template_reads_parts(template)
     out = []
     for d, ps in zip(conv, parts, strict=True):
-        if ps is None or not any(kind == "image" for kind, _ in ps):
+        if ps is None or not any(kind in ("image", "video") for kind, _ in ps):
             out.append(as_text_parts([d])[0] if as_parts else d)
         elif as_parts:
             out.append({**d, "content": [{"type": "text", "text": text} if kind == "text"
-                                         else {"type": "image"} for kind, text in ps]})
+                                         else {"type": kind} for kind, text in ps]})
         else:
-            n = sum(kind == "image" for kind, _ in ps)
+            marks = [placeholder if kind == "image" else video_placeholder or placeholder
+                     for kind, _ in ps if kind != "text"]
             text = d["content"] if isinstance(d.get("content"), str) else \
                 "".join(t or "" for kind, t in ps if kind == "text")
-            out.append({**d, "content": "\n".join([placeholder] * n + [text])})
+            out.append({**d, "content": "\n".join([*marks, text])})
     return out
 
 
+NO_VIDEO_DECODER = ("flashpage decodes no video file (it uses no video decoder such as PyAV or "
+                    "decord): give the video's frames, {\"type\": \"video\", \"video\": frames} with "
+                    "frames a uint8 (T, H, W, 3) array, a list of PIL images or a list of image URLs")
+
+
+def _video_frames(video: Any, i: int, j: int, first: int, policy: MediaPolicy | None) -> Any:
+    """A "video" part's video: a list of image URLs read as frames (engine/media.py, as
+    image_url parts are); frames given as objects kept as they are (models/qwen2_vl_video.py
+    checks them)."""
+    if isinstance(video, str):
+        raise ValueError(f"message {i}: content part {j}: a video given as one URL is a video "
+                         f"file; {NO_VIDEO_DECODER}")
+    if isinstance(video, (list, tuple)) and video and all(isinstance(f, str) for f in video):
+        return [decode_data_url(u, first + k, policy) for k, u in enumerate(video)]
+    return video
+
+
 def chat_images(conversation: list[dict[str, Any]], policy: MediaPolicy | None = None
-                ) -> tuple[list[dict[str, Any]], list[Parts | None], list[Any]]:
-    """An LLM.chat conversation whose messages may hold image parts -- OpenAI's
+                ) -> tuple[list[dict[str, Any]], list[Parts | None], list[Any], list[Any]]:
+    """An LLM.chat conversation whose messages may hold image or video parts -- OpenAI's
     ``{"type": "image_url", "image_url": {"url": ...}}`` (or the url as a string; read as
-    engine/media.py says under ``policy``),
-    vLLM's ``{"type": "image_pil", "image_pil": PIL.Image}`` -- -> (the conversation with
-    each content list's text joined, each message's parts, the images in order); a
+    engine/media.py says under ``policy``), vLLM's ``{"type": "image_pil", "image_pil":
+    PIL.Image}``, and ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list
+    of PIL images, or a list of image URLs read as frames; a ``video_url`` part, a video
+    file, is refused: NO_VIDEO_DECODER) -- -> (the conversation with each content list's
+    text joined, each message's parts, the images in order, the videos in order); a
     ValueError names a part of another type."""
     conv: list[dict[str, Any]] = []
     parts: list[Parts | None] = []
     images: list[Any] = []
+    videos: list[Any] = []
+    frames = 0  # frames read from URLs so far (their index in errors)
     for i, msg in enumerate(conversation):
         content = msg.get("content")
         if not isinstance(content, list):
@@ -293,9 +317,18 @@ def chat_images(conversation: list[dict[str, Any]], policy: MediaPolicy | None =
             elif kind == "image_pil":
                 images.append(part.get("image_pil"))
                 ps.append(("image", None))
+            elif kind == "video":
+                video = part.get("video")
+                if video is None:
+                    raise ValueError(f"message {i}: content part {j}: a video part needs \"video\": its frames")
+                videos.append(_video_frames(video, i, j, frames, policy))
+                frames += len(video) if isinstance(video, (list, tuple)) else 0
+                ps.append(("video", None))
+            elif kind == "video_url":
+                raise ValueError(f"message {i}: content part {j}: video_url parts are not read: {NO_VIDEO_DECODER}")
             else:
                 raise ValueError(f"message {i}: content part {j} has type {kind!r}: text, "
-                                 "image_url and image_pil parts are read")
+                                 "image_url, image_pil and video parts are read")
         conv.append({**msg, "content": "".join(t or "" for k, t in ps if k == "text")})
         parts.append(ps)
-    return conv, parts, images
+    return conv, parts, images, videos

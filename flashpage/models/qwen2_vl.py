@@ -388,6 +388,13 @@ class QwenImageEncoder(nn.Module):
         vc = self.config
         return [vc.vision_start_token_id, vc.image_token_id, vc.vision_end_token_id]
 
+    @property
+    def video_placeholder_ids(self) -> list[int]:
+        """A chat turn's video part in a template that prints text:
+        <|vision_start|><|video_pad|><|vision_end|>."""
+        vc = self.config
+        return [vc.vision_start_token_id, vc.video_token_id, vc.vision_end_token_id]
+
     def num_rows(self, image: QwenImage) -> int:
         """The rows (and so the prompt positions) of a preprocessed image."""
         t, h, w = image.grid
