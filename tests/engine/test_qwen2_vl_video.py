@@ -377,3 +377,44 @@ def test_qwen_video_on_the_gpu_bf16(tmp_path):
         a, b = sum(ours_top) / len(ours_top), sum(bf16_top) / len(bf16_top)
         assert a >= b - 0.03 and a >= 0.85, (variant, a, b)
         assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+def test_video_processor_settings_found_as_transformers_finds_them(qwen, tmp_path):
+    """The video bounds: video_preprocessor_config.json's over preprocessor_config.json's
+    (which older checkpoints share with images: the tiny one's), processor_config.json's
+    nested "video_processor" over both, the class defaults (128 / 768 units) without any;
+    tokens_per_second read (Qwen2.5-VL), bad bounds a ConfigError naming the file;
+    mm_processor_kwargs bound the frames too."""
+    import json
+    import shutil
+
+    from flashpage.config import (
+        QWEN_VIDEO_MAX_PIXELS,
+        QWEN_VIDEO_MIN_PIXELS,
+        ConfigError,
+        ModelConfig,
+    )
+
+    path, _ = qwen("qwen2_5_vl")
+    vc = ModelConfig.from_hf(str(path)).vision
+    assert (vc.video_processing.min_pixels, vc.video_processing.max_pixels) == (56 * 56, 28 * 28 * 24)
+    assert vc.tokens_per_second == 4.0
+    d = tmp_path / "q"
+    shutil.copytree(path, d)
+    (d / "video_preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 784,
+                                                                           "longest_edge": 28 * 28 * 6}}))
+    assert ModelConfig.from_hf(str(d)).vision.video_processing.max_pixels == 28 * 28 * 6
+    (d / "processor_config.json").write_text(json.dumps({"video_processor": {"max_pixels": 28 * 28 * 200}}))
+    assert ModelConfig.from_hf(str(d)).vision.video_processing.max_pixels == 28 * 28 * 200
+    for name in ("processor_config.json", "video_preprocessor_config.json", "preprocessor_config.json"):
+        (d / name).unlink()
+    vp = ModelConfig.from_hf(str(d)).vision.video_processing
+    assert (vp.min_pixels, vp.max_pixels) == (QWEN_VIDEO_MIN_PIXELS, QWEN_VIDEO_MAX_PIXELS) == (100352, 602112)
+    (d / "video_preprocessor_config.json").write_text(json.dumps({"min_pixels": 9000, "max_pixels": 800}))
+    with pytest.raises(ConfigError, match="video_preprocessor_config.json.*min_pixels 9000 is above"):
+        ModelConfig.from_hf(str(d))
+    small = _llm(path, mm_processor_kwargs={"max_pixels": 56 * 56})
+    video = small.engine.mm_encoder.admit_video(_frames(2, 84, 112, 110))
+    assert video.grid == (1, 2, 4)  # 84 x 112 -> 28 x 56 under 56 x 56 pixels
+    with pytest.raises(ConfigError, match="fps must be a positive number"):
+        _llm(path, mm_processor_kwargs={"fps": 0})
