@@ -107,15 +107,20 @@ def test_videos_equal_transformers(qwen):
     assert llm.engine.kv_manager.stats().blocks_used == 0
 
 
-def test_qwen2_5_vl_fps_scaled_positions_and_chunked_prefill(qwen):
+def test_qwen2_5_vl_fps_scaled_positions_chunked_prefill_and_preemption(qwen, monkeypatch):
     """Qwen2.5-VL (windowed tower): mm_processor_kwargs fps 4 gives a video of 2 temporal
     patches the temporal positions 0 and 2 (tokens_per_second 4 x 2 frames / 4 fps); a
     video given with its metadata (fps 8) gives 0 and 1; prompts cut into chunks of 6
-    tokens. transformers' tokens with the same second_per_grid_ts; the positions differ
-    from the unscaled ones (so the scaling is what makes the tokens agree)."""
+    tokens, few blocks (preempted requests recompute their videos' rows without encoding
+    them again). transformers' tokens with the same second_per_grid_ts; the positions
+    differ from the unscaled ones (so the scaling is what makes the tokens agree)."""
     path, hf = qwen("qwen2_5_vl")
-    llm = _llm(path, mm_processor_kwargs={"fps": 4}, max_num_batched_tokens=6)
+    llm = _llm(path, mm_processor_kwargs={"fps": 4}, max_num_batched_tokens=6, block_size=4,
+               num_gpu_blocks=16, enable_prefix_caching=False)
     enc = llm.engine.mm_encoder
+    encoded: list[int] = []
+    encode = enc.encode
+    monkeypatch.setattr(enc, "encode", lambda data: encoded.append(len(data)) or encode(data))
     a, b = _frames(4, 84, 112, 7), _frames(4, 84, 112, 8)
     img = smooth_image(60, 90, seed=9)
     cases = [(_ids(enc, 6, "v", 10), [], [a], a),
@@ -123,8 +128,11 @@ def test_qwen2_5_vl_fps_scaled_positions_and_chunked_prefill(qwen):
              (_ids(enc, 6, "", 12), [], [], None)]
     prompts = [{"prompt_token_ids": ids, "multi_modal_data": {**({"image": ims} if ims else {}), "video": g}}
                if g is not None else {"prompt_token_ids": ids} for ids, ims, _, g in cases]
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert _tokens(outs) == [_want(hf, llm, o, ims, v) for o, (_, ims, v, _) in zip(outs, cases, strict=True)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert _tokens(outs) == [_want(hf, llm, o, ims, v, 16) for o, (_, ims, v, _) in zip(outs, cases, strict=True)]
+    assert sum(encoded) == 3  # two videos and an image, each once
     assert enc.admit_video(a).time_step == 2.0 and enc.admit_video((b, {"fps": 8.0})).time_step == 1.0
     assert enc.admit_video((b, {"fps": 8.0, "frames_indices": [0, 2, 4, 6], "total_num_frames": 8})
                            ).time_step == 2.0  # transformers' sampled_fps: 8 x 4 / 8
