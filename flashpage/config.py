@@ -2952,11 +2952,10 @@ class EngineConfig:
     allowed_media_domains: list[str] | None = None
     # vLLM's limit_mm_per_prompt: the most items of a modality one prompt may hold
     # ({"image": 2}; None: no limit); {"image": 0} serves an image model's text alone (its
-    # tower never loaded)
+    # tower never loaded; Qwen2-VL, which takes videos too: {"image": 0, "video": 0})
     limit_mm_per_prompt: dict[str, int] | None = None
-    # vLLM's mm_processor_kwargs: the image processor's settings over its
-    # preprocessor_config.json's (Qwen2-VL: {"min_pixels": ..., "max_pixels": ...});
-    # with_mm_processor_kwargs reads them
+    # vLLM's mm_processor_kwargs: the processors' settings over the checkpoint's (Qwen2-VL:
+    # {"min_pixels": ..., "max_pixels": ..., "fps": ...}); with_mm_processor_kwargs reads them
     mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
