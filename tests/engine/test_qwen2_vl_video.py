@@ -428,3 +428,17 @@ def test_video_processor_settings_found_as_transformers_finds_them(qwen, tmp_pat
     assert video.grid == (1, 2, 4)  # 84 x 112 -> 28 x 56 under 56 x 56 pixels
     with pytest.raises(ConfigError, match="fps must be a positive number"):
         _llm(path, mm_processor_kwargs={"fps": 0})
+
+
+def test_place_images_puts_video_placeholders_in_order():
+    """A template that prints content as a string gets each image's and video's placeholder
+    on its own line before the text, in the parts' order; one that loops over parts gets
+    {"type": "video"} where the part was."""
+    from flashpage.engine.multimodal import place_images
+
+    conv = [{"role": "user", "content": "ab"}]
+    parts = [[("text", "a"), ("video", None), ("image", None), ("text", "b")]]
+    got = place_images(conv, parts, "{{ message['content'] }}", "<I>", "<V>")
+    assert got[0]["content"] == "<V>\n<I>\nab"
+    looped = place_images(conv, parts, "{% for c in message['content'] %}{% endfor %}", "<I>", "<V>")
+    assert [p["type"] for p in looped[0]["content"]] == ["text", "video", "image", "text"]
