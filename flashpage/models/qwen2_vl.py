@@ -24,6 +24,13 @@ Attention runs torch's scaled_dot_product_attention once per distinct segment le
 images of one size, the windows of one size): exact (no masks, no padding), a few calls per
 block.
 
+Videos (``multi_modal_data["video"]``: models/qwen2_vl_video.py reads vLLM's forms) are
+grids with t > 1: each run of temporal_patch_size frames one step of t, their patches laid out
+frame group by frame group, full attention within each frame group (as transformers'
+cu_seqlens), so ``encode`` may cut a long video between frame groups into several tower
+calls; their rows go to <|video_pad|> positions, whose 3-D positions engine/mrope.py gives
+(Qwen2.5-VL's temporal component scaled by the video's frame rate).
+
 Weights: ``visual.`` (the published files) or ``model.visual.`` (transformers 5), HF's
 names (``visual.blocks.{i}.attn.qkv.weight``, ``visual.merger.mlp.0.weight`` ...).
 """
@@ -444,7 +451,14 @@ class QwenImageEncoder(nn.Module):
         patches (uint8 [T', 3, h, w]), its grid (T' / temporal_patch_size, h / patch, w /
         patch) and, for Qwen2.5-VL, its temporal position step; the rest on the device."""
         vc = self.config
-        if isinstance(video, QwenImage) and video.video:
+        if isinstance(video, QwenImage):  # admitted already (its resized frames): checked
+            t, h, w = video.grid
+            ps, tp, x = vc.patch_size, vc.temporal_patch_size, video.pixels
+            if (not video.video or h % vc.spatial_merge_size or w % vc.spatial_merge_size
+                    or not isinstance(x, torch.Tensor) or x.dtype != torch.uint8
+                    or tuple(x.shape) != (t * tp, 3, h * ps, w * ps)):
+                raise ValueError(f"video {i}: a QwenImage video must hold uint8 frames [t x {tp}, 3, "
+                                 f"h x {ps}, w x {ps}] of its grid")
             return video
         frames, fps = read_video(video, i)
         try:
