@@ -9,6 +9,8 @@ block. fp32, CPU; one CUDA test in bf16 (skipped without a GPU)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -442,3 +444,30 @@ def test_place_images_puts_video_placeholders_in_order():
     assert got[0]["content"] == "<V>\n<I>\nab"
     looped = place_images(conv, parts, "{% for c in message['content'] %}{% endfor %}", "<I>", "<V>")
     assert [p["type"] for p in looped[0]["content"]] == ["text", "video", "image", "text"]
+
+
+def test_prompt_positions_equal_get_rope_index_with_videos(qwen):
+    """An image then two videos (grids 2 x 3 x 4 and 3 x 2 x 3 merged) in one prompt:
+    transformers' get_rope_index positions and delta (Qwen2-VL; Qwen2.5-VL with
+    second_per_grid_ts giving time steps 1 and 0.5), where the two text-after rules agree."""
+    from flashpage.engine.mrope import prompt_positions
+    from flashpage.engine.multimodal import MultiModalInput
+
+    for variant, steps in (("qwen2_vl", (None, None)), ("qwen2_5_vl", (1.0, 0.5))):
+        _, hf = qwen(variant)
+        img, vid = hf.config.image_token_id, hf.config.video_token_id
+        grids = [(1, 3, 2), (2, 3, 4), (3, 2, 3)]
+        ids = [1, 5, 250, *[img] * 6, 252, 7, 250, *[vid] * 24, 252, 8, 9, 250, *[vid] * 18, 252, 10]
+        x = torch.tensor([ids])
+        types = (x == img).int() + 2 * (x == vid).int()
+        kw = {}
+        if steps[0] is not None:
+            tps = hf.config.vision_config.tokens_per_second
+            kw["second_per_grid_ts"] = torch.tensor([s / tps for s in steps])
+        ref, delta = hf.model.get_rope_index(x, types, torch.tensor([[1, 6, 4]]),
+                                             torch.tensor([[2, 6, 8], [3, 4, 6]]), **kw)
+        starts = [3, 12, 40]
+        inputs = [MultiModalInput(s, math.prod(g), b"", None, grid=g, time_step=st)
+                  for s, g, st in zip(starts, grids, (None, *steps), strict=True)]
+        ours, our_delta = prompt_positions(len(ids), inputs)
+        assert np.array_equal(ours, ref[:, 0].numpy()) and our_delta == int(delta)
