@@ -57,11 +57,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                    help="http(s) image URLs may name only these hosts (default: any)")
     g.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None, metavar="JSON",
-                   help="the most images one prompt may hold, vLLM's form: '{\"image\": 2}' (or "
-                        "image=2); {\"image\": 0} serves an image model's text alone")
+                   help="the most images (videos) one prompt may hold, vLLM's form: '{\"image\": 2}' "
+                        "(or image=2,video=1); {\"image\": 0} serves an image model's text alone "
+                        "(Qwen2-VL: {\"image\": 0, \"video\": 0})")
     g.add_argument("--mm-processor-kwargs", type=_json_object, default=None, metavar="JSON",
-                   help="the image processor's settings, vLLM's: '{\"max_pixels\": 1003520}' "
-                        "(Qwen2-VL's min_pixels / max_pixels)")
+                   help="the processors' settings, vLLM's: '{\"max_pixels\": 1003520}' "
+                        "(Qwen2-VL's min_pixels / max_pixels; fps: Qwen2.5-VL's videos' frame rate)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while the GPU runs step N (default: on with CUDA)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],

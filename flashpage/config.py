@@ -2206,6 +2206,15 @@ class QwenVisionConfig:
     vision_start_token_id: int
     vision_end_token_id: int
     processing: QwenImageProcessing
+    # Qwen2VLVideoProcessor's bounds and steps (its own defaults differ from the image
+    # processor's): None = the image processor's (a config built by hand)
+    video_processing: QwenImageProcessing | None = None
+    # Qwen2.5-VL: a video's temporal M-RoPE index is grid index x second_per_grid x
+    # tokens_per_second (engine/mrope.py); 0 for Qwen2-VL (the grid index itself)
+    tokens_per_second: float = 0.0
+    # vLLM's mm_processor_kwargs {"fps": ...}: the frame rate of a video given as frames
+    # without its own (None: transformers' default, 24)
+    video_fps: float | None = None
 
     @property
     def patch_dim(self) -> int:
@@ -2243,6 +2252,40 @@ def _qwen_image_processing(folder: str | None, vc: dict[str, Any], where: str) -
     if not pc.get("do_resize", True):
         raise ConfigError(f"{where}: do_resize false is not read (images must become multiples "
                           "of patch_size x merge_size)")
+    return QwenImageProcessing(lo, hi, *pixel_steps(pc, where))
+
+
+# Qwen2VLVideoProcessor's class defaults: 128 to 768 merged units of 28 x 28 per frame
+QWEN_VIDEO_MIN_PIXELS = 128 * 28 * 28
+QWEN_VIDEO_MAX_PIXELS = 768 * 28 * 28
+
+
+def _qwen_video_processing(folder: str | None, where: str) -> QwenImageProcessing:
+    """Qwen2VLVideoProcessor's settings as transformers finds them: processor_config.json's
+    "video_processor", else video_preprocessor_config.json, else (older checkpoints)
+    preprocessor_config.json; its min_pixels / max_pixels or size {shortest_edge,
+    longest_edge}, the class defaults (QWEN_VIDEO_*) for those left out."""
+    pc: dict[str, Any] = {}
+    if folder:
+        proc = os.path.join(folder, "processor_config.json")
+        nested = _json_object(proc).get("video_processor") if os.path.isfile(proc) else None
+        if isinstance(nested, dict):
+            pc, where = nested, proc
+        else:
+            for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+                path = os.path.join(folder, name)
+                if os.path.isfile(path):
+                    pc, where = _json_object(path), path
+                    break
+    raw_size = pc.get("size")
+    size: dict[str, Any] = raw_size if isinstance(raw_size, dict) else {}
+    lo: Any = pc.get("min_pixels", size.get("shortest_edge", QWEN_VIDEO_MIN_PIXELS))
+    hi: Any = pc.get("max_pixels", size.get("longest_edge", QWEN_VIDEO_MAX_PIXELS))
+    for key, v in (("video min_pixels", lo), ("video max_pixels", hi)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{where}: {key} must be a positive int, got {v!r}")
+    if lo > hi:
+        raise ConfigError(f"{where}: the video processor's min_pixels {lo} is above its max_pixels {hi}")
     return QwenImageProcessing(lo, hi, *pixel_steps(pc, where))
 
 
@@ -2301,6 +2344,10 @@ def _qwen_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str
                           f"spatial_merge_size ({v['patch_size'] * v['spatial_merge_size']})")
     rope = vc.get("rope_parameters") or {}
     theta = float(rope.get("rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+    tps: Any = vc.get("tokens_per_second", 4) if v25 else 0  # Qwen2_5_VLVisionConfig's default
+    if not isinstance(tps, (int, float)) or isinstance(tps, bool) or tps < 0:
+        raise ConfigError(f"{w}.tokens_per_second must be a non-negative number, got {tps!r}")
+    tps = float(tps)
     tokens = {}
     for key, default in (("image_token_id", 151_655), ("video_token_id", 151_656),
                          ("vision_start_token_id", 151_652), ("vision_end_token_id", 151_653)):
@@ -2311,7 +2358,9 @@ def _qwen_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str
     return QwenVisionConfig("qwen2_5_vl" if v25 else "qwen2_vl", v["depth"], width, v["num_heads"],
                             inter, act, out, v["patch_size"], v["temporal_patch_size"],
                             v["spatial_merge_size"], v["window_size"], full, theta,
-                            processing=_qwen_image_processing(folder, v, where), **tokens)
+                            processing=_qwen_image_processing(folder, v, where),
+                            video_processing=_qwen_video_processing(folder, where),
+                            tokens_per_second=tps, **tokens)
 
 
 def _image_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None
@@ -2903,11 +2952,10 @@ class EngineConfig:
     allowed_media_domains: list[str] | None = None
     # vLLM's limit_mm_per_prompt: the most items of a modality one prompt may hold
     # ({"image": 2}; None: no limit); {"image": 0} serves an image model's text alone (its
-    # tower never loaded)
+    # tower never loaded; Qwen2-VL, which takes videos too: {"image": 0, "video": 0})
     limit_mm_per_prompt: dict[str, int] | None = None
-    # vLLM's mm_processor_kwargs: the image processor's settings over its
-    # preprocessor_config.json's (Qwen2-VL: {"min_pixels": ..., "max_pixels": ...});
-    # with_mm_processor_kwargs reads them
+    # vLLM's mm_processor_kwargs: the processors' settings over the checkpoint's (Qwen2-VL:
+    # {"min_pixels": ..., "max_pixels": ..., "fps": ...}); with_mm_processor_kwargs reads them
     mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
@@ -2983,8 +3031,10 @@ class EngineConfig:
 
 
 def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> ModelConfig:
-    """``mc`` with vLLM's ``mm_processor_kwargs`` over its image processor's settings:
-    Qwen2-VL's ``min_pixels`` / ``max_pixels`` (ints, min <= max); a ConfigError names a key
+    """``mc`` with vLLM's ``mm_processor_kwargs`` over its processors' settings: Qwen2-VL's
+    ``min_pixels`` / ``max_pixels`` (ints, min <= max; the image's and the video's, as
+    transformers' processor call), ``fps`` (a video's frame rate where it gives none:
+    Qwen2.5-VL's temporal positions, engine/mrope.py); a ConfigError names a key
     the model's processor does not read, or a model that takes no images."""
     if not kwargs:
         return mc
@@ -2996,15 +3046,22 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
     if not isinstance(mc.vision, QwenVisionConfig):
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)}: {arch}'s image processor reads none "
                           "(Qwen2-VL's reads min_pixels / max_pixels)")
-    unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels"})
+    unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels", "fps"})
     if unknown:
-        raise ConfigError(f"mm_processor_kwargs {unknown}: {arch}'s image processor reads min_pixels "
-                          "and max_pixels")
-    proc = mc.vision.processing
-    lo, hi = kwargs.get("min_pixels", proc.min_pixels), kwargs.get("max_pixels", proc.max_pixels)
-    for key, v in (("min_pixels", lo), ("max_pixels", hi)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ConfigError(f"mm_processor_kwargs {key} must be a positive int, got {v!r}")
-    if lo > hi:
-        raise ConfigError(f"mm_processor_kwargs: min_pixels {lo} is above max_pixels {hi}")
-    return replace(mc, vision=replace(mc.vision, processing=replace(proc, min_pixels=lo, max_pixels=hi)))
+        raise ConfigError(f"mm_processor_kwargs {unknown}: {arch}'s processors read min_pixels, "
+                          "max_pixels and fps")
+    fps = kwargs.get("fps", mc.vision.video_fps)
+    if fps is not None and (not isinstance(fps, (int, float)) or isinstance(fps, bool) or not fps > 0):
+        raise ConfigError(f"mm_processor_kwargs fps must be a positive number, got {fps!r}")
+    procs = []
+    # as transformers' processor call: the bounds given are the image's and the video's
+    for proc in (mc.vision.processing, mc.vision.video_processing or mc.vision.processing):
+        lo, hi = kwargs.get("min_pixels", proc.min_pixels), kwargs.get("max_pixels", proc.max_pixels)
+        for key, v in (("min_pixels", lo), ("max_pixels", hi)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"mm_processor_kwargs {key} must be a positive int, got {v!r}")
+        if lo > hi:
+            raise ConfigError(f"mm_processor_kwargs: min_pixels {lo} is above max_pixels {hi}")
+        procs.append(replace(proc, min_pixels=lo, max_pixels=hi))
+    return replace(mc, vision=replace(mc.vision, processing=procs[0], video_processing=procs[1],
+                                      video_fps=None if fps is None else float(fps)))

@@ -359,7 +359,9 @@ class LLM:
         add_generation_prompt False); ``chat_template_kwargs``: more for the template (e.g.
         ``{"enable_thinking": False}``), as vLLM's. ``priority``: one per conversation, as
         in ``generate``. A model that takes images (LLaVA) reads image parts as vLLM's chat
-        does: ``image_url`` (a base64 data URL) and ``image_pil`` (a PIL image)."""
+        does: ``image_url`` (a base64 data URL) and ``image_pil`` (a PIL image); Qwen2-VL
+        also ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list of PIL
+        images or of image URLs; engine/multimodal.chat_images)."""
         self._check_task("generate")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         extra = dict(chat_template_kwargs or {}, continue_final_message=continue_final_message)
@@ -377,17 +379,25 @@ class LLM:
             return self.chat_prompt_ids(conversation, add_generation_prompt, tools, **extra)
         from flashpage.engine.multimodal import chat_images, place_images, placeholder_ids
 
-        conv, parts, images = chat_images(conversation, self.engine.config.media_policy)
-        if not images:
+        conv, parts, images, videos = chat_images(conversation, self.engine.config.media_policy)
+        if not images and not videos:
             return self.chat_prompt_ids(conv, add_generation_prompt, tools, **extra)
+        video_ids = getattr(encoder, "video_placeholder_ids", None)
+        if videos and video_ids is None:
+            raise ValueError("video content parts given, but this model takes no video input "
+                             "(Qwen2-VL / Qwen2.5-VL do)")
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
         template = tok.chat_template if isinstance(tok.chat_template, str) else None
-        conv = place_images(conv, parts, template, tok.decode(placeholder_ids(encoder)))
+        conv = place_images(conv, parts, template, tok.decode(placeholder_ids(encoder)),
+                            tok.decode(video_ids) if video_ids is not None else None)
         ids = tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
                                       tokenize=True, return_dict=False, **extra)
-        return {"prompt_token_ids": list(ids), "multi_modal_data": {"image": images}}
+        data: dict[str, Any] = {"image": images} if images else {}
+        if videos:
+            data["video"] = videos
+        return {"prompt_token_ids": list(ids), "multi_modal_data": data}
 
     def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
                         tools: list[dict[str, Any]] | None = None, **template_kw: Any) -> list[int]:

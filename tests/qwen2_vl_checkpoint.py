@@ -26,7 +26,8 @@ _VISION = {
                        window_size=56, fullatt_block_indexes=[1]),
 }
 SPECIALS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
-# Qwen2-VL's chat template (its image parts as <|vision_start|><|image_pad|><|vision_end|>)
+# Qwen2-VL's chat template (its image parts as <|vision_start|><|image_pad|><|vision_end|>,
+# its video parts as <|vision_start|><|video_pad|><|vision_end|>)
 QWEN_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
@@ -36,6 +37,8 @@ QWEN_CHAT_TEMPLATE = (
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -92,15 +95,34 @@ def hf_qwen(path: Path, variant: str = "qwen2_vl"):
     return model.eval()
 
 
-def hf_qwen_greedy(model, ids: list[int], images: list | None, max_new_tokens: int) -> list[int]:
-    """transformers' greedy generate on expanded ``ids`` with ``images`` (our QwenImage
-    objects: their patches and grids; None: a text-only prompt), EOS ignored: the new tokens."""
-    x = torch.tensor([ids])
+def hf_inputs(model, x: torch.Tensor, images: list | None, videos: list | None = None) -> dict:
+    """transformers' multimodal kwargs for ids ``x`` [1, n]: ``images`` and ``videos`` our
+    QwenImage objects (patches, grids; a video's time step: Qwen2.5-VL's second_per_grid_ts
+    x tokens_per_second), mm_token_type_ids 1 at image rows, 2 at video rows."""
     kw: dict = {}
+    types = torch.zeros_like(x, dtype=torch.int32)
     if images:
-        kw = dict(pixel_values=torch.cat([im.patches for im in images]),
-                  image_grid_thw=torch.tensor([list(im.grid) for im in images]),
-                  mm_token_type_ids=(x == model.config.image_token_id).int())
+        kw.update(pixel_values=torch.cat([im.patches for im in images]),
+                  image_grid_thw=torch.tensor([list(im.grid) for im in images]))
+        types[x == model.config.image_token_id] = 1
+    if videos:
+        kw.update(pixel_values_videos=torch.cat([v.patches for v in videos]),
+                  video_grid_thw=torch.tensor([list(v.grid) for v in videos]))
+        types[x == model.config.video_token_id] = 2
+        if videos[0].time_step is not None:
+            tps = model.config.vision_config.tokens_per_second
+            kw["second_per_grid_ts"] = torch.tensor([v.time_step / tps for v in videos])
+    if images or videos:
+        kw["mm_token_type_ids"] = types
+    return kw
+
+
+def hf_qwen_greedy(model, ids: list[int], images: list | None, max_new_tokens: int,
+                   videos: list | None = None) -> list[int]:
+    """transformers' greedy generate on expanded ``ids`` with ``images`` and ``videos`` (our
+    QwenImage objects: hf_inputs; None: a text-only prompt), EOS ignored: the new tokens."""
+    x = torch.tensor([ids])
+    kw = hf_inputs(model, x, images, videos)
     with torch.no_grad():
         out = model.generate(input_ids=x, attention_mask=torch.ones_like(x),
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,

@@ -202,9 +202,10 @@ class LLMEngine:
         # (models/pixtral.py), before the KV cache takes what memory is left
         self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
-        if mc.vision is not None and self.mm_limits.get("image") == 0:
-            logger.info("limit_mm_per_prompt allows no image: %s is served as its text model alone "
-                        "(its vision tower not loaded)", mc.multimodal_architecture)
+        takes = ("image", "video") if isinstance(mc.vision, QwenVisionConfig) else ("image",)
+        if mc.vision is not None and all(self.mm_limits.get(k) == 0 for k in takes):
+            logger.info("limit_mm_per_prompt allows no %s: %s is served as its text model alone "
+                        "(its vision tower not loaded)", " nor ".join(takes), mc.multimodal_architecture)
         elif isinstance(mc.vision, QwenVisionConfig):  # Qwen2-VL / Qwen2.5-VL: models/qwen2_vl.py
             from flashpage.models.qwen2_vl import load_image_encoder as load_qwen_encoder
 
@@ -1023,8 +1024,8 @@ class LLMEngine:
                                  "(multi_modal_data={\"image\": ...})")
             video = getattr(enc.config, "video_token_id", None) if enc is not None else None
             if video is not None and video in ids:
-                raise ValueError(f"the prompt has a video token (<|video_pad|>, id {video}): video "
-                                 "input is not supported yet")
+                raise ValueError(f"the prompt has video tokens (<|video_pad|>, id {video}) but no video "
+                                 "was given (multi_modal_data={\"video\": frames})")
             return ids, None
         for modality, limit in self.mm_limits.items():
             n = count_items(data, modality)

@@ -4,7 +4,15 @@ Text tokens have three equal components (M-RoPE is then 1-D rope at that positio
 image's rows, a grid (t, h, w) of merged patches in row-major order, start at the position
 ``p`` the next text token would have had and take ``(p + t_i, p + h_i, p + w_i)``; the text
 after it continues from the image's largest component + 1 (``p + max(t, h, w)``), so an
-image of n rows moves every later position by ``max(t, h, w) - n`` (<= 0). Past the prompt,
+image of n rows moves every later position by ``max(t, h, w) - n`` (<= 0). A video is such a
+grid with t > 1 (one step per temporal patch of frames); Qwen2.5-VL's temporal component is
+``int(t_i x time_step)`` (time_step = tokens_per_second x temporal_patch_size / fps,
+transformers' second_per_grid_ts scaling, in fp32 as transformers computes it), and the text
+after it continues from the largest component + 1 as for an image (the rule of Qwen's release,
+vLLM's and transformers' through 5.2; transformers 5.24 continues from ``p + max(h, w)``
+instead, which differs only where a video's temporal extent exceeds its height and width:
+there it gives text positions the video's rows already hold, and a first decode position that
+does not follow the prompt's last). Past the prompt,
 token i's position is ``i + delta`` (delta: the prompt's last position + 1 - its length),
 its three components equal: decode steps carry 1-D positions, as any model's (the CUDA
 graphs' position buffer among them).
@@ -29,7 +37,7 @@ if TYPE_CHECKING:
 
 def prompt_positions(num_tokens: int, inputs: list[MultiModalInput]) -> tuple[np.ndarray, int]:
     """A prompt's 3-D positions int64 [3, num_tokens] and its delta (module docstring),
-    ``inputs`` giving each image's offset and grid (its length t x h x w)."""
+    ``inputs`` giving each image's or video's offset and grid (its length t x h x w)."""
     out = np.empty((3, num_tokens), dtype=np.int64)
     cur = 0  # the next position
     at = 0  # the next token
@@ -41,9 +49,12 @@ def prompt_positions(num_tokens: int, inputs: list[MultiModalInput]) -> tuple[np
         n_text = mi.offset - at
         out[:, at:mi.offset] = np.arange(cur, cur + n_text)
         cur += n_text
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        ts = np.arange(t)
+        if mi.time_step is not None:  # fp32, truncated: transformers' (arange(t) * interval).long()
+            ts = (ts.astype(np.float32) * np.float32(mi.time_step)).astype(np.int64)
+        tt, hh, ww = np.meshgrid(ts, np.arange(h), np.arange(w), indexing="ij")
         out[:, mi.offset:mi.offset + mi.length] = cur + np.stack([tt.ravel(), hh.ravel(), ww.ravel()])
-        cur += max(t, h, w)
+        cur += max(int(ts[-1]), h - 1, w - 1) + 1
         at = mi.offset + mi.length
     out[:, at:] = np.arange(cur, cur + num_tokens - at)
     cur += num_tokens - at

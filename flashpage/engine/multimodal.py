@@ -49,7 +49,7 @@ class MultiModalInput:
     and grid), None once encoded; ``rows``: the encoder's output [length, hidden] on the
     device, kept for the request's life (preemption recomputes from it); ``digest``: the
     data's identity; ``grid``: for a model with M-RoPE (Qwen2-VL), the rows' (t, h, w)
-    grid, row-major, whose 3-D positions they take (engine/mrope.py)."""
+    grid, row-major, whose 3-D positions they take (engine/mrope.py; a video's t > 1)."""
 
     offset: int
     length: int
@@ -57,6 +57,7 @@ class MultiModalInput:
     data: Any
     rows: torch.Tensor | None = None
     grid: tuple[int, int, int] | None = None
+    time_step: float | None = None  # a Qwen2.5-VL video's temporal position step (engine/mrope.py)
 
 
 class MultiModalEncoder(Protocol):
@@ -81,7 +82,7 @@ def enc_token_name(encoder: Any) -> str:
     return "<|image_pad|>" if getattr(encoder, "placeholder_ids", None) is not None else "<image>"
 
 
-MODALITIES = ("image", "video")  # what limit_mm_per_prompt may name (video: 0 only is useful yet)
+MODALITIES = ("image", "video")  # what limit_mm_per_prompt may name (video: Qwen2-VL's)
 
 
 def check_limits(limits: Any) -> dict[str, int]:
@@ -101,13 +102,39 @@ def check_limits(limits: Any) -> dict[str, int]:
 
 def count_items(data: Any, modality: str) -> int:
     """How many items of ``modality`` a request's multi_modal_data holds (a list, or one
-    item; a 4-d tensor is a batch of images)."""
+    item; a 4-d tensor is a batch of images, one video: ``video_items``)."""
     if not isinstance(data, dict) or modality not in data:
         return 0
     given = data[modality]
+    if modality == "video":
+        return len(video_items(given))
     if isinstance(given, torch.Tensor):
         return given.shape[0] if given.dim() == 4 else 1
     return len(given) if isinstance(given, (list, tuple)) else 1
+
+
+def _is_video_metadata_pair(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], dict)
+
+
+def _is_frame_stack(x: Any) -> bool:
+    """One video given whole: an array / tensor of frames (T, H, W, 3), or a (frames,
+    metadata) pair."""
+    return _is_video_metadata_pair(x) or (hasattr(x, "ndim") and hasattr(x, "shape") and x.ndim == 4)
+
+
+def video_items(given: Any) -> list[Any]:
+    """vLLM's forms of multi_modal_data["video"] as a list of videos: one video (an array /
+    tensor of frames (T, H, W, 3), a (frames, metadata) pair, or a list of frames: PIL images
+    or (H, W, 3) arrays), or a list of videos (each an array, a pair or a list of frames).
+    What each video holds is checked where it is read (models/qwen2_vl_video.py)."""
+    if _is_frame_stack(given):
+        return [given]
+    if isinstance(given, (list, tuple)):
+        if given and all(_is_frame_stack(v) or isinstance(v, (list, tuple)) for v in given):
+            return list(given)
+        return [given]
+    return [given]
 
 
 def token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
@@ -207,44 +234,68 @@ def decode_data_url(url: str, i: int, policy: MediaPolicy | None = None) -> Any:
     return load_image(url, i, policy)
 
 
-# a message's content parts as the template sees them: ("text", its text) or ("image", None)
+# a message's content parts as the template sees them: ("text", its text), ("image", None) or
+# ("video", None)
 Parts = list[tuple[str, str | None]]
 
 
 def place_images(conv: list[dict[str, Any]], parts: list[Parts | None], template: str | None,
-                 placeholder: str) -> list[dict[str, Any]]:
-    """``conv`` with each message's image parts (``parts[i]``: message i's parts in order,
-    None for a message of plain text) put where the chat template reads them: a part
-    ``{"type": "image"}`` where the template loops over content parts (llava-hf's
-    templates), else the placeholder text (``<image>``) on its own line before the message's
-    text (vLLM's "string" content format)."""
+                 placeholder: str, video_placeholder: str | None = None) -> list[dict[str, Any]]:
+    """``conv`` with each message's image (and video) parts (``parts[i]``: message i's parts
+    in order, None for a message of plain text) put where the chat template reads them: a
+    part ``{"type": "image"}`` / ``{"type": "video"}`` where the template loops over content
+    parts (llava-hf's and Qwen's templates), else the placeholder texts (``<image>``;
+    ``video_placeholder`` for a video) on their own lines before the message's text, in the
+    parts' order (vLLM's "string" content format)."""
     as_parts = template_reads_parts(template)
     out = []
     for d, ps in zip(conv, parts, strict=True):
-        if ps is None or not any(kind == "image" for kind, _ in ps):
+        if ps is None or not any(kind in ("image", "video") for kind, _ in ps):
             out.append(as_text_parts([d])[0] if as_parts else d)
         elif as_parts:
             out.append({**d, "content": [{"type": "text", "text": text} if kind == "text"
-                                         else {"type": "image"} for kind, text in ps]})
+                                         else {"type": kind} for kind, text in ps]})
         else:
-            n = sum(kind == "image" for kind, _ in ps)
+            marks = [placeholder if kind == "image" else video_placeholder or placeholder
+                     for kind, _ in ps if kind != "text"]
             text = d["content"] if isinstance(d.get("content"), str) else \
                 "".join(t or "" for kind, t in ps if kind == "text")
-            out.append({**d, "content": "\n".join([placeholder] * n + [text])})
+            out.append({**d, "content": "\n".join([*marks, text])})
     return out
 
 
+NO_VIDEO_DECODER = ("flashpage decodes no video file (it uses no video decoder such as PyAV or "
+                    "decord): give the video's frames, {\"type\": \"video\", \"video\": frames} with "
+                    "frames a uint8 (T, H, W, 3) array, a list of PIL images or a list of image URLs")
+
+
+def _video_frames(video: Any, i: int, j: int, first: int, policy: MediaPolicy | None) -> Any:
+    """A "video" part's video: a list of image URLs read as frames (engine/media.py, as
+    image_url parts are); frames given as objects kept as they are (models/qwen2_vl_video.py
+    checks them)."""
+    if isinstance(video, str):
+        raise ValueError(f"message {i}: content part {j}: a video given as one URL is a video "
+                         f"file; {NO_VIDEO_DECODER}")
+    if isinstance(video, (list, tuple)) and video and all(isinstance(f, str) for f in video):
+        return [decode_data_url(u, first + k, policy) for k, u in enumerate(video)]
+    return video
+
+
 def chat_images(conversation: list[dict[str, Any]], policy: MediaPolicy | None = None
-                ) -> tuple[list[dict[str, Any]], list[Parts | None], list[Any]]:
-    """An LLM.chat conversation whose messages may hold image parts -- OpenAI's
+                ) -> tuple[list[dict[str, Any]], list[Parts | None], list[Any], list[Any]]:
+    """An LLM.chat conversation whose messages may hold image or video parts -- OpenAI's
     ``{"type": "image_url", "image_url": {"url": ...}}`` (or the url as a string; read as
-    engine/media.py says under ``policy``),
-    vLLM's ``{"type": "image_pil", "image_pil": PIL.Image}`` -- -> (the conversation with
-    each content list's text joined, each message's parts, the images in order); a
+    engine/media.py says under ``policy``), vLLM's ``{"type": "image_pil", "image_pil":
+    PIL.Image}``, and ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list
+    of PIL images, or a list of image URLs read as frames; a ``video_url`` part, a video
+    file, is refused: NO_VIDEO_DECODER) -- -> (the conversation with each content list's
+    text joined, each message's parts, the images in order, the videos in order); a
     ValueError names a part of another type."""
     conv: list[dict[str, Any]] = []
     parts: list[Parts | None] = []
     images: list[Any] = []
+    videos: list[Any] = []
+    frames = 0  # frames read from URLs so far (their index in errors)
     for i, msg in enumerate(conversation):
         content = msg.get("content")
         if not isinstance(content, list):
@@ -266,9 +317,18 @@ def chat_images(conversation: list[dict[str, Any]], policy: MediaPolicy | None =
             elif kind == "image_pil":
                 images.append(part.get("image_pil"))
                 ps.append(("image", None))
+            elif kind == "video":
+                video = part.get("video")
+                if video is None:
+                    raise ValueError(f"message {i}: content part {j}: a video part needs \"video\": its frames")
+                videos.append(_video_frames(video, i, j, frames, policy))
+                frames += len(video) if isinstance(video, (list, tuple)) else 0
+                ps.append(("video", None))
+            elif kind == "video_url":
+                raise ValueError(f"message {i}: content part {j}: video_url parts are not read: {NO_VIDEO_DECODER}")
             else:
                 raise ValueError(f"message {i}: content part {j} has type {kind!r}: text, "
-                                 "image_url and image_pil parts are read")
+                                 "image_url, image_pil and video parts are read")
         conv.append({**msg, "content": "".join(t or "" for k, t in ps if k == "text")})
         parts.append(ps)
-    return conv, parts, images
+    return conv, parts, images, videos

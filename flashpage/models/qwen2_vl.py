@@ -24,6 +24,13 @@ Attention runs torch's scaled_dot_product_attention once per distinct segment le
 images of one size, the windows of one size): exact (no masks, no padding), a few calls per
 block.
 
+Videos (``multi_modal_data["video"]``: models/qwen2_vl_video.py reads vLLM's forms) are
+grids with t > 1: each run of temporal_patch_size frames one step of t, their patches laid out
+frame group by frame group, full attention within each frame group (as transformers'
+cu_seqlens), so ``encode`` may cut a long video between frame groups into several tower
+calls; their rows go to <|video_pad|> positions, whose 3-D positions engine/mrope.py gives
+(Qwen2.5-VL's temporal component scaled by the video's frame rate).
+
 Weights: ``visual.`` (the published files) or ``model.visual.`` (transformers 5), HF's
 names (``visual.blocks.{i}.attn.qkv.weight``, ``visual.merger.mlp.0.weight`` ...).
 """
@@ -42,10 +49,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashpage.config import QwenVisionConfig
-from flashpage.engine.multimodal import MultiModalInput, token_runs
+from flashpage.engine.multimodal import MultiModalInput, token_runs, video_items
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image
-from flashpage.models.qwen2_vl_image import normalize, resize
+from flashpage.models.qwen2_vl_image import normalize, resize, resize_video
+from flashpage.models.qwen2_vl_video import DEFAULT_FPS, read_video
 
 if TYPE_CHECKING:
     from flashpage.models.loader import ModelSource
@@ -58,7 +66,7 @@ IMAGE_PREFIXES = tuple(p for p, _ in _PREFIXES)
 
 @dataclass(eq=False)
 class QwenImage:
-    """One preprocessed image: its patch grid (t, h, w) and either its patches fp32
+    """One preprocessed image (or video: ``video``): its patch grid (t, h, w) and either its patches fp32
     [t x h x w, patch_dim] (``pixel_values``'s) or, as the engine keeps a request's, its
     pixels uint8 [3, h x patch, w x patch] at the size smart_resize chose, normalized and cut
     into patches on the device by ``encode`` (models/qwen2_vl_image.py)."""
@@ -66,6 +74,10 @@ class QwenImage:
     patches: torch.Tensor | None
     grid: tuple[int, int, int]
     pixels: torch.Tensor | None = None
+    # a video's (its <|video_pad|> rows; pixels uint8 [T, 3, h x patch, w x patch]): its
+    # temporal M-RoPE step (Qwen2.5-VL's; None: the grid index, engine/mrope.py)
+    video: bool = False
+    time_step: float | None = None
 
 
 def _act(name: str) -> nn.Module:
@@ -331,7 +343,9 @@ class VisionTower(nn.Module):
         cos, sin = self._cos_sin(grids)
         sizes = [t * h * w for t, h, w in grids]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        images = list(zip(starts, sizes, strict=True))
+        # full attention within one frame group: an image, or one grid step t of a video
+        # (transformers' cu_seqlens: h x w repeated t times)
+        images = [(s + i * h * w, h * w) for s, (t, h, w) in zip(starts, grids, strict=True) for i in range(t)]
         windowed = vc.variant == "qwen2_5_vl" and len(vc.fullatt_block_indexes) < vc.depth
         back: torch.Tensor | None = None
         windows: list[tuple[int, int]] = images
@@ -339,7 +353,7 @@ class VisionTower(nn.Module):
             per_window = vc.window_size // vc.spatial_merge_size // vc.patch_size
             order, windows = [], []
             at = 0
-            for (s, _), g in zip(images, grids, strict=True):
+            for s, g in zip(starts, grids, strict=True):
                 idx, counts = window_order(g, vc.spatial_merge_size, per_window)
                 order.append(idx + s // unit)
                 for c in counts:
@@ -371,6 +385,8 @@ class QwenImageEncoder(nn.Module):
         super().__init__()
         self.config = vc
         self.visual = VisionTower(vc)
+        # the most rows one tower call takes (activation_bytes: what the engine reserved)
+        self.call_rows: int | None = None
 
     @property
     def placeholder_ids(self) -> list[int]:
@@ -378,6 +394,13 @@ class QwenImageEncoder(nn.Module):
         <|vision_start|><|image_pad|><|vision_end|> (the template's own part otherwise)."""
         vc = self.config
         return [vc.vision_start_token_id, vc.image_token_id, vc.vision_end_token_id]
+
+    @property
+    def video_placeholder_ids(self) -> list[int]:
+        """A chat turn's video part in a template that prints text:
+        <|vision_start|><|video_pad|><|vision_end|>."""
+        vc = self.config
+        return [vc.vision_start_token_id, vc.video_token_id, vc.vision_end_token_id]
 
     def num_rows(self, image: QwenImage) -> int:
         """The rows (and so the prompt positions) of a preprocessed image."""
@@ -387,33 +410,74 @@ class QwenImageEncoder(nn.Module):
     def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
         """The engine's multimodal hook at admission (engine/multimodal.py): a request's
         ``multi_modal_data`` ({"image": a PIL image, a uint8 [3, H, W] tensor, or a list of
-        them}) checked and preprocessed, and its prompt's ids with each <|image_pad|> made
-        its image's rows' count; a ValueError names what is wrong (video input among it)."""
+        them; "video": vLLM's forms, models/qwen2_vl_video.py}) checked and preprocessed, and
+        its prompt's ids with each <|image_pad|> / <|video_pad|> made its item's rows' count,
+        images and videos in the prompt's order; a ValueError names what is wrong."""
         vc = self.config
         if not isinstance(data, dict):
             raise ValueError(f"multi_modal_data must be a dict such as {{\"image\": image}}, "
                              f"got {type(data).__name__}")
-        if "video" in data:
-            raise ValueError("multi_modal_data[\"video\"]: video input is not supported yet "
-                             "(images are)")
-        unknown = sorted(set(data) - {"image"})
+        unknown = sorted(set(data) - {"image", "video"})
         if unknown:
-            raise ValueError(f"multi_modal_data {unknown}: this model takes \"image\" only")
-        if "image" not in data:
-            raise ValueError("multi_modal_data has no \"image\"")
-        if vc.video_token_id in ids:
-            raise ValueError(f"the prompt has a video token (<|video_pad|>, id {vc.video_token_id}): "
-                             "video input is not supported yet")
-        given = data["image"]
-        images = list(given) if isinstance(given, (list, tuple)) else [given]
-        if not images:
-            raise ValueError("multi_modal_data[\"image\"] is an empty list")
-        pix = [self.admit_image(img, i) for i, img in enumerate(images)]
-        counts = [self.num_rows(p) for p in pix]
-        ids, starts = expand_image_pads(ids, vc.image_token_id, counts)
+            raise ValueError(f"multi_modal_data {unknown}: this model takes \"image\" and \"video\"")
+        if "image" not in data and "video" not in data:
+            raise ValueError("multi_modal_data has no \"image\" nor \"video\"")
+        items: list[QwenImage] = []
+        counts: dict[int, list[int]] = {vc.image_token_id: [], vc.video_token_id: []}
+        if "image" in data:
+            given = data["image"]
+            images = list(given) if isinstance(given, (list, tuple)) else [given]
+            if not images:
+                raise ValueError("multi_modal_data[\"image\"] is an empty list")
+            pix = [self.admit_image(img, i) for i, img in enumerate(images)]
+            items += pix
+            counts[vc.image_token_id] = [self.num_rows(p) for p in pix]
+        if "video" in data:
+            vids = [self.admit_video(v, i) for i, v in enumerate(video_items(data["video"]))]
+            items += vids
+            counts[vc.video_token_id] = [self.num_rows(v) for v in vids]
+        ids, starts = expand_pads(ids, counts, {vc.image_token_id: ("image", "<|image_pad|>"),
+                                                vc.video_token_id: ("video", "<|video_pad|>")})
         m = vc.spatial_merge_size
-        return ids, [MultiModalInput(s, n, _digest(p), p, grid=(p.grid[0], p.grid[1] // m, p.grid[2] // m))
-                     for s, n, p in zip(starts, counts, pix, strict=True)]
+        offsets = starts[vc.image_token_id] + starts[vc.video_token_id]
+        out = [MultiModalInput(s, self.num_rows(p), _digest(p), p, grid=(p.grid[0], p.grid[1] // m, p.grid[2] // m),
+                               time_step=p.time_step)
+               for s, p in zip(offsets, items, strict=True)]
+        return ids, sorted(out, key=lambda mi: mi.offset)
+
+    def admit_video(self, video: Any, i: int = 0) -> QwenImage:
+        """What a request keeps of a video (vLLM's forms, models/qwen2_vl_video.py): its
+        frames resized under the video processor's bounds and padded to whole temporal
+        patches (uint8 [T', 3, h, w]), its grid (T' / temporal_patch_size, h / patch, w /
+        patch) and, for Qwen2.5-VL, its temporal position step; the rest on the device."""
+        vc = self.config
+        if isinstance(video, QwenImage):  # admitted already (its resized frames): checked
+            t, h, w = video.grid
+            ps, tp, x = vc.patch_size, vc.temporal_patch_size, video.pixels
+            if (not video.video or h % vc.spatial_merge_size or w % vc.spatial_merge_size
+                    or not isinstance(x, torch.Tensor) or x.dtype != torch.uint8
+                    or tuple(x.shape) != (t * tp, 3, h * ps, w * ps)):
+                raise ValueError(f"video {i}: a QwenImage video must hold uint8 frames [t x {tp}, 3, "
+                                 f"h x {ps}, w x {ps}] of its grid")
+            return video
+        frames, fps = read_video(video, i)
+        try:
+            pixels, grid = resize_video(frames, vc.video_processing or vc.processing, vc.patch_size,
+                                        vc.spatial_merge_size, vc.temporal_patch_size)
+        except ValueError as e:  # an aspect ratio over 200
+            raise ValueError(f"video {i} could not be read: {e}") from e
+        step = None
+        if vc.variant == "qwen2_5_vl":  # transformers' second_per_grid_ts x tokens_per_second
+            rate = fps if fps is not None else vc.video_fps if vc.video_fps is not None else DEFAULT_FPS
+            step = vc.tokens_per_second * (vc.temporal_patch_size / rate)
+        return QwenImage(None, grid, pixels, video=True, time_step=step)
+
+    def video_values(self, video: Any, i: int = 0) -> QwenImage:
+        """A video preprocessed whole on the host: its patches fp32 [t x h x w, patch_dim]
+        (what transformers' pixel_values_videos holds), grid and time step."""
+        v = self.admit_video(video, i)
+        assert v.pixels is not None
+        return QwenImage(self._patches(v.pixels, True), v.grid, video=True, time_step=v.time_step)
 
     def pixel_values(self, image: Any, i: int = 0, resized_only: bool = False) -> QwenImage:
         """One image preprocessed on the host (models/qwen2_vl_image.py): a PIL image, a
@@ -463,13 +527,17 @@ class QwenImageEncoder(nn.Module):
                 blk.mlp.fuse()
 
     def activation_bytes(self, rows: int) -> int:
-        """The most an encode call of ``rows`` rows (or one image at max_pixels, if more)
-        adds while it runs: per patch its stream, the fp32 norm, the attention's and the
-        MLP's intermediates (a generous sum: they are freed in turn), the rotary tables and
-        the patches in fp32."""
+        """The most an encode call of ``rows`` rows (or one image, or one video frame
+        group, at max_pixels, if more) adds while it runs: per patch its stream, the fp32
+        norm, the attention's and the MLP's intermediates (a generous sum: they are freed in
+        turn), the rotary tables and the patches in fp32. ``encode`` keeps its tower calls
+        within the rows asked here (the engine's reservation: a long video is encoded a few
+        frame groups a call)."""
         vc = self.config
         unit = vc.patch_size * vc.spatial_merge_size
-        rows = max(rows, vc.processing.max_pixels // unit ** 2)
+        video = vc.video_processing or vc.processing
+        rows = max(rows, vc.processing.max_pixels // unit ** 2, video.max_pixels // unit ** 2)
+        self.call_rows = rows
         patches = rows * vc.spatial_merge_size ** 2
         b = self.visual.patch_embed.proj.weight.element_size()
         h, i = vc.hidden_size, vc.intermediate_size + (-vc.intermediate_size % 64)
@@ -483,19 +551,46 @@ class QwenImageEncoder(nn.Module):
 
     @torch.inference_mode()
     def encode(self, data: list[QwenImage]) -> list[torch.Tensor]:
-        """The engine's multimodal hook: the images' rows [num_rows, H] on the device, one
-        tower pass for all of them (attention kept within each image)."""
+        """The engine's multimodal hook: the images' and videos' rows [num_rows, H] on the
+        device, in tower passes of at most ``call_rows`` rows (None: one pass; a video cut
+        between frame groups, which attend only within themselves, so the cut changes
+        nothing; an image or a frame group is never cut), attention kept within each image
+        and each video frame group."""
         w = self.visual.patch_embed.proj.weight
-        patches = torch.cat([d.patches.to(w.device, non_blocking=True) if d.patches is not None
-                             else self._patches(d.pixels.to(w.device, non_blocking=True))  # type: ignore[union-attr]
-                             for d in data]).to(w.dtype)
-        rows = self.visual(patches, [d.grid for d in data])
-        return list(rows.split([self.num_rows(d) for d in data]))
+        m2 = self.config.spatial_merge_size ** 2
+        # pieces: (input, its patches [n, patch_dim], grid), a video's a few frame groups each
+        pieces: list[tuple[int, torch.Tensor, tuple[int, int, int]]] = []
+        limit = self.call_rows
+        for k, d in enumerate(data):
+            p = d.patches.to(w.device, non_blocking=True) if d.patches is not None \
+                else self._patches(d.pixels.to(w.device, non_blocking=True), d.video)  # type: ignore[union-attr]
+            t, gh, gw = d.grid
+            per = max(1, (limit or t * gh * gw // m2) // max(1, gh * gw // m2))  # frame groups a piece
+            for f in range(0, t, per):
+                n = min(per, t - f)
+                pieces.append((k, p[f * gh * gw:(f + n) * gh * gw], (n, gh, gw)))
+        calls: list[list[int]] = []
+        rows_in = 0
+        for j, (_, p, _) in enumerate(pieces):
+            r = p.shape[0] // m2
+            if not calls or (limit is not None and rows_in + r > limit):
+                calls.append([])
+                rows_in = 0
+            calls[-1].append(j)
+            rows_in += r
+        out: list[list[torch.Tensor]] = [[] for _ in data]
+        for call in calls:
+            rows = self.visual(torch.cat([pieces[j][1] for j in call]).to(w.dtype), [pieces[j][2] for j in call])
+            for j, r in zip(call, rows.split([pieces[j][1].shape[0] // m2 for j in call]), strict=True):
+                out[pieces[j][0]].append(r)
+        return [r[0] if len(r) == 1 else torch.cat(r) for r in out]
 
-    def _patches(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Resized uint8 pixels -> fp32 patches, on their device (models/qwen2_vl_image.py)."""
+    def _patches(self, pixels: torch.Tensor, video: bool = False) -> torch.Tensor:
+        """Resized uint8 pixels (a video's frames [T, 3, h, w]) -> fp32 patches, on their
+        device (models/qwen2_vl_image.py)."""
         vc = self.config
-        return normalize(pixels, vc.processing, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
+        proc = (vc.video_processing or vc.processing) if video else vc.processing
+        return normalize(pixels, proc, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
         """Load a checkpoint's ``visual.`` tensors (others are the text model's); returns
@@ -513,32 +608,49 @@ def _digest(image: QwenImage) -> bytes:
     data = image.pixels if image.pixels is not None else image.patches
     assert data is not None
     kind = b"pixels" if image.pixels is not None else b"patches"
+    if image.video:  # a video's positions depend on its time step too
+        kind += b"video" + repr(image.time_step).encode()
     return hashlib.blake2b(kind + digest(data) + repr(image.grid).encode(), digest_size=32).digest()
 
 
-def expand_image_pads(ids: list[int], token: int, counts: list[int]) -> tuple[list[int], list[int]]:
-    """A prompt's ids with image i's <|image_pad|> made ``counts[i]`` of them (as
-    Qwen2VLProcessor), and each image's first position. Ids already expanded (one run of
-    exactly counts[i] per image) are kept. A ValueError names a count that does not match."""
-    runs = token_runs(ids, token)
-    if runs and len(runs) == len(counts) and any(c > 1 for c in counts) \
-            and all(n == c for (_, n), c in zip(runs, counts, strict=True)):
-        return list(ids), [s for s, _ in runs]
-    total = sum(n for _, n in runs)
-    if total != len(counts):
-        raise ValueError(f"the prompt has {total} image token(s) (<|image_pad|>, id {token}) but "
-                         f"{len(counts)} image(s) were given: put one "
-                         "<|vision_start|><|image_pad|><|vision_end|> in the prompt per image")
+def expand_pads(ids: list[int], counts: dict[int, list[int]], names: dict[int, tuple[str, str]]
+                ) -> tuple[list[int], dict[int, list[int]]]:
+    """A prompt's ids with each placeholder token's i-th occurrence made ``counts[token][i]``
+    of it (as Qwen2VLProcessor: <|image_pad|> per image, <|video_pad|> per video), and each
+    item's first position, per token. A token's ids already expanded (one run of exactly
+    counts[token][i] per item) are kept. A ValueError names a count that does not match
+    (``names[token]``: the item's name and the token's)."""
+    keep: dict[int, bool] = {}
+    for token, want in counts.items():
+        runs = token_runs(ids, token)
+        if runs and len(runs) == len(want) and any(c > 1 for c in want) \
+                and all(n == c for (_, n), c in zip(runs, want, strict=True)):
+            keep[token] = True
+            continue
+        keep[token] = False
+        total = sum(n for _, n in runs)
+        if total != len(want):
+            item, name = names[token]
+            raise ValueError(f"the prompt has {total} {item} token(s) ({name}, id {token}) but "
+                             f"{len(want)} {item}(s) were given: put one "
+                             f"<|vision_start|>{name}<|vision_end|> in the prompt per {item}")
     out: list[int] = []
-    starts: list[int] = []
-    k = 0
+    starts: dict[int, list[int]] = {t: [] for t in counts}
+    at = dict.fromkeys(counts, 0)
+    prev = None
     for t in ids:
-        if t == token:
-            starts.append(len(out))
-            out.extend([token] * counts[k])
-            k += 1
+        if t in counts:
+            if keep[t]:
+                if prev != t:
+                    starts[t].append(len(out))
+                out.append(t)
+            else:
+                starts[t].append(len(out))
+                out.extend([t] * counts[t][at[t]])
+                at[t] += 1
         else:
             out.append(t)
+        prev = t
     return out, starts
 
 

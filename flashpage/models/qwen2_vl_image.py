@@ -1,4 +1,5 @@
-"""An image as Qwen2-VL's vision tower reads it, in torch (Qwen2VLImageProcessor's steps):
+"""An image (or a video's frames) as Qwen2-VL's vision tower reads it, in torch
+(Qwen2VLImageProcessor's and Qwen2VLVideoProcessor's steps):
 
     RGB uint8 [3, H, W] -> smart_resize to (h, w), multiples of patch x merge (28), with
     min_pixels <= h x w <= max_pixels and the aspect ratio kept as near as they allow
@@ -9,7 +10,10 @@
 A patch's values are laid out (channel, temporal, row, column), the Conv3d patch embedding's
 weight layout, the image repeated over the temporal patch (an image is a one-frame video);
 the patches are ordered by merge block: (gh / merge, gw / merge, merge, merge), so that each
-run of merge^2 patches is one row of the patch merger (models/qwen2_vl.py).
+run of merge^2 patches is one row of the patch merger (models/qwen2_vl.py). A video's frames,
+resized alike (the video processor's own min / max pixels) and padded to a multiple of the
+temporal patch by repeating the last, give each run of temporal_patch_size frames a grid step
+t: patches (t, gh / merge, gw / merge, merge, merge), grid (t, gh, gw).
 
 The resize is torch's antialiased ``interpolate`` on uint8, as models/clip_image.py's (the
 kernel transformers' torchvision processor runs): equal to transformers' PIL processor
@@ -52,13 +56,16 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 def patchify(x: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
     """fp32 [3, H, W] (multiples of patch x merge) -> [gh x gw, 3 x temporal x patch^2]
-    in merge-block order (module docstring)."""
-    c, h, w = x.shape
-    gh, gw = h // patch, w // patch
-    p = x.reshape(c, gh // merge, merge, patch, gw // merge, merge, patch)
-    p = p.permute(1, 4, 2, 5, 0, 3, 6)  # (gh/m, gw/m, m, m, c, patch, patch)
-    p = p.unsqueeze(5).expand(*p.shape[:5], temporal, patch, patch)
-    return p.reshape(gh * gw, c * temporal * patch * patch).contiguous()
+    in merge-block order (module docstring); or a video's frames [T, 3, H, W] (T a multiple
+    of temporal) -> [T / temporal x gh x gw, ...], each run of ``temporal`` frames one
+    temporal patch (Qwen2VLVideoProcessor's layout: frame group, then merge blocks)."""
+    if x.dim() == 3:
+        x = x.unsqueeze(0).expand(temporal, *x.shape)
+    f, c, h, w = x.shape
+    gt, gh, gw = f // temporal, h // patch, w // patch
+    p = x.reshape(gt, temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    p = p.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (gt, gh/m, gw/m, m, m, c, temporal, patch, patch)
+    return p.reshape(gt * gh * gw, c * temporal * patch * patch).contiguous()
 
 
 def resize(image: Any, proc: QwenImageProcessing, patch: int, merge: int
@@ -76,8 +83,9 @@ def resize(image: Any, proc: QwenImageProcessing, patch: int, merge: int
 
 def normalize(x: torch.Tensor, proc: QwenImageProcessing, patch: int, merge: int, temporal: int
               ) -> torch.Tensor:
-    """resize's uint8 [3, h, w] -> patches fp32 [gh x gw, patch_dim] on x's device (the
-    engine runs it on the GPU: a tenth of the bytes cross, and none of the host's time)."""
+    """resize's uint8 [3, h, w] (or resize_video's [T, 3, h, w]) -> patches fp32 [gt x gh x
+    gw, patch_dim] on x's device (the engine runs it on the GPU: a tenth of the bytes
+    cross, and none of the host's time)."""
     out = x.to(torch.float32)
     if proc.rescale_factor is not None:
         out = out * proc.rescale_factor
@@ -86,6 +94,22 @@ def normalize(x: torch.Tensor, proc: QwenImageProcessing, patch: int, merge: int
         std = torch.tensor(proc.std, dtype=torch.float32, device=x.device)[:, None, None]
         out = (out - mean) / std
     return patchify(out, patch, merge, temporal)
+
+
+def resize_video(frames: torch.Tensor, proc: QwenImageProcessing, patch: int, merge: int, temporal: int
+                 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """A video's frames uint8 [T, 3, H, W] -> (uint8 [T', 3, h, w] at smart_resize's size
+    under the video processor's bounds, T' the next multiple of ``temporal``: an odd count's
+    last frame repeated, as Qwen2VLVideoProcessor pads; the grid (T' / temporal, h / patch,
+    w / patch)). Every frame is resized alike (one size for the whole video)."""
+    h, w = frames.shape[2:]
+    rh, rw = smart_resize(h, w, patch * merge, proc.min_pixels, proc.max_pixels)
+    x = frames
+    if (rh, rw) != (h, w):
+        x = F.interpolate(x, size=(rh, rw), mode=proc.resample, antialias=True, align_corners=False)
+    if pad := -x.shape[0] % temporal:
+        x = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])])
+    return x.contiguous(), (x.shape[0] // temporal, rh // patch, rw // patch)
 
 
 def preprocess(image: Any, proc: QwenImageProcessing, patch: int, merge: int, temporal: int

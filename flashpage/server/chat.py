@@ -58,7 +58,7 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     # each image's placeholder becomes its rows (models/llava.py expand_image_tokens,
-    # models/qwen2_vl.py expand_image_pads; a Pixtral tower's count by the image's size:
+    # models/qwen2_vl.py expand_pads; a Pixtral tower's count by the image's size:
     # models/pixtral.py image_rows)
     encoder = getattr(state.engine.engine, "mm_encoder", None)
     rows = (getattr(encoder, "image_rows", None) or encoder.num_rows) if encoder is not None else None

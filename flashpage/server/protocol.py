@@ -200,6 +200,13 @@ class ChatMessage(_Body):
         content = data.get("content") if isinstance(data, dict) else None
         for i, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("video_url", "video"):
+                raise PydanticCustomError(
+                    "content_part", "content.{i} has type '{kind}': the server reads no video (a "
+                    "video file needs a video decoder such as PyAV, which flashpage does not use); "
+                    "Qwen2-VL takes a video's frames offline: LLM.generate's "
+                    "multi_modal_data[\"video\"] or LLM.chat's \"video\" parts",
+                    {"i": i, "kind": kind})
             if isinstance(kind, str) and kind not in ("text", "image_url"):
                 raise PydanticCustomError(
                     "content_part", "content.{i} has type '{kind}': only text and image_url parts "

@@ -249,9 +249,10 @@ def test_bad_requests_are_refused_by_name_and_leak_nothing(qwen):
         ({"prompt_token_ids": plain, "multi_modal_data": {"image": img}}, ["0 image token(s)", "1 image(s)"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"image": [img, img]}}, ["1 image token(s)", "2 image(s)"]),
         ({"prompt_token_ids": ids}, ["<|image_pad|>", "no image was given"]),
-        ({"prompt_token_ids": ids, "multi_modal_data": {"video": [img]}}, ["video input is not supported"]),
-        ({"prompt_token_ids": [*ids, video], "multi_modal_data": {"image": img}}, ["video token", "not supported"]),
-        ({"prompt_token_ids": [1, video, 5]}, ["video token", "not supported"]),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"video": [img]}}, ["1 image token(s)", "0 image(s)"]),
+        ({"prompt_token_ids": [*ids, video], "multi_modal_data": {"image": img}},
+         ["1 video token(s)", "0 video(s)"]),
+        ({"prompt_token_ids": [1, video, 5]}, ["video tokens", "no video was given"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"image": smooth_image(10, 2500)}}, ["aspect ratio"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"image": torch.zeros(3, 28, 28)}}, ["uint8", "float32"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"image": "cat.png"}}, ["image 0 is a str"]),
@@ -344,7 +345,7 @@ def test_mm_processor_kwargs_set_the_pixel_bounds(qwen):
                          use_tqdm=False)[0]
     assert sum(t == enc.config.image_token_id for t in out.prompt_token_ids) == 2  # 28 x 56 after resize
     assert _tokens([out])[0] == _want(hf, small, out, [img])
-    for bad, needle in (({"do_resize": False}, "reads min_pixels and max_pixels"),
+    for bad, needle in (({"do_resize": False}, "read min_pixels, max_pixels and fps"),
                         ({"max_pixels": 0}, "positive int"), ({"min_pixels": 10**7}, "above max_pixels")):
         with pytest.raises(ConfigError, match=needle):
             _llm(path, mm_processor_kwargs=bad)
