@@ -62,6 +62,7 @@ from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
 from flashpage.layers.moe import set_fused_moe
 from flashpage.layers.quant import moe_kernel_keeps, quantized_linears
 from flashpage.lora.request import LoRARequest
+from flashpage.models.gemma3_config import Gemma3VisionConfig
 from flashpage.models.loader import (
     ModelLoadError,
     ModelSource,
@@ -78,6 +79,7 @@ from flashpage.sampling_params import SamplingParams, StructuredOutputsError
 
 if TYPE_CHECKING:
     from flashpage.lora.manager import LoRAManager
+    from flashpage.models.gemma3_vision import Gemma3ImageEncoder
     from flashpage.models.llava import LlavaImageEncoder
     from flashpage.models.medusa import MedusaHeads
     from flashpage.models.mtp import HiddenStateDraft
@@ -200,7 +202,8 @@ class LLMEngine:
         # a model's multimodal encoder (engine/multimodal.py): LLaVA's CLIP tower and
         # projector (models/llava.py), Qwen2-VL's (models/qwen2_vl.py) or a Pixtral tower's
         # (models/pixtral.py), before the KV cache takes what memory is left
-        self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | None = None
+        self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | Gemma3ImageEncoder \
+            | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
         if mc.vision is not None and self.mm_limits.get("image") == 0:
             logger.info("limit_mm_per_prompt allows no image: %s is served as its text model alone "
@@ -209,6 +212,10 @@ class LLMEngine:
             from flashpage.models.qwen2_vl import load_image_encoder as load_qwen_encoder
 
             self.mm_encoder = load_qwen_encoder(self.source, self.dtype, self.device, config.seed)
+        elif isinstance(mc.vision, Gemma3VisionConfig):  # Gemma 3: models/gemma3_vision.py
+            from flashpage.models.gemma3_vision import load_image_encoder as load_gemma3_encoder
+
+            self.mm_encoder = load_gemma3_encoder(self.source, self.dtype, self.device, config.seed)
         elif isinstance(mc.vision, VisionConfig):
             from flashpage.models.llava import load_image_encoder
 
