@@ -180,6 +180,15 @@ class Gemma3ImageEncoder(nn.Module):
         return ids, [MultiModalInput(s, t, digest(px), px, bidirectional=True)
                      for s, px in zip(starts, pixels, strict=True)]
 
+    def prompt_length(self, ids: list[int], num_images: int) -> int:
+        """The length ``ids`` will have once expanded for ``num_images`` images (the
+        server's length check and usage; ``len(ids)`` when prepare would refuse them: its
+        error comes from there)."""
+        try:
+            return len(expand_gemma3_images(ids, self.config, num_images)[0])
+        except ValueError:
+            return len(ids)
+
     def pixel_values(self, image: Any, i: int = 0) -> torch.Tensor:
         """One image as float32 pixel values [3, S, S] on the host: a PIL image
         preprocessed, or pixel values given (checked: shape, dtype, finite)."""
