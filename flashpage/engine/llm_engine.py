@@ -236,7 +236,7 @@ class LLMEngine:
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         if config.enable_sleep_mode and mc.vision is not None:
-            raise ValueError("enable_sleep_mode with an image model (LLaVA, Qwen2-VL) is not supported yet "
+            raise ValueError("enable_sleep_mode with an image model (LLaVA, Qwen2-VL, Gemma 3) is not supported yet "
                              "(its vision tower's memory is not released)")
         if config.enable_sleep_mode and self.spec_config is not None:
             raise ValueError("enable_sleep_mode with speculative_config is not supported yet (a "
@@ -1329,7 +1329,7 @@ class LLMEngine:
         if mc.mxfp4_experts:
             return "the model's experts are MXFP4 (their reader is not run on update yet)"
         if mc.vision is not None:
-            return ("the model's vision tower (models/llava.py, qwen2_vl.py, pixtral.py) is not "
+            return ("the model's vision tower (models/llava.py, qwen2_vl.py, pixtral.py, gemma3_vision.py) is not "
                     "written by weight updates yet")
         return None
 
