@@ -154,17 +154,23 @@ class Gemma3ImageEncoder(nn.Module):
     def num_rows(self, image: Any) -> int:
         return self.config.tokens_per_image
 
+    # images per tower call: an image is P*P = 4096 tower tokens for 256 rows (16 times
+    # LLaVA's), so an encode batch of max_num_batched_tokens rows runs in slices of this many
+    MAX_TOWER_IMAGES = 8
+
     def activation_bytes(self, rows: int) -> int:
         """The most an encode call of ``rows`` rows (at least one image) adds while it runs:
-        per tower token its stream, the attention's (its P*P x P*P scores per head) and the
-        MLP's intermediates, and each image's fp32 pixels."""
+        per tower token of one slice (MAX_TOWER_IMAGES images at most) its stream and the
+        attention's and MLP's intermediates (SDPA's fused kernels keep no score matrix on
+        CUDA), the slice's output rows, and each image's fp32 pixels."""
         vc = self.config
         images = max(1, -(-rows // vc.tokens_per_image))
-        tokens = images * vc.patches_per_side ** 2
+        per_call = min(images, self.MAX_TOWER_IMAGES)
+        tokens = per_call * vc.patches_per_side ** 2
         b = self.multi_modal_projector.mm_input_projection_weight.element_size()
         per = (8 * vc.hidden_size + 4 * vc.intermediate_size) * b
-        scores = images * vc.num_attention_heads * vc.patches_per_side ** 4 * 4
-        return tokens * per + scores + images * 3 * vc.image_size ** 2 * 4
+        out = images * vc.tokens_per_image * self.multi_modal_projector.mm_input_projection_weight.shape[1] * b
+        return tokens * per + out + images * 3 * vc.image_size ** 2 * 4
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[n, 3, S, S] -> [n, tokens_per_image, text hidden]"""
@@ -214,9 +220,13 @@ class Gemma3ImageEncoder(nn.Module):
     @torch.inference_mode()
     def encode(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
         """The engine's multimodal hook: pixel values [3, S, S] each -> rows [T, H] on the
-        device, in one batch."""
+        device, in tower calls of at most MAX_TOWER_IMAGES images."""
         w = self.vision_tower.embeddings.patch_embedding.weight
-        return list(self(torch.stack(data).to(w.device, w.dtype, non_blocking=True)).unbind(0))
+        out: list[torch.Tensor] = []
+        for i in range(0, len(data), self.MAX_TOWER_IMAGES):
+            pixels = torch.stack(data[i:i + self.MAX_TOWER_IMAGES]).to(w.device, w.dtype, non_blocking=True)
+            out += list(self(pixels).unbind(0))
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
         """The tower's and projector's tensors (the text model's are ignored); the SigLIP

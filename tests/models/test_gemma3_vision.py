@@ -68,6 +68,21 @@ def test_tower_and_projector_rows_equal_transformers(tiny):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(enc.encode([pixels[1]])[0], ref[1], rtol=1e-4, atol=1e-5)
     assert ref.abs().mean() > 0.1  # rows far from zero: the comparison means something
+    enc.MAX_TOWER_IMAGES = 1  # the tower in slices of one image: the same rows
+    torch.testing.assert_close(torch.stack(enc.encode(list(pixels))), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_activation_estimate_of_the_published_tower():
+    """gemma-3-4b-it's tower in bf16: an encode batch of 8192 rows (32 images) runs in
+    slices of 8 images, so the reserve stays near 2 GB, not 32 images' worth."""
+    from flashpage.models.gemma3_vision import Gemma3ImageEncoder
+
+    vc = ModelConfig.from_hf(_published_4b()).vision
+    with torch.device("meta"):
+        enc = Gemma3ImageEncoder(vc, 2560).to(torch.bfloat16)
+    one, many = enc.activation_bytes(256), enc.activation_bytes(8192)
+    assert one < many < 3 << 30
+    assert many < 16 * one  # not 32 images in one tower call: a slice of 8 (and 32 rows, pixels)
 
 
 def test_published_layout_loads_the_same(tiny, tmp_path):
@@ -127,6 +142,19 @@ def test_expansion_errors(tiny):
         expand_gemma3_images([1, vc.boi_token_id, vc.image_token_id], vc, 1)
 
 
+def _published_4b() -> dict:
+    """gemma-3-4b-it's config.json: SigLIP-So400m at 896, 256 rows pooled 4 x 4."""
+    return {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+            "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+            "mm_tokens_per_image": 256, "model_type": "gemma3",
+            "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                            "sliding_window": 1024},
+            "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                              "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                              "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+
+
 def _hf_mask(ids: list[int], soft: int, window: int | None) -> torch.Tensor:
     """transformers' mask for one sequence, built from its own overlays (masking_utils):
     OR(causal, same image block), AND the sliding window."""
@@ -184,17 +212,7 @@ def test_config_fields_and_inspect(tiny):
     info = inspect_config(mc, 1 << 30)
     assert info["image_input"] is True
     assert "Gemma3ForConditionalGeneration: its text model and image input" in format_report(info)
-    # gemma-3-4b-it's config.json: SigLIP-So400m at 896, 256 rows pooled 4 x 4
-    d = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
-         "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
-         "mm_tokens_per_image": 256, "model_type": "gemma3",
-         "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
-                         "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-                         "sliding_window": 1024},
-         "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
-                           "model_type": "siglip_vision_model", "num_attention_heads": 16,
-                           "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
-    big = ModelConfig.from_hf(d).vision
+    big = ModelConfig.from_hf(_published_4b()).vision
     assert big.patches_per_side == 64 and big.pool == 4 and big.newline_ids == GEMMA3_NEWLINES
     assert big.processing.mean == (0.5, 0.5, 0.5) and big.processing.resize_hw == (896, 896)
 

@@ -238,6 +238,7 @@ def test_inspect_cli_on_a_config_json(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["architecture"] == "Gemma3ForCausalLM"
     assert info["multimodal_architecture"] == "Gemma3ForConditionalGeneration"
+    assert info["image_input"] is True  # its images run (models/gemma3_vision.py)
     assert main([str(CONFIGS / "llama-4-scout-17b-16e-instruct")]) == 0
     out = capsys.readouterr().out
     assert "Llama4ForConditionalGeneration: its text model only" in out
