@@ -7,6 +7,8 @@ name, costing no one else anything and leaking no block. fp32, CPU; one bf16 CUD
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -244,3 +246,22 @@ def test_gemma3_bf16_on_the_gpu_agrees_with_transformers(tmp_path):
     a, b = sum(ours_top) / len(ours_top), sum(bf16_top) / len(bf16_top)
     assert a >= b - 0.03 and a >= 0.85, (a, b)
     assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU check runs under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+def test_images_on_the_triton_backend_interpreted(tmp_path):
+    """Our Triton kernels run the causal pass (fused rotary + cache write, per-layer windows)
+    and the image rows are recomputed after them: transformers' tokens, head_dim 64, an
+    image's chunk beside a text prompt's."""
+    pytest.importorskip("triton")
+    path = build_tiny_gemma3(tmp_path / "g3_64", text=dict(num_attention_heads=2, num_key_value_heads=1,
+                                                           head_dim=64, query_pre_attn_scalar=16))
+    hf = hf_gemma3(path)
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=16, attention_backend="triton",
+              max_num_batched_tokens=32, max_model_len=128)
+    boi = llm.engine.mm_encoder.config.boi_token_id
+    cases = [_case(boi, 90, 1, before=3, after=2), _case(boi, 91, 0)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([_prompt(*c) for c in cases], params, use_tqdm=False)
+    assert _tokens(outs) == [_want(hf, llm, *c, max_new=4) for c in cases]
