@@ -36,10 +36,10 @@ def image_mask(q_pos: int, rows: int, k_lo: int, k_hi: int, img_lo: int, img_hi:
 
 def attend_within_images(out: torch.Tensor, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                          md: AttentionMetadata, *, scale: float, sliding_window: int | None,
-                         softcap: float | None) -> None:
+                         softcap: float | None, sinks: torch.Tensor | None = None) -> None:
     """``out`` [N, Hq, D] (the backend's output) with each row of ``md.bidirectional``'s
     runs recomputed under the image mask, in place. q [N, Hq, D]; the step's K/V already
-    in ``kv_cache``."""
+    in ``kv_cache``. (No ALiBi: no model with image runs has it.)"""
     key_cache, value_cache = kv_cache
     for seq, row, rows, pos, img_lo, img_hi in md.bidirectional:
         if img_hi > md.seq_lens_cpu[seq]:
@@ -51,5 +51,5 @@ def attend_within_images(out: torch.Tensor, q: torch.Tensor, kv_cache: tuple[tor
         vv = gather_paged(value_cache, table, img_hi)[k_lo:].to(q.dtype)
         mask = image_mask(pos, rows, k_lo, img_hi, img_lo, img_hi, sliding_window, q.device)
         o = masked_attention(q[row:row + rows].transpose(0, 1), kk.transpose(0, 1),
-                             vv.transpose(0, 1), mask, scale, softcap)
+                             vv.transpose(0, 1), mask, scale, softcap, sinks=sinks)
         out[row:row + rows] = o.transpose(0, 1).to(out.dtype)

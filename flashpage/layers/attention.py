@@ -102,8 +102,10 @@ class Attention(nn.Module):
         if md.bidirectional:  # images attended within both ways (Gemma 3): their rows again
             from flashpage.attention.bidirectional import attend_within_images
 
-            attend_within_images(out.view(q.shape[0], self.num_heads, self.head_dim), q, self.kv_cache, md, scale=self.scale,
-                                 sliding_window=self.sliding_window, softcap=self.softcap)
+            rows = out.view(q.shape[0], self.num_heads, self.head_dim)
+            attend_within_images(rows, q, self.kv_cache, md, scale=self.scale,
+                                 sliding_window=self.sliding_window, softcap=self.softcap,
+                                 sinks=self.sinks)
         return out
 
     @property
