@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from flashpage.engine.media import MediaPolicy
+    from flashpage.models.gemma3_config import Gemma3VisionConfig
     from flashpage.models.pixtral_config import PixtralVisionConfig
 
 # Architectures we can run, by family. DeepSeek is parsed for ``inspect`` and MLA.
@@ -97,7 +98,8 @@ LLAMA4_FAMILY = {"Llama4ForCausalLM"}
 # modules' names). _text_config_of reads the config; ModelConfig.multimodal_architecture
 # keeps the wrapper's name, ``architecture`` is the text model's.
 MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, ...]]] = {
-    # Gemma 3 4B / 12B / 27B: a SigLIP tower, projector mm_input_projection / mm_soft_emb_norm
+    # Gemma 3 4B / 12B / 27B: a SigLIP tower, projector mm_input_projection / mm_soft_emb_norm;
+    # its images too (models/gemma3_config.py, gemma3_vision.py)
     "Gemma3ForConditionalGeneration": (("gemma3_text",), "gemma3_text",
                                        ("vision_tower", "multi_modal_projector")),
     # Llama 4 Scout / Maverick
@@ -130,7 +132,8 @@ QWEN_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration",
 # Mistral3 (and LLaVA whose vision_config is "pixtral"): a Pixtral tower, read by
 # models/pixtral_config.py, run by models/pixtral.py
 IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
-                                 "Mistral3ForConditionalGeneration"}) | QWEN_VL_ARCHITECTURES
+                                 "Mistral3ForConditionalGeneration",
+                                 "Gemma3ForConditionalGeneration"}) | QWEN_VL_ARCHITECTURES
 # LLaVA's relatives we do not run, each with why (a ConfigError says it rather than "not supported")
 _UNSUPPORTED_IMAGE_ARCHITECTURES = {
     "LlavaOnevisionForConditionalGeneration":
@@ -2364,11 +2367,16 @@ def _qwen_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str
 
 
 def _image_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None
-                     ) -> VisionConfig | PixtralVisionConfig:
+                     ) -> VisionConfig | PixtralVisionConfig | Gemma3VisionConfig:
     """The image side of an IMAGE_ARCHITECTURES checkpoint: a Pixtral tower's
     (models/pixtral_config.py: Mistral3, LLaVA with vision_config.model_type "pixtral"),
-    else LLaVA's CLIP tower's (_vision_config_of)."""
+    Gemma 3's SigLIP tower's (models/gemma3_config.py), else LLaVA's CLIP tower's
+    (_vision_config_of)."""
     vc = d.get("vision_config")
+    if arch == "Gemma3ForConditionalGeneration":
+        from flashpage.models.gemma3_config import gemma3_vision_config_of
+
+        return gemma3_vision_config_of(d, arch, where, folder)
     if arch == "Mistral3ForConditionalGeneration" or \
             (isinstance(vc, dict) and vc.get("model_type") == "pixtral"):
         from flashpage.models.pixtral_config import pixtral_vision_config_of
@@ -2563,7 +2571,8 @@ class ModelConfig:
     # projector, image token and preprocessing (VisionConfig); None for any other model
     # (Qwen2-VL / Qwen2.5-VL: QwenVisionConfig, models/qwen2_vl.py)
     # (Pixtral towers: models/pixtral_config.PixtralVisionConfig)
-    vision: VisionConfig | QwenVisionConfig | PixtralVisionConfig | None = None
+    # (Gemma 3's SigLIP tower: models/gemma3_config.Gemma3VisionConfig)
+    vision: VisionConfig | QwenVisionConfig | PixtralVisionConfig | Gemma3VisionConfig | None = None
     # M-RoPE (Qwen2-VL): the rotated pairs' split among the (t, h, w) position components
     # (layers/rotary.MRotaryEmbedding, engine/mrope.py); (): 1-D rope
     mrope_section: tuple[int, ...] = ()
@@ -3043,6 +3052,15 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
     arch = mc.multimodal_architecture or mc.architecture
     if mc.vision is None:
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)} given, but {arch} takes no images here")
+    if type(mc.vision).__name__ == "Gemma3VisionConfig":  # Gemma3ImageProcessor's pan-and-scan
+        unknown = sorted(set(kwargs) - {"do_pan_and_scan"})
+        if unknown:
+            raise ConfigError(f"mm_processor_kwargs {unknown}: {arch}'s image processor reads "
+                              "do_pan_and_scan only (false: the default)")
+        if kwargs.get("do_pan_and_scan"):
+            raise ConfigError(f"mm_processor_kwargs do_pan_and_scan: {arch}'s pan-and-scan crops are "
+                              "not supported yet (each image is resized to the tower's square)")
+        return mc
     if not isinstance(mc.vision, QwenVisionConfig):
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)}: {arch}'s image processor reads none "
                           "(Qwen2-VL's reads min_pixels / max_pixels)")

@@ -54,6 +54,11 @@ class AttentionMetadata:
     # group g's metadata, its own block tables and slot mapping (groups[0] is this one);
     # an attention layer reads groups[its kv_group]. None: one table for every layer.
     groups: list[AttentionMetadata] | None = None
+    # Multimodal inputs whose positions attend both ways (Gemma 3's images,
+    # engine/multimodal.py): (request index, first row in the step, rows, their first
+    # position, the input's first position, its end), each run's rows recomputed by
+    # attention/bidirectional.py after the backend's causal pass. Empty on other steps.
+    bidirectional: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
 
     def for_group(self, tables: torch.Tensor, slots: torch.Tensor) -> AttentionMetadata:
         """This step's metadata over another group's block tables and slot mapping (the
@@ -61,7 +66,8 @@ class AttentionMetadata:
         return AttentionMetadata(
             self.num_actual_tokens, self.num_seqs, self.query_start_loc, self.seq_lens, tables,
             slots, self.max_query_len, self.max_seq_len, self.num_decodes, self.num_decode_tokens,
-            self.query_lens_cpu, self.seq_lens_cpu, split=self.split)
+            self.query_lens_cpu, self.seq_lens_cpu, split=self.split,
+            bidirectional=self.bidirectional)
 
 
 def with_groups(md: AttentionMetadata, others: list[tuple[torch.Tensor, torch.Tensor]],

@@ -62,6 +62,7 @@ from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
 from flashpage.layers.moe import set_fused_moe
 from flashpage.layers.quant import moe_kernel_keeps, quantized_linears
 from flashpage.lora.request import LoRARequest
+from flashpage.models.gemma3_config import Gemma3VisionConfig
 from flashpage.models.loader import (
     ModelLoadError,
     ModelSource,
@@ -78,6 +79,7 @@ from flashpage.sampling_params import SamplingParams, StructuredOutputsError
 
 if TYPE_CHECKING:
     from flashpage.lora.manager import LoRAManager
+    from flashpage.models.gemma3_vision import Gemma3ImageEncoder
     from flashpage.models.llava import LlavaImageEncoder
     from flashpage.models.medusa import MedusaHeads
     from flashpage.models.mtp import HiddenStateDraft
@@ -200,7 +202,8 @@ class LLMEngine:
         # a model's multimodal encoder (engine/multimodal.py): LLaVA's CLIP tower and
         # projector (models/llava.py), Qwen2-VL's (models/qwen2_vl.py) or a Pixtral tower's
         # (models/pixtral.py), before the KV cache takes what memory is left
-        self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | None = None
+        self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | Gemma3ImageEncoder \
+            | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
         takes = ("image", "video") if isinstance(mc.vision, QwenVisionConfig) else ("image",)
         if mc.vision is not None and all(self.mm_limits.get(k) == 0 for k in takes):
@@ -210,6 +213,10 @@ class LLMEngine:
             from flashpage.models.qwen2_vl import load_image_encoder as load_qwen_encoder
 
             self.mm_encoder = load_qwen_encoder(self.source, self.dtype, self.device, config.seed)
+        elif isinstance(mc.vision, Gemma3VisionConfig):  # Gemma 3: models/gemma3_vision.py
+            from flashpage.models.gemma3_vision import load_image_encoder as load_gemma3_encoder
+
+            self.mm_encoder = load_gemma3_encoder(self.source, self.dtype, self.device, config.seed)
         elif isinstance(mc.vision, VisionConfig):
             from flashpage.models.llava import load_image_encoder
 
@@ -230,7 +237,7 @@ class LLMEngine:
         ops.set_fused_ops(self.model, backend_cls.name == "triton")
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         if config.enable_sleep_mode and mc.vision is not None:
-            raise ValueError("enable_sleep_mode with an image model (LLaVA, Qwen2-VL) is not supported yet "
+            raise ValueError("enable_sleep_mode with an image model (LLaVA, Qwen2-VL, Gemma 3) is not supported yet "
                              "(its vision tower's memory is not released)")
         if config.enable_sleep_mode and self.spec_config is not None:
             raise ValueError("enable_sleep_mode with speculative_config is not supported yet (a "
@@ -1323,7 +1330,7 @@ class LLMEngine:
         if mc.mxfp4_experts:
             return "the model's experts are MXFP4 (their reader is not run on update yet)"
         if mc.vision is not None:
-            return ("the model's vision tower (models/llava.py, qwen2_vl.py, pixtral.py) is not "
+            return ("the model's vision tower (models/llava.py, qwen2_vl.py, pixtral.py, gemma3_vision.py) is not "
                     "written by weight updates yet")
         return None
 

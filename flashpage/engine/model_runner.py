@@ -20,7 +20,13 @@ from flashpage.attention.backend import AttentionBackend, AttentionMetadata, wit
 from flashpage.config import ModelConfig
 from flashpage.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs, PrefillGraphs
 from flashpage.engine.mrope import step_positions
-from flashpage.engine.multimodal import MultiModalEncoder, encode_pending, overlapping, step_rows
+from flashpage.engine.multimodal import (
+    MultiModalEncoder,
+    bidirectional_runs,
+    encode_pending,
+    overlapping,
+    step_rows,
+)
 from flashpage.engine.sampler import PendingSample, Sampler
 from flashpage.engine.scheduler import SchedulerOutput
 from flashpage.engine.sequence import PLACEHOLDER, Request
@@ -251,6 +257,7 @@ class ModelRunner:
         layout: list[tuple[Request, int, int, int]] = []
         embeds: list[tuple[int, torch.Tensor]] = []  # (first row, rows) of embeds prompts
         three: list[tuple[int, np.ndarray]] = []  # (first row, [3, n]) of M-RoPE 3-D positions
+        both_ways: list[tuple[int, int, int, int, int, int]] = []  # AttentionMetadata.bidirectional
         if self.mm_encoder is not None:  # this step's inputs not encoded yet, in one batch
             todo = [mi for r, n in sched if r.mm_inputs
                     for mi in overlapping(r.mm_inputs, r.num_computed_tokens, r.num_computed_tokens + n)
@@ -317,6 +324,8 @@ class ModelRunner:
                 embeds.append((t, req.prompt_embeds[start:min(end, req.num_prompt_tokens)]))
             if req.mm_inputs and start < req.num_prompt_tokens:  # engine/multimodal.py
                 embeds += [(t + i, rows) for i, rows in step_rows(req.mm_inputs, start, end)]
+                both_ways += [(i, t + p - start, k, p, lo, hi)
+                              for p, k, lo, hi in bidirectional_runs(req.mm_inputs, start, end)]
             if req.pooling is not None and start < req.num_prompt_tokens:
                 pool_rows.append((req, t, start, min(end, req.num_prompt_tokens) - start))
             if self.keep_layout:
@@ -360,6 +369,7 @@ class ModelRunner:
             num_decode_tokens=num_decodes,
             query_lens_cpu=qlens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
+            bidirectional=both_ways,
         )
         md = with_groups(self.backend.prepare(md), [
             (dev[offs[9 + 2 * g]:offs[10 + 2 * g]].view(num_seqs, width).to(torch.int32),

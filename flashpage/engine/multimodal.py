@@ -49,7 +49,11 @@ class MultiModalInput:
     and grid), None once encoded; ``rows``: the encoder's output [length, hidden] on the
     device, kept for the request's life (preemption recomputes from it); ``digest``: the
     data's identity; ``grid``: for a model with M-RoPE (Qwen2-VL), the rows' (t, h, w)
-    grid, row-major, whose 3-D positions they take (engine/mrope.py; a video's t > 1)."""
+    grid, row-major, whose 3-D positions they take (engine/mrope.py; a video's t > 1);
+    ``bidirectional``: its positions attend to each other both ways in the prefill
+    (Gemma 3's images): a prompt chunk never ends inside it (engine/scheduler.py
+    ``chunk_tokens``), and attention recomputes its query rows with that mask
+    (attention/bidirectional.py)."""
 
     offset: int
     length: int
@@ -58,6 +62,7 @@ class MultiModalInput:
     rows: torch.Tensor | None = None
     grid: tuple[int, int, int] | None = None
     time_step: float | None = None  # a Qwen2.5-VL video's temporal position step (engine/mrope.py)
+    bidirectional: bool = False
 
 
 class MultiModalEncoder(Protocol):
@@ -79,6 +84,9 @@ def placeholder_ids(encoder: Any) -> list[int]:
 
 def enc_token_name(encoder: Any) -> str:
     """The image token's name in errors."""
+    name = getattr(encoder, "token_name", None)
+    if name is not None:
+        return str(name)
     return "<|image_pad|>" if getattr(encoder, "placeholder_ids", None) is not None else "<image>"
 
 
@@ -152,6 +160,18 @@ def token_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
         else:
             i += 1
     return runs
+
+
+def bidirectional_runs(inputs: list[MultiModalInput], start: int, end: int
+                       ) -> list[tuple[int, int, int, int]]:
+    """For a step computing positions ``[start, end)``: each bidirectional input's
+    (first position within the step's range, rows, the input's first position, its end)."""
+    out = []
+    for mi in overlapping(inputs, start, end):
+        if mi.bidirectional:
+            a, b = max(start, mi.offset), min(end, mi.offset + mi.length)
+            out.append((a, b - a, mi.offset, mi.offset + mi.length))
+    return out
 
 
 def chain_digest(inputs: list[MultiModalInput]) -> bytes:

@@ -32,6 +32,12 @@ of theirs freed; none of them has been scheduled yet in the step, so nobody has 
 prefix hit on blocks they were to write). Ties never preempt, so equal priorities cannot
 evict each other back and forth.
 
+A prompt with a ``bidirectional`` multimodal input (Gemma 3's images: its positions attend
+to each other both ways) is never cut inside one (``chunk_tokens``): the chunk ends before
+it, or, when the input began before the chunk (a prefix-cache hit inside it), the request
+waits for a step whose budget holds the input's rest; add_request refuses an input longer
+than a chunk may be.
+
 ``schedule()`` does NOT advance ``num_computed_tokens`` (except that an admitted
 request's counter is set to its prefix-cache hit): the tokens scheduled for request r
 are positions ``[r.num_computed_tokens, r.num_computed_tokens + n)``, and r needs a
@@ -103,6 +109,21 @@ def check_priority(priority: object, policy: str) -> None:
 
 def _order(req: Request) -> tuple[int, float, int]:
     return req.queue_order
+
+
+def chunk_tokens(req: Request, start: int, num_new: int) -> int:
+    """How many of ``num_new`` tokens from position ``start`` ``req`` may compute so that
+    the chunk ends inside none of its ``bidirectional`` multimodal inputs: cut back to the
+    first such input it would end inside, or 0 when that input began at or before
+    ``start`` (its rest must come in one chunk: a later step with more budget)."""
+    end = start + num_new
+    for mi in req.mm_inputs or ():
+        if mi.bidirectional and mi.offset < end < mi.offset + mi.length:
+            if mi.offset <= start:
+                return 0
+            end = mi.offset
+            break
+    return end - start
 
 
 class Scheduler:
@@ -184,6 +205,12 @@ class Scheduler:
                 f"{kv.block_size} tokens at once, but the whole cache has only "
                 f"{kv.num_usable_blocks} blocks"
             )
+        whole = max((mi.length for mi in request.mm_inputs or () if mi.bidirectional), default=0)
+        if whole > self.chunk_cap:
+            raise RequestRefused(
+                f"request {rid!r}: an image of {whole} positions attends within itself "
+                f"both ways and must be computed in one chunk, but a chunk holds at most "
+                f"{self.chunk_cap} tokens (max_num_batched_tokens / long_prefill_token_threshold)")
         request.status = RequestStatus.WAITING
         request.queue_order = (request.priority, request.arrival_time, self._num_added)
         self._num_added += 1
@@ -259,8 +286,10 @@ class Scheduler:
                 continue
             num_new = min(len(req.all_token_ids) + len(req.spec_token_ids) - req.num_computed_tokens,
                           budget, self.chunk_cap)
-            if num_new <= 0:  # defensive: a running request always has >= 1 token to do
-                i += 1
+            if req.mm_inputs:
+                num_new = chunk_tokens(req, req.num_computed_tokens, num_new)
+            if num_new <= 0:  # an image's rest does not fit this step's budget (or defensive:
+                i += 1        # a running request always has >= 1 token to do)
                 continue
             if req.spec_token_ids:  # drafts (after its one last token) as far as the budget goes
                 del req.spec_token_ids[max(num_new - 1, 0):]
@@ -333,6 +362,10 @@ class Scheduler:
         kv = self.kv_cache_manager
         hit_blocks, num_hit = kv.get_computed_blocks(req)
         num_new = min(req.num_tokens - num_hit, budget, self.chunk_cap)
+        if req.mm_inputs and num_new > 0:
+            num_new = chunk_tokens(req, num_hit, num_new)
+            if num_new <= 0:  # an image's rest does not fit this step's budget: a later step
+                return None
         if self.running and self.watermark_blocks:
             # Blocks this admission may take from the free queue: the fresh ones and (at
             # most) the cached hits, which may be sitting in it.
@@ -374,7 +407,10 @@ class Scheduler:
         # will count, with their blocks freed (those no one else holds) and its prefix hits
         # among the free blocks it takes.
         hits, num_hit = kv.get_computed_blocks(req)
-        total = kv.blocks_held_after(num_hit, min(req.num_tokens - num_hit, budget, self.chunk_cap))
+        first = min(req.num_tokens - num_hit, budget, self.chunk_cap)
+        if req.mm_inputs and first > 0 and chunk_tokens(req, num_hit, first) <= 0:
+            return None  # an image's rest does not fit the budget: preempting would not help
+        total = kv.blocks_held_after(num_hit, first)
         freed = kv.blocks_freed_by([r.request_id for r in running[i:]])
         free_after = kv.num_free_blocks + len(freed)
         hits = kv.taken_hits(hits)

@@ -93,12 +93,20 @@ class Attention(nn.Module):
         assert self.backend is not None and self.kv_cache is not None
         if md.groups is not None:  # a piecewise graph's replay hands over the step's first
             md = md.groups[self.kv_group]
-        return self.backend.forward(q, k, v, self.kv_cache, md, scale=self.scale,
-                                    sliding_window=self.sliding_window, softcap=self.softcap,
-                                    alibi_slopes=None if self.alibi is None else self.alibi.slopes,
-                                    write_kv=write_kv, sinks=self.sinks,
-                                    **({} if self.chunk_size is None else
-                                       {"chunk_size": self.chunk_size}))
+        out = self.backend.forward(q, k, v, self.kv_cache, md, scale=self.scale,
+                                   sliding_window=self.sliding_window, softcap=self.softcap,
+                                   alibi_slopes=None if self.alibi is None else self.alibi.slopes,
+                                   write_kv=write_kv, sinks=self.sinks,
+                                   **({} if self.chunk_size is None else
+                                      {"chunk_size": self.chunk_size}))
+        if md.bidirectional:  # images attended within both ways (Gemma 3): their rows again
+            from flashpage.attention.bidirectional import attend_within_images
+
+            rows = out.view(q.shape[0], self.num_heads, self.head_dim)
+            attend_within_images(rows, q, self.kv_cache, md, scale=self.scale,
+                                 sliding_window=self.sliding_window, softcap=self.softcap,
+                                 sinks=self.sinks)
+        return out
 
     @property
     def sinks(self) -> torch.Tensor | None:

@@ -15,11 +15,29 @@ Parameter names are the checkpoint's (``embeddings.patch_embedding.weight``,
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flashpage.config import VisionConfig
+
+
+class LayerShape(Protocol):
+    """What an encoder layer reads of its config (CLIP's VisionConfig; Gemma 3's SigLIP
+    tower, models/gemma3_vision.py, whose layers are CLIP's)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def hidden_act(self) -> str: ...
+    @property
+    def layer_norm_eps(self) -> float: ...
 
 
 def activation(name: str) -> nn.Module:
@@ -61,7 +79,7 @@ class CLIPVisionEmbeddings(nn.Module):
 
 
 class CLIPAttention(nn.Module):
-    def __init__(self, vc: VisionConfig) -> None:
+    def __init__(self, vc: LayerShape) -> None:
         super().__init__()
         h = vc.hidden_size
         self.num_heads = vc.num_attention_heads
@@ -83,7 +101,7 @@ class CLIPAttention(nn.Module):
 
 
 class CLIPMLP(nn.Module):
-    def __init__(self, vc: VisionConfig) -> None:
+    def __init__(self, vc: LayerShape) -> None:
         super().__init__()
         self.fc1 = nn.Linear(vc.hidden_size, vc.intermediate_size)
         self.act = activation(vc.hidden_act)
@@ -94,7 +112,7 @@ class CLIPMLP(nn.Module):
 
 
 class CLIPEncoderLayer(nn.Module):
-    def __init__(self, vc: VisionConfig) -> None:
+    def __init__(self, vc: LayerShape) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
         self.self_attn = CLIPAttention(vc)

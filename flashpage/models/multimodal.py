@@ -1,9 +1,10 @@
 """The text model of a multimodal checkpoint (config.MULTIMODAL_TEXT_ARCHITECTURES:
-Gemma3ForConditionalGeneration, Llama4ForConditionalGeneration served alone, images not
-supported; and LlavaForConditionalGeneration / LlavaNextForConditionalGeneration,
-Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration and
-Mistral3ForConditionalGeneration, whose images models/llava.py / llava_next.py,
-models/qwen2_vl.py and models/pixtral.py run beside them).
+Llama4ForConditionalGeneration served alone, images not supported; and
+LlavaForConditionalGeneration / LlavaNextForConditionalGeneration,
+Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration,
+Mistral3ForConditionalGeneration and Gemma3ForConditionalGeneration, whose images
+models/llava.py / llava_next.py, models/qwen2_vl.py, models/pixtral.py and
+models/gemma3_vision.py run beside them).
 
 The config is the text model's (config._text_config_of); its weights sit under the wrapper's
 prefixes, which ``text_model_weights`` takes off on the way to the text family's own
@@ -49,8 +50,10 @@ _BARE_PREFIXES = {arch: (("model.", "model."),) for arch in
 def text_only_note(config: ModelConfig) -> str:
     """The one sentence saying what of a multimodal checkpoint runs (log, inspect)."""
     if config.vision is not None:
+        kind = type(config.vision).__name__
         where = ("models/qwen2_vl.py" if config.mrope_section else "models/llava.py"
-                 if type(config.vision).__name__ == "VisionConfig" else "models/pixtral.py")
+                 if kind == "VisionConfig" else "models/gemma3_vision.py"
+                 if kind == "Gemma3VisionConfig" else "models/pixtral.py")
         return (f"{config.multimodal_architecture}: its text model ({config.architecture}) "
                 f"and its images (vision tower and projector: {where})")
     return (f"{config.multimodal_architecture}: its text model ({config.architecture}) only; "

@@ -65,6 +65,10 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     grows = sum(rows(im) - 1 for im in images["image"]) \
         if images is not None and rows is not None else 0
     n_prompt = len(ids) + grows  # what the engine runs (and usage counts, as vLLM's)
+    # an expansion that adds more than rows (Gemma 3's newlines and <end_of_image>): its own
+    # count from the ids (models/gemma3_vision.py prompt_length)
+    if images is not None and (length := getattr(encoder, "prompt_length", None)) is not None:
+        n_prompt = length(ids, len(images["image"]))
     max_tokens = check_length(state, n_prompt, max_tokens)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")

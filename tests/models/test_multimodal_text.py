@@ -1,5 +1,6 @@
 """The text model of multimodal checkpoints (models/multimodal.py, config._text_config_of):
-Gemma3ForConditionalGeneration and Llama4ForConditionalGeneration served text-only, and
+Gemma3ForConditionalGeneration's text model (its images: tests/models/test_gemma3_vision.py),
+Llama4ForConditionalGeneration served text-only, and
 Mistral3ForConditionalGeneration's text model on text-only prompts (its images:
 tests/engine/test_pixtral_engine.py).
 
@@ -190,8 +191,9 @@ def test_vision_tensors_are_skipped_and_counted(tiny, name, caplog):
     with caplog.at_level(logging.INFO, logger="flashpage.models.multimodal"):
         model = load_model(source, torch.float32, torch.device("cpu"))
     lines = [r.getMessage() for r in caplog.records if r.name == "flashpage.models.multimodal"]
-    what = ("and its images (vision tower and projector: models/pixtral.py)" if name == "mistral3"
-            else "only; image inputs are not supported")
+    what = {"mistral3": "and its images (vision tower and projector: models/pixtral.py)",
+            "gemma3": "and its images (vision tower and projector: models/gemma3_vision.py)"
+            }.get(name, "only; image inputs are not supported")
     assert lines == [f"{TINY[name][1]}: its text model ({source.config.architecture}) {what}; "
                      f"skipped {len(vision)} vision tower / projector tensor(s) of the checkpoint"]
     assert not any("vision" in n or "projector" in n for n, _ in model.named_parameters())
@@ -224,7 +226,7 @@ def test_inspect_counts_the_text_models_parameters(tiny, name):
     assert total == stored
     assert (total == active) == (name != "llama4")
     report = format_report(inspect_config(cfg, 1 << 30))
-    what = r"and image input \(the vision tower" if name == "mistral3" else \
+    what = r"and image input \(the vision tower" if name in ("mistral3", "gemma3") else \
         r"only \(image inputs are not supported"
     assert re.search(rf"multimodal +{TINY[name][1]}: its text model {what}", report), report
 
@@ -236,6 +238,7 @@ def test_inspect_cli_on_a_config_json(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["architecture"] == "Gemma3ForCausalLM"
     assert info["multimodal_architecture"] == "Gemma3ForConditionalGeneration"
+    assert info["image_input"] is True  # its images run (models/gemma3_vision.py)
     assert main([str(CONFIGS / "llama-4-scout-17b-16e-instruct")]) == 0
     out = capsys.readouterr().out
     assert "Llama4ForConditionalGeneration: its text model only" in out
@@ -330,13 +333,13 @@ def test_config_errors_name_the_field(raw, match):
 
 
 def test_unsupported_wrapper_lists_the_text_only_ones():
-    with pytest.raises(ConfigError, match=r"with image input: LlavaForConditionalGeneration, "
+    with pytest.raises(ConfigError, match=r"with image input: Gemma3ForConditionalGeneration, "
+                                          r"LlavaForConditionalGeneration, "
                                           r"LlavaNextForConditionalGeneration, "
                                           r"Mistral3ForConditionalGeneration, "
                                           r"Qwen2VLForConditionalGeneration, "
                                           r"Qwen2_5_VLForConditionalGeneration; "
                                           r"their text model alone: "
-                                          r"Gemma3ForConditionalGeneration, "
                                           r"Llama4ForConditionalGeneration$"):
         ModelConfig.from_hf({"architectures": ["PaliGemmaForConditionalGeneration"],
                              "text_config": {"model_type": "gemma"}})
@@ -347,7 +350,7 @@ def test_llm_chat_refuses_an_image_part(tiny):
     image placeholder tokens with no image behind them), before any template is applied."""
     from tests.conftest import cpu_llm
 
-    llm = cpu_llm(tiny("gemma3"))
+    llm = cpu_llm(tiny("llama4"))  # served as its text model alone
     conv = [{"role": "user", "content": [
         {"type": "text", "text": "what is in this picture?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]

@@ -1,0 +1,322 @@
+"""Gemma 3's images (Gemma3ForConditionalGeneration: gemma-3-4b-it / 12b / 27b): the SigLIP
+tower, the projector, the prompt expansion and the rows' bidirectional attention.
+
+The text model is served as any multimodal checkpoint's (models/multimodal.py: Gemma 3's
+text layers, models/gemma.py). Beside it the engine keeps a ``Gemma3ImageEncoder``::
+
+    pixel values [n, 3, S, S] -> patch conv (stride = patch, with bias) + learned positions
+    -> SigLIP layers (pre-norm, CLIP's: models/clip_vision.py) -> post_layernorm
+    -> [n, P*P, Hv] as a P x P grid -> avg pool (P / sqrt(T)) -> [n, T, Hv]
+    -> Gemma RMSNorm (x (1 + w), fp32) -> @ mm_input_projection_weight [Hv, H] -> [n, T, H]
+
+(P = image_size / patch_size, T = mm_tokens_per_image: 64 x 64 patches pooled 4 x 4 to 256
+rows on the published models; no class token, no pooling head: transformers'
+Gemma3Model.get_image_features reads the tower's last_hidden_state.) Its rows replace the
+embeddings at an image's <image_soft_token> positions, unscaled: Gemma's sqrt(hidden)
+multiplies the looked-up token rows only (models/gemma.py GemmaModel.embed; transformers
+scales inside its embedding module and scatters the image rows after it).
+
+Prompt expansion (``expand_gemma3_images``), as Gemma3Processor does to the text: each
+<start_of_image> becomes "\\n\\n<start_of_image>" + T x <image_soft_token> +
+"<end_of_image>\\n\\n". On ids, a "\\n\\n" next to a newline token of the prompt is merged
+with it as the tokenizer would have cut the joined text ("\\n" + "\\n\\n" -> "\\n\\n\\n",
+"\\n\\n" + "\\n\\n" -> "\\n\\n\\n\\n"), as vLLM does; the ids come from the tokenizer's files
+(models/gemma3_config.py).
+
+Attention: Gemma 3 attends bidirectionally among the T positions of one image during the
+prefill (transformers' token_type_ids mask: a query in an image sees every key of its own
+image, the rest causally, and the sliding layers' window still applies). Each input is
+marked ``bidirectional`` (engine/multimodal.MultiModalInput): the scheduler never ends a
+prompt chunk inside one (a chunk may start inside one, after a prefix-cache hit: the cached
+K/V were computed with the whole image), and each attention layer recomputes the image
+rows' outputs with that mask (attention/bidirectional.py) after the backend's causal pass.
+
+Weights: the tower's under ``vision_tower.vision_model.`` (the published files),
+``vision_tower.`` (transformers 5) or either under ``model.``; the projector's under
+``multi_modal_projector.``. The SigLIP pooling head (vision_use_head) is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashpage.engine.multimodal import MultiModalInput, token_runs
+from flashpage.engine.prompt_embeds import digest
+from flashpage.models.clip_image import is_pil_image, preprocess
+from flashpage.models.clip_vision import CLIPEncoderLayer
+from flashpage.models.gemma3_config import Gemma3VisionConfig
+from flashpage.models.llava import images_of
+
+if TYPE_CHECKING:
+    from flashpage.models.loader import ModelSource
+
+logger = logging.getLogger(__name__)
+
+# checkpoint prefix -> ours, tried in order
+_PREFIXES = (
+    ("model.vision_tower.vision_model.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+)
+IMAGE_PREFIXES = tuple(p for p, _ in _PREFIXES)
+
+
+class SiglipEmbeddings(nn.Module):
+    def __init__(self, vc: Gemma3VisionConfig) -> None:
+        super().__init__()
+        self.patch_embedding = nn.Conv2d(vc.num_channels, vc.hidden_size, kernel_size=vc.patch_size,
+                                         stride=vc.patch_size)
+        self.position_embedding = nn.Embedding(vc.patches_per_side ** 2, vc.hidden_size)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[n, 3, S, S] -> [n, P*P, hidden] (patches row-major)"""
+        x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
+        return x.flatten(2).transpose(1, 2) + self.position_embedding.weight
+
+
+class SiglipEncoder(nn.Module):
+    def __init__(self, vc: Gemma3VisionConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CLIPEncoderLayer(vc) for _ in range(vc.num_hidden_layers))
+
+
+class SiglipVisionTower(nn.Module):
+    """transformers' SiglipVisionModel without its pooling head (names kept)."""
+
+    def __init__(self, vc: Gemma3VisionConfig) -> None:
+        super().__init__()
+        self.embeddings = SiglipEmbeddings(vc)
+        self.encoder = SiglipEncoder(vc)
+        self.post_layernorm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(pixel_values)
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
+
+
+class _NormWeight(nn.Module):
+    """Gemma3RMSNorm's parameter (the checkpoint's w; the projector multiplies by 1 + w)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+
+
+class Gemma3MultiModalProjector(nn.Module):
+    def __init__(self, vc: Gemma3VisionConfig, text_hidden: int) -> None:
+        super().__init__()
+        self.config = vc
+        self.mm_input_projection_weight = nn.Parameter(torch.empty(vc.hidden_size, text_hidden))
+        # the checkpoint's w (Gemma3RMSNorm multiplies by 1 + w, in fp32)
+        self.mm_soft_emb_norm = _NormWeight(vc.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, P*P, Hv] -> [n, T, H]"""
+        vc = self.config
+        n, _, hv = x.shape
+        p = vc.patches_per_side
+        grid = x.transpose(1, 2).reshape(n, hv, p, p)
+        pooled = F.avg_pool2d(grid, vc.pool, vc.pool).flatten(2).transpose(1, 2)
+        y = pooled.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + vc.layer_norm_eps)
+        normed = (y * (1.0 + self.mm_soft_emb_norm.weight.float())).to(x.dtype)
+        return torch.matmul(normed, self.mm_input_projection_weight).to(x.dtype)
+
+
+class Gemma3ImageEncoder(nn.Module):
+    """Pixel values -> the rows of an image's <image_soft_token> positions (module docstring)."""
+
+    def __init__(self, vc: Gemma3VisionConfig, text_hidden: int) -> None:
+        super().__init__()
+        self.config = vc
+        self.vision_tower = SiglipVisionTower(vc)
+        self.multi_modal_projector = Gemma3MultiModalProjector(vc, text_hidden)
+
+    # the id a chat template's image part becomes (engine/multimodal.placeholder_ids), and
+    # the name of the rows' token in errors (enc_token_name)
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        return (self.config.boi_token_id,)
+
+    token_name = "<image_soft_token>"
+
+    def num_rows(self, image: Any) -> int:
+        return self.config.tokens_per_image
+
+    # images per tower call: an image is P*P = 4096 tower tokens for 256 rows (16 times
+    # LLaVA's), so an encode batch of max_num_batched_tokens rows runs in slices of this many
+    MAX_TOWER_IMAGES = 8
+
+    def activation_bytes(self, rows: int) -> int:
+        """The most an encode call of ``rows`` rows (at least one image) adds while it runs:
+        per tower token of one slice (MAX_TOWER_IMAGES images at most) its stream and the
+        attention's and MLP's intermediates (SDPA's fused kernels keep no score matrix on
+        CUDA), the slice's output rows, and each image's fp32 pixels."""
+        vc = self.config
+        images = max(1, -(-rows // vc.tokens_per_image))
+        per_call = min(images, self.MAX_TOWER_IMAGES)
+        tokens = per_call * vc.patches_per_side ** 2
+        b = self.multi_modal_projector.mm_input_projection_weight.element_size()
+        per = (8 * vc.hidden_size + 4 * vc.intermediate_size) * b
+        out = images * vc.tokens_per_image * self.multi_modal_projector.mm_input_projection_weight.shape[1] * b
+        return tokens * per + out + images * 3 * vc.image_size ** 2 * 4
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[n, 3, S, S] -> [n, tokens_per_image, text hidden]"""
+        return self.multi_modal_projector(self.vision_tower(pixel_values))
+
+    def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
+        """The engine's multimodal hook at admission (engine/multimodal.py): the images
+        checked and preprocessed, each <start_of_image> expanded (expand_gemma3_images);
+        each input attends bidirectionally within itself (module docstring)."""
+        pixels = [self.pixel_values(img, i) for i, img in enumerate(images_of(data))]
+        ids, starts = expand_gemma3_images(ids, self.config, len(pixels))
+        t = self.config.tokens_per_image
+        return ids, [MultiModalInput(s, t, digest(px), px, bidirectional=True)
+                     for s, px in zip(starts, pixels, strict=True)]
+
+    def prompt_length(self, ids: list[int], num_images: int) -> int:
+        """The length ``ids`` will have once expanded for ``num_images`` images (the
+        server's length check and usage; ``len(ids)`` when prepare would refuse them: its
+        error comes from there)."""
+        try:
+            return len(expand_gemma3_images(ids, self.config, num_images)[0])
+        except ValueError:
+            return len(ids)
+
+    def pixel_values(self, image: Any, i: int = 0) -> torch.Tensor:
+        """One image as float32 pixel values [3, S, S] on the host: a PIL image
+        preprocessed, or pixel values given (checked: shape, dtype, finite)."""
+        s = self.config.image_size
+        if is_pil_image(image):
+            try:
+                return preprocess(image, self.config.processing)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"image {i} could not be read: {e}") from e
+        if isinstance(image, torch.Tensor):
+            if not image.is_floating_point() or tuple(image.shape) != (3, s, s):
+                raise ValueError(f"image {i}: a tensor image must be float pixel values [3, {s}, {s}] "
+                                 f"(preprocessed), got {list(image.shape)} "
+                                 f"{str(image.dtype).replace('torch.', '')}; pass a PIL image to "
+                                 "have it preprocessed")
+            px = image.detach().to("cpu", torch.float32).contiguous()
+            if not bool(torch.isfinite(px).all()):
+                raise ValueError(f"image {i}: pixel values hold inf or NaN")
+            return px
+        raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image or float "
+                         f"pixel values [3, {s}, {s}]")
+
+    @torch.inference_mode()
+    def encode(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The engine's multimodal hook: pixel values [3, S, S] each -> rows [T, H] on the
+        device, in tower calls of at most MAX_TOWER_IMAGES images."""
+        w = self.vision_tower.embeddings.patch_embedding.weight
+        out: list[torch.Tensor] = []
+        for i in range(0, len(data), self.MAX_TOWER_IMAGES):
+            pixels = torch.stack(data[i:i + self.MAX_TOWER_IMAGES]).to(w.device, w.dtype, non_blocking=True)
+            out += list(self(pixels).unbind(0))
+        return out
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:
+        """The tower's and projector's tensors (the text model's are ignored); the SigLIP
+        pooling head's are skipped (never read)."""
+        from flashpage.models.multimodal import load_image_weights
+
+        def unread(ours: str) -> bool:
+            return ours.startswith("vision_tower.head.") or ours == "vision_tower.embeddings.position_ids"
+
+        loaded, skipped = load_image_weights(self, weights, where, _PREFIXES,
+                                             "Gemma 3's vision tower or projector",
+                                             "vision tower / projector", unread)
+        if skipped:
+            logger.info("Gemma 3 vision tower: %d tensor(s) of the SigLIP pooling head skipped "
+                        "(never read)", skipped)
+        return loaded
+
+
+def expand_gemma3_images(ids: list[int], vc: Gemma3VisionConfig, num_images: int
+                         ) -> tuple[list[int], list[int]]:
+    """A prompt's ids with each <start_of_image> expanded as Gemma3Processor expands it
+    (module docstring) and each image's first <image_soft_token> position. A ValueError
+    names a count of <start_of_image> that differs from ``num_images`` and a prompt that
+    holds <image_soft_token> itself (the expansion is ours to do)."""
+    soft = token_runs(ids, vc.image_token_id)
+    if soft:
+        raise ValueError(f"the prompt holds <image_soft_token> (id {vc.image_token_id}) at position "
+                         f"{soft[0][0]}: put one <start_of_image> (id {vc.boi_token_id}) per image "
+                         "in the prompt; it is expanded to the image's rows here")
+    n = ids.count(vc.boi_token_id)
+    if n != num_images:
+        raise ValueError(f"the prompt has {n} <start_of_image> token(s) (id {vc.boi_token_id}) but "
+                         f"{num_images} image(s) were given: put one in the prompt per image")
+    nl1, nl2, nl3, nl4 = vc.newline_ids
+    out: list[int] = []
+    starts: list[int] = []
+
+    def push_nl2() -> None:  # "\n\n" after what is there, merged as the tokenizer would
+        if out and out[-1] == nl1:
+            out[-1] = nl3
+        elif out and out[-1] == nl2:
+            out[-1] = nl4
+        else:
+            out.append(nl2)
+
+    pending = False  # a "\n\n" after <end_of_image>, to merge with the next token
+    for t in ids:
+        if pending:
+            pending = False
+            if t == nl1:
+                out.append(nl3)
+                continue
+            if t == nl2:
+                out.append(nl4)
+                continue
+            out.append(nl2)
+        if t == vc.boi_token_id:
+            push_nl2()
+            out.append(vc.boi_token_id)
+            starts.append(len(out))
+            out.extend([vc.image_token_id] * vc.tokens_per_image)
+            out.append(vc.eoi_token_id)
+            pending = True
+        else:
+            out.append(t)
+    if pending:
+        out.append(nl2)
+    return out, starts
+
+
+def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
+                       seed: int = 0) -> Gemma3ImageEncoder:
+    """``source``'s image encoder in ``dtype`` on ``device``: its checkpoint's tensors, or
+    random ones (a random_config source)."""
+    from flashpage.models.loader import init_random_, iter_safetensors
+
+    vc = source.config.vision
+    assert isinstance(vc, Gemma3VisionConfig)
+    with torch.device(device):
+        enc = Gemma3ImageEncoder(vc, source.config.hidden_size)
+    enc.to(dtype)
+    if source.kind == "random":
+        init_random_(enc, seed)
+        with torch.no_grad():
+            for n, p in enc.named_parameters():
+                if "norm" in n and n.endswith(".bias"):
+                    p.zero_()
+            enc.multi_modal_projector.mm_soft_emb_norm.weight.zero_()  # 1 + 0
+    else:
+        assert source.path is not None
+        enc.load_weights(iter_safetensors(source.path, "cpu", keep=lambda n: n.startswith(IMAGE_PREFIXES)),
+                         source.path)
+    return enc.eval()
