@@ -16,7 +16,12 @@ when it is shared). transformers runs the same requests in batches of --hf-batch
 
 Qwen2-VL / Qwen2.5-VL configs: each request's placeholder is <|vision_start|><|image_pad|>
 <|vision_end|>, its image uint8 pixels the engine preprocesses (448 x 448: 256 rows); the
-transformers side is not run for them (the text twin still is).
+transformers side is not run for them (the text twin still is). Gemma 3 (--config
+gemma-3-4b-it): <start_of_image>, 896 x 896 float pixels, 256 rows each attending to each
+other both ways; transformers' Gemma3ForConditionalGeneration beside it (token_type_ids
+marking the image rows, as its processor gives them).
+
+    python benchmarks/vlm.py --config gemma-3-4b-it --json-out $OUT/vlm_gemma.json
 """
 
 from __future__ import annotations
@@ -33,13 +38,14 @@ from flashpage.sampling_params import SamplingParams
 
 
 def workload(n: int, system: int, question: int, vocab: int, placeholder: list[int], size: int,
-             seed: int = 0, uint8: bool = False):
+             seed: int = 0, uint8: bool = False, avoid: frozenset[int] = frozenset()):
     """(prompt ids with one image placeholder each, one [3, size, size] image each: float
     pixel values (LLaVA) or uint8 pixels (Qwen2-VL: preprocessed by the engine))."""
     g = torch.Generator().manual_seed(seed)
 
     def text(k: int) -> list[int]:
-        return [t if t not in placeholder else 3 for t in torch.randint(3, vocab, (k,), generator=g).tolist()]
+        return [t if t not in placeholder and t not in avoid else 3
+                for t in torch.randint(3, vocab, (k,), generator=g).tolist()]
 
     shared = text(system)
     prompts = [[1, *shared, *placeholder, *text(question)] for _ in range(n)]
@@ -60,6 +66,9 @@ def time_tower(llm: LLM, hf, images: list[torch.Tensor], batch: int, iters: int)
         enc.encode(data)
 
     def theirs() -> None:
+        if not hasattr(hf.config, "vision_feature_layer"):  # Gemma 3
+            hf.model.get_image_features(pixel_values=pixels)
+            return
         hf.model.get_image_features(pixel_values=pixels, vision_feature_layer=hf.config.vision_feature_layer,
                                     vision_feature_select_strategy=hf.config.vision_feature_select_strategy)
 
@@ -69,12 +78,16 @@ def time_tower(llm: LLM, hf, images: list[torch.Tensor], batch: int, iters: int)
 
 
 @torch.inference_mode()
-def hf_throughput(hf, prompts, images, image_token: int, rows: int, batch: int, out_len: int) -> dict:
+def hf_throughput(hf, prompts, images, image_token: int, batch: int, out_len: int,
+                  token_types: bool = False) -> dict:
+    """transformers' generate over ``prompts`` (ids as the engine expanded them: each image's
+    rows at ``image_token``), left-padded batches of ``batch``; ``token_types``: Gemma 3's
+    token_type_ids (1 on the image rows) passed too."""
     device = next(hf.parameters()).device
     dtype = next(hf.parameters()).dtype
     total, done = 0.0, 0
     for s in range(0, len(prompts), batch):
-        ps = [[t for tok in p for t in ([tok] * rows if tok == image_token else [tok])] for p in prompts[s:s + batch]]
+        ps = prompts[s:s + batch]
         width = max(len(p) for p in ps)
         ids = torch.zeros(len(ps), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -84,8 +97,9 @@ def hf_throughput(hf, prompts, images, image_token: int, rows: int, batch: int, 
         pixels = torch.stack(images[s:s + batch]).to(device, dtype)
         sync()
         t0 = time.perf_counter()
+        extra = {"token_type_ids": (ids == image_token).long().to(device)} if token_types else {}
         hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), pixel_values=pixels,
-                    max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+                    max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0, **extra)
         sync()
         total += time.perf_counter() - t0
         done += len(ps) * out_len
@@ -118,15 +132,24 @@ def main() -> None:
     enc = eng.mm_encoder
     assert enc is not None, f"{args.config} takes no images"
     vc = enc.config
-    qwen = hasattr(enc, "placeholder_ids")  # Qwen2-VL: <|vision_start|><|image_pad|><|vision_end|>
+    kind = type(vc).__name__
+    qwen = kind == "QwenVisionConfig"  # <|vision_start|><|image_pad|><|vision_end|>, uint8 pixels
+    gemma = kind == "Gemma3VisionConfig"  # <start_of_image>
     image_token = vc.image_token_id
-    placeholder = list(enc.placeholder_ids) if qwen else [image_token]
+    placeholder = list(getattr(enc, "placeholder_ids", [image_token]))
     size = args.image_size or getattr(vc, "image_size", 448)
     vocab = eng.model_config.vocab_size
-    prompts, images = workload(args.requests, args.system, args.question, vocab, placeholder, size, uint8=qwen)
+    # ids a random text must not hold: an image's own tokens (Gemma's vocabulary has them all)
+    avoid = frozenset(t for t in (image_token, getattr(vc, "boi_token_id", None),
+                                  getattr(vc, "eoi_token_id", None)) if t is not None)
+    prompts, images = workload(args.requests, args.system, args.question, vocab, placeholder, size,
+                               uint8=qwen, avoid=avoid)
     rows = enc.num_rows(enc.pixel_values(images[0]))
-    if qwen and args.hf_requests:
-        print("transformers' side (end to end and the tower) is run for LLaVA only", flush=True)
+    # each prompt as the engine expands it (the image's rows at image_token: Gemma adds its
+    # newlines and <end_of_image> around them too)
+    expanded = [enc.prepare(list(p), {"image": im})[0] for p, im in zip(prompts, images, strict=True)]
+    if not (kind == "VisionConfig" and not vc.grid_pinpoints or gemma) and args.hf_requests:
+        print("transformers' side (end to end and the tower) is run for LLaVA-1.5 and Gemma 3 only", flush=True)
         args.hf_requests = 0
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
 
@@ -161,7 +184,7 @@ def main() -> None:
             "output_tok_per_s": out_tokens / dt, "requests_per_s": args.requests / dt,
             "prefix_hit_tokens": kv.prefix_hits - hits0,
             "encode_seconds": sum(enc_times), "encode_calls": len(enc_times),
-            "prompt_tokens_each": len(prompts[0]) - 1 + rows, "rows_per_image": rows}
+            "prompt_tokens_each": len(expanded[0]), "rows_per_image": rows}
     print(f"flashpage: {args.requests} image requests, {out_tokens} output tokens in {dt:.2f} s: "
           f"{ours['output_tok_per_s']:.0f} output tok/s, {ours['requests_per_s']:.2f} req/s; "
           f"prefix hits {ours['prefix_hit_tokens']} tokens; the tower {sum(enc_times):.2f} s in "
@@ -172,8 +195,12 @@ def main() -> None:
         # the same workload with each image's rows as text tokens (same lengths, same
         # sharing): what the images cost beyond their positions (the tower, eager steps)
         g = torch.Generator().manual_seed(2)
-        twins = [[t for tok in p for t in (torch.randint(3, image_token, (rows,), generator=g).tolist()
-                                           if tok == image_token else [tok])] for p in prompts]
+        twins = []
+        for e in expanded:
+            ids = torch.tensor(e)
+            text_ids = torch.randint(3, min(image_token, vocab), ids.shape, generator=g)
+            text_ids[torch.isin(text_ids, torch.tensor(sorted(avoid)))] = 3
+            twins.append(torch.where(ids == image_token, text_ids, ids).tolist())
         llm.generate([{"prompt_token_ids": [1] + [7] * len(twins[0])}], params, use_tqdm=False)  # warm
         sync()
         t0 = time.perf_counter()
@@ -188,18 +215,18 @@ def main() -> None:
     if args.hf_requests:
         import transformers
 
-        cfg = transformers.LlavaConfig.from_pretrained(resolve_config(args.config))
+        cfg = transformers.AutoConfig.from_pretrained(resolve_config(args.config))
+        cls = transformers.Gemma3ForConditionalGeneration if gemma else transformers.LlavaForConditionalGeneration
         with torch.device(eng.device):
-            hf = transformers.LlavaForConditionalGeneration._from_config(cfg, dtype=eng.dtype,
-                                                                         attn_implementation="sdpa")
+            hf = cls._from_config(cfg, dtype=eng.dtype, attn_implementation="sdpa")
         hf.eval()
         hf.generation_config.eos_token_id = None
         tower = time_tower(llm, hf, images, args.tower_batch, 5)
         print(f"tower + projector, batches of {args.tower_batch}: ours {tower['ours']:.0f} images/s, "
               f"transformers {tower['transformers']:.0f} ({tower['ours'] / tower['transformers']:.2f}x)", flush=True)
         n = args.hf_requests
-        hf_throughput(hf, prompts[:2], images[:2], image_token, rows, 2, 4)  # warm up
-        base = hf_throughput(hf, prompts[:n], images[:n], image_token, rows, args.hf_batch_size, args.output_len)
+        hf_throughput(hf, expanded[:2], images[:2], image_token, 2, 4, gemma)  # warm up
+        base = hf_throughput(hf, expanded[:n], images[:n], image_token, args.hf_batch_size, args.output_len, gemma)
         print(f"transformers: {n} requests in batches of {args.hf_batch_size}: "
               f"{base['output_tok_per_s']:.0f} output tok/s; flashpage {ours['output_tok_per_s'] / base['output_tok_per_s']:.1f}x",
               flush=True)

@@ -1,7 +1,7 @@
 """``flashpage inspect`` on image models (inspect.vision_figures): the tower and projector's
 parameters are those the engine loads, one image's prompt tokens those the engine's
-preprocessing makes of it (tiny LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL and Mistral3
-checkpoints, several sizes), and the tokens left after the weights take the tower's bytes
+preprocessing makes of it (tiny LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Mistral3 and
+Gemma 3 checkpoints, several sizes), and the tokens left after the weights take the tower's bytes
 too; the published configs' figures where they are known (LLaVA-1.5: 576 rows of 24 x 24
 patches); a bad --image-size is a clear error."""
 from __future__ import annotations
@@ -15,6 +15,7 @@ from PIL import Image
 from flashpage import LLM
 from flashpage.config import ModelConfig
 from flashpage.inspect import inspect_config, main, parse_image_size
+from tests.gemma3_checkpoint import build_tiny_gemma3
 from tests.llava_checkpoint import build_tiny_llava
 from tests.llava_next_checkpoint import build_tiny_llava_next
 from tests.pixtral_checkpoint import build_tiny_pixtral
@@ -27,6 +28,7 @@ BUILDERS = {
     "qwen2_vl": build_tiny_qwen2_vl,
     "qwen2_5_vl": lambda p: build_tiny_qwen2_vl(p, variant="qwen2_5_vl"),
     "mistral3": build_tiny_pixtral,
+    "gemma3": build_tiny_gemma3,
 }
 
 
@@ -79,6 +81,10 @@ def test_published_llava_and_text_models():
     assert qwen["vision"]["image_tokens"] == (1036 // 28) * (756 // 28)  # smart_resize to 28s
     text = inspect_config(ModelConfig.from_hf(str(ROOT.parent / "shared" / "configs" / "llama-3-8b")), 80 << 30)
     assert text["vision"] is None
+    gemma = inspect_config(ModelConfig.from_hf(str(ROOT / "tests" / "models" / "configs" / "gemma-3-4b-it")),
+                           80 << 30)
+    assert gemma["vision"]["image_tokens"] == 256  # mm_tokens_per_image, whatever the image's size
+    assert 0.40e9 < gemma["vision"]["params"] < 0.43e9  # SigLIP-So400m (its pooling head unread) + projector
 
 
 def test_cli_image_size(capsys):

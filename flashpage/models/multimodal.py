@@ -150,6 +150,12 @@ def image_encoder_shell(config: ModelConfig) -> torch.nn.Module | None:
         from flashpage.models.llava_next import LlavaNextImageEncoder
 
         return (LlavaNextImageEncoder if vc.grid_pinpoints else LlavaImageEncoder)(vc, config.hidden_size)
+    from flashpage.models.gemma3_config import Gemma3VisionConfig
+
+    if isinstance(vc, Gemma3VisionConfig):
+        from flashpage.models.gemma3_vision import Gemma3ImageEncoder
+
+        return Gemma3ImageEncoder(vc, config.hidden_size)
     from flashpage.models.pixtral import PixtralImageEncoder
     from flashpage.models.pixtral_config import PixtralVisionConfig
 
