@@ -10,13 +10,17 @@ scheduler made the step hold each image's rows up to its end (engine/scheduler.p
 chunk_tokens), so a query reads the whole image's keys. The other rows are causal and keep
 the backend's output; they read the image's K/V, which the layers computed with these rows.
 
-Plain PyTorch (fp32 scores, attention/torch_native.masked_attention): an image of T rows
-costs one [Hq, T, keys] product per layer, beside the prefill's own attention.
+Plain PyTorch: the step's image runs at once, planned once a step per window (``_plan``,
+kept in the metadata's ``extra``: each run's key slots, padded to the longest, and the mask),
+then per layer one gather of K and V and one masked SDPA call over [runs, Hq, rows, keys];
+with a softcap or sinks (no image model has them yet) run by run in fp32
+(attention/torch_native.masked_attention).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from flashpage.attention.backend import AttentionMetadata
 from flashpage.attention.torch_native import gather_paged, masked_attention
@@ -41,6 +45,14 @@ def attend_within_images(out: torch.Tensor, q: torch.Tensor, kv_cache: tuple[tor
     runs recomputed under the image mask, in place. q [N, Hq, D]; the step's K/V already
     in ``kv_cache``. (No ALiBi: no model with image runs has it.)"""
     key_cache, value_cache = kv_cache
+    for seq, _, _, _, img_lo, img_hi in md.bidirectional:
+        if img_hi > md.seq_lens_cpu[seq]:
+            raise RuntimeError(f"an image's positions [{img_lo}, {img_hi}) end past the step's "
+                               f"context ({md.seq_lens_cpu[seq]}): the scheduler must not cut it")
+    if softcap is None and sinks is None:
+        _attend_batched(out, q, key_cache, value_cache, _plan(md, sliding_window, key_cache.shape[1], q.device),
+                        scale)
+        return
     for seq, row, rows, pos, img_lo, img_hi in md.bidirectional:
         if img_hi > md.seq_lens_cpu[seq]:
             raise RuntimeError(f"an image's positions [{img_lo}, {img_hi}) end past the step's "
@@ -53,3 +65,59 @@ def attend_within_images(out: torch.Tensor, q: torch.Tensor, kv_cache: tuple[tor
         o = masked_attention(q[row:row + rows].transpose(0, 1), kk.transpose(0, 1),
                              vv.transpose(0, 1), mask, scale, softcap, sinks=sinks)
         out[row:row + rows] = o.transpose(0, 1).to(out.dtype)
+
+
+def _plan(md: AttentionMetadata, window: int | None, block_size: int,
+          device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's image runs as one batch, once a step per window (kept in ``md.extra``):
+    (key slots [B * L] in the paged cache, keys [max(k_lo), img_hi) of each run padded to the
+    longest L; mask [B, 1, T, L] (T: the most rows a run has; a padded query row sees its
+    run's first key, so no row of the softmax is empty); the runs' query rows [B, T] in the
+    step (padding repeats a run's first row); which of them are real [B, T])."""
+    key = f"bidirectional:{window}"
+    plan = md.extra.get(key)
+    if plan is not None:
+        return plan
+    runs = torch.tensor([r for r in md.bidirectional], dtype=torch.long)  # [B, 6] on the host
+    seq, row, rows, pos, lo, hi = runs.unbind(1)
+    k_lo = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp_min(0)
+    L, T = int((hi - k_lo).max()), int(rows.max())
+    j = torch.arange(L)
+    kpos = k_lo[:, None] + j  # [B, L]
+    kvalid = kpos < hi[:, None]
+    kpos = torch.minimum(kpos, hi[:, None] - 1)
+    i = torch.arange(T)
+    qpos = pos[:, None] + i  # [B, T]
+    qvalid = i[None, :] < rows[:, None]
+    seen = (kpos[:, None, :] <= qpos[:, :, None]) | ((kpos >= lo[:, None]) & (kpos < hi[:, None]))[:, None, :]
+    if window is not None:
+        seen &= kpos[:, None, :] > qpos[:, :, None] - window
+    mask = (seen & kvalid[:, None, :]) | (~qvalid[:, :, None] & (j == 0)[None, None, :])
+    tables = md.block_tables.index_select(0, seq.to(md.block_tables.device))  # [B, max blocks]
+    kpos_d = kpos.to(tables.device)
+    slots = tables.gather(1, kpos_d // block_size).long() * block_size + kpos_d % block_size
+    qrows = torch.where(qvalid, row[:, None] + i, row[:, None])
+    plan = (slots.reshape(-1).to(device), mask[:, None].to(device), qrows.to(device), qvalid.to(device))
+    md.extra[key] = plan
+    return plan
+
+
+def _attend_batched(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], scale: float) -> None:
+    """Every image run's rows of ``out`` recomputed at once (``_plan``): one gather of K and
+    V, one SDPA call (its masked kernels accumulate in fp32)."""
+    slots, mask, qrows, qvalid = plan
+    B, T = qrows.shape
+    hkv, d = key_cache.shape[-2], key_cache.shape[-1]
+    hq = q.shape[1]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        src = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+        x = src.flatten(0, 1).index_select(0, slots)
+        x = x.view(cache.dtype) if x.dtype != cache.dtype else x
+        # [B, Hq, L, D]: each KV head repeated for its query heads
+        return x.to(q.dtype).view(B, -1, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+
+    qq = q[qrows].transpose(1, 2)  # [B, Hq, T, D]
+    o = F.scaled_dot_product_attention(qq, gather(key_cache), gather(value_cache), attn_mask=mask, scale=scale)
+    out[qrows[qvalid]] = o.transpose(1, 2)[qvalid].to(out.dtype)
