@@ -2046,30 +2046,40 @@ def _image_processing(folder: str | None, image_size: int, where: str,
         bool(pc.get("do_pad", False)) and not pinpoints and not kind.startswith("LlavaNext"), rgb)
 
 
-def _vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None) -> VisionConfig:
-    """A LLaVA checkpoint's VisionConfig: vision_config (CLIP's fields, LlavaConfig's
-    defaults under them), the top-level image fields, preprocessor_config.json (folder)."""
+def vit_section(d: dict[str, Any], arch: str, where: str, model_type: str, tower: str,
+                defaults: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A ViT tower's vision_config (CLIP's, Pixtral's, SigLIP's): (the raw object, its
+    ``defaults``' fields with the config's over them), checked alike: an object, of
+    ``model_type`` (absent means it; ``tower`` names it in the error), the tower's sizes
+    positive ints, RGB input. A ConfigError names what is wrong."""
     vc = d.get("vision_config") or {}
     if not isinstance(vc, dict):
         raise ConfigError(f"{where}: vision_config must be an object, got {vc!r}")
-    vtype = vc.get("model_type", "clip_vision_model")
-    if vtype != "clip_vision_model":
+    vtype = vc.get("model_type", model_type)
+    if vtype != model_type:
         raise ConfigError(f"{where}: vision_config.model_type {vtype!r} is not supported in {arch} "
-                          "(a CLIP ViT tower, clip_vision_model, is)")
-    v = {**_CLIP_VISION_DEFAULTS, **{k: vc[k] for k in _CLIP_VISION_DEFAULTS if vc.get(k) is not None}}
+                          f"({tower}, {model_type}, is)")
+    v = {**defaults, **{k: vc[k] for k in defaults if vc.get(k) is not None}}
     for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_channels", "image_size", "patch_size"):
         if not isinstance(v[k], int) or isinstance(v[k], bool) or v[k] <= 0:
             raise ConfigError(f"{where}: vision_config.{k} must be a positive int, got {v[k]!r}")
+    if v["num_channels"] != 3:
+        raise ConfigError(f"{where}: vision_config.num_channels {v['num_channels']}: only RGB (3) "
+                          "images are read")
+    return vc, v
+
+
+def _vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None) -> VisionConfig:
+    """A LLaVA checkpoint's VisionConfig: vision_config (CLIP's fields, LlavaConfig's
+    defaults under them), the top-level image fields, preprocessor_config.json (folder)."""
+    vc, v = vit_section(d, arch, where, "clip_vision_model", "a CLIP ViT tower", _CLIP_VISION_DEFAULTS)
     if v["hidden_size"] % v["num_attention_heads"]:
         raise ConfigError(f"{where}: vision_config.hidden_size {v['hidden_size']} is not a multiple "
                           f"of num_attention_heads {v['num_attention_heads']}")
     if v["image_size"] % v["patch_size"]:
         raise ConfigError(f"{where}: vision_config.image_size {v['image_size']} is not a multiple "
                           f"of patch_size {v['patch_size']}")
-    if v["num_channels"] != 3:
-        raise ConfigError(f"{where}: vision_config.num_channels {v['num_channels']}: only RGB (3) "
-                          "images are read")
     if v["hidden_act"] not in _VISION_ACTS:
         raise ConfigError(f"{where}: vision_config.hidden_act {v['hidden_act']!r} is not supported "
                           f"({', '.join(_VISION_ACTS)})")

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from flashpage.config import ConfigError, ImageProcessing, pixel_steps
+from flashpage.config import ConfigError, ImageProcessing, pixel_steps, vit_section
 
 _SIGLIP_DEFAULTS: dict[str, Any] = dict(
     hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
@@ -134,21 +134,7 @@ def _processing(folder: str | None, image_size: int, where: str) -> ImageProcess
 def gemma3_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None
                             ) -> Gemma3VisionConfig:
     """A Gemma3ForConditionalGeneration config's image side; a ConfigError names a bad field."""
-    vc = d.get("vision_config") or {}
-    if not isinstance(vc, dict):
-        raise ConfigError(f"{where}: vision_config must be an object, got {vc!r}")
-    vtype = vc.get("model_type", "siglip_vision_model")
-    if vtype != "siglip_vision_model":
-        raise ConfigError(f"{where}: vision_config.model_type {vtype!r} is not supported in {arch} "
-                          "(a SigLIP tower, siglip_vision_model, is)")
-    v = {**_SIGLIP_DEFAULTS, **{k: vc[k] for k in _SIGLIP_DEFAULTS if vc.get(k) is not None}}
-    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_channels", "image_size", "patch_size"):
-        if not isinstance(v[k], int) or isinstance(v[k], bool) or v[k] <= 0:
-            raise ConfigError(f"{where}: vision_config.{k} must be a positive int, got {v[k]!r}")
-    if v["num_channels"] != 3:
-        raise ConfigError(f"{where}: vision_config.num_channels {v['num_channels']}: only RGB (3) "
-                          "images are read")
+    vc, v = vit_section(d, arch, where, "siglip_vision_model", "a SigLIP tower", _SIGLIP_DEFAULTS)
     if v["hidden_size"] % v["num_attention_heads"]:
         raise ConfigError(f"{where}: vision_config.hidden_size {v['hidden_size']} is not a multiple "
                           f"of num_attention_heads {v['num_attention_heads']}")

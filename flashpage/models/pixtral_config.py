@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from flashpage.config import ConfigError, pixel_steps
+from flashpage.config import ConfigError, pixel_steps, vit_section
 
 _PIXTRAL_DEFAULTS: dict[str, Any] = dict(
     hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
@@ -161,20 +161,7 @@ def pixtral_vision_config_of(d: dict[str, Any], arch: str, where: str,
                              folder: str | None) -> PixtralVisionConfig:
     """A Mistral3 / LLaVA-with-Pixtral checkpoint's PixtralVisionConfig (module docstring);
     a ConfigError names what is not read."""
-    vc = d.get("vision_config") or {}
-    if not isinstance(vc, dict):
-        raise ConfigError(f"{where}: vision_config must be an object, got {vc!r}")
-    vtype = vc.get("model_type", "pixtral")
-    if vtype != "pixtral":
-        raise ConfigError(f"{where}: vision_config.model_type {vtype!r} is not supported in {arch} "
-                          "(a Pixtral tower, pixtral, is)")
-    v = {**_PIXTRAL_DEFAULTS, **{k: vc[k] for k in _PIXTRAL_DEFAULTS if vc.get(k) is not None}}
-    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_channels", "image_size", "patch_size"):
-        _positive_int(v[k], f"vision_config.{k}", where)
-    if v["num_channels"] != 3:
-        raise ConfigError(f"{where}: vision_config.num_channels {v['num_channels']}: only RGB (3) "
-                          "images are read")
+    vc, v = vit_section(d, arch, where, "pixtral", "a Pixtral tower", _PIXTRAL_DEFAULTS)
     heads = v["num_attention_heads"]
     if v["hidden_size"] % heads or (v["hidden_size"] // heads) % 4:
         raise ConfigError(f"{where}: vision_config.hidden_size {v['hidden_size']} / "
