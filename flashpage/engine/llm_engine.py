@@ -26,7 +26,6 @@ from flashpage.config import (
     EngineConfig,
     ModelConfig,
     QwenVisionConfig,
-    VisionConfig,
     dtype_bytes,
     resolve_kv_cache_dtype,
     with_mm_processor_kwargs,
@@ -62,7 +61,6 @@ from flashpage.layers.linear import set_row_gemv, tune_skinny_gemms
 from flashpage.layers.moe import set_fused_moe
 from flashpage.layers.quant import moe_kernel_keeps, quantized_linears
 from flashpage.lora.request import LoRARequest
-from flashpage.models.gemma3_config import Gemma3VisionConfig
 from flashpage.models.loader import (
     ModelLoadError,
     ModelSource,
@@ -209,23 +207,16 @@ class LLMEngine:
         if mc.vision is not None and all(self.mm_limits.get(k) == 0 for k in takes):
             logger.info("limit_mm_per_prompt allows no %s: %s is served as its text model alone "
                         "(its vision tower not loaded)", " nor ".join(takes), mc.multimodal_architecture)
-        elif isinstance(mc.vision, QwenVisionConfig):  # Qwen2-VL / Qwen2.5-VL: models/qwen2_vl.py
-            from flashpage.models.qwen2_vl import load_image_encoder as load_qwen_encoder
+        elif mc.vision is not None:  # its module's load_image_encoder (models/multimodal.IMAGE_MODULES)
+            import importlib
 
-            self.mm_encoder = load_qwen_encoder(self.source, self.dtype, self.device, config.seed)
-        elif isinstance(mc.vision, Gemma3VisionConfig):  # Gemma 3: models/gemma3_vision.py
-            from flashpage.models.gemma3_vision import load_image_encoder as load_gemma3_encoder
+            from flashpage.models.multimodal import image_module
 
-            self.mm_encoder = load_gemma3_encoder(self.source, self.dtype, self.device, config.seed)
-        elif isinstance(mc.vision, VisionConfig):
-            from flashpage.models.llava import load_image_encoder
-
-            self.mm_encoder = load_image_encoder(self.source, self.dtype, self.device, config.seed)
-        elif mc.vision is not None:  # a Pixtral tower (Mistral3, LLaVA-Pixtral): models/pixtral.py
-            from flashpage.models.pixtral import load_image_encoder as load_pixtral_encoder
-
-            self.mm_encoder = load_pixtral_encoder(self.source, self.dtype, self.device, self.model,
-                                                   config.seed)
+            name = image_module(mc)
+            loader = importlib.import_module(f"flashpage.models.{name}").load_image_encoder
+            # a Pixtral tower reads its break / end rows from the text model's embedding
+            text = (self.model,) if name == "pixtral" else ()
+            self.mm_encoder = loader(self.source, self.dtype, self.device, *text, config.seed)
         if self.mm_encoder is not None and not getattr(self.model, "supports_prompt_embeds", False):
             raise ConfigError(f"{mc.multimodal_architecture}: its text model "
                               f"({mc.architecture}) takes no input embeddings, which its "

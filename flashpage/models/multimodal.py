@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -47,15 +48,22 @@ _BARE_PREFIXES = {arch: (("model.", "model."),) for arch in
                   ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")}
 
 
+# a vision config's class -> the module under flashpage/models/ whose load_image_encoder
+# builds its tower and projector (LLaVA-NeXT's any-res tiles: llava's, by grid_pinpoints)
+IMAGE_MODULES = {"VisionConfig": "llava", "QwenVisionConfig": "qwen2_vl",
+                 "PixtralVisionConfig": "pixtral", "Gemma3VisionConfig": "gemma3_vision"}
+
+
+def image_module(config: ModelConfig) -> str | None:
+    """The module (under flashpage/models/) of ``config``'s image encoder; None: no images."""
+    return None if config.vision is None else IMAGE_MODULES[type(config.vision).__name__]
+
+
 def text_only_note(config: ModelConfig) -> str:
     """The one sentence saying what of a multimodal checkpoint runs (log, inspect)."""
     if config.vision is not None:
-        kind = type(config.vision).__name__
-        where = ("models/qwen2_vl.py" if config.mrope_section else "models/llava.py"
-                 if kind == "VisionConfig" else "models/gemma3_vision.py"
-                 if kind == "Gemma3VisionConfig" else "models/pixtral.py")
         return (f"{config.multimodal_architecture}: its text model ({config.architecture}) "
-                f"and its images (vision tower and projector: {where})")
+                f"and its images (vision tower and projector: models/{image_module(config)}.py)")
     return (f"{config.multimodal_architecture}: its text model ({config.architecture}) only; "
             "image inputs are not supported")
 
@@ -136,29 +144,23 @@ def image_encoder_shell(config: ModelConfig) -> torch.nn.Module | None:
     (``torch.device("meta")`` for its shapes alone: ``flashpage inspect``), without weights;
     None for a model that takes no images. Its ``pixel_values`` / ``num_rows`` preprocess
     on the host and count an image's prompt rows."""
-    from flashpage.config import QwenVisionConfig, VisionConfig
-
-    vc = config.vision
-    if vc is None:
-        return None
-    if isinstance(vc, QwenVisionConfig):
+    module = image_module(config)
+    vc: Any = config.vision
+    if module == "qwen2_vl":
         from flashpage.models.qwen2_vl import QwenImageEncoder
 
         return QwenImageEncoder(vc)
-    if isinstance(vc, VisionConfig):
+    if module == "llava":
         from flashpage.models.llava import LlavaImageEncoder
         from flashpage.models.llava_next import LlavaNextImageEncoder
 
         return (LlavaNextImageEncoder if vc.grid_pinpoints else LlavaImageEncoder)(vc, config.hidden_size)
-    from flashpage.models.gemma3_config import Gemma3VisionConfig
-
-    if isinstance(vc, Gemma3VisionConfig):
+    if module == "gemma3_vision":
         from flashpage.models.gemma3_vision import Gemma3ImageEncoder
 
         return Gemma3ImageEncoder(vc, config.hidden_size)
-    from flashpage.models.pixtral import PixtralImageEncoder
-    from flashpage.models.pixtral_config import PixtralVisionConfig
+    if module == "pixtral":
+        from flashpage.models.pixtral import PixtralImageEncoder
 
-    if isinstance(vc, PixtralVisionConfig):
         return PixtralImageEncoder(vc, config.hidden_size)
     return None
