@@ -83,6 +83,12 @@ def _pad_to_square(x: torch.Tensor, mean: tuple[float, ...] | None) -> torch.Ten
 
 def preprocess(image: Any, proc: ImageProcessing) -> torch.Tensor:
     """A PIL image (or a uint8 [3, H, W] tensor) -> float32 pixel values [3, S, S]."""
+    return normalize(resized_uint8(image, proc), proc)
+
+
+def resized_uint8(image: Any, proc: ImageProcessing) -> torch.Tensor:
+    """``preprocess``'s first half: the image padded, resized and cropped, still uint8
+    [3, S, S] (what an engine may keep and normalize on the device)."""
     x = image if isinstance(image, torch.Tensor) else pil_to_uint8(image, proc.convert_rgb)
     if proc.pad_to_square:
         x = _pad_to_square(x, proc.mean)
@@ -94,11 +100,17 @@ def preprocess(image: Any, proc: ImageProcessing) -> torch.Tensor:
                           align_corners=False)[0]
     if proc.crop_hw is not None:
         x = _center_crop(x, *proc.crop_hw)
+    return x
+
+
+def normalize(x: torch.Tensor, proc: ImageProcessing) -> torch.Tensor:
+    """``preprocess``'s second half, on ``x``'s device: uint8 [3, S, S] (or a batch of them)
+    -> float32, rescaled and normalized."""
     out = x.to(torch.float32)
     if proc.rescale_factor is not None:
         out = out * proc.rescale_factor
     if proc.mean is not None and proc.std is not None:
-        mean = torch.tensor(proc.mean, dtype=torch.float32)[:, None, None]
-        std = torch.tensor(proc.std, dtype=torch.float32)[:, None, None]
+        mean = torch.tensor(proc.mean, dtype=torch.float32, device=x.device)[:, None, None]
+        std = torch.tensor(proc.std, dtype=torch.float32, device=x.device)[:, None, None]
         out = (out - mean) / std
     return out.contiguous()

@@ -48,7 +48,7 @@ from torch import nn
 
 from flashpage.engine.multimodal import MultiModalInput, token_runs
 from flashpage.engine.prompt_embeds import digest
-from flashpage.models.clip_image import is_pil_image, preprocess
+from flashpage.models.clip_image import is_pil_image, normalize, resized_uint8
 from flashpage.models.clip_vision import CLIPEncoderLayer
 from flashpage.models.gemma3_config import Gemma3VisionConfig
 from flashpage.models.llava import images_of
@@ -180,7 +180,7 @@ class Gemma3ImageEncoder(nn.Module):
         """The engine's multimodal hook at admission (engine/multimodal.py): the images
         checked and preprocessed, each <start_of_image> expanded (expand_gemma3_images);
         each input attends bidirectionally within itself (module docstring)."""
-        pixels = [self.pixel_values(img, i) for i, img in enumerate(images_of(data))]
+        pixels = [self.admit_image(img, i) for i, img in enumerate(images_of(data))]
         ids, starts = expand_gemma3_images(ids, self.config, len(pixels))
         t = self.config.tokens_per_image
         return ids, [MultiModalInput(s, t, digest(px), px, bidirectional=True)
@@ -195,36 +195,54 @@ class Gemma3ImageEncoder(nn.Module):
         except ValueError:
             return len(ids)
 
-    def pixel_values(self, image: Any, i: int = 0) -> torch.Tensor:
-        """One image as float32 pixel values [3, S, S] on the host: a PIL image
-        preprocessed, or pixel values given (checked: shape, dtype, finite)."""
+    def admit_image(self, image: Any, i: int = 0) -> torch.Tensor:
+        """What a request keeps of an image (the server prepares it on a worker thread): a
+        PIL image or a uint8 [3, H, W] tensor resized to uint8 [3, S, S], normalized on the
+        device by ``encode`` (a quarter of fp32's bytes to hash and copy); float pixel values
+        [3, S, S] given, checked (shape, dtype, finite) and kept."""
         s = self.config.image_size
-        if is_pil_image(image):
+        if is_pil_image(image) or (isinstance(image, torch.Tensor) and image.dtype == torch.uint8):
+            if isinstance(image, torch.Tensor) and (image.dim() != 3 or image.shape[0] != 3
+                                                    or 0 in image.shape):
+                raise ValueError(f"image {i}: a uint8 tensor image must be [3, H, W] pixels, got "
+                                 f"{list(image.shape)}")
             try:
-                return preprocess(image, self.config.processing)
+                x = image.detach().cpu() if isinstance(image, torch.Tensor) else image
+                return resized_uint8(x, self.config.processing).contiguous()
             except (OSError, ValueError) as e:
                 raise ValueError(f"image {i} could not be read: {e}") from e
         if isinstance(image, torch.Tensor):
             if not image.is_floating_point() or tuple(image.shape) != (3, s, s):
-                raise ValueError(f"image {i}: a tensor image must be float pixel values [3, {s}, {s}] "
-                                 f"(preprocessed), got {list(image.shape)} "
-                                 f"{str(image.dtype).replace('torch.', '')}; pass a PIL image to "
-                                 "have it preprocessed")
+                raise ValueError(f"image {i}: a tensor image must be uint8 pixels [3, H, W] or float "
+                                 f"pixel values [3, {s}, {s}] (preprocessed), got {list(image.shape)} "
+                                 f"{str(image.dtype).replace('torch.', '')}")
             px = image.detach().to("cpu", torch.float32).contiguous()
             if not bool(torch.isfinite(px).all()):
                 raise ValueError(f"image {i}: pixel values hold inf or NaN")
             return px
-        raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image or float "
-                         f"pixel values [3, {s}, {s}]")
+        raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image, uint8 "
+                         f"pixels [3, H, W] or float pixel values [3, {s}, {s}]")
+
+    def pixel_values(self, image: Any, i: int = 0) -> torch.Tensor:
+        """One image as float32 pixel values [3, S, S] on the host (``admit_image``, then
+        normalized as Gemma3ImageProcessor does)."""
+        x = self.admit_image(image, i)
+        return normalize(x, self.config.processing) if x.dtype == torch.uint8 else x
 
     @torch.inference_mode()
     def encode(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The engine's multimodal hook: pixel values [3, S, S] each -> rows [T, H] on the
-        device, in tower calls of at most MAX_TOWER_IMAGES images."""
+        """The engine's multimodal hook: images (``admit_image``'s: uint8 [3, S, S],
+        normalized here on the device, or float pixel values) -> rows [T, H] on the device,
+        in tower calls of at most MAX_TOWER_IMAGES images."""
         w = self.vision_tower.embeddings.patch_embedding.weight
         out: list[torch.Tensor] = []
+
+        def on_device(x: torch.Tensor) -> torch.Tensor:
+            x = x.to(w.device, non_blocking=True)
+            return normalize(x, self.config.processing) if x.dtype == torch.uint8 else x
+
         for i in range(0, len(data), self.MAX_TOWER_IMAGES):
-            pixels = torch.stack(data[i:i + self.MAX_TOWER_IMAGES]).to(w.device, w.dtype, non_blocking=True)
+            pixels = torch.stack([on_device(x) for x in data[i:i + self.MAX_TOWER_IMAGES]]).to(w.dtype)
             out += list(self(pixels).unbind(0))
         return out
 
