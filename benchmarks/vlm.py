@@ -33,6 +33,7 @@ import time
 import torch
 
 from flashpage.bench.common import device_name, median_seconds, resolve_config, sync
+from flashpage.bench.throughput import _gpu_ms, _record_gpu_spans, _record_steps, _step_summary
 from flashpage.llm import LLM
 from flashpage.sampling_params import SamplingParams
 
@@ -106,6 +107,33 @@ def hf_throughput(hf, prompts, images, image_token: int, batch: int, out_len: in
     return {"requests": len(prompts), "output_tokens": done, "seconds": total, "output_tok_per_s": done / total}
 
 
+def _steps_line(steps: dict) -> str:
+    """One line of _step_summary's groups: kind count x wall ms (GPU ms) = seconds."""
+    return "; ".join(f"{k} {v['steps']} x {v['ms_per_step']} ms ({v.get('gpu_ms_per_step', '-')}) = {v['seconds']} s"
+                     for k, v in steps.items() if isinstance(v, dict) and "steps" in v)
+
+
+def profile(llm: LLM, requests: list[dict], params: SamplingParams, out: str | None) -> None:
+    """``requests`` run once under torch.profiler: the top 25 ops by device time and by host
+    self time, and the wall time beside the device's total."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    sync()
+    t0 = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(requests, params, use_tqdm=False)
+        sync()
+    text = (f"{len(requests)} requests in {time.perf_counter() - t0:.3f} s under the profiler\n"
+            + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25) + "\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="llava-1.5-7b")
@@ -123,6 +151,10 @@ def main() -> None:
                     help="square images of this side (default: LLaVA's tower size; 448 for Qwen2-VL)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                     help="ours; the rest is room for transformers' model in the same process")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the runs, N image requests again under torch.profiler: the top ops by GPU "
+                         "time and by host time printed (to --profile-out if given)")
+    ap.add_argument("--profile-out", help="where the profile's tables go (default: stdout)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
@@ -173,6 +205,8 @@ def main() -> None:
         return out
 
     enc.encode = timed_encode  # type: ignore[method-assign]
+    # each step's wall and GPU time by kind (bench throughput's summary), ours and the twin's
+    timeline, spans = _record_steps(eng), _record_gpu_spans(eng)
     sync()
     t0 = time.perf_counter()
     outs = llm.generate(reqs(prompts, images), params, use_tqdm=False)
@@ -184,11 +218,13 @@ def main() -> None:
             "output_tok_per_s": out_tokens / dt, "requests_per_s": args.requests / dt,
             "prefix_hit_tokens": kv.prefix_hits - hits0,
             "encode_seconds": sum(enc_times), "encode_calls": len(enc_times),
-            "prompt_tokens_each": len(expanded[0]), "rows_per_image": rows}
+            "prompt_tokens_each": len(expanded[0]), "rows_per_image": rows,
+            "steps": _step_summary(timeline, _gpu_ms(spans))}
     print(f"flashpage: {args.requests} image requests, {out_tokens} output tokens in {dt:.2f} s: "
           f"{ours['output_tok_per_s']:.0f} output tok/s, {ours['requests_per_s']:.2f} req/s; "
           f"prefix hits {ours['prefix_hit_tokens']} tokens; the tower {sum(enc_times):.2f} s in "
           f"{len(enc_times)} calls", flush=True)
+    print("  steps (wall / GPU ms):", _steps_line(ours["steps"]), flush=True)
     enc.encode = real_encode  # type: ignore[method-assign]
     result = {"device": device_name(eng.device), "config": args.config, "args": vars(args), "flashpage": ours}
     if args.text_twin:
@@ -203,14 +239,18 @@ def main() -> None:
             twins.append(torch.where(ids == image_token, text_ids, ids).tolist())
         llm.generate([{"prompt_token_ids": [1] + [7] * len(twins[0])}], params, use_tqdm=False)  # warm
         sync()
+        n_steps, n_spans = len(timeline), len(spans)
         t0 = time.perf_counter()
         touts = llm.generate([{"prompt_token_ids": p} for p in twins], params, use_tqdm=False)
         sync()
         tdt = time.perf_counter() - t0
         tt = sum(len(o.outputs[0].token_ids) for o in touts)
-        result["text_twin"] = {"seconds": tdt, "output_tok_per_s": tt / tdt}
+        gpu = _gpu_ms(spans[n_spans:])
+        result["text_twin"] = {"seconds": tdt, "output_tok_per_s": tt / tdt,
+                               "steps": _step_summary(timeline[n_steps:], gpu)}
         print(f"the text twin (each image's {rows} rows as text tokens): {tt / tdt:.0f} output tok/s in "
               f"{tdt:.2f} s; the images cost {dt / tdt - 1:+.1%} of its time", flush=True)
+        print("  steps (wall / GPU ms):", _steps_line(result["text_twin"]["steps"]), flush=True)
 
     if args.hf_requests:
         import transformers
@@ -235,6 +275,9 @@ def main() -> None:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)
+    if args.profile:
+        profile(llm, reqs(*workload(args.profile, args.system, args.question, vocab, placeholder, size, seed=3,
+                                    uint8=qwen, avoid=avoid)), params, args.profile_out)
 
 
 if __name__ == "__main__":
