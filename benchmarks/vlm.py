@@ -17,7 +17,7 @@ when it is shared). transformers runs the same requests in batches of --hf-batch
 Qwen2-VL / Qwen2.5-VL configs: each request's placeholder is <|vision_start|><|image_pad|>
 <|vision_end|>, its image uint8 pixels the engine preprocesses (448 x 448: 256 rows); the
 transformers side is not run for them (the text twin still is). Gemma 3 (--config
-gemma-3-4b-it): <start_of_image>, 896 x 896 float pixels, 256 rows each attending to each
+gemma-3-4b-it): <start_of_image>, 896 x 896 uint8 pixels, 256 rows each attending to each
 other both ways; transformers' Gemma3ForConditionalGeneration beside it (token_type_ids
 marking the image rows, as its processor gives them).
 
@@ -41,7 +41,8 @@ from flashpage.sampling_params import SamplingParams
 def workload(n: int, system: int, question: int, vocab: int, placeholder: list[int], size: int,
              seed: int = 0, uint8: bool = False, avoid: frozenset[int] = frozenset()):
     """(prompt ids with one image placeholder each, one [3, size, size] image each: float
-    pixel values (LLaVA) or uint8 pixels (Qwen2-VL: preprocessed by the engine))."""
+    pixel values (LLaVA) or uint8 pixels (Qwen2-VL, Gemma 3: preprocessed by the engine, as
+    a PIL image or a decoded file would come))."""
     g = torch.Generator().manual_seed(seed)
 
     def text(k: int) -> list[int]:
@@ -60,8 +61,11 @@ def time_tower(llm: LLM, hf, images: list[torch.Tensor], batch: int, iters: int)
     batches of ``batch`` images, median of ``iters``."""
     enc = llm.engine.mm_encoder
     assert enc is not None
-    data = [im.to(llm.engine.device, llm.engine.dtype) for im in images[:batch]]
-    pixels = torch.stack(data)
+    # ours from the request's form (uint8 pixels normalized by encode on the device, or float
+    # pixel values); transformers' from the pixel values its processor would give
+    data = [im.to(llm.engine.device) if im.dtype == torch.uint8 else im.to(llm.engine.device, llm.engine.dtype)
+            for im in images[:batch]]
+    pixels = torch.stack([enc.pixel_values(im) for im in images[:batch]]).to(llm.engine.device, llm.engine.dtype)
 
     def ours() -> None:
         enc.encode(data)
@@ -165,8 +169,9 @@ def main() -> None:
     assert enc is not None, f"{args.config} takes no images"
     vc = enc.config
     kind = type(vc).__name__
-    qwen = kind == "QwenVisionConfig"  # <|vision_start|><|image_pad|><|vision_end|>, uint8 pixels
+    qwen = kind == "QwenVisionConfig"  # <|vision_start|><|image_pad|><|vision_end|>
     gemma = kind == "Gemma3VisionConfig"  # <start_of_image>
+    uint8 = qwen or gemma  # the requests carry uint8 pixels the engine preprocesses
     image_token = vc.image_token_id
     placeholder = list(getattr(enc, "placeholder_ids", [image_token]))
     size = args.image_size or getattr(vc, "image_size", 448)
@@ -175,7 +180,7 @@ def main() -> None:
     avoid = frozenset(t for t in (image_token, getattr(vc, "boi_token_id", None),
                                   getattr(vc, "eoi_token_id", None)) if t is not None)
     prompts, images = workload(args.requests, args.system, args.question, vocab, placeholder, size,
-                               uint8=qwen, avoid=avoid)
+                               uint8=uint8, avoid=avoid)
     rows = enc.num_rows(enc.pixel_values(images[0]))
     # each prompt as the engine expands it (the image's rows at image_token: Gemma adds its
     # newlines and <end_of_image> around them too)
@@ -188,7 +193,7 @@ def main() -> None:
     def reqs(ps, ims):
         return [{"prompt_token_ids": p, "multi_modal_data": {"image": im}} for p, im in zip(ps, ims, strict=True)]
 
-    w_prompts, w_images = workload(8, args.system, args.question, vocab, placeholder, size, seed=1, uint8=qwen)
+    w_prompts, w_images = workload(8, args.system, args.question, vocab, placeholder, size, seed=1, uint8=uint8)
     llm.generate(reqs(w_prompts, w_images), params, use_tqdm=False)  # compile, warm up
     kv = eng.kv_manager
     hits0 = kv.prefix_hits
@@ -265,8 +270,9 @@ def main() -> None:
         print(f"tower + projector, batches of {args.tower_batch}: ours {tower['ours']:.0f} images/s, "
               f"transformers {tower['transformers']:.0f} ({tower['ours'] / tower['transformers']:.2f}x)", flush=True)
         n = args.hf_requests
-        hf_throughput(hf, expanded[:2], images[:2], image_token, 2, 4, gemma)  # warm up
-        base = hf_throughput(hf, expanded[:n], images[:n], image_token, args.hf_batch_size, args.output_len, gemma)
+        hf_pixels = [enc.pixel_values(im) for im in images[:n]]  # its processor's output
+        hf_throughput(hf, expanded[:2], hf_pixels[:2], image_token, 2, 4, gemma)  # warm up
+        base = hf_throughput(hf, expanded[:n], hf_pixels, image_token, args.hf_batch_size, args.output_len, gemma)
         print(f"transformers: {n} requests in batches of {args.hf_batch_size}: "
               f"{base['output_tok_per_s']:.0f} output tok/s; flashpage {ours['output_tok_per_s'] / base['output_tok_per_s']:.1f}x",
               flush=True)
@@ -277,7 +283,7 @@ def main() -> None:
             json.dump(result, f, indent=1)
     if args.profile:
         profile(llm, reqs(*workload(args.profile, args.system, args.question, vocab, placeholder, size, seed=3,
-                                    uint8=qwen, avoid=avoid)), params, args.profile_out)
+                                    uint8=uint8, avoid=avoid)), params, args.profile_out)
 
 
 if __name__ == "__main__":

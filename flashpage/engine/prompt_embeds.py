@@ -70,6 +70,7 @@ def digest(embeds: torch.Tensor) -> bytes:
     request's prefix-cache chain."""
     h = hashlib.blake2b(digest_size=32)
     h.update(f"{embeds.dtype}:{tuple(embeds.shape)}".encode())
-    h.update(embeds.view(torch.uint8).numpy().tobytes() if embeds.dtype == torch.bfloat16
-             else embeds.numpy().tobytes())
+    x = embeds.contiguous()
+    # the buffer itself, not a bytes copy of it (numpy has no bfloat16: its bytes as uint8)
+    h.update((x.view(torch.uint8) if x.dtype == torch.bfloat16 else x).numpy().data)
     return h.digest()
