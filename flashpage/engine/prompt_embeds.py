@@ -11,7 +11,7 @@ the positions it schedules (``gather``): chunked prefill takes rows ``[start, en
 preempted request recomputes from row 0 again. Rows past the prompt (generated tokens)
 are ordinary tokens, looked up in the model's embedding table.
 
-Prefix caching: a digest of the embeddings (``digest``: blake2b-256 of dtype, shape and
+Prefix caching: a digest of the embeddings (``digest``: SHA-256 of dtype, shape and
 bytes) is spliced into the request's block-hash chain at block 0 (``prefix_cache.chain``),
 and the first block's parent content id carries the digest too, compared exactly. So two identical embeds
 prompts share their blocks (the second hits), while an embeds prompt never shares a block
@@ -68,7 +68,9 @@ def check_prompt_embeds(embeds: object, width: int, max_model_len: int, dtype: t
 def digest(embeds: torch.Tensor) -> bytes:
     """32 bytes naming the tensor's exact contents (dtype, shape, bytes): the root of its
     request's prefix-cache chain."""
-    h = hashlib.blake2b(digest_size=32)
+    # SHA-256: the CPU's SHA instructions make it ~1.8x blake2b's speed on an image's MBs
+    # (3.3 -> 1.9 ms for 896 x 896 uint8 pixels, where Gemma 3's admission spent its time)
+    h = hashlib.sha256()
     h.update(f"{embeds.dtype}:{tuple(embeds.shape)}".encode())
     x = embeds.contiguous()
     # the buffer itself, not a bytes copy of it (numpy has no bfloat16: its bytes as uint8)
