@@ -100,14 +100,25 @@ class CLIPAttention(nn.Module):
         return self.out_proj(o.transpose(1, 2).reshape(n, t, -1))
 
 
+# fc1 and SigLIP's tanh GELU in one cuBLASLt call on CUDA (its GELU epilogue is the tanh
+# form, applied to the fp32 sums before the 16-bit rounding); False: two passes, as transformers
+FUSED_GELU = True
+
+
 class CLIPMLP(nn.Module):
     def __init__(self, vc: LayerShape) -> None:
         super().__init__()
         self.fc1 = nn.Linear(vc.hidden_size, vc.intermediate_size)
         self.act = activation(vc.hidden_act)
         self.fc2 = nn.Linear(vc.intermediate_size, vc.hidden_size)
+        self.tanh_gelu = vc.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tanh_gelu and FUSED_GELU and x.is_cuda:
+            # (torch's CPU kernel of the same call applies the erf GELU: CUDA only)
+            h = torch._addmm_activation(self.fc1.bias, x.reshape(-1, x.shape[-1]), self.fc1.weight.t(),
+                                        use_gelu=True)
+            return self.fc2(h.view(*x.shape[:-1], -1))
         return self.fc2(self.act(self.fc1(x)))
 
 
