@@ -117,6 +117,19 @@ def _steps_line(steps: dict) -> str:
                      for k, v in steps.items() if isinstance(v, dict) and "steps" in v)
 
 
+def text_twins(expanded: list[list[int]], image_token: int, vocab: int, avoid: frozenset[int]) -> list[list[int]]:
+    """Each expanded prompt with its image rows as random text tokens (same lengths, same
+    sharing): what the images cost beyond their positions."""
+    g = torch.Generator().manual_seed(2)
+    twins = []
+    for e in expanded:
+        ids = torch.tensor(e)
+        text_ids = torch.randint(3, min(image_token, vocab), ids.shape, generator=g)
+        text_ids[torch.isin(text_ids, torch.tensor(sorted(avoid)))] = 3
+        twins.append(torch.where(ids == image_token, text_ids, ids).tolist())
+    return twins
+
+
 def profile(llm: LLM, requests: list[dict], params: SamplingParams, out: str | None) -> None:
     """``requests`` run once under torch.profiler: the top 25 ops by device time and by host
     self time, and the wall time beside the device's total."""
@@ -238,13 +251,7 @@ def main() -> None:
     if args.text_twin:
         # the same workload with each image's rows as text tokens (same lengths, same
         # sharing): what the images cost beyond their positions (the tower, eager steps)
-        g = torch.Generator().manual_seed(2)
-        twins = []
-        for e in expanded:
-            ids = torch.tensor(e)
-            text_ids = torch.randint(3, min(image_token, vocab), ids.shape, generator=g)
-            text_ids[torch.isin(text_ids, torch.tensor(sorted(avoid)))] = 3
-            twins.append(torch.where(ids == image_token, text_ids, ids).tolist())
+        twins = text_twins(expanded, image_token, vocab, avoid)
         llm.generate([{"prompt_token_ids": [1] + [7] * len(twins[0])}], params, use_tqdm=False)  # warm
         sync()
         n_steps, n_spans = len(timeline), len(spans)
@@ -285,8 +292,13 @@ def main() -> None:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)
     if args.profile:
-        profile(llm, reqs(*workload(args.profile, args.system, args.question, vocab, placeholder, size, seed=3,
-                                    uint8=uint8, avoid=avoid)), params, args.profile_out)
+        p_prompts, p_images = workload(args.profile, args.system, args.question, vocab, placeholder, size, seed=3,
+                                       uint8=uint8, avoid=avoid)
+        profile(llm, reqs(p_prompts, p_images), params, args.profile_out)
+        if args.profile_out:  # the same requests' text twins beside them
+            p_expanded = [enc.prepare(list(p), {"image": im})[0] for p, im in zip(p_prompts, p_images, strict=True)]
+            profile(llm, [{"prompt_token_ids": t} for t in text_twins(p_expanded, image_token, vocab, avoid)],
+                    params, args.profile_out + ".twin")
 
 
 if __name__ == "__main__":
