@@ -10,8 +10,9 @@ scheduler made the step hold each image's rows up to its end (engine/scheduler.p
 chunk_tokens), so a query reads the whole image's keys. The other rows are causal and keep
 the backend's output; they read the image's K/V, which the layers computed with these rows.
 
-Plain PyTorch: the step's image runs at once, planned once a step per window (``_plan``,
-kept in the metadata's ``extra``: each run's key slots, padded to the longest, and the mask),
+Plain PyTorch: the step's image runs at once, planned once a step per window (``_plan``, on
+the device, kept in the metadata's ``extra``: each run's key slots, padded to the longest, and
+the mask),
 then per layer one gather of K and V and one masked SDPA call over [runs, Hq, rows, keys];
 with a softcap or sinks (no image model has them yet) run by run in fp32
 (attention/torch_native.masked_attention).
@@ -68,25 +69,39 @@ def attend_within_images(out: torch.Tensor, q: torch.Tensor, kv_cache: tuple[tor
 
 
 def _plan(md: AttentionMetadata, window: int | None, block_size: int,
-          device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          device: torch.device) -> tuple[torch.Tensor, ...]:
     """The step's image runs as one batch, once a step per window (kept in ``md.extra``):
     (key slots [B * L] in the paged cache, keys [max(k_lo), img_hi) of each run padded to the
     longest L; mask [B, 1, T, L] (T: the most rows a run has; a padded query row sees its
     run's first key, so no row of the softmax is empty); the runs' query rows [B, T] in the
-    step (padding repeats a run's first row); which of them are real [B, T])."""
+    step (padding repeats a run's first row); the real ones' flat indices in [B * T] and
+    their rows in the step)."""
     key = f"bidirectional:{window}"
     plan = md.extra.get(key)
     if plan is not None:
         return plan
-    runs = torch.tensor([r for r in md.bidirectional], dtype=torch.long)  # [B, 6] on the host
+    # the sizes from the host list; the tensors built on the device (on the host, the
+    # [B, T, L] mask's few ops took ~10 ms a plan at 26 images of 256 rows, run 242)
+    k_lo_h = [0 if window is None else max(0, r[3] - window + 1) for r in md.bidirectional]
+    L = max(r[5] - lo for r, lo in zip(md.bidirectional, k_lo_h, strict=True))
+    T = max(r[2] for r in md.bidirectional)
+    runs = torch.tensor([r for r in md.bidirectional], dtype=torch.long)  # [B, 6]
+    # the real query rows: flat indices into the padded [B * T] and their rows in the step
+    # (from the host: a boolean index on the device would wait for it, every layer)
+    real = torch.tensor([(b * T + i, r[1] + i) for b, r in enumerate(md.bidirectional) for i in range(r[2])],
+                        dtype=torch.long).T.contiguous()  # [2, rows]
+    if device.type == "cuda":  # pinned: a pageable copy would wait for the queued work first
+        runs = runs.pin_memory().to(device, non_blocking=True)
+        real = real.pin_memory().to(device, non_blocking=True)
+    else:
+        runs, real = runs.to(device), real.to(device)
     seq, row, rows, pos, lo, hi = runs.unbind(1)
     k_lo = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp_min(0)
-    L, T = int((hi - k_lo).max()), int(rows.max())
-    j = torch.arange(L)
+    j = torch.arange(L, device=device)
     kpos = k_lo[:, None] + j  # [B, L]
     kvalid = kpos < hi[:, None]
     kpos = torch.minimum(kpos, hi[:, None] - 1)
-    i = torch.arange(T)
+    i = torch.arange(T, device=device)
     qpos = pos[:, None] + i  # [B, T]
     qvalid = i[None, :] < rows[:, None]
     seen = (kpos[:, None, :] <= qpos[:, :, None]) | ((kpos >= lo[:, None]) & (kpos < hi[:, None]))[:, None, :]
@@ -97,16 +112,16 @@ def _plan(md: AttentionMetadata, window: int | None, block_size: int,
     kpos_d = kpos.to(tables.device)
     slots = tables.gather(1, kpos_d // block_size).long() * block_size + kpos_d % block_size
     qrows = torch.where(qvalid, row[:, None] + i, row[:, None])
-    plan = (slots.reshape(-1).to(device), mask[:, None].to(device), qrows.to(device), qvalid.to(device))
+    plan = (slots.reshape(-1).to(device), mask[:, None], qrows, real[0], real[1])
     md.extra[key] = plan
     return plan
 
 
 def _attend_batched(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], scale: float) -> None:
+                    plan: tuple[torch.Tensor, ...], scale: float) -> None:
     """Every image run's rows of ``out`` recomputed at once (``_plan``): one gather of K and
     V, one SDPA call (its masked kernels accumulate in fp32)."""
-    slots, mask, qrows, qvalid = plan
+    slots, mask, qrows, src, dst = plan
     B, T = qrows.shape
     hkv, d = key_cache.shape[-2], key_cache.shape[-1]
     hq = q.shape[1]
@@ -120,4 +135,4 @@ def _attend_batched(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
 
     qq = q[qrows].transpose(1, 2)  # [B, Hq, T, D]
     o = F.scaled_dot_product_attention(qq, gather(key_cache), gather(value_cache), attn_mask=mask, scale=scale)
-    out[qrows[qvalid]] = o.transpose(1, 2)[qvalid].to(out.dtype)
+    out.index_copy_(0, dst, o.transpose(1, 2).reshape(B * T, hq, d).index_select(0, src).to(out.dtype))

@@ -52,6 +52,7 @@ from flashpage.models.clip_image import is_pil_image, normalize, resized_uint8
 from flashpage.models.clip_vision import CLIPEncoderLayer
 from flashpage.models.gemma3_config import Gemma3VisionConfig
 from flashpage.models.llava import images_of
+from flashpage.models.multimodal import stack_to
 
 if TYPE_CHECKING:
     from flashpage.models.loader import ModelSource
@@ -239,14 +240,14 @@ class Gemma3ImageEncoder(nn.Module):
         in tower calls of at most MAX_TOWER_IMAGES images."""
         w = self.vision_tower.embeddings.patch_embedding.weight
         out: list[torch.Tensor] = []
-
-        def on_device(x: torch.Tensor) -> torch.Tensor:
-            x = x.to(w.device, non_blocking=True)
-            return normalize(x, self.config.processing) if x.dtype == torch.uint8 else x
-
         for i in range(0, len(data), self.MAX_TOWER_IMAGES):
-            pixels = torch.stack([on_device(x) for x in data[i:i + self.MAX_TOWER_IMAGES]]).to(w.dtype)
-            out += list(self(pixels).unbind(0))
+            batch = data[i:i + self.MAX_TOWER_IMAGES]
+            if all(x.dtype == torch.uint8 for x in batch):  # one pinned copy, normalized here
+                pixels = normalize(stack_to(batch, w.device), self.config.processing)
+            else:  # float pixel values given (any uint8 ones beside them normalized alone)
+                pixels = torch.stack([normalize(x.to(w.device), self.config.processing) if x.dtype == torch.uint8
+                                      else x.to(w.device) for x in batch])
+            out += list(self(pixels.to(w.dtype)).unbind(0))
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:

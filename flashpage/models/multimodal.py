@@ -54,6 +54,17 @@ IMAGE_MODULES = {"VisionConfig": "llava", "QwenVisionConfig": "qwen2_vl",
                  "PixtralVisionConfig": "pixtral", "Gemma3VisionConfig": "gemma3_vision"}
 
 
+def stack_to(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``tensors`` (one shape and dtype) stacked on ``device`` by one copy: from the host,
+    through pinned memory and asynchronous on CUDA (a pageable copy first waits for the
+    stream's queued work, idling the GPU while the host copies)."""
+    if device.type != "cuda" or any(t.device.type != "cpu" for t in tensors):
+        return torch.stack([t.to(device) for t in tensors])
+    buf = torch.empty((len(tensors), *tensors[0].shape), dtype=tensors[0].dtype, pin_memory=True)
+    torch.stack(tensors, out=buf)
+    return buf.to(device, non_blocking=True)
+
+
 def image_module(config: ModelConfig) -> str | None:
     """The module (under flashpage/models/) of ``config``'s image encoder; None: no images."""
     return None if config.vision is None else IMAGE_MODULES[type(config.vision).__name__]
