@@ -54,6 +54,14 @@ IMAGE_MODULES = {"VisionConfig": "llava", "QwenVisionConfig": "qwen2_vl",
                  "PixtralVisionConfig": "pixtral", "Gemma3VisionConfig": "gemma3_vision"}
 
 
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device``: from the host through pinned memory and asynchronous on CUDA (see
+    ``stack_to``)."""
+    if device.type != "cuda" or x.device.type != "cpu":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 def stack_to(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """``tensors`` (one shape and dtype) stacked on ``device`` by one copy: from the host,
     through pinned memory and asynchronous on CUDA (a pageable copy first waits for the

@@ -41,6 +41,7 @@ from flashpage.engine.multimodal import MultiModalInput
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image
 from flashpage.models.llava import images_of
+from flashpage.models.multimodal import to_device
 from flashpage.models.pixtral_config import PixtralVisionConfig
 from flashpage.models.pixtral_image import preprocess, resized_size
 
@@ -321,14 +322,14 @@ class PixtralImageEncoder(nn.Module):
         """The engine's multimodal hook: each image's pixel values [3, H, W] (host) -> its
         span's rows [h * (w + 1), H_text] on the device, all images in one tower pass."""
         wt = self.vision_tower.patch_conv.weight
-        pixels = [px.to(wt.device, wt.dtype, non_blocking=True) for px in data]
+        pixels = [to_device(px, wt.device).to(wt.dtype) for px in data]  # pinned: no wait for the queue
         feats, grids = self.vision_tower(pixels)
         x = feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)
         rows = self.multi_modal_projector(x, grids)
         vc = self.config
         assert self.text_embed is not None, "the encoder was built without the text embedding"
-        brk, end = self.text_embed(torch.tensor([vc.break_token_id, vc.end_token_id],
-                                                device=wt.device)).to(rows.dtype)
+        brk, end = self.text_embed(to_device(torch.tensor([vc.break_token_id, vc.end_token_id]),
+                                             wt.device)).to(rows.dtype)
         out = []
         for r, px in zip(rows.split([a * b for a, b in map(self.grid, pixels)]), pixels, strict=True):
             h, w = self.grid(px)
