@@ -52,6 +52,7 @@ from flashpage.config import QwenVisionConfig
 from flashpage.engine.multimodal import MultiModalInput, token_runs, video_items
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image
+from flashpage.models.multimodal import to_device
 from flashpage.models.qwen2_vl_image import normalize, resize, resize_video
 from flashpage.models.qwen2_vl_video import DEFAULT_FPS, read_video
 
@@ -128,7 +129,9 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                v[s:s + n].transpose(0, 1))
             out[s:s + n] = o.transpose(0, 1)
             continue
-        idx = (torch.tensor(starts, device=q.device)[:, None]
+        # the starts through pinned memory: a pageable copy would wait for the queued work,
+        # in every layer of the tower
+        idx = (to_device(torch.tensor(starts), q.device)[:, None]
                + torch.arange(n, device=q.device)[None, :]).reshape(-1)
         m = len(starts)
         qs, ks, vs = (x[idx].view(m, n, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
