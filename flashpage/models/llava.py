@@ -150,8 +150,10 @@ class LlavaImageEncoder(nn.Module):
     def encode(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
         """The engine's multimodal hook (engine/multimodal.py): each image's pixel values
         [3, S, S] (host) -> its rows [tokens_per_image, H] on the device, in one batch."""
+        from flashpage.models.multimodal import stack_to
+
         p = self.vision_tower.embeddings.patch_embedding.weight
-        pixels = torch.stack(data).to(p.device, p.dtype, non_blocking=True)
+        pixels = stack_to(data, p.device).to(p.dtype)  # one pinned asynchronous copy
         return list(self(pixels).unbind(0))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], where: str) -> set[str]:

@@ -219,8 +219,10 @@ class LlavaNextImageEncoder(LlavaImageEncoder):
     def encode(self, data: list[AnyResImage]) -> list[torch.Tensor]:  # type: ignore[override]
         """The engine's multimodal hook (engine/multimodal.py): images (AnyResImage) -> their
         rows [rows, H] on the device; every tile of the batch through the tower at once."""
+        from flashpage.models.multimodal import to_device
+
         p = self.vision_tower.embeddings.patch_embedding.weight
-        pixels = torch.cat([d.pixels for d in data]).to(p.device, p.dtype, non_blocking=True)
+        pixels = to_device(torch.cat([d.pixels for d in data]), p.device).to(p.dtype)  # pinned, asynchronous
         feats = self(pixels)
         out, i = [], 0
         for d in data:
