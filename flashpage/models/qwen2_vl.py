@@ -565,8 +565,9 @@ class QwenImageEncoder(nn.Module):
         pieces: list[tuple[int, torch.Tensor, tuple[int, int, int]]] = []
         limit = self.call_rows
         for k, d in enumerate(data):
-            p = d.patches.to(w.device, non_blocking=True) if d.patches is not None \
-                else self._patches(d.pixels.to(w.device, non_blocking=True), d.video)  # type: ignore[union-attr]
+            # pinned copies: a pageable one waits for the stream's queued work first
+            p = to_device(d.patches, w.device) if d.patches is not None \
+                else self._patches(to_device(d.pixels, w.device), d.video)  # type: ignore[arg-type]
             t, gh, gw = d.grid
             per = max(1, (limit or t * gh * gw // m2) // max(1, gh * gw // m2))  # frame groups a piece
             for f in range(0, t, per):
