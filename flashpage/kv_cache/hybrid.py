@@ -204,6 +204,12 @@ class HybridKVCacheManager(PoolAccounts):
             raise ValueError("a hybrid cache takes the hits its get_computed_blocks returned")
         for g in self.groups:
             g.release_behind_window(request)
+        if not new_computed_blocks and request.request_id not in self._pending_query \
+                and all(g.covers(request, num_new_tokens) for g in self.groups):
+            # most decode steps: every group's table already holds the new tokens
+            for g in self.groups:
+                g.note_covered(request, num_new_tokens)
+            return []
         needed = evictable = 0
         for g, h in zip(self.groups, hits, strict=True):
             n, e = g.blocks_to_take(request, num_new_tokens, h)

@@ -425,18 +425,12 @@ class KVCacheManager(PoolAccounts):
         """
         rid = request.request_id
         blocks = self._blocks.get(rid)
-        B = self.block_size
         if blocks is not None and self.releases:
             self.release_behind_window(request)
-        if blocks is not None and not new_computed_blocks:
+        if not new_computed_blocks and self.covers(request, num_new_tokens):
             # Fast path (most decode steps): the table already covers the new tokens.
-            total = request.num_computed_tokens + num_new_tokens
-            if total <= len(blocks) * B:
-                if total > self._num_stored[rid]:
-                    self._num_stored[rid] = total
-                if self.enable_prefix_caching and total // B > self._num_registered[rid]:
-                    self._register_full_blocks(request, blocks, total // B)
-                return []
+            self.note_covered(request, num_new_tokens)
+            return []
         num_needed, num_evictable_hits = self.blocks_to_take(request, num_new_tokens, new_computed_blocks)
         # Free cached blocks we are about to touch cannot also serve as new blocks.
         if num_needed > self.pool.free_queue.num_free - num_evictable_hits:
@@ -444,6 +438,22 @@ class KVCacheManager(PoolAccounts):
         num_host = len(self._pending_host.get(rid, ())) if blocks is None else 0
         self.take_hits(request, new_computed_blocks)
         return self.grow(request, num_new_tokens, len(new_computed_blocks or ()) + num_host)
+
+    def covers(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's table already holds the step's new tokens (no fresh block
+        to take); changes nothing."""
+        blocks = self._blocks.get(request.request_id)
+        return blocks is not None and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size
+
+    def note_covered(self, request: Request, num_new_tokens: int) -> None:
+        """``allocate_slots`` for a step its table ``covers``: the tokens counted stored and
+        the blocks they fill registered."""
+        rid, B = request.request_id, self.block_size
+        total = request.num_computed_tokens + num_new_tokens
+        if total > self._num_stored[rid]:
+            self._num_stored[rid] = total
+        if self.enable_prefix_caching and total // B > self._num_registered[rid]:
+            self._register_full_blocks(request, self._blocks[rid], total // B)
 
     def release_behind_window(self, request: Request) -> None:
         """Give back the request's blocks its window has passed (sliding window only)."""
