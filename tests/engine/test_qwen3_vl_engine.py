@@ -181,6 +181,21 @@ def test_bad_requests_are_refused_by_name_and_leak_nothing(qwen3):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_no_images_allowed_serves_the_text_model_alone(qwen3):
+    """limit_mm_per_prompt {"image": 0} (Qwen3-VL takes no videos here): the tower is not
+    loaded, a text prompt's tokens are transformers' (Qwen3 with 1-D positions), an image
+    request is refused by name."""
+    path, hf = qwen3
+    llm = _llm(path, limit_mm_per_prompt={"image": 0})
+    assert llm.engine.mm_encoder is None
+    ids = [1, *range(20, 35)]
+    out = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)[0]
+    assert _tokens([out])[0] == hf_qwen_greedy(hf, ids, None, MAX_NEW)
+    bad = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": smooth_image(64, 64)}}],
+                       GREEDY, use_tqdm=False)[0]
+    assert bad.error is not None and "image" in bad.error
+
+
 def test_llm_chat_places_images_as_qwens_template(qwen3):
     """LLM.chat with an image_pil part: <|vision_start|><|image_pad|>*rows<|vision_end|>
     where the part is, the tokens transformers'."""
