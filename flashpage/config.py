@@ -3115,7 +3115,7 @@ class EngineConfig:
 def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> ModelConfig:
     """``mc`` with vLLM's ``mm_processor_kwargs`` over its processors' settings: Qwen2-VL's
     ``min_pixels`` / ``max_pixels`` (ints, min <= max; the image's and the video's, as
-    transformers' processor call), ``fps`` (a video's frame rate where it gives none:
+    transformers' processor call; or ``size`` {shortest_edge, longest_edge}, the same two), ``fps`` (a video's frame rate where it gives none:
     Qwen2.5-VL's temporal positions, engine/mrope.py); a ConfigError names a key
     the model's processor does not read, or a model that takes no images."""
     if not kwargs:
@@ -3137,10 +3137,23 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
     if not isinstance(mc.vision, QwenVisionConfig):
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)}: {arch}'s image processor reads none "
                           "(Qwen2-VL's reads min_pixels / max_pixels)")
-    unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels", "fps"})
+    unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels", "fps", "size"})
     if unknown:
         raise ConfigError(f"mm_processor_kwargs {unknown}: {arch}'s processors read min_pixels, "
-                          "max_pixels and fps")
+                          "max_pixels, size and fps")
+    if "size" in kwargs:  # transformers' form (Qwen3-VL's usual one): the same two bounds
+        size = kwargs["size"]
+        if not isinstance(size, dict) or not size or set(size) - {"shortest_edge", "longest_edge"}:
+            raise ConfigError(f"mm_processor_kwargs size must be {{\"shortest_edge\": min pixels, "
+                              f"\"longest_edge\": max pixels}}, got {size!r}")
+        both = sorted({"min_pixels", "max_pixels"} & set(kwargs))
+        if both:
+            raise ConfigError(f"mm_processor_kwargs: give size or {' / '.join(both)}, not both")
+        kwargs = {k: v for k, v in kwargs.items() if k != "size"}
+        if "shortest_edge" in size:
+            kwargs["min_pixels"] = size["shortest_edge"]
+        if "longest_edge" in size:
+            kwargs["max_pixels"] = size["longest_edge"]
     fps = kwargs.get("fps", mc.vision.video_fps)
     if fps is not None and (not isinstance(fps, (int, float)) or isinstance(fps, bool) or not fps > 0):
         raise ConfigError(f"mm_processor_kwargs fps must be a positive number, got {fps!r}")

@@ -196,6 +196,28 @@ def test_no_images_allowed_serves_the_text_model_alone(qwen3):
     assert bad.error is not None and "image" in bad.error
 
 
+def test_mm_processor_kwargs_size_bounds_the_pixels(qwen3):
+    """vLLM's mm_processor_kwargs in transformers' form, {"size": {"shortest_edge",
+    "longest_edge"}}: a 96 x 128 image (12 rows at the checkpoint's bounds) resized under
+    64 x 64 pixels takes 2 rows (32 x 64), transformers' tokens on those patches; size beside
+    min_pixels, or another key in it, is a ConfigError."""
+    from flashpage.config import ConfigError
+
+    path, hf = qwen3
+    small = _llm(path, mm_processor_kwargs={"size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64}})
+    enc = small.engine.mm_encoder
+    assert (enc.config.processing.min_pixels, enc.config.processing.max_pixels) == (32 * 32, 64 * 64)
+    ids, (img,) = _case(enc, 0, 1)
+    out = small.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": img}}], GREEDY,
+                         use_tqdm=False)[0]
+    assert sum(t == enc.config.image_token_id for t in out.prompt_token_ids) == 2
+    assert _tokens([out])[0] == _want(hf, small, out, [img])
+    for bad, needle in (({"size": {"height": 64}}, "size must be"),
+                        ({"size": {"longest_edge": 4096}, "min_pixels": 1024}, "not both")):
+        with pytest.raises(ConfigError, match=needle):
+            _llm(path, mm_processor_kwargs=bad)
+
+
 def test_llm_chat_places_images_as_qwens_template(qwen3):
     """LLM.chat with an image_pil part: <|vision_start|><|image_pad|>*rows<|vision_end|>
     where the part is, the tokens transformers'."""
