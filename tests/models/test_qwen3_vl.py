@@ -99,6 +99,13 @@ def test_tower_rows_and_deepstack_equal_transformers(tiny):
         for k in range(2):
             torch.testing.assert_close(deep[:, k], ref.deepstack_features[k][j], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(ours[0][1][:, 0], ours[0][1][:, 1])  # two distinct features
+    # what a request keeps (resized uint8 pixels, patched in encode) gives the same rows and
+    # features; so does the rotary kernel the tower takes on CUDA (here the interpreter)
+    kept = [enc.admit_image(smooth_image(h, w, seed=i)) for i, (h, w) in enumerate(SIZES)]
+    enc.visual.kernels = True
+    for (r, d), (r0, d0) in zip(enc.encode(kept), ours, strict=True):
+        torch.testing.assert_close(r, r0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(d, d0, rtol=1e-5, atol=1e-5)
 
 
 def test_interleaved_mrope_equals_transformers_and_the_fused_table():
