@@ -94,12 +94,14 @@ def test_published_llava_and_text_models():
 
 def test_published_qwen3_vl():
     """Qwen3-VL-4B's config.json and preprocessor_config.json: a 1024 x 768 image is 32 x 24
-    merged units of 32 pixels; the tower with its three deepstack mergers is transformers'
-    415,347,712 parameters (its meta-device model's count)."""
+    merged units of 32 pixels; the tower with its three deepstack mergers and the text model
+    are transformers' 415,347,712 and 4,022,468,096 parameters (its meta-device model's
+    counts)."""
     info = inspect_config(ModelConfig.from_hf(str(ROOT / "benchmarks" / "configs" / "qwen3-vl-4b")),
                           80 << 30, image_size=(1024, 768))
     assert info["vision"]["image_tokens"] == (1024 // 32) * (768 // 32)
     assert info["vision"]["params"] == 415_347_712
+    assert info["param_count"] == 4_022_468_096  # the text model (Qwen3, tied): transformers' too
 
 
 def test_cli_image_size(capsys):
