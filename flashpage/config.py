@@ -125,9 +125,14 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
                                         ("visual",)),
     "Qwen2_5_VLForConditionalGeneration": (("qwen2_5_vl_text", "qwen2_5_vl", "qwen2"), "qwen2_5_vl_text",
                                            ("visual",)),
+    # Qwen3-VL (dense): Qwen3-VL's tower (learned position embeddings, deepstack features
+    # added to the first decoder layers' image rows: models/qwen3_vl.py) over a Qwen3 text
+    # model with interleaved M-RoPE (ModelConfig.mrope_interleaved); its images, not videos
+    "Qwen3VLForConditionalGeneration": (("qwen3_vl_text",), "qwen3_vl_text", ("visual",)),
 }
 QWEN_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration",
-                                   "Qwen2_5_VLForConditionalGeneration"})
+                                   "Qwen2_5_VLForConditionalGeneration",
+                                   "Qwen3VLForConditionalGeneration"})
 # the wrappers whose images we run (ModelConfig.vision): the others serve their text alone.
 # Mistral3 (and LLaVA whose vision_config is "pixtral"): a Pixtral tower, read by
 # models/pixtral_config.py, run by models/pixtral.py
@@ -143,6 +148,10 @@ _UNSUPPORTED_IMAGE_ARCHITECTURES = {
     "LlavaNextVideoForConditionalGeneration":
         "LLaVA-NeXT-Video (video input, pooled frame features) is not supported yet; image-only "
         "LLaVA-NeXT (LlavaNextForConditionalGeneration) checkpoints are",
+    "Qwen3VLMoeForConditionalGeneration":
+        "Qwen3-VL-MoE (its text model's experts stored fused, gate_up_proj [experts, hidden, "
+        "2 x intermediate]) is not supported yet; dense Qwen3-VL (Qwen3VLForConditionalGeneration) "
+        "checkpoints are",
 }
 # architecture names of remote-code checkpoints that transformers' own class reads
 _ARCH_ALIASES = {"MPTForCausalLM": "MptForCausalLM"}  # MosaicML's MPT files
@@ -206,6 +215,8 @@ _MODEL_TYPE_TO_ARCH = {
     "llava_next_video": "LlavaNextVideoForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -2127,6 +2138,11 @@ _QWEN_VL_TEXT_DEFAULTS: dict[str, Any] = dict(
     vocab_size=152_064, hidden_size=8192, intermediate_size=29_568, num_hidden_layers=80,
     num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=32_768,
     rms_norm_eps=1e-5, rope_theta=1_000_000.0, bos_token_id=151_643, eos_token_id=151_645)
+# Qwen3VLTextConfig's (a Qwen3 text model: q / k norms, head_dim apart from the width)
+_QWEN3_VL_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=151_936, hidden_size=4096, intermediate_size=22_016, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=128_000,
+    rms_norm_eps=1e-6, rope_theta=500_000.0)
 # the vision config's fields that are no text model's (a flat config holds both)
 _QWEN_VL_NOT_TEXT = ("vision_config", "text_config", "architectures", "model_type",
                      "image_token_id", "video_token_id", "vision_start_token_id",
@@ -2145,7 +2161,9 @@ def _qwen_vl_text_config(d: dict[str, Any], arch: str, where: str
     """A Qwen2-VL / Qwen2.5-VL checkpoint's text model as a Qwen2 config (text_config, or
     the top level of a flat published config), its ``where``, and its M-RoPE sections
     (rope_scaling {"type": "mrope", "mrope_section": [...]} or transformers 5's
-    rope_parameters; Qwen2VLTextConfig's [16, 24, 24] when absent)."""
+    rope_parameters; Qwen2VLTextConfig's [16, 24, 24] when absent). Qwen3-VL's: a Qwen3
+    config (Qwen3VLTextConfig's defaults; sections [24, 20, 20] when absent, always
+    interleaved: transformers' Qwen3VLTextRotaryEmbedding reads no mrope_interleaved)."""
     model_types, default_type, _ = MULTIMODAL_TEXT_ARCHITECTURES[arch]
     nested = d.get("text_config")
     if nested is not None and not isinstance(nested, dict):
@@ -2167,11 +2185,15 @@ def _qwen_vl_text_config(d: dict[str, Any], arch: str, where: str
     if kind not in ("default", "mrope"):
         raise ConfigError(f"{text_where}: rope type {kind!r} is not supported with M-RoPE in {arch} "
                           "(mrope / default are)")
-    section = _positive_ints(rope.get("mrope_section", [16, 24, 24]), "mrope_section", text_where)
-    theta = tc.get("rope_theta", rope.get("rope_theta", _QWEN_VL_TEXT_DEFAULTS["rope_theta"]))
-    text = {**_QWEN_VL_TEXT_DEFAULTS,
+    v3 = arch == "Qwen3VLForConditionalGeneration"
+    section = _positive_ints(rope.get("mrope_section", [24, 20, 20] if v3 else [16, 24, 24]),
+                             "mrope_section", text_where)
+    defaults = _QWEN3_VL_TEXT_DEFAULTS if v3 else _QWEN_VL_TEXT_DEFAULTS
+    theta = tc.get("rope_theta", rope.get("rope_theta", defaults["rope_theta"]))
+    family = "qwen3" if v3 else "qwen2"
+    text = {**defaults,
             **{k: v for k, v in tc.items() if k not in _QWEN_VL_NOT_TEXT},
-            "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "rope_theta": theta}
+            "model_type": family, "architectures": [_MODEL_TYPE_TO_ARCH[family]], "rope_theta": theta}
     for key in _TOP_LEVEL_FIELDS:
         if d.get(key) is not None:
             text[key] = d[key]
@@ -2195,11 +2217,13 @@ class QwenImageProcessing:
 
 @dataclass(frozen=True)
 class QwenVisionConfig:
-    """A Qwen2-VL / Qwen2.5-VL checkpoint's image side (models/qwen2_vl.py). ``variant``:
-    "qwen2_vl" (LayerNorm blocks, fc1 / fc2 MLP of ``hidden_act``, full attention) or
-    "qwen2_5_vl" (RMSNorm blocks, gated MLP, window attention but in
-    ``fullatt_block_indexes``). ``hidden_size``: the tower's width; ``out_hidden_size``:
-    the merger's output (the text model's hidden size)."""
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint's image side (models/qwen2_vl.py,
+    qwen3_vl.py). ``variant``: "qwen2_vl" (LayerNorm blocks, fc1 / fc2 MLP of
+    ``hidden_act``, full attention), "qwen2_5_vl" (RMSNorm blocks, gated MLP, window
+    attention but in ``fullatt_block_indexes``) or "qwen3_vl" (LayerNorm blocks, a learned
+    position embedding of ``num_position_embeddings`` interpolated to each grid, deepstack
+    mergers after ``deepstack_visual_indexes``). ``hidden_size``: the tower's width;
+    ``out_hidden_size``: the merger's output (the text model's hidden size)."""
 
     variant: str
     depth: int
@@ -2228,6 +2252,10 @@ class QwenVisionConfig:
     # vLLM's mm_processor_kwargs {"fps": ...}: the frame rate of a video given as frames
     # without its own (None: transformers' default, 24)
     video_fps: float | None = None
+    # Qwen3-VL: the learned position table's entries (a square side^2) and the tower blocks
+    # after which a deepstack merger takes features (models/qwen3_vl.py)
+    num_position_embeddings: int = 0
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
     @property
     def patch_dim(self) -> int:
@@ -2312,7 +2340,13 @@ def _qwen_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str
         raise ConfigError(f"{where}: vision_config must be an object, got {vc!r}")
     w = f"{where}: vision_config"
     v25 = arch == "Qwen2_5_VLForConditionalGeneration"
-    if v25:
+    v3 = arch == "Qwen3VLForConditionalGeneration"
+    if v3:  # Qwen3VLVisionConfig's defaults
+        width = vc.get("hidden_size", 1152)
+        inter = vc.get("intermediate_size", 4304)
+        out = vc.get("out_hidden_size", 3584)
+        act = vc.get("hidden_act", "gelu_pytorch_tanh")
+    elif v25:
         width = vc.get("hidden_size", 3584)
         inter = vc.get("intermediate_size", 3420)
         out = vc.get("out_hidden_size", 3584)
@@ -2325,8 +2359,8 @@ def _qwen_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str
         inter = int(width * ratio) if isinstance(width, int) else width
         out = vc.get("hidden_size", 3584)
         act = vc.get("hidden_act", "quick_gelu")
-    v = dict(depth=vc.get("depth", 32), hidden_size=width, num_heads=vc.get("num_heads", 16),
-             intermediate_size=inter, out_hidden_size=out, patch_size=vc.get("patch_size", 14),
+    v = dict(depth=vc.get("depth", 27 if v3 else 32), hidden_size=width, num_heads=vc.get("num_heads", 16),
+             intermediate_size=inter, out_hidden_size=out, patch_size=vc.get("patch_size", 16 if v3 else 14),
              temporal_patch_size=vc.get("temporal_patch_size", 2),
              spatial_merge_size=vc.get("spatial_merge_size", 2),
              window_size=vc.get("window_size", 112) if v25 else 0)
@@ -2342,7 +2376,7 @@ def _qwen_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str
     if act not in _QWEN_VISION_ACTS:
         raise ConfigError(f"{w}.hidden_act {act!r} is not supported ({', '.join(_QWEN_VISION_ACTS)})")
     if out != text_hidden:
-        raise ConfigError(f"{w}: the merger's output ({'out_hidden_size' if v25 else 'hidden_size'} "
+        raise ConfigError(f"{w}: the merger's output ({'out_hidden_size' if v25 or v3 else 'hidden_size'} "
                           f"{out}) differs from the text model's hidden_size {text_hidden}")
     full: tuple[int, ...] = ()
     if v25:
@@ -2368,12 +2402,33 @@ def _qwen_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise ConfigError(f"{where}: {key} must be a token id, got {t!r}")
         tokens[key] = t
-    return QwenVisionConfig("qwen2_5_vl" if v25 else "qwen2_vl", v["depth"], width, v["num_heads"],
-                            inter, act, out, v["patch_size"], v["temporal_patch_size"],
+    positions: int = 0
+    deep: tuple[int, ...] = ()
+    if v3:
+        positions, deep = _qwen3_vision_fields(vc, w, v["depth"])
+    return QwenVisionConfig("qwen3_vl" if v3 else "qwen2_5_vl" if v25 else "qwen2_vl", v["depth"], width,
+                            v["num_heads"], inter, act, out, v["patch_size"], v["temporal_patch_size"],
                             v["spatial_merge_size"], v["window_size"], full, theta,
                             processing=_qwen_image_processing(folder, v, where),
-                            video_processing=_qwen_video_processing(folder, where),
-                            tokens_per_second=tps, **tokens)
+                            # Qwen3-VL's videos are refused (models/qwen3_vl.py): no video processor read
+                            video_processing=None if v3 else _qwen_video_processing(folder, where),
+                            tokens_per_second=tps, num_position_embeddings=positions,
+                            deepstack_visual_indexes=deep, **tokens)
+
+
+def _qwen3_vision_fields(vc: dict[str, Any], w: str, depth: int) -> tuple[int, tuple[int, ...]]:
+    """Qwen3VLVisionConfig's num_position_embeddings (a square: transformers interpolates a
+    side x side table) and deepstack_visual_indexes (distinct block indexes)."""
+    n = vc.get("num_position_embeddings", 2304)
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0 or math.isqrt(n) ** 2 != n:
+        raise ConfigError(f"{w}.num_position_embeddings must be a positive square int (a side x side "
+                          f"table), got {n!r}")
+    raw = vc.get("deepstack_visual_indexes", [8, 16, 24])
+    if not isinstance(raw, (list, tuple)) or len(set(raw)) != len(raw) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < depth for i in raw):
+        raise ConfigError(f"{w}.deepstack_visual_indexes must be distinct block indexes in [0, {depth}), "
+                          f"got {raw!r}")
+    return n, tuple(raw)
 
 
 def _image_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None
@@ -2586,6 +2641,9 @@ class ModelConfig:
     # M-RoPE (Qwen2-VL): the rotated pairs' split among the (t, h, w) position components
     # (layers/rotary.MRotaryEmbedding, engine/mrope.py); (): 1-D rope
     mrope_section: tuple[int, ...] = ()
+    # Qwen3-VL's interleaved layout: pair i by t, h, w in turn (i % 3) while each component
+    # has pairs left, then by t (layers/rotary.MRotaryEmbedding); False: contiguous sections
+    mrope_interleaved: bool = False
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ loading
@@ -2628,8 +2686,13 @@ class ModelConfig:
             if 2 * sum(section) != cfg.rotary_dim:
                 raise ConfigError(f"{text_where}: mrope_section {list(section)} sums to "
                                   f"{sum(section)}, not half the rotary width ({cfg.rotary_dim} / 2)")
+            qv = _qwen_vision_config_of(d, arch, where, folder, cfg.hidden_size)
+            if len(qv.deepstack_visual_indexes) > cfg.num_hidden_layers:
+                raise ConfigError(f"{where}: vision_config.deepstack_visual_indexes has "
+                                  f"{len(qv.deepstack_visual_indexes)} entries (each added after one "
+                                  f"decoder layer) but the text model has {cfg.num_hidden_layers} layers")
             return replace(cfg, multimodal_architecture=arch, mrope_section=section,
-                           vision=_qwen_vision_config_of(d, arch, where, folder, cfg.hidden_size))
+                           mrope_interleaved=arch == "Qwen3VLForConditionalGeneration", vision=qv)
         if arch in MULTIMODAL_TEXT_ARCHITECTURES:
             text, text_where = _text_config_of(d, arch, where)
             vision = _image_config_of(d, arch, where, folder) if arch in IMAGE_ARCHITECTURES \
@@ -3052,7 +3115,7 @@ class EngineConfig:
 def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> ModelConfig:
     """``mc`` with vLLM's ``mm_processor_kwargs`` over its processors' settings: Qwen2-VL's
     ``min_pixels`` / ``max_pixels`` (ints, min <= max; the image's and the video's, as
-    transformers' processor call), ``fps`` (a video's frame rate where it gives none:
+    transformers' processor call; or ``size`` {shortest_edge, longest_edge}, the same two), ``fps`` (a video's frame rate where it gives none:
     Qwen2.5-VL's temporal positions, engine/mrope.py); a ConfigError names a key
     the model's processor does not read, or a model that takes no images."""
     if not kwargs:
@@ -3074,10 +3137,23 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
     if not isinstance(mc.vision, QwenVisionConfig):
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)}: {arch}'s image processor reads none "
                           "(Qwen2-VL's reads min_pixels / max_pixels)")
-    unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels", "fps"})
+    unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels", "fps", "size"})
     if unknown:
         raise ConfigError(f"mm_processor_kwargs {unknown}: {arch}'s processors read min_pixels, "
-                          "max_pixels and fps")
+                          "max_pixels, size and fps")
+    if "size" in kwargs:  # transformers' form (Qwen3-VL's usual one): the same two bounds
+        size = kwargs["size"]
+        if not isinstance(size, dict) or not size or set(size) - {"shortest_edge", "longest_edge"}:
+            raise ConfigError(f"mm_processor_kwargs size must be {{\"shortest_edge\": min pixels, "
+                              f"\"longest_edge\": max pixels}}, got {size!r}")
+        both = sorted({"min_pixels", "max_pixels"} & set(kwargs))
+        if both:
+            raise ConfigError(f"mm_processor_kwargs: give size or {' / '.join(both)}, not both")
+        kwargs = {k: v for k, v in kwargs.items() if k != "size"}
+        if "shortest_edge" in size:
+            kwargs["min_pixels"] = size["shortest_edge"]
+        if "longest_edge" in size:
+            kwargs["max_pixels"] = size["longest_edge"]
     fps = kwargs.get("fps", mc.vision.video_fps)
     if fps is not None and (not isinstance(fps, (int, float)) or isinstance(fps, bool) or not fps > 0):
         raise ConfigError(f"mm_processor_kwargs fps must be a positive number, got {fps!r}")

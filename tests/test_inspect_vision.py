@@ -1,6 +1,6 @@
 """``flashpage inspect`` on image models (inspect.vision_figures): the tower and projector's
 parameters are those the engine loads, one image's prompt tokens those the engine's
-preprocessing makes of it (tiny LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Mistral3 and
+preprocessing makes of it (tiny LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral3 and
 Gemma 3 checkpoints, several sizes), and the tokens left after the weights take the tower's bytes
 too; the published configs' figures where they are known (LLaVA-1.5: 576 rows of 24 x 24
 patches); a bad --image-size is a clear error."""
@@ -20,6 +20,7 @@ from tests.llava_checkpoint import build_tiny_llava
 from tests.llava_next_checkpoint import build_tiny_llava_next
 from tests.pixtral_checkpoint import build_tiny_pixtral
 from tests.qwen2_vl_checkpoint import build_tiny_qwen2_vl
+from tests.qwen3_vl_checkpoint import build_tiny_qwen3_vl, hf_qwen3_vl
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILDERS = {
@@ -27,6 +28,7 @@ BUILDERS = {
     "llava_next": build_tiny_llava_next,
     "qwen2_vl": build_tiny_qwen2_vl,
     "qwen2_5_vl": lambda p: build_tiny_qwen2_vl(p, variant="qwen2_5_vl"),
+    "qwen3_vl": build_tiny_qwen3_vl,
     "mistral3": build_tiny_pixtral,
     "gemma3": build_tiny_gemma3,
 }
@@ -57,7 +59,10 @@ def test_tower_parameters_and_bytes(tiny):
     name, path, llm = tiny
     cfg = ModelConfig.from_hf(str(path))
     info = inspect_config(cfg, 1 << 30, "bf16")
-    if name.startswith("qwen"):  # ours fuses (and pads) gate / up once loaded: count transformers'
+    if name == "qwen3_vl":  # the tower with its deepstack mergers, transformers' count
+        want = sum(p.numel() for p in hf_qwen3_vl(path).model.visual.parameters())
+        assert want == sum(p.numel() for p in llm.engine.mm_encoder.parameters())
+    elif name.startswith("qwen"):  # ours fuses (and pads) gate / up once loaded: count transformers'
         from tests.qwen2_vl_checkpoint import hf_qwen
 
         want = sum(p.numel() for p in hf_qwen(path, name).model.visual.parameters())
@@ -85,6 +90,18 @@ def test_published_llava_and_text_models():
                            80 << 30)
     assert gemma["vision"]["image_tokens"] == 256  # mm_tokens_per_image, whatever the image's size
     assert 0.40e9 < gemma["vision"]["params"] < 0.43e9  # SigLIP-So400m (its pooling head unread) + projector
+
+
+def test_published_qwen3_vl():
+    """Qwen3-VL-4B's config.json and preprocessor_config.json: a 1024 x 768 image is 32 x 24
+    merged units of 32 pixels; the tower with its three deepstack mergers and the text model
+    are transformers' 415,347,712 and 4,022,468,096 parameters (its meta-device model's
+    counts)."""
+    info = inspect_config(ModelConfig.from_hf(str(ROOT / "benchmarks" / "configs" / "qwen3-vl-4b")),
+                          80 << 30, image_size=(1024, 768))
+    assert info["vision"]["image_tokens"] == (1024 // 32) * (768 // 32)
+    assert info["vision"]["params"] == 415_347_712
+    assert info["param_count"] == 4_022_468_096  # the text model (Qwen3, tied): transformers' too
 
 
 def test_cli_image_size(capsys):

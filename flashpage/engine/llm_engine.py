@@ -203,7 +203,9 @@ class LLMEngine:
         self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | Gemma3ImageEncoder \
             | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
-        takes = ("image", "video") if isinstance(mc.vision, QwenVisionConfig) else ("image",)
+        # Qwen2-VL / Qwen2.5-VL take videos too (Qwen3-VL's are refused: models/qwen3_vl.py)
+        takes = ("image", "video") if isinstance(mc.vision, QwenVisionConfig) \
+            and mc.vision.variant != "qwen3_vl" else ("image",)
         if mc.vision is not None and all(self.mm_limits.get(k) == 0 for k in takes):
             logger.info("limit_mm_per_prompt allows no %s: %s is served as its text model alone "
                         "(its vision tower not loaded)", " nor ".join(takes), mc.multimodal_architecture)

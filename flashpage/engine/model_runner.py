@@ -260,6 +260,7 @@ class ModelRunner:
         spec: list[tuple[Request, list[int]]] = []
         layout: list[tuple[Request, int, int, int]] = []
         embeds: list[tuple[int, torch.Tensor]] = []  # (first row, rows) of embeds prompts
+        deep: list[tuple[int, torch.Tensor]] = []  # (first row, [m, k, H]) Qwen3-VL's deepstack
         three: list[tuple[int, np.ndarray]] = []  # (first row, [3, n]) of M-RoPE 3-D positions
         both_ways: list[tuple[int, int, int, int, int, int]] = []  # AttentionMetadata.bidirectional
         if self.mm_encoder is not None:  # this step's inputs not encoded yet, in one batch
@@ -337,6 +338,7 @@ class ModelRunner:
                 embeds.append((t, req.prompt_embeds[start:min(end, req.num_prompt_tokens)]))
             if req.mm_inputs and start < req.num_prompt_tokens:  # engine/multimodal.py
                 embeds += [(t + i, rows) for i, rows in step_rows(req.mm_inputs, start, end)]
+                deep += [(t + i, f) for i, f in step_rows(req.mm_inputs, start, end, deepstack=True)]
                 both_ways += [(i, t + p - start, k, p, lo, hi)
                               for p, k, lo, hi in bidirectional_runs(req.mm_inputs, start, end)]
             if req.pooling is not None and start < req.num_prompt_tokens:
@@ -388,13 +390,22 @@ class ModelRunner:
             (dev[offs[9 + 2 * g]:offs[10 + 2 * g]].view(num_seqs, width).to(torch.int32),
              dev[offs[8 + 2 * g]:offs[9 + 2 * g]]) for g in range(1, extra + 1)], self.backend.prepare)
         return StepInputs(d_input_ids, d_positions, md, d_logits, sample_reqs, prompt_rows, pool_rows,
-                          spec, self._inputs_embeds(embeds))
+                          spec, self._inputs_embeds(embeds, deep))
 
-    def _inputs_embeds(self, parts: list[tuple[int, torch.Tensor]]) -> InputEmbeds | None:
+    def _inputs_embeds(self, parts: list[tuple[int, torch.Tensor]],
+                       deep: list[tuple[int, torch.Tensor]] | None = None) -> InputEmbeds | None:
         """The step's rows given as embeddings: (first row, [m, width] host rows) each ->
-        their rows and values on the device (one copy each, pinned on CUDA)."""
+        their rows and values on the device (one copy each, pinned on CUDA); ``deep``:
+        (first row, [m, k, width] device features) of Qwen3-VL's image rows (deepstack)."""
         if not parts:
             return None
+        if deep:
+            out = self._inputs_embeds(parts)
+            assert out is not None
+            out.deep_rows = torch.cat([torch.arange(t, t + len(v), dtype=torch.int64) for t, v in deep]
+                                      ).to(self.device)
+            out.deep_values = torch.cat([v.to(self.device) for _, v in deep]) if len(deep) > 1 else deep[0][1]
+            return out
         rows = torch.cat([torch.arange(t, t + len(v), dtype=torch.int64) for t, v in parts])
         # host rows (prompt embeds) pinned for their copy; device rows (multimodal) as they are
         vals = [v.pin_memory() if self.pin and v.device.type == "cpu" else v for _, v in parts]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,12 +64,17 @@ class MultiModalInput:
     grid: tuple[int, int, int] | None = None
     time_step: float | None = None  # a Qwen2.5-VL video's temporal position step (engine/mrope.py)
     bidirectional: bool = False
+    # Qwen3-VL's deepstack features [length, k, hidden] on the device, kept with ``rows``:
+    # row j's k-th is added to the hidden state of its position after decoder layer k
+    # (models/common.DecoderStack; ``step_rows``' slice of them each step)
+    deepstack: torch.Tensor | None = None
 
 
 class MultiModalEncoder(Protocol):
     def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]: ...
 
-    def encode(self, data: list[Any]) -> list[torch.Tensor]: ...
+    # each input's rows, or (rows, deepstack features [length, k, hidden]): Qwen3-VL's
+    def encode(self, data: list[Any]) -> Sequence[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]: ...
 
     # optional: activation_bytes(rows) -> the most bytes an encode call of inputs totalling
     # ``rows`` rows adds while it runs (LLMEngine reserves it beside the KV cache)
@@ -200,10 +206,16 @@ def encode_pending(encoder: MultiModalEncoder, inputs: list[MultiModalInput], ma
         rows = encoder.encode([mi.data for mi in batch if mi.data is not None])
         if len(rows) != len(batch):
             raise RuntimeError(f"the encoder gave {len(rows)} outputs for {len(batch)} inputs")
-        for mi, r in zip(batch, rows, strict=True):
-            if r.shape[0] != mi.length:
+        for mi, out in zip(batch, rows, strict=True):
+            r: torch.Tensor
+            deep: torch.Tensor | None = None
+            if isinstance(out, tuple):  # with its deepstack features (Qwen3-VL)
+                r, deep = out
+            else:
+                r = out
+            if r.shape[0] != mi.length or (deep is not None and deep.shape[0] != mi.length):
                 raise RuntimeError(f"the encoder gave {r.shape[0]} rows for an input of {mi.length} positions")
-            mi.rows, mi.data = r, None
+            mi.rows, mi.deepstack, mi.data = r, deep, None
 
 
 def overlapping(inputs: list[MultiModalInput], start: int, end: int) -> list[MultiModalInput]:
@@ -211,15 +223,19 @@ def overlapping(inputs: list[MultiModalInput], start: int, end: int) -> list[Mul
     return [mi for mi in inputs if mi.offset < end and start < mi.offset + mi.length]
 
 
-def step_rows(inputs: list[MultiModalInput], start: int, end: int
+def step_rows(inputs: list[MultiModalInput], start: int, end: int, deepstack: bool = False
               ) -> list[tuple[int, torch.Tensor]]:
     """The rows a step computing positions ``[start, end)`` takes from ``inputs`` (each
-    encoded): (the first one's index within the step, the rows)."""
+    encoded): (the first one's index within the step, the rows); ``deepstack``: their
+    deepstack features' slices instead ([m, k, hidden]), of the inputs that have them."""
     out = []
     for mi in overlapping(inputs, start, end):
-        assert mi.rows is not None
+        src = mi.deepstack if deepstack else mi.rows
+        if deepstack and src is None:
+            continue
+        assert src is not None
         a, b = max(start, mi.offset), min(end, mi.offset + mi.length)
-        out.append((a - start, mi.rows[a - mi.offset:b - mi.offset]))
+        out.append((a - start, src[a - mi.offset:b - mi.offset]))
     return out
 
 

@@ -196,15 +196,25 @@ class MRotaryEmbedding(RotaryEmbedding):
     the 1-D rope, the parent's fast path; positions [3, N] (a step holding an image's rows)
     take per-token cos / sin rows gathered from the same cache, column by column
     (``cos_sin_rows``), which the fused kernel reads as a table of N rows at positions
-    0 .. N - 1 (``table``)."""
+    0 .. N - 1 (``table``).
+
+    ``interleaved`` (Qwen3-VL): pair i turns by component i % 3 while that component has
+    pairs of its section left (pairs 1, 4, ... < 3 x section[1] by h; 2, 5, ... < 3 x
+    section[2] by w), by t otherwise: [24, 20, 20] gives t h w t h w ... then t t t t."""
 
     def __init__(self, head_dim: int, rot_dim: int, max_positions: int, base: float,
-                 section: tuple[int, ...], scaling: RopeScaling | None = None) -> None:
+                 section: tuple[int, ...], scaling: RopeScaling | None = None,
+                 interleaved: bool = False) -> None:
         super().__init__(head_dim, rot_dim, max_positions, base, scaling, is_neox=True)
         if len(section) != 3 or 2 * sum(section) != rot_dim:
             raise ValueError(f"mrope_section {list(section)} must be 3 counts summing to "
                              f"{rot_dim // 2} (the rotated pairs)")
-        comp = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+        if interleaved:
+            comp = torch.zeros(rot_dim // 2, dtype=torch.int64)
+            for c in (1, 2):
+                comp[c:3 * section[c]:3] = c
+        else:
+            comp = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
         self.component: torch.Tensor
         self.register_buffer("component", torch.cat([comp, comp]), persistent=False)
 
@@ -231,7 +241,7 @@ def get_rope(config: ModelConfig, max_positions: int, layer: int | None = None) 
     neox = not config.rope_interleaved
     if config.mrope_section:
         return MRotaryEmbedding(config.head_dim, config.rotary_dim, max_positions, config.rope_theta,
-                                config.mrope_section, config.rope_scaling)
+                                config.mrope_section, config.rope_scaling, config.mrope_interleaved)
     if (layer is not None and config.rope_local_theta is not None
             and config.layer_types[layer] == "sliding_attention"):
         return RotaryEmbedding(config.head_dim, config.rotary_dim, max_positions,

@@ -196,10 +196,17 @@ class InputEmbeds:
     engine/prompt_embeds.py): ``rows`` int64 [m] on the device, rows of the flat batch;
     ``values`` [m, width] in the model's dtype, each what transformers' model takes as
     ``inputs_embeds`` (the output of its ``get_input_embeddings()``). The batch's other rows
-    are looked up in the token embedding as always."""
+    are looked up in the token embedding as always.
+
+    ``deep_rows`` int64 [d] / ``deep_values`` [d, k, width]: Qwen3-VL's deepstack features of
+    the step's image rows (engine/multimodal.py): ``deep_values[:, i]`` is added to those
+    rows' hidden states after decoder layer i (``DecoderStack``), as transformers'
+    Qwen3VLTextModel adds them."""
 
     rows: torch.Tensor
     values: torch.Tensor
+    deep_rows: torch.Tensor | None = None
+    deep_values: torch.Tensor | None = None
 
     def splice(self, x: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [tokens, width] (the looked-up rows) with ``rows`` replaced by ``values``
@@ -242,7 +249,9 @@ class DecoderStack(nn.Module):
         if inputs_embeds is not None:
             x = inputs_embeds.splice(x, self.from_inputs_embeds(inputs_embeds.values))
         residual = None
-        if self.aux_out is None:
+        if inputs_embeds is not None and inputs_embeds.deep_values is not None:
+            x, residual = self._layers_with_deepstack(positions, x, md, inputs_embeds)
+        elif self.aux_out is None:
             for layer in self.layers:
                 x, residual = layer(positions, x, residual, md)
         else:
@@ -251,6 +260,26 @@ class DecoderStack(nn.Module):
         if self.hidden_out is not None:
             self.hidden_out[:x.shape[0]].copy_(x)
         return x
+
+    def _layers_with_deepstack(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata,
+                               embeds: InputEmbeds) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers, layer i's output at ``embeds.deep_rows`` plus their i-th deepstack
+        features for the first k layers (Qwen3-VL). A layer's hidden state is x + residual
+        (the next norm adds them), so the features go into x; ``aux_out`` kept as
+        ``_layers_keeping_aux`` keeps it."""
+        rows, deep = embeds.deep_rows, embeds.deep_values
+        assert rows is not None and deep is not None
+        out, n, h = self.aux_out, x.shape[0], x.shape[-1]
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            if out is not None:
+                for j, a in enumerate(self.aux_layers):
+                    if a == i:
+                        out[:n, j * h:(j + 1) * h].copy_(x if residual is None else x + residual)
+            x, residual = layer(positions, x, residual, md)
+            if i < deep.shape[1]:
+                x = x.index_add(0, rows, deep[:, i].to(x.dtype))
+        return x, residual
 
     def _layers_keeping_aux(self, positions: torch.Tensor, x: torch.Tensor, md: AttentionMetadata
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -58,6 +58,7 @@ from flashpage.models.qwen2_vl_video import DEFAULT_FPS, read_video
 
 if TYPE_CHECKING:
     from flashpage.models.loader import ModelSource
+    from flashpage.models.qwen3_vl import Qwen3VisionTower
 
 logger = logging.getLogger(__name__)
 
@@ -291,6 +292,18 @@ def rotary_positions(grid: tuple[int, int, int], merge: int) -> torch.Tensor:
     return torch.stack([blocks(hp), blocks(wp)], dim=-1).repeat(t, 1)
 
 
+def vision_cos_sin(grids: list[tuple[int, int, int]], merge: int, inv_freq: torch.Tensor,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tower's 2-D rotary for patches of ``grids`` in turn (merge-block order): fp32
+    [L, head_dim] cos and sin, row angles on the first quarter of the pairs' columns, column
+    angles on the second, both halves alike (rotate_half's layout)."""
+    pos = torch.cat([rotary_positions(g, merge) for g in grids]).to(device)
+    freqs = pos[..., None].float() * inv_freq.to(device)  # [L, 2, head / 4]
+    f = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+    emb = torch.cat([f, f], dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def window_order(grid: tuple[int, int, int], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
     """Qwen2.5-VL's windows over one image's merged grid (t, h / merge, w / merge) of
     ``window`` merged units square, tiled from the top left (the last row / column of
@@ -328,15 +341,8 @@ class VisionTower(nn.Module):
                                                               device="cpu") / half))
 
     def _cos_sin(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 [L, head_dim] each: row angles on the first quarter of the pairs' columns,
-        column angles on the second, both halves alike (rotate_half's layout)."""
-        m = self.config.spatial_merge_size
-        dev = self.patch_embed.proj.weight.device
-        pos = torch.cat([rotary_positions(g, m) for g in grids]).to(dev)
-        freqs = pos[..., None].float() * self.inv_freq.to(dev)  # [L, 2, head / 4]
-        f = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
-        emb = torch.cat([f, f], dim=-1)
-        return emb.cos(), emb.sin()
+        return vision_cos_sin(grids, self.config.spatial_merge_size, self.inv_freq,
+                              self.patch_embed.proj.weight.device)
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """patches [L, patch_dim] of the images ``grids`` in turn -> rows [L / merge^2, out]."""
@@ -387,7 +393,13 @@ class QwenImageEncoder(nn.Module):
     def __init__(self, vc: QwenVisionConfig) -> None:
         super().__init__()
         self.config = vc
-        self.visual = VisionTower(vc)
+        self.visual: VisionTower | Qwen3VisionTower
+        if vc.variant == "qwen3_vl":
+            from flashpage.models.qwen3_vl import Qwen3VisionTower
+
+            self.visual = Qwen3VisionTower(vc)
+        else:
+            self.visual = VisionTower(vc)
         # the most rows one tower call takes (activation_bytes: what the engine reserved)
         self.call_rows: int | None = None
 
@@ -436,6 +448,10 @@ class QwenImageEncoder(nn.Module):
             items += pix
             counts[vc.image_token_id] = [self.num_rows(p) for p in pix]
         if "video" in data:
+            if vc.variant == "qwen3_vl":
+                raise ValueError("video input is not supported for Qwen3-VL yet (its processor puts a "
+                                 "timestamp text before each frame group, which flashpage does not build); "
+                                 "give images")
             vids = [self.admit_video(v, i) for i, v in enumerate(video_items(data["video"]))]
             items += vids
             counts[vc.video_token_id] = [self.num_rows(v) for v in vids]
@@ -545,7 +561,9 @@ class QwenImageEncoder(nn.Module):
         b = self.visual.patch_embed.proj.weight.element_size()
         h, i = vc.hidden_size, vc.intermediate_size + (-vc.intermediate_size % 64)
         per = (8 * h + 4 * i) * b + 2 * h * 4 + 3 * (h // vc.num_heads) * 4 + 2 * vc.patch_dim * 4
-        return patches * per
+        # Qwen3-VL: the deepstack mergers' outputs, kept to the end of the call (per row)
+        deep = len(vc.deepstack_visual_indexes) * 2 * vc.out_hidden_size * b // vc.spatial_merge_size ** 2
+        return patches * (per + deep)
 
     def admit_image(self, image: Any, i: int = 0) -> QwenImage:
         """What a request keeps of an image (the server prepares it on a worker thread):
@@ -553,9 +571,9 @@ class QwenImageEncoder(nn.Module):
         return self.pixel_values(image, i, resized_only=True)
 
     @torch.inference_mode()
-    def encode(self, data: list[QwenImage]) -> list[torch.Tensor]:
+    def encode(self, data: list[QwenImage]) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
         """The engine's multimodal hook: the images' and videos' rows [num_rows, H] on the
-        device, in tower passes of at most ``call_rows`` rows (None: one pass; a video cut
+        device (Qwen3-VL: with their deepstack features [num_rows, k, H], models/qwen3_vl.py), in tower passes of at most ``call_rows`` rows (None: one pass; a video cut
         between frame groups, which attend only within themselves, so the cut changes
         nothing; an image or a frame group is never cut), attention kept within each image
         and each video frame group."""
@@ -587,7 +605,12 @@ class QwenImageEncoder(nn.Module):
             rows = self.visual(torch.cat([pieces[j][1] for j in call]).to(w.dtype), [pieces[j][2] for j in call])
             for j, r in zip(call, rows.split([pieces[j][1].shape[0] // m2 for j in call]), strict=True):
                 out[pieces[j][0]].append(r)
-        return [r[0] if len(r) == 1 else torch.cat(r) for r in out]
+        rows = [r[0] if len(r) == 1 else torch.cat(r) for r in out]
+        k = len(self.config.deepstack_visual_indexes)
+        if not k:
+            return rows
+        h = self.config.out_hidden_size  # Qwen3-VL's tower: each row then its k features
+        return [(r[:, :h], r[:, h:].unflatten(1, (k, h))) for r in rows]
 
     def _patches(self, pixels: torch.Tensor, video: bool = False) -> torch.Tensor:
         """Resized uint8 pixels (a video's frames [T, 3, h, w]) -> fp32 patches, on their

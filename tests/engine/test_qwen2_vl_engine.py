@@ -345,7 +345,7 @@ def test_mm_processor_kwargs_set_the_pixel_bounds(qwen):
                          use_tqdm=False)[0]
     assert sum(t == enc.config.image_token_id for t in out.prompt_token_ids) == 2  # 28 x 56 after resize
     assert _tokens([out])[0] == _want(hf, small, out, [img])
-    for bad, needle in (({"do_resize": False}, "read min_pixels, max_pixels and fps"),
+    for bad, needle in (({"do_resize": False}, "read min_pixels, max_pixels, size and fps"),
                         ({"max_pixels": 0}, "positive int"), ({"min_pixels": 10**7}, "above max_pixels")):
         with pytest.raises(ConfigError, match=needle):
             _llm(path, mm_processor_kwargs=bad)
