@@ -151,10 +151,9 @@ def image_encoder_shell(config: ModelConfig) -> torch.nn.Module | None:
 
         return QwenImageEncoder(vc)
     if module == "llava":
-        from flashpage.models.llava import LlavaImageEncoder
-        from flashpage.models.llava_next import LlavaNextImageEncoder
+        from flashpage.models.llava import encoder_class
 
-        return (LlavaNextImageEncoder if vc.grid_pinpoints else LlavaImageEncoder)(vc, config.hidden_size)
+        return encoder_class(vc)(vc, config.hidden_size)
     if module == "gemma3_vision":
         from flashpage.models.gemma3_vision import Gemma3ImageEncoder
 

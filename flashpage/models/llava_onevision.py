@@ -1,0 +1,133 @@
+"""LLaVA-OneVision (LlavaOnevisionForConditionalGeneration: llava-onevision-qwen2-0.5b /
+7b / 72b): LLaVA-NeXT's any-res tiles (models/llava_next.py) on a SigLIP tower
+(models/siglip_vision.py: no CLS row, vision_feature_layer -1 read before post_layernorm,
+select strategy "full"), LLaVA's 2-layer GELU projector and image_newline, over a Qwen2
+text model (models/multimodal.py).
+
+An image's rows depend on how many images its prompt holds, as LlavaOnevisionProcessor
+and the model decide (batch_num_images):
+
+- one image: LLaVA-NeXT's tiling and packing (anyres_pixels, LlavaNextImageEncoder.pack)
+  with anyres_max_N: an unpadded grid of r x c rows where sqrt(r c / (N side^2)) > 1.1 is
+  interpolated (bilinear) down to floor(r / ratio) x floor(c / ratio) before its newlines
+  (llava_next.pooled_grid)::
+
+      base tile's side^2 rows, then r' x (c' + 1)
+
+- several images: each one tile, the image padded to a square of the mean color
+  (LlavaOnevisionImageProcessor's pad_to_square) and resized to S x S::
+
+      side^2 rows, then image_newline                                  [side^2 + 1, H]
+
+The request keeps each image as uint8 pixels [3, H, W] (``admit_image``: the server
+decodes them on a worker thread before it knows how many a prompt holds) or as an
+AnyResImage given (its tiles must be the ones its prompt's image count makes). Video input
+(OneVision's pooled frames) is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from flashpage.engine.multimodal import MultiModalInput
+from flashpage.models.clip_image import is_pil_image, pil_to_uint8, preprocess
+from flashpage.models.llava import expand_image_tokens
+from flashpage.models.llava_next import AnyResImage, LlavaNextImageEncoder, anyres_pixels
+
+NAME = "LLaVA-OneVision (LlavaOnevisionForConditionalGeneration)"
+
+
+def single_tile_pixels(image: Any, vc: Any) -> AnyResImage:
+    """An image of a prompt of several (PIL or uint8 [3, H, W]) -> one tile [1, 3, S, S]:
+    padded to a square of the mean color, resized, normalized (module docstring)."""
+    x = image if isinstance(image, torch.Tensor) else pil_to_uint8(image, vc.processing.convert_rgb)
+    px = preprocess(x, replace(vc.processing, pad_to_square=True))
+    side = vc.image_size // vc.patch_size
+    return AnyResImage(px[None], (int(x.shape[1]), int(x.shape[2])), side * side + 1)
+
+
+class LlavaOnevisionImageEncoder(LlavaNextImageEncoder):
+    """Images -> the rows of their ``<image>`` positions (module docstring)."""
+
+    # tower tokens over rows: a pooled grid keeps about anyres_max of up to 36 tiles'
+    # (llava-onevision's 6 x 6 pinpoints: 37 x 729 tokens for 7,371 rows); 4 bounds it
+    TOKENS_PER_ROW = 4.0
+
+    def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
+        """The engine's multimodal hook at admission (engine/multimodal.py): the images of
+        ``multi_modal_data`` ({"image": a PIL image, uint8 pixels [3, H, W], an
+        AnyResImage, or a list of them}) tiled as their count says (module docstring), each
+        ``<image>`` expanded to its image's rows; a ValueError names what is wrong."""
+        if isinstance(data, dict) and "video" in data:
+            raise ValueError(f"multi_modal_data[\"video\"]: video input to {NAME} is not "
+                             "supported yet; give images (\"image\")")
+        from flashpage.models.llava import images_of
+
+        images = images_of(data, batches=False)
+        items = [self.tiles(img, i, len(images) == 1) for i, img in enumerate(images)]
+        ids, starts = expand_image_tokens(ids, self.config.image_token_id, len(items),
+                                          [it.rows for it in items])
+        return ids, [MultiModalInput(s, it.rows, it.digest(), it)
+                     for s, it in zip(starts, items, strict=True)]
+
+    def admit_image(self, image: Any, i: int = 0) -> Any:
+        """What a request keeps of an image before its prompt's image count is known (the
+        server's, on a worker thread): a PIL image decoded to uint8 [3, H, W]; a uint8
+        tensor or an AnyResImage checked later, in ``prepare``."""
+        if is_pil_image(image):
+            try:
+                return pil_to_uint8(image, self.config.processing.convert_rgb)
+            except (OSError, ValueError) as e:  # a truncated or unreadable file: PIL's words
+                raise ValueError(f"image {i} could not be read: {e}") from e
+        self._uint8_checked(image, i)
+        return image
+
+    def pixel_values(self, image: Any, i: int = 0) -> AnyResImage:  # type: ignore[override]
+        """One image alone in its prompt, tiled (``tiles``; ``flashpage inspect``'s count)."""
+        return self.tiles(image, i, True)
+
+    def tiles(self, image: Any, i: int, alone: bool) -> AnyResImage:
+        """Image ``i`` tiled as the only image of its prompt (``alone``) or as one of
+        several (one tile); an AnyResImage given is checked against that."""
+        vc = self.config
+        if isinstance(image, AnyResImage):
+            if alone:
+                return self._checked(image, i)
+            s = vc.image_size
+            px = image.pixels
+            if not isinstance(px, torch.Tensor) or tuple(px.shape) != (1, 3, s, s) \
+                    or not px.is_floating_point():
+                shape = list(px.shape) if isinstance(px, torch.Tensor) else type(px).__name__
+                raise ValueError(f"image {i}: an image among several of a prompt is one float tile "
+                                 f"[1, 3, {s}, {s}] in {NAME}, got {shape}")
+            px = px.detach().to("cpu", torch.float32).contiguous()
+            if not bool(torch.isfinite(px).all()):
+                raise ValueError(f"image {i}: pixel values hold inf or NaN")
+            side = s // vc.patch_size
+            return AnyResImage(px, tuple(image.size), side * side + 1)  # type: ignore[arg-type]
+        x = self.admit_image(image, i)
+        try:
+            return anyres_pixels(x, vc) if alone else single_tile_pixels(x, vc)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"image {i} could not be read: {e}") from e
+
+    @staticmethod
+    def _uint8_checked(image: Any, i: int) -> None:
+        if isinstance(image, torch.Tensor):
+            if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[0] != 3 or 0 in image.shape:
+                raise ValueError(f"image {i}: a tensor image must be uint8 pixels [3, H, W] (its "
+                                 f"tiles and row count follow its size), got {list(image.shape)} "
+                                 f"{str(image.dtype).replace('torch.', '')}")
+            return
+        raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image or uint8 "
+                         "pixels [3, H, W]")
+
+    def pack(self, feats: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """One image's tiles' rows -> its rows: one tile (an image among several) its rows
+        and image_newline, else LLaVA-NeXT's packing with anyres_max pooling."""
+        if feats.shape[0] == 1:
+            return torch.cat([feats[0], self.image_newline.to(feats.dtype)[None]])
+        return super().pack(feats, size)
