@@ -179,8 +179,8 @@ def test_config_fields_and_the_published_counts(tiny):
     assert mc.architecture == "Qwen2ForCausalLM"
     assert (vc.tower, vc.anyres_max, vc.select_strategy, vc.feature_layers) == ("siglip", 4, "full", (3,))
     assert vc.tokens_per_image == 16 and not vc.processing.pad_to_square
-    # llava-onevision-qwen2-0.5b-ov-hf's config.json (fields as published; no preprocessor
-    # config beside it: CLIP's mean and std, 384 x 384)
+    # llava-onevision-qwen2-0.5b-ov-hf's sizes (no preprocessor config beside it:
+    # LlavaOnevisionImageProcessor's defaults, 384 x 384)
     d = {"architectures": ["LlavaOnevisionForConditionalGeneration"], "image_token_index": 151646,
          "model_type": "llava_onevision", "projector_hidden_act": "gelu",
          "text_config": {"hidden_size": 896, "intermediate_size": 4864, "model_type": "qwen2",
@@ -200,6 +200,12 @@ def test_config_fields_and_the_published_counts(tiny):
     for h, w in [(384, 384), (480, 640), (1080, 1920), (2304, 2304), (4000, 300), (100, 3000)]:
         assert num_image_rows(bv, (h, w)) == proc._get_number_of_features(h, w, 384, 384), (h, w)
     assert num_image_rows(bv, (2304, 2304)) == 729 + 81 * 82  # 162 x 162 pooled by 2
+    from flashpage.inspect import inspect_config
+
+    info = inspect_config(big, 80 << 30, image_size=(1024, 768))["vision"]
+    # SigLIP so400m's 26 layers (no post_layernorm, no head: never read) and the projector
+    assert 0.39e9 < info["params"] < 0.41e9
+    assert info["image_tokens"] == num_image_rows(bv, (768, 1024)) == proc._get_number_of_features(768, 1024, 384, 384)
 
 
 @pytest.mark.parametrize("edit, needle", [
