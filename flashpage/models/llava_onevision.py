@@ -35,7 +35,12 @@ import torch
 from flashpage.engine.multimodal import MultiModalInput
 from flashpage.models.clip_image import is_pil_image, pil_to_uint8, preprocess
 from flashpage.models.llava import expand_image_tokens
-from flashpage.models.llava_next import AnyResImage, LlavaNextImageEncoder, anyres_pixels
+from flashpage.models.llava_next import (
+    AnyResImage,
+    LlavaNextImageEncoder,
+    anyres_pixels,
+    num_image_rows,
+)
 
 NAME = "LLaVA-OneVision (LlavaOnevisionForConditionalGeneration)"
 
@@ -72,6 +77,18 @@ class LlavaOnevisionImageEncoder(LlavaNextImageEncoder):
                                           [it.rows for it in items])
         return ids, [MultiModalInput(s, it.rows, it.digest(), it)
                      for s, it in zip(starts, items, strict=True)]
+
+    def rows_of(self, images: list[Any]) -> list[int]:
+        """The rows of each of one prompt's images (``admit_image``'s, or any ``prepare``
+        takes), as ``prepare`` counts them: the server's length check and usage."""
+        side = self.config.image_size // self.config.patch_size
+        if len(images) != 1:
+            return [side * side + 1] * len(images)
+        (image,) = images
+        if isinstance(image, AnyResImage):
+            return [image.rows]
+        x = self.admit_image(image)
+        return [num_image_rows(self.config, (int(x.shape[1]), int(x.shape[2])))]
 
     def admit_image(self, image: Any, i: int = 0) -> Any:
         """What a request keeps of an image before its prompt's image count is known (the
