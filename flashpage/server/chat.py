@@ -66,8 +66,8 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
         if images is not None and rows is not None and not hasattr(encoder, "rows_of") else 0
     # counts that depend on the prompt's other images (LLaVA-OneVision's: one tile each of
     # several; models/llava_onevision.py rows_of)
-    if images is not None and hasattr(encoder, "rows_of"):
-        grows = sum(r - 1 for r in encoder.rows_of(images["image"]))
+    if images is not None and (rows_of := getattr(encoder, "rows_of", None)) is not None:
+        grows = sum(r - 1 for r in rows_of(images["image"]))
     n_prompt = len(ids) + grows  # what the engine runs (and usage counts, as vLLM's)
     # an expansion that adds more than rows (Gemma 3's newlines and <end_of_image>): its own
     # count from the ids (models/gemma3_vision.py prompt_length)
