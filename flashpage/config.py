@@ -1961,6 +1961,9 @@ class VisionConfig:
     # tiles' rows is pooled down to about N tiles'; an image among several of one prompt is
     # one tile: models/llava_onevision.py); 0 for LLaVA-NeXT
     anyres_max: int = 0
+    # LLaVA-OneVision's <video> (video_token_index): each becomes a video's frames' pooled
+    # rows and a newline; None where videos are not taken
+    video_token_id: int | None = None
 
     @property
     def tokens_per_image(self) -> int:
@@ -2165,13 +2168,17 @@ def _vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | No
             raise ConfigError(f"{where}: vision_aspect_ratio {ratio!r} is not read; \"anyres_max_N\" "
                               "(N a positive int: the tiles a grid is pooled down to) is")
         anyres_max = int(m.group(1))
+        video = d.get("video_token_index", d.get("video_token_id", 151_647))
+        if not isinstance(video, int) or isinstance(video, bool) or video < 0 or video == token:
+            raise ConfigError(f"{where}: video_token_index must be a token id other than the image "
+                              f"token's, got {video!r}")
     return VisionConfig(
         v["hidden_size"], v["intermediate_size"], layers, v["num_attention_heads"],
         v["num_channels"], v["image_size"], v["patch_size"], v["hidden_act"],
         float(v["layer_norm_eps"]), tuple(feature), strategy, act,
         bool(d.get("multimodal_projector_bias", True)), token,
         _image_processing(folder, v["image_size"], where, pinpoints), pinpoints,
-        "siglip" if onevision else "clip", anyres_max)
+        "siglip" if onevision else "clip", anyres_max, video if onevision else None)
 
 
 # Qwen2VLTextConfig's / Qwen2_5_VLTextConfig's defaults (the published configs name them all)

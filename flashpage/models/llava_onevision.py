@@ -21,19 +21,31 @@ and the model decide (batch_num_images):
 
 The request keeps each image as uint8 pixels [3, H, W] (``admit_image``: the server
 decodes them on a worker thread before it knows how many a prompt holds) or as an
-AnyResImage given (its tiles must be the ones its prompt's image count makes). Video input
-(OneVision's pooled frames) is refused by name.
+AnyResImage given (its tiles must be the ones its prompt's image count makes).
+
+Videos (multi_modal_data {"video": frames}, vLLM's forms: engine/multimodal.video_items,
+models/qwen2_vl_video.read_video), as get_video_features and LlavaOnevisionVideoProcessor
+make them, each ``<video>`` (video_token_index) its rows::
+
+    frames uint8 [F, 3, H, W] -> each resized to S x S (no aspect kept), normalized
+    -> tower + projector -> [F, side, side, H] -> bilinear to ceil(side / 2) a side
+    -> the frames' rows in order, then one image_newline     [F x ceil(side / 2)^2 + 1, H]
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import hashlib
+import math
+import struct
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from flashpage.engine.multimodal import MultiModalInput
-from flashpage.models.clip_image import is_pil_image, pil_to_uint8, preprocess
+from flashpage.engine.multimodal import MultiModalInput, token_runs, video_items
+from flashpage.engine.prompt_embeds import digest
+from flashpage.models.clip_image import is_pil_image, normalize, pil_to_uint8, preprocess
 from flashpage.models.llava import expand_image_tokens
 from flashpage.models.llava_next import (
     AnyResImage,
@@ -54,6 +66,64 @@ def single_tile_pixels(image: Any, vc: Any) -> AnyResImage:
     return AnyResImage(px[None], (int(x.shape[1]), int(x.shape[2])), side * side + 1)
 
 
+@dataclass(eq=False)
+class OnevisionVideo:
+    """One video preprocessed: its frames resized, uint8 [F, 3, S, S] (host; normalized on
+    the device by ``encode``), and its rows' count."""
+
+    frames: torch.Tensor
+    rows: int
+
+    def digest(self) -> bytes:
+        h = hashlib.blake2b(digest(self.frames), digest_size=32)
+        h.update(struct.pack("<q", -1))  # never an AnyResImage's
+        return h.digest()
+
+
+def video_rows(vc: Any, num_frames: int) -> int:
+    """A video's rows: each frame's pooled grid, then one newline (module docstring)."""
+    return num_frames * math.ceil(vc.image_size // vc.patch_size / 2) ** 2 + 1
+
+
+def video_frames(video: Any, vc: Any, i: int = 0) -> OnevisionVideo:
+    """A video (vLLM's forms) -> its frames resized to the tower's square (uint8)."""
+    from flashpage.models.qwen2_vl_video import read_video
+
+    frames, _ = read_video(video, i)
+    s = vc.image_size
+    if tuple(frames.shape[2:]) != (s, s):
+        frames = F.interpolate(frames, size=(s, s), mode=vc.processing.resample, antialias=True,
+                               align_corners=False)
+    return OnevisionVideo(frames.contiguous(), video_rows(vc, int(frames.shape[0])))
+
+
+def expand_items(ids: list[int], image_token: int, video_token: int, image_rows: list[int],
+                 video_rows_: list[int]) -> tuple[list[int], list[int]]:
+    """A prompt's ids with each ``<image>`` and ``<video>`` made its item's rows, and each
+    item's first position, in prompt order (so the inputs are ordered by it). Ids whose
+    images are expanded already (no video given) are kept; a ValueError names a count of
+    placeholders that differs from the items'."""
+    if not video_rows_:
+        return expand_image_tokens(ids, image_token, len(image_rows), image_rows)
+    n_img, n_vid = ids.count(image_token), ids.count(video_token)
+    if n_vid != len(video_rows_) or n_img != len(image_rows):
+        expanded = [n for _, n in token_runs(ids, video_token)]
+        hint = " (put one <video> per video: it is expanded here)" if expanded and max(expanded) > 1 else ""
+        raise ValueError(f"the prompt has {n_vid} video token(s) (<video>, id {video_token}) and {n_img} "
+                         f"image token(s) but {len(video_rows_)} video(s) and {len(image_rows)} image(s) "
+                         f"were given{hint}")
+    out: list[int] = []
+    starts: list[int] = []
+    imgs, vids = iter(image_rows), iter(video_rows_)
+    for t in ids:
+        if t in (image_token, video_token):
+            starts.append(len(out))
+            out.extend([t] * next(imgs if t == image_token else vids))
+        else:
+            out.append(t)
+    return out, starts
+
+
 class LlavaOnevisionImageEncoder(LlavaNextImageEncoder):
     """Images -> the rows of their ``<image>`` positions (module docstring)."""
 
@@ -66,17 +136,31 @@ class LlavaOnevisionImageEncoder(LlavaNextImageEncoder):
         ``multi_modal_data`` ({"image": a PIL image, uint8 pixels [3, H, W], an
         AnyResImage, or a list of them}) tiled as their count says (module docstring), each
         ``<image>`` expanded to its image's rows; a ValueError names what is wrong."""
-        if isinstance(data, dict) and "video" in data:
-            raise ValueError(f"multi_modal_data[\"video\"]: video input to {NAME} is not "
-                             "supported yet; give images (\"image\")")
         from flashpage.models.llava import images_of
 
-        images = images_of(data, batches=False)
-        items = [self.tiles(img, i, len(images) == 1) for i, img in enumerate(images)]
-        ids, starts = expand_image_tokens(ids, self.config.image_token_id, len(items),
-                                          [it.rows for it in items])
+        vc = self.config
+        if not isinstance(data, dict):
+            raise ValueError(f"multi_modal_data must be a dict such as {{\"image\": image}} or "
+                             f"{{\"video\": frames}}, got {type(data).__name__}")
+        unknown = sorted(set(data) - {"image", "video"})
+        if unknown or not data:
+            raise ValueError(f"multi_modal_data {unknown or '{}'}: {NAME} takes \"image\" and \"video\"")
+        images = images_of({"image": data["image"]}, batches=False) if "image" in data else []
+        videos = [video_frames(v, vc, i) for i, v in enumerate(video_items(data["video"]))] \
+            if "video" in data else []
+        if "video" in data and not videos:
+            raise ValueError("multi_modal_data[\"video\"] is an empty list")
+        items: list[Any] = [self.tiles(img, i, len(images) == 1) for i, img in enumerate(images)]
+        assert vc.video_token_id is not None
+        ids, starts = expand_items(ids, vc.image_token_id, vc.video_token_id, [it.rows for it in items],
+                                   [v.rows for v in videos])
+        # in prompt order: an item's kind by the token at its start
+        queue_i, queue_v = iter(items), iter(videos)
+        ordered = [next(queue_v if ids[s] == vc.video_token_id else queue_i) for s in starts]
         return ids, [MultiModalInput(s, it.rows, it.digest(), it)
-                     for s, it in zip(starts, items, strict=True)]
+                     for s, it in zip(starts, ordered, strict=True)]
+
+    video_token_name = "<video>"
 
     def rows_of(self, images: list[Any]) -> list[int]:
         """The rows of each of one prompt's images (``admit_image``'s, or any ``prepare``
@@ -141,6 +225,36 @@ class LlavaOnevisionImageEncoder(LlavaNextImageEncoder):
             return
         raise ValueError(f"image {i} is a {type(image).__name__}: give a PIL.Image.Image or uint8 "
                          "pixels [3, H, W]")
+
+    @torch.inference_mode()
+    def encode(self, data: list[Any]) -> list[torch.Tensor]:  # type: ignore[override]
+        """The engine's multimodal hook: images (AnyResImage) and videos (OnevisionVideo)
+        -> their rows [rows, H] on the device; every tile and frame of the batch through
+        the tower at once."""
+        p = self.vision_tower.embeddings.patch_embedding.weight
+        parts = []
+        for d in data:
+            if isinstance(d, OnevisionVideo):
+                parts.append(normalize(d.frames.to(p.device, non_blocking=True), self.config.processing))
+            else:
+                parts.append(d.pixels.to(p.device, non_blocking=True))
+        feats = self(torch.cat(parts).to(p.dtype))
+        out, i = [], 0
+        for d, x in zip(data, parts, strict=True):
+            n = x.shape[0]
+            out.append(self.pack_video(feats[i:i + n]) if isinstance(d, OnevisionVideo)
+                       else self.pack(feats[i:i + n], d.size))
+            i += n
+        return out
+
+    def pack_video(self, feats: torch.Tensor) -> torch.Tensor:
+        """A video's frames' rows [F, side^2, H] -> its rows (module docstring)."""
+        side = self.config.image_size // self.config.patch_size
+        n, _, hidden = feats.shape
+        grid = feats.view(n, side, side, hidden).permute(0, 3, 1, 2)
+        half = math.ceil(side / 2)
+        pooled = F.interpolate(grid, size=[half, half], mode="bilinear").permute(0, 2, 3, 1)
+        return torch.cat([pooled.reshape(-1, hidden), self.image_newline.to(feats.dtype)[None]])
 
     def pack(self, feats: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """One image's tiles' rows -> its rows: one tile (an image among several) its rows

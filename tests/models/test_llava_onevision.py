@@ -71,6 +71,7 @@ def _processor(image_processor, num_image_tokens: int, aspect: str):
     p.vision_feature_select_strategy = "full"
     p.vision_aspect_ratio = aspect
     p.image_token = "<image>"
+    p.video_token = "<video>"
     return p
 
 
@@ -179,6 +180,7 @@ def test_config_fields_and_the_published_counts(tiny):
     assert mc.architecture == "Qwen2ForCausalLM"
     assert (vc.tower, vc.anyres_max, vc.select_strategy, vc.feature_layers) == ("siglip", 4, "full", (3,))
     assert vc.tokens_per_image == 16 and not vc.processing.pad_to_square
+    assert (vc.image_token_id, vc.video_token_id) == (255, 254)
     # llava-onevision-qwen2-0.5b-ov-hf's sizes (no preprocessor config beside it:
     # LlavaOnevisionImageProcessor's defaults, 384 x 384)
     d = {"architectures": ["LlavaOnevisionForConditionalGeneration"], "image_token_index": 151646,
@@ -215,9 +217,40 @@ def test_config_fields_and_the_published_counts(tiny):
     (lambda d: d["vision_config"].update(model_type="clip_vision_model"), "'clip_vision_model'.*a SigLIP tower"),
     (lambda d: d["text_config"].update(model_type="llama"), "'llama' is not supported.*qwen2"),
     (lambda d: d.update(image_grid_pinpoints=[[16, 30]]), r"\[\[16, 30\]\] are not multiples"),
+    (lambda d: d.update(video_token_index=255), "video_token_index must be a token id other than the image"),
 ])
 def test_config_errors(tiny, edit, needle):
     d = json.loads((tiny("default") / "config.json").read_text())
     edit(d)
     with pytest.raises(ConfigError, match=needle):
         ModelConfig.from_hf(d)
+
+
+def test_video_rows_equal_transformers(tiny):
+    """A video's frames: each resized to the tower's square and normalized as
+    LlavaOnevisionVideoProcessor's steps say (size, bicubic, CLIP's mean and std: the image
+    processor's whole-image tile, which the CPU image can run without torchvision, within
+    two uint8 levels); its rows equal get_video_features' (pooled 2 x 2, one newline) and
+    their count LlavaOnevisionProcessor's."""
+    import numpy as np
+
+    from flashpage.models.clip_image import normalize
+    from flashpage.models.llava_onevision import video_frames
+
+    path = tiny("default")
+    hf = _hf_model(path)
+    enc = _encoder(path)
+    vc = enc.config
+    proc = hf_processor()
+    frames = [smooth_image(30, 45, seed=k) for k in range(3)]
+    video = video_frames(np.stack([np.asarray(f) for f in frames]), vc)
+    px = normalize(video.frames, vc.processing)
+    for f, ours in zip(frames, px, strict=True):
+        assert (ours - proc(f, return_tensors="pt")["pixel_values"][0][0]).abs().max() <= 2 * LEVEL
+    counting = _processor(proc, 16, ASPECT)
+    assert counting.replace_video_token({"pixel_values_videos": [px]}, 0).count("<video>") == video.rows == 13
+    with torch.no_grad():
+        want = hf.model.get_video_features(pixel_values_videos=px[None]).pooler_output[0]
+    ours = enc.encode([video])[0]
+    assert ours.shape == want.shape == (13, 64)
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-5)
