@@ -125,7 +125,8 @@ def expand_items(ids: list[int], image_token: int, video_token: int, image_rows:
 
 
 class LlavaOnevisionImageEncoder(LlavaNextImageEncoder):
-    """Images -> the rows of their ``<image>`` positions (module docstring)."""
+    """Images and videos -> the rows of their ``<image>`` / ``<video>`` positions (module
+    docstring)."""
 
     # tower tokens over rows: a pooled grid keeps about anyres_max of up to 36 tiles'
     # (llava-onevision's 6 x 6 pinpoints: 37 x 729 tokens for 7,371 rows); 4 bounds it
@@ -134,8 +135,10 @@ class LlavaOnevisionImageEncoder(LlavaNextImageEncoder):
     def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
         """The engine's multimodal hook at admission (engine/multimodal.py): the images of
         ``multi_modal_data`` ({"image": a PIL image, uint8 pixels [3, H, W], an
-        AnyResImage, or a list of them}) tiled as their count says (module docstring), each
-        ``<image>`` expanded to its image's rows; a ValueError names what is wrong."""
+        AnyResImage, or a list of them}) tiled as their count says and its videos
+        ({"video": frames, or a list of videos}) resized (module docstring), each
+        ``<image>`` / ``<video>`` expanded to its item's rows, the inputs in prompt order; a
+        ValueError names what is wrong."""
         from flashpage.models.llava import images_of
 
         vc = self.config
