@@ -117,6 +117,10 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # image_newline row after each row of the grid (models/llava_next.py)
     "LlavaNextForConditionalGeneration": (("llama", "mistral"), "llama",
                                           ("vision_tower", "multi_modal_projector", "image_newline")),
+    # LLaVA-OneVision: LLaVA-NeXT's tiles on a SigLIP tower (no CLS row), too large a grid
+    # pooled down (anyres_max_9), over a Qwen2 text model (models/llava_onevision.py)
+    "LlavaOnevisionForConditionalGeneration": (("qwen2",), "qwen2",
+                                               ("vision_tower", "multi_modal_projector", "image_newline")),
     # Qwen2-VL / Qwen2.5-VL (a ViT with 2-D rotary and a patch merger, models/qwen2_vl.py,
     # over a Qwen2 text model with M-RoPE: ModelConfig.mrope_section): their images too.
     # Published configs are flat (the text model's fields at the top level), transformers
@@ -137,14 +141,11 @@ QWEN_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration",
 # Mistral3 (and LLaVA whose vision_config is "pixtral"): a Pixtral tower, read by
 # models/pixtral_config.py, run by models/pixtral.py
 IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                                 "LlavaOnevisionForConditionalGeneration",
                                  "Mistral3ForConditionalGeneration",
                                  "Gemma3ForConditionalGeneration"}) | QWEN_VL_ARCHITECTURES
 # LLaVA's relatives we do not run, each with why (a ConfigError says it rather than "not supported")
 _UNSUPPORTED_IMAGE_ARCHITECTURES = {
-    "LlavaOnevisionForConditionalGeneration":
-        "LLaVA-OneVision (a SigLIP tower, anyres_max tiling with pooled features, video) is not "
-        "supported yet; LLaVA-1.5 (LlavaForConditionalGeneration) and LLaVA-NeXT "
-        "(LlavaNextForConditionalGeneration) checkpoints are",
     "LlavaNextVideoForConditionalGeneration":
         "LLaVA-NeXT-Video (video input, pooled frame features) is not supported yet; image-only "
         "LLaVA-NeXT (LlavaNextForConditionalGeneration) checkpoints are",
@@ -1848,6 +1849,10 @@ _TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216,
                         num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
                         head_dim=256, max_position_embeddings=131_072, rms_norm_eps=1e-6),
+    # Qwen2Config's (LLaVA-OneVision's text_config)
+    "qwen2": dict(vocab_size=151_936, hidden_size=4096, intermediate_size=22_016,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                  max_position_embeddings=32_768, rms_norm_eps=1e-6, rope_theta=10_000.0),
     "llama4_text": dict(vocab_size=202_048, hidden_size=5120, num_hidden_layers=48,
                         num_attention_heads=40),
     "mistral": dict(vocab_size=32_000, hidden_size=4096, intermediate_size=14_336,
@@ -1900,6 +1905,16 @@ _CLIP_VISION_DEFAULTS: dict[str, Any] = dict(
 _OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _VISION_ACTS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "relu")
+# SiglipVisionConfig's defaults (a LLaVA-OneVision vision_config given), and LlavaOnevisionConfig's
+# own when it has none (siglip-so400m-patch14-384)
+_SIGLIP_VISION_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+    num_channels=3, image_size=224, patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
+_ONEVISION_SIGLIP: dict[str, Any] = {**_SIGLIP_VISION_DEFAULTS, **dict(
+    hidden_size=1152, intermediate_size=4304, patch_size=14, image_size=384, num_hidden_layers=26,
+    num_attention_heads=16)}
+# LlavaOnevisionConfig's default image_grid_pinpoints: 1 .. 6 tiles of 384 a side, either way
+_ONEVISION_PINPOINTS = [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)]
 # LlavaNextConfig's default image_grid_pinpoints (llava-v1.6's, for a 336 tower)
 _LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 _PIL_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's codes -> torch interpolate's modes
@@ -1950,12 +1965,22 @@ class VisionConfig:
     # LLaVA-NeXT's image_grid_pinpoints: the (height, width) an image's tiles may cover, each
     # a multiple of image_size (models/llava_next.py); () for LLaVA-1.5's one tile
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    # the tower: "clip" (models/clip_vision.py, a CLS row first) or "siglip"
+    # (models/siglip_vision.py, no CLS row: LLaVA-OneVision's)
+    tower: str = "clip"
+    # LLaVA-OneVision's vision_aspect_ratio "anyres_max_N": N (a grid of more than 1.1^2 x N
+    # tiles' rows is pooled down to about N tiles'; an image among several of one prompt is
+    # one tile: models/llava_onevision.py); 0 for LLaVA-NeXT
+    anyres_max: int = 0
+    # LLaVA-OneVision's <video> (video_token_index): each becomes a video's frames' pooled
+    # rows and a newline; None where videos are not taken
+    video_token_id: int | None = None
 
     @property
     def tokens_per_image(self) -> int:
         """The rows one tile gives (LLaVA-1.5: one image's, each at one ``<image>``
-        position): (image / patch)^2, and the CLS row too under "full"."""
-        return (self.image_size // self.patch_size) ** 2 + (self.select_strategy == "full")
+        position): (image / patch)^2, and CLIP's CLS row too under "full"."""
+        return (self.image_size // self.patch_size) ** 2 + (self.select_strategy == "full" and self.tower == "clip")
 
     @property
     def layers_run(self) -> int:
@@ -1973,7 +1998,8 @@ def _hw(v: Any, key: str, where: str) -> tuple[int, int]:
     raise ConfigError(f"{where}: {key} must be {{\"height\": h, \"width\": w}} or an int, got {v!r}")
 
 
-_IMAGE_PROCESSORS = ("CLIPImageProcessor", "LlavaImageProcessor", "LlavaNextImageProcessor")
+_IMAGE_PROCESSORS = ("CLIPImageProcessor", "LlavaImageProcessor", "LlavaNextImageProcessor",
+                     "LlavaOnevisionImageProcessor")
 
 
 def _pinpoints(v: Any, key: str, where: str, image_size: int) -> tuple[tuple[int, int], ...]:
@@ -2034,6 +2060,10 @@ def _image_processing(folder: str | None, image_size: int, where: str,
             and _pinpoints(pc["image_grid_pinpoints"], "image_grid_pinpoints", path, image_size) != pinpoints:
         raise ConfigError(f"{path}: image_grid_pinpoints {pc['image_grid_pinpoints']!r} differ from "
                           f"config.json's {[list(p) for p in pinpoints]!r} (the tiles the model packs)")
+    onevision = kind.startswith("LlavaOnevision")
+    if onevision:  # LlavaOnevisionImageProcessor's defaults: a resize to 384 x 384, no crop
+        pc = {"size": {"height": 384, "width": 384}, **{k: v for k, v in pc.items() if v is not None}}
+        pc.setdefault("do_center_crop", False)
     shortest: int | None = None
     resize_hw: tuple[int, int] | None = None
     if pc.get("do_resize", True):
@@ -2054,7 +2084,8 @@ def _image_processing(folder: str | None, image_size: int, where: str,
                           f"size) but the vision tower takes {image_size} x {image_size}")
     return ImageProcessing(
         shortest, resize_hw, crop, rescale, mean, std, resample,
-        bool(pc.get("do_pad", False)) and not pinpoints and not kind.startswith("LlavaNext"), rgb)
+        bool(pc.get("do_pad", False)) and not pinpoints and not kind.startswith("LlavaNext") and not onevision,
+        rgb)
 
 
 def vit_section(d: dict[str, Any], arch: str, where: str, model_type: str, tower: str,
@@ -2083,19 +2114,27 @@ def vit_section(d: dict[str, Any], arch: str, where: str, model_type: str, tower
 
 def _vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None) -> VisionConfig:
     """A LLaVA checkpoint's VisionConfig: vision_config (CLIP's fields, LlavaConfig's
-    defaults under them), the top-level image fields, preprocessor_config.json (folder)."""
-    vc, v = vit_section(d, arch, where, "clip_vision_model", "a CLIP ViT tower", _CLIP_VISION_DEFAULTS)
+    defaults under them; LLaVA-OneVision's: SigLIP's), the top-level image fields,
+    preprocessor_config.json (folder)."""
+    onevision = arch == "LlavaOnevisionForConditionalGeneration"
+    if onevision:
+        vc, v = vit_section(d, arch, where, "siglip_vision_model", "a SigLIP tower",
+                            _SIGLIP_VISION_DEFAULTS if d.get("vision_config") else _ONEVISION_SIGLIP)
+    else:
+        vc, v = vit_section(d, arch, where, "clip_vision_model", "a CLIP ViT tower", _CLIP_VISION_DEFAULTS)
     if v["hidden_size"] % v["num_attention_heads"]:
         raise ConfigError(f"{where}: vision_config.hidden_size {v['hidden_size']} is not a multiple "
                           f"of num_attention_heads {v['num_attention_heads']}")
-    if v["image_size"] % v["patch_size"]:
+    # SigLIP's conv drops a remainder (so400m: 384 / 14 -> 27 x 27 patches); CLIP's
+    # positions count every patch and must match
+    if v["image_size"] % v["patch_size"] and not onevision:
         raise ConfigError(f"{where}: vision_config.image_size {v['image_size']} is not a multiple "
                           f"of patch_size {v['patch_size']}")
     if v["hidden_act"] not in _VISION_ACTS:
         raise ConfigError(f"{where}: vision_config.hidden_act {v['hidden_act']!r} is not supported "
                           f"({', '.join(_VISION_ACTS)})")
     layers = v["num_hidden_layers"]
-    raw_layer = d.get("vision_feature_layer", -2)
+    raw_layer = d.get("vision_feature_layer", -1 if onevision else -2)
     given = raw_layer if isinstance(raw_layer, list) else [raw_layer]
     feature: list[int] = []
     for lay in given:
@@ -2105,7 +2144,7 @@ def _vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | No
         feature.append(lay if lay >= 0 else layers + 1 + lay)
     if not feature:
         raise ConfigError(f"{where}: vision_feature_layer is an empty list")
-    strategy = d.get("vision_feature_select_strategy", "default")
+    strategy = d.get("vision_feature_select_strategy", "full" if onevision else "default")
     if strategy not in ("default", "full"):
         raise ConfigError(f"{where}: vision_feature_select_strategy {strategy!r} is not "
                           "\"default\" or \"full\"")
@@ -2113,7 +2152,7 @@ def _vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | No
     if act not in _VISION_ACTS:
         raise ConfigError(f"{where}: projector_hidden_act {act!r} is not supported "
                           f"({', '.join(_VISION_ACTS)})")
-    token = d.get("image_token_index", d.get("image_token_id", 32000))
+    token = d.get("image_token_index", d.get("image_token_id", 151_646 if onevision else 32000))
     if not isinstance(token, int) or isinstance(token, bool) or token < 0:
         raise ConfigError(f"{where}: image_token_index must be a token id, got {token!r}")
     pinpoints: tuple[tuple[int, int], ...] = ()
@@ -2125,12 +2164,32 @@ def _vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | No
                               "LlavaNextModel fails on it too); \"default\" is read")
         pinpoints = _pinpoints(d.get("image_grid_pinpoints", _LLAVA_NEXT_PINPOINTS),
                                "image_grid_pinpoints", where, v["image_size"])
+    anyres_max = 0
+    if onevision:
+        if strategy != "full":
+            raise ConfigError(f"{where}: vision_feature_select_strategy {strategy!r} in {arch}: its "
+                              "SigLIP tower has no CLS row, so \"default\" would drop a patch's "
+                              "row and the tiles' rows no longer fill their grid (transformers' "
+                              "LlavaOnevisionModel fails on it too); \"full\" is read")
+        pinpoints = _pinpoints(d.get("image_grid_pinpoints") or _ONEVISION_PINPOINTS,
+                               "image_grid_pinpoints", where, v["image_size"])
+        ratio = d.get("vision_aspect_ratio", "anyres_max_9")
+        m = re.fullmatch(r"anyres_max_([1-9][0-9]*)", ratio) if isinstance(ratio, str) else None
+        if m is None:
+            raise ConfigError(f"{where}: vision_aspect_ratio {ratio!r} is not read; \"anyres_max_N\" "
+                              "(N a positive int: the tiles a grid is pooled down to) is")
+        anyres_max = int(m.group(1))
+        video = d.get("video_token_index", d.get("video_token_id", 151_647))
+        if not isinstance(video, int) or isinstance(video, bool) or video < 0 or video == token:
+            raise ConfigError(f"{where}: video_token_index must be a token id other than the image "
+                              f"token's, got {video!r}")
     return VisionConfig(
         v["hidden_size"], v["intermediate_size"], layers, v["num_attention_heads"],
         v["num_channels"], v["image_size"], v["patch_size"], v["hidden_act"],
         float(v["layer_norm_eps"]), tuple(feature), strategy, act,
         bool(d.get("multimodal_projector_bias", True)), token,
-        _image_processing(folder, v["image_size"], where, pinpoints), pinpoints)
+        _image_processing(folder, v["image_size"], where, pinpoints), pinpoints,
+        "siglip" if onevision else "clip", anyres_max, video if onevision else None)
 
 
 # Qwen2VLTextConfig's / Qwen2_5_VLTextConfig's defaults (the published configs name them all)

@@ -1,6 +1,7 @@
 """``flashpage inspect`` on image models (inspect.vision_figures): the tower and projector's
 parameters are those the engine loads, one image's prompt tokens those the engine's
-preprocessing makes of it (tiny LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral3 and
+preprocessing makes of it (tiny LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Mistral3 and
 Gemma 3 checkpoints, several sizes), and the tokens left after the weights take the tower's bytes
 too; the published configs' figures where they are known (LLaVA-1.5: 576 rows of 24 x 24
 patches); a bad --image-size is a clear error."""
@@ -18,6 +19,7 @@ from flashpage.inspect import inspect_config, main, parse_image_size
 from tests.gemma3_checkpoint import build_tiny_gemma3
 from tests.llava_checkpoint import build_tiny_llava
 from tests.llava_next_checkpoint import build_tiny_llava_next
+from tests.llava_onevision_checkpoint import build_tiny_llava_onevision
 from tests.pixtral_checkpoint import build_tiny_pixtral
 from tests.qwen2_vl_checkpoint import build_tiny_qwen2_vl
 from tests.qwen3_vl_checkpoint import build_tiny_qwen3_vl, hf_qwen3_vl
@@ -26,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILDERS = {
     "llava": build_tiny_llava,
     "llava_next": build_tiny_llava_next,
+    "llava_onevision": build_tiny_llava_onevision,
     "qwen2_vl": build_tiny_qwen2_vl,
     "qwen2_5_vl": lambda p: build_tiny_qwen2_vl(p, variant="qwen2_5_vl"),
     "qwen3_vl": build_tiny_qwen3_vl,

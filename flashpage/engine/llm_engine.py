@@ -203,9 +203,13 @@ class LLMEngine:
         self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | Gemma3ImageEncoder \
             | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
-        # Qwen2-VL / Qwen2.5-VL take videos too (Qwen3-VL's are refused: models/qwen3_vl.py)
-        takes = ("image", "video") if isinstance(mc.vision, QwenVisionConfig) \
-            and mc.vision.variant != "qwen3_vl" else ("image",)
+        # Qwen2-VL / Qwen2.5-VL and LLaVA-OneVision take videos too (Qwen3-VL's are refused:
+        # models/qwen3_vl.py)
+        if isinstance(mc.vision, QwenVisionConfig):
+            takes = ("image",) if mc.vision.variant == "qwen3_vl" else ("image", "video")
+        else:
+            takes = ("image", "video") if getattr(mc.vision, "video_token_id", None) is not None \
+                else ("image",)
         if mc.vision is not None and all(self.mm_limits.get(k) == 0 for k in takes):
             logger.info("limit_mm_per_prompt allows no %s: %s is served as its text model alone "
                         "(its vision tower not loaded)", " nor ".join(takes), mc.multimodal_architecture)
@@ -1024,7 +1028,8 @@ class LLMEngine:
                                  "(multi_modal_data={\"image\": ...})")
             video = getattr(enc.config, "video_token_id", None) if enc is not None else None
             if video is not None and video in ids:
-                raise ValueError(f"the prompt has video tokens (<|video_pad|>, id {video}) but no video "
+                name = getattr(enc, "video_token_name", "<|video_pad|>")
+                raise ValueError(f"the prompt has video tokens ({name}, id {video}) but no video "
                                  "was given (multi_modal_data={\"video\": frames})")
             return ids, None
         for modality, limit in self.mm_limits.items():

@@ -4,8 +4,7 @@ tower, the projector, the prompt expansion and the rows' bidirectional attention
 The text model is served as any multimodal checkpoint's (models/multimodal.py: Gemma 3's
 text layers, models/gemma.py). Beside it the engine keeps a ``Gemma3ImageEncoder``::
 
-    pixel values [n, 3, S, S] -> patch conv (stride = patch, with bias) + learned positions
-    -> SigLIP layers (pre-norm, CLIP's: models/clip_vision.py) -> post_layernorm
+    pixel values [n, 3, S, S] -> SigLIP tower (models/siglip_vision.py) -> post_layernorm
     -> [n, P*P, Hv] as a P x P grid -> avg pool (P / sqrt(T)) -> [n, T, Hv]
     -> Gemma RMSNorm (x (1 + w), fp32) -> @ mm_input_projection_weight [Hv, H] -> [n, T, H]
 
@@ -49,10 +48,10 @@ from torch import nn
 from flashpage.engine.multimodal import MultiModalInput, token_runs
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image, normalize, resized_uint8
-from flashpage.models.clip_vision import CLIPEncoderLayer
 from flashpage.models.gemma3_config import Gemma3VisionConfig
 from flashpage.models.llava import images_of
 from flashpage.models.multimodal import stack_to
+from flashpage.models.siglip_vision import SiglipVisionTower
 
 if TYPE_CHECKING:
     from flashpage.models.loader import ModelSource
@@ -69,44 +68,6 @@ _PREFIXES = (
     ("multi_modal_projector.", "multi_modal_projector."),
 )
 IMAGE_PREFIXES = tuple(p for p, _ in _PREFIXES)
-
-
-class SiglipEmbeddings(nn.Module):
-    def __init__(self, vc: Gemma3VisionConfig) -> None:
-        super().__init__()
-        self.patch_embedding = nn.Conv2d(vc.num_channels, vc.hidden_size, kernel_size=vc.patch_size,
-                                         stride=vc.patch_size)
-        self.position_embedding = nn.Embedding(vc.patches_per_side ** 2, vc.hidden_size)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[n, 3, S, S] -> [n, P*P, hidden] (patches row-major)"""
-        x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
-        # contiguous: an add keeps its input's layout, so the residual stream would otherwise stay
-        # channel-major ([n, hidden, P*P] in memory) through every layer, each residual add and
-        # LayerNorm a strided pass (run 240: the adds at ~0.8 TB/s, a quarter of the tower's time)
-        return x.flatten(2).transpose(1, 2).contiguous() + self.position_embedding.weight
-
-
-class SiglipEncoder(nn.Module):
-    def __init__(self, vc: Gemma3VisionConfig) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(CLIPEncoderLayer(vc) for _ in range(vc.num_hidden_layers))
-
-
-class SiglipVisionTower(nn.Module):
-    """transformers' SiglipVisionModel without its pooling head (names kept)."""
-
-    def __init__(self, vc: Gemma3VisionConfig) -> None:
-        super().__init__()
-        self.embeddings = SiglipEmbeddings(vc)
-        self.encoder = SiglipEncoder(vc)
-        self.post_layernorm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        x = self.embeddings(pixel_values)
-        for layer in self.encoder.layers:
-            x = layer(x)
-        return self.post_layernorm(x)
 
 
 class _NormWeight(nn.Module):
@@ -178,7 +139,9 @@ class Gemma3ImageEncoder(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[n, 3, S, S] -> [n, tokens_per_image, text hidden]"""
-        return self.multi_modal_projector(self.vision_tower(pixel_values))
+        x = self.vision_tower(pixel_values)
+        assert isinstance(x, torch.Tensor)
+        return self.multi_modal_projector(x)
 
     def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
         """The engine's multimodal hook at admission (engine/multimodal.py): the images

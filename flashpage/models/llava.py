@@ -34,6 +34,7 @@ from flashpage.engine.multimodal import MultiModalInput, token_runs
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image, preprocess
 from flashpage.models.clip_vision import CLIPVisionTower, activation
+from flashpage.models.siglip_vision import SiglipVisionTower
 
 if TYPE_CHECKING:
     from flashpage.models.loader import ModelSource
@@ -73,7 +74,8 @@ class LlavaImageEncoder(nn.Module):
     def __init__(self, vc: VisionConfig, text_hidden: int) -> None:
         super().__init__()
         self.config = vc
-        self.vision_tower = CLIPVisionTower(vc)
+        self.vision_tower: CLIPVisionTower | SiglipVisionTower = (
+            SiglipVisionTower(vc, vc.layers_run, post_norm=False) if vc.tower == "siglip" else CLIPVisionTower(vc))
         self.multi_modal_projector = LlavaMultiModalProjector(vc, text_hidden)
 
     @property
@@ -104,6 +106,7 @@ class LlavaImageEncoder(nn.Module):
         """[n, 3, S, S] -> [n, tokens_per_image, text hidden]"""
         vc = self.config
         feats = self.vision_tower(pixel_values, vc.feature_layers)
+        assert isinstance(feats, list)
         if vc.select_strategy == "default":
             feats = [f[:, 1:] for f in feats]
         x = feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)
@@ -164,7 +167,8 @@ class LlavaImageEncoder(nn.Module):
         def unread(ours: str) -> bool:  # never read (module docstring)
             m = _LAYER.match(ours)
             return bool(m and int(m.group(1)) >= self.config.layers_run) \
-                or ours.startswith("vision_tower.post_layernorm.") or ours == "vision_tower.embeddings.position_ids"
+                or ours.startswith(("vision_tower.post_layernorm.", "vision_tower.head.")) \
+                or ours == "vision_tower.embeddings.position_ids"
 
         loaded, skipped = load_image_weights(self, weights, where, _PREFIXES, "LLaVA's vision tower or projector",
                                              "vision tower / projector", unread)
@@ -198,22 +202,31 @@ def images_of(data: Any, batches: bool = True) -> list[Any]:
     return images
 
 
+def encoder_class(vc: VisionConfig) -> type[LlavaImageEncoder]:
+    """The encoder of a LLaVA VisionConfig: LLaVA-1.5's one tile, LLaVA-NeXT's any-res tiles
+    (grid_pinpoints: models/llava_next.py), LLaVA-OneVision's (anyres_max:
+    models/llava_onevision.py)."""
+    if vc.anyres_max:
+        from flashpage.models.llava_onevision import LlavaOnevisionImageEncoder
+
+        return LlavaOnevisionImageEncoder
+    if vc.grid_pinpoints:
+        from flashpage.models.llava_next import LlavaNextImageEncoder
+
+        return LlavaNextImageEncoder
+    return LlavaImageEncoder
+
+
 def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.device,
                        seed: int = 0) -> LlavaImageEncoder:
     """``source``'s (loader.ModelSource) image encoder in ``dtype`` on ``device``: its
-    checkpoint's tensors, or random ones (a random_config source). LLaVA-NeXT's (any-res
-    tiles: config grid_pinpoints) is models/llava_next.py's."""
+    checkpoint's tensors, or random ones (a random_config source); its class: encoder_class."""
     from flashpage.models.loader import init_random_, iter_safetensors
 
     vc = source.config.vision
     assert isinstance(vc, VisionConfig)
-    cls = LlavaImageEncoder
-    if vc.grid_pinpoints:
-        from flashpage.models.llava_next import LlavaNextImageEncoder
-
-        cls = LlavaNextImageEncoder
     with torch.device(device):
-        enc = cls(vc, source.config.hidden_size)
+        enc = encoder_class(vc)(vc, source.config.hidden_size)
     enc.to(dtype)
     if source.kind == "random":
         init_random_(enc, seed)

@@ -17,7 +17,9 @@ Rows (``LlavaNextImageEncoder.pack``), side = S / patch:
     tower + projector on every tile -> [1 + n, side^2, H]
     base = tile 0's rows                                          [side^2, H]
     grid = tiles 1.. as a (gh * side) x (gw * side) map of rows, the padding's rows and
-           columns cut off again (unpad: the image's aspect ratio, transformers' rounding)
+           columns cut off again (unpad: the image's aspect ratio, transformers' rounding),
+           under LLaVA-OneVision's anyres_max_N a grid of too many rows interpolated down
+           to about N tiles' (pooled_grid; models/llava_onevision.py)
     each grid row + image_newline                                 [r, c + 1, H]
     -> base, then the grid row by row                             [side^2 + r * (c + 1), H]
 
@@ -88,12 +90,28 @@ def unpadded_grid(size: Resolution, grid_hw: Resolution) -> tuple[int, int, int,
     return 0, ch, pad, cw - 2 * pad
 
 
+def pooled_grid(vc: VisionConfig, r: int, c: int) -> Resolution:
+    """The rows x columns an unpadded grid of r x c is packed as: itself, or under
+    LLaVA-OneVision's anyres_max_N (vc.anyres_max) a grid of more than 1.1^2 x N tiles'
+    rows shrunk by its ratio to N tiles' (transformers' floor rounding), which
+    ``LlavaNextImageEncoder.pack`` interpolates bilinearly."""
+    if not vc.anyres_max:
+        return r, c
+    side = vc.image_size // vc.patch_size
+    ratio = math.sqrt(r * c / (vc.anyres_max * side ** 2))
+    if ratio > 1.1:
+        return int(r // ratio), int(c // ratio)
+    return r, c
+
+
 def num_image_rows(vc: VisionConfig, size: Resolution) -> int:
     """The rows (``<image>`` positions) of an image of ``size`` (height, width): the base
-    tile's, then r x (c + 1) for the unpadded grid and its newlines (module docstring)."""
+    tile's, then r x (c + 1) for the unpadded (and pooled: pooled_grid) grid and its
+    newlines (module docstring)."""
     side = vc.image_size // vc.patch_size
     bh, bw = select_best_resolution(size, vc.grid_pinpoints)
     _, r, _, c = unpadded_grid(size, (bh // vc.image_size * side, bw // vc.image_size * side))
+    r, c = pooled_grid(vc, r, c)
     return side * side + r * (c + 1)
 
 
@@ -212,6 +230,9 @@ class LlavaNextImageEncoder(LlavaImageEncoder):
         grid = grid.reshape(gh * side, gw * side, hidden)
         r0, r, c0, c = unpadded_grid(size, (gh * side, gw * side))
         grid = grid[r0:r0 + r, c0:c0 + c]
+        if (pooled := pooled_grid(vc, r, c)) != (r, c):
+            r = pooled[0]
+            grid = F.interpolate(grid.permute(2, 0, 1)[None], list(pooled), mode="bilinear")[0].permute(1, 2, 0)
         newline = self.image_newline.to(grid.dtype).expand(r, 1, hidden)
         return torch.cat([feats[0], torch.cat([grid, newline], dim=1).reshape(-1, hidden)])
 

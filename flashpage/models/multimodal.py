@@ -1,10 +1,11 @@
 """The text model of a multimodal checkpoint (config.MULTIMODAL_TEXT_ARCHITECTURES:
 Llama4ForConditionalGeneration served alone, images not supported; and
-LlavaForConditionalGeneration / LlavaNextForConditionalGeneration,
-Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration,
-Mistral3ForConditionalGeneration and Gemma3ForConditionalGeneration, whose images
-models/llava.py / llava_next.py, models/qwen2_vl.py, models/pixtral.py and
-models/gemma3_vision.py run beside them).
+LlavaForConditionalGeneration / LlavaNextForConditionalGeneration /
+LlavaOnevisionForConditionalGeneration, Qwen2VLForConditionalGeneration /
+Qwen2_5_VLForConditionalGeneration, Mistral3ForConditionalGeneration and
+Gemma3ForConditionalGeneration, whose images models/llava.py / llava_next.py /
+llava_onevision.py, models/qwen2_vl.py, models/pixtral.py and models/gemma3_vision.py run
+beside them).
 
 The config is the text model's (config._text_config_of); its weights sit under the wrapper's
 prefixes, which ``text_model_weights`` takes off on the way to the text family's own
@@ -49,7 +50,8 @@ _BARE_PREFIXES = {arch: (("model.", "model."),) for arch in
 
 
 # a vision config's class -> the module under flashpage/models/ whose load_image_encoder
-# builds its tower and projector (LLaVA-NeXT's any-res tiles: llava's, by grid_pinpoints)
+# builds its tower and projector (LLaVA-NeXT's and LLaVA-OneVision's: llava's,
+# llava.encoder_class)
 IMAGE_MODULES = {"VisionConfig": "llava", "QwenVisionConfig": "qwen2_vl",
                  "PixtralVisionConfig": "pixtral", "Gemma3VisionConfig": "gemma3_vision"}
 
@@ -170,10 +172,9 @@ def image_encoder_shell(config: ModelConfig) -> torch.nn.Module | None:
 
         return QwenImageEncoder(vc)
     if module == "llava":
-        from flashpage.models.llava import LlavaImageEncoder
-        from flashpage.models.llava_next import LlavaNextImageEncoder
+        from flashpage.models.llava import encoder_class
 
-        return (LlavaNextImageEncoder if vc.grid_pinpoints else LlavaImageEncoder)(vc, config.hidden_size)
+        return encoder_class(vc)(vc, config.hidden_size)
     if module == "gemma3_vision":
         from flashpage.models.gemma3_vision import Gemma3ImageEncoder
 

@@ -63,7 +63,11 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     encoder = getattr(state.engine.engine, "mm_encoder", None)
     rows = (getattr(encoder, "image_rows", None) or encoder.num_rows) if encoder is not None else None
     grows = sum(rows(im) - 1 for im in images["image"]) \
-        if images is not None and rows is not None else 0
+        if images is not None and rows is not None and not hasattr(encoder, "rows_of") else 0
+    # counts that depend on the prompt's other images (LLaVA-OneVision's: one tile each of
+    # several; models/llava_onevision.py rows_of)
+    if images is not None and (rows_of := getattr(encoder, "rows_of", None)) is not None:
+        grows = sum(r - 1 for r in rows_of(images["image"]))
     n_prompt = len(ids) + grows  # what the engine runs (and usage counts, as vLLM's)
     # an expansion that adds more than rows (Gemma 3's newlines and <end_of_image>): its own
     # count from the ids (models/gemma3_vision.py prompt_length)

@@ -200,7 +200,8 @@ def test_config_fields(tiny):
     (lambda d: d.update(image_grid_pinpoints=[]), "non-empty list"),
     (lambda d: d.update(image_grid_pinpoints=[[16]]), "non-empty list"),
     (lambda d: d["vision_config"].update(model_type="siglip_vision_model"), "siglip_vision_model"),
-    (lambda d: d.update(architectures=["LlavaOnevisionForConditionalGeneration"]), "LLaVA-OneVision"),
+    (lambda d: d.update(architectures=["LlavaOnevisionForConditionalGeneration"]),
+     "'llama' is not supported in LlavaOnevisionForConditionalGeneration"),
     (lambda d: d.update(architectures=["LlavaNextVideoForConditionalGeneration"]), "LLaVA-NeXT-Video"),
     (lambda d: d["text_config"].update(model_type="qwen2"), "'qwen2' is not supported"),
 ])

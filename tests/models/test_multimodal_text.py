@@ -336,6 +336,7 @@ def test_unsupported_wrapper_lists_the_text_only_ones():
     with pytest.raises(ConfigError, match=r"with image input: Gemma3ForConditionalGeneration, "
                                           r"LlavaForConditionalGeneration, "
                                           r"LlavaNextForConditionalGeneration, "
+                                          r"LlavaOnevisionForConditionalGeneration, "
                                           r"Mistral3ForConditionalGeneration, "
                                           r"Qwen2VLForConditionalGeneration, "
                                           r"Qwen2_5_VLForConditionalGeneration, "
