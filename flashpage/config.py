@@ -3098,6 +3098,9 @@ class EngineConfig:
     # vLLM's mm_processor_kwargs: the processors' settings over the checkpoint's (Qwen2-VL:
     # {"min_pixels": ..., "max_pixels": ..., "fps": ...}); with_mm_processor_kwargs reads them
     mm_processor_kwargs: dict[str, Any] | None = None
+    # the encoder outputs kept for later requests of the same image, in rows
+    # (engine/encoder_cache.py; None: max_num_batched_tokens' worth, 0: none kept)
+    mm_encoder_cache_tokens: int | None = None
 
     @property
     def media_policy(self) -> MediaPolicy:
@@ -3122,6 +3125,9 @@ class EngineConfig:
             raise ConfigError(str(e)) from None
 
         check_scheduling_policy(self.scheduling_policy)
+        n = self.mm_encoder_cache_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ConfigError(f"mm_encoder_cache_tokens must be an int >= 0 (0: no encoder cache), got {n!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -34,6 +34,7 @@ from flashpage.engine import cumem
 from flashpage.engine.cuda_graph import PREFILL_MAX_TOKENS
 from flashpage.engine.cumem import CuMemPool
 from flashpage.engine.draft_model import DraftRunner, build_draft_proposer, check_draft_config
+from flashpage.engine.encoder_cache import EncoderCache
 from flashpage.engine.kv_offload import KVOffloader
 from flashpage.engine.medusa import build_medusa_proposer, load_medusa_heads
 from flashpage.engine.model_runner import ModelRunner
@@ -315,6 +316,8 @@ class LLMEngine:
         self.runner.lora = self.lora
         self.runner.mm_encoder = self.mm_encoder
         self.runner.mm_encode_rows = self.config.max_num_batched_tokens
+        if self.mm_encoder is not None and self._encoder_cache_rows():
+            self.runner.encoder_cache = EncoderCache(self._encoder_cache_rows())
         # KV cache offloading (engine/kv_offload.py): a host tier behind the prefix cache,
         # attached once the draft's pool (if any) exists: a host block holds both
         self.offload: KVOffloader | None = None
@@ -765,7 +768,16 @@ class LLMEngine:
         fn = getattr(self.mm_encoder, "activation_bytes", None)
         if fn is None:
             return 0
-        return int(fn(self.config.max_num_batched_tokens)) + (512 << 20)
+        # and the encoder cache's rows of finished requests (engine/encoder_cache.py), with
+        # Qwen3-VL's deepstack features
+        deep = len(getattr(getattr(self.mm_encoder, "config", None), "deepstack_visual_indexes", ()) or ())
+        row = self.model_config.hidden_size * (1 + deep) * dtype_bytes(str(self.dtype).replace("torch.", ""))
+        return int(fn(self.config.max_num_batched_tokens)) + self._encoder_cache_rows() * row + (512 << 20)
+
+    def _encoder_cache_rows(self) -> int:
+        """The encoder cache's capacity in rows (0: none)."""
+        n = self.config.mm_encoder_cache_tokens
+        return self.config.max_num_batched_tokens if n is None else n
 
     def _activation_bytes(self) -> int:
         mc, cfg = self.model_config, self.config
@@ -1086,6 +1098,8 @@ class LLMEngine:
         nothing forgotten) otherwise."""
         if self._inflight is not None or self.has_unfinished_requests():
             return False
+        if self.runner.encoder_cache is not None:  # and the images' encoder outputs
+            self.runner.encoder_cache.clear()
         return self.kv_manager.reset_prefix_cache()
 
     def get_num_unfinished_requests(self) -> int:
@@ -1223,6 +1237,8 @@ class LLMEngine:
                                "not sleeping")
         if not state.keeps_graphs:
             self._drop_graphs()
+        if self.runner.encoder_cache is not None:  # its rows' device memory back too
+            self.runner.encoder_cache.clear()
         state.sleep(level)
         logger.info("asleep (level %d): %.1f MiB of weights%s and %.1f MiB of KV cache released%s",
                     level, state.nbytes("weights") / 2**20, " (kept on the host)" if level == 1 else "",
@@ -1333,8 +1349,11 @@ class LLMEngine:
         return None
 
     def _weights_changed(self) -> None:
-        """After any write of the weights: the cached prefixes' K/V came from the old ones."""
+        """After any write of the weights: the cached prefixes' K/V (and images' encoder
+        outputs) came from the old ones."""
         self.kv_manager.reset_prefix_cache()
+        if self.runner.encoder_cache is not None:
+            self.runner.encoder_cache.clear()
         if self.sleep_state is not None:
             self.sleep_state.weights_discarded = False
 
@@ -1361,5 +1380,9 @@ class LLMEngine:
             out["spec_decode"] = self.proposer.stats.as_dict()
         if self.lora is not None:
             out["lora"] = self.lora.stats()
+        cache = self.runner.encoder_cache
+        if cache is not None:
+            out["encoder_cache"] = {"queries": cache.queries, "hits": cache.hits, "rows": cache.rows,
+                                    "capacity": cache.capacity}
         return out
 

@@ -114,7 +114,7 @@ def test_prefix_cache_hits_on_a_repeated_image(qwen3, monkeypatch):
     The same text and image before other text: the hit ends inside the image (blocks 0-1),
     the step computes the image's last rows with their part of the deepstack features."""
     path, hf = qwen3
-    llm = _llm(path)
+    llm = _llm(path, mm_encoder_cache_tokens=0)  # the tower runs again wherever the prefix cache misses
     kv = llm.engine.kv_manager
     enc = llm.engine.mm_encoder
     encoded = _spy(monkeypatch, enc)
