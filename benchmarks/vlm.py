@@ -42,10 +42,13 @@ from flashpage.sampling_params import SamplingParams
 
 
 def workload(n: int, system: int, question: int, vocab: int, placeholder: list[int], size: int,
-             seed: int = 0, uint8: bool = False, avoid: frozenset[int] = frozenset()):
+             seed: int = 0, uint8: bool = False, avoid: frozenset[int] = frozenset(),
+             distinct: int = 0, question_first: bool = False):
     """(prompt ids with one image placeholder each, one [3, size, size] image each: float
     pixel values (LLaVA) or uint8 pixels (Qwen2-VL, Gemma 3: preprocessed by the engine, as
-    a PIL image or a decoded file would come))."""
+    a PIL image or a decoded file would come)). ``distinct``: that many different images,
+    request i taking image i mod distinct (0: each its own); ``question_first``: each
+    request's own text before its image (the prefix cache then shares none of its blocks)."""
     g = torch.Generator().manual_seed(seed)
 
     def text(k: int) -> list[int]:
@@ -53,10 +56,11 @@ def workload(n: int, system: int, question: int, vocab: int, placeholder: list[i
                 for t in torch.randint(3, vocab, (k,), generator=g).tolist()]
 
     shared = text(system)
-    prompts = [[1, *shared, *placeholder, *text(question)] for _ in range(n)]
-    images = [torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=g) if uint8
-              else torch.randn(3, size, size, generator=g) for _ in range(n)]
-    return prompts, images
+    prompts = [[1, *shared, *q, *placeholder] if question_first else [1, *shared, *placeholder, *q]
+               for q in (text(question) for _ in range(n))]
+    pool = [torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=g) if uint8
+            else torch.randn(3, size, size, generator=g) for _ in range(distinct or n)]
+    return prompts, [pool[i % len(pool)] for i in range(n)]
 
 
 def time_tower(llm: LLM, hf, images: list[torch.Tensor], batch: int, iters: int) -> dict:
@@ -193,11 +197,19 @@ def main() -> None:
                     help="after the runs, N image requests again under torch.profiler: the top ops by GPU "
                          "time and by host time printed (to --profile-out if given)")
     ap.add_argument("--profile-out", help="where the profile's tables go (default: stdout)")
+    ap.add_argument("--distinct-images", type=int, default=0, metavar="K",
+                    help="K different images over the requests (request i takes image i mod K; 0: each its own)")
+    ap.add_argument("--question-first", action="store_true",
+                    help="each request's own text before its image, so the prefix cache shares no block of "
+                         "it (what the encoder cache can still share: --distinct-images)")
+    ap.add_argument("--mm-encoder-cache-tokens", type=int, default=None,
+                    help="the engine's encoder cache in rows (default: its own; 0: off)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
     llm = LLM(random_weights_config=resolve_config(args.config), dtype=args.dtype,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              mm_encoder_cache_tokens=args.mm_encoder_cache_tokens)
     eng = llm.engine
     enc = eng.mm_encoder
     assert enc is not None, f"{args.config} takes no images"
@@ -214,7 +226,8 @@ def main() -> None:
     avoid = frozenset(t for t in (image_token, getattr(vc, "boi_token_id", None),
                                   getattr(vc, "eoi_token_id", None)) if t is not None)
     prompts, images = workload(args.requests, args.system, args.question, vocab, placeholder, size,
-                               uint8=uint8, avoid=avoid)
+                               uint8=uint8, avoid=avoid, distinct=args.distinct_images,
+                               question_first=args.question_first)
     rows = enc.num_rows(enc.pixel_values(images[0]))
     # each prompt as the engine expands it (the image's rows at image_token: Gemma adds its
     # newlines and <end_of_image> around them too)
@@ -232,6 +245,8 @@ def main() -> None:
     llm.generate(reqs(w_prompts, w_images), params, use_tqdm=False)  # compile, warm up
     kv = eng.kv_manager
     hits0 = kv.prefix_hits
+    cache = eng.runner.encoder_cache
+    cache_hits0 = cache.hits if cache is not None else 0
     # the tower's share of the timed run: each encode call timed to the device's end
     enc_times: list[float] = []
     real_encode = enc.encode
@@ -257,6 +272,7 @@ def main() -> None:
     ours = {"requests": args.requests, "output_tokens": out_tokens, "seconds": dt,
             "output_tok_per_s": out_tokens / dt, "requests_per_s": args.requests / dt,
             "prefix_hit_tokens": kv.prefix_hits - hits0,
+            "encoder_cache_hits": (cache.hits - cache_hits0) if cache is not None else None,
             "encode_seconds": sum(enc_times), "encode_calls": len(enc_times),
             "prompt_tokens_each": len(expanded[0]), "rows_per_image": rows,
             "steps": _step_summary(timeline, _gpu_ms(spans)),
@@ -264,8 +280,8 @@ def main() -> None:
             "before_first_step_s": timeline[0][0] - t0 if timeline else None}
     print(f"flashpage: {args.requests} image requests, {out_tokens} output tokens in {dt:.2f} s: "
           f"{ours['output_tok_per_s']:.0f} output tok/s, {ours['requests_per_s']:.2f} req/s; "
-          f"prefix hits {ours['prefix_hit_tokens']} tokens; the tower {sum(enc_times):.2f} s in "
-          f"{len(enc_times)} calls", flush=True)
+          f"prefix hits {ours['prefix_hit_tokens']} tokens; encoder cache hits {ours['encoder_cache_hits']} images; "
+          f"the tower {sum(enc_times):.2f} s in {len(enc_times)} calls", flush=True)
     print(f"  {ours['before_first_step_s']:.2f} s before the first step; steps (wall / GPU ms):",
           _steps_line(ours["steps"]), flush=True)
     enc.encode = real_encode  # type: ignore[method-assign]
