@@ -131,7 +131,8 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
                                            ("visual",)),
     # Qwen3-VL (dense): Qwen3-VL's tower (learned position embeddings, deepstack features
     # added to the first decoder layers' image rows: models/qwen3_vl.py) over a Qwen3 text
-    # model with interleaved M-RoPE (ModelConfig.mrope_interleaved); its images, not videos
+    # model with interleaved M-RoPE (ModelConfig.mrope_interleaved); its images and videos
+    # (frames: models/qwen3_vl_video.py)
     "Qwen3VLForConditionalGeneration": (("qwen3_vl_text",), "qwen3_vl_text", ("visual",)),
     # Qwen3-VL-MoE (Qwen3-VL-30B-A3B, 235B-A22B): the same tower over a Qwen3-MoE text model
     # (models/llama.py's routed experts; the checkpoint's fused expert tensors:
@@ -2373,13 +2374,18 @@ def _qwen_image_processing(folder: str | None, vc: dict[str, Any], where: str) -
 # Qwen2VLVideoProcessor's class defaults: 128 to 768 merged units of 28 x 28 per frame
 QWEN_VIDEO_MIN_PIXELS = 128 * 28 * 28
 QWEN_VIDEO_MAX_PIXELS = 768 * 28 * 28
+# Qwen3VLVideoProcessor's: 128 to 768 merged units of 32 x 32, over the whole video's frames
+# (models/qwen3_vl_video.smart_resize_video), mean / std 0.5
+QWEN3_VIDEO_MIN_PIXELS = 128 * 32 * 32
+QWEN3_VIDEO_MAX_PIXELS = 768 * 32 * 32
 
 
-def _qwen_video_processing(folder: str | None, where: str) -> QwenImageProcessing:
+def _qwen_video_processing(folder: str | None, where: str, v3: bool = False) -> QwenImageProcessing:
     """Qwen2VLVideoProcessor's settings as transformers finds them: processor_config.json's
     "video_processor", else video_preprocessor_config.json, else (older checkpoints)
     preprocessor_config.json; its min_pixels / max_pixels or size {shortest_edge,
-    longest_edge}, the class defaults (QWEN_VIDEO_*) for those left out."""
+    longest_edge}, the class defaults (QWEN_VIDEO_*) for those left out. ``v3``:
+    Qwen3VLVideoProcessor's (QWEN3_VIDEO_* and mean / std 0.5 by default)."""
     pc: dict[str, Any] = {}
     if folder:
         proc = os.path.join(folder, "processor_config.json")
@@ -2394,8 +2400,10 @@ def _qwen_video_processing(folder: str | None, where: str) -> QwenImageProcessin
                     break
     raw_size = pc.get("size")
     size: dict[str, Any] = raw_size if isinstance(raw_size, dict) else {}
-    lo: Any = pc.get("min_pixels", size.get("shortest_edge", QWEN_VIDEO_MIN_PIXELS))
-    hi: Any = pc.get("max_pixels", size.get("longest_edge", QWEN_VIDEO_MAX_PIXELS))
+    lo: Any = pc.get("min_pixels", size.get("shortest_edge", QWEN3_VIDEO_MIN_PIXELS if v3 else QWEN_VIDEO_MIN_PIXELS))
+    hi: Any = pc.get("max_pixels", size.get("longest_edge", QWEN3_VIDEO_MAX_PIXELS if v3 else QWEN_VIDEO_MAX_PIXELS))
+    if v3:
+        pc = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3, **pc}
     for key, v in (("video min_pixels", lo), ("video max_pixels", hi)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ConfigError(f"{where}: {key} must be a positive int, got {v!r}")
@@ -2484,8 +2492,7 @@ def _qwen_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str
                             v["num_heads"], inter, act, out, v["patch_size"], v["temporal_patch_size"],
                             v["spatial_merge_size"], v["window_size"], full, theta,
                             processing=_qwen_image_processing(folder, v, where),
-                            # Qwen3-VL's videos are refused (models/qwen3_vl.py): no video processor read
-                            video_processing=None if v3 else _qwen_video_processing(folder, where),
+                            video_processing=_qwen_video_processing(folder, where, v3),
                             tokens_per_second=tps, num_position_embeddings=positions,
                             deepstack_visual_indexes=deep, **tokens)
 

@@ -26,8 +26,8 @@ positions, engine/mrope.py) around this tower (transformers' Qwen3VLVisionModel,
   chunk holding part of an image adds its part; rows whose K/V came from the prefix cache
   take none (their later layers' K/V already hold the features).
 
-Videos are refused by name: Qwen3-VL's processor puts a "<t seconds>" text before each frame
-group, which we do not build yet.
+Videos (frames) are cut into their frame groups, each an input of one temporal step with its
+"<t seconds>" timestamp text before it in the prompt (models/qwen3_vl_video.py).
 """
 
 from __future__ import annotations
