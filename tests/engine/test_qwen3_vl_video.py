@@ -228,7 +228,8 @@ def test_chunked_prefill_preemption_and_prefix_cache(qwen3, monkeypatch, async_s
 def test_llm_chat_video_parts(qwen3):
     """LLM.chat: a {"type": "video"} part of PIL frames beside an image part: Qwen's template
     prints <|vision_start|><|video_pad|><|vision_end|>, the processor's timestamped frame
-    groups inside it; transformers' tokens. A video_url part is refused by name."""
+    groups inside it; transformers' tokens; that expanded prompt given back is kept. A
+    video_url part is refused by name."""
     path, hf = qwen3
     llm = _llm(path)
     enc = llm.engine.mm_encoder
@@ -243,6 +244,10 @@ def test_llm_chat_video_parts(qwen3):
     first = got.index(vc.video_token_id)
     assert got[first - 1] == vc.vision_start_token_id and got.count(vc.vision_start_token_id) == 1 + 2 + 1
     assert _tokens([out])[0] == _want(hf, llm, out, [img], [frames])
+    # the expanded prompt given back (timestamps and frame groups written out) is kept
+    again = llm.generate([{"prompt_token_ids": got, "multi_modal_data": {"video": [frames], "image": [img]}}],
+                         GREEDY, use_tqdm=False)[0]
+    assert again.prompt_token_ids == got and _tokens([again]) == _tokens([out])
     with pytest.raises(ValueError, match="video_url parts are not read"):
         llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "https://x/a.mp4"}}]}],
                  GREEDY, use_tqdm=False)
