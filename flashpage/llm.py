@@ -386,7 +386,7 @@ class LLM:
         video_ids = getattr(encoder, "video_placeholder_ids", None)
         if videos and video_ids is None:
             raise ValueError("video content parts given, but this model takes no video input "
-                             "(Qwen2-VL / Qwen2.5-VL do)")
+                             "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL and LLaVA-OneVision do)")
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")

@@ -204,10 +204,10 @@ class LLMEngine:
         self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | Gemma3ImageEncoder \
             | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
-        # Qwen2-VL / Qwen2.5-VL and LLaVA-OneVision take videos too (Qwen3-VL's are refused:
-        # models/qwen3_vl.py)
+        # Qwen2-VL / Qwen2.5-VL / Qwen3-VL and LLaVA-OneVision take videos too
+        takes: tuple[str, ...]
         if isinstance(mc.vision, QwenVisionConfig):
-            takes = ("image",) if mc.vision.variant == "qwen3_vl" else ("image", "video")
+            takes = ("image", "video")
         else:
             takes = ("image", "video") if getattr(mc.vision, "video_token_id", None) is not None \
                 else ("image",)
@@ -224,6 +224,9 @@ class LLMEngine:
             # a Pixtral tower reads its break / end rows from the text model's embedding
             text = (self.model,) if name == "pixtral" else ()
             self.mm_encoder = loader(self.source, self.dtype, self.device, *text, config.seed)
+            if hasattr(self.mm_encoder, "tokenize") and self.tokenizer is not None:
+                tok = self.tokenizer  # Qwen3-VL's video timestamps are text in the prompt
+                self.mm_encoder.tokenize = lambda text: list(tok.encode(text, add_special_tokens=False))
         if self.mm_encoder is not None and not getattr(self.model, "supports_prompt_embeds", False):
             raise ConfigError(f"{mc.multimodal_architecture}: its text model "
                               f"({mc.architecture}) takes no input embeddings, which its "
