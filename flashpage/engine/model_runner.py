@@ -42,6 +42,21 @@ TABLE_WIDTH_MULTIPLE = 16
 PROMPT_LOGPROB_ROWS = 512  # prompt_logprobs: logits rows computed at once (512 x 128k fp32: 256 MB)
 
 
+def _fill_tables(rows: list[np.ndarray], tables: np.ndarray, slots: np.ndarray, tok_req: np.ndarray,
+                 tok_pos: np.ndarray, block_size: int) -> None:
+    """One KV cache group's staged block tables (``tables[i, :len(rows[i])] = rows[i]``) and
+    slot mapping (token j, of request ``tok_req[j]`` at position ``tok_pos[j]``: its block's
+    id x block_size + its offset) in a few whole-array operations, not per request (256
+    decodes in 7 groups: ~1,800 row copies and slot lookups a step otherwise)."""
+    if not rows:
+        return
+    lens = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    flat = np.concatenate(rows)
+    first = np.cumsum(lens) - lens
+    tables[np.repeat(np.arange(len(rows)), lens), np.arange(flat.size) - np.repeat(first, lens)] = flat
+    slots[:] = flat[first[tok_req] + tok_pos // block_size].astype(np.int64) * block_size + tok_pos % block_size
+
+
 def _table_width(blocks: int) -> int:
     """A step's block-table width: its longest row rounded up to a multiple of 16. The width
     is the tables' row stride, and Triton/Gluon kernels specialize on an integer argument
@@ -276,25 +291,18 @@ class ModelRunner:
         t = 0
         k = 0
         d = n_sample  # the next draft-checking row in logits_idx
+        # every group's block tables and slot mapping at once (_fill_tables), from each
+        # token's request and position
+        ns = np.fromiter((n for _, n in sched), dtype=np.int64, count=num_seqs)
+        tok_req = np.repeat(np.arange(num_seqs), ns)
+        tok_pos = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(ns) - ns, ns) \
+            + np.repeat(np.fromiter((r.num_computed_tokens for r, _ in sched), dtype=np.int64, count=num_seqs), ns)
+        _fill_tables(rows, tables2d, slot_mapping, tok_req, tok_pos, bs)
+        for g_rows, g_slots, g_tables in others:
+            _fill_tables(g_rows, g_tables, g_slots, tok_req, tok_pos, bs)
         for i, (req, n) in enumerate(sched):
             start = req.num_computed_tokens
             end = start + n
-            row = rows[i]
-            tables2d[i, : len(row)] = row
-            if others:
-                if n == 1:  # a decode: its slot in each group by scalar arithmetic
-                    blk, off = start // bs, start % bs
-                    for g_rows, g_slots, g_tables in others:
-                        g_row = g_rows[i]
-                        g_tables[i, : len(g_row)] = g_row
-                        g_slots[t] = int(g_row[blk]) * bs + off
-                else:
-                    pos = np.arange(start, end, dtype=np.int64)
-                    blk_idx, offs_in = pos // bs, pos % bs
-                    for g_rows, g_slots, g_tables in others:
-                        g_row = g_rows[i]
-                        g_tables[i, : len(g_row)] = g_row
-                        g_slots[t:t + n] = g_row[blk_idx].astype(np.int64) * bs + offs_in
             if n == 1:
                 input_ids[t] = req.all_token_ids[start]
                 if req.mrope_positions is None:
@@ -304,7 +312,6 @@ class ModelRunner:
                     positions[t] = one[0]
                     if pos3 is not None:
                         three.append((t, pos3))
-                slot_mapping[t] = int(row[start // bs]) * bs + start % bs
                 if num_decodes == i:
                     num_decodes += 1
             else:
@@ -329,7 +336,6 @@ class ModelRunner:
                                                               start, end)
                     if pos3 is not None:
                         three.append((t, pos3))
-                slot_mapping[t:t + n] = row[pos // bs].astype(np.int64) * bs + pos % bs
             seq_lens[i] = end
             if lora is not None:
                 lora_slots[t:t + n] = lora.slot_index[req.lora_int_id] if req.lora_int_id else -1
