@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from flashpage.engine.media import MediaPolicy
     from flashpage.models.gemma3_config import Gemma3VisionConfig
+    from flashpage.models.internvl_config import InternVLVisionConfig
     from flashpage.models.pixtral_config import PixtralVisionConfig
 
 # Architectures we can run, by family. DeepSeek is parsed for ``inspect`` and MLA.
@@ -133,6 +134,11 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # added to the first decoder layers' image rows: models/qwen3_vl.py) over a Qwen3 text
     # model with interleaved M-RoPE (ModelConfig.mrope_interleaved); its images, not videos
     "Qwen3VLForConditionalGeneration": (("qwen3_vl_text",), "qwen3_vl_text", ("visual",)),
+    # InternVL in transformers' layout (InternVL3-*-hf, InternVL3.5-*-HF): the InternViT tower,
+    # pixel shuffle and a LayerNorm + 2-layer projector over a Qwen2 / Qwen3 / Llama text model;
+    # its images too (models/internvl_config.py, internvl.py)
+    "InternVLForConditionalGeneration": (("qwen2", "qwen3", "llama"), "qwen2",
+                                         ("vision_tower", "multi_modal_projector")),
 }
 QWEN_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration",
                                    "Qwen2_5_VLForConditionalGeneration",
@@ -143,7 +149,8 @@ QWEN_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration",
 IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                                  "LlavaOnevisionForConditionalGeneration",
                                  "Mistral3ForConditionalGeneration",
-                                 "Gemma3ForConditionalGeneration"}) | QWEN_VL_ARCHITECTURES
+                                 "Gemma3ForConditionalGeneration",
+                                 "InternVLForConditionalGeneration"}) | QWEN_VL_ARCHITECTURES
 # LLaVA's relatives we do not run, each with why (a ConfigError says it rather than "not supported")
 _UNSUPPORTED_IMAGE_ARCHITECTURES = {
     "LlavaNextVideoForConditionalGeneration":
@@ -218,6 +225,7 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "internvl": "InternVLForConditionalGeneration",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -1853,6 +1861,10 @@ _TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": dict(vocab_size=151_936, hidden_size=4096, intermediate_size=22_016,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                   max_position_embeddings=32_768, rms_norm_eps=1e-6, rope_theta=10_000.0),
+    # Qwen3Config's (an InternVL3.5 text_config)
+    "qwen3": dict(vocab_size=151_936, hidden_size=4096, intermediate_size=22_016,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                  max_position_embeddings=32_768, rms_norm_eps=1e-6, rope_theta=10_000.0),
     "llama4_text": dict(vocab_size=202_048, hidden_size=5120, num_hidden_layers=48,
                         num_attention_heads=40),
     "mistral": dict(vocab_size=32_000, hidden_size=4096, intermediate_size=14_336,
@@ -2491,16 +2503,20 @@ def _qwen3_vision_fields(vc: dict[str, Any], w: str, depth: int) -> tuple[int, t
 
 
 def _image_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None
-                     ) -> VisionConfig | PixtralVisionConfig | Gemma3VisionConfig:
+                     ) -> VisionConfig | PixtralVisionConfig | Gemma3VisionConfig | InternVLVisionConfig:
     """The image side of an IMAGE_ARCHITECTURES checkpoint: a Pixtral tower's
     (models/pixtral_config.py: Mistral3, LLaVA with vision_config.model_type "pixtral"),
-    Gemma 3's SigLIP tower's (models/gemma3_config.py), else LLaVA's CLIP tower's
-    (_vision_config_of)."""
+    Gemma 3's SigLIP tower's (models/gemma3_config.py), InternVL's InternViT
+    (models/internvl_config.py), else LLaVA's CLIP tower's (_vision_config_of)."""
     vc = d.get("vision_config")
     if arch == "Gemma3ForConditionalGeneration":
         from flashpage.models.gemma3_config import gemma3_vision_config_of
 
         return gemma3_vision_config_of(d, arch, where, folder)
+    if arch == "InternVLForConditionalGeneration":
+        from flashpage.models.internvl_config import internvl_vision_config_of
+
+        return internvl_vision_config_of(d, arch, where, folder)
     if arch == "Mistral3ForConditionalGeneration" or \
             (isinstance(vc, dict) and vc.get("model_type") == "pixtral"):
         from flashpage.models.pixtral_config import pixtral_vision_config_of
@@ -2695,8 +2711,10 @@ class ModelConfig:
     # projector, image token and preprocessing (VisionConfig); None for any other model
     # (Qwen2-VL / Qwen2.5-VL: QwenVisionConfig, models/qwen2_vl.py)
     # (Pixtral towers: models/pixtral_config.PixtralVisionConfig)
-    # (Gemma 3's SigLIP tower: models/gemma3_config.Gemma3VisionConfig)
-    vision: VisionConfig | QwenVisionConfig | PixtralVisionConfig | Gemma3VisionConfig | None = None
+    # (Gemma 3's SigLIP tower: models/gemma3_config.Gemma3VisionConfig; InternVL's InternViT:
+    # models/internvl_config.InternVLVisionConfig)
+    vision: (VisionConfig | QwenVisionConfig | PixtralVisionConfig | Gemma3VisionConfig
+             | InternVLVisionConfig | None) = None
     # M-RoPE (Qwen2-VL): the rotated pairs' split among the (t, h, w) position components
     # (layers/rotary.MRotaryEmbedding, engine/mrope.py); (): 1-D rope
     mrope_section: tuple[int, ...] = ()

@@ -1,0 +1,141 @@
+"""Tiny random InternVL checkpoints (transformers' InternVLForConditionalGeneration saved as
+fp32 safetensors, a GotOcr2ImageProcessor's preprocessor_config.json and a
+processor_config.json beside them, the tiny tokenizer with ``<img>``, ``</img>``,
+``<IMG_CONTEXT>`` and InternVL's chat template), shared by the model, engine and server
+tests.
+
+The tower: InternViT, 16 x 16 tiles in 2 x 2 patches (an 8 x 8 grid, a CLS row before it),
+3 layers, pixel-shuffled by 2 to 16 rows a tile; tiling 1 .. 6 tiles, so an image is 1, 3
+(2 tiles and the thumbnail) .. 7 tiles, 16 .. 112 rows. The text model a tiny Qwen2 (or
+Qwen3 / Llama: ``text``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+TILE, PATCH, MAX_TILES = 16, 2, 6
+ROWS = 16  # per tile: (16 / 2 / 2)^2
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+# InternVL's chat template (transformers' converted checkpoints): an image part is
+# <IMG_CONTEXT> on its own line
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}"
+)
+_VISION = dict(model_type="internvl_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+               num_attention_heads=2, image_size=[TILE, TILE], patch_size=[PATCH, PATCH], attention_bias=True)
+_TEXT = dict(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0, tie_word_embeddings=False, rope_theta=10000.0)
+_TEXT_KINDS = {"qwen2": {}, "qwen3": dict(model_type="qwen3", head_dim=16),
+               "llama": dict(model_type="llama")}
+
+
+def hf_image_processor(**kw):
+    import transformers
+
+    cls = getattr(transformers, "GotOcr2ImageProcessorPil", None) or transformers.GotOcr2ImageProcessor
+    return cls(**{"size": {"height": TILE, "width": TILE}, "max_patches": MAX_TILES, "image_mean": IMAGENET_MEAN,
+                  "image_std": IMAGENET_STD, **kw})
+
+
+def hf_processor(path: Path, image_processor=None):
+    """transformers' InternVLProcessor on the folder's tokenizer (built field by field: its
+    __init__ wants torchvision's video processor, which the CPU image need not have)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    p = transformers.InternVLProcessor.__new__(transformers.InternVLProcessor)
+    p.image_processor = image_processor or hf_image_processor()
+    p.tokenizer = tok
+    p.image_seq_length = ROWS
+    p.start_image_token, p.end_image_token = tok.start_image_token, tok.end_image_token
+    p.start_image_token_id, p.end_image_token_id = tok.start_image_token_id, tok.end_image_token_id
+    p.image_token, p.image_token_id = tok.context_image_token, tok.context_image_token_id
+    p.video_token = tok.video_token
+    p.multimodal_pattern = re.compile(f"(?P<image>{re.escape(p.image_token)})|(?P<video>{re.escape(p.video_token)})")
+    return p
+
+
+def build_tiny_internvl(path: Path, seed: int = 0, tokenizer: bool = True, text: str = "qwen2",
+                        vision: dict | None = None, **overrides) -> Path:
+    """Save a tiny InternVL checkpoint under ``path``; ``text``: the text model's kind
+    (qwen2, qwen3, llama); ``vision``: vision_config fields over ours; ``overrides``:
+    InternVLConfig fields (vision_feature_layer, ...)."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    image_token = 242
+    if tokenizer:
+        from tests.server.conftest import build_tiny_tokenizer
+
+        build_tiny_tokenizer(path, vocab_size=240)
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+        tok.add_special_tokens({"additional_special_tokens": ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"]})
+        tok.save_pretrained(path)
+        tok = transformers.AutoTokenizer.from_pretrained(path, extra_special_tokens={
+            "start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+            "video_token": "<video>"})
+        tok.chat_template = INTERNVL_CHAT_TEMPLATE
+        tok.save_pretrained(path)
+        image_token = int(tok.convert_tokens_to_ids("<IMG_CONTEXT>"))
+    vc = {**_VISION, **(vision or {})}
+    rows = round((TILE // vc["patch_size"][0] * overrides.get("downsample_ratio", 0.5)) ** 2)
+    config = transformers.InternVLConfig(
+        text_config={**_TEXT, **_TEXT_KINDS[text]}, vision_config=vc, image_token_id=image_token,
+        image_seq_length=rows, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.InternVLForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or ".lambda_" in n:
+                p.uniform_(0.5, 1.5) if n.endswith((".weight", ".lambda_1", ".lambda_2")) else p.normal_(0, 0.1)
+            elif "language_model" in n or "multi_modal_projector" in n or "embeddings" in n:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    hf_image_processor().save_pretrained(path)
+    (path / "processor_config.json").write_text(
+        json.dumps({"image_seq_length": rows, "processor_class": "InternVLProcessor"}) + "\n")
+    return path
+
+
+def hf_internvl(path: Path, dtype=torch.float32, device: str = "cpu"):
+    import transformers
+
+    model = transformers.InternVLForConditionalGeneration.from_pretrained(
+        path, dtype=dtype, attn_implementation="eager").to(device)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def hf_pixels(model, items: list) -> dict:
+    """transformers' pixel_values for one prompt's images (our InternVLImage's: their tiles
+    in order, uint8 ones normalized as GotOcr2ImageProcessor does)."""
+    from flashpage.config import ImageProcessing
+    from flashpage.models.clip_image import normalize
+
+    if not items:
+        return {}
+    proc = ImageProcessing(None, (TILE, TILE), None, 1 / 255, tuple(IMAGENET_MEAN), tuple(IMAGENET_STD))
+    px = torch.cat([normalize(it.pixels, proc) if it.pixels.dtype == torch.uint8 else it.pixels for it in items])
+    return {"pixel_values": px.to(model.device, model.dtype)}
+
+
+def hf_internvl_greedy(model, ids: list[int], items: list, max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate on expanded ``ids`` with ``items`` (InternVLImage's, the
+    prompt's all; [] for a text-only prompt), EOS ignored: the new tokens."""
+    dev = model.device
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids], device=dev),
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=dev),
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0, **hf_pixels(model, items))
+    return out[0, len(ids):].tolist()
