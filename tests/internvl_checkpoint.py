@@ -66,10 +66,11 @@ def hf_processor(path: Path, image_processor=None):
 
 
 def build_tiny_internvl(path: Path, seed: int = 0, tokenizer: bool = True, text: str = "qwen2",
-                        vision: dict | None = None, **overrides) -> Path:
+                        vision: dict | None = None, text_fields: dict | None = None, **overrides) -> Path:
     """Save a tiny InternVL checkpoint under ``path``; ``text``: the text model's kind
-    (qwen2, qwen3, llama); ``vision``: vision_config fields over ours; ``overrides``:
-    InternVLConfig fields (vision_feature_layer, ...)."""
+    (qwen2, qwen3, llama), ``text_fields`` text_config fields over ours; ``vision``:
+    vision_config fields over ours; ``overrides``: InternVLConfig fields
+    (vision_feature_layer, ...)."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -90,7 +91,7 @@ def build_tiny_internvl(path: Path, seed: int = 0, tokenizer: bool = True, text:
     vc = {**_VISION, **(vision or {})}
     rows = round((TILE // vc["patch_size"][0] * overrides.get("downsample_ratio", 0.5)) ** 2)
     config = transformers.InternVLConfig(
-        text_config={**_TEXT, **_TEXT_KINDS[text]}, vision_config=vc, image_token_id=image_token,
+        text_config={**_TEXT, **_TEXT_KINDS[text], **(text_fields or {})}, vision_config=vc, image_token_id=image_token,
         image_seq_length=rows, **overrides)
     torch.manual_seed(seed)
     model = transformers.InternVLForConditionalGeneration(config).float()

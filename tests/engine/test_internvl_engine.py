@@ -1,0 +1,252 @@
+"""InternVL image input through the engine (models/internvl.py on engine/multimodal.py):
+greedy tokens equal transformers' InternVLForConditionalGeneration.generate for an image of
+one tile and one of several (a grid and its thumbnail), two images of different tile
+counts in one prompt, a text-only prompt beside them, chunked prefill cutting an image's
+rows; Qwen3 and Llama text models too; a repeated image hits the prefix cache; bad requests
+are refused by name and leak nothing. fp32, CPU; one bf16 CUDA test."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashpage import LLM, SamplingParams
+from flashpage.models.internvl import InternVLImage, expand_internvl_images, tile_image
+from tests.conftest import random_prompts
+from tests.internvl_checkpoint import (
+    ROWS,
+    build_tiny_internvl,
+    hf_internvl,
+    hf_internvl_greedy,
+    hf_pixels,
+)
+from tests.llava_checkpoint import smooth_image
+
+MAX_NEW = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+# (height, width): 2 x 2 + thumbnail (5 tiles), one tile, 2 x 1 + thumbnail, 6 x 1 + thumbnail, 1 x 3 + thumbnail
+SIZES = [(33, 33), (16, 16), (20, 40), (10, 90), (45, 18)]
+
+
+@pytest.fixture(scope="module")
+def ivl_ckpt(tmp_path_factory):
+    path = build_tiny_internvl(tmp_path_factory.mktemp("internvl"))
+    hf = hf_internvl(path)
+    return path, hf, hf.config.image_token_id
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), **{"dtype": "float32", "device": "cpu", "block_size": 8,
+                             "attention_backend": "torch_native", **kw})
+
+
+def _tokens(outs) -> list[list[int]]:
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _case(tok: int, seed: int, n_images: int, before: int = 4, after: int = 5, first: int | None = None):
+    """(prompt ids with n <IMG_CONTEXT> placeholders, the images: sizes from SIZES)."""
+    text = [t % 200 + 3 for t in random_prompts(1, before + after, before + after, seed=seed)[0]]
+    ids = [1, *text[:before]]
+    for i in range(n_images):
+        ids += [tok, *text[before + i: before + i + 2]]
+    ids += text[before + n_images * 2:]
+    k = seed if first is None else first
+    images = [smooth_image(*SIZES[(k + i) % len(SIZES)], seed=seed * 10 + i) for i in range(n_images)]
+    return ids, images
+
+
+def _want(hf, ids, images, llm, max_new=MAX_NEW):
+    """transformers' tokens for ``ids`` expanded as InternVLProcessor does, with the images'
+    tiles as its pixel_values."""
+    vc = llm.engine.mm_encoder.config
+    items = [tile_image(im, vc) for im in images]
+    expanded = expand_internvl_images(ids, vc, [it.rows for it in items])[0] if items else ids
+    return hf_internvl_greedy(hf, expanded, items, max_new)
+
+
+def test_images_equal_transformers_whole_and_chunked(ivl_ckpt):
+    """An image of 5 tiles, one of 1, two of 3 and 7 tiles in one prompt, a text-only prompt,
+    in one batch; then the same batch cut into steps of 16 tokens (each image's rows split
+    across steps), each image through the tower once."""
+    path, hf, tok = ivl_ckpt
+    cases = [_case(tok, 1, 1, first=0), _case(tok, 2, 1, first=1), _case(tok, 3, 2, first=2),
+             (_case(tok, 4, 0)[0], [])]
+    prompts = [{"prompt_token_ids": ids, **({"multi_modal_data": {"image": ims}} if ims else {})}
+               for ids, ims in cases]
+    llm = _llm(path)
+    want = [_want(hf, ids, ims, llm) for ids, ims in cases]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(outs) == want
+    # each placeholder: <img>, its tiles' rows, </img>
+    assert [len(o.prompt_token_ids) - len(ids) for o, (ids, _) in zip(outs, cases, strict=True)] == \
+        [5 * ROWS + 1, ROWS + 1, (3 + 7) * ROWS + 2, 0]
+    assert llm.engine.kv_manager.stats().blocks_used == 0
+    chunked = _llm(path, max_num_batched_tokens=16)
+    enc = chunked.engine.mm_encoder
+    encoded: list[int] = []
+    encode = enc.encode
+    enc.encode = lambda data: encoded.append(len(data)) or encode(data)
+    assert _tokens(chunked.generate(prompts, GREEDY, use_tqdm=False)) == want
+    assert sum(encoded) == 4  # each image once
+    assert chunked.engine.kv_manager.stats().blocks_used == 0
+
+
+@pytest.mark.parametrize("text", ["qwen3", "llama"])
+def test_other_text_models_equal_transformers(tmp_path, text):
+    """InternVL3.5's Qwen3 text model and a Llama one (InternVL2.5's converted InternLM2):
+    one image of 3 tiles and two in one prompt."""
+    path = build_tiny_internvl(tmp_path / text, text=text)
+    hf = hf_internvl(path)
+    tok = hf.config.image_token_id
+    llm = _llm(path)
+    cases = [_case(tok, 11, 1, first=2), _case(tok, 12, 2, first=0)]
+    want = [_want(hf, ids, ims, llm) for ids, ims in cases]
+    outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": ims}} for ids, ims in cases],
+                        GREEDY, use_tqdm=False)
+    assert llm.engine.model_config.model_type == text
+    assert _tokens(outs) == want
+
+
+def test_prefix_cache_hit_on_a_repeated_image(ivl_ckpt):
+    """The same image again (another PIL object of the same pixels) hits the first's blocks
+    and its tower does not run; another image of the same size hits the text's block before
+    it alone."""
+    path, hf, tok = ivl_ckpt
+    llm = _llm(path)
+    kv = llm.engine.kv_manager
+    ids, (img,) = _case(tok, 5, 1, before=6, after=12, first=0)
+    other = smooth_image(img.size[1], img.size[0], seed=77)
+    enc = llm.engine.mm_encoder
+    encoded: list[int] = []
+    encode = enc.encode
+    enc.encode = lambda data: encoded.append(len(data)) or encode(data)
+
+    def run(image):
+        return _tokens(llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": image}}],
+                                    GREEDY, use_tqdm=False))[0]
+
+    first = run(img)
+    assert first == _want(hf, ids, [img], llm)
+    n_prompt = len(ids) + 1 + tile_image(img, enc.config).rows
+    hits = kv.prefix_hits
+    assert run(img.copy()) == first
+    assert kv.prefix_hits - hits == (n_prompt - 1) // 8 * 8  # every full block but a last token's
+    assert encoded == [1]
+    hits = kv.prefix_hits
+    assert run(other) == _want(hf, ids, [other], llm)
+    # the block of text before the image (<img> its last token) is shared, nothing after it
+    assert kv.prefix_hits - hits == 8
+    assert kv.stats().blocks_used == 0
+
+
+def test_bad_requests_are_refused_by_name_and_leak_nothing(ivl_ckpt):
+    path, hf, tok = ivl_ckpt
+    llm = _llm(path, max_model_len=120)
+    kv = llm.engine.kv_manager
+    free = kv.num_free_blocks
+    ids, (img,) = _case(tok, 6, 1, first=2)  # 20 x 40: 3 tiles
+    good = _case(tok, 7, 2, first=1)
+    big = smooth_image(10, 90, seed=1)  # 7 tiles, 112 rows: past max_model_len with the text
+    vc = llm.engine.mm_encoder.config
+    one = tile_image(smooth_image(16, 16), vc)
+    bad = [
+        ({"prompt_token_ids": ids, "multi_modal_data": {"video": [img, img]}},
+         ["multi_modal_data ['video']: this model takes \"image\" only"]),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"image": torch.zeros(3, 16, 16)}},
+         ["uint8 pixels [3, H, W]", "[3, 16, 16] float32"]),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"image": "cat.png"}}, ["image 0 is a str"]),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"image": [img, img]}},
+         ["1 image token(s) (<IMG_CONTEXT>, id 242) but 2 image(s)"]),
+        ({"prompt_token_ids": ids}, ["image tokens (<IMG_CONTEXT>, id 242) but no image was given"]),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"image": big}}, ["max_model_len is 120"]),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"image": InternVLImage(one.pixels, (20, 40), 16)}},
+         ["image 0: an image of 20 x 40 has tiles [3, 3, 16, 16]", "got [1, 3, 16, 16]"]),
+        ({"prompt_token_ids": ids, "multi_modal_data": {
+            "image": InternVLImage(torch.full((1, 3, 16, 16), float("nan")), (16, 16), 16)}},
+         ["image 0: pixel values hold inf or NaN"]),
+    ]
+    batch = [{"prompt_token_ids": good[0], "multi_modal_data": {"image": good[1]}}, *(b for b, _ in bad)]
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    for out, (_, needles) in zip(outs[1:], bad, strict=True):
+        assert out.error is not None and not out.outputs
+        for n in needles:
+            assert n in out.error, out.error
+    assert _tokens(outs[:1]) == [_want(hf, good[0], good[1], llm)]
+    assert kv.num_free_blocks == free and kv.stats().blocks_used == 0
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_pixels_tiles_and_expanded_ids_are_kept(ivl_ckpt):
+    """uint8 pixels [3, H, W], InternVLImage's given (uint8 tiles, and float pixel values)
+    and ids already expanded give the PIL images' tokens, for an image alone and for two."""
+    path, hf, tok = ivl_ckpt
+    llm = _llm(path)
+    enc = llm.engine.mm_encoder
+    vc = enc.config
+    for ids, imgs in (_case(tok, 8, 1, first=3), _case(tok, 9, 2, first=4)):
+        items = [tile_image(im, vc) for im in imgs]
+        raw = [enc.admit_image(im, i).pixels for i, im in enumerate(imgs)]
+        pixels = [torch.from_numpy(np.array(im)).permute(2, 0, 1).contiguous() for im in imgs]
+        floats = [InternVLImage(hf_pixels(hf, [it])["pixel_values"], it.size, it.rows) for it in items]
+        assert all(torch.equal(r, it.pixels) for r, it in zip(raw, items, strict=True))
+        expanded = expand_internvl_images(ids, vc, [it.rows for it in items])[0]
+        outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}},
+                             {"prompt_token_ids": ids, "multi_modal_data": {"image": pixels}},
+                             {"prompt_token_ids": ids, "multi_modal_data": {"image": items}},
+                             {"prompt_token_ids": ids, "multi_modal_data": {"image": floats}},
+                             {"prompt_token_ids": expanded, "multi_modal_data": {"image": imgs}}],
+                            GREEDY, use_tqdm=False)
+        assert _tokens(outs) == [_want(hf, ids, imgs, llm)] * 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_internvl_on_the_gpu_bf16(tmp_path, monkeypatch):
+    """bf16 on CUDA (triton backend, graphs captured): tokens equal an eager engine's;
+    against transformers, teacher-forced on fp32 transformers' greedy continuations (greedy
+    bf16 runs of a tiny random model part chaotically once one token differs), our bf16
+    top tokens agree with the fp32 ones as often as transformers' bf16 do."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    path = build_tiny_internvl(tmp_path / "ivl64", text_fields=dict(hidden_size=128, num_attention_heads=2,
+                                                                         num_key_value_heads=1))  # head_dim 64
+    hf32 = hf_internvl(path, device="cuda")
+    tok = hf32.config.image_token_id
+    cases = [_case(tok, 60 + i, i % 3, first=i) for i in range(8)]  # none, one and two images
+    prompts = [{"prompt_token_ids": ids, **({"multi_modal_data": {"image": ims}} if ims else {})}
+               for ids, ims in cases]
+
+    def llm16(**kw) -> LLM:
+        return LLM(str(path), dtype="bfloat16", device="cuda", attention_backend="triton", block_size=16,
+                   max_num_batched_tokens=128, **kw)
+
+    graphed_llm = llm16()
+    graphed = _tokens(graphed_llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert graphed == _tokens(llm16(enforce_eager=True).generate(prompts, GREEDY, use_tqdm=False))
+    vc = graphed_llm.engine.mm_encoder.config
+    truth = [_want(hf32, ids, ims, graphed_llm) for ids, ims in cases]
+    del hf32
+    hf16 = hf_internvl(path, dtype=torch.bfloat16, device="cuda")
+    ours = theirs = total = 0
+    for (ids, ims), t in zip(cases, truth, strict=True):
+        # teacher-forced up to a generated <IMG_CONTEXT> (the tiny vocabulary has it): in a
+        # prompt it would be a placeholder without its image
+        t = t[:t.index(tok)] if tok in t else t
+        if not t:
+            continue
+        items = [tile_image(im, vc) for im in ims]
+        expanded = expand_internvl_images(ids, vc, [it.rows for it in items])[0] if items else ids
+        seq = expanded + t
+        with torch.no_grad():
+            logits = hf16(input_ids=torch.tensor([seq], device="cuda"), **hf_pixels(hf16, items)).logits[0]
+        theirs += sum(a == b for a, b in zip(logits[len(expanded) - 1:-1].argmax(-1).tolist(), t, strict=True))
+        out = graphed_llm.generate({"prompt_token_ids": ids + t, **({"multi_modal_data": {"image": ims}} if ims else {})},
+                                   SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0),
+                                   use_tqdm=False)[0]
+        assert out.error is None, out.error
+        ours += sum(out.prompt_logprobs[i].rank == 1 for i in range(len(expanded), len(seq)))
+        total += len(t)
+    assert ours >= theirs - 0.03 * total and ours >= 0.85 * total, (ours, theirs, total)
+    assert graphed_llm.engine.kv_manager.stats().blocks_used == 0
