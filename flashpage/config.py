@@ -3189,11 +3189,32 @@ class EngineConfig:
             )
 
 
+def _internvl_tiles(vc: Any, kwargs: dict[str, Any], arch: str) -> Any:
+    """InternVL's tiling under mm_processor_kwargs, as InternVLProcessor's call reads them:
+    ``min_patches`` / ``max_patches`` (the tiles of an image's grid, positive ints, min <=
+    max) and ``crop_to_patches`` (false: one tile, the image resized to it)."""
+    unknown = sorted(set(kwargs) - {"min_patches", "max_patches", "crop_to_patches"})
+    if unknown:
+        raise ConfigError(f"mm_processor_kwargs {unknown}: {arch}'s image processor reads min_patches, "
+                          "max_patches and crop_to_patches")
+    lo, hi = kwargs.get("min_patches", vc.min_tiles), kwargs.get("max_patches", vc.max_tiles)
+    for key, v in (("min_patches", lo), ("max_patches", hi)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"mm_processor_kwargs {key} must be a positive int, got {v!r}")
+    if lo > hi:
+        raise ConfigError(f"mm_processor_kwargs: min_patches {lo} is above max_patches {hi}")
+    crop = kwargs.get("crop_to_patches", True)
+    if not isinstance(crop, bool):
+        raise ConfigError(f"mm_processor_kwargs crop_to_patches must be true or false, got {crop!r}")
+    return replace(vc, min_tiles=lo if crop else 1, max_tiles=hi if crop else 1)
+
+
 def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> ModelConfig:
     """``mc`` with vLLM's ``mm_processor_kwargs`` over its processors' settings: Qwen2-VL's
     ``min_pixels`` / ``max_pixels`` (ints, min <= max; the image's and the video's, as
     transformers' processor call; or ``size`` {shortest_edge, longest_edge}, the same two), ``fps`` (a video's frame rate where it gives none:
-    Qwen2.5-VL's temporal positions, engine/mrope.py); a ConfigError names a key
+    Qwen2.5-VL's temporal positions, engine/mrope.py); InternVL's ``min_patches`` /
+    ``max_patches`` / ``crop_to_patches`` (_internvl_tiles); a ConfigError names a key
     the model's processor does not read, or a model that takes no images."""
     if not kwargs:
         return mc
@@ -3211,6 +3232,8 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
             raise ConfigError(f"mm_processor_kwargs do_pan_and_scan: {arch}'s pan-and-scan crops are "
                               "not supported yet (each image is resized to the tower's square)")
         return mc
+    if type(mc.vision).__name__ == "InternVLVisionConfig":  # InternVLProcessor's tiling bounds
+        return replace(mc, vision=_internvl_tiles(mc.vision, kwargs, arch))
     if not isinstance(mc.vision, QwenVisionConfig):
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)}: {arch}'s image processor reads none "
                           "(Qwen2-VL's reads min_pixels / max_pixels)")

@@ -202,6 +202,32 @@ def test_pixels_tiles_and_expanded_ids_are_kept(ivl_ckpt):
         assert _tokens(outs) == [_want(hf, ids, imgs, llm)] * 5
 
 
+def test_mm_processor_kwargs_bound_the_tiles(ivl_ckpt):
+    """vLLM's mm_processor_kwargs as InternVLProcessor's call reads them: max_patches 2 makes
+    a 33 x 33 image 1 tile (GotOcr2's count under the same bounds; 2 x 2 and a thumbnail by
+    default), min_patches 6 makes it 2 x 3 and a thumbnail, crop_to_patches false one tile; transformers' tokens on those tiles;
+    an unknown key or bad bounds are a ConfigError."""
+    from flashpage.config import ConfigError
+    from tests.internvl_checkpoint import hf_image_processor
+
+    path, hf, tok = ivl_ckpt
+    ids, (img,) = _case(tok, 13, 1, first=0)
+    proc = hf_image_processor()
+    for kw, tiles in (({"max_patches": 2}, 1), ({"min_patches": 6}, 7), ({"crop_to_patches": False}, 1)):
+        llm = _llm(path, mm_processor_kwargs=kw)
+        want_tiles = proc.get_number_of_image_patches(33, 33, {"crop_to_patches": True, **kw})
+        assert want_tiles == tiles
+        out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": img}}], GREEDY,
+                           use_tqdm=False)[0]
+        assert out.prompt_token_ids.count(tok) == tiles * ROWS
+        assert _tokens([out])[0] == _want(hf, ids, [img], llm)
+    for bad, needle in (({"max_dynamic_patch": 4}, r"\['max_dynamic_patch'\].*reads min_patches"),
+                        ({"min_patches": 5, "max_patches": 2}, "min_patches 5 is above max_patches 2"),
+                        ({"max_patches": 0}, "max_patches must be a positive int")):
+        with pytest.raises(ConfigError, match=needle):
+            _llm(path, mm_processor_kwargs=bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_internvl_on_the_gpu_bf16(tmp_path, monkeypatch):
