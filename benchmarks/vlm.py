@@ -22,6 +22,13 @@ other both ways; transformers' Gemma3ForConditionalGeneration beside it (token_t
 marking the image rows, as its processor gives them).
 
     python benchmarks/vlm.py --config gemma-3-4b-it --json-out $OUT/vlm_gemma.json
+
+InternVL (--config internvl3-2b-hf, transformers' InternVLForConditionalGeneration layout):
+<IMG_CONTEXT> as the placeholder (the engine puts <img> / </img> around its rows), uint8
+pixels the engine tiles: 448 x 448 is one tile of 256 rows, --image-size 896 a 2 x 2 grid and
+its thumbnail (1,280 rows); ours and the text twin only.
+
+    python benchmarks/vlm.py --config internvl3-2b-hf --json-out $OUT/vlm_internvl.json
 """
 
 from __future__ import annotations
@@ -165,7 +172,7 @@ def main() -> None:
                     help="also run the workload with the images' rows as text tokens")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--image-size", type=int, default=None,
-                    help="square images of this side (default: LLaVA's tower size; 448 for Qwen2-VL)")
+                    help="square images of this side (default: the tower's size; 448 for Qwen2-VL)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                     help="ours; the rest is room for transformers' model in the same process")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -184,19 +191,21 @@ def main() -> None:
     kind = type(vc).__name__
     qwen = kind == "QwenVisionConfig"  # <|vision_start|><|image_pad|><|vision_end|>
     gemma = kind == "Gemma3VisionConfig"  # <start_of_image>
-    uint8 = qwen or gemma  # the requests carry uint8 pixels the engine preprocesses
+    internvl = kind == "InternVLVisionConfig"  # <IMG_CONTEXT>, tiled by the engine
+    uint8 = qwen or gemma or internvl  # the requests carry uint8 pixels the engine preprocesses
     image_token = vc.image_token_id
     placeholder = list(getattr(enc, "placeholder_ids", [image_token]))
     size = args.image_size or getattr(vc, "image_size", 448)
     vocab = eng.model_config.vocab_size
     # ids a random text must not hold: an image's own tokens (Gemma's vocabulary has them all)
-    avoid = frozenset(t for t in (image_token, getattr(vc, "boi_token_id", None),
-                                  getattr(vc, "eoi_token_id", None)) if t is not None)
+    avoid = frozenset(t for t in (image_token, getattr(vc, "boi_token_id", None), getattr(vc, "eoi_token_id", None),
+                                  getattr(vc, "start_token_id", None), getattr(vc, "end_token_id", None))
+                      if t is not None)
     prompts, images = workload(args.requests, args.system, args.question, vocab, placeholder, size,
                                uint8=uint8, avoid=avoid)
     rows = enc.num_rows(enc.pixel_values(images[0]))
     # each prompt as the engine expands it (the image's rows at image_token: Gemma adds its
-    # newlines and <end_of_image> around them too)
+    # newlines and <end_of_image> around them too, InternVL <img> and </img>)
     expanded = [enc.prepare(list(p), {"image": im})[0] for p, im in zip(prompts, images, strict=True)]
     if not (kind == "VisionConfig" and not vc.grid_pinpoints or gemma) and args.hf_requests:
         print("transformers' side (end to end and the tower) is run for LLaVA-1.5 and Gemma 3 only", flush=True)
