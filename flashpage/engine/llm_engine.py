@@ -78,6 +78,7 @@ from flashpage.sampling_params import SamplingParams, StructuredOutputsError
 if TYPE_CHECKING:
     from flashpage.lora.manager import LoRAManager
     from flashpage.models.gemma3_vision import Gemma3ImageEncoder
+    from flashpage.models.internvl import InternVLImageEncoder
     from flashpage.models.llava import LlavaImageEncoder
     from flashpage.models.medusa import MedusaHeads
     from flashpage.models.mtp import HiddenStateDraft
@@ -198,10 +199,11 @@ class LLMEngine:
                                     mxfp4_kernel=mxfp4_kernel, fp8_moe_kernel=fp8_moe_kernel,
                                     int4_moe_kernel=int4_moe_kernel)
         # a model's multimodal encoder (engine/multimodal.py): LLaVA's CLIP tower and
-        # projector (models/llava.py), Qwen2-VL's (models/qwen2_vl.py) or a Pixtral tower's
-        # (models/pixtral.py), before the KV cache takes what memory is left
+        # projector (models/llava.py), Qwen2-VL's (models/qwen2_vl.py), a Pixtral tower's
+        # (models/pixtral.py), Gemma 3's or InternVL's (models/internvl.py), before the KV
+        # cache takes what memory is left
         self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | Gemma3ImageEncoder \
-            | None = None
+            | InternVLImageEncoder | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
         # Qwen2-VL / Qwen2.5-VL and LLaVA-OneVision take videos too (Qwen3-VL's are refused:
         # models/qwen3_vl.py)

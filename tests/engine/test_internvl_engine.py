@@ -202,6 +202,28 @@ def test_pixels_tiles_and_expanded_ids_are_kept(ivl_ckpt):
         assert _tokens(outs) == [_want(hf, ids, imgs, llm)] * 5
 
 
+def test_a_text_prompt_and_no_image_limit(ivl_ckpt):
+    """A text prompt holding <IMG_CONTEXT> (the tokenizer's special token) gives the ids'
+    tokens; limit_mm_per_prompt {"image": 0} serves the text model alone (no tower loaded),
+    its text tokens transformers' and an image refused by the limit."""
+    path, hf, tok = ivl_ckpt
+    llm = _llm(path)
+    img = smooth_image(20, 40, seed=5)
+    text = "the cat <IMG_CONTEXT>\nsat on the mat"
+    ids = llm.get_tokenizer().encode(text)
+    assert ids.count(tok) == 1
+    outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": img}},
+                         {"prompt_token_ids": ids, "multi_modal_data": {"image": img}}], GREEDY, use_tqdm=False)
+    assert _tokens(outs) == [_want(hf, ids, [img], llm)] * 2
+    text_only = _llm(path, limit_mm_per_prompt={"image": 0})
+    assert text_only.engine.mm_encoder is None
+    plain = [1, 5, 6, 7, 8]
+    outs = text_only.generate([{"prompt_token_ids": plain},
+                               {"prompt_token_ids": ids, "multi_modal_data": {"image": img}}], GREEDY, use_tqdm=False)
+    assert _tokens(outs[:1]) == [hf_internvl_greedy(hf, plain, [], MAX_NEW)]
+    assert "1 image item(s) in one prompt, but limit_mm_per_prompt allows 0" in outs[1].error
+
+
 def test_mm_processor_kwargs_bound_the_tiles(ivl_ckpt):
     """vLLM's mm_processor_kwargs as InternVLProcessor's call reads them: max_patches 2 makes
     a 33 x 33 image 1 tile (GotOcr2's count under the same bounds; 2 x 2 and a thumbnail by
