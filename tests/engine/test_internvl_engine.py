@@ -94,6 +94,30 @@ def test_images_equal_transformers_whole_and_chunked(ivl_ckpt):
     assert chunked.engine.kv_manager.stats().blocks_used == 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_recomputes_images_without_encoding_again(ivl_ckpt, async_scheduling):
+    """Few blocks and chunks of 16 tokens: preempted requests recompute their images' rows
+    from the kept rows (each image through the tower once), tokens transformers', no block
+    left behind."""
+    path, hf, tok = ivl_ckpt
+    llm = _llm(path, max_num_batched_tokens=16, block_size=4, num_gpu_blocks=32, enable_prefix_caching=False,
+               async_scheduling=async_scheduling)
+    enc = llm.engine.mm_encoder
+    encoded: list[int] = []
+    encode = enc.encode
+    enc.encode = lambda data: encoded.append(len(data)) or encode(data)
+    cases = [_case(tok, 20 + i, 1, first=i % 3) for i in range(4)] + [(_case(tok, 24, 0)[0], [])]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    free = llm.engine.kv_manager.num_free_blocks
+    outs = llm.generate([{"prompt_token_ids": ids, **({"multi_modal_data": {"image": ims}} if ims else {})}
+                         for ids, ims in cases], params, use_tqdm=False)
+    if not async_scheduling:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert _tokens(outs) == [_want(hf, ids, ims, llm, 16) for ids, ims in cases]
+    assert sum(encoded) == 4
+    assert llm.engine.kv_manager.num_free_blocks == free
+
+
 @pytest.mark.parametrize("text", ["qwen3", "llama"])
 def test_other_text_models_equal_transformers(tmp_path, text):
     """InternVL3.5's Qwen3 text model and a Llama one (InternVL2.5's converted InternLM2):
