@@ -135,9 +135,10 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # model with interleaved M-RoPE (ModelConfig.mrope_interleaved); its images, not videos
     "Qwen3VLForConditionalGeneration": (("qwen3_vl_text",), "qwen3_vl_text", ("visual",)),
     # InternVL in transformers' layout (InternVL3-*-hf, InternVL3.5-*-HF): the InternViT tower,
-    # pixel shuffle and a LayerNorm + 2-layer projector over a Qwen2 / Qwen3 / Llama text model;
-    # its images too (models/internvl_config.py, internvl.py)
-    "InternVLForConditionalGeneration": (("qwen2", "qwen3", "llama"), "qwen2",
+    # pixel shuffle and a LayerNorm + 2-layer projector over a Qwen2 / Qwen3 / Llama text model
+    # (InternVL3.5's Qwen3-MoE and GPT-OSS ones too); its images too (models/internvl_config.py,
+    # internvl.py)
+    "InternVLForConditionalGeneration": (("qwen2", "qwen3", "llama", "qwen3_moe", "gpt_oss"), "qwen2",
                                          ("vision_tower", "multi_modal_projector")),
 }
 QWEN_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration",
@@ -1865,6 +1866,15 @@ _TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(vocab_size=151_936, hidden_size=4096, intermediate_size=22_016,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
                   max_position_embeddings=32_768, rms_norm_eps=1e-6, rope_theta=10_000.0),
+    # Qwen3MoeConfig's and GptOssConfig's sizes (InternVL3.5's MoE text_configs; the expert
+    # counts are left to the file: transformers 4 names them num_experts, 5 num_local_experts)
+    "qwen3_moe": dict(vocab_size=151_936, hidden_size=2048, intermediate_size=6144,
+                      moe_intermediate_size=768, num_hidden_layers=24, num_attention_heads=32,
+                      num_key_value_heads=4, max_position_embeddings=32_768, rms_norm_eps=1e-6,
+                      rope_theta=10_000.0),
+    "gpt_oss": dict(vocab_size=201_088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+                    num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                    max_position_embeddings=131_072, rms_norm_eps=1e-5),
     "llama4_text": dict(vocab_size=202_048, hidden_size=5120, num_hidden_layers=48,
                         num_attention_heads=40),
     "mistral": dict(vocab_size=32_000, hidden_size=4096, intermediate_size=14_336,

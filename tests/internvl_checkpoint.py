@@ -7,7 +7,7 @@ tests.
 The tower: InternViT, 16 x 16 tiles in 2 x 2 patches (an 8 x 8 grid, a CLS row before it),
 3 layers, pixel-shuffled by 2 to 16 rows a tile; tiling 1 .. 6 tiles, so an image is 1, 3
 (2 tiles and the thumbnail) .. 7 tiles, 16 .. 112 rows. The text model a tiny Qwen2 (or
-Qwen3 / Llama: ``text``)."""
+Qwen3 / Llama / Qwen3-MoE / GPT-OSS: ``text``)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,14 @@ _TEXT = dict(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_si
              max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
              pad_token_id=0, tie_word_embeddings=False, rope_theta=10000.0)
 _TEXT_KINDS = {"qwen2": {}, "qwen3": dict(model_type="qwen3", head_dim=16),
-               "llama": dict(model_type="llama")}
+               "llama": dict(model_type="llama"),
+               "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                 num_experts_per_tok=2, norm_topk_prob=True),
+               # sliding and full layers alternating, as GPT-OSS's
+               "gpt_oss": dict(model_type="gpt_oss", head_dim=16, intermediate_size=32, num_local_experts=4,
+                               num_experts_per_tok=2, sliding_window=8,
+                               layer_types=["sliding_attention", "full_attention"],
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})}
 
 
 def hf_image_processor(**kw):
@@ -68,7 +75,7 @@ def hf_processor(path: Path, image_processor=None):
 def build_tiny_internvl(path: Path, seed: int = 0, tokenizer: bool = True, text: str = "qwen2",
                         vision: dict | None = None, text_fields: dict | None = None, **overrides) -> Path:
     """Save a tiny InternVL checkpoint under ``path``; ``text``: the text model's kind
-    (qwen2, qwen3, llama), ``text_fields`` text_config fields over ours; ``vision``:
+    (qwen2, qwen3, llama, qwen3_moe, gpt_oss), ``text_fields`` text_config fields over ours; ``vision``:
     vision_config fields over ours; ``overrides``: InternVLConfig fields
     (vision_feature_layer, ...)."""
     import transformers

@@ -2,8 +2,9 @@
 greedy tokens equal transformers' InternVLForConditionalGeneration.generate for an image of
 one tile and one of several (a grid and its thumbnail), two images of different tile
 counts in one prompt, a text-only prompt beside them, chunked prefill cutting an image's
-rows; Qwen3 and Llama text models too; a repeated image hits the prefix cache; bad requests
-are refused by name and leak nothing. fp32, CPU; one bf16 CUDA test."""
+rows, preemption; Qwen3, Qwen3-MoE, GPT-OSS and Llama text models too; mm_processor_kwargs
+tile bounds; a repeated image hits the prefix cache; bad requests are refused by name and
+leak nothing. fp32, CPU; one bf16 CUDA test."""
 
 from __future__ import annotations
 
@@ -118,10 +119,11 @@ def test_preemption_recomputes_images_without_encoding_again(ivl_ckpt, async_sch
     assert llm.engine.kv_manager.num_free_blocks == free
 
 
-@pytest.mark.parametrize("text", ["qwen3", "llama"])
+@pytest.mark.parametrize("text", ["qwen3", "llama", "qwen3_moe", "gpt_oss"])
 def test_other_text_models_equal_transformers(tmp_path, text):
-    """InternVL3.5's Qwen3 text model and a Llama one (InternVL2.5's converted InternLM2):
-    one image of 3 tiles and two in one prompt."""
+    """InternVL3.5's Qwen3, Qwen3-MoE and GPT-OSS text models (GPT-OSS's sliding layers
+    beside full ones) and a Llama one (InternVL2.5's converted InternLM2): one image of 3
+    tiles and two in one prompt."""
     path = build_tiny_internvl(tmp_path / text, text=text)
     hf = hf_internvl(path)
     tok = hf.config.image_token_id
