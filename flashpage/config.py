@@ -140,6 +140,9 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # internvl.py)
     "InternVLForConditionalGeneration": (("qwen2", "qwen3", "llama", "qwen3_moe", "gpt_oss"), "qwen2",
                                          ("vision_tower", "multi_modal_projector")),
+    # the same model in OpenGVLab's remote-code layout (InternVL3-2B, InternVL3_5-8B, ...:
+    # llm_config, vision_model. / mlp1. with a fused qkv; models/internvl_config.py reads it)
+    "InternVLChatModel": (("qwen2", "qwen3", "llama", "qwen3_moe", "gpt_oss"), "qwen2", ("vision_model", "mlp1")),
 }
 QWEN_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration",
                                    "Qwen2_5_VLForConditionalGeneration",
@@ -151,7 +154,7 @@ IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForC
                                  "LlavaOnevisionForConditionalGeneration",
                                  "Mistral3ForConditionalGeneration",
                                  "Gemma3ForConditionalGeneration",
-                                 "InternVLForConditionalGeneration"}) | QWEN_VL_ARCHITECTURES
+                                 "InternVLForConditionalGeneration", "InternVLChatModel"}) | QWEN_VL_ARCHITECTURES
 # LLaVA's relatives we do not run, each with why (a ConfigError says it rather than "not supported")
 _UNSUPPORTED_IMAGE_ARCHITECTURES = {
     "LlavaNextVideoForConditionalGeneration":
@@ -227,6 +230,7 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "internvl": "InternVLForConditionalGeneration",
+    "internvl_chat": "InternVLChatModel",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -1900,13 +1904,14 @@ def _text_config_of(d: dict[str, Any], arch: str, where: str) -> tuple[dict[str,
     (quantization_config) is a ConfigError: its module names carry the wrapper's prefixes,
     which models/fp8_checkpoint.py and int4_checkpoint.py do not map."""
     model_types, default_type, _ = MULTIMODAL_TEXT_ARCHITECTURES[arch]
-    tc = d.get("text_config")
+    key = "llm_config" if arch == "InternVLChatModel" else "text_config"  # OpenGVLab's remote-code name
+    tc = d.get(key)
     if not isinstance(tc, dict):
-        raise ConfigError(f"{where}: {arch} needs a text_config object (its language model's "
+        raise ConfigError(f"{where}: {arch} needs a {key} object (its language model's "
                           f"config), got {tc!r}")
     text_type = tc.get("model_type") or default_type
     if text_type not in model_types:
-        raise ConfigError(f"{where}: text_config.model_type {text_type!r} is not supported in "
+        raise ConfigError(f"{where}: {key}.model_type {text_type!r} is not supported in "
                           f"{arch} (supported: {', '.join(model_types)})")
     if d.get("quantization_config") is not None or tc.get("quantization_config") is not None:
         raise ConfigError(f"{where}: quantized {arch} checkpoints (quantization_config) are not "
@@ -1914,10 +1919,12 @@ def _text_config_of(d: dict[str, Any], arch: str, where: str) -> tuple[dict[str,
                           "quantizes its text model at load")
     text = {**_TEXT_CONFIG_DEFAULTS[text_type], **tc, "model_type": text_type,
             "architectures": [_MODEL_TYPE_TO_ARCH[text_type]]}
-    for key in _TOP_LEVEL_FIELDS:
-        if d.get(key) is not None:
-            text[key] = d[key]
-    return text, f"{where}: text_config"
+    for top in _TOP_LEVEL_FIELDS:
+        # (InternVLChatModel's language model ties by its llm_config alone: the remote code
+        # ties nothing at the top level)
+        if d.get(top) is not None and not (arch == "InternVLChatModel" and top == "tie_word_embeddings"):
+            text[top] = d[top]
+    return text, f"{where}: {key}"
 
 
 # CLIPVisionConfig's defaults under a LLaVA vision_config (LlavaConfig's own: CLIP ViT-L/14-336)
@@ -2523,7 +2530,7 @@ def _image_config_of(d: dict[str, Any], arch: str, where: str, folder: str | Non
         from flashpage.models.gemma3_config import gemma3_vision_config_of
 
         return gemma3_vision_config_of(d, arch, where, folder)
-    if arch == "InternVLForConditionalGeneration":
+    if arch in ("InternVLForConditionalGeneration", "InternVLChatModel"):
         from flashpage.models.internvl_config import internvl_vision_config_of
 
         return internvl_vision_config_of(d, arch, where, folder)
@@ -3202,11 +3209,20 @@ class EngineConfig:
 def _internvl_tiles(vc: Any, kwargs: dict[str, Any], arch: str) -> Any:
     """InternVL's tiling under mm_processor_kwargs, as InternVLProcessor's call reads them:
     ``min_patches`` / ``max_patches`` (the tiles of an image's grid, positive ints, min <=
-    max) and ``crop_to_patches`` (false: one tile, the image resized to it)."""
-    unknown = sorted(set(kwargs) - {"min_patches", "max_patches", "crop_to_patches"})
+    max) and ``crop_to_patches`` (false: one tile, the image resized to it); or by vLLM's
+    names for the remote-code layout, ``min_dynamic_patch`` / ``max_dynamic_patch`` /
+    ``dynamic_image_size``."""
+    aliases = {"min_dynamic_patch": "min_patches", "max_dynamic_patch": "max_patches",
+               "dynamic_image_size": "crop_to_patches"}
+    unknown = sorted(set(kwargs) - {"min_patches", "max_patches", "crop_to_patches", *aliases})
     if unknown:
         raise ConfigError(f"mm_processor_kwargs {unknown}: {arch}'s image processor reads min_patches, "
-                          "max_patches and crop_to_patches")
+                          "max_patches and crop_to_patches (min_dynamic_patch, max_dynamic_patch and "
+                          "dynamic_image_size, vLLM's names for them)")
+    both = sorted(k for k, ours in aliases.items() if k in kwargs and ours in kwargs)
+    if both:
+        raise ConfigError(f"mm_processor_kwargs: give {both[0]} or {aliases[both[0]]}, not both")
+    kwargs = {aliases.get(k, k): v for k, v in kwargs.items()}
     lo, hi = kwargs.get("min_patches", vc.min_tiles), kwargs.get("max_patches", vc.max_tiles)
     for key, v in (("min_patches", lo), ("max_patches", hi)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

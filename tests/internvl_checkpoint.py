@@ -147,3 +147,62 @@ def hf_internvl_greedy(model, ids: list[int], items: list, max_new_tokens: int) 
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=0, **hf_pixels(model, items))
     return out[0, len(ids):].tolist()
+
+
+def to_remote_layout(src: Path, dst: Path, **top) -> Path:
+    """``src`` (a tiny checkpoint of ours) in OpenGVLab's remote-code layout at ``dst``
+    (InternVLChatModel: llm_config, vision_config under InternVisionConfig's names,
+    ``vision_model.`` / ``mlp1.`` tensors with each layer's q / k / v fused in one qkv,
+    ``language_model.lm_head``; transformers' convert_internvl_weights_to_hf backwards),
+    with a CLIP-style preprocessor_config.json as those repos ship (their chat code does not
+    read it); ``top``: config fields over ours (ps_version, max_dynamic_patch, ...)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(f, dst / f.name)
+    hf = json.loads((src / "config.json").read_text())
+    renames = [(r"^vision_tower\.", "vision_model."), (r"\.layer\.", ".layers."), (r"cls_token$", "class_embedding"),
+               (r"position_embeddings$", "position_embedding"), (r"patch_embeddings\.projection\.", "patch_embedding."),
+               (r"\.lambda_(\d)$", r".ls\1"), (r"\.attention\.projection_layer\.", ".attn.proj."),
+               (r"\.attention\.", ".attn."), (r"\.layernorm_before\.", ".norm1."), (r"\.layernorm_after\.", ".norm2."),
+               (r"^multi_modal_projector\.layer_norm\.", "mlp1.0."), (r"^multi_modal_projector\.linear_1\.", "mlp1.1."),
+               (r"^multi_modal_projector\.linear_2\.", "mlp1.3."), (r"^lm_head\.", "language_model.lm_head.")]
+    tensors = load_file(str(src / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if ".attention.k_proj." in name or ".attention.v_proj." in name:
+            continue
+        new = name
+        for pat, rep in renames:
+            new = re.sub(pat, rep, new)
+        if ".attention.q_proj." in name:
+            parts = [tensors[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            out[new.replace(".q_proj.", ".qkv.")] = torch.cat(parts).contiguous()
+        else:
+            out[new] = t.contiguous()
+    save_file(out, str(dst / "model.safetensors"))
+    v = hf["vision_config"]
+    vision = {"model_type": "intern_vit_6b", "architectures": ["InternVisionModel"], "hidden_size": v["hidden_size"],
+              "intermediate_size": v["intermediate_size"], "num_hidden_layers": v["num_hidden_layers"],
+              "num_attention_heads": v["num_attention_heads"], "image_size": v["image_size"][0],
+              "patch_size": v["patch_size"][0], "hidden_act": v["hidden_act"], "layer_norm_eps": v["layer_norm_eps"],
+              "norm_type": v["norm_type"], "qkv_bias": v["attention_bias"], "qk_normalization": v["use_qk_norm"],
+              "num_channels": 3, "drop_path_rate": 0.0, "use_flash_attn": True}
+    config = {"architectures": ["InternVLChatModel"], "model_type": "internvl_chat",
+              # the language model ties as transformers' did (by the top-level flag)
+              "llm_config": {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings", True)},
+              "vision_config": vision,
+              "downsample_ratio": hf["downsample_ratio"], "select_layer": hf["vision_feature_layer"],
+              "ps_version": "v2", "dynamic_image_size": True, "use_thumbnail": True, "min_dynamic_patch": 1,
+              "max_dynamic_patch": MAX_TILES, "force_image_size": TILE, "template": "internvl2_5",
+              "torch_dtype": "float32", **top}
+    (dst / "config.json").write_text(json.dumps(config))
+    (dst / "preprocessor_config.json").write_text(json.dumps({
+        "crop_size": TILE, "do_center_crop": True, "do_normalize": True, "do_resize": True,
+        "feature_extractor_type": "CLIPFeatureExtractor", "image_mean": IMAGENET_MEAN, "image_std": IMAGENET_STD,
+        "resample": 3, "size": TILE}))
+    return dst

@@ -33,7 +33,10 @@ becomes ``<img>``, the image's rows of ``<IMG_CONTEXT>``, ``</img>``; the rows t
 
 Weights: the tower's under ``model.vision_tower.`` (or ``vision_tower.``), the projector's
 under ``model.multi_modal_projector.``; the layers past the feature layer, the mask token
-and a final LayerNorm that is not read are skipped.
+and a final LayerNorm that is not read are skipped. OpenGVLab's remote-code layout
+(InternVLChatModel: ``vision_model.`` with a fused ``attn.qkv``, ``mlp1.``) is renamed to
+those on the way in (``from_remote_names``); its tiles may leave out the thumbnail
+(use_thumbnail false).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import hashlib
 import logging
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -76,6 +79,34 @@ _PREFIXES = (
 )
 IMAGE_PREFIXES = tuple(p for p, _ in _PREFIXES)
 _LAYER = re.compile(r"vision_tower\.encoder\.layer\.(\d+)\.")
+# OpenGVLab's remote-code names (InternVLChatModel) -> transformers', in order (its
+# convert_internvl_weights_to_hf's renames); the fused attn.qkv is cut in three apart
+REMOTE_PREFIXES = ("vision_model.", "mlp1.")
+_REMOTE_NAMES = (
+    (r"^vision_model\.", "vision_tower."), (r"\.layers\.", ".layer."), (r"class_embedding$", "cls_token"),
+    (r"position_embedding$", "position_embeddings"), (r"patch_embedding\.", "patch_embeddings.projection."),
+    (r"\.ls(\d)$", r".lambda_\1"), (r"\.attn\.proj\.", ".attention.projection_layer."),
+    (r"\.attn\.", ".attention."), (r"\.norm1\.", ".layernorm_before."), (r"\.norm2\.", ".layernorm_after."),
+    (r"^mlp1\.0\.", "multi_modal_projector.layer_norm."), (r"^mlp1\.1\.", "multi_modal_projector.linear_1."),
+    (r"^mlp1\.3\.", "multi_modal_projector.linear_2."),
+)
+
+
+def from_remote_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """An InternVLChatModel checkpoint's image tensors under transformers' names (each fused
+    ``attn.qkv`` as q_proj, k_proj, v_proj: its rows in thirds); other names pass as they are."""
+    for name, t in weights:
+        if not name.startswith(REMOTE_PREFIXES):
+            yield name, t
+            continue
+        ours = name
+        for pat, rep in _REMOTE_NAMES:
+            ours = re.sub(pat, rep, ours)
+        if ".attention.qkv." in ours:
+            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), t.chunk(3, dim=0), strict=True):
+                yield ours.replace(".qkv.", f".{part}."), chunk
+        else:
+            yield ours, t
 
 
 # ------------------------------------------------------------------ tiles
@@ -103,7 +134,7 @@ def num_tiles(vc: InternVLVisionConfig, size: tuple[int, int]) -> int:
     """The tiles of an image of ``size`` (height, width): its grid's, plus the thumbnail when
     the grid has more than one."""
     c, r = tile_grid(size, vc.image_size, vc.min_tiles, vc.max_tiles)
-    return c * r + (c * r > 1)
+    return c * r + (c * r > 1 and vc.thumbnail)
 
 
 def num_image_rows(vc: InternVLVisionConfig, size: tuple[int, int]) -> int:
@@ -135,7 +166,7 @@ def tile_image(image: Any, vc: InternVLVisionConfig) -> InternVLImage:
     c, r = tile_grid((h, w), s, vc.min_tiles, vc.max_tiles)
     canvas = _resize(x, (r * s, c * s), proc.resample)
     tiles = [canvas[:, i:i + s, j:j + s] for i in range(0, r * s, s) for j in range(0, c * s, s)]
-    if len(tiles) > 1:
+    if len(tiles) > 1 and vc.thumbnail:
         tiles.append(_resize(x, (s, s), proc.resample))
     return InternVLImage(torch.stack(tiles).contiguous(), (h, w), len(tiles) * vc.tokens_per_image)
 
@@ -427,6 +458,8 @@ class InternVLImageEncoder(nn.Module):
                 or ours == "vision_tower.embeddings.mask_token" \
                 or (ours.startswith("vision_tower.layernorm.") and not self.config.final_norm)
 
+        if self.config.remote:
+            weights = from_remote_names(weights)
         loaded, skipped = load_image_weights(self, weights, where, _PREFIXES,
                                              "InternVL's vision tower or projector",
                                              "vision tower / projector", unread)
@@ -457,6 +490,6 @@ def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.de
                     p.fill_(0.1)  # layer_scale_init_value
     else:
         assert source.path is not None
-        enc.load_weights(iter_safetensors(source.path, "cpu", keep=lambda n: n.startswith(IMAGE_PREFIXES)),
-                         source.path)
+        prefixes = REMOTE_PREFIXES if vc.remote else IMAGE_PREFIXES
+        enc.load_weights(iter_safetensors(source.path, "cpu", keep=lambda n: n.startswith(prefixes)), source.path)
     return enc.eval()

@@ -11,6 +11,14 @@ image_seq_length), preprocessor_config.json (GotOcr2ImageProcessor: tiles of the
 square, min_patches / max_patches, bicubic, rescale, normalize), processor_config.json
 (image_seq_length) and the tokenizer's files (the ids of ``<img>`` / ``</img>``, which
 InternVLProcessor puts around an image's ``<IMG_CONTEXT>`` rows).
+
+The same model in OpenGVLab's remote-code layout (InternVLChatModel: InternVL3-2B,
+InternVL3_5-8B, ...) is read through ``_from_remote``: llm_config as the text config,
+InternVisionConfig's names (qkv_bias, qk_normalization, intern_vit_6b), select_layer,
+ps_version "v2", the tiling from min_dynamic_patch / max_dynamic_patch /
+dynamic_image_size / use_thumbnail, its chat code's transform (ImageNet's mean and std,
+bicubic; its CLIP-style preprocessor_config.json is not read) and ``<IMG_CONTEXT>``'s id
+from the tokenizer; its tensors are renamed at load (models/internvl.from_remote_names).
 """
 
 from __future__ import annotations
@@ -68,6 +76,12 @@ class InternVLVisionConfig:
     min_tiles: int
     max_tiles: int
     processing: ImageProcessing
+    # GotOcr2's thumbnail (the whole image as one more tile when there are several);
+    # OpenGVLab's use_thumbnail may turn it off
+    thumbnail: bool = True
+    # OpenGVLab's remote-code layout (InternVLChatModel): its tensor names (vision_model.,
+    # mlp1., a fused qkv) are mapped to transformers' at load (models/internvl.py)
+    remote: bool = False
 
     @property
     def patches_per_side(self) -> int:
@@ -111,44 +125,103 @@ def _flag(vc: dict[str, Any], key: str, default: bool, where: str) -> bool:
     return v
 
 
+def _vocab(folder: str | None) -> tuple[dict[str, int], dict[str, Any]]:
+    """The folder's tokenizer.json tokens (added tokens first, then the model's vocabulary)
+    by their text, and its tokenizer_config.json object ({} where a file is missing or
+    broken: the tokenizer's own loader names a broken file)."""
+    vocab: dict[str, int] = {}
+    tc: Any = {}
+    if folder is None:
+        return vocab, {}
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                obj = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if name == "tokenizer_config.json":
+            tc = obj
+            continue
+        for t in obj.get("added_tokens") or []:
+            if isinstance(t, dict) and isinstance(t.get("id"), int) and isinstance(t.get("content"), str):
+                vocab[t["content"]] = t["id"]
+        model = obj.get("model")
+        if isinstance(model, dict) and isinstance(model.get("vocab"), dict):
+            for k, v in model["vocab"].items():
+                if isinstance(v, int):
+                    vocab.setdefault(k, v)
+    return vocab, tc
+
+
 def _special_ids(folder: str | None, image_token: int) -> tuple[int, int]:
     """The ids of the tokenizer's start / end image tokens (tokenizer_config.json names them,
     "<img>" / "</img>" by default; tokenizer.json's added tokens or vocabulary give their
     ids), else the published layout's: the two ids before <IMG_CONTEXT>'s."""
-    fallback = (image_token - 2, image_token - 1)
-    if folder is None:
-        return fallback
+    vocab, tc = _vocab(folder)
     names = ["<img>", "</img>"]
-    tc_path = os.path.join(folder, "tokenizer_config.json")
-    try:
-        with open(tc_path, encoding="utf-8") as f:
-            tc = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        tc = {}
-    if isinstance(tc, dict):
-        for sub in (tc, tc.get("extra_special_tokens"), tc.get("model_specific_special_tokens")):
-            if isinstance(sub, dict):
-                for i, key in enumerate(("start_image_token", "end_image_token")):
-                    if isinstance(sub.get(key), str):
-                        names[i] = sub[key]
-    try:
-        with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
-            tj = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return fallback  # the tokenizer's own loader names a broken file
-    vocab: dict[str, int] = {}
-    for t in (tj.get("added_tokens") or []) if isinstance(tj, dict) else []:
-        if isinstance(t, dict) and isinstance(t.get("id"), int) and isinstance(t.get("content"), str):
-            vocab[t["content"]] = t["id"]
-    model = tj.get("model") if isinstance(tj, dict) else None
-    if isinstance(model, dict) and isinstance(model.get("vocab"), dict):
-        for k, v in model["vocab"].items():
-            if isinstance(v, int):
-                vocab.setdefault(k, v)
+    for sub in (tc, tc.get("extra_special_tokens"), tc.get("model_specific_special_tokens")):
+        if isinstance(sub, dict):
+            for i, key in enumerate(("start_image_token", "end_image_token")):
+                if isinstance(sub.get(key), str):
+                    names[i] = sub[key]
     start, end = vocab.get(names[0]), vocab.get(names[1])
     if start is None or end is None:
-        return fallback
+        return image_token - 2, image_token - 1
     return start, end
+
+
+# InternVisionConfig's defaults (OpenGVLab's remote code: InternViT-6B) where they differ from
+# InternVLVisionConfig's, under their names there
+_INTERNVIT_6B = dict(hidden_size=3200, intermediate_size=12_800, num_hidden_layers=48, num_attention_heads=25,
+                     image_size=224, patch_size=14, norm_type="rms_norm", qk_normalization=True, qkv_bias=False)
+
+
+def _from_remote(d: dict[str, Any], where: str, folder: str | None) -> tuple[dict[str, Any], int, int, bool]:
+    """An InternVLChatModel config (OpenGVLab's remote code) in transformers' InternVLConfig
+    fields (as its convert_internvl_weights_to_hf does), and its tiling: (min tiles, max
+    tiles, the thumbnail) from min_dynamic_patch / max_dynamic_patch / dynamic_image_size /
+    use_thumbnail (InternVLChatConfig's defaults: 1, 6, off, off). ``<IMG_CONTEXT>``'s id
+    comes from the tokenizer's files (the published one without them)."""
+    vc = d.get("vision_config") or {}
+    if not isinstance(vc, dict):
+        raise ConfigError(f"{where}: vision_config must be an object, got {vc!r}")
+    vtype = vc.get("model_type", "intern_vit_6b")
+    if vtype != "intern_vit_6b":
+        raise ConfigError(f"{where}: vision_config.model_type {vtype!r} is not supported in InternVLChatModel "
+                          "(the InternViT tower, intern_vit_6b, is)")
+    ps = d.get("ps_version", "v1")
+    if ps != "v2":
+        raise ConfigError(f"{where}: ps_version {ps!r}: only pixel shuffle \"v2\" (InternVL2.5 and later, "
+                          "transformers' InternVL) is read")
+    v = {**_INTERNVIT_6B, **{k: x for k, x in vc.items() if x is not None}}
+    force = d.get("force_image_size")
+    if force is not None and force != v["image_size"]:
+        raise ConfigError(f"{where}: force_image_size {force!r} differs from vision_config.image_size "
+                          f"{v['image_size']!r} (positions interpolated to another size are not read)")
+    hf_vc = {k: v[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "image_size", "patch_size", "norm_type") if k in v}
+    for k in ("hidden_act", "layer_norm_eps", "num_channels"):
+        if k in v:
+            hf_vc[k] = v[k]
+    hf_vc.update(model_type="internvl_vision", attention_bias=v["qkv_bias"], use_qk_norm=v["qk_normalization"],
+                 use_absolute_position_embeddings=True, use_mean_pooling=True)
+    llm: dict[str, Any] = d["llm_config"] if isinstance(d.get("llm_config"), dict) else {}
+    vocab, _ = _vocab(folder)
+    token = vocab.get("<IMG_CONTEXT>", 200_021 if llm.get("model_type") == "gpt_oss" else 151_667)
+    out = {"vision_config": hf_vc, "vision_feature_layer": d.get("select_layer", -1),
+           "downsample_ratio": d.get("downsample_ratio", 0.5), "image_token_id": token}
+    lo = _int(d, "min_dynamic_patch", 1, where, 1)
+    hi = _int(d, "max_dynamic_patch", 6, where, 1)
+    if lo > hi:
+        raise ConfigError(f"{where}: min_dynamic_patch {lo} is above max_dynamic_patch {hi}")
+    dynamic = d.get("dynamic_image_size", False)
+    thumbnail = d.get("use_thumbnail", False)
+    for key, flag in (("dynamic_image_size", dynamic), ("use_thumbnail", thumbnail)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{where}: {key} must be true or false, got {flag!r}")
+    return out, (lo if dynamic else 1), (hi if dynamic else 1), bool(thumbnail)
 
 
 def _processing(folder: str | None, image_size: int, where: str) -> tuple[ImageProcessing, int, int]:
@@ -193,7 +266,11 @@ def _seq_length(d: dict[str, Any], folder: str | None, where: str) -> int | None
 
 def internvl_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None
                               ) -> InternVLVisionConfig:
-    """An InternVLForConditionalGeneration config's image side; a ConfigError names a bad field."""
+    """An InternVLForConditionalGeneration config's image side (an InternVLChatModel one's:
+    _from_remote first); a ConfigError names a bad field."""
+    remote = arch == "InternVLChatModel"
+    if remote:
+        d, lo, hi, thumbnail = _from_remote(d, where, folder)
     raw = d.get("vision_config") or {}
     if isinstance(raw, dict):  # image_size / patch_size as [h, w]: one side
         raw = {**raw, **{k: _square(raw[k], k, where) for k in ("image_size", "patch_size") if k in raw}}
@@ -237,9 +314,13 @@ def internvl_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: 
     if act not in _ACTS:
         raise ConfigError(f"{where}: projector_hidden_act {act!r} is not supported ({', '.join(_ACTS)})")
     token = _int(d, "image_token_id", 151_667, where)
-    processing, lo, hi = _processing(folder, v["image_size"], where)
+    if remote:  # its chat code's transform, whatever preprocessor_config.json says: ImageNet's, bicubic
+        processing = _processing(None, v["image_size"], where)[0]
+    else:
+        processing, lo, hi = _processing(folder, v["image_size"], where)
+        thumbnail = True
     tokens = (side // shuffle) ** 2
-    seq = _seq_length(d, folder, where)
+    seq = None if remote else _seq_length(d, folder, where)
     if seq is not None and seq != tokens:
         raise ConfigError(f"{where}: image_seq_length {seq} (the processor's <IMG_CONTEXT> per tile) "
                           f"differs from the {tokens} rows a tile gives ((image_size / patch_size x "
@@ -254,4 +335,4 @@ def internvl_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: 
         _flag(vc, "use_qk_norm", False, where), _flag(vc, "attention_bias", False, where),
         _flag(vc, "use_absolute_position_embeddings", True, where), feature,
         raw_layer == -1 and not _flag(vc, "use_mean_pooling", True, where), shuffle, act, token,
-        start, end, lo, hi, processing)
+        start, end, lo, hi, processing, thumbnail, remote)

@@ -136,6 +136,28 @@ def test_other_text_models_equal_transformers(tmp_path, text):
     assert _tokens(outs) == want
 
 
+def test_remote_layout_equals_transformers(ivl_ckpt, tmp_path):
+    """OpenGVLab's remote-code layout of the checkpoint (InternVLChatModel): transformers'
+    tokens (its InternVLForConditionalGeneration on the converted weights) for one image, two
+    and a text-only prompt; with use_thumbnail false the grid's tiles alone (no thumbnail),
+    with dynamic_image_size false one tile, the rows those tiles make."""
+    from tests.internvl_checkpoint import to_remote_layout
+
+    path, hf, tok = ivl_ckpt
+    remote = to_remote_layout(path, tmp_path / "remote")
+    cases = [_case(tok, 31, 1, first=0), _case(tok, 32, 2, first=2), (_case(tok, 33, 0)[0], [])]
+    prompts = [{"prompt_token_ids": ids, **({"multi_modal_data": {"image": ims}} if ims else {})}
+               for ids, ims in cases]
+    llm = _llm(remote)
+    assert llm.engine.model_config.multimodal_architecture == "InternVLChatModel"
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == [_want(hf, ids, ims, llm) for ids, ims in cases]
+    for edit, tiles in (({"use_thumbnail": False}, 4), ({"dynamic_image_size": False}, 1)):
+        other = _llm(to_remote_layout(path, tmp_path / str(tiles), **edit))
+        out = other.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
+        assert out.prompt_token_ids.count(tok) == tiles * ROWS  # 33 x 33: a 2 x 2 grid
+        assert _tokens([out]) == [_want(hf, *cases[0], other)]
+
+
 def test_prefix_cache_hit_on_a_repeated_image(ivl_ckpt):
     """The same image again (another PIL object of the same pixels) hits the first's blocks
     and its tower does not run; another image of the same size hits the text's block before
@@ -251,7 +273,8 @@ def test_a_text_prompt_and_no_image_limit(ivl_ckpt):
 
 
 def test_mm_processor_kwargs_bound_the_tiles(ivl_ckpt):
-    """vLLM's mm_processor_kwargs as InternVLProcessor's call reads them: max_patches 2 makes
+    """vLLM's mm_processor_kwargs as InternVLProcessor's call reads them (or by vLLM's names for
+    the remote-code layout: max_dynamic_patch, dynamic_image_size): max_patches 2 makes
     a 33 x 33 image 1 tile (GotOcr2's count under the same bounds; 2 x 2 and a thumbnail by
     default), min_patches 6 makes it 2 x 3 and a thumbnail, crop_to_patches false one tile; transformers' tokens on those tiles;
     an unknown key or bad bounds are a ConfigError."""
@@ -261,15 +284,19 @@ def test_mm_processor_kwargs_bound_the_tiles(ivl_ckpt):
     path, hf, tok = ivl_ckpt
     ids, (img,) = _case(tok, 13, 1, first=0)
     proc = hf_image_processor()
-    for kw, tiles in (({"max_patches": 2}, 1), ({"min_patches": 6}, 7), ({"crop_to_patches": False}, 1)):
+    for kw, tiles in (({"max_patches": 2}, 1), ({"min_patches": 6}, 7), ({"crop_to_patches": False}, 1),
+                      ({"max_dynamic_patch": 2}, 1), ({"dynamic_image_size": False}, 1)):
         llm = _llm(path, mm_processor_kwargs=kw)
-        want_tiles = proc.get_number_of_image_patches(33, 33, {"crop_to_patches": True, **kw})
+        names = {"max_dynamic_patch": "max_patches", "dynamic_image_size": "crop_to_patches"}
+        want_tiles = proc.get_number_of_image_patches(
+            33, 33, {"crop_to_patches": True, **{names.get(k, k): v for k, v in kw.items()}})
         assert want_tiles == tiles
         out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": img}}], GREEDY,
                            use_tqdm=False)[0]
         assert out.prompt_token_ids.count(tok) == tiles * ROWS
         assert _tokens([out])[0] == _want(hf, ids, [img], llm)
-    for bad, needle in (({"max_dynamic_patch": 4}, r"\['max_dynamic_patch'\].*reads min_patches"),
+    for bad, needle in (({"max_num": 4}, r"\['max_num'\].*reads min_patches"),
+                        ({"max_dynamic_patch": 4, "max_patches": 4}, "give max_dynamic_patch or max_patches"),
                         ({"min_patches": 5, "max_patches": 2}, "min_patches 5 is above max_patches 2"),
                         ({"max_patches": 0}, "max_patches must be a positive int")):
         with pytest.raises(ConfigError, match=needle):

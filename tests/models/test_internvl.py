@@ -4,11 +4,13 @@ tile counts against its get_number_of_image_patches, our prompt expansion agains
 InternVLProcessor's ids, our rows against InternVLModel.get_image_features (fp32, CPU) for
 the tower's variants (LayerNorm / RMSNorm with q / k norms, a final LayerNorm, an earlier
 feature layer, no absolute positions, another downsample ratio), the checkpoint's tensors,
-and the config's fields, the published counts and its errors."""
+and the config's fields, the published counts and its errors; OpenGVLab's remote-code
+layout (InternVLChatModel) of the same weights read to the same config and rows."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -266,3 +268,69 @@ def test_preprocessor_config_errors(tiny, tmp_path):
         (path / "preprocessor_config.json").write_text(json.dumps(pc))
         with pytest.raises(ConfigError, match=needle):
             ModelConfig.from_hf(str(path))
+
+
+# InternVL3-2B's config.json in OpenGVLab's remote-code layout (InternVLChatModel)
+INTERNVL3_2B_REMOTE = {
+    "architectures": ["InternVLChatModel"], "downsample_ratio": 0.5, "dynamic_image_size": True,
+    "force_image_size": 448, "llm_config": {**INTERNVL3_2B["text_config"]}, "max_dynamic_patch": 12,
+    "min_dynamic_patch": 1, "model_type": "internvl_chat", "ps_version": "v2", "select_layer": -1,
+    "template": "internvl2_5", "use_thumbnail": True,
+    "vision_config": {"architectures": ["InternVisionModel"], "attention_dropout": 0.0, "drop_path_rate": 0.0,
+                      "hidden_act": "gelu", "hidden_size": 1024, "image_size": 448, "intermediate_size": 4096,
+                      "layer_norm_eps": 1e-06, "model_type": "intern_vit_6b", "norm_type": "layer_norm",
+                      "num_attention_heads": 16, "num_channels": 3, "num_hidden_layers": 24, "patch_size": 14,
+                      "qk_normalization": False, "qkv_bias": True, "use_flash_attn": True},
+}
+
+
+@pytest.mark.parametrize("name", ["default", "rms_qk"])
+def test_remote_layout_reads_as_transformers(tiny, tmp_path, name):
+    """OpenGVLab's remote-code layout of the same weights (InternVLChatModel: llm_config,
+    InternVisionConfig's names, vision_model. / mlp1. with fused qkv; transformers' converter
+    backwards) gives the same config fields and exactly the same rows; its CLIP-style
+    preprocessor_config.json is not read (its chat code's transform is)."""
+    from tests.internvl_checkpoint import to_remote_layout
+
+    src = tiny(name, **VARIANTS[name])
+    dst = to_remote_layout(src, tmp_path / "remote")
+    hf_vc, vc = ModelConfig.from_hf(src).vision, ModelConfig.from_hf(dst).vision
+    assert vc.remote and not hf_vc.remote
+    assert replace(vc, remote=False) == hf_vc
+    mc = ModelConfig.from_hf(dst)
+    assert (mc.multimodal_architecture, mc.architecture) == ("InternVLChatModel", "Qwen2ForCausalLM")
+    items = [tile_image(smooth_image(h, w, seed=i), vc) for i, (h, w) in enumerate([(33, 33), (10, 90)])]
+    for a, b in zip(_encoder(src).encode(items), _encoder(dst).encode(items), strict=True):
+        assert torch.equal(a, b)
+    from flashpage.models.loader import load_model
+
+    load_model(resolve_model(str(dst)), torch.float32, torch.device("cpu"))  # the text model's tensors
+    path = edited_copy(dst, tmp_path / "missing", edit=lambda t: t.pop("mlp1.1.bias"))
+    with pytest.raises(ModelLoadError, match=r"missing.*multi_modal_projector\.linear_1\.bias"):
+        _encoder(path)
+
+
+def test_remote_layout_config_fields_and_errors():
+    mc = ModelConfig.from_hf(INTERNVL3_2B_REMOTE)
+    vc = mc.vision
+    assert (mc.architecture, mc.hidden_size) == ("Qwen2ForCausalLM", 1536)
+    assert (vc.remote, vc.thumbnail, vc.min_tiles, vc.max_tiles, vc.tokens_per_image) == (True, True, 1, 12, 256)
+    assert (vc.image_token_id, vc.start_token_id, vc.end_token_id) == (151667, 151665, 151666)
+    assert vc == replace(ModelConfig.from_hf(INTERNVL3_2B).vision, remote=True)
+    one = ModelConfig.from_hf({**INTERNVL3_2B_REMOTE, "dynamic_image_size": False}).vision
+    assert (one.min_tiles, one.max_tiles) == (1, 1) and num_tiles(one, (1080, 1920)) == 1
+    bare = ModelConfig.from_hf({**INTERNVL3_2B_REMOTE, "use_thumbnail": False}).vision
+    assert num_tiles(bare, (768, 1024)) == 12 and num_tiles(bare, (448, 448)) == 1
+    for edit, needle in [
+        ({"ps_version": "v1"}, "ps_version 'v1': only pixel shuffle \"v2\""),
+        ({"force_image_size": 224}, "force_image_size 224 differs from vision_config.image_size 448"),
+        ({"llm_config": {"model_type": "internlm2"}}, "llm_config.model_type 'internlm2' is not supported"),
+        ({"llm_config": None}, "InternVLChatModel needs a llm_config object"),
+        ({"min_dynamic_patch": 13}, "min_dynamic_patch 13 is above max_dynamic_patch 12"),
+        ({"select_layer": -30}, "vision_feature_layer -30 must be an int"),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            ModelConfig.from_hf({**INTERNVL3_2B_REMOTE, **edit})
+    bad = {**INTERNVL3_2B_REMOTE, "vision_config": {**INTERNVL3_2B_REMOTE["vision_config"], "model_type": "clip"}}
+    with pytest.raises(ConfigError, match="'clip' is not supported in InternVLChatModel"):
+        ModelConfig.from_hf(bad)
