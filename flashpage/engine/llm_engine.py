@@ -831,7 +831,12 @@ class LLMEngine:
             embeds = self._check_embeds_request(prompt, params, pooling)
             text, ids = None, [EMBEDS_PLACEHOLDER_ID] * embeds.shape[0]
         else:
-            text, ids = prompt_text_and_ids(prompt, self.tokenize)
+            # a text placeholder the encoder's prompts write as several tokens (InternVL's
+            # remote-code "<image>", as vLLM takes it) made its image token before tokenizing
+            sub = getattr(self.mm_encoder, "text_placeholder", None)
+            tokenize: Callable[[str], list[int]] = self.tokenize if sub is None or multi_modal_data is None \
+                else (lambda s: self.tokenize(s.replace(sub[0], sub[1])))
+            text, ids = prompt_text_and_ids(prompt, tokenize)
             ids, mm_inputs = self._multimodal_inputs(ids, multi_modal_data, params, pooling)
             if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
                 ids = ids[-params.truncate_prompt_tokens:]  # the text no longer matches: not kept

@@ -332,6 +332,9 @@ class InternVLImageEncoder(nn.Module):
     def __init__(self, vc: InternVLVisionConfig, text_hidden: int) -> None:
         super().__init__()
         self.config = vc
+        # the remote-code layout's prompts write "<image>" (vLLM's placeholder for it, several
+        # tokens): a text prompt's is made <IMG_CONTEXT> before tokenizing (engine add_request)
+        self.text_placeholder = ("<image>", "<IMG_CONTEXT>") if vc.remote else None
         self.vision_tower = InternVLVisionTower(vc)
         self.multi_modal_projector = InternVLMultiModalProjector(vc, text_hidden)
 

@@ -139,7 +139,8 @@ def test_other_text_models_equal_transformers(tmp_path, text):
 def test_remote_layout_equals_transformers(ivl_ckpt, tmp_path):
     """OpenGVLab's remote-code layout of the checkpoint (InternVLChatModel): transformers'
     tokens (its InternVLForConditionalGeneration on the converted weights) for one image, two
-    and a text-only prompt; with use_thumbnail false the grid's tiles alone (no thumbnail),
+    and a text-only prompt, and for a text prompt with vLLM's "<image>" placeholder (the -hf
+    layout's prompts hold <IMG_CONTEXT>: "<image>" is text there); with use_thumbnail false the grid's tiles alone (no thumbnail),
     with dynamic_image_size false one tile, the rows those tiles make."""
     from tests.internvl_checkpoint import to_remote_layout
 
@@ -151,6 +152,15 @@ def test_remote_layout_equals_transformers(ivl_ckpt, tmp_path):
     llm = _llm(remote)
     assert llm.engine.model_config.multimodal_architecture == "InternVLChatModel"
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == [_want(hf, ids, ims, llm) for ids, ims in cases]
+    # a text prompt with vLLM's "<image>" placeholder for this layout: <IMG_CONTEXT>'s tokens
+    img = smooth_image(20, 40, seed=4)
+    text = "the cat <image>\nsat on the mat"
+    ids = llm.get_tokenizer().encode(text.replace("<image>", "<IMG_CONTEXT>"))
+    out = llm.generate([{"prompt": text, "multi_modal_data": {"image": img}}], GREEDY, use_tqdm=False)[0]
+    assert out.prompt == text and _tokens([out]) == [_want(hf, ids, [img], llm)]
+    hf_layout = _llm(path).generate([{"prompt": text, "multi_modal_data": {"image": img}}], GREEDY,
+                                    use_tqdm=False)[0]
+    assert "0 image token(s) (<IMG_CONTEXT>, id 242) but 1 image(s)" in hf_layout.error  # its prompts hold that
     for edit, tiles in (({"use_thumbnail": False}, 4), ({"dynamic_image_size": False}, 1)):
         other = _llm(to_remote_layout(path, tmp_path / str(tiles), **edit))
         out = other.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
