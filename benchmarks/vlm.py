@@ -12,11 +12,12 @@ when it is shared). transformers runs the same requests in batches of --hf-batch
 
     python benchmarks/vlm.py --json-out $OUT/vlm.json
     python benchmarks/vlm.py --requests 64 --hf-requests 32 --config /path/to/llava/config.json
-    python benchmarks/vlm.py --config qwen2.5-vl-7b --json-out $OUT/vlm_qwen.json   (ours only)
+    python benchmarks/vlm.py --config qwen2.5-vl-7b --json-out $OUT/vlm_qwen.json
 
-Qwen2-VL / Qwen2.5-VL configs: each request's placeholder is <|vision_start|><|image_pad|>
-<|vision_end|>, its image uint8 pixels the engine preprocesses (448 x 448: 256 rows); the
-transformers side is not run for them (the text twin still is). Gemma 3 (--config
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL configs: each request's placeholder is <|vision_start|>
+<|image_pad|><|vision_end|>, its image uint8 pixels the engine preprocesses (448 x 448: 256
+rows; Qwen3-VL's 16-pixel patches: 196); transformers' own class beside it, fed the patches
+and grids our preprocessing makes (its processor's output) and mm_token_type_ids. Gemma 3 (--config
 gemma-3-4b-it): <start_of_image>, 896 x 896 uint8 pixels, 256 rows each attending to each
 other both ways; transformers' Gemma3ForConditionalGeneration beside it (token_type_ids
 marking the image rows, as its processor gives them).
@@ -34,6 +35,8 @@ its thumbnail (1,280 rows); ours and the text twin only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 import time
 
@@ -46,10 +49,13 @@ from flashpage.sampling_params import SamplingParams
 
 
 def workload(n: int, system: int, question: int, vocab: int, placeholder: list[int], size: int,
-             seed: int = 0, uint8: bool = False, avoid: frozenset[int] = frozenset()):
+             seed: int = 0, uint8: bool = False, avoid: frozenset[int] = frozenset(),
+             distinct: int = 0, question_first: bool = False):
     """(prompt ids with one image placeholder each, one [3, size, size] image each: float
     pixel values (LLaVA) or uint8 pixels (Qwen2-VL, Gemma 3: preprocessed by the engine, as
-    a PIL image or a decoded file would come))."""
+    a PIL image or a decoded file would come)). ``distinct``: that many different images,
+    request i taking image i mod distinct (0: each its own); ``question_first``: each
+    request's own text before its image (the prefix cache then shares none of its blocks)."""
     g = torch.Generator().manual_seed(seed)
 
     def text(k: int) -> list[int]:
@@ -57,10 +63,11 @@ def workload(n: int, system: int, question: int, vocab: int, placeholder: list[i
                 for t in torch.randint(3, vocab, (k,), generator=g).tolist()]
 
     shared = text(system)
-    prompts = [[1, *shared, *placeholder, *text(question)] for _ in range(n)]
-    images = [torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=g) if uint8
-              else torch.randn(3, size, size, generator=g) for _ in range(n)]
-    return prompts, images
+    prompts = [[1, *shared, *q, *placeholder] if question_first else [1, *shared, *placeholder, *q]
+               for q in (text(question) for _ in range(n))]
+    pool = [torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=g) if uint8
+            else torch.randn(3, size, size, generator=g) for _ in range(distinct or n)]
+    return prompts, [pool[i % len(pool)] for i in range(n)]
 
 
 def time_tower(llm: LLM, hf, images: list[torch.Tensor], batch: int, iters: int) -> dict:
@@ -68,35 +75,52 @@ def time_tower(llm: LLM, hf, images: list[torch.Tensor], batch: int, iters: int)
     batches of ``batch`` images, median of ``iters``."""
     enc = llm.engine.mm_encoder
     assert enc is not None
+    dev, dtype = llm.engine.device, llm.engine.dtype
     # ours from the request's form (uint8 pixels normalized by encode on the device, or float
-    # pixel values); transformers' from the pixel values its processor would give
-    data = [im.to(llm.engine.device) if im.dtype == torch.uint8 else im.to(llm.engine.device, llm.engine.dtype)
-            for im in images[:batch]]
-    pixels = torch.stack([enc.pixel_values(im) for im in images[:batch]]).to(llm.engine.device, llm.engine.dtype)
+    # pixel values; Qwen-VL's resized uint8 as admit_image keeps them, here on the device);
+    # transformers' from the pixel values its processor would give
+    if hasattr(enc, "admit_image"):
+        data = []
+        for im in images[:batch]:
+            kept = enc.admit_image(im)
+            data.append(dataclasses.replace(kept, pixels=kept.pixels.to(dev)))
+    else:
+        data = [im.to(dev) if im.dtype == torch.uint8 else im.to(dev, dtype) for im in images[:batch]]
+    theirs_kw = hf_image_kwargs(hf, [enc.pixel_values(im) for im in images[:batch]], dev)
 
     def ours() -> None:
         enc.encode(data)
 
     def theirs() -> None:
-        if not hasattr(hf.config, "vision_feature_layer"):  # Gemma 3
-            hf.model.get_image_features(pixel_values=pixels)
-            return
-        hf.model.get_image_features(pixel_values=pixels, vision_feature_layer=hf.config.vision_feature_layer,
-                                    vision_feature_select_strategy=hf.config.vision_feature_select_strategy)
+        if hasattr(hf.config, "vision_feature_layer"):  # LLaVA
+            theirs_kw.update(vision_feature_layer=hf.config.vision_feature_layer,
+                             vision_feature_select_strategy=hf.config.vision_feature_select_strategy)
+        hf.model.get_image_features(**theirs_kw)
 
     with torch.inference_mode():
         out = {name: batch / median_seconds(fn, iters) for name, fn in (("ours", ours), ("transformers", theirs))}
     return out
 
 
-@torch.inference_mode()
-def hf_throughput(hf, prompts, images, image_token: int, batch: int, out_len: int,
-                  token_types: bool = False) -> dict:
-    """transformers' generate over ``prompts`` (ids as the engine expanded them: each image's
-    rows at ``image_token``), left-padded batches of ``batch``; ``token_types``: Gemma 3's
-    token_type_ids (1 on the image rows) passed too."""
-    device = next(hf.parameters()).device
+def hf_image_kwargs(hf, pixels: list, device: torch.device) -> dict:
+    """transformers' image arguments for ``pixels`` (our encoder's pixel_values of each
+    image: the float tensors its processor gives, or Qwen-VL's patches and grids)."""
     dtype = next(hf.parameters()).dtype
+    if hasattr(pixels[0], "grid"):  # Qwen-VL: patches of every image in one tensor, and their grids
+        return {"pixel_values": torch.cat([p.patches for p in pixels]).to(device, dtype),
+                "image_grid_thw": torch.tensor([list(p.grid) for p in pixels], device=device)}
+    return {"pixel_values": torch.stack(pixels).to(device, dtype)}
+
+
+@torch.inference_mode()
+def hf_throughput(hf, prompts, pixels, image_token: int, batch: int, out_len: int) -> dict:
+    """transformers' generate over ``prompts`` (ids as the engine expanded them: each image's
+    rows at ``image_token``), left-padded batches of ``batch``; ``pixels``: hf_image_kwargs'
+    input per prompt. Gemma 3's token_type_ids and Qwen-VL's mm_token_type_ids (1 on the image
+    rows, as their processors give them) are passed where the model takes them."""
+    device = next(hf.parameters()).device
+    takes = inspect.signature(hf.forward).parameters
+    types = next((k for k in ("token_type_ids", "mm_token_type_ids") if k in takes), None)
     total, done = 0.0, 0
     for s in range(0, len(prompts), batch):
         ps = prompts[s:s + batch]
@@ -106,11 +130,12 @@ def hf_throughput(hf, prompts, images, image_token: int, batch: int, out_len: in
         for i, p in enumerate(ps):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        pixels = torch.stack(images[s:s + batch]).to(device, dtype)
         sync()
         t0 = time.perf_counter()
-        extra = {"token_type_ids": (ids == image_token).long().to(device)} if token_types else {}
-        hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), pixel_values=pixels,
+        extra = hf_image_kwargs(hf, pixels[s:s + batch], device)
+        if types:
+            extra[types] = (ids == image_token).long().to(device)
+        hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                     max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0, **extra)
         sync()
         total += time.perf_counter() - t0
@@ -179,11 +204,19 @@ def main() -> None:
                     help="after the runs, N image requests again under torch.profiler: the top ops by GPU "
                          "time and by host time printed (to --profile-out if given)")
     ap.add_argument("--profile-out", help="where the profile's tables go (default: stdout)")
+    ap.add_argument("--distinct-images", type=int, default=0, metavar="K",
+                    help="K different images over the requests (request i takes image i mod K; 0: each its own)")
+    ap.add_argument("--question-first", action="store_true",
+                    help="each request's own text before its image, so the prefix cache shares no block of "
+                         "it (what the encoder cache can still share: --distinct-images)")
+    ap.add_argument("--mm-encoder-cache-tokens", type=int, default=None,
+                    help="the engine's encoder cache in rows (default: its own; 0: off)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
     llm = LLM(random_weights_config=resolve_config(args.config), dtype=args.dtype,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              mm_encoder_cache_tokens=args.mm_encoder_cache_tokens)
     eng = llm.engine
     enc = eng.mm_encoder
     assert enc is not None, f"{args.config} takes no images"
@@ -202,13 +235,15 @@ def main() -> None:
                                   getattr(vc, "start_token_id", None), getattr(vc, "end_token_id", None))
                       if t is not None)
     prompts, images = workload(args.requests, args.system, args.question, vocab, placeholder, size,
-                               uint8=uint8, avoid=avoid)
+                               uint8=uint8, avoid=avoid, distinct=args.distinct_images,
+                               question_first=args.question_first)
     rows = enc.num_rows(enc.pixel_values(images[0]))
     # each prompt as the engine expands it (the image's rows at image_token: Gemma adds its
     # newlines and <end_of_image> around them too, InternVL <img> and </img>)
     expanded = [enc.prepare(list(p), {"image": im})[0] for p, im in zip(prompts, images, strict=True)]
-    if not (kind == "VisionConfig" and not vc.grid_pinpoints or gemma) and args.hf_requests:
-        print("transformers' side (end to end and the tower) is run for LLaVA-1.5 and Gemma 3 only", flush=True)
+    if not (kind == "VisionConfig" and not vc.grid_pinpoints or gemma or qwen) and args.hf_requests:
+        print("transformers' side (end to end and the tower) is run for LLaVA-1.5, Gemma 3 and Qwen-VL only",
+              flush=True)
         args.hf_requests = 0
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
 
@@ -219,6 +254,8 @@ def main() -> None:
     llm.generate(reqs(w_prompts, w_images), params, use_tqdm=False)  # compile, warm up
     kv = eng.kv_manager
     hits0 = kv.prefix_hits
+    cache = eng.runner.encoder_cache
+    cache_hits0 = cache.hits if cache is not None else 0
     # the tower's share of the timed run: each encode call timed to the device's end
     enc_times: list[float] = []
     real_encode = enc.encode
@@ -244,6 +281,7 @@ def main() -> None:
     ours = {"requests": args.requests, "output_tokens": out_tokens, "seconds": dt,
             "output_tok_per_s": out_tokens / dt, "requests_per_s": args.requests / dt,
             "prefix_hit_tokens": kv.prefix_hits - hits0,
+            "encoder_cache_hits": (cache.hits - cache_hits0) if cache is not None else None,
             "encode_seconds": sum(enc_times), "encode_calls": len(enc_times),
             "prompt_tokens_each": len(expanded[0]), "rows_per_image": rows,
             "steps": _step_summary(timeline, _gpu_ms(spans)),
@@ -251,8 +289,8 @@ def main() -> None:
             "before_first_step_s": timeline[0][0] - t0 if timeline else None}
     print(f"flashpage: {args.requests} image requests, {out_tokens} output tokens in {dt:.2f} s: "
           f"{ours['output_tok_per_s']:.0f} output tok/s, {ours['requests_per_s']:.2f} req/s; "
-          f"prefix hits {ours['prefix_hit_tokens']} tokens; the tower {sum(enc_times):.2f} s in "
-          f"{len(enc_times)} calls", flush=True)
+          f"prefix hits {ours['prefix_hit_tokens']} tokens; encoder cache hits {ours['encoder_cache_hits']} images; "
+          f"the tower {sum(enc_times):.2f} s in {len(enc_times)} calls", flush=True)
     print(f"  {ours['before_first_step_s']:.2f} s before the first step; steps (wall / GPU ms):",
           _steps_line(ours["steps"]), flush=True)
     enc.encode = real_encode  # type: ignore[method-assign]
@@ -280,7 +318,7 @@ def main() -> None:
         import transformers
 
         cfg = transformers.AutoConfig.from_pretrained(resolve_config(args.config))
-        cls = transformers.Gemma3ForConditionalGeneration if gemma else transformers.LlavaForConditionalGeneration
+        cls = getattr(transformers, cfg.architectures[0])  # Llava / Gemma3 / Qwen2_5_VL / ... ForConditionalGeneration
         with torch.device(eng.device):
             hf = cls._from_config(cfg, dtype=eng.dtype, attn_implementation="sdpa")
         hf.eval()
@@ -290,8 +328,8 @@ def main() -> None:
               f"transformers {tower['transformers']:.0f} ({tower['ours'] / tower['transformers']:.2f}x)", flush=True)
         n = args.hf_requests
         hf_pixels = [enc.pixel_values(im) for im in images[:n]]  # its processor's output
-        hf_throughput(hf, expanded[:2], hf_pixels[:2], image_token, 2, 4, gemma)  # warm up
-        base = hf_throughput(hf, expanded[:n], hf_pixels, image_token, args.hf_batch_size, args.output_len, gemma)
+        hf_throughput(hf, expanded[:2], hf_pixels[:2], image_token, 2, 4)  # warm up
+        base = hf_throughput(hf, expanded[:n], hf_pixels, image_token, args.hf_batch_size, args.output_len)
         print(f"transformers: {n} requests in batches of {args.hf_batch_size}: "
               f"{base['output_tok_per_s']:.0f} output tok/s; flashpage {ours['output_tok_per_s'] / base['output_tok_per_s']:.1f}x",
               flush=True)

@@ -63,6 +63,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mm-processor-kwargs", type=_json_object, default=None, metavar="JSON",
                    help="the processors' settings, vLLM's: '{\"max_pixels\": 1003520}' "
                         "(Qwen2-VL's min_pixels / max_pixels; fps: Qwen2.5-VL's videos' frame rate)")
+    g.add_argument("--mm-encoder-cache-tokens", type=int, default=None, metavar="ROWS",
+                   help="image rows (encoder outputs) kept on the device for later requests of the same "
+                        "image (default: --max-num-batched-tokens' worth; 0: none)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while the GPU runs step N (default: on with CUDA)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
@@ -220,7 +223,8 @@ def build_llm(args: argparse.Namespace) -> Any:
                allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
                allowed_media_domains=getattr(args, "allowed_media_domains", None),
                limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),
-               mm_processor_kwargs=getattr(args, "mm_processor_kwargs", None))
+               mm_processor_kwargs=getattr(args, "mm_processor_kwargs", None),
+               mm_encoder_cache_tokens=getattr(args, "mm_encoder_cache_tokens", None))
 
 
 def _mm_limits(text: str) -> dict[str, int]:

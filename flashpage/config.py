@@ -132,8 +132,13 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
                                            ("visual",)),
     # Qwen3-VL (dense): Qwen3-VL's tower (learned position embeddings, deepstack features
     # added to the first decoder layers' image rows: models/qwen3_vl.py) over a Qwen3 text
-    # model with interleaved M-RoPE (ModelConfig.mrope_interleaved); its images, not videos
+    # model with interleaved M-RoPE (ModelConfig.mrope_interleaved); its images and videos
+    # (frames: models/qwen3_vl_video.py)
     "Qwen3VLForConditionalGeneration": (("qwen3_vl_text",), "qwen3_vl_text", ("visual",)),
+    # Qwen3-VL-MoE (Qwen3-VL-30B-A3B, 235B-A22B): the same tower over a Qwen3-MoE text model
+    # (models/llama.py's routed experts; the checkpoint's fused expert tensors:
+    # models/multimodal.qwen3_vl_moe_experts)
+    "Qwen3VLMoeForConditionalGeneration": (("qwen3_vl_moe_text",), "qwen3_vl_moe_text", ("visual",)),
     # InternVL in transformers' layout (InternVL3-*-hf, InternVL3.5-*-HF): the InternViT tower,
     # pixel shuffle and a LayerNorm + 2-layer projector over a Qwen2 / Qwen3 / Llama text model
     # (InternVL3.5's Qwen3-MoE and GPT-OSS ones too); its images too (models/internvl_config.py,
@@ -144,9 +149,10 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # llm_config, vision_model. / mlp1. with a fused qkv; models/internvl_config.py reads it)
     "InternVLChatModel": (("qwen2", "qwen3", "llama", "qwen3_moe", "gpt_oss"), "qwen2", ("vision_model", "mlp1")),
 }
+# Qwen3-VL's tower, deepstack and interleaved M-RoPE (dense and MoE text models)
+QWEN3_VL_ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"})
 QWEN_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration",
-                                   "Qwen2_5_VLForConditionalGeneration",
-                                   "Qwen3VLForConditionalGeneration"})
+                                   "Qwen2_5_VLForConditionalGeneration"}) | QWEN3_VL_ARCHITECTURES
 # the wrappers whose images we run (ModelConfig.vision): the others serve their text alone.
 # Mistral3 (and LLaVA whose vision_config is "pixtral"): a Pixtral tower, read by
 # models/pixtral_config.py, run by models/pixtral.py
@@ -160,10 +166,6 @@ _UNSUPPORTED_IMAGE_ARCHITECTURES = {
     "LlavaNextVideoForConditionalGeneration":
         "LLaVA-NeXT-Video (video input, pooled frame features) is not supported yet; image-only "
         "LLaVA-NeXT (LlavaNextForConditionalGeneration) checkpoints are",
-    "Qwen3VLMoeForConditionalGeneration":
-        "Qwen3-VL-MoE (its text model's experts stored fused, gate_up_proj [experts, hidden, "
-        "2 x intermediate]) is not supported yet; dense Qwen3-VL (Qwen3VLForConditionalGeneration) "
-        "checkpoints are",
 }
 # architecture names of remote-code checkpoints that transformers' own class reads
 _ARCH_ALIASES = {"MPTForCausalLM": "MptForCausalLM"}  # MosaicML's MPT files
@@ -2231,6 +2233,12 @@ _QWEN3_VL_TEXT_DEFAULTS: dict[str, Any] = dict(
     vocab_size=151_936, hidden_size=4096, intermediate_size=22_016, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=128_000,
     rms_norm_eps=1e-6, rope_theta=500_000.0)
+# Qwen3VLMoeTextConfig's (a Qwen3-MoE text model; head_dim hidden_size / heads when absent)
+_QWEN3_VL_MOE_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=151_936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+    num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=128_000,
+    rms_norm_eps=1e-6, rope_theta=500_000.0, num_experts=60, num_experts_per_tok=4,
+    moe_intermediate_size=1408, decoder_sparse_step=1)
 # the vision config's fields that are no text model's (a flat config holds both)
 _QWEN_VL_NOT_TEXT = ("vision_config", "text_config", "architectures", "model_type",
                      "image_token_id", "video_token_id", "vision_start_token_id",
@@ -2251,7 +2259,10 @@ def _qwen_vl_text_config(d: dict[str, Any], arch: str, where: str
     (rope_scaling {"type": "mrope", "mrope_section": [...]} or transformers 5's
     rope_parameters; Qwen2VLTextConfig's [16, 24, 24] when absent). Qwen3-VL's: a Qwen3
     config (Qwen3VLTextConfig's defaults; sections [24, 20, 20] when absent, always
-    interleaved: transformers' Qwen3VLTextRotaryEmbedding reads no mrope_interleaved)."""
+    interleaved: transformers' Qwen3VLTextRotaryEmbedding reads no mrope_interleaved).
+    Qwen3-VL-MoE's: a Qwen3-MoE config (Qwen3VLMoeTextConfig's defaults), its top-k weights
+    always renormalized (transformers' Qwen3VLMoeTextTopKRouter reads no norm_topk_prob;
+    the published configs say true)."""
     model_types, default_type, _ = MULTIMODAL_TEXT_ARCHITECTURES[arch]
     nested = d.get("text_config")
     if nested is not None and not isinstance(nested, dict):
@@ -2273,15 +2284,20 @@ def _qwen_vl_text_config(d: dict[str, Any], arch: str, where: str
     if kind not in ("default", "mrope"):
         raise ConfigError(f"{text_where}: rope type {kind!r} is not supported with M-RoPE in {arch} "
                           "(mrope / default are)")
-    v3 = arch == "Qwen3VLForConditionalGeneration"
+    v3 = arch in QWEN3_VL_ARCHITECTURES
+    moe = arch == "Qwen3VLMoeForConditionalGeneration"
     section = _positive_ints(rope.get("mrope_section", [24, 20, 20] if v3 else [16, 24, 24]),
                              "mrope_section", text_where)
-    defaults = _QWEN3_VL_TEXT_DEFAULTS if v3 else _QWEN_VL_TEXT_DEFAULTS
+    defaults = _QWEN3_VL_MOE_TEXT_DEFAULTS if moe else _QWEN3_VL_TEXT_DEFAULTS if v3 else _QWEN_VL_TEXT_DEFAULTS
     theta = tc.get("rope_theta", rope.get("rope_theta", defaults["rope_theta"]))
-    family = "qwen3" if v3 else "qwen2"
-    text = {**defaults,
-            **{k: v for k, v in tc.items() if k not in _QWEN_VL_NOT_TEXT},
+    family = "qwen3_moe" if moe else "qwen3" if v3 else "qwen2"
+    given = {k: v for k, v in tc.items() if k not in _QWEN_VL_NOT_TEXT}
+    if moe and "num_local_experts" in given:  # transformers 5 writes num_experts so
+        given["num_experts"] = given.pop("num_local_experts")
+    text = {**defaults, **given,
             "model_type": family, "architectures": [_MODEL_TYPE_TO_ARCH[family]], "rope_theta": theta}
+    if moe:
+        text["norm_topk_prob"] = True
     for key in _TOP_LEVEL_FIELDS:
         if d.get(key) is not None:
             text[key] = d[key]
@@ -2387,13 +2403,18 @@ def _qwen_image_processing(folder: str | None, vc: dict[str, Any], where: str) -
 # Qwen2VLVideoProcessor's class defaults: 128 to 768 merged units of 28 x 28 per frame
 QWEN_VIDEO_MIN_PIXELS = 128 * 28 * 28
 QWEN_VIDEO_MAX_PIXELS = 768 * 28 * 28
+# Qwen3VLVideoProcessor's: 128 to 768 merged units of 32 x 32, over the whole video's frames
+# (models/qwen3_vl_video.smart_resize_video), mean / std 0.5
+QWEN3_VIDEO_MIN_PIXELS = 128 * 32 * 32
+QWEN3_VIDEO_MAX_PIXELS = 768 * 32 * 32
 
 
-def _qwen_video_processing(folder: str | None, where: str) -> QwenImageProcessing:
+def _qwen_video_processing(folder: str | None, where: str, v3: bool = False) -> QwenImageProcessing:
     """Qwen2VLVideoProcessor's settings as transformers finds them: processor_config.json's
     "video_processor", else video_preprocessor_config.json, else (older checkpoints)
     preprocessor_config.json; its min_pixels / max_pixels or size {shortest_edge,
-    longest_edge}, the class defaults (QWEN_VIDEO_*) for those left out."""
+    longest_edge}, the class defaults (QWEN_VIDEO_*) for those left out. ``v3``:
+    Qwen3VLVideoProcessor's (QWEN3_VIDEO_* and mean / std 0.5 by default)."""
     pc: dict[str, Any] = {}
     if folder:
         proc = os.path.join(folder, "processor_config.json")
@@ -2408,8 +2429,10 @@ def _qwen_video_processing(folder: str | None, where: str) -> QwenImageProcessin
                     break
     raw_size = pc.get("size")
     size: dict[str, Any] = raw_size if isinstance(raw_size, dict) else {}
-    lo: Any = pc.get("min_pixels", size.get("shortest_edge", QWEN_VIDEO_MIN_PIXELS))
-    hi: Any = pc.get("max_pixels", size.get("longest_edge", QWEN_VIDEO_MAX_PIXELS))
+    lo: Any = pc.get("min_pixels", size.get("shortest_edge", QWEN3_VIDEO_MIN_PIXELS if v3 else QWEN_VIDEO_MIN_PIXELS))
+    hi: Any = pc.get("max_pixels", size.get("longest_edge", QWEN3_VIDEO_MAX_PIXELS if v3 else QWEN_VIDEO_MAX_PIXELS))
+    if v3:
+        pc = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3, **pc}
     for key, v in (("video min_pixels", lo), ("video max_pixels", hi)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ConfigError(f"{where}: {key} must be a positive int, got {v!r}")
@@ -2428,8 +2451,8 @@ def _qwen_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str
         raise ConfigError(f"{where}: vision_config must be an object, got {vc!r}")
     w = f"{where}: vision_config"
     v25 = arch == "Qwen2_5_VLForConditionalGeneration"
-    v3 = arch == "Qwen3VLForConditionalGeneration"
-    if v3:  # Qwen3VLVisionConfig's defaults
+    v3 = arch in QWEN3_VL_ARCHITECTURES
+    if v3:  # Qwen3VLVisionConfig's (and Qwen3VLMoeVisionConfig's) defaults
         width = vc.get("hidden_size", 1152)
         inter = vc.get("intermediate_size", 4304)
         out = vc.get("out_hidden_size", 3584)
@@ -2498,8 +2521,7 @@ def _qwen_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str
                             v["num_heads"], inter, act, out, v["patch_size"], v["temporal_patch_size"],
                             v["spatial_merge_size"], v["window_size"], full, theta,
                             processing=_qwen_image_processing(folder, v, where),
-                            # Qwen3-VL's videos are refused (models/qwen3_vl.py): no video processor read
-                            video_processing=None if v3 else _qwen_video_processing(folder, where),
+                            video_processing=_qwen_video_processing(folder, where, v3),
                             tokens_per_second=tps, num_position_embeddings=positions,
                             deepstack_visual_indexes=deep, **tokens)
 
@@ -2786,7 +2808,7 @@ class ModelConfig:
                                   f"{len(qv.deepstack_visual_indexes)} entries (each added after one "
                                   f"decoder layer) but the text model has {cfg.num_hidden_layers} layers")
             return replace(cfg, multimodal_architecture=arch, mrope_section=section,
-                           mrope_interleaved=arch == "Qwen3VLForConditionalGeneration", vision=qv)
+                           mrope_interleaved=arch in QWEN3_VL_ARCHITECTURES, vision=qv)
         if arch in MULTIMODAL_TEXT_ARCHITECTURES:
             text, text_where = _text_config_of(d, arch, where)
             vision = _image_config_of(d, arch, where, folder) if arch in IMAGE_ARCHITECTURES \
@@ -3133,6 +3155,9 @@ class EngineConfig:
     # vLLM's mm_processor_kwargs: the processors' settings over the checkpoint's (Qwen2-VL:
     # {"min_pixels": ..., "max_pixels": ..., "fps": ...}); with_mm_processor_kwargs reads them
     mm_processor_kwargs: dict[str, Any] | None = None
+    # the encoder outputs kept for later requests of the same image, in rows
+    # (engine/encoder_cache.py; None: max_num_batched_tokens' worth, 0: none kept)
+    mm_encoder_cache_tokens: int | None = None
 
     @property
     def media_policy(self) -> MediaPolicy:
@@ -3157,6 +3182,9 @@ class EngineConfig:
             raise ConfigError(str(e)) from None
 
         check_scheduling_policy(self.scheduling_policy)
+        n = self.mm_encoder_cache_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ConfigError(f"mm_encoder_cache_tokens must be an int >= 0 (0: no encoder cache), got {n!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -78,7 +78,8 @@ class LLM:
                  enable_prompt_embeds: bool = False, allowed_local_media_path: str | None = None,
                  allowed_media_domains: list[str] | None = None,
                  limit_mm_per_prompt: dict[str, int] | None = None,
-                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
+                 mm_processor_kwargs: dict[str, Any] | None = None,
+                 mm_encoder_cache_tokens: int | None = None) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
             num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
@@ -97,7 +98,7 @@ class LLM:
             override_generation_config=override_generation_config, hf_overrides=hf_overrides,
             enable_prompt_embeds=enable_prompt_embeds, allowed_local_media_path=allowed_local_media_path,
             allowed_media_domains=allowed_media_domains, limit_mm_per_prompt=limit_mm_per_prompt,
-            mm_processor_kwargs=mm_processor_kwargs)
+            mm_processor_kwargs=mm_processor_kwargs, mm_encoder_cache_tokens=mm_encoder_cache_tokens)
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory
         if is_encoder_model(random_weights_config or model):
@@ -385,7 +386,7 @@ class LLM:
         video_ids = getattr(encoder, "video_placeholder_ids", None)
         if videos and video_ids is None:
             raise ValueError("video content parts given, but this model takes no video input "
-                             "(Qwen2-VL / Qwen2.5-VL do)")
+                             "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL and LLaVA-OneVision do)")
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")

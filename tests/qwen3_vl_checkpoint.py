@@ -8,7 +8,13 @@ The tower: 16-pixel patches merged 2 x 2, images resized to multiples of 32 with
 (interpolated to every grid), deepstack mergers after blocks 1 and 0 (listed out of order:
 transformers adds them in the tower's block order). The text model: Qwen3 (q / k norms),
 3 layers (the first 2 take deepstack features), M-RoPE sections [4, 2, 2] of its 8 rotated
-pairs interleaved (t h w t h w t t: Qwen3-VL's [24, 20, 20] pattern, scaled down)."""
+pairs interleaved (t h w t h w t t: Qwen3-VL's [24, 20, 20] pattern, scaled down).
+
+``moe``: Qwen3-VL-MoE (transformers' Qwen3VLMoeForConditionalGeneration) over the same
+tower: 4 routed experts of 24, 2 a token, in layers 0 and 2; layer 1 a dense MLP of 96
+(mlp_only_layers). transformers 5 saves the experts fused in its modules' layout
+(gate_up_proj [E, 2I, H]); ``hub_experts`` rewrites them in the published checkpoints'
+([E, H, 2I], down_proj [E, I, H])."""
 
 from __future__ import annotations
 
@@ -26,9 +32,13 @@ _VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_h
                num_position_embeddings=16, deepstack_visual_indexes=[1, 0], patch_size=16)
 
 
-def build_tiny_qwen3_vl(path: Path, seed: int = 0, text: dict | None = None) -> Path:
+_MOE = dict(intermediate_size=96, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+            decoder_sparse_step=1, mlp_only_layers=[1])
+
+
+def build_tiny_qwen3_vl(path: Path, seed: int = 0, text: dict | None = None, moe: bool = False) -> Path:
     """Save a tiny Qwen3-VL checkpoint under ``path``; ``text``: text_config fields over
-    ours (a wider head for the GPU's kernels)."""
+    ours (a wider head for the GPU's kernels); ``moe``: Qwen3-VL-MoE."""
     import transformers
 
     from tests.qwen2_vl_checkpoint import QWEN_CHAT_TEMPLATE, SPECIALS
@@ -42,11 +52,12 @@ def build_tiny_qwen3_vl(path: Path, seed: int = 0, text: dict | None = None) -> 
     tok.save_pretrained(path)
     ids = dict(zip(["vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"],
                    tok.convert_tokens_to_ids(SPECIALS), strict=True))
-    tc = {**_TEXT, **(text or {})}
-    config = transformers.Qwen3VLConfig(text_config=tc, vision_config={**_VISION, "out_hidden_size": tc["hidden_size"]},
-                                        **ids)
+    tc = {**_TEXT, **(_MOE if moe else {}), **(text or {})}
+    config_cls = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
+    config = config_cls(text_config=tc, vision_config={**_VISION, "out_hidden_size": tc["hidden_size"]}, **ids)
     torch.manual_seed(seed)
-    model = transformers.Qwen3VLForConditionalGeneration(config).float()
+    model_cls = transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
+    model = model_cls(config).float()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
@@ -60,10 +71,21 @@ def build_tiny_qwen3_vl(path: Path, seed: int = 0, text: dict | None = None) -> 
     return path
 
 
+def hub_experts(tensors: dict[str, torch.Tensor]) -> None:
+    """A checkpoint's fused expert tensors rewritten in place in the published Qwen3-VL-MoE
+    files' layout (transformers 4.57's modules): gate_up_proj [E, H, 2I], down_proj [E, I, H]."""
+    for name in list(tensors):
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+
+
 def hf_qwen3_vl(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' model of the checkpoint at ``path`` (dense or MoE, as its config says)."""
+    import json
+
     import transformers
 
-    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=dtype,
-                                                                         attn_implementation="eager")
+    arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(path, dtype=dtype, attn_implementation="eager")
     model.generation_config.eos_token_id = None
     return model.eval()

@@ -34,6 +34,7 @@ from flashpage.engine import cumem
 from flashpage.engine.cuda_graph import PREFILL_MAX_TOKENS
 from flashpage.engine.cumem import CuMemPool
 from flashpage.engine.draft_model import DraftRunner, build_draft_proposer, check_draft_config
+from flashpage.engine.encoder_cache import EncoderCache
 from flashpage.engine.kv_offload import KVOffloader
 from flashpage.engine.medusa import build_medusa_proposer, load_medusa_heads
 from flashpage.engine.model_runner import ModelRunner
@@ -205,10 +206,10 @@ class LLMEngine:
         self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | Gemma3ImageEncoder \
             | InternVLImageEncoder | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
-        # Qwen2-VL / Qwen2.5-VL and LLaVA-OneVision take videos too (Qwen3-VL's are refused:
-        # models/qwen3_vl.py)
+        # Qwen2-VL / Qwen2.5-VL / Qwen3-VL and LLaVA-OneVision take videos too
+        takes: tuple[str, ...]
         if isinstance(mc.vision, QwenVisionConfig):
-            takes = ("image",) if mc.vision.variant == "qwen3_vl" else ("image", "video")
+            takes = ("image", "video")
         else:
             takes = ("image", "video") if getattr(mc.vision, "video_token_id", None) is not None \
                 else ("image",)
@@ -225,6 +226,9 @@ class LLMEngine:
             # a Pixtral tower reads its break / end rows from the text model's embedding
             text = (self.model,) if name == "pixtral" else ()
             self.mm_encoder = loader(self.source, self.dtype, self.device, *text, config.seed)
+            if hasattr(self.mm_encoder, "tokenize") and self.tokenizer is not None:
+                tok = self.tokenizer  # Qwen3-VL's video timestamps are text in the prompt
+                self.mm_encoder.tokenize = lambda text: list(tok.encode(text, add_special_tokens=False))
         if self.mm_encoder is not None and not getattr(self.model, "supports_prompt_embeds", False):
             raise ConfigError(f"{mc.multimodal_architecture}: its text model "
                               f"({mc.architecture}) takes no input embeddings, which its "
@@ -317,6 +321,8 @@ class LLMEngine:
         self.runner.lora = self.lora
         self.runner.mm_encoder = self.mm_encoder
         self.runner.mm_encode_rows = self.config.max_num_batched_tokens
+        if self.mm_encoder is not None and self._encoder_cache_rows():
+            self.runner.encoder_cache = EncoderCache(self._encoder_cache_rows())
         # KV cache offloading (engine/kv_offload.py): a host tier behind the prefix cache,
         # attached once the draft's pool (if any) exists: a host block holds both
         self.offload: KVOffloader | None = None
@@ -767,7 +773,16 @@ class LLMEngine:
         fn = getattr(self.mm_encoder, "activation_bytes", None)
         if fn is None:
             return 0
-        return int(fn(self.config.max_num_batched_tokens)) + (512 << 20)
+        # and the encoder cache's rows of finished requests (engine/encoder_cache.py), with
+        # Qwen3-VL's deepstack features
+        deep = len(getattr(getattr(self.mm_encoder, "config", None), "deepstack_visual_indexes", ()) or ())
+        row = self.model_config.hidden_size * (1 + deep) * dtype_bytes(str(self.dtype).replace("torch.", ""))
+        return int(fn(self.config.max_num_batched_tokens)) + self._encoder_cache_rows() * row + (512 << 20)
+
+    def _encoder_cache_rows(self) -> int:
+        """The encoder cache's capacity in rows (0: none)."""
+        n = self.config.mm_encoder_cache_tokens
+        return self.config.max_num_batched_tokens if n is None else n
 
     def _activation_bytes(self) -> int:
         mc, cfg = self.model_config, self.config
@@ -1093,6 +1108,8 @@ class LLMEngine:
         nothing forgotten) otherwise."""
         if self._inflight is not None or self.has_unfinished_requests():
             return False
+        if self.runner.encoder_cache is not None:  # and the images' encoder outputs
+            self.runner.encoder_cache.clear()
         return self.kv_manager.reset_prefix_cache()
 
     def get_num_unfinished_requests(self) -> int:
@@ -1230,6 +1247,8 @@ class LLMEngine:
                                "not sleeping")
         if not state.keeps_graphs:
             self._drop_graphs()
+        if self.runner.encoder_cache is not None:  # its rows' device memory back too
+            self.runner.encoder_cache.clear()
         state.sleep(level)
         logger.info("asleep (level %d): %.1f MiB of weights%s and %.1f MiB of KV cache released%s",
                     level, state.nbytes("weights") / 2**20, " (kept on the host)" if level == 1 else "",
@@ -1340,8 +1359,11 @@ class LLMEngine:
         return None
 
     def _weights_changed(self) -> None:
-        """After any write of the weights: the cached prefixes' K/V came from the old ones."""
+        """After any write of the weights: the cached prefixes' K/V (and images' encoder
+        outputs) came from the old ones."""
         self.kv_manager.reset_prefix_cache()
+        if self.runner.encoder_cache is not None:
+            self.runner.encoder_cache.clear()
         if self.sleep_state is not None:
             self.sleep_state.weights_discarded = False
 
@@ -1368,5 +1390,9 @@ class LLMEngine:
             out["spec_decode"] = self.proposer.stats.as_dict()
         if self.lora is not None:
             out["lora"] = self.lora.stats()
+        cache = self.runner.encoder_cache
+        if cache is not None:
+            out["encoder_cache"] = {"queries": cache.queries, "hits": cache.hits, "rows": cache.rows,
+                                    "capacity": cache.capacity}
         return out
 

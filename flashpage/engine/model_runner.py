@@ -19,6 +19,7 @@ from torch import nn
 from flashpage.attention.backend import AttentionBackend, AttentionMetadata, with_groups
 from flashpage.config import ModelConfig
 from flashpage.engine.cuda_graph import DecodeGraphs, PiecewiseGraphs, PrefillGraphs
+from flashpage.engine.encoder_cache import EncoderCache
 from flashpage.engine.mrope import step_positions
 from flashpage.engine.multimodal import (
     MultiModalEncoder,
@@ -113,6 +114,8 @@ class ModelRunner:
         self.mm_encoder: MultiModalEncoder | None = None
         # the most rows one encoder call takes (a step's images in batches of this many)
         self.mm_encode_rows: int | None = None
+        # encoder outputs kept for later requests of the same inputs (engine/encoder_cache.py)
+        self.encoder_cache: EncoderCache | None = None
 
     def capture_decode_graphs(self, max_bs: int, max_model_len: int) -> None:
         """Capture decode-step CUDA graphs (needs a backend without host syncs)."""
@@ -268,7 +271,7 @@ class ModelRunner:
                     for mi in overlapping(r.mm_inputs, r.num_computed_tokens, r.num_computed_tokens + n)
                     if mi.rows is None]
             encode_pending(self.mm_encoder, list(dict.fromkeys(todo)),  # n > 1: shared inputs
-                           self.mm_encode_rows)
+                           self.mm_encode_rows, self.encoder_cache)
         num_decodes = 0
         t = 0
         k = 0

@@ -35,11 +35,14 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from flashpage.engine.media import MediaPolicy, load_image
+
+if TYPE_CHECKING:
+    from flashpage.engine.encoder_cache import EncoderCache
 
 
 @dataclass(eq=False)
@@ -189,14 +192,30 @@ def chain_digest(inputs: list[MultiModalInput]) -> bytes:
     return h.digest()
 
 
-def encode_pending(encoder: MultiModalEncoder, inputs: list[MultiModalInput], max_rows: int | None = None) -> None:
+def encode_pending(encoder: MultiModalEncoder, inputs: list[MultiModalInput], max_rows: int | None = None,
+                   cache: EncoderCache | None = None) -> None:
     """Encode ``inputs`` (not yet encoded) in batches of at most ``max_rows`` rows (None: one
     batch; an input longer than that alone), so that the encoder's activations stay within
     what the engine reserved for them (LLMEngine._encoder_bytes); each input keeps its rows
-    and drops its data."""
+    and drops its data. Inputs of the same data (digest and length: one image in two
+    requests) are encoded once and share the rows; with ``cache`` (engine/encoder_cache.py)
+    an input encoded before takes its rows from there, and what is encoded now is kept."""
+    same: dict[tuple[bytes, int], list[MultiModalInput]] = {}
+    todo: list[MultiModalInput] = []
+    for mi in inputs:
+        key = (mi.digest, mi.length)
+        if key in same:
+            same[key].append(mi)
+            continue
+        hit = cache.get(key) if cache is not None else None
+        if hit is not None:
+            mi.rows, mi.deepstack, mi.data = hit[0], hit[1], None
+            continue
+        same[key] = [mi]
+        todo.append(mi)
     batches: list[list[MultiModalInput]] = []
     rows_in = 0
-    for mi in inputs:
+    for mi in todo:
         if not batches or (max_rows is not None and rows_in + mi.length > max_rows):
             batches.append([])
             rows_in = 0
@@ -215,7 +234,20 @@ def encode_pending(encoder: MultiModalEncoder, inputs: list[MultiModalInput], ma
                 r = out
             if r.shape[0] != mi.length or (deep is not None and deep.shape[0] != mi.length):
                 raise RuntimeError(f"the encoder gave {r.shape[0]} rows for an input of {mi.length} positions")
-            mi.rows, mi.deepstack, mi.data = r, deep, None
+            key = (mi.digest, mi.length)
+            if cache is not None:  # its own storage, not a view holding the whole batch's output
+                r, deep = _own(r), None if deep is None else _own(deep)
+                cache.put(key, r, deep)
+            for m in same[key]:
+                m.rows, m.deepstack, m.data = r, deep, None
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied where it is a view into a larger tensor (a batch's output split per
+    input): a kept view would keep the whole of it."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
 def overlapping(inputs: list[MultiModalInput], start: int, end: int) -> list[MultiModalInput]:

@@ -2,10 +2,11 @@
 Llama4ForConditionalGeneration served alone, images not supported; and
 LlavaForConditionalGeneration / LlavaNextForConditionalGeneration /
 LlavaOnevisionForConditionalGeneration, Qwen2VLForConditionalGeneration /
-Qwen2_5_VLForConditionalGeneration, Mistral3ForConditionalGeneration,
-Gemma3ForConditionalGeneration and InternVLForConditionalGeneration, whose images
-models/llava.py / llava_next.py / llava_onevision.py, models/qwen2_vl.py, models/pixtral.py,
-models/gemma3_vision.py and models/internvl.py run beside them).
+Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration /
+Qwen3VLMoeForConditionalGeneration, Mistral3ForConditionalGeneration,
+Gemma3ForConditionalGeneration and InternVLForConditionalGeneration / InternVLChatModel,
+whose images models/llava.py / llava_next.py / llava_onevision.py, models/qwen2_vl.py,
+models/pixtral.py, models/gemma3_vision.py and models/internvl.py run beside them).
 
 The config is the text model's (config._text_config_of); its weights sit under the wrapper's
 prefixes, which ``text_model_weights`` takes off on the way to the text family's own
@@ -21,6 +22,14 @@ prefixes, which ``text_model_weights`` takes off on the way to the text family's
   one INFO line (LLaVA's: read by its image encoder, models/llava.py, in a pass of its own);
 - anything else: a ModelLoadError naming the tensor (a file of another layout, or a
   module we would silently drop).
+
+Qwen3-VL-MoE's routed experts are fused per layer in its files (``mlp.experts.gate_up_proj``,
+``mlp.experts.down_proj``), in one of two layouts: the published checkpoints' (transformers
+4.57's modules: gate_up_proj [E, H, 2I], down_proj [E, I, H], read as x @ W) or transformers
+5's (its modules' [E, 2I, H] / [E, H, I], as nn.Linear, which is what its save_pretrained
+writes); ``qwen3_vl_moe_experts`` gives ours (transformers 5's, layers/moe.py) as
+transformers' conversion does (conversion_mapping "qwen3_vl_moe": transposed unless the shape
+is already the module's).
 """
 
 from __future__ import annotations
@@ -107,13 +116,15 @@ def text_model_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Mode
     skip = vision_prefixes(config)
     skipped = 0
     prefixes = _TEXT_PREFIXES + _BARE_PREFIXES.get(config.multimodal_architecture, ())
+    experts = config.multimodal_architecture == "Qwen3VLMoeForConditionalGeneration"
     for name, t in weights:
         if name.startswith(skip) or f"{name}." in skip:  # LLaVA-NeXT's image_newline: a tensor
             skipped += 1
             continue
         for prefix, ours in prefixes:
             if name.startswith(prefix):
-                yield ours + name[len(prefix):], t
+                name = ours + name[len(prefix):]
+                yield name, qwen3_vl_moe_experts(name, t, config) if experts else t
                 break
         else:
             raise ModelLoadError(
@@ -122,6 +133,20 @@ def text_model_weights(weights: Iterable[tuple[str, torch.Tensor]], config: Mode
                 f"({', '.join(skip)}) in this {config.multimodal_architecture} checkpoint")
     logger.info("%s; skipped %d vision tower / projector tensor(s) of the checkpoint",
                 text_only_note(config), skipped)
+
+
+def qwen3_vl_moe_experts(name: str, t: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """A Qwen3-VL-MoE checkpoint's tensor ``name`` (our name) in our layout: a fused
+    ``mlp.experts.gate_up_proj`` [E, H, 2I] (the published files') becomes [E, 2I, H], a
+    ``down_proj`` [E, I, H] becomes [E, H, I]; one already in ours (transformers 5's files)
+    and any other tensor as it is (a shape that fits neither is the loader's error)."""
+    if not name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) or t.dim() != 3:
+        return t
+    e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+    ours = (e, 2 * i, h) if name.endswith("gate_up_proj") else (e, h, i)
+    if tuple(t.shape) != ours and tuple(t.shape) == (e, ours[2], ours[1]):
+        return t.transpose(1, 2).contiguous()
+    return t
 
 
 def load_image_weights(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where: str,

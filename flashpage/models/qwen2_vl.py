@@ -40,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +80,9 @@ class QwenImage:
     # temporal M-RoPE step (Qwen2.5-VL's; None: the grid index, engine/mrope.py)
     video: bool = False
     time_step: float | None = None
+    # a Qwen3-VL video's frame groups' times in seconds (models/qwen3_vl_video.py: the prompt
+    # writes them as text before each group)
+    timestamps: tuple[float, ...] | None = None
 
 
 def _act(name: str) -> nn.Module:
@@ -402,6 +405,9 @@ class QwenImageEncoder(nn.Module):
             self.visual = VisionTower(vc)
         # the most rows one tower call takes (activation_bytes: what the engine reserved)
         self.call_rows: int | None = None
+        # text -> the model tokenizer's ids, without special tokens (the engine sets it): a
+        # Qwen3-VL video's frame timestamps are text in its prompt
+        self.tokenize: Callable[[str], list[int]] | None = None
 
     @property
     def placeholder_ids(self) -> list[int]:
@@ -448,11 +454,9 @@ class QwenImageEncoder(nn.Module):
             items += pix
             counts[vc.image_token_id] = [self.num_rows(p) for p in pix]
         if "video" in data:
-            if vc.variant == "qwen3_vl":
-                raise ValueError("video input is not supported for Qwen3-VL yet (its processor puts a "
-                                 "timestamp text before each frame group, which flashpage does not build); "
-                                 "give images")
             vids = [self.admit_video(v, i) for i, v in enumerate(video_items(data["video"]))]
+            if vc.variant == "qwen3_vl":  # one input per frame group, its timestamp text before it
+                ids, vids = self._qwen3_videos(ids, vids)
             items += vids
             counts[vc.video_token_id] = [self.num_rows(v) for v in vids]
         ids, starts = expand_pads(ids, counts, {vc.image_token_id: ("image", "<|image_pad|>"),
@@ -463,6 +467,23 @@ class QwenImageEncoder(nn.Module):
                                time_step=p.time_step)
                for s, p in zip(offsets, items, strict=True)]
         return ids, sorted(out, key=lambda mi: mi.offset)
+
+    def _qwen3_videos(self, ids: list[int], vids: list[QwenImage]) -> tuple[list[int], list[QwenImage]]:
+        """Qwen3-VL: the prompt with each video's frame groups and timestamps written out
+        (models/qwen3_vl_video.video_prompt), and each video cut into its frame groups, one
+        image-like input of one temporal step each (grid (1, h, w), its frames)."""
+        from flashpage.models.qwen3_vl_video import video_prompt
+
+        vc = self.config
+        if self.tokenize is None:
+            raise ValueError("Qwen3-VL video input needs the model's tokenizer (each frame group's "
+                             "timestamp is text in the prompt)")
+        m2, tp = vc.spatial_merge_size ** 2, vc.temporal_patch_size
+        ids = video_prompt(ids, [(list(v.timestamps or ()), v.grid[1] * v.grid[2] // m2) for v in vids],
+                           vc.video_token_id, vc.vision_start_token_id, vc.vision_end_token_id, self.tokenize)
+        groups = [QwenImage(None, (1, v.grid[1], v.grid[2]), v.pixels[g * tp:(g + 1) * tp], video=True)
+                  for v in vids if v.pixels is not None for g in range(v.grid[0])]
+        return ids, groups
 
     def admit_video(self, video: Any, i: int = 0) -> QwenImage:
         """What a request keeps of a video (vLLM's forms, models/qwen2_vl_video.py): its
@@ -475,10 +496,13 @@ class QwenImageEncoder(nn.Module):
             ps, tp, x = vc.patch_size, vc.temporal_patch_size, video.pixels
             if (not video.video or h % vc.spatial_merge_size or w % vc.spatial_merge_size
                     or not isinstance(x, torch.Tensor) or x.dtype != torch.uint8
-                    or tuple(x.shape) != (t * tp, 3, h * ps, w * ps)):
+                    or tuple(x.shape) != (t * tp, 3, h * ps, w * ps)
+                    or (vc.variant == "qwen3_vl" and len(video.timestamps or ()) != t)):
                 raise ValueError(f"video {i}: a QwenImage video must hold uint8 frames [t x {tp}, 3, "
-                                 f"h x {ps}, w x {ps}] of its grid")
+                                 f"h x {ps}, w x {ps}] of its grid (Qwen3-VL: and t timestamps)")
             return video
+        if vc.variant == "qwen3_vl":
+            return self._admit_qwen3_video(video, i)
         frames, fps = read_video(video, i)
         try:
             pixels, grid = resize_video(frames, vc.video_processing or vc.processing, vc.patch_size,
@@ -491,12 +515,34 @@ class QwenImageEncoder(nn.Module):
             step = vc.tokens_per_second * (vc.temporal_patch_size / rate)
         return QwenImage(None, grid, pixels, video=True, time_step=step)
 
+    def _admit_qwen3_video(self, video: Any, i: int) -> QwenImage:
+        """A Qwen3-VL video (models/qwen3_vl_video.py): its frames as given, resized under the
+        whole video's pixel bounds, and its frame groups' timestamps."""
+        from flashpage.models import qwen3_vl_video as q3
+
+        vc = self.config
+        meta = None
+        if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], dict):
+            video, meta = video
+        frames, _ = read_video(video, i)
+        fps, indices = q3.video_metadata(meta, frames.shape[0], i)
+        rate = fps if fps is not None else vc.video_fps if vc.video_fps is not None else q3.DEFAULT_FPS
+        try:
+            pixels, grid = q3.resize_video(frames, vc.video_processing or vc.processing, vc.patch_size,
+                                           vc.spatial_merge_size, vc.temporal_patch_size)
+        except ValueError as e:  # too few frames, an aspect ratio over 200
+            raise ValueError(f"video {i} could not be read: {e}") from e
+        times = q3.timestamps(indices if indices is not None else list(range(frames.shape[0])), rate,
+                              vc.temporal_patch_size)
+        return QwenImage(None, grid, pixels, video=True, timestamps=tuple(times))
+
     def video_values(self, video: Any, i: int = 0) -> QwenImage:
         """A video preprocessed whole on the host: its patches fp32 [t x h x w, patch_dim]
         (what transformers' pixel_values_videos holds), grid and time step."""
         v = self.admit_video(video, i)
         assert v.pixels is not None
-        return QwenImage(self._patches(v.pixels, True), v.grid, video=True, time_step=v.time_step)
+        return QwenImage(self._patches(v.pixels, True), v.grid, video=True, time_step=v.time_step,
+                         timestamps=v.timestamps)
 
     def pixel_values(self, image: Any, i: int = 0, resized_only: bool = False) -> QwenImage:
         """One image preprocessed on the host (models/qwen2_vl_image.py): a PIL image, a
@@ -555,7 +601,10 @@ class QwenImageEncoder(nn.Module):
         vc = self.config
         unit = vc.patch_size * vc.spatial_merge_size
         video = vc.video_processing or vc.processing
-        rows = max(rows, vc.processing.max_pixels // unit ** 2, video.max_pixels // unit ** 2)
+        video_rows = video.max_pixels // unit ** 2
+        if vc.variant == "qwen3_vl":  # its bound is the whole video's: a frame group holds 1 / 2 of it at most
+            video_rows //= vc.temporal_patch_size
+        rows = max(rows, vc.processing.max_pixels // unit ** 2, video_rows)
         self.call_rows = rows
         patches = rows * vc.spatial_merge_size ** 2
         b = self.visual.patch_embed.proj.weight.element_size()

@@ -1,6 +1,7 @@
-"""Qwen3-VL (Qwen3VLForConditionalGeneration): its vision tower, with deepstack.
+"""Qwen3-VL (Qwen3VLForConditionalGeneration, and Qwen3VLMoeForConditionalGeneration: the
+same tower over a Qwen3-MoE text model): its vision tower, with deepstack.
 
-The text model is Qwen3 (models/llama.py: q / k norms) with M-RoPE in the interleaved layout
+The text model is Qwen3 or Qwen3-MoE (models/llama.py: q / k norms) with M-RoPE in the interleaved layout
 (layers/rotary.MRotaryEmbedding, ``interleaved``); the image side is models/qwen2_vl.py's
 encoder (QwenImageEncoder: preprocessing as Qwen2VLImageProcessor's, with 16-pixel patches
 merged 2 x 2, so sizes are multiples of 32; the prompt's <|image_pad|> expansion; the 3-D
@@ -25,8 +26,8 @@ positions, engine/mrope.py) around this tower (transformers' Qwen3VLVisionModel,
   chunk holding part of an image adds its part; rows whose K/V came from the prefix cache
   take none (their later layers' K/V already hold the features).
 
-Videos are refused by name: Qwen3-VL's processor puts a "<t seconds>" text before each frame
-group, which we do not build yet.
+Videos (frames) are cut into their frame groups, each an input of one temporal step with its
+"<t seconds>" timestamp text before it in the prompt (models/qwen3_vl_video.py).
 """
 
 from __future__ import annotations

@@ -79,6 +79,15 @@ class _EngineStateCollector(Collector):
                                     value=float(kv.host_blocks_cached))
             yield GaugeMetricFamily(P + "kv_offload_blocks_total", "Host-tier blocks in all.",
                                     value=float(kv.host_blocks))
+        enc = s.get("encoder_cache")
+        if enc is not None:  # an image model's encoder outputs kept for later requests
+            counters += [
+                ("encoder_cache_queries", "Images (and videos) looked up in the encoder cache.", enc["queries"]),
+                ("encoder_cache_hits", "Of encoder_cache_queries, those whose rows were kept (not encoded).",
+                 enc["hits"]),
+            ]
+            yield GaugeMetricFamily(P + "encoder_cache_rows", "Rows (encoder outputs) the encoder cache keeps.",
+                                    value=float(enc["rows"]))
         spec = s.get("spec_decode")
         if spec is not None:  # vLLM's spec_decode_* counters
             counters += [

@@ -3,8 +3,8 @@ deepstack features, interleaved M-RoPE): greedy tokens equal transformers' gener
 same patches (one image, two of different sizes, a text-only prompt, in one batch; chunked
 prefill cutting through images, each chunk adding its part of an image's deepstack features;
 preemption; a prefix-cache hit on a repeated image prompt, and one ending inside an image),
-and bad requests (a wrong count of image tokens, a video) refused by name without a leaked
-block. fp32, CPU; one CUDA test in bf16 (skipped without a GPU)."""
+and bad requests (a wrong count of image tokens, a one-frame video) refused by name without a
+leaked block (videos: tests/engine/test_qwen3_vl_video.py). fp32, CPU; one CUDA test in bf16 (skipped without a GPU)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_prefix_cache_hits_on_a_repeated_image(qwen3, monkeypatch):
     The same text and image before other text: the hit ends inside the image (blocks 0-1),
     the step computes the image's last rows with their part of the deepstack features."""
     path, hf = qwen3
-    llm = _llm(path)
+    llm = _llm(path, mm_encoder_cache_tokens=0)  # the tower runs again wherever the prefix cache misses
     kv = llm.engine.kv_manager
     enc = llm.engine.mm_encoder
     encoded = _spy(monkeypatch, enc)
@@ -156,13 +156,13 @@ def test_bad_requests_are_refused_by_name_and_leak_nothing(qwen3):
     ids, (img,) = _case(enc, 50, 1)
     pad, video = enc.config.image_token_id, enc.config.video_token_id
     plain = [t for t in ids if t != pad]
-    frames = torch.zeros(4, 64, 64, 3, dtype=torch.uint8).numpy()
+    frames = torch.zeros(1, 64, 64, 3, dtype=torch.uint8).numpy()
     bad = [
         ({"prompt_token_ids": plain, "multi_modal_data": {"image": img}}, ["0 image token(s)", "1 image(s)"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"image": [img, img]}}, ["1 image token(s)", "2 image(s)"]),
         ({"prompt_token_ids": ids}, ["<|image_pad|>", "no image was given"]),
         ({"prompt_token_ids": [*plain, video], "multi_modal_data": {"video": frames}},
-         ["video input is not supported for Qwen3-VL"]),
+         ["video 0 could not be read", "at least temporal_patch_size (2) frames"]),
         ({"prompt_token_ids": [*ids, video], "multi_modal_data": {"image": img}},
          ["1 video token(s)", "0 video(s)"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"image": smooth_image(10, 2500)}}, ["aspect ratio"]),
@@ -182,11 +182,11 @@ def test_bad_requests_are_refused_by_name_and_leak_nothing(qwen3):
 
 
 def test_no_images_allowed_serves_the_text_model_alone(qwen3):
-    """limit_mm_per_prompt {"image": 0} (Qwen3-VL takes no videos here): the tower is not
-    loaded, a text prompt's tokens are transformers' (Qwen3 with 1-D positions), an image
+    """limit_mm_per_prompt {"image": 0, "video": 0}: the tower is not loaded, a text prompt's
+    tokens are transformers' (Qwen3 with 1-D positions), an image
     request is refused by name."""
     path, hf = qwen3
-    llm = _llm(path, limit_mm_per_prompt={"image": 0})
+    llm = _llm(path, limit_mm_per_prompt={"image": 0, "video": 0})
     assert llm.engine.mm_encoder is None
     ids = [1, *range(20, 35)]
     out = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)[0]

@@ -342,7 +342,8 @@ def test_unsupported_wrapper_lists_the_text_only_ones():
                                           r"Mistral3ForConditionalGeneration, "
                                           r"Qwen2VLForConditionalGeneration, "
                                           r"Qwen2_5_VLForConditionalGeneration, "
-                                          r"Qwen3VLForConditionalGeneration; "
+                                          r"Qwen3VLForConditionalGeneration, "
+                                          r"Qwen3VLMoeForConditionalGeneration; "
                                           r"their text model alone: "
                                           r"Llama4ForConditionalGeneration$"):
         ModelConfig.from_hf({"architectures": ["PaliGemmaForConditionalGeneration"],

@@ -1,10 +1,11 @@
-"""Chat completions with image_url parts on a tiny Qwen3-VL (models/qwen3_vl.py): images of
-two sizes give LLM.chat's text (their deepstack features added as offline) and the usage
-counts each image's own rows."""
+"""Chat completions with image_url parts on a tiny Qwen3-VL and Qwen3-VL-MoE
+(models/qwen3_vl.py): images of two sizes give LLM.chat's text (their deepstack features added
+as offline) and the usage counts each image's own rows."""
 
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from flashpage import LLM, SamplingParams
 from tests.llava_checkpoint import smooth_image
@@ -15,8 +16,9 @@ from tests.server.test_llava_server import data_url
 MAX_TOKENS = 6
 
 
-def test_image_urls_equal_llm_chat_and_count_each_images_rows(tmp_path):
-    path = build_tiny_qwen3_vl(tmp_path / "qwen3")
+@pytest.mark.parametrize("moe", [False, True])
+def test_image_urls_equal_llm_chat_and_count_each_images_rows(tmp_path, moe):
+    path = build_tiny_qwen3_vl(tmp_path / "qwen3", moe=moe)
     a, b = smooth_image(96, 128, seed=1), smooth_image(128, 40, seed=2)  # 12 and 4 rows
     msgs = [{"role": "user", "content": [{"type": "text", "text": "the quick"},
                                          {"type": "image_url", "image_url": {"url": data_url(a)}},
