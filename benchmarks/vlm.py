@@ -23,6 +23,14 @@ other both ways; transformers' Gemma3ForConditionalGeneration beside it (token_t
 marking the image rows, as its processor gives them).
 
     python benchmarks/vlm.py --config gemma-3-4b-it --json-out $OUT/vlm_gemma.json
+
+InternVL (--config internvl3-2b-hf, transformers' InternVLForConditionalGeneration layout):
+<IMG_CONTEXT> as the placeholder (the engine puts <img> / </img> around its rows), uint8
+pixels the engine tiles: 448 x 448 is one tile of 256 rows, --image-size 896 a 2 x 2 grid and
+its thumbnail (1,280 rows); transformers' InternVLForConditionalGeneration beside it, fed our
+tiles normalized as GotOcr2ImageProcessor does.
+
+    python benchmarks/vlm.py --config internvl3-2b-hf --json-out $OUT/vlm_internvl.json
 """
 
 from __future__ import annotations
@@ -79,7 +87,7 @@ def time_tower(llm: LLM, hf, images: list[torch.Tensor], batch: int, iters: int)
             data.append(dataclasses.replace(kept, pixels=kept.pixels.to(dev)))
     else:
         data = [im.to(dev) if im.dtype == torch.uint8 else im.to(dev, dtype) for im in images[:batch]]
-    theirs_kw = hf_image_kwargs(hf, [enc.pixel_values(im) for im in images[:batch]], dev)
+    theirs_kw = hf_image_kwargs(hf, [enc.pixel_values(im) for im in images[:batch]], dev, enc.config.processing)
 
     def ours() -> None:
         enc.encode(data)
@@ -95,18 +103,23 @@ def time_tower(llm: LLM, hf, images: list[torch.Tensor], batch: int, iters: int)
     return out
 
 
-def hf_image_kwargs(hf, pixels: list, device: torch.device) -> dict:
+def hf_image_kwargs(hf, pixels: list, device: torch.device, proc=None) -> dict:
     """transformers' image arguments for ``pixels`` (our encoder's pixel_values of each
-    image: the float tensors its processor gives, or Qwen-VL's patches and grids)."""
+    image: the float tensors its processor gives, Qwen-VL's patches and grids, or InternVL's
+    uint8 tiles, normalized by ``proc``, the encoder's ImageProcessing, as GotOcr2's)."""
     dtype = next(hf.parameters()).dtype
     if hasattr(pixels[0], "grid"):  # Qwen-VL: patches of every image in one tensor, and their grids
         return {"pixel_values": torch.cat([p.patches for p in pixels]).to(device, dtype),
                 "image_grid_thw": torch.tensor([list(p.grid) for p in pixels], device=device)}
+    if type(pixels[0]).__name__ == "InternVLImage":  # every tile of every image, in order
+        from flashpage.models.clip_image import normalize
+
+        return {"pixel_values": normalize(torch.cat([p.pixels for p in pixels]).to(device), proc).to(dtype)}
     return {"pixel_values": torch.stack(pixels).to(device, dtype)}
 
 
 @torch.inference_mode()
-def hf_throughput(hf, prompts, pixels, image_token: int, batch: int, out_len: int) -> dict:
+def hf_throughput(hf, prompts, pixels, image_token: int, batch: int, out_len: int, proc=None) -> dict:
     """transformers' generate over ``prompts`` (ids as the engine expanded them: each image's
     rows at ``image_token``), left-padded batches of ``batch``; ``pixels``: hf_image_kwargs'
     input per prompt. Gemma 3's token_type_ids and Qwen-VL's mm_token_type_ids (1 on the image
@@ -125,7 +138,7 @@ def hf_throughput(hf, prompts, pixels, image_token: int, batch: int, out_len: in
             mask[i, width - len(p):] = 1
         sync()
         t0 = time.perf_counter()
-        extra = hf_image_kwargs(hf, pixels[s:s + batch], device)
+        extra = hf_image_kwargs(hf, pixels[s:s + batch], device, proc)
         if types:
             extra[types] = (ids == image_token).long().to(device)
         hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
@@ -190,7 +203,7 @@ def main() -> None:
                     help="also run the workload with the images' rows as text tokens")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--image-size", type=int, default=None,
-                    help="square images of this side (default: LLaVA's tower size; 448 for Qwen2-VL)")
+                    help="square images of this side (default: the tower's size; 448 for Qwen2-VL)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                     help="ours; the rest is room for transformers' model in the same process")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -217,23 +230,25 @@ def main() -> None:
     kind = type(vc).__name__
     qwen = kind == "QwenVisionConfig"  # <|vision_start|><|image_pad|><|vision_end|>
     gemma = kind == "Gemma3VisionConfig"  # <start_of_image>
-    uint8 = qwen or gemma  # the requests carry uint8 pixels the engine preprocesses
+    internvl = kind == "InternVLVisionConfig"  # <IMG_CONTEXT>, tiled by the engine
+    uint8 = qwen or gemma or internvl  # the requests carry uint8 pixels the engine preprocesses
     image_token = vc.image_token_id
     placeholder = list(getattr(enc, "placeholder_ids", [image_token]))
     size = args.image_size or getattr(vc, "image_size", 448)
     vocab = eng.model_config.vocab_size
     # ids a random text must not hold: an image's own tokens (Gemma's vocabulary has them all)
-    avoid = frozenset(t for t in (image_token, getattr(vc, "boi_token_id", None),
-                                  getattr(vc, "eoi_token_id", None)) if t is not None)
+    avoid = frozenset(t for t in (image_token, getattr(vc, "boi_token_id", None), getattr(vc, "eoi_token_id", None),
+                                  getattr(vc, "start_token_id", None), getattr(vc, "end_token_id", None))
+                      if t is not None)
     prompts, images = workload(args.requests, args.system, args.question, vocab, placeholder, size,
                                uint8=uint8, avoid=avoid, distinct=args.distinct_images,
                                question_first=args.question_first)
     rows = enc.num_rows(enc.pixel_values(images[0]))
     # each prompt as the engine expands it (the image's rows at image_token: Gemma adds its
-    # newlines and <end_of_image> around them too)
+    # newlines and <end_of_image> around them too, InternVL <img> and </img>)
     expanded = [enc.prepare(list(p), {"image": im})[0] for p, im in zip(prompts, images, strict=True)]
-    if not (kind == "VisionConfig" and not vc.grid_pinpoints or gemma or qwen) and args.hf_requests:
-        print("transformers' side (end to end and the tower) is run for LLaVA-1.5, Gemma 3 and Qwen-VL only",
+    if not (kind == "VisionConfig" and not vc.grid_pinpoints or gemma or qwen or internvl) and args.hf_requests:
+        print("transformers' side (end to end and the tower) is run for LLaVA-1.5, Gemma 3, Qwen-VL and InternVL only",
               flush=True)
         args.hf_requests = 0
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
@@ -319,8 +334,9 @@ def main() -> None:
               f"transformers {tower['transformers']:.0f} ({tower['ours'] / tower['transformers']:.2f}x)", flush=True)
         n = args.hf_requests
         hf_pixels = [enc.pixel_values(im) for im in images[:n]]  # its processor's output
-        hf_throughput(hf, expanded[:2], hf_pixels[:2], image_token, 2, 4)  # warm up
-        base = hf_throughput(hf, expanded[:n], hf_pixels, image_token, args.hf_batch_size, args.output_len)
+        hf_throughput(hf, expanded[:2], hf_pixels[:2], image_token, 2, 4, vc.processing)  # warm up
+        base = hf_throughput(hf, expanded[:n], hf_pixels, image_token, args.hf_batch_size, args.output_len,
+                             vc.processing)
         print(f"transformers: {n} requests in batches of {args.hf_batch_size}: "
               f"{base['output_tok_per_s']:.0f} output tok/s; flashpage {ours['output_tok_per_s'] / base['output_tok_per_s']:.1f}x",
               flush=True)

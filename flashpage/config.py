@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from flashpage.engine.media import MediaPolicy
     from flashpage.models.gemma3_config import Gemma3VisionConfig
+    from flashpage.models.internvl_config import InternVLVisionConfig
     from flashpage.models.pixtral_config import PixtralVisionConfig
 
 # Architectures we can run, by family. DeepSeek is parsed for ``inspect`` and MLA.
@@ -138,6 +139,15 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # (models/llama.py's routed experts; the checkpoint's fused expert tensors:
     # models/multimodal.qwen3_vl_moe_experts)
     "Qwen3VLMoeForConditionalGeneration": (("qwen3_vl_moe_text",), "qwen3_vl_moe_text", ("visual",)),
+    # InternVL in transformers' layout (InternVL3-*-hf, InternVL3.5-*-HF): the InternViT tower,
+    # pixel shuffle and a LayerNorm + 2-layer projector over a Qwen2 / Qwen3 / Llama text model
+    # (InternVL3.5's Qwen3-MoE and GPT-OSS ones too); its images too (models/internvl_config.py,
+    # internvl.py)
+    "InternVLForConditionalGeneration": (("qwen2", "qwen3", "llama", "qwen3_moe", "gpt_oss"), "qwen2",
+                                         ("vision_tower", "multi_modal_projector")),
+    # the same model in OpenGVLab's remote-code layout (InternVL3-2B, InternVL3_5-8B, ...:
+    # llm_config, vision_model. / mlp1. with a fused qkv; models/internvl_config.py reads it)
+    "InternVLChatModel": (("qwen2", "qwen3", "llama", "qwen3_moe", "gpt_oss"), "qwen2", ("vision_model", "mlp1")),
 }
 # Qwen3-VL's tower, deepstack and interleaved M-RoPE (dense and MoE text models)
 QWEN3_VL_ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"})
@@ -149,7 +159,8 @@ QWEN_VL_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration",
 IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                                  "LlavaOnevisionForConditionalGeneration",
                                  "Mistral3ForConditionalGeneration",
-                                 "Gemma3ForConditionalGeneration"}) | QWEN_VL_ARCHITECTURES
+                                 "Gemma3ForConditionalGeneration",
+                                 "InternVLForConditionalGeneration", "InternVLChatModel"}) | QWEN_VL_ARCHITECTURES
 # LLaVA's relatives we do not run, each with why (a ConfigError says it rather than "not supported")
 _UNSUPPORTED_IMAGE_ARCHITECTURES = {
     "LlavaNextVideoForConditionalGeneration":
@@ -220,6 +231,8 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "internvl": "InternVLForConditionalGeneration",
+    "internvl_chat": "InternVLChatModel",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -1855,6 +1868,19 @@ _TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": dict(vocab_size=151_936, hidden_size=4096, intermediate_size=22_016,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                   max_position_embeddings=32_768, rms_norm_eps=1e-6, rope_theta=10_000.0),
+    # Qwen3Config's (an InternVL3.5 text_config)
+    "qwen3": dict(vocab_size=151_936, hidden_size=4096, intermediate_size=22_016,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                  max_position_embeddings=32_768, rms_norm_eps=1e-6, rope_theta=10_000.0),
+    # Qwen3MoeConfig's and GptOssConfig's sizes (InternVL3.5's MoE text_configs; the expert
+    # counts are left to the file: transformers 4 names them num_experts, 5 num_local_experts)
+    "qwen3_moe": dict(vocab_size=151_936, hidden_size=2048, intermediate_size=6144,
+                      moe_intermediate_size=768, num_hidden_layers=24, num_attention_heads=32,
+                      num_key_value_heads=4, max_position_embeddings=32_768, rms_norm_eps=1e-6,
+                      rope_theta=10_000.0),
+    "gpt_oss": dict(vocab_size=201_088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+                    num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                    max_position_embeddings=131_072, rms_norm_eps=1e-5),
     "llama4_text": dict(vocab_size=202_048, hidden_size=5120, num_hidden_layers=48,
                         num_attention_heads=40),
     "mistral": dict(vocab_size=32_000, hidden_size=4096, intermediate_size=14_336,
@@ -1880,13 +1906,14 @@ def _text_config_of(d: dict[str, Any], arch: str, where: str) -> tuple[dict[str,
     (quantization_config) is a ConfigError: its module names carry the wrapper's prefixes,
     which models/fp8_checkpoint.py and int4_checkpoint.py do not map."""
     model_types, default_type, _ = MULTIMODAL_TEXT_ARCHITECTURES[arch]
-    tc = d.get("text_config")
+    key = "llm_config" if arch == "InternVLChatModel" else "text_config"  # OpenGVLab's remote-code name
+    tc = d.get(key)
     if not isinstance(tc, dict):
-        raise ConfigError(f"{where}: {arch} needs a text_config object (its language model's "
+        raise ConfigError(f"{where}: {arch} needs a {key} object (its language model's "
                           f"config), got {tc!r}")
     text_type = tc.get("model_type") or default_type
     if text_type not in model_types:
-        raise ConfigError(f"{where}: text_config.model_type {text_type!r} is not supported in "
+        raise ConfigError(f"{where}: {key}.model_type {text_type!r} is not supported in "
                           f"{arch} (supported: {', '.join(model_types)})")
     if d.get("quantization_config") is not None or tc.get("quantization_config") is not None:
         raise ConfigError(f"{where}: quantized {arch} checkpoints (quantization_config) are not "
@@ -1894,10 +1921,12 @@ def _text_config_of(d: dict[str, Any], arch: str, where: str) -> tuple[dict[str,
                           "quantizes its text model at load")
     text = {**_TEXT_CONFIG_DEFAULTS[text_type], **tc, "model_type": text_type,
             "architectures": [_MODEL_TYPE_TO_ARCH[text_type]]}
-    for key in _TOP_LEVEL_FIELDS:
-        if d.get(key) is not None:
-            text[key] = d[key]
-    return text, f"{where}: text_config"
+    for top in _TOP_LEVEL_FIELDS:
+        # (InternVLChatModel's language model ties by its llm_config alone: the remote code
+        # ties nothing at the top level)
+        if d.get(top) is not None and not (arch == "InternVLChatModel" and top == "tie_word_embeddings"):
+            text[top] = d[top]
+    return text, f"{where}: {key}"
 
 
 # CLIPVisionConfig's defaults under a LLaVA vision_config (LlavaConfig's own: CLIP ViT-L/14-336)
@@ -2513,16 +2542,20 @@ def _qwen3_vision_fields(vc: dict[str, Any], w: str, depth: int) -> tuple[int, t
 
 
 def _image_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None
-                     ) -> VisionConfig | PixtralVisionConfig | Gemma3VisionConfig:
+                     ) -> VisionConfig | PixtralVisionConfig | Gemma3VisionConfig | InternVLVisionConfig:
     """The image side of an IMAGE_ARCHITECTURES checkpoint: a Pixtral tower's
     (models/pixtral_config.py: Mistral3, LLaVA with vision_config.model_type "pixtral"),
-    Gemma 3's SigLIP tower's (models/gemma3_config.py), else LLaVA's CLIP tower's
-    (_vision_config_of)."""
+    Gemma 3's SigLIP tower's (models/gemma3_config.py), InternVL's InternViT
+    (models/internvl_config.py), else LLaVA's CLIP tower's (_vision_config_of)."""
     vc = d.get("vision_config")
     if arch == "Gemma3ForConditionalGeneration":
         from flashpage.models.gemma3_config import gemma3_vision_config_of
 
         return gemma3_vision_config_of(d, arch, where, folder)
+    if arch in ("InternVLForConditionalGeneration", "InternVLChatModel"):
+        from flashpage.models.internvl_config import internvl_vision_config_of
+
+        return internvl_vision_config_of(d, arch, where, folder)
     if arch == "Mistral3ForConditionalGeneration" or \
             (isinstance(vc, dict) and vc.get("model_type") == "pixtral"):
         from flashpage.models.pixtral_config import pixtral_vision_config_of
@@ -2717,8 +2750,10 @@ class ModelConfig:
     # projector, image token and preprocessing (VisionConfig); None for any other model
     # (Qwen2-VL / Qwen2.5-VL: QwenVisionConfig, models/qwen2_vl.py)
     # (Pixtral towers: models/pixtral_config.PixtralVisionConfig)
-    # (Gemma 3's SigLIP tower: models/gemma3_config.Gemma3VisionConfig)
-    vision: VisionConfig | QwenVisionConfig | PixtralVisionConfig | Gemma3VisionConfig | None = None
+    # (Gemma 3's SigLIP tower: models/gemma3_config.Gemma3VisionConfig; InternVL's InternViT:
+    # models/internvl_config.InternVLVisionConfig)
+    vision: (VisionConfig | QwenVisionConfig | PixtralVisionConfig | Gemma3VisionConfig
+             | InternVLVisionConfig | None) = None
     # M-RoPE (Qwen2-VL): the rotated pairs' split among the (t, h, w) position components
     # (layers/rotary.MRotaryEmbedding, engine/mrope.py); (): 1-D rope
     mrope_section: tuple[int, ...] = ()
@@ -3199,11 +3234,41 @@ class EngineConfig:
             )
 
 
+def _internvl_tiles(vc: Any, kwargs: dict[str, Any], arch: str) -> Any:
+    """InternVL's tiling under mm_processor_kwargs, as InternVLProcessor's call reads them:
+    ``min_patches`` / ``max_patches`` (the tiles of an image's grid, positive ints, min <=
+    max) and ``crop_to_patches`` (false: one tile, the image resized to it); or by vLLM's
+    names for the remote-code layout, ``min_dynamic_patch`` / ``max_dynamic_patch`` /
+    ``dynamic_image_size``."""
+    aliases = {"min_dynamic_patch": "min_patches", "max_dynamic_patch": "max_patches",
+               "dynamic_image_size": "crop_to_patches"}
+    unknown = sorted(set(kwargs) - {"min_patches", "max_patches", "crop_to_patches", *aliases})
+    if unknown:
+        raise ConfigError(f"mm_processor_kwargs {unknown}: {arch}'s image processor reads min_patches, "
+                          "max_patches and crop_to_patches (min_dynamic_patch, max_dynamic_patch and "
+                          "dynamic_image_size, vLLM's names for them)")
+    both = sorted(k for k, ours in aliases.items() if k in kwargs and ours in kwargs)
+    if both:
+        raise ConfigError(f"mm_processor_kwargs: give {both[0]} or {aliases[both[0]]}, not both")
+    kwargs = {aliases.get(k, k): v for k, v in kwargs.items()}
+    lo, hi = kwargs.get("min_patches", vc.min_tiles), kwargs.get("max_patches", vc.max_tiles)
+    for key, v in (("min_patches", lo), ("max_patches", hi)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"mm_processor_kwargs {key} must be a positive int, got {v!r}")
+    if lo > hi:
+        raise ConfigError(f"mm_processor_kwargs: min_patches {lo} is above max_patches {hi}")
+    crop = kwargs.get("crop_to_patches", True)
+    if not isinstance(crop, bool):
+        raise ConfigError(f"mm_processor_kwargs crop_to_patches must be true or false, got {crop!r}")
+    return replace(vc, min_tiles=lo if crop else 1, max_tiles=hi if crop else 1)
+
+
 def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> ModelConfig:
     """``mc`` with vLLM's ``mm_processor_kwargs`` over its processors' settings: Qwen2-VL's
     ``min_pixels`` / ``max_pixels`` (ints, min <= max; the image's and the video's, as
     transformers' processor call; or ``size`` {shortest_edge, longest_edge}, the same two), ``fps`` (a video's frame rate where it gives none:
-    Qwen2.5-VL's temporal positions, engine/mrope.py); a ConfigError names a key
+    Qwen2.5-VL's temporal positions, engine/mrope.py); InternVL's ``min_patches`` /
+    ``max_patches`` / ``crop_to_patches`` (_internvl_tiles); a ConfigError names a key
     the model's processor does not read, or a model that takes no images."""
     if not kwargs:
         return mc
@@ -3221,6 +3286,8 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
             raise ConfigError(f"mm_processor_kwargs do_pan_and_scan: {arch}'s pan-and-scan crops are "
                               "not supported yet (each image is resized to the tower's square)")
         return mc
+    if type(mc.vision).__name__ == "InternVLVisionConfig":  # InternVLProcessor's tiling bounds
+        return replace(mc, vision=_internvl_tiles(mc.vision, kwargs, arch))
     if not isinstance(mc.vision, QwenVisionConfig):
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)}: {arch}'s image processor reads none "
                           "(Qwen2-VL's reads min_pixels / max_pixels)")

@@ -1,8 +1,7 @@
 """``flashpage inspect`` on image models (inspect.vision_figures): the tower and projector's
 parameters are those the engine loads, one image's prompt tokens those the engine's
 preprocessing makes of it (tiny LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Mistral3 and
-Gemma 3 checkpoints, several sizes), and the tokens left after the weights take the tower's bytes
+Mistral3, Gemma 3 and InternVL checkpoints, several sizes), and the tokens left after the weights take the tower's bytes
 too; the published configs' figures where they are known (LLaVA-1.5: 576 rows of 24 x 24
 patches); a bad --image-size is a clear error."""
 from __future__ import annotations
@@ -17,6 +16,7 @@ from flashpage import LLM
 from flashpage.config import ModelConfig
 from flashpage.inspect import inspect_config, main, parse_image_size
 from tests.gemma3_checkpoint import build_tiny_gemma3
+from tests.internvl_checkpoint import build_tiny_internvl
 from tests.llava_checkpoint import build_tiny_llava
 from tests.llava_next_checkpoint import build_tiny_llava_next
 from tests.llava_onevision_checkpoint import build_tiny_llava_onevision
@@ -34,6 +34,7 @@ BUILDERS = {
     "qwen3_vl": build_tiny_qwen3_vl,
     "mistral3": build_tiny_pixtral,
     "gemma3": build_tiny_gemma3,
+    "internvl": build_tiny_internvl,
 }
 
 

@@ -79,6 +79,7 @@ from flashpage.sampling_params import SamplingParams, StructuredOutputsError
 if TYPE_CHECKING:
     from flashpage.lora.manager import LoRAManager
     from flashpage.models.gemma3_vision import Gemma3ImageEncoder
+    from flashpage.models.internvl import InternVLImageEncoder
     from flashpage.models.llava import LlavaImageEncoder
     from flashpage.models.medusa import MedusaHeads
     from flashpage.models.mtp import HiddenStateDraft
@@ -199,10 +200,11 @@ class LLMEngine:
                                     mxfp4_kernel=mxfp4_kernel, fp8_moe_kernel=fp8_moe_kernel,
                                     int4_moe_kernel=int4_moe_kernel)
         # a model's multimodal encoder (engine/multimodal.py): LLaVA's CLIP tower and
-        # projector (models/llava.py), Qwen2-VL's (models/qwen2_vl.py) or a Pixtral tower's
-        # (models/pixtral.py), before the KV cache takes what memory is left
+        # projector (models/llava.py), Qwen2-VL's (models/qwen2_vl.py), a Pixtral tower's
+        # (models/pixtral.py), Gemma 3's or InternVL's (models/internvl.py), before the KV
+        # cache takes what memory is left
         self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | Gemma3ImageEncoder \
-            | None = None
+            | InternVLImageEncoder | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
         # Qwen2-VL / Qwen2.5-VL / Qwen3-VL and LLaVA-OneVision take videos too
         takes: tuple[str, ...]
@@ -844,7 +846,12 @@ class LLMEngine:
             embeds = self._check_embeds_request(prompt, params, pooling)
             text, ids = None, [EMBEDS_PLACEHOLDER_ID] * embeds.shape[0]
         else:
-            text, ids = prompt_text_and_ids(prompt, self.tokenize)
+            # a text placeholder the encoder's prompts write as several tokens (InternVL's
+            # remote-code "<image>", as vLLM takes it) made its image token before tokenizing
+            sub = getattr(self.mm_encoder, "text_placeholder", None)
+            tokenize: Callable[[str], list[int]] = self.tokenize if sub is None or multi_modal_data is None \
+                else (lambda s: self.tokenize(s.replace(sub[0], sub[1])))
+            text, ids = prompt_text_and_ids(prompt, tokenize)
             ids, mm_inputs = self._multimodal_inputs(ids, multi_modal_data, params, pooling)
             if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
                 ids = ids[-params.truncate_prompt_tokens:]  # the text no longer matches: not kept

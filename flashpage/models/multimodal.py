@@ -3,10 +3,10 @@ Llama4ForConditionalGeneration served alone, images not supported; and
 LlavaForConditionalGeneration / LlavaNextForConditionalGeneration /
 LlavaOnevisionForConditionalGeneration, Qwen2VLForConditionalGeneration /
 Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration /
-Qwen3VLMoeForConditionalGeneration, Mistral3ForConditionalGeneration and
-Gemma3ForConditionalGeneration, whose images models/llava.py / llava_next.py /
-llava_onevision.py, models/qwen2_vl.py, models/pixtral.py and models/gemma3_vision.py run
-beside them).
+Qwen3VLMoeForConditionalGeneration, Mistral3ForConditionalGeneration,
+Gemma3ForConditionalGeneration and InternVLForConditionalGeneration / InternVLChatModel,
+whose images models/llava.py / llava_next.py / llava_onevision.py, models/qwen2_vl.py,
+models/pixtral.py, models/gemma3_vision.py and models/internvl.py run beside them).
 
 The config is the text model's (config._text_config_of); its weights sit under the wrapper's
 prefixes, which ``text_model_weights`` takes off on the way to the text family's own
@@ -62,7 +62,8 @@ _BARE_PREFIXES = {arch: (("model.", "model."),) for arch in
 # builds its tower and projector (LLaVA-NeXT's and LLaVA-OneVision's: llava's,
 # llava.encoder_class)
 IMAGE_MODULES = {"VisionConfig": "llava", "QwenVisionConfig": "qwen2_vl",
-                 "PixtralVisionConfig": "pixtral", "Gemma3VisionConfig": "gemma3_vision"}
+                 "PixtralVisionConfig": "pixtral", "Gemma3VisionConfig": "gemma3_vision",
+                 "InternVLVisionConfig": "internvl"}
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -204,6 +205,10 @@ def image_encoder_shell(config: ModelConfig) -> torch.nn.Module | None:
         from flashpage.models.gemma3_vision import Gemma3ImageEncoder
 
         return Gemma3ImageEncoder(vc, config.hidden_size)
+    if module == "internvl":
+        from flashpage.models.internvl import InternVLImageEncoder
+
+        return InternVLImageEncoder(vc, config.hidden_size)
     if module == "pixtral":
         from flashpage.models.pixtral import PixtralImageEncoder
 

@@ -65,7 +65,8 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     grows = sum(rows(im) - 1 for im in images["image"]) \
         if images is not None and rows is not None and not hasattr(encoder, "rows_of") else 0
     # counts that depend on the prompt's other images (LLaVA-OneVision's: one tile each of
-    # several; models/llava_onevision.py rows_of)
+    # several; models/llava_onevision.py rows_of), or a placeholder that becomes more than its
+    # rows (InternVL's <img> and </img> around them: models/internvl.py rows_of)
     if images is not None and (rows_of := getattr(encoder, "rows_of", None)) is not None:
         grows = sum(r - 1 for r in rows_of(images["image"]))
     n_prompt = len(ids) + grows  # what the engine runs (and usage counts, as vLLM's)
