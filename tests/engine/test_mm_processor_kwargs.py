@@ -240,3 +240,25 @@ def test_llm_chat_takes_mm_processor_kwargs(paths):
     want = _llm(path, mm_processor_kwargs={"max_pixels": SMALL}).chat(msgs, GREEDY, use_tqdm=False)[0]
     assert got.error is None and got.prompt_token_ids == want.prompt_token_ids
     assert _tokens([got]) == _tokens([want])
+
+
+def test_bound_checked_per_modality_the_request_holds(paths):
+    """An engine whose video bound (3136 pixels) is below its image bound (the checkpoint's
+    18816): a request's max_pixels 18816 is fine for images, refused for a video (naming
+    the video bound), and for a prompt holding both; fps alone never touches the bounds."""
+    from dataclasses import replace
+
+    from flashpage.config import ConfigError, ModelConfig, request_mm_processing
+
+    mc = ModelConfig.from_hf(str(paths("qwen2_vl")))
+    vc = mc.vision
+    mc = replace(mc, vision=replace(vc, video_processing=replace(vc.processing, max_pixels=SMALL)))
+    kw = {"max_pixels": MAX_PIXELS}
+    mine = request_mm_processing(mc, kw, ["image"])
+    assert mine is not None and (mine.processing.max_pixels, mine.video_processing.max_pixels) == (MAX_PIXELS,) * 2
+    for held in (["video"], ["image", "video"]):
+        with pytest.raises(ConfigError, match="max_pixels 18816 is above this engine's video max_pixels 3136"):
+            request_mm_processing(mc, kw, held)
+    fps = request_mm_processing(mc, {"fps": 2}, ["image", "video"])
+    assert fps is not None and fps.video_fps == 2.0 and fps.video_processing.max_pixels == SMALL
+    assert request_mm_processing(mc, {}, ["image"]) is None
