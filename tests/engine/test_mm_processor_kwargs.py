@@ -109,6 +109,12 @@ def test_qwen2_vl_image_bounds_per_request_equal_engine_wide(paths, monkeypatch)
     assert sum(encoded) == 2  # each prompt's blocks its own: every image row cached, no encode
     assert kv.prefix_hits - hits == sum((len(o.prompt_token_ids) - 1) // 8 * 8 for o in outs[:2])
     assert llm.engine.kv_manager.stats().blocks_used == 0
+    # no prefix cache: the encoder cache gives each request its own image's rows
+    bare = _llm(path, enable_prefix_caching=False)
+    encoded = _spy(monkeypatch, bare.engine.mm_encoder)
+    for _ in range(2):
+        assert _tokens(bare.generate(prompts, GREEDY, use_tqdm=False)) == _tokens(outs)
+    assert sum(encoded) == 2
 
 
 def test_qwen2_5_vl_video_fps_and_bounds_per_request_equal_engine_wide(paths):
