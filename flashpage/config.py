@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -3323,3 +3324,29 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
         procs.append(replace(proc, min_pixels=lo, max_pixels=hi))
     return replace(mc, vision=replace(mc.vision, processing=procs[0], video_processing=procs[1],
                                       video_fps=None if fps is None else float(fps)))
+
+
+def request_mm_processing(mc: ModelConfig, kwargs: Any, modalities: Iterable[str]) -> QwenVisionConfig | None:
+    """vLLM's per-request ``mm_processor_kwargs`` (a prompt's, or a chat request's field)
+    over the engine's (``mc``: the ModelConfig the encoder was built from, the engine-wide
+    kwargs applied): the vision config this request's images / videos are preprocessed
+    with, or None where they change nothing (Gemma 3's do_pan_and_scan false). Checked as
+    the engine-wide ones are (``with_mm_processor_kwargs``, the same ConfigErrors), and a
+    max_pixels above the engine's for a modality the request holds (``modalities``) is
+    refused: the engine reserved the encoder's activation memory for its own bound
+    (QwenImageEncoder.activation_bytes), which rows from a larger image would pass."""
+    new = with_mm_processor_kwargs(mc, kwargs).vision
+    old = mc.vision
+    if new is old or not isinstance(new, QwenVisionConfig) or not isinstance(old, QwenVisionConfig):
+        return None
+    key = "size longest_edge" if isinstance(kwargs, dict) and "size" in kwargs else "max_pixels"
+    for modality, was, now in (("image", old.processing, new.processing),
+                               ("video", old.video_processing or old.processing,
+                                new.video_processing or new.processing)):
+        if modality in modalities and now.max_pixels > was.max_pixels:
+            raise ConfigError(
+                f"mm_processor_kwargs {key} {now.max_pixels} is above this engine's {modality} max_pixels "
+                f"{was.max_pixels}: the encoder's memory was reserved for {modality}s up to that many "
+                f"pixels; raise the engine-wide bound (LLM(mm_processor_kwargs={{\"max_pixels\": "
+                f"{now.max_pixels}}}), --mm-processor-kwargs) to allow it")
+    return new

@@ -181,7 +181,9 @@ class LLM:
         ``enable_prompt_embeds``; engine/prompt_embeds.py), each with an optional
         "cache_salt": prefix-cache blocks shared only among prompts of the same salt, and
         for a model that takes images (LLaVA) "multi_modal_data": {"image": a PIL image,
-        pixel values [3, S, S] or a list of them}, one per <image> in the prompt).
+        pixel values [3, S, S] or a list of them}, one per <image> in the prompt, and
+        "mm_processor_kwargs": vLLM's per-prompt processor settings over the engine-wide
+        ones (Qwen2-VL's {"max_pixels": ...}; config.request_mm_processing)).
 
         Outputs come back in prompt order. A prompt that cannot run (empty, too long,
         token ids outside the vocabulary, a LoRA adapter that cannot be loaded, ...) gets an
@@ -352,7 +354,8 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-             priority: Sequence[int] | None = None) -> list[RequestOutput]:
+             priority: Sequence[int] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list) and generate.
         ``tools``: OpenAI function definitions the template shows the model (as vLLM's; the
         server reads calls back, server/tools.py). ``continue_final_message``: the last
@@ -362,12 +365,16 @@ class LLM:
         in ``generate``. A model that takes images (LLaVA) reads image parts as vLLM's chat
         does: ``image_url`` (a base64 data URL) and ``image_pil`` (a PIL image); Qwen2-VL
         also ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list of PIL
-        images or of image URLs; engine/multimodal.chat_images)."""
+        images or of image URLs; engine/multimodal.chat_images). ``mm_processor_kwargs``:
+        the processor's settings for these conversations' images, as vLLM's (``generate``'s)."""
         self._check_task("generate")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         extra = dict(chat_template_kwargs or {}, continue_final_message=continue_final_message)
         prompts: list[Prompt] = [self._chat_prompt(c, add_generation_prompt, tools, extra)  # type: ignore[arg-type]
                                  for c in convs]
+        if mm_processor_kwargs is not None:
+            prompts = [{**(p if isinstance(p, dict) else {"prompt_token_ids": p}),
+                        "mm_processor_kwargs": mm_processor_kwargs} for p in prompts]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                              priority=priority)
 
@@ -443,8 +450,8 @@ class LLM:
             order.append(rid)
             try:
                 ids_or_text, salt = prompt_parts(p)
-                mm = {"multi_modal_data": p["multi_modal_data"]} \
-                    if isinstance(p, dict) and p.get("multi_modal_data") is not None else {}
+                mm = {k: p[k] for k in ("multi_modal_data", "mm_processor_kwargs")
+                      if isinstance(p, dict) and p.get(k) is not None}
                 engine.add_request(rid, ids_or_text, sp, lora_request=lora, priority=prio,
                                    cache_salt=salt, **mm)
             except ValueError as e:
@@ -489,7 +496,7 @@ def _per_prompt_loras(lora_request: LoRARequest | Sequence[LoRARequest | None] |
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
 # a prompt dict's keys beside its one prompt key
-_PROMPT_EXTRAS = {"cache_salt", "multi_modal_data"}
+_PROMPT_EXTRAS = {"cache_salt", "multi_modal_data", "mm_processor_kwargs"}
 
 
 def prompt_parts(p: Prompt) -> tuple[str | list[int] | torch.Tensor, str | None]:
@@ -502,7 +509,8 @@ def prompt_parts(p: Prompt) -> tuple[str | list[int] | torch.Tensor, str | None]
     given = [k for k in _PROMPT_KEYS if k in p]
     if unknown or len(given) != 1:
         raise ValueError(f"a prompt dict takes one of 'prompt' (text), 'prompt_token_ids' or "
-                         f"'prompt_embeds', and optionally 'cache_salt' and 'multi_modal_data'; "
+                         f"'prompt_embeds', and optionally 'cache_salt', 'multi_modal_data' and "
+                         f"'mm_processor_kwargs'; "
                          f"got keys {sorted(p)}")
     if given[0] == "prompt_embeds" and not isinstance(p["prompt_embeds"], torch.Tensor):
         raise ValueError(f"prompt_embeds must be a torch.Tensor [num_tokens, hidden_size], "

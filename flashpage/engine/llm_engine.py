@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -27,6 +27,7 @@ from flashpage.config import (
     ModelConfig,
     QwenVisionConfig,
     dtype_bytes,
+    request_mm_processing,
     resolve_kv_cache_dtype,
     with_mm_processor_kwargs,
 )
@@ -808,7 +809,8 @@ class LLMEngine:
                     params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None, priority: int = 0,
-                    cache_salt: str | None = None, multi_modal_data: Any = None) -> str:
+                    cache_salt: str | None = None, multi_modal_data: Any = None,
+                    mm_processor_kwargs: dict[str, Any] | None = None) -> str:
         """Queue a request; raises ValueError (naming the problem) if it can never run.
         PoolingParams: an embedding request (flashpage/pooling.py): its prompt's pooled hidden
         states come back as ``RequestOutput.embedding``. ``lora_request``: the LoRA adapter
@@ -818,7 +820,9 @@ class LLMEngine:
         salt (vLLM's; a non-empty string). A tensor prompt: its input embeddings
         [tokens, hidden] (engine/prompt_embeds.py; needs enable_prompt_embeds).
         ``multi_modal_data``: vLLM's {"image": image or [images]} for a model that takes
-        images (LLaVA: engine/multimodal.py), one per ``<image>`` in the prompt."""
+        images (LLaVA: engine/multimodal.py), one per ``<image>`` in the prompt;
+        ``mm_processor_kwargs``: vLLM's per-request processor settings over the engine-wide
+        ones (Qwen2-VL's pixel bounds and fps: config.request_mm_processing)."""
         self.check_awake()
         self.check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -840,8 +844,9 @@ class LLMEngine:
         embeds: torch.Tensor | None = None
         mm_inputs: list[MultiModalInput] | None = None
         if isinstance(prompt, torch.Tensor):  # engine/prompt_embeds.py
-            if multi_modal_data is not None:
-                raise ValueError("multi_modal_data with prompt_embeds: give the prompt as text or "
+            if multi_modal_data is not None or mm_processor_kwargs:
+                what = "multi_modal_data" if multi_modal_data is not None else "mm_processor_kwargs"
+                raise ValueError(f"{what} with prompt_embeds: give the prompt as text or "
                                  "token ids with its <image> placeholders")
             embeds = self._check_embeds_request(prompt, params, pooling)
             text, ids = None, [EMBEDS_PLACEHOLDER_ID] * embeds.shape[0]
@@ -852,7 +857,8 @@ class LLMEngine:
             tokenize: Callable[[str], list[int]] = self.tokenize if sub is None or multi_modal_data is None \
                 else (lambda s: self.tokenize(s.replace(sub[0], sub[1])))
             text, ids = prompt_text_and_ids(prompt, tokenize)
-            ids, mm_inputs = self._multimodal_inputs(ids, multi_modal_data, params, pooling)
+            ids, mm_inputs = self._multimodal_inputs(ids, multi_modal_data, params, pooling,
+                                                     mm_processor_kwargs)
             if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
                 ids = ids[-params.truncate_prompt_tokens:]  # the text no longer matches: not kept
                 text = None
@@ -1037,12 +1043,16 @@ class LLMEngine:
         return embeds
 
     def _multimodal_inputs(self, ids: list[int], data: Any, params: SamplingParams,
-                           pooling: PoolingParams | None
+                           pooling: PoolingParams | None, mm_kwargs: Any = None
                            ) -> tuple[list[int], list[MultiModalInput] | None]:
         """A prompt's ids with its images' placeholders expanded, and its multimodal inputs
         (engine/multimodal.py); a ValueError names what cannot be done: images for a model
-        that takes none, an <image> without an image, counts that differ, ..."""
+        that takes none, an <image> without an image, counts that differ, per-request
+        ``mm_kwargs`` the processor does not read or above the engine's bounds, ..."""
         enc, mc = self.mm_encoder, self.model_config
+        # vLLM's per-request mm_processor_kwargs: checked even without data (a bad key named)
+        modalities = [k for k in ("image", "video") if isinstance(data, dict) and k in data]
+        vision = request_mm_processing(mc, mm_kwargs, modalities) if mm_kwargs is not None else None
         if data is None:
             if enc is not None and enc.config.image_token_id in ids:
                 raise ValueError(f"the prompt has image tokens ({enc_token_name(enc)}, id "
@@ -1071,7 +1081,10 @@ class LLMEngine:
             raise ValueError("multi_modal_data with speculative decoding: its draft would see "
                              "the image placeholders without the image; serve without "
                              "speculative_config for image requests")
-        ids, inputs = enc.prepare(ids, data)
+        if vision is not None:  # a QwenVisionConfig: Qwen2-VL's encoder, the one that takes it
+            ids, inputs = cast("QwenImageEncoder", enc).prepare(ids, data, vision)
+        else:
+            ids, inputs = enc.prepare(ids, data)
         trunc = params.truncate_prompt_tokens
         if trunc is not None and len(ids) > trunc:
             raise ValueError(f"truncate_prompt_tokens={trunc} would cut this image prompt of "

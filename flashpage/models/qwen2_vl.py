@@ -428,12 +428,16 @@ class QwenImageEncoder(nn.Module):
         t, h, w = image.grid
         return t * h * w // self.config.spatial_merge_size ** 2
 
-    def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
+    def prepare(self, ids: list[int], data: Any, vision: QwenVisionConfig | None = None
+                ) -> tuple[list[int], list[MultiModalInput]]:
         """The engine's multimodal hook at admission (engine/multimodal.py): a request's
         ``multi_modal_data`` ({"image": a PIL image, a uint8 [3, H, W] tensor, or a list of
         them; "video": vLLM's forms, models/qwen2_vl_video.py}) checked and preprocessed, and
         its prompt's ids with each <|image_pad|> / <|video_pad|> made its item's rows' count,
-        images and videos in the prompt's order; a ValueError names what is wrong."""
+        images and videos in the prompt's order; a ValueError names what is wrong.
+        ``vision``: the request's own processing settings (its mm_processor_kwargs,
+        config.request_mm_processing: pixel bounds and fps; None: the engine's); the
+        tower's weights and the rest of the preprocessing are the engine's either way."""
         vc = self.config
         if not isinstance(data, dict):
             raise ValueError(f"multi_modal_data must be a dict such as {{\"image\": image}}, "
@@ -450,11 +454,11 @@ class QwenImageEncoder(nn.Module):
             images = list(given) if isinstance(given, (list, tuple)) else [given]
             if not images:
                 raise ValueError("multi_modal_data[\"image\"] is an empty list")
-            pix = [self.admit_image(img, i) for i, img in enumerate(images)]
+            pix = [self.admit_image(img, i, vision) for i, img in enumerate(images)]
             items += pix
             counts[vc.image_token_id] = [self.num_rows(p) for p in pix]
         if "video" in data:
-            vids = [self.admit_video(v, i) for i, v in enumerate(video_items(data["video"]))]
+            vids = [self.admit_video(v, i, vision) for i, v in enumerate(video_items(data["video"]))]
             if vc.variant == "qwen3_vl":  # one input per frame group, its timestamp text before it
                 ids, vids = self._qwen3_videos(ids, vids)
             items += vids
@@ -485,12 +489,13 @@ class QwenImageEncoder(nn.Module):
                   for v in vids if v.pixels is not None for g in range(v.grid[0])]
         return ids, groups
 
-    def admit_video(self, video: Any, i: int = 0) -> QwenImage:
+    def admit_video(self, video: Any, i: int = 0, vision: QwenVisionConfig | None = None) -> QwenImage:
         """What a request keeps of a video (vLLM's forms, models/qwen2_vl_video.py): its
         frames resized under the video processor's bounds and padded to whole temporal
         patches (uint8 [T', 3, h, w]), its grid (T' / temporal_patch_size, h / patch, w /
-        patch) and, for Qwen2.5-VL, its temporal position step; the rest on the device."""
-        vc = self.config
+        patch) and, for Qwen2.5-VL, its temporal position step; the rest on the device.
+        ``vision``: the request's bounds and fps (``prepare``), else the engine's."""
+        vc = vision or self.config
         if isinstance(video, QwenImage):  # admitted already (its resized frames): checked
             t, h, w = video.grid
             ps, tp, x = vc.patch_size, vc.temporal_patch_size, video.pixels
@@ -502,7 +507,7 @@ class QwenImageEncoder(nn.Module):
                                  f"h x {ps}, w x {ps}] of its grid (Qwen3-VL: and t timestamps)")
             return video
         if vc.variant == "qwen3_vl":
-            return self._admit_qwen3_video(video, i)
+            return self._admit_qwen3_video(video, i, vc)
         frames, fps = read_video(video, i)
         try:
             pixels, grid = resize_video(frames, vc.video_processing or vc.processing, vc.patch_size,
@@ -515,12 +520,11 @@ class QwenImageEncoder(nn.Module):
             step = vc.tokens_per_second * (vc.temporal_patch_size / rate)
         return QwenImage(None, grid, pixels, video=True, time_step=step)
 
-    def _admit_qwen3_video(self, video: Any, i: int) -> QwenImage:
+    def _admit_qwen3_video(self, video: Any, i: int, vc: QwenVisionConfig) -> QwenImage:
         """A Qwen3-VL video (models/qwen3_vl_video.py): its frames as given, resized under the
         whole video's pixel bounds, and its frame groups' timestamps."""
         from flashpage.models import qwen3_vl_video as q3
 
-        vc = self.config
         meta = None
         if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], dict):
             video, meta = video
@@ -544,11 +548,13 @@ class QwenImageEncoder(nn.Module):
         return QwenImage(self._patches(v.pixels, True), v.grid, video=True, time_step=v.time_step,
                          timestamps=v.timestamps)
 
-    def pixel_values(self, image: Any, i: int = 0, resized_only: bool = False) -> QwenImage:
+    def pixel_values(self, image: Any, i: int = 0, resized_only: bool = False,
+                     vision: QwenVisionConfig | None = None) -> QwenImage:
         """One image preprocessed on the host (models/qwen2_vl_image.py): a PIL image, a
         uint8 [3, H, W] tensor, or a QwenImage already made (checked). ``resized_only``
         (what ``prepare`` keeps): its uint8 pixels at the resized size, the rest of the
-        preprocessing left to ``encode`` on the device."""
+        preprocessing left to ``encode`` on the device. ``vision``: the request's pixel
+        bounds (``prepare``), else the engine's."""
         vc = self.config
         if isinstance(image, QwenImage) and image.patches is None:  # resized pixels (admit_image's)
             t, h, w = image.grid
@@ -571,7 +577,7 @@ class QwenImageEncoder(nn.Module):
         if is_pil_image(image) or (isinstance(image, torch.Tensor) and image.dtype == torch.uint8
                                    and image.dim() == 3 and image.shape[0] == 3):
             try:
-                pixels, grid = resize(image, vc.processing, vc.patch_size, vc.spatial_merge_size)
+                pixels, grid = resize(image, (vision or vc).processing, vc.patch_size, vc.spatial_merge_size)
             except (OSError, ValueError) as e:  # a truncated file, an aspect ratio over 200
                 raise ValueError(f"image {i} could not be read: {e}") from e
             if resized_only:
@@ -614,10 +620,11 @@ class QwenImageEncoder(nn.Module):
         deep = len(vc.deepstack_visual_indexes) * 2 * vc.out_hidden_size * b // vc.spatial_merge_size ** 2
         return patches * (per + deep)
 
-    def admit_image(self, image: Any, i: int = 0) -> QwenImage:
+    def admit_image(self, image: Any, i: int = 0, vision: QwenVisionConfig | None = None) -> QwenImage:
         """What a request keeps of an image (the server prepares it on a worker thread):
-        its resized uint8 pixels, the rest done on the device (``pixel_values``)."""
-        return self.pixel_values(image, i, resized_only=True)
+        its resized uint8 pixels, the rest done on the device (``pixel_values``);
+        ``vision``: the request's pixel bounds, else the engine's."""
+        return self.pixel_values(image, i, resized_only=True, vision=vision)
 
     @torch.inference_mode()
     def encode(self, data: list[QwenImage]) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:

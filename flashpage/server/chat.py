@@ -191,13 +191,23 @@ async def _images(state: ServerState, req: ChatCompletionRequest,
                   conv: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The request's images as the engine's multi_modal_data (their placeholders put into
     ``conv`` in place), or None without any; a 400 for a model that takes no images, a URL
-    that cannot be read (engine/media.py), or bytes that are no image (server/images.py)."""
+    that cannot be read (engine/media.py), bytes that are no image (server/images.py), or
+    mm_processor_kwargs the processor does not read or above the server's bounds."""
     from flashpage.engine.multimodal import as_text_parts, placeholder_ids, template_reads_parts
     from flashpage.server.images import image_urls, read_images, with_placeholders
 
     urls = image_urls(req.messages)
     engine = state.engine.engine
     encoder = getattr(engine, "mm_encoder", None)
+    vision = None  # vLLM's per-request processor settings: the images resized under them
+    if req.mm_processor_kwargs is not None:
+        from flashpage.config import request_mm_processing
+
+        try:
+            vision = request_mm_processing(engine.model_config, req.mm_processor_kwargs,
+                                           ["image"] if urls else [])
+        except ValueError as e:
+            raise bad_request(str(e), "mm_processor_kwargs") from None
     if not urls:
         tok = engine.tokenizer
         if encoder is not None and tok is not None and template_reads_parts(tok.chat_template):
@@ -208,7 +218,7 @@ async def _images(state: ServerState, req: ChatCompletionRequest,
         name = getattr(mc, "multimodal_architecture", "") or getattr(mc, "architecture", "this model")
         raise bad_request(f"image_url content parts given, but this model ({name}) takes no "
                           "image input (models/llava.py lists the families that do)", "messages")
-    pixels = await read_images(encoder, urls, engine.config.media_policy)
+    pixels = await read_images(encoder, urls, engine.config.media_policy, vision)
     tok = engine.tokenizer
     placeholder = tok.decode(placeholder_ids(encoder)) if tok is not None else "<image>"
     template = getattr(tok, "chat_template", None)

@@ -39,24 +39,28 @@ def decode_data_url(url: str, i: int, policy: MediaPolicy | None = None) -> Any:
         raise bad_request(str(e), FIELD) from None
 
 
-def pixel_values(encoder: Any, urls: list[str], policy: MediaPolicy | None = None) -> list[Any]:
+def pixel_values(encoder: Any, urls: list[str], policy: MediaPolicy | None = None,
+                 vision: Any = None) -> list[Any]:
     """Each url's image read, decoded and preprocessed (``encoder.admit_image``: what a
-    request keeps of it, where the encoder has one, else ``pixel_values``)."""
+    request keeps of it, where the encoder has one, else ``pixel_values``); ``vision``: the
+    request's processing settings (its mm_processor_kwargs; None: the server's)."""
     out = []
     prepare = getattr(encoder, "admit_image", None) or encoder.pixel_values
     for i, url in enumerate(urls):
         img = decode_data_url(url, i, policy)
         try:
-            out.append(prepare(img, i))
+            out.append(prepare(img, i) if vision is None else prepare(img, i, vision))
         except ValueError as e:
             raise bad_request(str(e), FIELD) from None
     return out
 
 
-async def read_images(encoder: Any, urls: list[str], policy: MediaPolicy | None = None) -> list[Any]:
+async def read_images(encoder: Any, urls: list[str], policy: MediaPolicy | None = None,
+                      vision: Any = None) -> list[Any]:
     """``pixel_values`` on a worker thread (fetching, decoding and resizing take milliseconds
     to seconds: not on the event loop, nor between the engine's steps)."""
-    return await asyncio.get_running_loop().run_in_executor(None, pixel_values, encoder, urls, policy)
+    return await asyncio.get_running_loop().run_in_executor(None, pixel_values, encoder, urls, policy,
+                                                            vision)
 
 
 def with_placeholders(conv: list[dict[str, Any]], messages: list[ChatMessage],

@@ -266,6 +266,9 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     logprobs: Bool | None = False
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    # vLLM's: the image processor's settings for this request's images over the server's
+    # --mm-processor-kwargs (Qwen2-VL's {"max_pixels": ...}; config.request_mm_processing)
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class EmbeddingRequest(_Body):
