@@ -3337,8 +3337,13 @@ def request_mm_processing(mc: ModelConfig, kwargs: Any, modalities: Iterable[str
     (QwenImageEncoder.activation_bytes), which rows from a larger image would pass."""
     new = with_mm_processor_kwargs(mc, kwargs).vision
     old = mc.vision
-    if new is old or not isinstance(new, QwenVisionConfig) or not isinstance(old, QwenVisionConfig):
+    if new is old or new == old:
         return None
+    if not isinstance(new, QwenVisionConfig) or not isinstance(old, QwenVisionConfig):
+        # InternVL's tiling bounds: read from the engine's config only (never ignored here)
+        raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)} per request: {mc.multimodal_architecture}'s "
+                          "encoder reads them engine-wide only (LLM(mm_processor_kwargs=...), "
+                          "--mm-processor-kwargs)")
     key = "size longest_edge" if isinstance(kwargs, dict) and "size" in kwargs else "max_pixels"
     for modality, was, now in (("image", old.processing, new.processing),
                                ("video", old.video_processing or old.processing,

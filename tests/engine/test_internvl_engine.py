@@ -361,3 +361,20 @@ def test_internvl_on_the_gpu_bf16(tmp_path, monkeypatch):
         total += len(t)
     assert ours >= theirs - 0.03 * total and ours >= 0.85 * total, (ours, theirs, total)
     assert graphed_llm.engine.kv_manager.stats().blocks_used == 0
+
+
+def test_per_request_processor_kwargs_refused_by_name(ivl_ckpt):
+    """InternVL's tiling bounds are read engine-wide only: a request giving them is refused by
+    name (never run with them silently ignored), its batch-mate runs, no block is leaked."""
+    path, _, tok = ivl_ckpt
+    llm = _llm(path)
+    ids, images = _case(tok, 3, 1)
+    want = _tokens(llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}],
+                                SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False))
+    outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images},
+                          "mm_processor_kwargs": {"max_patches": 2}},
+                         {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}],
+                        SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert outs[0].error is not None and "engine-wide only" in outs[0].error and "max_patches" in outs[0].error
+    assert _tokens(outs[1:]) == want
+    assert llm.engine.kv_manager.stats().blocks_used == 0
