@@ -4,7 +4,9 @@
 #                                             Gemma-3-4B's decode steps on the host (the KV groups' fast
 #                                             path), then benchmarks/vlm.py on each of VLMCONFIG beside
 #                                             transformers
-#   BUDGET=500 bash benchmarks/gpu_s35.sh b   the GPU tests of CTESTS, then vlm.py on each of VLMCONFIG
+#   BUDGET=580 bash benchmarks/gpu_s35.sh b   the GPU tests of CTESTS (merged Qwen3-VL-MoE / video, InternVL),
+#                                             vlm.py on InternVL3-2B and Qwen3-VL-30B-A3B, the encoder
+#                                             cache against none, Gemma-3-4B text throughput's steps
 # Results under $OUT (summaries only); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -26,8 +28,25 @@ a)
   vlms 200
   echo "part a done at ${SECONDS}s" ;;
 b)
-  tests 300
-  vlms 200
+  tests 240
+  # InternVL3-2B beside transformers (one 448 x 448 tile an image), Qwen3-VL-30B-A3B ours only
+  # (transformers' copy of 31B would not fit beside ours)
+  timeout "$(left 150)" python3 benchmarks/vlm.py --config internvl3-2b-hf --json-out "$OUT/vlm_internvl.json" 2>&1 \
+    | grep -v "^INFO" | grep -v -i warn | tail -n 6
+  timeout "$(left 200)" python3 benchmarks/vlm.py --config qwen3-vl-30b-a3b --hf-requests 0 \
+    --json-out "$OUT/vlm_qwen3moe.json" 2>&1 | grep -v "^INFO" | grep -v -i warn | tail -n 4
+  # the encoder cache: 256 requests over 16 images, each request's text before its image (no
+  # prefix-cache sharing of the image), with the cache and without
+  for n in default 0; do
+    extra=(); [ "$n" = 0 ] && extra=(--mm-encoder-cache-tokens 0)
+    timeout "$(left 120)" python3 benchmarks/vlm.py --config qwen2.5-vl-7b --hf-requests 0 --no-text-twin \
+      --distinct-images 16 --question-first ${extra[@]+"${extra[@]}"} --json-out "$OUT/vlm_enccache_$n.json" 2>&1 \
+      | grep -v "^INFO" | grep -v -i warn | tail -n 2
+  done
+  # Gemma-3-4B text throughput: the steps' wall against GPU ms (is the host still behind?)
+  timeout "$(left 150)" python3 -m flashpage bench throughput --config gemma-3-4b-it --no-hf --num-requests 512 \
+    --input-len 256 512 --output-len 128 256 --json-out "$OUT/throughput_gemma3.json" > /tmp/tp_gemma3.txt 2>&1
+  tp_summary "$OUT/throughput_gemma3.json" gemma-3-4b-it
   echo "part b done at ${SECONDS}s" ;;
 *) echo "unknown part $PART (a-b)"; exit 2 ;;
 esac
