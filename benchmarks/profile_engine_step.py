@@ -61,7 +61,7 @@ def main() -> None:
     eng.scheduler.resolve = timed("resolve", eng.scheduler.resolve)
     for bs in args.batch:
         wl = make_workload(bs, (args.context, args.context), (args.steps, args.steps),
-                           eng.model_config.vocab_size)
+                           eng.model_config.vocab_size, avoid=eng.placeholder_token_ids())
         # More tokens than will be timed: every request is still running when the timed
         # steps end (the first run let early admissions finish, so its "batch 256" steps
         # had ~100 requests); the rest is aborted.
@@ -95,7 +95,8 @@ def main() -> None:
 def _prefill_table(eng, tokens: int, context: int) -> None:
     """Kernels of one step made only of prompt chunks, ``tokens`` of them."""
     n = max(1, tokens // context)
-    wl = make_workload(n, (context, context), (1, 1), eng.model_config.vocab_size)
+    wl = make_workload(n, (context, context), (1, 1), eng.model_config.vocab_size,
+                       avoid=eng.placeholder_token_ids())
     params = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, detokenize=False)
     for rid, prompt in enumerate(wl.prompts):
         eng.add_request(f"prefill-{rid}", prompt, params)

@@ -117,3 +117,22 @@ def test_jit_recorder_counts_new_specializations_and_restores_the_hook():
         assert knobs.jit_cache_hook is prev
     finally:
         knobs.jit_cache_hook = old
+
+
+def test_bench_prompts_leave_out_an_image_models_placeholders(tmp_path):
+    """Random prompt ids never hold an image model's placeholders (a prompt with an image
+    token and no image is refused): `bench throughput` on a vision-language config runs every
+    request. Tiny Qwen2.5-VL: a vocabulary of 256 where 240-243 are its vision tokens."""
+    from flashpage.bench.common import make_workload
+    from tests.qwen2_vl_checkpoint import build_tiny_qwen2_vl
+
+    wl = make_workload(20, (30, 40), (1, 2), 10, avoid={3, 4, 9})
+    ids = [t for p in wl.prompts for t in p]
+    assert not {3, 4, 9} & set(ids) and set(ids) <= set(range(10))
+    assert [len(p) for p in wl.prompts] == [len(p) for p in make_workload(20, (30, 40), (1, 2), 10).prompts]
+    path = build_tiny_qwen2_vl(tmp_path / "q", variant="qwen2_5_vl")
+    out = tmp_path / "t.json"
+    assert main(["bench", "throughput", "--config", str(path / "config.json"), "--num-requests", "8",
+                 "--input-len", "200", "256", "--output-len", "2", "3", "--no-hf", "--json-out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["workload"]["requests"] == 8 and r["flashpage"]["output_tok_per_s"] > 0  # every request ran

@@ -97,12 +97,17 @@ class Workload:
 
 
 def make_workload(num: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int,
-                  seed: int = 0) -> Workload:
-    """nano-vllm's benchmark workload: lengths uniform in the ranges, random token ids."""
+                  seed: int = 0, avoid: set[int] | frozenset[int] = frozenset()) -> Workload:
+    """nano-vllm's benchmark workload: lengths uniform in the ranges, random token ids;
+    ``avoid`` (an image model's placeholders: LLMEngine.placeholder_token_ids) replaced by the
+    next id not among them."""
     g = torch.Generator().manual_seed(seed)
     ins = torch.randint(in_range[0], in_range[1] + 1, (num,), generator=g).tolist()
     outs = torch.randint(out_range[0], out_range[1] + 1, (num,), generator=g).tolist()
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in ins]
+    if avoid:
+        prompts = [[next(u % vocab for u in range(t, t + len(avoid) + 1) if u % vocab not in avoid)
+                    if t in avoid else t for t in p] for p in prompts]
     return Workload(prompts, outs)
 
 

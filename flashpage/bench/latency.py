@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     llm, config = build_bench_llm(args)
     engine = llm.engine
     wl = make_workload(args.batch_size, (args.input_len, args.input_len),
-                       (args.output_len, args.output_len), engine.model_config.vocab_size)
+                       (args.output_len, args.output_len), engine.model_config.vocab_size, avoid=engine.placeholder_token_ids())
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                             detokenize=False)
     llm.generate(wl.prompts, SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False),

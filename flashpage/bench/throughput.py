@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     llm, config = build_bench_llm(args)
     engine = llm.engine
     wl = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len),
-                       engine.model_config.vocab_size, args.workload_seed)
+                       engine.model_config.vocab_size, args.workload_seed, avoid=engine.placeholder_token_ids())
     params = [SamplingParams(temperature=args.temperature, max_tokens=o, ignore_eos=True,
                              detokenize=False) for o in wl.output_lens]
     # Warm-up: compile kernels, capture graphs, touch the allocator.
@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         sync(engine.device)
     dt = time.perf_counter() - t0
     timeline.append((time.perf_counter(), 0, 0))
+    failed = [o.error for o in outs if o.error is not None]
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(outs)} requests failed; the first: {failed[0]}")
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == wl.num_output_tokens, (produced, wl.num_output_tokens)
     result = {

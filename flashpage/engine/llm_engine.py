@@ -486,6 +486,20 @@ class LLMEngine:
         logger.info("captured %s catch-up CUDA graphs in %.1fs (%.0f MiB reserved)",
                     name, time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - m0) / 2**20)
 
+    def placeholder_token_ids(self) -> set[int]:
+        """An image model's placeholder ids (its image / video tokens and their markers): a
+        prompt holding one needs its image, so made-up prompts (warm_up's, the benchmarks'
+        random ids) leave them out. Empty for a text model."""
+        enc = self.mm_encoder
+        if enc is None:
+            return set()
+        vc = enc.config
+        ids = {vc.image_token_id, *getattr(enc, "placeholder_ids", ())}
+        for name in ("video_token_id", "boi_token_id", "eoi_token_id", "vision_start_token_id",
+                     "vision_end_token_id"):
+            ids.add(getattr(vc, name, None))
+        return {i for i in ids if isinstance(i, int)}
+
     def warm_up(self) -> None:
         """Run a few throwaway requests so the kernels of every step kind compile now, not
         inside the first users' time to first token: prompts alone, decodes (graphs), a
@@ -501,10 +515,7 @@ class LLMEngine:
             temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
         if self.model_config.is_classifier:  # prompts only: a classifier never decodes
             params = PoolingParams(task="classify")
-        # never an image model's placeholder ids (a prompt holding one needs its image)
-        enc = self.mm_encoder
-        avoid = set() if enc is None else {enc.config.image_token_id, getattr(enc.config, "video_token_id", None),
-                                           *getattr(enc, "placeholder_ids", ())}
+        avoid = self.placeholder_token_ids()
 
         def plain(ids: list[int]) -> list[int]:
             return [next(u % vocab for u in range(t, t + len(avoid) + 1) if u % vocab not in avoid)
