@@ -245,9 +245,27 @@ class InternVLVisionAttention(nn.Module):
         self.q_norm = RMSNorm(h) if vc.qk_norm else None
         self.k_norm = RMSNorm(h) if vc.qk_norm else None
 
+    def fuse(self) -> None:
+        """After loading: q, k and v as one GEMM (the checkpoint's three Linears' rows
+        stacked; transformers' names are what load_weights reads)."""
+        if hasattr(self, "qkv"):
+            return
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        h = q.weight.shape[1]
+        with torch.device(q.weight.device):
+            self.qkv = nn.Linear(h, 3 * h, bias=q.bias is not None, dtype=q.weight.dtype)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
+            if q.bias is not None:
+                self.qkv.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))  # type: ignore[union-attr]
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, t, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
 
@@ -269,8 +287,9 @@ class InternVLVisionLayer(nn.Module):
         self.lambda_2 = nn.Parameter(torch.empty(vc.hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.lambda_1 * self.attention(self.layernorm_before(x)) + x
-        return self.lambda_2 * self.mlp(self.layernorm_after(x)) + x
+        # x + lambda * f(x) as one pass each (addcmul), not a product then a sum
+        x = torch.addcmul(x, self.lambda_1, self.attention(self.layernorm_before(x)))
+        return torch.addcmul(x, self.lambda_2, self.mlp(self.layernorm_after(x)))
 
 
 class InternVLVisionEncoder(nn.Module):
@@ -495,4 +514,7 @@ def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.de
         assert source.path is not None
         prefixes = REMOTE_PREFIXES if vc.remote else IMAGE_PREFIXES
         enc.load_weights(iter_safetensors(source.path, "cpu", keep=lambda n: n.startswith(prefixes)), source.path)
+    for m in enc.modules():
+        if isinstance(m, InternVLVisionAttention):
+            m.fuse()
     return enc.eval()
