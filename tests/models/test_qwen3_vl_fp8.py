@@ -273,6 +273,42 @@ def test_a_tower_stored_fp8_is_dequantized_at_load(fp8_vl, moe):
     assert tokens == ref_tokens and logprobs == ref_logprobs
 
 
+def test_moe_experts_kept_e4m3_under_their_names(tmp_path, monkeypatch):
+    """FLASHPAGE_FP8_MOE=kernel (kept on any device; the CPU's torch paths dequantize per
+    call): a Qwen3-VL-MoE whose hidden and expert sizes are whole 128-blocks keeps every
+    MoE layer's experts in e4m3, each expert's rows the file's
+    ``model.language_model.layers.{i}.mlp.experts.{e}.*`` values and tiles to the bit;
+    inspect counts them as held; the tokens equal the dequantized twin's."""
+    from safetensors.torch import load_file
+
+    from flashpage.inspect import inspect_config
+    from flashpage.layers.moe import FusedExperts
+
+    src = build_tiny_qwen3_vl(tmp_path / "src", text=dict(hidden_size=128, moe_intermediate_size=128),
+                              moe=True)
+    build_fp8_qwen3_vl(src, tmp_path / "fp8", tmp_path / "ref", block=(128, 128))
+    monkeypatch.setenv("FLASHPAGE_FP8_MOE", "kernel")
+    llm = LLM(str(tmp_path / "fp8"), dtype="float32", device="cpu", block_size=8,
+              attention_backend="torch_native")
+    layers = [(n, m) for n, m in llm.engine.model.named_modules() if isinstance(m, FusedExperts)]
+    assert [n for n, _ in layers] == ["model.layers.0.mlp.experts", "model.layers.2.mlp.experts"]
+    assert all(m.fp8 for _, m in layers)
+    file = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    for path, m in layers:
+        for e in range(4):
+            p = path.replace("model.", "model.language_model.", 1) + f".{e}."
+            want = torch.cat([file[p + "gate_proj.weight"], file[p + "up_proj.weight"]])
+            assert torch.equal(m.gate_up_proj[e].view(torch.uint8), want.view(torch.uint8))
+            assert torch.equal(m.down_proj_scale[e], file[p + "down_proj.weight_scale_inv"])
+    info = inspect_config(ModelConfig.from_hf(tmp_path / "fp8"), 1 << 30, "fp32")
+    assert info["fp8_experts_kept"]
+    del llm
+    gc.collect()
+    tokens, logprobs, _, _ = _run(tmp_path / "fp8")
+    ref_tokens, ref_logprobs, _, _ = _run(tmp_path / "ref")
+    assert tokens == ref_tokens and logprobs == ref_logprobs
+
+
 def test_inspect_counts_what_loading_keeps(fp8_vl):
     from flashpage.bench.common import weight_bytes
     from flashpage.inspect import inspect_config
