@@ -33,6 +33,12 @@ head, MLA's kv_b_proj, the other MoE experts) is dequantized to the model's dtyp
 the file holds in 16 bits (the config's ignore list) stay so, with ``quantization="fp8"``
 too.
 
+A multimodal checkpoint's (Qwen3-VL / Qwen3-VL-MoE: config._vl_checkpoint_quantization)
+weights are matched to the text model's linears and experts under their names as the text
+model's (``model.language_model.`` -> ``model.``: multimodal.text_model_name); its tower's
+e4m3 weights are left out of that stream and read by the image encoder's own pass
+(``fp8_tower_weights``: dequantized, as our tower has no fp8 path).
+
 Not read: ``input_scale`` (static activation scales): activations are quantized per token
 at run time (W8A8 on the GPU), each token's scale from its own amax, which never clips
 and rounds no coarser than one calibrated scale for all tokens; ``k_scale`` / ``v_scale``

@@ -76,12 +76,14 @@ def _is_tower_linear(name: str, w: torch.Tensor) -> bool:
 
 
 def build_fp8_qwen3_vl(src: Path, dst: Path, ref: Path, block=(32, 32), tower_fp8=False,
-                       ignore=("model.language_model.layers.1.mlp.down_proj",)) -> dict[str, str]:
+                       ignore=("model.language_model.layers.1.mlp.down_proj",),
+                       scale_dtype=torch.float32) -> dict[str, str]:
     """``dst``: ``src`` (a tiny Qwen3-VL, dense or MoE) as Qwen's fp8 checkpoints are: the
     language model's linears (and each routed expert's) e4m3 with weight_scale_inv tiles of
     ``block``, its embeddings, LM head, routers and ``ignore`` 16-bit, the tower 16-bit (or
-    its linears fp8 too: ``tower_fp8``); ``ref``: the same weights dequantized, fp32, no
-    quantization_config. -> {weight: "fp8" / "16-bit"} for the linears."""
+    its linears fp8 too: ``tower_fp8``), the scales stored in ``scale_dtype`` (bf16 in some
+    of Qwen's releases); ``ref``: the same weights dequantized (e4m3 value x the stored
+    scale), fp32, no quantization_config. -> {weight: "fp8" / "16-bit"} for the linears."""
     tensors = load_file(str(src / "model.safetensors"))
     split_experts(tensors)
     out: dict[str, torch.Tensor] = {}
@@ -97,6 +99,7 @@ def build_fp8_qwen3_vl(src: Path, dst: Path, ref: Path, block=(32, 32), tower_fp
                 stored[name] = "16-bit"
             continue
         q, s = quantize_block(w, block)
+        s = s.to(scale_dtype)
         out[name], out[module + ".weight_scale_inv"] = q, s
         deq[name] = dequantize(q, s, block)
         stored[name] = "fp8"
@@ -119,18 +122,21 @@ def build_fp8_qwen3_vl(src: Path, dst: Path, ref: Path, block=(32, 32), tower_fp
 
 @pytest.fixture(scope="module")
 def fp8_vl(tmp_path_factory):
-    """(moe, block, tower_fp8) -> (fp8 folder, twin folder, {weight: stored as}), built once."""
+    """(moe, block, tower_fp8) -> (fp8 folder, twin folder, {weight: stored as}), built once;
+    blocks of 128 (the published form) with bf16 scales, others fp32 ones."""
     cache: dict = {}
     srcs: dict = {}
 
     def get(moe: bool, block=(32, 32), tower_fp8=False):
         key = (moe, tuple(block), tower_fp8)
+        scale_dtype = torch.bfloat16 if tuple(block) == (128, 128) else torch.float32
         if key not in cache:
             if moe not in srcs:
                 srcs[moe] = build_tiny_qwen3_vl(tmp_path_factory.mktemp("src"), moe=moe)
             root = tmp_path_factory.mktemp(f"fp8_{'moe' if moe else 'dense'}")
             cache[key] = (root / "fp8", root / "ref",
-                          build_fp8_qwen3_vl(srcs[moe], root / "fp8", root / "ref", block, tower_fp8))
+                          build_fp8_qwen3_vl(srcs[moe], root / "fp8", root / "ref", block, tower_fp8,
+                                             scale_dtype=scale_dtype))
         return cache[key]
 
     return get
