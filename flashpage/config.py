@@ -1877,9 +1877,10 @@ def _text_config_of(d: dict[str, Any], arch: str, where: str) -> tuple[dict[str,
     ``text_config`` with its class's defaults under it and the whole model's fields
     (_TOP_LEVEL_FIELDS) over it, its ``architectures`` the text family's; and the ``where``
     its errors name. The vision config is not read. A quantized checkpoint
-    (quantization_config) is a ConfigError: fp8 ones are read for Qwen3-VL alone
-    (_vl_checkpoint_quantization), whose towers' weights we know to be left 16-bit or
-    dequantized at load; these families' towers and projectors have no fp8 reader."""
+    (quantization_config) is a ConfigError: fp8 ones are read for the Qwen-VL families alone
+    (_vl_checkpoint_quantization), whose towers' weights are left 16-bit or dequantized at
+    load (models/qwen2_vl.load_image_encoder); these families' towers and projectors have
+    no fp8 reader."""
     model_types, default_type, _ = MULTIMODAL_TEXT_ARCHITECTURES[arch]
     tc = d.get("text_config")
     if not isinstance(tc, dict):
@@ -1891,9 +1892,9 @@ def _text_config_of(d: dict[str, Any], arch: str, where: str) -> tuple[dict[str,
                           f"{arch} (supported: {', '.join(model_types)})")
     if d.get("quantization_config") is not None or tc.get("quantization_config") is not None:
         raise ConfigError(f"{where}: quantized {arch} checkpoints (quantization_config) are not "
-                          "read yet (fp8 ones are for Qwen3-VL and Qwen3-VL-MoE); the 16-bit "
-                          "checkpoint is, and --quantization fp8 / int4 quantizes its text "
-                          "model at load")
+                          "read yet (fp8 ones are for the Qwen-VL families: Qwen2-VL, Qwen2.5-VL, "
+                          "Qwen3-VL, Qwen3-VL-MoE); the 16-bit checkpoint is, and --quantization "
+                          "fp8 / int4 quantizes its text model at load")
     text = {**_TEXT_CONFIG_DEFAULTS[text_type], **tc, "model_type": text_type,
             "architectures": [_MODEL_TYPE_TO_ARCH[text_type]]}
     for key in _TOP_LEVEL_FIELDS:
@@ -2234,17 +2235,12 @@ _IGNORE_KEYS = ("modules_to_not_convert", "ignored_layers", "ignore")
 
 def _vl_checkpoint_quantization(qc: Any, arch: str, where: str) -> dict[str, Any]:
     """A Qwen-VL checkpoint's ``quantization_config`` as its text model's: fp8 ones
-    (FP8_CHECKPOINT_METHODS) of Qwen3-VL / Qwen3-VL-MoE, their ignore lists' language-model
-    names also written as the text model's (``model.language_model.layers.0.mlp.gate`` ->
+    (FP8_CHECKPOINT_METHODS; Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE), their ignore
+    lists' language-model names also written as the text model's (``model.language_model.layers.0.mlp.gate`` ->
     ``model.layers.0.mlp.gate``; "re:" patterns too); the tower's entries stay as written
     (its weights are read by models/qwen2_vl.load_image_encoder, e4m3 ones dequantized:
     models/fp8_checkpoint.fp8_tower_weights). Anything else is a ConfigError."""
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if arch not in QWEN3_VL_ARCHITECTURES:
-        raise ConfigError(f"{where}: quantized {arch} checkpoints (quantization_config, "
-                          f"quant_method {method!r}) are not read yet (fp8 ones are for Qwen3-VL and "
-                          "Qwen3-VL-MoE); the 16-bit checkpoint is, and --quantization fp8 / "
-                          "int4 quantizes its text model at load")
     if method not in FP8_CHECKPOINT_METHODS:
         raise ConfigError(f"{where}: {arch} checkpoints quantized with {method!r} are not read "
                           f"(fp8 ones are: quant_method {', '.join(FP8_CHECKPOINT_METHODS)}); "

@@ -66,12 +66,13 @@ def split_experts(t: dict[str, torch.Tensor]) -> None:
 
 
 def _is_text_linear(name: str, w: torch.Tensor) -> bool:
-    return (name.startswith("model.language_model.layers.") and name.endswith("_proj.weight")
-            and w.dim() == 2)
+    """(transformers 5's names, or the flat ones it writes for Qwen2-VL / Qwen2.5-VL)"""
+    return (name.startswith(("model.language_model.layers.", "model.layers."))
+            and name.endswith("_proj.weight") and w.dim() == 2)
 
 
 def _is_tower_linear(name: str, w: torch.Tensor) -> bool:
-    return name.startswith("model.visual.") and name.endswith(".weight") and w.dim() == 2 \
+    return name.startswith(("model.visual.", "visual.")) and name.endswith(".weight") and w.dim() == 2 \
         and "norm" not in name and "pos_embed" not in name
 
 
@@ -86,6 +87,8 @@ def build_fp8_qwen3_vl(src: Path, dst: Path, ref: Path, block=(32, 32), tower_fp
     scale), fp32, no quantization_config. -> {weight: "fp8" / "16-bit"} for the linears."""
     tensors = load_file(str(src / "model.safetensors"))
     split_experts(tensors)
+    if not any(n.startswith("model.language_model.") for n in tensors):  # the flat layout
+        ignore = tuple(e.replace("model.language_model.", "model.") for e in ignore)
     out: dict[str, torch.Tensor] = {}
     deq: dict[str, torch.Tensor] = {}
     stored: dict[str, str] = {}
@@ -107,8 +110,9 @@ def build_fp8_qwen3_vl(src: Path, dst: Path, ref: Path, block=(32, 32), tower_fp
     layers = cfg["text_config"]["num_hidden_layers"]
     qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
           "weight_block_size": list(block),
-          "modules_to_not_convert": ["lm_head", *([] if tower_fp8 else ["model.visual"]), *ignore,
-                                     *[f"model.language_model.layers.{i}.mlp.gate" for i in range(layers)]]}
+          "modules_to_not_convert": ["lm_head", *([] if tower_fp8 else ["model.visual", "visual"]),
+                                     *ignore, *[f"model.language_model.layers.{i}.mlp.gate"
+                                                for i in range(layers)]]}
     for folder, data, quant in ((dst, out, True), (ref, deq, False)):
         folder.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
@@ -182,7 +186,7 @@ def _expected_kept(stored: dict[str, str]) -> list[str]:
               "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
     ours: dict[str, bool] = {}
     for name, how in stored.items():
-        if ".experts." in name or not name.startswith("model.language_model."):
+        if ".experts." in name or not name.startswith(("model.language_model.", "model.layers.")):
             continue
         module = name.removesuffix(".weight").replace("model.language_model.", "model.")
         parent, _, leaf = module.rpartition(".")
@@ -228,16 +232,11 @@ def test_unread_quantized_vlms_are_named(fp8_vl):
     with pytest.raises(ConfigError, match=r"Qwen3VLForConditionalGeneration checkpoints quantized "
                                           r"with 'awq' are not read \(fp8 ones are"):
         ModelConfig.from_hf(dict(d, quantization_config=awq))
-    qwen25 = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
-              "quantization_config": d["quantization_config"]}
-    with pytest.raises(ConfigError, match=r"quantized Qwen2_5_VLForConditionalGeneration checkpoints "
-                                          r"\(quantization_config, quant_method 'fp8'\) are not read yet \(fp8 ones "
-                                          r"are for Qwen3-VL and Qwen3-VL-MoE\)"):
-        ModelConfig.from_hf(qwen25)
     for arch, text in (("Gemma3ForConditionalGeneration", "gemma3_text"),
-                       ("LlavaForConditionalGeneration", "llama")):
+                       ("LlavaForConditionalGeneration", "llama"),
+                       ("Mistral3ForConditionalGeneration", "mistral")):
         with pytest.raises(ConfigError, match=rf"quantized {arch} checkpoints \(quantization_config\) "
-                                              r"are not read yet \(fp8 ones are for Qwen3-VL"):
+                                              r"are not read yet \(fp8 ones are for the Qwen-VL families"):
             ModelConfig.from_hf({"architectures": [arch], "text_config": {"model_type": text},
                                  "quantization_config": d["quantization_config"]})
 
@@ -312,6 +311,23 @@ def test_moe_experts_kept_e4m3_under_their_names(tmp_path, monkeypatch):
     gc.collect()
     tokens, logprobs, _, _ = _run(tmp_path / "fp8")
     ref_tokens, ref_logprobs, _, _ = _run(tmp_path / "ref")
+    assert tokens == ref_tokens and logprobs == ref_logprobs
+
+
+@pytest.mark.parametrize("variant", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen2_vl_families_read_the_same(tmp_path, variant):
+    """Qwen2-VL / Qwen2.5-VL fp8 checkpoints go the same way (their towers' linears stored
+    fp8 here, dequantized at load; Qwen2.5-VL's gated MLP and window blocks included): the
+    twin's tokens, log-probabilities and tower to the bit, the text linears kept e4m3."""
+    from tests.qwen2_vl_checkpoint import build_tiny_qwen2_vl
+
+    src = build_tiny_qwen2_vl(tmp_path / "src", variant)
+    stored = build_fp8_qwen3_vl(src, tmp_path / "fp8", tmp_path / "ref", tower_fp8=True)
+    assert ModelConfig.from_hf(tmp_path / "fp8").multimodal_architecture.startswith("Qwen2")
+    tokens, logprobs, kept, tower = _run(tmp_path / "fp8")
+    ref_tokens, ref_logprobs, _, ref_tower = _run(tmp_path / "ref")
+    assert kept == _expected_kept(stored) and kept
+    assert tower.keys() == ref_tower.keys() and all(torch.equal(tower[k], ref_tower[k]) for k in tower)
     assert tokens == ref_tokens and logprobs == ref_logprobs
 
 
