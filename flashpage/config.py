@@ -1904,8 +1904,10 @@ def _text_config_of(d: dict[str, Any], arch: str, where: str) -> tuple[dict[str,
     ``text_config`` with its class's defaults under it and the whole model's fields
     (_TOP_LEVEL_FIELDS) over it, its ``architectures`` the text family's; and the ``where``
     its errors name. The vision config is not read. A quantized checkpoint
-    (quantization_config) is a ConfigError: its module names carry the wrapper's prefixes,
-    which models/fp8_checkpoint.py and int4_checkpoint.py do not map."""
+    (quantization_config) is a ConfigError: fp8 ones are read for the Qwen-VL families alone
+    (_vl_checkpoint_quantization), whose towers' weights are left 16-bit or dequantized at
+    load (models/qwen2_vl.load_image_encoder); these families' towers and projectors have
+    no fp8 reader."""
     model_types, default_type, _ = MULTIMODAL_TEXT_ARCHITECTURES[arch]
     key = "llm_config" if arch == "InternVLChatModel" else "text_config"  # OpenGVLab's remote-code name
     tc = d.get(key)
@@ -1918,8 +1920,9 @@ def _text_config_of(d: dict[str, Any], arch: str, where: str) -> tuple[dict[str,
                           f"{arch} (supported: {', '.join(model_types)})")
     if d.get("quantization_config") is not None or tc.get("quantization_config") is not None:
         raise ConfigError(f"{where}: quantized {arch} checkpoints (quantization_config) are not "
-                          "read yet; the 16-bit checkpoint is, and --quantization fp8 / int4 "
-                          "quantizes its text model at load")
+                          "read yet (fp8 ones are for the Qwen-VL families: Qwen2-VL, Qwen2.5-VL, "
+                          "Qwen3-VL, Qwen3-VL-MoE); the 16-bit checkpoint is, and --quantization "
+                          "fp8 / int4 quantizes its text model at load")
     text = {**_TEXT_CONFIG_DEFAULTS[text_type], **tc, "model_type": text_type,
             "architectures": [_MODEL_TYPE_TO_ARCH[text_type]]}
     for top in _TOP_LEVEL_FIELDS:
@@ -2253,6 +2256,45 @@ def _positive_ints(v: Any, key: str, where: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+# A multimodal checkpoint's language-model prefixes (models/multimodal._TEXT_PREFIXES) as
+# the text model's module names: what its quantization_config's ignore list is matched on
+_VL_IGNORE_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.lm_head", "lm_head"))
+_IGNORE_KEYS = ("modules_to_not_convert", "ignored_layers", "ignore")
+
+
+def _vl_checkpoint_quantization(qc: Any, arch: str, where: str) -> dict[str, Any]:
+    """A Qwen-VL checkpoint's ``quantization_config`` as its text model's: fp8 ones
+    (FP8_CHECKPOINT_METHODS; Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE), their ignore
+    lists' language-model names also written as the text model's (``model.language_model.layers.0.mlp.gate`` ->
+    ``model.layers.0.mlp.gate``; "re:" patterns too); the tower's entries stay as written
+    (its weights are read by models/qwen2_vl.load_image_encoder, e4m3 ones dequantized:
+    models/fp8_checkpoint.fp8_tower_weights). Anything else is a ConfigError."""
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in FP8_CHECKPOINT_METHODS:
+        raise ConfigError(f"{where}: {arch} checkpoints quantized with {method!r} are not read "
+                          f"(fp8 ones are: quant_method {', '.join(FP8_CHECKPOINT_METHODS)}); "
+                          "the 16-bit checkpoint is, and --quantization fp8 / int4 quantizes "
+                          "its text model at load")
+    out = dict(qc)
+    for key in _IGNORE_KEYS:
+        entries = out.get(key)
+        if not isinstance(entries, list):
+            continue  # (CheckpointQuantization.from_dict names a malformed one)
+        extra = []
+        for e in entries:
+            if not isinstance(e, str):
+                continue
+            body, pre = (e[3:], "re:") if e.startswith("re:") else (e, "")
+            for theirs, ours in _VL_IGNORE_PREFIXES:
+                for t, o in ((theirs, ours), (re.escape(theirs), re.escape(ours))) if pre else \
+                        ((theirs, ours),):
+                    if body.startswith(t):
+                        extra.append(pre + o + body[len(t):])
+        out[key] = list(dict.fromkeys([*entries, *extra]))
+    return out
+
+
 def _qwen_vl_text_config(d: dict[str, Any], arch: str, where: str
                          ) -> tuple[dict[str, Any], str, tuple[int, ...]]:
     """A Qwen2-VL / Qwen2.5-VL checkpoint's text model as a Qwen2 config (text_config, or
@@ -2274,10 +2316,10 @@ def _qwen_vl_text_config(d: dict[str, Any], arch: str, where: str
     if text_type not in model_types:
         raise ConfigError(f"{where}: text_config.model_type {text_type!r} is not supported in "
                           f"{arch} (supported: {', '.join(model_types)})")
-    if d.get("quantization_config") is not None or tc.get("quantization_config") is not None:
-        raise ConfigError(f"{where}: quantized {arch} checkpoints (quantization_config) are not "
-                          "read yet; the 16-bit checkpoint is, and --quantization fp8 / int4 "
-                          "quantizes its text model at load")
+    qc = d.get("quantization_config") if d.get("quantization_config") is not None else \
+        tc.get("quantization_config")
+    if qc is not None:
+        qc = _vl_checkpoint_quantization(qc, arch, where)
     rope = tc.get("rope_scaling") or tc.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{text_where}: rope_scaling must be an object, got {rope!r}")
@@ -2299,6 +2341,9 @@ def _qwen_vl_text_config(d: dict[str, Any], arch: str, where: str
             "model_type": family, "architectures": [_MODEL_TYPE_TO_ARCH[family]], "rope_theta": theta}
     if moe:
         text["norm_topk_prob"] = True
+    text.pop("quantization_config", None)
+    if qc is not None:
+        text["quantization_config"] = qc
     for key in _TOP_LEVEL_FIELDS:
         if d.get(key) is not None:
             text[key] = d[key]

@@ -33,6 +33,12 @@ head, MLA's kv_b_proj, the other MoE experts) is dequantized to the model's dtyp
 the file holds in 16 bits (the config's ignore list) stay so, with ``quantization="fp8"``
 too.
 
+A multimodal checkpoint's (Qwen3-VL / Qwen3-VL-MoE: config._vl_checkpoint_quantization)
+weights are matched to the text model's linears and experts under their names as the text
+model's (``model.language_model.`` -> ``model.``: multimodal.text_model_name); its tower's
+e4m3 weights are left out of that stream and read by the image encoder's own pass
+(``fp8_tower_weights``: dequantized, as our tower has no fp8 path).
+
 Not read: ``input_scale`` (static activation scales): activations are quantized per token
 at run time (W8A8 on the GPU), each token's scale from its own amax, which never clips
 and rounds no coarser than one calibrated scale for all tokens; ``k_scale`` / ``v_scale``
@@ -43,7 +49,7 @@ as zeros (a non-zero one is an error).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -137,10 +143,12 @@ def linears_of(model: nn.Module, keys: dict[str, str]
 
 
 def hold_fp8_experts(model: nn.Module, fp8: dict[str, _Fp8Tensor],
-                     qc: CheckpointQuantization) -> set[str]:
+                     qc: CheckpointQuantization,
+                     ours: Callable[[str], str | None] = lambda n: n) -> set[str]:
     """Turn the routed experts that can keep the file's block-fp8 weights to hold them
-    (FusedExperts.hold_fp8); returns their weights' names (each loads as stored, with its
-    tile scales)."""
+    (FusedExperts.hold_fp8); returns their weights' names in the file (each loads as
+    stored, with its tile scales). ``ours``: a file name as the model's (None: not the
+    model's; a multimodal checkpoint's tower)."""
     from flashpage.kernels.fp8_block_ref import EXPERT_BLOCK
     from flashpage.layers.moe import EXPERT_NAME, FusedExperts
 
@@ -148,7 +156,8 @@ def hold_fp8_experts(model: nn.Module, fp8: dict[str, _Fp8Tensor],
         return set()
     groups: dict[str, list[str]] = {}
     for name in fp8:
-        if (m := EXPERT_NAME.match(name)) is not None and m["kind"] == "weight":
+        mine = ours(name)
+        if mine is not None and (m := EXPERT_NAME.match(mine)) is not None and m["kind"] == "weight":
             groups.setdefault(m["prefix"], []).append(name)
     held: set[str] = set()
     left: list[str] = []
@@ -174,28 +183,31 @@ def hold_fp8_experts(model: nn.Module, fp8: dict[str, _Fp8Tensor],
     return held
 
 
-def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig, folder: str,
-                           keep_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Prepare ``model`` for the fp8 checkpoint in ``folder`` and return its weights as
-    ``load_weights`` takes them: the linears that keep e4m3 are turned to hold it now (an
-    e4m3 ``weight`` and an fp32 ``weight_scale`` [N], or [N/bn, K/bk] for block scales, to
-    fill), and each of their weights comes as (``X.weight`` e4m3, ``X.weight_scale`` fp32
-    [rows] or the file's tiles); every other e4m3 weight
-    comes dequantized (fp32), every other tensor as stored, the unused scales not at all.
-    ``keep_experts``: block-fp8 routed experts that can are kept too (hold_fp8_experts), each
-    expert's weight coming as stored with its ``X.weight_scale`` tiles.
-    Shapes, scales and dtypes are checked from the files' headers before anything loads."""
+def _model_names(config: ModelConfig) -> Callable[[str], str | None]:
+    """A checkpoint tensor's name as the model's: a multimodal checkpoint's language model's
+    renamed (models/multimodal.text_model_name; None for its tower's), else as it is."""
+    if not config.multimodal_architecture:
+        return lambda n: n
+    from flashpage.models.multimodal import text_model_name
+
+    return lambda n: text_model_name(n, config)
+
+
+def _fp8_tensors(folder: str, files: list[str], keep: Callable[[str], bool] | None = None
+                 ) -> tuple[dict[str, tuple[str, str, tuple[int, ...]]], dict[str, _Fp8Tensor]]:
+    """The files' headers ({name: (file, dtype, shape)}) and their e4m3 weights with the
+    name of each one's scale, of the tensors ``keep`` takes (all by default); a
+    ModelLoadError names an fp8 tensor we cannot read (e5m2, not a ``.weight``, not 2-D,
+    with no scale or two)."""
     from safetensors import safe_open
 
-    qc = config.quantization_config
-    assert qc is not None
-    files = safetensors_files(folder)
-    header: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # name -> (file, dtype, shape)
+    header: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                sl = f.get_slice(name)
-                header[name] = (path, sl.get_dtype(), tuple(sl.get_shape()))
+                if keep is None or keep(name):
+                    sl = f.get_slice(name)
+                    header[name] = (path, sl.get_dtype(), tuple(sl.get_shape()))
     fp8: dict[str, _Fp8Tensor] = {}
     for name, (_, dtype, shape) in header.items():
         if dtype == "F8_E5M2" or (dtype == "F8_E4M3" and not name.endswith(".weight")):
@@ -212,22 +224,81 @@ def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig, folder: str,
                                  f"{'no scale' if not found else 'two scales'} "
                                  f"({name}_scale or {name}_scale_inv)")
         fp8[name] = _Fp8Tensor(found[0], shape)
-    if not fp8:
-        raise ModelLoadError(f"{folder}: config.json has a quantization_config ({qc.method}) "
-                             "but no tensor is float8_e4m3fn")
+    return header, fp8
+
+
+def _read_scales(files: list[str], header: dict[str, tuple[str, str, tuple[int, ...]]],
+                 fp8: dict[str, _Fp8Tensor]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
     scales: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
             for t in fp8.values():
                 if header[t.scale_name][0] == path:
                     scales[t.scale_name] = f.get_tensor(t.scale_name)
+    return scales
+
+
+def fp8_tower_weights(folder: str, qc: CheckpointQuantization, keep: Callable[[str], bool]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors ``keep`` takes of an fp8 checkpoint (a Qwen3-VL's vision tower:
+    models/qwen2_vl.load_image_encoder) as 16/32-bit ones: each e4m3 ``X.weight``
+    dequantized (scale * value, fp32, its scale per tensor, row or tile as ``qc`` says),
+    its scale and the unused activation scales not at all, every other tensor as stored.
+    The published checkpoints leave their towers 16-bit (modules_to_not_convert /
+    ignore); one that quantizes a tower's linears is read as the same model dequantized,
+    which our tower's 16-bit linears run (the tower is a small part of the model's weights
+    and of a request's work)."""
+    files = safetensors_files(folder)
+    header, fp8 = _fp8_tensors(folder, files, keep)
+    scales = _read_scales(files, header, fp8)
+    rows = {name: row_scales(name, t.shape, scales[t.scale_name], qc) for name, t in fp8.items()}
+    if fp8:
+        logger.info("fp8 checkpoint: %d vision tower weights stored in e4m3, dequantized at "
+                    "load (%s%s)", len(fp8), ", ".join(sorted(fp8)[:2]), " ..." if len(fp8) > 2 else "")
+    skip = {n for n in header if n.endswith(UNUSED_SUFFIXES)} | {t.scale_name for t in fp8.values()}
+    return _stream([f for f in files if any(h[0] == f for h in header.values())], skip, fp8,
+                   set(), rows, scales, qc.block_size, keep)
+
+
+def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig, folder: str,
+                           keep_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Prepare ``model`` for the fp8 checkpoint in ``folder`` and return its weights as
+    ``load_weights`` takes them: the linears that keep e4m3 are turned to hold it now (an
+    e4m3 ``weight`` and an fp32 ``weight_scale`` [N], or [N/bn, K/bk] for block scales, to
+    fill), and each of their weights comes as (``X.weight`` e4m3, ``X.weight_scale`` fp32
+    [rows] or the file's tiles); every other e4m3 weight
+    comes dequantized (fp32), every other tensor as stored, the unused scales not at all.
+    ``keep_experts``: block-fp8 routed experts that can are kept too (hold_fp8_experts), each
+    expert's weight coming as stored with its ``X.weight_scale`` tiles.
+    Shapes, scales and dtypes are checked from the files' headers before anything loads."""
+    qc = config.quantization_config
+    assert qc is not None
+    files = safetensors_files(folder)
+    ours = _model_names(config)
+    header, fp8 = _fp8_tensors(folder, files)
+    if not fp8:
+        raise ModelLoadError(f"{folder}: config.json has a quantization_config ({qc.method}) "
+                             "but no tensor is float8_e4m3fn")
+    # a multimodal checkpoint's tower (not the text model's): read by its image encoder's
+    # own pass (fp8_tower_weights), left out of this one
+    tower: set[str] = set()
+    if config.multimodal_architecture:
+        from flashpage.models.multimodal import vision_prefixes
+
+        tower = {n for n in fp8 if n.startswith(vision_prefixes(config))}
+    for n in tower:
+        del fp8[n]
+    scales = _read_scales(files, header, fp8)
     rows = {name: row_scales(name, t.shape, scales[t.scale_name], qc) for name, t in fp8.items()}
 
     # Which of our linears keep e4m3: all their pieces in the file e4m3 with row scales, or
     # with block scales that stack (block_unsupported).
     kept: set[str] = set()
     unstacked: list[str] = []
-    linears = linears_of(model, {n: n[:-7] for n in header if n.endswith(".weight")})
+    linears = linears_of(model, {n: mine[:-7] for n in header if n.endswith(".weight")
+                                 and (mine := ours(n)) is not None})
     for path, (m, names) in linears.items():
         if not all(n in fp8 for n in names):
             m.quantizable = False  # (partly) left 16-bit by the checkpoint: quantization="fp8" too
@@ -241,14 +312,14 @@ def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig, folder: str,
             why = qc.block_unsupported([(n[:-7], fp8[n].shape[0]) for n in names])
             hook = getattr(model, "fp8_block_unsupported", None)  # GPT-NeoX's regrouped rows
             if why is None and callable(hook):
-                why = hook(names[0][:-7], qc.block_size)
+                why = hook(str(ours(names[0]))[:-7], qc.block_size)
             if why is None:
                 m.hold_fp8(qc.block_size)
                 kept.update(names)
             else:
                 unstacked.append(f"{path} ({why})")
     if keep_experts:
-        kept.update(hold_fp8_experts(model, fp8, qc))
+        kept.update(hold_fp8_experts(model, fp8, qc, ours))
     if unstacked:
         logger.warning("fp8 checkpoint: %d linears dequantized to 16 bits instead of kept in e4m3 "
                        "with their block scales: %s%s", len(unstacked), unstacked[0],
@@ -264,20 +335,22 @@ def fp8_checkpoint_weights(model: nn.Module, config: ModelConfig, folder: str,
     if unused:
         logger.info("fp8 checkpoint: %d static activation / KV scales not used (activations are "
                     "quantized per token at run time)", len(unused))
-    skip = set(unused) | {t.scale_name for t in fp8.values()}
+    skip = set(unused) | {t.scale_name for t in fp8.values()} | tower | {
+        header_scale for n in tower for header_scale in (n + "_scale", n + "_scale_inv")}
     return _stream(files, skip, fp8, kept, rows, scales, qc.block_size)
 
 
 def _stream(files: list[str], skip: set[str], fp8: dict[str, _Fp8Tensor], kept: set[str],
             rows: dict[str, torch.Tensor | None], scales: dict[str, torch.Tensor],
-            block: tuple[int, int] | None) -> Iterator[tuple[str, torch.Tensor]]:
+            block: tuple[int, int] | None, keep: Callable[[str], bool] | None = None
+            ) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
     for path in files:
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118
-                    if name in skip:
+                    if name in skip or (keep is not None and not keep(name)):
                         continue
                     t = f.get_tensor(name)
                     if name.endswith("_zero_point"):  # symmetric checkpoints may store zeros

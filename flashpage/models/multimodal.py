@@ -106,6 +106,18 @@ def vision_prefixes(config: ModelConfig) -> tuple[str, ...]:
     return tuple(f"{m}." for m in mods) + tuple(f"model.{m}." for m in mods)
 
 
+def text_model_name(name: str, config: ModelConfig) -> str | None:
+    """A multimodal checkpoint's tensor ``name`` as the text model's (``text_model_weights``'
+    renaming); None for a vision module's or any other (models/fp8_checkpoint.py matches
+    the file's fp8 weights to our linears by it)."""
+    if name.startswith(vision_prefixes(config)):
+        return None
+    for prefix, ours in _TEXT_PREFIXES + _BARE_PREFIXES.get(config.multimodal_architecture, ()):
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    return None
+
+
 def text_model_weights(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig,
                        where: str) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` (a multimodal checkpoint's tensors) as the text model's: the language

@@ -756,7 +756,16 @@ def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.de
                     p.zero_()
     else:
         assert source.path is not None
-        enc.load_weights(iter_safetensors(source.path, "cpu", keep=lambda n: n.startswith(IMAGE_PREFIXES)),
-                         source.path)
+        def keep(n: str) -> bool:
+            return n.startswith(IMAGE_PREFIXES)
+
+        qc = source.config.quantization_config
+        if qc is not None:  # an fp8 checkpoint's (Qwen3-VL's): e4m3 tower weights dequantized
+            from flashpage.models.fp8_checkpoint import fp8_tower_weights
+
+            weights = fp8_tower_weights(source.path, qc, keep)
+        else:
+            weights = iter_safetensors(source.path, "cpu", keep=keep)
+        enc.load_weights(weights, source.path)
     enc.fuse()
     return enc.eval()
