@@ -7,6 +7,8 @@
 #   BUDGET=580 bash benchmarks/gpu_s35.sh b   the GPU tests of CTESTS (merged Qwen3-VL-MoE / video, InternVL),
 #                                             vlm.py on InternVL3-2B and Qwen3-VL-30B-A3B, the encoder
 #                                             cache against none, Gemma-3-4B text throughput's steps
+#   BUDGET=400 bash benchmarks/gpu_s35.sh c   the GPU tests of CTESTS (Qwen3-VL fp8), InternVL3-2B's tower
+#                                             and requests beside transformers' again (fused qkv)
 # Results under $OUT (summaries only); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -48,5 +50,10 @@ b)
     --input-len 256 512 --output-len 128 256 --json-out "$OUT/throughput_gemma3.json" > /tmp/tp_gemma3.txt 2>&1
   tp_summary "$OUT/throughput_gemma3.json" gemma-3-4b-it
   echo "part b done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-b)"; exit 2 ;;
+c)
+  tests 200
+  timeout "$(left 150)" python3 benchmarks/vlm.py --config internvl3-2b-hf --json-out "$OUT/vlm_internvl.json" 2>&1 \
+    | grep -v "^INFO" | grep -v -i warn | tail -n 6
+  echo "part c done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-c)"; exit 2 ;;
 esac
