@@ -410,6 +410,12 @@ def test_fp8_qwen3_vl_bf16_on_the_gpu(tmp_path, moe):
     prompts = _cases(base.engine.mm_encoder, 6)
     outs = base.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
                                                  logprobs=2), use_tqdm=False)
+    # a random model may generate a vision token, which fed back as prompt text would ask for
+    # an image it has not got (run 248: the engine refused it by name): those cases left out
+    avoid = base.engine.placeholder_token_ids()
+    keep = [i for i, o in enumerate(outs) if not avoid & set(o.outputs[0].token_ids)]
+    assert len(keep) >= 4
+    prompts, outs = [prompts[i] for i in keep], [outs[i] for i in keep]
     margins = torch.tensor([lp.top[0][1] - lp.top[1][1] for o in outs for lp in o.outputs[0].logprobs])
     full = [dict(p, prompt_token_ids=o.prompt_token_ids + o.outputs[0].token_ids)
             for p, o in zip(prompts, outs, strict=True)]
