@@ -286,22 +286,13 @@ def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.de
                        seed: int = 0) -> Gemma3ImageEncoder:
     """``source``'s image encoder in ``dtype`` on ``device``: its checkpoint's tensors, or
     random ones (a random_config source)."""
-    from flashpage.models.loader import init_random_, iter_safetensors
+    from flashpage.models.multimodal import build_image_encoder
 
     vc = source.config.vision
     assert isinstance(vc, Gemma3VisionConfig)
-    with torch.device(device):
-        enc = Gemma3ImageEncoder(vc, source.config.hidden_size)
-    enc.to(dtype)
+    enc = build_image_encoder(source, dtype, device, seed, lambda: Gemma3ImageEncoder(vc, source.config.hidden_size),
+                              IMAGE_PREFIXES)
     if source.kind == "random":
-        init_random_(enc, seed)
         with torch.no_grad():
-            for n, p in enc.named_parameters():
-                if "norm" in n and n.endswith(".bias"):
-                    p.zero_()
             enc.multi_modal_projector.mm_soft_emb_norm.weight.zero_()  # 1 + 0
-    else:
-        assert source.path is not None
-        enc.load_weights(iter_safetensors(source.path, "cpu", keep=lambda n: n.startswith(IMAGE_PREFIXES)),
-                         source.path)
     return enc.eval()

@@ -495,25 +495,17 @@ def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.de
                        seed: int = 0) -> InternVLImageEncoder:
     """``source``'s image encoder in ``dtype`` on ``device``: its checkpoint's tensors, or
     random ones (a random_config source)."""
-    from flashpage.models.loader import init_random_, iter_safetensors
+    from flashpage.models.multimodal import build_image_encoder
 
     vc = source.config.vision
     assert isinstance(vc, InternVLVisionConfig)
-    with torch.device(device):
-        enc = InternVLImageEncoder(vc, source.config.hidden_size)
-    enc.to(dtype)
+    enc = build_image_encoder(source, dtype, device, seed, lambda: InternVLImageEncoder(vc, source.config.hidden_size),
+                              REMOTE_PREFIXES if vc.remote else IMAGE_PREFIXES)
     if source.kind == "random":
-        init_random_(enc, seed)
         with torch.no_grad():
             for n, p in enc.named_parameters():
-                if "norm" in n and n.endswith(".bias"):
-                    p.zero_()
-                elif ".lambda_" in n:
+                if ".lambda_" in n:
                     p.fill_(0.1)  # layer_scale_init_value
-    else:
-        assert source.path is not None
-        prefixes = REMOTE_PREFIXES if vc.remote else IMAGE_PREFIXES
-        enc.load_weights(iter_safetensors(source.path, "cpu", keep=lambda n: n.startswith(prefixes)), source.path)
     for m in enc.modules():
         if isinstance(m, InternVLVisionAttention):
             m.fuse()

@@ -221,23 +221,12 @@ def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.de
                        seed: int = 0) -> LlavaImageEncoder:
     """``source``'s (loader.ModelSource) image encoder in ``dtype`` on ``device``: its
     checkpoint's tensors, or random ones (a random_config source); its class: encoder_class."""
-    from flashpage.models.loader import init_random_, iter_safetensors
+    from flashpage.models.multimodal import build_image_encoder
 
     vc = source.config.vision
     assert isinstance(vc, VisionConfig)
-    with torch.device(device):
-        enc = encoder_class(vc)(vc, source.config.hidden_size)
-    enc.to(dtype)
-    if source.kind == "random":
-        init_random_(enc, seed)
-        with torch.no_grad():  # LayerNorm biases: 0 (init_random_ fills norm weights with 1)
-            for n, p in enc.named_parameters():
-                if "norm" in n and n.endswith(".bias"):
-                    p.zero_()
-    else:
-        assert source.path is not None
-        enc.load_weights(iter_safetensors(source.path, "cpu", keep=lambda n: n.startswith(IMAGE_PREFIXES)),
-                         source.path)
+    enc = build_image_encoder(source, dtype, device, seed, lambda: encoder_class(vc)(vc, source.config.hidden_size),
+                              IMAGE_PREFIXES)
     return enc.eval()
 
 

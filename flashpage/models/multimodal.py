@@ -161,6 +161,36 @@ def qwen3_vl_moe_experts(name: str, t: torch.Tensor, config: ModelConfig) -> tor
     return t
 
 
+def build_image_encoder(source: Any, dtype: torch.dtype, device: torch.device, seed: int,
+                        make: Callable[[], torch.nn.Module], prefixes: tuple[str, ...],
+                        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+                        zero_norm_biases: bool = True) -> Any:
+    """An image encoder (``make()``, built on ``device`` and cast to ``dtype``) with
+    ``source``'s (loader.ModelSource) tensors: its checkpoint's under ``prefixes`` (or
+    ``weights`` given, e.g. dequantized ones) through the encoder's load_weights, or random
+    ones for a random_config source (init_random_, LayerNorm biases zeroed: it fills norm
+    weights with 1). In training mode still: the family finishes it (its own random
+    values, fusions) and calls eval()."""
+    from flashpage.models.loader import init_random_, iter_safetensors
+
+    with torch.device(device):
+        enc = make()
+    enc.to(dtype)
+    if source.kind == "random":
+        init_random_(enc, seed)
+        if zero_norm_biases:
+            with torch.no_grad():
+                for n, p in enc.named_parameters():
+                    if "norm" in n and n.endswith(".bias"):
+                        p.zero_()
+    else:
+        assert source.path is not None
+        if weights is None:
+            weights = iter_safetensors(source.path, "cpu", keep=lambda n: n.startswith(prefixes))
+        enc.load_weights(weights, source.path)  # type: ignore[operator]
+    return enc
+
+
 def load_image_weights(module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], where: str,
                        prefixes: Sequence[tuple[str, str]], what: str, kind: str,
                        skip: Callable[[str], bool] | None = None) -> tuple[set[str], int]:

@@ -364,7 +364,7 @@ def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.de
     tensors, or random ones for a random_config source), its break / end rows read from
     ``text_model``'s token embedding."""
     from flashpage.config import ConfigError
-    from flashpage.models.loader import init_random_, iter_safetensors
+    from flashpage.models.multimodal import build_image_encoder
 
     vc = source.config.vision
     assert isinstance(vc, PixtralVisionConfig)
@@ -373,15 +373,8 @@ def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.de
         raise ConfigError(f"{source.config.multimodal_architecture}: its text model "
                           f"({source.config.architecture}) has no model.embed_tokens, which the "
                           "image's [IMG_BREAK] / [IMG_END] rows are read from")
-    with torch.device(device):
-        enc = PixtralImageEncoder(vc, source.config.hidden_size)
-    enc.to(dtype)
-    if source.kind == "random":
-        init_random_(enc, seed)
-    else:
-        assert source.path is not None
-        enc.load_weights(iter_safetensors(source.path, "cpu", keep=lambda n: n.startswith(IMAGE_PREFIXES)),
-                         source.path)
+    enc = build_image_encoder(source, dtype, device, seed, lambda: PixtralImageEncoder(vc, source.config.hidden_size),
+                              IMAGE_PREFIXES, zero_norm_biases=False)  # RMSNorms: no biases
     enc.text_embed = lambda ids: embed(ids)  # a function, not a submodule: not the encoder's weights
     return enc.eval()
 

@@ -741,31 +741,18 @@ def load_image_encoder(source: ModelSource, dtype: torch.dtype, device: torch.de
                        seed: int = 0) -> QwenImageEncoder:
     """``source``'s image encoder in ``dtype`` on ``device``: its checkpoint's tensors, or
     random ones (a random_config source)."""
-    from flashpage.models.loader import init_random_, iter_safetensors
+    from flashpage.models.multimodal import build_image_encoder
 
     vc = source.config.vision
     assert isinstance(vc, QwenVisionConfig)
-    with torch.device(device):
-        enc = QwenImageEncoder(vc)
-    enc.to(dtype)
-    if source.kind == "random":
-        init_random_(enc, seed)
-        with torch.no_grad():
-            for n, p in enc.named_parameters():
-                if "norm" in n and n.endswith(".bias"):
-                    p.zero_()
-    else:
+    weights = None
+    qc = source.config.quantization_config
+    if source.kind != "random" and qc is not None:
+        # an fp8 checkpoint's (Qwen3-VL's): e4m3 tower weights dequantized
+        from flashpage.models.fp8_checkpoint import fp8_tower_weights
+
         assert source.path is not None
-        def keep(n: str) -> bool:
-            return n.startswith(IMAGE_PREFIXES)
-
-        qc = source.config.quantization_config
-        if qc is not None:  # an fp8 checkpoint's (Qwen3-VL's): e4m3 tower weights dequantized
-            from flashpage.models.fp8_checkpoint import fp8_tower_weights
-
-            weights = fp8_tower_weights(source.path, qc, keep)
-        else:
-            weights = iter_safetensors(source.path, "cpu", keep=keep)
-        enc.load_weights(weights, source.path)
+        weights = fp8_tower_weights(source.path, qc, lambda n: n.startswith(IMAGE_PREFIXES))
+    enc = build_image_encoder(source, dtype, device, seed, lambda: QwenImageEncoder(vc), IMAGE_PREFIXES, weights)
     enc.fuse()
     return enc.eval()
