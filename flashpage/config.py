@@ -150,7 +150,8 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     "InternVLForConditionalGeneration": (("qwen2", "qwen3", "llama", "qwen3_moe", "gpt_oss"), "qwen2",
                                          ("vision_tower", "multi_modal_projector")),
     # the same model in OpenGVLab's remote-code layout (InternVL3-2B, InternVL3_5-8B, ...:
-    # llm_config, vision_model. / mlp1. with a fused qkv; models/internvl_config.py reads it)
+    # llm_config, vision_model. / mlp1. with a fused qkv; models/internvl_config.py reads it),
+    # and over InternLM2 (InternVL2.5-8B) or InternLM3 (InternVL3-9B) text models
     "InternVLChatModel": (("qwen2", "qwen3", "llama", "qwen3_moe", "gpt_oss", "internlm2", "internlm3"), "qwen2",
                           ("vision_model", "mlp1")),
 }
