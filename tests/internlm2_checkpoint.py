@@ -57,7 +57,13 @@ def internlm2_tensors(tensors: dict[str, torch.Tensor], kv_heads: int, prefix: s
 
 def internlm2_config(llama: dict) -> dict:
     """A LlamaConfig's fields as an InternLM2 config.json's (InternLM2Config's names)."""
-    c = {k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias", "head_dim", "architectures")}
+    c = {k: v for k, v in llama.items()
+         if k not in ("attention_bias", "mlp_bias", "head_dim", "architectures", "rope_parameters")}
+    rope = dict(llama.get("rope_parameters") or {})  # transformers 5's -> rope_theta / rope_scaling
+    if rope:
+        c["rope_theta"] = rope.pop("rope_theta", 10_000.0)
+        kind = rope.pop("rope_type", "default")
+        c["rope_scaling"] = None if kind == "default" else {"type": kind, **rope}
     return {**c, "architectures": ["InternLM2ForCausalLM"], "model_type": "internlm2",
             "bias": bool(llama.get("attention_bias", False)),
             "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config",

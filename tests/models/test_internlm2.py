@@ -5,8 +5,10 @@ transformers has no InternLM2 class (the hub's is remote code), so each tiny che
 random Llama one written again in InternLM2's layout (tests/internlm2_checkpoint.py):
 flashpage's greedy tokens from it equal transformers' Llama generate and flashpage's own
 from the Llama files, under GQA (the grouping matters), MHA and MQA, with and without the
-bias; weights come back from ``hf_weights`` under InternLM2's names and layout; a wqkv of the
-wrong row count, a missing tensor and config fields are refused by name. CPU, fp32."""
+bias, and with internlm2_5-7b-chat's "dynamic" rope; weights come back from ``hf_weights``
+under InternLM2's names and layout; a wqkv of the wrong row count, a missing tensor and config
+fields are refused by name; ``flashpage inspect``'s counts for internlm2_5-7b-chat. CPU, fp32.
+GPU (marked gpu): the Triton kernels and CUDA graphs give transformers' Llama tokens."""
 
 from __future__ import annotations
 
@@ -42,13 +44,16 @@ TINY = {
     "gqa_bias": dict(num_key_value_heads=2, attention_bias=True),  # bias: wqkv and wo
     "mha": dict(num_key_value_heads=4),                       # a group a head
     "mqa": dict(num_key_value_heads=1, num_attention_heads=8, hidden_size=64),  # one group
+    # internlm2_5-7b-chat's rope: "dynamic" NTK (the plain rope within max_position_embeddings)
+    "gqa_dynamic": dict(num_key_value_heads=2, rope_parameters=dict(rope_type="dynamic", factor=2.0,
+                                                                    rope_theta=1e6)),
 }
 
 
-def build(path: Path, name: str, seed: int = 0) -> Path:
+def build(path: Path, name: str, seed: int = 0, **overrides) -> Path:
     """The Llama checkpoint (``path``/llama) and the same weights in InternLM2's layout
-    (``path``/internlm2); returns ``path``."""
-    config = transformers.LlamaConfig(**{**_LLAMA, **TINY[name]})
+    (``path``/internlm2); returns ``path``. ``overrides``: LlamaConfig fields."""
+    config = transformers.LlamaConfig(**{**_LLAMA, **TINY[name], **overrides})
     save_widened(config, path / "llama", seed, lambda n: "norm" in n)
     to_internlm2(path / "llama", path / "internlm2")
     return path
@@ -67,9 +72,16 @@ def test_greedy_tokens_equal_llama_in_transformers_and_ours(tiny, name):
     prompts = random_prompts(3, 4, 30, seed=1)
     want = hf_greedy(path / "llama", prompts, GREEDY.max_tokens)
     llm = cpu_llm(path / "internlm2")
-    assert llm.engine.model_config.architecture == "InternLM2ForCausalLM"
+    mc = llm.engine.model_config
+    assert mc.architecture == "InternLM2ForCausalLM"
+    if name == "gqa_dynamic":
+        raw = json.loads((path / "internlm2" / "config.json").read_text())
+        assert raw["rope_scaling"] == {"type": "dynamic", "factor": 2.0}
+        assert (mc.rope_theta, mc.rope_scaling) == (1e6, None)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == want
+    if name == "gqa_dynamic":  # (our Llama reads no "dynamic" rope: transformers' tokens suffice)
+        return
     ours_llama = [o.outputs[0].token_ids for o in cpu_llm(path / "llama").generate(prompts, GREEDY, use_tqdm=False)]
     assert ours_llama == want
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
@@ -177,3 +189,38 @@ def test_internlm3_gives_llama_tokens(tiny, tmp_path):
     prompts = random_prompts(2, 4, 30, seed=2)
     got = [o.outputs[0].token_ids for o in cpu_llm(dst).generate(prompts, GREEDY, use_tqdm=False)]
     assert got == hf_greedy(src, prompts, GREEDY.max_tokens)
+
+
+def test_inspect_counts_internlm2_5_7b():
+    """internlm2_5-7b-chat's config: the parameters of the Llama model of its sizes
+    (transformers, meta device; 7.74 B) and its KV bytes a token (8 KV heads of 128)."""
+    from flashpage.inspect import inspect_config, param_counts
+
+    raw = {"architectures": ["InternLM2ForCausalLM"], "model_type": "internlm2", "bias": False,
+           "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "num_hidden_layers": 32, "max_position_embeddings": 32768,
+           "rms_norm_eps": 1e-5, "rope_theta": 1e6, "rope_scaling": {"type": "dynamic", "factor": 2.0},
+           "vocab_size": 92544, "tie_word_embeddings": False}
+    ours = ModelConfig.from_hf(raw)
+    llama = transformers.LlamaConfig(**{k: raw[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                            "num_key_value_heads", "num_hidden_layers", "vocab_size",
+                                                            "tie_word_embeddings")})
+    with torch.device("meta"):
+        want = transformers.LlamaForCausalLM(llama).num_parameters()
+    total, active = param_counts(ours)
+    assert total == active == want and round(total / 1e9, 2) == 7.74
+    assert inspect_config(ours, 80 * 2**30)["kv_bytes_per_token"] == 2 * 8 * 128 * 2 * 32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["gqa_bias", "mqa"])
+def test_gpu_fp32_kernels_and_graphs_give_llama_tokens(tmp_path, name):
+    """head_dim 64 (hidden 256 over 4 heads; MQA 8 heads of 32): our Triton attention from the
+    regrouped wqkv, eager and in CUDA graphs, gives transformers' Llama fp32 tokens."""
+    from tests.conftest import assert_gpu_graphs_match_hf
+
+    path = build(tmp_path, name, hidden_size=256)
+    llm = assert_gpu_graphs_match_hf(path / "internlm2", random_prompts(8, 1, 120, seed=28),
+                                     reference=lambda _p, prompts, n: hf_greedy(path / "llama", prompts, n))
+    assert llm.engine.model_config.architecture == "InternLM2ForCausalLM"
