@@ -6,7 +6,8 @@ random Llama one written again in InternLM2's layout (tests/internlm2_checkpoint
 flashpage's greedy tokens from it equal transformers' Llama generate and flashpage's own
 from the Llama files, under GQA (the grouping matters), MHA and MQA, with and without the
 bias, and with internlm2_5-7b-chat's "dynamic" rope; weights come back from ``hf_weights``
-under InternLM2's names and layout; a wqkv of the wrong row count, a missing tensor and config
+under InternLM2's names and layout; a LoRA adapter on its modules equals the merged
+checkpoint; a wqkv of the wrong row count, a missing tensor and config
 fields are refused by name; ``flashpage inspect``'s counts for internlm2_5-7b-chat. CPU, fp32.
 GPU (marked gpu): the Triton kernels and CUDA graphs give transformers' Llama tokens."""
 
@@ -224,3 +225,25 @@ def test_gpu_fp32_kernels_and_graphs_give_llama_tokens(tmp_path, name):
     llm = assert_gpu_graphs_match_hf(path / "internlm2", random_prompts(8, 1, 120, seed=28),
                                      reference=lambda _p, prompts, n: hf_greedy(path / "llama", prompts, n))
     assert llm.engine.model_config.architecture == "InternLM2ForCausalLM"
+
+
+def test_lora_adapter_on_internlm2_modules_equals_merged(tiny, tmp_path):
+    """A PEFT adapter on InternLM2's own modules (wqkv, its lora_B rows in the grouped
+    layout; wo, w1, w3, w2) gives our tokens of the checkpoint with it merged (whose wqkv
+    regroups at load as the tests above check against transformers), not the base's."""
+    from flashpage import LoRARequest
+    from tests.peft_adapter import merge_adapter, write_named_adapter
+
+    base = tiny("gqa_bias") / "internlm2"
+    shapes = {"attention.wqkv": (64, 128), "attention.wo": (64, 64), "feed_forward.w1": (64, 128),
+              "feed_forward.w3": (64, 128), "feed_forward.w2": (128, 64)}
+    adapter = write_named_adapter(tmp_path / "adapter", {
+        f"model.layers.{i}.{m}": s for i in range(2) for m, s in shapes.items()})
+    merged = merge_adapter(base, adapter, tmp_path / "merged")
+    prompts = random_prompts(2, 4, 30, seed=11)
+    llm = cpu_llm(base, enable_lora=True, max_loras=1, max_lora_rank=4)
+    outs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("a", 1, str(adapter)), use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert llm.engine.kv_manager.stats().blocks_used == 0
+    assert got == [o.outputs[0].token_ids for o in cpu_llm(merged).generate(prompts, GREEDY, use_tqdm=False)]
+    assert got != [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
