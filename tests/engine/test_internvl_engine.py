@@ -9,6 +9,8 @@ leak nothing. fp32, CPU; one bf16 CUDA test."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -173,7 +175,8 @@ def test_remote_layout_over_internlm2_equals_llama(tmp_path):
     """InternVL2.5-8B's form: OpenGVLab's layout over an InternLM2 text model (renamed
     tensors, wqkv grouped per KV head, ``language_model.output`` its untied head), here a
     Llama one written as InternLM2: transformers' tokens over the Llama one, and ours over
-    the same checkpoint with the Llama text model, for one image, two and a text prompt."""
+    the same checkpoint with the Llama text model, for one image, two and a text prompt; and
+    InternVL3-9B's form (an InternLM3 llm_config over the Llama tensors) the same."""
     from safetensors.torch import load_file
 
     from tests.internvl_checkpoint import to_remote_layout
@@ -197,6 +200,16 @@ def test_remote_layout_over_internlm2_equals_llama(tmp_path):
     assert llama.engine.model_config.architecture == "LlamaForCausalLM"
     assert _tokens(llama.generate(prompts, GREEDY, use_tqdm=False)) == got
     assert llm.engine.kv_manager.stats().blocks_used == 0
+    # InternVL3-9B's form: an InternLM3 llm_config over Llama's names (its bias flags false)
+    three = tmp_path / "llama_remote"
+    cfg = json.loads((three / "config.json").read_text())
+    llm_cfg = {k: v for k, v in cfg["llm_config"].items() if k not in ("attention_bias", "mlp_bias")}
+    cfg["llm_config"] = {**llm_cfg, "architectures": ["InternLM3ForCausalLM"], "model_type": "internlm3",
+                         "qkv_bias": False, "bias": False}
+    (three / "config.json").write_text(json.dumps(cfg))
+    internlm3 = _llm(three)
+    assert internlm3.engine.model_config.architecture == "InternLM3ForCausalLM"
+    assert _tokens(internlm3.generate(prompts, GREEDY, use_tqdm=False)) == got
 
 
 def test_prefix_cache_hit_on_a_repeated_image(ivl_ckpt):
