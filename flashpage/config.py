@@ -65,7 +65,10 @@ LLAMA_VARIANTS = {"Phi3ForCausalLM", "GraniteForCausalLM", "OlmoForCausalLM", "O
     "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM",
     # HunYuan dense (per-head q/k norms after rotary, a stretched rope base), Apertus
     # (xIELU in a non-gated MLP, per-head q/k norms)
-    "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM"}
+    "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM",
+    # InternLM2 / 2.5 (renamed Llama tensors, a grouped fused wqkv: models/internlm2.py) and
+    # InternLM3 (Llama's names, its own bias flags): _internlm_fields
+    "InternLM2ForCausalLM", "InternLM3ForCausalLM"}
 # the families whose AWQ / GPTQ (int4) checkpoints are read (models/int4_checkpoint.py):
 # every linear one of our ColumnParallelLinear / RowParallelLinear, found by the file's
 # module names (mapped through a family's HFNames), and on the Llama-body MoE families
@@ -147,8 +150,10 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     "InternVLForConditionalGeneration": (("qwen2", "qwen3", "llama", "qwen3_moe", "gpt_oss"), "qwen2",
                                          ("vision_tower", "multi_modal_projector")),
     # the same model in OpenGVLab's remote-code layout (InternVL3-2B, InternVL3_5-8B, ...:
-    # llm_config, vision_model. / mlp1. with a fused qkv; models/internvl_config.py reads it)
-    "InternVLChatModel": (("qwen2", "qwen3", "llama", "qwen3_moe", "gpt_oss"), "qwen2", ("vision_model", "mlp1")),
+    # llm_config, vision_model. / mlp1. with a fused qkv; models/internvl_config.py reads it),
+    # and over InternLM2 (InternVL2.5-8B) or InternLM3 (InternVL3-9B) text models
+    "InternVLChatModel": (("qwen2", "qwen3", "llama", "qwen3_moe", "gpt_oss", "internlm2", "internlm3"), "qwen2",
+                          ("vision_model", "mlp1")),
 }
 # Qwen3-VL's tower, deepstack and interleaved M-RoPE (dense and MoE text models)
 QWEN3_VL_ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"})
@@ -215,6 +220,8 @@ _MODEL_TYPE_TO_ARCH = {
     "exaone4": "Exaone4ForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "apertus": "ApertusForCausalLM",
+    "internlm2": "InternLM2ForCausalLM",
+    "internlm3": "InternLM3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "glm": "GlmForCausalLM",
     "glm4": "Glm4ForCausalLM",
@@ -695,6 +702,8 @@ def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
         return _opt_fields(d, where)
     if arch in _FAMILIES4:
         return _families4_fields(d, arch, where)
+    if arch in ("InternLM2ForCausalLM", "InternLM3ForCausalLM"):
+        return _internlm_fields(d, arch, where, rope)
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
                           f"{arch} (supported: 'silu')")
@@ -714,6 +723,42 @@ def _variant_fields(d: dict[str, Any], arch: str, where: str, head_dim: int,
         out["partial_rotary_factor"] = f
         if rope and rope.get("rope_type", rope.get("type")) == "longrope":
             out["rope_scaling"] = _longrope(d, rope, where, int(head_dim * f))
+    return out
+
+
+def _internlm_fields(d: dict[str, Any], arch: str, where: str,
+                     rope: dict[str, Any] | None) -> dict[str, Any]:
+    """InternLM2 / 2.5 and InternLM3 (their remote code's configs; defaults where absent):
+    Llama's fields, a SiLU gated MLP, and
+
+    - InternLM2: ``bias`` (InternLM2Config's default true) on the fused wqkv and on wo, none
+      on the MLP;
+    - InternLM3: ``qkv_bias`` (default false) on q/k/v, ``bias`` (default false) on o_proj
+      and the MLP (true there: a ConfigError, the gated MLP has no bias here);
+    - rope_scaling "linear" as Llama's; "dynamic" (NTK by sequence length: the plain rope
+      up to max_position_embeddings, a larger base past it) read as the plain rope, which
+      is the same within max_position_embeddings (the engine's default max_model_len)."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported for "
+                          f"{arch} (supported: 'silu')")
+    out: dict[str, Any]
+    if arch == "InternLM2ForCausalLM":
+        out = dict(attention_bias=_flag(d, "bias", True, where), mlp_bias=False)
+    else:
+        if _flag(d, "bias", False, where):
+            raise ConfigError(f"{where}: bias true is not supported for {arch} (it biases the "
+                              "gate/up/down projections, which have no bias here)")
+        out = dict(attention_bias=_flag(d, "qkv_bias", False, where), attention_out_bias=False,
+                   mlp_bias=False)
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if kind == "dynamic":
+        factor = rope.get("factor") if isinstance(rope, dict) else None
+        if not isinstance(factor, int | float) or isinstance(factor, bool) or factor < 1:
+            raise ConfigError(f"{where}: rope_scaling 'dynamic' needs a factor >= 1, got {factor!r}")
+        out["rope_scaling"] = None
+    elif kind not in ("default", "linear"):
+        raise ConfigError(f"{where}: rope_scaling type {kind!r} is not supported for {arch} "
+                          "(its remote code reads 'linear' and 'dynamic')")
     return out
 
 
@@ -1882,6 +1927,13 @@ _TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_oss": dict(vocab_size=201_088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
                     num_attention_heads=64, num_key_value_heads=8, head_dim=64,
                     max_position_embeddings=131_072, rms_norm_eps=1e-5),
+    # InternLM2Config's and InternLM3Config's (InternVL2.5-8B's / InternVL3-9B's llm_config)
+    "internlm2": dict(vocab_size=103_168, hidden_size=4096, intermediate_size=11_008,
+                      num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
+                      rms_norm_eps=1e-6, rope_theta=10_000.0),
+    "internlm3": dict(vocab_size=128_512, hidden_size=4096, intermediate_size=11_008,
+                      num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
+                      rms_norm_eps=1e-6, rope_theta=10_000.0),
     "llama4_text": dict(vocab_size=202_048, hidden_size=5120, num_hidden_layers=48,
                         num_attention_heads=40),
     "mistral": dict(vocab_size=32_000, hidden_size=4096, intermediate_size=14_336,

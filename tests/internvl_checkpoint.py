@@ -149,13 +149,16 @@ def hf_internvl_greedy(model, ids: list[int], items: list, max_new_tokens: int) 
     return out[0, len(ids):].tolist()
 
 
-def to_remote_layout(src: Path, dst: Path, **top) -> Path:
+def to_remote_layout(src: Path, dst: Path, internlm2: bool = False, **top) -> Path:
     """``src`` (a tiny checkpoint of ours) in OpenGVLab's remote-code layout at ``dst``
     (InternVLChatModel: llm_config, vision_config under InternVisionConfig's names,
     ``vision_model.`` / ``mlp1.`` tensors with each layer's q / k / v fused in one qkv,
     ``language_model.lm_head``; transformers' convert_internvl_weights_to_hf backwards),
     with a CLIP-style preprocessor_config.json as those repos ship (their chat code does not
-    read it); ``top``: config fields over ours (ps_version, max_dynamic_patch, ...)."""
+    read it); ``internlm2``: a Llama text model written as InternLM2 (InternVL2.5-8B's: its
+    llm_config and ``language_model.`` tensors in InternLM2's names and grouped wqkv,
+    tests/internlm2_checkpoint.py); ``top``: config fields over ours (ps_version,
+    max_dynamic_patch, ...)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -184,6 +187,13 @@ def to_remote_layout(src: Path, dst: Path, **top) -> Path:
             out[new.replace(".q_proj.", ".qkv.")] = torch.cat(parts).contiguous()
         else:
             out[new] = t.contiguous()
+    llm = {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings", True)}
+    if internlm2:
+        from tests.internlm2_checkpoint import internlm2_config, internlm2_tensors
+
+        assert llm["model_type"] == "llama", "only a Llama text model is written as InternLM2"
+        out = internlm2_tensors(out, llm.get("num_key_value_heads") or llm["num_attention_heads"], "language_model.")
+        llm = internlm2_config(llm)
     save_file(out, str(dst / "model.safetensors"))
     v = hf["vision_config"]
     vision = {"model_type": "intern_vit_6b", "architectures": ["InternVisionModel"], "hidden_size": v["hidden_size"],
@@ -194,7 +204,7 @@ def to_remote_layout(src: Path, dst: Path, **top) -> Path:
               "num_channels": 3, "drop_path_rate": 0.0, "use_flash_attn": True}
     config = {"architectures": ["InternVLChatModel"], "model_type": "internvl_chat",
               # the language model ties as transformers' did (by the top-level flag)
-              "llm_config": {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings", True)},
+              "llm_config": llm,
               "vision_config": vision,
               "downsample_ratio": hf["downsample_ratio"], "select_layer": hf["vision_feature_layer"],
               "ps_version": "v2", "dynamic_image_size": True, "use_thumbnail": True, "min_dynamic_patch": 1,

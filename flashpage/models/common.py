@@ -181,10 +181,10 @@ def regroup_fused_qkv(name: str, t: torch.Tensor, heads: int, kv_heads: int, hea
 
 def fused_qkv_block_unsupported(linear: str, kv_heads: int, head_dim: int,
                                 block: tuple[int, int]) -> str | None:
-    """A family's ``fp8_block_unsupported`` for its fused query_key_value (models/
+    """A family's ``fp8_block_unsupported`` for its fused query_key_value (``linear``; models/
     fp8_checkpoint.py): its rows are regrouped head by head at load, so its block scales
     are kept only where each head's rows are whole blocks (or one KV group: not regrouped)."""
-    if linear.endswith(".query_key_value") and kv_heads > 1 and head_dim % block[0]:
+    if kv_heads > 1 and head_dim % block[0]:
         return (f"{linear}'s rows are regrouped head by head at load and head_dim "
                 f"{head_dim} is not a multiple of the {block[0]}-row blocks")
     return None

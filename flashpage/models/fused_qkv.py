@@ -43,6 +43,8 @@ class FusedQKVForCausalLM(LlamaForCausalLM):
     def fp8_block_unsupported(self, linear: str, block: tuple[int, int]) -> str | None:
         """query_key_value's block scales only where a head is whole blocks (or one KV
         group, MQA: not regrouped)."""
+        if not self.qkv_tensor.search(linear + ".weight"):
+            return None
         return fused_qkv_block_unsupported(linear, self.config.num_key_value_heads,
                                            self.config.head_dim, block)
 

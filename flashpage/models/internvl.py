@@ -2,7 +2,8 @@
 InternVL3-1B-hf .. 78B-hf, InternVL3.5-*-HF): the InternViT tower, pixel shuffle and the
 projector, GotOcr2ImageProcessor's tiles and InternVLProcessor's prompt expansion.
 
-The text model (Qwen2 / Qwen3 / Llama) is served as any multimodal checkpoint's
+The text model (Qwen2 / Qwen3 / Llama / ...; InternLM2 and InternLM3 in the remote-code
+layout: models/internlm2.py) is served as any multimodal checkpoint's
 (models/multimodal.py). Beside it the engine keeps an ``InternVLImageEncoder``.
 
 Tiles (``tile_image``, GotOcr2ImageProcessor's crop_to_patches, which InternVLProcessor

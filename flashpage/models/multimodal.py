@@ -16,6 +16,7 @@ prefixes, which ``text_model_weights`` takes off on the way to the text family's
   still writes), ``model.language_model.`` (transformers 5's module names) -> ``model.``;
   Qwen2-VL's published files: ``model.`` as it is;
 - the head: ``language_model.lm_head.`` or ``lm_head.`` -> ``lm_head.`` (absent when tied);
+  InternLM2's ``language_model.output.`` -> ``output.`` (its own name, models/internlm2.py);
 - the vision tower and projector (``vision_tower`` / ``vision_model``,
   ``multi_modal_projector``, LLaVA-NeXT's ``image_newline``, with or without ``model.``
   before them): skipped, counted in
@@ -50,6 +51,7 @@ _TEXT_PREFIXES = (
     ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),
     ("lm_head.", "lm_head."),
+    ("language_model.output.", "output."),  # InternLM2's head (InternVL2.5-8B; models/internlm2.py)
 )
 
 # the published Qwen2-VL / Qwen2.5-VL files keep the language model at the top level

@@ -60,6 +60,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Glm4ForCausalLM": ("flashpage.models.glm", "GlmForCausalLM"),
     "Glm4MoeForCausalLM": ("flashpage.models.glm", "GlmForCausalLM"),
     "Llama4ForCausalLM": ("flashpage.models.llama4", "Llama4ForCausalLM"),
+    # InternLM2 / 2.5: Llama's body under its names, a grouped fused wqkv; InternLM3: Llama's
+    # names, its bias flags in config only
+    "InternLM2ForCausalLM": ("flashpage.models.internlm2", "InternLM2ForCausalLM"),
+    "InternLM3ForCausalLM": ("flashpage.models.llama", "LlamaForCausalLM"),
 }
 
 

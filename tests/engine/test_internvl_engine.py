@@ -2,11 +2,14 @@
 greedy tokens equal transformers' InternVLForConditionalGeneration.generate for an image of
 one tile and one of several (a grid and its thumbnail), two images of different tile
 counts in one prompt, a text-only prompt beside them, chunked prefill cutting an image's
-rows, preemption; Qwen3, Qwen3-MoE, GPT-OSS and Llama text models too; mm_processor_kwargs
+rows, preemption; Qwen3, Qwen3-MoE, GPT-OSS and Llama text models too, and an InternLM2 one
+in OpenGVLab's layout (InternVL2.5-8B's form); mm_processor_kwargs
 tile bounds; a repeated image hits the prefix cache; bad requests are refused by name and
 leak nothing. fp32, CPU; one bf16 CUDA test."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -166,6 +169,47 @@ def test_remote_layout_equals_transformers(ivl_ckpt, tmp_path):
         out = other.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
         assert out.prompt_token_ids.count(tok) == tiles * ROWS  # 33 x 33: a 2 x 2 grid
         assert _tokens([out]) == [_want(hf, *cases[0], other)]
+
+
+def test_remote_layout_over_internlm2_equals_llama(tmp_path):
+    """InternVL2.5-8B's form: OpenGVLab's layout over an InternLM2 text model (renamed
+    tensors, wqkv grouped per KV head, ``language_model.output`` its untied head), here a
+    Llama one written as InternLM2: transformers' tokens over the Llama one, and ours over
+    the same checkpoint with the Llama text model, for one image, two and a text prompt; and
+    InternVL3-9B's form (an InternLM3 llm_config over the Llama tensors) the same."""
+    from safetensors.torch import load_file
+
+    from tests.internvl_checkpoint import to_remote_layout
+
+    path = build_tiny_internvl(tmp_path / "llama", text="llama", tie_word_embeddings=False)
+    hf = hf_internvl(path)
+    tok = hf.config.image_token_id
+    remote = to_remote_layout(path, tmp_path / "internlm2", internlm2=True)
+    names = load_file(str(remote / "model.safetensors")).keys()
+    assert {"language_model.output.weight", "language_model.model.layers.0.attention.wqkv.weight"} <= names
+    llm = _llm(remote)
+    mc = llm.engine.model_config
+    assert (mc.multimodal_architecture, mc.architecture, mc.num_key_value_heads) == (
+        "InternVLChatModel", "InternLM2ForCausalLM", 2)
+    cases = [_case(tok, 41, 1, first=0), _case(tok, 42, 2, first=2), (_case(tok, 43, 0)[0], [])]
+    prompts = [{"prompt_token_ids": ids, **({"multi_modal_data": {"image": ims}} if ims else {})}
+               for ids, ims in cases]
+    got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert got == [_want(hf, ids, ims, llm) for ids, ims in cases]
+    llama = _llm(to_remote_layout(path, tmp_path / "llama_remote"))
+    assert llama.engine.model_config.architecture == "LlamaForCausalLM"
+    assert _tokens(llama.generate(prompts, GREEDY, use_tqdm=False)) == got
+    assert llm.engine.kv_manager.stats().blocks_used == 0
+    # InternVL3-9B's form: an InternLM3 llm_config over Llama's names (its bias flags false)
+    three = tmp_path / "llama_remote"
+    cfg = json.loads((three / "config.json").read_text())
+    llm_cfg = {k: v for k, v in cfg["llm_config"].items() if k not in ("attention_bias", "mlp_bias")}
+    cfg["llm_config"] = {**llm_cfg, "architectures": ["InternLM3ForCausalLM"], "model_type": "internlm3",
+                         "qkv_bias": False, "bias": False}
+    (three / "config.json").write_text(json.dumps(cfg))
+    internlm3 = _llm(three)
+    assert internlm3.engine.model_config.architecture == "InternLM3ForCausalLM"
+    assert _tokens(internlm3.generate(prompts, GREEDY, use_tqdm=False)) == got
 
 
 def test_prefix_cache_hit_on_a_repeated_image(ivl_ckpt):

@@ -310,6 +310,26 @@ def test_remote_layout_reads_as_transformers(tiny, tmp_path, name):
         _encoder(path)
 
 
+def test_remote_layout_over_an_internlm2_text_model():
+    """InternVL2.5-8B / InternVL2-8B's llm_config: InternLM2 (internlm2_5-7b-chat's sizes,
+    ``bias`` false, a "dynamic" rope read as the plain one) is its text model; InternVL3-9B's
+    InternLM3 too (``qkv_bias``)."""
+    llm = {"architectures": ["InternLM2ForCausalLM"], "model_type": "internlm2", "bias": False, "hidden_act": "silu",
+           "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "num_hidden_layers": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+           "rope_scaling": {"type": "dynamic", "factor": 2.0}, "vocab_size": 92553, "tie_word_embeddings": False}
+    mc = ModelConfig.from_hf({**INTERNVL3_2B_REMOTE, "llm_config": llm})
+    assert (mc.multimodal_architecture, mc.architecture, mc.model_type) == (
+        "InternVLChatModel", "InternLM2ForCausalLM", "internlm2")
+    assert (mc.num_key_value_heads, mc.head_dim, mc.attention_bias, mc.rope_scaling, mc.rope_theta) == (
+        8, 128, False, None, 1e6)
+    assert mc.vision is not None and mc.vision.remote
+    three = {**llm, "architectures": ["InternLM3ForCausalLM"], "model_type": "internlm3", "qkv_bias": True,
+             "head_dim": 128, "rope_scaling": {"rope_type": "dynamic", "factor": 6.0}}
+    mc = ModelConfig.from_hf({**INTERNVL3_2B_REMOTE, "llm_config": three})
+    assert (mc.architecture, mc.attention_bias, mc.o_proj_bias) == ("InternLM3ForCausalLM", True, False)
+
+
 def test_remote_layout_config_fields_and_errors():
     mc = ModelConfig.from_hf(INTERNVL3_2B_REMOTE)
     vc = mc.vision
@@ -324,7 +344,7 @@ def test_remote_layout_config_fields_and_errors():
     for edit, needle in [
         ({"ps_version": "v1"}, "ps_version 'v1': only pixel shuffle \"v2\""),
         ({"force_image_size": 224}, "force_image_size 224 differs from vision_config.image_size 448"),
-        ({"llm_config": {"model_type": "internlm2"}}, "llm_config.model_type 'internlm2' is not supported"),
+        ({"llm_config": {"model_type": "phi3"}}, "llm_config.model_type 'phi3' is not supported"),
         ({"llm_config": None}, "InternVLChatModel needs a llm_config object"),
         ({"min_dynamic_patch": 13}, "min_dynamic_patch 13 is above max_dynamic_patch 12"),
         ({"select_layer": -30}, "vision_feature_layer -30 must be an int"),
