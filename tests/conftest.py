@@ -258,6 +258,12 @@ def cpu_llm(path: Path, **kw):
                              "attention_backend": "torch_native", **kw})
 
 
+def ok_tokens(outs) -> list[list[int]]:
+    """Each output's token ids, every request having run (an error shown otherwise)."""
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def cpu_greedy(path: Path, prompts: list[list[int]], params=None, **kw) -> list[list[int]]:
     """cpu_llm's tokens for each prompt (greedy, 12 tokens, EOS ignored unless ``params``
     says otherwise), every KV block handed back after."""

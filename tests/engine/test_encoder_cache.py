@@ -10,9 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashpage import LLM, SamplingParams
+from flashpage import SamplingParams
 from flashpage.config import ConfigError
 from flashpage.engine.encoder_cache import EncoderCache
+from tests.conftest import cpu_llm as _llm
+from tests.conftest import ok_tokens as _tokens
 from tests.llava_checkpoint import smooth_image
 from tests.qwen2_vl_checkpoint import build_tiny_qwen2_vl
 from tests.qwen3_vl_checkpoint import build_tiny_qwen3_vl
@@ -33,11 +35,6 @@ def ckpt(tmp_path_factory):
     return get
 
 
-def _llm(path, **kw) -> LLM:
-    return LLM(str(path), **{"dtype": "float32", "device": "cpu", "block_size": 8,
-                             "attention_backend": "torch_native", **kw})
-
-
 def _spy(monkeypatch, enc) -> list[int]:
     """The number of inputs of each encode call."""
     calls: list[int] = []
@@ -51,11 +48,6 @@ def _prompt(enc, seed: int, image) -> dict:
     vs, pad, ve = enc.placeholder_ids
     text = torch.randint(3, 200, (11,), generator=torch.Generator().manual_seed(seed)).tolist()
     return {"prompt_token_ids": [1, *text[:9], vs, pad, ve, *text[9:]], "multi_modal_data": {"image": image}}
-
-
-def _tokens(outs) -> list[list[int]]:
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl"])

@@ -14,6 +14,7 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from flashpage.models.gemma3_vision import expand_gemma3_images
+from tests.conftest import ok_tokens as _tokens
 from tests.conftest import random_prompts
 from tests.gemma3_checkpoint import TOKENS, build_tiny_gemma3, hf_gemma3, hf_gemma3_greedy
 from tests.llava_checkpoint import smooth_image
@@ -31,11 +32,6 @@ def gemma3(tmp_path_factory):
 def _llm(path, **kw) -> LLM:
     return LLM(str(path), **{"dtype": "float32", "device": "cpu", "block_size": 8, "max_model_len": 256,
                              "attention_backend": "torch_native", **kw})
-
-
-def _tokens(outs) -> list[list[int]]:
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _case(boi: int, seed: int, n_images: int, before: int = 5, after: int = 6):

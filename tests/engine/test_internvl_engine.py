@@ -17,6 +17,8 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from flashpage.models.internvl import InternVLImage, expand_internvl_images, tile_image
+from tests.conftest import cpu_llm as _llm
+from tests.conftest import ok_tokens as _tokens
 from tests.conftest import random_prompts
 from tests.internvl_checkpoint import (
     ROWS,
@@ -38,16 +40,6 @@ def ivl_ckpt(tmp_path_factory):
     path = build_tiny_internvl(tmp_path_factory.mktemp("internvl"))
     hf = hf_internvl(path)
     return path, hf, hf.config.image_token_id
-
-
-def _llm(path, **kw) -> LLM:
-    return LLM(str(path), **{"dtype": "float32", "device": "cpu", "block_size": 8,
-                             "attention_backend": "torch_native", **kw})
-
-
-def _tokens(outs) -> list[list[int]]:
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _case(tok: int, seed: int, n_images: int, before: int = 4, after: int = 5, first: int | None = None):

@@ -15,6 +15,8 @@ from flashpage import LLM, SamplingParams
 from flashpage.models.clip_image import preprocess
 from flashpage.pooling import PoolingParams
 from flashpage.sampling_params import BeamSearchParams
+from tests.conftest import cpu_llm as _llm
+from tests.conftest import ok_tokens as _tokens
 from tests.conftest import random_prompts
 from tests.llava_checkpoint import build_tiny_llava, hf_llava, hf_llava_greedy, smooth_image
 
@@ -28,16 +30,6 @@ def llava(tmp_path_factory):
     path = build_tiny_llava(tmp_path_factory.mktemp("llava"))
     hf = hf_llava(path)
     return path, hf, hf.config.image_token_index
-
-
-def _llm(path, **kw) -> LLM:
-    return LLM(str(path), **{"dtype": "float32", "device": "cpu", "block_size": 8,
-                             "attention_backend": "torch_native", **kw})
-
-
-def _tokens(outs) -> list[list[int]]:
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _pixels(llm_or_vc, images) -> torch.Tensor:

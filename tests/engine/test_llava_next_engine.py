@@ -11,6 +11,8 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from flashpage.models.llava_next import AnyResImage, anyres_pixels
+from tests.conftest import cpu_llm as _llm
+from tests.conftest import ok_tokens as _tokens
 from tests.conftest import random_prompts
 from tests.llava_checkpoint import smooth_image
 from tests.llava_next_checkpoint import build_tiny_llava_next, hf_llava_next, hf_llava_next_greedy
@@ -26,16 +28,6 @@ def next_ckpt(tmp_path_factory):
     path = build_tiny_llava_next(tmp_path_factory.mktemp("llava_next"))
     hf = hf_llava_next(path)
     return path, hf, hf.config.image_token_index
-
-
-def _llm(path, **kw) -> LLM:
-    return LLM(str(path), **{"dtype": "float32", "device": "cpu", "block_size": 8,
-                             "attention_backend": "torch_native", **kw})
-
-
-def _tokens(outs) -> list[list[int]]:
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _case(tok: int, seed: int, n_images: int, before: int = 4, after: int = 5):

@@ -18,6 +18,8 @@ from flashpage import LLM, SamplingParams
 from flashpage.models.clip_image import normalize
 from flashpage.models.llava_next import AnyResImage, anyres_pixels
 from flashpage.models.llava_onevision import single_tile_pixels, video_frames
+from tests.conftest import cpu_llm as _llm
+from tests.conftest import ok_tokens as _tokens
 from tests.conftest import random_prompts
 from tests.llava_checkpoint import smooth_image
 from tests.llava_onevision_checkpoint import (
@@ -38,16 +40,6 @@ def ov_ckpt(tmp_path_factory):
     path = build_tiny_llava_onevision(tmp_path_factory.mktemp("llava_ov"))
     hf = hf_llava_onevision(path)
     return path, hf, hf.config.image_token_index
-
-
-def _llm(path, **kw) -> LLM:
-    return LLM(str(path), **{"dtype": "float32", "device": "cpu", "block_size": 8,
-                             "attention_backend": "torch_native", **kw})
-
-
-def _tokens(outs) -> list[list[int]]:
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _case(tok: int, seed: int, n_images: int, before: int = 4, after: int = 5, first: int | None = None):

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from flashpage import LLM, SamplingParams
+from tests.conftest import cpu_llm as _llm
+from tests.conftest import ok_tokens as _tokens
 from tests.llava_checkpoint import smooth_image
 from tests.pixtral_checkpoint import batch_pixels, build_tiny_pixtral, hf_greedy, hf_model
 
@@ -23,16 +25,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 def mistral3(tmp_path_factory):
     path = build_tiny_pixtral(tmp_path_factory.mktemp("mistral3"))
     return path, hf_model(path)
-
-
-def _llm(path, **kw) -> LLM:
-    return LLM(str(path), **{"dtype": "float32", "device": "cpu", "block_size": 8,
-                             "attention_backend": "torch_native", **kw})
-
-
-def _tokens(outs) -> list[list[int]]:
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _case(img_tok: int, seed: int, n_images: int, before: int = 4, after: int = 5):

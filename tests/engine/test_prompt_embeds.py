@@ -12,6 +12,7 @@ from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError
 from flashpage.pooling import PoolingParams
 from flashpage.sampling_params import BeamSearchParams
+from tests.conftest import ok_tokens as _tokens
 from tests.conftest import random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -45,11 +46,6 @@ def hf_greedy_embeds(model, embeds: list[torch.Tensor], max_new_tokens: int = 12
 def _llm(path, **kw) -> LLM:
     return LLM(str(path), **{"dtype": "float32", "device": "cpu", "block_size": 8,
                              "enable_prompt_embeds": True, **kw})
-
-
-def _tokens(outs) -> list[list[int]]:
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")

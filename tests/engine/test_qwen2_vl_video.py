@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from flashpage import LLM, SamplingParams
+from tests.conftest import cpu_llm as _llm
+from tests.conftest import ok_tokens as _tokens
 from tests.llava_checkpoint import smooth_image
 from tests.qwen2_vl_checkpoint import build_tiny_qwen2_vl, hf_inputs, hf_qwen, hf_qwen_greedy
 
@@ -34,16 +36,6 @@ def qwen(tmp_path_factory):
         return built[variant]
 
     return get
-
-
-def _llm(path, **kw) -> LLM:
-    return LLM(str(path), **{"dtype": "float32", "device": "cpu", "block_size": 8,
-                             "attention_backend": "torch_native", **kw})
-
-
-def _tokens(outs) -> list[list[int]]:
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _frames(n: int, h: int, w: int, seed: int) -> np.ndarray:

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from flashpage import LLM, SamplingParams
+from tests.conftest import cpu_llm as _llm
+from tests.conftest import ok_tokens as _tokens
 from tests.llava_checkpoint import smooth_image
 from tests.qwen2_vl_checkpoint import hf_qwen_greedy
 from tests.qwen3_vl_checkpoint import build_tiny_qwen3_vl, hf_qwen3_vl
@@ -25,16 +27,6 @@ SIZES = [(96, 128), (64, 96), (128, 40), (64, 64)]  # 12, 6, 4 and 4 rows
 def qwen3(tmp_path_factory):
     path = build_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"))
     return path, hf_qwen3_vl(path)
-
-
-def _llm(path, **kw) -> LLM:
-    return LLM(str(path), **{"dtype": "float32", "device": "cpu", "block_size": 8,
-                             "attention_backend": "torch_native", **kw})
-
-
-def _tokens(outs) -> list[list[int]]:
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _case(enc, seed: int, n_images: int):

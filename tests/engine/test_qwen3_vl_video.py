@@ -23,6 +23,8 @@ from flashpage import LLM, SamplingParams
 from flashpage.engine.mrope import prompt_positions
 from flashpage.models.qwen2_vl_image import normalize
 from flashpage.models.qwen3_vl_video import smart_resize_video
+from tests.conftest import cpu_llm as _llm
+from tests.conftest import ok_tokens as _tokens
 from tests.llava_checkpoint import smooth_image
 from tests.qwen2_vl_checkpoint import hf_qwen_greedy
 from tests.qwen3_vl_checkpoint import build_tiny_qwen3_vl, hf_qwen3_vl
@@ -35,16 +37,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 def qwen3(tmp_path_factory):
     path = build_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl_video"))
     return path, hf_qwen3_vl(path)
-
-
-def _llm(path, **kw) -> LLM:
-    return LLM(str(path), **{"dtype": "float32", "device": "cpu", "block_size": 8,
-                             "attention_backend": "torch_native", **kw})
-
-
-def _tokens(outs) -> list[list[int]]:
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _frames(n: int, h: int, w: int, seed: int) -> np.ndarray:
