@@ -435,6 +435,36 @@ def bf16_teacher_forced_hits(path: Path, prompts: list[list[int]], truth: list[l
     return ours, hf_hits
 
 
+def assert_top_one_agreement(label: str, hf, hf16, outs, mm_inputs) -> None:
+    """Teacher-forced on our greedy tokens (``outs``, every request done): our token is
+    transformers' fp32 top one (``hf``) about as often as its own bf16 top token is
+    (``hf16``): within 3 points, and at least 85%. A tiny random model's near ties flip
+    under bf16 rounding either way, while a wrong position, rotary or image row costs far
+    more agreement. ``mm_inputs(i, x)``: the i-th request's extra forward inputs (its pixel
+    values, grids, token types) for ids ``x`` on CUDA; any "pixel_values*" goes bf16 for
+    ``hf16``. The VLM GPU tests' shared check."""
+    ours_top: list[bool] = []
+    bf16_top: list[bool] = []
+    gaps: list[float] = []
+    for i, (o, got) in enumerate(zip(outs, ok_tokens(outs), strict=True)):
+        n = len(o.prompt_token_ids)
+        x = torch.tensor([o.prompt_token_ids + got[:-1]], device="cuda")
+        kw = {k: v.to("cuda") for k, v in mm_inputs(i, x).items()}
+        kw16 = {k: v.to(torch.bfloat16) if k.startswith("pixel_values") else v for k, v in kw.items()}
+        with torch.no_grad():
+            logits = hf(input_ids=x, attention_mask=torch.ones_like(x), **kw).logits[0, n - 1:].float()
+            top16 = hf16(input_ids=x, attention_mask=torch.ones_like(x), **kw16).logits[0, n - 1:].argmax(-1)
+        top32 = logits.argmax(-1)
+        chosen = torch.tensor(got, device="cuda")
+        ours_top += (top32 == chosen).tolist()
+        bf16_top += (top32 == top16).tolist()
+        gaps += (logits.max(1).values - logits.gather(1, chosen[:, None])[:, 0]).tolist()
+    a, b = sum(ours_top) / len(ours_top), sum(bf16_top) / len(bf16_top)
+    print(f"{label} agreement with fp32's top token over {len(ours_top)}: ours {a:.3f}, "
+          f"transformers bf16 {b:.3f}")
+    assert a >= b - 0.03 and a >= 0.85, (label, a, b, [round(g, 3) for g in gaps if g > 0])
+
+
 def random_prompts(n: int, lo: int, hi: int, vocab: int = 256, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flashpage import LLM, SamplingParams
+from tests.conftest import assert_top_one_agreement
 from tests.conftest import cpu_llm as _llm
 from tests.conftest import ok_tokens as _tokens
 from tests.llava_checkpoint import smooth_image
@@ -218,23 +219,12 @@ def test_pixtral_on_the_gpu_with_graphs(tmp_path):
     eager, _ = run(enforce_eager=True)
     assert _tokens(graphed) == _tokens(eager)
     enc = llm.engine.mm_encoder
-    ours_top: list[bool] = []
-    bf16_top: list[bool] = []
-    for o, (_, ims), got in zip(graphed, cases, _tokens(graphed), strict=True):
-        n = len(o.prompt_token_ids)
-        x = torch.tensor([o.prompt_token_ids + got[:-1]], device="cuda")
-        kw = {}
-        if ims:
-            pv, sizes = batch_pixels([enc.pixel_values(im) for im in ims])
-            kw = {"pixel_values": pv.to("cuda"), "image_sizes": sizes.to("cuda")}
-        with torch.no_grad():
-            top32 = hf(input_ids=x, attention_mask=torch.ones_like(x), **kw).logits[0, n - 1:].argmax(-1)
-            kw16 = {k: v.to(torch.bfloat16) if k == "pixel_values" else v for k, v in kw.items()}
-            top16 = hf16(input_ids=x, attention_mask=torch.ones_like(x), **kw16).logits[0, n - 1:].argmax(-1)
-        ours_top += (top32 == torch.tensor(got, device="cuda")).tolist()
-        bf16_top += (top32 == top16).tolist()
-    a, b = sum(ours_top) / len(ours_top), sum(bf16_top) / len(bf16_top)
-    print(f"pixtral agreement with fp32's top token over {len(ours_top)}: ours {a:.3f}, "
-          f"transformers bf16 {b:.3f}")
-    assert a >= b - 0.03 and a >= 0.85, (a, b)
+
+    def mm_inputs(i, x):
+        if not cases[i][1]:
+            return {}
+        pv, sizes = batch_pixels([enc.pixel_values(im) for im in cases[i][1]])
+        return {"pixel_values": pv, "image_sizes": sizes}
+
+    assert_top_one_agreement("pixtral", hf, hf16, graphed, mm_inputs)
     assert llm.engine.kv_manager.stats().blocks_used == 0

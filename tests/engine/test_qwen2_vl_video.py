@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from flashpage import LLM, SamplingParams
+from tests.conftest import assert_top_one_agreement
 from tests.conftest import cpu_llm as _llm
 from tests.conftest import ok_tokens as _tokens
 from tests.llava_checkpoint import smooth_image
@@ -372,23 +373,12 @@ def test_qwen_video_on_the_gpu_bf16(tmp_path):
         if variant == "qwen2_5_vl" and not new_enough:
             continue
         enc = llm.engine.mm_encoder
-        ours_top: list[bool] = []
-        bf16_top: list[bool] = []
-        for o, (_, ims, vids), got in zip(outs, cases, graphed, strict=True):
-            n = len(o.prompt_token_ids)
-            x = torch.tensor([o.prompt_token_ids + got[:-1]])
-            kw32 = hf_inputs(hf, x, [enc.pixel_values(im) for im in ims], [enc.video_values(v) for v in vids])
-            kw32 = {k: v.to("cuda") for k, v in kw32.items()}
-            x = x.to("cuda")
-            with torch.no_grad():
-                logits = hf(input_ids=x, attention_mask=torch.ones_like(x), **kw32).logits[0, n - 1:].float()
-                kw16 = {k: v.to(torch.bfloat16) if k.startswith("pixel_values") else v for k, v in kw32.items()}
-                top16 = hf16(input_ids=x, attention_mask=torch.ones_like(x), **kw16).logits[0, n - 1:].argmax(-1)
-            top32 = logits.argmax(-1)
-            ours_top += (top32 == torch.tensor(got, device="cuda")).tolist()
-            bf16_top += (top32 == top16).tolist()
-        a, b = sum(ours_top) / len(ours_top), sum(bf16_top) / len(bf16_top)
-        assert a >= b - 0.03 and a >= 0.85, (variant, a, b)
+
+        def mm_inputs(i, x, cases=cases, enc=enc, hf=hf):
+            _, ims, vids = cases[i]
+            return hf_inputs(hf, x.cpu(), [enc.pixel_values(im) for im in ims], [enc.video_values(v) for v in vids])
+
+        assert_top_one_agreement(f"{variant} video", hf, hf16, outs, mm_inputs)
         assert llm.engine.kv_manager.stats().blocks_used == 0
 
 
