@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 36's device plan:
+#   BUDGET=400 bash benchmarks/gpu_s36.sh a   the GPU tests of CTESTS (the VLM GPU tests after their
+#                                             agreement loop became conftest's assert_top_one_agreement)
+#   BUDGET=560 bash benchmarks/gpu_s36.sh b   the GPU tests of CTESTS (merged SmolVLM / Idefics3, InternVL
+#                                             video, Gemma 3 pan-and-scan), then benchmarks/vlm.py on each
+#                                             of VLMCONFIG beside transformers
+# Results under $OUT (summaries only); logs in /tmp.
+PART=${1:-a}
+source "$(dirname "$0")/gpu_lib.sh"
+tests() {
+  timeout "$(left "$1")" $PT -rfE -s -m gpu ${CTESTS:?CTESTS: the test files} 2>&1 \
+    | tee "$OUT/gpu_session36_tests_$PART.txt" | grep -E "agreement|passed|failed|Error|assert" | tail -n 24
+}
+vlms() {
+  for c in ${VLMCONFIG:-}; do
+    timeout "$(left "$1")" python3 benchmarks/vlm.py --config "$c" --json-out "$OUT/vlm_$c.json" 2>&1 \
+      | grep -v "^INFO" | grep -v -i warn | tail -n 8
+  done
+}
+case "$PART" in
+a)
+  tests 380
+  echo "part a done at ${SECONDS}s" ;;
+b)
+  tests 300
+  vlms 240
+  echo "part b done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-b)"; exit 2 ;;
+esac
