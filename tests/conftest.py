@@ -264,6 +264,15 @@ def ok_tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def count_encodes(monkeypatch, enc) -> list[int]:
+    """The number of inputs (images, videos) of each call of the engine's ``enc.encode``,
+    in order, as the calls come."""
+    calls: list[int] = []
+    encode = enc.encode
+    monkeypatch.setattr(enc, "encode", lambda data: calls.append(len(data)) or encode(data))
+    return calls
+
+
 def cpu_greedy(path: Path, prompts: list[list[int]], params=None, **kw) -> list[list[int]]:
     """cpu_llm's tokens for each prompt (greedy, 12 tokens, EOS ignored unless ``params``
     says otherwise), every KV block handed back after."""

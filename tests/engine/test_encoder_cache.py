@@ -13,6 +13,7 @@ import torch
 from flashpage import SamplingParams
 from flashpage.config import ConfigError
 from flashpage.engine.encoder_cache import EncoderCache
+from tests.conftest import count_encodes as _spy
 from tests.conftest import cpu_llm as _llm
 from tests.conftest import ok_tokens as _tokens
 from tests.llava_checkpoint import smooth_image
@@ -33,14 +34,6 @@ def ckpt(tmp_path_factory):
         return built[kind]
 
     return get
-
-
-def _spy(monkeypatch, enc) -> list[int]:
-    """The number of inputs of each encode call."""
-    calls: list[int] = []
-    encode = enc.encode
-    monkeypatch.setattr(enc, "encode", lambda data: calls.append(len(data)) or encode(data))
-    return calls
 
 
 def _prompt(enc, seed: int, image) -> dict:

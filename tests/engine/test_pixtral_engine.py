@@ -13,6 +13,7 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from tests.conftest import assert_top_one_agreement
+from tests.conftest import count_encodes as _spy
 from tests.conftest import cpu_llm as _llm
 from tests.conftest import ok_tokens as _tokens
 from tests.llava_checkpoint import smooth_image
@@ -50,13 +51,6 @@ def _want(hf, llm, out, images, max_new=MAX_NEW):
 def _prompt(ids, images):
     given = images is not None and (not isinstance(images, list) or len(images) > 0)
     return {"prompt_token_ids": ids, **({"multi_modal_data": {"image": images}} if given else {})}
-
-
-def _spy(monkeypatch, enc) -> list[int]:
-    encoded: list[int] = []
-    encode = enc.encode
-    monkeypatch.setattr(enc, "encode", lambda data: encoded.append(len(data)) or encode(data))
-    return encoded
 
 
 @pytest.mark.parametrize("llava", [False, True])

@@ -13,6 +13,7 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from tests.conftest import assert_top_one_agreement
+from tests.conftest import count_encodes as _spy
 from tests.conftest import cpu_llm as _llm
 from tests.conftest import ok_tokens as _tokens
 from tests.llava_checkpoint import smooth_image
@@ -51,13 +52,6 @@ def _want(hf, llm, out, images, max_new=MAX_NEW):
 def _prompts(cases):
     return [{"prompt_token_ids": ids, **({"multi_modal_data": {"image": ims}} if ims else {})}
             for ids, ims in cases]
-
-
-def _spy(monkeypatch, enc) -> list[int]:
-    encoded: list[int] = []
-    encode = enc.encode
-    monkeypatch.setattr(enc, "encode", lambda data: encoded.append(len(data)) or encode(data))
-    return encoded
 
 
 def test_images_and_text_equal_transformers(qwen3, monkeypatch):
