@@ -134,7 +134,8 @@ def add_vllm_compat_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts are always chunked here (--max-num-batched-tokens a step): "
                         "accepted, no effect")
     g.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted, no effect: flashpage runs its own model code, never a checkpoint's")
+                   help="let transformers run a checkpoint's own tokenizer code (tokenizer_config.json's "
+                        "auto_map: InternLM2's); the model's code is always flashpage's")
     g.add_argument("--swap-space", type=float, default=None,
                    help="accepted, no effect: a preempted request's KV is recomputed, not swapped")
     g.add_argument("--disable-log-stats", action="store_true", help="accepted, no effect")
@@ -195,7 +196,8 @@ def build_llm(args: argparse.Namespace) -> Any:
 
     apply_vllm_compat(args)
 
-    return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+    return LLM(args.model, tokenizer=args.tokenizer, trust_remote_code=getattr(args, "trust_remote_code", False),
+               dtype=args.dtype, device=args.device,
                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                enable_prefix_caching=not args.no_prefix_caching,

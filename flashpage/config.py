@@ -3256,6 +3256,10 @@ class EngineConfig:
     # the encoder outputs kept for later requests of the same image, in rows
     # (engine/encoder_cache.py; None: max_num_batched_tokens' worth, 0: none kept)
     mm_encoder_cache_tokens: int | None = None
+    # vLLM's trust_remote_code, for the tokenizer only: a checkpoint whose tokenizer is its own
+    # Python (tokenizer_config.json's auto_map: InternLM2's tokenization_internlm2.py) loads
+    # only when set; the model's code is always flashpage's (engine/tokenizer.py)
+    trust_remote_code: bool = False
 
     @property
     def media_policy(self) -> MediaPolicy:

@@ -79,7 +79,7 @@ class LLM:
                  allowed_media_domains: list[str] | None = None,
                  limit_mm_per_prompt: dict[str, int] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None,
-                 mm_encoder_cache_tokens: int | None = None) -> None:
+                 mm_encoder_cache_tokens: int | None = None, trust_remote_code: bool = False) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
             num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
@@ -98,7 +98,8 @@ class LLM:
             override_generation_config=override_generation_config, hf_overrides=hf_overrides,
             enable_prompt_embeds=enable_prompt_embeds, allowed_local_media_path=allowed_local_media_path,
             allowed_media_domains=allowed_media_domains, limit_mm_per_prompt=limit_mm_per_prompt,
-            mm_processor_kwargs=mm_processor_kwargs, mm_encoder_cache_tokens=mm_encoder_cache_tokens)
+            mm_processor_kwargs=mm_processor_kwargs, mm_encoder_cache_tokens=mm_encoder_cache_tokens,
+            trust_remote_code=trust_remote_code)
         if kv_cache_memory is not None:
             cfg.cpu_kv_cache_bytes = kv_cache_memory
         if is_encoder_model(random_weights_config or model):

@@ -100,7 +100,7 @@ class EncoderEngine:
         self.pooling_type = config.pooling_type or pooling_type_of(folder, default="mean")
         PoolingState(self.pooling_type)  # an unknown --pooling-type fails here
         self.model = load_encoder(mc, folder, self.dtype, self.device, config.seed)
-        self.tokenizer = _load_tokenizer(tokenizer or folder)
+        self.tokenizer = _load_tokenizer(tokenizer or folder, config.trust_remote_code)
         self.sep_token_id: int | None = getattr(self.tokenizer, "sep_token_id", None)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
@@ -363,13 +363,12 @@ def join_pair(tok: Any | None, family: str, text_1: str | list[int],
     return [cls_id, *a, *middle, *b, sep_id]
 
 
-def _load_tokenizer(path: str | None) -> Any | None:
+def _load_tokenizer(path: str | None, trust_remote_code: bool = False) -> Any | None:
     if path is None or not os.path.isdir(path):
         return None
     if not any(os.path.isfile(os.path.join(path, f)) for f in
                ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "sentencepiece.bpe.model")):
         return None
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
+    from flashpage.engine.tokenizer import auto_tokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return auto_tokenizer(path, trust_remote_code)

@@ -163,7 +163,7 @@ class LLMEngine:
         self.backend_name = backend_cls.name
         # before the model: a classifier made from a causal LM's head (hf_overrides'
         # classifier_from_token) needs its tokens' ids to build its score head
-        self.tokenizer = load_tokenizer(self.source, tokenizer)
+        self.tokenizer = load_tokenizer(self.source, tokenizer, config.trust_remote_code)
         token_ids = None
         if mc.classifier_from_token and self.source.kind != "random":
             from flashpage.models.seq_cls_from_lm import classifier_token_ids

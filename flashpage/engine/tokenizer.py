@@ -11,16 +11,15 @@ import os
 from typing import Any
 
 from flashpage import envs
+from flashpage.config import ConfigError
 from flashpage.models.loader import ModelSource
 
 
-def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any | None:
+def load_tokenizer(source: ModelSource, tokenizer: str | None = None,
+                   trust_remote_code: bool = False) -> Any | None:
     """A HF tokenizer for the model, or None when it has none (token-id prompts only)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
     if tokenizer is not None:
-        return AutoTokenizer.from_pretrained(tokenizer)
+        return auto_tokenizer(tokenizer, trust_remote_code)
     if source.kind == "gguf" and source.path:
         from flashpage.models.gguf_config import open_gguf
 
@@ -30,8 +29,42 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any | N
     if source.kind == "hf" and source.path:
         files = os.listdir(source.path)
         if any(f in files for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-            return AutoTokenizer.from_pretrained(source.path)
+            return auto_tokenizer(source.path, trust_remote_code)
     return None
+
+
+def auto_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    """transformers' AutoTokenizer over a folder. A folder whose tokenizer is its own Python
+    (tokenizer_config.json's ``auto_map``, as InternLM2's tokenization_internlm2.py) loads
+    only with ``trust_remote_code``, vLLM's flag: that code then runs in this process.
+    Without it the refusal names the class and both ways out. The flag is always passed as
+    a bool: transformers would otherwise ask on a terminal, which a server cannot answer."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if trust_remote_code or "trust_remote_code" not in str(e):
+            raise
+        custom = _custom_tokenizer_class(path)
+        raise ConfigError(
+            f"the tokenizer of {path} is the checkpoint's own code ({custom}); flashpage runs it "
+            "only when asked: --trust-remote-code (LLM(trust_remote_code=True)), or --tokenizer "
+            "with a folder transformers reads without code") from None
+
+
+def _custom_tokenizer_class(path: str) -> str:
+    """tokenizer_config.json's auto_map entry for AutoTokenizer, as its text says it."""
+    import json
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            entry = json.load(f).get("auto_map", {}).get("AutoTokenizer")
+    except (OSError, ValueError, AttributeError):
+        return "tokenizer_config.json's auto_map"
+    names = [n for n in (entry if isinstance(entry, list) else [entry]) if isinstance(n, str)]
+    return "auto_map AutoTokenizer: " + " / ".join(names) if names else "tokenizer_config.json's auto_map"
 
 
 class IncrementalDetokenizer:
