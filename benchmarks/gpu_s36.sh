@@ -5,6 +5,9 @@
 #   BUDGET=560 bash benchmarks/gpu_s36.sh b   the GPU tests of CTESTS (merged SmolVLM / Idefics3, InternVL
 #                                             video, Gemma 3 pan-and-scan), then benchmarks/vlm.py on each
 #                                             of VLMCONFIG beside transformers
+#   BUDGET=420 bash benchmarks/gpu_s36.sh c   issue 6's table again (attention_decode.py: ours, SDPA cuDNN /
+#                                             flash on contiguous K/V, gather + SDPA, copy), then the engine
+#                                             form against cuDNN in turn, medians of 3 rounds
 # Results under $OUT (summaries only); logs in /tmp.
 PART=${1:-a}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -26,5 +29,10 @@ b)
   tests 300
   vlms 240
   echo "part b done at ${SECONDS}s" ;;
-*) echo "unknown part $PART (a-b)"; exit 2 ;;
+c)
+  timeout "$(left 200)" python3 benchmarks/attention_decode.py --out "$OUT/decode" 2>&1 | tee "$OUT/decode.txt" | tail -n 16
+  timeout "$(left 200)" python3 benchmarks/decode_gluon_knobs.py --set bf16 --rounds 3 --variants "P2 s2 bal" \
+    --out "$OUT/knobs" 2>&1 | tee "$OUT/knobs.txt" | tail -n 12
+  echo "part c done at ${SECONDS}s" ;;
+*) echo "unknown part $PART (a-c)"; exit 2 ;;
 esac
