@@ -31,7 +31,7 @@ b)
   echo "part b done at ${SECONDS}s" ;;
 c)
   timeout "$(left 200)" python3 benchmarks/attention_decode.py --out "$OUT/decode" 2>&1 | tee "$OUT/decode.txt" | tail -n 16
-  timeout "$(left 200)" python3 benchmarks/decode_gluon_knobs.py --set bf16 --rounds 3 --variants "P2 s2 bal" \
+  mkdir -p "$OUT/knobs"; timeout "$(left 200)" python3 benchmarks/decode_gluon_knobs.py --set bf16 --rounds ${ROUNDS:-3} --variants "P2 s2 bal" \
     --out "$OUT/knobs" 2>&1 | tee "$OUT/knobs.txt" | tail -n 12
   echo "part c done at ${SECONDS}s" ;;
 *) echo "unknown part $PART (a-c)"; exit 2 ;;
