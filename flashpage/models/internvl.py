@@ -480,12 +480,22 @@ class InternVLImageEncoder(nn.Module):
         vc = self.config
         if vc.remote:
             text = text.replace("<image>", vc.token_texts[2])
+        return self.expand_videos(text, data)
+
+    def expand_videos(self, text: str, data: Any) -> str:
+        """``text`` with each video token made its video's frames' text (``expand_video_text``;
+        LLM.chat's rendered template too)."""
         if not isinstance(data, dict) or "video" not in data:
             return text
         from flashpage.models.qwen2_vl_video import read_video
 
         counts = [int(read_video(v, i)[0].shape[0]) for i, v in enumerate(video_items(data["video"]))]
-        return expand_video_text(text, vc, counts)
+        return expand_video_text(text, self.config, counts)
+
+    @property
+    def video_placeholder_text(self) -> str:
+        """What a chat template that prints text writes for a video part (LLM.chat)."""
+        return self.config.token_texts[3]
 
     def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
         """The engine's multimodal hook at admission (engine/multimodal.py): the images of

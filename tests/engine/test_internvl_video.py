@@ -69,7 +69,7 @@ def _image_pixels(image, vc) -> torch.Tensor:
     return normalize(tile_image(image, vc).pixels, proc)
 
 
-def _hf_tokens(path, hf, vc, text: str, images: list, videos: list, max_new: int = MAX_NEW
+def _hf_tokens(path, hf, vc, text: str, images: list, videos: list, max_new: int = MAX_NEW, **call
                ) -> tuple[list[int], list[int]]:
     """(transformers' InternVLProcessor ids for ``text`` with ``images`` and ``videos``, its
     model's greedy tokens on them). The processor's pixel_values (GotOcr2's tiles, the
@@ -81,7 +81,7 @@ def _hf_tokens(path, hf, vc, text: str, images: list, videos: list, max_new: int
     proc = hf_processor(path)
     # its videos stacked, as its processor's call needs (one frame count for all)
     proc.video_processor = lambda videos, **kw: BatchFeature({"pixel_values_videos": torch.stack(frames)})
-    out = proc(text=[text], images=images or None, videos=videos or None, return_tensors="pt")
+    out = proc(text=[text], images=images or None, videos=videos or None, return_tensors="pt", **call)
     ids = out["input_ids"][0].tolist()
     im, vi = iter(images), iter(frames)
     ours = [_image_pixels(next(im), vc) if m.group() == "<IMG_CONTEXT>" else next(vi)
@@ -156,6 +156,28 @@ def test_frames_written_out_in_token_ids(ckpt):
                           "multi_modal_data": {"image": img, "video": video}}], GREEDY, use_tqdm=False)
     assert _tokens(outs[:2]) == [want, want]
     assert _tokens(outs[2:3]) == _tokens(outs[3:]) and outs[2].prompt_token_ids == outs[3].prompt_token_ids
+
+
+def test_chat_video_parts(ckpt):
+    """LLM.chat's {"type": "video", "video": frames} parts (an array, a list of PIL frames)
+    beside an image part: the template's <video> written out into the rendered text and
+    tokenized with it; the processor's ids (its call on the rendered text, no special tokens
+    added, as its apply_chat_template) and transformers' tokens."""
+    path, hf = ckpt
+    llm = _llm(path)
+    vc = llm.engine.mm_encoder.config
+    img, video = smooth_image(20, 40, seed=9), _video(2, 30, 18, seed=10)
+    conv = [{"role": "user", "content": [{"type": "image_pil", "image_pil": img},
+                                         {"type": "video", "video": [Image.fromarray(f) for f in video]},
+                                         {"type": "text", "text": "what happens?"}]}]
+    rendered = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "what happens?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    assert "<IMG_CONTEXT>\n<video>\nwhat happens?" in rendered
+    ids, want = _hf_tokens(path, hf, vc, rendered, [img], [video], add_special_tokens=False)
+    out = llm.chat(conv, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids
+    assert _tokens([out]) == [want]
 
 
 def test_remote_layout_takes_videos_as_vllm_does(ckpt, tmp_path):
