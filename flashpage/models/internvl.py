@@ -1,4 +1,4 @@
-"""InternVL's images in transformers' layout (InternVLForConditionalGeneration:
+"""InternVL's images and videos in transformers' layout (InternVLForConditionalGeneration:
 InternVL3-1B-hf .. 78B-hf, InternVL3.5-*-HF): the InternViT tower, pixel shuffle and the
 projector, GotOcr2ImageProcessor's tiles and InternVLProcessor's prompt expansion.
 
@@ -31,6 +31,17 @@ Prompt expansion (``expand_internvl_images``), as InternVLProcessor does to the 
 ``<IMG_CONTEXT>`` placeholder (what InternVL's chat template writes for an image part)
 becomes ``<img>``, the image's rows of ``<IMG_CONTEXT>``, ``</img>``; the rows take the
 ``<IMG_CONTEXT>`` positions (ids expanded so already are kept).
+
+Videos (``expand_video_text``, ``expand_internvl_items``): a text prompt's ``<video>``
+becomes, before it is tokenized (the encoder's ``expand_text``, LLMEngine.add_request), its
+frames' text as InternVLProcessor writes it, so "FrameN: " is tokenized with the text around
+it::
+
+    <video> -> Frame1: <img>T x <IMG_CONTEXT></img>\nFrame2: <img>...</img> ...   (T = a tile's rows)
+
+each frame one tile resized to S x S (no tiling) and normalized under the video processor's
+steps, an input of its own (the frames' rows are apart). The remote-code layout joins the
+frames without the newline (vLLM's form for it).
 
 Weights: the tower's under ``model.vision_tower.`` (or ``vision_tower.``), the projector's
 under ``model.multi_modal_projector.``; the layers past the feature layer, the mask token

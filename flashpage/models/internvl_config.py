@@ -10,7 +10,9 @@ vision_feature_layer, vision_feature_select_strategy, projector_hidden_act,
 image_seq_length), preprocessor_config.json (GotOcr2ImageProcessor: tiles of the tower's
 square, min_patches / max_patches, bicubic, rescale, normalize), processor_config.json
 (image_seq_length) and the tokenizer's files (the ids of ``<img>`` / ``</img>``, which
-InternVLProcessor puts around an image's ``<IMG_CONTEXT>`` rows).
+InternVLProcessor puts around an image's ``<IMG_CONTEXT>`` rows, and of ``<video>``); for
+videos InternVLVideoProcessor's file (processor_config.json's "video_processor", else
+video_preprocessor_config.json: the frames' size, resample, rescale, mean and std).
 
 The same model in OpenGVLab's remote-code layout (InternVLChatModel: InternVL3-2B,
 InternVL3_5-8B, ...) is read through ``_from_remote``: llm_config as the text config,

@@ -6,7 +6,7 @@ processor needs torchvision, which the CPU image lacks: a stand-in hands it our 
 frames, normalized under the checkpoint's video processor's mean and std, here CLIP's beside
 the images' ImageNet ones) for a video alone, an image and a video either way round, two
 videos and a text prompt, whole and in steps of 16 tokens; frames written out in token ids;
-the remote-code layout (vLLM's form: frames joined without a newline); a repeated video hits
+LLM.chat's video parts; the remote-code layout (vLLM's form: frames joined without a newline); a repeated video hits
 the prefix cache; bad video requests are refused by name beside a good one, leaking nothing.
 fp32, CPU; one bf16 CUDA test."""
 
