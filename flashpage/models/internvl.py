@@ -280,9 +280,11 @@ def expand_internvl_items(ids: list[int], vc: InternVLVisionConfig, image_rows: 
     n_frames = sum(f for _, _, f in marks)
     n_images = len(marks) - n_frames
     if n_frames != frames or n_images != len(image_rows):
+        hint = " (a text prompt's <video> is written out as its frames here; in token ids write them out)" \
+            if n_frames == 0 else ""
         raise ValueError(f"the prompt has {n_frames} video frame(s) and {n_images} image token(s) "
                          f"(<IMG_CONTEXT>, id {tok}) but {frames} frame(s) (the videos') and "
-                         f"{len(image_rows)} image(s) were given")
+                         f"{len(image_rows)} image(s) were given{hint}")
     out: list[int] = []
     starts: list[tuple[int, bool]] = []
     images = iter(image_rows)

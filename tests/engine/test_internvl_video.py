@@ -249,6 +249,12 @@ def test_bad_video_requests_are_refused_by_name_and_leak_nothing(ckpt):
     ids = llm.get_tokenizer().encode("the cat <video> runs")
     written = llm.get_tokenizer().encode(expand_video_text("the cat <video> runs", vc, [2]))
     img = smooth_image(16, 16, seed=2)
+    wide = smooth_image(20, 40, seed=2)  # 3 tiles
+    both = llm.get_tokenizer().encode(expand_video_text("an <IMG_CONTEXT> and <video>", vc, [3]))
+    at = both.index(vc.image_token_id)
+    both[at:at + 1] = [vc.image_token_id] * (3 * ROWS)  # the image expanded already (<img> / </img> wrap it)
+    both[at:at] = [vc.start_token_id]
+    both.insert(at + 1 + 3 * ROWS, vc.end_token_id)
     bad = [
         ({"prompt": "a <video> b", "multi_modal_data": {"video": np.zeros((0, 20, 24, 3), np.uint8)}},
          ["video 0 has no frames"]),
@@ -264,6 +270,10 @@ def test_bad_video_requests_are_refused_by_name_and_leak_nothing(ckpt):
          ["ids hold <video> (id", "not expanded in token ids", "give the prompt as text"]),
         ({"prompt_token_ids": written, "multi_modal_data": {"video": video}},
          ["the prompt has 2 video frame(s) and 0 image token(s)", "but 3 frame(s) (the videos') and 0 image(s)"]),
+        ({"prompt_token_ids": both, "multi_modal_data": {"image": wide, "video": video}},
+         [f"a run of {3 * ROWS} <IMG_CONTEXT>", "an image is one <IMG_CONTEXT>"]),
+        ({"prompt_token_ids": [1, 5, 6, 7], "multi_modal_data": {"video": video}},
+         ["the prompt has 0 video frame(s)", "in token ids write them out"]),
         ({"prompt": "a <video> b", "multi_modal_data": {"image": img}},
          ["the prompt has video tokens (<video>, id", "but no video was given"]),
         ({"prompt_token_ids": ids}, ["the prompt has video tokens (<video>, id", "but no video was given"]),
