@@ -604,8 +604,9 @@ class InternVLImageEncoder(nn.Module):
     @torch.inference_mode()
     def encode(self, data: list[InternVLImage]) -> list[torch.Tensor]:
         """The engine's multimodal hook: images and frames (InternVLImage) -> their rows
-        [rows, H] on the device: every tile of the batch copied at once (pinned), normalized there, through
-        the tower in slices of at most MAX_TOWER_TILES tiles."""
+        [rows, H] on the device: every tile of the batch copied at once (pinned), normalized
+        there (a frame under the video processor's steps), through the tower in slices of at
+        most MAX_TOWER_TILES tiles."""
         from flashpage.models.multimodal import to_device
 
         w = self.vision_tower.embeddings.patch_embeddings.projection.weight
@@ -614,9 +615,14 @@ class InternVLImageEncoder(nn.Module):
         def proc(d: InternVLImage) -> Any:  # a video's frames: the video processor's steps
             return vc.frame_processing if d.frame else vc.processing
 
-        if all(d.pixels.dtype == torch.uint8 for d in data) and len({id(proc(d)) for d in data}) == 1:
-            pixels = normalize(to_device(torch.cat([d.pixels for d in data]), w.device), proc(data[0]))
-        else:  # float pixel values given, or frames beside images: each normalized alone
+        if all(d.pixels.dtype == torch.uint8 for d in data):
+            dev = to_device(torch.cat([d.pixels for d in data]), w.device)
+            if len({id(proc(d)) for d in data}) == 1:
+                pixels = normalize(dev, proc(data[0]))
+            else:  # frames beside images: each under its own steps
+                parts = dev.split([d.pixels.shape[0] for d in data])
+                pixels = torch.cat([normalize(x, proc(d)) for d, x in zip(data, parts, strict=True)])
+        else:  # float pixel values given (uint8 tiles beside them normalized alone)
             pixels = torch.cat([normalize(to_device(d.pixels, w.device), proc(d)) if d.pixels.dtype == torch.uint8
                                 else d.pixels.to(w.device) for d in data])
         pixels = pixels.to(w.dtype)
