@@ -59,7 +59,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=None, metavar="JSON",
                    help="the most images (videos) one prompt may hold, vLLM's form: '{\"image\": 2}' "
                         "(or image=2,video=1); {\"image\": 0} serves an image model's text alone "
-                        "(Qwen2-VL: {\"image\": 0, \"video\": 0})")
+                        "(a video model: Qwen2-VL, LLaVA-OneVision, InternVL: {\"image\": 0, \"video\": 0})")
     g.add_argument("--mm-processor-kwargs", type=_json_object, default=None, metavar="JSON",
                    help="the processors' settings, vLLM's: '{\"max_pixels\": 1003520}' "
                         "(Qwen2-VL's min_pixels / max_pixels; fps: Qwen2.5-VL's videos' frame rate)")

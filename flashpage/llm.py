@@ -364,8 +364,8 @@ class LLM:
         add_generation_prompt False); ``chat_template_kwargs``: more for the template (e.g.
         ``{"enable_thinking": False}``), as vLLM's. ``priority``: one per conversation, as
         in ``generate``. A model that takes images (LLaVA) reads image parts as vLLM's chat
-        does: ``image_url`` (a base64 data URL) and ``image_pil`` (a PIL image); Qwen2-VL
-        also ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list of PIL
+        does: ``image_url`` (a base64 data URL) and ``image_pil`` (a PIL image); Qwen2-VL (and
+        the other video models) also ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list of PIL
         images or of image URLs; engine/multimodal.chat_images). ``mm_processor_kwargs``:
         the processor's settings for these conversations' images, as vLLM's (``generate``'s)."""
         self._check_task("generate")
@@ -392,20 +392,30 @@ class LLM:
         if not images and not videos:
             return self.chat_prompt_ids(conv, add_generation_prompt, tools, **extra)
         video_ids = getattr(encoder, "video_placeholder_ids", None)
-        if videos and video_ids is None:
+        video_text = getattr(encoder, "video_placeholder_text", None)
+        if videos and video_ids is None and video_text is None:
             raise ValueError("video content parts given, but this model takes no video input "
-                             "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL and LLaVA-OneVision do)")
+                             "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision and InternVL do)")
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template")
         template = tok.chat_template if isinstance(tok.chat_template, str) else None
-        conv = place_images(conv, parts, template, tok.decode(placeholder_ids(encoder)),
-                            tok.decode(video_ids) if video_ids is not None else None)
-        ids = tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
-                                      tokenize=True, return_dict=False, **extra)
+        if video_text is None and video_ids is not None:
+            video_text = tok.decode(video_ids)
+        conv = place_images(conv, parts, template, tok.decode(placeholder_ids(encoder)), video_text)
         data: dict[str, Any] = {"image": images} if images else {}
         if videos:
             data["video"] = videos
+        expand = getattr(encoder, "expand_videos", None)
+        if videos and expand is not None:
+            # InternVL: a video's "FrameN: ..." text is written into the rendered template and
+            # tokenized with it (as its processor's apply_chat_template does)
+            text = tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False, **extra)
+            ids = tok.encode(expand(text, data), add_special_tokens=False)
+        else:
+            ids = tok.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                                          tokenize=True, return_dict=False, **extra)
         return {"prompt_token_ids": list(ids), "multi_modal_data": data}
 
     def chat_prompt_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,

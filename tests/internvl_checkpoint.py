@@ -20,12 +20,19 @@ import torch
 TILE, PATCH, MAX_TILES = 16, 2, 6
 ROWS = 16  # per tile: (16 / 2 / 2)^2
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+# InternVLVideoProcessor's file as the -hf repos ship it (frames resized to the tower's square,
+# bicubic, ImageNet's mean and std; frames taken as given)
+VIDEO_PROCESSOR = {"video_processor_type": "InternVLVideoProcessor", "processor_class": "InternVLProcessor",
+                   "size": {"height": TILE, "width": TILE}, "resample": 3, "do_resize": True, "do_rescale": True,
+                   "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": IMAGENET_MEAN,
+                   "image_std": IMAGENET_STD, "do_convert_rgb": True, "do_sample_frames": False}
 # InternVL's chat template (transformers' converted checkpoints): an image part is
-# <IMG_CONTEXT> on its own line
+# <IMG_CONTEXT> on its own line, a video part <video>
 INTERNVL_CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
     "{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>\n' }}"
     "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
     "{{'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -73,11 +80,12 @@ def hf_processor(path: Path, image_processor=None):
 
 
 def build_tiny_internvl(path: Path, seed: int = 0, tokenizer: bool = True, text: str = "qwen2",
-                        vision: dict | None = None, text_fields: dict | None = None, **overrides) -> Path:
+                        vision: dict | None = None, text_fields: dict | None = None,
+                        video_processor: dict | None = None, **overrides) -> Path:
     """Save a tiny InternVL checkpoint under ``path``; ``text``: the text model's kind
     (qwen2, qwen3, llama, qwen3_moe, gpt_oss), ``text_fields`` text_config fields over ours; ``vision``:
-    vision_config fields over ours; ``overrides``: InternVLConfig fields
-    (vision_feature_layer, ...)."""
+    vision_config fields over ours; ``video_processor``: video_preprocessor_config.json fields
+    over VIDEO_PROCESSOR's; ``overrides``: InternVLConfig fields (vision_feature_layer, ...)."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -110,6 +118,7 @@ def build_tiny_internvl(path: Path, seed: int = 0, tokenizer: bool = True, text:
                 p.normal_(0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     hf_image_processor().save_pretrained(path)
+    (path / "video_preprocessor_config.json").write_text(json.dumps({**VIDEO_PROCESSOR, **(video_processor or {})}))
     (path / "processor_config.json").write_text(
         json.dumps({"image_seq_length": rows, "processor_class": "InternVLProcessor"}) + "\n")
     return path

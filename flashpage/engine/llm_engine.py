@@ -207,9 +207,9 @@ class LLMEngine:
         self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | Gemma3ImageEncoder \
             | InternVLImageEncoder | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
-        # Qwen2-VL / Qwen2.5-VL / Qwen3-VL and LLaVA-OneVision take videos too
+        # Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision and InternVL take videos too
         takes: tuple[str, ...]
-        if isinstance(mc.vision, QwenVisionConfig):
+        if isinstance(mc.vision, QwenVisionConfig) or getattr(mc.vision, "takes_video", False):
             takes = ("image", "video")
         else:
             takes = ("image", "video") if getattr(mc.vision, "video_token_id", None) is not None \
@@ -862,11 +862,12 @@ class LLMEngine:
             embeds = self._check_embeds_request(prompt, params, pooling)
             text, ids = None, [EMBEDS_PLACEHOLDER_ID] * embeds.shape[0]
         else:
-            # a text placeholder the encoder's prompts write as several tokens (InternVL's
-            # remote-code "<image>", as vLLM takes it) made its image token before tokenizing
-            sub = getattr(self.mm_encoder, "text_placeholder", None)
-            tokenize: Callable[[str], list[int]] = self.tokenize if sub is None or multi_modal_data is None \
-                else (lambda s: self.tokenize(s.replace(sub[0], sub[1])))
+            # an encoder that expands a text prompt before it is tokenized (InternVL's: a
+            # video's "FrameN: <img>...</img>" text, as its processor writes it; the remote-code
+            # layout's "<image>", as vLLM takes it)
+            expand = getattr(self.mm_encoder, "expand_text", None)
+            tokenize: Callable[[str], list[int]] = self.tokenize if expand is None or multi_modal_data is None \
+                else (lambda s: self.tokenize(expand(s, multi_modal_data)))
             text, ids = prompt_text_and_ids(prompt, tokenize)
             ids, mm_inputs = self._multimodal_inputs(ids, multi_modal_data, params, pooling,
                                                      mm_processor_kwargs)

@@ -1,4 +1,4 @@
-"""InternVL's images in transformers' layout (InternVLForConditionalGeneration:
+"""InternVL's images and videos in transformers' layout (InternVLForConditionalGeneration:
 InternVL3-1B-hf .. 78B-hf, InternVL3.5-*-HF): the InternViT tower, pixel shuffle and the
 projector, GotOcr2ImageProcessor's tiles and InternVLProcessor's prompt expansion.
 
@@ -32,6 +32,17 @@ Prompt expansion (``expand_internvl_images``), as InternVLProcessor does to the 
 becomes ``<img>``, the image's rows of ``<IMG_CONTEXT>``, ``</img>``; the rows take the
 ``<IMG_CONTEXT>`` positions (ids expanded so already are kept).
 
+Videos (``expand_video_text``, ``expand_internvl_items``): a text prompt's ``<video>``
+becomes, before it is tokenized (the encoder's ``expand_text``, LLMEngine.add_request), its
+frames' text as InternVLProcessor writes it, so "FrameN: " is tokenized with the text around
+it::
+
+    <video> -> Frame1: <img>T x <IMG_CONTEXT></img>\nFrame2: <img>...</img> ...   (T = a tile's rows)
+
+each frame one tile resized to S x S (no tiling) and normalized under the video processor's
+steps, an input of its own (the frames' rows are apart). The remote-code layout joins the
+frames without the newline (vLLM's form for it).
+
 Weights: the tower's under ``model.vision_tower.`` (or ``vision_tower.``), the projector's
 under ``model.multi_modal_projector.``; the layers past the feature layer, the mask token
 and a final LayerNorm that is not read are skipped. OpenGVLab's remote-code layout
@@ -55,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashpage.engine.multimodal import MultiModalInput, token_runs
+from flashpage.engine.multimodal import MultiModalInput, token_runs, video_items
 from flashpage.engine.prompt_embeds import digest
 from flashpage.layers.norm import RMSNorm
 from flashpage.models.clip_image import is_pil_image, normalize, pil_to_uint8
@@ -146,15 +157,18 @@ def num_image_rows(vc: InternVLVisionConfig, size: tuple[int, int]) -> int:
 @dataclass(eq=False)
 class InternVLImage:
     """One image tiled: its tiles [n, 3, S, S] (uint8 pixels, normalized on the device; or
-    float pixel values given preprocessed), the image's size (height, width) and its rows."""
+    float pixel values given preprocessed), the image's size (height, width) and its rows.
+    ``frame``: one frame of a video (one tile, normalized under the video processor's steps,
+    which may differ from the image processor's)."""
 
     pixels: torch.Tensor
     size: tuple[int, int]
     rows: int
+    frame: bool = False
 
     def digest(self) -> bytes:
         h = hashlib.blake2b(digest(self.pixels), digest_size=32)
-        h.update(struct.pack("<qq", *self.size))
+        h.update(struct.pack("<qq?", *self.size, self.frame))
         return h.digest()
 
 
@@ -200,6 +214,93 @@ def expand_internvl_images(ids: list[int], vc: InternVLVisionConfig, rows: list[
             out.append(vc.end_token_id)
         else:
             out.append(t)
+    return out, starts
+
+
+# ------------------------------------------------------------------ videos
+def video_text(vc: InternVLVisionConfig, frames: int) -> str:
+    """A video of ``frames`` frames as the prompt's text: InternVLProcessor's
+    replace_video_token, each frame "FrameN: <img>" its tile's rows of <IMG_CONTEXT> "</img>",
+    the frames joined by "\\n" (vLLM's remote-code layout: by nothing; ``frame_sep``)."""
+    start, end, ctx, _ = vc.token_texts
+    tile = f"{start}{ctx * vc.tokens_per_image}{end}"
+    return vc.frame_sep.join(f"Frame{i + 1}: {tile}" for i in range(frames))
+
+
+def video_frames(video: Any, vc: InternVLVisionConfig, i: int = 0) -> torch.Tensor:
+    """Video ``i`` (vLLM's forms: engine/multimodal.video_items) -> its frames, each one tile
+    resized to the tower's square (no aspect kept, no tiling: InternVLVideoProcessor's
+    resize; vLLM's for the remote-code layout), uint8 [F, 3, S, S]; a ValueError names a
+    bad video (models/qwen2_vl_video.read_video)."""
+    from flashpage.models.qwen2_vl_video import read_video
+
+    frames, _ = read_video(video, i)
+    s = vc.image_size
+    if tuple(frames.shape[2:]) != (s, s):
+        frames = F.interpolate(frames, size=(s, s), mode=vc.frame_processing.resample, antialias=True,
+                               align_corners=False)
+    return frames.contiguous()
+
+
+def expand_video_text(text: str, vc: InternVLVisionConfig, frame_counts: list[int]) -> str:
+    """``text`` with its i-th video token made video i's frames' text (``video_text``), as
+    InternVLProcessor does before tokenizing (the "FrameN: " text is tokenized with the
+    text around it); a ValueError names a count of video tokens other than the videos'."""
+    token = vc.token_texts[3]
+    parts = text.split(token)
+    if len(parts) - 1 != len(frame_counts):
+        raise ValueError(f"the prompt has {len(parts) - 1} video placeholder(s) ({token}) but "
+                         f"{len(frame_counts)} video(s) were given (put one {token} per video: each "
+                         "becomes its frames' text, \"Frame1: <img>...</img>\", ...)")
+    out = [parts[0]]
+    for n, rest in zip(frame_counts, parts[1:], strict=True):
+        out += [video_text(vc, n), rest]
+    return "".join(out)
+
+
+def expand_internvl_items(ids: list[int], vc: InternVLVisionConfig, image_rows: list[int], frames: int
+                          ) -> tuple[list[int], list[tuple[int, bool]]]:
+    """A prompt with videos: its ids with each image's ``<IMG_CONTEXT>`` made ``<img>``, its
+    rows, ``</img>``; the frames, written out already (``expand_video_text``: a run of a
+    tile's rows between ``<img>`` and ``</img>``), kept; and each item's first row position
+    with whether it is a frame, in prompt order. A ValueError names a run that is neither,
+    or counts other than the items'."""
+    tok, rows = vc.image_token_id, vc.tokens_per_image
+    marks: list[tuple[int, int, bool]] = []  # (start, length, frame)
+    for s, n in token_runs(ids, tok):
+        wrapped = s > 0 and ids[s - 1] == vc.start_token_id and s + n < len(ids) and ids[s + n] == vc.end_token_id
+        if wrapped and n == rows:
+            marks.append((s, n, True))
+        elif n == 1:
+            marks.append((s, n, False))
+        else:
+            raise ValueError(f"the prompt has a run of {n} <IMG_CONTEXT> (id {tok}) at position {s}: with a "
+                             f"video, an image is one <IMG_CONTEXT> (expanded here) and a frame "
+                             f"<img>, {rows} x <IMG_CONTEXT>, </img> (written from the video's placeholder)")
+    n_frames = sum(f for _, _, f in marks)
+    n_images = len(marks) - n_frames
+    if n_frames != frames or n_images != len(image_rows):
+        hint = " (a text prompt's <video> is written out as its frames here; in token ids write them out)" \
+            if n_frames == 0 else ""
+        raise ValueError(f"the prompt has {n_frames} video frame(s) and {n_images} image token(s) "
+                         f"(<IMG_CONTEXT>, id {tok}) but {frames} frame(s) (the videos') and "
+                         f"{len(image_rows)} image(s) were given{hint}")
+    out: list[int] = []
+    starts: list[tuple[int, bool]] = []
+    images = iter(image_rows)
+    last = 0
+    for s, n, frame in marks:
+        out += ids[last:s]
+        if frame:
+            starts.append((len(out), True))
+            out += ids[s:s + n]
+        else:
+            out.append(vc.start_token_id)
+            starts.append((len(out), False))
+            out += [tok] * next(images)
+            out.append(vc.end_token_id)
+        last = s + n
+    out += ids[last:]
     return out, starts
 
 
@@ -345,6 +446,10 @@ class InternVLImageEncoder(nn.Module):
 
     token_name = "<IMG_CONTEXT>"
 
+    @property
+    def video_token_name(self) -> str:
+        return self.config.token_texts[3]
+
     # tiles per tower call: a tile is P^2 + 1 = 1,025 tower tokens for 256 rows, so an encode
     # batch of max_num_batched_tokens rows runs in slices of this many
     MAX_TOWER_TILES = 16
@@ -352,9 +457,6 @@ class InternVLImageEncoder(nn.Module):
     def __init__(self, vc: InternVLVisionConfig, text_hidden: int) -> None:
         super().__init__()
         self.config = vc
-        # the remote-code layout's prompts write "<image>" (vLLM's placeholder for it, several
-        # tokens): a text prompt's is made <IMG_CONTEXT> before tokenizing (engine add_request)
-        self.text_placeholder = ("<image>", "<IMG_CONTEXT>") if vc.remote else None
         self.vision_tower = InternVLVisionTower(vc)
         self.multi_modal_projector = InternVLMultiModalProjector(vc, text_hidden)
 
@@ -383,14 +485,67 @@ class InternVLImageEncoder(nn.Module):
         return tokens * per + shuffled + out + tiles * 3 * vc.image_size ** 2 * 4
 
     # ------------------------------------------------------------ the engine's hooks
+    def expand_text(self, text: str, data: Any) -> str:
+        """A text prompt with multi_modal_data, before it is tokenized (LLMEngine.add_request):
+        each video token made its video's frames' text (``expand_video_text``), as
+        InternVLProcessor does; the remote-code layout's "<image>" (vLLM's placeholder for
+        it, several tokens) made <IMG_CONTEXT>."""
+        vc = self.config
+        if vc.remote:
+            text = text.replace("<image>", vc.token_texts[2])
+        return self.expand_videos(text, data)
+
+    def expand_videos(self, text: str, data: Any) -> str:
+        """``text`` with each video token made its video's frames' text (``expand_video_text``;
+        LLM.chat's rendered template too)."""
+        if not isinstance(data, dict) or "video" not in data:
+            return text
+        from flashpage.models.qwen2_vl_video import read_video
+
+        counts = [int(read_video(v, i)[0].shape[0]) for i, v in enumerate(video_items(data["video"]))]
+        return expand_video_text(text, self.config, counts)
+
+    @property
+    def video_placeholder_text(self) -> str:
+        """What a chat template that prints text writes for a video part (LLM.chat)."""
+        return self.config.token_texts[3]
+
     def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
         """The engine's multimodal hook at admission (engine/multimodal.py): the images of
         ``multi_modal_data`` ({"image": a PIL image, uint8 pixels [3, H, W], an
         InternVLImage, or a list of them}) tiled, each ``<IMG_CONTEXT>`` expanded
-        (expand_internvl_images); a ValueError names what is wrong."""
-        items = [self.pixel_values(img, i) for i, img in enumerate(images_of(data, batches=False))]
-        ids, starts = expand_internvl_images(ids, self.config, [it.rows for it in items])
-        return ids, [MultiModalInput(s, it.rows, it.digest(), it) for s, it in zip(starts, items, strict=True)]
+        (expand_internvl_images); its videos ({"video": frames, or a list of videos}) one
+        tile a frame, each frame an input of its own (the frames' rows are apart: "FrameN: "
+        text between them), its prompt's frames written out from the text already
+        (``expand_text``); a ValueError names what is wrong."""
+        vc = self.config
+        if not isinstance(data, dict):
+            raise ValueError(f"multi_modal_data must be a dict such as {{\"image\": image}} or "
+                             f"{{\"video\": frames}}, got {type(data).__name__}")
+        unknown = sorted(set(data) - {"image", "video"})
+        if unknown or not data:
+            raise ValueError(f"multi_modal_data {unknown or '{}'}: {NAME} takes \"image\" and \"video\"")
+        images = images_of({"image": data["image"]}, batches=False) if "image" in data else []
+        items = [self.pixel_values(img, i) for i, img in enumerate(images)]
+        video = vc.video_token_id
+        if video is not None and video in ids:
+            if "video" not in data:
+                raise ValueError(f"the prompt has video tokens ({self.video_token_name}, id {video}) but no "
+                                 "video was given (multi_modal_data={\"video\": frames})")
+            raise ValueError(f"the prompt's ids hold {self.video_token_name} (id {video}), which is not expanded "
+                             "in token ids: InternVLProcessor writes a video's frames as text (\"Frame1: "
+                             "<img>...</img>\"), tokenized with the text around it; give the prompt as text, "
+                             "or its ids with each frame written out so")
+        if "video" not in data:
+            ids, starts = expand_internvl_images(ids, vc, [it.rows for it in items])
+            return ids, [MultiModalInput(s, it.rows, it.digest(), it) for s, it in zip(starts, items, strict=True)]
+        videos = [video_frames(v, vc, i) for i, v in enumerate(video_items(data["video"]))]
+        frames = [InternVLImage(f[None], (vc.image_size, vc.image_size), vc.tokens_per_image, True)
+                  for v in videos for f in v]
+        ids, marks = expand_internvl_items(ids, vc, [it.rows for it in items], len(frames))
+        queue_i, queue_f = iter(items), iter(frames)
+        ordered = [(s, next(queue_f if frame else queue_i)) for s, frame in marks]
+        return ids, [MultiModalInput(s, it.rows, it.digest(), it) for s, it in ordered]
 
     def num_rows(self, item: InternVLImage) -> int:
         return item.rows
@@ -448,17 +603,27 @@ class InternVLImageEncoder(nn.Module):
 
     @torch.inference_mode()
     def encode(self, data: list[InternVLImage]) -> list[torch.Tensor]:
-        """The engine's multimodal hook: images (InternVLImage) -> their rows [rows, H] on the
-        device: every tile of the batch copied at once (pinned), normalized there, through
-        the tower in slices of at most MAX_TOWER_TILES tiles."""
+        """The engine's multimodal hook: images and frames (InternVLImage) -> their rows
+        [rows, H] on the device: every tile of the batch copied at once (pinned), normalized
+        there (a frame under the video processor's steps), through the tower in slices of at
+        most MAX_TOWER_TILES tiles."""
         from flashpage.models.multimodal import to_device
 
         w = self.vision_tower.embeddings.patch_embeddings.projection.weight
-        proc = self.config.processing
+        vc = self.config
+
+        def proc(d: InternVLImage) -> Any:  # a video's frames: the video processor's steps
+            return vc.frame_processing if d.frame else vc.processing
+
         if all(d.pixels.dtype == torch.uint8 for d in data):
-            pixels = normalize(to_device(torch.cat([d.pixels for d in data]), w.device), proc)
+            dev = to_device(torch.cat([d.pixels for d in data]), w.device)
+            if len({id(proc(d)) for d in data}) == 1:
+                pixels = normalize(dev, proc(data[0]))
+            else:  # frames beside images: each under its own steps
+                parts = dev.split([d.pixels.shape[0] for d in data])
+                pixels = torch.cat([normalize(x, proc(d)) for d, x in zip(data, parts, strict=True)])
         else:  # float pixel values given (uint8 tiles beside them normalized alone)
-            pixels = torch.cat([normalize(d.pixels.to(w.device), proc) if d.pixels.dtype == torch.uint8
+            pixels = torch.cat([normalize(to_device(d.pixels, w.device), proc(d)) if d.pixels.dtype == torch.uint8
                                 else d.pixels.to(w.device) for d in data])
         pixels = pixels.to(w.dtype)
         feats = torch.cat([self(pixels[i:i + self.MAX_TOWER_TILES])

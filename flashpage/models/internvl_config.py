@@ -10,7 +10,9 @@ vision_feature_layer, vision_feature_select_strategy, projector_hidden_act,
 image_seq_length), preprocessor_config.json (GotOcr2ImageProcessor: tiles of the tower's
 square, min_patches / max_patches, bicubic, rescale, normalize), processor_config.json
 (image_seq_length) and the tokenizer's files (the ids of ``<img>`` / ``</img>``, which
-InternVLProcessor puts around an image's ``<IMG_CONTEXT>`` rows).
+InternVLProcessor puts around an image's ``<IMG_CONTEXT>`` rows, and of ``<video>``); for
+videos InternVLVideoProcessor's file (processor_config.json's "video_processor", else
+video_preprocessor_config.json: the frames' size, resample, rescale, mean and std).
 
 The same model in OpenGVLab's remote-code layout (InternVLChatModel: InternVL3-2B,
 InternVL3_5-8B, ...) is read through ``_from_remote``: llm_config as the text config,
@@ -82,6 +84,24 @@ class InternVLVisionConfig:
     # OpenGVLab's remote-code layout (InternVLChatModel): its tensor names (vision_model.,
     # mlp1., a fused qkv) are mapped to transformers' at load (models/internvl.py)
     remote: bool = False
+    # videos (models/internvl.py video_text): a prompt's video token (``token_texts``: the
+    # texts of <img>, </img>, <IMG_CONTEXT> and it) becomes each frame's "FrameN:
+    # <img>rows</img>", the frames joined by ``frame_sep`` (InternVLProcessor's "\n"; vLLM's
+    # remote-code layout joins them with ""), each frame one tile resized to the tower's
+    # square under ``video_processing`` (the image steps where None); ``video_token_id``:
+    # the token it is in the -hf tokenizer (None: text, the remote-code layout's)
+    token_texts: tuple[str, str, str, str] = ("<img>", "</img>", "<IMG_CONTEXT>", "<video>")
+    video_token_id: int | None = None
+    frame_sep: str = "\n"
+    video_processing: ImageProcessing | None = None
+
+    @property
+    def takes_video(self) -> bool:
+        return True
+
+    @property
+    def frame_processing(self) -> ImageProcessing:
+        return self.video_processing or self.processing
 
     @property
     def patches_per_side(self) -> int:
@@ -155,21 +175,25 @@ def _vocab(folder: str | None) -> tuple[dict[str, int], dict[str, Any]]:
     return vocab, tc
 
 
-def _special_ids(folder: str | None, image_token: int) -> tuple[int, int]:
+def _special_ids(folder: str | None, image_token: int) -> tuple[int, int, tuple[str, str, str, str], int | None]:
     """The ids of the tokenizer's start / end image tokens (tokenizer_config.json names them,
     "<img>" / "</img>" by default; tokenizer.json's added tokens or vocabulary give their
-    ids), else the published layout's: the two ids before <IMG_CONTEXT>'s."""
+    ids), else the published layout's: the two ids before <IMG_CONTEXT>'s; the texts of
+    <img>, </img>, <IMG_CONTEXT> and the video token ("<video>" by default), and the video
+    token's id (None where it is no token)."""
     vocab, tc = _vocab(folder)
-    names = ["<img>", "</img>"]
+    names = ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+    keys = ("start_image_token", "end_image_token", "context_image_token", "video_token")
     for sub in (tc, tc.get("extra_special_tokens"), tc.get("model_specific_special_tokens")):
         if isinstance(sub, dict):
-            for i, key in enumerate(("start_image_token", "end_image_token")):
+            for i, key in enumerate(keys):
                 if isinstance(sub.get(key), str):
                     names[i] = sub[key]
     start, end = vocab.get(names[0]), vocab.get(names[1])
+    texts = (names[0], names[1], names[2], names[3])
     if start is None or end is None:
-        return image_token - 2, image_token - 1
-    return start, end
+        return image_token - 2, image_token - 1, texts, vocab.get(names[3])
+    return start, end, texts, vocab.get(names[3])
 
 
 # InternVisionConfig's defaults (OpenGVLab's remote code: InternViT-6B) where they differ from
@@ -251,6 +275,41 @@ def _processing(folder: str | None, image_size: int, where: str) -> tuple[ImageP
     return ImageProcessing(None, (image_size, image_size), None, rescale, mean, std, resample, False, rgb), lo, hi
 
 
+def _video_processing(folder: str | None, image_size: int, where: str) -> ImageProcessing | None:
+    """InternVLVideoProcessor's steps as transformers finds its settings (processor_config.json's
+    "video_processor", else video_preprocessor_config.json): each frame resized to ``size``
+    (which must be the tower's square; the class default is 384 x 384), rescale, normalize
+    (its defaults: bicubic, CLIP's mean and std). None without either file: the frames take
+    the image processor's steps. Frames are taken as given (do_sample_frames is not read:
+    the published files turn it off)."""
+    pc: dict[str, Any] | None = None
+    if folder:
+        proc = os.path.join(folder, "processor_config.json")
+        nested = _json_object(proc).get("video_processor") if os.path.isfile(proc) else None
+        if isinstance(nested, dict):
+            pc, where = nested, proc
+        elif os.path.isfile(path := os.path.join(folder, "video_preprocessor_config.json")):
+            pc, where = _json_object(path), path
+    if pc is None:
+        return None
+    pc = {k: v for k, v in pc.items() if v is not None}  # null: the default
+    kind = str(pc.get("video_processor_type", "InternVLVideoProcessor"))
+    if kind.removesuffix("Fast") != "InternVLVideoProcessor":
+        raise ConfigError(f"{where}: video_processor_type {kind!r} is not read in InternVL "
+                          "(InternVLVideoProcessor's frames are)")
+    if not pc.get("do_resize", True):
+        raise ConfigError(f"{where}: the video processor's do_resize false: frames of any size would "
+                          f"reach a tower that takes {image_size} x {image_size}")
+    if pc.get("do_center_crop"):
+        raise ConfigError(f"{where}: the video processor's do_center_crop is not read")
+    size = pc.get("size", {"height": 384, "width": 384})  # InternVLVideoProcessor's default
+    if not (isinstance(size, dict) and size.get("height") == image_size and size.get("width") == image_size):
+        raise ConfigError(f"{where}: the video processor's size {size!r}: the vision tower takes "
+                          f"{image_size} x {image_size} frames")
+    rescale, mean, std, resample, rgb = pixel_steps(pc, where)
+    return ImageProcessing(None, (image_size, image_size), None, rescale, mean, std, resample, False, rgb)
+
+
 def _seq_length(d: dict[str, Any], folder: str | None, where: str) -> int | None:
     """The processor's image_seq_length (processor_config.json, else config.json's), None
     where neither says it."""
@@ -325,7 +384,14 @@ def internvl_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: 
         raise ConfigError(f"{where}: image_seq_length {seq} (the processor's <IMG_CONTEXT> per tile) "
                           f"differs from the {tokens} rows a tile gives ((image_size / patch_size x "
                           "downsample_ratio)^2)")
-    start, end = _special_ids(folder, token)
+    start, end, texts, video_id = _special_ids(folder, token)
+    if remote:  # vLLM's form for this layout: "<video>" as text, frames joined without a newline
+        texts, video_id, sep, video_processing = (texts[0], texts[1], texts[2], "<video>"), None, "", None
+    else:
+        sep, video_processing = "\n", _video_processing(folder, v["image_size"], where)
+    if video_id in (token, start, end):
+        raise ConfigError(f"{where}: the tokenizer's video token {texts[3]!r} is one of <img>, </img>, "
+                          "<IMG_CONTEXT>")
     if len({token, start, end}) != 3:
         raise ConfigError(f"{where}: <img> ({start}), </img> ({end}) and <IMG_CONTEXT> ({token}) must be "
                           "three tokens")
@@ -335,4 +401,4 @@ def internvl_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: 
         _flag(vc, "use_qk_norm", False, where), _flag(vc, "attention_bias", False, where),
         _flag(vc, "use_absolute_position_embeddings", True, where), feature,
         raw_layer == -1 and not _flag(vc, "use_mean_pooling", True, where), shuffle, act, token,
-        start, end, lo, hi, processing, thumbnail, remote)
+        start, end, lo, hi, processing, thumbnail, remote, texts, video_id, sep, video_processing)

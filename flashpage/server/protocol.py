@@ -204,7 +204,7 @@ class ChatMessage(_Body):
                 raise PydanticCustomError(
                     "content_part", "content.{i} has type '{kind}': the server reads no video (a "
                     "video file needs a video decoder such as PyAV, which flashpage does not use); "
-                    "Qwen2-VL / Qwen3-VL / LLaVA-OneVision take a video's frames offline: LLM.generate's "
+                    "Qwen2-VL / Qwen3-VL / LLaVA-OneVision / InternVL take a video's frames offline: LLM.generate's "
                     "multi_modal_data[\"video\"] or LLM.chat's \"video\" parts",
                     {"i": i, "kind": kind})
             if isinstance(kind, str) and kind not in ("text", "image_url"):

@@ -247,8 +247,8 @@ def test_bad_requests_are_refused_by_name_and_leak_nothing(ivl_ckpt):
     vc = llm.engine.mm_encoder.config
     one = tile_image(smooth_image(16, 16), vc)
     bad = [
-        ({"prompt_token_ids": ids, "multi_modal_data": {"video": [img, img]}},
-         ["multi_modal_data ['video']: this model takes \"image\" only"]),
+        ({"prompt_token_ids": ids, "multi_modal_data": {"audio": [img, img]}},
+         ["multi_modal_data ['audio']: InternVL (InternVLForConditionalGeneration) takes \"image\" and \"video\""]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"image": torch.zeros(3, 16, 16)}},
          ["uint8 pixels [3, H, W]", "[3, 16, 16] float32"]),
         ({"prompt_token_ids": ids, "multi_modal_data": {"image": "cat.png"}}, ["image 0 is a str"]),
@@ -298,8 +298,8 @@ def test_pixels_tiles_and_expanded_ids_are_kept(ivl_ckpt):
 
 def test_a_text_prompt_and_no_image_limit(ivl_ckpt):
     """A text prompt holding <IMG_CONTEXT> (the tokenizer's special token) gives the ids'
-    tokens; limit_mm_per_prompt {"image": 0} serves the text model alone (no tower loaded),
-    its text tokens transformers' and an image refused by the limit."""
+    tokens; limit_mm_per_prompt {"image": 0, "video": 0} serves the text model alone (no
+    tower loaded), its text tokens transformers' and an image refused by the limit."""
     path, hf, tok = ivl_ckpt
     llm = _llm(path)
     img = smooth_image(20, 40, seed=5)
@@ -309,7 +309,7 @@ def test_a_text_prompt_and_no_image_limit(ivl_ckpt):
     outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": img}},
                          {"prompt_token_ids": ids, "multi_modal_data": {"image": img}}], GREEDY, use_tqdm=False)
     assert _tokens(outs) == [_want(hf, ids, [img], llm)] * 2
-    text_only = _llm(path, limit_mm_per_prompt={"image": 0})
+    text_only = _llm(path, limit_mm_per_prompt={"image": 0, "video": 0})
     assert text_only.engine.mm_encoder is None
     plain = [1, 5, 6, 7, 8]
     outs = text_only.generate([{"prompt_token_ids": plain},

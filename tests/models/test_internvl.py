@@ -296,7 +296,12 @@ def test_remote_layout_reads_as_transformers(tiny, tmp_path, name):
     dst = to_remote_layout(src, tmp_path / "remote")
     hf_vc, vc = ModelConfig.from_hf(src).vision, ModelConfig.from_hf(dst).vision
     assert vc.remote and not hf_vc.remote
-    assert replace(vc, remote=False) == hf_vc
+    # the video fields differ as the two layouts' processors do: "<video>" is text in the
+    # remote one, frames joined without a newline (vLLM's), normalized as images
+    assert (vc.video_token_id, vc.frame_sep, vc.video_processing) == (None, "", None)
+    assert hf_vc.video_token_id is not None and hf_vc.frame_sep == "\n" and hf_vc.video_processing is not None
+    assert replace(vc, remote=False, video_token_id=hf_vc.video_token_id, frame_sep="\n",
+                   video_processing=hf_vc.video_processing) == hf_vc
     mc = ModelConfig.from_hf(dst)
     assert (mc.multimodal_architecture, mc.architecture) == ("InternVLChatModel", "Qwen2ForCausalLM")
     items = [tile_image(smooth_image(h, w, seed=i), vc) for i, (h, w) in enumerate([(33, 33), (10, 90)])]
@@ -336,7 +341,7 @@ def test_remote_layout_config_fields_and_errors():
     assert (mc.architecture, mc.hidden_size) == ("Qwen2ForCausalLM", 1536)
     assert (vc.remote, vc.thumbnail, vc.min_tiles, vc.max_tiles, vc.tokens_per_image) == (True, True, 1, 12, 256)
     assert (vc.image_token_id, vc.start_token_id, vc.end_token_id) == (151667, 151665, 151666)
-    assert vc == replace(ModelConfig.from_hf(INTERNVL3_2B).vision, remote=True)
+    assert vc == replace(ModelConfig.from_hf(INTERNVL3_2B).vision, remote=True, frame_sep="")
     one = ModelConfig.from_hf({**INTERNVL3_2B_REMOTE, "dynamic_image_size": False}).vision
     assert (one.min_tiles, one.max_tiles) == (1, 1) and num_tiles(one, (1080, 1920)) == 1
     bare = ModelConfig.from_hf({**INTERNVL3_2B_REMOTE, "use_thumbnail": False}).vision
@@ -354,3 +359,40 @@ def test_remote_layout_config_fields_and_errors():
     bad = {**INTERNVL3_2B_REMOTE, "vision_config": {**INTERNVL3_2B_REMOTE["vision_config"], "model_type": "clip"}}
     with pytest.raises(ConfigError, match="'clip' is not supported in InternVLChatModel"):
         ModelConfig.from_hf(bad)
+
+
+def test_video_processor_config(tiny, tmp_path):
+    """InternVLVideoProcessor's settings as transformers finds them: video_preprocessor_config.json
+    (the tiny checkpoint's: ImageNet's mean and std, the tower's square), processor_config.json's
+    "video_processor" over it, none at all (the frames take the image steps); the tokenizer's
+    <video> id; a size other than the tower's, do_resize false, center crop and another
+    processor class are ConfigErrors."""
+    import shutil
+
+    src = tiny("default")
+    vc = ModelConfig.from_hf(src).vision
+    assert vc.video_processing is not None and vc.video_processing.mean == (0.485, 0.456, 0.406)
+    assert (vc.video_processing.resize_hw, vc.video_processing.resample) == ((16, 16), "bicubic")
+    assert vc.video_token_id == 243 and vc.token_texts == ("<img>", "</img>", "<IMG_CONTEXT>", "<video>")
+    assert vc.frame_sep == "\n"
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    pc = json.loads((path / "processor_config.json").read_text())
+    (path / "processor_config.json").write_text(json.dumps(
+        {**pc, "video_processor": {"size": {"height": 16, "width": 16}, "image_mean": [0.5] * 3}}))
+    nested = ModelConfig.from_hf(path).vision.video_processing
+    assert nested.mean == (0.5, 0.5, 0.5) and nested.std == (0.26862954, 0.26130258, 0.27577711)
+    (path / "processor_config.json").write_text(json.dumps(pc))
+    (path / "video_preprocessor_config.json").unlink()
+    none = ModelConfig.from_hf(path).vision
+    assert none.video_processing is None and none.frame_processing == none.processing
+    for edit, needle in [({"size": {"height": 384, "width": 384}}, "the vision tower takes 16 x 16 frames"),
+                         ({"size": None}, "size {'height': 384, 'width': 384}"),
+                         ({"do_resize": False}, "do_resize false"),
+                         ({"do_center_crop": True}, "do_center_crop is not read"),
+                         ({"video_processor_type": "Qwen2VLVideoProcessor"}, "'Qwen2VLVideoProcessor' is not read")]:
+        from tests.internvl_checkpoint import VIDEO_PROCESSOR
+
+        (path / "video_preprocessor_config.json").write_text(json.dumps({**VIDEO_PROCESSOR, **edit}))
+        with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("{", r"\{")):
+            ModelConfig.from_hf(path)
