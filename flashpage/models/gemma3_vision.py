@@ -114,6 +114,10 @@ class Gemma3ImageEncoder(nn.Module):
         # pan-and-scan's text around an image's crops (models/gemma3_pan_and_scan.py)
         self.tokenize: Callable[[str], list[int]] | None = None
         self._texts: tuple[list[int], list[int], list[int]] | None = None
+        # the most rows one image may take (the engine sets its max_model_len): a request's
+        # pan-and-scan settings that would cut an image into more crops are refused before
+        # any is resized (each is S x S pixels on the host)
+        self.max_rows: int | None = None
 
     # the id a chat template's image part becomes (engine/multimodal.placeholder_ids), and
     # the name of the rows' token in errors (enc_token_name)
@@ -204,8 +208,10 @@ class Gemma3ImageEncoder(nn.Module):
         PIL image or a uint8 [3, H, W] tensor resized to uint8 [3, S, S], normalized on the
         device by ``encode`` (a quarter of fp32's bytes to hash and copy), or, where
         pan-and-scan (``vision``'s, else the engine's) cuts it, its whole and its crops so
-        resized (a PanScanImage, kept as given once admitted); float pixel values [3, S, S]
-        given, checked (shape, dtype, finite) and kept (one image: they cannot be cut)."""
+        resized (a PanScanImage, kept as given once admitted: with pan-and-scan on, even an
+        image it leaves whole is one, of no crops, so that a second admission never cuts
+        the resized square); float pixel values [3, S, S] given, checked (shape, dtype,
+        finite) and kept (one image: they cannot be cut)."""
         s = self.config.image_size
         if isinstance(image, PanScanImage):  # admitted already (the server's)
             if not image.images or any(not isinstance(x, torch.Tensor) or x.dtype != torch.uint8
@@ -225,14 +231,16 @@ class Gemma3ImageEncoder(nn.Module):
                     return resized_uint8(x, proc).contiguous()
                 # cut on the image's own pixels (RGB), as Gemma3ImageProcessor does
                 x = x if isinstance(x, torch.Tensor) else pil_to_uint8(x, proc.convert_rgb)
-                boxes = crop_boxes(x.shape[1], x.shape[2], pas)
-                whole = resized_uint8(x, proc).contiguous()
-                if not boxes:
-                    return whole
-                return PanScanImage([whole, *(resized_uint8(x[:, t:b, l:r].contiguous(), proc).contiguous()
-                                             for t, b, l, r in boxes)])
             except (OSError, ValueError) as e:
                 raise ValueError(f"image {i} could not be read: {e}") from e
+            boxes = crop_boxes(x.shape[1], x.shape[2], pas)
+            rows = (1 + len(boxes)) * self.config.tokens_per_image
+            if self.max_rows is not None and rows > self.max_rows:
+                raise ValueError(f"image {i}: pan-and-scan cuts it into {len(boxes)} crops, {rows} rows "
+                                 f"with the whole image, more than max_model_len {self.max_rows}; "
+                                 "lower pan_and_scan_max_num_crops")
+            return PanScanImage([resized_uint8(x[:, t:b, l:r].contiguous(), proc).contiguous()
+                                 for t, b, l, r in [(0, x.shape[1], 0, x.shape[2]), *boxes]])
         if isinstance(image, torch.Tensor):
             if not image.is_floating_point() or tuple(image.shape) != (3, s, s):
                 raise ValueError(f"image {i}: a tensor image must be uint8 pixels [3, H, W] or float "

@@ -185,6 +185,7 @@ def test_chunks_never_cut_a_crop_and_caches_keep_them_apart(gemma3, monkeypatch)
 
 def test_bad_values_are_refused_by_name_and_leak_nothing(gemma3, tmp_path):
     """Per request: bad pan-and-scan values and unknown keys named, the batch's others run;
+    crops past max_model_len refused (before any is resized where their rows alone pass it);
     no block kept. A checkpoint without a tokenizer cannot write the crops' text: a request
     whose image gets crops is refused, one whose image gets none runs."""
     path, hf, proc, llm = gemma3
@@ -195,17 +196,20 @@ def test_bad_values_are_refused_by_name_and_leak_nothing(gemma3, tmp_path):
            ({**ON, "pan_and_scan_max_num_crops": 0}, "pan_and_scan_max_num_crops must be a positive int"),
            ({**ON, "pan_and_scan_min_crop_size": -4}, "pan_and_scan_min_crop_size must be a positive int"),
            ({**ON, "pan_and_scan_min_ratio_to_activate": "1.2"}, "pan_and_scan_min_ratio_to_activate"),
-           ({**ON, "max_pixels": 100}, "['max_pixels']"),
-           ({**ON, "pan_and_scan_max_num_crops": 4, "pan_and_scan_min_crop_size": 60}, "max_model_len is 120")]
-    small = cpu_llm(path, max_model_len=120)  # 4 crops of a 1031-wide image: 5 x 18 rows
-    outs = small.generate([_prompt(proc, TEXT, [smooth_image(260, 1031, seed=9)], bad[-1][0]),
-                           _prompt(proc, TEXT, [wide])], GREEDY, use_tqdm=False)
-    assert bad[-1][1] in outs[0].error and outs[1].error is None
+           ({**ON, "max_pixels": 100}, "['max_pixels']")]
+    small = cpu_llm(path, max_model_len=64)
+    outs = small.generate([_prompt(proc, TEXT, [smooth_image(260, 1031, seed=9)],
+                                   {**ON, "pan_and_scan_min_crop_size": 60}),
+                           _prompt(proc, TEXT, [wide], ON), _prompt(proc, TEXT, [wide])], GREEDY, use_tqdm=False)
+    # 4 crops: refused before they are resized; 2: the prompt (48 rows and the text) too long
+    assert "pan-and-scan cuts it into 4 crops, 80 rows with the whole image, more than max_model_len 64" \
+        in outs[0].error
+    assert "max_model_len is 64" in outs[1].error and outs[2].error is None
     assert small.engine.kv_manager.stats().blocks_used == 0
-    batch = [_prompt(proc, TEXT, [wide], ON), *(_prompt(proc, TEXT, [wide], kw) for kw, _ in bad[:-1]),
+    batch = [_prompt(proc, TEXT, [wide], ON), *(_prompt(proc, TEXT, [wide], kw) for kw, _ in bad),
              _prompt(proc, TEXT, [wide])]
     outs = llm.generate(batch, GREEDY, use_tqdm=False)
-    for out, (_, needle) in zip(outs[1:-1], bad[:-1], strict=True):
+    for out, (_, needle) in zip(outs[1:-1], bad, strict=True):
         assert out.error is not None and not out.outputs and needle in out.error, out.error
     good = [outs[0], outs[-1]]
     assert _tokens(good) == _tokens(llm.generate([batch[0], batch[-1]], GREEDY, use_tqdm=False))
