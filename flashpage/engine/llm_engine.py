@@ -322,8 +322,9 @@ class LLMEngine:
         self.runner.lora = self.lora
         self.runner.mm_encoder = self.mm_encoder
         self.runner.mm_encode_rows = self.config.max_num_batched_tokens
-        if hasattr(self.mm_encoder, "max_rows"):  # Gemma 3's crops: refused before they are resized
-            self.mm_encoder.max_rows = self.max_model_len
+        enc: Any = self.mm_encoder
+        if hasattr(enc, "max_rows"):  # Gemma 3's crops: refused before they are resized
+            enc.max_rows = self.max_model_len
         if self.mm_encoder is not None and self._encoder_cache_rows():
             self.runner.encoder_cache = EncoderCache(self._encoder_cache_rows())
         # KV cache offloading (engine/kv_offload.py): a host tier behind the prefix cache,
