@@ -224,3 +224,54 @@ def test_bad_values_are_refused_by_name_and_leak_nothing(gemma3, tmp_path):
     assert "pan-and-scan crops need the model's tokenizer" in outs[0].error
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == MAX_NEW
     assert bare.engine.kv_manager.stats().blocks_used == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pan_and_scan_bf16_on_the_gpu_agrees_with_transformers(tmp_path):
+    """bf16 on CUDA (triton backend, decode graphs captured): pan-and-scan'd prompts (wide,
+    tall, square, two images) engine-wide give graphed tokens equal to eager ones, and
+    teacher-forced on our tokens transformers' fp32 top-1 agrees with ours at least as often
+    as its own bf16 does (3 points of slack) and >= 85%."""
+    path = build_tiny_gemma3(tmp_path / "g3_64", text=dict(head_dim=64, hidden_size=128,
+                                                           query_pre_attn_scalar=64))
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    hf = hf_gemma3(path).to("cuda")
+    hf16 = hf_gemma3(path).to("cuda", torch.bfloat16)
+    images = [smooth_image(40 + 7 * i, 150 - 9 * i, seed=i) if i % 3 == 0 else
+              smooth_image(130 - 5 * i, 41, seed=i) if i % 3 == 1 else smooth_image(60, 60, seed=i)
+              for i in range(12)]
+    prompts = [{"prompt_token_ids": tok.encode(TEXT if i % 4 else TWO),
+                "multi_modal_data": {"image": [im] if i % 4 else [im, images[(i + 1) % 12]]}}
+               for i, im in enumerate(images)]
+
+    def run(**kw):
+        from flashpage import LLM
+
+        llm = LLM(str(path), dtype="bfloat16", device="cuda", attention_backend="triton", block_size=16,
+                  max_num_batched_tokens=64, max_model_len=320, mm_processor_kwargs=SMALL, **kw)
+        return llm.generate(prompts, GREEDY, use_tqdm=False), llm
+
+    graphed, llm = run()
+    assert llm.engine.runner.graphs is not None, "decode graphs were not captured"
+    eager, _ = run(enforce_eager=True)
+    assert _tokens(graphed) == _tokens(eager)
+    enc = llm.engine.mm_encoder
+    assert sum(o.prompt_token_ids.count(enc.config.image_token_id) for o in graphed) > 20 * TOKENS
+    ours_top: list[bool] = []
+    bf16_top: list[bool] = []
+    for o, p, got in zip(graphed, prompts, _tokens(graphed), strict=True):
+        n = len(o.prompt_token_ids)
+        x = torch.tensor([o.prompt_token_ids + got[:-1]], device="cuda")
+        admitted = [enc.admit_image(im, i) for i, im in enumerate(p["multi_modal_data"]["image"])]
+        pixels = torch.stack([normalize(px, enc.config.processing) for a in admitted for px in a.images])
+        kw = {"token_type_ids": (x == hf.config.image_token_index).long(), "pixel_values": pixels.to("cuda")}
+        with torch.no_grad():
+            top32 = hf(input_ids=x, attention_mask=torch.ones_like(x), **kw).logits[0, n - 1:].argmax(-1)
+            kw16 = {**kw, "pixel_values": kw["pixel_values"].to(torch.bfloat16)}
+            top16 = hf16(input_ids=x, attention_mask=torch.ones_like(x), **kw16).logits[0, n - 1:].argmax(-1)
+        ours_top += (top32 == torch.tensor(got, device="cuda")).tolist()
+        bf16_top += (top32 == top16).tolist()
+    a, b = sum(ours_top) / len(ours_top), sum(bf16_top) / len(bf16_top)
+    assert a >= b - 0.03 and a >= 0.85, (a, b)
+    assert llm.engine.kv_manager.stats().blocks_used == 0
