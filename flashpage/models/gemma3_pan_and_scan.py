@@ -77,9 +77,9 @@ def crop_boxes(height: int, width: int, pas: PanAndScan) -> list[tuple[int, int,
 
 @dataclass(eq=False)
 class PanScanImage:
-    """What a request keeps of an image that pan-and-scan cut (``Gemma3ImageEncoder
-    .admit_image``): the whole image and its crops, each resized to uint8 [3, S, S], the
-    whole one first, in the prompt's order."""
+    """What a request keeps of an image admitted with pan-and-scan on (``Gemma3ImageEncoder
+    .admit_image``): the whole image and its crops (none where it is left whole), each
+    resized to uint8 [3, S, S], the whole one first, in the prompt's order."""
 
     images: list[torch.Tensor]
 
