@@ -3366,7 +3366,8 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
     ``min_pixels`` / ``max_pixels`` (ints, min <= max; the image's and the video's, as
     transformers' processor call; or ``size`` {shortest_edge, longest_edge}, the same two), ``fps`` (a video's frame rate where it gives none:
     Qwen2.5-VL's temporal positions, engine/mrope.py); InternVL's ``min_patches`` /
-    ``max_patches`` / ``crop_to_patches`` (_internvl_tiles); a ConfigError names a key
+    ``max_patches`` / ``crop_to_patches`` (_internvl_tiles); Gemma 3's ``do_pan_and_scan``
+    and ``pan_and_scan_*`` crop settings (models/gemma3_config.pan_and_scan_of); a ConfigError names a key
     the model's processor does not read, or a model that takes no images."""
     if not kwargs:
         return mc
