@@ -62,7 +62,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(a video model: Qwen2-VL, LLaVA-OneVision, InternVL: {\"image\": 0, \"video\": 0})")
     g.add_argument("--mm-processor-kwargs", type=_json_object, default=None, metavar="JSON",
                    help="the processors' settings, vLLM's: '{\"max_pixels\": 1003520}' "
-                        "(Qwen2-VL's min_pixels / max_pixels; fps: Qwen2.5-VL's videos' frame rate)")
+                        "(Qwen2-VL's min_pixels / max_pixels; fps: Qwen2.5-VL's videos' frame rate; "
+                        "Gemma 3's do_pan_and_scan and pan_and_scan_* crop settings)")
     g.add_argument("--mm-encoder-cache-tokens", type=int, default=None, metavar="ROWS",
                    help="image rows (encoder outputs) kept on the device for later requests of the same "
                         "image (default: --max-num-batched-tokens' worth; 0: none)")

@@ -3370,7 +3370,8 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
     ``min_pixels`` / ``max_pixels`` (ints, min <= max; the image's and the video's, as
     transformers' processor call; or ``size`` {shortest_edge, longest_edge}, the same two), ``fps`` (a video's frame rate where it gives none:
     Qwen2.5-VL's temporal positions, engine/mrope.py); InternVL's ``min_patches`` /
-    ``max_patches`` / ``crop_to_patches`` (_internvl_tiles); a ConfigError names a key
+    ``max_patches`` / ``crop_to_patches`` (_internvl_tiles); Gemma 3's ``do_pan_and_scan``
+    and ``pan_and_scan_*`` crop settings (models/gemma3_config.pan_and_scan_of); a ConfigError names a key
     the model's processor does not read, or a model that takes no images."""
     if not kwargs:
         return mc
@@ -3380,14 +3381,15 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
     if mc.vision is None:
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)} given, but {arch} takes no images here")
     if type(mc.vision).__name__ == "Gemma3VisionConfig":  # Gemma3ImageProcessor's pan-and-scan
-        unknown = sorted(set(kwargs) - {"do_pan_and_scan"})
+        from flashpage.models.gemma3_config import PAN_AND_SCAN_KEYS, pan_and_scan_of
+
+        unknown = sorted(set(kwargs) - set(PAN_AND_SCAN_KEYS))
         if unknown:
             raise ConfigError(f"mm_processor_kwargs {unknown}: {arch}'s image processor reads "
-                              "do_pan_and_scan only (false: the default)")
-        if kwargs.get("do_pan_and_scan"):
-            raise ConfigError(f"mm_processor_kwargs do_pan_and_scan: {arch}'s pan-and-scan crops are "
-                              "not supported yet (each image is resized to the tower's square)")
-        return mc
+                              f"{', '.join(PAN_AND_SCAN_KEYS)}")
+        gv: Any = mc.vision
+        pas = pan_and_scan_of(kwargs, "mm_processor_kwargs", gv.pan_and_scan)
+        return mc if pas == gv.pan_and_scan else replace(mc, vision=replace(gv, pan_and_scan=pas))
     if type(mc.vision).__name__ == "InternVLVisionConfig":  # InternVLProcessor's tiling bounds
         return replace(mc, vision=_internvl_tiles(mc.vision, kwargs, arch))
     if not isinstance(mc.vision, QwenVisionConfig):
@@ -3427,11 +3429,13 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
                                       video_fps=None if fps is None else float(fps)))
 
 
-def request_mm_processing(mc: ModelConfig, kwargs: Any, modalities: Iterable[str]) -> QwenVisionConfig | None:
+def request_mm_processing(mc: ModelConfig, kwargs: Any, modalities: Iterable[str]
+                          ) -> QwenVisionConfig | Gemma3VisionConfig | None:
     """vLLM's per-request ``mm_processor_kwargs`` (a prompt's, or a chat request's field)
     over the engine's (``mc``: the ModelConfig the encoder was built from, the engine-wide
     kwargs applied): the vision config this request's images / videos are preprocessed
-    with, or None where they change nothing (Gemma 3's do_pan_and_scan false). Checked as
+    with (Qwen2-VL's pixel bounds, Gemma 3's pan-and-scan), or None where they change
+    nothing (the engine's own settings given again). Checked as
     the engine-wide ones are (``with_mm_processor_kwargs``, the same ConfigErrors), and a
     max_pixels above the engine's for a modality the request holds (``modalities``) is
     refused: the engine reserved the encoder's activation memory for its own bound
@@ -3440,6 +3444,10 @@ def request_mm_processing(mc: ModelConfig, kwargs: Any, modalities: Iterable[str
     old = mc.vision
     if new is old or new == old:
         return None
+    from flashpage.models.gemma3_config import Gemma3VisionConfig
+
+    if isinstance(new, Gemma3VisionConfig):  # pan-and-scan: more images, no bound to pass
+        return new
     if not isinstance(new, QwenVisionConfig) or not isinstance(old, QwenVisionConfig):
         # InternVL's tiling bounds: read from the engine's config only (never ignored here)
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)} per request: {mc.multimodal_architecture}'s "

@@ -462,7 +462,10 @@ def vision_figures(cfg: ModelConfig, image_size: tuple[int, int], wbytes: int,
     except ImportError:  # the image figures need the engine's preprocessing, which reads PIL images
         rows = None
     else:
-        rows = enc.num_rows(enc.pixel_values(Image.new("RGB", image_size)))
+        img = Image.new("RGB", image_size)
+        # (Gemma 3's image_rows: its pan-and-scan crops' rows too, where preprocessor_config.json
+        # turns them on)
+        rows = enc.image_rows(img) if hasattr(enc, "image_rows") else enc.num_rows(enc.pixel_values(img))
     return {"params": params, "bytes": params * max(wbytes, 2), "image_size": list(image_size),
             "image_tokens": rows, "kv_bytes_per_image": None if rows is None else rows * kv_bytes_per_token}
 

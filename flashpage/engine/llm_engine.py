@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -228,7 +228,7 @@ class LLMEngine:
             text = (self.model,) if name == "pixtral" else ()
             self.mm_encoder = loader(self.source, self.dtype, self.device, *text, config.seed)
             if hasattr(self.mm_encoder, "tokenize") and self.tokenizer is not None:
-                tok = self.tokenizer  # Qwen3-VL's video timestamps are text in the prompt
+                tok = self.tokenizer  # Qwen3-VL's video timestamps, Gemma 3's pan-and-scan text
                 self.mm_encoder.tokenize = lambda text: list(tok.encode(text, add_special_tokens=False))
         if self.mm_encoder is not None and not getattr(self.model, "supports_prompt_embeds", False):
             raise ConfigError(f"{mc.multimodal_architecture}: its text model "
@@ -322,6 +322,9 @@ class LLMEngine:
         self.runner.lora = self.lora
         self.runner.mm_encoder = self.mm_encoder
         self.runner.mm_encode_rows = self.config.max_num_batched_tokens
+        enc: Any = self.mm_encoder
+        if hasattr(enc, "max_rows"):  # Gemma 3's crops: refused before they are resized
+            enc.max_rows = self.max_model_len
         if self.mm_encoder is not None and self._encoder_cache_rows():
             self.runner.encoder_cache = EncoderCache(self._encoder_cache_rows())
         # KV cache offloading (engine/kv_offload.py): a host tier behind the prefix cache,
@@ -833,7 +836,8 @@ class LLMEngine:
         ``multi_modal_data``: vLLM's {"image": image or [images]} for a model that takes
         images (LLaVA: engine/multimodal.py), one per ``<image>`` in the prompt;
         ``mm_processor_kwargs``: vLLM's per-request processor settings over the engine-wide
-        ones (Qwen2-VL's pixel bounds and fps: config.request_mm_processing)."""
+        ones (Qwen2-VL's pixel bounds and fps, Gemma 3's pan-and-scan:
+        config.request_mm_processing)."""
         self.check_awake()
         self.check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -1093,8 +1097,9 @@ class LLMEngine:
             raise ValueError("multi_modal_data with speculative decoding: its draft would see "
                              "the image placeholders without the image; serve without "
                              "speculative_config for image requests")
-        if vision is not None:  # a QwenVisionConfig: Qwen2-VL's encoder, the one that takes it
-            ids, inputs = cast("QwenImageEncoder", enc).prepare(ids, data, vision)
+        if vision is not None:  # Qwen2-VL's pixel bounds or Gemma 3's pan-and-scan: its encoder's
+            prepare: Any = enc.prepare  # (the two encoders that take a request's settings)
+            ids, inputs = prepare(ids, data, vision)
         else:
             ids, inputs = enc.prepare(ids, data)
         trunc = params.truncate_prompt_tokens

@@ -7,7 +7,8 @@ LlavaImageEncoder) with two hooks, the whole of what the engine asks of a family
 - ``prepare(ids, multi_modal_data) -> (ids, [MultiModalInput])``, on the host at
   admission (add_request): checks and preprocesses the data, expands each placeholder
   token to its rows' count (the prompt's ids then say where each input's rows go); Qwen2-VL's
-  also takes ``vision``, a request's own mm_processor_kwargs (config.request_mm_processing);
+  and Gemma 3's also take ``vision``, a request's own mm_processor_kwargs
+  (config.request_mm_processing);
 - ``encode([data]) -> [rows]``, on the device: a batch of inputs to their rows
   ``[length, hidden]``.
 

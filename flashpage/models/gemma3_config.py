@@ -6,7 +6,7 @@ Read from: vision_config (SiglipVisionConfig's fields and defaults; its pooling 
 vision_use_head, is never run: Gemma 3 reads the last hidden state), the wrapper's image
 fields (mm_tokens_per_image, image_token_index, boi_token_index, eoi_token_index),
 preprocessor_config.json (Gemma3ImageProcessor: a resize to the tower's square, rescale,
-normalize; pan-and-scan refused) and the tokenizer's files (the ids of "\\n" .. "\\n\\n\\n\\n",
+normalize; its pan-and-scan settings, ``PanAndScan``) and the tokenizer's files (the ids of "\\n" .. "\\n\\n\\n\\n",
 which the prompt expansion needs: engine/multimodal.py's hooks work on ids).
 """
 
@@ -24,9 +24,48 @@ _SIGLIP_DEFAULTS: dict[str, Any] = dict(
     num_channels=3, image_size=224, patch_size=16, hidden_act="gelu_pytorch_tanh",
     layer_norm_eps=1e-6)
 _SIGLIP_ACTS = ("gelu_pytorch_tanh", "gelu", "quick_gelu", "relu")
+# Gemma3ImageProcessor's pan-and-scan keys (preprocessor_config.json's, mm_processor_kwargs')
+PAN_AND_SCAN_KEYS = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
+                     "pan_and_scan_min_ratio_to_activate")
 # the published Gemma 3 tokenizer's ids of "\n", "\n\n", "\n\n\n", "\n\n\n\n" (for a folder
 # whose tokenizer files do not hold them)
 GEMMA3_NEWLINES = (107, 108, 109, 110)
+
+
+@dataclass(frozen=True)
+class PanAndScan:
+    """Gemma3ImageProcessor's pan-and-scan (models/gemma3_pan_and_scan.py): with ``enabled``,
+    an image whose long side is at least ``min_ratio_to_activate`` times its short side is
+    also cut into 2 .. ``max_num_crops`` crops along its long side (none under
+    ``min_crop_size`` pixels), each crop one more image of the prompt. The defaults are
+    Gemma3Processor's, which it passes where preprocessor_config.json holds null."""
+
+    enabled: bool = False
+    min_crop_size: int = 256
+    max_num_crops: int = 4
+    min_ratio_to_activate: float = 1.2
+
+
+def pan_and_scan_of(d: dict[str, Any], where: str, base: PanAndScan) -> PanAndScan:
+    """``base`` with the pan-and-scan keys of ``d`` (a preprocessor_config.json, or
+    mm_processor_kwargs) over it, null ones skipped; a ConfigError names a bad value."""
+    on = d.get("do_pan_and_scan")
+    if on is not None and not isinstance(on, bool):
+        raise ConfigError(f"{where} do_pan_and_scan must be true or false, got {on!r}")
+    ints = []
+    for key, was in (("pan_and_scan_min_crop_size", base.min_crop_size),
+                     ("pan_and_scan_max_num_crops", base.max_num_crops)):
+        v = d.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise ConfigError(f"{where} {key} must be a positive int, got {v!r}")
+        ints.append(was if v is None else v)
+    r = d.get("pan_and_scan_min_ratio_to_activate")
+    if r is not None and (not isinstance(r, (int, float)) or isinstance(r, bool)
+                          or not 0 < r < float("inf")):
+        raise ConfigError(f"{where} pan_and_scan_min_ratio_to_activate must be a positive "
+                          f"number, got {r!r}")
+    return PanAndScan(base.enabled if on is None else on, ints[0], ints[1],
+                      base.min_ratio_to_activate if r is None else float(r))
 
 
 @dataclass(frozen=True)
@@ -35,7 +74,9 @@ class Gemma3VisionConfig:
     ``tokens_per_image`` rows, a Gemma RMSNorm, a matmul) and its prompt tokens:
     ``image_token_id`` (<image_soft_token>, the rows' positions), ``boi_token_id``
     (<start_of_image>, what a prompt holds per image), ``eoi_token_id`` (<end_of_image>),
-    ``newline_ids``: the ids of one to four newlines."""
+    ``newline_ids``: the ids of one to four newlines; ``pan_and_scan``: the image
+    processor's crops (off unless preprocessor_config.json or mm_processor_kwargs turn
+    them on)."""
 
     hidden_size: int
     intermediate_size: int
@@ -52,6 +93,7 @@ class Gemma3VisionConfig:
     eoi_token_id: int
     newline_ids: tuple[int, int, int, int]
     processing: ImageProcessing
+    pan_and_scan: PanAndScan = PanAndScan()
 
     @property
     def patches_per_side(self) -> int:
@@ -94,13 +136,17 @@ def _newline_ids(folder: str | None) -> tuple[int, int, int, int]:
     return ids[0], ids[1], ids[2], ids[3]  # type: ignore[return-value]
 
 
-def _processing(folder: str | None, image_size: int, where: str) -> ImageProcessing:
+def _processing(folder: str | None, image_size: int, where: str) -> tuple[ImageProcessing, PanAndScan]:
     """Gemma3ImageProcessor's steps: resize to size (the tower's square; bilinear by
-    default), rescale, normalize (mean = std = 0.5 by default); pan-and-scan is refused."""
+    default), rescale, normalize (mean = std = 0.5 by default); and its pan-and-scan
+    settings (the file's where not null, else Gemma3Processor's defaults, as vLLM reads
+    them; transformers' Gemma3Processor itself passes its own defaults over the file's, so
+    there the file's do_pan_and_scan true takes effect only through the image processor
+    alone or a processor call's do_pan_and_scan=True)."""
     path = os.path.join(folder, "preprocessor_config.json") if folder else None
     if path is None or not os.path.isfile(path):
         return ImageProcessing(None, (image_size, image_size), None, 1 / 255, (0.5,) * 3, (0.5,) * 3,
-                               "bilinear")
+                               "bilinear"), PanAndScan()
     with open(path, encoding="utf-8") as f:
         try:
             raw = json.load(f)
@@ -113,10 +159,7 @@ def _processing(folder: str | None, image_size: int, where: str) -> ImageProcess
     if kind.removesuffix("Pil").removesuffix("Fast") != "Gemma3ImageProcessor":
         raise ConfigError(f"{path}: image_processor_type {kind!r} is not read in Gemma 3 "
                           "(Gemma3ImageProcessor is)")
-    if pc.get("do_pan_and_scan"):
-        raise ConfigError(f"{path}: do_pan_and_scan is not supported yet (each image is resized "
-                          "to the tower's square, Gemma3ImageProcessor's default); set it to "
-                          "false or null")
+    pas = pan_and_scan_of(pc, f"{path}:", PanAndScan())
     pc.setdefault("resample", 2)  # Gemma3ImageProcessor's BILINEAR
     pc.setdefault("image_mean", [0.5, 0.5, 0.5])
     pc.setdefault("image_std", [0.5, 0.5, 0.5])
@@ -128,7 +171,7 @@ def _processing(folder: str | None, image_size: int, where: str) -> ImageProcess
     if not (isinstance(size, dict) and size.get("height") == image_size and size.get("width") == image_size):
         raise ConfigError(f"{path}: size {size!r}: the vision tower takes {image_size} x {image_size}")
     return ImageProcessing(None, (image_size, image_size), None, rescale, mean, std, resample,
-                           False, rgb)
+                           False, rgb), pas
 
 
 def gemma3_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None
@@ -160,4 +203,4 @@ def gemma3_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: st
         v["hidden_size"], v["intermediate_size"], v["num_hidden_layers"], v["num_attention_heads"],
         v["num_channels"], v["image_size"], v["patch_size"], v["hidden_act"],
         float(v["layer_norm_eps"]), tokens, image, boi, eoi, _newline_ids(folder),
-        _processing(folder, v["image_size"], where))
+        *_processing(folder, v["image_size"], where))

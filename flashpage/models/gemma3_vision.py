@@ -20,7 +20,9 @@ Prompt expansion (``expand_gemma3_images``), as Gemma3Processor does to the text
 "<end_of_image>\\n\\n". On ids, a "\\n\\n" next to a newline token of the prompt is merged
 with it as the tokenizer would have cut the joined text ("\\n" + "\\n\\n" -> "\\n\\n\\n",
 "\\n\\n" + "\\n\\n" -> "\\n\\n\\n\\n"), as vLLM does; the ids come from the tokenizer's files
-(models/gemma3_config.py).
+(models/gemma3_config.py). With pan-and-scan on (preprocessor_config.json's or a request's
+mm_processor_kwargs do_pan_and_scan), a wide or tall image is its whole and a few crops,
+each an image of T rows, in Gemma3Processor's text around them (models/gemma3_pan_and_scan.py).
 
 Attention: Gemma 3 attends bidirectionally among the T positions of one image during the
 prefill (transformers' token_type_ids mask: a query in an image sees every key of its own
@@ -38,7 +40,7 @@ Weights: the tower's under ``vision_tower.vision_model.`` (the published files),
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,8 +49,9 @@ from torch import nn
 
 from flashpage.engine.multimodal import MultiModalInput, token_runs
 from flashpage.engine.prompt_embeds import digest
-from flashpage.models.clip_image import is_pil_image, normalize, resized_uint8
+from flashpage.models.clip_image import is_pil_image, normalize, pil_to_uint8, resized_uint8
 from flashpage.models.gemma3_config import Gemma3VisionConfig
+from flashpage.models.gemma3_pan_and_scan import PanScanImage, crop_boxes, texts_ids
 from flashpage.models.llava import images_of
 from flashpage.models.multimodal import stack_to
 from flashpage.models.siglip_vision import SiglipVisionTower
@@ -107,6 +110,14 @@ class Gemma3ImageEncoder(nn.Module):
         self.config = vc
         self.vision_tower = SiglipVisionTower(vc)
         self.multi_modal_projector = Gemma3MultiModalProjector(vc, text_hidden)
+        # text -> the model tokenizer's ids, without special tokens (the engine sets it):
+        # pan-and-scan's text around an image's crops (models/gemma3_pan_and_scan.py)
+        self.tokenize: Callable[[str], list[int]] | None = None
+        self._texts: tuple[list[int], list[int], list[int]] | None = None
+        # the most rows one image may take (the engine sets its max_model_len): a request's
+        # pan-and-scan settings that would cut an image into more crops are refused before
+        # any is resized (each is S x S pixels on the host)
+        self.max_rows: int | None = None
 
     # the id a chat template's image part becomes (engine/multimodal.placeholder_ids), and
     # the name of the rows' token in errors (enc_token_name)
@@ -117,7 +128,22 @@ class Gemma3ImageEncoder(nn.Module):
     token_name = "<image_soft_token>"
 
     def num_rows(self, image: Any) -> int:
-        return self.config.tokens_per_image
+        """The rows of an admitted image (``admit_image``'s): T, or T for each of a
+        pan-and-scan'd image's whole and crops."""
+        n = len(image.images) if isinstance(image, PanScanImage) else 1
+        return n * self.config.tokens_per_image
+
+    def image_rows(self, image: Any) -> int:
+        """The rows an image takes in the prompt under the engine's settings, admitted or
+        not (``flashpage inspect``, the server's count): its crops' too with pan-and-scan
+        on (Gemma3Processor's text around them not counted)."""
+        if isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3:
+            h, w = image.shape[1:]
+        elif is_pil_image(image):
+            w, h = image.size
+        else:
+            return self.num_rows(image)
+        return (1 + len(crop_boxes(h, w, self.config.pan_and_scan))) * self.config.tokens_per_image
 
     # images per tower call: an image is P*P = 4096 tower tokens for 256 rows (16 times
     # LLaVA's), so an encode batch of max_num_batched_tokens rows runs in slices of this many
@@ -143,41 +169,78 @@ class Gemma3ImageEncoder(nn.Module):
         assert isinstance(x, torch.Tensor)
         return self.multi_modal_projector(x)
 
-    def prepare(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalInput]]:
+    def prepare(self, ids: list[int], data: Any, vision: Gemma3VisionConfig | None = None
+                ) -> tuple[list[int], list[MultiModalInput]]:
         """The engine's multimodal hook at admission (engine/multimodal.py): the images
         checked and preprocessed, each <start_of_image> expanded (expand_gemma3_images);
-        each input attends bidirectionally within itself (module docstring)."""
-        pixels = [self.admit_image(img, i) for i, img in enumerate(images_of(data))]
-        ids, starts = expand_gemma3_images(ids, self.config, len(pixels))
+        a pan-and-scan'd image is its whole and its crops, an input each; each input
+        attends bidirectionally within itself (module docstring). ``vision``: the
+        request's own pan-and-scan settings (its mm_processor_kwargs,
+        config.request_mm_processing; None: the engine's)."""
+        admitted = [self.admit_image(img, i, vision) for i, img in enumerate(images_of(data))]
+        ids, starts = self._expand(ids, admitted)
+        pixels = [px for a in admitted for px in (a.images if isinstance(a, PanScanImage) else [a])]
         t = self.config.tokens_per_image
         return ids, [MultiModalInput(s, t, digest(px), px, bidirectional=True)
                      for s, px in zip(starts, pixels, strict=True)]
 
-    def prompt_length(self, ids: list[int], num_images: int) -> int:
-        """The length ``ids`` will have once expanded for ``num_images`` images (the
-        server's length check and usage; ``len(ids)`` when prepare would refuse them: its
-        error comes from there)."""
+    def _expand(self, ids: list[int], admitted: list[Any]) -> tuple[list[int], list[int]]:
+        crops = [a.num_crops if isinstance(a, PanScanImage) else 0 for a in admitted]
+        if any(crops) and self._texts is None:
+            if self.tokenize is None:
+                raise ValueError("pan-and-scan crops need the model's tokenizer (Gemma3Processor's "
+                                 "text around them is part of the prompt)")
+            self._texts = texts_ids(self.tokenize)
+        return expand_gemma3_images(ids, self.config, len(admitted), crops, self._texts)
+
+    def prompt_length(self, ids: list[int], images: list[Any]) -> int:
+        """The length ``ids`` will have once expanded for ``images`` (``admit_image``'s:
+        the server's length check and usage; ``len(ids)`` when prepare would refuse them:
+        its error comes from there)."""
         try:
-            return len(expand_gemma3_images(ids, self.config, num_images)[0])
+            return len(self._expand(ids, images)[0])
         except ValueError:
             return len(ids)
 
-    def admit_image(self, image: Any, i: int = 0) -> torch.Tensor:
+    def admit_image(self, image: Any, i: int = 0, vision: Gemma3VisionConfig | None = None
+                    ) -> torch.Tensor | PanScanImage:
         """What a request keeps of an image (the server prepares it on a worker thread): a
         PIL image or a uint8 [3, H, W] tensor resized to uint8 [3, S, S], normalized on the
-        device by ``encode`` (a quarter of fp32's bytes to hash and copy); float pixel values
-        [3, S, S] given, checked (shape, dtype, finite) and kept."""
+        device by ``encode`` (a quarter of fp32's bytes to hash and copy), or, where
+        pan-and-scan (``vision``'s, else the engine's) cuts it, its whole and its crops so
+        resized (a PanScanImage, kept as given once admitted: with pan-and-scan on, even an
+        image it leaves whole is one, of no crops, so that a second admission never cuts
+        the resized square); float pixel values [3, S, S] given, checked (shape, dtype,
+        finite) and kept (one image: they cannot be cut)."""
         s = self.config.image_size
+        if isinstance(image, PanScanImage):  # admitted already (the server's)
+            if not image.images or any(not isinstance(x, torch.Tensor) or x.dtype != torch.uint8
+                                       or tuple(x.shape) != (3, s, s) for x in image.images):
+                raise ValueError(f"image {i}: a PanScanImage holds uint8 [3, {s}, {s}] images")
+            return image
         if is_pil_image(image) or (isinstance(image, torch.Tensor) and image.dtype == torch.uint8):
             if isinstance(image, torch.Tensor) and (image.dim() != 3 or image.shape[0] != 3
                                                     or 0 in image.shape):
                 raise ValueError(f"image {i}: a uint8 tensor image must be [3, H, W] pixels, got "
                                  f"{list(image.shape)}")
+            proc = self.config.processing
+            pas = (vision or self.config).pan_and_scan
             try:
                 x = image.detach().cpu() if isinstance(image, torch.Tensor) else image
-                return resized_uint8(x, self.config.processing).contiguous()
+                if not pas.enabled:
+                    return resized_uint8(x, proc).contiguous()
+                # cut on the image's own pixels (RGB), as Gemma3ImageProcessor does
+                x = x if isinstance(x, torch.Tensor) else pil_to_uint8(x, proc.convert_rgb)
             except (OSError, ValueError) as e:
                 raise ValueError(f"image {i} could not be read: {e}") from e
+            boxes = crop_boxes(x.shape[1], x.shape[2], pas)
+            rows = (1 + len(boxes)) * self.config.tokens_per_image
+            if self.max_rows is not None and rows > self.max_rows:
+                raise ValueError(f"image {i}: pan-and-scan cuts it into {len(boxes)} crops, {rows} rows "
+                                 f"with the whole image, more than max_model_len {self.max_rows}; "
+                                 "lower pan_and_scan_max_num_crops")
+            return PanScanImage([resized_uint8(x[:, t:b, l:r].contiguous(), proc).contiguous()
+                                 for t, b, l, r in [(0, x.shape[1], 0, x.shape[2]), *boxes]])
         if isinstance(image, torch.Tensor):
             if not image.is_floating_point() or tuple(image.shape) != (3, s, s):
                 raise ValueError(f"image {i}: a tensor image must be uint8 pixels [3, H, W] or float "
@@ -192,8 +255,10 @@ class Gemma3ImageEncoder(nn.Module):
 
     def pixel_values(self, image: Any, i: int = 0) -> torch.Tensor:
         """One image as float32 pixel values [3, S, S] on the host (``admit_image``, then
-        normalized as Gemma3ImageProcessor does)."""
+        normalized as Gemma3ImageProcessor does); a pan-and-scan'd image's whole one."""
         x = self.admit_image(image, i)
+        if isinstance(x, PanScanImage):
+            x = x.images[0]
         return normalize(x, self.config.processing) if x.dtype == torch.uint8 else x
 
     @torch.inference_mode()
@@ -230,12 +295,17 @@ class Gemma3ImageEncoder(nn.Module):
         return loaded
 
 
-def expand_gemma3_images(ids: list[int], vc: Gemma3VisionConfig, num_images: int
+def expand_gemma3_images(ids: list[int], vc: Gemma3VisionConfig, num_images: int,
+                         crops: Sequence[int] = (),
+                         texts: tuple[list[int], list[int], list[int]] | None = None
                          ) -> tuple[list[int], list[int]]:
     """A prompt's ids with each <start_of_image> expanded as Gemma3Processor expands it
-    (module docstring) and each image's first <image_soft_token> position. A ValueError
-    names a count of <start_of_image> that differs from ``num_images`` and a prompt that
-    holds <image_soft_token> itself (the expansion is ours to do)."""
+    (module docstring) and each image's first <image_soft_token> position (a pan-and-scan'd
+    one's: its whole's, then each crop's). ``crops``: each image's crops (none given: 0
+    each); ``texts``: the ids of pan-and-scan's text pieces (gemma3_pan_and_scan.texts_ids),
+    needed where an image has crops. A ValueError names a count of <start_of_image> that
+    differs from ``num_images`` and a prompt that holds <image_soft_token> itself (the
+    expansion is ours to do)."""
     soft = token_runs(ids, vc.image_token_id)
     if soft:
         raise ValueError(f"the prompt holds <image_soft_token> (id {vc.image_token_id}) at position "
@@ -257,7 +327,14 @@ def expand_gemma3_images(ids: list[int], vc: Gemma3VisionConfig, num_images: int
         else:
             out.append(nl2)
 
+    def image() -> None:  # <start_of_image>, its rows, <end_of_image>
+        out.append(vc.boi_token_id)
+        starts.append(len(out))
+        out.extend([vc.image_token_id] * vc.tokens_per_image)
+        out.append(vc.eoi_token_id)
+
     pending = False  # a "\n\n" after <end_of_image>, to merge with the next token
+    image_index = 0
     for t in ids:
         if pending:
             pending = False
@@ -269,11 +346,20 @@ def expand_gemma3_images(ids: list[int], vc: Gemma3VisionConfig, num_images: int
                 continue
             out.append(nl2)
         if t == vc.boi_token_id:
-            push_nl2()
-            out.append(vc.boi_token_id)
-            starts.append(len(out))
-            out.extend([vc.image_token_id] * vc.tokens_per_image)
-            out.append(vc.eoi_token_id)
+            k = crops[image_index] if crops else 0
+            image_index += 1
+            if k:  # "Here is the original image " FULL " and here are some crops ..." FULL ...
+                if texts is None:
+                    raise ValueError("pan-and-scan crops need the ids of their prompt text")
+                original, first, between = texts
+                out.extend(original)  # its "\n\n" included; the prompt's text before kept as is
+                image()
+                for j in range(k):
+                    out.extend(first if j == 0 else between)
+                    image()
+            else:
+                push_nl2()
+                image()
             pending = True
         else:
             out.append(t)

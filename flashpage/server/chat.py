@@ -70,10 +70,10 @@ async def chat(state: ServerState, request: Request, req: ChatCompletionRequest,
     if images is not None and (rows_of := getattr(encoder, "rows_of", None)) is not None:
         grows = sum(r - 1 for r in rows_of(images["image"]))
     n_prompt = len(ids) + grows  # what the engine runs (and usage counts, as vLLM's)
-    # an expansion that adds more than rows (Gemma 3's newlines and <end_of_image>): its own
-    # count from the ids (models/gemma3_vision.py prompt_length)
+    # an expansion that adds more than rows (Gemma 3's newlines and <end_of_image>, its
+    # pan-and-scan text): its own count from the ids (models/gemma3_vision.py prompt_length)
     if images is not None and (length := getattr(encoder, "prompt_length", None)) is not None:
-        n_prompt = length(ids, len(images["image"]))
+        n_prompt = length(ids, images["image"])
     max_tokens = check_length(state, n_prompt, max_tokens)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")

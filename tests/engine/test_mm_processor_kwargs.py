@@ -207,7 +207,7 @@ def test_bad_kwargs_refused_by_name_batch_mates_unaffected(paths):
 def test_other_families_and_text_models_check_the_same_keys(tmp_path):
     """A text-only model refuses a prompt's mm_processor_kwargs by name, its batch-mate
     runs; Gemma 3's do_pan_and_scan false changes nothing (None: the engine's settings)
-    and true is refused as engine-wide; a prompt dict with an unknown key names
+    and true is the request's own config (pan-and-scan on); a prompt dict with an unknown key names
     mm_processor_kwargs among those it takes."""
     from flashpage.config import ConfigError, ModelConfig, request_mm_processing
     from tests.conftest import build_tiny_checkpoint
@@ -223,8 +223,10 @@ def test_other_families_and_text_models_check_the_same_keys(tmp_path):
     assert o.error is not None and "'mm_processor_kwargs'" in o.error
     mc = ModelConfig.from_hf(build_tiny_gemma3(tmp_path / "gemma3"))
     assert request_mm_processing(mc, {"do_pan_and_scan": False}, ["image"]) is None
-    with pytest.raises(ConfigError, match="pan-and-scan crops are not supported"):
-        request_mm_processing(mc, {"do_pan_and_scan": True}, ["image"])
+    mine = request_mm_processing(mc, {"do_pan_and_scan": True}, ["image"])
+    assert mine is not None and mine.pan_and_scan.enabled and not mc.vision.pan_and_scan.enabled
+    with pytest.raises(ConfigError, match="pan_and_scan_max_num_crops must be a positive int"):
+        request_mm_processing(mc, {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 0}, ["image"])
 
 
 def test_llm_chat_takes_mm_processor_kwargs(paths):

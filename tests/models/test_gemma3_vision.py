@@ -231,19 +231,37 @@ def test_config_errors(tiny, edit, needle):
         ModelConfig.from_hf(d)
 
 
-def test_pan_and_scan_is_refused(tiny, tmp_path):
-    for i, (change, needle) in enumerate([({"do_pan_and_scan": True}, "do_pan_and_scan is not supported"),
-                                          ({"size": {"height": 28, "width": 28}}, "takes 56 x 56"),
-                                          ({"image_processor_type": "SiglipImageProcessor"}, "Siglip")]):
+def test_preprocessor_config_errors_and_pan_and_scan_settings(tiny, tmp_path):
+    """preprocessor_config.json's pan-and-scan keys read (null: Gemma3Processor's defaults),
+    bad ones refused by name; mm_processor_kwargs' over them, an unknown key named."""
+    from flashpage.models.gemma3_config import PanAndScan
+
+    assert ModelConfig.from_hf(tiny).vision.pan_and_scan == PanAndScan(False, 256, 4, 1.2)
+    cases = [({"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 2}, PanAndScan(True, 256, 2, 1.2)),
+             ({"do_pan_and_scan": True, "pan_and_scan_min_crop_size": None}, PanAndScan(True, 256, 4, 1.2)),
+             ({"pan_and_scan_min_ratio_to_activate": 2}, PanAndScan(False, 256, 4, 2.0)),
+             ({"do_pan_and_scan": "yes"}, "do_pan_and_scan must be true or false"),
+             ({"pan_and_scan_min_crop_size": 0}, "pan_and_scan_min_crop_size must be a positive int"),
+             ({"pan_and_scan_max_num_crops": 2.5}, "pan_and_scan_max_num_crops must be a positive int"),
+             ({"pan_and_scan_min_ratio_to_activate": -1}, "pan_and_scan_min_ratio_to_activate must be"),
+             ({"size": {"height": 28, "width": 28}}, "takes 56 x 56"),
+             ({"image_processor_type": "SiglipImageProcessor"}, "Siglip")]
+    for i, (change, want) in enumerate(cases):
         path = edited_copy(tiny, tmp_path / f"p{i}")
         pc = json.loads((path / "preprocessor_config.json").read_text())
         pc.update(change)
         (path / "preprocessor_config.json").write_text(json.dumps(pc))
-        with pytest.raises(ConfigError, match=needle):
-            ModelConfig.from_hf(path)
+        if isinstance(want, str):
+            with pytest.raises(ConfigError, match=want) as e:
+                ModelConfig.from_hf(path)
+            assert "preprocessor_config.json" in str(e.value)
+        else:
+            assert ModelConfig.from_hf(path).vision.pan_and_scan == want
     mc = ModelConfig.from_hf(tiny)
     assert with_mm_processor_kwargs(mc, {"do_pan_and_scan": False}) is mc
-    with pytest.raises(ConfigError, match="pan-and-scan crops are not supported"):
-        with_mm_processor_kwargs(mc, {"do_pan_and_scan": True})
-    with pytest.raises(ConfigError, match="reads do_pan_and_scan only"):
+    on = with_mm_processor_kwargs(mc, {"do_pan_and_scan": True, "pan_and_scan_min_ratio_to_activate": 1.5})
+    assert on.vision.pan_and_scan == PanAndScan(True, 256, 4, 1.5)
+    with pytest.raises(ConfigError, match="mm_processor_kwargs pan_and_scan_min_ratio_to_activate"):
+        with_mm_processor_kwargs(mc, {"pan_and_scan_min_ratio_to_activate": True})
+    with pytest.raises(ConfigError, match=r"\['max_pixels'\].*reads do_pan_and_scan, pan_and_scan_min_crop_size"):
         with_mm_processor_kwargs(mc, {"max_pixels": 10})

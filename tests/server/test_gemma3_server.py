@@ -19,6 +19,7 @@ from tests.server.conftest import engine_kwargs, live_server
 from tests.server.test_llava_server import data_url
 
 MAX_TOKENS = 6
+LONG = {"max_model_len": 256}
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +29,13 @@ def gemma3_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(gemma3_dir):
-    with live_server(gemma3_dir) as s:
+    with live_server(gemma3_dir, engine_kw=LONG) as s:  # room for pan-and-scan's crops
         yield s
 
 
 @pytest.fixture(scope="module")
 def offline(gemma3_dir):
-    return LLM(str(gemma3_dir), **engine_kwargs())
+    return LLM(str(gemma3_dir), **{**engine_kwargs(), **LONG})
 
 
 def chat(server, messages, **kw) -> httpx.Response:
@@ -108,4 +109,26 @@ def test_bad_requests_are_400_and_cost_nobody_anything(server, messages, needles
     assert results["good"].status_code == 200, results["good"].text
     assert len(results["good"].json()["choices"][0]["message"]["content"]) > 0 or \
         results["good"].json()["usage"]["completion_tokens"] == 24
+    assert server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
+
+
+def test_pan_and_scan_per_request(server, offline):
+    """A chat request's mm_processor_kwargs do_pan_and_scan: a wide image's crops in the
+    prompt (usage counts them) and LLM.generate's text for the same kwargs; a bad value is a
+    400 naming it."""
+    kw = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 32}
+    img = smooth_image(40, 150, seed=5)
+    r = chat(server, _msg("what is it", img), mm_processor_kwargs=kw)
+    assert r.status_code == 200, r.text
+    ids = offline.get_tokenizer().encode(_rendered("what is it", 1), add_special_tokens=False)
+    out = offline.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [img]},
+                            "mm_processor_kwargs": kw},
+                           SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)[0]
+    assert out.error is None, out.error
+    assert r.json()["choices"][0]["message"]["content"] == out.outputs[0].text
+    assert r.json()["usage"]["prompt_tokens"] == len(out.prompt_token_ids)
+    soft = offline.engine.mm_encoder.config.image_token_id
+    assert out.prompt_token_ids.count(soft) == 5 * 16  # the whole image and 4 crops
+    bad = chat(server, _msg("what is it", img), mm_processor_kwargs={"pan_and_scan_max_num_crops": -1})
+    assert bad.status_code == 400 and "pan_and_scan_max_num_crops must be a positive int" in bad.text
     assert server.wait_idle()["flashpage:kv_cache_blocks_used"] == 0
