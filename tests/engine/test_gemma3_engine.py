@@ -14,8 +14,8 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from flashpage.models.gemma3_vision import expand_gemma3_images
+from tests.conftest import assert_top_one_agreement, random_prompts
 from tests.conftest import ok_tokens as _tokens
-from tests.conftest import random_prompts
 from tests.gemma3_checkpoint import TOKENS, build_tiny_gemma3, hf_gemma3, hf_gemma3_greedy
 from tests.llava_checkpoint import smooth_image
 
@@ -225,22 +225,14 @@ def test_gemma3_bf16_on_the_gpu_agrees_with_transformers(tmp_path):
     eager, _ = run(enforce_eager=True)
     assert _tokens(graphed) == _tokens(eager)
     enc = llm.engine.mm_encoder
-    ours_top: list[bool] = []
-    bf16_top: list[bool] = []
-    for o, (_, ims), got in zip(graphed, cases, _tokens(graphed), strict=True):
-        n = len(o.prompt_token_ids)
-        x = torch.tensor([o.prompt_token_ids + got[:-1]], device="cuda")
+
+    def mm_inputs(i, x):
         kw = {"token_type_ids": (x == hf.config.image_token_index).long()}
-        if ims:
-            kw["pixel_values"] = torch.stack([enc.pixel_values(im) for im in ims]).to("cuda")
-        with torch.no_grad():
-            top32 = hf(input_ids=x, attention_mask=torch.ones_like(x), **kw).logits[0, n - 1:].argmax(-1)
-            kw16 = {k: v.to(torch.bfloat16) if k == "pixel_values" else v for k, v in kw.items()}
-            top16 = hf16(input_ids=x, attention_mask=torch.ones_like(x), **kw16).logits[0, n - 1:].argmax(-1)
-        ours_top += (top32 == torch.tensor(got, device="cuda")).tolist()
-        bf16_top += (top32 == top16).tolist()
-    a, b = sum(ours_top) / len(ours_top), sum(bf16_top) / len(bf16_top)
-    assert a >= b - 0.03 and a >= 0.85, (a, b)
+        if cases[i][1]:
+            kw["pixel_values"] = torch.stack([enc.pixel_values(im) for im in cases[i][1]])
+        return kw
+
+    assert_top_one_agreement("gemma3", hf, hf16, graphed, mm_inputs)
     assert llm.engine.kv_manager.stats().blocks_used == 0
 
 

@@ -23,7 +23,7 @@ from flashpage.engine.multimodal import chain_digest
 from flashpage.models.clip_image import normalize
 from flashpage.models.gemma3_config import PanAndScan
 from flashpage.models.gemma3_pan_and_scan import PanScanImage, crop_boxes
-from tests.conftest import cpu_llm, edited_copy
+from tests.conftest import assert_top_one_agreement, cpu_llm, edited_copy
 from tests.conftest import ok_tokens as _tokens
 from tests.gemma3_checkpoint import TOKENS, build_tiny_gemma3, hf_gemma3, hf_gemma3_greedy
 from tests.llava_checkpoint import smooth_image
@@ -258,20 +258,11 @@ def test_pan_and_scan_bf16_on_the_gpu_agrees_with_transformers(tmp_path):
     assert _tokens(graphed) == _tokens(eager)
     enc = llm.engine.mm_encoder
     assert sum(o.prompt_token_ids.count(enc.config.image_token_id) for o in graphed) > 20 * TOKENS
-    ours_top: list[bool] = []
-    bf16_top: list[bool] = []
-    for o, p, got in zip(graphed, prompts, _tokens(graphed), strict=True):
-        n = len(o.prompt_token_ids)
-        x = torch.tensor([o.prompt_token_ids + got[:-1]], device="cuda")
-        admitted = [enc.admit_image(im, i) for i, im in enumerate(p["multi_modal_data"]["image"])]
+
+    def mm_inputs(i, x):
+        admitted = [enc.admit_image(im, j) for j, im in enumerate(prompts[i]["multi_modal_data"]["image"])]
         pixels = torch.stack([normalize(px, enc.config.processing) for a in admitted for px in a.images])
-        kw = {"token_type_ids": (x == hf.config.image_token_index).long(), "pixel_values": pixels.to("cuda")}
-        with torch.no_grad():
-            top32 = hf(input_ids=x, attention_mask=torch.ones_like(x), **kw).logits[0, n - 1:].argmax(-1)
-            kw16 = {**kw, "pixel_values": kw["pixel_values"].to(torch.bfloat16)}
-            top16 = hf16(input_ids=x, attention_mask=torch.ones_like(x), **kw16).logits[0, n - 1:].argmax(-1)
-        ours_top += (top32 == torch.tensor(got, device="cuda")).tolist()
-        bf16_top += (top32 == top16).tolist()
-    a, b = sum(ours_top) / len(ours_top), sum(bf16_top) / len(bf16_top)
-    assert a >= b - 0.03 and a >= 0.85, (a, b)
+        return {"token_type_ids": (x == hf.config.image_token_index).long(), "pixel_values": pixels}
+
+    assert_top_one_agreement("gemma3 pan-and-scan", hf, hf16, graphed, mm_inputs)
     assert llm.engine.kv_manager.stats().blocks_used == 0
