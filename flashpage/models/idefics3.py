@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from flashpage.engine.multimodal import MultiModalInput, token_runs
+from flashpage.engine.multimodal import MultiModalInput
 from flashpage.engine.prompt_embeds import digest
 from flashpage.models.clip_image import is_pil_image, normalize, pil_to_uint8
 from flashpage.models.idefics3_config import MAX_IMAGE_SIDE, Idefics3VisionConfig
@@ -190,16 +190,18 @@ def _image_ids(vc: Idefics3VisionConfig, grid: tuple[int, int]) -> tuple[list[in
 def expand_idefics3_images(ids: list[int], vc: Idefics3VisionConfig, grids: list[tuple[int, int]]
                            ) -> tuple[list[int], list[int]]:
     """A prompt's ids with each ``<image>`` written as Idefics3Processor writes it for its
-    image's grid (module docstring), and each tile's first row position. A ValueError names
-    a count that differs, and ids expanded already."""
+    image's grid (module docstring), and each tile's first row position (images side by side
+    are <image><image>, as the chat template writes two image parts). A ValueError names a
+    count that differs, and ids expanded already (a <fake_token_around_image> in them)."""
     tok = vc.image_token_id
-    runs = token_runs(ids, tok)
-    if any(n > 1 for _, n in runs):
-        raise ValueError(f"the prompt holds a run of {max(n for _, n in runs)} <image> tokens (id {tok}): "
-                         "put one <image> per image in the prompt; it is expanded here")
-    if len(runs) != len(grids):
-        raise ValueError(f"the prompt has {len(runs)} image token(s) (<image>, id {tok}) but "
-                         f"{len(grids)} image(s) were given (put one in the prompt per image)")
+    if vc.fake_token_id is not None and vc.fake_token_id in ids:
+        raise ValueError(f"the prompt holds <fake_token_around_image> (id {vc.fake_token_id}) at position "
+                         f"{ids.index(vc.fake_token_id)}: ids the processor expanded are not read; put one "
+                         "<image> per image in the prompt: it is expanded here")
+    n = ids.count(tok)
+    if n != len(grids):
+        raise ValueError(f"the prompt has {n} image token(s) (<image>, id {tok}) but {len(grids)} image(s) "
+                         "were given (put one in the prompt per image)")
     out: list[int] = []
     starts: list[int] = []
     k = 0

@@ -111,17 +111,17 @@ def test_smolvlm_splitting_and_preemption(tmp_path):
 
 
 def test_chat_with_image_parts(ckpt):
-    """LLM.chat with image_pil parts: SmolVLM's template writes <image> for each, its tokens
-    those of the processor's prompt for that text."""
+    """LLM.chat with two image_pil parts side by side: SmolVLM's template writes <image><image>,
+    our prompt and tokens those of the processor's for that text."""
     path, hf, proc, llm = ckpt
     a, b = smooth_image(20, 40, seed=5), smooth_image(45, 12, seed=6)
-    conv = [{"role": "user", "content": [{"type": "image_pil", "image_pil": a}, {"type": "text", "text": "the cat"},
-                                         {"type": "image_pil", "image_pil": b}, {"type": "text", "text": "sat"}]}]
+    conv = [{"role": "user", "content": [{"type": "image_pil", "image_pil": a}, {"type": "image_pil", "image_pil": b},
+                                         {"type": "text", "text": "the cat sat"}]}]
     out = llm.chat(conv, GREEDY, use_tqdm=False)[0]
     text = proc.tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "the cat"}, {"type": "image"},
-                                      {"type": "text", "text": "sat"}]}], add_generation_prompt=True, tokenize=False)
-    assert text.count("<image>") == 2
+        [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "the cat sat"}]}],
+        add_generation_prompt=True, tokenize=False)
+    assert text.count("<image><image>") == 1  # side by side
     ids, want = _want(hf, proc, text, [a, b], add_special_tokens=False)  # the template's tokens alone
     assert out.prompt_token_ids == ids and _tokens([out]) == [want]
 
@@ -180,7 +180,9 @@ def test_bad_requests_are_refused_by_name_and_leak_nothing(ckpt):
          [f"1 image token(s) (<image>, id {tok}) but 2 image(s)"]),
         ({"prompt": text}, [f"image tokens (<image>, id {tok}) but no image was given"]),
         ({"prompt_token_ids": [t for t in ids if t != tok] + [tok, tok], "multi_modal_data": {"image": img}},
-         ["a run of 2 <image> tokens", "put one <image> per image"]),
+         [f"2 image token(s) (<image>, id {tok}) but 1 image(s)"]),
+        ({"prompt_token_ids": ids[:2] + [vc.fake_token_id] + ids[2:], "multi_modal_data": {"image": img}},
+         ["<fake_token_around_image>", "ids the processor expanded are not read"]),
         ({"prompt": text, "multi_modal_data": {"image": Idefics3Image(torch.cat([one.pixels, one.pixels[:1]]),
                                                                       one.size, one.grid)}},
          [f"image 0: an image of {one.size[0]} x {one.size[1]} has tiles [{len(one.pixels)}, 3, 16, 16]",
