@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-TILE, PATCH, LONGEST = 16, 2, 48
+TILE, PATCH = 16, 2
 ROWS = 16  # per tile: (16 / 2 / 2)^2
 # SmolVLM's chat template (its processor's DEFAULT_CHAT_TEMPLATE): it loops over content parts
 SMOLVLM_CHAT_TEMPLATE = (
@@ -57,11 +57,12 @@ def build_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def hf_image_processor(smolvlm: bool = False, **kw):
+def hf_image_processor(smolvlm: bool = False, tile: int = TILE, **kw):
+    """transformers' PIL image processor: tiles of ``tile``, the longest edge 3 of them."""
     import transformers
 
     cls = transformers.SmolVLMImageProcessorPil if smolvlm else transformers.Idefics3ImageProcessorPil
-    return cls(**{"size": {"longest_edge": LONGEST}, "max_image_size": {"longest_edge": TILE}, **kw})
+    return cls(**{"size": {"longest_edge": 3 * tile}, "max_image_size": {"longest_edge": tile}, **kw})
 
 
 def hf_processor(path: Path, smolvlm: bool = False, **kw):
@@ -86,8 +87,10 @@ def build_tiny_idefics3(path: Path, seed: int = 0, smolvlm: bool = False, splitt
     image_token = int(tok.convert_tokens_to_ids("<image>"))
     cls, model_cls = ((transformers.SmolVLMConfig, transformers.SmolVLMForConditionalGeneration) if smolvlm
                       else (transformers.Idefics3Config, transformers.Idefics3ForConditionalGeneration))
-    config = cls(text_config={**_TEXT, **(text or {})}, vision_config={**_VISION, **(vision or {})},
-                 scale_factor=2, image_token_id=image_token, **overrides)
+    vc = {**_VISION, **(vision or {})}
+    overrides = {"scale_factor": 2, **overrides}
+    config = cls(text_config={**_TEXT, **(text or {})}, vision_config=vc, image_token_id=image_token, **overrides)
+    rows = (vc["image_size"] // vc["patch_size"] // overrides["scale_factor"]) ** 2
     torch.manual_seed(seed)
     model = model_cls(config).float()
     with torch.no_grad():
@@ -97,9 +100,9 @@ def build_tiny_idefics3(path: Path, seed: int = 0, smolvlm: bool = False, splitt
             elif "text_model" in n or "connector" in n or "lm_head" in n or "embedding" in n:
                 p.normal_(0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
-    hf_image_processor(smolvlm, do_image_splitting=splitting).save_pretrained(path)
+    hf_image_processor(smolvlm, vc["image_size"], do_image_splitting=splitting).save_pretrained(path)
     (path / "processor_config.json").write_text(
-        json.dumps({"image_seq_len": ROWS, "processor_class": "SmolVLMProcessor" if smolvlm else "Idefics3Processor"})
+        json.dumps({"image_seq_len": rows, "processor_class": "SmolVLMProcessor" if smolvlm else "Idefics3Processor"})
         + "\n")
     return path
 
