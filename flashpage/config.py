@@ -3381,7 +3381,8 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
     ``min_pixels`` / ``max_pixels`` (ints, min <= max; the image's and the video's, as
     transformers' processor call; or ``size`` {shortest_edge, longest_edge}, the same two), ``fps`` (a video's frame rate where it gives none:
     Qwen2.5-VL's temporal positions, engine/mrope.py); InternVL's ``min_patches`` /
-    ``max_patches`` / ``crop_to_patches`` (_internvl_tiles); a ConfigError names a key
+    ``max_patches`` / ``crop_to_patches`` (_internvl_tiles); Idefics3's / SmolVLM's ``size``
+    / ``do_image_splitting`` (idefics3_config.with_processor_kwargs); a ConfigError names a key
     the model's processor does not read, or a model that takes no images."""
     if not kwargs:
         return mc
@@ -3401,6 +3402,10 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
         return mc
     if type(mc.vision).__name__ == "InternVLVisionConfig":  # InternVLProcessor's tiling bounds
         return replace(mc, vision=_internvl_tiles(mc.vision, kwargs, arch))
+    if type(mc.vision).__name__ == "Idefics3VisionConfig":  # Idefics3Processor's size / splitting
+        from flashpage.models.idefics3_config import with_processor_kwargs
+
+        return replace(mc, vision=with_processor_kwargs(mc.vision, kwargs))  # type: ignore[arg-type]
     if not isinstance(mc.vision, QwenVisionConfig):
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)}: {arch}'s image processor reads none "
                           "(Qwen2-VL's reads min_pixels / max_pixels)")

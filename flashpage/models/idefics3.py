@@ -161,8 +161,10 @@ def _image_ids(vc: Idefics3VisionConfig, grid: tuple[int, int]) -> tuple[list[in
     missing = [name for name, t in (("<fake_token_around_image>", vc.fake_token_id),
                                     ("<global-img>", vc.global_token_id)) if t is None]
     r, c = grid
-    if r and vc.row_col_ids is None:
-        missing.append(f"<row_1_col_1> .. <row_{vc.grid_side}_col_{vc.grid_side}>")
+    side = vc.row_col_side
+    if r and (vc.row_col_ids is None or r > side or c > side
+              or any(vc.row_col_ids[i * side + j] is None for i in range(r) for j in range(c))):
+        missing.append(f"<row_1_col_1> .. <row_{r}_col_{c}>")
     if r and vc.newline_ids is None:
         missing.append("a byte-level \"\\n\"")
     if missing:
@@ -175,7 +177,9 @@ def _image_ids(vc: Idefics3VisionConfig, grid: tuple[int, int]) -> tuple[list[in
     for i in range(r):
         for j in range(c):
             assert vc.row_col_ids is not None
-            out += [fake, vc.row_col_ids[i * vc.grid_side + j]]
+            rc = vc.row_col_ids[i * side + j]
+            assert rc is not None
+            out += [fake, rc]
             starts.append(len(out))
             out += [img] * n
         nl = vc.newline_ids if i < r - 1 else vc.double_newline_ids

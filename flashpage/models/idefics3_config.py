@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flashpage.config import ConfigError, ImageProcessing, _json_object, vit_section
@@ -42,7 +42,8 @@ class Idefics3VisionConfig:
     and the whole image as one more, or (no splitting) the image as one tile; each tile
     ``tokens_per_image`` rows of ``image_token_id`` (<image>). ``fake_token_id``
     (<fake_token_around_image>), ``global_token_id`` (<global-img>), ``row_col_ids``
-    (<row_r_col_c>, r and c from 1, row-major: ``grid_side`` a side) and ``newline_ids`` /
+    (<row_r_col_c>, r and c from 1, row-major, ``row_col_side`` a side; None where the
+    tokenizer lacks one) and ``newline_ids`` /
     ``double_newline_ids`` ("\\n" / "\\n\\n") are the tokens the processor writes around
     them; None where the tokenizer's files do not hold them (prepare then says so)."""
 
@@ -64,7 +65,8 @@ class Idefics3VisionConfig:
     processing: ImageProcessing  # rescale, mean and std (clip_image.normalize)
     fake_token_id: int | None = None
     global_token_id: int | None = None
-    row_col_ids: tuple[int, ...] | None = None
+    row_col_ids: tuple[int | None, ...] | None = None
+    row_col_side: int = 0
     newline_ids: tuple[int, ...] | None = None
     double_newline_ids: tuple[int, ...] | None = None
     architecture: str = "Idefics3ForConditionalGeneration"
@@ -156,12 +158,14 @@ def _seq_len(folder: str | None) -> tuple[int | None, str | None]:
 
 
 def _token_ids(folder: str | None, side: int) -> dict[str, Any]:
-    """The processor's tokens in the folder's tokenizer files (None each where missing)."""
+    """The processor's tokens in the folder's tokenizer files (None each where missing):
+    <row_r_col_c> up to ``side`` or 6 (the published tokenizers'), whichever is more."""
     vocab, _ = _vocab(folder)
-    rc = [vocab.get(f"<row_{r}_col_{c}>") for r in range(1, side + 1) for c in range(1, side + 1)]
+    side = max(side, 6)
+    rc = tuple(vocab.get(f"<row_{r}_col_{c}>") for r in range(1, side + 1) for c in range(1, side + 1))
     nl, nl2 = vocab.get(_NL), vocab.get(_NL2)
     return dict(fake_token_id=vocab.get("<fake_token_around_image>"), global_token_id=vocab.get("<global-img>"),
-                row_col_ids=tuple(rc) if all(t is not None for t in rc) else None,  # type: ignore[arg-type]
+                row_col_ids=rc if any(t is not None for t in rc) else None, row_col_side=side,
                 newline_ids=None if nl is None else (nl,),
                 double_newline_ids=None if nl is None else ((nl2,) if nl2 is not None else (nl, nl)))
 
@@ -201,3 +205,27 @@ def idefics3_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: 
         v["num_channels"], v["image_size"], v["patch_size"], v["hidden_act"], float(v["layer_norm_eps"]),
         scale, token, longest, tile, splitting, resample, proc, architecture=arch)
     return Idefics3VisionConfig(**{**cfg.__dict__, **_token_ids(folder, cfg.grid_side)})
+
+
+def with_processor_kwargs(vc: Idefics3VisionConfig, kwargs: dict[str, Any]) -> Idefics3VisionConfig:
+    """vLLM's ``mm_processor_kwargs`` (engine-wide) over the image processor's file, as
+    Idefics3Processor's call reads them: ``size`` {"longest_edge": n} (the image's longest
+    edge before its tiles are cut), ``do_image_splitting`` and ``max_image_size`` (only the
+    tower's own tile); a ConfigError names a key or value it does not take."""
+    where = "mm_processor_kwargs"
+    unknown = sorted(set(kwargs) - {"size", "do_image_splitting", "max_image_size"})
+    if unknown:
+        raise ConfigError(f"{where} {unknown}: {vc.architecture}'s image processor reads size, do_image_splitting "
+                          "and max_image_size")
+    longest = _edge(kwargs, "size", vc.longest_edge, where)
+    if "max_image_size" in kwargs and _edge(kwargs, "max_image_size", vc.tile, where) != vc.tile:
+        raise ConfigError(f"{where} max_image_size {kwargs['max_image_size']!r}: tiles other than the vision "
+                          f"tower's {vc.tile} x {vc.tile} are not supported")
+    split = kwargs.get("do_image_splitting", vc.splitting)
+    if not isinstance(split, bool):
+        raise ConfigError(f"{where} do_image_splitting must be true or false, got {split!r}")
+    side = math.ceil(min(longest, MAX_IMAGE_SIDE) / vc.tile)
+    if split and side > vc.row_col_side:
+        raise ConfigError(f"{where} size longest_edge {longest}: grids of up to {side} x {side} tiles, but "
+                          f"the tokenizer's <row_r_col_c> go to {vc.row_col_side}")
+    return replace(vc, longest_edge=longest, splitting=split)

@@ -16,7 +16,7 @@ import torch
 
 from flashpage import LLM, SamplingParams
 from flashpage.config import ConfigError, ModelConfig
-from flashpage.models.idefics3 import Idefics3Image, image_grid, tile_image
+from flashpage.models.idefics3 import Idefics3Image, image_grid, num_tiles, tile_image
 from tests.conftest import cpu_llm as _llm
 from tests.conftest import ok_tokens as _tokens
 from tests.idefics3_checkpoint import (
@@ -240,6 +240,36 @@ def test_config_errors_name_the_field(ckpt, tmp_path):
         (dst / name).write_text(json.dumps({**d, **edit}))
         with pytest.raises(ConfigError, match=needle):
             ModelConfig.from_hf(str(dst))
+
+
+def test_mm_processor_kwargs_size_and_splitting(ckpt):
+    """vLLM's mm_processor_kwargs as Idefics3Processor's call reads them, engine-wide: size
+    {"longest_edge": 32} makes grids of at most 2 x 2 (with do_image_splitting true over
+    the file's false too), do_image_splitting false one tile; prompt ids and tokens transformers' with the same kwargs; a key
+    it does not read, a bad size, a grid past the tokenizer's <row_r_col_c> and tiles not the
+    tower's are ConfigErrors; per request they are refused by name."""
+    path, hf, proc, _ = ckpt
+    text, imgs = _case(13, 2, first=0)
+    for kw in ({"do_image_splitting": True, "size": {"longest_edge": 32}}, {"do_image_splitting": False}):
+        llm = _llm(path, mm_processor_kwargs=kw)
+        out = llm.generate([_prompt(text, imgs)], GREEDY, use_tqdm=False)[0]
+        ids, want = _want(hf, proc, text, imgs, images_kwargs=kw)
+        assert out.prompt_token_ids == ids and _tokens([out]) == [want], kw
+        split = kw.get("do_image_splitting", llm.engine.mm_encoder.config.splitting)
+        assert out.prompt_token_ids.count(llm.engine.mm_encoder.config.image_token_id) == \
+            (sum(num_tiles(llm.engine.mm_encoder.config, (im.size[1], im.size[0])) for im in imgs) if split else 2) * ROWS
+    for bad, needle in (({"max_patches": 4}, r"\['max_patches'\].*reads size, do_image_splitting"),
+                        ({"size": {"shortest_edge": 32}}, "size must be"),
+                        ({"size": {"longest_edge": 112}, "do_image_splitting": True}, "grids of up to 7 x 7 tiles"),
+                        ({"max_image_size": {"longest_edge": 32}}, "tiles other than"),
+                        ({"do_image_splitting": 1}, "do_image_splitting must be true or false")):
+        with pytest.raises(ConfigError, match=needle):
+            _llm(path, mm_processor_kwargs=bad)
+    llm = ckpt[3]
+    outs = llm.generate([{**_prompt(text, imgs), "mm_processor_kwargs": {"size": {"longest_edge": 32}}},
+                         _prompt(text, imgs)], GREEDY, use_tqdm=False)
+    assert outs[0].error is not None and "engine-wide only" in outs[0].error
+    assert outs[1].error is None and llm.engine.kv_manager.stats().blocks_used == 0
 
 
 @pytest.mark.gpu
