@@ -243,14 +243,16 @@ def test_config_errors_name_the_field(ckpt, tmp_path):
 
 
 def test_mm_processor_kwargs_size_and_splitting(ckpt):
-    """vLLM's mm_processor_kwargs as Idefics3Processor's call reads them, engine-wide: size
-    {"longest_edge": 32} makes grids of at most 2 x 2 (with do_image_splitting true over
-    the file's false too), do_image_splitting false one tile; prompt ids and tokens transformers' with the same kwargs; a key
+    """vLLM's mm_processor_kwargs as Idefics3Processor's call reads them, engine-wide:
+    do_image_splitting true over the file's false with size {"longest_edge": 32} (grids of at
+    most 2 x 2), false over its true (one tile); prompt ids and tokens transformers' with the same kwargs; a key
     it does not read, a bad size, a grid past the tokenizer's <row_r_col_c> and tiles not the
     tower's are ConfigErrors; per request they are refused by name."""
-    path, hf, proc, _ = ckpt
+    path, hf, proc, base = ckpt
     text, imgs = _case(13, 2, first=0)
-    for kw in ({"do_image_splitting": True, "size": {"longest_edge": 32}}, {"do_image_splitting": False}):
+    # the file's splitting turned the other way (and a smaller longest edge with it on)
+    on = base.engine.mm_encoder.config.splitting
+    for kw in ({"do_image_splitting": False},) if on else ({"do_image_splitting": True, "size": {"longest_edge": 32}},):
         llm = _llm(path, mm_processor_kwargs=kw)
         out = llm.generate([_prompt(text, imgs)], GREEDY, use_tqdm=False)[0]
         ids, want = _want(hf, proc, text, imgs, images_kwargs=kw)
