@@ -191,6 +191,17 @@ def _image_ids(vc: Idefics3VisionConfig, grid: tuple[int, int]) -> tuple[list[in
     return out, starts
 
 
+def expanded_length(vc: Idefics3VisionConfig, grid: tuple[int, int]) -> int:
+    """The prompt tokens one image's ``<image>`` becomes (``_image_ids``' length; each
+    newline one token where the tokenizer's files do not say)."""
+    r, c = grid
+    n = vc.tokens_per_image + 3  # the global image's <fake> <global-img> rows <fake>
+    if r:
+        nl = len(vc.newline_ids or (0,))
+        n += r * c * (vc.tokens_per_image + 2) + (r - 1) * nl + len(vc.double_newline_ids or (0,))
+    return n
+
+
 def expand_idefics3_images(ids: list[int], vc: Idefics3VisionConfig, grids: list[tuple[int, int]]
                            ) -> tuple[list[int], list[int]]:
     """A prompt's ids with each ``<image>`` written as Idefics3Processor writes it for its
@@ -321,18 +332,14 @@ class Idefics3ImageEncoder(nn.Module):
         return ids, [MultiModalInput(s, n, digest(t), t) for s, t in zip(starts, tiles, strict=True)]
 
     def num_rows(self, item: Idefics3Image) -> int:
-        """An image's rows (its tiles' <image> positions; ``rows_of`` counts the tokens
-        around them too)."""
-        return item.pixels.shape[0] * self.config.tokens_per_image
+        """The prompt tokens an image takes once its ``<image>`` is expanded: its tiles'
+        rows and the tokens around them (``flashpage inspect``'s figure)."""
+        return expanded_length(self.config, item.grid)
 
     def rows_of(self, images: list[Any]) -> list[int]:
         """The prompt positions each of one prompt's images takes once its ``<image>`` is
         expanded (the server's length check and usage)."""
-        out = []
-        for i, im in enumerate(images):
-            grid = self.pixel_values(im, i).grid
-            out.append(len(_image_ids(self.config, grid)[0]))
-        return out
+        return [expanded_length(self.config, self.pixel_values(im, i).grid) for i, im in enumerate(images)]
 
     def admit_image(self, image: Any, i: int = 0) -> Idefics3Image:
         """What a request keeps of an image (the server's, tiled on a worker thread)."""
