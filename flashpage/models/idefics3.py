@@ -235,8 +235,9 @@ def expand_idefics3_images(ids: list[int], vc: Idefics3VisionConfig, grids: list
 def bucketed_positions(p: int) -> torch.Tensor:
     """Idefics3VisionEmbeddings' position ids of a whole p x p patch grid (every patch
     attended), as transformers computes them in float32: [p * p] int64."""
-    boundaries = torch.arange(1 / p, 1.0, 1 / p, device="cpu")
-    step = 1.0 / torch.tensor([p], device="cpu")
+    # float32 whatever the default dtype (transformers' under its float32 default)
+    boundaries = torch.arange(1 / p, 1.0, 1 / p, dtype=torch.float32, device="cpu")
+    step = 1.0 / torch.tensor([p], dtype=torch.float32, device="cpu")
     frac = torch.clamp(torch.arange(p, dtype=torch.float32, device="cpu")[None] * step[:, None], max=1.0 - 1e-6)
     b = torch.bucketize(frac, boundaries, right=True)[0]
     return (b[:, None] * p + b[None, :]).reshape(-1)
