@@ -45,9 +45,7 @@ Weights: the tower's under ``model.vision_model.``, the connector's under
 
 from __future__ import annotations
 
-import hashlib
 import math
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -127,16 +125,11 @@ def num_tiles(vc: Idefics3VisionConfig, size: tuple[int, int]) -> int:
 class Idefics3Image:
     """One image tiled: its tiles [n, 3, M, M] (uint8 pixels, normalized on the device; or
     float pixel values given preprocessed), the image's size (height, width) and its grid
-    (rows, cols; (0, 0): one tile)."""
+    (rows, cols; (0, 0): one tile). Each tile is its own input, named by its own digest."""
 
     pixels: torch.Tensor
     size: tuple[int, int]
     grid: tuple[int, int]
-
-    def digest(self) -> bytes:
-        h = hashlib.blake2b(digest(self.pixels), digest_size=32)
-        h.update(struct.pack("<qqqq", *self.size, *self.grid))
-        return h.digest()
 
 
 def tile_image(image: Any, vc: Idefics3VisionConfig) -> Idefics3Image:
