@@ -176,8 +176,9 @@ def idefics3_vision_config_of(d: dict[str, Any], arch: str, where: str, folder: 
     vc = d.get("vision_config") or {}
     vtype = vc.get("model_type") if isinstance(vc, dict) else None
     own = "smolvlm_vision" if arch == "SmolVLMForConditionalGeneration" else "idefics3_vision"
-    # SmolVLM's first release (SmolVLM-Instruct) is an Idefics3 checkpoint: either tower name
-    vtype = vtype if vtype in ("idefics3_vision", "smolvlm_vision") else own
+    # SmolVLM's first releases are Idefics3 checkpoints, and transformers 4.4x wrote the tower's
+    # model_type as the wrapper's ("idefics3"): any of these names the same SigLIP tower
+    vtype = vtype if vtype in ("idefics3_vision", "smolvlm_vision", "idefics3", "smolvlm") else own
     _, v = vit_section(d, arch, where, vtype, "a SigLIP tower", _DEFAULTS)
     if v["hidden_size"] % v["num_attention_heads"]:
         raise ConfigError(f"{where}: vision_config.hidden_size {v['hidden_size']} is not a multiple "

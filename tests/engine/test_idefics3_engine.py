@@ -226,7 +226,8 @@ def test_pixels_and_tiles_given_are_kept(ckpt):
 
 def test_config_errors_name_the_field(ckpt, tmp_path):
     """A processor whose tiles are not the tower's square, or whose image_seq_len is not a
-    tile's rows, is refused by name."""
+    tile's rows, and a vision_config of another tower are refused by name; transformers
+    4.4x's tower model_type ("idefics3") is read."""
     import json
     import shutil
 
@@ -240,6 +241,12 @@ def test_config_errors_name_the_field(ckpt, tmp_path):
         (dst / name).write_text(json.dumps({**d, **edit}))
         with pytest.raises(ConfigError, match=needle):
             ModelConfig.from_hf(str(dst))
+    d = json.loads((path / "config.json").read_text())
+    old = {**d, "vision_config": {**d["vision_config"], "model_type": "idefics3"}}
+    vc = ModelConfig.from_hf(old).vision
+    assert (vc.hidden_size, vc.num_hidden_layers, vc.tokens_per_image) == (32, 2, ROWS)
+    with pytest.raises(ConfigError, match="vision_config.model_type 'siglip_vision_model'"):
+        ModelConfig.from_hf({**d, "vision_config": {**d["vision_config"], "model_type": "siglip_vision_model"}})
 
 
 def test_mm_processor_kwargs_size_and_splitting(ckpt):
