@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from flashpage.engine.media import MediaPolicy
     from flashpage.models.gemma3_config import Gemma3VisionConfig
+    from flashpage.models.idefics3_config import Idefics3VisionConfig
     from flashpage.models.internvl_config import InternVLVisionConfig
     from flashpage.models.pixtral_config import PixtralVisionConfig
 
@@ -154,6 +155,11 @@ MULTIMODAL_TEXT_ARCHITECTURES: dict[str, tuple[tuple[str, ...], str, tuple[str, 
     # and over InternLM2 (InternVL2.5-8B) or InternLM3 (InternVL3-9B) text models
     "InternVLChatModel": (("qwen2", "qwen3", "llama", "qwen3_moe", "gpt_oss", "internlm2", "internlm3"), "qwen2",
                           ("vision_model", "mlp1")),
+    # Idefics3 (Idefics3-8B-Llama3, SmolVLM-Instruct) and SmolVLM (SmolVLM-256M / 500M, SmolVLM2):
+    # a SigLIP tower, pixel shuffle and one Linear over a Llama text model (Llama 3, SmolLM2);
+    # its images too (models/idefics3_config.py, idefics3.py)
+    "Idefics3ForConditionalGeneration": (("llama",), "llama", ("vision_model", "connector")),
+    "SmolVLMForConditionalGeneration": (("llama",), "llama", ("vision_model", "connector")),
 }
 # Qwen3-VL's tower, deepstack and interleaved M-RoPE (dense and MoE text models)
 QWEN3_VL_ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"})
@@ -166,7 +172,9 @@ IMAGE_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration", "LlavaNextForC
                                  "LlavaOnevisionForConditionalGeneration",
                                  "Mistral3ForConditionalGeneration",
                                  "Gemma3ForConditionalGeneration",
-                                 "InternVLForConditionalGeneration", "InternVLChatModel"}) | QWEN_VL_ARCHITECTURES
+                                 "InternVLForConditionalGeneration", "InternVLChatModel",
+                                 "Idefics3ForConditionalGeneration",
+                                 "SmolVLMForConditionalGeneration"}) | QWEN_VL_ARCHITECTURES
 # LLaVA's relatives we do not run, each with why (a ConfigError says it rather than "not supported")
 _UNSUPPORTED_IMAGE_ARCHITECTURES = {
     "LlavaNextVideoForConditionalGeneration":
@@ -241,6 +249,8 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "internvl": "InternVLForConditionalGeneration",
     "internvl_chat": "InternVLChatModel",
+    "idefics3": "Idefics3ForConditionalGeneration",
+    "smolvlm": "SmolVLMForConditionalGeneration",
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
@@ -2640,7 +2650,8 @@ def _qwen3_vision_fields(vc: dict[str, Any], w: str, depth: int) -> tuple[int, t
 
 
 def _image_config_of(d: dict[str, Any], arch: str, where: str, folder: str | None
-                     ) -> VisionConfig | PixtralVisionConfig | Gemma3VisionConfig | InternVLVisionConfig:
+                     ) -> (VisionConfig | PixtralVisionConfig | Gemma3VisionConfig | InternVLVisionConfig
+                           | Idefics3VisionConfig):
     """The image side of an IMAGE_ARCHITECTURES checkpoint: a Pixtral tower's
     (models/pixtral_config.py: Mistral3, LLaVA with vision_config.model_type "pixtral"),
     Gemma 3's SigLIP tower's (models/gemma3_config.py), InternVL's InternViT
@@ -2654,6 +2665,10 @@ def _image_config_of(d: dict[str, Any], arch: str, where: str, folder: str | Non
         from flashpage.models.internvl_config import internvl_vision_config_of
 
         return internvl_vision_config_of(d, arch, where, folder)
+    if arch in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"):
+        from flashpage.models.idefics3_config import idefics3_vision_config_of
+
+        return idefics3_vision_config_of(d, arch, where, folder)
     if arch == "Mistral3ForConditionalGeneration" or \
             (isinstance(vc, dict) and vc.get("model_type") == "pixtral"):
         from flashpage.models.pixtral_config import pixtral_vision_config_of
@@ -2851,7 +2866,7 @@ class ModelConfig:
     # (Gemma 3's SigLIP tower: models/gemma3_config.Gemma3VisionConfig; InternVL's InternViT:
     # models/internvl_config.InternVLVisionConfig)
     vision: (VisionConfig | QwenVisionConfig | PixtralVisionConfig | Gemma3VisionConfig
-             | InternVLVisionConfig | None) = None
+             | InternVLVisionConfig | Idefics3VisionConfig | None) = None
     # M-RoPE (Qwen2-VL): the rotated pairs' split among the (t, h, w) position components
     # (layers/rotary.MRotaryEmbedding, engine/mrope.py); (): 1-D rope
     mrope_section: tuple[int, ...] = ()
@@ -3371,7 +3386,8 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
     transformers' processor call; or ``size`` {shortest_edge, longest_edge}, the same two), ``fps`` (a video's frame rate where it gives none:
     Qwen2.5-VL's temporal positions, engine/mrope.py); InternVL's ``min_patches`` /
     ``max_patches`` / ``crop_to_patches`` (_internvl_tiles); Gemma 3's ``do_pan_and_scan``
-    and ``pan_and_scan_*`` crop settings (models/gemma3_config.pan_and_scan_of); a ConfigError names a key
+    and ``pan_and_scan_*`` crop settings (models/gemma3_config.pan_and_scan_of); Idefics3's /
+    SmolVLM's ``size`` / ``do_image_splitting`` (idefics3_config.with_processor_kwargs); a ConfigError names a key
     the model's processor does not read, or a model that takes no images."""
     if not kwargs:
         return mc
@@ -3392,6 +3408,10 @@ def with_mm_processor_kwargs(mc: ModelConfig, kwargs: dict[str, Any] | None) -> 
         return mc if pas == gv.pan_and_scan else replace(mc, vision=replace(gv, pan_and_scan=pas))
     if type(mc.vision).__name__ == "InternVLVisionConfig":  # InternVLProcessor's tiling bounds
         return replace(mc, vision=_internvl_tiles(mc.vision, kwargs, arch))
+    if type(mc.vision).__name__ == "Idefics3VisionConfig":  # Idefics3Processor's size / splitting
+        from flashpage.models.idefics3_config import with_processor_kwargs
+
+        return replace(mc, vision=with_processor_kwargs(mc.vision, kwargs))  # type: ignore[arg-type]
     if not isinstance(mc.vision, QwenVisionConfig):
         raise ConfigError(f"mm_processor_kwargs {sorted(kwargs)}: {arch}'s image processor reads none "
                           "(Qwen2-VL's reads min_pixels / max_pixels)")

@@ -1,7 +1,7 @@
 """``flashpage inspect`` on image models (inspect.vision_figures): the tower and projector's
 parameters are those the engine loads, one image's prompt tokens those the engine's
 preprocessing makes of it (tiny LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Mistral3, Gemma 3 and InternVL checkpoints, several sizes), and the tokens left after the weights take the tower's bytes
+Mistral3, Gemma 3, InternVL, Idefics3 and SmolVLM checkpoints, several sizes), and the tokens left after the weights take the tower's bytes
 too; the published configs' figures where they are known (LLaVA-1.5: 576 rows of 24 x 24
 patches); a bad --image-size is a clear error."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ from flashpage import LLM
 from flashpage.config import ModelConfig
 from flashpage.inspect import inspect_config, main, parse_image_size
 from tests.gemma3_checkpoint import build_tiny_gemma3
+from tests.idefics3_checkpoint import build_tiny_idefics3
 from tests.internvl_checkpoint import build_tiny_internvl
 from tests.llava_checkpoint import build_tiny_llava
 from tests.llava_next_checkpoint import build_tiny_llava_next
@@ -35,6 +36,8 @@ BUILDERS = {
     "mistral3": build_tiny_pixtral,
     "gemma3": build_tiny_gemma3,
     "internvl": build_tiny_internvl,
+    "idefics3": build_tiny_idefics3,
+    "smolvlm": lambda p: build_tiny_idefics3(p, smolvlm=True, splitting=False),
 }
 
 
@@ -47,16 +50,21 @@ def tiny(request, tmp_path_factory):
 
 @pytest.mark.parametrize("size", [(64, 48), (30, 90), (17, 17)])
 def test_image_tokens_are_the_engines(tiny, size):
-    _, path, llm = tiny
+    name, path, llm = tiny
     info = inspect_config(ModelConfig.from_hf(str(path)), 1 << 30, "fp32", image_size=size)
     enc = llm.engine.mm_encoder
     token = getattr(enc, "placeholder_ids", None)
     ids = [1, 5, *(token or [enc.config.image_token_id]), 6]
-    _, inputs = enc.prepare(ids, {"image": Image.new("RGB", size, (90, 120, 200))})
-    assert len(inputs) == 1
-    assert info["vision"]["image_tokens"] == inputs[0].length > 0
+    expanded, inputs = enc.prepare(ids, {"image": Image.new("RGB", size, (90, 120, 200))})
+    if name in ("idefics3", "smolvlm"):  # one input per tile (apart in the prompt): the whole expansion
+        assert all(i.length == enc.config.tokens_per_image for i in inputs)
+        rows = len(expanded) - len(ids) + 1
+    else:
+        assert len(inputs) == 1
+        rows = inputs[0].length
+    assert info["vision"]["image_tokens"] == rows > 0
     assert info["vision"]["image_size"] == list(size)
-    assert info["vision"]["kv_bytes_per_image"] == inputs[0].length * info["kv_bytes_per_token"]
+    assert info["vision"]["kv_bytes_per_image"] == rows * info["kv_bytes_per_token"]
 
 
 def test_tower_parameters_and_bytes(tiny):

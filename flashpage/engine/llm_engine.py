@@ -80,6 +80,7 @@ from flashpage.sampling_params import SamplingParams, StructuredOutputsError
 if TYPE_CHECKING:
     from flashpage.lora.manager import LoRAManager
     from flashpage.models.gemma3_vision import Gemma3ImageEncoder
+    from flashpage.models.idefics3 import Idefics3ImageEncoder
     from flashpage.models.internvl import InternVLImageEncoder
     from flashpage.models.llava import LlavaImageEncoder
     from flashpage.models.medusa import MedusaHeads
@@ -202,10 +203,11 @@ class LLMEngine:
                                     int4_moe_kernel=int4_moe_kernel)
         # a model's multimodal encoder (engine/multimodal.py): LLaVA's CLIP tower and
         # projector (models/llava.py), Qwen2-VL's (models/qwen2_vl.py), a Pixtral tower's
-        # (models/pixtral.py), Gemma 3's or InternVL's (models/internvl.py), before the KV
+        # (models/pixtral.py), Gemma 3's, InternVL's (models/internvl.py) or Idefics3's /
+        # SmolVLM's (models/idefics3.py), before the KV
         # cache takes what memory is left
         self.mm_encoder: LlavaImageEncoder | QwenImageEncoder | PixtralImageEncoder | Gemma3ImageEncoder \
-            | InternVLImageEncoder | None = None
+            | InternVLImageEncoder | Idefics3ImageEncoder | None = None
         self.mm_limits = check_limits(config.limit_mm_per_prompt)
         # Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA-OneVision and InternVL take videos too
         takes: tuple[str, ...]

@@ -4,21 +4,23 @@ LlavaForConditionalGeneration / LlavaNextForConditionalGeneration /
 LlavaOnevisionForConditionalGeneration, Qwen2VLForConditionalGeneration /
 Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration /
 Qwen3VLMoeForConditionalGeneration, Mistral3ForConditionalGeneration,
-Gemma3ForConditionalGeneration and InternVLForConditionalGeneration / InternVLChatModel,
-whose images models/llava.py / llava_next.py / llava_onevision.py, models/qwen2_vl.py,
-models/pixtral.py, models/gemma3_vision.py and models/internvl.py run beside them).
+Gemma3ForConditionalGeneration, InternVLForConditionalGeneration / InternVLChatModel and
+Idefics3ForConditionalGeneration / SmolVLMForConditionalGeneration, whose images
+models/llava.py / llava_next.py / llava_onevision.py, models/qwen2_vl.py, models/pixtral.py,
+models/gemma3_vision.py, models/internvl.py and models/idefics3.py run beside them).
 
 The config is the text model's (config._text_config_of); its weights sit under the wrapper's
 prefixes, which ``text_model_weights`` takes off on the way to the text family's own
 ``load_weights``:
 
 - the language model: ``language_model.model.`` (transformers 4 and what transformers 5
-  still writes), ``model.language_model.`` (transformers 5's module names) -> ``model.``;
+  still writes), ``model.language_model.`` (transformers 5's module names),
+  ``model.text_model.`` (Idefics3's and SmolVLM's) -> ``model.``;
   Qwen2-VL's published files: ``model.`` as it is;
 - the head: ``language_model.lm_head.`` or ``lm_head.`` -> ``lm_head.`` (absent when tied);
   InternLM2's ``language_model.output.`` -> ``output.`` (its own name, models/internlm2.py);
 - the vision tower and projector (``vision_tower`` / ``vision_model``,
-  ``multi_modal_projector``, LLaVA-NeXT's ``image_newline``, with or without ``model.``
+  ``multi_modal_projector`` / ``connector``, LLaVA-NeXT's ``image_newline``, with or without ``model.``
   before them): skipped, counted in
   one INFO line (LLaVA's: read by its image encoder, models/llava.py, in a pass of its own);
 - anything else: a ModelLoadError naming the tensor (a file of another layout, or a
@@ -49,6 +51,7 @@ logger = logging.getLogger(__name__)
 _TEXT_PREFIXES = (
     ("language_model.model.", "model."),
     ("model.language_model.", "model."),
+    ("model.text_model.", "model."),  # Idefics3's and SmolVLM's
     ("language_model.lm_head.", "lm_head."),
     ("lm_head.", "lm_head."),
     ("language_model.output.", "output."),  # InternLM2's head (InternVL2.5-8B; models/internlm2.py)
@@ -65,7 +68,7 @@ _BARE_PREFIXES = {arch: (("model.", "model."),) for arch in
 # llava.encoder_class)
 IMAGE_MODULES = {"VisionConfig": "llava", "QwenVisionConfig": "qwen2_vl",
                  "PixtralVisionConfig": "pixtral", "Gemma3VisionConfig": "gemma3_vision",
-                 "InternVLVisionConfig": "internvl"}
+                 "InternVLVisionConfig": "internvl", "Idefics3VisionConfig": "idefics3"}
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -253,6 +256,10 @@ def image_encoder_shell(config: ModelConfig) -> torch.nn.Module | None:
         from flashpage.models.internvl import InternVLImageEncoder
 
         return InternVLImageEncoder(vc, config.hidden_size)
+    if module == "idefics3":
+        from flashpage.models.idefics3 import Idefics3ImageEncoder
+
+        return Idefics3ImageEncoder(vc, config.hidden_size)
     if module == "pixtral":
         from flashpage.models.pixtral import PixtralImageEncoder
 

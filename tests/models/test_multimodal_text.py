@@ -334,6 +334,7 @@ def test_config_errors_name_the_field(raw, match):
 
 def test_unsupported_wrapper_lists_the_text_only_ones():
     with pytest.raises(ConfigError, match=r"with image input: Gemma3ForConditionalGeneration, "
+                                          r"Idefics3ForConditionalGeneration, "
                                           r"InternVLChatModel, "
                                           r"InternVLForConditionalGeneration, "
                                           r"LlavaForConditionalGeneration, "
@@ -343,7 +344,8 @@ def test_unsupported_wrapper_lists_the_text_only_ones():
                                           r"Qwen2VLForConditionalGeneration, "
                                           r"Qwen2_5_VLForConditionalGeneration, "
                                           r"Qwen3VLForConditionalGeneration, "
-                                          r"Qwen3VLMoeForConditionalGeneration; "
+                                          r"Qwen3VLMoeForConditionalGeneration, "
+                                          r"SmolVLMForConditionalGeneration; "
                                           r"their text model alone: "
                                           r"Llama4ForConditionalGeneration$"):
         ModelConfig.from_hf({"architectures": ["PaliGemmaForConditionalGeneration"],
