@@ -77,6 +77,7 @@ class LLM:
                  hf_overrides: dict[str, Any] | None = None,
                  enable_prompt_embeds: bool = False, allowed_local_media_path: str | None = None,
                  allowed_media_domains: list[str] | None = None,
+                 media_io_kwargs: dict[str, Any] | None = None,
                  limit_mm_per_prompt: dict[str, int] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None,
                  mm_encoder_cache_tokens: int | None = None, trust_remote_code: bool = False) -> None:
@@ -97,7 +98,8 @@ class LLM:
             generation_config=generation_config,
             override_generation_config=override_generation_config, hf_overrides=hf_overrides,
             enable_prompt_embeds=enable_prompt_embeds, allowed_local_media_path=allowed_local_media_path,
-            allowed_media_domains=allowed_media_domains, limit_mm_per_prompt=limit_mm_per_prompt,
+            allowed_media_domains=allowed_media_domains, media_io_kwargs=media_io_kwargs,
+            limit_mm_per_prompt=limit_mm_per_prompt,
             mm_processor_kwargs=mm_processor_kwargs, mm_encoder_cache_tokens=mm_encoder_cache_tokens,
             trust_remote_code=trust_remote_code)
         if kv_cache_memory is not None:
