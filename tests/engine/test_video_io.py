@@ -197,3 +197,13 @@ def test_media_io_kwargs_are_checked():
         assert needle in str(e.value), str(e.value)
     with pytest.raises(ConfigError, match="unknown key"):
         EngineConfig(media_io_kwargs={"video": {"frames": 3}})
+
+
+def test_media_io_kwargs_flag_reaches_the_policy():
+    from flashpage.cli import build_parser
+    from flashpage.config import EngineConfig
+
+    args = build_parser().parse_args(["serve", "m", "--media-io-kwargs", '{"video": {"num_frames": 8, "fps": 1}}'])
+    assert args.media_io_kwargs == {"video": {"num_frames": 8, "fps": 1}}
+    policy = EngineConfig(media_io_kwargs=args.media_io_kwargs).media_policy
+    assert VideoSampling.of(policy) == VideoSampling(8, 1.0)
