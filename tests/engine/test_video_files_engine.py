@@ -166,3 +166,30 @@ def test_a_model_without_video_refuses_video_url_by_name(tmp_path, media):
                        GREEDY, use_tqdm=False)[0]
     assert out.error is not None and "multi_modal_data ['video']: this model takes \"image\" only" in out.error
     assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+ONEVISION_TEMPLATE = (  # llava-hf's OneVision template's shape: images, then videos, then text
+    "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def test_llava_onevision_video_url_equals_its_frames(tmp_path, media):
+    """LLaVA-OneVision: a video_url part becomes <video> where the template prints video parts
+    and gives the tokens of the same sampled frames (its processor reads no fps)."""
+    from tests.llava_onevision_checkpoint import build_tiny_llava_onevision
+
+    root, frames = media
+    path = build_tiny_llava_onevision(tmp_path / "ov")
+    (path / "chat_template.jinja").write_text(ONEVISION_TEMPLATE)
+    llm = _llm(path, allowed_local_media_path=str(root), media_io_kwargs=IO)
+    vtok = llm.engine.mm_encoder.config.video_token_id
+    out = llm.chat(_chat("watch", {"type": "video_url", "video_url": {"url": f"file://{root}/clip.mkv"}}), GREEDY,
+                   use_tqdm=False)[0]
+    want = llm.chat(_chat("watch", {"type": "video", "video": frames[IDX]}), GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == want.prompt_token_ids and _tokens([out]) == _tokens([want])
+    assert out.prompt_token_ids.count(vtok) > 1  # <video> made the video's rows
+    assert llm.engine.kv_manager.stats().blocks_used == 0
