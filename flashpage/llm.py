@@ -366,9 +366,11 @@ class LLM:
         add_generation_prompt False); ``chat_template_kwargs``: more for the template (e.g.
         ``{"enable_thinking": False}``), as vLLM's. ``priority``: one per conversation, as
         in ``generate``. A model that takes images (LLaVA) reads image parts as vLLM's chat
-        does: ``image_url`` (a base64 data URL) and ``image_pil`` (a PIL image); Qwen2-VL
-        also ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list of PIL
-        images or of image URLs; engine/multimodal.chat_images). ``mm_processor_kwargs``:
+        does: ``image_url`` (a base64 data URL) and ``image_pil`` (a PIL image); a model
+        that takes videos (Qwen2-VL / Qwen3-VL, LLaVA-OneVision) also ``video_url`` (a video
+        file, decoded and sampled as ``media_io_kwargs`` says: engine/video_io.py) and
+        ``{"type": "video", "video": frames}`` (an array (T, H, W, 3), a list of PIL images
+        or of image URLs; engine/multimodal.chat_images). ``mm_processor_kwargs``:
         the processor's settings for these conversations' images, as vLLM's (``generate``'s)."""
         self._check_task("generate")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
