@@ -12,6 +12,7 @@ import base64
 
 import numpy as np
 import pytest
+import torch
 
 from flashpage import SamplingParams
 from tests.conftest import cpu_llm as _llm
@@ -193,3 +194,44 @@ def test_llava_onevision_video_url_equals_its_frames(tmp_path, media):
     assert out.prompt_token_ids == want.prompt_token_ids and _tokens([out]) == _tokens([want])
     assert out.prompt_token_ids.count(vtok) > 1  # <video> made the video's rows
     assert llm.engine.kv_manager.stats().blocks_used == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_video_files_on_the_gpu_bf16(tmp_path, media):
+    """bf16 on CUDA (triton backend, CUDA graphs), Qwen2.5-VL and Qwen3-VL: an MP4 (H.264 where
+    the PyAV build encodes it) and the lossless file, as a file:// video_url in LLM.chat and as
+    a path in multi_modal_data, give the tokens of their decoded frames given directly with
+    their metadata, one request a call (the same batch each time); no block left held."""
+    import av
+
+    from flashpage import LLM
+    from flashpage.engine.video_io import load_video
+    from tests.qwen2_vl_checkpoint import build_tiny_qwen2_vl
+    from tests.qwen3_vl_checkpoint import build_tiny_qwen3_vl
+    from tests.video_files import LOSSY
+
+    root, frames = media
+    fmt, codec, pix = next(((f, c, p) for f, c, p in LOSSY if c in av.codecs_available), LOSSY[-1])
+    (root / "clip.mp4").write_bytes(encode(frames, fmt, codec, pix, rate=RATE))
+    text = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=256)
+    paths = [build_tiny_qwen2_vl(tmp_path / "q25", "qwen2_5_vl", text={**text, "rope_parameters": {
+                 "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}}),
+             build_tiny_qwen3_vl(tmp_path / "q3", text={**text, "rope_parameters": {
+                 "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [12, 10, 10],
+                 "mrope_interleaved": True}})]
+    for path in paths:
+        llm = LLM(str(path), dtype="bfloat16", device="cuda", attention_backend="triton", block_size=16,
+                  allowed_local_media_path=str(root), media_io_kwargs=IO)
+        assert llm.engine.runner.graphs is not None
+        for name in ("clip.mp4", "clip.mkv"):
+            decoded = load_video(str(root / name), 0, llm.engine.config.media_policy, allow_path=True)
+            assert decoded[1]["frames_indices"] == IDX
+            want = llm.chat(_chat("watch", {"type": "video", "video": decoded}), GREEDY, use_tqdm=False)[0]
+            url = llm.chat(_chat("watch", {"type": "video_url", "video_url": {"url": f"file://{root}/{name}"}}),
+                           GREEDY, use_tqdm=False)[0]
+            by_path = llm.generate({"prompt_token_ids": want.prompt_token_ids,
+                                    "multi_modal_data": {"video": str(root / name)}}, GREEDY, use_tqdm=False)[0]
+            assert _tokens([url]) == _tokens([by_path]) == _tokens([want]), (path.name, name)
+            assert url.prompt_token_ids == want.prompt_token_ids
+        assert llm.engine.kv_manager.stats().blocks_used == 0
