@@ -392,10 +392,13 @@ class LLM:
             return self.chat_prompt_ids(conversation, add_generation_prompt, tools, **extra)
         from flashpage.engine.multimodal import chat_images, place_images, placeholder_ids
 
+        video_ids = getattr(encoder, "video_placeholder_ids", None)
+        if video_ids is None and _has_video_parts(conversation):  # refused before any file is read
+            raise ValueError("video content parts given, but this model takes no video input "
+                             "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL and LLaVA-OneVision do)")
         conv, parts, images, videos = chat_images(conversation, self.engine.config.media_policy)
         if not images and not videos:
             return self.chat_prompt_ids(conv, add_generation_prompt, tools, **extra)
-        video_ids = getattr(encoder, "video_placeholder_ids", None)
         if videos and video_ids is None:
             raise ValueError("video content parts given, but this model takes no video input "
                              "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL and LLaVA-OneVision do)")
@@ -530,3 +533,9 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if plist and all(isinstance(t, int) and not isinstance(t, bool) for t in plist):
         return [cast(list[int], plist)]  # one prompt given as token ids
     return cast(list[Prompt], plist)
+
+
+def _has_video_parts(conversation: list[dict[str, Any]]) -> bool:
+    """Whether a conversation holds a video or video_url content part."""
+    return any(isinstance(p, dict) and p.get("type") in ("video", "video_url")
+               for m in conversation if isinstance(m.get("content"), list) for p in m["content"])

@@ -14,7 +14,7 @@ bytes are decoded by engine/video_io.py.
   (``FLASHPAGE_MEDIA_MAX_BYTES``, default 32 MiB; Pillow's decompression-bomb check guards
   the decoded size). A video's own: ``video_fetch_timeout`` (``FLASHPAGE_VIDEO_FETCH_TIMEOUT``,
   default 30, vLLM's ``VLLM_VIDEO_FETCH_TIMEOUT``) and ``video_max_bytes``
-  (``FLASHPAGE_VIDEO_MAX_BYTES``, default 256 MiB).
+  (``FLASHPAGE_VIDEO_MAX_BYTES``, default 256 MiB). The byte caps hold for data URLs too.
 - ``media_io_kwargs``: vLLM's ``--media-io-kwargs``, how a video file is sampled:
   ``{"video": {"num_frames": 32, "fps": -1}}`` (engine/video_io.py; those are the defaults).
 
