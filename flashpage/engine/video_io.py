@@ -102,6 +102,8 @@ def decode_video(raw: bytes, i: int = 0, sampling: VideoSampling | None = None
         if not container.streams.video:
             raise ValueError(f"video {i} holds no video stream")
         stream = container.streams.video[0]
+        fps = _rate(stream)
+        width, height = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
         total = int(stream.frames or 0)
         if total <= 0:  # a container without a frame count (mkv, webm): count the packets
             try:
@@ -110,10 +112,8 @@ def decode_video(raw: bytes, i: int = 0, sampling: VideoSampling | None = None
                 raise ValueError(f"video {i} could not be decoded: {e}") from None
     if total <= 0:
         raise ValueError(f"video {i} holds no frames")
-    fps = _rate(stream)
     duration = total / fps if fps > 0 else 0.0
     want = sample_indices(total, duration, s.num_frames, s.fps)
-    width, height = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
     if width * height > MAX_FRAME_PIXELS:
         raise ValueError(f"video {i}: its frames of {width} x {height} pixels are over "
                          f"{MAX_FRAME_PIXELS} pixels (a decompression bomb?)")
